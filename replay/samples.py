@@ -1,0 +1,188 @@
+"""Pick samples out of a batch tree: infer the batch size and slice every per-sample leaf.
+
+A batch is a tree of dict / list / tuple nodes (the shape `Dump.micro_batch(i)` returns), e.g. the
+Hugging Face `{"input_ids": T, "attention_mask": T, "labels": T, "sample_ids": [...]}`.
+
+The rule, in one place (both functions below follow it):
+
+* **Batch size.** Every tensor leaf with at least one dimension votes with its `shape[0]`.
+  The batch size is the most common vote (ties: the first tensor met, depth-first in the tree's
+  own order). Only if the tree has no such tensor do *per-sample lists* vote with their length.
+* **Per-sample list.** A list or tuple whose items are all plain values (str, int, float, bool,
+  None), e.g. `sample_ids`. A list or tuple holding a tensor or another container is structure
+  (e.g. `(inputs, targets)`) and is walked into, not sliced.
+* **Slicing.** `select_samples` takes rows `indices` (in that order) of every tensor leaf whose
+  `shape[0]` equals the batch size and of every per-sample list whose length equals it. Every other
+  leaf (0-d tensors, tensors of another length such as `position_ids` of shape `(1, T)`, strings,
+  numbers, `forensics.format.Unreplayable` markers) is kept as it is, shared with the input.
+  Containers are rebuilt with their own type (dict subclasses and named tuples included, falling
+  back to a plain dict / tuple when the type cannot be rebuilt from its items).
+
+A tensor whose first dimension happens to equal the batch size without being per-sample (e.g. a
+`(T,)` tensor with `T == B`) is sliced too; the tree carries nothing that could tell them apart.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any, Iterable
+
+import torch
+
+from forensics.errors import ReplayError
+
+log = logging.getLogger(__name__)
+
+_PLAIN = (str, int, float, bool, type(None))
+
+
+class SampleSelectionError(ReplayError):
+    """Samples cannot be selected from a batch (bad indices for its size)."""
+
+
+class BatchSizeError(SampleSelectionError):
+    """No batch size can be inferred: the batch has no tensor with a dimension and no per-sample list."""
+
+
+def _is_per_sample_list(node: Any) -> bool:
+    return isinstance(node, (list, tuple)) and all(isinstance(v, _PLAIN) for v in node)
+
+
+def _votes(node: Any, tensors: list[int], lists: list[int]) -> None:
+    if isinstance(node, torch.Tensor):
+        if node.dim() >= 1:
+            tensors.append(node.shape[0])
+    elif isinstance(node, dict):
+        for value in node.values():
+            _votes(value, tensors, lists)
+    elif isinstance(node, (list, tuple)):
+        if _is_per_sample_list(node):
+            lists.append(len(node))
+        else:
+            for value in node:
+                _votes(value, tensors, lists)
+
+
+def _most_common(votes: list[int]) -> int:
+    counts = Counter(votes)
+    best = max(counts.values())
+    return next(v for v in votes if counts[v] == best)  # ties: the first met
+
+
+def batch_size(batch: Any) -> int:
+    """Number of samples in a batch tree (rule in the module docstring).
+
+    Args:
+        batch: a tensor, or a dict / list / tuple tree with tensors and plain values as leaves.
+    Returns:
+        The inferred batch size (may be 0 for an empty batch).
+    Raises:
+        BatchSizeError: the tree has neither a tensor with a dimension nor a per-sample list.
+    Example:
+        >>> batch_size({"input_ids": torch.zeros(4, 7, dtype=torch.long), "sample_ids": list("abcd")})
+        4
+    """
+    tensors: list[int] = []
+    lists: list[int] = []
+    _votes(batch, tensors, lists)
+    if tensors:
+        if len(set(tensors)) > 1:
+            log.debug("tensor leaves disagree on dim 0 %s; taking the most common", sorted(set(tensors)))
+        return _most_common(tensors)
+    if lists:
+        return _most_common(lists)
+    raise BatchSizeError(
+        f"cannot infer the batch size of a {type(batch).__name__}: it holds no tensor with at least "
+        "one dimension and no list of per-sample values. Store the batch as a dict/list/tuple of "
+        "tensors whose first dimension is the batch, or pass the sample ids explicitly."
+    )
+
+
+def _rebuild(node: Any, items: list[Any]) -> Any:
+    if isinstance(node, dict):
+        pairs = list(zip(node.keys(), items))
+        if type(node) is dict:
+            return dict(pairs)
+        try:
+            return type(node)(pairs)
+        except Exception:  # a dict subclass with its own constructor; a plain dict carries the data
+            log.debug("cannot rebuild %s from items; returning a dict", type(node).__name__)
+            return dict(pairs)
+    if isinstance(node, tuple):
+        if hasattr(node, "_fields"):  # named tuple
+            return type(node)(*items)
+        if type(node) is tuple:
+            return tuple(items)
+        try:
+            return type(node)(items)
+        except Exception:
+            return tuple(items)
+    if type(node) is list:
+        return items
+    try:
+        return type(node)(items)
+    except Exception:
+        return items
+
+
+def _select(node: Any, size: int, indices: list[int], index_tensors: dict) -> Any:
+    if isinstance(node, torch.Tensor):
+        if node.dim() >= 1 and node.shape[0] == size:
+            key = node.device
+            if key not in index_tensors:
+                index_tensors[key] = torch.tensor(indices, dtype=torch.long, device=node.device)
+            return node.index_select(0, index_tensors[key])
+        return node
+    if isinstance(node, dict):
+        return _rebuild(node, [_select(v, size, indices, index_tensors) for v in node.values()])
+    if isinstance(node, (list, tuple)):
+        if _is_per_sample_list(node):
+            if len(node) == size:
+                return _rebuild(node, [node[i] for i in indices])
+            return node
+        return _rebuild(node, [_select(v, size, indices, index_tensors) for v in node])
+    return node
+
+
+def select_samples(batch: Any, indices: Iterable[int]) -> Any:
+    """A new batch tree holding only the samples at `indices` (in that order).
+
+    Args:
+        batch: a batch tree (see the module docstring for which leaves are per-sample).
+        indices: sample positions in `range(batch_size(batch))`; repeats are allowed, an empty
+            list gives a batch of size 0.
+    Returns:
+        The sliced tree; leaves that are not per-sample are the input's own objects.
+    Raises:
+        BatchSizeError: no batch size can be inferred.
+        SampleSelectionError: an index is negative or not below the batch size.
+    Example:
+        >>> b = {"x": torch.arange(6).reshape(3, 2), "sample_ids": ["a", "b", "c"], "name": "s"}
+        >>> select_samples(b, [2, 0])["sample_ids"]
+        ['c', 'a']
+    """
+    indices = [int(i) for i in indices]
+    size = batch_size(batch)
+    bad = [i for i in indices if i < 0 or i >= size]
+    if bad:
+        raise SampleSelectionError(
+            f"sample indices {bad} are out of range for a batch of {size}; use 0..{size - 1}"
+        )
+    return _select(batch, size, indices, {})
+
+
+def indices_by_micro_batch(sample_refs: Iterable[Any]) -> dict[int, list[int]]:
+    """Group sample references by micro-batch: `{micro_batch: [index, ...]}`, both sorted.
+
+    Args:
+        sample_refs: objects with `.micro_batch` and `.index` (e.g. `replay.execute.SampleRef`).
+    Example:
+        >>> from types import SimpleNamespace as R
+        >>> indices_by_micro_batch([R(micro_batch=1, index=3), R(micro_batch=0, index=2), R(micro_batch=1, index=0)])
+        {0: [2], 1: [0, 3]}
+    """
+    groups: dict[int, list[int]] = {}
+    for ref in sample_refs:
+        groups.setdefault(int(ref.micro_batch), []).append(int(ref.index))
+    return {mb: sorted(groups[mb]) for mb in sorted(groups)}
