@@ -1,0 +1,86 @@
+"""Configuration of the in-job capture: detectors, policies, limits. One dataclass per component."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+POLICIES = ("raise", "skip", "continue")
+
+
+@dataclass
+class SpikeConfig:
+    """A robust spike detector over a rolling window of recent healthy values.
+
+    A value is a spike when it exceeds the window's median by more than `mad_factor` robust standard
+    deviations (1.4826 x median absolute deviation) AND is at least `min_ratio` x the median. The MAD
+    test alone would fire on a near-constant series; the ratio test alone would ignore the series'
+    own noise. Defaults are conservative: a healthy LM run's loss rarely moves 1.5x its median within
+    a window, and a z of 8 is essentially never reached by noise.
+    """
+
+    enabled: bool = True
+    window: int = 128  # steps in the rolling window; long enough for a stable median
+    warmup: int = 32  # finite values needed before the detector may fire (early training moves fast)
+    mad_factor: float = 8.0
+    min_ratio: float = 1.5
+
+    def __post_init__(self):
+        if self.window < 4 or self.warmup < 4 or self.warmup > self.window:
+            raise ValueError(f"SpikeConfig needs 4 <= warmup <= window, got warmup={self.warmup}, window={self.window}")
+        if self.mad_factor <= 0 or self.min_ratio < 1:
+            raise ValueError("SpikeConfig needs mad_factor > 0 and min_ratio >= 1")
+
+
+@dataclass
+class GuardConfig:
+    """How the Guard watches a training loop and what it does when a step goes wrong."""
+
+    dump_dir: str = "forensics_dumps"
+    """Where dumps go: <dump_dir>/<run_id>/step-<step>/rank-<rank>/."""
+    run_id: str | None = None
+    """Names the run's dump folder; default: $FORENSICS_RUN_ID, $TORCHELASTIC_RUN_ID, or a timestamp."""
+    on_nonfinite: str = "raise"
+    """Policy for NaN/Inf loss or gradients: 'raise' (stop with TrainingFaultError), 'skip' (check()
+    returns False: do not step), or 'continue'."""
+    on_spike: str = "continue"
+    """Policy for finite loss / grad-norm spikes."""
+    max_dumps: int = 3
+    """At most this many dumps per run (per rank); later triggers are logged only."""
+    min_spike_gap: int = 100
+    """Steps between two spike dumps, so one unstable phase does not fill the disk."""
+    loss_spike: SpikeConfig = field(default_factory=SpikeConfig)
+    grad_norm_spike: SpikeConfig = field(default_factory=lambda: SpikeConfig(min_ratio=3.0))
+    history_size: int = 512
+    """Steps of loss / grad-norm / lr / loss-scale history kept (scalars only) and written to the dump."""
+    sample_id_key: str = "sample_ids"
+    """Batch field holding the samples' IDs (a dict batch); IDs can also be passed to record_batch."""
+    loss_divisor: float | None = None
+    """What the loop divides each micro-batch loss by before backward; default: the number of
+    micro-batches recorded in the step (the usual gradient-accumulation normalisation)."""
+    max_grad_norm: float | None = None
+    """The loop's clipping threshold, if any: steps whose grad norm exceeds it count as clipped."""
+    min_loss_scale: float = 1.0
+    """With a GradScaler, non-finite gradients are normal overflow skips; they trigger only once the
+    loss scale has fallen to this value."""
+    recheck: bool = False
+    """On a trigger, recompute the failing micro-batch's forward once inside the job with the step's
+    RNG (needs loss_fn) and record whether it reproduced: a mismatch points at hardware or
+    non-determinism."""
+    verify_update: bool = False
+    """Debug mode: copy the state before every optimizer step and check the parameters after it, so an
+    update that makes weights non-finite (e.g. Adam eps=0) is dumped with its pre-step state. Costs a
+    full state copy and one extra sync per step: use it to chase an 'optimizer_update' suspicion."""
+    background_write: bool = True
+    """Spike dumps under 'continue' are copied to host memory and written by a background thread, so the
+    loop stalls only for the copy."""
+    recipe: dict[str, Any] | None = None
+    """Replay recipe override: {"factory": "pkg.mod:fn", "factory_kwargs": {...}, "loss": "pkg.mod:fn",
+    "loss_kwargs": {...}}. Default: filled in from model.config for Hugging Face models."""
+
+    def __post_init__(self):
+        for name in ("on_nonfinite", "on_spike"):
+            if getattr(self, name) not in POLICIES:
+                raise ValueError(f"GuardConfig.{name} must be one of {POLICIES}, got {getattr(self, name)!r}")
+        if self.max_dumps < 0 or self.min_spike_gap < 0 or self.history_size < 1:
+            raise ValueError("GuardConfig needs max_dumps >= 0, min_spike_gap >= 0, history_size >= 1")

@@ -1,0 +1,94 @@
+"""What the job ran on and with: versions, GPUs, host, command line, git commit, determinism flags."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import subprocess
+import sys
+from functools import lru_cache
+from importlib import metadata
+
+import torch
+
+KEY_PACKAGES = ("forensics", "transformers", "accelerate", "deepspeed", "safetensors", "numpy",
+                "pytorch-lightning", "lightning")
+
+
+def _git_commit() -> str | None:
+    try:
+        result = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=2,
+                                cwd=os.getcwd())
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return result.stdout.strip() or None if result.returncode == 0 else None
+
+
+def _packages() -> dict[str, str]:
+    found = {}
+    for name in KEY_PACKAGES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+def _gpus() -> list[dict]:
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return []
+    gpus = []
+    for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        gpus.append({"index": index, "name": props.name, "sm_count": props.multi_processor_count,
+                     "capability": f"{props.major}.{props.minor}", "memory_bytes": props.total_memory})
+    return gpus
+
+
+@lru_cache(maxsize=1)
+def _static_environment() -> dict:
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "hostname": socket.gethostname(),
+        "argv": list(sys.argv),
+        "cwd": os.getcwd(),
+        "git_commit": _git_commit(),
+        "packages": _packages(),
+    }
+
+
+def environment() -> dict:
+    """The environment section of the manifest (computed once per process, GPUs read at call time)."""
+    return {**_static_environment(), "gpus": _gpus()}
+
+
+def determinism_flags() -> dict:
+    return {
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        "allow_tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+        "allow_tf32_cudnn": torch.backends.cudnn.allow_tf32,
+    }
+
+
+def autocast_settings() -> dict:
+    """The autocast state active right now (called from inside the user's forward context)."""
+    for device_type in ("cuda", "cpu"):
+        try:
+            enabled = torch.is_autocast_enabled(device_type)
+        except TypeError:  # torch < 2.4 has no device argument
+            enabled = torch.is_autocast_enabled() if device_type == "cuda" else torch.is_autocast_cpu_enabled()
+        if enabled:
+            try:
+                dtype = torch.get_autocast_dtype(device_type)
+            except (AttributeError, TypeError):
+                dtype = torch.get_autocast_gpu_dtype() if device_type == "cuda" else torch.get_autocast_cpu_dtype()
+            return {"enabled": True, "device_type": device_type, "dtype": str(dtype).removeprefix("torch.")}
+    return {"enabled": False, "device_type": None, "dtype": None}

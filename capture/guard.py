@@ -1,0 +1,452 @@
+"""The in-job Guard: records each step's micro-batches and RNG, detects faults, writes the dump, applies policy.
+
+Costs on a healthy step: an RNG snapshot per micro-batch (host only), one fused grad-norm reduction
+when the loop does not pass its own, and exactly one device->host transfer (inside `check`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from capture import environment, snapshot
+from capture.config import GuardConfig
+from capture.detectors import SpikeDetector
+from capture.history import History
+from capture.recipe import build_recipe
+from capture.writer_thread import BackgroundWriter
+from forensics.errors import CaptureError, TrainingFaultError
+from forensics.format.writer import DumpContent, write_dump
+from forensics.rng import RngState, capture_rng, restore_rng
+
+log = logging.getLogger(__name__)
+
+MAX_MICRO_BATCHES = 4096  # a step with more micro-batches means check() is never called
+
+
+@dataclass
+class StepRecord:
+    """What the Guard keeps of the step in progress: references only, nothing copied."""
+
+    batches: list[Any] = field(default_factory=list)
+    sample_ids: list[Any] = field(default_factory=list)
+    rng: list[RngState] = field(default_factory=list)
+    losses: list[Any] = field(default_factory=list)
+    autocast: dict | None = None
+
+
+@dataclass
+class Trigger:
+    kind: str
+    value: float
+    threshold: float | None
+    micro_batch: int | None
+    detail: str
+    local: bool = True
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind, "value": self.value, "threshold": self.threshold,
+                "micro_batch": self.micro_batch, "detail": self.detail, "local": self.local}
+
+
+def _default_run_id() -> str:
+    for name in ("FORENSICS_RUN_ID", "TORCHELASTIC_RUN_ID"):
+        if os.environ.get(name) and os.environ[name] != "none":
+            return os.environ[name]
+    stamp = int(datetime.datetime.now().timestamp())
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+        shared = torch.tensor([stamp], dtype=torch.int64, device=device)
+        torch.distributed.broadcast(shared, src=0)  # one collective at start-up so every rank agrees
+        stamp = int(shared.item())
+    return "run-" + datetime.datetime.fromtimestamp(stamp).strftime("%Y%m%d-%H%M%S")
+
+
+def _dist_info() -> tuple[int, int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    else:
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    return rank, world, int(os.environ.get("LOCAL_RANK", 0))
+
+
+def _json_ids(ids: Any) -> list | None:
+    if ids is None:
+        return None
+    if isinstance(ids, torch.Tensor):
+        return ids.detach().cpu().reshape(-1).tolist()
+    return [i.item() if isinstance(i, torch.Tensor) else i for i in ids]
+
+
+def _batch_size(batch: Any) -> int | None:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else None
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for value in values:
+        size = _batch_size(value)
+        if size is not None:
+            return size
+    return None
+
+
+class Guard:
+    """Watches a training loop; on NaN/Inf or a spike, writes a replayable dump of the pre-step state.
+
+    Args:
+        model: the module being trained (unwrapped: parameter names come from it).
+        optimizer, scheduler, scaler: their state goes into the dump (scaler: torch GradScaler).
+        config: GuardConfig; defaults raise on NaN/Inf and continue on spikes.
+        loss_fn: `(model, batch) -> loss` used for the in-job re-check and named in the replay recipe;
+            default `model(**batch).loss`.
+    Example:
+        >>> guard = Guard(model, optimizer, scheduler, config=GuardConfig(dump_dir="dumps"))  # doctest: +SKIP
+        >>> for batch in loader:                                                         # doctest: +SKIP
+        ...     guard.record_batch(batch)
+        ...     loss = model(**batch).loss; guard.record_loss(loss); loss.backward()
+        ...     if guard.check(grad_norm=clip_grad_norm_(model.parameters(), 1.0)):
+        ...         optimizer.step()
+        ...     scheduler.step(); optimizer.zero_grad()
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None,
+                 scaler: Any = None, *, config: GuardConfig | None = None, loss_fn: Callable | None = None):
+        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.config = config or GuardConfig()
+        self.loss_fn = loss_fn
+        self.rank, self.world_size, self.local_rank = _dist_info()
+        self.run_id = self.config.run_id or _default_run_id()
+        self.step = 0
+        self.history = History(self.config.history_size)
+        self.loss_detector = SpikeDetector(self.config.loss_spike)
+        self.grad_detector = SpikeDetector(self.config.grad_norm_spike)
+        self.dumps: list[Path] = []
+        self.dump_errors: list[str] = []
+        self._current: StepRecord | None = None
+        self._last_spike_dump: int | None = None
+        self._writer = BackgroundWriter()
+        self._hooks: list[Any] = []
+        self._pre_step_copy: dict | None = None
+        self._last_step: StepRecord | None = None
+        if self.config.verify_update:
+            self._hooks.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
+            self._hooks.append(optimizer.register_step_post_hook(self._after_optimizer_step))
+
+    # -- recording (hot path: references and host-side RNG only) ---------------------------------
+    def record_batch(self, batch: Any, sample_ids: Any = None) -> None:
+        """Call once per micro-batch, after it is loaded and before its forward."""
+        try:
+            if self._current is None:
+                self._current = StepRecord()
+            record = self._current
+            if len(record.batches) >= MAX_MICRO_BATCHES:
+                return
+            if sample_ids is None and isinstance(batch, dict):
+                sample_ids = batch.get(self.config.sample_id_key)
+            record.batches.append(batch)
+            record.sample_ids.append(sample_ids)
+            record.rng.append(capture_rng())
+        except Exception:  # noqa: BLE001 - capture must never break the job
+            log.exception("forensics: record_batch failed; this step will not be capturable")
+
+    def record_loss(self, loss: Any) -> None:
+        """Call once per micro-batch with its loss BEFORE any division by the accumulation count."""
+        if self._current is None:
+            return
+        value = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
+        self._current.losses.append(value)
+        if self._current.autocast is None:
+            self._current.autocast = environment.autocast_settings()
+
+    # -- the per-step decision -------------------------------------------------------------------
+    def check(self, grad_norm: Any = None, step: int | None = None) -> bool:
+        """Runs the detectors between backward and optimizer.step().
+
+        Args:
+            grad_norm: the total gradient norm the loop already computed (e.g. clip_grad_norm_'s
+                return value); computed here in one fused reduction when omitted.
+            step: the global step number; default: an internal counter.
+        Returns:
+            True to go on with optimizer.step(); False when the step must be skipped (skip policy).
+        Raises:
+            TrainingFaultError: under the 'raise' policy, after the dump is written (or failed to be).
+        """
+        if step is not None:
+            self.step = step
+        record, self._current = self._current or StepRecord(), None
+        try:
+            decision = self._check(record, grad_norm)
+        except TrainingFaultError:
+            raise
+        except Exception:  # noqa: BLE001
+            log.exception("forensics: the check of step %d failed inside forensics; training continues", self.step)
+            decision = True
+        self._last_step = record
+        self.step += 1
+        return decision
+
+    def _gather(self, record: StepRecord, grad_norm: Any) -> tuple[list[float], float, float | None, bool]:
+        """One device->host transfer of per-micro-batch losses, grad norm and loss scale."""
+        device = next((v.device for v in record.losses if isinstance(v, torch.Tensor)), None)
+        if grad_norm is None:
+            grad_norm = self._grad_norm()
+        if device is None and isinstance(grad_norm, torch.Tensor):
+            device = grad_norm.device
+        device = device or torch.device("cpu")
+        parts = [v.float().reshape(()).to(device) if isinstance(v, torch.Tensor)
+                 else torch.tensor(float(v), device=device) for v in record.losses]
+        parts.append(grad_norm.float().reshape(()).to(device) if isinstance(grad_norm, torch.Tensor)
+                     else torch.tensor(float("nan") if grad_norm is None else float(grad_norm), device=device))
+        scale = getattr(self.scaler, "_scale", None) if self.scaler is not None and self.scaler.is_enabled() else None
+        parts.append(scale.float().reshape(()).to(device) if isinstance(scale, torch.Tensor)
+                     else torch.tensor(float("nan"), device=device))
+        local = torch.stack(parts)
+        values = self._agree(local).tolist()  # the one sync of the step
+        n = len(record.losses)
+        losses, global_flags = values[:n], values[n + 2:]
+        loss_scale = values[n + 1] if scale is not None else None
+        any_rank_nonfinite = bool(global_flags and global_flags[0] > 0)
+        return losses, values[n], loss_scale, any_rank_nonfinite
+
+    def _agree(self, local: torch.Tensor) -> torch.Tensor:
+        """Multi-rank: appends a flag all-reduced (MAX) so every rank triggers on the same step."""
+        if self.world_size <= 1 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return local
+        flag = (~torch.isfinite(local[:-1])).any().float().reshape(1)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return torch.cat([local, flag])
+
+    def _grad_norm(self) -> torch.Tensor | None:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not grads:
+            return None
+        norms = torch._foreach_norm(grads)
+        device = norms[0].device
+        return torch.linalg.vector_norm(torch.stack([n.float().to(device) for n in norms]))
+
+    def _check(self, record: StepRecord, grad_norm: Any) -> bool:
+        losses, norm, loss_scale, any_rank_nonfinite = self._gather(record, grad_norm)
+        divisor = self._divisor(record)
+        step_loss = sum(losses) / divisor if losses else None
+        scaler_overflow = loss_scale is not None and not math.isfinite(norm)
+        trigger = self._detect(losses, norm, step_loss, loss_scale)
+        if trigger is None and any_rank_nonfinite:
+            trigger = Trigger("nonfinite_grad", norm, None, None,
+                              "another rank saw a non-finite loss or gradient at this step", local=False)
+        clipped = None if self.config.max_grad_norm is None or not math.isfinite(norm) else norm > self.config.max_grad_norm
+        skip = trigger is not None and self._policy(trigger) == "skip"
+        self.history.append(self.step, step_loss, norm, snapshot.current_lr(self.optimizer), loss_scale, clipped,
+                            skip or scaler_overflow)
+        if trigger is None:
+            return True
+        return self._on_trigger(trigger, record, losses, norm, divisor)
+
+    def _divisor(self, record: StepRecord) -> float:
+        return float(self.config.loss_divisor or max(len(record.losses), 1))
+
+    def _detect(self, losses: list[float], norm: float, step_loss: float | None,
+                loss_scale: float | None) -> Trigger | None:
+        for index, value in enumerate(losses):
+            if not math.isfinite(value):
+                return Trigger("nonfinite_loss", value, None, index, f"loss of micro-batch {index} is {value}")
+        if not math.isfinite(norm):
+            if loss_scale is None:
+                return Trigger("nonfinite_grad", norm, None, None, f"gradient norm is {norm} with a finite loss")
+            if loss_scale <= self.config.min_loss_scale:
+                return Trigger("nonfinite_grad", norm, self.config.min_loss_scale, None,
+                               f"gradients overflow and the loss scale has collapsed to {loss_scale}")
+            return None  # a normal GradScaler overflow: it skips the step and lowers the scale
+        worst = max(range(len(losses)), key=lambda i: losses[i]) if losses else None
+        limit = self.loss_detector.observe(step_loss)
+        if limit is not None:
+            return Trigger("loss_spike", step_loss, limit, worst, f"loss {step_loss:.4g} is above the spike threshold {limit:.4g}")
+        limit = self.grad_detector.observe(norm)
+        if limit is not None:
+            return Trigger("grad_norm_spike", norm, limit, worst, f"grad norm {norm:.4g} is above the spike threshold {limit:.4g}")
+        return None
+
+    def _policy(self, trigger: Trigger) -> str:
+        return self.config.on_spike if trigger.kind.endswith("_spike") else self.config.on_nonfinite
+
+    # -- on trigger ------------------------------------------------------------------------------
+    def _on_trigger(self, trigger: Trigger, record: StepRecord, losses: list[float], norm: float,
+                    divisor: float, state: dict | None = None) -> bool:
+        policy = self._policy(trigger)
+        log.warning("forensics: step %d rank %d: %s (policy: %s)", self.step, self.rank, trigger.detail, policy)
+        dump_path, dump_error = self._maybe_dump(trigger, record, losses, norm, divisor, policy, state)
+        if policy == "raise":
+            where = f"dump written to {dump_path}" if dump_path else f"NO dump was written: {dump_error}"
+            raise TrainingFaultError(
+                f"step {self.step}: {trigger.detail}; {where}. "
+                + (f"Replay it with: forensics replay {dump_path}" if dump_path else ""),
+                trigger.as_dict(), dump_path, dump_error)
+        return policy != "skip"
+
+    def _maybe_dump(self, trigger: Trigger, record: StepRecord, losses: list[float], norm: float,
+                    divisor: float, policy: str, state: dict | None = None) -> tuple[Path | None, str | None]:
+        if len(self.dumps) >= self.config.max_dumps:
+            return None, f"the cap of {self.config.max_dumps} dumps per run is reached (GuardConfig.max_dumps)"
+        spike = trigger.kind.endswith("_spike")
+        if spike and self._last_spike_dump is not None and self.step - self._last_spike_dump < self.config.min_spike_gap:
+            return None, f"a spike was dumped {self.step - self._last_spike_dump} steps ago (GuardConfig.min_spike_gap)"
+        background = spike and policy == "continue" and self.config.background_write
+        try:
+            content = self._content(trigger, record, losses, norm, divisor, background, state)
+        except Exception as exc:  # noqa: BLE001
+            message = f"no dump written: collecting the state failed ({type(exc).__name__}: {exc})"
+            log.error("forensics: %s", message)
+            self.dump_errors.append(message)
+            return None, message
+        if spike:
+            self._last_spike_dump = self.step
+        if background:
+            path = self._writer.submit(content, self.config.dump_dir, self._written, self._failed)
+            return path, None
+        try:
+            path = write_dump(content, self.config.dump_dir)
+        except CaptureError as exc:
+            self._failed(str(exc))
+            return None, str(exc)
+        self._written(path)
+        return path, None
+
+    def _written(self, path: Path) -> None:
+        self.dumps.append(path)
+        log.warning("forensics: dump written to %s — replay it with: forensics replay %s", path, path)
+
+    def _failed(self, message: str) -> None:
+        self.dump_errors.append(message)
+        log.error("forensics: %s (training goes on)", message)
+
+    def _content(self, trigger: Trigger, record: StepRecord, losses: list[float], norm: float,
+                 divisor: float, background: bool, state: dict | None) -> DumpContent:
+        copy = snapshot.HostCopy(enabled=background)
+        if state is None:
+            state = {"model": snapshot.model_state(self.model, copy),
+                     "optimizer": snapshot.optimizer_state(self.optimizer, self.model, copy)}
+        batches = [self._copy_tree(b, copy) for b in record.batches]
+        copy.finish()
+        content = DumpContent(
+            manifest=self._manifest(trigger, record, losses, norm, divisor),
+            model=state["model"], optimizer=state["optimizer"], rng=list(record.rng), micro_batches=batches,
+            history=self.history.to_dict(), scheduler=snapshot.scheduler_state(self.scheduler),
+            scaler=snapshot.scaler_state(self.scaler))
+        content.ready = copy.wait  # the writer waits for the device copies before touching them
+        return content
+
+    def _copy_tree(self, node: Any, copy: snapshot.HostCopy) -> Any:
+        if isinstance(node, torch.Tensor):
+            return copy(node)
+        if isinstance(node, dict):
+            return {k: self._copy_tree(v, copy) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return type(node)(self._copy_tree(v, copy) for v in node) if not hasattr(node, "_fields") else node
+        return node
+
+    def _manifest(self, trigger: Trigger, record: StepRecord, losses: list[float], norm: float,
+                  divisor: float) -> dict:
+        recheck = self._recheck(trigger, record, losses)
+        micro_batches = []
+        for index, batch in enumerate(record.batches):
+            ids = _json_ids(record.sample_ids[index])
+            size = _batch_size(batch) or (len(ids) if ids else None)
+            if ids is None and size is not None:
+                ids = [f"step{self.step}/rank{self.rank}/mb{index}/{j}" for j in range(size)]
+            micro_batches.append({"index": index, "sample_ids": ids, "batch_size": size,
+                                  "loss": losses[index] if index < len(losses) else None,
+                                  "ids_are_positional": record.sample_ids[index] is None})
+        param = next(iter(self.model.parameters()), None)
+        return {
+            "run_id": self.run_id, "trigger": trigger.as_dict(), "step": self.step, "rank": self.rank,
+            "world_size": self.world_size, "local_rank": self.local_rank, "grad_accum": len(record.batches),
+            "micro_batches": micro_batches,
+            "loss": {"per_micro_batch": losses, "divisor": divisor, "grad_norm": norm,
+                     "step_loss": sum(losses) / divisor if losses else None},
+            "precision": {"param_dtype": str(param.dtype).removeprefix("torch.") if param is not None else None,
+                          "autocast": record.autocast or {"enabled": False, "device_type": None, "dtype": None},
+                          "grad_scaler": snapshot.scaler_state(self.scaler)},
+            "determinism": environment.determinism_flags(),
+            "environment": environment.environment(),
+            "recipe": build_recipe(self.model, self.loss_fn, self.config.sample_id_key, self.config.recipe),
+            "recheck": recheck,
+            "missing_ranks": [],
+        }
+
+    def _recheck(self, trigger: Trigger, record: StepRecord, losses: list[float]) -> dict:
+        """Megatron-style in-job re-check: recompute the failing micro-batch's loss with its RNG."""
+        index = trigger.micro_batch
+        if not self.config.recheck or index is None or index >= len(record.batches):
+            return {"performed": False}
+        from forensics.recipes import default_loss
+
+        saved = capture_rng()
+        try:
+            restore_rng(record.rng[index])
+            autocast = record.autocast or {}
+            with torch.no_grad(), torch.autocast(autocast.get("device_type") or "cpu",
+                                                 dtype=getattr(torch, autocast.get("dtype") or "bfloat16"),
+                                                 enabled=bool(autocast.get("enabled"))):
+                if self.loss_fn is not None:
+                    value = float(self.loss_fn(self.model, record.batches[index]))
+                else:
+                    value = float(default_loss(self.model, record.batches[index], [self.config.sample_id_key]))
+        except Exception as exc:  # noqa: BLE001
+            return {"performed": False, "error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            restore_rng(saved)
+        original = losses[index]
+        same = (value == original) or (not math.isfinite(value) and not math.isfinite(original))
+        return {"performed": True, "micro_batch": index, "original": original, "recomputed": value,
+                "reproduced": bool(same or (math.isfinite(value) and math.isfinite(original)
+                                            and abs(value - original) <= 1e-3 * max(1.0, abs(original))))}
+
+    # -- optional update verification (GuardConfig.verify_update) --------------------------------
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        try:
+            copy = snapshot.HostCopy(enabled=True)
+            self._pre_step_copy = {"model": snapshot.model_state(self.model, copy),
+                                   "optimizer": snapshot.optimizer_state(self.optimizer, self.model, copy)}
+            copy.finish()
+            copy.wait()
+        except Exception:  # noqa: BLE001
+            log.exception("forensics: verify_update could not copy the pre-step state")
+            self._pre_step_copy = None
+
+    def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
+        state, self._pre_step_copy = self._pre_step_copy, None
+        if state is None:
+            return
+        params = [p for p in self.model.parameters()]
+        if not params or bool(torch.stack([torch.isfinite(p).all() for p in params]).all()):
+            return
+        bad = next(name for name, p in self.model.named_parameters() if not bool(torch.isfinite(p).all()))
+        step = self.step - 1  # check() already advanced the counter
+        record = self._last_step or StepRecord()
+        trigger = Trigger("nonfinite_param", float("nan"), None, None,
+                          f"the optimizer update of step {step} made parameter {bad} non-finite")
+        saved_step, self.step = self.step, step
+        try:
+            norm = self.history.to_dict()["grad_norm"][-1] if len(self.history) else float("nan")
+            self._on_trigger(trigger, record, [float(v) for v in record.losses], norm, self._divisor(record), state)
+        finally:
+            self.step = saved_step
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def close(self, timeout: float | None = None) -> None:
+        """Waits for background dump writes and removes the optimizer hooks."""
+        self._writer.join(timeout)
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    def __enter__(self) -> "Guard":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

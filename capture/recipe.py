@@ -1,0 +1,38 @@
+"""The replay recipe recorded in a dump: import paths of a model factory and loss, never executed here."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from forensics.recipes import DEFAULT_LOSS, huggingface_recipe
+
+
+def import_path(fn: Callable) -> str | None:
+    """`module:qualname` for a module-level function, or None where it cannot be imported by name."""
+    module = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", "")
+    if not module or "<" in qualname:  # lambdas and closures
+        return None
+    return f"{module}:{qualname}"
+
+
+def build_recipe(model: torch.nn.Module, loss_fn: Callable | None, sample_id_key: str,
+                 override: dict | None) -> dict:
+    recipe = dict(huggingface_recipe(model) or {})
+    if not recipe:
+        cls = type(model)
+        recipe = {"factory": None, "factory_kwargs": {}, "model_class": f"{cls.__module__}.{cls.__qualname__}",
+                  "source": "unknown: pass GuardConfig(recipe={'factory': 'pkg.mod:fn', ...}) or --factory at replay"}
+    if loss_fn is None:
+        recipe.update(loss=DEFAULT_LOSS, loss_kwargs={"ignore_keys": [sample_id_key]})
+    else:
+        recipe.update(loss=import_path(loss_fn), loss_kwargs={})
+    if override:
+        recipe.update(override)
+        recipe["source"] = "user"
+    if recipe.get("loss") and recipe["loss"].startswith("__main__:"):
+        recipe["note"] = ("the loss function lives in the training script's __main__; replay with "
+                          "--loss <module>:<function> and --path to its directory")
+    return recipe

@@ -1,0 +1,57 @@
+"""One error hierarchy for the whole toolkit; the CLI maps these to exit codes."""
+
+
+class ForensicsError(Exception):
+    """Base of every error forensics raises on purpose. Messages say what to do instead."""
+
+
+class DumpError(ForensicsError):
+    """A dump is missing, incomplete, tampered with, or of an unknown version (bad input)."""
+
+
+class DumpNotFoundError(DumpError):
+    """The path given does not exist."""
+
+
+class NotADumpError(DumpError):
+    """The path exists but is not a complete dump (no manifest.json, not a step directory)."""
+
+
+class DumpCorruptError(DumpError):
+    """A file of the dump is truncated, has the wrong checksum, or cannot be parsed."""
+
+    def __init__(self, message: str, file: str | None = None):
+        super().__init__(message)
+        self.file = file
+
+
+class UnsupportedVersionError(DumpError):
+    """The dump was written by a newer format version than this reader implements."""
+
+
+class RecipeError(ForensicsError):
+    """The model / loss recipe cannot be used: not trusted yet, or cannot be imported (bad input)."""
+
+
+class ReplayError(ForensicsError):
+    """Replay cannot proceed (e.g. the requested device is not available)."""
+
+
+class CaptureError(ForensicsError):
+    """Capture could not write a dump. Never raised into a healthy training job."""
+
+
+class TrainingFaultError(ForensicsError, FloatingPointError):
+    """Raised in the training job under the `raise` policy when a step goes non-finite.
+
+    Attributes:
+        trigger: dict describing what fired (kind, value, threshold, micro_batch).
+        dump_path: where the dump was written, or None.
+        dump_error: why no dump was written, or None.
+    """
+
+    def __init__(self, message: str, trigger: dict, dump_path=None, dump_error: str | None = None):
+        super().__init__(message)
+        self.trigger = trigger
+        self.dump_path = dump_path
+        self.dump_error = dump_error

@@ -1,0 +1,39 @@
+"""Names and constants of dump format v1 (docs/DUMP_FORMAT.md); the one place they are spelled."""
+
+FORMAT_NAME = "forensics-dump"
+FORMAT_VERSION = 1
+
+MANIFEST = "manifest.json"
+MODEL = "model.safetensors"
+OPTIMIZER_TENSORS = "optimizer.safetensors"
+OPTIMIZER_JSON = "optimizer.json"
+SCHEDULER = "scheduler.json"
+SCALER = "scaler.json"
+RNG_TENSORS = "rng.safetensors"
+RNG_JSON = "rng.json"
+HISTORY = "history.json"
+ARCHIVE_SUFFIX = ".tar.zst"
+
+TRIGGER_KINDS = ("nonfinite_loss", "nonfinite_grad", "loss_spike", "grad_norm_spike", "nonfinite_param")
+REQUIRED_MANIFEST_KEYS = (
+    "format", "format_version", "created_at", "run_id", "trigger", "step", "rank", "world_size",
+    "micro_batches", "files",
+)
+# A safetensors header above this is refused: no legitimate dump needs it, a hostile one could.
+MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
+
+
+def batch_tensors_name(index: int) -> str:
+    return f"batch-{index:03d}.safetensors.zst"
+
+
+def batch_json_name(index: int) -> str:
+    return f"batch-{index:03d}.json.zst"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+def rank_dir_name(rank: int) -> str:
+    return f"rank-{rank:05d}"

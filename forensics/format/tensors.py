@@ -1,0 +1,91 @@
+"""Streaming safetensors writer (checksummed as it writes) and a validating reader."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import struct
+from typing import BinaryIO
+
+import torch
+
+from forensics.errors import DumpCorruptError
+from forensics.format.spec import MAX_SAFETENSORS_HEADER
+
+_DTYPE_NAMES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
+                     ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
+    if hasattr(torch, _name):
+        _DTYPE_NAMES[getattr(torch, _name)] = _code
+
+
+class HashingWriter:
+    """File wrapper that counts bytes and sha256s them on the way to disk."""
+
+    def __init__(self, raw: BinaryIO):
+        self.raw = raw
+        self.size = 0
+        self.sha256 = hashlib.sha256()
+
+    def write(self, data) -> None:
+        view = memoryview(data).cast("B")
+        self.raw.write(view)
+        self.sha256.update(view)
+        self.size += len(view)
+
+
+def _as_bytes(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def write_safetensors(out, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """Writes `tensors` in safetensors layout to `out` (anything with .write), one tensor at a time."""
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for key, tensor in tensors.items():
+        if tensor.dtype not in _DTYPE_NAMES:
+            raise TypeError(f"tensor {key!r} has dtype {tensor.dtype}, which safetensors cannot store")
+        nbytes = tensor.numel() * tensor.element_size()
+        header[key] = {"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
+                       "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    encoded += b" " * (-len(encoded) % 8)  # align the data section to 8 bytes
+    out.write(struct.pack("<Q", len(encoded)))
+    out.write(encoded)
+    for tensor in tensors.values():
+        out.write(_as_bytes(tensor))
+
+
+def safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+    buffer = io.BytesIO()
+    write_safetensors(buffer, tensors)
+    return buffer.getvalue()
+
+
+def check_header(data: bytes | memoryview, name: str) -> None:
+    """Refuses a safetensors blob whose declared header would not fit (truncated or hostile)."""
+    if len(data) < 8:
+        raise DumpCorruptError(f"{name} is truncated (shorter than a safetensors header)", name)
+    (size,) = struct.unpack("<Q", bytes(data[:8]))
+    if size > MAX_SAFETENSORS_HEADER or size + 8 > len(data):
+        raise DumpCorruptError(f"{name} has a safetensors header of {size} bytes that does not fit the file", name)
+
+
+def load_safetensors_bytes(data: bytes, name: str) -> dict[str, torch.Tensor]:
+    """Parses a whole safetensors blob (already checksummed) into CPU tensors."""
+    from safetensors.torch import load
+
+    check_header(data, name)
+    try:
+        return load(data)
+    except Exception as exc:  # safetensors raises its own error types
+        raise DumpCorruptError(f"{name} is not valid safetensors: {exc}", name) from exc

@@ -1,0 +1,79 @@
+"""Batch trees <-> (JSON skeleton, flat tensor dict), as docs/DUMP_FORMAT.md 'Batches' specifies."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from forensics.errors import DumpCorruptError
+
+
+@dataclass(frozen=True)
+class Unreplayable:
+    """Stands in for a batch leaf the writer could not store (its type name is kept)."""
+
+    type_name: str
+    path: str
+
+
+@dataclass
+class EncodedTree:
+    skeleton: Any
+    tensors: dict[str, torch.Tensor]
+    unreplayable: list[dict]  # [{"path": "batch['pixels']", "type": "PIL.Image"}]
+
+
+def encode_tree(batch: Any) -> EncodedTree:
+    """Splits a batch into a JSON skeleton and its tensor leaves; odd leaves are named, not dropped."""
+    tensors: dict[str, torch.Tensor] = {}
+    unreplayable: list[dict] = []
+
+    def encode(node: Any, path: str) -> Any:
+        if isinstance(node, torch.Tensor):
+            key = f"t{len(tensors)}"
+            tensors[key] = node.detach()
+            return {"tensor": key}
+        if isinstance(node, dict):
+            if all(isinstance(k, str) for k in node):
+                return {"dict": [[k, encode(v, f"{path}[{k!r}]")] for k, v in node.items()]}
+        elif isinstance(node, tuple):
+            return {"tuple": [encode(v, f"{path}[{i}]") for i, v in enumerate(node)]}
+        elif isinstance(node, list):
+            return {"list": [encode(v, f"{path}[{i}]") for i, v in enumerate(node)]}
+        elif node is None or isinstance(node, (str, bool, int)):
+            return {"value": node}
+        elif isinstance(node, float):
+            return {"value": node if math.isfinite(node) else {"__float__": str(node)}}
+        type_name = f"{type(node).__module__}.{type(node).__qualname__}"
+        unreplayable.append({"path": path, "type": type_name})
+        return {"unreplayable": type_name}
+
+    skeleton = encode(batch, "batch")
+    return EncodedTree(skeleton, tensors, unreplayable)
+
+
+def decode_tree(skeleton: Any, tensors: dict[str, torch.Tensor], path: str = "batch") -> Any:
+    """Rebuilds the batch; raises DumpCorruptError on a skeleton that does not match the spec."""
+    if not isinstance(skeleton, dict) or len(skeleton) != 1:
+        raise DumpCorruptError(f"batch skeleton node at {path} is malformed")
+    (kind, payload), = skeleton.items()
+    if kind == "tensor":
+        if payload not in tensors:
+            raise DumpCorruptError(f"batch skeleton at {path} names missing tensor {payload!r}")
+        return tensors[payload]
+    if kind == "dict":
+        return {k: decode_tree(v, tensors, f"{path}[{k!r}]") for k, v in payload}
+    if kind == "list":
+        return [decode_tree(v, tensors, f"{path}[{i}]") for i, v in enumerate(payload)]
+    if kind == "tuple":
+        return tuple(decode_tree(v, tensors, f"{path}[{i}]") for i, v in enumerate(payload))
+    if kind == "value":
+        if isinstance(payload, dict) and "__float__" in payload:
+            return float(payload["__float__"])
+        return payload
+    if kind == "unreplayable":
+        return Unreplayable(str(payload), path)
+    raise DumpCorruptError(f"batch skeleton at {path} has unknown node kind {kind!r}")

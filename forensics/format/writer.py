@@ -1,0 +1,183 @@
+"""Writes one rank dump atomically: every file checksummed, manifest last, directory renamed into place."""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import logging
+import os
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import zstandard
+
+from forensics.errors import CaptureError
+from forensics.format import jsonio, spec
+from forensics.format.tensors import HashingWriter, safetensors_bytes, write_safetensors
+from forensics.format.tree import encode_tree
+from forensics.rng import RngState
+
+log = logging.getLogger(__name__)
+
+ZSTD_LEVEL = 3  # batches are small; level 3 is zstd's default speed/ratio balance
+
+
+@dataclass
+class DumpContent:
+    """Everything one rank dump holds, already detached from the job (CPU tensors or pinned copies)."""
+
+    manifest: dict  # trigger, step, rank, world_size, ... (not format/version/files: the writer adds them)
+    model: dict[str, torch.Tensor]
+    rng: list[RngState]  # one per micro-batch, taken right before its forward
+    micro_batches: list[Any]
+    history: dict
+    optimizer: dict | None = None  # {"class", "param_groups": [{..., "params": [names]}], "state": {name: {k: v}}}
+    scheduler: dict | None = None
+    scaler: dict | None = None
+    extra_files: dict[str, bytes] = field(default_factory=dict)
+    ready: Callable[[], None] | None = None  # blocks until asynchronous device->host copies have landed
+
+
+class _DumpDir:
+    """The temporary directory being filled, with its table of files."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.files: dict[str, dict] = {}
+
+    def _record(self, name: str, out: HashingWriter, handle) -> None:
+        handle.flush()
+        os.fsync(handle.fileno())
+        self.files[name] = {"size": out.size, "sha256": out.sha256.hexdigest()}
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        with open(self.path / name, "wb") as handle:
+            out = HashingWriter(handle)
+            out.write(data)
+            self._record(name, out, handle)
+
+    def write_json(self, name: str, obj: Any) -> None:
+        self.write_bytes(name, jsonio.dumps(obj))
+
+    def write_tensors(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
+        with open(self.path / name, "wb", buffering=16 * 1024 * 1024) as handle:
+            out = HashingWriter(handle)
+            write_safetensors(out, tensors)
+            self._record(name, out, handle)
+
+
+def _optimizer_parts(optimizer: dict) -> tuple[dict, dict[str, torch.Tensor]]:
+    tensors: dict[str, torch.Tensor] = {}
+    scalar_state: dict[str, dict] = {}
+    for name, entries in optimizer["state"].items():
+        scalar_state[name] = {}
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state/{name}/{key}"] = value
+            else:
+                scalar_state[name][key] = value
+    meta = {"class": optimizer["class"], "param_groups": optimizer["param_groups"], "state": scalar_state}
+    return meta, tensors
+
+
+def _write_contents(target: _DumpDir, content: DumpContent) -> list[dict]:
+    target.write_tensors(spec.MODEL, content.model)
+    if content.optimizer is not None:
+        meta, tensors = _optimizer_parts(content.optimizer)
+        target.write_tensors(spec.OPTIMIZER_TENSORS, tensors)
+        target.write_json(spec.OPTIMIZER_JSON, meta)
+    if content.scheduler is not None:
+        target.write_json(spec.SCHEDULER, content.scheduler)
+    if content.scaler is not None:
+        target.write_json(spec.SCALER, content.scaler)
+    rng_meta, rng_tensors = [], {}
+    for index, state in enumerate(content.rng):
+        meta, tensors = state.to_parts(f"mb{index}")
+        rng_meta.append(meta)
+        rng_tensors.update(tensors)
+    target.write_json(spec.RNG_JSON, {"micro_batches": rng_meta})
+    target.write_tensors(spec.RNG_TENSORS, rng_tensors)
+    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    unreplayable = []
+    for index, batch in enumerate(content.micro_batches):
+        encoded = encode_tree(batch)
+        for leaf in encoded.unreplayable:
+            log.warning("forensics: micro-batch %d leaf %s of type %s cannot be stored; it is recorded as "
+                        "unreplayable", index, leaf["path"], leaf["type"])
+        unreplayable.append(encoded.unreplayable)
+        target.write_bytes(spec.batch_tensors_name(index), compressor.compress(safetensors_bytes(encoded.tensors)))
+        target.write_bytes(spec.batch_json_name(index), compressor.compress(jsonio.dumps(encoded.skeleton)))
+    target.write_json(spec.HISTORY, content.history)
+    for name, data in content.extra_files.items():
+        target.write_bytes(name, data)
+    return unreplayable
+
+
+def dump_path(root: Path, run_id: str, step: int, rank: int) -> Path:
+    return Path(root) / run_id / spec.step_dir_name(step) / spec.rank_dir_name(rank)
+
+
+def write_dump(content: DumpContent, root: str | os.PathLike) -> Path:
+    """Writes `content` under `root` and returns the rank dump's directory.
+
+    Raises:
+        CaptureError: the directory is not writable, the disk is full, or a value cannot be stored.
+            Nothing half-written is left under a dump's final name.
+    """
+    if content.ready is not None:
+        content.ready()
+    manifest = dict(content.manifest)
+    final = dump_path(Path(root), manifest["run_id"], manifest["step"], manifest["rank"])
+    tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir(parents=True)
+        target = _DumpDir(tmp)
+        unreplayable = _write_contents(target, content)
+        for meta, leaves in zip(manifest.get("micro_batches", []), unreplayable):
+            meta["unreplayable"] = leaves
+        manifest.update({
+            "format": spec.FORMAT_NAME,
+            "format_version": spec.FORMAT_VERSION,
+            "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "files": target.files,
+        })
+        manifest = {"format": manifest.pop("format"), "format_version": manifest.pop("format_version"), **manifest}
+        with open(tmp / spec.MANIFEST, "wb") as handle:
+            handle.write(jsonio.dumps(manifest))
+            handle.flush()
+            os.fsync(handle.fileno())
+        if final.exists():
+            raise FileExistsError(errno.EEXIST, "a dump for this run, step and rank already exists", str(final))
+        os.rename(tmp, final)
+        _fsync_dir(final.parent)
+        return final
+    except Exception as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CaptureError(_explain(exc, final)) from exc
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _explain(exc: Exception, final: Path) -> str:
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return f"no dump written to {final}: the disk is full ({exc}). Free space or set dump_dir elsewhere."
+    if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"no dump written to {final}: the directory is not writable ({exc}). Set dump_dir to a writable path."
+    if isinstance(exc, OSError):
+        return f"no dump written to {final}: {exc}"
+    return f"no dump written to {final}: {type(exc).__name__}: {exc}"

@@ -1,0 +1,69 @@
+"""Built-in replay recipes: how to rebuild a model and compute its loss offline.
+
+These are forensics' own code, so replay may use them without `--trust`; a dump can only name them,
+never change what they do. Anything else a dump names is imported only with the user's consent.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+BUILTIN_PREFIX = "forensics.recipes:"
+DEFAULT_LOSS = BUILTIN_PREFIX + "default_loss"
+HUGGINGFACE_FACTORY = BUILTIN_PREFIX + "huggingface_model"
+
+
+def huggingface_model(architecture: str, config: dict, attn_implementation: str | None = None,
+                      dtype: str | None = None) -> torch.nn.Module:
+    """Builds a transformers model of class `architecture` from a config dict (random init, no download).
+
+    Only classes exported by the `transformers` package itself are accepted, and remote code is never
+    trusted, so a dump cannot make this import anything else.
+    """
+    import transformers
+
+    model_class = getattr(transformers, architecture, None)
+    if not (isinstance(model_class, type) and issubclass(model_class, transformers.PreTrainedModel)):
+        raise ValueError(f"{architecture!r} is not a transformers model class")
+    config = dict(config)
+    model_type = config.pop("model_type")
+    hf_config = transformers.AutoConfig.for_model(model_type, **config)
+    if attn_implementation:
+        hf_config._attn_implementation = attn_implementation
+    model = model_class(hf_config)
+    if dtype:
+        model = model.to(getattr(torch, dtype))
+    return model
+
+
+def default_loss(model: torch.nn.Module, batch: Any, ignore_keys: tuple | list = ()) -> torch.Tensor:
+    """`model(**batch).loss` for dict batches (keys in `ignore_keys`, e.g. sample ids, left out);
+    the output itself when the model returns a scalar tensor."""
+    if isinstance(batch, dict):
+        output = model(**{k: v for k, v in batch.items() if k not in ignore_keys})
+    elif isinstance(batch, (list, tuple)):
+        output = model(*batch)
+    else:
+        output = model(batch)
+    if isinstance(output, torch.Tensor) and output.dim() == 0:
+        return output
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if loss is None:
+        raise ValueError("the model output has no .loss and is not a scalar; pass a loss function "
+                         "(loss_fn= in capture, --loss module:fn in replay)")
+    return loss
+
+
+def huggingface_recipe(model: torch.nn.Module) -> dict | None:
+    """The recipe for a transformers model (from model.config), or None for any other model."""
+    config = getattr(model, "config", None)
+    to_dict = getattr(config, "to_dict", None)
+    if not callable(to_dict) or not hasattr(config, "model_type"):
+        return None
+    kwargs: dict[str, Any] = {"architecture": type(model).__name__, "config": to_dict()}
+    attn = getattr(config, "_attn_implementation", None)
+    if attn:
+        kwargs["attn_implementation"] = attn
+    return {"factory": HUGGINGFACE_FACTORY, "factory_kwargs": kwargs, "source": "auto:huggingface"}

@@ -1,0 +1,83 @@
+"""Every RNG a training step draws from (python, numpy, torch CPU, each CUDA device): capture and restore."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+try:  # numpy is optional for the job; its RNG is captured when it is importable
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy ships with torch wheels in practice
+    np = None
+
+
+@dataclass
+class RngState:
+    python: Any
+    torch_cpu: torch.Tensor
+    cuda: list[torch.Tensor] = field(default_factory=list)
+    numpy: tuple | None = None
+
+    def to_parts(self, prefix: str) -> tuple[dict, dict[str, torch.Tensor]]:
+        """Splits into a JSON-able dict and tensors keyed under `prefix` (docs/DUMP_FORMAT.md)."""
+        version, internal, gauss = self.python
+        meta: dict[str, Any] = {"python": [version, list(internal), gauss], "cuda_devices": len(self.cuda),
+                                "numpy": None}
+        tensors = {f"{prefix}/torch_cpu": self.torch_cpu}
+        for device, state in enumerate(self.cuda):
+            tensors[f"{prefix}/cuda/{device}"] = state
+        if self.numpy is not None:
+            name, keys, pos, has_gauss, cached = self.numpy
+            meta["numpy"] = {"name": name, "pos": int(pos), "has_gauss": int(has_gauss),
+                             "cached_gaussian": float(cached)}
+            tensors[f"{prefix}/numpy_keys"] = torch.from_numpy(keys.astype("uint32").view("int32").copy())
+        return meta, tensors
+
+    @classmethod
+    def from_parts(cls, meta: dict, tensors: dict[str, torch.Tensor], prefix: str) -> "RngState":
+        version, internal, gauss = meta["python"]
+        numpy_state = None
+        if meta.get("numpy") and np is not None:
+            n = meta["numpy"]
+            keys = tensors[f"{prefix}/numpy_keys"].numpy().view("uint32")
+            numpy_state = (n["name"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"])
+        cuda = [tensors[f"{prefix}/cuda/{d}"] for d in range(int(meta.get("cuda_devices", 0)))]
+        return cls(python=(version, tuple(internal), gauss), torch_cpu=tensors[f"{prefix}/torch_cpu"],
+                   cuda=cuda, numpy=numpy_state)
+
+
+def capture_rng() -> RngState:
+    """Snapshot of every RNG; CUDA states only when CUDA is already initialised (never initialises it)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    return RngState(
+        python=random.getstate(),
+        torch_cpu=torch.get_rng_state(),
+        cuda=cuda,
+        numpy=np.random.get_state() if np is not None else None,
+    )
+
+
+def restore_rng(state: RngState, source_device: int | None = None, target_device: int | None = None) -> None:
+    """Puts every RNG back.
+
+    Args:
+        state: what `capture_rng` returned.
+        source_device / target_device: replay on one GPU: put the captured state of CUDA device
+            `source_device` (the job's local rank) onto `target_device`. Without them every captured
+            CUDA state goes back onto the device of the same index that exists here.
+    """
+    random.setstate(state.python)
+    torch.set_rng_state(state.torch_cpu)
+    if state.numpy is not None and np is not None:
+        np.random.set_state(state.numpy)
+    if not state.cuda or not torch.cuda.is_available():
+        return
+    if source_device is not None and target_device is not None:
+        if source_device < len(state.cuda):
+            torch.cuda.set_rng_state(state.cuda[source_device], target_device)
+        return
+    for device in range(min(len(state.cuda), torch.cuda.device_count())):
+        torch.cuda.set_rng_state(state.cuda[device], device)
