@@ -328,8 +328,7 @@ class Guard:
                  divisor: float, background: bool, state: dict | None) -> DumpContent:
         copy = snapshot.HostCopy(enabled=background)
         if state is None:
-            state = {"model": snapshot.model_state(self.model, copy),
-                     "optimizer": snapshot.optimizer_state(self.optimizer, self.model, copy)}
+            state = self.collect_state(copy)
         batches = [self._copy_tree(b, copy) for b in record.batches]
         copy.finish()
         content = DumpContent(
@@ -339,6 +338,11 @@ class Guard:
             scaler=snapshot.scaler_state(self.scaler))
         content.ready = copy.wait  # the writer waits for the device copies before touching them
         return content
+
+    def collect_state(self, copy: snapshot.HostCopy) -> dict:
+        """Full, name-keyed model and optimizer state. Framework adapters (ZeRO) override this."""
+        return {"model": snapshot.model_state(self.model, copy),
+                "optimizer": snapshot.optimizer_state(self.optimizer, self.model, copy)}
 
     def _copy_tree(self, node: Any, copy: snapshot.HostCopy) -> Any:
         if isinstance(node, torch.Tensor):
@@ -410,8 +414,7 @@ class Guard:
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
         try:
             copy = snapshot.HostCopy(enabled=True)
-            self._pre_step_copy = {"model": snapshot.model_state(self.model, copy),
-                                   "optimizer": snapshot.optimizer_state(self.optimizer, self.model, copy)}
+            self._pre_step_copy = self.collect_state(copy)
             copy.finish()
             copy.wait()
         except Exception:  # noqa: BLE001
