@@ -1,0 +1,251 @@
+"""PNG plots for report.html (loss / grad-norm history, per-layer and per-sample bars); matplotlib is optional.
+
+matplotlib is imported lazily, and only through `matplotlib.figure.Figure` with an explicit Agg
+canvas: the global pyplot backend of the caller's process (a notebook, a training job) is never
+changed.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+from typing import Any, Callable, Mapping
+
+from forensics.report.model import as_float
+from forensics.report.render_text import culprit_ids, section, top_rows
+
+log = logging.getLogger(__name__)
+
+TOP_LAYERS = 20
+MAX_SAMPLES = 64      # bars in the per-sample chart; more samples -> the highest losses only
+LABEL_CHARS = 28      # tick labels are cut to this many characters
+DPI = 100
+RED, BLUE, ORANGE, GREY = "#c0392b", "#2e86c1", "#e67e22", "#7f8c8d"
+
+
+def matplotlib_available() -> bool:
+    """True if matplotlib can be imported (plots are skipped otherwise)."""
+    try:
+        import matplotlib  # noqa: F401
+        from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _new_figure(width: float, height: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=DPI)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    # No "Software" metadata: the PNG then holds no URL, and bytes do not depend on the version.
+    fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight", metadata={"Software": None})
+    return buf.getvalue()
+
+
+def _label(value: Any) -> str:
+    """Tick label text: cut, and `$` escaped so matplotlib does not parse it as mathtext."""
+    text = value if isinstance(value, str) else repr(value)
+    text = "".join(c if c.isprintable() else "?" for c in text)
+    if len(text) > LABEL_CHARS:
+        text = text[: LABEL_CHARS - 1] + "…"
+    return text.replace("$", r"\$")
+
+
+def _log_axis(axis, set_scale) -> None:
+    """Log scale with plain tick labels (3.5, 40, 1e+04) instead of 3.5×10⁰ mathtext."""
+    from matplotlib.ticker import LogFormatter
+
+    set_scale("log")
+    axis.set_major_formatter(LogFormatter(labelOnlyBase=False))
+    axis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
+
+
+def _nonfinite_word(x: float) -> str:
+    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+
+
+def _plot_series(ax, steps: list, values: list, name: str, color: str, trigger_step: Any) -> None:
+    from matplotlib.transforms import blended_transform_factory
+
+    xs, ys, bad = [], [], []
+    for s, v in zip(steps, values):
+        x = as_float(v)
+        if x is None or as_float(s) is None:
+            continue
+        if math.isfinite(x):
+            xs.append(s)
+            ys.append(x)
+        else:
+            bad.append((s, _nonfinite_word(x)))
+    if ys:
+        ax.plot(xs, ys, color=color, marker="." if len(ys) < 60 else None, linewidth=1.2, label=name)
+        if all(y > 0 for y in ys):
+            _log_axis(ax.yaxis, ax.set_yscale)
+    top = blended_transform_factory(ax.transData, ax.transAxes)
+    for s, word in bad:  # non-finite values: a red marker at the top of the axes, labelled
+        ax.plot([s], [0.96], marker="v", color=RED, markersize=9, transform=top, clip_on=False)
+        ax.annotate(word, (s, 0.96), xycoords=top, xytext=(0, -14), textcoords="offset points",
+                    ha="center", fontsize=8, color=RED)
+    if as_float(trigger_step) is not None:
+        ax.axvline(trigger_step, color=RED, linestyle="--", linewidth=1, label=f"trigger (step {trigger_step})")
+    ax.set_ylabel(name + (" (log)" if ax.get_yscale() == "log" else ""))
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+
+
+def plot_history(report: Mapping) -> bytes | None:
+    """Loss and grad norm per step (log y), trigger step marked, non-finite values marked at the top.
+
+    Returns PNG bytes, or None when the report has no history.
+    """
+    hist = section(report, "history")
+    steps = hist.get("step") or []
+    if not steps:
+        return None
+    trigger_step = section(report, "dump").get("step")
+    fig = _new_figure(8, 5)
+    ax_loss, ax_gn = fig.subplots(2, 1, sharex=True)
+    _plot_series(ax_loss, steps, hist.get("loss") or [], "loss", BLUE, trigger_step)
+    _plot_series(ax_gn, steps, hist.get("grad_norm") or [], "grad norm", ORANGE, trigger_step)
+    ax_gn.set_xlabel("step")
+    ax_loss.set_title("Training history up to the failing step")
+    return _png(fig)
+
+
+def _bar_values(rows: list[dict], key: str) -> tuple[list[float], list[bool]]:
+    """Bar lengths for a log axis: non-finite drawn as the largest finite value × 10."""
+    xs = [as_float(r.get(key)) for r in rows]
+    finite = [x for x in xs if x is not None and math.isfinite(x) and x > 0]
+    cap = max(finite) * 10 if finite else 1.0
+    lengths, flags = [], []
+    for x in xs:
+        if x is None:
+            lengths.append(0.0)
+            flags.append(False)
+        elif not math.isfinite(x):
+            lengths.append(cap)
+            flags.append(True)
+        else:
+            lengths.append(abs(x))
+            flags.append(False)
+    return lengths, flags
+
+
+def plot_per_layer(report: Mapping) -> bytes | None:
+    """Horizontal bars: grad norm and output abs-max of the top layers by grad norm (log x).
+
+    The culprit module's label is red; non-finite values are red bars labelled nan/inf.
+    Returns PNG bytes, or None when the report has no per-layer data.
+    """
+    rows = top_rows(report.get("per_layer"), "grad_norm", TOP_LAYERS)
+    if not rows:
+        return None
+    culprit_module = section(report, "culprit").get("module")
+    rows = rows[::-1]  # largest at the top
+    fig = _new_figure(9, max(2.5, 0.32 * len(rows) + 1.2))
+    ax = fig.subplots()
+    h = 0.4
+    ypos = list(range(len(rows)))
+    drew_log = False
+    for offset, key, color, name in ((h / 2, "grad_norm", ORANGE, "grad norm"),
+                                     (-h / 2, "output_absmax", BLUE, "output abs-max")):
+        lengths, bad = _bar_values(rows, key)
+        if not any(lengths):
+            continue
+        colors = [RED if b else color for b in bad]
+        ax.barh([y + offset for y in ypos], lengths, height=h, color=colors, label=name)
+        for y, length, b, r in zip(ypos, lengths, bad, rows):
+            if b:
+                ax.text(length, y + offset, " " + _nonfinite_word(as_float(r.get(key))),
+                        va="center", fontsize=7, color=RED)
+        drew_log = drew_log or all(v > 0 for v in lengths)
+    if drew_log:
+        _log_axis(ax.xaxis, ax.set_xscale)
+    ax.set_yticks(ypos)
+    labels = ax.set_yticklabels([_label(r.get("module")) for r in rows], fontsize=7)
+    for lab, r in zip(labels, rows):
+        if culprit_module is not None and r.get("module") == culprit_module:
+            lab.set_color(RED)
+            lab.set_fontweight("bold")
+    ax.set_title("Per-layer gradient norm and output abs-max (red: non-finite / culprit)")
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    return _png(fig)
+
+
+def plot_per_sample(report: Mapping) -> bytes | None:
+    """Bars: replayed loss of each sample; culprit samples red, non-finite losses hatched and labelled.
+
+    Returns PNG bytes, or None when the report has no per-sample data.
+    """
+    rows = [r for r in report.get("per_sample") or [] if isinstance(r, dict)]
+    if not rows:
+        return None
+    if len(rows) > MAX_SAMPLES:
+        rows = top_rows(rows, "loss", MAX_SAMPLES)
+    culprits = culprit_ids(report)
+    xs = [as_float(r.get("loss")) for r in rows]
+    finite = [x for x in xs if x is not None and math.isfinite(x)]
+    use_log = bool(finite) and min(finite) > 0 and max(finite) / min(finite) > 100
+    cap = (max(finite) * (10 if use_log else 1.15)) if finite and max(finite) > 0 else 1.0
+    fig = _new_figure(max(6, 0.28 * len(rows) + 2), 4)
+    ax = fig.subplots()
+    for i, (r, x) in enumerate(zip(rows, xs)):
+        is_culprit = r.get("sample_id") in culprits
+        color = RED if is_culprit else BLUE
+        if x is None:
+            continue
+        if math.isfinite(x):
+            ax.bar(i, x, color=color)
+        else:
+            ax.bar(i, cap, color=color, alpha=0.45, hatch="//", edgecolor=RED)
+            ax.text(i, cap, _nonfinite_word(x), ha="center", va="bottom", fontsize=8, color=RED)
+    if use_log:
+        _log_axis(ax.yaxis, ax.set_yscale)
+    ax.set_xticks(range(len(rows)))
+    labels = ax.set_xticklabels([_label(r.get("sample_id")) for r in rows], rotation=60,
+                                ha="right", fontsize=7)
+    for lab, r in zip(labels, rows):
+        if r.get("sample_id") in culprits:
+            lab.set_color(RED)
+            lab.set_fontweight("bold")
+    ax.set_ylabel("loss" + (" (log)" if use_log else ""))
+    ax.set_title("Per-sample loss (red: culprit; hatched: non-finite)")
+    ax.grid(True, axis="y", alpha=0.3)
+    return _png(fig)
+
+
+PLOTS: dict[str, tuple[str, Callable[[Mapping], bytes | None]]] = {
+    "history": ("Loss and grad-norm history, trigger step marked", plot_history),
+    "per_layer": ("Per-layer grad norm and output abs-max", plot_per_layer),
+    "per_sample": ("Per-sample loss, culprit highlighted", plot_per_sample),
+}
+
+
+def render_plots(report: Mapping) -> dict[str, bytes]:
+    """Every plot the report has data for, as {name: PNG bytes} (names: history, per_layer, per_sample).
+
+    Returns {} if matplotlib is not installed. A plot that fails is logged and left out, so a
+    strange value in the report never costs the whole report.
+    """
+    if not matplotlib_available():
+        log.info("matplotlib is not installed; report.html will have no plots")
+        return {}
+    out = {}
+    for name, (_, make) in PLOTS.items():
+        try:
+            png = make(report)
+        except Exception:
+            log.warning("could not draw the %s plot; leaving it out", name, exc_info=True)
+            continue
+        if png:
+            out[name] = png
+    return out

@@ -1,0 +1,452 @@
+"""The full report as Markdown (report.md); also builds the section list that report.html renders."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Union
+
+from forensics.report.model import SCHEMA
+from forensics.report.render_text import (
+    PATTERN_WORDS, VERDICT_LABELS, bisection_phrase, clean, culprit_ids, culprit_sentence,
+    fmt_num, history_sentence, is_nonfinite, location_sentence, per_sample_sentence,
+    precision_sentence, reproduction_sentence, section, timing_sentence, top_rows,
+    trigger_sentence, where_sentence,
+)
+
+log = logging.getLogger(__name__)
+
+TOP_N = 20            # rows in the per-sample and per-layer tables
+HISTORY_ROWS = 12     # most recent history steps shown as a table
+MAX_CELL_CHARS = 160  # a sample id longer than this is cut in tables (report.json keeps it whole)
+
+
+# ---- a tiny document model: both Markdown and HTML render these, escaping every string ----
+
+@dataclass
+class Code:
+    """Inline literal text (module names, sample ids): shown verbatim, never interpreted."""
+    text: str
+
+
+@dataclass
+class Strong:
+    text: str
+
+
+Inline = Union[str, Code, Strong]
+
+
+@dataclass
+class Para:
+    parts: list[Inline]
+
+
+@dataclass
+class Bullets:
+    items: list[list[Inline]]
+
+
+@dataclass
+class Table:
+    header: list[str]
+    rows: list[list[Inline]]
+    highlight: list[bool] = field(default_factory=list)  # per row: the culprit
+
+
+@dataclass
+class CodeBlock:
+    text: str
+
+
+@dataclass
+class Plot:
+    """A placeholder where report.html puts a plot (Markdown skips it)."""
+    name: str
+
+
+Block = Union[Para, Bullets, Table, CodeBlock, Plot]
+
+
+@dataclass
+class Section:
+    title: str
+    blocks: list[Block]
+    anchor: str = ""
+
+
+def _id_text(sample_id: Any) -> str:
+    if isinstance(sample_id, str):
+        return sample_id
+    try:
+        return json.dumps(sample_id, ensure_ascii=False, default=repr)
+    except (TypeError, ValueError):
+        return repr(sample_id)
+
+
+def _sid(sample_id: Any) -> Code:
+    return Code(clean(_id_text(sample_id), MAX_CELL_CHARS))
+
+
+def _code_or_na(value: Any) -> Inline:
+    return Code(clean(value, MAX_CELL_CHARS)) if value not in (None, "") else "n/a"
+
+
+def _yes_no(value: Any) -> str:
+    return "n/a" if value is None else ("yes" if value else "no")
+
+
+def _kv_table(rows: list[tuple[str, Inline]]) -> Table:
+    return Table(["", ""], [[k, v] for k, v in rows])
+
+
+def build_sections(report: Mapping) -> list[Section]:
+    """The report as a list of titled sections (shared by the Markdown and HTML renderers).
+
+    Every string in the result is raw (unescaped) text from the report; renderers escape it.
+    Each optional section says "not run" when the report has no data for it.
+    """
+    builders = (_summary, _where, _reproduction, _culprit, _precision, _bisection, _per_sample,
+                _per_layer, _history, _environment, _timings)
+    out = []
+    for build in builders:
+        try:
+            out.append(build(report))
+        except Exception:  # one malformed optional section must not lose the whole report
+            log.warning("could not render report section %s", build.__name__, exc_info=True)
+            out.append(Section(build.__name__.strip("_").replace("_", " ").capitalize(),
+                               [Para(["This section could not be rendered; see report.json."])]))
+    return out
+
+
+def _summary(report: Mapping) -> Section:
+    verdict = section(report, "verdict")
+    kind = verdict.get("kind") or "unknown"
+    blocks: list[Block] = [Para([Strong(f"Verdict: {VERDICT_LABELS.get(kind, clean(kind))}."), " ",
+                                 verdict.get("headline") or ""])]
+    for paragraph in re.split(r"\n\s*\n", verdict.get("explanation") or ""):
+        if paragraph.strip():
+            blocks.append(Para([" ".join(paragraph.split())]))
+    facts = [where_sentence(report) + " " + trigger_sentence(report), reproduction_sentence(report)]
+    for make in (location_sentence, culprit_sentence, precision_sentence, history_sentence):
+        sentence = make(report)
+        if sentence:
+            facts.append(sentence)
+    blocks.append(Bullets([[f] for f in facts]))
+    suggestions = verdict.get("suggestions") or []
+    if suggestions:
+        blocks.append(Para([Strong("Suggested next steps:")]))
+        blocks.append(Bullets([[str(s)] for s in suggestions]))
+    return Section("Verdict", blocks, "verdict")
+
+
+def _where(report: Mapping) -> Section:
+    dump, trig = section(report, "dump"), section(report, "trigger")
+    rows: list[tuple[str, Inline]] = [
+        ("Run id", _code_or_na(dump.get("run_id"))),
+        ("Dump", _code_or_na(dump.get("path"))),
+        ("Step", fmt_num(dump.get("step"))),
+        ("Rank", f"{fmt_num(dump.get('rank'))} of world size {fmt_num(dump.get('world_size'))}"),
+        ("Micro-batches in the step", fmt_num(dump.get("num_micro_batches"))),
+        ("Missing ranks", ", ".join(str(r) for r in dump.get("missing_ranks") or []) or "none"),
+        ("Trigger", _code_or_na(trig.get("kind"))),
+        ("Value", fmt_num(trig.get("value"))),
+        ("Threshold", fmt_num(trig.get("threshold"))),
+        ("Micro-batch", fmt_num(trig.get("micro_batch"))),
+        ("Detail", trig.get("detail") or "n/a"),
+        ("Report created", report.get("created_at") or "n/a"),
+    ]
+    return Section("Where it happened", [_kv_table(rows)], "where")
+
+
+def _reproduction(report: Mapping) -> Section:
+    fid = section(report, "fidelity")
+    blocks: list[Block] = [Para([reproduction_sentence(report)])]
+    rec, rep = fid.get("recorded_losses") or [], fid.get("replayed_losses") or []
+    if rec or rep:
+        rows = []
+        for i in range(max(len(rec), len(rep))):
+            a = rec[i] if i < len(rec) else None
+            b = rep[i] if i < len(rep) else None
+            same = "n/a" if a is None or b is None else _yes_no(fmt_num(a, 17) == fmt_num(b, 17))
+            rows.append([str(i), fmt_num(a, 8), fmt_num(b, 8), same])
+        rows.append(["grad norm", fmt_num(fid.get("recorded_grad_norm"), 8),
+                     fmt_num(fid.get("replayed_grad_norm"), 8), ""])
+        blocks.append(Table(["micro-batch", "recorded loss", "replayed loss", "equal"], rows))
+    blocks.append(_kv_table([
+        ("Reproduced", _yes_no(report.get("reproduced"))),
+        ("Comparison", fid.get("mode") or "n/a"),
+        ("Tolerance", fmt_num(fid.get("tolerance"))),
+        ("Attempts", fmt_num(fid.get("attempts"))),
+        ("Max abs diff", fmt_num(fid.get("max_abs_diff"))),
+        ("Bitwise equal", _yes_no(fid.get("bitwise_equal"))),
+    ]))
+    return Section("Reproduction", blocks, "reproduction")
+
+
+def _culprit(report: Mapping) -> Section:
+    c = section(report, "culprit")
+    blocks: list[Block] = []
+    samples = [s for s in c.get("samples") or [] if isinstance(s, dict)]
+    sentence = culprit_sentence(report)
+    if sentence:
+        blocks.append(Para([sentence]))
+    if samples:
+        rows = [[_sid(s.get("sample_id")), fmt_num(s.get("micro_batch")), fmt_num(s.get("index")),
+                 fmt_num(s.get("rank")), s.get("description") or ""] for s in samples]
+        blocks.append(Table(["sample id", "micro-batch", "index", "rank", "description"], rows))
+    elif not sentence:
+        blocks.append(Para(["No culprit sample was identified."]))
+    loc = location_sentence(report)
+    if loc:
+        blocks.append(Para([loc]))
+    stats = c.get("stats") if isinstance(c.get("stats"), dict) else {}
+    blocks.append(_kv_table([
+        ("Module", _code_or_na(c.get("module"))),
+        ("Op", _code_or_na(c.get("op"))),
+        ("Phase", c.get("phase") or "n/a"),
+        ("Parameter", _code_or_na(c.get("parameter"))),
+        ("Optimizer state", _code_or_na(c.get("optimizer_state"))),
+        ("Input abs-max", fmt_num(stats.get("inputs_absmax"))),
+        ("Output abs-max", fmt_num(stats.get("outputs_absmax"))),
+        ("Weight abs-max", fmt_num(stats.get("params_absmax"))),
+    ]))
+    if c.get("traceback"):
+        blocks.append(Para(["Forward traceback of the op (anomaly mode):"]))
+        blocks.append(CodeBlock(str(c["traceback"])))
+    return Section("Culprit", blocks, "culprit")
+
+
+def _precision(report: Mapping) -> Section:
+    prec = report.get("precision")
+    if not isinstance(prec, dict):
+        return Section("Precision triage", [Para(["Not run."])], "precision")
+    return Section("Precision triage", [
+        Para([precision_sentence(report) or ""]),
+        _kv_table([("Autocast dtype", _code_or_na(prec.get("autocast_dtype"))),
+                   ("Still non-finite in fp32", _yes_no(prec.get("fp32_reproduces")))]),
+    ], "precision")
+
+
+def _bisection(report: Mapping) -> Section:
+    bis = report.get("bisection")
+    if not isinstance(bis, dict):
+        return Section("Bisection", [Para(["Not run."])], "bisection")
+    phrase = bisection_phrase(bis)
+    blocks: list[Block] = [Para([f"Culprit set of {fmt_num(bis.get('culprit_size'))} sample(s) "
+                                 + (phrase or "") + "."])] if phrase else []
+    blocks.append(_kv_table([("Replays run", fmt_num(bis.get("runs"))),
+                             ("Candidate samples", fmt_num(bis.get("candidates"))),
+                             ("Culprit set size", fmt_num(bis.get("culprit_size"))),
+                             ("Budget (2·log2 n + 4)", fmt_num(bis.get("budget")))]))
+    return Section("Bisection", blocks, "bisection")
+
+
+def _per_sample(report: Mapping) -> Section:
+    rows = [r for r in report.get("per_sample") or [] if isinstance(r, dict)]
+    if not rows:
+        return Section("Per-sample losses", [Para(["Not run."])], "per-sample")
+    culprits = culprit_ids(report)
+    top = top_rows(rows, "loss", TOP_N)
+    table = Table(["#", "sample id", "micro-batch", "index", "loss", "grad norm", "finite", "culprit"],
+                  [], [])
+    for i, r in enumerate(top, 1):
+        is_culprit = r.get("sample_id") in culprits
+        finite = r.get("finite")
+        if finite is None:
+            finite = not (is_nonfinite(r.get("loss")) or is_nonfinite(r.get("grad_norm")))
+        table.rows.append([str(i), _sid(r.get("sample_id")), fmt_num(r.get("micro_batch")),
+                           fmt_num(r.get("index")), fmt_num(r.get("loss")),
+                           fmt_num(r.get("grad_norm")), _yes_no(finite),
+                           Strong("culprit") if is_culprit else ""])
+        table.highlight.append(is_culprit)
+    title = f"Per-sample losses (top {len(top)} of {len(rows)} by loss)"
+    return Section(title, [Para([per_sample_sentence(report) or ""]), Plot("per_sample"), table],
+                   "per-sample")
+
+
+def _per_layer(report: Mapping) -> Section:
+    rows = [r for r in report.get("per_layer") or [] if isinstance(r, dict)]
+    if not rows:
+        return Section("Per-layer gradients", [Para(["Not run."])], "per-layer")
+    module = section(report, "culprit").get("module")
+    top = top_rows(rows, "grad_norm", TOP_N)
+    table = Table(["#", "module", "grad norm", "output abs-max", ""], [], [])
+    for i, r in enumerate(top, 1):
+        hit = module is not None and r.get("module") == module
+        table.rows.append([str(i), _code_or_na(r.get("module")), fmt_num(r.get("grad_norm")),
+                           fmt_num(r.get("output_absmax")), Strong("culprit module") if hit else ""])
+        table.highlight.append(hit)
+    title = f"Per-layer gradients (top {len(top)} of {len(rows)} by grad norm)"
+    return Section(title, [Plot("per_layer"), table], "per-layer")
+
+
+def _history(report: Mapping) -> Section:
+    hist = section(report, "history")
+    steps = hist.get("step") or []
+    blocks: list[Block] = []
+    sentence = history_sentence(report)
+    if sentence:
+        blocks.append(Para([sentence]))
+    if not steps:
+        blocks.append(Para(["No history recorded."]))
+        return Section("Loss history", blocks, "history")
+    blocks.append(Plot("history"))
+    loss, gn = hist.get("loss") or [], hist.get("grad_norm") or []
+    first = max(0, len(steps) - HISTORY_ROWS)
+    rows = [[fmt_num(steps[i]), fmt_num(loss[i] if i < len(loss) else None),
+             fmt_num(gn[i] if i < len(gn) else None)] for i in range(first, len(steps))]
+    note = f"Last {len(rows)} of {len(steps)} recorded steps (all of them are in report.json)."
+    blocks.extend([Para([note]), Table(["step", "loss", "grad norm"], rows)])
+    pattern = report.get("history_pattern")
+    if pattern and pattern not in PATTERN_WORDS:
+        blocks.append(Para([f"Pattern: {pattern}"]))
+    return Section("Loss history", blocks, "history")
+
+
+def _env_value(d: Mapping, *keys: str) -> Any:
+    for k in keys:
+        if d.get(k) not in (None, "", []):
+            return d[k]
+    return None
+
+
+def _gpus(capture: Mapping) -> str | None:
+    gpus = capture.get("gpus")
+    if not isinstance(gpus, list) or not gpus:
+        return None
+    names = [str(g.get("name")) + (f" ({g['sm_count']} SMs)" if g.get("sm_count") else "")
+             if isinstance(g, dict) else str(g) for g in gpus]
+    distinct = sorted(set(names))
+    return ", ".join(f"{n} ×{names.count(n)}" if names.count(n) > 1 else n for n in distinct)
+
+
+def _environment(report: Mapping) -> Section:
+    env = section(report, "environment")
+    cap, rep = section(env, "capture"), section(env, "replay")
+    rows = [
+        ["device", "n/a", str(rep.get("device") or "n/a")],
+        ["GPU", _gpus(cap) or "none", str(rep.get("gpu") or "none")],
+        ["torch", str(cap.get("torch") or "n/a"), str(rep.get("torch") or "n/a")],
+        ["python", str(cap.get("python") or "n/a"), str(rep.get("python") or "n/a")],
+        ["CUDA", str(cap.get("cuda") or "none"), str(rep.get("cuda") or "n/a")],
+        ["host", str(_env_value(cap, "hostname") or "n/a"), str(rep.get("hostname") or "n/a")],
+        ["git commit", str(_env_value(cap, "git_commit") or "n/a"), ""],
+    ]
+    blocks: list[Block] = [Table(["", "training job (capture)", "replay"], rows)]
+    warnings = env.get("warnings") or []
+    if warnings:
+        blocks.append(Para([Strong("Warnings:")]))
+        blocks.append(Bullets([[str(w)] for w in warnings]))
+    else:
+        blocks.append(Para(["No environment warnings."]))
+    return Section("Environment", blocks, "environment")
+
+
+def _timings(report: Mapping) -> Section:
+    t = report.get("timings")
+    if not isinstance(t, dict):
+        return Section("Timings", [Para(["Not recorded."])], "timings")
+    return Section("Timings", [Para([timing_sentence(report) or ""]),
+                               _kv_table([("Total (s)", fmt_num(t.get("total_s"))),
+                                          ("Forward/backward passes", fmt_num(t.get("passes")))])],
+                   "timings")
+
+
+# ---- Markdown serialisation ----
+
+_MD_SPECIAL = re.compile(r"([\\`*_\[\]<>|~$])")
+# Block syntax that only matters at the start of a paragraph or list item: "# ", "- ", "+ ", "1. ", "1) ".
+_MD_LINE_START = re.compile(r"^(\s*)(?:([#+\-])(?=\s|$)|(\d{1,9})([.)])(?=\s|$))")
+
+
+def _escape_line_start(m: re.Match) -> str:
+    if m.group(2):
+        return m.group(1) + "\\" + m.group(2)
+    return m.group(1) + m.group(3) + "\\" + m.group(4)
+
+
+def md_text(text: Any, line_start: bool = True) -> str:
+    """Escape text so Markdown shows it literally (no emphasis, links, raw HTML, headings, lists).
+
+    Args:
+        text: any text; whitespace runs (newlines included) become one space.
+        line_start: the text may start a paragraph or list item (False inside table cells).
+    """
+    s = clean(re.sub(r"\s+", " ", str(text)))
+    s = _MD_SPECIAL.sub(r"\\\1", s)
+    return _MD_LINE_START.sub(_escape_line_start, s) if line_start else s
+
+
+def md_code(text: Any, in_table: bool = False) -> str:
+    """An inline code span that holds any text (fence longer than any backtick run inside).
+
+    In a table cell a `|` must be escaped even inside a code span (GitHub-flavoured Markdown)."""
+    s = clean(str(text))
+    if in_table:
+        s = s.replace("|", "\\|")
+    longest = max((len(run) for run in re.findall(r"`+", s)), default=0)
+    fence = "`" * (longest + 1)
+    pad = " " if s.startswith("`") or s.endswith("`") or not s.strip() else ""
+    return f"{fence}{pad}{s}{pad}{fence}"
+
+
+def _md_inline(parts: list[Inline] | Inline, in_table: bool = False) -> str:
+    if not isinstance(parts, list):
+        parts = [parts]
+    out = []
+    for p in parts:
+        if isinstance(p, Code):
+            out.append(md_code(p.text, in_table))
+        elif isinstance(p, Strong):
+            out.append(f"**{md_text(p.text, line_start=False)}**")
+        else:
+            out.append(md_text(p, line_start=not in_table and not out))
+    return "".join(out)
+
+
+def _md_block(block: Block) -> str:
+    if isinstance(block, Para):
+        return _md_inline(block.parts)
+    if isinstance(block, Bullets):
+        return "\n".join(f"- {_md_inline(item)}" for item in block.items)
+    if isinstance(block, Table):
+        header = block.header if any(block.header) else ["field", "value"]
+        lines = ["| " + " | ".join(md_text(h, line_start=False) for h in header) + " |",
+                 "|" + "|".join("---" for _ in header) + "|"]
+        for row in block.rows:
+            lines.append("| " + " | ".join(_md_inline(c, in_table=True) for c in row) + " |")
+        return "\n".join(lines)
+    if isinstance(block, CodeBlock):
+        longest = max((len(run) for run in re.findall(r"`{3,}", block.text)), default=0)
+        fence = "`" * max(3, longest + 1)
+        return f"{fence}text\n{block.text.rstrip()}\n{fence}"
+    return ""  # Plot: HTML only
+
+
+def render_markdown(report: Mapping) -> str:
+    """The full report as Markdown (report.md).
+
+    Sections: verdict and suggestions, where it happened, reproduction, culprit (samples, module,
+    op, phase, traceback), precision triage, bisection, per-sample table (top 20 by loss),
+    per-layer table (top 20 by grad norm), loss history, environment (with warnings), timings.
+    Every string from the report is escaped: a sample id cannot inject Markdown or HTML.
+
+    Args:
+        report: a report dict (schema forensics-report/1).
+    Returns:
+        The Markdown text, ending with a newline.
+    Example:
+        >>> Path("report.md").write_text(render_markdown(report))  # doctest: +SKIP
+    """
+    dump = section(report, "dump")
+    title = f"# Forensics report: step {fmt_num(dump.get('step'))}, rank {fmt_num(dump.get('rank'))}"
+    out = [title]
+    for sec in build_sections(report):
+        out.append(f"## {md_text(sec.title)}")
+        out.extend(s for s in (_md_block(b) for b in sec.blocks) if s)
+    out.append(f"_Schema {md_text(report.get('schema') or SCHEMA)}; "
+               f"created {md_text(report.get('created_at') or 'n/a')} by forensics._")
+    return "\n\n".join(out) + "\n"

@@ -1,0 +1,395 @@
+"""Plain-words terminal summary of a report (what `forensics replay` prints), and the shared wording helpers."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import unicodedata
+from typing import Any, Iterable, Mapping
+
+from forensics.report.model import as_float
+
+log = logging.getLogger(__name__)
+
+VERDICT_LABELS = {
+    "bad_sample": "bad sample",
+    "numerical_precision": "numerical precision",
+    "optimizer_update": "optimizer update",
+    "model_state": "model state",
+    "not_reproduced": "not reproduced",
+    "spike_no_single_cause": "spike, no single cause",
+}
+
+# history_pattern -> (words, what it usually means), from the field notes' loss-curve table.
+PATTERN_WORDS = {
+    "sudden_jump": ("sudden jump", "usually one bad sample, or a numerical overflow"),
+    "exponential_growth": ("exponential growth",
+                           "usually a learning rate too high, an accumulation bug, or momentum"),
+    "oscillating_divergence": ("oscillating divergence",
+                               "usually corrupted optimizer state or a batch distribution shift"),
+    "stable": ("stable until the failure", "the failing step is an outlier"),
+    "insufficient_history": ("too little history to tell", ""),
+}
+
+MAX_ID_CHARS = 120  # longer sample ids are cut on screen (report.json keeps them whole)
+MAX_LISTED_SAMPLES = 5
+
+
+def clean(text: Any, max_chars: int | None = None) -> str:
+    """One-line, terminal-safe text: control and format characters (ANSI escapes, newlines,
+    bidi overrides) are shown as escapes; cut to `max_chars` with an ellipsis."""
+    s = text if isinstance(text, str) else str(text)
+    out = []
+    for c in s:
+        if unicodedata.category(c) in ("Cc", "Cf", "Cs", "Zl", "Zp"):
+            out.append(c.encode("unicode_escape", "backslashreplace").decode("ascii"))
+        else:
+            out.append(c)
+    s = "".join(out)
+    if max_chars is not None and len(s) > max_chars:
+        s = s[: max_chars - 1] + "…"
+    return s
+
+
+def fmt_id(sample_id: Any, max_chars: int = MAX_ID_CHARS) -> str:
+    """A sample id as shown to people: strings in single quotes, other JSON values as JSON."""
+    if isinstance(sample_id, str):
+        return "'" + clean(sample_id, max_chars) + "'"
+    try:
+        text = json.dumps(sample_id, ensure_ascii=False, allow_nan=True, default=repr)
+    except (TypeError, ValueError):
+        text = repr(sample_id)
+    return clean(text, max_chars)
+
+
+def fmt_num(value: Any, digits: int = 4) -> str:
+    """A report number in short form: 1.234, 3.1e+38, nan, inf; null -> 'n/a'."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return str(value)
+    x = as_float(value)
+    if x is None:
+        return "n/a" if value is None else clean(value, 40)
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return f"{x:.{digits}g}"
+
+
+def fmt_list(values: Iterable[Any], limit: int = 8) -> str:
+    vals = list(values)
+    shown = ", ".join(fmt_num(v) for v in vals[-limit:])
+    return ("…, " if len(vals) > limit else "") + shown
+
+
+def is_nonfinite(value: Any) -> bool:
+    x = as_float(value)
+    return x is not None and not math.isfinite(x)
+
+
+def section(report: Mapping, key: str) -> dict:
+    """report[key] as a dict ({} when absent or null)."""
+    value = report.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def top_rows(rows: Any, key: str, n: int = 20) -> list[dict]:
+    """The `n` rows with the largest `key`: non-finite first, then largest finite, then null."""
+    rows = [r for r in (rows or []) if isinstance(r, dict)]
+
+    def order(row: dict) -> tuple:
+        x = as_float(row.get(key))
+        if x is None:
+            return (2, 0.0)
+        if not math.isfinite(x):
+            return (0, 0.0 if math.isnan(x) else -x)
+        return (1, -x)
+
+    return sorted(rows, key=order)[:n]
+
+
+def culprit_ids(report: Mapping) -> list:
+    """The culprit samples' ids, in report order, without duplicates."""
+    ids: list = []
+    for s in section(report, "culprit").get("samples") or []:
+        if isinstance(s, dict) and "sample_id" in s and s["sample_id"] not in ids:
+            ids.append(s["sample_id"])
+    return ids
+
+
+# ---- sentences shared by the text, Markdown and HTML renderers (plain words, no markup) ----
+
+def where_sentence(report: Mapping) -> str:
+    """'Step 41217, rank 3 of 8, micro-batch 2 of 4.'"""
+    dump, trigger = section(report, "dump"), section(report, "trigger")
+    parts = [f"Step {dump.get('step', '?')}"]
+    rank = dump.get("rank")
+    if rank is not None:
+        ws = dump.get("world_size")
+        parts.append(f"rank {rank}" + (f" of {ws}" if isinstance(ws, int) and ws > 1 else ""))
+    mb = trigger.get("micro_batch")
+    samples = section(report, "culprit").get("samples") or []
+    mbs = sorted({s.get("micro_batch") for s in samples if isinstance(s, dict)
+                  and isinstance(s.get("micro_batch"), int)})
+    if len(mbs) == 1:
+        mb = mbs[0]
+    n = dump.get("num_micro_batches")
+    if len(mbs) > 1:
+        parts.append("micro-batches " + ", ".join(str(m) for m in mbs)
+                     + (f" of {n}" if isinstance(n, int) else ""))
+    elif mb is not None:
+        parts.append(f"micro-batch {mb}" + (f" of {n}" if isinstance(n, int) else ""))
+    text = ", ".join(parts) + "."
+    missing = dump.get("missing_ranks") or []
+    if missing:
+        text += f" Ranks that wrote no dump: {', '.join(str(r) for r in missing)}."
+    return text
+
+
+def trigger_sentence(report: Mapping) -> str:
+    trigger = section(report, "trigger")
+    kind = trigger.get("kind") or "unknown trigger"
+    detail = trigger.get("detail")
+    text = f"Trigger: {clean(kind)}"
+    if detail:
+        text += f" ({clean(detail, 200)})"
+    else:
+        text += f" (value {fmt_num(trigger.get('value'))}"
+        if trigger.get("threshold") is not None:
+            text += f", threshold {fmt_num(trigger.get('threshold'))}"
+        text += ")"
+    return text + "."
+
+
+def reproduction_sentence(report: Mapping) -> str:
+    fid = section(report, "fidelity")
+    replay = section(section(report, "environment"), "replay")
+    device = replay.get("device") or "the replay device"
+    on = f"on {clean(device)}" + (f" ({clean(replay['gpu'])})" if replay.get("gpu") else "")
+    attempts = fid.get("attempts")
+    att = f"{attempts} attempt{'s' if attempts != 1 else ''}" if isinstance(attempts, int) else None
+    if report.get("reproduced"):
+        if fid.get("bitwise_equal") or (fid.get("mode") == "bitwise" and fid.get("bitwise_equal") is not False):
+            how = "bitwise"
+        elif fid.get("mode") == "tolerance":
+            how = f"within tolerance {fmt_num(fid.get('tolerance'))}"
+            if fid.get("max_abs_diff") is not None:
+                how += f" (max abs diff {fmt_num(fid.get('max_abs_diff'))})"
+        else:
+            how = "but not bitwise"
+            if fid.get("max_abs_diff") is not None:
+                how += f" (max abs diff {fmt_num(fid.get('max_abs_diff'))})"
+        return f"Reproduced {how} {on}" + (f", {att}." if att else ".")
+    rec, rep = fid.get("recorded_losses") or [], fid.get("replayed_losses") or []
+    text = f"NOT reproduced {on}" + (f" after {att}" if att else "")
+    if rec or rep:
+        text += f": recorded losses [{fmt_list(rec)}], replayed [{fmt_list(rep)}]"
+    gn_rec, gn_rep = fid.get("recorded_grad_norm"), fid.get("replayed_grad_norm")
+    if gn_rec is not None or gn_rep is not None:
+        text += f"; grad norm recorded {fmt_num(gn_rec)}, replayed {fmt_num(gn_rep)}"
+    return text + "."
+
+
+def location_sentence(report: Mapping) -> str | None:
+    """Where the first bad value appeared (module / op / phase / parameter), or None if unknown."""
+    c = section(report, "culprit")
+    module, op, phase = c.get("module"), c.get("op"), c.get("phase")
+    param, opt_state = c.get("parameter"), c.get("optimizer_state")
+    stats = c.get("stats") if isinstance(c.get("stats"), dict) else {}
+    nonfinite = str(section(report, "trigger").get("kind") or "").startswith("nonfinite")
+    if phase == "optimizer":
+        text = "The optimizer update broke " + (f"parameter {clean(param)}" if param else "the weights")
+        if opt_state:
+            text += f" ({clean(opt_state)})"
+        text += "."
+        if module:
+            text += f" Module: {clean(module)}" + (f" ({clean(op)})." if op else ".")
+        return text
+    if not (module or op or param):
+        return None
+    head = "First non-finite value" if nonfinite else "Located"
+    text = head + (f" in the {clean(phase)} pass" if phase else "")
+    if module:
+        text += f" at {clean(module)}"
+    if op:
+        text += f" ({clean(op)})"
+    facts = [f"{label} abs-max {fmt_num(stats.get(key), 3)}"
+             for key, label in (("inputs_absmax", "input"), ("outputs_absmax", "output"),
+                                ("params_absmax", "weight"))
+             if stats.get(key) is not None]
+    if facts:
+        text += ": " + ", ".join(facts)
+    text += "."
+    if param:
+        text += f" First parameter with a non-finite gradient: {clean(param)}."
+    if opt_state:
+        text += f" Optimizer state: {clean(opt_state)}."
+    return text
+
+
+def culprit_sentence(report: Mapping) -> str | None:
+    """'Culprit: sample 'x' (micro-batch 2, index 5) alone — found in 6 replays of 32 samples.'"""
+    samples = [s for s in section(report, "culprit").get("samples") or [] if isinstance(s, dict)]
+    bis = section(report, "bisection")
+    found = bisection_phrase(bis)
+    if not samples:
+        if bis.get("candidates"):
+            return (f"No culprit sample: bisecting {bis.get('candidates')} samples "
+                    f"({bis.get('runs', '?')} replays) found no subset that fails on its own.")
+        return None
+
+    def one(s: dict) -> str:
+        where = []
+        if s.get("micro_batch") is not None:
+            where.append(f"micro-batch {s['micro_batch']}")
+        if s.get("index") is not None:
+            where.append(f"index {s['index']}")
+        text = fmt_id(s.get("sample_id")) + (f" ({', '.join(where)})" if where else "")
+        if s.get("description"):
+            text += f" — {clean(s['description'], 200)}"
+        return text
+
+    if len(samples) == 1:
+        text = f"Culprit: sample {one(samples[0])} alone"
+    else:
+        listed = "; ".join(one(s) for s in samples[:MAX_LISTED_SAMPLES])
+        more = len(samples) - MAX_LISTED_SAMPLES
+        text = f"Culprit: {len(samples)} samples together: {listed}"
+        if more > 0:
+            text += f"; and {more} more (see report.md)"
+    return text + (f" — {found}." if found else ".")
+
+
+def bisection_phrase(bis: Mapping) -> str | None:
+    runs, cand = bis.get("runs"), bis.get("candidates")
+    if runs is None or cand is None:
+        return None
+    text = f"found in {runs} replay{'s' if runs != 1 else ''} of {cand} samples"
+    if bis.get("budget") is not None:
+        text += f" (budget {bis['budget']})"
+    return text
+
+
+def precision_sentence(report: Mapping) -> str | None:
+    """The fp32 triage in plain words, combined with the culprit: 'precision + data'."""
+    prec = report.get("precision")
+    if not isinstance(prec, dict):
+        return None
+    dtype, fp32 = prec.get("autocast_dtype"), prec.get("fp32_reproduces")
+    has_samples = bool(culprit_ids(report))
+    under = f"autocast {clean(dtype)}" if dtype else "the job's precision"
+    if fp32 is False:
+        cause = "precision + data" if has_samples else "precision"
+        return f"Ran under {under}; in fp32 the step is finite → {cause}."
+    if fp32 is True:
+        cause = "data, not precision" if has_samples else "not precision (data, model or optimizer)"
+        return f"Ran under {under}; still non-finite in fp32 → {cause}."
+    if not report.get("reproduced"):
+        return None  # nothing failed in the replay, so there was nothing to re-run in fp32
+    if not dtype:
+        return "The job ran in full precision (no autocast); no fp32 re-run needed."
+    return f"Ran under {under}; fp32 re-run not performed."
+
+
+def history_sentence(report: Mapping) -> str | None:
+    pattern = report.get("history_pattern")
+    if not pattern:
+        return None
+    words, meaning = PATTERN_WORDS.get(pattern, (clean(pattern).replace("_", " "), ""))
+    text = f"Loss history: {words}"
+    losses = section(report, "history").get("loss") or []
+    if losses:
+        text += f" ({fmt_list(losses, 6)})"
+    if meaning:
+        text += f" — {meaning}"
+    return text + "."
+
+
+def per_sample_sentence(report: Mapping) -> str | None:
+    """Per-sample replay summary: how many samples are non-finite, which is the worst."""
+    rows = [r for r in report.get("per_sample") or [] if isinstance(r, dict)]
+    if not rows:
+        return None
+    bad = [r for r in rows if r.get("finite") is False or is_nonfinite(r.get("loss"))
+           or is_nonfinite(r.get("grad_norm"))]
+    top = top_rows(rows, "loss", 2)
+    if not top or as_float(top[0].get("loss")) is None:
+        return f"Per-sample replay: {len(bad)} of {len(rows)} samples non-finite."
+    worst = f"{fmt_id(top[0].get('sample_id'))} loss {fmt_num(top[0].get('loss'))}"
+    if len(top) > 1 and as_float(top[1].get("loss")) is not None:
+        worst += f" (next highest {fmt_num(top[1].get('loss'))})"
+    return f"Per-sample replay: {len(bad)} of {len(rows)} samples non-finite; highest loss: {worst}."
+
+
+def timing_sentence(report: Mapping) -> str | None:
+    t = section(report, "timings")
+    if t.get("total_s") is None:
+        return None
+    passes = t.get("passes")
+    return f"Replay took {fmt_num(t['total_s'], 3)} s" + (
+        f" ({passes} forward/backward passes)." if passes is not None else ".")
+
+
+def render_verdict_text(report: Mapping, files: Mapping[str, Any] | None = None) -> str:
+    """The short terminal summary `forensics replay` prints: verdict and evidence in plain words.
+
+    Args:
+        report: a report dict (schema forensics-report/1; numbers may be floats or "nan" strings).
+        files: optional {"json"|"md"|"html"|"blocklist": path} of files written, to say where they are.
+    Returns:
+        Several lines of text, ending with a newline. Strings from the report are made
+        terminal-safe (control characters escaped), long sample ids are cut.
+    Example:
+        >>> print(render_verdict_text(report, files={"md": "out/report.md"}))  # doctest: +SKIP
+        Verdict: bad sample — Sample 'shard-0192/rec-55411' alone makes step 41217 non-finite.
+        Step 41217, rank 3 of 8, micro-batch 2 of 4. Trigger: nonfinite_loss (loss of micro-batch 2 is nan).
+        ...
+    """
+    verdict = section(report, "verdict")
+    kind = verdict.get("kind") or "unknown"
+    label = VERDICT_LABELS.get(kind, clean(kind))
+    lines = [f"Verdict: {label} — {clean(verdict.get('headline') or '(no headline)', 400)}"]
+    lines.append(f"{where_sentence(report)} {trigger_sentence(report)}")
+    lines.append(reproduction_sentence(report))
+    for make in (location_sentence, culprit_sentence, per_sample_sentence, precision_sentence,
+                 history_sentence):
+        try:
+            sentence = make(report)
+        except Exception:  # a malformed optional section must not hide the verdict
+            log.warning("could not summarise part of the report (%s)", make.__name__, exc_info=True)
+            continue
+        if sentence:
+            lines.append(sentence)
+    for w in section(report, "environment").get("warnings") or []:
+        lines.append(f"Warning: {clean(w, 300)}")
+    suggestions = verdict.get("suggestions") or []
+    if suggestions:
+        lines.append("Suggested:")
+        lines.extend(f"  - {clean(s, 300)}" for s in suggestions)
+    timing = timing_sentence(report)
+    if timing:
+        lines.append(timing)
+    lines.extend(_files_lines(files))
+    return "\n".join(lines) + "\n"
+
+
+def _files_lines(files: Mapping[str, Any] | None) -> list[str]:
+    if not files:
+        return []
+    files = {k: v for k, v in files.items() if v is not None}
+    lines = []
+    main = files.get("md") or files.get("html") or files.get("json")
+    if main is not None:
+        others = [os.path.basename(str(files[k])) for k in ("html", "json")
+                  if k in files and files[k] is not main]
+        lines.append(f"Report: {clean(str(main))}" + (f" (also {', '.join(others)})" if others else ""))
+    if files.get("blocklist") is not None:
+        lines.append(f"Blocklist of culprit samples: {clean(str(files['blocklist']))}")
+    for k, v in files.items():
+        if k not in ("md", "html", "json", "blocklist"):
+            lines.append(f"{clean(k)}: {clean(str(v))}")
+    return lines

@@ -1,0 +1,123 @@
+"""Writing report.json / report.md / report.html and the culprit blocklist, each file atomically."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+from forensics.report.model import SCHEMA_KEYS, ReportError, to_json_safe, validate_report
+from forensics.report.render_html import render_html
+from forensics.report.render_markdown import render_markdown
+from forensics.report.render_text import culprit_ids
+
+log = logging.getLogger(__name__)
+
+REPORT_FILES = {"json": "report.json", "md": "report.md", "html": "report.html"}
+BLOCKLIST_NAME = "blocklist.jsonl"
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write `text` (UTF-8) to `path` via a temporary file in the same directory, fsync, rename.
+
+    A reader sees either the old file or the whole new one, never a partial file.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return path
+
+
+def report_json_text(report: Mapping) -> str:
+    """report.json's text: JSON-safe, validated, indent 2, top-level keys in schema order."""
+    safe = to_json_safe(dict(report))
+    validate_report(safe)
+    ordered = {k: safe[k] for k in SCHEMA_KEYS if k in safe}
+    ordered.update((k, v) for k, v in safe.items() if k not in ordered)  # keys added by newer writers
+    return json.dumps(ordered, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+
+
+def write_report_files(report: Mapping, out_dir: str | os.PathLike, *, html: bool = True,
+                       plots: bool = True) -> dict[str, Path]:
+    """Validate the report and write report.json, report.md and report.html into `out_dir`.
+
+    The report is first made JSON-safe (non-finite floats -> "nan"/"inf"/"-inf") and validated, so
+    nothing is written for an invalid report. Each file is written atomically.
+
+    Args:
+        report: the report dict from the replay engine (schema forensics-report/1).
+        out_dir: directory to write into (created if missing).
+        html: also write report.html (default True).
+        plots: put plots into report.html (needs matplotlib; default True).
+    Returns:
+        {"json": path, "md": path, "html": path} of the files written.
+    Raises:
+        ReportError: the report is not valid (nothing is written).
+    Example:
+        >>> files = write_report_files(report, "replay-out")  # doctest: +SKIP
+        >>> print(render_verdict_text(report, files=files))  # doctest: +SKIP
+    """
+    text = report_json_text(report)
+    safe = json.loads(text)
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ReportError(f"cannot create the report directory {out}: {e}") from e
+    files = {"json": atomic_write_text(out / REPORT_FILES["json"], text),
+             "md": atomic_write_text(out / REPORT_FILES["md"], render_markdown(safe))}
+    if html:
+        files["html"] = atomic_write_text(out / REPORT_FILES["html"], render_html(safe, plots=plots))
+    log.info("wrote %s", ", ".join(str(p) for p in files.values()))
+    return files
+
+
+def write_blocklist(report: Mapping, path: str | os.PathLike, *, append: bool = False) -> Path:
+    """Write the culprit samples' ids to `path`, one JSON value per line (JSON Lines).
+
+    Each line is `json.dumps(sample_id)`, so string ids with newlines or quotes stay one line and
+    integer ids stay integers: read back with `[json.loads(l) for l in open(path)]`.
+    Duplicates are dropped. With no culprit samples the file is written empty.
+
+    Args:
+        report: the report dict.
+        path: the blocklist file (e.g. <out_dir>/blocklist.jsonl).
+        append: keep the ids already in `path` and add the new ones after them.
+    Returns:
+        The path written.
+    Example:
+        >>> write_blocklist(report, "replay-out/blocklist.jsonl")  # doctest: +SKIP
+    """
+    path = Path(path)
+    ids: list[Any] = []
+    if append and path.exists():
+        for n, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
+            if line.strip():
+                try:
+                    ids.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ReportError(f"{path}:{n} is not a JSON value ({e}); fix or remove the "
+                                      "line, or write a new blocklist without append") from e
+    for sid in culprit_ids(to_json_safe(dict(report))):
+        if sid not in ids:
+            ids.append(sid)
+    if not ids:
+        log.warning("the report names no culprit samples; writing an empty blocklist at %s", path)
+    # ensure_ascii: no raw U+2028 / NEL in a line, which some line splitters treat as line breaks.
+    text = "".join(json.dumps(sid, ensure_ascii=True, allow_nan=False) + "\n" for sid in ids)
+    return atomic_write_text(path, text)
