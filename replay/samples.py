@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -143,6 +143,30 @@ def _select(node: Any, size: int, indices: list[int], index_tensors: dict) -> An
             return node
         return _rebuild(node, [_select(v, size, indices, index_tensors) for v in node])
     return node
+
+
+def map_sample_tensors(batch: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """A copy of the tree with `fn` applied to every per-sample tensor (dim 0 == the batch size).
+
+    Every other leaf is kept as it is. Used to add or remove the batch dimension around
+    `torch.func.vmap`.
+
+    Example:
+        >>> map_sample_tensors({"x": torch.zeros(3, 2), "pos": torch.zeros(1, 2)}, lambda t: t[0])["x"].shape
+        torch.Size([2])
+    """
+    size = batch_size(batch)
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, torch.Tensor):
+            return fn(node) if node.dim() >= 1 and node.shape[0] == size else node
+        if isinstance(node, dict):
+            return _rebuild(node, [walk(v) for v in node.values()])
+        if isinstance(node, (list, tuple)) and not _is_per_sample_list(node):
+            return _rebuild(node, [walk(v) for v in node])
+        return node
+
+    return walk(batch)
 
 
 def select_samples(batch: Any, indices: Iterable[int]) -> Any:
