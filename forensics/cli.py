@@ -1,0 +1,187 @@
+"""The `forensics` command line: inspect, verify, pack, replay, demo. Each command parses, calls one
+library function and maps the outcome to an exit code (EXIT_CODES, the one table)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from forensics.errors import DumpError, ForensicsError, RecipeError, ReplayError
+
+# The one exit-code table (README "Exit codes" copies it).
+EXIT_OK = 0  # success; for replay: a verdict that names a culprit
+EXIT_INTERNAL = 1  # a bug in forensics (please report it with the traceback)
+EXIT_BAD_INPUT = 2  # missing / not a dump / truncated / tampered / newer format / recipe not usable
+EXIT_NOT_REPRODUCED = 3  # replay could not reproduce the failure
+EXIT_NO_CULPRIT = 4  # reproduced, but no single culprit (model_state, spike_no_single_cause)
+EXIT_CODES = {
+    "bad_sample": EXIT_OK, "numerical_precision": EXIT_OK, "optimizer_update": EXIT_OK,
+    "not_reproduced": EXIT_NOT_REPRODUCED, "model_state": EXIT_NO_CULPRIT, "spike_no_single_cause": EXIT_NO_CULPRIT,
+}
+
+
+def replay_exit_code(report: dict) -> int:
+    return EXIT_CODES.get(report.get("verdict", {}).get("kind"), EXIT_NO_CULPRIT)
+
+
+class BadInput(click.ClickException):
+    """A ForensicsError about the user's input, shown as 'Error: ...' with exit code 2."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+def _fail(exc: ForensicsError) -> BadInput:
+    return BadInput(str(exc))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="forensics", prog_name="forensics")
+def main() -> None:
+    """Crash forensics for PyTorch training: inspect, verify and replay dumps of failing steps."""
+
+
+@main.command()
+@click.argument("dump", type=click.Path(path_type=Path))
+@click.option("--rank", type=int, default=None, help="Rank to show, for a step directory of several ranks.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def inspect(dump: Path, rank: int | None, as_json: bool) -> None:
+    """Summarise a dump: trigger, step, rank, samples, history, sizes, environment. Reads no weights."""
+    from forensics.format import open_dump, open_step
+    from forensics.summary import dump_summary, render_summary
+
+    try:
+        chosen = open_dump(dump, rank=rank)
+        _, missing = open_step(dump) if dump.is_dir() else ([], [])
+        summary = dump_summary(chosen, missing)
+    except ForensicsError as exc:
+        raise _fail(exc) from exc
+    if as_json:
+        from forensics.format.jsonio import to_jsonable
+
+        click.echo(json.dumps(to_jsonable(summary), indent=2))
+    else:
+        click.echo(render_summary(summary))
+
+
+@main.command()
+@click.argument("dump", type=click.Path(path_type=Path))
+def verify(dump: Path) -> None:
+    """Check a dump's integrity (every file's size and sha256, all ranks present); names the bad file."""
+    from forensics.format import verify_dump
+
+    try:
+        result = verify_dump(dump)
+    except ForensicsError as exc:
+        raise _fail(exc) from exc
+    for d in result.dumps:
+        click.echo(f"rank {d.rank}: {len(d.manifest['files'])} files listed, step {d.step}")
+    if result.ok:
+        click.echo(f"OK: {dump} is intact")
+        return
+    for problem in result.problems:
+        click.echo(f"PROBLEM {problem}", err=True)
+    raise BadInput(f"{dump} failed verification ({len(result.problems)} problem(s)); do not trust it for replay")
+
+
+@main.command()
+@click.argument("dump", type=click.Path(path_type=Path))
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
+              help="Archive path (default: DUMP.tar.zst next to it).")
+def pack(dump: Path, output: Path | None) -> None:
+    """Pack a dump directory into one .tar.zst to attach to job artifacts (every command reads it)."""
+    from forensics.format import pack_dump
+
+    try:
+        archive = pack_dump(dump, output)
+    except ForensicsError as exc:
+        raise _fail(exc) from exc
+    click.echo(str(archive))
+
+
+def _progress(stage: str) -> None:
+    click.echo(f"[{time.strftime('%H:%M:%S')}] {stage}", err=True)
+
+
+@main.command()
+@click.argument("dump", type=click.Path(path_type=Path))
+@click.option("--device", default=None, help="cuda:0, cpu, ... (default: CUDA when present).")
+@click.option("--rank", type=int, default=None, help="Which rank of a multi-rank step dump to replay.")
+@click.option("--all-ranks", is_flag=True, help="Replay every rank present, one after another.")
+@click.option("--trust", is_flag=True, help="Allow importing the model factory / loss the dump names.")
+@click.option("--factory", default=None, metavar="MODULE:FN", help="Model factory to use instead of the dump's.")
+@click.option("--loss", "loss_fn", default=None, metavar="MODULE:FN", help="Loss function (model, batch) -> loss.")
+@click.option("--path", "sys_path", multiple=True, type=click.Path(path_type=Path),
+              help="Directory to add to sys.path for --factory / --loss (repeatable).")
+@click.option("-o", "--out", type=click.Path(path_type=Path), default=None,
+              help="Report directory (default: forensics_reports/<run>-step<N>-rank<R>).")
+@click.option("--blocklist", type=click.Path(path_type=Path), default=None,
+              help="Write the culprit sample IDs here, one JSON value per line.")
+@click.option("--no-bisect", is_flag=True, help="Skip the sample bisection.")
+@click.option("--json", "as_json", is_flag=True, help="Print report.json to stdout.")
+def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_path, out, blocklist, no_bisect,
+           as_json) -> None:
+    """Replay the failing step of DUMP offline, localise it, bisect the samples, print the verdict."""
+    from forensics.format import open_step
+    from forensics.report import render_verdict_text, write_blocklist, write_report_files
+    from replay.engine import ReplayOptions, run_replay
+
+    try:
+        ranks = [d.rank for d in open_step(dump)[0]] if all_ranks else [rank]
+        codes = []
+        for chosen_rank in ranks:
+            options = ReplayOptions(device=device, trust=trust, factory=factory, loss=loss_fn,
+                                    sys_path=[str(p) for p in sys_path], rank=chosen_rank, bisect=not no_bisect)
+            report = run_replay(dump, options, progress=_progress)
+            d = report["dump"]
+            target = out or Path("forensics_reports") / f"{d.get('run_id', 'run')}-step{d['step']}-rank{d['rank']}"
+            if all_ranks and out:
+                target = out / f"rank{d['rank']}"
+            files = write_report_files(report, target)
+            if blocklist:
+                write_blocklist(report, blocklist)
+            if as_json:
+                click.echo(Path(files["json"]).read_text())
+            else:
+                click.echo(render_verdict_text(report))
+                click.echo(f"\nreport: {files['html']}  ({files['md']}, {files['json']})")
+            codes.append(replay_exit_code(report))
+    except (DumpError, RecipeError, ReplayError) as exc:
+        raise _fail(exc) from exc
+    sys.exit(min(codes) if codes else EXIT_NO_CULPRIT)
+
+
+def _demo_help() -> str:
+    try:
+        from forensics.demo.scenarios import SCENARIOS
+
+        return "Planted fault: " + "; ".join(f"{name}: {s.description}" for name, s in SCENARIOS.items())
+    except Exception:  # noqa: BLE001 - help text must never break the CLI
+        return "Planted fault to run."
+
+
+@main.command()
+@click.option("--scenario", default="bad_sample", show_default=True, help=_demo_help())
+@click.option("-o", "--out", type=click.Path(path_type=Path), default=Path("forensics_demo"), show_default=True,
+              help="Where the demo writes its dump and report.")
+@click.option("--device", default=None, help="cuda:0, cpu, ... (default: CUDA when present).")
+def demo(scenario: str, out: Path, device: str | None) -> None:
+    """Train a small GPT-style model with a planted fault, capture it, replay it, print the verdict."""
+    from forensics.demo.run import run_demo
+    from forensics.demo.scenarios import SCENARIOS
+
+    if scenario not in SCENARIOS:
+        raise click.BadParameter(f"unknown scenario {scenario!r}; choose from {', '.join(SCENARIOS)}",
+                                 param_hint="--scenario")
+    try:
+        report, _ = run_demo(scenario, out, device, echo=click.echo)
+    except ForensicsError as exc:
+        raise _fail(exc) from exc
+    sys.exit(replay_exit_code(report))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

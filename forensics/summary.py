@@ -1,0 +1,88 @@
+"""The human summary of a dump printed by `forensics inspect` (and its --json form)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from forensics.format.reader import Dump
+
+HISTORY_AROUND_TRIGGER = 12  # steps of history shown before the trigger
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}" if math.isfinite(value) else str(value)
+    return "-" if value is None else str(value)
+
+
+def _size(num: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if num < 1024 or unit == "GB":
+            return f"{num:.1f} {unit}" if unit != "B" else f"{num} B"
+        num /= 1024
+    return f"{num} B"
+
+
+def dump_summary(dump: Dump, missing_ranks: list[int]) -> dict:
+    """A JSON-able summary: the manifest's key facts plus the history tail (reads history.json only)."""
+    history = dump.history()
+    tail = {key: history.get(key, [])[-HISTORY_AROUND_TRIGGER:] for key in ("step", "loss", "grad_norm", "lr",
+                                                                             "loss_scale", "skipped")}
+    m = dump.manifest
+    return {
+        "path": str(dump.path), "run_id": m["run_id"], "step": dump.step, "rank": dump.rank,
+        "world_size": dump.world_size, "missing_ranks": missing_ranks, "trigger": dump.trigger,
+        "micro_batches": [{k: mb.get(k) for k in ("index", "sample_ids", "batch_size", "loss", "unreplayable")}
+                          for mb in dump.micro_batches_meta],
+        "precision": dump.precision, "recipe": dump.recipe, "recheck": m.get("recheck"),
+        "history_tail": tail, "total_bytes": dump.total_size(),
+        "files": m["files"], "environment": m.get("environment", {}),
+        "format_version": m["format_version"], "created_at": m["created_at"],
+    }
+
+
+def render_summary(summary: dict) -> str:
+    t = summary["trigger"]
+    lines = [
+        f"forensics dump  {summary['path']}",
+        f"  run {summary['run_id']}  step {summary['step']}  rank {summary['rank']} of {summary['world_size']}"
+        + (f"  (missing ranks: {summary['missing_ranks']})" if summary["missing_ranks"] else ""),
+        f"  trigger: {t.get('kind')}  value {_fmt(t.get('value'))}"
+        + (f"  threshold {_fmt(t.get('threshold'))}" if t.get("threshold") is not None else "")
+        + (f"  micro-batch {t['micro_batch']}" if t.get("micro_batch") is not None else ""),
+        f"  {t.get('detail', '')}",
+        "",
+        f"  micro-batches ({len(summary['micro_batches'])}):",
+    ]
+    for mb in summary["micro_batches"]:
+        ids = mb.get("sample_ids") or []
+        shown = ", ".join(str(i) for i in ids[:8]) + (f", ... ({len(ids)} in all)" if len(ids) > 8 else "")
+        lines.append(f"    [{mb['index']}] loss {_fmt(mb.get('loss'))}  samples: {shown}")
+        for leaf in mb.get("unreplayable") or []:
+            lines.append(f"        unreplayable leaf {leaf['path']} ({leaf['type']})")
+    tail = summary["history_tail"]
+    lines += ["", "  history (last steps):", "    step        loss   grad_norm          lr"]
+    for row in zip(tail["step"], tail["loss"], tail["grad_norm"], tail["lr"]):
+        lines.append("    " + "  ".join(f"{_fmt(v):>10}" for v in row))
+    precision = summary["precision"]
+    autocast = precision.get("autocast") or {}
+    env = summary["environment"]
+    gpus = ", ".join(f"{g['name']} ({g['sm_count']} SMs)" for g in env.get("gpus", [])) or "none"
+    recipe = summary["recipe"]
+    lines += [
+        "",
+        f"  precision: params {precision.get('param_dtype')}, autocast "
+        + (f"{autocast.get('dtype')} on {autocast.get('device_type')}" if autocast.get("enabled") else "off")
+        + (", GradScaler on" if precision.get("grad_scaler") else ""),
+        f"  recipe: factory {recipe.get('factory')}  loss {recipe.get('loss')}  ({recipe.get('source', '')})",
+        f"  environment: python {env.get('python')}, torch {env.get('torch')}, CUDA {env.get('cuda')}, "
+        f"GPUs {gpus}, host {env.get('hostname')}, git {env.get('git_commit') or '-'}",
+        f"  size: {_size(summary['total_bytes'])} in {len(summary['files'])} files; format v{summary['format_version']}, "
+        f"written {summary['created_at']}",
+    ]
+    recheck = summary.get("recheck") or {}
+    if recheck.get("performed"):
+        lines.append(f"  in-job re-check: {'reproduced' if recheck.get('reproduced') else 'NOT reproduced'} "
+                     f"(original {_fmt(recheck.get('original'))}, recomputed {_fmt(recheck.get('recomputed'))})")
+    return "\n".join(lines)
