@@ -1,0 +1,112 @@
+"""Tests for replay/history_pattern.py: loss-curve shapes and the field notes' other signals."""
+
+import math
+import random
+
+import pytest
+
+from replay.history_pattern import PATTERNS, classify_history, history_signals
+
+NAN = float("nan")
+FIELD_NOTES = {
+    "sudden_jump": [1.6, 1.5, 1.4, 87234.5, NAN],
+    "exponential_growth": [2.1, 2.3, 2.8, 4.5, 12.3, 89.7, NAN],
+    "oscillating_divergence": [2.0, 1.8, 2.2, 1.6, 2.5, 1.4, 3.2, NAN],
+}
+
+
+@pytest.mark.parametrize("pattern", sorted(FIELD_NOTES))
+def test_field_notes_examples_exactly(pattern):
+    assert classify_history(FIELD_NOTES[pattern]) == pattern
+
+
+@pytest.mark.parametrize("pattern", sorted(FIELD_NOTES))
+def test_noisy_variants_after_a_stable_stretch(pattern):
+    rng = random.Random(sorted(FIELD_NOTES).index(pattern))
+    for _ in range(200):
+        prefix = [2.0 * math.exp(rng.gauss(0, 0.03)) for _ in range(rng.randint(0, 60))]
+        noisy = [v * math.exp(rng.gauss(0, 0.03)) if not math.isnan(v) else v for v in FIELD_NOTES[pattern]]
+        assert classify_history(prefix + noisy) == pattern, prefix + noisy
+
+
+def test_stable_then_nan_out_of_nowhere():
+    rng = random.Random(7)
+    wrong = 0
+    for _ in range(500):
+        sigma = rng.choice([0.01, 0.05, 0.1])
+        losses = [2.0 * math.exp(rng.gauss(0, sigma)) for _ in range(rng.randint(10, 200))] + [NAN]
+        wrong += classify_history(losses) != "stable"
+    assert wrong <= 2                     # pure noise is (almost) never read as a pattern
+    decaying = [3 * math.exp(-i / 50) for i in range(200)] + [NAN]
+    assert classify_history(decaying) == "stable"
+    assert classify_history([2.0] * 30 + [NAN]) == "stable"
+
+
+def test_sudden_jump_variants():
+    assert classify_history([1.6, 1.55, 1.58, 1.5, 1.52, 1.44, 87234.5]) == "sudden_jump"   # noisy, alternating
+    assert classify_history([1.4, 1.45, 1.5, 1.55, 87234.5, NAN]) == "sudden_jump"          # slow drift, then jump
+    assert classify_history([1.6, 1.5, 1.4, 1.4, 40.0, 41.0, NAN]) == "sudden_jump"          # jump one step back
+    assert classify_history([2.0, None, 1.9, 1.8, None, 1.85, 9.5]) == "sudden_jump"         # gaps ignored
+
+
+def test_exponential_growth_variants():
+    assert classify_history([2.1, 2.3, 2.8, 4.5, 4.4, 12.3, 89.7, NAN]) == "exponential_growth"   # one dip
+    assert classify_history([2.1, 2.3, 2.8, 4.5, 12.3, 89.7, 1e6]) == "exponential_growth"       # ends in a blow-up
+    assert classify_history([1.0, 1.5, 2.25, 3.4, 5.1, 7.6]) == "exponential_growth"              # steady x1.5
+
+
+def test_negative_losses_use_signed_log():
+    assert classify_history([-1.0, -1.1, -0.9, -1.05, -1.0]) == "stable"
+    assert classify_history([-1.0, -1.1, -1.05, -1.0, 5e4]) == "sudden_jump"
+
+
+def test_insufficient_history():
+    assert classify_history([]) == "insufficient_history"
+    assert classify_history([1.0, 2.0, NAN, None, 3.0]) == "insufficient_history"
+    assert classify_history([1.0, float("inf"), 1.1, 1.2, 1.3]) == "stable"
+    assert set(PATTERNS) >= set(FIELD_NOTES) | {"stable", "insufficient_history"}
+
+
+def healthy(n=200):
+    return {"step": list(range(1000, 1000 + n)), "loss": [2.0] * n, "grad_norm": [1.0] * n,
+            "lr": [3e-4] * n, "loss_scale": [None] * n, "clipped": [False] * n, "skipped": [False] * n}
+
+
+def test_healthy_history_has_no_signals():
+    assert history_signals(healthy()) == []
+    assert history_signals({}) == []
+    assert history_signals({"step": [1], "loss": [None]}) == []
+
+
+def test_clipping_on_more_than_one_percent_of_steps():
+    h = healthy()
+    h["clipped"][10] = h["clipped"][50] = True                # 1%: fine
+    assert history_signals(h) == []
+    h["clipped"][90] = True                                     # 1.5%
+    (signal,) = history_signals(h)
+    assert "clipping fired on 3 of 200" in signal
+
+
+def test_grad_norm_long_below_point_one_and_suddenly_zero():
+    h = healthy()
+    h["grad_norm"][-25:] = [0.05] * 25
+    (signal,) = history_signals(h)
+    assert "below 0.1 for the last 25 recorded steps" in signal
+    h = healthy()
+    h["grad_norm"][-1] = 0.0
+    h["grad_norm"][-2] = 0.83
+    (signal,) = history_signals(h)
+    assert "dropped to exactly 0 at step 1199 (it was 0.83" in signal
+
+
+def test_fp16_loss_scale_overflows_down_to_the_minimum():
+    h = healthy(40)
+    h["loss_scale"] = [65536.0] * 20 + [2.0 ** (15 - i) for i in range(20)]   # halves every step
+    h["skipped"] = [False] * 20 + [True] * 20
+    (signal,) = history_signals(h)
+    assert "overflowed on 20 recorded steps" in signal and "6.55e+04 -> 0.0625" in signal
+    assert "collapsed to the minimum" in signal
+    h = healthy(40)
+    h["loss_scale"] = [65536.0] * 35 + [32768.0, 32768.0, 16384.0, 8192.0, 8192.0]
+    (signal,) = history_signals(h)
+    assert "overflowed on 3 recorded steps" in signal and "minimum" not in signal
