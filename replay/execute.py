@@ -1,0 +1,391 @@
+"""Reproduce: re-execute the failing step (all samples or a subset) from the pre-step weights.
+
+`StepRunner.run()` restores each micro-batch's RNG, runs its forward under the recorded autocast
+(or fp32), divides the loss by the recorded divisor (scaling it like the job's GradScaler), runs
+backward, and measures the result. Every run starts from the pre-step weights: the runner keeps a
+copy of the initial state_dict and loads it back before each run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Iterable
+
+import torch
+
+from forensics.errors import ReplayError
+from replay.load import ReplaySession
+
+logger = logging.getLogger(__name__)
+
+TRIGGER_KINDS = ("nonfinite_loss", "nonfinite_grad", "loss_spike", "grad_norm_spike", "nonfinite_param")
+# Relative tolerance when a bitwise match cannot be expected (other GPU / torch / CPU vs GPU):
+# reductions in another order move fp32 results by ~1e-6 relative, bf16 autocast by ~1e-2 at worst.
+DEFAULT_TOLERANCE = 1e-2
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    """One sample of the step: position `index` in micro-batch `micro_batch` (sample_id for display).
+
+    Equality and hashing use the position only (sample ids are JSON values, possibly unhashable).
+    """
+
+    micro_batch: int
+    index: int
+    sample_id: Any = field(default=None, compare=False)
+
+
+def _as_float(value: Any) -> float | None:
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
+
+
+@dataclass
+class StepResult:
+    """What one run of the step produced."""
+
+    losses: list[float | None]
+    """Per micro-batch loss before division by the divisor; None where the micro-batch was skipped."""
+    grad_norm: float | None
+    """Total L2 norm of all gradients (as clip_grad_norm_ computes it), unscaled; None without backward."""
+    loss_finite: bool
+    grads_finite: bool
+    params_finite: bool
+    """The pre-step weights themselves are finite."""
+    nonfinite_grad_params: list[str] = field(default_factory=list)
+    """Parameters whose gradient holds NaN/Inf, in named_parameters() order."""
+    fp32: bool = False
+    samples: list[SampleRef] | None = None
+    error: str | None = None
+    """With anomaly=True: the RuntimeError autograd anomaly mode raised (else None)."""
+    anomaly_warnings: list[str] = field(default_factory=list)
+
+    def trigger_reproduced(self, kind: str, threshold: float | None = None) -> bool:
+        """True when this run shows the same kind of failure as the trigger.
+
+        nonfinite_loss: a micro-batch loss is NaN/Inf. nonfinite_grad: a gradient is NaN/Inf.
+        loss_spike: a micro-batch loss is above `threshold` (or non-finite). grad_norm_spike: the
+        grad norm is above `threshold` (or non-finite). nonfinite_param: the pre-step weights hold
+        NaN/Inf (an update that breaks them is checked by replay.localize.localize_optimizer).
+        """
+        if kind == "nonfinite_loss":
+            return not self.loss_finite
+        if kind == "nonfinite_grad":
+            return not self.grads_finite
+        if kind == "loss_spike":
+            values = [v for v in self.losses if v is not None]
+            if any(not math.isfinite(v) for v in values):
+                return True
+            return threshold is not None and any(v > threshold for v in values)
+        if kind == "grad_norm_spike":
+            if self.grad_norm is None:
+                return False
+            return not math.isfinite(self.grad_norm) or (threshold is not None and self.grad_norm > threshold)
+        if kind == "nonfinite_param":
+            return not self.params_finite
+        raise ReplayError(f"unknown trigger kind {kind!r}; expected one of {TRIGGER_KINDS}")
+
+
+def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor | None:
+    """The L2 norm over all gradients, computed as torch.nn.utils.clip_grad_norm_ does (bitwise)."""
+    if not grads:
+        return None
+    get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
+    if get_total_norm is not None:
+        return get_total_norm(grads, 2.0)
+    first = grads[0].device
+    norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]
+    return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), 2.0)
+
+
+def any_nonfinite(tensors: Iterable[torch.Tensor]) -> list[bool]:
+    """Per tensor: holds a NaN/Inf (one device sync for the lot)."""
+    tensors = list(tensors)
+    if not tensors:
+        return []
+    flags = torch.stack([~torch.isfinite(t).all() for t in tensors])
+    return [bool(f) for f in flags.tolist()]
+
+
+class StepRunner:
+    """Re-executes the session's step as often as asked, always from the pre-step weights.
+
+    Args:
+        session: what replay.load built.
+        keep_initial_on_cpu: keep the pre-step state_dict copy on the CPU (saves GPU memory for big
+            models; each reset then copies host -> device).
+    """
+
+    def __init__(self, session: ReplaySession, keep_initial_on_cpu: bool = False):
+        self.session = session
+        self.model = session.model
+        where = torch.device("cpu") if keep_initial_on_cpu else None
+        self._initial = {k: (v.detach().to(where, copy=True) if where else v.detach().clone())
+                         for k, v in self.model.state_dict().items()}
+        self.param_names = [n for n, _ in self.model.named_parameters()]
+        flags = any_nonfinite(p.detach() for _, p in self.model.named_parameters())
+        self.nonfinite_params = [n for n, bad in zip(self.param_names, flags) if bad]
+        self.passes = 0
+        self._warned_autocast = False
+
+    # -- state ---------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Pre-step weights and buffers back in place, gradients cleared, param dtype as recorded."""
+        model = self.model
+        if self.session.param_dtype.is_floating_point:
+            current = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+            if current is not None and current != self.session.param_dtype:
+                model.to(self.session.param_dtype)
+        with torch.no_grad():
+            model.load_state_dict(self._initial, strict=False)
+        for p in model.parameters():
+            p.grad = None
+
+    def initial_state(self) -> dict[str, torch.Tensor]:
+        """The pre-step state_dict (do not modify)."""
+        return self._initial
+
+    # -- contexts ------------------------------------------------------------------------------
+    def autocast_context(self, fp32: bool = False) -> ContextManager:
+        """The job's autocast on the replay device (none with fp32=True or when the job used none)."""
+        dtype = self.session.autocast_dtype
+        if fp32 or dtype is None:
+            return contextlib.nullcontext()
+        device_type = self.session.device.type
+        try:
+            return torch.autocast(device_type=device_type, dtype=dtype)
+        except RuntimeError as exc:  # e.g. a dtype this device's autocast does not support
+            if not self._warned_autocast:
+                self.session.warnings.append(f"autocast({device_type}, {dtype}) is not available here ({exc}); "
+                                             "replaying with bfloat16 autocast")
+                self._warned_autocast = True
+            return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
+
+    def _restore_rng(self, index: int) -> None:
+        from forensics.rng import restore_rng
+
+        states = self.session.rng_states
+        if index >= len(states) or states[index] is None:
+            return
+        device = self.session.device
+        if device.type == "cuda" and self.session.source_cuda_device is not None:
+            restore_rng(states[index], source_device=int(self.session.source_cuda_device),
+                        target_device=device.index or 0)
+        else:
+            restore_rng(states[index])
+
+    def batch_for(self, micro_batch: int, indices: list[int] | None) -> Any:
+        """Micro-batch `micro_batch`, or only its samples at `indices`."""
+        batch = self.session.micro_batches[micro_batch]
+        if indices is None:
+            return batch
+        from replay.samples import select_samples
+
+        return select_samples(batch, indices)
+
+    # -- running -------------------------------------------------------------------------------
+    def run(self, samples: list[SampleRef] | None = None, *, fp32: bool = False, anomaly: bool = False,
+            restore_rng: bool = True, backward: bool = True,
+            forward_context: Callable[[int], ContextManager] | None = None,
+            on_loss: Callable[[int, torch.Tensor], None] | None = None,
+            keep_grads: bool = False, anomaly_check_nan: bool = True) -> StepResult:
+        """Runs the step once from the pre-step weights.
+
+        Args:
+            samples: run only these samples (None: all). Micro-batches with none selected are skipped;
+                the others are divided by the recorded divisor, as in the job.
+            fp32: no autocast, no loss scaling, model in float32.
+            anomaly: run under torch.autograd.detect_anomaly(check_nan=True); its error is returned
+                in StepResult.error, its forward traceback in anomaly_warnings.
+            restore_rng: put each micro-batch's recorded RNG back before its forward.
+            backward: also run backward and measure gradients.
+            forward_context: per micro-batch context around the forward (localisation hooks).
+            on_loss: called with (micro_batch, loss) before backward.
+            keep_grads: leave the gradients on the model afterwards (for the optimizer check); the
+                next run() resets them anyway.
+            anomaly_check_nan: with anomaly=True, abort backward at the first NaN (anomaly mode's
+                check); False only records forward tracebacks on the autograd nodes.
+        Returns:
+            StepResult.
+        """
+        session = self.session
+        self.reset()
+        self.passes += 1
+        model = self.model
+        model.train()
+        if fp32:
+            model.to(torch.float32)
+        selected: dict[int, list[int]] | None = None
+        if samples is not None:
+            selected = {}
+            for ref in samples:
+                selected.setdefault(int(ref.micro_batch), []).append(int(ref.index))
+            selected = {mb: sorted(ix) for mb, ix in selected.items()}
+        scale = None
+        if session.scaler_enabled and not fp32:
+            scale = torch.tensor(float(session.scaler_state["scale"]), dtype=torch.float32, device=session.device)
+        losses: list[float | None] = []
+        error = None
+        caught: list[warnings.WarningMessage] = []
+        anomaly_ctx = torch.autograd.detect_anomaly(check_nan=anomaly_check_nan) if anomaly else contextlib.nullcontext()
+        try:
+            with warnings.catch_warnings(record=True) as caught, anomaly_ctx:
+                warnings.simplefilter("always")
+                for i in range(len(session.micro_batches)):
+                    if selected is not None and i not in selected:
+                        losses.append(None)
+                        continue
+                    batch = self.batch_for(i, None if selected is None else selected[i])
+                    if restore_rng:
+                        self._restore_rng(i)
+                    extra = forward_context(i) if forward_context is not None else contextlib.nullcontext()
+                    with extra, self.autocast_context(fp32):
+                        loss = session.loss_fn(model, batch)
+                    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                        raise ReplayError(f"the loss function returned {type(loss).__name__} "
+                                          f"{getattr(loss, 'shape', '')}, not a scalar tensor")
+                    losses.append(float(loss.detach().float().reshape(())))
+                    if on_loss is not None:
+                        on_loss(i, loss)
+                    if backward and loss.requires_grad:
+                        scaled = loss.reshape(()) / session.loss_divisor
+                        if scale is not None:
+                            scaled = scaled * scale
+                        try:
+                            scaled.backward()
+                        except RuntimeError as exc:
+                            if not anomaly:
+                                raise
+                            error = str(exc)
+                            break
+        finally:
+            anomaly_text = [str(w.message) for w in caught if "anomaly" in str(w.message).lower()
+                            or "Traceback of forward call" in str(w.message)]
+            for w in caught:  # re-emit what was not ours to swallow
+                if str(w.message) not in anomaly_text:
+                    logger.debug("warning during replay: %s", w.message)
+        grads = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+        if scale is not None:
+            inv = scale.double().reciprocal().float()  # GradScaler.unscale_ multiplies by 1/scale (fp32)
+            with torch.no_grad():
+                for _, g in grads:
+                    g.mul_(inv.to(g.device))
+        grad_norm = None
+        flags: list[bool] = []
+        if backward and grads:
+            norm = total_grad_norm([g for _, g in grads])
+            grad_norm = float(norm) if norm is not None else None
+            flags = any_nonfinite(g for _, g in grads)
+        bad_grads = [n for (n, _), bad in zip(grads, flags) if bad]
+        result = StepResult(
+            losses=losses + [None] * (len(session.micro_batches) - len(losses)),
+            grad_norm=grad_norm,
+            loss_finite=all(_finite(v) for v in losses if v is not None),
+            grads_finite=not bad_grads,
+            params_finite=not self.nonfinite_params,
+            nonfinite_grad_params=bad_grads,
+            fp32=fp32,
+            samples=list(samples) if samples is not None else None,
+            error=error,
+            anomaly_warnings=anomaly_text,
+        )
+        if not keep_grads:
+            for p in model.parameters():
+                p.grad = None
+        if fp32:
+            self.reset()
+        return result
+
+
+# --------------------------------------------------------------------------------------------
+# fidelity
+# --------------------------------------------------------------------------------------------
+def _same(a: float | None, b: float | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return a == b
+
+
+def _close(a: float | None, b: float | None, tol: float) -> bool:
+    if _same(a, b):
+        return True
+    if not (_finite(a) and _finite(b)):
+        return False
+    return abs(a - b) <= tol * max(1.0, abs(a))
+
+
+@dataclass
+class Reproduction:
+    """Outcome of reproducing the step (the report's `reproduced` and `fidelity`)."""
+
+    reproduced: bool
+    result: StepResult
+    fidelity: dict
+    attempts: int
+
+
+def reproduce(runner: StepRunner, max_attempts: int = 3, tolerance: float = DEFAULT_TOLERANCE) -> Reproduction:
+    """Runs the whole step until the trigger reproduces (at most `max_attempts` times).
+
+    Compares replayed per-micro-batch losses and grad norm with the recorded ones: bitwise when the
+    replay machine matches the capture (session.expect_bitwise), else within `tolerance` (relative).
+    Returns:
+        Reproduction; fidelity follows the report schema's "fidelity" block.
+    """
+    session = runner.session
+    trigger = session.trigger or {}
+    kind = trigger.get("kind", "nonfinite_loss")
+    threshold = _as_float(trigger.get("threshold"))
+    attempts, result, reproduced = 0, None, False
+    for attempts in range(1, max(1, max_attempts) + 1):
+        result = runner.run(keep_grads=True)
+        reproduced = result.trigger_reproduced(kind, threshold)
+        if reproduced or session.device.type == "cpu":  # CPU kernels are deterministic: same answer again
+            break
+        logger.info("attempt %d did not reproduce %s; retrying", attempts, kind)
+    recorded = [_as_float(v) for v in session.recorded_losses]
+    replayed = result.losses
+    diffs = [abs(a - b) for a, b in zip(recorded, replayed) if _finite(a) and _finite(b)]
+    recorded_norm = _as_float(session.recorded_grad_norm)
+    bitwise = all(_same(a, b) for a, b in zip(recorded, replayed) if a is not None) and \
+        (recorded_norm is None or _same(recorded_norm, result.grad_norm))
+    mode = "bitwise" if session.expect_bitwise else "tolerance"
+    fidelity = {
+        "mode": mode,
+        "tolerance": None if mode == "bitwise" else tolerance,
+        "attempts": attempts,
+        "recorded_losses": recorded,
+        "replayed_losses": replayed,
+        "max_abs_diff": max(diffs) if diffs else None,
+        "recorded_grad_norm": recorded_norm,
+        "replayed_grad_norm": result.grad_norm,
+        "bitwise_equal": bitwise,
+    }
+    if mode == "tolerance":
+        fidelity["within_tolerance"] = all(_close(a, b, tolerance) for a, b in zip(recorded, replayed)
+                                           if a is not None)
+    if not reproduced:
+        logger.warning("the %s trigger did not reproduce in %d attempt(s); recorded losses %s, replayed %s",
+                       kind, attempts, recorded, replayed)
+    elif mode == "bitwise" and not bitwise and any(a is not None for a in recorded):
+        logger.warning("reproduced, but not bitwise: recorded %s, replayed %s", recorded, replayed)
+    return Reproduction(reproduced=reproduced, result=result, fidelity=fidelity, attempts=attempts)
+
+
+__all__ = ["SampleRef", "StepResult", "StepRunner", "Reproduction", "reproduce", "total_grad_norm",
+           "any_nonfinite", "TRIGGER_KINDS", "DEFAULT_TOLERANCE"]

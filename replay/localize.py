@@ -1,0 +1,597 @@
+"""Localise: which module / ATen op / parameter / optimizer state first goes non-finite, in which phase.
+
+* Forward (`localize_forward`): module hooks keep a stack of running modules; a TorchDispatchMode
+  checks every ATen op's output and names the first one that produces NaN/Inf (-inf made by mask
+  ops such as masked_fill / where / full is allowed by default). Ops run outside every module (a
+  custom loss taking log(0)) are attributed to `LOSS_MODULE`; ops of the root module's own forward
+  (e.g. a Hugging Face model computing its loss) to `ROOT_MODULE`.
+* Backward (`localize_backward`): a TorchFunctionMode tags every autograd node with the module that
+  created it; the step is re-run under torch.autograd.detect_anomaly(check_nan=True) with a hook on
+  every node, so the first node whose gradient goes non-finite from finite incoming gradients is
+  named with its module and anomaly mode's forward traceback. `parameter` is the first parameter to
+  RECEIVE a non-finite gradient during backward (reverse execution order of the forward);
+  `first_parameter_in_order` is the first in named_parameters() order.
+* Optimizer (`localize_optimizer`): steps a fresh copy of the pre-step optimizer on the replayed
+  gradients and explains each parameter the update makes non-finite.
+* Spikes (`per_layer_stats`): gradient norm and output abs-max per module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from replay.execute import SampleRef, StepRunner, any_nonfinite
+
+logger = logging.getLogger(__name__)
+
+LOSS_MODULE = "<loss>"  # ops that ran outside every module (the loss function's own code)
+ROOT_MODULE = "<root>"  # the model's own forward, outside its submodules
+_TAG = "forensics_module"
+
+# ATen ops that legitimately make -inf: attention masks (masked_fill(mask, -inf), where(mask, x, -inf),
+# full(..., -inf)) and constants. Other ops producing -inf (aten::log of 0) are flagged.
+MASK_OPS = frozenset({
+    "aten::masked_fill", "aten::masked_fill_", "aten::where", "aten::full", "aten::full_like", "aten::new_full",
+    "aten::fill", "aten::fill_", "aten::scalar_tensor", "aten::lift_fresh", "aten::lift_fresh_copy",
+    "aten::index_put", "aten::index_put_", "aten::masked_scatter", "aten::masked_scatter_",
+})
+
+
+# ATen ops whose output is uninitialised memory (may hold any bit pattern, NaN included) until written.
+UNINITIALISED_OPS = frozenset({
+    "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided",
+    "aten::empty_permuted", "aten::resize_", "aten::set_",
+})
+# Ops that only move or re-view data: they pass NaN/Inf along, never make it. A non-finite weight
+# reaching the first real computation through them is reported at that computation.
+COPY_OPS = frozenset({
+    "aten::_to_copy", "aten::clone", "aten::copy_", "aten::detach", "aten::contiguous", "aten::to",
+    "aten::_unsafe_view", "aten::alias", "aten::lift_fresh_copy",
+})
+# Frames of these files are plumbing (module call machinery, this package) and are cut from tracebacks.
+_PLUMBING = ("torch/nn/modules/module.py", "replay/localize.py", "replay/execute.py",
+             "torch/utils/_python_dispatch.py", "torch/overrides.py")
+
+
+def _module_label(name: str) -> str:
+    return name if name else ROOT_MODULE
+
+
+def _float_tensors(tree: Any) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(tree)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0]
+
+
+def _kinds(tensors: list[torch.Tensor]) -> set[str]:
+    """Which of "nan", "+inf", "-inf" any of `tensors` holds."""
+    kinds: set[str] = set()
+    for t in tensors:
+        if bool(torch.isfinite(t).all()):
+            continue
+        if bool(torch.isnan(t).any()):
+            kinds.add("nan")
+        if bool(torch.isposinf(t).any()):
+            kinds.add("+inf")
+        if bool(torch.isneginf(t).any()):
+            kinds.add("-inf")
+    return kinds
+
+
+def _absmax(tensors: list[torch.Tensor]) -> float | None:
+    """Largest |x| over the tensors (NaN if any NaN, inf if any inf), or None without tensors."""
+    if not tensors:
+        return None
+    values = torch.stack([t.detach().abs().max().float().to(tensors[0].device) for t in tensors])
+    if bool(torch.isnan(values).any()):
+        return float("nan")
+    return float(values.max())
+
+
+# --------------------------------------------------------------------------------------------
+# module stack
+# --------------------------------------------------------------------------------------------
+class ModuleTracker:
+    """Forward pre/post hooks on every module: the stack of running modules, plus optional callbacks.
+
+    on_exit(name, module, args, kwargs, output) runs when a module's forward returns (leaves
+    before their parents). Use as a context manager; hooks are removed on exit.
+    """
+
+    def __init__(self, model: torch.nn.Module,
+                 on_exit: Callable[[str, torch.nn.Module, tuple, dict, Any], None] | None = None):
+        self.model = model
+        self.stack: list[str] = []
+        self.on_exit = on_exit
+        self._handles: list[Any] = []
+
+    @property
+    def current(self) -> str:
+        return _module_label(self.stack[-1]) if self.stack else LOSS_MODULE
+
+    def __enter__(self) -> "ModuleTracker":
+        for name, module in self.model.named_modules():
+            self._handles.append(module.register_forward_pre_hook(self._pre(name)))
+            self._handles.append(module.register_forward_hook(self._post(name), with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.stack.clear()
+
+    def _pre(self, name: str):
+        def hook(module, args):
+            self.stack.append(name)
+        return hook
+
+    def _post(self, name: str):
+        def hook(module, args, kwargs, output):
+            if self.stack and self.stack[-1] == name:
+                self.stack.pop()
+            if self.on_exit is not None:
+                self.on_exit(name, module, args, kwargs, output)
+        return hook
+
+
+# --------------------------------------------------------------------------------------------
+# forward
+# --------------------------------------------------------------------------------------------
+@dataclass
+class ForwardFinding:
+    """Where the forward pass first produced NaN/Inf."""
+
+    module: str | None
+    """The module running when the first bad op ran (deepest), else the first module whose output
+    was non-finite; LOSS_MODULE for the loss function's own code."""
+    op: str | None
+    """e.g. "aten::log"; None when only a module output was seen (no op produced it)."""
+    micro_batch: int | None
+    op_inputs_finite: bool | None
+    """True: the op made NaN/Inf out of finite inputs (the origin). False: an input already held
+    them (see nonfinite_inputs)."""
+    nonfinite_inputs: list[str] = field(default_factory=list)
+    """Parameters (by name) among the op's inputs that were already non-finite."""
+    first_nonfinite_module: str | None = None
+    """First module, in completion order, whose output held NaN/Inf."""
+    stats: dict = field(default_factory=lambda: {"inputs_absmax": None, "outputs_absmax": None,
+                                                 "params_absmax": None})
+    op_stats: dict = field(default_factory=dict)
+    output_kinds: list[str] = field(default_factory=list)
+    phase: str = "forward"
+
+
+class _NonFiniteOpChecker(TorchDispatchMode):
+    """Names the first ATen op whose output holds NaN/Inf (with the module running it)."""
+
+    def __init__(self, tracker: ModuleTracker, allow_neg_inf_masks: bool, param_names: dict[int, str]):
+        super().__init__()
+        self.tracker = tracker
+        self.allow_masks = allow_neg_inf_masks
+        self.param_names = param_names
+        self.paused = False
+        self.micro_batch: int | None = None
+        self.found: dict | None = None
+        self.derived: dict[int, tuple[torch.Tensor, str]] = {}  # id -> (tensor kept alive, parameter name)
+
+    def _origin(self, tensor: torch.Tensor) -> str | None:
+        """The parameter `tensor` is, or was copied / viewed from (None if neither)."""
+        if id(tensor) in self.param_names:
+            return self.param_names[id(tensor)]
+        entry = self.derived.get(id(tensor))
+        return entry[1] if entry is not None and entry[0] is tensor else None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.paused or self.found is not None or func._schema.name in UNINITIALISED_OPS:
+            return func(*args, **kwargs)
+        mutable = func._schema.is_mutable
+        inputs = _float_tensors((args, kwargs))
+        pre_kinds = _kinds(inputs) if mutable else None  # in-place ops overwrite their inputs
+        out = func(*args, **kwargs)
+        outputs = _float_tensors(out)
+        if not outputs or all(bool(torch.isfinite(t).all()) for t in outputs):
+            return out
+        out_kinds = _kinds(outputs)
+        in_kinds = pre_kinds if pre_kinds is not None else _kinds(inputs)
+        name = func._schema.name
+        if name in UNINITIALISED_OPS:
+            return out
+        if out_kinds <= {"-inf"} and self.allow_masks and (name in MASK_OPS or "-inf" in in_kinds):
+            return out  # an attention mask being built, or a mask's -inf passed along
+        passes_along = name in COPY_OPS or any(r.alias_info is not None for r in func._schema.returns)
+        origins = [self._origin(t) for t in inputs if not bool(torch.isfinite(t).all())]
+        if passes_along and out_kinds <= in_kinds:
+            origin = next((o for o in origins if o is not None), None)
+            if origin is not None:  # remember that these outputs are (views / copies of) that weight
+                for t in outputs:
+                    self.derived[id(t)] = (t, origin)
+            return out
+        bad_params = sorted({o for o in origins if o is not None})
+        self.found = {
+            "op": name, "module": self.tracker.current, "micro_batch": self.micro_batch,
+            "inputs_finite": not in_kinds, "nonfinite_inputs": bad_params, "output_kinds": sorted(out_kinds),
+            "op_stats": {"inputs_absmax": _absmax(inputs), "outputs_absmax": _absmax(outputs)},
+        }
+        return out
+
+
+def localize_forward(runner: StepRunner, samples: list[SampleRef] | None = None, *,
+                     allow_neg_inf_masks: bool = True, fp32: bool = False) -> ForwardFinding | None:
+    """Re-runs the forward (no backward) and names where NaN/Inf first appears.
+
+    Args:
+        runner: the step runner.
+        samples: only these samples (None: the whole step).
+        allow_neg_inf_masks: -inf made by mask ops (masked_fill, where, full...) is not a finding.
+        fp32: run without autocast.
+    Returns:
+        ForwardFinding, or None when the forward stays finite.
+    """
+    model = runner.model
+    param_ids = {}
+    first_bad_module: dict = {}
+    module_stats: dict[str, dict] = {}
+    checker_box: dict[str, _NonFiniteOpChecker] = {}
+
+    def on_exit(name, module, args, kwargs, output):
+        checker = checker_box.get("checker")
+        if checker is not None:
+            checker.paused = True
+        try:
+            outputs = _float_tensors(output)
+            label = _module_label(name)
+            if "name" not in first_bad_module and outputs and any(any_nonfinite(outputs)):
+                first_bad_module.update(name=label, stats=_module_stats(module, args, kwargs, outputs))
+            target = checker.found["module"] if checker is not None and checker.found else None
+            if target == label and label not in module_stats:
+                module_stats[label] = _module_stats(module, args, kwargs, outputs)
+        finally:
+            if checker is not None:
+                checker.paused = False
+
+    found_ops: list[dict] = []
+    with ModuleTracker(model, on_exit) as tracker:
+        # parameters are identified by tensor identity at dispatch (ids taken after the runner's reset)
+        @contextlib.contextmanager
+        def forward_context(index: int) -> Iterator[None]:
+            param_ids.clear()
+            param_ids.update({id(p): n for n, p in model.named_parameters()})
+            if found_ops:
+                yield
+                return
+            checker = _NonFiniteOpChecker(tracker, allow_neg_inf_masks, param_ids)
+            checker.micro_batch = index
+            checker_box["checker"] = checker
+            try:
+                with checker:
+                    yield
+            finally:
+                checker_box.pop("checker", None)
+                if checker.found is not None:
+                    found_ops.append(checker.found)
+
+        result = runner.run(samples, fp32=fp32, backward=False, forward_context=forward_context)
+    op = found_ops[0] if found_ops else None
+    if op is None and "name" not in first_bad_module:
+        if not result.loss_finite:
+            logger.warning("the loss is non-finite but no op or module output was: the loss function's "
+                           "result itself is odd (%s)", result.losses)
+            return ForwardFinding(module=LOSS_MODULE, op=None, micro_batch=None, op_inputs_finite=None)
+        return None
+    if op is not None:
+        module = op["module"]
+        stats = module_stats.get(module) or {"inputs_absmax": op["op_stats"]["inputs_absmax"],
+                                             "outputs_absmax": op["op_stats"]["outputs_absmax"],
+                                             "params_absmax": None}
+        return ForwardFinding(module=module, op=op["op"], micro_batch=op["micro_batch"],
+                              op_inputs_finite=op["inputs_finite"], nonfinite_inputs=op["nonfinite_inputs"],
+                              first_nonfinite_module=first_bad_module.get("name"), stats=stats,
+                              op_stats=op["op_stats"], output_kinds=op["output_kinds"])
+    return ForwardFinding(module=first_bad_module["name"], op=None, micro_batch=None, op_inputs_finite=None,
+                          first_nonfinite_module=first_bad_module["name"], stats=first_bad_module["stats"])
+
+
+def _module_stats(module: torch.nn.Module, args: tuple, kwargs: dict, outputs: list[torch.Tensor]) -> dict:
+    params = [p for p in module.parameters() if p.is_floating_point() and p.numel()]
+    return {"inputs_absmax": _absmax(_float_tensors((args, kwargs))), "outputs_absmax": _absmax(outputs),
+            "params_absmax": _absmax(params)}
+
+
+# --------------------------------------------------------------------------------------------
+# backward
+# --------------------------------------------------------------------------------------------
+@dataclass
+class BackwardFinding:
+    """Where the backward pass first produced NaN/Inf."""
+
+    parameter: str | None
+    """First parameter to receive a non-finite gradient during backward (reverse forward order)."""
+    first_parameter_in_order: str | None
+    """First parameter in named_parameters() order whose gradient is non-finite."""
+    module: str | None
+    """Module whose forward created the autograd node that first produced a non-finite gradient."""
+    op: str | None
+    """Forward op of that node, derived from its name (SqrtBackward0 -> aten::sqrt)."""
+    backward_node: str | None
+    traceback: str | None
+    """Forward traceback of that op, recorded by anomaly mode."""
+    anomaly_error: str | None = None
+    micro_batch: int | None = None
+    phase: str = "backward"
+
+
+def _camel_to_snake(name: str) -> str:
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
+
+
+def node_to_op(node_name: str) -> str | None:
+    """"SqrtBackward0" -> "aten::sqrt"; "NativeLayerNormBackward0" -> "aten::native_layer_norm"."""
+    match = re.match(r"^(?:torch::autograd::)?([A-Za-z0-9]+?)Backward\d*$", node_name)
+    return f"aten::{_camel_to_snake(match.group(1))}" if match else None
+
+
+def _tag_graph(roots: list[Any], label: str) -> None:
+    stack = [n for n in roots if n is not None]
+    while stack:
+        node = stack.pop()
+        meta = node.metadata
+        if _TAG in meta:
+            continue
+        meta[_TAG] = label
+        stack.extend(child for child, _ in node.next_functions if child is not None)
+
+
+class _GraphTagger(TorchFunctionMode):
+    """Tags each new autograd node with the module running when it was created."""
+
+    def __init__(self, tracker: ModuleTracker):
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        leaves, _ = tree_flatten(out)
+        roots = [t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        if roots:
+            _tag_graph(roots, self.tracker.current)
+        return out
+
+
+def _all_nodes(root: Any) -> list[Any]:
+    seen, order, stack = set(), [], [root]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        order.append(node)
+        stack.extend(child for child, _ in node.next_functions)
+    return order
+
+
+def _clean_traceback(frames: Any) -> str | None:
+    """Anomaly mode's forward stack without module-call plumbing (one string, innermost last)."""
+    if not frames:
+        return None
+    if isinstance(frames, str):
+        return frames
+    kept = [f for f in frames if not any(p in f for p in _PLUMBING)]
+    return "".join(kept or frames)
+
+
+def localize_backward(runner: StepRunner, samples: list[SampleRef] | None = None, *,
+                      fp32: bool = False, anomaly: bool = True) -> BackwardFinding | None:
+    """Re-runs forward + backward with node tagging, node/parameter hooks and anomaly mode.
+
+    Anomaly mode runs with check_nan=False: it records every op's forward traceback but does not abort
+    the backward, so the hooks also see which parameters receive non-finite gradients.
+
+    Returns:
+        BackwardFinding, or None when every gradient is finite.
+    """
+    model = runner.model
+    state: dict[str, Any] = {"node": None, "param": None, "micro_batch": None}
+    handles: list[Any] = []
+
+    def param_hook(name: str):
+        def hook(grad):
+            if state["param"] is None and grad is not None and not bool(torch.isfinite(grad).all()):
+                state["param"] = name
+        return hook
+
+    def node_hook(node):
+        def hook(grad_inputs, grad_outputs):
+            if state["node"] is not None:
+                return
+            outs = [g for g in grad_inputs if isinstance(g, torch.Tensor) and g.is_floating_point()]
+            if not outs or all(bool(torch.isfinite(g).all()) for g in outs):
+                return
+            incoming = [g for g in grad_outputs if isinstance(g, torch.Tensor) and g.is_floating_point()]
+            if incoming and not all(bool(torch.isfinite(g).all()) for g in incoming):
+                return  # propagated, not made here
+            meta = node.metadata
+            trace = meta.get("traceback_")
+            state["node"] = {"name": node.name(), "module": meta.get(_TAG), "traceback": _clean_traceback(trace),
+                             "micro_batch": state["micro_batch"]}
+        return hook
+
+    def on_loss(index: int, loss: torch.Tensor) -> None:
+        state["micro_batch"] = index
+        if loss.grad_fn is None:
+            return
+        _tag_graph([loss.grad_fn], LOSS_MODULE)
+        for node in _all_nodes(loss.grad_fn):
+            if "AccumulateGrad" not in node.name():
+                handles.append(node.register_hook(node_hook(node)))
+
+    with ModuleTracker(model) as tracker:
+        @contextlib.contextmanager
+        def forward_context(index: int) -> Iterator[None]:
+            with _GraphTagger(tracker):
+                yield
+
+        param_handles = [p.register_hook(param_hook(n)) for n, p in model.named_parameters() if p.requires_grad]
+        try:
+            result = runner.run(samples, fp32=fp32, anomaly=anomaly, anomaly_check_nan=False,
+                                forward_context=forward_context, on_loss=on_loss)
+        finally:
+            for handle in param_handles + handles:
+                handle.remove()
+    if result.grads_finite and result.error is None and state["node"] is None:
+        return None
+    node = state["node"] or {}
+    traceback = node.get("traceback")
+    if not traceback:
+        traceback = next((w for w in result.anomaly_warnings if "Traceback of forward call" in w), None)
+    return BackwardFinding(
+        parameter=state["param"],
+        first_parameter_in_order=result.nonfinite_grad_params[0] if result.nonfinite_grad_params else None,
+        module=node.get("module"), op=node_to_op(node["name"]) if node.get("name") else None,
+        backward_node=node.get("name"), traceback=traceback, anomaly_error=result.error,
+        micro_batch=node.get("micro_batch"))
+
+
+# --------------------------------------------------------------------------------------------
+# optimizer
+# --------------------------------------------------------------------------------------------
+@dataclass
+class OptimizerFinding:
+    """Parameters a (fresh copy of the) optimizer step makes non-finite, and why."""
+
+    parameters: list[str]
+    """Finite before the step, non-finite after, in named_parameters() order."""
+    parameter: str | None
+    optimizer_state: str | None
+    """Why, in words, for `parameter` (e.g. "exp_avg_sq is 0 and eps is 0: 0/0")."""
+    explanations: dict[str, str] = field(default_factory=dict)
+    optimizer_class: str | None = None
+    phase: str = "optimizer"
+
+
+def localize_optimizer(runner: StepRunner, samples: list[SampleRef] | None = None) -> OptimizerFinding | None:
+    """Replays the step, then steps a fresh copy of the pre-step optimizer on the replayed gradients.
+
+    Returns:
+        OptimizerFinding when the update makes a finite parameter non-finite; None when it does not,
+        when the gradients are already non-finite (not the optimizer's doing), or without optimizer.
+    """
+    session = runner.session
+    if session.optimizer is None:
+        return None
+    result = runner.run(samples, keep_grads=True)
+    try:
+        if not (result.loss_finite and result.grads_finite):
+            return None
+        optimizer = session.new_optimizer()
+        named = list(runner.model.named_parameters())
+        by_param = {p: n for n, p in named}
+        before_ok = [not bad for bad in any_nonfinite(p.detach() for _, p in named)]
+        pre_state = {by_param[p]: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
+                     for p, s in optimizer.state.items() if p in by_param}
+        optimizer.step()
+        after_bad = any_nonfinite(p.detach() for _, p in named)
+        broken = [n for (n, _), ok, bad in zip(named, before_ok, after_bad) if ok and bad]
+        if not broken:
+            return None
+        explanations = {}
+        for name, param in named:
+            if name in broken:
+                post = {k: v for k, v in optimizer.state.get(param, {}).items()}
+                explanations[name] = explain_update(name, param.grad, pre_state.get(name, {}), post,
+                                                    session.optimizer.hyper_of(name))
+        first = broken[0]
+        return OptimizerFinding(parameters=broken, parameter=first, optimizer_state=explanations[first],
+                                explanations=explanations, optimizer_class=session.optimizer.class_path)
+    finally:
+        runner.reset()
+
+
+def _has_bad(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.is_floating_point() and not bool(torch.isfinite(value).all())
+    return isinstance(value, float) and not math.isfinite(value)
+
+
+def explain_update(name: str, grad: torch.Tensor | None, pre: dict, post: dict, hyper: dict) -> str:
+    """Says in words why an optimizer update made parameter `name` non-finite."""
+    bad_hyper = [k for k, v in hyper.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+                 and not math.isfinite(v)]
+    if bad_hyper:
+        return f"hyper-parameter {bad_hyper[0]} is {hyper[bad_hyper[0]]}"
+    bad_pre = [k for k, v in pre.items() if _has_bad(v)]
+    if bad_pre:
+        return f"{bad_pre[0]} already held NaN/Inf before the step (corrupted optimizer state)"
+    eps = hyper.get("eps")
+    sq = post.get("exp_avg_sq")
+    if isinstance(sq, torch.Tensor) and eps is not None and float(eps) == 0.0 and bool((sq == 0).any()):
+        zeros = int((sq == 0).sum())
+        return (f"exp_avg_sq is 0 and eps is 0: 0/0 ({zeros} of {sq.numel()} entries of exp_avg_sq are 0, "
+                "e.g. where the gradient is 0); set eps > 0 (e.g. 1e-8)")
+    bad_post = [k for k, v in post.items() if _has_bad(v)]
+    if bad_post:
+        return f"{bad_post[0]} became non-finite during the step (overflow in the optimizer state)"
+    if isinstance(sq, torch.Tensor) and eps is not None and float(eps) == 0.0:
+        return "eps is 0: the update divides by sqrt(exp_avg_sq) with no floor; a tiny exp_avg_sq overflows it"
+    lr = hyper.get("lr")
+    return (f"the update overflowed the parameter (lr={lr}, weight_decay={hyper.get('weight_decay')}); "
+            "look at the learning rate and the size of the gradient")
+
+
+# --------------------------------------------------------------------------------------------
+# spikes: per-layer statistics
+# --------------------------------------------------------------------------------------------
+def per_layer_stats(runner: StepRunner, samples: list[SampleRef] | None = None, *,
+                    fp32: bool = False) -> list[dict]:
+    """Gradient norm and output abs-max per module (leaf modules and modules owning parameters).
+
+    Returns:
+        [{"module": name, "grad_norm": float|None, "output_absmax": float|None}], in named_modules()
+        order; grad_norm covers the module's own parameters (not its children's).
+    """
+    model = runner.model
+    modules = {name: m for name, m in model.named_modules()
+               if not any(True for _ in m.children()) or any(True for _ in m.parameters(recurse=False))}
+    absmax: dict[str, torch.Tensor] = {}
+
+    def on_exit(name, module, args, kwargs, output):
+        if name not in modules:
+            return
+        outputs = _float_tensors(output)
+        if not outputs:
+            return
+        value = torch.stack([t.detach().abs().max().float().to(outputs[0].device) for t in outputs])
+        value = value.max() if not bool(torch.isnan(value).any()) else torch.tensor(float("nan"))
+        previous = absmax.get(name)
+        absmax[name] = value if previous is None else torch.maximum(previous.to(value.device), value)
+
+    with ModuleTracker(model, on_exit):
+        runner.run(samples, fp32=fp32, keep_grads=True)
+    rows = []
+    try:
+        for name, module in modules.items():
+            grads = [p.grad for p in module.parameters(recurse=False) if p.grad is not None]
+            norm = None
+            if grads:
+                norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+            value = absmax.get(name)
+            rows.append({"module": _module_label(name), "grad_norm": norm,
+                         "output_absmax": float(value) if value is not None else None})
+    finally:
+        runner.reset()
+    return rows
+
+
+__all__ = ["ForwardFinding", "BackwardFinding", "OptimizerFinding", "ModuleTracker", "localize_forward",
+           "localize_backward", "localize_optimizer", "per_layer_stats", "explain_update", "node_to_op",
+           "LOSS_MODULE", "ROOT_MODULE", "MASK_OPS"]
