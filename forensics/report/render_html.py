@@ -10,10 +10,10 @@ from __future__ import annotations
 import base64
 import logging
 from html import escape
-from typing import Any, Mapping
+from typing import Mapping
 
 from forensics.report.model import SCHEMA
-from forensics.report.plots import PLOTS, render_plots
+from forensics.report.plots import PLOTS, matplotlib_available, render_plots
 from forensics.report.render_markdown import (
     Block, Bullets, Code, CodeBlock, Inline, Para, Plot, Section, Strong, Table, build_sections,
 )
@@ -135,7 +135,6 @@ def render_html(report: Mapping, *, plots: bool = True) -> str:
     if not plots:
         note = "Plots were not requested."
     elif not images and _has_plot_data(report):
-        from forensics.report.plots import matplotlib_available
         note = ("Plots are missing: matplotlib is not installed (pip install matplotlib)."
                 if not matplotlib_available() else "Plots could not be drawn; see the log.")
     else:
