@@ -134,6 +134,7 @@ class Guard:
         self._hooks: list[Any] = []
         self._pre_step_copy: dict | None = None
         self._last_step: StepRecord | None = None
+        environment.environment()  # versions, git commit: read now, not while a fault is being dumped
         if self.config.verify_update:
             self._hooks.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
             self._hooks.append(optimizer.register_step_post_hook(self._after_optimizer_step))

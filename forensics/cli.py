@@ -146,8 +146,7 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
             if as_json:
                 click.echo(Path(files["json"]).read_text())
             else:
-                click.echo(render_verdict_text(report))
-                click.echo(f"\nreport: {files['html']}  ({files['md']}, {files['json']})")
+                click.echo(render_verdict_text(report, files={**files, **({"blocklist": blocklist} if blocklist else {})}))
             codes.append(replay_exit_code(report))
     except (DumpError, RecipeError, ReplayError) as exc:
         raise _fail(exc) from exc

@@ -25,18 +25,39 @@ for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
 
 
 class HashingWriter:
-    """File wrapper that counts bytes and sha256s them on the way to disk."""
+    """File wrapper that counts bytes and sha256s them on the way to disk.
+
+    Large chunks are hashed on a helper thread while the same chunk is being written (both release
+    the GIL), so checksumming costs little on top of the disk write.
+    """
+
+    OVERLAP_MIN = 1 << 20  # below this, a thread hand-off costs more than it saves
 
     def __init__(self, raw: BinaryIO):
         self.raw = raw
         self.size = 0
         self.sha256 = hashlib.sha256()
+        self._pool = None
 
     def write(self, data) -> None:
         view = memoryview(data).cast("B")
-        self.raw.write(view)
-        self.sha256.update(view)
+        if len(view) >= self.OVERLAP_MIN:
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forensics-sha256")
+            hashed = self._pool.submit(self.sha256.update, view)
+            self.raw.write(view)
+            hashed.result()
+        else:
+            self.raw.write(view)
+            self.sha256.update(view)
         self.size += len(view)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:

@@ -50,6 +50,7 @@ class _DumpDir:
         self.files: dict[str, dict] = {}
 
     def _record(self, name: str, out: HashingWriter, handle) -> None:
+        out.close()
         handle.flush()
         os.fsync(handle.fileno())
         self.files[name] = {"size": out.size, "sha256": out.sha256.hexdigest()}
@@ -85,11 +86,17 @@ def _optimizer_parts(optimizer: dict) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def _write_contents(target: _DumpDir, content: DumpContent) -> list[dict]:
-    target.write_tensors(spec.MODEL, content.model)
-    if content.optimizer is not None:
-        meta, tensors = _optimizer_parts(content.optimizer)
-        target.write_tensors(spec.OPTIMIZER_TENSORS, tensors)
-        target.write_json(spec.OPTIMIZER_JSON, meta)
+    # The two big files go to disk concurrently (each hashes while it writes).
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="forensics-write") as pool:
+        jobs = [pool.submit(target.write_tensors, spec.MODEL, content.model)]
+        if content.optimizer is not None:
+            meta, tensors = _optimizer_parts(content.optimizer)
+            jobs.append(pool.submit(target.write_tensors, spec.OPTIMIZER_TENSORS, tensors))
+            target.write_json(spec.OPTIMIZER_JSON, meta)
+        for job in jobs:
+            job.result()
     if content.scheduler is not None:
         target.write_json(spec.SCHEDULER, content.scheduler)
     if content.scaler is not None:

@@ -1,0 +1,80 @@
+"""Benchmark: step time of the same training loop with and without the Guard, interleaved, as a ratio.
+
+GPU: GPT-2 small (124M), batch 8 x 1024 tokens, bf16 autocast, AdamW, 2 micro-batches per step.
+CPU: a small GPT-2 stand-in. Also counts device->host syncs per step with CUDA's sync debug mode.
+Usage: python scripts/bench/capture_overhead.py [--rounds 6] [--steps 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import warnings
+
+import torch
+
+from capture import Guard, GuardConfig
+from scripts.bench.common import gpt2, machine, median, sync, timed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    size, batch, seq = ("small", 4, 1024) if device == "cuda" else ("tiny", 4, 128)
+    micro = 2  # 2 x 4 = 8 sequences per optimizer step
+    torch.manual_seed(0)
+    model = gpt2(size, device)
+    vocab = model.config.vocab_size
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
+    dtype = torch.bfloat16
+    data = [{"input_ids": torch.randint(0, vocab, (batch, seq), device=device),
+             "sample_ids": list(range(i * batch, (i + 1) * batch))} for i in range(micro)]
+    for b in data:
+        b["labels"] = b["input_ids"]
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=tempfile.mkdtemp(), on_nonfinite="continue"))
+
+    def step(guarded: bool) -> None:
+        for b in data:
+            if guarded:
+                guard.record_batch(b)
+            with torch.autocast(device, dtype=dtype):
+                loss = model(input_ids=b["input_ids"], labels=b["labels"]).loss
+            if guarded:
+                guard.record_loss(loss)
+            (loss / micro).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if not guarded or guard.check(grad_norm=norm):
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for guarded in (False, True, False, True):  # warm-up: kernels, allocator, the guard's detectors
+        step(guarded)
+    times = {False: [], True: []}
+    for _ in range(args.rounds):
+        for guarded in (False, True):  # interleaved so drift hits both alike
+            times[guarded].append(timed(lambda: [step(guarded) for _ in range(args.steps)], device) / args.steps)
+    syncs = {}
+    if device == "cuda":
+        for guarded in (False, True):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                step(guarded)
+                torch.cuda.set_sync_debug_mode("default")
+            syncs[guarded] = sum("synchroniz" in str(w.message) for w in caught)
+    sync(device)
+    base, guarded = median(times[False]), median(times[True])
+    print(f"machine: {machine()}")
+    print(f"model: GPT-2 {size}, {micro} micro-batches x {batch} x {seq} tokens, bf16 autocast, AdamW, {device}")
+    print(f"baseline step {base * 1e3:.2f} ms, guarded step {guarded * 1e3:.2f} ms, "
+          f"ratio {guarded / base:.4f} (overhead {100 * (guarded / base - 1):+.2f}%), "
+          f"{args.rounds} interleaved rounds of {args.steps} steps, medians")
+    if syncs:
+        print(f"device->host syncs per step: baseline {syncs[False]}, guarded {syncs[True]}")
+
+
+if __name__ == "__main__":
+    main()
