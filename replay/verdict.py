@@ -1,0 +1,490 @@
+"""Turn what the replay found into the report's verdict: kind, headline, explanation, suggestions.
+
+`decide_verdict(VerdictFacts(...))` applies the rules below in order; the first that holds wins.
+
+| rule                                                              | kind                    |
+|-------------------------------------------------------------------|-------------------------|
+| the replay did not fail                                           | `not_reproduced`        |
+| weights non-finite before the step, or every sample fails alone   | `model_state`           |
+| forward and backward finite, the optimizer update broke a weight  | `optimizer_update`      |
+| finite in fp32, non-finite in float16 / bfloat16                  | `numerical_precision`   |
+| a culprit subset smaller than the batch (or the only sample)      | `bad_sample`            |
+| a spike (finite trigger) with no culprit subset                   | `spike_no_single_cause` |
+| anything else (non-finite, but only the whole batch fails)        | `model_state`           |
+
+The wording follows /work/shared/FIELD-NOTES.md "What a good forensic answer looks like": the
+headline is one sentence naming what broke and where; the explanation gives the evidence in the
+triage order (where, reproduction, culprit, precision, history); suggestions are concrete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from replay.history_pattern import PATTERNS
+
+log = logging.getLogger(__name__)
+
+VERDICT_KINDS = ("bad_sample", "numerical_precision", "optimizer_update", "model_state",
+                 "not_reproduced", "spike_no_single_cause")
+SPIKE_TRIGGERS = ("loss_spike", "grad_norm_spike")
+LOW_PRECISION = {"float16": "float16", "half": "float16", "torch.float16": "float16", "fp16": "float16",
+                 "bfloat16": "bfloat16", "torch.bfloat16": "bfloat16", "bf16": "bfloat16"}
+MAX_NAMED_SAMPLES = 3   # headlines name at most this many culprit samples
+MAX_ID_CHARS = 80       # longer sample ids are cut in the headline (report.json keeps them whole)
+
+_WHAT_FAILS = {
+    "nonfinite_loss": "the loss non-finite",
+    "nonfinite_grad": "the gradients non-finite",
+    "nonfinite_param": "the weights non-finite",
+    "loss_spike": "the loss spike",
+    "grad_norm_spike": "the gradient norm spike",
+}
+_TRIGGER_WORDS = {
+    "nonfinite_loss": "non-finite loss",
+    "nonfinite_grad": "non-finite gradient",
+    "nonfinite_param": "non-finite weights",
+    "loss_spike": "loss spike",
+    "grad_norm_spike": "gradient-norm spike",
+}
+_PATTERN_MEANS = {
+    "sudden_jump": "sudden jump (usually one bad sample, or a numerical overflow)",
+    "exponential_growth": "exponential growth (usually a learning rate too high, an accumulation bug, or momentum)",
+    "oscillating_divergence": "oscillating divergence (usually corrupted optimizer state or a batch distribution shift)",
+    "stable": "stable until the failure (the failing step is an outlier)",
+    "insufficient_history": "too little history to tell",
+}
+
+
+@dataclass
+class VerdictFacts:
+    """Everything the replay found that the verdict depends on. Only the first two are required."""
+
+    trigger_kind: str
+    """manifest trigger.kind: nonfinite_loss, nonfinite_grad, loss_spike, grad_norm_spike, nonfinite_param."""
+    reproduced: bool
+    """The replay failed the same way (report `reproduced`)."""
+    step: int | None = None
+    rank: int | None = None
+    """Rank whose dump was replayed; also the rank of the culprit samples unless `culprit_rank`."""
+    micro_batch: int | None = None
+    """Micro-batch in which the trigger fired (0-based; shown 1-based as 'micro-batch 2 of 4')."""
+    num_micro_batches: int | None = None
+    trigger_value: float | None = None
+    """The recorded value that fired (nan / inf / the spiking number)."""
+    threshold: float | None = None
+    replayed_value: float | None = None
+    """The same quantity in the replay (for not_reproduced: 'recorded nan, replayed 2.31')."""
+    bitwise: bool | None = None
+    """Replayed values equal the recorded ones bit for bit (fidelity.bitwise_equal)."""
+    replay_device: str | None = None
+    environment_warnings: list[str] = field(default_factory=list)
+    phase: str | None = None
+    """forward, backward, optimizer or None: where the first non-finite value appeared."""
+    module: str | None = None
+    op: str | None = None
+    parameter: str | None = None
+    optimizer_state: str | None = None
+    """The optimizer-state fact that explains an optimizer_update, e.g. 'exp_avg_sq == 0 with eps == 0'."""
+    optimizer_class: str | None = None
+    inputs_absmax: float | None = None
+    outputs_absmax: float | None = None
+    culprit_samples: list[Any] = field(default_factory=list)
+    """Sample ids of the culprit subset bisection found ([] if none or not run)."""
+    culprit_rank: int | None = None
+    culprit_subset_size: int | None = None
+    """Defaults to len(culprit_samples)."""
+    candidates: int = 0
+    """Samples that were bisected."""
+    bisect_runs: int | None = None
+    all_subsets_fail: bool = False
+    """Every subset tried failed (every sample fails alone): the data is not what breaks it."""
+    weights_nonfinite_at_start: bool = False
+    fp32_reproduces: bool | None = None
+    """True: still fails in fp32; False: finite in fp32; None: not re-run."""
+    autocast_dtype: str | None = None
+    param_dtype: str | None = None
+    history_pattern: str | None = None
+    history_signals: list[str] = field(default_factory=list)
+    spike: bool | None = None
+    """The trigger is a finite spike; None: derived from trigger_kind."""
+    per_sample_top: list[dict] = field(default_factory=list)
+    """Worst rows of `rank_by_loss(per_sample_stats(...))`, worst first."""
+
+    def __post_init__(self) -> None:
+        if self.phase not in ("forward", "backward", "optimizer", None):
+            raise ValueError(f"phase must be 'forward', 'backward', 'optimizer' or None, not {self.phase!r}")
+        if self.history_pattern is not None and self.history_pattern not in PATTERNS:
+            raise ValueError(f"history_pattern must be one of {PATTERNS} or None, not {self.history_pattern!r}")
+        if self.spike is None:
+            self.spike = self.trigger_kind in SPIKE_TRIGGERS
+        if self.culprit_subset_size is None:
+            self.culprit_subset_size = len(self.culprit_samples)
+        if self.culprit_rank is None:
+            self.culprit_rank = self.rank
+
+
+# --- wording helpers --------------------------------------------------------------------------
+
+def _num(value: Any) -> str:
+    if value is None:
+        return "n/a"
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return str(value)
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return f"{x:.6g}"
+
+
+def _id(sample_id: Any) -> str:
+    if isinstance(sample_id, str):
+        text = "'" + sample_id + "'"
+    else:
+        try:
+            text = json.dumps(sample_id, default=repr)
+        except (TypeError, ValueError):
+            text = repr(sample_id)
+    text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    return text if len(text) <= MAX_ID_CHARS else text[: MAX_ID_CHARS - 1] + "…"
+
+
+def _and(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def _samples_phrase(f: VerdictFacts, lower: bool = False) -> str:
+    """"Sample 'x' alone" / "Samples 'a' and 'b' together (neither alone)" / "3 samples together (...)"."""
+    ids = [_id(s) for s in f.culprit_samples[:MAX_NAMED_SAMPLES]]
+    n = f.culprit_subset_size or len(f.culprit_samples)
+    if n == 1:
+        text = f"Sample {ids[0]}" + ("" if lower else " alone")
+    elif n == 2 and len(ids) == 2:
+        text = f"Samples {ids[0]} and {ids[1]} together, neither alone,"
+    else:
+        more = f" and {n - len(ids)} more" if n > len(ids) else ""
+        text = f"{n} samples together ({', '.join(ids)}{more}; none of them can be left out)"
+    return text[0].lower() + text[1:] if lower else text
+
+
+def _where_step(f: VerdictFacts, micro_batch: bool = True) -> str:
+    text = f"step {f.step}" if f.step is not None else "the step"
+    extra = []
+    if f.rank is not None:
+        extra.append(f"rank {f.rank}")
+    if f.micro_batch is not None and micro_batch:
+        of = f" of {f.num_micro_batches}" if f.num_micro_batches else ""
+        extra.append(f"micro-batch {f.micro_batch + 1}{of}")
+    return text + (f" ({', '.join(extra)})" if extra else "")
+
+
+def _where_value(f: VerdictFacts, details: list[str] | None = None) -> str:
+    """' in the forward pass at `m` (aten::mm; <details>)', or '' when localisation found nothing."""
+    if f.phase is None and f.module is None:
+        return ""
+    text = f" in the {f.phase} pass" if f.phase in ("forward", "backward") else ""
+    if f.module:
+        text += f" at `{f.module}`"
+    notes = ([f.op] if f.op else []) + list(details or [])
+    if notes:
+        text += f" ({'; '.join(notes)})"
+    return text
+
+
+def _low_precision(f: VerdictFacts) -> str | None:
+    for dtype in (f.autocast_dtype, f.param_dtype):
+        if dtype is not None and str(dtype).lower() in LOW_PRECISION:
+            return LOW_PRECISION[str(dtype).lower()]
+    return None
+
+
+def _evidence(f: VerdictFacts) -> list[str]:
+    """The field notes' answer, sentence by sentence: where, reproduction, localisation, culprit."""
+    out = []
+    where = [f"Step {f.step}" if f.step is not None else "The failing step"]
+    if f.rank is not None:
+        where.append(f"rank {f.rank}")
+    if f.micro_batch is not None:
+        where.append(f"micro-batch {f.micro_batch + 1}" + (f" of {f.num_micro_batches}" if f.num_micro_batches else ""))
+    trigger = _TRIGGER_WORDS.get(f.trigger_kind, f.trigger_kind.replace("_", " "))
+    numbers = ([_num(f.trigger_value)] if f.trigger_value is not None else []) + \
+        ([f"threshold {_num(f.threshold)}"] if f.threshold is not None else [])
+    if numbers:
+        trigger += f" ({', '.join(numbers)})"
+    out.append(", ".join(where) + f": {trigger}.")
+    if f.reproduced:
+        how = "bit for bit" if f.bitwise else "within tolerance" if f.bitwise is False else ""
+        on = f" on {f.replay_device}" if f.replay_device else ""
+        out.append(f"Reproduced {how}{on}.".replace("  ", " ").replace(" .", "."))
+    if f.phase is not None or f.module is not None:
+        stats = []
+        if f.inputs_absmax is not None:
+            stats.append(f"input abs-max {_num(f.inputs_absmax)}")
+        if f.outputs_absmax is not None:
+            stats.append(f"output abs-max {_num(f.outputs_absmax)}")
+        if f.parameter and f.phase in ("backward", "optimizer"):
+            stats.append(f"parameter `{f.parameter}`")
+        where = _where_value(f, stats) if (f.module or f.phase in ("forward", "backward")) \
+            else f" in the {f.phase} step" + (f" ({'; '.join(stats)})" if stats else "")
+        out.append(f"The first non-finite value appears{where}.")
+    if f.culprit_samples and not _whole_batch(f):
+        runs = f" (found in {f.bisect_runs} replays of {f.candidates} samples)" if f.bisect_runs is not None else ""
+        phrase = _samples_phrase(f).rstrip(",")
+        out.append(f"Culprit: {phrase[0].lower() + phrase[1:]}{runs}.")
+    elif f.candidates > 1 and f.bisect_runs is not None:
+        out.append(f"Bisecting {f.candidates} samples ({f.bisect_runs} replays) found no smaller subset that fails.")
+    low = _low_precision(f)
+    if f.fp32_reproduces is False:
+        out.append(f"In fp32 the step is finite → {'precision + data' if f.culprit_samples else 'precision'}.")
+    elif f.fp32_reproduces is True and low:
+        out.append(f"It fails in fp32 too, so {low} is not the cause.")
+    return out
+
+
+def _history(f: VerdictFacts) -> list[str]:
+    out = []
+    if f.history_pattern:
+        out.append(f"Loss history: {_PATTERN_MEANS.get(f.history_pattern, f.history_pattern)}.")
+    out.extend(f.history_signals)
+    return out
+
+
+def _op_hints(f: VerdictFacts) -> list[str]:
+    op = (f.op or "").lower()
+    module = (f.module or "").lower()
+    hints = []
+    if "log" in op and "softmax" not in op:
+        hints.append("Guard the log: clamp its input away from 0 (x.clamp_min(1e-6)) or use log_softmax / "
+                     "cross_entropy on logits instead of log(softmax).")
+    if "div" in op:
+        hints.append("Guard the division: a denominator of 0 (e.g. a mean over zero unmasked tokens) "
+                     "gives 0/0; clamp it or skip samples with nothing to average.")
+    if "softmax" in op:
+        hints.append("A fully masked row (all -inf) makes softmax NaN: make sure every row keeps at "
+                     "least one unmasked position.")
+    if "sqrt" in op or "rsqrt" in op or "norm" in op or "norm" in module:
+        hints.append("Raise the normalisation eps (1e-5 or 1e-6 rather than 1e-8 or 0): a near-zero "
+                     "hidden vector divides by ~0.")
+    return hints
+
+
+def _pattern_hints(f: VerdictFacts) -> list[str]:
+    if f.history_pattern == "exponential_growth":
+        return ["The loss grew exponentially before the failure: lower the learning rate or lengthen "
+                "warm-up, and check that the loss is divided by the number of accumulation steps."]
+    if f.history_pattern == "oscillating_divergence":
+        return ["The loss oscillated with growing swings: check the optimizer state (Adam's exp_avg / "
+                "exp_avg_sq, e.g. after a resume) for corruption, and the batch distribution for a shift."]
+    return []
+
+
+def _result(kind: str, headline: str, f: VerdictFacts, suggestions: list[str],
+            reading: str | None = None) -> dict:
+    evidence = _evidence(f) + ([reading] if reading else []) + _history(f)
+    unique = list(dict.fromkeys(s for s in suggestions if s))
+    log.info("verdict %s: %s", kind, headline)
+    return {"kind": kind, "headline": headline, "explanation": " ".join(evidence), "suggestions": unique}
+
+
+# --- the rules --------------------------------------------------------------------------------
+
+def decide_verdict(facts: VerdictFacts) -> dict:
+    """The report's `verdict` section from the replay's findings (rules in the module docstring).
+
+    Args:
+        facts: what the replay established.
+    Returns:
+        `{"kind", "headline", "explanation", "suggestions"}` with kind one of `VERDICT_KINDS`.
+    Example:
+        >>> v = decide_verdict(VerdictFacts("nonfinite_loss", True, step=41217, rank=3,
+        ...                                 culprit_samples=["shard-0192/rec-55411"], candidates=32,
+        ...                                 bisect_runs=6, phase="forward",
+        ...                                 module="model.layers.17.mlp.down_proj", op="aten::mm"))
+        >>> v["kind"], v["headline"]
+        ('bad_sample', "Sample 'shard-0192/rec-55411' alone makes the loss non-finite at step 41217 (rank 3) in the forward pass at `model.layers.17.mlp.down_proj` (aten::mm).")
+    """
+    f = facts
+    if not f.reproduced:
+        return _not_reproduced(f)
+    if f.weights_nonfinite_at_start or f.all_subsets_fail:
+        return _model_state(f)
+    if f.phase == "optimizer":
+        return _optimizer_update(f)
+    if f.fp32_reproduces is False and _low_precision(f):
+        return _numerical_precision(f)
+    if f.culprit_samples and not _whole_batch(f):
+        return _bad_sample(f)
+    if f.spike:
+        return _spike(f)
+    return _model_state(f)
+
+
+def _whole_batch(f: VerdictFacts) -> bool:
+    """Bisection's 1-minimal failing set is every candidate: no sample can be singled out."""
+    return f.candidates > 1 and (f.culprit_subset_size or 0) >= f.candidates
+
+
+def _what(f: VerdictFacts) -> str:
+    return _WHAT_FAILS.get(f.trigger_kind, f"the {f.trigger_kind.replace('_', ' ')}")
+
+
+def _not_reproduced(f: VerdictFacts) -> dict:
+    numbers = ""
+    if f.trigger_value is not None or f.replayed_value is not None:
+        numbers = f": recorded {_num(f.trigger_value)}, replayed {_num(f.replayed_value)}"
+    on = f" on {f.replay_device}" if f.replay_device else ""
+    words = _TRIGGER_WORDS.get(f.trigger_kind, f.trigger_kind.replace("_", " "))
+    headline = f"The replay{on} did not reproduce the {words} of {_where_step(f)}{numbers}."
+    reading = ("The same weights, batch and RNG gave a healthy step here, so the failure depends on "
+            "something the dump does not carry: the GPU, the kernels chosen, non-deterministic "
+            "reductions, distributed state from other ranks, or the hardware itself.")
+    if f.environment_warnings:
+        reading += " Differences between the job and this replay: " + "; ".join(f.environment_warnings) + "."
+    rank = f" on the node of rank {f.rank}" if f.rank is not None else ""
+    return _result("not_reproduced", headline, f, [
+        "Replay on the same GPU model, driver and torch version as the job (the environment "
+        "warnings list what differs).",
+        "Make the job deterministic so replays compare bit for bit: torch.use_deterministic_algorithms(True), "
+        "CUBLAS_WORKSPACE_CONFIG=:4096:8, torch.backends.cudnn.benchmark = False.",
+        "Check the other ranks' dumps: state exchanged between ranks (all-reduce, sharded optimizer) "
+        "is not replayed from one rank.",
+        f"If the same GPU and settings still do not reproduce it, suspect the hardware (silent data "
+        f"corruption): run the vendor's diagnostics (e.g. DCGM level 3){rank}.",
+    ], reading)
+
+
+def _model_state(f: VerdictFacts) -> dict:
+    at = _where_step(f)
+    if f.weights_nonfinite_at_start:
+        which = f", first in `{f.parameter}`" if f.parameter else ""
+        headline = (f"The weights were already non-finite before {_where_step(f, micro_batch=False)}{which}: "
+                    "an earlier step broke them.")
+        reading = ("The pre-step weights hold NaN/Inf, so every forward fails whatever the data; the "
+                "update that broke them happened at an earlier, unchecked step.")
+        suggestions = ["Go back to the last checkpoint with finite weights and replay forward from it with "
+                       "capture checking every step (nonfinite_param detection) to catch the step that "
+                       "broke them.",
+                       "Check that gradient clipping runs after backward and before optimizer.step(), and "
+                       "that skipped steps (loss-scale overflow) really skip the update."]
+    elif f.all_subsets_fail:
+        headline = (f"Every subset of samples tried fails on its own at {at}: the model state, not the "
+                    "data, is broken.")
+        reading = ("Bisection could not find a sample to blame: every subset it replayed failed, down to "
+                "single samples, so the weights or buffers make any input fail.")
+        suggestions = ["Look at the pre-step weights: parameters with a huge abs-max or a collapsed "
+                       "norm layer (the per-layer table) show where the state went bad.",
+                       "Resume from an earlier checkpoint with a lower learning rate or longer warm-up.",
+                       "Check the optimizer state for NaN/Inf or exp_avg_sq == 0 if the job was resumed."]
+    else:
+        headline = (f"{at[0].upper() + at[1:]} fails only with the whole micro-batch: no smaller subset "
+                    "of samples makes it fail, so no single sample is to blame.")
+        reading = ("The failure needs every sample of the batch together: a batch-level effect (a sum or "
+                "mean that overflows over the whole batch, normalisation statistics, a loss averaged "
+                "over all tokens) or the model state itself.")
+        suggestions = ["Look for a reduction over the whole batch that overflows (sums in fp16, token "
+                       "counts); try a smaller micro-batch.",
+                       "Look at the pre-step weights and optimizer state for huge values (per-layer table)."]
+    return _result("model_state", headline, f, suggestions + _pattern_hints(f) + _op_hints(f), reading)
+
+
+def _optimizer_update(f: VerdictFacts) -> dict:
+    name = f.optimizer_class.rsplit(".", 1)[-1] if f.optimizer_class else "optimizer"
+    param = f" `{f.parameter}`" if f.parameter else " a parameter"
+    why = f" ({f.optimizer_state})" if f.optimizer_state else ""
+    headline = (f"The forward and backward passes of {_where_step(f)} are finite; the {name} update "
+                f"made{param} non-finite{why}.")
+    state = (f.optimizer_state or "").lower()
+    suggestions = []
+    if "eps" in state:
+        suggestions.append("Raise the optimizer's eps (e.g. 1e-8, not 0): with eps == 0 a zero second "
+                           "moment divides 0 by 0.")
+    if "lr" in state or "learning rate" in state:
+        suggestions.append("Lower the learning rate; the update itself is too large.")
+    if any(w in state for w in ("nan", "inf", "non-finite", "corrupt")):
+        suggestions.append("The optimizer state itself is broken: restart from a checkpoint with "
+                           "healthy optimizer state (or re-initialise it) rather than resuming this one.")
+    suggestions += [
+        f"Inspect the optimizer state of{param} (exp_avg, exp_avg_sq): zeros, NaN/Inf, or values that "
+        "grew step after step.",
+        "Lower the learning rate or lengthen warm-up; check weight decay is not too large.",
+        "Clip gradients (clip_grad_norm_ after backward, before optimizer.step()).",
+    ]
+    return _result("optimizer_update", headline, f, suggestions + _pattern_hints(f))
+
+
+def _numerical_precision(f: VerdictFacts) -> dict:
+    dtype = _low_precision(f)
+    with_data = bool(f.culprit_samples)
+    who = f" and only with {_samples_phrase(f, lower=True).rstrip(',')}," if with_data else ""
+    at = _where_step(f)
+    where = ("," if not with_data and _where_value(f) else "") + _where_value(f)
+    headline = (f"{at[0].upper() + at[1:]} goes non-finite only in {dtype}{who}{where}; "
+                f"in fp32 it is finite" + (": precision + data." if with_data else "."))
+    suggestions = []
+    if with_data:
+        ids = ", ".join(_id(s) for s in f.culprit_samples[:MAX_NAMED_SAMPLES])
+        suggestions.append(f"Filter {ids} from the data (blocklist.jsonl lists the culprits): "
+                           f"{'it pushes' if len(f.culprit_samples) == 1 else 'they push'} the activations "
+                           f"out of {dtype}'s range.")
+    if dtype == "float16":
+        suggestions.append("Switch autocast from float16 to bfloat16: same speed on Ampere and newer, "
+                           "fp32's range, no overflow at 65504; keep dynamic loss scaling while on fp16.")
+    elif with_data:
+        suggestions.append("Keep bfloat16: the sample is the trigger, not the format.")
+    else:
+        target = f"`{f.module}`" if f.module else "the failing module"
+        suggestions.append(f"Keep bfloat16 but run {target} in fp32: wrap it in torch.autocast(..., "
+                           "enabled=False) and cast its input to float32.")
+    return _result("numerical_precision", headline, f, suggestions + _op_hints(f) + _pattern_hints(f))
+
+
+def _bad_sample(f: VerdictFacts) -> dict:
+    headline = f"{_samples_phrase(f)} makes {_what(f)} at {_where_step(f)}{_where_value(f)}."
+    if (f.culprit_subset_size or 0) > 1:
+        headline = headline.replace(" makes ", " make ", 1)
+    reading = None
+    if f.candidates == 1:
+        reading = ("The micro-batch held only this sample, so bisection could not tell it apart from the "
+                "model state; replay another sample with these weights to be sure.")
+    ids = ", ".join(_id(s) for s in f.culprit_samples[:MAX_NAMED_SAMPLES])
+    suggestions = [f"Filter {ids} from the training data (blocklist.jsonl lists the culprits) and resume "
+                   f"from the last checkpoint before step {f.step if f.step is not None else 'the failure'} "
+                   "with the same RNG and data position.",
+                   "Look at the record behind it: empty or zero-length, control characters only, very long "
+                   "strings without spaces (base64, binary), mis-encoded text, all-zero images, every "
+                   "label masked (-100)."]
+    if (f.culprit_subset_size or 0) > 1:
+        suggestions.insert(1, "These samples fail only together: look for a computation they share across "
+                              "the batch (normalisation statistics, a loss averaged over all tokens, a sum "
+                              "that overflows); keep them out of one batch or fix that computation.")
+    low = _low_precision(f)
+    if low == "float16":
+        suggestions.append("The job runs in float16: bfloat16 has fp32's range and tolerates outliers better.")
+    return _result("bad_sample", headline, f, suggestions + _op_hints(f) + _pattern_hints(f), reading)
+
+
+def _spike(f: VerdictFacts) -> dict:
+    value = f" to {_num(f.trigger_value)}" if f.trigger_value is not None else ""
+    over = f" (threshold {_num(f.threshold)})" if f.threshold is not None else ""
+    headline = (f"{_what(f)[0].upper() + _what(f)[1:]}{value}{over} at {_where_step(f)} is reproduced, "
+                "but no single sample, layer or update explains it.")
+    reading = None
+    top = [r for r in f.per_sample_top if isinstance(r, dict)][:MAX_NAMED_SAMPLES]
+    if top:
+        reading = "Highest per-sample losses: " + ", ".join(
+            f"{_id(r.get('sample_id'))} (loss {_num(r.get('loss'))})" for r in top) + "."
+    suggestions = _pattern_hints(f) + [
+        "A spike spread over many samples usually comes from the optimizer (learning rate, warm-up, "
+        "clipping threshold) or a shift in the batch distribution: compare this batch's length and "
+        "source mix with earlier ones.",
+        "If the run recovers on its own, a lower learning rate or tighter clipping may be enough; "
+        "change one setting at a time so you learn what fixed it.",
+    ]
+    return _result("spike_no_single_cause", headline, f, suggestions, reading)

@@ -1,0 +1,177 @@
+"""Tests for replay/verdict.py: each verdict kind from facts, rule order, and the words users read."""
+
+import math
+
+import pytest
+
+from replay.verdict import VERDICT_KINDS, VerdictFacts, decide_verdict
+
+NAN = float("nan")
+
+
+def facts(**kw):
+    base = dict(trigger_kind="nonfinite_loss", reproduced=True, step=41217, rank=3, micro_batch=1,
+                num_micro_batches=4, trigger_value=NAN, bitwise=True, replay_device="cuda:0",
+                candidates=32, bisect_runs=6)
+    base.update(kw)
+    return VerdictFacts(**base)
+
+
+def check_shape(v):
+    assert set(v) == {"kind", "headline", "explanation", "suggestions"}
+    assert v["kind"] in VERDICT_KINDS
+    assert v["headline"].endswith(".") and "\n" not in v["headline"]
+    assert v["explanation"] and all(isinstance(s, str) and s for s in v["suggestions"])
+    assert len(set(v["suggestions"])) == len(v["suggestions"])
+    return v
+
+
+def test_bad_sample_names_the_sample_the_layer_and_the_search():
+    v = check_shape(decide_verdict(facts(culprit_samples=["shard-0192/rec-55411"], phase="forward",
+                                         module="model.layers.17.mlp.down_proj", op="aten::mm",
+                                         inputs_absmax=3.1e38, history_pattern="sudden_jump")))
+    assert v["kind"] == "bad_sample"
+    assert v["headline"].startswith("Sample 'shard-0192/rec-55411' alone makes the loss non-finite at step 41217")
+    assert "(rank 3, micro-batch 2 of 4)" in v["headline"]
+    assert "forward pass at `model.layers.17.mlp.down_proj` (aten::mm)" in v["headline"]
+    assert "found in 6 replays of 32 samples" in v["explanation"]
+    assert "input abs-max 3.1e+38" in v["explanation"] and "Reproduced bit for bit on cuda:0" in v["explanation"]
+    assert "sudden jump" in v["explanation"]
+    assert "blocklist" in v["suggestions"][0] and "'shard-0192/rec-55411'" in v["suggestions"][0]
+
+
+def test_a_pair_that_fails_only_together_is_still_bad_sample_with_its_own_advice():
+    v = check_shape(decide_verdict(facts(culprit_samples=[17, 230])))
+    assert v["kind"] == "bad_sample"
+    assert v["headline"].startswith("Samples 17 and 230 together, neither alone, make")
+    assert any("only together" in s for s in v["suggestions"])
+
+
+def test_the_only_sample_of_a_batch_is_blamed_with_a_caveat():
+    v = check_shape(decide_verdict(facts(culprit_samples=["only"], candidates=1, bisect_runs=0)))
+    assert v["kind"] == "bad_sample"
+    assert "could not tell it apart from the model state" in v["explanation"]
+
+
+def test_numerical_precision_alone_and_with_data():
+    v = check_shape(decide_verdict(facts(fp32_reproduces=False, autocast_dtype="float16", phase="forward",
+                                         module="h.0.mlp", op="aten::mm", candidates=0, bisect_runs=None)))
+    assert v["kind"] == "numerical_precision"
+    assert "only in float16" in v["headline"] and "in fp32 it is finite" in v["headline"]
+    assert "precision + data" not in v["headline"]
+    assert any("bfloat16" in s and "float16" in s for s in v["suggestions"])
+
+    v = check_shape(decide_verdict(facts(fp32_reproduces=False, autocast_dtype="bfloat16",
+                                         culprit_samples=["rec-9"], phase="forward", module="h.1.mlp")))
+    assert v["kind"] == "numerical_precision"
+    assert "only with sample 'rec-9'" in v["headline"] and "precision + data" in v["headline"]
+    assert "precision + data" in v["explanation"]
+    assert "Filter 'rec-9'" in v["suggestions"][0]
+    assert any(s.startswith("Keep bfloat16") for s in v["suggestions"])
+
+
+def test_precision_needs_low_precision_and_an_fp32_rerun():
+    assert decide_verdict(facts(fp32_reproduces=False, autocast_dtype=None, culprit_samples=["a"]))["kind"] == "bad_sample"
+    assert decide_verdict(facts(fp32_reproduces=True, autocast_dtype="bfloat16", culprit_samples=["a"]))["kind"] == "bad_sample"
+    assert decide_verdict(facts(fp32_reproduces=None, autocast_dtype="bfloat16", culprit_samples=["a"]))["kind"] == "bad_sample"
+    v = decide_verdict(facts(fp32_reproduces=False, param_dtype="torch.bfloat16", culprit_samples=["a"]))
+    assert v["kind"] == "numerical_precision"        # pure-bf16 training, no autocast
+
+
+def test_optimizer_update_names_the_parameter_and_the_state_and_suggests_eps():
+    v = check_shape(decide_verdict(facts(phase="optimizer", parameter="transformer.h.0.attn.c_attn.weight",
+                                         optimizer_state="exp_avg_sq == 0 with eps == 0",
+                                         optimizer_class="torch.optim.adamw.AdamW",
+                                         culprit_samples=["x"], fp32_reproduces=False, autocast_dtype="float16")))
+    assert v["kind"] == "optimizer_update"
+    assert "AdamW update made `transformer.h.0.attn.c_attn.weight` non-finite" in v["headline"]
+    assert "(exp_avg_sq == 0 with eps == 0)" in v["headline"]
+    assert v["suggestions"][0].startswith("Raise the optimizer's eps")
+
+
+def test_model_state_when_weights_are_broken_or_every_sample_fails():
+    v = check_shape(decide_verdict(facts(weights_nonfinite_at_start=True, parameter="lm_head.weight",
+                                         phase="optimizer", culprit_samples=["a"])))
+    assert v["kind"] == "model_state"
+    assert "already non-finite before step 41217 (rank 3), first in `lm_head.weight`" in v["headline"]
+    assert any("last checkpoint with finite weights" in s for s in v["suggestions"])
+
+    v = check_shape(decide_verdict(facts(all_subsets_fail=True, culprit_samples=["a"])))
+    assert v["kind"] == "model_state" and "not the data" in v["headline"]
+
+
+def test_no_subset_smaller_than_the_batch_is_model_state_for_nan_and_no_cause_for_spikes():
+    everyone = [f"s{i}" for i in range(8)]
+    v = check_shape(decide_verdict(facts(culprit_samples=everyone, candidates=8, history_pattern="exponential_growth")))
+    assert v["kind"] == "model_state" and "whole micro-batch" in v["headline"]
+    assert "Culprit:" not in v["explanation"]
+    assert any("lower the learning rate" in s for s in v["suggestions"])
+
+    v = check_shape(decide_verdict(facts(trigger_kind="loss_spike", trigger_value=87234.5, threshold=100.0,
+                                         culprit_samples=everyone, candidates=8)))
+    assert v["kind"] == "spike_no_single_cause"
+
+
+def test_spike_without_culprit_reports_value_threshold_and_top_samples():
+    top = [{"sample_id": "a", "loss": 9.1, "grad_norm": 3.0, "finite": True},
+           {"sample_id": 7, "loss": 8.0, "grad_norm": 2.0, "finite": True}]
+    v = check_shape(decide_verdict(facts(trigger_kind="loss_spike", trigger_value=87234.5, threshold=100.0,
+                                         micro_batch=None, per_sample_top=top, bisect_runs=None,
+                                         history_pattern="exponential_growth")))
+    assert v["kind"] == "spike_no_single_cause"
+    assert v["headline"] == ("The loss spike to 87234.5 (threshold 100) at step 41217 (rank 3) is reproduced, "
+                             "but no single sample, layer or update explains it.")
+    assert "'a' (loss 9.1), 7 (loss 8)" in v["explanation"]
+    assert v["suggestions"][0].startswith("The loss grew exponentially")
+
+
+def test_spike_with_a_dominant_sample_is_bad_sample():
+    v = decide_verdict(facts(trigger_kind="loss_spike", trigger_value=87234.5, threshold=100.0,
+                             culprit_samples=["rec-1"]))
+    assert v["kind"] == "bad_sample" and "makes the loss spike" in v["headline"]
+
+
+def test_not_reproduced_wins_over_everything_and_gives_the_numbers():
+    v = check_shape(decide_verdict(facts(trigger_kind="nonfinite_grad", reproduced=False, trigger_value=math.inf,
+                                         replayed_value=1.23, replay_device="cpu", culprit_samples=["a"],
+                                         weights_nonfinite_at_start=True,
+                                         environment_warnings=["captured on NVIDIA H100, replayed on CPU"])))
+    assert v["kind"] == "not_reproduced"
+    assert v["headline"] == ("The replay on cpu did not reproduce the non-finite gradient of step 41217 "
+                             "(rank 3, micro-batch 2 of 4): recorded inf, replayed 1.23.")
+    assert "captured on NVIDIA H100, replayed on CPU" in v["explanation"]
+    assert any("silent data corruption" in s and "rank 3" in s for s in v["suggestions"])
+    assert any("use_deterministic_algorithms" in s for s in v["suggestions"])
+
+
+def test_history_signals_and_oscillation_reach_the_user():
+    v = decide_verdict(facts(culprit_samples=["a"], history_pattern="oscillating_divergence",
+                             history_signals=["Gradient clipping fired on 12 of 200 recorded steps (6%)."]))
+    assert "oscillating divergence" in v["explanation"]
+    assert v["explanation"].endswith("Gradient clipping fired on 12 of 200 recorded steps (6%).")
+    assert any("optimizer state" in s for s in v["suggestions"])
+
+
+def test_op_hints_follow_the_failing_op():
+    v = decide_verdict(facts(culprit_samples=["a"], phase="forward", module="loss", op="aten::log"))
+    assert any("Guard the log" in s for s in v["suggestions"])
+    v = decide_verdict(facts(culprit_samples=["a"], phase="forward", module="model.norm", op="aten::rsqrt"))
+    assert any("eps" in s for s in v["suggestions"])
+
+
+def test_untrusted_sample_ids_are_quoted_cut_and_escaped():
+    v = decide_verdict(facts(culprit_samples=["x" * 500]))
+    assert "x" * 78 + "…" in v["headline"] and len(v["headline"]) < 300
+    v = decide_verdict(facts(culprit_samples=["rec\x1b[31m-1\n"]))
+    assert "\x1b" not in v["headline"] and "'rec\\x1b[31m-1\\n'" in v["headline"]
+    v = decide_verdict(facts(culprit_samples=[{"shard": 3, "row": 9}]))
+    assert 'Sample {"shard": 3, "row": 9} alone' in v["headline"]
+
+
+def test_facts_are_validated():
+    with pytest.raises(ValueError, match="phase"):
+        VerdictFacts("nonfinite_loss", True, phase="sideways")
+    with pytest.raises(ValueError, match="history_pattern"):
+        VerdictFacts("nonfinite_loss", True, history_pattern="wobbly")
+    f = VerdictFacts("grad_norm_spike", True, culprit_samples=["a", "b"], rank=5)
+    assert f.spike and f.culprit_subset_size == 2 and f.culprit_rank == 5
