@@ -72,7 +72,8 @@ class VerdictFacts:
     rank: int | None = None
     """Rank whose dump was replayed; also the rank of the culprit samples unless `culprit_rank`."""
     micro_batch: int | None = None
-    """Micro-batch in which the trigger fired (0-based; shown 1-based as 'micro-batch 2 of 4')."""
+    """Micro-batch index in which the trigger fired, 0-based and shown as is ("micro-batch 1 of 4"),
+    like the capture detail and the report renderers."""
     num_micro_batches: int | None = None
     trigger_value: float | None = None
     """The recorded value that fired (nan / inf / the spiking number)."""
@@ -181,7 +182,7 @@ def _where_step(f: VerdictFacts, micro_batch: bool = True) -> str:
         extra.append(f"rank {f.rank}")
     if f.micro_batch is not None and micro_batch:
         of = f" of {f.num_micro_batches}" if f.num_micro_batches else ""
-        extra.append(f"micro-batch {f.micro_batch + 1}{of}")
+        extra.append(f"micro-batch {f.micro_batch}{of}")
     return text + (f" ({', '.join(extra)})" if extra else "")
 
 
@@ -212,7 +213,7 @@ def _evidence(f: VerdictFacts) -> list[str]:
     if f.rank is not None:
         where.append(f"rank {f.rank}")
     if f.micro_batch is not None:
-        where.append(f"micro-batch {f.micro_batch + 1}" + (f" of {f.num_micro_batches}" if f.num_micro_batches else ""))
+        where.append(f"micro-batch {f.micro_batch}" + (f" of {f.num_micro_batches}" if f.num_micro_batches else ""))
     trigger = _TRIGGER_WORDS.get(f.trigger_kind, f.trigger_kind.replace("_", " "))
     numbers = ([_num(f.trigger_value)] if f.trigger_value is not None else []) + \
         ([f"threshold {_num(f.threshold)}"] if f.threshold is not None else [])
