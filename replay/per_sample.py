@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from forensics.errors import ReplayError
+from replay.localize import ROOT_MODULE
 from replay.samples import map_sample_tensors, select_samples
 
 log = logging.getLogger(__name__)
@@ -94,7 +96,10 @@ def _vmap_stats(model: torch.nn.Module, loss_fn: Callable, batch: Any) -> tuple[
         sample = map_sample_tensors(batch, lambda t: next(it).unsqueeze(0))
         return functional_call(wrapper, (p, frozen), (sample,))
 
-    grads, losses = vmap(grad_and_value(one_sample_loss), in_dims=(None, 0), randomness="error")(params, leaves)
+    with warnings.catch_warnings():  # ops without a batching rule still work, just slower: not news
+        warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet")
+        grads, losses = vmap(grad_and_value(one_sample_loss), in_dims=(None, 0),
+                             randomness="error")(params, leaves)
     if grads:
         per_param = torch.stack([torch.linalg.vector_norm(g.flatten(1), dim=1, dtype=torch.float64)
                                  for g in grads.values()])
@@ -238,8 +243,8 @@ def per_layer_grad_norms(model: torch.nn.Module) -> list[dict]:
     """Gradient norm of each module's own parameters, from their current `.grad`.
 
     A parameter belongs to the module named by its name minus the last component
-    (`transformer.h.1.mlp.c_fc.weight` -> `transformer.h.1.mlp.c_fc`; a parameter of the root module
-    -> `""`, as in `named_modules()`). Modules come in `named_parameters()` order; parameters that do
+    (`transformer.h.1.mlp.c_fc.weight` -> `transformer.h.1.mlp.c_fc`; a parameter of the model itself
+    -> `replay.localize.ROOT_MODULE`, as in the rest of the report). Modules come in `named_parameters()` order; parameters that do
     not require grad are skipped; a module none of whose parameters has a `.grad` gets None.
 
     Returns:
@@ -252,7 +257,7 @@ def per_layer_grad_norms(model: torch.nn.Module) -> list[dict]:
     """
     groups: dict[str, list[torch.Tensor]] = {}
     for name, p in _trainable(model):
-        grads = groups.setdefault(name.rpartition(".")[0], [])
+        grads = groups.setdefault(name.rpartition(".")[0] or ROOT_MODULE, [])
         if p.grad is not None:
             grads.append(torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float64))
     with_grad = [m for m, g in groups.items() if g]

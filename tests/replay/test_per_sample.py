@@ -183,3 +183,20 @@ def test_per_layer_grad_norms_group_by_module_and_show_the_broken_layer():
     assert [m for m, v in by_module.items() if not math.isfinite(v)] == ["transformer.h.1.mlp.c_fc"]
     model.zero_grad(set_to_none=True)
     assert all(r["grad_norm"] is None for r in per_layer_grad_norms(model))
+
+
+def test_parameters_of_the_model_itself_are_grouped_under_the_root_label():
+    from replay.localize import ROOT_MODULE
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(()))
+            self.body = torch.nn.Linear(2, 1)
+
+        def forward(self, x):
+            return self.body(x) * self.scale
+
+    model = Scaled()
+    model(torch.ones(3, 2)).sum().backward()
+    assert [r["module"] for r in per_layer_grad_norms(model)] == [ROOT_MODULE, "body"]
