@@ -69,6 +69,8 @@ class StepResult:
     """Parameters whose gradient holds NaN/Inf, in named_parameters() order."""
     fp32: bool = False
     samples: list[SampleRef] | None = None
+    step_loss: float | None = None
+    """sum(losses run) / divisor: the step's objective as the job computed it (whole step only)."""
     error: str | None = None
     """With anomaly=True: the RuntimeError autograd anomaly mode raised (else None)."""
     anomaly_warnings: list[str] = field(default_factory=list)
@@ -77,7 +79,9 @@ class StepResult:
         """True when this run shows the same kind of failure as the trigger.
 
         nonfinite_loss: a micro-batch loss is NaN/Inf. nonfinite_grad: a gradient is NaN/Inf.
-        loss_spike: a micro-batch loss is above `threshold` (or non-finite). grad_norm_spike: the
+        loss_spike: the step loss (sum / divisor, as the Guard computes it) is above `threshold` for a
+        whole-step run; for a subset, any micro-batch loss is (a subset's step loss is diluted by the
+        divisor, its micro-batch means are not), or a loss is non-finite. grad_norm_spike: the
         grad norm is above `threshold` (or non-finite). nonfinite_param: the pre-step weights hold
         NaN/Inf (an update that breaks them is checked by replay.localize.localize_optimizer).
         """
@@ -89,7 +93,11 @@ class StepResult:
             values = [v for v in self.losses if v is not None]
             if any(not math.isfinite(v) for v in values):
                 return True
-            return threshold is not None and any(v > threshold for v in values)
+            if threshold is None:
+                return False
+            if self.samples is None and self.step_loss is not None:
+                return self.step_loss > threshold
+            return any(v > threshold for v in values)
         if kind == "grad_norm_spike":
             if self.grad_norm is None:
                 return False
@@ -174,7 +182,8 @@ class StepRunner:
                 self._warned_autocast = True
             return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
 
-    def _restore_rng(self, index: int) -> None:
+    def restore_rng(self, index: int) -> None:
+        """Puts back the RNG state recorded right before micro-batch `index`'s forward."""
         from forensics.rng import restore_rng
 
         states = self.session.rng_states
@@ -240,17 +249,18 @@ class StepRunner:
         losses: list[float | None] = []
         error = None
         caught: list[warnings.WarningMessage] = []
-        anomaly_ctx = torch.autograd.detect_anomaly(check_nan=anomaly_check_nan) if anomaly else contextlib.nullcontext()
         try:
-            with warnings.catch_warnings(record=True) as caught, anomaly_ctx:
+            with warnings.catch_warnings(record=True) as caught, contextlib.ExitStack() as stack:
                 warnings.simplefilter("always")
+                if anomaly:  # its "Anomaly Detection has been enabled" warning is expected here
+                    stack.enter_context(torch.autograd.detect_anomaly(check_nan=anomaly_check_nan))
                 for i in range(len(session.micro_batches)):
                     if selected is not None and i not in selected:
                         losses.append(None)
                         continue
                     batch = self.batch_for(i, None if selected is None else selected[i])
                     if restore_rng:
-                        self._restore_rng(i)
+                        self.restore_rng(i)
                     extra = forward_context(i) if forward_context is not None else contextlib.nullcontext()
                     with extra, self.autocast_context(fp32):
                         loss = session.loss_fn(model, batch)
@@ -299,6 +309,7 @@ class StepRunner:
             nonfinite_grad_params=bad_grads,
             fp32=fp32,
             samples=list(samples) if samples is not None else None,
+            step_loss=sum(v for v in losses if v is not None) / session.loss_divisor if losses else None,
             error=error,
             anomaly_warnings=anomaly_text,
         )
@@ -362,7 +373,8 @@ def reproduce(runner: StepRunner, max_attempts: int = 3, tolerance: float = DEFA
     replayed = result.losses
     diffs = [abs(a - b) for a, b in zip(recorded, replayed) if _finite(a) and _finite(b)]
     recorded_norm = _as_float(session.recorded_grad_norm)
-    bitwise = all(_same(a, b) for a, b in zip(recorded, replayed) if a is not None) and \
+    compared = any(a is not None for a in recorded) or recorded_norm is not None
+    bitwise = compared and all(_same(a, b) for a, b in zip(recorded, replayed) if a is not None) and \
         (recorded_norm is None or _same(recorded_norm, result.grad_norm))
     mode = "bitwise" if session.expect_bitwise else "tolerance"
     fidelity = {

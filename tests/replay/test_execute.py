@@ -1,0 +1,116 @@
+"""StepRunner: bitwise reproduction with restored RNG, resets between runs, subsets keep the
+original loss normalisation, loss scaling, trigger semantics, fidelity when nothing fails."""
+
+import math
+
+import torch
+
+from forensics.rng import restore_rng
+from replay.execute import SampleRef, StepResult, StepRunner, reproduce
+from replay.samples import select_samples
+
+
+def test_restored_rng_reproduces_dropout_dependent_step_bitwise(kit):
+    model = kit.build_gpt2(dropout=0.2)
+    session = kit.make_session(model, kit.build_batches(poison=False))
+    runner = StepRunner(session)
+
+    rep = reproduce(runner)
+
+    assert rep.fidelity["mode"] == "bitwise"
+    assert rep.fidelity["bitwise_equal"] is True
+    assert rep.fidelity["replayed_losses"] == session.recorded_losses
+    assert rep.fidelity["replayed_grad_norm"] == session.recorded_grad_norm
+    # the RNG is what makes it bitwise: without restoring it dropout draws other masks
+    other = runner.run(restore_rng=False)
+    assert other.losses != session.recorded_losses
+
+
+def test_every_run_starts_from_pre_step_weights(kit):
+    model = kit.build_gpt2()
+    session = kit.make_session(model, kit.build_batches(poison=False))
+    runner = StepRunner(session)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    first = runner.run(keep_grads=True)
+    with torch.no_grad():  # someone (an optimizer check) changes the live weights
+        for p in model.parameters():
+            p.add_(1.0)
+    second = runner.run()
+
+    assert first.losses == second.losses and first.grad_norm == second.grad_norm
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_subset_keeps_the_recorded_divisor_and_skips_empty_micro_batches(kit):
+    model = kit.build_gpt2()
+    batches = kit.build_batches(poison=False)
+    session = kit.make_session(model, batches)
+    runner = StepRunner(session)
+
+    result = runner.run([SampleRef(1, 2, "doc-1-2"), SampleRef(1, 0, "doc-1-0")])
+
+    # by hand: micro-batch 1 restricted to samples 0 and 2, same RNG, divided by the step's divisor (2)
+    model.zero_grad(set_to_none=True)
+    restore_rng(session.rng_states[1])
+    loss = kit.hf_loss(model, select_samples(session.micro_batches[1], [0, 2]))
+    (loss / 2).backward()
+    expected = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    model.zero_grad(set_to_none=True)
+    assert result.losses == [None, float(loss.detach())]
+    assert result.grad_norm == float(expected)
+
+
+def test_loss_scale_is_applied_and_removed_like_grad_scaler(kit):
+    model = kit.build_gpt2(dropout=0.0)
+    batches = kit.build_batches(poison=False)
+    plain = StepRunner(kit.make_session(model, batches, record=False)).run()
+    scaled = StepRunner(kit.make_session(model, batches, record=False,
+                                     scaler_state={"scale": 1024.0, "growth_factor": 2.0})).run()
+    # a power-of-two scale multiplies and divides exactly: the gradients are bitwise the same
+    assert scaled.grad_norm == plain.grad_norm and scaled.losses == plain.losses
+
+
+def test_fp32_run_leaves_model_in_recorded_dtype(kit):
+    model = kit.build_gpt2().to(torch.bfloat16)
+    session = kit.make_session(model, kit.build_batches(poison=False), record=False)
+    runner = StepRunner(session)
+    result = runner.run(fp32=True)
+    assert result.fp32 and math.isfinite(result.grad_norm)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def test_trigger_semantics(kit):
+    r = StepResult(losses=[1.0, None, 3.0], grad_norm=5.0, loss_finite=True, grads_finite=True,
+                   params_finite=True, step_loss=2.0)
+    assert not r.trigger_reproduced("nonfinite_loss")
+    assert r.trigger_reproduced("loss_spike", 1.5) and not r.trigger_reproduced("loss_spike", 2.5)
+    r.samples = [SampleRef(2, 0)]  # a subset: any micro-batch mean above the threshold counts
+    assert r.trigger_reproduced("loss_spike", 2.5)
+    assert r.trigger_reproduced("grad_norm_spike", 4.0) and not r.trigger_reproduced("grad_norm_spike", 6.0)
+    bad = StepResult(losses=[float("nan")], grad_norm=float("nan"), loss_finite=False, grads_finite=False,
+                     params_finite=False)
+    assert all(bad.trigger_reproduced(k) for k in ("nonfinite_loss", "nonfinite_grad", "nonfinite_param"))
+
+
+def test_not_reproduced_reports_the_numbers(kit):
+    model = kit.build_gpt2()
+    session = kit.make_session(model, kit.build_batches(poison=False),
+                           trigger={"kind": "nonfinite_loss", "value": float("nan"), "micro_batch": 1})
+    rep = reproduce(StepRunner(session), max_attempts=3)
+    assert rep.reproduced is False
+    assert rep.attempts == 1  # CPU is deterministic: a second try would give the same numbers
+    assert all(math.isfinite(v) for v in rep.fidelity["replayed_losses"])
+    assert rep.fidelity["recorded_losses"] == session.recorded_losses
+
+
+def test_poisoned_step_reproduces_nonfinite_loss(kit):
+    model = kit.build_gpt2()
+    with torch.no_grad():
+        model.transformer.wte.weight[63] = float("inf")
+    session = kit.make_session(model, kit.build_batches(), trigger={"kind": "nonfinite_loss", "micro_batch": 1})
+    rep = reproduce(StepRunner(session))
+    assert rep.reproduced
+    assert math.isfinite(rep.result.losses[0]) and math.isnan(rep.result.losses[kit.POISONED[0]])
+    assert rep.fidelity["bitwise_equal"]  # nan == nan for fidelity purposes
