@@ -235,7 +235,7 @@ def _evidence(f: VerdictFacts) -> list[str]:
         where = _where_value(f, stats) if (f.module or f.phase in ("forward", "backward")) \
             else f" in the {f.phase} step" + (f" ({'; '.join(stats)})" if stats else "")
         out.append(f"The first non-finite value appears{where}.")
-    if f.culprit_samples and not _whole_batch(f):
+    if _has_culprit(f):
         runs = f" (found in {f.bisect_runs} replays of {f.candidates} samples)" if f.bisect_runs is not None else ""
         phrase = _samples_phrase(f).rstrip(",")
         out.append(f"Culprit: {phrase[0].lower() + phrase[1:]}{runs}.")
@@ -243,7 +243,7 @@ def _evidence(f: VerdictFacts) -> list[str]:
         out.append(f"Bisecting {f.candidates} samples ({f.bisect_runs} replays) found no smaller subset that fails.")
     low = _low_precision(f)
     if f.fp32_reproduces is False:
-        out.append(f"In fp32 the step is finite → {'precision + data' if f.culprit_samples else 'precision'}.")
+        out.append(f"In fp32 the step is finite → {'precision + data' if _has_culprit(f) else 'precision'}.")
     elif f.fp32_reproduces is True and low:
         out.append(f"It fails in fp32 too, so {low} is not the cause.")
     return out
@@ -257,22 +257,40 @@ def _history(f: VerdictFacts) -> list[str]:
     return out
 
 
+_LOG_OPS = {"log", "log2", "log10", "log1p", "xlogy"}
+_DIV_OPS = {"div", "true_divide", "reciprocal", "floor_divide"}
+_NORM_OPS = {"sqrt", "rsqrt", "native_layer_norm", "layer_norm", "rms_norm", "_fused_rms_norm", "native_batch_norm",
+             "batch_norm", "group_norm", "native_group_norm"}
+_MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear"}
+
+
+def _op_base(op: str | None) -> str:
+    """'aten::div.Tensor' -> 'div'; 'aten::add_' -> 'add'."""
+    return (op or "").split("::")[-1].split(".")[0].rstrip("_").lower()
+
+
 def _op_hints(f: VerdictFacts) -> list[str]:
-    op = (f.op or "").lower()
-    module = (f.module or "").lower()
+    op = _op_base(f.op)
+    parts = (f.module or "").lower().split(".")
     hints = []
-    if "log" in op and "softmax" not in op:
+    if op in _LOG_OPS:
         hints.append("Guard the log: clamp its input away from 0 (x.clamp_min(1e-6)) or use log_softmax / "
                      "cross_entropy on logits instead of log(softmax).")
-    if "div" in op:
+    if op in _DIV_OPS:
         hints.append("Guard the division: a denominator of 0 (e.g. a mean over zero unmasked tokens) "
                      "gives 0/0; clamp it or skip samples with nothing to average.")
     if "softmax" in op:
         hints.append("A fully masked row (all -inf) makes softmax NaN: make sure every row keeps at "
                      "least one unmasked position.")
-    if "sqrt" in op or "rsqrt" in op or "norm" in op or "norm" in module:
+    if op == "exp":
+        hints.append("exp overflows above ~88 in fp32 (~11 in fp16): subtract the maximum first "
+                     "(logsumexp / softmax do this for you).")
+    if op in _NORM_OPS or any("norm" in p or p.startswith("ln") for p in parts if p):
         hints.append("Raise the normalisation eps (1e-5 or 1e-6 rather than 1e-8 or 0): a near-zero "
                      "hidden vector divides by ~0.")
+    if op in _MATMUL_OPS and _low_precision(f) == "float16":
+        hints.append("A matmul output above 65504 overflows float16: bfloat16 keeps fp32's range, or "
+                     "scale the activations down (e.g. a norm before this layer).")
     return hints
 
 
@@ -320,7 +338,7 @@ def decide_verdict(facts: VerdictFacts) -> dict:
         return _optimizer_update(f)
     if f.fp32_reproduces is False and _low_precision(f):
         return _numerical_precision(f)
-    if f.culprit_samples and not _whole_batch(f):
+    if _has_culprit(f):
         return _bad_sample(f)
     if f.spike:
         return _spike(f)
@@ -330,6 +348,10 @@ def decide_verdict(facts: VerdictFacts) -> dict:
 def _whole_batch(f: VerdictFacts) -> bool:
     """Bisection's 1-minimal failing set is every candidate: no sample can be singled out."""
     return f.candidates > 1 and (f.culprit_subset_size or 0) >= f.candidates
+
+
+def _has_culprit(f: VerdictFacts) -> bool:
+    return bool(f.culprit_samples) and not _whole_batch(f)
 
 
 def _what(f: VerdictFacts) -> str:
@@ -422,7 +444,7 @@ def _optimizer_update(f: VerdictFacts) -> dict:
 
 def _numerical_precision(f: VerdictFacts) -> dict:
     dtype = _low_precision(f)
-    with_data = bool(f.culprit_samples)
+    with_data = _has_culprit(f)
     who = f" and only with {_samples_phrase(f, lower=True).rstrip(',')}," if with_data else ""
     at = _where_step(f)
     where = ("," if not with_data and _where_value(f) else "") + _where_value(f)
@@ -456,8 +478,9 @@ def _bad_sample(f: VerdictFacts) -> dict:
                 "model state; replay another sample with these weights to be sure.")
     ids = ", ".join(_id(s) for s in f.culprit_samples[:MAX_NAMED_SAMPLES])
     suggestions = [f"Filter {ids} from the training data (blocklist.jsonl lists the culprits) and resume "
-                   f"from the last checkpoint before step {f.step if f.step is not None else 'the failure'} "
-                   "with the same RNG and data position.",
+                   "from the last checkpoint before "
+                   f"{f'step {f.step}' if f.step is not None else 'the failing step'} with the same RNG and "
+                   "data position.",
                    "Look at the record behind it: empty or zero-length, control characters only, very long "
                    "strings without spaces (base64, binary), mis-encoded text, all-zero images, every "
                    "label masked (-100)."]
@@ -465,10 +488,10 @@ def _bad_sample(f: VerdictFacts) -> dict:
         suggestions.insert(1, "These samples fail only together: look for a computation they share across "
                               "the batch (normalisation statistics, a loss averaged over all tokens, a sum "
                               "that overflows); keep them out of one batch or fix that computation.")
-    low = _low_precision(f)
-    if low == "float16":
-        suggestions.append("The job runs in float16: bfloat16 has fp32's range and tolerates outliers better.")
-    return _result("bad_sample", headline, f, suggestions + _op_hints(f) + _pattern_hints(f), reading)
+    hints = _op_hints(f)
+    if _low_precision(f) == "float16" and not any("bfloat16" in h for h in hints):
+        hints.append("The job runs in float16: bfloat16 has fp32's range and tolerates outliers better.")
+    return _result("bad_sample", headline, f, suggestions + hints + _pattern_hints(f), reading)
 
 
 def _spike(f: VerdictFacts) -> dict:

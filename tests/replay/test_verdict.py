@@ -157,6 +157,27 @@ def test_op_hints_follow_the_failing_op():
     assert any("Guard the log" in s for s in v["suggestions"])
     v = decide_verdict(facts(culprit_samples=["a"], phase="forward", module="model.norm", op="aten::rsqrt"))
     assert any("eps" in s for s in v["suggestions"])
+    v = decide_verdict(facts(culprit_samples=["a"], phase="backward", module="transformer.h.0.ln_1",
+                             op="aten::native_layer_norm"))
+    assert any("eps" in s for s in v["suggestions"])
+    v = decide_verdict(facts(culprit_samples=["a"], phase="forward", module="loss", op="aten::div.Tensor"))
+    assert any("Guard the division" in s for s in v["suggestions"])
+    v = decide_verdict(facts(culprit_samples=["a"], phase="forward", module="h.1.mlp.c_proj", op="aten::addmm",
+                             autocast_dtype="float16", fp32_reproduces=True))
+    assert [s for s in v["suggestions"] if "bfloat16" in s] == [
+        "A matmul output above 65504 overflows float16: bfloat16 keeps fp32's range, or scale the activations "
+        "down (e.g. a norm before this layer)."]
+    assert not any("Guard" in s or "Raise the normalisation eps" in s for s in v["suggestions"])
+    v = decide_verdict(facts(culprit_samples=["a"], step=None, autocast_dtype="float16", fp32_reproduces=True))
+    assert "before the failing step with the same RNG" in v["suggestions"][0]
+    assert any(s.startswith("The job runs in float16") for s in v["suggestions"])
+
+
+def test_precision_with_a_whole_batch_culprit_is_not_precision_plus_data():
+    v = decide_verdict(facts(fp32_reproduces=False, autocast_dtype="float16", candidates=4,
+                             culprit_samples=["a", "b", "c", "d"]))
+    assert v["kind"] == "numerical_precision"
+    assert "precision + data" not in v["headline"] + v["explanation"]
 
 
 def test_untrusted_sample_ids_are_quoted_cut_and_escaped():
