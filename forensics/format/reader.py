@@ -48,9 +48,32 @@ def read_manifest(directory: Path) -> dict:
     missing = [key for key in spec.REQUIRED_MANIFEST_KEYS if key not in manifest]
     if missing:
         raise DumpCorruptError(f"{path} lacks required keys {missing}", spec.MANIFEST)
-    if not isinstance(manifest["files"], dict):
-        raise DumpCorruptError(f"{path}: 'files' must be an object", spec.MANIFEST)
+    _check_manifest_types(manifest, path)
     return jsonio.from_jsonable(manifest)
+
+
+def _check_manifest_types(manifest: dict, path: Path) -> None:
+    """Refuses fields that loaders rely on with the wrong JSON type, and file names that leave the dump."""
+    def corrupt(what: str) -> DumpCorruptError:
+        return DumpCorruptError(f"{path}: {what}; the manifest was edited or damaged", spec.MANIFEST)
+
+    for key in ("step", "rank", "world_size"):
+        value = manifest[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise corrupt(f"'{key}' must be a non-negative integer, got {str(value)[:40]!r}")
+    if not isinstance(manifest["trigger"], dict):
+        raise corrupt("'trigger' must be an object")
+    batches = manifest["micro_batches"]
+    if not isinstance(batches, list) or not all(isinstance(b, dict) for b in batches):
+        raise corrupt("'micro_batches' must be a list of objects")
+    if not isinstance(manifest["files"], dict):
+        raise corrupt("'files' must be an object")
+    for name, entry in manifest["files"].items():
+        if name in ("", ".", "..", spec.MANIFEST) or "/" in name or "\\" in name:
+            raise corrupt(f"'files' lists {name[:80]!r}, which is not a plain file name inside the dump")
+        if not (isinstance(entry, dict) and isinstance(entry.get("size"), int)
+                and isinstance(entry.get("sha256"), str)):
+            raise corrupt(f"'files' entry for {name} must be {{\"size\": int, \"sha256\": str}}")
 
 
 def is_rank_dump(path: Path) -> bool:

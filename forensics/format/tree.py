@@ -64,7 +64,11 @@ def decode_tree(skeleton: Any, tensors: dict[str, torch.Tensor], path: str = "ba
         if payload not in tensors:
             raise DumpCorruptError(f"batch skeleton at {path} names missing tensor {payload!r}")
         return tensors[payload]
+    if kind in ("dict", "list", "tuple") and not isinstance(payload, list):
+        raise DumpCorruptError(f"batch skeleton {kind} node at {path} must hold a list")
     if kind == "dict":
+        if not all(isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) for item in payload):
+            raise DumpCorruptError(f"batch skeleton dict node at {path} must hold [string key, node] pairs")
         return {k: decode_tree(v, tensors, f"{path}[{k!r}]") for k, v in payload}
     if kind == "list":
         return [decode_tree(v, tensors, f"{path}[{i}]") for i, v in enumerate(payload)]
