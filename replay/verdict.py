@@ -366,8 +366,8 @@ def _not_reproduced(f: VerdictFacts) -> dict:
     words = _TRIGGER_WORDS.get(f.trigger_kind, f.trigger_kind.replace("_", " "))
     headline = f"The replay{on} did not reproduce the {words} of {_where_step(f)}{numbers}."
     reading = ("The same weights, batch and RNG gave a healthy step here, so the failure depends on "
-            "something the dump does not carry: the GPU, the kernels chosen, non-deterministic "
-            "reductions, distributed state from other ranks, or the hardware itself.")
+               "something the dump does not carry: the GPU, the kernels chosen, non-deterministic "
+               "reductions, distributed state from other ranks, or the hardware itself.")
     if f.environment_warnings:
         reading += " Differences between the job and this replay: " + "; ".join(f.environment_warnings) + "."
     rank = f" on the node of rank {f.rank}" if f.rank is not None else ""
@@ -390,7 +390,7 @@ def _model_state(f: VerdictFacts) -> dict:
         headline = (f"The weights were already non-finite before {_where_step(f, micro_batch=False)}{which}: "
                     "an earlier step broke them.")
         reading = ("The pre-step weights hold NaN/Inf, so every forward fails whatever the data; the "
-                "update that broke them happened at an earlier, unchecked step.")
+                   "update that broke them happened at an earlier, unchecked step.")
         suggestions = ["Go back to the last checkpoint with finite weights and replay forward from it with "
                        "capture checking every step (nonfinite_param detection) to catch the step that "
                        "broke them.",
@@ -400,20 +400,28 @@ def _model_state(f: VerdictFacts) -> dict:
         headline = (f"Every subset of samples tried fails on its own at {at}: the model state, not the "
                     "data, is broken.")
         reading = ("Bisection could not find a sample to blame: every subset it replayed failed, down to "
-                "single samples, so the weights or buffers make any input fail.")
+                   "single samples, so the weights or buffers make any input fail.")
         suggestions = ["Look at the pre-step weights: parameters with a huge abs-max or a collapsed "
                        "norm layer (the per-layer table) show where the state went bad.",
                        "Resume from an earlier checkpoint with a lower learning rate or longer warm-up.",
                        "Check the optimizer state for NaN/Inf or exp_avg_sq == 0 if the job was resumed."]
-    else:
+    elif _whole_batch(f):
         headline = (f"{at[0].upper() + at[1:]} fails only with the whole micro-batch: no smaller subset "
                     "of samples makes it fail, so no single sample is to blame.")
         reading = ("The failure needs every sample of the batch together: a batch-level effect (a sum or "
-                "mean that overflows over the whole batch, normalisation statistics, a loss averaged "
-                "over all tokens) or the model state itself.")
+                   "mean that overflows over the whole batch, normalisation statistics, a loss averaged "
+                   "over all tokens) or the model state itself.")
         suggestions = ["Look for a reduction over the whole batch that overflows (sums in fp16, token "
                        "counts); try a smaller micro-batch.",
                        "Look at the pre-step weights and optimizer state for huge values (per-layer table)."]
+    else:
+        headline = (f"{at[0].upper() + at[1:]} fails again in the replay, but no sample, precision or "
+                    "optimizer finding explains it: suspect the model state.")
+        reading = ("No culprit subset of samples was found (bisection did not run or found none), and "
+                   "neither the optimizer update nor an fp32 re-run points elsewhere.")
+        suggestions = ["Look at the pre-step weights and optimizer state for huge values (per-layer table).",
+                       "If bisection was skipped, run the replay with it to see whether some samples alone "
+                       "make the step fail."]
     return _result("model_state", headline, f, suggestions + _pattern_hints(f) + _op_hints(f), reading)
 
 
@@ -475,7 +483,7 @@ def _bad_sample(f: VerdictFacts) -> dict:
     reading = None
     if f.candidates == 1:
         reading = ("The micro-batch held only this sample, so bisection could not tell it apart from the "
-                "model state; replay another sample with these weights to be sure.")
+                   "model state; replay another sample with these weights to be sure.")
     ids = ", ".join(_id(s) for s in f.culprit_samples[:MAX_NAMED_SAMPLES])
     suggestions = [f"Filter {ids} from the training data (blocklist.jsonl lists the culprits) and resume "
                    "from the last checkpoint before "

@@ -112,6 +112,12 @@ def test_no_subset_smaller_than_the_batch_is_model_state_for_nan_and_no_cause_fo
     assert v["kind"] == "spike_no_single_cause"
 
 
+def test_no_bisection_and_no_other_finding_is_model_state_without_claiming_a_whole_batch():
+    v = check_shape(decide_verdict(facts(candidates=0, bisect_runs=None)))
+    assert v["kind"] == "model_state"
+    assert "whole micro-batch" not in v["headline"] and "no sample, precision or optimizer finding" in v["headline"]
+
+
 def test_spike_without_culprit_reports_value_threshold_and_top_samples():
     top = [{"sample_id": "a", "loss": 9.1, "grad_norm": 3.0, "finite": True},
            {"sample_id": 7, "loss": 8.0, "grad_norm": 2.0, "finite": True}]
