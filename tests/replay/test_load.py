@@ -1,0 +1,145 @@
+"""Loading with consent: nothing a dump names is imported without --trust / --factory; built-in recipes,
+torch optimizers, devices, deterministic mode, environment warnings, optimizer snapshots."""
+
+import sys
+
+import pytest
+import torch
+
+from forensics.errors import RecipeError, ReplayError
+from replay.load import (OptimizerSnapshot, deterministic_mode, environment_warnings, optimizer_class,
+                         resolve_device, resolve_recipe)
+
+EVIL = '''
+import pathlib
+pathlib.Path({marker!r}).write_text("imported")
+
+def build(**kwargs):
+    import torch
+    return torch.nn.Linear(2, 2)
+
+def loss(model, batch):
+    return model(batch).sum()
+'''
+
+
+@pytest.fixture
+def evil_module(tmp_path):
+    """A module outside forensics.recipes that leaves a marker file when imported."""
+    name = f"dump_supplied_{tmp_path.name.replace('-', '_')}"
+    marker = tmp_path / "IMPORTED"
+    (tmp_path / f"{name}.py").write_text(EVIL.format(marker=str(marker)))
+    yield name, marker, str(tmp_path)
+    sys.modules.pop(name, None)
+    if str(tmp_path) in sys.path:
+        sys.path.remove(str(tmp_path))
+
+
+def test_dump_named_factory_is_not_imported_without_trust(evil_module):
+    name, marker, path = evil_module
+    recipe = {"factory": f"{name}:build", "factory_kwargs": {}, "loss": None}
+
+    with pytest.raises(RecipeError) as err:
+        resolve_recipe(recipe, sys_path=[path])
+
+    message = str(err.value)
+    assert f"{name}:build" in message and "--trust" in message and "--factory" in message
+    assert "NOT imported" in message
+    assert not marker.exists() and name not in sys.modules
+
+
+def test_dump_named_loss_is_not_imported_without_trust(evil_module):
+    name, marker, path = evil_module
+    recipe = {"factory": "forensics.recipes:huggingface_model", "factory_kwargs": {}, "loss": f"{name}:loss"}
+    with pytest.raises(RecipeError, match="--loss"):
+        resolve_recipe(recipe, sys_path=[path])
+    assert not marker.exists()
+
+
+def test_trust_or_user_named_factory_imports(evil_module):
+    name, marker, path = evil_module
+    recipe = {"factory": f"{name}:build", "factory_kwargs": {}, "loss": f"{name}:loss"}
+
+    resolved = resolve_recipe(recipe, trust=True, sys_path=[path])
+
+    assert marker.exists()
+    model = resolved.factory(**resolved.factory_kwargs)
+    with torch.no_grad():
+        assert float(resolved.loss_fn(model, torch.ones(1, 2))) == float(model(torch.ones(1, 2)).sum())
+    # naming the code yourself is consent too (the dump's recipe is then not used)
+    user = resolve_recipe({"factory": "somewhere.else:fn"}, factory=f"{name}:build", loss=f"{name}:loss")
+    assert isinstance(user.factory(), torch.nn.Linear)
+
+
+def test_builtin_recipe_needs_no_trust(kit):
+    config = kit.build_gpt2().config.to_dict()
+    recipe = {"factory": "forensics.recipes:huggingface_model",
+              "factory_kwargs": {"architecture": "GPT2LMHeadModel", "config": config},
+              "loss": "forensics.recipes:default_loss", "loss_kwargs": {"ignore_keys": ["sample_ids"]}}
+
+    resolved = resolve_recipe(recipe)
+
+    model = resolved.factory(**resolved.factory_kwargs)
+    batch = kit.build_batches(poison=False)[0]
+    assert torch.isfinite(resolved.loss_fn(model, batch))  # sample_ids left out by loss_kwargs
+
+
+def test_unimportable_recipe_is_a_recipe_error():
+    with pytest.raises(RecipeError, match="no_such_module_xyz"):
+        resolve_recipe({"factory": "no_such_module_xyz:fn"}, trust=True)
+    with pytest.raises(RecipeError, match="--factory"):
+        resolve_recipe({"factory": None})
+
+
+def test_optimizer_classes_outside_torch_need_trust():
+    assert optimizer_class("torch.optim.adamw.AdamW", trust=False) is torch.optim.AdamW
+    with pytest.raises(RecipeError, match="--trust"):
+        optimizer_class("evil.optim.Thing", trust=False)
+
+
+def test_optimizer_snapshot_rebuilds_state_by_name_bitwise(kit):
+    model = kit.build_gpt2(dropout=0.0)
+    batch = kit.build_batches(poison=False)[0]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for _ in range(2):  # real state (exp_avg, exp_avg_sq, step)
+        kit.hf_loss(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    snapshot = OptimizerSnapshot.from_live(opt, model)
+    clone = kit.build_gpt2(dropout=0.0)
+    clone.load_state_dict(model.state_dict())
+
+    rebuilt = snapshot.build(clone)
+
+    for (n, p), q in zip(model.named_parameters(), clone.parameters()):
+        for key, value in opt.state[p].items():
+            assert torch.equal(rebuilt.state[q][key], value), (n, key)
+    for m, o in ((model, opt), (clone, rebuilt)):  # one more step on each: bitwise the same weights
+        kit.hf_loss(m, batch).backward()
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), clone.parameters()))
+    assert snapshot.build(clone).state[next(clone.parameters())]["step"] == 2  # the snapshot was not stepped
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_missing_gpu_is_a_clear_replay_error():
+    with pytest.raises(ReplayError, match="--device cpu"):
+        resolve_device("cuda:0")
+    assert resolve_device(None) == torch.device("cpu")
+
+
+def test_deterministic_mode_is_restored():
+    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark)
+    with deterministic_mode({"allow_tf32_matmul": True}):
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+        assert torch.backends.cuda.matmul.allow_tf32
+    assert (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark) == before
+
+
+def test_environment_warnings_name_what_differs():
+    warnings = environment_warnings({"torch": "2.0.0", "gpus": [{"name": "NVIDIA H100", "sm_count": 132}]},
+                                    torch.device("cpu"))
+    assert any("torch differs" in w and "2.0.0" in w for w in warnings)
+    assert any("NVIDIA H100" in w and "CPU" in w for w in warnings)
+    assert environment_warnings({"torch": torch.__version__, "gpus": []}, torch.device("cpu")) == []
