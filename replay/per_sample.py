@@ -244,8 +244,9 @@ def per_layer_grad_norms(model: torch.nn.Module) -> list[dict]:
 
     A parameter belongs to the module named by its name minus the last component
     (`transformer.h.1.mlp.c_fc.weight` -> `transformer.h.1.mlp.c_fc`; a parameter of the model itself
-    -> `replay.localize.ROOT_MODULE`, as in the rest of the report). Modules come in `named_parameters()` order; parameters that do
-    not require grad are skipped; a module none of whose parameters has a `.grad` gets None.
+    -> `replay.localize.ROOT_MODULE`, as in the rest of the report). Modules come in
+    `named_parameters()` order; parameters that do not require grad are skipped; a module none of
+    whose parameters has a `.grad` gets None.
 
     Returns:
         `[{"module": str, "grad_norm": float | None}]` (nan / inf when non-finite).

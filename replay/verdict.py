@@ -54,7 +54,8 @@ _TRIGGER_WORDS = {
 _PATTERN_MEANS = {
     "sudden_jump": "sudden jump (usually one bad sample, or a numerical overflow)",
     "exponential_growth": "exponential growth (usually a learning rate too high, an accumulation bug, or momentum)",
-    "oscillating_divergence": "oscillating divergence (usually corrupted optimizer state or a batch distribution shift)",
+    "oscillating_divergence": ("oscillating divergence (usually corrupted optimizer state or a batch "
+                               "distribution shift)"),
     "stable": "stable until the failure (the failing step is an outlier)",
     "insufficient_history": "too little history to tell",
 }

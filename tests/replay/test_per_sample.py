@@ -111,8 +111,10 @@ def test_dropout_falls_back_to_the_loop_with_the_rng_hook_each_sample():
         torch.manual_seed(1234)
 
     def run():
-        return per_sample_stats(model, refs, lambda r: gpt2_loss(model, select_samples(batches[r.micro_batch], [r.index])),
-                                before_each=restore_rng, batches=batches, loss_fn=gpt2_loss)
+        def run_one(r):
+            return gpt2_loss(model, select_samples(batches[r.micro_batch], [r.index]))
+
+        return per_sample_stats(model, refs, run_one, before_each=restore_rng, batches=batches, loss_fn=gpt2_loss)
 
     first, second = run(), run()
     assert first == second                                  # deterministic dropout

@@ -96,6 +96,5 @@ def test_out_of_range_indices_are_refused():
 
 def test_empty_selection_and_indices_by_micro_batch():
     assert select_samples(hf_batch(), [])["input_ids"].shape == (0, 6)
-    refs = [SimpleNamespace(micro_batch=1, index=3, sample_id="a"), SimpleNamespace(micro_batch=0, index=2, sample_id="b"),
-            SimpleNamespace(micro_batch=1, index=0, sample_id="c")]
+    refs = [SimpleNamespace(micro_batch=mb, index=i, sample_id=s) for mb, i, s in [(1, 3, "a"), (0, 2, "b"), (1, 0, "c")]]
     assert indices_by_micro_batch(refs) == {0: [2], 1: [0, 3]}

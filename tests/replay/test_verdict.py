@@ -71,9 +71,9 @@ def test_numerical_precision_alone_and_with_data():
 
 
 def test_precision_needs_low_precision_and_an_fp32_rerun():
-    assert decide_verdict(facts(fp32_reproduces=False, autocast_dtype=None, culprit_samples=["a"]))["kind"] == "bad_sample"
-    assert decide_verdict(facts(fp32_reproduces=True, autocast_dtype="bfloat16", culprit_samples=["a"]))["kind"] == "bad_sample"
-    assert decide_verdict(facts(fp32_reproduces=None, autocast_dtype="bfloat16", culprit_samples=["a"]))["kind"] == "bad_sample"
+    for fp32, dtype in [(False, None), (True, "bfloat16"), (None, "bfloat16")]:
+        v = decide_verdict(facts(fp32_reproduces=fp32, autocast_dtype=dtype, culprit_samples=["a"]))
+        assert v["kind"] == "bad_sample"
     v = decide_verdict(facts(fp32_reproduces=False, param_dtype="torch.bfloat16", culprit_samples=["a"]))
     assert v["kind"] == "numerical_precision"        # pure-bf16 training, no autocast
 
