@@ -45,6 +45,13 @@ class EmbedsDataset:
         return self.items[index]
 
 
+def collate(dataset, indices: list[int]) -> dict:
+    """One micro-batch of `dataset[indices]`, stacked, with `sample_ids` = the indices (as IndexedDataset gives)."""
+    batch = torch.utils.data.default_collate([dataset[i] for i in indices])
+    batch["sample_ids"] = torch.tensor(indices)
+    return batch
+
+
 def default_loss_fn(ignore: tuple = ("sample_ids",)) -> Callable:
     from forensics.recipes import default_loss
 

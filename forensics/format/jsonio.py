@@ -31,7 +31,10 @@ def from_jsonable(obj: Any) -> Any:
     """Inverse of `to_jsonable` for tagged floats; unserializable placeholders become None."""
     if isinstance(obj, dict):
         if len(obj) == 1 and _FLOAT_TAG in obj:
-            return float(obj[_FLOAT_TAG])
+            try:
+                return float(obj[_FLOAT_TAG])
+            except (TypeError, ValueError):
+                raise ValueError(f"malformed float tag {str(obj)[:60]}") from None
         if len(obj) == 1 and UNSERIALIZABLE_TAG in obj:
             return None
         return {k: from_jsonable(v) for k, v in obj.items()}

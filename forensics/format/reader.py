@@ -49,7 +49,10 @@ def read_manifest(directory: Path) -> dict:
     if missing:
         raise DumpCorruptError(f"{path} lacks required keys {missing}", spec.MANIFEST)
     _check_manifest_types(manifest, path)
-    return jsonio.from_jsonable(manifest)
+    try:
+        return jsonio.from_jsonable(manifest)
+    except ValueError as exc:
+        raise DumpCorruptError(f"{path}: {exc}", spec.MANIFEST) from exc
 
 
 def _check_manifest_types(manifest: dict, path: Path) -> None:
@@ -126,7 +129,7 @@ class Dump:
     def _json(self, name: str) -> Any:
         try:
             return jsonio.loads(self.read_file(name))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except ValueError as exc:  # also UnicodeDecodeError, JSONDecodeError, a malformed float tag
             raise DumpCorruptError(f"{self.path / name} is not valid JSON ({exc})", name) from exc
 
     def _tensors(self, name: str) -> dict[str, torch.Tensor]:
@@ -173,7 +176,7 @@ class Dump:
         tensors = load_safetensors_bytes(self._zstd(spec.batch_tensors_name(index)), spec.batch_tensors_name(index))
         try:
             skeleton = jsonio.loads(self._zstd(spec.batch_json_name(index)))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except ValueError as exc:
             raise DumpCorruptError(f"{spec.batch_json_name(index)} is not valid JSON", spec.batch_json_name(index)) from exc
         return decode_tree(skeleton, tensors)
 
