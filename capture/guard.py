@@ -193,35 +193,43 @@ class Guard:
         return decision
 
     def _gather(self, record: StepRecord, grad_norm: Any) -> tuple[list[float], float, float | None, bool]:
-        """One device->host transfer of per-micro-batch losses, grad norm and loss scale."""
-        device = next((v.device for v in record.losses if isinstance(v, torch.Tensor)), None)
+        """One device->host transfer of per-micro-batch losses, grad norm and loss scale.
+
+        Python numbers stay on the host: building a device tensor from one would be a pageable
+        host->device copy, which waits for the stream just like a sync.
+        """
         if grad_norm is None:
             grad_norm = self._grad_norm()
-        if device is None and isinstance(grad_norm, torch.Tensor):
-            device = grad_norm.device
-        device = device or torch.device("cpu")
-        parts = [v.float().reshape(()).to(device) if isinstance(v, torch.Tensor)
-                 else torch.tensor(float(v), device=device) for v in record.losses]
-        parts.append(grad_norm.float().reshape(()).to(device) if isinstance(grad_norm, torch.Tensor)
-                     else torch.tensor(float("nan") if grad_norm is None else float(grad_norm), device=device))
         scale = getattr(self.scaler, "_scale", None) if self.scaler is not None and self.scaler.is_enabled() else None
-        parts.append(scale.float().reshape(()).to(device) if isinstance(scale, torch.Tensor)
-                     else torch.tensor(float("nan"), device=device))
-        local = torch.stack(parts)
-        values = self._agree(local).tolist()  # the one sync of the step
+        values: list[Any] = [*record.losses, grad_norm, scale]
+        on_device = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+        host = [float("nan") if v is None else v if isinstance(v, torch.Tensor) else float(v) for v in values]
+        device = values[on_device[0]].device if on_device else torch.device("cpu")
+        stacked = (torch.stack([values[i].detach().float().mean().to(device) for i in on_device]) if on_device
+                   else torch.zeros(0))
+        fetched = self._agree(stacked, host, on_device).tolist()  # the one sync of the step
+        for slot, i in enumerate(on_device):
+            host[i] = fetched[slot]
+        any_rank_nonfinite = len(fetched) > len(on_device) and fetched[-1] > 0
         n = len(record.losses)
-        losses, global_flags = values[:n], values[n + 2:]
-        loss_scale = values[n + 1] if scale is not None else None
-        any_rank_nonfinite = bool(global_flags and global_flags[0] > 0)
-        return losses, values[n], loss_scale, any_rank_nonfinite
+        loss_scale = host[n + 1] if scale is not None else None
+        return host[:n], host[n], loss_scale, any_rank_nonfinite
 
-    def _agree(self, local: torch.Tensor) -> torch.Tensor:
+    def _agree(self, stacked: torch.Tensor, host: list, on_device: list[int]) -> torch.Tensor:
         """Multi-rank: appends a flag all-reduced (MAX) so every rank triggers on the same step."""
         if self.world_size <= 1 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            return local
-        flag = (~torch.isfinite(local[:-1])).any().float().reshape(1)
+            return stacked
+        checked = len(host) - 1  # losses and grad norm; the loss scale (last) does not count
+        host_bad = any(isinstance(v, float) and not math.isfinite(v) for v in host[:checked])
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" \
+            else stacked.device
+        flag = torch.tensor([1.0 if host_bad else 0.0], device=device)
+        rows = [slot for slot, i in enumerate(on_device) if i < checked]
+        if rows:
+            bad = (~torch.isfinite(stacked[rows])).any().float().reshape(1).to(device)
+            flag = torch.maximum(flag, bad)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return torch.cat([local, flag])
+        return torch.cat([stacked.to(device), flag])
 
     def _grad_norm(self) -> torch.Tensor | None:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]

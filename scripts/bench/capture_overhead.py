@@ -36,7 +36,8 @@ def main() -> None:
         b["labels"] = b["input_ids"]
     guard = Guard(model, optimizer, config=GuardConfig(dump_dir=tempfile.mkdtemp(), on_nonfinite="continue"))
 
-    def step(guarded: bool) -> None:
+    def step(mode: str) -> None:
+        guarded = mode == "guarded"
         for b in data:
             if guarded:
                 guard.record_batch(b)
@@ -49,31 +50,33 @@ def main() -> None:
         if not guarded or guard.check(grad_norm=norm):
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if mode == "logged":  # what most loops do: log the loss every step (one sync)
+            loss.item()
 
-    for guarded in (False, True, False, True):  # warm-up: kernels, allocator, the guard's detectors
-        step(guarded)
-    times = {False: [], True: []}
+    modes = ("plain", "logged", "guarded")
+    for mode in modes * 2:  # warm-up: kernels, allocator, the guard's detectors
+        step(mode)
+    times = {mode: [] for mode in modes}
     for _ in range(args.rounds):
-        for guarded in (False, True):  # interleaved so drift hits both alike
-            times[guarded].append(timed(lambda: [step(guarded) for _ in range(args.steps)], device) / args.steps)
+        for mode in modes:  # interleaved so drift hits all alike
+            times[mode].append(timed(lambda: [step(mode) for _ in range(args.steps)], device) / args.steps)
     syncs = {}
     if device == "cuda":
-        for guarded in (False, True):
+        for mode in modes:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 torch.cuda.set_sync_debug_mode("warn")
-                step(guarded)
+                step(mode)
                 torch.cuda.set_sync_debug_mode("default")
-            syncs[guarded] = sum("synchroniz" in str(w.message) for w in caught)
+            syncs[mode] = sum("synchroniz" in str(w.message) for w in caught)
     sync(device)
-    base, guarded = median(times[False]), median(times[True])
+    med = {mode: median(times[mode]) for mode in modes}
     print(f"machine: {machine()}")
     print(f"model: GPT-2 {size}, {micro} micro-batches x {batch} x {seq} tokens, bf16 autocast, AdamW, {device}")
-    print(f"baseline step {base * 1e3:.2f} ms, guarded step {guarded * 1e3:.2f} ms, "
-          f"ratio {guarded / base:.4f} (overhead {100 * (guarded / base - 1):+.2f}%), "
-          f"{args.rounds} interleaved rounds of {args.steps} steps, medians")
-    if syncs:
-        print(f"device->host syncs per step: baseline {syncs[False]}, guarded {syncs[True]}")
+    print(f"{args.rounds} interleaved rounds of {args.steps} steps, medians of step time:")
+    for mode in modes:
+        print(f"  {mode:<8} {med[mode] * 1e3:8.2f} ms  ratio vs plain {med[mode] / med['plain']:.4f}  "
+              f"vs logged {med[mode] / med['logged']:.4f}" + (f"  syncs/step {syncs[mode]}" if syncs else ""))
 
 
 if __name__ == "__main__":
