@@ -104,7 +104,7 @@ class TrainLoop:
             with torch.autocast("cpu", dtype=self.autocast_dtype or torch.bfloat16,
                                 enabled=self.autocast_dtype is not None):
                 loss = self.loss_fn(self.model, batch)
-            self.guard.record_loss(loss)
+                self.guard.record_loss(loss)  # inside autocast: the Guard reads the autocast state here
             log.losses.append(loss.detach().clone())
             scaled = loss / len(batches)
             (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
