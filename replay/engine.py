@@ -237,8 +237,16 @@ def _bisect(runner: StepRunner, refs: list[SampleRef], kind: str, threshold: flo
     from replay.bisect import bisect_budget, ddmin
 
     needs_backward = kind in ("nonfinite_grad", "grad_norm_spike")
+    # A NaN/Inf is isolated: the culprit fails on its own. A spike is judged against a threshold set by
+    # the whole batch, and a few samples alone are noisier than the batch (the norm of a mean of fewer
+    # gradients is larger), so a spike culprit is the smallest set whose REMOVAL ends the spike.
+    by_removal = kind in ("loss_spike", "grad_norm_spike")
 
     def fails(subset: list[SampleRef]) -> bool:
+        if by_removal:
+            chosen = set(subset)
+            rest = [r for r in refs if r not in chosen]
+            return not rest or not runner.run(rest, backward=needs_backward).trigger_reproduced(kind, threshold)
         return runner.run(subset, backward=needs_backward).trigger_reproduced(kind, threshold)
 
     if len(refs) == 1:
@@ -246,7 +254,8 @@ def _bisect(runner: StepRunner, refs: list[SampleRef], kind: str, threshold: flo
     outcome = ddmin(refs, fails, max_runs=options.max_bisect_runs)
     culprits = [] if outcome.all_failed else list(outcome.culprits)
     block = {"runs": outcome.runs, "candidates": len(refs), "culprit_size": len(culprits),
-             "budget": outcome.budget, "all_subsets_fail": outcome.all_failed, "minimal": outcome.minimal}
+             "budget": outcome.budget, "all_subsets_fail": outcome.all_failed, "minimal": outcome.minimal,
+             "test": "removal" if by_removal else "isolation"}
     return culprits, block, outcome.all_failed
 
 

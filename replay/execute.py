@@ -71,6 +71,24 @@ class StepResult:
     samples: list[SampleRef] | None = None
     step_loss: float | None = None
     """sum(losses run) / divisor: the step's objective as the job computed it (whole step only)."""
+    micro_batches_run: int = 0
+    micro_batches_total: int = 0
+
+    @property
+    def comparable_loss(self) -> float | None:
+        """The step loss a run of only these micro-batches stands for: mean of the micro-batch losses
+        run, times (micro-batches / divisor). Equals step_loss for the whole step."""
+        values = [v for v in self.losses if v is not None]
+        if not values or self.step_loss is None:
+            return None
+        return self.step_loss * self.micro_batches_total / len(values)
+
+    @property
+    def comparable_grad_norm(self) -> float | None:
+        """grad_norm scaled up for skipped micro-batches (equals grad_norm for the whole step)."""
+        if self.grad_norm is None or not self.micro_batches_run:
+            return self.grad_norm
+        return self.grad_norm * self.micro_batches_total / self.micro_batches_run
     error: str | None = None
     """With anomaly=True: the RuntimeError autograd anomaly mode raised (else None)."""
     anomaly_warnings: list[str] = field(default_factory=list)
@@ -79,9 +97,8 @@ class StepResult:
         """True when this run shows the same kind of failure as the trigger.
 
         nonfinite_loss: a micro-batch loss is NaN/Inf. nonfinite_grad: a gradient is NaN/Inf.
-        loss_spike: the step loss (sum / divisor, as the Guard computes it) is above `threshold` for a
-        whole-step run; for a subset, any micro-batch loss is (a subset's step loss is diluted by the
-        divisor, its micro-batch means are not), or a loss is non-finite. grad_norm_spike: the
+        loss_spike: a loss is non-finite, or the step loss (sum / divisor, as the Guard computes it;
+        for a run that skipped micro-batches, `comparable_loss`) is above `threshold`. grad_norm_spike: the
         grad norm is above `threshold` (or non-finite). nonfinite_param: the pre-step weights hold
         NaN/Inf (an update that breaks them is checked by replay.localize.localize_optimizer).
         """
@@ -93,15 +110,13 @@ class StepResult:
             values = [v for v in self.losses if v is not None]
             if any(not math.isfinite(v) for v in values):
                 return True
-            if threshold is None:
-                return False
-            if self.samples is None and self.step_loss is not None:
-                return self.step_loss > threshold
-            return any(v > threshold for v in values)
+            value = self.comparable_loss
+            return threshold is not None and value is not None and value > threshold
         if kind == "grad_norm_spike":
-            if self.grad_norm is None:
+            value = self.comparable_grad_norm
+            if value is None:
                 return False
-            return not math.isfinite(self.grad_norm) or (threshold is not None and self.grad_norm > threshold)
+            return not math.isfinite(value) or (threshold is not None and value > threshold)
         if kind == "nonfinite_param":
             return not self.params_finite
         raise ReplayError(f"unknown trigger kind {kind!r}; expected one of {TRIGGER_KINDS}")
@@ -310,6 +325,7 @@ class StepRunner:
             fp32=fp32,
             samples=list(samples) if samples is not None else None,
             step_loss=sum(v for v in losses if v is not None) / session.loss_divisor if losses else None,
+            micro_batches_run=sum(v is not None for v in losses), micro_batches_total=len(session.micro_batches),
             error=error,
             anomaly_warnings=anomaly_text,
         )

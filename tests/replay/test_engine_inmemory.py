@@ -132,3 +132,37 @@ def test_options_switch_stages_off(kit, bisect):
     report = replay(session, bisect=bisect, fp32_check=False, max_per_sample=0)
     assert report["bisection"] is None and report["precision"] is None and report["per_sample"] == []
     assert report["culprit"]["op"] == "aten::log"
+
+
+def embeds_batches(culprit_scale: float | None):
+    g = torch.Generator().manual_seed(3)
+    batches = [{"inputs_embeds": torch.randn(4, 8, 32, generator=g), "labels": torch.randint(0, 64, (4, 8), generator=g),
+                "sample_ids": [f"m{m}-{i}" for i in range(4)]} for m in range(2)]
+    if culprit_scale is not None:
+        batches[1]["inputs_embeds"][2] *= culprit_scale
+    return batches
+
+
+def activation_penalty_loss(model, batch):
+    """LM loss plus an activation penalty: a sample with huge inputs makes the loss spike (finite)."""
+    out = model(inputs_embeds=batch["inputs_embeds"], labels=batch["labels"], output_hidden_states=True)
+    return out.loss + 1e-2 * out.hidden_states[1].pow(2).mean()
+
+
+def test_loss_spike_culprit_is_the_sample_whose_removal_ends_it(kit):
+    from replay.execute import StepRunner
+
+    model = kit.build_gpt2()
+    healthy = StepRunner(kit.make_session(model, embeds_batches(None), loss_fn=activation_penalty_loss,
+                                          record=False)).run(backward=False)
+    threshold = 1.5 * healthy.step_loss  # what the Guard's detector would have learnt from healthy steps
+    trigger = {"kind": "loss_spike", "value": None, "threshold": threshold, "micro_batch": 1, "detail": "spike"}
+    session = kit.make_session(model, embeds_batches(50.0), loss_fn=activation_penalty_loss, trigger=trigger)
+
+    report = replay(session)
+
+    assert report["reproduced"] is True
+    assert report["verdict"]["kind"] == "bad_sample"
+    assert [s["sample_id"] for s in report["culprit"]["samples"]] == ["m1-2"]
+    assert report["bisection"]["test"] == "removal"
+    assert report["bisection"]["runs"] <= report["bisection"]["budget"]

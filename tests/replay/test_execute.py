@@ -82,13 +82,16 @@ def test_fp32_run_leaves_model_in_recorded_dtype(kit):
 
 
 def test_trigger_semantics(kit):
-    r = StepResult(losses=[1.0, None, 3.0], grad_norm=5.0, loss_finite=True, grads_finite=True,
-                   params_finite=True, step_loss=2.0)
+    r = StepResult(losses=[1.0, 3.0], grad_norm=5.0, loss_finite=True, grads_finite=True, params_finite=True,
+                   step_loss=2.0, micro_batches_run=2, micro_batches_total=2)
     assert not r.trigger_reproduced("nonfinite_loss")
     assert r.trigger_reproduced("loss_spike", 1.5) and not r.trigger_reproduced("loss_spike", 2.5)
-    r.samples = [SampleRef(2, 0)]  # a subset: any micro-batch mean above the threshold counts
-    assert r.trigger_reproduced("loss_spike", 2.5)
     assert r.trigger_reproduced("grad_norm_spike", 4.0) and not r.trigger_reproduced("grad_norm_spike", 6.0)
+    # a run of one micro-batch of two stands for a step twice its (divisor-diluted) size
+    half = StepResult(losses=[None, 3.0], grad_norm=2.5, loss_finite=True, grads_finite=True, params_finite=True,
+                      step_loss=1.5, micro_batches_run=1, micro_batches_total=2)
+    assert half.comparable_loss == 3.0 and half.comparable_grad_norm == 5.0
+    assert half.trigger_reproduced("loss_spike", 2.5) and half.trigger_reproduced("grad_norm_spike", 4.0)
     bad = StepResult(losses=[float("nan")], grad_norm=float("nan"), loss_finite=False, grads_finite=False,
                      params_finite=False)
     assert all(bad.trigger_reproduced(k) for k in ("nonfinite_loss", "nonfinite_grad", "nonfinite_param"))

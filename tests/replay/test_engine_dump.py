@@ -1,0 +1,77 @@
+"""End to end: a real Guard in a real training loop writes a dump; run_replay reads it from disk and
+names the culprit sample, module and op, bitwise on the same CPU; consent is enforced for dumps too."""
+
+import json
+
+import pytest
+import torch
+
+from capture import Guard, GuardConfig
+from forensics.errors import RecipeError, TrainingFaultError
+from forensics.report.model import validate_report
+from replay.engine import ReplayOptions, run_replay
+
+POISONED = (1, 2)  # micro-batch, index
+
+
+def embeds_steps(n_steps: int, poison_last: bool, batch: int = 4, seq: int = 8, micro: int = 2):
+    """Steps of micro-batches {"inputs_embeds", "labels", "sample_ids"}; the last step's sample
+    POISONED gets a 1e38 entry: finite in the batch, but LayerNorm's variance squares it to inf."""
+    g = torch.Generator().manual_seed(3)
+    steps = []
+    for s in range(n_steps):
+        mbs = []
+        for m in range(micro):
+            mbs.append({"inputs_embeds": torch.randn(batch, seq, 32, generator=g),
+                        "labels": torch.randint(0, 64, (batch, seq), generator=g),
+                        "sample_ids": [f"s{s}-m{m}-{i}" for i in range(batch)]})
+        steps.append(mbs)
+    if poison_last:
+        m, i = POISONED
+        steps[-1][m]["inputs_embeds"][i, 0, 0] = 1e38
+    return steps
+
+
+def crash_and_dump(tmp_path, helpers, kit, config_extra=None):
+    model = kit.build_gpt2(dropout=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="e2e", **(config_extra or {})))
+    loop = helpers.TrainLoop(model, optimizer, guard, snapshot=False)
+    with pytest.raises(TrainingFaultError) as err:
+        loop.run(embeds_steps(4, poison_last=True))
+    guard.close()
+    assert err.value.dump_path is not None, err.value.dump_error
+    return err.value.dump_path
+
+
+def test_guard_dump_replays_to_the_poisoned_sample(tmp_path, helpers, kit):
+    dump_path = crash_and_dump(tmp_path, helpers, kit)
+    stages = []
+
+    report = run_replay(dump_path.parent, ReplayOptions(device="cpu"), progress=stages.append)  # the step dir
+
+    validate_report(report)
+    json.dumps(report, allow_nan=False)
+    assert report["dump"]["step"] == 3 and report["dump"]["rank"] == 0 and report["dump"]["missing_ranks"] == []
+    assert report["trigger"]["kind"] == "nonfinite_loss" and report["trigger"]["micro_batch"] == 1
+    assert report["reproduced"] is True
+    fidelity = report["fidelity"]
+    assert fidelity["mode"] == "bitwise" and fidelity["bitwise_equal"] is True  # dropout RNG restored
+    assert fidelity["replayed_losses"][0] == fidelity["recorded_losses"][0]
+    assert report["verdict"]["kind"] == "bad_sample"
+    assert report["culprit"]["samples"] == [{"sample_id": "s3-m1-2", "micro_batch": 1, "index": 2, "rank": 0}]
+    assert report["culprit"]["phase"] == "forward"
+    assert report["culprit"]["module"] == "transformer.h.0.ln_1"
+    assert report["culprit"]["op"] == "aten::native_layer_norm"
+    assert report["bisection"]["runs"] <= report["bisection"]["budget"]
+    assert report["history"]["step"][-1] == 3 and len(report["history"]["loss"]) == 4
+    assert report["environment"]["warnings"] == []
+    assert any("bisecting" in s for s in stages)
+
+
+def test_dump_naming_foreign_code_needs_consent(tmp_path, helpers, kit):
+    dump_path = crash_and_dump(tmp_path, helpers, kit,
+                               {"recipe": {"factory": "not_ours.models:build", "factory_kwargs": {}}})
+    with pytest.raises(RecipeError) as err:
+        run_replay(dump_path, ReplayOptions(device="cpu"))
+    assert "not_ours.models:build" in str(err.value) and "--trust" in str(err.value)
