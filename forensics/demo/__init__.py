@@ -1,0 +1,26 @@
+"""Planted-fault demo scenarios: real small training runs that crash, are captured, and are replayed.
+
+Importing this package registers the scenario models and losses (forensics.demo.models) as built-in
+recipes, so replay rebuilds them without --trust. The scenarios themselves (forensics.demo.scenarios)
+and the demo driver (forensics.demo.run) load on first use: they import transformers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from forensics.demo import models  # noqa: F401 - registers the demo recipes
+
+__all__ = ["SCENARIOS", "DEFAULT_SCENARIO", "run_demo"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("SCENARIOS", "DEFAULT_SCENARIO"):
+        from forensics.demo import scenarios
+
+        return getattr(scenarios, name)
+    if name == "run_demo":
+        from forensics.demo.run import run_demo
+
+        return run_demo
+    raise AttributeError(f"module 'forensics.demo' has no attribute {name!r}")
