@@ -143,18 +143,32 @@ def any_nonfinite(tensors: Iterable[torch.Tensor]) -> list[bool]:
     return [bool(f) for f in flags.tolist()]
 
 
+def _copy_would_crowd_gpu(model: torch.nn.Module, device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    need = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    try:
+        free, _ = torch.cuda.mem_get_info(device)
+    except RuntimeError:
+        return True
+    return need > free // 2
+
+
 class StepRunner:
     """Re-executes the session's step as often as asked, always from the pre-step weights.
 
     Args:
         session: what replay.load built.
         keep_initial_on_cpu: keep the pre-step state_dict copy on the CPU (saves GPU memory for big
-            models; each reset then copies host -> device).
+            models; each reset then copies host -> device). None: on the CPU when a device copy would
+            take more than half of the GPU's free memory.
     """
 
-    def __init__(self, session: ReplaySession, keep_initial_on_cpu: bool = False):
+    def __init__(self, session: ReplaySession, keep_initial_on_cpu: bool | None = None):
         self.session = session
         self.model = session.model
+        if keep_initial_on_cpu is None:
+            keep_initial_on_cpu = _copy_would_crowd_gpu(self.model, session.device)
         where = torch.device("cpu") if keep_initial_on_cpu else None
         self._initial = {k: (v.detach().to(where, copy=True) if where else v.detach().clone())
                          for k, v in self.model.state_dict().items()}

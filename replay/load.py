@@ -469,7 +469,7 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
     batches, ids, rngs, losses = [], [], [], []
     for i in range(dump.num_micro_batches):
         batches.append(to_device(_check_no_unreplayable(dump.micro_batch(i), i, warnings), device))
-        ids.append(dump.sample_ids(i))
+        ids.append(dump.sample_ids(i) or _positional_ids(batches[-1], dump.step, i))
         rngs.append(dump.rng_state(i))
         meta = dump.micro_batches_meta[i]
         losses.append(meta.get("loss"))
@@ -485,7 +485,27 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
         scaler_state=scaler, scheduler_state=dump.scheduler_state(), recorded_losses=losses,
         recorded_grad_norm=loss_meta.get("grad_norm"), trigger=dict(dump.trigger), param_dtype=param_dtype,
         warnings=warnings, source_cuda_device=manifest.get("local_rank"),
-        expect_bitwise=not env_warnings, capture_environment=dict(manifest.get("environment") or {}))
+        expect_bitwise=_expect_bitwise(env_warnings, device, manifest.get("determinism") or {}),
+        capture_environment=dict(manifest.get("environment") or {}))
+
+
+def _expect_bitwise(env_warnings: list[str], device: torch.device, determinism: dict) -> bool:
+    """Same machine kind and torch, and kernels that give the same bits twice: CPU, or a GPU job that
+    ran with deterministic algorithms (GPU backward kernels otherwise may accumulate with atomics)."""
+    if env_warnings:
+        return False
+    return device.type == "cpu" or bool(determinism.get("deterministic_algorithms"))
+
+
+def _positional_ids(batch: Any, step: int, index: int) -> list[str]:
+    """Ids for a micro-batch recorded without any: its positions (so bisection still covers it)."""
+    from replay.samples import BatchSizeError, batch_size
+
+    try:
+        size = batch_size(batch)
+    except BatchSizeError:
+        return []
+    return [f"step{step}/mb{index}/{j}" for j in range(size)]
 
 
 def _param_dtype(recorded: Any, state: dict[str, torch.Tensor]) -> torch.dtype:

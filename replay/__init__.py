@@ -1,0 +1,34 @@
+"""Offline replay of a dumped training step: load -> reproduce -> localise -> bisect -> precision -> verdict.
+
+Runs on one GPU or the CPU; never imported by `capture`. Public names (imported lazily, so that
+`import replay.samples` stays light):
+
+    run_replay(dump_or_path, ReplayOptions(...), progress=None) -> report dict   (replay.engine)
+    run_session(session, options) -> report dict for an in-memory ReplaySession  (replay.engine)
+    load_session(dump, device=, trust=, factory=, loss=, sys_path=) -> ReplaySession  (replay.load)
+    session_from_objects(model, micro_batches, loss_fn, optimizer, ...) -> ReplaySession  (replay.load)
+    StepRunner, StepResult, SampleRef, reproduce                                   (replay.execute)
+
+Consent: a dump's model factory / loss / optimizer class is imported only with trust=True (CLI --trust)
+or when the user names the code (factory= / loss=, CLI --factory / --loss). Built-in recipes under
+`forensics.recipes:` and torch.optim classes are forensics' / torch's own code and need no trust.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "run_replay": "replay.engine", "run_session": "replay.engine", "ReplayOptions": "replay.engine",
+    "load_session": "replay.load", "session_from_objects": "replay.load", "ReplaySession": "replay.load",
+    "StepRunner": "replay.execute", "StepResult": "replay.execute", "SampleRef": "replay.execute",
+    "reproduce": "replay.execute",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'replay' has no attribute {name!r}")
