@@ -499,7 +499,12 @@ def localize_optimizer(runner: StepRunner, samples: list[SampleRef] | None = Non
         before_ok = [not bad for bad in any_nonfinite(p.detach() for _, p in named)]
         pre_state = {by_param[p]: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
                      for p, s in optimizer.state.items() if p in by_param}
-        optimizer.step()
+        try:
+            optimizer.step()
+        except Exception as exc:  # noqa: BLE001 - e.g. LBFGS wants a closure; the check is an extra
+            logger.warning("could not step a copy of %s on the replayed gradients (%s: %s); skipping the "
+                           "optimizer check", session.optimizer.class_path, type(exc).__name__, exc)
+            return None
         after_bad = any_nonfinite(p.detach() for _, p in named)
         broken = [n for (n, _), ok, bad in zip(named, before_ok, after_bad) if ok and bad]
         if not broken:
