@@ -10,6 +10,7 @@ import datetime
 import logging
 import math
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -128,6 +129,8 @@ class Guard:
         self.grad_detector = SpikeDetector(self.config.grad_norm_spike)
         self.dumps: list[Path] = []
         self.dump_errors: list[str] = []
+        # max_dumps slots: taken when a dump starts (background writes land later), given back if it fails
+        self._dump_slots = threading.Semaphore(self.config.max_dumps)
         self._current: StepRecord | None = None
         self._last_spike_dump: int | None = None
         self._writer = BackgroundWriter()
@@ -299,15 +302,16 @@ class Guard:
 
     def _maybe_dump(self, trigger: Trigger, record: StepRecord, losses: list[float], norm: float,
                     divisor: float, policy: str, state: dict | None = None) -> tuple[Path | None, str | None]:
-        if len(self.dumps) >= self.config.max_dumps:
-            return None, f"the cap of {self.config.max_dumps} dumps per run is reached (GuardConfig.max_dumps)"
         spike = trigger.kind.endswith("_spike")
         if spike and self._last_spike_dump is not None and self.step - self._last_spike_dump < self.config.min_spike_gap:
             return None, f"a spike was dumped {self.step - self._last_spike_dump} steps ago (GuardConfig.min_spike_gap)"
+        if not self._dump_slots.acquire(blocking=False):
+            return None, f"the cap of {self.config.max_dumps} dumps per run is reached (GuardConfig.max_dumps)"
         background = spike and policy == "continue" and self.config.background_write
         try:
             content = self._content(trigger, record, losses, norm, divisor, background, state)
         except Exception as exc:  # noqa: BLE001
+            self._dump_slots.release()
             message = f"no dump written: collecting the state failed ({type(exc).__name__}: {exc})"
             log.error("forensics: %s", message)
             self.dump_errors.append(message)
@@ -330,6 +334,7 @@ class Guard:
         log.warning("forensics: dump written to %s — replay it with: forensics replay %s", path, path)
 
     def _failed(self, message: str) -> None:
+        self._dump_slots.release()
         self.dump_errors.append(message)
         log.error("forensics: %s (training goes on)", message)
 

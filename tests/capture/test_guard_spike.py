@@ -1,0 +1,85 @@
+"""Finite loss spikes on a real GPT-2: under the continue policy training goes on, dumps are written in the
+background with the pre-step state, and max_dumps / min_spike_gap bound how many."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from capture import Guard, GuardConfig, SpikeConfig
+from forensics.format import open_dump, verify_dump
+
+SEQ = torch.arange(8)
+WRONG = torch.randint(0, 64, (8,), generator=torch.Generator().manual_seed(5))
+WARM = 30  # steps on one repeated sequence: the model becomes confident (loss ~0.01) ...
+# ... then one sample per spike step carries labels it cannot predict: a finite, ~100x jump of its loss
+
+
+def micro_batch(step: int, index: int, spike: bool) -> dict:
+    ids = torch.stack([SEQ, SEQ])
+    labels = ids.clone()
+    if spike and index == 1:
+        labels[0] = WRONG
+    return {"input_ids": ids, "labels": labels, "sample_ids": [f"s{step}-{index}-{j}" for j in range(2)]}
+
+
+def run(helpers, gpt2, tmp_path, spike_steps, total, **config):
+    model = gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
+    config.setdefault("loss_spike", SpikeConfig(window=16, warmup=8))
+    guard = Guard(model, optimizer, scheduler,
+                  config=GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="spiky", **config))
+    loop = helpers.TrainLoop(model, optimizer, guard, scheduler)
+    loop.run([[micro_batch(step, i, step in spike_steps) for i in range(2)] for step in range(total)])
+    guard.close()
+    return guard, loop
+
+
+def test_spike_under_continue_policy_writes_a_dump_in_the_background_and_training_goes_on(helpers, gpt2, tmp_path):
+    guard, loop = run(helpers, gpt2, tmp_path, spike_steps={WARM}, total=WARM + 3)
+    assert all(log.decision for log in loop.logs)  # continue: every optimizer step ran
+    [path] = guard.dumps
+    assert verify_dump(path).ok
+    dump = open_dump(path)
+    assert dump.step == WARM and dump.trigger["kind"] == "loss_spike" and dump.trigger["micro_batch"] == 1
+    assert dump.trigger["value"] > dump.trigger["threshold"] > 0
+    assert dump.sample_ids(1) == [f"s{WARM}-1-0", f"s{WARM}-1-1"]
+    assert torch.equal(dump.micro_batch(1)["labels"][0], WRONG)
+    # the background writer copied the state before optimizer.step() changed it
+    log = loop.logs[WARM]
+    state = dump.model_state()
+    for name, tensor in log.model_state.items():
+        assert helpers.bitwise_equal(state[name], tensor), name
+    expected = helpers.optimizer_state_by_name(log.optimizer_state, guard.model, guard.optimizer)
+    for name, entries in expected.items():
+        for key, value in entries.items():
+            assert helpers.bitwise_equal(dump.optimizer_state()["state"][name][key], value), (name, key)
+    losses = dump.history()["loss"]
+    assert len(losses) == WARM + 1 and losses[-1] == dump.trigger["value"]
+    assert dump.trigger["value"] > 20 * sorted(losses[WARM - 8:WARM])[4]
+
+
+def test_several_spikes_are_capped_by_max_dumps(helpers, gpt2, tmp_path):
+    spikes = set(range(WARM, WARM + 5))
+    guard, loop = run(helpers, gpt2, tmp_path, spike_steps=spikes, total=WARM + 6, max_dumps=2, min_spike_gap=0)
+    assert all(log.decision for log in loop.logs)
+    assert len(guard.dumps) == 2
+    assert sorted(open_dump(p).step for p in guard.dumps) == [WARM, WARM + 1]
+    steps_on_disk = sorted(p.name for p in (tmp_path / "dumps" / "spiky").iterdir())
+    assert steps_on_disk == [f"step-{WARM:09d}", f"step-{WARM + 1:09d}"]
+
+
+def test_spikes_closer_than_min_spike_gap_are_not_dumped(helpers, gpt2, tmp_path, caplog):
+    spikes = set(range(WARM, WARM + 5))
+    caplog.set_level("WARNING", logger="capture")
+    guard, loop = run(helpers, gpt2, tmp_path, spike_steps=spikes, total=WARM + 6, max_dumps=10, min_spike_gap=3)
+    assert sorted(open_dump(p).step for p in guard.dumps) == [WARM, WARM + 3]
+    fired = [r.getMessage() for r in caplog.records if "above the spike threshold" in r.getMessage()]
+    assert len(fired) >= 4  # every spike is logged even when it is not dumped
+
+
+def test_a_healthy_run_writes_nothing(helpers, gpt2, tmp_path):
+    guard, loop = run(helpers, gpt2, tmp_path, spike_steps=set(), total=WARM + 4)
+    assert guard.dumps == [] and guard.dump_errors == []
+    assert not (tmp_path / "dumps").exists()
