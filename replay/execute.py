@@ -173,6 +173,7 @@ class StepRunner:
         self._initial = {k: (v.detach().to(where, copy=True) if where else v.detach().clone())
                          for k, v in self.model.state_dict().items()}
         self.param_names = [n for n, _ in self.model.named_parameters()]
+        self._dtypes = {n: t.dtype for n, t in self._live_tensors()}
         flags = any_nonfinite(p.detach() for _, p in self.model.named_parameters())
         self.nonfinite_params = [n for n, bad in zip(self.param_names, flags) if bad]
         self.passes = 0
@@ -182,14 +183,17 @@ class StepRunner:
     def reset(self) -> None:
         """Pre-step weights and buffers back in place, gradients cleared, param dtype as recorded."""
         model = self.model
-        if self.session.param_dtype.is_floating_point:
-            current = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-            if current is not None and current != self.session.param_dtype:
-                model.to(self.session.param_dtype)
+        for name, tensor in self._live_tensors():  # after an fp32 run: each tensor back to its dtype
+            dtype = self._dtypes.get(name)
+            if dtype is not None and tensor.dtype != dtype:
+                tensor.data = tensor.data.to(dtype)
         with torch.no_grad():
             model.load_state_dict(self._initial, strict=False)
         for p in model.parameters():
             p.grad = None
+
+    def _live_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return list(self.model.named_parameters()) + list(self.model.named_buffers())
 
     def initial_state(self) -> dict[str, torch.Tensor]:
         """The pre-step state_dict (do not modify)."""

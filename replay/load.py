@@ -454,7 +454,8 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
     state = dump.model_state()
     precision = dump.precision or {}
     param_dtype = _param_dtype(precision.get("param_dtype"), state)
-    model = model.to(device=device, dtype=param_dtype) if param_dtype.is_floating_point else model.to(device)
+    model = model.to(device)
+    _match_dtypes(model, state)
     env_warnings = environment_warnings(manifest.get("environment"), device)
     warnings = list(env_warnings)
     _load_weights(model, state, warnings)
@@ -506,6 +507,17 @@ def _positional_ids(batch: Any, step: int, index: int) -> list[str]:
     except BatchSizeError:
         return []
     return [f"step{step}/mb{index}/{j}" for j in range(size)]
+
+
+def _match_dtypes(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Gives every floating parameter / buffer the dtype its dump tensor has (mixed-dtype models kept)."""
+    live = dict(model.named_parameters())
+    live.update(dict(model.named_buffers()))
+    for name, saved in state.items():
+        tensor = live.get(name)
+        if tensor is not None and tensor.is_floating_point() and saved.is_floating_point() \
+                and tensor.dtype != saved.dtype:
+            tensor.data = tensor.data.to(saved.dtype)
 
 
 def _param_dtype(recorded: Any, state: dict[str, torch.Tensor]) -> torch.dtype:

@@ -32,11 +32,11 @@ def embeds_steps(n_steps: int, poison_last: bool, batch: int = 4, seq: int = 8, 
     return steps
 
 
-def crash_and_dump(tmp_path, helpers, kit, config_extra=None):
+def crash_and_dump(tmp_path, helpers, kit, config_extra=None, autocast_dtype=None):
     model = kit.build_gpt2(dropout=0.1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="e2e", **(config_extra or {})))
-    loop = helpers.TrainLoop(model, optimizer, guard, snapshot=False)
+    loop = helpers.TrainLoop(model, optimizer, guard, snapshot=False, autocast_dtype=autocast_dtype)
     with pytest.raises(TrainingFaultError) as err:
         loop.run(embeds_steps(4, poison_last=True))
     guard.close()
@@ -75,3 +75,15 @@ def test_dump_naming_foreign_code_needs_consent(tmp_path, helpers, kit):
     with pytest.raises(RecipeError) as err:
         run_replay(dump_path, ReplayOptions(device="cpu"))
     assert "not_ours.models:build" in str(err.value) and "--trust" in str(err.value)
+
+
+def test_bf16_autocast_dump_replays_bitwise_and_fp32_still_fails(tmp_path, helpers, kit):
+    dump_path = crash_and_dump(tmp_path, helpers, kit, autocast_dtype=torch.bfloat16)
+
+    report = run_replay(dump_path, ReplayOptions(device="cpu"))
+
+    assert report["fidelity"]["bitwise_equal"] is True  # autocast replayed as recorded
+    assert report["precision"]["autocast_dtype"] == "bfloat16"
+    assert report["precision"]["fp32_reproduces"] is True  # 1e38 squared overflows fp32 too: data, not bf16
+    assert report["verdict"]["kind"] == "bad_sample"
+    assert [s["sample_id"] for s in report["culprit"]["samples"]] == ["s3-m1-2"]

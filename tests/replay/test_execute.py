@@ -72,13 +72,16 @@ def test_loss_scale_is_applied_and_removed_like_grad_scaler(kit):
     assert scaled.grad_norm == plain.grad_norm and scaled.losses == plain.losses
 
 
-def test_fp32_run_leaves_model_in_recorded_dtype(kit):
+def test_fp32_run_puts_every_tensor_back_in_its_own_dtype(kit):
     model = kit.build_gpt2().to(torch.bfloat16)
+    model.transformer.ln_f.float()  # mixed precision: a norm kept in fp32
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
     session = kit.make_session(model, kit.build_batches(poison=False), record=False)
     runner = StepRunner(session)
     result = runner.run(fp32=True)
     assert result.fp32 and math.isfinite(result.grad_norm)
-    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert {n: p.dtype for n, p in model.named_parameters()} == dtypes
+    assert runner.run().grad_norm != result.grad_norm  # and the bf16 run really is another computation
 
 
 def test_trigger_semantics(kit):
