@@ -206,7 +206,7 @@ class Guard:
         scale = getattr(self.scaler, "_scale", None) if self.scaler is not None and self.scaler.is_enabled() else None
         values: list[Any] = [*record.losses, grad_norm, scale]
         on_device = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
-        host = [float("nan") if v is None else v if isinstance(v, torch.Tensor) else float(v) for v in values]
+        host = [None if v is None else v if isinstance(v, torch.Tensor) else float(v) for v in values]  # None: unknown
         device = values[on_device[0]].device if on_device else torch.device("cpu")
         stacked = (torch.stack([values[i].detach().float().mean().to(device) for i in on_device]) if on_device
                    else torch.zeros(0))
@@ -246,12 +246,13 @@ class Guard:
         losses, norm, loss_scale, any_rank_nonfinite = self._gather(record, grad_norm)
         divisor = self._divisor(record)
         step_loss = sum(losses) / divisor if losses else None
-        scaler_overflow = loss_scale is not None and not math.isfinite(norm)
+        scaler_overflow = loss_scale is not None and norm is not None and not math.isfinite(norm)
         trigger = self._detect(losses, norm, step_loss, loss_scale)
         if trigger is None and any_rank_nonfinite:
             trigger = Trigger("nonfinite_grad", norm, None, None,
                               "another rank saw a non-finite loss or gradient at this step", local=False)
-        clipped = None if self.config.max_grad_norm is None or not math.isfinite(norm) else norm > self.config.max_grad_norm
+        clipped = (None if self.config.max_grad_norm is None or norm is None or not math.isfinite(norm)
+                   else norm > self.config.max_grad_norm)
         skip = trigger is not None and self._policy(trigger) == "skip"
         self.history.append(self.step, step_loss, norm, snapshot.current_lr(self.optimizer), loss_scale, clipped,
                             skip or scaler_overflow)
@@ -267,7 +268,7 @@ class Guard:
         for index, value in enumerate(losses):
             if not math.isfinite(value):
                 return Trigger("nonfinite_loss", value, None, index, f"loss of micro-batch {index} is {value}")
-        if not math.isfinite(norm):
+        if norm is not None and not math.isfinite(norm):  # None: no gradients to measure, not a fault
             if loss_scale is None:
                 return Trigger("nonfinite_grad", norm, None, None, f"gradient norm is {norm} with a finite loss")
             if loss_scale <= self.config.min_loss_scale:
