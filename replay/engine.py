@@ -152,7 +152,7 @@ def run_session(session: ReplaySession, options: ReplayOptions | None = None, pr
     if reproduced:
         if runner.nonfinite_params:
             _stage(progress, f"the pre-step weights are already non-finite ({runner.nonfinite_params[0]} ...)")
-        elif not result.loss_finite:
+        if not result.loss_finite:
             _stage(progress, "localising the first non-finite value in the forward pass")
             forward = localize_forward(runner, allow_neg_inf_masks=options.allow_neg_inf_masks)
             phase = "forward" if forward is not None else None
@@ -321,9 +321,11 @@ def _culprit_block(culprits: list[SampleRef], rank: int, forward, backward, opti
     elif optimizer is not None:
         block.update(phase="optimizer", parameter=optimizer.parameter, optimizer_state=optimizer.optimizer_state,
                      module=optimizer.parameter.rpartition(".")[0] or ROOT_MODULE if optimizer.parameter else None)
-    elif runner.nonfinite_params:
+    if runner.nonfinite_params:  # the weights themselves: name the first broken one
         name = runner.nonfinite_params[0]
-        block.update(parameter=name, module=name.rpartition(".")[0] or ROOT_MODULE)
+        block["parameter"] = name
+        if block["module"] is None:
+            block["module"] = name.rpartition(".")[0] or ROOT_MODULE
     return block
 
 

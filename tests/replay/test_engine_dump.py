@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from capture import Guard, GuardConfig
-from forensics.errors import RecipeError, TrainingFaultError
+from forensics.errors import DumpError, RecipeError, TrainingFaultError
 from forensics.report.model import validate_report
 from replay.engine import ReplayOptions, run_replay
 
@@ -75,6 +75,8 @@ def test_dump_naming_foreign_code_needs_consent(tmp_path, helpers, kit):
     with pytest.raises(RecipeError) as err:
         run_replay(dump_path, ReplayOptions(device="cpu"))
     assert "not_ours.models:build" in str(err.value) and "--trust" in str(err.value)
+    with pytest.raises(DumpError, match="rank 3"):  # a rank the step does not hold
+        run_replay(dump_path.parent, ReplayOptions(device="cpu", rank=3))
 
 
 def test_bf16_autocast_dump_replays_bitwise_and_fp32_still_fails(tmp_path, helpers, kit):

@@ -100,7 +100,22 @@ def test_weights_already_nonfinite_is_model_state(kit):
 
     assert report["verdict"]["kind"] == "model_state"
     assert report["culprit"]["parameter"] == "transformer.ln_f.weight"
-    assert report["culprit"]["module"] == "transformer.ln_f"
+    assert (report["culprit"]["module"], report["culprit"]["op"]) == ("transformer.ln_f", "aten::native_layer_norm")
+    assert report["bisection"] is None  # broken weights fail whatever the samples
+
+
+def test_inf_embedding_row_used_by_one_sample(kit):
+    model = kit.build_gpt2()
+    with torch.no_grad():
+        model.transformer.wte.weight[kit.POISON_TOKEN] = float("inf")
+    session = kit.make_session(model, kit.build_batches(), trigger=NAN_LOSS)
+
+    report = replay(session)
+
+    culprit = report["culprit"]
+    assert (culprit["phase"], culprit["module"], culprit["op"]) == ("forward", "transformer.wte", "aten::embedding")
+    assert culprit["parameter"] == "transformer.wte.weight"
+    assert report["verdict"]["kind"] == "model_state"  # the weights are broken, the token only reveals it
 
 
 class WhereSqrt(torch.nn.Module):
