@@ -57,7 +57,8 @@ class Expected:
     """The kind of trigger the Guard fired in the job."""
     top_sample: str | None = None
     """The sample ranked first by per-sample loss (spikes)."""
-    optimizer_state: str | None = None
+    optimizer_state_words: tuple = ()
+    """Words report["culprit"]["optimizer_state"] must contain (its wording is the replay's)."""
 
 
 @dataclass
@@ -230,7 +231,18 @@ def _finish(run: Run, device: torch.device, echo: Echo, expected: Expected) -> C
 
 
 def _config(out_dir: Path, name: str, **kwargs: Any) -> GuardConfig:
-    return GuardConfig(dump_dir=str(out_dir / "dumps"), run_id=f"demo-{name}", **kwargs)
+    """The scenario's Guard settings; dumps go to <out_dir>/dumps/<run id>/ (a fresh run id per run)."""
+    return GuardConfig(dump_dir=str(out_dir / "dumps"), run_id=free_run_id(out_dir / "dumps", f"demo-{name}"), **kwargs)
+
+
+def free_run_id(dump_dir: Path, base: str) -> str:
+    """`base`, or `base-2`, `base-3`... : the first run id with no dumps under `dump_dir` yet, so a
+    second demo into the same folder does not collide with the first one's dump."""
+    candidate, n = base, 1
+    while (dump_dir / candidate).exists():
+        n += 1
+        candidate = f"{base}-{n}"
+    return candidate
 
 
 def _recipe(factory: str, factory_kwargs: dict, loss: str | None = None) -> dict:
@@ -295,8 +307,8 @@ def _fp16_overflow(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
     model = models.adapter_lm(**kwargs)
     config = _config(out_dir, "fp16_overflow", recipe=_recipe("adapter_lm", kwargs))
     run = Run("fp16_overflow", model, steps, hf_loss, config, autocast=torch.float16)
-    return _finish(run, device, echo, Expected("numerical_precision", (bad["sample_ids"],), module="adapter.down",
-                                                phase="forward"))
+    return _finish(run, device, echo, Expected("numerical_precision", (bad["sample_ids"],), module="adapter",
+                                                op="aten::mul", phase="forward"))
 
 
 # -- (d) Adam with eps=0 on a parameter whose gradient is zero ---------------------------------------
@@ -319,7 +331,8 @@ def _adam_eps_zero(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
     config = _config(out_dir, "adam_eps_zero", verify_update=True)
     run = Run("adam_eps_zero", model, steps, hf_loss, config, eps=0.0, before_step=before_step)
     return _finish(run, device, echo, Expected("optimizer_update", (), parameter="transformer.wpe.weight",
-                                                phase="optimizer", trigger="nonfinite_param"))
+                                                phase="optimizer", trigger="nonfinite_param",
+                                                optimizer_state_words=("exp_avg_sq", "eps")))
 
 
 # -- (e) two samples that fail only together (BatchNorm statistics) ----------------------------------
@@ -344,7 +357,8 @@ def _pair(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
     config = _config(out_dir, "pair", recipe=_recipe("sensor_classifier", kwargs))
     run = Run("pair", models.sensor_classifier(**kwargs), steps, dict_loss, config)
     return _finish(run, device, echo, Expected("bad_sample", (saturated["sample_ids"], dead["sample_ids"]),
-                                                module="bn", phase="backward", trigger="nonfinite_grad"))
+                                                module="bn", parameter="bn.weight", phase="backward",
+                                                trigger="nonfinite_grad"))
 
 
 # -- (f) silent data corruption: a NaN injected once, inside the job only -----------------------------
