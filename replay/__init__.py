@@ -10,8 +10,9 @@ Runs on one GPU or the CPU; never imported by `capture`. Public names (imported 
     StepRunner, StepResult, SampleRef, reproduce                                   (replay.execute)
 
 Consent: a dump's model factory / loss / optimizer class is imported only with trust=True (CLI --trust)
-or when the user names the code (factory= / loss=, CLI --factory / --loss). Built-in recipes under
-`forensics.recipes:` and torch.optim classes are forensics' / torch's own code and need no trust.
+or when the user names the code (factory= / loss=, CLI --factory / --loss). Built-in recipes
+(forensics.recipes.BUILTIN_RECIPES) and torch.optim classes are forensics' / torch's own code and need
+no trust.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from replay.precision import fp32_check
 logger = logging.getLogger(__name__)
 
 SCHEMA = "forensics-report/1"
+CONFIRM_ROUNDS = 3  # independent culprits looked for before concluding "no sample is to blame"
 Progress = Callable[[str], None]
 
 
@@ -249,13 +250,36 @@ def _bisect(runner: StepRunner, refs: list[SampleRef], kind: str, threshold: flo
             return not rest or not runner.run(rest, backward=needs_backward).trigger_reproduced(kind, threshold)
         return runner.run(subset, backward=needs_backward).trigger_reproduced(kind, threshold)
 
+    def run_fails(subset: list[SampleRef]) -> bool:
+        return runner.run(subset, backward=needs_backward).trigger_reproduced(kind, threshold)
+
     if len(refs) == 1:
-        return list(refs), {"runs": 0, "candidates": 1, "culprit_size": 1, "budget": bisect_budget(1)}, False
+        return list(refs), {"runs": 0, "candidates": 1, "culprit_size": 1, "budget": bisect_budget(1),
+                            "confirmed": None, "test": "isolation"}, False
     outcome = ddmin(refs, fails, max_runs=options.max_bisect_runs)
-    culprits = [] if outcome.all_failed else list(outcome.culprits)
-    block = {"runs": outcome.runs, "candidates": len(refs), "culprit_size": len(culprits),
+    runs, culprits, confirmed = outcome.runs, [] if outcome.all_failed else list(outcome.culprits), None
+    if culprits and not by_removal:
+        # Confirm: without the culprits the step must pass. Several samples may each fail alone; look
+        # for up to CONFIRM_ROUNDS of them. More than that, or a micro-batch where any sample fails
+        # (a dropout mask, a broken buffer), is no sample's fault.
+        for _ in range(CONFIRM_ROUNDS):
+            rest = [r for r in refs if r not in set(culprits)]
+            runs += 1
+            if not rest or not run_fails(rest):
+                confirmed = True
+                break
+            more = ddmin(rest, fails, max_runs=options.max_bisect_runs)
+            runs += more.runs
+            if more.all_failed:
+                break
+            culprits += [r for r in more.culprits if r not in set(culprits)]
+        if not confirmed:
+            logger.info("the step still fails without samples %s: no sample is to blame",
+                        [r.sample_id for r in culprits])
+            confirmed, culprits = False, []
+    block = {"runs": runs, "candidates": len(refs), "culprit_size": len(culprits),
              "budget": outcome.budget, "all_subsets_fail": outcome.all_failed, "minimal": outcome.minimal,
-             "test": "removal" if by_removal else "isolation"}
+             "test": "removal" if by_removal else "isolation", "confirmed": confirmed}
     return culprits, block, outcome.all_failed
 
 

@@ -5,8 +5,9 @@ class. Nothing a dump names is imported unless the user agreed to it:
 
 * `trust=True` (CLI `--trust`): import what the dump names;
 * `factory="module:fn"` / `loss="module:fn"` (CLI `--factory`, `--loss`): the user names the code;
-* built-in recipes under `forensics.recipes:` are forensics' own code (a dump can only *pick* one,
-  not change it), so they are used without trust;
+* built-in recipes (forensics.recipes.BUILTIN_RECIPES: `forensics.recipes:huggingface_model`,
+  `forensics.recipes:default_loss`, the demo's models) are forensics' own code (a dump can only
+  *pick* one, not change it), so they are used without trust;
 * optimizer classes from `torch.optim` are used without trust; any other class needs `trust=True`.
 """
 
@@ -27,7 +28,6 @@ from forensics.errors import RecipeError, ReplayError
 
 logger = logging.getLogger(__name__)
 
-BUILTIN_MODULE = "forensics.recipes"
 DEFAULT_LOSS_PATH = "forensics.recipes:default_loss"
 TRUSTED_OPTIMIZER_PREFIX = "torch.optim."
 # cuBLAS needs a fixed workspace to be deterministic (CUDA docs, "Results reproducibility");
@@ -303,8 +303,11 @@ def _split_path(path: str, what: str) -> tuple[str, str]:
 
 
 def is_builtin(path: str | None) -> bool:
-    """True for recipes that are forensics' own code (`forensics.recipes:<name>`)."""
-    return isinstance(path, str) and path.partition(":")[0] == BUILTIN_MODULE
+    """True for recipes that are forensics' own code: the list forensics.recipes.BUILTIN_RECIPES keeps
+    (its factories and losses, and the demo's scenario models), never "anything under forensics."."""
+    from forensics.recipes import is_builtin as builtin
+
+    return isinstance(path, str) and builtin(path)
 
 
 def import_object(path: str, what: str = "recipe", sys_path: tuple[str, ...] | list[str] = ()) -> Any:
