@@ -10,21 +10,28 @@ from forensics.format.jsonio import to_jsonable
 
 
 class HostCopy:
-    """Copies tensors off the device without blocking: pinned buffers + one event for all of them.
+    """Detaches state from the training loop without stalling it, for dumps written in the background.
 
-    The copies are queued on the current stream before the optimizer step, so they read the pre-step
-    values even though the loop goes on; `wait()` (called by the writer thread) blocks until they land.
+    CUDA tensors are cloned on the device (stream-ordered before the optimizer step, so the copies hold
+    pre-step values; ~1 ms per GB) and the writer thread moves them to the host. When the device has no
+    room for the clones, they go to pinned host buffers with non-blocking copies instead.
     """
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
         self._event = None
+        self._device_room = True
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach()
         if not self.enabled:
             return tensor  # written synchronously before the loop continues: no copy needed
         if tensor.is_cuda:
+            if self._device_room:
+                try:
+                    return tensor.clone()
+                except torch.cuda.OutOfMemoryError:
+                    self._device_room = False
             host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             host.copy_(tensor, non_blocking=True)
             return host

@@ -82,8 +82,24 @@ def write_safetensors(out, tensors: dict[str, torch.Tensor], metadata: dict[str,
     encoded += b" " * (-len(encoded) % 8)  # align the data section to 8 bytes
     out.write(struct.pack("<Q", len(encoded)))
     out.write(encoded)
-    for tensor in tensors.values():
-        out.write(_as_bytes(tensor))
+    for view in _host_bytes(list(tensors.values())):
+        out.write(view)
+
+
+def _host_bytes(tensors: list[torch.Tensor]):
+    """Yields each tensor's bytes; device tensors are copied to the host one ahead of the write."""
+    if not any(t.device.type != "cpu" for t in tensors):
+        yield from (_as_bytes(t) for t in tensors)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="forensics-d2h") as pool:
+        pending = pool.submit(_as_bytes, tensors[0]) if tensors else None
+        for index in range(len(tensors)):
+            view = pending.result()
+            if index + 1 < len(tensors):
+                pending = pool.submit(_as_bytes, tensors[index + 1])
+            yield view
 
 
 def safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:

@@ -47,13 +47,15 @@ def main() -> None:
                 guard.record_loss(loss)
             (loss / micro).backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if mode == "synced":  # a NaN check by hand before the step (as GradScaler / error_if_nonfinite do)
+            norm.item()
         if not guarded or guard.check(grad_norm=norm):
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if mode == "logged":  # what most loops do: log the loss every step (one sync)
             loss.item()
 
-    modes = ("plain", "logged", "guarded")
+    modes = ("plain", "logged", "synced", "guarded")
     for mode in modes * 2:  # warm-up: kernels, allocator, the guard's detectors
         step(mode)
     times = {mode: [] for mode in modes}
