@@ -1,0 +1,118 @@
+"""Unit tests of the Guard's parts: SpikeDetector (warm-up, NaN-safety, threshold maths), History ring
+buffer, config validation, IndexedDataset."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from capture import GuardConfig, IndexedDataset, SpikeConfig
+from capture.detectors import MAD_TO_SIGMA, SpikeDetector
+from capture.history import FIELDS, History
+
+
+def detector(values=(), **config) -> SpikeDetector:
+    d = SpikeDetector(SpikeConfig(**{"window": 8, "warmup": 4, **config}))
+    for v in values:
+        d.observe(v)
+    return d
+
+
+def test_no_threshold_during_warmup():
+    d = detector()
+    for value in (1.0, 1.0, 1.0):
+        assert d.threshold() is None
+        assert d.observe(value * 1000) is None  # even a huge value cannot fire before warm-up
+    d.observe(1.0)
+    assert d.threshold() is not None
+
+
+def test_threshold_is_median_plus_mad_sigmas_or_the_ratio_whichever_is_higher():
+    d = detector([1.0, 2.0, 3.0, 4.0, 5.0], mad_factor=8.0, min_ratio=1.5)
+    # median 3, MAD median(|v-3|) = 1 -> 3 + 8 * 1.4826 * 1
+    assert d.threshold() == pytest.approx(3.0 + 8.0 * MAD_TO_SIGMA * 1.0)
+    assert d.observe(3.0 + 8.0 * MAD_TO_SIGMA + 0.01) == pytest.approx(3.0 + 8.0 * MAD_TO_SIGMA)
+    flat = detector([2.0] * 6, min_ratio=1.5)  # MAD 0: the ratio test decides
+    assert flat.threshold() == pytest.approx(3.0)
+    assert flat.observe(3.0) is None  # not strictly above
+    assert flat.observe(3.0001) == pytest.approx(3.0)
+
+
+def test_negative_or_zero_median_uses_the_robust_test_only():
+    d = detector([-1.0, -2.0, -3.0, -4.0, -5.0])
+    assert d.threshold() == pytest.approx(-3.0 + 8.0 * MAD_TO_SIGMA)
+
+
+def test_non_finite_and_missing_values_never_fire_and_never_enter_the_window():
+    d = detector([1.0, 1.1, 0.9, 1.0])
+    before = d.threshold()
+    for value in (float("nan"), float("inf"), -float("inf"), None):
+        assert d.observe(value) is None
+    assert d.threshold() == before and len(d._window) == 4
+
+
+def test_window_rolls_over():
+    d = detector([100.0] * 8, window=8, warmup=4)
+    for _ in range(8):
+        d.observe(1.0)
+    assert d.threshold() == pytest.approx(1.5)  # the old level has left the window
+
+
+def test_disabled_detector_never_fires():
+    d = detector([1.0] * 10, enabled=False)
+    assert d.threshold() is None and d.observe(1e9) is None
+
+
+@pytest.mark.parametrize("kwargs", [{"window": 3, "warmup": 3}, {"window": 8, "warmup": 9}, {"warmup": 2},
+                                    {"mad_factor": 0}, {"min_ratio": 0.5}])
+def test_spike_config_validation(kwargs):
+    with pytest.raises(ValueError, match="SpikeConfig"):
+        SpikeConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{"on_nonfinite": "ignore"}, {"on_spike": "stop"}, {"max_dumps": -1},
+                                    {"min_spike_gap": -1}, {"history_size": 0}])
+def test_guard_config_validation(kwargs):
+    with pytest.raises(ValueError, match="GuardConfig"):
+        GuardConfig(**kwargs)
+
+
+def test_guard_config_defaults_raise_on_nonfinite_and_continue_on_spikes():
+    config = GuardConfig()
+    assert (config.on_nonfinite, config.on_spike, config.max_dumps) == ("raise", "continue", 3)
+
+
+def test_history_is_a_ring_buffer_of_its_capacity():
+    history = History(capacity=4)
+    assert history.to_dict() == {"capacity": 4, **{name: [] for name in FIELDS}}
+    for step in range(10):
+        history.append(step, float(step), 0.5, 1e-3, None, False, step == 9)
+    assert len(history) == 4
+    rows = history.to_dict()
+    assert rows["step"] == [6, 7, 8, 9] and rows["loss"] == [6.0, 7.0, 8.0, 9.0]
+    assert rows["skipped"] == [False, False, False, True] and rows["loss_scale"] == [None] * 4
+    assert list(rows) == ["capacity", *FIELDS]
+
+
+def test_history_keeps_non_finite_values_for_the_dump():
+    history = History(capacity=2)
+    history.append(0, float("nan"), float("inf"), None, None, None, True)
+    rows = history.to_dict()
+    assert math.isnan(rows["loss"][0]) and rows["grad_norm"] == [math.inf]
+
+
+def test_indexed_dataset_attaches_dataset_indices_as_sample_ids():
+    data = [{"x": torch.tensor([float(i)])} for i in range(5)]
+    loader = DataLoader(IndexedDataset(data), batch_size=2, shuffle=True,
+                        generator=torch.Generator().manual_seed(0))
+    seen = []
+    for batch in loader:
+        assert torch.equal(batch["x"].reshape(-1), batch["sample_ids"].float())
+        seen += batch["sample_ids"].tolist()
+    assert sorted(seen) == list(range(5))
+    assert IndexedDataset(data, key="idx")[3]["idx"] == 3
+    with pytest.raises(TypeError, match="sample_ids= to Guard.record_batch"):
+        IndexedDataset([1, 2])[0]
