@@ -83,3 +83,14 @@ def test_a_healthy_run_writes_nothing(helpers, gpt2, tmp_path):
     guard, loop = run(helpers, gpt2, tmp_path, spike_steps=set(), total=WARM + 4)
     assert guard.dumps == [] and guard.dump_errors == []
     assert not (tmp_path / "dumps").exists()
+
+
+def test_background_write_into_an_unwritable_dir_is_logged_and_training_goes_on(helpers, gpt2, tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    guard, loop = run(helpers, gpt2, blocker, spike_steps={WARM}, total=WARM + 2)
+    assert all(log.decision for log in loop.logs)
+    assert guard.dumps == []
+    [error] = guard.dump_errors
+    assert "no dump written" in error and "Not a directory" in error
+    assert any("no dump written" in r.getMessage() for r in caplog.records if r.levelname == "ERROR")
