@@ -258,6 +258,7 @@ def _bisect(runner: StepRunner, refs: list[SampleRef], kind: str, threshold: flo
                             "confirmed": None, "test": "isolation"}, False
     outcome = ddmin(refs, fails, max_runs=options.max_bisect_runs)
     runs, culprits, confirmed = outcome.runs, [] if outcome.all_failed else list(outcome.culprits), None
+    groups = 1
     if culprits and not by_removal:
         # Confirm: without the culprits the step must pass. Several samples may each fail alone; look
         # for up to CONFIRM_ROUNDS of them. More than that, or a micro-batch where any sample fails
@@ -273,13 +274,15 @@ def _bisect(runner: StepRunner, refs: list[SampleRef], kind: str, threshold: flo
             if more.all_failed:
                 break
             culprits += [r for r in more.culprits if r not in set(culprits)]
+            groups += 1
         if not confirmed:
             logger.info("the step still fails without samples %s: no sample is to blame",
                         [r.sample_id for r in culprits])
             confirmed, culprits = False, []
     block = {"runs": runs, "candidates": len(refs), "culprit_size": len(culprits),
              "budget": outcome.budget, "all_subsets_fail": outcome.all_failed, "minimal": outcome.minimal,
-             "test": "removal" if by_removal else "isolation", "confirmed": confirmed}
+             "test": "removal" if by_removal else "isolation", "confirmed": confirmed,
+             "independent_groups": groups if culprits else 0}
     return culprits, block, outcome.all_failed
 
 
@@ -375,7 +378,11 @@ def _verdict_facts(session: ReplaySession, dump_info: dict | None, trigger: dict
     if micro_batch is None and forward is not None:
         micro_batch = forward.micro_batch
     stats = culprit.get("stats") or {}
+    extra = {}
+    if "culprits_each_fail_alone" in VerdictFacts.__dataclass_fields__:  # several independent culprits
+        extra["culprits_each_fail_alone"] = (bisection or {}).get("independent_groups", 0) > 1
     return VerdictFacts(
+        **extra,
         trigger_kind=kind, reproduced=reproduced,
         step=(dump_info or {}).get("step"), rank=(dump_info or {}).get("rank"),
         micro_batch=micro_batch, num_micro_batches=len(session.micro_batches),

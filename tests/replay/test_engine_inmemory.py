@@ -181,3 +181,15 @@ def test_loss_spike_culprit_is_the_sample_whose_removal_ends_it(kit):
     assert [s["sample_id"] for s in report["culprit"]["samples"]] == ["m1-2"]
     assert report["bisection"]["test"] == "removal"
     assert report["bisection"]["runs"] <= report["bisection"]["budget"]
+
+
+def test_two_independent_bad_samples_are_both_named(kit):
+    batches = kit.build_batches()
+    batches[0]["input_ids"][1, 5] = kit.POISON_TOKEN  # a second sample that fails on its own
+    session = kit.make_session(kit.build_gpt2(), batches, loss_fn=kit.log_zero_loss, trigger=NAN_LOSS)
+
+    report = replay(session)
+
+    assert sorted(s["sample_id"] for s in report["culprit"]["samples"]) == ["doc-0-1", "doc-1-2"]
+    assert report["bisection"]["confirmed"] is True and report["bisection"]["independent_groups"] == 2
+    assert report["verdict"]["kind"] == "bad_sample"
