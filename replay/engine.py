@@ -17,10 +17,9 @@ from typing import Any, Callable
 
 import torch
 
-from forensics.errors import ReplayError
 from replay.execute import SampleRef, StepRunner, reproduce
-from replay.load import (ReplaySession, deterministic_mode, load_session, replay_environment)
-from replay.localize import (LOSS_MODULE, ROOT_MODULE, localize_backward, localize_forward, localize_optimizer,
+from replay.load import ReplaySession, deterministic_mode, load_session, replay_environment
+from replay.localize import (ROOT_MODULE, localize_backward, localize_forward, localize_optimizer,
                              per_layer_stats)
 from replay.precision import fp32_check
 
@@ -417,4 +416,4 @@ def _float(value: Any) -> float | None:
         return None
 
 
-__all__ = ["ReplayOptions", "run_replay", "run_session", "SCHEMA", "LOSS_MODULE", "ROOT_MODULE", "ReplayError"]
+__all__ = ["ReplayOptions", "run_replay", "run_session", "SCHEMA", "CONFIRM_ROUNDS"]

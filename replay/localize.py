@@ -588,7 +588,8 @@ def per_layer_stats(runner: StepRunner, samples: list[SampleRef] | None = None, 
             grads = [p.grad for p in module.parameters(recurse=False) if p.grad is not None]
             norm = None
             if grads:
-                norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+                norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
+                norm = float(torch.linalg.vector_norm(norms))
             value = absmax.get(name)
             rows.append({"module": _module_label(name), "grad_norm": norm,
                          "output_absmax": float(value) if value is not None else None})

@@ -16,7 +16,7 @@ import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 from torch.nn import functional as F
@@ -182,6 +182,7 @@ def train(run: Run, device: torch.device, echo: Echo) -> tuple[list[Path], str, 
     model = run.model.to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=run.lr, eps=run.eps, weight_decay=0.01)
     scheduler = get_linear_schedule_with_warmup(optimizer, run.warmup, len(run.steps))
+    amp = run.autocast is not None
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 12, enabled=run.autocast == torch.float16)
     guard = Guard(model, optimizer, scheduler, scaler, config=run.config)  # forensics
     message, losses = "", []
@@ -193,7 +194,7 @@ def train(run: Run, device: torch.device, echo: Echo) -> tuple[list[Path], str, 
             for records in micro_batches:
                 batch = to_device(collate(records), device)
                 guard.record_batch(batch)  # forensics
-                with torch.autocast(device.type, dtype=run.autocast or torch.bfloat16, enabled=run.autocast is not None):
+                with torch.autocast(device.type, dtype=run.autocast or torch.bfloat16, enabled=amp):
                     loss = run.loss_fn(model, batch)
                     guard.record_loss(loss)  # forensics (inside autocast: the Guard records its dtype)
                 scaler.scale(loss / len(micro_batches)).backward()
@@ -226,13 +227,15 @@ def _step_of(path: Path) -> int:
 def _finish(run: Run, device: torch.device, echo: Echo, expected: Expected) -> Captured:
     dumps, message, losses = train(run, device, echo)
     if not dumps:
-        raise ScenarioError(f"scenario {run.name!r}: the planted fault did not produce a dump ({message or 'no trigger'})")
+        raise ScenarioError(f"scenario {run.name!r}: the planted fault did not produce a dump "
+                            f"({message or 'nothing triggered'})")
     return Captured(dump_path=dumps[0], expected=expected, step=_step_of(dumps[0]), message=message, losses=losses)
 
 
 def _config(out_dir: Path, name: str, **kwargs: Any) -> GuardConfig:
     """The scenario's Guard settings; dumps go to <out_dir>/dumps/<run id>/ (a fresh run id per run)."""
-    return GuardConfig(dump_dir=str(out_dir / "dumps"), run_id=free_run_id(out_dir / "dumps", f"demo-{name}"), **kwargs)
+    dump_dir = out_dir / "dumps"
+    return GuardConfig(dump_dir=str(dump_dir), run_id=free_run_id(dump_dir, f"demo-{name}"), **kwargs)
 
 
 def free_run_id(dump_dir: Path, base: str) -> str:
@@ -245,11 +248,9 @@ def free_run_id(dump_dir: Path, base: str) -> str:
     return candidate
 
 
-def _recipe(factory: str, factory_kwargs: dict, loss: str | None = None) -> dict:
-    recipe: dict[str, Any] = {"factory": f"{models.MODULE}:{factory}", "factory_kwargs": factory_kwargs}
-    if loss is not None:
-        recipe.update(loss=f"{models.MODULE}:{loss}", loss_kwargs={})
-    return recipe
+def _recipe(factory: str, factory_kwargs: dict) -> dict:
+    """GuardConfig.recipe naming a demo model factory, so replay rebuilds it without --trust."""
+    return {"factory": f"{models.MODULE}:{factory}", "factory_kwargs": factory_kwargs}
 
 
 # -- (a) bad_sample: a corrupted feature record --------------------------------------------------
@@ -453,10 +454,6 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
 ]}
 
 DEFAULT_SCENARIO = "bad_sample"
-
-
-def scenario_names() -> Iterable[str]:
-    return SCENARIOS.keys()
 
 
 __all__ = ["SCENARIOS", "DEFAULT_SCENARIO", "Scenario", "Expected", "Captured", "ScenarioError", "train", "Run"]

@@ -151,7 +151,8 @@ def test_options_switch_stages_off(kit, bisect):
 
 def embeds_batches(culprit_scale: float | None):
     g = torch.Generator().manual_seed(3)
-    batches = [{"inputs_embeds": torch.randn(4, 8, 32, generator=g), "labels": torch.randint(0, 64, (4, 8), generator=g),
+    batches = [{"inputs_embeds": torch.randn(4, 8, 32, generator=g),
+                "labels": torch.randint(0, 64, (4, 8), generator=g),
                 "sample_ids": [f"m{m}-{i}" for i in range(4)]} for m in range(2)]
     if culprit_scale is not None:
         batches[1]["inputs_embeds"][2] *= culprit_scale

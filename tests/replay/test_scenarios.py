@@ -11,20 +11,10 @@ import pytest
 import torch
 
 from forensics.demo.scenarios import SCENARIOS, Captured
-from forensics.errors import RecipeError
 from forensics.format import open_dump
 from replay.engine import ReplayOptions, run_replay
 from replay.execute import StepRunner
 from replay.load import load_session
-
-LOAD_CONSENT_GAP = (
-    "replay/load.py decides what may be imported without --trust with its own is_builtin(), which "
-    "accepts only 'forensics.recipes:*'; it must use forensics.recipes.is_builtin(), which also accepts "
-    "the demo recipes registered in forensics.recipes.BUILTIN_RECIPES (forensics.demo.models:*)")
-CULPRIT_CONFIRMATION_GAP = (
-    "replay/engine.py blames a sample found by isolation without checking that the step passes once "
-    "that sample is removed; in 'dropout_mask' every sample of the micro-batch fails alone (the NaN "
-    "comes from the gate-dropout mask, not the data), so the verdict should not be bad_sample")
 
 
 @pytest.fixture(scope="module")
@@ -36,23 +26,8 @@ def captured(tmp_path_factory) -> dict[str, Captured]:
 
 @pytest.fixture(scope="module")
 def reports(captured) -> dict[str, dict]:
-    """Each scenario's replay report (CPU, no --trust), computed once; RecipeError kept to report it."""
-    out = {}
-    for name, run in captured.items():
-        try:
-            out[name] = run_replay(run.dump_path, ReplayOptions(device="cpu"))
-        except RecipeError as exc:
-            out[name] = exc
-    return out
-
-
-def _report(reports: dict, name: str) -> dict:
-    report = reports[name]
-    if isinstance(report, RecipeError):
-        if "forensics.demo.models" in str(report):
-            pytest.xfail(LOAD_CONSENT_GAP)
-        raise report
-    return report
+    """Each scenario's replay report: CPU, and no --trust (the demo recipes are forensics' own code)."""
+    return {name: run_replay(run.dump_path, ReplayOptions(device="cpu")) for name, run in captured.items()}
 
 
 def _bits(value) -> object:
@@ -62,12 +37,10 @@ def _bits(value) -> object:
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_replay_names_the_planted_fault(name, captured, reports):
-    run, report = captured[name], _report(reports, name)
+    run, report = captured[name], reports[name]
     expected = run.expected
     assert report["trigger"]["kind"] == expected.trigger
     assert report["reproduced"] is expected.reproduced
-    if name == "dropout_mask" and report["verdict"]["kind"] == "bad_sample":
-        pytest.xfail(CULPRIT_CONFIRMATION_GAP)
     assert report["verdict"]["kind"] == expected.verdict, report["verdict"]["headline"]
     culprit = report["culprit"]
     assert sorted(s["sample_id"] for s in culprit["samples"]) == sorted(expected.samples)
@@ -84,7 +57,7 @@ def test_replay_names_the_planted_fault(name, captured, reports):
 
 @pytest.mark.parametrize("name", [n for n in SCENARIOS if n != "sdc"])
 def test_reproduced_cpu_step_replays_the_recorded_losses_bitwise(name, captured, reports):
-    report = _report(reports, name)
+    report = reports[name]
     fidelity = report["fidelity"]
     assert report["reproduced"] and fidelity["mode"] == "bitwise"
     recorded = open_dump(captured[name].dump_path).manifest["loss"]["per_micro_batch"]
@@ -95,8 +68,9 @@ def test_reproduced_cpu_step_replays_the_recorded_losses_bitwise(name, captured,
 
 
 def test_sdc_is_not_reproduced_and_the_in_job_recheck_agreed(captured, reports):
-    report = _report(reports, "sdc")
+    report = reports["sdc"]
     assert report["verdict"]["kind"] == "not_reproduced"
+    assert report["culprit"]["samples"] == [] and report["culprit"]["phase"] is None
     assert report["fidelity"]["recorded_losses"][0] == "nan"
     assert math.isfinite(report["fidelity"]["replayed_losses"][0])
     recheck = open_dump(captured["sdc"].dump_path).manifest["recheck"]
@@ -106,12 +80,7 @@ def test_sdc_is_not_reproduced_and_the_in_job_recheck_agreed(captured, reports):
 def test_dropout_mask_nan_needs_the_dumps_rng(captured):
     """With each micro-batch's recorded RNG the all-dropping gate mask comes back; from another seed
     it does not, and the same step is finite."""
-    try:
-        session = load_session(open_dump(captured["dropout_mask"].dump_path), device="cpu")
-    except RecipeError as exc:
-        if "forensics.demo.models" in str(exc):
-            pytest.xfail(LOAD_CONSENT_GAP)
-        raise
+    session = load_session(open_dump(captured["dropout_mask"].dump_path), device="cpu")
     runner = StepRunner(session)
     with_rng = runner.run()
     assert with_rng.trigger_reproduced("nonfinite_loss")
@@ -124,7 +93,7 @@ def test_dropout_mask_nan_needs_the_dumps_rng(captured):
 
 def test_pair_fails_only_together(captured, reports):
     """Neither culprit alone (with the rest of its micro-batch) breaks the step; the pair does."""
-    report = _report(reports, "pair")
+    report = reports["pair"]
     assert report["bisection"]["culprit_size"] == 2
     session = load_session(open_dump(captured["pair"].dump_path), device="cpu")
     runner = StepRunner(session)
