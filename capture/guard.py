@@ -222,7 +222,9 @@ class Guard:
         """Multi-rank: appends a flag all-reduced (MAX) so every rank triggers on the same step."""
         if self.world_size <= 1 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             return stacked
-        checked = len(host) - 1  # losses and grad norm; the loss scale (last) does not count
+        # losses and grad norm; the loss scale (last) does not count. With a GradScaler a non-finite grad norm
+        # is its ordinary overflow skip: every rank sees the same scale and judges a collapse locally.
+        checked = len(host) - (2 if host[-1] is not None else 1)
         host_bad = any(isinstance(v, float) and not math.isfinite(v) for v in host[:checked])
         device = torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" \
             else stacked.device

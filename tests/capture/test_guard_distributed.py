@@ -1,0 +1,122 @@
+"""Two ranks (gloo, CPU, separate processes): a fault on one rank makes every rank dump the same step, and a
+GradScaler's ordinary overflow skip on every rank is not a fault."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from forensics.format import open_step, verify_dump
+
+WORKER = textwrap.dedent('''
+    import json, os, sys
+    import torch
+    import torch.distributed as dist
+    from capture import Guard, GuardConfig
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+
+
+    def run(scenario, dump_dir):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 30) if scenario == "overflow" else None
+        guard = Guard(model, optimizer, scaler=scaler,
+                      config=GuardConfig(dump_dir=dump_dir, run_id="ddp", on_nonfinite="skip"),
+                      loss_fn=None)
+        decisions = []
+        for step in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+            if scenario == "nan" and rank == 1 and step == 1:
+                x[0, 0] = float("nan")
+            batch = {"x": x, "sample_ids": [f"r{rank}s{step}i{i}" for i in range(4)]}
+            guard.record_batch(batch)
+            with torch.autocast("cpu", dtype=torch.float16, enabled=scaler is not None):
+                loss = model(batch["x"]).square().mean()
+                guard.record_loss(loss)
+            (scaler.scale(loss) if scaler else loss).backward()
+            if scaler:
+                scaler.unscale_(optimizer)
+            ok = guard.check(grad_norm=torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+            decisions.append(ok)
+            if ok:
+                scaler.step(optimizer) if scaler else optimizer.step()
+            if scaler:
+                scaler.update()
+            optimizer.zero_grad()
+        guard.close()
+        return {"rank": rank, "decisions": decisions, "dumps": [str(p) for p in guard.dumps],
+                "skipped": guard.history.to_dict()["skipped"]}
+
+
+    print(json.dumps({scenario: run(scenario, os.path.join(sys.argv[1], scenario)) for scenario in ("nan", "overflow")}))
+    dist.destroy_process_group()
+''')
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
+    """Runs WORKER as ranks 0 and 1 once; returns the dump root and each scenario's per-rank results."""
+    tmp_path = tmp_path_factory.mktemp("ddp")
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    port = _free_port()
+    root = Path(__file__).resolve().parents[2]
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+        procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path / "dumps")], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail("the two-rank run did not finish in 120 s")
+        assert proc.returncode == 0, err[-3000:]
+        outputs.append(json.loads(out.strip().splitlines()[-1]))
+    by_scenario = {name: sorted((o[name] for o in outputs), key=lambda r: r["rank"]) for name in outputs[0]}
+    return tmp_path / "dumps", by_scenario
+
+
+def test_a_fault_on_one_rank_makes_every_rank_dump_that_step(two_ranks):
+    root, results = two_ranks
+    for result in results["nan"]:
+        assert result["decisions"] == [True, False, True], result
+        assert [Path(p).parent.name for p in result["dumps"]] == ["step-000000001"]
+    step_dir = root / "nan" / "ddp" / "step-000000001"
+    dumps, missing = open_step(step_dir)
+    assert [d.rank for d in dumps] == [0, 1] and missing == []
+    assert verify_dump(step_dir).ok
+    by_rank = {d.rank: d for d in dumps}
+    assert by_rank[1].trigger["kind"] == "nonfinite_loss" and by_rank[1].trigger["local"] is True
+    assert by_rank[0].trigger["local"] is False and by_rank[0].world_size == 2
+    assert by_rank[1].sample_ids(0) == ["r1s1i0", "r1s1i1", "r1s1i2", "r1s1i3"]
+
+
+def test_grad_scaler_overflow_on_every_rank_is_not_a_fault(two_ranks):
+    root, results = two_ranks
+    for result in results["overflow"]:
+        assert result["dumps"] == [] and result["decisions"] == [True, True, True], result
+        assert result["skipped"] == [True, True, True]  # fp16 at scale 2**30..2**28 overflows: the scaler skips
+    assert not (root / "overflow").exists()
