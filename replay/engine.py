@@ -377,11 +377,8 @@ def _verdict_facts(session: ReplaySession, dump_info: dict | None, trigger: dict
     if micro_batch is None and forward is not None:
         micro_batch = forward.micro_batch
     stats = culprit.get("stats") or {}
-    extra = {}
-    if "culprits_each_fail_alone" in VerdictFacts.__dataclass_fields__:  # several independent culprits
-        extra["culprits_each_fail_alone"] = (bisection or {}).get("independent_groups", 0) > 1
     return VerdictFacts(
-        **extra,
+        culprits_each_fail_alone=(bisection or {}).get("independent_groups", 0) > 1,
         trigger_kind=kind, reproduced=reproduced,
         step=(dump_info or {}).get("step"), rank=(dump_info or {}).get("rank"),
         micro_batch=micro_batch, num_micro_batches=len(session.micro_batches),

@@ -103,6 +103,8 @@ class VerdictFacts:
     candidates: int = 0
     """Samples that were bisected."""
     bisect_runs: int | None = None
+    culprits_each_fail_alone: bool = False
+    """The culprits are independent: each one alone makes the step fail (several bad samples)."""
     all_subsets_fail: bool = False
     """Every subset tried failed (every sample fails alone): the data is not what breaks it."""
     weights_nonfinite_at_start: bool = False
@@ -168,6 +170,9 @@ def _samples_phrase(f: VerdictFacts, lower: bool = False) -> str:
     n = f.culprit_subset_size or len(f.culprit_samples)
     if n == 1:
         text = f"Sample {ids[0]}" + ("" if lower else " alone")
+    elif f.culprits_each_fail_alone:
+        more = f" and {n - len(ids)} more" if n > len(ids) else ""
+        text = f"{n} samples, each of them on its own, ({', '.join(ids)}{more})"
     elif n == 2 and len(ids) == 2:
         text = f"Samples {ids[0]} and {ids[1]} together, neither alone,"
     else:
@@ -493,7 +498,7 @@ def _bad_sample(f: VerdictFacts) -> dict:
                    "Look at the record behind it: empty or zero-length, control characters only, very long "
                    "strings without spaces (base64, binary), mis-encoded text, all-zero images, every "
                    "label masked (-100)."]
-    if (f.culprit_subset_size or 0) > 1:
+    if (f.culprit_subset_size or 0) > 1 and not f.culprits_each_fail_alone:
         suggestions.insert(1, "These samples fail only together: look for a computation they share across "
                               "the batch (normalisation statistics, a loss averaged over all tokens, a sum "
                               "that overflows); keep them out of one batch or fix that computation.")
