@@ -1,0 +1,37 @@
+"""Framework adapters for the Guard: DDP, Accelerate, DeepSpeed, Hugging Face Trainer, Lightning.
+
+Each lives in its own module and is imported only when its name is first used, so `import capture`
+never imports accelerate, deepspeed, transformers or lightning.
+
+    from capture.integrations import DistributedGuard             # torch DDP (torchrun)
+    from capture.integrations import AccelerateGuard              # accelerate.Accelerator
+    from capture.integrations import DeepSpeedGuard               # deepspeed engines, ZeRO 0-3
+    from capture.integrations import ForensicsTrainerCallback     # transformers.Trainer
+    from capture.integrations import ForensicsLightningCallback   # pytorch_lightning / lightning
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "DistributedGuard": "capture.integrations.ddp",
+    "AccelerateGuard": "capture.integrations.accelerate",
+    "DeepSpeedGuard": "capture.integrations.deepspeed",
+    "ForensicsTrainerCallback": "capture.integrations.hf_trainer",
+    "ForensicsLightningCallback": "capture.integrations.lightning",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'capture.integrations' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return __all__

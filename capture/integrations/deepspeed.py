@@ -1,0 +1,327 @@
+"""Guard for DeepSpeed engines (ZeRO 0-3, fp32 / bf16 / fp16 with loss scaling): full, name-keyed state in every rank's dump.
+
+On a trigger every rank gathers the full pre-step state through DeepSpeed's public API
+(`deepspeed.zero.GatheredParameters` for ZeRO-3 weights, `deepspeed.utils.safe_get_full_optimizer_state`
+and `safe_get_full_fp32_param` for the optimizer), one parameter at a time straight to host memory,
+so each rank's dump replays alone on one GPU. Those calls are collectives: all ranks make them, in the
+same order, on the step they agreed on; none is made after the local write starts.
+
+fp16: DeepSpeed's own overflow-and-skip steps are normal. They are recorded in the history
+(`skipped`, `loss_scale`) and trigger nothing; a non-finite loss does, and so does an overflow once
+the loss scale has fallen to DeepSpeed's `min_loss_scale`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections import defaultdict
+from typing import Any, Callable
+
+import torch
+
+from capture import snapshot
+from capture.config import GuardConfig
+from capture.guard import StepRecord, Trigger
+from capture.integrations.ddp import DistributedGuard
+from forensics.format.jsonio import to_jsonable
+from forensics.recipes import HUGGINGFACE_FACTORY
+
+log = logging.getLogger(__name__)
+
+MASTER_KEY = "fp32_master"
+"""Optimizer-state key holding the fp32 master weight of a bf16/fp16 parameter (absent in fp32 training)."""
+
+
+class LossScaleView:
+    """DeepSpeed's fp16 loss scaler seen through the two things the Guard reads from a GradScaler."""
+
+    def __init__(self, optimizer: Any):
+        self.optimizer = optimizer
+
+    def is_enabled(self) -> bool:
+        return True
+
+    @property
+    def _scale(self) -> torch.Tensor:
+        return torch.tensor(float(self.optimizer.loss_scale))
+
+    def min_scale(self) -> float:
+        scaler = getattr(self.optimizer, "loss_scaler", None)
+        if scaler is not None and getattr(scaler, "dynamic", True) and hasattr(scaler, "min_scale"):
+            return float(scaler.min_scale)
+        return 0.0  # a static scale never collapses
+
+    def state_dict(self) -> dict:
+        scaler = getattr(self.optimizer, "loss_scaler", None)
+        state = {"scale": float(self.optimizer.loss_scale)}
+        for name in ("dynamic", "min_scale", "scale_factor", "scale_window", "cur_hysteresis", "delayed_shift",
+                     "cur_iter", "last_overflow_iter", "consecutive_hysteresis"):
+            value = getattr(scaler, name, None)
+            if isinstance(value, (bool, int, float)):
+                state[name] = value
+        return state
+
+
+class DeepSpeedGuard(DistributedGuard):
+    """Watches a DeepSpeed engine; on NaN/Inf or a spike every rank dumps the full pre-step state.
+
+    Call `check()` after `engine.backward(loss)` and before `engine.step()` on every micro-batch (it does
+    nothing until the accumulation boundary), or pass `hook_step=True` to have `engine.step()` run it
+    (needed where the framework calls `engine.step()` for you, e.g. Accelerate).
+
+    Args:
+        engine: what `deepspeed.initialize` returned first.
+        config: GuardConfig. Filled in from the engine when left at their defaults: `loss_divisor`
+            (gradient_accumulation_steps), `max_grad_norm` (gradient_clipping), `min_loss_scale` (fp16).
+        loss_fn: `(model, batch) -> loss`, as for Guard.
+        hook_step: wrap `engine.step` so that it calls `check()` first; `close()` unwraps it.
+    Example:
+        >>> engine, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=model.parameters())  # doctest: +SKIP
+        >>> guard = DeepSpeedGuard(engine, config=GuardConfig(dump_dir="dumps"))                           # doctest: +SKIP
+        >>> for batch in loader:                                                                              # doctest: +SKIP
+        ...     guard.record_batch(batch)
+        ...     loss = engine(**inputs).loss; guard.record_loss(loss)
+        ...     engine.backward(loss)
+        ...     guard.check()
+        ...     engine.step()
+
+    The 'skip' policy cannot stop `engine.step()`; DeepSpeed itself skips steps whose gradient norm is
+    non-finite in fp16 and fp32 (and in bf16 with `"check_grad_overflow": true` in zero_optimization).
+    """
+
+    def __init__(self, engine: Any, *, config: GuardConfig | None = None, loss_fn: Callable | None = None,
+                 hook_step: bool = False):
+        self.engine = engine
+        self.zero_stage = int(engine.zero_optimization_stage())
+        optimizer = engine.optimizer
+        scaler = LossScaleView(optimizer) if engine.fp16_enabled() else None
+        config = config or GuardConfig()
+        defaults = GuardConfig()
+        changes: dict[str, Any] = {}
+        if config.loss_divisor is None:
+            changes["loss_divisor"] = float(engine.gradient_accumulation_steps())
+        if config.max_grad_norm is None and engine.gradient_clipping():
+            changes["max_grad_norm"] = float(engine.gradient_clipping())
+        if scaler is not None and config.min_loss_scale == defaults.min_loss_scale:
+            changes["min_loss_scale"] = scaler.min_scale()
+        if config.verify_update:
+            log.warning("forensics: verify_update is not supported under DeepSpeed (its optimizer steps flat "
+                        "shards); it is turned off")
+            changes["verify_update"] = False
+        if config.recheck and self.zero_stage == 3:
+            log.warning("forensics: recheck is off under ZeRO-3: a forward on one rank alone would hang")
+            changes["recheck"] = False
+        if config.on_nonfinite == "skip":
+            log.warning("forensics: the 'skip' policy cannot stop engine.step() under DeepSpeed; faults are "
+                        "dumped and training goes on")
+        config = dataclasses.replace(config, **changes)
+        super().__init__(engine.module, optimizer, getattr(engine, "lr_scheduler", None), scaler,
+                         config=config, loss_fn=loss_fn)
+        self.sharded = self.zero_stage >= 1 or _has_hp_mapping(self.model)
+        self.sharded_grad_norm = self.sharded
+        self.collective_state = self.sharded
+        lp_dtype = next((p.dtype for p in self.model.parameters()), torch.float32)
+        self.lp_dtype = lp_dtype
+        basic = getattr(optimizer, "optimizer", optimizer)
+        self.integration = {"framework": "deepspeed", "zero_stage": self.zero_stage,
+                            "optimizer_class": _class_path(basic),
+                            "precision": "fp16" if engine.fp16_enabled() else
+                            "bf16" if engine.bfloat16_enabled() else "fp32"}
+        self._warned_no_grads = False
+        self._original_step = None
+        if hook_step:
+            self._hook_step()
+
+    # -- the per-step decision -------------------------------------------------------------------
+    def check(self, grad_norm: Any = None, step: int | None = None) -> bool:
+        """Runs the detectors at the accumulation boundary, before `engine.step()`; True elsewhere.
+
+        Args:
+            grad_norm: leave None: the norm is assembled from the ranks' gradient shards in the step's
+                one all-reduce.
+            step: default `engine.global_steps`.
+        """
+        if not self.engine.is_gradient_accumulation_boundary():
+            return True
+        if grad_norm is None:
+            grad_norm = self._shard_grad_norm()
+        return super().check(grad_norm=grad_norm, step=self.engine.global_steps if step is None else step)
+
+    def _shard_grad_norm(self) -> Any:
+        """Norm of the (unscaled) gradients this rank holds: its ZeRO shard, or all of them (ZeRO-0)."""
+        try:
+            tensors = self._shard_grads()
+        except Exception:  # noqa: BLE001 - an internal layout this version does not know
+            log.debug("forensics: reading DeepSpeed gradient shards failed", exc_info=True)
+            tensors = []
+        if not tensors:
+            if not self._warned_no_grads:
+                log.warning("forensics: cannot read gradients from this DeepSpeed optimizer (%s); detection "
+                            "uses the loss only and the history's grad_norm is 0", type(self.optimizer).__name__)
+                self._warned_no_grads = True
+            return 0.0
+        squares = torch.stack([torch.linalg.vector_norm(t.detach(), dtype=torch.float32) ** 2 for t in tensors])
+        norm = squares.sum().sqrt()
+        if self.scaler is not None:
+            norm = norm / float(self.optimizer.loss_scale)
+        return norm
+
+    def _shard_grads(self) -> list[torch.Tensor]:
+        if self.sharded:
+            grads = getattr(self.optimizer, "averaged_gradients", None)
+            groups = grads.values() if isinstance(grads, dict) else grads or []
+            return [t for group in groups if group is not None for t in group if t is not None]
+        return [p.grad for p in self.model.parameters() if p.grad is not None]
+
+    # -- state ---------------------------------------------------------------------------------
+    def collect_state(self, copy: snapshot.HostCopy) -> dict:
+        """Full weights (pre-step) and full optimizer state keyed by parameter name; collective when sharded."""
+        if not self.sharded:
+            return super().collect_state(copy)
+        self._state_collections += 1
+        return {"model": self._full_weights(copy), "optimizer": self._full_optimizer_state()}
+
+    def _full_weights(self, copy: snapshot.HostCopy) -> dict[str, torch.Tensor]:
+        state, gathered = {}, {}
+        for key, tensor in self.model.state_dict(keep_vars=True).items():
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            if hasattr(tensor, "ds_id"):  # a ZeRO-3 partitioned parameter: gather it (collective)
+                if id(tensor) not in gathered:
+                    gathered[id(tensor)] = _gather_zero3(tensor)
+                state[key] = gathered[id(tensor)]
+            else:
+                state[key] = copy(tensor)
+        return state
+
+    def _full_optimizer_state(self) -> dict:
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        optimizer = self.optimizer
+        basic = getattr(optimizer, "optimizer", optimizer)
+        names = snapshot.parameter_names(self.model)
+        entries = [s for s in basic.state.values() if s]
+        # Every rank steps the same flat shards, so whether state exists and its keys agree on all ranks:
+        # the collectives below are made by all of them or by none.
+        ready = bool(entries) and getattr(optimizer, "_hp_optimizer_states_linked", True)
+        keys = sorted(k for k, v in entries[0].items() if isinstance(v, torch.Tensor) and v.dim() > 0) if ready else []
+        step = _step_value(entries[0] if entries else {}, basic)
+        groups, state = [], {}
+        for group_index, params in self._lp_groups():
+            group_names = []
+            for param in params:
+                name = names.get(id(param), f"<unnamed group {group_index}>")
+                group_names.append(name)
+                entry: dict[str, Any] = {}
+                for key in keys:
+                    value = safe_get_full_optimizer_state(param, key)
+                    if value is not None:
+                        entry[key] = _to_host(value).reshape(_full_shape(param))
+                if ready and self.lp_dtype != torch.float32:
+                    master = safe_get_full_fp32_param(param)
+                    if master is not None:
+                        entry[MASTER_KEY] = _to_host(master).reshape(_full_shape(param))
+                if entry and step is not None:
+                    entry["step"] = torch.tensor(step, dtype=torch.float32)
+                if entry:
+                    state[name] = entry
+            hyper = basic.param_groups[group_index] if group_index < len(basic.param_groups) else {}
+            groups.append({**{k: _plain(v) for k, v in hyper.items() if k not in ("params", "step")},
+                           "params": group_names})
+        return {"class": _replay_class(basic), "param_groups": groups, "state": state}
+
+    def _lp_groups(self) -> list[tuple[int, list[torch.nn.Parameter]]]:
+        """The model's parameters in each of the user's optimizer groups, in DeepSpeed's order."""
+        optimizer = self.optimizer
+        for attribute in ("bit16_groups", "bf16_groups"):  # ZeRO-1/2, and the ZeRO-0 bf16 optimizer
+            groups = getattr(optimizer, attribute, None)
+            if groups:
+                return list(enumerate(groups))
+        sub_groups = getattr(optimizer, "fp16_groups", None)
+        if sub_groups and hasattr(optimizer, "sub_group_to_group_id"):  # ZeRO-3 splits groups into sub-groups
+            merged: dict[int, list] = defaultdict(list)
+            for index, params in enumerate(sub_groups):
+                merged[optimizer.sub_group_to_group_id[index]].extend(params)
+            return sorted(merged.items())
+        if sub_groups:
+            return list(enumerate(sub_groups))
+        return [(0, [p for p in self.model.parameters() if p.requires_grad])]
+
+    def _manifest(self, trigger: Trigger, record: StepRecord, losses: list[float], norm: float,
+                  divisor: float) -> dict:
+        manifest = super()._manifest(trigger, record, losses, norm, divisor)
+        recipe = manifest.get("recipe") or {}
+        if recipe.get("factory") == HUGGINGFACE_FACTORY and self.lp_dtype != torch.float32:
+            # DeepSpeed casts the model itself (no autocast): replay must build it in that dtype.
+            recipe.setdefault("factory_kwargs", {})["dtype"] = str(self.lp_dtype).removeprefix("torch.")
+        return manifest
+
+    # -- engine.step hook ------------------------------------------------------------------------
+    def _hook_step(self) -> None:
+        original = self.engine.step
+
+        @functools.wraps(original)
+        def step(*args, **kwargs):
+            self.check()
+            return original(*args, **kwargs)
+
+        self._original_step = original
+        self.engine.step = step
+
+    def close(self, timeout: float | None = None) -> None:
+        if self._original_step is not None:
+            del self.engine.step  # the instance attribute; the class method shows through again
+            self._original_step = None
+        super().close(timeout)
+
+
+def _has_hp_mapping(model: torch.nn.Module) -> bool:
+    return any(getattr(p, "_hp_mapping", None) is not None or hasattr(p, "ds_id") for p in model.parameters())
+
+
+def _gather_zero3(param: torch.nn.Parameter) -> torch.Tensor:
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+        return param.data.detach().to("cpu", copy=True)
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True)
+
+
+def _full_shape(param: torch.nn.Parameter) -> torch.Size:
+    return getattr(param, "ds_shape", None) or param.shape
+
+
+def _step_value(entry: dict, basic: Any) -> float | None:
+    value = entry.get("step")
+    if value is None:  # DeepSpeed's FusedAdam keeps the step count per group
+        value = next((g.get("step") for g in basic.param_groups if g.get("step") is not None), None)
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    return None if value is None else float(value)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return to_jsonable(value)
+
+
+def _class_path(obj: Any) -> str:
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _replay_class(basic: Any) -> str:
+    """The torch optimizer a one-GPU replay rebuilds: DeepSpeed's Adam kernels do torch's Adam / AdamW math."""
+    path = _class_path(basic)
+    if path.startswith("deepspeed.ops.adam."):
+        decoupled = getattr(basic, "adam_w_mode", getattr(basic, "adamw_mode", True))
+        return "torch.optim.adamw.AdamW" if decoupled else "torch.optim.adam.Adam"
+    return path

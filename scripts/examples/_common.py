@@ -1,0 +1,88 @@
+"""Shared by the example scripts: a tiny random GPT-2, a dataset of embedding samples (one poisoned), CLI flags.
+
+Nothing here is needed to use forensics; it only keeps each example down to its integration lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+EMBD, VOCAB, SEQ = 32, 64, 16
+
+
+LR = 1e-3
+CLIP = 1.0
+
+
+def tiny_gpt2(seed: int = 0):
+    """A 2-layer, 32-wide GPT-2 with random weights (no download); dropout off so runs are comparable."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(n_layer=2, n_embd=EMBD, n_head=2, vocab_size=VOCAB, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def warmup(step: int) -> float:
+    """Learning-rate multiplier of every example: linear warm-up over 4 steps."""
+    return min(1.0, (step + 1) / 4)
+
+
+class EmbedsDataset(torch.utils.data.Dataset):
+    """`n` samples {"inputs_embeds": (SEQ, 32), "labels": (SEQ,)}; sample `poison` holds a 1e38.
+
+    A 1e38 entry overflows LayerNorm's variance, so any micro-batch holding that sample has a NaN
+    loss: the stand-in for a corrupt record in a real corpus.
+    """
+
+    def __init__(self, n: int, poison: int | None = None, seed: int = 1):
+        generator = torch.Generator().manual_seed(seed)
+        self.items = [{"inputs_embeds": torch.randn(SEQ, EMBD, generator=generator),
+                       "labels": torch.randint(0, VOCAB, (SEQ,), generator=generator)} for _ in range(n)]
+        if poison is not None and poison >= 0:
+            self.items[poison]["inputs_embeds"][0, 0] = 1e38
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.items[index]
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--dump-dir", default="forensics_dumps", help="where dumps go")
+    p.add_argument("--run-id", default=None, help="names the run's dump folder (default: a timestamp)")
+    p.add_argument("--steps", type=int, default=6, help="optimizer steps to train")
+    p.add_argument("--micro-batch", type=int, default=2, help="samples per micro-batch (per rank)")
+    p.add_argument("--accum", type=int, default=2, help="micro-batches per optimizer step")
+    p.add_argument("--poison", type=int, default=29,
+                   help="dataset index of the corrupt sample (-1: none). With 2 ranks and the defaults, "
+                        "29 is read by rank 1 in step 3, micro-batch 1")
+    p.add_argument("--policy", default="raise", choices=("raise", "skip", "continue"),
+                   help="what the Guard does on a NaN/Inf step")
+    return p
+
+
+def report(rank: int, **fields) -> None:
+    """One JSON line per rank on stdout, for people and for tests."""
+    print("forensics-example " + json.dumps({"rank": rank, **fields}, default=str), flush=True)
+
+
+class Timer:
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    def __call__(self) -> float:
+        return round(time.perf_counter() - self.start, 4)
+
+
+def env_rank() -> int:
+    return int(os.environ.get("RANK", 0))

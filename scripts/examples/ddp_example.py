@@ -1,0 +1,72 @@
+"""Example: plain torch DistributedDataParallel with gradient accumulation, guarded by forensics.
+
+    torchrun --nproc_per_node=2 scripts/examples/ddp_example.py --dump-dir /tmp/dumps --run-id ddp
+    forensics replay /tmp/dumps/ddp/step-000000003 --rank 1
+
+Runs on CPU (gloo) or GPUs (nccl). Rank 1 reads a corrupt sample in step 3: both ranks write a dump of
+step 3 (full weights and optimizer state each, their own micro-batches and sample IDs) and stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
+
+import _common
+from capture import GuardConfig, IndexedDataset
+from capture.integrations import DistributedGuard
+from forensics.errors import TrainingFaultError
+
+
+def main() -> None:
+    args = _common.parser(__doc__).parse_args()
+    cuda = torch.cuda.is_available()
+    torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+
+    model = _common.tiny_gpt2().to(device)
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=_common.LR)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _common.warmup)
+    # --- forensics: one line to create the guard (pass the DDP wrapper or the model) ---
+    guard = DistributedGuard(ddp, optimizer, scheduler, config=GuardConfig(
+        dump_dir=args.dump_dir, run_id=args.run_id, on_nonfinite=args.policy, max_grad_norm=_common.CLIP))
+
+    samples = world * args.steps * args.accum * args.micro_batch
+    dataset = IndexedDataset(_common.EmbedsDataset(samples, poison=args.poison))  # adds batch["sample_ids"]
+    loader = DataLoader(dataset, batch_size=args.micro_batch, sampler=DistributedSampler(dataset, shuffle=False))
+    batches = iter(loader)
+    try:
+        for step in range(args.steps):
+            for index in range(args.accum):
+                batch = {k: v.to(device) for k, v in next(batches).items()}
+                guard.record_batch(batch)                                    # forensics
+                sync = contextlib.nullcontext() if index == args.accum - 1 else ddp.no_sync()
+                with sync:
+                    loss = ddp(inputs_embeds=batch["inputs_embeds"], labels=batch["labels"]).loss
+                    guard.record_loss(loss)                                  # forensics
+                    (loss / args.accum).backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), _common.CLIP)
+            timer = _common.Timer()
+            if guard.check(grad_norm=grad_norm):                             # forensics
+                optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        _common.report(rank, fault=None, steps=args.steps)
+    except TrainingFaultError as fault:
+        _common.report(rank, fault=fault.trigger, dump=fault.dump_path, dump_seconds=timer(),
+                       dump_error=fault.dump_error)
+    finally:
+        guard.close()
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
