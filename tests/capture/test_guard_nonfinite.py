@@ -206,3 +206,48 @@ def test_grad_scaler_overflow_is_not_a_fault_until_the_scale_collapses(helpers, 
     dump = open_dump(info.value.dump_path)
     assert dump.step == 1 and dump.scaler_state()["scale"] == 2.0 ** 29
     assert dump.precision["autocast"] == {"enabled": True, "device_type": "cpu", "dtype": "float16"}
+
+
+def test_verify_update_dumps_the_pre_step_state_of_an_update_that_makes_weights_nan(helpers, gpt2, tmp_path):
+    # AdamW with eps=0: position-embedding rows past the sequence length get zero gradients, so their
+    # update is 0 / (sqrt(0) + 0) = NaN although every loss and gradient is finite
+    model = gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=0.0)
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="u", verify_update=True))
+    data = helpers.EmbedsDataset(4)
+    loop = helpers.TrainLoop(model, optimizer, guard)
+    with pytest.raises(TrainingFaultError, match="transformer.wpe.weight non-finite") as info:
+        loop.run([[helpers.collate(data, [0, 1]), helpers.collate(data, [2, 3])]])
+    guard.close()
+    assert info.value.trigger["kind"] == "nonfinite_param"
+    dump = open_dump(info.value.dump_path)
+    assert dump.step == 0 and dump.trigger["kind"] == "nonfinite_param"
+    assert not torch.isfinite(model.transformer.wpe.weight).all()  # the update did happen ...
+    state = dump.model_state()
+    for name, tensor in loop.logs[0].model_state.items():  # ... the dump holds the weights from before it
+        assert helpers.bitwise_equal(state[name], tensor), name
+    assert dump.optimizer_state()["param_groups"][0]["eps"] == 0.0
+    assert [m["loss"] for m in dump.micro_batches_meta] == [loss.item() for loss in loop.logs[0].losses]
+
+
+def test_recheck_recomputes_the_failing_micro_batch_and_leaves_the_job_untouched(helpers, gpt2, tmp_path):
+    runs = {}
+    for recheck in (True, False):
+        model, optimizer, scheduler, guard, steps = _setup(helpers, gpt2, tmp_path / str(recheck), "skip",
+                                                           recheck=recheck)
+        loop = helpers.TrainLoop(model, optimizer, guard, scheduler, snapshot=False, draw=True)
+        loop.run(steps)
+        guard.close()
+        runs[recheck] = (model, loop, guard)
+    model, loop, guard = runs[True]
+    [path] = guard.dumps
+    recheck = open_dump(path).manifest["recheck"]
+    assert recheck["performed"] is True and recheck["micro_batch"] == BAD_MB
+    assert recheck["reproduced"] is True and math.isnan(recheck["recomputed"])
+    assert open_dump(runs[False][2].dumps[0]).manifest["recheck"] == {"performed": False}
+    # the re-check consumed none of the job's RNG and changed none of its state
+    other_model, other_loop, _ = runs[False]
+    for mine, theirs in zip(loop.logs, other_loop.logs):
+        assert all(torch.equal(a, b) for a, b in zip(mine.draws, theirs.draws))
+    for (name, p), (_, q) in zip(model.named_parameters(), other_model.named_parameters()):
+        assert helpers.bitwise_equal(p, q), name
