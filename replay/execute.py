@@ -18,7 +18,7 @@ from typing import Any, Callable, ContextManager, Iterable
 import torch
 
 from forensics.errors import ReplayError
-from replay.load import ReplaySession
+from replay.load import ReplaySession, finite_float
 
 logger = logging.getLogger(__name__)
 
@@ -38,15 +38,6 @@ class SampleRef:
     micro_batch: int
     index: int
     sample_id: Any = field(default=None, compare=False)
-
-
-def _as_float(value: Any) -> float | None:
-    if value is None:
-        return None
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
 
 
 def _finite(value: float | None) -> bool:
@@ -395,7 +386,7 @@ def reproduce(runner: StepRunner, max_attempts: int = 3, tolerance: float = DEFA
     session = runner.session
     trigger = session.trigger or {}
     kind = trigger.get("kind", "nonfinite_loss")
-    threshold = _as_float(trigger.get("threshold"))
+    threshold = finite_float(trigger.get("threshold"))
     attempts, result, reproduced = 0, None, False
     for attempts in range(1, max(1, max_attempts) + 1):
         result = runner.run(keep_grads=True)
@@ -403,10 +394,10 @@ def reproduce(runner: StepRunner, max_attempts: int = 3, tolerance: float = DEFA
         if reproduced or session.device.type == "cpu":  # CPU kernels are deterministic: same answer again
             break
         logger.info("attempt %d did not reproduce %s; retrying", attempts, kind)
-    recorded = [_as_float(v) for v in session.recorded_losses]
+    recorded = [finite_float(v) for v in session.recorded_losses]
     replayed = result.losses
     diffs = [abs(a - b) for a, b in zip(recorded, replayed) if _finite(a) and _finite(b)]
-    recorded_norm = _as_float(session.recorded_grad_norm)
+    recorded_norm = finite_float(session.recorded_grad_norm)
     compared = any(a is not None for a in recorded) or recorded_norm is not None
     bitwise = compared and all(_same(a, b) for a, b in zip(recorded, replayed) if a is not None) and \
         (recorded_norm is None or _same(recorded_norm, result.grad_norm))

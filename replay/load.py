@@ -591,23 +591,12 @@ def _ids_of(batch: Any, index: int, key: str | None) -> list:
     if key and isinstance(batch, dict) and key in batch:
         value = batch[key]
         return value.tolist() if isinstance(value, torch.Tensor) else list(value)
-    size = _batch_size(batch)
-    return [f"mb{index}/{j}" for j in range(size)]
+    from replay.samples import BatchSizeError, batch_size
 
-
-def _batch_size(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    if isinstance(batch, dict):
-        for v in batch.values():
-            size = _batch_size(v)
-            if size:
-                return size
-    if isinstance(batch, (list, tuple)):
-        for v in batch:
-            if isinstance(v, torch.Tensor):
-                return _batch_size(v)
-    return 0
+    try:
+        return [f"mb{index}/{j}" for j in range(batch_size(batch))]
+    except BatchSizeError:
+        return []
 
 
 def finite_float(value: Any) -> float | None:
