@@ -187,6 +187,8 @@ class Guard:
         try:
             decision = self._check(record, grad_norm)
         except TrainingFaultError:
+            self._last_step = record
+            self.step += 1  # a job that catches the error and goes on must not reuse this step's number
             raise
         except Exception:  # noqa: BLE001
             log.exception("forensics: the check of step %d failed inside forensics; training continues", self.step)

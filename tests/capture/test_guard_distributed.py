@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from forensics.format import open_step, verify_dump
+from forensics.format import open_dump, open_step, verify_dump
 
 WORKER = textwrap.dedent('''
     import json, os, sys
@@ -112,6 +112,7 @@ def test_a_fault_on_one_rank_makes_every_rank_dump_that_step(two_ranks):
     assert by_rank[1].trigger["kind"] == "nonfinite_loss" and by_rank[1].trigger["local"] is True
     assert by_rank[0].trigger["local"] is False and by_rank[0].world_size == 2
     assert by_rank[1].sample_ids(0) == ["r1s1i0", "r1s1i1", "r1s1i2", "r1s1i3"]
+    assert open_dump(step_dir).rank == 1  # by default the reader opens the rank that saw the fault
 
 
 def test_grad_scaler_overflow_on_every_rank_is_not_a_fault(two_ranks):

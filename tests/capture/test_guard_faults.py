@@ -114,6 +114,13 @@ def test_check_without_recorded_micro_batches_and_plain_float_losses(gpt2, tmp_p
     dump = open_dump(info.value.dump_path)
     assert dump.step == 2 and dump.sample_ids(0) == ["a", "b"] and dump.micro_batch(0)["x"].shape == (2, 3)
     assert guard.history.to_dict()["step"] == [0, 1, 2]
+    # a job that catches the error and trains on gets fresh step numbers (no clash with the dump of step 2)
+    guard.record_batch({"x": torch.zeros(2, 3)})
+    guard.record_loss(float("nan"))
+    with pytest.raises(TrainingFaultError) as again:
+        guard.check(grad_norm=0.5)
+    assert again.value.dump_path is not None and open_dump(again.value.dump_path).step == 3
+    assert guard.history.to_dict()["step"] == [0, 1, 2, 3] and guard.dump_errors == []
 
 
 def test_explicit_step_numbers_name_the_dump(gpt2, tmp_path):
