@@ -54,18 +54,23 @@ def _env(extra: dict | None) -> dict:
     return env
 
 
-def launch(script: str, args: list[str], *, nproc: int = WORLD, env: dict | None = None,
-           timeout: int = LAUNCH_TIMEOUT, runner: list[str] | None = None) -> Launch:
+def launch(script: str, args: list[str], **kwargs) -> Launch:
     """Runs scripts/examples/<script> under torchrun (or `runner`) and collects each rank's report line."""
+    return launch_script(str(EXAMPLES / script), args, **kwargs)
+
+
+def launch_script(path: str, args: list[str], *, nproc: int = WORLD, env: dict | None = None,
+                  timeout: int = LAUNCH_TIMEOUT, runner: list[str] | None = None) -> Launch:
+    """Runs the script at `path` under torchrun (or `runner`, e.g. [python] for one process)."""
     if runner is None:
         runner = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     try:
-        done = subprocess.run([*runner, str(EXAMPLES / script), *args], cwd=str(REPO), env=_env(env),
+        done = subprocess.run([*runner, path, *args], cwd=str(REPO), env=_env(env),
                               capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         err = (exc.stderr or b"").decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
-        pytest.fail(f"{script} hung: no exit within {timeout} s\n{out[-3000:]}\n{err[-3000:]}")
+        pytest.fail(f"{path} hung: no exit within {timeout} s\n{out[-3000:]}\n{err[-3000:]}")
     output = done.stdout + done.stderr
     reports = {}
     for line in done.stdout.splitlines():

@@ -8,6 +8,7 @@ sample IDs; rank 1's names the corrupt sample.
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -105,3 +106,29 @@ def test_deepspeed_zero3_bf16_gathers_partitioned_weights_and_fp32_masters(harne
             # DeepSpeed's bf16 weights are its fp32 masters rounded: the dump caught both at the same moment
             assert torch.equal(master.to(torch.bfloat16), weights[name]), (rank, name)
             _close(master, reference["model"][name], f"rank {rank} fp32 master {name}", 2e-2)
+
+
+def test_a_rank_killed_while_writing_its_dump_does_not_hang_or_spoil_the_others(harness, tmp_path):
+    dump_dir = tmp_path / "dumps"
+    example = str(harness.EXAMPLES / "deepspeed_example.py")
+    worker = str(harness.REPO / "tests" / "integrations" / "die_in_write.py")
+    started = time.monotonic()
+    result = harness.launch_script(worker, [example, "--zero-stage", "2", "--dump-dir", str(dump_dir),
+                                            "--run-id", "killed"],
+                                    env={"FORENSICS_TEST_DIE_RANK": "1", "FORENSICS_TEST_SLOW_RANK": "0"})
+    elapsed = time.monotonic() - started
+    assert result.returncode != 0, result.explain()  # torchrun reports the dead rank
+    # rank 0 was sent SIGTERM while it wrote (slowly): it finished its dump first
+    assert "SIGTERM received while writing the dump" in result.output, result.explain()
+    assert elapsed < 60, f"the surviving rank took {elapsed:.0f} s: it waited on the dead one"
+    step_dir = dump_dir / "killed" / f"step-{harness.BAD_STEP:09d}"
+    leftovers = [p.name for p in step_dir.iterdir() if p.name.startswith(".tmp-rank-00001")]
+    assert leftovers, "rank 1 should have died halfway through its write"
+
+    check = verify_dump(step_dir)
+    assert check.missing_ranks == [1]
+    assert [str(p) for p in check.problems] == ["rank-00001: rank dump is missing (that rank did not finish writing)"]
+    survivor = open_dump(step_dir, rank=0)
+    assert open_dump(step_dir).rank == 0
+    assert survivor.step == harness.BAD_STEP and survivor.world_size == 2
+    assert len(survivor.model_state()) > 0 and survivor.optimizer_state()["state"]
