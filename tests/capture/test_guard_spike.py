@@ -3,7 +3,6 @@ background with the pre-step state, and max_dumps / min_spike_gap bound how many
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from capture import Guard, GuardConfig, SpikeConfig
