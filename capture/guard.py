@@ -134,7 +134,7 @@ class Guard:
         self._current: StepRecord | None = None
         self._last_spike_dump: int | None = None
         self._writer = BackgroundWriter()
-        self._hooks: list[Any] = []
+        self._hooks: list[Any] = [model.register_forward_pre_hook(self._note_autocast)]
         self._pre_step_copy: dict | None = None
         self._last_step: StepRecord | None = None
         environment.environment()  # versions, git commit: read now, not while a fault is being dumped
@@ -165,7 +165,10 @@ class Guard:
             return
         value = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
         self._current.losses.append(value)
-        if self._current.autocast is None:
+
+    def _note_autocast(self, module: torch.nn.Module, args: Any) -> None:
+        """Forward pre-hook: the autocast state the model actually runs under (read once per step)."""
+        if self._current is not None and self._current.autocast is None:
             self._current.autocast = environment.autocast_settings()
 
     # -- the per-step decision -------------------------------------------------------------------

@@ -44,7 +44,7 @@ def huggingface_model(architecture: str, config: dict, attn_implementation: str 
     model_class = getattr(transformers, architecture, None)
     if not (isinstance(model_class, type) and issubclass(model_class, transformers.PreTrainedModel)):
         raise ValueError(f"{architecture!r} is not a transformers model class")
-    config = dict(config)
+    config = {k: v for k, v in config.items() if not (k == "loss_type" and v is None)}  # avoids a warning
     model_type = config.pop("model_type")
     hf_config = transformers.AutoConfig.for_model(model_type, **config)
     if attn_implementation:
