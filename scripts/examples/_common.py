@@ -86,3 +86,26 @@ class Timer:
 
 def env_rank() -> int:
     return int(os.environ.get("RANK", 0))
+
+
+def lit_gpt2():
+    """The examples' LightningModule (a factory replay can import: `--factory _common:lit_gpt2`)."""
+    try:
+        import pytorch_lightning as pl
+    except ImportError:  # the unified package
+        import lightning.pytorch as pl
+
+    class LitGPT2(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = tiny_gpt2()
+
+        def training_step(self, batch, batch_idx):
+            return self.model(inputs_embeds=batch["inputs_embeds"], labels=batch["labels"]).loss
+
+        def configure_optimizers(self):
+            optimizer = torch.optim.AdamW(self.parameters(), lr=LR)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    return LitGPT2()

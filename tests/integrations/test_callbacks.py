@@ -1,0 +1,109 @@
+"""One-process Hugging Face Trainer and Lightning runs with a corrupt sample: the one-line callback dumps that step.
+
+The dump must hold the micro-batch with the sample and its ID, the weights and optimizer state the
+step started from (bitwise: the step never ran), and per-micro-batch losses a replay recomputes exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from capture import GuardConfig, IndexedDataset
+from forensics.errors import TrainingFaultError
+from forensics.format import open_dump, verify_dump
+from forensics.recipes import default_loss
+
+STEPS, ACCUM, MICRO = 6, 2, 2
+POISON = 13  # read in order: step 3, micro-batch 0 (samples 12 and 13)
+BAD_STEP, BAD_MB = POISON // (ACCUM * MICRO), (POISON // MICRO) % ACCUM
+
+
+def _assert_pre_step_state(dump, model, optimizer):
+    weights = dump.model_state()
+    live = model.state_dict()
+    assert sorted(weights) == sorted(live)
+    for name, tensor in live.items():
+        assert torch.equal(weights[name], tensor), name
+    names = {id(p): n for n, p in model.named_parameters()}
+    dumped = dump.optimizer_state()["state"]
+    assert sorted(dumped) == sorted(names[id(p)] for p, s in optimizer.state.items() if s)
+    for param, entries in optimizer.state.items():
+        for key, value in entries.items():
+            assert torch.equal(torch.as_tensor(dumped[names[id(param)]][key]), value.cpu()), (names[id(param)], key)
+
+
+def _assert_names_the_sample(dump):
+    assert verify_dump(dump.path).ok
+    assert dump.step == BAD_STEP and dump.trigger["kind"] == "nonfinite_loss"
+    assert dump.trigger["micro_batch"] == BAD_MB
+    assert [dump.sample_ids(i) for i in range(dump.num_micro_batches)] == [[12, 13], [14, 15]]
+    batch = dump.micro_batch(BAD_MB)
+    assert batch["inputs_embeds"][1].abs().max().item() >= 1e37  # sample 13 is row 1
+
+
+def test_hf_trainer_callback_dumps_the_step_with_the_corrupt_sample(harness, tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from capture.integrations import ForensicsTrainerCallback
+
+    common = harness.load_common()
+    dataset = IndexedDataset(common.EmbedsDataset(STEPS * ACCUM * MICRO, poison=POISON))
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=STEPS, per_device_train_batch_size=MICRO,
+                             gradient_accumulation_steps=ACCUM, learning_rate=common.LR, max_grad_norm=common.CLIP,
+                             report_to=[], save_strategy="no", logging_steps=1000, use_cpu=True, seed=0,
+                             remove_unused_columns=False, train_sampling_strategy="sequential",
+                             disable_tqdm=True)
+    callback = ForensicsTrainerCallback(GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="hf"))
+    trainer = Trainer(model=common.tiny_gpt2(), args=args, train_dataset=dataset, callbacks=[callback])
+    with pytest.raises(TrainingFaultError) as fault:
+        trainer.train()
+    callback.close()
+    dump = open_dump(fault.value.dump_path)
+    _assert_names_the_sample(dump)
+    _assert_pre_step_state(dump, trainer.model, trainer.optimizer.optimizer)
+    assert dump.manifest["distributed"]["framework"] == "transformers.Trainer"
+    # The Trainer normalises each micro-batch loss over the whole step (num_items_in_batch): the batch
+    # keeps that count, so the recorded losses add up to the step loss and recompute bitwise.
+    assert dump.manifest["loss"]["divisor"] == 1.0
+    healthy = 1 - BAD_MB
+    batch = dump.micro_batch(healthy)
+    assert "num_items_in_batch" in batch and "sample_ids" not in batch
+    trainer.model.train()
+    with torch.no_grad():
+        recomputed = default_loss(trainer.model, batch, ["sample_ids"])
+    assert recomputed.item() == dump.micro_batches_meta[healthy]["loss"]
+    assert dump.history()["step"] == list(range(BAD_STEP + 1))
+
+
+def test_lightning_callback_dumps_the_step_with_the_corrupt_sample(harness, tmp_path):
+    try:
+        import pytorch_lightning as pl
+    except ImportError:
+        pl = pytest.importorskip("lightning.pytorch")
+    from capture.integrations import ForensicsLightningCallback
+    from capture.integrations.lightning import training_step_loss
+
+    common = harness.load_common()
+    loader = DataLoader(IndexedDataset(common.EmbedsDataset(STEPS * ACCUM * MICRO, poison=POISON)),
+                        batch_size=MICRO, shuffle=False)
+    callback = ForensicsLightningCallback(GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="lit"))
+    trainer = pl.Trainer(max_steps=STEPS, accumulate_grad_batches=ACCUM, gradient_clip_val=common.CLIP,
+                         accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         callbacks=[callback], default_root_dir=str(tmp_path))
+    module = common.lit_gpt2()
+    with pytest.raises(TrainingFaultError) as fault:
+        trainer.fit(module, loader)
+    dump = open_dump(fault.value.dump_path)
+    _assert_names_the_sample(dump)
+    _assert_pre_step_state(dump, module, trainer.optimizers[0])
+    assert "training_step" not in vars(module)  # the callback's wrapper is gone after the fit
+    assert dump.manifest["loss"]["divisor"] == ACCUM
+    assert dump.recipe["loss"] == "capture.integrations.lightning:training_step_loss"
+    healthy = 1 - BAD_MB
+    with torch.no_grad():  # the loss as training_step returned it, before Lightning divided it
+        recomputed = training_step_loss(module, dump.micro_batch(healthy))
+    assert recomputed.item() == dump.micro_batches_meta[healthy]["loss"]
+    assert dump.scheduler_state()["state"]["last_epoch"] == BAD_STEP
