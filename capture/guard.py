@@ -233,7 +233,9 @@ class Guard:
         host_bad = any(isinstance(v, float) and not math.isfinite(v) for v in host[:checked])
         device = torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" \
             else stacked.device
-        flag = torch.tensor([1.0 if host_bad else 0.0], device=device)
+        flag = torch.zeros(1, device=device)  # no host->device copy: that would wait on the stream
+        if host_bad:
+            flag.fill_(1.0)
         rows = [slot for slot, i in enumerate(on_device) if i < checked]
         if rows:
             bad = (~torch.isfinite(stacked[rows])).any().float().reshape(1).to(device)
@@ -344,7 +346,7 @@ class Guard:
     def _failed(self, message: str) -> None:
         self._dump_slots.release()
         self.dump_errors.append(message)
-        log.error("forensics: %s (training goes on)", message)
+        log.error("forensics: %s", message)
 
     def _content(self, trigger: Trigger, record: StepRecord, losses: list[float], norm: float,
                  divisor: float, background: bool, state: dict | None) -> DumpContent:
@@ -412,6 +414,7 @@ class Guard:
         from forensics.recipes import default_loss
 
         saved = capture_rng()
+        buffers = [(b, b.detach().clone()) for b in self.model.buffers()]  # BatchNorm stats move in a forward
         try:
             restore_rng(record.rng[index])
             autocast = record.autocast or {}
@@ -426,6 +429,9 @@ class Guard:
             return {"performed": False, "error": f"{type(exc).__name__}: {exc}"}
         finally:
             restore_rng(saved)
+            with torch.no_grad():
+                for buffer, value in buffers:
+                    buffer.copy_(value)
         original = losses[index]
         same = (value == original) or (not math.isfinite(value) and not math.isfinite(original))
         return {"performed": True, "micro_batch": index, "original": original, "recomputed": value,

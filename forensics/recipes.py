@@ -59,7 +59,9 @@ def default_loss(model: torch.nn.Module, batch: Any, ignore_keys: tuple | list =
     """`model(**batch).loss` for dict batches (keys in `ignore_keys`, e.g. sample ids, left out);
     the output itself when the model returns a scalar tensor."""
     if isinstance(batch, dict):
-        output = model(**{k: v for k, v in batch.items() if k not in ignore_keys})
+        from forensics.format.tree import Unreplayable
+
+        output = model(**{k: v for k, v in batch.items() if k not in ignore_keys and not isinstance(v, Unreplayable)})
     elif isinstance(batch, (list, tuple)):
         output = model(*batch)
     else:

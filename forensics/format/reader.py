@@ -201,6 +201,8 @@ def resolve(path: str | Path) -> tuple[Path, Any]:
     from forensics.format.archive import unpack_archive
 
     path = Path(path)
+    if path.name == spec.MANIFEST and path.is_file():
+        path = path.parent  # the user pointed at the manifest itself
     if not path.exists():
         raise DumpNotFoundError(f"{path} does not exist. Pass a dump directory or a {spec.ARCHIVE_SUFFIX} file.")
     if path.is_file():

@@ -183,7 +183,7 @@ def _fsync_dir(path: Path) -> None:
 def _explain(exc: Exception, final: Path) -> str:
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return f"no dump written to {final}: the disk is full ({exc}). Free space or set dump_dir elsewhere."
-    if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+    if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST):
         return f"no dump written to {final}: the directory is not writable ({exc}). Set dump_dir to a writable path."
     if isinstance(exc, OSError):
         return f"no dump written to {final}: {exc}"
