@@ -199,7 +199,10 @@ class _NonFiniteOpChecker(TorchDispatchMode):
         inputs = _float_tensors((args, kwargs))
         pre_kinds = _kinds(inputs) if mutable else None  # in-place ops overwrite their inputs
         out = func(*args, **kwargs)
-        outputs = _float_tensors(out)
+        # Multi-output ops: only the result (output 0) is data. The rest are side values that may be
+        # uninitialised or legitimately infinite (nll_loss's total_weight with reduction='none' on CUDA,
+        # the logsumexp of a fully masked attention row, a norm's saved statistics).
+        outputs = _float_tensors(out[0] if isinstance(out, (tuple, list)) and out else out)
         if not outputs or all(bool(torch.isfinite(t).all()) for t in outputs):
             return out
         out_kinds = _kinds(outputs)
