@@ -292,8 +292,14 @@ def _op_hints(f: VerdictFacts) -> list[str]:
         hints.append("exp overflows above ~88 in fp32 (~11 in fp16): subtract the maximum first "
                      "(logsumexp / softmax do this for you).")
     if op in _NORM_OPS or any("norm" in p or p.startswith("ln") for p in parts if p):
-        hints.append("Raise the normalisation eps (1e-5 or 1e-6 rather than 1e-8 or 0): a near-zero "
-                     "hidden vector divides by ~0.")
+        huge = f.inputs_absmax is not None and (not math.isfinite(f.inputs_absmax) or f.inputs_absmax > 1e18)
+        if huge:  # the square of the input overflows the variance: eps is not the problem
+            hints.append("The normalisation's input is enormous (its square overflows the variance): find "
+                         "where such values enter (the sample's features, an unscaled input, a residual "
+                         "stream that grows every layer) rather than changing eps.")
+        else:
+            hints.append("Raise the normalisation eps (1e-5 or 1e-6 rather than 1e-8 or 0): a near-zero "
+                         "hidden vector divides by ~0.")
     if op in _MATMUL_OPS and _low_precision(f) == "float16":
         hints.append("A matmul output above 65504 overflows float16: bfloat16 keeps fp32's range, or "
                      "scale the activations down (e.g. a norm before this layer).")
