@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -68,12 +69,18 @@ def parser(description: str) -> argparse.ArgumentParser:
                         "29 is read by rank 1 in step 3, micro-batch 1")
     p.add_argument("--policy", default="raise", choices=("raise", "skip", "continue"),
                    help="what the Guard does on a NaN/Inf step")
+    p.add_argument("--max-dumps", type=int, default=3, help="GuardConfig.max_dumps")
+    p.add_argument("--initial-scale-power", type=int, default=16,
+                   help="fp16: the loss scale starts at 2**this (40 makes the first steps overflow)")
+    p.add_argument("--min-loss-scale", type=float, default=1.0,
+                   help="fp16: an overflow at this loss scale or below is a fault, not a normal skip")
     return p
 
 
 def report(rank: int, **fields) -> None:
-    """One JSON line per rank on stdout, for people and for tests."""
-    print("forensics-example " + json.dumps({"rank": rank, **fields}, default=str), flush=True)
+    """One JSON line per rank on stdout, for people and for tests (one write, so ranks' lines do not mix)."""
+    sys.stdout.write("forensics-example " + json.dumps({"rank": rank, **fields}, default=str) + "\n")
+    sys.stdout.flush()
 
 
 class Timer:

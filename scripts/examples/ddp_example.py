@@ -2,9 +2,11 @@
 
     torchrun --nproc_per_node=2 scripts/examples/ddp_example.py --dump-dir /tmp/dumps --run-id ddp
     forensics replay /tmp/dumps/ddp/step-000000003 --rank 1
+    torchrun --nproc_per_node=2 scripts/examples/ddp_example.py --fp16 --initial-scale-power 40 --policy continue
 
 Runs on CPU (gloo) or GPUs (nccl). Rank 1 reads a corrupt sample in step 3: both ranks write a dump of
 step 3 (full weights and optimizer state each, their own micro-batches and sample IDs) and stop.
+With --fp16 (autocast + GradScaler), the GradScaler's overflow-and-skip steps are recorded, not dumped.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from forensics.errors import TrainingFaultError
 
 
 def main() -> None:
-    args = _common.parser(__doc__).parse_args()
+    parser = _common.parser(__doc__)
+    parser.add_argument("--fp16", action="store_true", help="fp16 autocast with a GradScaler")
+    args = parser.parse_args()
     cuda = torch.cuda.is_available()
     torch.distributed.init_process_group("nccl" if cuda else "gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -35,9 +39,11 @@ def main() -> None:
     ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=_common.LR)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _common.warmup)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** args.initial_scale_power, enabled=args.fp16)
     # --- forensics: one line to create the guard (pass the DDP wrapper or the model) ---
-    guard = DistributedGuard(ddp, optimizer, scheduler, config=GuardConfig(
-        dump_dir=args.dump_dir, run_id=args.run_id, on_nonfinite=args.policy, max_grad_norm=_common.CLIP))
+    guard = DistributedGuard(ddp, optimizer, scheduler, scaler, config=GuardConfig(
+        dump_dir=args.dump_dir, run_id=args.run_id, on_nonfinite=args.policy, max_grad_norm=_common.CLIP,
+        max_dumps=args.max_dumps, min_loss_scale=args.min_loss_scale))
 
     samples = world * args.steps * args.accum * args.micro_batch
     dataset = IndexedDataset(_common.EmbedsDataset(samples, poison=args.poison))  # adds batch["sample_ids"]
@@ -50,16 +56,19 @@ def main() -> None:
                 guard.record_batch(batch)                                    # forensics
                 sync = contextlib.nullcontext() if index == args.accum - 1 else ddp.no_sync()
                 with sync:
-                    loss = ddp(inputs_embeds=batch["inputs_embeds"], labels=batch["labels"]).loss
-                    guard.record_loss(loss)                                  # forensics
-                    (loss / args.accum).backward()
+                    with torch.autocast(device.type, dtype=torch.float16, enabled=args.fp16):
+                        loss = ddp(inputs_embeds=batch["inputs_embeds"], labels=batch["labels"]).loss
+                        guard.record_loss(loss)                              # forensics
+                    scaler.scale(loss / args.accum).backward()
+            scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), _common.CLIP)
             timer = _common.Timer()
             if guard.check(grad_norm=grad_norm):                             # forensics
-                optimizer.step()
+                scaler.step(optimizer)  # the plain optimizer.step() without --fp16
+            scaler.update()
             scheduler.step()
             optimizer.zero_grad()
-        _common.report(rank, fault=None, steps=args.steps)
+        _common.report(rank, fault=None, dumps=guard.dumps, history=guard.history.to_dict())
     except TrainingFaultError as fault:
         _common.report(rank, fault=fault.trigger, dump=fault.dump_path, dump_seconds=timer(),
                        dump_error=fault.dump_error)

@@ -2,6 +2,8 @@
 
     torchrun --nproc_per_node=2 scripts/examples/deepspeed_example.py --zero-stage 3 --dump-dir /tmp/dumps --run-id z3
     forensics replay /tmp/dumps/z3/step-000000003 --rank 1
+    torchrun --nproc_per_node=2 scripts/examples/deepspeed_example.py --precision fp16 \
+        --initial-scale-power 40 --min-loss-scale 8589934592 --policy continue --steps 8   # GPU: fp16 skips
 
 On CPU set DS_ACCELERATOR=cpu (gloo; torch's AdamW via "torch_adam", so nothing is compiled).
 Rank 1 reads a corrupt sample in step 3: every rank gathers the full ZeRO state (weights, fp32 master
@@ -33,7 +35,8 @@ def ds_config(args) -> dict:
     if args.precision == "bf16":
         config["bf16"] = {"enabled": True}
     elif args.precision == "fp16":
-        config["fp16"] = {"enabled": True, "initial_scale_power": 16, "min_loss_scale": 1}
+        config["fp16"] = {"enabled": True, "initial_scale_power": args.initial_scale_power,
+                          "min_loss_scale": args.min_loss_scale, "hysteresis": 1}
     return config
 
 
@@ -52,7 +55,7 @@ def main() -> None:
         lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, _common.warmup))
     # --- forensics: one line to create the guard ---
     guard = DeepSpeedGuard(engine, config=GuardConfig(dump_dir=args.dump_dir, run_id=args.run_id,
-                                                      on_nonfinite=args.policy))
+                                                      on_nonfinite=args.policy, max_dumps=args.max_dumps))
     dtype = next(engine.module.parameters()).dtype
 
     samples = world * args.steps * args.accum * args.micro_batch
@@ -70,7 +73,7 @@ def main() -> None:
             timer = _common.Timer()
             guard.check()                                                    # forensics (no-op off the boundary)
             engine.step()
-        _common.report(rank, fault=None, steps=engine.global_steps, history=guard.history.to_dict())
+        _common.report(rank, fault=None, dumps=guard.dumps, history=guard.history.to_dict())
     except TrainingFaultError as fault:
         _common.report(rank, fault=fault.trigger, dump=fault.dump_path, dump_seconds=timer(),
                        dump_error=fault.dump_error)

@@ -73,10 +73,10 @@ def launch_script(path: str, args: list[str], *, nproc: int = WORLD, env: dict |
         pytest.fail(f"{path} hung: no exit within {timeout} s\n{out[-3000:]}\n{err[-3000:]}")
     output = done.stdout + done.stderr
     reports = {}
-    for line in done.stdout.splitlines():
-        if "forensics-example " in line:
-            report = json.loads(line.split("forensics-example ", 1)[1])
-            reports[report["rank"]] = report
+    decoder = json.JSONDecoder()
+    for chunk in done.stdout.split("forensics-example ")[1:]:  # ranks share stdout: lines may abut
+        report, _ = decoder.raw_decode(chunk)
+        reports[report["rank"]] = report
     return Launch(done.returncode, output, reports)
 
 

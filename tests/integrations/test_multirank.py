@@ -70,9 +70,42 @@ def _run(h, tmp_path, script, run_id, *extra):
     return dump_dir / run_id / f"step-{h.BAD_STEP:09d}", result
 
 
+def _replay_names_sample_and_layer(harness, step_dir) -> None:
+    """A one-process replay of rank 1's dump names the corrupt sample and the layer where NaN appears."""
+    engine = pytest.importorskip("replay.engine")
+    report = engine.run_replay(str(step_dir), engine.ReplayOptions(device="cpu", rank=1))
+    culprit = report["culprit"]
+    assert [(s["sample_id"], s["rank"]) for s in culprit["samples"]] == [(harness.POISON, 1)]
+    assert culprit["module"] == "transformer.h.0.ln_1" and culprit["phase"] == "forward"
+
+
 def test_ddp_both_ranks_dump_the_same_step_with_full_state(harness, tmp_path, reference):
     step_dir, _ = _run(harness, tmp_path, "ddp_example.py", "ddp")
     check_step_dump(harness, step_dir, reference)
+    _replay_names_sample_and_layer(harness, step_dir)
+
+
+def test_ddp_fp16_scaler_skips_are_history_until_the_loss_scale_collapses(harness, tmp_path):
+    """GradScaler overflow-and-skip steps trigger nothing (on any rank); a NaN loss does, and so does an
+    overflow once the scale is down to min_loss_scale. The 'continue' policy keeps training between."""
+    dump_dir, min_scale = tmp_path / "dumps", 2.0 ** 33
+    result = harness.launch("ddp_example.py", ["--dump-dir", str(dump_dir), "--run-id", "fp16", "--fp16",
+                                               "--initial-scale-power", "40", "--min-loss-scale", str(min_scale),
+                                               "--policy", "continue", "--steps", "8"])
+    assert result.returncode == 0, result.explain()
+    run = dump_dir / "fp16"
+    assert sorted(p.name for p in run.iterdir()) == ["step-000000003", "step-000000007"]
+    nan_step = {d.rank: d for d in verify_dump(run / "step-000000003").dumps}
+    assert nan_step[1].trigger["kind"] == "nonfinite_loss" and nan_step[0].trigger["local"] is False
+    collapsed = verify_dump(run / "step-000000007")
+    assert collapsed.ok and sorted(d.rank for d in collapsed.dumps) == [0, 1]
+    for dump in collapsed.dumps:
+        assert dump.trigger["kind"] == "nonfinite_grad" and dump.trigger["local"] is True
+        assert dump.trigger["threshold"] == min_scale
+        assert dump.precision["autocast"] == {"enabled": True, "device_type": "cpu", "dtype": "float16"}
+        history = dump.history()
+        assert history["loss_scale"] == [2.0 ** (40 - step) for step in range(8)]
+        assert all(history["skipped"])  # every step overflowed; the scaler skipped each one
 
 
 def test_accelerate_both_ranks_dump_the_same_step_with_full_state(harness, tmp_path, reference):
@@ -106,6 +139,7 @@ def test_deepspeed_zero3_bf16_gathers_partitioned_weights_and_fp32_masters(harne
             # DeepSpeed's bf16 weights are its fp32 masters rounded: the dump caught both at the same moment
             assert torch.equal(master.to(torch.bfloat16), weights[name]), (rank, name)
             _close(master, reference["model"][name], f"rank {rank} fp32 master {name}", 2e-2)
+    _replay_names_sample_and_layer(harness, step_dir)
 
 
 def test_a_rank_killed_while_writing_its_dump_does_not_hang_or_spoil_the_others(harness, tmp_path):
