@@ -69,7 +69,8 @@ class DeepSpeedGuard(DistributedGuard):
 
     Call `check()` after `engine.backward(loss)` and before `engine.step()` on every micro-batch (it does
     nothing until the accumulation boundary), or pass `hook_step=True` to have `engine.step()` run it
-    (needed where the framework calls `engine.step()` for you, e.g. Accelerate).
+    (needed where the framework calls `engine.step()` for you, e.g. Accelerate); explicit `check()`
+    calls are then no-ops.
 
     Args:
         engine: what `deepspeed.initialize` returned first.
@@ -131,6 +132,7 @@ class DeepSpeedGuard(DistributedGuard):
                             "bf16" if engine.bfloat16_enabled() else "fp32"}
         self._warned_no_grads = False
         self._original_step = None
+        self._in_step_hook = False
         if hook_step:
             self._hook_step()
 
@@ -143,6 +145,8 @@ class DeepSpeedGuard(DistributedGuard):
                 one all-reduce.
             step: default `engine.global_steps`.
         """
+        if self._original_step is not None and not self._in_step_hook:
+            return True  # hooked: engine.step() runs the check itself, at the right moment
         if not self.engine.is_gradient_accumulation_boundary():
             return True
         if grad_norm is None:
@@ -264,7 +268,11 @@ class DeepSpeedGuard(DistributedGuard):
 
         @functools.wraps(original)
         def step(*args, **kwargs):
-            self.check()
+            self._in_step_hook = True
+            try:
+                self.check()
+            finally:
+                self._in_step_hook = False
             return original(*args, **kwargs)
 
         self._original_step = original

@@ -21,17 +21,27 @@ from forensics.errors import TrainingFaultError
 def main() -> None:
     parser = _common.parser(__doc__)
     parser.add_argument("--mixed-precision", default="no", choices=("no", "bf16", "fp16"))
+    parser.add_argument("--deepspeed-stage", type=int, default=None, choices=(0, 1, 2, 3),
+                        help="use Accelerate's DeepSpeed plugin with this ZeRO stage")
     args = parser.parse_args()
-    from accelerate import Accelerator
+    from accelerate import Accelerator, DeepSpeedPlugin
 
+    plugin = None
+    if args.deepspeed_stage is not None:
+        plugin = DeepSpeedPlugin(hf_ds_config={
+            "train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": args.accum,
+            "gradient_clipping": _common.CLIP, "zero_optimization": {"stage": args.deepspeed_stage},
+            "steps_per_print": 10_000})
     accelerator = Accelerator(gradient_accumulation_steps=args.accum, mixed_precision=args.mixed_precision,
-                              cpu=not torch.cuda.is_available())
+                              cpu=not torch.cuda.is_available() and plugin is None, deepspeed_plugin=plugin)
     rank, world = accelerator.process_index, accelerator.num_processes
+    if torch.distributed.is_initialized():  # Accelerate's DeepSpeed mode on CPU reports one process
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     model = _common.tiny_gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=_common.LR)
+    # Not prepared: it steps once per optimizer step (a prepared one steps once per process).
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _common.warmup)
     model, optimizer = accelerator.prepare(model, optimizer)
-    # The scheduler steps once per optimizer step (a prepared one would step once per process).
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, _common.warmup)
     # --- forensics: one line to create the guard (after prepare) ---
     guard = AccelerateGuard.create(accelerator, model, optimizer, scheduler, config=GuardConfig(
         dump_dir=args.dump_dir, run_id=args.run_id, on_nonfinite=args.policy, max_grad_norm=_common.CLIP))

@@ -166,3 +166,14 @@ def test_a_rank_killed_while_writing_its_dump_does_not_hang_or_spoil_the_others(
     assert open_dump(step_dir).rank == 0
     assert survivor.step == harness.BAD_STEP and survivor.world_size == 2
     assert len(survivor.model_state()) > 0 and survivor.optimizer_state()["state"]
+
+
+def test_accelerate_deepspeed_plugin_checks_inside_engine_step(harness, tmp_path, reference):
+    """Under Accelerate's DeepSpeed plugin `accelerator.backward` runs `engine.step()` itself: the guard
+    checks from inside that call, before the step, and the loop's own check() calls do nothing."""
+    step_dir, _ = _run(harness, tmp_path, "accelerate_example.py", "accds", "--deepspeed-stage", "3")
+    dumps = check_step_dump(harness, step_dir, reference)
+    for dump in dumps.values():
+        assert dump.manifest["distributed"]["framework"] == "deepspeed"
+        assert dump.manifest["distributed"]["zero_stage"] == 3
+        assert dump.history()["step"] == [0, 1, 2, 3]  # one check per optimizer step, none doubled
