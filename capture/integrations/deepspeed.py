@@ -183,7 +183,11 @@ class DeepSpeedGuard(DistributedGuard):
     def collect_state(self, copy: snapshot.HostCopy) -> dict:
         """Full weights (pre-step) and full optimizer state keyed by parameter name; collective when sharded."""
         if not self.sharded:
-            return super().collect_state(copy)
+            if self.optimizer is getattr(self.optimizer, "optimizer", self.optimizer) or \
+                    not getattr(self.optimizer, "fp16_groups", None):
+                return super().collect_state(copy)  # ZeRO-0 fp32: DeepSpeed steps the torch optimizer itself
+            self._state_collections += 1
+            return {"model": self._full_weights(copy), "optimizer": self._replicated_optimizer_state(copy)}
         self._state_collections += 1
         return {"model": self._full_weights(copy), "optimizer": self._full_optimizer_state()}
 
@@ -234,6 +238,45 @@ class DeepSpeedGuard(DistributedGuard):
             hyper = basic.param_groups[group_index] if group_index < len(basic.param_groups) else {}
             groups.append({**{k: _plain(v) for k, v in hyper.items() if k not in ("params", "step")},
                            "params": group_names})
+        return {"class": _replay_class(basic), "param_groups": groups, "state": state}
+
+    def _replicated_optimizer_state(self, copy: snapshot.HostCopy) -> dict:
+        """ZeRO-0 with bf16/fp16: every rank holds fp32 masters and their optimizer state, unsharded.
+
+        DeepSpeed's unfused wrapper keeps one fp32 master per parameter; the fused one a flat fp32
+        buffer per group, laid out in parameter order.
+        """
+        optimizer = self.optimizer
+        basic = optimizer.optimizer
+        names = snapshot.parameter_names(self.model)
+        per_param = getattr(optimizer, "fp32_groups", None)
+        flats = getattr(optimizer, "fp32_groups_flat", None)
+        groups, state = [], {}
+        for group_index, params in enumerate(optimizer.fp16_groups):
+            offset = 0
+            for position, param in enumerate(params):
+                if per_param:
+                    master = per_param[group_index][position]
+                    entries = dict(basic.state.get(master, {}))
+                    pieces = {k: v for k, v in entries.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+                else:
+                    flat = flats[group_index]
+                    entries = dict(basic.state.get(flat, {}))
+                    numel = param.numel()
+                    master = flat.narrow(0, offset, numel).view(param.shape)
+                    pieces = {k: v.narrow(0, offset, numel).view(param.shape) for k, v in entries.items()
+                              if isinstance(v, torch.Tensor) and v.dim() > 0}
+                    offset += numel
+                entry = {k: copy(v) for k, v in pieces.items()}
+                if entry:
+                    entry[MASTER_KEY] = copy(master)
+                    step = _step_value(entries, basic)
+                    if step is not None:
+                        entry["step"] = torch.tensor(step, dtype=torch.float32)
+                    state[names.get(id(param), f"<unnamed group {group_index}>")] = entry
+            hyper = basic.param_groups[group_index] if group_index < len(basic.param_groups) else {}
+            groups.append({**{k: _plain(v) for k, v in hyper.items() if k not in ("params", "step")},
+                           "params": [names.get(id(p), f"<unnamed group {group_index}>") for p in params]})
         return {"class": _replay_class(basic), "param_groups": groups, "state": state}
 
     def _lp_groups(self) -> list[tuple[int, list[torch.nn.Parameter]]]:
