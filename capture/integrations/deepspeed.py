@@ -205,17 +205,20 @@ class DeepSpeedGuard(DistributedGuard):
         return state
 
     def _full_optimizer_state(self) -> dict:
-        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
         optimizer = self.optimizer
         basic = getattr(optimizer, "optimizer", optimizer)
         names = snapshot.parameter_names(self.model)
         entries = [s for s in basic.state.values() if s]
-        # Every rank steps the same flat shards, so whether state exists and its keys agree on all ranks:
-        # the collectives below are made by all of them or by none.
-        ready = bool(entries) and getattr(optimizer, "_hp_optimizer_states_linked", True)
-        keys = sorted(k for k, v in entries[0].items() if isinstance(v, torch.Tensor) and v.dim() > 0) if ready else []
+        # Every rank steps the same groups of flat shards, so whether state exists and its keys agree on
+        # all ranks: the collectives below are made by all of them or by none, in the same order.
+        keys = sorted(k for k, v in entries[0].items() if isinstance(v, torch.Tensor) and v.dim() > 0) if entries else []
         step = _step_value(entries[0] if entries else {}, basic)
+        if self.zero_stage == 3:
+            flats = getattr(optimizer, "fp32_partitioned_groups_flat", [])
+            keys = [k for k in keys if all(k in basic.state.get(flat, {}) for flat in flats)]
+            full = _full_zero3
+        else:
+            full = self._full_hp
         groups, state = [], {}
         for group_index, params in self._lp_groups():
             group_names = []
@@ -224,11 +227,11 @@ class DeepSpeedGuard(DistributedGuard):
                 group_names.append(name)
                 entry: dict[str, Any] = {}
                 for key in keys:
-                    value = safe_get_full_optimizer_state(param, key)
+                    value = full(param, key)
                     if value is not None:
                         entry[key] = _to_host(value).reshape(_full_shape(param))
-                if ready and self.lp_dtype != torch.float32:
-                    master = safe_get_full_fp32_param(param)
+                if entries and self.lp_dtype != torch.float32:
+                    master = full(param, None)
                     if master is not None:
                         entry[MASTER_KEY] = _to_host(master).reshape(_full_shape(param))
                 if entry and step is not None:
@@ -239,6 +242,39 @@ class DeepSpeedGuard(DistributedGuard):
             groups.append({**{k: _plain(v) for k, v in hyper.items() if k not in ("params", "step")},
                            "params": group_names})
         return {"class": _replay_class(basic), "param_groups": groups, "state": state}
+
+    def _full_hp(self, param: torch.nn.Parameter, key: str | None) -> torch.Tensor | None:
+        """ZeRO-1/2 (and DeepSpeed's bf16 optimizer): the full fp32 master (key None) or optimizer state
+        `key` of one parameter, assembled from the ranks' flat shards with one all-reduce.
+
+        Reads the optimizer's current state rather than DeepSpeed's cached links
+        (`safe_get_full_optimizer_state`), which in DeepSpeed 0.19 miss every parameter group but
+        the first: they are made when the first group steps, before the others have any state.
+        """
+        mapping = getattr(param, "_hp_mapping", None)
+        group = getattr(param, "_dp_group", None)
+        if not hasattr(param, "_hp_mapping"):
+            return None
+        buffer = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+        if mapping is not None:
+            hp, lp = mapping.hp_fragment_address, mapping.lp_fragment_address
+            if key is None:
+                source = mapping.hp_fragment
+            else:
+                flat = self._hp_flat(mapping.param_group_index)
+                value = self.optimizer.optimizer.state.get(flat, {}).get(key) if flat is not None else None
+                source = value.narrow(0, hp.start, hp.numel) if isinstance(value, torch.Tensor) else None
+            if source is not None:
+                buffer.narrow(0, lp.start, lp.numel).copy_(source.reshape(-1).float())
+        torch.distributed.all_reduce(buffer, group=group)
+        return buffer.view(param.shape)
+
+    def _hp_flat(self, group_index: int) -> torch.Tensor | None:
+        for attribute in ("single_partition_of_fp32_groups", "fp32_groups_flat_partition"):
+            flats = getattr(self.optimizer, attribute, None)
+            if flats:
+                return flats[group_index]
+        return None
 
     def _replicated_optimizer_state(self, copy: snapshot.HostCopy) -> dict:
         """ZeRO-0 with bf16/fp16: every rank holds fp32 masters and their optimizer state, unsharded.
@@ -330,6 +366,12 @@ class DeepSpeedGuard(DistributedGuard):
 
 def _has_hp_mapping(model: torch.nn.Module) -> bool:
     return any(getattr(p, "_hp_mapping", None) is not None or hasattr(p, "ds_id") for p in model.parameters())
+
+
+def _full_zero3(param: torch.nn.Parameter, key: str | None) -> torch.Tensor | None:
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    return safe_get_full_fp32_param(param) if key is None else safe_get_full_optimizer_state(param, key)
 
 
 def _gather_zero3(param: torch.nn.Parameter) -> torch.Tensor:

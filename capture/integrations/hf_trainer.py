@@ -12,7 +12,8 @@ How the Trainer's step is observed without changing it:
   drops the step's gradients there, so `optimizer.step()` changes nothing.
 Sample IDs reach the model only if the Trainer keeps the column: use `remove_unused_columns=False` and a
 dataset whose items carry `GuardConfig.sample_id_key` (e.g. `capture.IndexedDataset`).
-Not covered: the Trainer's DeepSpeed mode (use DeepSpeedGuard in a custom loop).
+In the Trainer's DeepSpeed mode `accelerator.backward` runs `engine.step()`, before
+`on_pre_optimizer_step`: the guard is then a DeepSpeedGuard that checks from inside `engine.step()`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,20 @@ from capture.integrations.ddp import DistributedGuard
 log = logging.getLogger(__name__)
 
 NUM_ITEMS_KEY = "num_items_in_batch"
+
+
+def _find_engine(model: torch.nn.Module) -> Any:
+    """The DeepSpeed engine wrapping `model` (the Trainer does not hand it to callbacks)."""
+    import gc
+
+    from deepspeed import DeepSpeedEngine
+
+    for holder in gc.get_referrers(model):  # the engine's `_modules` dict refers to the model
+        if isinstance(holder, dict):
+            for owner in gc.get_referrers(holder):
+                if isinstance(owner, DeepSpeedEngine) and owner.module is model:
+                    return owner
+    return None
 
 
 def _loss_of(output: Any) -> Any:
@@ -65,10 +80,6 @@ class ForensicsTrainerCallback(TrainerCallback):
         if model is None or optimizer is None:
             log.warning("forensics: the Trainer gave no model/optimizer to callbacks; training is not guarded")
             return
-        if getattr(args, "deepspeed", None) or any(hasattr(p, "ds_id") for p in model.parameters()):
-            log.warning("forensics: ForensicsTrainerCallback does not support the Trainer's DeepSpeed mode; "
-                        "training is not guarded (use DeepSpeedGuard in a custom loop)")
-            return
         config = dataclasses.replace(self.config)  # a copy: the callback adjusts it to the Trainer
         if config.max_grad_norm is None and args.max_grad_norm:
             config = dataclasses.replace(config, max_grad_norm=float(args.max_grad_norm))
@@ -79,11 +90,23 @@ class ForensicsTrainerCallback(TrainerCallback):
             autocast = {"enabled": True, "device_type": args.device.type,
                         "dtype": "bfloat16" if args.bf16 else "float16"}
         self._optimizer = optimizer
-        self.guard = DistributedGuard(model, getattr(optimizer, "optimizer", optimizer),
-                                      getattr(lr_scheduler, "scheduler", lr_scheduler),
-                                      getattr(optimizer, "scaler", None), config=config, loss_fn=self.loss_fn,
-                                      autocast=autocast)
-        self.guard.integration = {"framework": "transformers.Trainer"}
+        if getattr(args, "deepspeed", None) or getattr(args, "deepspeed_plugin", None):
+            engine = _find_engine(model)
+            if engine is None:
+                log.warning("forensics: the Trainer runs DeepSpeed but its engine was not found; training is "
+                            "not guarded (use DeepSpeedGuard in a custom loop)")
+                return
+            from capture.integrations.deepspeed import DeepSpeedGuard
+
+            # The Trainer's accelerator.backward() calls engine.step(): check from inside that call.
+            self.guard = DeepSpeedGuard(engine, config=config, loss_fn=self.loss_fn, hook_step=True)
+            self.guard.integration["framework"] = "transformers.Trainer+deepspeed"
+        else:
+            self.guard = DistributedGuard(model, getattr(optimizer, "optimizer", optimizer),
+                                          getattr(lr_scheduler, "scheduler", lr_scheduler),
+                                          getattr(optimizer, "scaler", None), config=config, loss_fn=self.loss_fn,
+                                          autocast=autocast)
+            self.guard.integration = {"framework": "transformers.Trainer"}
         self._handles = [model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
                          model.register_forward_hook(self._after_forward, with_kwargs=True)]
 

@@ -2,6 +2,7 @@
 
     python scripts/examples/hf_trainer_example.py --dump-dir /tmp/dumps --run-id trainer
     torchrun --nproc_per_node=2 scripts/examples/hf_trainer_example.py      # DDP works the same way
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node=1 scripts/examples/hf_trainer_example.py --deepspeed-stage 2
     forensics replay /tmp/dumps/trainer/step-00000000N
 
 The Trainer shuffles, so the corrupt sample lands in whichever step the sampler puts it; the callback
@@ -24,6 +25,9 @@ from forensics.errors import TrainingFaultError
 def main() -> None:
     parser = _common.parser(__doc__)
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision")
+    parser.add_argument("--deepspeed-stage", type=int, default=None, choices=(0, 1, 2, 3),
+                        help="run the Trainer with DeepSpeed at this ZeRO stage (launch with torchrun)")
+    parser.add_argument("--sequential", action="store_true", help="read samples in order (no shuffling)")
     parser.set_defaults(poison=13)
     args = parser.parse_args()
     from transformers import Trainer, TrainingArguments
@@ -38,6 +42,10 @@ def main() -> None:
             warmup_steps=3, lr_scheduler_type="constant_with_warmup", report_to=[], save_strategy="no",
             logging_steps=1000, use_cpu=not torch.cuda.is_available(), bf16=args.bf16, seed=0,
             remove_unused_columns=False,  # keep "sample_ids": the callback takes it out before the forward
+            train_sampling_strategy="sequential" if args.sequential else "random",
+            deepspeed=None if args.deepspeed_stage is None else {
+                "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                "gradient_clipping": "auto", "zero_optimization": {"stage": args.deepspeed_stage}},
         )
         # --- forensics: one callback ---
         callback = ForensicsTrainerCallback(GuardConfig(dump_dir=args.dump_dir, run_id=args.run_id,

@@ -107,3 +107,30 @@ def test_lightning_callback_dumps_the_step_with_the_corrupt_sample(harness, tmp_
         recomputed = training_step_loss(module, dump.micro_batch(healthy))
     assert recomputed.item() == dump.micro_batches_meta[healthy]["loss"]
     assert dump.scheduler_state()["state"]["last_epoch"] == BAD_STEP
+
+
+def test_hf_trainer_deepspeed_dump_matches_the_plain_trainer_dump(harness, tmp_path):
+    """The Trainer's DeepSpeed mode (ZeRO-2; the Trainer's two parameter groups, with and without weight
+    decay) dumps the same step with the same state as the plain Trainer, gathered from the ZeRO shards."""
+    runs = {}
+    for name, extra, runner in (("plain", [], [harness.sys.executable]),
+                                ("zero2", ["--deepspeed-stage", "2"], None)):
+        result = harness.launch("hf_trainer_example.py", ["--dump-dir", str(tmp_path / name), "--run-id", name,
+                                                          "--sequential", *extra], nproc=1, runner=runner)
+        assert result.returncode == 0 and result.reports[0]["dump"], result.explain()
+        runs[name] = open_dump(result.reports[0]["dump"])
+    plain, zero2 = runs["plain"], runs["zero2"]
+    _assert_names_the_sample(zero2)
+    assert zero2.manifest["distributed"]["framework"] == "transformers.Trainer+deepspeed"
+    assert [d.sample_ids(i) for d in (plain, zero2) for i in range(2)] == [[12, 13], [14, 15]] * 2
+    expected, actual = plain.model_state(), zero2.model_state()
+    assert sorted(actual) == sorted(expected)
+    for name in expected:
+        assert torch.allclose(actual[name], expected[name], atol=1e-5), name
+    expected, actual = plain.optimizer_state(), zero2.optimizer_state()
+    assert [g["params"] for g in actual["param_groups"]] == [g["params"] for g in expected["param_groups"]]
+    assert len(actual["param_groups"]) == 2
+    for name, entries in expected["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.allclose(actual["state"][name][key], entries[key], atol=1e-6), (name, key)
+        assert float(actual["state"][name]["step"]) == float(entries["step"])
