@@ -159,7 +159,9 @@ class DeepSpeedGuard(DistributedGuard):
             tensors = self._shard_grads()
         except Exception:  # noqa: BLE001 - an internal layout this version does not know
             log.debug("forensics: reading DeepSpeed gradient shards failed", exc_info=True)
-            tensors = []
+            tensors = None
+        if tensors is not None and not tensors and self.sharded:
+            return torch.zeros(())  # this rank's shard holds no gradient: it adds nothing to the norm
         if not tensors:
             if not self._warned_no_grads:
                 log.warning("forensics: cannot read gradients from this DeepSpeed optimizer (%s); detection "
@@ -172,10 +174,13 @@ class DeepSpeedGuard(DistributedGuard):
             norm = norm / float(self.optimizer.loss_scale)
         return norm
 
-    def _shard_grads(self) -> list[torch.Tensor]:
+    def _shard_grads(self) -> list[torch.Tensor] | None:
+        """The gradient tensors this rank holds before the step; None where their layout is unknown."""
         if self.sharded:
             grads = getattr(self.optimizer, "averaged_gradients", None)
-            groups = grads.values() if isinstance(grads, dict) else grads or []
+            if not isinstance(grads, (dict, list)):
+                return None
+            groups = grads.values() if isinstance(grads, dict) else grads
             return [t for group in groups if group is not None for t in group if t is not None]
         return [p.grad for p in self.model.parameters() if p.grad is not None]
 
