@@ -78,7 +78,7 @@ class Agreement:
 
     fault: bool  # some rank saw a non-finite loss, or a non-finite gradient that is not a scaler overflow
     loss_fault: bool  # some rank saw a non-finite loss (that rank's data is the first suspect)
-    step_loss: float  # the mean over ranks of each rank's finite step loss
+    step_loss: float | None  # the mean over ranks (that recorded losses) of their finite step losses
     grad_norm: float | None  # the global norm assembled from shards (sharded optimizers only)
 
 
@@ -139,13 +139,15 @@ class DistributedGuard(Guard):
         divisor = float(self.config.loss_divisor or max(n, 1))
         step_loss = torch.where(torch.isfinite(losses), losses, torch.zeros_like(losses)).sum() / divisor
         shard_sq = norm * norm if self.sharded_grad_norm else torch.zeros_like(norm)
-        stats = torch.stack([loss_fault.double(), grad_fault.double(), step_loss, shard_sq])
+        has_losses = torch.ones_like(norm) if n else torch.zeros_like(norm)
+        stats = torch.stack([loss_fault.double(), grad_fault.double(), step_loss, has_losses, shard_sq])
         torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.SUM)
         fetched = torch.cat([values, stats]).tolist()  # the one device->host transfer of the step
-        loss_faults, grad_faults, loss_sum, norm_sq = fetched[-4:]
+        loss_faults, grad_faults, loss_sum, ranks_with_losses, norm_sq = fetched[-5:]
         faults = loss_faults + grad_faults
         global_norm = math.sqrt(norm_sq) if self.sharded_grad_norm else None
-        self._agreed = Agreement(faults > 0, loss_faults > 0, loss_sum / self.world_size, global_norm)
+        step_loss_mean = loss_sum / ranks_with_losses if ranks_with_losses else None
+        self._agreed = Agreement(faults > 0, loss_faults > 0, step_loss_mean, global_norm)
         if global_norm is not None:
             fetched[n] = global_norm
             if n not in on_device:
@@ -167,7 +169,8 @@ class DistributedGuard(Guard):
             if agreed.loss_fault or math.isfinite(norm):
                 return None
             return super()._detect([], norm, None, loss_scale)
-        return super()._detect(losses, norm, agreed.step_loss if losses else step_loss, loss_scale)
+        # Every rank feeds its detectors the same global values, so their windows stay identical.
+        return super()._detect(losses, norm, agreed.step_loss, loss_scale)
 
     # -- writing ---------------------------------------------------------------------------------
     def _maybe_dump(self, trigger: Trigger, record: StepRecord, losses: list[float], norm: float,

@@ -1,0 +1,53 @@
+"""Test worker (torchrun, gloo): a finite loss spike on rank 1 only, under DistributedGuard or plain Guard.
+
+Each rank trains a tiny linear regression on its own data; in step 8 rank 1's inputs are 100x larger,
+so only rank 1's local loss jumps. Usage: spike_worker.py DUMP_DIR {distributed|plain}
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from capture import Guard, GuardConfig, SpikeConfig
+from capture.integrations import DistributedGuard
+
+SPIKE_STEP = 8
+
+
+def main() -> None:
+    dump_dir, kind = sys.argv[1], sys.argv[2]
+    torch.distributed.init_process_group("gloo")
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    config = GuardConfig(dump_dir=dump_dir, run_id=kind, loss_spike=SpikeConfig(window=8, warmup=4),
+                         grad_norm_spike=SpikeConfig(enabled=False), background_write=False)
+    guard = (DistributedGuard if kind == "distributed" else Guard)(ddp if kind == "distributed" else model,
+                                                                   optimizer, config=config)
+    data = torch.Generator().manual_seed(rank)
+    for step in range(SPIKE_STEP + 2):
+        x = torch.randn(8, 4, generator=data)
+        if rank == 1 and step == SPIKE_STEP:
+            x = x * 100
+        batch = {"x": x, "y": torch.zeros(8, 1), "sample_ids": [f"r{rank}s{step}i{i}" for i in range(8)]}
+        guard.record_batch(batch)
+        loss = ((ddp(batch["x"]) - batch["y"]) ** 2).mean()
+        guard.record_loss(loss)
+        loss.backward()
+        if guard.check():
+            optimizer.step()
+        optimizer.zero_grad()
+    guard.close()
+    sys.stdout.write("forensics-example " + json.dumps({"rank": rank, "dumps": [str(p) for p in guard.dumps]}) + "\n")
+    sys.stdout.flush()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
