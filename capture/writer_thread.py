@@ -19,6 +19,7 @@ class BackgroundWriter:
     def __init__(self):
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._at_exit = False
 
     def submit(self, content: DumpContent, root: str, on_done: Callable[[Path], None],
                on_error: Callable[[str], None]) -> Path:
@@ -26,14 +27,20 @@ class BackgroundWriter:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="forensics-dump-writer", daemon=True)
             self._thread.start()
-            atexit.register(self.join)
+            if not self._at_exit:
+                atexit.register(self.join)
+                self._at_exit = True
         self._queue.put((content, root, on_done, on_error))
         m = content.manifest
         return dump_path(Path(root), m["run_id"], m["step"], m["rank"])
 
     def _run(self) -> None:
         while True:
-            content, root, on_done, on_error = self._queue.get()
+            item = self._queue.get()
+            if item is None:  # join(): nothing more to write, let the thread end before interpreter exit
+                self._queue.task_done()
+                return
+            content, root, on_done, on_error = item
             try:
                 on_done(write_dump(content, root))
             except CaptureError as exc:
@@ -47,7 +54,8 @@ class BackgroundWriter:
         """Blocks until every queued dump is written (or `timeout` seconds pass)."""
         if self._thread is None:
             return
-        done = threading.Event()
-        threading.Thread(target=lambda: (self._queue.join(), done.set()), daemon=True).start()
-        if not done.wait(timeout):
+        thread, self._thread = self._thread, None
+        self._queue.put(None)  # after every queued dump: the thread writes them, then ends
+        thread.join(timeout)
+        if thread.is_alive():
             log.error("forensics: background dump writes did not finish within %s s", timeout)
