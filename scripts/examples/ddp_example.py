@@ -69,12 +69,14 @@ def main() -> None:
             scheduler.step()
             optimizer.zero_grad()
         _common.report(rank, fault=None, dumps=guard.dumps, history=guard.history.to_dict())
+        guard.close()
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     except TrainingFaultError as fault:
+        # No collective after a fault: another rank may be gone. The process group dies with us.
         _common.report(rank, fault=fault.trigger, dump=fault.dump_path, dump_seconds=timer(),
                        dump_error=fault.dump_error)
-    finally:
         guard.close()
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

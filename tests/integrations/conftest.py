@@ -29,4 +29,5 @@ def harness():
 @pytest.fixture(scope="session")
 def reference(harness):
     """Plain-torch weights and AdamW state (by parameter name) right before the corrupt step of the examples."""
+    harness.requires("transformers")
     return harness.reference_state()

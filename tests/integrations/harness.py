@@ -25,6 +25,13 @@ POISON, BAD_STEP, BAD_MB = 29, 3, 1  # rank 1 reads sample 29 in step 3, micro-b
 LAUNCH_TIMEOUT = 150  # seconds; a hang fails the test instead of the suite
 
 
+def requires(*modules: str) -> None:
+    """Skips the calling test when a framework it runs is not installed (the examples import it)."""
+    for module in modules:
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} is not installed")
+
+
 def load_common():
     name = "forensics_examples_common"
     if name not in sys.modules:

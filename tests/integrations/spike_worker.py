@@ -46,6 +46,7 @@ def main() -> None:
     guard.close()
     sys.stdout.write("forensics-example " + json.dumps({"rank": rank, "dumps": [str(p) for p in guard.dumps]}) + "\n")
     sys.stdout.flush()
+    torch.distributed.barrier()  # gloo aborts a rank that tears down while its peer still talks to it
     torch.distributed.destroy_process_group()
 
 

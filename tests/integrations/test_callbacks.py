@@ -44,6 +44,7 @@ def _assert_names_the_sample(dump):
 
 
 def test_hf_trainer_callback_dumps_the_step_with_the_corrupt_sample(harness, tmp_path):
+    harness.requires("transformers", "accelerate")
     from transformers import Trainer, TrainingArguments
 
     from capture.integrations import ForensicsTrainerCallback
@@ -78,6 +79,7 @@ def test_hf_trainer_callback_dumps_the_step_with_the_corrupt_sample(harness, tmp
 
 
 def test_lightning_callback_dumps_the_step_with_the_corrupt_sample(harness, tmp_path):
+    harness.requires("transformers")
     try:
         import pytorch_lightning as pl
     except ImportError:
@@ -112,6 +114,7 @@ def test_lightning_callback_dumps_the_step_with_the_corrupt_sample(harness, tmp_
 def test_hf_trainer_deepspeed_dump_matches_the_plain_trainer_dump(harness, tmp_path):
     """The Trainer's DeepSpeed mode (ZeRO-2; the Trainer's two parameter groups, with and without weight
     decay) dumps the same step with the same state as the plain Trainer, gathered from the ZeRO shards."""
+    harness.requires("transformers", "accelerate", "deepspeed")
     runs = {}
     for name, extra, runner in (("plain", [], [harness.sys.executable]),
                                 ("zero2", ["--deepspeed-stage", "2"], None)):

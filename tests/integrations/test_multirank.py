@@ -80,6 +80,7 @@ def _replay_names_sample_and_layer(harness, step_dir) -> None:
 
 
 def test_ddp_both_ranks_dump_the_same_step_with_full_state(harness, tmp_path, reference):
+    harness.requires("transformers")
     step_dir, _ = _run(harness, tmp_path, "ddp_example.py", "ddp")
     check_step_dump(harness, step_dir, reference)
     _replay_names_sample_and_layer(harness, step_dir)
@@ -88,6 +89,7 @@ def test_ddp_both_ranks_dump_the_same_step_with_full_state(harness, tmp_path, re
 def test_ddp_fp16_scaler_skips_are_history_until_the_loss_scale_collapses(harness, tmp_path):
     """GradScaler overflow-and-skip steps trigger nothing (on any rank); a NaN loss does, and so does an
     overflow once the scale is down to min_loss_scale. The 'continue' policy keeps training between."""
+    harness.requires("transformers")
     dump_dir, min_scale = tmp_path / "dumps", 2.0 ** 33
     result = harness.launch("ddp_example.py", ["--dump-dir", str(dump_dir), "--run-id", "fp16", "--fp16",
                                                "--initial-scale-power", "40", "--min-loss-scale", str(min_scale),
@@ -109,6 +111,7 @@ def test_ddp_fp16_scaler_skips_are_history_until_the_loss_scale_collapses(harnes
 
 
 def test_accelerate_both_ranks_dump_the_same_step_with_full_state(harness, tmp_path, reference):
+    harness.requires("transformers", "accelerate")
     step_dir, _ = _run(harness, tmp_path, "accelerate_example.py", "acc")
     dumps = check_step_dump(harness, step_dir, reference)
     assert dumps[1].manifest["distributed"]["framework"] == "accelerate"
@@ -116,6 +119,7 @@ def test_accelerate_both_ranks_dump_the_same_step_with_full_state(harness, tmp_p
 
 
 def test_deepspeed_zero2_gathers_full_state_on_every_rank(harness, tmp_path, reference):
+    harness.requires("transformers", "deepspeed")
     step_dir, result = _run(harness, tmp_path, "deepspeed_example.py", "z2", "--zero-stage", "2")
     dumps = check_step_dump(harness, step_dir, reference)
     assert dumps[0].manifest["distributed"]["zero_stage"] == 2
@@ -126,6 +130,7 @@ def test_deepspeed_zero2_gathers_full_state_on_every_rank(harness, tmp_path, ref
 
 
 def test_deepspeed_zero3_bf16_gathers_partitioned_weights_and_fp32_masters(harness, tmp_path, reference):
+    harness.requires("transformers", "deepspeed")
     step_dir, result = _run(harness, tmp_path, "deepspeed_example.py", "z3", "--zero-stage", "3",
                             "--precision", "bf16")
     dumps = check_step_dump(harness, step_dir, reference, atol=2e-2, weight_dtype=torch.bfloat16)
@@ -143,6 +148,7 @@ def test_deepspeed_zero3_bf16_gathers_partitioned_weights_and_fp32_masters(harne
 
 
 def test_a_rank_killed_while_writing_its_dump_does_not_hang_or_spoil_the_others(harness, tmp_path):
+    harness.requires("transformers", "deepspeed")
     dump_dir = tmp_path / "dumps"
     example = str(harness.EXAMPLES / "deepspeed_example.py")
     worker = str(harness.REPO / "tests" / "integrations" / "die_in_write.py")
@@ -171,6 +177,7 @@ def test_a_rank_killed_while_writing_its_dump_does_not_hang_or_spoil_the_others(
 def test_accelerate_deepspeed_plugin_checks_inside_engine_step(harness, tmp_path, reference):
     """Under Accelerate's DeepSpeed plugin `accelerator.backward` runs `engine.step()` itself: the guard
     checks from inside that call, before the step, and the loop's own check() calls do nothing."""
+    harness.requires("transformers", "accelerate", "deepspeed")
     step_dir, _ = _run(harness, tmp_path, "accelerate_example.py", "accds", "--deepspeed-stage", "3")
     dumps = check_step_dump(harness, step_dir, reference)
     for dump in dumps.values():
