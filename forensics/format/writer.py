@@ -23,7 +23,18 @@ from forensics.rng import RngState
 
 log = logging.getLogger(__name__)
 
-ZSTD_LEVEL = 3  # batches are small; level 3 is zstd's default speed/ratio balance
+ZSTD_LEVEL = 3
+CONCURRENT_WRITE_MIN = 64 << 20  # below 64 MB of weights, a second writer thread is not worth starting
+
+
+class _Done:
+    """An already-computed result with a future's .result()."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value  # batches are small; level 3 is zstd's default speed/ratio balance
 
 
 @dataclass
@@ -89,11 +100,13 @@ def _write_contents(target: _DumpDir, content: DumpContent) -> list[dict]:
     # The two big files go to disk concurrently (each hashes while it writes).
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="forensics-write") as pool:
-        jobs = [pool.submit(target.write_tensors, spec.MODEL, content.model)]
+    big = sum(t.numel() * t.element_size() for t in content.model.values()) >= CONCURRENT_WRITE_MIN
+    with ThreadPoolExecutor(max_workers=2 if big else 1, thread_name_prefix="forensics-write") as pool:
+        run = pool.submit if big else (lambda fn, *args: _Done(fn(*args)))
+        jobs = [run(target.write_tensors, spec.MODEL, content.model)]
         if content.optimizer is not None:
             meta, tensors = _optimizer_parts(content.optimizer)
-            jobs.append(pool.submit(target.write_tensors, spec.OPTIMIZER_TENSORS, tensors))
+            jobs.append(run(target.write_tensors, spec.OPTIMIZER_TENSORS, tensors))
             target.write_json(spec.OPTIMIZER_JSON, meta)
         for job in jobs:
             job.result()
