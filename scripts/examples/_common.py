@@ -31,6 +31,19 @@ def tiny_gpt2(seed: int = 0):
     return transformers.GPT2LMHeadModel(config)
 
 
+def tiny_model(arch: str = "gpt2", seed: int = 0):
+    """`tiny_gpt2()`, or a 2-layer, 32-wide Llama (RMSNorm, SwiGLU, rotary) of the same size for `arch="llama"`."""
+    if arch == "gpt2":
+        return tiny_gpt2(seed)
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(hidden_size=EMBD, intermediate_size=2 * EMBD, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=2, vocab_size=VOCAB,
+                                      max_position_embeddings=32, bos_token_id=0, eos_token_id=0)
+    return transformers.LlamaForCausalLM(config)
+
+
 def warmup(step: int) -> float:
     """Learning-rate multiplier of every example: linear warm-up over 4 steps."""
     return min(1.0, (step + 1) / 4)
@@ -43,12 +56,12 @@ class EmbedsDataset(torch.utils.data.Dataset):
     loss: the stand-in for a corrupt record in a real corpus.
     """
 
-    def __init__(self, n: int, poison: int | None = None, seed: int = 1):
+    def __init__(self, n: int, poison: int | None = None, seed: int = 1, poison_value: float = 1e38):
         generator = torch.Generator().manual_seed(seed)
         self.items = [{"inputs_embeds": torch.randn(SEQ, EMBD, generator=generator),
                        "labels": torch.randint(0, VOCAB, (SEQ,), generator=generator)} for _ in range(n)]
         if poison is not None and poison >= 0:
-            self.items[poison]["inputs_embeds"][0, 0] = 1e38
+            self.items[poison]["inputs_embeds"][0, 0] = poison_value
 
     def __len__(self) -> int:
         return len(self.items)
@@ -67,6 +80,9 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--poison", type=int, default=29,
                    help="dataset index of the corrupt sample (-1: none). With 2 ranks and the defaults, "
                         "29 is read by rank 1 in step 3, micro-batch 1")
+    p.add_argument("--model", default="gpt2", choices=("gpt2", "llama"), help="the tiny model to train")
+    p.add_argument("--poison-value", type=float, default=1e38,
+                   help="value planted in the corrupt sample (RMSNorm maps 1e38 to 0: use inf for llama)")
     p.add_argument("--policy", default="raise", choices=("raise", "skip", "continue"),
                    help="what the Guard does on a NaN/Inf step")
     p.add_argument("--max-dumps", type=int, default=3, help="GuardConfig.max_dumps")

@@ -49,7 +49,7 @@ def main() -> None:
 
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    model = _common.tiny_gpt2()
+    model = _common.tiny_model(args.model)
     engine, _, _, _ = deepspeed.initialize(
         model=model, config=ds_config(args), model_parameters=model.parameters(),
         lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, _common.warmup))
@@ -59,7 +59,7 @@ def main() -> None:
     dtype = next(engine.module.parameters()).dtype
 
     samples = world * args.steps * args.accum * args.micro_batch
-    dataset = IndexedDataset(_common.EmbedsDataset(samples, poison=args.poison))
+    dataset = IndexedDataset(_common.EmbedsDataset(samples, poison=args.poison, poison_value=args.poison_value))
     loader = DataLoader(dataset, batch_size=args.micro_batch, sampler=DistributedSampler(dataset, shuffle=False))
     timer = _common.Timer()
     try:
