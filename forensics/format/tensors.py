@@ -86,20 +86,42 @@ def write_safetensors(out, tensors: dict[str, torch.Tensor], metadata: dict[str,
         out.write(view)
 
 
+STAGING_CHUNK = 64 << 20  # bytes per pinned staging buffer (two of them, reused for every tensor)
+
+
 def _host_bytes(tensors: list[torch.Tensor]):
-    """Yields each tensor's bytes; device tensors are copied to the host one ahead of the write."""
-    if not any(t.device.type != "cpu" for t in tensors):
+    """Yields the bytes of each tensor in order. CUDA tensors go through two reused pinned buffers:
+    chunk k+1 copies off the device while chunk k is written, and no fresh host pages are touched."""
+    if not any(t.is_cuda for t in tensors):
         yield from (_as_bytes(t) for t in tensors)
         return
-    from concurrent.futures import ThreadPoolExecutor
+    chunks = []  # (device byte view, start, end) in write order; CPU tensors as whole views
+    for tensor in tensors:
+        if not tensor.is_cuda:
+            chunks.append((tensor, None, None))
+            continue
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8) if tensor.numel() else None
+        for start in range(0, flat.numel() if flat is not None else 0, STAGING_CHUNK):
+            chunks.append((flat, start, min(start + STAGING_CHUNK, flat.numel())))
+    staging = [torch.empty(STAGING_CHUNK, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    events = [torch.cuda.Event(), torch.cuda.Event()]
 
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="forensics-d2h") as pool:
-        pending = pool.submit(_as_bytes, tensors[0]) if tensors else None
-        for index in range(len(tensors)):
-            view = pending.result()
-            if index + 1 < len(tensors):
-                pending = pool.submit(_as_bytes, tensors[index + 1])
-            yield view
+    def issue(k: int) -> None:
+        source, start, end = chunks[k]
+        if start is not None:
+            staging[k % 2][: end - start].copy_(source[start:end], non_blocking=True)
+            events[k % 2].record()
+
+    if chunks:
+        issue(0)
+    for k, (source, start, end) in enumerate(chunks):
+        if k + 1 < len(chunks):
+            issue(k + 1)  # the other buffer: it was written out before this chunk began
+        if start is None:
+            yield _as_bytes(source)
+            continue
+        events[k % 2].synchronize()
+        yield memoryview(staging[k % 2][: end - start].numpy())
 
 
 def safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
