@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from forensics.format.reader import Dump
+from forensics.report.render_text import mb_phrase, trigger_detail
 
 HISTORY_AROUND_TRIGGER = 12  # steps of history shown before the trigger
 
@@ -43,22 +44,25 @@ def dump_summary(dump: Dump, missing_ranks: list[int]) -> dict:
 
 
 def render_summary(summary: dict) -> str:
+    """The `forensics inspect` text. Micro-batches are counted from 1, as people count them
+    ("micro-batch 2 of 2" is JSON index 1); `--json` keeps the 0-based indices."""
     t = summary["trigger"]
+    n_mb = len(summary["micro_batches"])
     lines = [
         f"forensics dump  {summary['path']}",
         f"  run {summary['run_id']}  step {summary['step']}  rank {summary['rank']} of {summary['world_size']}"
         + (f"  (missing ranks: {summary['missing_ranks']})" if summary["missing_ranks"] else ""),
         f"  trigger: {t.get('kind')}  value {_fmt(t.get('value'))}"
         + (f"  threshold {_fmt(t.get('threshold'))}" if t.get("threshold") is not None else "")
-        + (f"  micro-batch {t['micro_batch']}" if t.get("micro_batch") is not None else ""),
-        f"  {t.get('detail', '')}",
+        + (f"  {mb_phrase(t['micro_batch'], n_mb)}" if t.get("micro_batch") is not None else ""),
+        f"  {trigger_detail(t)}",
         "",
-        f"  micro-batches ({len(summary['micro_batches'])}):",
+        f"  micro-batches ({n_mb}, counted from 1):",
     ]
     for mb in summary["micro_batches"]:
         ids = mb.get("sample_ids") or []
         shown = ", ".join(str(i) for i in ids[:8]) + (f", ... ({len(ids)} in all)" if len(ids) > 8 else "")
-        lines.append(f"    [{mb['index']}] loss {_fmt(mb.get('loss'))}  samples: {shown}")
+        lines.append(f"    {mb_phrase(mb['index'], n_mb)}: loss {_fmt(mb.get('loss'))}  samples: {shown}")
         for leaf in mb.get("unreplayable") or []:
             lines.append(f"        unreplayable leaf {leaf['path']} ({leaf['type']})")
     tail = summary["history_tail"]

@@ -58,6 +58,9 @@ class ReplayOptions:
     """At most this many samples get their own loss / grad-norm row (culprits always do)."""
     max_bisect_runs: int | None = 200
     """Hard cap on bisection replays (ddmin is quadratic when samples only fail together)."""
+    rng_check: bool = True
+    """Once reproduced, re-run the step from a few other seeds (recorded RNG not restored) to tell
+    whether the failure needs the dump's random state (a dropout mask); report block `rng`."""
 
     def __post_init__(self):
         if self.max_attempts < 1:
@@ -109,7 +112,8 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
         with contextlib.suppress(Exception):  # a rank directory alone: nothing more to learn
             missing = sorted(set(missing) | set(open_step(path)[1]))
     dump_info = {"path": path, "run_id": dump.manifest.get("run_id"), "step": dump.step, "rank": dump.rank,
-                 "world_size": dump.world_size, "missing_ranks": missing}
+                 "world_size": dump.world_size, "missing_ranks": missing,
+                 "num_micro_batches": dump.num_micro_batches}
     with deterministic_mode(dump.manifest.get("determinism")):
         _stage(progress, f"loading model and step {dump.step} (rank {dump.rank}) on "
                          f"{options.device or 'the default device'}")
@@ -145,6 +149,18 @@ def run_session(session: ReplaySession, options: ReplayOptions | None = None, pr
         _stage(progress, "stepping a fresh copy of the optimizer on the replayed gradients")
         optimizer_finding = localize_optimizer(runner)
         reproduced = optimizer_finding is not None
+
+    # 1b. does the failure need the recorded random state? -------------------------------------
+    rng_block = None
+    if reproduced and options.rng_check and kind != "nonfinite_param" and not runner.nonfinite_params \
+            and optimizer_finding is None:
+        if any(state is not None for state in session.rng_states):
+            _stage(progress, "re-running the step from other seeds (is the recorded RNG needed?)")
+            from replay.rng_dependence import check_rng_dependence
+
+            rng_block = check_rng_dependence(runner, kind, threshold)
+        else:
+            rng_block = {"checked": False, "seeds": [], "failed": [], "rng_dependent": None}
 
     # 2. localise -------------------------------------------------------------------------------
     forward = backward = None
@@ -199,19 +215,21 @@ def run_session(session: ReplaySession, options: ReplayOptions | None = None, pr
         fidelity["optimizer_reproduced"] = True
     facts = _verdict_facts(session, dump_info, trigger, kind, threshold, reproduced, result, fidelity, culprit,
                            bisection, all_failed, precision, optimizer_finding, forward, runner, per_sample,
-                           pattern, signals, len(refs))
+                           pattern, signals, len(refs), rng_block)
     verdict = _decide(facts)
     report = {
         "schema": SCHEMA,
         "created_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "dump": dump_info or {"path": None, "run_id": None, "step": 0, "rank": rank, "world_size": 1,
-                              "missing_ranks": []},
+        "dump": {"num_micro_batches": len(session.micro_batches),
+                 **(dump_info or {"path": None, "run_id": None, "step": 0, "rank": rank,
+                                  "world_size": session.world_size, "missing_ranks": []})},
         "trigger": {"kind": kind, "value": trigger.get("value"), "threshold": threshold,
                     "micro_batch": trigger.get("micro_batch"), "detail": trigger.get("detail") or ""},
         "environment": {"capture": session.capture_environment, "replay": replay_environment(session.device),
                         "warnings": list(session.warnings)},
         "reproduced": reproduced,
         "fidelity": fidelity,
+        "rng": rng_block,
         "verdict": verdict,
         "culprit": culprit,
         "precision": precision,
@@ -359,7 +377,7 @@ def _verdict_facts(session: ReplaySession, dump_info: dict | None, trigger: dict
                    threshold: float | None, reproduced: bool, result, fidelity: dict, culprit: dict,
                    bisection: dict | None, all_failed: bool, precision: dict | None, optimizer, forward,
                    runner: StepRunner, per_sample: list[dict], pattern: str, signals: list[str],
-                   candidates: int):
+                   candidates: int, rng_block: dict | None = None):
     from replay.per_sample import rank_by_loss
     from replay.verdict import VerdictFacts
 
@@ -397,7 +415,9 @@ def _verdict_facts(session: ReplaySession, dump_info: dict | None, trigger: dict
         autocast_dtype=(precision or {}).get("autocast_dtype"),
         param_dtype=str(session.param_dtype).removeprefix("torch."),
         history_pattern=pattern, history_signals=list(signals),
-        per_sample_top=rank_by_loss(per_sample)[:3] if per_sample else [])
+        per_sample_top=rank_by_loss(per_sample)[:3] if per_sample else [],
+        rng_dependent=(rng_block or {}).get("rng_dependent"),
+        rng_seeds_tried=len((rng_block or {}).get("seeds") or []))
 
 
 def _decide(facts) -> dict:

@@ -398,9 +398,16 @@ def reproduce(runner: StepRunner, max_attempts: int = 3, tolerance: float = DEFA
     replayed = result.losses
     diffs = [abs(a - b) for a, b in zip(recorded, replayed) if _finite(a) and _finite(b)]
     recorded_norm = finite_float(session.recorded_grad_norm)
-    compared = any(a is not None for a in recorded) or recorded_norm is not None
+    # With several ranks the job's norm covers every rank's gradients (all-reduced, or over all ZeRO
+    # shards); one rank replayed alone cannot produce it, so only the losses are compared.
+    norm_reason = None
+    if session.world_size > 1:
+        norm_reason = (f"the recorded grad norm covers all {session.world_size} ranks' gradients; a one-rank "
+                       "replay computes this rank's only, so fidelity compares the per-micro-batch losses")
+    norm_compared = recorded_norm is not None and norm_reason is None
+    compared = any(a is not None for a in recorded) or norm_compared
     bitwise = compared and all(_same(a, b) for a, b in zip(recorded, replayed) if a is not None) and \
-        (recorded_norm is None or _same(recorded_norm, result.grad_norm))
+        (not norm_compared or _same(recorded_norm, result.grad_norm))
     mode = "bitwise" if session.expect_bitwise else "tolerance"
     fidelity = {
         "mode": mode,
@@ -412,6 +419,9 @@ def reproduce(runner: StepRunner, max_attempts: int = 3, tolerance: float = DEFA
         "recorded_grad_norm": recorded_norm,
         "replayed_grad_norm": result.grad_norm,
         "bitwise_equal": bitwise,
+        "grad_norm_compared": norm_compared,
+        "grad_norm_reason": norm_reason if norm_reason is not None
+        else (None if norm_compared else "the job recorded no grad norm"),
     }
     if mode == "tolerance":
         fidelity["within_tolerance"] = all(_close(a, b, tolerance) for a, b in zip(recorded, replayed)

@@ -155,6 +155,9 @@ class ReplaySession:
     expect_bitwise: bool = True
     """Same kind of machine and torch as the capture: replayed numbers should match bit for bit."""
     capture_environment: dict = field(default_factory=dict)
+    world_size: int = 1
+    """Ranks of the job. With more than one, the recorded grad norm covers every rank's gradients
+    (after all-reduce / over all ZeRO shards), so a one-rank replay compares losses only."""
 
     def new_optimizer(self) -> torch.optim.Optimizer | None:
         """A fresh optimizer over the model's parameters in its pre-step state (None if not recorded)."""
@@ -413,7 +416,7 @@ def _check_no_unreplayable(batch: Any, index: int, warnings: list[str]) -> Any:
             kept = {}
             for k, v in node.items():
                 if isinstance(v, Unreplayable):
-                    warnings.append(f"micro-batch {index}: field {v.path} ({v.type_name}) was not stored "
+                    warnings.append(f"micro-batch {index + 1}: field {v.path} ({v.type_name}) was not stored "
                                     "in the dump and is left out of the replayed batch")
                     continue
                 kept[k] = walk(v)
@@ -490,7 +493,8 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
         recorded_grad_norm=loss_meta.get("grad_norm"), trigger=dict(dump.trigger), param_dtype=param_dtype,
         warnings=warnings, source_cuda_device=manifest.get("local_rank"),
         expect_bitwise=_expect_bitwise(env_warnings, device, manifest.get("determinism") or {}),
-        capture_environment=dict(manifest.get("environment") or {}))
+        capture_environment=dict(manifest.get("environment") or {}),
+        world_size=int(getattr(dump, "world_size", None) or manifest.get("world_size") or 1))
 
 
 def _expect_bitwise(env_warnings: list[str], device: torch.device, determinism: dict) -> bool:

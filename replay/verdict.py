@@ -73,8 +73,8 @@ class VerdictFacts:
     rank: int | None = None
     """Rank whose dump was replayed; also the rank of the culprit samples unless `culprit_rank`."""
     micro_batch: int | None = None
-    """Micro-batch index in which the trigger fired, 0-based and shown as is ("micro-batch 1 of 4"),
-    like the capture detail and the report renderers."""
+    """Micro-batch index in which the trigger fired, 0-based as in the report's JSON; prose shows it
+    1-based, like the report renderers (index 1 of 4 reads "micro-batch 2 of 4")."""
     num_micro_batches: int | None = None
     trigger_value: float | None = None
     """The recorded value that fired (nan / inf / the spiking number)."""
@@ -118,6 +118,11 @@ class VerdictFacts:
     """The trigger is a finite spike; None: derived from trigger_kind."""
     per_sample_top: list[dict] = field(default_factory=list)
     """Worst rows of `rank_by_loss(per_sample_stats(...))`, worst first."""
+    rng_dependent: bool | None = None
+    """True: the step fails with the recorded RNG but not from some other seed (a dropout mask, a random
+    op); False: it failed from every other seed tried; None: not checked (report block `rng`)."""
+    rng_seeds_tried: int = 0
+    """Other seeds the step was re-run from (without restoring the recorded RNG)."""
 
     def __post_init__(self) -> None:
         if self.phase not in ("forward", "backward", "optimizer", None):
@@ -181,6 +186,11 @@ def _samples_phrase(f: VerdictFacts, lower: bool = False) -> str:
     return text[0].lower() + text[1:] if lower else text
 
 
+def _mb(index: Any) -> str:
+    """A 0-based micro-batch index as people count it: 1 -> "2" (as in "micro-batch 2 of 4")."""
+    return str(index + 1) if isinstance(index, int) and not isinstance(index, bool) else str(index)
+
+
 def _where_step(f: VerdictFacts, micro_batch: bool = True) -> str:
     text = f"step {f.step}" if f.step is not None else "the step"
     extra = []
@@ -188,7 +198,7 @@ def _where_step(f: VerdictFacts, micro_batch: bool = True) -> str:
         extra.append(f"rank {f.rank}")
     if f.micro_batch is not None and micro_batch:
         of = f" of {f.num_micro_batches}" if f.num_micro_batches else ""
-        extra.append(f"micro-batch {f.micro_batch}{of}")
+        extra.append(f"micro-batch {_mb(f.micro_batch)}{of}")
     return text + (f" ({', '.join(extra)})" if extra else "")
 
 
@@ -219,7 +229,7 @@ def _evidence(f: VerdictFacts) -> list[str]:
     if f.rank is not None:
         where.append(f"rank {f.rank}")
     if f.micro_batch is not None:
-        where.append(f"micro-batch {f.micro_batch}" + (f" of {f.num_micro_batches}" if f.num_micro_batches else ""))
+        where.append(f"micro-batch {_mb(f.micro_batch)}" + (f" of {f.num_micro_batches}" if f.num_micro_batches else ""))
     trigger = _TRIGGER_WORDS.get(f.trigger_kind, f.trigger_kind.replace("_", " "))
     numbers = ([_num(f.trigger_value)] if f.trigger_value is not None else []) + \
         ([f"threshold {_num(f.threshold)}"] if f.threshold is not None else [])
@@ -247,6 +257,12 @@ def _evidence(f: VerdictFacts) -> list[str]:
         out.append(f"Culprit: {phrase[0].lower() + phrase[1:]}{runs}.")
     elif f.candidates > 1 and f.bisect_runs is not None:
         out.append(f"Bisecting {f.candidates} samples ({f.bisect_runs} replays) found no smaller subset that fails.")
+    if f.rng_dependent:
+        seeds = f"{f.rng_seeds_tried} other seed{'s' if f.rng_seeds_tried != 1 else ''}"
+        out.append(f"Re-run from {seeds} instead of the recorded RNG, the step is healthy: the failure "
+                   "depends on the random state (a dropout mask or another random op).")
+    elif f.rng_dependent is False and f.rng_seeds_tried:
+        out.append(f"It fails from {f.rng_seeds_tried} other seeds too, so the random state is not the cause.")
     low = _low_precision(f)
     if f.fp32_reproduces is False:
         out.append(f"In fp32 the step is finite → {'precision + data' if _has_culprit(f) else 'precision'}.")
@@ -408,6 +424,8 @@ def _model_state(f: VerdictFacts) -> dict:
                        "broke them.",
                        "Check that gradient clipping runs after backward and before optimizer.step(), and "
                        "that skipped steps (loss-scale overflow) really skip the update."]
+    elif f.rng_dependent:
+        return _rng_dependent(f)
     elif f.all_subsets_fail:
         headline = (f"Every subset of samples tried fails on its own at {at}: the model state, not the "
                     "data, is broken.")
@@ -435,6 +453,37 @@ def _model_state(f: VerdictFacts) -> dict:
                        "If bisection was skipped, run the replay with it to see whether some samples alone "
                        "make the step fail."]
     return _result("model_state", headline, f, suggestions + _pattern_hints(f) + _op_hints(f), reading)
+
+
+def _rng_dependent(f: VerdictFacts) -> dict:
+    """model_state's wording when the failure needs the recorded random state (kind stays model_state)."""
+    at = _where_step(f)
+    words = _TRIGGER_WORDS.get(f.trigger_kind, f.trigger_kind.replace("_", " "))
+    headline = (f"The {words} at {at}{_where_value(f)} depends on the random state: it comes back with the "
+                "dump's RNG and goes away from other seeds, so one draw of a random op (a dropout mask) "
+                "makes it, not a sample or the weights alone.")
+    reading = ("With each micro-batch's recorded RNG the step fails"
+               + (" for every subset of samples tried" if f.all_subsets_fail else "")
+               + "; without it the same weights and batch give a healthy step. A computation after a "
+               "random op cannot survive every draw: e.g. a -log of a sum that dropout can zero entirely. "
+               "It will happen again, at random steps, until that computation is guarded.")
+    op = _op_base(f.op)
+    suggestions = []
+    if op in _LOG_OPS:
+        suggestions.append("The NaN/Inf needs this dropout mask: a -log of a sum that dropout can zero. Guard "
+                           "the log (clamp its input, e.g. x.clamp_min(1e-6), or add a small constant) or "
+                           "apply the random op where it cannot zero everything the log depends on.")
+    elif op in _DIV_OPS:
+        suggestions.append("The NaN/Inf needs this random draw: a division by a sum or count that dropout "
+                           "can zero. Clamp the denominator or skip the term when it is 0.")
+    suggestions += [
+        "Make the computation after the random op safe for every draw (clamp / guard the log, division or "
+        "normalisation that follows the dropout), rather than changing the data or the weights.",
+        "Do not blocklist samples or roll back for this: the samples and the weights are fine; resuming "
+        "with another RNG state will likely pass this step, but the failure will come back at random.",
+    ]
+    hints = [] if op in _LOG_OPS | _DIV_OPS else _op_hints(f)
+    return _result("model_state", headline, f, suggestions + hints + _pattern_hints(f), reading)
 
 
 def _optimizer_update(f: VerdictFacts) -> dict:

@@ -30,7 +30,7 @@ VERDICT_KINDS = (
 
 # Top-level keys in the order docs/REPORT_FORMAT.md lists them; report.json keeps this order.
 SCHEMA_KEYS = (
-    "schema", "created_at", "dump", "trigger", "environment", "reproduced", "fidelity",
+    "schema", "created_at", "dump", "trigger", "environment", "reproduced", "fidelity", "rng",
     "verdict", "culprit", "precision", "bisection", "per_sample", "per_layer", "history",
     "history_pattern", "timings",
 )
@@ -40,7 +40,7 @@ REQUIRED_KEYS = (
 )
 # Optional sections: absent or null when that analysis was not run. Value: the JSON type if present.
 _OPTIONAL_TYPES = {
-    "precision": dict, "bisection": dict, "per_sample": list, "per_layer": list,
+    "rng": dict, "precision": dict, "bisection": dict, "per_sample": list, "per_layer": list,
     "history": dict, "history_pattern": str, "timings": dict,
 }
 

@@ -11,9 +11,9 @@ from typing import Any, Mapping, Union
 from forensics.report.model import SCHEMA
 from forensics.report.render_text import (
     PATTERN_WORDS, VERDICT_LABELS, bisection_phrase, clean, culprit_ids, culprit_sentence,
-    fmt_num, history_sentence, is_nonfinite, location_sentence, per_sample_sentence,
-    precision_sentence, reproduction_sentence, section, timing_sentence, top_rows,
-    trigger_sentence, where_sentence,
+    fmt_num, history_sentence, is_nonfinite, location_sentence, mb_number, mb_phrase, per_sample_sentence,
+    precision_sentence, reproduction_sentence, rng_sentence, section, timing_sentence, top_rows,
+    trigger_detail, trigger_sentence, where_sentence,
 )
 
 log = logging.getLogger(__name__)
@@ -154,8 +154,9 @@ def _where(report: Mapping) -> Section:
         ("Trigger", _code_or_na(trig.get("kind"))),
         ("Value", fmt_num(trig.get("value"))),
         ("Threshold", fmt_num(trig.get("threshold"))),
-        ("Micro-batch", fmt_num(trig.get("micro_batch"))),
-        ("Detail", trig.get("detail") or "n/a"),
+        ("Micro-batch", mb_phrase(trig["micro_batch"], dump.get("num_micro_batches"))
+         if trig.get("micro_batch") is not None else "n/a"),
+        ("Detail", trigger_detail(trig) or "n/a"),
         ("Report created", report.get("created_at") or "n/a"),
     ]
     return Section("Where it happened", [_kv_table(rows)], "where")
@@ -171,9 +172,10 @@ def _reproduction(report: Mapping) -> Section:
             a = rec[i] if i < len(rec) else None
             b = rep[i] if i < len(rep) else None
             same = "n/a" if a is None or b is None else _yes_no(fmt_num(a, 17) == fmt_num(b, 17))
-            rows.append([str(i), fmt_num(a, 8), fmt_num(b, 8), same])
+            rows.append([mb_number(i), fmt_num(a, 8), fmt_num(b, 8), same])
+        compared = fid.get("grad_norm_compared") is not False
         rows.append(["grad norm", fmt_num(fid.get("recorded_grad_norm"), 8),
-                     fmt_num(fid.get("replayed_grad_norm"), 8), ""])
+                     fmt_num(fid.get("replayed_grad_norm"), 8), "" if compared else "not compared"])
         blocks.append(Table(["micro-batch", "recorded loss", "replayed loss", "equal"], rows))
     blocks.append(_kv_table([
         ("Reproduced", _yes_no(report.get("reproduced"))),
@@ -183,6 +185,9 @@ def _reproduction(report: Mapping) -> Section:
         ("Max abs diff", fmt_num(fid.get("max_abs_diff"))),
         ("Bitwise equal", _yes_no(fid.get("bitwise_equal"))),
     ]))
+    rng = rng_sentence(report)
+    if rng:
+        blocks.append(Para([rng]))
     return Section("Reproduction", blocks, "reproduction")
 
 
@@ -194,9 +199,9 @@ def _culprit(report: Mapping) -> Section:
     if sentence:
         blocks.append(Para([sentence]))
     if samples:
-        rows = [[_sid(s.get("sample_id")), fmt_num(s.get("micro_batch")), fmt_num(s.get("index")),
+        rows = [[_sid(s.get("sample_id")), mb_number(s.get("micro_batch")), fmt_num(s.get("index")),
                  fmt_num(s.get("rank")), s.get("description") or ""] for s in samples]
-        blocks.append(Table(["sample id", "micro-batch", "index", "rank", "description"], rows))
+        blocks.append(Table(["sample id", "micro-batch", "index (0-based)", "rank", "description"], rows))
     elif not sentence:
         blocks.append(Para(["No culprit sample was identified."]))
     loc = location_sentence(report)
@@ -250,14 +255,14 @@ def _per_sample(report: Mapping) -> Section:
         return Section("Per-sample losses", [Para(["Not run."])], "per-sample")
     culprits = culprit_ids(report)
     top = top_rows(rows, "loss", TOP_N)
-    table = Table(["#", "sample id", "micro-batch", "index", "loss", "grad norm", "finite", "culprit"],
+    table = Table(["#", "sample id", "micro-batch", "index (0-based)", "loss", "grad norm", "finite", "culprit"],
                   [], [])
     for i, r in enumerate(top, 1):
         is_culprit = r.get("sample_id") in culprits
         finite = r.get("finite")
         if finite is None:
             finite = not (is_nonfinite(r.get("loss")) or is_nonfinite(r.get("grad_norm")))
-        table.rows.append([str(i), _sid(r.get("sample_id")), fmt_num(r.get("micro_batch")),
+        table.rows.append([str(i), _sid(r.get("sample_id")), mb_number(r.get("micro_batch")),
                            fmt_num(r.get("index")), fmt_num(r.get("loss")),
                            fmt_num(r.get("grad_norm")), _yes_no(finite),
                            Strong("culprit") if is_culprit else ""])

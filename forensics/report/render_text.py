@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import re
 import unicodedata
 from typing import Any, Iterable, Mapping
 
@@ -121,6 +122,39 @@ def culprit_ids(report: Mapping) -> list:
     return ids
 
 
+# ---- micro-batch numbers: 0-based in JSON, 1-based in every sentence a person reads ----
+
+_DETAIL_MICRO_BATCH = re.compile(r"\bmicro-batch (\d+)\b")
+
+
+def mb_number(index: Any) -> str:
+    """A 0-based micro-batch index as people count it: 1 -> '2' (as in 'micro-batch 2 of 4')."""
+    if isinstance(index, int) and not isinstance(index, bool):
+        return str(index + 1)
+    return "?" if index is None else clean(index)
+
+
+def mb_phrase(index: Any, total: Any = None) -> str:
+    """'micro-batch 2 of 4' for index 1 of a 4-micro-batch step ('micro-batch 2' without a total)."""
+    of = f" of {total}" if isinstance(total, int) and not isinstance(total, bool) and total > 0 else ""
+    return f"micro-batch {mb_number(index)}{of}"
+
+
+def trigger_detail(trigger: Mapping) -> str:
+    """The detector's one-line detail in 1-based words.
+
+    The Guard writes e.g. 'loss of micro-batch 1 is nan' with the 0-based index (the JSON's). When the
+    number in the detail is the trigger's own 0-based `micro_batch`, it is shown 1-based; any other
+    number (a detail already written 1-based) is left alone.
+    """
+    detail = str(trigger.get("detail") or "")
+    index = trigger.get("micro_batch")
+    if not isinstance(index, int) or isinstance(index, bool):
+        return detail
+    return _DETAIL_MICRO_BATCH.sub(
+        lambda m: f"micro-batch {index + 1}" if int(m.group(1)) == index else m.group(0), detail)
+
+
 # ---- sentences shared by the text, Markdown and HTML renderers (plain words, no markup) ----
 
 def where_sentence(report: Mapping) -> str:
@@ -139,10 +173,10 @@ def where_sentence(report: Mapping) -> str:
         mb = mbs[0]
     n = dump.get("num_micro_batches")
     if len(mbs) > 1:
-        parts.append("micro-batches " + ", ".join(str(m) for m in mbs)
+        parts.append("micro-batches " + ", ".join(mb_number(m) for m in mbs)
                      + (f" of {n}" if isinstance(n, int) else ""))
     elif mb is not None:
-        parts.append(f"micro-batch {mb}" + (f" of {n}" if isinstance(n, int) else ""))
+        parts.append(mb_phrase(mb, n))
     text = ", ".join(parts) + "."
     missing = dump.get("missing_ranks") or []
     if missing:
@@ -153,7 +187,7 @@ def where_sentence(report: Mapping) -> str:
 def trigger_sentence(report: Mapping) -> str:
     trigger = section(report, "trigger")
     kind = trigger.get("kind") or "unknown trigger"
-    detail = trigger.get("detail")
+    detail = trigger_detail(trigger)
     text = f"Trigger: {clean(kind)}"
     if detail:
         text += f" ({clean(detail, 200)})"
@@ -183,7 +217,10 @@ def reproduction_sentence(report: Mapping) -> str:
             how = "but not bitwise"
             if fid.get("max_abs_diff") is not None:
                 how += f" (max abs diff {fmt_num(fid.get('max_abs_diff'))})"
-        return f"Reproduced {how} {on}" + (f", {att}." if att else ".")
+        text = f"Reproduced {how} {on}" + (f", {att}." if att else ".")
+        if fid.get("grad_norm_compared") is False and fid.get("grad_norm_reason"):
+            text += f" Grad norm not compared: {clean(fid['grad_norm_reason'], 300)}."
+        return text
     rec, rep = fid.get("recorded_losses") or [], fid.get("replayed_losses") or []
     text = f"NOT reproduced {on}" + (f" after {att}" if att else "")
     if rec or rep:
@@ -192,6 +229,21 @@ def reproduction_sentence(report: Mapping) -> str:
     if gn_rec is not None or gn_rep is not None:
         text += f"; grad norm recorded {fmt_num(gn_rec)}, replayed {fmt_num(gn_rep)}"
     return text + "."
+
+
+def rng_sentence(report: Mapping) -> str | None:
+    """Whether the failure needs the dump's random state (report block `rng`), or None if not checked."""
+    rng = section(report, "rng")
+    if not rng.get("checked"):
+        return None
+    seeds = rng.get("seeds") or []
+    n = f"{len(seeds)} other seed{'s' if len(seeds) != 1 else ''}"
+    if rng.get("rng_dependent"):
+        return (f"Random state: the failure needs the dump's RNG — re-run from {n} without it, the step "
+                "is healthy (a dropout mask or another random op makes it).")
+    if rng.get("rng_dependent") is False:
+        return f"Random state: the step fails from {n} too; the RNG is not the cause."
+    return None
 
 
 def location_sentence(report: Mapping) -> str | None:
@@ -232,10 +284,14 @@ def location_sentence(report: Mapping) -> str | None:
 
 
 def culprit_sentence(report: Mapping) -> str | None:
-    """'Culprit: sample 'x' (micro-batch 2, index 5) alone — found in 6 replays of 32 samples.'"""
+    """'Culprit: sample 'x' (micro-batch 3 of 4, batch[5]) alone — found in 6 replays of 32 samples.'
+
+    Micro-batches are counted from 1 (JSON index 2 above); the sample's `index` is shown as the row of
+    its batch tensors, batch[5], 0-based as Python indexes it."""
     samples = [s for s in section(report, "culprit").get("samples") or [] if isinstance(s, dict)]
     bis = section(report, "bisection")
     found = bisection_phrase(bis)
+    n_mb = section(report, "dump").get("num_micro_batches")
     if not samples:
         if bis.get("candidates"):
             return (f"No culprit sample: bisecting {bis.get('candidates')} samples "
@@ -245,9 +301,9 @@ def culprit_sentence(report: Mapping) -> str | None:
     def one(s: dict) -> str:
         where = []
         if s.get("micro_batch") is not None:
-            where.append(f"micro-batch {s['micro_batch']}")
+            where.append(mb_phrase(s["micro_batch"], n_mb))
         if s.get("index") is not None:
-            where.append(f"index {s['index']}")
+            where.append(f"batch[{clean(s['index'])}]")
         text = fmt_id(s.get("sample_id")) + (f" ({', '.join(where)})" if where else "")
         if s.get("description"):
             text += f" — {clean(s['description'], 200)}"
@@ -355,7 +411,7 @@ def render_verdict_text(report: Mapping, files: Mapping[str, Any] | None = None)
     lines = [f"Verdict: {label} — {clean(verdict.get('headline') or '(no headline)', 400)}"]
     lines.append(f"{where_sentence(report)} {trigger_sentence(report)}")
     lines.append(reproduction_sentence(report))
-    for make in (location_sentence, culprit_sentence, per_sample_sentence, precision_sentence,
+    for make in (rng_sentence, location_sentence, culprit_sentence, per_sample_sentence, precision_sentence,
                  history_sentence):
         try:
             sentence = make(report)

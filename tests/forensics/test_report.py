@@ -52,7 +52,7 @@ def test_bad_sample_text_names_sample_module_op_and_evidence():
     assert text.startswith("Verdict: bad sample — ")
     assert "'shard-0192/rec-55415'" in text
     assert "transformer.h.1.mlp.c_fc" in text and "aten::addmm" in text and "forward pass" in text
-    assert "Step 41217, rank 3 of 8, micro-batch 1 of 2." in text
+    assert "Step 41217, rank 3 of 8, micro-batch 2 of 2." in text
     assert "found in 5 replays of 8 samples (budget 10)" in text
     assert "input abs-max 3.1e+38" in text
     assert "still non-finite in fp32 → data, not precision" in text

@@ -32,7 +32,7 @@ def test_bad_sample_names_the_sample_the_layer_and_the_search():
                                          inputs_absmax=3.1e38, history_pattern="sudden_jump")))
     assert v["kind"] == "bad_sample"
     assert v["headline"].startswith("Sample 'shard-0192/rec-55411' alone makes the loss non-finite at step 41217")
-    assert "(rank 3, micro-batch 1 of 4)" in v["headline"]
+    assert "(rank 3, micro-batch 2 of 4)" in v["headline"]
     assert "forward pass at `model.layers.17.mlp.down_proj` (aten::mm)" in v["headline"]
     assert "found in 6 replays of 32 samples" in v["explanation"]
     assert "input abs-max 3.1e+38" in v["explanation"] and "Reproduced bit for bit on cuda:0" in v["explanation"]
@@ -144,7 +144,7 @@ def test_not_reproduced_wins_over_everything_and_gives_the_numbers():
                                          environment_warnings=["captured on NVIDIA H100, replayed on CPU"])))
     assert v["kind"] == "not_reproduced"
     assert v["headline"] == ("The replay on cpu did not reproduce the non-finite gradient of step 41217 "
-                             "(rank 3, micro-batch 1 of 4): recorded inf, replayed 1.23.")
+                             "(rank 3, micro-batch 2 of 4): recorded inf, replayed 1.23.")
     assert "captured on NVIDIA H100, replayed on CPU" in v["explanation"]
     assert any("silent data corruption" in s and "rank 3" in s for s in v["suggestions"])
     assert any("use_deterministic_algorithms" in s for s in v["suggestions"])
