@@ -60,6 +60,9 @@ class HashingWriter:
             self._pool = None
 
 
+SAFETENSORS_DTYPES = frozenset(_DTYPE_NAMES)
+
+
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     if flat.numel() == 0:

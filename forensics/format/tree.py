@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,17 +27,24 @@ class EncodedTree:
     unreplayable: list[dict]  # [{"path": "batch['pixels']", "type": "PIL.Image"}]
 
 
+def storable(tensor: torch.Tensor) -> bool:
+    """A dense tensor of a dtype safetensors can hold (sparse, nested, complex ones are unreplayable)."""
+    from forensics.format.tensors import SAFETENSORS_DTYPES
+
+    return tensor.layout == torch.strided and not tensor.is_nested and tensor.dtype in SAFETENSORS_DTYPES
+
+
 def encode_tree(batch: Any) -> EncodedTree:
     """Splits a batch into a JSON skeleton and its tensor leaves; odd leaves are named, not dropped."""
     tensors: dict[str, torch.Tensor] = {}
     unreplayable: list[dict] = []
 
     def encode(node: Any, path: str) -> Any:
-        if isinstance(node, torch.Tensor):
+        if isinstance(node, torch.Tensor) and storable(node):
             key = f"t{len(tensors)}"
             tensors[key] = node.detach()
             return {"tensor": key}
-        if isinstance(node, dict):
+        if isinstance(node, Mapping):  # dict, and dict-likes such as transformers' BatchEncoding
             if all(isinstance(k, str) for k in node):
                 return {"dict": [[k, encode(v, f"{path}[{k!r}]")] for k, v in node.items()]}
         elif isinstance(node, tuple):
