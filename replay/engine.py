@@ -18,9 +18,10 @@ from typing import Any, Callable
 import torch
 
 from replay.execute import SampleRef, StepRunner, reproduce
-from replay.load import ReplaySession, deterministic_mode, load_session, replay_environment
-from replay.localize import (ROOT_MODULE, localize_backward, localize_forward, localize_optimizer,
-                             per_layer_stats)
+from replay.environment import deterministic_mode, replay_environment
+from replay.load import ReplaySession, load_session
+from replay.localize import ROOT_MODULE, localize_backward, localize_forward
+from replay.localize_update import localize_optimizer, per_layer_stats
 from replay.precision import fp32_check
 
 logger = logging.getLogger(__name__)

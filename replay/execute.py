@@ -91,7 +91,7 @@ class StepResult:
         loss_spike: a loss is non-finite, or the step loss (sum / divisor, as the Guard computes it;
         for a run that skipped micro-batches, `comparable_loss`) is above `threshold`. grad_norm_spike: the
         grad norm is above `threshold` (or non-finite). nonfinite_param: the pre-step weights hold
-        NaN/Inf (an update that breaks them is checked by replay.localize.localize_optimizer).
+        NaN/Inf (an update that breaks them is checked by replay.localize_update.localize_optimizer).
         """
         if kind == "nonfinite_loss":
             return not self.loss_finite

@@ -1,119 +1,24 @@
-"""Load safely: turn a `Dump` (or live objects, for tests) into a `ReplaySession`, importing code only with consent.
+"""Load: turn a `Dump` (or live objects, for tests) into a `ReplaySession`, importing code only with consent.
 
-A dump names the code that rebuilds its model (`recipe.factory`, `recipe.loss`) and its optimizer
-class. Nothing a dump names is imported unless the user agreed to it:
-
-* `trust=True` (CLI `--trust`): import what the dump names;
-* `factory="module:fn"` / `loss="module:fn"` (CLI `--factory`, `--loss`): the user names the code;
-* built-in recipes (forensics.recipes.BUILTIN_RECIPES: `forensics.recipes:huggingface_model`,
-  `forensics.recipes:default_loss`, the demo's models) are forensics' own code (a dump can only
-  *pick* one, not change it), so they are used without trust;
-* optimizer classes from `torch.optim` are used without trust; any other class needs `trust=True`.
+The consent rules and imports live in replay/recipe.py, the optimizer snapshot in
+replay/optimizer_state.py, device and determinism in replay/environment.py; this module puts
+them together: model + weights, optimizer, loss, micro-batches, RNG states and what was recorded.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import importlib
 import logging
-import os
-import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
-from forensics.errors import RecipeError, ReplayError
+from forensics.errors import RecipeError
+from replay.environment import dtype_from_name, environment_warnings, resolve_device, to_device
+from replay.optimizer_state import OptimizerSnapshot
+from replay.recipe import LossFn, optimizer_class, resolve_recipe
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_LOSS_PATH = "forensics.recipes:default_loss"
-TRUSTED_OPTIMIZER_PREFIX = "torch.optim."
-# cuBLAS needs a fixed workspace to be deterministic (CUDA docs, "Results reproducibility");
-# ":4096:8" is the larger of the two documented settings.
-CUBLAS_WORKSPACE = ":4096:8"
-
-LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
-
-
-# --------------------------------------------------------------------------------------------
-# optimizer snapshots: class + groups + state keyed by parameter NAME, rebuilt fresh on demand
-# --------------------------------------------------------------------------------------------
-@dataclass
-class OptimizerSnapshot:
-    """The pre-step optimizer, keyed by parameter name (docs/DUMP_FORMAT.md 'Optimizer state').
-
-    `build(model)` returns a NEW optimizer over `model`'s parameters holding a deep copy of the
-    pre-step state, so stepping it never changes the snapshot.
-    """
-
-    cls: type
-    param_groups: list[dict]  # hyper-parameters + "params": [parameter names]
-    state: dict[str, dict[str, Any]]  # name -> {key: tensor | number}
-
-    @property
-    def class_path(self) -> str:
-        return f"{self.cls.__module__}.{self.cls.__qualname__}"
-
-    def build(self, model: torch.nn.Module) -> torch.optim.Optimizer:
-        named = dict(model.named_parameters())
-        groups, saved_groups, saved_state, index = [], [], {}, 0
-        for group in self.param_groups:
-            names = [n for n in group["params"] if n in named]
-            hyper = {k: _hyper_value(v) for k, v in group.items() if k not in ("params", "param_names")}
-            groups.append({**hyper, "params": [named[n] for n in names]})
-            ids = []
-            for name in names:
-                if name in self.state:
-                    saved_state[index] = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
-                                          for k, v in self.state[name].items()}
-                ids.append(index)
-                index += 1
-            saved_groups.append({**hyper, "params": ids})
-        try:
-            optimizer = self.cls(groups)
-        except TypeError:  # optimizers whose constructor insists on an explicit lr
-            optimizer = self.cls(groups, lr=groups[0].get("lr", 1e-3))
-        except RuntimeError as exc:  # e.g. fused=True recorded on CUDA, replaying on CPU
-            logger.warning("rebuilding %s as recorded failed (%s); retrying without fused/foreach",
-                           self.class_path, exc)
-            for group in groups + saved_groups:
-                group.pop("fused", None)
-                group.pop("foreach", None)
-            optimizer = self.cls(groups)
-        optimizer.load_state_dict({"state": saved_state, "param_groups": saved_groups})
-        return optimizer
-
-    @classmethod
-    def from_live(cls, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> "OptimizerSnapshot":
-        """Snapshot of a live optimizer (deep copy), naming its parameters through `model`."""
-        names = {id(p): n for n, p in model.named_parameters()}
-        groups, state = [], {}
-        for group in optimizer.param_groups:
-            hyper = {k: copy.deepcopy(v) for k, v in group.items() if k not in ("params", "param_names")}
-            group_names = []
-            for p in group["params"]:
-                if id(p) not in names:
-                    raise ReplayError("the optimizer holds a parameter that is not in the model")
-                group_names.append(names[id(p)])
-                if p in optimizer.state and optimizer.state[p]:
-                    state[names[id(p)]] = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
-                                           for k, v in optimizer.state[p].items()}
-            groups.append({**hyper, "params": group_names})
-        return cls(type(optimizer), groups, state)
-
-    def hyper_of(self, name: str) -> dict:
-        """Hyper-parameters of the group holding parameter `name` ({} when none does)."""
-        for group in self.param_groups:
-            if name in group["params"]:
-                return {k: v for k, v in group.items() if k != "params"}
-        return {}
-
-
-def _hyper_value(value: Any) -> Any:
-    # JSON turns tuples (Adam's betas) into lists; optimizers expect tuples.
-    return tuple(value) if isinstance(value, list) else value
 
 
 # --------------------------------------------------------------------------------------------
@@ -167,7 +72,7 @@ class ReplaySession:
     def autocast_dtype(self) -> torch.dtype | None:
         if not self.autocast.get("enabled"):
             return None
-        return _dtype(self.autocast.get("dtype") or "float16")
+        return dtype_from_name(self.autocast.get("dtype") or "float16")
 
     @property
     def scaler_enabled(self) -> bool:
@@ -183,224 +88,6 @@ class ReplaySession:
         for mb, ids in enumerate(self.sample_ids):
             refs.extend(SampleRef(mb, i, sid) for i, sid in enumerate(ids))
         return refs
-
-
-def _dtype(name: Any) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    value = getattr(torch, str(name).removeprefix("torch."), None)
-    if not isinstance(value, torch.dtype):
-        raise ReplayError(f"unknown dtype {name!r} in the dump")
-    return value
-
-
-def to_device(tree: Any, device: torch.device) -> Any:
-    """Moves every tensor of a batch tree (dict / list / tuple) to `device`."""
-    if isinstance(tree, torch.Tensor):
-        return tree.to(device)
-    if isinstance(tree, dict):
-        return {k: to_device(v, device) for k, v in tree.items()}
-    if isinstance(tree, tuple):
-        return tuple(to_device(v, device) for v in tree)
-    if isinstance(tree, list):
-        return [to_device(v, device) for v in tree]
-    return tree
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """"cuda:0" / "cpu" / None (CUDA when present, else CPU). A missing GPU is a clear ReplayError."""
-    if device is None:
-        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(device)
-    except RuntimeError as exc:
-        raise ReplayError(f"{device!r} is not a device; pass e.g. --device cuda:0 or --device cpu") from exc
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ReplayError(f"device {device} was requested but this machine has no usable CUDA GPU "
-                              "(torch.cuda.is_available() is False); pass --device cpu to replay on the CPU")
-        index = device.index or 0
-        if index >= torch.cuda.device_count():
-            raise ReplayError(f"device {device} was requested but only {torch.cuda.device_count()} GPU(s) "
-                              "are visible; pass --device cuda:0")
-        device = torch.device("cuda", index)
-    elif device.type != "cpu":
-        raise ReplayError(f"replay runs on 'cpu' or 'cuda:N', not {device}")
-    return device
-
-
-@contextlib.contextmanager
-def deterministic_mode(determinism: dict | None = None) -> Iterator[None]:
-    """Deterministic kernels for the replay, and the job's TF32 choices; restores everything after.
-
-    Sets torch.use_deterministic_algorithms(True, warn_only=True), cudnn.deterministic, no cudnn
-    benchmark, CUBLAS_WORKSPACE_CONFIG (if unset; it only takes effect before cuBLAS starts), and the
-    recorded allow_tf32 flags (they change results, so the replay must match the job).
-    """
-    determinism = determinism or {}
-    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
-             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    env_was = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
-    try:
-        if env_was is None:
-            os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.backends.cudnn.deterministic = True
-        torch.backends.cudnn.benchmark = False
-        if isinstance(determinism.get("allow_tf32_matmul"), bool):
-            torch.backends.cuda.matmul.allow_tf32 = determinism["allow_tf32_matmul"]
-        if isinstance(determinism.get("allow_tf32_cudnn"), bool):
-            torch.backends.cudnn.allow_tf32 = determinism["allow_tf32_cudnn"]
-        yield
-    finally:
-        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
-        (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
-         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) = saved[2:]
-        if env_was is None:
-            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
-
-
-def replay_environment(device: torch.device) -> dict:
-    """The "replay" part of the report's environment block."""
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    return {"device": str(device), "torch": torch.__version__, "gpu": gpu}
-
-
-def environment_warnings(capture_env: dict | None, device: torch.device) -> list[str]:
-    """Differences between the capture and the replay machine that can break bitwise fidelity."""
-    capture_env = capture_env or {}
-    warnings = []
-    captured_torch = capture_env.get("torch")
-    if captured_torch and captured_torch != torch.__version__:
-        warnings.append(f"torch differs: captured with {captured_torch}, replaying with {torch.__version__}")
-    gpus = capture_env.get("gpus") or []
-    captured_gpu = gpus[0] if gpus and isinstance(gpus[0], dict) else None
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        if captured_gpu is None:
-            warnings.append(f"captured without a GPU, replaying on {props.name}")
-        else:
-            if captured_gpu.get("name") and captured_gpu["name"] != props.name:
-                warnings.append(f"GPU differs: captured on {captured_gpu['name']}, replaying on {props.name}")
-            sm = captured_gpu.get("sm_count")
-            if sm is not None and sm != props.multi_processor_count:
-                warnings.append(f"SM count differs: captured with {sm}, replaying with "
-                                f"{props.multi_processor_count} (kernels may split work differently)")
-    elif captured_gpu is not None:
-        warnings.append(f"captured on GPU {captured_gpu.get('name')}, replaying on the CPU: "
-                        "results cannot be bitwise identical")
-    return warnings
-
-
-# --------------------------------------------------------------------------------------------
-# consent and imports
-# --------------------------------------------------------------------------------------------
-def _split_path(path: str, what: str) -> tuple[str, str]:
-    if not isinstance(path, str) or ":" not in path:
-        raise RecipeError(f"the {what} {path!r} is not of the form 'package.module:function'")
-    module, _, attr = path.partition(":")
-    if not module or not attr:
-        raise RecipeError(f"the {what} {path!r} is not of the form 'package.module:function'")
-    return module, attr
-
-
-def is_builtin(path: str | None) -> bool:
-    """True for recipes that are forensics' own code: the list forensics.recipes.BUILTIN_RECIPES keeps
-    (its factories and losses, and the demo's scenario models), never "anything under forensics."."""
-    from forensics.recipes import is_builtin as builtin
-
-    return isinstance(path, str) and builtin(path)
-
-
-def import_object(path: str, what: str = "recipe", sys_path: tuple[str, ...] | list[str] = ()) -> Any:
-    """Imports `module:attr.sub` (no consent check: call only for paths the user agreed to)."""
-    module_name, attr = _split_path(path, what)
-    for entry in reversed(list(sys_path)):
-        if entry not in sys.path:
-            sys.path.insert(0, entry)  # kept: model code may import lazily at forward time
-    try:
-        obj: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except Exception as exc:  # noqa: BLE001 - any import-time failure of user code is a recipe problem
-        raise RecipeError(f"cannot import the {what} {path!r}: {type(exc).__name__}: {exc}. "
-                          "Check the path, or pass --path DIR (sys_path=) so Python can find the module") from exc
-    if not callable(obj):
-        raise RecipeError(f"the {what} {path!r} is not callable")
-    return obj
-
-
-def _consented(path: str, what: str, trust: bool, sys_path) -> Any:
-    if is_builtin(path) or trust:
-        return import_object(path, what, sys_path)
-    flag = "--factory" if what == "model factory" else "--loss"
-    raise RecipeError(
-        f"the dump asks to import the {what} {path!r}, which is not forensics' own code; it was NOT "
-        f"imported. If you trust this dump and that code, pass --trust (trust=True), or name the code "
-        f"yourself with {flag} module:fn (e.g. {flag} {path}).")
-
-
-@dataclass
-class ResolvedRecipe:
-    factory: Callable[..., torch.nn.Module]
-    factory_kwargs: dict
-    loss_fn: LossFn
-    factory_path: str
-    loss_path: str
-
-
-def resolve_recipe(recipe: dict | None, *, trust: bool = False, factory: str | None = None,
-                   loss: str | None = None, sys_path: tuple[str, ...] | list[str] = ()) -> ResolvedRecipe:
-    """Picks the model factory and loss function, importing only what the user consented to.
-
-    Args:
-        recipe: the dump's recipe {"factory", "factory_kwargs", "loss", "loss_kwargs"}.
-        trust: import whatever the recipe names.
-        factory / loss: "module:fn" named by the user; used instead of the recipe's (always imported).
-        sys_path: extra import directories (e.g. the training repo), added in front of sys.path.
-    Returns:
-        ResolvedRecipe with callables; the loss takes (model, batch).
-    Raises:
-        RecipeError: nothing usable, not consented (message shows the path and says --trust /
-            --factory), or the import failed.
-    """
-    recipe = recipe or {}
-    factory_path = factory or recipe.get("factory")
-    if not factory_path:
-        raise RecipeError("the dump has no model recipe; pass --factory module:fn, a function that "
-                          "returns the model (weights are loaded from the dump afterwards)")
-    if factory:
-        factory_fn = import_object(factory, "model factory", sys_path)
-    else:
-        factory_fn = _consented(factory_path, "model factory", trust, sys_path)
-    loss_path = loss or recipe.get("loss") or DEFAULT_LOSS_PATH
-    if not loss and "loss" in recipe and not recipe.get("loss"):
-        logger.warning("the job's loss function could not be named in the dump (a lambda or closure?); "
-                       "replaying with %s. Pass --loss module:fn to use the job's own.", DEFAULT_LOSS_PATH)
-    if loss:
-        loss_callable = import_object(loss, "loss function", sys_path)
-    else:
-        loss_callable = _consented(loss_path, "loss function", trust, sys_path)
-    loss_kwargs = dict(recipe.get("loss_kwargs") or {}) if not loss else {}
-    loss_fn: LossFn = (lambda model, batch: loss_callable(model, batch, **loss_kwargs)) if loss_kwargs \
-        else loss_callable
-    kwargs = dict(recipe.get("factory_kwargs") or {}) if not factory or factory == recipe.get("factory") else {}
-    return ResolvedRecipe(factory_fn, kwargs, loss_fn, factory_path, loss_path)
-
-
-def optimizer_class(path: str, trust: bool) -> type:
-    """The optimizer class named `path` ("torch.optim.adamw.AdamW"); non-torch classes need trust."""
-    module_name, _, name = path.rpartition(".")
-    if not module_name:
-        raise RecipeError(f"optimizer class {path!r} is not a dotted path")
-    if not (path.startswith(TRUSTED_OPTIMIZER_PREFIX) or trust):
-        raise RecipeError(f"the dump's optimizer is {path!r}, which is not a torch.optim class; it was NOT "
-                          "imported. Pass --trust to import it (or replay without optimizer state).")
-    cls = import_object(f"{module_name}:{name}", "optimizer class")
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise RecipeError(f"{path!r} is not a torch.optim.Optimizer subclass")
-    return cls
 
 
 # --------------------------------------------------------------------------------------------
@@ -529,7 +216,7 @@ def _match_dtypes(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> Non
 
 def _param_dtype(recorded: Any, state: dict[str, torch.Tensor]) -> torch.dtype:
     if recorded:
-        return _dtype(recorded)
+        return dtype_from_name(recorded)
     for tensor in state.values():
         if tensor.is_floating_point():
             return tensor.dtype
@@ -613,6 +300,4 @@ def finite_float(value: Any) -> float | None:
         return None
 
 
-__all__ = ["ReplaySession", "OptimizerSnapshot", "ResolvedRecipe", "load_session", "session_from_objects",
-           "resolve_recipe", "resolve_device", "deterministic_mode", "environment_warnings", "is_builtin",
-           "import_object", "optimizer_class", "to_device"]
+__all__ = ["ReplaySession", "load_session", "session_from_objects", "finite_float"]

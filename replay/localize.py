@@ -1,4 +1,4 @@
-"""Localise: which module / ATen op / parameter / optimizer state first goes non-finite, in which phase.
+"""Localise in forward and backward: which module / ATen op / parameter first goes non-finite, in which phase.
 
 * Forward (`localize_forward`): module hooks keep a stack of running modules; a TorchDispatchMode
   checks every ATen op's output and names the first one that produces NaN/Inf (-inf made by mask
@@ -11,16 +11,15 @@
   named with its module and anomaly mode's forward traceback. `parameter` is the first parameter to
   RECEIVE a non-finite gradient during backward (reverse execution order of the forward);
   `first_parameter_in_order` is the first in named_parameters() order.
-* Optimizer (`localize_optimizer`): steps a fresh copy of the pre-step optimizer on the replayed
-  gradients and explains each parameter the update makes non-finite.
-* Spikes (`per_layer_stats`): gradient norm and output abs-max per module.
+
+The optimizer check (`localize_optimizer`) and per-layer statistics (`per_layer_stats`) live in
+replay/localize_update.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -59,15 +58,17 @@ COPY_OPS = frozenset({
     "aten::_unsafe_view", "aten::alias", "aten::lift_fresh_copy",
 })
 # Frames of these files are plumbing (module call machinery, this package) and are cut from tracebacks.
-_PLUMBING = ("torch/nn/modules/module.py", "replay/localize.py", "replay/execute.py",
+_PLUMBING = ("torch/nn/modules/module.py", "replay/localize.py", "replay/localize_update.py", "replay/execute.py",
              "torch/utils/_python_dispatch.py", "torch/overrides.py")
 
 
-def _module_label(name: str) -> str:
+def module_label(name: str) -> str:
+    """A module's report name: its qualified name, ROOT_MODULE for the model itself."""
     return name if name else ROOT_MODULE
 
 
-def _float_tensors(tree: Any) -> list[torch.Tensor]:
+def float_tensors(tree: Any) -> list[torch.Tensor]:
+    """The non-empty floating-point tensors among the leaves of `tree` (args, outputs...)."""
     leaves, _ = tree_flatten(tree)
     return [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0]
 
@@ -116,7 +117,7 @@ class ModuleTracker:
 
     @property
     def current(self) -> str:
-        return _module_label(self.stack[-1]) if self.stack else LOSS_MODULE
+        return module_label(self.stack[-1]) if self.stack else LOSS_MODULE
 
     def __enter__(self) -> "ModuleTracker":
         for name, module in self.model.named_modules():
@@ -196,13 +197,13 @@ class _NonFiniteOpChecker(TorchDispatchMode):
         if self.paused or self.found is not None or func._schema.name in UNINITIALISED_OPS:
             return func(*args, **kwargs)
         mutable = func._schema.is_mutable
-        inputs = _float_tensors((args, kwargs))
+        inputs = float_tensors((args, kwargs))
         pre_kinds = _kinds(inputs) if mutable else None  # in-place ops overwrite their inputs
         out = func(*args, **kwargs)
         # Multi-output ops: only the result (output 0) is data. The rest are side values that may be
         # uninitialised or legitimately infinite (nll_loss's total_weight with reduction='none' on CUDA,
         # the logsumexp of a fully masked attention row, a norm's saved statistics).
-        outputs = _float_tensors(out[0] if isinstance(out, (tuple, list)) and out else out)
+        outputs = float_tensors(out[0] if isinstance(out, (tuple, list)) and out else out)
         if not outputs or all(bool(torch.isfinite(t).all()) for t in outputs):
             return out
         out_kinds = _kinds(outputs)
@@ -252,8 +253,8 @@ def localize_forward(runner: StepRunner, samples: list[SampleRef] | None = None,
         if checker is not None:
             checker.paused = True
         try:
-            outputs = _float_tensors(output)
-            label = _module_label(name)
+            outputs = float_tensors(output)
+            label = module_label(name)
             if "name" not in first_bad_module and outputs and any(any_nonfinite(outputs)):
                 first_bad_module.update(name=label, stats=_module_stats(module, args, kwargs, outputs))
             target = checker.found["module"] if checker is not None and checker.found else None
@@ -307,7 +308,7 @@ def localize_forward(runner: StepRunner, samples: list[SampleRef] | None = None,
 
 def _module_stats(module: torch.nn.Module, args: tuple, kwargs: dict, outputs: list[torch.Tensor]) -> dict:
     params = [p for p in module.parameters() if p.is_floating_point() and p.numel()]
-    return {"inputs_absmax": _absmax(_float_tensors((args, kwargs))), "outputs_absmax": _absmax(outputs),
+    return {"inputs_absmax": _absmax(float_tensors((args, kwargs))), "outputs_absmax": _absmax(outputs),
             "params_absmax": _absmax(params)}
 
 
@@ -465,142 +466,5 @@ def localize_backward(runner: StepRunner, samples: list[SampleRef] | None = None
         micro_batch=node.get("micro_batch"))
 
 
-# --------------------------------------------------------------------------------------------
-# optimizer
-# --------------------------------------------------------------------------------------------
-@dataclass
-class OptimizerFinding:
-    """Parameters a (fresh copy of the) optimizer step makes non-finite, and why."""
-
-    parameters: list[str]
-    """Finite before the step, non-finite after, in named_parameters() order."""
-    parameter: str | None
-    optimizer_state: str | None
-    """Why, in words, for `parameter` (e.g. "exp_avg_sq is 0 and eps is 0: 0/0")."""
-    explanations: dict[str, str] = field(default_factory=dict)
-    optimizer_class: str | None = None
-    phase: str = "optimizer"
-
-
-def localize_optimizer(runner: StepRunner, samples: list[SampleRef] | None = None) -> OptimizerFinding | None:
-    """Replays the step, then steps a fresh copy of the pre-step optimizer on the replayed gradients.
-
-    Returns:
-        OptimizerFinding when the update makes a finite parameter non-finite; None when it does not,
-        when the gradients are already non-finite (not the optimizer's doing), or without optimizer.
-    """
-    session = runner.session
-    if session.optimizer is None:
-        return None
-    result = runner.run(samples, keep_grads=True)
-    try:
-        if not (result.loss_finite and result.grads_finite):
-            return None
-        optimizer = session.new_optimizer()
-        named = list(runner.model.named_parameters())
-        by_param = {p: n for n, p in named}
-        before_ok = [not bad for bad in any_nonfinite(p.detach() for _, p in named)]
-        pre_state = {by_param[p]: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
-                     for p, s in optimizer.state.items() if p in by_param}
-        try:
-            optimizer.step()
-        except Exception as exc:  # noqa: BLE001 - e.g. LBFGS wants a closure; the check is an extra
-            logger.warning("could not step a copy of %s on the replayed gradients (%s: %s); skipping the "
-                           "optimizer check", session.optimizer.class_path, type(exc).__name__, exc)
-            return None
-        after_bad = any_nonfinite(p.detach() for _, p in named)
-        broken = [n for (n, _), ok, bad in zip(named, before_ok, after_bad) if ok and bad]
-        if not broken:
-            return None
-        explanations = {}
-        for name, param in named:
-            if name in broken:
-                post = {k: v for k, v in optimizer.state.get(param, {}).items()}
-                explanations[name] = explain_update(name, param.grad, pre_state.get(name, {}), post,
-                                                    session.optimizer.hyper_of(name))
-        first = broken[0]
-        return OptimizerFinding(parameters=broken, parameter=first, optimizer_state=explanations[first],
-                                explanations=explanations, optimizer_class=session.optimizer.class_path)
-    finally:
-        runner.reset()
-
-
-def _has_bad(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return value.is_floating_point() and not bool(torch.isfinite(value).all())
-    return isinstance(value, float) and not math.isfinite(value)
-
-
-def explain_update(name: str, grad: torch.Tensor | None, pre: dict, post: dict, hyper: dict) -> str:
-    """Says in words why an optimizer update made parameter `name` non-finite."""
-    bad_hyper = [k for k, v in hyper.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-                 and not math.isfinite(v)]
-    if bad_hyper:
-        return f"hyper-parameter {bad_hyper[0]} is {hyper[bad_hyper[0]]}"
-    bad_pre = [k for k, v in pre.items() if _has_bad(v)]
-    if bad_pre:
-        return f"{bad_pre[0]} already held NaN/Inf before the step (corrupted optimizer state)"
-    eps = hyper.get("eps")
-    sq = post.get("exp_avg_sq")
-    if isinstance(sq, torch.Tensor) and eps is not None and float(eps) == 0.0 and bool((sq == 0).any()):
-        zeros = int((sq == 0).sum())
-        return (f"exp_avg_sq is 0 and eps is 0: 0/0 ({zeros} of {sq.numel()} entries of exp_avg_sq are 0, "
-                "e.g. where the gradient is 0); set eps > 0 (e.g. 1e-8)")
-    bad_post = [k for k, v in post.items() if _has_bad(v)]
-    if bad_post:
-        return f"{bad_post[0]} became non-finite during the step (overflow in the optimizer state)"
-    if isinstance(sq, torch.Tensor) and eps is not None and float(eps) == 0.0:
-        return "eps is 0: the update divides by sqrt(exp_avg_sq) with no floor; a tiny exp_avg_sq overflows it"
-    lr = hyper.get("lr")
-    return (f"the update overflowed the parameter (lr={lr}, weight_decay={hyper.get('weight_decay')}); "
-            "look at the learning rate and the size of the gradient")
-
-
-# --------------------------------------------------------------------------------------------
-# spikes: per-layer statistics
-# --------------------------------------------------------------------------------------------
-def per_layer_stats(runner: StepRunner, samples: list[SampleRef] | None = None, *,
-                    fp32: bool = False) -> list[dict]:
-    """Gradient norm and output abs-max per module (leaf modules and modules owning parameters).
-
-    Returns:
-        [{"module": name, "grad_norm": float|None, "output_absmax": float|None}], in named_modules()
-        order; grad_norm covers the module's own parameters (not its children's).
-    """
-    model = runner.model
-    modules = {name: m for name, m in model.named_modules()
-               if not any(True for _ in m.children()) or any(True for _ in m.parameters(recurse=False))}
-    absmax: dict[str, torch.Tensor] = {}
-
-    def on_exit(name, module, args, kwargs, output):
-        if name not in modules:
-            return
-        outputs = _float_tensors(output)
-        if not outputs:
-            return
-        value = torch.stack([t.detach().abs().max().float().to(outputs[0].device) for t in outputs])
-        value = value.max() if not bool(torch.isnan(value).any()) else torch.tensor(float("nan"))
-        previous = absmax.get(name)
-        absmax[name] = value if previous is None else torch.maximum(previous.to(value.device), value)
-
-    with ModuleTracker(model, on_exit):
-        runner.run(samples, fp32=fp32, keep_grads=True)
-    rows = []
-    try:
-        for name, module in modules.items():
-            grads = [p.grad for p in module.parameters(recurse=False) if p.grad is not None]
-            norm = None
-            if grads:
-                norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
-                norm = float(torch.linalg.vector_norm(norms))
-            value = absmax.get(name)
-            rows.append({"module": _module_label(name), "grad_norm": norm,
-                         "output_absmax": float(value) if value is not None else None})
-    finally:
-        runner.reset()
-    return rows
-
-
-__all__ = ["ForwardFinding", "BackwardFinding", "OptimizerFinding", "ModuleTracker", "localize_forward",
-           "localize_backward", "localize_optimizer", "per_layer_stats", "explain_update", "node_to_op",
-           "LOSS_MODULE", "ROOT_MODULE", "MASK_OPS"]
+__all__ = ["ForwardFinding", "BackwardFinding", "ModuleTracker", "localize_forward", "localize_backward",
+           "node_to_op", "float_tensors", "module_label", "LOSS_MODULE", "ROOT_MODULE", "MASK_OPS"]

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from forensics.errors import RecipeError, ReplayError
-from replay.load import (OptimizerSnapshot, deterministic_mode, environment_warnings, optimizer_class,
-                         resolve_device, resolve_recipe)
+from replay.environment import deterministic_mode, environment_warnings, resolve_device
+from replay.optimizer_state import MASTER_KEY, OptimizerSnapshot
+from replay.recipe import optimizer_class, resolve_recipe
 
 EVIL = '''
 import pathlib
@@ -143,3 +144,22 @@ def test_environment_warnings_name_what_differs():
     assert any("torch differs" in w and "2.0.0" in w for w in warnings)
     assert any("NVIDIA H100" in w and "CPU" in w for w in warnings)
     assert environment_warnings({"torch": torch.__version__, "gpus": []}, torch.device("cpu")) == []
+
+
+def test_deepspeed_fp32_master_is_set_aside_and_a_bf16_model_gets_a_working_optimizer():
+    """A DeepSpeed bf16 dump carries `fp32_master` per parameter: it never reaches the torch optimizer."""
+    model = torch.nn.Linear(3, 2).to(torch.bfloat16)
+    names = [n for n, _ in model.named_parameters()]
+    state = {n: {"step": torch.tensor(4.0), "exp_avg": torch.full(p.shape, 0.1),
+                 "exp_avg_sq": torch.full(p.shape, 0.01), MASTER_KEY: p.detach().float() + 1e-3}
+             for n, p in model.named_parameters()}
+    snapshot = OptimizerSnapshot(torch.optim.AdamW, [{"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                      "weight_decay": 0.0, "params": names}], state)
+    assert sorted(snapshot.masters) == sorted(names)
+    assert snapshot.masters["weight"].dtype == torch.float32
+    assert all(MASTER_KEY not in entries for entries in snapshot.state.values())
+    optimizer = snapshot.build(model)
+    assert all(MASTER_KEY not in s for s in optimizer.state.values())
+    model(torch.ones(1, 3, dtype=torch.bfloat16)).sum().backward()
+    optimizer.step()
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())

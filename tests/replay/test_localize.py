@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from replay.execute import SampleRef, StepRunner
-from replay.localize import (LOSS_MODULE, MASK_OPS, localize_backward, localize_forward, localize_optimizer,
-                             node_to_op, per_layer_stats)
+from replay.localize import LOSS_MODULE, MASK_OPS, localize_backward, localize_forward, node_to_op
+from replay.localize_update import localize_optimizer, per_layer_stats
 from replay.precision import fp32_check
 
 

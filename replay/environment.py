@@ -1,0 +1,137 @@
+"""The replay machine: device choice, deterministic kernels, and how it differs from the capture machine.
+
+`resolve_device` turns "cuda:0" / "cpu" / None into a usable device (clear errors otherwise);
+`deterministic_mode` sets deterministic kernels and the job's TF32 flags for the replay;
+`environment_warnings` lists capture-vs-replay differences that break bitwise fidelity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Any, Iterator
+
+import torch
+
+from forensics.errors import ReplayError
+
+logger = logging.getLogger(__name__)
+
+# cuBLAS needs a fixed workspace to be deterministic (CUDA docs, "Results reproducibility");
+# ":4096:8" is the larger of the two documented settings.
+CUBLAS_WORKSPACE = ":4096:8"
+
+
+def dtype_from_name(name: Any) -> torch.dtype:
+    """torch.bfloat16 from "bfloat16" / "torch.bfloat16" (a dtype passes through); ReplayError otherwise."""
+    if isinstance(name, torch.dtype):
+        return name
+    value = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(value, torch.dtype):
+        raise ReplayError(f"unknown dtype {name!r} in the dump")
+    return value
+
+
+def to_device(tree: Any, device: torch.device) -> Any:
+    """Moves every tensor of a batch tree (dict / list / tuple) to `device`."""
+    if isinstance(tree, torch.Tensor):
+        return tree.to(device)
+    if isinstance(tree, dict):
+        return {k: to_device(v, device) for k, v in tree.items()}
+    if isinstance(tree, tuple):
+        return tuple(to_device(v, device) for v in tree)
+    if isinstance(tree, list):
+        return [to_device(v, device) for v in tree]
+    return tree
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """"cuda:0" / "cpu" / None (CUDA when present, else CPU). A missing GPU is a clear ReplayError."""
+    if device is None:
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except RuntimeError as exc:
+        raise ReplayError(f"{device!r} is not a device; pass e.g. --device cuda:0 or --device cpu") from exc
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ReplayError(f"device {device} was requested but this machine has no usable CUDA GPU "
+                              "(torch.cuda.is_available() is False); pass --device cpu to replay on the CPU")
+        index = device.index or 0
+        if index >= torch.cuda.device_count():
+            raise ReplayError(f"device {device} was requested but only {torch.cuda.device_count()} GPU(s) "
+                              "are visible; pass --device cuda:0")
+        device = torch.device("cuda", index)
+    elif device.type != "cpu":
+        raise ReplayError(f"replay runs on 'cpu' or 'cuda:N', not {device}")
+    return device
+
+
+@contextlib.contextmanager
+def deterministic_mode(determinism: dict | None = None) -> Iterator[None]:
+    """Deterministic kernels for the replay, and the job's TF32 choices; restores everything after.
+
+    Sets torch.use_deterministic_algorithms(True, warn_only=True), cudnn.deterministic, no cudnn
+    benchmark, CUBLAS_WORKSPACE_CONFIG (if unset; it only takes effect before cuBLAS starts), and the
+    recorded allow_tf32 flags (they change results, so the replay must match the job).
+    """
+    determinism = determinism or {}
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    env_was = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    try:
+        if env_was is None:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        if isinstance(determinism.get("allow_tf32_matmul"), bool):
+            torch.backends.cuda.matmul.allow_tf32 = determinism["allow_tf32_matmul"]
+        if isinstance(determinism.get("allow_tf32_cudnn"), bool):
+            torch.backends.cudnn.allow_tf32 = determinism["allow_tf32_cudnn"]
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) = saved[2:]
+        if env_was is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+
+
+def replay_environment(device: torch.device) -> dict:
+    """The "replay" part of the report's environment block."""
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return {"device": str(device), "torch": torch.__version__, "gpu": gpu}
+
+
+def environment_warnings(capture_env: dict | None, device: torch.device) -> list[str]:
+    """Differences between the capture and the replay machine that can break bitwise fidelity."""
+    capture_env = capture_env or {}
+    warnings = []
+    captured_torch = capture_env.get("torch")
+    if captured_torch and captured_torch != torch.__version__:
+        warnings.append(f"torch differs: captured with {captured_torch}, replaying with {torch.__version__}")
+    gpus = capture_env.get("gpus") or []
+    captured_gpu = gpus[0] if gpus and isinstance(gpus[0], dict) else None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        if captured_gpu is None:
+            warnings.append(f"captured without a GPU, replaying on {props.name}")
+        else:
+            if captured_gpu.get("name") and captured_gpu["name"] != props.name:
+                warnings.append(f"GPU differs: captured on {captured_gpu['name']}, replaying on {props.name}")
+            sm = captured_gpu.get("sm_count")
+            if sm is not None and sm != props.multi_processor_count:
+                warnings.append(f"SM count differs: captured with {sm}, replaying with "
+                                f"{props.multi_processor_count} (kernels may split work differently)")
+    elif captured_gpu is not None:
+        warnings.append(f"captured on GPU {captured_gpu.get('name')}, replaying on the CPU: "
+                        "results cannot be bitwise identical")
+    return warnings
+
+
+
+__all__ = ["dtype_from_name", "to_device", "resolve_device", "deterministic_mode", "replay_environment",
+           "environment_warnings", "CUBLAS_WORKSPACE"]

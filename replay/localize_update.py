@@ -1,0 +1,158 @@
+"""Localise the update and the layers: which parameter a (fresh copy of the) optimizer step breaks and why; per-layer statistics.
+
+* Optimizer (`localize_optimizer`): steps a fresh copy of the pre-step optimizer on the replayed
+  gradients and explains each parameter the update makes non-finite (`explain_update`).
+* Spikes (`per_layer_stats`): gradient norm and output abs-max per module.
+
+Forward and backward localisation are in replay/localize.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from replay.execute import SampleRef, StepRunner, any_nonfinite
+from replay.localize import ModuleTracker, float_tensors, module_label
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class OptimizerFinding:
+    """Parameters a (fresh copy of the) optimizer step makes non-finite, and why."""
+
+    parameters: list[str]
+    """Finite before the step, non-finite after, in named_parameters() order."""
+    parameter: str | None
+    optimizer_state: str | None
+    """Why, in words, for `parameter` (e.g. "exp_avg_sq is 0 and eps is 0: 0/0")."""
+    explanations: dict[str, str] = field(default_factory=dict)
+    optimizer_class: str | None = None
+    phase: str = "optimizer"
+
+
+def localize_optimizer(runner: StepRunner, samples: list[SampleRef] | None = None) -> OptimizerFinding | None:
+    """Replays the step, then steps a fresh copy of the pre-step optimizer on the replayed gradients.
+
+    Returns:
+        OptimizerFinding when the update makes a finite parameter non-finite; None when it does not,
+        when the gradients are already non-finite (not the optimizer's doing), or without optimizer.
+    """
+    session = runner.session
+    if session.optimizer is None:
+        return None
+    result = runner.run(samples, keep_grads=True)
+    try:
+        if not (result.loss_finite and result.grads_finite):
+            return None
+        optimizer = session.new_optimizer()
+        named = list(runner.model.named_parameters())
+        by_param = {p: n for n, p in named}
+        before_ok = [not bad for bad in any_nonfinite(p.detach() for _, p in named)]
+        pre_state = {by_param[p]: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
+                     for p, s in optimizer.state.items() if p in by_param}
+        try:
+            optimizer.step()
+        except Exception as exc:  # noqa: BLE001 - e.g. LBFGS wants a closure; the check is an extra
+            logger.warning("could not step a copy of %s on the replayed gradients (%s: %s); skipping the "
+                           "optimizer check", session.optimizer.class_path, type(exc).__name__, exc)
+            return None
+        after_bad = any_nonfinite(p.detach() for _, p in named)
+        broken = [n for (n, _), ok, bad in zip(named, before_ok, after_bad) if ok and bad]
+        if not broken:
+            return None
+        explanations = {}
+        for name, param in named:
+            if name in broken:
+                post = {k: v for k, v in optimizer.state.get(param, {}).items()}
+                explanations[name] = explain_update(name, param.grad, pre_state.get(name, {}), post,
+                                                    session.optimizer.hyper_of(name))
+        first = broken[0]
+        return OptimizerFinding(parameters=broken, parameter=first, optimizer_state=explanations[first],
+                                explanations=explanations, optimizer_class=session.optimizer.class_path)
+    finally:
+        runner.reset()
+
+
+def _has_bad(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.is_floating_point() and not bool(torch.isfinite(value).all())
+    return isinstance(value, float) and not math.isfinite(value)
+
+
+def explain_update(name: str, grad: torch.Tensor | None, pre: dict, post: dict, hyper: dict) -> str:
+    """Says in words why an optimizer update made parameter `name` non-finite."""
+    bad_hyper = [k for k, v in hyper.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+                 and not math.isfinite(v)]
+    if bad_hyper:
+        return f"hyper-parameter {bad_hyper[0]} is {hyper[bad_hyper[0]]}"
+    bad_pre = [k for k, v in pre.items() if _has_bad(v)]
+    if bad_pre:
+        return f"{bad_pre[0]} already held NaN/Inf before the step (corrupted optimizer state)"
+    eps = hyper.get("eps")
+    sq = post.get("exp_avg_sq")
+    if isinstance(sq, torch.Tensor) and eps is not None and float(eps) == 0.0 and bool((sq == 0).any()):
+        zeros = int((sq == 0).sum())
+        return (f"exp_avg_sq is 0 and eps is 0: 0/0 ({zeros} of {sq.numel()} entries of exp_avg_sq are 0, "
+                "e.g. where the gradient is 0); set eps > 0 (e.g. 1e-8)")
+    bad_post = [k for k, v in post.items() if _has_bad(v)]
+    if bad_post:
+        return f"{bad_post[0]} became non-finite during the step (overflow in the optimizer state)"
+    if isinstance(sq, torch.Tensor) and eps is not None and float(eps) == 0.0:
+        return "eps is 0: the update divides by sqrt(exp_avg_sq) with no floor; a tiny exp_avg_sq overflows it"
+    lr = hyper.get("lr")
+    return (f"the update overflowed the parameter (lr={lr}, weight_decay={hyper.get('weight_decay')}); "
+            "look at the learning rate and the size of the gradient")
+
+
+# --------------------------------------------------------------------------------------------
+# spikes: per-layer statistics
+# --------------------------------------------------------------------------------------------
+def per_layer_stats(runner: StepRunner, samples: list[SampleRef] | None = None, *,
+                    fp32: bool = False) -> list[dict]:
+    """Gradient norm and output abs-max per module (leaf modules and modules owning parameters).
+
+    Returns:
+        [{"module": name, "grad_norm": float|None, "output_absmax": float|None}], in named_modules()
+        order; grad_norm covers the module's own parameters (not its children's).
+    """
+    model = runner.model
+    modules = {name: m for name, m in model.named_modules()
+               if not any(True for _ in m.children()) or any(True for _ in m.parameters(recurse=False))}
+    absmax: dict[str, torch.Tensor] = {}
+
+    def on_exit(name, module, args, kwargs, output):
+        if name not in modules:
+            return
+        outputs = float_tensors(output)
+        if not outputs:
+            return
+        value = torch.stack([t.detach().abs().max().float().to(outputs[0].device) for t in outputs])
+        value = value.max() if not bool(torch.isnan(value).any()) else torch.tensor(float("nan"))
+        previous = absmax.get(name)
+        absmax[name] = value if previous is None else torch.maximum(previous.to(value.device), value)
+
+    with ModuleTracker(model, on_exit):
+        runner.run(samples, fp32=fp32, keep_grads=True)
+    rows = []
+    try:
+        for name, module in modules.items():
+            grads = [p.grad for p in module.parameters(recurse=False) if p.grad is not None]
+            norm = None
+            if grads:
+                norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
+                norm = float(torch.linalg.vector_norm(norms))
+            value = absmax.get(name)
+            rows.append({"module": module_label(name), "grad_norm": norm,
+                         "output_absmax": float(value) if value is not None else None})
+    finally:
+        runner.reset()
+    return rows
+
+
+__all__ = ["OptimizerFinding", "localize_optimizer", "explain_update", "per_layer_stats"]

@@ -1,0 +1,143 @@
+"""Consent and imports: pick the model factory, loss and optimizer class a dump names, importing only what the user agreed to.
+
+A dump names the code that rebuilds its model (`recipe.factory`, `recipe.loss`) and its optimizer
+class. Nothing a dump names is imported unless the user agreed to it:
+
+* `trust=True` (CLI `--trust`): import what the dump names;
+* `factory="module:fn"` / `loss="module:fn"` (CLI `--factory`, `--loss`): the user names the code;
+* built-in recipes (forensics.recipes.BUILTIN_RECIPES: `forensics.recipes:huggingface_model`,
+  `forensics.recipes:default_loss`, the demo's models) are forensics' own code (a dump can only
+  *pick* one, not change it), so they are used without trust;
+* optimizer classes from `torch.optim` are used without trust; any other class needs `trust=True`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from forensics.errors import RecipeError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LOSS_PATH = "forensics.recipes:default_loss"
+TRUSTED_OPTIMIZER_PREFIX = "torch.optim."
+
+LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+
+
+def _split_path(path: str, what: str) -> tuple[str, str]:
+    if not isinstance(path, str) or ":" not in path:
+        raise RecipeError(f"the {what} {path!r} is not of the form 'package.module:function'")
+    module, _, attr = path.partition(":")
+    if not module or not attr:
+        raise RecipeError(f"the {what} {path!r} is not of the form 'package.module:function'")
+    return module, attr
+
+
+def is_builtin(path: str | None) -> bool:
+    """True for recipes that are forensics' own code: the list forensics.recipes.BUILTIN_RECIPES keeps
+    (its factories and losses, and the demo's scenario models), never "anything under forensics."."""
+    from forensics.recipes import is_builtin as builtin
+
+    return isinstance(path, str) and builtin(path)
+
+
+def import_object(path: str, what: str = "recipe", sys_path: tuple[str, ...] | list[str] = ()) -> Any:
+    """Imports `module:attr.sub` (no consent check: call only for paths the user agreed to)."""
+    module_name, attr = _split_path(path, what)
+    for entry in reversed(list(sys_path)):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)  # kept: model code may import lazily at forward time
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except Exception as exc:  # noqa: BLE001 - any import-time failure of user code is a recipe problem
+        raise RecipeError(f"cannot import the {what} {path!r}: {type(exc).__name__}: {exc}. "
+                          "Check the path, or pass --path DIR (sys_path=) so Python can find the module") from exc
+    if not callable(obj):
+        raise RecipeError(f"the {what} {path!r} is not callable")
+    return obj
+
+
+def _consented(path: str, what: str, trust: bool, sys_path) -> Any:
+    if is_builtin(path) or trust:
+        return import_object(path, what, sys_path)
+    flag = "--factory" if what == "model factory" else "--loss"
+    raise RecipeError(
+        f"the dump asks to import the {what} {path!r}, which is not forensics' own code; it was NOT "
+        f"imported. If you trust this dump and that code, pass --trust (trust=True), or name the code "
+        f"yourself with {flag} module:fn (e.g. {flag} {path}).")
+
+
+@dataclass
+class ResolvedRecipe:
+    factory: Callable[..., torch.nn.Module]
+    factory_kwargs: dict
+    loss_fn: LossFn
+    factory_path: str
+    loss_path: str
+
+
+def resolve_recipe(recipe: dict | None, *, trust: bool = False, factory: str | None = None,
+                   loss: str | None = None, sys_path: tuple[str, ...] | list[str] = ()) -> ResolvedRecipe:
+    """Picks the model factory and loss function, importing only what the user consented to.
+
+    Args:
+        recipe: the dump's recipe {"factory", "factory_kwargs", "loss", "loss_kwargs"}.
+        trust: import whatever the recipe names.
+        factory / loss: "module:fn" named by the user; used instead of the recipe's (always imported).
+        sys_path: extra import directories (e.g. the training repo), added in front of sys.path.
+    Returns:
+        ResolvedRecipe with callables; the loss takes (model, batch).
+    Raises:
+        RecipeError: nothing usable, not consented (message shows the path and says --trust /
+            --factory), or the import failed.
+    """
+    recipe = recipe or {}
+    factory_path = factory or recipe.get("factory")
+    if not factory_path:
+        raise RecipeError("the dump has no model recipe; pass --factory module:fn, a function that "
+                          "returns the model (weights are loaded from the dump afterwards)")
+    if factory:
+        factory_fn = import_object(factory, "model factory", sys_path)
+    else:
+        factory_fn = _consented(factory_path, "model factory", trust, sys_path)
+    loss_path = loss or recipe.get("loss") or DEFAULT_LOSS_PATH
+    if not loss and "loss" in recipe and not recipe.get("loss"):
+        logger.warning("the job's loss function could not be named in the dump (a lambda or closure?); "
+                       "replaying with %s. Pass --loss module:fn to use the job's own.", DEFAULT_LOSS_PATH)
+    if loss:
+        loss_callable = import_object(loss, "loss function", sys_path)
+    else:
+        loss_callable = _consented(loss_path, "loss function", trust, sys_path)
+    loss_kwargs = dict(recipe.get("loss_kwargs") or {}) if not loss else {}
+    loss_fn: LossFn = (lambda model, batch: loss_callable(model, batch, **loss_kwargs)) if loss_kwargs \
+        else loss_callable
+    kwargs = dict(recipe.get("factory_kwargs") or {}) if not factory or factory == recipe.get("factory") else {}
+    return ResolvedRecipe(factory_fn, kwargs, loss_fn, factory_path, loss_path)
+
+
+def optimizer_class(path: str, trust: bool) -> type:
+    """The optimizer class named `path` ("torch.optim.adamw.AdamW"); non-torch classes need trust."""
+    module_name, _, name = path.rpartition(".")
+    if not module_name:
+        raise RecipeError(f"optimizer class {path!r} is not a dotted path")
+    if not (path.startswith(TRUSTED_OPTIMIZER_PREFIX) or trust):
+        raise RecipeError(f"the dump's optimizer is {path!r}, which is not a torch.optim class; it was NOT "
+                          "imported. Pass --trust to import it (or replay without optimizer state).")
+    cls = import_object(f"{module_name}:{name}", "optimizer class")
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise RecipeError(f"{path!r} is not a torch.optim.Optimizer subclass")
+    return cls
+
+
+
+__all__ = ["ResolvedRecipe", "resolve_recipe", "is_builtin", "import_object", "optimizer_class", "LossFn",
+           "DEFAULT_LOSS_PATH", "TRUSTED_OPTIMIZER_PREFIX"]
