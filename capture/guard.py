@@ -1,16 +1,17 @@
 """The in-job Guard: records each step's micro-batches and RNG, detects faults, writes the dump, applies policy.
 
 Costs on a healthy step: an RNG snapshot per micro-batch (host only), one fused grad-norm reduction
-when the loop does not pass its own, and exactly one device->host transfer (inside `check`).
+when the loop does not pass its own, and exactly one device->host transfer (inside `check`). Under
+torchrun (world size > 1, torch.distributed initialised) add one all-reduce, so that every rank
+triggers on the same step (capture/agreement.py); framework adapters live in capture.integrations.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
 import math
-import os
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -18,6 +19,8 @@ from typing import Any, Callable
 import torch
 
 from capture import environment, snapshot
+from capture.agreement import Agreement, agree, deferred_termination, default_run_id, dist_info, distributed, \
+    unwrap_model
 from capture.config import GuardConfig
 from capture.detectors import SpikeDetector
 from capture.history import History
@@ -57,27 +60,6 @@ class Trigger:
                 "micro_batch": self.micro_batch, "detail": self.detail, "local": self.local}
 
 
-def _default_run_id() -> str:
-    for name in ("FORENSICS_RUN_ID", "TORCHELASTIC_RUN_ID"):
-        if os.environ.get(name) and os.environ[name] != "none":
-            return os.environ[name]
-    stamp = int(datetime.datetime.now().timestamp())
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
-        shared = torch.tensor([stamp], dtype=torch.int64, device=device)
-        torch.distributed.broadcast(shared, src=0)  # one collective at start-up so every rank agrees
-        stamp = int(shared.item())
-    return "run-" + datetime.datetime.fromtimestamp(stamp).strftime("%Y%m%d-%H%M%S")
-
-
-def _dist_info() -> tuple[int, int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    else:
-        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    return rank, world, int(os.environ.get("LOCAL_RANK", 0))
-
-
 def _json_ids(ids: Any) -> list | None:
     if ids is None:
         return None
@@ -89,7 +71,7 @@ def _json_ids(ids: Any) -> list | None:
 def _batch_size(batch: Any) -> int | None:
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.dim() else None
-    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
     for value in values:
         size = _batch_size(value)
         if size is not None:
@@ -100,8 +82,13 @@ def _batch_size(batch: Any) -> int | None:
 class Guard:
     """Watches a training loop; on NaN/Inf or a spike, writes a replayable dump of the pre-step state.
 
+    Works the same in one process and under torchrun: with several ranks, one all-reduce per step makes
+    every rank trigger on the same step (a fault or spike seen by one rank is dumped by all), and a
+    SIGTERM that arrives while a rank writes its dump waits until the dump is complete.
+
     Args:
-        model: the module being trained (unwrapped: parameter names come from it).
+        model: the module being trained; DDP / DataParallel / torch.compile wrappers are stripped
+            (parameter names come from the inner module).
         optimizer, scheduler, scaler: their state goes into the dump (scaler: torch GradScaler).
         config: GuardConfig; defaults raise on NaN/Inf and continue on spikes.
         loss_fn: `(model, batch) -> loss` used for the in-job re-check and named in the replay recipe;
@@ -116,20 +103,26 @@ class Guard:
         ...     scheduler.step(); optimizer.zero_grad()
     """
 
+    sharded_grad_norm = False
+    """True when the grad norm passed to check() is the norm of this rank's shard only (ZeRO)."""
+
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None,
                  scaler: Any = None, *, config: GuardConfig | None = None, loss_fn: Callable | None = None):
+        model = unwrap_model(model)
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.config = config or GuardConfig()
         self.loss_fn = loss_fn
-        self.rank, self.world_size, self.local_rank = _dist_info()
-        self.run_id = self.config.run_id or _default_run_id()
+        self.rank, self.world_size, self.local_rank = dist_info()
+        self.run_id = self.config.run_id or default_run_id()
         self.step = 0
         self.history = History(self.config.history_size)
         self.loss_detector = SpikeDetector(self.config.loss_spike)
         self.grad_detector = SpikeDetector(self.config.grad_norm_spike)
         self.dumps: list[Path] = []
         self.dump_errors: list[str] = []
-        # max_dumps slots: taken when a dump starts (background writes land later), given back if it fails
+        # max_dumps slots: taken when a dump starts (background writes land later). One process gives a slot
+        # back when its write fails; several ranks do not (attempts are identical on every rank, failures
+        # are not, and a collective state gather must be entered by every rank or by none).
         self._dump_slots = threading.Semaphore(self.config.max_dumps)
         self._current: StepRecord | None = None
         self._last_spike_dump: int | None = None
@@ -151,7 +144,7 @@ class Guard:
             record = self._current
             if len(record.batches) >= MAX_MICRO_BATCHES:
                 return
-            if sample_ids is None and isinstance(batch, dict):
+            if sample_ids is None and isinstance(batch, Mapping):
                 sample_ids = batch.get(self.config.sample_id_key)
             record.batches.append(batch)
             record.sample_ids.append(sample_ids)
@@ -200,8 +193,10 @@ class Guard:
         self.step += 1
         return decision
 
-    def _gather(self, record: StepRecord, grad_norm: Any) -> tuple[list[float], float, float | None, bool]:
-        """One device->host transfer of per-micro-batch losses, grad norm and loss scale.
+    def _gather(self, record: StepRecord, grad_norm: Any
+                ) -> tuple[list[float], float | None, float | None, Agreement | None]:
+        """One device->host transfer of per-micro-batch losses, grad norm and loss scale (and, with several
+        ranks, the step's one all-reduce: capture/agreement.py).
 
         Python numbers stay on the host: building a device tensor from one would be a pageable
         host->device copy, which waits for the stream just like a sync.
@@ -210,38 +205,33 @@ class Guard:
             grad_norm = self._grad_norm()
         scale = getattr(self.scaler, "_scale", None) if self.scaler is not None and self.scaler.is_enabled() else None
         values: list[Any] = [*record.losses, grad_norm, scale]
-        on_device = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
-        host = [None if v is None else v if isinstance(v, torch.Tensor) else float(v) for v in values]  # None: unknown
-        device = values[on_device[0]].device if on_device else torch.device("cpu")
-        stacked = (torch.stack([values[i].detach().float().mean().to(device) for i in on_device]) if on_device
-                   else torch.zeros(0))
-        fetched = self._agree(stacked, host, on_device).tolist()  # the one sync of the step
-        for slot, i in enumerate(on_device):
-            host[i] = fetched[slot]
-        any_rank_nonfinite = len(fetched) > len(on_device) and fetched[-1] > 0
         n = len(record.losses)
-        loss_scale = host[n + 1] if scale is not None else None
-        return host[:n], host[n], loss_scale, any_rank_nonfinite
+        agreed = None
+        if self._multi_rank():
+            host, agreed = agree(values, n, divisor=self._divisor(record), min_loss_scale=self.config.min_loss_scale,
+                                 sharded_grad_norm=self.sharded_grad_norm)
+        else:
+            host = self._fetch(values)
+        return host[:n], host[n], host[n + 1], agreed
 
-    def _agree(self, stacked: torch.Tensor, host: list, on_device: list[int]) -> torch.Tensor:
-        """Multi-rank: appends a flag all-reduced (MAX) so every rank triggers on the same step."""
-        if self.world_size <= 1 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            return stacked
-        # losses and grad norm; the loss scale (last) does not count. With a GradScaler a non-finite grad norm
-        # is its ordinary overflow skip: every rank sees the same scale and judges a collapse locally.
-        checked = len(host) - (2 if host[-1] is not None else 1)
-        host_bad = any(isinstance(v, float) and not math.isfinite(v) for v in host[:checked])
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" \
-            else stacked.device
-        flag = torch.zeros(1, device=device)  # no host->device copy: that would wait on the stream
-        if host_bad:
-            flag.fill_(1.0)
-        rows = [slot for slot, i in enumerate(on_device) if i < checked]
-        if rows:
-            bad = (~torch.isfinite(stacked[rows])).any().float().reshape(1).to(device)
-            flag = torch.maximum(flag, bad)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return torch.cat([stacked.to(device), flag])
+    @staticmethod
+    def _fetch(values: list[Any]) -> list[float | None]:
+        """Host numbers for `values` (None: unknown), stacked on their device and read in one transfer.
+        A CPU tensor beside device tensors is read on the host (moving it to the device would wait)."""
+        device = next((v.device for v in values if isinstance(v, torch.Tensor) and v.device.type != "cpu"),
+                      torch.device("cpu"))
+        on_device = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and v.device == device]
+        host = [None if v is None or i in on_device else
+                float(v.detach().float().mean()) if isinstance(v, torch.Tensor) else float(v)
+                for i, v in enumerate(values)]
+        if on_device:
+            fetched = torch.stack([values[i].detach().float().mean() for i in on_device]).tolist()  # the one sync
+            for slot, i in enumerate(on_device):
+                host[i] = fetched[slot]
+        return host
+
+    def _multi_rank(self) -> bool:
+        return self.world_size > 1 and distributed()
 
     def _grad_norm(self) -> torch.Tensor | None:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
@@ -252,12 +242,12 @@ class Guard:
         return torch.linalg.vector_norm(torch.stack([n.float().to(device) for n in norms]))
 
     def _check(self, record: StepRecord, grad_norm: Any) -> bool:
-        losses, norm, loss_scale, any_rank_nonfinite = self._gather(record, grad_norm)
+        losses, norm, loss_scale, agreed = self._gather(record, grad_norm)
         divisor = self._divisor(record)
         step_loss = sum(losses) / divisor if losses else None
         scaler_overflow = loss_scale is not None and norm is not None and not math.isfinite(norm)
-        trigger = self._detect(losses, norm, step_loss, loss_scale)
-        if trigger is None and any_rank_nonfinite:
+        trigger = self._detect(losses, norm, step_loss, loss_scale, agreed)
+        if trigger is None and agreed is not None and agreed.fault:
             trigger = Trigger("nonfinite_grad", norm, None, None,
                               "another rank saw a non-finite loss or gradient at this step", local=False)
         clipped = (None if self.config.max_grad_norm is None or norm is None or not math.isfinite(norm)
@@ -272,25 +262,38 @@ class Guard:
     def _divisor(self, record: StepRecord) -> float:
         return float(self.config.loss_divisor or max(len(record.losses), 1))
 
-    def _detect(self, losses: list[float], norm: float, step_loss: float | None,
-                loss_scale: float | None) -> Trigger | None:
+    def _detect(self, losses: list[float], norm: float | None, step_loss: float | None,
+                loss_scale: float | None, agreed: Agreement | None = None) -> Trigger | None:
+        """This rank's trigger, if any. With several ranks (`agreed`), the spike detectors see the values
+        agreed across ranks, so their windows, and so their verdicts, are identical on every rank."""
         for index, value in enumerate(losses):
             if not math.isfinite(value):
                 return Trigger("nonfinite_loss", value, None, index, f"loss of micro-batch {index} is {value}")
         if norm is not None and not math.isfinite(norm):  # None: no gradients to measure, not a fault
+            if agreed is not None and agreed.loss_fault:
+                return None  # another rank's non-finite loss reached these gradients through their all-reduce
             if loss_scale is None:
                 return Trigger("nonfinite_grad", norm, None, None, f"gradient norm is {norm} with a finite loss")
             if loss_scale <= self.config.min_loss_scale:
                 return Trigger("nonfinite_grad", norm, self.config.min_loss_scale, None,
                                f"gradients overflow and the loss scale has collapsed to {loss_scale}")
             return None  # a normal GradScaler overflow: it skips the step and lowers the scale
+        own_loss, own_norm, where = step_loss, norm, ""
+        if agreed is not None:
+            if agreed.fault:
+                return None  # another rank's fault (the caller adds that trigger); the spike windows stay as they are
+            step_loss, norm, where = agreed.step_loss, agreed.grad_norm, " (agreed across ranks)"
         worst = max(range(len(losses)), key=lambda i: losses[i]) if losses else None
         limit = self.loss_detector.observe(step_loss)
         if limit is not None:
-            return Trigger("loss_spike", step_loss, limit, worst, f"loss {step_loss:.4g} is above the spike threshold {limit:.4g}")
+            return Trigger("loss_spike", step_loss, limit, worst,
+                           f"loss {step_loss:.4g}{where} is above the spike threshold {limit:.4g}",
+                           local=own_loss is not None and own_loss > limit)
         limit = self.grad_detector.observe(norm)
         if limit is not None:
-            return Trigger("grad_norm_spike", norm, limit, worst, f"grad norm {norm:.4g} is above the spike threshold {limit:.4g}")
+            return Trigger("grad_norm_spike", norm, limit, worst,
+                           f"grad norm {norm:.4g}{where} is above the spike threshold {limit:.4g}",
+                           local=own_norm is not None and own_norm > limit)
         return None
 
     def _policy(self, trigger: Trigger) -> str:
@@ -317,17 +320,20 @@ class Guard:
             return None, f"a spike was dumped {self.step - self._last_spike_dump} steps ago (GuardConfig.min_spike_gap)"
         if not self._dump_slots.acquire(blocking=False):
             return None, f"the cap of {self.config.max_dumps} dumps per run is reached (GuardConfig.max_dumps)"
-        background = spike and policy == "continue" and self.config.background_write
+        if spike:
+            self._last_spike_dump = self.step  # at the attempt, as the slot: the same on every rank
+        with deferred_termination():
+            return self._dump(trigger, record, losses, norm, divisor, spike and policy == "continue", state)
+
+    def _dump(self, trigger: Trigger, record: StepRecord, losses: list[float], norm: float, divisor: float,
+              may_background: bool, state: dict | None) -> tuple[Path | None, str | None]:
+        background = may_background and self.config.background_write
         try:
             content = self._content(trigger, record, losses, norm, divisor, background, state)
         except Exception as exc:  # noqa: BLE001
-            self._dump_slots.release()
             message = f"no dump written: collecting the state failed ({type(exc).__name__}: {exc})"
-            log.error("forensics: %s", message)
-            self.dump_errors.append(message)
+            self._failed(message)
             return None, message
-        if spike:
-            self._last_spike_dump = self.step
         if background:
             path = self._writer.submit(content, self.config.dump_dir, self._written, self._failed)
             return path, None
@@ -344,7 +350,8 @@ class Guard:
         log.warning("forensics: dump written to %s — replay it with: forensics replay %s", path, path)
 
     def _failed(self, message: str) -> None:
-        self._dump_slots.release()
+        if not self._multi_rank():  # several ranks: the attempt counts (see __init__)
+            self._dump_slots.release()
         self.dump_errors.append(message)
         log.error("forensics: %s", message)
 

@@ -1,5 +1,6 @@
-"""Two ranks (gloo, CPU, separate processes): a fault on one rank makes every rank dump the same step, and a
-GradScaler's ordinary overflow skip on every rank is not a fault."""
+"""Two ranks (gloo, CPU, separate processes) under a PLAIN Guard: a fault or a finite loss spike on one rank
+makes every rank dump the same step, a GradScaler's ordinary overflow skip on every rank is not a fault, and
+a dump that fails on one rank still uses up that rank's cap (the ranks keep agreeing)."""
 
 from __future__ import annotations
 
@@ -19,30 +20,44 @@ WORKER = textwrap.dedent('''
     import json, os, sys
     import torch
     import torch.distributed as dist
-    from capture import Guard, GuardConfig
+    from torch.nn.parallel import DistributedDataParallel
+    from capture import Guard, GuardConfig, SpikeConfig
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
 
 
+    SPIKE_STEP = 8
+
+
     def run(scenario, dump_dir):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        # spike: a DDP-wrapped model (gradients agree; the Guard strips the wrapper); elsewhere each rank's own
+        wrapped = DistributedDataParallel(model) if scenario == "spike" else model
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 30) if scenario == "overflow" else None
-        guard = Guard(model, optimizer, scaler=scaler,
-                      config=GuardConfig(dump_dir=dump_dir, run_id="ddp", on_nonfinite="skip"),
-                      loss_fn=None)
+        if scenario == "cap" and rank == 1:  # rank 1 cannot write: its dump_dir is under a regular file
+            blocker = dump_dir + "-not-a-dir"
+            open(blocker, "w").close()
+            dump_dir = os.path.join(blocker, "dumps")
+        config = GuardConfig(dump_dir=dump_dir, run_id="ddp", on_nonfinite="continue" if scenario == "cap" else "skip",
+                             max_dumps=1 if scenario == "cap" else 3,
+                             loss_spike=SpikeConfig(window=8, warmup=4))
+        guard = Guard(wrapped, optimizer, scaler=scaler, config=config, loss_fn=None)
         decisions = []
-        for step in range(3):
+        for step in range(SPIKE_STEP + 2 if scenario == "spike" else 3):
             x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
-            if scenario == "nan" and rank == 1 and step == 1:
+            if scenario in ("nan", "cap") and rank == 1 and step >= 1 and (scenario == "cap" or step == 1):
                 x[0, 0] = float("nan")
+            target = torch.zeros(4, 1)
+            if scenario == "spike" and rank == 1 and step == SPIKE_STEP:
+                target += 100.0  # a finite loss spike, on rank 1 only
             batch = {"x": x, "sample_ids": [f"r{rank}s{step}i{i}" for i in range(4)]}
             guard.record_batch(batch)
             with torch.autocast("cpu", dtype=torch.float16, enabled=scaler is not None):
-                loss = model(batch["x"]).square().mean()
+                loss = (wrapped(batch["x"]) - target).square().mean()
                 guard.record_loss(loss)
             (scaler.scale(loss) if scaler else loss).backward()
             if scaler:
@@ -56,10 +71,12 @@ WORKER = textwrap.dedent('''
             optimizer.zero_grad()
         guard.close()
         return {"rank": rank, "decisions": decisions, "dumps": [str(p) for p in guard.dumps],
-                "skipped": guard.history.to_dict()["skipped"]}
+                "skipped": guard.history.to_dict()["skipped"], "dump_errors": guard.dump_errors}
 
 
-    print(json.dumps({scenario: run(scenario, os.path.join(sys.argv[1], scenario)) for scenario in ("nan", "overflow")}))
+    os.makedirs(sys.argv[1], exist_ok=True)
+    print(json.dumps({scenario: run(scenario, os.path.join(sys.argv[1], scenario))
+                      for scenario in ("nan", "overflow", "spike", "cap")}))
     dist.destroy_process_group()
 ''')
 
@@ -121,3 +138,33 @@ def test_grad_scaler_overflow_on_every_rank_is_not_a_fault(two_ranks):
         assert result["dumps"] == [] and result["decisions"] == [True, True, True], result
         assert result["skipped"] == [True, True, True]  # fp16 at scale 2**30..2**28 overflows: the scaler skips
     assert not (root / "overflow").exists()
+
+
+def test_a_loss_spike_on_one_rank_is_dumped_by_every_rank_under_a_plain_guard(two_ranks):
+    """The spike detectors see the step loss agreed across ranks, so rank 0 dumps rank 1's spike step too;
+    the trigger is local only on the rank whose own loss spiked, which the reader opens by default."""
+    root, results = two_ranks
+    for result in results["spike"]:
+        assert result["decisions"] == [True] * 10, result
+        assert [Path(p).parent.name for p in result["dumps"]] == ["step-000000008"], result
+    step_dir = root / "spike" / "ddp" / "step-000000008"
+    assert verify_dump(step_dir).ok
+    dumps = {d.rank: d for d in open_step(step_dir)[0]}
+    assert sorted(dumps) == [0, 1]
+    for rank, dump in dumps.items():
+        assert dump.trigger["kind"] == "loss_spike" and dump.world_size == 2
+        assert dump.sample_ids(0) == [f"r{rank}s8i{i}" for i in range(4)]  # each rank's own batch
+        assert sorted(dump.model_state()) == ["0.bias", "0.weight", "2.bias", "2.weight"]  # DDP wrapper stripped
+    assert dumps[1].trigger["local"] is True and dumps[0].trigger["local"] is False
+    assert dumps[0].trigger["value"] == dumps[1].trigger["value"]  # the agreed (mean) step loss
+    assert open_dump(step_dir).rank == 1
+
+
+def test_a_dump_that_fails_on_one_rank_still_counts_against_its_cap(two_ranks):
+    """max_dumps=1, rank 1 cannot write, rank 1's loss is NaN from step 1 on: both ranks attempt step 1 and
+    then stop, so a later (collective) state gather could never be entered by one rank alone."""
+    root, results = two_ranks
+    rank0, rank1 = results["cap"]
+    assert [Path(p).parent.name for p in rank0["dumps"]] == ["step-000000001"] and rank0["dump_errors"] == []
+    assert rank1["dumps"] == [] and len(rank1["dump_errors"]) == 1, rank1
+    assert "Not a directory" in rank1["dump_errors"][0]

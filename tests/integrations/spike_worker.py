@@ -29,8 +29,7 @@ def main() -> None:
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
     config = GuardConfig(dump_dir=dump_dir, run_id=kind, loss_spike=SpikeConfig(window=8, warmup=4),
                          grad_norm_spike=SpikeConfig(enabled=False), background_write=False)
-    guard = (DistributedGuard if kind == "distributed" else Guard)(ddp if kind == "distributed" else model,
-                                                                   optimizer, config=config)
+    guard = (DistributedGuard if kind == "distributed" else Guard)(ddp, optimizer, config=config)
     data = torch.Generator().manual_seed(rank)
     for step in range(SPIKE_STEP + 2):
         x = torch.randn(8, 4, generator=data)

@@ -1,0 +1,180 @@
+"""Multi-rank support for the Guard: the one all-reduce per step that makes every rank trigger on the same step.
+
+Under torchrun each rank runs its own Guard. Left alone, a rank would judge only what it sees, so a
+spike on one rank's data would be dumped by that rank alone, and a sharded state gather (a
+collective) entered by one rank would hang. `agree` folds what every rank needs to know into one
+all-reduce of seven numbers per step: whether the rank saw a real fault (a non-finite loss, or a
+non-finite gradient norm that is not an ordinary loss-scaler overflow), whether that fault was a
+non-finite loss, its step loss and whether it recorded losses, its finite gradient norm and whether
+it has one, and (sharded optimizers) the squared norm of its gradient shard. Every rank then runs its
+spike detectors on the same global values.
+
+Also here: the rank / world size / run ID every rank agrees on, `unwrap_model` (DDP, DataParallel,
+torch.compile) and `deferred_termination` (SIGTERM held while a rank writes its dump).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import math
+import os
+import signal
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What the step's all-reduce told every rank (identical on all ranks)."""
+
+    fault: bool  # some rank saw a non-finite loss, or a non-finite gradient that is not a scaler overflow
+    loss_fault: bool  # some rank saw a non-finite loss (that rank's data is the first suspect)
+    step_loss: float | None  # the mean over ranks (that recorded losses) of their finite step losses
+    grad_norm: float | None  # sharded: the global norm assembled from shards; else the mean of the ranks' finite norms
+
+
+def distributed() -> bool:
+    """True when torch.distributed is initialised in this process."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def dist_info() -> tuple[int, int, int]:
+    """(rank, world size, local rank) of this process; from the environment before init_process_group."""
+    if distributed():
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    else:
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    return rank, world, int(os.environ.get("LOCAL_RANK", 0))
+
+
+def collective_device() -> torch.device:
+    """Where the all-reduce's tensor must live for the default process group's backend."""
+    if "nccl" in str(torch.distributed.get_backend()) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def default_run_id() -> str:
+    """$FORENSICS_RUN_ID, $TORCHELASTIC_RUN_ID, or a timestamp that rank 0 broadcasts (one start-up collective)."""
+    for name in ("FORENSICS_RUN_ID", "TORCHELASTIC_RUN_ID"):
+        if os.environ.get(name) and os.environ[name] != "none":
+            return os.environ[name]
+    stamp = int(datetime.datetime.now().timestamp())
+    if distributed():
+        shared = torch.full((1,), stamp, dtype=torch.int64, device=collective_device())
+        torch.distributed.broadcast(shared, src=0)
+        stamp = int(shared.item())
+    return "run-" + datetime.datetime.fromtimestamp(stamp).strftime("%Y%m%d-%H%M%S")
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose parameter names a one-GPU replay will see: strips DDP / DataParallel / torch.compile."""
+    wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+    while True:
+        if isinstance(model, wrappers):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+@contextlib.contextmanager
+def deferred_termination() -> Iterator[None]:
+    """Holds SIGTERM back while a rank writes its dump, then lets it act.
+
+    When one rank dies, torchrun sends SIGTERM to the others (and SIGKILL 30 s later); a job scheduler
+    preempting a one-process run does the same. A rank halfway through its dump would otherwise leave
+    it unfinished. Only the main thread can install handlers; elsewhere this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+
+    def hold(signum, frame):  # noqa: ARG001
+        received.append(signum)
+        log.warning("forensics: SIGTERM received while writing the dump; finishing the dump first")
+
+    try:
+        previous = signal.signal(signal.SIGTERM, hold)
+    except (ValueError, OSError):  # not allowed here (embedded interpreter)
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if received:
+            signal.raise_signal(signal.SIGTERM)
+
+
+def _scalar(value: Any, device: torch.device) -> torch.Tensor:
+    """A 0-dim float64 on `device`, built without a pageable host->device copy (which waits on the stream):
+    host numbers become a fill kernel; a CPU tensor is read on the host (no device sync) and filled."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach()
+        if value.device == device:
+            return value.float().mean().double()
+        if value.device.type == "cpu":
+            value = float(value.float().mean())
+        else:
+            return value.float().mean().double().to(device)
+    return torch.full((), math.nan if value is None else float(value), dtype=torch.float64, device=device)
+
+
+def agree(values: list[Any], n_losses: int, *, divisor: float, min_loss_scale: float,
+          sharded_grad_norm: bool) -> tuple[list[float | None], Agreement]:
+    """The step's one all-reduce and its one device->host transfer.
+
+    Args:
+        values: `[*micro-batch losses, grad norm, loss scale]`, each a tensor, a number or None (unknown).
+        n_losses: how many of `values` are losses.
+        divisor: what the step loss divides the summed micro-batch losses by.
+        min_loss_scale: a non-finite gradient with a loss scale above this is the scaler's ordinary skip.
+        sharded_grad_norm: the grad norm is this rank's shard's; the global one is assembled here.
+    Returns:
+        `values` as host numbers (None stays None; the grad norm is the global one when sharded), and
+        the Agreement, identical on every rank.
+    """
+    device = collective_device()
+    source = next((v.device for v in values if isinstance(v, torch.Tensor) and v.device.type != "cpu"), device)
+    if device.type != "cpu":
+        source = device
+    vector = torch.stack([_scalar(v, source) for v in values]).to(device)  # gloo + CUDA losses: the one copy
+    losses, norm, scale = vector[:n_losses], vector[n_losses], vector[n_losses + 1]
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    finite = torch.isfinite(losses)
+    loss_fault = (~finite).any().double() if n_losses else zero
+    if values[n_losses] is None:  # no gradients to measure: not a fault, no shard
+        grad_fault, shard_sq, norm_sum, has_norm = zero, zero, zero, zero
+    else:
+        norm_finite = torch.isfinite(norm)
+        bad = ~norm_finite
+        if values[n_losses + 1] is not None:  # with a loss scaler, an overflow above the floor is its skip
+            bad = bad & ~(scale > min_loss_scale)
+        grad_fault = bad.double()
+        shard_sq = norm * norm if sharded_grad_norm else zero
+        norm_sum, has_norm = torch.where(norm_finite, norm, zero), norm_finite.double()
+    step_loss = torch.where(finite, losses, torch.zeros_like(losses)).sum() / divisor
+    has_losses = torch.full((), 1.0 if n_losses else 0.0, dtype=torch.float64, device=device)
+    stats = torch.stack([loss_fault, grad_fault, step_loss, has_losses, shard_sq, norm_sum, has_norm])
+    torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.SUM)
+    fetched = torch.cat([vector, stats]).tolist()  # the one device->host transfer of the step
+    loss_faults, grad_faults, loss_sum, ranks_with_losses, norm_sq, norms, ranks_with_norm = fetched[-7:]
+    host = [None if v is None else fetched[i] for i, v in enumerate(values)]
+    if sharded_grad_norm:
+        agreed_norm = host[n_losses] = math.sqrt(norm_sq)
+    else:
+        agreed_norm = norms / ranks_with_norm if ranks_with_norm else None
+    agreement = Agreement(fault=loss_faults + grad_faults > 0, loss_fault=loss_faults > 0,
+                          step_loss=loss_sum / ranks_with_losses if ranks_with_losses else None,
+                          grad_norm=agreed_norm)
+    return host, agreement
