@@ -22,6 +22,8 @@ from forensics.report import (
 sys.path.insert(0, str(Path(__file__).parent))
 from report_factory import GPT2_MODULES, make_report  # noqa: E402
 
+from forensics.report.write import report_json_text  # noqa: E402
+
 XSS = "<script>alert(1)</script>"
 
 
@@ -366,3 +368,54 @@ def test_text_escapes_control_characters_and_cuts_long_ids():
     assert "rec-1\\x1b[2J" in text
     assert max(len(line) for line in text.splitlines()) < 600
     assert "Culprit: 2 samples together" in text
+
+
+# ---- micro-batches: 0-based in JSON, counted from 1 in everything a person reads ----
+
+def test_prose_counts_micro_batches_from_one_and_json_keeps_the_index():
+    report = make_report("bad_sample")  # trigger.micro_batch == 1 of 2, detail "loss of micro-batch 1 is nan"
+    assert report["trigger"]["micro_batch"] == 1
+    text = render_verdict_text(report)
+    assert "micro-batch 2 of 2." in text and "loss of micro-batch 2 is nan" in text
+    assert "micro-batch 1 of 2" not in text and "micro-batch 1 is" not in text
+    md = render_markdown(report)
+    assert "micro-batch 2 of 2" in md and "loss of micro-batch 2 is nan" in md
+    assert "index (0-based)" in md
+    assert json.loads(report_json_text(report))["trigger"]["micro_batch"] == 1
+
+
+def test_trigger_detail_already_one_based_is_left_alone():
+    from forensics.report.render_text import mb_phrase, trigger_detail
+
+    assert trigger_detail({"micro_batch": 0, "detail": "loss of micro-batch 0 is nan"}) == "loss of micro-batch 1 is nan"
+    assert trigger_detail({"micro_batch": 0, "detail": "loss of micro-batch 1 is nan"}) == "loss of micro-batch 1 is nan"
+    assert mb_phrase(1, 2) == "micro-batch 2 of 2" and mb_phrase(0) == "micro-batch 1"
+
+
+def test_inspect_summary_counts_micro_batches_from_one():
+    from forensics.summary import render_summary
+
+    summary = {
+        "path": "d", "run_id": "r", "step": 7, "rank": 0, "world_size": 1, "missing_ranks": [],
+        "trigger": {"kind": "nonfinite_loss", "value": math.inf, "threshold": None, "micro_batch": 1,
+                    "detail": "loss of micro-batch 1 is inf"},
+        "micro_batches": [{"index": 0, "sample_ids": ["a"], "loss": 1.5, "unreplayable": []},
+                          {"index": 1, "sample_ids": ["b"], "loss": math.inf, "unreplayable": []}],
+        "precision": {}, "recipe": {}, "recheck": None, "total_bytes": 10, "files": {}, "environment": {},
+        "history_tail": {"step": [], "loss": [], "grad_norm": [], "lr": []},
+        "format_version": 1, "created_at": "now",
+    }
+    text = render_summary(summary)
+    assert "micro-batch 2 of 2" in text and "loss of micro-batch 2 is inf" in text
+    assert "micro-batch 1 of 2: loss 1.5" in text and "micro-batch 2 of 2: loss inf" in text
+    assert "[0]" not in text and "[1]" not in text
+
+
+def test_rng_block_is_optional_and_rendered():
+    report = make_report("model_state")
+    validate_report(report)
+    report["rng"] = {"checked": True, "seeds": [1234], "failed": [False], "rng_dependent": True}
+    validate_report(report)
+    assert "Random state: the failure needs the dump's RNG" in render_verdict_text(report)
+    assert list(json.loads(report_json_text(report))).index("rng") == \
+        list(json.loads(report_json_text(report))).index("fidelity") + 1

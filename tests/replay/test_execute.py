@@ -120,3 +120,31 @@ def test_poisoned_step_reproduces_nonfinite_loss(kit):
     assert rep.reproduced
     assert math.isfinite(rep.result.losses[0]) and math.isnan(rep.result.losses[kit.POISONED[0]])
     assert rep.fidelity["bitwise_equal"]  # nan == nan for fidelity purposes
+
+
+def test_multi_rank_dump_compares_losses_only(kit):
+    """The job's grad norm covers every rank; one rank replayed alone is judged on its losses."""
+    from forensics.report import render_verdict_text
+    from replay.engine import ReplayOptions, run_session
+
+    session = kit.make_session(kit.build_gpt2(dropout=0.0), kit.build_batches(poison=False),
+                               trigger={"kind": "nonfinite_loss", "value": None, "threshold": None,
+                                        "micro_batch": None})
+    session.recorded_grad_norm = session.recorded_grad_norm * 0.5  # e.g. averaged over 2 ranks
+    alone = reproduce(StepRunner(session)).fidelity
+    assert alone["bitwise_equal"] is False and alone["grad_norm_compared"] is True
+
+    session.world_size = 2
+    fidelity = reproduce(StepRunner(session)).fidelity
+    assert fidelity["bitwise_equal"] is True
+    assert fidelity["grad_norm_compared"] is False and "2 ranks" in fidelity["grad_norm_reason"]
+    assert fidelity["recorded_grad_norm"] != fidelity["replayed_grad_norm"]
+
+    poisoned = kit.make_session(kit.build_gpt2(dropout=0.0), kit.build_batches(poison=True),
+                                loss_fn=kit.log_zero_loss)
+    poisoned.recorded_grad_norm, poisoned.world_size = 3.0, 4  # finite all-rank norm, NaN on this rank
+    report = run_session(poisoned, ReplayOptions(device="cpu", bisect=False, fp32_check=False,
+                                                 rng_check=False, max_per_sample=0))
+    assert report["reproduced"] is True and report["fidelity"]["bitwise_equal"] is True
+    assert report["dump"]["world_size"] == 4
+    assert "Grad norm not compared: the recorded grad norm covers all 4 ranks" in render_verdict_text(report)
