@@ -121,9 +121,11 @@ def _progress(stage: str) -> None:
 @click.option("--blocklist", type=click.Path(path_type=Path), default=None,
               help="Write the culprit sample IDs here, one JSON value per line.")
 @click.option("--no-bisect", is_flag=True, help="Skip the sample bisection.")
+@click.option("--no-rng-check", is_flag=True, help="Skip the re-runs with other seeds that tell whether the "
+              "failure needs the recorded random state (e.g. one dropout mask).")
 @click.option("--json", "as_json", is_flag=True, help="Print report.json to stdout.")
 def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_path, out, blocklist, no_bisect,
-           as_json) -> None:
+           no_rng_check, as_json) -> None:
     """Replay the failing step of DUMP offline, localise it, bisect the samples, print the verdict."""
     from forensics.format import open_step
     from forensics.report import render_verdict_text, write_blocklist, write_report_files
@@ -134,7 +136,8 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
         codes = []
         for chosen_rank in ranks:
             options = ReplayOptions(device=device, trust=trust, factory=factory, loss=loss_fn,
-                                    sys_path=[str(p) for p in sys_path], rank=chosen_rank, bisect=not no_bisect)
+                                    sys_path=[str(p) for p in sys_path], rank=chosen_rank, bisect=not no_bisect,
+                                    rng_check=not no_rng_check)
             report = run_replay(dump, options, progress=_progress)
             d = report["dump"]
             target = out or Path("forensics_reports") / f"{d.get('run_id', 'run')}-step{d['step']}-rank{d['rank']}"
