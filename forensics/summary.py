@@ -66,8 +66,10 @@ def render_summary(summary: dict) -> str:
         for leaf in mb.get("unreplayable") or []:
             lines.append(f"        unreplayable leaf {leaf['path']} ({leaf['type']})")
     tail = summary["history_tail"]
-    lines += ["", "  history (last steps):", "    step        loss   grad_norm          lr"]
-    for row in zip(tail["step"], tail["loss"], tail["grad_norm"], tail["lr"]):
+    columns = ["step", "loss", "grad_norm", "lr"]
+    columns += [c for c in ("loss_scale", "skipped") if any(v not in (None, False) for v in tail.get(c, []))]
+    lines += ["", "  history (last steps):", "    " + "  ".join(f"{c:>10}" for c in columns)]
+    for row in zip(*(tail[c] for c in columns)):
         lines.append("    " + "  ".join(f"{_fmt(v):>10}" for v in row))
     precision = summary["precision"]
     autocast = precision.get("autocast") or {}

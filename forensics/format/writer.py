@@ -194,6 +194,9 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _explain(exc: Exception, final: Path) -> str:
+    if isinstance(exc, FileExistsError) and final.is_dir():
+        return (f"no dump written: {final} already exists: a dump of this run, step and rank (a rerun with the "
+                "same run_id?). Give the run a new GuardConfig.run_id or move the old dump away.")
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return f"no dump written to {final}: the disk is full ({exc}). Free space or set dump_dir elsewhere."
     if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST):
