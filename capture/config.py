@@ -74,6 +74,19 @@ class GuardConfig:
     background_write: bool = True
     """Spike dumps under 'continue' are copied to host memory and written by a background thread, so the
     loop stalls only for the copy."""
+    sync_free: bool = False
+    """Opt-in: no device->host sync inside check(), for optimizers whose step() honours GradScaler's
+    `found_inf` attribute (fused Adam / AdamW / SGD / Adagrad, e.g. AdamW(fused=True)). check() sets
+    `optimizer.found_inf` to a device flag "a loss or the grad norm is non-finite", so the plain
+    optimizer.step() skips a bad update on the device, and always returns True; the step's numbers reach
+    the host asynchronously and are judged at the NEXT check() (or flush() / close()). Consequences:
+    a non-finite step is always skipped on the device (also under 'continue'); it is dumped with its
+    pre-step state one step late (model buffers such as BatchNorm statistics have seen the next step's
+    forwards), and 'raise' raises at the next check(); finite spikes are applied before they are seen,
+    so they are logged and recorded in the history but never dumped ('raise' still raises, 'skip' cannot
+    skip). The micro-batches are kept by reference one step longer (a loader must not reuse its tensors).
+    Falls back to the synchronous check, with one warning, for an optimizer without found_inf support,
+    an enabled GradScaler, verify_update, or several ranks. On CPU it works the same (and saves nothing)."""
     recipe: dict[str, Any] | None = None
     """Replay recipe override: {"factory": "pkg.mod:fn", "factory_kwargs": {...}, "loss": "pkg.mod:fn",
     "loss_kwargs": {...}}. Default: filled in from model.config for Hugging Face models."""

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from capture import environment, snapshot
+from capture import deferred, environment, snapshot
 from capture.agreement import Agreement, agree, deferred_termination, default_run_id, dist_info, distributed, \
     unwrap_model
 from capture.config import GuardConfig
@@ -130,6 +130,8 @@ class Guard:
         self._hooks: list[Any] = [model.register_forward_pre_hook(self._note_autocast)]
         self._pre_step_copy: dict | None = None
         self._last_step: StepRecord | None = None
+        self._scheduler_snapshot: dict | None = None  # sync_free: the scheduler state saved at the dumped step
+        self._sync_free = deferred.SyncFree(self) if self.config.sync_free else None
         environment.environment()  # versions, git commit: read now, not while a fault is being dumped
         if self.config.verify_update:
             self._hooks.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
@@ -181,7 +183,7 @@ class Guard:
             self.step = step
         record, self._current = self._current or StepRecord(), None
         try:
-            decision = self._check(record, grad_norm)
+            decision = self._sync_free.check(record, grad_norm) if self._sync_free else self._check(record, grad_norm)
         except TrainingFaultError:
             self._last_step = record
             self.step += 1  # a job that catches the error and goes on must not reuse this step's number
@@ -365,7 +367,8 @@ class Guard:
         content = DumpContent(
             manifest=self._manifest(trigger, record, losses, norm, divisor),
             model=state["model"], optimizer=state["optimizer"], rng=list(record.rng), micro_batches=batches,
-            history=self.history.to_dict(), scheduler=snapshot.scheduler_state(self.scheduler),
+            history=self.history.to_dict(),
+            scheduler=self._scheduler_snapshot or snapshot.scheduler_state(self.scheduler),
             scaler=snapshot.scaler_state(self.scaler))
         content.ready = copy.wait  # the writer waits for the device copies before touching them
         return content
@@ -476,12 +479,30 @@ class Guard:
             self.step = saved_step
 
     # -- lifecycle -------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """GuardConfig.sync_free: judges the last checked step now (dump, policy); a no-op otherwise.
+
+        Raises:
+            TrainingFaultError: under the 'raise' policy, when that step was non-finite.
+        """
+        if self._sync_free is None:
+            return
+        try:
+            self._sync_free.resolve()
+        except TrainingFaultError:
+            raise
+        except Exception:  # noqa: BLE001
+            log.exception("forensics: judging the last step failed inside forensics")
+
     def close(self, timeout: float | None = None) -> None:
-        """Waits for background dump writes and removes the optimizer hooks."""
-        self._writer.join(timeout)
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
+        """Judges a step still pending (sync_free), waits for background dump writes, removes the hooks."""
+        try:
+            self.flush()
+        finally:
+            self._writer.join(timeout)
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks.clear()
 
     def __enter__(self) -> "Guard":
         return self

@@ -1,0 +1,196 @@
+"""The Guard's sync-free mode (GuardConfig.sync_free): the step is skipped on the device, and judged one step later.
+
+The default check reads the step's losses and grad norm on the host before optimizer.step(), which
+stalls the host until the GPU has finished backward, so the optimizer's kernel launches are no longer
+hidden behind GPU work. Here, for optimizers whose step() honours the `found_inf` / `grad_scale`
+attributes GradScaler sets (`_step_supports_amp_scaling`: fused Adam / AdamW / SGD / Adagrad):
+
+1. check() computes on the device a 0/1 `found_inf` = "some micro-batch loss or the grad norm is
+   non-finite" and sets `optimizer.found_inf`, `optimizer.grad_scale = None`. The user's plain
+   optimizer.step() then skips the update on the device when it is 1: the fused kernel returns early
+   and undoes the step counter it had just incremented (torch/optim/adam.py `_fused_adam`). A step
+   post-hook removes both attributes, as GradScaler.step does with `del`.
+2. check() starts a non-blocking copy of the step's scalars into a (pinned) host buffer, records a
+   CUDA event and returns True without waiting.
+3. The next check() (or Guard.flush() / Guard.close()) reads those scalars (the event is long
+   complete unless the host runs more than a step ahead), feeds the history and the detectors, and
+   applies the policy to that step. A non-finite step was not applied, so the state at that moment
+   IS its pre-step state: it is dumped with that step's micro-batches, RNG, losses, and the scheduler
+   state and optimizer hyper-parameters saved at its check.
+
+Limits: see the GuardConfig.sync_free docstring (capture/config.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from capture import snapshot
+from forensics.errors import TrainingFaultError
+
+if TYPE_CHECKING:
+    from capture.guard import Guard, StepRecord
+
+log = logging.getLogger(__name__)
+
+LATE = " (sync_free: detected one step late, at the next step's check; this step's update was skipped on the device)"
+
+
+@dataclass
+class Pending:
+    """A step whose scalars are on their way to the host."""
+
+    step: int
+    record: Any  # StepRecord
+    n_losses: int
+    host: dict[int, float | None]  # values already on the host (Python numbers, tensors off the device)
+    device_index: list[int]  # positions of the values in `buffer`
+    buffer: torch.Tensor
+    event: Any  # torch.cuda.Event or None (CPU: the copy was synchronous)
+    lr: float | None
+    scheduler: dict | None
+    hyper: list[dict]
+    divisor: float
+
+
+def unsupported(guard: "Guard") -> str | None:
+    """Why the sync-free mode cannot run for this Guard (None: it can)."""
+    optimizer, scaler = guard.optimizer, guard.scaler
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return (f"{type(optimizer).__name__} does not honour found_inf (only fused optimizers do, e.g. "
+                "AdamW(fused=True))")
+    if scaler is not None and getattr(scaler, "is_enabled", lambda: True)():
+        return "a GradScaler is enabled (it sets found_inf itself)"
+    if guard.config.verify_update:
+        return "verify_update copies the state before every step"
+    if guard._multi_rank():
+        return "several ranks must agree on each step before it is applied"
+    return None
+
+
+class SyncFree:
+    """Runs Guard.check in sync-free mode; falls back to the synchronous check (one warning) when unsupported."""
+
+    def __init__(self, guard: "Guard"):
+        self.guard = guard
+        self.pending: Pending | None = None
+        self.active: bool | None = None  # decided at the first check
+        self._hook = None
+
+    def check(self, record: "StepRecord", grad_norm: Any) -> bool:
+        g = self.guard
+        if self.active is None:
+            reason = unsupported(g)
+            self.active = reason is None
+            if reason:
+                log.warning("forensics: GuardConfig.sync_free is ignored: %s; using the synchronous check", reason)
+            else:
+                self._hook = g.optimizer.register_step_post_hook(_clear_found_inf)
+                g._hooks.append(self._hook)
+        if not self.active:
+            return g._check(record, grad_norm)
+        self.resolve()  # the previous step: may dump, and raise under the 'raise' policy
+        self._start(record, grad_norm)
+        return True
+
+    def _start(self, record: "StepRecord", grad_norm: Any) -> None:
+        g = self.guard
+        if grad_norm is None:
+            grad_norm = g._grad_norm()
+        param = next((p for group in g.optimizer.param_groups for p in group["params"]), None)
+        device = param.device if param is not None else torch.device("cpu")
+        values = [*record.losses, grad_norm]
+        device_index = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and v.device == device]
+        # Off-device values are read on the host; a Python number is never moved to the device (a pageable
+        # host->device copy waits for the stream like a sync).
+        host = {i: None if v is None else float(v.detach().float().mean()) if isinstance(v, torch.Tensor)
+                else float(v) for i, v in enumerate(values) if i not in device_index}
+        host_bad = any(v is not None and not math.isfinite(v) for v in host.values())
+        pinned = device.type == "cuda"
+        if device_index:
+            stacked = torch.stack([values[i].detach().float().mean() for i in device_index])
+            found_inf = (~torch.isfinite(stacked)).any().float()
+            if host_bad:
+                found_inf = torch.ones((), device=device)
+            buffer = torch.empty(len(device_index), dtype=torch.float32, pin_memory=pinned)
+            buffer.copy_(stacked, non_blocking=pinned)
+        else:
+            found_inf = torch.full((), float(host_bad), device=device)
+            buffer = torch.empty(0)
+        g.optimizer.found_inf = found_inf  # the fused step skips the update (and undoes its step count) when 1
+        g.optimizer.grad_scale = None
+        event = None
+        if pinned:
+            event = torch.cuda.Event()
+            event.record()
+        hyper = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in group.items() if k != "params"}
+                 for group in g.optimizer.param_groups]
+        self.pending = Pending(g.step, record, len(record.losses), host, device_index, buffer, event,
+                               snapshot.current_lr(g.optimizer), snapshot.scheduler_state(g.scheduler), hyper,
+                               g._divisor(record))
+
+    def resolve(self) -> None:
+        """Judges the pending step, if any: history, detectors, dump, policy (raises under 'raise')."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        if pending.event is not None:
+            pending.event.synchronize()
+        values: list[float | None] = [None] * (pending.n_losses + 1)
+        for i, v in pending.host.items():
+            values[i] = v
+        for i, v in zip(pending.device_index, pending.buffer.tolist()):
+            values[i] = v
+        g = self.guard
+        saved_step, g.step = g.step, pending.step
+        try:
+            self._judge(pending, values[:pending.n_losses], values[pending.n_losses])
+        finally:
+            g.step = saved_step
+
+    def _judge(self, pending: Pending, losses: list[float], norm: float | None) -> None:
+        g = self.guard
+        divisor = pending.divisor
+        step_loss = sum(losses) / divisor if losses else None
+        trigger = g._detect(losses, norm, step_loss, None)
+        clipped = (None if g.config.max_grad_norm is None or norm is None or not math.isfinite(norm)
+                   else norm > g.config.max_grad_norm)
+        spike = trigger is not None and trigger.kind.endswith("_spike")
+        g.history.append(pending.step, step_loss, norm, pending.lr, None, clipped, trigger is not None and not spike)
+        if trigger is None:
+            return
+        if spike:
+            self._on_spike(trigger)
+            return
+        trigger.detail += LATE
+        state = g.collect_state(snapshot.HostCopy(enabled=False))
+        for group, hyper in zip(state["optimizer"]["param_groups"], pending.hyper):
+            group.update({k: snapshot._plain(v) for k, v in hyper.items()})
+        g._scheduler_snapshot = pending.scheduler
+        try:
+            g._on_trigger(trigger, pending.record, losses, norm, divisor, state)
+        finally:
+            g._scheduler_snapshot = None
+
+    def _on_spike(self, trigger: Any) -> None:
+        """A finite spike was applied before it was seen: its pre-step state is gone, so it is not dumped."""
+        g = self.guard
+        policy = g._policy(trigger)
+        log.warning("forensics: step %d rank %d: %s (policy: %s; sync_free: seen one step late, after its update, "
+                    "so not dumped)", g.step, g.rank, trigger.detail, policy)
+        if policy == "raise":
+            reason = "sync_free mode does not dump spikes (the spike step's update was already applied)"
+            raise TrainingFaultError(f"step {g.step}: {trigger.detail} (detected one step late); NO dump was "
+                                     f"written: {reason}.", trigger.as_dict(), None, reason)
+
+
+def _clear_found_inf(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Step post-hook: the attributes apply to one step only (GradScaler deletes them the same way)."""
+    for name in ("found_inf", "grad_scale"):
+        if hasattr(optimizer, name):
+            delattr(optimizer, name)

@@ -1,0 +1,155 @@
+"""GuardConfig(sync_free=True): a fused AdamW skips the poisoned step on the device, the Guard reads nothing from
+the device inside check(), and the dump, written one step late, still holds the exact pre-step state."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from capture import Guard, GuardConfig, IndexedDataset
+from forensics.errors import TrainingFaultError
+from forensics.format import open_dump, verify_dump
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+HOST_READS = {"tolist", "item", "__float__", "__int__", "__bool__", "__index__", "numpy", "cpu", "__array__",
+              "__format__", "__repr__"}
+
+
+class Watched(torch.Tensor):
+    """Records every host read of its data or of anything computed from it (as in test_guard_syncs.py)."""
+
+    reads: list[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in HOST_READS:
+            cls.reads.append(func.__name__)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class ScalarReads(TorchDispatchMode):
+    """Counts aten::_local_scalar_dense, the op behind every .item() / float() / bool() of any tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+ACCUM, MICRO, POISON = 2, 2, 9  # sample 9: step 2 (lr still warming up), micro-batch 0
+BAD_STEP, BAD_MB, STEPS = 2, 0, 6
+
+
+def _setup(helpers, gpt2, tmp_path, policy, fused=True):
+    model = gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
+    guard = Guard(model, optimizer, scheduler, config=GuardConfig(
+        dump_dir=str(tmp_path / "dumps"), run_id="run", on_nonfinite=policy, sync_free=True))
+    loader = DataLoader(IndexedDataset(helpers.EmbedsDataset(STEPS * ACCUM * MICRO, poison=[POISON])),
+                        batch_size=MICRO, shuffle=False)
+    batches = list(loader)
+    return model, optimizer, scheduler, guard, [batches[i:i + ACCUM] for i in range(0, len(batches), ACCUM)]
+
+
+def test_poisoned_step_is_skipped_on_device_and_dumped_with_its_pre_step_state(helpers, gpt2, tmp_path):
+    model, optimizer, scheduler, guard, steps = _setup(helpers, gpt2, tmp_path, "skip")
+    loop = helpers.TrainLoop(model, optimizer, guard, scheduler)
+    loop.run(steps)
+    guard.close()
+
+    assert [log.decision for log in loop.logs] == [True] * STEPS  # the skip happened on the device
+    before, after = loop.logs[BAD_STEP], loop.logs[BAD_STEP + 1]
+    for name, tensor in before.model_state.items():  # the update of the bad step was not applied
+        assert helpers.bitwise_equal(after.model_state[name], tensor), name
+    assert helpers.trees_equal(after.optimizer_state["state"], before.optimizer_state["state"])
+    assert not helpers.trees_equal(loop.logs[BAD_STEP - 1].model_state, before.model_state)  # healthy steps update
+
+    [path] = guard.dumps
+    assert path == tmp_path / "dumps" / "run" / f"step-{BAD_STEP:09d}" / "rank-00000"
+    assert verify_dump(path).ok
+    dump = open_dump(path)
+    assert dump.step == BAD_STEP and dump.trigger["kind"] == "nonfinite_loss"
+    assert dump.trigger["micro_batch"] == BAD_MB and "one step late" in dump.trigger["detail"]
+    state = dump.model_state()
+    assert sorted(state) == sorted(before.model_state)
+    for name, tensor in before.model_state.items():
+        assert helpers.bitwise_equal(state[name], tensor), name
+    expected = helpers.optimizer_state_by_name(before.optimizer_state, model, optimizer)
+    dumped = dump.optimizer_state()
+    for name, entries in expected.items():
+        for key, value in entries.items():
+            assert helpers.bitwise_equal(dumped["state"][name][key], value), (name, key)
+    [group] = dumped["param_groups"]
+    assert group["lr"] == before.optimizer_state["param_groups"][0]["lr"]  # the bad step's lr, not the next one's
+    assert dump.scheduler_state()["state"]["last_epoch"] == before.scheduler_state["last_epoch"] == BAD_STEP
+    for index, batch in enumerate(before.micro_batches):
+        assert helpers.trees_equal(dump.micro_batch(index), batch)
+    history = guard.history.to_dict()
+    assert history["step"] == list(range(STEPS)) and history["skipped"] == [s == BAD_STEP for s in range(STEPS)]
+
+
+def test_raise_policy_raises_at_the_next_check_naming_the_bad_step(helpers, gpt2, tmp_path):
+    model, optimizer, scheduler, guard, steps = _setup(helpers, gpt2, tmp_path, "raise")
+    loop = helpers.TrainLoop(model, optimizer, guard, scheduler, snapshot=False)
+    loop.run(steps[:BAD_STEP + 1])  # the bad step itself passes: its update is skipped on the device
+    with pytest.raises(TrainingFaultError, match=f"step {BAD_STEP}: .*one step late") as caught:
+        loop.step(steps[BAD_STEP + 1])
+    guard.close()
+    assert caught.value.dump_path == guard.dumps[0] and open_dump(caught.value.dump_path).step == BAD_STEP
+
+
+def test_last_step_is_judged_by_close(helpers, gpt2, tmp_path):
+    model, optimizer, scheduler, guard, steps = _setup(helpers, gpt2, tmp_path, "raise")
+    loop = helpers.TrainLoop(model, optimizer, guard, scheduler, snapshot=False)
+    loop.run(steps[:BAD_STEP + 1])
+    with pytest.raises(TrainingFaultError, match=f"step {BAD_STEP}:"):
+        guard.close()
+    assert len(guard.dumps) == 1 and not hasattr(optimizer, "found_inf")
+
+
+def test_healthy_steps_read_nothing_from_the_device_inside_check(helpers, gpt2, tmp_path):
+    model = gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="s", sync_free=True))
+    data = helpers.EmbedsDataset(16)
+    reads = []
+    for step in range(4):
+        counted = ScalarReads()
+        for j in range(2):
+            batch = helpers.collate(data, [step * 4 + 2 * j, step * 4 + 2 * j + 1])
+            guard.record_batch(batch)
+            loss = model(inputs_embeds=batch["inputs_embeds"], labels=batch["labels"]).loss
+            guard.record_loss(loss.as_subclass(Watched))
+            (loss / 2).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        Watched.reads = []
+        with counted:
+            decision = guard.check(grad_norm=norm.as_subclass(Watched))
+        reads.append((decision, list(Watched.reads), counted.count))
+        optimizer.step()
+        optimizer.zero_grad()
+    guard.close()
+    assert reads == [(True, [], 0)] * 4
+    assert guard.dumps == [] and len(guard.history) == 4
+    assert all(isinstance(v, float) and math.isfinite(v) for v in guard.history.to_dict()["grad_norm"])
+
+
+def test_unsupported_optimizer_falls_back_to_the_synchronous_check(helpers, gpt2, tmp_path, caplog):
+    model, optimizer, scheduler, guard, steps = _setup(helpers, gpt2, tmp_path, "skip", fused=False)
+    loop = helpers.TrainLoop(model, optimizer, guard, scheduler, snapshot=False)
+    with caplog.at_level(logging.WARNING, logger="capture.deferred"):
+        loop.run(steps)
+    guard.close()
+    warnings = [r for r in caplog.records if r.name == "capture.deferred"]
+    assert len(warnings) == 1 and "does not honour found_inf" in warnings[0].getMessage()
+    assert [log.decision for log in loop.logs] == [s != BAD_STEP for s in range(STEPS)]  # the host decided
+    assert [open_dump(p).step for p in guard.dumps] == [BAD_STEP]
