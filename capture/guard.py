@@ -4,6 +4,7 @@ Costs on a healthy step: an RNG snapshot per micro-batch (host only), one fused 
 when the loop does not pass its own, and exactly one device->host transfer (inside `check`). Under
 torchrun (world size > 1, torch.distributed initialised) add one all-reduce, so that every rank
 triggers on the same step (capture/agreement.py); framework adapters live in capture.integrations.
+GuardConfig(sync_free=True) removes the transfer for fused optimizers (capture/deferred.py).
 """
 
 from __future__ import annotations
