@@ -25,6 +25,9 @@ def _load_helpers():
     return sys.modules[name]
 
 
+_load_helpers()  # importable as `forensics_test_helpers` from test modules too
+
+
 @pytest.fixture(scope="session")
 def helpers():
     """The tests/helpers.py module."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 VOCAB, EMBD, POSITIONS = 64, 32, 32
 
@@ -253,3 +254,32 @@ def read_everything(path) -> dict:
            "sample_ids": [dump.sample_ids(i) for i in range(dump.num_micro_batches)]}
     out["verify"] = verify_dump(path)
     return out
+
+
+# -- counting host reads (the Guard's one-sync promise) ----------------------------------
+HOST_READS = {"tolist", "item", "__float__", "__int__", "__bool__", "__index__", "numpy", "cpu", "__array__",
+              "__format__", "__repr__"}
+
+
+class Watched(torch.Tensor):
+    """A tensor that records every host read of its data (or of anything computed from it)."""
+
+    reads: list[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in HOST_READS:
+            cls.reads.append(name)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class ScalarReads(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))

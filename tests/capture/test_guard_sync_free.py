@@ -13,36 +13,9 @@ from torch.utils.data import DataLoader
 from capture import Guard, GuardConfig, IndexedDataset
 from forensics.errors import TrainingFaultError
 from forensics.format import open_dump, verify_dump
-
-from torch.utils._python_dispatch import TorchDispatchMode
-
-HOST_READS = {"tolist", "item", "__float__", "__int__", "__bool__", "__index__", "numpy", "cpu", "__array__",
-              "__format__", "__repr__"}
+from forensics_test_helpers import ScalarReads, Watched
 
 
-class Watched(torch.Tensor):
-    """Records every host read of its data or of anything computed from it (as in test_guard_syncs.py)."""
-
-    reads: list[str] = []
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in HOST_READS:
-            cls.reads.append(func.__name__)
-        return super().__torch_function__(func, types, args, kwargs or {})
-
-
-class ScalarReads(TorchDispatchMode):
-    """Counts aten::_local_scalar_dense, the op behind every .item() / float() / bool() of any tensor."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 ACCUM, MICRO, POISON = 2, 2, 9  # sample 9: step 2 (lr still warming up), micro-batch 0
 BAD_STEP, BAD_MB, STEPS = 2, 0, 6

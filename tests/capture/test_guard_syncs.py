@@ -12,36 +12,9 @@ benchmark (scripts/bench/capture_overhead.py) measures real syncs.
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from capture import Guard, GuardConfig
-
-HOST_READS = {"tolist", "item", "__float__", "__int__", "__bool__", "__index__", "numpy", "cpu", "__array__",
-              "__format__", "__repr__"}
-
-
-class Watched(torch.Tensor):
-    """A tensor that records every host read of its data (or of anything computed from it)."""
-
-    reads: list[str] = []
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in HOST_READS:
-            cls.reads.append(name)
-        return super().__torch_function__(func, types, args, kwargs or {})
-
-
-class ScalarReads(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
+from forensics_test_helpers import ScalarReads, Watched
 
 
 def test_the_watch_itself_sees_host_reads():
