@@ -159,7 +159,11 @@ class Guard:
         """Call once per micro-batch with its loss BEFORE any division by the accumulation count."""
         if self._current is None:
             return
-        value = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
+        try:
+            value = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
+        except (TypeError, ValueError):  # capture must never break the job
+            log.warning("forensics: record_loss got %s, not a number or tensor; ignored", type(loss).__name__)
+            return
         self._current.losses.append(value)
 
     def _note_autocast(self, module: torch.nn.Module, args: Any) -> None:
