@@ -398,7 +398,7 @@ def _verdict_facts(session: ReplaySession, dump_info: dict | None, trigger: dict
     stats = culprit.get("stats") or {}
     return VerdictFacts(
         culprits_each_fail_alone=(bisection or {}).get("independent_groups", 0) > 1,
-        trigger_kind=kind, reproduced=reproduced,
+        trigger_kind=kind, reproduced=reproduced, trigger_local=trigger.get("local", True) is not False,
         step=(dump_info or {}).get("step"), rank=(dump_info or {}).get("rank"),
         micro_batch=micro_batch, num_micro_batches=len(session.micro_batches),
         trigger_value=_float(trigger.get("value")), threshold=threshold, replayed_value=replayed_value,

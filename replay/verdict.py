@@ -71,6 +71,8 @@ class VerdictFacts:
     """The replay failed the same way (report `reproduced`)."""
     step: int | None = None
     rank: int | None = None
+    trigger_local: bool = True
+    """False when this rank only inherited the fault from another rank (multi-rank dumps)."""
     """Rank whose dump was replayed; also the rank of the culprit samples unless `culprit_rank`."""
     micro_batch: int | None = None
     """Micro-batch index in which the trigger fired, 0-based as in the report's JSON; prose shows it
@@ -358,6 +360,8 @@ def decide_verdict(facts: VerdictFacts) -> dict:
         ('bad_sample', "Sample 'shard-0192/rec-55411' alone makes the loss non-finite at step 41217 (rank 3) in the forward pass at `model.layers.17.mlp.down_proj` (aten::mm).")
     """
     f = facts
+    if not f.reproduced and not f.trigger_local:
+        return _inherited(f)
     if not f.reproduced:
         return _not_reproduced(f)
     if f.weights_nonfinite_at_start or f.all_subsets_fail:
@@ -384,6 +388,21 @@ def _has_culprit(f: VerdictFacts) -> bool:
 
 def _what(f: VerdictFacts) -> str:
     return _WHAT_FAILS.get(f.trigger_kind, f"the {f.trigger_kind.replace('_', ' ')}")
+
+
+def _inherited(f: VerdictFacts) -> dict:
+    """A rank whose own step is healthy: the fault reached it from another rank (e.g. via the all-reduce)."""
+    rank = f"rank {f.rank}" if f.rank is not None else "this rank"
+    step = f"step {f.step}" if f.step is not None else "the step"
+    headline = (f"{rank[0].upper() + rank[1:]}'s own part of {step} is healthy: the fault came from another "
+                "rank, whose dump holds the culprit.")
+    reading = (f"The Guard on {rank} triggered because another rank saw a non-finite loss or gradient (trigger "
+               "'local: false'); replaying this rank's own micro-batches gives a finite step, as expected.")
+    return _result("not_reproduced", headline, f, [
+        "Replay the rank that saw the fault first-hand: forensics replay STEP_DIR (it picks that rank) or "
+        "--rank R for the rank whose manifest says trigger.local = true.",
+        "forensics replay STEP_DIR --all-ranks replays every rank and names the one carrying the culprit.",
+    ], reading)
 
 
 def _not_reproduced(f: VerdictFacts) -> dict:

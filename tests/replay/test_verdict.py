@@ -202,3 +202,12 @@ def test_facts_are_validated():
         VerdictFacts("nonfinite_loss", True, history_pattern="wobbly")
     f = VerdictFacts("grad_norm_spike", True, culprit_samples=["a", "b"], rank=5)
     assert f.spike and f.culprit_subset_size == 2 and f.culprit_rank == 5
+
+
+def test_a_rank_that_only_inherited_the_fault_points_to_the_other_rank():
+    verdict = decide_verdict(VerdictFacts(trigger_kind="nonfinite_grad", reproduced=False, trigger_local=False,
+                                          step=3, rank=0))
+    assert verdict["kind"] == "not_reproduced"
+    assert "another rank" in verdict["headline"] and "Rank 0" in verdict["headline"]
+    assert "hardware" not in verdict["headline"]
+    assert any("--all-ranks" in s for s in verdict["suggestions"])
