@@ -14,18 +14,22 @@ import torch
 torch.set_num_threads(1)
 
 
-def _load_helpers():
-    # tests/ is not a package; load helpers.py under a name no other test directory can shadow.
-    name = "forensics_test_helpers"
+def load_test_module(name: str, path: Path):
+    """Loads a test support file under a name no test directory can shadow (tests/ is not a package)."""
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("helpers.py"))
+        spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
     return sys.modules[name]
 
 
+def _load_helpers():
+    return load_test_module("forensics_test_helpers", Path(__file__).with_name("helpers.py"))
+
+
 _load_helpers()  # importable as `forensics_test_helpers` from test modules too
+sys.modules["forensics_test_helpers"].load_test_module = load_test_module  # for sub-directories' conftests
 
 
 @pytest.fixture(scope="session")

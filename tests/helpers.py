@@ -283,3 +283,23 @@ class ScalarReads(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default:
             self.count += 1
         return func(*args, **(kwargs or {}))
+
+
+def assert_dump_holds_pre_step_state(dump, log, model, optimizer):
+    """The dump's weights and AdamW state are bitwise the copy `log` took before the optimizer step."""
+    state = dump.model_state()
+    assert sorted(state) == sorted(log.model_state)
+    for name, tensor in log.model_state.items():
+        assert bitwise_equal(state[name], tensor), name
+    expected = optimizer_state_by_name(log.optimizer_state, model, optimizer)
+    dumped = dump.optimizer_state()
+    assert dumped["class"] == "torch.optim.adamw.AdamW"
+    assert sorted(dumped["state"]) == sorted(expected)
+    for name, entries in expected.items():
+        assert sorted(dumped["state"][name]) == sorted(entries), name
+        for key, value in entries.items():
+            assert bitwise_equal(dumped["state"][name][key], value), (name, key)
+    [group] = dumped["param_groups"]
+    [expected_group] = log.optimizer_state["param_groups"]
+    assert group["lr"] == expected_group["lr"] and group["betas"] == list(expected_group["betas"])
+    assert group["params"] == [n for n, _ in model.named_parameters()]

@@ -35,25 +35,6 @@ def _setup(helpers, gpt2, tmp_path, policy, scaler=None, **config):
     return model, optimizer, scheduler, guard, steps
 
 
-def _assert_dump_is_the_pre_step_state(helpers, dump, log, model, optimizer):
-    state = dump.model_state()
-    assert sorted(state) == sorted(log.model_state)
-    for name, tensor in log.model_state.items():
-        assert helpers.bitwise_equal(state[name], tensor), name
-    expected = helpers.optimizer_state_by_name(log.optimizer_state, model, optimizer)
-    dumped = dump.optimizer_state()
-    assert dumped["class"] == "torch.optim.adamw.AdamW"
-    assert sorted(dumped["state"]) == sorted(expected)
-    for name, entries in expected.items():
-        assert sorted(dumped["state"][name]) == sorted(entries), name
-        for key, value in entries.items():
-            assert helpers.bitwise_equal(dumped["state"][name][key], value), (name, key)
-    [group] = dumped["param_groups"]
-    [expected_group] = log.optimizer_state["param_groups"]
-    assert group["lr"] == expected_group["lr"] and group["betas"] == list(expected_group["betas"])
-    assert group["params"] == [n for n, _ in model.named_parameters()]
-
-
 def test_poisoned_sample_gives_one_dump_of_the_pre_step_state_batches_and_rng(helpers, gpt2, tmp_path):
     model, optimizer, scheduler, guard, steps = _setup(helpers, gpt2, tmp_path, "skip")
     loop = helpers.TrainLoop(model, optimizer, guard, scheduler, draw=True)
@@ -83,7 +64,7 @@ def test_poisoned_sample_gives_one_dump_of_the_pre_step_state_batches_and_rng(he
     assert math.isnan(recorded[BAD_MB])
 
     # weights, optimizer and scheduler state from right before the optimizer step, bitwise
-    _assert_dump_is_the_pre_step_state(helpers, dump, log, model, optimizer)
+    helpers.assert_dump_holds_pre_step_state(dump, log, model, optimizer)
     assert dump.scheduler_state()["state"]["last_epoch"] == log.scheduler_state["last_epoch"] == BAD_STEP
     assert dump.scheduler_state()["state"]["_last_lr"] == log.scheduler_state["_last_lr"]
     history = dump.history()
@@ -148,7 +129,7 @@ def test_raise_policy_stops_with_the_dump_path(helpers, gpt2, tmp_path):
     assert f"forensics replay {error.dump_path}" in str(error)
     assert len(loop.logs) == BAD_STEP + 1 and len(guard.dumps) == 1
     dump = open_dump(error.dump_path)
-    _assert_dump_is_the_pre_step_state(helpers, dump, loop.logs[BAD_STEP], model, optimizer)
+    helpers.assert_dump_holds_pre_step_state(dump, loop.logs[BAD_STEP], model, optimizer)
 
 
 def test_continue_policy_dumps_and_goes_on_up_to_the_cap(helpers, gpt2, tmp_path):
@@ -171,7 +152,7 @@ def test_gradient_accumulation_with_autocast_and_grad_scaler(helpers, gpt2, tmp_
     dump = open_dump(path)
     log = loop.logs[BAD_STEP]
     assert dump.step == BAD_STEP and dump.trigger["kind"] == "nonfinite_loss"
-    _assert_dump_is_the_pre_step_state(helpers, dump, log, model, optimizer)
+    helpers.assert_dump_holds_pre_step_state(dump, log, model, optimizer)
     assert dump.scaler_state() == {k: (float(v) if isinstance(v, float) else v) for k, v in log.scaler_state.items()}
     precision = dump.precision
     assert precision["autocast"] == {"enabled": True, "device_type": "cpu", "dtype": "bfloat16"}

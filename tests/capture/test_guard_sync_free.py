@@ -52,16 +52,8 @@ def test_poisoned_step_is_skipped_on_device_and_dumped_with_its_pre_step_state(h
     dump = open_dump(path)
     assert dump.step == BAD_STEP and dump.trigger["kind"] == "nonfinite_loss"
     assert dump.trigger["micro_batch"] == BAD_MB and "one step late" in dump.trigger["detail"]
-    state = dump.model_state()
-    assert sorted(state) == sorted(before.model_state)
-    for name, tensor in before.model_state.items():
-        assert helpers.bitwise_equal(state[name], tensor), name
-    expected = helpers.optimizer_state_by_name(before.optimizer_state, model, optimizer)
-    dumped = dump.optimizer_state()
-    for name, entries in expected.items():
-        for key, value in entries.items():
-            assert helpers.bitwise_equal(dumped["state"][name][key], value), (name, key)
-    [group] = dumped["param_groups"]
+    helpers.assert_dump_holds_pre_step_state(dump, before, model, optimizer)
+    [group] = dump.optimizer_state()["param_groups"]
     assert group["lr"] == before.optimizer_state["param_groups"][0]["lr"]  # the bad step's lr, not the next one's
     assert dump.scheduler_state()["state"]["last_epoch"] == before.scheduler_state["last_epoch"] == BAD_STEP
     for index, batch in enumerate(before.micro_batches):

@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
 
 def _load_harness():
-    # tests/ is not a package; load harness.py under a name no other test directory can shadow.
-    name = "forensics_integration_harness"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("harness.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    from forensics_test_helpers import load_test_module  # set by tests/conftest.py
+
+    return load_test_module("forensics_integration_harness", Path(__file__).with_name("harness.py"))
 
 
 @pytest.fixture(scope="session")
