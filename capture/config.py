@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-POLICIES = ("raise", "skip", "continue")
+from forensics.kinds import Policy, TriggerKind
 
 
 @dataclass
@@ -40,10 +40,10 @@ class GuardConfig:
     """Where dumps go: <dump_dir>/<run_id>/step-<step>/rank-<rank>/."""
     run_id: str | None = None
     """Names the run's dump folder; default: $FORENSICS_RUN_ID, $TORCHELASTIC_RUN_ID, or a timestamp."""
-    on_nonfinite: str = "raise"
+    on_nonfinite: Policy = Policy.RAISE
     """Policy for NaN/Inf loss or gradients: 'raise' (stop with TrainingFaultError), 'skip' (check()
     returns False: do not step), or 'continue'."""
-    on_spike: str = "continue"
+    on_spike: Policy = Policy.CONTINUE
     """Policy for finite loss / grad-norm spikes."""
     max_dumps: int = 3
     """At most this many dumps per run (per rank); later triggers are logged only."""
@@ -93,7 +93,14 @@ class GuardConfig:
 
     def __post_init__(self):
         for name in ("on_nonfinite", "on_spike"):
-            if getattr(self, name) not in POLICIES:
-                raise ValueError(f"GuardConfig.{name} must be one of {POLICIES}, got {getattr(self, name)!r}")
+            try:
+                setattr(self, name, Policy(getattr(self, name)))
+            except ValueError:
+                raise ValueError(f"GuardConfig.{name} must be one of {', '.join(p.value for p in Policy)}, "
+                                 f"got {getattr(self, name)!r}") from None
         if self.max_dumps < 0 or self.min_spike_gap < 0 or self.history_size < 1:
             raise ValueError("GuardConfig needs max_dumps >= 0, min_spike_gap >= 0, history_size >= 1")
+
+    def policy_for(self, kind: TriggerKind) -> Policy:
+        """The policy that applies to a trigger of this kind: on_spike for spikes, else on_nonfinite."""
+        return self.on_spike if TriggerKind(kind).spike else self.on_nonfinite

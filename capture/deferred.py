@@ -26,15 +26,14 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from capture import snapshot
+from capture.incident import Incident, StepRecord
 from forensics.errors import TrainingFaultError
-
-if TYPE_CHECKING:
-    from capture.guard import Guard, StepRecord
+from forensics.kinds import Policy
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +45,7 @@ class Pending:
     """A step whose scalars are on their way to the host."""
 
     step: int
-    record: Any  # StepRecord
+    record: StepRecord
     n_losses: int
     host: dict[int, float | None]  # values already on the host (Python numbers, tensors off the device)
     device_index: list[int]  # positions of the values in `buffer`
@@ -58,7 +57,7 @@ class Pending:
     divisor: float
 
 
-def unsupported(guard: "Guard") -> str | None:
+def unsupported(guard: Any) -> str | None:
     """Why the sync-free mode cannot run for this Guard (None: it can)."""
     optimizer, scaler = guard.optimizer, guard.scaler
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
@@ -68,40 +67,45 @@ def unsupported(guard: "Guard") -> str | None:
         return "a GradScaler is enabled (it sets found_inf itself)"
     if guard.config.verify_update:
         return "verify_update copies the state before every step"
-    if guard._multi_rank():
+    if guard.multi_rank:
         return "several ranks must agree on each step before it is applied"
     return None
 
 
 class SyncFree:
-    """Runs Guard.check in sync-free mode; falls back to the synchronous check (one warning) when unsupported."""
+    """Runs Guard.check in sync-free mode; falls back to the synchronous check (one warning) when unsupported.
 
-    def __init__(self, guard: "Guard"):
+    Uses only the Guard's public members (optimizer, scheduler, config, detectors, history, step, rank,
+    multi_rank, compute_grad_norm, collect_state, clipped, handle_incident, add_hook).
+    """
+
+    def __init__(self, guard: Any):
         self.guard = guard
         self.pending: Pending | None = None
-        self.active: bool | None = None  # decided at the first check
-        self._hook = None
+        self._active: bool | None = None  # decided at the first check
 
-    def check(self, record: "StepRecord", grad_norm: Any) -> bool:
-        g = self.guard
-        if self.active is None:
+    def active(self) -> bool:
+        """Whether this Guard can run sync-free (decided once, at the first check; one warning if not)."""
+        if self._active is None:
+            g = self.guard
             reason = unsupported(g)
-            self.active = reason is None
+            self._active = reason is None
             if reason:
                 log.warning("forensics: GuardConfig.sync_free is ignored: %s; using the synchronous check", reason)
             else:
-                self._hook = g.optimizer.register_step_post_hook(_clear_found_inf)
-                g._hooks.append(self._hook)
-        if not self.active:
-            return g._check(record, grad_norm)
+                g.add_hook(g.optimizer.register_step_post_hook(_clear_found_inf))
+        return self._active
+
+    def check(self, record: StepRecord, grad_norm: Any) -> bool:
+        """The sync-free check (call only when active()): judges the previous step, starts this one's."""
         self.resolve()  # the previous step: may dump, and raise under the 'raise' policy
         self._start(record, grad_norm)
         return True
 
-    def _start(self, record: "StepRecord", grad_norm: Any) -> None:
+    def _start(self, record: StepRecord, grad_norm: Any) -> None:
         g = self.guard
         if grad_norm is None:
-            grad_norm = g._grad_norm()
+            grad_norm = g.compute_grad_norm()
         param = next((p for group in g.optimizer.param_groups for p in group["params"]), None)
         device = param.device if param is not None else torch.device("cpu")
         values = [*record.losses, grad_norm]
@@ -132,7 +136,7 @@ class SyncFree:
                  for group in g.optimizer.param_groups]
         self.pending = Pending(g.step, record, len(record.losses), host, device_index, buffer, event,
                                snapshot.current_lr(g.optimizer), snapshot.scheduler_state(g.scheduler), hyper,
-                               g._divisor(record))
+                               record.divisor(g.config.loss_divisor))
 
     def resolve(self) -> None:
         """Judges the pending step, if any: history, detectors, dump, policy (raises under 'raise')."""
@@ -146,46 +150,37 @@ class SyncFree:
             values[i] = v
         for i, v in zip(pending.device_index, pending.buffer.tolist()):
             values[i] = v
-        g = self.guard
-        saved_step, g.step = g.step, pending.step
-        try:
-            self._judge(pending, values[:pending.n_losses], values[pending.n_losses])
-        finally:
-            g.step = saved_step
+        self._judge(pending, values[:pending.n_losses], values[pending.n_losses])
 
     def _judge(self, pending: Pending, losses: list[float], norm: float | None) -> None:
         g = self.guard
         divisor = pending.divisor
         step_loss = sum(losses) / divisor if losses else None
-        trigger = g._detect(losses, norm, step_loss, None)
-        clipped = (None if g.config.max_grad_norm is None or norm is None or not math.isfinite(norm)
-                   else norm > g.config.max_grad_norm)
-        spike = trigger is not None and trigger.kind.endswith("_spike")
-        g.history.append(pending.step, step_loss, norm, pending.lr, None, clipped, trigger is not None and not spike)
+        trigger = g.detectors.detect(losses, norm, step_loss, None)
+        spike = trigger is not None and trigger.kind.spike
+        g.history.append(pending.step, step_loss, norm, pending.lr, None, g.clipped(norm),
+                         trigger is not None and not spike)
         if trigger is None:
             return
+        policy = g.config.policy_for(trigger.kind)
         if spike:
-            self._on_spike(trigger)
+            self._on_spike(trigger, pending.step, policy)
             return
         trigger.detail += LATE
         state = g.collect_state(snapshot.HostCopy(enabled=False))
         for group, hyper in zip(state["optimizer"]["param_groups"], pending.hyper):
-            group.update({k: snapshot._plain(v) for k, v in hyper.items()})
-        g._scheduler_snapshot = pending.scheduler
-        try:
-            g._on_trigger(trigger, pending.record, losses, norm, divisor, state)
-        finally:
-            g._scheduler_snapshot = None
+            group.update({k: snapshot.plain(v) for k, v in hyper.items()})
+        g.handle_incident(Incident(trigger, pending.step, pending.record, losses, norm, divisor, policy,
+                                   state=state, scheduler=pending.scheduler))
 
-    def _on_spike(self, trigger: Any) -> None:
+    def _on_spike(self, trigger: Any, step: int, policy: Policy) -> None:
         """A finite spike was applied before it was seen: its pre-step state is gone, so it is not dumped."""
         g = self.guard
-        policy = g._policy(trigger)
         log.warning("forensics: step %d rank %d: %s (policy: %s; sync_free: seen one step late, after its update, "
-                    "so not dumped)", g.step, g.rank, trigger.detail, policy)
-        if policy == "raise":
+                    "so not dumped)", step, g.rank, trigger.detail, policy)
+        if policy is Policy.RAISE:
             reason = "sync_free mode does not dump spikes (the spike step's update was already applied)"
-            raise TrainingFaultError(f"step {g.step}: {trigger.detail} (detected one step late); NO dump was "
+            raise TrainingFaultError(f"step {step}: {trigger.detail} (detected one step late); NO dump was "
                                      f"written: {reason}.", trigger.as_dict(), None, reason)
 
 

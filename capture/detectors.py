@@ -1,4 +1,5 @@
-"""NaN-safe robust spike detection (rolling median / MAD with warm-up) on per-step scalars."""
+"""The Guard's detectors: NaN-safe robust spike detection (rolling median / MAD with warm-up) on per-step
+scalars, and StepDetectors, which turns one step's numbers into a Trigger."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import math
 import statistics
 from collections import deque
 
-from capture.config import SpikeConfig
+from capture.agreement import Agreement
+from capture.config import GuardConfig, SpikeConfig
+from capture.incident import Trigger
+from forensics.kinds import TriggerKind
 
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
 
@@ -35,3 +39,52 @@ class SpikeDetector:
         limit = self.threshold()
         self._window.append(value)
         return limit if limit is not None and value > limit else None
+
+
+class StepDetectors:
+    """Turns one step's host numbers into a Trigger (or None): non-finite loss, non-finite gradients
+    (a GradScaler's ordinary overflow excepted until the scale collapses), then loss and grad-norm spikes.
+
+    Adding a trigger kind: a member of forensics.kinds.TriggerKind, and its test here.
+    """
+
+    def __init__(self, config: GuardConfig):
+        self.min_loss_scale = config.min_loss_scale
+        self.loss = SpikeDetector(config.loss_spike)
+        self.grad_norm = SpikeDetector(config.grad_norm_spike)
+
+    def detect(self, losses: list[float], norm: float | None, step_loss: float | None,
+               loss_scale: float | None, agreed: Agreement | None = None) -> Trigger | None:
+        """This rank's trigger, if any. With several ranks (`agreed`), the spike detectors see the values
+        agreed across ranks, so their windows, and so their verdicts, are identical on every rank."""
+        for index, value in enumerate(losses):
+            if not math.isfinite(value):
+                return Trigger(TriggerKind.NONFINITE_LOSS, value, None, index,
+                               f"loss of micro-batch {index} is {value}")
+        if norm is not None and not math.isfinite(norm):  # None: no gradients to measure, not a fault
+            if agreed is not None and agreed.loss_fault:
+                return None  # another rank's non-finite loss reached these gradients through their all-reduce
+            if loss_scale is None:
+                return Trigger(TriggerKind.NONFINITE_GRAD, norm, None, None,
+                               f"gradient norm is {norm} with a finite loss")
+            if loss_scale <= self.min_loss_scale:
+                return Trigger(TriggerKind.NONFINITE_GRAD, norm, self.min_loss_scale, None,
+                               f"gradients overflow and the loss scale has collapsed to {loss_scale}")
+            return None  # a normal GradScaler overflow: it skips the step and lowers the scale
+        own_loss, own_norm, where = step_loss, norm, ""
+        if agreed is not None:
+            if agreed.fault:
+                return None  # another rank's fault (the caller adds that trigger); the spike windows stay as they are
+            step_loss, norm, where = agreed.step_loss, agreed.grad_norm, " (agreed across ranks)"
+        worst = max(range(len(losses)), key=lambda i: losses[i]) if losses else None
+        limit = self.loss.observe(step_loss)
+        if limit is not None:
+            return Trigger(TriggerKind.LOSS_SPIKE, step_loss, limit, worst,
+                           f"loss {step_loss:.4g}{where} is above the spike threshold {limit:.4g}",
+                           local=own_loss is not None and own_loss > limit)
+        limit = self.grad_norm.observe(norm)
+        if limit is not None:
+            return Trigger(TriggerKind.GRAD_NORM_SPIKE, norm, limit, worst,
+                           f"grad norm {norm:.4g}{where} is above the spike threshold {limit:.4g}",
+                           local=own_norm is not None and own_norm > limit)
+        return None

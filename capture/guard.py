@@ -13,7 +13,6 @@ import logging
 import math
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,61 +22,21 @@ from capture import deferred, environment, snapshot
 from capture.agreement import Agreement, agree, deferred_termination, default_run_id, dist_info, distributed, \
     unwrap_model
 from capture.config import GuardConfig
-from capture.detectors import SpikeDetector
+from capture.detectors import StepDetectors
 from capture.history import History
+from capture.incident import Incident, StepRecord, Trigger, batch_size, json_ids
 from capture.recipe import build_recipe
 from capture.writer_thread import BackgroundWriter
 from forensics.errors import CaptureError, TrainingFaultError
 from forensics.format.writer import DumpContent, write_dump
-from forensics.rng import RngState, capture_rng, restore_rng
+from forensics.grad_norm import total_grad_norm
+from forensics.kinds import Policy, TriggerKind
+from forensics.recipes import default_loss
+from forensics.rng import capture_rng, restore_rng
 
 log = logging.getLogger(__name__)
 
 MAX_MICRO_BATCHES = 4096  # a step with more micro-batches means check() is never called
-
-
-@dataclass
-class StepRecord:
-    """What the Guard keeps of the step in progress: references only, nothing copied."""
-
-    batches: list[Any] = field(default_factory=list)
-    sample_ids: list[Any] = field(default_factory=list)
-    rng: list[RngState] = field(default_factory=list)
-    losses: list[Any] = field(default_factory=list)
-    autocast: dict | None = None
-
-
-@dataclass
-class Trigger:
-    kind: str
-    value: float
-    threshold: float | None
-    micro_batch: int | None
-    detail: str
-    local: bool = True
-
-    def as_dict(self) -> dict:
-        return {"kind": self.kind, "value": self.value, "threshold": self.threshold,
-                "micro_batch": self.micro_batch, "detail": self.detail, "local": self.local}
-
-
-def _json_ids(ids: Any) -> list | None:
-    if ids is None:
-        return None
-    if isinstance(ids, torch.Tensor):
-        return ids.detach().cpu().reshape(-1).tolist()
-    return [i.item() if isinstance(i, torch.Tensor) else i for i in ids]
-
-
-def _batch_size(batch: Any) -> int | None:
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.dim() else None
-    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
-    for value in values:
-        size = _batch_size(value)
-        if size is not None:
-            return size
-    return None
 
 
 class Guard:
@@ -102,10 +61,19 @@ class Guard:
         ...     if guard.check(grad_norm=clip_grad_norm_(model.parameters(), 1.0)):
         ...         optimizer.step()
         ...     scheduler.step(); optimizer.zero_grad()
+
+    Framework adapters (capture/integrations/) subclass the Guard and override only these hooks:
+        at_step_boundary()       -- is this check() an optimizer-step boundary (gradient accumulation)?
+        step_number()            -- the framework's global step, or None for the Guard's own counter
+        compute_grad_norm()      -- the grad norm when the loop passes none (ZeRO: this rank's shard)
+        collect_state(copy)      -- the name-keyed model and optimizer state to dump (ZeRO: gathered)
+        replay_recipe()          -- the manifest's `recipe` (how replay rebuilds the model)
+        describe_distribution()  -- the manifest's `distributed` section (framework, ZeRO stage ...)
     """
 
     sharded_grad_norm = False
-    """True when the grad norm passed to check() is the norm of this rank's shard only (ZeRO)."""
+    """True when compute_grad_norm() is the norm of this rank's shard only (ZeRO): the agreement all-reduce
+    assembles the global norm."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None,
                  scaler: Any = None, *, config: GuardConfig | None = None, loss_fn: Callable | None = None):
@@ -117,8 +85,7 @@ class Guard:
         self.run_id = self.config.run_id or default_run_id()
         self.step = 0
         self.history = History(self.config.history_size)
-        self.loss_detector = SpikeDetector(self.config.loss_spike)
-        self.grad_detector = SpikeDetector(self.config.grad_norm_spike)
+        self.detectors = StepDetectors(self.config)
         self.dumps: list[Path] = []
         self.dump_errors: list[str] = []
         # max_dumps slots: taken when a dump starts (background writes land later). One process gives a slot
@@ -128,15 +95,15 @@ class Guard:
         self._current: StepRecord | None = None
         self._last_spike_dump: int | None = None
         self._writer = BackgroundWriter()
-        self._hooks: list[Any] = [model.register_forward_pre_hook(self._note_autocast)]
+        self._hooks: list[Any] = []
+        self.add_hook(model.register_forward_pre_hook(self._note_autocast))
         self._pre_step_copy: dict | None = None
         self._last_step: StepRecord | None = None
-        self._scheduler_snapshot: dict | None = None  # sync_free: the scheduler state saved at the dumped step
         self._sync_free = deferred.SyncFree(self) if self.config.sync_free else None
         environment.environment()  # versions, git commit: read now, not while a fault is being dumped
         if self.config.verify_update:
-            self._hooks.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
-            self._hooks.append(optimizer.register_step_post_hook(self._after_optimizer_step))
+            self.add_hook(optimizer.register_step_pre_hook(self._before_optimizer_step))
+            self.add_hook(optimizer.register_step_post_hook(self._after_optimizer_step))
 
     # -- recording (hot path: references and host-side RNG only) ---------------------------------
     def record_batch(self, batch: Any, sample_ids: Any = None) -> None:
@@ -178,17 +145,23 @@ class Guard:
         Args:
             grad_norm: the total gradient norm the loop already computed (e.g. clip_grad_norm_'s
                 return value); computed here in one fused reduction when omitted.
-            step: the global step number; default: an internal counter.
+            step: the global step number; default: the framework's (adapters) or an internal counter.
         Returns:
             True to go on with optimizer.step(); False when the step must be skipped (skip policy).
+            Always True between gradient-accumulation boundaries of a framework adapter.
         Raises:
             TrainingFaultError: under the 'raise' policy, after the dump is written (or failed to be).
         """
+        if not self.at_step_boundary():
+            return True
+        if step is None:
+            step = self.step_number()
         if step is not None:
             self.step = step
         record, self._current = self._current or StepRecord(), None
         try:
-            decision = self._sync_free.check(record, grad_norm) if self._sync_free else self._check(record, grad_norm)
+            sync_free = self._sync_free is not None and self._sync_free.active()
+            decision = self._sync_free.check(record, grad_norm) if sync_free else self._check(record, grad_norm)
         except TrainingFaultError:
             self._last_step = record
             self.step += 1  # a job that catches the error and goes on must not reuse this step's number
@@ -200,6 +173,43 @@ class Guard:
         self.step += 1
         return decision
 
+    # -- adapter hooks (see the class docstring) -------------------------------------------------
+    def at_step_boundary(self) -> bool:
+        """True when this check() precedes an optimizer step (adapters: the gradient-accumulation boundary)."""
+        return True
+
+    def step_number(self) -> int | None:
+        """The framework's global step for this check(), or None to use the Guard's own counter."""
+        return None
+
+    def compute_grad_norm(self) -> torch.Tensor | float | None:
+        """The gradient norm of this step when the loop passed none (None: no gradients)."""
+        return total_grad_norm(p.grad for p in self.model.parameters() if p.grad is not None)
+
+    def collect_state(self, copy: snapshot.HostCopy) -> dict:
+        """Full, name-keyed pre-step state: `{"model": {name: tensor}, "optimizer": {...}}` (docs/DUMP_FORMAT.md).
+        Tensors go through `copy` (a no-op unless the dump is written in the background)."""
+        return {"model": snapshot.model_state(self.model, copy),
+                "optimizer": snapshot.optimizer_state(self.optimizer, self.model, copy)}
+
+    def replay_recipe(self) -> dict:
+        """The manifest's `recipe`: import paths of the model factory and loss, never executed here."""
+        return build_recipe(self.model, self.loss_fn, self.config.sample_id_key, self.config.recipe)
+
+    def describe_distribution(self) -> dict | None:
+        """The manifest's optional `distributed` section (None: omitted)."""
+        return None
+
+    # -- helpers the Guard's modes share (capture/deferred.py) -----------------------------------
+    @property
+    def multi_rank(self) -> bool:
+        """Several ranks under an initialised process group (each step then agrees across ranks)."""
+        return self.world_size > 1 and distributed()
+
+    def add_hook(self, handle: Any) -> None:
+        """Keeps a removable hook handle; close() removes it."""
+        self._hooks.append(handle)
+
     def _gather(self, record: StepRecord, grad_norm: Any
                 ) -> tuple[list[float], float | None, float | None, Agreement | None]:
         """One device->host transfer of per-micro-batch losses, grad norm and loss scale (and, with several
@@ -209,14 +219,14 @@ class Guard:
         host->device copy, which waits for the stream just like a sync.
         """
         if grad_norm is None:
-            grad_norm = self._grad_norm()
+            grad_norm = self.compute_grad_norm()
         scale = getattr(self.scaler, "_scale", None) if self.scaler is not None and self.scaler.is_enabled() else None
         values: list[Any] = [*record.losses, grad_norm, scale]
         n = len(record.losses)
         agreed = None
-        if self._multi_rank():
-            host, agreed = agree(values, n, divisor=self._divisor(record), min_loss_scale=self.config.min_loss_scale,
-                                 sharded_grad_norm=self.sharded_grad_norm)
+        if self.multi_rank:
+            host, agreed = agree(values, n, divisor=record.divisor(self.config.loss_divisor),
+                                 min_loss_scale=self.config.min_loss_scale, sharded_grad_norm=self.sharded_grad_norm)
         else:
             host = self._fetch(values)
         return host[:n], host[n], host[n + 1], agreed
@@ -237,106 +247,63 @@ class Guard:
                 host[i] = fetched[slot]
         return host
 
-    def _multi_rank(self) -> bool:
-        return self.world_size > 1 and distributed()
-
-    def _grad_norm(self) -> torch.Tensor | None:
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if not grads:
-            return None
-        norms = torch._foreach_norm(grads)
-        device = norms[0].device
-        return torch.linalg.vector_norm(torch.stack([n.float().to(device) for n in norms]))
-
     def _check(self, record: StepRecord, grad_norm: Any) -> bool:
         losses, norm, loss_scale, agreed = self._gather(record, grad_norm)
-        divisor = self._divisor(record)
+        divisor = record.divisor(self.config.loss_divisor)
         step_loss = sum(losses) / divisor if losses else None
         scaler_overflow = loss_scale is not None and norm is not None and not math.isfinite(norm)
-        trigger = self._detect(losses, norm, step_loss, loss_scale, agreed)
+        trigger = self.detectors.detect(losses, norm, step_loss, loss_scale, agreed)
         if trigger is None and agreed is not None and agreed.fault:
-            trigger = Trigger("nonfinite_grad", norm, None, None,
+            trigger = Trigger(TriggerKind.NONFINITE_GRAD, norm, None, None,
                               "another rank saw a non-finite loss or gradient at this step", local=False)
-        clipped = (None if self.config.max_grad_norm is None or norm is None or not math.isfinite(norm)
-                   else norm > self.config.max_grad_norm)
-        skip = trigger is not None and self._policy(trigger) == "skip"
-        self.history.append(self.step, step_loss, norm, snapshot.current_lr(self.optimizer), loss_scale, clipped,
-                            skip or scaler_overflow)
+        policy = self.config.policy_for(trigger.kind) if trigger is not None else None
+        self.history.append(self.step, step_loss, norm, snapshot.current_lr(self.optimizer), loss_scale,
+                            self.clipped(norm), policy is Policy.SKIP or scaler_overflow)
         if trigger is None:
             return True
-        return self._on_trigger(trigger, record, losses, norm, divisor)
+        return self.handle_incident(Incident(trigger, self.step, record, losses, norm, divisor, policy))
 
-    def _divisor(self, record: StepRecord) -> float:
-        return float(self.config.loss_divisor or max(len(record.losses), 1))
-
-    def _detect(self, losses: list[float], norm: float | None, step_loss: float | None,
-                loss_scale: float | None, agreed: Agreement | None = None) -> Trigger | None:
-        """This rank's trigger, if any. With several ranks (`agreed`), the spike detectors see the values
-        agreed across ranks, so their windows, and so their verdicts, are identical on every rank."""
-        for index, value in enumerate(losses):
-            if not math.isfinite(value):
-                return Trigger("nonfinite_loss", value, None, index, f"loss of micro-batch {index} is {value}")
-        if norm is not None and not math.isfinite(norm):  # None: no gradients to measure, not a fault
-            if agreed is not None and agreed.loss_fault:
-                return None  # another rank's non-finite loss reached these gradients through their all-reduce
-            if loss_scale is None:
-                return Trigger("nonfinite_grad", norm, None, None, f"gradient norm is {norm} with a finite loss")
-            if loss_scale <= self.config.min_loss_scale:
-                return Trigger("nonfinite_grad", norm, self.config.min_loss_scale, None,
-                               f"gradients overflow and the loss scale has collapsed to {loss_scale}")
-            return None  # a normal GradScaler overflow: it skips the step and lowers the scale
-        own_loss, own_norm, where = step_loss, norm, ""
-        if agreed is not None:
-            if agreed.fault:
-                return None  # another rank's fault (the caller adds that trigger); the spike windows stay as they are
-            step_loss, norm, where = agreed.step_loss, agreed.grad_norm, " (agreed across ranks)"
-        worst = max(range(len(losses)), key=lambda i: losses[i]) if losses else None
-        limit = self.loss_detector.observe(step_loss)
-        if limit is not None:
-            return Trigger("loss_spike", step_loss, limit, worst,
-                           f"loss {step_loss:.4g}{where} is above the spike threshold {limit:.4g}",
-                           local=own_loss is not None and own_loss > limit)
-        limit = self.grad_detector.observe(norm)
-        if limit is not None:
-            return Trigger("grad_norm_spike", norm, limit, worst,
-                           f"grad norm {norm:.4g}{where} is above the spike threshold {limit:.4g}",
-                           local=own_norm is not None and own_norm > limit)
-        return None
-
-    def _policy(self, trigger: Trigger) -> str:
-        return self.config.on_spike if trigger.kind.endswith("_spike") else self.config.on_nonfinite
+    def clipped(self, norm: float | None) -> bool | None:
+        """Whether the loop's clipping (GuardConfig.max_grad_norm) fired at this norm (None: unknown)."""
+        if self.config.max_grad_norm is None or norm is None or not math.isfinite(norm):
+            return None
+        return norm > self.config.max_grad_norm
 
     # -- on trigger ------------------------------------------------------------------------------
-    def _on_trigger(self, trigger: Trigger, record: StepRecord, losses: list[float], norm: float,
-                    divisor: float, state: dict | None = None) -> bool:
-        policy = self._policy(trigger)
-        log.warning("forensics: step %d rank %d: %s (policy: %s)", self.step, self.rank, trigger.detail, policy)
-        dump_path, dump_error = self._maybe_dump(trigger, record, losses, norm, divisor, policy, state)
-        if policy == "raise":
+    def handle_incident(self, incident: Incident) -> bool:
+        """Dumps the incident (within the caps) and applies its policy.
+
+        Returns:
+            False when the step must be skipped ('skip'), else True.
+        Raises:
+            TrainingFaultError: under 'raise', after the dump was written (or failed to be).
+        """
+        trigger, policy = incident.trigger, incident.policy
+        log.warning("forensics: step %d rank %d: %s (policy: %s)", incident.step, self.rank, trigger.detail, policy)
+        dump_path, dump_error = self._maybe_dump(incident)
+        if policy is Policy.RAISE:
             where = f"dump written to {dump_path}" if dump_path else f"NO dump was written: {dump_error}"
             raise TrainingFaultError(
-                f"step {self.step}: {trigger.detail}; {where}. "
+                f"step {incident.step}: {trigger.detail}; {where}. "
                 + (f"Replay it with: forensics replay {dump_path}" if dump_path else ""),
                 trigger.as_dict(), dump_path, dump_error)
-        return policy != "skip"
+        return policy is not Policy.SKIP
 
-    def _maybe_dump(self, trigger: Trigger, record: StepRecord, losses: list[float], norm: float,
-                    divisor: float, policy: str, state: dict | None = None) -> tuple[Path | None, str | None]:
-        spike = trigger.kind.endswith("_spike")
-        if spike and self._last_spike_dump is not None and self.step - self._last_spike_dump < self.config.min_spike_gap:
-            return None, f"a spike was dumped {self.step - self._last_spike_dump} steps ago (GuardConfig.min_spike_gap)"
+    def _maybe_dump(self, incident: Incident) -> tuple[Path | None, str | None]:
+        spike, step = incident.trigger.kind.spike, incident.step
+        if spike and self._last_spike_dump is not None and step - self._last_spike_dump < self.config.min_spike_gap:
+            return None, f"a spike was dumped {step - self._last_spike_dump} steps ago (GuardConfig.min_spike_gap)"
         if not self._dump_slots.acquire(blocking=False):
             return None, f"the cap of {self.config.max_dumps} dumps per run is reached (GuardConfig.max_dumps)"
         if spike:
-            self._last_spike_dump = self.step  # at the attempt, as the slot: the same on every rank
+            self._last_spike_dump = step  # at the attempt, as the slot: the same on every rank
         with deferred_termination():
-            return self._dump(trigger, record, losses, norm, divisor, spike and policy == "continue", state)
+            return self._dump(incident, background=spike and incident.policy is Policy.CONTINUE
+                              and self.config.background_write)
 
-    def _dump(self, trigger: Trigger, record: StepRecord, losses: list[float], norm: float, divisor: float,
-              may_background: bool, state: dict | None) -> tuple[Path | None, str | None]:
-        background = may_background and self.config.background_write
+    def _dump(self, incident: Incident, background: bool) -> tuple[Path | None, str | None]:
         try:
-            content = self._content(trigger, record, losses, norm, divisor, background, state)
+            content = self._content(incident, background)
         except Exception as exc:  # noqa: BLE001
             message = f"no dump written: collecting the state failed ({type(exc).__name__}: {exc})"
             self._failed(message)
@@ -357,31 +324,24 @@ class Guard:
         log.warning("forensics: dump written to %s — replay it with: forensics replay %s", path, path)
 
     def _failed(self, message: str) -> None:
-        if not self._multi_rank():  # several ranks: the attempt counts (see __init__)
+        if not self.multi_rank:  # several ranks: the attempt counts (see __init__)
             self._dump_slots.release()
         self.dump_errors.append(message)
         log.error("forensics: %s", message)
 
-    def _content(self, trigger: Trigger, record: StepRecord, losses: list[float], norm: float,
-                 divisor: float, background: bool, state: dict | None) -> DumpContent:
+    def _content(self, incident: Incident, background: bool) -> DumpContent:
         copy = snapshot.HostCopy(enabled=background)
-        if state is None:
-            state = self.collect_state(copy)
-        batches = [self._copy_tree(b, copy) for b in record.batches]
+        state = incident.state if incident.state is not None else self.collect_state(copy)
+        batches = [self._copy_tree(b, copy) for b in incident.record.batches]
         copy.finish()
         content = DumpContent(
-            manifest=self._manifest(trigger, record, losses, norm, divisor),
-            model=state["model"], optimizer=state["optimizer"], rng=list(record.rng), micro_batches=batches,
-            history=self.history.to_dict(),
-            scheduler=self._scheduler_snapshot or snapshot.scheduler_state(self.scheduler),
+            manifest=self._manifest(incident),
+            model=state["model"], optimizer=state["optimizer"], rng=list(incident.record.rng),
+            micro_batches=batches, history=self.history.to_dict(),
+            scheduler=incident.scheduler or snapshot.scheduler_state(self.scheduler),
             scaler=snapshot.scaler_state(self.scaler))
         content.ready = copy.wait  # the writer waits for the device copies before touching them
         return content
-
-    def collect_state(self, copy: snapshot.HostCopy) -> dict:
-        """Full, name-keyed model and optimizer state. Framework adapters (ZeRO) override this."""
-        return {"model": snapshot.model_state(self.model, copy),
-                "optimizer": snapshot.optimizer_state(self.optimizer, self.model, copy)}
 
     def _copy_tree(self, node: Any, copy: snapshot.HostCopy) -> Any:
         if isinstance(node, torch.Tensor):
@@ -392,42 +352,43 @@ class Guard:
             return type(node)(self._copy_tree(v, copy) for v in node) if not hasattr(node, "_fields") else node
         return node
 
-    def _manifest(self, trigger: Trigger, record: StepRecord, losses: list[float], norm: float,
-                  divisor: float) -> dict:
-        recheck = self._recheck(trigger, record, losses)
+    def _manifest(self, incident: Incident) -> dict:
+        record, losses, step = incident.record, incident.losses, incident.step
         micro_batches = []
         for index, batch in enumerate(record.batches):
-            ids = _json_ids(record.sample_ids[index])
-            size = _batch_size(batch) or (len(ids) if ids else None)
+            ids = json_ids(record.sample_ids[index])
+            size = batch_size(batch) or (len(ids) if ids else None)
             if ids is None and size is not None:
-                ids = [f"step{self.step}/rank{self.rank}/mb{index}/{j}" for j in range(size)]
+                ids = [f"step{step}/rank{self.rank}/mb{index}/{j}" for j in range(size)]
             micro_batches.append({"index": index, "sample_ids": ids, "batch_size": size,
                                   "loss": losses[index] if index < len(losses) else None,
                                   "ids_are_positional": record.sample_ids[index] is None})
         param = next(iter(self.model.parameters()), None)
-        return {
-            "run_id": self.run_id, "trigger": trigger.as_dict(), "step": self.step, "rank": self.rank,
+        manifest = {
+            "run_id": self.run_id, "trigger": incident.trigger.as_dict(), "step": step, "rank": self.rank,
             "world_size": self.world_size, "local_rank": self.local_rank, "grad_accum": len(record.batches),
             "micro_batches": micro_batches,
-            "loss": {"per_micro_batch": losses, "divisor": divisor, "grad_norm": norm,
-                     "step_loss": sum(losses) / divisor if losses else None},
+            "loss": {"per_micro_batch": losses, "divisor": incident.divisor, "grad_norm": incident.grad_norm,
+                     "step_loss": incident.step_loss},
             "precision": {"param_dtype": str(param.dtype).removeprefix("torch.") if param is not None else None,
                           "autocast": record.autocast or {"enabled": False, "device_type": None, "dtype": None},
                           "grad_scaler": snapshot.scaler_state(self.scaler)},
             "determinism": environment.determinism_flags(),
             "environment": environment.environment(),
-            "recipe": build_recipe(self.model, self.loss_fn, self.config.sample_id_key, self.config.recipe),
-            "recheck": recheck,
+            "recipe": self.replay_recipe(),
+            "recheck": self._recheck(incident),
             "missing_ranks": [],
         }
+        distribution = self.describe_distribution()
+        if distribution is not None:
+            manifest["distributed"] = distribution
+        return manifest
 
-    def _recheck(self, trigger: Trigger, record: StepRecord, losses: list[float]) -> dict:
+    def _recheck(self, incident: Incident) -> dict:
         """Megatron-style in-job re-check: recompute the failing micro-batch's loss with its RNG."""
-        index = trigger.micro_batch
+        record, index = incident.record, incident.trigger.micro_batch
         if not self.config.recheck or index is None or index >= len(record.batches):
             return {"performed": False}
-        from forensics.recipes import default_loss
-
         saved = capture_rng()
         buffers = [(b, b.detach().clone()) for b in self.model.buffers()]  # BatchNorm stats move in a forward
         try:
@@ -447,7 +408,7 @@ class Guard:
             with torch.no_grad():
                 for buffer, value in buffers:
                     buffer.copy_(value)
-        original = losses[index]
+        original = incident.losses[index]
         same = (value == original) or (not math.isfinite(value) and not math.isfinite(original))
         return {"performed": True, "micro_batch": index, "original": original, "recomputed": value,
                 "reproduced": bool(same or (math.isfinite(value) and math.isfinite(original)
@@ -474,14 +435,12 @@ class Guard:
         bad = next(name for name, p in self.model.named_parameters() if not bool(torch.isfinite(p).all()))
         step = self.step - 1  # check() already advanced the counter
         record = self._last_step or StepRecord()
-        trigger = Trigger("nonfinite_param", float("nan"), None, None,
+        trigger = Trigger(TriggerKind.NONFINITE_PARAM, float("nan"), None, None,
                           f"the optimizer update of step {step} made parameter {bad} non-finite")
-        saved_step, self.step = self.step, step
-        try:
-            norm = self.history.to_dict()["grad_norm"][-1] if len(self.history) else float("nan")
-            self._on_trigger(trigger, record, [float(v) for v in record.losses], norm, self._divisor(record), state)
-        finally:
-            self.step = saved_step
+        norm = self.history.to_dict()["grad_norm"][-1] if len(self.history) else float("nan")
+        self.handle_incident(Incident(trigger, step, record, [float(v) for v in record.losses], norm,
+                                      record.divisor(self.config.loss_divisor),
+                                      self.config.policy_for(trigger.kind), state=state))
 
     # -- lifecycle -------------------------------------------------------------------------------
     def flush(self) -> None:

@@ -68,24 +68,25 @@ def optimizer_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module, co
             if entries:
                 state[name] = {k: copy(v) if isinstance(v, torch.Tensor) else to_jsonable(v)
                                for k, v in entries.items()}
-        hyper = {k: _plain(v) for k, v in group.items() if k != "params"}
+        hyper = {k: plain(v) for k, v in group.items() if k != "params"}
         groups.append({**hyper, "params": group_names})
     cls = type(optimizer)
     return {"class": f"{cls.__module__}.{cls.__qualname__}", "param_groups": groups, "state": state}
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
+    """A state value as JSON: one-element tensors as numbers, tuples and lists as lists."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return value.item()
-    if isinstance(value, tuple):
-        return [_plain(v) for v in value]
+    if isinstance(value, (tuple, list)):
+        return [plain(v) for v in value]
     return to_jsonable(value)
 
 
 def scheduler_state(scheduler: Any) -> dict | None:
     if scheduler is None:
         return None
-    state = {k: _plain(v) for k, v in scheduler.state_dict().items()}
+    state = {k: plain(v) for k, v in scheduler.state_dict().items()}
     cls = type(scheduler)
     return {"class": f"{cls.__module__}.{cls.__qualname__}", "state": state}
 
@@ -93,7 +94,7 @@ def scheduler_state(scheduler: Any) -> dict | None:
 def scaler_state(scaler: Any) -> dict | None:
     if scaler is None or not getattr(scaler, "is_enabled", lambda: True)():
         return None
-    return {k: _plain(v) for k, v in scaler.state_dict().items()}
+    return {k: plain(v) for k, v in scaler.state_dict().items()}
 
 
 def current_lr(optimizer: torch.optim.Optimizer) -> float | None:

@@ -16,20 +16,19 @@ HUGGINGFACE_FACTORY = BUILTIN_PREFIX + "huggingface_model"
 
 # Import paths replay may resolve without --trust: forensics' own factories and losses, listed one by
 # one (never "anything under forensics.", which would let a dump call arbitrary functions of ours).
-# forensics.demo registers its scenario models here when it is imported.
-BUILTIN_RECIPES: set[str] = {DEFAULT_LOSS, HUGGINGFACE_FACTORY}
+# A static list: what is allowed never depends on which modules happen to be imported.
+# tests/forensics/test_demo.py checks that the demo entries name real functions of forensics.demo.models.
+DEMO_MODELS = "forensics.demo.models"
+BUILTIN_RECIPES: frozenset[str] = frozenset({
+    DEFAULT_LOSS, HUGGINGFACE_FACTORY,
+    *(f"{DEMO_MODELS}:{name}" for name in (
+        "adapter_lm", "sensor_classifier", "gated_lm", "quality_weighted_loss")),
+})
 
 
 def is_builtin(import_path: str | None) -> bool:
     """True when `import_path` ('module:function') is one of forensics' own recipes."""
-    if import_path in BUILTIN_RECIPES:
-        return True
-    module = (import_path or "").split(":", 1)[0]
-    if module.startswith("forensics.demo"):
-        import importlib
-
-        importlib.import_module("forensics.demo")  # our own package: registers its recipes
-    return import_path in BUILTIN_RECIPES
+    return isinstance(import_path, str) and import_path in BUILTIN_RECIPES
 
 
 def huggingface_model(architecture: str, config: dict, attn_implementation: str | None = None,

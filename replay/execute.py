@@ -18,11 +18,12 @@ from typing import Any, Callable, ContextManager, Iterable
 import torch
 
 from forensics.errors import ReplayError
+from forensics.grad_norm import total_grad_norm
+from forensics.kinds import TriggerKind
 from replay.load import ReplaySession, finite_float
 
 logger = logging.getLogger(__name__)
 
-TRIGGER_KINDS = ("nonfinite_loss", "nonfinite_grad", "loss_spike", "grad_norm_spike", "nonfinite_param")
 # Relative tolerance when a bitwise match cannot be expected (other GPU / torch / CPU vs GPU):
 # reductions in another order move fp32 results by ~1e-6 relative, bf16 autocast by ~1e-2 at worst.
 DEFAULT_TOLERANCE = 1e-2
@@ -84,7 +85,7 @@ class StepResult:
     """With anomaly=True: the RuntimeError autograd anomaly mode raised (else None)."""
     anomaly_warnings: list[str] = field(default_factory=list)
 
-    def trigger_reproduced(self, kind: str, threshold: float | None = None) -> bool:
+    def trigger_reproduced(self, kind: TriggerKind | str, threshold: float | None = None) -> bool:
         """True when this run shows the same kind of failure as the trigger.
 
         nonfinite_loss: a micro-batch loss is NaN/Inf. nonfinite_grad: a gradient is NaN/Inf.
@@ -93,36 +94,35 @@ class StepResult:
         grad norm is above `threshold` (or non-finite). nonfinite_param: the pre-step weights hold
         NaN/Inf (an update that breaks them is checked by replay.localize_update.localize_optimizer).
         """
-        if kind == "nonfinite_loss":
-            return not self.loss_finite
-        if kind == "nonfinite_grad":
-            return not self.grads_finite
-        if kind == "loss_spike":
-            values = [v for v in self.losses if v is not None]
-            if any(not math.isfinite(v) for v in values):
-                return True
-            value = self.comparable_loss
+        try:
+            kind = TriggerKind.parse(kind)
+        except ValueError as exc:
+            raise ReplayError(str(exc)) from None
+        if kind.spike:
+            if kind.replayed == "step_loss":
+                if any(not math.isfinite(v) for v in self.losses if v is not None):
+                    return True
+                value = self.comparable_loss
+            else:
+                value = self.comparable_grad_norm
+                if value is not None and not math.isfinite(value):
+                    return True
             return threshold is not None and value is not None and value > threshold
-        if kind == "grad_norm_spike":
-            value = self.comparable_grad_norm
-            if value is None:
-                return False
-            return not math.isfinite(value) or (threshold is not None and value > threshold)
-        if kind == "nonfinite_param":
-            return not self.params_finite
-        raise ReplayError(f"unknown trigger kind {kind!r}; expected one of {TRIGGER_KINDS}")
+        if kind.replayed == "micro_batch_loss":
+            return not self.loss_finite
+        if kind.replayed == "grad_norm":
+            return not self.grads_finite
+        return not self.params_finite
 
-
-def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor | None:
-    """The L2 norm over all gradients, computed as torch.nn.utils.clip_grad_norm_ does (bitwise)."""
-    if not grads:
+    def replayed_value(self, kind: TriggerKind, micro_batch: int | None = None) -> float | None:
+        """The replayed counterpart of the trigger's recorded value (None: the kind has none)."""
+        if kind.replayed == "grad_norm":
+            return self.grad_norm
+        if kind.replayed == "micro_batch_loss" and isinstance(micro_batch, int) and micro_batch < len(self.losses):
+            return self.losses[micro_batch]
+        if kind.replayed in ("micro_batch_loss", "step_loss"):
+            return self.step_loss
         return None
-    get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
-    if get_total_norm is not None:
-        return get_total_norm(grads, 2.0)
-    first = grads[0].device
-    norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]
-    return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), 2.0)
 
 
 def any_nonfinite(tensors: Iterable[torch.Tensor]) -> list[bool]:
@@ -434,5 +434,5 @@ def reproduce(runner: StepRunner, max_attempts: int = 3, tolerance: float = DEFA
     return Reproduction(reproduced=reproduced, result=result, fidelity=fidelity, attempts=attempts)
 
 
-__all__ = ["SampleRef", "StepResult", "StepRunner", "Reproduction", "reproduce", "total_grad_norm",
-           "any_nonfinite", "TRIGGER_KINDS", "DEFAULT_TOLERANCE"]
+__all__ = ["SampleRef", "StepResult", "StepRunner", "Reproduction", "reproduce", "any_nonfinite",
+           "DEFAULT_TOLERANCE"]

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from forensics.errors import RecipeError
+from forensics.recipes import is_builtin
 
 logger = logging.getLogger(__name__)
 
@@ -38,14 +39,6 @@ def _split_path(path: str, what: str) -> tuple[str, str]:
     if not module or not attr:
         raise RecipeError(f"the {what} {path!r} is not of the form 'package.module:function'")
     return module, attr
-
-
-def is_builtin(path: str | None) -> bool:
-    """True for recipes that are forensics' own code: the list forensics.recipes.BUILTIN_RECIPES keeps
-    (its factories and losses, and the demo's scenario models), never "anything under forensics."."""
-    from forensics.recipes import is_builtin as builtin
-
-    return isinstance(path, str) and builtin(path)
 
 
 def import_object(path: str, what: str = "recipe", sys_path: tuple[str, ...] | list[str] = ()) -> Any:

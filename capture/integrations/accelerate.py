@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from capture.config import GuardConfig
 from capture.integrations.ddp import DistributedGuard
+from capture.integrations.deepspeed import DeepSpeedGuard
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +70,7 @@ class AccelerateGuard(DistributedGuard):
         DeepSpeedGuard hooked into `engine.step()` (call it after `accelerator.prepare`)."""
         wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
         if wrapped is not None:
-            from capture.integrations.deepspeed import DeepSpeedGuard
-
-            guard = DeepSpeedGuard(wrapped.engine, config=config, loss_fn=loss_fn, hook_step=True)
-            guard.backward = lambda loss, **kwargs: (guard.record_loss(loss), accelerator.backward(loss, **kwargs))
-            return guard
+            return AccelerateDeepSpeedGuard(accelerator, wrapped.engine, config=config, loss_fn=loss_fn)
         return cls(accelerator, model, optimizer, scheduler, config=config, loss_fn=loss_fn)
 
     def backward(self, loss: Any, **kwargs: Any) -> None:
@@ -81,8 +78,21 @@ class AccelerateGuard(DistributedGuard):
         self.record_loss(loss)
         self.accelerator.backward(loss, **kwargs)
 
-    def check(self, grad_norm: Any = None, step: int | None = None) -> bool:
-        """As Guard.check, at the accumulation boundary (`accelerator.sync_gradients`); True elsewhere."""
-        if not self.accelerator.sync_gradients:
-            return True
-        return super().check(grad_norm=grad_norm, step=step)
+    def at_step_boundary(self) -> bool:
+        """check() acts at the accumulation boundary (`accelerator.sync_gradients`) only."""
+        return bool(self.accelerator.sync_gradients)
+
+
+class AccelerateDeepSpeedGuard(DeepSpeedGuard):
+    """A DeepSpeedGuard hooked into engine.step() (Accelerate calls it inside `accelerator.backward`), whose
+    `backward` records the loss and goes through the accelerator. Made by `AccelerateGuard.create`."""
+
+    def __init__(self, accelerator: Any, engine: Any, *, config: GuardConfig | None = None,
+                 loss_fn: Callable | None = None):
+        self.accelerator = accelerator
+        super().__init__(engine, config=config, loss_fn=loss_fn, hook_step=True)
+
+    def backward(self, loss: Any, **kwargs: Any) -> None:
+        """`record_loss(loss)` then `accelerator.backward(loss)`: pass the loss before any division."""
+        self.record_loss(loss)
+        self.accelerator.backward(loss, **kwargs)

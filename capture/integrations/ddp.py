@@ -4,8 +4,8 @@ The multi-rank behaviour itself (one all-reduce per step so every rank triggers 
 spikes included; the dump cap counting attempts; SIGTERM held while a rank writes; DDP / compile
 wrappers stripped) is the plain Guard's (capture/guard.py, capture/agreement.py): a plain `Guard`
 under torchrun is just as correct. What this class adds is framework-specific: the autocast a
-framework applies where the loop cannot see it, `integration` info in the manifest's `distributed`
-section, and the `collective_state` flag a sharded adapter sets.
+framework applies where the loop cannot see it, and `integration` info in the manifest's `distributed`
+section (the `describe_distribution` hook).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from capture.agreement import Agreement, deferred_termination, unwrap_model
 from capture.config import GuardConfig
-from capture.guard import Guard, StepRecord, Trigger
+from capture.guard import Guard
 
 __all__ = ["Agreement", "DistributedGuard", "deferred_termination", "unwrap_model"]
 
@@ -40,10 +40,6 @@ class DistributedGuard(Guard):
         >>> # then the Guard loop: record_batch, record_loss, check(grad_norm=clip_grad_norm_(...))
     """
 
-    collective_state = False
-    """True when collect_state() is a collective (every rank calls it on the same trigger: the Guard's
-    agreement and its attempts-counting cap make sure of that)."""
-
     def __init__(self, model: torch.nn.Module, optimizer: Any, scheduler: Any = None, scaler: Any = None, *,
                  config: GuardConfig | None = None, loss_fn: Callable | None = None,
                  autocast: dict | None = None):
@@ -52,7 +48,6 @@ class DistributedGuard(Guard):
         """The autocast a framework applies inside the model's forward (where the loop cannot see it)."""
         self.integration: dict = {"framework": "torch"}
         """Written to the manifest's `distributed` section: framework, ZeRO stage, how state was gathered."""
-        self._state_collections = 0  # counted by DeepSpeedGuard.collect_state; informational only
 
     def record_loss(self, loss: Any) -> None:
         super().record_loss(loss)
@@ -60,9 +55,5 @@ class DistributedGuard(Guard):
         if self.autocast and record is not None and not (record.autocast or {}).get("enabled"):
             record.autocast = dict(self.autocast)
 
-    def _manifest(self, trigger: Trigger, record: StepRecord, losses: list[float], norm: float,
-                  divisor: float) -> dict:
-        manifest = super()._manifest(trigger, record, losses, norm, divisor)
-        manifest["distributed"] = {**self.integration, "world_size": self.world_size,
-                                   "state": "full on every rank (replayable alone)"}
-        return manifest
+    def describe_distribution(self) -> dict:
+        return {**self.integration, "world_size": self.world_size, "state": "full on every rank (replayable alone)"}

@@ -23,9 +23,7 @@ import torch
 
 from capture import snapshot
 from capture.config import GuardConfig
-from capture.guard import StepRecord, Trigger
 from capture.integrations.ddp import DistributedGuard
-from forensics.format.jsonio import to_jsonable
 from forensics.recipes import HUGGINGFACE_FACTORY
 
 log = logging.getLogger(__name__)
@@ -122,7 +120,6 @@ class DeepSpeedGuard(DistributedGuard):
                          config=config, loss_fn=loss_fn)
         self.sharded = self.zero_stage >= 1 or _has_hp_mapping(self.model)
         self.sharded_grad_norm = self.sharded
-        self.collective_state = self.sharded
         lp_dtype = next((p.dtype for p in self.model.parameters()), torch.float32)
         self.lp_dtype = lp_dtype
         basic = getattr(optimizer, "optimizer", optimizer)
@@ -136,24 +133,17 @@ class DeepSpeedGuard(DistributedGuard):
         if hook_step:
             self._hook_step()
 
-    # -- the per-step decision -------------------------------------------------------------------
-    def check(self, grad_norm: Any = None, step: int | None = None) -> bool:
-        """Runs the detectors at the accumulation boundary, before `engine.step()`; True elsewhere.
-
-        Args:
-            grad_norm: leave None: the norm is assembled from the ranks' gradient shards in the step's
-                one all-reduce.
-            step: default `engine.global_steps`.
-        """
+    # -- adapter hooks (capture.guard.Guard) ---------------------------------------------------
+    def at_step_boundary(self) -> bool:
+        """At DeepSpeed's accumulation boundary; when hooked into engine.step(), only from inside that call."""
         if self._original_step is not None and not self._in_step_hook:
-            return True  # hooked: engine.step() runs the check itself, at the right moment
-        if not self.engine.is_gradient_accumulation_boundary():
-            return True
-        if grad_norm is None:
-            grad_norm = self._shard_grad_norm()
-        return super().check(grad_norm=grad_norm, step=self.engine.global_steps if step is None else step)
+            return False  # hooked: engine.step() runs the check itself, at the right moment
+        return bool(self.engine.is_gradient_accumulation_boundary())
 
-    def _shard_grad_norm(self) -> Any:
+    def step_number(self) -> int | None:
+        return int(self.engine.global_steps)
+
+    def compute_grad_norm(self) -> Any:
         """Norm of the (unscaled) gradients this rank holds: its ZeRO shard, or all of them (ZeRO-0)."""
         try:
             tensors = self._shard_grads()
@@ -191,9 +181,7 @@ class DeepSpeedGuard(DistributedGuard):
             if self.optimizer is getattr(self.optimizer, "optimizer", self.optimizer) or \
                     not getattr(self.optimizer, "fp16_groups", None):
                 return super().collect_state(copy)  # ZeRO-0 fp32: DeepSpeed steps the torch optimizer itself
-            self._state_collections += 1
             return {"model": self._full_weights(copy), "optimizer": self._replicated_optimizer_state(copy)}
-        self._state_collections += 1
         return {"model": self._full_weights(copy), "optimizer": self._full_optimizer_state()}
 
     def _full_weights(self, copy: snapshot.HostCopy) -> dict[str, torch.Tensor]:
@@ -244,7 +232,7 @@ class DeepSpeedGuard(DistributedGuard):
                 if entry:
                     state[name] = entry
             hyper = basic.param_groups[group_index] if group_index < len(basic.param_groups) else {}
-            groups.append({**{k: _plain(v) for k, v in hyper.items() if k not in ("params", "step")},
+            groups.append({**{k: snapshot.plain(v) for k, v in hyper.items() if k not in ("params", "step")},
                            "params": group_names})
         return {"class": _replay_class(basic), "param_groups": groups, "state": state}
 
@@ -316,7 +304,7 @@ class DeepSpeedGuard(DistributedGuard):
                         entry["step"] = torch.tensor(step, dtype=torch.float32)
                     state[names.get(id(param), f"<unnamed group {group_index}>")] = entry
             hyper = basic.param_groups[group_index] if group_index < len(basic.param_groups) else {}
-            groups.append({**{k: _plain(v) for k, v in hyper.items() if k not in ("params", "step")},
+            groups.append({**{k: snapshot.plain(v) for k, v in hyper.items() if k not in ("params", "step")},
                            "params": [names.get(id(p), f"<unnamed group {group_index}>") for p in params]})
         return {"class": _replay_class(basic), "param_groups": groups, "state": state}
 
@@ -337,14 +325,12 @@ class DeepSpeedGuard(DistributedGuard):
             return list(enumerate(sub_groups))
         return [(0, [p for p in self.model.parameters() if p.requires_grad])]
 
-    def _manifest(self, trigger: Trigger, record: StepRecord, losses: list[float], norm: float,
-                  divisor: float) -> dict:
-        manifest = super()._manifest(trigger, record, losses, norm, divisor)
-        recipe = manifest.get("recipe") or {}
+    def replay_recipe(self) -> dict:
+        recipe = super().replay_recipe()
         if recipe.get("factory") == HUGGINGFACE_FACTORY and self.lp_dtype != torch.float32:
             # DeepSpeed casts the model itself (no autocast): replay must build it in that dtype.
             recipe.setdefault("factory_kwargs", {})["dtype"] = str(self.lp_dtype).removeprefix("torch.")
-        return manifest
+        return recipe
 
     # -- engine.step hook ------------------------------------------------------------------------
     def _hook_step(self) -> None:
@@ -401,14 +387,6 @@ def _step_value(entry: dict, basic: Any) -> float | None:
     if isinstance(value, torch.Tensor):
         value = value.item()
     return None if value is None else float(value)
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return value.item()
-    if isinstance(value, (tuple, list)):
-        return [_plain(v) for v in value]
-    return to_jsonable(value)
 
 
 def _class_path(obj: Any) -> str:

@@ -1,15 +1,14 @@
 """Planted-fault demo scenarios: real small training runs that crash, are captured, and are replayed.
 
-Importing this package registers the scenario models and losses (forensics.demo.models) as built-in
-recipes, so replay rebuilds them without --trust. The scenarios themselves (forensics.demo.scenarios)
-and the demo driver (forensics.demo.run) load on first use: they import transformers.
+The scenario models and losses (forensics.demo.models) are built-in recipes (the static list
+forensics.recipes.BUILTIN_RECIPES), so replay rebuilds them without --trust. The scenarios themselves
+(forensics.demo.scenarios) and the demo driver (forensics.demo.run) load on first use: they import
+transformers.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-from forensics.demo import models  # noqa: F401 - registers the demo recipes
 
 __all__ = ["SCENARIOS", "DEFAULT_SCENARIO", "run_demo"]
 

@@ -1,8 +1,8 @@
 """Models and losses of the demo scenarios that are not plain Hugging Face models, as built-in recipes.
 
 Each factory and loss here is named by import path in a demo dump's recipe
-(`GuardConfig(recipe={"factory": "forensics.demo.models:adapter_lm", ...})`). Importing this module
-adds those paths to `forensics.recipes.BUILTIN_RECIPES`, so replay rebuilds them without `--trust`:
+(`GuardConfig(recipe={"factory": "forensics.demo.models:adapter_lm", ...})`). Those paths are listed in
+the static allow-list `forensics.recipes.BUILTIN_RECIPES`, so replay rebuilds them without `--trust`:
 a dump can only pick one of these functions and give it JSON keyword arguments.
 
 Factories take only JSON-able keyword arguments and build small, randomly initialised models (no
@@ -18,7 +18,6 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from forensics.recipes import BUILTIN_RECIPES
 
 log = logging.getLogger(__name__)
 
@@ -162,5 +161,3 @@ def quality_weighted_loss(model: nn.Module, batch: dict) -> torch.Tensor:
     nll = F.cross_entropy(logits.transpose(1, 2).float(), input_ids[:, 1:], reduction="none").mean(dim=1)
     return (nll - torch.log(batch["quality"])).mean()
 
-
-BUILTIN_RECIPES.update(RECIPES)

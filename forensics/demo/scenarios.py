@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from torch.nn import functional as F
 
 from capture import Guard, GuardConfig, SpikeConfig
 from forensics.demo import models

@@ -2,29 +2,68 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import math
-from typing import Any
+from pathlib import PurePath
+from typing import Any, Callable
 
 _FLOAT_TAG = "__float__"
 UNSERIALIZABLE_TAG = "__unserializable__"
 
 
-def to_jsonable(obj: Any) -> Any:
-    """Returns `obj` as plain JSON values; non-finite floats tagged, other objects named by type."""
+def json_tree(obj: Any, nonfinite: Callable[[float], Any], unknown: Callable[[Any], Any],
+              _seen: set[int] | None = None) -> Any:
+    """The one JSON walker of forensics: `obj` as dict / list / str / int / float / bool / None.
+
+    Tuples, sets and lists become lists (sets sorted by repr); dict keys strings; Enums their value;
+    paths strings; one-element torch / numpy values Python numbers. A non-finite float becomes
+    `nonfinite(x)`, any other object `unknown(obj)`, a cycle a marker string. The dump format and the
+    report schema differ only in those two choices (to_jsonable here, report.model.to_json_safe).
+    """
     if obj is None or isinstance(obj, (bool, str)):
-        return obj
+        return obj.value if isinstance(obj, enum.Enum) else obj
+    if isinstance(obj, enum.Enum):
+        return json_tree(obj.value, nonfinite, unknown, _seen)
     if isinstance(obj, int):
         return int(obj)
     if isinstance(obj, float):
-        return obj if math.isfinite(obj) else {_FLOAT_TAG: str(obj)}
-    if isinstance(obj, dict):
-        return {str(k): to_jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [to_jsonable(v) for v in obj]
-    if hasattr(obj, "item") and hasattr(obj, "shape") and math.prod(obj.shape) == 1:
-        return to_jsonable(obj.item())  # numpy / torch scalars
-    return {UNSERIALIZABLE_TAG: type(obj).__qualname__}
+        return float(obj) if math.isfinite(obj) else nonfinite(obj)
+    if isinstance(obj, PurePath):
+        return str(obj)
+    if isinstance(obj, (dict, list, tuple, set, frozenset)):
+        seen = _seen if _seen is not None else set()
+        if id(obj) in seen:
+            return f"<cycle: {type(obj).__name__}>"
+        seen.add(id(obj))
+        try:
+            if isinstance(obj, dict):
+                return {(k if isinstance(k, str) else str(json_tree(k, nonfinite, unknown, seen))):
+                        json_tree(v, nonfinite, unknown, seen) for k, v in obj.items()}
+            items = sorted(obj, key=repr) if isinstance(obj, (set, frozenset)) else obj
+            return [json_tree(v, nonfinite, unknown, seen) for v in items]
+        finally:
+            seen.discard(id(obj))
+    if _is_scalar_array(obj):
+        return json_tree(obj.item(), nonfinite, unknown, _seen)
+    return unknown(obj)
+
+
+def _is_scalar_array(obj: Any) -> bool:
+    """A torch / numpy value with exactly one element."""
+    module = type(obj).__module__ or ""
+    if not (module.startswith(("torch", "numpy")) and hasattr(obj, "item")):
+        return False
+    try:
+        size = obj.numel() if callable(getattr(obj, "numel", None)) else getattr(obj, "size", None)
+        return size == 1
+    except Exception:  # noqa: BLE001 - a tensor on a broken device, a meta tensor ...
+        return False
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Returns `obj` as plain JSON values for a dump: non-finite floats tagged, other objects named by type."""
+    return json_tree(obj, lambda x: {_FLOAT_TAG: str(x)}, lambda o: {UNSERIALIZABLE_TAG: type(o).__qualname__})
 
 
 def from_jsonable(obj: Any) -> Any:

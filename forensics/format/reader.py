@@ -14,6 +14,7 @@ import zstandard
 from forensics.errors import (DumpCorruptError, DumpNotFoundError, NotADumpError,
                               UnsupportedVersionError)
 from forensics.format import jsonio, spec
+from forensics.format.archive import unpack_archive
 from forensics.format.tensors import load_safetensors_bytes
 from forensics.format.tree import decode_tree
 from forensics.rng import RngState
@@ -198,7 +199,6 @@ def _check_entry(name: str, data: bytes, entry: dict, path: Path) -> None:
 
 def resolve(path: str | Path) -> tuple[Path, Any]:
     """Returns a directory for `path` (unpacking a .tar.zst into a temp dir) and the temp dir holder."""
-    from forensics.format.archive import unpack_archive
 
     path = Path(path)
     if path.name == spec.MANIFEST and path.is_file():

@@ -14,7 +14,6 @@ RNG_JSON = "rng.json"
 HISTORY = "history.json"
 ARCHIVE_SUFFIX = ".tar.zst"
 
-TRIGGER_KINDS = ("nonfinite_loss", "nonfinite_grad", "loss_spike", "grad_norm_spike", "nonfinite_param")
 REQUIRED_MANIFEST_KEYS = (
     "format", "format_version", "created_at", "run_id", "trigger", "step", "rank", "world_size",
     "micro_batches", "files",

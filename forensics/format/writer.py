@@ -16,6 +16,7 @@ import torch
 import zstandard
 
 from forensics.errors import CaptureError
+from forensics.fsio import fsync_dir
 from forensics.format import jsonio, spec
 from forensics.format.tensors import HashingWriter, safetensors_bytes, write_safetensors
 from forensics.format.tree import encode_tree
@@ -173,24 +174,11 @@ def write_dump(content: DumpContent, root: str | os.PathLike) -> Path:
         if final.exists():
             raise FileExistsError(errno.EEXIST, "a dump for this run, step and rank already exists", str(final))
         os.rename(tmp, final)
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
         return final
     except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CaptureError(_explain(exc, final)) from exc
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _explain(exc: Exception, final: Path) -> str:

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import enum
 import json
 import logging
 import math
 import os
 import re
-from pathlib import Path, PurePath
+from pathlib import Path
 from typing import Any
 
 from forensics.errors import ForensicsError
+from forensics.format.jsonio import json_tree
+from forensics.kinds import VerdictKind
 
 log = logging.getLogger(__name__)
 
@@ -19,14 +20,7 @@ SCHEMA = "forensics-report/1"
 SCHEMA_MAJOR = 1
 _SCHEMA_RE = re.compile(r"^forensics-report/(\d+)$")
 
-VERDICT_KINDS = (
-    "bad_sample",
-    "numerical_precision",
-    "optimizer_update",
-    "model_state",
-    "not_reproduced",
-    "spike_no_single_cause",
-)
+VERDICT_KINDS = tuple(kind.value for kind in VerdictKind)  # the values schema 1 allows in verdict.kind
 
 # Top-level keys in the order docs/REPORT_FORMAT.md lists them; report.json keeps this order.
 SCHEMA_KEYS = (
@@ -157,12 +151,7 @@ def validate_report(d: Any) -> dict:
     return d
 
 
-def _is_array_like(obj: Any) -> bool:
-    mod = type(obj).__module__ or ""
-    return (mod.startswith("torch") or mod.startswith("numpy")) and hasattr(obj, "item")
-
-
-def to_json_safe(obj: Any, _seen: set[int] | None = None) -> Any:
+def to_json_safe(obj: Any) -> Any:
     """Return a copy of `obj` that `json.dumps(..., allow_nan=False)` accepts.
 
     nan / inf / -inf become "nan" / "inf" / "-inf"; tuples, sets and lists become lists; dict keys
@@ -177,45 +166,17 @@ def to_json_safe(obj: Any, _seen: set[int] | None = None) -> Any:
         >>> to_json_safe({"loss": float("nan"), "shape": (2, 3)})
         {'loss': 'nan', 'shape': [2, 3]}
     """
-    if obj is None or isinstance(obj, (bool, str)):
-        return obj
-    if isinstance(obj, int):
-        return int(obj)
-    if isinstance(obj, float):
-        if math.isnan(obj):
-            return "nan"
-        if math.isinf(obj):
-            return "inf" if obj > 0 else "-inf"
-        return float(obj)
-    if isinstance(obj, enum.Enum):
-        return to_json_safe(obj.value, _seen)
-    if isinstance(obj, PurePath):
-        return str(obj)
-    if isinstance(obj, (dict, list, tuple, set, frozenset)):
-        seen = _seen if _seen is not None else set()
-        if id(obj) in seen:
-            return f"<cycle: {type(obj).__name__}>"
-        seen.add(id(obj))
-        try:
-            if isinstance(obj, dict):
-                return {(k if isinstance(k, str) else str(to_json_safe(k, seen))): to_json_safe(v, seen)
-                        for k, v in obj.items()}
-            items = obj
-            if isinstance(obj, (set, frozenset)):
-                items = sorted(obj, key=repr)
-            return [to_json_safe(v, seen) for v in items]
-        finally:
-            seen.discard(id(obj))
-    if _is_array_like(obj):
-        try:
-            size = obj.numel() if callable(getattr(obj, "numel", None)) else getattr(obj, "size", None)
-            if size == 1:
-                return to_json_safe(obj.item(), _seen)
-        except Exception:  # a tensor on a broken device, a meta tensor...: fall back to repr
-            log.debug("could not convert %s to a scalar", type(obj).__name__, exc_info=True)
+    return json_tree(obj, _float_word, _safe_repr)
+
+
+def _float_word(x: float) -> str:
+    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+
+
+def _safe_repr(obj: Any) -> str:
     try:
         return repr(obj)
-    except Exception:
+    except Exception:  # noqa: BLE001
         return f"<unrepresentable {type(obj).__name__}>"
 
 
@@ -236,11 +197,8 @@ def as_float(value: Any) -> float | None:
         return _NONFINITE_STRINGS.get(value.strip().lower())
     if isinstance(value, dict) and set(value) == {"__float__"}:
         return as_float(value["__float__"])
-    if _is_array_like(value):
-        try:
-            return as_float(to_json_safe(value))
-        except Exception:
-            return None
+    if hasattr(value, "item") and hasattr(value, "shape"):  # a one-element torch / numpy value
+        return as_float(to_json_safe(value))  # a repr string (several elements) reads as None
     return None
 
 

@@ -12,12 +12,14 @@ import logging
 from html import escape
 from typing import Mapping
 
+from forensics.kinds import VerdictKind
 from forensics.report.model import SCHEMA
 from forensics.report.plots import PLOTS, matplotlib_available, render_plots
-from forensics.report.render_markdown import (
+from forensics.report.document import (
     Block, Bullets, Code, CodeBlock, Inline, Para, Plot, Section, Strong, Table, build_sections,
 )
-from forensics.report.render_text import VERDICT_LABELS, clean, fmt_num, section
+from forensics.report.render_text import section
+from forensics.report.wording import clean, fmt_num, verdict_label
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +44,14 @@ img.plot{max-width:100%;border:1px solid #eaeded;margin:.6em 0}
 .note{color:#7f8c8d;font-size:.9em} nav a{margin-right:.8em}
 """
 
-_VERDICT_CLASS = {
-    "bad_sample": "found", "numerical_precision": "found", "optimizer_update": "found",
-    "model_state": "none", "spike_no_single_cause": "none", "not_reproduced": "notrepro",
-}
+
+
+def verdict_css_class(kind: object) -> str:
+    """The CSS class of the verdict box: VerdictKind.outcome ('found', 'none', 'notrepro'); '' if unknown."""
+    try:
+        return VerdictKind(kind).outcome
+    except ValueError:
+        return ""
 
 
 def _inline(parts: list[Inline] | Inline) -> str:
@@ -148,7 +154,7 @@ def render_html(report: Mapping, *, plots: bool = True) -> str:
     nav = " ".join(f'<a href="#{escape(s.anchor)}">{escape(s.title.split(" (")[0])}</a>'
                    for s in sections if s.anchor)
     body = [f"<h1>{escape(title)}</h1>",
-            f'<p class="note">{escape(VERDICT_LABELS.get(kind, clean(kind)))} · '
+            f'<p class="note">{escape(verdict_label(kind))} · '
             f'created {escape(clean(report.get("created_at") or "n/a"))}</p>',
             f"<nav>{nav}</nav>"]
     if note and not images:
@@ -157,7 +163,7 @@ def render_html(report: Mapping, *, plots: bool = True) -> str:
         html_sec = _section(sec, images, note if images else None)
         if sec.anchor == "verdict":
             html_sec = html_sec.replace("<section id=\"verdict\">",
-                                        f'<section id="verdict" class="verdict {_VERDICT_CLASS.get(kind, "")}">', 1)
+                                        f'<section id="verdict" class="verdict {verdict_css_class(kind)}">', 1)
         body.append(html_sec)
     body.append(f'<p class="note">Schema {escape(clean(report.get("schema") or SCHEMA))}. '
                 "This page is self-contained: it loads nothing from the network.</p>")

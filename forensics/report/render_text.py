@@ -1,91 +1,18 @@
-"""Plain-words terminal summary of a report (what `forensics replay` prints), and the shared wording helpers."""
+"""Plain-words terminal summary of a report (what `forensics replay` prints), and the sentences that the
+Markdown and HTML renderers share. Numbers, ids and labels are worded by forensics.report.wording."""
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
-import re
-import unicodedata
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 from forensics.report.model import as_float
+from forensics.report.wording import (DETAIL_MICRO_BATCH, MAX_LISTED_SAMPLES, clean, fmt_id, fmt_list, fmt_num,
+                                      mb_number, mb_phrase, pattern_words, verdict_label)
 
 log = logging.getLogger(__name__)
-
-VERDICT_LABELS = {
-    "bad_sample": "bad sample",
-    "numerical_precision": "numerical precision",
-    "optimizer_update": "optimizer update",
-    "model_state": "model state",
-    "not_reproduced": "not reproduced",
-    "spike_no_single_cause": "spike, no single cause",
-}
-
-# history_pattern -> (words, what it usually means), from the field notes' loss-curve table.
-PATTERN_WORDS = {
-    "sudden_jump": ("sudden jump", "usually one bad sample, or a numerical overflow"),
-    "exponential_growth": ("exponential growth",
-                           "usually a learning rate too high, an accumulation bug, or momentum"),
-    "oscillating_divergence": ("oscillating divergence",
-                               "usually corrupted optimizer state or a batch distribution shift"),
-    "stable": ("stable until the failure", "the failing step is an outlier"),
-    "insufficient_history": ("too little history to tell", ""),
-}
-
-MAX_ID_CHARS = 120  # longer sample ids are cut on screen (report.json keeps them whole)
-MAX_LISTED_SAMPLES = 5
-
-
-def clean(text: Any, max_chars: int | None = None) -> str:
-    """One-line, terminal-safe text: control and format characters (ANSI escapes, newlines,
-    bidi overrides) are shown as escapes; cut to `max_chars` with an ellipsis."""
-    s = text if isinstance(text, str) else str(text)
-    out = []
-    for c in s:
-        if unicodedata.category(c) in ("Cc", "Cf", "Cs", "Zl", "Zp"):
-            out.append(c.encode("unicode_escape", "backslashreplace").decode("ascii"))
-        else:
-            out.append(c)
-    s = "".join(out)
-    if max_chars is not None and len(s) > max_chars:
-        s = s[: max_chars - 1] + "…"
-    return s
-
-
-def fmt_id(sample_id: Any, max_chars: int = MAX_ID_CHARS) -> str:
-    """A sample id as shown to people: strings in single quotes, other JSON values as JSON."""
-    if isinstance(sample_id, str):
-        return "'" + clean(sample_id, max_chars) + "'"
-    try:
-        text = json.dumps(sample_id, ensure_ascii=False, allow_nan=True, default=repr)
-    except (TypeError, ValueError):
-        text = repr(sample_id)
-    return clean(text, max_chars)
-
-
-def fmt_num(value: Any, digits: int = 4) -> str:
-    """A report number in short form: 1.234, 3.1e+38, nan, inf; null -> 'n/a'."""
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, int):
-        return str(value)
-    x = as_float(value)
-    if x is None:
-        return "n/a" if value is None else clean(value, 40)
-    if math.isnan(x):
-        return "nan"
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    return f"{x:.{digits}g}"
-
-
-def fmt_list(values: Iterable[Any], limit: int = 8) -> str:
-    vals = list(values)
-    shown = ", ".join(fmt_num(v) for v in vals[-limit:])
-    return ("…, " if len(vals) > limit else "") + shown
-
 
 def is_nonfinite(value: Any) -> bool:
     x = as_float(value)
@@ -122,24 +49,6 @@ def culprit_ids(report: Mapping) -> list:
     return ids
 
 
-# ---- micro-batch numbers: 0-based in JSON, 1-based in every sentence a person reads ----
-
-_DETAIL_MICRO_BATCH = re.compile(r"\bmicro-batch (\d+)\b")
-
-
-def mb_number(index: Any) -> str:
-    """A 0-based micro-batch index as people count it: 1 -> '2' (as in 'micro-batch 2 of 4')."""
-    if isinstance(index, int) and not isinstance(index, bool):
-        return str(index + 1)
-    return "?" if index is None else clean(index)
-
-
-def mb_phrase(index: Any, total: Any = None) -> str:
-    """'micro-batch 2 of 4' for index 1 of a 4-micro-batch step ('micro-batch 2' without a total)."""
-    of = f" of {total}" if isinstance(total, int) and not isinstance(total, bool) and total > 0 else ""
-    return f"micro-batch {mb_number(index)}{of}"
-
-
 def trigger_detail(trigger: Mapping) -> str:
     """The detector's one-line detail in 1-based words.
 
@@ -151,7 +60,7 @@ def trigger_detail(trigger: Mapping) -> str:
     index = trigger.get("micro_batch")
     if not isinstance(index, int) or isinstance(index, bool):
         return detail
-    return _DETAIL_MICRO_BATCH.sub(
+    return DETAIL_MICRO_BATCH.sub(
         lambda m: f"micro-batch {index + 1}" if int(m.group(1)) == index else m.group(0), detail)
 
 
@@ -355,7 +264,7 @@ def history_sentence(report: Mapping) -> str | None:
     pattern = report.get("history_pattern")
     if not pattern:
         return None
-    words, meaning = PATTERN_WORDS.get(pattern, (clean(pattern).replace("_", " "), ""))
+    words, meaning = pattern_words(pattern)
     text = f"Loss history: {words}"
     losses = section(report, "history").get("loss") or []
     if losses:
@@ -407,7 +316,7 @@ def render_verdict_text(report: Mapping, files: Mapping[str, Any] | None = None)
     """
     verdict = section(report, "verdict")
     kind = verdict.get("kind") or "unknown"
-    label = VERDICT_LABELS.get(kind, clean(kind))
+    label = verdict_label(kind)
     lines = [f"Verdict: {label} — {clean(verdict.get('headline') or '(no headline)', 400)}"]
     lines.append(f"{where_sentence(report)} {trigger_sentence(report)}")
     lines.append(reproduction_sentence(report))

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
+from forensics.fsio import atomic_write_text
 from forensics.report.model import SCHEMA_KEYS, ReportError, to_json_safe, validate_report
 from forensics.report.render_html import render_html
 from forensics.report.render_markdown import render_markdown
@@ -18,32 +18,6 @@ log = logging.getLogger(__name__)
 
 REPORT_FILES = {"json": "report.json", "md": "report.md", "html": "report.html"}
 BLOCKLIST_NAME = "blocklist.jsonl"
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write `text` (UTF-8) to `path` via a temporary file in the same directory, fsync, rename.
-
-    A reader sees either the old file or the whole new one, never a partial file.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; reports are meant to be shared as artifacts
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return path
 
 
 def report_json_text(report: Mapping) -> str:

@@ -58,9 +58,12 @@ def test_catalogue_has_one_line_descriptions():
         assert scenario.description and "\n" not in scenario.description and len(scenario.description) < 100
 
 
-def test_importing_the_demo_registers_its_recipes_only():
+def test_the_static_allow_list_names_exactly_the_demo_recipes():
+    from forensics.recipes import BUILTIN_RECIPES, DEMO_MODELS
+
     assert forensics.demo.models.RECIPES
+    assert {p for p in BUILTIN_RECIPES if p.startswith(DEMO_MODELS + ":")} == set(forensics.demo.models.RECIPES)
     for path in forensics.demo.models.RECIPES:
-        assert is_builtin(path)
+        assert is_builtin(path) and callable(getattr(forensics.demo.models, path.split(":")[1]))
     assert not is_builtin("forensics.demo.scenarios:train")
     assert not is_builtin("forensics.demo.models:torch")

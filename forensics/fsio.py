@@ -1,0 +1,67 @@
+"""Atomic file writes, the one way forensics writes a file a reader may see half-written.
+
+A file is written to a temporary name in the same directory, flushed, fsynced, given the usual
+permissions (temporary files are created 0600; reports and archives are shared as job artifacts)
+and renamed over the target, so a reader sees the old file or the whole new one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+from typing import IO, Iterator
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike, binary: bool = False) -> Iterator[IO]:
+    """Opens a temporary file next to `path` for writing; on a clean exit it replaces `path`.
+
+    Args:
+        path: the file to (re)write; its directory is created when missing.
+        binary: bytes instead of UTF-8 text.
+    Yields:
+        The open file. On an exception nothing is left behind and `path` is unchanged.
+    Example:
+        >>> with atomic_file(tmp_dir / "report.json") as f:  # doctest: +SKIP
+        ...     f.write("{}")
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with (os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8", newline="\n")) as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Writes `text` (UTF-8) to `path` atomically; returns the path."""
+    with atomic_file(path) as handle:
+        handle.write(text)
+    return Path(path)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Makes a rename inside `path` durable (best effort: some file systems refuse to fsync a directory)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,237 @@
+"""The named kinds every stage shares: what fired (TriggerKind), where it broke (Phase), what the replay
+concluded (VerdictKind), the loss-curve shape before it (HistoryPattern), what the Guard does about it
+(Policy) and how the CLI ends (ExitCode).
+
+Each kind carries its properties here, so that capture, replay, report and CLI ask the kind instead
+of comparing strings: adding a trigger kind is one member below plus its detector (capture) and its
+replayed quantity (replay/execute.py); adding a verdict kind is one member below plus its rule
+(replay/verdict.py). tests/forensics/test_kinds.py ties every kind to its label, exit code and
+renderer.
+
+Every kind is a `str` Enum: its value is what dumps and reports store, it compares equal to that
+string, and json writes it as that string.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class _Kind(str, enum.Enum):
+    """A str Enum whose str() and format() are its value (as stored in dumps and reports)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @classmethod
+    def parse(cls, value: object, default: "_Kind | None" = None):
+        """The member whose value is `value`; `default` (or ValueError when None) for anything else."""
+        try:
+            return cls(value)
+        except ValueError:
+            if default is not None:
+                return default
+            raise ValueError(f"unknown {cls.__name__} {value!r}; expected one of "
+                             f"{', '.join(m.value for m in cls)}") from None
+
+
+class ExitCode(enum.IntEnum):
+    """The one exit-code table of the CLI (README "Exit codes" copies it)."""
+
+    OK = 0
+    """Success; for `replay`, a verdict that names a culprit."""
+    INTERNAL = 1
+    """A bug in forensics (please report the traceback)."""
+    BAD_INPUT = 2
+    """The user's input, code or environment: missing path, not a dump, tampered file, unwritable output ..."""
+    NOT_REPRODUCED = 3
+    """`replay`: the failure did not reproduce."""
+    NO_CULPRIT = 4
+    """`replay`: reproduced, but no single culprit."""
+
+
+class Policy(_Kind):
+    """What the Guard does after dumping a trigger (GuardConfig.on_nonfinite / on_spike)."""
+
+    RAISE = "raise"
+    """Stop the job with TrainingFaultError (after the dump)."""
+    SKIP = "skip"
+    """check() returns False: the loop skips optimizer.step(); training goes on."""
+    CONTINUE = "continue"
+    """Apply the step anyway; training goes on."""
+
+
+@dataclass(frozen=True)
+class _TriggerProps:
+    spike: bool
+    needs_backward: bool
+    words: str
+    what_fails: str
+    replayed: str | None
+
+
+class TriggerKind(_Kind):
+    """What made the Guard dump a step (manifest `trigger.kind`, report `trigger.kind`)."""
+
+    NONFINITE_LOSS = "nonfinite_loss"
+    NONFINITE_GRAD = "nonfinite_grad"
+    LOSS_SPIKE = "loss_spike"
+    GRAD_NORM_SPIKE = "grad_norm_spike"
+    NONFINITE_PARAM = "nonfinite_param"
+
+    @property
+    def props(self) -> _TriggerProps:
+        return _TRIGGER_PROPS[self]
+
+    @property
+    def spike(self) -> bool:
+        """A finite value above a threshold (judged against the batch), not a NaN/Inf."""
+        return self.props.spike
+
+    @property
+    def needs_backward(self) -> bool:
+        """Reproducing it needs the backward pass, not only the forward."""
+        return self.props.needs_backward
+
+    @property
+    def words(self) -> str:
+        """'non-finite loss': the kind in a sentence."""
+        return self.props.words
+
+    @property
+    def what_fails(self) -> str:
+        """'the loss non-finite': completes 'samples that make ...'."""
+        return self.props.what_fails
+
+    @property
+    def replayed(self) -> str | None:
+        """Which replayed quantity is compared with the recorded value: 'micro_batch_loss', 'step_loss',
+        'grad_norm', or None (the weights after the update)."""
+        return self.props.replayed
+
+    @property
+    def data_independent(self) -> bool:
+        """The data of the step does not decide it (bisection over samples is pointless)."""
+        return self.replayed is None
+
+
+_TRIGGER_PROPS = {
+    TriggerKind.NONFINITE_LOSS: _TriggerProps(False, False, "non-finite loss", "the loss non-finite",
+                                              "micro_batch_loss"),
+    TriggerKind.NONFINITE_GRAD: _TriggerProps(False, True, "non-finite gradient", "the gradients non-finite",
+                                              "grad_norm"),
+    TriggerKind.LOSS_SPIKE: _TriggerProps(True, False, "loss spike", "the loss spike", "step_loss"),
+    TriggerKind.GRAD_NORM_SPIKE: _TriggerProps(True, True, "gradient-norm spike", "the gradient norm spike",
+                                               "grad_norm"),
+    TriggerKind.NONFINITE_PARAM: _TriggerProps(False, True, "non-finite weights", "the weights non-finite", None),
+}
+
+
+class Phase(_Kind):
+    """Where the first non-finite value appeared (report `culprit.phase`)."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+    @property
+    def is_pass(self) -> bool:
+        """Forward or backward: 'in the forward pass' reads right; the optimizer is an update, not a pass."""
+        return self is not Phase.OPTIMIZER
+
+
+@dataclass(frozen=True)
+class _VerdictProps:
+    label: str
+    exit_code: ExitCode
+    names_culprit: bool
+
+
+class VerdictKind(_Kind):
+    """What the replay concluded (report `verdict.kind`; docs/REPORT_FORMAT.md)."""
+
+    BAD_SAMPLE = "bad_sample"
+    NUMERICAL_PRECISION = "numerical_precision"
+    OPTIMIZER_UPDATE = "optimizer_update"
+    MODEL_STATE = "model_state"
+    NOT_REPRODUCED = "not_reproduced"
+    SPIKE_NO_SINGLE_CAUSE = "spike_no_single_cause"
+
+    @property
+    def label(self) -> str:
+        """'bad sample': the kind as people read it."""
+        return _VERDICT_PROPS[self].label
+
+    @property
+    def exit_code(self) -> ExitCode:
+        """What `forensics replay` exits with for this verdict."""
+        return _VERDICT_PROPS[self].exit_code
+
+    @property
+    def names_culprit(self) -> bool:
+        """The verdict names a cause to act on (a sample, a precision problem, an update)."""
+        return _VERDICT_PROPS[self].names_culprit
+
+    @property
+    def outcome(self) -> str:
+        """'found', 'none' or 'notrepro': how renderers colour the verdict."""
+        if self is VerdictKind.NOT_REPRODUCED:
+            return "notrepro"
+        return "found" if self.names_culprit else "none"
+
+
+_VERDICT_PROPS = {
+    VerdictKind.BAD_SAMPLE: _VerdictProps("bad sample", ExitCode.OK, True),
+    VerdictKind.NUMERICAL_PRECISION: _VerdictProps("numerical precision", ExitCode.OK, True),
+    VerdictKind.OPTIMIZER_UPDATE: _VerdictProps("optimizer update", ExitCode.OK, True),
+    VerdictKind.MODEL_STATE: _VerdictProps("model state", ExitCode.NO_CULPRIT, False),
+    VerdictKind.NOT_REPRODUCED: _VerdictProps("not reproduced", ExitCode.NOT_REPRODUCED, False),
+    VerdictKind.SPIKE_NO_SINGLE_CAUSE: _VerdictProps("spike, no single cause", ExitCode.NO_CULPRIT, False),
+}
+
+
+@dataclass(frozen=True)
+class _PatternProps:
+    words: str
+    usual_cause: str
+
+
+class HistoryPattern(_Kind):
+    """The shape of the loss curve before the trigger (../shared/FIELD-NOTES.md's loss-curve table)."""
+
+    SUDDEN_JUMP = "sudden_jump"
+    EXPONENTIAL_GROWTH = "exponential_growth"
+    OSCILLATING_DIVERGENCE = "oscillating_divergence"
+    STABLE = "stable"
+    INSUFFICIENT_HISTORY = "insufficient_history"
+
+    @property
+    def words(self) -> str:
+        return _PATTERN_PROPS[self].words
+
+    @property
+    def usual_cause(self) -> str:
+        """What the pattern usually means ('' when it means nothing in particular)."""
+        return _PATTERN_PROPS[self].usual_cause
+
+    @property
+    def means(self) -> str:
+        """'sudden jump (usually one bad sample, or a numerical overflow)'."""
+        return f"{self.words} ({self.usual_cause})" if self.usual_cause else self.words
+
+
+_PATTERN_PROPS = {
+    HistoryPattern.SUDDEN_JUMP: _PatternProps("sudden jump", "usually one bad sample, or a numerical overflow"),
+    HistoryPattern.EXPONENTIAL_GROWTH: _PatternProps(
+        "exponential growth", "usually a learning rate too high, an accumulation bug, or momentum"),
+    HistoryPattern.OSCILLATING_DIVERGENCE: _PatternProps(
+        "oscillating divergence", "usually corrupted optimizer state or a batch distribution shift"),
+    HistoryPattern.STABLE: _PatternProps("stable until the failure", "the failing step is an outlier"),
+    HistoryPattern.INSUFFICIENT_HISTORY: _PatternProps("too little history to tell", ""),
+}
+
+__all__ = ["ExitCode", "HistoryPattern", "Phase", "Policy", "TriggerKind", "VerdictKind"]
