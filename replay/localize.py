@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from forensics.kinds import Phase
 from replay.execute import SampleRef, StepRunner, any_nonfinite
 
 logger = logging.getLogger(__name__)
@@ -169,7 +170,7 @@ class ForwardFinding:
                                                  "params_absmax": None})
     op_stats: dict = field(default_factory=dict)
     output_kinds: list[str] = field(default_factory=list)
-    phase: str = "forward"
+    phase: Phase = Phase.FORWARD
 
 
 class _NonFiniteOpChecker(TorchDispatchMode):
@@ -332,7 +333,7 @@ class BackwardFinding:
     """Forward traceback of that op, recorded by anomaly mode."""
     anomaly_error: str | None = None
     micro_batch: int | None = None
-    phase: str = "backward"
+    phase: Phase = Phase.BACKWARD
 
 
 def _camel_to_snake(name: str) -> str:

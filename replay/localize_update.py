@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from forensics.kinds import Phase
 from replay.execute import SampleRef, StepRunner, any_nonfinite
 from replay.localize import ModuleTracker, float_tensors, module_label
 
@@ -33,7 +34,7 @@ class OptimizerFinding:
     """Why, in words, for `parameter` (e.g. "exp_avg_sq is 0 and eps is 0: 0/0")."""
     explanations: dict[str, str] = field(default_factory=dict)
     optimizer_class: str | None = None
-    phase: str = "optimizer"
+    phase: Phase = Phase.OPTIMIZER
 
 
 def localize_optimizer(runner: StepRunner, samples: list[SampleRef] | None = None) -> OptimizerFinding | None:

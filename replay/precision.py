@@ -10,6 +10,7 @@ import logging
 
 import torch
 
+from forensics.kinds import TriggerKind
 from replay.execute import SampleRef, StepRunner
 
 logger = logging.getLogger(__name__)
@@ -23,7 +24,7 @@ def uses_low_precision(runner: StepRunner) -> bool:
     return session.autocast_dtype is not None or session.param_dtype in _LOW or session.scaler_enabled
 
 
-def fp32_check(runner: StepRunner, samples: list[SampleRef] | None = None, *, kind: str | None = None,
+def fp32_check(runner: StepRunner, samples: list[SampleRef] | None = None, *, kind: TriggerKind | str | None = None,
                threshold: float | None = None) -> dict:
     """Re-runs the step (or `samples`) in fp32 and says whether the trigger still fires.
 
@@ -41,7 +42,7 @@ def fp32_check(runner: StepRunner, samples: list[SampleRef] | None = None, *, ki
     """
     session = runner.session
     trigger = session.trigger or {}
-    kind = kind or trigger.get("kind", "nonfinite_loss")
+    kind = TriggerKind.parse(kind or trigger.get("kind") or TriggerKind.NONFINITE_LOSS)
     if threshold is None and trigger.get("threshold") is not None:
         threshold = float(trigger["threshold"])
     dtype = session.autocast_dtype
@@ -49,7 +50,7 @@ def fp32_check(runner: StepRunner, samples: list[SampleRef] | None = None, *, ki
              "fp32_reproduces": None,
              "param_dtype": str(session.param_dtype).removeprefix("torch."),
              "grad_scaler": session.scaler_enabled}
-    if kind == "nonfinite_param" or not uses_low_precision(runner):
+    if kind is TriggerKind.NONFINITE_PARAM or not uses_low_precision(runner):
         return block
     result = runner.run(samples, fp32=True)
     block["fp32_reproduces"] = result.trigger_reproduced(kind, threshold)

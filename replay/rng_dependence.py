@@ -13,6 +13,8 @@ import random
 
 import torch
 
+from forensics.kinds import TriggerKind
+from forensics.rng import capture_rng, restore_rng
 from replay.execute import StepRunner
 
 logger = logging.getLogger(__name__)
@@ -49,9 +51,7 @@ def check_rng_dependence(runner: StepRunner, kind: str, threshold: float | None 
         >>> block["rng_dependent"]  # doctest: +SKIP
         True
     """
-    from forensics.rng import capture_rng, restore_rng
-
-    needs_backward = kind in ("nonfinite_grad", "grad_norm_spike")
+    needs_backward = TriggerKind.parse(kind).needs_backward
     saved = capture_rng()
     tried, failed = [], []
     try:

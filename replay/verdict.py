@@ -12,60 +12,35 @@
 | a spike (finite trigger) with no culprit subset                   | `spike_no_single_cause` |
 | anything else (non-finite, but only the whole batch fails)        | `model_state`           |
 
-The wording follows /work/shared/FIELD-NOTES.md "What a good forensic answer looks like": the
+The wording follows the field notes' "What a good forensic answer looks like" (README): the
 headline is one sentence naming what broke and where; the explanation gives the evidence in the
 triage order (where, reproduction, culprit, precision, history); suggestions are concrete.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from replay.history_pattern import PATTERNS
+from forensics.kinds import HistoryPattern, Phase, TriggerKind, VerdictKind
+from forensics.report.wording import fmt_id, fmt_num, mb_number
 
 log = logging.getLogger(__name__)
 
-VERDICT_KINDS = ("bad_sample", "numerical_precision", "optimizer_update", "model_state",
-                 "not_reproduced", "spike_no_single_cause")
-SPIKE_TRIGGERS = ("loss_spike", "grad_norm_spike")
 LOW_PRECISION = {"float16": "float16", "half": "float16", "torch.float16": "float16", "fp16": "float16",
                  "bfloat16": "bfloat16", "torch.bfloat16": "bfloat16", "bf16": "bfloat16"}
 MAX_NAMED_SAMPLES = 3   # headlines name at most this many culprit samples
 MAX_ID_CHARS = 80       # longer sample ids are cut in the headline (report.json keeps them whole)
-
-_WHAT_FAILS = {
-    "nonfinite_loss": "the loss non-finite",
-    "nonfinite_grad": "the gradients non-finite",
-    "nonfinite_param": "the weights non-finite",
-    "loss_spike": "the loss spike",
-    "grad_norm_spike": "the gradient norm spike",
-}
-_TRIGGER_WORDS = {
-    "nonfinite_loss": "non-finite loss",
-    "nonfinite_grad": "non-finite gradient",
-    "nonfinite_param": "non-finite weights",
-    "loss_spike": "loss spike",
-    "grad_norm_spike": "gradient-norm spike",
-}
-_PATTERN_MEANS = {
-    "sudden_jump": "sudden jump (usually one bad sample, or a numerical overflow)",
-    "exponential_growth": "exponential growth (usually a learning rate too high, an accumulation bug, or momentum)",
-    "oscillating_divergence": ("oscillating divergence (usually corrupted optimizer state or a batch "
-                               "distribution shift)"),
-    "stable": "stable until the failure (the failing step is an outlier)",
-    "insufficient_history": "too little history to tell",
-}
+PROSE_DIGITS = 6        # significant digits of numbers in verdict prose
 
 
 @dataclass
 class VerdictFacts:
     """Everything the replay found that the verdict depends on. Only the first two are required."""
 
-    trigger_kind: str
+    trigger_kind: TriggerKind
     """manifest trigger.kind: nonfinite_loss, nonfinite_grad, loss_spike, grad_norm_spike, nonfinite_param."""
     reproduced: bool
     """The replay failed the same way (report `reproduced`)."""
@@ -87,7 +62,7 @@ class VerdictFacts:
     """Replayed values equal the recorded ones bit for bit (fidelity.bitwise_equal)."""
     replay_device: str | None = None
     environment_warnings: list[str] = field(default_factory=list)
-    phase: str | None = None
+    phase: Phase | None = None
     """forward, backward, optimizer or None: where the first non-finite value appeared."""
     module: str | None = None
     op: str | None = None
@@ -114,7 +89,7 @@ class VerdictFacts:
     """True: still fails in fp32; False: finite in fp32; None: not re-run."""
     autocast_dtype: str | None = None
     param_dtype: str | None = None
-    history_pattern: str | None = None
+    history_pattern: HistoryPattern | None = None
     history_signals: list[str] = field(default_factory=list)
     spike: bool | None = None
     """The trigger is a finite spike; None: derived from trigger_kind."""
@@ -127,12 +102,15 @@ class VerdictFacts:
     """Other seeds the step was re-run from (without restoring the recorded RNG)."""
 
     def __post_init__(self) -> None:
-        if self.phase not in ("forward", "backward", "optimizer", None):
-            raise ValueError(f"phase must be 'forward', 'backward', 'optimizer' or None, not {self.phase!r}")
-        if self.history_pattern is not None and self.history_pattern not in PATTERNS:
-            raise ValueError(f"history_pattern must be one of {PATTERNS} or None, not {self.history_pattern!r}")
+        for name, kind in (("trigger_kind", TriggerKind), ("phase", Phase), ("history_pattern", HistoryPattern)):
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    setattr(self, name, kind.parse(value))
+                except ValueError as exc:
+                    raise ValueError(f"VerdictFacts.{name}: {exc}") from None
         if self.spike is None:
-            self.spike = self.trigger_kind in SPIKE_TRIGGERS
+            self.spike = self.trigger_kind.spike
         if self.culprit_subset_size is None:
             self.culprit_subset_size = len(self.culprit_samples)
         if self.culprit_rank is None:
@@ -142,33 +120,11 @@ class VerdictFacts:
 # --- wording helpers --------------------------------------------------------------------------
 
 def _num(value: Any) -> str:
-    if value is None:
-        return "n/a"
-    try:
-        x = float(value)
-    except (TypeError, ValueError):
-        return str(value)
-    if math.isnan(x):
-        return "nan"
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    return f"{x:.6g}"
+    return fmt_num(value, PROSE_DIGITS)
 
 
 def _id(sample_id: Any) -> str:
-    if isinstance(sample_id, str):
-        text = "'" + sample_id + "'"
-    else:
-        try:
-            text = json.dumps(sample_id, default=repr)
-        except (TypeError, ValueError):
-            text = repr(sample_id)
-    text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
-    return text if len(text) <= MAX_ID_CHARS else text[: MAX_ID_CHARS - 1] + "…"
-
-
-def _and(items: list[str]) -> str:
-    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+    return fmt_id(sample_id, MAX_ID_CHARS)
 
 
 def _samples_phrase(f: VerdictFacts, lower: bool = False) -> str:
@@ -188,11 +144,6 @@ def _samples_phrase(f: VerdictFacts, lower: bool = False) -> str:
     return text[0].lower() + text[1:] if lower else text
 
 
-def _mb(index: Any) -> str:
-    """A 0-based micro-batch index as people count it: 1 -> "2" (as in "micro-batch 2 of 4")."""
-    return str(index + 1) if isinstance(index, int) and not isinstance(index, bool) else str(index)
-
-
 def _where_step(f: VerdictFacts, micro_batch: bool = True) -> str:
     text = f"step {f.step}" if f.step is not None else "the step"
     extra = []
@@ -200,7 +151,7 @@ def _where_step(f: VerdictFacts, micro_batch: bool = True) -> str:
         extra.append(f"rank {f.rank}")
     if f.micro_batch is not None and micro_batch:
         of = f" of {f.num_micro_batches}" if f.num_micro_batches else ""
-        extra.append(f"micro-batch {_mb(f.micro_batch)}{of}")
+        extra.append(f"micro-batch {mb_number(f.micro_batch)}{of}")
     return text + (f" ({', '.join(extra)})" if extra else "")
 
 
@@ -208,7 +159,7 @@ def _where_value(f: VerdictFacts, details: list[str] | None = None) -> str:
     """' in the forward pass at `m` (aten::mm; <details>)', or '' when localisation found nothing."""
     if f.phase is None and f.module is None:
         return ""
-    text = f" in the {f.phase} pass" if f.phase in ("forward", "backward") else ""
+    text = f" in the {f.phase} pass" if f.phase is not None and f.phase.is_pass else ""
     if f.module:
         text += f" at `{f.module}`"
     notes = ([f.op] if f.op else []) + list(details or [])
@@ -231,8 +182,8 @@ def _evidence(f: VerdictFacts) -> list[str]:
     if f.rank is not None:
         where.append(f"rank {f.rank}")
     if f.micro_batch is not None:
-        where.append(f"micro-batch {_mb(f.micro_batch)}" + (f" of {f.num_micro_batches}" if f.num_micro_batches else ""))
-    trigger = _TRIGGER_WORDS.get(f.trigger_kind, f.trigger_kind.replace("_", " "))
+        where.append(f"micro-batch {mb_number(f.micro_batch)}" + (f" of {f.num_micro_batches}" if f.num_micro_batches else ""))
+    trigger = f.trigger_kind.words
     numbers = ([_num(f.trigger_value)] if f.trigger_value is not None else []) + \
         ([f"threshold {_num(f.threshold)}"] if f.threshold is not None else [])
     if numbers:
@@ -248,9 +199,9 @@ def _evidence(f: VerdictFacts) -> list[str]:
             stats.append(f"input abs-max {_num(f.inputs_absmax)}")
         if f.outputs_absmax is not None:
             stats.append(f"output abs-max {_num(f.outputs_absmax)}")
-        if f.parameter and f.phase in ("backward", "optimizer"):
+        if f.parameter and f.phase in (Phase.BACKWARD, Phase.OPTIMIZER):
             stats.append(f"parameter `{f.parameter}`")
-        where = _where_value(f, stats) if (f.module or f.phase in ("forward", "backward")) \
+        where = _where_value(f, stats) if (f.module or (f.phase is not None and f.phase.is_pass)) \
             else f" in the {f.phase} step" + (f" ({'; '.join(stats)})" if stats else "")
         out.append(f"The first non-finite value appears{where}.")
     if _has_culprit(f):
@@ -276,7 +227,7 @@ def _evidence(f: VerdictFacts) -> list[str]:
 def _history(f: VerdictFacts) -> list[str]:
     out = []
     if f.history_pattern:
-        out.append(f"Loss history: {_PATTERN_MEANS.get(f.history_pattern, f.history_pattern)}.")
+        out.append(f"Loss history: {f.history_pattern.means}.")
     out.extend(f.history_signals)
     return out
 
@@ -325,21 +276,21 @@ def _op_hints(f: VerdictFacts) -> list[str]:
 
 
 def _pattern_hints(f: VerdictFacts) -> list[str]:
-    if f.history_pattern == "exponential_growth":
+    if f.history_pattern is HistoryPattern.EXPONENTIAL_GROWTH:
         return ["The loss grew exponentially before the failure: lower the learning rate or lengthen "
                 "warm-up, and check that the loss is divided by the number of accumulation steps."]
-    if f.history_pattern == "oscillating_divergence":
+    if f.history_pattern is HistoryPattern.OSCILLATING_DIVERGENCE:
         return ["The loss oscillated with growing swings: check the optimizer state (Adam's exp_avg / "
                 "exp_avg_sq, e.g. after a resume) for corruption, and the batch distribution for a shift."]
     return []
 
 
-def _result(kind: str, headline: str, f: VerdictFacts, suggestions: list[str],
+def _result(kind: VerdictKind, headline: str, f: VerdictFacts, suggestions: list[str],
             reading: str | None = None) -> dict:
     evidence = _evidence(f) + ([reading] if reading else []) + _history(f)
     unique = list(dict.fromkeys(s for s in suggestions if s))
     log.info("verdict %s: %s", kind, headline)
-    return {"kind": kind, "headline": headline, "explanation": " ".join(evidence), "suggestions": unique}
+    return {"kind": kind.value, "headline": headline, "explanation": " ".join(evidence), "suggestions": unique}
 
 
 # --- the rules --------------------------------------------------------------------------------
@@ -350,7 +301,7 @@ def decide_verdict(facts: VerdictFacts) -> dict:
     Args:
         facts: what the replay established.
     Returns:
-        `{"kind", "headline", "explanation", "suggestions"}` with kind one of `VERDICT_KINDS`.
+        `{"kind", "headline", "explanation", "suggestions"}` with kind a forensics.kinds.VerdictKind value.
     Example:
         >>> v = decide_verdict(VerdictFacts("nonfinite_loss", True, step=41217, rank=3,
         ...                                 culprit_samples=["shard-0192/rec-55411"], candidates=32,
@@ -366,7 +317,7 @@ def decide_verdict(facts: VerdictFacts) -> dict:
         return _not_reproduced(f)
     if f.weights_nonfinite_at_start or f.all_subsets_fail:
         return _model_state(f)
-    if f.phase == "optimizer":
+    if f.phase is Phase.OPTIMIZER:
         return _optimizer_update(f)
     if f.fp32_reproduces is False and _low_precision(f):
         return _numerical_precision(f)
@@ -387,7 +338,7 @@ def _has_culprit(f: VerdictFacts) -> bool:
 
 
 def _what(f: VerdictFacts) -> str:
-    return _WHAT_FAILS.get(f.trigger_kind, f"the {f.trigger_kind.replace('_', ' ')}")
+    return f.trigger_kind.what_fails
 
 
 def _inherited(f: VerdictFacts) -> dict:
@@ -398,7 +349,7 @@ def _inherited(f: VerdictFacts) -> dict:
                 "rank, whose dump holds the culprit.")
     reading = (f"The Guard on {rank} triggered because another rank saw a non-finite loss or gradient (trigger "
                "'local: false'); replaying this rank's own micro-batches gives a finite step, as expected.")
-    return _result("not_reproduced", headline, f, [
+    return _result(VerdictKind.NOT_REPRODUCED, headline, f, [
         "Replay the rank that saw the fault first-hand: forensics replay STEP_DIR (it picks that rank) or "
         "--rank R for the rank whose manifest says trigger.local = true.",
         "forensics replay STEP_DIR --all-ranks replays every rank and names the one carrying the culprit.",
@@ -410,7 +361,7 @@ def _not_reproduced(f: VerdictFacts) -> dict:
     if f.trigger_value is not None or f.replayed_value is not None:
         numbers = f": recorded {_num(f.trigger_value)}, replayed {_num(f.replayed_value)}"
     on = f" on {f.replay_device}" if f.replay_device else ""
-    words = _TRIGGER_WORDS.get(f.trigger_kind, f.trigger_kind.replace("_", " "))
+    words = f.trigger_kind.words
     headline = f"The replay{on} did not reproduce the {words} of {_where_step(f)}{numbers}."
     reading = ("The same weights, batch and RNG gave a healthy step here, so the failure depends on "
                "something the dump does not carry: the GPU, the kernels chosen, non-deterministic "
@@ -418,7 +369,7 @@ def _not_reproduced(f: VerdictFacts) -> dict:
     if f.environment_warnings:
         reading += " Differences between the job and this replay: " + "; ".join(f.environment_warnings) + "."
     rank = f" on the node of rank {f.rank}" if f.rank is not None else ""
-    return _result("not_reproduced", headline, f, [
+    return _result(VerdictKind.NOT_REPRODUCED, headline, f, [
         "Replay on the same GPU model, driver and torch version as the job (the environment "
         "warnings list what differs).",
         "Make the job deterministic so replays compare bit for bit: torch.use_deterministic_algorithms(True), "
@@ -471,13 +422,13 @@ def _model_state(f: VerdictFacts) -> dict:
         suggestions = ["Look at the pre-step weights and optimizer state for huge values (per-layer table).",
                        "If bisection was skipped, run the replay with it to see whether some samples alone "
                        "make the step fail."]
-    return _result("model_state", headline, f, suggestions + _pattern_hints(f) + _op_hints(f), reading)
+    return _result(VerdictKind.MODEL_STATE, headline, f, suggestions + _pattern_hints(f) + _op_hints(f), reading)
 
 
 def _rng_dependent(f: VerdictFacts) -> dict:
     """model_state's wording when the failure needs the recorded random state (kind stays model_state)."""
     at = _where_step(f)
-    words = _TRIGGER_WORDS.get(f.trigger_kind, f.trigger_kind.replace("_", " "))
+    words = f.trigger_kind.words
     headline = (f"The {words} at {at}{_where_value(f)} depends on the random state: it comes back with the "
                 "dump's RNG and goes away from other seeds, so one draw of a random op (a dropout mask) "
                 "makes it, not a sample or the weights alone.")
@@ -502,7 +453,7 @@ def _rng_dependent(f: VerdictFacts) -> dict:
         "with another RNG state will likely pass this step, but the failure will come back at random.",
     ]
     hints = [] if op in _LOG_OPS | _DIV_OPS else _op_hints(f)
-    return _result("model_state", headline, f, suggestions + hints + _pattern_hints(f), reading)
+    return _result(VerdictKind.MODEL_STATE, headline, f, suggestions + hints + _pattern_hints(f), reading)
 
 
 def _optimizer_update(f: VerdictFacts) -> dict:
@@ -527,7 +478,7 @@ def _optimizer_update(f: VerdictFacts) -> dict:
         "Lower the learning rate or lengthen warm-up; check weight decay is not too large.",
         "Clip gradients (clip_grad_norm_ after backward, before optimizer.step()).",
     ]
-    return _result("optimizer_update", headline, f, suggestions + _pattern_hints(f))
+    return _result(VerdictKind.OPTIMIZER_UPDATE, headline, f, suggestions + _pattern_hints(f))
 
 
 def _numerical_precision(f: VerdictFacts) -> dict:
@@ -553,7 +504,7 @@ def _numerical_precision(f: VerdictFacts) -> dict:
         target = f"`{f.module}`" if f.module else "the failing module"
         suggestions.append(f"Keep bfloat16 but run {target} in fp32: wrap it in torch.autocast(..., "
                            "enabled=False) and cast its input to float32.")
-    return _result("numerical_precision", headline, f, suggestions + _op_hints(f) + _pattern_hints(f))
+    return _result(VerdictKind.NUMERICAL_PRECISION, headline, f, suggestions + _op_hints(f) + _pattern_hints(f))
 
 
 def _bad_sample(f: VerdictFacts) -> dict:
@@ -579,7 +530,7 @@ def _bad_sample(f: VerdictFacts) -> dict:
     hints = _op_hints(f)
     if _low_precision(f) == "float16" and not any("bfloat16" in h for h in hints):
         hints.append("The job runs in float16: bfloat16 has fp32's range and tolerates outliers better.")
-    return _result("bad_sample", headline, f, suggestions + hints + _pattern_hints(f), reading)
+    return _result(VerdictKind.BAD_SAMPLE, headline, f, suggestions + hints + _pattern_hints(f), reading)
 
 
 def _spike(f: VerdictFacts) -> dict:
@@ -599,4 +550,4 @@ def _spike(f: VerdictFacts) -> dict:
         "If the run recovers on its own, a lower learning rate or tighter clipping may be enough; "
         "change one setting at a time so you learn what fixed it.",
     ]
-    return _result("spike_no_single_cause", headline, f, suggestions, reading)
+    return _result(VerdictKind.SPIKE_NO_SINGLE_CAUSE, headline, f, suggestions, reading)

@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from replay.verdict import VERDICT_KINDS, VerdictFacts, decide_verdict
+from forensics.report import VERDICT_KINDS
+from replay.verdict import VerdictFacts, decide_verdict
 
 NAN = float("nan")
 

@@ -1,0 +1,125 @@
+"""The one place the report is assembled: from the replay's Findings to the report dict (schema
+forensics-report/1, docs/REPORT_FORMAT.md), including the facts the verdict is decided on.
+Writing the report to disk is forensics.report's job."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from forensics.kinds import Phase, TriggerKind
+from forensics.report.model import SCHEMA, to_json_safe
+from replay.environment import replay_environment
+from replay.execute import StepRunner
+from replay.findings import Findings
+from replay.load import ReplaySession
+from replay.localize import ROOT_MODULE
+from replay.per_sample import rank_by_loss
+from replay.verdict import VerdictFacts, decide_verdict
+
+
+def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | None, started: float) -> dict:
+    """The report dict of one replay, JSON-safe (non-finite floats as "nan"/"inf")."""
+    session = runner.session
+    rank = int((dump_info or {}).get("rank") or 0)
+    culprit = culprit_block(findings, rank)
+    fidelity = findings.reproduction.fidelity
+    if findings.kind is TriggerKind.NONFINITE_PARAM and findings.optimizer is not None:
+        fidelity["optimizer_reproduced"] = True
+    verdict = decide_verdict(verdict_facts(findings, session, dump_info, culprit))
+    trigger = findings.trigger
+    history = findings.history
+    report = {
+        "schema": SCHEMA,
+        "created_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "dump": {"num_micro_batches": len(session.micro_batches),
+                 **(dump_info or {"path": None, "run_id": None, "step": 0, "rank": rank,
+                                  "world_size": session.world_size, "missing_ranks": []})},
+        "trigger": {"kind": findings.kind.value, "value": trigger.get("value"), "threshold": findings.threshold,
+                    "micro_batch": trigger.get("micro_batch"), "detail": trigger.get("detail") or ""},
+        "environment": {"capture": session.capture_environment, "replay": replay_environment(session.device),
+                        "warnings": list(session.warnings)},
+        "reproduced": findings.reproduced,
+        "fidelity": fidelity,
+        "rng": findings.rng,
+        "verdict": verdict,
+        "culprit": culprit,
+        "precision": findings.precision,
+        "bisection": findings.bisection.block,
+        "per_sample": findings.per_sample,
+        "per_layer": findings.per_layer,
+        "history": history.block,
+        "history_pattern": history.pattern.value,
+        "timings": {"total_s": round(time.monotonic() - started, 3), "passes": runner.passes},
+    }
+    if history.signals:
+        report["history"]["signals"] = history.signals
+    return to_json_safe(report)
+
+
+def culprit_block(findings: Findings, rank: int) -> dict:
+    """The report's `culprit` block: the samples, and where the first non-finite value appeared."""
+    forward, backward, optimizer = findings.forward, findings.backward, findings.optimizer
+    block = {"samples": [{"sample_id": r.sample_id, "micro_batch": r.micro_batch, "index": r.index, "rank": rank}
+                         for r in findings.culprits],
+             "module": None, "op": None, "phase": None, "parameter": None, "optimizer_state": None,
+             "stats": {"inputs_absmax": None, "outputs_absmax": None, "params_absmax": None},
+             "traceback": None}
+    if forward is not None:
+        block.update(module=forward.module, op=forward.op, phase=Phase.FORWARD, stats=dict(forward.stats),
+                     parameter=forward.nonfinite_inputs[0] if forward.nonfinite_inputs else None)
+    elif backward is not None:
+        block.update(module=backward.module, op=backward.op, phase=Phase.BACKWARD, parameter=backward.parameter,
+                     traceback=backward.traceback)
+    elif optimizer is not None:
+        block.update(phase=Phase.OPTIMIZER, parameter=optimizer.parameter, optimizer_state=optimizer.optimizer_state,
+                     module=optimizer.parameter.rpartition(".")[0] or ROOT_MODULE if optimizer.parameter else None)
+    if findings.weights_nonfinite:  # the weights themselves: name the first broken one
+        name = findings.weights_nonfinite[0]
+        block["parameter"] = name
+        if block["module"] is None:
+            block["module"] = name.rpartition(".")[0] or ROOT_MODULE
+    if block["phase"] is None:
+        block["phase"] = findings.phase
+    return block
+
+
+def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | None, culprit: dict) -> VerdictFacts:
+    """What the verdict rules (replay/verdict.py) decide on, read from the typed findings."""
+    kind, trigger, result = findings.kind, findings.trigger, findings.reproduction.result
+    micro_batch = trigger.get("micro_batch")
+    if micro_batch is None and findings.forward is not None:
+        micro_batch = findings.forward.micro_batch
+    stats = culprit.get("stats") or {}
+    precision, rng = findings.precision or {}, findings.rng or {}
+    return VerdictFacts(
+        culprits_each_fail_alone=findings.bisection.independent_groups > 1,
+        trigger_kind=kind, reproduced=findings.reproduced, trigger_local=trigger.get("local", True) is not False,
+        step=(dump_info or {}).get("step"), rank=(dump_info or {}).get("rank"),
+        micro_batch=micro_batch, num_micro_batches=len(session.micro_batches),
+        trigger_value=_float(trigger.get("value")), threshold=findings.threshold,
+        replayed_value=result.replayed_value(kind, trigger.get("micro_batch")),
+        bitwise=findings.reproduction.fidelity.get("bitwise_equal"), replay_device=str(session.device),
+        environment_warnings=list(session.warnings),
+        phase=culprit.get("phase"), module=culprit.get("module"), op=culprit.get("op"),
+        parameter=culprit.get("parameter"), optimizer_state=culprit.get("optimizer_state"),
+        optimizer_class=findings.optimizer.optimizer_class if findings.optimizer is not None else None,
+        inputs_absmax=stats.get("inputs_absmax"), outputs_absmax=stats.get("outputs_absmax"),
+        culprit_samples=[r.sample_id for r in findings.culprits],
+        culprit_subset_size=len(findings.culprits), candidates=len(session.sample_refs),
+        bisect_runs=findings.bisection.runs, all_subsets_fail=findings.bisection.all_failed,
+        weights_nonfinite_at_start=bool(findings.weights_nonfinite),
+        fp32_reproduces=precision.get("fp32_reproduces"),
+        autocast_dtype=precision.get("autocast_dtype"),
+        param_dtype=str(session.param_dtype).removeprefix("torch."),
+        history_pattern=findings.history.pattern, history_signals=list(findings.history.signals),
+        per_sample_top=rank_by_loss(findings.per_sample)[:3] if findings.per_sample else [],
+        rng_dependent=rng.get("rng_dependent"), rng_seeds_tried=len(rng.get("seeds") or []))
+
+
+def _float(value: Any) -> float | None:
+    try:
+        return None if value is None else float(value)
+    except (TypeError, ValueError):
+        return None

@@ -1,0 +1,71 @@
+"""What the replay stages found, as typed values: each stage of replay/engine.py returns one, and
+replay/assemble.py builds the report (and the verdict's facts) from them in one place.
+
+The localisation findings live with the stage that makes them (ForwardFinding, BackwardFinding in
+replay/localize.py; OptimizerFinding in replay/localize_update.py); the fp32 triage and the random-state
+check return their report blocks (`precision`, `rng`) as documented in docs/REPORT_FORMAT.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from forensics.kinds import HistoryPattern, Phase, TriggerKind
+from replay.execute import Reproduction, SampleRef
+from replay.localize import BackwardFinding, ForwardFinding
+from replay.localize_update import OptimizerFinding
+
+
+@dataclass
+class Bisection:
+    """Which samples make the step fail (ddmin, confirmed by removal)."""
+
+    culprits: list[SampleRef]
+    block: dict | None
+    """The report's `bisection` block (None: not run)."""
+    all_failed: bool = False
+    """Every subset tried failed: no sample is to blame."""
+
+    @property
+    def independent_groups(self) -> int:
+        return (self.block or {}).get("independent_groups", 0)
+
+    @property
+    def runs(self) -> int | None:
+        return (self.block or {}).get("runs")
+
+
+@dataclass
+class HistoryFinding:
+    """The recorded loss / grad-norm history: the report's `history` block, its pattern and signals."""
+
+    block: dict | None
+    pattern: HistoryPattern
+    signals: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Findings:
+    """Everything one replay found, stage by stage (engine order)."""
+
+    kind: TriggerKind
+    trigger: dict
+    threshold: float | None
+    reproduction: Reproduction
+    reproduced: bool
+    optimizer: OptimizerFinding | None = None
+    rng: dict | None = None
+    forward: ForwardFinding | None = None
+    backward: BackwardFinding | None = None
+    phase: Phase | None = None
+    per_layer: list[dict] = field(default_factory=list)
+    bisection: Bisection = field(default_factory=lambda: Bisection([], None))
+    precision: dict | None = None
+    per_sample: list[dict] = field(default_factory=list)
+    history: HistoryFinding = field(default_factory=lambda: HistoryFinding(None, HistoryPattern.INSUFFICIENT_HISTORY))
+    weights_nonfinite: list[str] = field(default_factory=list)
+    """Parameters that hold NaN/Inf before the step (named_parameters order)."""
+
+    @property
+    def culprits(self) -> list[SampleRef]:
+        return self.bisection.culprits
