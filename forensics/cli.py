@@ -1,5 +1,6 @@
 """The `forensics` command line: inspect, verify, pack, replay, demo. Each command parses, calls one
-library function and maps the outcome to an exit code (EXIT_CODES, the one table)."""
+library function and maps the outcome to an exit code (forensics.kinds.ExitCode, the one table: a
+replay exits with its verdict kind's code; bad input, code or environment is 2; 1 only for bugs)."""
 
 from __future__ import annotations
 
@@ -10,31 +11,29 @@ from pathlib import Path
 
 import click
 
-from forensics.errors import DumpError, ForensicsError, RecipeError, ReplayError
-
-# The one exit-code table (README "Exit codes" copies it).
-EXIT_OK = 0  # success; for replay: a verdict that names a culprit
-EXIT_INTERNAL = 1  # a bug in forensics (please report it with the traceback)
-EXIT_BAD_INPUT = 2  # missing / not a dump / truncated / tampered / newer format / recipe not usable
-EXIT_NOT_REPRODUCED = 3  # replay could not reproduce the failure
-EXIT_NO_CULPRIT = 4  # reproduced, but no single culprit (model_state, spike_no_single_cause)
-EXIT_CODES = {
-    "bad_sample": EXIT_OK, "numerical_precision": EXIT_OK, "optimizer_update": EXIT_OK,
-    "not_reproduced": EXIT_NOT_REPRODUCED, "model_state": EXIT_NO_CULPRIT, "spike_no_single_cause": EXIT_NO_CULPRIT,
-}
+from forensics.errors import ForensicsError
+from forensics.kinds import ExitCode, VerdictKind
 
 
 def replay_exit_code(report: dict) -> int:
-    return EXIT_CODES.get(report.get("verdict", {}).get("kind"), EXIT_NO_CULPRIT)
+    """The exit code of a replay: its verdict kind's (forensics.kinds.VerdictKind.exit_code)."""
+    kind = (report.get("verdict") or {}).get("kind")
+    try:
+        return int(VerdictKind(kind).exit_code)
+    except ValueError:
+        raise ForensicsError(f"the report has an unknown verdict kind {kind!r}") from None
 
 
 class BadInput(click.ClickException):
-    """A ForensicsError about the user's input, shown as 'Error: ...' with exit code 2."""
+    """The user's input, code or environment is at fault: shown as 'Error: ...' with exit code 2."""
 
-    exit_code = EXIT_BAD_INPUT
+    exit_code = int(ExitCode.BAD_INPUT)
 
 
-def _fail(exc: ForensicsError) -> BadInput:
+def _fail(exc: Exception) -> BadInput:
+    if isinstance(exc, OSError):
+        where = f" ({exc.filename})" if exc.filename else ""
+        return BadInput(f"{exc.strerror or exc}{where}; choose a writable path")
     return BadInput(str(exc))
 
 
@@ -97,7 +96,7 @@ def pack(dump: Path, output: Path | None) -> None:
 
     try:
         archive = pack_dump(dump, output)
-    except ForensicsError as exc:
+    except (ForensicsError, OSError) as exc:
         raise _fail(exc) from exc
     click.echo(str(archive))
 
@@ -151,9 +150,9 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
             else:
                 click.echo(render_verdict_text(report, files={**files, **({"blocklist": blocklist} if blocklist else {})}))
             codes.append(replay_exit_code(report))
-    except (DumpError, RecipeError, ReplayError) as exc:
+    except (ForensicsError, OSError) as exc:  # the dump, the recipe, the device, an unwritable -o / --blocklist
         raise _fail(exc) from exc
-    sys.exit(min(codes) if codes else EXIT_NO_CULPRIT)
+    sys.exit(min(codes) if codes else int(ExitCode.NO_CULPRIT))
 
 
 def _demo_help() -> str:
@@ -180,7 +179,7 @@ def demo(scenario: str, out: Path, device: str | None) -> None:
                                  param_hint="--scenario")
     try:
         report, _ = run_demo(scenario, out, device, echo=click.echo)
-    except ForensicsError as exc:
+    except (ForensicsError, OSError) as exc:
         raise _fail(exc) from exc
     sys.exit(replay_exit_code(report))
 

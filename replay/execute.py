@@ -21,24 +21,13 @@ from forensics.errors import ReplayError
 from forensics.grad_norm import total_grad_norm
 from forensics.kinds import TriggerKind
 from replay.load import ReplaySession, finite_float
+from replay.samples import SampleRef
 
 logger = logging.getLogger(__name__)
 
 # Relative tolerance when a bitwise match cannot be expected (other GPU / torch / CPU vs GPU):
 # reductions in another order move fp32 results by ~1e-6 relative, bf16 autocast by ~1e-2 at worst.
 DEFAULT_TOLERANCE = 1e-2
-
-
-@dataclass(frozen=True)
-class SampleRef:
-    """One sample of the step: position `index` in micro-batch `micro_batch` (sample_id for display).
-
-    Equality and hashing use the position only (sample ids are JSON values, possibly unhashable).
-    """
-
-    micro_batch: int
-    index: int
-    sample_id: Any = field(default=None, compare=False)
 
 
 def _finite(value: float | None) -> bool:

@@ -1,7 +1,7 @@
 """Read the loss history before a crash: which curve shape it was, and other warning signals.
 
 `classify_history` names the shape of the loss curve leading to the trigger, after the table in
-/work/shared/FIELD-NOTES.md:
+the field notes (../shared/FIELD-NOTES.md):
 
 | pattern                  | example                                  | usual cause                      |
 |--------------------------|------------------------------------------|----------------------------------|
@@ -32,9 +32,10 @@ import math
 from statistics import median
 from typing import Any, Sequence
 
+from forensics.kinds import HistoryPattern
+
 log = logging.getLogger(__name__)
 
-PATTERNS = ("sudden_jump", "exponential_growth", "oscillating_divergence", "stable", "insufficient_history")
 
 MIN_POINTS = 4          # fewer finite losses than this tell nothing about a trend
 WINDOW = 64             # the crash is explained by the recent past, not by warm-up long ago
@@ -103,8 +104,8 @@ def _is_oscillating(steps: list[float]) -> bool:
             and sum(second) / half >= 3 * baseline and swings[-1] >= 5 * baseline)
 
 
-def classify_history(losses: Sequence[float | None]) -> str:
-    """Name the shape of the loss curve before the trigger (one of `PATTERNS`).
+def classify_history(losses: Sequence[float | None]) -> HistoryPattern:
+    """Name the shape of the loss curve before the trigger (a forensics.kinds.HistoryPattern).
 
     Args:
         losses: recorded losses, oldest first; None / NaN / inf entries (the trigger itself,
@@ -120,17 +121,17 @@ def classify_history(losses: Sequence[float | None]) -> str:
     """
     values = _finite(losses)[-WINDOW:]
     if len(values) < MIN_POINTS:
-        return "insufficient_history"
+        return HistoryPattern.INSUFFICIENT_HISTORY
     y = _log_space(values)
     steps = [b - a for a, b in zip(y, y[1:])]
     noise = max(median(abs(s) for s in steps), NOISE_FLOOR)
     if _is_exponential(steps) or _is_exponential(steps[:-1]):
-        return "exponential_growth"
+        return HistoryPattern.EXPONENTIAL_GROWTH
     if _is_sudden_jump(steps, noise):
-        return "sudden_jump"
+        return HistoryPattern.SUDDEN_JUMP
     if _is_oscillating(steps):
-        return "oscillating_divergence"
-    return "stable"
+        return HistoryPattern.OSCILLATING_DIVERGENCE
+    return HistoryPattern.STABLE
 
 
 # --- other signals from the field notes -------------------------------------------------------

@@ -17,6 +17,7 @@ from forensics.errors import RecipeError
 from replay.environment import dtype_from_name, environment_warnings, resolve_device, to_device
 from replay.optimizer_state import OptimizerSnapshot
 from replay.recipe import LossFn, optimizer_class, resolve_recipe
+from replay.samples import SampleRef
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,6 @@ class ReplaySession:
     @property
     def sample_refs(self) -> list:
         """Every sample of the step as a SampleRef, in micro-batch order."""
-        from replay.execute import SampleRef
 
         refs = []
         for mb, ids in enumerate(self.sample_ids):

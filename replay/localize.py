@@ -6,7 +6,7 @@
   custom loss taking log(0)) are attributed to `LOSS_MODULE`; ops of the root module's own forward
   (e.g. a Hugging Face model computing its loss) to `ROOT_MODULE`.
 * Backward (`localize_backward`): a TorchFunctionMode tags every autograd node with the module that
-  created it; the step is re-run under torch.autograd.detect_anomaly(check_nan=True) with a hook on
+  created it; the step is re-run under torch.autograd.detect_anomaly(check_nan=False) with a hook on
   every node, so the first node whose gradient goes non-finite from finite incoming gradients is
   named with its module and anomaly mode's forward traceback. `parameter` is the first parameter to
   RECEIVE a non-finite gradient during backward (reverse execution order of the forward);

@@ -26,11 +26,24 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
 
 from forensics.errors import ReplayError
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    """One sample of the step: position `index` in micro-batch `micro_batch` (sample_id for display).
+
+    Equality and hashing use the position only (sample ids are JSON values, possibly unhashable).
+    """
+
+    micro_batch: int
+    index: int
+    sample_id: Any = field(default=None, compare=False)
 
 log = logging.getLogger(__name__)
 

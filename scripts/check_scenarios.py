@@ -34,7 +34,7 @@ def compare(report: dict, expected) -> list[str]:
     return wrong
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--json", default=None, help="write the rows here")
@@ -60,7 +60,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1, default=str)
+    return 0 if all(r["ok"] for r in rows) else 1
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,0 +1,116 @@
+"""The command line, driven in-process with click's CliRunner: every row of README's exit-code table,
+and the bad-input paths (missing, not a dump, tampered, untrusted recipe, unwritable outputs) exit 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import forensics.summary
+from forensics.cli import main
+from forensics.demo.scenarios import SCENARIOS
+from forensics.kinds import ExitCode, VerdictKind
+
+
+def invoke(args: list[str], exit_code: int):
+    """Runs `forensics ARGS`; on an unexpected exit code shows stdout, stderr and the exception."""
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=True)
+    assert result.exit_code == exit_code, (
+        f"forensics {' '.join(map(str, args))} exited {result.exit_code}, expected {exit_code}\n"
+        f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}\n--- exception\n{result.exception!r}")
+    return result
+
+
+@pytest.fixture(scope="module")
+def dumps(tmp_path_factory) -> dict[str, Path]:
+    """Three real captures whose replays end in the three replay exit codes."""
+    root = tmp_path_factory.mktemp("cli")
+    return {name: SCENARIOS[name].capture(root / name, device="cpu").dump_path
+            for name in ("bad_sample", "sdc", "dropout_mask")}
+
+
+@pytest.mark.parametrize("scenario, verdict", [("bad_sample", VerdictKind.BAD_SAMPLE),
+                                               ("sdc", VerdictKind.NOT_REPRODUCED),
+                                               ("dropout_mask", VerdictKind.MODEL_STATE)])
+def test_replay_exits_with_its_verdict_kinds_code(dumps, tmp_path, scenario, verdict):
+    out = tmp_path / "report"
+    result = invoke(["replay", dumps[scenario], "--device", "cpu", "--no-rng-check", "-o", out,
+                     "--blocklist", tmp_path / "blocklist.jsonl"], exit_code=verdict.exit_code)
+    assert f"Verdict: {verdict.label}" in result.stdout
+    assert json.loads((out / "report.json").read_text())["verdict"]["kind"] == verdict.value
+    assert (out / "report.md").is_file() and (out / "report.html").is_file()
+
+
+def test_every_verdict_kind_has_one_of_the_documented_replay_codes():
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    for kind in VerdictKind:
+        assert kind.exit_code in (ExitCode.OK, ExitCode.NOT_REPRODUCED, ExitCode.NO_CULPRIT)
+        row = next(line for line in readme.splitlines() if line.startswith(f"| {int(kind.exit_code)} |"))
+        assert kind.value in row or kind.exit_code is ExitCode.NOT_REPRODUCED, row
+
+
+def test_inspect_verify_and_pack_a_good_dump(dumps, tmp_path):
+    dump = dumps["bad_sample"]
+    assert "step" in invoke(["inspect", dump], exit_code=0).stdout
+    assert json.loads(invoke(["inspect", dump, "--json"], exit_code=0).stdout)
+    assert "intact" in invoke(["verify", dump], exit_code=0).stdout
+    archive = tmp_path / "dump.tar.zst"
+    invoke(["pack", dump, "-o", archive], exit_code=0)
+    assert "intact" in invoke(["verify", archive], exit_code=0).stdout
+
+
+def test_bad_input_exits_2_with_a_message(dumps, tmp_path):
+    missing = invoke(["inspect", tmp_path / "nope"], exit_code=ExitCode.BAD_INPUT)
+    assert "Error:" in missing.stderr
+    (tmp_path / "empty").mkdir()
+    invoke(["verify", tmp_path / "empty"], exit_code=ExitCode.BAD_INPUT)
+    invoke(["replay", tmp_path / "empty", "--device", "cpu"], exit_code=ExitCode.BAD_INPUT)
+
+
+def test_tampered_dump_fails_verification_with_exit_2(dumps, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(dumps["bad_sample"], copy)
+    model = copy / "model.safetensors"
+    data = bytearray(model.read_bytes())
+    data[-1] ^= 0xFF
+    model.write_bytes(bytes(data))
+    result = invoke(["verify", copy], exit_code=ExitCode.BAD_INPUT)
+    assert "model.safetensors" in result.stderr
+
+
+def test_untrusted_or_unimportable_recipe_and_missing_gpu_exit_2(dumps):
+    dump = dumps["bad_sample"]
+    result = invoke(["replay", dump, "--device", "cpu", "--factory", "no_such_module_xyz:build"],
+                    exit_code=ExitCode.BAD_INPUT)
+    assert "no_such_module_xyz" in result.stderr
+    import torch
+
+    if not torch.cuda.is_available():
+        assert "cuda" in invoke(["replay", dump, "--device", "cuda:0"], exit_code=ExitCode.BAD_INPUT).stderr
+
+
+def test_unwritable_report_or_blocklist_path_exits_2_not_1(dumps, tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a directory")
+    dump = dumps["bad_sample"]
+    common = ["replay", dump, "--device", "cpu", "--no-rng-check", "--no-bisect"]
+    result = invoke([*common, "-o", a_file / "report"], exit_code=ExitCode.BAD_INPUT)
+    assert "Error:" in result.stderr and "Traceback" not in result.stderr
+    result = invoke([*common, "-o", tmp_path / "out", "--blocklist", a_file / "blocklist.jsonl"],
+                    exit_code=ExitCode.BAD_INPUT)
+    assert "Error:" in result.stderr
+    invoke(["pack", dump, "-o", a_file / "x.tar.zst"], exit_code=ExitCode.BAD_INPUT)
+
+
+def test_a_bug_in_forensics_exits_1(dumps, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(forensics.summary, "dump_summary", broken)  # our own code, not torch or the disk
+    result = invoke(["inspect", dumps["bad_sample"]], exit_code=ExitCode.INTERNAL)
+    assert isinstance(result.exception, RuntimeError)

@@ -1,0 +1,104 @@
+"""The import graph of the repository: three layers and no circles (docs/ARCHITECTURE.md).
+
+Every import counts — module level, inside functions, under TYPE_CHECKING — because a cycle kept apart
+only by a deferred import is still a cycle to whoever reads the code.
+
+    top:    forensics (the public API), forensics.cli, forensics.demo.*
+    middle: capture.*  (runs in the job)      replay.*  (runs offline)
+    core:   forensics.* except the above (format, rng, errors, kinds, report, recipes ...)
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("forensics", "capture", "replay")
+TOP = ("forensics", "forensics.cli", "forensics.demo")
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def _imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
+    """The repository modules `name` imports (a `from pkg import sub` counts as importing pkg.sub)."""
+    is_package = path.name == "__init__.py"
+    targets: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".")
+                anchor = anchor if is_package else anchor[:-1]
+                anchor = anchor[:len(anchor) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                targets.add(sub if sub in modules else base)
+    return {t for t in targets if t in modules and t != name}
+
+
+def _layer(module: str) -> int:
+    if module.startswith(("capture", "replay")):
+        return 1
+    if module in TOP or module.startswith(tuple(t + "." for t in TOP[1:])):
+        return 2
+    return 0
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(path, name, modules) for name, path in modules.items()}
+
+
+def test_no_module_imports_a_higher_layer_and_capture_never_imports_replay():
+    wrong = []
+    for module, targets in _graph().items():
+        for target in targets:
+            if _layer(target) > _layer(module):
+                wrong.append(f"{module} (layer {_layer(module)}) imports {target} (layer {_layer(target)})")
+            if module.startswith("capture") and target.startswith("replay"):
+                wrong.append(f"{module} imports {target}: capture runs in the job and never imports replay")
+            if module.startswith("replay") and target.startswith("capture"):
+                wrong.append(f"{module} imports {target}: replay reads dumps, not the capture code")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_the_import_graph_has_no_cycles():
+    graph = _graph()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for target in sorted(graph[node]):
+            if state.get(target) == 1:
+                cycles.append(stack[stack.index(target):] + [target])
+            elif target not in state:
+                visit(target)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_graph_sees_the_packages():
+    graph = _graph()
+    assert "capture.guard" in graph and "forensics.format.writer" in graph["capture.guard"]
+    assert "replay.engine" in graph and "forensics.cli" in graph and _layer("forensics.format.reader") == 0
