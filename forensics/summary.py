@@ -2,27 +2,12 @@
 
 from __future__ import annotations
 
-import math
-from typing import Any
 
 from forensics.format.reader import Dump
-from forensics.report.render_text import mb_phrase, trigger_detail
+from forensics.report.render_text import trigger_detail
+from forensics.report.wording import fmt_num, fmt_size, mb_phrase
 
 HISTORY_AROUND_TRIGGER = 12  # steps of history shown before the trigger
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.6g}" if math.isfinite(value) else str(value)
-    return "-" if value is None else str(value)
-
-
-def _size(num: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if num < 1024 or unit == "GB":
-            return f"{num:.1f} {unit}" if unit != "B" else f"{num} B"
-        num /= 1024
-    return f"{num} B"
 
 
 def dump_summary(dump: Dump, missing_ranks: list[int]) -> dict:
@@ -52,8 +37,8 @@ def render_summary(summary: dict) -> str:
         f"forensics dump  {summary['path']}",
         f"  run {summary['run_id']}  step {summary['step']}  rank {summary['rank']} of {summary['world_size']}"
         + (f"  (missing ranks: {summary['missing_ranks']})" if summary["missing_ranks"] else ""),
-        f"  trigger: {t.get('kind')}  value {_fmt(t.get('value'))}"
-        + (f"  threshold {_fmt(t.get('threshold'))}" if t.get("threshold") is not None else "")
+        f"  trigger: {t.get('kind')}  value {fmt_num(t.get('value'), 6)}"
+        + (f"  threshold {fmt_num(t.get('threshold'), 6)}" if t.get("threshold") is not None else "")
         + (f"  {mb_phrase(t['micro_batch'], n_mb)}" if t.get("micro_batch") is not None else ""),
         f"  {trigger_detail(t)}",
         "",
@@ -62,7 +47,7 @@ def render_summary(summary: dict) -> str:
     for mb in summary["micro_batches"]:
         ids = mb.get("sample_ids") or []
         shown = ", ".join(str(i) for i in ids[:8]) + (f", ... ({len(ids)} in all)" if len(ids) > 8 else "")
-        lines.append(f"    {mb_phrase(mb['index'], n_mb)}: loss {_fmt(mb.get('loss'))}  samples: {shown}")
+        lines.append(f"    {mb_phrase(mb['index'], n_mb)}: loss {fmt_num(mb.get('loss'), 6)}  samples: {shown}")
         for leaf in mb.get("unreplayable") or []:
             lines.append(f"        unreplayable leaf {leaf['path']} ({leaf['type']})")
     tail = summary["history_tail"]
@@ -70,7 +55,7 @@ def render_summary(summary: dict) -> str:
     columns += [c for c in ("loss_scale", "skipped") if any(v not in (None, False) for v in tail.get(c, []))]
     lines += ["", "  history (last steps):", "    " + "  ".join(f"{c:>10}" for c in columns)]
     for row in zip(*(tail[c] for c in columns)):
-        lines.append("    " + "  ".join(f"{_fmt(v):>10}" for v in row))
+        lines.append("    " + "  ".join(f"{fmt_num(v, 6):>10}" for v in row))
     precision = summary["precision"]
     autocast = precision.get("autocast") or {}
     env = summary["environment"]
@@ -84,11 +69,11 @@ def render_summary(summary: dict) -> str:
         f"  recipe: factory {recipe.get('factory')}  loss {recipe.get('loss')}  ({recipe.get('source', '')})",
         f"  environment: python {env.get('python')}, torch {env.get('torch')}, CUDA {env.get('cuda')}, "
         f"GPUs {gpus}, host {env.get('hostname')}, git {env.get('git_commit') or '-'}",
-        f"  size: {_size(summary['total_bytes'])} in {len(summary['files'])} files; format v{summary['format_version']}, "
+        f"  size: {fmt_size(summary['total_bytes'])} in {len(summary['files'])} files; format v{summary['format_version']}, "
         f"written {summary['created_at']}",
     ]
     recheck = summary.get("recheck") or {}
     if recheck.get("performed"):
         lines.append(f"  in-job re-check: {'reproduced' if recheck.get('reproduced') else 'NOT reproduced'} "
-                     f"(original {_fmt(recheck.get('original'))}, recomputed {_fmt(recheck.get('recomputed'))})")
+                     f"(original {fmt_num(recheck.get('original'), 6)}, recomputed {fmt_num(recheck.get('recomputed'), 6)})")
     return "\n".join(lines)

@@ -175,11 +175,6 @@ class StepRunner:
     def _live_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return list(self.model.named_parameters()) + list(self.model.named_buffers())
 
-    def initial_state(self) -> dict[str, torch.Tensor]:
-        """The pre-step state_dict (do not modify)."""
-        return self._initial
-
-    # -- contexts ------------------------------------------------------------------------------
     def autocast_context(self, fp32: bool = False) -> ContextManager:
         """The job's autocast on the replay device (none with fp32=True or when the job used none)."""
         dtype = self.session.autocast_dtype

@@ -33,6 +33,7 @@ from statistics import median
 from typing import Any, Sequence
 
 from forensics.kinds import HistoryPattern
+from forensics.report.wording import fmt_num
 
 log = logging.getLogger(__name__)
 
@@ -157,10 +158,6 @@ def _num(v: Any) -> float | None:
         return None
 
 
-def _fmt(v: float) -> str:
-    return f"{v:.3g}"
-
-
 def history_signals(history: dict) -> list[str]:
     """Plain-words warnings from the recorded history (field notes' "other signals").
 
@@ -199,7 +196,7 @@ def history_signals(history: dict) -> list[str]:
                        "or a loss-scale problem).")
     for (_, before), (step, now) in reversed(list(zip(grads, grads[1:]))):
         if now == 0.0 and before > 0.0:
-            signals.append(f"Gradient norm dropped to exactly 0 at step {step} (it was {_fmt(before)} the "
+            signals.append(f"Gradient norm dropped to exactly 0 at step {step} (it was {fmt_num(before, 3)} the "
                            "step before): dead units, or fp16 gradients underflowing because of the loss scale.")
             break
 
@@ -211,9 +208,9 @@ def history_signals(history: dict) -> list[str]:
     if len(overflow_steps) >= OVERFLOW_REPEATS and known:
         first, last = known[0][1], known[-1][1]
         text = (f"The fp16 loss scale overflowed on {len(overflow_steps)} recorded steps "
-                f"(scale {_fmt(first)} -> {_fmt(last)})")
+                f"(scale {fmt_num(first, 3)} -> {fmt_num(last, 3)})")
         if last <= MIN_LOSS_SCALE:
-            text += (f" and collapsed to the minimum (<= {_fmt(MIN_LOSS_SCALE)}): fp16 overflows on every step; "
+            text += (f" and collapsed to the minimum (<= {fmt_num(MIN_LOSS_SCALE, 3)}): fp16 overflows on every step; "
                      "switch to bf16 or find the activation that overflows.")
         else:
             text += (": steps are being skipped; if it keeps falling, switch to bf16 or find the "

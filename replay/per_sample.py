@@ -25,7 +25,6 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from forensics.errors import ReplayError
-from replay.localize import ROOT_MODULE
 from replay.samples import map_sample_tensors, select_samples
 
 log = logging.getLogger(__name__)
@@ -237,33 +236,3 @@ def rank_by_loss(rows: Sequence[dict]) -> list[dict]:
         return (1, -row["loss"], -(grad if grad is not None else -math.inf), pos)
 
     return [row for _, row in sorted(enumerate(rows), key=key)]
-
-
-def per_layer_grad_norms(model: torch.nn.Module) -> list[dict]:
-    """Gradient norm of each module's own parameters, from their current `.grad`.
-
-    A parameter belongs to the module named by its name minus the last component
-    (`transformer.h.1.mlp.c_fc.weight` -> `transformer.h.1.mlp.c_fc`; a parameter of the model itself
-    -> `replay.localize.ROOT_MODULE`, as in the rest of the report). Modules come in
-    `named_parameters()` order; parameters that do not require grad are skipped; a module none of
-    whose parameters has a `.grad` gets None.
-
-    Returns:
-        `[{"module": str, "grad_norm": float | None}]` (nan / inf when non-finite).
-    Example:
-        >>> m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(2, 1))
-        >>> m(torch.ones(1, 2)).sum().backward()
-        >>> [r["module"] for r in per_layer_grad_norms(m)]
-        ['0', '2']
-    """
-    groups: dict[str, list[torch.Tensor]] = {}
-    for name, p in _trainable(model):
-        grads = groups.setdefault(name.rpartition(".")[0] or ROOT_MODULE, [])
-        if p.grad is not None:
-            grads.append(torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float64))
-    with_grad = [m for m, g in groups.items() if g]
-    values: dict[str, float] = {}
-    if with_grad:
-        norms = torch.stack([torch.linalg.vector_norm(torch.stack(groups[m])) for m in with_grad])
-        values = dict(zip(with_grad, norms.tolist()))
-    return [{"module": m, "grad_norm": values.get(m)} for m in groups]

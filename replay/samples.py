@@ -207,19 +207,3 @@ def select_samples(batch: Any, indices: Iterable[int]) -> Any:
             f"sample indices {bad} are out of range for a batch of {size}; use 0..{size - 1}"
         )
     return _select(batch, size, indices, {})
-
-
-def indices_by_micro_batch(sample_refs: Iterable[Any]) -> dict[int, list[int]]:
-    """Group sample references by micro-batch: `{micro_batch: [index, ...]}`, both sorted.
-
-    Args:
-        sample_refs: objects with `.micro_batch` and `.index` (e.g. `replay.execute.SampleRef`).
-    Example:
-        >>> from types import SimpleNamespace as R
-        >>> indices_by_micro_batch([R(micro_batch=1, index=3), R(micro_batch=0, index=2), R(micro_batch=1, index=0)])
-        {0: [2], 1: [0, 3]}
-    """
-    groups: dict[int, list[int]] = {}
-    for ref in sample_refs:
-        groups.setdefault(int(ref.micro_batch), []).append(int(ref.index))
-    return {mb: sorted(groups[mb]) for mb in sorted(groups)}

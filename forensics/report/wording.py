@@ -87,13 +87,6 @@ def mb_phrase(index: Any, total: Any = None) -> str:
 
 
 
-def and_list(items: list[str]) -> str:
-    """'a', 'a and b', 'a, b and c'."""
-    if not items:
-        return ""
-    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
-
-
 def fmt_size(num: int) -> str:
     """A byte count: '512 B', '3.1 MB'."""
     value = float(num)

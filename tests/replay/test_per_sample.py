@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from replay.per_sample import PerSampleError, per_layer_grad_norms, per_sample_stats, rank_by_loss
+from replay.per_sample import PerSampleError, per_sample_stats, rank_by_loss
 from replay.samples import select_samples
 
 
@@ -166,39 +166,3 @@ def test_rank_by_loss_puts_non_finite_first_then_highest_loss():
             {"sample_id": "d", "loss": 1.0, "grad_norm": 5.0, "finite": True},
             {"sample_id": "e", "loss": 7.0, "grad_norm": 0.1, "finite": True}]
     assert [r["sample_id"] for r in rank_by_loss(rows)] == ["b", "c", "e", "d", "a"]
-
-
-def test_per_layer_grad_norms_group_by_module_and_show_the_broken_layer():
-    model = tiny_gpt2()
-    model.transformer.wpe.weight.requires_grad_(False)
-    batch = gpt2_batches()[0]
-    gpt2_loss(model, batch).backward()
-    model.transformer.h[1].mlp.c_fc.weight.grad[0, 0] = float("nan")
-    rows = per_layer_grad_norms(model)
-    by_module = {r["module"]: r["grad_norm"] for r in rows}
-    assert "transformer.wpe" not in by_module
-    assert [r["module"] for r in rows][:2] == ["transformer.wte", "transformer.h.0.ln_1"]
-    ln = model.transformer.h[0].ln_1
-    assert by_module["transformer.h.0.ln_1"] == pytest.approx(
-        math.hypot(ln.weight.grad.norm().item(), ln.bias.grad.norm().item()), rel=1e-6)
-    assert math.isnan(by_module["transformer.h.1.mlp.c_fc"])
-    assert [m for m, v in by_module.items() if not math.isfinite(v)] == ["transformer.h.1.mlp.c_fc"]
-    model.zero_grad(set_to_none=True)
-    assert all(r["grad_norm"] is None for r in per_layer_grad_norms(model))
-
-
-def test_parameters_of_the_model_itself_are_grouped_under_the_root_label():
-    from replay.localize import ROOT_MODULE
-
-    class Scaled(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.scale = torch.nn.Parameter(torch.ones(()))
-            self.body = torch.nn.Linear(2, 1)
-
-        def forward(self, x):
-            return self.body(x) * self.scale
-
-    model = Scaled()
-    model(torch.ones(3, 2)).sum().backward()
-    assert [r["module"] for r in per_layer_grad_norms(model)] == [ROOT_MODULE, "body"]

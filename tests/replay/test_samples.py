@@ -1,14 +1,13 @@
 """Tests for replay/samples.py: batch-size inference and per-sample slicing of batch trees."""
 
 from collections import namedtuple
-from types import SimpleNamespace
 
 import pytest
 import torch
 import transformers
 
 from forensics.errors import ForensicsError
-from replay.samples import (BatchSizeError, SampleSelectionError, batch_size, indices_by_micro_batch,
+from replay.samples import (BatchSizeError, SampleSelectionError, batch_size,
                             select_samples)
 
 
@@ -94,7 +93,5 @@ def test_out_of_range_indices_are_refused():
         select_samples(hf_batch(), [-1])
 
 
-def test_empty_selection_and_indices_by_micro_batch():
+def test_empty_selection():
     assert select_samples(hf_batch(), [])["input_ids"].shape == (0, 6)
-    refs = [SimpleNamespace(micro_batch=mb, index=i, sample_id=s) for mb, i, s in [(1, 3, "a"), (0, 2, "b"), (1, 0, "c")]]
-    assert indices_by_micro_batch(refs) == {0: [2], 1: [0, 3]}
