@@ -8,6 +8,8 @@ import math
 from pathlib import PurePath
 from typing import Any, Callable
 
+from forensics.format.limits import MAX_JSON_DEPTH, MAX_JSON_NUMBER_DIGITS
+
 _FLOAT_TAG = "__float__"
 UNSERIALIZABLE_TAG = "__unserializable__"
 
@@ -86,5 +88,30 @@ def dumps(obj: Any) -> bytes:
     return json.dumps(to_jsonable(obj), indent=1, allow_nan=False).encode("utf-8")
 
 
+def _int(text: str) -> int:
+    """A JSON integer of bounded length (int() of a huge digit string is quadratic; floats are bounded)."""
+    if len(text) > MAX_JSON_NUMBER_DIGITS:
+        raise ValueError(f"a JSON number of {len(text)} digits (at most {MAX_JSON_NUMBER_DIGITS})")
+    return int(text)
+
+
+def parse_json(data: bytes) -> Any:
+    """Parses untrusted JSON with limits: nesting at most MAX_JSON_DEPTH, integers at most
+    MAX_JSON_NUMBER_DIGITS digits. Raises ValueError (never RecursionError or MemoryError) otherwise."""
+    try:
+        parsed = json.loads(data.decode("utf-8"), parse_int=_int)
+    except RecursionError:  # the C parser's own guard against deep nesting
+        raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
+    level = [(parsed, 1)]  # the depth, measured without recursion
+    while level:
+        node, depth = level.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        level.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return parsed
+
+
 def loads(data: bytes) -> Any:
-    return from_jsonable(json.loads(data.decode("utf-8")))
+    """`parse_json` then the dump format's float tags decoded."""
+    return from_jsonable(parse_json(data))

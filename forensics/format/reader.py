@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import hashlib
-import json
+import os
+import stat
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -15,31 +16,32 @@ from forensics.errors import (DumpCorruptError, DumpNotFoundError, NotADumpError
                               UnsupportedVersionError)
 from forensics.format import jsonio, spec
 from forensics.format.archive import unpack_archive
-from forensics.format.tensors import load_safetensors_bytes
+from forensics.format.limits import HASH_CHUNK, MAX_DECOMPRESSED, MAX_JSON_FILE
+from forensics.format.manifest import check_manifest
+from forensics.format.tensors import load_safetensors_bytes, load_safetensors_file
 from forensics.format.tree import decode_tree
 from forensics.rng import RngState
 
-# zstd frames in a dump are small; this caps what one decompression may produce (1 GiB) so a
-# hostile frame header cannot make the reader allocate without bound.
-MAX_DECOMPRESSED = 1 << 30
-
-
 def read_manifest(directory: Path) -> dict:
-    """Parses and validates manifest.json of a rank dump directory."""
+    """Parses manifest.json of a rank dump directory and checks it against the schema (forensics.format.manifest)."""
     path = directory / spec.MANIFEST
-    if not path.is_file():
+    if not path.is_file() or path.is_symlink():
         raise NotADumpError(f"{directory} is not a complete dump: it has no {spec.MANIFEST} "
                             "(the writer may have died before finishing; nothing there can be trusted)")
+    size = path.stat().st_size
+    if size > MAX_JSON_FILE:
+        raise DumpCorruptError(f"{path} is {size} bytes; a manifest is at most {MAX_JSON_FILE}", spec.MANIFEST)
     try:
-        manifest = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DumpCorruptError(f"{path} is truncated or not valid JSON ({exc})", spec.MANIFEST) from exc
+        manifest = jsonio.parse_json(path.read_bytes())
+    except ValueError as exc:  # also UnicodeDecodeError, JSONDecodeError, depth and number limits
+        raise DumpCorruptError(f"{path} is truncated or not valid JSON ({_cut(exc)})", spec.MANIFEST) from exc
     if not isinstance(manifest, dict) or manifest.get("format") != spec.FORMAT_NAME:
         raise DumpCorruptError(f"{path} is not a forensics manifest (format != {spec.FORMAT_NAME!r})",
                                spec.MANIFEST)
     version = manifest.get("format_version")
     if not isinstance(version, int) or isinstance(version, bool):
-        raise DumpCorruptError(f"{path}: format_version must be an integer, got {version!r}", spec.MANIFEST)
+        raise DumpCorruptError(f"{path}: format_version must be an integer, got {_cut(repr(version))}",
+                               spec.MANIFEST)
     if version > spec.FORMAT_VERSION:
         raise UnsupportedVersionError(
             f"{directory} is dump format version {version}, but this forensics reads up to version "
@@ -49,35 +51,17 @@ def read_manifest(directory: Path) -> dict:
     missing = [key for key in spec.REQUIRED_MANIFEST_KEYS if key not in manifest]
     if missing:
         raise DumpCorruptError(f"{path} lacks required keys {missing}", spec.MANIFEST)
-    _check_manifest_types(manifest, path)
     try:
-        return jsonio.from_jsonable(manifest)
+        manifest = jsonio.from_jsonable(manifest)
     except ValueError as exc:
-        raise DumpCorruptError(f"{path}: {exc}", spec.MANIFEST) from exc
+        raise DumpCorruptError(f"{path}: {_cut(exc)}", spec.MANIFEST) from exc
+    check_manifest(manifest, str(path))
+    return manifest
 
 
-def _check_manifest_types(manifest: dict, path: Path) -> None:
-    """Refuses fields that loaders rely on with the wrong JSON type, and file names that leave the dump."""
-    def corrupt(what: str) -> DumpCorruptError:
-        return DumpCorruptError(f"{path}: {what}; the manifest was edited or damaged", spec.MANIFEST)
-
-    for key in ("step", "rank", "world_size"):
-        value = manifest[key]
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise corrupt(f"'{key}' must be a non-negative integer, got {str(value)[:40]!r}")
-    if not isinstance(manifest["trigger"], dict):
-        raise corrupt("'trigger' must be an object")
-    batches = manifest["micro_batches"]
-    if not isinstance(batches, list) or not all(isinstance(b, dict) for b in batches):
-        raise corrupt("'micro_batches' must be a list of objects")
-    if not isinstance(manifest["files"], dict):
-        raise corrupt("'files' must be an object")
-    for name, entry in manifest["files"].items():
-        if name in ("", ".", "..", spec.MANIFEST) or "/" in name or "\\" in name:
-            raise corrupt(f"'files' lists {name[:80]!r}, which is not a plain file name inside the dump")
-        if not (isinstance(entry, dict) and isinstance(entry.get("size"), int)
-                and isinstance(entry.get("sha256"), str)):
-            raise corrupt(f"'files' entry for {name} must be {{\"size\": int, \"sha256\": str}}")
+def _cut(text: object, limit: int = 200) -> str:
+    text = str(text)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def is_rank_dump(path: Path) -> bool:
@@ -85,7 +69,7 @@ def is_rank_dump(path: Path) -> bool:
 
 
 def rank_dirs(step_dir: Path) -> list[Path]:
-    return sorted(p for p in step_dir.glob("rank-*") if p.is_dir())
+    return sorted(p for p in step_dir.glob("rank-*") if p.is_dir() and not p.is_symlink())
 
 
 class Dump:
@@ -111,16 +95,50 @@ class Dump:
         return list(self.micro_batches_meta[index].get("sample_ids") or [])
 
     # -- checked file access -----------------------------------------------------------------
-    def read_file(self, name: str) -> bytes:
-        """Returns the bytes of a listed file after checking its size and sha256."""
+    def _listed(self, name: str) -> tuple[Path, int, str]:
+        """The path, size and sha256 of a file the manifest lists, after `lstat` shows a regular file of
+        that size inside the dump (no link, no device): nothing is read yet."""
         entry = self.manifest["files"].get(name)
         if entry is None:
             raise DumpCorruptError(f"{name} is not listed in {self.path / spec.MANIFEST}", name)
         path = self.path / name
-        if not path.is_file():
-            raise DumpCorruptError(f"{path} is missing (listed in the manifest)", name)
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            raise DumpCorruptError(f"{path} is missing (listed in the manifest)", name) from None
+        if not stat.S_ISREG(info.st_mode):
+            raise DumpCorruptError(f"{path} is not a regular file (a link, directory or device); a dump holds "
+                                   "only plain files", name)
+        if info.st_size != entry["size"]:
+            raise DumpCorruptError(f"{path} is {info.st_size} bytes but the manifest says {entry['size']}: "
+                                   "the file is truncated or was changed", name)
+        return path, entry["size"], entry["sha256"]
+
+    def verify_file(self, name: str) -> Path:
+        """Checks a listed file's size and sha256, streaming it in chunks; returns its path."""
+        path, size, sha256 = self._listed(name)
+        if name in self._verified:
+            return path
+        digest, seen = hashlib.sha256(), 0
+        with open(path, "rb") as handle:
+            while chunk := handle.read(HASH_CHUNK):
+                digest.update(chunk)
+                seen += len(chunk)
+        if seen != size or digest.hexdigest() != sha256:
+            raise DumpCorruptError(f"{path} does not match its sha256 in the manifest: the file was changed "
+                                   "or corrupted", name)
+        self._verified.add(name)
+        return path
+
+    def read_file(self, name: str, limit: int = MAX_JSON_FILE) -> bytes:
+        """The bytes of a listed file of at most `limit` bytes, after checking its size and sha256."""
+        path, size, sha256 = self._listed(name)
+        if size > limit:
+            raise DumpCorruptError(f"{path} is {size} bytes, more than the {limit} such a file may have", name)
         data = path.read_bytes()
-        _check_entry(name, data, entry, path)
+        if len(data) != size or hashlib.sha256(data).hexdigest() != sha256:
+            raise DumpCorruptError(f"{path} does not match its sha256 in the manifest: the file was changed "
+                                   "or corrupted", name)
         self._verified.add(name)
         return data
 
@@ -130,17 +148,34 @@ class Dump:
     def _json(self, name: str) -> Any:
         try:
             return jsonio.loads(self.read_file(name))
-        except ValueError as exc:  # also UnicodeDecodeError, JSONDecodeError, a malformed float tag
-            raise DumpCorruptError(f"{self.path / name} is not valid JSON ({exc})", name) from exc
+        except ValueError as exc:  # also UnicodeDecodeError, JSONDecodeError, a malformed float tag, limits
+            raise DumpCorruptError(f"{self.path / name} is not valid JSON ({_cut(exc)})", name) from exc
+
+    def _json_object(self, name: str, required: tuple[str, ...] = ()) -> dict:
+        value = self._json(name)
+        if not isinstance(value, dict) or any(key not in value for key in required):
+            raise DumpCorruptError(f"{self.path / name} must be a JSON object with {list(required)}", name)
+        return value
 
     def _tensors(self, name: str) -> dict[str, torch.Tensor]:
-        return load_safetensors_bytes(self.read_file(name), name)
+        return load_safetensors_file(self.verify_file(name), name)
 
     def _zstd(self, name: str) -> bytes:
+        """A listed zstd file, decompressed while streaming with a hard cap on the output (whatever its
+        frame header declares)."""
+        path = self.verify_file(name)
+        chunks, total = [], 0
         try:
-            return zstandard.ZstdDecompressor().decompress(self.read_file(name), max_output_size=MAX_DECOMPRESSED)
+            with open(path, "rb") as raw, zstandard.ZstdDecompressor().stream_reader(raw) as stream:
+                while chunk := stream.read(HASH_CHUNK):
+                    total += len(chunk)
+                    if total > MAX_DECOMPRESSED:
+                        raise DumpCorruptError(f"{path} decompresses to more than {MAX_DECOMPRESSED} bytes; "
+                                               "refusing it", name)
+                    chunks.append(chunk)
         except zstandard.ZstdError as exc:
-            raise DumpCorruptError(f"{self.path / name} is not a valid zstd frame ({exc})", name) from exc
+            raise DumpCorruptError(f"{path} is not a valid zstd frame ({exc})", name) from exc
+        return b"".join(chunks)
 
     # -- loaders -----------------------------------------------------------------------------
     def model_state(self) -> dict[str, torch.Tensor]:
@@ -149,27 +184,46 @@ class Dump:
     def optimizer_state(self) -> dict | None:
         if not self.has_file(spec.OPTIMIZER_JSON):
             return None
-        meta = self._json(spec.OPTIMIZER_JSON)
-        state: dict[str, dict] = {name: dict(values) for name, values in meta.get("state", {}).items()}
+        meta = self._json_object(spec.OPTIMIZER_JSON, ("class", "param_groups"))
+        raw_state = meta.get("state") or {}
+        if not isinstance(raw_state, dict) or not all(isinstance(v, dict) for v in raw_state.values()) \
+                or not isinstance(meta["class"], str) or not isinstance(meta["param_groups"], list) \
+                or not all(isinstance(g, dict) and isinstance(g.get("params", []), list) for g in meta["param_groups"]):
+            raise DumpCorruptError(f"{self.path / spec.OPTIMIZER_JSON} does not have the documented layout "
+                                   "(class: str, param_groups: [{..., params: [...]}], state: {name: {...}})",
+                                   spec.OPTIMIZER_JSON)
+        state: dict[str, dict] = {name: dict(values) for name, values in raw_state.items()}
         for key, tensor in self._tensors(spec.OPTIMIZER_TENSORS).items():
-            _, name_and_key = key.split("/", 1)
-            name, entry = name_and_key.rsplit("/", 1)
+            parts = key.split("/", 1)
+            if len(parts) != 2 or "/" not in parts[1]:
+                raise DumpCorruptError(f"{spec.OPTIMIZER_TENSORS} key {_cut(repr(key), 80)} is not "
+                                       "'state/<param name>/<key>'", spec.OPTIMIZER_TENSORS)
+            name, entry = parts[1].rsplit("/", 1)
             state.setdefault(name, {})[entry] = tensor
         return {"class": meta["class"], "param_groups": meta["param_groups"], "state": state}
 
     def scheduler_state(self) -> dict | None:
-        return self._json(spec.SCHEDULER) if self.has_file(spec.SCHEDULER) else None
+        return self._json_object(spec.SCHEDULER) if self.has_file(spec.SCHEDULER) else None
 
     def scaler_state(self) -> dict | None:
-        return self._json(spec.SCALER) if self.has_file(spec.SCALER) else None
+        return self._json_object(spec.SCALER) if self.has_file(spec.SCALER) else None
 
     @cached_property
     def _rng(self) -> tuple[list, dict[str, torch.Tensor]]:
-        return self._json(spec.RNG_JSON)["micro_batches"], self._tensors(spec.RNG_TENSORS)
+        meta = self._json_object(spec.RNG_JSON, ("micro_batches",))["micro_batches"]
+        if not isinstance(meta, list) or len(meta) != self.num_micro_batches or \
+                not all(isinstance(m, dict) for m in meta):
+            raise DumpCorruptError(f"{self.path / spec.RNG_JSON}: 'micro_batches' must list one object per "
+                                   f"micro-batch ({self.num_micro_batches})", spec.RNG_JSON)
+        return meta, self._tensors(spec.RNG_TENSORS)
 
     def rng_state(self, index: int) -> RngState:
         meta, tensors = self._rng
-        return RngState.from_parts(meta[index], tensors, f"mb{index}")
+        try:
+            return RngState.from_parts(meta[index], tensors, f"mb{index}")
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as exc:
+            raise DumpCorruptError(f"{self.path / spec.RNG_JSON}: the RNG state of micro-batch {index} is "
+                                   f"malformed ({type(exc).__name__}: {_cut(exc, 120)})", spec.RNG_JSON) from exc
 
     def micro_batch(self, index: int) -> Any:
         if not 0 <= index < self.num_micro_batches:
@@ -182,19 +236,13 @@ class Dump:
         return decode_tree(skeleton, tensors)
 
     def history(self) -> dict:
-        return self._json(spec.HISTORY)
+        history = self._json_object(spec.HISTORY)
+        if not all(isinstance(v, list) for k, v in history.items() if k != "capacity"):
+            raise DumpCorruptError(f"{self.path / spec.HISTORY}: every column must be a list", spec.HISTORY)
+        return history
 
     def total_size(self) -> int:
         return sum(int(entry.get("size", 0)) for entry in self.manifest["files"].values())
-
-
-def _check_entry(name: str, data: bytes, entry: dict, path: Path) -> None:
-    if len(data) != entry.get("size"):
-        raise DumpCorruptError(f"{path} is {len(data)} bytes but the manifest says {entry.get('size')}: "
-                               "the file is truncated or was changed", name)
-    if hashlib.sha256(data).hexdigest() != entry.get("sha256"):
-        raise DumpCorruptError(f"{path} does not match its sha256 in the manifest: the file was changed "
-                               "or corrupted", name)
 
 
 def resolve(path: str | Path) -> tuple[Path, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import struct
 from typing import BinaryIO
 
@@ -149,5 +150,23 @@ def load_safetensors_bytes(data: bytes, name: str) -> dict[str, torch.Tensor]:
     check_header(data, name)
     try:
         return load(data)
+    except Exception as exc:  # safetensors raises its own error types
+        raise DumpCorruptError(f"{name} is not valid safetensors: {exc}", name) from exc
+
+
+def load_safetensors_file(path, name: str) -> dict[str, torch.Tensor]:
+    """Reads a safetensors file (already checksummed) into CPU tensors through a memory map: one tensor is
+    copied at a time, the file is never held in memory whole."""
+    from safetensors.torch import load_file
+
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+    if len(head) < 8:
+        raise DumpCorruptError(f"{name} is truncated (shorter than a safetensors header)", name)
+    (size,) = struct.unpack("<Q", head)
+    if size > MAX_SAFETENSORS_HEADER or size + 8 > os.path.getsize(path):
+        raise DumpCorruptError(f"{name} has a safetensors header of {size} bytes that does not fit the file", name)
+    try:
+        return load_file(str(path))
     except Exception as exc:  # safetensors raises its own error types
         raise DumpCorruptError(f"{name} is not valid safetensors: {exc}", name) from exc

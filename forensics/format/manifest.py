@@ -1,0 +1,171 @@
+"""The manifest's schema, checked once when a dump is opened, so no later code meets a wrong type.
+
+`check_manifest(raw, where)` walks every field readers use (docs/DUMP_FORMAT.md "manifest.json") and
+refuses wrong JSON types, out-of-range numbers, oversized lists and names that are not plain names,
+with a message naming the field. Optional sections may be absent or null; unknown keys are kept (a
+newer writer may add them). Names from a dump (run id, file names) must match NAME_PATTERN: they may
+later become part of a path or be printed, and neither may escape.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Callable
+
+from forensics.errors import DumpCorruptError
+from forensics.format import spec
+from forensics.format.limits import MAX_MICRO_BATCHES, MAX_NAME_CHARS, MAX_WORLD_SIZE
+
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]*")
+"""A run id or a file name: letters, digits, `_ . + -`, not starting with a dot (no '..', no '/')."""
+SHA256 = re.compile(r"[0-9a-f]{64}")
+MAX_STEP = 1 << 62
+
+
+def safe_name(value: Any) -> bool:
+    """True for a string usable as one path component and printable as it is (NAME_PATTERN)."""
+    return isinstance(value, str) and len(value) <= MAX_NAME_CHARS and NAME_PATTERN.fullmatch(value) is not None
+
+
+class _Checker:
+    def __init__(self, where: str):
+        self.where = where
+
+    def fail(self, field: str, what: str) -> DumpCorruptError:
+        return DumpCorruptError(f"{self.where}: '{field}' {what}; the manifest was edited or damaged",
+                                spec.MANIFEST)
+
+    def int(self, value: Any, field: str, low: int = 0, high: int = MAX_STEP, optional: bool = False) -> None:
+        if value is None and optional:
+            return
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+            raise self.fail(field, f"must be an integer in [{low}, {high}], got {_short(value)}")
+
+    def number(self, value: Any, field: str) -> None:
+        """A number, null, or a non-finite float (decoded from the float tag)."""
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise self.fail(field, f"must be a number or null, got {_short(value)}")
+
+    def kind(self, value: Any, field: str, types: type | tuple, optional: bool = True) -> None:
+        if value is None and optional:
+            return
+        if not isinstance(value, types) or isinstance(value, bool) and bool not in _tuple(types):
+            names = " or ".join(t.__name__ for t in _tuple(types))
+            raise self.fail(field, f"must be {names}{' or null' if optional else ''}, got {_short(value)}")
+
+    def each(self, values: Any, field: str, check: Callable[[Any, str], None], limit: int,
+             optional: bool = True) -> None:
+        if values is None and optional:
+            return
+        if not isinstance(values, list):
+            raise self.fail(field, f"must be a list, got {_short(values)}")
+        if len(values) > limit:
+            raise self.fail(field, f"has {len(values)} entries (at most {limit})")
+        for index, value in enumerate(values):
+            check(value, f"{field}[{index}]")
+
+
+def check_manifest(manifest: dict, where: str) -> None:
+    """Raises DumpCorruptError naming the first field that does not match the schema (format version and
+    required keys are checked by the caller)."""
+    c = _Checker(where)
+    if not safe_name(manifest["run_id"]):
+        raise c.fail("run_id", f"must be a plain name ({NAME_PATTERN.pattern}, at most {MAX_NAME_CHARS} "
+                               f"characters), got {_short(manifest['run_id'])}")
+    c.int(manifest["step"], "step")
+    c.int(manifest["world_size"], "world_size", 1, MAX_WORLD_SIZE)
+    c.int(manifest["rank"], "rank", 0, manifest["world_size"] - 1)
+    c.int(manifest.get("local_rank"), "local_rank", 0, MAX_WORLD_SIZE, optional=True)
+    c.int(manifest.get("grad_accum"), "grad_accum", 0, MAX_MICRO_BATCHES, optional=True)
+    c.kind(manifest["created_at"], "created_at", str, optional=False)
+    batches = manifest["micro_batches"]
+    c.each(batches, "micro_batches", lambda b, f: _micro_batch(c, b, f), MAX_MICRO_BATCHES, optional=False)
+    _trigger(c, manifest["trigger"], len(batches))
+    _loss(c, manifest.get("loss"))
+    _precision(c, manifest.get("precision"))
+    _recipe(c, manifest.get("recipe"))
+    for key in ("determinism", "environment", "recheck", "distributed"):
+        c.kind(manifest.get(key), key, dict)
+    c.each(manifest.get("missing_ranks"), "missing_ranks",
+           lambda r, f: c.int(r, f, 0, MAX_WORLD_SIZE), MAX_WORLD_SIZE)
+    _files(c, manifest["files"])
+
+
+def _micro_batch(c: _Checker, batch: Any, field: str) -> None:
+    c.kind(batch, field, dict, optional=False)
+    c.int(batch.get("index"), f"{field}.index", 0, MAX_MICRO_BATCHES, optional=True)
+    c.int(batch.get("batch_size"), f"{field}.batch_size", 0, 1 << 40, optional=True)
+    c.number(batch.get("loss"), f"{field}.loss")
+    c.kind(batch.get("sample_ids"), f"{field}.sample_ids", list)
+    c.kind(batch.get("ids_are_positional"), f"{field}.ids_are_positional", bool)
+    c.kind(batch.get("unreplayable"), f"{field}.unreplayable", list)
+
+
+def _trigger(c: _Checker, trigger: Any, num_micro_batches: int) -> None:
+    c.kind(trigger, "trigger", dict, optional=False)
+    c.kind(trigger.get("kind"), "trigger.kind", str)
+    c.number(trigger.get("value"), "trigger.value")
+    c.number(trigger.get("threshold"), "trigger.threshold")
+    c.int(trigger.get("micro_batch"), "trigger.micro_batch", 0, max(num_micro_batches - 1, 0), optional=True)
+    c.kind(trigger.get("detail"), "trigger.detail", str)
+    c.kind(trigger.get("local"), "trigger.local", bool)
+
+
+def _loss(c: _Checker, loss: Any) -> None:
+    c.kind(loss, "loss", dict)
+    if not loss:
+        return
+    c.each(loss.get("per_micro_batch"), "loss.per_micro_batch", c.number, MAX_MICRO_BATCHES)
+    for key in ("divisor", "grad_norm", "step_loss"):
+        c.number(loss.get(key), f"loss.{key}")
+    divisor = loss.get("divisor")
+    if divisor is not None and not (math.isfinite(divisor) and divisor > 0):
+        raise c.fail("loss.divisor", f"must be a positive number, got {_short(divisor)}")
+
+
+def _precision(c: _Checker, precision: Any) -> None:
+    c.kind(precision, "precision", dict)
+    if not precision:
+        return
+    c.kind(precision.get("param_dtype"), "precision.param_dtype", str)
+    c.kind(precision.get("grad_scaler"), "precision.grad_scaler", dict)
+    autocast = precision.get("autocast")
+    c.kind(autocast, "precision.autocast", dict)
+    if autocast:
+        c.kind(autocast.get("enabled"), "precision.autocast.enabled", bool)
+        c.kind(autocast.get("device_type"), "precision.autocast.device_type", str)
+        c.kind(autocast.get("dtype"), "precision.autocast.dtype", str)
+
+
+def _recipe(c: _Checker, recipe: Any) -> None:
+    c.kind(recipe, "recipe", dict)
+    if not recipe:
+        return
+    for key in ("factory", "loss", "source", "model_class", "note"):
+        c.kind(recipe.get(key), f"recipe.{key}", str)
+    for key in ("factory_kwargs", "loss_kwargs"):
+        c.kind(recipe.get(key), f"recipe.{key}", dict)
+
+
+def _files(c: _Checker, files: Any) -> None:
+    c.kind(files, "files", dict, optional=False)
+    if len(files) > 4 * MAX_MICRO_BATCHES + 64:
+        raise c.fail("files", f"lists {len(files)} files")
+    for name, entry in files.items():
+        if not safe_name(name) or name == spec.MANIFEST:
+            raise c.fail("files", f"lists {_short(name)}, which is not a plain file name inside the dump")
+        if not (isinstance(entry, dict) and isinstance(entry.get("size"), int) and not isinstance(entry["size"], bool)
+                and 0 <= entry["size"] < 1 << 50 and isinstance(entry.get("sha256"), str)
+                and SHA256.fullmatch(entry["sha256"])):
+            raise c.fail(f"files.{name}", 'must be {"size": int >= 0, "sha256": 64 lowercase hex digits}')
+
+
+def _tuple(types: type | tuple) -> tuple:
+    return types if isinstance(types, tuple) else (types,)
+
+
+def _short(value: Any) -> str:
+    """A value for an error message: repr, escaped, cut (the dump is untrusted)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
