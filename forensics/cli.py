@@ -12,7 +12,10 @@ from pathlib import Path
 import click
 
 from forensics.errors import ForensicsError
+from forensics.format.limits import ArchiveLimits
+from forensics.format.manifest import safe_name
 from forensics.kinds import ExitCode, VerdictKind
+from forensics.report.wording import clean
 
 
 def replay_exit_code(report: dict) -> int:
@@ -33,8 +36,33 @@ class BadInput(click.ClickException):
 def _fail(exc: Exception) -> BadInput:
     if isinstance(exc, OSError):
         where = f" ({exc.filename})" if exc.filename else ""
-        return BadInput(f"{exc.strerror or exc}{where}; choose a writable path")
-    return BadInput(str(exc))
+        return BadInput(clean(f"{exc.strerror or exc}{where}; choose a writable path"))
+    return BadInput(clean(str(exc)))
+
+
+def archive_options(command):
+    """--max-unpacked-gb / --max-unpack-ratio / --max-members: the limits for unpacking a .tar.zst DUMP."""
+    defaults = ArchiveLimits()
+    command = click.option("--max-members", type=click.IntRange(1), default=defaults.max_members, show_default=True,
+                           help="Archive DUMP: most files it may hold.")(command)
+    command = click.option("--max-unpack-ratio", type=click.FloatRange(min=1.0), default=defaults.max_ratio,
+                           show_default=True, help="Archive DUMP: most unpacked bytes per packed byte "
+                           "(beyond the first GiB).")(command)
+    return click.option("--max-unpacked-gb", type=click.FloatRange(min=0.001),
+                        default=defaults.max_bytes / (1 << 30), show_default=True,
+                        help="Archive DUMP: most bytes it may unpack to.")(command)
+
+
+def _limits(max_unpacked_gb: float, max_unpack_ratio: float, max_members: int) -> ArchiveLimits:
+    return ArchiveLimits(max_bytes=int(max_unpacked_gb * (1 << 30)), max_ratio=max_unpack_ratio,
+                         max_members=max_members)
+
+
+def _report_dir(report: dict) -> Path:
+    """forensics_reports/<run>-step<N>-rank<R>: the run id only when it is a plain name (it comes from the dump)."""
+    d = report["dump"]
+    run = d.get("run_id") if safe_name(d.get("run_id")) else "run"
+    return Path("forensics_reports") / f"{run}-step{int(d['step'])}-rank{int(d['rank'])}"
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -47,15 +75,16 @@ def main() -> None:
 @click.argument("dump", type=click.Path(path_type=Path))
 @click.option("--rank", type=int, default=None, help="Rank to show, for a step directory of several ranks.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def inspect(dump: Path, rank: int | None, as_json: bool) -> None:
+@archive_options
+def inspect(dump: Path, rank: int | None, as_json: bool, **limits) -> None:
     """Summarise a dump: trigger, step, rank, samples, history, sizes, environment. Reads no weights."""
     from forensics.format import open_dump, open_step
     from forensics.summary import dump_summary, render_summary
 
     try:
-        chosen = open_dump(dump, rank=rank)
+        chosen = open_dump(dump, rank=rank, limits=_limits(**limits))
         _, missing = open_step(dump) if dump.is_dir() else ([], [])
-        summary = dump_summary(chosen, missing)
+        summary = dump_summary(chosen, missing, path=str(dump) if dump.is_file() else None)
     except ForensicsError as exc:
         raise _fail(exc) from exc
     if as_json:
@@ -68,12 +97,13 @@ def inspect(dump: Path, rank: int | None, as_json: bool) -> None:
 
 @main.command()
 @click.argument("dump", type=click.Path(path_type=Path))
-def verify(dump: Path) -> None:
+@archive_options
+def verify(dump: Path, **limits) -> None:
     """Check a dump's integrity (every file's size and sha256, all ranks present); names the bad file."""
     from forensics.format import verify_dump
 
     try:
-        result = verify_dump(dump)
+        result = verify_dump(dump, limits=_limits(**limits))
     except ForensicsError as exc:
         raise _fail(exc) from exc
     for d in result.dumps:
@@ -82,7 +112,7 @@ def verify(dump: Path) -> None:
         click.echo(f"OK: {dump} is intact")
         return
     for problem in result.problems:
-        click.echo(f"PROBLEM {problem}", err=True)
+        click.echo(clean(f"PROBLEM {problem}"), err=True)
     raise BadInput(f"{dump} failed verification ({len(result.problems)} problem(s)); do not trust it for replay")
 
 
@@ -123,25 +153,26 @@ def _progress(stage: str) -> None:
 @click.option("--no-rng-check", is_flag=True, help="Skip the re-runs with other seeds that tell whether the "
               "failure needs the recorded random state (e.g. one dropout mask).")
 @click.option("--json", "as_json", is_flag=True, help="Print report.json to stdout.")
+@archive_options
 def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_path, out, blocklist, no_bisect,
-           no_rng_check, as_json) -> None:
+           no_rng_check, as_json, **limits) -> None:
     """Replay the failing step of DUMP offline, localise it, bisect the samples, print the verdict."""
     from forensics.format import open_step
     from forensics.report import render_verdict_text, write_blocklist, write_report_files
     from replay.engine import ReplayOptions, run_replay
 
     try:
-        ranks = [d.rank for d in open_step(dump)[0]] if all_ranks else [rank]
+        archive_limits = _limits(**limits)
+        ranks = [d.rank for d in open_step(dump, archive_limits)[0]] if all_ranks else [rank]
         codes = []
         for chosen_rank in ranks:
             options = ReplayOptions(device=device, trust=trust, factory=factory, loss=loss_fn,
                                     sys_path=[str(p) for p in sys_path], rank=chosen_rank, bisect=not no_bisect,
-                                    rng_check=not no_rng_check)
+                                    rng_check=not no_rng_check, archive_limits=archive_limits)
             report = run_replay(dump, options, progress=_progress)
-            d = report["dump"]
-            target = out or Path("forensics_reports") / f"{d.get('run_id', 'run')}-step{d['step']}-rank{d['rank']}"
+            target = out or _report_dir(report)
             if all_ranks and out:
-                target = out / f"rank{d['rank']}"
+                target = out / f"rank{int(report['dump']['rank'])}"
             files = write_report_files(report, target)
             if blocklist:
                 write_blocklist(report, blocklist)

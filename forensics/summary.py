@@ -5,19 +5,20 @@ from __future__ import annotations
 
 from forensics.format.reader import Dump
 from forensics.report.render_text import trigger_detail
-from forensics.report.wording import fmt_num, fmt_size, mb_phrase
+from forensics.report.wording import clean, fmt_num, fmt_size, mb_phrase
 
 HISTORY_AROUND_TRIGGER = 12  # steps of history shown before the trigger
 
 
-def dump_summary(dump: Dump, missing_ranks: list[int]) -> dict:
-    """A JSON-able summary: the manifest's key facts plus the history tail (reads history.json only)."""
+def dump_summary(dump: Dump, missing_ranks: list[int], path: str | None = None) -> dict:
+    """A JSON-able summary: the manifest's key facts plus the history tail (reads history.json only).
+    `path`: what to call the dump (the archive the user named, not its temporary unpacked directory)."""
     history = dump.history()
     tail = {key: history.get(key, [])[-HISTORY_AROUND_TRIGGER:] for key in ("step", "loss", "grad_norm", "lr",
                                                                              "loss_scale", "skipped")}
     m = dump.manifest
     return {
-        "path": str(dump.path), "run_id": m["run_id"], "step": dump.step, "rank": dump.rank,
+        "path": path or str(dump.path), "run_id": m["run_id"], "step": dump.step, "rank": dump.rank,
         "world_size": dump.world_size, "missing_ranks": missing_ranks, "trigger": dump.trigger,
         "micro_batches": [{k: mb.get(k) for k in ("index", "sample_ids", "batch_size", "loss", "unreplayable")}
                           for mb in dump.micro_batches_meta],
@@ -49,7 +50,8 @@ def render_summary(summary: dict) -> str:
         shown = ", ".join(str(i) for i in ids[:8]) + (f", ... ({len(ids)} in all)" if len(ids) > 8 else "")
         lines.append(f"    {mb_phrase(mb['index'], n_mb)}: loss {fmt_num(mb.get('loss'), 6)}  samples: {shown}")
         for leaf in mb.get("unreplayable") or []:
-            lines.append(f"        unreplayable leaf {leaf['path']} ({leaf['type']})")
+            leaf = leaf if isinstance(leaf, dict) else {}
+            lines.append(f"        unreplayable leaf {leaf.get('path')} ({leaf.get('type')})")
     tail = summary["history_tail"]
     columns = ["step", "loss", "grad_norm", "lr"]
     columns += [c for c in ("loss_scale", "skipped") if any(v not in (None, False) for v in tail.get(c, []))]
@@ -59,7 +61,8 @@ def render_summary(summary: dict) -> str:
     precision = summary["precision"]
     autocast = precision.get("autocast") or {}
     env = summary["environment"]
-    gpus = ", ".join(f"{g['name']} ({g['sm_count']} SMs)" for g in env.get("gpus", [])) or "none"
+    gpus = ", ".join(f"{g.get('name')} ({g.get('sm_count')} SMs)" for g in env.get("gpus") or []
+                     if isinstance(g, dict)) or "none"
     recipe = summary["recipe"]
     lines += [
         "",
@@ -76,4 +79,4 @@ def render_summary(summary: dict) -> str:
     if recheck.get("performed"):
         lines.append(f"  in-job re-check: {'reproduced' if recheck.get('reproduced') else 'NOT reproduced'} "
                      f"(original {fmt_num(recheck.get('original'), 6)}, recomputed {fmt_num(recheck.get('recomputed'), 6)})")
-    return "\n".join(lines)
+    return "\n".join(clean(line) for line in lines)  # every value from the dump is shown escaped

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from forensics.format import open_dump, open_step
+from forensics.format.limits import ArchiveLimits
 from forensics.kinds import HistoryPattern, Phase, TriggerKind
 from replay.assemble import assemble_report
 from replay.bisect import bisect_budget, ddmin
@@ -67,6 +68,8 @@ class ReplayOptions:
     """At most this many samples get their own loss / grad-norm row (culprits always do)."""
     max_bisect_runs: int | None = 200
     """Hard cap on bisection replays (ddmin is quadratic when samples only fail together)."""
+    archive_limits: ArchiveLimits | None = None
+    """What unpacking a .tar.zst dump may produce (default forensics.format.limits.ArchiveLimits())."""
     rng_check: bool = True
     """Once reproduced, re-run the step from a few other seeds (recorded RNG not restored) to tell
     whether the failure needs the dump's random state (a dropout mask); report block `rng`."""
@@ -113,11 +116,11 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
     else:
         path = str(dump_or_path)
         _stage(progress, f"opening {path}")
-        dump = open_dump(dump_or_path, rank=options.rank)
+        dump = open_dump(dump_or_path, rank=options.rank, limits=options.archive_limits)
     missing = list(dump.manifest.get("missing_ranks") or [])
     if not hasattr(dump_or_path, "manifest") and Path(path).is_dir():
         with contextlib.suppress(Exception):  # a rank directory alone: nothing more to learn
-            missing = sorted(set(missing) | set(open_step(path)[1]))
+            missing = sorted(set(missing) | set(open_step(path, options.archive_limits)[1]))
     dump_info = {"path": path, "run_id": dump.manifest.get("run_id"), "step": dump.step, "rank": dump.rank,
                  "world_size": dump.world_size, "missing_ranks": missing,
                  "num_micro_batches": dump.num_micro_batches}

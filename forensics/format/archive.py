@@ -15,20 +15,41 @@ import zstandard
 
 from forensics.errors import DumpCorruptError, NotADumpError
 from forensics.format import spec
+from forensics.format.limits import GiB, ArchiveLimits
 
 
-def _dump_members(tar: tarfile.TarFile):
+def _dump_members(tar: tarfile.TarFile, limits: ArchiveLimits, archive_bytes: int):
+    members = total = 0
+    allowed = min(limits.max_bytes, max(GiB, int(limits.max_ratio * archive_bytes)))
     for member in tar:
+        name = member.name[:200]
+        members += 1
+        if members > limits.max_members:
+            raise DumpCorruptError(f"the archive has more than {limits.max_members} members; refusing to unpack "
+                                   "(raise the limit with --max-members if it is genuine)")
+        if len(member.name) > limits.max_path_chars or member.name.count("/") >= limits.max_depth:
+            raise DumpCorruptError(f"archive member {name!r} has a path longer or deeper than a dump's "
+                                   f"({limits.max_path_chars} characters, {limits.max_depth} levels); refusing to unpack")
         if member.name.startswith("/"):  # the data filter would strip the "/" and extract it inside: refuse
-            raise DumpCorruptError(f"archive member {member.name!r} escapes the archive (absolute path); "
+            raise DumpCorruptError(f"archive member {name!r} escapes the archive (absolute path); "
                                    "refusing to unpack")
         if not (member.isfile() or member.isdir()):
-            raise DumpCorruptError(f"archive member {member.name!r} is a link or device; refusing to unpack")
+            raise DumpCorruptError(f"archive member {name!r} is a link or device; refusing to unpack")
+        total += member.size
+        if total > allowed:
+            raise DumpCorruptError(
+                f"the archive unpacks to more than {allowed} bytes ({archive_bytes} packed); refusing to unpack "
+                "(raise --max-unpacked-gb / --max-unpack-ratio if it is genuine)")
         yield member
 
 
-def unpack_archive(path: Path) -> tuple[Path, tempfile.TemporaryDirectory]:
-    """Unpacks into a temporary directory; returns the dump directory and the holder keeping it alive."""
+def unpack_archive(path: Path, limits: ArchiveLimits | None = None) -> tuple[Path, tempfile.TemporaryDirectory]:
+    """Unpacks into a temporary directory, within `limits` (checked on each member's header, before its
+    bytes are written); returns the dump directory and the holder keeping it alive.
+
+    Raises:
+        DumpCorruptError: a member escapes, is a link or device, or a limit is exceeded (nothing is left behind).
+    """
     if not hasattr(tarfile, "data_filter"):
         raise DumpCorruptError(f"reading {path} needs tarfile's data filter (Python >= 3.10.12 / 3.11.4 / 3.12); "
                                "upgrade Python, or unpack the archive by hand and pass the directory")
@@ -38,13 +59,13 @@ def unpack_archive(path: Path) -> tuple[Path, tempfile.TemporaryDirectory]:
         with open(path, "rb") as raw:
             with zstandard.ZstdDecompressor().stream_reader(raw) as stream:
                 with tarfile.open(fileobj=stream, mode="r|") as tar:
-                    for member in _dump_members(tar):
+                    for member in _dump_members(tar, limits or ArchiveLimits(), path.stat().st_size):
                         tar.extract(member, root, set_attrs=False, filter="data")
     except tarfile.FilterError as exc:
         holder.cleanup()
         raise DumpCorruptError(f"archive member {exc.tarinfo.name!r} escapes the archive ({exc}); "
                                "refusing to unpack") from exc
-    except (tarfile.TarError, zstandard.ZstdError, EOFError, OSError) as exc:
+    except (tarfile.TarError, zstandard.ZstdError, EOFError, OSError, MemoryError, RecursionError) as exc:
         holder.cleanup()
         raise DumpCorruptError(f"{path} is not a readable {spec.ARCHIVE_SUFFIX} dump archive ({exc}); "
                                "it may be truncated") from exc

@@ -2,7 +2,7 @@
 
 Every size a dump claims is checked against these BEFORE anything is read or allocated; each is far
 above what a real dump needs. The archive limits can be raised on the command line
-(`--max-unpacked-gb`, `--max-members`) for a legitimately huge archive.
+(`--max-unpacked-gb`, `--max-unpack-ratio`, `--max-members`) for a legitimately huge archive.
 """
 
 from __future__ import annotations
@@ -37,13 +37,16 @@ class ArchiveLimits:
 
     max_bytes: int = 256 * GiB
     """Total bytes of all members (a 70B-parameter state with Adam is ~850 GB: raise it for those)."""
-    max_members: int = 100_000
-    """Files and directories (a step of 64 ranks has ~64 x 30)."""
+    max_ratio: float = 32.0
+    """Unpacked bytes per archive byte, beyond the first GiB: weights barely compress and batch files are
+    compressed already, so a genuine dump archive unpacks to a few times its size; a zstd bomb to 1000s."""
+    max_members: int = 50_000
+    """Files and directories (a step of 64 ranks with 16 micro-batches has ~2,700)."""
     max_path_chars: int = 1024
     """Characters of one member path."""
     max_depth: int = 8
     """Path components of one member (run/step/rank/file is 4)."""
 
     def __post_init__(self):
-        if min(self.max_bytes, self.max_members, self.max_path_chars, self.max_depth) <= 0:
+        if min(self.max_bytes, self.max_ratio, self.max_members, self.max_path_chars, self.max_depth) <= 0:
             raise ValueError("ArchiveLimits must all be positive")

@@ -7,9 +7,9 @@ from pathlib import Path, PurePosixPath
 
 import zstandard
 
-from forensics.errors import NotADumpError
+from forensics.errors import DumpCorruptError, NotADumpError
 from forensics.format import spec
-from forensics.format.reader import open_step
+from forensics.format.verify import verify_dump
 from forensics.fsio import atomic_file
 
 
@@ -21,16 +21,22 @@ def pack_dump(path: str | Path, output: str | Path | None = None) -> Path:
         PosixPath('crash_dumps/run/step-000000042.tar.zst')
     """
     source = Path(path)
-    if not source.is_dir():
+    if not source.is_dir() or source.is_symlink():
         raise NotADumpError(f"{source} is not a dump directory; pack takes a rank or step directory")
-    open_step(source)  # refuses anything that is not a complete dump
+    result = verify_dump(source)  # pack refuses what a reader would refuse: links, unlisted or changed files
+    if not result.ok:
+        raise DumpCorruptError(f"{source} failed verification, so it is not packed: {result.problems[0]}"
+                               + (f" (and {len(result.problems) - 1} more problems)" if len(result.problems) > 1 else ""))
     target = Path(output) if output else source.with_name(source.name + spec.ARCHIVE_SUFFIX)
+    top = PurePosixPath(source.name)
     with atomic_file(target, binary=True) as raw:
         with zstandard.ZstdCompressor(level=3).stream_writer(raw, closefd=False) as compressed:
             with tarfile.open(fileobj=compressed, mode="w|") as tar:
-                for file in sorted(source.rglob("*")):
-                    if any(p.startswith(".tmp-") for p in file.relative_to(source).parts):
-                        continue
-                    tar.add(file, arcname=str(PurePosixPath(source.name) / file.relative_to(source).as_posix()),
-                            recursive=False)
+                for dump in result.dumps:  # each rank dump: its directory, manifest and listed files only
+                    inside = dump.path.relative_to(source).as_posix()
+                    base = top / inside if inside != "." else top
+                    if inside != ".":
+                        tar.add(dump.path, arcname=str(base), recursive=False)
+                    for name in [spec.MANIFEST, *sorted(dump.manifest["files"])]:
+                        tar.add(dump.path / name, arcname=str(base / name), recursive=False)
     return target

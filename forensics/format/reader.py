@@ -16,7 +16,7 @@ from forensics.errors import (DumpCorruptError, DumpNotFoundError, NotADumpError
                               UnsupportedVersionError)
 from forensics.format import jsonio, spec
 from forensics.format.archive import unpack_archive
-from forensics.format.limits import HASH_CHUNK, MAX_DECOMPRESSED, MAX_JSON_FILE
+from forensics.format.limits import HASH_CHUNK, MAX_DECOMPRESSED, MAX_JSON_FILE, ArchiveLimits
 from forensics.format.manifest import check_manifest
 from forensics.format.tensors import load_safetensors_bytes, load_safetensors_file
 from forensics.format.tree import decode_tree
@@ -245,7 +245,7 @@ class Dump:
         return sum(int(entry.get("size", 0)) for entry in self.manifest["files"].values())
 
 
-def resolve(path: str | Path) -> tuple[Path, Any]:
+def resolve(path: str | Path, limits: ArchiveLimits | None = None) -> tuple[Path, Any]:
     """Returns a directory for `path` (unpacking a .tar.zst into a temp dir) and the temp dir holder."""
 
     path = Path(path)
@@ -254,17 +254,18 @@ def resolve(path: str | Path) -> tuple[Path, Any]:
     if not path.exists():
         raise DumpNotFoundError(f"{path} does not exist. Pass a dump directory or a {spec.ARCHIVE_SUFFIX} file.")
     if path.is_file():
-        return unpack_archive(path)
+        return unpack_archive(path, limits)
     return path, None
 
 
-def open_dump(path: str | Path, rank: int | None = None) -> Dump:
+def open_dump(path: str | Path, rank: int | None = None, limits: ArchiveLimits | None = None) -> Dump:
     """Opens a rank dump, a step directory (choose `rank`), or a packed `.tar.zst` of either.
 
     Args:
         path: the dump. Nothing is imported, unpickled or executed.
         rank: for a step directory holding several ranks: which one. Default: the rank that saw the
             fault first-hand (manifest trigger.local), else the lowest rank present.
+        limits: what unpacking an archive may produce (default ArchiveLimits()).
     Returns:
         Dump, whose manifest is read and validated; weights are read only when asked.
     Example:
@@ -272,7 +273,7 @@ def open_dump(path: str | Path, rank: int | None = None) -> Dump:
         >>> dump.trigger["kind"]  # doctest: +SKIP
         'nonfinite_loss'
     """
-    directory, holder = resolve(path)
+    directory, holder = resolve(path, limits)
     if is_rank_dump(directory):
         if rank is not None and int(read_manifest(directory)["rank"]) != rank:
             raise NotADumpError(f"{directory} is the dump of another rank; pass its step directory to pick rank {rank}")
@@ -297,9 +298,9 @@ def open_dump(path: str | Path, rank: int | None = None) -> Dump:
     return (local or dumps)[0]
 
 
-def open_step(path: str | Path) -> tuple[list[Dump], list[int]]:
+def open_step(path: str | Path, limits: ArchiveLimits | None = None) -> tuple[list[Dump], list[int]]:
     """All rank dumps of a step directory (or the one of a rank directory) and the ranks missing."""
-    directory, holder = resolve(path)
+    directory, holder = resolve(path, limits)
     if is_rank_dump(directory):
         dumps = [Dump(directory, holder)]
     else:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from forensics.errors import DumpError
 from forensics.format import spec
+from forensics.format.limits import ArchiveLimits
 from forensics.format.reader import Dump, open_step
 
 
@@ -35,11 +36,13 @@ def _check_rank(dump: Dump) -> list[Problem]:
     listed = dump.manifest["files"]
     for name in listed:
         try:
-            dump.read_file(name)
+            dump.verify_file(name)
         except DumpError as exc:
             problems.append(Problem(str(dump.path / name), str(exc)))
     for path in sorted(dump.path.iterdir()):
-        if path.name != spec.MANIFEST and path.name not in listed:
+        if path.is_symlink():
+            problems.append(Problem(str(path), "is a symbolic link; a dump holds only plain files"))
+        elif path.name != spec.MANIFEST and path.name not in listed:
             problems.append(Problem(str(path), "file is not listed in the manifest (added after the dump was written)"))
     for index in range(dump.num_micro_batches):
         for name in (spec.batch_json_name(index), spec.batch_tensors_name(index)):
@@ -48,9 +51,9 @@ def _check_rank(dump: Dump) -> list[Problem]:
     return problems
 
 
-def verify_dump(path: str | Path) -> VerifyResult:
+def verify_dump(path: str | Path, limits: ArchiveLimits | None = None) -> VerifyResult:
     """Checks a rank dump, a step directory or an archive. Raises DumpError when it cannot even be opened."""
-    dumps, missing = open_step(path)
+    dumps, missing = open_step(path, limits)
     problems: list[Problem] = []
     for dump in dumps:
         problems.extend(_check_rank(dump))
