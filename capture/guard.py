@@ -39,6 +39,21 @@ log = logging.getLogger(__name__)
 MAX_MICRO_BATCHES = 4096  # a step with more micro-batches means check() is never called
 
 
+def loss_value(loss: Any) -> torch.Tensor | float | None:
+    """What record_loss keeps of `loss` (None: nothing, with a warning). Never raises."""
+    try:
+        if isinstance(loss, torch.Tensor):
+            if loss.numel() == 0:
+                log.warning("forensics: record_loss got an empty tensor (no loss); ignored")
+                return None
+            return loss.detach()
+        return float(loss)
+    except Exception as exc:  # noqa: BLE001 - capture must never break the job
+        log.warning("forensics: record_loss got %s, which does not convert to a number (%s); ignored",
+                    type(loss).__name__, type(exc).__name__)
+        return None
+
+
 class Guard:
     """Watches a training loop; on NaN/Inf or a spike, writes a replayable dump of the pre-step state.
 
@@ -123,15 +138,16 @@ class Guard:
             log.exception("forensics: record_batch failed; this step will not be capturable")
 
     def record_loss(self, loss: Any) -> None:
-        """Call once per micro-batch with its loss BEFORE any division by the accumulation count."""
+        """Call once per micro-batch with its loss BEFORE any division by the accumulation count.
+
+        Never raises: a tensor is kept by reference (its mean is read at check()); an empty tensor, or a
+        value that does not convert to a float (an object whose __float__ raises, a Python int beyond the
+        float range such as 10**400), is ignored with a warning."""
         if self._current is None:
             return
-        try:
-            value = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
-        except (TypeError, ValueError):  # capture must never break the job
-            log.warning("forensics: record_loss got %s, not a number or tensor; ignored", type(loss).__name__)
-            return
-        self._current.losses.append(value)
+        value = loss_value(loss)
+        if value is not None:
+            self._current.losses.append(value)
 
     def _note_autocast(self, module: torch.nn.Module, args: Any) -> None:
         """Forward pre-hook: the autocast state the model actually runs under (read once per step)."""

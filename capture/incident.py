@@ -9,6 +9,8 @@ verify_update one optimizer step later: each builds its Incident with the right 
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +19,8 @@ import torch
 
 from forensics.kinds import Policy, TriggerKind
 from forensics.rng import RngState
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -75,21 +79,56 @@ class Incident:
 
 
 def json_ids(ids: Any) -> list | None:
-    """Sample IDs as JSON values (tensors become lists of numbers)."""
+    """Sample IDs as JSON values: tensors become lists of numbers; an ID that is not a JSON value (an
+    object, a tuple, a non-finite float) or that fails to convert is stored as its repr, with a warning,
+    so that odd IDs never cost the dump."""
     if ids is None:
         return None
-    if isinstance(ids, torch.Tensor):
-        return ids.detach().cpu().reshape(-1).tolist()
-    return [i.item() if isinstance(i, torch.Tensor) else i for i in ids]
+    try:
+        if isinstance(ids, torch.Tensor):
+            return ids.detach().cpu().reshape(-1).tolist()
+        values = list(ids) if isinstance(ids, (list, tuple)) else [ids] if isinstance(ids, (str, int, float)) \
+            else list(ids)
+        return [_json_id(i.item() if isinstance(i, torch.Tensor) and i.numel() == 1 else i) for i in values]
+    except Exception as exc:  # noqa: BLE001 - an ID container whose iteration or conversion raises
+        log.warning("forensics: the sample IDs of a micro-batch could not be read (%s: %s); stored as one repr",
+                    type(exc).__name__, exc)
+        return [_safe_repr(ids)]
+
+
+def _json_id(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return value if abs(value) < 1 << 63 else str(value)
+    if isinstance(value, float) and math.isfinite(value):
+        return value
+    log.warning("forensics: a sample ID of type %s is not a JSON value; stored as its repr", type(value).__name__)
+    return _safe_repr(value)
+
+
+def _safe_repr(value: Any) -> str:
+    try:
+        return repr(value)[:1000]
+    except Exception:  # noqa: BLE001
+        return f"<{type(value).__name__} without a repr>"
 
 
 def batch_size(batch: Any) -> int | None:
-    """The leading dimension of the first tensor in a batch tree (None: no tensor with one)."""
+    """The leading dimension of the first tensor in a batch tree (None: no tensor with one, or a batch
+    that cannot be walked)."""
+    try:
+        return _first_leading_dim(batch)
+    except Exception:  # noqa: BLE001 - an odd batch must not cost the dump
+        return None
+
+
+def _first_leading_dim(batch: Any) -> int | None:
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.dim() else None
     values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
     for value in values:
-        size = batch_size(value)
+        size = _first_leading_dim(value)
         if size is not None:
             return size
     return None

@@ -34,6 +34,9 @@ class BadInput(click.ClickException):
 
 
 def _fail(exc: Exception) -> BadInput:
+    user_traceback = getattr(exc, "user_traceback", None)
+    if user_traceback:  # forensics.errors.UserCodeError: their traceback, as they would see it themselves
+        click.echo(user_traceback, err=True)
     if isinstance(exc, OSError):
         where = f" ({exc.filename})" if exc.filename else ""
         return BadInput(clean(f"{exc.strerror or exc}{where}; choose a writable path"))

@@ -55,3 +55,15 @@ class TrainingFaultError(ForensicsError, FloatingPointError):
         self.trigger = trigger
         self.dump_path = dump_path
         self.dump_error = dump_error
+
+
+class UserCodeError(ForensicsError):
+    """The user's model, loss or data code raised while forensics ran it on the dump (bad input, exit 2).
+
+    Attributes:
+        user_traceback: the traceback of their code, formatted, for the user to read.
+    """
+
+    def __init__(self, message: str, user_traceback: str):
+        super().__init__(message)
+        self.user_traceback = user_traceback

@@ -14,6 +14,9 @@ except ImportError:  # pragma: no cover - numpy ships with torch wheels in pract
     np = None
 
 
+MAX_CUDA_DEVICES = 1024  # CUDA RNG states a dump may claim per micro-batch
+
+
 @dataclass
 class RngState:
     python: Any
@@ -44,9 +47,25 @@ class RngState:
             n = meta["numpy"]
             keys = tensors[f"{prefix}/numpy_keys"].numpy().view("uint32")
             numpy_state = (n["name"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"])
-        cuda = [tensors[f"{prefix}/cuda/{d}"] for d in range(int(meta.get("cuda_devices", 0)))]
-        return cls(python=(version, tuple(internal), gauss), torch_cpu=tensors[f"{prefix}/torch_cpu"],
-                   cuda=cuda, numpy=numpy_state)
+        devices = meta.get("cuda_devices", 0)
+        if not isinstance(devices, int) or not 0 <= devices <= MAX_CUDA_DEVICES:
+            raise ValueError(f"cuda_devices must be an integer in [0, {MAX_CUDA_DEVICES}], got {devices!r}")
+        cuda = [tensors[f"{prefix}/cuda/{d}"] for d in range(devices)]
+        state = cls(python=(version, tuple(internal), gauss), torch_cpu=tensors[f"{prefix}/torch_cpu"],
+                    cuda=cuda, numpy=numpy_state)
+        state.validate()
+        return state
+
+    def validate(self) -> None:
+        """Raises TypeError / ValueError / RuntimeError unless every part would restore: each is tried on a
+        throwaway generator (a state read from a dump is untrusted)."""
+        random.Random().setstate(self.python)
+        torch.Generator().set_state(self.torch_cpu)
+        if self.numpy is not None and np is not None:
+            np.random.RandomState().set_state(self.numpy)
+        for state in self.cuda:
+            if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.dim() != 1:
+                raise ValueError("a CUDA RNG state must be a 1-D uint8 tensor")
 
 
 def capture_rng() -> RngState:

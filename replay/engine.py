@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 
+from forensics.errors import DumpError
 from forensics.format import open_dump, open_step
 from forensics.format.limits import ArchiveLimits
 from forensics.kinds import HistoryPattern, Phase, TriggerKind
@@ -33,6 +34,7 @@ from replay.per_sample import per_sample_stats
 from replay.precision import fp32_check
 from replay.rng_dependence import check_rng_dependence
 from replay.samples import select_samples
+from replay.user_code import as_user_error
 
 logger = logging.getLogger(__name__)
 
@@ -124,13 +126,22 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
     dump_info = {"path": path, "run_id": dump.manifest.get("run_id"), "step": dump.step, "rank": dump.rank,
                  "world_size": dump.world_size, "missing_ranks": missing,
                  "num_micro_batches": dump.num_micro_batches}
+    if dump.num_micro_batches == 0:
+        raise DumpError(f"{path or 'the dump'} records no micro-batch, so there is no step to replay; the loop "
+                        "called check() without record_batch() (see README: the four calls)")
     with deterministic_mode(dump.manifest.get("determinism")):
         _stage(progress, f"loading model and step {dump.step} (rank {dump.rank}) on "
                          f"{options.device or 'the default device'}")
-        session = load_session(dump, device=options.device, trust=options.trust, factory=options.factory,
-                               loss=options.loss, sys_path=options.sys_path)
-        return run_session(session, options, progress, dump_info=dump_info, history=dump.history(),
-                           started=started)
+        try:
+            session = load_session(dump, device=options.device, trust=options.trust, factory=options.factory,
+                                   loss=options.loss, sys_path=options.sys_path)
+            return run_session(session, options, progress, dump_info=dump_info, history=dump.history(),
+                               started=started)
+        except Exception as exc:  # noqa: BLE001 - the user's model / loss raising on the dump's data is theirs
+            converted = as_user_error(exc, f"replaying step {dump.step}")
+            if converted is exc:
+                raise
+            raise converted from exc
 
 
 def run_session(session: ReplaySession, options: ReplayOptions | None = None, progress: Progress | None = None,

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from forensics.errors import RecipeError
+from forensics.errors import DumpCorruptError, RecipeError
 from replay.environment import dtype_from_name, environment_warnings, resolve_device, to_device
 from replay.optimizer_state import OptimizerSnapshot
 from replay.recipe import LossFn, optimizer_class, resolve_recipe
@@ -156,9 +156,13 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
     snapshot = None
     opt_state = dump.optimizer_state()
     if opt_state is not None:
-        snapshot = OptimizerSnapshot(optimizer_class(opt_state["class"], trust),
-                                     [dict(g) for g in opt_state["param_groups"]], opt_state["state"])
-        snapshot.build(model)  # fail now, with a clear error, if state and model do not match
+        cls = optimizer_class(opt_state["class"], trust)
+        try:
+            snapshot = OptimizerSnapshot(cls, [dict(g) for g in opt_state["param_groups"]], opt_state["state"])
+            snapshot.build(model)  # fail now, with a clear error, if state and model do not match
+        except (TypeError, ValueError, KeyError, IndexError, RuntimeError, OverflowError) as exc:
+            raise DumpCorruptError(f"the dump's optimizer state does not rebuild a {cls.__name__} for this model "
+                                   f"({type(exc).__name__}: {str(exc)[:200]})", "optimizer.json") from exc
 
     batches, ids, rngs, losses = [], [], [], []
     for i in range(dump.num_micro_batches):

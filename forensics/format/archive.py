@@ -18,9 +18,29 @@ from forensics.format import spec
 from forensics.format.limits import GiB, ArchiveLimits
 
 
+def _allowed_bytes(limits: ArchiveLimits, archive_bytes: int) -> int:
+    return min(limits.max_bytes, max(GiB, int(limits.max_ratio * archive_bytes)))
+
+
+class _CappedStream:
+    """The decompressed tar stream, refused once it passes `cap` bytes: bounds what tarfile reads even for
+    headers it buffers whole (a pax header that claims gigabytes)."""
+
+    def __init__(self, stream, cap: int):
+        self.stream, self.cap, self.seen = stream, cap, 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.stream.read(size if size >= 0 else self.cap + 1 - self.seen)
+        self.seen += len(data)
+        if self.seen > self.cap:
+            raise DumpCorruptError(f"the archive unpacks to more than {self.cap} bytes (headers included); "
+                                   "refusing to unpack (raise --max-unpacked-gb / --max-unpack-ratio if it is genuine)")
+        return data
+
+
 def _dump_members(tar: tarfile.TarFile, limits: ArchiveLimits, archive_bytes: int):
     members = total = 0
-    allowed = min(limits.max_bytes, max(GiB, int(limits.max_ratio * archive_bytes)))
+    allowed = _allowed_bytes(limits, archive_bytes)
     for member in tar:
         name = member.name[:200]
         members += 1
@@ -58,8 +78,11 @@ def unpack_archive(path: Path, limits: ArchiveLimits | None = None) -> tuple[Pat
     try:
         with open(path, "rb") as raw:
             with zstandard.ZstdDecompressor().stream_reader(raw) as stream:
-                with tarfile.open(fileobj=stream, mode="r|") as tar:
-                    for member in _dump_members(tar, limits or ArchiveLimits(), path.stat().st_size):
+                limits = limits or ArchiveLimits()
+                packed = path.stat().st_size
+                capped = _CappedStream(stream, _allowed_bytes(limits, packed) + limits.max_members * 1024 + GiB // 64)
+                with tarfile.open(fileobj=capped, mode="r|") as tar:
+                    for member in _dump_members(tar, limits, packed):
                         tar.extract(member, root, set_attrs=False, filter="data")
     except tarfile.FilterError as exc:
         holder.cleanup()

@@ -188,7 +188,8 @@ class Dump:
         raw_state = meta.get("state") or {}
         if not isinstance(raw_state, dict) or not all(isinstance(v, dict) for v in raw_state.values()) \
                 or not isinstance(meta["class"], str) or not isinstance(meta["param_groups"], list) \
-                or not all(isinstance(g, dict) and isinstance(g.get("params", []), list) for g in meta["param_groups"]):
+                or not all(isinstance(g, dict) and isinstance(g.get("params", []), list)
+                           and all(isinstance(p, str) for p in g.get("params", [])) for g in meta["param_groups"]):
             raise DumpCorruptError(f"{self.path / spec.OPTIMIZER_JSON} does not have the documented layout "
                                    "(class: str, param_groups: [{..., params: [...]}], state: {name: {...}})",
                                    spec.OPTIMIZER_JSON)
@@ -221,7 +222,7 @@ class Dump:
         meta, tensors = self._rng
         try:
             return RngState.from_parts(meta[index], tensors, f"mb{index}")
-        except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as exc:
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError, OverflowError) as exc:
             raise DumpCorruptError(f"{self.path / spec.RNG_JSON}: the RNG state of micro-batch {index} is "
                                    f"malformed ({type(exc).__name__}: {_cut(exc, 120)})", spec.RNG_JSON) from exc
 

@@ -7,7 +7,6 @@ import errno
 import logging
 import os
 import shutil
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -18,6 +17,7 @@ import zstandard
 from forensics.errors import CaptureError
 from forensics.fsio import fsync_dir
 from forensics.format import jsonio, spec
+from forensics.format.stale import remove_stale_temporaries, temporary_name
 from forensics.format.tensors import HashingWriter, safetensors_bytes, write_safetensors
 from forensics.format.tree import encode_tree
 from forensics.rng import RngState
@@ -153,7 +153,8 @@ def write_dump(content: DumpContent, root: str | os.PathLike) -> Path:
         content.ready()
     manifest = dict(content.manifest)
     final = dump_path(Path(root), manifest["run_id"], manifest["step"], manifest["rank"])
-    tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+    _clean_once(Path(root))
+    tmp = final.parent / temporary_name(final.name)
     try:
         tmp.mkdir(parents=True)
         target = _DumpDir(tmp)
@@ -179,6 +180,19 @@ def write_dump(content: DumpContent, root: str | os.PathLike) -> Path:
     except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CaptureError(_explain(exc, final)) from exc
+
+
+_CLEANED: set[str] = set()
+
+
+def _clean_once(root: Path) -> None:
+    """At the first dump of a process under `root`: remove what killed writers left behind (forensics.format.stale)."""
+    key = str(root)
+    if key in _CLEANED:
+        return
+    _CLEANED.add(key)
+    for path in remove_stale_temporaries(root):
+        log.warning("forensics: removed %s, an unfinished dump whose writer is gone", path)
 
 
 def _explain(exc: Exception, final: Path) -> str:

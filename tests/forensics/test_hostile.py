@@ -1,0 +1,381 @@
+"""A dump from someone else is untrusted input. Each case here was found by an attacker-style sweep: hostile
+manifests, re-signed files (the checksums pass, so the parsers are reached), crafted archives, links.
+Every one must end in exit 2 with a one-line reason (or a correct answer), never exit 1, never a write
+outside the chosen output, never an unbounded allocation.
+
+The fuzz test at the end re-signs seeded random mutations; FORENSICS_FUZZ_MUTANTS=N (and FORENSICS_FUZZ_SEED)
+runs more of them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import random
+import resource
+import shutil
+import tarfile
+from pathlib import Path
+
+import pytest
+import zstandard
+from click.testing import CliRunner
+
+import forensics.format.reader as reader_module
+from forensics.cli import main
+from forensics.demo.scenarios import SCENARIOS
+from forensics.kinds import ExitCode
+
+REPLAY = ["--device", "cpu", "--no-bisect", "--no-rng-check"]
+
+
+def run(args: list, cwd: Path | None = None):
+    """`forensics ARGS` in-process; returns the click Result (never raises)."""
+    old = os.getcwd()
+    if cwd is not None:
+        os.chdir(cwd)
+    try:
+        return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=True)
+    finally:
+        os.chdir(old)
+
+
+def assert_exit(result, code: int) -> None:
+    assert result.exit_code == code, (result.exit_code, result.stdout[-2000:], result.stderr[-2000:],
+                                      repr(result.exception))
+    if code == ExitCode.BAD_INPUT:
+        assert result.stderr.startswith("Error:") or "Error:" in result.stderr
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("hostile")
+    return SCENARIOS["bad_sample"].capture(root, device="cpu").dump_path
+
+
+@pytest.fixture
+def dump(pristine, tmp_path) -> Path:
+    """A fresh copy of a real, replayable rank dump."""
+    copy = tmp_path / "dumps" / "run" / "step-000000006" / "rank-00000"
+    shutil.copytree(pristine, copy)
+    return copy
+
+
+def edit_manifest(dump: Path, edit) -> None:
+    manifest = json.loads((dump / "manifest.json").read_text())
+    edit(manifest)
+    (dump / "manifest.json").write_text(json.dumps(manifest))
+
+
+def resign(dump: Path, name: str, data: bytes) -> None:
+    """Replaces a file and updates its size and sha256 in the manifest, so the checksum passes."""
+    (dump / name).write_bytes(data)
+    edit_manifest(dump, lambda m: m["files"].__setitem__(
+        name, {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}))
+
+
+# -- names from a dump never become paths or raw terminal output -------------------------------
+
+@pytest.mark.parametrize("run_id", ["/abs/path/ESCAPED", "../../..", "../escaped", "x" * 300, "a\x1b]0;pwned\x07"])
+def test_a_hostile_run_id_is_refused_and_nothing_is_written(dump, tmp_path, run_id):
+    edit_manifest(dump, lambda m: m.__setitem__("run_id", run_id))
+    work = tmp_path / "cwd"
+    work.mkdir()
+    for verb in (["inspect"], ["verify"], ["replay", *REPLAY]):
+        result = run([verb[0], dump, *verb[1:]], cwd=work)
+        assert_exit(result, ExitCode.BAD_INPUT)
+        assert "run_id" in result.stderr and "\x1b" not in result.stderr + result.stdout
+    assert list(work.iterdir()) == [] and not Path("/abs/path/ESCAPED").exists()
+
+
+def test_a_hostile_run_id_in_a_packed_archive_is_refused(dump, tmp_path):
+    edit_manifest(dump, lambda m: m.__setitem__("run_id", "../../.."))
+    archive = _archive(tmp_path / "evil.tar.zst", {f"rank-00000/{p.name}": p.read_bytes() for p in dump.iterdir()})
+    work = tmp_path / "cwd"
+    work.mkdir()
+    assert_exit(run(["replay", archive, *REPLAY], cwd=work), ExitCode.BAD_INPUT)
+    assert list(work.iterdir()) == []
+
+
+# -- wrong types and sizes in the manifest ---------------------------------------------------
+
+@pytest.mark.parametrize("path, value", [
+    (("recipe",), "x"), (("environment",), [1]), (("precision",), "x"), (("determinism",), "x"),
+    (("loss",), 5), (("missing_ranks",), 5), (("micro_batches", 0, "sample_ids"), 5),
+    (("world_size",), 2 ** 31), (("rank",), 3), (("trigger",), "nan"), (("trigger", "micro_batch"), 9),
+    (("files", "model.safetensors", "size"), "big"), (("micro_batches",), [{}] * 5000),
+    (("precision", "autocast", "dtype"), 16), (("loss", "divisor"), 0),
+])
+def test_wrong_manifest_field_types_exit_2_naming_the_field(dump, path, value):
+    def edit(manifest):
+        node = manifest
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+    edit_manifest(dump, edit)
+    result = run(["inspect", dump])
+    assert_exit(result, ExitCode.BAD_INPUT)
+    assert str(path[0]) in result.stderr
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000, '{"format": "forensics-dump", "n": ' + "9" * 5000 + "}"])
+def test_a_manifest_that_is_too_deep_or_has_a_huge_number_exits_2(dump, text):
+    (dump / "manifest.json").write_text(text)
+    assert_exit(run(["inspect", dump]), ExitCode.BAD_INPUT)
+
+
+def test_a_file_name_that_is_not_a_plain_name_exits_2(dump):
+    edit_manifest(dump, lambda m: m["files"].__setitem__("x" * 300, {"size": 1, "sha256": "0" * 64}))
+    assert_exit(run(["verify", dump]), ExitCode.BAD_INPUT)
+
+
+def test_no_micro_batches_is_bad_input_not_suspected_hardware(dump):
+    edit_manifest(dump, lambda m: m.__setitem__("micro_batches", []) or m["trigger"].__setitem__("micro_batch", None))
+    result = run(["replay", dump, *REPLAY])
+    assert_exit(result, ExitCode.BAD_INPUT)
+    assert "no micro-batch" in result.stderr
+
+
+# -- re-signed files: the checksum passes, the parser must still refuse --------------------------
+
+@pytest.mark.parametrize("name, data", [
+    ("history.json", b"[1]"), ("rng.json", b"[1]"), ("rng.json", b'{"micro_batches": [1, 2]}'),
+    ("optimizer.json", b'{"param_groups": []}'), ("scheduler.json", b"5"),
+    ("history.json", b'{"loss": 5}'),
+])
+def test_re_signed_json_files_of_the_wrong_shape_exit_2(dump, name, data):
+    resign(dump, name, data)
+    assert_exit(run(["replay", dump, *REPLAY]), ExitCode.BAD_INPUT)
+
+
+def test_an_optimizer_tensor_key_without_a_slash_exits_2(dump):
+    from safetensors.torch import load_file, save
+
+    tensors = load_file(str(dump / "optimizer.safetensors"))
+    key = next(iter(tensors))
+    tensors["noslash"] = tensors.pop(key)
+    resign(dump, "optimizer.safetensors", save(tensors))
+    result = run(["replay", dump, *REPLAY])
+    assert_exit(result, ExitCode.BAD_INPUT)
+    assert "state/<param name>/<key>" in result.stderr
+
+
+def test_a_zstd_frame_that_declares_a_huge_size_is_capped_while_streaming(dump, monkeypatch):
+    monkeypatch.setattr(reader_module, "MAX_DECOMPRESSED", 1 << 20)  # our cap, lowered to keep the test small
+    bomb = zstandard.ZstdCompressor().compress(b"\0" * (4 << 20))  # the frame header declares 4 MiB
+    resign(dump, "batch-000.safetensors.zst", bomb)
+    result = run(["replay", dump, *REPLAY])
+    assert_exit(result, ExitCode.BAD_INPUT)
+    assert "decompresses to more than" in result.stderr
+
+
+def test_a_huge_sparse_json_file_is_refused_by_its_size_before_it_is_read(dump):
+    with open(dump / "history.json", "wb") as handle:
+        handle.truncate(6 << 30)  # sparse: costs no disk
+    edit_manifest(dump, lambda m: m["files"].__setitem__("history.json", {"size": 6 << 30, "sha256": "0" * 64}))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for verb in ("inspect", "replay"):
+        result = run([verb, dump] + (REPLAY if verb == "replay" else []))
+        assert_exit(result, ExitCode.BAD_INPUT)
+        assert "more than" in result.stderr
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 512 * 1024  # KiB: nothing read whole
+
+
+# -- links and archives ------------------------------------------------------------------------
+
+def test_a_link_out_of_a_directory_dump_is_refused_by_verify_replay_and_pack(dump, tmp_path):
+    (dump / "history.json").unlink()
+    (dump / "history.json").symlink_to("/etc/passwd")
+    assert_exit(run(["verify", dump]), ExitCode.BAD_INPUT)
+    assert_exit(run(["replay", dump, *REPLAY]), ExitCode.BAD_INPUT)
+    assert_exit(run(["pack", dump, "-o", tmp_path / "x.tar.zst"]), ExitCode.BAD_INPUT)
+    assert not (tmp_path / "x.tar.zst").exists()
+
+
+def test_pack_refuses_a_fifo_that_its_reader_would_refuse(dump, tmp_path):
+    os.mkfifo(dump / "pipe")
+    assert_exit(run(["pack", dump, "-o", tmp_path / "x.tar.zst"]), ExitCode.BAD_INPUT)
+
+
+def _archive(path: Path, members: dict[str, bytes | None], pax_size: int = 0) -> Path:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            if data is None:
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            else:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    path.write_bytes(zstandard.ZstdCompressor().compress(buffer.getvalue()))
+    return path
+
+
+@pytest.mark.parametrize("members, why", [
+    ({f"d/{i}": b"" for i in range(300)}, "members"),
+    ({"d/" + "/".join(["x"] * 40) + "/f": b"x"}, "deeper"),
+    ({"d/big": b"\0" * (3 << 20)}, "unpacks to more than"),
+])
+def test_archive_limits_are_enforced_before_writing(tmp_path, members, why, monkeypatch):
+    archive = _archive(tmp_path / "a.tar.zst", members)
+    flags = ["--max-members", "100", "--max-unpacked-gb", "0.001"]
+    before = set(Path(os.environ.get("TMPDIR", "/tmp")).glob("forensics-*"))
+    result = run(["verify", archive, *flags])
+    assert_exit(result, ExitCode.BAD_INPUT)
+    assert why in result.stderr
+    assert set(Path(os.environ.get("TMPDIR", "/tmp")).glob("forensics-*")) <= before  # nothing left behind
+
+
+def test_a_user_can_raise_the_archive_limits(dump, tmp_path):
+    archive = tmp_path / "ok.tar.zst"
+    assert_exit(run(["pack", dump, "-o", archive]), ExitCode.OK)
+    assert_exit(run(["verify", archive, "--max-members", "5"]), ExitCode.BAD_INPUT)
+    assert_exit(run(["verify", archive, "--max-members", "500"]), ExitCode.OK)
+
+
+# -- the user's code raising on the dump's data is theirs (exit 2, their traceback) -----------------
+
+def test_the_users_loss_raising_on_dump_data_exits_2_with_their_traceback(dump, tmp_path):
+    (tmp_path / "userpkg_loss.py").write_text(
+        "def strict_loss(model, batch):\n"
+        "    labels = next(v for v in batch.values() if hasattr(v, 'max'))\n"
+        "    if int(labels.max()) >= 2:\n"
+        "        raise IndexError(f'label {int(labels.max())} is out of range for my 2-class head')\n"
+        "    return model(labels).logits.mean()\n")
+    result = run(["replay", dump, *REPLAY, "--loss", "userpkg_loss:strict_loss", "--path", tmp_path])
+    assert_exit(result, ExitCode.BAD_INPUT)
+    assert "IndexError" in result.stderr and "userpkg_loss.py" in result.stderr
+    assert "out of range for my 2-class head" in result.stderr
+
+
+# -- the fuzz: seeded re-signed mutations ---------------------------------------------------------
+
+HOSTILE_VALUES = [5, -1, "x", [1], {}, None, True, 2 ** 63, 1e308, "../../escaped", "/abs/ESCAPED",
+                  "\x1b]0;pwned\x07", [[[[]]]], {"__float__": "zzz"}, "", 0]
+
+
+def _mutate_json(rng: random.Random, node):
+    """Replaces one random node of a JSON tree (in place where possible); returns the new root."""
+    containers = [(None, None, node)]
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        items = current.items() if isinstance(current, dict) else enumerate(current) if isinstance(current, list) else ()
+        for key, child in items:
+            containers.append((current, key, child))
+            stack.append(child)
+    parent, key, _ = rng.choice(containers)
+    value = rng.choice(HOSTILE_VALUES)
+    if parent is None:
+        return value
+    parent[key] = value
+    return node
+
+
+def _mutant(rng: random.Random, dump: Path) -> str:
+    files = sorted(p.name for p in dump.iterdir())
+    name = rng.choice(files + ["manifest.json"] * 4)  # the manifest is checked by no checksum: fuzz it more
+    data = (dump / name).read_bytes()
+    if name.endswith(".json") and rng.random() < 0.7:
+        mutated = json.dumps(_mutate_json(rng, json.loads(data))).encode()
+    elif rng.random() < 0.5:
+        mutated = bytearray(data)
+        for _ in range(rng.randint(1, 8)):
+            mutated[rng.randrange(len(mutated))] = rng.randrange(256)
+        mutated = bytes(mutated)
+    else:
+        mutated = data[: rng.randrange(len(data))]
+    if name == "manifest.json":
+        (dump / name).write_bytes(mutated)
+    else:
+        resign(dump, name, mutated)
+    return name
+
+
+def test_fuzz_re_signed_mutants_give_exit_0_or_2_never_1(pristine, tmp_path, caplog):
+    caplog.set_level("CRITICAL")
+    mutants = int(os.environ.get("FORENSICS_FUZZ_MUTANTS", "240"))
+    replays = max(8, mutants // 12)  # a replay costs ~1 s here; inspect / verify run on every mutant
+    rng = random.Random(int(os.environ.get("FORENSICS_FUZZ_SEED", "20261126")))
+    work = tmp_path / "cwd"
+    work.mkdir()
+    start_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    seen: dict[str, dict[int, int]] = {}
+    for trial in range(mutants):
+        dump = tmp_path / f"m{trial}" / "run" / "step-000000006" / "rank-00000"
+        shutil.copytree(pristine, dump)
+        try:
+            name = _mutant(rng, dump)
+        except (ValueError, json.JSONDecodeError):
+            shutil.rmtree(tmp_path / f"m{trial}")
+            continue
+        verbs = [["inspect", dump], ["verify", dump]]
+        if trial < replays:
+            verbs.append(["replay", dump, *REPLAY, "-o", tmp_path / f"m{trial}" / "report"])
+        for verb in verbs:
+            result = run(verb, cwd=work)
+            allowed = (0, 2, 3, 4) if verb[0] == "replay" else (0, 2)
+            assert result.exit_code in allowed, (trial, name, verb[0], result.exit_code, result.stderr[-1500:],
+                                                 repr(result.exception))
+            seen.setdefault(name, {}).setdefault(result.exit_code, 0)
+            seen[name][result.exit_code] += 1
+        shutil.rmtree(tmp_path / f"m{trial}")
+    assert list(work.iterdir()) == [], "something was written outside the chosen output"
+    assert not Path("/abs/ESCAPED").exists() and not (tmp_path.parent / "escaped").exists()
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - start_rss < 2 * 1024 * 1024  # KiB: < 2 GiB
+    assert seen["manifest.json"].get(2, 0) > 0 and len(seen) > 5  # the sweep reached the parsers of many files
+
+
+# -- unfinished dumps of killed writers are cleaned safely -------------------------------------------
+
+def test_stale_temporaries_of_dead_writers_are_removed_at_the_next_dump(tmp_path, helpers):
+    import subprocess
+    import sys
+    import time
+
+    import forensics.format.writer as writer
+    from forensics.format import stale
+
+    step = tmp_path / "old-run" / "step-000000003"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = stale.temporary_name("rank-00000").rsplit("-", 3)[1]
+    killed = step / f".tmp-rank-00000-{host}-{dead.pid}-deadbeef"
+    alive = step / f".tmp-rank-00001-{host}-{os.getppid()}-cafecafe"  # a writer that is still running
+    old = step / ".tmp-rank-00002-0123abcd"  # an older writer's name: judged by age
+    other_host = step / ".tmp-rank-00003-elsewhere-1-0123abcd"
+    for path in (killed, alive, old, other_host):
+        path.mkdir(parents=True)
+        (path / "model.safetensors").write_bytes(b"\0" * 1024)
+    two_days_ago = time.time() - 2 * 86400
+    os.utime(old, (two_days_ago, two_days_ago))
+    assert stale.stale_temporaries(tmp_path) == sorted([killed, old])
+    writer._CLEANED.discard(str(tmp_path))
+    helpers.write_synthetic_dump(tmp_path)
+    assert not killed.exists() and not old.exists() and alive.exists() and other_host.exists()
+
+
+def test_an_archive_whose_pax_header_claims_gigabytes_is_refused_within_bounded_memory(tmp_path):
+    header = tarfile.TarInfo("d/f")
+    header.pax_headers = {"comment": "x"}
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        tar.addfile(header, io.BytesIO(b""))
+    data = bytearray(raw.getvalue())
+    # The pax header's size field (octal, at offset 124 of the first header) now claims 3 GiB of zeros.
+    data[124:136] = b"%011o\0" % (3 << 30)
+    checksum = sum(data[:148]) + 8 * 32 + sum(data[156:512])
+    data[148:156] = b"%06o\0 " % checksum
+    compressor = zstandard.ZstdCompressor()
+    with open(tmp_path / "pax.tar.zst", "wb") as out, compressor.stream_writer(out) as writer:
+        writer.write(bytes(data[:512]))
+        zeros = b"\0" * (64 << 20)
+        for _ in range(3 << 4):  # 3 GiB of zeros, compressed to a few hundred KB
+            writer.write(zeros)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    result = run(["verify", tmp_path / "pax.tar.zst"])
+    assert_exit(result, ExitCode.BAD_INPUT)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < (1536 << 10)  # KiB: < 1.5 GiB
