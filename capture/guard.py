@@ -25,7 +25,7 @@ from capture.config import GuardConfig
 from capture.detectors import StepDetectors
 from capture.history import History
 from capture.incident import Incident, StepRecord, Trigger, batch_size, json_ids
-from capture.recipe import build_recipe
+from capture.recipe import build_recipe, default_loss_fits
 from capture.writer_thread import BackgroundWriter
 from forensics.errors import CaptureError, TrainingFaultError
 from forensics.format.writer import DumpContent, write_dump
@@ -116,6 +116,9 @@ class Guard:
         self._last_step: StepRecord | None = None
         self._sync_free = deferred.SyncFree(self) if self.config.sync_free else None
         environment.environment()  # versions, git commit: read now, not while a fault is being dumped
+        unfit = default_loss_fits(model, build_recipe(model, loss_fn, self.config.sample_id_key, self.config.recipe))
+        if unfit:
+            log.warning("forensics: %s", unfit)
         if self.config.verify_update:
             self.add_hook(optimizer.register_step_pre_hook(self._before_optimizer_step))
             self.add_hook(optimizer.register_step_post_hook(self._after_optimizer_step))

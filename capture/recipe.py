@@ -20,6 +20,12 @@ def import_path(fn: Callable) -> str | None:
 
 def build_recipe(model: torch.nn.Module, loss_fn: Callable | None, sample_id_key: str,
                  override: dict | None) -> dict:
+    """The recipe written to the manifest (docs/DUMP_FORMAT.md `recipe`; keys documented in README).
+
+    A user override (GuardConfig.recipe) replaces a field together with the fields that belong to it:
+    a new `factory` drops the automatic `factory_kwargs` (and `loss` its `loss_kwargs`) unless the override
+    gives its own.
+    """
     recipe = dict(huggingface_recipe(model) or {})
     if not recipe:
         cls = type(model)
@@ -30,9 +36,23 @@ def build_recipe(model: torch.nn.Module, loss_fn: Callable | None, sample_id_key
     else:
         recipe.update(loss=import_path(loss_fn), loss_kwargs={})
     if override:
+        override = dict(override)
+        for field, kwargs in (("factory", "factory_kwargs"), ("loss", "loss_kwargs")):
+            if field in override and override[field] != recipe.get(field) and kwargs not in override:
+                recipe[kwargs] = {}
         recipe.update(override)
         recipe["source"] = "user"
     if recipe.get("loss") and recipe["loss"].startswith("__main__:"):
         recipe["note"] = ("the loss function lives in the training script's __main__; replay with "
                           "--loss <module>:<function> and --path to its directory")
     return recipe
+
+
+def default_loss_fits(model: torch.nn.Module, recipe: dict) -> str | None:
+    """Why the recipe's loss cannot serve this model (None: it can): the built-in default loss calls
+    `model(**batch).loss`, which only Hugging Face-style models answer."""
+    if recipe.get("loss") != DEFAULT_LOSS or huggingface_recipe(model) is not None:
+        return None
+    return (f"{type(model).__name__} is not a Hugging Face model, and no loss_fn was given: replay would call "
+            "model(**batch).loss. Pass Guard(..., loss_fn=my_loss) with a module-level `def my_loss(model, batch)`, "
+            "or GuardConfig(recipe={'loss': 'mypkg.losses:my_loss'}), or --loss at replay")

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from forensics.errors import RecipeError
+
 BUILTIN_PREFIX = "forensics.recipes:"
 DEFAULT_LOSS = BUILTIN_PREFIX + "default_loss"
 HUGGINGFACE_FACTORY = BUILTIN_PREFIX + "huggingface_model"
@@ -57,20 +59,27 @@ def huggingface_model(architecture: str, config: dict, attn_implementation: str 
 def default_loss(model: torch.nn.Module, batch: Any, ignore_keys: tuple | list = ()) -> torch.Tensor:
     """`model(**batch).loss` for dict batches (keys in `ignore_keys`, e.g. sample ids, left out);
     the output itself when the model returns a scalar tensor."""
-    if isinstance(batch, dict):
-        from forensics.format.tree import Unreplayable
+    from forensics.format.tree import Unreplayable
 
-        output = model(**{k: v for k, v in batch.items() if k not in ignore_keys and not isinstance(v, Unreplayable)})
-    elif isinstance(batch, (list, tuple)):
-        output = model(*batch)
-    else:
-        output = model(batch)
+    try:
+        if isinstance(batch, dict):
+            output = model(**{k: v for k, v in batch.items() if k not in ignore_keys and not isinstance(v, Unreplayable)})
+        elif isinstance(batch, (list, tuple)):
+            output = model(*batch)
+        else:
+            output = model(batch)
+    except TypeError as exc:
+        if "argument" not in str(exc):  # a TypeError inside the forward is the model's own
+            raise
+        raise RecipeError(f"the default loss calls the model with the batch, and {type(model).__name__} does not "
+                          f"take it ({exc}); pass --loss module:fn, a function (model, batch) -> loss "
+                          "(or record loss_fn= in the job)") from exc
     if isinstance(output, torch.Tensor) and output.dim() == 0:
         return output
     loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
     if loss is None:
-        raise ValueError("the model output has no .loss and is not a scalar; pass a loss function "
-                         "(loss_fn= in capture, --loss module:fn in replay)")
+        raise RecipeError("the model output has no .loss and is not a scalar; pass a loss function "
+                          "(loss_fn= in capture, --loss module:fn in replay)")
     return loss
 
 
