@@ -76,7 +76,7 @@ class SyncFree:
     """Runs Guard.check in sync-free mode; falls back to the synchronous check (one warning) when unsupported.
 
     Uses only the Guard's public members (optimizer, scheduler, config, detectors, history, step, rank,
-    multi_rank, compute_grad_norm, collect_state, clipped, handle_incident, add_hook).
+    multi_rank, compute_grad_norm, collect_state, clipped, note_suppressed, handle_incident, add_hook).
     """
 
     def __init__(self, guard: Any):
@@ -159,7 +159,7 @@ class SyncFree:
         trigger = g.detectors.detect(losses, norm, step_loss, None)
         spike = trigger is not None and trigger.kind.spike
         g.history.append(pending.step, step_loss, norm, pending.lr, None, g.clipped(norm),
-                         trigger is not None and not spike)
+                         trigger is not None and not spike, g.note_suppressed())
         if trigger is None:
             return
         policy = g.config.policy_for(trigger.kind)

@@ -15,28 +15,51 @@ from forensics.kinds import TriggerKind
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
 
 
+EARLY_EVIDENCE = 4  # finite values before the robust threshold can judge a value during warm-up
+EARLY_RATIO = 10.0  # with fewer values, a value this many times the largest one so far is noted
+
+
 class SpikeDetector:
-    """Flags values far above the recent median; only finite values enter the window."""
+    """Flags values far above the recent median; only finite values enter the window.
+
+    During warm-up (fewer than SpikeConfig.warmup finite values) nothing fires, but a value that the
+    threshold over the values seen so far would flag (or, before EARLY_EVIDENCE values, one EARLY_RATIO
+    times the largest so far) is reported in `suppressed`, so the Guard can say so instead of staying silent.
+    """
 
     def __init__(self, config: SpikeConfig):
         self.config = config
         self._window: deque[float] = deque(maxlen=config.window)
+        self.suppressed: float | None = None
+        """After observe(): the threshold a warm-up value exceeded (it was not flagged), else None."""
 
-    def threshold(self) -> float | None:
-        """The value above which the next observation is a spike, or None during warm-up."""
-        if not self.config.enabled or len(self._window) < self.config.warmup:
-            return None
-        values = list(self._window)
+    def _threshold(self, values: list[float]) -> float:
         median = statistics.median(values)
         mad = statistics.median(abs(v - median) for v in values)
         robust = median + self.config.mad_factor * MAD_TO_SIGMA * mad
         return max(robust, median * self.config.min_ratio) if median > 0 else robust
 
+    def threshold(self) -> float | None:
+        """The value above which the next observation is a spike, or None during warm-up."""
+        if not self.config.enabled or len(self._window) < self.config.warmup:
+            return None
+        return self._threshold(list(self._window))
+
+    @property
+    def warming_up(self) -> bool:
+        return len(self._window) < self.config.warmup
+
     def observe(self, value: float | None) -> float | None:
         """Returns the threshold `value` exceeded (a spike), else None; then adds `value` to the window."""
+        self.suppressed = None
         if value is None or not math.isfinite(value):
             return None
         limit = self.threshold()
+        if limit is None and self.config.enabled and self._window:
+            values = list(self._window)
+            early = self._threshold(values) if len(values) >= EARLY_EVIDENCE else \
+                EARLY_RATIO * max(values) if max(values) > 0 else None
+            self.suppressed = early if early is not None and value > early else None
         self._window.append(value)
         return limit if limit is not None and value > limit else None
 
@@ -52,11 +75,14 @@ class StepDetectors:
         self.min_loss_scale = config.min_loss_scale
         self.loss = SpikeDetector(config.loss_spike)
         self.grad_norm = SpikeDetector(config.grad_norm_spike)
+        self.suppressed: list[Trigger] = []
+        """After detect(): spikes that warm-up kept from firing (the Guard logs and records them)."""
 
     def detect(self, losses: list[float], norm: float | None, step_loss: float | None,
                loss_scale: float | None, agreed: Agreement | None = None) -> Trigger | None:
         """This rank's trigger, if any. With several ranks (`agreed`), the spike detectors see the values
         agreed across ranks, so their windows, and so their verdicts, are identical on every rank."""
+        self.suppressed = []
         for index, value in enumerate(losses):
             if not math.isfinite(value):
                 return Trigger(TriggerKind.NONFINITE_LOSS, value, None, index,
@@ -82,9 +108,18 @@ class StepDetectors:
             return Trigger(TriggerKind.LOSS_SPIKE, step_loss, limit, worst,
                            f"loss {step_loss:.4g}{where} is above the spike threshold {limit:.4g}",
                            local=own_loss is not None and own_loss > limit)
+        early_loss = self.loss.suppressed
         limit = self.grad_norm.observe(norm)
         if limit is not None:
             return Trigger(TriggerKind.GRAD_NORM_SPIKE, norm, limit, worst,
                            f"grad norm {norm:.4g}{where} is above the spike threshold {limit:.4g}",
                            local=own_norm is not None and own_norm > limit)
+        for kind, value, early, detector, name in (
+                (TriggerKind.LOSS_SPIKE, step_loss, early_loss, self.loss, "loss"),
+                (TriggerKind.GRAD_NORM_SPIKE, norm, self.grad_norm.suppressed, self.grad_norm, "grad norm")):
+            if early is not None:
+                self.suppressed.append(Trigger(kind, value, early, worst, (
+                    f"{name} {value:.4g}{where} is above {early:.4g}, a spike by the steps seen so far, but spike "
+                    f"detection is still warming up ({len(detector._window) - 1} of {detector.config.warmup} steps; "
+                    f"SpikeConfig.warmup): not dumped")))
         return None

@@ -109,6 +109,7 @@ class Guard:
         self._dump_slots = threading.Semaphore(self.config.max_dumps)
         self._current: StepRecord | None = None
         self._last_spike_dump: int | None = None
+        self._suppressed_logged: set[TriggerKind] = set()
         self._writer = BackgroundWriter()
         self._hooks: list[Any] = []
         self.add_hook(model.register_forward_pre_hook(self._note_autocast))
@@ -277,10 +278,24 @@ class Guard:
                               "another rank saw a non-finite loss or gradient at this step", local=False)
         policy = self.config.policy_for(trigger.kind) if trigger is not None else None
         self.history.append(self.step, step_loss, norm, snapshot.current_lr(self.optimizer), loss_scale,
-                            self.clipped(norm), policy is Policy.SKIP or scaler_overflow)
+                            self.clipped(norm), policy is Policy.SKIP or scaler_overflow, self.note_suppressed())
         if trigger is None:
             return True
         return self.handle_incident(Incident(trigger, self.step, record, losses, norm, divisor, policy))
+
+    def note_suppressed(self) -> str | None:
+        """Logs (once per kind and run) a spike that warm-up kept from firing at this step; returns its kind
+        for the history, or None."""
+        if not self.detectors.suppressed:
+            return None
+        first = self.detectors.suppressed[0]
+        if first.kind not in self._suppressed_logged:
+            self._suppressed_logged.add(first.kind)
+            log.warning("forensics: step %d: %s. Early spikes are not dumped; to catch them, lower the warm-up, "
+                        "e.g. GuardConfig(%s=SpikeConfig(warmup=8)). Logged once; every such step is marked in the "
+                        "history (column 'suppressed').", self.step, first.detail,
+                        "loss_spike" if first.kind is TriggerKind.LOSS_SPIKE else "grad_norm_spike")
+        return first.kind.value
 
     def clipped(self, norm: float | None) -> bool | None:
         """Whether the loop's clipping (GuardConfig.max_grad_norm) fired at this norm (None: unknown)."""

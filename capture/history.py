@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
-FIELDS = ("step", "loss", "grad_norm", "lr", "loss_scale", "clipped", "skipped")
+FIELDS = ("step", "loss", "grad_norm", "lr", "loss_scale", "clipped", "skipped", "suppressed")
 
 
 class History:
@@ -13,8 +13,9 @@ class History:
         self._rows: deque[tuple] = deque(maxlen=capacity)
 
     def append(self, step: int, loss: float | None, grad_norm: float | None, lr: float | None,
-               loss_scale: float | None, clipped: bool | None, skipped: bool) -> None:
-        self._rows.append((step, loss, grad_norm, lr, loss_scale, clipped, skipped))
+               loss_scale: float | None, clipped: bool | None, skipped: bool, suppressed: str | None = None) -> None:
+        """`suppressed`: the trigger kind warm-up kept from firing at this step (None: none)."""
+        self._rows.append((step, loss, grad_norm, lr, loss_scale, clipped, skipped, suppressed))
 
     def to_dict(self) -> dict:
         columns = list(zip(*self._rows)) if self._rows else [()] * len(FIELDS)

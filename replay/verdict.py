@@ -389,9 +389,9 @@ def _model_state(f: VerdictFacts) -> dict:
                     "an earlier step broke them.")
         reading = ("The pre-step weights hold NaN/Inf, so every forward fails whatever the data; the "
                    "update that broke them happened at an earlier, unchecked step.")
-        suggestions = ["Go back to the last checkpoint with finite weights and replay forward from it with "
-                       "capture checking every step (nonfinite_param detection) to catch the step that "
-                       "broke them.",
+        suggestions = ["Go back to the last checkpoint with finite weights and train forward from it with "
+                       "GuardConfig(verify_update=True), which checks the weights after every optimizer step "
+                       "and dumps the update that breaks them (trigger nonfinite_param).",
                        "Check that gradient clipping runs after backward and before optimizer.step(), and "
                        "that skipped steps (loss-scale overflow) really skip the update."]
     elif f.rng_dependent:

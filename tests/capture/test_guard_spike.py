@@ -3,6 +3,7 @@ background with the pre-step state, and max_dumps / min_spike_gap bound how many
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from capture import Guard, GuardConfig, SpikeConfig
@@ -93,3 +94,44 @@ def test_background_write_into_an_unwritable_dir_is_logged_and_training_goes_on(
     [error] = guard.dump_errors
     assert "no dump written" in error and "Not a directory" in error
     assert any("no dump written" in r.getMessage() for r in caplog.records if r.levelname == "ERROR")
+
+
+def test_an_early_spike_is_logged_once_and_marked_in_the_history(tmp_path, caplog):
+    """A custom regressor whose loss jumps from ~4 to 6.25e6 at step 30 (inside the 32-step warm-up): no dump,
+    but one warning that says how to catch it, and the step is marked in the history."""
+    import logging
+
+    from capture import Guard, GuardConfig
+
+    caplog.set_level(logging.WARNING)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="early"),
+                  loss_fn=None)
+    for step in range(32):
+        x = torch.randn(16, 4)
+        y = torch.full((16, 1), 2.0) + (2500.0 if step == 30 else 0.0)
+        guard.record_batch({"x": x})
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        guard.record_loss(loss)
+        loss.backward()
+        assert guard.check()
+        optimizer.step()
+        optimizer.zero_grad()
+    guard.close()
+    history = guard.history.to_dict()
+    assert guard.dumps == []
+    assert history["suppressed"][30] == "loss_spike" and history["suppressed"][:30] == [None] * 30
+    warnings = [r.message for r in caplog.records if "warming up" in r.message]
+    assert len(warnings) == 1 and "step 30" in warnings[0] and "SpikeConfig(warmup=" in warnings[0]
+
+
+def test_a_jump_at_step_1_is_noted_before_there_is_a_median():
+    from capture.config import SpikeConfig
+    from capture.detectors import SpikeDetector
+
+    detector = SpikeDetector(SpikeConfig())
+    assert detector.observe(4.9) is None and detector.suppressed is None
+    assert detector.observe(186.0) is None and detector.suppressed == pytest.approx(49.0)
+    assert detector.observe(150.0) is None and detector.suppressed is None  # not 10x the largest so far
