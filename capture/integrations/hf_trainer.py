@@ -107,6 +107,8 @@ class ForensicsTrainerCallback(TrainerCallback):
                                           getattr(optimizer, "scaler", None), config=config, loss_fn=self.loss_fn,
                                           autocast=autocast)
             self.guard.integration = {"framework": "transformers.Trainer"}
+        self._ids_dropped_by_trainer = bool(getattr(args, "remove_unused_columns", False))
+        self._warned_no_ids = False
         self._handles = [model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
                          model.register_forward_hook(self._after_forward, with_kwargs=True)]
 
@@ -127,6 +129,14 @@ class ForensicsTrainerCallback(TrainerCallback):
             return None
         key = self.guard.config.sample_id_key
         sample_ids = kwargs.get(key)
+        if sample_ids is None and not self._warned_no_ids:
+            self._warned_no_ids = True
+            why = (" The Trainer removes dataset columns its model's forward does not accept: set "
+                   "TrainingArguments(remove_unused_columns=False) to keep them (the callback takes the ids out "
+                   "before the forward)." if self._ids_dropped_by_trainer else "")
+            log.warning("forensics: the Trainer's batches carry no %r field, so dumps will name samples by their "
+                        "position in the step (step<N>/rank<R>/mb<M>/<i>), not by their dataset id.%s Add ids with "
+                        "capture.IndexedDataset(dataset).", key, why)
         if args and kwargs:
             batch: Any = {"args": list(args), **kwargs}
         else:

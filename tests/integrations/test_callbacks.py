@@ -43,6 +43,33 @@ def _assert_names_the_sample(dump):
     assert batch["inputs_embeds"][1].abs().max().item() >= 1e37  # sample 13 is row 1
 
 
+def test_hf_trainer_that_drops_the_sample_ids_says_so_loudly(harness, tmp_path, caplog):
+    harness.requires("transformers", "accelerate")
+    import logging
+
+    from transformers import Trainer, TrainingArguments
+
+    from capture.integrations import ForensicsTrainerCallback
+
+    caplog.set_level(logging.WARNING)
+    common = harness.load_common()
+    dataset = IndexedDataset(common.EmbedsDataset(STEPS * ACCUM * MICRO, poison=POISON))
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=STEPS, per_device_train_batch_size=MICRO,
+                             gradient_accumulation_steps=ACCUM, learning_rate=common.LR, report_to=[],
+                             save_strategy="no", logging_steps=1000, use_cpu=True, seed=0,
+                             train_sampling_strategy="sequential", disable_tqdm=True)  # remove_unused_columns=True
+    callback = ForensicsTrainerCallback(GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="hfdrop"))
+    trainer = Trainer(model=common.tiny_gpt2(), args=args, train_dataset=dataset, callbacks=[callback])
+    with pytest.raises(TrainingFaultError) as fault:
+        trainer.train()
+    callback.close()
+    warnings = [r.message for r in caplog.records if "carry no 'sample_ids'" in r.message]
+    assert len(warnings) == 1 and "remove_unused_columns=False" in warnings[0]
+    dump = open_dump(fault.value.dump_path)
+    assert dump.sample_ids(0)[0].startswith(f"step{BAD_STEP}/rank0/mb0/")
+    assert dump.micro_batches_meta[0]["ids_are_positional"] is True
+
+
 def test_hf_trainer_callback_dumps_the_step_with_the_corrupt_sample(harness, tmp_path):
     harness.requires("transformers", "accelerate")
     from transformers import Trainer, TrainingArguments
