@@ -177,10 +177,10 @@ class SyncFree:
         """A finite spike was applied before it was seen: its pre-step state is gone, so it is not dumped."""
         g = self.guard
         log.warning("forensics: step %d rank %d: %s (policy: %s; sync_free: seen one step late, after its update, "
-                    "so not dumped)", step, g.rank, trigger.detail, policy)
+                    "so not dumped)", step, g.rank, trigger.message, policy)
         if policy is Policy.RAISE:
             reason = "sync_free mode does not dump spikes (the spike step's update was already applied)"
-            raise TrainingFaultError(f"step {step}: {trigger.detail} (detected one step late); NO dump was "
+            raise TrainingFaultError(f"step {step}: {trigger.message} (detected one step late); NO dump was "
                                      f"written: {reason}.", trigger.as_dict(), None, reason)
 
 

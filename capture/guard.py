@@ -313,12 +313,12 @@ class Guard:
             TrainingFaultError: under 'raise', after the dump was written (or failed to be).
         """
         trigger, policy = incident.trigger, incident.policy
-        log.warning("forensics: step %d rank %d: %s (policy: %s)", incident.step, self.rank, trigger.detail, policy)
+        log.warning("forensics: step %d rank %d: %s (policy: %s)", incident.step, self.rank, trigger.message, policy)
         dump_path, dump_error = self._maybe_dump(incident)
         if policy is Policy.RAISE:
             where = f"dump written to {dump_path}" if dump_path else f"NO dump was written: {dump_error}"
             raise TrainingFaultError(
-                f"step {incident.step}: {trigger.detail}; {where}. "
+                f"step {incident.step}: {trigger.message}; {where}. "
                 + (f"Replay it with: forensics replay {dump_path}" if dump_path else ""),
                 trigger.as_dict(), dump_path, dump_error)
         return policy is not Policy.SKIP

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from forensics.kinds import Policy, TriggerKind
+from forensics.report.wording import trigger_detail
 from forensics.rng import RngState
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,12 @@ class Trigger:
     detail: str
     local: bool = True
     """False when this rank only inherited the trigger from another rank."""
+
+    @property
+    def message(self) -> str:
+        """The detail as people read it: micro-batches counted from 1, as in every report (the stored
+        `detail` keeps the 0-based index of the JSON)."""
+        return trigger_detail(self.as_dict())
 
     def as_dict(self) -> dict:
         return {"kind": self.kind.value, "value": self.value, "threshold": self.threshold,

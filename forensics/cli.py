@@ -151,7 +151,8 @@ def _progress(stage: str) -> None:
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=None,
               help="Report directory (default: forensics_reports/<run>-step<N>-rank<R>).")
 @click.option("--blocklist", type=click.Path(path_type=Path), default=None,
-              help="Write the culprit sample IDs here, one JSON value per line.")
+              help="Where to write the culprit sample IDs, one JSON value per line (default: blocklist.jsonl "
+                   "next to the report, whenever the verdict names culprit samples).")
 @click.option("--no-bisect", is_flag=True, help="Skip the sample bisection.")
 @click.option("--no-rng-check", is_flag=True, help="Skip the re-runs with other seeds that tell whether the "
               "failure needs the recorded random state (e.g. one dropout mask).")
@@ -162,6 +163,7 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
     """Replay the failing step of DUMP offline, localise it, bisect the samples, print the verdict."""
     from forensics.format import open_step
     from forensics.report import render_verdict_text, write_blocklist, write_report_files
+    from forensics.report.write import BLOCKLIST_NAME
     from replay.engine import ReplayOptions, run_replay
 
     try:
@@ -177,12 +179,14 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
             if all_ranks and out:
                 target = out / f"rank{int(report['dump']['rank'])}"
             files = write_report_files(report, target)
-            if blocklist:
-                write_blocklist(report, blocklist)
+            culprits = (report.get("culprit") or {}).get("samples")
+            if blocklist or culprits:  # the verdict's "blocklist.jsonl lists the culprits" is always true
+                files["blocklist"] = write_blocklist(report, blocklist or target / BLOCKLIST_NAME,
+                                                     append=bool(blocklist) and chosen_rank != ranks[0])
             if as_json:
                 click.echo(Path(files["json"]).read_text())
             else:
-                click.echo(render_verdict_text(report, files={**files, **({"blocklist": blocklist} if blocklist else {})}))
+                click.echo(render_verdict_text(report, files=files))
             codes.append(replay_exit_code(report))
     except (ForensicsError, OSError) as exc:  # the dump, the recipe, the device, an unwritable -o / --blocklist
         raise _fail(exc) from exc

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 
 from forensics.format.reader import Dump
-from forensics.report.render_text import trigger_detail
-from forensics.report.wording import clean, fmt_num, fmt_size, mb_phrase
+
+from forensics.report.wording import clean, fmt_num, fmt_size, mb_phrase, trigger_detail
 
 HISTORY_AROUND_TRIGGER = 12  # steps of history shown before the trigger
 

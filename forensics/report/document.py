@@ -123,14 +123,33 @@ def build_sections(report: Mapping) -> list[Section]:
     return out
 
 
+_CODE_SPAN = re.compile(r"`([^`\n]+)`")
+
+
+def prose(text: Any) -> list[Inline]:
+    """Verdict prose as inline parts: `name` spans (module, parameter, sample names) become Code, so each
+    renderer shows them as code instead of escaping the backticks."""
+    parts: list[Inline] = []
+    last = 0
+    text = str(text)
+    for match in _CODE_SPAN.finditer(text):
+        if match.start() > last:
+            parts.append(text[last:match.start()])
+        parts.append(Code(match.group(1)))
+        last = match.end()
+    if last < len(text):
+        parts.append(text[last:])
+    return parts
+
+
 def _summary(report: Mapping) -> Section:
     verdict = section(report, "verdict")
     kind = verdict.get("kind") or "unknown"
     blocks: list[Block] = [Para([Strong(f"Verdict: {verdict_label(kind)}."), " ",
-                                 verdict.get("headline") or ""])]
+                                 *prose(verdict.get("headline") or "")])]
     for paragraph in re.split(r"\n\s*\n", verdict.get("explanation") or ""):
         if paragraph.strip():
-            blocks.append(Para([" ".join(paragraph.split())]))
+            blocks.append(Para(prose(" ".join(paragraph.split()))))
     facts = [where_sentence(report) + " " + trigger_sentence(report), reproduction_sentence(report)]
     for make in (location_sentence, culprit_sentence, precision_sentence, history_sentence):
         sentence = make(report)
@@ -140,7 +159,7 @@ def _summary(report: Mapping) -> Section:
     suggestions = verdict.get("suggestions") or []
     if suggestions:
         blocks.append(Para([Strong("Suggested next steps:")]))
-        blocks.append(Bullets([[str(s)] for s in suggestions]))
+        blocks.append(Bullets([prose(s) for s in suggestions]))
     return Section("Verdict", blocks, "verdict")
 
 

@@ -9,8 +9,8 @@ import os
 from typing import Any, Mapping
 
 from forensics.report.model import as_float
-from forensics.report.wording import (DETAIL_MICRO_BATCH, MAX_LISTED_SAMPLES, clean, fmt_id, fmt_list, fmt_num,
-                                      mb_number, mb_phrase, pattern_words, verdict_label)
+from forensics.report.wording import (MAX_LISTED_SAMPLES, clean, fmt_id, fmt_list, fmt_num, mb_number, mb_phrase,
+                                      pattern_words, trigger_detail, verdict_label)
 
 log = logging.getLogger(__name__)
 
@@ -47,21 +47,6 @@ def culprit_ids(report: Mapping) -> list:
         if isinstance(s, dict) and "sample_id" in s and s["sample_id"] not in ids:
             ids.append(s["sample_id"])
     return ids
-
-
-def trigger_detail(trigger: Mapping) -> str:
-    """The detector's one-line detail in 1-based words.
-
-    The Guard writes e.g. 'loss of micro-batch 1 is nan' with the 0-based index (the JSON's). When the
-    number in the detail is the trigger's own 0-based `micro_batch`, it is shown 1-based; any other
-    number (a detail already written 1-based) is left alone.
-    """
-    detail = str(trigger.get("detail") or "")
-    index = trigger.get("micro_batch")
-    if not isinstance(index, int) or isinstance(index, bool):
-        return detail
-    return DETAIL_MICRO_BATCH.sub(
-        lambda m: f"micro-batch {index + 1}" if int(m.group(1)) == index else m.group(0), detail)
 
 
 # ---- sentences shared by the text, Markdown and HTML renderers (plain words, no markup) ----

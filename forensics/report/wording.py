@@ -10,7 +10,7 @@ import json
 import math
 import re
 import unicodedata
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from forensics.kinds import HistoryPattern, VerdictKind
 from forensics.report.model import as_float
@@ -112,3 +112,18 @@ def pattern_words(pattern: Any) -> tuple[str, str]:
     except ValueError:
         return clean(pattern).replace("_", " "), ""
     return found.words, found.usual_cause
+
+
+def trigger_detail(trigger: Mapping) -> str:
+    """The detector's one-line detail in 1-based words.
+
+    The Guard writes e.g. 'loss of micro-batch 1 is nan' with the 0-based index (the JSON's). When the
+    number in the detail is the trigger's own 0-based `micro_batch`, it is shown 1-based; any other
+    number (a detail already written 1-based) is left alone.
+    """
+    detail = str(trigger.get("detail") or "")
+    index = trigger.get("micro_batch")
+    if not isinstance(index, int) or isinstance(index, bool):
+        return detail
+    return DETAIL_MICRO_BATCH.sub(
+        lambda m: f"micro-batch {index + 1}" if int(m.group(1)) == index else m.group(0), detail)

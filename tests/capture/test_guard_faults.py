@@ -109,7 +109,7 @@ def test_check_without_recorded_micro_batches_and_plain_float_losses(gpt2, tmp_p
     assert guard.check(grad_norm=0.5) is True
     guard.record_batch({"x": torch.zeros(2, 3)}, sample_ids=["a", "b"])
     guard.record_loss(float("inf"))
-    with pytest.raises(TrainingFaultError, match="loss of micro-batch 0 is inf") as info:
+    with pytest.raises(TrainingFaultError, match="loss of micro-batch 1 is inf") as info:
         guard.check(grad_norm=0.5)
     dump = open_dump(info.value.dump_path)
     assert dump.step == 2 and dump.sample_ids(0) == ["a", "b"] and dump.micro_batch(0)["x"].shape == (2, 3)

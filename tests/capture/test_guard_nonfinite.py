@@ -119,7 +119,7 @@ def test_skip_policy_leaves_the_parameters_and_optimizer_untouched(helpers, gpt2
 def test_raise_policy_stops_with_the_dump_path(helpers, gpt2, tmp_path):
     model, optimizer, scheduler, guard, steps = _setup(helpers, gpt2, tmp_path, "raise")
     loop = helpers.TrainLoop(model, optimizer, guard, scheduler)
-    with pytest.raises(TrainingFaultError, match=f"step {BAD_STEP}: loss of micro-batch {BAD_MB} is nan") as info:
+    with pytest.raises(TrainingFaultError, match=f"step {BAD_STEP}: loss of micro-batch {BAD_MB + 1} is nan") as info:
         loop.run(steps)
     guard.close()
     error = info.value

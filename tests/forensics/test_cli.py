@@ -44,6 +44,15 @@ def test_replay_exits_with_its_verdict_kinds_code(dumps, tmp_path, scenario, ver
     assert (out / "report.md").is_file() and (out / "report.html").is_file()
 
 
+def test_the_blocklist_the_verdict_mentions_is_written_next_to_the_report(dumps, tmp_path):
+    out = tmp_path / "report"
+    result = invoke(["replay", dumps["bad_sample"], "--device", "cpu", "--no-rng-check", "-o", out], exit_code=0)
+    report = json.loads((out / "report.json").read_text())
+    culprits = [s["sample_id"] for s in report["culprit"]["samples"]]
+    assert culprits and [json.loads(line) for line in (out / "blocklist.jsonl").read_text().splitlines()] == culprits
+    assert "blocklist.jsonl" in report["verdict"]["suggestions"][0] and str(out / "blocklist.jsonl") in result.stdout
+
+
 def test_every_verdict_kind_has_one_of_the_documented_replay_codes():
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     for kind in VerdictKind:

@@ -419,3 +419,13 @@ def test_rng_block_is_optional_and_rendered():
     assert "Random state: the failure needs the dump's RNG" in render_verdict_text(report)
     assert list(json.loads(report_json_text(report))).index("rng") == \
         list(json.loads(report_json_text(report))).index("fidelity") + 1
+
+
+def test_names_in_backticks_render_as_code_not_as_escaped_backticks():
+    report = make_report("bad_sample")
+    report["verdict"]["headline"] = "The first NaN appears at `model.embed_tokens.weight` in the forward pass."
+    report["verdict"]["suggestions"] = ["Look at `transformer.h.0.ln_1` first."]
+    markdown = render_markdown(report)
+    assert "`model.embed_tokens.weight`" in markdown and "\\`" not in markdown and "embed\\_tokens" not in markdown
+    assert "`transformer.h.0.ln_1`" in markdown
+    assert "<code>model.embed_tokens.weight</code>" in render_html(report, plots=False)
