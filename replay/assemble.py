@@ -8,6 +8,8 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
+import torch
+
 from forensics.kinds import Phase, TriggerKind
 from forensics.report.model import SCHEMA, to_json_safe
 from replay.environment import replay_environment
@@ -115,7 +117,25 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
         param_dtype=str(session.param_dtype).removeprefix("torch."),
         history_pattern=findings.history.pattern, history_signals=list(findings.history.signals),
         per_sample_top=rank_by_loss(findings.per_sample)[:3] if findings.per_sample else [],
-        rng_dependent=rng.get("rng_dependent"), rng_seeds_tried=len(rng.get("seeds") or []))
+        rng_dependent=rng.get("rng_dependent"), rng_seeds_tried=len(rng.get("seeds") or []),
+        data_kind=_data_kind(session, findings))
+
+
+def _data_kind(session: ReplaySession, findings: Findings) -> str | None:
+    """'tokens' or 'float': what the culprit's micro-batch holds (see VerdictFacts.data_kind)."""
+    index = findings.culprits[0].micro_batch if findings.culprits else 0
+    if not session.micro_batches:
+        return None
+    stack, kinds = [session.micro_batches[index]], set()
+    while stack:
+        node = stack.pop()
+        if isinstance(node, torch.Tensor):
+            kinds.add("float" if node.is_floating_point() else "tokens" if node.dtype != torch.bool else None)
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+    return "tokens" if "tokens" in kinds else "float" if "float" in kinds else None
 
 
 def _float(value: Any) -> float | None:

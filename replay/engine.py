@@ -31,7 +31,7 @@ from replay.load import ReplaySession, load_session
 from replay.localize import localize_backward, localize_forward
 from replay.localize_update import localize_optimizer, per_layer_stats
 from replay.per_sample import per_sample_stats
-from replay.precision import fp32_check
+from replay.precision import fp32_check, uses_low_precision
 from replay.rng_dependence import check_rng_dependence
 from replay.samples import select_samples
 from replay.user_code import as_user_error
@@ -166,7 +166,8 @@ def run_session(session: ReplaySession, options: ReplayOptions | None = None, pr
         _stage(progress, f"bisecting {len(refs)} samples")
         findings.bisection = _bisect(runner, refs, findings.kind, findings.threshold, options)
     if options.fp32_check and findings.reproduced:
-        _stage(progress, "re-running in fp32")
+        if uses_low_precision(runner):
+            _stage(progress, "re-running in fp32")
         findings.precision = fp32_check(runner, findings.culprits or None, kind=findings.kind,
                                         threshold=findings.threshold)
     elif options.fp32_check:

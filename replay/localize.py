@@ -35,6 +35,7 @@ from replay.execute import SampleRef, StepRunner, any_nonfinite
 logger = logging.getLogger(__name__)
 
 LOSS_MODULE = "<loss>"  # ops that ran outside every module (the loss function's own code)
+INPUT_MODULE = "<input>"  # the batch itself: its data held NaN/Inf before any module ran
 ROOT_MODULE = "<root>"  # the model's own forward, outside its submodules
 _TAG = "forensics_module"
 
@@ -243,6 +244,9 @@ def localize_forward(runner: StepRunner, samples: list[SampleRef] | None = None,
     Returns:
         ForwardFinding, or None when the forward stays finite.
     """
+    bad_input = _nonfinite_batch_input(runner, samples)
+    if bad_input is not None:
+        return bad_input
     model = runner.model
     param_ids = {}
     first_bad_module: dict = {}
@@ -305,6 +309,43 @@ def localize_forward(runner: StepRunner, samples: list[SampleRef] | None = None,
                               op_stats=op["op_stats"], output_kinds=op["output_kinds"])
     return ForwardFinding(module=first_bad_module["name"], op=None, micro_batch=None, op_inputs_finite=None,
                           first_nonfinite_module=first_bad_module["name"], stats=first_bad_module["stats"])
+
+
+def _nonfinite_batch_input(runner: StepRunner, samples: list[SampleRef] | None) -> ForwardFinding | None:
+    """The batch's own float data holding NaN/Inf (an `inputs_embeds` already broken): then the input is the
+    source, not the first module that passes it on. Named by its field path, e.g. `<input>.inputs_embeds`."""
+    from replay.samples import select_samples
+
+    session = runner.session
+    chosen = None if samples is None else {(r.micro_batch, r.index) for r in samples}
+    for index, batch in enumerate(session.micro_batches):
+        if chosen is not None:
+            rows = [i for mb, i in sorted(chosen) if mb == index]
+            if not rows:
+                continue
+            batch = select_samples(batch, rows)
+        for path, tensor in _float_leaves(batch, ""):
+            if tensor.numel() and not bool(torch.isfinite(tensor).all()):
+                field = path.lstrip(".") or "batch"
+                value = tensor.detach().float()
+                return ForwardFinding(module=f"{INPUT_MODULE}.{field}", op=None, micro_batch=index,
+                                      op_inputs_finite=False, nonfinite_inputs=[field],
+                                      first_nonfinite_module=None,
+                                      stats={"inputs_absmax": float(value.abs().nan_to_num(float("inf")).max()),
+                                             "outputs_absmax": None, "params_absmax": None})
+    return None
+
+
+def _float_leaves(node: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(node, torch.Tensor):
+        if node.is_floating_point():
+            yield path, node
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            yield from _float_leaves(value, f"{path}.{key}")
+    elif isinstance(node, (list, tuple)):
+        for i, value in enumerate(node):
+            yield from _float_leaves(value, f"{path}[{i}]")
 
 
 def _module_stats(module: torch.nn.Module, args: tuple, kwargs: dict, outputs: list[torch.Tensor]) -> dict:
@@ -468,4 +509,4 @@ def localize_backward(runner: StepRunner, samples: list[SampleRef] | None = None
 
 
 __all__ = ["ForwardFinding", "BackwardFinding", "ModuleTracker", "localize_forward", "localize_backward",
-           "node_to_op", "float_tensors", "module_label", "LOSS_MODULE", "ROOT_MODULE", "MASK_OPS"]
+           "node_to_op", "float_tensors", "module_label", "LOSS_MODULE", "ROOT_MODULE", "INPUT_MODULE", "MASK_OPS"]

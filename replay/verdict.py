@@ -34,6 +34,7 @@ LOW_PRECISION = {"float16": "float16", "half": "float16", "torch.float16": "floa
 MAX_NAMED_SAMPLES = 3   # headlines name at most this many culprit samples
 MAX_ID_CHARS = 80       # longer sample ids are cut in the headline (report.json keeps them whole)
 PROSE_DIGITS = 6        # significant digits of numbers in verdict prose
+INPUT_PREFIX = "<input>."  # replay.localize.INPUT_MODULE + ".": a batch field that was non-finite itself
 
 
 @dataclass
@@ -98,6 +99,9 @@ class VerdictFacts:
     rng_dependent: bool | None = None
     """True: the step fails with the recorded RNG but not from some other seed (a dropout mask, a random
     op); False: it failed from every other seed tried; None: not checked (report block `rng`)."""
+    data_kind: str | None = None
+    """'tokens' when the culprit's micro-batch holds integer tensors (token ids, labels), 'float' when it holds
+    only floating-point data (features, embeddings, images): chooses the record-inspection hint."""
     rng_seeds_tried: int = 0
     """Other seeds the step was re-run from (without restoring the recorded RNG)."""
 
@@ -203,7 +207,12 @@ def _evidence(f: VerdictFacts) -> list[str]:
             stats.append(f"parameter `{f.parameter}`")
         where = _where_value(f, stats) if (f.module or (f.phase is not None and f.phase.is_pass)) \
             else f" in the {f.phase} step" + (f" ({'; '.join(stats)})" if stats else "")
-        out.append(f"The first non-finite value appears{where}.")
+        if f.module and f.module.startswith(INPUT_PREFIX):
+            field = f.module[len(INPUT_PREFIX):]
+            out.append(f"The batch's own `{field}` already holds NaN/Inf before any layer runs: the data is the "
+                       "source, not a module.")
+        else:
+            out.append(f"The first non-finite value appears{where}.")
     if _has_culprit(f):
         runs = f" (found in {f.bisect_runs} replays of {f.candidates} samples)" if f.bisect_runs is not None else ""
         phrase = _samples_phrase(f).rstrip(",")
@@ -507,6 +516,14 @@ def _numerical_precision(f: VerdictFacts) -> dict:
     return _result(VerdictKind.NUMERICAL_PRECISION, headline, f, suggestions + _op_hints(f) + _pattern_hints(f))
 
 
+_RECORD_HINTS = {
+    "tokens": ("Look at the record behind it: empty or zero-length, control characters only, very long strings "
+               "without spaces (base64, binary), mis-encoded text, every label masked (-100)."),
+    "float": ("Look at the record behind it: NaN/Inf or extreme values in its features (see the input abs-max), "
+              "all-zero or constant rows, values in the wrong units or unscaled, a corrupted or truncated file."),
+}
+
+
 def _bad_sample(f: VerdictFacts) -> dict:
     headline = f"{_samples_phrase(f)} makes {_what(f)} at {_where_step(f)}{_where_value(f)}."
     if (f.culprit_subset_size or 0) > 1:
@@ -520,9 +537,7 @@ def _bad_sample(f: VerdictFacts) -> dict:
                    "from the last checkpoint before "
                    f"{f'step {f.step}' if f.step is not None else 'the failing step'} with the same RNG and "
                    "data position.",
-                   "Look at the record behind it: empty or zero-length, control characters only, very long "
-                   "strings without spaces (base64, binary), mis-encoded text, all-zero images, every "
-                   "label masked (-100)."]
+                   _RECORD_HINTS[f.data_kind or "tokens"]]
     if (f.culprit_subset_size or 0) > 1 and not f.culprits_each_fail_alone:
         suggestions.insert(1, "These samples fail only together: look for a computation they share across "
                               "the batch (normalisation statistics, a loss averaged over all tokens, a sum "

@@ -143,11 +143,14 @@ def plot_per_layer(report: Mapping) -> bytes | None:
     """Horizontal bars: grad norm and output abs-max of the top layers by grad norm (log x).
 
     The culprit module's label is red; non-finite values are red bars labelled nan/inf.
-    Returns PNG bytes, or None when the report has no per-layer data.
+    Returns PNG bytes, or None when the report has no per-layer data or none of it is finite.
     """
     rows = top_rows(report.get("per_layer"), "grad_norm", TOP_LAYERS)
     if not rows:
         return None
+    values = [as_float(r.get(key)) for r in rows for key in ("grad_norm", "output_absmax")]
+    if not any(x is not None and math.isfinite(x) for x in values):
+        return None  # every bar would be the same "non-finite" stub: the table says it better
     culprit_module = section(report, "culprit").get("module")
     rows = rows[::-1]  # largest at the top
     fig = _new_figure(9, max(2.5, 0.32 * len(rows) + 1.2))

@@ -429,3 +429,13 @@ def test_names_in_backticks_render_as_code_not_as_escaped_backticks():
     assert "`model.embed_tokens.weight`" in markdown and "\\`" not in markdown and "embed\\_tokens" not in markdown
     assert "`transformer.h.0.ln_1`" in markdown
     assert "<code>model.embed_tokens.weight</code>" in render_html(report, plots=False)
+
+
+def test_no_per_layer_plot_when_every_value_is_non_finite():
+    from forensics.report.plots import plot_per_layer
+
+    report = make_report("model_state")
+    report["per_layer"] = [{"module": f"layer{i}", "grad_norm": "nan", "output_absmax": "nan"} for i in range(5)]
+    assert plot_per_layer(report) is None
+    report["per_layer"][2]["grad_norm"] = 3.0
+    assert plot_per_layer(report) is not None

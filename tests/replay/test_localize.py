@@ -149,3 +149,22 @@ def test_fp16_overflow_is_localised_and_vanishes_in_fp32(kit):
     assert block == {"autocast_dtype": "float16", "fp32_reproduces": False, "param_dtype": "float32",
                      "grad_scaler": False}
     assert runner.run(culprit).trigger_reproduced("nonfinite_loss")  # still fails under fp16
+
+
+def test_a_batch_input_that_is_already_non_finite_is_named_as_the_source(kit):
+    """A NaN already in `inputs_embeds` is the data's fault: it is named, not the first module it reaches."""
+    from replay.execute import StepRunner
+    from replay.localize import INPUT_MODULE, localize_forward
+
+    model = kit.build_gpt2()
+    batches = [{"inputs_embeds": model.transformer.wte(b["input_ids"]).detach(), "labels": b["labels"],
+                "sample_ids": b["sample_ids"]} for b in kit.build_batches(poison=False)]
+    batches[1]["inputs_embeds"][2, 3, 0] = float("nan")
+
+    def embeds_loss(m, batch):
+        return m(inputs_embeds=batch["inputs_embeds"], labels=batch["labels"]).loss
+
+    session = kit.make_session(model, batches, loss_fn=embeds_loss)
+    finding = localize_forward(StepRunner(session))
+    assert finding.module == f"{INPUT_MODULE}.inputs_embeds" and finding.micro_batch == 1
+    assert finding.op_inputs_finite is False

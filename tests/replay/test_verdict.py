@@ -212,3 +212,13 @@ def test_a_rank_that_only_inherited_the_fault_points_to_the_other_rank():
     assert "another rank" in verdict["headline"] and "Rank 0" in verdict["headline"]
     assert "hardware" not in verdict["headline"]
     assert any("--all-ranks" in s for s in verdict["suggestions"])
+
+
+def test_the_record_hint_fits_the_kind_of_data():
+    common = dict(reproduced=True, step=3, culprit_samples=["row-7"], candidates=8, bisect_runs=5, phase="forward",
+                  module="net.0")
+    floats = decide_verdict(VerdictFacts("nonfinite_loss", data_kind="float", **common))
+    tokens = decide_verdict(VerdictFacts("nonfinite_loss", data_kind="tokens", **common))
+    assert floats["kind"] == tokens["kind"] == "bad_sample"
+    assert not any("text" in s or "base64" in s for s in floats["suggestions"])
+    assert any("units" in s for s in floats["suggestions"]) and any("base64" in s for s in tokens["suggestions"])
