@@ -12,7 +12,6 @@ from __future__ import annotations
 from forensics.errors import (CaptureError, DumpCorruptError, DumpError, DumpNotFoundError, ForensicsError,
                               NotADumpError, RecipeError, ReplayError, TrainingFaultError,
                               UnsupportedVersionError)
-from forensics.format import open_dump, pack_dump, verify_dump
 
 __all__ = [
     "CaptureError", "DumpCorruptError", "DumpError", "DumpNotFoundError", "ForensicsError", "Guard",
@@ -21,10 +20,15 @@ __all__ = [
 ]
 
 _CAPTURE = {"Guard", "GuardConfig", "SpikeConfig", "IndexedDataset"}
+_FORMAT = {"open_dump", "pack_dump", "verify_dump"}
 
 
 def __getattr__(name: str):
     # Lazy so that `import forensics` in a job does not import replay, and the CLI starts fast.
+    if name in _FORMAT:
+        import forensics.format
+
+        return getattr(forensics.format, name)
     if name in _CAPTURE:
         import capture
 

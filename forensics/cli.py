@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import click
 
+from forensics.demo import SCENARIO_NAMES
 from forensics.errors import ForensicsError
 from forensics.format.limits import ArchiveLimits
 from forensics.format.manifest import safe_name
@@ -134,6 +136,46 @@ def pack(dump: Path, output: Path | None) -> None:
     click.echo(str(archive))
 
 
+@main.command(name="list")
+@click.argument("directory", type=click.Path(path_type=Path, exists=True, file_okay=False), default=Path("forensics_dumps"))
+@click.option("--verify", "check", is_flag=True, help="Also check every file's size and sha256 (reads everything).")
+@click.option("--reports", type=click.Path(path_type=Path), default=Path("forensics_reports"), show_default=True,
+              help="Where `forensics replay` wrote its reports (to tell which dumps were replayed).")
+@click.option("--clean-stale", is_flag=True, help="Remove the unfinished .tmp-* dumps of writers that are gone.")
+@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
+def list_command(directory: Path, check: bool, reports: Path, clean_stale: bool, as_json: bool) -> None:
+    """List every dump under DIRECTORY (default ./forensics_dumps): run, step, trigger, ranks, size, verified,
+    replayed; and unfinished dumps left by killed writers."""
+    from forensics.catalog import list_dumps
+    from forensics.format.stale import remove_stale_temporaries
+    from forensics.report.wording import fmt_size
+
+    rows, stale = list_dumps(directory, verify=check, reports=reports)
+    if clean_stale:
+        removed = remove_stale_temporaries(directory)
+        stale = [p for p in stale if p not in removed]
+        for path in removed:
+            click.echo(clean(f"removed unfinished dump {path}"), err=True)
+    if as_json:
+        click.echo(json.dumps({"dumps": [r.as_dict() for r in rows], "stale": [str(p) for p in stale]}, indent=2))
+        return
+    if not rows and not stale:
+        click.echo(clean(f"no dumps under {directory}"))
+        return
+    header = f"{'run':<28} {'step':>9}  {'trigger':<16} {'ranks':<9} {'size':>9}  {'verified':<8} replayed"
+    click.echo(header)
+    for r in rows:
+        if r.error:
+            click.echo(clean(f"{r.path}: unreadable: {r.error}"))
+            continue
+        ranks = f"{len(r.ranks)}/{r.world_size}"
+        verified = "-" if r.verified is None else "yes" if r.verified else "NO"
+        click.echo(clean(f"{(r.run_id or '?')[:28]:<28} {r.step:>9}  {r.trigger or '?':<16} {ranks:<9} "
+                         f"{fmt_size(r.bytes):>9}  {verified:<8} {r.report or 'no'}"))
+    for path in stale:
+        click.echo(clean(f"unfinished (writer gone): {path}  — `forensics list --clean-stale` removes it"))
+
+
 def _progress(stage: str) -> None:
     click.echo(f"[{time.strftime('%H:%M:%S')}] {stage}", err=True)
 
@@ -193,28 +235,16 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
     sys.exit(min(codes) if codes else int(ExitCode.NO_CULPRIT))
 
 
-def _demo_help() -> str:
-    try:
-        from forensics.demo.scenarios import SCENARIOS
-
-        return "Planted fault: " + "; ".join(f"{name}: {s.description}" for name, s in SCENARIOS.items())
-    except Exception:  # noqa: BLE001 - help text must never break the CLI
-        return "Planted fault to run."
-
-
 @main.command()
-@click.option("--scenario", default="bad_sample", show_default=True, help=_demo_help())
-@click.option("-o", "--out", type=click.Path(path_type=Path), default=Path("forensics_demo"), show_default=True,
-              help="Where the demo writes its dump and report.")
+@click.option("--scenario", type=click.Choice(SCENARIO_NAMES), default="bad_sample", show_default=True,
+              help="The planted fault (README describes each).")
+@click.option("-o", "--out", type=click.Path(path_type=Path), default=Path(tempfile.gettempdir()) / "forensics_demo",
+              show_default=True, help="Where the demo writes its dump and report (outside your repository).")
 @click.option("--device", default=None, help="cuda:0, cpu, ... (default: CUDA when present).")
 def demo(scenario: str, out: Path, device: str | None) -> None:
     """Train a small GPT-style model with a planted fault, capture it, replay it, print the verdict."""
     from forensics.demo.run import run_demo
-    from forensics.demo.scenarios import SCENARIOS
 
-    if scenario not in SCENARIOS:
-        raise click.BadParameter(f"unknown scenario {scenario!r}; choose from {', '.join(SCENARIOS)}",
-                                 param_hint="--scenario")
     try:
         report, _ = run_demo(scenario, out, device, echo=click.echo)
     except (ForensicsError, OSError) as exc:

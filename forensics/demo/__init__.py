@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["SCENARIOS", "DEFAULT_SCENARIO", "run_demo"]
+__all__ = ["SCENARIOS", "SCENARIO_NAMES", "DEFAULT_SCENARIO", "run_demo"]
+
+SCENARIO_NAMES = ("bad_sample", "log_zero", "fp16_overflow", "adam_eps_zero", "pair", "sdc", "dropout_mask", "spike")
+"""The scenarios' names, for the CLI's help without importing torch (tests check they match SCENARIOS)."""
 
 
 def __getattr__(name: str) -> Any:

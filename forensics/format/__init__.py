@@ -1,10 +1,30 @@
-"""The dump format (docs/DUMP_FORMAT.md): writer, lazy validating reader, verify, pack."""
+"""The dump format (docs/DUMP_FORMAT.md): writer, lazy validating reader, verify, pack.
 
-from forensics.format.pack import pack_dump
-from forensics.format.reader import Dump, open_dump, open_step
-from forensics.format.tree import Unreplayable
-from forensics.format.verify import Problem, VerifyResult, verify_dump
-from forensics.format.writer import DumpContent, write_dump
+Names load on first use, so `forensics inspect` / `verify` never import torch for the manifest alone.
+"""
 
-__all__ = ["Dump", "DumpContent", "Problem", "Unreplayable", "VerifyResult", "open_dump", "open_step",
-           "pack_dump", "verify_dump", "write_dump"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Dump": "forensics.format.reader", "open_dump": "forensics.format.reader", "open_step": "forensics.format.reader",
+    "DumpContent": "forensics.format.writer", "write_dump": "forensics.format.writer",
+    "Problem": "forensics.format.verify", "VerifyResult": "forensics.format.verify",
+    "verify_dump": "forensics.format.verify", "pack_dump": "forensics.format.pack",
+    "Unreplayable": "forensics.format.tree",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'forensics.format' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -90,8 +90,12 @@ def unpack_archive(path: Path, limits: ArchiveLimits | None = None) -> tuple[Pat
                                "refusing to unpack") from exc
     except (tarfile.TarError, zstandard.ZstdError, EOFError, OSError, MemoryError, RecursionError) as exc:
         holder.cleanup()
-        raise DumpCorruptError(f"{path} is not a readable {spec.ARCHIVE_SUFFIX} dump archive ({exc}); "
-                               "it may be truncated") from exc
+        size = path.stat().st_size if path.exists() else 0
+        if isinstance(exc, EOFError) or "empty file" in str(exc) or "unexpected end" in str(exc):
+            reason = f"it ends before the archive does: the file is truncated ({size} bytes), or not a dump archive"
+        else:
+            reason = f"{type(exc).__name__}: {str(exc)[:200]}"
+        raise DumpCorruptError(f"{path} is not a readable {spec.ARCHIVE_SUFFIX} dump archive: {reason}") from exc
     except DumpCorruptError:
         holder.cleanup()
         raise

@@ -7,9 +7,8 @@ import os
 import stat
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import zstandard
 
 from forensics.errors import (DumpCorruptError, DumpNotFoundError, NotADumpError,
@@ -18,9 +17,11 @@ from forensics.format import jsonio, spec
 from forensics.format.archive import unpack_archive
 from forensics.format.limits import HASH_CHUNK, MAX_DECOMPRESSED, MAX_JSON_FILE, ArchiveLimits
 from forensics.format.manifest import check_manifest
-from forensics.format.tensors import load_safetensors_bytes, load_safetensors_file
-from forensics.format.tree import decode_tree
-from forensics.rng import RngState
+
+if TYPE_CHECKING:  # torch is imported only when tensors are read: inspect and verify start fast
+    import torch
+
+    from forensics.rng import RngState
 
 def read_manifest(directory: Path) -> dict:
     """Parses manifest.json of a rank dump directory and checks it against the schema (forensics.format.manifest)."""
@@ -157,7 +158,9 @@ class Dump:
             raise DumpCorruptError(f"{self.path / name} must be a JSON object with {list(required)}", name)
         return value
 
-    def _tensors(self, name: str) -> dict[str, torch.Tensor]:
+    def _tensors(self, name: str) -> dict[str, "torch.Tensor"]:
+        from forensics.format.tensors import load_safetensors_file  # torch: only when tensors are read
+
         return load_safetensors_file(self.verify_file(name), name)
 
     def _zstd(self, name: str) -> bytes:
@@ -218,7 +221,9 @@ class Dump:
                                    f"micro-batch ({self.num_micro_batches})", spec.RNG_JSON)
         return meta, self._tensors(spec.RNG_TENSORS)
 
-    def rng_state(self, index: int) -> RngState:
+    def rng_state(self, index: int) -> "RngState":
+        from forensics.rng import RngState
+
         meta, tensors = self._rng
         try:
             return RngState.from_parts(meta[index], tensors, f"mb{index}")
@@ -229,6 +234,9 @@ class Dump:
     def micro_batch(self, index: int) -> Any:
         if not 0 <= index < self.num_micro_batches:
             raise IndexError(f"micro-batch {index} does not exist; this dump has {self.num_micro_batches}")
+        from forensics.format.tensors import load_safetensors_bytes
+        from forensics.format.tree import decode_tree
+
         tensors = load_safetensors_bytes(self._zstd(spec.batch_tensors_name(index)), spec.batch_tensors_name(index))
         try:
             skeleton = jsonio.loads(self._zstd(spec.batch_json_name(index)))

@@ -43,12 +43,12 @@ def _writer_gone(name: str) -> bool:
 
 
 def stale_temporaries(root: str | os.PathLike, now: float | None = None) -> list[Path]:
-    """The stale `.tmp-*` directories under a dump directory (`<root>/<run>/<step>/.tmp-*`)."""
+    """The stale `.tmp-*` directories under `root` (a dump, run or step directory: `.../step-<N>/.tmp-*`)."""
     now = time.time() if now is None else now
     found = []
-    for path in Path(root).glob(f"*/step-*/{PREFIX}*"):
+    for path in Path(root).rglob(f"{PREFIX}*"):
         try:
-            if path.is_symlink() or not path.is_dir():
+            if not path.parent.name.startswith("step-") or path.is_symlink() or not path.is_dir():
                 continue
             if _writer_gone(path.name) or now - path.stat().st_mtime > STALE_AFTER_S:
                 found.append(path)

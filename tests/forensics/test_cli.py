@@ -123,3 +123,31 @@ def test_a_bug_in_forensics_exits_1(dumps, monkeypatch):
     monkeypatch.setattr(forensics.summary, "dump_summary", broken)  # our own code, not torch or the disk
     result = invoke(["inspect", dumps["bad_sample"]], exit_code=ExitCode.INTERNAL)
     assert isinstance(result.exception, RuntimeError)
+
+
+def test_list_shows_every_dump_whether_replayed_and_the_unfinished_ones(dumps, tmp_path):
+    import shutil
+
+    root = tmp_path / "dumps"
+    for name, path in dumps.items():
+        shutil.copytree(path.parent, root / f"demo-{name}" / path.parent.name)
+    stale = root / "demo-sdc" / "step-000000099" / ".tmp-rank-00000-0123abcd"
+    stale.mkdir(parents=True)
+    import os
+    import time
+
+    old = time.time() - 3 * 86400
+    os.utime(stale, (old, old))
+    reports = tmp_path / "reports"
+    sdc = next(p for p in (root / "demo-sdc").glob("step-*") if p.name != "step-000000099")
+    invoke(["replay", sdc, "--device", "cpu", "-o", reports / f"demo-sdc-step{int(sdc.name[5:])}-rank0"],
+           exit_code=ExitCode.NOT_REPRODUCED)
+    rows = json.loads(invoke(["list", root, "--verify", "--reports", reports, "--json"], exit_code=0).stdout)
+    by_run = {r["run_id"]: r for r in rows["dumps"]}
+    assert sorted(by_run) == ["demo-bad_sample", "demo-dropout_mask", "demo-sdc"]
+    assert all(r["verified"] is True and r["ranks"] == [0] and r["world_size"] == 1 for r in rows["dumps"])
+    assert by_run["demo-sdc"]["report"] and by_run["demo-bad_sample"]["report"] is None
+    assert rows["stale"] == [str(stale)]
+    text = invoke(["list", root, "--clean-stale"], exit_code=0)
+    assert "removed unfinished dump" in text.stderr and not stale.exists()
+    assert "demo-bad_sample" in text.stdout and "nonfinite_loss" in text.stdout

@@ -58,6 +58,12 @@ def test_catalogue_has_one_line_descriptions():
         assert scenario.description and "\n" not in scenario.description and len(scenario.description) < 100
 
 
+def test_the_cli_knows_every_scenario_by_name():
+    from forensics.demo import SCENARIO_NAMES
+
+    assert SCENARIO_NAMES == tuple(SCENARIOS)
+
+
 def test_the_static_allow_list_names_exactly_the_demo_recipes():
     from forensics.recipes import BUILTIN_RECIPES, DEMO_MODELS
 
