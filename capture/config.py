@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 from forensics.kinds import Policy, TriggerKind
 
@@ -90,6 +91,14 @@ class GuardConfig:
     recipe: dict[str, Any] | None = None
     """Replay recipe override: {"factory": "pkg.mod:fn", "factory_kwargs": {...}, "loss": "pkg.mod:fn",
     "loss_kwargs": {...}}. Default: filled in from model.config for Hugging Face models."""
+    on_dump: Callable[[Path], None] | None = None
+    """Called with the rank dump's directory after each dump is written (in the thread that wrote it); an
+    exception in it is logged, never raised into the job."""
+    upload: tuple[str, ...] = ()
+    """Trackers that receive each dump, packed (.tar.zst next to it): "wandb", "mlflow", "tensorboard"
+    (forensics/uploads.py; the job's open run; optional extras). A failed upload is logged only."""
+    tensorboard_dir: str | None = None
+    """TensorBoard log directory for upload=("tensorboard",)."""
 
     def __post_init__(self):
         for name in ("on_nonfinite", "on_spike"):
@@ -98,6 +107,12 @@ class GuardConfig:
             except ValueError:
                 raise ValueError(f"GuardConfig.{name} must be one of {', '.join(p.value for p in Policy)}, "
                                  f"got {getattr(self, name)!r}") from None
+        self.upload = tuple(self.upload)
+        unknown = [t for t in self.upload if t not in ("wandb", "mlflow", "tensorboard")]
+        if unknown:
+            raise ValueError(f"GuardConfig.upload: unknown tracker(s) {unknown}; choose from wandb, mlflow, tensorboard")
+        if "tensorboard" in self.upload and not self.tensorboard_dir:
+            raise ValueError("GuardConfig.upload=('tensorboard',) needs GuardConfig.tensorboard_dir")
         if self.max_dumps < 0 or self.min_spike_gap < 0 or self.history_size < 1:
             raise ValueError("GuardConfig needs max_dumps >= 0, min_spike_gap >= 0, history_size >= 1")
 

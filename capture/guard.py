@@ -26,6 +26,7 @@ from capture.detectors import StepDetectors
 from capture.history import History
 from capture.incident import Incident, StepRecord, Trigger, batch_size, json_ids
 from capture.recipe import build_recipe, default_loss_fits
+from capture.uploads import send_dump
 from capture.writer_thread import BackgroundWriter
 from forensics.errors import CaptureError, TrainingFaultError
 from forensics.format.writer import DumpContent, write_dump
@@ -356,6 +357,13 @@ class Guard:
     def _written(self, path: Path) -> None:
         self.dumps.append(path)
         log.warning("forensics: dump written to %s — replay it with: forensics replay %s", path, path)
+        if self.config.upload:
+            send_dump(path, self.config.upload, self.config.tensorboard_dir)
+        if self.config.on_dump is not None:
+            try:
+                self.config.on_dump(path)
+            except Exception:  # noqa: BLE001 - the user's hook must not stop the job either
+                log.exception("forensics: GuardConfig.on_dump raised for %s", path)
 
     def _failed(self, message: str) -> None:
         if not self.multi_rank:  # several ranks: the attempt counts (see __init__)

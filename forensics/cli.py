@@ -176,6 +176,17 @@ def list_command(directory: Path, check: bool, reports: Path, clean_stale: bool,
         click.echo(clean(f"unfinished (writer gone): {path}  — `forensics list --clean-stale` removes it"))
 
 
+def _upload_report(tracker: str, report: dict, files: dict, tensorboard_dir: Path | None) -> str:
+    from forensics.uploads import upload
+
+    d, verdict = report["dump"], report.get("verdict") or {}
+    run = d.get("run_id") if safe_name(d.get("run_id")) else "run"
+    summary = {"run_id": run, "step": d.get("step"), "rank": d.get("rank"), "verdict": verdict.get("kind"),
+               "headline": verdict.get("headline"), "exit_code": replay_exit_code(report)}
+    return upload(tracker, [Path(p) for p in files.values()], f"{run}-step{d['step']}-rank{d['rank']}-report",
+                  "report", summary, tensorboard_dir)
+
+
 def _progress(stage: str) -> None:
     click.echo(f"[{time.strftime('%H:%M:%S')}] {stage}", err=True)
 
@@ -199,9 +210,13 @@ def _progress(stage: str) -> None:
 @click.option("--no-rng-check", is_flag=True, help="Skip the re-runs with other seeds that tell whether the "
               "failure needs the recorded random state (e.g. one dropout mask).")
 @click.option("--json", "as_json", is_flag=True, help="Print report.json to stdout.")
+@click.option("--upload", "trackers", multiple=True, type=click.Choice(["wandb", "mlflow", "tensorboard"]),
+              help="Also send the report to this tracker's run (WANDB_RUN_ID / MLFLOW_RUN_ID name it; repeatable).")
+@click.option("--tensorboard-dir", type=click.Path(path_type=Path), default=None,
+              help="TensorBoard log directory for --upload tensorboard.")
 @archive_options
 def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_path, out, blocklist, no_bisect,
-           no_rng_check, as_json, **limits) -> None:
+           no_rng_check, as_json, trackers, tensorboard_dir, **limits) -> None:
     """Replay the failing step of DUMP offline, localise it, bisect the samples, print the verdict."""
     from forensics.format import open_step
     from forensics.report import render_verdict_text, write_blocklist, write_report_files
@@ -225,6 +240,8 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
             if blocklist or culprits:  # the verdict's "blocklist.jsonl lists the culprits" is always true
                 files["blocklist"] = write_blocklist(report, blocklist or target / BLOCKLIST_NAME,
                                                      append=bool(blocklist) and chosen_rank != ranks[0])
+            for tracker in trackers:
+                click.echo(f"uploaded: {_upload_report(tracker, report, files, tensorboard_dir)}", err=True)
             if as_json:
                 click.echo(Path(files["json"]).read_text())
             else:

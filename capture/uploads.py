@@ -1,0 +1,36 @@
+"""After a dump is written: pack it and send it to the trackers GuardConfig.upload names (forensics/uploads.py).
+Never raises: a failed upload is logged, the dump stays on disk."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from forensics.format import spec
+from forensics.format.pack import pack_dump
+from forensics.format.reader import open_dump
+from forensics.uploads import upload
+
+log = logging.getLogger(__name__)
+
+
+def send_dump(path: Path, trackers: tuple[str, ...], tensorboard_dir: str | None) -> list[str]:
+    """Packs the rank dump at `path` into `<path>.tar.zst` and uploads it; returns where it went."""
+    sent: list[str] = []
+    try:
+        dump = open_dump(path)
+        archive = pack_dump(path, path.with_name(path.name + spec.ARCHIVE_SUFFIX))
+        name = f"{dump.manifest['run_id']}-step{dump.step}-rank{dump.rank}"
+        summary = {"run_id": dump.manifest["run_id"], "step": dump.step, "rank": dump.rank,
+                   "trigger": dump.trigger.get("kind"), "detail": dump.trigger.get("detail"),
+                   "path": str(path), "archive": str(archive)}
+    except Exception:  # noqa: BLE001
+        log.exception("forensics: packing %s for upload failed; the dump stays where it is", path)
+        return sent
+    for tracker in trackers:
+        try:
+            sent.append(upload(tracker, [archive], name, "dump", summary, tensorboard_dir))
+            log.warning("forensics: dump uploaded: %s", sent[-1])
+        except Exception as exc:  # noqa: BLE001 - an upload never stops the job
+            log.error("forensics: uploading %s to %s failed: %s", path, tracker, exc)
+    return sent
