@@ -91,6 +91,10 @@ class GuardConfig:
     recipe: dict[str, Any] | None = None
     """Replay recipe override: {"factory": "pkg.mod:fn", "factory_kwargs": {...}, "loss": "pkg.mod:fn",
     "loss_kwargs": {...}}. Default: filled in from model.config for Hugging Face models."""
+    capture_exceptions: bool = True
+    """A step that raises (IndexError on bad token ids, a shape error, out of memory ...) is dumped when the
+    exception reaches the top of the program (the Guard chains sys.excepthook until close()); wrap the step in
+    `with guard.capture_errors():` to dump it where it raises even when your code catches the exception."""
     on_dump: Callable[[Path], None] | None = None
     """Called with the rank dump's directory after each dump is written (in the thread that wrote it); an
     exception in it is logged, never raised into the job."""

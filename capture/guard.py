@@ -9,16 +9,18 @@ GuardConfig(sync_free=True) removes the transfer for fused optimizers (capture/d
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from capture import deferred, environment, snapshot
+from capture import deferred, environment, exceptions, snapshot
 from capture.agreement import Agreement, agree, deferred_termination, default_run_id, dist_info, distributed, \
     unwrap_model
 from capture.config import GuardConfig
@@ -85,6 +87,7 @@ class Guard:
         collect_state(copy)      -- the name-keyed model and optimizer state to dump (ZeRO: gathered)
         replay_recipe()          -- the manifest's `recipe` (how replay rebuilds the model)
         describe_distribution()  -- the manifest's `distributed` section (framework, ZeRO stage ...)
+        state_is_collective      -- collect_state() is a collective (then a step that raises on one rank is not dumped)
     """
 
     sharded_grad_norm = False
@@ -118,6 +121,10 @@ class Guard:
         self._last_step: StepRecord | None = None
         self._sync_free = deferred.SyncFree(self) if self.config.sync_free else None
         environment.environment()  # versions, git commit: read now, not while a fault is being dumped
+        self._closed = False
+        self._previous_excepthook = sys.excepthook
+        if self.config.capture_exceptions:
+            sys.excepthook = self._excepthook
         unfit = default_loss_fits(model, build_recipe(model, loss_fn, self.config.sample_id_key, self.config.recipe))
         if unfit:
             log.warning("forensics: %s", unfit)
@@ -220,6 +227,92 @@ class Guard:
     def describe_distribution(self) -> dict | None:
         """The manifest's optional `distributed` section (None: omitted)."""
         return None
+
+    @property
+    def state_is_collective(self) -> bool:
+        """True when collect_state() is a collective (ZeRO gathers): then a step that raised on one rank is
+        not dumped (the other ranks would never join the gather)."""
+        return False
+
+    # -- a step that raises ----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def capture_errors(self) -> Iterator["Guard"]:
+        """Wrap each training step: if it raises (forward, loss, backward, clipping, the optimizer step), the
+        step is dumped — pre-step state, the micro-batches recorded so far and the one in flight, RNG, the
+        exception — and the exception goes on (the job fails as it would have).
+
+        Example:
+            >>> for micro_batches in loader:            # doctest: +SKIP
+            ...     with guard.capture_errors():
+            ...         ...  # record_batch, forward, record_loss, backward, check, optimizer.step()
+        """
+        try:
+            yield self
+        except Exception as exc:  # noqa: BLE001 - recorded, then re-raised unchanged
+            self.record_exception(exc)
+            raise
+
+    def record_exception(self, exc: BaseException) -> Path | None:
+        """Dumps the step in progress because it raised `exc` (`capture_errors()`, the excepthook and the
+        Lightning callback call this). Never raises; returns the dump's path, or None.
+
+        A step whose optimizer update had already started is marked `state_may_be_partial` in the manifest.
+        """
+        try:
+            return self._record_exception(exc)
+        except Exception:  # noqa: BLE001 - the job is already failing: never add a second error
+            log.exception("forensics: dumping the step that raised %s failed", type(exc).__name__)
+            return None
+
+    def _record_exception(self, exc: BaseException) -> Path | None:
+        if isinstance(exc, TrainingFaultError) or getattr(exc, "_forensics_recorded", False):
+            return None  # already dumped by check(), or by an outer capture_errors() / the excepthook
+        try:
+            exc._forensics_recorded = True
+        except AttributeError:
+            pass
+        after_check = self._current is None
+        record = self._current if not after_check else self._last_step
+        if record is None or not record.batches:
+            log.warning("forensics: %s raised outside a recorded step; nothing to dump", type(exc).__name__)
+            return None
+        if self.state_is_collective and self.multi_rank:
+            log.error("forensics: step %d raised %s on rank %d; its ZeRO-sharded state cannot be gathered by one "
+                      "rank alone, so it is not dumped (the micro-batches are in the traceback's frames)",
+                      self.step, type(exc).__name__, self.rank)
+            return None
+        during = "optimizer" if after_check else "backward" if len(record.losses) >= len(record.batches) \
+            else "forward"
+        step = self.step - 1 if after_check else self.step
+        section = exceptions.describe(exc, during, record.batches)
+        section["state_may_be_partial"] = after_check
+        index = len(record.batches) - 1 if during == "forward" else None
+        trigger = Trigger(TriggerKind.EXCEPTION, math.nan, None, index,
+                          f"{section['type']} during the {during}: {section['message'][:300]}")
+        if self.multi_rank and section["peer_failure"]:  # this rank only saw another rank stop
+            trigger.local = False
+            trigger.detail = f"another rank stopped: a collective failed during the {during} ({section['type']})"
+        losses = [v if isinstance(v, float) else math.nan for v in self._host_losses(record)]
+        incident = Incident(trigger, step, record, losses, None, record.divisor(self.config.loss_divisor),
+                            Policy.RAISE, exception=section)
+        log.error("forensics: step %d rank %d raised %s; dumping the step", step, self.rank, trigger.message)
+        path, error = self._maybe_dump(incident)
+        if error:
+            log.error("forensics: no dump of the step that raised: %s", error)
+        if self._current is record:
+            self._current = None  # the step is over; a job that catches the error starts the next one afresh
+        return path
+
+    def _host_losses(self, record: StepRecord) -> list[float | None]:
+        try:
+            return self._fetch(list(record.losses))
+        except Exception:  # noqa: BLE001 - a broken device: the losses are a bonus
+            return [v if isinstance(v, float) else None for v in record.losses]
+
+    def _excepthook(self, exc_type, exc, tb) -> None:
+        if isinstance(exc, Exception) and not self._closed:
+            self.record_exception(exc)
+        self._previous_excepthook(exc_type, exc, tb)
 
     # -- helpers the Guard's modes share (capture/deferred.py) -----------------------------------
     @property
@@ -424,12 +517,14 @@ class Guard:
         distribution = self.describe_distribution()
         if distribution is not None:
             manifest["distributed"] = distribution
+        if incident.exception is not None:
+            manifest["exception"] = incident.exception
         return manifest
 
     def _recheck(self, incident: Incident) -> dict:
         """Megatron-style in-job re-check: recompute the failing micro-batch's loss with its RNG."""
         record, index = incident.record, incident.trigger.micro_batch
-        if not self.config.recheck or index is None or index >= len(record.batches):
+        if not self.config.recheck or index is None or index >= len(record.batches) or incident.exception:
             return {"performed": False}
         saved = capture_rng()
         buffers = [(b, b.detach().clone()) for b in self.model.buffers()]  # BatchNorm stats move in a forward
@@ -505,6 +600,9 @@ class Guard:
         try:
             self.flush()
         finally:
+            self._closed = True
+            if sys.excepthook == self._excepthook:
+                sys.excepthook = self._previous_excepthook
             self._writer.join(timeout)
             for hook in self._hooks:
                 hook.remove()

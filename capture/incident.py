@@ -79,6 +79,8 @@ class Incident:
     """Pre-step model / optimizer state already collected (sync-free, verify_update); None: collect now."""
     scheduler: dict | None = None
     """Scheduler state saved at the step's check (sync-free: the scheduler has moved on since)."""
+    exception: dict | None = None
+    """The manifest's `exception` section when the step raised (capture/exceptions.py)."""
 
     @property
     def step_loss(self) -> float | None:

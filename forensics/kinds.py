@@ -82,6 +82,8 @@ class TriggerKind(_Kind):
     LOSS_SPIKE = "loss_spike"
     GRAD_NORM_SPIKE = "grad_norm_spike"
     NONFINITE_PARAM = "nonfinite_param"
+    EXCEPTION = "exception"
+    """The step raised (IndexError, a shape error, out of memory ...): manifest section `exception`."""
 
     @property
     def props(self) -> _TriggerProps:
@@ -110,7 +112,8 @@ class TriggerKind(_Kind):
     @property
     def replayed(self) -> str | None:
         """Which replayed quantity is compared with the recorded value: 'micro_batch_loss', 'step_loss',
-        'grad_norm', or None (the weights after the update)."""
+        'grad_norm', 'exception' (the same exception type raised at the same place), or None (the weights
+        after the update)."""
         return self.props.replayed
 
     @property
@@ -128,6 +131,7 @@ _TRIGGER_PROPS = {
     TriggerKind.GRAD_NORM_SPIKE: _TriggerProps(True, True, "gradient-norm spike", "the gradient norm spike",
                                                "grad_norm"),
     TriggerKind.NONFINITE_PARAM: _TriggerProps(False, True, "non-finite weights", "the weights non-finite", None),
+    TriggerKind.EXCEPTION: _TriggerProps(False, True, "exception", "the step raise", "exception"),
 }
 
 
@@ -149,6 +153,7 @@ class _VerdictProps:
     label: str
     exit_code: ExitCode
     names_culprit: bool
+    schema_major: int = 1
 
 
 class VerdictKind(_Kind):
@@ -160,6 +165,8 @@ class VerdictKind(_Kind):
     MODEL_STATE = "model_state"
     NOT_REPRODUCED = "not_reproduced"
     SPIKE_NO_SINGLE_CAUSE = "spike_no_single_cause"
+    EXCEPTION = "exception"
+    """The step raised on replay too; names where, and the samples that make it raise."""
 
     @property
     def label(self) -> str:
@@ -177,6 +184,12 @@ class VerdictKind(_Kind):
         return _VERDICT_PROPS[self].names_culprit
 
     @property
+    def schema_major(self) -> int:
+        """The report schema major version that introduced this kind: a report with it is written under that
+        major, so a reader of an older one refuses it instead of misreading it (docs/REPORT_FORMAT.md)."""
+        return _VERDICT_PROPS[self].schema_major
+
+    @property
     def outcome(self) -> str:
         """'found', 'none' or 'notrepro': how renderers colour the verdict."""
         if self is VerdictKind.NOT_REPRODUCED:
@@ -191,6 +204,7 @@ _VERDICT_PROPS = {
     VerdictKind.MODEL_STATE: _VerdictProps("model state", ExitCode.NO_CULPRIT, False),
     VerdictKind.NOT_REPRODUCED: _VerdictProps("not reproduced", ExitCode.NOT_REPRODUCED, False),
     VerdictKind.SPIKE_NO_SINGLE_CAUSE: _VerdictProps("spike, no single cause", ExitCode.NO_CULPRIT, False),
+    VerdictKind.EXCEPTION: _VerdictProps("exception", ExitCode.OK, True, schema_major=2),
 }
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from forensics.kinds import Phase, TriggerKind
-from forensics.report.model import SCHEMA, to_json_safe
+from forensics.report.model import schema_for, to_json_safe
 from replay.environment import replay_environment
 from replay.execute import StepRunner
 from replay.findings import Findings
@@ -33,7 +33,7 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
     trigger = findings.trigger
     history = findings.history
     report = {
-        "schema": SCHEMA,
+        "schema": schema_for(verdict["kind"]),
         "created_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "dump": {"num_micro_batches": len(session.micro_batches),
                  **(dump_info or {"path": None, "run_id": None, "step": 0, "rank": rank,
@@ -57,7 +57,20 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
     }
     if history.signals:
         report["history"]["signals"] = history.signals
+    if findings.kind is TriggerKind.EXCEPTION:
+        report["exception"] = _exception_block(findings, session)
     return to_json_safe(report)
+
+
+def _exception_block(findings: Findings, session: ReplaySession) -> dict:
+    """The report's `exception` block: what the job raised, and where the replay raised it."""
+    recorded = session.exception or {}
+    found = findings.exception
+    return {"type": recorded.get("type"), "message": recorded.get("message"), "during": recorded.get("during"),
+            "replayed_type": found.type if found else None, "module": found.module if found else None,
+            "op": found.op if found else None, "micro_batch": found.micro_batch if found else None,
+            "detail": found.detail if found else None, "bad_values": found.bad_values if found else [],
+            "memory": recorded.get("memory"), "traceback": recorded.get("traceback")}
 
 
 def culprit_block(findings: Findings, rank: int) -> dict:
@@ -77,6 +90,8 @@ def culprit_block(findings: Findings, rank: int) -> dict:
     elif optimizer is not None:
         block.update(phase=Phase.OPTIMIZER, parameter=optimizer.parameter, optimizer_state=optimizer.optimizer_state,
                      module=optimizer.parameter.rpartition(".")[0] or ROOT_MODULE if optimizer.parameter else None)
+    if findings.exception is not None:
+        block.update(module=findings.exception.module, op=findings.exception.op, phase=findings.exception.phase)
     if findings.weights_nonfinite:  # the weights themselves: name the first broken one
         name = findings.weights_nonfinite[0]
         block["parameter"] = name
@@ -118,7 +133,11 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
         history_pattern=findings.history.pattern, history_signals=list(findings.history.signals),
         per_sample_top=rank_by_loss(findings.per_sample)[:3] if findings.per_sample else [],
         rng_dependent=rng.get("rng_dependent"), rng_seeds_tried=len(rng.get("seeds") or []),
-        data_kind=_data_kind(session, findings))
+        data_kind=_data_kind(session, findings),
+        exception_type=findings.exception.type if findings.exception else
+        (findings.reproduction.result.raised or {}).get("type"),
+        exception_message=findings.exception.message if findings.exception else None,
+        exception_detail=findings.exception.detail if findings.exception else None)
 
 
 def _data_kind(session: ReplaySession, findings: Findings) -> str | None:

@@ -29,6 +29,7 @@ from replay.findings import Bisection, Findings, HistoryFinding
 from replay.history_pattern import classify_history, history_signals
 from replay.load import ReplaySession, load_session
 from replay.localize import localize_backward, localize_forward
+from replay.localize_exception import localize_exception
 from replay.localize_update import localize_optimizer, per_layer_stats
 from replay.per_sample import per_sample_stats
 from replay.precision import fp32_check, uses_low_precision
@@ -156,24 +157,32 @@ def run_session(session: ReplaySession, options: ReplayOptions | None = None, pr
     started = time.monotonic() if started is None else started
     runner = StepRunner(session)
     findings = _reproduce(runner, options, progress)
+    raised = findings.kind is TriggerKind.EXCEPTION  # the step stops where it raises: no numbers to measure
     _localise(findings, runner, options, progress)
-    _stage(progress, "per-layer gradient norms and output abs-max")
-    findings.per_layer = per_layer_stats(runner)
+    if not raised:
+        _stage(progress, "per-layer gradient norms and output abs-max")
+        findings.per_layer = per_layer_stats(runner)
     refs = session.sample_refs
     data_independent = findings.kind.data_independent or bool(findings.weights_nonfinite) \
         or findings.phase is Phase.OPTIMIZER
     if findings.reproduced and options.bisect and not data_independent and refs:
         _stage(progress, f"bisecting {len(refs)} samples")
         findings.bisection = _bisect(runner, refs, findings.kind, findings.threshold, options)
-    if options.fp32_check and findings.reproduced:
+    if raised:
+        pass
+    elif options.fp32_check and findings.reproduced:
         if uses_low_precision(runner):
             _stage(progress, "re-running in fp32")
         findings.precision = fp32_check(runner, findings.culprits or None, kind=findings.kind,
                                         threshold=findings.threshold)
     elif options.fp32_check:
         findings.precision = fp32_check(runner, kind=TriggerKind.NONFINITE_PARAM)  # dtype facts only, no run
-    _stage(progress, "per-sample loss and gradient norm")
-    findings.per_sample = _per_sample(runner, refs, findings.culprits, options.max_per_sample)
+    if not raised:
+        _stage(progress, "per-sample loss and gradient norm")
+        findings.per_sample = _per_sample(runner, refs, findings.culprits, options.max_per_sample)
+    elif findings.culprits and findings.exception is not None:
+        _stage(progress, "naming the values that make the culprit samples raise")
+        findings.exception = localize_exception(runner, findings.culprits) or findings.exception
     findings.history = _history(history)
     return assemble_report(findings, runner, dump_info, started)
 
@@ -210,6 +219,11 @@ def _localise(findings: Findings, runner: StepRunner, options: ReplayOptions, pr
     """Stage 2: where the first non-finite value appeared: forward (op by op), backward (anomaly mode) or
     the optimizer update."""
     if not findings.reproduced:
+        return
+    if findings.kind is TriggerKind.EXCEPTION:
+        _stage(progress, "localising where the step raises")
+        findings.exception = localize_exception(runner)
+        findings.phase = findings.exception.phase if findings.exception is not None else None
         return
     result = findings.reproduction.result
     if findings.weights_nonfinite:

@@ -11,13 +11,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
+import traceback
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterable
 
 import torch
 
-from forensics.errors import ReplayError
+from forensics.errors import ForensicsError, ReplayError
 from forensics.grad_norm import total_grad_norm
 from forensics.kinds import TriggerKind
 from replay.load import ReplaySession, finite_float
@@ -72,6 +74,11 @@ class StepResult:
         return self.grad_norm * self.micro_batches_total / self.micro_batches_run
     error: str | None = None
     """With anomaly=True: the RuntimeError autograd anomaly mode raised (else None)."""
+    raised: dict | None = None
+    """Replaying a step that raised in the job: what this run raised ({type, message, file, function,
+    micro_batch, phase}), or None when it finished."""
+    raised_same: bool = False
+    """`raised` is the recorded exception: the same type, raised in the same function."""
     anomaly_warnings: list[str] = field(default_factory=list)
 
     def trigger_reproduced(self, kind: TriggerKind | str, threshold: float | None = None) -> bool:
@@ -97,6 +104,8 @@ class StepResult:
                 if value is not None and not math.isfinite(value):
                     return True
             return threshold is not None and value is not None and value > threshold
+        if kind.replayed == "exception":
+            return self.raised_same
         if kind.replayed == "micro_batch_loss":
             return not self.loss_finite
         if kind.replayed == "grad_norm":
@@ -112,6 +121,26 @@ class StepResult:
         if kind.replayed in ("micro_batch_loss", "step_loss"):
             return self.step_loss
         return None
+
+
+def raised_info(exc: BaseException, micro_batch: int, phase: str) -> dict:
+    """What a replayed step raised: type, message, and the innermost frame (the place compared with the job's)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    last = frames[-1] if frames else None
+    return {"type": type(exc).__name__, "message": str(exc)[:2000], "micro_batch": micro_batch, "phase": phase,
+            "file": os.path.basename(last.filename) if last else None, "function": last.name if last else None}
+
+
+def same_exception(raised: dict, recorded: dict | None) -> bool:
+    """The replayed exception is the recorded one: same type, raised in the same function of the same file
+    (by base name: the job ran on another machine)."""
+    if not recorded:
+        return False
+    frames = recorded.get("frames") or []
+    last = frames[-1] if frames and isinstance(frames[-1], dict) else {}
+    same_place = not last or (raised.get("function") == last.get("function")
+                              and raised.get("file") == os.path.basename(str(last.get("file") or "")))
+    return raised.get("type") == recorded.get("type") and same_place
 
 
 def any_nonfinite(tensors: Iterable[torch.Tensor]) -> list[bool]:
@@ -256,6 +285,7 @@ class StepRunner:
             scale = torch.tensor(float(session.scaler_state["scale"]), dtype=torch.float32, device=session.device)
         losses: list[float | None] = []
         error = None
+        raised = None
         caught: list[warnings.WarningMessage] = []
         try:
             with warnings.catch_warnings(record=True) as caught, contextlib.ExitStack() as stack:
@@ -266,29 +296,37 @@ class StepRunner:
                     if selected is not None and i not in selected:
                         losses.append(None)
                         continue
-                    batch = self.batch_for(i, None if selected is None else selected[i])
-                    if restore_rng:
-                        self.restore_rng(i)
-                    extra = forward_context(i) if forward_context is not None else contextlib.nullcontext()
-                    with extra, self.autocast_context(fp32):
-                        loss = session.loss_fn(model, batch)
-                    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                        raise ReplayError(f"the loss function returned {type(loss).__name__} "
-                                          f"{getattr(loss, 'shape', '')}, not a scalar tensor")
-                    losses.append(float(loss.detach().float().reshape(())))
-                    if on_loss is not None:
-                        on_loss(i, loss)
-                    if backward and loss.requires_grad:
-                        scaled = loss.reshape(()) / session.loss_divisor
-                        if scale is not None:
-                            scaled = scaled * scale
-                        try:
-                            scaled.backward()
-                        except RuntimeError as exc:
-                            if not anomaly:
-                                raise
-                            error = str(exc)
-                            break
+                    phase = "forward"
+                    try:
+                        batch = self.batch_for(i, None if selected is None else selected[i])
+                        if restore_rng:
+                            self.restore_rng(i)
+                        extra = forward_context(i) if forward_context is not None else contextlib.nullcontext()
+                        with extra, self.autocast_context(fp32):
+                            loss = session.loss_fn(model, batch)
+                        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                            raise ReplayError(f"the loss function returned {type(loss).__name__} "
+                                              f"{getattr(loss, 'shape', '')}, not a scalar tensor")
+                        losses.append(float(loss.detach().float().reshape(())))
+                        if on_loss is not None:
+                            on_loss(i, loss)
+                        if backward and loss.requires_grad:
+                            phase = "backward"
+                            scaled = loss.reshape(()) / session.loss_divisor
+                            if scale is not None:
+                                scaled = scaled * scale
+                            try:
+                                scaled.backward()
+                            except RuntimeError as exc:
+                                if not anomaly:
+                                    raise
+                                error = str(exc)
+                                break
+                    except Exception as exc:  # noqa: BLE001 - replaying a step that raised in the job
+                        if session.exception is None or isinstance(exc, ForensicsError):
+                            raise
+                        raised = raised_info(exc, i, phase)
+                        break
         finally:
             anomaly_text = [str(w.message) for w in caught if "anomaly" in str(w.message).lower()
                             or "Traceback of forward call" in str(w.message)]
@@ -321,6 +359,8 @@ class StepRunner:
             micro_batches_run=sum(v is not None for v in losses), micro_batches_total=len(session.micro_batches),
             error=error,
             anomaly_warnings=anomaly_text,
+            raised=raised,
+            raised_same=raised is not None and same_exception(raised, session.exception),
         )
         if not keep_grads:
             for p in model.parameters():

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from forensics.kinds import HistoryPattern, Phase, TriggerKind
 from replay.execute import Reproduction, SampleRef
 from replay.localize import BackwardFinding, ForwardFinding
+from replay.localize_exception import ExceptionFinding
 from replay.localize_update import OptimizerFinding
 
 
@@ -63,6 +64,8 @@ class Findings:
     precision: dict | None = None
     per_sample: list[dict] = field(default_factory=list)
     history: HistoryFinding = field(default_factory=lambda: HistoryFinding(None, HistoryPattern.INSUFFICIENT_HISTORY))
+    exception: ExceptionFinding | None = None
+    """trigger exception: where the replayed step raised."""
     weights_nonfinite: list[str] = field(default_factory=list)
     """Parameters that hold NaN/Inf before the step (named_parameters order)."""
 

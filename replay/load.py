@@ -51,6 +51,8 @@ class ReplaySession:
     scheduler_state: dict | None = None
     recorded_losses: list[float | None] = field(default_factory=list)
     recorded_grad_norm: float | None = None
+    exception: dict | None = None
+    """The manifest's `exception` section when the job's step raised (replay then catches and compares)."""
     trigger: dict = field(default_factory=lambda: {"kind": "nonfinite_loss", "value": None, "threshold": None,
                                                    "micro_batch": None})
     param_dtype: torch.dtype = torch.float32
@@ -182,6 +184,7 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
         rng_states=rngs, loss_divisor=float(divisor), optimizer=snapshot, autocast=autocast,
         scaler_state=scaler, scheduler_state=dump.scheduler_state(), recorded_losses=losses,
         recorded_grad_norm=loss_meta.get("grad_norm"), trigger=dict(dump.trigger), param_dtype=param_dtype,
+        exception=manifest.get("exception") if isinstance(manifest.get("exception"), dict) else None,
         warnings=warnings, source_cuda_device=manifest.get("local_rank"),
         expect_bitwise=_expect_bitwise(env_warnings, device, manifest.get("determinism") or {}),
         capture_environment=dict(manifest.get("environment") or {}),

@@ -99,6 +99,11 @@ class VerdictFacts:
     rng_dependent: bool | None = None
     """True: the step fails with the recorded RNG but not from some other seed (a dropout mask, a random
     op); False: it failed from every other seed tried; None: not checked (report block `rng`)."""
+    exception_type: str | None = None
+    """trigger exception: the type the replay raised (e.g. IndexError)."""
+    exception_message: str | None = None
+    exception_detail: str | None = None
+    """trigger exception: the data that made the op raise, in words ('token id 300 is outside [0, 64) ...')."""
     data_kind: str | None = None
     """'tokens' when the culprit's micro-batch holds integer tensors (token ids, labels), 'float' when it holds
     only floating-point data (features, embeddings, images): chooses the record-inspection hint."""
@@ -324,6 +329,8 @@ def decide_verdict(facts: VerdictFacts) -> dict:
         return _inherited(f)
     if not f.reproduced:
         return _not_reproduced(f)
+    if f.trigger_kind is TriggerKind.EXCEPTION:
+        return _exception(f)
     if f.weights_nonfinite_at_start or f.all_subsets_fail:
         return _model_state(f)
     if f.phase is Phase.OPTIMIZER:
@@ -367,7 +374,10 @@ def _inherited(f: VerdictFacts) -> dict:
 
 def _not_reproduced(f: VerdictFacts) -> dict:
     numbers = ""
-    if f.trigger_value is not None or f.replayed_value is not None:
+    if f.trigger_kind is TriggerKind.EXCEPTION:
+        numbers = (f": it raised {f.exception_type} there instead" if f.exception_type else
+                   ": the step finished without raising")
+    elif f.trigger_value is not None or f.replayed_value is not None:
         numbers = f": recorded {_num(f.trigger_value)}, replayed {_num(f.replayed_value)}"
     on = f" on {f.replay_device}" if f.replay_device else ""
     words = f.trigger_kind.words
@@ -522,6 +532,45 @@ _RECORD_HINTS = {
     "float": ("Look at the record behind it: NaN/Inf or extreme values in its features (see the input abs-max), "
               "all-zero or constant rows, values in the wrong units or unscaled, a corrupted or truncated file."),
 }
+
+
+def _exception(f: VerdictFacts) -> dict:
+    """The step raises on replay too: where, which samples, and the data that made it raise."""
+    what = f.exception_type or "an exception"
+    where = f" at `{f.module}`" if f.module else ""
+    if f.op:
+        where += f" ({f.op})"
+    phase = f" in the {f.phase} pass" if f.phase is not None and f.phase.is_pass else ""
+    detail = f": {f.exception_detail}" if f.exception_detail else ""
+    if _has_culprit(f):
+        subject = _samples_phrase(f)
+        verb = "make" if (f.culprit_subset_size or 0) > 1 else "makes"
+        headline = f"{subject} {verb} {_where_step(f)} raise {what}{phase}{where}{detail}."
+    elif f.all_subsets_fail or f.candidates > 1:
+        headline = f"{_where_step(f)[0].upper()}{_where_step(f)[1:]} raises {what}{phase}{where} whatever the samples{detail}."
+    else:
+        headline = f"{_where_step(f)[0].upper()}{_where_step(f)[1:]} raises {what}{phase}{where}{detail}."
+    reading = f"The replay raised {what} where the job did" + (f" ('{f.exception_message[:200]}')." if
+                                                             f.exception_message else ".")
+    suggestions = []
+    if _has_culprit(f):
+        ids = ", ".join(_id(s) for s in f.culprit_samples[:MAX_NAMED_SAMPLES])
+        suggestions.append(f"Filter {ids} from the training data (blocklist.jsonl lists the culprits) and fix the "
+                           "record: the rest of the step runs.")
+    if f.exception_detail and ("token id" in f.exception_detail or "index" in f.exception_detail):
+        suggestions.append("An id at or above the embedding's size: check that the tokenizer and the model agree on "
+                           "the vocabulary size (added special tokens need model.resize_token_embeddings), and that "
+                           "the data was tokenized with this tokenizer.")
+    if f.exception_detail and "label" in f.exception_detail:
+        suggestions.append("A label outside the classes: check the label mapping and the number of classes of the "
+                           "head; use -100 for positions to ignore.")
+    if f.exception_type in ("OutOfMemoryError", "MemoryError"):
+        suggestions.append("Cap the sequence length (or the tokens per micro-batch) so one long sample cannot take "
+                           "the memory of a whole batch.")
+    if not _has_culprit(f):
+        suggestions.append("Every subset of samples raises: the model code or its configuration is at fault, not "
+                           "one record; the traceback in report.json shows where.")
+    return _result(VerdictKind.EXCEPTION, headline, f, suggestions, reading)
 
 
 def _bad_sample(f: VerdictFacts) -> dict:

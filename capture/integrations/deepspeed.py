@@ -325,6 +325,10 @@ class DeepSpeedGuard(DistributedGuard):
             return list(enumerate(sub_groups))
         return [(0, [p for p in self.model.parameters() if p.requires_grad])]
 
+    @property
+    def state_is_collective(self) -> bool:
+        return self.sharded
+
     def replay_recipe(self) -> dict:
         recipe = super().replay_recipe()
         if recipe.get("factory") == HUGGINGFACE_FACTORY and self.lp_dtype != torch.float32:

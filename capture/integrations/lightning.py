@@ -109,6 +109,9 @@ class ForensicsLightningCallback(Callback):
         self.close()
 
     def on_exception(self, trainer, pl_module, exception) -> None:
+        """A step that raised: dump it (the exception then goes on as Lightning decides)."""
+        if self.guard is not None and isinstance(exception, Exception):
+            self.guard.record_exception(exception)
         self.close()
 
     def close(self) -> None:

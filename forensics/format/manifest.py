@@ -87,6 +87,7 @@ def check_manifest(manifest: dict, where: str) -> None:
     _recipe(c, manifest.get("recipe"))
     for key in ("determinism", "environment", "recheck", "distributed"):
         c.kind(manifest.get(key), key, dict)
+    _exception(c, manifest.get("exception"))
     c.each(manifest.get("missing_ranks"), "missing_ranks",
            lambda r, f: c.int(r, f, 0, MAX_WORLD_SIZE), MAX_WORLD_SIZE)
     _files(c, manifest["files"])
@@ -146,6 +147,15 @@ def _recipe(c: _Checker, recipe: Any) -> None:
         c.kind(recipe.get(key), f"recipe.{key}", str)
     for key in ("factory_kwargs", "loss_kwargs"):
         c.kind(recipe.get(key), f"recipe.{key}", dict)
+
+
+def _exception(c: _Checker, exception: Any) -> None:
+    c.kind(exception, "exception", dict)
+    if not exception:
+        return
+    for key in ("type", "message", "during", "traceback", "qualified_type"):
+        c.kind(exception.get(key), f"exception.{key}", str)
+    c.each(exception.get("frames"), "exception.frames", lambda f, name: c.kind(f, name, dict, optional=False), 1000)
 
 
 def _files(c: _Checker, files: Any) -> None:

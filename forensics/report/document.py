@@ -110,8 +110,8 @@ def build_sections(report: Mapping) -> list[Section]:
     Every string in the result is raw (unescaped) text from the report; renderers escape it.
     Each optional section says "not run" when the report has no data for it.
     """
-    builders = (_summary, _where, _reproduction, _culprit, _precision, _bisection, _per_sample,
-                _per_layer, _history, _environment, _timings)
+    builders = (_summary, _where, _reproduction, _culprit, *((_exception,) if report.get("exception") else ()),
+                _precision, _bisection, _per_sample, _per_layer, _history, _environment, _timings)
     out = []
     for build in builders:
         try:
@@ -243,6 +243,36 @@ def _culprit(report: Mapping) -> Section:
         blocks.append(Para(["Forward traceback of the op (anomaly mode):"]))
         blocks.append(CodeBlock(str(c["traceback"])))
     return Section("Culprit", blocks, "culprit")
+
+
+def _exception(report: Mapping) -> Section:
+    """A step that raised: what, where, the values that made it raise, the memory picture, the traceback."""
+    exc = section(report, "exception")
+    rows = [("Exception", _code_or_na(exc.get("type"))), ("Message", clean(exc.get("message") or "n/a", 300)),
+            ("Raised during", clean(exc.get("during") or "n/a")), ("Module", _code_or_na(exc.get("module"))),
+            ("Op", _code_or_na(exc.get("op"))), ("Data", clean(exc.get("detail") or "n/a", 300))]
+    blocks: list[Block] = [_kv_table(rows)]
+    bad = [b for b in exc.get("bad_values") or [] if isinstance(b, dict)]
+    if bad:
+        blocks.append(Table(["value", "limit", "sample", "position"],
+                            [[fmt_num(b.get("value")), fmt_num(b.get("limit")), _sid(b.get("sample_id")),
+                              clean(b.get("position"))] for b in bad[:TOP_N]]))
+    memory = exc.get("memory")
+    if isinstance(memory, dict):
+        sizes = [[mb_number(m.get("index")), fmt_num(m.get("bytes"))] for m in memory.get("micro_batches") or []
+                 if isinstance(m, dict)]
+        blocks.append(Para([f"Memory when it raised: allocated {fmt_num(memory.get('allocated'))} B, reserved "
+                            f"{fmt_num(memory.get('reserved'))} B of {fmt_num(memory.get('total'))} B."]))
+        if sizes:
+            blocks.append(Table(["micro-batch", "bytes of its tensors"], sizes))
+    if exc.get("traceback"):
+        blocks.append(CodeBlock(clean_block(str(exc["traceback"])[-6000:])))
+    return Section("Exception", blocks, "exception")
+
+
+def clean_block(text: str) -> str:
+    """Multi-line text from a dump, each line escaped (control characters shown, not obeyed)."""
+    return "\n".join(clean(line) for line in text.splitlines())
 
 
 def _precision(report: Mapping) -> Section:

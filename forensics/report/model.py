@@ -17,16 +17,21 @@ from forensics.kinds import VerdictKind
 log = logging.getLogger(__name__)
 
 SCHEMA = "forensics-report/1"
-SCHEMA_MAJOR = 1
+SCHEMA_MAJOR = 2  # the newest major this reader implements; 2 = 1 + verdict.kind "exception" and its block
 _SCHEMA_RE = re.compile(r"^forensics-report/(\d+)$")
 
-VERDICT_KINDS = tuple(kind.value for kind in VerdictKind)  # the values schema 1 allows in verdict.kind
+VERDICT_KINDS = tuple(kind.value for kind in VerdictKind)  # the values verdict.kind may take (newest major)
+
+
+def schema_for(kind: VerdictKind | str) -> str:
+    """The schema string of a report with this verdict: the major that introduced the kind."""
+    return f"forensics-report/{VerdictKind(kind).schema_major}"
 
 # Top-level keys in the order docs/REPORT_FORMAT.md lists them; report.json keeps this order.
 SCHEMA_KEYS = (
     "schema", "created_at", "dump", "trigger", "environment", "reproduced", "fidelity", "rng",
     "verdict", "culprit", "precision", "bisection", "per_sample", "per_layer", "history",
-    "history_pattern", "timings",
+    "history_pattern", "timings", "exception",
 )
 REQUIRED_KEYS = (
     "schema", "created_at", "dump", "trigger", "environment", "reproduced", "fidelity",
@@ -87,7 +92,7 @@ def check_schema(schema: Any) -> int:
     major = int(m.group(1))
     if major > SCHEMA_MAJOR:
         raise ReportError(f"report uses schema forensics-report/{major}, newer than "
-                          f"{SCHEMA} that this forensics reads; upgrade forensics to read it")
+                          f"forensics-report/{SCHEMA_MAJOR} that this forensics reads; upgrade forensics to read it")
     if major < 1:
         raise ReportError(f"report schema {schema!r} is not a known version; expected {SCHEMA!r}")
     return major
@@ -108,16 +113,16 @@ def validate_report(d: Any) -> dict:
     Raises:
         ReportError: with a message naming the offending field.
     Example:
-        >>> validate_report({"schema": "forensics-report/2"})
+        >>> validate_report({"schema": "forensics-report/3"})
         Traceback (most recent call last):
         ...
-        forensics.report.model.ReportError: report uses schema forensics-report/2, newer than ...
+        forensics.report.model.ReportError: report uses schema forensics-report/3, newer than ...
     """
     if not isinstance(d, dict):
         raise ReportError(f"a report must be a JSON object, got {_type_name(d)}")
     if "schema" not in d:
         raise ReportError(f"not a forensics report: no 'schema' key (expected {SCHEMA!r})")
-    check_schema(d["schema"])
+    major = check_schema(d["schema"])
     _require(d, "created_at", str, "")
     dump = _require(d, "dump", dict, "")
     _require(dump, "step", int, "dump.")
@@ -128,9 +133,9 @@ def validate_report(d: Any) -> dict:
     _require(d, "fidelity", dict, "")
     verdict = _require(d, "verdict", dict, "")
     kind = _require(verdict, "kind", str, "verdict.")
-    if kind not in VERDICT_KINDS:
-        raise ReportError(f"unknown verdict.kind {kind!r}; schema {SCHEMA} knows "
-                          f"{', '.join(VERDICT_KINDS)}")
+    known = [k.value for k in VerdictKind if k.schema_major <= major]
+    if kind not in known:
+        raise ReportError(f"unknown verdict.kind {kind!r}; schema forensics-report/{major} knows {', '.join(known)}")
     _require(verdict, "headline", str, "verdict.")
     if "suggestions" in verdict and not isinstance(verdict["suggestions"], list):
         raise ReportError("report field 'verdict.suggestions' must be a list of strings")

@@ -148,6 +148,24 @@ def make_report(kind: str = "bad_sample", *, sample_ids: list | None = None,
         v.update(headline="Step 41217's loss spike reproduces, but no single sample explains it.",
                  explanation="Two samples have very high loss; removing either one leaves a spike.",
                  suggestions=["Inspect the highest-loss samples.", "Lower the learning rate."])
+    elif kind == "exception":
+        r["schema"] = "forensics-report/2"
+        r["trigger"].update(kind="exception", value=math.nan, threshold=None, micro_batch=1,
+                            detail="IndexError during the forward: index out of range in self")
+        r["culprit"].update(samples=[{"sample_id": ids[5], "micro_batch": 1, "index": 1, "rank": 3}],
+                            module="model.embed_tokens", op="aten::embedding", phase="forward")
+        r["per_sample"] = None
+        r["per_layer"] = None
+        r["precision"] = None
+        r["exception"] = {"type": "IndexError", "message": "index out of range in self", "during": "forward",
+                          "module": "model.embed_tokens", "op": "aten::embedding", "micro_batch": 1,
+                          "detail": "token id 300 \u2265 vocabulary size 128 at position 16",
+                          "bad_values": [{"what": "token id", "value": 300, "limit": 128}]}
+        v.update(headline=f"Sample '{ids[5]}' alone makes step 41217 raise IndexError in the forward pass at "
+                          "`model.embed_tokens` (aten::embedding): token id 300 \u2265 vocabulary size 128 at "
+                          "position 16.",
+                 explanation="The replay raised IndexError where the job did.",
+                 suggestions=["Filter the sample and fix the record."])
     else:
         raise ValueError(f"unknown verdict kind {kind!r}")
     for key, value in overrides.items():

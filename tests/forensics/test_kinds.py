@@ -27,7 +27,7 @@ def test_kinds_compare_and_serialise_as_their_stored_strings():
 def test_every_trigger_kind_has_its_properties(kind):
     assert kind.words and kind.what_fails
     assert kind.spike == kind.value.endswith("_spike")
-    assert kind.replayed in ("micro_batch_loss", "step_loss", "grad_norm", None)
+    assert kind.replayed in ("micro_batch_loss", "step_loss", "grad_norm", "exception", None)
     assert kind.data_independent == (kind is TriggerKind.NONFINITE_PARAM)
 
 

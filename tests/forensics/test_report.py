@@ -276,10 +276,19 @@ def test_report_from_a_real_gpt2_backward_renders(tmp_path):
 
 # ---- validation and loading ----
 
+def test_a_schema_1_report_cannot_carry_a_verdict_kind_added_in_schema_2():
+    report = to_json_safe(make_report("exception"))
+    report["schema"] = "forensics-report/1"
+    with pytest.raises(ReportError, match="unknown verdict.kind 'exception'"):
+        validate_report(report)
+    report["schema"] = "forensics-report/2"
+    validate_report(report)
+
+
 def test_validate_rejects_newer_schema_naming_both_versions():
     report = to_json_safe(make_report("bad_sample"))
-    report["schema"] = "forensics-report/2"
-    with pytest.raises(ReportError, match=r"forensics-report/2.*forensics-report/1.*upgrade"):
+    report["schema"] = "forensics-report/3"
+    with pytest.raises(ReportError, match=r"forensics-report/3.*forensics-report/2.*upgrade"):
         validate_report(report)
     assert issubclass(ReportError, ForensicsError)
 

@@ -1,0 +1,94 @@
+"""What the Guard records when a step raises instead of finishing: the exception, where in the step it
+happened, and (for out-of-memory errors) the memory picture, before anything is freed.
+
+Written as the manifest's `exception` section (docs/DUMP_FORMAT.md). Every function here must work
+while the job is failing: none raises, and none touches a CUDA context that may be broken beyond
+reading memory counters.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import torch
+
+MAX_FRAMES = 40
+MAX_MESSAGE = 4000
+
+
+def describe(exc: BaseException, during: str, batches: list[Any]) -> dict:
+    """The manifest's `exception` section for `exc`, raised `during` ('forward', 'backward', 'optimizer')."""
+    frames = traceback.extract_tb(exc.__traceback__)[-MAX_FRAMES:]
+    cls = type(exc)
+    section = {
+        "type": cls.__name__,
+        "qualified_type": f"{cls.__module__}.{cls.__qualname__}",
+        "message": _safe_str(exc)[:MAX_MESSAGE],
+        "during": during,
+        "frames": [{"file": f.filename, "line": f.lineno, "function": f.name} for f in frames],
+        "traceback": "".join(traceback.format_exception(cls, exc, exc.__traceback__))[-20000:],
+        "cuda_error": _is_cuda_error(exc),
+        "peer_failure": peer_failure(exc),
+    }
+    if _is_oom(exc):
+        section["memory"] = memory_picture(batches)
+    return section
+
+
+def memory_picture(batches: list[Any]) -> dict:
+    """Allocated / reserved device memory, and each micro-batch's tensor shapes and bytes (what made it big)."""
+    picture: dict[str, Any] = {"micro_batches": []}
+    try:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            device = torch.cuda.current_device()
+            picture.update(device=device, allocated=torch.cuda.memory_allocated(device),
+                           reserved=torch.cuda.memory_reserved(device),
+                           max_allocated=torch.cuda.max_memory_allocated(device),
+                           total=torch.cuda.get_device_properties(device).total_memory)
+    except Exception:  # noqa: BLE001 - a broken context: the counters are a bonus
+        pass
+    for index, batch in enumerate(batches):
+        tensors = list(_tensors(batch, ""))
+        picture["micro_batches"].append({
+            "index": index, "bytes": sum(t.numel() * t.element_size() for _, t in tensors),
+            "shapes": {path or "batch": list(t.shape) for path, t in tensors[:32]}})
+    return picture
+
+
+def _tensors(node: Any, path: str):
+    if isinstance(node, torch.Tensor):
+        yield path, node
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            yield from _tensors(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(node, (list, tuple)):
+        for i, value in enumerate(node):
+            yield from _tensors(value, f"{path}[{i}]")
+
+
+PEER_FAILURE_WORDS = ("Connection closed by peer", "Connection reset by peer", "remote worker", "NCCL error",
+                      "ProcessGroup", "gloo", "Watchdog caught collective operation timeout")
+
+
+def peer_failure(exc: BaseException) -> bool:
+    """The exception is a collective failing because another rank stopped (gloo / NCCL), not this rank's own."""
+    text = _safe_str(exc)
+    return any(word in text for word in PEER_FAILURE_WORDS)
+
+
+def _is_oom(exc: BaseException) -> bool:
+    oom = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", ())
+    return isinstance(exc, oom) or (isinstance(exc, (RuntimeError, MemoryError)) and "out of memory" in _safe_str(exc))
+
+
+def _is_cuda_error(exc: BaseException) -> bool:
+    text = _safe_str(exc)
+    return "CUDA error" in text or "device-side assert" in text or type(exc).__name__ == "AcceleratorError"
+
+
+def _safe_str(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:  # noqa: BLE001
+        return f"<{type(exc).__name__} without a message>"

@@ -1,0 +1,54 @@
+"""Test worker (torchrun, gloo): rank 1 reads a record with token ids past the vocabulary in step 2.
+
+The forward raises IndexError on rank 1 only; nothing wraps the loop: the Guard's excepthook dumps the
+step and rank 1 exits non-zero. torchrun must then stop rank 0 (waiting in its next collective) instead
+of leaving it hung. Usage: raise_worker.py DUMP_DIR
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import transformers
+from torch.nn.parallel import DistributedDataParallel
+
+from capture import Guard, GuardConfig
+
+BAD_STEP, BAD_MB, BAD_ROW = 2, 1, 3
+
+
+def build(vocab: int = 64):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=vocab, n_positions=16,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def main() -> None:
+    dump_dir = sys.argv[1]
+    torch.distributed.init_process_group("gloo")
+    rank = torch.distributed.get_rank()
+    model = build()
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    guard = Guard(ddp, optimizer, config=GuardConfig(dump_dir=dump_dir, run_id="raise", background_write=False))
+    data = torch.Generator().manual_seed(rank)
+    for step in range(4):
+        for mb in range(2):
+            ids = torch.randint(0, 64, (4, 8), generator=data)
+            if rank == 1 and step == BAD_STEP and mb == BAD_MB:
+                ids[BAD_ROW, 5] = 300  # a corrupted record: ids past the vocabulary
+            batch = {"input_ids": ids, "labels": ids, "sample_ids": [f"r{rank}-s{step}-m{mb}-{i}" for i in range(4)]}
+            guard.record_batch(batch)
+            loss = ddp(input_ids=ids, labels=ids).loss
+            guard.record_loss(loss)
+            (loss / 2).backward()
+        if guard.check():
+            optimizer.step()
+        optimizer.zero_grad()
+    guard.close()
+
+
+if __name__ == "__main__":
+    main()

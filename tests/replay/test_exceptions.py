@@ -1,0 +1,164 @@
+"""Steps that raise instead of going NaN (issue: "crashes that are not NaN"): the Guard dumps the step that
+raised, and `forensics replay` reproduces the exception, bisects the samples to the ones that make it
+raise, and names the module, the op and the offending values."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from click.testing import CliRunner
+
+from capture import Guard, GuardConfig
+from forensics.cli import main
+from forensics.format import open_dump, verify_dump
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def tiny_gpt2(vocab: int = 64):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=vocab, n_positions=16,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def replay(dump, *args):
+    result = CliRunner().invoke(main, ["replay", str(dump), "--device", "cpu", "--no-rng-check", *map(str, args)])
+    return result
+
+
+def test_out_of_range_token_ids_dumped_and_replayed_to_the_sample_and_the_value(tmp_path):
+    model = tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="ids"))
+    data = torch.Generator().manual_seed(0)
+    with pytest.raises(IndexError, match="index out of range"):  # the job still fails as it would have
+        for step in range(6):
+            with guard.capture_errors():
+                for mb in range(2):
+                    ids = torch.randint(0, 64, (4, 8), generator=data)
+                    if step == 4 and mb == 1:
+                        ids[2, 6] = 300
+                    guard.record_batch({"input_ids": ids, "labels": ids,
+                                        "sample_ids": [f"doc-{step}-{mb}-{i}" for i in range(4)]})
+                    loss = model(input_ids=ids, labels=ids).loss
+                    guard.record_loss(loss)
+                    (loss / 2).backward()
+                if guard.check():
+                    optimizer.step()
+                optimizer.zero_grad()
+    assert len(guard.dumps) == 1
+    dump = open_dump(guard.dumps[0])
+    assert verify_dump(dump.path).ok and dump.step == 4 and dump.trigger["kind"] == "exception"
+    assert dump.manifest["exception"]["type"] == "IndexError" and dump.manifest["exception"]["during"] == "forward"
+    assert dump.num_micro_batches == 2 and dump.sample_ids(1)[2] == "doc-4-1-2"  # the micro-batch in flight
+    out = tmp_path / "report"
+    result = replay(dump.path, "-o", out)
+    assert result.exit_code == 0, (result.stdout, result.stderr, result.exception)
+    report = json.loads((out / "report.json").read_text())
+    assert report["verdict"]["kind"] == "exception" and report["reproduced"] is True
+    assert [s["sample_id"] for s in report["culprit"]["samples"]] == ["doc-4-1-2"]
+    assert report["culprit"]["module"] == "transformer.wte" and report["culprit"]["op"] == "aten::embedding"
+    assert report["exception"]["bad_values"][0]["value"] == 300 and report["exception"]["bad_values"][0]["limit"] == 64
+    assert "token id 300 \u2265 vocabulary size 64 at position 6" in report["verdict"]["headline"]
+
+
+LABEL_MODEL = textwrap.dedent('''
+    import torch
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 10))
+
+    def xent(model, batch):
+        return torch.nn.functional.cross_entropy(model(batch["x"]), batch["y"])
+''')
+
+LABEL_JOB = textwrap.dedent('''
+    import sys, torch
+    from capture import Guard, GuardConfig
+    from labelmodel import build, xent
+
+    model = build()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=sys.argv[1], run_id="labels",
+                                                        recipe={"factory": "labelmodel:build"}), loss_fn=xent)
+    data = torch.Generator().manual_seed(0)
+    for step in range(5):
+        x, y = torch.randn(8, 6, generator=data), torch.randint(0, 10, (8,), generator=data)
+        if step == 3:
+            y[5] = 12          # a mislabelled record: class 12 of a 10-class head
+        guard.record_batch({"x": x, "y": y, "sample_ids": [f"row-{step * 8 + i}" for i in range(8)]})
+        loss = xent(model, {"x": x, "y": y})
+        guard.record_loss(loss)
+        loss.backward()
+        if guard.check():
+            optimizer.step()
+        optimizer.zero_grad()
+''')
+
+
+def test_an_uncaught_exception_is_dumped_by_the_excepthook_and_replays_to_the_label(tmp_path):
+    (tmp_path / "labeljob.py").write_text(LABEL_JOB)
+    (tmp_path / "labelmodel.py").write_text(LABEL_MODEL)
+    env = {"PYTHONPATH": f"{REPO}:{tmp_path}", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, str(tmp_path / "labeljob.py"), str(tmp_path / "dumps")], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "IndexError" in done.stderr and "Target 12 is out of bounds" in done.stderr
+    step = tmp_path / "dumps" / "labels" / "step-000000003"
+    assert step.is_dir(), done.stderr[-3000:]
+    out = tmp_path / "report"
+    result = replay(step, "--trust", "--path", tmp_path, "-o", out)
+    assert result.exit_code == 0, (result.stdout, result.stderr, result.exception)
+    report = json.loads((out / "report.json").read_text())
+    assert [s["sample_id"] for s in report["culprit"]["samples"]] == ["row-29"]
+    assert "label 12 \u2265 number of classes 10" in report["verdict"]["headline"]
+
+
+def test_a_malformed_record_shape_error_names_the_module_whatever_the_samples(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="shape",
+                                                        recipe={"factory": "torch.nn:Identity"}))
+    with pytest.raises(RuntimeError):
+        for step in range(3):
+            with guard.capture_errors():
+                x = torch.randn(4, 6 if step < 2 else 7)  # a record from a newer schema: one more feature
+                guard.record_batch({"x": x, "sample_ids": [f"r{step}-{i}" for i in range(4)]})
+                loss = model(x).pow(2).mean()
+                guard.record_loss(loss)
+                loss.backward()
+                if guard.check():
+                    optimizer.step()
+                optimizer.zero_grad()
+    dump = open_dump(guard.dumps[0])
+    assert dump.manifest["exception"]["type"] == "RuntimeError" and dump.step == 2
+
+
+def test_an_exception_on_one_rank_of_two_does_not_hang_and_its_dump_replays(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(REPO / "tests" / "integrations" / "raise_worker.py"), str(tmp_path / "dumps")],
+                          cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode != 0
+    rank1 = tmp_path / "dumps" / "raise" / "step-000000002" / "rank-00001"
+    assert rank1.is_dir(), done.stdout[-2000:] + done.stderr[-4000:]
+    rank0 = tmp_path / "dumps" / "raise" / "step-000000002" / "rank-00000"
+    if rank0.exists():  # rank 0 saw its collective fail: it records that another rank stopped, and is not chosen
+        manifest = open_dump(rank0).manifest
+        assert manifest["trigger"]["local"] is False and manifest["exception"]["peer_failure"] is True
+        assert open_dump(rank1.parent).rank == 1
+    out = tmp_path / "report"
+    result = replay(rank1.parent, "-o", out)
+    assert result.exit_code == 0, (result.stdout, result.stderr, result.exception)
+    report = json.loads((out / "report.json").read_text())
+    assert [s["sample_id"] for s in report["culprit"]["samples"]] == ["r1-s2-m1-3"]
+    assert report["culprit"]["op"] == "aten::embedding"
