@@ -57,3 +57,19 @@ def test_odd_sample_ids_are_stored_as_their_repr_and_the_dump_is_written(tmp_pat
                      policy="continue")
     ids = open_dump(guard.dumps[0]).sample_ids(0)
     assert ids[2] == "ok" and "object" in ids[0] and ids[1] == str(2 ** 70) and ids[3] == "inf"
+
+
+def test_an_out_of_memory_error_records_the_memory_picture_of_each_micro_batch():
+    from capture.exceptions import describe
+
+    batches = [{"input_ids": torch.zeros(4, 128, dtype=torch.long)}, {"input_ids": torch.zeros(4, 4096, dtype=torch.long)}]
+    oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+    try:
+        raise oom("CUDA out of memory. Tried to allocate 2.00 GiB")
+    except oom as exc:
+        section = describe(exc, "forward", batches)
+    assert section["type"] == "OutOfMemoryError" and section["during"] == "forward"
+    sizes = [m["bytes"] for m in section["memory"]["micro_batches"]]
+    assert sizes == [4 * 128 * 8, 4 * 4096 * 8] and section["memory"]["micro_batches"][1]["shapes"] == {
+        "input_ids": [4, 4096]}
+    assert section["frames"][-1]["function"] == "test_an_out_of_memory_error_records_the_memory_picture_of_each_micro_batch"
