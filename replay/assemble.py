@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 from datetime import datetime, timezone
-from typing import Any
 
 import torch
 
@@ -15,7 +14,7 @@ from forensics.report.model import schema_for, to_json_safe
 from replay.environment import replay_environment
 from replay.execute import StepRunner
 from replay.findings import Findings
-from replay.load import ReplaySession
+from replay.load import ReplaySession, finite_float
 from replay.localize import ROOT_MODULE
 from replay.per_sample import rank_by_loss
 from replay.verdict import VerdictFacts, decide_verdict
@@ -115,7 +114,7 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
         trigger_kind=kind, reproduced=findings.reproduced, trigger_local=trigger.get("local", True) is not False,
         step=(dump_info or {}).get("step"), rank=(dump_info or {}).get("rank"),
         micro_batch=micro_batch, num_micro_batches=len(session.micro_batches),
-        trigger_value=_float(trigger.get("value")), threshold=findings.threshold,
+        trigger_value=finite_float(trigger.get("value")), threshold=findings.threshold,
         replayed_value=result.replayed_value(kind, trigger.get("micro_batch")),
         bitwise=findings.reproduction.fidelity.get("bitwise_equal"), replay_device=str(session.device),
         environment_warnings=list(session.warnings),
@@ -156,9 +155,3 @@ def _data_kind(session: ReplaySession, findings: Findings) -> str | None:
             stack.extend(node)
     return "tokens" if "tokens" in kinds else "float" if "float" in kinds else None
 
-
-def _float(value: Any) -> float | None:
-    try:
-        return None if value is None else float(value)
-    except (TypeError, ValueError):
-        return None

@@ -27,7 +27,7 @@ from replay.environment import deterministic_mode
 from replay.execute import SampleRef, StepRunner, reproduce
 from replay.findings import Bisection, Findings, HistoryFinding
 from replay.history_pattern import classify_history, history_signals
-from replay.load import ReplaySession, load_session
+from replay.load import ReplaySession, finite_float, load_session
 from replay.localize import localize_backward, localize_forward
 from replay.localize_exception import localize_exception
 from replay.localize_update import localize_optimizer, per_layer_stats
@@ -198,7 +198,7 @@ def _reproduce(runner: StepRunner, options: ReplayOptions, progress: Progress | 
     kind = TriggerKind.parse(trigger.get("kind") or TriggerKind.NONFINITE_LOSS)
     _stage(progress, f"reproducing the step ({len(session.micro_batches)} micro-batch(es), trigger {kind})")
     reproduction = reproduce(runner, options.max_attempts)
-    findings = Findings(kind=kind, trigger=trigger, threshold=_float(trigger.get("threshold")),
+    findings = Findings(kind=kind, trigger=trigger, threshold=finite_float(trigger.get("threshold")),
                         reproduction=reproduction, reproduced=reproduction.reproduced,
                         weights_nonfinite=list(runner.nonfinite_params))
     if kind is TriggerKind.NONFINITE_PARAM and not findings.weights_nonfinite:
@@ -336,13 +336,6 @@ def _history(history: dict | None) -> HistoryFinding:
         logger.warning("history signals failed", exc_info=True)
         signals = []
     return HistoryFinding(block, HistoryPattern(classify_history(block["loss"])), signals)
-
-
-def _float(value: Any) -> float | None:
-    try:
-        return None if value is None else float(value)
-    except (TypeError, ValueError):
-        return None
 
 
 __all__ = ["ReplayOptions", "run_replay", "run_session", "CONFIRM_ROUNDS"]
