@@ -7,9 +7,10 @@ them together: model + weights, optimizer, loss, micro-batches, RNG states and w
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -139,21 +140,12 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
     device = resolve_device(device)
     manifest = dump.manifest
     recipe = resolve_recipe(dump.recipe, trust=trust, factory=factory, loss=loss, sys_path=sys_path)
-    try:
-        model = recipe.factory(**recipe.factory_kwargs)
-    except Exception as exc:  # noqa: BLE001 - user / recipe code
-        raise RecipeError(f"the model factory {recipe.factory_path!r} failed: {type(exc).__name__}: {exc}") from exc
-    if not isinstance(model, torch.nn.Module):
-        raise RecipeError(f"the model factory {recipe.factory_path!r} returned {type(model).__name__}, "
-                          "not a torch.nn.Module")
-    state = dump.model_state()
+    model = build_model(recipe)
     precision = dump.precision or {}
-    param_dtype = _param_dtype(precision.get("param_dtype"), state)
-    model = model.to(device)
-    _match_dtypes(model, state)
     env_warnings = environment_warnings(manifest.get("environment"), device)
     warnings = list(env_warnings)
-    _load_weights(model, state, warnings)
+    model = stream_weights(model, dump.iter_model_tensors(device), device, warnings)
+    param_dtype = _param_dtype(precision.get("param_dtype"), model)
 
     snapshot = None
     opt_state = dump.optimizer_state()
@@ -210,40 +202,109 @@ def _positional_ids(batch: Any, step: int, index: int) -> list[str]:
     return [f"step{step}/mb{index}/{j}" for j in range(size)]
 
 
-def _match_dtypes(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Gives every floating parameter / buffer the dtype its dump tensor has (mixed-dtype models kept)."""
-    live = dict(model.named_parameters())
-    live.update(dict(model.named_buffers()))
-    for name, saved in state.items():
-        tensor = live.get(name)
-        if tensor is not None and tensor.is_floating_point() and saved.is_floating_point() \
-                and tensor.dtype != saved.dtype:
-            tensor.data = tensor.data.to(saved.dtype)
-
-
-def _param_dtype(recorded: Any, state: dict[str, torch.Tensor]) -> torch.dtype:
+def _param_dtype(recorded: Any, model: torch.nn.Module) -> torch.dtype:
     if recorded:
         return dtype_from_name(recorded)
-    for tensor in state.values():
-        if tensor.is_floating_point():
-            return tensor.dtype
-    return torch.float32
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
-def _load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], warnings: list[str]) -> None:
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device (no memory, no random init work);
+    buffers stay real, since the non-persistent ones (masks, rotary tables) are not in any dump."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta
     try:
-        result = model.load_state_dict(state, strict=False)
-    except RuntimeError as exc:  # shape mismatch: the recipe built a different model
-        raise RecipeError(f"the weights in the dump do not fit the model the recipe built: {exc}") from exc
-    param_names = {n for n, _ in model.named_parameters()}
-    missing_params = [k for k in result.missing_keys if k in param_names]
-    if missing_params:
-        raise RecipeError(f"the dump has no weights for parameters {missing_params[:5]}"
-                          f"{' ...' if len(missing_params) > 5 else ''}: the recipe built a different model")
-    if result.missing_keys:
-        warnings.append(f"buffers not in the dump, left as built: {sorted(result.missing_keys)[:5]}")
-    if result.unexpected_keys:
-        warnings.append(f"dump entries the model does not have, ignored: {sorted(result.unexpected_keys)[:5]}")
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def build_model(recipe: Any) -> torch.nn.Module:
+    """The recipe's model with its parameters on the meta device (their values come from the dump); a
+    factory that cannot build that way is called again normally."""
+    def call() -> torch.nn.Module:
+        try:
+            model = recipe.factory(**recipe.factory_kwargs)
+        except Exception as exc:  # noqa: BLE001 - user / recipe code
+            raise RecipeError(f"the model factory {recipe.factory_path!r} failed: {type(exc).__name__}: {exc}") \
+                from exc
+        if not isinstance(model, torch.nn.Module):
+            raise RecipeError(f"the model factory {recipe.factory_path!r} returned {type(model).__name__}, "
+                              "not a torch.nn.Module")
+        return model
+
+    try:
+        with parameters_on_meta():
+            return call()
+    except RecipeError as exc:
+        logger.info("the factory does not build with meta parameters (%s); building it normally", exc)
+        return call()
+
+
+def stream_weights(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Tensor]], device: torch.device,
+                   warnings: list[str]) -> torch.nn.Module:
+    """Puts the dump's tensors into the model one at a time, already on `device`, keeping their dtypes and
+    the model's tied parameters tied; every parameter must come from the dump.
+
+    Raises:
+        RecipeError: a tensor's shape does not fit, or a parameter is not in the dump (another model).
+    """
+    aliases: dict[str, list[str]] = {}  # first name of a parameter -> every name it has (tied weights)
+    first_name: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(first_name.setdefault(id(param), name), []).append(name)
+    canonical = {alias: first for first, names in aliases.items() for alias in names}
+    buffers = {name for name, _ in model.named_buffers()}
+    loaded: set[str] = set()
+    unexpected = []
+    for key, tensor in tensors:
+        if key in canonical:
+            first = canonical[key]
+            if first in loaded:
+                continue  # the tied twin of a parameter already put in place
+            old = model.get_parameter(first)
+            if tuple(old.shape) != tuple(tensor.shape):
+                raise RecipeError(f"the weights in the dump do not fit the model the recipe built: {key} is "
+                                  f"{tuple(tensor.shape)} in the dump, {tuple(old.shape)} in the model")
+            new = torch.nn.Parameter(tensor, requires_grad=old.requires_grad)
+            for name in aliases[first]:
+                owner, _, attr = name.rpartition(".")
+                model.get_submodule(owner)._parameters[attr] = new
+            loaded.add(first)
+        elif key in buffers:
+            owner, _, attr = key.rpartition(".")
+            module = model.get_submodule(owner)
+            old = module._buffers[attr]
+            if old is not None and tuple(old.shape) != tuple(tensor.shape):
+                raise RecipeError(f"the weights in the dump do not fit the model the recipe built: buffer {key} is "
+                                  f"{tuple(tensor.shape)} in the dump, {tuple(old.shape)} in the model")
+            module._buffers[attr] = tensor
+            loaded.add(key)
+        else:
+            unexpected.append(key)
+    missing = [name for name in aliases if name not in loaded]
+    if missing:
+        raise RecipeError(f"the dump has no weights for parameters {missing[:5]}"
+                          f"{' ...' if len(missing) > 5 else ''}: the recipe built a different model")
+    model.to(device)  # the buffers the dump does not hold (non-persistent ones) follow the weights
+    left = sorted(buffers - loaded - {n for n, _ in model.named_buffers() if not _persistent(model, n)})
+    if left:
+        warnings.append(f"buffers not in the dump, left as built: {left[:5]}")
+    if unexpected:
+        warnings.append(f"dump entries the model does not have, ignored: {sorted(unexpected)[:5]}")
+    return model
+
+
+def _persistent(model: torch.nn.Module, name: str) -> bool:
+    owner, _, attr = name.rpartition(".")
+    return attr not in model.get_submodule(owner)._non_persistent_buffers_set
 
 
 def session_from_objects(model: torch.nn.Module, micro_batches: list[Any], loss_fn: LossFn | None = None,

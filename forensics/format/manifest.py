@@ -169,6 +169,13 @@ def _files(c: _Checker, files: Any) -> None:
                 and 0 <= entry["size"] < 1 << 50 and isinstance(entry.get("sha256"), str)
                 and SHA256.fullmatch(entry["sha256"])):
             raise c.fail(f"files.{name}", 'must be {"size": int >= 0, "sha256": 64 lowercase hex digits}')
+        if "chunks" in entry or "chunk_size" in entry:
+            chunk_size, chunks = entry.get("chunk_size"), entry.get("chunks")
+            c.int(chunk_size, f"files.{name}.chunk_size", 1 << 20, 1 << 32)
+            expected = -(-entry["size"] // chunk_size)
+            if not isinstance(chunks, list) or len(chunks) != expected or \
+                    not all(isinstance(d, str) and SHA256.fullmatch(d) for d in chunks):
+                raise c.fail(f"files.{name}.chunks", f"must list {expected} sha256 digests, one per chunk")
 
 
 def _tuple(types: type | tuple) -> tuple:

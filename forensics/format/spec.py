@@ -18,6 +18,8 @@ REQUIRED_MANIFEST_KEYS = (
     "format", "format_version", "created_at", "run_id", "trigger", "step", "rank", "world_size",
     "micro_batches", "files",
 )
+# Files above this size also carry per-chunk sha256s (manifest files[name].chunks), verified in parallel.
+CHUNK_BYTES = 64 * 1024 * 1024
 # A safetensors header above this is refused: no legitimate dump needs it, a hostile one could.
 MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
 

@@ -7,12 +7,12 @@ import io
 import json
 import os
 import struct
-from typing import BinaryIO
+from typing import BinaryIO, Iterator
 
 import torch
 
 from forensics.errors import DumpCorruptError
-from forensics.format.spec import MAX_SAFETENSORS_HEADER
+from forensics.format.spec import CHUNK_BYTES, MAX_SAFETENSORS_HEADER
 
 _DTYPE_NAMES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -26,7 +26,8 @@ for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
 
 
 class HashingWriter:
-    """File wrapper that counts bytes and sha256s them on the way to disk.
+    """File wrapper that counts bytes and sha256s them on the way to disk: the whole file, and each
+    CHUNK_BYTES chunk (a reader verifies the chunks of a large file on many cores at once).
 
     Large chunks are hashed on a helper thread while the same chunk is being written (both release
     the GIL), so checksumming costs little on top of the disk write.
@@ -38,7 +39,21 @@ class HashingWriter:
         self.raw = raw
         self.size = 0
         self.sha256 = hashlib.sha256()
+        self.chunks: list[str] = []
+        self._chunk = hashlib.sha256()
+        self._chunk_fill = 0
         self._pool = None
+
+    def _hash(self, view: memoryview) -> None:
+        self.sha256.update(view)
+        while len(view):
+            take = min(len(view), CHUNK_BYTES - self._chunk_fill)
+            self._chunk.update(view[:take])
+            self._chunk_fill += take
+            view = view[take:]
+            if self._chunk_fill == CHUNK_BYTES:
+                self.chunks.append(self._chunk.hexdigest())
+                self._chunk, self._chunk_fill = hashlib.sha256(), 0
 
     def write(self, data) -> None:
         view = memoryview(data).cast("B")
@@ -47,13 +62,19 @@ class HashingWriter:
                 from concurrent.futures import ThreadPoolExecutor
 
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forensics-sha256")
-            hashed = self._pool.submit(self.sha256.update, view)
+            hashed = self._pool.submit(self._hash, view)
             self.raw.write(view)
             hashed.result()
         else:
             self.raw.write(view)
-            self.sha256.update(view)
+            self._hash(view)
         self.size += len(view)
+
+    def chunk_digests(self) -> list[str] | None:
+        """Per-chunk sha256s of the whole file (the last chunk may be short), or None for a file of one chunk."""
+        if self.size <= CHUNK_BYTES:
+            return None
+        return self.chunks + ([self._chunk.hexdigest()] if self._chunk_fill else [])
 
     def close(self) -> None:
         if self._pool is not None:
@@ -157,8 +178,25 @@ def load_safetensors_bytes(data: bytes, name: str) -> dict[str, torch.Tensor]:
 def load_safetensors_file(path, name: str) -> dict[str, torch.Tensor]:
     """Reads a safetensors file (already checksummed) into CPU tensors through a memory map: one tensor is
     copied at a time, the file is never held in memory whole."""
-    from safetensors.torch import load_file
+    return dict(iter_safetensors_file(path, name, "cpu"))
 
+
+def iter_safetensors_file(path, name: str, device) -> "Iterator[tuple[str, torch.Tensor]]":
+    """(key, tensor) of a safetensors file (already checksummed), read one at a time onto `device`."""
+    from safetensors import safe_open
+
+    _check_file_header(path, name)
+    try:
+        with safe_open(str(path), framework="pt", device=str(device)) as handle:
+            for key in handle.keys():
+                yield key, handle.get_tensor(key)
+    except DumpCorruptError:
+        raise
+    except Exception as exc:  # safetensors raises its own error types
+        raise DumpCorruptError(f"{name} is not valid safetensors: {exc}", name) from exc
+
+
+def _check_file_header(path, name: str) -> None:
     with open(path, "rb") as handle:
         head = handle.read(8)
     if len(head) < 8:
@@ -166,7 +204,3 @@ def load_safetensors_file(path, name: str) -> dict[str, torch.Tensor]:
     (size,) = struct.unpack("<Q", head)
     if size > MAX_SAFETENSORS_HEADER or size + 8 > os.path.getsize(path):
         raise DumpCorruptError(f"{name} has a safetensors header of {size} bytes that does not fit the file", name)
-    try:
-        return load_file(str(path))
-    except Exception as exc:  # safetensors raises its own error types
-        raise DumpCorruptError(f"{name} is not valid safetensors: {exc}", name) from exc

@@ -66,6 +66,9 @@ class _DumpDir:
         handle.flush()
         os.fsync(handle.fileno())
         self.files[name] = {"size": out.size, "sha256": out.sha256.hexdigest()}
+        chunks = out.chunk_digests()
+        if chunks:
+            self.files[name].update(chunk_size=spec.CHUNK_BYTES, chunks=chunks)
 
     def write_bytes(self, name: str, data: bytes) -> None:
         with open(self.path / name, "wb") as handle:
