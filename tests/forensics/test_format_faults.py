@@ -340,3 +340,25 @@ def test_archive_with_two_top_directories_or_garbage_is_not_a_dump(tmp_path):
     garbage.write_bytes(b"\x28\xb5\x2f\xfd" + os.urandom(64))
     with pytest.raises(DumpError):
         open_dump(garbage)
+
+
+def test_a_large_file_is_verified_chunk_by_chunk_and_a_flipped_byte_is_found(tmp_path, helpers):
+    import torch
+
+    from forensics.format import open_dump, verify_dump, write_dump
+    from forensics.format.spec import CHUNK_BYTES
+
+    content, _ = helpers.synthetic_content()
+    content.model["big"] = torch.zeros(CHUNK_BYTES // 4 * 2 + 1000)  # just over two chunks
+    path = write_dump(content, tmp_path)
+    entry = open_dump(path).manifest["files"]["model.safetensors"]
+    assert entry["chunk_size"] == CHUNK_BYTES and len(entry["chunks"]) == 3
+    assert verify_dump(path).ok
+    model = path / "model.safetensors"
+    with open(model, "r+b") as handle:  # a flip in the middle chunk
+        handle.seek(CHUNK_BYTES + 12345)
+        byte = handle.read(1)
+        handle.seek(CHUNK_BYTES + 12345)
+        handle.write(bytes([byte[0] ^ 1]))
+    result = verify_dump(path)
+    assert not result.ok and "model.safetensors" in str(result.problems[0])

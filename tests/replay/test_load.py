@@ -163,3 +163,30 @@ def test_deepspeed_fp32_master_is_set_aside_and_a_bf16_model_gets_a_working_opti
     model(torch.ones(1, 3, dtype=torch.bfloat16)).sum().backward()
     optimizer.step()
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def test_the_model_is_built_on_meta_and_streamed_with_tied_weights_kept_tied(tmp_path, helpers):
+    """The replay builds parameters on the meta device (no random init) and streams the dump's tensors into
+    them: GPT-2's tied lm_head / wte stay one parameter, and every weight equals the job's bit for bit."""
+    import torch
+
+    from forensics.format import open_dump
+    from replay.load import load_session
+    from capture import Guard, GuardConfig
+
+    model = helpers.make_gpt2(dropout=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="tied", on_nonfinite="skip"))
+    ids = torch.randint(0, 64, (2, 8))
+    guard.record_batch({"input_ids": ids, "labels": ids, "sample_ids": ["a", "b"]})
+    loss = model(input_ids=ids, labels=ids).loss * float("nan")
+    guard.record_loss(loss)
+    loss.backward()
+    guard.check()
+    guard.close()
+    session = load_session(open_dump(guard.dumps[0]), device="cpu")
+    replayed = session.model
+    assert replayed.lm_head.weight is replayed.transformer.wte.weight
+    assert not any(p.is_meta for p in replayed.parameters())
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(replayed.state_dict()[name], tensor), name

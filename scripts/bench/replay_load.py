@@ -1,0 +1,82 @@
+"""Replay loading: time and peak host memory of `load_session` on a Llama-shaped dump, against `cat` of the
+same files (the disk / page-cache limit) measured in the same run.
+
+    python -m scripts.bench.replay_load --dir /tmp/bench --hidden 1024 --layers 12 [--device cpu]
+
+Writes one dump (fp32 weights and AdamW moments of a random Llama-shaped model, written with the dump
+writer as the Guard does), then in fresh processes: `cat` of its files (warm cache), and the replay load
+(verify + build + weights + optimizer state + micro-batches), each reporting wall time and peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+LOAD = """
+import json, resource, sys, time
+start = time.perf_counter()
+from forensics.format import open_dump
+from replay.load import load_session
+session = load_session(open_dump(sys.argv[1]), device=sys.argv[2])
+print(json.dumps({"seconds": time.perf_counter() - start,
+                  "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
+"""
+
+
+def write(directory: Path, hidden: int, layers: int) -> Path:
+    import torch
+    import transformers
+
+    from capture import Guard, GuardConfig
+
+    config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 8 // 3, num_hidden_layers=layers,
+                                      num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 64),
+                                      vocab_size=32000, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(directory), run_id="bench", on_nonfinite="skip"))
+    ids = torch.randint(0, 32000, (2, 64))
+    guard.record_batch({"input_ids": ids, "labels": ids, "sample_ids": ["a", "b"]})
+    loss = model(input_ids=ids, labels=ids).loss
+    guard.record_loss(loss * float("nan"))
+    loss.backward()
+    for p in model.parameters():  # moments exist, as after any real step
+        optimizer.state[p]["exp_avg"] = torch.zeros_like(p)
+        optimizer.state[p]["exp_avg_sq"] = torch.zeros_like(p)
+        optimizer.state[p]["step"] = torch.tensor(10.0)
+    guard.check()
+    guard.close()
+    return guard.dumps[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dir", default="/tmp/forensics_bench_load")
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    dump = write(Path(args.dir), args.hidden, args.layers)
+    size = sum(p.stat().st_size for p in dump.iterdir())
+    subprocess.run(["cat", *map(str, dump.iterdir())], stdout=subprocess.DEVNULL, check=True)  # warm the cache
+    start = time.perf_counter()
+    subprocess.run(["cat", *map(str, dump.iterdir())], stdout=subprocess.DEVNULL, check=True)
+    cat_s = time.perf_counter() - start
+    done = subprocess.run([sys.executable, "-c", LOAD, str(dump), args.device], capture_output=True, text=True,
+                          check=True)
+    load = json.loads(done.stdout.strip().splitlines()[-1])
+    gb = size / 2**30
+    print(json.dumps({"dump_gb": round(gb, 3), "cat_warm_gb_s": round(gb / cat_s, 2),
+                      "load_s": round(load["seconds"], 2), "load_gb_s": round(gb / load["seconds"], 3),
+                      "load_vs_cat": round(cat_s / load["seconds"], 3),
+                      "peak_rss_gb": round(load["peak_rss_gb"], 2), "rss_vs_dump": round(load["peak_rss_gb"] / gb, 2)}))
+
+
+if __name__ == "__main__":
+    main()
