@@ -153,7 +153,7 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
         cls = optimizer_class(opt_state["class"], trust)
         try:
             snapshot = OptimizerSnapshot(cls, [dict(g) for g in opt_state["param_groups"]], opt_state["state"])
-            snapshot.build(model)  # fail now, with a clear error, if state and model do not match
+            snapshot.check(model)  # fail now, with a clear error, if state and model do not match
         except (TypeError, ValueError, KeyError, IndexError, RuntimeError, OverflowError) as exc:
             raise DumpCorruptError(f"the dump's optimizer state does not rebuild a {cls.__name__} for this model "
                                    f"({type(exc).__name__}: {str(exc)[:200]})", "optimizer.json") from exc

@@ -73,19 +73,44 @@ class OptimizerSnapshot:
                 ids.append(index)
                 index += 1
             saved_groups.append({**hyper, "params": ids})
+        optimizer = self._construct(groups, saved_groups)
+        optimizer.load_state_dict({"state": saved_state, "param_groups": saved_groups})
+        return optimizer
+
+    def _construct(self, groups: list[dict], saved_groups: list[dict]) -> torch.optim.Optimizer:
         try:
-            optimizer = self.cls(groups)
+            return self.cls(groups)
         except TypeError:  # optimizers whose constructor insists on an explicit lr
-            optimizer = self.cls(groups, lr=groups[0].get("lr", 1e-3))
+            return self.cls(groups, lr=groups[0].get("lr", 1e-3))
         except RuntimeError as exc:  # e.g. fused=True recorded on CUDA, replaying on CPU
             logger.warning("rebuilding %s as recorded failed (%s); retrying without fused/foreach",
                            self.class_path, exc)
             for group in groups + saved_groups:
                 group.pop("fused", None)
                 group.pop("foreach", None)
-            optimizer = self.cls(groups)
-        optimizer.load_state_dict({"state": saved_state, "param_groups": saved_groups})
-        return optimizer
+            return self.cls(groups)
+
+    def check(self, model: torch.nn.Module) -> None:
+        """Fails now, with a clear error, when this state cannot rebuild the optimizer for `model` — without
+        copying any state (build() copies it; the replay builds the optimizer only for its optimizer check):
+        every per-parameter state tensor must have its parameter's shape, and the class must accept the
+        hyper-parameters (tried on a one-element stand-in parameter).
+
+        Raises:
+            ValueError / TypeError / RuntimeError: what is wrong.
+        """
+        named = dict(model.named_parameters())
+        for name, entries in self.state.items():
+            param = named.get(name)
+            if param is None:
+                continue
+            for key, value in entries.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != tuple(param.shape):
+                    raise ValueError(f"optimizer state {key} of {name} has shape {tuple(value.shape)}, the "
+                                     f"parameter {tuple(param.shape)}")
+        groups = [{**{k: _hyper_value(v) for k, v in group.items() if k not in ("params", "param_names")},
+                   "params": [torch.nn.Parameter(torch.zeros(1))]} for group in self.param_groups]
+        self._construct(groups, [dict(g) for g in groups])
 
     @classmethod
     def from_live(cls, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> "OptimizerSnapshot":
