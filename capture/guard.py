@@ -114,6 +114,7 @@ class Guard:
         self._current: StepRecord | None = None
         self._last_spike_dump: int | None = None
         self._suppressed_logged: set[TriggerKind] = set()
+        self._warned_already_bad = False
         self._writer = BackgroundWriter()
         self._hooks: list[Any] = []
         self.add_hook(model.register_forward_pre_hook(self._note_autocast))
@@ -569,8 +570,19 @@ class Guard:
         params = [p for p in self.model.parameters()]
         if not params or bool(torch.stack([torch.isfinite(p).all() for p in params]).all()):
             return
-        bad = next(name for name, p in self.model.named_parameters() if not bool(torch.isfinite(p).all()))
         step = self.step - 1  # check() already advanced the counter
+        before = state.get("model") or {}
+        broken = [name for name, p in self.model.named_parameters() if not bool(torch.isfinite(p).all())]
+        newly = [name for name in broken
+                 if name not in before or bool(torch.isfinite(before[name]).all())]  # finite before this update
+        if not newly:
+            if not self._warned_already_bad:
+                self._warned_already_bad = True
+                log.warning("forensics: verify_update: %s was already non-finite before the update of step %d, so that "
+                            "update is not blamed (an earlier step, or the data loaded into the model, broke it)",
+                            broken[0], step)
+            return
+        bad = newly[0]
         record = self._last_step or StepRecord()
         trigger = Trigger(TriggerKind.NONFINITE_PARAM, float("nan"), None, None,
                           f"the optimizer update of step {step} made parameter {bad} non-finite")

@@ -58,7 +58,22 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
         report["history"]["signals"] = history.signals
     if findings.kind is TriggerKind.EXCEPTION:
         report["exception"] = _exception_block(findings, session)
+    if findings.corrupted:
+        report["weights"] = _weights_block(findings)
     return to_json_safe(report)
+
+
+def _weights_block(findings: Findings) -> dict:
+    """The report's `weights` block: the parameters non-finite before the step, and who meets them."""
+    failing, checked = _per_sample_failures(findings)
+    return {"parameters": findings.corrupted,
+            "touching": {name: [r.sample_id for r in refs] for name, refs in (findings.touching or {}).items()},
+            "samples_failing": failing, "samples_checked": checked}
+
+
+def _per_sample_failures(findings: Findings) -> tuple[list, int]:
+    rows = [r for r in findings.per_sample if isinstance(r, dict)]
+    return [r.get("sample_id") for r in rows if r.get("finite") is False], len(rows)
 
 
 def _exception_block(findings: Findings, session: ReplaySession) -> dict:
@@ -133,6 +148,11 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
         per_sample_top=rank_by_loss(findings.per_sample)[:3] if findings.per_sample else [],
         rng_dependent=rng.get("rng_dependent"), rng_seeds_tried=len(rng.get("seeds") or []),
         data_kind=_data_kind(session, findings),
+        corrupted_weights=findings.corrupted,
+        touching_samples=sorted({r.sample_id for refs in (findings.touching or {}).values() for r in refs}, key=str)
+        if findings.touching is not None else None,
+        samples_failing=_per_sample_failures(findings)[0] if findings.per_sample else None,
+        samples_checked=_per_sample_failures(findings)[1],
         exception_type=findings.exception.type if findings.exception else
         (findings.reproduction.result.raised or {}).get("type"),
         exception_message=findings.exception.message if findings.exception else None,

@@ -30,6 +30,7 @@ from replay.history_pattern import classify_history, history_signals
 from replay.load import ReplaySession, finite_float, load_session
 from replay.localize import localize_backward, localize_forward
 from replay.localize_exception import localize_exception
+from replay.localize_weights import corrupted_weights, samples_touching_embeddings
 from replay.localize_update import localize_optimizer, per_layer_stats
 from replay.per_sample import per_sample_stats
 from replay.precision import fp32_check, uses_low_precision
@@ -177,6 +178,10 @@ def run_session(session: ReplaySession, options: ReplayOptions | None = None, pr
                                         threshold=findings.threshold)
     elif options.fp32_check:
         findings.precision = fp32_check(runner, kind=TriggerKind.NONFINITE_PARAM)  # dtype facts only, no run
+    if findings.weights_nonfinite:
+        _stage(progress, "locating the non-finite weights and the samples that touch them")
+        findings.corrupted = corrupted_weights(runner)
+        findings.touching = samples_touching_embeddings(runner, findings.corrupted)
     if not raised:
         _stage(progress, "per-sample loss and gradient norm")
         findings.per_sample = _per_sample(runner, refs, findings.culprits, options.max_per_sample)

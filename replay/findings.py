@@ -68,6 +68,10 @@ class Findings:
     """trigger exception: where the replayed step raised."""
     weights_nonfinite: list[str] = field(default_factory=list)
     """Parameters that hold NaN/Inf before the step (named_parameters order)."""
+    corrupted: list[dict] = field(default_factory=list)
+    """Per such parameter: counts and bad slices (replay/localize_weights.py)."""
+    touching: dict[str, list[SampleRef]] | None = None
+    """Corrupted embedding -> the samples whose ids hit its bad rows (None: no corrupted embedding)."""
 
     @property
     def culprits(self) -> list[SampleRef]:

@@ -104,6 +104,13 @@ class VerdictFacts:
     exception_message: str | None = None
     exception_detail: str | None = None
     """trigger exception: the data that made the op raise, in words ('token id 300 is outside [0, 64) ...')."""
+    corrupted_weights: list[dict] = field(default_factory=list)
+    """Parameters non-finite before the step: name, bad_elements, elements, slice_kind, bad_rows ..."""
+    touching_samples: list | None = None
+    """Samples whose input ids hit a corrupted embedding row (None: no corrupted embedding)."""
+    samples_failing: list | None = None
+    """Samples whose own replay is non-finite (per-sample table); None: not measured."""
+    samples_checked: int = 0
     data_kind: str | None = None
     """'tokens' when the culprit's micro-batch holds integer tensors (token ids, labels), 'float' when it holds
     only floating-point data (features, embeddings, images): chooses the record-inspection hint."""
@@ -400,14 +407,43 @@ def _not_reproduced(f: VerdictFacts) -> dict:
     ], reading)
 
 
+def _corruption_words(f: VerdictFacts) -> str:
+    """'`model.embed_tokens.weight` holds 8 non-finite values (+inf) in token ids [99]' for the first ones."""
+    parts = []
+    for entry in f.corrupted_weights[:2]:
+        kinds = [word for key, word in (("nan", "NaN"), ("pos_inf", "+inf"), ("neg_inf", "-inf")) if entry.get(key)]
+        text = f"`{entry.get('name')}` holds {entry.get('bad_elements')} non-finite value(s) ({', '.join(kinds)})"
+        rows = entry.get("bad_rows")
+        if rows and entry.get("slice_kind") and entry.get("bad_row_count", 0) < (entry.get("shape") or [0])[0]:
+            more = f" and {entry['bad_row_count'] - len(rows)} more" if entry["bad_row_count"] > len(rows) else ""
+            text += f" in {entry['slice_kind']} {rows}{more}"
+        parts.append(text)
+    if len(f.corrupted_weights) > 2:
+        parts.append(f"{len(f.corrupted_weights) - 2} more parameters")
+    return "; ".join(parts)
+
+
 def _model_state(f: VerdictFacts) -> dict:
     at = _where_step(f)
     if f.weights_nonfinite_at_start:
-        which = f", first in `{f.parameter}`" if f.parameter else ""
-        headline = (f"The weights were already non-finite before {_where_step(f, micro_batch=False)}{which}: "
-                    "an earlier step broke them.")
-        reading = ("The pre-step weights hold NaN/Inf, so every forward fails whatever the data; the "
-                   "update that broke them happened at an earlier, unchecked step.")
+        where = _corruption_words(f)
+        which = f": {where}" if where else (f", first in `{f.parameter}`" if f.parameter else "")
+        partial = f.samples_failing is not None and f.samples_checked and len(f.samples_failing) < f.samples_checked
+        if partial:
+            failing = f.touching_samples if f.touching_samples else f.samples_failing
+            named = ", ".join(_id(s) for s in failing[:MAX_NAMED_SAMPLES]) + \
+                (f" and {len(failing) - MAX_NAMED_SAMPLES} more" if len(failing) > MAX_NAMED_SAMPLES else "")
+            headline = (f"The weights were already non-finite before {_where_step(f, micro_batch=False)}{which}; "
+                        f"only the samples that meet them fail ({named}: {len(f.samples_failing)} of "
+                        f"{f.samples_checked}), the others are finite.")
+            reading = ("A few slices of the weights hold NaN/Inf, so only the samples that use them fail; the update "
+                       "that broke them happened at an earlier, unchecked step (this step's data only decides "
+                       "who meets them).")
+        else:
+            headline = (f"The weights were already non-finite before {_where_step(f, micro_batch=False)}{which}: "
+                        "an earlier step broke them.")
+            reading = ("The pre-step weights hold NaN/Inf, so every forward fails whatever the data; the "
+                       "update that broke them happened at an earlier, unchecked step.")
         suggestions = ["Go back to the last checkpoint with finite weights and train forward from it with "
                        "GuardConfig(verify_update=True), which checks the weights after every optimizer step "
                        "and dumps the update that breaks them (trigger nonfinite_param).",

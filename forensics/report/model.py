@@ -31,7 +31,7 @@ def schema_for(kind: VerdictKind | str) -> str:
 SCHEMA_KEYS = (
     "schema", "created_at", "dump", "trigger", "environment", "reproduced", "fidelity", "rng",
     "verdict", "culprit", "precision", "bisection", "per_sample", "per_layer", "history",
-    "history_pattern", "timings", "exception",
+    "history_pattern", "timings", "exception", "weights",
 )
 REQUIRED_KEYS = (
     "schema", "created_at", "dump", "trigger", "environment", "reproduced", "fidelity",
