@@ -56,6 +56,8 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
     }
     if history.signals:
         report["history"]["signals"] = history.signals
+    if history.diverged and report["history"] is not None:
+        report["history"]["diverged"] = history.diverged
     if findings.kind is TriggerKind.EXCEPTION:
         report["exception"] = _exception_block(findings, session)
     if findings.corrupted:
@@ -148,6 +150,7 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
         per_sample_top=rank_by_loss(findings.per_sample)[:3] if findings.per_sample else [],
         rng_dependent=rng.get("rng_dependent"), rng_seeds_tried=len(rng.get("seeds") or []),
         data_kind=_data_kind(session, findings),
+        run_diverged=findings.history.diverged,
         corrupted_weights=findings.corrupted,
         touching_samples=sorted({r.sample_id for refs in (findings.touching or {}).values() for r in refs}, key=str)
         if findings.touching is not None else None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,7 @@ from replay.bisect import bisect_budget, ddmin
 from replay.environment import deterministic_mode
 from replay.execute import SampleRef, StepRunner, reproduce
 from replay.findings import Bisection, Findings, HistoryFinding
-from replay.history_pattern import classify_history, history_signals
+from replay.history_pattern import classify_history, diverged_long_ago, history_signals
 from replay.load import ReplaySession, finite_float, load_session
 from replay.localize import localize_backward, localize_forward
 from replay.localize_exception import localize_exception
@@ -188,7 +189,10 @@ def run_session(session: ReplaySession, options: ReplayOptions | None = None, pr
     elif findings.culprits and findings.exception is not None:
         _stage(progress, "naming the values that make the culprit samples raise")
         findings.exception = localize_exception(runner, findings.culprits) or findings.exception
-    findings.history = _history(history)
+    findings.history = _history(history, _uniform_loss(runner.model))
+    if findings.kind.spike and findings.history.diverged and findings.culprits:
+        logger.info("the run diverged long before: the samples whose removal ends the spike are not culprits")
+        findings.bisection.culprits = []  # the bisection block keeps what it found; no sample is blamed
     return assemble_report(findings, runner, dump_info, started)
 
 
@@ -329,8 +333,14 @@ def _per_sample(runner: StepRunner, refs: list[SampleRef], culprits: list[Sample
         runner.reset()
 
 
-def _history(history: dict | None) -> HistoryFinding:
-    """Stage 6: the recorded history's curve shape and warning signals."""
+def _uniform_loss(model: torch.nn.Module) -> float | None:
+    """ln(vocabulary size): the loss of a uniform guess, for a language model that says its vocabulary."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    return math.log(vocab) if isinstance(vocab, int) and vocab > 1 else None
+
+
+def _history(history: dict | None, uniform_loss: float | None = None) -> HistoryFinding:
+    """Stage 6: the recorded history's curve shape and warning signals, and whether the run diverged long ago."""
     if not history:
         return HistoryFinding(None, HistoryPattern.INSUFFICIENT_HISTORY)
     block = {"step": list(history.get("step") or []), "loss": list(history.get("loss") or []),
@@ -340,7 +350,8 @@ def _history(history: dict | None) -> HistoryFinding:
     except Exception:  # noqa: BLE001 - signals are an extra; never fail the replay on them
         logger.warning("history signals failed", exc_info=True)
         signals = []
-    return HistoryFinding(block, HistoryPattern(classify_history(block["loss"])), signals)
+    return HistoryFinding(block, HistoryPattern(classify_history(block["loss"])), signals,
+                          diverged_long_ago(history, uniform_loss))
 
 
 __all__ = ["ReplayOptions", "run_replay", "run_session", "CONFIRM_ROUNDS"]

@@ -43,6 +43,8 @@ class HistoryFinding:
     block: dict | None
     pattern: HistoryPattern
     signals: list[str] = field(default_factory=list)
+    diverged: str | None = None
+    """A sentence when the whole run (since step 0) was far off long before the dumped step."""
 
 
 @dataclass

@@ -220,3 +220,38 @@ def history_signals(history: dict) -> list[str]:
         signals.append(f"{len(overflow_steps)} recorded steps were skipped (loss-scale overflow): "
                        "fp16 overflow keeps repeating.")
     return signals
+
+
+DIVERGED_FACTOR = 3.0    # a loss this many times the run's first losses, held for a while, is a diverged run
+DIVERGED_FOR = 8         # ... for at least this many recorded steps before the trigger
+
+
+def diverged_long_ago(history: dict, uniform_loss: float | None = None) -> str | None:
+    """A sentence when the run was already far off before the dumped step, else None.
+
+    The run's first recorded losses (history `summary.first_losses`, kept since step 0) are its baseline.
+    Diverged: the median of the recorded losses before the trigger is DIVERGED_FACTOR x that baseline or more
+    (or above `uniform_loss`, the loss of a uniform guess, ln(vocabulary) for a language model) over at least
+    DIVERGED_FOR steps. Then a spike at the dumped step is a symptom of that run, not a cause.
+    """
+    summary = history.get("summary") if isinstance(history.get("summary"), dict) else {}
+    first = _finite(summary.get("first_losses") or [])
+    losses = [_num(v) for v in (history.get("loss") or [])][:-1]  # the last entry is the dumped step
+    steps = list(history.get("step") or [])[:len(losses)]
+    recent = [(s, v) for s, v in zip(steps, losses) if v is not None and math.isfinite(v)]
+    if not first or len(recent) < DIVERGED_FOR:
+        return None
+    baseline = median(first[:3])
+    limit = DIVERGED_FACTOR * baseline if baseline > 0 else math.inf
+    if uniform_loss is not None:
+        limit = min(limit, uniform_loss * 1.5)
+    above = [(s, v) for s, v in recent if v > limit]
+    if len(above) < DIVERGED_FOR or median(v for _, v in recent) <= limit:
+        return None
+    since = above[0][0]
+    low, high = min(v for _, v in recent), max(v for _, v in recent)
+    bound = (f", above the {fmt_num(uniform_loss, 3)} of a uniform guess over the vocabulary"
+             if uniform_loss is not None and median(v for _, v in recent) > uniform_loss else "")
+    return (f"The run had diverged long before this step: its loss started at {fmt_num(first[0], 3)} and has been "
+            f"{fmt_num(low, 3)}-{fmt_num(high, 3)} since step {since}{bound}, so this step's numbers are a symptom "
+            "of that run, not of one sample.")

@@ -111,6 +111,9 @@ class VerdictFacts:
     samples_failing: list | None = None
     """Samples whose own replay is non-finite (per-sample table); None: not measured."""
     samples_checked: int = 0
+    run_diverged: str | None = None
+    """A sentence when the run was far off long before this step (replay.history_pattern.diverged_long_ago):
+    then a spike is that run's symptom, and no sample is blamed for it."""
     data_kind: str | None = None
     """'tokens' when the culprit's micro-batch holds integer tensors (token ids, labels), 'float' when it holds
     only floating-point data (features, embeddings, images): chooses the record-inspection hint."""
@@ -246,7 +249,7 @@ def _evidence(f: VerdictFacts) -> list[str]:
 
 
 def _history(f: VerdictFacts) -> list[str]:
-    out = []
+    out = [f.run_diverged] if f.run_diverged else []
     if f.history_pattern:
         out.append(f"Loss history: {f.history_pattern.means}.")
     out.extend(f.history_signals)
@@ -338,6 +341,8 @@ def decide_verdict(facts: VerdictFacts) -> dict:
         return _not_reproduced(f)
     if f.trigger_kind is TriggerKind.EXCEPTION:
         return _exception(f)
+    if f.spike and f.run_diverged:
+        return _diverged(f)
     if f.weights_nonfinite_at_start or f.all_subsets_fail:
         return _model_state(f)
     if f.phase is Phase.OPTIMIZER:
@@ -631,6 +636,19 @@ def _bad_sample(f: VerdictFacts) -> dict:
     if _low_precision(f) == "float16" and not any("bfloat16" in h for h in hints):
         hints.append("The job runs in float16: bfloat16 has fp32's range and tolerates outliers better.")
     return _result(VerdictKind.BAD_SAMPLE, headline, f, suggestions + hints + _pattern_hints(f), reading)
+
+
+def _diverged(f: VerdictFacts) -> dict:
+    """A spike in a run that was already far off: the run is the problem, not a sample of this step."""
+    headline = (f"The {f.trigger_kind.words} at {_where_step(f)} is a symptom: the run had diverged long before, "
+                "so no sample is to blame.")
+    suggestions = ["Lower the learning rate (or lengthen the warm-up) and restart from the last checkpoint taken "
+                   "before the loss left its early values; clipping alone does not bring such a run back.",
+                   "Do not filter the samples of this step: in a diverged model the largest gradients land on "
+                   "whichever samples happen to be there."]
+    reading = ("Samples whose removal ends the spike only carry the largest gradients of an unstable model; "
+               "their data is not what is wrong.") if f.candidates > 1 else None
+    return _result(VerdictKind.SPIKE_NO_SINGLE_CAUSE, headline, f, suggestions + _pattern_hints(f), reading)
 
 
 def _spike(f: VerdictFacts) -> dict:

@@ -283,8 +283,10 @@ class Dump:
 
     def history(self) -> dict:
         history = self._json_object(spec.HISTORY)
-        if not all(isinstance(v, list) for k, v in history.items() if k != "capacity"):
-            raise DumpCorruptError(f"{self.path / spec.HISTORY}: every column must be a list", spec.HISTORY)
+        if not all(isinstance(v, list) for k, v in history.items() if k not in ("capacity", "summary")) \
+                or not isinstance(history.get("summary", {}), dict):
+            raise DumpCorruptError(f"{self.path / spec.HISTORY}: every column must be a list (and 'summary' an "
+                                   "object)", spec.HISTORY)
         return history
 
     def total_size(self) -> int:

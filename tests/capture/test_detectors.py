@@ -87,14 +87,18 @@ def test_guard_config_defaults_raise_on_nonfinite_and_continue_on_spikes():
 
 def test_history_is_a_ring_buffer_of_its_capacity():
     history = History(capacity=4)
-    assert history.to_dict() == {"capacity": 4, **{name: [] for name in FIELDS}}
+    empty = history.to_dict()
+    assert {k: v for k, v in empty.items() if k != "summary"} == {"capacity": 4, **{name: [] for name in FIELDS}}
     for step in range(10):
         history.append(step, float(step), 0.5, 1e-3, None, False, step == 9)
     assert len(history) == 4
     rows = history.to_dict()
     assert rows["step"] == [6, 7, 8, 9] and rows["loss"] == [6.0, 7.0, 8.0, 9.0]
     assert rows["skipped"] == [False, False, False, True] and rows["loss_scale"] == [None] * 4
-    assert list(rows) == ["capacity", *FIELDS]
+    assert list(rows) == ["capacity", *FIELDS, "summary"]
+    summary = rows["summary"]  # the whole run, not just the ring: its first losses and minimum survive
+    assert summary["steps"] == 10 and summary["first_losses"][:3] == [0.0, 1.0, 2.0]
+    assert summary["min_loss"] == 0.0 and summary["min_loss_step"] == 0 and summary["skipped_steps"] == 1
 
 
 def test_history_keeps_non_finite_values_for_the_dump():

@@ -111,3 +111,16 @@ def test_fp16_loss_scale_overflows_down_to_the_minimum():
     h["loss_scale"] = [65536.0] * 35 + [32768.0, 32768.0, 16384.0, 8192.0, 8192.0]
     (signal,) = history_signals(h)
     assert "overflowed on 3 recorded steps" in signal and "minimum" not in signal
+
+
+def test_diverged_long_ago_only_when_the_run_left_its_first_losses_for_a_while():
+    from replay.history_pattern import diverged_long_ago
+
+    healthy = {"step": list(range(40)), "loss": [4.0 - 0.02 * i for i in range(39)] + [40.0],
+               "summary": {"first_losses": [4.0, 3.98, 3.96]}}
+    assert diverged_long_ago(healthy, uniform_loss=4.16) is None  # a spike after a healthy run: not diverged
+    gone = {"step": list(range(40)), "loss": [4.0] + [150.0 + (i % 5) * 20 for i in range(38)] + [900.0],
+            "summary": {"first_losses": [4.0, 150.0, 170.0]}}
+    sentence = diverged_long_ago(gone, uniform_loss=4.16)
+    assert sentence and "since step 1" in sentence and "uniform guess" in sentence
+    assert diverged_long_ago({"step": [1, 2], "loss": [1.0, 2.0]}) is None  # an old dump without a summary
