@@ -8,7 +8,9 @@ reading memory counters.
 
 from __future__ import annotations
 
+import sys
 import traceback
+import weakref
 from typing import Any
 
 import torch
@@ -92,3 +94,31 @@ def _safe_str(exc: BaseException) -> str:
         return str(exc)
     except Exception:  # noqa: BLE001
         return f"<{type(exc).__name__} without a message>"
+
+
+# -- the one excepthook: uncaught exceptions reach every live Guard -------------------------------
+_WATCHED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_PREVIOUS: list[Any] = []
+
+
+def _excepthook(exc_type, exc, tb) -> None:
+    if isinstance(exc, Exception):
+        for guard in list(_WATCHED):
+            guard.record_exception(exc)  # never raises; dumps only a guard with a step in progress
+    (_PREVIOUS[0] if _PREVIOUS else sys.__excepthook__)(exc_type, exc, tb)
+
+
+def watch(guard: Any) -> None:
+    """Has uncaught exceptions dump `guard`'s step in progress. One hook for every Guard of the process,
+    chained to the previous one, holding the guards weakly (a Guard that is dropped is not kept alive)."""
+    if sys.excepthook is not _excepthook:
+        _PREVIOUS[:] = [sys.excepthook]
+        sys.excepthook = _excepthook
+    _WATCHED.add(guard)
+
+
+def unwatch(guard: Any) -> None:
+    """Guard.close(): this guard no longer dumps uncaught exceptions; the hook goes once none is watched."""
+    _WATCHED.discard(guard)
+    if not _WATCHED and sys.excepthook is _excepthook:
+        sys.excepthook = _PREVIOUS[0] if _PREVIOUS else sys.__excepthook__

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import sys
 import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -123,9 +122,8 @@ class Guard:
         self._sync_free = deferred.SyncFree(self) if self.config.sync_free else None
         environment.environment()  # versions, git commit: read now, not while a fault is being dumped
         self._closed = False
-        self._previous_excepthook = sys.excepthook
         if self.config.capture_exceptions:
-            sys.excepthook = self._excepthook
+            exceptions.watch(self)
         unfit = default_loss_fits(model, build_recipe(model, loss_fn, self.config.sample_id_key, self.config.recipe))
         if unfit:
             log.warning("forensics: %s", unfit)
@@ -310,10 +308,6 @@ class Guard:
         except Exception:  # noqa: BLE001 - a broken device: the losses are a bonus
             return [v if isinstance(v, float) else None for v in record.losses]
 
-    def _excepthook(self, exc_type, exc, tb) -> None:
-        if isinstance(exc, Exception) and not self._closed:
-            self.record_exception(exc)
-        self._previous_excepthook(exc_type, exc, tb)
 
     # -- helpers the Guard's modes share (capture/deferred.py) -----------------------------------
     @property
@@ -613,8 +607,7 @@ class Guard:
             self.flush()
         finally:
             self._closed = True
-            if sys.excepthook == self._excepthook:
-                sys.excepthook = self._previous_excepthook
+            exceptions.unwatch(self)
             self._writer.join(timeout)
             for hook in self._hooks:
                 hook.remove()

@@ -73,3 +73,22 @@ def test_an_out_of_memory_error_records_the_memory_picture_of_each_micro_batch()
     assert sizes == [4 * 128 * 8, 4 * 4096 * 8] and section["memory"]["micro_batches"][1]["shapes"] == {
         "input_ids": [4, 4096]}
     assert section["frames"][-1]["function"] == "test_an_out_of_memory_error_records_the_memory_picture_of_each_micro_batch"
+
+
+def test_the_excepthook_holds_guards_weakly_and_goes_when_the_last_is_closed():
+    import gc
+    import sys
+
+    from capture import exceptions
+
+    before = sys.excepthook
+    model = torch.nn.Linear(2, 1)
+    first = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), config=GuardConfig(run_id="w1"))
+    second = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), config=GuardConfig(run_id="w2"))
+    assert sys.excepthook is exceptions._excepthook and len(exceptions._WATCHED) >= 2
+    del first
+    gc.collect()
+    assert second in exceptions._WATCHED and len([g for g in exceptions._WATCHED if g.run_id == "w1"]) == 0
+    second.close()
+    if not exceptions._WATCHED:
+        assert sys.excepthook is before or sys.excepthook is sys.__excepthook__
