@@ -82,11 +82,11 @@ def test_the_excepthook_holds_guards_weakly_and_goes_when_the_last_is_closed():
     from capture import exceptions
 
     before = sys.excepthook
-    model = torch.nn.Linear(2, 1)
-    first = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), config=GuardConfig(run_id="w1"))
-    second = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), config=GuardConfig(run_id="w2"))
+    models = [torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)]
+    first = Guard(models[0], torch.optim.SGD(models[0].parameters(), lr=0.1), config=GuardConfig(run_id="w1"))
+    second = Guard(models[1], torch.optim.SGD(models[1].parameters(), lr=0.1), config=GuardConfig(run_id="w2"))
     assert sys.excepthook is exceptions._excepthook and len(exceptions._WATCHED) >= 2
-    del first
+    del first, models[0]  # a job that drops its model and Guard without close(): the hook does not keep them
     gc.collect()
     assert second in exceptions._WATCHED and len([g for g in exceptions._WATCHED if g.run_id == "w1"]) == 0
     second.close()
