@@ -140,11 +140,14 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
     device = resolve_device(device)
     manifest = dump.manifest
     recipe = resolve_recipe(dump.recipe, trust=trust, factory=factory, loss=loss, sys_path=sys_path)
-    model = build_model(recipe)
     precision = dump.precision or {}
     env_warnings = environment_warnings(manifest.get("environment"), device)
     warnings = list(env_warnings)
-    model = stream_weights(model, dump.iter_model_tensors(device), device, warnings)
+    try:
+        model = stream_weights(build_model(recipe), dump.iter_model_tensors(device), device, warnings)
+    except MetaBuffersError:  # a buffer computed from a parameter at init, and not in the dump
+        logger.info("a buffer of the model was derived from meta parameters; building the model normally")
+        model = stream_weights(build_model(recipe, on_meta=False), dump.iter_model_tensors(device), device, warnings)
     param_dtype = _param_dtype(precision.get("param_dtype"), model)
 
     snapshot = None
@@ -226,9 +229,13 @@ def parameters_on_meta() -> Iterator[None]:
         torch.nn.Module.register_parameter = register
 
 
-def build_model(recipe: Any) -> torch.nn.Module:
+class MetaBuffersError(RuntimeError):
+    """stream_weights: the model built on meta derived a buffer from a parameter; build it normally instead."""
+
+
+def build_model(recipe: Any, on_meta: bool = True) -> torch.nn.Module:
     """The recipe's model with its parameters on the meta device (their values come from the dump); a
-    factory that cannot build that way is called again normally."""
+    factory that cannot build that way is called again normally (and `on_meta=False` builds normally)."""
     def call() -> torch.nn.Module:
         try:
             model = recipe.factory(**recipe.factory_kwargs)
@@ -240,6 +247,8 @@ def build_model(recipe: Any) -> torch.nn.Module:
                               "not a torch.nn.Module")
         return model
 
+    if not on_meta:
+        return call()
     try:
         with parameters_on_meta():
             return call()
@@ -293,6 +302,8 @@ def stream_weights(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Te
     if missing:
         raise RecipeError(f"the dump has no weights for parameters {missing[:5]}"
                           f"{' ...' if len(missing) > 5 else ''}: the recipe built a different model")
+    if any(t.is_meta for t in model.buffers()):
+        raise MetaBuffersError("a buffer not in the dump was computed from meta parameters")
     model.to(device)  # the buffers the dump does not hold (non-persistent ones) follow the weights
     left = sorted(buffers - loaded - {n for n, _ in model.named_buffers() if not _persistent(model, n)})
     if left:

@@ -190,3 +190,44 @@ def test_the_model_is_built_on_meta_and_streamed_with_tied_weights_kept_tied(tmp
     assert not any(p.is_meta for p in replayed.parameters())
     for name, tensor in model.state_dict().items():
         assert torch.equal(replayed.state_dict()[name], tensor), name
+
+
+class _DerivedBuffer(torch.nn.Module):
+    """A module whose non-persistent buffer is computed from a parameter at init (not in any dump)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(3))
+        self.register_buffer("scale", self.weight.detach() * 2, persistent=False)
+
+    def forward(self, x):
+        return (x * self.weight * self.scale).sum()
+
+
+def build_derived_buffer():
+    return _DerivedBuffer()
+
+
+def test_a_buffer_derived_from_a_parameter_at_init_falls_back_to_a_normal_build(tmp_path):
+    from capture import Guard, GuardConfig
+    from forensics.format import open_dump
+    from replay.load import load_session
+
+    model = _DerivedBuffer()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="derived", on_nonfinite="skip"),
+                  loss_fn=_derived_loss)
+    x = torch.tensor([1.0, float("nan"), 2.0])
+    guard.record_batch({"x": x.unsqueeze(0)}, sample_ids=["only"])
+    loss = _derived_loss(model, {"x": x.unsqueeze(0)})
+    guard.record_loss(loss)
+    loss.backward()
+    guard.check()
+    guard.close()
+    session = load_session(open_dump(guard.dumps[0]), device="cpu", factory=f"{__name__}:build_derived_buffer",
+                           loss=f"{__name__}:_derived_loss")
+    assert not session.model.scale.is_meta and torch.equal(session.model.scale, torch.full((3,), 2.0))
+
+
+def _derived_loss(model, batch):
+    return model(batch["x"])
