@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from capture.incident import tensor_leaves
+
 MAX_FRAMES = 40
 MAX_MESSAGE = 4000
 
@@ -51,22 +53,11 @@ def memory_picture(batches: list[Any]) -> dict:
     except Exception:  # noqa: BLE001 - a broken context: the counters are a bonus
         pass
     for index, batch in enumerate(batches):
-        tensors = list(_tensors(batch, ""))
+        tensors = list(tensor_leaves(batch))
         picture["micro_batches"].append({
             "index": index, "bytes": sum(t.numel() * t.element_size() for _, t in tensors),
             "shapes": {path or "batch": list(t.shape) for path, t in tensors[:32]}})
     return picture
-
-
-def _tensors(node: Any, path: str):
-    if isinstance(node, torch.Tensor):
-        yield path, node
-    elif isinstance(node, dict):
-        for key, value in node.items():
-            yield from _tensors(value, f"{path}.{key}" if path else str(key))
-    elif isinstance(node, (list, tuple)):
-        for i, value in enumerate(node):
-            yield from _tensors(value, f"{path}[{i}]")
 
 
 PEER_FAILURE_WORDS = ("Connection closed by peer", "Connection reset by peer", "remote worker", "NCCL error",

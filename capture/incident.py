@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,21 +123,22 @@ def _safe_repr(value: Any) -> str:
         return f"<{type(value).__name__} without a repr>"
 
 
+def tensor_leaves(node: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(path, tensor) of every tensor in a batch tree, in order: 'input_ids', 'meta.lengths', '[1][0]'."""
+    if isinstance(node, torch.Tensor):
+        yield path, node
+    elif isinstance(node, Mapping):
+        for key, value in node.items():
+            yield from tensor_leaves(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(node, (list, tuple)):
+        for i, value in enumerate(node):
+            yield from tensor_leaves(value, f"{path}[{i}]")
+
+
 def batch_size(batch: Any) -> int | None:
     """The leading dimension of the first tensor in a batch tree (None: no tensor with one, or a batch
     that cannot be walked)."""
     try:
-        return _first_leading_dim(batch)
+        return next((t.shape[0] for _, t in tensor_leaves(batch) if t.dim()), None)
     except Exception:  # noqa: BLE001 - an odd batch must not cost the dump
         return None
-
-
-def _first_leading_dim(batch: Any) -> int | None:
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.dim() else None
-    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
-    for value in values:
-        size = _first_leading_dim(value)
-        if size is not None:
-            return size
-    return None

@@ -17,6 +17,7 @@ from replay.findings import Findings
 from replay.load import ReplaySession, finite_float
 from replay.localize import ROOT_MODULE
 from replay.per_sample import rank_by_loss
+from replay.samples import tensor_leaves
 from replay.verdict import VerdictFacts, decide_verdict
 
 
@@ -167,14 +168,7 @@ def _data_kind(session: ReplaySession, findings: Findings) -> str | None:
     index = findings.culprits[0].micro_batch if findings.culprits else 0
     if not session.micro_batches:
         return None
-    stack, kinds = [session.micro_batches[index]], set()
-    while stack:
-        node = stack.pop()
-        if isinstance(node, torch.Tensor):
-            kinds.add("float" if node.is_floating_point() else "tokens" if node.dtype != torch.bool else None)
-        elif isinstance(node, dict):
-            stack.extend(node.values())
-        elif isinstance(node, (list, tuple)):
-            stack.extend(node)
+    kinds = {"float" if t.is_floating_point() else "tokens" if t.dtype != torch.bool else None
+             for _, t in tensor_leaves(session.micro_batches[index])}
     return "tokens" if "tokens" in kinds else "float" if "float" in kinds else None
 

@@ -314,7 +314,7 @@ def localize_forward(runner: StepRunner, samples: list[SampleRef] | None = None,
 def _nonfinite_batch_input(runner: StepRunner, samples: list[SampleRef] | None) -> ForwardFinding | None:
     """The batch's own float data holding NaN/Inf (an `inputs_embeds` already broken): then the input is the
     source, not the first module that passes it on. Named by its field path, e.g. `<input>.inputs_embeds`."""
-    from replay.samples import select_samples
+    from replay.samples import select_samples, tensor_leaves
 
     session = runner.session
     chosen = None if samples is None else {(r.micro_batch, r.index) for r in samples}
@@ -324,9 +324,9 @@ def _nonfinite_batch_input(runner: StepRunner, samples: list[SampleRef] | None) 
             if not rows:
                 continue
             batch = select_samples(batch, rows)
-        for path, tensor in _float_leaves(batch, ""):
-            if tensor.numel() and not bool(torch.isfinite(tensor).all()):
-                field = path.lstrip(".") or "batch"
+        for path, tensor in tensor_leaves(batch):
+            if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()):
+                field = path or "batch"
                 value = tensor.detach().float()
                 return ForwardFinding(module=f"{INPUT_MODULE}.{field}", op=None, micro_batch=index,
                                       op_inputs_finite=False, nonfinite_inputs=[field],
@@ -334,18 +334,6 @@ def _nonfinite_batch_input(runner: StepRunner, samples: list[SampleRef] | None) 
                                       stats={"inputs_absmax": float(value.abs().nan_to_num(float("inf")).max()),
                                              "outputs_absmax": None, "params_absmax": None})
     return None
-
-
-def _float_leaves(node: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    if isinstance(node, torch.Tensor):
-        if node.is_floating_point():
-            yield path, node
-    elif isinstance(node, dict):
-        for key, value in node.items():
-            yield from _float_leaves(value, f"{path}.{key}")
-    elif isinstance(node, (list, tuple)):
-        for i, value in enumerate(node):
-            yield from _float_leaves(value, f"{path}[{i}]")
 
 
 def _module_stats(module: torch.nn.Module, args: tuple, kwargs: dict, outputs: list[torch.Tensor]) -> dict:
