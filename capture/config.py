@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from forensics.kinds import Policy, TriggerKind
+from forensics.kinds import Policy, StateLayout, TriggerKind
 
 
 @dataclass
@@ -103,6 +103,17 @@ class GuardConfig:
     (forensics/uploads.py; the job's open run; optional extras). A failed upload is logged only."""
     tensorboard_dir: str | None = None
     """TensorBoard log directory for upload=("tensorboard",)."""
+    state_layout: StateLayout | str = StateLayout.AUTO
+    """Several ranks: "full" (every rank dumps the whole state, replayable alone), "sharded" (each rank
+    writes only its part: one copy of the state in all, replay reads the step's rank dumps together) or
+    "auto": sharded when the model holds DTensors (FSDP2, tensor parallel) or the state exceeds
+    full_state_max_bytes, else full. One process always writes the full state."""
+    full_state_max_bytes: int = 1 << 30
+    """"auto" layout: the largest model + optimizer state (bytes) that every rank still writes whole."""
+    shard_replicas: int = 1
+    """Sharded layout: how many ranks write each replicated tensor (DDP weights, HSDP's replicas), so that a
+    rank that dies while writing loses nothing; 2 doubles those bytes. DTensor shards held by one rank only
+    (plain FSDP) are written once whatever this says."""
 
     def __post_init__(self):
         for name in ("on_nonfinite", "on_spike"):
@@ -117,6 +128,13 @@ class GuardConfig:
             raise ValueError(f"GuardConfig.upload: unknown tracker(s) {unknown}; choose from wandb, mlflow, tensorboard")
         if "tensorboard" in self.upload and not self.tensorboard_dir:
             raise ValueError("GuardConfig.upload=('tensorboard',) needs GuardConfig.tensorboard_dir")
+        try:
+            self.state_layout = StateLayout(self.state_layout)
+        except ValueError:
+            raise ValueError(f"GuardConfig.state_layout must be one of {', '.join(k.value for k in StateLayout)}, "
+                             f"got {self.state_layout!r}") from None
+        if self.shard_replicas < 1 or self.full_state_max_bytes < 0:
+            raise ValueError("GuardConfig needs shard_replicas >= 1 and full_state_max_bytes >= 0")
         if self.max_dumps < 0 or self.min_spike_gap < 0 or self.history_size < 1:
             raise ValueError("GuardConfig needs max_dumps >= 0, min_spike_gap >= 0, history_size >= 1")
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from capture import deferred, environment, exceptions, snapshot
+from capture import deferred, environment, exceptions, sharding, snapshot
 from capture.agreement import Agreement, agree, deferred_termination, default_run_id, dist_info, distributed, \
     unwrap_model
 from capture.config import GuardConfig
@@ -32,7 +32,7 @@ from capture.writer_thread import BackgroundWriter
 from forensics.errors import CaptureError, TrainingFaultError
 from forensics.format.writer import DumpContent, write_dump
 from forensics.grad_norm import total_grad_norm
-from forensics.kinds import Policy, TriggerKind
+from forensics.kinds import Policy, StateLayout, TriggerKind
 from forensics.recipes import default_loss
 from forensics.rng import capture_rng, restore_rng
 
@@ -90,8 +90,8 @@ class Guard:
     """
 
     sharded_grad_norm = False
-    """True when compute_grad_norm() is the norm of this rank's shard only (ZeRO): the agreement all-reduce
-    assembles the global norm."""
+    """True when compute_grad_norm() is the norm of this rank's shard only (ZeRO, DTensor models): the
+    agreement all-reduce assembles the global norm. A norm the loop passes to check() is the global one."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None,
                  scaler: Any = None, *, config: GuardConfig | None = None, loss_fn: Callable | None = None):
@@ -103,6 +103,11 @@ class Guard:
         self.run_id = self.config.run_id or default_run_id()
         self.step = 0
         self.history = History(self.config.history_size)
+        self.dtensors = sharding.has_dtensors(model)
+        """The model holds DTensors (FSDP2, tensor parallel): state is written from local shards."""
+        self.sharded_grad_norm = type(self).sharded_grad_norm or self.dtensors
+        self.layout_used: StateLayout | None = None
+        """The state layout of the last dump (GuardConfig.state_layout resolved)."""
         self.detectors = StepDetectors(self.config)
         self.dumps: list[Path] = []
         self.dump_errors: list[str] = []
@@ -210,14 +215,37 @@ class Guard:
         return None
 
     def compute_grad_norm(self) -> torch.Tensor | float | None:
-        """The gradient norm of this step when the loop passed none (None: no gradients)."""
-        return total_grad_norm(p.grad for p in self.model.parameters() if p.grad is not None)
+        """The gradient norm of this step when the loop passed none (None: no gradients); for a DTensor model,
+        the norm of this rank's shards (sharded_grad_norm)."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if self.dtensors:
+            return sharding.shard_grad_norm(grads)
+        return total_grad_norm(grads)
 
     def collect_state(self, copy: snapshot.HostCopy) -> dict:
-        """Full, name-keyed pre-step state: `{"model": {name: tensor}, "optimizer": {...}}` (docs/DUMP_FORMAT.md).
-        Tensors go through `copy` (a no-op unless the dump is written in the background)."""
-        return {"model": snapshot.model_state(self.model, copy),
-                "optimizer": snapshot.optimizer_state(self.optimizer, self.model, copy)}
+        """Name-keyed pre-step state: `{"model": {name: tensor}, "optimizer": {...}}` (docs/DUMP_FORMAT.md), the
+        full state, or, in the sharded layout (GuardConfig.state_layout), this rank's part of it plus
+        `"layout"`, the table of the complete state. Tensors go through `copy` (a no-op unless the dump is
+        written in the background)."""
+        full_form = self._state_references()
+        self.layout_used = self._choose_layout(full_form)
+        if self.layout_used is StateLayout.SHARDED:
+            state, table = sharding.shard_state(full_form, self.rank, self.world_size, self.config.shard_replicas,
+                                                copy)
+            return {**state, "layout": table}
+        return sharding.full_state(full_form, copy)
+
+    def _state_references(self) -> dict:
+        """The state as references (DTensors as they are): nothing copied or gathered yet."""
+        def keep(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.detach()
+
+        return {"model": snapshot.model_state(self.model, keep),
+                "optimizer": snapshot.optimizer_state(self.optimizer, self.model, keep)}
+
+    def _choose_layout(self, full_form: dict) -> StateLayout:
+        return sharding.choose_layout(self.config.state_layout, self.world_size if self.multi_rank else 1,
+                                      self.dtensors, sharding.state_bytes(full_form), self.config.full_state_max_bytes)
 
     def replay_recipe(self) -> dict:
         """The manifest's `recipe`: import paths of the model factory and loss, never executed here."""
@@ -327,15 +355,17 @@ class Guard:
         Python numbers stay on the host: building a device tensor from one would be a pageable
         host->device copy, which waits for the stream just like a sync.
         """
+        sharded = False
         if grad_norm is None:
-            grad_norm = self.compute_grad_norm()
+            grad_norm, sharded = self.compute_grad_norm(), self.sharded_grad_norm
+        grad_norm = sharding.host_norm(grad_norm)
         scale = getattr(self.scaler, "_scale", None) if self.scaler is not None and self.scaler.is_enabled() else None
         values: list[Any] = [*record.losses, grad_norm, scale]
         n = len(record.losses)
         agreed = None
         if self.multi_rank:
             host, agreed = agree(values, n, divisor=record.divisor(self.config.loss_divisor),
-                                 min_loss_scale=self.config.min_loss_scale, sharded_grad_norm=self.sharded_grad_norm)
+                                 min_loss_scale=self.config.min_loss_scale, sharded_grad_norm=sharded)
         else:
             host = self._fetch(values)
         return host[:n], host[n], host[n + 1], agreed
@@ -469,7 +499,7 @@ class Guard:
             model=state["model"], optimizer=state["optimizer"], rng=list(incident.record.rng),
             micro_batches=batches, history=self.history.to_dict(),
             scheduler=incident.scheduler or snapshot.scheduler_state(self.scheduler),
-            scaler=snapshot.scaler_state(self.scaler))
+            scaler=snapshot.scaler_state(self.scaler), layout=state.get("layout"))
         content.ready = copy.wait  # the writer waits for the device copies before touching them
         return content
 

@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from forensics.recipes import DEFAULT_LOSS, huggingface_recipe
+from forensics.recipes import DEFAULT_LOSS, huggingface_recipe, model_class
 
 
 def import_path(fn: Callable) -> str | None:
@@ -28,7 +28,7 @@ def build_recipe(model: torch.nn.Module, loss_fn: Callable | None, sample_id_key
     """
     recipe = dict(huggingface_recipe(model) or {})
     if not recipe:
-        cls = type(model)
+        cls = model_class(model)
         recipe = {"factory": None, "factory_kwargs": {}, "model_class": f"{cls.__module__}.{cls.__qualname__}",
                   "source": "unknown: pass GuardConfig(recipe={'factory': 'pkg.mod:fn', ...}) or --factory at replay"}
     if loss_fn is None:
@@ -53,6 +53,6 @@ def default_loss_fits(model: torch.nn.Module, recipe: dict) -> str | None:
     `model(**batch).loss`, which only Hugging Face-style models answer."""
     if recipe.get("loss") != DEFAULT_LOSS or huggingface_recipe(model) is not None:
         return None
-    return (f"{type(model).__name__} is not a Hugging Face model, and no loss_fn was given: replay would call "
+    return (f"{model_class(model).__name__} is not a Hugging Face model, and no loss_fn was given: replay would call "
             "model(**batch).loss. Pass Guard(..., loss_fn=my_loss) with a module-level `def my_loss(model, batch)`, "
             "or GuardConfig(recipe={'loss': 'mypkg.losses:my_loss'}), or --loss at replay")

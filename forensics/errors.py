@@ -25,6 +25,20 @@ class DumpCorruptError(DumpError):
         self.file = file
 
 
+class DumpIncompleteError(DumpError):
+    """A sharded dump lacks part of its state: a rank dump holding some shards is missing.
+
+    Attributes:
+        missing_tensors: names of the tensors with parts no rank dump holds.
+        missing_ranks: ranks whose dump is absent.
+    """
+
+    def __init__(self, message: str, missing_tensors: list[str], missing_ranks: list[int]):
+        super().__init__(message)
+        self.missing_tensors = missing_tensors
+        self.missing_ranks = missing_ranks
+
+
 class UnsupportedVersionError(DumpError):
     """The dump was written by a newer format version than this reader implements."""
 

@@ -65,6 +65,18 @@ class Policy(_Kind):
     """Apply the step anyway; training goes on."""
 
 
+class StateLayout(_Kind):
+    """How the ranks of a multi-rank job write the model and optimizer state (GuardConfig.state_layout)."""
+
+    AUTO = "auto"
+    """FULL for a small state without DTensors (at most GuardConfig.full_state_max_bytes), else SHARDED."""
+    FULL = "full"
+    """Every rank writes the full state: each rank dump replays alone (sharded states are gathered first)."""
+    SHARDED = "sharded"
+    """Each rank writes only what it owns (its DTensor shards, its share of replicated tensors): one copy of
+    the state across all ranks, no gather, no collective while writing (dump format version 2)."""
+
+
 @dataclass(frozen=True)
 class _TriggerProps:
     spike: bool

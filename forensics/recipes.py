@@ -83,13 +83,21 @@ def default_loss(model: torch.nn.Module, batch: Any, ignore_keys: tuple | list =
     return loss
 
 
+def model_class(model: torch.nn.Module) -> type:
+    """The model's own class: FSDP2's `fully_shard` swaps in a generated `FSDP<Name>` subclass, skipped here."""
+    for cls in type(model).__mro__:
+        if not cls.__module__.startswith("torch.distributed."):
+            return cls
+    return type(model)
+
+
 def huggingface_recipe(model: torch.nn.Module) -> dict | None:
     """The recipe for a transformers model (from model.config), or None for any other model."""
     config = getattr(model, "config", None)
     to_dict = getattr(config, "to_dict", None)
     if not callable(to_dict) or not hasattr(config, "model_type"):
         return None
-    kwargs: dict[str, Any] = {"architecture": type(model).__name__, "config": to_dict()}
+    kwargs: dict[str, Any] = {"architecture": model_class(model).__name__, "config": to_dict()}
     attn = getattr(config, "_attn_implementation", None)
     if attn:
         kwargs["attn_implementation"] = attn

@@ -56,4 +56,4 @@ class DistributedGuard(Guard):
             record.autocast = dict(self.autocast)
 
     def describe_distribution(self) -> dict:
-        return {**self.integration, "world_size": self.world_size, "state": "full on every rank (replayable alone)"}
+        return {**self.integration, "world_size": self.world_size, "state": self.state_words()}

@@ -88,6 +88,7 @@ def check_manifest(manifest: dict, where: str) -> None:
     for key in ("determinism", "environment", "recheck", "distributed"):
         c.kind(manifest.get(key), key, dict)
     _exception(c, manifest.get("exception"))
+    _layout(c, manifest.get("layout"), manifest["format_version"])
     c.each(manifest.get("missing_ranks"), "missing_ranks",
            lambda r, f: c.int(r, f, 0, MAX_WORLD_SIZE), MAX_WORLD_SIZE)
     _files(c, manifest["files"])
@@ -156,6 +157,43 @@ def _exception(c: _Checker, exception: Any) -> None:
     for key in ("type", "message", "during", "traceback", "qualified_type"):
         c.kind(exception.get(key), f"exception.{key}", str)
     c.each(exception.get("frames"), "exception.frames", lambda f, name: c.kind(f, name, dict, optional=False), 1000)
+
+
+MAX_DIMS = 32
+MAX_TENSORS = 1 << 20
+
+
+def _layout(c: _Checker, layout: Any, version: int) -> None:
+    """The sharded layout (format version 2): the complete state's table and this rank's shards."""
+    from forensics.format.shards import DTYPES, SHARDED, SHARDED_FILES  # no torch: plain names
+
+    if layout is None:
+        return
+    c.kind(layout, "layout", dict, optional=False)
+    if layout.get("kind") != SHARDED or version < 2:
+        raise c.fail("layout.kind", f"must be {SHARDED!r} (format version 2), got {_short(layout.get('kind'))}")
+    for section in ("tensors", "shards"):
+        value = layout.get(section)
+        c.kind(value, f"layout.{section}", dict, optional=False)
+        for file, rows in value.items():
+            if file not in SHARDED_FILES:
+                raise c.fail(f"layout.{section}", f"names {_short(file)}; only {list(SHARDED_FILES)} are sharded")
+            c.kind(rows, f"layout.{section}.{file}", dict, optional=False)
+            if len(rows) > MAX_TENSORS:
+                raise c.fail(f"layout.{section}.{file}", f"lists {len(rows)} tensors (at most {MAX_TENSORS})")
+            for name, row in rows.items():
+                field = f"layout.{section}.{file}[{_short(name)}]"
+                c.kind(row, field, dict, optional=False)
+                dims = [("shape", 0)] if section == "tensors" else [("shape", 0), ("offsets", 0)]
+                for key, low in dims:
+                    c.each(row.get(key), f"{field}.{key}", lambda n, f: c.int(n, f, low, 1 << 48), MAX_DIMS,
+                           optional=False)
+                if section == "tensors" and row.get("dtype") not in DTYPES:
+                    raise c.fail(f"{field}.dtype", f"must be one of {list(DTYPES)}, got {_short(row.get('dtype'))}")
+                if section == "shards":
+                    c.kind(row.get("flat"), f"{field}.flat", bool, optional=False)
+                    if len(row["shape"]) != len(row["offsets"]):
+                        raise c.fail(field, "has offsets and shape of different lengths")
 
 
 def _files(c: _Checker, files: Any) -> None:

@@ -21,6 +21,7 @@ from forensics.format.manifest import check_manifest
 if TYPE_CHECKING:  # torch is imported only when tensors are read: inspect and verify start fast
     import torch
 
+    from forensics.format.shards import ShardedState
     from forensics.rng import RngState
 
 def read_manifest(directory: Path) -> dict:
@@ -104,6 +105,8 @@ class Dump:
         self.manifest = read_manifest(self.path)
         self._archive_tmp = archive_tmp  # keeps an unpacked archive's temp dir alive
         self._verified: set[str] = set()
+        self.shard_dirs: list[Path] = []
+        """Sharded layout: more directories (step, run or dump_dir of other nodes) holding this dump's ranks."""
 
     # -- plain fields ------------------------------------------------------------------------
     step = property(lambda self: int(self.manifest["step"]))
@@ -210,13 +213,50 @@ class Dump:
             raise DumpCorruptError(f"{path} is not a valid zstd frame ({exc})", name) from exc
         return b"".join(chunks)
 
+    # -- the sharded layout (forensics.format.shards) ---------------------------------------------
+    @property
+    def sharded(self) -> bool:
+        """True when this rank dump holds only its own part of the state (format version 2)."""
+        return self.manifest.get("layout") is not None
+
+    def peers(self) -> list["Dump"]:
+        """The other rank dumps of this dump's step: beside it, and in `shard_dirs` (one per rank)."""
+        step = spec.step_dir_name(self.step)
+        found: dict[int, Dump] = {self.rank: self}
+        for root in [self.path.parent, *self.shard_dirs]:
+            root = Path(root)
+            for candidate in (root, root / step, root / self.manifest["run_id"] / step):
+                ranks = [candidate] if is_rank_dump(candidate) else rank_dirs(candidate) if candidate.is_dir() else []
+                for directory in ranks:
+                    if is_rank_dump(directory) and directory.resolve() != self.path.resolve():
+                        dump = Dump(directory, self._archive_tmp)
+                        found.setdefault(dump.rank, dump)
+        return [found[rank] for rank in sorted(found) if rank != self.rank]
+
+    @cached_property
+    def shards(self) -> "ShardedState":
+        """The complete state of a sharded dump, read from every rank dump of the step that holds a part.
+
+        Raises:
+            DumpIncompleteError: some tensor has parts no rank dump found holds (names them and the ranks).
+        """
+        from forensics.format.shards import ShardedState, ShardIndex
+
+        index = ShardIndex([self, *self.peers()])
+        index.require_complete(self.world_size)
+        return ShardedState(index)
+
     # -- loaders -----------------------------------------------------------------------------
     def model_state(self) -> dict[str, torch.Tensor]:
-        return self._tensors(spec.MODEL)
+        return dict(self.iter_model_tensors()) if self.sharded else self._tensors(spec.MODEL)
 
     def iter_model_tensors(self, device: str | "torch.device" = "cpu") -> Iterator[tuple[str, "torch.Tensor"]]:
         """The pre-step weights one tensor at a time, read from the memory-mapped file straight onto `device`
-        (after the file is verified): the host never holds the whole state."""
+        (after the file is verified): the host never holds the whole state. A sharded dump assembles each
+        tensor from the rank dumps that hold its parts."""
+        if self.sharded:
+            yield from self.shards.iter_tensors(spec.MODEL, str(device))
+            return
         from forensics.format.tensors import iter_safetensors_file
 
         yield from iter_safetensors_file(self.verify_file(spec.MODEL), spec.MODEL, device)
@@ -234,7 +274,9 @@ class Dump:
                                    "(class: str, param_groups: [{..., params: [...]}], state: {name: {...}})",
                                    spec.OPTIMIZER_JSON)
         state: dict[str, dict] = {name: dict(values) for name, values in raw_state.items()}
-        for key, tensor in self._tensors(spec.OPTIMIZER_TENSORS).items():
+        tensors = dict(self.shards.iter_tensors(spec.OPTIMIZER_TENSORS)) if self.sharded \
+            else self._tensors(spec.OPTIMIZER_TENSORS)
+        for key, tensor in tensors.items():
             parts = key.split("/", 1)
             if len(parts) != 2 or "/" not in parts[1]:
                 raise DumpCorruptError(f"{spec.OPTIMIZER_TENSORS} key {_cut(repr(key), 80)} is not "
@@ -306,7 +348,8 @@ def resolve(path: str | Path, limits: ArchiveLimits | None = None) -> tuple[Path
     return path, None
 
 
-def open_dump(path: str | Path, rank: int | None = None, limits: ArchiveLimits | None = None) -> Dump:
+def open_dump(path: str | Path, rank: int | None = None, limits: ArchiveLimits | None = None,
+              shard_dirs: list[str | Path] = ()) -> Dump:
     """Opens a rank dump, a step directory (choose `rank`), or a packed `.tar.zst` of either.
 
     Args:
@@ -314,6 +357,8 @@ def open_dump(path: str | Path, rank: int | None = None, limits: ArchiveLimits |
         rank: for a step directory holding several ranks: which one. Default: the rank that saw the
             fault first-hand (manifest trigger.local), else the lowest rank present.
         limits: what unpacking an archive may produce (default ArchiveLimits()).
+        shard_dirs: a sharded dump (each rank wrote its own part of the state): directories of other nodes
+            holding rank dumps of the same step (their dump_dir, run or step directory).
     Returns:
         Dump, whose manifest is read and validated; weights are read only when asked.
     Example:
@@ -321,6 +366,12 @@ def open_dump(path: str | Path, rank: int | None = None, limits: ArchiveLimits |
         >>> dump.trigger["kind"]  # doctest: +SKIP
         'nonfinite_loss'
     """
+    dump = _choose_dump(path, rank, limits)
+    dump.shard_dirs = [Path(d) for d in shard_dirs]
+    return dump
+
+
+def _choose_dump(path: str | Path, rank: int | None, limits: ArchiveLimits | None) -> Dump:
     directory, holder = resolve(path, limits)
     if is_rank_dump(directory):
         if rank is not None and int(read_manifest(directory)["rank"]) != rank:

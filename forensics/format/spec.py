@@ -1,7 +1,10 @@
 """Names and constants of dump format v1 (docs/DUMP_FORMAT.md); the one place they are spelled."""
 
 FORMAT_NAME = "forensics-dump"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The newest version this reader implements; writers use it only for what version 1 cannot say (the
+sharded layout), so that every dump an older forensics can read keeps version 1."""
+FULL_STATE_VERSION = 1
 
 MANIFEST = "manifest.json"
 MODEL = "model.safetensors"

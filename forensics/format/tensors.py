@@ -185,7 +185,7 @@ def iter_safetensors_file(path, name: str, device) -> "Iterator[tuple[str, torch
     """(key, tensor) of a safetensors file (already checksummed), read one at a time onto `device`."""
     from safetensors import safe_open
 
-    _check_file_header(path, name)
+    check_file_header(path, name)
     try:
         with safe_open(str(path), framework="pt", device=str(device)) as handle:
             for key in handle.keys():
@@ -196,7 +196,7 @@ def iter_safetensors_file(path, name: str, device) -> "Iterator[tuple[str, torch
         raise DumpCorruptError(f"{name} is not valid safetensors: {exc}", name) from exc
 
 
-def _check_file_header(path, name: str) -> None:
+def check_file_header(path, name: str) -> None:
     with open(path, "rb") as handle:
         head = handle.read(8)
     if len(head) < 8:

@@ -51,12 +51,39 @@ def _check_rank(dump: Dump) -> list[Problem]:
     return problems
 
 
-def verify_dump(path: str | Path, limits: ArchiveLimits | None = None) -> VerifyResult:
-    """Checks a rank dump, a step directory or an archive. Raises DumpError when it cannot even be opened."""
+def _check_shards(dumps: list[Dump]) -> list[Problem]:
+    """Sharded layout: do the rank dumps found hold every part of every tensor of the state? Names the
+    tensors that have gaps (from the manifests alone)."""
+    from forensics.format.shards import ShardIndex
+
+    try:
+        index = ShardIndex(dumps)
+        gaps = index.missing()
+    except DumpError as exc:
+        return [Problem(str(dumps[0].path.parent), str(exc))]
+    problems = []
+    for file, names in gaps.items():
+        shown = ", ".join(repr(n)[:120] for n in names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
+        problems.append(Problem(file, f"{len(names)} tensors have parts no rank dump holds (a rank dump is missing "
+                                      f"or died while writing): {shown}"))
+    return problems
+
+
+def verify_dump(path: str | Path, limits: ArchiveLimits | None = None,
+                shard_dirs: list[str | Path] = ()) -> VerifyResult:
+    """Checks a rank dump, a step directory or an archive (and, for a sharded dump, that the rank dumps found
+    hold the complete state; `shard_dirs`: other nodes' directories of the same step). Raises DumpError when
+    it cannot even be opened."""
     dumps, missing = open_step(path, limits)
+    if dumps[0].sharded:
+        dumps[0].shard_dirs = [Path(d) for d in shard_dirs]
+        dumps = sorted({d.rank: d for d in [*dumps, *dumps[0].peers()]}.values(), key=lambda d: d.rank)
+        missing = sorted(set(range(dumps[0].world_size)) - {d.rank for d in dumps})
     problems: list[Problem] = []
     for dump in dumps:
         problems.extend(_check_rank(dump))
     for rank in missing:
         problems.append(Problem(f"rank-{rank:05d}", "rank dump is missing (that rank did not finish writing)"))
+    if dumps[0].sharded:
+        problems.extend(_check_shards(dumps))
     return VerifyResult(dumps, missing, problems)

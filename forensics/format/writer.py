@@ -17,6 +17,7 @@ import zstandard
 from forensics.errors import CaptureError
 from forensics.fsio import fsync_dir
 from forensics.format import jsonio, spec
+from forensics.format.shards import SHARDED, LocalShard, shard_entry
 from forensics.format.stale import remove_stale_temporaries, temporary_name
 from forensics.format.tensors import HashingWriter, safetensors_bytes, write_safetensors
 from forensics.format.tree import encode_tree
@@ -43,7 +44,7 @@ class DumpContent:
     """Everything one rank dump holds, already detached from the job (CPU tensors or pinned copies)."""
 
     manifest: dict  # trigger, step, rank, world_size, ... (not format/version/files: the writer adds them)
-    model: dict[str, torch.Tensor]
+    model: dict[str, Any]  # name -> tensor, or LocalShard (sharded layout: this rank's part of it)
     rng: list[RngState]  # one per micro-batch, taken right before its forward
     micro_batches: list[Any]
     history: dict
@@ -52,6 +53,9 @@ class DumpContent:
     scaler: dict | None = None
     extra_files: dict[str, bytes] = field(default_factory=dict)
     ready: Callable[[], None] | None = None  # blocks until asynchronous device->host copies have landed
+    layout: dict | None = None
+    """Sharded layout (forensics.format.shards): `{file: {name: {"shape", "dtype"}}}`, every tensor of the
+    complete state; this rank's model / optimizer hold only the parts it owns. None: the full state."""
 
 
 class _DumpDir:
@@ -60,6 +64,7 @@ class _DumpDir:
     def __init__(self, path: Path):
         self.path = path
         self.files: dict[str, dict] = {}
+        self.shards: dict[str, dict] = {}  # file -> {name: where this rank's part sits} (sharded layout)
 
     def _record(self, name: str, out: HashingWriter, handle) -> None:
         out.close()
@@ -79,11 +84,16 @@ class _DumpDir:
     def write_json(self, name: str, obj: Any) -> None:
         self.write_bytes(name, jsonio.dumps(obj))
 
-    def write_tensors(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
+    def write_tensors(self, name: str, values: dict[str, Any]) -> None:
+        """Writes tensors (or LocalShards: their data) as safetensors, noting where each part sits."""
+        tensors, shards = {}, {}
+        for key, value in values.items():
+            tensors[key], shards[key] = shard_entry(value)
         with open(self.path / name, "wb", buffering=16 * 1024 * 1024) as handle:
             out = HashingWriter(handle)
             write_safetensors(out, tensors)
             self._record(name, out, handle)
+        self.shards[name] = shards
 
 
 def _optimizer_parts(optimizer: dict) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -92,7 +102,7 @@ def _optimizer_parts(optimizer: dict) -> tuple[dict, dict[str, torch.Tensor]]:
     for name, entries in optimizer["state"].items():
         scalar_state[name] = {}
         for key, value in entries.items():
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, (torch.Tensor, LocalShard)):
                 tensors[f"state/{name}/{key}"] = value
             else:
                 scalar_state[name][key] = value
@@ -104,7 +114,8 @@ def _write_contents(target: _DumpDir, content: DumpContent) -> list[dict]:
     # The two big files go to disk concurrently (each hashes while it writes).
     from concurrent.futures import ThreadPoolExecutor
 
-    big = sum(t.numel() * t.element_size() for t in content.model.values()) >= CONCURRENT_WRITE_MIN
+    big = sum(t.numel() * t.element_size() for t in map(lambda v: shard_entry(v)[0], content.model.values())) \
+        >= CONCURRENT_WRITE_MIN
     with ThreadPoolExecutor(max_workers=2 if big else 1, thread_name_prefix="forensics-write") as pool:
         run = pool.submit if big else (lambda fn, *args: _Done(fn(*args)))
         jobs = [run(target.write_tensors, spec.MODEL, content.model)]
@@ -164,9 +175,13 @@ def write_dump(content: DumpContent, root: str | os.PathLike) -> Path:
         unreplayable = _write_contents(target, content)
         for meta, leaves in zip(manifest.get("micro_batches", []), unreplayable):
             meta["unreplayable"] = leaves
+        if content.layout is not None:
+            manifest["layout"] = {"kind": SHARDED, "tensors": content.layout,
+                                  "shards": {file: target.shards.get(file, {}) for file in content.layout}}
         manifest.update({
             "format": spec.FORMAT_NAME,
-            "format_version": spec.FORMAT_VERSION,
+            # version 1 readers would take a sharded rank dump for the full state: they must refuse it
+            "format_version": spec.FORMAT_VERSION if content.layout is not None else spec.FULL_STATE_VERSION,
             "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "files": target.files,
         })

@@ -1,0 +1,92 @@
+"""Example: FSDP2 (`torch.distributed.fsdp.fully_shard`, DTensor parameters) guarded by forensics.
+
+    torchrun --nproc_per_node=2 scripts/examples/fsdp2_example.py --dump-dir /tmp/dumps --run-id fsdp2
+    forensics replay /tmp/dumps/fsdp2/step-000000003 --rank 1
+    torchrun --nproc_per_node=4 scripts/examples/fsdp2_example.py --mesh hsdp     # 2 replicas x 2 shards
+
+Runs on CPU (gloo) or GPUs (nccl; --bf16 adds FSDP2's bf16 mixed-precision policy). Rank 1 reads a
+corrupt sample in step 3 (2 ranks): every rank writes its own shards of the weights and AdamW moments,
+its micro-batches and sample IDs, and nothing else; no rank gathers the model. `forensics replay` reads
+the step's rank dumps together and names the sample on one device.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.data import DataLoader, DistributedSampler
+
+import _common
+from capture import Guard, GuardConfig, IndexedDataset
+from forensics.errors import TrainingFaultError
+
+
+def main() -> None:
+    parser = _common.parser(__doc__)
+    parser.add_argument("--mesh", default="fsdp", choices=("fsdp", "hsdp"),
+                        help="fsdp: shard over every rank; hsdp: 2 replica groups, sharded within each")
+    parser.add_argument("--bf16", action="store_true", help="FSDP2 mixed precision: bf16 compute, fp32 reduce")
+    parser.add_argument("--layout", default="auto", choices=("auto", "full", "sharded"),
+                        help="GuardConfig.state_layout")
+    parser.add_argument("--replicas", type=int, default=1, help="GuardConfig.shard_replicas")
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if args.mesh == "hsdp":
+        mesh = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+
+    model = _common.tiny_model(args.model).to(device)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 \
+        else MixedPrecisionPolicy()
+    blocks = model.transformer.h if args.model == "gpt2" else model.model.layers
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=_common.LR)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _common.warmup)
+    # --- forensics: one line to create the guard ---
+    guard = Guard(model, optimizer, scheduler, config=GuardConfig(
+        dump_dir=args.dump_dir, run_id=args.run_id, on_nonfinite=args.policy, max_grad_norm=_common.CLIP,
+        max_dumps=args.max_dumps, state_layout=args.layout, shard_replicas=args.replicas))
+
+    samples = world * args.steps * args.accum * args.micro_batch
+    dataset = IndexedDataset(_common.EmbedsDataset(samples, poison=args.poison, poison_value=args.poison_value))
+    loader = DataLoader(dataset, batch_size=args.micro_batch, sampler=DistributedSampler(dataset, shuffle=False))
+    batches = iter(loader)
+    try:
+        for step in range(args.steps):
+            for index in range(args.accum):
+                batch = {k: v.to(device) for k, v in next(batches).items()}
+                guard.record_batch(batch)                                    # forensics
+                model.set_requires_gradient_sync(index == args.accum - 1)
+                loss = model(inputs_embeds=batch["inputs_embeds"], labels=batch["labels"]).loss
+                guard.record_loss(loss)                                      # forensics
+                (loss / args.accum).backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), _common.CLIP)
+            timer = _common.Timer()
+            if guard.check(grad_norm=grad_norm):                             # forensics
+                optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        _common.report(rank, fault=None, dumps=guard.dumps, history=guard.history.to_dict())
+        guard.close()
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    except TrainingFaultError as fault:
+        # No collective after a fault: another rank may be gone. The process group dies with us.
+        _common.report(rank, fault=fault.trigger, dump=fault.dump_path, dump_seconds=timer(),
+                       dump_error=fault.dump_error)
+        guard.close()
+
+
+if __name__ == "__main__":
+    main()
