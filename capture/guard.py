@@ -252,14 +252,26 @@ class Guard:
         return build_recipe(self.model, self.loss_fn, self.config.sample_id_key, self.config.recipe)
 
     def describe_distribution(self) -> dict | None:
-        """The manifest's optional `distributed` section (None: omitted)."""
-        return None
+        """The manifest's optional `distributed` section (None: omitted; several ranks: world size and layout)."""
+        if not self.multi_rank:
+            return None
+        return {"framework": "torch", "world_size": self.world_size, "dtensor": self.dtensors,
+                "state": self.state_words()}
+
+    def state_words(self) -> str:
+        """How the last dump's state was written, in words (the `distributed.state` field)."""
+        if self.layout_used is StateLayout.SHARDED:
+            return "sharded: each rank wrote its part (replay reads the step's rank dumps together)"
+        return "full on every rank (replayable alone)"
 
     @property
     def state_is_collective(self) -> bool:
-        """True when collect_state() is a collective (ZeRO gathers): then a step that raised on one rank is
-        not dumped (the other ranks would never join the gather)."""
-        return False
+        """True when collect_state() is a collective (ZeRO gathers, DTensors written whole): then a step that
+        raised on one rank is not dumped (the other ranks would never join the gather)."""
+        if not (self.dtensors and self.multi_rank):
+            return False
+        full_form = self._state_references()
+        return self._choose_layout(full_form) is StateLayout.FULL or sharding.needs_collective(full_form)
 
     # -- a step that raises ----------------------------------------------------------------------
     @contextlib.contextmanager

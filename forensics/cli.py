@@ -58,6 +58,13 @@ def archive_options(command):
                         help="Archive DUMP: most bytes it may unpack to.")(command)
 
 
+def shards_option(command):
+    """--shards DIR: other nodes' directories holding rank dumps of a sharded dump's step."""
+    return click.option("--shards", "shard_dirs", multiple=True, type=click.Path(path_type=Path),
+                        help="Sharded dump written on several nodes: another node's dump_dir (or run / step "
+                             "directory) holding the other ranks' dumps of this step. Repeatable.")(command)
+
+
 def _limits(max_unpacked_gb: float, max_unpack_ratio: float, max_members: int) -> ArchiveLimits:
     return ArchiveLimits(max_bytes=int(max_unpacked_gb * (1 << 30)), max_ratio=max_unpack_ratio,
                          max_members=max_members)
@@ -103,12 +110,14 @@ def inspect(dump: Path, rank: int | None, as_json: bool, **limits) -> None:
 @main.command()
 @click.argument("dump", type=click.Path(path_type=Path))
 @archive_options
-def verify(dump: Path, **limits) -> None:
-    """Check a dump's integrity (every file's size and sha256, all ranks present); names the bad file."""
+@shards_option
+def verify(dump: Path, shard_dirs: tuple[Path, ...], **limits) -> None:
+    """Check a dump's integrity (every file's size and sha256, all ranks present; a sharded dump: every part of
+    the state present); names the bad file and the missing tensors."""
     from forensics.format import verify_dump
 
     try:
-        result = verify_dump(dump, limits=_limits(**limits))
+        result = verify_dump(dump, limits=_limits(**limits), shard_dirs=list(shard_dirs))
     except ForensicsError as exc:
         raise _fail(exc) from exc
     for d in result.dumps:
@@ -215,8 +224,9 @@ def _progress(stage: str) -> None:
 @click.option("--tensorboard-dir", type=click.Path(path_type=Path), default=None,
               help="TensorBoard log directory for --upload tensorboard.")
 @archive_options
+@shards_option
 def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_path, out, blocklist, no_bisect,
-           no_rng_check, as_json, trackers, tensorboard_dir, **limits) -> None:
+           no_rng_check, as_json, trackers, tensorboard_dir, shard_dirs, **limits) -> None:
     """Replay the failing step of DUMP offline, localise it, bisect the samples, print the verdict."""
     from forensics.format import open_step
     from forensics.report import render_verdict_text, write_blocklist, write_report_files
@@ -230,7 +240,8 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
         for chosen_rank in ranks:
             options = ReplayOptions(device=device, trust=trust, factory=factory, loss=loss_fn,
                                     sys_path=[str(p) for p in sys_path], rank=chosen_rank, bisect=not no_bisect,
-                                    rng_check=not no_rng_check, archive_limits=archive_limits)
+                                    rng_check=not no_rng_check, archive_limits=archive_limits,
+                                    shard_dirs=[str(d) for d in shard_dirs])
             report = run_replay(dump, options, progress=_progress)
             target = out or _report_dir(report)
             if all_ranks and out:

@@ -73,6 +73,8 @@ class ReplayOptions:
     """At most this many samples get their own loss / grad-norm row (culprits always do)."""
     max_bisect_runs: int | None = 200
     """Hard cap on bisection replays (ddmin is quadratic when samples only fail together)."""
+    shard_dirs: list[str] = field(default_factory=list)
+    """Sharded dump written on several nodes: other nodes' directories with this step's rank dumps (--shards)."""
     archive_limits: ArchiveLimits | None = None
     """What unpacking a .tar.zst dump may produce (default forensics.format.limits.ArchiveLimits())."""
     rng_check: bool = True
@@ -121,11 +123,15 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
     else:
         path = str(dump_or_path)
         _stage(progress, f"opening {path}")
-        dump = open_dump(dump_or_path, rank=options.rank, limits=options.archive_limits)
+        dump = open_dump(dump_or_path, rank=options.rank, limits=options.archive_limits,
+                         shard_dirs=options.shard_dirs)
     missing = list(dump.manifest.get("missing_ranks") or [])
     if not hasattr(dump_or_path, "manifest") and Path(path).is_dir():
         with contextlib.suppress(Exception):  # a rank directory alone: nothing more to learn
             missing = sorted(set(missing) | set(open_step(path, options.archive_limits)[1]))
+    if dump.sharded:  # the ranks beside it and in --shards directories all count
+        dump.shards  # noqa: B018 - refuses an incomplete sharded dump now, naming what is missing
+        missing = sorted(set(range(dump.world_size)) - {dump.rank, *(d.rank for d in dump.peers())})
     dump_info = {"path": path, "run_id": dump.manifest.get("run_id"), "step": dump.step, "rank": dump.rank,
                  "world_size": dump.world_size, "missing_ranks": missing,
                  "num_micro_batches": dump.num_micro_batches}

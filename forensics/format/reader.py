@@ -97,6 +97,20 @@ def rank_dirs(step_dir: Path) -> list[Path]:
     return sorted(p for p in step_dir.glob("rank-*") if p.is_dir() and not p.is_symlink())
 
 
+def step_rank_dirs(root: Path, run_id: str, step: int) -> list[Path]:
+    """The complete rank dumps of `run_id`'s step under `root`: a rank directory, a step directory, a run
+    directory or a dump_dir (where another node wrote its ranks' parts of a sharded dump)."""
+    name = spec.step_dir_name(step)
+    for candidate in (root, root / name, root / run_id / name):
+        if is_rank_dump(candidate):
+            return [candidate]
+        if candidate.is_dir() and not candidate.is_symlink():
+            ranks = [r for r in rank_dirs(candidate) if is_rank_dump(r)]
+            if ranks:
+                return ranks
+    return []
+
+
 class Dump:
     """One rank dump. Cheap to open: only the manifest is read until a loader is called."""
 
@@ -221,16 +235,12 @@ class Dump:
 
     def peers(self) -> list["Dump"]:
         """The other rank dumps of this dump's step: beside it, and in `shard_dirs` (one per rank)."""
-        step = spec.step_dir_name(self.step)
         found: dict[int, Dump] = {self.rank: self}
         for root in [self.path.parent, *self.shard_dirs]:
-            root = Path(root)
-            for candidate in (root, root / step, root / self.manifest["run_id"] / step):
-                ranks = [candidate] if is_rank_dump(candidate) else rank_dirs(candidate) if candidate.is_dir() else []
-                for directory in ranks:
-                    if is_rank_dump(directory) and directory.resolve() != self.path.resolve():
-                        dump = Dump(directory, self._archive_tmp)
-                        found.setdefault(dump.rank, dump)
+            for directory in step_rank_dirs(Path(root), self.manifest["run_id"], self.step):
+                if directory.resolve() != self.path.resolve():
+                    dump = Dump(directory, self._archive_tmp)
+                    found.setdefault(dump.rank, dump)
         return [found[rank] for rank in sorted(found) if rank != self.rank]
 
     @cached_property
@@ -366,9 +376,31 @@ def open_dump(path: str | Path, rank: int | None = None, limits: ArchiveLimits |
         >>> dump.trigger["kind"]  # doctest: +SKIP
         'nonfinite_loss'
     """
-    dump = _choose_dump(path, rank, limits)
-    dump.shard_dirs = [Path(d) for d in shard_dirs]
+    shard_dirs = [Path(d) for d in shard_dirs]
+    try:
+        dump = _choose_dump(path, rank, limits)
+    except NotADumpError:
+        found = _rank_elsewhere(path, rank, limits, shard_dirs)
+        if found is None:
+            raise
+        dump, here = found
+        shard_dirs.insert(0, here)  # the ranks of the directory the user named are peers too
+    dump.shard_dirs = shard_dirs
     return dump
+
+
+def _rank_elsewhere(path: str | Path, rank: int | None, limits: ArchiveLimits | None,
+                    shard_dirs: list[Path]) -> tuple[Dump, Path] | None:
+    """`rank`'s dump in another node's directory (`shard_dirs`), for a step directory that lacks it, and the
+    step directory the user named."""
+    if rank is None or not shard_dirs:
+        return None
+    here = _choose_dump(path, None, limits)
+    for root in shard_dirs:
+        for directory in step_rank_dirs(Path(root), here.manifest["run_id"], here.step):
+            if int(read_manifest(directory)["rank"]) == rank:
+                return Dump(directory), here.path.parent
+    return None
 
 
 def _choose_dump(path: str | Path, rank: int | None, limits: ArchiveLimits | None) -> Dump:

@@ -177,7 +177,7 @@ def write_dump(content: DumpContent, root: str | os.PathLike) -> Path:
             meta["unreplayable"] = leaves
         if content.layout is not None:
             manifest["layout"] = {"kind": SHARDED, "tensors": content.layout,
-                                  "shards": {file: target.shards.get(file, {}) for file in content.layout}}
+                                  "shards": {file: target.shards[file] for file in content.layout if file in target.shards}}
         manifest.update({
             "format": spec.FORMAT_NAME,
             # version 1 readers would take a sharded rank dump for the full state: they must refuse it

@@ -88,6 +88,9 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--max-dumps", type=int, default=3, help="GuardConfig.max_dumps")
     p.add_argument("--initial-scale-power", type=int, default=16,
                    help="fp16: the loss scale starts at 2**this (40 makes the first steps overflow)")
+    p.add_argument("--layout", default="auto", choices=("auto", "full", "sharded"),
+                   help="GuardConfig.state_layout: how the ranks write the state")
+    p.add_argument("--replicas", type=int, default=1, help="GuardConfig.shard_replicas (sharded layout)")
     p.add_argument("--min-loss-scale", type=float, default=1.0,
                    help="fp16: an overflow at this loss scale or below is a fault, not a normal skip")
     return p

@@ -43,7 +43,8 @@ def main() -> None:
     # --- forensics: one line to create the guard (pass the DDP wrapper or the model) ---
     guard = DistributedGuard(ddp, optimizer, scheduler, scaler, config=GuardConfig(
         dump_dir=args.dump_dir, run_id=args.run_id, on_nonfinite=args.policy, max_grad_norm=_common.CLIP,
-        max_dumps=args.max_dumps, min_loss_scale=args.min_loss_scale))
+        max_dumps=args.max_dumps, min_loss_scale=args.min_loss_scale, state_layout=args.layout,
+        shard_replicas=args.replicas))
 
     samples = world * args.steps * args.accum * args.micro_batch
     dataset = IndexedDataset(_common.EmbedsDataset(samples, poison=args.poison))  # adds batch["sample_ids"]

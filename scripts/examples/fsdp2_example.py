@@ -29,9 +29,6 @@ def main() -> None:
     parser.add_argument("--mesh", default="fsdp", choices=("fsdp", "hsdp"),
                         help="fsdp: shard over every rank; hsdp: 2 replica groups, sharded within each")
     parser.add_argument("--bf16", action="store_true", help="FSDP2 mixed precision: bf16 compute, fp32 reduce")
-    parser.add_argument("--layout", default="auto", choices=("auto", "full", "sharded"),
-                        help="GuardConfig.state_layout")
-    parser.add_argument("--replicas", type=int, default=1, help="GuardConfig.shard_replicas")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     torch.distributed.init_process_group("nccl" if cuda else "gloo")

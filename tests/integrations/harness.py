@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -17,6 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from forensics.format import open_dump, verify_dump
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "scripts" / "examples"
@@ -118,3 +121,68 @@ def reference_state() -> dict:
     state = {names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()}
     return {"model": {k: v.clone() for k, v in model.state_dict().items()}, "optimizer": state,
             "lr": optimizer.param_groups[0]["lr"]}
+
+
+# -- checks shared by the multi-rank tests ------------------------------------------------------------
+def close(actual: torch.Tensor, expected: torch.Tensor, what: str, atol: float) -> None:
+    assert actual.shape == expected.shape, what
+    diff = (actual.float() - expected.float()).abs().max().item()
+    assert diff <= atol, f"{what}: max |diff| {diff:.3g} > {atol}"
+
+
+def check_step_dump(step_dir, reference, *, atol: float = 1e-5, weight_dtype=torch.float32) -> dict:
+    """The common acceptance checks; returns {rank: Dump}."""
+    result = verify_dump(step_dir)
+    assert result.ok, [str(p) for p in result.problems]
+    assert result.missing_ranks == []
+    dumps = {d.rank: d for d in result.dumps}
+    assert sorted(dumps) == [0, 1]
+    for rank, dump in dumps.items():
+        assert dump.step == BAD_STEP and dump.world_size == 2
+        expected_ids = rank_samples(rank)[BAD_STEP * ACCUM:(BAD_STEP + 1) * ACCUM]
+        assert [dump.sample_ids(i) for i in range(dump.num_micro_batches)] == expected_ids
+    assert dumps[1].trigger["kind"] == "nonfinite_loss" and dumps[1].trigger["micro_batch"] == BAD_MB
+    assert dumps[1].trigger["local"] is True and dumps[0].trigger["local"] is False
+    assert POISON in dumps[1].sample_ids(BAD_MB)
+    poisoned = dumps[1].micro_batch(BAD_MB)
+    row = dumps[1].sample_ids(BAD_MB).index(POISON)
+    assert poisoned["inputs_embeds"][row].float().abs().max().item() >= 1e37
+    assert open_dump(step_dir).rank == 1  # the default is the rank that saw the fault first-hand
+
+    for rank, dump in dumps.items():
+        weights = dump.model_state()
+        assert sorted(weights) == sorted(reference["model"]), rank
+        for name, expected in reference["model"].items():
+            assert weights[name].dtype == (weight_dtype if expected.is_floating_point() else expected.dtype), name
+            close(weights[name], expected, f"rank {rank} weight {name}", atol)
+        optimizer = dump.optimizer_state()
+        assert optimizer["class"] == "torch.optim.adamw.AdamW"
+        [group] = optimizer["param_groups"]
+        assert math.isclose(group["lr"], reference["lr"], rel_tol=1e-6)
+        assert sorted(optimizer["state"]) == sorted(reference["optimizer"])
+        for name, entries in reference["optimizer"].items():
+            assert float(optimizer["state"][name]["step"]) == float(entries["step"]) == BAD_STEP
+            for key in ("exp_avg", "exp_avg_sq"):
+                close(optimizer["state"][name][key], entries[key], f"rank {rank} {key} {name}", atol)
+    return dumps
+
+
+def run_example(tmp_path, script: str, run_id: str, *extra):
+    """Runs an example on WORLD ranks with the corrupt sample; returns (its step directory, the Launch)."""
+    dump_dir = tmp_path / "dumps"
+    result = launch(script, ["--dump-dir", str(dump_dir), "--run-id", run_id, *extra])
+    # Every rank finished its work and reported (the exit code would also count gloo teardown races).
+    assert sorted(result.reports) == [0, 1], result.explain()
+    for report in result.reports.values():
+        assert report["dump"] and report["dump_error"] is None, report
+    return dump_dir / run_id / f"step-{BAD_STEP:09d}", result
+
+
+def replay_names_sample_and_layer(step_dir) -> None:
+    """A one-process replay of rank 1's dump names the corrupt sample and the layer where NaN appears."""
+    from replay import engine  # a broken import fails the test; it is never a skip
+
+    report = engine.run_replay(str(step_dir), engine.ReplayOptions(device="cpu", rank=1))
+    culprit = report["culprit"]
+    assert [(s["sample_id"], s["rank"]) for s in culprit["samples"]] == [(POISON, 1)]
+    assert culprit["module"] == "transformer.h.0.ln_1" and culprit["phase"] == "forward"

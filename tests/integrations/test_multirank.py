@@ -7,7 +7,6 @@ sample IDs; rank 1's names the corrupt sample.
 
 from __future__ import annotations
 
-import math
 import time
 
 import pytest
@@ -17,74 +16,11 @@ from forensics.format import open_dump, verify_dump
 
 
 
-def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, atol: float) -> None:
-    assert actual.shape == expected.shape, what
-    diff = (actual.float() - expected.float()).abs().max().item()
-    assert diff <= atol, f"{what}: max |diff| {diff:.3g} > {atol}"
-
-
-def check_step_dump(h, step_dir, reference, *, atol: float = 1e-5, weight_dtype=torch.float32) -> dict:
-    """The common acceptance checks; returns {rank: Dump}."""
-    result = verify_dump(step_dir)
-    assert result.ok, [str(p) for p in result.problems]
-    assert result.missing_ranks == []
-    dumps = {d.rank: d for d in result.dumps}
-    assert sorted(dumps) == [0, 1]
-    for rank, dump in dumps.items():
-        assert dump.step == h.BAD_STEP and dump.world_size == 2
-        expected_ids = h.rank_samples(rank)[h.BAD_STEP * h.ACCUM:(h.BAD_STEP + 1) * h.ACCUM]
-        assert [dump.sample_ids(i) for i in range(dump.num_micro_batches)] == expected_ids
-    assert dumps[1].trigger["kind"] == "nonfinite_loss" and dumps[1].trigger["micro_batch"] == h.BAD_MB
-    assert dumps[1].trigger["local"] is True and dumps[0].trigger["local"] is False
-    assert h.POISON in dumps[1].sample_ids(h.BAD_MB)
-    poisoned = dumps[1].micro_batch(h.BAD_MB)
-    row = dumps[1].sample_ids(h.BAD_MB).index(h.POISON)
-    assert poisoned["inputs_embeds"][row].float().abs().max().item() >= 1e37
-    assert open_dump(step_dir).rank == 1  # the default is the rank that saw the fault first-hand
-
-    for rank, dump in dumps.items():
-        weights = dump.model_state()
-        assert sorted(weights) == sorted(reference["model"]), rank
-        for name, expected in reference["model"].items():
-            assert weights[name].dtype == (weight_dtype if expected.is_floating_point() else expected.dtype), name
-            _close(weights[name], expected, f"rank {rank} weight {name}", atol)
-        optimizer = dump.optimizer_state()
-        assert optimizer["class"] == "torch.optim.adamw.AdamW"
-        [group] = optimizer["param_groups"]
-        assert math.isclose(group["lr"], reference["lr"], rel_tol=1e-6)
-        assert sorted(optimizer["state"]) == sorted(reference["optimizer"])
-        for name, entries in reference["optimizer"].items():
-            assert float(optimizer["state"][name]["step"]) == float(entries["step"]) == h.BAD_STEP
-            for key in ("exp_avg", "exp_avg_sq"):
-                _close(optimizer["state"][name][key], entries[key], f"rank {rank} {key} {name}", atol)
-    return dumps
-
-
-def _run(h, tmp_path, script, run_id, *extra):
-    dump_dir = tmp_path / "dumps"
-    result = h.launch(script, ["--dump-dir", str(dump_dir), "--run-id", run_id, *extra])
-    # Every rank finished its work and reported (the exit code would also count gloo teardown races).
-    assert sorted(result.reports) == [0, 1], result.explain()
-    for report in result.reports.values():
-        assert report["dump"] and report["dump_error"] is None, report
-    return dump_dir / run_id / f"step-{h.BAD_STEP:09d}", result
-
-
-def _replay_names_sample_and_layer(harness, step_dir) -> None:
-    """A one-process replay of rank 1's dump names the corrupt sample and the layer where NaN appears."""
-    from replay import engine  # a broken import fails the test; it is never a skip
-
-    report = engine.run_replay(str(step_dir), engine.ReplayOptions(device="cpu", rank=1))
-    culprit = report["culprit"]
-    assert [(s["sample_id"], s["rank"]) for s in culprit["samples"]] == [(harness.POISON, 1)]
-    assert culprit["module"] == "transformer.h.0.ln_1" and culprit["phase"] == "forward"
-
-
 def test_ddp_both_ranks_dump_the_same_step_with_full_state(harness, tmp_path, reference):
     harness.requires("transformers")
-    step_dir, _ = _run(harness, tmp_path, "ddp_example.py", "ddp")
-    check_step_dump(harness, step_dir, reference)
-    _replay_names_sample_and_layer(harness, step_dir)
+    step_dir, _ = harness.run_example(tmp_path, "ddp_example.py", "ddp")
+    harness.check_step_dump(step_dir, reference)
+    harness.replay_names_sample_and_layer(step_dir)
 
 
 def test_ddp_fp16_scaler_skips_are_history_until_the_loss_scale_collapses(harness, tmp_path):
@@ -114,16 +50,16 @@ def test_ddp_fp16_scaler_skips_are_history_until_the_loss_scale_collapses(harnes
 
 def test_accelerate_both_ranks_dump_the_same_step_with_full_state(harness, tmp_path, reference):
     harness.requires("transformers", "accelerate")
-    step_dir, _ = _run(harness, tmp_path, "accelerate_example.py", "acc")
-    dumps = check_step_dump(harness, step_dir, reference)
+    step_dir, _ = harness.run_example(tmp_path, "accelerate_example.py", "acc")
+    dumps = harness.check_step_dump(step_dir, reference)
     assert dumps[1].manifest["distributed"]["framework"] == "accelerate"
     assert dumps[1].manifest["loss"]["divisor"] == harness.ACCUM
 
 
 def test_deepspeed_zero2_gathers_full_state_on_every_rank(harness, tmp_path, reference):
     harness.requires("transformers", "deepspeed")
-    step_dir, result = _run(harness, tmp_path, "deepspeed_example.py", "z2", "--zero-stage", "2")
-    dumps = check_step_dump(harness, step_dir, reference)
+    step_dir, result = harness.run_example(tmp_path, "deepspeed_example.py", "z2", "--zero-stage", "2")
+    dumps = harness.check_step_dump(step_dir, reference)
     assert dumps[0].manifest["distributed"]["zero_stage"] == 2
     # the history holds the healthy steps' global grad norms, assembled from the two ranks' shards
     history = dumps[0].history()
@@ -133,9 +69,9 @@ def test_deepspeed_zero2_gathers_full_state_on_every_rank(harness, tmp_path, ref
 
 def test_deepspeed_zero3_bf16_gathers_partitioned_weights_and_fp32_masters(harness, tmp_path, reference):
     harness.requires("transformers", "deepspeed")
-    step_dir, result = _run(harness, tmp_path, "deepspeed_example.py", "z3", "--zero-stage", "3",
+    step_dir, result = harness.run_example(tmp_path, "deepspeed_example.py", "z3", "--zero-stage", "3",
                             "--precision", "bf16")
-    dumps = check_step_dump(harness, step_dir, reference, atol=2e-2, weight_dtype=torch.bfloat16)
+    dumps = harness.check_step_dump(step_dir, reference, atol=2e-2, weight_dtype=torch.bfloat16)
     for rank, dump in dumps.items():
         assert dump.manifest["distributed"]["zero_stage"] == 3
         assert dump.recipe["factory_kwargs"]["dtype"] == "bfloat16"  # replay builds the model in bf16
@@ -145,8 +81,8 @@ def test_deepspeed_zero3_bf16_gathers_partitioned_weights_and_fp32_masters(harne
             assert master.dtype == torch.float32 and master.shape == weights[name].shape
             # DeepSpeed's bf16 weights are its fp32 masters rounded: the dump caught both at the same moment
             assert torch.equal(master.to(torch.bfloat16), weights[name]), (rank, name)
-            _close(master, reference["model"][name], f"rank {rank} fp32 master {name}", 2e-2)
-    _replay_names_sample_and_layer(harness, step_dir)
+            harness.close(master, reference["model"][name], f"rank {rank} fp32 master {name}", 2e-2)
+    harness.replay_names_sample_and_layer(step_dir)
 
 
 def test_a_rank_killed_while_writing_its_dump_does_not_hang_or_spoil_the_others(harness, tmp_path):
@@ -180,8 +116,8 @@ def test_accelerate_deepspeed_plugin_checks_inside_engine_step(harness, tmp_path
     """Under Accelerate's DeepSpeed plugin `accelerator.backward` runs `engine.step()` itself: the guard
     checks from inside that call, before the step, and the loop's own check() calls do nothing."""
     harness.requires("transformers", "accelerate", "deepspeed")
-    step_dir, _ = _run(harness, tmp_path, "accelerate_example.py", "accds", "--deepspeed-stage", "3")
-    dumps = check_step_dump(harness, step_dir, reference)
+    step_dir, _ = harness.run_example(tmp_path, "accelerate_example.py", "accds", "--deepspeed-stage", "3")
+    dumps = harness.check_step_dump(step_dir, reference)
     for dump in dumps.values():
         assert dump.manifest["distributed"]["framework"] == "deepspeed"
         assert dump.manifest["distributed"]["zero_stage"] == 3

@@ -1,0 +1,201 @@
+"""The sharded layout (dump format version 2), in one process: what each rank writes, how a reader assembles it,
+and what it says when part of the state is missing or a manifest lies about its shards."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from capture.sharding import Assignment, shard_state
+from forensics.cli import main
+from forensics.errors import DumpCorruptError, DumpIncompleteError
+from forensics.format import open_dump, verify_dump, write_dump
+from forensics.format.shards import LocalShard, table_entry
+from forensics_test_helpers import bitwise_equal, synthetic_content  # tests/helpers.py (tests/conftest.py)
+
+
+def _identity(tensor):
+    return tensor
+
+
+def _write_ranks(root, world: int, replicas: int = 1) -> tuple[list, dict]:
+    """Every rank's part of synthetic_content's state under `root`, as shard_state splits replicated tensors."""
+    paths, originals = [], None
+    for rank in range(world):
+        content, originals = synthetic_content(rank=rank, world_size=world)
+        state, table = shard_state({"model": content.model, "optimizer": content.optimizer}, rank, world, replicas,
+                                   _identity)
+        content.model, content.optimizer, content.layout = state["model"], state["optimizer"], table
+        paths.append(write_dump(content, root))
+    return paths, originals
+
+
+def _assert_state_equals(dump, originals) -> None:
+    weights = dump.model_state()
+    assert sorted(weights) == sorted(originals["model"])
+    for name, expected in originals["model"].items():
+        assert bitwise_equal(weights[name], expected), name
+    optimizer = dump.optimizer_state()
+    assert optimizer["param_groups"] == originals["optimizer"]["param_groups"]
+    for key in ("exp_avg", "exp_avg_sq", "step"):
+        assert bitwise_equal(optimizer["state"]["w"][key], originals["optimizer"]["state"]["w"][key]), key
+    assert optimizer["state"]["half"] == {"step": 3, "note": "scalar state"}
+
+
+def _shard_bytes(paths) -> int:
+    total = 0
+    for path in paths:
+        manifest = json.loads((path / "manifest.json").read_text())
+        for file, shards in manifest["layout"]["shards"].items():
+            rows = manifest["layout"]["tensors"][file]
+            total += sum(math.prod(s["shape"]) * torch.tensor([], dtype=getattr(torch, rows[n]["dtype"])).element_size()
+                         for n, s in shards.items())
+    return total
+
+
+def _one_copy_bytes(originals) -> int:
+    tensors = list(originals["model"].values()) + [v for e in originals["optimizer"]["state"].values()
+                                                   for v in e.values() if isinstance(v, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_ranks_split_replicated_state_once_and_any_rank_reads_it_whole(tmp_path):
+    paths, originals = _write_ranks(tmp_path, world=3)
+    assert _shard_bytes(paths) == _one_copy_bytes(originals)  # one copy across the ranks, no more
+    for path in paths:
+        assert json.loads((path / "manifest.json").read_text())["format_version"] == 2
+        _assert_state_equals(open_dump(path), originals)
+    result = verify_dump(paths[0].parent)
+    assert result.ok, [str(p) for p in result.problems]
+
+
+def test_a_missing_rank_names_the_tensors_it_held_in_verify_and_replay(tmp_path):
+    paths, _ = _write_ranks(tmp_path, world=3)
+    lost = json.loads((paths[2] / "manifest.json").read_text())["layout"]["shards"]
+    lost_names = sorted(name for shards in lost.values() for name in shards)
+    assert lost_names
+    shutil.rmtree(paths[2])
+    result = verify_dump(paths[0].parent)
+    assert result.missing_ranks == [2]
+    messages = [str(p) for p in result.problems]
+    assert any("tensors have parts no rank dump holds" in m for m in messages), messages
+    for name in lost_names:
+        assert any(repr(name.removeprefix("state/")) in m or repr(name) in m for m in messages), name
+    with pytest.raises(DumpIncompleteError) as caught:
+        open_dump(paths[0]).model_state()
+    assert caught.value.missing_ranks == [2]
+    assert set(caught.value.missing_tensors) == set(lost_names)
+    out = CliRunner().invoke(main, ["replay", str(paths[0].parent), "--device", "cpu"])
+    assert out.exit_code == 2, out.output
+    assert "sharded dump is incomplete" in out.output and "missing: [2]" in out.output
+
+
+def test_with_two_replicas_a_lost_rank_loses_nothing(tmp_path):
+    paths, originals = _write_ranks(tmp_path, world=3, replicas=2)
+    assert _shard_bytes(paths) == 2 * _one_copy_bytes(originals)
+    shutil.rmtree(paths[1])
+    _assert_state_equals(open_dump(paths[0]), originals)
+    result = verify_dump(paths[0].parent)
+    assert [str(p) for p in result.problems] == ["rank-00001: rank dump is missing (that rank did not finish writing)"]
+
+
+def test_ranks_on_two_nodes_are_joined_with_shard_dirs(tmp_path):
+    paths, originals = _write_ranks(tmp_path / "node0", world=2)
+    node1 = tmp_path / "node1" / paths[1].relative_to(tmp_path / "node0")
+    node1.parent.mkdir(parents=True)
+    shutil.move(str(paths[1]), str(node1))
+    with pytest.raises(DumpIncompleteError):
+        open_dump(paths[0]).model_state()
+    _assert_state_equals(open_dump(paths[0], shard_dirs=[tmp_path / "node1"]), originals)
+    assert open_dump(paths[0].parent, rank=1, shard_dirs=[tmp_path / "node1"]).path == node1
+    out = CliRunner().invoke(main, ["verify", str(paths[0].parent), "--shards", str(tmp_path / "node1")])
+    assert out.exit_code == 0, out.output
+
+
+def _box_dumps(root, shards_per_rank):
+    """Two ranks holding boxes of `full` (4, 6): rank r writes shards_per_rank[r] as LocalShards."""
+    full = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    paths = []
+    for rank, boxes in enumerate(shards_per_rank):
+        content, _ = synthetic_content(rank=rank, world_size=2)
+        model = {}
+        for offsets, shape, flat in boxes:
+            if flat:
+                data = full.reshape(-1)[offsets[0]:offsets[0] + shape[0]].clone()
+            else:  # a box past the tensor's edge (a lying writer) is padded with zeros to its claimed shape
+                data = torch.zeros(shape)
+                part = full[offsets[0]:offsets[0] + shape[0], offsets[1]:offsets[1] + shape[1]]
+                data[:part.shape[0], :part.shape[1]] = part
+            model["grid"] = LocalShard(data, (4, 6), offsets, flat)
+        content.model, content.optimizer = model, None
+        content.layout = {"model.safetensors": {"grid": table_entry((4, 6), torch.float32)},
+                          "optimizer.safetensors": {}}
+        paths.append(write_dump(content, root))
+    return paths, full
+
+
+@pytest.mark.parametrize("boxes", [
+    [[((0, 0), (4, 4), False)], [((0, 4), (4, 2), False)]],  # column shards (tensor parallel, Shard(1))
+    [[((0, 0), (3, 6), False)], [((3, 0), (1, 6), False)]],  # uneven row shards (FSDP2's Shard(0))
+    [[((0,), (10,), True)], [((10,), (14,), True)]],          # flat partitions (ZeRO)
+])
+def test_boxes_of_a_tensor_are_assembled_in_place(tmp_path, boxes):
+    paths, full = _box_dumps(tmp_path, boxes)
+    assert bitwise_equal(open_dump(paths[0]).model_state()["grid"], full)
+
+
+@pytest.mark.parametrize("boxes, words", [
+    ([[((0, 0), (3, 6), False)], [((2, 0), (2, 6), False)]], "overlapping"),
+    ([[((0, 0), (4, 4), False)], [((0, 4), (4, 4), False)]], "outside"),
+])
+def test_shards_that_overlap_or_overflow_are_refused(tmp_path, boxes, words):
+    paths, _ = _box_dumps(tmp_path, boxes)
+    with pytest.raises(DumpCorruptError, match=words):
+        open_dump(paths[0]).model_state()
+    assert not verify_dump(paths[0].parent).ok
+
+
+def _edit_manifest(path, edit) -> None:
+    manifest = json.loads((path / "manifest.json").read_text())
+    edit(manifest)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda m: m.update(format_version=1), "format version 2"),
+    (lambda m: m["layout"]["tensors"]["model.safetensors"].update(grid={"shape": [1 << 40, 1 << 40],
+                                                                       "dtype": "float32"}), "different state"),
+    (lambda m: m["layout"]["shards"]["model.safetensors"]["grid"].update(shape=[4000, 6]), "do not fit"),
+    (lambda m: m["layout"].update(kind="striped"), "layout.kind"),
+    (lambda m: m["layout"]["tensors"].update({"../../etc/passwd": {}}), "only"),
+    (lambda m: m.update(run_id="another-run"), "not a shard of the same dump"),
+])
+def test_a_lying_layout_is_refused_before_anything_is_allocated(tmp_path, edit, words):
+    paths, _ = _box_dumps(tmp_path, [[((0, 0), (2, 6), False)], [((2, 0), (2, 6), False)]])
+    _edit_manifest(paths[0], edit)
+    with pytest.raises(DumpCorruptError, match=words):
+        open_dump(paths[0]).model_state()
+
+
+def test_a_huge_declared_tensor_without_data_is_missing_not_allocated(tmp_path):
+    paths, _ = _box_dumps(tmp_path, [[((0, 0), (2, 6), False)], [((2, 0), (2, 6), False)]])
+    for path in paths:
+        _edit_manifest(path, lambda m: m["layout"]["tensors"]["model.safetensors"].update(
+            huge={"shape": [1 << 40, 1 << 40], "dtype": "float32"}))
+    with pytest.raises(DumpIncompleteError, match="'huge'"):
+        open_dump(paths[0]).model_state()
+
+
+def test_replicated_tensors_are_spread_by_bytes_and_every_rank_agrees():
+    sizes = {f"t{i}": (i + 1) * 100 for i in range(40)}
+    first = Assignment(sizes, world_size=4, replicas=1).writers
+    assert first == Assignment(dict(reversed(list(sizes.items()))), world_size=4, replicas=1).writers
+    loads = [sum(sizes[n] for n, ranks in first.items() if rank in ranks) for rank in range(4)]
+    assert max(loads) <= 1.05 * sum(sizes.values()) / 4
+    twice = Assignment(sizes, world_size=4, replicas=2).writers
+    assert all(len(set(ranks)) == 2 for ranks in twice.values())

@@ -1,0 +1,143 @@
+"""Multi-process gloo runs that write the sharded layout: FSDP2 (1-D and HSDP 2-D meshes), DDP with the ranks
+splitting the writing, two simulated nodes with node-local dump directories, and a rank killed mid-write.
+
+Each checks what a user relies on: the dump holds one copy of the state across the ranks (no rank wrote the
+full model), the state a reader assembles equals plain-torch training's, and a one-process replay names
+the corrupt sample.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from forensics.cli import main
+from forensics.format import open_dump, verify_dump
+
+
+ITEM = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "float64": 8}
+
+
+def _bytes(step_dir) -> tuple[int, int, list[int]]:
+    """(state bytes the ranks wrote, bytes of one copy of the state, state bytes per rank)."""
+    per_rank, one_copy = [], None
+    for path in sorted(step_dir.glob("rank-*")):
+        manifest = json.loads((path / "manifest.json").read_text())
+        layout = manifest["layout"]
+        assert manifest["format_version"] == 2
+        rows = layout["tensors"]
+        copy = sum(math.prod(r["shape"]) * ITEM[r["dtype"]] for f in rows.values() for r in f.values())
+        assert one_copy in (None, copy)
+        one_copy = copy
+        per_rank.append(sum(math.prod(s["shape"]) * ITEM[rows[f][n]["dtype"]]
+                            for f, shards in layout["shards"].items() for n, s in shards.items()))
+    return sum(per_rank), one_copy, per_rank
+
+
+def test_fsdp2_ranks_write_their_shards_once_and_replay_names_the_sample(harness, tmp_path, reference):
+    harness.requires("transformers")
+    step_dir, result = harness.run_example(tmp_path, "fsdp2_example.py", "fsdp2")
+    harness.check_step_dump(step_dir, reference)  # the assembled state equals plain-torch training's
+    written, one_copy, per_rank = _bytes(step_dir)
+    assert written <= 1.05 * one_copy, (written, one_copy)
+    assert max(per_rank) < 0.75 * one_copy, per_rank  # no rank wrote (or gathered) the whole state
+    for report in result.reports.values():
+        manifest = json.loads((harness.REPO / report["dump"] / "manifest.json").read_text())
+        assert manifest["distributed"]["dtensor"] is True and manifest["distributed"]["state"].startswith("sharded")
+        assert manifest["recipe"]["factory_kwargs"]["architecture"] == "GPT2LMHeadModel"  # not FSDPGPT2LMHeadModel
+    harness.replay_names_sample_and_layer(step_dir)
+
+
+def test_ddp_ranks_split_the_writing_of_replicated_state(harness, tmp_path, reference):
+    harness.requires("transformers")
+    step_dir, _ = harness.run_example(tmp_path, "ddp_example.py", "ddpsharded", "--layout", "sharded")
+    harness.check_step_dump(step_dir, reference)
+    written, one_copy, per_rank = _bytes(step_dir)
+    assert written == one_copy
+    assert max(per_rank) <= 0.6 * one_copy, per_rank  # both ranks wrote about half
+    harness.replay_names_sample_and_layer(step_dir)
+
+
+def test_hsdp_on_four_ranks_writes_one_replica_group(harness, tmp_path):
+    """A 2 x 2 mesh (replicate x shard): the replicas do not both write; rank 1 (step 1 with four ranks) replays."""
+    harness.requires("transformers")
+    dump_dir = tmp_path / "dumps"
+    result = harness.launch("fsdp2_example.py", ["--dump-dir", str(dump_dir), "--run-id", "hsdp", "--mesh", "hsdp"],
+                            nproc=4)
+    assert sorted(result.reports) == [0, 1, 2, 3], result.explain()
+    step_dir = dump_dir / "hsdp" / "step-000000001"  # DistributedSampler: sample 29 -> rank 1, step 1, mb 1
+    assert verify_dump(step_dir).ok
+    written, one_copy, per_rank = _bytes(step_dir)
+    assert written <= 1.05 * one_copy, (written, one_copy)
+    assert max(per_rank) < 0.6 * one_copy, per_rank
+    from replay import engine
+
+    report = engine.run_replay(str(step_dir), engine.ReplayOptions(device="cpu", rank=1))
+    assert [s["sample_id"] for s in report["culprit"]["samples"]] == [harness.POISON]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_write_node_local_dumps_that_replay_together(harness, tmp_path):
+    """`torchrun --nnodes=2` launched twice on one host (c10d rendezvous), one process per node, each node with
+    its own dump_dir; `forensics replay` of node 0's step with `--shards` pointing at node 1's directory."""
+    harness.requires("transformers")
+    port = _free_port()
+    procs = []
+    for node in (0, 1):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
+                   "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                   "--rdzv-id=forensics-two-nodes", str(harness.EXAMPLES / "fsdp2_example.py"),
+                   "--dump-dir", str(tmp_path / f"node{node}"), "--run-id", "nodes"]
+        procs.append(subprocess.Popen(command, cwd=str(harness.REPO), env=harness._env(None), text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    outputs = []
+    for proc in procs:
+        try:
+            outputs.append(proc.communicate(timeout=harness.LAUNCH_TIMEOUT)[0])
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail("the two-node launch hung")
+    step = f"step-{harness.BAD_STEP:09d}"
+    node0, node1 = tmp_path / "node0" / "nodes" / step, tmp_path / "node1" / "nodes" / step
+    assert [p.name for p in node0.iterdir()] == ["rank-00000"], outputs[0][-3000:]
+    assert [p.name for p in node1.iterdir()] == ["rank-00001"], outputs[1][-3000:]
+
+    alone = CliRunner().invoke(main, ["replay", str(node0), "--device", "cpu", "--rank", "0"])
+    assert alone.exit_code == 2 and "--shards" in alone.output, alone.output
+    assert not verify_dump(node0).ok
+    assert verify_dump(node0, shard_dirs=[tmp_path / "node1"]).ok
+    out = CliRunner().invoke(main, ["replay", str(node0), "--device", "cpu", "--rank", "1", "--shards",
+                                    str(tmp_path / "node1"), "--json", "-o", str(tmp_path / "report")])
+    assert out.exit_code == 0, out.output
+    report = json.loads(out.output[out.output.index("{"):])
+    assert [s["sample_id"] for s in report["culprit"]["samples"]] == [harness.POISON]
+
+
+def test_a_rank_killed_mid_write_leaves_a_dump_that_names_its_missing_shards(harness, tmp_path):
+    harness.requires("transformers")
+    dump_dir = tmp_path / "dumps"
+    worker = str(harness.REPO / "tests" / "integrations" / "die_in_write.py")
+    result = harness.launch_script(worker, [str(harness.EXAMPLES / "fsdp2_example.py"), "--dump-dir", str(dump_dir),
+                                            "--run-id", "killed"], env={"FORENSICS_TEST_DIE_RANK": "1"})
+    assert result.returncode != 0, result.explain()
+    step_dir = dump_dir / "killed" / f"step-{harness.BAD_STEP:09d}"
+    check = verify_dump(step_dir)
+    assert check.missing_ranks == [1]
+    messages = [str(p) for p in check.problems]
+    assert any("'transformer.h.0.attn.c_attn.weight'" in m for m in messages), messages
+    out = CliRunner().invoke(main, ["replay", str(step_dir), "--device", "cpu"])
+    assert out.exit_code == 2, out.output
+    assert "sharded dump is incomplete" in out.output and "missing: [1]" in out.output
+    assert open_dump(step_dir).rank == 0  # the survivor's own files (micro-batches, IDs) still read
