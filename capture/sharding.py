@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import heapq
 import logging
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 
@@ -159,14 +159,18 @@ def shard_state(state: dict, rank: int, world_size: int, replicas: int,
     entries = {}
     if optimizer is not None:
         entries = {f"state/{param}/{key}": _gathered(value) for param, values in optimizer["state"].items()
-                   for key, value in values.items() if isinstance(value, torch.Tensor)}
-    table = {spec.MODEL: {n: table_entry(t.shape, t.dtype) for n, t in model_state.items()},
-             spec.OPTIMIZER_TENSORS: {k: table_entry(t.shape, t.dtype) for k, t in entries.items()}}
-    plain = {f"{spec.MODEL}/{n}": _nbytes(t) for n, t in model_state.items() if not is_dtensor(t)}
-    plain.update({f"{spec.OPTIMIZER_TENSORS}/{k}": _nbytes(t) for k, t in entries.items() if not is_dtensor(t)})
+                   for key, value in values.items() if isinstance(value, (torch.Tensor, LocalShard))}
+    table = {spec.MODEL: {n: _row(t) for n, t in model_state.items()},
+             spec.OPTIMIZER_TENSORS: {k: _row(t) for k, t in entries.items()}}
+    plain = {f"{spec.MODEL}/{n}": _nbytes(t) for n, t in model_state.items() if _replicated(t)}
+    plain.update({f"{spec.OPTIMIZER_TENSORS}/{k}": _nbytes(t) for k, t in entries.items() if _replicated(t)})
     assignment = Assignment(plain, world_size, replicas)
 
-    def mine(file: str, name: str, value: torch.Tensor) -> Any:
+    def mine(file: str, name: str, value: Any) -> Any:
+        if isinstance(value, LocalShard):  # already this rank's partition (ZeRO); empty: it holds none
+            if value.tensor.numel() == 0:
+                return None
+            return LocalShard(copy(value.tensor), value.global_shape, value.offsets, value.flat)
         if is_dtensor(value):
             shard = local_shard(value, replicas)
             return None if shard is None else LocalShard(copy(shard.tensor), shard.global_shape, shard.offsets)
@@ -179,7 +183,7 @@ def shard_state(state: dict, rank: int, world_size: int, replicas: int,
         for param, values in optimizer["state"].items():
             kept[param] = {}
             for key, value in values.items():
-                if isinstance(value, torch.Tensor):
+                if isinstance(value, (torch.Tensor, LocalShard)):
                     full_key = f"state/{param}/{key}"
                     part = mine(spec.OPTIMIZER_TENSORS, full_key, entries[full_key])
                     if part is not None:
@@ -202,6 +206,18 @@ def full_state(state: dict, copy: Callable[[torch.Tensor], torch.Tensor]) -> dic
         optimizer = {**optimizer, "state": {param: {key: whole(v) for key, v in values.items()}
                                             for param, values in optimizer["state"].items()}}
     return {"model": {name: whole(t) for name, t in state["model"].items()}, "optimizer": optimizer}
+
+
+def _row(value: Any) -> dict:
+    """The `layout.tensors` row of a state value: its global shape and dtype."""
+    if isinstance(value, LocalShard):
+        return table_entry(value.global_shape, value.tensor.dtype)
+    return table_entry(value.shape, value.dtype)
+
+
+def _replicated(value: Any) -> bool:
+    """A plain tensor, the same on every rank (written by the ranks the Assignment picks)."""
+    return not isinstance(value, LocalShard) and not is_dtensor(value)
 
 
 def _gathered(value: Any) -> Any:

@@ -16,14 +16,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 from collections import defaultdict
 from typing import Any, Callable
 
 import torch
 
-from capture import snapshot
+from capture import sharding, snapshot
 from capture.config import GuardConfig
 from capture.integrations.ddp import DistributedGuard
+from forensics.format.shards import LocalShard
+from forensics.kinds import StateLayout
 from forensics.recipes import HUGGINGFACE_FACTORY
 
 log = logging.getLogger(__name__)
@@ -176,13 +179,40 @@ class DeepSpeedGuard(DistributedGuard):
 
     # -- state ---------------------------------------------------------------------------------
     def collect_state(self, copy: snapshot.HostCopy) -> dict:
-        """Full weights (pre-step) and full optimizer state keyed by parameter name; collective when sharded."""
+        """Pre-step weights and optimizer state keyed by parameter name. ZeRO (partitioned state): in the sharded
+        layout each rank's own partitions, no communication; in the full layout, gathered (a collective)."""
+        if self.sharded and self._zero_layout() is StateLayout.SHARDED:
+            self.layout_used = StateLayout.SHARDED
+            local = {"model": self._local_weights(), "optimizer": self._optimizer_state(self._local_value)}
+            parts, table = sharding.shard_state(local, self.rank, self.world_size, self.config.shard_replicas, copy)
+            return {**parts, "layout": table}
+        self.layout_used = StateLayout.FULL
         if not self.sharded:
             if self.optimizer is getattr(self.optimizer, "optimizer", self.optimizer) or \
                     not getattr(self.optimizer, "fp16_groups", None):
                 return super().collect_state(copy)  # ZeRO-0 fp32: DeepSpeed steps the torch optimizer itself
             return {"model": self._full_weights(copy), "optimizer": self._replicated_optimizer_state(copy)}
-        return {"model": self._full_weights(copy), "optimizer": self._full_optimizer_state()}
+        return {"model": self._full_weights(copy), "optimizer": self._optimizer_state(self._full_value)}
+
+    def _zero_layout(self) -> StateLayout:
+        """ZeRO partitions its state: sharded unless GuardConfig.state_layout says "full" (every rank gathers)."""
+        numel = sum(math.prod(_full_shape(p)) for p in self.model.parameters())
+        state_bytes = numel * (torch.tensor([], dtype=self.lp_dtype).element_size() + 12)  # + fp32 master, 2 moments
+        return sharding.choose_layout(self.config.state_layout, self.world_size if self.multi_rank else 1,
+                                      True, state_bytes, self.config.full_state_max_bytes)
+
+    def _local_weights(self) -> dict[str, Any]:
+        """This rank's weights: ZeRO-3 partitions as flat shards; replicated weights (ZeRO-1/2) whole (the ranks
+        split their writing)."""
+        state = {}
+        for key, tensor in self.model.state_dict(keep_vars=True).items():
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            if hasattr(tensor, "ds_id"):
+                state[key] = _zero3_shard(tensor, tensor.ds_tensor)
+            else:
+                state[key] = tensor.detach()
+        return state
 
     def _full_weights(self, copy: snapshot.HostCopy) -> dict[str, torch.Tensor]:
         state, gathered = {}, {}
@@ -197,7 +227,35 @@ class DeepSpeedGuard(DistributedGuard):
                 state[key] = copy(tensor)
         return state
 
-    def _full_optimizer_state(self) -> dict:
+    def _full_value(self, param: torch.nn.Parameter, key: str | None) -> torch.Tensor | None:
+        """The whole optimizer state `key` (None: the fp32 master) of `param`, gathered (a collective)."""
+        value = _full_zero3(param, key) if self.zero_stage == 3 else self._full_hp(param, key)
+        return None if value is None else _to_host(value).reshape(_full_shape(param))
+
+    def _local_value(self, param: torch.nn.Parameter, key: str | None) -> LocalShard | None:
+        """This rank's partition of the optimizer state `key` (None: the fp32 master) of `param`, as a flat shard
+        (None when this rank holds none of it). No communication."""
+        if self.zero_stage == 3:
+            from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
+
+            value = safe_get_local_fp32_param(param) if key is None else safe_get_local_optimizer_state(param, key)
+            return None if value is None else _zero3_shard(param, value)
+        mapping = getattr(param, "_hp_mapping", None)
+        if mapping is None:  # this rank holds none of it: an empty part keeps the parameter in the state's table
+            return LocalShard(torch.zeros(0), tuple(param.shape), (0,), flat=True)
+        hp, lp = mapping.hp_fragment_address, mapping.lp_fragment_address
+        if key is None:
+            source = mapping.hp_fragment
+        else:
+            flat = self._hp_flat(mapping.param_group_index)
+            value = self.optimizer.optimizer.state.get(flat, {}).get(key) if flat is not None else None
+            source = value.narrow(0, hp.start, hp.numel) if isinstance(value, torch.Tensor) else None
+        if source is None:
+            return None
+        return LocalShard(source.detach().reshape(-1).float(), tuple(param.shape), (int(lp.start),), flat=True)
+
+    def _optimizer_state(self, fetch: Callable[[torch.nn.Parameter, str | None], Any]) -> dict:
+        """Optimizer state by parameter name; `fetch(param, key)` gives each value (whole, or this rank's part)."""
         optimizer = self.optimizer
         basic = getattr(optimizer, "optimizer", optimizer)
         names = snapshot.parameter_names(self.model)
@@ -209,9 +267,6 @@ class DeepSpeedGuard(DistributedGuard):
         if self.zero_stage == 3:
             flats = getattr(optimizer, "fp32_partitioned_groups_flat", [])
             keys = [k for k in keys if all(k in basic.state.get(flat, {}) for flat in flats)]
-            full = _full_zero3
-        else:
-            full = self._full_hp
         groups, state = [], {}
         for group_index, params in self._lp_groups():
             group_names = []
@@ -220,13 +275,13 @@ class DeepSpeedGuard(DistributedGuard):
                 group_names.append(name)
                 entry: dict[str, Any] = {}
                 for key in keys:
-                    value = full(param, key)
+                    value = fetch(param, key)
                     if value is not None:
-                        entry[key] = _to_host(value).reshape(_full_shape(param))
+                        entry[key] = value
                 if entries and self.lp_dtype != torch.float32:
-                    master = full(param, None)
+                    master = fetch(param, None)
                     if master is not None:
-                        entry[MASTER_KEY] = _to_host(master).reshape(_full_shape(param))
+                        entry[MASTER_KEY] = master
                 if entry and step is not None:
                     entry["step"] = torch.tensor(step, dtype=torch.float32)
                 if entry:
@@ -327,7 +382,7 @@ class DeepSpeedGuard(DistributedGuard):
 
     @property
     def state_is_collective(self) -> bool:
-        return self.sharded
+        return self.sharded and self._zero_layout() is StateLayout.FULL
 
     def replay_recipe(self) -> dict:
         recipe = super().replay_recipe()
@@ -367,6 +422,15 @@ def _full_zero3(param: torch.nn.Parameter, key: str | None) -> torch.Tensor | No
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     return safe_get_full_fp32_param(param) if key is None else safe_get_full_optimizer_state(param, key)
+
+
+def _zero3_shard(param: torch.nn.Parameter, local: torch.Tensor) -> LocalShard:
+    """A ZeRO-3 partition (`local`: this rank's flat, padded slice of the flattened parameter) as a flat shard
+    (empty when the partition is all padding)."""
+    partition = local.numel()
+    start = torch.distributed.get_rank(group=param.ds_process_group) * partition
+    valid = max(0, min(partition, int(param.ds_numel) - start))
+    return LocalShard(local.detach().reshape(-1)[:valid], tuple(_full_shape(param)), (start,), flat=True)
 
 
 def _gather_zero3(param: torch.nn.Parameter) -> torch.Tensor:

@@ -165,19 +165,17 @@ MAX_TENSORS = 1 << 20
 
 def _layout(c: _Checker, layout: Any, version: int) -> None:
     """The sharded layout (format version 2): the complete state's table and this rank's shards."""
-    from forensics.format.shards import DTYPES, SHARDED, SHARDED_FILES  # no torch: plain names
-
     if layout is None:
         return
     c.kind(layout, "layout", dict, optional=False)
-    if layout.get("kind") != SHARDED or version < 2:
-        raise c.fail("layout.kind", f"must be {SHARDED!r} (format version 2), got {_short(layout.get('kind'))}")
+    if layout.get("kind") != spec.SHARDED or version < 2:
+        raise c.fail("layout.kind", f"must be {spec.SHARDED!r} (format version 2), got {_short(layout.get('kind'))}")
     for section in ("tensors", "shards"):
         value = layout.get(section)
         c.kind(value, f"layout.{section}", dict, optional=False)
         for file, rows in value.items():
-            if file not in SHARDED_FILES:
-                raise c.fail(f"layout.{section}", f"names {_short(file)}; only {list(SHARDED_FILES)} are sharded")
+            if file not in spec.SHARDED_FILES:
+                raise c.fail(f"layout.{section}", f"names {_short(file)}; only {list(spec.SHARDED_FILES)} are sharded")
             c.kind(rows, f"layout.{section}.{file}", dict, optional=False)
             if len(rows) > MAX_TENSORS:
                 raise c.fail(f"layout.{section}.{file}", f"lists {len(rows)} tensors (at most {MAX_TENSORS})")
@@ -188,8 +186,8 @@ def _layout(c: _Checker, layout: Any, version: int) -> None:
                 for key, low in dims:
                     c.each(row.get(key), f"{field}.{key}", lambda n, f: c.int(n, f, low, 1 << 48), MAX_DIMS,
                            optional=False)
-                if section == "tensors" and row.get("dtype") not in DTYPES:
-                    raise c.fail(f"{field}.dtype", f"must be one of {list(DTYPES)}, got {_short(row.get('dtype'))}")
+                if section == "tensors" and row.get("dtype") not in spec.DTYPES:
+                    raise c.fail(f"{field}.dtype", f"must be one of {list(spec.DTYPES)}, got {_short(row.get('dtype'))}")
                 if section == "shards":
                     c.kind(row.get("flat"), f"{field}.flat", bool, optional=False)
                     if len(row["shape"]) != len(row["offsets"]):

@@ -25,20 +25,7 @@ from forensics.format import spec
 if TYPE_CHECKING:
     import torch
 
-    from forensics.format.reader import Dump
-
-SHARDED = "sharded"
-"""`layout.kind` of a dump whose state is split across its step's rank dumps."""
-
-SHARDED_FILES = (spec.MODEL, spec.OPTIMIZER_TENSORS)
-"""The files whose tensors a sharded dump splits across ranks (everything else is per rank)."""
-
-DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
-          "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64")
-ITEM_SIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
-             "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint16": 2, "uint32": 4,
-             "uint64": 8}
-
+Dump = Any  # forensics.format.reader.Dump (which imports this module): a rank dump with .manifest, .path, .rank
 
 @dataclass(frozen=True)
 class LocalShard:
@@ -76,7 +63,7 @@ def shard_entry(value: Any) -> tuple[Any, dict]:
 class Piece:
     """One stored box of a tensor: which rank dump holds it, where it sits in the global tensor."""
 
-    dump: "Dump"
+    dump: Dump
     offsets: tuple[int, ...]
     shape: tuple[int, ...]
     flat: bool
@@ -101,7 +88,7 @@ class ShardIndex:
     before anything is allocated.
     """
 
-    def __init__(self, dumps: list["Dump"]):
+    def __init__(self, dumps: list[Dump]):
         first = dumps[0]
         self.layout = first.manifest["layout"]
         self.dumps = dumps
@@ -125,7 +112,7 @@ class ShardIndex:
                         raise DumpCorruptError(f"{dump.path / spec.MANIFEST}: shard {_short(name)} of {file} is not "
                                                "in layout.tensors", spec.MANIFEST)
                     piece = Piece(dump, tuple(entry["offsets"]), tuple(entry["shape"]), bool(entry["flat"]))
-                    declared += piece.numel * ITEM_SIZE[row["dtype"]]
+                    declared += piece.numel * spec.ITEM_SIZE[row["dtype"]]
                     self.pieces.setdefault((file, name), []).append(piece)
                 if shards and (file not in files or declared > files[file]["size"]):
                     raise DumpCorruptError(f"{dump.path / spec.MANIFEST}: the shards listed for {file} do not fit "
@@ -199,7 +186,7 @@ class ShardedState:
         self.index = index
         self._handles: dict[tuple[int, str, str], Any] = {}
 
-    def _handle(self, dump: "Dump", file: str, device: str) -> Any:
+    def _handle(self, dump: Dump, file: str, device: str) -> Any:
         from safetensors import safe_open
 
         from forensics.format.tensors import check_file_header

@@ -17,6 +17,16 @@ RNG_JSON = "rng.json"
 HISTORY = "history.json"
 ARCHIVE_SUFFIX = ".tar.zst"
 
+SHARDED = "sharded"
+"""`layout.kind` of a rank dump holding only its part of the state (format version 2, forensics.format.shards)."""
+SHARDED_FILES = (MODEL, OPTIMIZER_TENSORS)
+"""The files whose tensors a sharded dump splits across ranks (every other file is per rank)."""
+ITEM_SIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+             "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint16": 2, "uint32": 4,
+             "uint64": 8}
+"""Bytes per element of every dtype a sharded layout's table may name."""
+DTYPES = tuple(ITEM_SIZE)
+
 REQUIRED_MANIFEST_KEYS = (
     "format", "format_version", "created_at", "run_id", "trigger", "step", "rank", "world_size",
     "micro_batches", "files",

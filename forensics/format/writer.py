@@ -17,7 +17,7 @@ import zstandard
 from forensics.errors import CaptureError
 from forensics.fsio import fsync_dir
 from forensics.format import jsonio, spec
-from forensics.format.shards import SHARDED, LocalShard, shard_entry
+from forensics.format.shards import LocalShard, shard_entry
 from forensics.format.stale import remove_stale_temporaries, temporary_name
 from forensics.format.tensors import HashingWriter, safetensors_bytes, write_safetensors
 from forensics.format.tree import encode_tree
@@ -176,7 +176,7 @@ def write_dump(content: DumpContent, root: str | os.PathLike) -> Path:
         for meta, leaves in zip(manifest.get("micro_batches", []), unreplayable):
             meta["unreplayable"] = leaves
         if content.layout is not None:
-            manifest["layout"] = {"kind": SHARDED, "tensors": content.layout,
+            manifest["layout"] = {"kind": spec.SHARDED, "tensors": content.layout,
                                   "shards": {file: target.shards[file] for file in content.layout if file in target.shards}}
         manifest.update({
             "format": spec.FORMAT_NAME,

@@ -44,7 +44,8 @@ def main() -> None:
     model, optimizer = accelerator.prepare(model, optimizer)
     # --- forensics: one line to create the guard (after prepare) ---
     guard = AccelerateGuard.create(accelerator, model, optimizer, scheduler, config=GuardConfig(
-        dump_dir=args.dump_dir, run_id=args.run_id, on_nonfinite=args.policy, max_grad_norm=_common.CLIP))
+        dump_dir=args.dump_dir, run_id=args.run_id, on_nonfinite=args.policy, max_grad_norm=_common.CLIP,
+        state_layout=args.layout, shard_replicas=args.replicas))
 
     samples = world * args.steps * args.accum * args.micro_batch
     dataset = IndexedDataset(_common.EmbedsDataset(samples, poison=args.poison))

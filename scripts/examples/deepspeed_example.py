@@ -55,7 +55,8 @@ def main() -> None:
         lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, _common.warmup))
     # --- forensics: one line to create the guard ---
     guard = DeepSpeedGuard(engine, config=GuardConfig(dump_dir=args.dump_dir, run_id=args.run_id,
-                                                      on_nonfinite=args.policy, max_dumps=args.max_dumps))
+                                                      on_nonfinite=args.policy, max_dumps=args.max_dumps,
+                                                      state_layout=args.layout, shard_replicas=args.replicas))
     dtype = next(engine.module.parameters()).dtype
 
     samples = world * args.steps * args.accum * args.micro_batch

@@ -21,6 +21,7 @@ import zstandard
 
 from forensics.errors import (DumpCorruptError, DumpError, DumpNotFoundError, NotADumpError,
                               UnsupportedVersionError)
+from forensics.format import spec
 from forensics.format import open_dump, open_step, pack_dump, verify_dump, write_dump
 from forensics.format.tensors import load_safetensors_bytes
 
@@ -137,8 +138,9 @@ def test_file_dropped_from_the_manifest_cannot_be_read(dump_dir):
 
 
 def test_newer_format_version_is_refused_naming_both_versions(dump_dir):
-    rewrite_manifest(dump_dir, lambda m: m.__setitem__("format_version", 2))
-    with pytest.raises(UnsupportedVersionError, match=r"version 2.*up to version 1") as info:
+    newer = spec.FORMAT_VERSION + 1
+    rewrite_manifest(dump_dir, lambda m: m.__setitem__("format_version", newer))
+    with pytest.raises(UnsupportedVersionError, match=rf"version {newer}.*up to version {spec.FORMAT_VERSION}") as info:
         open_dump(dump_dir)
     assert "Upgrade" in str(info.value)
     with pytest.raises(UnsupportedVersionError):

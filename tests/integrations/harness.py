@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from forensics.format import open_dump, verify_dump
+from forensics.format import open_dump, spec, verify_dump
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "scripts" / "examples"
@@ -186,3 +186,19 @@ def replay_names_sample_and_layer(step_dir) -> None:
     culprit = report["culprit"]
     assert [(s["sample_id"], s["rank"]) for s in culprit["samples"]] == [(POISON, 1)]
     assert culprit["module"] == "transformer.h.0.ln_1" and culprit["phase"] == "forward"
+
+
+def state_bytes(step_dir) -> tuple[int, int, list[int]]:
+    """(state bytes the ranks wrote, bytes of one copy of the state, state bytes per rank)."""
+    per_rank, one_copy = [], None
+    for path in sorted(step_dir.glob("rank-*")):
+        manifest = json.loads((path / "manifest.json").read_text())
+        layout = manifest["layout"]
+        assert manifest["format_version"] == 2
+        rows = layout["tensors"]
+        copy = sum(math.prod(r["shape"]) * spec.ITEM_SIZE[r["dtype"]] for f in rows.values() for r in f.values())
+        assert one_copy in (None, copy)
+        one_copy = copy
+        per_rank.append(sum(math.prod(s["shape"]) * spec.ITEM_SIZE[rows[f][n]["dtype"]]
+                            for f, shards in layout["shards"].items() for n, s in shards.items()))
+    return sum(per_rank), one_copy, per_rank

@@ -9,7 +9,6 @@ the corrupt sample.
 from __future__ import annotations
 
 import json
-import math
 import socket
 import subprocess
 import sys
@@ -21,30 +20,11 @@ from forensics.cli import main
 from forensics.format import open_dump, verify_dump
 
 
-ITEM = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "float64": 8}
-
-
-def _bytes(step_dir) -> tuple[int, int, list[int]]:
-    """(state bytes the ranks wrote, bytes of one copy of the state, state bytes per rank)."""
-    per_rank, one_copy = [], None
-    for path in sorted(step_dir.glob("rank-*")):
-        manifest = json.loads((path / "manifest.json").read_text())
-        layout = manifest["layout"]
-        assert manifest["format_version"] == 2
-        rows = layout["tensors"]
-        copy = sum(math.prod(r["shape"]) * ITEM[r["dtype"]] for f in rows.values() for r in f.values())
-        assert one_copy in (None, copy)
-        one_copy = copy
-        per_rank.append(sum(math.prod(s["shape"]) * ITEM[rows[f][n]["dtype"]]
-                            for f, shards in layout["shards"].items() for n, s in shards.items()))
-    return sum(per_rank), one_copy, per_rank
-
-
 def test_fsdp2_ranks_write_their_shards_once_and_replay_names_the_sample(harness, tmp_path, reference):
     harness.requires("transformers")
     step_dir, result = harness.run_example(tmp_path, "fsdp2_example.py", "fsdp2")
     harness.check_step_dump(step_dir, reference)  # the assembled state equals plain-torch training's
-    written, one_copy, per_rank = _bytes(step_dir)
+    written, one_copy, per_rank = harness.state_bytes(step_dir)
     assert written <= 1.05 * one_copy, (written, one_copy)
     assert max(per_rank) < 0.75 * one_copy, per_rank  # no rank wrote (or gathered) the whole state
     for report in result.reports.values():
@@ -58,7 +38,7 @@ def test_ddp_ranks_split_the_writing_of_replicated_state(harness, tmp_path, refe
     harness.requires("transformers")
     step_dir, _ = harness.run_example(tmp_path, "ddp_example.py", "ddpsharded", "--layout", "sharded")
     harness.check_step_dump(step_dir, reference)
-    written, one_copy, per_rank = _bytes(step_dir)
+    written, one_copy, per_rank = harness.state_bytes(step_dir)
     assert written == one_copy
     assert max(per_rank) <= 0.6 * one_copy, per_rank  # both ranks wrote about half
     harness.replay_names_sample_and_layer(step_dir)
@@ -73,7 +53,7 @@ def test_hsdp_on_four_ranks_writes_one_replica_group(harness, tmp_path):
     assert sorted(result.reports) == [0, 1, 2, 3], result.explain()
     step_dir = dump_dir / "hsdp" / "step-000000001"  # DistributedSampler: sample 29 -> rank 1, step 1, mb 1
     assert verify_dump(step_dir).ok
-    written, one_copy, per_rank = _bytes(step_dir)
+    written, one_copy, per_rank = harness.state_bytes(step_dir)
     assert written <= 1.05 * one_copy, (written, one_copy)
     assert max(per_rank) < 0.6 * one_copy, per_rank
     from replay import engine
