@@ -55,7 +55,7 @@ def _free_port() -> int:
 
 CASES = [("README.md", 0, None), ("docs/INTEGRATIONS.md", 0, None), ("docs/INTEGRATIONS.md", 1, "accelerate"),
          ("docs/INTEGRATIONS.md", 2, "deepspeed"), ("docs/INTEGRATIONS.md", 3, "transformers"),
-         ("docs/INTEGRATIONS.md", 4, "pytorch_lightning")]
+         ("docs/INTEGRATIONS.md", 4, "pytorch_lightning"), ("docs/INTEGRATIONS.md", 5, None)]
 
 
 @pytest.mark.parametrize("document, index, needs", CASES, ids=[f"{d}#{i}" for d, i, _ in CASES])
@@ -66,7 +66,7 @@ def test_snippet_runs_as_written_and_dumps_the_corrupt_step(document, index, nee
         pytest.skip(f"{needs} is not installed")
     code = _snippets(document)[index]
     prelude = PRELUDE.format(examples=str(ROOT / "scripts" / "examples"))
-    if "DistributedDataParallel" in code or "deepspeed" in code:
+    if "DistributedDataParallel" in code or "deepspeed" in code or "fully_shard" in code:
         prelude += DISTRIBUTED.format(port=_free_port())
     if needs == "pytorch_lightning":  # the snippet's `module` and the recipe it names: the user's code
         prelude += "module = common.lit_gpt2()\n"
