@@ -89,7 +89,7 @@ def dcp_save(model, optimizer, root: Path, storage: str) -> dict:
     else:
         from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
 
-        state, writer = model_state, HuggingFaceStorageWriter(str(root))
+        state, writer = model_state, HuggingFaceStorageWriter(str(root), save_distributed=True)
     start = time.perf_counter()
     try:
         dcp.save(state, storage_writer=writer)
