@@ -10,6 +10,7 @@ GuardConfig(sync_free=True) removes the transfer for fused optimizers (capture/d
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import threading
@@ -105,6 +106,10 @@ class Guard:
         self.history = History(self.config.history_size)
         self.dtensors = sharding.has_dtensors(model)
         """The model holds DTensors (FSDP2, tensor parallel): state is written from local shards."""
+        if self.dtensors and self.config.recheck:
+            log.warning("forensics: recheck is off for a DTensor (FSDP2 / tensor-parallel) model: a forward on the "
+                        "ranks that saw the fault alone would wait forever for the others")
+            self.config = dataclasses.replace(self.config, recheck=False)
         self.sharded_grad_norm = type(self).sharded_grad_norm or self.dtensors
         self.layout_used: StateLayout | None = None
         """The state layout of the last dump (GuardConfig.state_layout resolved)."""

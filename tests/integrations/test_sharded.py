@@ -9,6 +9,7 @@ the corrupt sample.
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -121,3 +122,41 @@ def test_a_rank_killed_mid_write_leaves_a_dump_that_names_its_missing_shards(har
     assert out.exit_code == 2, out.output
     assert "sharded dump is incomplete" in out.output and "missing: [1]" in out.output
     assert open_dump(step_dir).rank == 0  # the survivor's own files (micro-batches, IDs) still read
+
+
+def test_fsdp_over_tensor_parallel_2d_mesh_dumps_exactly_the_gathered_state(harness, tmp_path):
+    """dp x tp = 2 x 2: column shards (strided under FSDP: gathered before writing), Shard(0) x Shard(1) boxes,
+    a bias replicated over the tensor-parallel ranks. The assembled state equals `full_tensor()` bit for bit."""
+    from safetensors.torch import load_file
+
+    from forensics_test_helpers import bitwise_equal  # tests/helpers.py
+
+    result = harness.launch_script(str(harness.REPO / "tests" / "integrations" / "tp_worker.py"), [str(tmp_path)],
+                                   nproc=4)
+    assert sorted(result.reports) == [0, 1, 2, 3], result.explain()
+    step_dir = tmp_path / "tp" / "step-000000001"
+    check = verify_dump(step_dir)
+    assert check.ok, [str(p) for p in check.problems]
+    reference = load_file(str(tmp_path / "reference.safetensors"))
+    dump = open_dump(step_dir)
+    assert dump.rank in (2, 3) and dump.trigger["local"]  # the ranks that read the inf
+    weights, optimizer = dump.model_state(), dump.optimizer_state()["state"]
+    for key, expected in reference.items():
+        actual = optimizer[key.split("/")[1]][key.split("/")[2]] if key.startswith("state/") else weights[key]
+        assert bitwise_equal(actual, expected), key
+    written, one_copy, _ = harness.state_bytes(step_dir)
+    # only the strided `up` tensors (gathered, then written once each) and the tiny replicated `step`s move
+    assert written <= 1.05 * one_copy, (written, one_copy)
+
+
+def test_with_two_replicas_the_ranks_survive_the_loss_of_one_dump(harness, tmp_path):
+    """GuardConfig(shard_replicas=2) under DDP: every replicated tensor written by both ranks, so rank 1's dump
+    replays after rank 0's is lost."""
+    harness.requires("transformers")
+    step_dir, _ = harness.run_example(tmp_path, "ddp_example.py", "ddp2", "--layout", "sharded", "--replicas", "2")
+    written, one_copy, _ = harness.state_bytes(step_dir)
+    assert written == 2 * one_copy
+    shutil.rmtree(step_dir / "rank-00000")
+    check = verify_dump(step_dir)
+    assert [str(p) for p in check.problems] == ["rank-00000: rank dump is missing (that rank did not finish writing)"]
+    harness.replay_names_sample_and_layer(step_dir)
