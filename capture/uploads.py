@@ -19,7 +19,7 @@ def send_dump(path: Path, trackers: tuple[str, ...], tensorboard_dir: str | None
     sent: list[str] = []
     try:
         dump = open_dump(path)
-        archive = pack_dump(path, path.with_name(path.name + spec.ARCHIVE_SUFFIX))
+        archive = pack_dump(path, path.with_name(path.name + spec.ARCHIVE_SUFFIX), rank_part=True)
         name = f"{dump.manifest['run_id']}-step{dump.step}-rank{dump.rank}"
         summary = {"run_id": dump.manifest["run_id"], "step": dump.step, "rank": dump.rank,
                    "trigger": dump.trigger.get("kind"), "detail": dump.trigger.get("detail"),

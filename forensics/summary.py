@@ -26,7 +26,18 @@ def dump_summary(dump: Dump, missing_ranks: list[int], path: str | None = None) 
         "history_tail": tail, "total_bytes": dump.total_size(),
         "files": m["files"], "environment": m.get("environment", {}),
         "format_version": m["format_version"], "created_at": m["created_at"],
+        "state": _state_summary(m),
     }
+
+
+def _state_summary(manifest: dict) -> dict:
+    """Full or sharded; for a sharded dump, how much of the whole state this rank holds (from the manifest)."""
+    layout = manifest.get("layout")
+    if layout is None:
+        return {"layout": "full"}
+    rows = {(f, n): r for f, table in layout["tensors"].items() for n, r in table.items()}
+    held = sum(1 for shards in layout["shards"].values() for _ in shards)
+    return {"layout": "sharded", "tensors": len(rows), "parts_here": held}
 
 
 def render_summary(summary: dict) -> str:
@@ -75,6 +86,11 @@ def render_summary(summary: dict) -> str:
         f"  size: {fmt_size(summary['total_bytes'])} in {len(summary['files'])} files; format v{summary['format_version']}, "
         f"written {summary['created_at']}",
     ]
+    state = summary.get("state") or {}
+    if state.get("layout") == "sharded":
+        lines.append(f"  state: sharded — this rank holds {state['parts_here']} parts of the {state['tensors']} tensors "
+                     "of the state; replay and verify read the step's other rank dumps too (--shards DIR for "
+                     "other nodes')")
     recheck = summary.get("recheck") or {}
     if recheck.get("performed"):
         lines.append(f"  in-job re-check: {'reproduced' if recheck.get('reproduced') else 'NOT reproduced'} "

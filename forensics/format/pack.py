@@ -9,12 +9,16 @@ import zstandard
 
 from forensics.errors import DumpCorruptError, NotADumpError
 from forensics.format import spec
+from forensics.format.reader import Dump, is_rank_dump
 from forensics.format.verify import verify_dump
 from forensics.fsio import atomic_file
 
 
-def pack_dump(path: str | Path, output: str | Path | None = None) -> Path:
+def pack_dump(path: str | Path, output: str | Path | None = None, *, rank_part: bool = False) -> Path:
     """Packs a dump directory (rank or step) into one `.tar.zst`; returns the archive path.
+
+    One rank of a sharded dump is refused (alone it replays nothing) unless `rank_part` (a rank uploading its
+    own part: the tracker then holds every rank's archive).
 
     Example:
         >>> pack_dump("crash_dumps/run/step-000000042")  # doctest: +SKIP
@@ -23,7 +27,10 @@ def pack_dump(path: str | Path, output: str | Path | None = None) -> Path:
     source = Path(path)
     if not source.is_dir() or source.is_symlink():
         raise NotADumpError(f"{source} is not a dump directory; pack takes a rank or step directory")
-    result = verify_dump(source)  # pack refuses what a reader would refuse: links, unlisted or changed files
+    if not rank_part and is_rank_dump(source) and Dump(source).sharded:
+        raise NotADumpError(f"{source} is one rank's part of a sharded dump: alone it cannot be replayed. Pack its "
+                            f"step directory ({source.parent}) instead")
+    result = verify_dump(source, whole_state=not rank_part)  # refuses what a reader would: links, changed files
     if not result.ok:
         raise DumpCorruptError(f"{source} failed verification, so it is not packed: {result.problems[0]}"
                                + (f" (and {len(result.problems) - 1} more problems)" if len(result.problems) > 1 else ""))

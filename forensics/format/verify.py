@@ -70,12 +70,13 @@ def _check_shards(dumps: list[Dump]) -> list[Problem]:
 
 
 def verify_dump(path: str | Path, limits: ArchiveLimits | None = None,
-                shard_dirs: list[str | Path] = ()) -> VerifyResult:
+                shard_dirs: list[str | Path] = (), whole_state: bool = True) -> VerifyResult:
     """Checks a rank dump, a step directory or an archive (and, for a sharded dump, that the rank dumps found
-    hold the complete state; `shard_dirs`: other nodes' directories of the same step). Raises DumpError when
-    it cannot even be opened."""
+    hold the complete state; `shard_dirs`: other nodes' directories of the same step; `whole_state=False`:
+    only the files of the dumps under `path`). Raises DumpError when it cannot even be opened."""
     dumps, missing = open_step(path, limits)
-    if dumps[0].sharded:
+    whole_state = whole_state and dumps[0].sharded
+    if whole_state:
         dumps[0].shard_dirs = [Path(d) for d in shard_dirs]
         dumps = sorted({d.rank: d for d in [*dumps, *dumps[0].peers()]}.values(), key=lambda d: d.rank)
         missing = sorted(set(range(dumps[0].world_size)) - {d.rank for d in dumps})
@@ -84,6 +85,6 @@ def verify_dump(path: str | Path, limits: ArchiveLimits | None = None,
         problems.extend(_check_rank(dump))
     for rank in missing:
         problems.append(Problem(f"rank-{rank:05d}", "rank dump is missing (that rank did not finish writing)"))
-    if dumps[0].sharded:
+    if whole_state:
         problems.extend(_check_shards(dumps))
     return VerifyResult(dumps, missing, problems)

@@ -199,3 +199,14 @@ def test_replicated_tensors_are_spread_by_bytes_and_every_rank_agrees():
     assert max(loads) <= 1.05 * sum(sizes.values()) / 4
     twice = Assignment(sizes, world_size=4, replicas=2).writers
     assert all(len(set(ranks)) == 2 for ranks in twice.values())
+
+
+def test_pack_takes_the_whole_step_of_a_sharded_dump_and_inspect_says_it_is_sharded(tmp_path):
+    paths, originals = _write_ranks(tmp_path / "dumps", world=2)
+    refused = CliRunner().invoke(main, ["pack", str(paths[1]), "-o", str(tmp_path / "part.tar.zst")])
+    assert refused.exit_code == 2 and "Pack its step directory" in refused.output, refused.output
+    packed = CliRunner().invoke(main, ["pack", str(paths[1].parent), "-o", str(tmp_path / "step.tar.zst")])
+    assert packed.exit_code == 0, packed.output
+    _assert_state_equals(open_dump(tmp_path / "step.tar.zst", rank=1), originals)
+    shown = CliRunner().invoke(main, ["inspect", str(paths[1])])
+    assert shown.exit_code == 0 and "state: sharded" in shown.output, shown.output
