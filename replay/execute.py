@@ -152,10 +152,13 @@ def any_nonfinite(tensors: Iterable[torch.Tensor]) -> list[bool]:
     return [bool(f) for f in flags.tolist()]
 
 
-def _copy_would_crowd_gpu(model: torch.nn.Module, device: torch.device) -> bool:
+RELOAD_MIN_BYTES = 256 << 20
+"""A model state above this is reset from the dump rather than from an in-memory copy (StepRunner)."""
+
+
+def _copy_would_crowd_gpu(need: int, device: torch.device) -> bool:
     if device.type != "cuda":
         return False
-    need = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     try:
         free, _ = torch.cuda.mem_get_info(device)
     except RuntimeError:
@@ -176,11 +179,17 @@ class StepRunner:
     def __init__(self, session: ReplaySession, keep_initial_on_cpu: bool | None = None):
         self.session = session
         self.model = session.model
-        if keep_initial_on_cpu is None:
-            keep_initial_on_cpu = _copy_would_crowd_gpu(self.model, session.device)
-        where = torch.device("cpu") if keep_initial_on_cpu else None
-        self._initial = {k: (v.detach().to(where, copy=True) if where else v.detach().clone())
-                         for k, v in self.model.state_dict().items()}
+        state_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        crowded = _copy_would_crowd_gpu(state_bytes, session.device)
+        self._reload = session.pre_step_weights if session.pre_step_weights is not None and (
+            crowded or state_bytes > RELOAD_MIN_BYTES) else None
+        """Large model replayed from a dump: every reset re-reads the pre-step weights from the dump's memory map
+        (page cache, disk speed) instead of keeping a second copy of the model in memory."""
+        self._initial = None
+        if self._reload is None:
+            where = torch.device("cpu") if (crowded if keep_initial_on_cpu is None else keep_initial_on_cpu) else None
+            self._initial = {k: (v.detach().to(where, copy=True) if where else v.detach().clone())
+                             for k, v in self.model.state_dict().items()}
         self.param_names = [n for n, _ in self.model.named_parameters()]
         self._dtypes = {n: t.dtype for n, t in self._live_tensors()}
         flags = any_nonfinite(p.detach() for _, p in self.model.named_parameters())
@@ -197,7 +206,13 @@ class StepRunner:
             if dtype is not None and tensor.dtype != dtype:
                 tensor.data = tensor.data.to(dtype)
         with torch.no_grad():
-            model.load_state_dict(self._initial, strict=False)
+            if self._reload is not None:
+                live = model.state_dict()
+                for name, tensor in self._reload():
+                    if name in live:
+                        live[name].copy_(tensor)
+            else:
+                model.load_state_dict(self._initial, strict=False)
         for p in model.parameters():
             p.grad = None
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from forensics.errors import DumpCorruptError, RecipeError
 from replay.environment import dtype_from_name, environment_warnings, resolve_device, to_device
-from replay.optimizer_state import OptimizerSnapshot
+from replay.optimizer_state import DumpOptimizerState, OptimizerSnapshot
 from replay.recipe import LossFn, optimizer_class, resolve_recipe
 from replay.samples import SampleRef
 
@@ -64,6 +64,9 @@ class ReplaySession:
     expect_bitwise: bool = True
     """Same kind of machine and torch as the capture: replayed numbers should match bit for bit."""
     capture_environment: dict = field(default_factory=dict)
+    pre_step_weights: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None = None
+    """Re-reads the pre-step weights from the dump (memory-mapped, tensor by tensor, onto `device`): a large
+    model is reset from the dump instead of from a copy held in memory (replay.execute.StepRunner)."""
     world_size: int = 1
     """Ranks of the job. With more than one, the recorded grad norm covers every rank's gradients
     (after all-reduce / over all ZeRO shards), so a one-rank replay compares losses only."""
@@ -151,11 +154,12 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
     param_dtype = _param_dtype(precision.get("param_dtype"), model)
 
     snapshot = None
-    opt_state = dump.optimizer_state()
-    if opt_state is not None:
-        cls = optimizer_class(opt_state["class"], trust)
+    opt_meta = dump.optimizer_meta()  # tensors are read later, one parameter at a time, if the check runs
+    if opt_meta is not None:
+        cls = optimizer_class(opt_meta["class"], trust)
         try:
-            snapshot = OptimizerSnapshot(cls, [dict(g) for g in opt_state["param_groups"]], opt_state["state"])
+            snapshot = OptimizerSnapshot(cls, [dict(g) for g in opt_meta["param_groups"]],
+                                         DumpOptimizerState(dump, opt_meta["state"]))
             snapshot.check(model)  # fail now, with a clear error, if state and model do not match
         except (TypeError, ValueError, KeyError, IndexError, RuntimeError, OverflowError) as exc:
             raise DumpCorruptError(f"the dump's optimizer state does not rebuild a {cls.__name__} for this model "
@@ -183,6 +187,7 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
         warnings=warnings, source_cuda_device=manifest.get("local_rank"),
         expect_bitwise=_expect_bitwise(env_warnings, device, manifest.get("determinism") or {}),
         capture_environment=dict(manifest.get("environment") or {}),
+        pre_step_weights=lambda: dump.iter_model_tensors(device),
         world_size=int(getattr(dump, "world_size", None) or manifest.get("world_size") or 1))
 
 

@@ -1,7 +1,8 @@
 """Localise the update and the layers: which parameter a (fresh copy of the) optimizer step breaks and why; per-layer statistics.
 
 * Optimizer (`localize_optimizer`): steps a fresh copy of the pre-step optimizer on the replayed
-  gradients and explains each parameter the update makes non-finite (`explain_update`).
+  gradients, one parameter at a time (so one parameter's optimizer state is in memory at a time), and
+  explains each parameter the update makes non-finite (`explain_update`).
 * Spikes (`per_layer_stats`): gradient norm and output abs-max per module.
 
 Forward and backward localisation are in replay/localize.py.
@@ -51,31 +52,35 @@ def localize_optimizer(runner: StepRunner, samples: list[SampleRef] | None = Non
     try:
         if not (result.loss_finite and result.grads_finite):
             return None
-        optimizer = session.new_optimizer()
+        snapshot = session.optimizer
+        stepped = {name for group in snapshot.param_groups for name in group["params"]}
         named = list(runner.model.named_parameters())
-        by_param = {p: n for n, p in named}
         before_ok = [not bad for bad in any_nonfinite(p.detach() for _, p in named)]
-        pre_state = {by_param[p]: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
-                     for p, s in optimizer.state.items() if p in by_param}
-        try:
-            optimizer.step()
-        except Exception as exc:  # noqa: BLE001 - e.g. LBFGS wants a closure; the check is an extra
-            logger.warning("could not step a copy of %s on the replayed gradients (%s: %s); skipping the "
-                           "optimizer check", session.optimizer.class_path, type(exc).__name__, exc)
-            return None
-        after_bad = any_nonfinite(p.detach() for _, p in named)
-        broken = [n for (n, _), ok, bad in zip(named, before_ok, after_bad) if ok and bad]
+        broken, explanations = [], {}
+        for (name, param), ok in zip(named, before_ok):
+            if name not in stepped or param.grad is None:
+                continue
+            # one parameter at a time: its state alone is in memory (elementwise / per-tensor optimizers
+            # such as Adam, AdamW, SGD, Adagrad update each parameter independently of the others)
+            try:
+                optimizer = snapshot.build(runner.model, [name])
+                pre = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                       for k, v in optimizer.state.get(param, {}).items()}
+                optimizer.step()
+            except Exception as exc:  # noqa: BLE001 - e.g. LBFGS wants a closure; the check is an extra
+                logger.warning("could not step a copy of %s on the replayed gradients (%s: %s); skipping the "
+                               "optimizer check", snapshot.class_path, type(exc).__name__, exc)
+                return None
+            if ok and any_nonfinite([param.detach()])[0]:
+                broken.append(name)
+                explanations[name] = explain_update(name, param.grad, pre, dict(optimizer.state.get(param, {})),
+                                                    snapshot.hyper_of(name))
+            del optimizer, pre
         if not broken:
             return None
-        explanations = {}
-        for name, param in named:
-            if name in broken:
-                post = {k: v for k, v in optimizer.state.get(param, {}).items()}
-                explanations[name] = explain_update(name, param.grad, pre_state.get(name, {}), post,
-                                                    session.optimizer.hyper_of(name))
         first = broken[0]
         return OptimizerFinding(parameters=broken, parameter=first, optimizer_state=explanations[first],
-                                explanations=explanations, optimizer_class=session.optimizer.class_path)
+                                explanations=explanations, optimizer_class=snapshot.class_path)
     finally:
         runner.reset()
 

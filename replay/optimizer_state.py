@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,47 +27,89 @@ MASTER_KEY = "fp32_master"
 """Per-parameter optimizer-state key of DeepSpeed's fp32 master weight (capture/integrations/deepspeed.py)."""
 
 
+class DumpOptimizerState(Mapping):
+    """A dump's optimizer state by parameter name, read one parameter at a time when asked (never all at once)."""
+
+    def __init__(self, dump: Any, scalars: dict[str, dict]):
+        self.dump = dump
+        self.scalars = scalars
+        self.names = list(dict.fromkeys([*scalars, *dump.optimizer_shapes()]))
+
+    def __getitem__(self, name: str) -> dict[str, Any]:
+        if name not in self.scalars and name not in self.dump.optimizer_shapes():
+            raise KeyError(name)
+        return {**self.scalars.get(name, {}), **self.dump.optimizer_tensors(name)}
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def shapes(self) -> dict[str, dict[str, list[int]]]:
+        return self.dump.optimizer_shapes()
+
+
+class _WithoutMasters(Mapping):
+    """A state mapping seen without the fp32_master entries (module docstring)."""
+
+    def __init__(self, raw: Mapping):
+        self.raw = raw
+
+    def __getitem__(self, name: str) -> dict[str, Any]:
+        return {k: v for k, v in self.raw[name].items() if k != MASTER_KEY}
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.raw)
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+
 @dataclass
 class OptimizerSnapshot:
     """The pre-step optimizer, keyed by parameter name (docs/DUMP_FORMAT.md 'Optimizer state').
 
-    `build(model)` returns a NEW optimizer over `model`'s parameters holding a deep copy of the
-    pre-step state, so stepping it never changes the snapshot.
+    `build(model)` returns a NEW optimizer over `model`'s parameters holding a copy of the pre-step state, so
+    stepping it never changes the snapshot; `build(model, names)` one over those parameters only (the replay
+    steps the optimizer a parameter at a time, holding one parameter's state at a time). `state` may be a
+    lazy mapping (DumpOptimizerState): entries are read when a parameter is built.
     """
 
     cls: type
     param_groups: list[dict]  # hyper-parameters + "params": [parameter names]
-    state: dict[str, dict[str, Any]]  # name -> {key: tensor | number}
-    masters: dict[str, torch.Tensor] = field(default_factory=dict)
-    """name -> fp32 master weight (DeepSpeed bf16/fp16 dumps), taken out of `state` (module docstring)."""
+    state: Mapping[str, dict[str, Any]]  # name -> {key: tensor | number}
 
     def __post_init__(self) -> None:
-        state = {}
-        for name, entries in self.state.items():
-            entries = dict(entries)
-            master = entries.pop(MASTER_KEY, None)
+        self._raw = self.state
+        self.state = _WithoutMasters(self.state)
+
+    @property
+    def masters(self) -> dict[str, torch.Tensor]:
+        """name -> fp32 master weight (DeepSpeed bf16/fp16 dumps), kept out of `state` (module docstring)."""
+        masters = {}
+        for name in self._raw:
+            master = self._raw[name].get(MASTER_KEY)
             if isinstance(master, torch.Tensor):
-                self.masters.setdefault(name, master)
-            state[name] = entries
-        self.state = state
-        if self.masters:
-            logger.info("optimizer state holds fp32 master weights for %d parameters; the replay keeps the "
-                        "dtype the forward used and does not load them into %s", len(self.masters),
-                        self.class_path)
+                masters[name] = master
+        return masters
 
     @property
     def class_path(self) -> str:
         return f"{self.cls.__module__}.{self.cls.__qualname__}"
 
-    def build(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+    def build(self, model: torch.nn.Module, names: list[str] | None = None) -> torch.optim.Optimizer:
         named = dict(model.named_parameters())
+        wanted = set(named) if names is None else set(names)
         groups, saved_groups, saved_state, index = [], [], {}, 0
         for group in self.param_groups:
-            names = [n for n in group["params"] if n in named]
+            members = [n for n in group["params"] if n in named and n in wanted]
+            if names is not None and not members:
+                continue
             hyper = {k: _hyper_value(v) for k, v in group.items() if k not in ("params", "param_names")}
-            groups.append({**hyper, "params": [named[n] for n in names]})
+            groups.append({**hyper, "params": [named[n] for n in members]})
             ids = []
-            for name in names:
+            for name in members:
                 if name in self.state:
                     saved_state[index] = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
                                           for k, v in self.state[name].items()}
@@ -93,20 +136,23 @@ class OptimizerSnapshot:
     def check(self, model: torch.nn.Module) -> None:
         """Fails now, with a clear error, when this state cannot rebuild the optimizer for `model` — without
         copying any state (build() copies it; the replay builds the optimizer only for its optimizer check):
-        every per-parameter state tensor must have its parameter's shape, and the class must accept the
-        hyper-parameters (tried on a one-element stand-in parameter).
+        every per-parameter state tensor must have its parameter's shape (read from the file's header: no
+        tensor is read), and the class must accept the hyper-parameters (tried on a one-element stand-in).
 
         Raises:
             ValueError / TypeError / RuntimeError: what is wrong.
         """
         named = dict(model.named_parameters())
-        for name, entries in self.state.items():
+        shapes = self._raw.shapes() if isinstance(self._raw, DumpOptimizerState) else {
+            name: {k: list(v.shape) for k, v in entries.items() if isinstance(v, torch.Tensor)}
+            for name, entries in self._raw.items()}
+        for name, entries in shapes.items():
             param = named.get(name)
             if param is None:
                 continue
-            for key, value in entries.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != tuple(param.shape):
-                    raise ValueError(f"optimizer state {key} of {name} has shape {tuple(value.shape)}, the "
+            for key, shape in entries.items():
+                if key != MASTER_KEY and len(shape) > 0 and tuple(shape) != tuple(param.shape):
+                    raise ValueError(f"optimizer state {key} of {name} has shape {tuple(shape)}, the "
                                      f"parameter {tuple(param.shape)}")
         groups = [{**{k: _hyper_value(v) for k, v in group.items() if k not in ("params", "param_names")},
                    "params": [torch.nn.Parameter(torch.zeros(1))]} for group in self.param_groups]
@@ -144,4 +190,4 @@ def _hyper_value(value: Any) -> Any:
 
 
 
-__all__ = ["OptimizerSnapshot", "MASTER_KEY"]
+__all__ = ["DumpOptimizerState", "OptimizerSnapshot", "MASTER_KEY"]

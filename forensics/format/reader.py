@@ -119,6 +119,7 @@ class Dump:
         self.manifest = read_manifest(self.path)
         self._archive_tmp = archive_tmp  # keeps an unpacked archive's temp dir alive
         self._verified: set[str] = set()
+        self._handles: dict[str, Any] = {}
         self.shard_dirs: list[Path] = []
         """Sharded layout: more directories (step, run or dump_dir of other nodes) holding this dump's ranks."""
 
@@ -271,7 +272,9 @@ class Dump:
 
         yield from iter_safetensors_file(self.verify_file(spec.MODEL), spec.MODEL, device)
 
-    def optimizer_state(self) -> dict | None:
+    def optimizer_meta(self) -> dict | None:
+        """Class, param groups and the non-tensor state of the optimizer (`optimizer.json`; no tensor is read),
+        or None when the dump has no optimizer state."""
         if not self.has_file(spec.OPTIMIZER_JSON):
             return None
         meta = self._json_object(spec.OPTIMIZER_JSON, ("class", "param_groups"))
@@ -283,17 +286,65 @@ class Dump:
             raise DumpCorruptError(f"{self.path / spec.OPTIMIZER_JSON} does not have the documented layout "
                                    "(class: str, param_groups: [{..., params: [...]}], state: {name: {...}})",
                                    spec.OPTIMIZER_JSON)
-        state: dict[str, dict] = {name: dict(values) for name, values in raw_state.items()}
-        tensors = dict(self.shards.iter_tensors(spec.OPTIMIZER_TENSORS)) if self.sharded \
-            else self._tensors(spec.OPTIMIZER_TENSORS)
-        for key, tensor in tensors.items():
+        return {"class": meta["class"], "param_groups": meta["param_groups"],
+                "state": {name: dict(values) for name, values in raw_state.items()}}
+
+    @cached_property
+    def _optimizer_index(self) -> dict[str, dict[str, tuple[str, list[int]]]]:
+        """{param name: {state key: (tensor key in optimizer.safetensors, shape)}}, from the verified file's
+        header (or a sharded dump's table): nothing but the header is read."""
+        if not self.has_file(spec.OPTIMIZER_TENSORS):
+            return {}
+        if self.sharded:
+            shapes = {key: row["shape"] for key, row in self.manifest["layout"]["tensors"]
+                      .get(spec.OPTIMIZER_TENSORS, {}).items()}
+        else:
+            from forensics.format.tensors import safetensors_shapes
+
+            shapes = safetensors_shapes(self.verify_file(spec.OPTIMIZER_TENSORS), spec.OPTIMIZER_TENSORS)
+        index: dict[str, dict[str, tuple[str, list[int]]]] = {}
+        for key, shape in shapes.items():
             parts = key.split("/", 1)
             if len(parts) != 2 or "/" not in parts[1]:
                 raise DumpCorruptError(f"{spec.OPTIMIZER_TENSORS} key {_cut(repr(key), 80)} is not "
                                        "'state/<param name>/<key>'", spec.OPTIMIZER_TENSORS)
             name, entry = parts[1].rsplit("/", 1)
-            state.setdefault(name, {})[entry] = tensor
-        return {"class": meta["class"], "param_groups": meta["param_groups"], "state": state}
+            index.setdefault(name, {})[entry] = (key, shape)
+        return index
+
+    def optimizer_shapes(self) -> dict[str, dict[str, list[int]]]:
+        """{param name: {state key: shape}} of the optimizer's tensor state, without reading any tensor."""
+        return {name: {k: shape for k, (_, shape) in entries.items()} for name, entries in self._optimizer_index.items()}
+
+    def optimizer_tensors(self, name: str, device: str | "torch.device" = "cpu") -> dict[str, "torch.Tensor"]:
+        """The tensor state of ONE parameter (`{"exp_avg": ..., ...}`), read from the memory-mapped file (or
+        assembled from a sharded dump's ranks) onto `device`: replay holds one parameter's state at a time."""
+        entries = self._optimizer_index.get(name, {})
+        if not entries:
+            return {}
+        if self.sharded:
+            return {k: self.shards.tensor(spec.OPTIMIZER_TENSORS, key, str(device)) for k, (key, _) in entries.items()}
+        handle = self.tensor_file(spec.OPTIMIZER_TENSORS)
+        return {k: handle.read(key, device) for k, (key, _) in entries.items()}
+
+    def tensor_file(self, name: str) -> Any:
+        """A forensics.format.tensors.SafetensorsFile on a listed file, verified first; kept open for later reads."""
+        from forensics.format.tensors import SafetensorsFile
+
+        if name not in self._handles:
+            self._handles[name] = SafetensorsFile(self.verify_file(name), name)
+        return self._handles[name]
+
+    def optimizer_state(self) -> dict | None:
+        """The whole optimizer state at once (`{"class", "param_groups", "state": {name: {key: value}}}`); replay
+        reads it parameter by parameter instead (optimizer_meta / optimizer_tensors)."""
+        meta = self.optimizer_meta()
+        if meta is None:
+            return None
+        state = meta["state"]
+        for name in self._optimizer_index:
+            state.setdefault(name, {}).update(self.optimizer_tensors(name))
+        return meta
 
     def scheduler_state(self) -> dict | None:
         return self._json_object(spec.SCHEDULER) if self.has_file(spec.SCHEDULER) else None

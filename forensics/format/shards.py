@@ -184,22 +184,6 @@ class ShardedState:
 
     def __init__(self, index: ShardIndex):
         self.index = index
-        self._handles: dict[tuple[int, str, str], Any] = {}
-
-    def _handle(self, dump: Dump, file: str, device: str) -> Any:
-        from safetensors import safe_open
-
-        from forensics.format.tensors import check_file_header
-
-        key = (id(dump), file, device)
-        if key not in self._handles:
-            path = dump.verify_file(file)  # checked before any byte is parsed
-            check_file_header(path, file)
-            try:
-                self._handles[key] = safe_open(str(path), framework="pt", device=device)
-            except Exception as exc:  # safetensors raises its own error types
-                raise DumpCorruptError(f"{path} is not valid safetensors: {exc}", file) from exc
-        return self._handles[key]
 
     def tensor(self, file: str, name: str, device: str = "cpu") -> "torch.Tensor":
         """The whole tensor `name` of `file`, assembled on `device` from its shards."""
@@ -215,12 +199,7 @@ class ShardedState:
         for piece in pieces:
             if not piece.numel:
                 continue
-            handle = self._handle(piece.dump, file, str(device))
-            try:
-                data = handle.get_tensor(name)
-            except Exception as exc:  # safetensors raises its own error types
-                raise DumpCorruptError(f"{piece.dump.path / file} lacks the shard {_short(name)} its manifest "
-                                       "lists", file) from exc
+            data = piece.dump.tensor_file(file).read(name, device)
             if tuple(data.shape) != piece.shape or data.dtype != out.dtype:
                 raise DumpCorruptError(f"{piece.dump.path / file}: shard {_short(name)} is {list(data.shape)} "
                                        f"{data.dtype}, the manifest says {list(piece.shape)} {out.dtype}", file)
@@ -233,9 +212,6 @@ class ShardedState:
     def iter_tensors(self, file: str, device: str = "cpu") -> Iterator[tuple[str, "torch.Tensor"]]:
         for name in self.index.names(file):
             yield name, self.tensor(file, name, device)
-
-    def close(self) -> None:
-        self._handles.clear()
 
 
 def _short(name: object, limit: int = 120) -> str:

@@ -176,24 +176,118 @@ def load_safetensors_bytes(data: bytes, name: str) -> dict[str, torch.Tensor]:
 
 
 def load_safetensors_file(path, name: str) -> dict[str, torch.Tensor]:
-    """Reads a safetensors file (already checksummed) into CPU tensors through a memory map: one tensor is
-    copied at a time, the file is never held in memory whole."""
+    """Reads a safetensors file (already checksummed) into CPU tensors, one tensor read at a time."""
     return dict(iter_safetensors_file(path, name, "cpu"))
 
 
 def iter_safetensors_file(path, name: str, device) -> "Iterator[tuple[str, torch.Tensor]]":
     """(key, tensor) of a safetensors file (already checksummed), read one at a time onto `device`."""
-    from safetensors import safe_open
+    with SafetensorsFile(path, name) as handle:
+        for key in handle.keys():
+            yield key, handle.read(key, device)
 
-    check_file_header(path, name)
-    try:
-        with safe_open(str(path), framework="pt", device=str(device)) as handle:
-            for key in handle.keys():
-                yield key, handle.get_tensor(key)
-    except DumpCorruptError:
-        raise
-    except Exception as exc:  # safetensors raises its own error types
-        raise DumpCorruptError(f"{name} is not valid safetensors: {exc}", name) from exc
+
+_DTYPES_BY_CODE = {code: dtype for dtype, code in _DTYPE_NAMES.items()}
+
+
+class SafetensorsFile:
+    """A safetensors file (already checksummed) read tensor by tensor with `pread`, never memory-mapped: on the
+    CPU each tensor is read straight into its own memory, for a device through one pinned (CUDA) staging
+    buffer of that tensor's size, so the host holds at most one tensor beyond what the caller keeps.
+
+    The header is checked before anything is allocated: its size, every entry's dtype, shape and byte range
+    (inside the file, matching numel x item size, no two overlapping).
+    """
+
+    def __init__(self, path, name: str):
+        self.path, self.name, self._fd = str(path), name, None
+        check_file_header(path, name)
+        self._fd = os.open(self.path, os.O_RDONLY)
+        try:
+            self._entries = self._parse_header(os.fstat(self._fd).st_size)
+        except BaseException:
+            self.close()
+            raise
+
+    def _parse_header(self, size: int) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
+        from forensics.format.jsonio import parse_json
+
+        (length,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
+        try:
+            header = parse_json(os.pread(self._fd, length, 8))
+        except ValueError as exc:
+            raise DumpCorruptError(f"{self.name} has a safetensors header that is not valid JSON", self.name) from exc
+        if not isinstance(header, dict):
+            raise DumpCorruptError(f"{self.name}: the safetensors header is not an object", self.name)
+        start, entries, spans = 8 + length, {}, []
+        for key, entry in header.items():
+            if key == "__metadata__":
+                continue
+            try:
+                dtype = _DTYPES_BY_CODE[entry["dtype"]]
+                shape = [int(n) for n in entry["shape"]]
+                begin, end = (int(o) for o in entry["data_offsets"])
+                numel = 1
+                for n in shape:
+                    numel *= n
+                ok = all(n >= 0 for n in shape) and 0 <= begin <= end <= size - start and \
+                    end - begin == numel * torch.empty((), dtype=dtype).element_size()
+            except (KeyError, TypeError, ValueError, AttributeError):
+                ok = False
+            if not ok:
+                raise DumpCorruptError(f"{self.name}: safetensors entry {str(key)[:120]!r} has a malformed dtype, "
+                                       "shape or byte range", self.name)
+            entries[key] = (dtype, shape, start + begin, end - begin)
+            spans.append((begin, end))
+        spans.sort()
+        if any(a_end > b_begin for (_, a_end), (b_begin, _) in zip(spans, spans[1:])):
+            raise DumpCorruptError(f"{self.name}: safetensors entries overlap", self.name)
+        return entries
+
+    def keys(self) -> list[str]:
+        return sorted(self._entries)  # safetensors' own order: sorted by name
+
+    def shape(self, key: str) -> list[int]:
+        return list(self._entry(key)[1])
+
+    def _entry(self, key: str) -> tuple[torch.dtype, list[int], int, int]:
+        if key not in self._entries:
+            raise DumpCorruptError(f"{self.name} lacks tensor {key[:120]!r}", self.name)
+        return self._entries[key]
+
+    def read(self, key: str, device="cpu") -> torch.Tensor:
+        dtype, shape, offset, nbytes = self._entry(key)
+        device = torch.device(device)
+        pinned = device.type == "cuda"
+        raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        view, done = memoryview(raw.numpy()) if nbytes else memoryview(b""), 0
+        while done < nbytes:
+            got = os.preadv(self._fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise DumpCorruptError(f"{self.name} ended while reading {key[:120]!r}", self.name)
+            done += got
+        tensor = raw.view(dtype).reshape(shape)
+        return tensor.to(device) if device.type != "cpu" else tensor
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "SafetensorsFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def safetensors_shapes(path, name: str) -> dict[str, list[int]]:
+    """{key: shape} of a safetensors file (already checksummed), from its header alone."""
+    with SafetensorsFile(path, name) as handle:
+        return {key: handle.shape(key) for key in handle.keys()}
 
 
 def check_file_header(path, name: str) -> None:

@@ -89,3 +89,17 @@ def test_bf16_autocast_dump_replays_bitwise_and_fp32_still_fails(tmp_path, helpe
     assert report["precision"]["fp32_reproduces"] is True  # 1e38 squared overflows fp32 too: data, not bf16
     assert report["verdict"]["kind"] == "bad_sample"
     assert [s["sample_id"] for s in report["culprit"]["samples"]] == ["s3-m1-2"]
+
+
+def test_a_large_model_is_reset_from_the_dump_with_the_same_result(tmp_path, helpers, kit, monkeypatch):
+    """Above RELOAD_MIN_BYTES the StepRunner keeps no copy of the weights: each reset re-reads them from the
+    dump. Lowered to 0 here, the replay must give the same numbers and the same culprit, bit for bit."""
+    from replay import execute
+
+    dump_path = crash_and_dump(tmp_path, helpers, kit)
+    copied = run_replay(dump_path, ReplayOptions(device="cpu"))
+    monkeypatch.setattr(execute, "RELOAD_MIN_BYTES", 0)
+    reloaded = run_replay(dump_path, ReplayOptions(device="cpu"))
+    assert reloaded["fidelity"] == copied["fidelity"]
+    assert reloaded["culprit"] == copied["culprit"] and reloaded["verdict"] == copied["verdict"]
+    assert reloaded["per_sample"] == copied["per_sample"]
