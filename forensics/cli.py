@@ -216,6 +216,8 @@ def _progress(stage: str) -> None:
               help="Where to write the culprit sample IDs, one JSON value per line (default: blocklist.jsonl "
                    "next to the report, whenever the verdict names culprit samples).")
 @click.option("--no-bisect", is_flag=True, help="Skip the sample bisection.")
+@click.option("--no-remedies", is_flag=True, help="Skip trying fixes on the step (drop samples, eps, fp32, "
+              "loss scale, clip, lower LR, skip).")
 @click.option("--no-rng-check", is_flag=True, help="Skip the re-runs with other seeds that tell whether the "
               "failure needs the recorded random state (e.g. one dropout mask).")
 @click.option("--json", "as_json", is_flag=True, help="Print report.json to stdout.")
@@ -226,7 +228,7 @@ def _progress(stage: str) -> None:
 @archive_options
 @shards_option
 def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_path, out, blocklist, no_bisect,
-           no_rng_check, as_json, trackers, tensorboard_dir, shard_dirs, **limits) -> None:
+           no_remedies, no_rng_check, as_json, trackers, tensorboard_dir, shard_dirs, **limits) -> None:
     """Replay the failing step of DUMP offline, localise it, bisect the samples, print the verdict."""
     from forensics.format import open_step
     from forensics.report import render_verdict_text, write_blocklist, write_report_files
@@ -240,7 +242,8 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
         for chosen_rank in ranks:
             options = ReplayOptions(device=device, trust=trust, factory=factory, loss=loss_fn,
                                     sys_path=[str(p) for p in sys_path], rank=chosen_rank, bisect=not no_bisect,
-                                    rng_check=not no_rng_check, archive_limits=archive_limits,
+                                    rng_check=not no_rng_check, remedies=not no_remedies,
+                                    archive_limits=archive_limits,
                                     shard_dirs=[str(d) for d in shard_dirs])
             report = run_replay(dump, options, progress=_progress)
             target = out or _report_dir(report)

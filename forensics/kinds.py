@@ -1,6 +1,7 @@
 """The named kinds every stage shares: what fired (TriggerKind), where it broke (Phase), what the replay
 concluded (VerdictKind), the loss-curve shape before it (HistoryPattern), what the Guard does about it
-(Policy) and how the CLI ends (ExitCode).
+(Policy), how the ranks write the state (StateLayout), the fixes replay tries (RemedyKind) and how the CLI
+ends (ExitCode).
 
 Each kind carries its properties here, so that capture, replay, report and CLI ask the kind instead
 of comparing strings: adding a trigger kind is one member below plus its detector (capture) and its
@@ -261,3 +262,43 @@ _PATTERN_PROPS = {
 }
 
 __all__ = ["ExitCode", "HistoryPattern", "Phase", "Policy", "TriggerKind", "VerdictKind"]
+
+
+@dataclass(frozen=True)
+class _RemedyProps:
+    words: str
+    rank: int  # preference among remedies that work: a fix of the cause before a fix of the symptom
+
+
+class RemedyKind(_Kind):
+    """A change the replay tries on the failing step (replay/remedies.py), and what it stands for."""
+
+    AS_RECORDED = "as_recorded"
+    """No change: the step's own update (for a spike: is any action needed at all?)."""
+    DROP_SAMPLES = "drop_samples"
+    ADAM_EPS = "adam_eps"
+    FP32 = "fp32"
+    LOSS_SCALE = "loss_scale"
+    CLIP_GRAD = "clip_grad"
+    LOWER_LR = "lower_lr"
+    SKIP_STEP = "skip_step"
+
+    @property
+    def words(self) -> str:
+        return _REMEDY_PROPS[self].words
+
+    @property
+    def rank(self) -> int:
+        return _REMEDY_PROPS[self].rank
+
+
+_REMEDY_PROPS = {
+    RemedyKind.AS_RECORDED: _RemedyProps("no change", 0),
+    RemedyKind.DROP_SAMPLES: _RemedyProps("drop the culprit samples", 1),
+    RemedyKind.ADAM_EPS: _RemedyProps("a non-zero Adam eps", 2),
+    RemedyKind.FP32: _RemedyProps("run the step in fp32", 3),
+    RemedyKind.LOSS_SCALE: _RemedyProps("a lower loss scale", 4),
+    RemedyKind.CLIP_GRAD: _RemedyProps("clip the gradient at a lower norm", 5),
+    RemedyKind.LOWER_LR: _RemedyProps("a 10x lower learning rate", 6),
+    RemedyKind.SKIP_STEP: _RemedyProps("skip the step", 9),
+}

@@ -17,6 +17,7 @@ from replay.findings import Findings
 from replay.load import ReplaySession, finite_float
 from replay.localize import ROOT_MODULE
 from replay.per_sample import rank_by_loss
+from replay.remedies import tested_suggestions
 from replay.samples import tensor_leaves
 from replay.verdict import VerdictFacts, decide_verdict
 
@@ -30,6 +31,9 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
     if findings.kind is TriggerKind.NONFINITE_PARAM and findings.optimizer is not None:
         fidelity["optimizer_reproduced"] = True
     verdict = decide_verdict(verdict_facts(findings, session, dump_info, culprit))
+    if findings.remedies:  # a tested fix comes before what is only suggested
+        first, last = tested_suggestions(findings.remedies)
+        verdict["suggestions"] = list(dict.fromkeys(first + verdict["suggestions"] + last))
     trigger = findings.trigger
     history = findings.history
     report = {
@@ -63,6 +67,8 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
         report["exception"] = _exception_block(findings, session)
     if findings.corrupted:
         report["weights"] = _weights_block(findings)
+    if findings.remedies:
+        report["remedies"] = findings.remedies
     return to_json_safe(report)
 
 

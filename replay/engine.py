@@ -35,6 +35,7 @@ from replay.localize_weights import corrupted_weights, samples_touching_embeddin
 from replay.localize_update import localize_optimizer, per_layer_stats
 from replay.per_sample import per_sample_stats
 from replay.precision import fp32_check, uses_low_precision
+from replay.remedies import try_remedies
 from replay.rng_dependence import check_rng_dependence
 from replay.samples import select_samples
 from replay.user_code import as_user_error
@@ -77,6 +78,9 @@ class ReplayOptions:
     """Sharded dump written on several nodes: other nodes' directories with this step's rank dumps (--shards)."""
     archive_limits: ArchiveLimits | None = None
     """What unpacking a .tar.zst dump may produce (default forensics.format.limits.ArchiveLimits())."""
+    remedies: bool = True
+    """Once reproduced, re-run the step under each applicable fix (drop samples, eps, fp32, loss scale, clip,
+    lower LR, skip) and rank what makes it healthy; report block `remedies` (replay/remedies.py)."""
     rng_check: bool = True
     """Once reproduced, re-run the step from a few other seeds (recorded RNG not restored) to tell
     whether the failure needs the dump's random state (a dropout mask); report block `rng`."""
@@ -195,6 +199,10 @@ def run_session(session: ReplaySession, options: ReplayOptions | None = None, pr
     elif findings.culprits and findings.exception is not None:
         _stage(progress, "naming the values that make the culprit samples raise")
         findings.exception = localize_exception(runner, findings.culprits) or findings.exception
+    if findings.reproduced and not raised and options.remedies:
+        _stage(progress, "trying remedies on the step")
+        findings.remedies = try_remedies(runner, findings.culprits, history,
+                                         findings.forward.module if findings.forward is not None else None)
     findings.history = _history(history, _uniform_loss(runner.model))
     if findings.kind.spike and findings.history.diverged and findings.culprits:
         logger.info("the run diverged long before: the samples whose removal ends the spike are not culprits")

@@ -72,6 +72,8 @@ class Findings:
     """Parameters that hold NaN/Inf before the step (named_parameters order)."""
     corrupted: list[dict] = field(default_factory=list)
     """Per such parameter: counts and bad slices (replay/localize_weights.py)."""
+    remedies: dict | None = None
+    """The report's `remedies` block: each counterfactual fix tried on the step, ranked (replay/remedies.py)."""
     touching: dict[str, list[SampleRef]] | None = None
     """Corrupted embedding -> the samples whose ids hit its bad rows (None: no corrupted embedding)."""
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -53,29 +53,18 @@ def localize_optimizer(runner: StepRunner, samples: list[SampleRef] | None = Non
         if not (result.loss_finite and result.grads_finite):
             return None
         snapshot = session.optimizer
-        stepped = {name for group in snapshot.param_groups for name in group["params"]}
-        named = list(runner.model.named_parameters())
-        before_ok = [not bad for bad in any_nonfinite(p.detach() for _, p in named)]
         broken, explanations = [], {}
-        for (name, param), ok in zip(named, before_ok):
-            if name not in stepped or param.grad is None:
-                continue
-            # one parameter at a time: its state alone is in memory (elementwise / per-tensor optimizers
-            # such as Adam, AdamW, SGD, Adagrad update each parameter independently of the others)
-            try:
-                optimizer = snapshot.build(runner.model, [name])
-                pre = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
-                       for k, v in optimizer.state.get(param, {}).items()}
-                optimizer.step()
-            except Exception as exc:  # noqa: BLE001 - e.g. LBFGS wants a closure; the check is an extra
-                logger.warning("could not step a copy of %s on the replayed gradients (%s: %s); skipping the "
-                               "optimizer check", snapshot.class_path, type(exc).__name__, exc)
-                return None
-            if ok and any_nonfinite([param.detach()])[0]:
-                broken.append(name)
-                explanations[name] = explain_update(name, param.grad, pre, dict(optimizer.state.get(param, {})),
-                                                    snapshot.hyper_of(name))
-            del optimizer, pre
+        try:
+            for step in step_each_parameter(runner.model, snapshot):
+                if step.broke:
+                    broken.append(step.name)
+                    explanations[step.name] = explain_update(step.name, step.param.grad, step.pre,
+                                                             dict(step.optimizer.state.get(step.param, {})),
+                                                             snapshot.hyper_of(step.name))
+        except Exception as exc:  # noqa: BLE001 - e.g. LBFGS wants a closure; the check is an extra
+            logger.warning("could not step a copy of %s on the replayed gradients (%s: %s); skipping the "
+                           "optimizer check", snapshot.class_path, type(exc).__name__, exc)
+            return None
         if not broken:
             return None
         first = broken[0]
@@ -83,6 +72,51 @@ def localize_optimizer(runner: StepRunner, samples: list[SampleRef] | None = Non
                                 explanations=explanations, optimizer_class=snapshot.class_path)
     finally:
         runner.reset()
+
+
+@dataclass
+class ParameterStep:
+    """One parameter stepped by a fresh copy of the pre-step optimizer (step_each_parameter)."""
+
+    name: str
+    param: torch.nn.Parameter
+    pre: dict
+    """Its optimizer state before the step (copies)."""
+    optimizer: torch.optim.Optimizer
+    broke: bool
+    """Finite before the update, non-finite after."""
+    moved_sq: float
+    """|update|^2 (squared L2 norm of the change of this parameter)."""
+    size_sq: float
+    """|weight|^2 before the update."""
+
+    @property
+    def relative_change(self) -> float:
+        """|update| / |weight| (inf for a zero weight that moved)."""
+        if self.size_sq > 0:
+            return math.sqrt(self.moved_sq / self.size_sq)
+        return 0.0 if self.moved_sq == 0 else math.inf
+
+
+def step_each_parameter(model: torch.nn.Module, snapshot: Any, hyper: dict | None = None) -> Iterator[ParameterStep]:
+    """Steps a fresh copy of the pre-step optimizer (with `hyper` changed, if given) on the model's current
+    gradients, one parameter at a time, so only one parameter's optimizer state is in memory at a time.
+    Elementwise and per-tensor optimizers (Adam, AdamW, SGD, Adagrad, ...) update each parameter
+    independently, so this is the whole step's update. Raises what the optimizer's step raises."""
+    stepped = {name for group in snapshot.param_groups for name in group["params"]}
+    for name, param in model.named_parameters():
+        if name not in stepped or param.grad is None:
+            continue
+        before = param.detach().clone()
+        finite_before = not any_nonfinite([before])[0]
+        optimizer = snapshot.build(model, [name], hyper)
+        pre = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in optimizer.state.get(param, {}).items()}
+        optimizer.step()
+        after = param.detach()
+        broke = finite_before and any_nonfinite([after])[0]
+        moved = float(torch.linalg.vector_norm((after - before).float())) ** 2
+        size = float(torch.linalg.vector_norm(before.float())) ** 2
+        yield ParameterStep(name, param, pre, optimizer, broke, moved, size)
 
 
 def _has_bad(value: Any) -> bool:

@@ -98,7 +98,9 @@ class OptimizerSnapshot:
     def class_path(self) -> str:
         return f"{self.cls.__module__}.{self.cls.__qualname__}"
 
-    def build(self, model: torch.nn.Module, names: list[str] | None = None) -> torch.optim.Optimizer:
+    def build(self, model: torch.nn.Module, names: list[str] | None = None,
+              hyper: dict[str, Any] | None = None) -> torch.optim.Optimizer:
+        """`hyper`: hyper-parameters to change in every group (a counterfactual: {"lr": ...}, {"eps": 1e-8})."""
         named = dict(model.named_parameters())
         wanted = set(named) if names is None else set(names)
         groups, saved_groups, saved_state, index = [], [], {}, 0
@@ -106,8 +108,9 @@ class OptimizerSnapshot:
             members = [n for n in group["params"] if n in named and n in wanted]
             if names is not None and not members:
                 continue
-            hyper = {k: _hyper_value(v) for k, v in group.items() if k not in ("params", "param_names")}
-            groups.append({**hyper, "params": [named[n] for n in members]})
+            settings = {k: _hyper_value(v) for k, v in group.items() if k not in ("params", "param_names")}
+            settings.update(hyper or {})
+            groups.append({**settings, "params": [named[n] for n in members]})
             ids = []
             for name in members:
                 if name in self.state:
@@ -115,7 +118,7 @@ class OptimizerSnapshot:
                                           for k, v in self.state[name].items()}
                 ids.append(index)
                 index += 1
-            saved_groups.append({**hyper, "params": ids})
+            saved_groups.append({**settings, "params": ids})
         optimizer = self._construct(groups, saved_groups)
         optimizer.load_state_dict({"state": saved_state, "param_groups": saved_groups})
         return optimizer

@@ -111,7 +111,7 @@ def build_sections(report: Mapping) -> list[Section]:
     Each optional section says "not run" when the report has no data for it.
     """
     builders = (_summary, _where, _reproduction, _culprit, *((_exception,) if report.get("exception") else ()),
-                _precision, _bisection, _per_sample, _per_layer, _history, _environment, _timings)
+                _remedies, _precision, _bisection, _per_sample, _per_layer, _history, _environment, _timings)
     out = []
     for build in builders:
         try:
@@ -284,6 +284,25 @@ def _precision(report: Mapping) -> Section:
         _kv_table([("Autocast dtype", _code_or_na(prec.get("autocast_dtype"))),
                    ("Still non-finite in fp32", _yes_no(prec.get("fp32_reproduces")))]),
     ], "precision")
+
+
+def _remedies(report: Mapping) -> Section:
+    block = report.get("remedies")
+    if not isinstance(block, dict):
+        return Section("Remedies tried", [Para(["Not run."])], "remedies")
+    rows = []
+    for row in block.get("tested") or []:
+        if not isinstance(row, dict):
+            continue
+        verdict = {True: "healthy", False: "not enough", None: "not tried"}.get(row.get("healthy"), "n/a")
+        rows.append([str(row.get("words")), verdict, fmt_num(row.get("step_loss")), fmt_num(row.get("grad_norm")),
+                     _yes_no(row.get("weights_finite")), fmt_num(row.get("relative_change")),
+                     str(row.get("change")) + (f" — {row.get('note')}" if row.get("note") else "")])
+    return Section("Remedies tried", [
+        Para([f"Each change re-runs the step and applies its update; {block.get('criteria') or ''}. "
+              f"Following steps: {block.get('following_steps') or 'n/a'}."]),
+        Table(["remedy", "result", "step loss", "grad norm", "weights finite", "update / weights", "change"], rows),
+    ], "remedies")
 
 
 def _bisection(report: Mapping) -> Section:

@@ -1,0 +1,220 @@
+"""Counterfactual fixes: re-run the failing step under each remedy that applies and say which make it healthy.
+
+Each remedy (forensics.kinds.RemedyKind) changes one thing — drop the culprit samples, a non-zero Adam eps,
+fp32, a lower loss scale, a lower clipping norm, a 10x lower learning rate, skipping the step — re-runs the
+step from the pre-step state, applies the update with a fresh copy of the pre-step optimizer (one parameter
+at a time) and measures: the step loss, the gradient norm, whether every weight is finite after the update,
+and how far the update moves the weights relative to their norm. A step is *healthy* when its loss and gradients are
+finite (a finite spike counts: the weights are what matter), every weight stays finite after the update,
+and the update changes the weights by at most WRECK_RATIO of their norm (whole model, L2) in the one step. The results come ranked:
+healthy remedies first, a fix of the cause before a fix of the symptom (RemedyKind.rank), each with the
+exact change to make. "as recorded" (no change) is measured too: for a spike that is healthy as recorded,
+no action is needed.
+
+Only the dumped step is re-run; the steps after it are not (that needs the recorded window: issue 10's
+window replay), and the report says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from forensics.kinds import RemedyKind
+from replay.execute import SampleRef, StepRunner, any_nonfinite
+from replay.localize_update import step_each_parameter
+from replay.precision import uses_low_precision
+
+logger = logging.getLogger(__name__)
+
+WRECK_RATIO = 0.5
+"""An update larger than this fraction of the weights' norm (whole model) in one step wrecks them."""
+SAFE_EPS = 1e-8
+LR_FACTOR = 0.1
+LOSS_SCALE_FACTOR = 2.0 ** -8
+
+
+@dataclass
+class RemedyResult:
+    kind: RemedyKind
+    change: str
+    """The exact change to make, in the user's terms."""
+    healthy: bool | None
+    """None: could not be tested (the note says why)."""
+    step_loss: float | None = None
+    grad_norm: float | None = None
+    weights_finite: bool | None = None
+    relative_change: float | None = None
+    """|update| / |weights| over the whole model (L2)."""
+    worst_parameter: str | None = None
+    """The parameter the update moved most."""
+    note: str = ""
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind.value, "words": self.kind.words, "change": self.change, "healthy": self.healthy,
+                "step_loss": self.step_loss, "grad_norm": self.grad_norm, "weights_finite": self.weights_finite,
+                "relative_change": self.relative_change, "worst_parameter": self.worst_parameter,
+                "note": self.note}
+
+
+def try_remedies(runner: StepRunner, culprits: list[SampleRef], history: dict | None,
+                 culprit_module: str | None = None) -> dict | None:
+    """The report's `remedies` block: every applicable remedy tried on the step, ranked (module docstring).
+    None when the session has no optimizer state (no update to apply)."""
+    session = runner.session
+    if session.optimizer is None:
+        return None
+    hyper = _first_group(session.optimizer)
+    results = [_evaluate(runner, RemedyKind.AS_RECORDED, "no change")]
+    if culprits:
+        ids = [r.sample_id for r in culprits]
+        keep = [r for r in session.sample_refs if r not in set(culprits)]
+        if keep:
+            results.append(_evaluate(runner, RemedyKind.DROP_SAMPLES,
+                                     f"leave out samples {ids} (blocklist.jsonl lists them)", samples=keep))
+    eps = hyper.get("eps")
+    if isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps < SAFE_EPS:
+        results.append(_evaluate(runner, RemedyKind.ADAM_EPS, f"eps={SAFE_EPS:g} in the optimizer (was {eps:g})",
+                                 hyper={"eps": SAFE_EPS}))
+    if uses_low_precision(runner):
+        where = f"keep `{culprit_module}` in fp32 (torch.autocast(..., enabled=False) around it), or " \
+            if culprit_module else ""
+        results.append(_evaluate(runner, RemedyKind.FP32, f"{where}train without autocast / loss scaling",
+                                 fp32=True))
+    if session.scaler_enabled:
+        scale = float(session.scaler_state["scale"])
+        results.append(_evaluate(runner, RemedyKind.LOSS_SCALE,
+                                 f"GradScaler(init_scale={scale * LOSS_SCALE_FACTOR:g}) (the step ran at {scale:g})",
+                                 loss_scale=scale * LOSS_SCALE_FACTOR))
+    clip = _typical_grad_norm(history)
+    if clip is not None:
+        results.append(_evaluate(runner, RemedyKind.CLIP_GRAD,
+                                 f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm={clip:.3g}) "
+                                 "(the median recorded grad norm)", clip=clip))
+    lr = hyper.get("lr")
+    if isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0:
+        results.append(_evaluate(runner, RemedyKind.LOWER_LR, f"lr={lr * LR_FACTOR:g} (was {lr:g})",
+                                 hyper={"lr": lr * LR_FACTOR}))
+    results.append(_skip(runner))
+    ranked = sorted(results, key=lambda r: (r.healthy is not True, r.kind.rank))
+    return {"tested": [r.as_dict() for r in ranked],
+            "criteria": f"healthy = finite loss and gradients, every weight finite after the update, and the "
+                        f"update smaller than {WRECK_RATIO:.0%} of the weights' norm",
+            "following_steps": "not tested: the dump holds this step only (no recorded window to replay)"}
+
+
+def _evaluate(runner: StepRunner, kind: RemedyKind, change: str, *, samples: list[SampleRef] | None = None,
+              hyper: dict | None = None, fp32: bool = False, clip: float | None = None,
+              loss_scale: float | None = None) -> RemedyResult:
+    """Runs the step with one change, applies the update, measures it (never raises: a remedy that cannot be
+    tried is reported as such)."""
+    result = RemedyResult(kind, change, None)
+    try:
+        with _scale(runner, loss_scale):
+            run = runner.run(samples, fp32=fp32, keep_grads=True)
+        result.step_loss = run.comparable_loss if samples is not None else run.step_loss
+        result.grad_norm = run.grad_norm
+        if not (run.loss_finite and run.grads_finite):
+            result.healthy, result.weights_finite = False, None
+            result.note = "the loss or the gradients are non-finite before any update"
+            return result
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(runner.model.parameters(), clip)
+        moved = size = 0.0
+        worst, worst_name, finite = -1.0, None, True
+        for step in step_each_parameter(runner.model, runner.session.optimizer, hyper):
+            finite = finite and not step.broke and not any_nonfinite([step.param.detach()])[0]
+            moved, size = moved + step.moved_sq, size + step.size_sq
+            if step.moved_sq > worst:  # the parameter the update moved most, in absolute terms
+                worst, worst_name = step.moved_sq, step.name
+        change = math.sqrt(moved / size) if size > 0 else (0.0 if moved == 0 else math.inf)
+        if not math.isfinite(change):
+            finite = False
+        result.weights_finite, result.relative_change, result.worst_parameter = finite, change, worst_name
+        result.healthy = finite and change <= WRECK_RATIO
+        if finite and change > WRECK_RATIO:
+            result.note = f"the update moves the weights by {change:.0%} of their norm in one step (most: `{worst_name}`)"
+        return result
+    except Exception as exc:  # noqa: BLE001 - one remedy that cannot run must not lose the others
+        logger.warning("remedy %s could not be tried: %s: %s", kind.value, type(exc).__name__, exc)
+        result.note = f"could not be tried ({type(exc).__name__}: {str(exc)[:160]})"
+        return result
+    finally:
+        runner.reset()
+
+
+def _skip(runner: StepRunner) -> RemedyResult:
+    """Skipping the step keeps the pre-step weights: healthy exactly when they are finite; the data stays."""
+    bad = runner.nonfinite_params
+    return RemedyResult(RemedyKind.SKIP_STEP, "GuardConfig(on_nonfinite='skip') / on_spike='skip' (check() returns "
+                        "False; do not call optimizer.step())", healthy=not bad, weights_finite=not bad,
+                        relative_change=0.0,
+                        note="hides the cause: the same data or state fails again when it comes back")
+
+
+@contextlib.contextmanager
+def _scale(runner: StepRunner, scale: float | None) -> Iterator[None]:
+    """The session's loss scale replaced for one run."""
+    state = runner.session.scaler_state
+    if scale is None or state is None:
+        yield
+        return
+    original = state["scale"]
+    state["scale"] = scale
+    try:
+        yield
+    finally:
+        state["scale"] = original
+
+
+def _first_group(snapshot: Any) -> dict:
+    return {k: v for k, v in (snapshot.param_groups[0] if snapshot.param_groups else {}).items() if k != "params"}
+
+
+def _typical_grad_norm(history: dict | None) -> float | None:
+    """The median of the recorded finite gradient norms before this step (None: too few)."""
+    before = list((history or {}).get("grad_norm") or [])[:-1]  # the last entry is the dumped step itself
+    norms = sorted(v for v in before if isinstance(v, (int, float)) and not isinstance(v, bool)
+                   and math.isfinite(v) and v > 0)
+    if len(norms) < 3:
+        return None
+    return norms[len(norms) // 2]
+
+
+def tested_suggestions(block: dict | None, limit: int = 3) -> tuple[list[str], list[str]]:
+    """What the remedies showed, with their numbers: (lines that go before the verdict's own suggestions,
+    lines that go after them). A fix that worked leads; skipping the step only hides the cause, so when it
+    is the only thing that worked it is said last."""
+    if not block:
+        return [], []
+    rows = block.get("tested") or []
+    healthy = [r for r in rows if r.get("healthy") is True]
+    if any(r["kind"] == RemedyKind.AS_RECORDED.value for r in healthy):
+        row = next(r for r in healthy if r["kind"] == RemedyKind.AS_RECORDED.value)
+        return [f"No action needed: replayed as recorded, the step's update leaves every weight finite and "
+                f"changes the weights by {_percent(row.get('relative_change'))} of their norm."], []
+    fixes = [r for r in healthy if r["kind"] != RemedyKind.SKIP_STEP.value]
+    first = [f"Tested fix ({row['words']}): {row['change']} — the step is then healthy (step loss "
+             f"{_number(row.get('step_loss'))}, grad norm {_number(row.get('grad_norm'))}, weights change by "
+             f"{_percent(row.get('relative_change'))})." for row in fixes[:limit]]
+    last = []
+    failed = [r["words"] for r in rows if r.get("healthy") is False and r["kind"] != RemedyKind.AS_RECORDED.value]
+    if failed:
+        last.append(f"Tested and not enough on its own: {', '.join(failed)} (report section Remedies).")
+    if not fixes and any(r["kind"] == RemedyKind.SKIP_STEP.value for r in healthy):
+        last.append("Tested: of the changes tried, only skipping the step keeps the weights healthy — it hides the "
+                    "cause, which comes back with the same data or state.")
+    return first, last
+
+
+def _number(value: Any) -> str:
+    return "n/a" if not isinstance(value, (int, float)) or isinstance(value, bool) else f"{value:.4g}"
+
+
+def _percent(value: Any) -> str:
+    return "n/a" if not isinstance(value, (int, float)) or isinstance(value, bool) else f"{value:.1%}"
