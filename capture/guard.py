@@ -241,7 +241,12 @@ class Guard:
         return sharding.full_state(full_form, copy)
 
     def _state_references(self) -> dict:
-        """The state as references (DTensors as they are): nothing copied or gathered yet."""
+        """The state as references (DTensors as they are): nothing copied or gathered yet. An FSDP2 model is
+        resharded first (local, no communication): a step that raised mid-forward leaves some modules'
+        parameters gathered, and the dump holds each rank's shards."""
+        if self.dtensors:
+            sharding.reshard(self.model)
+
         def keep(tensor: torch.Tensor) -> torch.Tensor:
             return tensor.detach()
 

@@ -37,6 +37,18 @@ def has_dtensors(model: torch.nn.Module) -> bool:
     return any(is_dtensor(p) for p in model.parameters())
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Frees FSDP2's gathered parameters and puts the sharded ones back on every `fully_shard` module (a local
+    operation). After backward they are sharded already; in a forward that raised, some are not."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def _plain_placements(tensor: Any) -> bool:
     """Only Shard(dim) / Replicate: the local tensor is one box of the global one."""
     return all(type(p).__name__ in ("Shard", "Replicate") for p in tensor.placements)

@@ -162,3 +162,26 @@ def test_an_exception_on_one_rank_of_two_does_not_hang_and_its_dump_replays(tmp_
     report = json.loads((out / "report.json").read_text())
     assert [s["sample_id"] for s in report["culprit"]["samples"]] == ["r1-s2-m1-3"]
     assert report["culprit"]["op"] == "aten::embedding"
+
+
+def test_ranks_of_an_fsdp2_job_that_raise_mid_forward_write_a_complete_sharded_dump(tmp_path):
+    """FSDP2: both ranks raise in the embedding's forward (root parameters gathered at that moment); each writes
+    its own shards with no collective, and the step dump replays to the bad record."""
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(REPO / "tests" / "integrations" / "raise_worker.py"), str(tmp_path / "dumps"), "fsdp2"],
+                          cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode != 0
+    step = tmp_path / "dumps" / "raise" / "step-000000002"
+    assert sorted(p.name for p in step.iterdir()) == ["rank-00000", "rank-00001"], done.stdout[-2000:] + done.stderr[-4000:]
+    dumps = verify_dump(step)
+    assert dumps.ok, [str(p) for p in dumps.problems]
+    assert all(d.sharded and d.manifest["exception"]["type"] == "IndexError" for d in dumps.dumps)
+    weights, optimizer = dumps.dumps[0].model_state(), dumps.dumps[0].optimizer_state()
+    assert sorted(optimizer["state"]) == sorted(n for n in weights if n != "lm_head.weight")  # tied to wte
+    assert all(e["exp_avg"].shape == weights[n].shape for n, e in optimizer["state"].items())
+    out = tmp_path / "report"
+    result = replay(step, "--rank", "1", "-o", out)
+    assert result.exit_code == 0, (result.stdout, result.stderr, result.exception)
+    report = json.loads((out / "report.json").read_text())
+    assert [s["sample_id"] for s in report["culprit"]["samples"]] == ["r1-s2-m1-3"]
