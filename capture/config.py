@@ -103,6 +103,16 @@ class GuardConfig:
     (forensics/uploads.py; the job's open run; optional extras). A failed upload is logged only."""
     tensorboard_dir: str | None = None
     """TensorBoard log directory for upload=("tensorboard",)."""
+    window_steps: int = 32
+    """Flight recorder: keep, for the last this many steps, the sample IDs of every micro-batch, the RNG before
+    each forward, lr, loss scale, loss and grad norm (host memory: about 12 KB per micro-batch), and write them
+    into the dump, so `forensics replay DUMP --from CHECKPOINT` can re-execute the steps that led to it.
+    0 turns it off."""
+    data_recipe: dict[str, Any] | None = None
+    """How replay rebuilds a micro-batch from its sample IDs, by import path (never pickled; replay imports it
+    only with --trust): {"dataset": "pkg.mod:fn", "dataset_kwargs": {...}, "collate": "pkg.mod:fn" (optional;
+    default torch's default_collate)}. `fn(**dataset_kwargs)` returns a map-style dataset whose items the
+    recorded sample IDs index (capture.IndexedDataset records exactly those indices)."""
     state_layout: StateLayout | str = StateLayout.AUTO
     """Several ranks: "full" (every rank dumps the whole state, replayable alone), "sharded" (each rank
     writes only its part: one copy of the state in all, replay reads the step's rank dumps together) or
@@ -133,8 +143,12 @@ class GuardConfig:
         except ValueError:
             raise ValueError(f"GuardConfig.state_layout must be one of {', '.join(k.value for k in StateLayout)}, "
                              f"got {self.state_layout!r}") from None
-        if self.shard_replicas < 1 or self.full_state_max_bytes < 0:
-            raise ValueError("GuardConfig needs shard_replicas >= 1 and full_state_max_bytes >= 0")
+        if self.data_recipe is not None and (not isinstance(self.data_recipe, dict)
+                                             or not isinstance(self.data_recipe.get("dataset"), str)):
+            raise ValueError("GuardConfig.data_recipe must be a dict with 'dataset': 'pkg.module:function' "
+                             "(and optional 'dataset_kwargs', 'collate')")
+        if self.shard_replicas < 1 or self.full_state_max_bytes < 0 or self.window_steps < 0:
+            raise ValueError("GuardConfig needs shard_replicas >= 1, full_state_max_bytes >= 0, window_steps >= 0")
         if self.max_dumps < 0 or self.min_spike_gap < 0 or self.history_size < 1:
             raise ValueError("GuardConfig needs max_dumps >= 0, min_spike_gap >= 0, history_size >= 1")
 

@@ -29,6 +29,7 @@ from capture.history import History
 from capture.incident import Incident, StepRecord, Trigger, batch_size, json_ids
 from capture.recipe import build_recipe, default_loss_fits
 from capture.uploads import send_dump
+from capture.window import FlightRecorder, WindowStep
 from capture.writer_thread import BackgroundWriter
 from forensics.errors import CaptureError, TrainingFaultError
 from forensics.format.writer import DumpContent, write_dump
@@ -104,6 +105,8 @@ class Guard:
         self.run_id = self.config.run_id or default_run_id()
         self.step = 0
         self.history = History(self.config.history_size)
+        self.window = FlightRecorder(self.config.window_steps)
+        """The flight recorder: sample IDs, RNG and scalars of the last window_steps steps (capture/window.py)."""
         self.dtensors = sharding.has_dtensors(model)
         """The model holds DTensors (FSDP2, tensor parallel): state is written from local shards."""
         if self.dtensors and self.config.recheck:
@@ -418,8 +421,11 @@ class Guard:
             trigger = Trigger(TriggerKind.NONFINITE_GRAD, norm, None, None,
                               "another rank saw a non-finite loss or gradient at this step", local=False)
         policy = self.config.policy_for(trigger.kind) if trigger is not None else None
-        self.history.append(self.step, step_loss, norm, snapshot.current_lr(self.optimizer), loss_scale,
+        lr = snapshot.current_lr(self.optimizer)
+        self.history.append(self.step, step_loss, norm, lr, loss_scale,
                             self.clipped(norm), policy is Policy.SKIP or scaler_overflow, self.note_suppressed())
+        self.window.append(WindowStep(self.step, list(record.sample_ids), list(record.rng), lr, loss_scale, divisor,
+                                      step_loss, norm, self.clipped(norm)))
         if trigger is None:
             return True
         return self.handle_incident(Incident(trigger, self.step, record, losses, norm, divisor, policy))
@@ -521,7 +527,8 @@ class Guard:
             model=state["model"], optimizer=state["optimizer"], rng=list(incident.record.rng),
             micro_batches=batches, history=self.history.to_dict(),
             scheduler=incident.scheduler or snapshot.scheduler_state(self.scheduler),
-            scaler=snapshot.scaler_state(self.scaler), layout=state.get("layout"))
+            scaler=snapshot.scaler_state(self.scaler), layout=state.get("layout"),
+            extra_files=self.window.files(incident.step))
         content.ready = copy.wait  # the writer waits for the device copies before touching them
         return content
 
@@ -561,6 +568,12 @@ class Guard:
             "recheck": self._recheck(incident),
             "missing_ranks": [],
         }
+        window = self.window.steps_before(step)
+        if window:
+            manifest["window"] = {"first_step": window[0], "last_step": window[-1], "steps": len(window),
+                                  "max_grad_norm": self.config.max_grad_norm}
+        if self.config.data_recipe:
+            manifest["data_recipe"] = dict(self.config.data_recipe)
         distribution = self.describe_distribution()
         if distribution is not None:
             manifest["distributed"] = distribution

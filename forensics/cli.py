@@ -215,6 +215,12 @@ def _progress(stage: str) -> None:
 @click.option("--blocklist", type=click.Path(path_type=Path), default=None,
               help="Where to write the culprit sample IDs, one JSON value per line (default: blocklist.jsonl "
                    "next to the report, whenever the verdict names culprit samples).")
+@click.option("--from", "from_checkpoint", type=click.Path(path_type=Path), default=None,
+              help="Window replay: an earlier checkpoint (forensics dump, HF/Accelerate checkpoint directory, "
+                   ".safetensors, or a weights-only torch.save file); re-executes the recorded steps from it to find "
+                   "the step that broke the weights. Needs the dump's data recipe (--trust).")
+@click.option("--from-step", type=click.IntRange(min=0), default=None,
+              help="With --from: the step the checkpoint was taken before (default: what it says).")
 @click.option("--no-bisect", is_flag=True, help="Skip the sample bisection.")
 @click.option("--no-remedies", is_flag=True, help="Skip trying fixes on the step (drop samples, eps, fp32, "
               "loss scale, clip, lower LR, skip).")
@@ -227,8 +233,8 @@ def _progress(stage: str) -> None:
               help="TensorBoard log directory for --upload tensorboard.")
 @archive_options
 @shards_option
-def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_path, out, blocklist, no_bisect,
-           no_remedies, no_rng_check, as_json, trackers, tensorboard_dir, shard_dirs, **limits) -> None:
+def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_path, out, blocklist, from_checkpoint,
+           from_step, no_bisect, no_remedies, no_rng_check, as_json, trackers, tensorboard_dir, shard_dirs, **limits) -> None:
     """Replay the failing step of DUMP offline, localise it, bisect the samples, print the verdict."""
     from forensics.format import open_step
     from forensics.report import render_verdict_text, write_blocklist, write_report_files
@@ -243,6 +249,8 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
             options = ReplayOptions(device=device, trust=trust, factory=factory, loss=loss_fn,
                                     sys_path=[str(p) for p in sys_path], rank=chosen_rank, bisect=not no_bisect,
                                     rng_check=not no_rng_check, remedies=not no_remedies,
+                                    from_checkpoint=str(from_checkpoint) if from_checkpoint else None,
+                                    from_step=from_step,
                                     archive_limits=archive_limits,
                                     shard_dirs=[str(d) for d in shard_dirs])
             report = run_replay(dump, options, progress=_progress)

@@ -22,6 +22,7 @@ from forensics.errors import DumpError
 from forensics.format import open_dump, open_step
 from forensics.format.limits import ArchiveLimits
 from forensics.kinds import HistoryPattern, Phase, TriggerKind
+from forensics.report.model import to_json_safe
 from replay.assemble import assemble_report
 from replay.bisect import bisect_budget, ddmin
 from replay.environment import deterministic_mode
@@ -36,6 +37,7 @@ from replay.localize_update import localize_optimizer, per_layer_stats
 from replay.per_sample import per_sample_stats
 from replay.precision import fp32_check, uses_low_precision
 from replay.remedies import try_remedies
+from replay.window import data_recipe, load_checkpoint, replay_window, window_block
 from replay.rng_dependence import check_rng_dependence
 from replay.samples import select_samples
 from replay.user_code import as_user_error
@@ -78,6 +80,10 @@ class ReplayOptions:
     """Sharded dump written on several nodes: other nodes' directories with this step's rank dumps (--shards)."""
     archive_limits: ArchiveLimits | None = None
     """What unpacking a .tar.zst dump may produce (default forensics.format.limits.ArchiveLimits())."""
+    from_checkpoint: str | None = None
+    """Window replay (CLI --from): an earlier checkpoint to re-execute the recorded steps from (replay/window.py)."""
+    from_step: int | None = None
+    """The step the checkpoint was taken before (CLI --from-step; default: what the checkpoint says)."""
     remedies: bool = True
     """Once reproduced, re-run the step under each applicable fix (drop samples, eps, fp32, loss scale, clip,
     lower LR, skip) and rank what makes it healthy; report block `remedies` (replay/remedies.py)."""
@@ -148,6 +154,8 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
         try:
             session = load_session(dump, device=options.device, trust=options.trust, factory=options.factory,
                                    loss=options.loss, sys_path=options.sys_path)
+            if options.from_checkpoint:
+                return _window_replay(dump, session, options, progress, dump_info, started)
             return run_session(session, options, progress, dump_info=dump_info, history=dump.history(),
                                started=started)
         except Exception as exc:  # noqa: BLE001 - the user's model / loss raising on the dump's data is theirs
@@ -155,6 +163,37 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
             if converted is exc:
                 raise
             raise converted from exc
+
+
+def _window_replay(dump: Any, session: ReplaySession, options: ReplayOptions, progress: Progress | None,
+                   dump_info: dict, started: float) -> dict:
+    """--from CHECKPOINT: re-execute the recorded steps from the checkpoint; analyse the step that broke the run
+    (or, when none did, the dumped step); the report gets a `window` block."""
+    checkpoint = load_checkpoint(options.from_checkpoint)
+    start = options.from_step if options.from_step is not None else checkpoint.step
+    if start is None:
+        raise DumpError(f"say which step {checkpoint.source} was taken before: --from-step N (a forensics dump, or a "
+                        "directory with trainer_state.json, says it itself)")
+    if not 0 <= start <= dump.step:
+        raise DumpError(f"--from-step {start} is not before the dumped step {dump.step}")
+    data = data_recipe(dump.manifest.get("data_recipe"), options.trust, options.sys_path)
+    outcomes, broken = replay_window(session, dump, checkpoint, start, data, lambda m: _stage(progress, m))
+    block = to_json_safe(window_block(outcomes, start, dump.step, checkpoint))
+    if broken is None:
+        _stage(progress, f"no step from {start} to {dump.step - 1} broke the weights: analysing the dumped step")
+        fresh = load_session(dump, device=options.device, trust=options.trust, factory=options.factory,
+                             loss=options.loss, sys_path=options.sys_path)
+        report = run_session(fresh, options, progress, dump_info=dump_info, history=dump.history(), started=started)
+    else:
+        step = outcomes[-1].step
+        _stage(progress, f"step {step} broke the run ({outcomes[-1].broke}): analysing it")
+        report = run_session(broken, options, progress, dump_info={**dump_info, "step": step},
+                             history=dump.history(), started=started)
+        report["verdict"]["headline"] = (f"The weights broke at step {step} ({dump.step - step} steps before the "
+                                         f"crash at step {dump.step}): {outcomes[-1].broke}. "
+                                         + report["verdict"]["headline"])
+    report["window"] = block
+    return report
 
 
 def run_session(session: ReplaySession, options: ReplayOptions | None = None, progress: Progress | None = None,

@@ -89,6 +89,7 @@ def check_manifest(manifest: dict, where: str) -> None:
         c.kind(manifest.get(key), key, dict)
     _exception(c, manifest.get("exception"))
     _layout(c, manifest.get("layout"), manifest["format_version"])
+    _window(c, manifest.get("window"), manifest.get("data_recipe"))
     c.each(manifest.get("missing_ranks"), "missing_ranks",
            lambda r, f: c.int(r, f, 0, MAX_WORLD_SIZE), MAX_WORLD_SIZE)
     _files(c, manifest["files"])
@@ -157,6 +158,20 @@ def _exception(c: _Checker, exception: Any) -> None:
     for key in ("type", "message", "during", "traceback", "qualified_type"):
         c.kind(exception.get(key), f"exception.{key}", str)
     c.each(exception.get("frames"), "exception.frames", lambda f, name: c.kind(f, name, dict, optional=False), 1000)
+
+
+def _window(c: _Checker, window: Any, data_recipe: Any) -> None:
+    """The flight recorder's summary and the data recipe (both optional)."""
+    c.kind(window, "window", dict)
+    if window:
+        for key in ("first_step", "last_step", "steps"):
+            c.int(window.get(key), f"window.{key}")
+        c.number(window.get("max_grad_norm"), "window.max_grad_norm")
+    c.kind(data_recipe, "data_recipe", dict)
+    if data_recipe:
+        c.kind(data_recipe.get("dataset"), "data_recipe.dataset", str, optional=False)
+        c.kind(data_recipe.get("collate"), "data_recipe.collate", str)
+        c.kind(data_recipe.get("dataset_kwargs"), "data_recipe.dataset_kwargs", dict)
 
 
 MAX_DIMS = 32

@@ -384,6 +384,30 @@ class Dump:
             raise DumpCorruptError(f"{spec.batch_json_name(index)} is not valid JSON", spec.batch_json_name(index)) from exc
         return decode_tree(skeleton, tensors)
 
+    def window(self) -> list[dict]:
+        """The flight recorder (docs/DUMP_FORMAT.md): per recorded step before this one, oldest first,
+        `{"step", "sample_ids": [per micro-batch], "rng": [RngState per micro-batch], "lr", "loss_scale",
+        "divisor", "loss", "grad_norm", "clipped"}`; [] when the dump has none."""
+        from forensics.rng import RngState
+
+        if not self.has_file(spec.WINDOW_JSON):
+            return []
+        rows = self._json_object(spec.WINDOW_JSON, ("steps",))["steps"]
+        tensors = self._tensors(spec.WINDOW_RNG) if self.has_file(spec.WINDOW_RNG) else {}
+        out = []
+        try:
+            for row in rows:
+                step = int(row["step"])
+                ids, rngs = list(row["sample_ids"]), list(row["rng"])
+                if len(ids) != len(rngs) or not all(i is None or isinstance(i, list) for i in ids):
+                    raise ValueError("sample_ids and rng must list one entry per micro-batch")
+                states = [RngState.from_parts(meta, tensors, f"s{step}/mb{i}") for i, meta in enumerate(rngs)]
+                out.append({**row, "step": step, "sample_ids": ids, "rng": states})
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError, OverflowError) as exc:
+            raise DumpCorruptError(f"{self.path / spec.WINDOW_JSON} does not have the documented layout "
+                                   f"({type(exc).__name__}: {_cut(exc, 120)})", spec.WINDOW_JSON) from exc
+        return out
+
     def history(self) -> dict:
         history = self._json_object(spec.HISTORY)
         if not all(isinstance(v, list) for k, v in history.items() if k not in ("capacity", "summary")) \

@@ -1,0 +1,127 @@
+"""Window replay (`forensics replay DUMP --from CHECKPOINT`) on real training runs: the flight recorder, the data
+recipe and an earlier checkpoint find the step whose update broke the weights, steps before the crash."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch.utils.data import DataLoader
+
+from capture import Guard, GuardConfig
+from forensics.cli import main
+from forensics.errors import TrainingFaultError
+from forensics.format import open_dump
+from replay.engine import ReplayOptions, run_replay
+
+HERE = Path(__file__).resolve().parent
+POISON = 21  # batch size 2, 2 micro-batches: step 5, micro-batch 0, row 1
+
+
+@pytest.fixture
+def job():
+    sys.path.insert(0, str(HERE))
+    import window_job
+
+    yield window_job
+    sys.path.remove(str(HERE))
+
+
+def train(job, tmp_path, optimizer_factory, *, checkpoint_step: int, poison: int | None = POISON,
+          prepare=None, window_steps: int = 32):
+    """Trains with the Guard (four calls) until it raises; saves a torch.save checkpoint before `checkpoint_step`.
+    Returns (dump path, checkpoint path)."""
+    model = job.make_model()
+    if prepare is not None:
+        prepare(model)
+    optimizer = optimizer_factory(model)
+    guard = Guard(model, optimizer, loss_fn=job.mse_loss, config=GuardConfig(
+        dump_dir=str(tmp_path / "dumps"), run_id="win", window_steps=window_steps,
+        recipe={"factory": "window_job:make_model"},
+        data_recipe={"dataset": "window_job:make_dataset", "dataset_kwargs": {"n": 200, "poison": poison}}))
+    batches = iter(DataLoader(job.make_dataset(200, poison), batch_size=2))
+    checkpoint = tmp_path / "step.pt"
+    with pytest.raises(TrainingFaultError) as fault:
+        for step in range(30):
+            if step == checkpoint_step:
+                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, checkpoint)
+            for _ in range(2):
+                batch = next(batches)
+                guard.record_batch(batch)
+                loss = job.mse_loss(model, batch)
+                guard.record_loss(loss)
+                (loss / 2).backward()
+            if guard.check():
+                optimizer.step()
+            optimizer.zero_grad()
+    guard.close()
+    return fault.value.dump_path, checkpoint
+
+
+def options(checkpoint, **kwargs) -> ReplayOptions:
+    return ReplayOptions(device="cpu", trust=True, sys_path=[str(HERE)], from_checkpoint=str(checkpoint),
+                         rng_check=False, **kwargs)
+
+
+def test_window_replay_finds_the_update_that_wrecked_the_weights_steps_before_the_crash(job, tmp_path):
+    dump_path, checkpoint = train(job, tmp_path, lambda m: torch.optim.SGD(m.parameters(), lr=0.05), checkpoint_step=2)
+    dump = open_dump(dump_path)
+    assert dump.step == 7 and dump.trigger["kind"] == "nonfinite_grad"  # the gradients overflow two steps later
+    assert [row["step"] for row in dump.window()] == list(range(7))
+    assert dump.window()[5]["sample_ids"][0] == [20, POISON]
+
+    report = run_replay(str(dump_path), options(checkpoint))
+
+    window = report["window"]
+    assert (window["from_step"], window["broke_at"], window["steps_before_crash"]) == (2, 5, 2)
+    steps = window["steps"]
+    assert [s["step"] for s in steps] == [2, 3, 4, 5]
+    for row in steps[:3]:  # the healthy steps replay exactly as the job ran them (same CPU, same RNG)
+        assert row["replayed_loss"] == row["recorded_loss"] and row["broke"] is None
+    assert steps[3]["relative_change"] > 100 and "moved the weights" in steps[3]["broke"]
+    assert [s["sample_id"] for s in report["culprit"]["samples"]] == [POISON]
+    assert report["dump"]["step"] == 5
+    assert report["verdict"]["headline"].startswith("The weights broke at step 5 (2 steps before the crash at step 7)")
+    tested = {row["kind"]: row for row in report["remedies"]["tested"]}
+    assert tested["drop_samples"]["healthy"] is True
+
+
+def test_adam_eps_zero_from_a_checkpoint_is_blamed_on_the_first_update(job, tmp_path):
+    def dead_unit(model):  # a unit relu never opens: its weights get exactly-zero gradients
+        with torch.no_grad():
+            model.up.weight[0] = 0.0
+            model.up.bias[0] = -1.0
+
+    dump_path, checkpoint = train(job, tmp_path, lambda m: torch.optim.Adam(m.parameters(), lr=1e-3, eps=0.0),
+                                  checkpoint_step=0, poison=None, prepare=dead_unit)
+    assert open_dump(dump_path).step == 1  # the first update made up.weight NaN; step 1's loss is NaN
+
+    report = run_replay(str(dump_path), options(checkpoint))
+
+    assert report["window"]["broke_at"] == 0 and "non-finite" in report["window"]["why"]
+    assert report["verdict"]["kind"] == "optimizer_update"
+    assert report["culprit"]["parameter"] in ("up.weight", "up.bias") and "eps is 0" in report["culprit"]["optimizer_state"]
+    tested = {row["kind"]: row for row in report["remedies"]["tested"]}
+    assert tested["adam_eps"]["healthy"] is True
+
+
+def test_window_replay_needs_consent_a_recorded_window_and_says_so(job, tmp_path):
+    dump_path, checkpoint = train(job, tmp_path, lambda m: torch.optim.SGD(m.parameters(), lr=0.05), checkpoint_step=2,
+                                  window_steps=3)
+    no_trust = CliRunner().invoke(main, ["replay", str(dump_path), "--device", "cpu", "--from", str(checkpoint),
+                                         "--path", str(HERE), "--factory", "window_job:make_model",
+                                         "--loss", "window_job:mse_loss"])
+    assert no_trust.exit_code == 2 and "data recipe" in no_trust.output and "--trust" in no_trust.output
+    short = CliRunner().invoke(main, ["replay", str(dump_path), "--device", "cpu", "--from", str(checkpoint),
+                                      "--trust", "--path", str(HERE)])
+    assert short.exit_code == 2, short.output
+    assert "flight recorder holds steps 4..6" in short.output and "GuardConfig.window_steps" in short.output
+    pickled = tmp_path / "code.pt"
+    torch.save({"model": {"up.weight": torch.zeros(1)}, "hook": math.floor}, pickled)  # a function: not weights-only
+    refused = CliRunner().invoke(main, ["replay", str(dump_path), "--device", "cpu", "--from", str(pickled),
+                                        "--from-step", "5", "--trust", "--path", str(HERE)])
+    assert refused.exit_code == 2 and "weights-only" in refused.output, refused.output
