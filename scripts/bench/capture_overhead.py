@@ -2,8 +2,8 @@
 
 GPU: GPT-2 small (124M), batch 8 x 1024 tokens, bf16 autocast, AdamW, 2 micro-batches per step.
 CPU: a small GPT-2 stand-in. Also counts device->host syncs per step with CUDA's sync debug mode.
-Modes: plain, logged (loss.item() each step), synced (a NaN check by hand), guarded (the default Guard) and
-guarded_sync_free (GuardConfig(sync_free=True): no sync in check(); needs the fused AdamW used on CUDA, on CPU
+Modes: plain, logged (loss.item() each step), synced (a NaN check by hand), guarded_no_window (the Guard without
+its flight recorder, GuardConfig(window_steps=0)), guarded (the default Guard) and guarded_sync_free (GuardConfig(sync_free=True): no sync in check(); needs the fused AdamW used on CUDA, on CPU
 it falls back to the synchronous check with a warning).
 Usage: python scripts/bench/capture_overhead.py [--rounds 6] [--steps 10]
 """
@@ -41,10 +41,12 @@ def main() -> None:
     # sync_free needs an optimizer honouring found_inf: fused AdamW (used on CUDA here; CPU has it from torch 2.4)
     free_guard = Guard(model, optimizer, config=GuardConfig(dump_dir=tempfile.mkdtemp(), on_nonfinite="continue",
                                                             sync_free=True))
+    no_window = Guard(model, optimizer, config=GuardConfig(dump_dir=tempfile.mkdtemp(), on_nonfinite="continue",
+                                                           window_steps=0))
 
     def step(mode: str) -> None:
-        guarded = mode in ("guarded", "guarded_sync_free")
-        g = free_guard if mode == "guarded_sync_free" else guard
+        guarded = mode in ("guarded", "guarded_sync_free", "guarded_no_window")
+        g = {"guarded_sync_free": free_guard, "guarded_no_window": no_window}.get(mode, guard)
         for b in data:
             if guarded:
                 g.record_batch(b)
@@ -62,7 +64,7 @@ def main() -> None:
         if mode == "logged":  # what most loops do: log the loss every step (one sync)
             loss.item()
 
-    modes = ("plain", "logged", "synced", "guarded", "guarded_sync_free")
+    modes = ("plain", "logged", "synced", "guarded_no_window", "guarded", "guarded_sync_free")
     for mode in modes * 2:  # warm-up: kernels, allocator, the guard's detectors
         step(mode)
     times = {mode: [] for mode in modes}
@@ -83,9 +85,24 @@ def main() -> None:
     print(f"machine: {machine()}")
     print(f"model: GPT-2 {size}, {micro} micro-batches x {batch} x {seq} tokens, bf16 autocast, AdamW, {device}")
     print(f"{args.rounds} interleaved rounds of {args.steps} steps, medians of step time:")
+    print(f"flight recorder: {len(guard.window)} steps held, {window_bytes(guard)} bytes of host memory")
     for mode in modes:
         print(f"  {mode:<17} {med[mode] * 1e3:8.2f} ms  ratio vs plain {med[mode] / med['plain']:.4f}  "
               f"vs logged {med[mode] / med['logged']:.4f}" + (f"  syncs/step {syncs[mode]}" if syncs else ""))
+
+
+def window_bytes(guard: Guard) -> int:
+    """Host bytes the flight recorder holds (RNG tensors and Python RNG tuples; sample ids are references)."""
+    import sys
+
+    total = 0
+    for entry in guard.window._steps:
+        for state in entry.rng:
+            total += state.torch_cpu.numel() + sum(t.numel() for t in state.cuda)
+            total += sys.getsizeof(state.python[1]) + sum(sys.getsizeof(v) for v in state.python[1])
+            if state.numpy is not None:
+                total += state.numpy[1].nbytes
+    return total
 
 
 if __name__ == "__main__":
