@@ -125,3 +125,33 @@ def test_window_replay_needs_consent_a_recorded_window_and_says_so(job, tmp_path
     refused = CliRunner().invoke(main, ["replay", str(dump_path), "--device", "cpu", "--from", str(pickled),
                                         "--from-step", "5", "--trust", "--path", str(HERE)])
     assert refused.exit_code == 2 and "weights-only" in refused.output, refused.output
+
+
+@pytest.mark.parametrize("form", ["safetensors", "hf_directory"])
+def test_a_safetensors_file_or_a_trainer_checkpoint_directory_serves_as_the_checkpoint(job, tmp_path, form):
+    """The same break found from the other checkpoint forms: weights in safetensors (+ --from-step), and a Hugging
+    Face Trainer-style directory (model.safetensors, optimizer.pt, trainer_state.json's global_step)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    dump_path, checkpoint = train(job, tmp_path, lambda m: torch.optim.SGD(m.parameters(), lr=0.05), checkpoint_step=2)
+    saved = torch.load(checkpoint, weights_only=True)
+    extra = []
+    if form == "safetensors":
+        target = tmp_path / "model.safetensors"
+        save_file(saved["model"], str(target))
+        extra = ["--from-step", "2"]
+    else:
+        target = tmp_path / "checkpoint-2"
+        target.mkdir()
+        save_file(saved["model"], str(target / "model.safetensors"))
+        torch.save(saved["optimizer"], target / "optimizer.pt")
+        (target / "trainer_state.json").write_text(json.dumps({"global_step": 2}))
+    out = tmp_path / "report"
+    result = CliRunner().invoke(main, ["replay", str(dump_path), "--device", "cpu", "--from", str(target), *extra,
+                                       "--trust", "--path", str(HERE), "-o", str(out), "--no-rng-check"])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    assert report["window"]["broke_at"] == 5 and report["window"]["from_step"] == 2
+    assert [s["sample_id"] for s in report["culprit"]["samples"]] == [POISON]
