@@ -27,6 +27,7 @@ def dump_summary(dump: Dump, missing_ranks: list[int], path: str | None = None) 
         "files": m["files"], "environment": m.get("environment", {}),
         "format_version": m["format_version"], "created_at": m["created_at"],
         "state": _state_summary(m),
+        "window": m.get("window"), "data_recipe": m.get("data_recipe"),
     }
 
 
@@ -91,6 +92,11 @@ def render_summary(summary: dict) -> str:
         lines.append(f"  state: sharded — this rank holds {state['parts_here']} parts of the {state['tensors']} tensors "
                      "of the state; replay and verify read the step's other rank dumps too (--shards DIR for "
                      "other nodes')")
+    window = summary.get("window") or {}
+    if window:
+        data = (summary.get("data_recipe") or {}).get("dataset")
+        lines.append(f"  flight recorder: steps {window.get('first_step')}..{window.get('last_step')} "
+                     f"({window.get('steps')} steps); data recipe: {data or 'none (window replay needs one)'}")
     recheck = summary.get("recheck") or {}
     if recheck.get("performed"):
         lines.append(f"  in-job re-check: {'reproduced' if recheck.get('reproduced') else 'NOT reproduced'} "
