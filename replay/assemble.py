@@ -133,7 +133,9 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
         micro_batch = findings.forward.micro_batch
     stats = culprit.get("stats") or {}
     precision, rng = findings.precision or {}, findings.rng or {}
+    remedies = {row["kind"]: row.get("healthy") for row in (findings.remedies or {}).get("tested", [])}
     return VerdictFacts(
+        remedies=remedies,
         culprits_each_fail_alone=findings.bisection.independent_groups > 1,
         trigger_kind=kind, reproduced=findings.reproduced, trigger_local=trigger.get("local", True) is not False,
         step=(dump_info or {}).get("step"), rank=(dump_info or {}).get("rank"),

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from forensics.kinds import HistoryPattern, Phase, TriggerKind, VerdictKind
+from forensics.kinds import HistoryPattern, Phase, RemedyKind, TriggerKind, VerdictKind
 from forensics.report.wording import fmt_id, fmt_num, mb_number
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,9 @@ class VerdictFacts:
     outputs_absmax: float | None = None
     culprit_samples: list[Any] = field(default_factory=list)
     """Sample ids of the culprit subset bisection found ([] if none or not run)."""
+    remedies: dict[str, bool | None] = field(default_factory=dict)
+    """RemedyKind value -> whether that change made the step healthy (replay/remedies.py; absent: not tried).
+    A suggestion the remedies showed to be useless is not made."""
     culprit_rank: int | None = None
     culprit_subset_size: int | None = None
     """Defaults to len(culprit_samples)."""
@@ -527,17 +530,18 @@ def _optimizer_update(f: VerdictFacts) -> dict:
     if "eps" in state:
         suggestions.append("Raise the optimizer's eps (e.g. 1e-8, not 0): with eps == 0 a zero second "
                            "moment divides 0 by 0.")
-    if "lr" in state or "learning rate" in state:
+    lower_lr_helps = f.remedies.get(RemedyKind.LOWER_LR.value) is not False
+    if ("lr" in state or "learning rate" in state) and lower_lr_helps:
         suggestions.append("Lower the learning rate; the update itself is too large.")
     if any(w in state for w in ("nan", "inf", "non-finite", "corrupt")):
         suggestions.append("The optimizer state itself is broken: restart from a checkpoint with "
                            "healthy optimizer state (or re-initialise it) rather than resuming this one.")
-    suggestions += [
-        f"Inspect the optimizer state of{param} (exp_avg, exp_avg_sq): zeros, NaN/Inf, or values that "
-        "grew step after step.",
-        "Lower the learning rate or lengthen warm-up; check weight decay is not too large.",
-        "Clip gradients (clip_grad_norm_ after backward, before optimizer.step()).",
-    ]
+    suggestions.append(f"Inspect the optimizer state of{param} (exp_avg, exp_avg_sq): zeros, NaN/Inf, or values that "
+                       "grew step after step.")
+    if lower_lr_helps:
+        suggestions.append("Lower the learning rate or lengthen warm-up; check weight decay is not too large.")
+    if f.remedies.get(RemedyKind.CLIP_GRAD.value) is not False:
+        suggestions.append("Clip gradients (clip_grad_norm_ after backward, before optimizer.step()).")
     return _result(VerdictKind.OPTIMIZER_UPDATE, headline, f, suggestions + _pattern_hints(f))
 
 

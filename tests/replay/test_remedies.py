@@ -56,6 +56,8 @@ def test_adam_eps_zero_is_fixed_by_a_non_zero_eps_and_not_by_a_lower_lr(kit):
     assert tested["as_recorded"]["healthy"] is False and tested["as_recorded"]["weights_finite"] is False
     assert tested["lower_lr"]["healthy"] is False  # 0/0 stays NaN at any learning rate
     assert report["verdict"]["suggestions"][0].startswith("Tested fix (a non-zero Adam eps): eps=1e-08")
+    # what the remedies showed useless is not suggested
+    assert not any(s.startswith("Lower the learning rate") for s in report["verdict"]["suggestions"])
 
 
 def embeds_batches(culprit_scale: float | None):
