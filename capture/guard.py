@@ -421,11 +421,11 @@ class Guard:
             trigger = Trigger(TriggerKind.NONFINITE_GRAD, norm, None, None,
                               "another rank saw a non-finite loss or gradient at this step", local=False)
         policy = self.config.policy_for(trigger.kind) if trigger is not None else None
-        lr = snapshot.current_lr(self.optimizer)
+        lr, clipped = snapshot.current_lr(self.optimizer), self.clipped(norm)
         self.history.append(self.step, step_loss, norm, lr, loss_scale,
-                            self.clipped(norm), policy is Policy.SKIP or scaler_overflow, self.note_suppressed())
+                            clipped, policy is Policy.SKIP or scaler_overflow, self.note_suppressed())
         self.window.append(WindowStep(self.step, list(record.sample_ids), list(record.rng), lr, loss_scale, divisor,
-                                      step_loss, norm, self.clipped(norm)))
+                                      step_loss, norm, clipped))
         if trigger is None:
             return True
         return self.handle_incident(Incident(trigger, self.step, record, losses, norm, divisor, policy))

@@ -16,7 +16,6 @@ choice between the full and the sharded layout.
 from __future__ import annotations
 
 import heapq
-import logging
 from typing import Any, Callable
 
 import torch
@@ -25,8 +24,6 @@ from forensics.format import spec
 from forensics.format.shards import LocalShard, table_entry
 from forensics.grad_norm import total_grad_norm
 from forensics.kinds import StateLayout
-
-log = logging.getLogger(__name__)
 
 
 def is_dtensor(value: Any) -> bool:

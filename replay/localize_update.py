@@ -92,10 +92,17 @@ class ParameterStep:
 
     @property
     def relative_change(self) -> float:
-        """|update| / |weight| (inf for a zero weight that moved)."""
-        if self.size_sq > 0:
-            return math.sqrt(self.moved_sq / self.size_sq)
-        return 0.0 if self.moved_sq == 0 else math.inf
+        """|update| / |weight|."""
+        return relative_change(self.moved_sq, self.size_sq)
+
+
+def relative_change(moved_sq: float, size_sq: float) -> float:
+    """|update| / |weights| from their squared L2 norms (inf for zero weights that moved, or a non-finite update)."""
+    if not math.isfinite(moved_sq):
+        return math.inf
+    if size_sq > 0:
+        return math.sqrt(moved_sq / size_sq)
+    return 0.0 if moved_sq == 0 else math.inf
 
 
 def step_each_parameter(model: torch.nn.Module, snapshot: Any, hyper: dict | None = None) -> Iterator[ParameterStep]:

@@ -27,7 +27,7 @@ import torch
 
 from forensics.kinds import RemedyKind
 from replay.execute import SampleRef, StepRunner, any_nonfinite
-from replay.localize_update import step_each_parameter
+from replay.localize_update import relative_change, step_each_parameter
 from replay.precision import uses_low_precision
 
 logger = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ def _evaluate(runner: StepRunner, kind: RemedyKind, change: str, *, samples: lis
             moved, size = moved + step.moved_sq, size + step.size_sq
             if step.moved_sq > worst:  # the parameter the update moved most, in absolute terms
                 worst, worst_name = step.moved_sq, step.name
-        change = math.sqrt(moved / size) if size > 0 else (0.0 if moved == 0 else math.inf)
+        change = relative_change(moved, size)
         if not math.isfinite(change):
             finite = False
         result.weights_finite, result.relative_change, result.worst_parameter = finite, change, worst_name

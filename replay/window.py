@@ -31,6 +31,7 @@ from forensics.grad_norm import total_grad_norm
 from forensics.rng import restore_rng
 from replay.execute import any_nonfinite
 from replay.load import ReplaySession, session_from_objects, to_device
+from replay.localize_update import relative_change
 from replay.recipe import import_object
 from replay.remedies import WRECK_RATIO
 
@@ -225,7 +226,7 @@ def _run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, session:
     outcome.weights_finite = not any(any_nonfinite(p.detach() for p in params))
     moved = sum(float((p.detach() - b).float().pow(2).sum()) for p, b in zip(params, before))
     size = sum(float(b.float().pow(2).sum()) for b in before)
-    outcome.relative_change = math.sqrt(moved / size) if size > 0 and math.isfinite(moved) else math.inf
+    outcome.relative_change = relative_change(moved, size)
     if not outcome.weights_finite:
         outcome.broke = "its update made weights non-finite"
     elif outcome.relative_change > WRECK_RATIO:
