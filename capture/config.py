@@ -113,6 +113,18 @@ class GuardConfig:
     only with --trust): {"dataset": "pkg.mod:fn", "dataset_kwargs": {...}, "collate": "pkg.mod:fn" (optional;
     default torch's default_collate)}. `fn(**dataset_kwargs)` returns a map-style dataset whose items the
     recorded sample IDs index (capture.IndexedDataset records exactly those indices)."""
+    snapshot_every: int = 0
+    """Host snapshots: every this many steps, copy the pre-step model + optimizer state to host memory (reused
+    buffers; asynchronous from a GPU, one memcpy on CPU), and write the oldest one the flight recorder covers
+    into each dump, so `forensics replay DUMP --trust` re-executes the steps from it and finds the step whose
+    update broke the weights without a checkpoint of yours. Costs snapshot_count x the state in host memory
+    (refused, with a warning, above half the memory available). Full-state jobs only (one process, DDP); a
+    sharded state (FSDP2, DeepSpeed) and the sync_free mode take none: pass your own checkpoint with --from.
+    0 (default): off."""
+    snapshot_count: int = 2
+    """Host snapshots kept (rotating): the oldest is up to snapshot_count x snapshot_every steps before a dump, so
+    a break between the newest snapshot and the crash is still covered. snapshot_every x snapshot_count must
+    not exceed window_steps (the recorder must hold every step from the oldest snapshot on)."""
     state_layout: StateLayout | str = StateLayout.AUTO
     """Several ranks: "full" (every rank dumps the whole state, replayable alone), "sharded" (each rank
     writes only its part: one copy of the state in all, replay reads the step's rank dumps together) or
@@ -149,6 +161,13 @@ class GuardConfig:
                              "(and optional 'dataset_kwargs', 'collate')")
         if self.shard_replicas < 1 or self.full_state_max_bytes < 0 or self.window_steps < 0:
             raise ValueError("GuardConfig needs shard_replicas >= 1, full_state_max_bytes >= 0, window_steps >= 0")
+        if self.snapshot_every < 0 or self.snapshot_count < 1:
+            raise ValueError("GuardConfig needs snapshot_every >= 0 and snapshot_count >= 1")
+        if self.snapshot_every * self.snapshot_count > self.window_steps:
+            raise ValueError(f"GuardConfig.snapshot_every x snapshot_count ({self.snapshot_every} x "
+                             f"{self.snapshot_count}) exceeds window_steps ({self.window_steps}): the flight recorder "
+                             "would not hold the steps from the oldest snapshot on. Raise window_steps or snapshot "
+                             "more often")
         if self.max_dumps < 0 or self.min_spike_gap < 0 or self.history_size < 1:
             raise ValueError("GuardConfig needs max_dumps >= 0, min_spike_gap >= 0, history_size >= 1")
 

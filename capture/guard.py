@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from capture import deferred, environment, exceptions, sharding, snapshot
+from capture.host_snapshots import HostSnapshots
 from capture.agreement import Agreement, agree, deferred_termination, default_run_id, dist_info, distributed, \
     unwrap_model
 from capture.config import GuardConfig
@@ -107,6 +108,8 @@ class Guard:
         self.history = History(self.config.history_size)
         self.window = FlightRecorder(self.config.window_steps)
         """The flight recorder: sample IDs, RNG and scalars of the last window_steps steps (capture/window.py)."""
+        self.snapshots = HostSnapshots(self.config.snapshot_every, self.config.snapshot_count)
+        """Host copies of the state every snapshot_every steps (capture/host_snapshots.py)."""
         self.dtensors = sharding.has_dtensors(model)
         """The model holds DTensors (FSDP2, tensor parallel): state is written from local shards."""
         if self.dtensors and self.config.recheck:
@@ -255,6 +258,26 @@ class Guard:
 
         return {"model": snapshot.model_state(self.model, keep),
                 "optimizer": snapshot.optimizer_state(self.optimizer, self.model, keep)}
+
+    def snapshot_state(self) -> dict | None:
+        """The state a host snapshot copies (references, full layout), or None after turning snapshots off with
+        the reason: a sharded state is not snapshotted."""
+        if self.dtensors:
+            self.snapshots.turn_off("the model is sharded (FSDP2 / tensor parallel)")
+            return None
+        full_form = self._state_references()
+        if self._choose_layout(full_form) is StateLayout.SHARDED:
+            self.snapshots.turn_off("the state is written sharded across ranks (GuardConfig.state_layout)")
+            return None
+        return full_form
+
+    def _take_snapshot(self) -> None:
+        try:
+            state = self.snapshot_state()
+            if state is not None:
+                self.snapshots.take(self.step, state)
+        except Exception as exc:  # noqa: BLE001 - a snapshot is a convenience; the job goes on without it
+            self.snapshots.turn_off(f"copying the state failed ({type(exc).__name__}: {exc})")
 
     def _choose_layout(self, full_form: dict) -> StateLayout:
         return sharding.choose_layout(self.config.state_layout, self.world_size if self.multi_rank else 1,
@@ -427,6 +450,8 @@ class Guard:
         self.window.append(WindowStep(self.step, list(record.sample_ids), list(record.rng), lr, loss_scale, divisor,
                                       step_loss, norm, clipped))
         if trigger is None:
+            if self.snapshots.due(self.step):
+                self._take_snapshot()
             return True
         return self.handle_incident(Incident(trigger, self.step, record, losses, norm, divisor, policy))
 
@@ -522,8 +547,13 @@ class Guard:
         state = incident.state if incident.state is not None else self.collect_state(copy)
         batches = [self._copy_tree(b, copy) for b in incident.record.batches]
         copy.finish()
+        manifest = self._manifest(incident)
+        earlier = self.window.steps_before(incident.step)
+        held, release = self.snapshots.lend_oldest(earlier[0]) if earlier and "layout" not in state else (None, None)
+        if held is not None:
+            manifest["snapshot"] = {"step": held["step"]}
         content = DumpContent(
-            manifest=self._manifest(incident),
+            manifest=manifest, snapshot=held, done=release,
             model=state["model"], optimizer=state["optimizer"], rng=list(incident.record.rng),
             micro_batches=batches, history=self.history.to_dict(),
             scheduler=incident.scheduler or snapshot.scheduler_state(self.scheduler),

@@ -221,6 +221,8 @@ def _progress(stage: str) -> None:
                    "the step that broke the weights. Needs the dump's data recipe (--trust).")
 @click.option("--from-step", type=click.IntRange(min=0), default=None,
               help="With --from: the step the checkpoint was taken before (default: what it says).")
+@click.option("--no-window", is_flag=True, help="A dump holding the Guard's host snapshot (snapshot_every): analyse "
+              "the dumped step only, without re-executing the recorded steps from the snapshot.")
 @click.option("--no-bisect", is_flag=True, help="Skip the sample bisection.")
 @click.option("--no-remedies", is_flag=True, help="Skip trying fixes on the step (drop samples, eps, fp32, "
               "loss scale, clip, lower LR, skip).")
@@ -234,7 +236,7 @@ def _progress(stage: str) -> None:
 @archive_options
 @shards_option
 def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_path, out, blocklist, from_checkpoint,
-           from_step, no_bisect, no_remedies, no_rng_check, as_json, trackers, tensorboard_dir, shard_dirs, **limits) -> None:
+           from_step, no_window, no_bisect, no_remedies, no_rng_check, as_json, trackers, tensorboard_dir, shard_dirs, **limits) -> None:
     """Replay the failing step of DUMP offline, localise it, bisect the samples, print the verdict."""
     from forensics.format import open_step
     from forensics.report import render_verdict_text, write_blocklist, write_report_files
@@ -250,7 +252,7 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
                                     sys_path=[str(p) for p in sys_path], rank=chosen_rank, bisect=not no_bisect,
                                     rng_check=not no_rng_check, remedies=not no_remedies,
                                     from_checkpoint=str(from_checkpoint) if from_checkpoint else None,
-                                    from_step=from_step,
+                                    from_step=from_step, window=not no_window,
                                     archive_limits=archive_limits,
                                     shard_dirs=[str(d) for d in shard_dirs])
             report = run_replay(dump, options, progress=_progress)

@@ -37,7 +37,7 @@ from replay.localize_update import localize_optimizer, per_layer_stats
 from replay.per_sample import per_sample_stats
 from replay.precision import fp32_check, uses_low_precision
 from replay.remedies import try_remedies
-from replay.window import data_recipe, load_checkpoint, replay_window, window_block
+from replay.window import Checkpoint, data_recipe, dump_snapshot, load_checkpoint, replay_window, window_block
 from replay.rng_dependence import check_rng_dependence
 from replay.samples import select_samples
 from replay.user_code import as_user_error
@@ -84,6 +84,10 @@ class ReplayOptions:
     """Window replay (CLI --from): an earlier checkpoint to re-execute the recorded steps from (replay/window.py)."""
     from_step: int | None = None
     """The step the checkpoint was taken before (CLI --from-step; default: what the checkpoint says)."""
+    window: bool = True
+    """A dump holding the Guard's host snapshot (GuardConfig.snapshot_every) and a data recipe: re-execute the
+    recorded steps from the snapshot, as --from does with a checkpoint (needs trust: it imports the data
+    recipe). CLI --no-window turns it off."""
     remedies: bool = True
     """Once reproduced, re-run the step under each applicable fix (drop samples, eps, fp32, loss scale, clip,
     lower LR, skip) and rank what makes it healthy; report block `remedies` (replay/remedies.py)."""
@@ -154,10 +158,15 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
         try:
             session = load_session(dump, device=options.device, trust=options.trust, factory=options.factory,
                                    loss=options.loss, sys_path=options.sys_path)
-            if options.from_checkpoint:
-                return _window_replay(dump, session, options, progress, dump_info, started)
-            return run_session(session, options, progress, dump_info=dump_info, history=dump.history(),
-                               started=started)
+            checkpoint, hint = (load_checkpoint(options.from_checkpoint), None) if options.from_checkpoint \
+                else dump_snapshot(dump, options.window, options.trust)
+            if checkpoint is not None:
+                return _window_replay(dump, session, checkpoint, options, progress, dump_info, started)
+            report = run_session(session, options, progress, dump_info=dump_info, history=dump.history(),
+                                 started=started)
+            if hint:
+                report["verdict"]["suggestions"].insert(0, hint)
+            return report
         except Exception as exc:  # noqa: BLE001 - the user's model / loss raising on the dump's data is theirs
             converted = as_user_error(exc, f"replaying step {dump.step}")
             if converted is exc:
@@ -165,11 +174,10 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
             raise converted from exc
 
 
-def _window_replay(dump: Any, session: ReplaySession, options: ReplayOptions, progress: Progress | None,
-                   dump_info: dict, started: float) -> dict:
-    """--from CHECKPOINT: re-execute the recorded steps from the checkpoint; analyse the step that broke the run
-    (or, when none did, the dumped step); the report gets a `window` block."""
-    checkpoint = load_checkpoint(options.from_checkpoint)
+def _window_replay(dump: Any, session: ReplaySession, checkpoint: Checkpoint, options: ReplayOptions,
+                   progress: Progress | None, dump_info: dict, started: float) -> dict:
+    """--from CHECKPOINT (or the dump's own host snapshot): re-execute the recorded steps from the checkpoint;
+    analyse the step that broke the run (or, when none did, the dumped step); the report gets a `window` block."""
     start = options.from_step if options.from_step is not None else checkpoint.step
     if start is None:
         raise DumpError(f"say which step {checkpoint.source} was taken before: --from-step N (a forensics dump, or a "

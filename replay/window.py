@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 
 from forensics.errors import DumpError, RecipeError, ReplayError
+from forensics.format import spec
 from forensics.grad_norm import total_grad_norm
 from forensics.rng import restore_rng
 from replay.execute import any_nonfinite
@@ -66,6 +67,25 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     if path.suffix == ".safetensors":
         return Checkpoint(_safetensors(path), None, False, None, f"safetensors file {path}")
     return _torch_file(path)
+
+
+def dump_snapshot(dump: Any, enabled: bool, trust: bool) -> tuple[Checkpoint | None, str | None]:
+    """The Guard's host snapshot in `dump` (GuardConfig.snapshot_every) as the checkpoint of a window replay, when
+    the replay may use it: it is on, the dump has a data recipe, and the user allowed importing it. Otherwise
+    (None, a suggestion saying how to get the window replay) — (None, None) for a dump without a snapshot."""
+    step = dump.snapshot_step
+    if step is None or not enabled:
+        return None, None
+    if not dump.manifest.get("data_recipe"):
+        return None, (f"The dump holds the Guard's host snapshot of step {step} but no data recipe, so the steps "
+                      "since then cannot be re-executed: set GuardConfig(data_recipe=...) in the job.")
+    if not trust:
+        return None, (f"Re-run with --trust: the dump holds the Guard's host snapshot of step {step}, and the window "
+                      "replay re-executes the steps since then (importing the job's data recipe) to find the step "
+                      "whose update broke the weights.")
+    files = spec.SNAPSHOT_STATE
+    return Checkpoint(dump.model_state(files), dump.optimizer_state(files), True, step,
+                      f"the Guard's host snapshot of step {step} (in the dump)"), None
 
 
 def _safetensors(path: Path) -> dict[str, torch.Tensor]:

@@ -194,6 +194,11 @@ class DeepSpeedGuard(DistributedGuard):
             return {"model": self._full_weights(copy), "optimizer": self._replicated_optimizer_state(copy)}
         return {"model": self._full_weights(copy), "optimizer": self._optimizer_state(self._full_value)}
 
+    def snapshot_state(self) -> dict | None:
+        """DeepSpeed keeps the state in its engine (flat fp32 partitions): no host snapshot; pass a checkpoint."""
+        self.snapshots.turn_off("DeepSpeed's state lives in its engine; pass your checkpoint to --from")
+        return None
+
     def _zero_layout(self) -> StateLayout:
         """ZeRO partitions its state: sharded unless GuardConfig.state_layout says "full" (every rank gathers)."""
         numel = sum(math.prod(_full_shape(p)) for p in self.model.parameters())

@@ -90,6 +90,7 @@ def check_manifest(manifest: dict, where: str) -> None:
     _exception(c, manifest.get("exception"))
     _layout(c, manifest.get("layout"), manifest["format_version"])
     _window(c, manifest.get("window"), manifest.get("data_recipe"))
+    _snapshot(c, manifest.get("snapshot"), manifest["step"])
     c.each(manifest.get("missing_ranks"), "missing_ranks",
            lambda r, f: c.int(r, f, 0, MAX_WORLD_SIZE), MAX_WORLD_SIZE)
     _files(c, manifest["files"])
@@ -172,6 +173,13 @@ def _window(c: _Checker, window: Any, data_recipe: Any) -> None:
         c.kind(data_recipe.get("dataset"), "data_recipe.dataset", str, optional=False)
         c.kind(data_recipe.get("collate"), "data_recipe.collate", str)
         c.kind(data_recipe.get("dataset_kwargs"), "data_recipe.dataset_kwargs", dict)
+
+
+def _snapshot(c: _Checker, snapshot: Any, step: int) -> None:
+    """The Guard's host snapshot of an earlier step (optional): `{"step"}`, before the dumped step."""
+    c.kind(snapshot, "snapshot", dict)
+    if snapshot:
+        c.int(snapshot.get("step"), "snapshot.step", 0, max(step - 1, 0))
 
 
 MAX_DIMS = 32

@@ -120,6 +120,7 @@ class Dump:
         self._archive_tmp = archive_tmp  # keeps an unpacked archive's temp dir alive
         self._verified: set[str] = set()
         self._handles: dict[str, Any] = {}
+        self._optimizer_indexes: dict[spec.StateFiles, dict] = {}
         self.shard_dirs: list[Path] = []
         """Sharded layout: more directories (step, run or dump_dir of other nodes) holding this dump's ranks."""
 
@@ -258,73 +259,87 @@ class Dump:
         return ShardedState(index)
 
     # -- loaders -----------------------------------------------------------------------------
-    def model_state(self) -> dict[str, torch.Tensor]:
-        return dict(self.iter_model_tensors()) if self.sharded else self._tensors(spec.MODEL)
+    @property
+    def snapshot_step(self) -> int | None:
+        """The step of the Guard's host snapshot this dump holds (spec.SNAPSHOT_STATE), or None."""
+        snapshot = self.manifest.get("snapshot")
+        return int(snapshot["step"]) if snapshot and self.has_file(spec.SNAPSHOT_STATE.model) else None
 
-    def iter_model_tensors(self, device: str | "torch.device" = "cpu") -> Iterator[tuple[str, "torch.Tensor"]]:
+    def _sharded_state(self, files: spec.StateFiles) -> bool:
+        return self.sharded and files == spec.PRE_STEP_STATE  # a snapshot is only written in the full layout
+
+    def model_state(self, files: spec.StateFiles = spec.PRE_STEP_STATE) -> dict[str, torch.Tensor]:
+        """The weights of the pre-step state (or of `files`: spec.SNAPSHOT_STATE), all at once."""
+        return dict(self.iter_model_tensors(files=files)) if self._sharded_state(files) else self._tensors(files.model)
+
+    def iter_model_tensors(self, device: str | "torch.device" = "cpu", files: spec.StateFiles = spec.PRE_STEP_STATE
+                           ) -> Iterator[tuple[str, "torch.Tensor"]]:
         """The pre-step weights one tensor at a time, read from the memory-mapped file straight onto `device`
         (after the file is verified): the host never holds the whole state. A sharded dump assembles each
         tensor from the rank dumps that hold its parts."""
-        if self.sharded:
-            yield from self.shards.iter_tensors(spec.MODEL, str(device))
+        if self._sharded_state(files):
+            yield from self.shards.iter_tensors(files.model, str(device))
             return
         from forensics.format.tensors import iter_safetensors_file
 
-        yield from iter_safetensors_file(self.verify_file(spec.MODEL), spec.MODEL, device)
+        yield from iter_safetensors_file(self.verify_file(files.model), files.model, device)
 
-    def optimizer_meta(self) -> dict | None:
+    def optimizer_meta(self, files: spec.StateFiles = spec.PRE_STEP_STATE) -> dict | None:
         """Class, param groups and the non-tensor state of the optimizer (`optimizer.json`; no tensor is read),
         or None when the dump has no optimizer state."""
-        if not self.has_file(spec.OPTIMIZER_JSON):
+        if not self.has_file(files.optimizer_json):
             return None
-        meta = self._json_object(spec.OPTIMIZER_JSON, ("class", "param_groups"))
+        meta = self._json_object(files.optimizer_json, ("class", "param_groups"))
         raw_state = meta.get("state") or {}
         if not isinstance(raw_state, dict) or not all(isinstance(v, dict) for v in raw_state.values()) \
                 or not isinstance(meta["class"], str) or not isinstance(meta["param_groups"], list) \
                 or not all(isinstance(g, dict) and isinstance(g.get("params", []), list)
                            and all(isinstance(p, str) for p in g.get("params", [])) for g in meta["param_groups"]):
-            raise DumpCorruptError(f"{self.path / spec.OPTIMIZER_JSON} does not have the documented layout "
+            raise DumpCorruptError(f"{self.path / files.optimizer_json} does not have the documented layout "
                                    "(class: str, param_groups: [{..., params: [...]}], state: {name: {...}})",
-                                   spec.OPTIMIZER_JSON)
+                                   files.optimizer_json)
         return {"class": meta["class"], "param_groups": meta["param_groups"],
                 "state": {name: dict(values) for name, values in raw_state.items()}}
 
-    @cached_property
-    def _optimizer_index(self) -> dict[str, dict[str, tuple[str, list[int]]]]:
+    def _optimizer_index(self, files: spec.StateFiles) -> dict[str, dict[str, tuple[str, list[int]]]]:
         """{param name: {state key: (tensor key in optimizer.safetensors, shape)}}, from the verified file's
         header (or a sharded dump's table): nothing but the header is read."""
-        if not self.has_file(spec.OPTIMIZER_TENSORS):
+        if files in self._optimizer_indexes:
+            return self._optimizer_indexes[files]
+        name = files.optimizer_tensors
+        if not self.has_file(name):
             return {}
-        if self.sharded:
-            shapes = {key: row["shape"] for key, row in self.manifest["layout"]["tensors"]
-                      .get(spec.OPTIMIZER_TENSORS, {}).items()}
+        if self._sharded_state(files):
+            shapes = {key: row["shape"] for key, row in self.manifest["layout"]["tensors"].get(name, {}).items()}
         else:
             from forensics.format.tensors import safetensors_shapes
 
-            shapes = safetensors_shapes(self.verify_file(spec.OPTIMIZER_TENSORS), spec.OPTIMIZER_TENSORS)
+            shapes = safetensors_shapes(self.verify_file(name), name)
         index: dict[str, dict[str, tuple[str, list[int]]]] = {}
         for key, shape in shapes.items():
             parts = key.split("/", 1)
             if len(parts) != 2 or "/" not in parts[1]:
-                raise DumpCorruptError(f"{spec.OPTIMIZER_TENSORS} key {_cut(repr(key), 80)} is not "
-                                       "'state/<param name>/<key>'", spec.OPTIMIZER_TENSORS)
-            name, entry = parts[1].rsplit("/", 1)
-            index.setdefault(name, {})[entry] = (key, shape)
+                raise DumpCorruptError(f"{name} key {_cut(repr(key), 80)} is not 'state/<param name>/<key>'", name)
+            param, entry = parts[1].rsplit("/", 1)
+            index.setdefault(param, {})[entry] = (key, shape)
+        self._optimizer_indexes[files] = index
         return index
 
-    def optimizer_shapes(self) -> dict[str, dict[str, list[int]]]:
+    def optimizer_shapes(self, files: spec.StateFiles = spec.PRE_STEP_STATE) -> dict[str, dict[str, list[int]]]:
         """{param name: {state key: shape}} of the optimizer's tensor state, without reading any tensor."""
-        return {name: {k: shape for k, (_, shape) in entries.items()} for name, entries in self._optimizer_index.items()}
+        return {name: {k: shape for k, (_, shape) in entries.items()}
+                for name, entries in self._optimizer_index(files).items()}
 
-    def optimizer_tensors(self, name: str, device: str | "torch.device" = "cpu") -> dict[str, "torch.Tensor"]:
+    def optimizer_tensors(self, name: str, device: str | "torch.device" = "cpu",
+                          files: spec.StateFiles = spec.PRE_STEP_STATE) -> dict[str, "torch.Tensor"]:
         """The tensor state of ONE parameter (`{"exp_avg": ..., ...}`), read from the memory-mapped file (or
         assembled from a sharded dump's ranks) onto `device`: replay holds one parameter's state at a time."""
-        entries = self._optimizer_index.get(name, {})
+        entries = self._optimizer_index(files).get(name, {})
         if not entries:
             return {}
-        if self.sharded:
-            return {k: self.shards.tensor(spec.OPTIMIZER_TENSORS, key, str(device)) for k, (key, _) in entries.items()}
-        handle = self.tensor_file(spec.OPTIMIZER_TENSORS)
+        if self._sharded_state(files):
+            return {k: self.shards.tensor(files.optimizer_tensors, key, str(device)) for k, (key, _) in entries.items()}
+        handle = self.tensor_file(files.optimizer_tensors)
         return {k: handle.read(key, device) for k, (key, _) in entries.items()}
 
     def tensor_file(self, name: str) -> Any:
@@ -335,15 +350,15 @@ class Dump:
             self._handles[name] = SafetensorsFile(self.verify_file(name), name)
         return self._handles[name]
 
-    def optimizer_state(self) -> dict | None:
+    def optimizer_state(self, files: spec.StateFiles = spec.PRE_STEP_STATE) -> dict | None:
         """The whole optimizer state at once (`{"class", "param_groups", "state": {name: {key: value}}}`); replay
         reads it parameter by parameter instead (optimizer_meta / optimizer_tensors)."""
-        meta = self.optimizer_meta()
+        meta = self.optimizer_meta(files)
         if meta is None:
             return None
         state = meta["state"]
-        for name in self._optimizer_index:
-            state.setdefault(name, {}).update(self.optimizer_tensors(name))
+        for name in self._optimizer_index(files):
+            state.setdefault(name, {}).update(self.optimizer_tensors(name, files=files))
         return meta
 
     def scheduler_state(self) -> dict | None:

@@ -1,4 +1,6 @@
-"""Names and constants of dump format v1 (docs/DUMP_FORMAT.md); the one place they are spelled."""
+"""Names and constants of the dump format (docs/DUMP_FORMAT.md); the one place they are spelled."""
+
+from typing import NamedTuple
 
 FORMAT_NAME = "forensics-dump"
 FORMAT_VERSION = 2
@@ -20,6 +22,21 @@ WINDOW_JSON = "window.json"
 WINDOW_RNG = "window-rng.safetensors"
 """The flight recorder's RNG tensors, keyed s<step>/mb<i>/... (OPTIONAL)."""
 ARCHIVE_SUFFIX = ".tar.zst"
+
+
+class StateFiles(NamedTuple):
+    """The files holding one model + optimizer state."""
+
+    model: str
+    optimizer_tensors: str
+    optimizer_json: str
+
+
+PRE_STEP_STATE = StateFiles(MODEL, OPTIMIZER_TENSORS, OPTIMIZER_JSON)
+"""The state the dumped step started from."""
+SNAPSHOT_STATE = StateFiles("snapshot-model.safetensors", "snapshot-optimizer.safetensors", "snapshot-optimizer.json")
+"""The Guard's host snapshot of an earlier step (GuardConfig.snapshot_every; OPTIONAL): where a window replay
+starts when the user has no checkpoint. Manifest `snapshot: {"step": N}`."""
 
 SHARDED = "sharded"
 """`layout.kind` of a rank dump holding only its part of the state (format version 2, forensics.format.shards)."""

@@ -53,6 +53,10 @@ class DumpContent:
     scaler: dict | None = None
     extra_files: dict[str, bytes] = field(default_factory=dict)
     ready: Callable[[], None] | None = None  # blocks until asynchronous device->host copies have landed
+    done: Callable[[], None] | None = None  # called once the write is over (written or not)
+    snapshot: dict | None = None
+    """The Guard's host snapshot of an earlier step (GuardConfig.snapshot_every): `{"step", "model", "optimizer"}`
+    in the full layout, written as spec.SNAPSHOT_STATE."""
     layout: dict | None = None
     """Sharded layout (forensics.format.shards): `{file: {name: {"shape", "dtype"}}}`, every tensor of the
     complete state; this rank's model / optimizer hold only the parts it owns. None: the full state."""
@@ -111,20 +115,9 @@ def _optimizer_parts(optimizer: dict) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def _write_contents(target: _DumpDir, content: DumpContent) -> list[dict]:
-    # The two big files go to disk concurrently (each hashes while it writes).
-    from concurrent.futures import ThreadPoolExecutor
-
-    big = sum(t.numel() * t.element_size() for t in map(lambda v: shard_entry(v)[0], content.model.values())) \
-        >= CONCURRENT_WRITE_MIN
-    with ThreadPoolExecutor(max_workers=2 if big else 1, thread_name_prefix="forensics-write") as pool:
-        run = pool.submit if big else (lambda fn, *args: _Done(fn(*args)))
-        jobs = [run(target.write_tensors, spec.MODEL, content.model)]
-        if content.optimizer is not None:
-            meta, tensors = _optimizer_parts(content.optimizer)
-            jobs.append(run(target.write_tensors, spec.OPTIMIZER_TENSORS, tensors))
-            target.write_json(spec.OPTIMIZER_JSON, meta)
-        for job in jobs:
-            job.result()
+    _write_state(target, spec.PRE_STEP_STATE, content.model, content.optimizer)
+    if content.snapshot is not None:
+        _write_state(target, spec.SNAPSHOT_STATE, content.snapshot["model"], content.snapshot["optimizer"])
     if content.scheduler is not None:
         target.write_json(spec.SCHEDULER, content.scheduler)
     if content.scaler is not None:
@@ -152,6 +145,23 @@ def _write_contents(target: _DumpDir, content: DumpContent) -> list[dict]:
     return unreplayable
 
 
+def _write_state(target: _DumpDir, files: spec.StateFiles, model: dict[str, Any], optimizer: dict | None) -> None:
+    """One model + optimizer state; the two big files go to disk concurrently (each hashes while it writes)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    big = sum(t.numel() * t.element_size() for t in map(lambda v: shard_entry(v)[0], model.values())) \
+        >= CONCURRENT_WRITE_MIN
+    with ThreadPoolExecutor(max_workers=2 if big else 1, thread_name_prefix="forensics-write") as pool:
+        run = pool.submit if big else (lambda fn, *args: _Done(fn(*args)))
+        jobs = [run(target.write_tensors, files.model, model)]
+        if optimizer is not None:
+            meta, tensors = _optimizer_parts(optimizer)
+            jobs.append(run(target.write_tensors, files.optimizer_tensors, tensors))
+            target.write_json(files.optimizer_json, meta)
+        for job in jobs:
+            job.result()
+
+
 def dump_path(root: Path, run_id: str, step: int, rank: int) -> Path:
     return Path(root) / run_id / spec.step_dir_name(step) / spec.rank_dir_name(rank)
 
@@ -163,6 +173,14 @@ def write_dump(content: DumpContent, root: str | os.PathLike) -> Path:
         CaptureError: the directory is not writable, the disk is full, or a value cannot be stored.
             Nothing half-written is left under a dump's final name.
     """
+    try:
+        return _write_dump(content, Path(root))
+    finally:
+        if content.done is not None:
+            content.done()
+
+
+def _write_dump(content: DumpContent, root: Path) -> Path:
     if content.ready is not None:
         content.ready()
     manifest = dict(content.manifest)

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from capture import Guard, GuardConfig
 from forensics.cli import main
 from forensics.errors import TrainingFaultError
-from forensics.format import open_dump
+from forensics.format import open_dump, spec
 from replay.engine import ReplayOptions, run_replay
 
 HERE = Path(__file__).resolve().parent
@@ -32,7 +32,7 @@ def job():
 
 
 def train(job, tmp_path, optimizer_factory, *, checkpoint_step: int, poison: int | None = POISON,
-          prepare=None, window_steps: int = 32):
+          prepare=None, window_steps: int = 32, snapshot_every: int = 0):
     """Trains with the Guard (four calls) until it raises; saves a torch.save checkpoint before `checkpoint_step`.
     Returns (dump path, checkpoint path)."""
     model = job.make_model()
@@ -40,7 +40,7 @@ def train(job, tmp_path, optimizer_factory, *, checkpoint_step: int, poison: int
         prepare(model)
     optimizer = optimizer_factory(model)
     guard = Guard(model, optimizer, loss_fn=job.mse_loss, config=GuardConfig(
-        dump_dir=str(tmp_path / "dumps"), run_id="win", window_steps=window_steps,
+        dump_dir=str(tmp_path / "dumps"), run_id="win", window_steps=window_steps, snapshot_every=snapshot_every,
         recipe={"factory": "window_job:make_model"},
         data_recipe={"dataset": "window_job:make_dataset", "dataset_kwargs": {"n": 200, "poison": poison}}))
     batches = iter(DataLoader(job.make_dataset(200, poison), batch_size=2))
@@ -155,3 +155,50 @@ def test_a_safetensors_file_or_a_trainer_checkpoint_directory_serves_as_the_chec
     report = json.loads((out / "report.json").read_text())
     assert report["window"]["broke_at"] == 5 and report["window"]["from_step"] == 2
     assert [s["sample_id"] for s in report["culprit"]["samples"]] == [POISON]
+
+
+def test_the_guards_own_host_snapshot_replaces_the_checkpoint(job, tmp_path):
+    """GuardConfig(snapshot_every=2): snapshots at steps 0, 2, 4, 6 (two kept); the crash at step 7 carries the
+    oldest, step 4 — bitwise the job's state then — and a plain `forensics replay DUMP --trust` re-executes
+    steps 4-6 from it and names step 5 and its sample, with no checkpoint of the user's."""
+    import json
+
+    dump_path, checkpoint = train(job, tmp_path, lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.5),
+                                  checkpoint_step=4, window_steps=8, snapshot_every=2)
+    dump = open_dump(dump_path)
+    assert dump.step == 7 and dump.snapshot_step == 4
+    saved = torch.load(checkpoint, weights_only=True)
+    snapshot_model = dump.model_state(spec.SNAPSHOT_STATE)
+    assert snapshot_model.keys() == saved["model"].keys()
+    assert all(torch.equal(snapshot_model[k], v) for k, v in saved["model"].items())
+    momentum = dump.optimizer_state(spec.SNAPSHOT_STATE)["state"]["up.weight"]["momentum_buffer"]
+    assert torch.equal(momentum, saved["optimizer"]["state"][0]["momentum_buffer"])  # up.weight is parameter 0
+
+    out = tmp_path / "report"
+    result = CliRunner().invoke(main, ["replay", str(dump_path), "--device", "cpu", "--trust", "--path", str(HERE),
+                                       "-o", str(out), "--no-rng-check"])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    window = report["window"]
+    assert (window["from_step"], window["broke_at"], window["steps_before_crash"]) == (4, 5, 2)
+    assert "host snapshot of step 4" in window["checkpoint"]
+    assert window["steps"][0]["replayed_loss"] == window["steps"][0]["recorded_loss"]  # bit for bit from the snapshot
+    assert [s["sample_id"] for s in report["culprit"]["samples"]] == [POISON]
+
+    plain = CliRunner().invoke(main, ["replay", str(dump_path), "--device", "cpu", "--trust", "--path", str(HERE),
+                                      "-o", str(tmp_path / "plain"), "--no-rng-check", "--no-window"])
+    assert "window" not in json.loads((tmp_path / "plain" / "report.json").read_text())
+    untrusted = run_replay(str(dump_path), ReplayOptions(device="cpu", factory="window_job:make_model",
+                                                         loss="window_job:mse_loss", sys_path=[str(HERE)],
+                                                         rng_check=False, remedies=False))
+    assert "window" not in untrusted
+    assert untrusted["verdict"]["suggestions"][0].startswith("Re-run with --trust: the dump holds the Guard's host "
+                                                            "snapshot of step 4")
+
+
+def test_no_snapshot_unless_asked_and_a_config_that_cannot_cover_it_is_refused(job, tmp_path):
+    dump_path, _ = train(job, tmp_path, lambda m: torch.optim.SGD(m.parameters(), lr=0.05), checkpoint_step=2)
+    dump = open_dump(dump_path)
+    assert dump.snapshot_step is None and not dump.has_file(spec.SNAPSHOT_STATE.model)
+    with pytest.raises(ValueError, match="window_steps"):
+        GuardConfig(snapshot_every=16, snapshot_count=3, window_steps=32)

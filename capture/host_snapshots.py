@@ -1,0 +1,151 @@
+"""The Guard's own host snapshots of the training state every K steps (GuardConfig.snapshot_every), so that a
+window replay (`forensics replay DUMP`) needs no checkpoint of the user's.
+
+At the check() of a healthy step S with S % every == 0, the pre-step model + optimizer state is copied into
+host buffers allocated once and reused. CUDA tensors go to pinned buffers with non-blocking copies, ordered on
+the stream before the optimizer step: the loop does not wait for them. CPU tensors are copied in place (the
+stall is one memcpy of the state). `count` slots rotate, so the oldest snapshot is up to count x every steps
+old; a dump carries the oldest one the flight recorder still covers (spec.SNAPSHOT_STATE). Host memory:
+count x this rank's state, checked against the machine's available memory before anything is allocated.
+A slot written into a dump in the background is lent to the writer and skipped until the write is done.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from capture.sharding import state_bytes
+
+log = logging.getLogger(__name__)
+
+MAX_SHARE_OF_AVAILABLE = 0.5
+"""Snapshots may take at most this share of the host memory available when the first one is taken."""
+
+
+@dataclass
+class _Slot:
+    step: int | None = None
+    state: dict | None = None  # {"model": {name: host tensor}, "optimizer": {...}}, host buffers
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    event: Any = None  # the CUDA event after the last copy into this slot
+    lent: threading.Event = field(default_factory=threading.Event)  # set while a dump writer reads this slot
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
+class HostSnapshots:
+    def __init__(self, every: int, count: int):
+        self.every, self.count = every, count
+        self._slots = [_Slot() for _ in range(count)] if every > 0 else []
+        self._next = 0
+        self.off_because: str | None = None
+        """Why snapshots were turned off in this job (logged once), or None."""
+        self.bytes_held = 0
+
+    def due(self, step: int) -> bool:
+        return bool(self._slots) and self.off_because is None and step % self.every == 0
+
+    def turn_off(self, why: str) -> None:
+        if self.off_because is None:
+            self.off_because = why
+            log.warning("forensics: host snapshots (GuardConfig.snapshot_every) are off: %s", why)
+
+    def take(self, step: int, state: dict) -> None:
+        """Copies `state` (full layout, tensors as references) into the next free slot."""
+        slot = self._free_slot()
+        if slot is None:
+            log.info("forensics: step %d: no host snapshot (every slot is being written into a dump)", step)
+            return
+        if not self.bytes_held and not self._fits(state):
+            return
+        slot.wait()
+        slot.step = None  # until every copy is made: a copy that fails leaves no half-written snapshot behind
+        copies: dict[str, torch.Tensor] = {}
+
+        def copy(key: str, tensor: torch.Tensor) -> torch.Tensor:
+            tensor = tensor.detach()
+            buffer = slot.buffers.get(key)
+            if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+                buffer = _host_buffer(tensor)
+                slot.buffers[key] = buffer
+            buffer.copy_(tensor, non_blocking=tensor.is_cuda and buffer.is_pinned())
+            copies[key] = buffer
+            return buffer
+
+        model = {name: copy(f"model/{name}", t) for name, t in state["model"].items()}
+        optimizer = state.get("optimizer")
+        if optimizer is not None:
+            optimizer = {**optimizer, "state": {
+                param: {k: copy(f"optimizer/{param}/{k}", v) if isinstance(v, torch.Tensor) else v
+                        for k, v in values.items()} for param, values in optimizer["state"].items()}}
+        for key in set(slot.buffers) - set(copies):
+            del slot.buffers[key]  # a tensor that no longer exists (a parameter group removed)
+        slot.event = None
+        if any(t.is_pinned() for t in copies.values()) and torch.cuda.is_available():
+            slot.event = torch.cuda.Event()
+            slot.event.record()
+        slot.step, slot.state = step, {"model": model, "optimizer": optimizer}
+        self.bytes_held = sum(_nbytes(t) for s in self._slots for t in s.buffers.values())
+        self._next = (self._slots.index(slot) + 1) % self.count
+
+    def lend_oldest(self, first_step: int) -> tuple[dict | None, Callable[[], None]]:
+        """The oldest snapshot taken at or after `first_step` as `{"step", "model", "optimizer"}` (None: none),
+        and the function that gives its slot back once the dump holding it is written."""
+        held = [s for s in self._slots if s.step is not None and s.step >= first_step and not s.lent.is_set()]
+        if not held:
+            return None, lambda: None
+        slot = min(held, key=lambda s: s.step)
+        slot.wait()
+        slot.lent.set()
+        return {"step": slot.step, **slot.state}, slot.lent.clear
+
+    def _free_slot(self) -> _Slot | None:
+        for offset in range(self.count):
+            slot = self._slots[(self._next + offset) % self.count]
+            if not slot.lent.is_set():
+                return slot
+        return None
+
+    def _fits(self, state: dict) -> bool:
+        need = self.count * state_bytes(state)
+        available = available_host_memory()
+        if available is not None and need > MAX_SHARE_OF_AVAILABLE * available:
+            self.turn_off(f"{self.count} snapshots of this rank's state need {need / 2**20:,.1f} MiB of host memory, "
+                          f"more than half of the {available / 2**20:,.1f} MiB available; lower "
+                          "GuardConfig.snapshot_count or pass a checkpoint of your own to `forensics replay --from`")
+            return False
+        log.info("forensics: host snapshots every %d steps hold %.1f MiB (%d x the state)", self.every,
+                 need / 2**20, self.count)
+        return True
+
+
+def _host_buffer(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.is_cuda:
+        try:
+            return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        except RuntimeError:  # no pinnable memory left: a pageable buffer (the copy then waits)
+            pass
+    return torch.empty(tensor.shape, dtype=tensor.dtype)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def available_host_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is none: not Linux)."""
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
