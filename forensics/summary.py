@@ -27,7 +27,7 @@ def dump_summary(dump: Dump, missing_ranks: list[int], path: str | None = None) 
         "files": m["files"], "environment": m.get("environment", {}),
         "format_version": m["format_version"], "created_at": m["created_at"],
         "state": _state_summary(m),
-        "window": m.get("window"), "data_recipe": m.get("data_recipe"),
+        "window": m.get("window"), "data_recipe": m.get("data_recipe"), "snapshot_step": dump.snapshot_step,
     }
 
 
@@ -97,6 +97,9 @@ def render_summary(summary: dict) -> str:
         data = (summary.get("data_recipe") or {}).get("dataset")
         lines.append(f"  flight recorder: steps {window.get('first_step')}..{window.get('last_step')} "
                      f"({window.get('steps')} steps); data recipe: {data or 'none (window replay needs one)'}")
+    if summary.get("snapshot_step") is not None:
+        lines.append(f"  host snapshot: the state before step {summary['snapshot_step']} (window replay starts there "
+                     "with --trust)")
     recheck = summary.get("recheck") or {}
     if recheck.get("performed"):
         lines.append(f"  in-job re-check: {'reproduced' if recheck.get('reproduced') else 'NOT reproduced'} "

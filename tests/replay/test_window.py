@@ -174,6 +174,9 @@ def test_the_guards_own_host_snapshot_replaces_the_checkpoint(job, tmp_path):
     momentum = dump.optimizer_state(spec.SNAPSHOT_STATE)["state"]["up.weight"]["momentum_buffer"]
     assert torch.equal(momentum, saved["optimizer"]["state"][0]["momentum_buffer"])  # up.weight is parameter 0
 
+    shown = CliRunner().invoke(main, ["inspect", str(dump_path)])
+    assert "host snapshot: the state before step 4" in shown.output
+    assert CliRunner().invoke(main, ["verify", str(dump_path)]).exit_code == 0
     out = tmp_path / "report"
     result = CliRunner().invoke(main, ["replay", str(dump_path), "--device", "cpu", "--trust", "--path", str(HERE),
                                        "-o", str(out), "--no-rng-check"])
