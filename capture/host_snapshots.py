@@ -27,7 +27,7 @@ MAX_SHARE_OF_AVAILABLE = 0.5
 """Snapshots may take at most this share of the host memory available when the first one is taken."""
 
 
-@dataclass
+@dataclass(eq=False)  # slots are told apart by identity (their fields hold tensors)
 class _Slot:
     step: int | None = None
     state: dict | None = None  # {"model": {name: host tensor}, "optimizer": {...}}, host buffers
