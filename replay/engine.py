@@ -37,6 +37,7 @@ from replay.localize_update import localize_optimizer, per_layer_stats
 from replay.per_sample import per_sample_stats
 from replay.precision import fp32_check, uses_low_precision
 from replay.remedies import try_remedies
+from replay.remedy_followup import follow_remedies
 from replay.window import Checkpoint, data_recipe, dump_snapshot, load_checkpoint, replay_window, window_block
 from replay.rng_dependence import check_rng_dependence
 from replay.samples import select_samples
@@ -250,6 +251,9 @@ def run_session(session: ReplaySession, options: ReplayOptions | None = None, pr
         _stage(progress, "trying remedies on the step")
         findings.remedies = try_remedies(runner, findings.culprits, history,
                                          findings.forward.module if findings.forward is not None else None)
+        if findings.remedies and session.followup is not None:
+            _stage(progress, "carrying the fixes over the recorded steps after this one")
+            follow_remedies(findings.remedies, runner, session.followup)
     findings.history = _history(history, _uniform_loss(runner.model))
     if findings.kind.spike and findings.history.diverged and findings.culprits:
         logger.info("the run diverged long before: the samples whose removal ends the spike are not culprits")

@@ -67,6 +67,9 @@ class ReplaySession:
     pre_step_weights: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None = None
     """Re-reads the pre-step weights from the dump (memory-mapped, tensor by tensor, onto `device`): a large
     model is reset from the dump instead of from a copy held in memory (replay.execute.StepRunner)."""
+    followup: Any = None
+    """Window replay: the recorded steps after this one (replay.window.Followup), over which the remedies are
+    carried (replay/remedy_followup.py); None otherwise."""
     world_size: int = 1
     """Ranks of the job. With more than one, the recorded grad norm covers every rank's gradients
     (after all-reduce / over all ZeRO shards), so a one-rank replay compares losses only."""

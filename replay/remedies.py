@@ -11,8 +11,8 @@ healthy remedies first, a fix of the cause before a fix of the symptom (RemedyKi
 exact change to make. "as recorded" (no change) is measured too: for a spike that is healthy as recorded,
 no action is needed.
 
-Only the dumped step is re-run; the steps after it are not (that needs the recorded window: issue 10's
-window replay), and the report says so.
+A window replay then carries each fix that made the step healthy over the next recorded steps
+(replay/remedy_followup.py); a single-step replay cannot, and the report says so.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
@@ -54,12 +54,16 @@ class RemedyResult:
     worst_parameter: str | None = None
     """The parameter the update moved most."""
     note: str = ""
+    setting: dict = field(default_factory=dict)
+    """The change in machine form, for carrying it over the following steps (replay/remedy_followup.py):
+    {"drop": [sample ids]}, {"hyper": {"eps" | "lr": value}}, {"fp32": true}, {"clip": norm}, {"loss_scale": s},
+    {"skip": true} or {} (as recorded)."""
 
     def as_dict(self) -> dict:
         return {"kind": self.kind.value, "words": self.kind.words, "change": self.change, "healthy": self.healthy,
                 "step_loss": self.step_loss, "grad_norm": self.grad_norm, "weights_finite": self.weights_finite,
                 "relative_change": self.relative_change, "worst_parameter": self.worst_parameter,
-                "note": self.note}
+                "note": self.note, "setting": self.setting}
 
 
 def try_remedies(runner: StepRunner, culprits: list[SampleRef], history: dict | None,
@@ -105,7 +109,8 @@ def try_remedies(runner: StepRunner, culprits: list[SampleRef], history: dict | 
     return {"tested": [r.as_dict() for r in ranked],
             "criteria": f"healthy = finite loss and gradients, every weight finite after the update, and the "
                         f"update smaller than {WRECK_RATIO:.0%} of the weights' norm",
-            "following_steps": "not tested: the dump holds this step only (no recorded window to replay)"}
+            "following_steps": "not tested: the dump holds this step only (a window replay, with --from or the "
+                               "Guard's host snapshot, carries each fix over the recorded steps after it)"}
 
 
 def _evaluate(runner: StepRunner, kind: RemedyKind, change: str, *, samples: list[SampleRef] | None = None,
@@ -114,6 +119,12 @@ def _evaluate(runner: StepRunner, kind: RemedyKind, change: str, *, samples: lis
     """Runs the step with one change, applies the update, measures it (never raises: a remedy that cannot be
     tried is reported as such)."""
     result = RemedyResult(kind, change, None)
+    if samples is not None:
+        kept = set(samples)
+        result.setting["drop"] = [r.sample_id for r in runner.session.sample_refs if r not in kept]
+    for key, value in (("hyper", hyper), ("fp32", fp32 or None), ("clip", clip), ("loss_scale", loss_scale)):
+        if value is not None:
+            result.setting[key] = value
     try:
         with _scale(runner, loss_scale):
             run = runner.run(samples, fp32=fp32, keep_grads=True)
@@ -153,7 +164,7 @@ def _skip(runner: StepRunner) -> RemedyResult:
     bad = runner.nonfinite_params
     return RemedyResult(RemedyKind.SKIP_STEP, "GuardConfig(on_nonfinite='skip') / on_spike='skip' (check() returns "
                         "False; do not call optimizer.step())", healthy=not bad, weights_finite=not bad,
-                        relative_change=0.0,
+                        relative_change=0.0, setting={"skip": True},
                         note="hides the cause: the same data or state fails again when it comes back")
 
 
@@ -201,7 +212,8 @@ def tested_suggestions(block: dict | None, limit: int = 3) -> tuple[list[str], l
     fixes = [r for r in healthy if r["kind"] != RemedyKind.SKIP_STEP.value]
     first = [f"Tested fix ({row['words']}): {row['change']} — the step is then healthy (step loss "
              f"{_number(row.get('step_loss'))}, grad norm {_number(row.get('grad_norm'))}, weights change by "
-             f"{_percent(row.get('relative_change'))})." for row in fixes[:limit]]
+             f"{_percent(row.get('relative_change'))}){_following_words(row.get('following'))}."
+             for row in fixes[:limit]]
     last = []
     failed = [r["words"] for r in rows if r.get("healthy") is False and r["kind"] != RemedyKind.AS_RECORDED.value]
     if failed:
@@ -210,6 +222,17 @@ def tested_suggestions(block: dict | None, limit: int = 3) -> tuple[list[str], l
         last.append("Tested: of the changes tried, only skipping the step keeps the weights healthy — it hides the "
                     "cause, which comes back with the same data or state.")
     return first, last
+
+
+def _following_words(following: dict | None) -> str:
+    """How the fix fared over the recorded steps after this one (replay/remedy_followup.py), as a clause."""
+    if not following or not following.get("tested"):
+        return ""
+    if following.get("healthy"):
+        steps = following.get("steps") or []
+        return f", and so are the next {len(steps)} recorded steps ({', '.join(map(str, steps))})" if steps else ""
+    return (f", but it only postpones the failure: step {following.get('first_unhealthy')} breaks again "
+            f"({following.get('why')})")
 
 
 def _number(value: Any) -> str:

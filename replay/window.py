@@ -200,14 +200,53 @@ def replay_window(session: ReplaySession, dump: Any, checkpoint: Checkpoint, sta
         batches = [to_device(data.batch(ids), session.device) for ids in _ids(row, step)]
         pre_model = {k: v.detach().clone() for k, v in model.state_dict().items()}
         pre_optimizer = copy.deepcopy(optimizer.state_dict())
-        _set_lr(optimizer, row.get("lr"))
-        outcome, grads_ok = _run_step(model, optimizer, session, batches, row, max_norm)
+        set_lr(optimizer, row.get("lr"))
+        outcome, grads_ok = run_step(model, optimizer, session, batches, row, max_norm)
         outcomes.append(outcome)
         if outcome.broke:
             model.load_state_dict(pre_model)
             optimizer.load_state_dict(pre_optimizer)
-            return outcomes, _step_session(session, model, optimizer, batches, row, outcome, outcomes, grads_ok)
+            broken = _step_session(session, model, optimizer, batches, row, outcome, outcomes, grads_ok)
+            broken.followup = Followup(row, data, max_norm, pre_model,
+                                       _following(dump, rows, step, data, session.device))
+            return outcomes, broken
     return outcomes, None
+
+
+FOLLOWING_STEPS = 3
+"""How many recorded steps after the broken one a remedy is carried over (replay/remedy_followup.py)."""
+
+
+@dataclass
+class Followup:
+    """What carrying a remedy over the steps after the broken one needs (replay/remedy_followup.py)."""
+
+    row: dict
+    """The broken step's flight-recorder row."""
+    data: DataRecipe
+    max_norm: float | None
+    pre_model: dict[str, torch.Tensor]
+    """The broken step's pre-step weights and buffers."""
+    steps: list[tuple[dict, list]]
+    """The next recorded steps (at most FOLLOWING_STEPS, the dumped step included): (row, micro-batches)."""
+
+
+def _following(dump: Any, rows: dict[int, dict], broke: int, data: DataRecipe, device: torch.device
+               ) -> list[tuple[dict, list]]:
+    """Up to FOLLOWING_STEPS steps after `broke`: from the flight recorder, then the dumped step itself (its
+    micro-batches and RNG are in the dump; its lr is the history's last)."""
+    out = []
+    for step in range(broke + 1, min(broke + 1 + FOLLOWING_STEPS, dump.step)):
+        out.append((rows[step], [to_device(data.batch(ids), device) for ids in _ids(rows[step], step)]))
+    if len(out) < FOLLOWING_STEPS and broke < dump.step:
+        history = dump.history()
+        steps, rates = history.get("step") or [], history.get("lr") or []
+        lr = rates[-1] if steps and steps[-1] == dump.step and len(rates) == len(steps) else None
+        loss = dump.manifest.get("loss") or {}
+        row = {"step": dump.step, "rng": [dump.rng_state(i) for i in range(dump.num_micro_batches)], "lr": lr,
+               "divisor": loss.get("divisor"), "loss": loss.get("step_loss"), "grad_norm": loss.get("grad_norm")}
+        out.append((row, [to_device(dump.micro_batch(i), device) for i in range(dump.num_micro_batches)]))
+    return out
 
 
 def _ids(row: dict, step: int) -> list[list]:
@@ -218,12 +257,14 @@ def _ids(row: dict, step: int) -> list[list]:
     return ids
 
 
-def _run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, session: ReplaySession, batches: list,
-              row: dict, max_norm: float | None) -> tuple[StepOutcome, bool]:
+def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, session: ReplaySession, batches: list,
+             row: dict, max_norm: float | None, fp32: bool = False) -> tuple[StepOutcome, bool]:
+    """One recorded step: forward / backward of each micro-batch with its RNG, clipping, the update; the outcome
+    says whether (and why) it broke the run, and the flag whether the gradients were finite."""
     model.train()
     optimizer.zero_grad(set_to_none=True)
     losses = []
-    dtype = session.autocast_dtype
+    dtype = None if fp32 else session.autocast_dtype
     for batch, rng in zip(batches, row["rng"]):
         restore_rng(rng, session.source_cuda_device, session.device.index if session.device.type == "cuda" else None)
         autocast = torch.autocast(session.device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
@@ -317,7 +358,7 @@ def _optimizer(session: ReplaySession, checkpoint: Checkpoint) -> torch.optim.Op
     return optimizer
 
 
-def _set_lr(optimizer: torch.optim.Optimizer, lr: Any) -> None:
+def set_lr(optimizer: torch.optim.Optimizer, lr: Any) -> None:
     """The recorded lr of the step (the first group's; other groups keep their ratio to it)."""
     if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not optimizer.param_groups:
         return

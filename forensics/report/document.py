@@ -297,12 +297,23 @@ def _remedies(report: Mapping) -> Section:
         verdict = {True: "healthy", False: "not enough", None: "not tried"}.get(row.get("healthy"), "n/a")
         rows.append([str(row.get("words")), verdict, fmt_num(row.get("step_loss")), fmt_num(row.get("grad_norm")),
                      _yes_no(row.get("weights_finite")), fmt_num(row.get("relative_change")),
+                     _following(row.get("following")),
                      str(row.get("change")) + (f" — {row.get('note')}" if row.get("note") else "")])
     return Section("Remedies tried", [
         Para([f"Each change re-runs the step and applies its update; {block.get('criteria') or ''}. "
               f"Following steps: {block.get('following_steps') or 'n/a'}."]),
-        Table(["remedy", "result", "step loss", "grad norm", "weights finite", "update / weights", "change"], rows),
+        Table(["remedy", "result", "step loss", "grad norm", "weights finite", "update / weights", "following steps",
+               "change"], rows),
     ], "remedies")
+
+
+def _following(following: Any) -> str:
+    """A remedy carried over the next recorded steps: 'healthy (6, 7)', 'breaks at 6', or '' (not tried)."""
+    if not isinstance(following, dict) or not following.get("tested"):
+        return ""
+    if following.get("healthy"):
+        return "healthy (" + ", ".join(fmt_num(s) for s in following.get("steps") or []) + ")"
+    return f"breaks at {fmt_num(following.get('first_unhealthy'))}"
 
 
 def _bisection(report: Mapping) -> Section:

@@ -205,3 +205,26 @@ def test_no_snapshot_unless_asked_and_a_config_that_cannot_cover_it_is_refused(j
     assert dump.snapshot_step is None and not dump.has_file(spec.SNAPSHOT_STATE.model)
     with pytest.raises(ValueError, match="window_steps"):
         GuardConfig(snapshot_every=16, snapshot_count=3, window_steps=32)
+
+
+def test_a_fix_carried_over_the_following_steps_shows_when_it_only_postpones_the_failure(job, tmp_path):
+    """Two bad records, sample 21 at step 5 and sample 25 at step 6. Dropping sample 21 heals step 5, but kept
+    for the recorded steps after it, step 6 breaks again; clipping holds over steps 6 and 7 and ranks first."""
+    dump_path, checkpoint = train(job, tmp_path, lambda m: torch.optim.SGD(m.parameters(), lr=0.05), checkpoint_step=2,
+                                  poison=[POISON, 25])
+
+    report = run_replay(str(dump_path), options(checkpoint))
+
+    assert report["window"]["broke_at"] == 5
+    rows = {row["kind"]: row for row in report["remedies"]["tested"]}
+    drop, clip = rows["drop_samples"], rows["clip_grad"]
+    assert drop["healthy"] is True and drop["setting"] == {"drop": [POISON]}
+    assert drop["following"]["healthy"] is False and drop["following"]["first_unhealthy"] == 6
+    assert clip["healthy"] is True and clip["following"] == {"tested": True, "healthy": True, "steps": [6, 7],
+                                                            "first_unhealthy": None, "why": None}
+    kinds = [row["kind"] for row in report["remedies"]["tested"]]
+    assert kinds.index("clip_grad") < kinds.index("drop_samples")  # a fix that holds ranks before one that does not
+    assert "recorded steps after it (6, 7)" in report["remedies"]["following_steps"]
+    suggestions = report["verdict"]["suggestions"]
+    assert suggestions[0].startswith("Tested fix (clip the gradient") and "next 2 recorded steps (6, 7)" in suggestions[0]
+    assert any("only postpones the failure: step 6 breaks again" in s for s in suggestions)

@@ -1,7 +1,7 @@
 """A small regression job for the window-replay tests: model factory, dataset factory and loss, importable by
 name (`--path tests/replay`), as a user's own training code would be.
 
-`make_dataset(n, poison)`: sample i is (x, y) with x ~ N(0, 1); sample `poison` has x = 1e3 everywhere, a record
+`make_dataset(n, poison)`: sample i is (x, y) with x ~ N(0, 1); sample(s) `poison` have x = 1e3 everywhere, a record
 whose gradient is large but finite. Under SGD its update wrecks the first layer, and a few steps later the
 loss overflows.
 """
@@ -31,12 +31,12 @@ def make_model(seed: int = 0) -> Regression:
 
 
 class Samples(torch.utils.data.Dataset):
-    def __init__(self, n: int, poison: int | None):
+    def __init__(self, n: int, poison: int | list[int] | None):
         g = torch.Generator().manual_seed(1)
         self.x = torch.randn(n, IN, generator=g)
         self.y = torch.randn(n, OUT, generator=g)
-        if poison is not None:
-            self.x[poison] = 1e3
+        for index in [poison] if isinstance(poison, int) else poison or []:
+            self.x[index] = 1e3
 
     def __len__(self) -> int:
         return len(self.x)
@@ -45,7 +45,7 @@ class Samples(torch.utils.data.Dataset):
         return {"x": self.x[index], "y": self.y[index]}
 
 
-def make_dataset(n: int = 96, poison: int | None = None) -> IndexedDataset:
+def make_dataset(n: int = 96, poison: int | list[int] | None = None) -> IndexedDataset:
     return IndexedDataset(Samples(n, poison))
 
 
