@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
+from capture.host_snapshots import available_host_memory, proc_bytes
 from capture.incident import tensor_leaves
+from forensics.errors import is_out_of_memory
 
 MAX_FRAMES = 40
 MAX_MESSAGE = 4000
@@ -52,6 +54,7 @@ def memory_picture(batches: list[Any]) -> dict:
                            total=torch.cuda.get_device_properties(device).total_memory)
     except Exception:  # noqa: BLE001 - a broken context: the counters are a bonus
         pass
+    picture["host"] = {"rss": proc_bytes("/proc/self/status", "VmRSS:"), "available": available_host_memory()}
     for index, batch in enumerate(batches):
         tensors = list(tensor_leaves(batch))
         picture["micro_batches"].append({
@@ -72,7 +75,8 @@ def peer_failure(exc: BaseException) -> bool:
 
 def _is_oom(exc: BaseException) -> bool:
     oom = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", ())
-    return isinstance(exc, oom) or (isinstance(exc, (RuntimeError, MemoryError)) and "out of memory" in _safe_str(exc))
+    return isinstance(exc, oom) or (isinstance(exc, (RuntimeError, MemoryError))
+                                    and is_out_of_memory(type(exc).__name__, _safe_str(exc)))
 
 
 def _is_cuda_error(exc: BaseException) -> bool:

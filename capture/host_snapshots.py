@@ -141,10 +141,15 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 def available_host_memory() -> int | None:
     """MemAvailable from /proc/meminfo in bytes (None where there is none: not Linux)."""
+    return proc_bytes("/proc/meminfo", "MemAvailable:")
+
+
+def proc_bytes(path: str, key: str) -> int | None:
+    """A `key: <n> kB` line of a /proc file, in bytes (None where the file or the line is missing)."""
     try:
-        with open("/proc/meminfo") as handle:
+        with open(path) as handle:
             for line in handle:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(key):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None

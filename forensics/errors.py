@@ -81,3 +81,13 @@ class UserCodeError(ForensicsError):
     def __init__(self, message: str, user_traceback: str):
         super().__init__(message)
         self.user_traceback = user_traceback
+
+
+OUT_OF_MEMORY_TYPES = ("OutOfMemoryError", "MemoryError")
+OUT_OF_MEMORY_WORDS = ("out of memory", "can't allocate memory", "Cannot allocate memory")
+"""CUDA's caching allocator says the first; the CPU allocator (DefaultCPUAllocator) the others."""
+
+
+def is_out_of_memory(type_name: str | None, message: str | None) -> bool:
+    """Whether a job's exception (by type name and message) is running out of memory, on a GPU or on the host."""
+    return type_name in OUT_OF_MEMORY_TYPES or any(word in (message or "") for word in OUT_OF_MEMORY_WORDS)

@@ -93,7 +93,7 @@ def _exception_block(findings: Findings, session: ReplaySession) -> dict:
             "replayed_type": found.type if found else None, "module": found.module if found else None,
             "op": found.op if found else None, "micro_batch": found.micro_batch if found else None,
             "detail": found.detail if found else None, "bad_values": found.bad_values if found else [],
-            "memory": recorded.get("memory"), "traceback": recorded.get("traceback")}
+            "memory": recorded.get("memory"), "sizes": findings.sizes, "traceback": recorded.get("traceback")}
 
 
 def culprit_block(findings: Findings, rank: int) -> dict:
@@ -168,7 +168,10 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
         exception_type=findings.exception.type if findings.exception else
         (findings.reproduction.result.raised or {}).get("type"),
         exception_message=findings.exception.message if findings.exception else None,
-        exception_detail=findings.exception.detail if findings.exception else None)
+        exception_detail=findings.exception.detail if findings.exception else None,
+        out_of_memory=findings.sizes is not None,
+        size_outliers=list((findings.sizes or {}).get("outliers") or []),
+        median_size=(findings.sizes or {}).get("median"))
 
 
 def _data_kind(session: ReplaySession, findings: Findings) -> str | None:

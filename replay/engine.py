@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from forensics.errors import DumpError
+from forensics.errors import DumpError, is_out_of_memory
 from forensics.format import open_dump, open_step
 from forensics.format.limits import ArchiveLimits
 from forensics.kinds import HistoryPattern, Phase, TriggerKind
@@ -37,6 +37,7 @@ from replay.localize_update import localize_optimizer, per_layer_stats
 from replay.per_sample import per_sample_stats
 from replay.precision import fp32_check, uses_low_precision
 from replay.remedies import try_remedies
+from replay.sizes import outlier_refs, size_block
 from replay.remedy_followup import follow_remedies
 from replay.window import Checkpoint, data_recipe, dump_snapshot, load_checkpoint, replay_window, window_block
 from replay.rng_dependence import check_rng_dependence
@@ -225,7 +226,14 @@ def run_session(session: ReplaySession, options: ReplayOptions | None = None, pr
     refs = session.sample_refs
     data_independent = findings.kind.data_independent or bool(findings.weights_nonfinite) \
         or findings.phase is Phase.OPTIMIZER
-    if findings.reproduced and options.bisect and not data_independent and refs:
+    largest = []
+    if raised and is_out_of_memory((session.exception or {}).get("type"), (session.exception or {}).get("message")):
+        _stage(progress, "measuring the samples' sizes (out of memory)")
+        findings.sizes = size_block(session.micro_batches, refs)
+        largest = outlier_refs(findings.sizes, refs)
+    if largest:  # padding makes its micro-batch fail whichever of its samples run: the size names the culprit
+        findings.bisection.culprits = largest
+    elif findings.reproduced and options.bisect and not data_independent and refs:
         _stage(progress, f"bisecting {len(refs)} samples")
         findings.bisection = _bisect(runner, refs, findings.kind, findings.threshold, options)
     if raised:

@@ -19,7 +19,7 @@ from typing import Any, Callable, ContextManager, Iterable
 
 import torch
 
-from forensics.errors import ForensicsError, ReplayError
+from forensics.errors import ForensicsError, ReplayError, is_out_of_memory
 from forensics.grad_norm import total_grad_norm
 from forensics.kinds import TriggerKind
 from replay.load import ReplaySession, finite_float
@@ -133,9 +133,13 @@ def raised_info(exc: BaseException, micro_batch: int, phase: str) -> dict:
 
 def same_exception(raised: dict, recorded: dict | None) -> bool:
     """The replayed exception is the recorded one: same type, raised in the same function of the same file
-    (by base name: the job ran on another machine)."""
+    (by base name: the job ran on another machine). Running out of memory is the same failure wherever it
+    happens: the allocation that fails depends on what the allocator still holds."""
     if not recorded:
         return False
+    if is_out_of_memory(recorded.get("type"), recorded.get("message")) \
+            and is_out_of_memory(raised.get("type"), raised.get("message")):
+        return True
     frames = recorded.get("frames") or []
     last = frames[-1] if frames and isinstance(frames[-1], dict) else {}
     same_place = not last or (raised.get("function") == last.get("function")

@@ -76,6 +76,8 @@ class Findings:
     """The report's `remedies` block: each counterfactual fix tried on the step, ranked (replay/remedies.py)."""
     touching: dict[str, list[SampleRef]] | None = None
     """Corrupted embedding -> the samples whose ids hit its bad rows (None: no corrupted embedding)."""
+    sizes: dict | None = None
+    """Out of memory: the step's sample sizes, largest and outliers (replay/sizes.py; report exception.sizes)."""
 
     @property
     def culprits(self) -> list[SampleRef]:

@@ -122,6 +122,11 @@ class VerdictFacts:
     only floating-point data (features, embeddings, images): chooses the record-inspection hint."""
     rng_seeds_tried: int = 0
     """Other seeds the step was re-run from (without restoring the recorded RNG)."""
+    out_of_memory: bool = False
+    """The job's exception is running out of memory (GPU or host): sizes were measured (report exception.sizes)."""
+    size_outliers: list[dict] = field(default_factory=list)
+    """Out of memory: samples at least replay.sizes.OUTLIER_FACTOR x the step's median size, largest first."""
+    median_size: float | None = None
 
     def __post_init__(self) -> None:
         for name, kind in (("trigger_kind", TriggerKind), ("phase", Phase), ("history_pattern", HistoryPattern)):
@@ -403,6 +408,8 @@ def _not_reproduced(f: VerdictFacts) -> dict:
     if f.environment_warnings:
         reading += " Differences between the job and this replay: " + "; ".join(f.environment_warnings) + "."
     rank = f" on the node of rank {f.rank}" if f.rank is not None else ""
+    if f.out_of_memory:
+        return _memory_not_reproduced(f, headline)
     return _result(VerdictKind.NOT_REPRODUCED, headline, f, [
         "Replay on the same GPU model, driver and torch version as the job (the environment "
         "warnings list what differs).",
@@ -413,6 +420,24 @@ def _not_reproduced(f: VerdictFacts) -> dict:
         f"If the same GPU and settings still do not reproduce it, suspect the hardware (silent data "
         f"corruption): run the vendor's diagnostics (e.g. DCGM level 3){rank}.",
     ], reading)
+
+
+def _memory_not_reproduced(f: VerdictFacts, headline: str) -> dict:
+    """The job ran out of memory and this replay did not (a device with more memory): the sizes still speak."""
+    suggestions = ["Replay on a device with no more memory than the job's (report.json exception.memory holds the "
+                   "job's allocated / reserved / total), or cap this process's memory, to reproduce it."]
+    reading = "The job ran out of memory where this replay, with more memory, did not."
+    if f.size_outliers:
+        reading += f" {_size_words(f)}: the likely cause."
+        ids = ", ".join(_id(o["sample_id"]) for o in f.size_outliers[:MAX_NAMED_SAMPLES])
+        them = "them" if len(f.size_outliers) > 1 else "it"
+        suggestions.insert(0, f"Filter or truncate {ids} (blocklist.jsonl lists {them}), and cap the sequence "
+                              "length so one long sample cannot set the size of a whole micro-batch.")
+    else:
+        reading += " No sample of the step is far larger than the others: the step as a whole needs more memory."
+        suggestions.insert(0, "Lower the micro-batch size (with more gradient accumulation), or use activation "
+                              "checkpointing.")
+    return _result(VerdictKind.NOT_REPRODUCED, headline, f, suggestions, reading)
 
 
 def _corruption_words(f: VerdictFacts) -> str:
@@ -591,6 +616,8 @@ def _exception(f: VerdictFacts) -> dict:
         where += f" ({f.op})"
     phase = f" in the {f.phase} pass" if f.phase is not None and f.phase.is_pass else ""
     detail = f": {f.exception_detail}" if f.exception_detail else ""
+    if f.out_of_memory and f.size_outliers:
+        return _oversized(f, phase, where)
     if _has_culprit(f):
         subject = _samples_phrase(f)
         verb = "make" if (f.culprit_subset_size or 0) > 1 else "makes"
@@ -619,6 +646,30 @@ def _exception(f: VerdictFacts) -> dict:
     if not _has_culprit(f):
         suggestions.append("Every subset of samples raises: the model code or its configuration is at fault, not "
                            "one record; the traceback in report.json shows where.")
+    return _result(VerdictKind.EXCEPTION, headline, f, suggestions, reading)
+
+
+def _size_words(f: VerdictFacts) -> str:
+    """'sample doc-7 (100,000 tokens, 6250x the step's median of 16)' for the largest outlier (+ how many more)."""
+    top = f.size_outliers[0]
+    ratio = f" ({top['tokens']:,} tokens, {top['tokens'] / f.median_size:,.0f}x the step's median of " \
+            f"{f.median_size:,.0f})" if f.median_size else f" ({top['tokens']:,} tokens)"
+    more = f" and {len(f.size_outliers) - 1} more sample(s) that size" if len(f.size_outliers) > 1 else ""
+    return f"Sample {_id(top['sample_id'])}{ratio}{more}"
+
+
+def _oversized(f: VerdictFacts, phase: str, where: str) -> dict:
+    """Out of memory with a sample far larger than the others: that sample, by its size."""
+    top = f.size_outliers[0]
+    headline = f"{_size_words(f)} makes {_where_step(f)} run out of memory{phase}{where}."
+    reading = (f"Micro-batch {top['micro_batch'] + 1} is padded to its longest sample, so every sample in it "
+               "costs that much memory (attention grows with the square of the length): bisection cannot tell "
+               "them apart, the size does.")
+    ids = ", ".join(_id(o["sample_id"]) for o in f.size_outliers[:MAX_NAMED_SAMPLES])
+    them = "them" if len(f.size_outliers) > 1 else "it"
+    suggestions = [f"Filter or truncate {ids} (blocklist.jsonl lists {them}) and resume from the last checkpoint.",
+                   "Cap the sequence length (truncate in the collate function or the tokenizer's max_length), or "
+                   "batch by length so one long sample cannot set the size of a whole micro-batch."]
     return _result(VerdictKind.EXCEPTION, headline, f, suggestions, reading)
 
 

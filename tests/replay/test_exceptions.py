@@ -185,3 +185,43 @@ def test_ranks_of_an_fsdp2_job_that_raise_mid_forward_write_a_complete_sharded_d
     assert result.exit_code == 0, (result.stdout, result.stderr, result.exception)
     report = json.loads((out / "report.json").read_text())
     assert [s["sample_id"] for s in report["culprit"]["samples"]] == ["r1-s2-m1-3"]
+
+
+MEMORY_CAP = 6 * 10**9  # bytes of address space for the job and the replay: a "device" of a few GB
+
+
+def _capped(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    import resource
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_CAP, MEMORY_CAP))
+
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=300, preexec_fn=cap,
+                          env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS caps the address space on Linux")
+def test_out_of_memory_from_one_long_sample_names_it_by_its_size(tmp_path):
+    """One 100,000-token sample in a dynamically padded micro-batch: the step runs out of memory (the CPU
+    allocator, capped like a small device). Every sample of that micro-batch fails with it, so bisection cannot
+    tell them apart; replay names the long sample by its size, with the exception and the place."""
+    job = _capped([sys.executable, str(REPO / "tests" / "replay" / "oom_job.py"), str(tmp_path / "dumps")], tmp_path)
+    assert job.returncode != 0 and "can't allocate memory" in job.stderr, job.stderr[-2000:]
+    dump = open_dump(tmp_path / "dumps" / "oom" / "step-000000002")
+    recorded = dump.manifest["exception"]
+    assert recorded["during"] == "forward" and "memory" in recorded  # the memory picture, taken before freeing
+    assert recorded["memory"]["micro_batches"][1]["shapes"]["input_ids"] == [4, 100_000]
+    assert recorded["memory"]["host"]["rss"] > 0
+
+    out = tmp_path / "report"
+    replayed = _capped([sys.executable, "-c", "from forensics.cli import main; main()", "replay", str(dump.path),
+                        "--device", "cpu", "--no-rng-check", "--trust", "-o", str(out)], tmp_path)
+    assert replayed.returncode == 0, replayed.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["verdict"]["kind"] == "exception" and report["reproduced"] is True
+    assert [s["sample_id"] for s in report["culprit"]["samples"]] == ["doc-2-1-1"]
+    sizes = report["exception"]["sizes"]
+    assert sizes["measure"] == "attention_mask" and sizes["outliers"][0]["tokens"] == 100_000
+    assert report["verdict"]["headline"].startswith("Sample 'doc-2-1-1' (100,000 tokens,")
+    assert "run out of memory in the forward pass" in report["verdict"]["headline"]
+    assert (out / "blocklist.jsonl").read_text().split() == ['"doc-2-1-1"']
