@@ -7,7 +7,7 @@ import os
 import stat
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import zstandard
 
@@ -61,15 +61,29 @@ def read_manifest(directory: Path) -> dict:
     return manifest
 
 
-def verify_chunks(path: Path, size: int, chunk_size: int, digests: list[str], workers: int | None = None) -> bool:
-    """True when every `chunk_size` chunk of the file hashes to its digest; chunks are read with pread and
-    hashed on `workers` threads (default: the cores, at most 32)."""
-    from concurrent.futures import ThreadPoolExecutor
+class ChunkVerifier:
+    """Checks a file's chunks against their sha256s (manifest `chunks`) on a pool of threads, in the background
+    and in file order, so a reader can overlap verification with reading: `wait(begin, end)` returns once every
+    chunk holding a byte of that range matched, and raises DumpCorruptError for one that did not. No byte is
+    handed on before the chunk holding it is verified; the file is hashed at multi-core speed while it is read.
+    """
 
-    def check(index: int) -> bool:
+    def __init__(self, path: Path, name: str, size: int, chunk_size: int, digests: list[str],
+                 workers: int | None = None):
+        from concurrent.futures import ThreadPoolExecutor
+
+        if chunk_size <= 0 or len(digests) != max(1, -(-size // chunk_size)):
+            raise DumpCorruptError(f"{path}: the manifest's chunk digests do not cover the file", name)
+        self.path, self.name, self.size, self.chunk_size, self.digests = path, name, size, chunk_size, digests
+        self._pool = ThreadPoolExecutor(max_workers=workers or min(32, os.cpu_count() or 1),
+                                        thread_name_prefix="forensics-verify")
+        self._chunks = [self._pool.submit(self._check, index) for index in range(len(digests))]
+        self._pool.shutdown(wait=False)
+
+    def _check(self, index: int) -> bool:
         digest = hashlib.sha256()
-        start, end = index * chunk_size, min(size, (index + 1) * chunk_size)
-        with open(path, "rb", buffering=0) as handle:
+        start, end = index * self.chunk_size, min(self.size, (index + 1) * self.chunk_size)
+        with open(self.path, "rb", buffering=0) as handle:
             offset = start
             while offset < end:
                 data = os.pread(handle.fileno(), min(HASH_CHUNK, end - offset), offset)
@@ -77,11 +91,26 @@ def verify_chunks(path: Path, size: int, chunk_size: int, digests: list[str], wo
                     return False
                 digest.update(data)
                 offset += len(data)
-        return digest.hexdigest() == digests[index]
+        return digest.hexdigest() == self.digests[index]
 
-    workers = workers or min(32, os.cpu_count() or 1)
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="forensics-verify") as pool:
-        return all(pool.map(check, range(len(digests))))
+    def wait(self, begin: int, end: int) -> None:
+        first, last = begin // self.chunk_size, max(begin, end - 1) // self.chunk_size
+        for index in range(first, min(last, len(self._chunks) - 1) + 1):
+            if not self._chunks[index].result():
+                self.close()
+                raise DumpCorruptError(f"{self.path} does not match its sha256 in the manifest (chunk {index}): the "
+                                       "file was changed or corrupted", self.name)
+
+    def wait_all(self) -> None:
+        self.wait(0, self.size)
+
+    @property
+    def done(self) -> bool:
+        return all(chunk.done() and not chunk.cancelled() and chunk.result() for chunk in self._chunks)
+
+    def close(self) -> None:
+        for chunk in self._chunks:
+            chunk.cancel()
 
 
 def _cut(text: object, limit: int = 200) -> str:
@@ -121,6 +150,7 @@ class Dump:
         self._verified: set[str] = set()
         self._handles: dict[str, Any] = {}
         self._optimizer_indexes: dict[spec.StateFiles, dict] = {}
+        self._verifiers: dict[str, ChunkVerifier] = {}
         self.shard_dirs: list[Path] = []
         """Sharded layout: more directories (step, run or dump_dir of other nodes) holding this dump's ranks."""
 
@@ -166,7 +196,8 @@ class Dump:
             return path
         entry = self.manifest["files"][name]
         if entry.get("chunks"):
-            ok = verify_chunks(path, size, int(entry["chunk_size"]), entry["chunks"])
+            self._chunk_verifier(name).wait_all()
+            ok = True
         else:
             digest, seen = hashlib.sha256(), 0
             with open(path, "rb") as handle:
@@ -179,6 +210,29 @@ class Dump:
                                    "or corrupted", name)
         self._verified.add(name)
         return path
+
+    def _chunk_verifier(self, name: str) -> ChunkVerifier:
+        """The background verification of a listed file with chunk digests (started on first use)."""
+        if name not in self._verifiers:
+            path, size, _ = self._listed(name)
+            entry = self.manifest["files"][name]
+            self._verifiers[name] = ChunkVerifier(path, name, size, int(entry["chunk_size"]), entry["chunks"])
+        return self._verifiers[name]
+
+    def _range_check(self, name: str) -> Callable[[int, int], None] | None:
+        """For reading a listed file while it is verified: a function that returns once a byte range is verified
+        (None: the file is verified already, now, in full, as a file without chunk digests is)."""
+        if name in self._verified or not self.manifest["files"].get(name, {}).get("chunks"):
+            self.verify_file(name)
+            return None
+        verifier = self._chunk_verifier(name)
+
+        def check(begin: int, end: int) -> None:
+            verifier.wait(begin, end)
+            if verifier.done:
+                self._verified.add(name)
+
+        return check
 
     def read_file(self, name: str, limit: int = MAX_JSON_FILE) -> bytes:
         """The bytes of a listed file of at most `limit` bytes, after checking its size and sha256."""
@@ -280,9 +334,9 @@ class Dump:
         if self._sharded_state(files):
             yield from self.shards.iter_tensors(files.model, str(device))
             return
-        from forensics.format.tensors import iter_safetensors_file
-
-        yield from iter_safetensors_file(self.verify_file(files.model), files.model, device)
+        handle = self.tensor_file(files.model)  # verified chunk by chunk while it is read
+        for key in handle.keys_in_file_order():
+            yield key, handle.read(key, device)
 
     def optimizer_meta(self, files: spec.StateFiles = spec.PRE_STEP_STATE) -> dict | None:
         """Class, param groups and the non-tensor state of the optimizer (`optimizer.json`; no tensor is read),
@@ -343,11 +397,13 @@ class Dump:
         return {k: handle.read(key, device) for k, (key, _) in entries.items()}
 
     def tensor_file(self, name: str) -> Any:
-        """A forensics.format.tensors.SafetensorsFile on a listed file, verified first; kept open for later reads."""
+        """A forensics.format.tensors.SafetensorsFile on a listed file, kept open for later reads. A large file is
+        verified while it is read: its header and each tensor only once the chunks holding them matched."""
         from forensics.format.tensors import SafetensorsFile
 
         if name not in self._handles:
-            self._handles[name] = SafetensorsFile(self.verify_file(name), name)
+            check = self._range_check(name)
+            self._handles[name] = SafetensorsFile(self._listed(name)[0], name, check)
         return self._handles[name]
 
     def optimizer_state(self, files: spec.StateFiles = spec.PRE_STEP_STATE) -> dict | None:

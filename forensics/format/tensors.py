@@ -7,7 +7,7 @@ import io
 import json
 import os
 import struct
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 import torch
 
@@ -191,16 +191,18 @@ _DTYPES_BY_CODE = {code: dtype for dtype, code in _DTYPE_NAMES.items()}
 
 
 class SafetensorsFile:
-    """A safetensors file (already checksummed) read tensor by tensor with `pread`, never memory-mapped: on the
-    CPU each tensor is read straight into its own memory, for a device through one pinned (CUDA) staging
-    buffer of that tensor's size, so the host holds at most one tensor beyond what the caller keeps.
+    """A safetensors file read tensor by tensor with `pread`, never memory-mapped: on the CPU each tensor is read
+    straight into its own memory, for a device through one pinned (CUDA) staging buffer of that tensor's size,
+    so the host holds at most one tensor beyond what the caller keeps.
 
     The header is checked before anything is allocated: its size, every entry's dtype, shape and byte range
-    (inside the file, matching numel x item size, no two overlapping).
+    (inside the file, matching numel x item size, no two overlapping). The file is checksummed already, or
+    `verified(begin, end)` returns once that byte range is (forensics.format.reader.ChunkVerifier): it is
+    called before the header is parsed and before each tensor read is handed on.
     """
 
-    def __init__(self, path, name: str):
-        self.path, self.name, self._fd = str(path), name, None
+    def __init__(self, path, name: str, verified: "Callable[[int, int], None] | None" = None):
+        self.path, self.name, self._fd, self._range_verified = str(path), name, None, verified
         check_file_header(path, name)
         self._fd = os.open(self.path, os.O_RDONLY)
         try:
@@ -213,6 +215,8 @@ class SafetensorsFile:
         from forensics.format.jsonio import parse_json
 
         (length,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
+        if self._range_verified is not None:
+            self._range_verified(0, 8 + length)
         try:
             header = parse_json(os.pread(self._fd, length, 8))
         except ValueError as exc:
@@ -247,6 +251,11 @@ class SafetensorsFile:
     def keys(self) -> list[str]:
         return sorted(self._entries)  # safetensors' own order: sorted by name
 
+    def keys_in_file_order(self) -> list[str]:
+        """The keys by where their bytes lie: a reader going through the file front to back (behind its
+        verification)."""
+        return sorted(self._entries, key=lambda key: self._entries[key][2])
+
     def shape(self, key: str) -> list[int]:
         return list(self._entry(key)[1])
 
@@ -266,6 +275,8 @@ class SafetensorsFile:
             if got <= 0:
                 raise DumpCorruptError(f"{self.name} ended while reading {key[:120]!r}", self.name)
             done += got
+        if self._range_verified is not None:
+            self._range_verified(offset, offset + nbytes)
         tensor = raw.view(dtype).reshape(shape)
         return tensor.to(device) if device.type != "cpu" else tensor
 

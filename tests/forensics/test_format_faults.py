@@ -351,11 +351,13 @@ def test_a_large_file_is_verified_chunk_by_chunk_and_a_flipped_byte_is_found(tmp
     from forensics.format.spec import CHUNK_BYTES
 
     content, _ = helpers.synthetic_content()
-    content.model["big"] = torch.zeros(CHUNK_BYTES // 4 * 2 + 1000)  # just over two chunks
-    path = write_dump(content, tmp_path)
+    content.model["big"] = torch.randn(CHUNK_BYTES // 4 * 2 + 1000, generator=torch.Generator().manual_seed(0))
+    path = write_dump(content, tmp_path)  # just over two chunks
     entry = open_dump(path).manifest["files"]["model.safetensors"]
     assert entry["chunk_size"] == CHUNK_BYTES and len(entry["chunks"]) == 3
     assert verify_dump(path).ok
+    streamed = dict(open_dump(path).iter_model_tensors())  # verified while it is read
+    assert torch.equal(streamed["big"], content.model["big"])
     model = path / "model.safetensors"
     with open(model, "r+b") as handle:  # a flip in the middle chunk
         handle.seek(CHUNK_BYTES + 12345)
@@ -364,3 +366,5 @@ def test_a_large_file_is_verified_chunk_by_chunk_and_a_flipped_byte_is_found(tmp
         handle.write(bytes([byte[0] ^ 1]))
     result = verify_dump(path)
     assert not result.ok and "model.safetensors" in str(result.problems[0])
+    with pytest.raises(DumpCorruptError, match=r"model.safetensors does not match its sha256 .*chunk 1"):
+        dict(open_dump(path).iter_model_tensors())  # the tensor read across the bad chunk is never handed on
