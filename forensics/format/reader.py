@@ -365,10 +365,9 @@ class Dump:
             return {}
         if self._sharded_state(files):
             shapes = {key: row["shape"] for key, row in self.manifest["layout"]["tensors"].get(name, {}).items()}
-        else:
-            from forensics.format.tensors import safetensors_shapes
-
-            shapes = safetensors_shapes(self.verify_file(name), name)
+        else:  # the header only: the rest of the file is verified in the background, read when a parameter is
+            handle = self.tensor_file(name)
+            shapes = {key: handle.shape(key) for key in handle.keys()}
         index: dict[str, dict[str, tuple[str, list[int]]]] = {}
         for key, shape in shapes.items():
             parts = key.split("/", 1)

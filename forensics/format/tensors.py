@@ -295,12 +295,6 @@ class SafetensorsFile:
         self.close()
 
 
-def safetensors_shapes(path, name: str) -> dict[str, list[int]]:
-    """{key: shape} of a safetensors file (already checksummed), from its header alone."""
-    with SafetensorsFile(path, name) as handle:
-        return {key: handle.shape(key) for key in handle.keys()}
-
-
 def check_file_header(path, name: str) -> None:
     with open(path, "rb") as handle:
         head = handle.read(8)
