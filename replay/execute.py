@@ -187,7 +187,7 @@ class StepRunner:
         crowded = _copy_would_crowd_gpu(state_bytes, session.device)
         self._reload = session.pre_step_weights if session.pre_step_weights is not None and (
             crowded or state_bytes > RELOAD_MIN_BYTES) else None
-        """Large model replayed from a dump: every reset re-reads the pre-step weights from the dump's memory map
+        """Large model replayed from a dump: every reset re-reads the pre-step weights from the dump (pread)
         (page cache, disk speed) instead of keeping a second copy of the model in memory."""
         self._initial = None
         if self._reload is None:

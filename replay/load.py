@@ -65,7 +65,7 @@ class ReplaySession:
     """Same kind of machine and torch as the capture: replayed numbers should match bit for bit."""
     capture_environment: dict = field(default_factory=dict)
     pre_step_weights: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None = None
-    """Re-reads the pre-step weights from the dump (memory-mapped, tensor by tensor, onto `device`): a large
+    """Re-reads the pre-step weights from the dump (pread, tensor by tensor, onto `device`): a large
     model is reset from the dump instead of from a copy held in memory (replay.execute.StepRunner)."""
     followup: Any = None
     """Window replay: the recorded steps after this one (replay.window.Followup), over which the remedies are

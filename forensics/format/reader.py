@@ -328,8 +328,8 @@ class Dump:
 
     def iter_model_tensors(self, device: str | "torch.device" = "cpu", files: spec.StateFiles = spec.PRE_STEP_STATE
                            ) -> Iterator[tuple[str, "torch.Tensor"]]:
-        """The pre-step weights one tensor at a time, read from the memory-mapped file straight onto `device`
-        (after the file is verified): the host never holds the whole state. A sharded dump assembles each
+        """The pre-step weights one tensor at a time, read with pread straight onto `device` in file order, each
+        handed on once the chunks holding it are verified: the host never holds the whole state. A sharded dump assembles each
         tensor from the rank dumps that hold its parts."""
         if self._sharded_state(files):
             yield from self.shards.iter_tensors(files.model, str(device))
@@ -385,7 +385,7 @@ class Dump:
 
     def optimizer_tensors(self, name: str, device: str | "torch.device" = "cpu",
                           files: spec.StateFiles = spec.PRE_STEP_STATE) -> dict[str, "torch.Tensor"]:
-        """The tensor state of ONE parameter (`{"exp_avg": ..., ...}`), read from the memory-mapped file (or
+        """The tensor state of ONE parameter (`{"exp_avg": ..., ...}`), read with pread (or
         assembled from a sharded dump's ranks) onto `device`: replay holds one parameter's state at a time."""
         entries = self._optimizer_index(files).get(name, {})
         if not entries:

@@ -9,7 +9,7 @@ any one rank dump says what the whole state is and which parts are missing.
 Reader side: `ShardIndex` joins the `layout` sections of a step's rank dumps (the step-level index) and
 checks, before anything is allocated, that the boxes of each tensor tile it exactly (in bounds, no
 overlap, nothing missing; identical boxes written by two ranks are replicas). `ShardedState` then reads a
-tensor's boxes from the memory-mapped files of their ranks into one tensor on the replay device.
+tensor's boxes read with pread from the files of their ranks into one tensor on the replay device.
 See docs/DUMP_FORMAT.md, "Sharded layout".
 """
 
