@@ -508,12 +508,16 @@ class Guard:
                               and self.config.background_write)
 
     def _dump(self, incident: Incident, background: bool) -> tuple[Path | None, str | None]:
+        unusable = "the CUDA context is unusable after a CUDA error" if (incident.exception or {}).get("cuda_error") \
+            else None
         try:
-            content = self._content(incident, background)
+            content = self._host_content(incident, unusable) if unusable else self._content(incident, background)
         except Exception as exc:  # noqa: BLE001
-            message = f"no dump written: collecting the state failed ({type(exc).__name__}: {exc})"
-            self._failed(message)
-            return None, message
+            why = f"collecting the state failed ({type(exc).__name__}: {str(exc)[:300]})"
+            content = self._host_content(incident, why) if incident.exception is not None else None
+            if content is None:
+                self._failed(f"no dump written: {why}")
+                return None, f"no dump written: {why}"
         if background:
             path = self._writer.submit(content, self.config.dump_dir, self._written, self._failed)
             return path, None
@@ -562,6 +566,33 @@ class Guard:
         content.ready = copy.wait  # the writer waits for the device copies before touching them
         return content
 
+    def _host_content(self, incident: Incident, why: str) -> DumpContent | None:
+        """A step that raised and left the state unreadable (a CUDA error kills the context): what the host still
+        holds — sample IDs, host-side batch tensors, RNG, history, the flight recorder, the optimizer's class and
+        hyper-parameters and the last host snapshot — with `state_missing` saying why the rest is absent. None
+        when even that fails."""
+        try:
+            manifest = self._manifest(incident)
+            manifest["state_missing"] = why
+            earlier = self.window.steps_before(incident.step)
+            held, release = self.snapshots.lend_oldest(earlier[0]) if earlier else (None, None)
+            if held is not None:
+                manifest["snapshot"] = {"step": held["step"]}
+            try:
+                scheduler = incident.scheduler or snapshot.scheduler_state(self.scheduler)
+            except Exception:  # noqa: BLE001 - a scheduler state on the device
+                scheduler = None
+            log.error("forensics: step %d: %s; writing what the host holds (no pre-step state%s)", incident.step, why,
+                      f"; the host snapshot of step {held['step']}" if held else "")
+            return DumpContent(
+                manifest=manifest, model={}, optimizer=snapshot.optimizer_hyper(self.optimizer, self.model),
+                rng=list(incident.record.rng), micro_batches=[snapshot.host_only(b) for b in incident.record.batches],
+                history=self.history.to_dict(), scheduler=scheduler, snapshot=held, done=release,
+                extra_files=self.window.files(incident.step))
+        except Exception:  # noqa: BLE001 - the job is failing already
+            log.exception("forensics: even the host-side dump of step %d failed", incident.step)
+            return None
+
     def _copy_tree(self, node: Any, copy: snapshot.HostCopy) -> Any:
         if isinstance(node, torch.Tensor):
             return copy(node)
@@ -591,7 +622,7 @@ class Guard:
                      "step_loss": incident.step_loss},
             "precision": {"param_dtype": str(param.dtype).removeprefix("torch.") if param is not None else None,
                           "autocast": record.autocast or {"enabled": False, "device_type": None, "dtype": None},
-                          "grad_scaler": snapshot.scaler_state(self.scaler)},
+                          "grad_scaler": self._scaler_state()},
             "determinism": environment.determinism_flags(),
             "environment": environment.environment(),
             "recipe": self.replay_recipe(),
@@ -610,6 +641,12 @@ class Guard:
         if incident.exception is not None:
             manifest["exception"] = incident.exception
         return manifest
+
+    def _scaler_state(self) -> dict | None:
+        try:
+            return snapshot.scaler_state(self.scaler)
+        except Exception:  # noqa: BLE001 - its scale lives on a device that may be unusable (a CUDA error)
+            return None
 
     def _recheck(self, incident: Incident) -> dict:
         """Megatron-style in-job re-check: recompute the failing micro-batch's loss with its RNG."""

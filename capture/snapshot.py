@@ -57,21 +57,50 @@ def model_state(model: torch.nn.Module, copy: HostCopy) -> dict[str, torch.Tenso
 
 def optimizer_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module, copy: HostCopy) -> dict:
     """Optimizer hyper-parameters and state keyed by parameter name (docs/DUMP_FORMAT.md)."""
-    names = parameter_names(model)
-    groups, state = [], {}
+    names, state = parameter_names(model), {}
     for group_index, group in enumerate(optimizer.param_groups):
-        group_names = []
         for param_index, param in enumerate(group["params"]):
-            name = names.get(id(param), f"<unnamed group {group_index} param {param_index}>")
-            group_names.append(name)
             entries = optimizer.state.get(param)
             if entries:
+                name = names.get(id(param), f"<unnamed group {group_index} param {param_index}>")
                 state[name] = {k: copy(v) if isinstance(v, torch.Tensor) else to_jsonable(v)
                                for k, v in entries.items()}
-        hyper = {k: plain(v) for k, v in group.items() if k != "params"}
-        groups.append({**hyper, "params": group_names})
+    return {**optimizer_hyper(optimizer, model), "state": state}
+
+
+def optimizer_hyper(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> dict:
+    """The optimizer's class and param groups (hyper-parameters, parameter names) with no state: host values only,
+    readable when the device is not."""
+    names = parameter_names(model)
+    groups = []
+    for group_index, group in enumerate(optimizer.param_groups):
+        params = [names.get(id(p), f"<unnamed group {group_index} param {i}>") for i, p in enumerate(group["params"])]
+        hyper = {k: plain(v) for k, v in group.items() if k != "params" and not _on_device(v)}
+        groups.append({**hyper, "params": params})
     cls = type(optimizer)
-    return {"class": f"{cls.__module__}.{cls.__qualname__}", "param_groups": groups, "state": state}
+    return {"class": f"{cls.__module__}.{cls.__qualname__}", "param_groups": groups, "state": {}}
+
+
+def _on_device(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.device.type != "cpu"
+
+
+class DeviceOnly:
+    """A batch tensor that lived on an unusable device: stored as an unreplayable leaf naming its shape."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.shape, self.dtype, self.device = list(tensor.shape), str(tensor.dtype), str(tensor.device)
+
+
+def host_only(node: Any) -> Any:
+    """A micro-batch with its device tensors replaced by DeviceOnly (nothing is read from the device)."""
+    if isinstance(node, torch.Tensor):
+        return node.detach() if node.device.type == "cpu" else DeviceOnly(node)
+    if isinstance(node, dict):
+        return {k: host_only(v) for k, v in node.items()}
+    if isinstance(node, (list, tuple)) and not hasattr(node, "_fields"):
+        return type(node)(host_only(v) for v in node)
+    return node
 
 
 def plain(value: Any) -> Any:

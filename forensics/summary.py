@@ -28,6 +28,7 @@ def dump_summary(dump: Dump, missing_ranks: list[int], path: str | None = None) 
         "format_version": m["format_version"], "created_at": m["created_at"],
         "state": _state_summary(m),
         "window": m.get("window"), "data_recipe": m.get("data_recipe"), "snapshot_step": dump.snapshot_step,
+        "state_missing": dump.state_missing,
     }
 
 
@@ -97,6 +98,9 @@ def render_summary(summary: dict) -> str:
         data = (summary.get("data_recipe") or {}).get("dataset")
         lines.append(f"  flight recorder: steps {window.get('first_step')}..{window.get('last_step')} "
                      f"({window.get('steps')} steps); data recipe: {data or 'none (window replay needs one)'}")
+    if summary.get("state_missing"):
+        lines.append(f"  pre-step state: MISSING ({summary['state_missing']}); replay re-executes up to the step from "
+                     "the host snapshot or --from CHECKPOINT")
     if summary.get("snapshot_step") is not None:
         lines.append(f"  host snapshot: the state before step {summary['snapshot_step']} (window replay starts there "
                      "with --trust)")

@@ -158,10 +158,11 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
         _stage(progress, f"loading model and step {dump.step} (rank {dump.rank}) on "
                          f"{options.device or 'the default device'}")
         try:
-            session = load_session(dump, device=options.device, trust=options.trust, factory=options.factory,
-                                   loss=options.loss, sys_path=options.sys_path)
             checkpoint, hint = (load_checkpoint(options.from_checkpoint), None) if options.from_checkpoint \
-                else dump_snapshot(dump, options.window, options.trust)
+                else dump_snapshot(dump, options.window or bool(dump.state_missing), options.trust)
+            session = load_session(dump, device=options.device, trust=options.trust, factory=options.factory,
+                                   loss=options.loss, sys_path=options.sys_path,
+                                   weights=not (dump.state_missing and checkpoint is not None))
             if checkpoint is not None:
                 return _window_replay(dump, session, checkpoint, options, progress, dump_info, started)
             report = run_session(session, options, progress, dump_info=dump_info, history=dump.history(),
@@ -187,7 +188,8 @@ def _window_replay(dump: Any, session: ReplaySession, checkpoint: Checkpoint, op
     if not 0 <= start <= dump.step:
         raise DumpError(f"--from-step {start} is not before the dumped step {dump.step}")
     data = data_recipe(dump.manifest.get("data_recipe"), options.trust, options.sys_path)
-    outcomes, broken = replay_window(session, dump, checkpoint, start, data, lambda m: _stage(progress, m))
+    outcomes, broken = replay_window(session, dump, checkpoint, start, data, lambda m: _stage(progress, m),
+                                     through_dumped=bool(dump.state_missing))
     block = to_json_safe(window_block(outcomes, start, dump.step, checkpoint))
     if broken is None:
         _stage(progress, f"no step from {start} to {dump.step - 1} broke the weights: analysing the dumped step")
@@ -196,12 +198,14 @@ def _window_replay(dump: Any, session: ReplaySession, checkpoint: Checkpoint, op
         report = run_session(fresh, options, progress, dump_info=dump_info, history=dump.history(), started=started)
     else:
         step = outcomes[-1].step
-        _stage(progress, f"step {step} broke the run ({outcomes[-1].broke}): analysing it")
+        _stage(progress, f"step {step} broke the run ({outcomes[-1].broke}): analysing it" if outcomes[-1].broke
+               else f"re-executed up to the dumped step {step}: analysing it")
         report = run_session(broken, options, progress, dump_info={**dump_info, "step": step},
                              history=dump.history(), started=started)
-        report["verdict"]["headline"] = (f"The weights broke at step {step} ({dump.step - step} steps before the "
-                                         f"crash at step {dump.step}): {outcomes[-1].broke}. "
-                                         + report["verdict"]["headline"])
+        if step < dump.step:
+            report["verdict"]["headline"] = (f"The weights broke at step {step} ({dump.step - step} steps before the "
+                                             f"crash at step {dump.step}): {outcomes[-1].broke}. "
+                                             + report["verdict"]["headline"])
     report["window"] = block
     return report
 

@@ -134,12 +134,16 @@ def raised_info(exc: BaseException, micro_batch: int, phase: str) -> dict:
 def same_exception(raised: dict, recorded: dict | None) -> bool:
     """The replayed exception is the recorded one: same type, raised in the same function of the same file
     (by base name: the job ran on another machine). Running out of memory is the same failure wherever it
-    happens: the allocation that fails depends on what the allocator still holds."""
+    happens: the allocation that fails depends on what the allocator still holds. A CUDA error (device-side
+    assert) is the same failure as any exception in the same phase: replayed on the CPU, the bad index raises
+    the CPU's own error, and CUDA reports its asserts late, at a later op."""
     if not recorded:
         return False
     if is_out_of_memory(recorded.get("type"), recorded.get("message")) \
             and is_out_of_memory(raised.get("type"), raised.get("message")):
         return True
+    if recorded.get("cuda_error") and raised.get("phase", recorded.get("during")) == recorded.get("during"):
+        return True  # a device-side assert replayed elsewhere raises that device's own error (CPU: IndexError)
     frames = recorded.get("frames") or []
     last = frames[-1] if frames and isinstance(frames[-1], dict) else {}
     same_place = not last or (raised.get("function") == last.get("function")

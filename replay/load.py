@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from forensics.errors import DumpCorruptError, RecipeError
+from forensics.errors import DumpCorruptError, DumpError, RecipeError
 from replay.environment import dtype_from_name, environment_warnings, resolve_device, to_device
 from replay.optimizer_state import DumpOptimizerState, OptimizerSnapshot
 from replay.recipe import LossFn, optimizer_class, resolve_recipe
@@ -126,13 +126,15 @@ def _check_no_unreplayable(batch: Any, index: int, warnings: list[str]) -> Any:
 
 def load_session(dump: Any, *, device: str | torch.device | None = None, trust: bool = False,
                  factory: str | None = None, loss: str | None = None,
-                 sys_path: tuple[str, ...] | list[str] = ()) -> ReplaySession:
+                 sys_path: tuple[str, ...] | list[str] = (), weights: bool = True) -> ReplaySession:
     """Rebuilds model, optimizer, loss and micro-batches of a dump's failing step.
 
     Args:
         dump: a forensics.format.Dump (open_dump(path, rank=...)).
         device: "cuda:0", "cpu" or None (CUDA when present).
         trust / factory / loss / sys_path: consent for imports (see resolve_recipe).
+        weights: False for a window replay of a dump without pre-step state (`state_missing`): the model is built
+            with its own init and no state or batch is read (the checkpoint and the data recipe supply them).
     Returns:
         ReplaySession holding the pre-step state on `device`; `warnings` lists environment
         differences and anything left out.
@@ -145,15 +147,24 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
     """
     device = resolve_device(device)
     manifest = dump.manifest
+    if dump.state_missing and weights:
+        raise DumpError(f"the dump holds no pre-step state ({dump.state_missing}). It names the step's samples "
+                        "(`forensics inspect`); to replay the step, re-execute up to it from an earlier state: the "
+                        "Guard's host snapshot in the dump (GuardConfig.snapshot_every, with a data recipe; pass "
+                        "--trust) or --from CHECKPOINT --trust")
     recipe = resolve_recipe(dump.recipe, trust=trust, factory=factory, loss=loss, sys_path=sys_path)
     precision = dump.precision or {}
     env_warnings = environment_warnings(manifest.get("environment"), device)
     warnings = list(env_warnings)
-    try:
-        model = stream_weights(build_model(recipe), dump.iter_model_tensors(device), device, warnings)
-    except MetaBuffersError:  # a buffer computed from a parameter at init, and not in the dump
-        logger.info("a buffer of the model was derived from meta parameters; building the model normally")
-        model = stream_weights(build_model(recipe, on_meta=False), dump.iter_model_tensors(device), device, warnings)
+    if not weights:
+        model = build_model(recipe, on_meta=False).to(device)
+    else:
+        try:
+            model = stream_weights(build_model(recipe), dump.iter_model_tensors(device), device, warnings)
+        except MetaBuffersError:  # a buffer computed from a parameter at init, and not in the dump
+            logger.info("a buffer of the model was derived from meta parameters; building the model normally")
+            model = stream_weights(build_model(recipe, on_meta=False), dump.iter_model_tensors(device), device,
+                                   warnings)
     param_dtype = _param_dtype(precision.get("param_dtype"), model)
 
     snapshot = None
@@ -170,8 +181,9 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
 
     batches, ids, rngs, losses = [], [], [], []
     for i in range(dump.num_micro_batches):
-        batches.append(to_device(_check_no_unreplayable(dump.micro_batch(i), i, warnings), device))
-        ids.append(dump.sample_ids(i) or _positional_ids(batches[-1], dump.step, i))
+        if weights:  # else: rebuilt from the data recipe by the window replay
+            batches.append(to_device(_check_no_unreplayable(dump.micro_batch(i), i, warnings), device))
+        ids.append(dump.sample_ids(i) or (_positional_ids(batches[-1], dump.step, i) if weights else []))
         rngs.append(dump.rng_state(i))
         meta = dump.micro_batches_meta[i]
         losses.append(meta.get("loss"))

@@ -20,6 +20,7 @@ import copy
 import json
 import logging
 import math
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -171,18 +172,25 @@ class StepOutcome:
     relative_change: float | None
     broke: str | None = None
     """Why this step broke the run (None: it did not)."""
+    raised: dict | None = None
+    """The step raised: the exception, in the manifest's `exception` form."""
 
     def as_dict(self) -> dict:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if k != "raised"}
 
 
 def replay_window(session: ReplaySession, dump: Any, checkpoint: Checkpoint, start: int, data: DataRecipe,
-                  progress: Callable[[str], None]) -> tuple[list[StepOutcome], ReplaySession | None]:
-    """Re-executes steps start .. dump.step - 1 from the checkpoint. Returns each step's outcome and, for the
-    step that broke the run (the last outcome, with `broke` set), a ReplaySession of that step from its
-    pre-step state (None when no step broke)."""
+                  progress: Callable[[str], None], through_dumped: bool = False
+                  ) -> tuple[list[StepOutcome], ReplaySession | None]:
+    """Re-executes steps start .. dump.step - 1 from the checkpoint (.. dump.step itself with `through_dumped`: a
+    dump without pre-step state, whose step is rebuilt from its sample IDs). Returns each step's outcome and, for
+    the step that broke the run (the last outcome, with `broke` set), a ReplaySession of that step from its
+    pre-step state; None when no step broke (with `through_dumped`: the dumped step's session, whatever it did)."""
     rows = {row["step"]: row for row in dump.window()}
     needed = list(range(start, dump.step))
+    if through_dumped:
+        rows[dump.step] = dumped_row(dump)
+        needed.append(dump.step)
     missing = [s for s in needed if s not in rows]
     if missing:
         held = f"steps {min(rows)}..{max(rows)}" if rows else "no steps"
@@ -203,14 +211,26 @@ def replay_window(session: ReplaySession, dump: Any, checkpoint: Checkpoint, sta
         set_lr(optimizer, row.get("lr"))
         outcome, grads_ok = run_step(model, optimizer, session, batches, row, max_norm)
         outcomes.append(outcome)
-        if outcome.broke:
+        if outcome.broke or step == dump.step:
             model.load_state_dict(pre_model)
             optimizer.load_state_dict(pre_optimizer)
-            broken = _step_session(session, model, optimizer, batches, row, outcome, outcomes, grads_ok)
+            broken = _step_session(session, model, optimizer, batches, row, outcome, outcomes, grads_ok,
+                                   dump.trigger if step == dump.step else None)
             broken.followup = Followup(row, data, max_norm, pre_model,
                                        _following(dump, rows, step, data, session.device))
             return outcomes, broken
     return outcomes, None
+
+
+def dumped_row(dump: Any) -> dict:
+    """The dumped step as a flight-recorder row: its sample IDs and RNG from the dump, its lr from the history."""
+    history = dump.history()
+    steps, rates = history.get("step") or [], history.get("lr") or []
+    lr = rates[-1] if steps and steps[-1] == dump.step and len(rates) == len(steps) else None
+    loss = dump.manifest.get("loss") or {}
+    return {"step": dump.step, "sample_ids": [dump.sample_ids(i) or None for i in range(dump.num_micro_batches)],
+            "rng": [dump.rng_state(i) for i in range(dump.num_micro_batches)], "lr": lr,
+            "divisor": loss.get("divisor"), "loss": loss.get("step_loss"), "grad_norm": loss.get("grad_norm")}
 
 
 FOLLOWING_STEPS = 3
@@ -238,14 +258,8 @@ def _following(dump: Any, rows: dict[int, dict], broke: int, data: DataRecipe, d
     out = []
     for step in range(broke + 1, min(broke + 1 + FOLLOWING_STEPS, dump.step)):
         out.append((rows[step], [to_device(data.batch(ids), device) for ids in _ids(rows[step], step)]))
-    if len(out) < FOLLOWING_STEPS and broke < dump.step:
-        history = dump.history()
-        steps, rates = history.get("step") or [], history.get("lr") or []
-        lr = rates[-1] if steps and steps[-1] == dump.step and len(rates) == len(steps) else None
-        loss = dump.manifest.get("loss") or {}
-        row = {"step": dump.step, "rng": [dump.rng_state(i) for i in range(dump.num_micro_batches)], "lr": lr,
-               "divisor": loss.get("divisor"), "loss": loss.get("step_loss"), "grad_norm": loss.get("grad_norm")}
-        out.append((row, [to_device(dump.micro_batch(i), device) for i in range(dump.num_micro_batches)]))
+    if len(out) < FOLLOWING_STEPS and broke < dump.step and not dump.state_missing:
+        out.append((dumped_row(dump), [to_device(dump.micro_batch(i), device) for i in range(dump.num_micro_batches)]))
     return out
 
 
@@ -265,13 +279,21 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, session: 
     optimizer.zero_grad(set_to_none=True)
     losses = []
     dtype = None if fp32 else session.autocast_dtype
-    for batch, rng in zip(batches, row["rng"]):
-        restore_rng(rng, session.source_cuda_device, session.device.index if session.device.type == "cuda" else None)
-        autocast = torch.autocast(session.device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
-        with autocast:
-            loss = session.loss_fn(model, batch)
-        losses.append(float(loss.detach()))
-        (loss / float(row.get("divisor") or len(batches))).backward()
+    try:
+        for batch, rng in zip(batches, row["rng"]):
+            restore_rng(rng, session.source_cuda_device,
+                        session.device.index if session.device.type == "cuda" else None)
+            autocast = torch.autocast(session.device.type, dtype=dtype) if dtype is not None \
+                else contextlib.nullcontext()
+            with autocast:
+                loss = session.loss_fn(model, batch)
+            losses.append(float(loss.detach()))
+            (loss / float(row.get("divisor") or len(batches))).backward()
+    except Exception as exc:  # noqa: BLE001 - a recorded step that raises is what broke the run (the user's code)
+        outcome = StepOutcome(row["step"], row.get("loss"), None, row.get("grad_norm"), None, None, None)
+        outcome.broke = f"it raises {type(exc).__name__} ({str(exc).splitlines()[0][:160] if str(exc) else ''})"
+        outcome.raised = _raised(exc)
+        return outcome, False
     step_loss = sum(losses) / float(row.get("divisor") or len(batches))
     norm = total_grad_norm(p.grad for p in model.parameters() if p.grad is not None)
     grad_norm = float(norm) if norm is not None else None
@@ -295,10 +317,26 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, session: 
     return outcome, True
 
 
+def _raised(exc: BaseException) -> dict:
+    """A step that raised during a window replay, in the manifest's `exception` form (what its replay compares)."""
+    frames = traceback.extract_tb(exc.__traceback__)[-40:]
+    return {"type": type(exc).__name__, "message": str(exc)[:4000], "during": "forward",
+            "frames": [{"file": f.filename, "line": f.lineno, "function": f.name} for f in frames]}
+
+
 def _step_session(session: ReplaySession, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list,
-                  row: dict, outcome: StepOutcome, outcomes: list[StepOutcome], grads_ok: bool) -> ReplaySession:
-    """A ReplaySession of the step that broke the run, from its pre-step state (model and optimizer as they were)."""
-    if not grads_ok:
+                  row: dict, outcome: StepOutcome, outcomes: list[StepOutcome], grads_ok: bool,
+                  dumped_trigger: dict | None = None) -> ReplaySession:
+    """A ReplaySession of the step that broke the run (or of the dumped step, with its own `dumped_trigger`), from
+    its pre-step state (model and optimizer as they were)."""
+    exception = None
+    if dumped_trigger is not None:
+        trigger = dict(dumped_trigger)
+        exception = session.exception
+    elif outcome.raised is not None:
+        trigger = {"kind": "exception", "value": None, "threshold": None, "micro_batch": None}
+        exception = outcome.raised
+    elif not grads_ok:
         trigger = {"kind": "nonfinite_loss" if not math.isfinite(outcome.replayed_loss or math.nan)
                    else "nonfinite_grad", "value": outcome.replayed_loss, "threshold": None, "micro_batch": None}
     elif not outcome.weights_finite:
@@ -308,7 +346,8 @@ def _step_session(session: ReplaySession, model: torch.nn.Module, optimizer: tor
         typical = earlier[len(earlier) // 2] if earlier else (outcome.replayed_grad_norm or 1.0) / 10
         trigger = {"kind": "grad_norm_spike", "value": outcome.replayed_grad_norm, "threshold": 3 * typical,
                    "micro_batch": None}
-    trigger["detail"] = f"window replay: step {outcome.step}: {outcome.broke}"
+    if outcome.broke:
+        trigger["detail"] = f"window replay: step {outcome.step}: {outcome.broke}"
     step_session = session_from_objects(model, batches, session.loss_fn, optimizer, device=session.device,
                                         sample_ids=[list(ids) for ids in row["sample_ids"]], rng_states=row["rng"],
                                         loss_divisor=float(row.get("divisor") or len(batches)),
@@ -317,6 +356,7 @@ def _step_session(session: ReplaySession, model: torch.nn.Module, optimizer: tor
                                         recorded_grad_norm=outcome.recorded_grad_norm)
     step_session.capture_environment = session.capture_environment
     step_session.warnings = list(session.warnings)
+    step_session.exception = exception
     return step_session
 
 

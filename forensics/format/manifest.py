@@ -91,6 +91,7 @@ def check_manifest(manifest: dict, where: str) -> None:
     _layout(c, manifest.get("layout"), manifest["format_version"])
     _window(c, manifest.get("window"), manifest.get("data_recipe"))
     _snapshot(c, manifest.get("snapshot"), manifest["step"])
+    c.kind(manifest.get("state_missing"), "state_missing", str)
     c.each(manifest.get("missing_ranks"), "missing_ranks",
            lambda r, f: c.int(r, f, 0, MAX_WORLD_SIZE), MAX_WORLD_SIZE)
     _files(c, manifest["files"])

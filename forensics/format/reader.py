@@ -314,6 +314,11 @@ class Dump:
 
     # -- loaders -----------------------------------------------------------------------------
     @property
+    def state_missing(self) -> str | None:
+        """Why this dump holds no pre-step state (a step that raised and left the device unusable), or None."""
+        return self.manifest.get("state_missing")
+
+    @property
     def snapshot_step(self) -> int | None:
         """The step of the Guard's host snapshot this dump holds (spec.SNAPSHOT_STATE), or None."""
         snapshot = self.manifest.get("snapshot")

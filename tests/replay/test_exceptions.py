@@ -225,3 +225,58 @@ def test_out_of_memory_from_one_long_sample_names_it_by_its_size(tmp_path):
     assert report["verdict"]["headline"].startswith("Sample 'doc-2-1-1' (100,000 tokens,")
     assert "run out of memory in the forward pass" in report["verdict"]["headline"]
     assert (out / "blocklist.jsonl").read_text().split() == ['"doc-2-1-1"']
+
+
+def test_a_cuda_error_leaves_what_the_host_holds_and_replays_from_the_host_snapshot(tmp_path):
+    """After a device-side assert the CUDA context is unusable: the Guard writes what the host still holds (sample
+    IDs, RNG, history, the flight recorder, the optimizer's hyper-parameters and its last host snapshot) and says
+    the pre-step state is missing. Replay re-executes the recorded steps from the snapshot through the dumped step,
+    rebuilding its micro-batches from their IDs, and names the sample and the bad token id.
+
+    No GPU here: the loop turns the CPU's IndexError into the RuntimeError a GPU raises for the same step ("CUDA
+    error: device-side assert triggered"), which is what makes the Guard treat the device as unusable."""
+    sys.path.insert(0, str(REPO / "tests" / "replay"))
+    try:
+        import token_job
+    finally:
+        sys.path.pop(0)
+    bad = (5 * 2 + 1) * 4 + 2  # step 5, micro-batch 1, row 2
+    model = tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = Guard(model, optimizer, config=GuardConfig(
+        dump_dir=str(tmp_path / "dumps"), run_id="cuda", snapshot_every=2, window_steps=8,
+        data_recipe={"dataset": "token_job:make_dataset", "dataset_kwargs": {"n": 96, "bad": bad}}))
+    loader = iter(torch.utils.data.DataLoader(token_job.make_dataset(96, bad), batch_size=4))
+    with pytest.raises(RuntimeError, match="device-side assert"):
+        for step in range(8):
+            with guard.capture_errors():
+                for _ in range(2):
+                    batch = next(loader)
+                    guard.record_batch(batch)
+                    try:
+                        loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+                    except IndexError as exc:  # what the same forward raises on a GPU
+                        raise RuntimeError("CUDA error: device-side assert triggered\nCUDA kernel errors might be "
+                                           "asynchronously reported at some other API call") from exc
+                    guard.record_loss(loss)
+                    (loss / 2).backward()
+                if guard.check():
+                    optimizer.step()
+                optimizer.zero_grad()
+    guard.close()
+    dump = open_dump(guard.dumps[0])
+    assert dump.step == 5 and "CUDA context is unusable" in dump.state_missing
+    assert dump.model_state() == {} and dump.snapshot_step == 2 and verify_dump(dump.path).ok
+    assert dump.sample_ids(1) == [bad - 2, bad - 1, bad, bad + 1]  # the step's samples, whatever else is lost
+    assert dump.manifest["exception"]["cuda_error"] is True
+
+    refused = replay(dump.path, "--path", REPO / "tests" / "replay")
+    assert refused.exit_code == 2 and "no pre-step state" in refused.output and "--trust" in refused.output
+    out = tmp_path / "report"
+    result = replay(dump.path, "--trust", "--path", REPO / "tests" / "replay", "-o", out)
+    assert result.exit_code == 0, (result.output, result.exception)
+    report = json.loads((out / "report.json").read_text())
+    assert report["window"]["from_step"] == 2 and [s["step"] for s in report["window"]["steps"]] == [2, 3, 4, 5]
+    assert report["verdict"]["kind"] == "exception" and report["reproduced"] is True
+    assert [s["sample_id"] for s in report["culprit"]["samples"]] == [bad]
+    assert report["exception"]["bad_values"][0]["value"] == 300
