@@ -190,7 +190,7 @@ def test_the_guards_own_host_snapshot_replaces_the_checkpoint(job, tmp_path):
 
     plain = CliRunner().invoke(main, ["replay", str(dump_path), "--device", "cpu", "--trust", "--path", str(HERE),
                                       "-o", str(tmp_path / "plain"), "--no-rng-check", "--no-window"])
-    assert "window" not in json.loads((tmp_path / "plain" / "report.json").read_text())
+    assert plain.exit_code == 0 and "window" not in json.loads((tmp_path / "plain" / "report.json").read_text())
     untrusted = run_replay(str(dump_path), ReplayOptions(device="cpu", factory="window_job:make_model",
                                                          loss="window_job:mse_loss", sys_path=[str(HERE)],
                                                          rng_check=False, remedies=False))
