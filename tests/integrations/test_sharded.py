@@ -160,3 +160,24 @@ def test_with_two_replicas_the_ranks_survive_the_loss_of_one_dump(harness, tmp_p
     check = verify_dump(step_dir)
     assert [str(p) for p in check.problems] == ["rank-00000: rank dump is missing (that rank did not finish writing)"]
     harness.replay_names_sample_and_layer(step_dir)
+
+
+def test_a_torchtitan_job_guarded_with_one_line_names_the_corrupt_record(harness, tmp_path):
+    """The showcase: torchtitan's Llama 3 Transformer sharded by torchtitan's own `apply_fsdp` (FSDP2), trained
+    with a per-token loss weight; rank 1 reads a record whose weights are NaN in step 3. Both ranks write their
+    shards (one copy of the state, no gather); a one-process replay of rank 1 names the record and the field."""
+    harness.requires("torchtitan")
+    step_dir, _ = harness.run_example(tmp_path, "torchtitan_example.py", "titan")
+    result = verify_dump(step_dir)
+    assert result.ok and result.missing_ranks == [], [str(p) for p in result.problems]
+    assert all(d.sharded for d in result.dumps)
+    written, one_copy, per_rank = harness.state_bytes(step_dir)
+    assert written <= 1.05 * one_copy and max(per_rank) < 0.75 * one_copy, (written, one_copy, per_rank)
+
+    from replay import engine
+
+    report = engine.run_replay(str(step_dir), engine.ReplayOptions(device="cpu", rank=1, trust=True, rng_check=False,
+                                                                   sys_path=[str(harness.EXAMPLES)]))
+    assert report["verdict"]["kind"] == "bad_sample"
+    assert [(s["sample_id"], s["rank"]) for s in report["culprit"]["samples"]] == [(harness.POISON, 1)]
+    assert report["culprit"]["module"] == "<input>.weights"
