@@ -429,10 +429,8 @@ def _memory_not_reproduced(f: VerdictFacts, headline: str) -> dict:
     reading = "The job ran out of memory where this replay, with more memory, did not."
     if f.size_outliers:
         reading += f" {_size_words(f)}: the likely cause."
-        ids = ", ".join(_id(o["sample_id"]) for o in f.size_outliers[:MAX_NAMED_SAMPLES])
-        them = "them" if len(f.size_outliers) > 1 else "it"
-        suggestions.insert(0, f"Filter or truncate {ids} (blocklist.jsonl lists {them}), and cap the sequence "
-                              "length so one long sample cannot set the size of a whole micro-batch.")
+        suggestions.insert(0, f"{_filter_oversized(f)}, and cap the sequence length so one long sample cannot "
+                              "set the size of a whole micro-batch.")
     else:
         reading += " No sample of the step is far larger than the others: the step as a whole needs more memory."
         suggestions.insert(0, "Lower the micro-batch size (with more gradient accumulation), or use activation "
@@ -658,6 +656,12 @@ def _size_words(f: VerdictFacts) -> str:
     return f"Sample {_id(top['sample_id'])}{ratio}{more}"
 
 
+def _filter_oversized(f: VerdictFacts) -> str:
+    """'Filter or truncate 'doc-7' (blocklist.jsonl lists it)'."""
+    ids = ", ".join(_id(o["sample_id"]) for o in f.size_outliers[:MAX_NAMED_SAMPLES])
+    return f"Filter or truncate {ids} (blocklist.jsonl lists {'them' if len(f.size_outliers) > 1 else 'it'})"
+
+
 def _oversized(f: VerdictFacts, phase: str, where: str) -> dict:
     """Out of memory with a sample far larger than the others: that sample, by its size."""
     top = f.size_outliers[0]
@@ -665,9 +669,7 @@ def _oversized(f: VerdictFacts, phase: str, where: str) -> dict:
     reading = (f"Micro-batch {top['micro_batch'] + 1} is padded to its longest sample, so every sample in it "
                "costs that much memory (attention grows with the square of the length): bisection cannot tell "
                "them apart, the size does.")
-    ids = ", ".join(_id(o["sample_id"]) for o in f.size_outliers[:MAX_NAMED_SAMPLES])
-    them = "them" if len(f.size_outliers) > 1 else "it"
-    suggestions = [f"Filter or truncate {ids} (blocklist.jsonl lists {them}) and resume from the last checkpoint.",
+    suggestions = [f"{_filter_oversized(f)} and resume from the last checkpoint.",
                    "Cap the sequence length (truncate in the collate function or the tokenizer's max_length), or "
                    "batch by length so one long sample cannot set the size of a whole micro-batch."]
     return _result(VerdictKind.EXCEPTION, headline, f, suggestions, reading)

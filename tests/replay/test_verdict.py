@@ -222,3 +222,15 @@ def test_the_record_hint_fits_the_kind_of_data():
     assert floats["kind"] == tokens["kind"] == "bad_sample"
     assert not any("text" in s or "base64" in s for s in floats["suggestions"])
     assert any("units" in s for s in floats["suggestions"]) and any("base64" in s for s in tokens["suggestions"])
+
+
+def test_out_of_memory_that_a_larger_replay_device_does_not_reproduce_still_names_the_long_sample():
+    big = {"sample_id": "doc-9", "micro_batch": 1, "index": 2, "tokens": 65536}
+    v = check_shape(decide_verdict(facts(trigger_kind="exception", reproduced=False, out_of_memory=True,
+                                         size_outliers=[big], median_size=512.0, replay_device="cuda:0")))
+    assert v["kind"] == "not_reproduced"
+    assert "Sample 'doc-9' (65,536 tokens, 128x the step's median of 512): the likely cause" in v["explanation"]
+    assert v["suggestions"][0].startswith("Filter or truncate 'doc-9' (blocklist.jsonl lists it), and cap")
+    assert not any("DCGM" in s or "deterministic" in s for s in v["suggestions"])  # not a hardware question
+    alone = check_shape(decide_verdict(facts(trigger_kind="exception", reproduced=False, out_of_memory=True)))
+    assert alone["suggestions"][0].startswith("Lower the micro-batch size")  # no outlier: the step as a whole
