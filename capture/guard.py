@@ -552,10 +552,7 @@ class Guard:
         batches = [self._copy_tree(b, copy) for b in incident.record.batches]
         copy.finish()
         manifest = self._manifest(incident)
-        earlier = self.window.steps_before(incident.step)
-        held, release = self.snapshots.lend_oldest(earlier[0]) if earlier and "layout" not in state else (None, None)
-        if held is not None:
-            manifest["snapshot"] = {"step": held["step"]}
+        held, release = self._lend_snapshot(incident.step, manifest) if "layout" not in state else (None, None)
         content = DumpContent(
             manifest=manifest, snapshot=held, done=release,
             model=state["model"], optimizer=state["optimizer"], rng=list(incident.record.rng),
@@ -566,6 +563,15 @@ class Guard:
         content.ready = copy.wait  # the writer waits for the device copies before touching them
         return content
 
+    def _lend_snapshot(self, step: int, manifest: dict) -> tuple[dict | None, Any]:
+        """The oldest host snapshot the flight recorder covers for a dump of `step` (noted in its manifest), and
+        the function that gives it back once the dump is written; (None, None) when there is none."""
+        earlier = self.window.steps_before(step)
+        held, release = self.snapshots.lend_oldest(earlier[0]) if earlier else (None, None)
+        if held is not None:
+            manifest["snapshot"] = {"step": held["step"]}
+        return held, release
+
     def _host_content(self, incident: Incident, why: str) -> DumpContent | None:
         """A step that raised and left the state unreadable (a CUDA error kills the context): what the host still
         holds — sample IDs, host-side batch tensors, RNG, history, the flight recorder, the optimizer's class and
@@ -574,10 +580,7 @@ class Guard:
         try:
             manifest = self._manifest(incident)
             manifest["state_missing"] = why
-            earlier = self.window.steps_before(incident.step)
-            held, release = self.snapshots.lend_oldest(earlier[0]) if earlier else (None, None)
-            if held is not None:
-                manifest["snapshot"] = {"step": held["step"]}
+            held, release = self._lend_snapshot(incident.step, manifest)
             try:
                 scheduler = incident.scheduler or snapshot.scheduler_state(self.scheduler)
             except Exception:  # noqa: BLE001 - a scheduler state on the device

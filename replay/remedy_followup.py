@@ -52,14 +52,10 @@ def _follow(row: dict, runner: StepRunner, followup: Followup) -> dict:
         return {"tested": False, "note": "not carried over: the window replay runs without a loss scaler"}
     model = session.model
     fp32 = bool(setting.get("fp32"))
-    with torch.no_grad():
-        live = model.state_dict()
-        for name, tensor in followup.pre_model.items():
-            if name in live:
-                live[name].copy_(tensor)
-        if fp32:
-            for tensor in model.parameters():
-                tensor.data = tensor.data.float()  # runner.reset() puts the recorded dtypes back
+    model.load_state_dict(followup.pre_model)
+    if fp32:
+        for tensor in model.parameters():
+            tensor.data = tensor.data.float()  # runner.reset() puts the recorded dtypes back
     optimizer = session.new_optimizer()
     hyper = dict(setting.get("hyper") or {})
     broken_lr = followup.row.get("lr")
