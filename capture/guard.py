@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from capture import deferred, environment, exceptions, sharding, snapshot
+from capture import buddy, deferred, environment, exceptions, sharding, snapshot
 from capture.host_snapshots import HostSnapshots
 from capture.agreement import Agreement, agree, deferred_termination, default_run_id, dist_info, distributed, \
     unwrap_model
@@ -453,7 +453,8 @@ class Guard:
             if self.snapshots.due(self.step):
                 self._take_snapshot()
             return True
-        return self.handle_incident(Incident(trigger, self.step, record, losses, norm, divisor, policy))
+        return self.handle_incident(Incident(trigger, self.step, record, losses, norm, divisor, policy,
+                                             agreed=self.multi_rank))
 
     def note_suppressed(self) -> str | None:
         """Logs (once per kind and run) a spike that warm-up kept from firing at this step; returns its kind
@@ -559,9 +560,16 @@ class Guard:
             micro_batches=batches, history=self.history.to_dict(),
             scheduler=incident.scheduler or snapshot.scheduler_state(self.scheduler),
             scaler=snapshot.scaler_state(self.scaler), layout=state.get("layout"),
-            extra_files=self.window.files(incident.step))
+            copies=self._buddy_copies(state, incident), extra_files=self.window.files(incident.step))
         content.ready = copy.wait  # the writer waits for the device copies before touching them
         return content
+
+    def _buddy_copies(self, state: dict, incident: Incident) -> list:
+        """Sharded layout with GuardConfig.shard_replicas >= 2: the shards only other ranks hold, received from
+        them (capture/buddy.py) — only in a dump every rank makes, before any rank writes."""
+        if "layout" not in state or self.config.shard_replicas < 2 or not incident.agreed:
+            return []
+        return buddy.exchange(buddy.sole_shards(state), self.rank, self.world_size, self.config.shard_replicas)
 
     def _lend_snapshot(self, step: int, manifest: dict) -> tuple[dict | None, Any]:
         """The oldest host snapshot the flight recorder covers for a dump of `step` (noted in its manifest), and

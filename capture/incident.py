@@ -81,6 +81,9 @@ class Incident:
     """Scheduler state saved at the step's check (sync-free: the scheduler has moved on since)."""
     exception: dict | None = None
     """The manifest's `exception` section when the step raised (capture/exceptions.py)."""
+    agreed: bool = False
+    """Every rank of a multi-rank job dumps this step (a trigger agreed at check()): the dump may exchange
+    data between ranks (buddy copies) before writing."""
 
     @property
     def step_loss(self) -> float | None:

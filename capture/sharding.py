@@ -15,6 +15,7 @@ choice between the full and the sharded layout.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from typing import Any, Callable
 
@@ -51,6 +52,16 @@ def _plain_placements(tensor: Any) -> bool:
     return all(type(p).__name__ in ("Shard", "Replicate") for p in tensor.placements)
 
 
+def _replica_count(tensor: Any) -> int:
+    """How many ranks hold the same local data of a DTensor (the sizes of the mesh dimensions it is not
+    sharded along: HSDP's replica groups)."""
+    count = 1
+    for dim, placement in enumerate(tensor.placements):
+        if type(placement).__name__ != "Shard":
+            count *= tensor.device_mesh.size(dim)
+    return count
+
+
 def _replica_index(tensor: Any) -> int | None:
     """This rank's index among the ranks holding the same local data (0: the first), None off the mesh."""
     coordinate = tensor.device_mesh.get_coordinate()
@@ -76,7 +87,8 @@ def local_shard(tensor: Any, replicas: int = 1) -> LocalShard | None:
     shape, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
     if tuple(shape) != tuple(local.shape):
         raise RuntimeError(f"DTensor local shard is {tuple(local.shape)}, its placements say {tuple(shape)}")
-    return LocalShard(local.contiguous(), tuple(tensor.shape), tuple(int(o) for o in offsets))
+    return LocalShard(local.contiguous(), tuple(tensor.shape), tuple(int(o) for o in offsets),
+                      holders=min(_replica_count(tensor), replicas))
 
 
 def shard_grad_norm(grads: list[Any]) -> torch.Tensor:
@@ -179,10 +191,10 @@ def shard_state(state: dict, rank: int, world_size: int, replicas: int,
         if isinstance(value, LocalShard):  # already this rank's partition (ZeRO); empty: it holds none
             if value.tensor.numel() == 0:
                 return None
-            return LocalShard(copy(value.tensor), value.global_shape, value.offsets, value.flat)
+            return dataclasses.replace(value, tensor=copy(value.tensor))
         if is_dtensor(value):
             shard = local_shard(value, replicas)
-            return None if shard is None else LocalShard(copy(shard.tensor), shard.global_shape, shard.offsets)
+            return None if shard is None else dataclasses.replace(shard, tensor=copy(shard.tensor))
         return copy(value) if assignment.writes(f"{file}/{name}", rank) else None
 
     model = {n: v for n, t in model_state.items() if (v := mine(spec.MODEL, n, t)) is not None}

@@ -185,6 +185,7 @@ def _snapshot(c: _Checker, snapshot: Any, step: int) -> None:
 
 MAX_DIMS = 32
 MAX_TENSORS = 1 << 20
+MAX_COPIES = 64
 
 
 def _layout(c: _Checker, layout: Any, version: int) -> None:
@@ -200,22 +201,38 @@ def _layout(c: _Checker, layout: Any, version: int) -> None:
         for file, rows in value.items():
             if file not in spec.SHARDED_FILES:
                 raise c.fail(f"layout.{section}", f"names {_short(file)}; only {list(spec.SHARDED_FILES)} are sharded")
-            c.kind(rows, f"layout.{section}.{file}", dict, optional=False)
-            if len(rows) > MAX_TENSORS:
-                raise c.fail(f"layout.{section}.{file}", f"lists {len(rows)} tensors (at most {MAX_TENSORS})")
-            for name, row in rows.items():
-                field = f"layout.{section}.{file}[{_short(name)}]"
-                c.kind(row, field, dict, optional=False)
-                dims = [("shape", 0)] if section == "tensors" else [("shape", 0), ("offsets", 0)]
-                for key, low in dims:
-                    c.each(row.get(key), f"{field}.{key}", lambda n, f: c.int(n, f, low, 1 << 48), MAX_DIMS,
-                           optional=False)
-                if section == "tensors" and row.get("dtype") not in spec.DTYPES:
-                    raise c.fail(f"{field}.dtype", f"must be one of {list(spec.DTYPES)}, got {_short(row.get('dtype'))}")
-                if section == "shards":
-                    c.kind(row.get("flat"), f"{field}.flat", bool, optional=False)
-                    if len(row["shape"]) != len(row["offsets"]):
-                        raise c.fail(field, "has offsets and shape of different lengths")
+            _rows(c, rows, f"layout.{section}.{file}", section == "shards")
+    copies = layout.get("copies")
+    c.kind(copies, "layout.copies", dict)
+    if copies and len(copies) > 2 * len(spec.SHARDED_FILES) * MAX_COPIES:
+        raise c.fail("layout.copies", f"lists {len(copies)} files (at most {MAX_COPIES} source ranks' copies)")
+    for stored, entry in (copies or {}).items():
+        field = f"layout.copies[{_short(stored)}]"
+        if not safe_name(stored):
+            raise c.fail("layout.copies", f"names {_short(stored)}, which is not a plain file name inside the dump")
+        c.kind(entry, field, dict, optional=False)
+        if entry.get("of") not in spec.SHARDED_FILES:
+            raise c.fail(f"{field}.of", f"must be one of {list(spec.SHARDED_FILES)}, got {_short(entry.get('of'))}")
+        c.int(entry.get("rank"), f"{field}.rank", 0, (1 << 20) - 1)
+        _rows(c, entry.get("shards"), f"{field}.shards", shards=True)
+
+
+def _rows(c: _Checker, rows: Any, field: str, shards: bool) -> None:
+    """A `layout.tensors` table (global shapes and dtypes) or a `shards` table (boxes) of one file."""
+    c.kind(rows, field, dict, optional=False)
+    if len(rows) > MAX_TENSORS:
+        raise c.fail(field, f"lists {len(rows)} tensors (at most {MAX_TENSORS})")
+    for name, row in rows.items():
+        where = f"{field}[{_short(name)}]"
+        c.kind(row, where, dict, optional=False)
+        for key in ("shape", "offsets") if shards else ("shape",):
+            c.each(row.get(key), f"{where}.{key}", lambda n, f: c.int(n, f, 0, 1 << 48), MAX_DIMS, optional=False)
+        if not shards and row.get("dtype") not in spec.DTYPES:
+            raise c.fail(f"{where}.dtype", f"must be one of {list(spec.DTYPES)}, got {_short(row.get('dtype'))}")
+        if shards:
+            c.kind(row.get("flat"), f"{where}.flat", bool, optional=False)
+            if len(row["shape"]) != len(row["offsets"]):
+                raise c.fail(where, "has offsets and shape of different lengths")
 
 
 def _files(c: _Checker, files: Any) -> None:

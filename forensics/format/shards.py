@@ -32,13 +32,24 @@ class LocalShard:
     """This rank's part of a tensor: `tensor` is the box starting at `offsets` of a tensor of `global_shape`.
 
     With `flat`, offsets and the box are those of the flattened tensor (a ZeRO partition: a contiguous
-    range of elements), and `offsets` has one entry.
+    range of elements), and `offsets` has one entry. `holders`: how many ranks write this same box (HSDP
+    replica groups); a box only one rank holds is what a buddy copy protects (capture/buddy.py).
     """
 
     tensor: Any  # torch.Tensor (contiguous)
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
     flat: bool = False
+    holders: int = 1
+
+
+@dataclass
+class ShardCopies:
+    """Another rank's sole shards, received to be written beside this rank's own (GuardConfig.shard_replicas):
+    `files` maps a SHARDED_FILES name to `{stored name: LocalShard}`."""
+
+    source_rank: int
+    files: dict[str, dict[str, LocalShard]]
 
 
 def dtype_name(dtype: "torch.dtype") -> str:
@@ -67,6 +78,8 @@ class Piece:
     offsets: tuple[int, ...]
     shape: tuple[int, ...]
     flat: bool
+    stored: str
+    """The file of `dump` holding it: the state file itself, or a copy of another rank's shards."""
 
     @property
     def numel(self) -> int:
@@ -102,21 +115,28 @@ class ShardIndex:
                 raise DumpCorruptError(f"{dump.path} describes a different state (layout.tensors) than "
                                        f"{first.path}: they are not ranks of one dump", spec.MANIFEST)
         self.pieces: dict[tuple[str, str], list[Piece]] = {}
-        for dump in dumps:
-            files = dump.manifest["files"]
+        for dump in dumps:  # every rank's own shards first: a copy serves only where they leave a gap
             for file, shards in (dump.manifest["layout"].get("shards") or {}).items():
-                declared = 0
-                for name, entry in shards.items():
-                    row = self.layout["tensors"].get(file, {}).get(name)
-                    if row is None:
-                        raise DumpCorruptError(f"{dump.path / spec.MANIFEST}: shard {_short(name)} of {file} is not "
-                                               "in layout.tensors", spec.MANIFEST)
-                    piece = Piece(dump, tuple(entry["offsets"]), tuple(entry["shape"]), bool(entry["flat"]))
-                    declared += piece.numel * spec.ITEM_SIZE[row["dtype"]]
-                    self.pieces.setdefault((file, name), []).append(piece)
-                if shards and (file not in files or declared > files[file]["size"]):
-                    raise DumpCorruptError(f"{dump.path / spec.MANIFEST}: the shards listed for {file} do not fit "
-                                           "that file", spec.MANIFEST)
+                self._add(dump, file, file, shards)
+        for dump in dumps:
+            for stored, copy in (dump.manifest["layout"].get("copies") or {}).items():
+                self._add(dump, copy["of"], stored, copy["shards"])
+
+    def _add(self, dump: Dump, file: str, stored: str, shards: dict) -> None:
+        """The boxes of `file`'s tensors that `dump` stores in its file `stored`."""
+        declared = 0
+        for name, entry in shards.items():
+            row = self.layout["tensors"].get(file, {}).get(name)
+            if row is None:
+                raise DumpCorruptError(f"{dump.path / spec.MANIFEST}: shard {_short(name)} of {file} is not "
+                                       "in layout.tensors", spec.MANIFEST)
+            piece = Piece(dump, tuple(entry["offsets"]), tuple(entry["shape"]), bool(entry["flat"]), stored)
+            declared += piece.numel * spec.ITEM_SIZE[row["dtype"]]
+            self.pieces.setdefault((file, name), []).append(piece)
+        files = dump.manifest["files"]
+        if shards and (stored not in files or declared > files[stored]["size"]):
+            raise DumpCorruptError(f"{dump.path / spec.MANIFEST}: the shards listed for {_short(stored)} do not fit "
+                                   "that file", spec.MANIFEST)
 
     def names(self, file: str) -> list[str]:
         return list(self.layout["tensors"].get(file, {}))
@@ -176,7 +196,7 @@ class ShardIndex:
             f"({shown}). Rank dumps found: {present}; missing: {absent or 'none'}. Each rank wrote only its own "
             "shards: copy the missing rank-* directories (from the other nodes' dump_dir) next to these, or "
             "name their directories with --shards DIR. If those ranks died while writing, the state cannot be "
-            "rebuilt from this dump (GuardConfig(shard_replicas=2) writes every shard twice).", names, absent)
+            "rebuilt from this dump (GuardConfig(shard_replicas=2) writes every part on two ranks).", names, absent)
 
 
 class ShardedState:
@@ -199,10 +219,11 @@ class ShardedState:
         for piece in pieces:
             if not piece.numel:
                 continue
-            data = piece.dump.tensor_file(file).read(name, device)
+            data = piece.dump.tensor_file(piece.stored).read(name, device)
             if tuple(data.shape) != piece.shape or data.dtype != out.dtype:
-                raise DumpCorruptError(f"{piece.dump.path / file}: shard {_short(name)} is {list(data.shape)} "
-                                       f"{data.dtype}, the manifest says {list(piece.shape)} {out.dtype}", file)
+                raise DumpCorruptError(f"{piece.dump.path / piece.stored}: shard {_short(name)} is "
+                                       f"{list(data.shape)} {data.dtype}, the manifest says {list(piece.shape)} "
+                                       f"{out.dtype}", piece.stored)
             if flat_out is not None:
                 flat_out[piece.offsets[0]:piece.offsets[0] + piece.numel].copy_(data.reshape(-1))
             else:

@@ -42,6 +42,12 @@ SHARDED = "sharded"
 """`layout.kind` of a rank dump holding only its part of the state (format version 2, forensics.format.shards)."""
 SHARDED_FILES = (MODEL, OPTIMIZER_TENSORS)
 """The files whose tensors a sharded dump splits across ranks (every other file is per rank)."""
+
+
+def copy_file_name(of: str, source_rank: int) -> str:
+    """Where a rank stores its copy of another rank's shards of `of` (a SHARDED_FILES name): manifest
+    `layout.copies` (GuardConfig.shard_replicas). Readers take the names from the manifest, never from here."""
+    return f"copy-{source_rank:05d}-{of}"
 ITEM_SIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
              "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint16": 2, "uint32": 4,
              "uint64": 8}

@@ -83,8 +83,10 @@ def verify_dump(path: str | Path, limits: ArchiveLimits | None = None,
     problems: list[Problem] = []
     for dump in dumps:
         problems.extend(_check_rank(dump))
+    gaps = _check_shards(dumps) if whole_state else []
+    covered = "; the state is complete without it (other ranks also wrote its part): replay another rank" \
+        if whole_state and not gaps else ""
     for rank in missing:
-        problems.append(Problem(f"rank-{rank:05d}", "rank dump is missing (that rank did not finish writing)"))
-    if whole_state:
-        problems.extend(_check_shards(dumps))
+        problems.append(Problem(f"rank-{rank:05d}", f"rank dump is missing (that rank did not finish writing){covered}"))
+    problems.extend(gaps)
     return VerifyResult(dumps, missing, problems)

@@ -17,7 +17,7 @@ import zstandard
 from forensics.errors import CaptureError
 from forensics.fsio import fsync_dir
 from forensics.format import jsonio, spec
-from forensics.format.shards import LocalShard, shard_entry
+from forensics.format.shards import LocalShard, ShardCopies, shard_entry
 from forensics.format.stale import remove_stale_temporaries, temporary_name
 from forensics.format.tensors import HashingWriter, safetensors_bytes, write_safetensors
 from forensics.format.tree import encode_tree
@@ -60,6 +60,9 @@ class DumpContent:
     layout: dict | None = None
     """Sharded layout (forensics.format.shards): `{file: {name: {"shape", "dtype"}}}`, every tensor of the
     complete state; this rank's model / optimizer hold only the parts it owns. None: the full state."""
+    copies: list[ShardCopies] = field(default_factory=list)
+    """Sharded layout: other ranks' sole shards this rank writes too (GuardConfig.shard_replicas, capture/buddy.py),
+    as spec.copy_file_name files listed in the manifest's `layout.copies`."""
 
 
 class _DumpDir:
@@ -162,6 +165,17 @@ def _write_state(target: _DumpDir, files: spec.StateFiles, model: dict[str, Any]
             job.result()
 
 
+def _write_copies(target: _DumpDir, copies: list[ShardCopies]) -> dict:
+    """Other ranks' shards, one file per source rank and state file; returns the manifest's `layout.copies`."""
+    table = {}
+    for received in copies:
+        for file, shards in received.files.items():
+            stored = spec.copy_file_name(file, received.source_rank)
+            target.write_tensors(stored, shards)
+            table[stored] = {"of": file, "rank": received.source_rank, "shards": target.shards.pop(stored)}
+    return table
+
+
 def dump_path(root: Path, run_id: str, step: int, rank: int) -> Path:
     return Path(root) / run_id / spec.step_dir_name(step) / spec.rank_dir_name(rank)
 
@@ -196,6 +210,8 @@ def _write_dump(content: DumpContent, root: Path) -> Path:
         if content.layout is not None:
             manifest["layout"] = {"kind": spec.SHARDED, "tensors": content.layout,
                                   "shards": {file: target.shards[file] for file in content.layout if file in target.shards}}
+            if content.copies:
+                manifest["layout"]["copies"] = _write_copies(target, content.copies)
         manifest.update({
             "format": spec.FORMAT_NAME,
             # version 1 readers would take a sharded rank dump for the full state: they must refuse it

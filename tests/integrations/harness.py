@@ -189,7 +189,8 @@ def replay_names_sample_and_layer(step_dir) -> None:
 
 
 def state_bytes(step_dir) -> tuple[int, int, list[int]]:
-    """(state bytes the ranks wrote, bytes of one copy of the state, state bytes per rank)."""
+    """(state bytes the ranks wrote (their own shards and the copies of other ranks'), bytes of one copy of the
+    state, state bytes per rank)."""
     per_rank, one_copy = [], None
     for path in sorted(step_dir.glob("rank-*")):
         manifest = json.loads((path / "manifest.json").read_text())
@@ -199,6 +200,7 @@ def state_bytes(step_dir) -> tuple[int, int, list[int]]:
         copy = sum(math.prod(r["shape"]) * spec.ITEM_SIZE[r["dtype"]] for f in rows.values() for r in f.values())
         assert one_copy in (None, copy)
         one_copy = copy
+        tables = [*layout["shards"].items(), *((c["of"], c["shards"]) for c in layout.get("copies", {}).values())]
         per_rank.append(sum(math.prod(s["shape"]) * spec.ITEM_SIZE[rows[f][n]["dtype"]]
-                            for f, shards in layout["shards"].items() for n, s in shards.items()))
+                            for f, shards in tables for n, s in shards.items()))
     return sum(per_rank), one_copy, per_rank

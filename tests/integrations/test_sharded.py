@@ -21,6 +21,9 @@ from forensics.cli import main
 from forensics.format import open_dump, verify_dump
 
 
+COMPLETE = "; the state is complete without it (other ranks also wrote its part): replay another rank"
+
+
 def test_fsdp2_ranks_write_their_shards_once_and_replay_names_the_sample(harness, tmp_path, reference):
     harness.requires("transformers")
     step_dir, result = harness.run_example(tmp_path, "fsdp2_example.py", "fsdp2")
@@ -158,7 +161,57 @@ def test_with_two_replicas_the_ranks_survive_the_loss_of_one_dump(harness, tmp_p
     assert written == 2 * one_copy
     shutil.rmtree(step_dir / "rank-00000")
     check = verify_dump(step_dir)
-    assert [str(p) for p in check.problems] == ["rank-00000: rank dump is missing (that rank did not finish writing)"]
+    assert [str(p) for p in check.problems] == [
+        "rank-00000: rank dump is missing (that rank did not finish writing)" + COMPLETE]
+    harness.replay_names_sample_and_layer(step_dir)
+
+
+def test_with_two_replicas_fsdp2_shards_survive_a_rank_that_dies_mid_write(harness, tmp_path, reference):
+    """GuardConfig(shard_replicas=2) under FSDP2: a plain FSDP shard exists on one rank only, so each rank sends its
+    shards to its buddy before anyone writes. Rank 0 dies halfway through writing; rank 1's dump alone holds the
+    whole state (its own shards and its copy of rank 0's), equal to plain-torch training's, and replays."""
+    harness.requires("transformers")
+    dump_dir = tmp_path / "dumps"
+    worker = str(harness.REPO / "tests" / "integrations" / "die_in_write.py")
+    result = harness.launch_script(worker, [str(harness.EXAMPLES / "fsdp2_example.py"), "--dump-dir", str(dump_dir),
+                                            "--run-id", "buddy", "--replicas", "2"],
+                                   env={"FORENSICS_TEST_DIE_RANK": "0"})
+    assert result.returncode != 0, result.explain()
+    step_dir = dump_dir / "buddy" / f"step-{harness.BAD_STEP:09d}"
+    assert [p.name for p in step_dir.iterdir() if p.name.startswith(".tmp-rank-00000")], "rank 0 died mid-write"
+    check = verify_dump(step_dir)
+    assert check.missing_ranks == [0]
+    assert [str(p) for p in check.problems] == [
+        "rank-00000: rank dump is missing (that rank did not finish writing)" + COMPLETE]
+    survivor = open_dump(step_dir)
+    copies = survivor.manifest["layout"]["copies"]
+    assert {name: (c["of"], c["rank"]) for name, c in copies.items()} == {
+        "copy-00000-model.safetensors": ("model.safetensors", 0),
+        "copy-00000-optimizer.safetensors": ("optimizer.safetensors", 0)}
+    weights, optimizer = survivor.model_state(), survivor.optimizer_state()["state"]
+    assert sorted(weights) == sorted(reference["model"])
+    for name, expected in reference["model"].items():
+        harness.close(weights[name], expected, f"weight {name}", 1e-5)
+    for name, entries in reference["optimizer"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            harness.close(optimizer[name][key], entries[key], f"{key} of {name}", 1e-5)
+    harness.replay_names_sample_and_layer(step_dir)
+
+
+def test_with_two_replicas_zero2_partitions_survive_the_loss_of_a_rank_dump(harness, tmp_path, reference):
+    """ZeRO-2 with GuardConfig(shard_replicas=2): the flat optimizer partitions are copied to the buddy rank (the
+    replicated weights are written by both ranks); with rank 0's dump gone, rank 1's holds the whole state."""
+    harness.requires("transformers", "deepspeed")
+    step_dir, _ = harness.run_example(tmp_path, "deepspeed_example.py", "z2buddy", "--zero-stage", "2",
+                                      "--replicas", "2")
+    written, one_copy, _ = harness.state_bytes(step_dir)
+    assert written == 2 * one_copy, (written, one_copy)  # every byte of the state on exactly two ranks
+    shutil.rmtree(step_dir / "rank-00000")
+    survivor = open_dump(step_dir)
+    assert survivor.rank == 1 and "copy-00000-optimizer.safetensors" in survivor.manifest["layout"]["copies"]
+    optimizer = survivor.optimizer_state()["state"]
+    for name, entries in reference["optimizer"].items():
+        harness.close(optimizer[name]["exp_avg"], entries["exp_avg"], f"exp_avg of {name}", 1e-5)
     harness.replay_names_sample_and_layer(step_dir)
 
 
