@@ -49,6 +49,14 @@ def buddy_offsets(world_size: int, local_world_size: int, count: int) -> list[in
     return offsets
 
 
+def ranks_per_node(world_size: int) -> int:
+    """Ranks per node as the launcher says (torchrun's LOCAL_WORLD_SIZE); the whole world when it does not."""
+    try:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) or world_size
+    except ValueError:
+        return world_size
+
+
 def sole_shards(state: dict) -> dict[str, dict[str, LocalShard]]:
     """The shards of a sharded state (`{"model", "optimizer"}` as collect_state returns them) that no other
     rank writes, by file and stored name."""
@@ -67,9 +75,8 @@ def exchange(shards: dict[str, dict[str, LocalShard]], rank: int, world_size: in
     """Sends this rank's `shards` to its buddies and returns the copies received from the ranks it is buddy of
     (one ShardCopies per source rank). Every rank of the job must call it for the same dump. Never raises: a
     failure is logged and leaves the copies received so far."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
     received: list[ShardCopies] = []
-    for distance in buddy_offsets(world_size, local_world, replicas - 1):
+    for distance in buddy_offsets(world_size, ranks_per_node(world_size), replicas - 1):
         to, source = (rank + distance) % world_size, (rank - distance) % world_size
         try:
             received.append(_exchange_with(shards, to, source))

@@ -133,9 +133,11 @@ class GuardConfig:
     full_state_max_bytes: int = 1 << 30
     """"auto" layout: the largest model + optimizer state (bytes) that every rank still writes whole."""
     shard_replicas: int = 1
-    """Sharded layout: how many ranks write each replicated tensor (DDP weights, HSDP's replicas), so that a
-    rank that dies while writing loses nothing; 2 doubles those bytes. DTensor shards held by one rank only
-    (plain FSDP) are written once whatever this says."""
+    """Sharded layout: on how many ranks every part of the state is written, so that a rank (or node) that dies
+    while writing loses nothing. Replicated tensors (DDP weights, HSDP's replicas) are written by that many
+    ranks; a shard only one rank holds (plain FSDP / tensor parallel, ZeRO partitions) is sent point to point
+    to shard_replicas - 1 buddy ranks, on other nodes first, before any rank writes (capture/buddy.py).
+    2 doubles the state's bytes on disk. Default 1: one copy."""
 
     def __post_init__(self):
         for name in ("on_nonfinite", "on_spike"):

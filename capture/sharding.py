@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 
+from capture.buddy import buddy_offsets, ranks_per_node
 from forensics.format import spec
 from forensics.format.shards import LocalShard, table_entry
 from forensics.grad_norm import total_grad_norm
@@ -151,17 +152,19 @@ def needs_collective(state: dict) -> bool:
 
 
 class Assignment:
-    """Which ranks write each replicated tensor: largest first, to the least-loaded ranks (LPT)."""
+    """Which ranks write each replicated tensor: largest first, to the least-loaded rank (LPT), and with
+    replicas > 1 also to that rank's buddies (capture/buddy.py: on other nodes first), so that a lost node
+    loses no replicated tensor either. Every rank is the buddy of as many ranks as it has buddies, so
+    balanced first writers keep the copies balanced too."""
 
-    def __init__(self, sizes: dict[str, int], world_size: int, replicas: int):
-        replicas = min(replicas, world_size)
+    def __init__(self, sizes: dict[str, int], world_size: int, replicas: int, per_node: int | None = None):
+        offsets = buddy_offsets(world_size, per_node or world_size, replicas - 1)
         heap = [(0, rank) for rank in range(world_size)]
         self.writers: dict[str, tuple[int, ...]] = {}
         for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
-            chosen = [heapq.heappop(heap) for _ in range(replicas)]
-            self.writers[name] = tuple(rank for _, rank in chosen)
-            for load, rank in chosen:
-                heapq.heappush(heap, (load + max(sizes[name], 1), rank))
+            load, rank = heapq.heappop(heap)
+            self.writers[name] = (rank, *((rank + distance) % world_size for distance in offsets))
+            heapq.heappush(heap, (load + max(sizes[name], 1), rank))
 
     def writes(self, name: str, rank: int) -> bool:
         return rank in self.writers[name]
@@ -185,7 +188,7 @@ def shard_state(state: dict, rank: int, world_size: int, replicas: int,
              spec.OPTIMIZER_TENSORS: {k: _row(t) for k, t in entries.items()}}
     plain = {f"{spec.MODEL}/{n}": _nbytes(t) for n, t in model_state.items() if _replicated(t)}
     plain.update({f"{spec.OPTIMIZER_TENSORS}/{k}": _nbytes(t) for k, t in entries.items() if _replicated(t)})
-    assignment = Assignment(plain, world_size, replicas)
+    assignment = Assignment(plain, world_size, replicas, ranks_per_node(world_size))
 
     def mine(file: str, name: str, value: Any) -> Any:
         if isinstance(value, LocalShard):  # already this rank's partition (ZeRO); empty: it holds none

@@ -4,7 +4,8 @@ assembles any tensor from the rank dumps of one step, one tensor at a time.
 Writer side: a state value may be a `LocalShard` (this rank's box of a larger tensor); the writer stores its
 data under the tensor's name and lists it in the manifest's `layout.shards`. Every rank's manifest also
 carries `layout.tensors`, the table of every tensor of the complete state (name, global shape, dtype), so
-any one rank dump says what the whole state is and which parts are missing.
+any one rank dump says what the whole state is and which parts are missing. `ShardCopies` are another
+rank's shards a rank also stores (`layout.copies`, GuardConfig.shard_replicas): used only to fill gaps.
 
 Reader side: `ShardIndex` joins the `layout` sections of a step's rank dumps (the step-level index) and
 checks, before anything is allocated, that the boxes of each tensor tile it exactly (in bounds, no

@@ -166,14 +166,19 @@ def _write_state(target: _DumpDir, files: spec.StateFiles, model: dict[str, Any]
 
 
 def _write_copies(target: _DumpDir, copies: list[ShardCopies]) -> dict:
-    """Other ranks' shards, one file per source rank and state file; returns the manifest's `layout.copies`."""
-    table = {}
-    for received in copies:
-        for file, shards in received.files.items():
-            stored = spec.copy_file_name(file, received.source_rank)
-            target.write_tensors(stored, shards)
-            table[stored] = {"of": file, "rank": received.source_rank, "shards": target.shards.pop(stored)}
-    return table
+    """Other ranks' shards, one file per source rank and state file (two at a time when large); returns the
+    manifest's `layout.copies`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    files = [(spec.copy_file_name(file, received.source_rank), file, received.source_rank, shards)
+             for received in copies for file, shards in received.files.items()]
+    big = sum(s.tensor.numel() * s.tensor.element_size() for *_, shards in files for s in shards.values()) \
+        >= CONCURRENT_WRITE_MIN
+    with ThreadPoolExecutor(max_workers=2 if big else 1, thread_name_prefix="forensics-write") as pool:
+        for job in [pool.submit(target.write_tensors, stored, shards) for stored, _, _, shards in files]:
+            job.result()
+    return {stored: {"of": file, "rank": source, "shards": target.shards.pop(stored)}
+            for stored, file, source, _ in files}
 
 
 def dump_path(root: Path, run_id: str, step: int, rank: int) -> Path:

@@ -5,6 +5,8 @@
 Every rank builds a Llama-shaped model (transformers, random init, fp32), shards it with `fully_shard`, takes
 one AdamW step (so the moments exist), then, with a barrier between each:
 - `forensics sharded`: the Guard's real path (a NaN loss seen by `check()`), GuardConfig(state_layout="sharded");
+- `forensics sharded x2`: the same with shard_replicas=2 (each rank's shards also sent to a buddy rank and
+  written there), and the buddy exchange alone (`exchange`: its wall time and the bytes each rank sent);
 - `forensics full`: the same with state_layout="full" (every rank gathers and writes the whole state: the
   first version's behaviour);
 - `dcp FileSystemWriter`: `dcp.save(get_state_dict(model, optimizer))`, the default storage;
@@ -64,11 +66,12 @@ def build(hidden: int, layers: int):
     return model, optimizer, ids
 
 
-def forensics_save(model, optimizer, ids, root: Path, layout: str) -> tuple[float, int]:
+def forensics_save(model, optimizer, ids, root: Path, layout: str, replicas: int = 1) -> tuple[float, int]:
     from capture import Guard, GuardConfig
 
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(root), run_id=layout, on_nonfinite="continue",
-                                                       state_layout=layout, background_write=False))
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(root), run_id=f"{layout}-{replicas}",
+                                                       on_nonfinite="continue", state_layout=layout,
+                                                       background_write=False, shard_replicas=replicas))
     guard.record_batch({"input_ids": ids, "labels": ids})
     guard.record_loss(float("nan"))
     start = time.perf_counter()
@@ -77,6 +80,24 @@ def forensics_save(model, optimizer, ids, root: Path, layout: str) -> tuple[floa
     guard.close()
     [path] = guard.dumps
     return seconds, _bytes(path)
+
+
+def exchange_only(model, optimizer) -> dict:
+    """The buddy exchange of shard_replicas=2 alone, on the state the Guard collects."""
+    from capture import Guard, GuardConfig, buddy, snapshot
+
+    guard = Guard(model, optimizer, config=GuardConfig(state_layout="sharded", shard_replicas=2))
+    state = guard.collect_state(snapshot.HostCopy(enabled=False))
+    shards = buddy.sole_shards(state)
+    sent = sum(s.tensor.numel() * s.tensor.element_size() for rows in shards.values() for s in rows.values())
+    dist.barrier()
+    start = time.perf_counter()
+    copies = buddy.exchange(shards, dist.get_rank(), dist.get_world_size(), 2)
+    seconds = time.perf_counter() - start
+    guard.close()
+    received = sum(s.tensor.numel() * s.tensor.element_size() for c in copies for rows in c.files.values()
+                   for s in rows.values())
+    return {"seconds": seconds, "bytes": sent, "received": received}
 
 
 def dcp_save(model, optimizer, root: Path, storage: str) -> dict:
@@ -113,10 +134,12 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters())
     one_copy = 3 * 4 * params  # fp32 weights + two AdamW moments
     results: dict[str, dict] = {}
-    for layout in ("sharded", "full"):
+    for name, layout, replicas in (("sharded", "sharded", 1), ("sharded x2", "sharded", 2), ("full", "full", 1)):
         dist.barrier()
-        seconds, written = forensics_save(model, optimizer, ids, args.dir / "forensics", layout)
-        results[f"forensics {layout}"] = {"seconds": seconds, "bytes": written}
+        seconds, written = forensics_save(model, optimizer, ids, args.dir / "forensics", layout, replicas)
+        results[f"forensics {name}"] = {"seconds": seconds, "bytes": written}
+    dist.barrier()
+    results["exchange"] = exchange_only(model, optimizer)
     for storage in ("filesystem", "huggingface"):
         dist.barrier()
         root = args.dir / f"dcp-{storage}"
@@ -129,13 +152,17 @@ def main() -> None:
     dist.all_gather_object(gathered, results)
     if rank == 0:
         summary = {"world_size": world, "parameters": params, "one_copy_bytes": one_copy, "per_rank": gathered}
-        for name in ("forensics sharded", "forensics full"):
+        for name in ("forensics sharded", "forensics sharded x2", "forensics full"):
             summary[f"{name}: total bytes / one copy"] = round(sum(r[name]["bytes"] for r in gathered) / one_copy, 3)
             summary[f"{name}: slowest rank s"] = round(max(r[name]["seconds"] for r in gathered), 3)
         for name in ("dcp filesystem", "dcp huggingface"):
             if "error" not in gathered[0][name]:
                 summary[f"{name}: total bytes / one copy"] = round(gathered[0][name]["total_bytes"] / one_copy, 3)
                 summary[f"{name}: slowest rank s"] = round(max(r[name]["seconds"] for r in gathered), 3)
+        exchange = gathered[0]["exchange"]
+        summary["buddy exchange: slowest rank s"] = round(max(r["exchange"]["seconds"] for r in gathered), 3)
+        summary["buddy exchange: GB/s per rank"] = round(exchange["bytes"] / 1e9 / max(
+            r["exchange"]["seconds"] for r in gathered), 3)
         print(json.dumps(summary, indent=1))
     dist.barrier()
     dist.destroy_process_group()

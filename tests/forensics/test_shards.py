@@ -11,11 +11,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from capture.buddy import buddy_offsets
 from capture.sharding import Assignment, shard_state
 from forensics.cli import main
 from forensics.errors import DumpCorruptError, DumpIncompleteError
 from forensics.format import open_dump, verify_dump, write_dump
-from forensics.format.shards import LocalShard, table_entry
+from forensics.format.shards import LocalShard, ShardCopies, table_entry
 from forensics_test_helpers import bitwise_equal, synthetic_content  # tests/helpers.py (tests/conftest.py)
 
 
@@ -120,26 +121,84 @@ def test_ranks_on_two_nodes_are_joined_with_shard_dirs(tmp_path):
     assert out.exit_code == 0, out.output
 
 
-def _box_dumps(root, shards_per_rank):
-    """Two ranks holding boxes of `full` (4, 6): rank r writes shards_per_rank[r] as LocalShards."""
+def _box_dumps(root, shards_per_rank, copies: bool = False):
+    """Two ranks holding boxes of `full` (4, 6): rank r writes shards_per_rank[r] as LocalShards (and, with
+    `copies`, the other rank's as its buddy copy, as GuardConfig(shard_replicas=2) does)."""
     full = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+
+    def shard(offsets, shape, flat):
+        if flat:
+            data = full.reshape(-1)[offsets[0]:offsets[0] + shape[0]].clone()
+        else:  # a box past the tensor's edge (a lying writer) is padded with zeros to its claimed shape
+            data = torch.zeros(shape)
+            part = full[offsets[0]:offsets[0] + shape[0], offsets[1]:offsets[1] + shape[1]]
+            data[:part.shape[0], :part.shape[1]] = part
+        return LocalShard(data, (4, 6), offsets, flat)
+
     paths = []
     for rank, boxes in enumerate(shards_per_rank):
         content, _ = synthetic_content(rank=rank, world_size=2)
-        model = {}
-        for offsets, shape, flat in boxes:
-            if flat:
-                data = full.reshape(-1)[offsets[0]:offsets[0] + shape[0]].clone()
-            else:  # a box past the tensor's edge (a lying writer) is padded with zeros to its claimed shape
-                data = torch.zeros(shape)
-                part = full[offsets[0]:offsets[0] + shape[0], offsets[1]:offsets[1] + shape[1]]
-                data[:part.shape[0], :part.shape[1]] = part
-            model["grid"] = LocalShard(data, (4, 6), offsets, flat)
-        content.model, content.optimizer = model, None
+        content.model, content.optimizer = {"grid": shard(*box) for box in boxes}, None
         content.layout = {"model.safetensors": {"grid": table_entry((4, 6), torch.float32)},
                           "optimizer.safetensors": {}}
+        if copies:
+            content.copies = [ShardCopies(1 - rank, {"model.safetensors": {
+                "grid": shard(*box) for box in shards_per_rank[1 - rank]}})]
         paths.append(write_dump(content, root))
     return paths, full
+
+
+ROWS = [[((0, 0), (3, 6), False)], [((3, 0), (1, 6), False)]]
+
+
+def test_a_buddy_copy_serves_where_its_owner_is_missing_and_only_there(tmp_path):
+    paths, full = _box_dumps(tmp_path, ROWS, copies=True)
+    manifest = json.loads((paths[1] / "manifest.json").read_text())
+    assert manifest["layout"]["copies"] == {"copy-00000-model.safetensors": {
+        "of": "model.safetensors", "rank": 0, "shards": {"grid": {"offsets": [0, 0], "shape": [3, 6], "flat": False}}}}
+    # both ranks present: each rank's own shard is read, so a damaged copy costs nothing (verify still says so)
+    (paths[1] / "copy-00000-model.safetensors").write_bytes(b"\0" * 16)
+    assert bitwise_equal(open_dump(paths[1]).model_state()["grid"], full)
+    assert "copy-00000-model.safetensors" in " ".join(str(p) for p in verify_dump(paths[0].parent).problems)
+    # rank 1's dump lost: rank 0's copy of it completes the state
+    shutil.rmtree(paths[1])
+    assert bitwise_equal(open_dump(paths[0]).model_state()["grid"], full)
+    assert [str(p) for p in verify_dump(paths[0].parent).problems] == [
+        "rank-00001: rank dump is missing (that rank did not finish writing)" + COMPLETE]
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda c: c.update(of="rng.safetensors"), "layout.copies"),
+    (lambda c: c.update(rank=-1), "rank"),
+    (lambda c: c["shards"]["grid"].update(shape=[4000, 6]), "do not fit"),
+    (lambda c: c["shards"].update(ghost={"offsets": [0], "shape": [1], "flat": True}), "not in layout.tensors"),
+    (lambda c: c["shards"]["grid"].update(offsets=[1, 0]), "overlapping"),
+])
+def test_a_lying_copy_is_refused_before_anything_is_allocated(tmp_path, edit, words):
+    paths, _ = _box_dumps(tmp_path, ROWS, copies=True)
+    shutil.rmtree(paths[0])
+    _edit_manifest(paths[1], lambda m: edit(m["layout"]["copies"]["copy-00000-model.safetensors"]))
+    with pytest.raises(DumpCorruptError, match=words):
+        open_dump(paths[1]).model_state()
+
+
+def test_a_copy_under_a_name_outside_the_dump_is_refused(tmp_path):
+    paths, _ = _box_dumps(tmp_path, ROWS, copies=True)
+    _edit_manifest(paths[1], lambda m: m["layout"].update(
+        copies={"../rank-00000/model.safetensors": m["layout"]["copies"]["copy-00000-model.safetensors"]}))
+    with pytest.raises(DumpCorruptError, match="not a plain file name"):
+        open_dump(paths[1]).model_state()
+
+
+@pytest.mark.parametrize("world, per_node, count, expected", [
+    (8, 4, 1, [4]),        # two nodes: the buddy is on the other node
+    (16, 4, 2, [4, 8]),    # copies on two other nodes
+    (4, 4, 1, [1]),        # one node: the next rank
+    (4, 2, 3, [2, 1, 3]),  # more copies than nodes: other nodes first, then neighbours; never itself
+    (3, 3, 5, [1, 2]),     # never more buddies than other ranks
+])
+def test_buddies_sit_on_other_nodes_first(world, per_node, count, expected):
+    assert buddy_offsets(world, per_node, count) == expected
 
 
 @pytest.mark.parametrize("boxes", [
@@ -202,6 +261,10 @@ def test_replicated_tensors_are_spread_by_bytes_and_every_rank_agrees():
     assert max(loads) <= 1.05 * sum(sizes.values()) / 4
     twice = Assignment(sizes, world_size=4, replicas=2).writers
     assert all(len(set(ranks)) == 2 for ranks in twice.values())
+    across = Assignment(sizes, world_size=4, replicas=2, per_node=2).writers  # two nodes of two ranks
+    assert all(len({rank // 2 for rank in ranks}) == 2 for ranks in across.values())  # never both on one node
+    loads = [sum(sizes[n] for n, ranks in across.items() if rank in ranks) for rank in range(4)]
+    assert max(loads) <= 1.05 * 2 * sum(sizes.values()) / 4
 
 
 def test_pack_takes_the_whole_step_of_a_sharded_dump_and_inspect_says_it_is_sharded(tmp_path):

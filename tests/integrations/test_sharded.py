@@ -72,17 +72,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_nodes_write_node_local_dumps_that_replay_together(harness, tmp_path):
-    """`torchrun --nnodes=2` launched twice on one host (c10d rendezvous), one process per node, each node with
-    its own dump_dir; `forensics replay` of node 0's step with `--shards` pointing at node 1's directory."""
-    harness.requires("transformers")
+def _two_nodes(harness, tmp_path, per_node: int, *extra: str) -> list[str]:
+    """`torchrun --nnodes=2` launched twice on one host (c10d rendezvous), `per_node` processes each, every node
+    with its own dump_dir (tmp_path/node0, node1); returns the two launches' output."""
     port = _free_port()
     procs = []
     for node in (0, 1):
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
-                   "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                   f"--nproc_per_node={per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                    "--rdzv-id=forensics-two-nodes", str(harness.EXAMPLES / "fsdp2_example.py"),
-                   "--dump-dir", str(tmp_path / f"node{node}"), "--run-id", "nodes"]
+                   "--dump-dir", str(tmp_path / f"node{node}"), "--run-id", "nodes", *extra]
         procs.append(subprocess.Popen(command, cwd=str(harness.REPO), env=harness._env(None), text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     outputs = []
@@ -93,6 +92,14 @@ def test_two_nodes_write_node_local_dumps_that_replay_together(harness, tmp_path
             for p in procs:
                 p.kill()
             pytest.fail("the two-node launch hung")
+    return outputs
+
+
+def test_two_nodes_write_node_local_dumps_that_replay_together(harness, tmp_path):
+    """One process per node, each node with its own dump_dir; `forensics replay` of node 0's step with `--shards`
+    pointing at node 1's directory."""
+    harness.requires("transformers")
+    outputs = _two_nodes(harness, tmp_path, 1)
     step = f"step-{harness.BAD_STEP:09d}"
     node0, node1 = tmp_path / "node0" / "nodes" / step, tmp_path / "node1" / "nodes" / step
     assert [p.name for p in node0.iterdir()] == ["rank-00000"], outputs[0][-3000:]
@@ -104,6 +111,29 @@ def test_two_nodes_write_node_local_dumps_that_replay_together(harness, tmp_path
     assert verify_dump(node0, shard_dirs=[tmp_path / "node1"]).ok
     out = CliRunner().invoke(main, ["replay", str(node0), "--device", "cpu", "--rank", "1", "--shards",
                                     str(tmp_path / "node1"), "--json", "-o", str(tmp_path / "report")])
+    assert out.exit_code == 0, out.output
+    report = json.loads(out.output[out.output.index("{"):])
+    assert [s["sample_id"] for s in report["culprit"]["samples"]] == [harness.POISON]
+
+
+def test_with_two_replicas_one_node_replays_alone_when_the_other_node_is_lost(harness, tmp_path):
+    """Two nodes x 2 ranks, GuardConfig(shard_replicas=2): each rank's buddy is the same local rank on the other
+    node, so node 0's disk alone holds the whole state (its ranks' shards and copies of node 1's); node 1's disk
+    is lost, and rank 1 (sample 29 lands there with four ranks: step 1) replays from node 0 alone."""
+    harness.requires("transformers")
+    outputs = _two_nodes(harness, tmp_path, 2, "--replicas", "2")
+    node0 = tmp_path / "node0" / "nodes" / "step-000000001"
+    assert sorted(p.name for p in node0.iterdir()) == ["rank-00000", "rank-00001"], outputs[0][-3000:]
+    for rank in (0, 1):
+        copies = json.loads((node0 / f"rank-{rank:05d}" / "manifest.json").read_text())["layout"]["copies"]
+        assert {c["rank"] for c in copies.values()} == {rank + 2}  # from the other node, not the neighbour
+    shutil.rmtree(tmp_path / "node1")
+    check = verify_dump(node0)
+    assert check.missing_ranks == [2, 3]
+    assert [str(p) for p in check.problems] == [
+        f"rank-{r:05d}: rank dump is missing (that rank did not finish writing)" + COMPLETE for r in (2, 3)]
+    out = CliRunner().invoke(main, ["replay", str(node0), "--device", "cpu", "--rank", "1", "--json",
+                                    "-o", str(tmp_path / "report")])
     assert out.exit_code == 0, out.output
     report = json.loads(out.output[out.output.index("{"):])
     assert [s["sample_id"] for s in report["culprit"]["samples"]] == [harness.POISON]
