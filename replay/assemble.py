@@ -15,7 +15,7 @@ from replay.environment import replay_environment
 from replay.execute import StepRunner
 from replay.findings import Findings
 from replay.load import ReplaySession, finite_float
-from replay.localize import ROOT_MODULE
+from replay.localize import INPUT_MODULE, ROOT_MODULE
 from replay.per_sample import rank_by_loss
 from replay.remedies import tested_suggestions
 from replay.samples import tensor_leaves
@@ -105,8 +105,9 @@ def culprit_block(findings: Findings, rank: int) -> dict:
              "stats": {"inputs_absmax": None, "outputs_absmax": None, "params_absmax": None},
              "traceback": None}
     if forward is not None:
+        from_data = (forward.module or "").startswith(INPUT_MODULE + ".")  # a batch field, named in `module`, not a parameter
         block.update(module=forward.module, op=forward.op, phase=Phase.FORWARD, stats=dict(forward.stats),
-                     parameter=forward.nonfinite_inputs[0] if forward.nonfinite_inputs else None)
+                     parameter=forward.nonfinite_inputs[0] if forward.nonfinite_inputs and not from_data else None)
     elif backward is not None:
         block.update(module=backward.module, op=backward.op, phase=Phase.BACKWARD, parameter=backward.parameter,
                      traceback=backward.traceback)

@@ -208,8 +208,9 @@ def _layout(c: _Checker, layout: Any, version: int) -> None:
         raise c.fail("layout.copies", f"lists {len(copies)} files (at most {MAX_COPIES} source ranks' copies)")
     for stored, entry in (copies or {}).items():
         field = f"layout.copies[{_short(stored)}]"
-        if not safe_name(stored):
-            raise c.fail("layout.copies", f"names {_short(stored)}, which is not a plain file name inside the dump")
+        if not safe_name(stored) or stored in spec.SHARDED_FILES:
+            raise c.fail("layout.copies", f"names {_short(stored)}, which is not a plain file name inside the dump "
+                                          "apart from its own state files")
         c.kind(entry, field, dict, optional=False)
         if entry.get("of") not in spec.SHARDED_FILES:
             raise c.fail(f"{field}.of", f"must be one of {list(spec.SHARDED_FILES)}, got {_short(entry.get('of'))}")

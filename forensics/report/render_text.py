@@ -171,7 +171,8 @@ def location_sentence(report: Mapping) -> str | None:
         text += ": " + ", ".join(facts)
     text += "."
     if param:
-        text += f" First parameter with a non-finite gradient: {clean(param)}."
+        text += (f" First parameter with a non-finite gradient: {clean(param)}." if phase == "backward" else
+                 f" Non-finite parameter feeding it: {clean(param)}.")
     if opt_state:
         text += f" Optimizer state: {clean(opt_state)}."
     return text

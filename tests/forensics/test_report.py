@@ -448,3 +448,17 @@ def test_no_per_layer_plot_when_every_value_is_non_finite():
     assert plot_per_layer(report) is None
     report["per_layer"][2]["grad_norm"] = 3.0
     assert plot_per_layer(report) is not None
+
+
+@pytest.mark.parametrize("phase, words", [
+    ("forward", "Non-finite parameter feeding it: transformer.h.0.mlp.c_fc.weight."),
+    ("backward", "First parameter with a non-finite gradient: transformer.h.0.mlp.c_fc.weight."),
+])
+def test_the_parameter_is_described_by_the_phase_that_named_it(phase, words):
+    from forensics.report.render_text import location_sentence
+
+    report = {"trigger": {"kind": "nonfinite_loss"}, "culprit": {
+        "module": "transformer.h.0.mlp.c_fc", "op": "aten::addmm", "phase": phase,
+        "parameter": "transformer.h.0.mlp.c_fc.weight", "stats": {}}}
+    text = location_sentence(report)
+    assert words in text and text.count("parameter") == 1

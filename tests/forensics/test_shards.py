@@ -182,10 +182,11 @@ def test_a_lying_copy_is_refused_before_anything_is_allocated(tmp_path, edit, wo
         open_dump(paths[1]).model_state()
 
 
-def test_a_copy_under_a_name_outside_the_dump_is_refused(tmp_path):
+@pytest.mark.parametrize("stored", ["../rank-00000/model.safetensors", "model.safetensors"])
+def test_a_copy_outside_the_dump_or_in_its_own_state_file_is_refused(tmp_path, stored):
     paths, _ = _box_dumps(tmp_path, ROWS, copies=True)
     _edit_manifest(paths[1], lambda m: m["layout"].update(
-        copies={"../rank-00000/model.safetensors": m["layout"]["copies"]["copy-00000-model.safetensors"]}))
+        copies={stored: m["layout"]["copies"]["copy-00000-model.safetensors"]}))
     with pytest.raises(DumpCorruptError, match="not a plain file name"):
         open_dump(paths[1]).model_state()
 
