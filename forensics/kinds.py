@@ -148,6 +148,16 @@ _TRIGGER_PROPS = {
 }
 
 
+class SampleFactKind(_Kind):
+    """What replay/sample_facts.py found odd in a culprit sample's own data (most telling first)."""
+
+    LABELS_MASKED = "labels_masked"
+    NO_ATTENTION = "no_attention"
+    NONFINITE_VALUES = "nonfinite_values"
+    EXTREME_VALUES = "extreme_values"
+    ALL_ZERO = "all_zero"
+
+
 class Phase(_Kind):
     """Where the first non-finite value appeared (report `culprit.phase`)."""
 

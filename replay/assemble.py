@@ -18,6 +18,7 @@ from replay.load import ReplaySession, finite_float
 from replay.localize import INPUT_MODULE, ROOT_MODULE
 from replay.per_sample import rank_by_loss
 from replay.remedies import tested_suggestions
+from replay.sample_facts import describe
 from replay.samples import tensor_leaves
 from replay.verdict import VerdictFacts, decide_verdict
 
@@ -99,8 +100,13 @@ def _exception_block(findings: Findings, session: ReplaySession) -> dict:
 def culprit_block(findings: Findings, rank: int) -> dict:
     """The report's `culprit` block: the samples, and where the first non-finite value appeared."""
     forward, backward, optimizer = findings.forward, findings.backward, findings.optimizer
-    block = {"samples": [{"sample_id": r.sample_id, "micro_batch": r.micro_batch, "index": r.index, "rank": rank}
-                         for r in findings.culprits],
+    samples = []
+    for ref in findings.culprits:
+        sample = {"sample_id": ref.sample_id, "micro_batch": ref.micro_batch, "index": ref.index, "rank": rank}
+        if ref in findings.sample_facts:
+            sample["description"] = describe(findings.sample_facts[ref])
+        samples.append(sample)
+    block = {"samples": samples,
              "module": None, "op": None, "phase": None, "parameter": None, "optimizer_state": None,
              "stats": {"inputs_absmax": None, "outputs_absmax": None, "params_absmax": None},
              "traceback": None}
@@ -150,6 +156,7 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
         optimizer_class=findings.optimizer.optimizer_class if findings.optimizer is not None else None,
         inputs_absmax=stats.get("inputs_absmax"), outputs_absmax=stats.get("outputs_absmax"),
         culprit_samples=[r.sample_id for r in findings.culprits],
+        culprit_facts=[fact for r in findings.culprits for fact in findings.sample_facts.get(r, [])],
         culprit_subset_size=len(findings.culprits), candidates=len(session.sample_refs),
         bisect_runs=findings.bisection.runs, all_subsets_fail=findings.bisection.all_failed,
         weights_nonfinite_at_start=bool(findings.weights_nonfinite),

@@ -41,6 +41,7 @@ from replay.sizes import outlier_refs, size_block
 from replay.remedy_followup import follow_remedies
 from replay.window import Checkpoint, data_recipe, dump_snapshot, load_checkpoint, replay_window, window_block
 from replay.rng_dependence import check_rng_dependence
+from replay.sample_facts import describe_samples
 from replay.samples import select_samples
 from replay.user_code import as_user_error
 
@@ -240,6 +241,7 @@ def run_session(session: ReplaySession, options: ReplayOptions | None = None, pr
     elif findings.reproduced and options.bisect and not data_independent and refs:
         _stage(progress, f"bisecting {len(refs)} samples")
         findings.bisection = _bisect(runner, refs, findings.kind, findings.threshold, options)
+    findings.sample_facts = describe_samples(session.micro_batches, findings.culprits)
     if raised:
         pass
     elif options.fp32_check and findings.reproduced:

@@ -15,6 +15,7 @@ from replay.execute import Reproduction, SampleRef
 from replay.localize import BackwardFinding, ForwardFinding
 from replay.localize_exception import ExceptionFinding
 from replay.localize_update import OptimizerFinding
+from replay.sample_facts import SampleFact
 
 
 @dataclass
@@ -78,6 +79,8 @@ class Findings:
     """Corrupted embedding -> the samples whose ids hit its bad rows (None: no corrupted embedding)."""
     sizes: dict | None = None
     """Out of memory: the step's sample sizes, largest and outliers (replay/sizes.py; report exception.sizes)."""
+    sample_facts: dict[SampleRef, list[SampleFact]] = field(default_factory=dict)
+    """What is odd in each culprit's own data (replay/sample_facts.py): the report's sample `description`."""
 
     @property
     def culprits(self) -> list[SampleRef]:

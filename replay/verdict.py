@@ -24,8 +24,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from forensics.kinds import HistoryPattern, Phase, RemedyKind, TriggerKind, VerdictKind
+from forensics.kinds import HistoryPattern, Phase, RemedyKind, SampleFactKind, TriggerKind, VerdictKind
 from forensics.report.wording import fmt_id, fmt_num, mb_number
+from replay.sample_facts import SampleFact
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ class VerdictFacts:
     outputs_absmax: float | None = None
     culprit_samples: list[Any] = field(default_factory=list)
     """Sample ids of the culprit subset bisection found ([] if none or not run)."""
+    culprit_facts: list[SampleFact] = field(default_factory=list)
+    """What is odd in the culprits' own data (replay/sample_facts.py), most telling first."""
     remedies: dict[str, bool | None] = field(default_factory=dict)
     """RemedyKind value -> whether that change made the step healthy (replay/remedies.py; absent: not tried).
     A suggestion the remedies showed to be useless is not made."""
@@ -606,6 +609,28 @@ _RECORD_HINTS = {
 }
 
 
+_FACT_FIXES = {
+    SampleFactKind.LABELS_MASKED: "drop samples with no supervised token before batching (a prompt truncated past "
+                                  "its answer, an empty completion), or divide the summed loss by max(number of "
+                                  "label tokens, 1).",
+    SampleFactKind.NO_ATTENTION: "drop samples left with zero tokens (by truncation or filtering) before batching.",
+    SampleFactKind.NONFINITE_VALUES: "fix the preprocessing that produced them (a division by zero, log of 0, a "
+                                     "corrupted or truncated file) or drop the record.",
+    SampleFactKind.EXTREME_VALUES: "check this field's units and scaling in preprocessing (normalise or clip it), "
+                                   "or drop the record.",
+    SampleFactKind.ALL_ZERO: "drop such records, or guard the division (clamp the sum or norm to at least eps).",
+}
+
+
+def _data_hint(f: VerdictFacts) -> str:
+    """The first suggestion about the culprit's record: what its data shows, else where to look."""
+    if not f.culprit_facts:
+        return _RECORD_HINTS[f.data_kind or "tokens"]
+    fact = f.culprit_facts[0]
+    who = _id(f.culprit_samples[0]) if len(f.culprit_samples) == 1 else "A culprit sample"
+    return f"{who}: {fact.words}. Fix: {_FACT_FIXES[fact.kind]}"
+
+
 def _exception(f: VerdictFacts) -> dict:
     """The step raises on replay too: where, which samples, and the data that made it raise."""
     what = f.exception_type or "an exception"
@@ -688,7 +713,7 @@ def _bad_sample(f: VerdictFacts) -> dict:
                    "from the last checkpoint before "
                    f"{f'step {f.step}' if f.step is not None else 'the failing step'} with the same RNG and "
                    "data position.",
-                   _RECORD_HINTS[f.data_kind or "tokens"]]
+                   _data_hint(f)]
     if (f.culprit_subset_size or 0) > 1 and not f.culprits_each_fail_alone:
         suggestions.insert(1, "These samples fail only together: look for a computation they share across "
                               "the batch (normalisation statistics, a loss averaged over all tokens, a sum "

@@ -199,10 +199,7 @@ def culprit_sentence(report: Mapping) -> str | None:
             where.append(mb_phrase(s["micro_batch"], n_mb))
         if s.get("index") is not None:
             where.append(f"batch[{clean(s['index'])}]")
-        text = fmt_id(s.get("sample_id")) + (f" ({', '.join(where)})" if where else "")
-        if s.get("description"):
-            text += f" — {clean(s['description'], 200)}"
-        return text
+        return fmt_id(s.get("sample_id")) + (f" ({', '.join(where)})" if where else "")
 
     if len(samples) == 1:
         text = f"Culprit: sample {one(samples[0])} alone"
@@ -212,7 +209,14 @@ def culprit_sentence(report: Mapping) -> str | None:
         text = f"Culprit: {len(samples)} samples together: {listed}"
         if more > 0:
             text += f"; and {more} more (see report.md)"
-    return text + (f" — {found}." if found else ".")
+    text += f" — {found}." if found else "."
+    described = [s for s in samples[:MAX_LISTED_SAMPLES] if s.get("description")]
+    if len(samples) == 1 and described:
+        text += f" Its data: {clean(described[0]['description'], 200)}."
+    elif described:
+        text += " Their data: " + "; ".join(f"{fmt_id(s.get('sample_id'))}: {clean(s['description'], 200)}"
+                                             for s in described) + "."
+    return text
 
 
 def bisection_phrase(bis: Mapping) -> str | None:

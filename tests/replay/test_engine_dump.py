@@ -59,7 +59,9 @@ def test_guard_dump_replays_to_the_poisoned_sample(tmp_path, helpers, kit):
     assert fidelity["mode"] == "bitwise" and fidelity["bitwise_equal"] is True  # dropout RNG restored
     assert fidelity["replayed_losses"][0] == fidelity["recorded_losses"][0]
     assert report["verdict"]["kind"] == "bad_sample"
-    assert report["culprit"]["samples"] == [{"sample_id": "s3-m1-2", "micro_batch": 1, "index": 2, "rank": 0}]
+    assert report["culprit"]["samples"] == [{"sample_id": "s3-m1-2", "micro_batch": 1, "index": 2, "rank": 0,
+                                             "description": "its inputs_embeds reaches 1e+38, 3.12e+37x the other "
+                                                            "samples' largest (3.2)"}]
     assert report["culprit"]["phase"] == "forward"
     assert report["culprit"]["module"] == "transformer.h.0.ln_1"
     assert report["culprit"]["op"] == "aten::native_layer_norm"

@@ -1,0 +1,131 @@
+"""What is odd about a culprit sample's own data, in plain words, read from its replayed micro-batch (no model run).
+
+Bisection says *which* sample breaks the step; these facts say *what* about it does, from its tensors alone,
+against the other samples of the same micro-batch:
+- its labels are all the ignore index (-100): a mean loss over zero tokens is 0/0 (or only its first label is
+  not, and a causal LM's shifted loss drops that one);
+- its attention mask is all zeros: every attention score is masked;
+- a floating-point field holds NaN/Inf, or reaches values far beyond the other samples' (>= OUTLIER_RATIO x);
+- a floating-point field is all zeros where the other samples' are not (a per-token weight or loss mask
+  that sums to zero, an empty image).
+Each fact becomes the culprit's `description` in the report and the verdict's first suggestion. A batch
+without a recognisable field gives no fact (the generic record hint stays). Field names come from the dump:
+the renderers clean them before printing.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from forensics.kinds import SampleFactKind
+from forensics.report.wording import clean
+from replay.execute import SampleRef
+from replay.samples import batch_size, select_samples, tensor_leaves
+
+log = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+"""The label value cross-entropy ignores (torch's and Hugging Face's default)."""
+OUTLIER_RATIO = 1e3
+"""A float field whose largest |value| is this many times the other samples' largest is named."""
+LABEL_FIELDS = ("labels", "label", "targets", "target")
+MASK_FIELDS = ("attention_mask",)
+
+
+@dataclass(frozen=True)
+class SampleFact:
+    """One odd thing about a sample's data: what kind, in which batch field, in words."""
+
+    kind: SampleFactKind
+    field: str
+    words: str
+
+
+def describe_samples(micro_batches: list[Any], refs: list[SampleRef]) -> dict[SampleRef, list[SampleFact]]:
+    """The facts of each sample in `refs` (those with none are left out). Never raises: a batch it cannot read
+    gives no facts."""
+    found = {}
+    for ref in refs:
+        try:
+            facts = sample_facts(micro_batches[ref.micro_batch], ref.index)
+        except Exception as exc:  # noqa: BLE001 - a description is a bonus; the replay's findings stand
+            log.debug("no data facts for sample %r: %s", ref.sample_id, exc)
+            continue
+        if facts:
+            found[ref] = facts
+    return found
+
+
+def sample_facts(batch: Any, index: int) -> list[SampleFact]:
+    """What is odd about sample `index` of `batch` (a micro-batch tree), most telling first."""
+    own = dict(tensor_leaves(select_samples(batch, [index])))
+    others_batch = _others(batch, index)
+    others = dict(tensor_leaves(others_batch)) if others_batch is not None else {}
+    facts: list[SampleFact] = []
+    for path, tensor in own.items():
+        name = path.rsplit(".", 1)[-1].lower()
+        if not tensor.numel():
+            continue
+        shown = clean(path, 60)
+        if name in LABEL_FIELDS and not tensor.is_floating_point() and tensor.dtype != torch.bool:
+            facts.extend(_labels(path, shown, tensor))
+        elif name in MASK_FIELDS and not tensor.is_floating_point():
+            if not bool(tensor.bool().any()):
+                facts.append(SampleFact(SampleFactKind.NO_ATTENTION, path,
+                                        f"its {shown} is all zeros: every attention score is masked"))
+        elif tensor.is_floating_point():
+            facts.extend(_floats(path, shown, tensor, others.get(path)))
+    order = list(SampleFactKind)
+    return sorted(facts, key=lambda f: order.index(f.kind))
+
+
+def describe(facts: list[SampleFact]) -> str | None:
+    """The report's one-line `description` of a sample."""
+    return "; ".join(f.words for f in facts) or None
+
+
+def _others(batch: Any, index: int) -> Any:
+    rest = [i for i in range(batch_size(batch)) if i != index]
+    return select_samples(batch, rest) if rest else None
+
+
+def _labels(path: str, shown: str, labels: torch.Tensor) -> list[SampleFact]:
+    kept = labels != IGNORE_INDEX
+    if not bool(kept.any()):
+        return [SampleFact(SampleFactKind.LABELS_MASKED, path,
+                           f"every one of its {labels.numel():,} {shown} is {IGNORE_INDEX} (ignored): a mean loss "
+                           "over zero tokens is 0/0 = NaN")]
+    if labels.dim() >= 2 and labels.shape[-1] > 1 and not bool(kept[..., 1:].any()):
+        return [SampleFact(SampleFactKind.LABELS_MASKED, path,
+                           f"only the first of its {labels.shape[-1]:,} {shown} is not {IGNORE_INDEX}, and a "
+                           "causal LM's shifted loss drops the first: a mean over zero tokens is 0/0 = NaN")]
+    return []
+
+
+def _floats(path: str, shown: str, values: torch.Tensor, others: torch.Tensor | None) -> list[SampleFact]:
+    values = values.detach().float()
+    finite = torch.isfinite(values)
+    if not bool(finite.all()):
+        nan = int(torch.isnan(values).sum())
+        inf = int((~finite).sum()) - nan
+        parts = [f"{n:,} {word}" for n, word in ((nan, "NaN"), (inf, "Inf")) if n]
+        return [SampleFact(SampleFactKind.NONFINITE_VALUES, path,
+                           f"its {shown} holds {' and '.join(parts)} (of {values.numel():,} values)")]
+    if others is None or not others.numel():
+        return []
+    other = others.detach().float()
+    other_max = float(other[torch.isfinite(other)].abs().max()) if bool(torch.isfinite(other).any()) else 0.0
+    own_max = float(values.abs().max())
+    if other_max > 0 and own_max >= OUTLIER_RATIO * other_max:
+        return [SampleFact(SampleFactKind.EXTREME_VALUES, path,
+                           f"its {shown} reaches {own_max:.3g}, {own_max / other_max:.3g}x the other samples' "
+                           f"largest ({other_max:.3g})")]
+    if own_max == 0 and other_max > 0:
+        return [SampleFact(SampleFactKind.ALL_ZERO, path,
+                           f"its {shown} is all zeros (the other samples' are not): whatever divides by its sum "
+                           "or norm divides by zero")]
+    return []
