@@ -151,6 +151,7 @@ _TRIGGER_PROPS = {
 class SampleFactKind(_Kind):
     """What replay/sample_facts.py found odd in a culprit sample's own data (most telling first)."""
 
+    TOO_LONG = "too_long"
     LABELS_MASKED = "labels_masked"
     NO_ATTENTION = "no_attention"
     NONFINITE_VALUES = "nonfinite_values"

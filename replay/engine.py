@@ -37,11 +37,11 @@ from replay.localize_update import localize_optimizer, per_layer_stats
 from replay.per_sample import per_sample_stats
 from replay.precision import fp32_check, uses_low_precision
 from replay.remedies import try_remedies
-from replay.sizes import outlier_refs, size_block
+from replay.sizes import longer_than, outlier_refs, size_block
 from replay.remedy_followup import follow_remedies
 from replay.window import Checkpoint, data_recipe, dump_snapshot, load_checkpoint, replay_window, window_block
 from replay.rng_dependence import check_rng_dependence
-from replay.sample_facts import describe_samples
+from replay.sample_facts import describe_samples, too_long
 from replay.samples import select_samples
 from replay.user_code import as_user_error
 
@@ -236,12 +236,16 @@ def run_session(session: ReplaySession, options: ReplayOptions | None = None, pr
         _stage(progress, "measuring the samples' sizes (out of memory)")
         findings.sizes = size_block(session.micro_batches, refs)
         largest = outlier_refs(findings.sizes, refs)
+    elif raised and findings.exception is not None and findings.exception.context_limit:
+        longer = longer_than(session.micro_batches, refs, findings.exception.context_limit)
+        largest = [s.ref for s in longer]
+        findings.sample_facts = {s.ref: [too_long(s.tokens, findings.exception.context_limit)] for s in longer}
     if largest:  # padding makes its micro-batch fail whichever of its samples run: the size names the culprit
         findings.bisection.culprits = largest
     elif findings.reproduced and options.bisect and not data_independent and refs:
         _stage(progress, f"bisecting {len(refs)} samples")
         findings.bisection = _bisect(runner, refs, findings.kind, findings.threshold, options)
-    findings.sample_facts = describe_samples(session.micro_batches, findings.culprits)
+    findings.sample_facts = {**describe_samples(session.micro_batches, findings.culprits), **findings.sample_facts}
     if raised:
         pass
     elif options.fp32_check and findings.reproduced:

@@ -37,6 +37,8 @@ class ExceptionFinding:
     """Plain words about the data that made the op raise (the out-of-range values), or None."""
     bad_values: list[dict] = field(default_factory=list)
     """[{"value", "limit", "sample_id", "micro_batch", "index", "position"}] for out-of-range indices."""
+    context_limit: int | None = None
+    """A position embedding ran out of positions: the model's context length (a sample longer than it)."""
 
 
 class _RaisingOp(TorchDispatchMode):
@@ -78,8 +80,12 @@ def localize_exception(runner: StepRunner, samples: list[SampleRef] | None = Non
     index = raised["micro_batch"]
     rows = _rows(samples, index, len(session.sample_ids[index]) if index < len(session.sample_ids) else 0)
     bad = _out_of_range(found, [session.sample_ids[index][r] for r in rows], rows, index) if found else []
-    detail = None
-    if bad:
+    detail, context = None, None
+    if bad and bad[0]["what"] == "position":
+        context = bad[0]["limit"]
+        detail = (f"position {bad[0]['value']} \u2265 the model's {context} positions (its context length): the "
+                  f"micro-batch is {bad[0]['length']} tokens long")
+    elif bad:
         first = bad[0]
         bound = {"token id": "vocabulary size", "label": "number of classes"}.get(first["what"], "size")
         value = (f"{first['what']} {first['value']} < 0" if first["value"] < 0 else
@@ -90,7 +96,18 @@ def localize_exception(runner: StepRunner, samples: list[SampleRef] | None = Non
     return ExceptionFinding(type=raised["type"], message=raised["message"],
                             module=found["module"] if found else None, op=found["op"] if found else None,
                             micro_batch=index, phase=Phase.BACKWARD if raised["phase"] == "backward" else Phase.FORWARD,
-                            detail=detail, bad_values=bad)
+                            detail=detail, bad_values=bad, context_limit=context)
+
+
+def _positions(indices: Any) -> bool:
+    """Index values that count 0, 1, 2, ... along the last dimension in every row: position ids (a position
+    embedding), not token ids."""
+    if not isinstance(indices, torch.Tensor) or indices.is_floating_point() or indices.dim() < 1 \
+            or indices.shape[-1] < 2:
+        return False
+    rows = indices.reshape(-1, indices.shape[-1])
+    steps = torch.arange(rows.shape[-1], device=rows.device, dtype=rows.dtype)
+    return bool(((rows - rows[:, :1]) == steps).all())
 
 
 def _rows(samples: list[SampleRef] | None, micro_batch: int, size: int) -> list[int]:
@@ -105,7 +122,7 @@ def _out_of_range(found: dict, sample_ids: list, rows: list[int], micro_batch: i
     op, args = found["op"], found["args"]
     checks: list[tuple[torch.Tensor, int, str, int]] = []  # (indices, limit, what, batch dim)
     if op == "aten::embedding" and len(args) >= 2:
-        checks.append((args[1], args[0].shape[0], "token id", 0))
+        checks.append((args[1], args[0].shape[0], "position" if _positions(args[1]) else "token id", 0))
     elif op == "aten::index_select" and len(args) >= 3:
         checks.append((args[2], args[0].shape[args[1]], "index", -1))
     elif op in ("aten::nll_loss_forward", "aten::nll_loss2d_forward", "aten::nll_loss_nd") and len(args) >= 2:
@@ -115,6 +132,14 @@ def _out_of_range(found: dict, sample_ids: list, rows: list[int], micro_batch: i
     out = []
     for indices, limit, what, batch_dim in checks:
         if not isinstance(indices, torch.Tensor) or indices.is_floating_point():
+            continue
+        if what == "position":  # the same positions for every sample: the micro-batch's length, no one row
+            last = indices.reshape(-1, indices.shape[-1])[0]
+            over = (last >= limit).nonzero().reshape(-1).tolist()
+            if over:
+                out.append({"what": what, "value": int(last[over[0]]), "limit": int(limit), "sample_id": None,
+                            "micro_batch": micro_batch, "index": None, "position": over[0],
+                            "length": int(indices.shape[-1])})
             continue
         mask = (indices < 0) | (indices >= limit)
         if what == "label":

@@ -83,6 +83,12 @@ def sample_facts(batch: Any, index: int) -> list[SampleFact]:
     return sorted(facts, key=lambda f: order.index(f.kind))
 
 
+def too_long(tokens: int, limit: int) -> SampleFact:
+    """A sample longer than the model's context (found by replay/sizes.py from its attention mask)."""
+    return SampleFact(SampleFactKind.TOO_LONG, "attention_mask",
+                      f"it is {tokens:,} tokens long, beyond the model's {limit:,} positions")
+
+
 def describe(facts: list[SampleFact]) -> str | None:
     """The report's one-line `description` of a sample."""
     return "; ".join(f.words for f in facts) or None

@@ -80,6 +80,15 @@ def size_block(micro_batches: list[Any], refs: list[SampleRef]) -> dict | None:
             "outliers": [s.as_dict() for s in outliers[:SHOWN]], "outlier_factor": OUTLIER_FACTOR}
 
 
+def longer_than(micro_batches: list[Any], refs: list[SampleRef], limit: int) -> list[SampleSize]:
+    """The samples whose own length (their attention_mask tokens: padding does not count) exceeds `limit`, the
+    model's context length, longest first; [] when the micro-batches have no attention mask to say."""
+    sizes, measure = sample_sizes(micro_batches, refs)
+    if measure != "attention_mask":
+        return []
+    return sorted((s for s in sizes if s.tokens > limit), key=lambda s: -s.tokens)
+
+
 def outlier_refs(block: dict | None, refs: list[SampleRef]) -> list[SampleRef]:
     """The SampleRefs of the block's outliers."""
     wanted = {(o["micro_batch"], o["index"]) for o in (block or {}).get("outliers") or []}

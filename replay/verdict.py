@@ -610,6 +610,9 @@ _RECORD_HINTS = {
 
 
 _FACT_FIXES = {
+    SampleFactKind.TOO_LONG: "truncate samples to the model's context length (the tokenizer's max_length or the "
+                             "collate function), or drop them; raising max_position_embeddings needs the new "
+                             "positions trained.",
     SampleFactKind.LABELS_MASKED: "drop samples with no supervised token before batching (a prompt truncated past "
                                   "its answer, an empty completion), or divide the summed loss by max(number of "
                                   "label tokens, 1).",
@@ -656,6 +659,8 @@ def _exception(f: VerdictFacts) -> dict:
         ids = ", ".join(_id(s) for s in f.culprit_samples[:MAX_NAMED_SAMPLES])
         suggestions.append(f"Filter {ids} from the training data (blocklist.jsonl lists the culprits) and fix the "
                            "record: the rest of the step runs.")
+        if f.culprit_facts:
+            suggestions.append(_data_hint(f))
     if f.exception_detail and ("token id" in f.exception_detail or "index" in f.exception_detail):
         suggestions.append("An id at or above the embedding's size: check that the tokenizer and the model agree on "
                            "the vocabulary size (added special tokens need model.resize_token_embeddings), and that "

@@ -101,6 +101,10 @@ def reproduction_sentence(report: Mapping) -> str:
     attempts = fid.get("attempts")
     att = f"{attempts} attempt{'s' if attempts != 1 else ''}" if isinstance(attempts, int) else None
     if report.get("reproduced"):
+        compared = any(v is not None for v in fid.get("recorded_losses") or []) or fid.get("grad_norm_compared")
+        if not compared and fid.get("recorded_losses") is not None:
+            return (f"Reproduced {on}" + (f", {att}" if att else "") + ": it raised where the job did, before any "
+                    "loss the job recorded, so there is no value to compare bit for bit.")
         if fid.get("bitwise_equal") or (fid.get("mode") == "bitwise" and fid.get("bitwise_equal") is not False):
             how = "bitwise"
         elif fid.get("mode") == "tolerance":

@@ -70,6 +70,48 @@ def test_out_of_range_token_ids_dumped_and_replayed_to_the_sample_and_the_value(
     assert "token id 300 \u2265 vocabulary size 64 at position 6" in report["verdict"]["headline"]
 
 
+def test_a_sample_longer_than_the_context_is_named_though_padding_makes_every_subset_fail(tmp_path):
+    """Dynamic padding: one 24-token document in a micro-batch of 8-token ones, with GPT-2's 16 positions. The
+    position embedding raises for the whole padded micro-batch, so bisection alone would blame the model; the
+    replay reads the position ids and the samples' attention masks and names the document by its length."""
+    model = tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="long"))
+    data = torch.Generator().manual_seed(0)
+    with pytest.raises(IndexError):
+        for step in range(4):
+            with guard.capture_errors():
+                lengths = [24 if (step, i) == (2, 1) else 6 + i for i in range(4)]
+                width = max(lengths)
+                ids = torch.zeros(4, width, dtype=torch.long)
+                mask = torch.zeros_like(ids)
+                for i, n in enumerate(lengths):
+                    ids[i, :n] = torch.randint(1, 64, (n,), generator=data)
+                    mask[i, :n] = 1
+                labels = ids.masked_fill(mask == 0, -100)
+                guard.record_batch({"input_ids": ids, "attention_mask": mask, "labels": labels,
+                                    "sample_ids": [f"doc-{step}-{i}" for i in range(4)]})
+                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+                guard.record_loss(loss)
+                loss.backward()
+                if guard.check():
+                    optimizer.step()
+                optimizer.zero_grad()
+    out = tmp_path / "report"
+    result = replay(guard.dumps[0], "-o", out)
+    assert result.exit_code == 0, (result.stdout, result.stderr, result.exception)
+    report = json.loads((out / "report.json").read_text())
+    assert report["verdict"]["kind"] == "exception"
+    [culprit] = report["culprit"]["samples"]
+    assert culprit["sample_id"] == "doc-2-1"
+    assert culprit["description"] == "it is 24 tokens long, beyond the model's 16 positions"
+    assert report["culprit"]["module"] == "transformer.wpe"
+    assert ("position 16 \u2265 the model's 16 positions (its context length): the micro-batch is 24 tokens long"
+            in report["verdict"]["headline"])
+    assert not any("vocabulary" in s for s in report["verdict"]["suggestions"])  # not a tokenizer mismatch
+    assert "there is no value to compare bit for bit" in result.output
+
+
 LABEL_MODEL = textwrap.dedent('''
     import torch
 
