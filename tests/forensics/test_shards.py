@@ -277,3 +277,53 @@ def test_pack_takes_the_whole_step_of_a_sharded_dump_and_inspect_says_it_is_shar
     _assert_state_equals(open_dump(tmp_path / "step.tar.zst", rank=1), originals)
     shown = CliRunner().invoke(main, ["inspect", str(paths[1])])
     assert shown.exit_code == 0 and "state: sharded" in shown.output, shown.output
+
+
+FUZZ_VALUES = [5, -1, 0, "x", [1], [0, 0], [1 << 40, 1], {}, None, True, 2 ** 63, 1e308, "../../escaped",
+               "model.safetensors", "copy-00000-model.safetensors", "\x1b]0;pwned\x07", [[[[]]]]]
+
+
+def test_fuzzed_sharded_layouts_give_dump_errors_never_a_crash_or_a_huge_allocation(tmp_path):
+    """Random nodes of a sharded manifest's `layout` (tables, shards and buddy copies) replaced by hostile values:
+    reading the state and verifying the step either succeed or raise DumpError; nothing else escapes."""
+    import random
+    import resource
+
+    from forensics.errors import DumpError
+
+    rng = random.Random(20261126)
+    pristine, _ = _box_dumps(tmp_path / "pristine", ROWS, copies=True)
+    start_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    outcomes = {"ok": 0, "refused": 0}
+    for trial in range(200):
+        root = tmp_path / f"m{trial}"
+        shutil.copytree(pristine[0].parents[2], root)
+        paths = [root / p.relative_to(pristine[0].parents[2]) for p in pristine]
+        if trial % 2:
+            shutil.rmtree(paths[0])  # half the time the copies must stand in for rank 0
+
+        def mutate(manifest):
+            nodes, stack = [], [manifest["layout"]]
+            while stack:
+                node = stack.pop()
+                for key, child in (node.items() if isinstance(node, dict) else enumerate(node)):
+                    nodes.append((node, key))
+                    if isinstance(child, (dict, list)):
+                        stack.append(child)
+            parent, key = rng.choice(nodes)
+            parent[key] = rng.choice(FUZZ_VALUES)
+
+        _edit_manifest(paths[1], mutate)
+        try:
+            state = open_dump(paths[1]).model_state()
+            assert state["grid"].numel() <= 24
+            outcomes["ok"] += 1
+        except DumpError:
+            outcomes["refused"] += 1
+        try:
+            verify_dump(paths[1].parent)  # reports problems as a list; a manifest it cannot read is a DumpError
+        except DumpError:
+            pass
+        shutil.rmtree(root)
+    assert outcomes["refused"] > 50 and outcomes["ok"] >= 1, outcomes  # the sweep reached the readers too
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - start_rss < 512 * 1024  # KiB: no huge allocation
