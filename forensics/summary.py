@@ -39,7 +39,8 @@ def _state_summary(manifest: dict) -> dict:
         return {"layout": "full"}
     rows = {(f, n): r for f, table in layout["tensors"].items() for n, r in table.items()}
     held = sum(1 for shards in layout["shards"].values() for _ in shards)
-    return {"layout": "sharded", "tensors": len(rows), "parts_here": held}
+    copies_of = sorted({int(c["rank"]) for c in (layout.get("copies") or {}).values()})
+    return {"layout": "sharded", "tensors": len(rows), "parts_here": held, "copies_of": copies_of}
 
 
 def render_summary(summary: dict) -> str:
@@ -93,6 +94,10 @@ def render_summary(summary: dict) -> str:
         lines.append(f"  state: sharded — this rank holds {state['parts_here']} parts of the {state['tensors']} tensors "
                      "of the state; replay and verify read the step's other rank dumps too (--shards DIR for "
                      "other nodes')")
+        if state.get("copies_of"):
+            ranks = ", ".join(str(r) for r in state["copies_of"])
+            lines.append(f"  buddy copies: the parts of rank(s) {ranks} too (GuardConfig.shard_replicas), used where "
+                         "their own dumps are missing")
     window = summary.get("window") or {}
     if window:
         data = (summary.get("data_recipe") or {}).get("dataset")

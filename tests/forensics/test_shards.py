@@ -156,6 +156,8 @@ def test_a_buddy_copy_serves_where_its_owner_is_missing_and_only_there(tmp_path)
     manifest = json.loads((paths[1] / "manifest.json").read_text())
     assert manifest["layout"]["copies"] == {"copy-00000-model.safetensors": {
         "of": "model.safetensors", "rank": 0, "shards": {"grid": {"offsets": [0, 0], "shape": [3, 6], "flat": False}}}}
+    shown = CliRunner().invoke(main, ["inspect", str(paths[1])])
+    assert "buddy copies: the parts of rank(s) 0 too" in shown.output, shown.output
     # both ranks present: each rank's own shard is read, so a damaged copy costs nothing (verify still says so)
     (paths[1] / "copy-00000-model.safetensors").write_bytes(b"\0" * 16)
     assert bitwise_equal(open_dump(paths[1]).model_state()["grid"], full)
