@@ -4,7 +4,7 @@ Bisection says *which* sample breaks the step; these facts say *what* about it d
 against the other samples of the same micro-batch:
 - its labels are all the ignore index (-100): a mean loss over zero tokens is 0/0 (or only its first label is
   not, and a causal LM's shifted loss drops that one);
-- its attention mask is all zeros: every attention score is masked;
+- its attention mask is all zeros: no token (a mean over its tokens is 0/0; attention masks every score);
 - a floating-point field holds NaN/Inf, or reaches values far beyond the other samples' (>= OUTLIER_RATIO x);
 - a floating-point field is all zeros where the other samples' are not (a per-token weight or loss mask
   that sums to zero, an empty image).
@@ -76,7 +76,8 @@ def sample_facts(batch: Any, index: int) -> list[SampleFact]:
         elif name in MASK_FIELDS and not tensor.is_floating_point():
             if not bool(tensor.bool().any()):
                 facts.append(SampleFact(SampleFactKind.NO_ATTENTION, path,
-                                        f"its {shown} is all zeros: every attention score is masked"))
+                                        f"its {shown} is all zeros: it has no token, so a mean over its tokens is 0/0 "
+                                        "and attention masks every score"))
         elif tensor.is_floating_point():
             facts.extend(_floats(path, shown, tensor, others.get(path)))
     order = list(SampleFactKind)
