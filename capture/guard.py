@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from capture import buddy, deferred, environment, exceptions, sharding, snapshot
+from capture.buffers import PreForwardBuffers
 from capture.host_snapshots import HostSnapshots
 from capture.agreement import Agreement, agree, deferred_termination, default_run_id, dist_info, distributed, \
     unwrap_model
@@ -110,6 +111,8 @@ class Guard:
         """The flight recorder: sample IDs, RNG and scalars of the last window_steps steps (capture/window.py)."""
         self.snapshots = HostSnapshots(self.config.snapshot_every, self.config.snapshot_count)
         """Host copies of the state every snapshot_every steps (capture/host_snapshots.py)."""
+        self.buffers = PreForwardBuffers(model)
+        """The model's buffers before the step's first forward (capture/buffers.py): dumped, restored on skip."""
         self.dtensors = sharding.has_dtensors(model)
         """The model holds DTensors (FSDP2, tensor parallel): state is written from local shards."""
         if self.dtensors and self.config.recheck:
@@ -153,6 +156,7 @@ class Guard:
         try:
             if self._current is None:
                 self._current = StepRecord()
+                self._take_buffers()
             record = self._current
             if len(record.batches) >= MAX_MICRO_BATCHES:
                 return
@@ -212,9 +216,28 @@ class Guard:
         except Exception:  # noqa: BLE001
             log.exception("forensics: the check of step %d failed inside forensics; training continues", self.step)
             decision = True
+        if not decision and not sync_free:
+            self._restore_buffers()
         self._last_step = record
         self.step += 1
         return decision
+
+    def _take_buffers(self) -> None:
+        try:
+            self.buffers.take()
+        except Exception:  # noqa: BLE001 - a convenience: the dump then holds the buffers as check() sees them
+            self.buffers.off = True
+            log.exception("forensics: copying the model's buffers before the forward failed; not tried again")
+
+    def _restore_buffers(self) -> None:
+        """A skipped step: its forward's updates to the buffers (BatchNorm running statistics) are undone too."""
+        try:
+            restored = self.buffers.restore()
+            if restored:
+                log.warning("forensics: step %d skipped; %d buffer(s) its forward had updated (e.g. BatchNorm running "
+                            "statistics) are back to their values before the step", self.step, restored)
+        except Exception:  # noqa: BLE001
+            log.exception("forensics: restoring the model's buffers after a skipped step failed")
 
     # -- adapter hooks (see the class docstring) -------------------------------------------------
     def at_step_boundary(self) -> bool:
@@ -256,8 +279,9 @@ class Guard:
         def keep(tensor: torch.Tensor) -> torch.Tensor:
             return tensor.detach()
 
-        return {"model": snapshot.model_state(self.model, keep),
-                "optimizer": snapshot.optimizer_state(self.optimizer, self.model, keep)}
+        model = snapshot.model_state(self.model, keep)
+        model.update({name: value for name, value in self.buffers.before().items() if name in model})
+        return {"model": model, "optimizer": snapshot.optimizer_state(self.optimizer, self.model, keep)}
 
     def snapshot_state(self) -> dict | None:
         """The state a host snapshot copies (references, full layout), or None after turning snapshots off with

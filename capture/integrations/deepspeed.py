@@ -217,6 +217,7 @@ class DeepSpeedGuard(DistributedGuard):
                 state[key] = _zero3_shard(tensor, tensor.ds_tensor)
             else:
                 state[key] = tensor.detach()
+        state.update({name: value for name, value in self.buffers.before().items() if name in state})
         return state
 
     def _full_weights(self, copy: snapshot.HostCopy) -> dict[str, torch.Tensor]:
@@ -230,6 +231,7 @@ class DeepSpeedGuard(DistributedGuard):
                 state[key] = gathered[id(tensor)]
             else:
                 state[key] = copy(tensor)
+        state.update({name: copy(value) for name, value in self.buffers.before().items() if name in state})
         return state
 
     def _full_value(self, param: torch.nn.Parameter, key: str | None) -> torch.Tensor | None:

@@ -1,0 +1,89 @@
+"""The model's buffers as they were before the step's first forward.
+
+BatchNorm's running statistics and `num_batches_tracked` (and any buffer a model updates in its forward) have
+already changed when check() runs after backward: a dump taken then would hold the failing step's updates (NaN
+running statistics after a NaN batch), not the pre-step state, and a skipped step would leave them in the
+model. So at the step's first `record_batch` the persistent buffers (those in the state dict) are copied into
+tensors allocated once and reused, with one fused copy on their device (no sync); the dump and the host
+snapshots take these copies, and the 'skip' policy copies them back.
+
+Above MAX_BYTES of buffers (not a BatchNorm-sized state) it turns itself off with one warning: the dump then
+holds the buffers as check() sees them (docs/DUMP_FORMAT.md says which).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MAX_BYTES = 256 * 1024 * 1024
+"""Buffers above this many bytes in all are not copied every step."""
+
+
+class PreForwardBuffers:
+    """Copies of the model's persistent buffers taken before the step's first forward."""
+
+    def __init__(self, model: torch.nn.Module):
+        names = set(model.state_dict(keep_vars=True))
+        self._slots: list[tuple[str, torch.nn.Module, str]] = []
+        for prefix, module in model.named_modules(remove_duplicate=False):
+            for attr, buffer in module._buffers.items():
+                name = f"{prefix}.{attr}" if prefix else attr
+                if buffer is not None and attr not in module._non_persistent_buffers_set and name in names:
+                    self._slots.append((name, module, attr))
+        self._saved: list[torch.Tensor] = []
+        self._taken_from: list[torch.Tensor] = []
+        self.valid = False
+        self.off = False
+
+    def take(self) -> None:
+        """Copies the buffers as they are now (call before the step's first forward)."""
+        self.valid = False
+        if self.off or not self._slots:
+            return
+        live = [module._buffers[attr] for _, module, attr in self._slots]
+        if any(t is None for t in live):  # a module dropped a buffer: stop rather than guess
+            self._turn_off("a buffer was removed from the model")
+            return
+        if [(t.shape, t.dtype, t.device) for t in live] != [(t.shape, t.dtype, t.device) for t in self._saved]:
+            if sum(t.numel() * t.element_size() for t in live) > MAX_BYTES:
+                self._turn_off(f"the model's buffers exceed {MAX_BYTES >> 20} MiB")
+                return
+            self._saved = [torch.empty_like(t) for t in live]
+        _copy_all(self._saved, [t.detach() for t in live])
+        self._taken_from = live
+        self.valid = True
+
+    def before(self) -> dict[str, torch.Tensor]:
+        """`{state-dict name: the buffer before the step's first forward}`, or {} when not taken this step."""
+        if not self.valid:
+            return {}
+        return {name: saved for (name, _, _), saved in zip(self._slots, self._saved)}
+
+    def restore(self) -> int:
+        """Puts the pre-forward values back into the model's buffers (a skipped step); returns how many."""
+        if not self.valid:
+            return 0
+        live = [module._buffers[attr] for _, module, attr in self._slots]
+        if any(a is not b for a, b in zip(live, self._taken_from)):
+            return 0  # the model swapped a buffer object since: leave it
+        _copy_all(live, self._saved)
+        return len(live)
+
+    def _turn_off(self, why: str) -> None:
+        self.off = True
+        log.warning("forensics: %s; dumps hold the buffers (e.g. BatchNorm running statistics) as check() sees "
+                    "them, after the step's forward, and a skipped step keeps their update", why)
+
+
+def _copy_all(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """One fused copy per device and dtype (torch._foreach_copy_), else one copy per tensor."""
+    with torch.no_grad():
+        if hasattr(torch, "_foreach_copy_"):
+            torch._foreach_copy_(destinations, sources)
+        else:
+            for destination, source in zip(destinations, sources):
+                destination.copy_(source)
