@@ -100,7 +100,7 @@ def _exchange_with(shards: dict[str, dict[str, LocalShard]], to: int, source: in
     _swap([torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)], [their_header], to, source)
     incoming = json.loads(their_header.cpu().numpy().tobytes().decode())
 
-    sends = _rounds([_nbytes(s.tensor) for _, _, s in outgoing])
+    sends = _rounds([s.tensor.numel() * s.tensor.element_size() for _, _, s in outgoing])
     receives = _rounds([math.prod(shape) * spec.ITEM_SIZE[dtype] for _, _, _, _, shape, dtype, _ in incoming])
     copies = ShardCopies(source, {})
     for index in range(max(len(sends), len(receives))):
@@ -150,7 +150,3 @@ def _comm_device() -> torch.device:
 
 def _as_bytes(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.detach().to(device).contiguous().reshape(-1).view(torch.uint8)
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
