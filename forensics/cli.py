@@ -127,6 +127,10 @@ def verify(dump: Path, shard_dirs: tuple[Path, ...], **limits) -> None:
         return
     for problem in result.problems:
         click.echo(clean(f"PROBLEM {problem}"), err=True)
+    if result.only_ranks_missing:
+        present = sorted(d.rank for d in result.dumps)
+        raise BadInput(f"{dump} lacks the dumps of rank(s) {result.missing_ranks} (their micro-batches are lost), but "
+                       f"its state is whole: replay rank(s) {present} (forensics replay {dump} --rank R)")
     raise BadInput(f"{dump} failed verification ({len(result.problems)} problem(s)); do not trust it for replay")
 
 

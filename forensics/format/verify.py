@@ -25,10 +25,17 @@ class VerifyResult:
     dumps: list[Dump]
     missing_ranks: list[int]
     problems: list[Problem]
+    state_whole: bool = False
+    """A sharded dump whose rank dumps found hold every part of the state (replicas or buddy copies included)."""
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    @property
+    def only_ranks_missing(self) -> bool:
+        """Every problem is a missing rank dump, and the state is whole without it: the other ranks replay."""
+        return self.state_whole and len(self.problems) == len(self.missing_ranks) > 0
 
 
 def _check_rank(dump: Dump) -> list[Problem]:
@@ -89,4 +96,4 @@ def verify_dump(path: str | Path, limits: ArchiveLimits | None = None,
     for rank in missing:
         problems.append(Problem(f"rank-{rank:05d}", f"rank dump is missing (that rank did not finish writing){covered}"))
     problems.extend(gaps)
-    return VerifyResult(dumps, missing, problems)
+    return VerifyResult(dumps, missing, problems, state_whole=whole_state and not gaps)

@@ -167,6 +167,8 @@ def test_a_buddy_copy_serves_where_its_owner_is_missing_and_only_there(tmp_path)
     assert bitwise_equal(open_dump(paths[0]).model_state()["grid"], full)
     assert [str(p) for p in verify_dump(paths[0].parent).problems] == [
         "rank-00001: rank dump is missing (that rank did not finish writing)" + COMPLETE]
+    verified = CliRunner().invoke(main, ["verify", str(paths[0].parent)])
+    assert verified.exit_code == 2 and "but its state is whole: replay rank(s) [0]" in verified.output
 
 
 @pytest.mark.parametrize("edit, words", [
