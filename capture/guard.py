@@ -115,6 +115,8 @@ class Guard:
         """The model's buffers before the step's first forward (capture/buffers.py): dumped, restored on skip."""
         self.dtensors = sharding.has_dtensors(model)
         """The model holds DTensors (FSDP2, tensor parallel): state is written from local shards."""
+        self.fsdp_units = self._fsdp_units() if self.dtensors else []
+        """FSDP2 units and their mixed-precision policies (the manifest's precision.fsdp)."""
         if self.dtensors and self.config.recheck:
             log.warning("forensics: recheck is off for a DTensor (FSDP2 / tensor-parallel) model: a forward on the "
                         "ranks that saw the fault alone would wait forever for the others")
@@ -221,6 +223,14 @@ class Guard:
         self._last_step = record
         self.step += 1
         return decision
+
+    def _fsdp_units(self) -> list[dict]:
+        try:
+            return sharding.fsdp_units(self.model)
+        except Exception:  # noqa: BLE001 - a torch whose FSDP2 internals differ: replay then computes in fp32
+            log.warning("forensics: could not read FSDP2's mixed-precision policies; replay will compute in the "
+                        "parameters' dtype", exc_info=True)
+            return []
 
     def _take_buffers(self) -> None:
         try:
@@ -657,7 +667,8 @@ class Guard:
                      "step_loss": incident.step_loss},
             "precision": {"param_dtype": str(param.dtype).removeprefix("torch.") if param is not None else None,
                           "autocast": record.autocast or {"enabled": False, "device_type": None, "dtype": None},
-                          "grad_scaler": self._scaler_state()},
+                          "grad_scaler": self._scaler_state(),
+                          **({"fsdp": self.fsdp_units} if self.fsdp_units else {})},
             "determinism": environment.determinism_flags(),
             "environment": environment.environment(),
             "recipe": self.replay_recipe(),

@@ -48,6 +48,30 @@ def reshard(model: torch.nn.Module) -> None:
             module.reshard()
 
 
+def fsdp_units(model: torch.nn.Module) -> list[dict]:
+    """Each FSDP2 unit (a module `fully_shard` wrapped) with its mixed-precision policy, in module order: the
+    manifest's `precision.fsdp`, from which replay computes in the dtypes the job did. [] without FSDP2."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return []
+    units = []
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        policy = getattr(module._get_fsdp_state(), "_mp_policy", None)
+        if policy is None:
+            continue
+
+        def dtype(value: Any) -> str | None:
+            return str(value).removeprefix("torch.") if value is not None else None
+
+        units.append({"module": name, "param_dtype": dtype(policy.param_dtype),
+                      "reduce_dtype": dtype(policy.reduce_dtype), "output_dtype": dtype(policy.output_dtype),
+                      "cast_forward_inputs": bool(policy.cast_forward_inputs)})
+    return units
+
+
 def _plain_placements(tensor: Any) -> bool:
     """Only Shard(dim) / Replicate: the local tensor is one box of the global one."""
     return all(type(p).__name__ in ("Shard", "Replicate") for p in tensor.placements)

@@ -22,6 +22,7 @@ import torch
 from forensics.errors import ForensicsError, ReplayError, is_out_of_memory
 from forensics.grad_norm import total_grad_norm
 from forensics.kinds import TriggerKind
+from replay.fsdp_precision import fsdp_compute
 from replay.load import ReplaySession, finite_float
 from replay.samples import SampleRef
 
@@ -276,7 +277,7 @@ class StepRunner:
         Args:
             samples: run only these samples (None: all). Micro-batches with none selected are skipped;
                 the others are divided by the recorded divisor, as in the job.
-            fp32: no autocast, no loss scaling, model in float32.
+            fp32: no autocast, no FSDP2 mixed precision, no loss scaling, model in float32.
             anomaly: run under torch.autograd.detect_anomaly(check_nan=True); its error is returned
                 in StepResult.error, its forward traceback in anomaly_warnings.
             restore_rng: put each micro-batch's recorded RNG back before its forward.
@@ -315,6 +316,8 @@ class StepRunner:
                 warnings.simplefilter("always")
                 if anomaly:  # its "Anomaly Detection has been enabled" warning is expected here
                     stack.enter_context(torch.autograd.detect_anomaly(check_nan=anomaly_check_nan))
+                if session.fsdp_units and not fp32:  # compute in the dtypes the job's FSDP2 units did
+                    stack.enter_context(fsdp_compute(model, session.fsdp_units))
                 for i in range(len(session.micro_batches)):
                     if selected is not None and i not in selected:
                         losses.append(None)

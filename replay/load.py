@@ -16,6 +16,7 @@ import torch
 
 from forensics.errors import DumpCorruptError, DumpError, RecipeError
 from replay.environment import dtype_from_name, environment_warnings, resolve_device, to_device
+from replay.fsdp_precision import FsdpUnit, compute_dtype, parse_units
 from replay.optimizer_state import DumpOptimizerState, OptimizerSnapshot
 from replay.recipe import LossFn, optimizer_class, resolve_recipe
 from replay.samples import SampleRef
@@ -73,6 +74,8 @@ class ReplaySession:
     world_size: int = 1
     """Ranks of the job. With more than one, the recorded grad norm covers every rank's gradients
     (after all-reduce / over all ZeRO shards), so a one-rank replay compares losses only."""
+    fsdp_units: list[FsdpUnit] = field(default_factory=list)
+    """The job's FSDP2 units and mixed-precision policies (replay/fsdp_precision.py): the step computes in them."""
 
     def new_optimizer(self) -> torch.optim.Optimizer | None:
         """A fresh optimizer over the model's parameters in its pre-step state (None if not recorded)."""
@@ -83,6 +86,11 @@ class ReplaySession:
         if not self.autocast.get("enabled"):
             return None
         return dtype_from_name(self.autocast.get("dtype") or "float16")
+
+    @property
+    def fsdp_dtype(self) -> torch.dtype | None:
+        """FSDP2 mixed precision: the low-precision dtype the job's units computed in, else None."""
+        return compute_dtype(self.fsdp_units)
 
     @property
     def scaler_enabled(self) -> bool:
@@ -203,7 +211,8 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
         expect_bitwise=_expect_bitwise(env_warnings, device, manifest.get("determinism") or {}),
         capture_environment=dict(manifest.get("environment") or {}),
         pre_step_weights=lambda: dump.iter_model_tensors(device),
-        world_size=int(getattr(dump, "world_size", None) or manifest.get("world_size") or 1))
+        world_size=int(getattr(dump, "world_size", None) or manifest.get("world_size") or 1),
+        fsdp_units=parse_units(precision.get("fsdp")))
 
 
 def _expect_bitwise(env_warnings: list[str], device: torch.device, determinism: dict) -> bool:

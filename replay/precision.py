@@ -19,9 +19,10 @@ _LOW = (torch.float16, torch.bfloat16)
 
 
 def uses_low_precision(runner: StepRunner) -> bool:
-    """True when the job ran anything below fp32: autocast, half weights, or a GradScaler."""
+    """True when the job ran anything below fp32: autocast, FSDP2 mixed precision, half weights, or a GradScaler."""
     session = runner.session
-    return session.autocast_dtype is not None or session.param_dtype in _LOW or session.scaler_enabled
+    return session.autocast_dtype is not None or session.fsdp_dtype is not None or session.param_dtype in _LOW \
+        or session.scaler_enabled
 
 
 def fp32_check(runner: StepRunner, samples: list[SampleRef] | None = None, *, kind: TriggerKind | str | None = None,
@@ -50,6 +51,8 @@ def fp32_check(runner: StepRunner, samples: list[SampleRef] | None = None, *, ki
              "fp32_reproduces": None,
              "param_dtype": str(session.param_dtype).removeprefix("torch."),
              "grad_scaler": session.scaler_enabled}
+    if session.fsdp_dtype is not None:
+        block["fsdp_param_dtype"] = str(session.fsdp_dtype).removeprefix("torch.")
     if kind is TriggerKind.NONFINITE_PARAM or not uses_low_precision(runner):
         return block
     result = runner.run(samples, fp32=True)

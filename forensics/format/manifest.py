@@ -141,6 +141,20 @@ def _precision(c: _Checker, precision: Any) -> None:
         c.kind(autocast.get("enabled"), "precision.autocast.enabled", bool)
         c.kind(autocast.get("device_type"), "precision.autocast.device_type", str)
         c.kind(autocast.get("dtype"), "precision.autocast.dtype", str)
+    units = precision.get("fsdp")
+    c.kind(units, "precision.fsdp", list)
+    if units and len(units) > MAX_TENSORS:
+        raise c.fail("precision.fsdp", f"lists {len(units)} units (at most {MAX_TENSORS})")
+    for index, unit in enumerate(units or []):
+        field = f"precision.fsdp[{index}]"
+        c.kind(unit, field, dict, optional=False)
+        c.kind(unit.get("module"), f"{field}.module", str, optional=False)
+        if len(unit["module"]) > 4096:
+            raise c.fail(f"{field}.module", "is longer than 4096 characters")
+        for key in ("param_dtype", "reduce_dtype", "output_dtype"):
+            if unit.get(key) is not None and unit.get(key) not in FLOAT_DTYPES:
+                raise c.fail(f"{field}.{key}", f"must be null or one of {list(FLOAT_DTYPES)}, got {_short(unit.get(key))}")
+        c.kind(unit.get("cast_forward_inputs"), f"{field}.cast_forward_inputs", bool)
 
 
 def _recipe(c: _Checker, recipe: Any) -> None:
@@ -186,6 +200,7 @@ def _snapshot(c: _Checker, snapshot: Any, step: int) -> None:
 MAX_DIMS = 32
 MAX_TENSORS = 1 << 20
 MAX_COPIES = 64
+FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
 
 
 def _layout(c: _Checker, layout: Any, version: int) -> None:

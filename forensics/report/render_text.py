@@ -238,9 +238,10 @@ def precision_sentence(report: Mapping) -> str | None:
     prec = report.get("precision")
     if not isinstance(prec, dict):
         return None
-    dtype, fp32 = prec.get("autocast_dtype"), prec.get("fp32_reproduces")
+    dtype, fp32, fsdp = prec.get("autocast_dtype"), prec.get("fp32_reproduces"), prec.get("fsdp_param_dtype")
     has_samples = bool(culprit_ids(report))
-    under = f"autocast {clean(dtype)}" if dtype else "the job's precision"
+    under = f"autocast {clean(dtype)}" if dtype else f"FSDP2 mixed precision ({clean(fsdp)} compute)" if fsdp \
+        else "the job's precision"
     if fp32 is False:
         cause = "precision + data" if has_samples else "precision"
         return f"Ran under {under}; in fp32 the step is finite → {cause}."
@@ -249,7 +250,7 @@ def precision_sentence(report: Mapping) -> str | None:
         return f"Ran under {under}; still non-finite in fp32 → {cause}."
     if not report.get("reproduced"):
         return None  # nothing failed in the replay, so there was nothing to re-run in fp32
-    if not dtype:
+    if not dtype and not fsdp:
         return "The job ran in full precision (no autocast); no fp32 re-run needed."
     return f"Ran under {under}; fp32 re-run not performed."
 

@@ -38,6 +38,25 @@ def test_fsdp2_ranks_write_their_shards_once_and_replay_names_the_sample(harness
     harness.replay_names_sample_and_layer(step_dir)
 
 
+def test_an_fsdp2_bf16_job_is_replayed_in_its_own_precision_bit_for_bit(harness, tmp_path):
+    """FSDP2 with MixedPrecisionPolicy(param_dtype=bfloat16): not autocast, so the Guard records each unit's policy
+    and the one-process replay computes in bf16 as the units did — the recorded losses come back bit for bit
+    (in fp32 they differ by ~3e-5), and the fp32 re-run says whether precision is to blame."""
+    harness.requires("transformers")
+    step_dir, _ = harness.run_example(tmp_path, "fsdp2_example.py", "bf16", "--bf16")
+    manifest = json.loads((step_dir / "rank-00001" / "manifest.json").read_text())
+    units = manifest["precision"]["fsdp"]
+    assert [u["module"] for u in units] == ["", "transformer.h.0", "transformer.h.1"]
+    assert {(u["param_dtype"], u["reduce_dtype"]) for u in units} == {("bfloat16", "float32")}
+    from replay import engine
+
+    report = engine.run_replay(str(step_dir), engine.ReplayOptions(device="cpu", rank=1, rng_check=False,
+                                                                   remedies=False))
+    assert report["reproduced"] is True and report["fidelity"]["bitwise_equal"] is True, report["fidelity"]
+    assert report["precision"]["fsdp_param_dtype"] == "bfloat16" and report["precision"]["fp32_reproduces"] is True
+    assert [s["sample_id"] for s in report["culprit"]["samples"]] == [harness.POISON]
+
+
 def test_ddp_ranks_split_the_writing_of_replicated_state(harness, tmp_path, reference):
     harness.requires("transformers")
     step_dir, _ = harness.run_example(tmp_path, "ddp_example.py", "ddpsharded", "--layout", "sharded")
