@@ -76,7 +76,8 @@ def main() -> None:
         torch.cuda.set_device(device)
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
     model = build_model().to(device)
-    apply_fsdp(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32, pp_enabled=False)
+    # torchtitan's default mixed precision: bf16 compute, fp32 gradient reduction (replay computes the same way)
+    apply_fsdp(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, pp_enabled=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=_common.LR)
     # --- forensics: one line to create the guard (the recipe names this file's model factory and loss) ---
     guard = Guard(model, optimizer, loss_fn=masked_loss, config=GuardConfig(

@@ -283,4 +283,6 @@ def test_a_torchtitan_job_guarded_with_one_line_names_the_corrupt_record(harness
     assert report["verdict"]["kind"] == "bad_sample"
     assert [(s["sample_id"], s["rank"]) for s in report["culprit"]["samples"]] == [(harness.POISON, 1)]
     assert report["culprit"]["module"] == "<input>.weights"
+    assert report["precision"]["fsdp_param_dtype"] == "bfloat16"  # torchtitan's default mixed precision, replayed
+    assert report["fidelity"]["bitwise_equal"] is True, report["fidelity"]
     assert report["culprit"]["parameter"] is None  # a batch field, not a parameter of the model
