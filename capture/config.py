@@ -136,8 +136,9 @@ class GuardConfig:
     """Sharded layout: on how many ranks every part of the state is written, so that a rank (or node) that dies
     while writing loses nothing. Replicated tensors (DDP weights, HSDP's replicas) are written by that many
     ranks; a shard only one rank holds (plain FSDP / tensor parallel, ZeRO partitions) is sent point to point
-    to shard_replicas - 1 buddy ranks, on other nodes first, before any rank writes (capture/buddy.py).
-    2 doubles the state's bytes on disk. Default 1: one copy."""
+    to shard_replicas - 1 buddy ranks, on other nodes first, before any rank writes (capture/buddy.py; only in
+    dumps every rank makes — a step that raised on one rank is written without copies). 2 doubles the state's
+    bytes on disk. Default 1: one copy."""
 
     def __post_init__(self):
         for name in ("on_nonfinite", "on_spike"):
