@@ -156,6 +156,7 @@ def test_a_buddy_copy_serves_where_its_owner_is_missing_and_only_there(tmp_path)
     manifest = json.loads((paths[1] / "manifest.json").read_text())
     assert manifest["layout"]["copies"] == {"copy-00000-model.safetensors": {
         "of": "model.safetensors", "rank": 0, "shards": {"grid": {"offsets": [0, 0], "shape": [3, 6], "flat": False}}}}
+    assert verify_dump(paths[0].parent).ok  # copies are listed, hashed files like any other
     shown = CliRunner().invoke(main, ["inspect", str(paths[1])])
     assert "buddy copies: the parts of rank(s) 0 too" in shown.output, shown.output
     # both ranks present: each rank's own shard is read, so a damaged copy costs nothing (verify still says so)
