@@ -296,8 +296,10 @@ class StepRunner:
         self.passes += 1
         model = self.model
         model.train()
-        if fp32:
-            model.to(torch.float32)
+        if fp32:  # floating-point tensors only: Module.to(float32) would also make complex buffers (rotary
+            for _, tensor in self._live_tensors():  # freqs_cis) real, dropping their imaginary parts for good
+                if tensor.is_floating_point() and tensor.dtype != torch.float32:
+                    tensor.data = tensor.data.to(torch.float32)
         selected: dict[int, list[int]] | None = None
         if samples is not None:
             selected = {}

@@ -90,3 +90,34 @@ def test_a_malformed_fsdp_policy_in_the_manifest_exits_2_naming_the_field(helper
     (path / "manifest.json").write_text(json.dumps(manifest))
     result = CliRunner().invoke(main, ["inspect", str(path)])
     assert result.exit_code == 2 and field in result.output, result.output
+
+
+class Rotary(torch.nn.Module):
+    """A complex rotary table as a non-persistent buffer (torchtitan's Llama keeps freqs_cis so)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        angles = torch.arange(4, dtype=torch.float32)
+        self.register_buffer("freqs_cis", torch.polar(torch.ones(4), angles), persistent=False)
+
+    def forward(self, x):
+        return (self.proj(x) * torch.view_as_real(self.freqs_cis)[:, 1]).sum()
+
+
+def test_the_fp32_rerun_leaves_a_complex_rotary_buffer_complex():
+    """The precision triage re-runs the step in fp32; a complex buffer must not be cast to real on the way (its
+    imaginary part, the rotary sines, would be gone for every later replay of the step)."""
+    from replay.execute import StepRunner
+    from replay.load import session_from_objects
+
+    torch.manual_seed(0)
+    model = Rotary()
+    table = model.freqs_cis.clone()
+    session = session_from_objects(model, [{"x": torch.randn(2, 4)}], loss_fn=lambda m, b: m(b["x"]),
+                                   autocast={"enabled": True, "device_type": "cpu", "dtype": "bfloat16"})
+    runner = StepRunner(session)
+    first = runner.run().losses
+    runner.run(fp32=True)
+    assert model.freqs_cis.dtype == torch.complex64 and torch.equal(model.freqs_cis, table)
+    assert runner.run().losses == first
