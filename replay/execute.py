@@ -80,6 +80,9 @@ class StepResult:
     micro_batch, phase}), or None when it finished."""
     raised_same: bool = False
     """`raised` is the recorded exception: the same type, raised in the same function."""
+    unrunnable: bool = False
+    """A subset of the samples the model cannot run alone (BatchNorm with one sample per channel, a fixed batch
+    size) in a job that did not raise: it shows nothing about the trigger (`raised` says what it raised)."""
     anomaly_warnings: list[str] = field(default_factory=list)
 
     def trigger_reproduced(self, kind: TriggerKind | str, threshold: float | None = None) -> bool:
@@ -95,6 +98,8 @@ class StepResult:
             kind = TriggerKind.parse(kind)
         except ValueError as exc:
             raise ReplayError(str(exc)) from None
+        if self.unrunnable:
+            return False
         if kind.spike:
             if kind.replayed == "step_loss":
                 if any(not math.isfinite(v) for v in self.losses if v is not None):
@@ -205,6 +210,7 @@ class StepRunner:
         self.nonfinite_params = [n for n, bad in zip(self.param_names, flags) if bad]
         self.passes = 0
         self._warned_autocast = False
+        self._warned_unrunnable = False
 
     # -- state ---------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -266,6 +272,16 @@ class StepRunner:
 
         return select_samples(batch, indices)
 
+    def _note_unrunnable(self, raised: dict) -> None:
+        """Tells the report, once, that some subsets of the samples could not run on their own."""
+        if self._warned_unrunnable:
+            return
+        self._warned_unrunnable = True
+        self.session.warnings.append(
+            f"some subsets of the samples cannot run without the rest of their micro-batch ({raised['type']}: "
+            f"{str(raised['message'])[:160]}; e.g. BatchNorm needs more than one sample): those runs count as "
+            "healthy in bisection and show no loss in the per-sample table")
+
     # -- running -------------------------------------------------------------------------------
     def run(self, samples: list[SampleRef] | None = None, *, fp32: bool = False, anomaly: bool = False,
             restore_rng: bool = True, backward: bool = True,
@@ -312,6 +328,7 @@ class StepRunner:
         losses: list[float | None] = []
         error = None
         raised = None
+        unrunnable = False
         caught: list[warnings.WarningMessage] = []
         try:
             with warnings.catch_warnings(record=True) as caught, contextlib.ExitStack() as stack:
@@ -351,9 +368,12 @@ class StepRunner:
                                 error = str(exc)
                                 break
                     except Exception as exc:  # noqa: BLE001 - replaying a step that raised in the job
-                        if session.exception is None or isinstance(exc, ForensicsError):
+                        if isinstance(exc, ForensicsError) or (session.exception is None and selected is None):
                             raise
                         raised = raised_info(exc, i, phase)
+                        if session.exception is None:  # a subset the model cannot run alone
+                            unrunnable = True
+                            self._note_unrunnable(raised)
                         break
         finally:
             anomaly_text = [str(w.message) for w in caught if "anomaly" in str(w.message).lower()
@@ -389,6 +409,7 @@ class StepRunner:
             anomaly_warnings=anomaly_text,
             raised=raised,
             raised_same=raised is not None and same_exception(raised, session.exception),
+            unrunnable=unrunnable,
         )
         if not keep_grads:
             for p in model.parameters():

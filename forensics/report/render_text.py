@@ -274,15 +274,20 @@ def per_sample_sentence(report: Mapping) -> str | None:
     rows = [r for r in report.get("per_sample") or [] if isinstance(r, dict)]
     if not rows:
         return None
-    bad = [r for r in rows if r.get("finite") is False or is_nonfinite(r.get("loss"))
-           or is_nonfinite(r.get("grad_norm"))]
+    raised = [r for r in rows if r.get("error")]
+    bad = [r for r in rows if not r.get("error") and (r.get("finite") is False or is_nonfinite(r.get("loss"))
+                                                      or is_nonfinite(r.get("grad_norm")))]
+    text = f"Per-sample replay: {len(bad)} of {len(rows)} samples non-finite"
+    if raised:
+        kind = clean(str(raised[0]["error"]).split(":", 1)[0], 60)
+        text += f", {len(raised)} raised when run alone ({kind})"
     top = top_rows(rows, "loss", 2)
     if not top or as_float(top[0].get("loss")) is None:
-        return f"Per-sample replay: {len(bad)} of {len(rows)} samples non-finite."
+        return text + "."
     worst = f"{fmt_id(top[0].get('sample_id'))} loss {fmt_num(top[0].get('loss'))}"
     if len(top) > 1 and as_float(top[1].get("loss")) is not None:
         worst += f" (next highest {fmt_num(top[1].get('loss'))})"
-    return f"Per-sample replay: {len(bad)} of {len(rows)} samples non-finite; highest loss: {worst}."
+    return f"{text}; highest loss: {worst}."
 
 
 def timing_sentence(report: Mapping) -> str | None:
