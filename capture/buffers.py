@@ -27,17 +27,21 @@ class PreForwardBuffers:
     """Copies of the model's persistent buffers taken before the step's first forward."""
 
     def __init__(self, model: torch.nn.Module):
-        names = set(model.state_dict(keep_vars=True))
         self._slots: list[tuple[str, torch.nn.Module, str]] = []
-        for prefix, module in model.named_modules(remove_duplicate=False):
-            for attr, buffer in module._buffers.items():
-                name = f"{prefix}.{attr}" if prefix else attr
-                if buffer is not None and attr not in module._non_persistent_buffers_set and name in names:
-                    self._slots.append((name, module, attr))
         self._saved: list[torch.Tensor] = []
         self._taken_from: list[torch.Tensor] = []
         self.valid = False
         self.off = False
+        try:
+            names = set(model.state_dict(keep_vars=True))
+            for prefix, module in model.named_modules(remove_duplicate=False):
+                for attr, buffer in module._buffers.items():
+                    name = f"{prefix}.{attr}" if prefix else attr
+                    if buffer is not None and attr not in module._non_persistent_buffers_set and name in names:
+                        self._slots.append((name, module, attr))
+        except Exception as exc:  # noqa: BLE001 - an odd model must not stop the job: no buffer copies then
+            self._slots = []
+            self._turn_off(f"the model's buffers could not be listed ({type(exc).__name__}: {exc})")
 
     def take(self) -> None:
         """Copies the buffers as they are now (call before the step's first forward)."""
