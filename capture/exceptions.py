@@ -8,7 +8,9 @@ reading memory counters.
 
 from __future__ import annotations
 
+import os
 import sys
+import sysconfig
 import traceback
 import weakref
 from typing import Any
@@ -18,13 +20,14 @@ import torch
 from capture.host_snapshots import available_host_memory, proc_bytes
 from capture.incident import tensor_leaves
 from forensics.errors import is_out_of_memory
+from forensics.kinds import Phase
 
 MAX_FRAMES = 40
 MAX_MESSAGE = 4000
 
 
 def describe(exc: BaseException, during: str, batches: list[Any]) -> dict:
-    """The manifest's `exception` section for `exc`, raised `during` ('forward', 'backward', 'optimizer')."""
+    """The manifest's `exception` section for `exc`, raised `during` (a forensics.kinds.Phase value)."""
     frames = traceback.extract_tb(exc.__traceback__)[-MAX_FRAMES:]
     cls = type(exc)
     section = {
@@ -33,6 +36,7 @@ def describe(exc: BaseException, during: str, batches: list[Any]) -> dict:
         "message": _safe_str(exc)[:MAX_MESSAGE],
         "during": during,
         "frames": [{"file": f.filename, "line": f.lineno, "function": f.name} for f in frames],
+        "user_frame": user_frame(frames),
         "traceback": "".join(traceback.format_exception(cls, exc, exc.__traceback__))[-20000:],
         "cuda_error": _is_cuda_error(exc),
         "peer_failure": peer_failure(exc),
@@ -40,6 +44,34 @@ def describe(exc: BaseException, during: str, batches: list[Any]) -> dict:
     if _is_oom(exc):
         section["memory"] = memory_picture(batches)
     return section
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOT_USER_CODE = tuple(p + os.sep for p in (
+    sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
+    os.path.dirname(os.path.abspath(torch.__file__)), *(os.path.join(_ROOT, pkg) for pkg in ("capture", "forensics"))))
+
+
+def user_frame(frames: list[traceback.FrameSummary]) -> dict | None:
+    """The innermost frame of the user's own code (not the standard library, an installed package or
+    forensics): where their loop raised, e.g. the line of train.py that builds the batch."""
+    for index in range(len(frames) - 1, -1, -1):
+        frame = frames[index]
+        if frame.filename.startswith("<") or os.path.abspath(frame.filename).startswith(NOT_USER_CODE):
+            continue
+        function = frame.name
+        for outer in reversed(frames[:index]):  # a comprehension's frame: name the function it is written in
+            if not function.startswith("<") or outer.filename != frame.filename:
+                break
+            function = outer.name
+        return {"file": frame.filename, "line": frame.lineno, "function": function, "code": frame.line or ""}
+    return None
+
+
+def during_words(during: str) -> str:
+    """'during the forward pass', 'between steps (data loading or user code)': where a step raised, in words."""
+    phase = Phase.parse(during, Phase.OPTIMIZER)
+    return f"during {phase.words}" if phase.in_model_step else phase.words
 
 
 def memory_picture(batches: list[Any]) -> dict:

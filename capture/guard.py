@@ -29,6 +29,7 @@ from capture.config import GuardConfig
 from capture.detectors import StepDetectors
 from capture.history import History
 from capture.incident import Incident, StepRecord, Trigger, batch_size, json_ids
+from capture.optimizer_steps import OptimizerSteps
 from capture.recipe import build_recipe, default_loss_fits
 from capture.uploads import send_dump
 from capture.window import FlightRecorder, WindowStep
@@ -138,6 +139,8 @@ class Guard:
         self._writer = BackgroundWriter()
         self._hooks: list[Any] = []
         self.add_hook(model.register_forward_pre_hook(self._note_autocast))
+        self.optimizer_steps = OptimizerSteps(optimizer, self.add_hook)
+        """Whether the optimizer stepped since the last check() (capture/optimizer_steps.py)."""
         self._pre_step_copy: dict | None = None
         self._last_step: StepRecord | None = None
         self._sync_free = deferred.SyncFree(self) if self.config.sync_free else None
@@ -208,6 +211,7 @@ class Guard:
         if step is not None:
             self.step = step
         record, self._current = self._current or StepRecord(), None
+        self.optimizer_steps.checked()
         try:
             sync_free = self._sync_free is not None and self._sync_free.active()
             decision = self._sync_free.check(record, grad_norm) if sync_free else self._check(record, grad_norm)
@@ -390,17 +394,23 @@ class Guard:
                       "rank alone, so it is not dumped (the micro-batches are in the traceback's frames)",
                       self.step, type(exc).__name__, self.rank)
             return None
-        during = "optimizer" if after_check else "backward" if len(record.losses) >= len(record.batches) \
+        where = self.optimizer_steps.after_check() if after_check else None
+        during = where.phase.value if where else "backward" if len(record.losses) >= len(record.batches) \
             else "forward"
-        step = self.step - 1 if after_check else self.step
+        step = self.step - 1 + where.step_offset if where else self.step
+        if where and where.state_holds == "after_update":  # the next step's pre-step state; none of its batches yet
+            record = StepRecord()
+            self._take_buffers()
         section = exceptions.describe(exc, during, record.batches)
-        section["state_may_be_partial"] = after_check
+        section["state_may_be_partial"] = bool(where and where.state_holds == "maybe_partial")
+        section["state_holds"] = where.state_holds if where else "pre_step"
         index = len(record.batches) - 1 if during == "forward" else None
         trigger = Trigger(TriggerKind.EXCEPTION, math.nan, None, index,
-                          f"{section['type']} during the {during}: {section['message'][:300]}")
+                          f"{section['type']} {exceptions.during_words(during)}: {section['message'][:300]}")
         if self.multi_rank and section["peer_failure"]:  # this rank only saw another rank stop
             trigger.local = False
-            trigger.detail = f"another rank stopped: a collective failed during the {during} ({section['type']})"
+            trigger.detail = (f"another rank stopped: a collective failed {exceptions.during_words(during)} "
+                              f"({section['type']})")
         losses = [v if isinstance(v, float) else math.nan for v in self._host_losses(record)]
         incident = Incident(trigger, step, record, losses, None, record.divisor(self.config.loss_divisor),
                             Policy.RAISE, exception=section)

@@ -160,16 +160,34 @@ class SampleFactKind(_Kind):
 
 
 class Phase(_Kind):
-    """Where the first non-finite value appeared (report `culprit.phase`)."""
+    """Where the first non-finite value appeared (report `culprit.phase`), or where a step raised (manifest
+    `exception.during`)."""
 
     FORWARD = "forward"
     BACKWARD = "backward"
     OPTIMIZER = "optimizer"
+    BETWEEN_STEPS = "between_steps"
+    """After the optimizer update of one step and before the next step's first record_batch: the user's data
+    loading or other code of the loop raised (only a step that raised; capture/optimizer_steps.py)."""
 
     @property
     def is_pass(self) -> bool:
         """Forward or backward: 'in the forward pass' reads right; the optimizer is an update, not a pass."""
-        return self is not Phase.OPTIMIZER
+        return self in (Phase.FORWARD, Phase.BACKWARD)
+
+    @property
+    def in_model_step(self) -> bool:
+        """The model's step was running (forward, backward, update): replaying the step can reproduce it."""
+        return self is not Phase.BETWEEN_STEPS
+
+    @property
+    def words(self) -> str:
+        """'the forward pass', 'between steps (data loading or user code)': completes 'raised during ...'."""
+        return _PHASE_WORDS[self]
+
+
+_PHASE_WORDS = {Phase.FORWARD: "the forward pass", Phase.BACKWARD: "the backward pass",
+                Phase.OPTIMIZER: "the optimizer update", Phase.BETWEEN_STEPS: "between steps (data loading or user code)"}
 
 
 @dataclass(frozen=True)

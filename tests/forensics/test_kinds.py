@@ -52,5 +52,7 @@ def test_every_history_pattern_has_words(pattern):
 
 
 def test_phases():
-    assert [p.value for p in Phase] == ["forward", "backward", "optimizer"]
-    assert Phase.FORWARD.is_pass and not Phase.OPTIMIZER.is_pass
+    assert [p.value for p in Phase] == ["forward", "backward", "optimizer", "between_steps"]
+    assert Phase.FORWARD.is_pass and not Phase.OPTIMIZER.is_pass and not Phase.BETWEEN_STEPS.is_pass
+    assert Phase.BETWEEN_STEPS.words == "between steps (data loading or user code)"
+    assert not Phase.BETWEEN_STEPS.in_model_step and Phase.OPTIMIZER.in_model_step
