@@ -92,7 +92,8 @@ class StepDetectors:
                 return None  # another rank's non-finite loss reached these gradients through their all-reduce
             if loss_scale is None:
                 return Trigger(TriggerKind.NONFINITE_GRAD, norm, None, None,
-                               f"gradient norm is {norm} with a finite loss")
+                               f"gradient norm is {norm} with a finite loss" if losses else
+                               f"gradient norm is {norm} (the loss is unknown: record_loss was not called)")
             if loss_scale <= self.min_loss_scale:
                 return Trigger(TriggerKind.NONFINITE_GRAD, norm, self.min_loss_scale, None,
                                f"gradients overflow and the loss scale has collapsed to {loss_scale}")

@@ -29,6 +29,7 @@ from capture.config import GuardConfig
 from capture.detectors import StepDetectors
 from capture.history import History
 from capture.incident import Incident, StepRecord, Trigger, batch_size, json_ids
+from capture.misuse import FirstStepCheck
 from capture.optimizer_steps import OptimizerSteps
 from capture.recipe import build_recipe, default_loss_fits
 from capture.uploads import send_dump
@@ -141,6 +142,8 @@ class Guard:
         self.add_hook(model.register_forward_pre_hook(self._note_autocast))
         self.optimizer_steps = OptimizerSteps(optimizer, self.add_hook)
         """Whether the optimizer stepped since the last check() (capture/optimizer_steps.py)."""
+        self.first_step = FirstStepCheck(self.config.sample_id_key)
+        """Warns once, at the first check(), about calls a dump could not use (capture/misuse.py)."""
         self._pre_step_copy: dict | None = None
         self._last_step: StepRecord | None = None
         self._sync_free = deferred.SyncFree(self) if self.config.sync_free else None
@@ -212,6 +215,7 @@ class Guard:
             self.step = step
         record, self._current = self._current or StepRecord(), None
         self.optimizer_steps.checked()
+        self.first_step.look(record)
         try:
             sync_free = self._sync_free is not None and self._sync_free.active()
             decision = self._sync_free.check(record, grad_norm) if sync_free else self._check(record, grad_norm)

@@ -244,7 +244,7 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
     """Replay the failing step of DUMP offline, localise it, bisect the samples, print the verdict."""
     from forensics.format import open_step
     from forensics.report import render_verdict_text, write_blocklist, write_report_files
-    from forensics.report.write import BLOCKLIST_NAME
+    from forensics.report.write import BLOCKLIST_NAME, blocklist_ids
     from replay.engine import ReplayOptions, run_replay
 
     try:
@@ -264,7 +264,7 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
             if all_ranks and out:
                 target = out / f"rank{int(report['dump']['rank'])}"
             files = write_report_files(report, target)
-            culprits = (report.get("culprit") or {}).get("samples")
+            culprits = blocklist_ids(report)  # never IDs made up from positions
             if blocklist or culprits:  # the verdict's "blocklist.jsonl lists the culprits" is always true
                 files["blocklist"] = write_blocklist(report, blocklist or target / BLOCKLIST_NAME,
                                                      append=bool(blocklist) and chosen_rank != ranks[0])

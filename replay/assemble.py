@@ -4,6 +4,7 @@ Writing the report to disk is forensics.report's job."""
 
 from __future__ import annotations
 
+import re
 import time
 from datetime import datetime, timezone
 
@@ -11,6 +12,7 @@ import torch
 
 from forensics.kinds import Phase, TriggerKind
 from forensics.report.model import schema_for, to_json_safe
+from forensics.report.wording import fmt_id
 from replay.environment import replay_environment
 from replay.execute import StepRunner
 from replay.findings import Findings
@@ -22,12 +24,15 @@ from replay.sample_facts import describe
 from replay.samples import tensor_leaves
 from replay.verdict import VerdictFacts, decide_verdict
 
+BLOCKLIST_PROMISE = re.compile(r" ?\(blocklist\.jsonl lists [^)]*\)")
+"""The verdict's '(blocklist.jsonl lists the culprits)': left out where the culprits' IDs are made-up positions."""
+
 
 def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | None, started: float) -> dict:
     """The report dict of one replay, JSON-safe (non-finite floats as "nan"/"inf")."""
     session = runner.session
     rank = int((dump_info or {}).get("rank") or 0)
-    culprit = culprit_block(findings, rank)
+    culprit = culprit_block(findings, rank, session.positional_ids)
     fidelity = findings.reproduction.fidelity
     if findings.kind is TriggerKind.NONFINITE_PARAM and findings.optimizer is not None:
         fidelity["optimizer_reproduced"] = True
@@ -35,6 +40,8 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
     if findings.remedies:  # a tested fix comes before what is only suggested
         first, last = tested_suggestions(findings.remedies)
         verdict["suggestions"] = list(dict.fromkeys(first + verdict["suggestions"] + last))
+    if any(s.get("positional") for s in culprit["samples"]):
+        _no_blocklist_for_positions(verdict, culprit)
     trigger = findings.trigger
     history = findings.history
     report = {
@@ -97,12 +104,26 @@ def _exception_block(findings: Findings, session: ReplaySession) -> dict:
             "memory": recorded.get("memory"), "sizes": findings.sizes, "traceback": recorded.get("traceback")}
 
 
-def culprit_block(findings: Findings, rank: int) -> dict:
-    """The report's `culprit` block: the samples, and where the first non-finite value appeared."""
+def _no_blocklist_for_positions(verdict: dict, culprit: dict) -> None:
+    """Culprits named by made-up positions ('step5/mb0/2'): the blocklist leaves them out, and the verdict says why
+    and how to record real IDs instead of promising a blocklist entry."""
+    example = next(s["sample_id"] for s in culprit["samples"] if s.get("positional"))
+    verdict["suggestions"] = [BLOCKLIST_PROMISE.sub("", s) for s in verdict["suggestions"]]
+    verdict["suggestions"].append(
+        f"No blocklist entry for {fmt_id(example)}: the job recorded no sample IDs for its micro-batch, so the replay "
+        "names samples by their position in the batch, which does not identify a record of the dataset. Record real "
+        "IDs (guard.record_batch(batch, sample_ids=ids), or a 'sample_ids' key in dict batches) to get a blocklist.")
+
+
+def culprit_block(findings: Findings, rank: int, positional: frozenset[int] = frozenset()) -> dict:
+    """The report's `culprit` block: the samples, and where the first non-finite value appeared; a sample whose
+    ID is only its position in the batch (`positional`: micro-batches recorded without IDs) says so."""
     forward, backward, optimizer = findings.forward, findings.backward, findings.optimizer
     samples = []
     for ref in findings.culprits:
         sample = {"sample_id": ref.sample_id, "micro_batch": ref.micro_batch, "index": ref.index, "rank": rank}
+        if ref.micro_batch in positional:
+            sample["positional"] = True
         if ref in findings.sample_facts:
             sample["description"] = describe(findings.sample_facts[ref])
         samples.append(sample)

@@ -24,6 +24,7 @@ from forensics.format.limits import ArchiveLimits
 from forensics.kinds import HistoryPattern, Phase, TriggerKind
 from forensics.report.model import to_json_safe
 from replay.assemble import assemble_report
+from replay.between_steps import between_steps_report, raised_between_steps
 from replay.bisect import bisect_budget, ddmin
 from replay.environment import deterministic_mode
 from replay.execute import SampleRef, StepRunner, reproduce
@@ -152,6 +153,9 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
     dump_info = {"path": path, "run_id": dump.manifest.get("run_id"), "step": dump.step, "rank": dump.rank,
                  "world_size": dump.world_size, "missing_ranks": missing,
                  "num_micro_batches": dump.num_micro_batches}
+    if raised_between_steps(dump.manifest):  # the loop's own code raised: no model step to replay
+        _stage(progress, "the exception was raised between steps: nothing to replay")
+        return between_steps_report(dump, dump_info, started)
     if dump.num_micro_batches == 0:
         raise DumpError(f"{path or 'the dump'} records no micro-batch, so there is no step to replay; the loop "
                         "called check() without record_batch() (see README: the four calls)")

@@ -71,6 +71,9 @@ class ReplaySession:
     followup: Any = None
     """Window replay: the recorded steps after this one (replay.window.Followup), over which the remedies are
     carried (replay/remedy_followup.py); None otherwise."""
+    positional_ids: frozenset[int] = frozenset()
+    """Micro-batches whose sample IDs are positions in the batch, made up because the job recorded none: a
+    report may name such a sample, a blocklist never (manifest `ids_are_positional`)."""
     world_size: int = 1
     """Ranks of the job. With more than one, the recorded grad norm covers every rank's gradients
     (after all-reduce / over all ZeRO shards), so a one-rank replay compares losses only."""
@@ -212,7 +215,9 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
         capture_environment=dict(manifest.get("environment") or {}),
         pre_step_weights=lambda: dump.iter_model_tensors(device),
         world_size=int(getattr(dump, "world_size", None) or manifest.get("world_size") or 1),
-        fsdp_units=parse_units(precision.get("fsdp")))
+        fsdp_units=parse_units(precision.get("fsdp")),
+        positional_ids=frozenset(i for i, meta in enumerate(dump.micro_batches_meta)
+                                 if meta.get("ids_are_positional") or not meta.get("sample_ids")))
 
 
 def _expect_bitwise(env_warnings: list[str], device: torch.device, determinism: dict) -> bool:

@@ -171,8 +171,9 @@ def _exception(c: _Checker, exception: Any) -> None:
     c.kind(exception, "exception", dict)
     if not exception:
         return
-    for key in ("type", "message", "during", "traceback", "qualified_type"):
+    for key in ("type", "message", "during", "traceback", "qualified_type", "state_holds"):
         c.kind(exception.get(key), f"exception.{key}", str)
+    c.kind(exception.get("user_frame"), "exception.user_frame", dict)
     c.each(exception.get("frames"), "exception.frames", lambda f, name: c.kind(f, name, dict, optional=False), 1000)
 
 

@@ -64,6 +64,18 @@ def write_report_files(report: Mapping, out_dir: str | os.PathLike, *, html: boo
     return files
 
 
+def blocklist_ids(report: Mapping) -> list:
+    """The culprit ids a blocklist may hold: never an ID the replay made up from a sample's position in its batch
+    (culprit sample `positional`: the job recorded no IDs), which names no record of the dataset."""
+    samples = (report.get("culprit") or {}).get("samples") or []
+    positional = {json.dumps(s.get("sample_id"), default=repr) for s in samples
+                  if isinstance(s, dict) and s.get("positional")}
+    if positional:
+        log.warning("%d culprit sample(s) have made-up positional IDs and are left out of the blocklist (the job "
+                    "recorded no sample IDs for their micro-batch)", len(positional))
+    return [sid for sid in culprit_ids(report) if json.dumps(sid, default=repr) not in positional]
+
+
 def write_blocklist(report: Mapping, path: str | os.PathLike, *, append: bool = False) -> Path:
     """Write the culprit samples' ids to `path`, one JSON value per line (JSON Lines).
 
@@ -90,11 +102,11 @@ def write_blocklist(report: Mapping, path: str | os.PathLike, *, append: bool = 
                 except json.JSONDecodeError as e:
                     raise ReportError(f"{path}:{n} is not a JSON value ({e}); fix or remove the "
                                       "line, or write a new blocklist without append") from e
-    for sid in culprit_ids(to_json_safe(dict(report))):
+    for sid in blocklist_ids(to_json_safe(dict(report))):
         if sid not in ids:
             ids.append(sid)
     if not ids:
-        log.warning("the report names no culprit samples; writing an empty blocklist at %s", path)
+        log.warning("the report names no culprit samples with real IDs; writing an empty blocklist at %s", path)
     # ensure_ascii: no raw U+2028 / NEL in a line, which some line splitters treat as line breaks.
     text = "".join(json.dumps(sid, ensure_ascii=True, allow_nan=False) + "\n" for sid in ids)
     return atomic_write_text(path, text)

@@ -1,0 +1,146 @@
+"""A loop that calls the Guard wrongly is told so at the first step, once, with the fix (issue 22, item 5); the
+Guard never claims a loss it did not see; made-up positional sample IDs never reach a blocklist."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import textwrap
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from capture import Guard, GuardConfig
+from forensics.cli import main
+from forensics.errors import TrainingFaultError
+
+USER_MODULE = textwrap.dedent('''
+    import torch
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+
+    def tuple_mse(model, batch):
+        x, y = batch
+        return torch.nn.functional.mse_loss(model(x), y)
+''')
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    (tmp_path / "misuse_user.py").write_text(USER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("misuse_user", None)
+    import misuse_user
+
+    yield misuse_user
+    sys.modules.pop("misuse_user", None)
+
+
+def train(module, tmp_path, *, record_batch=True, record_loss=True, batch_form="tuple", steps=5, bad_step=None,
+          policy="skip"):
+    model = module.build()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    guard = Guard(model, optimizer, loss_fn=module.tuple_mse,
+                  config=GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="misuse", on_nonfinite=policy,
+                                     recipe={"factory": "misuse_user:build"}))
+    data = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        x, y = torch.randn(4, 3, generator=data), torch.randn(4, 1, generator=data)
+        if step == bad_step:
+            x[2] = float("nan")
+        batch = (x, y) if batch_form == "tuple" else {"x": x, "y": y}
+        if record_batch:
+            guard.record_batch(batch)
+        loss = module.tuple_mse(model, (x, y))
+        if record_loss:
+            guard.record_loss(loss)
+        loss.backward()
+        if guard.check():
+            optimizer.step()
+        optimizer.zero_grad()
+    guard.close()
+    return guard
+
+
+def warnings_about(caplog, words: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and words in r.getMessage()]
+
+
+def test_check_without_record_batch_is_said_once_at_the_first_step(user_module, tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="capture")
+    train(user_module, tmp_path, record_batch=False)
+    said = warnings_about(caplog, "without guard.record_batch(batch)")
+    assert len(said) == 1 and "Fix: call guard.record_batch(batch) once per micro-batch" in said[0]
+
+
+def test_tuple_batches_without_ids_are_said_once_with_the_fix(user_module, tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="capture")
+    train(user_module, tmp_path, batch_form="tuple")
+    said = warnings_about(caplog, "cannot read sample IDs")
+    assert len(said) == 1
+    assert "the batch is a tuple" in said[0] and "guard.record_batch(batch, sample_ids=ids)" in said[0]
+
+
+def test_a_dict_batch_without_the_id_key_is_said_once(user_module, tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="capture")
+    train(user_module, tmp_path, batch_form="dict")
+    said = warnings_about(caplog, "cannot read sample IDs")
+    assert len(said) == 1 and "the dict batch has no 'sample_ids' key" in said[0]
+
+
+def test_no_record_loss_is_said_once(user_module, tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="capture")
+    train(user_module, tmp_path, record_loss=False)
+    said = warnings_about(caplog, "no loss was recorded")
+    assert len(said) == 1 and "guard.record_loss(loss)" in said[0]
+
+
+def test_a_loop_used_right_gets_no_usage_warning(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="capture")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = Guard(model, optimizer, loss_fn=lambda m, b: m(b["x"]).pow(2).mean(),
+                  config=GuardConfig(dump_dir=str(tmp_path), recipe={"factory": "x:y"}))
+    for step in range(3):
+        batch = {"x": torch.randn(2, 3), "sample_ids": [f"a{step}", f"b{step}"]}
+        guard.record_batch(batch)
+        loss = model(batch["x"]).pow(2).mean()
+        guard.record_loss(loss)
+        loss.backward()
+        guard.check()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert not [r for r in caplog.records if "capture.misuse" in r.name]
+
+
+def test_without_record_batch_the_trigger_never_claims_a_finite_loss(user_module, tmp_path):
+    with pytest.raises(TrainingFaultError) as raised:
+        train(user_module, tmp_path, record_batch=False, bad_step=3, policy="raise")
+    detail = raised.value.trigger["detail"]
+    assert "finite loss" not in detail and "the loss is unknown: record_loss was not called" in detail
+
+
+def test_positional_ids_never_reach_the_blocklist_and_the_report_says_why(user_module, tmp_path):
+    guard = train(user_module, tmp_path, batch_form="tuple", bad_step=3)
+    assert len(guard.dumps) == 1
+    manifest = json.loads((guard.dumps[0] / "manifest.json").read_text())
+    assert manifest["micro_batches"][0]["ids_are_positional"] is True
+    out = tmp_path / "report"
+    result = CliRunner().invoke(main, ["replay", str(guard.dumps[0]), "--device", "cpu", "--trust", "--no-rng-check",
+                                       "--path", str(tmp_path), "-o", str(out)])
+    assert result.exit_code == 0, (result.stdout, result.stderr, result.exception)
+    report = json.loads((out / "report.json").read_text())
+    samples = report["culprit"]["samples"]
+    assert [s["sample_id"] for s in samples] == ["step3/rank0/mb0/2"] and samples[0]["positional"] is True
+    assert not (out / "blocklist.jsonl").exists()
+    suggestions = " ".join(report["verdict"]["suggestions"])
+    assert "No blocklist entry for 'step3/rank0/mb0/2'" in suggestions and "blocklist.jsonl lists" not in suggestions
+    explicit = tmp_path / "mine.jsonl"  # asked for by name: written, without the made-up ID
+    result = CliRunner().invoke(main, ["replay", str(guard.dumps[0]), "--device", "cpu", "--trust", "--no-rng-check",
+                                       "--path", str(tmp_path), "-o", str(out), "--blocklist", str(explicit)])
+    assert result.exit_code == 0 and explicit.read_text() == ""
