@@ -29,6 +29,7 @@ from capture.config import GuardConfig
 from capture.detectors import StepDetectors
 from capture.history import History
 from capture.incident import Incident, StepRecord, Trigger, batch_size, json_ids
+from capture.main_script import MainScript
 from capture.misuse import FirstStepCheck
 from capture.optimizer_steps import OptimizerSteps
 from capture.recipe import build_recipe, default_loss_fits
@@ -151,7 +152,10 @@ class Guard:
         self._closed = False
         if self.config.capture_exceptions:
             exceptions.watch(self)
-        unfit = default_loss_fits(model, build_recipe(model, loss_fn, self.config.sample_id_key, self.config.recipe))
+        recipe = build_recipe(model, loss_fn, self.config.sample_id_key, self.config.recipe)
+        self.main_script = MainScript(recipe)
+        """The training script's source when the recipe names a function of it (capture/main_script.py)."""
+        unfit = default_loss_fits(model, recipe)
         if unfit:
             log.warning("forensics: %s", unfit)
         if self.config.verify_update:
@@ -608,7 +612,7 @@ class Guard:
             micro_batches=batches, history=self.history.to_dict(),
             scheduler=incident.scheduler or snapshot.scheduler_state(self.scheduler),
             scaler=snapshot.scaler_state(self.scaler), layout=state.get("layout"),
-            copies=self._buddy_copies(state, incident), extra_files=self.window.files(incident.step))
+            copies=self._buddy_copies(state, incident), extra_files={**self.window.files(incident.step), **self.main_script.files()})
         content.ready = copy.wait  # the writer waits for the device copies before touching them
         return content
 
@@ -647,7 +651,7 @@ class Guard:
                 manifest=manifest, model={}, optimizer=snapshot.optimizer_hyper(self.optimizer, self.model),
                 rng=list(incident.record.rng), micro_batches=[snapshot.host_only(b) for b in incident.record.batches],
                 history=self.history.to_dict(), scheduler=scheduler, snapshot=held, done=release,
-                extra_files=self.window.files(incident.step))
+                extra_files={**self.window.files(incident.step), **self.main_script.files()})
         except Exception:  # noqa: BLE001 - the job is failing already
             log.exception("forensics: even the host-side dump of step %d failed", incident.step)
             return None
@@ -685,7 +689,7 @@ class Guard:
                           **({"fsdp": self.fsdp_units} if self.fsdp_units else {})},
             "determinism": environment.determinism_flags(),
             "environment": environment.environment(),
-            "recipe": self.replay_recipe(),
+            "recipe": self.main_script.describe(self.replay_recipe()),
             "recheck": self._recheck(incident),
             "missing_ranks": [],
         }

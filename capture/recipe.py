@@ -42,9 +42,6 @@ def build_recipe(model: torch.nn.Module, loss_fn: Callable | None, sample_id_key
                 recipe[kwargs] = {}
         recipe.update(override)
         recipe["source"] = "user"
-    if recipe.get("loss") and recipe["loss"].startswith("__main__:"):
-        recipe["note"] = ("the loss function lives in the training script's __main__; replay with "
-                          "--loss <module>:<function> and --path to its directory")
     return recipe
 
 

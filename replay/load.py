@@ -15,10 +15,11 @@ from typing import Any, Callable, Iterator
 import torch
 
 from forensics.errors import DumpCorruptError, DumpError, RecipeError
+from forensics.format import spec
 from replay.environment import dtype_from_name, environment_warnings, resolve_device, to_device
 from replay.fsdp_precision import FsdpUnit, compute_dtype, parse_units
 from replay.optimizer_state import DumpOptimizerState, OptimizerSnapshot
-from replay.recipe import LossFn, optimizer_class, resolve_recipe
+from replay.recipe import LossFn, TrainingScript, optimizer_class, resolve_recipe
 from replay.samples import SampleRef
 
 logger = logging.getLogger(__name__)
@@ -135,6 +136,15 @@ def _check_no_unreplayable(batch: Any, index: int, warnings: list[str]) -> Any:
     return walk(batch)
 
 
+def training_script(dump: Any) -> TrainingScript:
+    """The training script the dump holds (manifest `recipe.script`; read and checked, never run here)."""
+    described = (dump.recipe or {}).get("script") or {}
+    if not described or not dump.has_file(spec.MAIN_SCRIPT):
+        return TrainingScript()
+    return TrainingScript(str(described.get("name") or "the training script"),
+                          dump.read_file(spec.MAIN_SCRIPT, spec.MAX_MAIN_SCRIPT))
+
+
 def load_session(dump: Any, *, device: str | torch.device | None = None, trust: bool = False,
                  factory: str | None = None, loss: str | None = None,
                  sys_path: tuple[str, ...] | list[str] = (), weights: bool = True) -> ReplaySession:
@@ -163,7 +173,8 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
                         "(`forensics inspect`); to replay the step, re-execute up to it from an earlier state: the "
                         "Guard's host snapshot in the dump (GuardConfig.snapshot_every, with a data recipe; pass "
                         "--trust) or --from CHECKPOINT --trust")
-    recipe = resolve_recipe(dump.recipe, trust=trust, factory=factory, loss=loss, sys_path=sys_path)
+    recipe = resolve_recipe(dump.recipe, trust=trust, factory=factory, loss=loss, sys_path=sys_path,
+                            script=training_script(dump))
     precision = dump.precision or {}
     env_warnings = environment_warnings(manifest.get("environment"), device)
     warnings = list(env_warnings)

@@ -8,7 +8,10 @@ class. Nothing a dump names is imported unless the user agreed to it:
 * built-in recipes (forensics.recipes.BUILTIN_RECIPES: `forensics.recipes:huggingface_model`,
   `forensics.recipes:default_loss`, the demo's models) are forensics' own code (a dump can only
   *pick* one, not change it), so they are used without trust;
-* optimizer classes from `torch.optim` are used without trust; any other class needs `trust=True`.
+* optimizer classes from `torch.optim` are used without trust; any other class needs `trust=True`;
+* a function of the job's training script (`__main__:fn`) is never imported (that would run the script's
+  training again): with `trust=True` it is defined from the script's source the dump holds
+  (replay/main_script.py); without, or without that source, the error says what to pass.
 """
 
 from __future__ import annotations
@@ -23,10 +26,13 @@ import torch
 
 from forensics.errors import RecipeError
 from forensics.recipes import is_builtin
+from forensics.report.wording import clean
+from replay.main_script import define_from_script, move_instruction
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_LOSS_PATH = "forensics.recipes:default_loss"
+MAIN_PREFIX = "__main__:"  # a function of the job's training script (python train.py)
 TRUSTED_OPTIMIZER_PREFIX = "torch.optim."
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
@@ -59,10 +65,36 @@ def import_object(path: str, what: str = "recipe", sys_path: tuple[str, ...] | l
     return obj
 
 
-def _consented(path: str, what: str, trust: bool, sys_path) -> Any:
+@dataclass
+class TrainingScript:
+    """The job's training script as the dump holds it (manifest `recipe.script`), or why it does not."""
+
+    name: str = "the training script"
+    source: bytes | None = None
+
+
+def _from_main(path: str, what: str, trust: bool, script: TrainingScript, flag: str) -> Any:
+    """`__main__:fn`: defined from the recorded script with trust; never imported (see the module docstring)."""
+    qualname = path.removeprefix(MAIN_PREFIX)
+    shown, name = clean(qualname, 100), clean(script.name, 100)
+    move = move_instruction(qualname, script.name, flag)
+    if script.source is None:
+        raise RecipeError(f"the dump's {what} `{shown}` was defined in the job's training script (__main__), and the "
+                          "dump holds no copy of that script; importing the script would run its training again. "
+                          f"To replay, {move}.")
+    if not trust:
+        raise RecipeError(f"the dump's {what} `{shown}` is defined in the training script {name}, whose source the "
+                          "dump holds; it was NOT run. Pass --trust to define it from that source (only the script's "
+                          f"imports, definitions and constants run, never its training code), or {move}.")
+    return define_from_script(script.source, qualname, script.name, what, flag)
+
+
+def _consented(path: str, what: str, trust: bool, sys_path, script: TrainingScript) -> Any:
+    flag = "--factory" if what == "model factory" else "--loss"
+    if isinstance(path, str) and path.startswith(MAIN_PREFIX):
+        return _from_main(path, what, trust, script, flag)
     if is_builtin(path) or trust:
         return import_object(path, what, sys_path)
-    flag = "--factory" if what == "model factory" else "--loss"
     raise RecipeError(
         f"the dump asks to import the {what} {path!r}, which is not forensics' own code; it was NOT "
         f"imported. If you trust this dump and that code, pass --trust (trust=True), or name the code "
@@ -79,7 +111,8 @@ class ResolvedRecipe:
 
 
 def resolve_recipe(recipe: dict | None, *, trust: bool = False, factory: str | None = None,
-                   loss: str | None = None, sys_path: tuple[str, ...] | list[str] = ()) -> ResolvedRecipe:
+                   loss: str | None = None, sys_path: tuple[str, ...] | list[str] = (),
+                   script: TrainingScript | None = None) -> ResolvedRecipe:
     """Picks the model factory and loss function, importing only what the user consented to.
 
     Args:
@@ -87,6 +120,7 @@ def resolve_recipe(recipe: dict | None, *, trust: bool = False, factory: str | N
         trust: import whatever the recipe names.
         factory / loss: "module:fn" named by the user; used instead of the recipe's (always imported).
         sys_path: extra import directories (e.g. the training repo), added in front of sys.path.
+        script: the training script the dump holds, for a recipe naming `__main__:fn`.
     Returns:
         ResolvedRecipe with callables; the loss takes (model, batch).
     Raises:
@@ -94,6 +128,7 @@ def resolve_recipe(recipe: dict | None, *, trust: bool = False, factory: str | N
             --factory), or the import failed.
     """
     recipe = recipe or {}
+    script = script or TrainingScript()
     factory_path = factory or recipe.get("factory")
     if not factory_path:
         raise RecipeError("the dump has no model recipe; pass --factory module:fn, a function that "
@@ -101,7 +136,7 @@ def resolve_recipe(recipe: dict | None, *, trust: bool = False, factory: str | N
     if factory:
         factory_fn = import_object(factory, "model factory", sys_path)
     else:
-        factory_fn = _consented(factory_path, "model factory", trust, sys_path)
+        factory_fn = _consented(factory_path, "model factory", trust, sys_path, script)
     loss_path = loss or recipe.get("loss") or DEFAULT_LOSS_PATH
     if not loss and "loss" in recipe and not recipe.get("loss"):
         logger.warning("the job's loss function could not be named in the dump (a lambda or closure?); "
@@ -109,7 +144,7 @@ def resolve_recipe(recipe: dict | None, *, trust: bool = False, factory: str | N
     if loss:
         loss_callable = import_object(loss, "loss function", sys_path)
     else:
-        loss_callable = _consented(loss_path, "loss function", trust, sys_path)
+        loss_callable = _consented(loss_path, "loss function", trust, sys_path, script)
     loss_kwargs = dict(recipe.get("loss_kwargs") or {}) if not loss else {}
     loss_fn: LossFn = (lambda model, batch: loss_callable(model, batch, **loss_kwargs)) if loss_kwargs \
         else loss_callable
@@ -132,5 +167,5 @@ def optimizer_class(path: str, trust: bool) -> type:
 
 
 
-__all__ = ["ResolvedRecipe", "resolve_recipe", "is_builtin", "import_object", "optimizer_class", "LossFn",
+__all__ = ["ResolvedRecipe", "TrainingScript", "resolve_recipe", "is_builtin", "import_object", "optimizer_class", "LossFn",
            "DEFAULT_LOSS_PATH", "TRUSTED_OPTIMIZER_PREFIX"]

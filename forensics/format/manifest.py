@@ -165,6 +165,12 @@ def _recipe(c: _Checker, recipe: Any) -> None:
         c.kind(recipe.get(key), f"recipe.{key}", str)
     for key in ("factory_kwargs", "loss_kwargs"):
         c.kind(recipe.get(key), f"recipe.{key}", dict)
+    script = recipe.get("script")
+    c.kind(script, "recipe.script", dict)
+    if script:
+        if script.get("file") != spec.MAIN_SCRIPT:
+            raise c.fail("recipe.script.file", f"must be {spec.MAIN_SCRIPT!r}, got {_short(script.get('file'))}")
+        c.kind(script.get("name"), "recipe.script.name", str)
 
 
 def _exception(c: _Checker, exception: Any) -> None:

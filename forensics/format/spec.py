@@ -21,6 +21,10 @@ WINDOW_JSON = "window.json"
 """The flight recorder: per recorded step before this one, sample IDs, RNG meta and scalars (OPTIONAL)."""
 WINDOW_RNG = "window-rng.safetensors"
 """The flight recorder's RNG tensors, keyed s<step>/mb<i>/... (OPTIONAL)."""
+MAIN_SCRIPT = "main_script.py"
+"""The training script's source (UTF-8, at most MAX_MAIN_SCRIPT bytes) when the recipe's loss or factory is defined
+in it (`__main__:name`); OPTIONAL, named by the manifest's `recipe.script`."""
+MAX_MAIN_SCRIPT = 1 << 20
 ARCHIVE_SUFFIX = ".tar.zst"
 
 

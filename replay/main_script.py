@@ -1,0 +1,141 @@
+"""Define a loss or model factory from the training script a dump holds, without running the script's training.
+
+A function of the job's `__main__` (`python train.py`) cannot be imported: importing `train` runs the whole
+script again, and most scripts train at top level, with no `if __name__ == "__main__":` guard. The dump holds
+the script's source (`main_script.py`, capture/main_script.py); behind --trust, this module parses it and
+runs only the statements that define things — imports, `def`, `class`, assignments of constants (literals,
+names, attribute reads and arithmetic on them), and `try` blocks made of those — in a fresh module whose
+`__name__` is not "__main__". Everything else (calls at top level, loops, `with`, `model = GPT(...)`, the
+main guard's body) is left out. When the function needs a name that only left-out code defines, nothing is run
+and the error says what to pass instead.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+import types
+from typing import Any
+
+from forensics.errors import RecipeError
+from forensics.report.wording import clean
+
+MODULE_NAME = "forensics_training_script"  # __name__ of the module the script's definitions run in
+STATIC_EXPRESSIONS = (ast.Constant, ast.Name, ast.Attribute, ast.Tuple, ast.List, ast.Set, ast.Dict, ast.UnaryOp,
+                      ast.BinOp, ast.BoolOp, ast.Compare, ast.Subscript, ast.Slice, ast.Load, ast.operator,
+                      ast.unaryop, ast.boolop, ast.cmpop, ast.JoinedStr, ast.FormattedValue)
+
+
+def _static(node: ast.AST | None) -> bool:
+    """An expression that computes nothing of consequence: no call, no lambda, no comprehension."""
+    return node is None or all(isinstance(n, STATIC_EXPRESSIONS) for n in ast.walk(node))
+
+
+def _main_guard(node: ast.stmt) -> bool:
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__"
+            and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in test.comparators))
+
+
+def defines_only(node: ast.stmt) -> bool:
+    """The statement only defines names: run at replay."""
+    if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Pass)):
+        return True
+    if isinstance(node, ast.Expr):
+        return isinstance(node.value, ast.Constant)  # a docstring
+    if isinstance(node, ast.Assign):
+        return _static(node.value)
+    if isinstance(node, ast.AnnAssign):
+        return _static(node.value) and _static(node.annotation)
+    if isinstance(node, ast.Try):
+        blocks = [node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)]
+        return all(defines_only(s) for block in blocks for s in block)
+    return False
+
+
+def _bound(nodes: list[ast.stmt]) -> set[str]:
+    """Names the statements bind at module level (assignment targets, defs, imports, loop variables ...)."""
+    names: set[str] = set()
+    for node in nodes:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+            continue
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
+                names.add(sub.id)
+            elif isinstance(sub, (ast.Import, ast.ImportFrom)):
+                names.update((a.asname or a.name).split(".")[0] for a in sub.names)
+            elif isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(sub.name)
+    return names
+
+
+def _needed(definitions: dict[str, ast.stmt], start: str) -> set[str]:
+    """The module-level names `start` reads, following the script's own functions and classes it uses."""
+    seen, todo, needed = set(), [start], set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in definitions:
+            continue
+        seen.add(name)
+        nodes = list(ast.walk(definitions[name]))
+        local = {n.arg for n in nodes if isinstance(n, ast.arg)} | \
+                {n.id for n in nodes if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        for sub in nodes:
+            if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Load) and sub.id not in local:
+                needed.add(sub.id)
+                todo.append(sub.id)
+    return needed
+
+
+def define_from_script(source: bytes, qualname: str, script_name: str, what: str, flag: str) -> Any:
+    """The object `qualname` of the script, defined by running only its definitions (see the module docstring).
+
+    Raises:
+        RecipeError: the script does not parse, does not define `qualname`, or `qualname` needs names that only
+            code left out (training, building objects) defines; the message says what to pass instead.
+    """
+    shown, script = clean(qualname, 100), clean(script_name, 100)
+    instead = move_instruction(qualname, script_name, flag)
+    try:
+        tree = ast.parse(source.decode("utf-8"), filename=script_name)
+    except (SyntaxError, UnicodeDecodeError, ValueError) as exc:
+        raise RecipeError(f"the training script {script} recorded in the dump does not parse ({type(exc).__name__}); "
+                          f"{instead}") from exc
+    kept = [node for node in tree.body if defines_only(node)]
+    left_out = [node for node in tree.body if not defines_only(node) and not _main_guard(node)]
+    top = qualname.split(".")[0]
+    definitions = {node.name: node for node in kept
+                   if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    if top not in definitions:
+        raise RecipeError(f"the training script {script} recorded in the dump defines no function `{shown}` at its top "
+                          f"level; {instead}")
+    missing = sorted((_needed(definitions, top) & _bound(left_out)) - _bound(kept))
+    if missing:
+        names = ", ".join(f"`{clean(n, 60)}`" for n in missing[:8])
+        raise RecipeError(f"the {what} `{shown}` uses {names}, which {script} computes in top-level code that replay "
+                          f"does not run (it would train again); {instead}")
+    module = types.ModuleType(MODULE_NAME)
+    module.__file__ = f"<{script} recorded in the dump>"
+    sys.modules[MODULE_NAME] = module  # dataclasses and pickling look the module up by name
+    try:
+        exec(compile(ast.Module(body=kept, type_ignores=[]), module.__file__, "exec"), module.__dict__)  # noqa: S102
+    except Exception as exc:  # noqa: BLE001 - the script's imports or definitions failing here is the user's to fix
+        raise RecipeError(f"defining `{shown}` from the training script {script} raised {type(exc).__name__}: "
+                          f"{clean(str(exc), 300)}; {instead}") from exc
+    obj: Any = module
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    if not callable(obj):
+        raise RecipeError(f"`{shown}` in the training script {script} is not callable; {instead}")
+    return obj
+
+
+def move_instruction(qualname: str, script_name: str, flag: str) -> str:
+    """What to do instead: 'move `lm_loss` (and what it uses) from train.py into a module, e.g. train_lib.py beside
+    it, and replay with --loss train_lib:lm_loss --path DIR_OF_THAT_MODULE'. Never an import of the script."""
+    shown, script = clean(qualname, 100), clean(script_name, 100)
+    stem = script_name.removesuffix(".py") if script_name.endswith(".py") else "training"
+    module = ("".join(ch if ch.isalnum() or ch == "_" else "_" for ch in stem) or "training") + "_lib"
+    return (f"move `{shown}` (and what it uses) from {script} into a module, e.g. {module}.py beside it, and replay "
+            f"with {flag} {module}:{shown} --path DIR_OF_THAT_MODULE")

@@ -1,0 +1,144 @@
+"""A loss and a model factory defined in the training script itself (`python train.py`, no main guard): the dump
+holds the script's source and `forensics replay --trust` defines them from it without training again (issue 22,
+item 6); without --trust, or where the function needs what the training code computes, the error says exactly
+what to pass — never to import the script."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from forensics.cli import main
+from forensics.errors import RecipeError
+from replay.main_script import define_from_script
+
+REPO = Path(__file__).resolve().parents[2]
+
+SCRIPT = textwrap.dedent('''
+    """A training script as people write them: everything at top level, no `if __name__ == "__main__":`."""
+    import torch
+    from capture import Guard, GuardConfig
+
+    WIDTH = 3
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(WIDTH, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+
+    def lm_loss(model, batch):
+        return torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
+
+    print("TRAINING starts", flush=True)
+    model = build()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    guard = Guard(model, optimizer, loss_fn=lm_loss,
+                  config=GuardConfig(dump_dir="dumps", run_id="script", on_nonfinite="skip",
+                                     recipe={"factory": "__main__:build"}))
+    data = torch.Generator().manual_seed(0)
+    for step in range(6):
+        x, y = torch.randn(4, WIDTH, generator=data), torch.randn(4, 1, generator=data)
+        if step == 3:
+            x[1] = float("inf")
+        batch = {"x": x, "y": y, "sample_ids": [f"rec-{step}-{i}" for i in range(4)]}
+        guard.record_batch(batch)
+        loss = lm_loss(model, batch)
+        guard.record_loss(loss)
+        loss.backward()
+        if guard.check():
+            optimizer.step()
+        optimizer.zero_grad()
+        print(f"TRAINING step {step}", flush=True)
+    guard.close()
+''')
+
+
+@pytest.fixture(scope="module")
+def script_dump(tmp_path_factory) -> Path:
+    job = tmp_path_factory.mktemp("job")
+    (job / "train.py").write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    ran = subprocess.run([sys.executable, "train.py"], cwd=job, env=env, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0 and "TRAINING step 5" in ran.stdout, ran.stderr
+    dumps = sorted((job / "dumps").glob("script/step-*/rank-*"))
+    assert len(dumps) == 1
+    return dumps[0]
+
+
+def dumps_under(root: Path) -> list[Path]:
+    return sorted(root.rglob("manifest.json"))
+
+
+def test_the_dump_holds_the_script_and_names_it(script_dump):
+    manifest = json.loads((script_dump / "manifest.json").read_text())
+    recipe = manifest["recipe"]
+    assert recipe["loss"] == "__main__:lm_loss" and recipe["factory"] == "__main__:build"
+    assert recipe["script"] == {"file": "main_script.py", "name": "train.py"}
+    assert (script_dump / "main_script.py").read_text() == SCRIPT
+
+
+def test_replay_with_trust_defines_the_functions_without_training_again(script_dump, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a training run re-executed here would write ./dumps and print TRAINING
+    before = dumps_under(tmp_path) + dumps_under(script_dump.parents[2])
+    out = tmp_path / "report"
+    result = CliRunner().invoke(main, ["replay", str(script_dump), "--device", "cpu", "--trust", "--no-rng-check",
+                                       "-o", str(out)])
+    assert result.exit_code == 0, (result.stdout, result.stderr, result.exception)
+    assert "TRAINING" not in result.stdout + result.stderr
+    assert dumps_under(tmp_path) + dumps_under(script_dump.parents[2]) == before
+    report = json.loads((out / "report.json").read_text())
+    assert report["reproduced"] is True and report["verdict"]["kind"] == "bad_sample"
+    assert [s["sample_id"] for s in report["culprit"]["samples"]] == ["rec-3-1"]
+
+
+def test_without_trust_it_exits_2_and_says_exactly_what_to_pass(script_dump, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["replay", str(script_dump), "--device", "cpu", "-o", str(tmp_path / "r")])
+    assert result.exit_code == 2, (result.stdout, result.stderr)
+    assert "defined in the training script train.py, whose source the dump holds; it was NOT run" in result.stderr
+    assert "Pass --trust to define it from that source" in result.stderr
+    assert "--factory train_lib:build --path DIR_OF_THAT_MODULE" in result.stderr
+    assert "train:build" not in result.stderr and "TRAINING" not in result.stdout + result.stderr
+
+
+def test_a_function_that_needs_what_the_training_code_computes_is_refused_with_what_to_pass():
+    source = textwrap.dedent('''
+        import torch
+        criterion = torch.nn.MSELoss()          # a call at top level: not run at replay
+        def lm_loss(model, batch):
+            return criterion(model(batch["x"]), batch["y"])
+        for epoch in range(100):
+            print("TRAINING")
+    ''').encode()
+    with pytest.raises(RecipeError) as refused:
+        define_from_script(source, "lm_loss", "train.py", "loss function", "--loss")
+    message = str(refused.value)
+    assert "`lm_loss` uses `criterion`, which train.py computes in top-level code that replay does not run" in message
+    assert "--loss train_lib:lm_loss --path DIR_OF_THAT_MODULE" in message
+
+
+def test_definitions_run_and_the_main_guard_and_top_level_calls_do_not(capsys):
+    source = textwrap.dedent('''
+        import math
+        SCALE = 2 * math.pi
+        try:
+            import numpy as np
+        except ImportError:
+            np = None
+        def helper(v):
+            return v * SCALE
+        def lm_loss(model, batch):
+            return helper(batch)
+        print("TRAINING at top level")
+        if __name__ == "__main__":
+            print("TRAINING in the guard")
+    ''').encode()
+    loss = define_from_script(source, "lm_loss", "train.py", "loss function", "--loss")
+    assert loss(None, 1.0) == pytest.approx(6.283185307)
+    assert "TRAINING" not in capsys.readouterr().out
