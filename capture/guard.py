@@ -185,10 +185,11 @@ class Guard:
 
         Never raises: a tensor is kept by reference (its mean is read at check()); an empty tensor, or a
         value that does not convert to a float (an object whose __float__ raises, a Python int beyond the
-        float range such as 10**400), is ignored with a warning."""
-        if self._current is None:
-            return
+        float range such as 10**400), is ignored with a warning. Without record_batch the loss is still
+        watched (the step then has no micro-batch to dump: the first check() says so)."""
         value = loss_value(loss)
+        if self._current is None:
+            self._current = StepRecord()
         if value is not None:
             self._current.losses.append(value)
 

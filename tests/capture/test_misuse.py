@@ -118,9 +118,15 @@ def test_a_loop_used_right_gets_no_usage_warning(tmp_path, caplog):
     assert not [r for r in caplog.records if "capture.misuse" in r.name]
 
 
-def test_without_record_batch_the_trigger_never_claims_a_finite_loss(user_module, tmp_path):
+def test_without_record_batch_a_nan_loss_is_still_seen(user_module, tmp_path):
     with pytest.raises(TrainingFaultError) as raised:
         train(user_module, tmp_path, record_batch=False, bad_step=3, policy="raise")
+    assert raised.value.trigger["kind"] == "nonfinite_loss" and "is nan" in raised.value.trigger["detail"]
+
+
+def test_a_loss_never_recorded_is_never_claimed_finite(user_module, tmp_path):
+    with pytest.raises(TrainingFaultError) as raised:
+        train(user_module, tmp_path, record_batch=False, record_loss=False, bad_step=3, policy="raise")
     detail = raised.value.trigger["detail"]
     assert "finite loss" not in detail and "the loss is unknown: record_loss was not called" in detail
 
