@@ -145,6 +145,11 @@ class Guard:
         self._closed = False
         if self.config.capture_exceptions:
             exceptions.watch(self)
+            if exceptions.nccl_watchdog_aborts_on_cuda_errors():
+                log.warning("forensics: NCCL's watchdog aborts this process on a CUDA error (a device-side assert), "
+                            "which can end the rank before its dump is written; to let the dump finish and the job "
+                            "fail with its own exception, set TORCH_NCCL_RETHROW_CUDA_ERRORS=0 before "
+                            "init_process_group (docs/INTEGRATIONS.md)")
         unfit = default_loss_fits(model, build_recipe(model, loss_fn, self.config.sample_id_key, self.config.recipe))
         if unfit:
             log.warning("forensics: %s", unfit)
