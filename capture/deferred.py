@@ -31,6 +31,8 @@ from typing import Any
 import torch
 
 from capture import snapshot
+from capture.checking import CheckSource
+from capture.detectors import clipped
 from capture.incident import Incident, StepRecord
 from forensics.errors import TrainingFaultError
 from forensics.kinds import Policy
@@ -57,7 +59,7 @@ class Pending:
     divisor: float
 
 
-def unsupported(guard: Any) -> str | None:
+def unsupported(guard: CheckSource) -> str | None:
     """Why the sync-free mode cannot run for this Guard (None: it can)."""
     optimizer, scaler = guard.optimizer, guard.scaler
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
@@ -75,11 +77,10 @@ def unsupported(guard: Any) -> str | None:
 class SyncFree:
     """Runs Guard.check in sync-free mode; falls back to the synchronous check (one warning) when unsupported.
 
-    Uses only the Guard's public members (optimizer, scheduler, config, detectors, history, step, rank,
-    multi_rank, compute_grad_norm, collect_state, clipped, note_suppressed, handle_incident, add_hook).
+    Reads the Guard only through capture.checking.CheckSource.
     """
 
-    def __init__(self, guard: Any):
+    def __init__(self, guard: CheckSource):
         self.guard = guard
         self.pending: Pending | None = None
         self._active: bool | None = None  # decided at the first check
@@ -158,8 +159,8 @@ class SyncFree:
         step_loss = sum(losses) / divisor if losses else None
         trigger = g.detectors.detect(losses, norm, step_loss, None)
         spike = trigger is not None and trigger.kind.spike
-        g.history.append(pending.step, step_loss, norm, pending.lr, None, g.clipped(norm),
-                         trigger is not None and not spike, g.note_suppressed())
+        g.history.append(pending.step, step_loss, norm, pending.lr, None, clipped(norm, g.config.max_grad_norm),
+                         trigger is not None and not spike, g.detectors.note_suppressed(g.step))
         if trigger is None:
             return
         policy = g.config.policy_for(trigger.kind)

@@ -8,16 +8,19 @@ reading memory counters.
 
 from __future__ import annotations
 
+import math
 import sys
 import traceback
 import weakref
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
+from capture.checking import host_numbers
 from capture.host_snapshots import available_host_memory, proc_bytes
-from capture.incident import tensor_leaves
-from forensics.errors import is_out_of_memory
+from capture.incident import Incident, StepRecord, Trigger, tensor_leaves
+from forensics.errors import TrainingFaultError, is_out_of_memory
+from forensics.kinds import Policy, TriggerKind
 
 MAX_FRAMES = 40
 MAX_MESSAGE = 4000
@@ -63,6 +66,41 @@ def memory_picture(batches: list[Any]) -> dict:
     return picture
 
 
+def first_sight(exc: BaseException) -> bool:
+    """True the first time a Guard sees `exc` (then marks it): a TrainingFaultError was dumped by check(), and an
+    exception an inner capture_errors() recorded is not dumped again by an outer one or by the excepthook."""
+    if isinstance(exc, TrainingFaultError) or getattr(exc, "_forensics_recorded", False):
+        return False
+    try:
+        exc._forensics_recorded = True
+    except AttributeError:
+        pass
+    return True
+
+
+def step_incident(exc: BaseException, record: StepRecord, step: int, after_check: bool, multi_rank: bool,
+                  divisor: float) -> Incident:
+    """The Incident of a step that raised `exc`: where in the step (forward while micro-batches still lack
+    their loss, backward, or the optimizer once check() has run), the `exception` section, and a trigger that
+    is not this rank's own when it only saw another rank stop."""
+    during = "optimizer" if after_check else "backward" if len(record.losses) >= len(record.batches) \
+        else "forward"
+    section = describe(exc, during, record.batches)
+    section["state_may_be_partial"] = after_check
+    index = len(record.batches) - 1 if during == "forward" else None
+    trigger = Trigger(TriggerKind.EXCEPTION, math.nan, None, index,
+                      f"{section['type']} during the {during}: {section['message'][:300]}")
+    if multi_rank and section["peer_failure"]:  # this rank only saw another rank stop
+        trigger.local = False
+        trigger.detail = f"another rank stopped: a collective failed during the {during} ({section['type']})"
+    try:
+        host_losses = host_numbers(list(record.losses))
+    except Exception:  # noqa: BLE001 - a broken device: the losses are a bonus
+        host_losses = [v if isinstance(v, float) else None for v in record.losses]
+    losses = [v if isinstance(v, float) else math.nan for v in host_losses]
+    return Incident(trigger, step, record, losses, None, divisor, Policy.RAISE, exception=section)
+
+
 PEER_FAILURE_WORDS = ("Connection closed by peer", "Connection reset by peer", "remote worker", "NCCL error",
                       "ProcessGroup", "gloo", "Watchdog caught collective operation timeout")
 
@@ -92,7 +130,13 @@ def _safe_str(exc: BaseException) -> str:
 
 
 # -- the one excepthook: uncaught exceptions reach every live Guard -------------------------------
-_WATCHED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+class RecordsExceptions(Protocol):
+    """What the excepthook needs of a Guard."""
+
+    def record_exception(self, exc: BaseException) -> Any: ...
+
+
+_WATCHED: "weakref.WeakSet[RecordsExceptions]" = weakref.WeakSet()
 _PREVIOUS: list[Any] = []
 
 
@@ -103,7 +147,7 @@ def _excepthook(exc_type, exc, tb) -> None:
     (_PREVIOUS[0] if _PREVIOUS else sys.__excepthook__)(exc_type, exc, tb)
 
 
-def watch(guard: Any) -> None:
+def watch(guard: RecordsExceptions) -> None:
     """Has uncaught exceptions dump `guard`'s step in progress. One hook for every Guard of the process,
     chained to the previous one, holding the guards weakly (a Guard that is dropped is not kept alive)."""
     if sys.excepthook is not _excepthook:
@@ -112,7 +156,7 @@ def watch(guard: Any) -> None:
     _WATCHED.add(guard)
 
 
-def unwatch(guard: Any) -> None:
+def unwatch(guard: RecordsExceptions) -> None:
     """Guard.close(): this guard no longer dumps uncaught exceptions; the hook goes once none is watched."""
     _WATCHED.discard(guard)
     if not _WATCHED and sys.excepthook is _excepthook:

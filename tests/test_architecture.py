@@ -100,5 +100,5 @@ def test_the_import_graph_has_no_cycles():
 
 def test_the_graph_sees_the_packages():
     graph = _graph()
-    assert "capture.guard" in graph and "forensics.format.writer" in graph["capture.guard"]
+    assert "capture.dumping" in graph and "forensics.format.writer" in graph["capture.dumping"]
     assert "replay.engine" in graph and "forensics.cli" in graph and _layer("forensics.format.reader") == 0
