@@ -17,8 +17,9 @@ from capture.config import GuardConfig
 from capture.detectors import StepDetectors, clipped
 from capture.history import History
 from capture.host_snapshots import HostSnapshots
-from capture.incident import Incident, StepRecord, Trigger
+from capture.incident import Incident, StepRecord
 from capture.window import FlightRecorder, WindowStep
+from forensics.trigger import Trigger
 from forensics.kinds import Policy, TriggerKind
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,7 @@ from capture.detectors import clipped
 from capture.incident import Incident, StepRecord
 from forensics.errors import TrainingFaultError
 from forensics.kinds import Policy
+from forensics.trigger import Trigger
 
 log = logging.getLogger(__name__)
 
@@ -167,14 +169,14 @@ class SyncFree:
         if spike:
             self._on_spike(trigger, pending.step, policy)
             return
-        trigger.detail += LATE
+        trigger = dataclasses.replace(trigger, detail=trigger.detail + LATE)
         state = g.collect_state(snapshot.HostCopy(enabled=False))
         for group, hyper in zip(state["optimizer"]["param_groups"], pending.hyper):
             group.update({k: snapshot.plain(v) for k, v in hyper.items()})
         g.handle_incident(Incident(trigger, pending.step, pending.record, losses, norm, divisor, policy,
                                    state=state, scheduler=pending.scheduler))
 
-    def _on_spike(self, trigger: Any, step: int, policy: Policy) -> None:
+    def _on_spike(self, trigger: Trigger, step: int, policy: Policy) -> None:
         """A finite spike was applied before it was seen: its pre-step state is gone, so it is not dumped."""
         g = self.guard
         log.warning("forensics: step %d rank %d: %s (policy: %s; sync_free: seen one step late, after its update, "
@@ -182,7 +184,7 @@ class SyncFree:
         if policy is Policy.RAISE:
             reason = "sync_free mode does not dump spikes (the spike step's update was already applied)"
             raise TrainingFaultError(f"step {step}: {trigger.message} (detected one step late); NO dump was "
-                                     f"written: {reason}.", trigger.as_dict(), None, reason)
+                                     f"written: {reason}.", trigger, None, reason)
 
 
 def _clear_found_inf(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -10,7 +10,7 @@ from collections import deque
 
 from capture.agreement import Agreement
 from capture.config import GuardConfig, SpikeConfig
-from capture.incident import Trigger
+from forensics.trigger import Trigger
 from forensics.kinds import TriggerKind
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ class StepDetectors:
             log.warning("forensics: step %d: %s. Early spikes are not dumped; to catch them, lower the warm-up, "
                         "e.g. GuardConfig(%s=SpikeConfig(warmup=8)). Logged once; every such step is marked in the "
                         "history (column 'suppressed').", step, first.detail,
-                        "loss_spike" if first.kind is TriggerKind.LOSS_SPIKE else "grad_norm_spike")
+                        first.kind.value)  # GuardConfig's SpikeConfig fields are named after their kinds
         return first.kind.value
 
 

@@ -18,23 +18,24 @@ import torch
 
 from capture.checking import host_numbers
 from capture.host_snapshots import available_host_memory, proc_bytes
-from capture.incident import Incident, StepRecord, Trigger, tensor_leaves
+from capture.incident import Incident, StepRecord, tensor_leaves
 from forensics.errors import TrainingFaultError, is_out_of_memory
-from forensics.kinds import Policy, TriggerKind
+from forensics.kinds import Phase, Policy, TriggerKind
+from forensics.trigger import Trigger
 
 MAX_FRAMES = 40
 MAX_MESSAGE = 4000
 
 
-def describe(exc: BaseException, during: str, batches: list[Any]) -> dict:
-    """The manifest's `exception` section for `exc`, raised `during` ('forward', 'backward', 'optimizer')."""
+def describe(exc: BaseException, during: Phase, batches: list[Any]) -> dict:
+    """The manifest's `exception` section for `exc`, raised `during` the forward, backward or optimizer step."""
     frames = traceback.extract_tb(exc.__traceback__)[-MAX_FRAMES:]
     cls = type(exc)
     section = {
         "type": cls.__name__,
         "qualified_type": f"{cls.__module__}.{cls.__qualname__}",
         "message": _safe_str(exc)[:MAX_MESSAGE],
-        "during": during,
+        "during": Phase(during).value,
         "frames": [{"file": f.filename, "line": f.lineno, "function": f.name} for f in frames],
         "traceback": "".join(traceback.format_exception(cls, exc, exc.__traceback__))[-20000:],
         "cuda_error": _is_cuda_error(exc),
@@ -83,16 +84,17 @@ def step_incident(exc: BaseException, record: StepRecord, step: int, after_check
     """The Incident of a step that raised `exc`: where in the step (forward while micro-batches still lack
     their loss, backward, or the optimizer once check() has run), the `exception` section, and a trigger that
     is not this rank's own when it only saw another rank stop."""
-    during = "optimizer" if after_check else "backward" if len(record.losses) >= len(record.batches) \
-        else "forward"
+    during = Phase.OPTIMIZER if after_check else Phase.BACKWARD if len(record.losses) >= len(record.batches) \
+        else Phase.FORWARD
     section = describe(exc, during, record.batches)
     section["state_may_be_partial"] = after_check
-    index = len(record.batches) - 1 if during == "forward" else None
-    trigger = Trigger(TriggerKind.EXCEPTION, math.nan, None, index,
-                      f"{section['type']} during the {during}: {section['message'][:300]}")
+    index = len(record.batches) - 1 if during is Phase.FORWARD else None
     if multi_rank and section["peer_failure"]:  # this rank only saw another rank stop
-        trigger.local = False
-        trigger.detail = f"another rank stopped: a collective failed during the {during} ({section['type']})"
+        trigger = Trigger(TriggerKind.EXCEPTION, math.nan, None, index, f"another rank stopped: a collective "
+                          f"failed during the {during} ({section['type']})", local=False)
+    else:
+        trigger = Trigger(TriggerKind.EXCEPTION, math.nan, None, index,
+                          f"{section['type']} during the {during}: {section['message'][:300]}")
     try:
         host_losses = host_numbers(list(record.losses))
     except Exception:  # noqa: BLE001 - a broken device: the losses are a bonus

@@ -28,7 +28,7 @@ from capture.detectors import StepDetectors
 from capture.dumping import Dumper
 from capture.history import History
 from capture.host_snapshots import HostSnapshots
-from capture.incident import Incident, StepRecord, Trigger
+from capture.incident import Incident, StepRecord
 from capture.recipe import build_recipe, default_loss_fits
 from capture.update_check import UpdateCheck
 from capture.window import FlightRecorder, WindowStep
@@ -371,7 +371,7 @@ class Guard:
             raise TrainingFaultError(
                 f"step {incident.step}: {trigger.message}; {where}. "
                 + (f"Replay it with: forensics replay {dump_path}" if dump_path else ""),
-                trigger.as_dict(), dump_path, dump_error)
+                trigger, dump_path, dump_error)
         return policy is not Policy.SKIP
 
     # -- lifecycle -------------------------------------------------------------------------------

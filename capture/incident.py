@@ -1,7 +1,7 @@
 """The values that travel through the Guard's dump path: the step being recorded, what fired, and the Incident.
 
 `StepRecord` is what the Guard keeps of the step in progress (references only). A detector turns the
-step's numbers into a `Trigger`. An `Incident` is everything the dump path needs about one trigger —
+step's numbers into a `Trigger` (forensics/trigger.py, the record replay reads back). An `Incident` is everything the dump path needs about one trigger —
 the step number, its record, the losses and grad norm read on the host, the policy — so no stage reads
 it back from the Guard's mutable fields (the sync-free mode judges a step one check later, and
 verify_update one optimizer step later: each builds its Incident with the right step and state).
@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from forensics.kinds import Policy, TriggerKind
-from forensics.report.wording import trigger_detail
+from forensics.kinds import Policy
 from forensics.rng import RngState
+from forensics.trigger import Trigger
 
 log = logging.getLogger(__name__)
 
@@ -38,29 +38,6 @@ class StepRecord:
         """What the step loss divides the summed micro-batch losses by (GuardConfig.loss_divisor, else the
         number of micro-batch losses recorded)."""
         return float(loss_divisor or max(len(self.losses), 1))
-
-
-@dataclass
-class Trigger:
-    """What fired: written as the manifest's `trigger` section (docs/DUMP_FORMAT.md)."""
-
-    kind: TriggerKind
-    value: float
-    threshold: float | None
-    micro_batch: int | None
-    detail: str
-    local: bool = True
-    """False when this rank only inherited the trigger from another rank."""
-
-    @property
-    def message(self) -> str:
-        """The detail as people read it: micro-batches counted from 1, as in every report (the stored
-        `detail` keeps the 0-based index of the JSON)."""
-        return trigger_detail(self.as_dict())
-
-    def as_dict(self) -> dict:
-        return {"kind": self.kind.value, "value": self.value, "threshold": self.threshold,
-                "micro_batch": self.micro_batch, "detail": self.detail, "local": self.local}
 
 
 @dataclass

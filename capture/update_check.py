@@ -11,7 +11,8 @@ import torch
 from capture import snapshot
 from capture.config import GuardConfig
 from capture.history import History
-from capture.incident import Incident, StepRecord, Trigger
+from capture.incident import Incident, StepRecord
+from forensics.trigger import Trigger
 from forensics.kinds import TriggerKind
 
 log = logging.getLogger(__name__)
