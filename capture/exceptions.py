@@ -18,8 +18,9 @@ import torch
 
 from capture.checking import host_numbers
 from capture.host_snapshots import available_host_memory, proc_bytes
-from capture.incident import Incident, StepRecord, tensor_leaves
+from capture.incident import Incident, StepRecord
 from forensics.errors import TrainingFaultError, is_out_of_memory
+from forensics.format.tree import tensor_leaves
 from forensics.kinds import Phase, Policy, TriggerKind
 from forensics.trigger import Trigger
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from forensics.format.tree import tensor_leaves
 from forensics.kinds import Policy
 from forensics.rng import RngState
 from forensics.trigger import Trigger
@@ -101,18 +101,6 @@ def _safe_repr(value: Any) -> str:
         return repr(value)[:1000]
     except Exception:  # noqa: BLE001
         return f"<{type(value).__name__} without a repr>"
-
-
-def tensor_leaves(node: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """(path, tensor) of every tensor in a batch tree, in order: 'input_ids', 'meta.lengths', '[1][0]'."""
-    if isinstance(node, torch.Tensor):
-        yield path, node
-    elif isinstance(node, Mapping):
-        for key, value in node.items():
-            yield from tensor_leaves(value, f"{path}.{key}" if path else str(key))
-    elif isinstance(node, (list, tuple)):
-        for i, value in enumerate(node):
-            yield from tensor_leaves(value, f"{path}[{i}]")
 
 
 def batch_size(batch: Any) -> int | None:

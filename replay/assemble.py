@@ -9,6 +9,7 @@ from datetime import datetime, timezone
 
 import torch
 
+from forensics.format.tree import tensor_leaves
 from forensics.kinds import Phase, TriggerKind
 from forensics.report.model import schema_for, to_json_safe
 from replay.environment import replay_environment
@@ -19,7 +20,6 @@ from replay.localize import INPUT_MODULE, ROOT_MODULE
 from replay.per_sample import rank_by_loss
 from replay.remedies import tested_suggestions
 from replay.sample_facts import describe
-from replay.samples import tensor_leaves
 from replay.verdict import VerdictFacts, decide_verdict
 
 
