@@ -77,6 +77,7 @@ class SyncCheck:
         g.window.append(WindowStep(g.step, list(record.sample_ids), list(record.rng), lr, loss_scale, divisor,
                                    step_loss, norm, was_clipped))
         if trigger is None:
+            g.snapshots.settle()
             if g.snapshots.due(g.step):
                 take_snapshot(g)
             return True

@@ -63,6 +63,8 @@ class DumpSource(Protocol):
 
     def describe_distribution(self) -> dict | None: ...
 
+    def device_lost(self) -> None: ...
+
 
 class Dumper:
     """Writes the dumps of one Guard and keeps their outcome (`dumps`, `errors`)."""
@@ -100,13 +102,14 @@ class Dumper:
         unusable = "the CUDA context is unusable after a CUDA error" if (incident.exception or {}).get("cuda_error") \
             else None
         try:
-            content = self._host_content(incident, unusable) if unusable else self._content(incident, background)
+            content = self._host_content(incident, unusable, device_usable=False) if unusable \
+                else self._content(incident, background)
         except Exception as exc:  # noqa: BLE001
-            why = f"collecting the state failed ({type(exc).__name__}: {str(exc)[:300]})"
-            content = self._host_content(incident, why) if incident.exception is not None else None
-            if content is None:
-                self._failed(f"no dump written: {why}")
-                return None, f"no dump written: {why}"
+            unusable = f"collecting the state failed ({type(exc).__name__}: {str(exc)[:300]})"
+            content = self._host_content(incident, unusable) if incident.exception is not None else None
+        if content is None:
+            self._failed(f"no dump written: {unusable}")
+            return None, f"no dump written: {unusable}"
         if background:
             path = self._writer.submit(content, self.source.config.dump_dir, self._written, self._failed)
             return path, None
@@ -141,6 +144,8 @@ class Dumper:
         copy = snapshot.HostCopy(enabled=background)
         state = incident.state if incident.state is not None else source.collect_state(copy)
         batches = [copy_tree(b, copy) for b in incident.record.batches]
+        if incident.state is not None:  # collected earlier, live tensors: fence their devices too
+            copy.cover(state)
         copy.finish()
         manifest = self._manifest(incident)
         held, release = self._lend_snapshot(incident.step, manifest) if "layout" not in state else (None, None)
@@ -162,16 +167,16 @@ class Dumper:
             return []
         return buddy.exchange(buddy.sole_shards(state), source.rank, source.world_size, source.config.shard_replicas)
 
-    def _lend_snapshot(self, step: int, manifest: dict) -> tuple[dict | None, Any]:
+    def _lend_snapshot(self, step: int, manifest: dict, device_usable: bool = True) -> tuple[dict | None, Any]:
         """The oldest host snapshot the flight recorder covers for a dump of `step` (noted in its manifest), and
         the function that gives it back once the dump is written; (None, None) when there is none."""
         earlier = self.source.window.steps_before(step)
-        held, release = self.source.snapshots.lend_oldest(earlier[0]) if earlier else (None, None)
+        held, release = self.source.snapshots.lend_oldest(earlier[0], device_usable) if earlier else (None, None)
         if held is not None:
             manifest["snapshot"] = {"step": held["step"]}
         return held, release
 
-    def _host_content(self, incident: Incident, why: str) -> DumpContent | None:
+    def _host_content(self, incident: Incident, why: str, device_usable: bool = True) -> DumpContent | None:
         """A step that raised and left the state unreadable (a CUDA error kills the context): what the host still
         holds — sample IDs, host-side batch tensors, RNG, history, the flight recorder, the optimizer's class and
         hyper-parameters and the last host snapshot — with `state_missing` saying why the rest is absent. None
@@ -180,7 +185,9 @@ class Dumper:
         try:
             manifest = self._manifest(incident)
             manifest["state_missing"] = why
-            held, release = self._lend_snapshot(incident.step, manifest)
+            held, release = self._lend_snapshot(incident.step, manifest, device_usable)
+            if not device_usable:
+                source.device_lost()
             try:
                 scheduler = incident.scheduler or snapshot.scheduler_state(source.scheduler)
             except Exception:  # noqa: BLE001 - a scheduler state on the device

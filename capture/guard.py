@@ -137,9 +137,7 @@ class Guard:
         if unfit:
             log.warning("forensics: %s", unfit)
         if self.config.verify_update:
-            update_check = UpdateCheck(self)
-            self.add_hook(optimizer.register_step_pre_hook(update_check.before))
-            self.add_hook(optimizer.register_step_post_hook(update_check.after))
+            UpdateCheck(self)  # installs its optimizer step hooks through add_hook
 
     # -- recording (hot path: references and host-side RNG only) ---------------------------------
     def record_batch(self, batch: Any, sample_ids: Any = None) -> None:
@@ -192,8 +190,7 @@ class Guard:
         """
         if not self.at_step_boundary():
             return True
-        if step is None:
-            step = self.step_number()
+        step = self.step_number() if step is None else step
         if step is not None:
             self.step = step
         record, self._current = self._current or StepRecord(), None
@@ -204,7 +201,12 @@ class Guard:
             self.last_step = record
             self.step += 1  # a job that catches the error and goes on must not reuse this step's number
             raise
-        except Exception:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
+            if exceptions.is_cuda_error(exc):  # the job's own device fault, surfacing at the step's one sync
+                self._current = record  # dumped as the step that raised; the job fails with its own error
+                self.record_exception(exc)
+                self._current = None
+                raise
             log.exception("forensics: the check of step %d failed inside forensics; training continues", self.step)
             decision = True
         if not decision and not sync_free:
@@ -355,6 +357,11 @@ class Guard:
         """Keeps a removable hook handle; close() removes it."""
         self._hooks.append(handle)
 
+    def device_lost(self) -> None:
+        """The CUDA context is unusable: sync_free's buffers the device may still write into are never reused."""
+        if self._sync_free is not None:
+            self._sync_free.quarantine()
+
     def handle_incident(self, incident: Incident) -> bool:
         """Dumps the incident (within the caps) and applies its policy.
 
@@ -381,14 +388,8 @@ class Guard:
         Raises:
             TrainingFaultError: under the 'raise' policy, when that step was non-finite.
         """
-        if self._sync_free is None:
-            return
-        try:
-            self._sync_free.resolve()
-        except TrainingFaultError:
-            raise
-        except Exception:  # noqa: BLE001
-            log.exception("forensics: judging the last step failed inside forensics")
+        if self._sync_free is not None:
+            self._sync_free.flush()
 
     def close(self, timeout: float | None = None) -> None:
         """Judges a step still pending (sync_free), waits for background dump writes, removes the hooks."""

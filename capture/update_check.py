@@ -22,6 +22,7 @@ class UpdateSource(Protocol):
     """What the update check reads of the Guard and calls back."""
 
     model: torch.nn.Module
+    optimizer: Any
     config: GuardConfig
     history: History
     step: int
@@ -31,6 +32,8 @@ class UpdateSource(Protocol):
 
     def handle_incident(self, incident: Incident) -> bool: ...
 
+    def add_hook(self, handle: Any) -> None: ...
+
 
 class UpdateCheck:
     """Optimizer step pre/post hooks (installed by the Guard, removed by Guard.close())."""
@@ -39,6 +42,8 @@ class UpdateCheck:
         self.guard = guard
         self._pre_step_copy: dict | None = None
         self._warned_already_bad = False
+        guard.add_hook(guard.optimizer.register_step_pre_hook(self.before))
+        guard.add_hook(guard.optimizer.register_step_post_hook(self.after))
 
     def before(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Step pre-hook: a host copy of the state the update starts from."""
