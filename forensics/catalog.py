@@ -18,6 +18,9 @@ from forensics.format.manifest import safe_name
 from forensics.format.reader import open_step
 from forensics.format.stale import stale_temporaries
 
+REPORTS_DIR = "forensics_reports"
+"""Where `forensics replay` writes reports by default (one folder per run, step and rank)."""
+
 
 @dataclass
 class Listed:
@@ -41,7 +44,7 @@ class Listed:
 
 
 def list_dumps(root: str | os.PathLike, *, verify: bool = False,
-               reports: str | os.PathLike = "forensics_reports") -> tuple[list[Listed], list[Path]]:
+               reports: str | os.PathLike = REPORTS_DIR) -> tuple[list[Listed], list[Path]]:
     """Lists the step dumps under `root` (a dump directory, a run directory or a step directory).
 
     Args:

@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from forensics.demo import SCENARIO_NAMES
+from forensics.catalog import REPORTS_DIR
 from forensics.errors import ForensicsError
 from forensics.format.limits import ArchiveLimits
 from forensics.format.manifest import safe_name
@@ -74,7 +75,7 @@ def _report_dir(report: dict) -> Path:
     """forensics_reports/<run>-step<N>-rank<R>: the run id only when it is a plain name (it comes from the dump)."""
     d = report["dump"]
     run = d.get("run_id") if safe_name(d.get("run_id")) else "run"
-    return Path("forensics_reports") / f"{run}-step{int(d['step'])}-rank{int(d['rank'])}"
+    return Path(REPORTS_DIR) / f"{run}-step{int(d['step'])}-rank{int(d['rank'])}"
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -152,7 +153,7 @@ def pack(dump: Path, output: Path | None) -> None:
 @main.command(name="list")
 @click.argument("directory", type=click.Path(path_type=Path, exists=True, file_okay=False), default=Path("forensics_dumps"))
 @click.option("--verify", "check", is_flag=True, help="Also check every file's size and sha256 (reads everything).")
-@click.option("--reports", type=click.Path(path_type=Path), default=Path("forensics_reports"), show_default=True,
+@click.option("--reports", type=click.Path(path_type=Path), default=Path(REPORTS_DIR), show_default=True,
               help="Where `forensics replay` wrote its reports (to tell which dumps were replayed).")
 @click.option("--clean-stale", is_flag=True, help="Remove the unfinished .tmp-* dumps of writers that are gone.")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")

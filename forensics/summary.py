@@ -4,6 +4,7 @@ from __future__ import annotations
 
 
 from forensics.format.reader import Dump
+from forensics.kinds import StateLayout
 
 from forensics.report.wording import clean, fmt_num, fmt_size, mb_phrase, trigger_detail
 
@@ -36,11 +37,11 @@ def _state_summary(manifest: dict) -> dict:
     """Full or sharded; for a sharded dump, how much of the whole state this rank holds (from the manifest)."""
     layout = manifest.get("layout")
     if layout is None:
-        return {"layout": "full"}
+        return {"layout": StateLayout.FULL.value}
     rows = {(f, n): r for f, table in layout["tensors"].items() for n, r in table.items()}
     held = sum(1 for shards in layout["shards"].values() for _ in shards)
     copies_of = sorted({int(c["rank"]) for c in (layout.get("copies") or {}).values()})
-    return {"layout": "sharded", "tensors": len(rows), "parts_here": held, "copies_of": copies_of}
+    return {"layout": StateLayout.SHARDED.value, "tensors": len(rows), "parts_here": held, "copies_of": copies_of}
 
 
 def render_summary(summary: dict) -> str:
@@ -90,7 +91,7 @@ def render_summary(summary: dict) -> str:
         f"written {summary['created_at']}",
     ]
     state = summary.get("state") or {}
-    if state.get("layout") == "sharded":
+    if state.get("layout") == StateLayout.SHARDED:
         lines.append(f"  state: sharded — this rank holds {state['parts_here']} parts of the {state['tensors']} tensors "
                      "of the state; replay and verify read the step's other rank dumps too (--shards DIR for "
                      "other nodes')")

@@ -30,7 +30,7 @@ from replay.environment import deterministic_mode
 from replay.execute import SampleRef, StepRunner, reproduce
 from replay.findings import Bisection, Findings, HistoryFinding
 from replay.history_pattern import classify_history, diverged_long_ago, history_signals
-from replay.load import ReplaySession, finite_float, load_session
+from replay.load import ReplaySession, load_session
 from replay.localize import localize_backward, localize_forward
 from replay.localize_exception import localize_exception
 from replay.localize_weights import corrupted_weights, samples_touching_embeddings
@@ -302,11 +302,11 @@ def _reproduce(runner: StepRunner, options: ReplayOptions, progress: Progress | 
     """Stage 1: re-run the whole step until the trigger reproduces; for an update that broke the weights,
     step a fresh copy of the optimizer; then, optionally, re-run from other seeds (is the RNG needed?)."""
     session = runner.session
-    trigger = dict(session.trigger or {})
-    kind = TriggerKind.parse(trigger.get("kind") or TriggerKind.NONFINITE_LOSS)
+    trigger = session.trigger
+    kind = trigger.kind
     _stage(progress, f"reproducing the step ({len(session.micro_batches)} micro-batch(es), trigger {kind})")
     reproduction = reproduce(runner, options.max_attempts)
-    findings = Findings(kind=kind, trigger=trigger, threshold=finite_float(trigger.get("threshold")),
+    findings = Findings(kind=kind, trigger=trigger, threshold=trigger.threshold,
                         reproduction=reproduction, reproduced=reproduction.reproduced,
                         weights_nonfinite=list(runner.nonfinite_params))
     if kind is TriggerKind.NONFINITE_PARAM and not findings.weights_nonfinite:

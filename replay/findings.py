@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from forensics.kinds import HistoryPattern, Phase, TriggerKind
+from forensics.trigger import Trigger
 from replay.execute import Reproduction, SampleRef
 from replay.localize import BackwardFinding, ForwardFinding
 from replay.localize_exception import ExceptionFinding
@@ -53,7 +54,7 @@ class Findings:
     """Everything one replay found, stage by stage (engine order)."""
 
     kind: TriggerKind
-    trigger: dict
+    trigger: Trigger
     threshold: float | None
     reproduction: Reproduction
     reproduced: bool

@@ -314,7 +314,8 @@ def localize_forward(runner: StepRunner, samples: list[SampleRef] | None = None,
 def _nonfinite_batch_input(runner: StepRunner, samples: list[SampleRef] | None) -> ForwardFinding | None:
     """The batch's own float data holding NaN/Inf (an `inputs_embeds` already broken): then the input is the
     source, not the first module that passes it on. Named by its field path, e.g. `<input>.inputs_embeds`."""
-    from replay.samples import select_samples, tensor_leaves
+    from forensics.format.tree import tensor_leaves
+    from replay.samples import select_samples
 
     session = runner.session
     chosen = None if samples is None else {(r.micro_batch, r.index) for r in samples}

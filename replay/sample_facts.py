@@ -24,7 +24,8 @@ import torch
 from forensics.kinds import SampleFactKind
 from forensics.report.wording import clean
 from replay.execute import SampleRef
-from replay.samples import batch_size, select_samples, tensor_leaves
+from forensics.format.tree import tensor_leaves
+from replay.samples import batch_size, select_samples
 
 log = logging.getLogger(__name__)
 

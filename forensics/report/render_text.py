@@ -9,6 +9,7 @@ import os
 from typing import Any, Mapping
 
 from forensics.report.model import as_float
+from forensics.kinds import Phase
 from forensics.report.wording import (MAX_LISTED_SAMPLES, clean, fmt_id, fmt_list, fmt_num, mb_number, mb_phrase,
                                       pattern_words, trigger_detail, verdict_label)
 
@@ -151,7 +152,7 @@ def location_sentence(report: Mapping) -> str | None:
     param, opt_state = c.get("parameter"), c.get("optimizer_state")
     stats = c.get("stats") if isinstance(c.get("stats"), dict) else {}
     nonfinite = str(section(report, "trigger").get("kind") or "").startswith("nonfinite")
-    if phase == "optimizer":
+    if phase == Phase.OPTIMIZER:
         text = "The optimizer update broke " + (f"parameter {clean(param)}" if param else "the weights")
         if opt_state:
             text += f" ({clean(opt_state)})"
@@ -175,7 +176,7 @@ def location_sentence(report: Mapping) -> str | None:
         text += ": " + ", ".join(facts)
     text += "."
     if param:
-        text += (f" First parameter with a non-finite gradient: {clean(param)}." if phase == "backward" else
+        text += (f" First parameter with a non-finite gradient: {clean(param)}." if phase == Phase.BACKWARD else
                  f" Non-finite parameter feeding it: {clean(param)}.")
     if opt_state:
         text += f" Optimizer state: {clean(opt_state)}."
