@@ -444,7 +444,43 @@ def _mutate_json(rng: random.Random, node):
     return node
 
 
+RETYPES = ["int32", "int64", "float16", "bfloat16", "float64", "uint8", "bool"]
+
+
+def _skeleton_mutant(rng: random.Random, dump: Path) -> str:
+    """A batch skeleton (json.zst) with one node replaced, or one whose frame declares more than the JSON cap."""
+    name = rng.choice(sorted(p.name for p in dump.glob("batch-*.json.zst")))
+    if rng.random() < 0.2:
+        data = b"[" + b" " * (65 << 20) + b"]"
+    else:
+        data = json.dumps(_mutate_json(rng, json.loads(read_member(dump, name)))).encode()
+    resign_member(dump, name, data)
+    return name
+
+
+def _dtype_mutant(rng: random.Random, dump: Path) -> str:
+    """A tensor of any safetensors member re-typed (its bytes reinterpreted), re-signed."""
+    import torch
+    from safetensors.torch import load
+
+    name = rng.choice(sorted(p.name for p in dump.iterdir() if ".safetensors" in p.name))
+    tensors = load(read_member(dump, name))
+    if not tensors:
+        raise ValueError("nothing to re-type")
+    key = rng.choice(sorted(tensors))
+    resign_member(dump, name, retype_tensor(read_member(dump, name), key, getattr(torch, rng.choice(RETYPES))))
+    return f"{name} (dtype)"
+
+
 def _mutant(rng: random.Random, dump: Path) -> str:
+    roll = rng.random()
+    if roll < 0.15:
+        return _skeleton_mutant(rng, dump)
+    if roll < 0.3:
+        return _dtype_mutant(rng, dump)
+    if roll < 0.35:
+        shutil.copytree(dump, dump.parent / "rank-00001")  # another rank's name, rank 0's dump
+        return "rank-00001 (copy)"
     files = sorted(p.name for p in dump.iterdir())
     name = rng.choice(files + ["manifest.json"] * 4)  # the manifest is checked by no checksum: fuzz it more
     data = (dump / name).read_bytes()
@@ -481,12 +517,15 @@ def test_fuzz_re_signed_mutants_give_exit_0_or_2_never_1(pristine, tmp_path, cap
         except (ValueError, json.JSONDecodeError):
             shutil.rmtree(tmp_path / f"m{trial}")
             continue
-        verbs = [["inspect", dump], ["verify", dump]]
+        target = dump.parent if name == "rank-00001 (copy)" else dump
+        verbs = [["inspect", target], ["verify", target]]
         if trial < replays:
-            verbs.append(["replay", dump, *REPLAY, "-o", tmp_path / f"m{trial}" / "report"])
+            verbs.append(["replay", target, *REPLAY, "--all-ranks", "-o", tmp_path / f"m{trial}" / "report"])
         for verb in verbs:
             result = run(verb, cwd=work)
             allowed = (0, 2, 3, 4) if verb[0] == "replay" else (0, 2)
+            if target != dump:
+                allowed = (2,)  # a rank dump under another rank's name is never read as that rank
             assert result.exit_code in allowed, (trial, name, verb[0], result.exit_code, result.stderr[-1500:],
                                                  repr(result.exception))
             seen.setdefault(name, {}).setdefault(result.exit_code, 0)
@@ -496,6 +535,8 @@ def test_fuzz_re_signed_mutants_give_exit_0_or_2_never_1(pristine, tmp_path, cap
     assert not Path("/abs/ESCAPED").exists() and not (tmp_path.parent / "escaped").exists()
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - start_rss < 2 * 1024 * 1024  # KiB: < 2 GiB
     assert seen["manifest.json"].get(2, 0) > 0 and len(seen) > 5  # the sweep reached the parsers of many files
+    assert any(n.endswith(".json.zst") for n in seen) and any(n.endswith("(dtype)") for n in seen)
+    assert "rank-00001 (copy)" in seen
 
 
 # -- unfinished dumps of killed writers are cleaned safely -------------------------------------------
