@@ -228,6 +228,9 @@ class Dump:
         if info.st_size != entry["size"]:
             raise DumpCorruptError(f"{path} is {info.st_size} bytes but the manifest says {entry['size']}: "
                                    "the file is truncated or was changed", name)
+        if name.endswith(".json") and info.st_size > MAX_JSON_FILE:  # refused before a byte is hashed
+            raise DumpCorruptError(f"{path} is {info.st_size} bytes, more than the {MAX_JSON_FILE} a JSON file may "
+                                   "have", name)
         return path, entry["size"], entry["sha256"]
 
     def verify_file(self, name: str) -> Path:

@@ -198,7 +198,7 @@ def test_a_zstd_frame_that_declares_a_huge_size_is_capped_while_streaming(dump, 
     resign(dump, "batch-000.safetensors.zst", bomb)
     result = run(["replay", dump, *REPLAY])
     assert_exit(result, ExitCode.BAD_INPUT)
-    assert "decompresses to more than" in result.stderr
+    assert "declares 4194304 decompressed bytes, more than the 1048576" in result.stderr
 
 
 def test_a_huge_sparse_json_file_is_refused_by_its_size_before_it_is_read(dump):
