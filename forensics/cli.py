@@ -71,6 +71,18 @@ def _limits(max_unpacked_gb: float, max_unpack_ratio: float, max_members: int) -
                          max_members=max_members)
 
 
+def _refuse_writing_into(dump: Path, outputs: dict[str, Path]) -> None:
+    """A report or blocklist inside the dump (links resolved) would change it: it would then fail `verify`."""
+    from forensics.format import spec
+
+    root = (dump.parent if dump.name == spec.MANIFEST else dump).resolve()
+    for option, output in outputs.items():
+        target = output.resolve()
+        if target == root or root in target.parents:
+            raise BadInput(clean(f"the report would be written into the dump ({option} {output} is inside {dump}); "
+                                 f"choose another {option}"))
+
+
 def _report_dir(report: dict) -> Path:
     """forensics_reports/<run>-step<N>-rank<R>: the run id only when it is a plain name (it comes from the dump)."""
     d = report["dump"]
@@ -248,6 +260,8 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
     from forensics.report.write import BLOCKLIST_NAME
     from replay.engine import ReplayOptions, run_replay
 
+    outputs = {"-o": out or Path("forensics_reports"), **({"--blocklist": blocklist} if blocklist else {})}
+    _refuse_writing_into(dump, outputs)
     try:
         archive_limits = _limits(**limits)
         ranks = [d.rank for d in open_step(dump, archive_limits)[0]] if all_ranks else [rank]

@@ -29,6 +29,11 @@ class _Kind(str, enum.Enum):
         return format(self.value, spec)
 
     @classmethod
+    def values(cls) -> tuple[str, ...]:
+        """Every member's value, as dumps and reports store them."""
+        return tuple(m.value for m in cls)
+
+    @classmethod
     def parse(cls, value: object, default: "_Kind | None" = None):
         """The member whose value is `value`; `default` (or ValueError when None) for anything else."""
         try:
@@ -37,7 +42,7 @@ class _Kind(str, enum.Enum):
             if default is not None:
                 return default
             raise ValueError(f"unknown {cls.__name__} {value!r}; expected one of "
-                             f"{', '.join(m.value for m in cls)}") from None
+                             f"{', '.join(cls.values())}") from None
 
 
 class ExitCode(enum.IntEnum):

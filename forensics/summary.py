@@ -13,7 +13,9 @@ HISTORY_AROUND_TRIGGER = 12  # steps of history shown before the trigger
 
 def dump_summary(dump: Dump, missing_ranks: list[int], path: str | None = None) -> dict:
     """A JSON-able summary: the manifest's key facts plus the history tail (reads history.json only).
-    `path`: what to call the dump (the archive the user named, not its temporary unpacked directory)."""
+    `path`: what to call the dump (the archive the user named, not its temporary unpacked directory). Raises
+    DumpCorruptError for a zstd member whose frame header declares more than it may hold."""
+    dump.check_declared_sizes()
     history = dump.history()
     tail = {key: history.get(key, [])[-HISTORY_AROUND_TRIGGER:] for key in ("step", "loss", "grad_norm", "lr",
                                                                              "loss_scale", "skipped")}

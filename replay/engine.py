@@ -21,6 +21,7 @@ import torch
 
 from forensics.errors import DumpError, is_out_of_memory
 from forensics.format import open_dump, open_step
+from forensics.format.verify import set_aside_damaged
 from forensics.format.limits import ArchiveLimits
 from forensics.kinds import HistoryPattern, Phase, TriggerKind
 from forensics.report.model import to_json_safe
@@ -143,6 +144,8 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
         _stage(progress, f"opening {path}")
         dump = open_dump(dump_or_path, rank=options.rank, limits=options.archive_limits,
                          shard_dirs=options.shard_dirs)
+    _stage(progress, "verifying every file the dump lists")
+    damaged = set_aside_damaged(dump)  # a damaged essential file ends the replay here (DumpCorruptError)
     missing = list(dump.manifest.get("missing_ranks") or [])
     if not hasattr(dump_or_path, "manifest") and Path(path).is_dir():
         with contextlib.suppress(Exception):  # a rank directory alone: nothing more to learn
@@ -152,7 +155,7 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
         missing = sorted(set(range(dump.world_size)) - {dump.rank, *(d.rank for d in dump.peers())})
     dump_info = {"path": path, "run_id": dump.manifest.get("run_id"), "step": dump.step, "rank": dump.rank,
                  "world_size": dump.world_size, "missing_ranks": missing,
-                 "num_micro_batches": dump.num_micro_batches}
+                 "num_micro_batches": dump.num_micro_batches, "damaged": [d.as_dict() for d in damaged]}
     if dump.num_micro_batches == 0:
         raise DumpError(f"{path or 'the dump'} records no micro-batch, so there is no step to replay; the loop "
                         "called check() without record_batch() (see README: the four calls)")

@@ -310,9 +310,7 @@ def stream_weights(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Te
             if first in loaded:
                 continue  # the tied twin of a parameter already put in place
             old = model.get_parameter(first)
-            if tuple(old.shape) != tuple(tensor.shape):
-                raise RecipeError(f"the weights in the dump do not fit the model the recipe built: {key} is "
-                                  f"{tuple(tensor.shape)} in the dump, {tuple(old.shape)} in the model")
+            _check_fits(key, tensor, old, "parameter")
             new = torch.nn.Parameter(tensor, requires_grad=old.requires_grad)
             for name in aliases[first]:
                 owner, _, attr = name.rpartition(".")
@@ -322,9 +320,8 @@ def stream_weights(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Te
             owner, _, attr = key.rpartition(".")
             module = model.get_submodule(owner)
             old = module._buffers[attr]
-            if old is not None and tuple(old.shape) != tuple(tensor.shape):
-                raise RecipeError(f"the weights in the dump do not fit the model the recipe built: buffer {key} is "
-                                  f"{tuple(tensor.shape)} in the dump, {tuple(old.shape)} in the model")
+            if old is not None:
+                _check_fits(key, tensor, old, "buffer")
             module._buffers[attr] = tensor
             loaded.add(key)
         else:
@@ -342,6 +339,30 @@ def stream_weights(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Te
     if unexpected:
         warnings.append(f"dump entries the model does not have, ignored: {sorted(unexpected)[:5]}")
     return model
+
+
+def _dtype_family(dtype: torch.dtype) -> str:
+    if dtype.is_complex:
+        return "complex"
+    if dtype.is_floating_point:
+        return "floating-point"
+    return "boolean" if dtype == torch.bool else "integer"
+
+
+def _check_fits(key: str, tensor: torch.Tensor, old: torch.Tensor, what: str) -> None:
+    """A tensor of the dump fits the model's parameter / buffer it replaces: the same shape, and a dtype of the same
+    family (a bfloat16 dump of a float32-built model is how the job ran; an integer weight is not).
+
+    Raises:
+        RecipeError: naming the tensor, what the dump holds and what the model has.
+    """
+    if tuple(old.shape) != tuple(tensor.shape):
+        raise RecipeError(f"the weights in the dump do not fit the model the recipe built: {what} {key} is "
+                          f"{tuple(tensor.shape)} in the dump, {tuple(old.shape)} in the model")
+    if _dtype_family(tensor.dtype) != _dtype_family(old.dtype):
+        raise RecipeError(f"the dtype of tensor {key} in the dump ({str(tensor.dtype).removeprefix('torch.')}) does "
+                          f"not match the model's {what} ({str(old.dtype).removeprefix('torch.')}): the dump was "
+                          "changed, or the recipe builds another model than the job's")
 
 
 def _persistent(model: torch.nn.Module, name: str) -> bool:

@@ -22,6 +22,9 @@ WINDOW_JSON = "window.json"
 WINDOW_RNG = "window-rng.safetensors"
 """The flight recorder's RNG tensors, keyed s<step>/mb<i>/... (OPTIONAL)."""
 ARCHIVE_SUFFIX = ".tar.zst"
+ZSTD_SUFFIX = ".zst"
+JSON_ZSTD_SUFFIX = ".json.zst"
+"""A micro-batch's JSON skeleton (batch_json_name): capped like any JSON file once decompressed."""
 
 
 class StateFiles(NamedTuple):
@@ -69,7 +72,7 @@ def batch_tensors_name(index: int) -> str:
 
 
 def batch_json_name(index: int) -> str:
-    return f"batch-{index:03d}.json.zst"
+    return f"batch-{index:03d}{JSON_ZSTD_SUFFIX}"
 
 
 def step_dir_name(step: int) -> str:
@@ -78,3 +81,9 @@ def step_dir_name(step: int) -> str:
 
 def rank_dir_name(rank: int) -> str:
     return f"rank-{rank:05d}"
+
+
+def rank_of_dir_name(name: str) -> int | None:
+    """The rank a directory name of the rank_dir_name form says (None for any other name)."""
+    prefix, _, digits = name.partition("-")
+    return int(digits) if prefix == "rank" and digits.isascii() and digits.isdigit() else None

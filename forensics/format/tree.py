@@ -81,8 +81,8 @@ def decode_tree(skeleton: Any, tensors: dict[str, torch.Tensor], path: str = "ba
         raise DumpCorruptError(f"batch skeleton node at {path} is malformed")
     (kind, payload), = skeleton.items()
     if kind == "tensor":
-        if payload not in tensors:
-            raise DumpCorruptError(f"batch skeleton at {path} names missing tensor {payload!r}")
+        if not isinstance(payload, str) or payload not in tensors:
+            raise DumpCorruptError(f"batch skeleton at {path} names missing tensor {str(payload)[:120]!r}")
         return tensors[payload]
     if kind in ("dict", "list", "tuple") and not isinstance(payload, list):
         raise DumpCorruptError(f"batch skeleton {kind} node at {path} must hold a list")

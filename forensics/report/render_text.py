@@ -76,7 +76,18 @@ def where_sentence(report: Mapping) -> str:
     missing = dump.get("missing_ranks") or []
     if missing:
         text += f" Ranks that wrote no dump: {', '.join(str(r) for r in missing)}."
-    return text
+    damage = damage_sentence(report)
+    return f"{text} {damage}" if damage else text
+
+
+def damage_sentence(report: Mapping) -> str:
+    """'The dump is damaged: window.json (...) — the flight recorder ...: the window replay is skipped.' ('' if not)."""
+    damaged = [d for d in section(report, "dump").get("damaged") or [] if isinstance(d, dict)]
+    if not damaged:
+        return ""
+    parts = [f"{clean(d.get('file'), 80)} ({clean(d.get('problem'), 200)}) — {clean(d.get('lost'), 200)}"
+             for d in damaged]
+    return "The dump is damaged, and the replay went on without the damaged parts: " + "; ".join(parts) + "."
 
 
 def trigger_sentence(report: Mapping) -> str:
