@@ -214,6 +214,7 @@ def replay_window(session: ReplaySession, dump: Any, checkpoint: Checkpoint, sta
         if outcome.broke or step == dump.step:
             model.load_state_dict(pre_model)
             optimizer.load_state_dict(pre_optimizer)
+            set_lr(optimizer, row.get("lr"))  # load_state_dict put back the lr of before this step's set_lr
             broken = _step_session(session, model, optimizer, batches, row, outcome, outcomes, grads_ok,
                                    dump.trigger if step == dump.step else None)
             broken.followup = Followup(row, data, max_norm, pre_model,
@@ -346,6 +347,8 @@ def _step_session(session: ReplaySession, model: torch.nn.Module, optimizer: tor
         typical = earlier[len(earlier) // 2] if earlier else (outcome.replayed_grad_norm or 1.0) / 10
         trigger = {"kind": "grad_norm_spike", "value": outcome.replayed_grad_norm, "threshold": 3 * typical,
                    "micro_batch": None}
+        if outcome.broke and outcome.relative_change is not None:
+            trigger["update_change"] = outcome.relative_change  # the update itself wrecked the weights
     if outcome.broke:
         trigger["detail"] = f"window replay: step {outcome.step}: {outcome.broke}"
     step_session = session_from_objects(model, batches, session.loss_fn, optimizer, device=session.device,
