@@ -30,7 +30,7 @@ from replay.execute import SampleRef, StepRunner, reproduce
 from replay.findings import Bisection, Findings, HistoryFinding
 from replay.history_pattern import classify_history, diverged_long_ago, history_signals, read_history
 from replay.load import ReplaySession, finite_float, load_session
-from replay.localize import localize_backward, localize_forward
+from replay.localize import INPUT_MODULE, localize_backward, localize_forward
 from replay.localize_exception import localize_exception
 from replay.localize_weights import corrupted_weights, samples_touching_embeddings
 from replay.localize_update import localize_optimizer, per_layer_stats
@@ -41,7 +41,7 @@ from replay.sizes import longer_than, outlier_refs, size_block
 from replay.remedy_followup import follow_remedies
 from replay.window import Checkpoint, data_recipe, dump_snapshot, load_checkpoint, replay_window, window_block
 from replay.rng_dependence import check_rng_dependence
-from replay.sample_facts import describe_samples, too_long
+from replay.sample_facts import describe_samples, nonfinite_in_field, too_long
 from replay.samples import select_samples
 from replay.user_code import as_user_error
 
@@ -265,6 +265,12 @@ def run_session(session: ReplaySession, options: ReplayOptions | None = None, pr
     elif findings.reproduced and options.bisect and not data_independent and refs:
         _stage(progress, f"bisecting {len(refs)} samples")
         findings.bisection = _bisect(runner, refs, findings.kind, findings.threshold, options)
+    elif findings.reproduced and not data_independent and _from_input(findings.forward):
+        # the first non-finite value is in the batch itself: its samples holding it are named without bisection
+        forward = findings.forward
+        findings.bisection.culprits = nonfinite_in_field(
+            session.micro_batches[forward.micro_batch], [r for r in refs if r.micro_batch == forward.micro_batch],
+            forward.nonfinite_inputs[0])
     findings.sample_facts = {**describe_samples(session.micro_batches, findings.culprits), **findings.sample_facts}
     if raised:
         pass
@@ -409,6 +415,12 @@ def _bisect(runner: StepRunner, refs: list[SampleRef], kind: TriggerKind, thresh
              "test": "removal" if by_removal else "isolation", "confirmed": confirmed,
              "independent_groups": groups if culprits and not too_large else 0}
     return Bisection([] if too_large else culprits, block, outcome.all_failed)
+
+
+def _from_input(forward: Any) -> bool:
+    """The forward finding names a batch field (`<input>.FIELD`) in a known micro-batch."""
+    return forward is not None and forward.micro_batch is not None and bool(forward.nonfinite_inputs) \
+        and (forward.module or "").startswith(INPUT_MODULE + ".")
 
 
 def _per_sample(runner: StepRunner, refs: list[SampleRef], culprits: list[SampleRef], limit: int) -> list[dict]:

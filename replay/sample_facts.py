@@ -84,6 +84,17 @@ def sample_facts(batch: Any, index: int) -> list[SampleFact]:
     return sorted(facts, key=lambda f: order.index(f.kind))
 
 
+def nonfinite_in_field(micro_batch: Any, refs: list[SampleRef], field: str) -> list[SampleRef]:
+    """The samples of `refs` (all of this micro-batch) whose batch field `field` (a tensor_leaves path) holds
+    NaN/Inf: where the first non-finite value is the batch's own data, the data names them (no bisection)."""
+    out = []
+    for ref in refs:
+        tensor = dict(tensor_leaves(select_samples(micro_batch, [ref.index]))).get(field)
+        if tensor is not None and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            out.append(ref)
+    return out
+
+
 def too_long(tokens: int, limit: int) -> SampleFact:
     """A sample longer than the model's context (found by replay/sizes.py from its attention mask)."""
     return SampleFact(SampleFactKind.TOO_LONG, "attention_mask",

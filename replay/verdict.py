@@ -239,17 +239,19 @@ def _evidence(f: VerdictFacts) -> list[str]:
         out.append(f"Reproduced {how}{on}.".replace("  ", " ").replace(" .", "."))
     if f.phase is not None or f.module is not None:
         stats = []
-        if f.inputs_absmax is not None:
-            stats.append(f"input abs-max {_num(f.inputs_absmax)}")
-        if f.outputs_absmax is not None:
-            stats.append(f"output abs-max {_num(f.outputs_absmax)}")
+        for label, value in (("input", f.inputs_absmax), ("output", f.outputs_absmax)):
+            if value is not None:
+                stats.append(f"{label} holds NaN" if math.isnan(value) else f"{label} abs-max {_num(value)}")
         if f.parameter and f.phase in (Phase.BACKWARD, Phase.OPTIMIZER):
             stats.append(f"parameter `{f.parameter}`")
         where = _where_value(f, stats) if (f.module or (f.phase is not None and f.phase.is_pass)) \
             else f" in the {f.phase} step" + (f" ({'; '.join(stats)})" if stats else "")
         if f.module and f.module.startswith(INPUT_PREFIX):
             field = f.module[len(INPUT_PREFIX):]
-            out.append(f"The batch's own `{field}` already holds NaN/Inf before any layer runs: the data is the "
+            value = f.inputs_absmax
+            held = "NaN" if value is not None and math.isnan(value) else "Inf" if value is not None and \
+                math.isinf(value) else "NaN/Inf"
+            out.append(f"The batch's own `{field}` already holds {held} before any layer runs: the data is the "
                        "source, not a module.")
         else:
             out.append(f"The first non-finite value appears{where}.")
@@ -737,7 +739,11 @@ def _bad_sample(f: VerdictFacts) -> dict:
     if (f.culprit_subset_size or 0) > 1:
         headline = headline.replace(" makes ", " make ", 1)
     reading = None
-    if f.candidates == 1:
+    if f.bisect_runs is None and f.module and f.module.startswith(INPUT_PREFIX) and f.candidates > 1:
+        reading = (f"Named from the data, without bisection: of the {f.candidates} samples, only "
+                   f"{'this one holds' if len(f.culprit_samples) == 1 else 'these hold'} NaN/Inf in "
+                   f"`{f.module[len(INPUT_PREFIX):]}`.")
+    elif f.candidates == 1:
         reading = ("The micro-batch held only this sample, so bisection could not tell it apart from the "
                    "model state; replay another sample with these weights to be sure.")
     ids = ", ".join(_id(s) for s in f.culprit_samples[:MAX_NAMED_SAMPLES])

@@ -167,8 +167,8 @@ def location_sentence(report: Mapping) -> str | None:
         text += f" at {clean(module)}"
     if op:
         text += f" ({clean(op)})"
-    facts = [f"{label} abs-max {fmt_num(stats.get(key), 3)}"
-             for key, label in (("inputs_absmax", "input"), ("outputs_absmax", "output"),
+    facts = [f"{label} holds NaN" if fmt_num(stats.get(key)) == "nan" else
+             f"{label} abs-max {fmt_num(stats.get(key), 3)}" for key, label in (("inputs_absmax", "input"), ("outputs_absmax", "output"),
                                 ("params_absmax", "weight"))
              if stats.get(key) is not None]
     if facts:

@@ -124,3 +124,35 @@ def test_a_gpt2_at_lr_0_3_far_above_the_uniform_guess_is_neither_stable_nor_need
     assert report["culprit"]["samples"] == [] and not (out / "blocklist.jsonl").exists()
     assert any("learning rate" in s for s in report["verdict"]["suggestions"])
     assert "started at 4.2" in " ".join(report["history"]["shows"])
+
+
+@pytest.mark.parametrize("bisect", [True, False], ids=["bisect", "no_bisect"])
+def test_a_nan_in_one_samples_input_is_that_sample_with_or_without_bisection(job, tmp_path, bisect):
+    """Issue 22, item 3: the first non-finite value at `<input>.x`, 1 of 4 samples holding it: bad_sample naming
+    that sample, whether or not --no-bisect is passed; the input is said to hold NaN (not 'abs-max inf')."""
+    model = job.make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = Guard(model, optimizer, loss_fn=job.mse_loss, config=GuardConfig(
+        dump_dir=str(tmp_path / "dumps"), run_id="nan", recipe={"factory": "window_job:make_model"}))
+    dataset = job.make_dataset(64)
+    dataset.dataset.x[22, 3] = float("nan")  # step 5, row 2
+    with pytest.raises(TrainingFaultError) as fault:
+        for batch in DataLoader(dataset, batch_size=4):
+            guard.record_batch(batch)
+            loss = job.mse_loss(model, batch)
+            guard.record_loss(loss)
+            loss.backward()
+            if guard.check():
+                optimizer.step()
+            optimizer.zero_grad()
+    guard.close()
+    out = tmp_path / "report"
+    args = ["replay", str(fault.value.dump_path), "--device", "cpu", "--trust", "--path", str(HERE), "-o", str(out),
+            "--no-rng-check", *([] if bisect else ["--no-bisect"])]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, (result.output, result.exception)
+    report = json.loads((out / "report.json").read_text())
+    assert report["verdict"]["kind"] == "bad_sample" and report["culprit"]["module"] == "<input>.x"
+    assert [s["sample_id"] for s in report["culprit"]["samples"]] == [22]
+    assert [json.loads(line) for line in (out / "blocklist.jsonl").read_text().splitlines()] == [22]
+    assert "holds NaN" in result.output and "abs-max inf" not in result.output
