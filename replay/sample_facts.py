@@ -7,7 +7,9 @@ against the other samples of the same micro-batch:
 - its attention mask is all zeros: no token (a mean over its tokens is 0/0; attention masks every score);
 - a floating-point field holds NaN/Inf, or reaches values far beyond the other samples' (>= OUTLIER_RATIO x);
 - a floating-point field is all zeros where the other samples' are not (a per-token weight or loss mask
-  that sums to zero, an empty image).
+  that sums to zero, an empty image, a zero target).
+A fact states what the data holds, never a mechanism the loss may not have: whether an all-zero field divides
+by zero is the verdict's to say, from the op the replay localised (replay/verdict.py).
 Each fact becomes the culprit's `description` in the report and the verdict's first suggestion. A batch
 without a recognisable field gives no fact (the generic record hint stays). Field names come from the dump:
 the renderers clean them before printing.
@@ -30,8 +32,9 @@ log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
 """The label value cross-entropy ignores (torch's and Hugging Face's default)."""
-OUTLIER_RATIO = 1e3
-"""A float field whose largest |value| is this many times the other samples' largest is named."""
+OUTLIER_RATIO = 100.0
+"""A float field whose largest |value| is this many times the other samples' largest is named, before any other
+fact about floats (an all-zero field beside it is named second)."""
 LABEL_FIELDS = ("labels", "label", "targets", "target")
 MASK_FIELDS = ("attention_mask",)
 
@@ -144,6 +147,5 @@ def _floats(path: str, shown: str, values: torch.Tensor, others: torch.Tensor | 
                            f"largest ({other_max:.3g})")]
     if own_max == 0 and other_max > 0:
         return [SampleFact(SampleFactKind.ALL_ZERO, path,
-                           f"its {shown} is all zeros (the other samples' are not): whatever divides by its sum "
-                           "or norm divides by zero")]
+                           f"its {shown} is all zeros (the other samples' are not)")]
     return []

@@ -650,8 +650,10 @@ _FACT_FIXES = {
                                      "corrupted or truncated file) or drop the record.",
     SampleFactKind.EXTREME_VALUES: "check this field's units and scaling in preprocessing (normalise or clip it), "
                                    "or drop the record.",
-    SampleFactKind.ALL_ZERO: "drop such records, or guard the division (clamp the sum or norm to at least eps).",
+    SampleFactKind.ALL_ZERO: "check why the record is all zeros (a failed read, missing values filled with 0) and fix "
+                             "or drop it.",
 }
+_DIVISION_FIX = "drop such records, or guard the division (clamp the sum or norm to at least eps)."
 
 
 def _data_hint(f: VerdictFacts) -> str:
@@ -660,6 +662,8 @@ def _data_hint(f: VerdictFacts) -> str:
         return _RECORD_HINTS[f.data_kind or "tokens"]
     fact = f.culprit_facts[0]
     who = _id(f.culprit_samples[0]) if len(f.culprit_samples) == 1 else "A culprit sample"
+    if fact.kind is SampleFactKind.ALL_ZERO and _op_base(f.op) in _DIV_OPS | _NORM_OPS:  # the op that failed divides
+        return f"{who}: {fact.words}, and the step fails where {f.op} divides by its sum or norm. Fix: {_DIVISION_FIX}"
     return f"{who}: {fact.words}. Fix: {_FACT_FIXES[fact.kind]}"
 
 
