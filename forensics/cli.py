@@ -286,9 +286,20 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
     sys.exit(min(codes) if codes else int(ExitCode.NO_CULPRIT))
 
 
-@main.command()
+class _DemoCommand(click.Command):
+    """`forensics demo --help` lists each scenario with its one-line description (loaded only for the help)."""
+
+    def format_help_text(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        super().format_help_text(ctx, formatter)
+        from forensics.demo import SCENARIOS
+
+        with formatter.section("Scenarios"):
+            formatter.write_dl([(s.name, s.description) for s in SCENARIOS.values()])
+
+
+@main.command(cls=_DemoCommand)
 @click.option("--scenario", type=click.Choice(SCENARIO_NAMES), default="bad_sample", show_default=True,
-              help="The planted fault (README describes each).")
+              help="The planted fault (each is described under Scenarios above).")
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=Path(tempfile.gettempdir()) / "forensics_demo",
               show_default=True, help="Where the demo writes its dump and report (outside your repository).")
 @click.option("--device", default=None, help="cuda:0, cpu, ... (default: CUDA when present).")

@@ -88,8 +88,8 @@ def try_remedies(runner: StepRunner, culprits: list[SampleRef], clip_at: float |
         results.append(_evaluate(runner, RemedyKind.ADAM_EPS, f"eps={SAFE_EPS:g} in the optimizer (was {eps:g})",
                                  hyper={"eps": SAFE_EPS}))
     if uses_low_precision(runner):
-        where = f"keep `{culprit_module}` in fp32 (torch.autocast(..., enabled=False) around it), or " \
-            if culprit_module else ""
+        where = f"keep `{culprit_module}` in fp32 (torch.autocast(..., enabled=False) around its call, its input cast "\
+            "to float32), or " if culprit_module and "<" not in culprit_module else ""  # <input>.x is data, no module
         results.append(_evaluate(runner, RemedyKind.FP32, f"{where}train without autocast / loss scaling",
                                  fp32=True))
     if session.scaler_enabled:

@@ -54,6 +54,6 @@ def as_user_error(exc: Exception, doing: str) -> Exception:
     if isinstance(exc, ForensicsError) or not raised_by_user_code(exc):
         return exc
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    message = (f"your code raised {type(exc).__name__} while {doing}: {str(exc)[:300]}. The traceback below "
-               "is from your model / loss code; fix it, or pass --factory / --loss that accept this data")
+    message = (f"your code raised {type(exc).__name__} while {doing}: {str(exc)[:300]}. The traceback printed "
+               "above is from your model / loss code; fix it, or pass --factory / --loss that accept this data")
     return UserCodeError(message, text)
