@@ -34,7 +34,7 @@ def describe(exc: BaseException, during: str, batches: list[Any]) -> dict:
         "during": during,
         "frames": [{"file": f.filename, "line": f.lineno, "function": f.name} for f in frames],
         "traceback": "".join(traceback.format_exception(cls, exc, exc.__traceback__))[-20000:],
-        "cuda_error": _is_cuda_error(exc),
+        "cuda_error": is_cuda_error(exc),
         "peer_failure": peer_failure(exc),
     }
     if _is_oom(exc):
@@ -79,7 +79,8 @@ def _is_oom(exc: BaseException) -> bool:
                                     and is_out_of_memory(type(exc).__name__, _safe_str(exc)))
 
 
-def _is_cuda_error(exc: BaseException) -> bool:
+def is_cuda_error(exc: BaseException) -> bool:
+    """A CUDA error (device-side assert, illegal address ...): the context is unusable from here on."""
     text = _safe_str(exc)
     return "CUDA error" in text or "device-side assert" in text or type(exc).__name__ == "AcceleratorError"
 
