@@ -72,13 +72,19 @@ def _limits(max_unpacked_gb: float, max_unpack_ratio: float, max_members: int) -
 
 
 def _refuse_writing_into(dump: Path, outputs: dict[str, Path]) -> None:
-    """A report or blocklist inside the dump (links resolved) would change it: it would then fail `verify`."""
+    """A report or blocklist inside a rank dump (links resolved) would change it: it would then fail `verify`. A step
+    directory's own level (beside its rank directories) is where reports go by default (forensics.catalog)."""
     from forensics.format import spec
 
     root = (dump.parent if dump.name == spec.MANIFEST else dump).resolve()
+    ranks = [root] if (root / spec.MANIFEST).is_file() or not root.is_dir() else \
+        [p.resolve() for p in root.iterdir() if p.name.startswith("rank-")]
     for option, output in outputs.items():
         target = output.resolve()
-        if target == root or root in target.parents:
+        if target == root and root not in ranks:
+            raise BadInput(clean(f"{option} {output} is the dump's step directory itself; choose a directory of "
+                                 f"its own (the default is report-rank<R> inside it)"))
+        if any(target == rank or rank in target.parents for rank in ranks):
             raise BadInput(clean(f"the report would be written into the dump ({option} {output} is inside {dump}); "
                                  f"choose another {option}"))
 
@@ -188,7 +194,7 @@ def list_command(directory: Path, check: bool, reports: Path, clean_stale: bool,
     if not rows and not stale:
         click.echo(clean(f"no dumps under {directory}"))
         return
-    header = f"{'run':<28} {'step':>9}  {'trigger':<16} {'ranks':<9} {'size':>9}  {'verified':<8} replayed"
+    header = f"{'run':<28} {'step':>9}  {'trigger':<16} {'ranks':<9} {'size':>9}  {'verified':<8} {'replayed':<8} path"
     click.echo(header)
     for r in rows:
         if r.error:
@@ -197,7 +203,9 @@ def list_command(directory: Path, check: bool, reports: Path, clean_stale: bool,
         ranks = f"{len(r.ranks)}/{r.world_size}"
         verified = "-" if r.verified is None else "yes" if r.verified else "NO"
         click.echo(clean(f"{(r.run_id or '?')[:28]:<28} {r.step:>9}  {r.trigger or '?':<16} {ranks:<9} "
-                         f"{fmt_size(r.bytes):>9}  {verified:<8} {r.report or 'no'}"))
+                         f"{fmt_size(r.bytes):>9}  {verified:<8} {'yes' if r.report else 'no':<8} {r.path}"))
+        if r.report:
+            click.echo(clean(f"    report: {r.report}"))
     for path in stale:
         click.echo(clean(f"unfinished (writer gone): {path}  — `forensics list --clean-stale` removes it"))
 
@@ -228,7 +236,8 @@ def _progress(stage: str) -> None:
 @click.option("--path", "sys_path", multiple=True, type=click.Path(path_type=Path),
               help="Directory to add to sys.path for --factory / --loss (repeatable).")
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=None,
-              help="Report directory (default: forensics_reports/<run>-step<N>-rank<R>).")
+              help="Report directory (default: report-rank<R> in the dump's step directory, beside the rank "
+                   "directories; ./forensics_reports/<run>-step<N>-rank<R> for an archive).")
 @click.option("--blocklist", type=click.Path(path_type=Path), default=None,
               help="Where to write the culprit sample IDs, one JSON value per line (default: blocklist.jsonl "
                    "next to the report, whenever the verdict names culprit samples).")
@@ -256,6 +265,7 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
            from_step, no_window, no_bisect, no_remedies, no_rng_check, as_json, trackers, tensorboard_dir, shard_dirs, **limits) -> None:
     """Replay the failing step of DUMP offline, localise it, bisect the samples, print the verdict."""
     from forensics.format import open_step
+    from forensics.catalog import default_report_dir, note_report
     from forensics.report import render_verdict_text, write_blocklist, write_report_files
     from forensics.report.write import BLOCKLIST_NAME
     from replay.engine import ReplayOptions, run_replay
@@ -275,10 +285,12 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
                                     archive_limits=archive_limits,
                                     shard_dirs=[str(d) for d in shard_dirs])
             report = run_replay(dump, options, progress=_progress)
-            target = out or _report_dir(report)
+            target = out or default_report_dir(report["dump"].get("path"), report["dump"]["rank"]) \
+                or _report_dir(report)
             if all_ranks and out:
                 target = out / f"rank{int(report['dump']['rank'])}"
             files = write_report_files(report, target)
+            note_report(report["dump"].get("path"), report["dump"]["rank"], files["json"])
             culprits = (report.get("culprit") or {}).get("samples")
             if blocklist or culprits:  # the verdict's "blocklist.jsonl lists the culprits" is always true
                 files["blocklist"] = write_blocklist(report, blocklist or target / BLOCKLIST_NAME,
@@ -295,9 +307,20 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
     sys.exit(min(codes) if codes else int(ExitCode.NO_CULPRIT))
 
 
-@main.command()
+class _DemoCommand(click.Command):
+    """`forensics demo --help` lists each scenario with its one-line description (loaded only for the help)."""
+
+    def format_help_text(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        super().format_help_text(ctx, formatter)
+        from forensics.demo import SCENARIOS
+
+        with formatter.section("Scenarios"):
+            formatter.write_dl([(s.name, s.description) for s in SCENARIOS.values()])
+
+
+@main.command(cls=_DemoCommand)
 @click.option("--scenario", type=click.Choice(SCENARIO_NAMES), default="bad_sample", show_default=True,
-              help="The planted fault (README describes each).")
+              help="The planted fault (each is described under Scenarios above).")
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=Path(tempfile.gettempdir()) / "forensics_demo",
               show_default=True, help="Where the demo writes its dump and report (outside your repository).")
 @click.option("--device", default=None, help="cuda:0, cpu, ... (default: CUDA when present).")

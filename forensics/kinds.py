@@ -249,6 +249,8 @@ class HistoryPattern(_Kind):
     SUDDEN_JUMP = "sudden_jump"
     EXPONENTIAL_GROWTH = "exponential_growth"
     OSCILLATING_DIVERGENCE = "oscillating_divergence"
+    DIVERGED = "diverged"
+    """The loss sits far above where the run started (or above a uniform guess): never "stable"."""
     STABLE = "stable"
     INSUFFICIENT_HISTORY = "insufficient_history"
 
@@ -273,6 +275,9 @@ _PATTERN_PROPS = {
         "exponential growth", "usually a learning rate too high, an accumulation bug, or momentum"),
     HistoryPattern.OSCILLATING_DIVERGENCE: _PatternProps(
         "oscillating divergence", "usually corrupted optimizer state or a batch distribution shift"),
+    HistoryPattern.DIVERGED: _PatternProps(
+        "diverged: the loss sits far above where the run started",
+        "usually a learning rate too high or a warm-up too short"),
     HistoryPattern.STABLE: _PatternProps("stable until the failure", "the failing step is an outlier"),
     HistoryPattern.INSUFFICIENT_HISTORY: _PatternProps("too little history to tell", ""),
 }

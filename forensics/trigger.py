@@ -29,6 +29,8 @@ class Trigger:
     """The detector's one-line explanation (micro-batches 0-based, as in the JSON)."""
     local: bool = True
     """False when this rank only inherited the trigger from another rank."""
+    update_change: float | None = None
+    """Replay only (a window step whose own update wrecked the weights): the update's relative size."""
 
     @property
     def message(self) -> str:
@@ -36,8 +38,9 @@ class Trigger:
         return trigger_detail(self.as_dict())
 
     def as_dict(self) -> dict:
-        return {"kind": self.kind.value, "value": self.value, "threshold": self.threshold,
-                "micro_batch": self.micro_batch, "detail": self.detail, "local": self.local}
+        stored = {"kind": self.kind.value, "value": self.value, "threshold": self.threshold,
+                  "micro_batch": self.micro_batch, "detail": self.detail, "local": self.local}
+        return stored if self.update_change is None else {**stored, "update_change": self.update_change}
 
     @classmethod
     def from_dict(cls, data: Mapping | None) -> "Trigger":
@@ -51,7 +54,8 @@ class Trigger:
         return cls(TriggerKind.parse(data.get("kind") or TriggerKind.NONFINITE_LOSS), _number(data.get("value")),
                    _number(data.get("threshold")),
                    index if isinstance(index, int) and not isinstance(index, bool) else None,
-                   str(data.get("detail") or ""), data.get("local", True) is not False)
+                   str(data.get("detail") or ""), data.get("local", True) is not False,
+                   _number(data.get("update_change")))
 
 
 def _number(value: Any) -> float | None:

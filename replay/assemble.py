@@ -10,12 +10,12 @@ from datetime import datetime, timezone
 import torch
 
 from forensics.format.tree import tensor_leaves
-from forensics.kinds import Phase, TriggerKind
+from forensics.kinds import HistoryPattern, Phase, TriggerKind
 from forensics.report.model import schema_for, to_json_safe
 from replay.environment import replay_environment
 from replay.execute import StepRunner
 from replay.findings import Findings
-from replay.load import ReplaySession
+from replay.load import ReplaySession, finite_float
 from replay.localize import INPUT_MODULE, ROOT_MODULE
 from replay.per_sample import rank_by_loss
 from replay.remedies import tested_suggestions
@@ -33,7 +33,8 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
         fidelity["optimizer_reproduced"] = True
     verdict = decide_verdict(verdict_facts(findings, session, dump_info, culprit))
     if findings.remedies:  # a tested fix comes before what is only suggested
-        first, last = tested_suggestions(findings.remedies)
+        diverged = bool(findings.history.diverged) or findings.history.pattern is HistoryPattern.DIVERGED
+        first, last = tested_suggestions(findings.remedies, diverged=diverged)
         verdict["suggestions"] = list(dict.fromkeys(first + verdict["suggestions"] + last))
     trigger = findings.trigger
     history = findings.history
@@ -64,6 +65,8 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
         report["history"]["signals"] = history.signals
     if history.diverged and report["history"] is not None:
         report["history"]["diverged"] = history.diverged
+    if history.reading.onset is not None and report["history"] is not None:
+        report["history"]["shows"] = history.reading.sentences
     if findings.kind is TriggerKind.EXCEPTION:
         report["exception"] = _exception_block(findings, session)
     if findings.corrupted:
@@ -179,7 +182,17 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
         exception_detail=findings.exception.detail if findings.exception else None,
         out_of_memory=findings.sizes is not None,
         size_outliers=list((findings.sizes or {}).get("outliers") or []),
-        median_size=(findings.sizes or {}).get("median"))
+        median_size=(findings.sizes or {}).get("median"),
+        unblamed_group=findings.bisection.unblamed_group,
+        history_reading=findings.history.reading.sentences if findings.history.reading.onset is not None else [],
+        update_change=finite_float(trigger.update_change),
+        lr=_lr(session))
+
+
+def _lr(session: ReplaySession) -> float | None:
+    """The step's learning rate: the optimizer's first parameter group."""
+    groups = getattr(session.optimizer, "param_groups", None) or []
+    return finite_float(groups[0].get("lr")) if groups and isinstance(groups[0], dict) else None
 
 
 def _data_kind(session: ReplaySession, findings: Findings) -> str | None:

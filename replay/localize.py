@@ -332,7 +332,7 @@ def _nonfinite_batch_input(runner: StepRunner, samples: list[SampleRef] | None) 
                 return ForwardFinding(module=f"{INPUT_MODULE}.{field}", op=None, micro_batch=index,
                                       op_inputs_finite=False, nonfinite_inputs=[field],
                                       first_nonfinite_module=None,
-                                      stats={"inputs_absmax": float(value.abs().nan_to_num(float("inf")).max()),
+                                      stats={"inputs_absmax": _absmax([value]),  # nan when it holds NaN
                                              "outputs_absmax": None, "params_absmax": None})
     return None
 

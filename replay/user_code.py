@@ -80,6 +80,6 @@ def as_user_error(exc: Exception, doing: str) -> Exception:
                    "another shape or type than it takes): the dump was changed after it was written, or its recipe "
                    "is not the job's; pass --factory / --loss that accept this data")
     else:
-        message = (f"your code raised {type(exc).__name__} while {doing}: {what}. The traceback below "
-                   "is from your model / loss code; fix it, or pass --factory / --loss that accept this data")
+        message = (f"your code raised {type(exc).__name__} while {doing}: {what}. The traceback printed "
+                   "above is from your model / loss code; fix it, or pass --factory / --loss that accept this data")
     return UserCodeError(message, text)

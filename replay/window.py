@@ -217,6 +217,7 @@ def replay_window(session: ReplaySession, dump: Any, checkpoint: Checkpoint, sta
         if outcome.broke or step == dump.step:
             model.load_state_dict(pre_model)
             optimizer.load_state_dict(pre_optimizer)
+            set_lr(optimizer, row.get("lr"))  # load_state_dict put back the lr of before this step's set_lr
             broken = _step_session(session, model, optimizer, batches, row, outcome, outcomes, grads_ok,
                                    Trigger.from_dict(dump.trigger) if step == dump.step else None)
             broken.followup = Followup(row, data, max_norm, pre_model,
@@ -347,7 +348,8 @@ def _step_session(session: ReplaySession, model: torch.nn.Module, optimizer: tor
     else:
         earlier = sorted(o.replayed_grad_norm for o in outcomes[:-1] if o.replayed_grad_norm is not None)
         typical = earlier[len(earlier) // 2] if earlier else (outcome.replayed_grad_norm or 1.0) / 10
-        trigger = Trigger(TriggerKind.GRAD_NORM_SPIKE, outcome.replayed_grad_norm, 3 * typical)
+        trigger = Trigger(TriggerKind.GRAD_NORM_SPIKE, outcome.replayed_grad_norm, 3 * typical,
+                          update_change=outcome.relative_change if outcome.broke else None)
     if outcome.broke:
         trigger = dataclasses.replace(trigger, detail=f"window replay: step {outcome.step}: {outcome.broke}")
     step_session = session_from_objects(model, batches, session.loss_fn, optimizer, device=session.device,

@@ -179,8 +179,8 @@ def location_sentence(report: Mapping) -> str | None:
         text += f" at {clean(module)}"
     if op:
         text += f" ({clean(op)})"
-    facts = [f"{label} abs-max {fmt_num(stats.get(key), 3)}"
-             for key, label in (("inputs_absmax", "input"), ("outputs_absmax", "output"),
+    facts = [f"{label} holds NaN" if fmt_num(stats.get(key)) == "nan" else
+             f"{label} abs-max {fmt_num(stats.get(key), 3)}" for key, label in (("inputs_absmax", "input"), ("outputs_absmax", "output"),
                                 ("params_absmax", "weight"))
              if stats.get(key) is not None]
     if facts:
@@ -204,6 +204,11 @@ def culprit_sentence(report: Mapping) -> str | None:
     found = bisection_phrase(bis)
     n_mb = section(report, "dump").get("num_micro_batches")
     if not samples:
+        if bis.get("unblamed_group"):
+            test = "whose removal ends the spike" if bis.get("test") == "removal" else "that fails"
+            return (f"No culprit sample: the smallest set {test} is {fmt_num(bis.get('unblamed_group'))} of the "
+                    f"{fmt_num(bis.get('candidates'))} samples ({bis.get('runs', '?')} replays), too large a share "
+                    "of the step to blame any of them; no blocklist is written.")
         if bis.get("candidates"):
             return (f"No culprit sample: bisecting {bis.get('candidates')} samples "
                     f"({bis.get('runs', '?')} replays) found no subset that fails on its own.")
@@ -278,7 +283,8 @@ def history_sentence(report: Mapping) -> str | None:
         text += f" ({fmt_list(losses, 6)})"
     if meaning:
         text += f" — {meaning}"
-    return text + "."
+    shows = [clean(str(line), 400) for line in section(report, "history").get("shows") or []]
+    return " ".join([text + "."] + shows)
 
 
 def per_sample_sentence(report: Mapping) -> str | None:
