@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from capture import buddy, deferred, environment, exceptions, sharding, snapshot
+from capture import buddy, deferred, environment, exceptions, precursors, sharding, snapshot
 from capture.buffers import PreForwardBuffers
 from capture.host_snapshots import HostSnapshots
 from capture.agreement import Agreement, agree, deferred_termination, default_run_id, dist_info, distributed, \
@@ -141,6 +141,10 @@ class Guard:
         self._pre_step_copy: dict | None = None
         self._last_step: StepRecord | None = None
         self._sync_free = deferred.SyncFree(self) if self.config.sync_free else None
+        self.last_incident_step: int | None = None
+        """The step of the last incident handled (a precursor does not dump a step dumped already)."""
+        self.precursors = precursors.attach(self, self.config.precursors)
+        """GuardConfig.precursors: the per-layer statistics monitor (capture/precursors.py), or None."""
         environment.environment()  # versions, git commit: read now, not while a fault is being dumped
         self._closed = False
         if self.config.capture_exceptions:
@@ -218,6 +222,8 @@ class Guard:
         except Exception:  # noqa: BLE001
             log.exception("forensics: the check of step %d failed inside forensics; training continues", self.step)
             decision = True
+        if self.precursors is not None:
+            precursors.watch(self, record, decision, sync_free)
         if not decision and not sync_free:
             self._restore_buffers()
         self._last_step = record
@@ -520,6 +526,7 @@ class Guard:
             TrainingFaultError: under 'raise', after the dump was written (or failed to be).
         """
         trigger, policy = incident.trigger, incident.policy
+        self.last_incident_step = incident.step
         log.warning("forensics: step %d rank %d: %s (policy: %s)", incident.step, self.rank, trigger.message, policy)
         dump_path, dump_error = self._maybe_dump(incident)
         if policy is Policy.RAISE:

@@ -21,6 +21,8 @@ WINDOW_JSON = "window.json"
 """The flight recorder: per recorded step before this one, sample IDs, RNG meta and scalars (OPTIONAL)."""
 WINDOW_RNG = "window-rng.safetensors"
 """The flight recorder's RNG tensors, keyed s<step>/mb<i>/... (OPTIONAL)."""
+PRECURSORS = "precursors.json"
+"""The precursor monitor's per-layer statistics of the recent steps, and what fired (OPTIONAL; GuardConfig.precursors)."""
 ARCHIVE_SUFFIX = ".tar.zst"
 
 
