@@ -36,7 +36,7 @@ class RobustTrend:
 
     def __init__(self, window: int, warmup: int, sustained: int, z_threshold: float, min_growth: float,
                  rising: bool = True):
-        self.warmup, self.sustained = min(warmup, window), sustained
+        self.warmup, self.sustained, self.seen = warmup, sustained, 0
         self.z_threshold, self.min_log_growth = z_threshold, math.log(min_growth)
         self.sign = 1.0 if rising else -1.0
         self.base: deque[float] = deque(maxlen=window)
@@ -48,8 +48,9 @@ class RobustTrend:
         if value is None or not math.isfinite(value) or value < 0:
             return None
         x = self.sign * math.log(max(value, TINY))
-        if len(self.base) < self.warmup:
-            self.base.append(x)
+        self.seen += 1
+        if self.seen <= self.warmup or len(self.base) < min(4, self.base.maxlen):
+            self.base.append(x)  # the window keeps the newest healthy values: warm-up may be longer than it
             return None
         median = statistics.median(self.base)
         mad = statistics.median(abs(v - median) for v in self.base)
@@ -63,5 +64,6 @@ class RobustTrend:
             return None
         found = Excursion(self.run[0][0], value, math.exp(self.sign * median), z)
         self.run.clear()
-        self.base.clear()  # adapt to the new level: the statistic fires again only after a fresh warm-up
+        self.base.clear()  # adapt to the new level: the statistic fires again only once the window is refilled
+        self.seen = self.warmup - self.base.maxlen
         return found
