@@ -281,6 +281,37 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
 
 
 @main.command()
+@click.argument("dump", type=click.Path(path_type=Path))
+@click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="Directory for the scripts.")
+@click.option("--device", default="cpu", show_default=True, help="cuda:0, cpu, ...: where the step is re-run.")
+@click.option("--rank", type=int, default=None, help="Which rank of a multi-rank step dump.")
+@click.option("--trust", is_flag=True, help="Allow importing the model factory / loss the dump names.")
+@click.option("--factory", default=None, metavar="MODULE:FN", help="Model factory to use instead of the dump's.")
+@click.option("--loss", "loss_fn", default=None, metavar="MODULE:FN", help="Loss function (model, batch) -> loss.")
+@click.option("--path", "sys_path", multiple=True, type=click.Path(path_type=Path),
+              help="Directory to add to sys.path for --factory / --loss (repeatable).")
+@click.option("--report", "report_dir", type=click.Path(path_type=Path), default=None,
+              help="A report directory of this dump (forensics replay -o): its report links the scripts.")
+def repro(dump: Path, out: Path, device, rank, trust, factory, loss_fn, sys_path, report_dir) -> None:
+    """Write a standalone reproduction of DUMP's failure into OUT: op_repro.py (the first non-finite op on its
+    exact, shrunk inputs; needs only torch) and model_repro.py (the culprit sample through the dumped weights;
+    needs the model code). Each fails with an AssertionError while the bug is there."""
+    from replay.repro import link_report, write_repro
+
+    try:
+        result = write_repro(dump, out, device=device, trust=trust, factory=factory, loss=loss_fn,
+                             sys_path=[str(p) for p in sys_path], rank=rank)
+        if report_dir is not None:
+            link_report(report_dir, result)
+    except (ForensicsError, OSError) as exc:
+        raise _fail(exc) from exc
+    for key, path in result.files.items():
+        click.echo(clean(f"{key}: {path}"))
+    for note in result.notes:
+        click.echo(clean(f"note: {note}"), err=True)
+
+
+@main.command()
 @click.option("--scenario", type=click.Choice(SCENARIO_NAMES), default="bad_sample", show_default=True,
               help="The planted fault (README describes each).")
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=Path(tempfile.gettempdir()) / "forensics_demo",

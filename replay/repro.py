@@ -101,6 +101,17 @@ def write_repro(dump_path: str | Path, out_dir: str | Path, *, device: str | Non
     return repro
 
 
+def link_report(report_dir: str | Path, repro: Repro) -> dict:
+    """Adds the `repro` block to the report in `report_dir` (written by `forensics replay -o`) and rewrites its
+    files, so report.json / report.md / report.html link the scripts. Returns the files written."""
+    from forensics.report import write_report_files
+    from forensics.report.model import load_report
+
+    report = load_report(report_dir)
+    report["repro"] = repro.as_dict()
+    return write_report_files(report, report_dir)
+
+
 # -- the op ------------------------------------------------------------------------------------------
 def _fails(func: Any, args: tuple, kwargs: dict) -> bool:
     try:

@@ -110,7 +110,8 @@ def build_sections(report: Mapping) -> list[Section]:
     Every string in the result is raw (unescaped) text from the report; renderers escape it.
     Each optional section says "not run" when the report has no data for it.
     """
-    builders = (_summary, *((_precursor,) if report.get("precursor") else ()), _where, _reproduction, _culprit,
+    builders = (_summary, *((_precursor,) if report.get("precursor") else ()), *((_repro,) if report.get("repro") else ()),
+                _where, _reproduction, _culprit,
                 *((_exception,) if report.get("exception") else ()),
                 _remedies, _precision, _bisection, _per_sample, _per_layer, _history, _environment, _timings)
     out = []
@@ -374,6 +375,18 @@ def _precursor(report: Mapping) -> Section:
     blocks.append(table if rows else Para(["No statistic shows a sustained growth in the recorded window."]))
     title = f"Precursors ({fmt_num(block.get('ranked'))} of {fmt_num(block.get('columns'))} statistics grew)"
     return Section(title, blocks, "precursor")
+
+
+def _repro(report: Mapping) -> Section:
+    """`forensics repro`: where the standalone scripts are."""
+    block = section(report, "repro")
+    files = block.get("files") if isinstance(block.get("files"), dict) else {}
+    rows: list[tuple[str, Inline]] = [("Directory", _code_or_na(block.get("directory"))),
+                                      ("Op", _code_or_na(block.get("op")))]
+    rows += [(clean(key), _code_or_na(path)) for key, path in files.items()]
+    text = ("Standalone reproduction: each script fails with an AssertionError while the bug is there "
+            "(op_repro.py needs only torch; model_repro.py needs the model code).")
+    return Section("Standalone reproduction", [Para([text]), _kv_table(rows)], "repro")
 
 
 def _per_layer(report: Mapping) -> Section:
