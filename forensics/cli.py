@@ -65,6 +65,17 @@ def shards_option(command):
                              "directory) holding the other ranks' dumps of this step. Repeatable.")(command)
 
 
+def recipe_options(command):
+    """--trust / --factory / --loss / --path: what replay may import to rebuild the model and loss."""
+    command = click.option("--path", "sys_path", multiple=True, type=click.Path(path_type=Path),
+                           help="Directory to add to sys.path for --factory / --loss (repeatable).")(command)
+    command = click.option("--loss", "loss_fn", default=None, metavar="MODULE:FN",
+                           help="Loss function (model, batch) -> loss.")(command)
+    command = click.option("--factory", default=None, metavar="MODULE:FN",
+                           help="Model factory to use instead of the dump's.")(command)
+    return click.option("--trust", is_flag=True, help="Allow importing the model factory / loss the dump names.")(command)
+
+
 def _limits(max_unpacked_gb: float, max_unpack_ratio: float, max_members: int) -> ArchiveLimits:
     return ArchiveLimits(max_bytes=int(max_unpacked_gb * (1 << 30)), max_ratio=max_unpack_ratio,
                          max_members=max_members)
@@ -209,11 +220,7 @@ def _progress(stage: str) -> None:
 @click.option("--device", default=None, help="cuda:0, cpu, ... (default: CUDA when present).")
 @click.option("--rank", type=int, default=None, help="Which rank of a multi-rank step dump to replay.")
 @click.option("--all-ranks", is_flag=True, help="Replay every rank present, one after another.")
-@click.option("--trust", is_flag=True, help="Allow importing the model factory / loss the dump names.")
-@click.option("--factory", default=None, metavar="MODULE:FN", help="Model factory to use instead of the dump's.")
-@click.option("--loss", "loss_fn", default=None, metavar="MODULE:FN", help="Loss function (model, batch) -> loss.")
-@click.option("--path", "sys_path", multiple=True, type=click.Path(path_type=Path),
-              help="Directory to add to sys.path for --factory / --loss (repeatable).")
+@recipe_options
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=None,
               help="Report directory (default: forensics_reports/<run>-step<N>-rank<R>).")
 @click.option("--blocklist", type=click.Path(path_type=Path), default=None,
@@ -285,11 +292,7 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
 @click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="Directory for the scripts.")
 @click.option("--device", default="cpu", show_default=True, help="cuda:0, cpu, ...: where the step is re-run.")
 @click.option("--rank", type=int, default=None, help="Which rank of a multi-rank step dump.")
-@click.option("--trust", is_flag=True, help="Allow importing the model factory / loss the dump names.")
-@click.option("--factory", default=None, metavar="MODULE:FN", help="Model factory to use instead of the dump's.")
-@click.option("--loss", "loss_fn", default=None, metavar="MODULE:FN", help="Loss function (model, batch) -> loss.")
-@click.option("--path", "sys_path", multiple=True, type=click.Path(path_type=Path),
-              help="Directory to add to sys.path for --factory / --loss (repeatable).")
+@recipe_options
 @click.option("--report", "report_dir", type=click.Path(path_type=Path), default=None,
               help="A report directory of this dump (forensics replay -o): its report links the scripts.")
 def repro(dump: Path, out: Path, device, rank, trust, factory, loss_fn, sys_path, report_dir) -> None:
