@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from capture import deferred, environment, exceptions, sharding, snapshot
+from capture import deferred, environment, exceptions, precursors, sharding, snapshot
 from capture.agreement import default_run_id, dist_info, distributed, unwrap_model
 from capture.buffers import PreForwardBuffers
 from capture.checking import SyncCheck
@@ -129,6 +129,10 @@ class Guard:
         """The record of the last checked step (a step that raises after check(); verify_update)."""
         self._sync_check = SyncCheck(self)
         self._sync_free = deferred.SyncFree(self) if self.config.sync_free else None
+        self.last_incident_step: int | None = None
+        """The step of the last incident handled (a precursor does not dump a step dumped already)."""
+        self.precursors = precursors.attach(self, self.config.precursors)
+        """GuardConfig.precursors: the per-layer statistics monitor (capture/precursors.py), or None."""
         environment.environment()  # versions, git commit: read now, not while a fault is being dumped
         if self.config.capture_exceptions:
             exceptions.watch(self)
@@ -208,6 +212,8 @@ class Guard:
                 raise
             log.exception("forensics: the check of step %d failed inside forensics; training continues", self.step)
             decision = True
+        if self.precursors is not None:
+            precursors.watch(self, record, decision, sync_free)
         if not decision and not sync_free:
             self.buffers.undo_skipped_step(self.step)
         self.last_step = record
@@ -370,6 +376,7 @@ class Guard:
             TrainingFaultError: under 'raise', after the dump was written (or failed to be).
         """
         trigger, policy = incident.trigger, incident.policy
+        self.last_incident_step = incident.step
         log.warning("forensics: step %d rank %d: %s (policy: %s)", incident.step, self.rank, trigger.message, policy)
         dump_path, dump_error = self.dumper.dump(incident)
         if policy is Policy.RAISE:

@@ -66,6 +66,17 @@ def shards_option(command):
                              "directory) holding the other ranks' dumps of this step. Repeatable.")(command)
 
 
+def recipe_options(command):
+    """--trust / --factory / --loss / --path: what replay may import to rebuild the model and loss."""
+    command = click.option("--path", "sys_path", multiple=True, type=click.Path(path_type=Path),
+                           help="Directory to add to sys.path for --factory / --loss (repeatable).")(command)
+    command = click.option("--loss", "loss_fn", default=None, metavar="MODULE:FN",
+                           help="Loss function (model, batch) -> loss.")(command)
+    command = click.option("--factory", default=None, metavar="MODULE:FN",
+                           help="Model factory to use instead of the dump's.")(command)
+    return click.option("--trust", is_flag=True, help="Allow importing the model factory / loss the dump names.")(command)
+
+
 def _limits(max_unpacked_gb: float, max_unpack_ratio: float, max_members: int) -> ArchiveLimits:
     return ArchiveLimits(max_bytes=int(max_unpacked_gb * (1 << 30)), max_ratio=max_unpack_ratio,
                          max_members=max_members)
@@ -230,11 +241,7 @@ def _progress(stage: str) -> None:
 @click.option("--device", default=None, help="cuda:0, cpu, ... (default: CUDA when present).")
 @click.option("--rank", type=int, default=None, help="Which rank of a multi-rank step dump to replay.")
 @click.option("--all-ranks", is_flag=True, help="Replay every rank present, one after another.")
-@click.option("--trust", is_flag=True, help="Allow importing the model factory / loss the dump names.")
-@click.option("--factory", default=None, metavar="MODULE:FN", help="Model factory to use instead of the dump's.")
-@click.option("--loss", "loss_fn", default=None, metavar="MODULE:FN", help="Loss function (model, batch) -> loss.")
-@click.option("--path", "sys_path", multiple=True, type=click.Path(path_type=Path),
-              help="Directory to add to sys.path for --factory / --loss (repeatable).")
+@recipe_options
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=None,
               help="Report directory (default: report-rank<R> in the dump's step directory, beside the rank "
                    "directories; ./forensics_reports/<run>-step<N>-rank<R> for an archive).")
@@ -305,6 +312,33 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
     except (ForensicsError, OSError) as exc:  # the dump, the recipe, the device, an unwritable -o / --blocklist
         raise _fail(exc) from exc
     sys.exit(min(codes) if codes else int(ExitCode.NO_CULPRIT))
+
+
+@main.command()
+@click.argument("dump", type=click.Path(path_type=Path))
+@click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="Directory for the scripts.")
+@click.option("--device", default="cpu", show_default=True, help="cuda:0, cpu, ...: where the step is re-run.")
+@click.option("--rank", type=int, default=None, help="Which rank of a multi-rank step dump.")
+@recipe_options
+@click.option("--report", "report_dir", type=click.Path(path_type=Path), default=None,
+              help="A report directory of this dump (forensics replay -o): its report links the scripts.")
+def repro(dump: Path, out: Path, device, rank, trust, factory, loss_fn, sys_path, report_dir) -> None:
+    """Write a standalone reproduction of DUMP's failure into OUT: op_repro.py (the first non-finite op on its
+    exact, shrunk inputs; needs only torch) and model_repro.py (the culprit sample through the dumped weights;
+    needs the model code). Each fails with an AssertionError while the bug is there."""
+    from replay.repro import link_report, write_repro
+
+    try:
+        result = write_repro(dump, out, device=device, trust=trust, factory=factory, loss=loss_fn,
+                             sys_path=[str(p) for p in sys_path], rank=rank)
+        if report_dir is not None:
+            link_report(report_dir, result)
+    except (ForensicsError, OSError) as exc:
+        raise _fail(exc) from exc
+    for key, path in result.files.items():
+        click.echo(clean(f"{key}: {path}"))
+    for note in result.notes:
+        click.echo(clean(f"note: {note}"), err=True)
 
 
 class _DemoCommand(click.Command):

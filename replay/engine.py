@@ -37,6 +37,7 @@ from replay.localize_exception import localize_exception
 from replay.localize_weights import corrupted_weights, samples_touching_embeddings
 from replay.localize_update import localize_optimizer, per_layer_stats
 from replay.per_sample import per_sample_stats
+from replay.precursor import precursor_report
 from replay.precision import fp32_check, uses_low_precision
 from replay.remedies import try_remedies
 from replay.sizes import longer_than, outlier_refs, size_block
@@ -162,6 +163,9 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
     if dump.num_micro_batches == 0:
         raise DumpError(f"{path or 'the dump'} records no micro-batch, so there is no step to replay; the loop "
                         "called check() without record_batch() (see README: the four calls)")
+    if TriggerKind.parse((dump.trigger or {}).get("kind"), TriggerKind.NONFINITE_LOSS) is TriggerKind.PRECURSOR:
+        _stage(progress, "a precursor dump (a healthy step): ranking the statistics that grew")
+        return precursor_report(dump, dump_info, _history(dump.history()), started)
     options = _off_the_gpu_after_a_cuda_error(dump, options, progress)
     with deterministic_mode(dump.manifest.get("determinism")):
         _stage(progress, f"loading model and step {dump.step} (rank {dump.rank}) on "

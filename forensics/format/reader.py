@@ -555,6 +555,31 @@ class Dump:
                                    f"({type(exc).__name__}: {_cut(exc, 120)})", spec.WINDOW_JSON) from exc
         return out
 
+    def precursors(self) -> dict | None:
+        """The precursor monitor's table (docs/DUMP_FORMAT.md `precursors.json`): `{"columns": [{"layer",
+        "statistic"}], "steps": [int], "values": [[float | None per column] per step], "firings": [...],
+        "config": {...}}`, shapes checked; None when the dump has none. Layer names are untrusted text."""
+        if not self.has_file(spec.PRECURSORS):
+            return None
+        table = self._json_object(spec.PRECURSORS, ("columns", "steps", "values"))
+        try:
+            columns, steps, values = list(table["columns"]), list(table["steps"]), list(table["values"])
+            if not all(isinstance(c, dict) and isinstance(c.get("layer"), str) and isinstance(c.get("statistic"), str)
+                       for c in columns):
+                raise ValueError("every column must be {'layer': str, 'statistic': str}")
+            if len(steps) != len(values) or not all(isinstance(s, int) and not isinstance(s, bool) for s in steps):
+                raise ValueError("one integer step per row")
+            for row in values:
+                if not isinstance(row, list) or len(row) != len(columns) or not all(
+                        v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in row):
+                    raise ValueError(f"every row must hold {len(columns)} numbers or nulls")
+            firings = [f for f in table.get("firings") or [] if isinstance(f, dict)]
+        except (TypeError, ValueError) as exc:
+            raise DumpCorruptError(f"{self.path / spec.PRECURSORS} does not have the documented layout ({_cut(exc, 120)})",
+                                   spec.PRECURSORS) from exc
+        config = table.get("config") if isinstance(table.get("config"), dict) else {}
+        return {"columns": columns, "steps": steps, "values": values, "firings": firings, "config": config}
+
     def history(self) -> dict:
         history = self._json_object(spec.HISTORY)
         if not all(isinstance(v, list) for k, v in history.items() if k not in ("capacity", "summary")) \

@@ -110,6 +110,8 @@ def reproduction_sentence(report: Mapping) -> str:
     replay = section(section(report, "environment"), "replay")
     device = replay.get("device") or "the replay device"
     on = f"on {clean(device)}" + (f" ({clean(replay['gpu'])})" if replay.get("gpu") else "")
+    if fid.get("mode") == "not_replayed":
+        return f"Not replayed: {clean(fid.get('reason') or 'nothing to reproduce', 300)}."
     attempts = fid.get("attempts")
     att = f"{attempts} attempt{'s' if attempts != 1 else ''}" if isinstance(attempts, int) else None
     if report.get("reproduced"):
