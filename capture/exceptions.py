@@ -8,33 +8,46 @@ reading memory counters.
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 import sys
 import sysconfig
 import traceback
 import weakref
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
+from capture.buffers import PreForwardBuffers
+from capture.checking import host_numbers
+from capture.config import GuardConfig
+from capture.dumping import Dumper
 from capture.host_snapshots import available_host_memory, proc_bytes
-from capture.incident import tensor_leaves
-from forensics.errors import is_out_of_memory
-from forensics.kinds import Phase
+from capture.incident import Incident, StepRecord
+from capture.optimizer_steps import AfterCheck, OptimizerSteps
+from forensics.errors import TrainingFaultError, is_out_of_memory
+from forensics.format.tree import tensor_leaves
+from forensics.kinds import Phase, Policy, StateHolds, TriggerKind
+from forensics.trigger import Trigger
+
+log = logging.getLogger(__name__)
 
 MAX_FRAMES = 40
 MAX_MESSAGE = 4000
 
 
-def describe(exc: BaseException, during: str, batches: list[Any]) -> dict:
-    """The manifest's `exception` section for `exc`, raised `during` (a forensics.kinds.Phase value)."""
+def describe(exc: BaseException, during: Phase, batches: list[Any]) -> dict:
+    """The manifest's `exception` section for `exc`, raised `during` the forward, backward, optimizer step or
+    between steps."""
     frames = traceback.extract_tb(exc.__traceback__)[-MAX_FRAMES:]
     cls = type(exc)
     section = {
         "type": cls.__name__,
         "qualified_type": f"{cls.__module__}.{cls.__qualname__}",
         "message": _safe_str(exc)[:MAX_MESSAGE],
-        "during": during,
+        "during": Phase(during).value,
         "frames": [{"file": f.filename, "line": f.lineno, "function": f.name} for f in frames],
         "user_frame": user_frame(frames),
         "traceback": "".join(traceback.format_exception(cls, exc, exc.__traceback__))[-20000:],
@@ -68,10 +81,9 @@ def user_frame(frames: list[traceback.FrameSummary]) -> dict | None:
     return None
 
 
-def during_words(during: str) -> str:
+def during_words(during: Phase) -> str:
     """'during the forward pass', 'between steps (data loading or user code)': where a step raised, in words."""
-    phase = Phase.parse(during, Phase.OPTIMIZER)
-    return f"during {phase.words}" if phase.in_model_step else phase.words
+    return f"during {during.words}" if during.in_model_step else during.words
 
 
 def memory_picture(batches: list[Any]) -> dict:
@@ -93,6 +105,96 @@ def memory_picture(batches: list[Any]) -> dict:
             "index": index, "bytes": sum(t.numel() * t.element_size() for _, t in tensors),
             "shapes": {path or "batch": list(t.shape) for path, t in tensors[:32]}})
     return picture
+
+
+def first_sight(exc: BaseException) -> bool:
+    """True the first time a Guard sees `exc` (then marks it): a TrainingFaultError was dumped by check(), and an
+    exception an inner capture_errors() recorded is not dumped again by an outer one or by the excepthook."""
+    if isinstance(exc, TrainingFaultError) or getattr(exc, "_forensics_recorded", False):
+        return False
+    try:
+        exc._forensics_recorded = True
+    except AttributeError:
+        pass
+    return True
+
+
+class RaisingStepSource(Protocol):
+    """What dumping a step that raised reads of the Guard (capture/guard.py)."""
+
+    step: int
+    rank: int
+    config: GuardConfig
+    last_step: StepRecord | None
+    buffers: PreForwardBuffers
+    optimizer_steps: OptimizerSteps
+    dumper: Dumper
+
+    @property
+    def multi_rank(self) -> bool: ...
+
+    @property
+    def state_is_collective(self) -> bool: ...
+
+
+def dump_raised(guard: RaisingStepSource, exc: BaseException, current: StepRecord | None) -> Path | None:
+    """Dumps the step that raised `exc` (Guard.record_exception): `current`, the step in progress, or — raised after
+    check(), `current` None — the step last checked, or the next one's pre-step state when the update had finished
+    (the loop's own code raised between steps). Returns the dump's path, or None."""
+    if not first_sight(exc):
+        return None  # already dumped by check(), or by an outer capture_errors() / the excepthook
+    where = guard.optimizer_steps.after_check() if current is None else None
+    record = current if current is not None else guard.last_step
+    if record is None or not record.batches:
+        log.warning("forensics: %s raised outside a recorded step; nothing to dump", type(exc).__name__)
+        return None
+    if guard.state_is_collective and guard.multi_rank:
+        log.error("forensics: step %d raised %s on rank %d; its ZeRO-sharded state cannot be gathered by one "
+                  "rank alone, so it is not dumped (the micro-batches are in the traceback's frames)",
+                  guard.step, type(exc).__name__, guard.rank)
+        return None
+    if where is not None and where.state_holds is StateHolds.AFTER_UPDATE:
+        guard.buffers.take_before_forward()  # the next step's pre-step buffers are the ones now
+    incident = step_incident(exc, record, guard.step if current is not None else guard.step - 1, where,
+                             guard.multi_rank, record.divisor(guard.config.loss_divisor))
+    log.error("forensics: step %d rank %d raised %s; dumping the step", incident.step, guard.rank,
+              incident.trigger.message)
+    path, error = guard.dumper.dump(incident)
+    if error:
+        log.error("forensics: no dump of the step that raised: %s", error)
+    return path
+
+
+def step_incident(exc: BaseException, record: StepRecord, step: int, after_check: AfterCheck | None,
+                  multi_rank: bool, divisor: float) -> Incident:
+    """The Incident of a step that raised `exc`: where (forward while micro-batches still lack their loss,
+    backward; after check(), `after_check`: the optimizer update or between steps), the `exception` section, and
+    a trigger that is not this rank's own when it only saw another rank stop. Raised between steps after the
+    update, the dump is of step `step` + 1 (its pre-step state) with none of its micro-batches."""
+    if after_check is not None:
+        during, holds = after_check.phase, after_check.state_holds
+    else:
+        during = Phase.BACKWARD if len(record.losses) >= len(record.batches) else Phase.FORWARD
+        holds = StateHolds.PRE_STEP
+    step += holds.step_offset
+    if holds is StateHolds.AFTER_UPDATE:
+        record = StepRecord()
+    section = describe(exc, during, record.batches)
+    section["state_may_be_partial"] = holds is StateHolds.MAYBE_PARTIAL
+    section["state_holds"] = holds.value
+    index = len(record.batches) - 1 if during is Phase.FORWARD else None
+    if multi_rank and section["peer_failure"]:  # this rank only saw another rank stop
+        trigger = Trigger(TriggerKind.EXCEPTION, math.nan, None, index, f"another rank stopped: a collective "
+                          f"failed {during_words(during)} ({section['type']})", local=False)
+    else:
+        trigger = Trigger(TriggerKind.EXCEPTION, math.nan, None, index,
+                          f"{section['type']} {during_words(during)}: {section['message'][:300]}")
+    try:
+        host_losses = host_numbers(list(record.losses))
+    except Exception:  # noqa: BLE001 - a broken device: the losses are a bonus
+        host_losses = [v if isinstance(v, float) else None for v in record.losses]
+    losses = [v if isinstance(v, float) else math.nan for v in host_losses]
+    return Incident(trigger, step, record, losses, None, divisor, Policy.RAISE, exception=section)
 
 
 PEER_FAILURE_WORDS = ("Connection closed by peer", "Connection reset by peer", "remote worker", "NCCL error",
@@ -138,7 +240,13 @@ def _safe_str(exc: BaseException) -> str:
 
 
 # -- the one excepthook: uncaught exceptions reach every live Guard -------------------------------
-_WATCHED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+class RecordsExceptions(Protocol):
+    """What the excepthook needs of a Guard."""
+
+    def record_exception(self, exc: BaseException) -> Any: ...
+
+
+_WATCHED: "weakref.WeakSet[RecordsExceptions]" = weakref.WeakSet()
 _PREVIOUS: list[Any] = []
 
 
@@ -149,16 +257,20 @@ def _excepthook(exc_type, exc, tb) -> None:
     (_PREVIOUS[0] if _PREVIOUS else sys.__excepthook__)(exc_type, exc, tb)
 
 
-def watch(guard: Any) -> None:
+def watch(guard: RecordsExceptions) -> None:
     """Has uncaught exceptions dump `guard`'s step in progress. One hook for every Guard of the process,
     chained to the previous one, holding the guards weakly (a Guard that is dropped is not kept alive)."""
+    if nccl_watchdog_aborts_on_cuda_errors():
+        log.warning("forensics: NCCL's watchdog aborts this process on a CUDA error (a device-side assert), which can "
+                    "end the rank before its dump is written; to let the dump finish and the job fail with its own "
+                    "exception, set TORCH_NCCL_RETHROW_CUDA_ERRORS=0 before init_process_group (docs/INTEGRATIONS.md)")
     if sys.excepthook is not _excepthook:
         _PREVIOUS[:] = [sys.excepthook]
         sys.excepthook = _excepthook
     _WATCHED.add(guard)
 
 
-def unwatch(guard: Any) -> None:
+def unwatch(guard: RecordsExceptions) -> None:
     """Guard.close(): this guard no longer dumps uncaught exceptions; the hook goes once none is watched."""
     _WATCHED.discard(guard)
     if not _WATCHED and sys.excepthook is _excepthook:

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from forensics.kinds import Phase
+from forensics.kinds import Phase, StateHolds
 
 log = logging.getLogger(__name__)
 
@@ -29,15 +29,7 @@ class AfterCheck:
     """Where an exception raised after check() happened, and what the model state then holds."""
 
     phase: Phase
-    state_holds: str
-    """'pre_step' (no update ran after the check: skipped, or the code between check() and step() raised),
-    'after_update' (the checked step's update was applied: the state is the next step's pre-step state) or
-    'maybe_partial' (raised inside the update, or the hooks are missing and nobody knows)."""
-
-    @property
-    def step_offset(self) -> int:
-        """Added to the checked step's number: the step whose pre-step state the dump holds."""
-        return 1 if self.state_holds == "after_update" else 0
+    state_holds: StateHolds
 
 
 def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
@@ -91,5 +83,5 @@ class OptimizerSteps:
     def after_check(self) -> AfterCheck:
         """Where an exception raised after check() (and before the next record_batch) happened."""
         if not self.known or (self.started and not self.finished):
-            return AfterCheck(Phase.OPTIMIZER, "maybe_partial")
-        return AfterCheck(Phase.BETWEEN_STEPS, "after_update" if self.finished else "pre_step")
+            return AfterCheck(Phase.OPTIMIZER, StateHolds.MAYBE_PARTIAL)
+        return AfterCheck(Phase.BETWEEN_STEPS, StateHolds.AFTER_UPDATE if self.finished else StateHolds.PRE_STEP)

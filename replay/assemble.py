@@ -4,15 +4,14 @@ Writing the report to disk is forensics.report's job."""
 
 from __future__ import annotations
 
-import re
 import time
 from datetime import datetime, timezone
 
 import torch
 
-from forensics.kinds import Phase, TriggerKind
+from forensics.format.tree import tensor_leaves
+from forensics.kinds import HistoryPattern, Phase, TriggerKind
 from forensics.report.model import schema_for, to_json_safe
-from forensics.report.wording import fmt_id
 from replay.environment import replay_environment
 from replay.execute import StepRunner
 from replay.findings import Findings
@@ -21,11 +20,7 @@ from replay.localize import INPUT_MODULE, ROOT_MODULE
 from replay.per_sample import rank_by_loss
 from replay.remedies import tested_suggestions
 from replay.sample_facts import describe
-from replay.samples import tensor_leaves
 from replay.verdict import VerdictFacts, decide_verdict
-
-BLOCKLIST_PROMISE = re.compile(r" ?\(blocklist\.jsonl lists [^)]*\)")
-"""The verdict's '(blocklist.jsonl lists the culprits)': left out where the culprits' IDs are made-up positions."""
 
 
 def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | None, started: float) -> dict:
@@ -38,10 +33,9 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
         fidelity["optimizer_reproduced"] = True
     verdict = decide_verdict(verdict_facts(findings, session, dump_info, culprit))
     if findings.remedies:  # a tested fix comes before what is only suggested
-        first, last = tested_suggestions(findings.remedies)
+        diverged = bool(findings.history.diverged) or findings.history.pattern is HistoryPattern.DIVERGED
+        first, last = tested_suggestions(findings.remedies, diverged=diverged)
         verdict["suggestions"] = list(dict.fromkeys(first + verdict["suggestions"] + last))
-    if any(s.get("positional") for s in culprit["samples"]):
-        _no_blocklist_for_positions(verdict, culprit)
     trigger = findings.trigger
     history = findings.history
     report = {
@@ -50,8 +44,8 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
         "dump": {"num_micro_batches": len(session.micro_batches),
                  **(dump_info or {"path": None, "run_id": None, "step": 0, "rank": rank,
                                   "world_size": session.world_size, "missing_ranks": []})},
-        "trigger": {"kind": findings.kind.value, "value": trigger.get("value"), "threshold": findings.threshold,
-                    "micro_batch": trigger.get("micro_batch"), "detail": trigger.get("detail") or ""},
+        "trigger": {"kind": findings.kind.value, "value": trigger.value, "threshold": findings.threshold,
+                    "micro_batch": trigger.micro_batch, "detail": trigger.detail},
         "environment": {"capture": session.capture_environment, "replay": replay_environment(session.device),
                         "warnings": list(session.warnings)},
         "reproduced": findings.reproduced,
@@ -71,6 +65,8 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
         report["history"]["signals"] = history.signals
     if history.diverged and report["history"] is not None:
         report["history"]["diverged"] = history.diverged
+    if history.reading.onset is not None and report["history"] is not None:
+        report["history"]["shows"] = history.reading.sentences
     if findings.kind is TriggerKind.EXCEPTION:
         report["exception"] = _exception_block(findings, session)
     if findings.corrupted:
@@ -102,17 +98,6 @@ def _exception_block(findings: Findings, session: ReplaySession) -> dict:
             "op": found.op if found else None, "micro_batch": found.micro_batch if found else None,
             "detail": found.detail if found else None, "bad_values": found.bad_values if found else [],
             "memory": recorded.get("memory"), "sizes": findings.sizes, "traceback": recorded.get("traceback")}
-
-
-def _no_blocklist_for_positions(verdict: dict, culprit: dict) -> None:
-    """Culprits named by made-up positions ('step5/mb0/2'): the blocklist leaves them out, and the verdict says why
-    and how to record real IDs instead of promising a blocklist entry."""
-    example = next(s["sample_id"] for s in culprit["samples"] if s.get("positional"))
-    verdict["suggestions"] = [BLOCKLIST_PROMISE.sub("", s) for s in verdict["suggestions"]]
-    verdict["suggestions"].append(
-        f"No blocklist entry for {fmt_id(example)}: the job recorded no sample IDs for its micro-batch, so the replay "
-        "names samples by their position in the batch, which does not identify a record of the dataset. Record real "
-        "IDs (guard.record_batch(batch, sample_ids=ids), or a 'sample_ids' key in dict batches) to get a blocklist.")
 
 
 def culprit_block(findings: Findings, rank: int, positional: frozenset[int] = frozenset()) -> dict:
@@ -156,7 +141,7 @@ def culprit_block(findings: Findings, rank: int, positional: frozenset[int] = fr
 def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | None, culprit: dict) -> VerdictFacts:
     """What the verdict rules (replay/verdict.py) decide on, read from the typed findings."""
     kind, trigger, result = findings.kind, findings.trigger, findings.reproduction.result
-    micro_batch = trigger.get("micro_batch")
+    micro_batch = trigger.micro_batch
     if micro_batch is None and findings.forward is not None:
         micro_batch = findings.forward.micro_batch
     stats = culprit.get("stats") or {}
@@ -165,11 +150,11 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
     return VerdictFacts(
         remedies=remedies,
         culprits_each_fail_alone=findings.bisection.independent_groups > 1,
-        trigger_kind=kind, reproduced=findings.reproduced, trigger_local=trigger.get("local", True) is not False,
+        trigger_kind=kind, reproduced=findings.reproduced, trigger_local=trigger.local,
         step=(dump_info or {}).get("step"), rank=(dump_info or {}).get("rank"),
         micro_batch=micro_batch, num_micro_batches=len(session.micro_batches),
-        trigger_value=finite_float(trigger.get("value")), threshold=findings.threshold,
-        replayed_value=result.replayed_value(kind, trigger.get("micro_batch")),
+        trigger_value=trigger.value, threshold=findings.threshold,
+        replayed_value=result.replayed_value(kind, trigger.micro_batch),
         bitwise=findings.reproduction.fidelity.get("bitwise_equal"), replay_device=str(session.device),
         environment_warnings=list(session.warnings),
         phase=culprit.get("phase"), module=culprit.get("module"), op=culprit.get("op"),
@@ -200,7 +185,19 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
         exception_detail=findings.exception.detail if findings.exception else None,
         out_of_memory=findings.sizes is not None,
         size_outliers=list((findings.sizes or {}).get("outliers") or []),
-        median_size=(findings.sizes or {}).get("median"))
+        median_size=(findings.sizes or {}).get("median"),
+        unblamed_group=findings.bisection.unblamed_group,
+        history_reading=findings.history.reading.sentences if findings.history.reading.onset is not None else [],
+        update_change=finite_float(trigger.update_change),
+        lr=_lr(session),
+        ids_are_positional=any(s.get("positional") for s in culprit["samples"])
+        or any(o.get("micro_batch") in session.positional_ids for o in (findings.sizes or {}).get("outliers") or []))
+
+
+def _lr(session: ReplaySession) -> float | None:
+    """The step's learning rate: the optimizer's first parameter group."""
+    groups = getattr(session.optimizer, "param_groups", None) or []
+    return finite_float(groups[0].get("lr")) if groups and isinstance(groups[0], dict) else None
 
 
 def _data_kind(session: ReplaySession, findings: Findings) -> str | None:

@@ -14,10 +14,11 @@ from typing import Any
 
 import torch
 
-from forensics.kinds import Phase, TriggerKind, VerdictKind
+from forensics.kinds import Phase, StateHolds, TriggerKind, VerdictKind
 from forensics.report.model import schema_for, to_json_safe
 from forensics.report.wording import clean, fmt_id
 from replay.environment import replay_environment
+from replay.findings import HistoryFinding
 
 MAX_NAMED = 8  # sample ids named in the explanation (report.json's exception block keeps up to MAX_LISTED)
 MAX_LISTED = 256
@@ -41,11 +42,12 @@ def last_samples(dump: Any) -> tuple[int | None, list]:
     return last["step"], [i for ids in last["sample_ids"] for i in ids or []]
 
 
-def between_steps_report(dump: Any, dump_info: dict, started: float) -> dict:
+def between_steps_report(dump: Any, dump_info: dict, history: HistoryFinding, started: float) -> dict:
     """The report (docs/REPORT_FORMAT.md) of a dump raised between steps; nothing is replayed."""
     exception = dump.manifest["exception"]
     step, ids = last_samples(dump)
-    verdict = _verdict(exception, dump.step, step, ids, exception.get("state_holds"))
+    verdict = _verdict(exception, dump.step, step, ids, StateHolds.parse(exception.get("state_holds"),
+                                                                         StateHolds.MAYBE_PARTIAL))
     report = {
         "schema": schema_for(VerdictKind.EXCEPTION),
         "created_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -60,7 +62,8 @@ def between_steps_report(dump: Any, dump_info: dict, started: float) -> dict:
         "verdict": verdict,
         "culprit": {"samples": [], "module": None, "op": None, "phase": Phase.BETWEEN_STEPS.value, "parameter": None,
                     "optimizer_state": None, "stats": {}, "traceback": None},
-        "history": dump.history() or None,
+        "history": history.block,
+        "history_pattern": history.pattern.value,
         "timings": {"total_s": round(time.monotonic() - started, 3), "passes": 0},
         "exception": {"type": exception.get("type"), "message": exception.get("message"),
                       "during": exception.get("during"), "user_frame": exception.get("user_frame"),
@@ -71,7 +74,7 @@ def between_steps_report(dump: Any, dump_info: dict, started: float) -> dict:
     return to_json_safe(report)
 
 
-def _verdict(exception: dict, dumped_step: int, last_step: int | None, ids: list, state_holds: str | None) -> dict:
+def _verdict(exception: dict, dumped_step: int, last_step: int | None, ids: list, state_holds: StateHolds) -> dict:
     what = clean(str(exception.get("type") or "an exception"), 100)
     frame = exception.get("user_frame") or {}
     where = (f" at {clean(str(frame.get('file')), 200)}:{frame.get('line')} in {clean(str(frame.get('function')), 100)}"
@@ -84,10 +87,10 @@ def _verdict(exception: dict, dumped_step: int, last_step: int | None, ids: list
                                                                if len(ids) > MAX_NAMED else "")
     samples = (f"The last samples recorded were those of step {last_step}: {named}. " if ids else
                "No sample of the step was recorded. ")
-    state = {"after_update": f"The dump holds the weights after step {dumped_step - 1}'s update, which are step "
-                             f"{dumped_step}'s pre-step state.",
-             "pre_step": f"No optimizer update ran after step {dumped_step}'s check; the dump holds its pre-step "
-                         "state."}.get(state_holds or "", "")
+    state = {StateHolds.AFTER_UPDATE: f"The dump holds the weights after step {dumped_step - 1}'s update, which are "
+                                      f"step {dumped_step}'s pre-step state.",
+             StateHolds.PRE_STEP: f"No optimizer update ran after step {dumped_step}'s check; the dump holds its "
+                                  "pre-step state."}.get(state_holds, "")
     explanation = (f"The model's forward, backward and update had finished; the exception came from the training "
                    f"loop's own code, so there is no model step to replay and nothing was re-run. {samples}{state}")
     suggestions = [f"Fix the code{where or ' the traceback names'}: the traceback in report.json (exception.traceback) "

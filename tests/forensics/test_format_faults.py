@@ -178,6 +178,10 @@ def test_manifest_missing_a_required_key_is_corrupt(dump_dir):
     (lambda m: m.__setitem__("rank", None), "rank"),
     (lambda m: m.__setitem__("world_size", True), "world_size"),
     (lambda m: m.__setitem__("trigger", "nan"), "trigger"),
+    (lambda m: m.__setitem__("exception", {"type": "IndexError", "during": "lunch"}), "exception.during"),
+    (lambda m: m.__setitem__("exception", {"type": "IndexError", "state_holds": "../x"}), "exception.state_holds"),
+    (lambda m: m.__setitem__("exception", {"type": "E", "user_frame": {"line": "ten"}}), "exception.user_frame.line"),
+    (lambda m: m.__setitem__("recipe", {"loss": "__main__:f", "script": {"file": "../train.py"}}), "recipe.script.file"),
 ])
 def test_manifest_with_wrong_types_is_corrupt_not_a_crash(helpers, dump_dir, edit, what):
     rewrite_manifest(dump_dir, edit)

@@ -234,3 +234,21 @@ def test_out_of_memory_that_a_larger_replay_device_does_not_reproduce_still_name
     assert not any("DCGM" in s or "deterministic" in s for s in v["suggestions"])  # not a hardware question
     alone = check_shape(decide_verdict(facts(trigger_kind="exception", reproduced=False, out_of_memory=True)))
     assert alone["suggestions"][0].startswith("Lower the micro-batch size")  # no outlier: the step as a whole
+
+
+@pytest.mark.parametrize("extra", [
+    dict(culprit_samples=["step5/rank0/mb1/2"], phase="forward", module="model.fc", op="aten::mm"),  # bad_sample
+    dict(culprit_samples=["step5/rank0/mb1/2"], trigger_kind="exception", exception_type="IndexError"),
+    dict(culprit_samples=["step5/rank0/mb1/2"], fp32_reproduces=False, autocast_dtype="float16"),  # precision
+    dict(trigger_kind="exception", reproduced=False, out_of_memory=True, median_size=512.0,
+         size_outliers=[{"sample_id": "step5/rank0/mb1/2", "micro_batch": 1, "index": 2, "tokens": 65536}]),
+])
+def test_positional_ids_are_never_promised_a_blocklist_and_the_verdict_says_how_to_record_ids(extra):
+    named = check_shape(decide_verdict(facts(**extra)))
+    positional = check_shape(decide_verdict(facts(ids_are_positional=True, **extra)))
+    assert any("blocklist.jsonl lists" in s for s in named["suggestions"])
+    assert not any("blocklist.jsonl lists" in s for s in positional["suggestions"])
+    assert positional["suggestions"][-1].startswith("No blocklist entry for 'step5/rank0/mb1/2': the job recorded no "
+                                                    "sample IDs") and "sample_ids=ids" in positional["suggestions"][-1]
+    assert not any(s.startswith("No blocklist entry") for s in named["suggestions"])
+    assert positional["kind"] == named["kind"]
