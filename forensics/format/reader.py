@@ -15,6 +15,7 @@ from forensics.errors import (DumpCorruptError, DumpNotFoundError, NotADumpError
                               UnsupportedVersionError)
 from forensics.format import jsonio, spec
 from forensics.format.archive import unpack_archive
+from forensics.format.digest import chunk_digests
 from forensics.format.limits import HASH_CHUNK, MAX_DECOMPRESSED, MAX_JSON_FILE, ArchiveLimits
 from forensics.format.manifest import check_manifest
 
@@ -239,8 +240,12 @@ class Dump:
         path, size, sha256 = self._listed(name)
         if size > limit:
             raise DumpCorruptError(f"{path} is {size} bytes, more than the {limit} such a file may have", name)
-        data = path.read_bytes()
-        if len(data) != size or hashlib.sha256(data).hexdigest() != sha256:
+        data, chunks = path.read_bytes(), self.manifest["files"][name].get("chunks")
+        if chunks:  # every chunk checked: the manifest's check tied `sha256` to them (format version 3)
+            matches = chunk_digests(data, int(self.manifest["files"][name]["chunk_size"])) == chunks
+        else:
+            matches = hashlib.sha256(data).hexdigest() == sha256
+        if len(data) != size or not matches:
             raise DumpCorruptError(f"{path} does not match its sha256 in the manifest: the file was changed "
                                    "or corrupted", name)
         self._verified.add(name)

@@ -105,3 +105,16 @@ def test_a_large_model_is_reset_from_the_dump_with_the_same_result(tmp_path, hel
     assert reloaded["fidelity"] == copied["fidelity"]
     assert reloaded["culprit"] == copied["culprit"] and reloaded["verdict"] == copied["verdict"]
     assert reloaded["per_sample"] == copied["per_sample"]
+
+
+def test_a_version_1_dump_of_the_old_writer_replays_to_the_same_verdict(tmp_path, helpers, kit):
+    """Dumps written before format version 3 (each file's sha256 of its bytes, 64 MiB chunks; the chunked read
+    of such a dump: tests/forensics/test_format_digest.py) keep replaying: same culprit, same verdict."""
+    dump_path = crash_and_dump(tmp_path, helpers, kit)
+    current = run_replay(dump_path, ReplayOptions(device="cpu"))
+    helpers.as_version_1_dump(dump_path)
+    manifest = json.loads((dump_path / "manifest.json").read_bytes())
+    assert manifest["format_version"] == 1
+    old = run_replay(dump_path, ReplayOptions(device="cpu"))
+    assert old["verdict"] == current["verdict"] and old["culprit"] == current["culprit"]
+    assert old["fidelity"] == current["fidelity"]
