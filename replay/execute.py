@@ -180,6 +180,11 @@ def _copy_would_crowd_gpu(need: int, device: torch.device) -> bool:
     return need > free // 2
 
 
+def _fingerprint(tensor: torch.Tensor) -> tuple:
+    """What changes when a tensor's values may have: its storage, dtype, shape or in-place version counter."""
+    return tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor._version
+
+
 class StepRunner:
     """Re-executes the session's step as often as asked, always from the pre-step weights.
 
@@ -209,6 +214,9 @@ class StepRunner:
         flags = any_nonfinite(p.detach() for _, p in self.model.named_parameters())
         self.nonfinite_params = [n for n, bad in zip(self.param_names, flags) if bad]
         self.passes = 0
+        self._untouched: dict[str, tuple] | None = None
+        """Large model reset from the dump: each parameter's (storage, dtype, version) as reset() left it, by name,
+        while only passes that cannot change the weights ran since; None: reload everything."""
         self._warned_autocast = False
         self._warned_unrunnable = False
 
@@ -223,13 +231,24 @@ class StepRunner:
         with torch.no_grad():
             if self._reload is not None:
                 live = model.state_dict()
-                for name, tensor in self._reload():
+                stale = self._stale(live)
+                for name, tensor in self._reload(names=stale) if stale else ():
                     if name in live:
                         live[name].copy_(tensor)
             else:
                 model.load_state_dict(self._initial, strict=False)
         for p in model.parameters():
             p.grad = None
+        self._untouched = None
+
+    def _stale(self, live: dict[str, torch.Tensor]) -> set[str]:
+        """What reset() must re-read from the dump: every buffer (a forward in train mode moves BatchNorm's
+        statistics) and each parameter unless it is provably as the last reset left it (a 7B model's weights
+        are 28 GB to re-read per pass otherwise): only run()s without kept gradients or fp32 casts ran since
+        (nothing can step the weights without gradients), and its storage, dtype and in-place version
+        counter are unchanged."""
+        untouched = self._untouched or {}
+        return {name for name, tensor in live.items() if untouched.get(name) != _fingerprint(tensor)}
 
     def _live_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return list(self.model.named_parameters()) + list(self.model.named_buffers())
@@ -309,6 +328,8 @@ class StepRunner:
         """
         session = self.session
         self.reset()
+        untouched = {name: _fingerprint(p) for name, p in self.model.named_parameters(remove_duplicate=False)} \
+            if self._reload is not None and not fp32 and not keep_grads else None
         self.passes += 1
         model = self.model
         model.train()
@@ -416,6 +437,7 @@ class StepRunner:
                 p.grad = None
         if fp32:
             self.reset()
+        self._untouched = untouched  # the pass read the weights and left no gradient to step them with
         return result
 
 

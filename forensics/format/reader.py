@@ -336,17 +336,18 @@ class Dump:
         """The weights of the pre-step state (or of `files`: spec.SNAPSHOT_STATE), all at once."""
         return dict(self.iter_model_tensors(files=files)) if self._sharded_state(files) else self._tensors(files.model)
 
-    def iter_model_tensors(self, device: str | "torch.device" = "cpu", files: spec.StateFiles = spec.PRE_STEP_STATE
-                           ) -> Iterator[tuple[str, "torch.Tensor"]]:
-        """The pre-step weights one tensor at a time, read with pread straight onto `device` in file order, each
-        handed on once the chunks holding it are verified: the host never holds the whole state. A sharded dump assembles each
-        tensor from the rank dumps that hold its parts."""
+    def iter_model_tensors(self, device: str | "torch.device" = "cpu", files: spec.StateFiles = spec.PRE_STEP_STATE,
+                           names: "set[str] | None" = None) -> Iterator[tuple[str, "torch.Tensor"]]:
+        """The pre-step weights one tensor at a time (only `names`, when given), read with pread straight onto
+        `device` in file order, each handed on once the chunks holding it are verified: the host never holds the
+        whole state. A sharded dump assembles each tensor from the rank dumps that hold its parts."""
         if self._sharded_state(files):
-            yield from self.shards.iter_tensors(files.model, str(device))
+            yield from self.shards.iter_tensors(files.model, str(device), names)
             return
         handle = self.tensor_file(files.model)  # verified chunk by chunk while it is read
         for key in handle.keys_in_file_order():
-            yield key, handle.read(key, device)
+            if names is None or key in names:
+                yield key, handle.read(key, device)
 
     def optimizer_meta(self, files: spec.StateFiles = spec.PRE_STEP_STATE) -> dict | None:
         """Class, param groups and the non-tensor state of the optimizer (`optimizer.json`; no tensor is read),

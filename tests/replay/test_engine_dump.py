@@ -118,3 +118,40 @@ def test_a_version_1_dump_of_the_old_writer_replays_to_the_same_verdict(tmp_path
     old = run_replay(dump_path, ReplayOptions(device="cpu"))
     assert old["verdict"] == current["verdict"] and old["culprit"] == current["culprit"]
     assert old["fidelity"] == current["fidelity"]
+
+
+def test_a_reset_from_the_dump_rereads_only_what_a_pass_may_have_changed(tmp_path, helpers, kit, monkeypatch):
+    """A large model is reset from the dump before every pass; a pass that kept no gradients cannot have moved
+    the weights, so only the buffers are read again; after an update (kept gradients, an in-place step) every
+    weight is, and the weights are the pre-step ones again."""
+    from forensics.format import open_dump
+    from replay import execute
+    from replay.load import load_session
+
+    monkeypatch.setattr(execute, "RELOAD_MIN_BYTES", 0)
+    session = load_session(open_dump(crash_and_dump(tmp_path, helpers, kit)), device="cpu")
+    pre_step = {k: v.clone() for k, v in session.model.state_dict().items()}
+    reads, reload = [], session.pre_step_weights
+
+    def counted(names=None):
+        for name, tensor in reload(names=names):
+            reads.append(name)
+            yield name, tensor
+
+    session.pre_step_weights = counted
+    runner = execute.StepRunner(session)
+    params = {n for n, _ in session.model.named_parameters(remove_duplicate=False)}
+    first = runner.run()
+    reads.clear()
+    second = runner.run()
+    assert not params & set(reads)  # buffers only (this model has none)
+    assert str(first.losses) == str(second.losses) and str(first.grad_norm) == str(second.grad_norm)  # NaN too
+
+    runner.run(keep_grads=True)
+    with torch.no_grad():
+        for p in session.model.parameters():
+            p.add_(1.0)  # an update
+    reads.clear()
+    runner.reset()
+    assert params <= set(reads)
+    assert all(torch.equal(pre_step[k], v) for k, v in session.model.state_dict().items())
