@@ -28,15 +28,18 @@ def chunk_digests(data: bytes | memoryview, chunk_size: int) -> list[str]:
 
 
 _POOL = None
+_POOL_PID = None
 
 
 def _hash_pool():
-    """The threads every HashingWriter of the process shares (hashlib releases the GIL on large updates)."""
-    global _POOL
-    if _POOL is None:
+    """The threads every HashingWriter of the process shares (hashlib releases the GIL on large updates); a
+    process forked from one that had them (a data-loader worker) starts its own."""
+    global _POOL, _POOL_PID
+    if _POOL is None or _POOL_PID != os.getpid():
         from concurrent.futures import ThreadPoolExecutor
 
         _POOL = ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1), thread_name_prefix="forensics-sha256")
+        _POOL_PID = os.getpid()
     return _POOL
 
 
