@@ -32,6 +32,7 @@ import torch
 
 from capture import snapshot
 from capture.incident import Incident, StepRecord
+from forensics.device_sync import DeviceFence, quarantine
 from forensics.errors import TrainingFaultError
 from forensics.kinds import Policy
 
@@ -50,7 +51,7 @@ class Pending:
     host: dict[int, float | None]  # values already on the host (Python numbers, tensors off the device)
     device_index: list[int]  # positions of the values in `buffer`
     buffer: torch.Tensor
-    event: Any  # torch.cuda.Event or None (CPU: the copy was synchronous)
+    landed: DeviceFence  # passed once `buffer` holds the values (CPU: at once, the copy was synchronous)
     lr: float | None
     scheduler: dict | None
     hyper: list[dict]
@@ -128,23 +129,26 @@ class SyncFree:
             buffer = torch.empty(0)
         g.optimizer.found_inf = found_inf  # the fused step skips the update (and undoes its step count) when 1
         g.optimizer.grad_scale = None
-        event = None
-        if pinned:
-            event = torch.cuda.Event()
-            event.record()
+        landed = DeviceFence([device] if pinned else [])
         hyper = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in group.items() if k != "params"}
                  for group in g.optimizer.param_groups]
-        self.pending = Pending(g.step, record, len(record.losses), host, device_index, buffer, event,
+        self.pending = Pending(g.step, record, len(record.losses), host, device_index, buffer, landed,
                                snapshot.current_lr(g.optimizer), snapshot.scheduler_state(g.scheduler), hyper,
                                record.divisor(g.config.loss_divisor))
+
+    def quarantine(self) -> None:
+        """A CUDA error poisoned the context: the pending step's pinned buffer is never freed (see
+        forensics.device_sync.quarantine) and the step is not judged (its values can no longer be read)."""
+        if self.pending is not None:
+            quarantine([self.pending.buffer])
+            self.pending = None
 
     def resolve(self) -> None:
         """Judges the pending step, if any: history, detectors, dump, policy (raises under 'raise')."""
         pending, self.pending = self.pending, None
         if pending is None:
             return
-        if pending.event is not None:
-            pending.event.synchronize()
+        pending.landed.wait()
         values: list[float | None] = [None] * (pending.n_losses + 1)
         for i, v in pending.host.items():
             values[i] = v

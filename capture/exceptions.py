@@ -8,6 +8,7 @@ reading memory counters.
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 import weakref
@@ -34,7 +35,7 @@ def describe(exc: BaseException, during: str, batches: list[Any]) -> dict:
         "during": during,
         "frames": [{"file": f.filename, "line": f.lineno, "function": f.name} for f in frames],
         "traceback": "".join(traceback.format_exception(cls, exc, exc.__traceback__))[-20000:],
-        "cuda_error": _is_cuda_error(exc),
+        "cuda_error": is_cuda_error(exc),
         "peer_failure": peer_failure(exc),
     }
     if _is_oom(exc):
@@ -79,9 +80,23 @@ def _is_oom(exc: BaseException) -> bool:
                                     and is_out_of_memory(type(exc).__name__, _safe_str(exc)))
 
 
-def _is_cuda_error(exc: BaseException) -> bool:
+def is_cuda_error(exc: BaseException) -> bool:
+    """A CUDA error (device-side assert, illegal address ...): the context is unusable from here on."""
     text = _safe_str(exc)
     return "CUDA error" in text or "device-side assert" in text or type(exc).__name__ == "AcceleratorError"
+
+
+def nccl_watchdog_aborts_on_cuda_errors() -> bool:
+    """True when this job's NCCL watchdog will abort the process on a CUDA error (PyTorch's default,
+    TORCH_NCCL_RETHROW_CUDA_ERRORS unset or 1): a device-side assert then ends the rank from the watchdog thread,
+    typically within 0.1 s, racing the dump of the step that raised (seen on 2 H100s, 2026-11-26)."""
+    try:
+        import torch.distributed as dist
+
+        nccl = dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend())
+    except Exception:  # noqa: BLE001 - no process group: no watchdog
+        return False
+    return nccl and os.environ.get("TORCH_NCCL_RETHROW_CUDA_ERRORS", "1") != "0"
 
 
 def _safe_str(exc: BaseException) -> str:

@@ -145,6 +145,11 @@ class Guard:
         self._closed = False
         if self.config.capture_exceptions:
             exceptions.watch(self)
+            if exceptions.nccl_watchdog_aborts_on_cuda_errors():
+                log.warning("forensics: NCCL's watchdog aborts this process on a CUDA error (a device-side assert), "
+                            "which can end the rank before its dump is written; to let the dump finish and the job "
+                            "fail with its own exception, set TORCH_NCCL_RETHROW_CUDA_ERRORS=0 before "
+                            "init_process_group (docs/INTEGRATIONS.md)")
         unfit = default_loss_fits(model, build_recipe(model, loss_fn, self.config.sample_id_key, self.config.recipe))
         if unfit:
             log.warning("forensics: %s", unfit)
@@ -215,7 +220,12 @@ class Guard:
             self._last_step = record
             self.step += 1  # a job that catches the error and goes on must not reuse this step's number
             raise
-        except Exception:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
+            if exceptions.is_cuda_error(exc):  # the job's own device fault, surfacing at the step's one sync
+                self._current = record  # dumped as the step that raised; the job fails with its own error
+                self.record_exception(exc)
+                self._current = None
+                raise
             log.exception("forensics: the check of step %d failed inside forensics; training continues", self.step)
             decision = True
         if not decision and not sync_free:
@@ -484,6 +494,7 @@ class Guard:
         self.window.append(WindowStep(self.step, list(record.sample_ids), list(record.rng), lr, loss_scale, divisor,
                                       step_loss, norm, clipped))
         if trigger is None:
+            self.snapshots.settle()
             if self.snapshots.due(self.step):
                 self._take_snapshot()
             return True
@@ -546,13 +557,14 @@ class Guard:
         unusable = "the CUDA context is unusable after a CUDA error" if (incident.exception or {}).get("cuda_error") \
             else None
         try:
-            content = self._host_content(incident, unusable) if unusable else self._content(incident, background)
+            content = self._host_content(incident, unusable, device_usable=False) if unusable \
+                else self._content(incident, background)
         except Exception as exc:  # noqa: BLE001
-            why = f"collecting the state failed ({type(exc).__name__}: {str(exc)[:300]})"
-            content = self._host_content(incident, why) if incident.exception is not None else None
-            if content is None:
-                self._failed(f"no dump written: {why}")
-                return None, f"no dump written: {why}"
+            unusable = f"collecting the state failed ({type(exc).__name__}: {str(exc)[:300]})"
+            content = self._host_content(incident, unusable) if incident.exception is not None else None
+        if content is None:
+            self._failed(f"no dump written: {unusable}")
+            return None, f"no dump written: {unusable}"
         if background:
             path = self._writer.submit(content, self.config.dump_dir, self._written, self._failed)
             return path, None
@@ -585,6 +597,8 @@ class Guard:
         copy = snapshot.HostCopy(enabled=background)
         state = incident.state if incident.state is not None else self.collect_state(copy)
         batches = [self._copy_tree(b, copy) for b in incident.record.batches]
+        if incident.state is not None:  # collected earlier, live tensors: fence their devices too
+            copy.cover(state)
         copy.finish()
         manifest = self._manifest(incident)
         held, release = self._lend_snapshot(incident.step, manifest) if "layout" not in state else (None, None)
@@ -605,16 +619,16 @@ class Guard:
             return []
         return buddy.exchange(buddy.sole_shards(state), self.rank, self.world_size, self.config.shard_replicas)
 
-    def _lend_snapshot(self, step: int, manifest: dict) -> tuple[dict | None, Any]:
+    def _lend_snapshot(self, step: int, manifest: dict, device_usable: bool = True) -> tuple[dict | None, Any]:
         """The oldest host snapshot the flight recorder covers for a dump of `step` (noted in its manifest), and
         the function that gives it back once the dump is written; (None, None) when there is none."""
         earlier = self.window.steps_before(step)
-        held, release = self.snapshots.lend_oldest(earlier[0]) if earlier else (None, None)
+        held, release = self.snapshots.lend_oldest(earlier[0], device_usable) if earlier else (None, None)
         if held is not None:
             manifest["snapshot"] = {"step": held["step"]}
         return held, release
 
-    def _host_content(self, incident: Incident, why: str) -> DumpContent | None:
+    def _host_content(self, incident: Incident, why: str, device_usable: bool = True) -> DumpContent | None:
         """A step that raised and left the state unreadable (a CUDA error kills the context): what the host still
         holds — sample IDs, host-side batch tensors, RNG, history, the flight recorder, the optimizer's class and
         hyper-parameters and the last host snapshot — with `state_missing` saying why the rest is absent. None
@@ -622,7 +636,9 @@ class Guard:
         try:
             manifest = self._manifest(incident)
             manifest["state_missing"] = why
-            held, release = self._lend_snapshot(incident.step, manifest)
+            held, release = self._lend_snapshot(incident.step, manifest, device_usable)
+            if not device_usable and self._sync_free is not None:
+                self._sync_free.quarantine()
             try:
                 scheduler = incident.scheduler or snapshot.scheduler_state(self.scheduler)
             except Exception:  # noqa: BLE001 - a scheduler state on the device

@@ -15,11 +15,12 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
 from capture.sharding import state_bytes
+from forensics.device_sync import DeviceFence, on_device_of, quarantine
 
 log = logging.getLogger(__name__)
 
@@ -32,12 +33,11 @@ class _Slot:
     step: int | None = None
     state: dict | None = None  # {"model": {name: host tensor}, "optimizer": {...}}, host buffers
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-    event: Any = None  # the CUDA event after the last copy into this slot
+    landed: DeviceFence = field(default_factory=DeviceFence)  # passed once the copies into this slot are done
     lent: threading.Event = field(default_factory=threading.Event)  # set while a dump writer reads this slot
 
     def wait(self) -> None:
-        if self.event is not None:
-            self.event.synchronize()
+        self.landed.wait()
 
 
 class HostSnapshots:
@@ -68,6 +68,7 @@ class HostSnapshots:
         slot.wait()
         slot.step = None  # until every copy is made: a copy that fails leaves no half-written snapshot behind
         copies: dict[str, torch.Tensor] = {}
+        devices: dict[torch.device, None] = {}
 
         def copy(key: str, tensor: torch.Tensor) -> torch.Tensor:
             tensor = tensor.detach()
@@ -76,6 +77,8 @@ class HostSnapshots:
                 buffer = _host_buffer(tensor)
                 slot.buffers[key] = buffer
             buffer.copy_(tensor, non_blocking=tensor.is_cuda and buffer.is_pinned())
+            if tensor.is_cuda:
+                devices.setdefault(tensor.device)
             copies[key] = buffer
             return buffer
 
@@ -87,22 +90,34 @@ class HostSnapshots:
                         for k, v in values.items()} for param, values in optimizer["state"].items()}}
         for key in set(slot.buffers) - set(copies):
             del slot.buffers[key]  # a tensor that no longer exists (a parameter group removed)
-        slot.event = None
-        if any(t.is_pinned() for t in copies.values()) and torch.cuda.is_available():
-            slot.event = torch.cuda.Event()
-            slot.event.record()
+        slot.landed = DeviceFence(devices)
         slot.step, slot.state = step, {"model": model, "optimizer": optimizer}
         self.bytes_held = sum(_nbytes(t) for s in self._slots for t in s.buffers.values())
         self._next = (self._slots.index(slot) + 1) % self.count
 
-    def lend_oldest(self, first_step: int) -> tuple[dict | None, Callable[[], None]]:
+    def settle(self) -> None:
+        """Notes which slots' copies have landed (a non-blocking query; called at each healthy check): after a
+        CUDA error only those can be read, since nothing on the device can be asked any more."""
+        for slot in self._slots:
+            if not slot.landed.settled:
+                slot.landed.poll()
+
+    def lend_oldest(self, first_step: int, device_usable: bool = True) -> tuple[dict | None, Callable[[], None]]:
         """The oldest snapshot taken at or after `first_step` as `{"step", "model", "optimizer"}` (None: none),
-        and the function that gives its slot back once the dump holding it is written."""
-        held = [s for s in self._slots if s.step is not None and s.step >= first_step and not s.lent.is_set()]
+        and the function that gives its slot back once the dump holding it is written.
+
+        With `device_usable=False` (a CUDA error poisoned the context) only a slot whose copies were seen complete
+        before the fault is lent, nothing on the device is touched, and every pinned buffer is quarantined
+        (forensics.device_sync.quarantine: freeing one would abort the process)."""
+        if not device_usable:
+            quarantine(slot.buffers for slot in self._slots)
+        held = [s for s in self._slots if s.step is not None and s.step >= first_step and not s.lent.is_set()
+                and (device_usable or s.landed.settled)]
         if not held:
             return None, lambda: None
         slot = min(held, key=lambda s: s.step)
-        slot.wait()
+        if device_usable:
+            slot.wait()
         slot.lent.set()
         return {"step": slot.step, **slot.state}, slot.lent.clear
 
@@ -129,7 +144,8 @@ class HostSnapshots:
 def _host_buffer(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.is_cuda:
         try:
-            return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            with on_device_of(tensor):
+                return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         except RuntimeError:  # no pinnable memory left: a pageable buffer (the copy then waits)
             pass
     return torch.empty(tensor.shape, dtype=tensor.dtype)

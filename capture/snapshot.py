@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from forensics.device_sync import DeviceFence, on_device_of
 from forensics.format.jsonio import to_jsonable
 
 
@@ -14,16 +15,21 @@ class HostCopy:
 
     CUDA tensors are cloned on the device (stream-ordered before the optimizer step, so the copies hold
     pre-step values; ~1 ms per GB) and the writer thread moves them to the host. When the device has no
-    room for the clones, they go to pinned host buffers with non-blocking copies instead.
+    room for the clones, they go to pinned host buffers with non-blocking copies instead. `finish()` fences the
+    current stream of every device a tensor came from (forensics.device_sync), so `wait()` holds for a model
+    spread over several GPUs and for a writer on another thread.
     """
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
-        self._event = None
+        self._devices: dict[torch.device, None] = {}
+        self._fence: DeviceFence | None = None
         self._device_room = True
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach()
+        if tensor.is_cuda:
+            self._devices.setdefault(tensor.device)
         if not self.enabled:
             return tensor  # written synchronously before the loop continues: no copy needed
         if tensor.is_cuda:
@@ -32,19 +38,35 @@ class HostCopy:
                     return tensor.clone()
                 except torch.cuda.OutOfMemoryError:
                     self._device_room = False
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            host.copy_(tensor, non_blocking=True)
+            with on_device_of(tensor):
+                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                host.copy_(tensor, non_blocking=True)
             return host
         return tensor.clone()
 
+    def cover(self, tree: Any) -> None:
+        """Notes the devices of the tensors in `tree` (state collected before, e.g. by the sync-free mode), so that
+        finish() fences them too. LocalShard-like values are seen through their `tensor`."""
+        if isinstance(tree, torch.Tensor):
+            if tree.is_cuda:
+                self._devices.setdefault(tree.device)
+        elif isinstance(tree, dict):
+            for value in tree.values():
+                self.cover(value)
+        elif isinstance(tree, (list, tuple)):
+            for value in tree:
+                self.cover(value)
+        elif isinstance(getattr(tree, "tensor", None), torch.Tensor):
+            self.cover(tree.tensor)
+
     def finish(self) -> None:
-        if self.enabled and torch.cuda.is_available() and torch.cuda.is_initialized():
-            self._event = torch.cuda.Event()
-            self._event.record()
+        """Fences every device seen: the writer reads the tensors (copies, or the live ones of a synchronous dump
+        whose writer runs on other threads and streams) only after what the job queued before this point."""
+        self._fence = DeviceFence(self._devices)
 
     def wait(self) -> None:
-        if self._event is not None:
-            self._event.synchronize()
+        if self._fence is not None:
+            self._fence.wait()
 
 
 def parameter_names(model: torch.nn.Module) -> dict[int, str]:

@@ -9,6 +9,7 @@ does the same for a ReplaySession built in memory.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -155,6 +156,7 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
     if dump.num_micro_batches == 0:
         raise DumpError(f"{path or 'the dump'} records no micro-batch, so there is no step to replay; the loop "
                         "called check() without record_batch() (see README: the four calls)")
+    options = _off_the_gpu_after_a_cuda_error(dump, options, progress)
     with deterministic_mode(dump.manifest.get("determinism")):
         _stage(progress, f"loading model and step {dump.step} (rank {dump.rank}) on "
                          f"{options.device or 'the default device'}")
@@ -176,6 +178,20 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
             if converted is exc:
                 raise
             raise converted from exc
+
+
+def _off_the_gpu_after_a_cuda_error(dump: Any, options: "ReplayOptions", progress: Progress | None
+                                    ) -> "ReplayOptions":
+    """A step that raised a CUDA error (a device-side assert) is replayed on the CPU: on a GPU the same bad index
+    would poison this process's CUDA context too, while the CPU raises a readable error at the op itself."""
+    exception = dump.manifest.get("exception")
+    if not (isinstance(exception, dict) and exception.get("cuda_error")):
+        return options
+    if options.device is None and not torch.cuda.is_available() or str(options.device or "cuda").startswith("cpu"):
+        return options
+    _stage(progress, "the step raised a CUDA error (device-side assert): replaying on the CPU, where the same op "
+                     "raises a readable error and nothing poisons the GPU")
+    return dataclasses.replace(options, device="cpu")
 
 
 def _window_replay(dump: Any, session: ReplaySession, checkpoint: Checkpoint, options: ReplayOptions,

@@ -21,7 +21,7 @@ import torch
 
 from forensics.errors import ForensicsError, ReplayError, is_out_of_memory
 from forensics.grad_norm import total_grad_norm
-from forensics.kinds import TriggerKind
+from forensics.kinds import Phase, TriggerKind
 from replay.fsdp_precision import fsdp_compute
 from replay.load import ReplaySession, finite_float
 from replay.samples import SampleRef
@@ -148,13 +148,21 @@ def same_exception(raised: dict, recorded: dict | None) -> bool:
     if is_out_of_memory(recorded.get("type"), recorded.get("message")) \
             and is_out_of_memory(raised.get("type"), raised.get("message")):
         return True
-    if recorded.get("cuda_error") and raised.get("phase", recorded.get("during")) == recorded.get("during"):
+    if recorded.get("cuda_error") and _no_later_than(raised.get("phase"), recorded.get("during")):
         return True  # a device-side assert replayed elsewhere raises that device's own error (CPU: IndexError)
     frames = recorded.get("frames") or []
     last = frames[-1] if frames and isinstance(frames[-1], dict) else {}
     same_place = not last or (raised.get("function") == last.get("function")
                               and raised.get("file") == os.path.basename(str(last.get("file") or "")))
     return raised.get("type") == recorded.get("type") and same_place
+
+
+def _no_later_than(replayed: object, recorded: object) -> bool:
+    """The replayed phase is the recorded one or earlier: a CUDA error is reported at a later API call than the
+    op that failed (without CUDA_LAUNCH_BLOCKING a forward's bad index surfaces in the backward, seen on an H100)."""
+    order = list(Phase)
+    first, then = Phase.parse(replayed, Phase.FORWARD), Phase.parse(recorded, Phase.OPTIMIZER)
+    return order.index(first) <= order.index(then)
 
 
 def any_nonfinite(tensors: Iterable[torch.Tensor]) -> list[bool]:

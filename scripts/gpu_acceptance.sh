@@ -1,37 +1,88 @@
 #!/usr/bin/env bash
-# The GPU acceptance run (device tool, 2 GPUs): multi-rank DeepSpeed dumps replayed on one GPU, fp16 loss-scale
-# skips, the planted-fault scenarios on CUDA, the CUDA writer test and the write benchmark.
-# Every step's full output goes to OUTDIR/<step>.log; the run stops at the first step that fails.
-# Usage (repo root, .whl carried): bash scripts/gpu_acceptance.sh OUTDIR
-set -euo pipefail
+# The GPU acceptance run (device tool, 2 GPUs, <= 10 minutes): everything that touches CUDA, NCCL or bf16/fp16,
+# run for real. Each step's full output goes to OUTDIR/<step>.log and one line to OUTDIR/summary.txt; the run
+# goes on after a failing step and exits 1 at the end if any failed.
+# Usage (repo root, .whl carried): bash scripts/gpu_acceptance.sh OUTDIR   (STEPS="a b" runs only those steps)
+set -uo pipefail
 out=${1:-/tmp/gpu_acceptance}; mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD:$PWD/scripts/examples PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+d=/tmp/d; rm -rf "$d"; mkdir -p "$d"
+failed=0
+# wanted NAME: no STEPS, or a word of STEPS begins NAME (STEPS=fsdp2_1b also runs fsdp2_1b_verify and _replay)
+wanted() { [ -z "${STEPS:-}" ] && return 0; local w; for w in $STEPS; do [[ "$1" == "$w"* ]] && return 0; done; return 1; }
 
-# step NAME EXPECTED_EXIT CMD...: runs CMD with its output in $out/NAME.log, shows the lines that matter,
-# and fails the whole run unless CMD exits with EXPECTED_EXIT.
+# step NAME EXPECTED_EXIT CMD...: runs CMD with its output in $out/NAME.log, shows the lines that matter, and marks
+# the run failed unless CMD exits with EXPECTED_EXIT.
 step() {
   local name=$1 expected=$2; shift 2
+  wanted "$name" || return 0
   echo "== $name"
-  local code=0
+  local code=0 start=$SECONDS
   "$@" >"$out/$name.log" 2>&1 || code=$?
-  grep -E "forensics-example|Verdict|OK:|scenarios give|passed|failed|GB/s|^\{" "$out/$name.log" | cut -c1-400 || true
+  grep -E "forensics-example|forensics-job|Verdict|VERDICT|OK:|scenarios give|passed|failed|GB/s|waited|^\{" \
+    "$out/$name.log" | cut -c1-300 | tail -12 || true
   if [ "$code" -ne "$expected" ]; then
-    echo "FAILED: $name exited $code, expected $expected (log: $out/$name.log)"; tail -20 "$out/$name.log"; exit 1
+    echo "FAILED: $name exited $code, expected $expected"; tail -25 "$out/$name.log"; failed=1
+    echo "FAIL $name exit=$code expected=$expected $((SECONDS - start))s" >> "$out/summary.txt"
+  else
+    echo "ok   $name $((SECONDS - start))s" >> "$out/summary.txt"
   fi
 }
+# must_say LOG PATTERN: a step's log must hold PATTERN (the expected outcome of a step that fails on purpose)
+must_say() { grep -qE "$2" "$out/$1.log" || { echo "FAILED: $1.log lacks /$2/"; failed=1; echo "FAIL $1 lacks /$2/" >> "$out/summary.txt"; }; }
 
-nvidia-smi -L
+nvidia-smi -L; python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())"
+date -u +"%Y-%m-%d %H:%M UTC" > "$out/date.txt"
+
+# 1. dumps written and read on cuda:1 match the job's tensors element by element; the CUDA writer round trip
+step cuda_rank1 0 python3 -m pytest -q -p no:cacheprovider tests/forensics/test_cuda_rank1.py tests/forensics/test_format_cuda.py
+# 2. a real device-side assert (and a real CUDA out-of-memory) on one GPU: dump, no abort, replay names the sample
+step device_assert 0 python3 -m pytest -q -p no:cacheprovider tests/replay/test_cuda_errors.py
+# 3. the same assert on rank 1 of 2 (NCCL): rank 1 dumps and fails with its own error (NCCL's watchdog told not to
+#    abort the process on CUDA errors, as docs/INTEGRATIONS.md advises); how long rank 0 goes on before torchrun
+#    ends it. Then with PyTorch's default watchdog (it aborts rank 1, racing the dump): what is left.
+job2="tests/replay/device_assert_job.py"
+step device_assert_2gpu 1 bash -c "TORCH_NCCL_RETHROW_CUDA_ERRORS=0 timeout 900 torchrun --nproc_per_node=2 $job2 \
+  $d/assert2; rc=\$?; echo forensics-job-exit t=\$(date +%s.%N); exit \$rc"
+if wanted device_assert_2gpu; then
+  must_say device_assert_2gpu "device-side assert"
+  python3 scripts/gpu_wait_time.py "$out/device_assert_2gpu.log" | tee -a "$out/summary.txt"
+  step device_assert_2gpu_verify 0 python3 -m forensics.cli verify $d/assert2/assert/step-000000005/rank-00001
+fi
+step device_assert_2gpu_default_watchdog 1 bash -c "timeout 900 torchrun --nproc_per_node=2 $job2 $d/assert2d; \
+  rc=\$?; echo forensics-job-exit t=\$(date +%s.%N); ls -R $d/assert2d | head -20; \
+  python3 -m forensics.cli verify $d/assert2d/assert/step-000000005/rank-00001; exit \$rc"
+step launch_blocking 0 python3 -m scripts.check_launch_blocking
+# 4. DeepSpeed ZeRO-3 bf16 Llama on 2 GPUs: dump, verify, replay rank 1 on one GPU
 step zero3_llama 0 timeout 300 torchrun --nproc_per_node=2 scripts/examples/deepspeed_example.py --zero-stage 3 \
-  --precision bf16 --model llama --poison-value inf --dump-dir /tmp/d --run-id z3llama
-step zero3_verify 0 python3 -m forensics.cli verify /tmp/d/z3llama/step-000000003
-step zero3_replay 0 python3 -m forensics.cli replay /tmp/d/z3llama/step-000000003 --rank 1 --device cuda:0 \
-  -o "$out/z3llama"
-step fp16_scale_collapse 0 timeout 300 torchrun --nproc_per_node=2 scripts/examples/deepspeed_example.py \
+  --precision bf16 --model llama --poison-value inf --dump-dir $d --run-id z3llama
+step zero3_verify 0 python3 -m forensics.cli verify $d/z3llama/step-000000003
+step zero3_replay 0 python3 -m forensics.cli replay $d/z3llama/step-000000003 --rank 1 --device cuda:0 -o "$out/z3llama"
+# 5. fp16 loss scale collapsing to DeepSpeed's minimum: the Guard dumps the overflow steps, then DeepSpeed itself
+#    stops the job ("Current loss scale already at minimum"): exit 1 is the expected outcome, the dumps verify
+step fp16_scale_collapse 1 timeout 300 torchrun --nproc_per_node=2 scripts/examples/deepspeed_example.py \
   --precision fp16 --initial-scale-power 40 --min-loss-scale 8589934592 --policy continue --steps 8 --poison -1 \
-  --dump-dir /tmp/d --run-id fp16
+  --dump-dir $d --run-id fp16
+if wanted fp16_scale_collapse; then
+  must_say fp16_scale_collapse "Current loss scale already at minimum"
+  step fp16_verify 0 bash -c "ls -d $d/fp16/step-* | head -3 | xargs -n1 python3 -m forensics.cli verify"
+fi
+# 6. FSDP2 bf16 Llama of 1.0 B parameters on 2 GPUs: sharded dump of one state copy, verify, one-GPU replay names
+#    the sample (rank 1 reads sample 29, an inf in its embeddings)
+step fsdp2_1b 0 timeout 420 torchrun --nproc_per_node=2 scripts/examples/fsdp2_example.py --model llama --size 1b \
+  --bf16 --poison-value inf --dump-dir $d --run-id fsdp1b
+step fsdp2_1b_verify 0 python3 -m forensics.cli verify $d/fsdp1b/step-000000003
+step fsdp2_1b_replay 0 python3 -m forensics.cli replay $d/fsdp1b/step-000000003 --rank 1 --device cuda:0 -o "$out/fsdp1b"
+if wanted fsdp2_1b_replay; then
+  python3 -c "import json,sys; r=json.load(open('$out/fsdp1b/report.json')); s=[c['sample_id'] for c in r['culprit']['samples']]; print('fsdp2_1b culprit', s, r['verdict']['kind']); sys.exit(s != [29])" \
+    >> "$out/summary.txt" 2>&1 || { echo "FAILED: fsdp2_1b replay did not name sample 29"; failed=1; }
+fi
+rm -rf $d/fsdp1b $d/z3llama
+# 7. every planted-fault scenario captured and replayed on cuda:0
 step scenarios_cuda 0 python3 -m scripts.check_scenarios --device cuda:0 --json "$out/scenarios.json"
-step cuda_writer_test 0 python3 -m pytest -q -p no:cacheprovider tests/forensics/test_format_cuda.py
+# 8. the write benchmark (forensics vs torch.save vs raw, cuda)
 step dump_write_bench 0 python3 -m scripts.bench.dump_write --dir /tmp --rounds 3
-echo "all GPU acceptance steps passed; logs in $out"
+echo "--- summary ($(cat "$out/date.txt"))"; cat "$out/summary.txt"
+[ "$failed" -eq 0 ] && echo "all GPU acceptance steps passed; logs in $out" || { echo "some GPU acceptance steps FAILED"; exit 1; }

@@ -345,20 +345,24 @@ def _pair(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
         return {"features": features, "labels": features[:4].mean(1).argmax()}
 
     steps = make_steps(10, seed=7, make_record=record)
-    saturated, dead = steps[5][1][0], steps[5][1][3]
-    # The ingest job writes unusable readings as +/-FLT_MAX sentinels. One record has one saturated
-    # reading (+FLT_MAX); in another, sensor 3 died after four readings (-FLT_MAX from then on).
-    # Either alone only makes channel 3's batch variance infinite (BatchNorm then outputs its bias
-    # there); together the channel mean is far below zero, so the saturated reading minus the mean
-    # overflows and BatchNorm's backward turns it into NaN gradients. The loss stays finite.
+    saturated, stuck = steps[5][1][0], steps[5][1][3]
+    # The ingest job writes unusable readings as sentinels near the float32 limit. One record has one saturated
+    # reading (+FLT_MAX); in another, sensor 3 is stuck at -FLT_MAX / 2 after four readings. Either alone is harmless:
+    # BatchNorm's variance overflows to inf and it outputs its bias for channel 3. Together the channel mean is
+    # far below zero, so the saturated reading minus the mean overflows float32 and turns into NaN: in the
+    # backward on the CPU (its kernel subtracts the mean only there; the loss stays finite), in the forward on
+    # CUDA (its kernel normalises as (x - mean) * invstd). Both name the same two samples.
     saturated["features"][3, 5] = FLT_MAX
-    dead["features"][3, 4:] = -FLT_MAX
+    stuck["features"][3, 4:] = -FLT_MAX / 2
     kwargs = {"n_channels": n_channels, "hidden": 32, "n_classes": 4}
     config = _config(out_dir, "pair", recipe=_recipe("sensor_classifier", kwargs))
     run = Run("pair", models.sensor_classifier(**kwargs), steps, dict_loss, config)
-    return _finish(run, device, echo, Expected("bad_sample", (saturated["sample_ids"], dead["sample_ids"]),
-                                                module="bn", parameter="bn.weight", phase="backward",
-                                                trigger="nonfinite_grad"))
+    pair = (saturated["sample_ids"], stuck["sample_ids"])
+    cpu = torch.device(device).type == "cpu"
+    expected = Expected("bad_sample", pair, module="bn", parameter="bn.weight", phase="backward",
+                        trigger="nonfinite_grad") if cpu else \
+        Expected("bad_sample", pair, module="bn", phase="forward", trigger="nonfinite_loss")
+    return _finish(run, device, echo, expected)
 
 
 # -- (f) silent data corruption: a NaN injected once, inside the job only -----------------------------
@@ -439,7 +443,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
              _adam_eps_zero),
     Scenario("pair", "two samples that fail only together in one BatchNorm micro-batch",
              "A sensor classifier with BatchNorm. Two records carry +/-FLT_MAX sentinels; each alone is "
-             "harmless, but together in one micro-batch they overflow BatchNorm's backward.", _pair),
+             "harmless, but together in one micro-batch they overflow BatchNorm (its backward on the CPU, its "
+             "forward on CUDA).", _pair),
     Scenario("sdc", "one activation flips to NaN once, in the job only (simulated silent data corruption)",
              "A forward hook stands in for a faulty GPU: at one step it flips one activation to NaN. "
              "Replaying the same step on healthy hardware does not fail.", _sdc),

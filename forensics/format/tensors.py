@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -10,6 +11,7 @@ from typing import BinaryIO, Callable, Iterator
 
 import torch
 
+from forensics.device_sync import DeviceFence, on_device_of
 from forensics.errors import DumpCorruptError
 from forensics.format.spec import MAX_SAFETENSORS_HEADER
 
@@ -58,8 +60,14 @@ STAGING_CHUNK = 64 << 20  # bytes per pinned staging buffer (two of them, reused
 
 def _host_bytes(tensors: list[torch.Tensor]):
     """Yields the bytes of each tensor in order. CUDA tensors go through two reused pinned buffers:
-    chunk k+1 copies off the device while chunk k is written, and no fresh host pages are touched."""
-    if not any(t.is_cuda for t in tensors):
+    chunk k+1 copies off the device while chunk k is written, and no fresh host pages are touched.
+
+    Safe on any thread and for tensors on any mix of devices (forensics.device_sync): each copy runs with its
+    tensor's device current, and its completion event is recorded on the stream that did the copy, so a chunk
+    is handed on only once its bytes have landed (a writer thread's current device is 0 whatever the job chose:
+    an event recorded there waits for nothing, and the stale bytes of the buffer's last use were written)."""
+    cuda = [t for t in tensors if t.is_cuda]
+    if not cuda:
         yield from (_as_bytes(t) for t in tensors)
         return
     chunks = []  # (device byte view, start, end) in write order; CPU tensors as whole views
@@ -70,14 +78,16 @@ def _host_bytes(tensors: list[torch.Tensor]):
         flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8) if tensor.numel() else None
         for start in range(0, flat.numel() if flat is not None else 0, STAGING_CHUNK):
             chunks.append((flat, start, min(start + STAGING_CHUNK, flat.numel())))
-    staging = [torch.empty(STAGING_CHUNK, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-    events = [torch.cuda.Event(), torch.cuda.Event()]
+    with on_device_of(cuda[0]):  # the pinned buffers belong to the job's device, not to a context made on cuda:0
+        staging = [torch.empty(STAGING_CHUNK, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    landed: list[DeviceFence | None] = [None, None]
 
     def issue(k: int) -> None:
         source, start, end = chunks[k]
         if start is not None:
-            staging[k % 2][: end - start].copy_(source[start:end], non_blocking=True)
-            events[k % 2].record()
+            with on_device_of(source):
+                staging[k % 2][: end - start].copy_(source[start:end], non_blocking=True)
+                landed[k % 2] = DeviceFence([source.device])
 
     if chunks:
         issue(0)
@@ -87,7 +97,7 @@ def _host_bytes(tensors: list[torch.Tensor]):
         if start is None:
             yield _as_bytes(source)
             continue
-        events[k % 2].synchronize()
+        landed[k % 2].wait()
         yield memoryview(staging[k % 2][: end - start].numpy())
 
 
@@ -210,7 +220,8 @@ class SafetensorsFile:
         dtype, shape, offset, nbytes = self._entry(key)
         device = torch.device(device)
         pinned = device.type == "cuda"
-        raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        with torch.cuda.device(device) if pinned else contextlib.nullcontext():  # not a context on cuda:0
+            raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
         view, done = memoryview(raw.numpy()) if nbytes else memoryview(b""), 0
         while done < nbytes:
             got = os.preadv(self._fd, [view[done:]], offset + done)
@@ -220,7 +231,7 @@ class SafetensorsFile:
         if self._range_verified is not None:
             self._range_verified(offset, offset + nbytes)
         tensor = raw.view(dtype).reshape(shape)
-        return tensor.to(device) if device.type != "cpu" else tensor
+        return tensor.to(device) if device.type != "cpu" else tensor  # a blocking copy: `raw` may be freed after
 
     def close(self) -> None:
         if self._fd is not None:

@@ -31,17 +31,26 @@ def tiny_gpt2(seed: int = 0):
     return transformers.GPT2LMHeadModel(config)
 
 
-def tiny_model(arch: str = "gpt2", seed: int = 0):
-    """`tiny_gpt2()`, or a 2-layer, 32-wide Llama (RMSNorm, SwiGLU, rotary) of the same size for `arch="llama"`."""
+SIZES = {  # Llama shapes for --size: hidden, intermediate, layers, heads, vocabulary
+    "tiny": (EMBD, 2 * EMBD, 2, 2, VOCAB),
+    "1b": (2048, 5632, 18, 16, 32000),  # 1.06 B parameters
+}
+
+
+def tiny_model(arch: str = "gpt2", seed: int = 0, size: str = "tiny", device: torch.device | None = None):
+    """`tiny_gpt2()`, or a Llama (RMSNorm, SwiGLU, rotary) for `arch="llama"`: 2 layers 32 wide, or a `size` from
+    SIZES, initialised straight on `device` (a 1 B model's host init would take longer than the training)."""
     if arch == "gpt2":
         return tiny_gpt2(seed)
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(hidden_size=EMBD, intermediate_size=2 * EMBD, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=2, vocab_size=VOCAB,
+    hidden, intermediate, layers, heads, vocab = SIZES[size]
+    config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                                      num_attention_heads=heads, num_key_value_heads=heads, vocab_size=vocab,
                                       max_position_embeddings=32, bos_token_id=0, eos_token_id=0)
-    return transformers.LlamaForCausalLM(config)
+    with torch.device(device or "cpu"):
+        return transformers.LlamaForCausalLM(config)
 
 
 def warmup(step: int) -> float:
@@ -56,10 +65,11 @@ class EmbedsDataset(torch.utils.data.Dataset):
     loss: the stand-in for a corrupt record in a real corpus.
     """
 
-    def __init__(self, n: int, poison: int | None = None, seed: int = 1, poison_value: float = 1e38):
+    def __init__(self, n: int, poison: int | None = None, seed: int = 1, poison_value: float = 1e38,
+                 width: int = EMBD, vocab: int = VOCAB):
         generator = torch.Generator().manual_seed(seed)
-        self.items = [{"inputs_embeds": torch.randn(SEQ, EMBD, generator=generator),
-                       "labels": torch.randint(0, VOCAB, (SEQ,), generator=generator)} for _ in range(n)]
+        self.items = [{"inputs_embeds": torch.randn(SEQ, width, generator=generator),
+                       "labels": torch.randint(0, vocab, (SEQ,), generator=generator)} for _ in range(n)]
         if poison is not None and poison >= 0:
             self.items[poison]["inputs_embeds"][0, 0] = poison_value
 
@@ -81,6 +91,7 @@ def parser(description: str) -> argparse.ArgumentParser:
                    help="dataset index of the corrupt sample (-1: none). With 2 ranks and the defaults, "
                         "29 is read by rank 1 in step 3, micro-batch 1")
     p.add_argument("--model", default="gpt2", choices=("gpt2", "llama"), help="the tiny model to train")
+    p.add_argument("--size", default="tiny", choices=tuple(SIZES), help="Llama size (--model llama)")
     p.add_argument("--poison-value", type=float, default=1e38,
                    help="value planted in the corrupt sample (RMSNorm maps 1e38 to 0: use inf for llama)")
     p.add_argument("--policy", default="raise", choices=("raise", "skip", "continue"),

@@ -41,7 +41,7 @@ def main() -> None:
     else:
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
 
-    model = _common.tiny_model(args.model).to(device)
+    model = _common.tiny_model(args.model, size=args.size, device=device)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 \
         else MixedPrecisionPolicy()
     blocks = model.transformer.h if args.model == "gpt2" else model.model.layers
@@ -56,7 +56,8 @@ def main() -> None:
         max_dumps=args.max_dumps, state_layout=args.layout, shard_replicas=args.replicas))
 
     samples = world * args.steps * args.accum * args.micro_batch
-    dataset = IndexedDataset(_common.EmbedsDataset(samples, poison=args.poison, poison_value=args.poison_value))
+    dataset = IndexedDataset(_common.EmbedsDataset(samples, poison=args.poison, poison_value=args.poison_value,
+                                                   width=model.config.hidden_size, vocab=model.config.vocab_size))
     loader = DataLoader(dataset, batch_size=args.micro_batch, sampler=DistributedSampler(dataset, shuffle=False))
     batches = iter(loader)
     try:

@@ -322,3 +322,16 @@ def test_a_cuda_error_leaves_what_the_host_holds_and_replays_from_the_host_snaps
     assert report["verdict"]["kind"] == "exception" and report["reproduced"] is True
     assert [s["sample_id"] for s in report["culprit"]["samples"]] == [bad]
     assert report["exception"]["bad_values"][0]["value"] == 300
+
+
+def test_a_cuda_error_reported_later_than_its_op_is_the_same_failure_replayed_earlier():
+    """Without CUDA_LAUNCH_BLOCKING a forward's bad index surfaces at a later call (seen on an H100: the embedding's
+    assert was reported in the backward). Replayed on the CPU it raises in the forward: the same failure. One raised
+    after the recorded phase is not."""
+    from replay.execute import same_exception
+
+    recorded = {"type": "AcceleratorError", "cuda_error": True, "during": "backward", "frames": []}
+    assert same_exception({"type": "IndexError", "phase": "forward"}, recorded)
+    assert same_exception({"type": "IndexError", "phase": "backward"}, recorded)
+    assert not same_exception({"type": "IndexError", "phase": "optimizer"}, recorded)
+    assert not same_exception({"type": "IndexError", "phase": "backward"}, {**recorded, "during": "forward"})
