@@ -6,5 +6,6 @@ Imports nothing heavy beyond torch; framework adapters live in capture.integrati
 from capture.config import GuardConfig, SpikeConfig
 from capture.datasets import IndexedDataset
 from capture.guard import Guard
+from capture.precursors import PrecursorConfig
 
-__all__ = ["Guard", "GuardConfig", "IndexedDataset", "SpikeConfig"]
+__all__ = ["Guard", "GuardConfig", "IndexedDataset", "PrecursorConfig", "SpikeConfig"]

@@ -61,6 +61,24 @@ class PreForwardBuffers:
         self._taken_from = live
         self.valid = True
 
+    def take_before_forward(self) -> None:
+        """take() at the step's first record_batch, never raising: a failure turns the copies off for the run."""
+        try:
+            self.take()
+        except Exception:  # noqa: BLE001 - a convenience: the dump then holds the buffers as check() sees them
+            self.off = True
+            log.exception("forensics: copying the model's buffers before the forward failed; not tried again")
+
+    def undo_skipped_step(self, step: int) -> None:
+        """A skipped step: its forward's updates to the buffers (BatchNorm running statistics) are undone too."""
+        try:
+            restored = self.restore()
+            if restored:
+                log.warning("forensics: step %d skipped; %d buffer(s) its forward had updated (e.g. BatchNorm running "
+                            "statistics) are back to their values before the step", step, restored)
+        except Exception:  # noqa: BLE001
+            log.exception("forensics: restoring the model's buffers after a skipped step failed")
+
     def before(self) -> dict[str, torch.Tensor]:
         """`{state-dict name: the buffer before the step's first forward}`, or {} when not taken this step."""
         if not self.valid:

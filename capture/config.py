@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from capture.precursors import PrecursorConfig
 from forensics.kinds import Policy, StateLayout, TriggerKind
 
 
@@ -139,6 +140,11 @@ class GuardConfig:
     to shard_replicas - 1 buddy ranks, on other nodes first, before any rank writes (capture/buddy.py; only in
     dumps every rank makes — a step that raised on one rank is written without copies). 2 doubles the state's
     bytes on disk. Default 1: one copy."""
+    precursors: PrecursorConfig | None = None
+    """Opt-in precursor monitor (capture/precursors.py): per-layer statistics (block output RMS / abs-max,
+    attention- and output-logit bounds, gradient norm, update/weight ratio, Adam second-moment floor) read without
+    a sync of their own; a statistic that keeps growing dumps the step once (trigger 'precursor', policy
+    'continue'), before the loss goes non-finite. None (default): off."""
 
     def __post_init__(self):
         for name in ("on_nonfinite", "on_spike"):

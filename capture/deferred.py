@@ -25,16 +25,20 @@ from __future__ import annotations
 
 import logging
 import math
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from capture import snapshot
+from capture.checking import CheckSource
+from capture.detectors import clipped
 from capture.incident import Incident, StepRecord
 from forensics.device_sync import DeviceFence, quarantine
 from forensics.errors import TrainingFaultError
 from forensics.kinds import Policy
+from forensics.trigger import Trigger
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +62,7 @@ class Pending:
     divisor: float
 
 
-def unsupported(guard: Any) -> str | None:
+def unsupported(guard: CheckSource) -> str | None:
     """Why the sync-free mode cannot run for this Guard (None: it can)."""
     optimizer, scaler = guard.optimizer, guard.scaler
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
@@ -76,11 +80,10 @@ def unsupported(guard: Any) -> str | None:
 class SyncFree:
     """Runs Guard.check in sync-free mode; falls back to the synchronous check (one warning) when unsupported.
 
-    Uses only the Guard's public members (optimizer, scheduler, config, detectors, history, step, rank,
-    multi_rank, compute_grad_norm, collect_state, clipped, note_suppressed, handle_incident, add_hook).
+    Reads the Guard only through capture.checking.CheckSource.
     """
 
-    def __init__(self, guard: Any):
+    def __init__(self, guard: CheckSource):
         self.guard = guard
         self.pending: Pending | None = None
         self._active: bool | None = None  # decided at the first check
@@ -143,6 +146,15 @@ class SyncFree:
             quarantine([self.pending.buffer])
             self.pending = None
 
+    def flush(self) -> None:
+        """Guard.flush(): resolve() now; a failure inside forensics is logged, a TrainingFaultError goes on."""
+        try:
+            self.resolve()
+        except TrainingFaultError:
+            raise
+        except Exception:  # noqa: BLE001
+            log.exception("forensics: judging the last step failed inside forensics")
+
     def resolve(self) -> None:
         """Judges the pending step, if any: history, detectors, dump, policy (raises under 'raise')."""
         pending, self.pending = self.pending, None
@@ -162,22 +174,22 @@ class SyncFree:
         step_loss = sum(losses) / divisor if losses else None
         trigger = g.detectors.detect(losses, norm, step_loss, None)
         spike = trigger is not None and trigger.kind.spike
-        g.history.append(pending.step, step_loss, norm, pending.lr, None, g.clipped(norm),
-                         trigger is not None and not spike, g.note_suppressed())
+        g.history.append(pending.step, step_loss, norm, pending.lr, None, clipped(norm, g.config.max_grad_norm),
+                         trigger is not None and not spike, g.detectors.note_suppressed(g.step))
         if trigger is None:
             return
         policy = g.config.policy_for(trigger.kind)
         if spike:
             self._on_spike(trigger, pending.step, policy)
             return
-        trigger.detail += LATE
+        trigger = dataclasses.replace(trigger, detail=trigger.detail + LATE)
         state = g.collect_state(snapshot.HostCopy(enabled=False))
         for group, hyper in zip(state["optimizer"]["param_groups"], pending.hyper):
             group.update({k: snapshot.plain(v) for k, v in hyper.items()})
         g.handle_incident(Incident(trigger, pending.step, pending.record, losses, norm, divisor, policy,
                                    state=state, scheduler=pending.scheduler))
 
-    def _on_spike(self, trigger: Any, step: int, policy: Policy) -> None:
+    def _on_spike(self, trigger: Trigger, step: int, policy: Policy) -> None:
         """A finite spike was applied before it was seen: its pre-step state is gone, so it is not dumped."""
         g = self.guard
         log.warning("forensics: step %d rank %d: %s (policy: %s; sync_free: seen one step late, after its update, "
@@ -185,7 +197,7 @@ class SyncFree:
         if policy is Policy.RAISE:
             reason = "sync_free mode does not dump spikes (the spike step's update was already applied)"
             raise TrainingFaultError(f"step {step}: {trigger.message} (detected one step late); NO dump was "
-                                     f"written: {reason}.", trigger.as_dict(), None, reason)
+                                     f"written: {reason}.", trigger, None, reason)
 
 
 def _clear_found_inf(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -3,14 +3,17 @@ scalars, and StepDetectors, which turns one step's numbers into a Trigger."""
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 from collections import deque
 
 from capture.agreement import Agreement
 from capture.config import GuardConfig, SpikeConfig
-from capture.incident import Trigger
+from forensics.trigger import Trigger
 from forensics.kinds import TriggerKind
+
+log = logging.getLogger(__name__)
 
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
 
@@ -76,7 +79,8 @@ class StepDetectors:
         self.loss = SpikeDetector(config.loss_spike)
         self.grad_norm = SpikeDetector(config.grad_norm_spike)
         self.suppressed: list[Trigger] = []
-        """After detect(): spikes that warm-up kept from firing (the Guard logs and records them)."""
+        """After detect(): spikes that warm-up kept from firing (note_suppressed logs them)."""
+        self._suppressed_logged: set[TriggerKind] = set()
 
     def detect(self, losses: list[float], norm: float | None, step_loss: float | None,
                loss_scale: float | None, agreed: Agreement | None = None) -> Trigger | None:
@@ -123,3 +127,24 @@ class StepDetectors:
                     f"detection is still warming up ({len(detector._window) - 1} of {detector.config.warmup} steps; "
                     f"SpikeConfig.warmup): not dumped")))
         return None
+
+    def note_suppressed(self, step: int) -> str | None:
+        """Logs (once per kind and run) a spike that warm-up kept from firing at `step`; returns its kind
+        for the history, or None."""
+        if not self.suppressed:
+            return None
+        first = self.suppressed[0]
+        if first.kind not in self._suppressed_logged:
+            self._suppressed_logged.add(first.kind)
+            log.warning("forensics: step %d: %s. Early spikes are not dumped; to catch them, lower the warm-up, "
+                        "e.g. GuardConfig(%s=SpikeConfig(warmup=8)). Logged once; every such step is marked in the "
+                        "history (column 'suppressed').", step, first.detail,
+                        first.kind.value)  # GuardConfig's SpikeConfig fields are named after their kinds
+        return first.kind.value
+
+
+def clipped(norm: float | None, max_grad_norm: float | None) -> bool | None:
+    """Whether the loop's clipping (GuardConfig.max_grad_norm) fired at this norm (None: unknown)."""
+    if max_grad_norm is None or norm is None or not math.isfinite(norm):
+        return None
+    return norm > max_grad_norm

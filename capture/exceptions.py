@@ -8,31 +8,39 @@ reading memory counters.
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 import sys
 import traceback
 import weakref
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
+from capture.checking import host_numbers
 from capture.host_snapshots import available_host_memory, proc_bytes
-from capture.incident import tensor_leaves
-from forensics.errors import is_out_of_memory
+from capture.incident import Incident, StepRecord
+from forensics.errors import TrainingFaultError, is_out_of_memory
+from forensics.format.tree import tensor_leaves
+from forensics.kinds import Phase, Policy, TriggerKind
+from forensics.trigger import Trigger
+
+log = logging.getLogger(__name__)
 
 MAX_FRAMES = 40
 MAX_MESSAGE = 4000
 
 
-def describe(exc: BaseException, during: str, batches: list[Any]) -> dict:
-    """The manifest's `exception` section for `exc`, raised `during` ('forward', 'backward', 'optimizer')."""
+def describe(exc: BaseException, during: Phase, batches: list[Any]) -> dict:
+    """The manifest's `exception` section for `exc`, raised `during` the forward, backward or optimizer step."""
     frames = traceback.extract_tb(exc.__traceback__)[-MAX_FRAMES:]
     cls = type(exc)
     section = {
         "type": cls.__name__,
         "qualified_type": f"{cls.__module__}.{cls.__qualname__}",
         "message": _safe_str(exc)[:MAX_MESSAGE],
-        "during": during,
+        "during": Phase(during).value,
         "frames": [{"file": f.filename, "line": f.lineno, "function": f.name} for f in frames],
         "traceback": "".join(traceback.format_exception(cls, exc, exc.__traceback__))[-20000:],
         "cuda_error": is_cuda_error(exc),
@@ -62,6 +70,42 @@ def memory_picture(batches: list[Any]) -> dict:
             "index": index, "bytes": sum(t.numel() * t.element_size() for _, t in tensors),
             "shapes": {path or "batch": list(t.shape) for path, t in tensors[:32]}})
     return picture
+
+
+def first_sight(exc: BaseException) -> bool:
+    """True the first time a Guard sees `exc` (then marks it): a TrainingFaultError was dumped by check(), and an
+    exception an inner capture_errors() recorded is not dumped again by an outer one or by the excepthook."""
+    if isinstance(exc, TrainingFaultError) or getattr(exc, "_forensics_recorded", False):
+        return False
+    try:
+        exc._forensics_recorded = True
+    except AttributeError:
+        pass
+    return True
+
+
+def step_incident(exc: BaseException, record: StepRecord, step: int, after_check: bool, multi_rank: bool,
+                  divisor: float) -> Incident:
+    """The Incident of a step that raised `exc`: where in the step (forward while micro-batches still lack
+    their loss, backward, or the optimizer once check() has run), the `exception` section, and a trigger that
+    is not this rank's own when it only saw another rank stop."""
+    during = Phase.OPTIMIZER if after_check else Phase.BACKWARD if len(record.losses) >= len(record.batches) \
+        else Phase.FORWARD
+    section = describe(exc, during, record.batches)
+    section["state_may_be_partial"] = after_check
+    index = len(record.batches) - 1 if during is Phase.FORWARD else None
+    if multi_rank and section["peer_failure"]:  # this rank only saw another rank stop
+        trigger = Trigger(TriggerKind.EXCEPTION, math.nan, None, index, f"another rank stopped: a collective "
+                          f"failed during the {during} ({section['type']})", local=False)
+    else:
+        trigger = Trigger(TriggerKind.EXCEPTION, math.nan, None, index,
+                          f"{section['type']} during the {during}: {section['message'][:300]}")
+    try:
+        host_losses = host_numbers(list(record.losses))
+    except Exception:  # noqa: BLE001 - a broken device: the losses are a bonus
+        host_losses = [v if isinstance(v, float) else None for v in record.losses]
+    losses = [v if isinstance(v, float) else math.nan for v in host_losses]
+    return Incident(trigger, step, record, losses, None, divisor, Policy.RAISE, exception=section)
 
 
 PEER_FAILURE_WORDS = ("Connection closed by peer", "Connection reset by peer", "remote worker", "NCCL error",
@@ -107,7 +151,13 @@ def _safe_str(exc: BaseException) -> str:
 
 
 # -- the one excepthook: uncaught exceptions reach every live Guard -------------------------------
-_WATCHED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+class RecordsExceptions(Protocol):
+    """What the excepthook needs of a Guard."""
+
+    def record_exception(self, exc: BaseException) -> Any: ...
+
+
+_WATCHED: "weakref.WeakSet[RecordsExceptions]" = weakref.WeakSet()
 _PREVIOUS: list[Any] = []
 
 
@@ -118,16 +168,20 @@ def _excepthook(exc_type, exc, tb) -> None:
     (_PREVIOUS[0] if _PREVIOUS else sys.__excepthook__)(exc_type, exc, tb)
 
 
-def watch(guard: Any) -> None:
+def watch(guard: RecordsExceptions) -> None:
     """Has uncaught exceptions dump `guard`'s step in progress. One hook for every Guard of the process,
     chained to the previous one, holding the guards weakly (a Guard that is dropped is not kept alive)."""
+    if nccl_watchdog_aborts_on_cuda_errors():
+        log.warning("forensics: NCCL's watchdog aborts this process on a CUDA error (a device-side assert), which can "
+                    "end the rank before its dump is written; to let the dump finish and the job fail with its own "
+                    "exception, set TORCH_NCCL_RETHROW_CUDA_ERRORS=0 before init_process_group (docs/INTEGRATIONS.md)")
     if sys.excepthook is not _excepthook:
         _PREVIOUS[:] = [sys.excepthook]
         sys.excepthook = _excepthook
     _WATCHED.add(guard)
 
 
-def unwatch(guard: Any) -> None:
+def unwatch(guard: RecordsExceptions) -> None:
     """Guard.close(): this guard no longer dumps uncaught exceptions; the hook goes once none is watched."""
     _WATCHED.discard(guard)
     if not _WATCHED and sys.excepthook is _excepthook:

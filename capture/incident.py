@@ -1,7 +1,7 @@
 """The values that travel through the Guard's dump path: the step being recorded, what fired, and the Incident.
 
 `StepRecord` is what the Guard keeps of the step in progress (references only). A detector turns the
-step's numbers into a `Trigger`. An `Incident` is everything the dump path needs about one trigger —
+step's numbers into a `Trigger` (forensics/trigger.py, the record replay reads back). An `Incident` is everything the dump path needs about one trigger —
 the step number, its record, the losses and grad norm read on the host, the policy — so no stage reads
 it back from the Guard's mutable fields (the sync-free mode judges a step one check later, and
 verify_update one optimizer step later: each builds its Incident with the right step and state).
@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from forensics.kinds import Policy, TriggerKind
-from forensics.report.wording import trigger_detail
+from forensics.format.tree import tensor_leaves
+from forensics.kinds import Policy
 from forensics.rng import RngState
+from forensics.trigger import Trigger
 
 log = logging.getLogger(__name__)
 
@@ -38,29 +38,6 @@ class StepRecord:
         """What the step loss divides the summed micro-batch losses by (GuardConfig.loss_divisor, else the
         number of micro-batch losses recorded)."""
         return float(loss_divisor or max(len(self.losses), 1))
-
-
-@dataclass
-class Trigger:
-    """What fired: written as the manifest's `trigger` section (docs/DUMP_FORMAT.md)."""
-
-    kind: TriggerKind
-    value: float
-    threshold: float | None
-    micro_batch: int | None
-    detail: str
-    local: bool = True
-    """False when this rank only inherited the trigger from another rank."""
-
-    @property
-    def message(self) -> str:
-        """The detail as people read it: micro-batches counted from 1, as in every report (the stored
-        `detail` keeps the 0-based index of the JSON)."""
-        return trigger_detail(self.as_dict())
-
-    def as_dict(self) -> dict:
-        return {"kind": self.kind.value, "value": self.value, "threshold": self.threshold,
-                "micro_batch": self.micro_batch, "detail": self.detail, "local": self.local}
 
 
 @dataclass
@@ -124,18 +101,6 @@ def _safe_repr(value: Any) -> str:
         return repr(value)[:1000]
     except Exception:  # noqa: BLE001
         return f"<{type(value).__name__} without a repr>"
-
-
-def tensor_leaves(node: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """(path, tensor) of every tensor in a batch tree, in order: 'input_ids', 'meta.lengths', '[1][0]'."""
-    if isinstance(node, torch.Tensor):
-        yield path, node
-    elif isinstance(node, Mapping):
-        for key, value in node.items():
-            yield from tensor_leaves(value, f"{path}.{key}" if path else str(key))
-    elif isinstance(node, (list, tuple)):
-        for i, value in enumerate(node):
-            yield from tensor_leaves(value, f"{path}[{i}]")
 
 
 def batch_size(batch: Any) -> int | None:

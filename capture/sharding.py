@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import logging
 from typing import Any, Callable
 
 import torch
@@ -26,6 +27,15 @@ from forensics.format import spec
 from forensics.format.shards import LocalShard, table_entry
 from forensics.grad_norm import total_grad_norm
 from forensics.kinds import StateLayout
+
+log = logging.getLogger(__name__)
+
+
+def layout_words(layout: StateLayout | None) -> str:
+    """How a dump's state was written, in words (the manifest's `distributed.state` field)."""
+    if layout is StateLayout.SHARDED:
+        return "sharded: each rank wrote its part (replay reads the step's rank dumps together)"
+    return "full on every rank (replayable alone)"
 
 
 def is_dtensor(value: Any) -> bool:
@@ -50,25 +60,31 @@ def reshard(model: torch.nn.Module) -> None:
 
 def fsdp_units(model: torch.nn.Module) -> list[dict]:
     """Each FSDP2 unit (a module `fully_shard` wrapped) with its mixed-precision policy, in module order: the
-    manifest's `precision.fsdp`, from which replay computes in the dtypes the job did. [] without FSDP2."""
+    manifest's `precision.fsdp`, from which replay computes in the dtypes the job did. [] without FSDP2, and
+    [] with a warning when FSDP2's internals differ (replay then computes in the parameters' dtype)."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # torch without FSDP2
         return []
+
+    def dtype(value: Any) -> str | None:
+        return str(value).removeprefix("torch.") if value is not None else None
+
     units = []
-    for name, module in model.named_modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        policy = getattr(module._get_fsdp_state(), "_mp_policy", None)
-        if policy is None:
-            continue
-
-        def dtype(value: Any) -> str | None:
-            return str(value).removeprefix("torch.") if value is not None else None
-
-        units.append({"module": name, "param_dtype": dtype(policy.param_dtype),
-                      "reduce_dtype": dtype(policy.reduce_dtype), "output_dtype": dtype(policy.output_dtype),
-                      "cast_forward_inputs": bool(policy.cast_forward_inputs)})
+    try:
+        for name, module in model.named_modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            policy = getattr(module._get_fsdp_state(), "_mp_policy", None)
+            if policy is None:
+                continue
+            units.append({"module": name, "param_dtype": dtype(policy.param_dtype),
+                          "reduce_dtype": dtype(policy.reduce_dtype), "output_dtype": dtype(policy.output_dtype),
+                          "cast_forward_inputs": bool(policy.cast_forward_inputs)})
+    except Exception:  # noqa: BLE001 - a torch whose FSDP2 internals differ
+        log.warning("forensics: could not read FSDP2's mixed-precision policies; replay will compute in the "
+                    "parameters' dtype", exc_info=True)
+        return []
     return units
 
 

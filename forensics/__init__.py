@@ -1,7 +1,7 @@
 """forensics: capture the failing step of a PyTorch training run, replay it on one GPU, name the cause.
 
 Public API (everything else is internal):
-    Guard, GuardConfig, SpikeConfig, IndexedDataset  -- in-job capture (package `capture`)
+    Guard, GuardConfig, SpikeConfig, PrecursorConfig, IndexedDataset -- in-job capture (package `capture`)
     open_dump, verify_dump, pack_dump                 -- reading dumps (never unpickles)
     replay_dump                                       -- offline replay -> report dict (package `replay`)
     ForensicsError and subclasses                     -- one error hierarchy
@@ -15,11 +15,11 @@ from forensics.errors import (CaptureError, DumpCorruptError, DumpError, DumpNot
 
 __all__ = [
     "CaptureError", "DumpCorruptError", "DumpError", "DumpNotFoundError", "ForensicsError", "Guard",
-    "GuardConfig", "IndexedDataset", "NotADumpError", "RecipeError", "ReplayError", "SpikeConfig",
+    "GuardConfig", "IndexedDataset", "NotADumpError", "PrecursorConfig", "RecipeError", "ReplayError", "SpikeConfig",
     "TrainingFaultError", "UnsupportedVersionError", "open_dump", "pack_dump", "replay_dump", "verify_dump",
 ]
 
-_CAPTURE = {"Guard", "GuardConfig", "SpikeConfig", "IndexedDataset"}
+_CAPTURE = {"Guard", "GuardConfig", "SpikeConfig", "PrecursorConfig", "IndexedDataset"}
 _FORMAT = {"open_dump", "pack_dump", "verify_dump"}
 
 

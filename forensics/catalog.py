@@ -2,12 +2,21 @@
 
 One row per step dump (`<dump_dir>/<run>/step-<N>/`): run, step, trigger, ranks present of the world size,
 size on disk, whether verify passed (only with `verify=True`: it hashes every file), whether a report
-exists; plus the unfinished `.tmp-*` directories of killed writers (forensics/format/stale.py).
+exists and where; plus the unfinished `.tmp-*` directories of killed writers (forensics/format/stale.py).
 Only manifests are read; a damaged dump is listed with its error, never skipped silently.
+
+How a report is found: `forensics replay` writes its report, by default, into the step directory
+(`<step dir>/report-rank<R>/`), and wherever it wrote it (`-o DIR` included) it appends the report's path to
+`<step dir>/replays.jsonl` (REPLAYS_NOTE). Both live beside the rank directories, never in them, so the
+dump's checksummed files are untouched and `forensics verify` does not see them. A dump given as an archive
+(or a step directory that cannot be written) gets its report under ./forensics_reports/ instead, which
+`forensics list --reports DIR` also searches.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -17,6 +26,15 @@ from forensics.format import spec
 from forensics.format.manifest import safe_name
 from forensics.format.reader import open_step
 from forensics.format.stale import stale_temporaries
+
+log = logging.getLogger(__name__)
+
+REPLAYS_NOTE = "replays.jsonl"
+"""In a step directory, beside its rank directories: one JSON line per replay, {"rank", "report"}."""
+
+REPORTS_DIR = "forensics_reports"
+"""Where `forensics replay` writes a report when the dump's own step directory is not writable (an archive, a
+read-only artifact store): one folder per run, step and rank under the current directory."""
 
 
 @dataclass
@@ -41,7 +59,7 @@ class Listed:
 
 
 def list_dumps(root: str | os.PathLike, *, verify: bool = False,
-               reports: str | os.PathLike = "forensics_reports") -> tuple[list[Listed], list[Path]]:
+               reports: str | os.PathLike = REPORTS_DIR) -> tuple[list[Listed], list[Path]]:
     """Lists the step dumps under `root` (a dump directory, a run directory or a step directory).
 
     Args:
@@ -76,13 +94,67 @@ def list_dumps(root: str | os.PathLike, *, verify: bool = False,
                 row.verified = verify_dump(step_dir).ok
             except DumpError:
                 row.verified = False
-        row.report = _report_for(Path(reports), row.run_id, row.step, row.ranks)
+        row.report = _report_for(Path(reports), row.run_id, row.step, row.ranks, step_dir_of(step_dir))
         rows.append(row)
     rows.sort(key=lambda r: (r.run_id or "", r.step if r.step is not None else -1, r.path))
     return rows, stale_temporaries(root)
 
 
-def _report_for(reports: Path, run_id: str | None, step: int | None, ranks: list[int]) -> str | None:
+def step_dir_of(dump_path: str | os.PathLike | None) -> Path | None:
+    """The step directory (holding rank-* directories) of a replayed dump path, or None (an archive, a lone rank
+    directory, a path that is gone)."""
+    if not dump_path:
+        return None
+    path = Path(dump_path)
+    if path.is_dir() and any(path.glob("rank-*")):
+        return path
+    if path.is_dir() and path.name.startswith("rank-") and path.parent.name.startswith("step-"):
+        return path.parent
+    return None
+
+
+def default_report_dir(dump_path: str | os.PathLike | None, rank: int) -> Path | None:
+    """`<step dir>/report-rank<R>` when the dump is a step / rank directory (None: the caller's fallback)."""
+    step_dir = step_dir_of(dump_path)
+    return step_dir / f"report-rank{int(rank)}" if step_dir is not None and os.access(step_dir, os.W_OK) else None
+
+
+def note_report(dump_path: str | os.PathLike | None, rank: int, report_json: str | os.PathLike) -> None:
+    """Appends where the report of this replay went to the step directory's REPLAYS_NOTE (best effort: a dump that
+    cannot be written is only logged)."""
+    step_dir = step_dir_of(dump_path)
+    if step_dir is None:
+        return
+    line = json.dumps({"rank": int(rank), "report": str(Path(report_json).resolve())}) + "\n"
+    try:
+        with open(step_dir / REPLAYS_NOTE, "a", encoding="utf-8") as f:
+            f.write(line)
+    except OSError as exc:
+        log.info("could not note the report in %s: %s", step_dir, exc)
+
+
+def _noted(step_dir: Path) -> str | None:
+    """The newest report noted in the step directory that still exists."""
+    try:
+        lines = (step_dir / REPLAYS_NOTE).read_text(encoding="utf-8").splitlines()[-100:]
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            report = json.loads(line).get("report")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(report, str) and Path(report).is_file():
+            return report
+    return None
+
+
+def _report_for(reports: Path, run_id: str | None, step: int | None, ranks: list[int],
+                step_dir: Path | None = None) -> str | None:
+    if step_dir is not None:
+        noted = _noted(step_dir) or next((str(p) for p in sorted(step_dir.glob("report-rank*/report.json"))), None)
+        if noted:
+            return noted
     if not safe_name(run_id) or step is None:
         return None
     for rank in ranks:

@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from forensics.demo import SCENARIO_NAMES
+from forensics.catalog import REPORTS_DIR
 from forensics.errors import ForensicsError
 from forensics.format.limits import ArchiveLimits
 from forensics.format.manifest import safe_name
@@ -65,16 +66,45 @@ def shards_option(command):
                              "directory) holding the other ranks' dumps of this step. Repeatable.")(command)
 
 
+def recipe_options(command):
+    """--trust / --factory / --loss / --path: what replay may import to rebuild the model and loss."""
+    command = click.option("--path", "sys_path", multiple=True, type=click.Path(path_type=Path),
+                           help="Directory to add to sys.path for --factory / --loss (repeatable).")(command)
+    command = click.option("--loss", "loss_fn", default=None, metavar="MODULE:FN",
+                           help="Loss function (model, batch) -> loss.")(command)
+    command = click.option("--factory", default=None, metavar="MODULE:FN",
+                           help="Model factory to use instead of the dump's.")(command)
+    return click.option("--trust", is_flag=True, help="Allow importing the model factory / loss the dump names.")(command)
+
+
 def _limits(max_unpacked_gb: float, max_unpack_ratio: float, max_members: int) -> ArchiveLimits:
     return ArchiveLimits(max_bytes=int(max_unpacked_gb * (1 << 30)), max_ratio=max_unpack_ratio,
                          max_members=max_members)
+
+
+def _refuse_writing_into(dump: Path, outputs: dict[str, Path]) -> None:
+    """A report or blocklist inside a rank dump (links resolved) would change it: it would then fail `verify`. A step
+    directory's own level (beside its rank directories) is where reports go by default (forensics.catalog)."""
+    from forensics.format import spec
+
+    root = (dump.parent if dump.name == spec.MANIFEST else dump).resolve()
+    ranks = [root] if (root / spec.MANIFEST).is_file() or not root.is_dir() else \
+        [p.resolve() for p in root.iterdir() if p.name.startswith("rank-")]
+    for option, output in outputs.items():
+        target = output.resolve()
+        if target == root and root not in ranks:
+            raise BadInput(clean(f"{option} {output} is the dump's step directory itself; choose a directory of "
+                                 f"its own (the default is report-rank<R> inside it)"))
+        if any(target == rank or rank in target.parents for rank in ranks):
+            raise BadInput(clean(f"the report would be written into the dump ({option} {output} is inside {dump}); "
+                                 f"choose another {option}"))
 
 
 def _report_dir(report: dict) -> Path:
     """forensics_reports/<run>-step<N>-rank<R>: the run id only when it is a plain name (it comes from the dump)."""
     d = report["dump"]
     run = d.get("run_id") if safe_name(d.get("run_id")) else "run"
-    return Path("forensics_reports") / f"{run}-step{int(d['step'])}-rank{int(d['rank'])}"
+    return Path(REPORTS_DIR) / f"{run}-step{int(d['step'])}-rank{int(d['rank'])}"
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -152,7 +182,7 @@ def pack(dump: Path, output: Path | None) -> None:
 @main.command(name="list")
 @click.argument("directory", type=click.Path(path_type=Path, exists=True, file_okay=False), default=Path("forensics_dumps"))
 @click.option("--verify", "check", is_flag=True, help="Also check every file's size and sha256 (reads everything).")
-@click.option("--reports", type=click.Path(path_type=Path), default=Path("forensics_reports"), show_default=True,
+@click.option("--reports", type=click.Path(path_type=Path), default=Path(REPORTS_DIR), show_default=True,
               help="Where `forensics replay` wrote its reports (to tell which dumps were replayed).")
 @click.option("--clean-stale", is_flag=True, help="Remove the unfinished .tmp-* dumps of writers that are gone.")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
@@ -175,7 +205,7 @@ def list_command(directory: Path, check: bool, reports: Path, clean_stale: bool,
     if not rows and not stale:
         click.echo(clean(f"no dumps under {directory}"))
         return
-    header = f"{'run':<28} {'step':>9}  {'trigger':<16} {'ranks':<9} {'size':>9}  {'verified':<8} replayed"
+    header = f"{'run':<28} {'step':>9}  {'trigger':<16} {'ranks':<9} {'size':>9}  {'verified':<8} {'replayed':<8} path"
     click.echo(header)
     for r in rows:
         if r.error:
@@ -184,7 +214,9 @@ def list_command(directory: Path, check: bool, reports: Path, clean_stale: bool,
         ranks = f"{len(r.ranks)}/{r.world_size}"
         verified = "-" if r.verified is None else "yes" if r.verified else "NO"
         click.echo(clean(f"{(r.run_id or '?')[:28]:<28} {r.step:>9}  {r.trigger or '?':<16} {ranks:<9} "
-                         f"{fmt_size(r.bytes):>9}  {verified:<8} {r.report or 'no'}"))
+                         f"{fmt_size(r.bytes):>9}  {verified:<8} {'yes' if r.report else 'no':<8} {r.path}"))
+        if r.report:
+            click.echo(clean(f"    report: {r.report}"))
     for path in stale:
         click.echo(clean(f"unfinished (writer gone): {path}  — `forensics list --clean-stale` removes it"))
 
@@ -209,13 +241,10 @@ def _progress(stage: str) -> None:
 @click.option("--device", default=None, help="cuda:0, cpu, ... (default: CUDA when present).")
 @click.option("--rank", type=int, default=None, help="Which rank of a multi-rank step dump to replay.")
 @click.option("--all-ranks", is_flag=True, help="Replay every rank present, one after another.")
-@click.option("--trust", is_flag=True, help="Allow importing the model factory / loss the dump names.")
-@click.option("--factory", default=None, metavar="MODULE:FN", help="Model factory to use instead of the dump's.")
-@click.option("--loss", "loss_fn", default=None, metavar="MODULE:FN", help="Loss function (model, batch) -> loss.")
-@click.option("--path", "sys_path", multiple=True, type=click.Path(path_type=Path),
-              help="Directory to add to sys.path for --factory / --loss (repeatable).")
+@recipe_options
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=None,
-              help="Report directory (default: forensics_reports/<run>-step<N>-rank<R>).")
+              help="Report directory (default: report-rank<R> in the dump's step directory, beside the rank "
+                   "directories; ./forensics_reports/<run>-step<N>-rank<R> for an archive).")
 @click.option("--blocklist", type=click.Path(path_type=Path), default=None,
               help="Where to write the culprit sample IDs, one JSON value per line (default: blocklist.jsonl "
                    "next to the report, whenever the verdict names culprit samples).")
@@ -243,10 +272,13 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
            from_step, no_window, no_bisect, no_remedies, no_rng_check, as_json, trackers, tensorboard_dir, shard_dirs, **limits) -> None:
     """Replay the failing step of DUMP offline, localise it, bisect the samples, print the verdict."""
     from forensics.format import open_step
+    from forensics.catalog import default_report_dir, note_report
     from forensics.report import render_verdict_text, write_blocklist, write_report_files
     from forensics.report.write import BLOCKLIST_NAME
     from replay.engine import ReplayOptions, run_replay
 
+    outputs = {"-o": out or Path("forensics_reports"), **({"--blocklist": blocklist} if blocklist else {})}
+    _refuse_writing_into(dump, outputs)
     try:
         archive_limits = _limits(**limits)
         ranks = [d.rank for d in open_step(dump, archive_limits)[0]] if all_ranks else [rank]
@@ -260,10 +292,12 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
                                     archive_limits=archive_limits,
                                     shard_dirs=[str(d) for d in shard_dirs])
             report = run_replay(dump, options, progress=_progress)
-            target = out or _report_dir(report)
+            target = out or default_report_dir(report["dump"].get("path"), report["dump"]["rank"]) \
+                or _report_dir(report)
             if all_ranks and out:
                 target = out / f"rank{int(report['dump']['rank'])}"
             files = write_report_files(report, target)
+            note_report(report["dump"].get("path"), report["dump"]["rank"], files["json"])
             culprits = (report.get("culprit") or {}).get("samples")
             if blocklist or culprits:  # the verdict's "blocklist.jsonl lists the culprits" is always true
                 files["blocklist"] = write_blocklist(report, blocklist or target / BLOCKLIST_NAME,
@@ -281,8 +315,46 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
 
 
 @main.command()
+@click.argument("dump", type=click.Path(path_type=Path))
+@click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="Directory for the scripts.")
+@click.option("--device", default="cpu", show_default=True, help="cuda:0, cpu, ...: where the step is re-run.")
+@click.option("--rank", type=int, default=None, help="Which rank of a multi-rank step dump.")
+@recipe_options
+@click.option("--report", "report_dir", type=click.Path(path_type=Path), default=None,
+              help="A report directory of this dump (forensics replay -o): its report links the scripts.")
+def repro(dump: Path, out: Path, device, rank, trust, factory, loss_fn, sys_path, report_dir) -> None:
+    """Write a standalone reproduction of DUMP's failure into OUT: op_repro.py (the first non-finite op on its
+    exact, shrunk inputs; needs only torch) and model_repro.py (the culprit sample through the dumped weights;
+    needs the model code). Each fails with an AssertionError while the bug is there."""
+    from replay.repro import link_report, write_repro
+
+    try:
+        result = write_repro(dump, out, device=device, trust=trust, factory=factory, loss=loss_fn,
+                             sys_path=[str(p) for p in sys_path], rank=rank)
+        if report_dir is not None:
+            link_report(report_dir, result)
+    except (ForensicsError, OSError) as exc:
+        raise _fail(exc) from exc
+    for key, path in result.files.items():
+        click.echo(clean(f"{key}: {path}"))
+    for note in result.notes:
+        click.echo(clean(f"note: {note}"), err=True)
+
+
+class _DemoCommand(click.Command):
+    """`forensics demo --help` lists each scenario with its one-line description (loaded only for the help)."""
+
+    def format_help_text(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        super().format_help_text(ctx, formatter)
+        from forensics.demo import SCENARIOS
+
+        with formatter.section("Scenarios"):
+            formatter.write_dl([(s.name, s.description) for s in SCENARIOS.values()])
+
+
+@main.command(cls=_DemoCommand)
 @click.option("--scenario", type=click.Choice(SCENARIO_NAMES), default="bad_sample", show_default=True,
-              help="The planted fault (README describes each).")
+              help="The planted fault (each is described under Scenarios above).")
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=Path(tempfile.gettempdir()) / "forensics_demo",
               show_default=True, help="Where the demo writes its dump and report (outside your repository).")
 @click.option("--device", default=None, help="cuda:0, cpu, ... (default: CUDA when present).")

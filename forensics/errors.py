@@ -1,5 +1,7 @@
 """One error hierarchy for the whole toolkit; the CLI maps these to exit codes."""
 
+from typing import Any
+
 
 class ForensicsError(Exception):
     """Base of every error forensics raises on purpose. Messages say what to do instead."""
@@ -59,14 +61,16 @@ class TrainingFaultError(ForensicsError, FloatingPointError):
     """Raised in the training job under the `raise` policy when a step goes non-finite.
 
     Attributes:
-        trigger: dict describing what fired (kind, value, threshold, micro_batch).
+        fired: what fired, typed (forensics.trigger.Trigger: kind, value, threshold, micro_batch, detail, local).
+        trigger: the same as a dict (kind, value, threshold, micro_batch, detail, local), as the dump stores it.
         dump_path: where the dump was written, or None.
         dump_error: why no dump was written, or None.
     """
 
-    def __init__(self, message: str, trigger: dict, dump_path=None, dump_error: str | None = None):
+    def __init__(self, message: str, trigger: Any, dump_path=None, dump_error: str | None = None):
         super().__init__(message)
-        self.trigger = trigger
+        self.fired = trigger
+        self.trigger: dict = trigger.as_dict()
         self.dump_path = dump_path
         self.dump_error = dump_error
 

@@ -29,6 +29,11 @@ class _Kind(str, enum.Enum):
         return format(self.value, spec)
 
     @classmethod
+    def values(cls) -> tuple[str, ...]:
+        """Every member's value, as dumps and reports store them."""
+        return tuple(m.value for m in cls)
+
+    @classmethod
     def parse(cls, value: object, default: "_Kind | None" = None):
         """The member whose value is `value`; `default` (or ValueError when None) for anything else."""
         try:
@@ -37,7 +42,7 @@ class _Kind(str, enum.Enum):
             if default is not None:
                 return default
             raise ValueError(f"unknown {cls.__name__} {value!r}; expected one of "
-                             f"{', '.join(m.value for m in cls)}") from None
+                             f"{', '.join(cls.values())}") from None
 
 
 class ExitCode(enum.IntEnum):
@@ -97,6 +102,9 @@ class TriggerKind(_Kind):
     NONFINITE_PARAM = "nonfinite_param"
     EXCEPTION = "exception"
     """The step raised (IndexError, a shape error, out of memory ...): manifest section `exception`."""
+    PRECURSOR = "precursor"
+    """A healthy step whose per-layer statistics have been growing for several steps (capture/precursors.py):
+    dumped once per (layer, statistic) under policy 'continue', before any loss is non-finite."""
 
     @property
     def props(self) -> _TriggerProps:
@@ -145,6 +153,62 @@ _TRIGGER_PROPS = {
                                                "grad_norm"),
     TriggerKind.NONFINITE_PARAM: _TriggerProps(False, True, "non-finite weights", "the weights non-finite", None),
     TriggerKind.EXCEPTION: _TriggerProps(False, True, "exception", "the step raise", "exception"),
+    TriggerKind.PRECURSOR: _TriggerProps(False, True, "instability precursor", "a layer's statistics grow", None),
+}
+
+
+@dataclass(frozen=True)
+class _StatisticProps:
+    words: str
+    rising: bool
+    usual_fix: str
+
+
+class PrecursorStatistic(_Kind):
+    """A per-layer statistic the precursor monitor records (capture/precursors.py; dump `precursors.json`)."""
+
+    BLOCK_RMS = "block_rms"
+    BLOCK_ABSMAX = "block_absmax"
+    ATTENTION_LOGIT = "attention_logit_bound"
+    OUTPUT_LOGIT = "output_logit_absmax"
+    GRAD_NORM = "grad_norm"
+    UPDATE_RATIO = "update_ratio"
+    ADAM_V_FLOOR = "adam_v_floor"
+
+    @property
+    def words(self) -> str:
+        """'block output RMS': the statistic in a sentence."""
+        return _STATISTIC_PROPS[self].words
+
+    @property
+    def rising(self) -> bool:
+        """True: growth announces trouble; False (the Adam second-moment floor): a fall does."""
+        return _STATISTIC_PROPS[self].rising
+
+    @property
+    def usual_fix(self) -> str:
+        """What usually stops this statistic's runaway, as a suggestion."""
+        return _STATISTIC_PROPS[self].usual_fix
+
+
+_STATISTIC_PROPS = {
+    PrecursorStatistic.BLOCK_RMS: _StatisticProps(
+        "block output RMS", True, "lower the learning rate or lengthen the warm-up; add or check the block's norm"),
+    PrecursorStatistic.BLOCK_ABSMAX: _StatisticProps(
+        "block output abs-max", True, "lower the learning rate; look for outlier features (clip activations, "
+                                      "check the norm's epsilon)"),
+    PrecursorStatistic.ATTENTION_LOGIT: _StatisticProps(
+        "attention-logit bound (max |q|·|k|/√d)", True, "add QK-norm (normalise queries and keys), or lower the "
+                                                       "learning rate of the attention projections"),
+    PrecursorStatistic.OUTPUT_LOGIT: _StatisticProps(
+        "output-logit abs-max", True, "add a z-loss (1e-4 · logsumexp²) so the output logits stop drifting"),
+    PrecursorStatistic.GRAD_NORM: _StatisticProps(
+        "gradient norm", True, "lower the learning rate, lengthen the warm-up, or clip gradients"),
+    PrecursorStatistic.UPDATE_RATIO: _StatisticProps(
+        "update/weight ratio", True, "lower the learning rate (the layer moves a growing fraction of itself per step)"),
+    PrecursorStatistic.ADAM_V_FLOOR: _StatisticProps(
+        "Adam second-moment floor (min exp_avg_sq)", False, "raise Adam's eps (e.g. 1e-8 -> 1e-6) so tiny second "
+                                                            "moments cannot make updates jump"),
 }
 
 
@@ -191,6 +255,8 @@ class VerdictKind(_Kind):
     SPIKE_NO_SINGLE_CAUSE = "spike_no_single_cause"
     EXCEPTION = "exception"
     """The step raised on replay too; names where, and the samples that make it raise."""
+    INSTABILITY_AHEAD = "instability_ahead"
+    """A precursor dump: the job was still healthy; names the layer and statistic that started to grow first."""
 
     @property
     def label(self) -> str:
@@ -229,6 +295,7 @@ _VERDICT_PROPS = {
     VerdictKind.NOT_REPRODUCED: _VerdictProps("not reproduced", ExitCode.NOT_REPRODUCED, False),
     VerdictKind.SPIKE_NO_SINGLE_CAUSE: _VerdictProps("spike, no single cause", ExitCode.NO_CULPRIT, False),
     VerdictKind.EXCEPTION: _VerdictProps("exception", ExitCode.OK, True, schema_major=2),
+    VerdictKind.INSTABILITY_AHEAD: _VerdictProps("instability ahead", ExitCode.OK, True, schema_major=3),
 }
 
 
@@ -244,6 +311,8 @@ class HistoryPattern(_Kind):
     SUDDEN_JUMP = "sudden_jump"
     EXPONENTIAL_GROWTH = "exponential_growth"
     OSCILLATING_DIVERGENCE = "oscillating_divergence"
+    DIVERGED = "diverged"
+    """The loss sits far above where the run started (or above a uniform guess): never "stable"."""
     STABLE = "stable"
     INSUFFICIENT_HISTORY = "insufficient_history"
 
@@ -268,11 +337,14 @@ _PATTERN_PROPS = {
         "exponential growth", "usually a learning rate too high, an accumulation bug, or momentum"),
     HistoryPattern.OSCILLATING_DIVERGENCE: _PatternProps(
         "oscillating divergence", "usually corrupted optimizer state or a batch distribution shift"),
+    HistoryPattern.DIVERGED: _PatternProps(
+        "diverged: the loss sits far above where the run started",
+        "usually a learning rate too high or a warm-up too short"),
     HistoryPattern.STABLE: _PatternProps("stable until the failure", "the failing step is an outlier"),
     HistoryPattern.INSUFFICIENT_HISTORY: _PatternProps("too little history to tell", ""),
 }
 
-__all__ = ["ExitCode", "HistoryPattern", "Phase", "Policy", "TriggerKind", "VerdictKind"]
+__all__ = ["ExitCode", "HistoryPattern", "Phase", "Policy", "PrecursorStatistic", "TriggerKind", "VerdictKind"]
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 
 from forensics.format.reader import Dump
+from forensics.kinds import StateLayout
 
 from forensics.report.wording import clean, fmt_num, fmt_size, mb_phrase, trigger_detail
 
@@ -12,7 +13,9 @@ HISTORY_AROUND_TRIGGER = 12  # steps of history shown before the trigger
 
 def dump_summary(dump: Dump, missing_ranks: list[int], path: str | None = None) -> dict:
     """A JSON-able summary: the manifest's key facts plus the history tail (reads history.json only).
-    `path`: what to call the dump (the archive the user named, not its temporary unpacked directory)."""
+    `path`: what to call the dump (the archive the user named, not its temporary unpacked directory). Raises
+    DumpCorruptError for a zstd member whose frame header declares more than it may hold."""
+    dump.check_declared_sizes()
     history = dump.history()
     tail = {key: history.get(key, [])[-HISTORY_AROUND_TRIGGER:] for key in ("step", "loss", "grad_norm", "lr",
                                                                              "loss_scale", "skipped")}
@@ -36,11 +39,11 @@ def _state_summary(manifest: dict) -> dict:
     """Full or sharded; for a sharded dump, how much of the whole state this rank holds (from the manifest)."""
     layout = manifest.get("layout")
     if layout is None:
-        return {"layout": "full"}
+        return {"layout": StateLayout.FULL.value}
     rows = {(f, n): r for f, table in layout["tensors"].items() for n, r in table.items()}
     held = sum(1 for shards in layout["shards"].values() for _ in shards)
     copies_of = sorted({int(c["rank"]) for c in (layout.get("copies") or {}).values()})
-    return {"layout": "sharded", "tensors": len(rows), "parts_here": held, "copies_of": copies_of}
+    return {"layout": StateLayout.SHARDED.value, "tensors": len(rows), "parts_here": held, "copies_of": copies_of}
 
 
 def render_summary(summary: dict) -> str:
@@ -90,7 +93,7 @@ def render_summary(summary: dict) -> str:
         f"written {summary['created_at']}",
     ]
     state = summary.get("state") or {}
-    if state.get("layout") == "sharded":
+    if state.get("layout") == StateLayout.SHARDED:
         lines.append(f"  state: sharded — this rank holds {state['parts_here']} parts of the {state['tensors']} tensors "
                      "of the state; replay and verify read the step's other rank dumps too (--shards DIR for "
                      "other nodes')")

@@ -9,7 +9,8 @@ from datetime import datetime, timezone
 
 import torch
 
-from forensics.kinds import Phase, TriggerKind
+from forensics.format.tree import tensor_leaves
+from forensics.kinds import HistoryPattern, Phase, TriggerKind
 from forensics.report.model import schema_for, to_json_safe
 from replay.environment import replay_environment
 from replay.execute import StepRunner
@@ -19,7 +20,6 @@ from replay.localize import INPUT_MODULE, ROOT_MODULE
 from replay.per_sample import rank_by_loss
 from replay.remedies import tested_suggestions
 from replay.sample_facts import describe
-from replay.samples import tensor_leaves
 from replay.verdict import VerdictFacts, decide_verdict
 
 
@@ -33,7 +33,8 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
         fidelity["optimizer_reproduced"] = True
     verdict = decide_verdict(verdict_facts(findings, session, dump_info, culprit))
     if findings.remedies:  # a tested fix comes before what is only suggested
-        first, last = tested_suggestions(findings.remedies)
+        diverged = bool(findings.history.diverged) or findings.history.pattern is HistoryPattern.DIVERGED
+        first, last = tested_suggestions(findings.remedies, diverged=diverged)
         verdict["suggestions"] = list(dict.fromkeys(first + verdict["suggestions"] + last))
     trigger = findings.trigger
     history = findings.history
@@ -43,8 +44,8 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
         "dump": {"num_micro_batches": len(session.micro_batches),
                  **(dump_info or {"path": None, "run_id": None, "step": 0, "rank": rank,
                                   "world_size": session.world_size, "missing_ranks": []})},
-        "trigger": {"kind": findings.kind.value, "value": trigger.get("value"), "threshold": findings.threshold,
-                    "micro_batch": trigger.get("micro_batch"), "detail": trigger.get("detail") or ""},
+        "trigger": {"kind": findings.kind.value, "value": trigger.value, "threshold": findings.threshold,
+                    "micro_batch": trigger.micro_batch, "detail": trigger.detail},
         "environment": {"capture": session.capture_environment, "replay": replay_environment(session.device),
                         "warnings": list(session.warnings)},
         "reproduced": findings.reproduced,
@@ -64,6 +65,8 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
         report["history"]["signals"] = history.signals
     if history.diverged and report["history"] is not None:
         report["history"]["diverged"] = history.diverged
+    if history.reading.onset is not None and report["history"] is not None:
+        report["history"]["shows"] = history.reading.sentences
     if findings.kind is TriggerKind.EXCEPTION:
         report["exception"] = _exception_block(findings, session)
     if findings.corrupted:
@@ -135,7 +138,7 @@ def culprit_block(findings: Findings, rank: int) -> dict:
 def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | None, culprit: dict) -> VerdictFacts:
     """What the verdict rules (replay/verdict.py) decide on, read from the typed findings."""
     kind, trigger, result = findings.kind, findings.trigger, findings.reproduction.result
-    micro_batch = trigger.get("micro_batch")
+    micro_batch = trigger.micro_batch
     if micro_batch is None and findings.forward is not None:
         micro_batch = findings.forward.micro_batch
     stats = culprit.get("stats") or {}
@@ -144,11 +147,11 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
     return VerdictFacts(
         remedies=remedies,
         culprits_each_fail_alone=findings.bisection.independent_groups > 1,
-        trigger_kind=kind, reproduced=findings.reproduced, trigger_local=trigger.get("local", True) is not False,
+        trigger_kind=kind, reproduced=findings.reproduced, trigger_local=trigger.local,
         step=(dump_info or {}).get("step"), rank=(dump_info or {}).get("rank"),
         micro_batch=micro_batch, num_micro_batches=len(session.micro_batches),
-        trigger_value=finite_float(trigger.get("value")), threshold=findings.threshold,
-        replayed_value=result.replayed_value(kind, trigger.get("micro_batch")),
+        trigger_value=trigger.value, threshold=findings.threshold,
+        replayed_value=result.replayed_value(kind, trigger.micro_batch),
         bitwise=findings.reproduction.fidelity.get("bitwise_equal"), replay_device=str(session.device),
         environment_warnings=list(session.warnings),
         phase=culprit.get("phase"), module=culprit.get("module"), op=culprit.get("op"),
@@ -179,7 +182,17 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
         exception_detail=findings.exception.detail if findings.exception else None,
         out_of_memory=findings.sizes is not None,
         size_outliers=list((findings.sizes or {}).get("outliers") or []),
-        median_size=(findings.sizes or {}).get("median"))
+        median_size=(findings.sizes or {}).get("median"),
+        unblamed_group=findings.bisection.unblamed_group,
+        history_reading=findings.history.reading.sentences if findings.history.reading.onset is not None else [],
+        update_change=finite_float(trigger.update_change),
+        lr=_lr(session))
+
+
+def _lr(session: ReplaySession) -> float | None:
+    """The step's learning rate: the optimizer's first parameter group."""
+    groups = getattr(session.optimizer, "param_groups", None) or []
+    return finite_float(groups[0].get("lr")) if groups and isinstance(groups[0], dict) else None
 
 
 def _data_kind(session: ReplaySession, findings: Findings) -> str | None:

@@ -21,6 +21,7 @@ import torch
 
 from forensics.errors import DumpError, is_out_of_memory
 from forensics.format import open_dump, open_step
+from forensics.format.verify import set_aside_damaged
 from forensics.format.limits import ArchiveLimits
 from forensics.kinds import HistoryPattern, Phase, TriggerKind
 from forensics.report.model import to_json_safe
@@ -29,26 +30,30 @@ from replay.bisect import bisect_budget, ddmin
 from replay.environment import deterministic_mode
 from replay.execute import SampleRef, StepRunner, reproduce
 from replay.findings import Bisection, Findings, HistoryFinding
-from replay.history_pattern import classify_history, diverged_long_ago, history_signals
-from replay.load import ReplaySession, finite_float, load_session
-from replay.localize import localize_backward, localize_forward
+from replay.history_pattern import classify_history, diverged_long_ago, history_signals, read_history
+from replay.load import ReplaySession, load_session
+from replay.localize import INPUT_MODULE, localize_backward, localize_forward
 from replay.localize_exception import localize_exception
 from replay.localize_weights import corrupted_weights, samples_touching_embeddings
 from replay.localize_update import localize_optimizer, per_layer_stats
 from replay.per_sample import per_sample_stats
+from replay.precursor import precursor_report
 from replay.precision import fp32_check, uses_low_precision
 from replay.remedies import try_remedies
 from replay.sizes import longer_than, outlier_refs, size_block
 from replay.remedy_followup import follow_remedies
 from replay.window import Checkpoint, data_recipe, dump_snapshot, load_checkpoint, replay_window, window_block
 from replay.rng_dependence import check_rng_dependence
-from replay.sample_facts import describe_samples, too_long
+from replay.sample_facts import describe_samples, nonfinite_in_field, too_long
 from replay.samples import select_samples
 from replay.user_code import as_user_error
 
 logger = logging.getLogger(__name__)
 
 CONFIRM_ROUNDS = 3  # independent culprits looked for before concluding "no sample is to blame"
+MAX_CULPRIT_SHARE = 0.5
+"""A group of samples that fail only together (or whose removal ends a spike) and is more than this share of the
+step's samples is no culprit: it is the step itself, not a few records, so no sample is named or blocklisted."""
 Progress = Callable[[str], None]
 
 
@@ -143,6 +148,8 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
         _stage(progress, f"opening {path}")
         dump = open_dump(dump_or_path, rank=options.rank, limits=options.archive_limits,
                          shard_dirs=options.shard_dirs)
+    _stage(progress, "verifying every file the dump lists")
+    damaged = set_aside_damaged(dump)  # a damaged essential file ends the replay here (DumpCorruptError)
     missing = list(dump.manifest.get("missing_ranks") or [])
     if not hasattr(dump_or_path, "manifest") and Path(path).is_dir():
         with contextlib.suppress(Exception):  # a rank directory alone: nothing more to learn
@@ -152,10 +159,13 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
         missing = sorted(set(range(dump.world_size)) - {dump.rank, *(d.rank for d in dump.peers())})
     dump_info = {"path": path, "run_id": dump.manifest.get("run_id"), "step": dump.step, "rank": dump.rank,
                  "world_size": dump.world_size, "missing_ranks": missing,
-                 "num_micro_batches": dump.num_micro_batches}
+                 "num_micro_batches": dump.num_micro_batches, "damaged": [d.as_dict() for d in damaged]}
     if dump.num_micro_batches == 0:
         raise DumpError(f"{path or 'the dump'} records no micro-batch, so there is no step to replay; the loop "
                         "called check() without record_batch() (see README: the four calls)")
+    if TriggerKind.parse((dump.trigger or {}).get("kind"), TriggerKind.NONFINITE_LOSS) is TriggerKind.PRECURSOR:
+        _stage(progress, "a precursor dump (a healthy step): ranking the statistics that grew")
+        return precursor_report(dump, dump_info, _history(dump.history()), started)
     options = _off_the_gpu_after_a_cuda_error(dump, options, progress)
     with deterministic_mode(dump.manifest.get("determinism")):
         _stage(progress, f"loading model and step {dump.step} (rank {dump.rank}) on "
@@ -220,11 +230,28 @@ def _window_replay(dump: Any, session: ReplaySession, checkpoint: Checkpoint, op
         report = run_session(broken, options, progress, dump_info={**dump_info, "step": step},
                              history=dump.history(), started=started)
         if step < dump.step:
+            why = "" if broken.trigger.update_change is not None else f": {outcomes[-1].broke}"  # the verdict says it
             report["verdict"]["headline"] = (f"The weights broke at step {step} ({dump.step - step} steps before the "
-                                             f"crash at step {dump.step}): {outcomes[-1].broke}. "
-                                             + report["verdict"]["headline"])
+                                             f"crash at step {dump.step}){why}. " + report["verdict"]["headline"])
+        if step == start and outcomes[-1].broke:
+            _say_window_start(report, step, checkpoint, (dump.history().get("summary") or {}).get("first_step"))
     report["window"] = block
     return report
+
+
+def _say_window_start(report: dict, step: int, checkpoint: Checkpoint, first_step: int | None) -> None:
+    """The step that broke the run is the window's first: the replay could not look at the steps before it."""
+    verdict = report["verdict"]
+    if first_step is not None and step <= first_step:
+        verdict["explanation"] += (f" Step {step} is the run's first recorded step: its very first update already "
+                                   "breaks the weights, so nothing earlier is to blame.")
+        return
+    verdict["explanation"] += (f" Step {step} is the first step the window replay re-executed (it starts at "
+                               f"{checkpoint.source}), so the weights may have been breaking before it: the steps "
+                               "before were not checked.")
+    verdict["suggestions"].append(
+        f"To look before step {step}: replay with --from an earlier checkpoint (--from-step N), or run the job with "
+        "a smaller GuardConfig(snapshot_every=K) and window_steps >= 2 x K, so the Guard's snapshot is older.")
 
 
 def run_session(session: ReplaySession, options: ReplayOptions | None = None, progress: Progress | None = None,
@@ -261,6 +288,12 @@ def run_session(session: ReplaySession, options: ReplayOptions | None = None, pr
     elif findings.reproduced and options.bisect and not data_independent and refs:
         _stage(progress, f"bisecting {len(refs)} samples")
         findings.bisection = _bisect(runner, refs, findings.kind, findings.threshold, options)
+    elif findings.reproduced and not data_independent and _from_input(findings.forward):
+        # the first non-finite value is in the batch itself: its samples holding it are named without bisection
+        forward = findings.forward
+        findings.bisection.culprits = nonfinite_in_field(
+            session.micro_batches[forward.micro_batch], [r for r in refs if r.micro_batch == forward.micro_batch],
+            forward.nonfinite_inputs[0])
     findings.sample_facts = {**describe_samples(session.micro_batches, findings.culprits), **findings.sample_facts}
     if raised:
         pass
@@ -281,14 +314,14 @@ def run_session(session: ReplaySession, options: ReplayOptions | None = None, pr
     elif findings.culprits and findings.exception is not None:
         _stage(progress, "naming the values that make the culprit samples raise")
         findings.exception = localize_exception(runner, findings.culprits) or findings.exception
+    findings.history = _history(history, _uniform_loss(runner.model), (dump_info or {}).get("step"))
     if findings.reproduced and not raised and options.remedies:
         _stage(progress, "trying remedies on the step")
-        findings.remedies = try_remedies(runner, findings.culprits, history,
+        findings.remedies = try_remedies(runner, findings.culprits, findings.history.reading.healthy_grad_norm,
                                          findings.forward.module if findings.forward is not None else None)
         if findings.remedies and session.followup is not None:
             _stage(progress, "carrying the fixes over the recorded steps after this one")
             follow_remedies(findings.remedies, runner, session.followup)
-    findings.history = _history(history, _uniform_loss(runner.model))
     if findings.kind.spike and findings.history.diverged and findings.culprits:
         logger.info("the run diverged long before: the samples whose removal ends the spike are not culprits")
         findings.bisection.culprits = []  # the bisection block keeps what it found; no sample is blamed
@@ -302,11 +335,11 @@ def _reproduce(runner: StepRunner, options: ReplayOptions, progress: Progress | 
     """Stage 1: re-run the whole step until the trigger reproduces; for an update that broke the weights,
     step a fresh copy of the optimizer; then, optionally, re-run from other seeds (is the RNG needed?)."""
     session = runner.session
-    trigger = dict(session.trigger or {})
-    kind = TriggerKind.parse(trigger.get("kind") or TriggerKind.NONFINITE_LOSS)
+    trigger = session.trigger
+    kind = trigger.kind
     _stage(progress, f"reproducing the step ({len(session.micro_batches)} micro-batch(es), trigger {kind})")
     reproduction = reproduce(runner, options.max_attempts)
-    findings = Findings(kind=kind, trigger=trigger, threshold=finite_float(trigger.get("threshold")),
+    findings = Findings(kind=kind, trigger=trigger, threshold=trigger.threshold,
                         reproduction=reproduction, reproduced=reproduction.reproduced,
                         weights_nonfinite=list(runner.nonfinite_params))
     if kind is TriggerKind.NONFINITE_PARAM and not findings.weights_nonfinite:
@@ -395,11 +428,22 @@ def _bisect(runner: StepRunner, refs: list[SampleRef], kind: TriggerKind, thresh
             logger.info("the step still fails without samples %s: no sample is to blame",
                         [r.sample_id for r in culprits])
             confirmed, culprits = False, []
-    block = {"runs": runs, "candidates": len(refs), "culprit_size": len(culprits),
+    too_large = len(culprits) > 1 and groups == 1 and len(culprits) > MAX_CULPRIT_SHARE * len(refs)
+    if too_large:
+        logger.info("the smallest failing set is %d of %d samples: too large a share of the step to blame",
+                    len(culprits), len(refs))
+    block = {"runs": runs, "candidates": len(refs), "culprit_size": 0 if too_large else len(culprits),
+             "unblamed_group": len(culprits) if too_large else 0,
              "budget": outcome.budget, "all_subsets_fail": outcome.all_failed, "minimal": outcome.minimal,
              "test": "removal" if by_removal else "isolation", "confirmed": confirmed,
-             "independent_groups": groups if culprits else 0}
-    return Bisection(culprits, block, outcome.all_failed)
+             "independent_groups": groups if culprits and not too_large else 0}
+    return Bisection([] if too_large else culprits, block, outcome.all_failed)
+
+
+def _from_input(forward: Any) -> bool:
+    """The forward finding names a batch field (`<input>.FIELD`) in a known micro-batch."""
+    return forward is not None and forward.micro_batch is not None and bool(forward.nonfinite_inputs) \
+        and (forward.module or "").startswith(INPUT_MODULE + ".")
 
 
 def _per_sample(runner: StepRunner, refs: list[SampleRef], culprits: list[SampleRef], limit: int) -> list[dict]:
@@ -438,10 +482,11 @@ def _uniform_loss(model: torch.nn.Module) -> float | None:
     return math.log(vocab) if isinstance(vocab, int) and vocab > 1 else None
 
 
-def _history(history: dict | None, uniform_loss: float | None = None) -> HistoryFinding:
-    """Stage 6: the recorded history's curve shape and warning signals, and whether the run diverged long ago."""
+def _history(history: dict | None, uniform_loss: float | None = None, step: int | None = None) -> HistoryFinding:
+    """Stage 6: the recorded history's curve shape and warning signals, whether the run diverged long ago, and
+    what it shows before `step` (the analysed one) with numbers from before the divergence."""
     if not history:
-        return HistoryFinding(None, HistoryPattern.INSUFFICIENT_HISTORY)
+        return HistoryFinding(None, HistoryPattern.INSUFFICIENT_HISTORY, reading=read_history(None, step))
     block = {"step": list(history.get("step") or []), "loss": list(history.get("loss") or []),
              "grad_norm": list(history.get("grad_norm") or [])}
     try:
@@ -449,8 +494,10 @@ def _history(history: dict | None, uniform_loss: float | None = None) -> History
     except Exception:  # noqa: BLE001 - signals are an extra; never fail the replay on them
         logger.warning("history signals failed", exc_info=True)
         signals = []
-    return HistoryFinding(block, HistoryPattern(classify_history(block["loss"])), signals,
-                          diverged_long_ago(history, uniform_loss))
+    summary = history.get("summary") if isinstance(history.get("summary"), dict) else {}
+    pattern = classify_history(block["loss"], summary.get("first_losses") or block["loss"][:3], uniform_loss)
+    return HistoryFinding(block, HistoryPattern(pattern), signals, diverged_long_ago(history, uniform_loss),
+                          read_history(history, step, uniform_loss))
 
 
 __all__ = ["ReplayOptions", "run_replay", "run_session", "CONFIRM_ROUNDS"]

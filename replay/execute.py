@@ -129,11 +129,11 @@ class StepResult:
         return None
 
 
-def raised_info(exc: BaseException, micro_batch: int, phase: str) -> dict:
+def raised_info(exc: BaseException, micro_batch: int, phase: Phase) -> dict:
     """What a replayed step raised: type, message, and the innermost frame (the place compared with the job's)."""
     frames = traceback.extract_tb(exc.__traceback__)
     last = frames[-1] if frames else None
-    return {"type": type(exc).__name__, "message": str(exc)[:2000], "micro_batch": micro_batch, "phase": phase,
+    return {"type": type(exc).__name__, "message": str(exc)[:2000], "micro_batch": micro_batch, "phase": Phase(phase).value,
             "file": os.path.basename(last.filename) if last else None, "function": last.name if last else None}
 
 
@@ -385,7 +385,7 @@ class StepRunner:
                     if selected is not None and i not in selected:
                         losses.append(None)
                         continue
-                    phase = "forward"
+                    phase = Phase.FORWARD
                     try:
                         batch = self.batch_for(i, None if selected is None else selected[i])
                         if restore_rng:
@@ -400,7 +400,7 @@ class StepRunner:
                         if on_loss is not None:
                             on_loss(i, loss)
                         if backward and loss.requires_grad:
-                            phase = "backward"
+                            phase = Phase.BACKWARD
                             scaled = loss.reshape(()) / session.loss_divisor
                             if scale is not None:
                                 scaled = scaled * scale
@@ -502,9 +502,7 @@ def reproduce(runner: StepRunner, max_attempts: int = 3, tolerance: float = DEFA
         Reproduction; fidelity follows the report schema's "fidelity" block.
     """
     session = runner.session
-    trigger = session.trigger or {}
-    kind = trigger.get("kind", "nonfinite_loss")
-    threshold = finite_float(trigger.get("threshold"))
+    kind, threshold = session.trigger.kind, session.trigger.threshold
     attempts, result, reproduced = 0, None, False
     for attempts in range(1, max(1, max_attempts) + 1):
         result = runner.run(keep_grads=True)

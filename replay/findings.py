@@ -11,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from forensics.kinds import HistoryPattern, Phase, TriggerKind
+from forensics.trigger import Trigger
 from replay.execute import Reproduction, SampleRef
+from replay.history_pattern import HistoryReading, read_history
 from replay.localize import BackwardFinding, ForwardFinding
 from replay.localize_exception import ExceptionFinding
 from replay.localize_update import OptimizerFinding
@@ -33,6 +35,11 @@ class Bisection:
         return (self.block or {}).get("independent_groups", 0)
 
     @property
+    def unblamed_group(self) -> int:
+        """The size of the smallest failing set when it was too large a share of the step to blame (else 0)."""
+        return (self.block or {}).get("unblamed_group", 0)
+
+    @property
     def runs(self) -> int | None:
         return (self.block or {}).get("runs")
 
@@ -46,6 +53,8 @@ class HistoryFinding:
     signals: list[str] = field(default_factory=list)
     diverged: str | None = None
     """A sentence when the whole run (since step 0) was far off long before the dumped step."""
+    reading: HistoryReading = field(default_factory=lambda: read_history(None, None))
+    """What the history shows before the analysed step, with numbers from before the divergence."""
 
 
 @dataclass
@@ -53,7 +62,7 @@ class Findings:
     """Everything one replay found, stage by stage (engine order)."""
 
     kind: TriggerKind
-    trigger: dict
+    trigger: Trigger
     threshold: float | None
     reproduction: Reproduction
     reproduced: bool

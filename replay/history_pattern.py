@@ -8,6 +8,7 @@ the field notes (../shared/FIELD-NOTES.md):
 | `sudden_jump`            | 1.6, 1.5, 1.4, 87234.5, NaN              | one bad sample, or an overflow   |
 | `exponential_growth`     | 2.1, 2.3, 2.8, 4.5, 12.3, 89.7, NaN      | LR too high, accumulation bug    |
 | `oscillating_divergence` | 2.0, 1.8, 2.2, 1.6, 2.5, 1.4, 3.2, NaN   | corrupted optimiser state        |
+| `diverged`               | 4.2, 7.2, 13, 15, 12, 9.4 ... 7.6, 8.2   | LR too high, warm-up too short   |
 | `stable`                 | flat or noisy, then NaN out of nowhere   |                                  |
 | `insufficient_history`   | fewer than 4 finite points               |                                  |
 
@@ -21,6 +22,8 @@ robust statistics (medians), so one outlier does not decide for the rest:
 * sudden jump: one of the last 3 steps rises at least 2-fold and `JUMP_VS_NOISE` times both the
   median step size and the median of the 6 steps before it (so the last swing of an oscillation
   is no jump);
+* diverged (only with the run's first losses, or the uniform-guess loss, to compare with): the recent losses
+  sit far above where the run started (`divergence_limit`), so the run is never "stable";
 * oscillating divergence: the last >= 4 steps alternate in sign, with swings of at least 25% that
   grow (second half >= 1.5x the first, last >= 2x the first) and stand out of the earlier noise.
 """
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from statistics import median
 from typing import Any, Sequence
 
@@ -38,6 +42,9 @@ from forensics.report.wording import fmt_num
 log = logging.getLogger(__name__)
 
 
+DIVERGED_FACTOR = 3.0   # a loss this many times the run's start, held for a while, is a diverged run
+UNIFORM_FACTOR = 1.5    # ... or this many times the loss of a uniform guess over the vocabulary
+DIVERGED_FOR = 8        # ... for at least this many recorded steps before the trigger (diverged_long_ago)
 MIN_POINTS = 4          # fewer finite losses than this tell nothing about a trend
 WINDOW = 64             # the crash is explained by the recent past, not by warm-up long ago
 GROWTH_FACTOR = 4.0     # sustained growth must at least quadruple the loss
@@ -67,6 +74,26 @@ def _log_space(values: list[float]) -> list[float]:
     if all(v > 0 for v in values):
         return [math.log(v) for v in values]
     return [math.copysign(math.log1p(abs(v)), v) for v in values]
+
+
+RECENT = 8  # "the loss sits above": the median of this many last finite losses
+
+
+def divergence_limit(first_losses: Sequence[float | None], uniform_loss: float | None = None) -> float:
+    """The loss above which a run has left where it started: DIVERGED_FACTOR x its start (the least of its first
+    3 losses: a run that blows up at once has huge first losses), or 1.5 x the uniform-guess loss when known
+    (a random-init language model starts right at ln(vocabulary)); inf when neither is known."""
+    first = [v for v in _finite(first_losses)[:3]]
+    start = min(first) if first else None
+    limit = DIVERGED_FACTOR * start if start is not None and start > 0 else math.inf
+    if uniform_loss is not None and uniform_loss > 0:
+        limit = min(limit, UNIFORM_FACTOR * uniform_loss)
+    return limit
+
+
+def _sits_above(values: list[float], limit: float) -> bool:
+    recent = values[-RECENT:]
+    return math.isfinite(limit) and len(recent) >= MIN_POINTS and median(recent) > limit
 
 
 def _is_exponential(steps: list[float]) -> bool:
@@ -105,14 +132,18 @@ def _is_oscillating(steps: list[float]) -> bool:
             and sum(second) / half >= 3 * baseline and swings[-1] >= 5 * baseline)
 
 
-def classify_history(losses: Sequence[float | None]) -> HistoryPattern:
+def classify_history(losses: Sequence[float | None], first_losses: Sequence[float | None] = (),
+                     uniform_loss: float | None = None) -> HistoryPattern:
     """Name the shape of the loss curve before the trigger (a forensics.kinds.HistoryPattern).
 
     Args:
         losses: recorded losses, oldest first; None / NaN / inf entries (the trigger itself,
             skipped steps) are ignored.
+        first_losses: the run's first recorded losses (history `summary.first_losses`), the baseline
+            "diverged" compares with.
+        uniform_loss: the loss of a uniform guess (ln(vocabulary) for a language model), if known.
     Returns:
-        "sudden_jump", "exponential_growth", "oscillating_divergence", "stable" or
+        "sudden_jump", "exponential_growth", "diverged", "oscillating_divergence", "stable" or
         "insufficient_history" (fewer than 4 finite points).
     Example:
         >>> classify_history([1.6, 1.5, 1.4, 87234.5, float("nan")])
@@ -128,6 +159,8 @@ def classify_history(losses: Sequence[float | None]) -> HistoryPattern:
     noise = max(median(abs(s) for s in steps), NOISE_FLOOR)
     if _is_exponential(steps) or _is_exponential(steps[:-1]):
         return HistoryPattern.EXPONENTIAL_GROWTH
+    if _sits_above(values, divergence_limit(first_losses, uniform_loss)):
+        return HistoryPattern.DIVERGED
     if _is_sudden_jump(steps, noise):
         return HistoryPattern.SUDDEN_JUMP
     if _is_oscillating(steps):
@@ -222,8 +255,6 @@ def history_signals(history: dict) -> list[str]:
     return signals
 
 
-DIVERGED_FACTOR = 3.0    # a loss this many times the run's first losses, held for a while, is a diverged run
-DIVERGED_FOR = 8         # ... for at least this many recorded steps before the trigger
 
 
 def diverged_long_ago(history: dict, uniform_loss: float | None = None) -> str | None:
@@ -234,17 +265,13 @@ def diverged_long_ago(history: dict, uniform_loss: float | None = None) -> str |
     (or above `uniform_loss`, the loss of a uniform guess, ln(vocabulary) for a language model) over at least
     DIVERGED_FOR steps. Then a spike at the dumped step is a symptom of that run, not a cause.
     """
-    summary = history.get("summary") if isinstance(history.get("summary"), dict) else {}
-    first = _finite(summary.get("first_losses") or [])
+    first = _first_losses(history)
     losses = [_num(v) for v in (history.get("loss") or [])][:-1]  # the last entry is the dumped step
     steps = list(history.get("step") or [])[:len(losses)]
     recent = [(s, v) for s, v in zip(steps, losses) if v is not None and math.isfinite(v)]
     if not first or len(recent) < DIVERGED_FOR:
         return None
-    baseline = median(first[:3])
-    limit = DIVERGED_FACTOR * baseline if baseline > 0 else math.inf
-    if uniform_loss is not None:
-        limit = min(limit, uniform_loss * 1.5)
+    limit = divergence_limit(first, uniform_loss)
     above = [(s, v) for s, v in recent if v > limit]
     if len(above) < DIVERGED_FOR or median(v for _, v in recent) <= limit:
         return None
@@ -255,3 +282,88 @@ def diverged_long_ago(history: dict, uniform_loss: float | None = None) -> str |
     return (f"The run had diverged long before this step: its loss started at {fmt_num(first[0], 3)} and has been "
             f"{fmt_num(low, 3)}-{fmt_num(high, 3)} since step {since}{bound}, so this step's numbers are a symptom "
             "of that run, not of one sample.")
+
+
+def _first_losses(history: dict) -> list[float]:
+    summary = history.get("summary") if isinstance(history.get("summary"), dict) else {}
+    first = _finite(summary.get("first_losses") or [])
+    return first or _finite((history.get("loss") or [])[:3])
+
+
+@dataclass(frozen=True)
+class HistoryReading:
+    """What the recorded history shows about the run before it broke, with numbers from BEFORE the divergence."""
+
+    onset: int | None
+    """The first recorded step whose loss left where the run started (above `divergence_limit`) or was
+    non-finite; None when the loss never did."""
+    healthy_grad_norm: float | None
+    """The median grad norm of the recorded steps before `onset` (or before the analysed step): a clipping
+    threshold from healthy steps, never from diverged ones."""
+    healthy_steps: int
+    sentences: list[str]
+    """'The loss started at 1.03 (step 0) and left it at step 1 (4.47e+04) ...', the learning rate, clipping."""
+
+
+def read_history(history: dict | None, step: int | None, uniform_loss: float | None = None) -> HistoryReading:
+    """What the history says before `step` (the analysed step): where the loss left its start, the learning
+    rate then (constant, still warming up), clipping, and the healthy steps' gradient norm.
+
+    Example:
+        >>> r = read_history({"step": [0, 1, 2, 3], "loss": [1.03, 4.5e4, 2.4e20, float("inf")],
+        ...                   "grad_norm": [0.997, 6994.0, 5.1e15, float("nan")], "lr": [50.0] * 4}, 3)
+        >>> r.onset, r.healthy_grad_norm
+        (1, 0.997)
+    """
+    history = history or {}
+    n = max((len(v) for v in history.values() if isinstance(v, list)), default=0)
+    steps = [s if isinstance(s, int) else i for i, s in enumerate(_column(history, "step", n))]
+    losses = [_num(v) for v in _column(history, "loss", n)]
+    norms = [_num(v) for v in _column(history, "grad_norm", n)]
+    rates = [_num(v) for v in _column(history, "lr", n)]
+    clipped = _column(history, "clipped", n)
+    first = _first_losses(history)
+    limit = divergence_limit(first, uniform_loss)
+    onset = next((s for s, v in zip(steps, losses)
+                  if v is not None and (not math.isfinite(v) or v > limit)), None)
+    cutoff = onset if onset is not None else step if step is not None else (steps[-1] + 1 if steps else 0)
+    healthy = [i for i, s in enumerate(steps) if s < cutoff]
+    good_norms = sorted(norms[i] for i in healthy if norms[i] is not None and math.isfinite(norms[i]) and norms[i] > 0)
+    typical = good_norms[len(good_norms) // 2] if good_norms else None
+    sentences = []
+    if first and onset is not None and onset in steps:
+        at = steps.index(onset)
+        later = [(s, v) for s, v in zip(steps[at:], losses[at:]) if v is not None][:4]
+        path = ", ".join(f"{fmt_num(v, 3)} (step {s})" for s, v in later)
+        why = (f"above {fmt_num(UNIFORM_FACTOR, 2)} x the {fmt_num(uniform_loss, 3)} of a uniform guess over the "
+               "vocabulary" if uniform_loss is not None and limit < DIVERGED_FACTOR * min(first[:3])
+               else f"over {fmt_num(DIVERGED_FACTOR, 2)} x its start")
+        sentences.append(f"What the history shows: the loss started at {fmt_num(min(first[:3]), 3)} and left it at "
+                         f"step {onset} ({why}): {path}.")
+    lr_words = _lr_words(steps, rates, onset if onset is not None else step)
+    if lr_words:
+        sentences.append(lr_words)
+    known = [bool(c) for i, c in enumerate(clipped) if c is not None and i in set(healthy)]
+    if typical is not None:
+        clip = (f"clipping fired on {sum(known)} of those {len(known)} steps" if known else
+                "clipping: not recorded (GuardConfig(max_grad_norm=...) tells the Guard the loop's threshold)")
+        steps_words = f"median of {len(good_norms)} healthy recorded steps" if len(good_norms) > 1 else \
+            "the one healthy recorded step"
+        sentences.append(f"Before that, the gradient norm was {fmt_num(typical, 3)} ({steps_words}); {clip}.")
+    return HistoryReading(onset, typical, len(good_norms), sentences)
+
+
+def _lr_words(steps: list[int], rates: list[float | None], at: int | None) -> str | None:
+    """'The learning rate was 50 at step 1, constant over the 2 recorded steps before it (no warm-up).'"""
+    known = [(s, r) for s, r in zip(steps, rates) if r is not None and math.isfinite(r) and (at is None or s <= at)]
+    if not known:
+        return None
+    (s0, r0), (s1, r1) = known[0], known[-1]
+    text = f"The learning rate was {fmt_num(r1, 3)} at step {s1}"
+    if len(known) == 1:
+        return text + "."
+    if r1 > r0 * 1.01:
+        return text + f", still rising (warm-up) from {fmt_num(r0, 3)} at step {s0}."
+    if abs(r1 - r0) <= 0.01 * abs(r0):
+        return text + f", constant since step {s0} (no warm-up in the recorded steps)."
+    return text + f", down from {fmt_num(r0, 3)} at step {s0}."

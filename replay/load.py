@@ -10,11 +10,13 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
 from forensics.errors import DumpCorruptError, DumpError, RecipeError
+from forensics.kinds import TriggerKind
+from forensics.trigger import Trigger
 from replay.environment import dtype_from_name, environment_warnings, resolve_device, to_device
 from replay.fsdp_precision import FsdpUnit, compute_dtype, parse_units
 from replay.optimizer_state import DumpOptimizerState, OptimizerSnapshot
@@ -55,8 +57,8 @@ class ReplaySession:
     recorded_grad_norm: float | None = None
     exception: dict | None = None
     """The manifest's `exception` section when the job's step raised (replay then catches and compares)."""
-    trigger: dict = field(default_factory=lambda: {"kind": "nonfinite_loss", "value": None, "threshold": None,
-                                                   "micro_batch": None})
+    trigger: Trigger = field(default_factory=lambda: Trigger(TriggerKind.NONFINITE_LOSS))
+    """What fired in the job (the manifest's `trigger`; a window replay's own for the step that broke)."""
     param_dtype: torch.dtype = torch.float32
     warnings: list[str] = field(default_factory=list)
     """Things the report should tell the user (environment mismatch, unreplayable batch leaves...)."""
@@ -205,7 +207,7 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
         model=model, loss_fn=recipe.loss_fn, micro_batches=batches, device=device, sample_ids=ids,
         rng_states=rngs, loss_divisor=float(divisor), optimizer=snapshot, autocast=autocast,
         scaler_state=scaler, scheduler_state=dump.scheduler_state(), recorded_losses=losses,
-        recorded_grad_norm=loss_meta.get("grad_norm"), trigger=dict(dump.trigger), param_dtype=param_dtype,
+        recorded_grad_norm=loss_meta.get("grad_norm"), trigger=Trigger.from_dict(dump.trigger), param_dtype=param_dtype,
         exception=manifest.get("exception") if isinstance(manifest.get("exception"), dict) else None,
         warnings=warnings, source_cuda_device=manifest.get("local_rank"),
         expect_bitwise=_expect_bitwise(env_warnings, device, manifest.get("determinism") or {}),
@@ -308,9 +310,7 @@ def stream_weights(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Te
             if first in loaded:
                 continue  # the tied twin of a parameter already put in place
             old = model.get_parameter(first)
-            if tuple(old.shape) != tuple(tensor.shape):
-                raise RecipeError(f"the weights in the dump do not fit the model the recipe built: {key} is "
-                                  f"{tuple(tensor.shape)} in the dump, {tuple(old.shape)} in the model")
+            _check_fits(key, tensor, old, "parameter")
             new = torch.nn.Parameter(tensor, requires_grad=old.requires_grad)
             for name in aliases[first]:
                 owner, _, attr = name.rpartition(".")
@@ -320,9 +320,8 @@ def stream_weights(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Te
             owner, _, attr = key.rpartition(".")
             module = model.get_submodule(owner)
             old = module._buffers[attr]
-            if old is not None and tuple(old.shape) != tuple(tensor.shape):
-                raise RecipeError(f"the weights in the dump do not fit the model the recipe built: buffer {key} is "
-                                  f"{tuple(tensor.shape)} in the dump, {tuple(old.shape)} in the model")
+            if old is not None:
+                _check_fits(key, tensor, old, "buffer")
             module._buffers[attr] = tensor
             loaded.add(key)
         else:
@@ -342,6 +341,30 @@ def stream_weights(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Te
     return model
 
 
+def _dtype_family(dtype: torch.dtype) -> str:
+    if dtype.is_complex:
+        return "complex"
+    if dtype.is_floating_point:
+        return "floating-point"
+    return "boolean" if dtype == torch.bool else "integer"
+
+
+def _check_fits(key: str, tensor: torch.Tensor, old: torch.Tensor, what: str) -> None:
+    """A tensor of the dump fits the model's parameter / buffer it replaces: the same shape, and a dtype of the same
+    family (a bfloat16 dump of a float32-built model is how the job ran; an integer weight is not).
+
+    Raises:
+        RecipeError: naming the tensor, what the dump holds and what the model has.
+    """
+    if tuple(old.shape) != tuple(tensor.shape):
+        raise RecipeError(f"the weights in the dump do not fit the model the recipe built: {what} {key} is "
+                          f"{tuple(tensor.shape)} in the dump, {tuple(old.shape)} in the model")
+    if _dtype_family(tensor.dtype) != _dtype_family(old.dtype):
+        raise RecipeError(f"the dtype of tensor {key} in the dump ({str(tensor.dtype).removeprefix('torch.')}) does "
+                          f"not match the model's {what} ({str(old.dtype).removeprefix('torch.')}): the dump was "
+                          "changed, or the recipe builds another model than the job's")
+
+
 def _persistent(model: torch.nn.Module, name: str) -> bool:
     owner, _, attr = name.rpartition(".")
     return attr not in model.get_submodule(owner)._non_persistent_buffers_set
@@ -351,7 +374,7 @@ def session_from_objects(model: torch.nn.Module, micro_batches: list[Any], loss_
                          optimizer: torch.optim.Optimizer | None = None, *, sample_ids: list[list] | None = None,
                          rng_states: list | None = None, loss_divisor: float | None = None,
                          autocast: dict | None = None, scaler_state: dict | None = None,
-                         device: str | torch.device | None = "cpu", trigger: dict | None = None,
+                         device: str | torch.device | None = "cpu", trigger: Trigger | Mapping | None = None,
                          recorded_losses: list | None = None, recorded_grad_norm: float | None = None,
                          sample_id_key: str | None = "sample_ids") -> ReplaySession:
     """A ReplaySession from live objects (no dump): for tests and in-process replays.
@@ -359,6 +382,7 @@ def session_from_objects(model: torch.nn.Module, micro_batches: list[Any], loss_
     The model's current weights and the optimizer's current state are the "pre-step" state.
     `sample_ids` default: batch[sample_id_key] when present, else "mb<i>/<j>".
     `rng_states` default: captured now for every micro-batch (same state for all).
+    `trigger`: a forensics.trigger.Trigger or its dict form (default: a non-finite loss).
     """
     from forensics.recipes import default_loss
     from forensics.rng import capture_rng
@@ -382,7 +406,7 @@ def session_from_objects(model: torch.nn.Module, micro_batches: list[Any], loss_
         autocast=dict(autocast or {"enabled": False, "device_type": None, "dtype": None}),
         scaler_state=scaler_state, recorded_losses=list(recorded_losses or [None] * len(batches)),
         recorded_grad_norm=recorded_grad_norm,
-        trigger=dict(trigger or {"kind": "nonfinite_loss", "value": None, "threshold": None, "micro_batch": None}),
+        trigger=trigger if isinstance(trigger, Trigger) else Trigger.from_dict(trigger),
         param_dtype=first.dtype if first is not None else torch.float32)
 
 

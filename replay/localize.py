@@ -172,13 +172,18 @@ class ForwardFinding:
     op_stats: dict = field(default_factory=dict)
     output_kinds: list[str] = field(default_factory=list)
     phase: Phase = Phase.FORWARD
+    op_call: tuple | None = None
+    """With keep_op_inputs: (the ATen OpOverload, args, kwargs) of that op, tensors copied as they went in
+    (replay/repro.py writes them out as a standalone reproduction)."""
 
 
 class _NonFiniteOpChecker(TorchDispatchMode):
     """Names the first ATen op whose output holds NaN/Inf (with the module running it)."""
 
-    def __init__(self, tracker: ModuleTracker, allow_neg_inf_masks: bool, param_names: dict[int, str]):
+    def __init__(self, tracker: ModuleTracker, allow_neg_inf_masks: bool, param_names: dict[int, str],
+                 keep_inputs: bool = False):
         super().__init__()
+        self.keep_inputs = keep_inputs
         self.tracker = tracker
         self.allow_masks = allow_neg_inf_masks
         self.param_names = param_names
@@ -201,6 +206,7 @@ class _NonFiniteOpChecker(TorchDispatchMode):
         mutable = func._schema.is_mutable
         inputs = float_tensors((args, kwargs))
         pre_kinds = _kinds(inputs) if mutable else None  # in-place ops overwrite their inputs
+        kept = _copy_call(args, kwargs) if self.keep_inputs and mutable else None
         out = func(*args, **kwargs)
         # Multi-output ops: only the result (output 0) is data. The rest are side values that may be
         # uninitialised or legitimately infinite (nll_loss's total_weight with reduction='none' on CUDA,
@@ -229,11 +235,24 @@ class _NonFiniteOpChecker(TorchDispatchMode):
             "inputs_finite": not in_kinds, "nonfinite_inputs": bad_params, "output_kinds": sorted(out_kinds),
             "op_stats": {"inputs_absmax": _absmax(inputs), "outputs_absmax": _absmax(outputs)},
         }
+        if self.keep_inputs:
+            self.found["call"] = (func, *(kept or _copy_call(args, kwargs)))
         return out
 
 
+def _copy_call(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """An op's arguments with every tensor detached and copied (what went in, whatever the op does to it)."""
+    from torch.utils._pytree import tree_map
+
+    def copy(value: Any) -> Any:
+        return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+    return tree_map(copy, args), tree_map(copy, kwargs)
+
+
 def localize_forward(runner: StepRunner, samples: list[SampleRef] | None = None, *,
-                     allow_neg_inf_masks: bool = True, fp32: bool = False) -> ForwardFinding | None:
+                     allow_neg_inf_masks: bool = True, fp32: bool = False,
+                     keep_op_inputs: bool = False) -> ForwardFinding | None:
     """Re-runs the forward (no backward) and names where NaN/Inf first appears.
 
     Args:
@@ -241,6 +260,7 @@ def localize_forward(runner: StepRunner, samples: list[SampleRef] | None = None,
         samples: only these samples (None: the whole step).
         allow_neg_inf_masks: -inf made by mask ops (masked_fill, where, full...) is not a finding.
         fp32: run without autocast.
+        keep_op_inputs: copy the first non-finite op's inputs into ForwardFinding.op_call.
     Returns:
         ForwardFinding, or None when the forward stays finite.
     """
@@ -279,7 +299,7 @@ def localize_forward(runner: StepRunner, samples: list[SampleRef] | None = None,
             if found_ops:
                 yield
                 return
-            checker = _NonFiniteOpChecker(tracker, allow_neg_inf_masks, param_ids)
+            checker = _NonFiniteOpChecker(tracker, allow_neg_inf_masks, param_ids, keep_op_inputs)
             checker.micro_batch = index
             checker_box["checker"] = checker
             try:
@@ -306,7 +326,7 @@ def localize_forward(runner: StepRunner, samples: list[SampleRef] | None = None,
         return ForwardFinding(module=module, op=op["op"], micro_batch=op["micro_batch"],
                               op_inputs_finite=op["inputs_finite"], nonfinite_inputs=op["nonfinite_inputs"],
                               first_nonfinite_module=first_bad_module.get("name"), stats=stats,
-                              op_stats=op["op_stats"], output_kinds=op["output_kinds"])
+                              op_stats=op["op_stats"], output_kinds=op["output_kinds"], op_call=op.get("call"))
     return ForwardFinding(module=first_bad_module["name"], op=None, micro_batch=None, op_inputs_finite=None,
                           first_nonfinite_module=first_bad_module["name"], stats=first_bad_module["stats"])
 
@@ -314,7 +334,8 @@ def localize_forward(runner: StepRunner, samples: list[SampleRef] | None = None,
 def _nonfinite_batch_input(runner: StepRunner, samples: list[SampleRef] | None) -> ForwardFinding | None:
     """The batch's own float data holding NaN/Inf (an `inputs_embeds` already broken): then the input is the
     source, not the first module that passes it on. Named by its field path, e.g. `<input>.inputs_embeds`."""
-    from replay.samples import select_samples, tensor_leaves
+    from forensics.format.tree import tensor_leaves
+    from replay.samples import select_samples
 
     session = runner.session
     chosen = None if samples is None else {(r.micro_batch, r.index) for r in samples}
@@ -331,7 +352,7 @@ def _nonfinite_batch_input(runner: StepRunner, samples: list[SampleRef] | None) 
                 return ForwardFinding(module=f"{INPUT_MODULE}.{field}", op=None, micro_batch=index,
                                       op_inputs_finite=False, nonfinite_inputs=[field],
                                       first_nonfinite_module=None,
-                                      stats={"inputs_absmax": float(value.abs().nan_to_num(float("inf")).max()),
+                                      stats={"inputs_absmax": _absmax([value]),  # nan when it holds NaN
                                              "outputs_absmax": None, "params_absmax": None})
     return None
 

@@ -76,7 +76,7 @@ def localize_exception(runner: StepRunner, samples: list[SampleRef] | None = Non
     if raised is None:
         return None
     mode = state.get("mode")
-    found = mode.found if mode is not None and raised["phase"] == "forward" else None
+    found = mode.found if mode is not None and raised["phase"] == Phase.FORWARD else None
     index = raised["micro_batch"]
     rows = _rows(samples, index, len(session.sample_ids[index]) if index < len(session.sample_ids) else 0)
     bad = _out_of_range(found, [session.sample_ids[index][r] for r in rows], rows, index) if found else []
@@ -95,7 +95,7 @@ def localize_exception(runner: StepRunner, samples: list[SampleRef] | None = Non
             detail += f" ({len(bad)} such values in this micro-batch)"
     return ExceptionFinding(type=raised["type"], message=raised["message"],
                             module=found["module"] if found else None, op=found["op"] if found else None,
-                            micro_batch=index, phase=Phase.BACKWARD if raised["phase"] == "backward" else Phase.FORWARD,
+                            micro_batch=index, phase=Phase.BACKWARD if raised["phase"] == Phase.BACKWARD else Phase.FORWARD,
                             detail=detail, bad_values=bad, context_limit=context)
 
 

@@ -42,10 +42,10 @@ def fp32_check(runner: StepRunner, samples: list[SampleRef] | None = None, *, ki
         False
     """
     session = runner.session
-    trigger = session.trigger or {}
-    kind = TriggerKind.parse(kind or trigger.get("kind") or TriggerKind.NONFINITE_LOSS)
-    if threshold is None and trigger.get("threshold") is not None:
-        threshold = float(trigger["threshold"])
+    trigger = session.trigger
+    kind = TriggerKind.parse(kind) if kind else trigger.kind
+    if threshold is None and trigger.threshold is not None:
+        threshold = trigger.threshold
     dtype = session.autocast_dtype
     block = {"autocast_dtype": str(dtype).removeprefix("torch.") if dtype is not None else None,
              "fp32_reproduces": None,

@@ -66,9 +66,11 @@ class RemedyResult:
                 "note": self.note, "setting": self.setting}
 
 
-def try_remedies(runner: StepRunner, culprits: list[SampleRef], history: dict | None,
+def try_remedies(runner: StepRunner, culprits: list[SampleRef], clip_at: float | None,
                  culprit_module: str | None = None) -> dict | None:
     """The report's `remedies` block: every applicable remedy tried on the step, ranked (module docstring).
+    `clip_at`: the healthy steps' gradient norm (replay.history_pattern.read_history: from before the loss left
+    its start, never a diverged step's), the clipping threshold tried; None: clipping is not tried.
     None when the session has no optimizer state (no update to apply)."""
     session = runner.session
     if session.optimizer is None:
@@ -86,8 +88,8 @@ def try_remedies(runner: StepRunner, culprits: list[SampleRef], history: dict | 
         results.append(_evaluate(runner, RemedyKind.ADAM_EPS, f"eps={SAFE_EPS:g} in the optimizer (was {eps:g})",
                                  hyper={"eps": SAFE_EPS}))
     if uses_low_precision(runner):
-        where = f"keep `{culprit_module}` in fp32 (torch.autocast(..., enabled=False) around it), or " \
-            if culprit_module else ""
+        where = f"keep `{culprit_module}` in fp32 (torch.autocast(..., enabled=False) around its call, its input cast "\
+            "to float32), or " if culprit_module and "<" not in culprit_module else ""  # <input>.x is data, no module
         results.append(_evaluate(runner, RemedyKind.FP32, f"{where}train without autocast / loss scaling",
                                  fp32=True))
     if session.scaler_enabled:
@@ -95,11 +97,10 @@ def try_remedies(runner: StepRunner, culprits: list[SampleRef], history: dict | 
         results.append(_evaluate(runner, RemedyKind.LOSS_SCALE,
                                  f"GradScaler(init_scale={scale * LOSS_SCALE_FACTOR:g}) (the step ran at {scale:g})",
                                  loss_scale=scale * LOSS_SCALE_FACTOR))
-    clip = _typical_grad_norm(history)
-    if clip is not None:
+    if clip_at is not None:
         results.append(_evaluate(runner, RemedyKind.CLIP_GRAD,
-                                 f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm={clip:.3g}) "
-                                 "(the median recorded grad norm)", clip=clip))
+                                 f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm={clip_at:.3g}) "
+                                 "(the median grad norm of the healthy recorded steps)", clip=clip_at))
     lr = hyper.get("lr")
     if isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0:
         results.append(_evaluate(runner, RemedyKind.LOWER_LR, f"lr={lr * LR_FACTOR:g} (was {lr:g})",
@@ -187,24 +188,20 @@ def _first_group(snapshot: Any) -> dict:
     return {k: v for k, v in (snapshot.param_groups[0] if snapshot.param_groups else {}).items() if k != "params"}
 
 
-def _typical_grad_norm(history: dict | None) -> float | None:
-    """The median of the recorded finite gradient norms before this step (None: too few)."""
-    before = list((history or {}).get("grad_norm") or [])[:-1]  # the last entry is the dumped step itself
-    norms = sorted(v for v in before if isinstance(v, (int, float)) and not isinstance(v, bool)
-                   and math.isfinite(v) and v > 0)
-    if len(norms) < 3:
-        return None
-    return norms[len(norms) // 2]
-
-
-def tested_suggestions(block: dict | None, limit: int = 3) -> tuple[list[str], list[str]]:
+def tested_suggestions(block: dict | None, limit: int = 3, diverged: bool = False) -> tuple[list[str], list[str]]:
     """What the remedies showed, with their numbers: (lines that go before the verdict's own suggestions,
     lines that go after them). A fix that worked leads; skipping the step only hides the cause, so when it
-    is the only thing that worked it is said last."""
+    is the only thing that worked it is said last. `diverged`: the loss sits far above where the run started,
+    so a step whose own update is harmless still needs action (never "no action needed")."""
     if not block:
         return [], []
     rows = block.get("tested") or []
     healthy = [r for r in rows if r.get("healthy") is True]
+    if diverged and any(r["kind"] == RemedyKind.AS_RECORDED.value for r in healthy):
+        row = next(r for r in healthy if r["kind"] == RemedyKind.AS_RECORDED.value)
+        return [], [f"This step's own update is not what breaks the run (it changes the weights by "
+                    f"{_percent(row.get('relative_change'))} of their norm): the run had already diverged, so "
+                    "skipping or clipping this step does not bring it back."]
     if any(r["kind"] == RemedyKind.AS_RECORDED.value for r in healthy):
         row = next(r for r in healthy if r["kind"] == RemedyKind.AS_RECORDED.value)
         return [f"No action needed: replayed as recorded, the step's update leaves every weight finite and "

@@ -7,7 +7,9 @@ against the other samples of the same micro-batch:
 - its attention mask is all zeros: no token (a mean over its tokens is 0/0; attention masks every score);
 - a floating-point field holds NaN/Inf, or reaches values far beyond the other samples' (>= OUTLIER_RATIO x);
 - a floating-point field is all zeros where the other samples' are not (a per-token weight or loss mask
-  that sums to zero, an empty image).
+  that sums to zero, an empty image, a zero target).
+A fact states what the data holds, never a mechanism the loss may not have: whether an all-zero field divides
+by zero is the verdict's to say, from the op the replay localised (replay/verdict.py).
 Each fact becomes the culprit's `description` in the report and the verdict's first suggestion. A batch
 without a recognisable field gives no fact (the generic record hint stays). Field names come from the dump:
 the renderers clean them before printing.
@@ -24,14 +26,16 @@ import torch
 from forensics.kinds import SampleFactKind
 from forensics.report.wording import clean
 from replay.execute import SampleRef
-from replay.samples import batch_size, select_samples, tensor_leaves
+from forensics.format.tree import tensor_leaves
+from replay.samples import batch_size, select_samples
 
 log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
 """The label value cross-entropy ignores (torch's and Hugging Face's default)."""
-OUTLIER_RATIO = 1e3
-"""A float field whose largest |value| is this many times the other samples' largest is named."""
+OUTLIER_RATIO = 100.0
+"""A float field whose largest |value| is this many times the other samples' largest is named, before any other
+fact about floats (an all-zero field beside it is named second)."""
 LABEL_FIELDS = ("labels", "label", "targets", "target")
 MASK_FIELDS = ("attention_mask",)
 
@@ -84,6 +88,17 @@ def sample_facts(batch: Any, index: int) -> list[SampleFact]:
     return sorted(facts, key=lambda f: order.index(f.kind))
 
 
+def nonfinite_in_field(micro_batch: Any, refs: list[SampleRef], field: str) -> list[SampleRef]:
+    """The samples of `refs` (all of this micro-batch) whose batch field `field` (a tensor_leaves path) holds
+    NaN/Inf: where the first non-finite value is the batch's own data, the data names them (no bisection)."""
+    out = []
+    for ref in refs:
+        tensor = dict(tensor_leaves(select_samples(micro_batch, [ref.index]))).get(field)
+        if tensor is not None and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            out.append(ref)
+    return out
+
+
 def too_long(tokens: int, limit: int) -> SampleFact:
     """A sample longer than the model's context (found by replay/sizes.py from its attention mask)."""
     return SampleFact(SampleFactKind.TOO_LONG, "attention_mask",
@@ -133,6 +148,5 @@ def _floats(path: str, shown: str, values: torch.Tensor, others: torch.Tensor | 
                            f"largest ({other_max:.3g})")]
     if own_max == 0 and other_max > 0:
         return [SampleFact(SampleFactKind.ALL_ZERO, path,
-                           f"its {shown} is all zeros (the other samples' are not): whatever divides by its sum "
-                           "or norm divides by zero")]
+                           f"its {shown} is all zeros (the other samples' are not)")]
     return []

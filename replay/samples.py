@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -156,18 +156,6 @@ def _select(node: Any, size: int, indices: list[int], index_tensors: dict) -> An
             return node
         return _rebuild(node, [_select(v, size, indices, index_tensors) for v in node])
     return node
-
-
-def tensor_leaves(node: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """(path, tensor) of every tensor in a batch tree: 'inputs_embeds', 'meta.lengths', '[1][0]'."""
-    if isinstance(node, torch.Tensor):
-        yield path, node
-    elif isinstance(node, dict):
-        for key, value in node.items():
-            yield from tensor_leaves(value, f"{path}.{key}" if path else str(key))
-    elif isinstance(node, (list, tuple)):
-        for i, value in enumerate(node):
-            yield from tensor_leaves(value, f"{path}[{i}]")
 
 
 def map_sample_tensors(batch: Any, fn: Callable[[torch.Tensor], Any]) -> Any:

@@ -10,6 +10,9 @@
 | finite in fp32, non-finite in float16 / bfloat16                  | `numerical_precision`   |
 | a culprit subset smaller than the batch (or the only sample)      | `bad_sample`            |
 | a spike (finite trigger) with no culprit subset                   | `spike_no_single_cause` |
+
+Before the weight / precision / sample rules, a spike whose own update wrecks the weights (window replay) or in a
+run whose loss had long left where it started is `spike_no_single_cause` with no sample named.
 | anything else (non-finite, but only the whole batch fails)        | `model_state`           |
 
 The wording follows the field notes' "What a good forensic answer looks like" (README): the
@@ -130,6 +133,17 @@ class VerdictFacts:
     size_outliers: list[dict] = field(default_factory=list)
     """Out of memory: samples at least replay.sizes.OUTLIER_FACTOR x the step's median size, largest first."""
     median_size: float | None = None
+    unblamed_group: int = 0
+    """The smallest failing set bisection found when it was too large a share of the step to blame (the whole
+    step or most of it: replay.engine.MAX_CULPRIT_SHARE); 0 otherwise. No sample is named then."""
+    history_reading: list[str] = field(default_factory=list)
+    """What the history shows before the loss left its start (replay.history_pattern.read_history): where it
+    left, the learning rate then, clipping, the healthy steps' grad norm. Empty when the loss never left it."""
+    update_change: float | None = None
+    """Window replay: how far this step's own update moved the weights (|update| / |weights|), set only when that
+    is what broke the run (more than replay.remedies.WRECK_RATIO with finite gradients and weights)."""
+    lr: float | None = None
+    """The step's learning rate (the optimizer's first parameter group)."""
 
     def __post_init__(self) -> None:
         for name, kind in (("trigger_kind", TriggerKind), ("phase", Phase), ("history_pattern", HistoryPattern)):
@@ -225,17 +239,19 @@ def _evidence(f: VerdictFacts) -> list[str]:
         out.append(f"Reproduced {how}{on}.".replace("  ", " ").replace(" .", "."))
     if f.phase is not None or f.module is not None:
         stats = []
-        if f.inputs_absmax is not None:
-            stats.append(f"input abs-max {_num(f.inputs_absmax)}")
-        if f.outputs_absmax is not None:
-            stats.append(f"output abs-max {_num(f.outputs_absmax)}")
+        for label, value in (("input", f.inputs_absmax), ("output", f.outputs_absmax)):
+            if value is not None:
+                stats.append(f"{label} holds NaN" if math.isnan(value) else f"{label} abs-max {_num(value)}")
         if f.parameter and f.phase in (Phase.BACKWARD, Phase.OPTIMIZER):
             stats.append(f"parameter `{f.parameter}`")
         where = _where_value(f, stats) if (f.module or (f.phase is not None and f.phase.is_pass)) \
             else f" in the {f.phase} step" + (f" ({'; '.join(stats)})" if stats else "")
         if f.module and f.module.startswith(INPUT_PREFIX):
             field = f.module[len(INPUT_PREFIX):]
-            out.append(f"The batch's own `{field}` already holds NaN/Inf before any layer runs: the data is the "
+            value = f.inputs_absmax
+            held = "NaN" if value is not None and math.isnan(value) else "Inf" if value is not None and \
+                math.isinf(value) else "NaN/Inf"
+            out.append(f"The batch's own `{field}` already holds {held} before any layer runs: the data is the "
                        "source, not a module.")
         else:
             out.append(f"The first non-finite value appears{where}.")
@@ -243,6 +259,11 @@ def _evidence(f: VerdictFacts) -> list[str]:
         runs = f" (found in {f.bisect_runs} replays of {f.candidates} samples)" if f.bisect_runs is not None else ""
         phrase = _samples_phrase(f).rstrip(",")
         out.append(f"Culprit: {phrase[0].lower() + phrase[1:]}{runs}.")
+    elif f.unblamed_group and f.bisect_runs is not None:
+        test = "whose removal ends the spike" if f.spike else "that fails"
+        out.append(f"Bisecting {f.candidates} samples ({f.bisect_runs} replays): the smallest set {test} is "
+                   f"{f.unblamed_group} of the {f.candidates} samples, too large a share of the step to blame any "
+                   "of them.")
     elif f.candidates > 1 and f.bisect_runs is not None:
         out.append(f"Bisecting {f.candidates} samples ({f.bisect_runs} replays) found no smaller subset that fails.")
     if f.rng_dependent:
@@ -263,6 +284,7 @@ def _history(f: VerdictFacts) -> list[str]:
     out = [f.run_diverged] if f.run_diverged else []
     if f.history_pattern:
         out.append(f"Loss history: {f.history_pattern.means}.")
+    out.extend(f.history_reading)
     out.extend(f.history_signals)
     return out
 
@@ -314,6 +336,9 @@ def _pattern_hints(f: VerdictFacts) -> list[str]:
     if f.history_pattern is HistoryPattern.EXPONENTIAL_GROWTH:
         return ["The loss grew exponentially before the failure: lower the learning rate or lengthen "
                 "warm-up, and check that the loss is divided by the number of accumulation steps."]
+    if f.history_pattern is HistoryPattern.DIVERGED:
+        return ["The loss sits far above where the run started: lower the learning rate (or lengthen the "
+                "warm-up) and restart from a checkpoint taken before the loss left its start."]
     if f.history_pattern is HistoryPattern.OSCILLATING_DIVERGENCE:
         return ["The loss oscillated with growing swings: check the optimizer state (Adam's exp_avg / "
                 "exp_avg_sq, e.g. after a resume) for corruption, and the batch distribution for a shift."]
@@ -352,7 +377,9 @@ def decide_verdict(facts: VerdictFacts) -> dict:
         return _not_reproduced(f)
     if f.trigger_kind is TriggerKind.EXCEPTION:
         return _exception(f)
-    if f.spike and f.run_diverged:
+    if f.spike and f.update_change is not None and not _has_culprit(f):
+        return _update_too_large(f)
+    if f.spike and (f.run_diverged or f.history_pattern is HistoryPattern.DIVERGED):
         return _diverged(f)
     if f.weights_nonfinite_at_start or f.all_subsets_fail:
         return _model_state(f)
@@ -368,8 +395,8 @@ def decide_verdict(facts: VerdictFacts) -> dict:
 
 
 def _whole_batch(f: VerdictFacts) -> bool:
-    """Bisection's 1-minimal failing set is every candidate: no sample can be singled out."""
-    return f.candidates > 1 and (f.culprit_subset_size or 0) >= f.candidates
+    """Bisection's 1-minimal failing set is every candidate, or most of them: no sample can be singled out."""
+    return f.candidates > 1 and ((f.culprit_subset_size or 0) >= f.candidates or f.unblamed_group > 0)
 
 
 def _has_culprit(f: VerdictFacts) -> bool:
@@ -499,8 +526,10 @@ def _model_state(f: VerdictFacts) -> dict:
                        "Resume from an earlier checkpoint with a lower learning rate or longer warm-up.",
                        "Check the optimizer state for NaN/Inf or exp_avg_sq == 0 if the job was resumed."]
     elif _whole_batch(f):
-        headline = (f"{at[0].upper() + at[1:]} fails only with the whole micro-batch: no smaller subset "
-                    "of samples makes it fail, so no single sample is to blame.")
+        most = (f"{f.unblamed_group} of its {f.candidates} samples together" if f.unblamed_group
+                and f.unblamed_group < f.candidates else "the whole micro-batch")
+        headline = (f"{at[0].upper() + at[1:]} fails only with {most}: no small subset of samples makes it fail, "
+                    "so no sample is to blame.")
         reading = ("The failure needs every sample of the batch together: a batch-level effect (a sum or "
                    "mean that overflows over the whole batch, normalisation statistics, a loss averaged "
                    "over all tokens) or the model state itself.")
@@ -621,8 +650,10 @@ _FACT_FIXES = {
                                      "corrupted or truncated file) or drop the record.",
     SampleFactKind.EXTREME_VALUES: "check this field's units and scaling in preprocessing (normalise or clip it), "
                                    "or drop the record.",
-    SampleFactKind.ALL_ZERO: "drop such records, or guard the division (clamp the sum or norm to at least eps).",
+    SampleFactKind.ALL_ZERO: "check why the record is all zeros (a failed read, missing values filled with 0) and fix "
+                             "or drop it.",
 }
+_DIVISION_FIX = "drop such records, or guard the division (clamp the sum or norm to at least eps)."
 
 
 def _data_hint(f: VerdictFacts) -> str:
@@ -631,6 +662,8 @@ def _data_hint(f: VerdictFacts) -> str:
         return _RECORD_HINTS[f.data_kind or "tokens"]
     fact = f.culprit_facts[0]
     who = _id(f.culprit_samples[0]) if len(f.culprit_samples) == 1 else "A culprit sample"
+    if fact.kind is SampleFactKind.ALL_ZERO and _op_base(f.op) in _DIV_OPS | _NORM_OPS:  # the op that failed divides
+        return f"{who}: {fact.words}, and the step fails where {f.op} divides by its sum or norm. Fix: {_DIVISION_FIX}"
     return f"{who}: {fact.words}. Fix: {_FACT_FIXES[fact.kind]}"
 
 
@@ -710,7 +743,11 @@ def _bad_sample(f: VerdictFacts) -> dict:
     if (f.culprit_subset_size or 0) > 1:
         headline = headline.replace(" makes ", " make ", 1)
     reading = None
-    if f.candidates == 1:
+    if f.bisect_runs is None and f.module and f.module.startswith(INPUT_PREFIX) and f.candidates > 1:
+        reading = (f"Named from the data, without bisection: of the {f.candidates} samples, only "
+                   f"{'this one holds' if len(f.culprit_samples) == 1 else 'these hold'} NaN/Inf in "
+                   f"`{f.module[len(INPUT_PREFIX):]}`.")
+    elif f.candidates == 1:
         reading = ("The micro-batch held only this sample, so bisection could not tell it apart from the "
                    "model state; replay another sample with these weights to be sure.")
     ids = ", ".join(_id(s) for s in f.culprit_samples[:MAX_NAMED_SAMPLES])
@@ -729,6 +766,24 @@ def _bad_sample(f: VerdictFacts) -> dict:
     return _result(VerdictKind.BAD_SAMPLE, headline, f, suggestions + hints + _pattern_hints(f), reading)
 
 
+def _update_too_large(f: VerdictFacts) -> dict:
+    """Window replay: a step with finite gradients whose own update wrecks the weights — the learning rate."""
+    at = f"At a learning rate of {_num(f.lr)}, the" if f.lr is not None else "The"
+    headline = (f"{at} update of {_where_step(f, micro_batch=False)} moves the weights by {f.update_change:.0%} of "
+                "their norm: the learning rate is too high for this model and the run diverges from there; no "
+                "sample is to blame.")
+    reading = ("Its gradients are finite and no small group of samples makes them large: the step size, not the "
+               "data, is what breaks the weights.")
+    scaled = f.lr * 0.01 / f.update_change if f.lr is not None and f.update_change else None
+    suggestions = [("Lower the learning rate: an update scales with it, so an lr around "
+                    f"{_num(scaled)} would move the weights by about 1% of their norm in this step; add a warm-up "
+                    "(start 10-100x lower) and restart from the last checkpoint before this step.") if scaled else
+                   "Lower the learning rate and add a warm-up, and restart from the last checkpoint before this step.",
+                   "Do not filter the samples of this step: any batch gives an update that size at this learning "
+                   "rate."]
+    return _result(VerdictKind.SPIKE_NO_SINGLE_CAUSE, headline, f, suggestions + _pattern_hints(f), reading)
+
+
 def _diverged(f: VerdictFacts) -> dict:
     """A spike in a run that was already far off: the run is the problem, not a sample of this step."""
     headline = (f"The {f.trigger_kind.words} at {_where_step(f)} is a symptom: the run had diverged long before, "
@@ -739,7 +794,8 @@ def _diverged(f: VerdictFacts) -> dict:
                    "whichever samples happen to be there."]
     reading = ("Samples whose removal ends the spike only carry the largest gradients of an unstable model; "
                "their data is not what is wrong.") if f.candidates > 1 else None
-    return _result(VerdictKind.SPIKE_NO_SINGLE_CAUSE, headline, f, suggestions + _pattern_hints(f), reading)
+    hints = [] if f.history_pattern is HistoryPattern.DIVERGED else _pattern_hints(f)  # said above already
+    return _result(VerdictKind.SPIKE_NO_SINGLE_CAUSE, headline, f, suggestions + hints, reading)
 
 
 def _spike(f: VerdictFacts) -> dict:

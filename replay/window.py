@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import logging
 import math
@@ -30,7 +31,9 @@ import torch
 from forensics.errors import DumpError, RecipeError, ReplayError
 from forensics.format import spec
 from forensics.grad_norm import total_grad_norm
+from forensics.kinds import Phase, TriggerKind
 from forensics.rng import restore_rng
+from forensics.trigger import Trigger
 from replay.execute import any_nonfinite
 from replay.load import ReplaySession, session_from_objects, to_device
 from replay.localize_update import relative_change
@@ -214,8 +217,9 @@ def replay_window(session: ReplaySession, dump: Any, checkpoint: Checkpoint, sta
         if outcome.broke or step == dump.step:
             model.load_state_dict(pre_model)
             optimizer.load_state_dict(pre_optimizer)
+            set_lr(optimizer, row.get("lr"))  # load_state_dict put back the lr of before this step's set_lr
             broken = _step_session(session, model, optimizer, batches, row, outcome, outcomes, grads_ok,
-                                   dump.trigger if step == dump.step else None)
+                                   Trigger.from_dict(dump.trigger) if step == dump.step else None)
             broken.followup = Followup(row, data, max_norm, pre_model,
                                        _following(dump, rows, step, data, session.device))
             return outcomes, broken
@@ -320,34 +324,34 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, session: 
 def _raised(exc: BaseException) -> dict:
     """A step that raised during a window replay, in the manifest's `exception` form (what its replay compares)."""
     frames = traceback.extract_tb(exc.__traceback__)[-40:]
-    return {"type": type(exc).__name__, "message": str(exc)[:4000], "during": "forward",
+    return {"type": type(exc).__name__, "message": str(exc)[:4000], "during": Phase.FORWARD.value,
             "frames": [{"file": f.filename, "line": f.lineno, "function": f.name} for f in frames]}
 
 
 def _step_session(session: ReplaySession, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list,
                   row: dict, outcome: StepOutcome, outcomes: list[StepOutcome], grads_ok: bool,
-                  dumped_trigger: dict | None = None) -> ReplaySession:
+                  dumped_trigger: Trigger | None = None) -> ReplaySession:
     """A ReplaySession of the step that broke the run (or of the dumped step, with its own `dumped_trigger`), from
     its pre-step state (model and optimizer as they were)."""
     exception = None
     if dumped_trigger is not None:
-        trigger = dict(dumped_trigger)
+        trigger = dumped_trigger
         exception = session.exception
     elif outcome.raised is not None:
-        trigger = {"kind": "exception", "value": None, "threshold": None, "micro_batch": None}
+        trigger = Trigger(TriggerKind.EXCEPTION)
         exception = outcome.raised
     elif not grads_ok:
-        trigger = {"kind": "nonfinite_loss" if not math.isfinite(outcome.replayed_loss or math.nan)
-                   else "nonfinite_grad", "value": outcome.replayed_loss, "threshold": None, "micro_batch": None}
+        trigger = Trigger(TriggerKind.NONFINITE_LOSS if not math.isfinite(outcome.replayed_loss or math.nan)
+                          else TriggerKind.NONFINITE_GRAD, outcome.replayed_loss)
     elif not outcome.weights_finite:
-        trigger = {"kind": "nonfinite_param", "value": math.nan, "threshold": None, "micro_batch": None}
+        trigger = Trigger(TriggerKind.NONFINITE_PARAM, math.nan)
     else:
         earlier = sorted(o.replayed_grad_norm for o in outcomes[:-1] if o.replayed_grad_norm is not None)
         typical = earlier[len(earlier) // 2] if earlier else (outcome.replayed_grad_norm or 1.0) / 10
-        trigger = {"kind": "grad_norm_spike", "value": outcome.replayed_grad_norm, "threshold": 3 * typical,
-                   "micro_batch": None}
+        trigger = Trigger(TriggerKind.GRAD_NORM_SPIKE, outcome.replayed_grad_norm, 3 * typical,
+                          update_change=outcome.relative_change if outcome.broke else None)
     if outcome.broke:
-        trigger["detail"] = f"window replay: step {outcome.step}: {outcome.broke}"
+        trigger = dataclasses.replace(trigger, detail=f"window replay: step {outcome.step}: {outcome.broke}")
     step_session = session_from_objects(model, batches, session.loss_fn, optimizer, device=session.device,
                                         sample_ids=[list(ids) for ids in row["sample_ids"]], rng_states=row["rng"],
                                         loss_divisor=float(row.get("divisor") or len(batches)),

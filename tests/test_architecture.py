@@ -100,5 +100,54 @@ def test_the_import_graph_has_no_cycles():
 
 def test_the_graph_sees_the_packages():
     graph = _graph()
-    assert "capture.guard" in graph and "forensics.format.writer" in graph["capture.guard"]
+    assert "capture.dumping" in graph and "forensics.format.writer" in graph["capture.dumping"]
     assert "replay.engine" in graph and "forensics.cli" in graph and _layer("forensics.format.reader") == 0
+
+
+# -- named kinds instead of strings (forensics/kinds.py) ------------------------------------------
+KIND_HOMES = {"forensics/kinds.py", "forensics/format/spec.py", "forensics/format/reader.py",
+              "forensics/format/writer.py", "forensics/format/manifest.py"}
+"""Where a kind's value may stand as a string: the kinds module and the format's reader / writer."""
+
+
+def _kind_literals() -> set[str]:
+    """Trigger-kind, phase and state-layout values. 'exception' and 'optimizer' are left out: they are also
+    the names of manifest sections and state keys."""
+    from forensics.kinds import Phase, StateLayout, TriggerKind
+    values = {k.value for kind in (TriggerKind, Phase, StateLayout) for k in kind}
+    return values - {TriggerKind.EXCEPTION.value, Phase.OPTIMIZER.value, StateLayout.AUTO.value}
+
+
+def test_no_trigger_kind_phase_or_layout_string_outside_the_kinds_module_and_the_format():
+    literals, found = _kind_literals(), []
+    for path in _modules().values():
+        relative = path.relative_to(ROOT).as_posix()
+        if relative in KIND_HOMES:
+            continue
+        tree = ast.parse(path.read_text(), relative)
+        docstrings = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value in literals and id(node) not in docstrings:
+                found.append(f"{relative}:{node.lineno}: {node.value!r}")
+    assert not found, "use the kind (forensics/kinds.py), not its string:\n" + "\n".join(found)
+
+
+def test_the_architecture_kinds_table_lists_every_kind_and_member():
+    import enum
+
+    from forensics import kinds
+    table = {}
+    for line in (ROOT / "docs" / "ARCHITECTURE.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| `") and len(cells) >= 2:
+            table[cells[0].strip("`")] = cells[1]
+    kinds_found = [k for k in vars(kinds).values()
+                   if isinstance(k, type) and issubclass(k, enum.Enum) and k.__module__ == kinds.__name__
+                   and not k.__name__.startswith("_")]
+    assert {k.__name__ for k in kinds_found} >= {"TriggerKind", "VerdictKind", "Phase", "StateLayout"}
+    for kind in kinds_found:
+        assert kind.__name__ in table, f"docs/ARCHITECTURE.md's kinds table lacks {kind.__name__}"
+        members = {m.strip() for m in table[kind.__name__].replace(",", " ").split()}
+        for member in kind:
+            assert str(member.value) in members or member.name in members, \
+                f"docs/ARCHITECTURE.md's kinds table lacks {kind.__name__}.{member.name}"

@@ -250,13 +250,7 @@ class DeepSpeedGuard(DistributedGuard):
         mapping = getattr(param, "_hp_mapping", None)
         if mapping is None:  # this rank holds none of it: an empty part keeps the parameter in the state's table
             return LocalShard(torch.zeros(0), tuple(param.shape), (0,), flat=True)
-        hp, lp = mapping.hp_fragment_address, mapping.lp_fragment_address
-        if key is None:
-            source = mapping.hp_fragment
-        else:
-            flat = self._hp_flat(mapping.param_group_index)
-            value = self.optimizer.optimizer.state.get(flat, {}).get(key) if flat is not None else None
-            source = value.narrow(0, hp.start, hp.numel) if isinstance(value, torch.Tensor) else None
+        source, lp = self._hp_source(mapping, key), mapping.lp_fragment_address
         if source is None:
             return None
         return LocalShard(source.detach().reshape(-1).float(), tuple(param.shape), (int(lp.start),), flat=True)
@@ -312,17 +306,21 @@ class DeepSpeedGuard(DistributedGuard):
             return None
         buffer = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
         if mapping is not None:
-            hp, lp = mapping.hp_fragment_address, mapping.lp_fragment_address
-            if key is None:
-                source = mapping.hp_fragment
-            else:
-                flat = self._hp_flat(mapping.param_group_index)
-                value = self.optimizer.optimizer.state.get(flat, {}).get(key) if flat is not None else None
-                source = value.narrow(0, hp.start, hp.numel) if isinstance(value, torch.Tensor) else None
+            source, lp = self._hp_source(mapping, key), mapping.lp_fragment_address
             if source is not None:
                 buffer.narrow(0, lp.start, lp.numel).copy_(source.reshape(-1).float())
         torch.distributed.all_reduce(buffer, group=group)
         return buffer.view(param.shape)
+
+    def _hp_source(self, mapping: Any, key: str | None) -> torch.Tensor | None:
+        """This rank's fragment of a ZeRO-1/2 parameter (DeepSpeed's `_hp_mapping`): the fp32 master (key None) or
+        optimizer state `key`, flat; None when the state has no such key yet."""
+        if key is None:
+            return mapping.hp_fragment
+        hp = mapping.hp_fragment_address
+        flat = self._hp_flat(mapping.param_group_index)
+        value = self.optimizer.optimizer.state.get(flat, {}).get(key) if flat is not None else None
+        return value.narrow(0, hp.start, hp.numel) if isinstance(value, torch.Tensor) else None
 
     def _hp_flat(self, group_index: int) -> torch.Tensor | None:
         for attribute in ("single_partition_of_fp32_groups", "fp32_groups_flat_partition"):

@@ -23,6 +23,7 @@ import torch
 from capture import Guard, GuardConfig, SpikeConfig
 from forensics.demo import models
 from forensics.errors import ForensicsError, TrainingFaultError
+from forensics.kinds import Phase, TriggerKind
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +51,9 @@ class Expected:
     module: str | None = None
     op: str | None = None
     parameter: str | None = None
-    phase: str | None = None
+    phase: Phase | None = None
     reproduced: bool = True
-    trigger: str = "nonfinite_loss"
+    trigger: TriggerKind = TriggerKind.NONFINITE_LOSS
     """The kind of trigger the Guard fired in the job."""
     top_sample: str | None = None
     """The sample ranked first by per-sample loss (spikes)."""
@@ -270,7 +271,7 @@ def _bad_sample(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
     run = Run("bad_sample", GPT2LMHeadModel(models.gpt2_config(n_embd=n_embd)), steps, hf_loss,
               _config(out_dir, "bad_sample"))
     return _finish(run, device, echo, Expected("bad_sample", (bad["sample_ids"],), module="transformer.h.0.ln_1",
-                                                phase="forward"))
+                                                phase=Phase.FORWARD))
 
 
 # -- (b) log(0) in a custom loss ------------------------------------------------------------------
@@ -287,7 +288,7 @@ def _log_zero(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
     bad["quality"] = torch.tensor(0.0)  # the quality filter "rejected" it with weight 0 instead of dropping it
     config = _config(out_dir, "log_zero", recipe={"loss": f"{models.MODULE}:quality_weighted_loss", "loss_kwargs": {}})
     run = Run("log_zero", GPT2LMHeadModel(models.gpt2_config()), steps, models.quality_weighted_loss, config)
-    return _finish(run, device, echo, Expected("bad_sample", (bad["sample_ids"],), op="aten::log", phase="forward"))
+    return _finish(run, device, echo, Expected("bad_sample", (bad["sample_ids"],), op="aten::log", phase=Phase.FORWARD))
 
 
 # -- (c) float16 overflow that fp32 does not have ---------------------------------------------------
@@ -308,7 +309,7 @@ def _fp16_overflow(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
     config = _config(out_dir, "fp16_overflow", recipe=_recipe("adapter_lm", kwargs))
     run = Run("fp16_overflow", model, steps, hf_loss, config, autocast=torch.float16)
     return _finish(run, device, echo, Expected("numerical_precision", (bad["sample_ids"],), module="adapter",
-                                                op="aten::mul", phase="forward"))
+                                                op="aten::mul", phase=Phase.FORWARD))
 
 
 # -- (d) Adam with eps=0 on a parameter whose gradient is zero ---------------------------------------
@@ -331,7 +332,7 @@ def _adam_eps_zero(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
     config = _config(out_dir, "adam_eps_zero", verify_update=True)
     run = Run("adam_eps_zero", model, steps, hf_loss, config, eps=0.0, before_step=before_step)
     return _finish(run, device, echo, Expected("optimizer_update", (), parameter="transformer.wpe.weight",
-                                                phase="optimizer", trigger="nonfinite_param",
+                                                phase=Phase.OPTIMIZER, trigger=TriggerKind.NONFINITE_PARAM,
                                                 optimizer_state_words=("exp_avg_sq", "eps")))
 
 
@@ -359,9 +360,9 @@ def _pair(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
     run = Run("pair", models.sensor_classifier(**kwargs), steps, dict_loss, config)
     pair = (saturated["sample_ids"], stuck["sample_ids"])
     cpu = torch.device(device).type == "cpu"
-    expected = Expected("bad_sample", pair, module="bn", parameter="bn.weight", phase="backward",
-                        trigger="nonfinite_grad") if cpu else \
-        Expected("bad_sample", pair, module="bn", phase="forward", trigger="nonfinite_loss")
+    expected = Expected("bad_sample", pair, module="bn", parameter="bn.weight", phase=Phase.BACKWARD,
+                        trigger=TriggerKind.NONFINITE_GRAD) if cpu else \
+        Expected("bad_sample", pair, module="bn", phase=Phase.FORWARD, trigger=TriggerKind.NONFINITE_LOSS)
     return _finish(run, device, echo, expected)
 
 
@@ -399,7 +400,7 @@ def _dropout_mask(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
     steps = make_steps(40, seed=9, make_record=lambda gen: {"input_ids": (ids := token_record(gen)), "labels": ids})
     config = _config(out_dir, "dropout_mask", recipe=_recipe("gated_lm", kwargs))
     run = Run("dropout_mask", models.gated_lm(**kwargs), steps, dict_loss, config)
-    return _finish(run, device, echo, Expected("model_state", (), op="aten::log", phase="forward"))
+    return _finish(run, device, echo, Expected("model_state", (), op="aten::log", phase=Phase.FORWARD))
 
 
 # -- (h) a finite loss spike from one sample --------------------------------------------------------
@@ -420,7 +421,7 @@ def _spike(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
     config = _config(out_dir, "spike", loss_spike=SpikeConfig(window=16, warmup=4),
                      grad_norm_spike=SpikeConfig(enabled=False))
     run = Run("spike", model, steps, hf_loss, config)
-    return _finish(run, device, echo, Expected("bad_sample", (bad["sample_ids"],), trigger="loss_spike",
+    return _finish(run, device, echo, Expected("bad_sample", (bad["sample_ids"],), trigger=TriggerKind.LOSS_SPIKE,
                                                 top_sample=bad["sample_ids"]))
 
 

@@ -2,8 +2,9 @@
 
 `check_manifest(raw, where)` walks every field readers use (docs/DUMP_FORMAT.md "manifest.json") and
 refuses wrong JSON types, out-of-range numbers, oversized lists and names that are not plain names,
-with a message naming the field. Optional sections may be absent or null; unknown keys are kept (a
-newer writer may add them). Names from a dump (run id, file names) must match NAME_PATTERN: they may
+with a message naming the field. An optional section (OPTIONAL_SECTIONS) may be absent, never null or of
+another type; fields inside sections may be null where documented; unknown keys are kept (a newer writer
+may add them). `trigger.kind` must be a kind this forensics knows. Names from a dump (run id, file names) must match NAME_PATTERN: they may
 later become part of a path or be printed, and neither may escape.
 """
 
@@ -17,11 +18,19 @@ from forensics.errors import DumpCorruptError
 from forensics.format import spec
 from forensics.format.digest import digest_of_chunks
 from forensics.format.limits import MAX_MICRO_BATCHES, MAX_NAME_CHARS, MAX_WORLD_SIZE
+from forensics.kinds import TriggerKind
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]*")
 """A run id or a file name: letters, digits, `_ . + -`, not starting with a dot (no '..', no '/')."""
 SHA256 = re.compile(r"[0-9a-f]{64}")
 MAX_STEP = 1 << 62
+OPTIONAL_SECTIONS: dict[str, type] = {
+    "loss": dict, "precision": dict, "recipe": dict, "determinism": dict, "environment": dict, "recheck": dict,
+    "distributed": dict, "exception": dict, "layout": dict, "window": dict, "data_recipe": dict, "snapshot": dict,
+    "state_missing": str, "missing_ranks": list,
+}
+"""Top-level sections a writer omits when it has nothing to say: when present, each has this JSON type."""
+_TYPE_WORDS = {dict: "an object", str: "a string", list: "a list"}
 
 
 def safe_name(value: Any) -> bool:
@@ -80,14 +89,18 @@ def check_manifest(manifest: dict, where: str) -> None:
     c.int(manifest.get("local_rank"), "local_rank", 0, MAX_WORLD_SIZE, optional=True)
     c.int(manifest.get("grad_accum"), "grad_accum", 0, MAX_MICRO_BATCHES, optional=True)
     c.kind(manifest["created_at"], "created_at", str, optional=False)
+    for key, expected in OPTIONAL_SECTIONS.items():
+        if key in manifest and not isinstance(manifest[key], expected):
+            raise c.fail(key, f"must be {_TYPE_WORDS[expected]} when present (a writer leaves out a section it has "
+                              f"nothing for), got {_short(manifest[key])}")
     batches = manifest["micro_batches"]
     c.each(batches, "micro_batches", lambda b, f: _micro_batch(c, b, f), MAX_MICRO_BATCHES, optional=False)
     _trigger(c, manifest["trigger"], len(batches))
     _loss(c, manifest.get("loss"))
     _precision(c, manifest.get("precision"))
     _recipe(c, manifest.get("recipe"))
-    for key in ("determinism", "environment", "recheck", "distributed"):
-        c.kind(manifest.get(key), key, dict)
+    gpus = (manifest.get("environment") or {}).get("gpus")
+    c.each(gpus, "environment.gpus", lambda g, f: c.kind(g, f, dict, optional=False), MAX_WORLD_SIZE)
     _exception(c, manifest.get("exception"))
     _layout(c, manifest.get("layout"), manifest["format_version"])
     _window(c, manifest.get("window"), manifest.get("data_recipe"))
@@ -110,7 +123,11 @@ def _micro_batch(c: _Checker, batch: Any, field: str) -> None:
 
 def _trigger(c: _Checker, trigger: Any, num_micro_batches: int) -> None:
     c.kind(trigger, "trigger", dict, optional=False)
-    c.kind(trigger.get("kind"), "trigger.kind", str)
+    kind = trigger.get("kind")
+    if kind is not None and kind not in TriggerKind.values():
+        raise c.fail("trigger.kind", f"is {_short(kind)}, which is none of the kinds this forensics knows "
+                                     f"({', '.join(TriggerKind.values())}); if a newer forensics wrote the dump, "
+                                     "upgrade (pip install -U forensics)")
     c.number(trigger.get("value"), "trigger.value")
     c.number(trigger.get("threshold"), "trigger.threshold")
     c.int(trigger.get("micro_batch"), "trigger.micro_batch", 0, max(num_micro_batches - 1, 0), optional=True)

@@ -119,6 +119,43 @@ def _cut(text: object, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+ZSTD_FRAME_HEADER_MAX = 18
+"""Bytes of the longest zstd frame header (it may declare the frame's decompressed size)."""
+
+
+def decompressed_limit(name: str) -> int:
+    """The most a zstd member may decompress to: a JSON skeleton as much as any JSON file, tensors MAX_DECOMPRESSED."""
+    return MAX_JSON_FILE if name.endswith(spec.JSON_ZSTD_SUFFIX) else MAX_DECOMPRESSED
+
+
+def _check_declared_size(head: bytes, path: Path, name: str, limit: int) -> None:
+    """Refuses a zstd frame whose header declares more than `limit` bytes (before anything is decompressed)."""
+    try:
+        declared = zstandard.get_frame_parameters(head).content_size
+    except zstandard.ZstdError as exc:
+        raise DumpCorruptError(f"{path} is not a valid zstd frame ({_cut(exc)})", name) from exc
+    if declared != zstandard.CONTENTSIZE_UNKNOWN and declared > limit:
+        raise DumpCorruptError(f"{path} declares {declared} decompressed bytes, more than the {limit} such a file "
+                               "may hold; refusing it", name)
+
+
+def _lstat_mode(path: Path) -> int:
+    try:
+        return os.lstat(path).st_mode
+    except OSError:
+        return 0
+
+
+def _check_rank_name(directory: Path, manifest: dict) -> None:
+    """A directory named for a rank (rank-<R>) holds that rank's dump: a copy of another rank's dump under its name
+    would be replayed, verified and counted twice while rank R's is lost."""
+    named = spec.rank_of_dir_name(directory.name)
+    if named is not None and named != manifest["rank"]:
+        raise DumpCorruptError(f"{directory} is named for rank {named}, but its manifest says rank {manifest['rank']}"
+                               f" (whose own directory is {spec.rank_dir_name(manifest['rank'])}): a rank dump was "
+                               f"copied or renamed, and rank {named}'s dump is not there", spec.MANIFEST)
+
+
 def is_rank_dump(path: Path) -> bool:
     return (path / spec.MANIFEST).is_file()
 
@@ -147,11 +184,15 @@ class Dump:
     def __init__(self, directory: Path, archive_tmp: Any = None):
         self.path = Path(directory)
         self.manifest = read_manifest(self.path)
+        _check_rank_name(self.path, self.manifest)
         self._archive_tmp = archive_tmp  # keeps an unpacked archive's temp dir alive
         self._verified: set[str] = set()
         self._handles: dict[str, Any] = {}
         self._optimizer_indexes: dict[spec.StateFiles, dict] = {}
         self._verifiers: dict[str, ChunkVerifier] = {}
+        self.set_aside: dict[str, str] = {}
+        """Listed files found damaged and left out (forensics.format.verify.set_aside_damaged): the dump reads as one
+        without them. File name -> why."""
         self.shard_dirs: list[Path] = []
         """Sharded layout: more directories (step, run or dump_dir of other nodes) holding this dump's ranks."""
 
@@ -175,6 +216,8 @@ class Dump:
         entry = self.manifest["files"].get(name)
         if entry is None:
             raise DumpCorruptError(f"{name} is not listed in {self.path / spec.MANIFEST}", name)
+        if name in self.set_aside:
+            raise DumpCorruptError(f"{self.path / name} was set aside: {self.set_aside[name]}", name)
         path = self.path / name
         try:
             info = os.lstat(path)
@@ -186,6 +229,9 @@ class Dump:
         if info.st_size != entry["size"]:
             raise DumpCorruptError(f"{path} is {info.st_size} bytes but the manifest says {entry['size']}: "
                                    "the file is truncated or was changed", name)
+        if name.endswith(".json") and info.st_size > MAX_JSON_FILE:  # refused before a byte is hashed
+            raise DumpCorruptError(f"{path} is {info.st_size} bytes, more than the {MAX_JSON_FILE} a JSON file may "
+                                   "have", name)
         return path, entry["size"], entry["sha256"]
 
     def verify_file(self, name: str) -> Path:
@@ -252,7 +298,8 @@ class Dump:
         return data
 
     def has_file(self, name: str) -> bool:
-        return name in self.manifest["files"]
+        """Listed in the manifest and not set aside as damaged."""
+        return name in self.manifest["files"] and name not in self.set_aside
 
     def _json(self, name: str) -> Any:
         try:
@@ -271,22 +318,47 @@ class Dump:
 
         return load_safetensors_file(self.verify_file(name), name)
 
-    def _zstd(self, name: str) -> bytes:
-        """A listed zstd file, decompressed while streaming with a hard cap on the output (whatever its
-        frame header declares)."""
+    def _zstd_chunks(self, name: str) -> Iterator[bytes]:
+        """A listed zstd member (verified), decompressed while streaming in HASH_CHUNK pieces; refused as soon as its
+        output passes the cap for its kind (decompressed_limit: a JSON skeleton at most MAX_JSON_FILE), and at once
+        when its frame header declares more, whatever it then holds."""
         path = self.verify_file(name)
-        chunks, total = [], 0
+        limit, total = decompressed_limit(name), 0
         try:
-            with open(path, "rb") as raw, zstandard.ZstdDecompressor().stream_reader(raw) as stream:
-                while chunk := stream.read(HASH_CHUNK):
-                    total += len(chunk)
-                    if total > MAX_DECOMPRESSED:
-                        raise DumpCorruptError(f"{path} decompresses to more than {MAX_DECOMPRESSED} bytes; "
-                                               "refusing it", name)
-                    chunks.append(chunk)
+            with open(path, "rb") as raw:
+                _check_declared_size(raw.read(ZSTD_FRAME_HEADER_MAX), path, name, limit)
+                raw.seek(0)
+                with zstandard.ZstdDecompressor().stream_reader(raw) as stream:
+                    while chunk := stream.read(HASH_CHUNK):
+                        total += len(chunk)
+                        if total > limit:
+                            raise DumpCorruptError(f"{path} decompresses to more than {limit} bytes, the most such "
+                                                   "a file may hold; refusing it", name)
+                        yield chunk
         except zstandard.ZstdError as exc:
-            raise DumpCorruptError(f"{path} is not a valid zstd frame ({exc})", name) from exc
-        return b"".join(chunks)
+            raise DumpCorruptError(f"{path} is not a valid zstd frame ({_cut(exc)})", name) from exc
+
+    def _zstd(self, name: str) -> bytearray:
+        """A listed zstd member, decompressed into one growing buffer (never a list of chunks joined at the end)."""
+        out = bytearray()
+        for chunk in self._zstd_chunks(name):
+            out += chunk
+        return out
+
+    def check_decompressed_size(self, name: str) -> None:
+        """`verify`: a listed zstd member decompresses within its cap (streamed; nothing is kept)."""
+        for _ in self._zstd_chunks(name):
+            pass
+
+    def check_declared_sizes(self) -> None:
+        """`inspect`: no zstd member's frame header declares more than its cap (a few bytes read per member; a member
+        that is missing or not a regular file is left to `verify`)."""
+        for name, entry in self.manifest["files"].items():
+            path = self.path / name
+            if not name.endswith(spec.ZSTD_SUFFIX) or not stat.S_ISREG(_lstat_mode(path)):
+                continue
+            with open(path, "rb") as raw:
+                _check_declared_size(raw.read(ZSTD_FRAME_HEADER_MAX), path, name, decompressed_limit(name))
 
     # -- the sharded layout (forensics.format.shards) ---------------------------------------------
     @property
@@ -488,6 +560,31 @@ class Dump:
             raise DumpCorruptError(f"{self.path / spec.WINDOW_JSON} does not have the documented layout "
                                    f"({type(exc).__name__}: {_cut(exc, 120)})", spec.WINDOW_JSON) from exc
         return out
+
+    def precursors(self) -> dict | None:
+        """The precursor monitor's table (docs/DUMP_FORMAT.md `precursors.json`): `{"columns": [{"layer",
+        "statistic"}], "steps": [int], "values": [[float | None per column] per step], "firings": [...],
+        "config": {...}}`, shapes checked; None when the dump has none. Layer names are untrusted text."""
+        if not self.has_file(spec.PRECURSORS):
+            return None
+        table = self._json_object(spec.PRECURSORS, ("columns", "steps", "values"))
+        try:
+            columns, steps, values = list(table["columns"]), list(table["steps"]), list(table["values"])
+            if not all(isinstance(c, dict) and isinstance(c.get("layer"), str) and isinstance(c.get("statistic"), str)
+                       for c in columns):
+                raise ValueError("every column must be {'layer': str, 'statistic': str}")
+            if len(steps) != len(values) or not all(isinstance(s, int) and not isinstance(s, bool) for s in steps):
+                raise ValueError("one integer step per row")
+            for row in values:
+                if not isinstance(row, list) or len(row) != len(columns) or not all(
+                        v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in row):
+                    raise ValueError(f"every row must hold {len(columns)} numbers or nulls")
+            firings = [f for f in table.get("firings") or [] if isinstance(f, dict)]
+        except (TypeError, ValueError) as exc:
+            raise DumpCorruptError(f"{self.path / spec.PRECURSORS} does not have the documented layout ({_cut(exc, 120)})",
+                                   spec.PRECURSORS) from exc
+        config = table.get("config") if isinstance(table.get("config"), dict) else {}
+        return {"columns": columns, "steps": steps, "values": values, "firings": firings, "config": config}
 
     def history(self) -> dict:
         history = self._json_object(spec.HISTORY)

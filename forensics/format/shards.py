@@ -121,7 +121,8 @@ class ShardIndex:
                 self._add(dump, file, file, shards)
         for dump in dumps:
             for stored, copy in (dump.manifest["layout"].get("copies") or {}).items():
-                self._add(dump, copy["of"], stored, copy["shards"])
+                if stored not in dump.set_aside:  # a damaged copy covers nothing
+                    self._add(dump, copy["of"], stored, copy["shards"])
 
     def _add(self, dump: Dump, file: str, stored: str, shards: dict) -> None:
         """The boxes of `file`'s tensors that `dump` stores in its file `stored`."""

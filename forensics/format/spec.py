@@ -31,7 +31,12 @@ WINDOW_JSON = "window.json"
 """The flight recorder: per recorded step before this one, sample IDs, RNG meta and scalars (OPTIONAL)."""
 WINDOW_RNG = "window-rng.safetensors"
 """The flight recorder's RNG tensors, keyed s<step>/mb<i>/... (OPTIONAL)."""
+PRECURSORS = "precursors.json"
+"""The precursor monitor's per-layer statistics of the recent steps, and what fired (OPTIONAL; GuardConfig.precursors)."""
 ARCHIVE_SUFFIX = ".tar.zst"
+ZSTD_SUFFIX = ".zst"
+JSON_ZSTD_SUFFIX = ".json.zst"
+"""A micro-batch's JSON skeleton (batch_json_name): capped like any JSON file once decompressed."""
 
 
 class StateFiles(NamedTuple):
@@ -82,7 +87,7 @@ def batch_tensors_name(index: int) -> str:
 
 
 def batch_json_name(index: int) -> str:
-    return f"batch-{index:03d}.json.zst"
+    return f"batch-{index:03d}{JSON_ZSTD_SUFFIX}"
 
 
 def step_dir_name(step: int) -> str:
@@ -91,3 +96,9 @@ def step_dir_name(step: int) -> str:
 
 def rank_dir_name(rank: int) -> str:
     return f"rank-{rank:05d}"
+
+
+def rank_of_dir_name(name: str) -> int | None:
+    """The rank a directory name of the rank_dir_name form says (None for any other name)."""
+    prefix, _, digits = name.partition("-")
+    return int(digits) if prefix == "rank" and digits.isascii() and digits.isdigit() else None

@@ -116,15 +116,61 @@ def check_header(data: bytes | memoryview, name: str) -> None:
         raise DumpCorruptError(f"{name} has a safetensors header of {size} bytes that does not fit the file", name)
 
 
-def load_safetensors_bytes(data: bytes, name: str) -> dict[str, torch.Tensor]:
-    """Parses a whole safetensors blob (already checksummed) into CPU tensors."""
-    from safetensors.torch import load
+def load_safetensors_bytes(data: bytes | bytearray, name: str) -> dict[str, torch.Tensor]:
+    """Parses a whole safetensors blob (already checksummed) into CPU tensors that share its memory (a decompressed
+    micro-batch is never copied again); the header is checked as SafetensorsFile checks it."""
+    from forensics.format.jsonio import parse_json
 
     check_header(data, name)
+    if isinstance(data, bytes):
+        data = bytearray(data)  # tensors share a writable buffer (the reader's decompressed ones are already)
+    (length,) = struct.unpack("<Q", bytes(data[:8]))
     try:
-        return load(data)
-    except Exception as exc:  # safetensors raises its own error types
-        raise DumpCorruptError(f"{name} is not valid safetensors: {exc}", name) from exc
+        header = parse_json(bytes(data[8:8 + length]))
+    except ValueError as exc:
+        raise DumpCorruptError(f"{name} has a safetensors header that is not valid JSON", name) from exc
+    tensors = {}
+    for key, (dtype, shape, offset, nbytes) in parse_entries(header, 8 + length, len(data), name).items():
+        if nbytes == 0:
+            tensors[key] = torch.empty(shape, dtype=dtype)
+            continue
+        raw = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=offset)
+        if offset % raw.new_empty((), dtype=dtype).element_size():
+            raw = raw.clone()  # an unaligned entry (not from forensics's writer): its own aligned copy
+        tensors[key] = raw.view(dtype).reshape(shape)
+    return tensors
+
+
+def parse_entries(header: object, start: int, size: int, name: str) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
+    """{key: (dtype, shape, file offset, bytes)} of a parsed safetensors header whose data section runs from `start`
+    to `size`, after checking every entry: a known dtype, a shape and byte range that agree and lie inside the
+    data, no two entries overlapping."""
+    if not isinstance(header, dict):
+        raise DumpCorruptError(f"{name}: the safetensors header is not an object", name)
+    entries, spans = {}, []
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype = _DTYPES_BY_CODE[entry["dtype"]]
+            shape = [int(n) for n in entry["shape"]]
+            begin, end = (int(o) for o in entry["data_offsets"])
+            numel = 1
+            for n in shape:
+                numel *= n
+            ok = all(n >= 0 for n in shape) and 0 <= begin <= end <= size - start and \
+                end - begin == numel * torch.empty((), dtype=dtype).element_size()
+        except (KeyError, TypeError, ValueError, AttributeError):
+            ok = False
+        if not ok:
+            raise DumpCorruptError(f"{name}: safetensors entry {str(key)[:120]!r} has a malformed dtype, "
+                                   "shape or byte range", name)
+        entries[key] = (dtype, shape, start + begin, end - begin)
+        spans.append((begin, end))
+    spans.sort()
+    if any(a_end > b_begin for (_, a_end), (b_begin, _) in zip(spans, spans[1:])):
+        raise DumpCorruptError(f"{name}: safetensors entries overlap", name)
+    return entries
 
 
 def load_safetensors_file(path, name: str) -> dict[str, torch.Tensor]:
@@ -173,32 +219,7 @@ class SafetensorsFile:
             header = parse_json(os.pread(self._fd, length, 8))
         except ValueError as exc:
             raise DumpCorruptError(f"{self.name} has a safetensors header that is not valid JSON", self.name) from exc
-        if not isinstance(header, dict):
-            raise DumpCorruptError(f"{self.name}: the safetensors header is not an object", self.name)
-        start, entries, spans = 8 + length, {}, []
-        for key, entry in header.items():
-            if key == "__metadata__":
-                continue
-            try:
-                dtype = _DTYPES_BY_CODE[entry["dtype"]]
-                shape = [int(n) for n in entry["shape"]]
-                begin, end = (int(o) for o in entry["data_offsets"])
-                numel = 1
-                for n in shape:
-                    numel *= n
-                ok = all(n >= 0 for n in shape) and 0 <= begin <= end <= size - start and \
-                    end - begin == numel * torch.empty((), dtype=dtype).element_size()
-            except (KeyError, TypeError, ValueError, AttributeError):
-                ok = False
-            if not ok:
-                raise DumpCorruptError(f"{self.name}: safetensors entry {str(key)[:120]!r} has a malformed dtype, "
-                                       "shape or byte range", self.name)
-            entries[key] = (dtype, shape, start + begin, end - begin)
-            spans.append((begin, end))
-        spans.sort()
-        if any(a_end > b_begin for (_, a_end), (b_begin, _) in zip(spans, spans[1:])):
-            raise DumpCorruptError(f"{self.name}: safetensors entries overlap", self.name)
-        return entries
+        return parse_entries(header, 8 + length, size, self.name)
 
     def keys(self) -> list[str]:
         return sorted(self._entries)  # safetensors' own order: sorted by name

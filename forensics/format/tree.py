@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,18 @@ class EncodedTree:
     skeleton: Any
     tensors: dict[str, torch.Tensor]
     unreplayable: list[dict]  # [{"path": "batch['pixels']", "type": "PIL.Image"}]
+
+
+def tensor_leaves(node: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(path, tensor) of every tensor in a batch tree, in order: 'input_ids', 'meta.lengths', '[1][0]'."""
+    if isinstance(node, torch.Tensor):
+        yield path, node
+    elif isinstance(node, Mapping):
+        for key, value in node.items():
+            yield from tensor_leaves(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(node, (list, tuple)):
+        for i, value in enumerate(node):
+            yield from tensor_leaves(value, f"{path}[{i}]")
 
 
 def storable(tensor: torch.Tensor) -> bool:
@@ -69,8 +81,8 @@ def decode_tree(skeleton: Any, tensors: dict[str, torch.Tensor], path: str = "ba
         raise DumpCorruptError(f"batch skeleton node at {path} is malformed")
     (kind, payload), = skeleton.items()
     if kind == "tensor":
-        if payload not in tensors:
-            raise DumpCorruptError(f"batch skeleton at {path} names missing tensor {payload!r}")
+        if not isinstance(payload, str) or payload not in tensors:
+            raise DumpCorruptError(f"batch skeleton at {path} names missing tensor {str(payload)[:120]!r}")
         return tensors[payload]
     if kind in ("dict", "list", "tuple") and not isinstance(payload, list):
         raise DumpCorruptError(f"batch skeleton {kind} node at {path} must hold a list")

@@ -44,6 +44,8 @@ def _check_rank(dump: Dump) -> list[Problem]:
     for name in listed:
         try:
             dump.verify_file(name)
+            if name.endswith(spec.ZSTD_SUFFIX):
+                dump.check_decompressed_size(name)
         except DumpError as exc:
             problems.append(Problem(str(dump.path / name), str(exc)))
     for path in sorted(dump.path.iterdir()):
@@ -56,6 +58,61 @@ def _check_rank(dump: Dump) -> list[Problem]:
             if name not in listed:
                 problems.append(Problem(str(dump.path / name), "micro-batch file is missing from the manifest"))
     return problems
+
+
+@dataclass(frozen=True)
+class Damage:
+    """An optional part of a rank dump found damaged before a replay, and left out of it."""
+
+    file: str
+    """The damaged file (a listed name)."""
+    problem: str
+    lost: str
+    """What that part would have told, in words: the replay goes on without it."""
+
+    def as_dict(self) -> dict:
+        return {"file": self.file, "problem": self.problem, "lost": self.lost}
+
+
+FLIGHT_RECORDER = (spec.WINDOW_JSON, spec.WINDOW_RNG)
+
+
+def _optional_part(dump: Dump, name: str) -> tuple[tuple[str, ...], str] | None:
+    """The files of the optional part `name` belongs to and what the part tells (None: an essential file)."""
+    if name in FLIGHT_RECORDER:
+        return FLIGHT_RECORDER, "the flight recorder (the steps before this one): the window replay is skipped"
+    if name in spec.SNAPSHOT_STATE:
+        return tuple(spec.SNAPSHOT_STATE), ("the Guard's host snapshot of an earlier step: the window replay from it "
+                                            "is skipped")
+    copy = ((dump.manifest.get("layout") or {}).get("copies") or {}).get(name)
+    if copy is not None:
+        return (name,), (f"the buddy copy of rank {copy['rank']}'s shards: it is used only where that rank's own "
+                         "dump is missing")
+    return None
+
+
+def set_aside_damaged(dump: Dump) -> list[Damage]:
+    """Before a replay: verifies every file the manifest lists (size and sha256, as `verify` does; a link, FIFO or
+    device is refused without being opened). A damaged optional part (the flight recorder, the host snapshot, a
+    buddy copy) is set aside with all its files, so the dump reads as one without it, and described.
+
+    Raises:
+        DumpCorruptError: an essential file is damaged, missing or not a regular file (naming it).
+    """
+    damaged = []
+    for name in dump.manifest["files"]:
+        if name in dump.set_aside:
+            continue
+        try:
+            dump.verify_file(name)
+        except DumpError as exc:
+            part = _optional_part(dump, name)
+            if part is None:
+                raise
+            files, lost = part
+            dump.set_aside.update({file: f"{name} is damaged ({exc})" for file in files if dump.has_file(file)})
+            damaged.append(Damage(name, str(exc), lost))
+    return damaged
 
 
 def _check_shards(dumps: list[Dump]) -> list[Problem]:

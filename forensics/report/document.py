@@ -110,7 +110,9 @@ def build_sections(report: Mapping) -> list[Section]:
     Every string in the result is raw (unescaped) text from the report; renderers escape it.
     Each optional section says "not run" when the report has no data for it.
     """
-    builders = (_summary, _where, _reproduction, _culprit, *((_exception,) if report.get("exception") else ()),
+    builders = (_summary, *((_precursor,) if report.get("precursor") else ()), *((_repro,) if report.get("repro") else ()),
+                _where, _reproduction, _culprit,
+                *((_exception,) if report.get("exception") else ()),
                 _remedies, _precision, _bisection, _per_sample, _per_layer, _history, _environment, _timings)
     out = []
     for build in builders:
@@ -351,6 +353,40 @@ def _per_sample(report: Mapping) -> Section:
     title = f"Per-sample losses (top {len(top)} of {len(rows)} by loss)"
     return Section(title, [Para([per_sample_sentence(report) or ""]), Plot("per_sample"), table],
                    "per-sample")
+
+
+def _precursor(report: Mapping) -> Section:
+    """A precursor report: the statistics that grew, earliest start first."""
+    block = section(report, "precursor")
+    rows = [r for r in block.get("ranking") or [] if isinstance(r, dict)]
+    fired = block.get("fired") if isinstance(block.get("fired"), dict) else None
+    blocks: list[Block] = []
+    if fired:
+        blocks.append(Para(["In the job, ", Code(clean(fired.get("statistic"), MAX_CELL_CHARS)), " of ",
+                            Code(clean(fired.get("layer"), MAX_CELL_CHARS)), f" fired at step {fmt_num(fired.get('step'))}"
+                            f" (started at step {fmt_num(fired.get('started'))})."]))
+    blocks.append(Plot("precursor"))
+    table = Table(["#", "layer", "statistic", "started at step", "baseline", "at the dump", "growth"], [], [])
+    for i, r in enumerate(rows, 1):
+        table.rows.append([str(i), _code_or_na(r.get("layer")), clean(r.get("words") or r.get("statistic")),
+                           fmt_num(r.get("started")), fmt_num(r.get("baseline")), fmt_num(r.get("last")),
+                           f"{fmt_num(r.get('growth'), 3)}x"])
+        table.highlight.append(i == 1)
+    blocks.append(table if rows else Para(["No statistic shows a sustained growth in the recorded window."]))
+    title = f"Precursors ({fmt_num(block.get('ranked'))} of {fmt_num(block.get('columns'))} statistics grew)"
+    return Section(title, blocks, "precursor")
+
+
+def _repro(report: Mapping) -> Section:
+    """`forensics repro`: where the standalone scripts are."""
+    block = section(report, "repro")
+    files = block.get("files") if isinstance(block.get("files"), dict) else {}
+    rows: list[tuple[str, Inline]] = [("Directory", _code_or_na(block.get("directory"))),
+                                      ("Op", _code_or_na(block.get("op")))]
+    rows += [(clean(key), _code_or_na(path)) for key, path in files.items()]
+    text = ("Standalone reproduction: each script fails with an AssertionError while the bug is there "
+            "(op_repro.py needs only torch; model_repro.py needs the model code).")
+    return Section("Standalone reproduction", [Para([text]), _kv_table(rows)], "repro")
 
 
 def _per_layer(report: Mapping) -> Section:

@@ -17,7 +17,8 @@ from forensics.kinds import VerdictKind
 log = logging.getLogger(__name__)
 
 SCHEMA = "forensics-report/1"
-SCHEMA_MAJOR = 2  # the newest major this reader implements; 2 = 1 + verdict.kind "exception" and its block
+SCHEMA_MAJOR = 3  # the newest major this reader implements; 2 = 1 + verdict.kind "exception" and its block;
+# 3 = 2 + verdict.kind "instability_ahead" and the `precursor` block (a precursor dump)
 _SCHEMA_RE = re.compile(r"^forensics-report/(\d+)$")
 
 VERDICT_KINDS = tuple(kind.value for kind in VerdictKind)  # the values verdict.kind may take (newest major)
@@ -113,10 +114,10 @@ def validate_report(d: Any) -> dict:
     Raises:
         ReportError: with a message naming the offending field.
     Example:
-        >>> validate_report({"schema": "forensics-report/3"})
+        >>> validate_report({"schema": "forensics-report/4"})
         Traceback (most recent call last):
         ...
-        forensics.report.model.ReportError: report uses schema forensics-report/3, newer than ...
+        forensics.report.model.ReportError: report uses schema forensics-report/4, newer than ...
     """
     if not isinstance(d, dict):
         raise ReportError(f"a report must be a JSON object, got {_type_name(d)}")

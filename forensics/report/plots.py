@@ -226,7 +226,44 @@ def plot_per_sample(report: Mapping) -> bytes | None:
     return _png(fig)
 
 
+def plot_precursors(report: Mapping) -> bytes | None:
+    """A precursor report: the leading statistics over the recorded window, each divided by its baseline (log y),
+    the step each started to grow marked with a dot, the dumped step with a line. None without series."""
+    block = section(report, "precursor")
+    steps, series = block.get("steps") or [], [s for s in block.get("series") or [] if isinstance(s, dict)]
+    if not steps or not series:
+        return None
+    fig = _new_figure(9, 4.5)
+    ax = fig.subplots()
+    colors = (RED, ORANGE, BLUE, GREY, "#8e44ad", "#27ae60")
+    for i, row in enumerate(series):
+        baseline = as_float(row.get("baseline"))
+        if not baseline or not math.isfinite(baseline) or baseline <= 0:
+            continue
+        points = [(s, as_float(v) / baseline) for s, v in zip(steps, row.get("values") or [])
+                  if as_float(v) is not None and math.isfinite(as_float(v)) and as_float(v) > 0]
+        if not points:
+            continue
+        color = colors[i % len(colors)]
+        label = f"{i + 1}. {_label(row.get('layer'))} {_label(row.get('statistic'))}"
+        ax.plot([p[0] for p in points], [p[1] for p in points], color=color, lw=2.2 if i == 0 else 1.2, label=label)
+        start = next((p for p in points if p[0] == row.get("started")), None)
+        if start is not None:
+            ax.plot([start[0]], [start[1]], "o", color=color)
+    _log_axis(ax.yaxis, ax.set_yscale)
+    step = section(report, "dump").get("step")
+    if isinstance(step, int):
+        ax.axvline(step, color=RED, ls="--", lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("value / baseline (log)")
+    ax.set_title("Per-layer statistics that grew, in the order they started (dot: start; dashed: dumped step)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper left", fontsize=7)
+    return _png(fig)
+
+
 PLOTS: dict[str, tuple[str, Callable[[Mapping], bytes | None]]] = {
+    "precursor": ("Per-layer statistics over the window, the first to grow marked", plot_precursors),
     "history": ("Loss and grad-norm history, trigger step marked", plot_history),
     "per_layer": ("Per-layer grad norm and output abs-max", plot_per_layer),
     "per_sample": ("Per-sample loss, culprit highlighted", plot_per_sample),

@@ -176,4 +176,4 @@ def render_html(report: Mapping, *, plots: bool = True) -> str:
 
 def _has_plot_data(report: Mapping) -> bool:
     return bool(section(report, "history").get("step") or report.get("per_layer")
-                or report.get("per_sample"))
+                or report.get("per_sample") or section(report, "precursor").get("series"))

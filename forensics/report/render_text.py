@@ -9,6 +9,7 @@ import os
 from typing import Any, Mapping
 
 from forensics.report.model import as_float
+from forensics.kinds import Phase
 from forensics.report.wording import (MAX_LISTED_SAMPLES, clean, fmt_id, fmt_list, fmt_num, mb_number, mb_phrase,
                                       pattern_words, trigger_detail, verdict_label)
 
@@ -75,7 +76,18 @@ def where_sentence(report: Mapping) -> str:
     missing = dump.get("missing_ranks") or []
     if missing:
         text += f" Ranks that wrote no dump: {', '.join(str(r) for r in missing)}."
-    return text
+    damage = damage_sentence(report)
+    return f"{text} {damage}" if damage else text
+
+
+def damage_sentence(report: Mapping) -> str:
+    """'The dump is damaged: window.json (...) — the flight recorder ...: the window replay is skipped.' ('' if not)."""
+    damaged = [d for d in section(report, "dump").get("damaged") or [] if isinstance(d, dict)]
+    if not damaged:
+        return ""
+    parts = [f"{clean(d.get('file'), 80)} ({clean(d.get('problem'), 200)}) — {clean(d.get('lost'), 200)}"
+             for d in damaged]
+    return "The dump is damaged, and the replay went on without the damaged parts: " + "; ".join(parts) + "."
 
 
 def trigger_sentence(report: Mapping) -> str:
@@ -98,6 +110,8 @@ def reproduction_sentence(report: Mapping) -> str:
     replay = section(section(report, "environment"), "replay")
     device = replay.get("device") or "the replay device"
     on = f"on {clean(device)}" + (f" ({clean(replay['gpu'])})" if replay.get("gpu") else "")
+    if fid.get("mode") == "not_replayed":
+        return f"Not replayed: {clean(fid.get('reason') or 'nothing to reproduce', 300)}."
     attempts = fid.get("attempts")
     att = f"{attempts} attempt{'s' if attempts != 1 else ''}" if isinstance(attempts, int) else None
     if report.get("reproduced"):
@@ -151,7 +165,7 @@ def location_sentence(report: Mapping) -> str | None:
     param, opt_state = c.get("parameter"), c.get("optimizer_state")
     stats = c.get("stats") if isinstance(c.get("stats"), dict) else {}
     nonfinite = str(section(report, "trigger").get("kind") or "").startswith("nonfinite")
-    if phase == "optimizer":
+    if phase == Phase.OPTIMIZER:
         text = "The optimizer update broke " + (f"parameter {clean(param)}" if param else "the weights")
         if opt_state:
             text += f" ({clean(opt_state)})"
@@ -167,15 +181,15 @@ def location_sentence(report: Mapping) -> str | None:
         text += f" at {clean(module)}"
     if op:
         text += f" ({clean(op)})"
-    facts = [f"{label} abs-max {fmt_num(stats.get(key), 3)}"
-             for key, label in (("inputs_absmax", "input"), ("outputs_absmax", "output"),
+    facts = [f"{label} holds NaN" if fmt_num(stats.get(key)) == "nan" else
+             f"{label} abs-max {fmt_num(stats.get(key), 3)}" for key, label in (("inputs_absmax", "input"), ("outputs_absmax", "output"),
                                 ("params_absmax", "weight"))
              if stats.get(key) is not None]
     if facts:
         text += ": " + ", ".join(facts)
     text += "."
     if param:
-        text += (f" First parameter with a non-finite gradient: {clean(param)}." if phase == "backward" else
+        text += (f" First parameter with a non-finite gradient: {clean(param)}." if phase == Phase.BACKWARD else
                  f" Non-finite parameter feeding it: {clean(param)}.")
     if opt_state:
         text += f" Optimizer state: {clean(opt_state)}."
@@ -192,6 +206,11 @@ def culprit_sentence(report: Mapping) -> str | None:
     found = bisection_phrase(bis)
     n_mb = section(report, "dump").get("num_micro_batches")
     if not samples:
+        if bis.get("unblamed_group"):
+            test = "whose removal ends the spike" if bis.get("test") == "removal" else "that fails"
+            return (f"No culprit sample: the smallest set {test} is {fmt_num(bis.get('unblamed_group'))} of the "
+                    f"{fmt_num(bis.get('candidates'))} samples ({bis.get('runs', '?')} replays), too large a share "
+                    "of the step to blame any of them; no blocklist is written.")
         if bis.get("candidates"):
             return (f"No culprit sample: bisecting {bis.get('candidates')} samples "
                     f"({bis.get('runs', '?')} replays) found no subset that fails on its own.")
@@ -266,7 +285,8 @@ def history_sentence(report: Mapping) -> str | None:
         text += f" ({fmt_list(losses, 6)})"
     if meaning:
         text += f" — {meaning}"
-    return text + "."
+    shows = [clean(str(line), 400) for line in section(report, "history").get("shows") or []]
+    return " ".join([text + "."] + shows)
 
 
 def per_sample_sentence(report: Mapping) -> str | None:

@@ -166,6 +166,24 @@ def make_report(kind: str = "bad_sample", *, sample_ids: list | None = None,
                           "position 16.",
                  explanation="The replay raised IndexError where the job did.",
                  suggestions=["Filter the sample and fix the record."])
+    elif kind == "instability_ahead":
+        r["schema"] = "forensics-report/3"
+        r["trigger"].update(kind="precursor", value=4.25, threshold=0.11, micro_batch=None,
+                            detail="attention-logit bound of transformer.h.0 has stayed above its baseline")
+        r["reproduced"] = False
+        r["fidelity"] = {"mode": "not_replayed", "reason": "a precursor dump holds a healthy step"}
+        r["culprit"].update(samples=[], module="transformer.h.0", op=None, phase=None)
+        r["per_sample"] = r["per_layer"] = r["precision"] = None
+        r["precursor"] = {"fired": None, "ranked": 1, "columns": 20, "steps": [1, 2, 3, 4],
+                          "ranking": [{"layer": "transformer.h.0", "statistic": "attention_logit_bound",
+                                       "words": "attention-logit bound", "started": 2, "baseline": 0.1, "last": 4.0,
+                                       "growth": 40.0}],
+                          "series": [{"layer": "transformer.h.0", "statistic": "attention_logit_bound", "started": 2,
+                                      "baseline": 0.1, "values": [0.1, 0.5, 2.0, 4.0]}]}
+        v.update(headline="Instability ahead at step 41217: the attention-logit bound of `transformer.h.0` started to "
+                          "grow first, at step 2.",
+                 explanation="1 of 20 per-layer statistics left their baseline.",
+                 suggestions=["Add QK-norm."])
     else:
         raise ValueError(f"unknown verdict kind {kind!r}")
     for key, value in overrides.items():

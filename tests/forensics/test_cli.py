@@ -130,7 +130,8 @@ def test_list_shows_every_dump_whether_replayed_and_the_unfinished_ones(dumps, t
 
     root = tmp_path / "dumps"
     for name, path in dumps.items():
-        shutil.copytree(path.parent, root / f"demo-{name}" / path.parent.name)
+        shutil.copytree(path.parent, root / f"demo-{name}" / path.parent.name,  # not the other tests' replays
+                        ignore=shutil.ignore_patterns("replays.jsonl", "report-rank*"))
     stale = root / "demo-sdc" / "step-000000099" / ".tmp-rank-00000-0123abcd"
     stale.mkdir(parents=True)
     import os
@@ -138,15 +139,21 @@ def test_list_shows_every_dump_whether_replayed_and_the_unfinished_ones(dumps, t
 
     old = time.time() - 3 * 86400
     os.utime(stale, (old, old))
-    reports = tmp_path / "reports"
     sdc = next(p for p in (root / "demo-sdc").glob("step-*") if p.name != "step-000000099")
-    invoke(["replay", sdc, "--device", "cpu", "-o", reports / f"demo-sdc-step{int(sdc.name[5:])}-rank0"],
-           exit_code=ExitCode.NOT_REPRODUCED)
-    rows = json.loads(invoke(["list", root, "--verify", "--reports", reports, "--json"], exit_code=0).stdout)
+    anywhere = tmp_path / "my-reports" / "sdc"  # -o anywhere: list still finds it (the step dir's replays.jsonl)
+    invoke(["replay", sdc, "--device", "cpu", "-o", anywhere], exit_code=ExitCode.NOT_REPRODUCED)
+    dropout = next((root / "demo-dropout_mask").glob("step-*"))
+    default = CliRunner().invoke(main, ["replay", str(dropout), "--device", "cpu", "--no-rng-check"])
+    assert str(dropout / "report-rank0" / "report.md") in default.stdout  # by default beside the rank dirs
+    rows = json.loads(invoke(["list", root, "--verify", "--json"], exit_code=0).stdout)
     by_run = {r["run_id"]: r for r in rows["dumps"]}
     assert sorted(by_run) == ["demo-bad_sample", "demo-dropout_mask", "demo-sdc"]
     assert all(r["verified"] is True and r["ranks"] == [0] and r["world_size"] == 1 for r in rows["dumps"])
-    assert by_run["demo-sdc"]["report"] and by_run["demo-bad_sample"]["report"] is None
+    assert by_run["demo-sdc"]["report"] == str((anywhere / "report.json").resolve())
+    assert by_run["demo-dropout_mask"]["report"] and by_run["demo-bad_sample"]["report"] is None
+    table = invoke(["list", root], exit_code=0).stdout
+    sdc_line = next(line for line in table.splitlines() if line.startswith("demo-sdc "))
+    assert " yes " in sdc_line and sdc_line.endswith(str(sdc)) and "replayed path" in table.splitlines()[0]
     assert rows["stale"] == [str(stale)]
     text = invoke(["list", root, "--clean-stale"], exit_code=0)
     assert "removed unfinished dump" in text.stderr and not stale.exists()

@@ -9,14 +9,16 @@ runs more of them.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
 import random
 import resource
 import shutil
+import subprocess
+import sys
 import tarfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -27,8 +29,10 @@ import forensics.format.reader as reader_module
 from forensics.cli import main
 from forensics.demo.scenarios import SCENARIOS
 from forensics.kinds import ExitCode
+from forensics_test_helpers import edit_manifest, read_member, resign, resign_member, retype_tensor
 
 REPLAY = ["--device", "cpu", "--no-bisect", "--no-rng-check"]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run(args: list, cwd: Path | None = None):
@@ -63,17 +67,43 @@ def dump(pristine, tmp_path) -> Path:
     return copy
 
 
-def edit_manifest(dump: Path, edit) -> None:
-    manifest = json.loads((dump / "manifest.json").read_text())
-    edit(manifest)
-    (dump / "manifest.json").write_text(json.dumps(manifest))
+@dataclass
+class ChildRun:
+    code: int
+    stdout: str
+    stderr: str
+    peak_rss: int
+    """The child's peak resident memory, bytes (its own ru_maxrss)."""
 
 
-def resign(dump: Path, name: str, data: bytes) -> None:
-    """Replaces a file and updates its size and sha256 in the manifest, so the checksum passes."""
-    (dump / name).write_bytes(data)
-    edit_manifest(dump, lambda m: m["files"].__setitem__(
-        name, {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}))
+CHILD = """
+import resource, sys
+from forensics.cli import main
+try:
+    main(sys.argv[1:], prog_name="forensics")
+    code = 0
+except SystemExit as exc:
+    code = exc.code if isinstance(exc.code, int) else 1
+sys.stderr.write("\\nPEAK_RSS_KIB %d\\n" % resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+sys.exit(code)
+"""
+GiB = 1 << 30
+
+
+def run_child(args: list, cwd: Path | None = None) -> ChildRun:
+    """`forensics ARGS` in a fresh process (a hang fails the test instead of blocking it), with its peak RSS."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", CHILD, *[str(a) for a in args]], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+    stderr, _, peak = done.stderr.rpartition("PEAK_RSS_KIB ")
+    return ChildRun(done.returncode, done.stdout, stderr, int(peak.split()[0]) * 1024 if peak else 0)
+
+
+def assert_refused_within_a_gib(result: ChildRun, *words: str) -> None:
+    """Exit 2 with a sentence holding `words`, and the process never held more than 1 GiB."""
+    assert result.code == ExitCode.BAD_INPUT, (result.code, result.stderr[-3000:])
+    assert "Error:" in result.stderr and all(w in result.stderr for w in words), result.stderr[-3000:]
+    assert 0 < result.peak_rss <= GiB, result.peak_rss
 
 
 # -- names from a dump never become paths or raw terminal output -------------------------------
@@ -168,7 +198,7 @@ def test_a_zstd_frame_that_declares_a_huge_size_is_capped_while_streaming(dump, 
     resign(dump, "batch-000.safetensors.zst", bomb)
     result = run(["replay", dump, *REPLAY])
     assert_exit(result, ExitCode.BAD_INPUT)
-    assert "decompresses to more than" in result.stderr
+    assert "declares 4194304 decompressed bytes, more than the 1048576" in result.stderr
 
 
 def test_a_huge_sparse_json_file_is_refused_by_its_size_before_it_is_read(dump):
@@ -251,6 +281,145 @@ def test_the_users_loss_raising_on_dump_data_exits_2_with_their_traceback(dump, 
     assert "out of range for my 2-class head" in result.stderr
 
 
+# -- the last eight of the adversarial run (issue 23): exit 2 with a sentence, at most 1 GiB ----------------
+
+@pytest.fixture(scope="module")
+def skeleton_bomb() -> bytes:
+    """A ~100 KB zstd frame whose header declares 3 GiB: '[', 3 GiB of spaces, ']' (valid JSON when decompressed)."""
+    size, out = 3 * GiB, io.BytesIO()
+    with zstandard.ZstdCompressor(level=1).stream_writer(out, size=size, closefd=False) as writer:
+        writer.write(b"[")
+        spaces, left = b" " * (64 << 20), size - 2
+        while left:
+            writer.write(spaces[:min(left, len(spaces))])
+            left -= min(left, len(spaces))
+        writer.write(b"]")
+    assert len(out.getvalue()) <= 100_000
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("verb", ["inspect", "verify", "replay"])
+def test_a_skeleton_declaring_3_gib_is_refused_by_every_command_within_a_gib(dump, tmp_path, skeleton_bomb, verb):
+    resign(dump, "batch-000.json.zst", skeleton_bomb)
+    result = run_child([verb, dump, *(REPLAY + ["-o", tmp_path / "report"] if verb == "replay" else [])])
+    assert_refused_within_a_gib(result, "batch-000.json.zst", f"declares {3 * GiB} decompressed bytes", "67108864")
+
+
+def test_a_skeleton_that_hides_its_size_is_capped_while_streaming(dump, tmp_path):
+    out = io.BytesIO()
+    with zstandard.ZstdCompressor(level=1).stream_writer(out, closefd=False) as writer:  # no size in the header
+        writer.write(b"[" + b" " * (65 << 20) + b"]")
+    resign(dump, "batch-000.json.zst", out.getvalue())
+    assert_exit(run(["inspect", dump]), ExitCode.OK)  # inspect reads frame headers only
+    for verb in ("verify", "replay"):
+        result = run([verb, dump, *(REPLAY + ["-o", tmp_path / "report"] if verb == "replay" else [])])
+        assert_exit(result, ExitCode.BAD_INPUT)
+        assert "batch-000.json.zst decompresses to more than 67108864 bytes" in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda m: m.__setitem__("environment", None), "'environment' must be an object"),
+    (lambda m: m["trigger"].__setitem__("kind", "bogus"), "'trigger.kind' is 'bogus'"),
+])
+def test_a_null_section_or_an_unknown_trigger_kind_is_refused_by_inspect_and_replay(dump, tmp_path, edit, field):
+    edit_manifest(dump, edit)
+    assert_exit(run(["inspect", dump]), ExitCode.BAD_INPUT)
+    assert_refused_within_a_gib(run_child(["replay", dump, *REPLAY, "-o", tmp_path / "report"]), field)
+
+
+def test_a_weight_re_typed_to_int32_is_refused_naming_it(dump, tmp_path):
+    import torch
+    from safetensors.torch import load
+
+    blob = (dump / "model.safetensors").read_bytes()
+    key = "transformer.h.0.attn.c_attn.weight"
+    assert load(blob)[key].dtype == torch.float32
+    resign(dump, "model.safetensors", retype_tensor(blob, key, torch.int32))
+    assert_exit(run(["verify", dump]), ExitCode.OK)  # the checksums pass: only the model can tell
+    result = run_child(["replay", dump, *REPLAY, "-o", tmp_path / "report"])
+    assert_refused_within_a_gib(result, f"the dtype of tensor {key} in the dump (int32) does not match the model's "
+                                        "parameter (float32)")
+
+
+@pytest.fixture(scope="module")
+def pristine_pair(tmp_path_factory) -> Path:
+    """A dump of the demo's built-in BatchNorm model (forensics.demo.models:sensor_classifier)."""
+    return SCENARIOS["pair"].capture(tmp_path_factory.mktemp("pair"), device="cpu").dump_path
+
+
+def test_a_built_in_model_raising_on_a_reshaped_batch_is_bad_input(pristine_pair, tmp_path):
+    from safetensors.torch import load, save
+
+    dump = tmp_path / "run" / "step-000000005" / "rank-00000"
+    shutil.copytree(pristine_pair, dump)
+    tensors = load(read_member(dump, "batch-000.safetensors.zst"))
+    key = next(k for k, t in tensors.items() if t.dim() == 3)  # the features, (4 samples, 8 channels, 16 steps)
+    tensors[key] = tensors[key].reshape(16, 8, 4).contiguous()
+    resign_member(dump, "batch-000.safetensors.zst", save(tensors))
+    result = run_child(["replay", dump, *REPLAY, "-o", tmp_path / "report"])
+    assert_refused_within_a_gib(result, "the model the dump's recipe names (built into forensics) raised ValueError",
+                                "does not fit that model")
+    assert "forensics/demo/models.py" in result.stderr  # the model's traceback, as for a user's model
+
+
+def _damage(dump: Path, name: str, how: str) -> None:
+    path = dump / name
+    if how == "flipped":
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x40
+        path.write_bytes(bytes(data))
+    elif how == "truncated":
+        path.write_bytes(path.read_bytes()[:100])
+    elif how == "deleted":
+        path.unlink()
+    else:
+        path.unlink()
+        os.mkfifo(path)  # opened for reading, it would block until a writer came
+
+
+@pytest.mark.parametrize("name, how", [("window.json", "flipped"), ("window-rng.safetensors", "truncated"),
+                                       ("window-rng.safetensors", "deleted"), ("window-rng.safetensors", "fifo")])
+def test_a_damaged_flight_recorder_is_named_in_the_report_and_left_out(dump, tmp_path, name, how):
+    _damage(dump, name, how)
+    result = run_child(["replay", dump, *REPLAY, "--json", "-o", tmp_path / "report"])
+    assert result.code in (ExitCode.OK, ExitCode.NOT_REPRODUCED, ExitCode.NO_CULPRIT), result.stderr[-3000:]
+    assert result.peak_rss <= GiB
+    [damaged] = json.loads((tmp_path / "report" / "report.json").read_text())["dump"]["damaged"]
+    assert damaged["file"] == name and "window replay is skipped" in damaged["lost"]
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "The dump is damaged" in text and name in text and "flight recorder" in text
+
+
+@pytest.mark.parametrize("name, how", [("scheduler.json", "flipped"), ("history.json", "fifo"),
+                                       ("rng.safetensors", "truncated")])
+def test_a_damaged_essential_file_ends_the_replay_naming_it(dump, tmp_path, name, how):
+    _damage(dump, name, how)
+    assert_refused_within_a_gib(run_child(["replay", dump, *REPLAY, "-o", tmp_path / "report"]), name)
+    assert not (tmp_path / "report").exists()
+
+
+def test_a_rank_directory_holding_another_ranks_dump_is_refused_naming_both(dump, tmp_path):
+    shutil.copytree(dump, dump.parent / "rank-00001")
+    words = ("rank-00001 is named for rank 1, but its manifest says rank 0", "rank-00000")
+    assert_refused_within_a_gib(run_child(["verify", dump.parent]), *words)
+    result = run(["replay", dump.parent, "--all-ranks", *REPLAY, "-o", tmp_path / "report"])
+    assert_exit(result, ExitCode.BAD_INPUT)
+    assert all(w in result.stderr for w in words) and not (tmp_path / "report").exists()
+
+
+def test_a_report_is_never_written_into_the_dump(dump, tmp_path):
+    (tmp_path / "link").symlink_to(dump.parent)
+    targets = [dump, dump / "report", tmp_path / "link" / "rank-00000" / "report", dump / "manifest.json"]
+    for target in targets:
+        result = run(["replay", dump, *REPLAY, "-o", target])
+        assert_exit(result, ExitCode.BAD_INPUT)
+        assert "the report would be written into the dump" in result.stderr and "choose another -o" in result.stderr
+    result = run_child(["replay", dump, *REPLAY, "--blocklist", dump / "blocklist.jsonl", "-o", tmp_path / "r"])
+    assert_refused_within_a_gib(result, "choose another --blocklist")
+    assert_exit(run(["replay", dump.parent, *REPLAY], cwd=dump), ExitCode.BAD_INPUT)  # the default, from inside
+    assert_exit(run(["verify", dump]), ExitCode.OK)
+
+
 # -- the fuzz: seeded re-signed mutations ---------------------------------------------------------
 
 HOSTILE_VALUES = [5, -1, "x", [1], {}, None, True, 2 ** 63, 1e308, "../../escaped", "/abs/ESCAPED",
@@ -275,7 +444,43 @@ def _mutate_json(rng: random.Random, node):
     return node
 
 
+RETYPES = ["int32", "int64", "float16", "bfloat16", "float64", "uint8", "bool"]
+
+
+def _skeleton_mutant(rng: random.Random, dump: Path) -> str:
+    """A batch skeleton (json.zst) with one node replaced, or one whose frame declares more than the JSON cap."""
+    name = rng.choice(sorted(p.name for p in dump.glob("batch-*.json.zst")))
+    if rng.random() < 0.2:
+        data = b"[" + b" " * (65 << 20) + b"]"
+    else:
+        data = json.dumps(_mutate_json(rng, json.loads(read_member(dump, name)))).encode()
+    resign_member(dump, name, data)
+    return name
+
+
+def _dtype_mutant(rng: random.Random, dump: Path) -> str:
+    """A tensor of any safetensors member re-typed (its bytes reinterpreted), re-signed."""
+    import torch
+    from safetensors.torch import load
+
+    name = rng.choice(sorted(p.name for p in dump.iterdir() if ".safetensors" in p.name))
+    tensors = load(read_member(dump, name))
+    if not tensors:
+        raise ValueError("nothing to re-type")
+    key = rng.choice(sorted(tensors))
+    resign_member(dump, name, retype_tensor(read_member(dump, name), key, getattr(torch, rng.choice(RETYPES))))
+    return f"{name} (dtype)"
+
+
 def _mutant(rng: random.Random, dump: Path) -> str:
+    roll = rng.random()
+    if roll < 0.15:
+        return _skeleton_mutant(rng, dump)
+    if roll < 0.3:
+        return _dtype_mutant(rng, dump)
+    if roll < 0.35:
+        shutil.copytree(dump, dump.parent / "rank-00001")  # another rank's name, rank 0's dump
+        return "rank-00001 (copy)"
     files = sorted(p.name for p in dump.iterdir())
     name = rng.choice(files + ["manifest.json"] * 4)  # the manifest is checked by no checksum: fuzz it more
     data = (dump / name).read_bytes()
@@ -312,12 +517,15 @@ def test_fuzz_re_signed_mutants_give_exit_0_or_2_never_1(pristine, tmp_path, cap
         except (ValueError, json.JSONDecodeError):
             shutil.rmtree(tmp_path / f"m{trial}")
             continue
-        verbs = [["inspect", dump], ["verify", dump]]
+        target = dump.parent if name == "rank-00001 (copy)" else dump
+        verbs = [["inspect", target], ["verify", target]]
         if trial < replays:
-            verbs.append(["replay", dump, *REPLAY, "-o", tmp_path / f"m{trial}" / "report"])
+            verbs.append(["replay", target, *REPLAY, "--all-ranks", "-o", tmp_path / f"m{trial}" / "report"])
         for verb in verbs:
             result = run(verb, cwd=work)
             allowed = (0, 2, 3, 4) if verb[0] == "replay" else (0, 2)
+            if target != dump:
+                allowed = (2,)  # a rank dump under another rank's name is never read as that rank
             assert result.exit_code in allowed, (trial, name, verb[0], result.exit_code, result.stderr[-1500:],
                                                  repr(result.exception))
             seen.setdefault(name, {}).setdefault(result.exit_code, 0)
@@ -327,6 +535,8 @@ def test_fuzz_re_signed_mutants_give_exit_0_or_2_never_1(pristine, tmp_path, cap
     assert not Path("/abs/ESCAPED").exists() and not (tmp_path.parent / "escaped").exists()
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - start_rss < 2 * 1024 * 1024  # KiB: < 2 GiB
     assert seen["manifest.json"].get(2, 0) > 0 and len(seen) > 5  # the sweep reached the parsers of many files
+    assert any(n.endswith(".json.zst") for n in seen) and any(n.endswith("(dtype)") for n in seen)
+    assert "rank-00001 (copy)" in seen
 
 
 # -- unfinished dumps of killed writers are cleaned safely -------------------------------------------

@@ -28,7 +28,7 @@ def test_every_trigger_kind_has_its_properties(kind):
     assert kind.words and kind.what_fails
     assert kind.spike == kind.value.endswith("_spike")
     assert kind.replayed in ("micro_batch_loss", "step_loss", "grad_norm", "exception", None)
-    assert kind.data_independent == (kind is TriggerKind.NONFINITE_PARAM)
+    assert kind.data_independent == (kind in (TriggerKind.NONFINITE_PARAM, TriggerKind.PRECURSOR))
 
 
 def test_verdict_kinds_are_the_report_schemas():

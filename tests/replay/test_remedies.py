@@ -36,7 +36,7 @@ def test_a_bad_sample_is_fixed_by_dropping_it_not_by_a_lower_lr_or_clipping(kit)
     assert "doc-1-2" in tested["drop_samples"]["change"] and math.isfinite(tested["drop_samples"]["step_loss"])
     for kind in ("as_recorded", "lower_lr", "clip_grad"):
         assert tested[kind]["healthy"] is False, kind
-    assert tested["clip_grad"]["change"].endswith("max_norm=1) (the median recorded grad norm)")
+    assert tested["clip_grad"]["change"].endswith("max_norm=1) (the median grad norm of the healthy recorded steps)")
     assert tested["skip_step"]["healthy"] is True
     suggestions = report["verdict"]["suggestions"]
     assert suggestions[0].startswith("Tested fix (drop the culprit samples): leave out samples ['doc-1-2']")

@@ -95,3 +95,26 @@ def test_a_micro_batch_with_every_label_masked_is_named_in_the_verdict(helpers, 
     assert culprit["description"].startswith("every one of its 8 labels is -100 (ignored)")
     assert any(s.startswith("'doc-1-2': every one of its 8 labels is -100") and "no supervised token" in s
                for s in report["verdict"]["suggestions"]), report["verdict"]["suggestions"]
+
+
+def test_a_feature_100x_the_others_is_named_first_and_a_zero_target_claims_no_division():
+    """Issue 22, item 2: x = 1000 against ~3 in the other samples, and the same sample's target all zeros, under an
+    MSE loss: the 1000 is named first, and nothing says a division by zero happens (MSE divides by nothing)."""
+    from replay.verdict import VerdictFacts, decide_verdict
+
+    g = torch.Generator().manual_seed(0)
+    batch = {"x": torch.randn(4, 6, generator=g).clamp(-3, 3), "y": torch.rand(4, 2, generator=g) + 0.5}
+    batch["x"][1, 2] = 1000.0
+    batch["y"][1] = 0.0
+    facts = sample_facts(batch, 1)
+    assert [f.kind for f in facts] == [SampleFactKind.EXTREME_VALUES, SampleFactKind.ALL_ZERO]
+    assert facts[0].field == "x" and "reaches 1e+03" in facts[0].words
+    assert not any("divide" in f.words for f in facts)
+    verdict = decide_verdict(VerdictFacts("nonfinite_loss", True, step=5, culprit_samples=[13], candidates=4,
+                                          culprit_facts=facts, phase="forward", module="<loss>", op="aten::mse_loss"))
+    assert verdict["suggestions"][1].startswith("13: its x reaches 1e+03")
+    assert not any("divide" in s for s in verdict["suggestions"])
+    # where the op that failed does divide, the all-zero field is tied to it
+    divided = decide_verdict(VerdictFacts("nonfinite_loss", True, step=5, culprit_samples=[13], candidates=4,
+                                          culprit_facts=facts[1:], phase="forward", module="<loss>", op="aten::div"))
+    assert "aten::div divides by its sum or norm" in divided["suggestions"][1]

@@ -1,0 +1,136 @@
+"""The Guard's synchronous check (the default mode): the step's numbers read on the host in one transfer, the
+detectors asked, the history and flight recorder fed, and a trigger turned into an `Incident`.
+
+GuardConfig.sync_free replaces it with capture/deferred.py. Both read the Guard through `CheckSource`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+import torch
+
+from capture import sharding, snapshot
+from capture.agreement import Agreement, agree
+from capture.config import GuardConfig
+from capture.detectors import StepDetectors, clipped
+from capture.history import History
+from capture.host_snapshots import HostSnapshots
+from capture.incident import Incident, StepRecord
+from capture.window import FlightRecorder, WindowStep
+from forensics.trigger import Trigger
+from forensics.kinds import Policy, TriggerKind
+
+
+class CheckSource(Protocol):
+    """What a check reads of the Guard (capture/guard.py) and calls back: the objects it watches, its
+    detectors and recorders, the step being checked, and the adapter hooks it needs."""
+
+    optimizer: Any
+    scheduler: Any
+    scaler: Any
+    config: GuardConfig
+    detectors: StepDetectors
+    history: History
+    window: FlightRecorder
+    snapshots: HostSnapshots
+    step: int
+    rank: int
+    sharded_grad_norm: bool
+
+    @property
+    def multi_rank(self) -> bool: ...
+
+    def compute_grad_norm(self) -> torch.Tensor | float | None: ...
+
+    def collect_state(self, copy: snapshot.HostCopy) -> dict: ...
+
+    def snapshot_state(self) -> dict | None: ...
+
+    def handle_incident(self, incident: Incident) -> bool: ...
+
+    def add_hook(self, handle: Any) -> None: ...
+
+
+class SyncCheck:
+    """check() between backward and optimizer.step(), reading the step's numbers before it returns."""
+
+    def __init__(self, guard: CheckSource):
+        self.guard = guard
+
+    def check(self, record: StepRecord, grad_norm: Any) -> bool:
+        """True to apply the step, False to skip it; raises TrainingFaultError under the 'raise' policy."""
+        g = self.guard
+        losses, norm, loss_scale, agreed = self._gather(record, grad_norm)
+        divisor = record.divisor(g.config.loss_divisor)
+        step_loss = sum(losses) / divisor if losses else None
+        scaler_overflow = loss_scale is not None and norm is not None and not math.isfinite(norm)
+        trigger = g.detectors.detect(losses, norm, step_loss, loss_scale, agreed)
+        if trigger is None and agreed is not None and agreed.fault:
+            trigger = Trigger(TriggerKind.NONFINITE_GRAD, norm, None, None,
+                              "another rank saw a non-finite loss or gradient at this step", local=False)
+        policy = g.config.policy_for(trigger.kind) if trigger is not None else None
+        lr, was_clipped = snapshot.current_lr(g.optimizer), clipped(norm, g.config.max_grad_norm)
+        g.history.append(g.step, step_loss, norm, lr, loss_scale,
+                         was_clipped, policy is Policy.SKIP or scaler_overflow, g.detectors.note_suppressed(g.step))
+        g.window.append(WindowStep(g.step, list(record.sample_ids), list(record.rng), lr, loss_scale, divisor,
+                                   step_loss, norm, was_clipped))
+        if trigger is None:
+            g.snapshots.settle()
+            if g.snapshots.due(g.step):
+                take_snapshot(g)
+            return True
+        return g.handle_incident(Incident(trigger, g.step, record, losses, norm, divisor, policy,
+                                          agreed=g.multi_rank))
+
+    def _gather(self, record: StepRecord, grad_norm: Any
+                ) -> tuple[list[float], float | None, float | None, Agreement | None]:
+        """One device->host transfer of per-micro-batch losses, grad norm and loss scale (and, with several
+        ranks, the step's one all-reduce: capture/agreement.py).
+
+        Python numbers stay on the host: building a device tensor from one would be a pageable
+        host->device copy, which waits for the stream just like a sync.
+        """
+        g = self.guard
+        sharded = False
+        if grad_norm is None:
+            grad_norm, sharded = g.compute_grad_norm(), g.sharded_grad_norm
+        grad_norm = sharding.host_norm(grad_norm)
+        scale = getattr(g.scaler, "_scale", None) if g.scaler is not None and g.scaler.is_enabled() else None
+        values: list[Any] = [*record.losses, grad_norm, scale]
+        n = len(record.losses)
+        agreed = None
+        if g.multi_rank:
+            host, agreed = agree(values, n, divisor=record.divisor(g.config.loss_divisor),
+                                 min_loss_scale=g.config.min_loss_scale, sharded_grad_norm=sharded)
+        else:
+            host = host_numbers(values)
+        return host[:n], host[n], host[n + 1], agreed
+
+
+def take_snapshot(guard: CheckSource) -> None:
+    """GuardConfig.snapshot_every: host copies of the state the `snapshot_state` hook names; turned off, with
+    the reason, when copying fails (a snapshot is a convenience; the job goes on without it)."""
+    try:
+        state = guard.snapshot_state()
+        if state is not None:
+            guard.snapshots.take(guard.step, state)
+    except Exception as exc:  # noqa: BLE001
+        guard.snapshots.turn_off(f"copying the state failed ({type(exc).__name__}: {exc})")
+
+
+def host_numbers(values: list[Any]) -> list[float | None]:
+    """Host numbers for `values` (None: unknown), stacked on their device and read in one transfer.
+    A CPU tensor beside device tensors is read on the host (moving it to the device would wait)."""
+    device = next((v.device for v in values if isinstance(v, torch.Tensor) and v.device.type != "cpu"),
+                  torch.device("cpu"))
+    on_device = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and v.device == device]
+    host = [None if v is None or i in on_device else
+            float(v.detach().float().mean()) if isinstance(v, torch.Tensor) else float(v)
+            for i, v in enumerate(values)]
+    if on_device:
+        fetched = torch.stack([values[i].detach().float().mean() for i in on_device]).tolist()  # the one sync
+        for slot, i in enumerate(on_device):
+            host[i] = fetched[slot]
+    return host

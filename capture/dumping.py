@@ -1,0 +1,296 @@
+"""The Guard's dump path: one `Incident` in, one dump directory out (within the run's caps).
+
+`Dumper.dump(incident)` applies the caps (GuardConfig.max_dumps, min_spike_gap), collects the pre-step
+state through the Guard's `collect_state` hook (or takes the one the Incident already holds), builds the
+manifest (docs/DUMP_FORMAT.md), and writes — in the background for a spike the job goes on after. A step
+whose CUDA context is unusable gets what the host still holds. Everything about the step comes from the
+Incident; the Guard is read only through `DumpSource` (its objects, identity, recorders and adapter hooks).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import torch
+
+from capture import buddy, environment, snapshot
+from capture.agreement import deferred_termination
+from capture.config import GuardConfig
+from capture.history import History
+from capture.host_snapshots import HostSnapshots
+from capture.incident import Incident, batch_size, json_ids
+from capture.uploads import send_dump
+from capture.window import FlightRecorder
+from capture.writer_thread import BackgroundWriter
+from forensics.errors import CaptureError
+from forensics.format.writer import DumpContent, write_dump
+from forensics.kinds import Policy
+from forensics.recipes import default_loss
+from forensics.rng import capture_rng, restore_rng
+
+log = logging.getLogger(__name__)
+
+
+class DumpSource(Protocol):
+    """What the dump path reads of the Guard (capture/guard.py): the objects it watches, who it is, its
+    recorders, and the adapter hooks that say what the state is and how replay rebuilds the model."""
+
+    model: torch.nn.Module
+    optimizer: Any
+    scheduler: Any
+    scaler: Any
+    loss_fn: Callable | None
+    config: GuardConfig
+    rank: int
+    world_size: int
+    local_rank: int
+    run_id: str
+    history: History
+    window: FlightRecorder
+    snapshots: HostSnapshots
+    fsdp_units: list[dict]
+
+    @property
+    def multi_rank(self) -> bool: ...
+
+    def collect_state(self, copy: snapshot.HostCopy) -> dict: ...
+
+    def replay_recipe(self) -> dict: ...
+
+    def describe_distribution(self) -> dict | None: ...
+
+    def device_lost(self) -> None: ...
+
+
+class Dumper:
+    """Writes the dumps of one Guard and keeps their outcome (`dumps`, `errors`)."""
+
+    def __init__(self, source: DumpSource):
+        self.source = source
+        self.dumps: list[Path] = []
+        self.errors: list[str] = []
+        # max_dumps slots: taken when a dump starts (background writes land later). One process gives a slot
+        # back when its write fails; several ranks do not (attempts are identical on every rank, failures
+        # are not, and a collective state gather must be entered by every rank or by none).
+        self._slots = threading.Semaphore(source.config.max_dumps)
+        self._last_spike_dump: int | None = None
+        self._writer = BackgroundWriter()
+
+    def dump(self, incident: Incident) -> tuple[Path | None, str | None]:
+        """Dumps the incident unless a cap says no. Returns (path, None) or (None, why there is no dump)."""
+        config = self.source.config
+        spike, step = incident.trigger.kind.spike, incident.step
+        if spike and self._last_spike_dump is not None and step - self._last_spike_dump < config.min_spike_gap:
+            return None, f"a spike was dumped {step - self._last_spike_dump} steps ago (GuardConfig.min_spike_gap)"
+        if not self._slots.acquire(blocking=False):
+            return None, f"the cap of {config.max_dumps} dumps per run is reached (GuardConfig.max_dumps)"
+        if spike:
+            self._last_spike_dump = step  # at the attempt, as the slot: the same on every rank
+        with deferred_termination():
+            return self._write(incident, background=spike and incident.policy is Policy.CONTINUE
+                               and config.background_write)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Waits for the background writes (Guard.close())."""
+        self._writer.join(timeout)
+
+    def _write(self, incident: Incident, background: bool) -> tuple[Path | None, str | None]:
+        unusable = "the CUDA context is unusable after a CUDA error" if (incident.exception or {}).get("cuda_error") \
+            else None
+        try:
+            content = self._host_content(incident, unusable, device_usable=False) if unusable \
+                else self._content(incident, background)
+        except Exception as exc:  # noqa: BLE001
+            unusable = f"collecting the state failed ({type(exc).__name__}: {str(exc)[:300]})"
+            content = self._host_content(incident, unusable) if incident.exception is not None else None
+        if content is None:
+            self._failed(f"no dump written: {unusable}")
+            return None, f"no dump written: {unusable}"
+        if background:
+            path = self._writer.submit(content, self.source.config.dump_dir, self._written, self._failed)
+            return path, None
+        try:
+            path = write_dump(content, self.source.config.dump_dir)
+        except CaptureError as exc:
+            self._failed(str(exc))
+            return None, str(exc)
+        self._written(path)
+        return path, None
+
+    def _written(self, path: Path) -> None:
+        config = self.source.config
+        self.dumps.append(path)
+        log.warning("forensics: dump written to %s — replay it with: forensics replay %s", path, path)
+        if config.upload:
+            send_dump(path, config.upload, config.tensorboard_dir)
+        if config.on_dump is not None:
+            try:
+                config.on_dump(path)
+            except Exception:  # noqa: BLE001 - the user's hook must not stop the job either
+                log.exception("forensics: GuardConfig.on_dump raised for %s", path)
+
+    def _failed(self, message: str) -> None:
+        if not self.source.multi_rank:  # several ranks: the attempt counts (see __init__)
+            self._slots.release()
+        self.errors.append(message)
+        log.error("forensics: %s", message)
+
+    def _content(self, incident: Incident, background: bool) -> DumpContent:
+        source = self.source
+        copy = snapshot.HostCopy(enabled=background)
+        state = incident.state if incident.state is not None else source.collect_state(copy)
+        batches = [copy_tree(b, copy) for b in incident.record.batches]
+        if incident.state is not None:  # collected earlier, live tensors: fence their devices too
+            copy.cover(state)
+        copy.finish()
+        manifest = self._manifest(incident)
+        held, release = self._lend_snapshot(incident.step, manifest) if "layout" not in state else (None, None)
+        content = DumpContent(
+            manifest=manifest, snapshot=held, done=release,
+            model=state["model"], optimizer=state["optimizer"], rng=list(incident.record.rng),
+            micro_batches=batches, history=source.history.to_dict(),
+            scheduler=incident.scheduler or snapshot.scheduler_state(source.scheduler),
+            scaler=snapshot.scaler_state(source.scaler), layout=state.get("layout"),
+            copies=self._buddy_copies(state, incident), extra_files=source.window.files(incident.step))
+        content.ready = copy.wait  # the writer waits for the device copies before touching them
+        return content
+
+    def _buddy_copies(self, state: dict, incident: Incident) -> list:
+        """Sharded layout with GuardConfig.shard_replicas >= 2: the shards only other ranks hold, received from
+        them (capture/buddy.py) — only in a dump every rank makes, before any rank writes."""
+        source = self.source
+        if "layout" not in state or source.config.shard_replicas < 2 or not incident.agreed:
+            return []
+        return buddy.exchange(buddy.sole_shards(state), source.rank, source.world_size, source.config.shard_replicas)
+
+    def _lend_snapshot(self, step: int, manifest: dict, device_usable: bool = True) -> tuple[dict | None, Any]:
+        """The oldest host snapshot the flight recorder covers for a dump of `step` (noted in its manifest), and
+        the function that gives it back once the dump is written; (None, None) when there is none."""
+        earlier = self.source.window.steps_before(step)
+        held, release = self.source.snapshots.lend_oldest(earlier[0], device_usable) if earlier else (None, None)
+        if held is not None:
+            manifest["snapshot"] = {"step": held["step"]}
+        return held, release
+
+    def _host_content(self, incident: Incident, why: str, device_usable: bool = True) -> DumpContent | None:
+        """A step that raised and left the state unreadable (a CUDA error kills the context): what the host still
+        holds — sample IDs, host-side batch tensors, RNG, history, the flight recorder, the optimizer's class and
+        hyper-parameters and the last host snapshot — with `state_missing` saying why the rest is absent. None
+        when even that fails."""
+        source = self.source
+        try:
+            manifest = self._manifest(incident)
+            manifest["state_missing"] = why
+            held, release = self._lend_snapshot(incident.step, manifest, device_usable)
+            if not device_usable:
+                source.device_lost()
+            try:
+                scheduler = incident.scheduler or snapshot.scheduler_state(source.scheduler)
+            except Exception:  # noqa: BLE001 - a scheduler state on the device
+                scheduler = None
+            log.error("forensics: step %d: %s; writing what the host holds (no pre-step state%s)", incident.step, why,
+                      f"; the host snapshot of step {held['step']}" if held else "")
+            return DumpContent(
+                manifest=manifest, model={}, optimizer=snapshot.optimizer_hyper(source.optimizer, source.model),
+                rng=list(incident.record.rng), micro_batches=[snapshot.host_only(b) for b in incident.record.batches],
+                history=source.history.to_dict(), scheduler=scheduler, snapshot=held, done=release,
+                extra_files=source.window.files(incident.step))
+        except Exception:  # noqa: BLE001 - the job is failing already
+            log.exception("forensics: even the host-side dump of step %d failed", incident.step)
+            return None
+
+    def _manifest(self, incident: Incident) -> dict:
+        source, config = self.source, self.source.config
+        record, losses, step = incident.record, incident.losses, incident.step
+        micro_batches = []
+        for index, batch in enumerate(record.batches):
+            ids = json_ids(record.sample_ids[index])
+            size = batch_size(batch) or (len(ids) if ids else None)
+            if ids is None and size is not None:
+                ids = [f"step{step}/rank{source.rank}/mb{index}/{j}" for j in range(size)]
+            micro_batches.append({"index": index, "sample_ids": ids, "batch_size": size,
+                                  "loss": losses[index] if index < len(losses) else None,
+                                  "ids_are_positional": record.sample_ids[index] is None})
+        param = next(iter(source.model.parameters()), None)
+        manifest = {
+            "run_id": source.run_id, "trigger": incident.trigger.as_dict(), "step": step, "rank": source.rank,
+            "world_size": source.world_size, "local_rank": source.local_rank, "grad_accum": len(record.batches),
+            "micro_batches": micro_batches,
+            "loss": {"per_micro_batch": losses, "divisor": incident.divisor, "grad_norm": incident.grad_norm,
+                     "step_loss": incident.step_loss},
+            "precision": {"param_dtype": str(param.dtype).removeprefix("torch.") if param is not None else None,
+                          "autocast": record.autocast or {"enabled": False, "device_type": None, "dtype": None},
+                          "grad_scaler": _scaler_state(source.scaler),
+                          **({"fsdp": source.fsdp_units} if source.fsdp_units else {})},
+            "determinism": environment.determinism_flags(),
+            "environment": environment.environment(),
+            "recipe": source.replay_recipe(),
+            "recheck": recheck(source, incident) if config.recheck else {"performed": False},
+            "missing_ranks": [],
+        }
+        window = source.window.steps_before(step)
+        if window:
+            manifest["window"] = {"first_step": window[0], "last_step": window[-1], "steps": len(window),
+                                  "max_grad_norm": config.max_grad_norm}
+        if config.data_recipe:
+            manifest["data_recipe"] = dict(config.data_recipe)
+        distribution = source.describe_distribution()
+        if distribution is not None:
+            manifest["distributed"] = distribution
+        if incident.exception is not None:
+            manifest["exception"] = incident.exception
+        return manifest
+
+
+def copy_tree(node: Any, copy: snapshot.HostCopy) -> Any:
+    """The batch tree with every tensor passed through `copy` (named tuples kept as they are)."""
+    if isinstance(node, torch.Tensor):
+        return copy(node)
+    if isinstance(node, dict):
+        return {k: copy_tree(v, copy) for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        return type(node)(copy_tree(v, copy) for v in node) if not hasattr(node, "_fields") else node
+    return node
+
+
+def _scaler_state(scaler: Any) -> dict | None:
+    try:
+        return snapshot.scaler_state(scaler)
+    except Exception:  # noqa: BLE001 - its scale lives on a device that may be unusable (a CUDA error)
+        return None
+
+
+def recheck(source: DumpSource, incident: Incident) -> dict:
+    """Megatron-style in-job re-check (GuardConfig.recheck): recompute the failing micro-batch's loss with its RNG."""
+    record, index = incident.record, incident.trigger.micro_batch
+    if index is None or index >= len(record.batches) or incident.exception:
+        return {"performed": False}
+    model = source.model
+    saved = capture_rng()
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]  # BatchNorm stats move in a forward
+    try:
+        restore_rng(record.rng[index])
+        autocast = record.autocast or {}
+        with torch.no_grad(), torch.autocast(autocast.get("device_type") or "cpu",
+                                             dtype=getattr(torch, autocast.get("dtype") or "bfloat16"),
+                                             enabled=bool(autocast.get("enabled"))):
+            if source.loss_fn is not None:
+                value = float(source.loss_fn(model, record.batches[index]))
+            else:
+                value = float(default_loss(model, record.batches[index], [source.config.sample_id_key]))
+    except Exception as exc:  # noqa: BLE001
+        return {"performed": False, "error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        restore_rng(saved)
+        with torch.no_grad():
+            for buffer, value in buffers:
+                buffer.copy_(value)
+    original = incident.losses[index]
+    same = (value == original) or (not math.isfinite(value) and not math.isfinite(original))
+    return {"performed": True, "micro_batch": index, "original": original, "recomputed": value,
+            "reproduced": bool(same or (math.isfinite(value) and math.isfinite(original)
+                                        and abs(value - original) <= 1e-3 * max(1.0, abs(original))))}

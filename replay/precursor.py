@@ -1,0 +1,149 @@
+"""The report of a precursor dump: which layer and which statistic started to grow first, and what usually fixes it.
+
+A precursor dump (trigger `precursor`, capture/precursors.py) holds a healthy step: there is nothing to reproduce.
+Its report is built from the statistics the job recorded (`precursors.json`): each (layer, statistic) series is
+walked with the same robust trend rule as in the job (forensics/trend.py) but with a lower bar (REPORT_Z, the
+square root of the job's growth), so the step each one *started* to leave its baseline is found; the series are
+ranked by that step (earliest first), then by how far they have grown. The verdict (`instability_ahead`) names the
+first, the report's `precursor` block lists the ranking and the series of the leading ones (plotted in
+report.html), and the suggestions are the usual fixes of the statistics that grew. Nothing is imported from the
+dump: no --trust needed, no model built.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+
+from forensics.kinds import PrecursorStatistic, TriggerKind, VerdictKind
+from forensics.report.model import schema_for, to_json_safe
+from forensics.report.wording import fmt_num
+from forensics.trend import RobustTrend
+from replay.environment import replay_environment
+from replay.findings import HistoryFinding
+
+REPORT_Z = 3.0         # robust z that counts as 'left the baseline' when looking for where a growth started
+MAX_RANKED = 12        # rows of the ranking in the report
+PLOTTED = 6            # series kept in the report for the plot
+GENERAL_FIXES = ("lower the peak learning rate or lengthen the warm-up: several layers' statistics grow together "
+                 "when the step size outruns the curvature",)
+
+
+def rank_growth(table: dict) -> list[dict]:
+    """Every (layer, statistic) whose series left its baseline and stayed out, earliest start first (then the
+    larger growth): `{"layer", "statistic", "words", "started", "baseline", "last", "growth"}`; growth is last /
+    baseline (baseline / last for a falling statistic)."""
+    config = table.get("config") or {}
+    window = _int(config.get("window"), 32)
+    # the baseline: the rows of the job's own warm-up still in the window, else the window's first half
+    in_warmup = sum(1 for s in table["steps"] if s < _int(config.get("warmup"), 64))
+    warmup = in_warmup if in_warmup >= 4 else max(4, len(table["steps"]) // 2)
+    sustained = _int(config.get("sustained"), 4)
+    growth = max(1.0 + 1e-6, math.sqrt(_float(config.get("min_growth"), 2.0)))
+    rows = []
+    for j, column in enumerate(table["columns"]):
+        stat = _statistic(column.get("statistic"))
+        if stat is None:
+            continue
+        trend = RobustTrend(window, warmup, sustained, REPORT_Z, growth, stat.rising)
+        series = [(s, row[j]) for s, row in zip(table["steps"], table["values"])]
+        found = next((e for s, v in series if (e := trend.observe(s, v)) is not None), None)
+        last = next((v for _, v in reversed(series) if v is not None and math.isfinite(v)), None)
+        if found is None or last is None:
+            continue
+        ratio = last / found.baseline if stat.rising else found.baseline / max(last, 1e-38)
+        if found.baseline <= 0 or ratio < growth:
+            continue  # it came back: not growing at the dumped step
+        rows.append({"layer": column["layer"], "statistic": stat.value, "words": stat.words,
+                     "started": found.started, "baseline": found.baseline, "last": last, "growth": ratio})
+    rows.sort(key=lambda r: (r["started"], -math.log(max(r["growth"], 1e-300))))
+    return rows
+
+
+def precursor_report(dump: Any, dump_info: dict, history: HistoryFinding, started: float) -> dict:
+    """The report (schema forensics-report/3, verdict `instability_ahead`) of a precursor dump."""
+    table = dump.precursors() or {"columns": [], "steps": [], "values": [], "firings": [], "config": {}}
+    ranking = rank_growth(table)
+    fired = next((f for f in reversed(table["firings"]) if f.get("dumped") and f.get("step") == dump.step), None)
+    verdict = _verdict(dump.step, ranking, fired, len(table["columns"]))
+    trigger = dict(dump.trigger or {})
+    lead = ranking[0] if ranking else fired or {}
+    report = {
+        "schema": schema_for(VerdictKind.INSTABILITY_AHEAD),
+        "created_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "dump": {**dump_info},
+        "trigger": {"kind": TriggerKind.PRECURSOR.value, "value": trigger.get("value"),
+                    "threshold": trigger.get("threshold"), "micro_batch": None, "detail": trigger.get("detail") or ""},
+        "environment": {"capture": dump.manifest.get("environment") or {},
+                        "replay": replay_environment(torch.device("cpu")), "warnings": []},
+        "reproduced": False,
+        "fidelity": {"mode": "not_replayed", "reason": "a precursor dump holds a healthy step: the report is built "
+                                                       "from the statistics the job recorded"},
+        "verdict": verdict,
+        "culprit": {"samples": [], "module": lead.get("layer"), "op": None, "phase": None, "parameter": None,
+                    "optimizer_state": None, "stats": {"inputs_absmax": None, "outputs_absmax": None,
+                                                       "params_absmax": None}, "traceback": None},
+        "history": history.block,
+        "history_pattern": history.pattern.value,
+        "precursor": {"fired": fired, "ranking": ranking[:MAX_RANKED], "ranked": len(ranking),
+                      "columns": len(table["columns"]), "steps": table["steps"],
+                      "series": _series(table, ranking[:PLOTTED]), "config": table["config"]},
+        "timings": {"total_s": round(time.monotonic() - started, 3), "passes": 0},
+    }
+    return to_json_safe(report)
+
+
+def _series(table: dict, rows: list[dict]) -> list[dict]:
+    index = {(c["layer"], c["statistic"]): j for j, c in enumerate(table["columns"])}
+    out = []
+    for row in rows:
+        j = index[(row["layer"], row["statistic"])]
+        out.append({"layer": row["layer"], "statistic": row["statistic"], "started": row["started"],
+                    "baseline": row["baseline"], "values": [values[j] for values in table["values"]]})
+    return out
+
+
+def _verdict(step: int, ranking: list[dict], fired: dict | None, columns: int) -> dict:
+    kind = VerdictKind.INSTABILITY_AHEAD
+    if ranking:
+        first = ranking[0]
+        stat = PrecursorStatistic(first["statistic"])
+        direction = "grow" if stat.rising else "fall"
+        headline = (f"Instability ahead at step {step}: the {stat.words} of `{first['layer']}` started to {direction} "
+                    f"first, at step {first['started']} ({fmt_num(first['baseline'])} -> {fmt_num(first['last'])}, "
+                    f"{fmt_num(first['growth'], 3)}x).")
+        others = [f"{r['words']} of `{r['layer']}` (from step {r['started']})" for r in ranking[1:4]]
+        explanation = (f"{len(ranking)} of {columns} per-layer statistics left their baseline and stayed out"
+                       + (f"; next: {'; '.join(others)}" if others else "") + ". The job was still healthy when this "
+                       "was dumped: nothing was replayed. The dump holds the step's pre-step state, so `forensics "
+                       "replay` of a later crash dump and this one can be compared.")
+    else:
+        what = f"the {fired['statistic']} of `{fired['layer']}`" if fired else "a per-layer statistic"
+        headline = f"Instability ahead at step {step}: {what} grew in the job, but the recorded window is too short " \
+                   "to tell which started first."
+        explanation = "The statistics in the dump do not show a sustained growth from a baseline."
+    fixes = [PrecursorStatistic(r["statistic"]).usual_fix for r in ranking[:4]]
+    if fired and not ranking and _statistic(fired.get("statistic")) is not None:
+        fixes.append(_statistic(fired.get("statistic")).usual_fix)
+    return {"kind": kind.value, "headline": headline, "explanation": explanation,
+            "suggestions": list(dict.fromkeys(fixes + list(GENERAL_FIXES)))}
+
+
+def _statistic(value: Any) -> PrecursorStatistic | None:
+    try:
+        return PrecursorStatistic(value)
+    except ValueError:
+        return None
+
+
+def _int(value: Any, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 100_000 else default
+
+
+def _float(value: Any, default: float) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and \
+        math.isfinite(value) and value > 1 else default

@@ -1,0 +1,91 @@
+"""`forensics repro`: for the demo scenarios whose failure is an op of the forward pass, the generated scripts
+reproduce it standalone — each run in a fresh Python process fails with the AssertionError naming the op (with
+inputs shrunk to the failing slice) or the culprit sample — and the report links them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from forensics.cli import main
+from forensics.demo.scenarios import SCENARIOS
+from forensics.report import write_report_files
+from replay.engine import ReplayOptions, run_replay
+
+# scenario -> (the op its first non-finite value comes from, the non-finite kind that op makes)
+OPS = {"bad_sample": ("aten::native_layer_norm", "nan"), "log_zero": ("aten::log", "-inf"),
+       "fp16_overflow": ("aten::mul", "inf")}
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_script(path: Path, cwd: Path) -> subprocess.CompletedProcess:
+    """The script in a fresh interpreter, from a directory of its own (op_repro.py gets no PYTHONPATH: torch only)."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(cwd)}
+    if path.name == "model_repro.py":
+        env["PYTHONPATH"] = str(REPO)
+    return subprocess.run([sys.executable, str(path)], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def repros(tmp_path_factory):
+    root = tmp_path_factory.mktemp("repro")
+    out = {}
+    for name in OPS:
+        captured = SCENARIOS[name].capture(root / name, device="cpu")
+        report_dir = root / name / "report"
+        write_report_files(run_replay(captured.dump_path, ReplayOptions(device="cpu", bisect=False, remedies=False,
+                                                                        rng_check=False)), report_dir)
+        result = CliRunner().invoke(main, ["repro", str(captured.dump_path), "-o", str(root / name / "repro"),
+                                           "--report", str(report_dir)])
+        assert result.exit_code == 0, (result.output, result.exception)
+        out[name] = (captured, root / name / "repro", report_dir)
+    return out
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_the_op_script_fails_standalone_on_the_shrunk_inputs(name, repros, tmp_path):
+    _, directory, _ = repros[name]
+    op, kind = OPS[name]
+    summary = json.loads((directory / "repro.json").read_text())
+    assert summary["op"] == op
+    before, after = summary["shrunk"]["from"], summary["shrunk"]["to"]
+    assert sum(map(_numel, after)) < sum(map(_numel, before))  # cut to the failing slice
+    done = run_script(directory / "op_repro.py", tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert f"AssertionError: {op} made non-finite output" in done.stderr and kind in done.stderr
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_the_model_script_runs_the_culprit_sample_and_fails(name, repros, tmp_path):
+    captured, directory, _ = repros[name]
+    spec = json.loads((directory / "model.json").read_text())
+    assert spec["sample_ids"] == list(captured.expected.samples)
+    done = run_script(directory / "model_repro.py", tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert f"AssertionError: the loss of sample(s) {spec['sample_ids']!r} is" in done.stderr
+
+
+def test_the_report_links_the_repro_directory(repros):
+    _, directory, report_dir = repros["log_zero"]
+    report = json.loads((report_dir / "report.json").read_text())
+    assert report["repro"]["directory"] == str(directory) and report["repro"]["op"] == "aten::log"
+    assert str(directory / "op_repro.py") in (report_dir / "report.md").read_text()
+
+
+def test_a_name_from_the_dump_never_reaches_the_scripts_code(repros):
+    for _, directory, _ in repros.values():
+        for script in ("op_repro.py", "model_repro.py"):
+            text = (directory / script).read_text()
+            assert "shard-" not in text and "aten::" not in text  # sample ids and op names live in the JSON
+
+
+def _numel(shape: list) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n
