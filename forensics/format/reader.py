@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import stat
@@ -257,6 +258,15 @@ class Dump:
                                    "or corrupted", name)
         self._verified.add(name)
         return path
+
+    def start_verifying(self, names) -> None:
+        """Starts the background chunk checks of the listed files among `names` that have chunk digests, so they
+        run concurrently on every core (verify_file then waits for its own); one that cannot be opened waits for
+        verify_file to say why."""
+        for name in names:
+            if name not in self._verified and self.manifest["files"].get(name, {}).get("chunks"):
+                with contextlib.suppress(DumpCorruptError):
+                    self._chunk_verifier(name)
 
     def _chunk_verifier(self, name: str) -> ChunkVerifier:
         """The background verification of a listed file with chunk digests (started on first use)."""
