@@ -2,7 +2,8 @@
 same run (one row of BENCHMARKS.md "Scale table").
 
     python -m scripts.bench.replay_scale --hidden 2048 --layers 16 --device cuda:0 --json out.json
-    python -m scripts.bench.replay_scale --dump DUMP_DIR --device cuda:0   # replay an existing dump (a 7B FSDP2 one)
+    python -m scripts.bench.replay_scale --dump STEP_DIR --device cuda:0   # replay an existing dump (a 7B FSDP2 one:
+                                                                            # its step directory, so `cat` reads every rank)
 
 Writes (unless --dump): a LlamaForCausalLM of the given shape, built on the meta device and materialised on the
 device with random weights, AdamW moments (zeros, as after a step), one step of `--micro` micro-batches in which
