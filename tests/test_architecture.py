@@ -111,11 +111,12 @@ KIND_HOMES = {"forensics/kinds.py", "forensics/format/spec.py", "forensics/forma
 
 
 def _kind_literals() -> set[str]:
-    """Trigger-kind, phase and state-layout values. 'exception' and 'optimizer' are left out: they are also
-    the names of manifest sections and state keys."""
+    """Trigger-kind, phase and state-layout values. 'exception', 'optimizer' and 'precursor' are left out: they are
+    also the names of manifest / report sections and state keys."""
     from forensics.kinds import Phase, StateLayout, TriggerKind
     values = {k.value for kind in (TriggerKind, Phase, StateLayout) for k in kind}
-    return values - {TriggerKind.EXCEPTION.value, Phase.OPTIMIZER.value, StateLayout.AUTO.value}
+    return values - {TriggerKind.EXCEPTION.value, TriggerKind.PRECURSOR.value, Phase.OPTIMIZER.value,
+                     StateLayout.AUTO.value}
 
 
 def test_no_trigger_kind_phase_or_layout_string_outside_the_kinds_module_and_the_format():

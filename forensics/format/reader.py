@@ -370,6 +370,22 @@ class Dump:
             with open(path, "rb") as raw:
                 _check_declared_size(raw.read(ZSTD_FRAME_HEADER_MAX), path, name, decompressed_limit(name))
 
+    def size_mismatches(self) -> list[str]:
+        """`inspect`: the listed files that are missing, not regular files, or not of their listed size (one lstat
+        each, nothing read), worded for people; `verify` checks their contents too."""
+        problems = []
+        for name, entry in self.manifest["files"].items():
+            try:
+                info = os.lstat(self.path / name)
+            except OSError:
+                problems.append(f"{name} is missing")
+                continue
+            if not stat.S_ISREG(info.st_mode):
+                problems.append(f"{name} is not a regular file")
+            elif info.st_size != entry["size"]:
+                problems.append(f"{name} has {info.st_size:,} bytes, the manifest lists {entry['size']:,}")
+        return problems
+
     # -- the sharded layout (forensics.format.shards) ---------------------------------------------
     @property
     def sharded(self) -> bool:

@@ -234,3 +234,13 @@ def test_out_of_memory_that_a_larger_replay_device_does_not_reproduce_still_name
     assert not any("DCGM" in s or "deterministic" in s for s in v["suggestions"])  # not a hardware question
     alone = check_shape(decide_verdict(facts(trigger_kind="exception", reproduced=False, out_of_memory=True)))
     assert alone["suggestions"][0].startswith("Lower the micro-batch size")  # no outlier: the step as a whole
+
+
+def test_spike_advice_for_numeric_features_speaks_of_their_scale_not_of_text():
+    from replay.verdict import VerdictFacts, decide_verdict
+
+    common = dict(trigger_kind="loss_spike", reproduced=True, trigger_value=50.0, threshold=3.0)
+    numeric = " ".join(decide_verdict(VerdictFacts(**common, data_kind="float"))["suggestions"])
+    tokens = " ".join(decide_verdict(VerdictFacts(**common, data_kind="tokens"))["suggestions"])
+    assert "scale and range of its features" in numeric and "sequence lengths" not in numeric
+    assert "sequence lengths" in tokens
