@@ -135,6 +135,8 @@ def inspect(dump: Path, rank: int | None, as_json: bool, **limits) -> None:
         click.echo(json.dumps(to_jsonable(summary), indent=2))
     else:
         click.echo(render_summary(summary))
+    if summary.get("damaged"):
+        sys.exit(int(ExitCode.BAD_INPUT))  # the summary is shown, but the dump is not whole
 
 
 @main.command()

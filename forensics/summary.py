@@ -32,6 +32,7 @@ def dump_summary(dump: Dump, missing_ranks: list[int], path: str | None = None) 
         "state": _state_summary(m),
         "window": m.get("window"), "data_recipe": m.get("data_recipe"), "snapshot_step": dump.snapshot_step,
         "state_missing": dump.state_missing,
+        "damaged": [clean(problem) for problem in dump.size_mismatches()],
     }
 
 
@@ -92,6 +93,9 @@ def render_summary(summary: dict) -> str:
         f"  size: {fmt_size(summary['total_bytes'])} in {len(summary['files'])} files; format v{summary['format_version']}, "
         f"written {summary['created_at']}",
     ]
+    for problem in summary.get("damaged") or []:
+        lines.append(f"  DAMAGED: {problem} — `forensics verify` checks every file; replay refuses a damaged "
+                     "essential file")
     state = summary.get("state") or {}
     if state.get("layout") == StateLayout.SHARDED:
         lines.append(f"  state: sharded — this rank holds {state['parts_here']} parts of the {state['tensors']} tensors "

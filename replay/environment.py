@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from typing import Any, Iterator
 
 import torch
@@ -68,6 +69,16 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return device
 
 
+def _deterministic_algorithms(mode: bool, warn_only: bool) -> None:
+    """torch.use_deterministic_algorithms without its import of torch._inductor (2-4 s, most of a small replay's
+    start-up, for a flag only compiled code reads): inductor's flag is set too once something imported it."""
+    setter = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if setter is None or "torch._inductor.config" in sys.modules:
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+    else:
+        setter(mode, warn_only=warn_only)
+
+
 @contextlib.contextmanager
 def deterministic_mode(determinism: dict | None = None) -> Iterator[None]:
     """Deterministic kernels for the replay, and the job's TF32 choices; restores everything after.
@@ -84,7 +95,7 @@ def deterministic_mode(determinism: dict | None = None) -> Iterator[None]:
     try:
         if env_was is None:
             os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        _deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
         if isinstance(determinism.get("allow_tf32_matmul"), bool):
@@ -93,7 +104,7 @@ def deterministic_mode(determinism: dict | None = None) -> Iterator[None]:
             torch.backends.cudnn.allow_tf32 = determinism["allow_tf32_cudnn"]
         yield
     finally:
-        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        _deterministic_algorithms(saved[0], warn_only=saved[1])
         (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
          torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) = saved[2:]
         if env_was is None:

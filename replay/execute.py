@@ -166,12 +166,27 @@ def _no_later_than(replayed: object, recorded: object) -> bool:
 
 
 def any_nonfinite(tensors: Iterable[torch.Tensor]) -> list[bool]:
-    """Per tensor: holds a NaN/Inf (one device sync for the lot)."""
+    """Per tensor: holds a NaN/Inf (one device sync for the lot, and one more per tensor that may).
+
+    A finite sum proves every element finite (NaN and Inf propagate through a sum), and a sum only reads the
+    tensor where isfinite() writes a mask of its size (several times slower, and on a GPU a temporary of a byte
+    per element); a tensor whose sum is not finite, which a sum of large finite values can also be, is then
+    checked element by element."""
     tensors = list(tensors)
     if not tensors:
         return []
-    flags = torch.stack([~torch.isfinite(t).all() for t in tensors])
-    return [bool(f) for f in flags.tolist()]
+    sums = torch.stack([_finite_sum(t) for t in tensors])
+    return [bool(suspect) and not bool(torch.isfinite(t).all())
+            for t, suspect in zip(tensors, (~torch.isfinite(sums)).tolist())]
+
+
+def _finite_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """A float32 number that is finite when every element of `tensor` is (and usually only then)."""
+    if tensor.is_floating_point():
+        return tensor.sum(dtype=torch.float64 if tensor.dtype == torch.float64 else torch.float32).float()
+    if tensor.is_complex():
+        return torch.where(torch.isfinite(tensor).all(), 0.0, float("nan")).float()
+    return torch.zeros((), device=tensor.device)
 
 
 RELOAD_MIN_BYTES = 256 << 20
@@ -186,6 +201,11 @@ def _copy_would_crowd_gpu(need: int, device: torch.device) -> bool:
     except RuntimeError:
         return True
     return need > free // 2
+
+
+def _fingerprint(tensor: torch.Tensor) -> tuple:
+    """What changes when a tensor's values may have: its storage, dtype, shape or in-place version counter."""
+    return tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor._version
 
 
 class StepRunner:
@@ -217,6 +237,9 @@ class StepRunner:
         flags = any_nonfinite(p.detach() for _, p in self.model.named_parameters())
         self.nonfinite_params = [n for n, bad in zip(self.param_names, flags) if bad]
         self.passes = 0
+        self._untouched: dict[str, tuple] | None = None
+        """Large model reset from the dump: each parameter's (storage, dtype, version) as reset() left it, by name,
+        while only passes that cannot change the weights ran since; None: reload everything."""
         self._warned_autocast = False
         self._warned_unrunnable = False
 
@@ -231,13 +254,24 @@ class StepRunner:
         with torch.no_grad():
             if self._reload is not None:
                 live = model.state_dict()
-                for name, tensor in self._reload():
+                stale = self._stale(live)
+                for name, tensor in self._reload(names=stale) if stale else ():
                     if name in live:
                         live[name].copy_(tensor)
             else:
                 model.load_state_dict(self._initial, strict=False)
         for p in model.parameters():
             p.grad = None
+        self._untouched = None
+
+    def _stale(self, live: dict[str, torch.Tensor]) -> set[str]:
+        """What reset() must re-read from the dump: every buffer (a forward in train mode moves BatchNorm's
+        statistics) and each parameter unless it is provably as the last reset left it (a 7B model's weights
+        are 28 GB to re-read per pass otherwise): only run()s without kept gradients or fp32 casts ran since
+        (nothing can step the weights without gradients), and its storage, dtype and in-place version
+        counter are unchanged."""
+        untouched = self._untouched or {}
+        return {name for name, tensor in live.items() if untouched.get(name) != _fingerprint(tensor)}
 
     def _live_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return list(self.model.named_parameters()) + list(self.model.named_buffers())
@@ -317,6 +351,8 @@ class StepRunner:
         """
         session = self.session
         self.reset()
+        untouched = {name: _fingerprint(p) for name, p in self.model.named_parameters(remove_duplicate=False)} \
+            if self._reload is not None and not fp32 and not keep_grads else None
         self.passes += 1
         model = self.model
         model.train()
@@ -424,6 +460,7 @@ class StepRunner:
                 p.grad = None
         if fp32:
             self.reset()
+        self._untouched = untouched  # the pass read the weights and left no gradient to step them with
         return result
 
 

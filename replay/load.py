@@ -68,9 +68,9 @@ class ReplaySession:
     expect_bitwise: bool = True
     """Same kind of machine and torch as the capture: replayed numbers should match bit for bit."""
     capture_environment: dict = field(default_factory=dict)
-    pre_step_weights: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None = None
-    """Re-reads the pre-step weights from the dump (pread, tensor by tensor, onto `device`): a large
-    model is reset from the dump instead of from a copy held in memory (replay.execute.StepRunner)."""
+    pre_step_weights: Callable[..., Iterator[tuple[str, torch.Tensor]]] | None = None
+    """Re-reads the pre-step weights from the dump (pread, tensor by tensor, onto `device`; `names=`: only those):
+    a large model is reset from the dump instead of from a copy held in memory (replay.execute.StepRunner)."""
     followup: Any = None
     """Window replay: the recorded steps after this one (replay.window.Followup), over which the remedies are
     carried (replay/remedy_followup.py); None otherwise."""
@@ -226,7 +226,7 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
         warnings=warnings, source_cuda_device=manifest.get("local_rank"),
         expect_bitwise=_expect_bitwise(env_warnings, device, manifest.get("determinism") or {}),
         capture_environment=dict(manifest.get("environment") or {}),
-        pre_step_weights=lambda: dump.iter_model_tensors(device),
+        pre_step_weights=lambda names=None: dump.iter_model_tensors(device, names=names),
         world_size=int(getattr(dump, "world_size", None) or manifest.get("world_size") or 1),
         fsdp_units=parse_units(precision.get("fsdp")),
         positional_ids=frozenset(i for i, meta in enumerate(dump.micro_batches_meta)

@@ -828,9 +828,10 @@ def _spike(f: VerdictFacts) -> dict:
     if top:
         reading = "Highest per-sample losses: " + ", ".join(
             f"{_id(r.get('sample_id'))} (loss {_num(r.get('loss'))})" for r in top) + "."
+    compare = "the scale and range of its features" if f.data_kind == "float" else "its sequence lengths"
     suggestions = _pattern_hints(f) + [
         "A spike spread over many samples usually comes from the optimizer (learning rate, warm-up, "
-        "clipping threshold) or a shift in the batch distribution: compare this batch's length and "
+        f"clipping threshold) or a shift in the batch distribution: compare this batch's {compare} and "
         "source mix with earlier ones.",
         "If the run recovers on its own, a lower learning rate or tighter clipping may be enough; "
         "change one setting at a time so you learn what fixed it.",

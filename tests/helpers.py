@@ -241,6 +241,29 @@ def write_synthetic_dump(root, **kwargs):
     return write_dump(content, root)
 
 
+OLD_CHUNK_BYTES = 64 << 20
+"""The chunk size format versions 1 and 2 were written with."""
+
+
+def as_version_1_dump(dump_dir, chunk_bytes: int = OLD_CHUNK_BYTES) -> None:
+    """Rewrites a full-state rank dump's manifest as the version-1 writer made it: each file's `sha256` of its
+    bytes, chunk digests only for a file above `chunk_bytes` (the old writer's rule), `format_version` 1."""
+    import hashlib
+    import json
+
+    path = dump_dir / "manifest.json"
+    manifest = json.loads(path.read_bytes())
+    for name in manifest["files"]:
+        data = (dump_dir / name).read_bytes()
+        entry = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        if len(data) > chunk_bytes:
+            entry.update(chunk_size=chunk_bytes, chunks=[hashlib.sha256(data[i:i + chunk_bytes]).hexdigest()
+                                                          for i in range(0, len(data), chunk_bytes)])
+        manifest["files"][name] = entry
+    manifest["format_version"] = 1
+    path.write_text(json.dumps(manifest))
+
+
 def read_everything(path) -> dict:
     """Opens a dump and calls every loader and verify_dump; returns what they gave (raises what they raise)."""
     from forensics.format import open_dump, verify_dump

@@ -87,17 +87,36 @@ def adapter_lm(n_features: int = 16, adapter_hidden: int = 64, config: dict | No
     return AdapterLM(n_features, adapter_hidden, dict(config or {}))
 
 
-# -- (e) a sensor-sequence classifier with BatchNorm ------------------------------------------------
-class SensorClassifier(nn.Module):
-    """Classifies multichannel sensor recordings (B, C, T): BatchNorm1d over channels, MLP, mean pool.
+# -- (e) a sensor-sequence classifier with batch statistics -----------------------------------------
+class BatchStandardize(nn.Module):
+    """Standardises each channel (B, C, T) with the micro-batch's own mean and variance over (B, T), written out in
+    float32 as custom normalisation layers are (no running statistics). Unlike nn.BatchNorm1d, whose CPU and cuDNN
+    kernels accumulate differently (double vs float) and so overflow on different inputs, these sums overflow on the
+    same inputs on every device."""
 
-    BatchNorm's statistics are taken over every sample and time step of the micro-batch, so what one
-    sample does to them depends on which other samples share its micro-batch.
+    def __init__(self, n_channels: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n_channels))
+        self.bias = nn.Parameter(torch.zeros(n_channels))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        count = x.shape[0] * x.shape[2]
+        centred = x - x.sum(dim=(0, 2), keepdim=True) / count
+        variance = (centred * centred).sum(dim=(0, 2), keepdim=True) / count
+        return centred / torch.sqrt(variance + self.eps) * self.weight[:, None] + self.bias[:, None]
+
+
+class SensorClassifier(nn.Module):
+    """Classifies multichannel sensor recordings (B, C, T): batch standardisation over channels, MLP, mean pool.
+
+    The statistics are taken over every sample and time step of the micro-batch, so what one sample does to
+    them depends on which other samples share its micro-batch.
     """
 
     def __init__(self, n_channels: int, hidden: int, n_classes: int):
         super().__init__()
-        self.bn = nn.BatchNorm1d(n_channels)
+        self.bn = BatchStandardize(n_channels)
         self.proj = nn.Linear(n_channels, hidden)
         self.head = nn.Linear(hidden, n_classes)
 

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from forensics.errors import DumpCorruptError
 from forensics.format import spec
+from forensics.format.digest import digest_of_chunks
 from forensics.format.limits import MAX_MICRO_BATCHES, MAX_NAME_CHARS, MAX_WORLD_SIZE
 from forensics.kinds import Phase, StateHolds, TriggerKind
 
@@ -107,7 +108,7 @@ def check_manifest(manifest: dict, where: str) -> None:
     c.kind(manifest.get("state_missing"), "state_missing", str)
     c.each(manifest.get("missing_ranks"), "missing_ranks",
            lambda r, f: c.int(r, f, 0, MAX_WORLD_SIZE), MAX_WORLD_SIZE)
-    _files(c, manifest["files"])
+    _files(c, manifest["files"], manifest["format_version"])
 
 
 def _micro_batch(c: _Checker, batch: Any, field: str) -> None:
@@ -240,7 +241,7 @@ def _layout(c: _Checker, layout: Any, version: int) -> None:
     if layout is None:
         return
     c.kind(layout, "layout", dict, optional=False)
-    if layout.get("kind") != spec.SHARDED or version < 2:
+    if layout.get("kind") != spec.SHARDED or version < spec.SHARDED_VERSION:
         raise c.fail("layout.kind", f"must be {spec.SHARDED!r} (format version 2), got {_short(layout.get('kind'))}")
     for section in ("tensors", "shards"):
         value = layout.get(section)
@@ -283,7 +284,7 @@ def _rows(c: _Checker, rows: Any, field: str, shards: bool) -> None:
                 raise c.fail(where, "has offsets and shape of different lengths")
 
 
-def _files(c: _Checker, files: Any) -> None:
+def _files(c: _Checker, files: Any, version: int) -> None:
     c.kind(files, "files", dict, optional=False)
     if len(files) > 4 * MAX_MICRO_BATCHES + 64:
         raise c.fail("files", f"lists {len(files)} files")
@@ -301,6 +302,9 @@ def _files(c: _Checker, files: Any) -> None:
             if not isinstance(chunks, list) or len(chunks) != expected or \
                     not all(isinstance(d, str) and SHA256.fullmatch(d) for d in chunks):
                 raise c.fail(f"files.{name}.chunks", f"must list {expected} sha256 digests, one per chunk")
+            if version >= spec.CHUNK_DIGEST_VERSION and entry["sha256"] != digest_of_chunks(chunks):
+                raise c.fail(f"files.{name}.sha256", "must be the sha256 of the file's chunk digests (format version "
+                                                     f"{spec.CHUNK_DIGEST_VERSION})")
 
 
 def _tuple(types: type | tuple) -> tuple:

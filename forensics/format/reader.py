@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import stat
@@ -15,6 +16,7 @@ from forensics.errors import (DumpCorruptError, DumpNotFoundError, NotADumpError
                               UnsupportedVersionError)
 from forensics.format import jsonio, spec
 from forensics.format.archive import unpack_archive
+from forensics.format.digest import chunk_digests
 from forensics.format.limits import HASH_CHUNK, MAX_DECOMPRESSED, MAX_JSON_FILE, ArchiveLimits
 from forensics.format.manifest import check_manifest
 
@@ -257,6 +259,15 @@ class Dump:
         self._verified.add(name)
         return path
 
+    def start_verifying(self, names) -> None:
+        """Starts the background chunk checks of the listed files among `names` that have chunk digests, so they
+        run concurrently on every core (verify_file then waits for its own); one that cannot be opened waits for
+        verify_file to say why."""
+        for name in names:
+            if name not in self._verified and self.manifest["files"].get(name, {}).get("chunks"):
+                with contextlib.suppress(DumpCorruptError):
+                    self._chunk_verifier(name)
+
     def _chunk_verifier(self, name: str) -> ChunkVerifier:
         """The background verification of a listed file with chunk digests (started on first use)."""
         if name not in self._verifiers:
@@ -285,8 +296,12 @@ class Dump:
         path, size, sha256 = self._listed(name)
         if size > limit:
             raise DumpCorruptError(f"{path} is {size} bytes, more than the {limit} such a file may have", name)
-        data = path.read_bytes()
-        if len(data) != size or hashlib.sha256(data).hexdigest() != sha256:
+        data, chunks = path.read_bytes(), self.manifest["files"][name].get("chunks")
+        if chunks:  # every chunk checked: the manifest's check tied `sha256` to them (format version 3)
+            matches = chunk_digests(data, int(self.manifest["files"][name]["chunk_size"])) == chunks
+        else:
+            matches = hashlib.sha256(data).hexdigest() == sha256
+        if len(data) != size or not matches:
             raise DumpCorruptError(f"{path} does not match its sha256 in the manifest: the file was changed "
                                    "or corrupted", name)
         self._verified.add(name)
@@ -355,6 +370,22 @@ class Dump:
             with open(path, "rb") as raw:
                 _check_declared_size(raw.read(ZSTD_FRAME_HEADER_MAX), path, name, decompressed_limit(name))
 
+    def size_mismatches(self) -> list[str]:
+        """`inspect`: the listed files that are missing, not regular files, or not of their listed size (one lstat
+        each, nothing read), worded for people; `verify` checks their contents too."""
+        problems = []
+        for name, entry in self.manifest["files"].items():
+            try:
+                info = os.lstat(self.path / name)
+            except OSError:
+                problems.append(f"{name} is missing")
+                continue
+            if not stat.S_ISREG(info.st_mode):
+                problems.append(f"{name} is not a regular file")
+            elif info.st_size != entry["size"]:
+                problems.append(f"{name} has {info.st_size:,} bytes, the manifest lists {entry['size']:,}")
+        return problems
+
     # -- the sharded layout (forensics.format.shards) ---------------------------------------------
     @property
     def sharded(self) -> bool:
@@ -403,17 +434,18 @@ class Dump:
         """The weights of the pre-step state (or of `files`: spec.SNAPSHOT_STATE), all at once."""
         return dict(self.iter_model_tensors(files=files)) if self._sharded_state(files) else self._tensors(files.model)
 
-    def iter_model_tensors(self, device: str | "torch.device" = "cpu", files: spec.StateFiles = spec.PRE_STEP_STATE
-                           ) -> Iterator[tuple[str, "torch.Tensor"]]:
-        """The pre-step weights one tensor at a time, read with pread straight onto `device` in file order, each
-        handed on once the chunks holding it are verified: the host never holds the whole state. A sharded dump assembles each
-        tensor from the rank dumps that hold its parts."""
+    def iter_model_tensors(self, device: str | "torch.device" = "cpu", files: spec.StateFiles = spec.PRE_STEP_STATE,
+                           names: "set[str] | None" = None) -> Iterator[tuple[str, "torch.Tensor"]]:
+        """The pre-step weights one tensor at a time (only `names`, when given), read with pread straight onto
+        `device` in file order, each handed on once the chunks holding it are verified: the host never holds the
+        whole state. A sharded dump assembles each tensor from the rank dumps that hold its parts."""
         if self._sharded_state(files):
-            yield from self.shards.iter_tensors(files.model, str(device))
+            yield from self.shards.iter_tensors(files.model, str(device), names)
             return
         handle = self.tensor_file(files.model)  # verified chunk by chunk while it is read
         for key in handle.keys_in_file_order():
-            yield key, handle.read(key, device)
+            if names is None or key in names:
+                yield key, handle.read(key, device)
 
     def optimizer_meta(self, files: spec.StateFiles = spec.PRE_STEP_STATE) -> dict | None:
         """Class, param groups and the non-tensor state of the optimizer (`optimizer.json`; no tensor is read),

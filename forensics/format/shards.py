@@ -232,9 +232,11 @@ class ShardedState:
                 out[tuple(slice(o, o + s) for o, s in zip(piece.offsets, piece.shape))].copy_(data)
         return out
 
-    def iter_tensors(self, file: str, device: str = "cpu") -> Iterator[tuple[str, "torch.Tensor"]]:
+    def iter_tensors(self, file: str, device: str = "cpu", names: "set[str] | None" = None
+                     ) -> Iterator[tuple[str, "torch.Tensor"]]:
         for name in self.index.names(file):
-            yield name, self.tensor(file, name, device)
+            if names is None or name in names:
+                yield name, self.tensor(file, name, device)
 
 
 def _short(name: object, limit: int = 120) -> str:

@@ -1,9 +1,8 @@
-"""Streaming safetensors writer (checksummed as it writes) and a validating reader."""
+"""Streaming safetensors writer and a validating reader."""
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 import os
@@ -14,7 +13,7 @@ import torch
 
 from forensics.device_sync import DeviceFence, on_device_of
 from forensics.errors import DumpCorruptError
-from forensics.format.spec import CHUNK_BYTES, MAX_SAFETENSORS_HEADER
+from forensics.format.spec import MAX_SAFETENSORS_HEADER
 
 _DTYPE_NAMES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -25,63 +24,6 @@ for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
                      ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
     if hasattr(torch, _name):
         _DTYPE_NAMES[getattr(torch, _name)] = _code
-
-
-class HashingWriter:
-    """File wrapper that counts bytes and sha256s them on the way to disk: the whole file, and each
-    CHUNK_BYTES chunk (a reader verifies the chunks of a large file on many cores at once).
-
-    Large chunks are hashed on a helper thread while the same chunk is being written (both release
-    the GIL), so checksumming costs little on top of the disk write.
-    """
-
-    OVERLAP_MIN = 1 << 20  # below this, a thread hand-off costs more than it saves
-
-    def __init__(self, raw: BinaryIO):
-        self.raw = raw
-        self.size = 0
-        self.sha256 = hashlib.sha256()
-        self.chunks: list[str] = []
-        self._chunk = hashlib.sha256()
-        self._chunk_fill = 0
-        self._pool = None
-
-    def _hash(self, view: memoryview) -> None:
-        self.sha256.update(view)
-        while len(view):
-            take = min(len(view), CHUNK_BYTES - self._chunk_fill)
-            self._chunk.update(view[:take])
-            self._chunk_fill += take
-            view = view[take:]
-            if self._chunk_fill == CHUNK_BYTES:
-                self.chunks.append(self._chunk.hexdigest())
-                self._chunk, self._chunk_fill = hashlib.sha256(), 0
-
-    def write(self, data) -> None:
-        view = memoryview(data).cast("B")
-        if len(view) >= self.OVERLAP_MIN:
-            if self._pool is None:
-                from concurrent.futures import ThreadPoolExecutor
-
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forensics-sha256")
-            hashed = self._pool.submit(self._hash, view)
-            self.raw.write(view)
-            hashed.result()
-        else:
-            self.raw.write(view)
-            self._hash(view)
-        self.size += len(view)
-
-    def chunk_digests(self) -> list[str] | None:
-        """Per-chunk sha256s of the whole file (the last chunk may be short), or None for a file of one chunk."""
-        if self.size <= CHUNK_BYTES:
-            return None
-        return self.chunks + ([self._chunk.hexdigest()] if self._chunk_fill else [])
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
 
 
 SAFETENSORS_DTYPES = frozenset(_DTYPE_NAMES)

@@ -41,6 +41,7 @@ class VerifyResult:
 def _check_rank(dump: Dump) -> list[Problem]:
     problems = []
     listed = dump.manifest["files"]
+    dump.start_verifying(listed)
     for name in listed:
         try:
             dump.verify_file(name)
@@ -103,6 +104,7 @@ def set_aside_damaged(dump: Dump) -> list[Damage]:
         DumpCorruptError: an essential file is damaged, missing or not a regular file (naming it).
     """
     damaged = []
+    dump.start_verifying(name for name in dump.manifest["files"] if name not in dump.set_aside)
     for name in dump.manifest["files"]:
         if name in dump.set_aside:
             continue

@@ -19,7 +19,8 @@ from forensics.fsio import fsync_dir
 from forensics.format import jsonio, spec
 from forensics.format.shards import LocalShard, ShardCopies, shard_entry
 from forensics.format.stale import remove_stale_temporaries, temporary_name
-from forensics.format.tensors import HashingWriter, safetensors_bytes, write_safetensors
+from forensics.format.digest import HashingWriter
+from forensics.format.tensors import safetensors_bytes, write_safetensors
 from forensics.format.tree import encode_tree
 from forensics.rng import RngState
 
@@ -74,13 +75,12 @@ class _DumpDir:
         self.shards: dict[str, dict] = {}  # file -> {name: where this rank's part sits} (sharded layout)
 
     def _record(self, name: str, out: HashingWriter, handle) -> None:
-        out.close()
         handle.flush()
         os.fsync(handle.fileno())
-        self.files[name] = {"size": out.size, "sha256": out.sha256.hexdigest()}
+        self.files[name] = {"size": out.size, "sha256": out.hexdigest()}
         chunks = out.chunk_digests()
         if chunks:
-            self.files[name].update(chunk_size=spec.CHUNK_BYTES, chunks=chunks)
+            self.files[name].update(chunk_size=out.chunk_bytes, chunks=chunks)
 
     def write_bytes(self, name: str, data: bytes) -> None:
         with open(self.path / name, "wb") as handle:
@@ -219,8 +219,8 @@ def _write_dump(content: DumpContent, root: Path) -> Path:
                 manifest["layout"]["copies"] = _write_copies(target, content.copies)
         manifest.update({
             "format": spec.FORMAT_NAME,
-            # version 1 readers would take a sharded rank dump for the full state: they must refuse it
-            "format_version": spec.FORMAT_VERSION if content.layout is not None else spec.FULL_STATE_VERSION,
+            "format_version": spec.version_needed(sharded=content.layout is not None,
+                                                  chunked=any("chunks" in e for e in target.files.values())),
             "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "files": target.files,
         })

@@ -113,6 +113,7 @@ def build_sections(report: Mapping) -> list[Section]:
     builders = (_summary, *((_precursor,) if report.get("precursor") else ()), *((_repro,) if report.get("repro") else ()),
                 _where, _reproduction, _culprit,
                 *((_exception,) if report.get("exception") else ()),
+                *((_window,) if report.get("window") else ()),
                 _remedies, _precision, _bisection, _per_sample, _per_layer, _history, _environment, _timings)
     out = []
     for build in builders:
@@ -403,6 +404,28 @@ def _per_layer(report: Mapping) -> Section:
         table.highlight.append(hit)
     title = f"Per-layer gradients (top {len(top)} of {len(rows)} by grad norm)"
     return Section(title, [Plot("per_layer"), table], "per-layer")
+
+
+def _window(report: Mapping) -> Section:
+    """The window replay step by step: recorded vs replayed loss and grad norm, whether the weights stayed finite,
+    the update's size, and the step that broke the run."""
+    window = section(report, "window")
+    steps = window.get("steps") or []
+    broke = window.get("broke_at")
+    intro = (f"Re-executed steps {fmt_num(window.get('from_step'))} to {fmt_num(steps[-1].get('step'))} from "
+             f"{window.get('checkpoint') or 'the checkpoint'}; "
+             + (f"step {fmt_num(broke)} broke the run: {window.get('why')}." if broke is not None
+                else "no step before the dumped one broke the weights.")) if steps else \
+        "The window replay re-executed no step."
+    rows = [[fmt_num(s.get("step")), fmt_num(s.get("recorded_loss")), fmt_num(s.get("replayed_loss")),
+             fmt_num(s.get("recorded_grad_norm")), fmt_num(s.get("replayed_grad_norm")),
+             _yes_no(s.get("weights_finite")), fmt_num(s.get("relative_change")), s.get("broke") or ""]
+            for s in steps[-HISTORY_ROWS:]]
+    blocks: list[Block] = [Para(prose(intro))]
+    if rows:
+        blocks.append(Table(["step", "recorded loss", "replayed loss", "recorded grad norm", "replayed grad norm",
+                             "weights finite", "update / weights", "broke the run"], rows))
+    return Section("Window replay", blocks, "window")
 
 
 def _history(report: Mapping) -> Section:

@@ -1,18 +1,25 @@
-"""Benchmark: writing a ~1.5 GB model + Adam state as a forensics dump vs torch.save vs raw disk speed.
+"""Benchmark: writing a ~1.5 GB model + Adam state as a forensics dump vs torch.save vs raw writers of the same bytes.
 
-All three write the same bytes-worth of state to the same directory in one process, interleaved.
-Also measures the training stall of a non-fatal (spike) dump: the time `Guard.check` takes to return
-when the dump is copied to host memory and written by the background thread.
-Usage: python scripts/bench/dump_write.py [--dir /tmp] [--rounds 2] [--params 125]
+Every writer writes the same bytes-worth of state to the same directory in one process, interleaved rounds:
+`raw` (os.write of the state's own bytes from host memory into one file + fsync: the disk's limit for these
+bytes), `dd` (`dd if=/dev/zero bs=64M conv=fsync` of the same size, where dd exists), `torch.save` (+ fsync)
+and the forensics dump (`write_dump`: the dump stall of a fatal trigger on this rank). Also measures sha256 on
+one core and on every core, and the training stall of a non-fatal (spike) dump: the time `Guard.check` takes
+to return when the dump is copied and written by the background thread.
+Usage: python -m scripts.bench.dump_write [--dir /tmp] [--rounds 3] [--params 125] [--device cuda:0] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import shutil
+import subprocess
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -44,23 +51,41 @@ def fsync_dir_tree(path: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", default=tempfile.gettempdir())
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--params", type=int, default=125, help="millions of parameters (125 -> ~1.5 GB)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where the state lives (cuda:N on a GPU machine)")
+    parser.add_argument("--json", help="also write the results as JSON to this file")
     args = parser.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = args.device
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
     model, optimizer, width = build(args.params, device)
     state_bytes = sum(p.numel() * 4 * 3 for p in model.parameters())
     work = tempfile.mkdtemp(dir=args.dir, prefix="fx-bench-")
-    blob = os.urandom(64 << 20)
+    host_state = [t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+                  for p in model.parameters()
+                  for t in (p, optimizer.state[p]["exp_avg"], optimizer.state[p]["exp_avg_sq"])]
 
-    def raw_write():
+    def raw_write():  # the state's own bytes, already in host memory, one os.write per tensor
         path = os.path.join(work, "raw.bin")
-        with open(path, "wb") as f:
-            for _ in range(state_bytes // len(blob)):
-                f.write(blob)
-            f.write(blob[: state_bytes % len(blob)])
-            f.flush()
-            os.fsync(f.fileno())
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for array in host_state:
+                view, done = memoryview(array), 0
+                while done < len(view):
+                    done += os.write(fd, view[done:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.remove(path)
+
+    blocks = -(-state_bytes // (64 << 20))
+
+    def dd_write():  # dd of the same size rounded up to whole 64 MiB blocks (its time is scaled back below)
+        path = os.path.join(work, "dd.bin")
+        subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=64M", f"count={blocks}", "conv=fsync"],
+                       check=True, capture_output=True)
         os.remove(path)
 
     def torch_save():
@@ -82,9 +107,12 @@ def main() -> None:
         path = write_dump(content, work)
         shutil.rmtree(path.parent.parent)
 
-    results = {"raw": [], "torch.save": [], "forensics": []}
+    writers = {"raw": raw_write, "torch.save": torch_save, "forensics": forensics_dump}
+    if shutil.which("dd"):
+        writers["dd"] = dd_write
+    results: dict[str, list[float]] = {name: [] for name in writers}
     for _ in range(args.rounds):
-        for name, fn in (("raw", raw_write), ("torch.save", torch_save), ("forensics", forensics_dump)):
+        for name, fn in writers.items():
             start = time.perf_counter()
             fn()
             results[name].append(time.perf_counter() - start)
@@ -108,15 +136,46 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
 
     gb = state_bytes / 1e9
-    print(f"machine: {machine()}; target dir {args.dir}")
+    times = {name: median(values) for name, values in results.items()}
+    if "dd" in times:
+        times["dd"] *= state_bytes / (blocks * (64 << 20))
+    summary = {
+        "machine": machine(), "device": device, "dir": args.dir, "state_gb": round(gb, 3), "rounds": args.rounds,
+        "seconds": {name: round(t, 3) for name, t in times.items()},
+        "gb_s": {name: round(gb / t, 3) for name, t in times.items()},
+        "stall_vs_raw": round(times["forensics"] / times["raw"], 3),
+        "stall_vs_dd": round(times["forensics"] / times["dd"], 3) if "dd" in times else None,
+        "forensics_vs_torch_save": round(times["torch.save"] / times["forensics"], 3),
+        "sha256_gb_s": sha256_speeds(),
+        "spike_stall_s": round(stall, 4), "spike_background_write_s": round(background, 3),
+        "spike_dumps_written": len(stall_guard.dumps),
+    }
+    print(f"machine: {summary['machine']}; target dir {args.dir}")
     print(f"state: {gb:.2f} GB (fp32 weights + Adam exp_avg + exp_avg_sq), on {device}; medians of {args.rounds}")
-    for name, values in results.items():
-        t = median(values)
+    for name, t in times.items():
         print(f"  {name:<11} {t:7.2f} s  {gb / t:6.2f} GB/s")
-    raw, save, ours = (median(results[k]) for k in ("raw", "torch.save", "forensics"))
-    print(f"forensics vs torch.save: {save / ours:.2f}x faster; forensics / raw disk bandwidth: {raw / ours:.2f}")
+    print(f"dump stall / raw write of the same bytes: {summary['stall_vs_raw']:.2f} (dd: {summary['stall_vs_dd']}); "
+          f"forensics vs torch.save: {summary['forensics_vs_torch_save']:.2f}x faster")
     print(f"spike dump training stall: {stall:.3f} s; background write finished {background:.2f} s later; "
           f"dumps written: {len(stall_guard.dumps)}")
+    print(json.dumps(summary))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(summary, handle, indent=1)
+
+
+def sha256_speeds() -> dict[str, float]:
+    """GB/s of sha256 over 512 MiB on one core and in 4 MiB pieces on every core (what the writer can reach)."""
+    data = memoryview(os.urandom(1 << 20) * 512)
+    pieces = [data[i:i + (4 << 20)] for i in range(0, len(data), 4 << 20)]
+    start = time.perf_counter()
+    hashlib.sha256(data).digest()
+    one = time.perf_counter() - start
+    with ThreadPoolExecutor(os.cpu_count()) as pool:
+        start = time.perf_counter()
+        list(pool.map(lambda piece: hashlib.sha256(piece).digest(), pieces))
+        every = time.perf_counter() - start
+    return {"one_core": round(len(data) / one / 1e9, 2), f"{os.cpu_count()}_threads": round(len(data) / every / 1e9, 2)}
 
 
 if __name__ == "__main__":

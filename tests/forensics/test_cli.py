@@ -158,3 +158,19 @@ def test_list_shows_every_dump_whether_replayed_and_the_unfinished_ones(dumps, t
     text = invoke(["list", root, "--clean-stale"], exit_code=0)
     assert "removed unfinished dump" in text.stderr and not stale.exists()
     assert "demo-bad_sample" in text.stdout and "nonfinite_loss" in text.stdout
+
+
+def test_inspect_shows_a_truncated_file_and_exits_2(dumps, tmp_path):
+    """inspect reads no weights, but a listed file shorter than the manifest says is named (and exit 2), not
+    summarised as if the dump were whole."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(dumps["bad_sample"], copy)
+    model = copy / "model.safetensors"
+    size = model.stat().st_size
+    with open(model, "r+b") as handle:
+        handle.truncate(size // 2)
+    result = invoke(["inspect", copy], exit_code=ExitCode.BAD_INPUT)
+    assert "DAMAGED: model.safetensors has" in result.stdout and f"{size:,}" in result.stdout
+    assert "step" in result.stdout  # the summary is still shown

@@ -462,3 +462,18 @@ def test_the_parameter_is_described_by_the_phase_that_named_it(phase, words):
         "parameter": "transformer.h.0.mlp.c_fc.weight", "stats": {}}}
     text = location_sentence(report)
     assert words in text and text.count("parameter") == 1
+
+
+def test_a_window_replay_is_a_step_by_step_table_in_markdown_and_html():
+    """The window replay's steps are in report.md and report.html, not only in report.json."""
+    report = make_report("bad_sample")
+    report["window"] = {"checkpoint": "the dump's host snapshot", "from_step": 4, "dumped_step": 7, "broke_at": 6,
+                        "why": "its update made transformer.wte.weight non-finite", "steps_before_crash": 1,
+                        "steps": [{"step": s, "recorded_loss": 2.0 + s, "replayed_loss": 2.0 + s,
+                                   "recorded_grad_norm": 1.0, "replayed_grad_norm": 1.0, "weights_finite": s < 6,
+                                   "relative_change": 0.01,
+                                   "broke": "its update made transformer.wte.weight non-finite" if s == 6 else None}
+                                  for s in (4, 5, 6)]}
+    rows = _md_table(render_markdown(report), "Window replay")
+    assert [r[0] for r in rows] == ["4", "5", "6"] and rows[2][5] == "no" and "non-finite" in rows[2][7]
+    assert "Window replay" in render_html(report) and "step 6 broke the run" in render_markdown(report)

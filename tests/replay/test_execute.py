@@ -148,3 +148,20 @@ def test_multi_rank_dump_compares_losses_only(kit):
     assert report["reproduced"] is True and report["fidelity"]["bitwise_equal"] is True
     assert report["dump"]["world_size"] == 4
     assert "Grad norm not compared: the recorded grad norm covers all 4 ranks" in render_verdict_text(report)
+
+
+def test_any_nonfinite_is_exact_where_a_sum_overflows_or_cancels():
+    from replay.execute import any_nonfinite
+
+    cases = {
+        "finite values whose fp32 sum overflows": (torch.full((10,), 3e38), False),
+        "fp16 at its maximum": (torch.tensor([65504.0, 65504.0]).half(), False),
+        "float64 beyond fp32's range": (torch.tensor([1e308, 1e308], dtype=torch.float64), False),
+        "+inf and -inf": (torch.tensor([float("inf"), -float("inf")]), True),
+        "one NaN in bf16": (torch.tensor([1.0, float("nan")]).bfloat16(), True),
+        "empty": (torch.zeros(0, 3), False),
+        "integers": (torch.tensor([1, 2]), False),
+        "complex with a NaN": (torch.tensor([1 + 1j, complex("nan")]), True),
+    }
+    flags = any_nonfinite(t for t, _ in cases.values())
+    assert dict(zip(cases, flags)) == {name: expected for name, (_, expected) in cases.items()}

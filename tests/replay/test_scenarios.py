@@ -12,6 +12,7 @@ import torch
 
 from forensics.demo.scenarios import SCENARIOS, Captured
 from forensics.format import open_dump
+from forensics.kinds import TriggerKind
 from replay.engine import ReplayOptions, run_replay
 from replay.execute import StepRunner
 from replay.load import load_session
@@ -100,9 +101,9 @@ def test_pair_fails_only_together(captured, reports):
     refs = session.sample_refs
     a, b = [r for r in refs if r.sample_id in captured["pair"].expected.samples]
     assert a.micro_batch == b.micro_batch
-    assert not runner.run([r for r in refs if r != a]).trigger_reproduced("nonfinite_grad")
-    assert not runner.run([r for r in refs if r != b]).trigger_reproduced("nonfinite_grad")
-    assert runner.run([a, b]).trigger_reproduced("nonfinite_grad")
+    assert not runner.run([r for r in refs if r != a]).trigger_reproduced(TriggerKind.NONFINITE_LOSS)
+    assert not runner.run([r for r in refs if r != b]).trigger_reproduced(TriggerKind.NONFINITE_LOSS)
+    assert runner.run([a, b]).trigger_reproduced(TriggerKind.NONFINITE_LOSS)
 
 
 def test_demo_dumps_name_only_builtin_recipes(captured):

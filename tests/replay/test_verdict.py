@@ -252,3 +252,13 @@ def test_positional_ids_are_never_promised_a_blocklist_and_the_verdict_says_how_
                                                     "sample IDs") and "sample_ids=ids" in positional["suggestions"][-1]
     assert not any(s.startswith("No blocklist entry") for s in named["suggestions"])
     assert positional["kind"] == named["kind"]
+
+
+def test_spike_advice_for_numeric_features_speaks_of_their_scale_not_of_text():
+    from replay.verdict import VerdictFacts, decide_verdict
+
+    common = dict(trigger_kind="loss_spike", reproduced=True, trigger_value=50.0, threshold=3.0)
+    numeric = " ".join(decide_verdict(VerdictFacts(**common, data_kind="float"))["suggestions"])
+    tokens = " ".join(decide_verdict(VerdictFacts(**common, data_kind="tokens"))["suggestions"])
+    assert "scale and range of its features" in numeric and "sequence lengths" not in numeric
+    assert "sequence lengths" in tokens
