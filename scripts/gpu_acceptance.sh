@@ -10,8 +10,11 @@ export PYTHONPATH=/tmp/site:$PWD:$PWD/scripts/examples PYTHONUNBUFFERED=1 TORCH_
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 d=/tmp/d; rm -rf "$d"; mkdir -p "$d"
 failed=0
-# wanted NAME: no STEPS, or a word of STEPS begins NAME (STEPS=fsdp2_1b also runs fsdp2_1b_verify and _replay)
-wanted() { [ -z "${STEPS:-}" ] && return 0; local w; for w in $STEPS; do [[ "$1" == "$w"* ]] && return 0; done; return 1; }
+# wanted NAME: no STEPS, or a word of STEPS begins NAME (STEPS=fsdp2_1b also runs fsdp2_1b_verify and _replay).
+# Measurements already made and recorded in the docs (2026-11-26) run only with EXTRA=1: NAME starts with "extra_".
+wanted() {
+  [[ "$1" == extra_* && -z "${EXTRA:-}" && -z "${STEPS:-}" ]] && return 1
+  [ -z "${STEPS:-}" ] && return 0; local w; for w in $STEPS; do [[ "$1" == "$w"* ]] && return 0; done; return 1; }
 
 # step NAME EXPECTED_EXIT CMD...: runs CMD with its output in $out/NAME.log, shows the lines that matter, and marks
 # the run failed unless CMD exits with EXPECTED_EXIT.
@@ -51,10 +54,10 @@ if wanted device_assert_2gpu; then
   python3 scripts/gpu_wait_time.py "$out/device_assert_2gpu.log" | tee -a "$out/summary.txt"
   step device_assert_2gpu_verify 0 python3 -m forensics.cli verify $d/assert2/assert/step-000000005/rank-00001
 fi
-step device_assert_2gpu_default_watchdog 1 bash -c "timeout 900 torchrun --nproc_per_node=2 $job2 $d/assert2d; \
+step extra_device_assert_2gpu_default_watchdog 1 bash -c "timeout 900 torchrun --nproc_per_node=2 $job2 $d/assert2d; \
   rc=\$?; echo forensics-job-exit t=\$(date +%s.%N); ls -R $d/assert2d | head -20; \
   python3 -m forensics.cli verify $d/assert2d/assert/step-000000005/rank-00001; exit \$rc"
-step launch_blocking 0 python3 -m scripts.check_launch_blocking
+step extra_launch_blocking 0 python3 -m scripts.check_launch_blocking
 # 4. DeepSpeed ZeRO-3 bf16 Llama on 2 GPUs: dump, verify, replay rank 1 on one GPU
 step zero3_llama 0 timeout 300 torchrun --nproc_per_node=2 scripts/examples/deepspeed_example.py --zero-stage 3 \
   --precision bf16 --model llama --poison-value inf --dump-dir $d --run-id z3llama
@@ -82,7 +85,9 @@ fi
 rm -rf $d/fsdp1b $d/z3llama
 # 7. every planted-fault scenario captured and replayed on cuda:0
 step scenarios_cuda 0 python3 -m scripts.check_scenarios --device cuda:0 --json "$out/scenarios.json"
-# 8. the write benchmark (forensics vs torch.save vs raw, cuda)
+# 8. the precursor monitor's cost on a healthy GPU step (GPT-2 small, bf16, fused AdamW)
+step precursor_bench 0 timeout 150 python3 -m scripts.bench.precursor_overhead --rounds 3 --steps 8
+# 9. the write benchmark (forensics vs torch.save vs raw, cuda)
 step dump_write_bench 0 python3 -m scripts.bench.dump_write --dir /tmp --rounds 3
 echo "--- summary ($(cat "$out/date.txt"))"; cat "$out/summary.txt"
 [ "$failed" -eq 0 ] && echo "all GPU acceptance steps passed; logs in $out" || { echo "some GPU acceptance steps FAILED"; exit 1; }

@@ -7,7 +7,7 @@ import io
 import json
 import os
 import struct
-from typing import BinaryIO, Callable, Iterator
+from typing import Callable, Iterator
 
 import torch
 
