@@ -88,6 +88,6 @@ step scenarios_cuda 0 python3 -m scripts.check_scenarios --device cuda:0 --json 
 # 8. the precursor monitor's cost on a healthy GPU step (GPT-2 small, bf16, fused AdamW)
 step precursor_bench 0 timeout 150 python3 -m scripts.bench.precursor_overhead --rounds 3 --steps 8
 # 9. the write benchmark (forensics vs torch.save vs raw, cuda)
-step dump_write_bench 0 python3 -m scripts.bench.dump_write --dir /tmp --rounds 3
+step dump_write_bench 0 python3 -m scripts.bench.dump_write --dir /tmp --rounds 3 --device cuda:0
 echo "--- summary ($(cat "$out/date.txt"))"; cat "$out/summary.txt"
 [ "$failed" -eq 0 ] && echo "all GPU acceptance steps passed; logs in $out" || { echo "some GPU acceptance steps FAILED"; exit 1; }

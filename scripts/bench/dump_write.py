@@ -53,12 +53,13 @@ def main() -> None:
     parser.add_argument("--dir", default=tempfile.gettempdir())
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--params", type=int, default=125, help="millions of parameters (125 -> ~1.5 GB)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+    parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu",
                         help="where the state lives (cuda:N on a GPU machine)")
     parser.add_argument("--json", help="also write the results as JSON to this file")
     args = parser.parse_args()
     device = args.device
     if device.startswith("cuda"):
+        device = str(torch.device(device) if ":" in device else torch.device("cuda", torch.cuda.current_device()))
         torch.cuda.set_device(torch.device(device))
     model, optimizer, width = build(args.params, device)
     state_bytes = sum(p.numel() * 4 * 3 for p in model.parameters())
