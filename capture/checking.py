@@ -18,6 +18,7 @@ from capture.detectors import StepDetectors, clipped
 from capture.history import History
 from capture.host_snapshots import HostSnapshots
 from capture.incident import Incident, StepRecord
+from capture.precursors import PrecursorMonitor
 from capture.window import FlightRecorder, WindowStep
 from forensics.trigger import Trigger
 from forensics.kinds import Policy, TriggerKind
@@ -35,6 +36,7 @@ class CheckSource(Protocol):
     history: History
     window: FlightRecorder
     snapshots: HostSnapshots
+    precursors: PrecursorMonitor | None
     step: int
     rank: int
     sharded_grad_norm: bool
@@ -100,12 +102,16 @@ class SyncCheck:
         scale = getattr(g.scaler, "_scale", None) if g.scaler is not None and g.scaler.is_enabled() else None
         values: list[Any] = [*record.losses, grad_norm, scale]
         n = len(record.losses)
+        row = g.precursors.device_row() if g.precursors is not None else None  # sampled steps only
         agreed = None
         if g.multi_rank:
             host, agreed = agree(values, n, divisor=record.divisor(g.config.loss_divisor),
                                  min_loss_scale=g.config.min_loss_scale, sharded_grad_norm=sharded)
+            row_values = row.tolist() if row is not None else None  # after the all-reduce's sync: a short wait
         else:
-            host = host_numbers(values)
+            host, row_values = host_numbers(values, row)
+        if row_values is not None:
+            g.precursors.receive(g.step, row_values)
         return host[:n], host[n], host[n + 1], agreed
 
 
@@ -120,17 +126,23 @@ def take_snapshot(guard: CheckSource) -> None:
         guard.snapshots.turn_off(f"copying the state failed ({type(exc).__name__}: {exc})")
 
 
-def host_numbers(values: list[Any]) -> list[float | None]:
-    """Host numbers for `values` (None: unknown), stacked on their device and read in one transfer.
+def host_numbers(values: list[Any], row: torch.Tensor | None = None
+                 ) -> tuple[list[float | None], list[float] | None]:
+    """Host numbers for `values` (None: unknown), stacked on their device and read in one transfer, and those of
+    `row` (a 1-D tensor: the precursor statistics of a sampled step) read in the same transfer.
     A CPU tensor beside device tensors is read on the host (moving it to the device would wait)."""
-    device = next((v.device for v in values if isinstance(v, torch.Tensor) and v.device.type != "cpu"),
-                  torch.device("cpu"))
+    tensors = [v for v in values if isinstance(v, torch.Tensor)] + ([row] if row is not None else [])
+    device = next((t.device for t in tensors if t.device.type != "cpu"), torch.device("cpu"))
     on_device = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and v.device == device]
     host = [None if v is None or i in on_device else
             float(v.detach().float().mean()) if isinstance(v, torch.Tensor) else float(v)
             for i, v in enumerate(values)]
-    if on_device:
-        fetched = torch.stack([values[i].detach().float().mean() for i in on_device]).tolist()  # the one sync
-        for slot, i in enumerate(on_device):
-            host[i] = fetched[slot]
-    return host
+    parts = [torch.stack([values[i].detach().float().mean() for i in on_device])] if on_device else []
+    if row is not None:
+        parts.append(row.detach().float().to(device))  # on its device already, unless the model is split
+    if not parts:
+        return host, None
+    fetched = torch.cat(parts).tolist()  # the one sync
+    for slot, i in enumerate(on_device):
+        host[i] = fetched[slot]
+    return host, fetched[len(on_device):] if row is not None else None

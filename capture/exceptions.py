@@ -190,7 +190,7 @@ def step_incident(exc: BaseException, record: StepRecord, step: int, after_check
         trigger = Trigger(TriggerKind.EXCEPTION, math.nan, None, index,
                           f"{section['type']} {during_words(during)}: {section['message'][:300]}")
     try:
-        host_losses = host_numbers(list(record.losses))
+        host_losses, _ = host_numbers(list(record.losses))
     except Exception:  # noqa: BLE001 - a broken device: the losses are a bonus
         host_losses = [v if isinstance(v, float) else None for v in record.losses]
     losses = [v if isinstance(v, float) else math.nan for v in host_losses]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from capture import Guard, GuardConfig
+from capture import Guard, GuardConfig, PrecursorConfig
 from forensics_test_helpers import ScalarReads, Watched
 
 
@@ -30,10 +30,10 @@ def test_the_watch_itself_sees_host_reads():
     assert mode.count == 2
 
 
-def _train_steps(helpers, gpt2, tmp_path, steps, pass_grad_norm):
+def _train_steps(helpers, gpt2, tmp_path, steps, pass_grad_norm, precursors=None):
     model = gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="s"))
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="s", precursors=precursors))
     data = helpers.EmbedsDataset(steps * 4)
     per_step = []
     for step in range(steps):
@@ -66,3 +66,13 @@ def test_guard_computed_grad_norm_adds_no_host_read(helpers, gpt2, tmp_path):
     per_step, guard = _train_steps(helpers, gpt2, tmp_path, steps=2, pass_grad_norm=False)
     assert per_step == [(True, ["tolist"], 0)] * 2
     assert all(isinstance(v, float) and v > 0 for v in guard.history.to_dict()["grad_norm"])
+
+
+def test_the_precursor_statistics_travel_with_the_one_read(helpers, gpt2, tmp_path):
+    """Sampled steps (0 and 2) and the others alike: one read of the step's numbers, nothing else read; the
+    sampled steps' statistics arrive with it."""
+    per_step, guard = _train_steps(helpers, gpt2, tmp_path, steps=4, pass_grad_norm=True,
+                                   precursors=PrecursorConfig(every=2))
+    assert per_step == [(True, ["tolist"], 0)] * 4
+    rows = dict(guard.window._precursor_rows)
+    assert sorted(rows) == [0, 2] and all(v is not None for v in rows[2])

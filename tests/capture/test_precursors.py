@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from capture import Guard, GuardConfig, PrecursorConfig, SpikeConfig
-from capture.precursors import find_blocks
+from capture.precursor_stats import find_blocks
 from forensics.errors import TrainingFaultError
 from forensics.format import open_dump, verify_dump
 from forensics.kinds import PrecursorStatistic, TriggerKind, VerdictKind
@@ -106,7 +106,7 @@ def test_a_provoked_divergence_is_dumped_as_a_precursor_ten_steps_ahead_naming_t
             onsets[(column["layer"], column["statistic"])] = at
     named = onsets[(first["layer"], first["statistic"])]
     assert named == min(onsets.values()), onsets
-    assert abs(named - first["started"]) <= 3
+    assert abs(named - first["started"]) <= PrecursorConfig().every  # one sample apart at most
     assert any("QK-norm" in s or "learning rate" in s for s in report["verdict"]["suggestions"])
     assert "instability ahead" in render_markdown(report) and plot_precursors(report)
 
@@ -116,7 +116,10 @@ def test_the_crash_dump_still_comes_and_carries_the_statistics(diverged):
     crash = open_dump(guard.dumps[-1])
     assert crash.trigger["kind"] in (TriggerKind.NONFINITE_LOSS, TriggerKind.NONFINITE_GRAD)
     table = crash.precursors()
-    assert crash.step == nonfinite_at and table["steps"][-1] == crash.step - 1  # raise: its own row is not read
+    assert crash.step == nonfinite_at
+    # the last sampled step (its row is read with check()'s transfer, before a raise)
+    assert crash.step - PrecursorConfig().every < table["steps"][-1] <= crash.step
+    assert all(s % PrecursorConfig().every == 0 for s in table["steps"])  # the Guard counts from step 0
     assert [f for f in table["firings"] if f["dumped"]]  # the precursor that fired is in the crash dump too
 
 
@@ -142,8 +145,79 @@ def test_blocks_and_attention_projections_are_found_generically():
     guard.close()
 
 
-@pytest.mark.parametrize("bad", [dict(window=2), dict(sustained=0), dict(min_growth=1.0), dict(history=8),
-                                 dict(read_every=0)])
+@pytest.mark.parametrize("bad", [dict(window=2), dict(sustained=0), dict(min_growth=1.0), dict(history=3),
+                                 dict(every=0)])
 def test_config_is_validated(bad):
     with pytest.raises(ValueError, match="PrecursorConfig"):
         PrecursorConfig(**bad)
+
+
+def test_a_sampled_row_holds_the_statistics_computed_directly_and_other_steps_none():
+    """The batched statistics (one `_foreach` chain per block and param group, sign tricks included) against a plain
+    per-parameter computation of the same definitions, at the sampled steps only."""
+    model = gpt2()
+    optimizer = torch.optim.AdamW([{"params": [p for n, p in model.named_parameters() if n.endswith("bias")],
+                                    "weight_decay": 0.0, "lr": 3e-3},
+                                   {"params": [p for n, p in model.named_parameters() if not n.endswith("bias")],
+                                    "lr": 1e-3, "betas": (0.8, 0.99)}])
+    guard = Guard(model, optimizer, config=GuardConfig(precursors=PrecursorConfig(every=3)))
+    blocks = dict(find_blocks(model))
+    outputs = {}
+    handles = [block.register_forward_hook(lambda m, a, out, name=name: outputs.__setitem__(
+        name, (out if isinstance(out, torch.Tensor) else out[0]).detach())) for name, block in blocks.items()]
+    handles += [block.attn.c_attn.register_forward_hook(lambda m, a, out, name=name: outputs.__setitem__(
+        (name, "qkv"), out.detach())) for name, block in blocks.items()]
+    handles.append(model.lm_head.register_forward_hook(lambda m, a, out: outputs.__setitem__("logits", out.detach())))
+    expected = {}
+    for step, batch in enumerate(batches(7)):
+        guard.record_batch(batch)
+        loss = model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+        guard.record_loss(loss)
+        loss.backward()
+        expected[step] = _direct_statistics(blocks, outputs, optimizer)
+        assert guard.check()
+        optimizer.step()
+        optimizer.zero_grad()
+    guard.close()
+    for handle in handles:
+        handle.remove()
+    rows = dict(guard.window._precursor_rows)
+    assert sorted(rows) == [0, 3, 6]  # every=3, from the first step
+    for step, values in rows.items():
+        got = {column: value for column, value in zip(guard.precursors.columns, values)}
+        for column, value in expected[step].items():
+            if value is None:
+                assert got[column] is None, (step, column)
+            else:
+                assert got[column] == pytest.approx(value, rel=1e-4), (step, column)
+
+
+def _direct_statistics(blocks, outputs, optimizer) -> dict:
+    stat = PrecursorStatistic
+    groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    out = {("lm_head", stat.OUTPUT_LOGIT): float(outputs["logits"].abs().max())}
+    for name, block in blocks.items():
+        q, k, _ = outputs[(name, "qkv")].chunk(3, dim=-1)
+        size = 16  # n_embd 32 / 2 heads
+        bound = float(q.reshape(-1, size).norm(dim=-1).max() * k.reshape(-1, size).norm(dim=-1).max())
+        out[(name, stat.ATTENTION_LOGIT)] = bound / math.sqrt(size)
+        t = outputs[name].float()
+        out[(name, stat.BLOCK_RMS)] = float(t.pow(2).mean().sqrt())
+        out[(name, stat.BLOCK_ABSMAX)] = float(t.abs().max())
+        params = [p for p in block.parameters() if p.requires_grad]
+        weights = math.sqrt(sum(float(p.detach().pow(2).sum()) for p in params))
+        out[(name, stat.GRAD_NORM)] = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in params))
+        if not optimizer.state:
+            out[(name, stat.UPDATE_RATIO)] = out[(name, stat.ADAM_V_FLOOR)] = None
+            continue
+        squares, floor = 0.0, math.inf
+        for p in params:
+            state, group = optimizer.state[p], groups[id(p)]
+            (beta1, beta2), n = group["betas"], float(state["step"])
+            update = (state["exp_avg"] / (1 - beta1 ** n)) / ((state["exp_avg_sq"] / (1 - beta2 ** n)).sqrt()
+                                                             + group["eps"])
+            squares += float((group["lr"] * update).pow(2).sum())
+            floor = min(floor, float(state["exp_avg_sq"].min()))
+        out[(name, stat.UPDATE_RATIO)] = math.sqrt(squares) / weights
+        out[(name, stat.ADAM_V_FLOOR)] = floor
+    return out

@@ -1,0 +1,329 @@
+"""The precursor monitor's device side: per-block statistics of a sampled step, batched into one row tensor.
+
+Only every `PrecursorConfig.every`-th step is measured. On the other steps every hook returns after one flag check
+and nothing runs on the device. On a sampled step the work is batched so that its cost does not grow with the
+number of parameters in Python calls (on a GPU each call is a kernel launch, and the launches after check()'s
+sync are on the step's critical path):
+
+* block outputs are only referenced by the block hooks (they stay alive for backward anyway); at the last block
+  two `torch._foreach_norm` calls (L2 and L-inf, in the output's dtype: no float copy) give every block's RMS and
+  abs-max of the micro-batch;
+* the attention-logit bound needs the largest per-head row norm of the query and key projections' outputs: one
+  `vector_norm(dim=-1)` and one `amax` per projection (both halves of a fused q|k|v projection at once);
+* the output-logit abs-max is one L-inf norm of the logits;
+* at check() the gradient and weight norms of all blocks are one `_foreach_norm` each, summed per block by one
+  `index_add_`; the Adam update m^ / (sqrt(v^) + eps) and the second-moment floor are a short chain of `_foreach`
+  ops per (block, param group) — never a Python loop of tensor ops per parameter;
+* everything ends in one row tensor, read by the caller with the step's own device->host transfer.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from forensics.kinds import PrecursorStatistic
+
+# (query name, key name, fused): the projections whose outputs bound the attention logits; fused: one q|k|v
+# projection whose first two thirds are the queries and keys (GPT-2's c_attn).
+QK_PROJECTIONS = (("q_proj", "k_proj", False), ("query", "key", False), ("c_attn", "c_attn", True))
+
+
+def find_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The model's repeated blocks, by qualified name: the children of its largest nn.ModuleList (by parameter
+    count) whose children are all of one class (`transformer.h`, `model.layers`, `encoder.layer` ...); [] when it
+    has none."""
+    best: tuple[int, str, torch.nn.ModuleList] | None = None
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) and len({type(c) for c in module}) == 1:
+            size = sum(p.numel() for p in module.parameters())
+            if size and (best is None or size > best[0]):
+                best = (size, name, module)
+    if best is None:
+        return []
+    _, name, blocks = best
+    return [(f"{name}.{i}" if name else str(i), block) for i, block in enumerate(blocks)]
+
+
+def head_dim(model: torch.nn.Module) -> int | None:
+    """The attention head size a Hugging Face config states (head_dim, else hidden / heads), else None."""
+    config = getattr(model, "config", None)
+    value = getattr(config, "head_dim", None)
+    if isinstance(value, int) and value > 0:
+        return value
+    hidden = next((getattr(config, k) for k in ("hidden_size", "n_embd", "d_model") if hasattr(config, k)), None)
+    heads = next((getattr(config, k) for k in ("num_attention_heads", "n_head", "num_heads") if hasattr(config, k)),
+                 None)
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads == 0:
+        return hidden // heads
+    return None
+
+
+def _first_tensor(output: Any) -> torch.Tensor | None:
+    if isinstance(output, (tuple, list)):
+        output = output[0] if output else None
+    elif not isinstance(output, torch.Tensor):
+        output = getattr(output, "logits", None)
+    if isinstance(output, torch.Tensor) and output.is_floating_point() and output.numel():
+        return output.detach()
+    return None
+
+
+def _on_host(value: Any) -> Any:
+    """A Python number as a float, a CPU tensor as its value (read on the host: no device involved); a device
+    tensor stays as it is (reading it would wait for the device)."""
+    if isinstance(value, torch.Tensor):
+        return float(value.tolist()) if value.device.type == "cpu" else value
+    return float(value)
+
+
+class StepStatistics:
+    """The hooks and the per-step device values of one monitor; `row()` closes a sampled step."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: Any, attention: bool, with_optimizer: bool):
+        self.optimizer = optimizer
+        self.blocks = find_blocks(model)
+        self.active = False
+        """Whether the step in progress is sampled: the only thing a hook looks at on the other steps."""
+        self.handles: list[Any] = []
+        param = next(iter(model.parameters()), None)
+        self.device = param.device if param is not None else torch.device("cpu")
+        n = len(self.blocks)
+        self.columns: list[tuple[str, PrecursorStatistic]] = []
+        """What each value of a row is: (layer, statistic), statistic-major."""
+        self.columns += [(name, PrecursorStatistic.BLOCK_RMS) for name, _ in self.blocks]
+        self.columns += [(name, PrecursorStatistic.BLOCK_ABSMAX) for name, _ in self.blocks]
+        for index, (_, block) in enumerate(self.blocks):
+            self.handles.append(block.register_forward_hook(self._block_hook(index)))
+        self._head_dim = head_dim(model) if attention else None
+        self._attention_blocks = self._add_attention() if self._head_dim else []
+        self.columns += [(self.blocks[i][0], PrecursorStatistic.ATTENTION_LOGIT) for i in self._attention_blocks]
+        output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self._has_output = isinstance(output, torch.nn.Module)
+        if self._has_output:
+            label = next((name for name, m in model.named_modules() if m is output), "output")
+            self.columns.append((label, PrecursorStatistic.OUTPUT_LOGIT))
+            self.handles.append(output.register_forward_hook(self._output_hook))
+        self.columns += [(name, PrecursorStatistic.GRAD_NORM) for name, _ in self.blocks]
+        self.with_optimizer = with_optimizer and n > 0
+        if self.with_optimizer:
+            self.columns += [(name, PrecursorStatistic.UPDATE_RATIO) for name, _ in self.blocks]
+            self.columns += [(name, PrecursorStatistic.ADAM_V_FLOOR) for name, _ in self.blocks]
+        # the blocks' trainable parameters in one fixed order, and the block each belongs to (a device index, built
+        # once here: an index built at a step would be a host->device copy, which waits like a sync)
+        self._params: list[torch.nn.Parameter] = []
+        owners: list[int] = []
+        for index, (_, block) in enumerate(self.blocks):
+            params = [p for p in block.parameters() if p.requires_grad]
+            self._params += params
+            owners += [index] * len(params)
+        self._owners = owners
+        self._owner = torch.tensor(owners, dtype=torch.long, device=self.device)
+        self._neg_inf = torch.full((max(len(self.columns), 1),), -math.inf, device=self.device)
+        self._zero = torch.zeros((), device=self.device)
+        self._empty: dict[torch.dtype, torch.Tensor] = {}
+        self._outputs: list[torch.Tensor | None] = [None] * n
+        self._qk: list[torch.Tensor | None] = [None] * (2 * len(self._attention_blocks))
+        self._rms: list[torch.Tensor] = []  # one (blocks,) vector per micro-batch of the sampled step
+        self._absmax: list[torch.Tensor] = []
+        self._qk_parts: list[torch.Tensor] = []  # one (attention blocks, 2) per micro-batch: max |q|, max |k|
+        self._logits: list[torch.Tensor] = []  # one scalar per micro-batch
+
+    # -- hooks (one flag check unless the step is sampled) ------------------------------------------------
+    def _block_hook(self, index: int):
+        last = index == len(self.blocks) - 1
+
+        def hook(module, args, output):
+            if not self.active or not torch.is_grad_enabled():
+                return
+            self._outputs[index] = _first_tensor(output)
+            if last:
+                self._flush_micro_batch()
+        return hook
+
+    def _output_hook(self, module, args, output):
+        if not self.active or not torch.is_grad_enabled():
+            return
+        t = _first_tensor(output)
+        if t is not None:
+            self._logits.append(torch.linalg.vector_norm(t, ord=math.inf))
+
+    def _qk_hook(self, slot: int, fused: bool):
+        size = self._head_dim
+
+        def hook(module, args, output):
+            if not self.active or not torch.is_grad_enabled():
+                return
+            t = _first_tensor(output)
+            if t is None:
+                return
+            if fused:
+                if t.shape[-1] % (3 * size):
+                    return
+                width = t.shape[-1] // 3
+                norms = torch.linalg.vector_norm(t[..., :2 * width].unflatten(-1, (2, -1, size)), dim=-1)
+                pair = norms.amax(dim=[d for d in range(norms.dim()) if d != norms.dim() - 2])
+                self._qk[slot], self._qk[slot + 1] = pair[0], pair[1]
+            elif not t.shape[-1] % size:
+                self._qk[slot] = torch.linalg.vector_norm(t.unflatten(-1, (-1, size)), dim=-1).amax()
+        return hook
+
+    def _add_attention(self) -> list[int]:
+        """Hooks on the query / key projections of each block that has recognisable ones; the blocks' indices."""
+        found = []
+        for index, (_, block) in enumerate(self.blocks):
+            modules = {n.rpartition(".")[2]: m for n, m in block.named_modules()}
+            for q_name, k_name, fused in QK_PROJECTIONS:
+                q, k = modules.get(q_name), modules.get(k_name)
+                if q is None or k is None:
+                    continue
+                slot = 2 * len(found)
+                found.append(index)
+                self.handles.append(q.register_forward_hook(self._qk_hook(slot, fused)))
+                if not fused:
+                    self.handles.append(k.register_forward_hook(self._qk_hook(slot + 1, False)))
+                break
+        return found
+
+    def _flush_micro_batch(self) -> None:
+        """The block and q/k values the hooks referenced during one forward, as one vector each."""
+        present = [(i, t) for i, t in enumerate(self._outputs) if t is not None]
+        if present:
+            tensors = [t for _, t in present]
+            l2 = torch._foreach_norm(tensors)
+            torch._foreach_mul_(l2, [1 / math.sqrt(t.numel()) for t in tensors])
+            linf = torch._foreach_norm(tensors, math.inf)
+            for values, into in ((l2, self._rms), (linf, self._absmax)):
+                full = [self._neg_inf[0]] * len(self._outputs)
+                for (i, _), v in zip(present, values):
+                    full[i] = v
+                into.append(torch.stack(full))
+            self._outputs = [None] * len(self._outputs)
+        if any(t is not None for t in self._qk):
+            self._qk_parts.append(torch.stack([self._neg_inf[0] if t is None else t for t in self._qk])
+                                  .view(-1, 2))
+            self._qk = [None] * len(self._qk)
+
+    # -- at check() -------------------------------------------------------------------------------------
+    def row(self) -> torch.Tensor:
+        """The sampled step's row (float32, one value per column; -inf: not measured), built on the device."""
+        try:
+            with torch.no_grad():
+                return self._row()
+        finally:
+            self._rms, self._absmax, self._qk_parts, self._logits = [], [], [], []
+
+    def _row(self) -> torch.Tensor:
+        self._flush_micro_batch()
+        n = len(self.blocks)
+        parts = [self._max_over(self._rms, n), self._max_over(self._absmax, n)]
+        if self._attention_blocks:
+            if self._qk_parts:
+                bound = torch.stack(self._qk_parts).amax(0).float()
+                parts.append(bound[:, 0] * bound[:, 1] / math.sqrt(self._head_dim))
+            else:
+                parts.append(self._neg_inf[:len(self._attention_blocks)])
+        if self._has_output:
+            parts.append(self._max_over(self._logits, 1))
+        parts.append(self._block_norms([p.grad for p in self._params]))
+        if self.with_optimizer:
+            parts += self._optimizer_statistics()
+        return torch.cat([p.float().reshape(-1) for p in parts]) if parts else self._neg_inf[:0]
+
+    def _max_over(self, values: list[torch.Tensor], size: int) -> torch.Tensor:
+        """The max over the step's micro-batches (a vector of `size`), or -inf when none was measured."""
+        if not values:
+            return self._neg_inf[:size]
+        return torch.stack(values).amax(0).reshape(size)
+
+    def _placeholder(self, p: torch.Tensor) -> torch.Tensor:
+        """An empty tensor standing in for a missing gradient (its norm is 0) in a `_foreach` call."""
+        if p.dtype not in self._empty:
+            self._empty[p.dtype] = torch.zeros(0, dtype=p.dtype, device=p.device)
+        return self._empty[p.dtype]
+
+    def _block_norms(self, tensors: list[torch.Tensor | None]) -> torch.Tensor:
+        """Per block, the L2 norm of its parameters' `tensors` (None counts as 0): one `_foreach_norm`, summed per
+        block by one `index_add_`."""
+        if not self._params:
+            return self._neg_inf[:0]
+        filled = [t if t is not None else self._placeholder(p) for t, p in zip(tensors, self._params)]
+        squares = torch.stack(torch._foreach_norm(filled)).float().square()
+        return self._per_block(squares).sqrt()
+
+    def _per_block(self, per_param: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(len(self.blocks), device=per_param.device).index_add_(0, self._owner, per_param)
+
+    def _optimizer_statistics(self) -> list[torch.Tensor]:
+        """Per block: ||lr x update|| / ||W|| of the update the optimizer state points to, and the smallest Adam
+        second moment (exp_avg_sq). Adam's update is the bias-corrected m / (sqrt(v) + eps) (weight decay left out),
+        SGD's the momentum buffer (else the gradient); other optimizers give -inf (not measured)."""
+        n = len(self.blocks)
+        groups = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+        state = self.optimizer.state
+        updates: list[torch.Tensor] = [self._zero] * len(self._params)
+        floors: list[torch.Tensor] = [self._neg_inf[0]] * len(self._params)  # -sqrt(min v) per parameter
+        subsets: dict[tuple[int, int], list[int]] = {}
+        for i, (p, block) in enumerate(zip(self._params, self._owners)):
+            group = groups.get(id(p))
+            if group is not None and state.get(p) and p.numel():
+                subsets.setdefault((block, id(group)), []).append(i)
+        scalars: dict[int, tuple[Any, Any]] = {}
+        for (_, group_id), indices in subsets.items():
+            group = groups[id(self._params[indices[0]])]
+            states = [state[self._params[i]] for i in indices]
+            if all("exp_avg" in s and "exp_avg_sq" in s for s in states):
+                if group_id not in scalars:
+                    scalars[group_id] = _adam_scalars(group, states[0].get("step", 1))
+                shift, scale = scalars[group_id]
+                d = torch._foreach_sqrt([s["exp_avg_sq"] for s in states])
+                torch._foreach_neg_(d)  # -sqrt(v): its max is -sqrt(min v), the floor
+                for i, top in zip(indices, _foreach_max(d)):
+                    floors[i] = top
+                if isinstance(shift, torch.Tensor):
+                    torch._foreach_add_(d, shift, alpha=-1)
+                else:
+                    torch._foreach_add_(d, -shift)
+                torch._foreach_reciprocal_(d)
+                torch._foreach_mul_(d, [s["exp_avg"] for s in states])  # -m / (sqrt(v) + eps sqrt(bc2))
+            elif all("momentum_buffer" in s for s in states):
+                d = [s["momentum_buffer"] if s["momentum_buffer"] is not None else self._params[i].grad
+                     for s, i in zip(states, indices)]
+                if any(t is None for t in d):
+                    continue
+                scale = _on_host(group.get("lr", 0.0))
+            else:
+                continue
+            norms = list(torch._foreach_norm(d))
+            torch._foreach_mul_(norms, scale)
+            for i, v in zip(indices, norms):
+                updates[i] = v
+        update = self._per_block(torch.stack(updates).float().square()).sqrt()
+        weights = self._block_norms(self._params)
+        ratio = torch.where(update > 0, update / weights, self._neg_inf[:n])
+        floor = torch.full((n,), -math.inf, device=self.device).scatter_reduce_(
+            0, self._owner, torch.stack(floors).float(), "amax")
+        return [ratio, torch.where(floor > -math.inf, floor.square(), self._neg_inf[:n])]
+
+
+def _adam_scalars(group: dict, step: Any) -> tuple[Any, Any]:
+    """(eps x sqrt(bc2), lr x sqrt(bc2) / bc1) of Adam's bias corrections bc = 1 - beta^step, so that the update
+    is scale x m / (sqrt(v) + shift). Host numbers where the step and lr are (a CPU tensor's value included);
+    0-dim device tensors where the optimizer keeps them on the device (fused / capturable): never a device read."""
+    beta1, beta2 = group.get("betas", (0.9, 0.999))
+    eps, lr = group.get("eps", 1e-8), group.get("lr", 0.0)
+    step, lr = _on_host(step), _on_host(lr)
+    if isinstance(step, torch.Tensor):
+        root_bc2 = (1 - beta2 ** step).sqrt()
+        return eps * root_bc2, lr * root_bc2 / (1 - beta1 ** step)
+    root_bc2 = math.sqrt(1 - beta2 ** step)
+    return eps * root_bc2, lr * root_bc2 / (1 - beta1 ** step)
+
+
+def _foreach_max(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's max: one `torch._foreach_max` (torch >= 2.6), else one amax per tensor."""
+    if hasattr(torch, "_foreach_max"):
+        return list(torch._foreach_max(tensors))
+    return [t.amax() for t in tensors]
