@@ -2,11 +2,15 @@
 
 GPU: GPT-2 small (124M), 2 micro-batches x 4 x 1024 tokens, bf16 autocast, fused AdamW, clip_grad_norm_.
 CPU: a small GPT-2 stand-in (4 layers, width 256, 2 x 4 x 128 tokens), AdamW.
-Modes: guarded (GuardConfig()), precursors (GuardConfig(precursors=PrecursorConfig())), and
-precursors_no_optimizer (PrecursorConfig(optimizer=False): no update-ratio / Adam-floor pass). Each round builds
-each mode's Guard afresh (closing a Guard removes its hooks), warms it up, and times `--steps` steps; the report
-is the median over rounds and the ratio against `guarded` of the same rounds.
-Usage: python -m scripts.bench.precursor_overhead [--rounds 5] [--steps 10]
+Modes: guarded (GuardConfig()); precursors (GuardConfig(precursors=PrecursorConfig()): every 8th step measured, the
+amortised cost); precursors_every_step (PrecursorConfig(every=1): every step measured, the cost of one sampled step);
+precursors_every_step_no_optimizer (every=1, optimizer=False: no update-ratio / Adam-floor pass). Each round builds
+each mode's Guard afresh (closing a Guard removes its hooks), warms it up, and times `--steps` steps (keep it a
+multiple of PrecursorConfig.every so each timing holds the same number of sampled steps); the report is the median
+over rounds and the ratio against `guarded` of the same rounds. Then, per mode, the operators dispatched per step
+beyond `guarded`'s (views left out: on a GPU each of the others is about one kernel launch; a `_foreach` op is one
+launch per few dozen tensors), averaged over `every` steps.
+Usage: python -m scripts.bench.precursor_overhead [--rounds 5] [--steps 8]
 """
 
 from __future__ import annotations
@@ -15,18 +19,33 @@ import argparse
 import tempfile
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from capture import Guard, GuardConfig, PrecursorConfig
 from scripts.bench.common import gpt2, machine, median, timed
 
 MODES = {"guarded": None, "precursors": PrecursorConfig(),
-         "precursors_no_optimizer": PrecursorConfig(optimizer=False)}
+         "precursors_every_step": PrecursorConfig(every=1),
+         "precursors_every_step_no_optimizer": PrecursorConfig(every=1, optimizer=False)}
+
+
+class CountOps(TorchDispatchMode):
+    """Counts dispatched operators that are not views."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not getattr(func, "is_view", False) and func.overloadpacket.__name__ not in ("detach", "alias"):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     size, batch, seq = ("small", 4, 1024) if device == "cuda" else ("tiny", 4, 128)
@@ -50,11 +69,14 @@ def main() -> None:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    def fresh(precursors: PrecursorConfig | None) -> Guard:
+        return Guard(model, optimizer, config=GuardConfig(dump_dir=tempfile.mkdtemp(), on_nonfinite="continue",
+                                                          precursors=precursors))
+
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     for _ in range(args.rounds):
         for mode, precursors in MODES.items():
-            guard = Guard(model, optimizer, config=GuardConfig(dump_dir=tempfile.mkdtemp(), on_nonfinite="continue",
-                                                               precursors=precursors))
+            guard = fresh(precursors)
             for _ in range(2):
                 step(guard)
 
@@ -64,12 +86,22 @@ def main() -> None:
 
             times[mode].append(timed(steps, device) / args.steps)
             guard.close()
+    ops: dict[str, float] = {}
+    every = PrecursorConfig().every
+    for mode, precursors in MODES.items():
+        guard = fresh(precursors)
+        with CountOps() as counter:
+            for _ in range(every):
+                step(guard)
+        ops[mode] = counter.count / every
+        guard.close()
     base = median(times["guarded"])
     print(f"machine: {machine()}")
     print(f"model: GPT-2 {size}, {micro} x {batch} x {seq} tokens per step, {args.rounds} rounds x {args.steps} steps")
-    print(f"{'mode':<26} {'step time':>11} {'ratio':>7}")
+    print(f"{'mode':<36} {'step time':>11} {'ratio':>7} {'extra ops/step':>15}")
     for mode, values in times.items():
-        print(f"{mode:<26} {median(values) * 1e3:9.2f} ms {median(values) / base:7.3f}")
+        print(f"{mode:<36} {median(values) * 1e3:9.2f} ms {median(values) / base:7.3f} "
+              f"{ops[mode] - ops['guarded']:15.1f}")
 
 
 if __name__ == "__main__":
