@@ -142,8 +142,8 @@ class GuardConfig:
     bytes on disk. Default 1: one copy."""
     precursors: PrecursorConfig | None = None
     """Opt-in precursor monitor (capture/precursors.py): per-layer statistics (block output RMS / abs-max,
-    attention- and output-logit bounds, gradient norm, update/weight ratio, Adam second-moment floor) read without
-    a sync of their own; a statistic that keeps growing dumps the step once (trigger 'precursor', policy
+    attention- and output-logit bounds, gradient norm, update/weight ratio, Adam second-moment floor) measured on
+    every PrecursorConfig.every-th step (8) and read with check()'s own transfer; a statistic that keeps growing dumps the step once (trigger 'precursor', policy
     'continue'), before the loss goes non-finite. None (default): off."""
 
     def __post_init__(self):

@@ -179,7 +179,15 @@ class PrecursorMonitor:
         return row
 
     def receive(self, step: int, values: list[float | None]) -> None:
-        """The host values of a sampled step's row: recorded and judged; what fired waits for `take_firings`."""
+        """The host values of a sampled step's row: recorded and judged; what fired waits for `take_firings`.
+        Never raises (it runs inside check(), before the step's own detectors)."""
+        try:
+            self._judge(step, values)
+        except Exception:  # noqa: BLE001 - a statistic is a convenience; the job goes on
+            log.exception("forensics: precursors: step %d could not be judged; the monitor is off", step)
+            self.off()
+
+    def _judge(self, step: int, values: list[float | None]) -> None:
         clean = [v if v is not None and math.isfinite(v) else None for v in values]
         if self.recorder is not None:
             self.recorder.note_precursors(step, clean)
@@ -192,10 +200,10 @@ class PrecursorMonitor:
         self.firings += fired
         self._pending = fired
 
-    def take_firings(self) -> list[Firing]:
-        """What fired at the step received last (once)."""
+    def take_firings(self, step: int) -> list[Firing]:
+        """What fired at `step` (once; [] when its row was not read: not sampled, or its check raised)."""
         fired, self._pending = self._pending, []
-        return fired
+        return [f for f in fired if f.step == step]
 
     def off(self) -> None:
         """No step is sampled again; the hooks are removed."""
@@ -236,7 +244,7 @@ def watch(guard: Any, record: StepRecord, decision: bool, sync_free: bool) -> No
     if sync_free:
         return  # attach() refused the sync-free mode already
     try:
-        firings = monitor.take_firings()
+        firings = monitor.take_firings(guard.step)
         if not firings:
             return
         for firing in firings:

@@ -19,7 +19,7 @@ from forensics.report import render_markdown
 from forensics.report.plots import plot_precursors
 from replay.engine import ReplayOptions, run_replay
 
-STEPS = 140  # the run at lr 1.0 goes non-finite near step 95 (seeded); the healthy one never does
+STEPS = 140  # the run at lr 1.0 goes non-finite near step 115 (seeded, one thread); the healthy one never does
 
 
 def gpt2():
