@@ -37,11 +37,11 @@ from replay.localize import INPUT_MODULE, localize_backward, localize_forward
 from replay.localize_exception import localize_exception
 from replay.localize_weights import corrupted_weights, samples_touching_embeddings
 from replay.localize_update import localize_optimizer, per_layer_stats
-from replay.per_sample import per_sample_stats
+from replay.per_sample import SampleRow, per_sample_stats
 from replay.precursor import precursor_report
 from replay.precision import fp32_check, uses_low_precision
 from replay.remedies import try_remedies
-from replay.sizes import longer_than, outlier_refs, size_block
+from replay.sizes import longer_than, outlier_refs, size_summary
 from replay.remedy_followup import follow_remedies
 from replay.window import Checkpoint, data_recipe, dump_snapshot, load_checkpoint, replay_window, window_block
 from replay.rng_dependence import check_rng_dependence
@@ -281,7 +281,7 @@ def run_session(session: ReplaySession, options: ReplayOptions | None = None, pr
     largest = []
     if raised and is_out_of_memory((session.exception or {}).get("type"), (session.exception or {}).get("message")):
         _stage(progress, "measuring the samples' sizes (out of memory)")
-        findings.sizes = size_block(session.micro_batches, refs)
+        findings.sizes = size_summary(session.micro_batches, refs)
         largest = outlier_refs(findings.sizes, refs)
     elif raised and findings.exception is not None and findings.exception.context_limit:
         longer = longer_than(session.micro_batches, refs, findings.exception.context_limit)
@@ -450,7 +450,7 @@ def _from_input(forward: Any) -> bool:
         and (forward.module or "").startswith(INPUT_MODULE + ".")
 
 
-def _per_sample(runner: StepRunner, refs: list[SampleRef], culprits: list[SampleRef], limit: int) -> list[dict]:
+def _per_sample(runner: StepRunner, refs: list[SampleRef], culprits: list[SampleRef], limit: int) -> list[SampleRow]:
     """Stage 5: loss and gradient norm of each sample alone (culprits first, then up to `limit`)."""
     if not refs or limit <= 0:
         return []
