@@ -177,9 +177,7 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
         try:
             checkpoint, hint = (load_checkpoint(options.from_checkpoint), None) if options.from_checkpoint \
                 else dump_snapshot(dump, options.window or bool(dump.state_missing), options.trust)
-            session = load_session(dump, device=options.device, trust=options.trust, factory=options.factory,
-                                   loss=options.loss, sys_path=options.sys_path,
-                                   weights=not (dump.state_missing and checkpoint is not None))
+            session = _load(dump, options, weights=not (dump.state_missing and checkpoint is not None))
             if checkpoint is not None:
                 return _window_replay(dump, session, checkpoint, options, progress, dump_info, started)
             report = run_session(session, options, progress, dump_info=dump_info, history=dump.history(),
@@ -192,6 +190,12 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
             if converted is exc:
                 raise
             raise converted from exc
+
+
+def _load(dump: Any, options: ReplayOptions, weights: bool = True) -> ReplaySession:
+    """The dump's step as a live session, on the options' device, with their consent and user code."""
+    return load_session(dump, device=options.device, trust=options.trust, factory=options.factory,
+                        loss=options.loss, sys_path=options.sys_path, weights=weights)
 
 
 def _off_the_gpu_after_a_cuda_error(dump: Any, options: "ReplayOptions", progress: Progress | None
@@ -224,8 +228,7 @@ def _window_replay(dump: Any, session: ReplaySession, checkpoint: Checkpoint, op
     block = to_json_safe(window_block(outcomes, start, dump.step, checkpoint))
     if broken is None:
         _stage(progress, f"no step from {start} to {dump.step - 1} broke the weights: analysing the dumped step")
-        fresh = load_session(dump, device=options.device, trust=options.trust, factory=options.factory,
-                             loss=options.loss, sys_path=options.sys_path)
+        fresh = _load(dump, options)
         report = run_session(fresh, options, progress, dump_info=dump_info, history=dump.history(), started=started)
     else:
         step = outcomes[-1].step
