@@ -21,6 +21,7 @@ from capture.incident import Incident, StepRecord
 from capture.window import FlightRecorder, WindowStep
 from forensics.trigger import Trigger
 from forensics.kinds import Policy, TriggerKind
+from forensics.thirdparty import grad_scaler_scale
 
 
 class CheckSource(Protocol):
@@ -97,7 +98,7 @@ class SyncCheck:
         if grad_norm is None:
             grad_norm, sharded = g.compute_grad_norm(), g.sharded_grad_norm
         grad_norm = sharding.host_norm(grad_norm)
-        scale = getattr(g.scaler, "_scale", None) if g.scaler is not None and g.scaler.is_enabled() else None
+        scale = grad_scaler_scale(g.scaler) if g.scaler is not None and g.scaler.is_enabled() else None
         values: list[Any] = [*record.losses, grad_norm, scale]
         n = len(record.losses)
         agreed = None

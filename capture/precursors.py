@@ -36,6 +36,7 @@ import torch
 
 from capture.incident import Incident, StepRecord, Trigger
 from forensics.kinds import Policy, PrecursorStatistic, TriggerKind
+from forensics.thirdparty import foreach_norm
 from forensics.trend import TINY, RobustTrend
 
 log = logging.getLogger(__name__)
@@ -282,7 +283,7 @@ class PrecursorMonitor:
             values = []
             for _, params in self._grad_cols:
                 update, floor = self._update_and_floor(params, groups)
-                weights = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(params)).float()) if params \
+                weights = torch.linalg.vector_norm(torch.stack(foreach_norm(params)).float()) if params \
                     else None
                 ratio = update / weights if update is not None and weights is not None else None
                 values += [ratio, floor]
@@ -332,7 +333,7 @@ class PrecursorMonitor:
         for slot, params in self._grad_cols:
             grads = [p.grad for p in params if p.grad is not None]
             if grads:
-                acc[slot] = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float())
+                acc[slot] = torch.linalg.vector_norm(torch.stack(foreach_norm(grads)).float())
         for column, (q_slot, k_slot) in zip(self._attention_cols, self._qk):
             acc[column] = acc[self._n_forward + q_slot] * acc[self._n_forward + k_slot] / math.sqrt(self._head_dim)
         row = torch.cat([acc[:self._n_forward], self._post])

@@ -22,6 +22,7 @@ import torch
 from forensics.errors import ForensicsError, ReplayError, is_out_of_memory
 from forensics.grad_norm import total_grad_norm
 from forensics.kinds import Phase, TriggerKind
+from forensics.thirdparty import tensor_version
 from replay.fsdp_precision import fsdp_compute
 from replay.load import ReplaySession, finite_float
 from replay.samples import SampleRef
@@ -205,7 +206,7 @@ def _copy_would_crowd_gpu(need: int, device: torch.device) -> bool:
 
 def _fingerprint(tensor: torch.Tensor) -> tuple:
     """What changes when a tensor's values may have: its storage, dtype, shape or in-place version counter."""
-    return tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor._version
+    return tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor_version(tensor)
 
 
 class StepRunner:
