@@ -27,6 +27,8 @@ from typing import Any, Iterator
 
 import torch
 
+from forensics.thirdparty import compiled_original
+
 log = logging.getLogger(__name__)
 
 
@@ -80,8 +82,8 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     while True:
         if isinstance(model, wrappers):
             model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
-            model = model._orig_mod
+        elif (inner := compiled_original(model)) is not None:
+            model = inner
         else:
             return model
 

@@ -17,6 +17,8 @@ import logging
 
 import torch
 
+from forensics.thirdparty import foreach_copy, is_persistent_buffer, own_buffers
+
 log = logging.getLogger(__name__)
 
 MAX_BYTES = 256 * 1024 * 1024
@@ -35,9 +37,9 @@ class PreForwardBuffers:
         try:
             names = set(model.state_dict(keep_vars=True))
             for prefix, module in model.named_modules(remove_duplicate=False):
-                for attr, buffer in module._buffers.items():
+                for attr, buffer in own_buffers(module).items():
                     name = f"{prefix}.{attr}" if prefix else attr
-                    if buffer is not None and attr not in module._non_persistent_buffers_set and name in names:
+                    if buffer is not None and is_persistent_buffer(module, attr) and name in names:
                         self._slots.append((name, module, attr))
         except Exception as exc:  # noqa: BLE001 - an odd model must not stop the job: no buffer copies then
             self._slots = []
@@ -102,10 +104,6 @@ class PreForwardBuffers:
 
 
 def _copy_all(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    """One fused copy per device and dtype (torch._foreach_copy_), else one copy per tensor."""
+    """One fused copy per device and dtype where torch has one, else one copy per tensor."""
     with torch.no_grad():
-        if hasattr(torch, "_foreach_copy_"):
-            torch._foreach_copy_(destinations, sources)
-        else:
-            for destination, source in zip(destinations, sources):
-                destination.copy_(source)
+        foreach_copy(destinations, sources)

@@ -22,6 +22,7 @@ from capture.precursors import PrecursorMonitor
 from capture.window import FlightRecorder, WindowStep
 from forensics.trigger import Trigger
 from forensics.kinds import Policy, TriggerKind
+from forensics.thirdparty import grad_scaler_scale
 
 
 class CheckSource(Protocol):
@@ -99,7 +100,7 @@ class SyncCheck:
         if grad_norm is None:
             grad_norm, sharded = g.compute_grad_norm(), g.sharded_grad_norm
         grad_norm = sharding.host_norm(grad_norm)
-        scale = getattr(g.scaler, "_scale", None) if g.scaler is not None and g.scaler.is_enabled() else None
+        scale = grad_scaler_scale(g.scaler) if g.scaler is not None and g.scaler.is_enabled() else None
         values: list[Any] = [*record.losses, grad_norm, scale]
         n = len(record.losses)
         row = g.precursors.device_row() if g.precursors is not None else None  # sampled steps only

@@ -38,6 +38,7 @@ from capture.incident import Incident, StepRecord
 from forensics.device_sync import DeviceFence, quarantine
 from forensics.errors import TrainingFaultError
 from forensics.kinds import Policy
+from forensics.thirdparty import optimizer_honours_found_inf
 from forensics.trigger import Trigger
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class Pending:
 def unsupported(guard: CheckSource) -> str | None:
     """Why the sync-free mode cannot run for this Guard (None: it can)."""
     optimizer, scaler = guard.optimizer, guard.scaler
-    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+    if not optimizer_honours_found_inf(optimizer):
         return (f"{type(optimizer).__name__} does not honour found_inf (only fused optimizers do, e.g. "
                 "AdamW(fused=True))")
     if scaler is not None and getattr(scaler, "is_enabled", lambda: True)():

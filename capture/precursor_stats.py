@@ -6,7 +6,7 @@ number of parameters in Python calls (on a GPU each call is a kernel launch, and
 sync are on the step's critical path):
 
 * block outputs are only referenced by the block hooks (they stay alive for backward anyway); at the last block
-  one `torch._foreach_norm` gives every block's RMS and one `aminmax` per block its abs-max, in the output's dtype
+  one `_foreach_norm` gives every block's RMS and one `aminmax` per block its abs-max, in the output's dtype
   (no float copy);
 * the attention-logit bound needs the largest per-head row norm of the query and key projections' outputs: one
   `vector_norm(dim=-1)` and one `amax` per projection (both halves of a fused q|k|v projection at once);
@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from forensics import thirdparty
 from forensics.kinds import PrecursorStatistic
 
 # (query name, key name, fused): the projections whose outputs bound the attention logits; fused: one q|k|v
@@ -198,8 +199,8 @@ class StepStatistics:
         present = [(i, t) for i, t in enumerate(self._outputs) if t is not None]
         if present:
             tensors = [t for _, t in present]
-            l2 = torch._foreach_norm(tensors)
-            torch._foreach_mul_(l2, [1 / math.sqrt(t.numel()) for t in tensors])
+            l2 = thirdparty.foreach_norm(tensors)
+            thirdparty.foreach_mul_(l2, [1 / math.sqrt(t.numel()) for t in tensors])
             lows, highs = zip(*(torch.aminmax(t) for t in tensors))
             absmax = torch.maximum(torch.stack(highs), torch.stack(lows).neg()).unbind()
             for values, into in ((l2, self._rms), (absmax, self._absmax)):
@@ -257,7 +258,7 @@ class StepStatistics:
         if not self._params:
             return self._neg_inf[:0]
         filled = [t if t is not None else self._placeholder(p) for t, p in zip(tensors, self._params)]
-        squares = torch.stack(torch._foreach_norm(filled)).float().square()
+        squares = torch.stack(thirdparty.foreach_norm(filled)).float().square()
         return self._per_block(squares).sqrt()
 
     def _per_block(self, per_param: torch.Tensor) -> torch.Tensor:
@@ -285,16 +286,13 @@ class StepStatistics:
                 if group_id not in scalars:
                     scalars[group_id] = _adam_scalars(group, states[0].get("step", 1))
                 shift, scale = scalars[group_id]
-                d = torch._foreach_sqrt([s["exp_avg_sq"] for s in states])
-                torch._foreach_neg_(d)  # -sqrt(v): its max is -sqrt(min v), the floor
-                for i, top in zip(indices, _foreach_max(d)):
+                d = thirdparty.foreach_sqrt([s["exp_avg_sq"] for s in states])
+                thirdparty.foreach_neg_(d)  # -sqrt(v): its max is -sqrt(min v), the floor
+                for i, top in zip(indices, thirdparty.foreach_max(d)):
                     floors[i] = top
-                if isinstance(shift, torch.Tensor):
-                    torch._foreach_add_(d, shift, alpha=-1)
-                else:
-                    torch._foreach_add_(d, -shift)
-                torch._foreach_reciprocal_(d)
-                torch._foreach_mul_(d, [s["exp_avg"] for s in states])  # -m / (sqrt(v) + eps sqrt(bc2))
+                thirdparty.foreach_sub_(d, shift)
+                thirdparty.foreach_reciprocal_(d)
+                thirdparty.foreach_mul_(d, [s["exp_avg"] for s in states])  # -m / (sqrt(v) + eps sqrt(bc2))
             elif all("momentum_buffer" in s for s in states):
                 d = [s["momentum_buffer"] if s["momentum_buffer"] is not None else self._params[i].grad
                      for s, i in zip(states, indices)]
@@ -303,8 +301,8 @@ class StepStatistics:
                 scale = _on_host(group.get("lr", 0.0))
             else:
                 continue
-            norms = list(torch._foreach_norm(d))
-            torch._foreach_mul_(norms, scale)
+            norms = thirdparty.foreach_norm(d)
+            thirdparty.foreach_mul_(norms, scale)
             for i, v in zip(indices, norms):
                 updates[i] = v
         update = self._per_block(torch.stack(updates).float().square()).sqrt()
@@ -328,9 +326,3 @@ def _adam_scalars(group: dict, step: Any) -> tuple[Any, Any]:
     root_bc2 = math.sqrt(1 - beta2 ** step)
     return eps * root_bc2, lr * root_bc2 / (1 - beta1 ** step)
 
-
-def _foreach_max(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each tensor's max: one `torch._foreach_max` (torch >= 2.6), else one amax per tensor."""
-    if hasattr(torch, "_foreach_max"):
-        return list(torch._foreach_max(tensors))
-    return [t.amax() for t in tensors]

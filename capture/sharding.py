@@ -27,6 +27,7 @@ from forensics.format import spec
 from forensics.format.shards import LocalShard, table_entry
 from forensics.grad_norm import total_grad_norm
 from forensics.kinds import StateLayout
+from forensics.thirdparty import dtensor_local_box, fsdp_mixed_precision
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def fsdp_units(model: torch.nn.Module) -> list[dict]:
         for name, module in model.named_modules():
             if not isinstance(module, FSDPModule):
                 continue
-            policy = getattr(module._get_fsdp_state(), "_mp_policy", None)
+            policy = fsdp_mixed_precision(module)
             if policy is None:
                 continue
             units.append({"module": name, "param_dtype": dtype(policy.param_dtype),
@@ -117,15 +118,13 @@ def _replica_index(tensor: Any) -> int | None:
 
 def local_shard(tensor: Any, replicas: int = 1) -> LocalShard | None:
     """This rank's box of a DTensor with plain placements, or None when another rank writes it (or it is empty)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     index = _replica_index(tensor)
     if index is None or index >= replicas:
         return None
     local = tensor.to_local().detach()
     if local.numel() == 0:
         return None
-    shape, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    shape, offsets = dtensor_local_box(tensor)
     if tuple(shape) != tuple(local.shape):
         raise RuntimeError(f"DTensor local shard is {tuple(local.shape)}, its placements say {tuple(shape)}")
     return LocalShard(local.contiguous(), tuple(tensor.shape), tuple(int(o) for o in offsets),

@@ -12,6 +12,7 @@ from __future__ import annotations
 from forensics.errors import (CaptureError, DumpCorruptError, DumpError, DumpNotFoundError, ForensicsError,
                               NotADumpError, RecipeError, ReplayError, TrainingFaultError,
                               UnsupportedVersionError)
+from forensics.lazy import lazy_exports
 
 __all__ = [
     "CaptureError", "DumpCorruptError", "DumpError", "DumpNotFoundError", "ForensicsError", "Guard",
@@ -19,22 +20,9 @@ __all__ = [
     "TrainingFaultError", "UnsupportedVersionError", "open_dump", "pack_dump", "replay_dump", "verify_dump",
 ]
 
-_CAPTURE = {"Guard", "GuardConfig", "SpikeConfig", "PrecursorConfig", "IndexedDataset"}
-_FORMAT = {"open_dump", "pack_dump", "verify_dump"}
-
-
-def __getattr__(name: str):
-    # Lazy so that `import forensics` in a job does not import replay, and the CLI starts fast.
-    if name in _FORMAT:
-        import forensics.format
-
-        return getattr(forensics.format, name)
-    if name in _CAPTURE:
-        import capture
-
-        return getattr(capture, name)
-    if name == "replay_dump":
-        from replay.engine import run_replay
-
-        return run_replay
-    raise AttributeError(f"module 'forensics' has no attribute {name!r}")
+# Lazy so that `import forensics` in a job does not import replay, and the CLI starts fast.
+__getattr__ = lazy_exports(__name__, {
+    **dict.fromkeys(("Guard", "GuardConfig", "SpikeConfig", "PrecursorConfig", "IndexedDataset"), "capture"),
+    **dict.fromkeys(("open_dump", "pack_dump", "verify_dump"), "forensics.format"),
+    "replay_dump": "replay.engine:run_replay",
+})

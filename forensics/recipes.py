@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from forensics import thirdparty
 from forensics.errors import RecipeError
 
 BUILTIN_PREFIX = "forensics.recipes:"
@@ -49,7 +50,7 @@ def huggingface_model(architecture: str, config: dict, attn_implementation: str 
     model_type = config.pop("model_type")
     hf_config = transformers.AutoConfig.for_model(model_type, **config)
     if attn_implementation:
-        hf_config._attn_implementation = attn_implementation
+        thirdparty.set_attn_implementation(hf_config, attn_implementation)
     model = model_class(hf_config)
     if dtype:
         model = model.to(getattr(torch, dtype))
@@ -98,7 +99,7 @@ def huggingface_recipe(model: torch.nn.Module) -> dict | None:
     if not callable(to_dict) or not hasattr(config, "model_type"):
         return None
     kwargs: dict[str, Any] = {"architecture": model_class(model).__name__, "config": to_dict()}
-    attn = getattr(config, "_attn_implementation", None)
+    attn = thirdparty.attn_implementation(config)
     if attn:
         kwargs["attn_implementation"] = attn
     return {"factory": HUGGINGFACE_FACTORY, "factory_kwargs": kwargs, "source": "auto:huggingface"}

@@ -17,7 +17,7 @@ no trust.
 
 from __future__ import annotations
 
-import importlib
+from forensics.lazy import lazy_exports
 
 _EXPORTS = {
     "run_replay": "replay.engine", "run_session": "replay.engine", "ReplayOptions": "replay.engine",
@@ -28,8 +28,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'replay' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -79,7 +79,7 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
 def _weights_block(findings: Findings) -> dict:
     """The report's `weights` block: the parameters non-finite before the step, and who meets them."""
     failing, checked = _per_sample_failures(findings)
-    return {"parameters": findings.corrupted,
+    return {"parameters": [c.as_dict() for c in findings.corrupted],
             "touching": {name: [r.sample_id for r in refs] for name, refs in (findings.touching or {}).items()},
             "samples_failing": failing, "samples_checked": checked}
 
@@ -97,7 +97,7 @@ def _exception_block(findings: Findings, session: ReplaySession) -> dict:
             "replayed_type": found.type if found else None, "module": found.module if found else None,
             "op": found.op if found else None, "micro_batch": found.micro_batch if found else None,
             "detail": found.detail if found else None, "bad_values": found.bad_values if found else [],
-            "memory": recorded.get("memory"), "sizes": findings.sizes, "traceback": recorded.get("traceback")}
+            "memory": recorded.get("memory"), "sizes": findings.sizes.as_dict() if findings.sizes is not None else None, "traceback": recorded.get("traceback")}
 
 
 def culprit_block(findings: Findings, rank: int, positional: frozenset[int] = frozenset()) -> dict:
@@ -145,7 +145,7 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
     if micro_batch is None and findings.forward is not None:
         micro_batch = findings.forward.micro_batch
     stats = culprit.get("stats") or {}
-    precision, rng = findings.precision or {}, findings.rng or {}
+    precision, rng, sizes = findings.precision or {}, findings.rng or {}, findings.sizes
     remedies = {row["kind"]: row.get("healthy") for row in (findings.remedies or {}).get("tested", [])}
     return VerdictFacts(
         remedies=remedies,
@@ -174,7 +174,7 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
         rng_dependent=rng.get("rng_dependent"), rng_seeds_tried=len(rng.get("seeds") or []),
         data_kind=_data_kind(session, findings),
         run_diverged=findings.history.diverged,
-        corrupted_weights=findings.corrupted,
+        corrupted_weights=[c.as_dict() for c in findings.corrupted],
         touching_samples=sorted({r.sample_id for refs in (findings.touching or {}).values() for r in refs}, key=str)
         if findings.touching is not None else None,
         samples_failing=_per_sample_failures(findings)[0] if findings.per_sample else None,
@@ -184,14 +184,14 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
         exception_message=findings.exception.message if findings.exception else None,
         exception_detail=findings.exception.detail if findings.exception else None,
         out_of_memory=findings.sizes is not None,
-        size_outliers=list((findings.sizes or {}).get("outliers") or []),
-        median_size=(findings.sizes or {}).get("median"),
+        size_outliers=[o.as_dict() for o in sizes.outliers] if sizes is not None else [],
+        median_size=sizes.median if sizes is not None else None,
         unblamed_group=findings.bisection.unblamed_group,
         history_reading=findings.history.reading.sentences if findings.history.reading.onset is not None else [],
         update_change=finite_float(trigger.update_change),
         lr=_lr(session),
         ids_are_positional=any(s.get("positional") for s in culprit["samples"])
-        or any(o.get("micro_batch") in session.positional_ids for o in (findings.sizes or {}).get("outliers") or []))
+        or any(o.ref.micro_batch in session.positional_ids for o in (sizes.outliers if sizes is not None else ())))
 
 
 def _lr(session: ReplaySession) -> float | None:

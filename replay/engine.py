@@ -37,11 +37,11 @@ from replay.localize import INPUT_MODULE, localize_backward, localize_forward
 from replay.localize_exception import localize_exception
 from replay.localize_weights import corrupted_weights, samples_touching_embeddings
 from replay.localize_update import localize_optimizer, per_layer_stats
-from replay.per_sample import per_sample_stats
+from replay.per_sample import SampleRow, per_sample_stats
 from replay.precursor import precursor_report
 from replay.precision import fp32_check, uses_low_precision
 from replay.remedies import try_remedies
-from replay.sizes import longer_than, outlier_refs, size_block
+from replay.sizes import longer_than, outlier_refs, size_summary
 from replay.remedy_followup import follow_remedies
 from replay.window import Checkpoint, data_recipe, dump_snapshot, load_checkpoint, replay_window, window_block
 from replay.rng_dependence import check_rng_dependence
@@ -177,9 +177,7 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
         try:
             checkpoint, hint = (load_checkpoint(options.from_checkpoint), None) if options.from_checkpoint \
                 else dump_snapshot(dump, options.window or bool(dump.state_missing), options.trust)
-            session = load_session(dump, device=options.device, trust=options.trust, factory=options.factory,
-                                   loss=options.loss, sys_path=options.sys_path,
-                                   weights=not (dump.state_missing and checkpoint is not None))
+            session = _load(dump, options, weights=not (dump.state_missing and checkpoint is not None))
             if checkpoint is not None:
                 return _window_replay(dump, session, checkpoint, options, progress, dump_info, started)
             report = run_session(session, options, progress, dump_info=dump_info, history=dump.history(),
@@ -192,6 +190,12 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
             if converted is exc:
                 raise
             raise converted from exc
+
+
+def _load(dump: Any, options: ReplayOptions, weights: bool = True) -> ReplaySession:
+    """The dump's step as a live session, on the options' device, with their consent and user code."""
+    return load_session(dump, device=options.device, trust=options.trust, factory=options.factory,
+                        loss=options.loss, sys_path=options.sys_path, weights=weights)
 
 
 def _off_the_gpu_after_a_cuda_error(dump: Any, options: "ReplayOptions", progress: Progress | None
@@ -224,8 +228,7 @@ def _window_replay(dump: Any, session: ReplaySession, checkpoint: Checkpoint, op
     block = to_json_safe(window_block(outcomes, start, dump.step, checkpoint))
     if broken is None:
         _stage(progress, f"no step from {start} to {dump.step - 1} broke the weights: analysing the dumped step")
-        fresh = load_session(dump, device=options.device, trust=options.trust, factory=options.factory,
-                             loss=options.loss, sys_path=options.sys_path)
+        fresh = _load(dump, options)
         report = run_session(fresh, options, progress, dump_info=dump_info, history=dump.history(), started=started)
     else:
         step = outcomes[-1].step
@@ -281,7 +284,7 @@ def run_session(session: ReplaySession, options: ReplayOptions | None = None, pr
     largest = []
     if raised and is_out_of_memory((session.exception or {}).get("type"), (session.exception or {}).get("message")):
         _stage(progress, "measuring the samples' sizes (out of memory)")
-        findings.sizes = size_block(session.micro_batches, refs)
+        findings.sizes = size_summary(session.micro_batches, refs)
         largest = outlier_refs(findings.sizes, refs)
     elif raised and findings.exception is not None and findings.exception.context_limit:
         longer = longer_than(session.micro_batches, refs, findings.exception.context_limit)
@@ -450,7 +453,7 @@ def _from_input(forward: Any) -> bool:
         and (forward.module or "").startswith(INPUT_MODULE + ".")
 
 
-def _per_sample(runner: StepRunner, refs: list[SampleRef], culprits: list[SampleRef], limit: int) -> list[dict]:
+def _per_sample(runner: StepRunner, refs: list[SampleRef], culprits: list[SampleRef], limit: int) -> list[SampleRow]:
     """Stage 5: loss and gradient norm of each sample alone (culprits first, then up to `limit`)."""
     if not refs or limit <= 0:
         return []

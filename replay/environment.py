@@ -16,6 +16,7 @@ from typing import Any, Iterator
 import torch
 
 from forensics.errors import ReplayError
+from forensics.thirdparty import deterministic_setter
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 def _deterministic_algorithms(mode: bool, warn_only: bool) -> None:
     """torch.use_deterministic_algorithms without its import of torch._inductor (2-4 s, most of a small replay's
     start-up, for a flag only compiled code reads): inductor's flag is set too once something imported it."""
-    setter = getattr(torch._C, "_set_deterministic_algorithms", None)
+    setter = deterministic_setter()
     if setter is None or "torch._inductor.config" in sys.modules:
         torch.use_deterministic_algorithms(mode, warn_only=warn_only)
     else:

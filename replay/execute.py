@@ -22,6 +22,7 @@ import torch
 from forensics.errors import ForensicsError, ReplayError, is_out_of_memory
 from forensics.grad_norm import total_grad_norm
 from forensics.kinds import Phase, TriggerKind
+from forensics.thirdparty import tensor_version
 from replay.fsdp_precision import fsdp_compute
 from replay.load import ReplaySession, finite_float
 from replay.samples import SampleRef
@@ -205,7 +206,7 @@ def _copy_would_crowd_gpu(need: int, device: torch.device) -> bool:
 
 def _fingerprint(tensor: torch.Tensor) -> tuple:
     """What changes when a tensor's values may have: its storage, dtype, shape or in-place version counter."""
-    return tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor._version
+    return tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor_version(tensor)
 
 
 class StepRunner:
@@ -353,91 +354,14 @@ class StepRunner:
         self.reset()
         untouched = {name: _fingerprint(p) for name, p in self.model.named_parameters(remove_duplicate=False)} \
             if self._reload is not None and not fp32 and not keep_grads else None
-        self.passes += 1
-        model = self.model
-        model.train()
-        if fp32:  # floating-point tensors only: Module.to(float32) would also make complex buffers (rotary
-            for _, tensor in self._live_tensors():  # freqs_cis) real, dropping their imaginary parts for good
-                if tensor.is_floating_point() and tensor.dtype != torch.float32:
-                    tensor.data = tensor.data.to(torch.float32)
-        selected: dict[int, list[int]] | None = None
-        if samples is not None:
-            selected = {}
-            for ref in samples:
-                selected.setdefault(int(ref.micro_batch), []).append(int(ref.index))
-            selected = {mb: sorted(ix) for mb, ix in selected.items()}
+        self._start_pass(fp32)
         scale = None
         if session.scaler_enabled and not fp32:
             scale = torch.tensor(float(session.scaler_state["scale"]), dtype=torch.float32, device=session.device)
-        losses: list[float | None] = []
-        error = None
-        raised = None
-        unrunnable = False
-        caught: list[warnings.WarningMessage] = []
-        try:
-            with warnings.catch_warnings(record=True) as caught, contextlib.ExitStack() as stack:
-                warnings.simplefilter("always")
-                if anomaly:  # its "Anomaly Detection has been enabled" warning is expected here
-                    stack.enter_context(torch.autograd.detect_anomaly(check_nan=anomaly_check_nan))
-                if session.fsdp_units and not fp32:  # compute in the dtypes the job's FSDP2 units did
-                    stack.enter_context(fsdp_compute(model, session.fsdp_units))
-                for i in range(len(session.micro_batches)):
-                    if selected is not None and i not in selected:
-                        losses.append(None)
-                        continue
-                    phase = Phase.FORWARD
-                    try:
-                        batch = self.batch_for(i, None if selected is None else selected[i])
-                        if restore_rng:
-                            self.restore_rng(i)
-                        extra = forward_context(i) if forward_context is not None else contextlib.nullcontext()
-                        with extra, self.autocast_context(fp32):
-                            loss = session.loss_fn(model, batch)
-                        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                            raise ReplayError(f"the loss function returned {type(loss).__name__} "
-                                              f"{getattr(loss, 'shape', '')}, not a scalar tensor")
-                        losses.append(float(loss.detach().float().reshape(())))
-                        if on_loss is not None:
-                            on_loss(i, loss)
-                        if backward and loss.requires_grad:
-                            phase = Phase.BACKWARD
-                            scaled = loss.reshape(()) / session.loss_divisor
-                            if scale is not None:
-                                scaled = scaled * scale
-                            try:
-                                scaled.backward()
-                            except RuntimeError as exc:
-                                if not anomaly:
-                                    raise
-                                error = str(exc)
-                                break
-                    except Exception as exc:  # noqa: BLE001 - replaying a step that raised in the job
-                        if isinstance(exc, ForensicsError) or (session.exception is None and selected is None):
-                            raise
-                        raised = raised_info(exc, i, phase)
-                        if session.exception is None:  # a subset the model cannot run alone
-                            unrunnable = True
-                            self._note_unrunnable(raised)
-                        break
-        finally:
-            anomaly_text = [str(w.message) for w in caught if "anomaly" in str(w.message).lower()
-                            or "Traceback of forward call" in str(w.message)]
-            for w in caught:  # re-emit what was not ours to swallow
-                if str(w.message) not in anomaly_text:
-                    logger.debug("warning during replay: %s", w.message)
-        grads = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
-        if scale is not None:
-            inv = scale.double().reciprocal().float()  # GradScaler.unscale_ multiplies by 1/scale (fp32)
-            with torch.no_grad():
-                for _, g in grads:
-                    g.mul_(inv.to(g.device))
-        grad_norm = None
-        flags: list[bool] = []
-        if backward and grads:
-            norm = total_grad_norm([g for _, g in grads])
-            grad_norm = float(norm) if norm is not None else None
-            flags = any_nonfinite(g for _, g in grads)
-        bad_grads = [n for (n, _), bad in zip(grads, flags) if bad]
+        options = _PassOptions(fp32, anomaly, restore_rng, backward, forward_context, on_loss, anomaly_check_nan)
+        done = self._run_micro_batches(_selection(samples), scale, options)
+        grad_norm, bad_grads = self._measured_grads(scale, backward)
+        losses = done.losses
         result = StepResult(
             losses=losses + [None] * (len(session.micro_batches) - len(losses)),
             grad_norm=grad_norm,
@@ -449,19 +373,147 @@ class StepRunner:
             samples=list(samples) if samples is not None else None,
             step_loss=sum(v for v in losses if v is not None) / session.loss_divisor if losses else None,
             micro_batches_run=sum(v is not None for v in losses), micro_batches_total=len(session.micro_batches),
-            error=error,
-            anomaly_warnings=anomaly_text,
-            raised=raised,
-            raised_same=raised is not None and same_exception(raised, session.exception),
-            unrunnable=unrunnable,
+            error=done.error,
+            anomaly_warnings=done.anomaly_text,
+            raised=done.raised,
+            raised_same=done.raised is not None and same_exception(done.raised, session.exception),
+            unrunnable=done.unrunnable,
         )
         if not keep_grads:
-            for p in model.parameters():
+            for p in self.model.parameters():
                 p.grad = None
         if fp32:
             self.reset()
         self._untouched = untouched  # the pass read the weights and left no gradient to step them with
         return result
+
+    def _start_pass(self, fp32: bool) -> None:
+        """Counts the pass, puts the model in train mode and, for fp32, casts its floating-point tensors."""
+        self.passes += 1
+        self.model.train()
+        if fp32:  # floating-point tensors only: Module.to(float32) would also make complex buffers (rotary
+            for _, tensor in self._live_tensors():  # freqs_cis) real, dropping their imaginary parts for good
+                if tensor.is_floating_point() and tensor.dtype != torch.float32:
+                    tensor.data = tensor.data.to(torch.float32)
+
+    def _run_micro_batches(self, selected: dict[int, list[int]] | None, scale: torch.Tensor | None,
+                           options: _PassOptions) -> _PassOutcome:
+        """Forward (and backward) of each micro-batch in order, under anomaly mode / the FSDP2 compute dtypes when
+        asked; stops at the first exception of a step that raised (or of a subset the model cannot run alone)."""
+        session = self.session
+        done = _PassOutcome()
+        caught: list[warnings.WarningMessage] = []
+        try:
+            with warnings.catch_warnings(record=True) as caught, contextlib.ExitStack() as stack:
+                warnings.simplefilter("always")
+                if options.anomaly:  # its "Anomaly Detection has been enabled" warning is expected here
+                    stack.enter_context(torch.autograd.detect_anomaly(check_nan=options.anomaly_check_nan))
+                if session.fsdp_units and not options.fp32:  # compute in the dtypes the job's FSDP2 units did
+                    stack.enter_context(fsdp_compute(self.model, session.fsdp_units))
+                for i in range(len(session.micro_batches)):
+                    if selected is not None and i not in selected:
+                        done.losses.append(None)
+                        continue
+                    if not self._run_micro_batch(i, None if selected is None else selected[i], scale, options, done):
+                        break
+        finally:
+            done.anomaly_text = [str(w.message) for w in caught if "anomaly" in str(w.message).lower()
+                                 or "Traceback of forward call" in str(w.message)]
+            for w in caught:  # re-emit what was not ours to swallow
+                if str(w.message) not in done.anomaly_text:
+                    logger.debug("warning during replay: %s", w.message)
+        return done
+
+    def _run_micro_batch(self, i: int, indices: list[int] | None, scale: torch.Tensor | None,
+                         options: _PassOptions, done: _PassOutcome) -> bool:
+        """Micro-batch `i` (only `indices`, when given): its loss appended to `done`; False when the pass stops here
+        (anomaly mode's error in backward, or an exception recorded in `done.raised`)."""
+        session, model = self.session, self.model
+        phase = Phase.FORWARD
+        try:
+            batch = self.batch_for(i, indices)
+            if options.restore_rng:
+                self.restore_rng(i)
+            extra = options.forward_context(i) if options.forward_context is not None else contextlib.nullcontext()
+            with extra, self.autocast_context(options.fp32):
+                loss = session.loss_fn(model, batch)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ReplayError(f"the loss function returned {type(loss).__name__} "
+                                  f"{getattr(loss, 'shape', '')}, not a scalar tensor")
+            done.losses.append(float(loss.detach().float().reshape(())))
+            if options.on_loss is not None:
+                options.on_loss(i, loss)
+            if options.backward and loss.requires_grad:
+                phase = Phase.BACKWARD
+                scaled = loss.reshape(()) / session.loss_divisor
+                if scale is not None:
+                    scaled = scaled * scale
+                try:
+                    scaled.backward()
+                except RuntimeError as exc:
+                    if not options.anomaly:
+                        raise
+                    done.error = str(exc)
+                    return False
+            return True
+        except Exception as exc:  # noqa: BLE001 - replaying a step that raised in the job
+            if isinstance(exc, ForensicsError) or (session.exception is None and indices is None):
+                raise
+            done.raised = raised_info(exc, i, phase)
+            if session.exception is None:  # a subset the model cannot run alone
+                done.unrunnable = True
+                self._note_unrunnable(done.raised)
+            return False
+
+    def _measured_grads(self, scale: torch.Tensor | None, backward: bool) -> tuple[float | None, list[str]]:
+        """The gradients unscaled (GradScaler's 1/scale), their total norm and the parameters whose are non-finite."""
+        grads = [(n, p.grad) for n, p in self.model.named_parameters() if p.grad is not None]
+        if scale is not None:
+            inv = scale.double().reciprocal().float()  # GradScaler.unscale_ multiplies by 1/scale (fp32)
+            with torch.no_grad():
+                for _, g in grads:
+                    g.mul_(inv.to(g.device))
+        if not (backward and grads):
+            return None, []
+        norm = total_grad_norm([g for _, g in grads])
+        flags = any_nonfinite(g for _, g in grads)
+        return (float(norm) if norm is not None else None), [n for (n, _), bad in zip(grads, flags) if bad]
+
+
+@dataclass(frozen=True)
+class _PassOptions:
+    """StepRunner.run's options for one pass over the micro-batches (see its Args)."""
+
+    fp32: bool
+    anomaly: bool
+    restore_rng: bool
+    backward: bool
+    forward_context: Callable[[int], ContextManager] | None
+    on_loss: Callable[[int, torch.Tensor], None] | None
+    anomaly_check_nan: bool
+
+
+@dataclass
+class _PassOutcome:
+    """What one pass over the micro-batches left: the losses run so far, and why it stopped early."""
+
+    losses: list[float | None] = field(default_factory=list)
+    error: str | None = None
+    """Anomaly mode's error in backward."""
+    raised: dict | None = None
+    """The exception the step raised (raised_info)."""
+    unrunnable: bool = False
+    anomaly_text: list[str] = field(default_factory=list)
+
+
+def _selection(samples: list[SampleRef] | None) -> dict[int, list[int]] | None:
+    """Micro-batch -> the sorted indices of `samples` in it (None: every sample)."""
+    if samples is None:
+        return None
+    selected: dict[int, list[int]] = {}
+    for ref in samples:
+        selected.setdefault(int(ref.micro_batch), []).append(int(ref.index))
+    return {mb: sorted(ix) for mb, ix in selected.items()}
 
 
 # --------------------------------------------------------------------------------------------

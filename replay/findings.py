@@ -1,9 +1,11 @@
 """What the replay stages found, as typed values: each stage of replay/engine.py returns one, and
 replay/assemble.py builds the report (and the verdict's facts) from them in one place.
 
-The localisation findings live with the stage that makes them (ForwardFinding, BackwardFinding in
-replay/localize.py; OptimizerFinding in replay/localize_update.py); the fp32 triage and the random-state
-check return their report blocks (`precision`, `rng`) as documented in docs/REPORT_FORMAT.md.
+Each finding's type lives with the stage that makes it (ForwardFinding, BackwardFinding in replay/localize.py;
+OptimizerFinding and LayerRow in replay/localize_update.py; CorruptedWeight in replay/localize_weights.py;
+SizeSummary in replay/sizes.py). The stages whose output is itself a report block or table (the fp32 triage,
+the random-state check, the per-layer and per-sample tables, the remedies) return it as a TypedDict whose keys
+are those of docs/REPORT_FORMAT.md.
 """
 
 from __future__ import annotations
@@ -16,8 +18,14 @@ from replay.execute import Reproduction, SampleRef
 from replay.history_pattern import HistoryReading, read_history
 from replay.localize import BackwardFinding, ForwardFinding
 from replay.localize_exception import ExceptionFinding
-from replay.localize_update import OptimizerFinding
+from replay.localize_update import LayerRow, OptimizerFinding
+from replay.localize_weights import CorruptedWeight
+from replay.per_sample import SampleRow
+from replay.precision import PrecisionBlock
+from replay.remedies import RemediesBlock
+from replay.rng_dependence import RngBlock
 from replay.sample_facts import SampleFact
+from replay.sizes import SizeSummary
 
 
 @dataclass
@@ -67,26 +75,26 @@ class Findings:
     reproduction: Reproduction
     reproduced: bool
     optimizer: OptimizerFinding | None = None
-    rng: dict | None = None
+    rng: RngBlock | None = None
     forward: ForwardFinding | None = None
     backward: BackwardFinding | None = None
     phase: Phase | None = None
-    per_layer: list[dict] = field(default_factory=list)
+    per_layer: list[LayerRow] = field(default_factory=list)
     bisection: Bisection = field(default_factory=lambda: Bisection([], None))
-    precision: dict | None = None
-    per_sample: list[dict] = field(default_factory=list)
+    precision: PrecisionBlock | None = None
+    per_sample: list[SampleRow] = field(default_factory=list)
     history: HistoryFinding = field(default_factory=lambda: HistoryFinding(None, HistoryPattern.INSUFFICIENT_HISTORY))
     exception: ExceptionFinding | None = None
     """trigger exception: where the replayed step raised."""
     weights_nonfinite: list[str] = field(default_factory=list)
     """Parameters that hold NaN/Inf before the step (named_parameters order)."""
-    corrupted: list[dict] = field(default_factory=list)
+    corrupted: list[CorruptedWeight] = field(default_factory=list)
     """Per such parameter: counts and bad slices (replay/localize_weights.py)."""
-    remedies: dict | None = None
+    remedies: RemediesBlock | None = None
     """The report's `remedies` block: each counterfactual fix tried on the step, ranked (replay/remedies.py)."""
     touching: dict[str, list[SampleRef]] | None = None
     """Corrupted embedding -> the samples whose ids hit its bad rows (None: no corrupted embedding)."""
-    sizes: dict | None = None
+    sizes: SizeSummary | None = None
     """Out of memory: the step's sample sizes, largest and outliers (replay/sizes.py; report exception.sizes)."""
     sample_facts: dict[SampleRef, list[SampleFact]] = field(default_factory=dict)
     """What is odd in each culprit's own data (replay/sample_facts.py): the report's sample `description`."""

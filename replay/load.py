@@ -17,6 +17,7 @@ import torch
 from forensics.errors import DumpCorruptError, DumpError, RecipeError
 from forensics.format import spec
 from forensics.kinds import TriggerKind
+from forensics.thirdparty import is_persistent_buffer, own_buffers, put_buffer, put_parameter
 from forensics.trigger import Trigger
 from replay.environment import dtype_from_name, environment_warnings, resolve_device, to_device
 from replay.fsdp_precision import FsdpUnit, compute_dtype, parse_units
@@ -267,7 +268,7 @@ def parameters_on_meta() -> Iterator[None]:
     def on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
         register(module, name, param)
         if param is not None and param.device.type != "meta":
-            module._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            put_parameter(module, name, torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad))
 
     torch.nn.Module.register_parameter = on_meta
     try:
@@ -330,15 +331,15 @@ def stream_weights(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Te
             new = torch.nn.Parameter(tensor, requires_grad=old.requires_grad)
             for name in aliases[first]:
                 owner, _, attr = name.rpartition(".")
-                model.get_submodule(owner)._parameters[attr] = new
+                put_parameter(model.get_submodule(owner), attr, new)
             loaded.add(first)
         elif key in buffers:
             owner, _, attr = key.rpartition(".")
             module = model.get_submodule(owner)
-            old = module._buffers[attr]
+            old = own_buffers(module)[attr]
             if old is not None:
                 _check_fits(key, tensor, old, "buffer")
-            module._buffers[attr] = tensor
+            put_buffer(module, attr, tensor)
             loaded.add(key)
         else:
             unexpected.append(key)
@@ -383,7 +384,7 @@ def _check_fits(key: str, tensor: torch.Tensor, old: torch.Tensor, what: str) ->
 
 def _persistent(model: torch.nn.Module, name: str) -> bool:
     owner, _, attr = name.rpartition(".")
-    return attr not in model.get_submodule(owner)._non_persistent_buffers_set
+    return is_persistent_buffer(model.get_submodule(owner), attr)
 
 
 def session_from_objects(model: torch.nn.Module, micro_batches: list[Any], loss_fn: LossFn | None = None,

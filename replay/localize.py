@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from forensics.kinds import Phase
+from forensics.thirdparty import op_schema
 from replay.execute import SampleRef, StepRunner, any_nonfinite
 
 logger = logging.getLogger(__name__)
@@ -201,9 +202,9 @@ class _NonFiniteOpChecker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.paused or self.found is not None or func._schema.name in UNINITIALISED_OPS:
+        if self.paused or self.found is not None or op_schema(func).name in UNINITIALISED_OPS:
             return func(*args, **kwargs)
-        mutable = func._schema.is_mutable
+        mutable = op_schema(func).is_mutable
         inputs = float_tensors((args, kwargs))
         pre_kinds = _kinds(inputs) if mutable else None  # in-place ops overwrite their inputs
         kept = _copy_call(args, kwargs) if self.keep_inputs and mutable else None
@@ -216,12 +217,12 @@ class _NonFiniteOpChecker(TorchDispatchMode):
             return out
         out_kinds = _kinds(outputs)
         in_kinds = pre_kinds if pre_kinds is not None else _kinds(inputs)
-        name = func._schema.name
+        name = op_schema(func).name
         if name in UNINITIALISED_OPS:
             return out
         if out_kinds <= {"-inf"} and self.allow_masks and (name in MASK_OPS or "-inf" in in_kinds):
             return out  # an attention mask being built, or a mask's -inf passed along
-        passes_along = name in COPY_OPS or any(r.alias_info is not None for r in func._schema.returns)
+        passes_along = name in COPY_OPS or any(r.alias_info is not None for r in op_schema(func).returns)
         origins = [self._origin(t) for t in inputs if not bool(torch.isfinite(t).all())]
         if passes_along and out_kinds <= in_kinds:
             origin = next((o for o in origins if o is not None), None)

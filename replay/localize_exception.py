@@ -17,6 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from forensics.kinds import Phase
+from forensics.thirdparty import op_schema
 from replay.execute import SampleRef, StepRunner
 from replay.localize import ModuleTracker
 
@@ -55,7 +56,7 @@ class _RaisingOp(TorchDispatchMode):
             return func(*args, **kwargs)
         except Exception:
             if self.found is None:
-                self.found = {"op": f"aten::{func._schema.name.split('::')[-1]}", "module": self.tracker.current,
+                self.found = {"op": f"aten::{op_schema(func).name.split('::')[-1]}", "module": self.tracker.current,
                               "args": args}
             raise
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, TypedDict
 
 import torch
 
@@ -160,8 +160,17 @@ def explain_update(name: str, grad: torch.Tensor | None, pre: dict, post: dict, 
 # --------------------------------------------------------------------------------------------
 # spikes: per-layer statistics
 # --------------------------------------------------------------------------------------------
+class LayerRow(TypedDict):
+    """One module of the report's `per_layer` table."""
+
+    module: str
+    grad_norm: float | None
+    """Of the module's own parameters (not its children's); None: it has none with a gradient."""
+    output_absmax: float | None
+
+
 def per_layer_stats(runner: StepRunner, samples: list[SampleRef] | None = None, *,
-                    fp32: bool = False) -> list[dict]:
+                    fp32: bool = False) -> list[LayerRow]:
     """Gradient norm and output abs-max per module (leaf modules and modules owning parameters).
 
     Returns:
@@ -202,4 +211,4 @@ def per_layer_stats(runner: StepRunner, samples: list[SampleRef] | None = None, 
     return rows
 
 
-__all__ = ["OptimizerFinding", "localize_optimizer", "explain_update", "per_layer_stats"]
+__all__ = ["LayerRow", "OptimizerFinding", "localize_optimizer", "explain_update", "per_layer_stats"]

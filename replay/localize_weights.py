@@ -10,6 +10,7 @@ by a forward pre-hook on the embedding); for other layers, the samples whose own
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,7 +20,36 @@ from replay.execute import SampleRef, StepRunner
 MAX_LISTED = 20  # slices named per parameter (the count covers all of them)
 
 
-def corrupted_weights(runner: StepRunner) -> list[dict]:
+@dataclass(frozen=True)
+class CorruptedWeight:
+    """A pre-step parameter holding NaN/Inf: one entry of the report's `weights.parameters` (as_dict)."""
+
+    name: str
+    shape: tuple[int, ...]
+    module_type: str | None
+    """The class of the module that owns it (None: not found)."""
+    bad_elements: int
+    elements: int
+    nan: int
+    pos_inf: int
+    neg_inf: int
+    slice_kind: str | None = None
+    """What a dim-0 slice is ("token ids", "output channels", "elements", "rows (dim 0)"); None for a 0-d tensor."""
+    bad_rows: tuple[int, ...] = ()
+    """The first MAX_LISTED bad dim-0 slices."""
+    bad_row_count: int = 0
+
+    def as_dict(self) -> dict:
+        entry: dict[str, Any] = {
+            "name": self.name, "shape": list(self.shape), "module_type": self.module_type,
+            "bad_elements": self.bad_elements, "elements": self.elements, "nan": self.nan, "pos_inf": self.pos_inf,
+            "neg_inf": self.neg_inf}
+        if self.slice_kind is not None:
+            entry.update(slice_kind=self.slice_kind, bad_rows=list(self.bad_rows), bad_row_count=self.bad_row_count)
+        return entry
+
+
+def corrupted_weights(runner: StepRunner) -> list[CorruptedWeight]:
     """One entry per pre-step parameter holding NaN/Inf: name, module type, element counts, bad slices."""
     runner.reset()
     model = runner.model
@@ -30,18 +60,15 @@ def corrupted_weights(runner: StepRunner) -> list[dict]:
         values = param.detach()
         bad = ~torch.isfinite(values)
         owner = modules.get(name.rpartition(".")[0])
-        entry: dict[str, Any] = {
-            "name": name, "shape": list(values.shape), "module_type": type(owner).__name__ if owner is not None else None,
-            "bad_elements": int(bad.sum()), "elements": values.numel(),
-            "nan": int(torch.isnan(values).sum()), "pos_inf": int((values == float("inf")).sum()),
-            "neg_inf": int((values == float("-inf")).sum()),
-        }
+        slices: dict[str, Any] = {}
         if values.dim() >= 1:
             rows = bad.reshape(values.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
-            entry["slice_kind"] = _slice_kind(owner, values.dim())
-            entry["bad_rows"] = rows[:MAX_LISTED]
-            entry["bad_row_count"] = len(rows)
-        out.append(entry)
+            slices = {"slice_kind": _slice_kind(owner, values.dim()), "bad_rows": tuple(rows[:MAX_LISTED]),
+                      "bad_row_count": len(rows)}
+        out.append(CorruptedWeight(
+            name=name, shape=tuple(values.shape), module_type=type(owner).__name__ if owner is not None else None,
+            bad_elements=int(bad.sum()), elements=values.numel(), nan=int(torch.isnan(values).sum()),
+            pos_inf=int((values == float("inf")).sum()), neg_inf=int((values == float("-inf")).sum()), **slices))
     return out
 
 
@@ -55,16 +82,17 @@ def _slice_kind(owner: Any, dims: int) -> str:
     return "rows (dim 0)"
 
 
-def samples_touching_embeddings(runner: StepRunner, corrupted: list[dict]) -> dict[str, list[SampleRef]] | None:
+def samples_touching_embeddings(runner: StepRunner,
+                                corrupted: list[CorruptedWeight]) -> dict[str, list[SampleRef]] | None:
     """For each corrupted embedding weight: the samples whose input ids hold one of its bad rows. None when
     no corrupted parameter belongs to an embedding."""
     model = runner.model
     targets = {}
     for entry in corrupted:
-        if entry.get("slice_kind") == "token ids" and entry.get("bad_row_count"):
-            owner = model.get_submodule(entry["name"].rpartition(".")[0])
-            rows = entry["bad_rows"] if entry["bad_row_count"] <= MAX_LISTED else None
-            targets[entry["name"]] = (owner, rows)
+        if entry.slice_kind == "token ids" and entry.bad_row_count:
+            owner = model.get_submodule(entry.name.rpartition(".")[0])
+            rows = list(entry.bad_rows) if entry.bad_row_count <= MAX_LISTED else None
+            targets[entry.name] = (owner, rows)
     if not targets:
         return None
     seen: dict[str, set[SampleRef]] = {name: set() for name in targets}

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, TypedDict
 
 import torch
 
@@ -32,6 +32,21 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_VMAP_BYTES = 1 << 30
 """Per-sample gradients take (samples x trainable parameter bytes); 1 GiB keeps small models
 vectorised and sends anything of LLM size to the one-sample loop."""
+
+
+class _SampleNumbers(TypedDict):
+    sample_id: Any
+    micro_batch: int
+    index: int
+    loss: float | None
+    grad_norm: float | None
+    finite: bool
+
+
+class SampleRow(_SampleNumbers, total=False):
+    """One sample replayed alone: a row of the report's `per_sample` table; `error` when that sample raised."""
+
+    error: str
 
 
 class PerSampleError(ReplayError):
@@ -58,7 +73,7 @@ def _scalar(loss: Any, ref: Any) -> torch.Tensor:
     return loss.reshape(())
 
 
-def _row(ref: Any, loss: float | None, grad_norm: float | None) -> dict:
+def _row(ref: Any, loss: float | None, grad_norm: float | None) -> SampleRow:
     finite = loss is not None and math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))
     return {"sample_id": ref.sample_id, "micro_batch": ref.micro_batch, "index": ref.index,
             "loss": loss, "grad_norm": grad_norm, "finite": finite}
@@ -122,7 +137,7 @@ def per_sample_stats(model: torch.nn.Module, sample_refs: Sequence[Any],
                      before_each: Callable[[Any], None] | None = None,
                      batches: Mapping[int, Any] | Sequence[Any] | None = None,
                      loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
-                     max_vmap_bytes: int = DEFAULT_MAX_VMAP_BYTES) -> list[dict]:
+                     max_vmap_bytes: int = DEFAULT_MAX_VMAP_BYTES) -> list[SampleRow]:
     """Loss and gradient norm of each sample on its own, in the order of `sample_refs`.
 
     Args:
@@ -155,7 +170,7 @@ def per_sample_stats(model: torch.nn.Module, sample_refs: Sequence[Any],
     params = [p for _, p in _trainable(model)]
     saved_grads = [p.grad for p in params]
     saved_buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    rows: dict[int, dict] = {}
+    rows: dict[int, SampleRow] = {}
     try:
         if batches is not None and loss_fn is not None:
             rows.update(_vectorised_rows(model, refs, batches, loss_fn, before_each, max_vmap_bytes))
@@ -171,11 +186,11 @@ def per_sample_stats(model: torch.nn.Module, sample_refs: Sequence[Any],
     return [rows[pos] for pos in range(len(refs))]
 
 
-def _vectorised_rows(model, refs, batches, loss_fn, before_each, max_bytes) -> dict[int, dict]:
+def _vectorised_rows(model, refs, batches, loss_fn, before_each, max_bytes) -> dict[int, SampleRow]:
     groups: dict[int, list[int]] = {}
     for pos, ref in enumerate(refs):
         groups.setdefault(int(ref.micro_batch), []).append(pos)
-    rows: dict[int, dict] = {}
+    rows: dict[int, SampleRow] = {}
     for mb, positions in groups.items():
         if not _can_vectorise(model, len(positions), max_bytes):
             return rows
@@ -194,7 +209,7 @@ def _vectorised_rows(model, refs, batches, loss_fn, before_each, max_bytes) -> d
 
 
 def _loop_row(params: list[torch.nn.Parameter], ref: Any, run_one: Callable,
-              before_each: Callable | None) -> dict:
+              before_each: Callable | None) -> SampleRow:
     for p in params:
         p.grad = None
     if before_each is not None:
@@ -217,7 +232,7 @@ def _loop_row(params: list[torch.nn.Parameter], ref: Any, run_one: Callable,
         return row
 
 
-def rank_by_loss(rows: Sequence[dict]) -> list[dict]:
+def rank_by_loss(rows: Sequence[SampleRow]) -> list[SampleRow]:
     """Rows worst first: non-finite rows (in their given order), then finite ones by loss, highest
     first (ties: higher gradient norm first, then given order). Returns a new list of the same dicts.
 
@@ -228,7 +243,7 @@ def rank_by_loss(rows: Sequence[dict]) -> list[dict]:
         ...     {"sample_id": "c", "loss": 5.0, "grad_norm": 1.0, "finite": True}])]
         ['b', 'c', 'a']
     """
-    def key(item: tuple[int, dict]) -> tuple:
+    def key(item: tuple[int, SampleRow]) -> tuple:
         pos, row = item
         if not row.get("finite", False) or row.get("loss") is None:
             return (0, 0.0, 0.0, pos)

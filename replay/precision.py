@@ -7,6 +7,7 @@ rounding, a loss scale out of range. If it stays, suspect the data or the model 
 from __future__ import annotations
 
 import logging
+from typing import TypedDict
 
 import torch
 
@@ -18,6 +19,19 @@ logger = logging.getLogger(__name__)
 _LOW = (torch.float16, torch.bfloat16)
 
 
+class _PrecisionFacts(TypedDict):
+    autocast_dtype: str | None
+    fp32_reproduces: bool | None
+    param_dtype: str
+    grad_scaler: bool
+
+
+class PrecisionBlock(_PrecisionFacts, total=False):
+    """The report's `precision` block (docs/REPORT_FORMAT.md); `fsdp_param_dtype` only for FSDP2 mixed precision."""
+
+    fsdp_param_dtype: str
+
+
 def uses_low_precision(runner: StepRunner) -> bool:
     """True when the job ran anything below fp32: autocast, FSDP2 mixed precision, half weights, or a GradScaler."""
     session = runner.session
@@ -26,7 +40,7 @@ def uses_low_precision(runner: StepRunner) -> bool:
 
 
 def fp32_check(runner: StepRunner, samples: list[SampleRef] | None = None, *, kind: TriggerKind | str | None = None,
-               threshold: float | None = None) -> dict:
+               threshold: float | None = None) -> PrecisionBlock:
     """Re-runs the step (or `samples`) in fp32 and says whether the trigger still fires.
 
     Args:
@@ -47,7 +61,7 @@ def fp32_check(runner: StepRunner, samples: list[SampleRef] | None = None, *, ki
     if threshold is None and trigger.threshold is not None:
         threshold = trigger.threshold
     dtype = session.autocast_dtype
-    block = {"autocast_dtype": str(dtype).removeprefix("torch.") if dtype is not None else None,
+    block: PrecisionBlock = {"autocast_dtype": str(dtype).removeprefix("torch.") if dtype is not None else None,
              "fp32_reproduces": None,
              "param_dtype": str(session.param_dtype).removeprefix("torch."),
              "grad_scaler": session.scaler_enabled}
@@ -62,4 +76,4 @@ def fp32_check(runner: StepRunner, samples: list[SampleRef] | None = None, *, ki
     return block
 
 
-__all__ = ["fp32_check", "uses_low_precision"]
+__all__ = ["PrecisionBlock", "fp32_check", "uses_low_precision"]

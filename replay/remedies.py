@@ -21,7 +21,7 @@ import contextlib
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, TypedDict
 
 import torch
 
@@ -37,6 +37,49 @@ WRECK_RATIO = 0.5
 SAFE_EPS = 1e-8
 LR_FACTOR = 0.1
 LOSS_SCALE_FACTOR = 2.0 ** -8
+
+
+class _Following(TypedDict):
+    tested: bool
+
+
+class Following(_Following, total=False):
+    """How a fix fared over the recorded steps after the broken one (replay/remedy_followup.py): `note` when it
+    was not carried over; else `healthy`, the `steps` run, the `first_unhealthy` step and `why`."""
+
+    healthy: bool
+    steps: list[int]
+    first_unhealthy: int | None
+    why: str | None
+    note: str
+
+
+class _RemedyNumbers(TypedDict):
+    kind: str
+    words: str
+    change: str
+    healthy: bool | None
+    step_loss: float | None
+    grad_norm: float | None
+    weights_finite: bool | None
+    relative_change: float | None
+    worst_parameter: str | None
+    note: str
+    setting: dict
+
+
+class RemedyRow(_RemedyNumbers, total=False):
+    """One tested remedy: a row of the report's `remedies.tested` (RemedyResult.as_dict, then `following`)."""
+
+    following: Following
+
+
+class RemediesBlock(TypedDict):
+    """The report's `remedies` block: the tested rows, ranked, what healthy means, what the following steps say."""
+
+    tested: list[RemedyRow]
+    criteria: str
+    following_steps: str
 
 
 @dataclass
@@ -59,7 +102,7 @@ class RemedyResult:
     {"drop": [sample ids]}, {"hyper": {"eps" | "lr": value}}, {"fp32": true}, {"clip": norm}, {"loss_scale": s},
     {"skip": true} or {} (as recorded)."""
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> RemedyRow:
         return {"kind": self.kind.value, "words": self.kind.words, "change": self.change, "healthy": self.healthy,
                 "step_loss": self.step_loss, "grad_norm": self.grad_norm, "weights_finite": self.weights_finite,
                 "relative_change": self.relative_change, "worst_parameter": self.worst_parameter,
@@ -67,7 +110,7 @@ class RemedyResult:
 
 
 def try_remedies(runner: StepRunner, culprits: list[SampleRef], clip_at: float | None,
-                 culprit_module: str | None = None) -> dict | None:
+                 culprit_module: str | None = None) -> RemediesBlock | None:
     """The report's `remedies` block: every applicable remedy tried on the step, ranked (module docstring).
     `clip_at`: the healthy steps' gradient norm (replay.history_pattern.read_history: from before the loss left
     its start, never a diverged step's), the clipping threshold tried; None: clipping is not tried.
@@ -190,7 +233,7 @@ def _first_group(snapshot: Any) -> dict:
     return {k: v for k, v in (snapshot.param_groups[0] if snapshot.param_groups else {}).items() if k != "params"}
 
 
-def tested_suggestions(block: dict | None, limit: int = 3, diverged: bool = False) -> tuple[list[str], list[str]]:
+def tested_suggestions(block: RemediesBlock | None, limit: int = 3, diverged: bool = False) -> tuple[list[str], list[str]]:
     """What the remedies showed, with their numbers: (lines that go before the verdict's own suggestions,
     lines that go after them). A fix that worked leads; skipping the step only hides the cause, so when it
     is the only thing that worked it is said last. `diverged`: the loss sits far above where the run started,
@@ -223,7 +266,7 @@ def tested_suggestions(block: dict | None, limit: int = 3, diverged: bool = Fals
     return first, last
 
 
-def _following_words(following: dict | None) -> str:
+def _following_words(following: Following | None) -> str:
     """How the fix fared over the recorded steps after this one (replay/remedy_followup.py), as a clause."""
     if not following or not following.get("tested"):
         return ""

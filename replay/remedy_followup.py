@@ -18,12 +18,13 @@ import torch
 
 from forensics.kinds import RemedyKind
 from replay.execute import StepRunner
+from replay.remedies import Following, RemediesBlock, RemedyRow
 from replay.window import Followup, run_step, set_lr, to_device
 
 logger = logging.getLogger(__name__)
 
 
-def follow_remedies(block: dict, runner: StepRunner, followup: Followup) -> None:
+def follow_remedies(block: RemediesBlock, runner: StepRunner, followup: Followup) -> None:
     """Adds `following` to each healthy row of the `remedies` block (in place), re-ranks the rows (a fix that
     holds first) and says what was tested in `following_steps`."""
     steps = [row["step"] for row, _ in followup.steps]
@@ -46,7 +47,7 @@ def follow_remedies(block: dict, runner: StepRunner, followup: Followup) -> None
                                 f"recorded steps after it ({', '.join(map(str, steps))}) and they were re-executed")
 
 
-def _follow(row: dict, runner: StepRunner, followup: Followup) -> dict:
+def _follow(row: RemedyRow, runner: StepRunner, followup: Followup) -> Following:
     session, setting = runner.session, row.get("setting") or {}
     if "loss_scale" in setting:
         return {"tested": False, "note": "not carried over: the window replay runs without a loss scaler"}

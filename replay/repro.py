@@ -31,6 +31,7 @@ from forensics.errors import ReplayError
 from forensics.format import open_dump
 from forensics.format.tensors import safetensors_bytes
 from forensics.fsio import atomic_file, atomic_write_text
+from forensics.thirdparty import op_schema
 from replay.execute import StepRunner
 from replay.load import load_session
 from replay.localize import localize_forward
@@ -184,7 +185,7 @@ def _encode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 
 def _write_op(repro: Repro, func: Any, args: tuple, kwargs: dict) -> None:
-    schema = func._schema
+    schema = op_schema(func)
     namespace, _, name = schema.name.partition("::")
     overload = schema.overload_name or "default"
     before = [list(t.shape) for t in _tensors((args, kwargs))]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+from typing import TypedDict
 
 import torch
 
@@ -24,6 +25,18 @@ logger = logging.getLogger(__name__)
 DEFAULT_SEEDS = (1234, 98765, 424242)
 
 
+class RngBlock(TypedDict):
+    """The report's `rng` block."""
+
+    checked: bool
+    seeds: list[int]
+    """The seeds run, in order (the check stops at the first healthy one)."""
+    failed: list[bool]
+    """Per seed: the step still failed."""
+    rng_dependent: bool | None
+    """True when some seed gave a healthy step; None: not checked."""
+
+
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)  # also every CUDA device
@@ -35,7 +48,7 @@ def _seed_everything(seed: int) -> None:
 
 
 def check_rng_dependence(runner: StepRunner, kind: str, threshold: float | None = None,
-                         seeds: tuple[int, ...] = DEFAULT_SEEDS) -> dict:
+                         seeds: tuple[int, ...] = DEFAULT_SEEDS) -> RngBlock:
     """Re-runs the whole step from other seeds (recorded RNG not restored) and says whether it still fails.
 
     Args:
@@ -71,4 +84,4 @@ def check_rng_dependence(runner: StepRunner, kind: str, threshold: float | None 
     return {"checked": True, "seeds": tried, "failed": failed, "rng_dependent": dependent}
 
 
-__all__ = ["check_rng_dependence", "DEFAULT_SEEDS"]
+__all__ = ["check_rng_dependence", "DEFAULT_SEEDS", "RngBlock"]

@@ -24,8 +24,10 @@ micro-batch that long; attention memory grows with the square of it)."""
 SHOWN = 5
 
 
-@dataclass
+@dataclass(frozen=True)
 class SampleSize:
+    """One sample's size (tokens, or elements: SizeSummary.measure says which)."""
+
     ref: SampleRef
     tokens: int
 
@@ -67,17 +69,33 @@ def _sizes_of(batch: Any, n: int) -> tuple[list[int] | None, str]:
     return None, ""
 
 
-def size_block(micro_batches: list[Any], refs: list[SampleRef]) -> dict | None:
-    """The report's `exception.sizes`: the step's median size, the largest samples and the outliers (None when the
-    micro-batches do not say)."""
+@dataclass(frozen=True)
+class SizeSummary:
+    """The step's sample sizes for an out-of-memory step: the report's `exception.sizes` (as_dict)."""
+
+    measure: str | None
+    """How a size was measured: "attention_mask", "row elements" or "tensor elements"."""
+    median: float
+    largest: tuple[SampleSize, ...]
+    """The SHOWN largest samples, largest first."""
+    outliers: tuple[SampleSize, ...]
+    """Samples at least OUTLIER_FACTOR x the median (the SHOWN largest), largest first."""
+    outlier_factor: float = OUTLIER_FACTOR
+
+    def as_dict(self) -> dict:
+        return {"measure": self.measure, "median": self.median, "largest": [s.as_dict() for s in self.largest],
+                "outliers": [s.as_dict() for s in self.outliers], "outlier_factor": self.outlier_factor}
+
+
+def size_summary(micro_batches: list[Any], refs: list[SampleRef]) -> SizeSummary | None:
+    """The step's median size, the largest samples and the outliers (None when the micro-batches do not say)."""
     sizes, measure = sample_sizes(micro_batches, refs)
     if not sizes:
         return None
     median = statistics.median(s.tokens for s in sizes)
     ranked = sorted(sizes, key=lambda s: -s.tokens)
     outliers = [s for s in ranked if median > 0 and s.tokens >= OUTLIER_FACTOR * median] if len(sizes) > 1 else []
-    return {"measure": measure, "median": median, "largest": [s.as_dict() for s in ranked[:SHOWN]],
-            "outliers": [s.as_dict() for s in outliers[:SHOWN]], "outlier_factor": OUTLIER_FACTOR}
+    return SizeSummary(measure, median, tuple(ranked[:SHOWN]), tuple(outliers[:SHOWN]))
 
 
 def longer_than(micro_batches: list[Any], refs: list[SampleRef], limit: int) -> list[SampleSize]:
@@ -89,7 +107,7 @@ def longer_than(micro_batches: list[Any], refs: list[SampleRef], limit: int) -> 
     return sorted((s for s in sizes if s.tokens > limit), key=lambda s: -s.tokens)
 
 
-def outlier_refs(block: dict | None, refs: list[SampleRef]) -> list[SampleRef]:
-    """The SampleRefs of the block's outliers."""
-    wanted = {(o["micro_batch"], o["index"]) for o in (block or {}).get("outliers") or []}
+def outlier_refs(summary: SizeSummary | None, refs: list[SampleRef]) -> list[SampleRef]:
+    """The SampleRefs of the summary's outliers, in `refs` order."""
+    wanted = {(o.ref.micro_batch, o.ref.index) for o in (summary.outliers if summary is not None else ())}
     return [r for r in refs if (r.micro_batch, r.index) in wanted]

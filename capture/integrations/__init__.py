@@ -12,8 +12,7 @@ never imports accelerate, deepspeed, transformers or lightning.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from forensics.lazy import lazy_exports
 
 _EXPORTS = {
     "DistributedGuard": "capture.integrations.ddp",
@@ -26,11 +25,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'capture.integrations' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 
 def __dir__() -> list[str]:

@@ -28,6 +28,7 @@ from capture.integrations.ddp import DistributedGuard
 from forensics.format.shards import LocalShard
 from forensics.kinds import StateLayout
 from forensics.recipes import HUGGINGFACE_FACTORY
+from forensics.thirdparty import zero_dp_group, zero_fragment, zero_linked
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +248,7 @@ class DeepSpeedGuard(DistributedGuard):
 
             value = safe_get_local_fp32_param(param) if key is None else safe_get_local_optimizer_state(param, key)
             return None if value is None else _zero3_shard(param, value)
-        mapping = getattr(param, "_hp_mapping", None)
+        mapping = zero_fragment(param)
         if mapping is None:  # this rank holds none of it: an empty part keeps the parameter in the state's table
             return LocalShard(torch.zeros(0), tuple(param.shape), (0,), flat=True)
         source, lp = self._hp_source(mapping, key), mapping.lp_fragment_address
@@ -300,10 +301,9 @@ class DeepSpeedGuard(DistributedGuard):
         (`safe_get_full_optimizer_state`), which in DeepSpeed 0.19 miss every parameter group but
         the first: they are made when the first group steps, before the others have any state.
         """
-        mapping = getattr(param, "_hp_mapping", None)
-        group = getattr(param, "_dp_group", None)
-        if not hasattr(param, "_hp_mapping"):
+        if not zero_linked(param):
             return None
+        mapping, group = zero_fragment(param), zero_dp_group(param)
         buffer = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
         if mapping is not None:
             source, lp = self._hp_source(mapping, key), mapping.lp_fragment_address
@@ -420,7 +420,7 @@ class DeepSpeedGuard(DistributedGuard):
 
 
 def _has_hp_mapping(model: torch.nn.Module) -> bool:
-    return any(getattr(p, "_hp_mapping", None) is not None or hasattr(p, "ds_id") for p in model.parameters())
+    return any(zero_fragment(p) is not None or hasattr(p, "ds_id") for p in model.parameters())
 
 
 def _full_zero3(param: torch.nn.Parameter, key: str | None) -> torch.Tensor | None:

@@ -8,21 +8,12 @@ transformers.
 
 from __future__ import annotations
 
-from typing import Any
+from forensics.lazy import lazy_exports
 
 __all__ = ["SCENARIOS", "SCENARIO_NAMES", "DEFAULT_SCENARIO", "run_demo"]
 
 SCENARIO_NAMES = ("bad_sample", "log_zero", "fp16_overflow", "adam_eps_zero", "pair", "sdc", "dropout_mask", "spike")
 """The scenarios' names, for the CLI's help without importing torch (tests check they match SCENARIOS)."""
 
-
-def __getattr__(name: str) -> Any:
-    if name in ("SCENARIOS", "DEFAULT_SCENARIO"):
-        from forensics.demo import scenarios
-
-        return getattr(scenarios, name)
-    if name == "run_demo":
-        from forensics.demo.run import run_demo
-
-        return run_demo
-    raise AttributeError(f"module 'forensics.demo' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, {"SCENARIOS": "forensics.demo.scenarios",
+                                      "DEFAULT_SCENARIO": "forensics.demo.scenarios", "run_demo": "forensics.demo.run"})

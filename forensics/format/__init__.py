@@ -5,8 +5,7 @@ Names load on first use, so `forensics inspect` / `verify` never import torch fo
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from forensics.lazy import lazy_exports
 
 _EXPORTS = {
     "Dump": "forensics.format.reader", "open_dump": "forensics.format.reader", "open_step": "forensics.format.reader",
@@ -19,11 +18,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'forensics.format' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 
 def __dir__() -> list[str]:

@@ -6,12 +6,15 @@ Nothing here is needed to use forensics; it only keeps each example down to its 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
 
 import torch
+
+from forensics.errors import TrainingFaultError
 
 EMBD, VOCAB, SEQ = 32, 64, 16
 
@@ -117,8 +120,40 @@ class Timer:
     def __init__(self):
         self.start = time.perf_counter()
 
+    def restart(self) -> None:
+        self.start = time.perf_counter()
+
     def __call__(self) -> float:
         return round(time.perf_counter() - self.start, 4)
+
+
+@contextlib.contextmanager
+def reported(rank: int, guard):
+    """The training loop of a torchrun example: yields a Timer (restart it before `guard.check()`: a fault's line
+    says how long the dump took). A clean end reports the dumps and history, closes the Guard and tears the process
+    group down; a TrainingFaultError reports the fault and closes the Guard, with no collective (another rank may
+    be gone; the process group dies with this one)."""
+    timer = Timer()
+    try:
+        yield timer
+    except TrainingFaultError as fault:
+        report(rank, fault=fault.trigger, dump=fault.dump_path, dump_seconds=timer(), dump_error=fault.dump_error)
+        guard.close()
+        return
+    report(rank, fault=None, dumps=guard.dumps, history=guard.history.to_dict())
+    guard.close()
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """The torchrun process group (NCCL on GPUs, else gloo): this process's rank, the world size and its device."""
+    cuda = torch.cuda.is_available()
+    torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
 
 
 def env_rank() -> int:

@@ -12,7 +12,6 @@ With --fp16 (autocast + GradScaler), the GradScaler's overflow-and-skip steps ar
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -21,22 +20,16 @@ from torch.utils.data import DataLoader, DistributedSampler
 import _common
 from capture import GuardConfig, IndexedDataset
 from capture.integrations import DistributedGuard
-from forensics.errors import TrainingFaultError
 
 
 def main() -> None:
     parser = _common.parser(__doc__)
     parser.add_argument("--fp16", action="store_true", help="fp16 autocast with a GradScaler")
     args = parser.parse_args()
-    cuda = torch.cuda.is_available()
-    torch.distributed.init_process_group("nccl" if cuda else "gloo")
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+    rank, world, device = _common.init_distributed()
 
     model = _common.tiny_gpt2().to(device)
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=_common.LR)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _common.warmup)
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** args.initial_scale_power, enabled=args.fp16)
@@ -50,7 +43,7 @@ def main() -> None:
     dataset = IndexedDataset(_common.EmbedsDataset(samples, poison=args.poison))  # adds batch["sample_ids"]
     loader = DataLoader(dataset, batch_size=args.micro_batch, sampler=DistributedSampler(dataset, shuffle=False))
     batches = iter(loader)
-    try:
+    with _common.reported(rank, guard) as timer:  # one report line per rank; the Guard closed
         for step in range(args.steps):
             for index in range(args.accum):
                 batch = {k: v.to(device) for k, v in next(batches).items()}
@@ -63,21 +56,12 @@ def main() -> None:
                     scaler.scale(loss / args.accum).backward()
             scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), _common.CLIP)
-            timer = _common.Timer()
+            timer.restart()
             if guard.check(grad_norm=grad_norm):                             # forensics
                 scaler.step(optimizer)  # the plain optimizer.step() without --fp16
             scaler.update()
             scheduler.step()
             optimizer.zero_grad()
-        _common.report(rank, fault=None, dumps=guard.dumps, history=guard.history.to_dict())
-        guard.close()
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    except TrainingFaultError as fault:
-        # No collective after a fault: another rank may be gone. The process group dies with us.
-        _common.report(rank, fault=fault.trigger, dump=fault.dump_path, dump_seconds=timer(),
-                       dump_error=fault.dump_error)
-        guard.close()
 
 
 if __name__ == "__main__":

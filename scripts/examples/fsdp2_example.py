@@ -12,7 +12,6 @@ the step's rank dumps together and names the sample on one device.
 
 from __future__ import annotations
 
-import os
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -21,7 +20,6 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import _common
 from capture import Guard, GuardConfig, IndexedDataset
-from forensics.errors import TrainingFaultError
 
 
 def main() -> None:
@@ -30,12 +28,7 @@ def main() -> None:
                         help="fsdp: shard over every rank; hsdp: 2 replica groups, sharded within each")
     parser.add_argument("--bf16", action="store_true", help="FSDP2 mixed precision: bf16 compute, fp32 reduce")
     args = parser.parse_args()
-    cuda = torch.cuda.is_available()
-    torch.distributed.init_process_group("nccl" if cuda else "gloo")
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+    rank, world, device = _common.init_distributed()
     if args.mesh == "hsdp":
         mesh = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("replicate", "shard"))
     else:
@@ -60,7 +53,7 @@ def main() -> None:
                                                    width=model.config.hidden_size, vocab=model.config.vocab_size))
     loader = DataLoader(dataset, batch_size=args.micro_batch, sampler=DistributedSampler(dataset, shuffle=False))
     batches = iter(loader)
-    try:
+    with _common.reported(rank, guard) as timer:  # one report line per rank; the Guard closed
         for step in range(args.steps):
             for index in range(args.accum):
                 batch = {k: v.to(device) for k, v in next(batches).items()}
@@ -70,20 +63,11 @@ def main() -> None:
                 guard.record_loss(loss)                                      # forensics
                 (loss / args.accum).backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), _common.CLIP)
-            timer = _common.Timer()
+            timer.restart()
             if guard.check(grad_norm=grad_norm):                             # forensics
                 optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
-        _common.report(rank, fault=None, dumps=guard.dumps, history=guard.history.to_dict())
-        guard.close()
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    except TrainingFaultError as fault:
-        # No collective after a fault: another rank may be gone. The process group dies with us.
-        _common.report(rank, fault=fault.trigger, dump=fault.dump_path, dump_seconds=timer(),
-                       dump_error=fault.dump_error)
-        guard.close()
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ the model with `build_model` and the loss with `masked_loss` below (`--trust` le
 
 from __future__ import annotations
 
-import os
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -21,7 +20,6 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import _common
 from capture import Guard, GuardConfig, IndexedDataset
-from forensics.errors import TrainingFaultError
 
 VOCAB, SEQ = 128, 16
 
@@ -68,12 +66,7 @@ def main() -> None:
     from torchtitan.models.llama3.infra.parallelize import apply_fsdp
 
     args = _common.parser(__doc__).parse_args()
-    cuda = torch.cuda.is_available()
-    torch.distributed.init_process_group("nccl" if cuda else "gloo")
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+    rank, world, device = _common.init_distributed()
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
     model = build_model().to(device)
     # torchtitan's default mixed precision: bf16 compute, fp32 gradient reduction (replay computes the same way)
@@ -89,7 +82,7 @@ def main() -> None:
     dataset = IndexedDataset(WeightedTokens(samples, poison=args.poison))
     loader = DataLoader(dataset, batch_size=args.micro_batch, sampler=DistributedSampler(dataset, shuffle=False))
     batches = iter(loader)
-    try:
+    with _common.reported(rank, guard) as timer:  # one report line per rank; the Guard closed
         for step in range(args.steps):
             for index in range(args.accum):
                 batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in next(batches).items()}
@@ -99,19 +92,10 @@ def main() -> None:
                 guard.record_loss(loss)                                      # forensics
                 (loss / args.accum).backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), _common.CLIP)
-            timer = _common.Timer()
+            timer.restart()
             if guard.check(grad_norm=grad_norm):                             # forensics
                 optimizer.step()
             optimizer.zero_grad()
-        _common.report(rank, fault=None, dumps=guard.dumps, history=guard.history.to_dict())
-        guard.close()
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    except TrainingFaultError as fault:
-        # No collective after a fault: another rank may be gone. The process group dies with us.
-        _common.report(rank, fault=fault.trigger, dump=fault.dump_path, dump_seconds=timer(),
-                       dump_error=fault.dump_error)
-        guard.close()
 
 
 if __name__ == "__main__":

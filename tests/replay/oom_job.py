@@ -2,7 +2,7 @@
 one sample of step 2 is 100,000 tokens long, so its micro-batch's attention mask alone needs 10 GB. Run it under a
 memory cap (RLIMIT_AS, like a device with a few GB): the allocation then fails at once, as on a GPU.
 
-Usage: python oom_job.py DUMP_DIR
+Usage: python oom_job.py DUMP_DIR [DEVICE]   (DEVICE cuda:0: a real CUDA out-of-memory, no cap needed)
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ def collate(rows: list[torch.Tensor]) -> dict:
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def main(dump_dir: str) -> None:
-    model = tiny_llama()
+def main(dump_dir: str, device: str = "cpu") -> None:
+    model = tiny_llama().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     guard = Guard(model, optimizer, config=GuardConfig(dump_dir=dump_dir, run_id="oom"))
     lengths = torch.Generator().manual_seed(0)
@@ -46,7 +46,8 @@ def main(dump_dir: str) -> None:
                 sizes = [int(torch.randint(8, 24, (1,), generator=lengths)) for _ in range(4)]
                 if step == 2 and mb == 1:
                     sizes[1] = LONG
-                batch = collate([torch.randint(0, 64, (n,), generator=lengths) for n in sizes])
+                batch = {k: v.to(device) for k, v in
+                         collate([torch.randint(0, 64, (n,), generator=lengths) for n in sizes]).items()}
                 guard.record_batch(batch, sample_ids=[f"doc-{step}-{mb}-{i}" for i in range(4)])
                 loss = model(**batch).loss
                 guard.record_loss(loss)
@@ -57,4 +58,4 @@ def main(dump_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])

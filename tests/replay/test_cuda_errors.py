@@ -46,3 +46,21 @@ def test_device_side_assert_dumps_the_host_side_and_replays_to_the_sample_and_to
     assert report["verdict"]["kind"] == "exception" and report["reproduced"] is True
     assert [s["sample_id"] for s in report["culprit"]["samples"]] == [BAD]
     assert report["exception"]["bad_values"][0]["value"] == 300
+
+
+def test_a_real_cuda_out_of_memory_from_one_long_sample_names_it_by_its_size(tmp_path):
+    """One 100,000-token sample in a dynamically padded micro-batch on cuda:0: its eager attention needs hundreds
+    of GB, so the allocation fails on any GPU. The dump carries the memory picture; replay names the sample by size."""
+    job = subprocess.run([sys.executable, str(REPO / "tests" / "replay" / "oom_job.py"), str(tmp_path / "dumps"),
+                          "cuda:0"], capture_output=True, text=True, env=_env(), timeout=300)
+    assert job.returncode == 1 and "OutOfMemoryError" in job.stderr, job.stderr[-3000:]
+    path = tmp_path / "dumps" / "oom" / "step-000000002"
+    dump = open_dump(path)
+    assert dump.manifest["exception"]["memory"]["micro_batches"][1]["shapes"]["input_ids"] == [4, 100_000]
+    out = tmp_path / "report"
+    replay = subprocess.run([sys.executable, "-m", "forensics.cli", "replay", str(path), "--device", "cuda:0",
+                             "-o", str(out)], capture_output=True, text=True, env=_env(), timeout=600)
+    assert replay.returncode == 0, replay.stdout[-3000:] + replay.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["verdict"]["kind"] == "exception"
+    assert [s["sample_id"] for s in report["culprit"]["samples"]] == ["doc-2-1-1"]

@@ -1,0 +1,237 @@
+"""The one place forensics reads other libraries' private members (torch, DeepSpeed, transformers).
+
+Each read is one small function whose docstring says which versions have the member and where it was checked;
+tests/forensics/test_thirdparty.py runs each against the installed library and fails loudly when it changes.
+Nothing here imports DeepSpeed or transformers: the objects come from the caller.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+# --------------------------------------------------------------------------------------------------------------
+# torch.nn.Module
+
+
+def own_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """The module's own buffers by attribute (not its children's; a None slot included), to read only.
+
+    torch >= 2.4: `Module._buffers`; checked on torch 2.13 (CPU)."""
+    return module._buffers
+
+
+def is_persistent_buffer(module: torch.nn.Module, attr: str) -> bool:
+    """Whether the module's buffer `attr` is in its state_dict (register_buffer(..., persistent=True)).
+
+    torch >= 2.4: `Module._non_persistent_buffers_set`; checked on torch 2.13 (CPU)."""
+    return attr not in module._non_persistent_buffers_set
+
+
+def put_parameter(module: torch.nn.Module, attr: str, param: torch.nn.Parameter) -> None:
+    """Puts `param` in the module's parameter slot `attr` as is (no Module.__setattr__ checks or hooks), e.g. while
+    register_parameter runs, or for every name of a tied parameter.
+
+    torch >= 2.4: `Module._parameters`; checked on torch 2.13 (CPU)."""
+    module._parameters[attr] = param
+
+
+def put_buffer(module: torch.nn.Module, attr: str, tensor: torch.Tensor) -> None:
+    """Puts `tensor` in the module's buffer slot `attr` as is, keeping its persistence.
+
+    torch >= 2.4: `Module._buffers`; checked on torch 2.13 (CPU)."""
+    module._buffers[attr] = tensor
+
+
+def compiled_original(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module torch.compile wrapped (None when `model` is not a compiled wrapper).
+
+    torch >= 2.0: `OptimizedModule._orig_mod`; checked on torch 2.13 (CPU)."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, torch.nn.Module) else None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# torch tensors, ops, optimizers, AMP
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """The tensor's in-place version counter (bumped by every in-place change of its storage through it).
+
+    torch >= 1.0: `Tensor._version`; checked on torch 2.13 (CPU)."""
+    return tensor._version
+
+
+def foreach_copy(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """Copies each source into its destination: one fused kernel per device and dtype where torch has one.
+
+    torch >= 2.1: `torch._foreach_copy_` (older: one copy per tensor); checked on torch 2.13 (CPU)."""
+    fused = getattr(torch, "_foreach_copy_", None)
+    if fused is not None:
+        fused(destinations, sources)
+        return
+    for destination, source in zip(destinations, sources):
+        destination.copy_(source)
+
+
+def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's L2 norm, as 0-d tensors on its device, in one fused kernel per device and dtype.
+
+    torch >= 1.13: `torch._foreach_norm`; checked on torch 2.13 (CPU)."""
+    return list(torch._foreach_norm(tensors))
+
+
+def foreach_mul_(tensors: list[torch.Tensor], other: Any) -> None:
+    """Multiplies each tensor in place by `other` (a number, a list of numbers, a 0-d tensor or a list of tensors),
+    in one fused kernel per device and dtype.
+
+    torch >= 2.1 (the 0-d tensor form): `torch._foreach_mul_`; checked on torch 2.13 (CPU)."""
+    torch._foreach_mul_(tensors, other)
+
+
+def foreach_sqrt(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's elementwise square root, as new tensors, in one fused kernel per device and dtype.
+
+    torch >= 1.7: `torch._foreach_sqrt`; checked on torch 2.13 (CPU)."""
+    return list(torch._foreach_sqrt(tensors))
+
+
+def foreach_neg_(tensors: list[torch.Tensor]) -> None:
+    """Negates each tensor in place (one fused kernel per device and dtype).
+
+    torch >= 1.7: `torch._foreach_neg_`; checked on torch 2.13 (CPU)."""
+    torch._foreach_neg_(tensors)
+
+
+def foreach_sub_(tensors: list[torch.Tensor], value: float | torch.Tensor) -> None:
+    """Subtracts `value` (a number or a 0-d tensor on their device) from each tensor in place.
+
+    torch >= 2.1 (the 0-d tensor form): `torch._foreach_add_(..., alpha=-1)`; checked on torch 2.13 (CPU)."""
+    if isinstance(value, torch.Tensor):
+        torch._foreach_add_(tensors, value, alpha=-1)
+    else:
+        torch._foreach_add_(tensors, -value)
+
+
+def foreach_reciprocal_(tensors: list[torch.Tensor]) -> None:
+    """Replaces each tensor by its elementwise reciprocal, in place.
+
+    torch >= 1.7: `torch._foreach_reciprocal_`; checked on torch 2.13 (CPU)."""
+    torch._foreach_reciprocal_(tensors)
+
+
+def foreach_max(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each (non-empty) tensor's largest element, as 0-d tensors: one fused kernel per device and dtype.
+
+    torch >= 2.6: `torch._foreach_max` (older: one amax per tensor); checked on torch 2.13 (CPU)."""
+    fused = getattr(torch, "_foreach_max", None)
+    return list(fused(tensors)) if fused is not None else [t.amax() for t in tensors]
+
+
+def op_schema(func: Any) -> Any:
+    """The schema of an ATen op overload seen by a TorchDispatchMode: `.name` ("aten::mm"), `.is_mutable`,
+    `.arguments` and `.returns` (each with `.alias_info`).
+
+    torch >= 2.0: `OpOverload._schema`; checked on torch 2.13 (CPU)."""
+    return func._schema
+
+
+def optimizer_honours_found_inf(optimizer: Any) -> bool:
+    """Whether the optimizer's step() takes GradScaler's `found_inf` itself and skips a non-finite step on the
+    device (fused Adam / AdamW / SGD), with no host sync.
+
+    torch >= 2.0: `Optimizer._step_supports_amp_scaling`; checked on torch 2.13 (CPU)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def grad_scaler_scale(scaler: Any) -> torch.Tensor | None:
+    """The GradScaler's current scale as its device tensor (None before its first scale()); get_scale() would copy
+    it to the host.
+
+    torch >= 2.3: `torch.amp.GradScaler._scale`; checked on torch 2.13 (CPU)."""
+    return getattr(scaler, "_scale", None)
+
+
+def deterministic_setter() -> Callable[..., None] | None:
+    """torch.use_deterministic_algorithms's own setter (mode, warn_only=...), which skips importing torch._inductor
+    for its flag; None where torch has none.
+
+    torch >= 2.4: `torch._C._set_deterministic_algorithms`; checked on torch 2.13 (CPU)."""
+    return getattr(torch._C, "_set_deterministic_algorithms", None)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# torch.distributed (FSDP2, DTensor)
+
+
+def fsdp_mixed_precision(module: Any) -> Any:
+    """The MixedPrecisionPolicy an FSDP2 unit (fully_shard) was built with (`param_dtype`, `reduce_dtype`,
+    `output_dtype`, `cast_forward_inputs`), or None.
+
+    torch >= 2.4: `FSDPModule._get_fsdp_state()._mp_policy`; checked on torch 2.13 (CPU, gloo)."""
+    return getattr(module._get_fsdp_state(), "_mp_policy", None)
+
+
+def dtensor_local_box(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """This rank's (local shape, global offset) of a DTensor with plain placements, computed from its mesh.
+
+    torch >= 2.4: `torch.distributed.tensor._utils.compute_local_shape_and_global_offset`; checked on torch 2.13
+    (CPU, gloo)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(shape), tuple(offset)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# DeepSpeed (ZeRO-1/2 and the bf16 optimizer link each model parameter to its fp32 fragment)
+
+
+def zero_linked(param: Any) -> bool:
+    """Whether DeepSpeed linked the parameter to the flat fp32 partitions (ZeRO-1/2, bf16 optimizer).
+
+    deepspeed >= 0.10: `param._hp_mapping` is set (None on a rank that holds none of it) by
+    deepspeed.utils.mixed_precision_linkage; checked on deepspeed 0.19.8."""
+    return hasattr(param, "_hp_mapping")
+
+
+def zero_fragment(param: Any) -> Any:
+    """This rank's fragment of the parameter's fp32 master (`hp_fragment`, `hp_fragment_address`,
+    `lp_fragment_address` with `.start` / `.numel`, `param_group_index`); None when this rank holds none of it.
+
+    deepspeed >= 0.10: `param._hp_mapping` (a deepspeed.utils.tensor_fragment.tensor_fragment); checked on
+    deepspeed 0.19.8."""
+    return getattr(param, "_hp_mapping", None)
+
+
+def zero_dp_group(param: Any) -> Any:
+    """The data-parallel process group the parameter's partitions are spread over (None: the default group).
+
+    deepspeed >= 0.10: `param._dp_group`; checked on deepspeed 0.19.8."""
+    return getattr(param, "_dp_group", None)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# transformers
+
+
+def attn_implementation(config: Any) -> str | None:
+    """The attention implementation a transformers config selects ("eager", "sdpa", "flash_attention_2"...).
+
+    transformers >= 4.36: `PretrainedConfig._attn_implementation`; checked on transformers 5.24."""
+    return getattr(config, "_attn_implementation", None)
+
+
+def set_attn_implementation(config: Any, value: str) -> None:
+    """Selects the attention implementation on a transformers config before the model is built from it.
+
+    transformers >= 4.36: `PretrainedConfig._attn_implementation`; checked on transformers 5.24."""
+    config._attn_implementation = value
+
+
+__all__ = ["attn_implementation", "compiled_original", "deterministic_setter", "dtensor_local_box", "foreach_copy",
+           "foreach_max", "foreach_mul_", "foreach_neg_", "foreach_norm", "foreach_reciprocal_", "foreach_sqrt",
+           "foreach_sub_", "fsdp_mixed_precision", "grad_scaler_scale", "is_persistent_buffer", "op_schema",
+           "optimizer_honours_found_inf", "own_buffers", "put_buffer", "put_parameter", "set_attn_implementation",
+           "tensor_version", "zero_dp_group", "zero_fragment", "zero_linked"]

@@ -1,0 +1,195 @@
+"""forensics/thirdparty.py against the installed torch, DeepSpeed and transformers: each adapter reads a private
+member of theirs, and each test here fails loudly when that member moves or changes meaning."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from forensics import thirdparty
+
+
+class WithMask(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(3)
+        self.register_buffer("mask", torch.ones(3), persistent=False)
+        self.register_buffer("empty", None)
+
+
+def test_own_buffers_are_the_modules_own_with_none_slots_and_their_persistence():
+    module = WithMask()
+    assert set(thirdparty.own_buffers(module)) == {"mask", "empty"}  # not the child's running stats
+    assert thirdparty.own_buffers(module)["empty"] is None
+    assert set(thirdparty.own_buffers(module.norm)) == {"running_mean", "running_var", "num_batches_tracked"}
+    assert thirdparty.is_persistent_buffer(module.norm, "running_mean")
+    assert not thirdparty.is_persistent_buffer(module, "mask")
+    assert "mask" not in module.state_dict() and "norm.running_mean" in module.state_dict()
+
+
+def test_put_parameter_and_put_buffer_replace_the_slot_as_is():
+    module = WithMask()
+    linear = torch.nn.Linear(2, 2)
+    new = torch.nn.Parameter(torch.full((2, 2), 7.0))
+    thirdparty.put_parameter(linear, "weight", new)
+    assert linear.weight is new and dict(linear.named_parameters())["weight"] is new
+    stats = torch.full((3,), 5.0)
+    thirdparty.put_buffer(module.norm, "running_mean", stats)
+    assert module.norm.running_mean is stats and torch.equal(module.state_dict()["norm.running_mean"], stats)
+    thirdparty.put_buffer(module, "mask", torch.zeros(3))
+    assert torch.equal(module.mask, torch.zeros(3)) and "mask" not in module.state_dict()  # still non-persistent
+
+
+def test_compiled_original_unwraps_torch_compile_only():
+    model = torch.nn.Linear(2, 2)
+    compiled = torch.compile(model)  # nothing is compiled before the first call
+    assert compiled is not model
+    assert thirdparty.compiled_original(compiled) is model
+    assert thirdparty.compiled_original(model) is None
+
+
+def test_tensor_version_counts_in_place_changes_through_views():
+    tensor = torch.zeros(4)
+    before = thirdparty.tensor_version(tensor)
+    tensor.add_(1)
+    after_add = thirdparty.tensor_version(tensor)
+    tensor.view(2, 2).mul_(3)
+    assert before < after_add < thirdparty.tensor_version(tensor)
+    _ = tensor + 1  # out of place: no change
+    assert thirdparty.tensor_version(tensor) == after_add + 1
+
+
+def test_foreach_copy_and_norm_are_torchs_fused_kernels_and_exact():
+    assert hasattr(torch, "_foreach_copy_") and hasattr(torch, "_foreach_norm")
+    sources = [torch.randn(3, 4), torch.randn(5, dtype=torch.float64)]
+    destinations = [torch.empty(3, 4), torch.empty(5, dtype=torch.float64)]
+    thirdparty.foreach_copy(destinations, sources)
+    assert all(torch.equal(d, s) for d, s in zip(destinations, sources))
+    norms = thirdparty.foreach_norm(sources)
+    assert [n.shape for n in norms] == [torch.Size([]), torch.Size([])]
+    assert all(torch.allclose(n, torch.linalg.vector_norm(s)) for n, s in zip(norms, sources))
+
+
+def test_the_elementwise_foreach_ops_match_their_per_tensor_forms():
+    tensors = [torch.rand(3, 4) + 0.1, torch.rand(5, dtype=torch.float64) + 0.1]
+    roots = thirdparty.foreach_sqrt(tensors)
+    assert all(torch.equal(r, t.sqrt()) for r, t in zip(roots, tensors))
+    thirdparty.foreach_neg_(roots)
+    assert [float(m) for m in thirdparty.foreach_max(roots)] == [float(-t.sqrt().min()) for t in tensors]
+    thirdparty.foreach_sub_(roots, 0.5)
+    thirdparty.foreach_sub_(roots, torch.tensor(0.25))
+    thirdparty.foreach_reciprocal_(roots)
+    thirdparty.foreach_mul_(roots, tensors)
+    thirdparty.foreach_mul_(roots, 2.0)
+    assert all(torch.allclose(r, 2 * t / (-t.sqrt() - 0.75)) for r, t in zip(roots, tensors))
+
+
+class Schemas(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        schema = thirdparty.op_schema(func)
+        self.seen[schema.name] = schema
+        return func(*args, **(kwargs or {}))
+
+
+def test_op_schema_names_the_aten_op_its_mutability_and_aliasing():
+    a, b = torch.randn(2, 2), torch.randn(2, 2)
+    with Schemas() as mode:
+        torch.mm(a, b)
+        a.add_(b)
+    mm, add_ = mode.seen["aten::mm"], mode.seen["aten::add_.Tensor" if "aten::add_.Tensor" in mode.seen
+                                                  else "aten::add_"]
+    assert not mm.is_mutable and all(r.alias_info is None for r in mm.returns)
+    assert add_.is_mutable and any(r.alias_info is not None for r in add_.returns)
+
+
+def test_only_a_fused_optimizer_honours_found_inf():
+    params = [torch.nn.Parameter(torch.randn(3))]
+    assert thirdparty.optimizer_honours_found_inf(torch.optim.AdamW(params, fused=True))
+    assert not thirdparty.optimizer_honours_found_inf(torch.optim.AdamW(params))
+
+
+def test_grad_scaler_scale_is_the_device_tensor_once_it_scaled():
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    assert thirdparty.grad_scaler_scale(scaler) is None  # made lazily by the first scale()
+    scaler.scale(torch.tensor(2.0))
+    scale = thirdparty.grad_scaler_scale(scaler)
+    assert isinstance(scale, torch.Tensor) and float(scale) == 1024.0 == scaler.get_scale()
+
+
+def test_deterministic_setter_sets_what_torch_reports():
+    setter = thirdparty.deterministic_setter()
+    assert setter is not None
+    was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        setter(True, warn_only=True)
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        setter(was, warn_only=warn)
+
+
+@pytest.fixture(scope="module")
+def one_rank_group(tmp_path_factory):
+    """A real gloo process group of one rank, in this process."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already running in this process")
+    store = dist.FileStore(str(tmp_path_factory.mktemp("gloo") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_mixed_precision_is_the_policy_fully_shard_was_given(one_rank_group):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fully_shard(model[0], mp_policy=policy)
+    fully_shard(model)
+    inner = thirdparty.fsdp_mixed_precision(model[0])
+    assert (inner.param_dtype, inner.reduce_dtype, inner.output_dtype, inner.cast_forward_inputs) == \
+        (torch.bfloat16, torch.float32, None, True)
+    assert thirdparty.fsdp_mixed_precision(model).param_dtype is None  # the root's own default policy
+
+
+def test_dtensor_local_box_is_this_ranks_shape_and_offset(one_rank_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    tensor = distribute_tensor(torch.randn(6, 4), mesh, [Shard(0)])
+    assert thirdparty.dtensor_local_box(tensor) == ((6, 4), (0, 0))
+    assert tuple(tensor.to_local().shape) == (6, 4)
+
+
+def test_zero_fragment_is_deepspeeds_link_from_a_parameter_to_its_fp32_partition():
+    pytest.importorskip("deepspeed")
+    from deepspeed.utils.mixed_precision_linkage import link_hp_params
+
+    first, second = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(6))
+    assert not thirdparty.zero_linked(first) and thirdparty.zero_fragment(first) is None
+    flat = torch.arange(6, dtype=torch.float32)  # this rank's partition: elements 4..9 of the flat params
+    link_hp_params([first, second], flat, gradient_dict={0: [None, None]}, offload_gradient_dict={},
+                   use_offload=False, param_group_index=0, partition_start=4, partition_size=6, dp_group="group")
+    assert thirdparty.zero_linked(first) and thirdparty.zero_fragment(first) is None  # none of it on this rank
+    fragment = thirdparty.zero_fragment(second)
+    assert (fragment.lp_fragment_address.start, fragment.lp_fragment_address.numel) == (0, 6)
+    assert (fragment.hp_fragment_address.start, fragment.param_group_index) == (0, 0)
+    assert torch.equal(fragment.hp_fragment, flat)
+    assert thirdparty.zero_dp_group(second) == "group"
+
+
+def test_attn_implementation_is_what_a_transformers_model_is_built_with():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8)
+    thirdparty.set_attn_implementation(config, "eager")
+    assert thirdparty.attn_implementation(config) == "eager"
+    model = transformers.GPT2LMHeadModel(config)
+    assert thirdparty.attn_implementation(model.config) == "eager"
