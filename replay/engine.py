@@ -1,6 +1,7 @@
 """Orchestrate a replay: load -> reproduce -> localise -> bisect -> precision -> per-sample -> history -> verdict.
 
-Each stage returns a typed finding (replay/judge/findings.py); replay/judge/assemble.py builds the report from them.
+The stages are the sub-packages load/, run/, localize/, culprits/ and judge/ (docs/ARCHITECTURE.md); each returns
+a typed finding (replay/judge/findings.py), and replay/judge/assemble.py builds the report from them.
 `run_replay(dump_or_path, options)` returns the report dict of schema "forensics-report/1"
 (docs/REPORT_FORMAT.md); writing it to disk is forensics.report's job. `run_session(session, options)`
 does the same for a ReplaySession built in memory.
