@@ -4,7 +4,7 @@ Such a function is named `__main__:lm_loss`, which replay cannot import: `__main
 importing `train` instead would run the script's training again. So the Guard reads the script once, when it
 is created (what the job runs, not a later edit), and each dump holds it as `main_script.py` (size-capped);
 replay defines the function from it, behind --trust, without running its top-level training code
-(replay/main_script.py).
+(replay/load/main_script.py).
 """
 
 from __future__ import annotations

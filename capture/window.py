@@ -7,7 +7,7 @@ GuardConfig.window_steps steps (about 12 KB per micro-batch: the torch CPU and P
 
 With a data recipe (GuardConfig.data_recipe: how to rebuild a micro-batch from its sample IDs) and an earlier
 checkpoint, `forensics replay DUMP --from CHECKPOINT` re-executes those steps to find the one whose update
-broke the weights (replay/window.py). Written to the dump as `window.json` and `window-rng.safetensors`
+broke the weights (replay/run/window.py). Written to the dump as `window.json` and `window-rng.safetensors`
 (docs/DUMP_FORMAT.md "Flight recorder").
 
 With GuardConfig.precursors it also keeps the precursor monitor's per-layer statistics of the last

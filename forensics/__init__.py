@@ -5,6 +5,9 @@ Public API (everything else is internal):
     open_dump, verify_dump, pack_dump                 -- reading dumps (never unpickles)
     replay_dump                                       -- offline replay -> report dict (package `replay`)
     ForensicsError and subclasses                     -- one error hierarchy
+
+The top of this package (this API, cli, demo/, summary and catalog for `inspect` / `list`) calls into the core that
+capture and replay share (format/, report/, kinds, errors, trigger, rng, recipes, ...): docs/ARCHITECTURE.md.
 """
 
 from __future__ import annotations

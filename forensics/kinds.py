@@ -5,8 +5,8 @@ ends (ExitCode).
 
 Each kind carries its properties here, so that capture, replay, report and CLI ask the kind instead
 of comparing strings: adding a trigger kind is one member below plus its detector (capture) and its
-replayed quantity (replay/execute.py); adding a verdict kind is one member below plus its rule
-(replay/verdict.py). tests/forensics/test_kinds.py ties every kind to its label, exit code and
+replayed quantity (replay/run/execute.py); adding a verdict kind is one member below plus its rule
+(replay/judge/verdict.py). tests/forensics/test_kinds.py ties every kind to its label, exit code and
 renderer.
 
 Every kind is a `str` Enum: its value is what dumps and reports store, it compares equal to that
@@ -213,7 +213,7 @@ _STATISTIC_PROPS = {
 
 
 class SampleFactKind(_Kind):
-    """What replay/sample_facts.py found odd in a culprit sample's own data (most telling first)."""
+    """What replay/culprits/sample_facts.py found odd in a culprit sample's own data (most telling first)."""
 
     TOO_LONG = "too_long"
     LABELS_MASKED = "labels_masked"
@@ -388,7 +388,7 @@ class _RemedyProps:
 
 
 class RemedyKind(_Kind):
-    """A change the replay tries on the failing step (replay/remedies.py), and what it stands for."""
+    """A change the replay tries on the failing step (replay/judge/remedies.py), and what it stands for."""
 
     AS_RECORDED = "as_recorded"
     """No change: the step's own update (for a spike: is any action needed at all?)."""

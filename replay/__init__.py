@@ -1,13 +1,16 @@
 """Offline replay of a dumped training step: load -> reproduce -> localise -> bisect -> precision -> verdict.
 
-Runs on one GPU or the CPU; never imported by `capture`. Public names (imported lazily, so that
-`import replay.samples` stays light):
+Runs on one GPU or the CPU; never imported by `capture`. `engine.py` runs the stages, one sub-package each:
+`load/` (dump -> live session), `run/` (re-execute the step), `localize/` (where it first fails),
+`culprits/` (which samples), `judge/` (precision, remedies, history -> verdict and report); `repro.py` is
+`forensics repro`. Public names (imported lazily, so that
+`import replay.load.samples` stays light):
 
     run_replay(dump_or_path, ReplayOptions(...), progress=None) -> report dict   (replay.engine)
     run_session(session, options) -> report dict for an in-memory ReplaySession  (replay.engine)
-    load_session(dump, device=, trust=, factory=, loss=, sys_path=) -> ReplaySession  (replay.load)
-    session_from_objects(model, micro_batches, loss_fn, optimizer, ...) -> ReplaySession  (replay.load)
-    StepRunner, StepResult, SampleRef, reproduce                                   (replay.execute)
+    load_session(dump, device=, trust=, factory=, loss=, sys_path=) -> ReplaySession  (replay.load.session)
+    session_from_objects(model, micro_batches, loss_fn, optimizer, ...) -> ReplaySession  (replay.load.session)
+    StepRunner, StepResult, SampleRef, reproduce                                   (replay.run.execute)
 
 Consent: a dump's model factory / loss / optimizer class is imported only with trust=True (CLI --trust)
 or when the user names the code (factory= / loss=, CLI --factory / --loss). Built-in recipes
@@ -21,9 +24,10 @@ from forensics.lazy import lazy_exports
 
 _EXPORTS = {
     "run_replay": "replay.engine", "run_session": "replay.engine", "ReplayOptions": "replay.engine",
-    "load_session": "replay.load", "session_from_objects": "replay.load", "ReplaySession": "replay.load",
-    "StepRunner": "replay.execute", "StepResult": "replay.execute", "SampleRef": "replay.execute",
-    "reproduce": "replay.execute",
+    "load_session": "replay.load.session", "session_from_objects": "replay.load.session",
+    "ReplaySession": "replay.load.session",
+    "StepRunner": "replay.run.execute", "StepResult": "replay.run.execute", "SampleRef": "replay.run.execute",
+    "reproduce": "replay.run.execute",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,6 +1,7 @@
 """Orchestrate a replay: load -> reproduce -> localise -> bisect -> precision -> per-sample -> history -> verdict.
 
-Each stage returns a typed finding (replay/findings.py); replay/assemble.py builds the report from them.
+The stages are the sub-packages load/, run/, localize/, culprits/ and judge/ (docs/ARCHITECTURE.md); each returns
+a typed finding (replay/judge/findings.py), and replay/judge/assemble.py builds the report from them.
 `run_replay(dump_or_path, options)` returns the report dict of schema "forensics-report/1"
 (docs/REPORT_FORMAT.md); writing it to disk is forensics.report's job. `run_session(session, options)`
 does the same for a ReplaySession built in memory.
@@ -25,29 +26,29 @@ from forensics.format.verify import set_aside_damaged
 from forensics.format.limits import ArchiveLimits
 from forensics.kinds import HistoryPattern, Phase, TriggerKind
 from forensics.report.model import to_json_safe
-from replay.assemble import assemble_report
-from replay.between_steps import between_steps_report, raised_between_steps
-from replay.bisect import bisect_budget, ddmin
-from replay.environment import deterministic_mode
-from replay.execute import SampleRef, StepRunner, reproduce
-from replay.findings import Bisection, Findings, HistoryFinding
-from replay.history_pattern import classify_history, diverged_long_ago, history_signals, read_history
-from replay.load import ReplaySession, load_session
-from replay.localize import INPUT_MODULE, localize_backward, localize_forward
-from replay.localize_exception import localize_exception
-from replay.localize_weights import corrupted_weights, samples_touching_embeddings
-from replay.localize_update import localize_optimizer, per_layer_stats
-from replay.per_sample import SampleRow, per_sample_stats
-from replay.precursor import precursor_report
-from replay.precision import fp32_check, uses_low_precision
-from replay.remedies import try_remedies
-from replay.sizes import longer_than, outlier_refs, size_summary
-from replay.remedy_followup import follow_remedies
-from replay.window import Checkpoint, data_recipe, dump_snapshot, load_checkpoint, replay_window, window_block
-from replay.rng_dependence import check_rng_dependence
-from replay.sample_facts import describe_samples, nonfinite_in_field, too_long
-from replay.samples import select_samples
-from replay.user_code import as_user_error
+from replay.culprits.bisect import bisect_budget, ddmin
+from replay.culprits.per_sample import SampleRow, per_sample_stats
+from replay.culprits.sample_facts import describe_samples, nonfinite_in_field, too_long
+from replay.culprits.sizes import longer_than, outlier_refs, size_summary
+from replay.judge.assemble import assemble_report
+from replay.judge.between_steps import between_steps_report, raised_between_steps
+from replay.judge.findings import Bisection, Findings, HistoryFinding
+from replay.judge.history_pattern import classify_history, diverged_long_ago, history_signals, read_history
+from replay.judge.precision import fp32_check, uses_low_precision
+from replay.judge.precursor import precursor_report
+from replay.judge.remedies import try_remedies
+from replay.judge.remedy_followup import follow_remedies
+from replay.load.environment import deterministic_mode
+from replay.load.samples import select_samples
+from replay.load.session import ReplaySession, load_session
+from replay.load.user_code import as_user_error
+from replay.localize.exception import localize_exception
+from replay.localize.forward_backward import INPUT_MODULE, localize_backward, localize_forward
+from replay.localize.update import localize_optimizer, per_layer_stats
+from replay.localize.weights import corrupted_weights, samples_touching_embeddings
+from replay.run.execute import SampleRef, StepRunner, reproduce
+from replay.run.rng_dependence import check_rng_dependence
+from replay.run.window import Checkpoint, data_recipe, dump_snapshot, load_checkpoint, replay_window, window_block
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,8 @@ class ReplayOptions:
     archive_limits: ArchiveLimits | None = None
     """What unpacking a .tar.zst dump may produce (default forensics.format.limits.ArchiveLimits())."""
     from_checkpoint: str | None = None
-    """Window replay (CLI --from): an earlier checkpoint to re-execute the recorded steps from (replay/window.py)."""
+    """Window replay (CLI --from): an earlier checkpoint to re-execute the recorded steps from
+    (replay/run/window.py)."""
     from_step: int | None = None
     """The step the checkpoint was taken before (CLI --from-step; default: what the checkpoint says)."""
     window: bool = True
@@ -100,7 +102,7 @@ class ReplayOptions:
     recipe). CLI --no-window turns it off."""
     remedies: bool = True
     """Once reproduced, re-run the step under each applicable fix (drop samples, eps, fp32, loss scale, clip,
-    lower LR, skip) and rank what makes it healthy; report block `remedies` (replay/remedies.py)."""
+    lower LR, skip) and rank what makes it healthy; report block `remedies` (replay/judge/remedies.py)."""
     rng_check: bool = True
     """Once reproduced, re-run the step from a few other seeds (recorded RNG not restored) to tell
     whether the failure needs the dump's random state (a dropout mask); report block `rng`."""

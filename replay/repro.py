@@ -3,10 +3,11 @@
 Two scripts, each failing (an AssertionError, exit code 1) for as long as the bug is there:
 
 * `op_repro.py` — the first non-finite ATen op, as replay's forward localisation finds it
-  (replay/localize.py, `keep_op_inputs`), called on its exact input tensors (`op_inputs.safetensors`, read by the
-  script itself: it needs only torch). The inputs are shrunk first: along each dimension of the output, the slice
-  that holds a non-finite value is kept wherever the op still makes NaN/Inf from the sliced inputs (the one row /
-  sample of a batched op). Written only when the failure shows up in the forward pass as an op's output.
+  (replay/localize/forward_backward.py, `keep_op_inputs`), called on its exact input tensors
+  (`op_inputs.safetensors`, read by the script itself: it needs only torch). The inputs are shrunk first: along
+  each dimension of the output, the slice that holds a non-finite value is kept wherever the op still makes
+  NaN/Inf from the sliced inputs (the one row / sample of a batched op). Written only when the failure shows up
+  in the forward pass as an op's output.
 * `model_repro.py` — the culprit sample (the first sample of the failing micro-batch that fails alone; else the
   whole micro-batch) run through the model's recorded pre-step state from the dump, under the job's autocast and
   RNG. It needs the model's code: it imports the factory and loss the dump's recipe names (as `forensics replay
@@ -32,10 +33,10 @@ from forensics.format import open_dump
 from forensics.format.tensors import safetensors_bytes
 from forensics.fsio import atomic_file, atomic_write_text
 from forensics.thirdparty import op_schema
-from replay.execute import StepRunner
-from replay.load import load_session
-from replay.localize import localize_forward
-from replay.samples import SampleRef
+from replay.load.samples import SampleRef
+from replay.load.session import load_session
+from replay.localize.forward_backward import localize_forward
+from replay.run.execute import StepRunner
 
 log = logging.getLogger(__name__)
 
@@ -342,9 +343,9 @@ from pathlib import Path
 import torch
 
 from forensics.format import open_dump
-from replay.execute import StepRunner
-from replay.load import load_session
-from replay.samples import select_samples
+from replay.load.samples import select_samples
+from replay.load.session import load_session
+from replay.run.execute import StepRunner
 
 HERE = Path(__file__).resolve().parent
 

@@ -3,8 +3,8 @@
 Every import counts — module level, inside functions, under TYPE_CHECKING — because a cycle kept apart
 only by a deferred import is still a cycle to whoever reads the code.
 
-    top:    forensics (the public API), forensics.cli, forensics.demo.*
-    middle: capture.*  (runs in the job)      replay.*  (runs offline)
+    top:    forensics (the public API), forensics.cli, forensics.demo.*, forensics.summary, forensics.catalog
+    middle: capture.*  (runs in the job)      replay.*  (runs offline, one sub-package per stage)
     core:   forensics.* except the above (format, rng, errors, kinds, report, recipes ...)
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("forensics", "capture", "replay")
-TOP = ("forensics", "forensics.cli", "forensics.demo")
+TOP = ("forensics", "forensics.cli", "forensics.demo", "forensics.summary", "forensics.catalog")
 
 
 def _modules() -> dict[str, Path]:
@@ -102,6 +102,44 @@ def test_the_graph_sees_the_packages():
     graph = _graph()
     assert "capture.dumping" in graph and "forensics.format.writer" in graph["capture.dumping"]
     assert "replay.engine" in graph and "forensics.cli" in graph and _layer("forensics.format.reader") == 0
+
+
+# -- the trees in docs/ARCHITECTURE.md --------------------------------------------------------------
+def _doc_tree(root: str) -> dict[str, str]:
+    """The code block of docs/ARCHITECTURE.md that draws `root/`: {path below root: the rest of its line}."""
+    lines = (ROOT / "docs" / "ARCHITECTURE.md").read_text().splitlines()
+    start = lines.index(f"{root}/") + 1
+    entries, folders = {}, []
+    for line in lines[start:lines.index("```", start)]:
+        depth = next(i for i, c in enumerate(line) if c.isalnum() or c == "_") // 4 - 1
+        name, _, rest = line[(depth + 1) * 4:].partition(" ")
+        folders[depth:] = [name.rstrip("/")] if name.endswith("/") else []
+        entries["/".join(folders[:depth] + [name.rstrip("/")])] = rest.strip()
+    return entries
+
+
+def test_the_replay_tree_in_the_architecture_doc_is_the_package():
+    drawn = {p for p in _doc_tree("replay") if p.endswith(".py")}
+    files = {p.relative_to(ROOT / "replay").as_posix() for p in (ROOT / "replay").rglob("*.py")
+             if p.name != "__init__.py"}
+    assert drawn == files, f"docs/ARCHITECTURE.md's replay/ tree: missing {sorted(files - drawn)}, " \
+                           f"not in the code {sorted(drawn - files)}"
+    stages = {p for p in _doc_tree("replay") if "." not in p}
+    assert stages == {p.name for p in (ROOT / "replay").iterdir() if (p / "__init__.py").is_file()}
+    assert all(p.parent == ROOT / "replay" or p.stem != p.parent.name for p in (ROOT / "replay").rglob("*.py")), \
+        "a module named like its sub-package"
+
+
+def test_the_forensics_tree_in_the_architecture_doc_names_each_module_and_its_layer():
+    drawn = _doc_tree("forensics")
+    present = {p.name for p in (ROOT / "forensics").iterdir()
+               if p.suffix == ".py" or (p / "__init__.py").is_file()}
+    assert set(drawn) == present
+    for name, rest in drawn.items():
+        module = "forensics" if name == "__init__.py" else f"forensics.{name.removesuffix('.py')}"
+        layer = "top" if _layer(module) == 2 else "core"
+        assert rest.split()[0] == layer, f"docs/ARCHITECTURE.md calls forensics/{name} {rest.split()[0]}, " \
+                                         f"the import rules {layer}"
 
 
 # -- named kinds instead of strings (forensics/kinds.py) ------------------------------------------

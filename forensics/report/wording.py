@@ -1,6 +1,6 @@
 """How forensics words things for people, in one place: numbers, sample ids, micro-batch numbers, lists.
 
-Used by the verdict prose (replay/verdict.py), the terminal summary, Markdown and HTML renderers and
+Used by the verdict prose (replay/judge/verdict.py), the terminal summary, Markdown and HTML renderers and
 `forensics inspect`, so the same value reads the same everywhere. JSON keeps the raw values.
 """
 

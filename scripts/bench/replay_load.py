@@ -30,7 +30,7 @@ def peak_rss_gb():  # VmHWM: this process's own peak (ru_maxrss would carry the 
 LOAD = PEAK + """
 import json, sys, time
 from forensics.format import open_dump
-from replay.load import load_session
+from replay.load.session import load_session
 import transformers.models.llama.modeling_llama  # a fixed import cost (~5 s here), not loading: outside the timer
 start = time.perf_counter()
 session = load_session(open_dump(sys.argv[1]), device=sys.argv[2])

@@ -35,8 +35,8 @@ def peak_rss_gb():  # VmHWM: this process's own peak
 import torch
 import transformers.models.llama.modeling_llama  # a fixed import cost, outside the timers
 from replay.engine import ReplayOptions, run_replay
-from replay.execute import StepRunner
-from replay.load import load_session
+from replay.load.session import load_session
+from replay.run.execute import StepRunner
 from forensics.format import open_dump
 mode, dump, device = sys.argv[1:4]
 cuda = device.startswith("cuda")

@@ -1,12 +1,12 @@
-"""Tests for replay/bisect.py: ddmin finds the culprit samples within the run budget."""
+"""Tests for replay/culprits/bisect.py: ddmin finds the culprit samples within the run budget."""
 
 import math
 import random
 
 import torch
 
-from replay.bisect import bisect_budget, ddmin
-from replay.samples import select_samples
+from replay.culprits.bisect import bisect_budget, ddmin
+from replay.load.samples import select_samples
 
 
 class CountingPredicate:

@@ -96,7 +96,7 @@ def test_bf16_autocast_dump_replays_bitwise_and_fp32_still_fails(tmp_path, helpe
 def test_a_large_model_is_reset_from_the_dump_with_the_same_result(tmp_path, helpers, kit, monkeypatch):
     """Above RELOAD_MIN_BYTES the StepRunner keeps no copy of the weights: each reset re-reads them from the
     dump. Lowered to 0 here, the replay must give the same numbers and the same culprit, bit for bit."""
-    from replay import execute
+    from replay.run import execute
 
     dump_path = crash_and_dump(tmp_path, helpers, kit)
     copied = run_replay(dump_path, ReplayOptions(device="cpu"))
@@ -125,8 +125,8 @@ def test_a_reset_from_the_dump_rereads_only_what_a_pass_may_have_changed(tmp_pat
     the weights, so only the buffers are read again; after an update (kept gradients, an in-place step) every
     weight is, and the weights are the pre-step ones again."""
     from forensics.format import open_dump
-    from replay import execute
-    from replay.load import load_session
+    from replay.load.session import load_session
+    from replay.run import execute
 
     monkeypatch.setattr(execute, "RELOAD_MIN_BYTES", 0)
     session = load_session(open_dump(crash_and_dump(tmp_path, helpers, kit)), device="cpu")

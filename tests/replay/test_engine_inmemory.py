@@ -166,7 +166,7 @@ def activation_penalty_loss(model, batch):
 
 
 def test_loss_spike_culprit_is_the_sample_whose_removal_ends_it(kit):
-    from replay.execute import StepRunner
+    from replay.run.execute import StepRunner
 
     model = kit.build_gpt2()
     healthy = StepRunner(kit.make_session(model, embeds_batches(None), loss_fn=activation_penalty_loss,

@@ -328,7 +328,7 @@ def test_a_cuda_error_reported_later_than_its_op_is_the_same_failure_replayed_ea
     """Without CUDA_LAUNCH_BLOCKING a forward's bad index surfaces at a later call (seen on an H100: the embedding's
     assert was reported in the backward). Replayed on the CPU it raises in the forward: the same failure. One raised
     after the recorded phase is not."""
-    from replay.execute import same_exception
+    from replay.run.execute import same_exception
 
     recorded = {"type": "AcceleratorError", "cuda_error": True, "during": "backward", "frames": []}
     assert same_exception({"type": "IndexError", "phase": "forward"}, recorded)

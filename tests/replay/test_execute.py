@@ -6,8 +6,8 @@ import math
 import torch
 
 from forensics.rng import restore_rng
-from replay.execute import SampleRef, StepResult, StepRunner, reproduce
-from replay.samples import select_samples
+from replay.load.samples import select_samples
+from replay.run.execute import SampleRef, StepResult, StepRunner, reproduce
 
 
 def test_restored_rng_reproduces_dropout_dependent_step_bitwise(kit):
@@ -151,7 +151,7 @@ def test_multi_rank_dump_compares_losses_only(kit):
 
 
 def test_any_nonfinite_is_exact_where_a_sum_overflows_or_cancels():
-    from replay.execute import any_nonfinite
+    from replay.run.execute import any_nonfinite
 
     cases = {
         "finite values whose fp32 sum overflows": (torch.full((10,), 3e38), False),

@@ -1,4 +1,4 @@
-"""FSDP2's mixed precision replayed on one device (replay/fsdp_precision.py): parameters in each unit's
+"""FSDP2's mixed precision replayed on one device (replay/load/fsdp_precision.py): parameters in each unit's
 param_dtype, inputs and outputs cast as FSDP2 casts them, fp32 parameters and gradients back afterwards; and a
 manifest whose `precision.fsdp` is malformed is refused naming the field."""
 
@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 
 from forensics.cli import main
-from replay.fsdp_precision import FsdpUnit, compute_dtype, fsdp_compute, parse_units
+from replay.load.fsdp_precision import FsdpUnit, compute_dtype, fsdp_compute, parse_units
 
 
 class Block(torch.nn.Module):
@@ -108,8 +108,8 @@ class Rotary(torch.nn.Module):
 def test_the_fp32_rerun_leaves_a_complex_rotary_buffer_complex():
     """The precision triage re-runs the step in fp32; a complex buffer must not be cast to real on the way (its
     imaginary part, the rotary sines, would be gone for every later replay of the step)."""
-    from replay.execute import StepRunner
-    from replay.load import session_from_objects
+    from replay.load.session import session_from_objects
+    from replay.run.execute import StepRunner
 
     torch.manual_seed(0)
     model = Rotary()

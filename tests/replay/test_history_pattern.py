@@ -1,4 +1,4 @@
-"""Tests for replay/history_pattern.py: loss-curve shapes and the field notes' other signals."""
+"""Tests for replay/judge/history_pattern.py: loss-curve shapes and the field notes' other signals."""
 
 import math
 import random
@@ -6,7 +6,7 @@ import random
 import pytest
 
 from forensics.kinds import HistoryPattern
-from replay.history_pattern import classify_history, history_signals
+from replay.judge.history_pattern import classify_history, history_signals
 
 NAN = float("nan")
 FIELD_NOTES = {
@@ -114,7 +114,7 @@ def test_fp16_loss_scale_overflows_down_to_the_minimum():
 
 
 def test_diverged_long_ago_only_when_the_run_left_its_first_losses_for_a_while():
-    from replay.history_pattern import diverged_long_ago
+    from replay.judge.history_pattern import diverged_long_ago
 
     healthy = {"step": list(range(40)), "loss": [4.0 - 0.02 * i for i in range(39)] + [40.0],
                "summary": {"first_losses": [4.0, 3.98, 3.96]}}

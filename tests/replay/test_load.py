@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from forensics.errors import RecipeError, ReplayError
-from replay.environment import deterministic_mode, environment_warnings, resolve_device
-from replay.optimizer_state import MASTER_KEY, OptimizerSnapshot
-from replay.recipe import optimizer_class, resolve_recipe
+from replay.load.environment import deterministic_mode, environment_warnings, resolve_device
+from replay.load.optimizer_state import MASTER_KEY, OptimizerSnapshot
+from replay.load.recipe import optimizer_class, resolve_recipe
 
 EVIL = '''
 import pathlib
@@ -171,7 +171,7 @@ def test_the_model_is_built_on_meta_and_streamed_with_tied_weights_kept_tied(tmp
     import torch
 
     from forensics.format import open_dump
-    from replay.load import load_session
+    from replay.load.session import load_session
     from capture import Guard, GuardConfig
 
     model = helpers.make_gpt2(dropout=0.0)
@@ -211,7 +211,7 @@ def build_derived_buffer():
 def test_a_buffer_derived_from_a_parameter_at_init_falls_back_to_a_normal_build(tmp_path):
     from capture import Guard, GuardConfig
     from forensics.format import open_dump
-    from replay.load import load_session
+    from replay.load.session import load_session
 
     model = _DerivedBuffer()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from forensics.cli import main
 from forensics.errors import RecipeError
-from replay.main_script import define_from_script
+from replay.load.main_script import define_from_script
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""Tests for replay/per_sample.py: per-sample loss / grad norm on real models, per-layer grad norms."""
+"""Tests for replay/culprits/per_sample.py: per-sample loss / grad norm on real models, per-layer grad norms."""
 
 import math
 from dataclasses import dataclass
@@ -8,12 +8,12 @@ import pytest
 import torch
 import transformers
 
-from replay.per_sample import PerSampleError, per_sample_stats, rank_by_loss
-from replay.samples import select_samples
+from replay.culprits.per_sample import PerSampleError, per_sample_stats, rank_by_loss
+from replay.load.samples import select_samples
 
 
 @dataclass(frozen=True)
-class Ref:  # the shape of replay.execute.SampleRef
+class Ref:  # the shape of replay.run.execute.SampleRef
     micro_batch: int
     index: int
     sample_id: Any

@@ -1,4 +1,4 @@
-"""Counterfactual fixes (replay/remedies.py) on real models and optimizers: which change makes the failing step
+"""Counterfactual fixes (replay/judge/remedies.py) on real models and optimizers: which change makes the failing step
 healthy, with numbers, ranked — and the verdict's suggestions start from what was tested."""
 
 import math
@@ -6,7 +6,7 @@ import math
 import torch
 
 from replay.engine import ReplayOptions, run_session
-from replay.execute import StepRunner
+from replay.run.execute import StepRunner
 
 NAN_LOSS = {"kind": "nonfinite_loss", "value": float("nan"), "threshold": None, "micro_batch": 1,
             "detail": "loss of micro-batch 1 is nan"}

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from forensics.kinds import SampleFactKind
-from replay.execute import SampleRef
-from replay.sample_facts import describe, describe_samples, sample_facts
+from replay.culprits.sample_facts import describe, describe_samples, sample_facts
+from replay.run.execute import SampleRef
 
 
 def _text_batch(n: int = 3, seq: int = 6) -> dict:
@@ -100,7 +100,7 @@ def test_a_micro_batch_with_every_label_masked_is_named_in_the_verdict(helpers, 
 def test_a_feature_100x_the_others_is_named_first_and_a_zero_target_claims_no_division():
     """Issue 22, item 2: x = 1000 against ~3 in the other samples, and the same sample's target all zeros, under an
     MSE loss: the 1000 is named first, and nothing says a division by zero happens (MSE divides by nothing)."""
-    from replay.verdict import VerdictFacts, decide_verdict
+    from replay.judge.verdict import VerdictFacts, decide_verdict
 
     g = torch.Generator().manual_seed(0)
     batch = {"x": torch.randn(4, 6, generator=g).clamp(-3, 3), "y": torch.rand(4, 2, generator=g) + 0.5}

@@ -1,4 +1,4 @@
-"""Tests for replay/samples.py: batch-size inference and per-sample slicing of batch trees."""
+"""Tests for replay/load/samples.py: batch-size inference and per-sample slicing of batch trees."""
 
 from collections import namedtuple
 
@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from forensics.errors import ForensicsError
-from replay.samples import (BatchSizeError, SampleSelectionError, batch_size,
+from replay.load.samples import (BatchSizeError, SampleSelectionError, batch_size,
                             select_samples)
 
 

@@ -14,8 +14,8 @@ from forensics.demo.scenarios import SCENARIOS, Captured
 from forensics.format import open_dump
 from forensics.kinds import TriggerKind
 from replay.engine import ReplayOptions, run_replay
-from replay.execute import StepRunner
-from replay.load import load_session
+from replay.load.session import load_session
+from replay.run.execute import StepRunner
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Load: turn a `Dump` (or live objects, for tests) into a `ReplaySession`, importing code only with consent.
 
-The consent rules and imports live in replay/recipe.py, the optimizer snapshot in
-replay/optimizer_state.py, device and determinism in replay/environment.py; this module puts
+The consent rules and imports live in replay/load/recipe.py, the optimizer snapshot in
+replay/load/optimizer_state.py, device and determinism in replay/load/environment.py; this module puts
 them together: model + weights, optimizer, loss, micro-batches, RNG states and what was recorded.
 """
 
@@ -19,11 +19,11 @@ from forensics.format import spec
 from forensics.kinds import TriggerKind
 from forensics.thirdparty import is_persistent_buffer, own_buffers, put_buffer, put_parameter
 from forensics.trigger import Trigger
-from replay.environment import dtype_from_name, environment_warnings, resolve_device, to_device
-from replay.fsdp_precision import FsdpUnit, compute_dtype, parse_units
-from replay.optimizer_state import DumpOptimizerState, OptimizerSnapshot
-from replay.recipe import LossFn, TrainingScript, optimizer_class, resolve_recipe
-from replay.samples import SampleRef
+from replay.load.environment import dtype_from_name, environment_warnings, resolve_device, to_device
+from replay.load.fsdp_precision import FsdpUnit, compute_dtype, parse_units
+from replay.load.optimizer_state import DumpOptimizerState, OptimizerSnapshot
+from replay.load.recipe import LossFn, TrainingScript, optimizer_class, resolve_recipe
+from replay.load.samples import SampleRef
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +71,10 @@ class ReplaySession:
     capture_environment: dict = field(default_factory=dict)
     pre_step_weights: Callable[..., Iterator[tuple[str, torch.Tensor]]] | None = None
     """Re-reads the pre-step weights from the dump (pread, tensor by tensor, onto `device`; `names=`: only those):
-    a large model is reset from the dump instead of from a copy held in memory (replay.execute.StepRunner)."""
+    a large model is reset from the dump instead of from a copy held in memory (replay.run.execute.StepRunner)."""
     followup: Any = None
-    """Window replay: the recorded steps after this one (replay.window.Followup), over which the remedies are
-    carried (replay/remedy_followup.py); None otherwise."""
+    """Window replay: the recorded steps after this one (replay.run.window.Followup), over which the remedies are
+    carried (replay/judge/remedy_followup.py); None otherwise."""
     positional_ids: frozenset[int] = frozenset()
     """Micro-batches whose sample IDs are positions in the batch, made up because the job recorded none: a
     report may name such a sample, a blocklist never (manifest `ids_are_positional`)."""
@@ -82,7 +82,7 @@ class ReplaySession:
     """Ranks of the job. With more than one, the recorded grad norm covers every rank's gradients
     (after all-reduce / over all ZeRO shards), so a one-rank replay compares losses only."""
     fsdp_units: list[FsdpUnit] = field(default_factory=list)
-    """The job's FSDP2 units and mixed-precision policies (replay/fsdp_precision.py): the step computes in them."""
+    """The job's FSDP2 units and mixed-precision policies (replay/load/fsdp_precision.py): the step computes in them."""
 
     def new_optimizer(self) -> torch.optim.Optimizer | None:
         """A fresh optimizer over the model's parameters in its pre-step state (None if not recorded)."""
@@ -244,7 +244,7 @@ def _expect_bitwise(env_warnings: list[str], device: torch.device, determinism: 
 
 def _positional_ids(batch: Any, step: int, index: int) -> list[str]:
     """Ids for a micro-batch recorded without any: its positions (so bisection still covers it)."""
-    from replay.samples import BatchSizeError, batch_size
+    from replay.load.samples import BatchSizeError, batch_size
 
     try:
         size = batch_size(batch)
@@ -431,7 +431,7 @@ def _ids_of(batch: Any, index: int, key: str | None) -> list:
     if key and isinstance(batch, dict) and key in batch:
         value = batch[key]
         return value.tolist() if isinstance(value, torch.Tensor) else list(value)
-    from replay.samples import BatchSizeError, batch_size
+    from replay.load.samples import BatchSizeError, batch_size
 
     try:
         return [f"mb{index}/{j}" for j in range(batch_size(batch))]

@@ -18,8 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from forensics.kinds import Phase
 from forensics.thirdparty import op_schema
-from replay.execute import SampleRef, StepRunner
-from replay.localize import ModuleTracker
+from replay.localize.forward_backward import ModuleTracker
+from replay.run.execute import SampleRef, StepRunner
 
 logger = logging.getLogger(__name__)
 

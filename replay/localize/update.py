@@ -5,7 +5,7 @@
   explains each parameter the update makes non-finite (`explain_update`).
 * Spikes (`per_layer_stats`): gradient norm and output abs-max per module.
 
-Forward and backward localisation are in replay/localize.py.
+Forward and backward localisation are in replay/localize/forward_backward.py.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any, Iterator, TypedDict
 import torch
 
 from forensics.kinds import Phase
-from replay.execute import SampleRef, StepRunner, any_nonfinite
-from replay.localize import ModuleTracker, float_tensors, module_label
+from replay.localize.forward_backward import ModuleTracker, float_tensors, module_label
+from replay.run.execute import SampleRef, StepRunner, any_nonfinite
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import torch
 from forensics.errors import ForensicsError, UserCodeError
 from forensics.recipes import BUILTIN_RECIPES
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # replay/load/ -> the repository
 OURS = tuple(os.path.join(_ROOT, package) + os.sep for package in ("forensics", "capture", "replay"))
 _LIBRARIES = [sysconfig.get_paths()["stdlib"], os.path.dirname(torch.__file__)]
 for _name in ("numpy", "safetensors", "zstandard"):

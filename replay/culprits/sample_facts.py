@@ -9,7 +9,7 @@ against the other samples of the same micro-batch:
 - a floating-point field is all zeros where the other samples' are not (a per-token weight or loss mask
   that sums to zero, an empty image, a zero target).
 A fact states what the data holds, never a mechanism the loss may not have: whether an all-zero field divides
-by zero is the verdict's to say, from the op the replay localised (replay/verdict.py).
+by zero is the verdict's to say, from the op the replay localised (replay/judge/verdict.py).
 Each fact becomes the culprit's `description` in the report and the verdict's first suggestion. A batch
 without a recognisable field gives no fact (the generic record hint stays). Field names come from the dump:
 the renderers clean them before printing.
@@ -25,9 +25,9 @@ import torch
 
 from forensics.kinds import SampleFactKind
 from forensics.report.wording import clean
-from replay.execute import SampleRef
+from replay.run.execute import SampleRef
 from forensics.format.tree import tensor_leaves
-from replay.samples import batch_size, select_samples
+from replay.load.samples import batch_size, select_samples
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def nonfinite_in_field(micro_batch: Any, refs: list[SampleRef], field: str) -> l
 
 
 def too_long(tokens: int, limit: int) -> SampleFact:
-    """A sample longer than the model's context (found by replay/sizes.py from its attention mask)."""
+    """A sample longer than the model's context (found by replay/culprits/sizes.py from its attention mask)."""
     return SampleFact(SampleFactKind.TOO_LONG, "attention_mask",
                       f"it is {tokens:,} tokens long, beyond the model's {limit:,} positions")
 

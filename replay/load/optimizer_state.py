@@ -5,7 +5,7 @@ state (docs/INTEGRATIONS.md). It is not optimizer state a torch optimizer knows:
 `OptimizerSnapshot.masters` and never handed to `load_state_dict` (which would cast it to the
 parameter's dtype and carry it along unused). The replay model keeps the dtype the job's forward used
 (the dump's weights, e.g. bf16, and the recipe's `dtype`), so forward and backward match the job; the
-optimizer check (`replay.localize_update.localize_optimizer`) steps that model's dtype, an
+optimizer check (`replay.localize.update.localize_optimizer`) steps that model's dtype, an
 approximation of DeepSpeed's fp32 master update.
 """
 

@@ -9,7 +9,7 @@ safetensors file or a `torch.save` file — the last loaded with `weights_only=T
 runs). Each step is re-executed with its recorded RNG and learning rate and compared with the recorded
 history; after each update the weights are checked. The first step whose gradients are non-finite, whose
 update makes a weight non-finite, or whose update moves the weights by more than
-replay.remedies.WRECK_RATIO of their norm is the step that broke the run: it is analysed like a dump of
+replay.judge.remedies.WRECK_RATIO of their norm is the step that broke the run: it is analysed like a dump of
 that step (localisation, bisection, fp32 triage, remedies) and the report gets a `window` block.
 """
 
@@ -34,11 +34,11 @@ from forensics.grad_norm import total_grad_norm
 from forensics.kinds import Phase, TriggerKind
 from forensics.rng import restore_rng
 from forensics.trigger import Trigger
-from replay.execute import any_nonfinite
-from replay.load import ReplaySession, session_from_objects, to_device
-from replay.localize_update import relative_change
-from replay.recipe import import_object
-from replay.remedies import WRECK_RATIO
+from replay.judge.remedies import WRECK_RATIO
+from replay.load.recipe import import_object
+from replay.load.session import ReplaySession, session_from_objects, to_device
+from replay.localize.update import relative_change
+from replay.run.execute import any_nonfinite
 
 logger = logging.getLogger(__name__)
 
@@ -238,12 +238,12 @@ def dumped_row(dump: Any) -> dict:
 
 
 FOLLOWING_STEPS = 3
-"""How many recorded steps after the broken one a remedy is carried over (replay/remedy_followup.py)."""
+"""How many recorded steps after the broken one a remedy is carried over (replay/judge/remedy_followup.py)."""
 
 
 @dataclass
 class Followup:
-    """What carrying a remedy over the steps after the broken one needs (replay/remedy_followup.py)."""
+    """What carrying a remedy over the steps after the broken one needs (replay/judge/remedy_followup.py)."""
 
     row: dict
     """The broken step's flight-recorder row."""
@@ -382,7 +382,7 @@ def _load_weights(model: torch.nn.Module, checkpoint: Checkpoint) -> None:
 def _optimizer(session: ReplaySession, checkpoint: Checkpoint) -> torch.optim.Optimizer:
     """The dump's optimizer class and hyper-parameters, with the checkpoint's state (fresh state, with a warning,
     when the checkpoint holds none)."""
-    from replay.optimizer_state import OptimizerSnapshot
+    from replay.load.optimizer_state import OptimizerSnapshot
 
     snapshot = session.optimizer
     if snapshot is None:

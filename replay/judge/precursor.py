@@ -23,8 +23,8 @@ from forensics.kinds import PrecursorStatistic, TriggerKind, VerdictKind
 from forensics.report.model import schema_for, to_json_safe
 from forensics.report.wording import fmt_num
 from forensics.trend import RobustTrend
-from replay.environment import replay_environment
-from replay.findings import HistoryFinding
+from replay.judge.findings import HistoryFinding
+from replay.load.environment import replay_environment
 
 REPORT_Z = 3.0         # robust z that counts as 'left the baseline' when looking for where a growth started
 MAX_RANKED = 12        # rows of the ranking in the report

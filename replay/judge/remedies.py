@@ -12,7 +12,7 @@ exact change to make. "as recorded" (no change) is measured too: for a spike tha
 no action is needed.
 
 A window replay then carries each fix that made the step healthy over the next recorded steps
-(replay/remedy_followup.py); a single-step replay cannot, and the report says so.
+(replay/judge/remedy_followup.py); a single-step replay cannot, and the report says so.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from typing import Any, Iterator, TypedDict
 import torch
 
 from forensics.kinds import RemedyKind
-from replay.execute import SampleRef, StepRunner, any_nonfinite
-from replay.localize_update import relative_change, step_each_parameter
-from replay.precision import uses_low_precision
+from replay.judge.precision import uses_low_precision
+from replay.localize.update import relative_change, step_each_parameter
+from replay.run.execute import SampleRef, StepRunner, any_nonfinite
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class _Following(TypedDict):
 
 
 class Following(_Following, total=False):
-    """How a fix fared over the recorded steps after the broken one (replay/remedy_followup.py): `note` when it
+    """How a fix fared over the recorded steps after the broken one (replay/judge/remedy_followup.py): `note` when it
     was not carried over; else `healthy`, the `steps` run, the `first_unhealthy` step and `why`."""
 
     healthy: bool
@@ -98,7 +98,7 @@ class RemedyResult:
     """The parameter the update moved most."""
     note: str = ""
     setting: dict = field(default_factory=dict)
-    """The change in machine form, for carrying it over the following steps (replay/remedy_followup.py):
+    """The change in machine form, for carrying it over the following steps (replay/judge/remedy_followup.py):
     {"drop": [sample ids]}, {"hyper": {"eps" | "lr": value}}, {"fp32": true}, {"clip": norm}, {"loss_scale": s},
     {"skip": true} or {} (as recorded)."""
 
@@ -112,7 +112,7 @@ class RemedyResult:
 def try_remedies(runner: StepRunner, culprits: list[SampleRef], clip_at: float | None,
                  culprit_module: str | None = None) -> RemediesBlock | None:
     """The report's `remedies` block: every applicable remedy tried on the step, ranked (module docstring).
-    `clip_at`: the healthy steps' gradient norm (replay.history_pattern.read_history: from before the loss left
+    `clip_at`: the healthy steps' gradient norm (replay.judge.history_pattern.read_history: from before the loss left
     its start, never a diverged step's), the clipping threshold tried; None: clipping is not tried.
     None when the session has no optimizer state (no update to apply)."""
     session = runner.session
@@ -267,7 +267,7 @@ def tested_suggestions(block: RemediesBlock | None, limit: int = 3, diverged: bo
 
 
 def _following_words(following: Following | None) -> str:
-    """How the fix fared over the recorded steps after this one (replay/remedy_followup.py), as a clause."""
+    """How the fix fared over the recorded steps after this one (replay/judge/remedy_followup.py), as a clause."""
     if not following or not following.get("tested"):
         return ""
     if following.get("healthy"):

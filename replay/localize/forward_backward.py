@@ -13,7 +13,7 @@
   `first_parameter_in_order` is the first in named_parameters() order.
 
 The optimizer check (`localize_optimizer`) and per-layer statistics (`per_layer_stats`) live in
-replay/localize_update.py.
+replay/localize/update.py.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten
 
 from forensics.kinds import Phase
 from forensics.thirdparty import op_schema
-from replay.execute import SampleRef, StepRunner, any_nonfinite
+from replay.run.execute import SampleRef, StepRunner, any_nonfinite
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +61,8 @@ COPY_OPS = frozenset({
     "aten::_unsafe_view", "aten::alias", "aten::lift_fresh_copy",
 })
 # Frames of these files are plumbing (module call machinery, this package) and are cut from tracebacks.
-_PLUMBING = ("torch/nn/modules/module.py", "replay/localize.py", "replay/localize_update.py", "replay/execute.py",
-             "torch/utils/_python_dispatch.py", "torch/overrides.py")
+_PLUMBING = ("torch/nn/modules/module.py", "replay/localize/forward_backward.py", "replay/localize/update.py",
+             "replay/run/execute.py", "torch/utils/_python_dispatch.py", "torch/overrides.py")
 
 
 def module_label(name: str) -> str:
@@ -336,7 +336,7 @@ def _nonfinite_batch_input(runner: StepRunner, samples: list[SampleRef] | None) 
     """The batch's own float data holding NaN/Inf (an `inputs_embeds` already broken): then the input is the
     source, not the first module that passes it on. Named by its field path, e.g. `<input>.inputs_embeds`."""
     from forensics.format.tree import tensor_leaves
-    from replay.samples import select_samples
+    from replay.load.samples import select_samples
 
     session = runner.session
     chosen = None if samples is None else {(r.micro_batch, r.index) for r in samples}

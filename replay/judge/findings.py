@@ -1,11 +1,11 @@
 """What the replay stages found, as typed values: each stage of replay/engine.py returns one, and
-replay/assemble.py builds the report (and the verdict's facts) from them in one place.
+replay/judge/assemble.py builds the report (and the verdict's facts) from them in one place.
 
-Each finding's type lives with the stage that makes it (ForwardFinding, BackwardFinding in replay/localize.py;
-OptimizerFinding and LayerRow in replay/localize_update.py; CorruptedWeight in replay/localize_weights.py;
-SizeSummary in replay/sizes.py). The stages whose output is itself a report block or table (the fp32 triage,
-the random-state check, the per-layer and per-sample tables, the remedies) return it as a TypedDict whose keys
-are those of docs/REPORT_FORMAT.md.
+Each finding's type lives with the stage that makes it (ForwardFinding, BackwardFinding in
+replay/localize/forward_backward.py; OptimizerFinding and LayerRow in replay/localize/update.py; CorruptedWeight
+in replay/localize/weights.py; SizeSummary in replay/culprits/sizes.py). The stages whose output is itself a
+report block or table (the fp32 triage, the random-state check, the per-layer and per-sample tables, the
+remedies) return it as a TypedDict whose keys are those of docs/REPORT_FORMAT.md.
 """
 
 from __future__ import annotations
@@ -14,18 +14,18 @@ from dataclasses import dataclass, field
 
 from forensics.kinds import HistoryPattern, Phase, TriggerKind
 from forensics.trigger import Trigger
-from replay.execute import Reproduction, SampleRef
-from replay.history_pattern import HistoryReading, read_history
-from replay.localize import BackwardFinding, ForwardFinding
-from replay.localize_exception import ExceptionFinding
-from replay.localize_update import LayerRow, OptimizerFinding
-from replay.localize_weights import CorruptedWeight
-from replay.per_sample import SampleRow
-from replay.precision import PrecisionBlock
-from replay.remedies import RemediesBlock
-from replay.rng_dependence import RngBlock
-from replay.sample_facts import SampleFact
-from replay.sizes import SizeSummary
+from replay.culprits.per_sample import SampleRow
+from replay.culprits.sample_facts import SampleFact
+from replay.culprits.sizes import SizeSummary
+from replay.judge.history_pattern import HistoryReading, read_history
+from replay.judge.precision import PrecisionBlock
+from replay.judge.remedies import RemediesBlock
+from replay.localize.exception import ExceptionFinding
+from replay.localize.forward_backward import BackwardFinding, ForwardFinding
+from replay.localize.update import LayerRow, OptimizerFinding
+from replay.localize.weights import CorruptedWeight
+from replay.run.execute import Reproduction, SampleRef
+from replay.run.rng_dependence import RngBlock
 
 
 @dataclass
@@ -89,15 +89,16 @@ class Findings:
     weights_nonfinite: list[str] = field(default_factory=list)
     """Parameters that hold NaN/Inf before the step (named_parameters order)."""
     corrupted: list[CorruptedWeight] = field(default_factory=list)
-    """Per such parameter: counts and bad slices (replay/localize_weights.py)."""
+    """Per such parameter: counts and bad slices (replay/localize/weights.py)."""
     remedies: RemediesBlock | None = None
-    """The report's `remedies` block: each counterfactual fix tried on the step, ranked (replay/remedies.py)."""
+    """The report's `remedies` block: each counterfactual fix tried on the step, ranked (replay/judge/remedies.py)."""
     touching: dict[str, list[SampleRef]] | None = None
     """Corrupted embedding -> the samples whose ids hit its bad rows (None: no corrupted embedding)."""
     sizes: SizeSummary | None = None
-    """Out of memory: the step's sample sizes, largest and outliers (replay/sizes.py; report exception.sizes)."""
+    """Out of memory: the step's sample sizes, largest and outliers (replay/culprits/sizes.py; report
+    exception.sizes)."""
     sample_facts: dict[SampleRef, list[SampleFact]] = field(default_factory=dict)
-    """What is odd in each culprit's own data (replay/sample_facts.py): the report's sample `description`."""
+    """What is odd in each culprit's own data (replay/culprits/sample_facts.py): the report's sample `description`."""
 
     @property
     def culprits(self) -> list[SampleRef]:

@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 import torch
 
-from replay.environment import dtype_from_name
+from replay.load.environment import dtype_from_name
 
 
 @dataclass(frozen=True)

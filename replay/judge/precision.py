@@ -12,7 +12,7 @@ from typing import TypedDict
 import torch
 
 from forensics.kinds import TriggerKind
-from replay.execute import SampleRef, StepRunner
+from replay.run.execute import SampleRef, StepRunner
 
 logger = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from forensics.errors import ForensicsError, ReplayError, is_out_of_memory
 from forensics.grad_norm import total_grad_norm
 from forensics.kinds import Phase, TriggerKind
 from forensics.thirdparty import tensor_version
-from replay.fsdp_precision import fsdp_compute
-from replay.load import ReplaySession, finite_float
-from replay.samples import SampleRef
+from replay.load.fsdp_precision import fsdp_compute
+from replay.load.samples import SampleRef
+from replay.load.session import ReplaySession, finite_float
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class StepResult:
         loss_spike: a loss is non-finite, or the step loss (sum / divisor, as the Guard computes it;
         for a run that skipped micro-batches, `comparable_loss`) is above `threshold`. grad_norm_spike: the
         grad norm is above `threshold` (or non-finite). nonfinite_param: the pre-step weights hold
-        NaN/Inf (an update that breaks them is checked by replay.localize_update.localize_optimizer).
+        NaN/Inf (an update that breaks them is checked by replay.localize.update.localize_optimizer).
         """
         try:
             kind = TriggerKind.parse(kind)
@@ -213,7 +213,7 @@ class StepRunner:
     """Re-executes the session's step as often as asked, always from the pre-step weights.
 
     Args:
-        session: what replay.load built.
+        session: what replay.load.session built.
         keep_initial_on_cpu: keep the pre-step state_dict copy on the CPU (saves GPU memory for big
             models; each reset then copies host -> device). None: on the CPU when a device copy would
             take more than half of the GPU's free memory.
@@ -311,7 +311,7 @@ class StepRunner:
         batch = self.session.micro_batches[micro_batch]
         if indices is None:
             return batch
-        from replay.samples import select_samples
+        from replay.load.samples import select_samples
 
         return select_samples(batch, indices)
 

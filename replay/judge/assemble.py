@@ -12,15 +12,15 @@ import torch
 from forensics.format.tree import tensor_leaves
 from forensics.kinds import HistoryPattern, Phase, TriggerKind
 from forensics.report.model import schema_for, to_json_safe
-from replay.environment import replay_environment
-from replay.execute import StepRunner
-from replay.findings import Findings
-from replay.load import ReplaySession, finite_float
-from replay.localize import INPUT_MODULE, ROOT_MODULE
-from replay.per_sample import rank_by_loss
-from replay.remedies import tested_suggestions
-from replay.sample_facts import describe
-from replay.verdict import VerdictFacts, decide_verdict
+from replay.culprits.per_sample import rank_by_loss
+from replay.culprits.sample_facts import describe
+from replay.judge.findings import Findings
+from replay.judge.remedies import tested_suggestions
+from replay.judge.verdict import VerdictFacts, decide_verdict
+from replay.load.environment import replay_environment
+from replay.load.session import ReplaySession, finite_float
+from replay.localize.forward_backward import INPUT_MODULE, ROOT_MODULE
+from replay.run.execute import StepRunner
 
 
 def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | None, started: float) -> dict:
@@ -139,7 +139,7 @@ def culprit_block(findings: Findings, rank: int, positional: frozenset[int] = fr
 
 
 def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | None, culprit: dict) -> VerdictFacts:
-    """What the verdict rules (replay/verdict.py) decide on, read from the typed findings."""
+    """What the verdict rules (replay/judge/verdict.py) decide on, read from the typed findings."""
     kind, trigger, result = findings.kind, findings.trigger, findings.reproduction.result
     micro_batch = trigger.micro_batch
     if micro_batch is None and findings.forward is not None:

@@ -17,8 +17,8 @@ import torch
 from forensics.kinds import Phase, StateHolds, TriggerKind, VerdictKind
 from forensics.report.model import schema_for, to_json_safe
 from forensics.report.wording import clean, fmt_id
-from replay.environment import replay_environment
-from replay.findings import HistoryFinding
+from replay.judge.findings import HistoryFinding
+from replay.load.environment import replay_environment
 
 MAX_NAMED = 8  # sample ids named in the explanation (report.json's exception block keeps up to MAX_LISTED)
 MAX_LISTED = 256

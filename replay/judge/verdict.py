@@ -29,7 +29,7 @@ from typing import Any
 
 from forensics.kinds import HistoryPattern, Phase, RemedyKind, SampleFactKind, TriggerKind, VerdictKind
 from forensics.report.wording import fmt_id, fmt_num, mb_number
-from replay.sample_facts import SampleFact
+from replay.culprits.sample_facts import SampleFact
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,8 @@ LOW_PRECISION = {"float16": "float16", "half": "float16", "torch.float16": "floa
 MAX_NAMED_SAMPLES = 3   # headlines name at most this many culprit samples
 MAX_ID_CHARS = 80       # longer sample ids are cut in the headline (report.json keeps them whole)
 PROSE_DIGITS = 6        # significant digits of numbers in verdict prose
-INPUT_PREFIX = "<input>."  # replay.localize.INPUT_MODULE + ".": a batch field that was non-finite itself
+# replay.localize.forward_backward.INPUT_MODULE + ".": a batch field that was non-finite itself
+INPUT_PREFIX = "<input>."
 
 
 @dataclass
@@ -80,9 +81,9 @@ class VerdictFacts:
     culprit_samples: list[Any] = field(default_factory=list)
     """Sample ids of the culprit subset bisection found ([] if none or not run)."""
     culprit_facts: list[SampleFact] = field(default_factory=list)
-    """What is odd in the culprits' own data (replay/sample_facts.py), most telling first."""
+    """What is odd in the culprits' own data (replay/culprits/sample_facts.py), most telling first."""
     remedies: dict[str, bool | None] = field(default_factory=dict)
-    """RemedyKind value -> whether that change made the step healthy (replay/remedies.py; absent: not tried).
+    """RemedyKind value -> whether that change made the step healthy (replay/judge/remedies.py; absent: not tried).
     A suggestion the remedies showed to be useless is not made."""
     culprit_rank: int | None = None
     culprit_subset_size: int | None = None
@@ -121,7 +122,7 @@ class VerdictFacts:
     """Samples whose own replay is non-finite (per-sample table); None: not measured."""
     samples_checked: int = 0
     run_diverged: str | None = None
-    """A sentence when the run was far off long before this step (replay.history_pattern.diverged_long_ago):
+    """A sentence when the run was far off long before this step (replay.judge.history_pattern.diverged_long_ago):
     then a spike is that run's symptom, and no sample is blamed for it."""
     data_kind: str | None = None
     """'tokens' when the culprit's micro-batch holds integer tensors (token ids, labels), 'float' when it holds
@@ -131,17 +132,17 @@ class VerdictFacts:
     out_of_memory: bool = False
     """The job's exception is running out of memory (GPU or host): sizes were measured (report exception.sizes)."""
     size_outliers: list[dict] = field(default_factory=list)
-    """Out of memory: samples at least replay.sizes.OUTLIER_FACTOR x the step's median size, largest first."""
+    """Out of memory: samples at least replay.culprits.sizes.OUTLIER_FACTOR x the step's median size, largest first."""
     median_size: float | None = None
     unblamed_group: int = 0
     """The smallest failing set bisection found when it was too large a share of the step to blame (the whole
     step or most of it: replay.engine.MAX_CULPRIT_SHARE); 0 otherwise. No sample is named then."""
     history_reading: list[str] = field(default_factory=list)
-    """What the history shows before the loss left its start (replay.history_pattern.read_history): where it
+    """What the history shows before the loss left its start (replay.judge.history_pattern.read_history): where it
     left, the learning rate then, clipping, the healthy steps' grad norm. Empty when the loss never left it."""
     update_change: float | None = None
     """Window replay: how far this step's own update moved the weights (|update| / |weights|), set only when that
-    is what broke the run (more than replay.remedies.WRECK_RATIO with finite gradients and weights)."""
+    is what broke the run (more than replay.judge.remedies.WRECK_RATIO with finite gradients and weights)."""
     lr: float | None = None
     """The step's learning rate (the optimizer's first parameter group)."""
     ids_are_positional: bool = False

@@ -11,7 +11,7 @@ class. Nothing a dump names is imported unless the user agreed to it:
 * optimizer classes from `torch.optim` are used without trust; any other class needs `trust=True`;
 * a function of the job's training script (`__main__:fn`) is never imported (that would run the script's
   training again): with `trust=True` it is defined from the script's source the dump holds
-  (replay/main_script.py); without, or without that source, the error says what to pass.
+  (replay/load/main_script.py); without, or without that source, the error says what to pass.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from forensics.errors import RecipeError
 from forensics.recipes import is_builtin
 from forensics.report.wording import clean
-from replay.main_script import define_from_script, move_instruction
+from replay.load.main_script import define_from_script, move_instruction
 
 logger = logging.getLogger(__name__)
 
