@@ -130,6 +130,20 @@ def test_the_replay_tree_in_the_architecture_doc_is_the_package():
         "a module named like its sub-package"
 
 
+REPLAY_STAGES = ["load", "run", "localize", "culprits", "judge"]
+"""replay/'s sub-packages in the order engine.py runs them: a stage may import its own and earlier stages only."""
+
+
+def test_a_replay_stage_imports_only_its_own_and_earlier_stages():
+    stage = {name: name.split(".")[1] for name in _modules() if name.count(".") >= 2 and name.startswith("replay.")}
+    wrong = [f"{module} ({stage[module]}) imports {target} ({stage[target]})"
+             for module, targets in _graph().items() if module in stage and stage[module] in REPLAY_STAGES
+             for target in targets if target in stage and stage[target] in REPLAY_STAGES
+             and REPLAY_STAGES.index(stage[target]) > REPLAY_STAGES.index(stage[module])]
+    assert not wrong, "\n".join(sorted(wrong))
+    assert set(REPLAY_STAGES) == {p.name for p in (ROOT / "replay").iterdir() if (p / "__init__.py").is_file()}
+
+
 def test_the_forensics_tree_in_the_architecture_doc_names_each_module_and_its_layer():
     drawn = _doc_tree("forensics")
     present = {p.name for p in (ROOT / "forensics").iterdir()

@@ -27,13 +27,12 @@ import torch
 
 from forensics.kinds import RemedyKind
 from replay.judge.precision import uses_low_precision
-from replay.localize.update import relative_change, step_each_parameter
+from replay.localize.update import step_each_parameter
 from replay.run.execute import SampleRef, StepRunner, any_nonfinite
+from replay.run.update_size import WRECK_RATIO, relative_change
 
 logger = logging.getLogger(__name__)
 
-WRECK_RATIO = 0.5
-"""An update larger than this fraction of the weights' norm (whole model) in one step wrecks them."""
 SAFE_EPS = 1e-8
 LR_FACTOR = 0.1
 LOSS_SCALE_FACTOR = 2.0 ** -8

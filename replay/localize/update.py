@@ -20,6 +20,7 @@ import torch
 from forensics.kinds import Phase
 from replay.localize.forward_backward import ModuleTracker, float_tensors, module_label
 from replay.run.execute import SampleRef, StepRunner, any_nonfinite
+from replay.run.update_size import relative_change
 
 logger = logging.getLogger(__name__)
 
@@ -94,15 +95,6 @@ class ParameterStep:
     def relative_change(self) -> float:
         """|update| / |weight|."""
         return relative_change(self.moved_sq, self.size_sq)
-
-
-def relative_change(moved_sq: float, size_sq: float) -> float:
-    """|update| / |weights| from their squared L2 norms (inf for zero weights that moved, or a non-finite update)."""
-    if not math.isfinite(moved_sq):
-        return math.inf
-    if size_sq > 0:
-        return math.sqrt(moved_sq / size_sq)
-    return 0.0 if moved_sq == 0 else math.inf
 
 
 def step_each_parameter(model: torch.nn.Module, snapshot: Any, hyper: dict | None = None) -> Iterator[ParameterStep]:

@@ -9,7 +9,7 @@ safetensors file or a `torch.save` file — the last loaded with `weights_only=T
 runs). Each step is re-executed with its recorded RNG and learning rate and compared with the recorded
 history; after each update the weights are checked. The first step whose gradients are non-finite, whose
 update makes a weight non-finite, or whose update moves the weights by more than
-replay.judge.remedies.WRECK_RATIO of their norm is the step that broke the run: it is analysed like a dump of
+replay.run.update_size.WRECK_RATIO of their norm is the step that broke the run: it is analysed like a dump of
 that step (localisation, bisection, fp32 triage, remedies) and the report gets a `window` block.
 """
 
@@ -34,10 +34,9 @@ from forensics.grad_norm import total_grad_norm
 from forensics.kinds import Phase, TriggerKind
 from forensics.rng import restore_rng
 from forensics.trigger import Trigger
-from replay.judge.remedies import WRECK_RATIO
 from replay.load.recipe import import_object
 from replay.load.session import ReplaySession, session_from_objects, to_device
-from replay.localize.update import relative_change
+from replay.run.update_size import WRECK_RATIO, relative_change
 from replay.run.execute import any_nonfinite
 
 logger = logging.getLogger(__name__)
