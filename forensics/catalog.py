@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -31,6 +32,8 @@ log = logging.getLogger(__name__)
 
 REPLAYS_NOTE = "replays.jsonl"
 """In a step directory, beside its rank directories: one JSON line per replay, {"rank", "report"}."""
+REPLAYS_NOTE_TAIL = 64 << 10
+"""Bytes read from the end of a step directory's REPLAYS_NOTE (the newest replays; it comes with the dump)."""
 
 REPORTS_DIR = "forensics_reports"
 """Where `forensics replay` writes a report when the dump's own step directory is not writable (an archive, a
@@ -114,9 +117,17 @@ def step_dir_of(dump_path: str | os.PathLike | None) -> Path | None:
 
 
 def default_report_dir(dump_path: str | os.PathLike | None, rank: int) -> Path | None:
-    """`<step dir>/report-rank<R>` when the dump is a step / rank directory (None: the caller's fallback)."""
+    """`<step dir>/report-rank<R>` when the dump is a step / rank directory (None: the caller's fallback). A
+    `report-rank<R>` already there that is not a plain directory (a link a crafted step directory holds, into its
+    rank dump or anywhere else) is never written through: None."""
     step_dir = step_dir_of(dump_path)
-    return step_dir / f"report-rank{int(rank)}" if step_dir is not None and os.access(step_dir, os.W_OK) else None
+    if step_dir is None or not os.access(step_dir, os.W_OK):
+        return None
+    target = step_dir / f"report-rank{int(rank)}"
+    if target.is_symlink() or (target.exists() and not target.is_dir()):
+        log.warning("%s is not a plain directory: the report goes under ./%s instead", target, REPORTS_DIR)
+        return None
+    return target
 
 
 def note_report(dump_path: str | os.PathLike | None, rank: int, report_json: str | os.PathLike) -> None:
@@ -126,17 +137,27 @@ def note_report(dump_path: str | os.PathLike | None, rank: int, report_json: str
     if step_dir is None:
         return
     line = json.dumps({"rank": int(rank), "report": str(Path(report_json).resolve())}) + "\n"
-    try:
-        with open(step_dir / REPLAYS_NOTE, "a", encoding="utf-8") as f:
+    try:  # never through a link, never into anything but a plain file (the step directory comes with the dump)
+        fd = os.open(step_dir / REPLAYS_NOTE, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+        with os.fdopen(fd, "a", encoding="utf-8") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(f"{REPLAYS_NOTE} is not a plain file")
             f.write(line)
     except OSError as exc:
         log.info("could not note the report in %s: %s", step_dir, exc)
 
 
 def _noted(step_dir: Path) -> str | None:
-    """The newest report noted in the step directory that still exists."""
+    """The newest report noted in the step directory that still exists (only the note's last REPLAYS_NOTE_TAIL
+    bytes are read, never through a link)."""
     try:
-        lines = (step_dir / REPLAYS_NOTE).read_text(encoding="utf-8").splitlines()[-100:]
+        fd = os.open(step_dir / REPLAYS_NOTE, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                return None
+            f.seek(max(0, info.st_size - REPLAYS_NOTE_TAIL))
+            lines = f.read(REPLAYS_NOTE_TAIL).decode("utf-8", "replace").splitlines()[-100:]
     except OSError:
         return None
     for line in reversed(lines):

@@ -589,3 +589,45 @@ def test_an_archive_whose_pax_header_claims_gigabytes_is_refused_within_bounded_
     result = run(["verify", tmp_path / "pax.tar.zst"])
     assert_exit(result, ExitCode.BAD_INPUT)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < (1536 << 10)  # KiB: < 1.5 GiB
+
+
+# -- what replay writes beside a dump: report-rank<R>/ and replays.jsonl in the step directory -------------
+
+@pytest.mark.parametrize("into", ["rank", "outside"])
+def test_a_report_rank_link_in_the_step_directory_is_not_followed(dump, tmp_path, into):
+    """A crafted step directory whose `report-rank0` links into its rank dump (or anywhere else) does not get
+    the default report written through the link: it goes under ./forensics_reports/ instead."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (dump.parent / "report-rank0").symlink_to(dump if into == "rank" else elsewhere)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    result = run(["replay", dump.parent, *REPLAY], cwd=cwd)
+    assert_exit(result, ExitCode.NO_CULPRIT)  # --no-bisect
+    assert not (dump / "report.json").exists() and not list(elsewhere.iterdir())
+    assert list((cwd / "forensics_reports").glob("*/report.json"))
+    assert_exit(run(["verify", dump]), ExitCode.OK)
+
+
+def test_a_replays_note_that_links_elsewhere_is_not_appended_to(dump, tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (dump.parent / "replays.jsonl").symlink_to(victim)
+    assert_exit(run(["replay", dump.parent, *REPLAY, "-o", tmp_path / "report"]), ExitCode.NO_CULPRIT)
+    assert victim.read_text() == "precious\n"
+
+
+def test_a_huge_replays_note_is_read_within_bounded_memory(dump, tmp_path):
+    """`forensics list` reads only the tail of a step directory's replays.jsonl (a sparse 3 GiB one here)."""
+    report = tmp_path / "report"
+    assert_exit(run(["replay", dump.parent, *REPLAY, "-o", report]), ExitCode.NO_CULPRIT)
+    note = dump.parent / "replays.jsonl"
+    line = note.read_bytes()
+    with open(note, "r+b") as handle:
+        handle.truncate(3 * GiB)
+        handle.seek(3 * GiB)
+        handle.write(b"\n" + line)
+    result = run_child(["list", dump.parent.parent, "--json"])
+    assert result.code == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout)["dumps"][0]["report"] == str((report / "report.json").resolve())
+    assert 0 < result.peak_rss <= GiB, result.peak_rss
