@@ -19,13 +19,17 @@ sync are on the step's critical path):
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from forensics import thirdparty
 from forensics.kinds import PrecursorStatistic
+
+log = logging.getLogger(__name__)
 
 # (query name, key name, fused): the projections whose outputs bound the attention logits; fused: one q|k|v
 # projection whose first two thirds are the queries and keys (GPT-2's c_attn).
@@ -94,6 +98,8 @@ class StepStatistics:
         self.blocks = find_blocks(model)
         self.active = False
         """Whether the step in progress is sampled: the only thing a hook looks at on the other steps."""
+        self.failed = False
+        """A hook raised (a block output its reductions do not support): logged, and the monitor turns off."""
         self.handles: list[Any] = []
         param = next(iter(model.parameters()), None)
         self.device = param.device if param is not None else torch.device("cpu")
@@ -145,17 +151,19 @@ class StepStatistics:
         def hook(module, args, output):
             if not self.active or not torch.is_grad_enabled():
                 return
-            self._outputs[index] = _first_tensor(output)
-            if last:
-                self._flush_micro_batch()
+            with self._never_raising():
+                self._outputs[index] = _first_tensor(output)
+                if last:
+                    self._flush_micro_batch()
         return hook
 
     def _output_hook(self, module, args, output):
         if not self.active or not torch.is_grad_enabled():
             return
-        t = _first_tensor(output)
-        if t is not None:
-            self._logits.append(_absmax(t))
+        with self._never_raising():
+            t = _first_tensor(output)
+            if t is not None:
+                self._logits.append(_absmax(t))
 
     def _qk_hook(self, slot: int, fused: bool):
         size = self._head_dim
@@ -163,7 +171,10 @@ class StepStatistics:
         def hook(module, args, output):
             if not self.active or not torch.is_grad_enabled():
                 return
-            t = _first_tensor(output)
+            with self._never_raising():
+                measure(_first_tensor(output))
+
+        def measure(t: torch.Tensor | None) -> None:
             if t is None:
                 return
             if fused:
@@ -176,6 +187,16 @@ class StepStatistics:
             elif not t.shape[-1] % size:
                 self._qk[slot] = torch.linalg.vector_norm(t.unflatten(-1, (-1, size)), dim=-1).amax()
         return hook
+
+    @contextlib.contextmanager
+    def _never_raising(self) -> Iterator[None]:
+        """A hook runs inside the user's forward: what fails in it is logged once and ends the sampling (the
+        monitor then removes its hooks at check()), never raised into the training step."""
+        try:
+            yield
+        except Exception:  # noqa: BLE001 - capture must never stop a healthy job
+            log.exception("forensics: precursors: the statistics failed; the monitor is off for this run")
+            self.failed, self.active = True, False
 
     def _add_attention(self) -> list[int]:
         """Hooks on the query / key projections of each block that has recognisable ones; the blocks' indices."""

@@ -169,6 +169,9 @@ class PrecursorMonitor:
         sampled, self._checks = self.stats.active, self._checks + 1
         self.stats.active = False
         row = None
+        if self.stats.failed:  # a hook failed during the step (and logged why)
+            self.off()
+            return None
         if sampled:
             try:
                 row = self.stats.row()

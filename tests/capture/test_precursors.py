@@ -221,3 +221,42 @@ def _direct_statistics(blocks, outputs, optimizer) -> dict:
         out[(name, stat.UPDATE_RATIO)] = math.sqrt(squares) / weights
         out[(name, stat.ADAM_V_FLOOR)] = floor
     return out
+
+
+class PackedBlocks(torch.nn.Module):
+    """Variable-length sequences packed as a jagged nested tensor through a ModuleList of blocks: ops the
+    statistics' reductions (aminmax, _foreach_norm) do not support on that layout."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+                                          for _ in range(2))
+
+    def forward(self, sequences: list[torch.Tensor]) -> torch.Tensor:
+        hidden = torch.nested.as_nested_tensor([self.embed(s) for s in sequences], layout=torch.jagged)
+        for block in self.blocks:
+            hidden = block(hidden)
+        return torch.cat(hidden.unbind()).pow(2).mean()
+
+
+def test_a_statistic_that_fails_on_a_block_output_never_stops_the_training_step(tmp_path, caplog):
+    torch.manual_seed(0)
+    model = PackedBlocks()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="packed",
+                                                       precursors=PrecursorConfig(every=1)))
+    try:
+        for step in range(3):
+            sequences = [torch.randint(0, 16, (n,)) for n in (3, 5)]
+            guard.record_batch({"sequences": sequences, "sample_ids": [2 * step, 2 * step + 1]})
+            loss = model(sequences)  # raised NotImplementedError from the Guard's hook before the fix
+            guard.record_loss(loss)
+            loss.backward()
+            assert guard.check()
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        guard.close()
+    assert "precursors: the statistics failed" in caplog.text and not guard.dumps
+    assert not model.blocks[0]._forward_hooks  # the monitor turned itself off and removed its hooks
