@@ -74,7 +74,9 @@ def recipe_options(command):
                            help="Loss function (model, batch) -> loss.")(command)
     command = click.option("--factory", default=None, metavar="MODULE:FN",
                            help="Model factory to use instead of the dump's.")(command)
-    return click.option("--trust", is_flag=True, help="Allow importing the model factory / loss the dump names.")(command)
+    return click.option("--trust", is_flag=True, help="Allow importing the model factory / loss the dump names, or "
+                        "defining them from the training script it holds (that runs the script's imports and "
+                        "definitions).")(command)
 
 
 def _limits(max_unpacked_gb: float, max_unpack_ratio: float, max_members: int) -> ArchiveLimits:

@@ -4,9 +4,11 @@ A function of the job's `__main__` (`python train.py`) cannot be imported: impor
 script again, and most scripts train at top level, with no `if __name__ == "__main__":` guard. The dump holds
 the script's source (`main_script.py`, capture/main_script.py); behind --trust, this module parses it and
 runs only the statements that define things — imports, `def`, `class`, assignments of constants (literals,
-names, attribute reads and arithmetic on them), and `try` blocks made of those — in a fresh module whose
-`__name__` is not "__main__". Everything else (calls at top level, loops, `with`, `model = GPT(...)`, the
-main guard's body) is left out. When the function needs a name that only left-out code defines, nothing is run
+names, attribute reads and arithmetic on them) to the module's own names, and `try` blocks made of those — in a
+fresh module whose `__name__` is not "__main__". Everything else (calls at top level, loops, `with`,
+`model = GPT(...)`, `torch.backends.cudnn.benchmark = True`, the main guard's body) is left out. What runs can
+still run any code — an import's side effects, a decorator, a default value, a class body, a base class
+expression — which is what --trust consents to (TRUST_NOTE). When the function needs a name that only left-out code defines, nothing is run
 and the error says what to pass instead.
 """
 
@@ -20,6 +22,9 @@ from typing import Any
 from forensics.errors import RecipeError
 from forensics.report.wording import clean
 
+TRUST_NOTE = ("its imports, decorators, default values and class bodies can run any code: trust the dump as you "
+              "would the script")
+"""What defining a function from the recorded script runs, in the words the --trust refusal uses."""
 MODULE_NAME = "forensics_training_script"  # __name__ of the module the script's definitions run in
 STATIC_EXPRESSIONS = (ast.Constant, ast.Name, ast.Attribute, ast.Tuple, ast.List, ast.Set, ast.Dict, ast.UnaryOp,
                       ast.BinOp, ast.BoolOp, ast.Compare, ast.Subscript, ast.Slice, ast.Load, ast.operator,
@@ -29,6 +34,16 @@ STATIC_EXPRESSIONS = (ast.Constant, ast.Name, ast.Attribute, ast.Tuple, ast.List
 def _static(node: ast.AST | None) -> bool:
     """An expression that computes nothing of consequence: no call, no lambda, no comprehension."""
     return node is None or all(isinstance(n, STATIC_EXPRESSIONS) for n in ast.walk(node))
+
+
+def _names_only(target: ast.expr) -> bool:
+    """An assignment target that binds names of the script's module only (`x`, `a, (b, *c)`): never an attribute
+    or item of another object (`torch.backends.cudnn.benchmark = True`, `os.environ["X"] = ...`)."""
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return all(_names_only(t) for t in target.elts)
+    if isinstance(target, ast.Starred):
+        return _names_only(target.value)
+    return isinstance(target, ast.Name)
 
 
 def _main_guard(node: ast.stmt) -> bool:
@@ -44,9 +59,9 @@ def defines_only(node: ast.stmt) -> bool:
     if isinstance(node, ast.Expr):
         return isinstance(node.value, ast.Constant)  # a docstring
     if isinstance(node, ast.Assign):
-        return _static(node.value)
+        return _static(node.value) and all(_names_only(t) for t in node.targets)
     if isinstance(node, ast.AnnAssign):
-        return _static(node.value) and _static(node.annotation)
+        return _static(node.value) and _static(node.annotation) and _names_only(node.target)
     if isinstance(node, ast.Try):
         blocks = [node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)]
         return all(defines_only(s) for block in blocks for s in block)

@@ -27,7 +27,7 @@ import torch
 from forensics.errors import RecipeError
 from forensics.recipes import is_builtin
 from forensics.report.wording import clean
-from replay.load.main_script import define_from_script, move_instruction
+from replay.load.main_script import TRUST_NOTE, define_from_script, move_instruction
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,8 @@ def _from_main(path: str, what: str, trust: bool, script: TrainingScript, flag: 
     if not trust:
         raise RecipeError(f"the dump's {what} `{shown}` is defined in the training script {name}, whose source the "
                           "dump holds; it was NOT run. Pass --trust to define it from that source (only the script's "
-                          f"imports, definitions and constants run, never its training code), or {move}.")
+                          f"imports, definitions and constants run, never its training code; {TRUST_NOTE}), or "
+                          f"{move}.")
     return define_from_script(script.source, qualname, script.name, what, flag)
 
 

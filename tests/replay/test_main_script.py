@@ -142,3 +142,32 @@ def test_definitions_run_and_the_main_guard_and_top_level_calls_do_not(capsys):
     loss = define_from_script(source, "lm_loss", "train.py", "loss function", "--loss")
     assert loss(None, 1.0) == pytest.approx(6.283185307)
     assert "TRAINING" not in capsys.readouterr().out
+
+
+def test_top_level_assignments_into_modules_are_not_run(monkeypatch):
+    """Only names of the script's own module are bound: an assignment into another module's state (torch's flags,
+    os.environ) is left out, so defining a loss never changes how the replay computes."""
+    import torch
+
+    monkeypatch.delenv("FORENSICS_SCRIPT_MARK", raising=False)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    source = textwrap.dedent('''
+        import os
+        import torch
+        os.environ["FORENSICS_SCRIPT_MARK"] = "set by the script"
+        torch.backends.cudnn.benchmark = True
+        SCALE, (LOW, HIGH) = 2, (0, 1)
+        def lm_loss(model, batch):
+            return batch * SCALE + HIGH
+    ''').encode()
+    loss = define_from_script(source, "lm_loss", "train.py", "loss function", "--loss")
+    assert loss(None, 1) == 3
+    assert "FORENSICS_SCRIPT_MARK" not in os.environ and torch.backends.cudnn.benchmark is False
+
+
+def test_the_trust_message_says_that_definitions_can_run_code(script_dump, tmp_path, monkeypatch):
+    """What --trust consents to is said as it is: decorators, default values, class bodies and imports run."""
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["replay", str(script_dump), "--device", "cpu", "-o", str(tmp_path / "r")])
+    assert result.exit_code == 2
+    assert "decorators, default values and class bodies can run any code" in result.stderr
