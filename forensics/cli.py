@@ -332,6 +332,7 @@ def repro(dump: Path, out: Path, device, rank, trust, factory, loss_fn, sys_path
     needs the model code). Each fails with an AssertionError while the bug is there."""
     from replay.repro import link_report, write_repro
 
+    _refuse_writing_into(dump, {"-o": out})
     try:
         result = write_repro(dump, out, device=device, trust=trust, factory=factory, loss=loss_fn,
                              sys_path=[str(p) for p in sys_path], rank=rank)

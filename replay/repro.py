@@ -10,8 +10,8 @@ Two scripts, each failing (an AssertionError, exit code 1) for as long as the bu
   in the forward pass as an op's output.
 * `model_repro.py` — the culprit sample (the first sample of the failing micro-batch that fails alone; else the
   whole micro-batch) run through the model's recorded pre-step state from the dump, under the job's autocast and
-  RNG. It needs the model's code: it imports the factory and loss the dump's recipe names (as `forensics replay
-  --trust` does), and forensics to read the dump.
+  RNG. It needs the model's code: it imports the factory and loss the dump's recipe names (as `forensics replay`
+  does, with the --trust that `forensics repro` was given), and forensics to read the dump.
 
 Nothing from the dump reaches a path or the scripts' code: file names are this module's own, the scripts are
 fixed text, and what varies (op name, sample ID, dump path) is in `op.json` / `model.json`, read with json.
@@ -44,6 +44,7 @@ OP_SCRIPT, OP_SPEC, OP_INPUTS = "op_repro.py", "op.json", "op_inputs.safetensors
 MODEL_SCRIPT, MODEL_SPEC = "model_repro.py", "model.json"
 MAX_SAMPLE_TRIES = 64  # samples run alone to find the culprit of the failing micro-batch
 SHRINK_ROUNDS = 4      # passes over the output's dimensions while slicing still keeps the failure
+MAX_OP_INPUT_BYTES = 1 << 30  # op_inputs.safetensors larger than this (an op the shrinking could not cut) is not written
 
 
 @dataclass
@@ -98,7 +99,7 @@ def write_repro(dump_path: str | Path, out_dir: str | Path, *, device: str | Non
     if refs is None:
         raise ReplayError(f"step {dump.step} stays finite in a forward-only replay: nothing to reproduce standalone "
                           "(a gradient or optimizer failure: see `forensics replay`)")
-    _write_model(repro, Path(dump_path), dump, session, refs, device, factory, loss, sys_path or [])
+    _write_model(repro, Path(dump_path), dump, session, refs, device, trust, factory, loss, sys_path or [])
     atomic_write_text(out / "repro.json", json.dumps(repro.as_dict(), indent=2, default=repr))
     return repro
 
@@ -201,6 +202,11 @@ def _write_op(repro: Repro, func: Any, args: tuple, kwargs: dict) -> None:
     except _Unwritable as exc:
         repro.notes.append(f"{schema.name} takes an argument of type {exc} that cannot be written: no op-level script")
         return
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    if size > MAX_OP_INPUT_BYTES:
+        repro.notes.append(f"the inputs of {schema.name} are {size} bytes even after shrinking, over the "
+                           f"{MAX_OP_INPUT_BYTES} bytes written: no op-level script")
+        return
     out = repro.directory
     with atomic_file(out / OP_INPUTS, binary=True) as handle:
         handle.write(safetensors_bytes(tensors))
@@ -235,13 +241,14 @@ def _culprit(runner: StepRunner, finding: Any) -> list[SampleRef] | None:
 
 
 def _write_model(repro: Repro, dump_path: Path, dump: Any, session: Any, refs: list[SampleRef], device: str | None,
-                 factory: str | None, loss: str | None, sys_path: list[str]) -> None:
+                 trust: bool, factory: str | None, loss: str | None, sys_path: list[str]) -> None:
     recipe = dump.recipe or {}
     whole = len(refs) == len([r for r in session.sample_refs if r.micro_batch == refs[0].micro_batch])
     spec = {"dump": str(dump_path.resolve()), "rank": dump.rank, "step": dump.step, "device": device or "cpu",
             "micro_batch": refs[0].micro_batch, "samples": None if whole else [r.index for r in refs],
             "sample_ids": [r.sample_id for r in refs], "factory": factory or recipe.get("factory"),
-            "factory_override": factory, "loss_override": loss, "sys_path": [str(p) for p in sys_path]}
+            "factory_override": factory, "loss_override": loss, "sys_path": [str(p) for p in sys_path],
+            "trust": bool(trust)}
     out = repro.directory
     atomic_write_text(out / MODEL_SPEC, json.dumps(spec, indent=1, default=repr))
     atomic_write_text(out / MODEL_SCRIPT, MODEL_TEMPLATE)
@@ -332,8 +339,8 @@ Runs the sample(s) model.json names through the model's pre-step weights read fr
 and autocast, and FAILS with an AssertionError (exit code 1) while the loss is non-finite.
 
 Needs torch, forensics (to read the dump) and the model's code: it imports the model factory and the loss that
-the dump's recipe names (model.json "factory"), as `forensics replay --trust` does. Run it only on a dump you
-trust.
+the dump's recipe names (model.json "factory") with the consent `forensics repro` was given (model.json "trust"),
+as `forensics replay` does.
 """
 
 import json
@@ -353,7 +360,7 @@ HERE = Path(__file__).resolve().parent
 def main():
     spec = json.loads((HERE / "model.json").read_text())
     dump = open_dump(spec["dump"], rank=spec["rank"])
-    session = load_session(dump, device=spec["device"], trust=True, factory=spec["factory_override"],
+    session = load_session(dump, device=spec["device"], trust=spec["trust"], factory=spec["factory_override"],
                            loss=spec["loss_override"], sys_path=spec["sys_path"])
     runner = StepRunner(session)
     model = session.model.train()

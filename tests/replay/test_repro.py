@@ -89,3 +89,27 @@ def _numel(shape: list) -> int:
     for size in shape:
         n *= size
     return n
+
+
+def test_the_model_script_asks_no_more_trust_than_repro_was_given(repros):
+    """`forensics repro` ran without --trust: model_repro.py replays the dump without it too."""
+    for _, directory, _ in repros.values():
+        assert json.loads((directory / "model.json").read_text())["trust"] is False
+
+
+def test_op_inputs_over_the_size_cap_are_not_written(repros, tmp_path, monkeypatch):
+    import replay.repro
+    from replay.repro import write_repro
+
+    captured, _, _ = repros["log_zero"]
+    monkeypatch.setattr(replay.repro, "MAX_OP_INPUT_BYTES", 1)
+    result = write_repro(captured.dump_path, tmp_path / "repro", device="cpu")
+    assert not (tmp_path / "repro" / "op_inputs.safetensors").exists() and "op_script" not in result.files
+    assert any("over the 1 bytes" in note for note in result.notes) and "model_script" in result.files
+
+
+def test_repro_never_writes_into_the_dump(repros):
+    captured, _, _ = repros["log_zero"]
+    result = CliRunner().invoke(main, ["repro", str(captured.dump_path), "-o", str(captured.dump_path / "repro")])
+    assert result.exit_code == 2 and "would be written into the dump" in result.stderr
+    assert not (captured.dump_path / "repro").exists()
