@@ -138,7 +138,8 @@ def note_report(dump_path: str | os.PathLike | None, rank: int, report_json: str
         return
     line = json.dumps({"rank": int(rank), "report": str(Path(report_json).resolve())}) + "\n"
     try:  # never through a link, never into anything but a plain file (the step directory comes with the dump)
-        fd = os.open(step_dir / REPLAYS_NOTE, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+        fd = os.open(step_dir / REPLAYS_NOTE, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK,
+                     0o666)  # O_NONBLOCK: a FIFO there fails at once instead of waiting for a reader
         with os.fdopen(fd, "a", encoding="utf-8") as f:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise OSError(f"{REPLAYS_NOTE} is not a plain file")
@@ -151,7 +152,7 @@ def _noted(step_dir: Path) -> str | None:
     """The newest report noted in the step directory that still exists (only the note's last REPLAYS_NOTE_TAIL
     bytes are read, never through a link)."""
     try:
-        fd = os.open(step_dir / REPLAYS_NOTE, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+        fd = os.open(step_dir / REPLAYS_NOTE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         with os.fdopen(fd, "rb") as f:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):

@@ -617,6 +617,13 @@ def test_a_replays_note_that_links_elsewhere_is_not_appended_to(dump, tmp_path):
     assert victim.read_text() == "precious\n"
 
 
+def test_a_replays_note_that_is_a_fifo_blocks_neither_replay_nor_list(dump, tmp_path):
+    os.mkfifo(dump.parent / "replays.jsonl")
+    result = run_child(["replay", dump.parent, *REPLAY, "-o", tmp_path / "report"])
+    assert result.code == ExitCode.NO_CULPRIT, result.stderr[-2000:]
+    assert run_child(["list", dump.parent.parent, "--json"]).code == 0
+
+
 def test_a_huge_replays_note_is_read_within_bounded_memory(dump, tmp_path):
     """`forensics list` reads only the tail of a step directory's replays.jsonl (a sparse 3 GiB one here)."""
     report = tmp_path / "report"
