@@ -135,4 +135,4 @@ def test_a_sudden_failure_at_the_analysed_step_is_not_told_as_the_loss_leaving_i
     reading = read_history(history, 6, uniform_loss=4.16)
     assert reading.onset == 6 and not any("left it" in s for s in reading.sentences)
     gradual = read_history({**history, "loss": [4.16, 4.2, 9.0, 30.0, 90.0, 400.0, float("nan")]}, 6)
-    assert any("left it at step 2" in s for s in gradual.sentences)
+    assert any("left it at step 3 (over 3 x its start)" in s for s in gradual.sentences)  # 30 > 3 x 4.16
