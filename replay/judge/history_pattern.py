@@ -331,11 +331,12 @@ def read_history(history: dict | None, step: int | None, uniform_loss: float | N
     good_norms = sorted(norms[i] for i in healthy if norms[i] is not None and math.isfinite(norms[i]) and norms[i] > 0)
     typical = good_norms[len(good_norms) // 2] if good_norms else None
     sentences = []
-    if first and onset is not None and onset in steps:
+    if first and onset is not None and onset in steps and (step is None or onset < step):  # not the failure itself
         at = steps.index(onset)
         later = [(s, v) for s, v in zip(steps[at:], losses[at:]) if v is not None][:4]
         path = ", ".join(f"{fmt_num(v, 3)} (step {s})" for s, v in later)
-        why = (f"above {fmt_num(UNIFORM_FACTOR, 2)} x the {fmt_num(uniform_loss, 3)} of a uniform guess over the "
+        why = ("non-finite" if not math.isfinite(losses[at]) else
+               f"above {fmt_num(UNIFORM_FACTOR, 2)} x the {fmt_num(uniform_loss, 3)} of a uniform guess over the "
                "vocabulary" if uniform_loss is not None and limit < DIVERGED_FACTOR * min(first[:3])
                else f"over {fmt_num(DIVERGED_FACTOR, 2)} x its start")
         sentences.append(f"What the history shows: the loss started at {fmt_num(min(first[:3]), 3)} and left it at "

@@ -124,3 +124,15 @@ def test_diverged_long_ago_only_when_the_run_left_its_first_losses_for_a_while()
     sentence = diverged_long_ago(gone, uniform_loss=4.16)
     assert sentence and "since step 1" in sentence and "uniform guess" in sentence
     assert diverged_long_ago({"step": [1, 2], "loss": [1.0, 2.0]}) is None  # an old dump without a summary
+
+
+def test_a_sudden_failure_at_the_analysed_step_is_not_told_as_the_loss_leaving_its_start():
+    """The history's 'left its start' sentence is about what came before the failure, not the failure itself."""
+    from replay.judge.history_pattern import read_history
+
+    history = {"step": list(range(7)), "loss": [4.16, 4.18, 4.16, 4.16, 4.17, 4.18, float("nan")],
+               "grad_norm": [0.5] * 6 + [float("nan")], "lr": [1e-3] * 7}
+    reading = read_history(history, 6, uniform_loss=4.16)
+    assert reading.onset == 6 and not any("left it" in s for s in reading.sentences)
+    gradual = read_history({**history, "loss": [4.16, 4.2, 9.0, 30.0, 90.0, 400.0, float("nan")]}, 6)
+    assert any("left it at step 3 (over 3 x its start)" in s for s in gradual.sentences)  # 30 > 3 x 4.16
