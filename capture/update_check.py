@@ -63,7 +63,7 @@ class UpdateCheck:
         if state is None:
             return
         params = [p for p in g.model.parameters()]
-        if not params or bool(torch.stack([torch.isfinite(p).all() for p in params]).all()):
+        if not params or _all_finite(params):
             return
         step = g.step - 1  # check() already advanced the counter
         before = state.get("model") or {}
@@ -85,3 +85,12 @@ class UpdateCheck:
         g.handle_incident(Incident(trigger, step, record, [float(v) for v in record.losses], norm,
                                    record.divisor(g.config.loss_divisor),
                                    g.config.policy_for(trigger.kind), state=state))
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Every tensor finite: one device->host read per device the tensors live on (a model split over several GPUs
+    cannot stack its flags on one device)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_device.setdefault(tensor.device, []).append(torch.isfinite(tensor).all())
+    return all(bool(torch.stack(flags).all()) for flags in by_device.values())

@@ -73,7 +73,7 @@ class ChildRun:
     stdout: str
     stderr: str
     peak_rss: int
-    """The child's peak resident memory, bytes (its own ru_maxrss)."""
+    """The child's peak resident memory, bytes (its own VmHWM)."""
 
 
 CHILD = """
@@ -84,7 +84,12 @@ try:
     code = 0
 except SystemExit as exc:
     code = exc.code if isinstance(exc.code, int) else 1
-sys.stderr.write("\\nPEAK_RSS_KIB %d\\n" % resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+def peak_kib():  # VmHWM belongs to this process's own memory map: ru_maxrss keeps the parent's peak across exec
+    try:
+        return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM:")).split()[1])
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+sys.stderr.write("\\nPEAK_RSS_KIB %d\\n" % peak_kib())
 sys.exit(code)
 """
 GiB = 1 << 30
