@@ -22,7 +22,7 @@ import torch
 
 from forensics.errors import DumpError, is_out_of_memory
 from forensics.format import open_dump, open_step
-from forensics.format.verify import set_aside_damaged
+from forensics.format.verify import finish_verifying, set_aside_damaged
 from forensics.format.limits import ArchiveLimits
 from forensics.kinds import HistoryPattern, Phase, TriggerKind
 from forensics.report.model import to_json_safe
@@ -165,13 +165,13 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
                  "num_micro_batches": dump.num_micro_batches, "damaged": [d.as_dict() for d in damaged]}
     if raised_between_steps(dump.manifest):  # the loop's own code raised: no model step to replay
         _stage(progress, "the exception was raised between steps: nothing to replay")
-        return between_steps_report(dump, dump_info, _history(dump.history()), started)
+        return _checked(dump, between_steps_report(dump, dump_info, _history(dump.history()), started))
     if dump.num_micro_batches == 0:
         raise DumpError(f"{path or 'the dump'} records no micro-batch, so there is no step to replay; the loop "
                         "called check() without record_batch() (see README: the four calls)")
     if TriggerKind.parse((dump.trigger or {}).get("kind"), TriggerKind.NONFINITE_LOSS) is TriggerKind.PRECURSOR:
         _stage(progress, "a precursor dump (a healthy step): ranking the statistics that grew")
-        return precursor_report(dump, dump_info, _history(dump.history()), started)
+        return _checked(dump, precursor_report(dump, dump_info, _history(dump.history()), started))
     options = _off_the_gpu_after_a_cuda_error(dump, options, progress)
     with deterministic_mode(dump.manifest.get("determinism")):
         _stage(progress, f"loading model and step {dump.step} (rank {dump.rank}) on "
@@ -181,12 +181,13 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
                 else dump_snapshot(dump, options.window or bool(dump.state_missing), options.trust)
             session = _load(dump, options, weights=not (dump.state_missing and checkpoint is not None))
             if checkpoint is not None:
-                return _window_replay(dump, session, checkpoint, options, progress, dump_info, started)
+                return _checked(dump, _window_replay(dump, session, checkpoint, options, progress, dump_info,
+                                                     started))
             report = run_session(session, options, progress, dump_info=dump_info, history=dump.history(),
                                  started=started)
             if hint:
                 report["verdict"]["suggestions"].insert(0, hint)
-            return report
+            return _checked(dump, report)
         except Exception as exc:  # noqa: BLE001 - the user's model / loss raising on the dump's data is theirs
             converted = as_user_error(exc, f"replaying step {dump.step}")
             if converted is exc:
@@ -198,6 +199,14 @@ def _load(dump: Any, options: ReplayOptions, weights: bool = True) -> ReplaySess
     """The dump's step as a live session, on the options' device, with their consent and user code."""
     return load_session(dump, device=options.device, trust=options.trust, factory=options.factory,
                         loss=options.loss, sys_path=options.sys_path, weights=weights)
+
+
+def _checked(dump: Any, report: dict) -> dict:
+    """`report`, once every file of the dump has matched its digests: the state's large files were verified in the
+    background while they streamed (forensics.format.verify.set_aside_damaged); the parts replay never read are
+    waited for here. A damage found now raises DumpCorruptError: the findings would rest on it."""
+    finish_verifying(dump)
+    return report
 
 
 def _off_the_gpu_after_a_cuda_error(dump: Any, options: "ReplayOptions", progress: Progress | None

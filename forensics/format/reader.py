@@ -235,6 +235,14 @@ class Dump:
                                    "have", name)
         return path, entry["size"], entry["sha256"]
 
+    def check_listed(self, name: str) -> None:
+        """A listed file is a regular file of its listed size inside the dump (one lstat; nothing is read).
+
+        Raises:
+            DumpCorruptError: it is missing, set aside, not a regular file, or of another size.
+        """
+        self._listed(name)
+
     def verify_file(self, name: str) -> Path:
         """Checks a listed file's size and sha256 without holding it in memory; returns its path. A large file
         with per-chunk digests (manifest `chunks`) is verified on many threads at once (hashlib releases

@@ -100,6 +100,11 @@ def set_aside_damaged(dump: Dump) -> list[Damage]:
     device is refused without being opened). A damaged optional part (the flight recorder, the host snapshot, a
     buddy copy) is set aside with all its files, so the dump reads as one without it, and described.
 
+    An essential file with chunk digests (the state's safetensors) is only checked for its size and kind here: its
+    chunks are verified on every core in the background while replay streams it (no tensor is handed on before
+    its chunks matched), so a large dump is read once, not hashed whole first; `finish_verifying` waits for the
+    rest of it before the report is given.
+
     Raises:
         DumpCorruptError: an essential file is damaged, missing or not a regular file (naming it).
     """
@@ -107,6 +112,9 @@ def set_aside_damaged(dump: Dump) -> list[Damage]:
     dump.start_verifying(name for name in dump.manifest["files"] if name not in dump.set_aside)
     for name in dump.manifest["files"]:
         if name in dump.set_aside:
+            continue
+        if _optional_part(dump, name) is None and dump.manifest["files"][name].get("chunks"):
+            dump.check_listed(name)  # its contents: while it streams, and in full by finish_verifying
             continue
         try:
             dump.verify_file(name)
@@ -118,6 +126,18 @@ def set_aside_damaged(dump: Dump) -> list[Damage]:
             dump.set_aside.update({file: f"{name} is damaged ({exc})" for file in files if dump.has_file(file)})
             damaged.append(Damage(name, str(exc), lost))
     return damaged
+
+
+def finish_verifying(dump: Dump) -> None:
+    """After a replay, before its report: every listed file not set aside has matched its digests (the parts of the
+    state replay never read included; those it read were verified as they streamed, and are not hashed again).
+
+    Raises:
+        DumpCorruptError: a file is damaged (naming it): the replay's findings would rest on it.
+    """
+    for name in dump.manifest["files"]:
+        if name not in dump.set_aside:
+            dump.verify_file(name)
 
 
 def _check_shards(dumps: list[Dump]) -> list[Problem]:

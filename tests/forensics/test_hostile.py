@@ -643,3 +643,51 @@ def test_a_huge_replays_note_is_read_within_bounded_memory(dump, tmp_path):
     assert result.code == 0, result.stderr[-2000:]
     assert json.loads(result.stdout)["dumps"][0]["report"] == str((report / "report.json").resolve())
     assert 0 < result.peak_rss <= GiB, result.peak_rss
+
+
+@pytest.fixture(scope="module")
+def chunked_dump(tmp_path_factory) -> Path:
+    """A dump whose state files have chunk digests (over 4 MiB): a GPT-2 with a 16,384-token vocabulary, AdamW
+    moments, one record of NaN-making embeddings."""
+    import torch
+    import transformers
+
+    from capture import Guard, GuardConfig
+    from forensics.errors import TrainingFaultError
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=128, n_head=2, vocab_size=16384,
+                                                                 n_positions=16))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    root = tmp_path_factory.mktemp("chunked")
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(root), run_id="big", capture_exceptions=False))
+    with pytest.raises(TrainingFaultError):
+        for step in range(4):
+            embeds = torch.randn(2, 8, 128)
+            if step == 3:
+                embeds[1, 2, 5] = float("inf")
+            batch = {"inputs_embeds": embeds, "labels": torch.randint(0, 16384, (2, 8)),
+                     "sample_ids": [f"s{step}-0", f"s{step}-1"]}
+            guard.record_batch(batch)
+            loss = model(inputs_embeds=batch["inputs_embeds"], labels=batch["labels"]).loss
+            guard.record_loss(loss)
+            loss.backward()
+            if guard.check():
+                optimizer.step()
+            optimizer.zero_grad()
+    guard.close()
+    return guard.dumps[0]
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.safetensors"])
+def test_a_flipped_byte_in_a_streamed_state_file_ends_the_replay_naming_it(chunked_dump, tmp_path, name):
+    """The state's large files are verified while replay streams them, not hashed whole first; a chunk that does not
+    match ends the replay with exit 2 naming the file, whether replay read that part or not (optimizer moments a
+    bad_sample verdict never reads are waited for before the report)."""
+    dump = tmp_path / "run" / "step-000000003" / "rank-00000"
+    shutil.copytree(chunked_dump, dump)
+    manifest = json.loads((dump / "manifest.json").read_text())
+    assert manifest["files"][name].get("chunks"), "the test needs a file with chunk digests"
+    _damage(dump, name, "flipped")
+    assert_refused_within_a_gib(run_child(["replay", dump, *REPLAY, "-o", tmp_path / "report"]), name)
+    assert not (tmp_path / "report").exists()
