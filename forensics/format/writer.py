@@ -19,7 +19,7 @@ from forensics.fsio import fsync_dir
 from forensics.format import jsonio, spec
 from forensics.format.shards import LocalShard, ShardCopies, shard_entry
 from forensics.format.stale import remove_stale_temporaries, temporary_name
-from forensics.format.digest import HashingWriter
+from forensics.format.staged import StagedFile
 from forensics.format.tensors import safetensors_bytes, write_safetensors
 from forensics.format.tree import encode_tree
 from forensics.rng import RngState
@@ -74,19 +74,17 @@ class _DumpDir:
         self.files: dict[str, dict] = {}
         self.shards: dict[str, dict] = {}  # file -> {name: where this rank's part sits} (sharded layout)
 
-    def _record(self, name: str, out: HashingWriter, handle) -> None:
-        handle.flush()
-        os.fsync(handle.fileno())
+    def _record(self, name: str, out: StagedFile) -> None:
         self.files[name] = {"size": out.size, "sha256": out.hexdigest()}
         chunks = out.chunk_digests()
         if chunks:
             self.files[name].update(chunk_size=out.chunk_bytes, chunks=chunks)
 
     def write_bytes(self, name: str, data: bytes) -> None:
-        with open(self.path / name, "wb") as handle:
-            out = HashingWriter(handle)
+        with StagedFile(self.path / name, size_hint=len(data)) as out:
             out.write(data)
-            self._record(name, out, handle)
+            out.finish()
+        self._record(name, out)
 
     def write_json(self, name: str, obj: Any) -> None:
         self.write_bytes(name, jsonio.dumps(obj))
@@ -96,10 +94,10 @@ class _DumpDir:
         tensors, shards = {}, {}
         for key, value in values.items():
             tensors[key], shards[key] = shard_entry(value)
-        with open(self.path / name, "wb", buffering=16 * 1024 * 1024) as handle:
-            out = HashingWriter(handle)
+        with StagedFile(self.path / name, size_hint=sum(t.numel() * t.element_size() for t in tensors.values())) as out:
             write_safetensors(out, tensors)
-            self._record(name, out, handle)
+            out.finish()
+        self._record(name, out)
         self.shards[name] = shards
 
 
