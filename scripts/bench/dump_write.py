@@ -1,8 +1,9 @@
 """Benchmark: writing a ~1.5 GB model + Adam state as a forensics dump vs torch.save vs raw writers of the same bytes.
 
-Every writer writes the same bytes-worth of state to the same directory in one process, interleaved rounds:
+Every writer writes the same bytes-worth of state to the same directory in one process, interleaved rounds whose
+order rotates (a writer that follows another's 1.5 GB meets a busier disk: on a VM the host's write cache):
 `raw` (os.write of the state's own bytes from host memory into one file + fsync: the disk's limit for these
-bytes), `dd` (`dd if=/dev/zero bs=64M conv=fsync` of the same size, where dd exists), `torch.save` (+ fsync)
+bytes; each writer's file is removed after its timing), `dd` (`dd if=/dev/zero bs=64M conv=fsync` of the same size, where dd exists), `torch.save` (+ fsync)
 and the forensics dump (`write_dump`: the dump stall of a fatal trigger on this rank). Also measures sha256 on
 one core and on every core, and the training stall of a non-fatal (spike) dump: the time `Guard.check` takes
 to return when the dump is copied and written by the background thread.
@@ -70,6 +71,7 @@ def main() -> None:
 
     def raw_write():  # the state's own bytes, already in host memory, one os.write per tensor
         path = os.path.join(work, "raw.bin")
+        removals.append(path)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             for array in host_state:
@@ -79,23 +81,22 @@ def main() -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.remove(path)
 
     blocks = -(-state_bytes // (64 << 20))
 
     def dd_write():  # dd of the same size rounded up to whole 64 MiB blocks (its time is scaled back below)
         path = os.path.join(work, "dd.bin")
+        removals.append(path)
         subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=64M", f"count={blocks}", "conv=fsync"],
                        check=True, capture_output=True)
-        os.remove(path)
 
     def torch_save():
         path = os.path.join(work, "state.pt")
+        removals.append(path)
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
         fd = os.open(path, os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
-        os.remove(path)
 
     guard = Guard(model, optimizer, config=GuardConfig(dump_dir=work, run_id="bench"))
 
@@ -105,18 +106,24 @@ def main() -> None:
                                         "micro_batches": []},
                               model=state["model"], optimizer=state["optimizer"], rng=[capture_rng()],
                               micro_batches=[], history={})
-        path = write_dump(content, work)
-        shutil.rmtree(path.parent.parent)
+        removals.append(write_dump(content, work).parent.parent)
 
     writers = {"raw": raw_write, "torch.save": torch_save, "forensics": forensics_dump}
     if shutil.which("dd"):
         writers["dd"] = dd_write
     results: dict[str, list[float]] = {name: [] for name in writers}
-    for _ in range(args.rounds):
-        for name, fn in writers.items():
+    removals: list = []  # what a writer wrote, removed after its timing (deleting 1.5 GB is no part of a write)
+    order = list(writers)
+    for round_index in range(args.rounds):  # the order rotates: no writer always follows the same one
+        for name in order[round_index % len(order):] + order[:round_index % len(order)]:
+            fn = writers[name]
             start = time.perf_counter()
             fn()
             results[name].append(time.perf_counter() - start)
+            for path in removals:
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            removals.clear()
+            os.sync()  # the removal's journal commit (and discards, on a file system mounted with them) done
 
     # Training stall of a spike dump written in the background (continue policy).
     stall_guard = Guard(model, optimizer, config=GuardConfig(
@@ -145,6 +152,8 @@ def main() -> None:
         "seconds": {name: round(t, 3) for name, t in times.items()},
         "gb_s": {name: round(gb / t, 3) for name, t in times.items()},
         "stall_vs_raw": round(times["forensics"] / times["raw"], 3),
+        "stall_vs_raw_per_round": [round(f / r, 3) for f, r in zip(results["forensics"], results["raw"])],
+        "load_average": [round(load, 2) for load in os.getloadavg()],
         "stall_vs_dd": round(times["forensics"] / times["dd"], 3) if "dd" in times else None,
         "forensics_vs_torch_save": round(times["torch.save"] / times["forensics"], 3),
         "sha256_gb_s": sha256_speeds(),
@@ -157,6 +166,7 @@ def main() -> None:
         print(f"  {name:<11} {t:7.2f} s  {gb / t:6.2f} GB/s")
     print(f"dump stall / raw write of the same bytes: {summary['stall_vs_raw']:.2f} (dd: {summary['stall_vs_dd']}); "
           f"forensics vs torch.save: {summary['forensics_vs_torch_save']:.2f}x faster")
+    print(f"dump / raw per round: {summary['stall_vs_raw_per_round']}; load average {summary['load_average']}")
     print(f"spike dump training stall: {stall:.3f} s; background write finished {background:.2f} s later; "
           f"dumps written: {len(stall_guard.dumps)}")
     print(json.dumps(summary))
