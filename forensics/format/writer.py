@@ -19,7 +19,7 @@ from forensics.fsio import fsync_dir
 from forensics.format import jsonio, spec
 from forensics.format.shards import LocalShard, ShardCopies, shard_entry
 from forensics.format.stale import remove_stale_temporaries, temporary_name
-from forensics.format.staged import StagedFile
+from forensics.format.digest import HashingWriter
 from forensics.format.tensors import safetensors_bytes, write_safetensors
 from forensics.format.tree import encode_tree
 from forensics.rng import RngState
@@ -74,17 +74,19 @@ class _DumpDir:
         self.files: dict[str, dict] = {}
         self.shards: dict[str, dict] = {}  # file -> {name: where this rank's part sits} (sharded layout)
 
-    def _record(self, name: str, out: StagedFile) -> None:
+    def _record(self, name: str, out: HashingWriter, handle) -> None:
+        handle.flush()
+        os.fsync(handle.fileno())
         self.files[name] = {"size": out.size, "sha256": out.hexdigest()}
         chunks = out.chunk_digests()
         if chunks:
             self.files[name].update(chunk_size=out.chunk_bytes, chunks=chunks)
 
     def write_bytes(self, name: str, data: bytes) -> None:
-        with StagedFile(self.path / name, size_hint=len(data)) as out:
+        with open(self.path / name, "wb") as handle:
+            out = HashingWriter(handle)
             out.write(data)
-            out.finish()
-        self._record(name, out)
+            self._record(name, out, handle)
 
     def write_json(self, name: str, obj: Any) -> None:
         self.write_bytes(name, jsonio.dumps(obj))
@@ -94,10 +96,10 @@ class _DumpDir:
         tensors, shards = {}, {}
         for key, value in values.items():
             tensors[key], shards[key] = shard_entry(value)
-        with StagedFile(self.path / name, size_hint=sum(t.numel() * t.element_size() for t in tensors.values())) as out:
+        with open(self.path / name, "wb", buffering=16 * 1024 * 1024) as handle:
+            out = HashingWriter(handle)
             write_safetensors(out, tensors)
-            out.finish()
-        self._record(name, out)
+            self._record(name, out, handle)
         self.shards[name] = shards
 
 

@@ -1,11 +1,10 @@
-"""Checksums of format version 3, byte for byte: per-chunk sha256s written on many threads (hashed from the staging
-buffers that go to disk around the page cache where the file system allows it), a file's `sha256` the
+"""Checksums of format version 3, byte for byte: per-chunk sha256s written on many threads, a file's `sha256` the
 sha256 of its chunk digests; dumps of versions 1 and 2 (sha256 of the bytes, 64 MiB chunks) still verify and read."""
 
 from __future__ import annotations
 
-import errno
 import hashlib
+import io
 import json
 
 import pytest
@@ -13,8 +12,7 @@ import torch
 
 from forensics.errors import DumpCorruptError
 from forensics.format import open_dump, spec, verify_dump, write_dump
-from forensics.format import staged
-from forensics.format.staged import StagedFile
+from forensics.format.digest import HashingWriter
 
 CHUNK = spec.CHUNK_BYTES
 
@@ -28,26 +26,15 @@ def expected_entry(data: bytes, chunk: int = CHUNK) -> dict:
             "chunk_size": chunk, "chunks": [d.hex() for d in digests]}
 
 
-def written_entry(path, data: bytes, cuts: list[int], size_hint: int | None = None) -> tuple[dict, bytes, bool]:
-    """What the writer lists for `data` written to `path` in the pieces `cuts` makes; the bytes on disk; whether
-    they went around the page cache (O_DIRECT)."""
-    with StagedFile(path, size_hint=len(data) if size_hint is None else size_hint) as out:
-        for begin, end in zip([0, *cuts], [*cuts, len(data)]):
-            out.write(data[begin:end])
-        out.finish()
-    entry = {"size": out.size, "sha256": out.hexdigest()}
-    if out.chunk_digests():
-        entry.update(chunk_size=out.chunk_bytes, chunks=out.chunk_digests())
-    return entry, path.read_bytes(), out.direct
-
-
-def random_bytes(size: int) -> bytes:
-    return bytes((i * 7 + i // 4099) & 0xFF for i in range(size)) if size < 4096 else \
-        torch.randint(0, 256, (size,), generator=torch.Generator().manual_seed(size), dtype=torch.uint8).numpy().tobytes()
-
-
-STAGE = staged.STAGE_BYTES
-RING = staged.STAGE_BYTES * staged.STAGE_BUFFERS
+def written_entry(data: bytes, cuts: list[int], chunk: int = CHUNK) -> tuple[dict, bytes]:
+    out = io.BytesIO()
+    writer = HashingWriter(out, chunk)
+    for begin, end in zip([0, *cuts], [*cuts, len(data)]):
+        writer.write(data[begin:end])
+    entry = {"size": writer.size, "sha256": writer.hexdigest()}
+    if writer.chunk_digests():
+        entry.update(chunk_size=writer.chunk_bytes, chunks=writer.chunk_digests())
+    return entry, out.getvalue()
 
 
 @pytest.mark.parametrize("size, cuts", [
@@ -55,37 +42,16 @@ RING = staged.STAGE_BYTES * staged.STAGE_BUFFERS
     (1000, [1, 999]),
     (CHUNK, []),  # exactly one chunk: the plain sha256 of the bytes
     (CHUNK + 1, []),
-    (3 * CHUNK + 12345, []),
+    (3 * CHUNK + 12345, []),  # one large write cut at the chunk boundaries, hashed in parallel
     (3 * CHUNK + 12345, [7, CHUNK - 3, CHUNK + (1 << 20) + 5, 2 * CHUNK, 2 * CHUNK + 1]),  # pieces that straddle
-    (2 * CHUNK + 99, list(range(100_000, 2 * CHUNK, 700_001))),  # small writes only
-    (STAGE, []),  # exactly one staging buffer: no tail
-    (RING + STAGE + CHUNK + 5, [STAGE - 1, STAGE + 1, RING - 4096, RING + 3]),  # every buffer reused, a short tail
-    (2 * RING, [RING // 3]),  # a whole number of rings
+    (2 * CHUNK + 99, list(range(100_000, 2 * CHUNK, 700_001))),  # small writes only (hashed inline)
 ])
-def test_the_digests_are_the_ones_the_spec_defines_however_the_bytes_arrive(tmp_path, size, cuts):
-    data = random_bytes(size)
-    entry, on_disk, direct = written_entry(tmp_path / "file", data, cuts)
+def test_the_digests_are_the_ones_the_spec_defines_however_the_bytes_arrive(size, cuts):
+    data = bytes((i * 7 + i // 4099) & 0xFF for i in range(size)) if size < 4096 else \
+        torch.randint(0, 256, (size,), generator=torch.Generator().manual_seed(size), dtype=torch.uint8).numpy().tobytes()
+    entry, on_disk = written_entry(data, cuts)
     assert on_disk == data
     assert entry == expected_entry(data)
-    if size < staged.DIRECT_MIN:
-        assert not direct  # a small file goes through the page cache
-
-
-def test_around_the_page_cache_or_through_it_the_file_and_its_digests_are_the_same(tmp_path):
-    data = random_bytes(STAGE * 2 + CHUNK + 4097)
-    around, around_bytes, _ = written_entry(tmp_path / "direct", data, [STAGE + 3])
-    through, through_bytes, buffered = written_entry(tmp_path / "buffered", data, [STAGE + 3], size_hint=0)
-    assert not buffered
-    assert around == through == expected_entry(data) and around_bytes == through_bytes == data
-
-
-def test_a_write_that_fails_on_the_writer_thread_raises_its_error_to_the_caller(tmp_path):
-    (tmp_path / "full").symlink_to("/dev/full")  # every write: ENOSPC
-    with pytest.raises(OSError) as raised:
-        with StagedFile(tmp_path / "full", size_hint=0) as out:
-            out.write(random_bytes(STAGE * (staged.STAGE_BUFFERS + 1)))  # the ring wraps: waits on a failed write
-            out.finish()
-    assert raised.value.errno == errno.ENOSPC
 
 
 def test_a_dump_with_a_large_file_is_version_3_and_lists_the_digests_of_its_bytes(tmp_path, helpers):
