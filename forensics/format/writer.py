@@ -22,6 +22,7 @@ from forensics.format.stale import remove_stale_temporaries, temporary_name
 from forensics.format.digest import HashingWriter
 from forensics.format.tensors import safetensors_bytes, write_safetensors
 from forensics.format.tree import encode_tree
+from forensics.format.writeback import EarlyWriteback
 from forensics.rng import RngState
 
 log = logging.getLogger(__name__)
@@ -97,8 +98,9 @@ class _DumpDir:
         for key, value in values.items():
             tensors[key], shards[key] = shard_entry(value)
         with open(self.path / name, "wb", buffering=16 * 1024 * 1024) as handle:
-            out = HashingWriter(handle)
-            write_safetensors(out, tensors)
+            with EarlyWriteback(handle) as early:
+                out = HashingWriter(early)
+                write_safetensors(out, tensors)
             self._record(name, out, handle)
         self.shards[name] = shards
 
