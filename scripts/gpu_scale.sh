@@ -4,7 +4,7 @@
 # fsdp1b / fsdp7b = the FSDP2 bf16 Llama example of 1.06 B / 6.74 B parameters on 2 GPUs: each rank's dump stall,
 # then the one-GPU replay of the step against cat and one pass, then (dump deleted, the disk being 128 GB) 2 raw
 # writers of one rank's bytes each at once: the stall's baseline. JSON per row in OUTDIR; summaries on stdout.
-# Usage (repo root, .whl carried): ROWS="fsdp7b" bash scripts/gpu_scale.sh OUTDIR
+# Usage (repo root, .whl carried): ROWS="fsdp7b" bash scripts/gpu_scale.sh OUTDIR   (RAW=0: no raw baseline)
 set -uo pipefail
 out=${1:-/tmp/gpu_scale}; mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
@@ -30,7 +30,7 @@ for row in ${ROWS:-fsdp7b}; do
         >> "$out/$row.log" 2>&1 || { failed=1; tail -30 "$out/$row.log"; }
       gb=$(du -sb "$step_dir"/rank-00001 | awk '{print $1 / 1e9}')
       rm -rf "$d/$row"
-      python3 -m scripts.bench.replay_scale --raw-only "$gb" --ranks 2 --dir "$d" | tee -a "$out/$row.log" ;;
+      [ "${RAW:-1}" = 1 ] && python3 -m scripts.bench.replay_scale --raw-only "$gb" --ranks 2 --dir "$d" | tee -a "$out/$row.log" ;;
     *) echo "unknown row $row"; failed=1 ;;
   esac
   [ -f "$out/$row.json" ] && python3 -c "import json,sys; r=json.load(open(sys.argv[1])); r.pop('stages', None); print(json.dumps(r))" "$out/$row.json"

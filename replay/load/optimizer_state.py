@@ -41,11 +41,15 @@ class DumpOptimizerState(Mapping):
         self.scalars = scalars
         self.device = device
         self.names = list(dict.fromkeys([*scalars, *dump.optimizer_shapes()]))
+        self._known, self._with_tensors = set(self.names), set(dump.optimizer_shapes())
         self._ahead: dict[str, Future] = {}
         self._reader: ThreadPoolExecutor | None = None
 
+    def __contains__(self, name: object) -> bool:  # Mapping's own would read the tensors to answer
+        return name in self._known
+
     def __getitem__(self, name: str) -> dict[str, Any]:
-        if name not in self.scalars and name not in self.dump.optimizer_shapes():
+        if name not in self._known:
             raise KeyError(name)
         ahead = self._ahead.pop(name, None)
         tensors = ahead.result() if ahead is not None else self.dump.optimizer_tensors(name, self.device)
@@ -53,7 +57,7 @@ class DumpOptimizerState(Mapping):
 
     def read_ahead(self, name: str) -> None:
         """Starts reading `name`'s tensors (the next `[name]` takes them); READ_AHEAD parameters at most are held."""
-        if name in self._ahead or name not in self.dump.optimizer_shapes() or len(self._ahead) >= READ_AHEAD:
+        if name in self._ahead or name not in self._with_tensors or len(self._ahead) >= READ_AHEAD:
             return
         if self._reader is None:
             self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forensics-optimizer-read")
@@ -83,6 +87,9 @@ class _WithoutMasters(Mapping):
 
     def __init__(self, raw: Mapping):
         self.raw = raw
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.raw
 
     def __getitem__(self, name: str) -> dict[str, Any]:
         return {k: v for k, v in self.raw[name].items() if k != MASTER_KEY}

@@ -66,6 +66,7 @@ if mode == "replay":
     out["load_s"] = (after - loading) if after else None
     out["stages"] = [[round(t - start, 3), m[:80]] for t, m in marks]
     out["verdict"] = report["verdict"]["kind"]
+    out["culprits"] = [s["sample_id"] for s in (report.get("culprit") or {}).get("samples") or []]
     out["passes"] = report["timings"]["passes"]
 else:
     session = load_session(open_dump(dump, rank=rank), device=device)
@@ -245,7 +246,7 @@ def main() -> None:
         load_vs_cat=round(cat / replay["load_s"], 3) if replay["load_s"] else None,
         passes=replay["passes"], one_pass_s=round(one_pass["one_pass_s"], 4),
         replay_to_verdict_s=round(replay["replay_s"], 3), floor_s=round(floor, 3),
-        replay_vs_floor=round(replay["replay_s"] / floor, 3), verdict=replay["verdict"],
+        replay_vs_floor=round(replay["replay_s"] / floor, 3), verdict=replay["verdict"], culprits=replay["culprits"],
         gpu_peak_gb=replay["gpu_peak_gb"] and round(replay["gpu_peak_gb"], 2),
         stage_gpu_peak_gb=replay.get("stage_gpu_peak_gb"),
         gpu_total_gb=round(torch.cuda.get_device_properties(torch.device(args.device)).total_memory / 2**30, 1)
