@@ -2,7 +2,7 @@
 
 Importing torch, torch._dynamo (every torch optimizer imports it) and transformers creates millions of objects that
 all live on; the collector's full passes walk every one of them again and again while they are created, and find
-almost nothing to free (0.5-0.6 s of a demo replay's start on the 2-core CPU dev machine, BENCHMARKS.md). Reference
+almost nothing to free (0.4-0.5 s of a demo replay's start on the 2-core CPU dev machine, BENCHMARKS.md). Reference
 counting still frees everything at once while paused; only objects in reference cycles wait until the collector
 runs again. The collector's state is restored afterwards, so a caller that had it off keeps it off.
 """
