@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import os
 import stat
+import threading
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -191,6 +192,7 @@ class Dump:
         self._handles: dict[str, Any] = {}
         self._optimizer_indexes: dict[spec.StateFiles, dict] = {}
         self._verifiers: dict[str, ChunkVerifier] = {}
+        self._open_lock = threading.RLock()
         self.set_aside: dict[str, str] = {}
         """Listed files found damaged and left out (forensics.format.verify.set_aside_damaged): the dump reads as one
         without them. File name -> why."""
@@ -517,10 +519,11 @@ class Dump:
         verified while it is read: its header and each tensor only once the chunks holding them matched."""
         from forensics.format.tensors import SafetensorsFile
 
-        if name not in self._handles:
-            check = self._range_check(name)
-            self._handles[name] = SafetensorsFile(self._listed(name)[0], name, check)
-        return self._handles[name]
+        with self._open_lock:  # the replay reads optimizer state ahead on another thread
+            if name not in self._handles:
+                check = self._range_check(name)
+                self._handles[name] = SafetensorsFile(self._listed(name)[0], name, check)
+            return self._handles[name]
 
     def optimizer_state(self, files: spec.StateFiles = spec.PRE_STEP_STATE) -> dict | None:
         """The whole optimizer state at once (`{"class", "param_groups", "state": {name: {key: value}}}`); replay

@@ -200,7 +200,7 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
         cls = optimizer_class(opt_meta["class"], trust)
         try:
             snapshot = OptimizerSnapshot(cls, [dict(g) for g in opt_meta["param_groups"]],
-                                         DumpOptimizerState(dump, opt_meta["state"]))
+                                         DumpOptimizerState(dump, opt_meta["state"], device))
             snapshot.check(model)  # fail now, with a clear error, if state and model do not match
         except (TypeError, ValueError, KeyError, IndexError, RuntimeError, OverflowError) as exc:
             raise DumpCorruptError(f"the dump's optimizer state does not rebuild a {cls.__name__} for this model "
