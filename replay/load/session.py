@@ -16,6 +16,7 @@ import torch
 
 from forensics.errors import DumpCorruptError, DumpError, RecipeError
 from forensics.format import spec
+from forensics.gc_pause import gc_paused
 from forensics.kinds import TriggerKind
 from forensics.thirdparty import is_persistent_buffer, own_buffers, put_buffer, put_parameter
 from forensics.trigger import Trigger
@@ -148,6 +149,7 @@ def training_script(dump: Any) -> TrainingScript:
                           dump.read_file(spec.MAIN_SCRIPT, spec.MAX_MAIN_SCRIPT))
 
 
+@gc_paused()  # the model's libraries import and its state loads: forensics.gc_pause
 def load_session(dump: Any, *, device: str | torch.device | None = None, trust: bool = False,
                  factory: str | None = None, loss: str | None = None,
                  sys_path: tuple[str, ...] | list[str] = (), weights: bool = True) -> ReplaySession:
