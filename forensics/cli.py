@@ -275,11 +275,14 @@ def _progress(stage: str) -> None:
 def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_path, out, blocklist, from_checkpoint,
            from_step, no_window, no_bisect, no_remedies, no_rng_check, as_json, trackers, tensorboard_dir, shard_dirs, **limits) -> None:
     """Replay the failing step of DUMP offline, localise it, bisect the samples, print the verdict."""
-    from forensics.format import open_step
-    from forensics.catalog import default_report_dir, note_report
-    from forensics.report import render_verdict_text, write_blocklist, write_report_files
-    from forensics.report.write import BLOCKLIST_NAME, blocklist_ids
-    from replay.engine import ReplayOptions, run_replay
+    from forensics.gc_pause import gc_paused
+
+    with gc_paused():  # torch imports here: forensics.gc_pause
+        from forensics.format import open_step
+        from forensics.catalog import default_report_dir, note_report
+        from forensics.report import render_verdict_text, write_blocklist, write_report_files
+        from forensics.report.write import BLOCKLIST_NAME, blocklist_ids
+        from replay.engine import ReplayOptions, run_replay
 
     outputs = {"-o": out or Path("forensics_reports"), **({"--blocklist": blocklist} if blocklist else {})}
     _refuse_writing_into(dump, outputs)

@@ -22,7 +22,7 @@ import torch
 
 from forensics.errors import DumpError, is_out_of_memory
 from forensics.format import open_dump, open_step
-from forensics.format.verify import finish_verifying, set_aside_damaged
+from forensics.format.verify import finish_verifying, set_aside_damaged, verify_the_rest
 from forensics.format.limits import ArchiveLimits
 from forensics.kinds import HistoryPattern, Phase, TriggerKind
 from forensics.report.model import to_json_safe
@@ -180,6 +180,7 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
             checkpoint, hint = (load_checkpoint(options.from_checkpoint), None) if options.from_checkpoint \
                 else dump_snapshot(dump, options.window or bool(dump.state_missing), options.trust)
             session = _load(dump, options, weights=not (dump.state_missing and checkpoint is not None))
+            verify_the_rest(dump)
             if checkpoint is not None:
                 return _checked(dump, _window_replay(dump, session, checkpoint, options, progress, dump_info,
                                                      started))

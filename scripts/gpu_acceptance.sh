@@ -24,7 +24,7 @@ step() {
   echo "== $name"
   local code=0 start=$SECONDS
   "$@" >"$out/$name.log" 2>&1 || code=$?
-  grep -E "forensics-example|forensics-job|Verdict|VERDICT|OK:|scenarios give|passed|failed|GB/s|waited|^\{" \
+  grep -E "forensics-example|forensics-job|Verdict|VERDICT|OK:|scenarios give|passed|failed|GB/s|waited|^\{|^guarded|^precursors" \
     "$out/$name.log" | cut -c1-300 | tail -12 || true
   if [ "$code" -ne "$expected" ]; then
     echo "FAILED: $name exited $code, expected $expected"; tail -25 "$out/$name.log"; failed=1
@@ -85,7 +85,10 @@ fi
 rm -rf $d/fsdp1b $d/z3llama
 # 7. every planted-fault scenario captured and replayed on cuda:0
 step scenarios_cuda 0 python3 -m scripts.check_scenarios --device cuda:0 --json "$out/scenarios.json"
-# 8. the precursor monitor's cost on a healthy GPU step (GPT-2 small, bf16, fused AdamW)
+# 8. a divergence provoked by the learning rate (nothing planted) on cuda:0: the precursor dump comes >= 10 steps
+#    before the non-finite step and its replay names a block; then the monitor's cost on a healthy GPU step (GPT-2
+#    small, bf16, fused AdamW)
+step precursor_divergence 0 python3 tests/capture/precursor_divergence_job.py $d/pdiv --device cuda:0
 step precursor_bench 0 timeout 150 python3 -m scripts.bench.precursor_overhead --rounds 3 --steps 8
 # 9. the write benchmark (forensics vs torch.save vs raw, cuda)
 step dump_write_bench 0 python3 -m scripts.bench.dump_write --dir /tmp --rounds 3 --device cuda:0

@@ -39,6 +39,7 @@ def follow_remedies(block: RemediesBlock, runner: StepRunner, followup: Followup
             logger.warning("remedy %s could not be carried over the following steps: %s", row["kind"], exc)
             row["following"] = {"tested": False, "note": f"could not be run ({type(exc).__name__}: {str(exc)[:160]})"}
         finally:
+            runner.weights_changed()  # the fix was carried over by stepping the model itself
             runner.reset()
     block["tested"].sort(key=lambda r: (r.get("healthy") is not True,
                                         (r.get("following") or {}).get("healthy") is False,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,22 +24,53 @@ from forensics.errors import ReplayError
 
 logger = logging.getLogger(__name__)
 
+READ_AHEAD = 1
+"""Parameters whose optimizer state DumpOptimizerState.read_ahead holds at most (the largest is a few GB)."""
+
 MASTER_KEY = "fp32_master"
 """Per-parameter optimizer-state key of DeepSpeed's fp32 master weight (capture/integrations/deepspeed.py)."""
 
 
 class DumpOptimizerState(Mapping):
-    """A dump's optimizer state by parameter name, read one parameter at a time when asked (never all at once)."""
+    """A dump's optimizer state by parameter name, read one parameter at a time when asked (never all at once),
+    onto `device`; `read_ahead(name)` starts reading a parameter's state on a background thread, so stepping one
+    parameter overlaps reading the next (a 7B model's AdamW moments are 54 GB)."""
 
-    def __init__(self, dump: Any, scalars: dict[str, dict]):
+    def __init__(self, dump: Any, scalars: dict[str, dict], device: str | torch.device = "cpu"):
         self.dump = dump
         self.scalars = scalars
+        self.device = device
         self.names = list(dict.fromkeys([*scalars, *dump.optimizer_shapes()]))
+        self._known, self._with_tensors = set(self.names), set(dump.optimizer_shapes())
+        self._ahead: dict[str, Future] = {}
+        self._reader: ThreadPoolExecutor | None = None
+
+    def __contains__(self, name: object) -> bool:  # Mapping's own would read the tensors to answer
+        return name in self._known
 
     def __getitem__(self, name: str) -> dict[str, Any]:
-        if name not in self.scalars and name not in self.dump.optimizer_shapes():
+        if name not in self._known:
             raise KeyError(name)
-        return {**self.scalars.get(name, {}), **self.dump.optimizer_tensors(name)}
+        ahead = self._ahead.pop(name, None)
+        tensors = ahead.result() if ahead is not None else self.dump.optimizer_tensors(name, self.device)
+        return {**self.scalars.get(name, {}), **tensors}
+
+    def read_ahead(self, name: str) -> None:
+        """Starts reading `name`'s tensors (the next `[name]` takes them); READ_AHEAD parameters at most are held."""
+        if name in self._ahead or name not in self._with_tensors or len(self._ahead) >= READ_AHEAD:
+            return
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forensics-optimizer-read")
+        self._ahead[name] = self._reader.submit(self.dump.optimizer_tensors, name, self.device)
+
+    def drop_read_ahead(self) -> None:
+        """Forgets what was read ahead and not taken (an optimizer check that stopped early)."""
+        ahead, self._ahead = self._ahead, {}
+        for future in ahead.values():
+            future.cancel()
+        for future in ahead.values():
+            if not future.cancelled():
+                future.exception()  # waits; a read that failed here is read again, and fails, when asked for
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
@@ -55,6 +87,9 @@ class _WithoutMasters(Mapping):
 
     def __init__(self, raw: Mapping):
         self.raw = raw
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.raw
 
     def __getitem__(self, name: str) -> dict[str, Any]:
         return {k: v for k, v in self.raw[name].items() if k != MASTER_KEY}
@@ -98,10 +133,12 @@ class OptimizerSnapshot:
     def class_path(self) -> str:
         return f"{self.cls.__module__}.{self.cls.__qualname__}"
 
-    def build(self, model: torch.nn.Module, names: list[str] | None = None,
+    def build(self, model: torch.nn.Module | Mapping[str, torch.nn.Parameter], names: list[str] | None = None,
               hyper: dict[str, Any] | None = None) -> torch.optim.Optimizer:
-        """`hyper`: hyper-parameters to change in every group (a counterfactual: {"lr": ...}, {"eps": 1e-8})."""
-        named = dict(model.named_parameters())
+        """`model`: the module whose parameters the optimizer steps, or {name: parameter} (stand-ins of the
+        module's parameters: replay.localize.update steps copies). `hyper`: hyper-parameters to change in every
+        group (a counterfactual: {"lr": ...}, {"eps": 1e-8})."""
+        named = dict(model.named_parameters()) if isinstance(model, torch.nn.Module) else dict(model)
         wanted = set(named) if names is None else set(names)
         groups, saved_groups, saved_state, index = [], [], {}, 0
         for group in self.param_groups:
@@ -113,8 +150,9 @@ class OptimizerSnapshot:
             groups.append({**settings, "params": [named[n] for n in members]})
             ids = []
             for name in members:
-                if name in self.state:
-                    saved_state[index] = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                if name in self.state:  # a dump's state is read afresh for each build: no copy needed
+                    fresh = isinstance(self._raw, DumpOptimizerState)
+                    saved_state[index] = {k: (v.clone() if isinstance(v, torch.Tensor) and not fresh else v)
                                           for k, v in self.state[name].items()}
                 ids.append(index)
                 index += 1
@@ -178,6 +216,16 @@ class OptimizerSnapshot:
                                            for k, v in optimizer.state[p].items()}
             groups.append({**hyper, "params": group_names})
         return cls(type(optimizer), groups, state)
+
+    def read_ahead(self, name: str) -> None:
+        """Starts reading parameter `name`'s state in the background, when it comes from a dump (a later build of
+        it takes it); nothing for a state in memory."""
+        if isinstance(self._raw, DumpOptimizerState):
+            self._raw.read_ahead(name)
+
+    def drop_read_ahead(self) -> None:
+        if isinstance(self._raw, DumpOptimizerState):
+            self._raw.drop_read_ahead()
 
     def hyper_of(self, name: str) -> dict:
         """Hyper-parameters of the group holding parameter `name` ({} when none does)."""

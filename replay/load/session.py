@@ -16,6 +16,7 @@ import torch
 
 from forensics.errors import DumpCorruptError, DumpError, RecipeError
 from forensics.format import spec
+from forensics.gc_pause import gc_paused
 from forensics.kinds import TriggerKind
 from forensics.thirdparty import is_persistent_buffer, own_buffers, put_buffer, put_parameter
 from forensics.trigger import Trigger
@@ -148,6 +149,7 @@ def training_script(dump: Any) -> TrainingScript:
                           dump.read_file(spec.MAIN_SCRIPT, spec.MAX_MAIN_SCRIPT))
 
 
+@gc_paused()  # the model's libraries import and its state loads: forensics.gc_pause
 def load_session(dump: Any, *, device: str | torch.device | None = None, trust: bool = False,
                  factory: str | None = None, loss: str | None = None,
                  sys_path: tuple[str, ...] | list[str] = (), weights: bool = True) -> ReplaySession:
@@ -198,7 +200,7 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
         cls = optimizer_class(opt_meta["class"], trust)
         try:
             snapshot = OptimizerSnapshot(cls, [dict(g) for g in opt_meta["param_groups"]],
-                                         DumpOptimizerState(dump, opt_meta["state"]))
+                                         DumpOptimizerState(dump, opt_meta["state"], device))
             snapshot.check(model)  # fail now, with a clear error, if state and model do not match
         except (TypeError, ValueError, KeyError, IndexError, RuntimeError, OverflowError) as exc:
             raise DumpCorruptError(f"the dump's optimizer state does not rebuild a {cls.__name__} for this model "

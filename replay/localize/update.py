@@ -59,7 +59,7 @@ def localize_optimizer(runner: StepRunner, samples: list[SampleRef] | None = Non
             for step in step_each_parameter(runner.model, snapshot):
                 if step.broke:
                     broken.append(step.name)
-                    explanations[step.name] = explain_update(step.name, step.param.grad, step.pre,
+                    explanations[step.name] = explain_update(step.name, step.param.grad, step.pre_state(),
                                                              dict(step.optimizer.state.get(step.param, {})),
                                                              snapshot.hyper_of(step.name))
         except Exception as exc:  # noqa: BLE001 - e.g. LBFGS wants a closure; the check is an extra
@@ -81,8 +81,9 @@ class ParameterStep:
 
     name: str
     param: torch.nn.Parameter
-    pre: dict
-    """Its optimizer state before the step (copies)."""
+    """A copy of the model's parameter, stepped (the model's own is untouched), its `grad` the model's."""
+    snapshot: Any
+    """The pre-step optimizer (OptimizerSnapshot) the step was built from."""
     optimizer: torch.optim.Optimizer
     broke: bool
     """Finite before the update, non-finite after."""
@@ -90,6 +91,11 @@ class ParameterStep:
     """|update|^2 (squared L2 norm of the change of this parameter)."""
     size_sq: float
     """|weight|^2 before the update."""
+
+    def pre_state(self) -> dict:
+        """Its optimizer state before the step, read again from the snapshot (kept by nobody while stepping: the
+        largest parameter's AdamW moments are a GB on the device)."""
+        return dict(self.snapshot.state[self.name]) if self.name in self.snapshot.state else {}
 
     @property
     def relative_change(self) -> float:
@@ -99,23 +105,35 @@ class ParameterStep:
 
 def step_each_parameter(model: torch.nn.Module, snapshot: Any, hyper: dict | None = None) -> Iterator[ParameterStep]:
     """Steps a fresh copy of the pre-step optimizer (with `hyper` changed, if given) on the model's current
-    gradients, one parameter at a time, so only one parameter's optimizer state is in memory at a time.
-    Elementwise and per-tensor optimizers (Adam, AdamW, SGD, Adagrad, ...) update each parameter
-    independently, so this is the whole step's update. Raises what the optimizer's step raises."""
+    gradients, one parameter at a time, so only one parameter's optimizer state is in memory at a time (and the
+    next one's, read ahead). Elementwise and per-tensor optimizers (Adam, AdamW, SGD, Adagrad, ...) update each
+    parameter independently, so this is the whole step's update. Each step moves a copy of the parameter (the
+    yielded `param`): the model's weights stay the pre-step ones, so the replay need not re-read them. Raises
+    what the optimizer's step raises."""
     stepped = {name for group in snapshot.param_groups for name in group["params"]}
-    for name, param in model.named_parameters():
-        if name not in stepped or param.grad is None:
-            continue
-        before = param.detach().clone()
-        finite_before = not any_nonfinite([before])[0]
-        optimizer = snapshot.build(model, [name], hyper)
-        pre = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in optimizer.state.get(param, {}).items()}
-        optimizer.step()
-        after = param.detach()
-        broke = finite_before and any_nonfinite([after])[0]
-        moved = float(torch.linalg.vector_norm((after - before).float())) ** 2
-        size = float(torch.linalg.vector_norm(before.float())) ** 2
-        yield ParameterStep(name, param, pre, optimizer, broke, moved, size)
+    order = [(name, param) for name, param in model.named_parameters() if name in stepped and param.grad is not None]
+    try:
+        for position, (name, param) in enumerate(order):
+            if position + 1 < len(order):
+                snapshot.read_ahead(order[position + 1][0])
+            yield _step_copy(name, param, snapshot, hyper)
+    finally:
+        snapshot.drop_read_ahead()
+
+
+def _step_copy(name: str, param: torch.nn.Parameter, snapshot: Any, hyper: dict | None) -> ParameterStep:
+    """One parameter's update, on a copy of it (step_each_parameter)."""
+    before = param.detach()
+    copy = torch.nn.Parameter(before.clone(), requires_grad=param.requires_grad)
+    copy.grad = param.grad
+    finite_before = not any_nonfinite([before])[0]
+    optimizer = snapshot.build({name: copy}, [name], hyper)
+    optimizer.step()
+    after = copy.detach()
+    broke = finite_before and any_nonfinite([after])[0]
+    moved = float(torch.linalg.vector_norm((after - before).float())) ** 2
+    size = float(torch.linalg.vector_norm(before.float())) ** 2
+    return ParameterStep(name, copy, snapshot, optimizer, broke, moved, size)
 
 
 def _has_bad(value: Any) -> bool:

@@ -238,9 +238,9 @@ class StepRunner:
         flags = any_nonfinite(p.detach() for _, p in self.model.named_parameters())
         self.nonfinite_params = [n for n, bad in zip(self.param_names, flags) if bad]
         self.passes = 0
-        self._untouched: dict[str, tuple] | None = None
-        """Large model reset from the dump: each parameter's (storage, dtype, version) as reset() left it, by name,
-        while only passes that cannot change the weights ran since; None: reload everything."""
+        self._untouched: dict[str, tuple] | None = self._fingerprints()
+        """Large model reset from the dump: each parameter's (storage, dtype, version) as the load or the last
+        reset() left it, by name; None: reload everything (weights_changed())."""
         self._warned_autocast = False
         self._warned_unrunnable = False
 
@@ -263,14 +263,26 @@ class StepRunner:
                 model.load_state_dict(self._initial, strict=False)
         for p in model.parameters():
             p.grad = None
+        self._untouched = self._fingerprints()
+
+    def weights_changed(self) -> None:
+        """Code outside run() that may have written the weights without a trace (an optimizer of the dump's class
+        stepping the model through `.data`, which no version counter sees) calls this: the next reset() re-reads
+        every parameter."""
         self._untouched = None
+
+    def _fingerprints(self) -> dict[str, tuple] | None:
+        if self._reload is None:
+            return None
+        return {name: _fingerprint(p) for name, p in self.model.named_parameters(remove_duplicate=False)}
 
     def _stale(self, live: dict[str, torch.Tensor]) -> set[str]:
         """What reset() must re-read from the dump: every buffer (a forward in train mode moves BatchNorm's
-        statistics) and each parameter unless it is provably as the last reset left it (a 7B model's weights
-        are 28 GB to re-read per pass otherwise): only run()s without kept gradients or fp32 casts ran since
-        (nothing can step the weights without gradients), and its storage, dtype and in-place version
-        counter are unchanged."""
+        statistics) and each parameter unless it is provably as the load or the last reset left it (a 7B model's
+        weights are 27 GB to re-read otherwise): its storage, dtype, shape and in-place version counter are
+        unchanged. Passes, their gradients and the optimizer checks (which step copies of the parameters:
+        replay.localize.update.step_each_parameter) leave the weights alone; an fp32 pass's casts change the
+        storage; code that steps the model itself calls weights_changed()."""
         untouched = self._untouched or {}
         return {name for name, tensor in live.items() if untouched.get(name) != _fingerprint(tensor)}
 
@@ -352,8 +364,6 @@ class StepRunner:
         """
         session = self.session
         self.reset()
-        untouched = {name: _fingerprint(p) for name, p in self.model.named_parameters(remove_duplicate=False)} \
-            if self._reload is not None and not fp32 and not keep_grads else None
         self._start_pass(fp32)
         scale = None
         if session.scaler_enabled and not fp32:
@@ -384,7 +394,6 @@ class StepRunner:
                 p.grad = None
         if fp32:
             self.reset()
-        self._untouched = untouched  # the pass read the weights and left no gradient to step them with
         return result
 
     def _start_pass(self, fp32: bool) -> None:

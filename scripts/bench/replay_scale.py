@@ -38,7 +38,8 @@ from replay.engine import ReplayOptions, run_replay
 from replay.load.session import load_session
 from replay.run.execute import StepRunner
 from forensics.format import open_dump
-mode, dump, device = sys.argv[1:4]
+mode, dump, device, rank = sys.argv[1:5]
+rank = int(rank) if rank != "-" else None
 cuda = device.startswith("cuda")
 if cuda:
     torch.cuda.set_device(torch.device(device))
@@ -47,18 +48,28 @@ def sync():
         torch.cuda.synchronize()
 out = {}
 if mode == "replay":
-    marks = []
+    marks, peaks = [], []
+    def mark(message):  # each stage's own GPU peak: the peak since the previous stage began
+        if cuda:
+            peaks.append(torch.cuda.max_memory_allocated() / 2**30)
+            torch.cuda.reset_peak_memory_stats()
+        marks.append((time.perf_counter(), message))
     start = time.perf_counter()
-    report = run_replay(dump, ReplayOptions(device=device), progress=lambda m: marks.append((time.perf_counter(), m)))
+    report = run_replay(dump, ReplayOptions(device=device, rank=rank), progress=mark)
     out["replay_s"] = time.perf_counter() - start
+    if cuda:
+        peaks.append(torch.cuda.max_memory_allocated() / 2**30)
+        out["gpu_peak_gb"] = max(peaks)
+        out["stage_gpu_peak_gb"] = [round(p, 2) for p in peaks[1:]]  # [i]: during stage i (marks[i] to the next)
     loading = next((t for t, m in marks if m.startswith("loading")), start)
     after = next((t for t, m in marks if t > loading and not m.startswith("loading")), None)
     out["load_s"] = (after - loading) if after else None
     out["stages"] = [[round(t - start, 3), m[:80]] for t, m in marks]
     out["verdict"] = report["verdict"]["kind"]
+    out["culprits"] = [s["sample_id"] for s in (report.get("culprit") or {}).get("samples") or []]
     out["passes"] = report["timings"]["passes"]
 else:
-    session = load_session(open_dump(dump), device=device)
+    session = load_session(open_dump(dump, rank=rank), device=device)
     runner = StepRunner(session)
     times = []
     for _ in range(4):
@@ -70,7 +81,7 @@ else:
         times.append(time.perf_counter() - t)
     out["one_pass_s"] = statistics.median(times[1:])
 out["peak_rss_gb"] = peak_rss_gb()
-out["gpu_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+out.setdefault("gpu_peak_gb", torch.cuda.max_memory_allocated() / 2**30 if cuda else None)
 print(json.dumps(out))
 """
 
@@ -135,10 +146,10 @@ def write_dump(args, directory: Path) -> tuple[Path, float]:
     return Path(path), stall
 
 
-def raw_write(directory: Path, nbytes: int) -> float:
+def raw_write(directory: Path, nbytes: int, name: str = "raw.bin") -> float:
     """os.write of `nbytes` from host memory (a 64 MiB buffer, reused) into one file, then fsync."""
     buffer = memoryview(os.urandom(64 << 20))
-    path = directory / "raw.bin"
+    path = directory / name
     start = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -153,6 +164,17 @@ def raw_write(directory: Path, nbytes: int) -> float:
     return seconds
 
 
+def raw_write_ranks(directory: Path, nbytes: int, ranks: int) -> float:
+    """`ranks` raw writers of `nbytes` each at once (threads: os.write and fsync release the GIL), as the ranks of a
+    multi-GPU job on one host write their dumps; the wall time until the last one is done."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(ranks) as pool:
+        list(pool.map(lambda r: raw_write(directory, nbytes, f"raw-{r}.bin"), range(ranks)))
+    return time.perf_counter() - start
+
+
 def cat_warm(files: list[Path]) -> float:
     for _ in range(2):  # the second one is timed: warm page cache, as a replay right after a dump sees it
         start = time.perf_counter()
@@ -160,8 +182,9 @@ def cat_warm(files: list[Path]) -> float:
     return time.perf_counter() - start
 
 
-def probe(mode: str, dump: Path, device: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", PROBE, mode, str(dump), device], capture_output=True, text=True,
+def probe(mode: str, dump: Path, device: str, rank: int | None) -> dict:
+    done = subprocess.run([sys.executable, "-c", PROBE, mode, str(dump), device, "-" if rank is None else str(rank)],
+                          capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(),
                                                                                       os.environ.get("PYTHONPATH")]))})
     if done.returncode != 0:
@@ -174,6 +197,8 @@ def main() -> None:
     parser.add_argument("--dump", help="replay this dump instead of writing one")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the dump is written")
     parser.add_argument("--device", default="cpu", help="cpu, cuda:N")
+    parser.add_argument("--rank", type=int, help="with --dump of a step directory: the rank to replay (default: the "
+                                                 "one the replay picks)")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--intermediate", type=int, default=0, help="default 8/3 x hidden")
@@ -181,6 +206,10 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4, help="samples per micro-batch")
     parser.add_argument("--micro", type=int, default=2, help="micro-batches in the step")
+    parser.add_argument("--raw-only", type=float, metavar="GB",
+                        help="only time --ranks raw writers of this many GB each at once (the baseline of a "
+                             "multi-GPU job's dump stall, measured beside it)")
+    parser.add_argument("--ranks", type=int, default=1, help="with --raw-only: writers at once")
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args()
     import torch
@@ -188,6 +217,11 @@ def main() -> None:
     from scripts.bench.common import machine
 
     result: dict = {"machine": machine(), "device": args.device}
+    if args.raw_only:
+        seconds = raw_write_ranks(Path(args.dir), int(args.raw_only * 1e9), args.ranks)
+        result.update(raw_gb_each=args.raw_only, ranks=args.ranks, raw_write_s=round(seconds, 3))
+        print(json.dumps(result))
+        return
     if args.dump:
         dump = Path(args.dump)
     else:
@@ -203,8 +237,8 @@ def main() -> None:
         raw = raw_write(dump.parent, nbytes)
         result.update(raw_write_s=round(raw, 3), write_stall_vs_raw=round(result["write_stall_s"] / raw, 3))
     cat = cat_warm(files)
-    replay = probe("replay", dump, args.device)
-    one_pass = probe("pass", dump, args.device)
+    replay = probe("replay", dump, args.device, args.rank)
+    one_pass = probe("pass", dump, args.device, args.rank)
     floor = cat + replay["passes"] * one_pass["one_pass_s"]
     result.update(
         cat_warm_s=round(cat, 3), cat_gb_s=round(nbytes / 1e9 / cat, 3),
@@ -212,8 +246,9 @@ def main() -> None:
         load_vs_cat=round(cat / replay["load_s"], 3) if replay["load_s"] else None,
         passes=replay["passes"], one_pass_s=round(one_pass["one_pass_s"], 4),
         replay_to_verdict_s=round(replay["replay_s"], 3), floor_s=round(floor, 3),
-        replay_vs_floor=round(replay["replay_s"] / floor, 3), verdict=replay["verdict"],
+        replay_vs_floor=round(replay["replay_s"] / floor, 3), verdict=replay["verdict"], culprits=replay["culprits"],
         gpu_peak_gb=replay["gpu_peak_gb"] and round(replay["gpu_peak_gb"], 2),
+        stage_gpu_peak_gb=replay.get("stage_gpu_peak_gb"),
         gpu_total_gb=round(torch.cuda.get_device_properties(torch.device(args.device)).total_memory / 2**30, 1)
         if args.device.startswith("cuda") else None,
         replay_peak_rss_gb=round(replay["peak_rss_gb"], 2), stages=replay["stages"])

@@ -36,7 +36,9 @@ def tiny_gpt2(seed: int = 0):
 
 SIZES = {  # Llama shapes for --size: hidden, intermediate, layers, heads, vocabulary
     "tiny": (EMBD, 2 * EMBD, 2, 2, VOCAB),
+    "small": (512, 1408, 4, 8, 32000),  # 45 M parameters: a sharded dump of a few hundred MB on a CPU
     "1b": (2048, 5632, 18, 16, 32000),  # 1.06 B parameters
+    "7b": (4096, 11008, 32, 32, 32000),  # 6.74 B parameters (Llama-2-7B's shape)
 }
 
 

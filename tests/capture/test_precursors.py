@@ -1,69 +1,28 @@
-"""The precursor monitor on a real divergence: a tiny GPT-2 (random init, no QK-norm) trained with SGD + momentum
-at learning rate 1.0 on learnable token sequences diverges by itself — nothing planted — and the monitor dumps a
+"""The precursor monitor on a real divergence (tests/capture/precursor_divergence_job.py): a tiny GPT-2 (random init,
+no QK-norm) trained with SGD + momentum at learning rate 1.0 on learnable token sequences diverges by itself —
+nothing planted — and the monitor dumps a
 `precursor` step at least 10 steps before the loss or gradients go non-finite, naming the layer whose statistic
 rose first. The same model at a sane learning rate fires nothing."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from forensics_test_helpers import load_test_module
 
-from capture import Guard, GuardConfig, PrecursorConfig, SpikeConfig
+from capture import Guard, GuardConfig, PrecursorConfig
 from capture.precursor_stats import find_blocks
-from forensics.errors import TrainingFaultError
 from forensics.format import open_dump, verify_dump
 from forensics.kinds import PrecursorStatistic, TriggerKind, VerdictKind
 from forensics.report import render_markdown
 from forensics.report.plots import plot_precursors
 from replay.engine import ReplayOptions, run_replay
 
-STEPS = 140  # the run at lr 1.0 goes non-finite near step 115 (seeded, one thread); the healthy one never does
-
-
-def gpt2():
-    from transformers import GPT2LMHeadModel
-
-    from forensics.demo.models import gpt2_config
-
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(gpt2_config(n_layer=3, n_embd=32, n_head=2))
-
-
-def batches(steps: int):
-    """Learnable sequences start + stride * t (mod vocabulary): the model fits them, so its logits grow."""
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        start, stride = torch.randint(1, 64, (8, 1), generator=gen), torch.randint(1, 6, (8, 1), generator=gen)
-        yield {"input_ids": (start + stride * torch.arange(16)) % 63 + 1}
-
-
-def train(tmp_path, lr: float, steps: int = STEPS):
-    model = gpt2()
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    off = SpikeConfig(enabled=False)
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="diverging", loss_spike=off,
-                                                       grad_norm_spike=off, precursors=PrecursorConfig()))
-    nonfinite_at = None
-    try:
-        for step, batch in enumerate(batches(steps)):
-            guard.record_batch(batch)
-            loss = model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
-            guard.record_loss(loss)
-            loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf)
-            if nonfinite_at is None and not (math.isfinite(float(loss.detach())) and math.isfinite(float(norm))):
-                nonfinite_at = step
-            if guard.check(grad_norm=norm):
-                optimizer.step()
-            optimizer.zero_grad()
-    except TrainingFaultError:
-        pass
-    finally:
-        guard.close()
-    return guard, nonfinite_at
-
+_job = load_test_module("forensics_precursor_divergence_job", Path(__file__).with_name("precursor_divergence_job.py"))
+AHEAD, batches, gpt2, train = _job.AHEAD, _job.batches, _job.gpt2, _job.train
 
 @pytest.fixture(scope="module")
 def diverged(tmp_path_factory):
@@ -89,7 +48,7 @@ def test_a_provoked_divergence_is_dumped_as_a_precursor_ten_steps_ahead_naming_t
     assert len(precursor) == 1  # PrecursorConfig.max_dumps
     dump = open_dump(precursor[0])
     assert verify_dump(precursor[0]).ok
-    assert dump.step <= nonfinite_at - 10
+    assert dump.step <= nonfinite_at - AHEAD
     table = dump.precursors()
     assert table["steps"][-1] == dump.step and len(table["values"]) == len(table["steps"])
     report = run_replay(precursor[0], ReplayOptions(device="cpu"))

@@ -121,11 +121,14 @@ def test_a_version_1_dump_of_the_old_writer_replays_to_the_same_verdict(tmp_path
 
 
 def test_a_reset_from_the_dump_rereads_only_what_a_pass_may_have_changed(tmp_path, helpers, kit, monkeypatch):
-    """A large model is reset from the dump before every pass; a pass that kept no gradients cannot have moved
-    the weights, so only the buffers are read again; after an update (kept gradients, an in-place step) every
-    weight is, and the weights are the pre-step ones again."""
+    """A large model is reset from the dump before every pass (a 7B model's weights are 27 GB to re-read). Passes,
+    their kept gradients, an fp32 pass of an fp32 model and the optimizer check (it steps copies) leave the weights
+    alone: no weight is read again, and the weights are the pre-step ones, bit for bit. An in-place update is
+    seen by the version counters; a write through `.data` (no version bump) by code that says so
+    (weights_changed): every weight is read again."""
     from forensics.format import open_dump
     from replay.load.session import load_session
+    from replay.localize.update import step_each_parameter
     from replay.run import execute
 
     monkeypatch.setattr(execute, "RELOAD_MIN_BYTES", 0)
@@ -138,20 +141,32 @@ def test_a_reset_from_the_dump_rereads_only_what_a_pass_may_have_changed(tmp_pat
             reads.append(name)
             yield name, tensor
 
+    def same_as_pre_step() -> bool:
+        return all(torch.equal(pre_step[k], v) for k, v in session.model.state_dict().items())
+
     session.pre_step_weights = counted
     runner = execute.StepRunner(session)
     params = {n for n, _ in session.model.named_parameters(remove_duplicate=False)}
     first = runner.run()
-    reads.clear()
     second = runner.run()
+    runner.run(keep_grads=True)
+    steps = list(step_each_parameter(session.model, session.optimizer))
+    assert steps and any(not torch.equal(s.param, session.model.get_parameter(s.name)) for s in steps)  # copies moved
+    runner.run(fp32=True)
+    runner.reset()
     assert not params & set(reads)  # buffers only (this model has none)
     assert str(first.losses) == str(second.losses) and str(first.grad_norm) == str(second.grad_norm)  # NaN too
+    assert same_as_pre_step()
 
-    runner.run(keep_grads=True)
     with torch.no_grad():
         for p in session.model.parameters():
-            p.add_(1.0)  # an update
-    reads.clear()
+            p.add_(1.0)  # an in-place update
     runner.reset()
-    assert params <= set(reads)
-    assert all(torch.equal(pre_step[k], v) for k, v in session.model.state_dict().items())
+    assert params <= set(reads) and same_as_pre_step()
+
+    reads.clear()
+    for p in session.model.parameters():
+        p.data.add_(1.0)  # an optimizer of the dump's class writing through .data: no version counter moves
+    runner.weights_changed()
+    runner.reset()
+    assert params <= set(reads) and same_as_pre_step()

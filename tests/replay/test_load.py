@@ -165,18 +165,12 @@ def test_deepspeed_fp32_master_is_set_aside_and_a_bf16_model_gets_a_working_opti
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
-def test_the_model_is_built_on_meta_and_streamed_with_tied_weights_kept_tied(tmp_path, helpers):
-    """The replay builds parameters on the meta device (no random init) and streams the dump's tensors into
-    them: GPT-2's tied lm_head / wte stay one parameter, and every weight equals the job's bit for bit."""
-    import torch
-
-    from forensics.format import open_dump
-    from replay.load.session import load_session
+def _nan_step_dump(tmp_path, model) -> str:
+    """The Guard's dump of one AdamW step of a GPT-2 whose loss is NaN."""
     from capture import Guard, GuardConfig
 
-    model = helpers.make_gpt2(dropout=0.0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="tied", on_nonfinite="skip"))
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="nan", on_nonfinite="skip"))
     ids = torch.randint(0, 64, (2, 8))
     guard.record_batch({"input_ids": ids, "labels": ids, "sample_ids": ["a", "b"]})
     loss = model(input_ids=ids, labels=ids).loss * float("nan")
@@ -184,7 +178,17 @@ def test_the_model_is_built_on_meta_and_streamed_with_tied_weights_kept_tied(tmp
     loss.backward()
     guard.check()
     guard.close()
-    session = load_session(open_dump(guard.dumps[0]), device="cpu")
+    return guard.dumps[0]
+
+
+def test_the_model_is_built_on_meta_and_streamed_with_tied_weights_kept_tied(tmp_path, helpers):
+    """The replay builds parameters on the meta device (no random init) and streams the dump's tensors into
+    them: GPT-2's tied lm_head / wte stay one parameter, and every weight equals the job's bit for bit."""
+    from forensics.format import open_dump
+    from replay.load.session import load_session
+
+    model = helpers.make_gpt2(dropout=0.0)
+    session = load_session(open_dump(_nan_step_dump(tmp_path, model)), device="cpu")
     replayed = session.model
     assert replayed.lm_head.weight is replayed.transformer.wte.weight
     assert not any(p.is_meta for p in replayed.parameters())
@@ -231,3 +235,41 @@ def test_a_buffer_derived_from_a_parameter_at_init_falls_back_to_a_normal_build(
 
 def _derived_loss(model, batch):
     return model(batch["x"])
+
+
+def test_loading_runs_no_garbage_collection_and_gives_the_collector_back_as_it_was(tmp_path, helpers):
+    """A replay's start (the model's libraries import, the dump's state loads) runs with the cyclic garbage
+    collector paused (forensics.gc_pause): no collection walks the new objects again and again. Afterwards the
+    collector is on again; a caller that had turned it off finds it off; a load that fails gives it back too."""
+    import gc
+
+    from forensics.format import open_dump
+    from replay.load.session import load_session
+
+    dump = open_dump(_nan_step_dump(tmp_path, helpers.make_gpt2(dropout=0.0)))
+    collections = []
+    gc.callbacks.append(lambda phase, info: collections.append(info["generation"]) if phase == "start" else None)
+    thresholds = gc.get_threshold()
+    try:
+        gc.collect()  # counts start at 0: no collection is due before load_session begins
+        collections.clear()
+        gc.set_threshold(50)  # unpaused, the load would collect every 50 new objects: hundreds of times
+        try:
+            session = load_session(dump, device="cpu")
+        finally:
+            gc.set_threshold(*thresholds)
+        during = list(collections)
+        assert gc.isenabled()
+        gc.disable()
+        try:
+            load_session(dump, device="cpu")
+            assert not gc.isenabled()
+        finally:
+            gc.enable()
+        with pytest.raises(RecipeError):
+            load_session(dump, device="cpu", factory="forensics_no_such_module:build")
+        assert gc.isenabled()
+    finally:
+        gc.callbacks.pop()
+    # at most the one pass over the young objects as the collector comes back
+    assert len(during) <= 1 and session.model is not None
