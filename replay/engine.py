@@ -489,8 +489,9 @@ def _per_sample(runner: StepRunner, refs: list[SampleRef], culprits: list[Sample
     runner.reset()
     model.train()
     try:
-        return per_sample_stats(model, chosen, run_one, before_each=before_each,
-                                batches=session.micro_batches, loss_fn=loss_fn)
+        with runner.job_precision():  # an FSDP2 bf16 job's samples in bf16, as the step ran them
+            return per_sample_stats(model, chosen, run_one, before_each=before_each,
+                                    batches=session.micro_batches, loss_fn=loss_fn)
     finally:
         runner.reset()
 

@@ -304,6 +304,13 @@ class StepRunner:
                 self._warned_autocast = True
             return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
 
+    def job_precision(self, fp32: bool = False) -> ContextManager:
+        """Within: the model computes in the dtypes the job's FSDP2 units did (replay/load/fsdp_precision.py); nothing
+        for a job without FSDP2 mixed precision, or with fp32=True. Autocast is autocast_context's."""
+        if fp32 or not self.session.fsdp_units:
+            return contextlib.nullcontext()
+        return fsdp_compute(self.model, self.session.fsdp_units)
+
     def restore_rng(self, index: int) -> None:
         """Puts back the RNG state recorded right before micro-batch `index`'s forward."""
         from forensics.rng import restore_rng
@@ -417,8 +424,7 @@ class StepRunner:
                 warnings.simplefilter("always")
                 if options.anomaly:  # its "Anomaly Detection has been enabled" warning is expected here
                     stack.enter_context(torch.autograd.detect_anomaly(check_nan=options.anomaly_check_nan))
-                if session.fsdp_units and not options.fp32:  # compute in the dtypes the job's FSDP2 units did
-                    stack.enter_context(fsdp_compute(self.model, session.fsdp_units))
+                stack.enter_context(self.job_precision(options.fp32))
                 for i in range(len(session.micro_batches)):
                     if selected is not None and i not in selected:
                         done.losses.append(None)

@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from forensics.cli import main
@@ -55,6 +56,20 @@ def test_an_fsdp2_bf16_job_is_replayed_in_its_own_precision_bit_for_bit(harness,
     assert report["reproduced"] is True and report["fidelity"]["bitwise_equal"] is True, report["fidelity"]
     assert report["precision"]["fsdp_param_dtype"] == "bfloat16" and report["precision"]["fp32_reproduces"] is True
     assert [s["sample_id"] for s in report["culprit"]["samples"]] == [harness.POISON]
+
+    # the per-sample rows too run each sample in the units' bf16 (not in the fp32 weights'), and the weights come back
+    from forensics.format import open_dump
+    from replay.load.session import load_session
+    from replay.run.execute import StepRunner
+
+    session = load_session(open_dump(str(step_dir), rank=1), device="cpu")
+    runner, seen = StepRunner(session), []
+    attention = session.model.transformer.h[0].attn.c_attn
+    handle = attention.register_forward_pre_hook(lambda module, args: seen.append(module.weight.dtype))
+    rows = engine._per_sample(runner, session.sample_refs, [], 64)
+    handle.remove()
+    assert len(rows) == len(session.sample_refs) and set(seen) == {torch.bfloat16}
+    assert {p.dtype for p in session.model.parameters()} == {torch.float32}
 
 
 def test_ddp_ranks_split_the_writing_of_replicated_state(harness, tmp_path, reference):
