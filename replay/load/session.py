@@ -18,7 +18,7 @@ from forensics.errors import DumpCorruptError, DumpError, RecipeError
 from forensics.format import spec
 from forensics.gc_pause import gc_paused
 from forensics.kinds import TriggerKind
-from forensics.thirdparty import is_persistent_buffer, own_buffers, put_buffer, put_parameter
+from forensics.thirdparty import is_persistent_buffer, own_buffers, put_buffer, put_parameter, tensor_version
 from forensics.trigger import Trigger
 from replay.load.environment import dtype_from_name, environment_warnings, resolve_device, to_device
 from replay.load.fsdp_precision import FsdpUnit, compute_dtype, parse_units
@@ -73,6 +73,9 @@ class ReplaySession:
     pre_step_weights: Callable[..., Iterator[tuple[str, torch.Tensor]]] | None = None
     """Re-reads the pre-step weights from the dump (pread, tensor by tensor, onto `device`; `names=`: only those):
     a large model is reset from the dump instead of from a copy held in memory (replay.run.execute.StepRunner)."""
+    loaded_weights: dict[str, tuple] | None = None
+    """Each parameter's weight_fingerprints() right after pre_step_weights put it in place: a weight whose
+    fingerprint is still this one holds the dump's pre-step values (StepRunner re-reads only the others)."""
     followup: Any = None
     """Window replay: the recorded steps after this one (replay.run.window.Followup), over which the remedies are
     carried (replay/judge/remedy_followup.py); None otherwise."""
@@ -230,10 +233,18 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
         expect_bitwise=_expect_bitwise(env_warnings, device, manifest.get("determinism") or {}),
         capture_environment=dict(manifest.get("environment") or {}),
         pre_step_weights=lambda names=None: dump.iter_model_tensors(device, names=names),
+        loaded_weights=weight_fingerprints(model) if weights else None,
         world_size=int(getattr(dump, "world_size", None) or manifest.get("world_size") or 1),
         fsdp_units=parse_units(precision.get("fsdp")),
         positional_ids=frozenset(i for i, meta in enumerate(dump.micro_batches_meta)
                                  if meta.get("ids_are_positional") or not meta.get("sample_ids")))
+
+
+def weight_fingerprints(model: torch.nn.Module) -> dict[str, tuple]:
+    """{parameter name (tied ones under each name): what changes when its values may have: its storage, dtype,
+    shape and in-place version counter}."""
+    return {name: (p.data_ptr(), p.dtype, tuple(p.shape), tensor_version(p))
+            for name, p in model.named_parameters(remove_duplicate=False)}
 
 
 def _expect_bitwise(env_warnings: list[str], device: torch.device, determinism: dict) -> bool:

@@ -22,10 +22,9 @@ import torch
 from forensics.errors import ForensicsError, ReplayError, is_out_of_memory
 from forensics.grad_norm import total_grad_norm
 from forensics.kinds import Phase, TriggerKind
-from forensics.thirdparty import tensor_version
 from replay.load.fsdp_precision import fsdp_compute
 from replay.load.samples import SampleRef
-from replay.load.session import ReplaySession, finite_float
+from replay.load.session import ReplaySession, finite_float, weight_fingerprints
 
 logger = logging.getLogger(__name__)
 
@@ -204,11 +203,6 @@ def _copy_would_crowd_gpu(need: int, device: torch.device) -> bool:
     return need > free // 2
 
 
-def _fingerprint(tensor: torch.Tensor) -> tuple:
-    """What changes when a tensor's values may have: its storage, dtype, shape or in-place version counter."""
-    return tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor_version(tensor)
-
-
 class StepRunner:
     """Re-executes the session's step as often as asked, always from the pre-step weights.
 
@@ -238,9 +232,9 @@ class StepRunner:
         flags = any_nonfinite(p.detach() for _, p in self.model.named_parameters())
         self.nonfinite_params = [n for n, bad in zip(self.param_names, flags) if bad]
         self.passes = 0
-        self._untouched: dict[str, tuple] | None = self._fingerprints()
-        """Large model reset from the dump: each parameter's (storage, dtype, version) as the load or the last
-        reset() left it, by name; None: reload everything (weights_changed())."""
+        self._untouched: dict[str, tuple] | None = session.loaded_weights if self._reload is not None else None
+        """Large model reset from the dump: each parameter's fingerprint (replay.load.session.weight_fingerprints)
+        as the load or the last reset() left it, by name; None: reload everything (weights_changed())."""
         self._warned_autocast = False
         self._warned_unrunnable = False
 
@@ -272,9 +266,7 @@ class StepRunner:
         self._untouched = None
 
     def _fingerprints(self) -> dict[str, tuple] | None:
-        if self._reload is None:
-            return None
-        return {name: _fingerprint(p) for name, p in self.model.named_parameters(remove_duplicate=False)}
+        return weight_fingerprints(self.model) if self._reload is not None else None
 
     def _stale(self, live: dict[str, torch.Tensor]) -> set[str]:
         """What reset() must re-read from the dump: every buffer (a forward in train mode moves BatchNorm's
@@ -284,7 +276,8 @@ class StepRunner:
         replay.localize.update.step_each_parameter) leave the weights alone; an fp32 pass's casts change the
         storage; code that steps the model itself calls weights_changed()."""
         untouched = self._untouched or {}
-        return {name for name, tensor in live.items() if untouched.get(name) != _fingerprint(tensor)}
+        now = weight_fingerprints(self.model)
+        return {name for name in live if untouched.get(name) != now.get(name, name)}
 
     def _live_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return list(self.model.named_parameters()) + list(self.model.named_buffers())

@@ -121,7 +121,8 @@ def test_a_version_1_dump_of_the_old_writer_replays_to_the_same_verdict(tmp_path
 
 
 def test_a_reset_from_the_dump_rereads_only_what_a_pass_may_have_changed(tmp_path, helpers, kit, monkeypatch):
-    """A large model is reset from the dump before every pass (a 7B model's weights are 27 GB to re-read). Passes,
+    """A large model is reset from the dump before every pass (a 7B model's weights are 27 GB to re-read): only a
+    weight changed since the load is read at the first reset. Passes,
     their kept gradients, an fp32 pass of an fp32 model and the optimizer check (it steps copies) leave the weights
     alone: no weight is read again, and the weights are the pre-step ones, bit for bit. An in-place update is
     seen by the version counters; a write through `.data` (no version bump) by code that says so
@@ -145,9 +146,13 @@ def test_a_reset_from_the_dump_rereads_only_what_a_pass_may_have_changed(tmp_pat
         return all(torch.equal(pre_step[k], v) for k, v in session.model.state_dict().items())
 
     session.pre_step_weights = counted
-    runner = execute.StepRunner(session)
     params = {n for n, _ in session.model.named_parameters(remove_duplicate=False)}
+    with torch.no_grad():
+        session.model.get_parameter(sorted(params)[0]).mul_(2.0)  # changed after the load, before the runner
+    runner = execute.StepRunner(session)
     first = runner.run()
+    assert set(reads) & params == {sorted(params)[0]} and same_as_pre_step()  # the load's own weights: not re-read
+    reads.clear()
     second = runner.run()
     runner.run(keep_grads=True)
     steps = list(step_each_parameter(session.model, session.optimizer))
