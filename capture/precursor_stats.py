@@ -132,7 +132,6 @@ class StepStatistics:
             params = [p for p in block.parameters() if p.requires_grad]
             self._params += params
             owners += [index] * len(params)
-        self._owners = owners
         self._owner = torch.tensor(owners, dtype=torch.long, device=self.device)
         self._neg_inf = torch.full((max(len(self.columns), 1),), -math.inf, device=self.device)
         self._zero = torch.zeros((), device=self.device)

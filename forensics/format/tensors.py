@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
 import torch
@@ -191,17 +193,11 @@ READ_PIECE = 32 << 20
 """A tensor larger than this is read in pieces of this size by several threads: one thread's copy out of the page
 cache runs at a fraction of what the memory and the disk give (a 7B model's 0.5 GB embedding, its AdamW moments)."""
 
-_READERS: list = []
 
-
-def _reader_pool():
+@functools.cache
+def _reader_pool() -> ThreadPoolExecutor:
     """The threads that read large tensors' pieces (one pool per process, made on first use)."""
-    if not _READERS:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _READERS.append(ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
-                                           thread_name_prefix="forensics-read"))
-    return _READERS[0]
+    return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="forensics-read")
 
 
 class SafetensorsFile:

@@ -133,8 +133,8 @@ def _read_late(name: str) -> bool:
     """An optimizer state file: replay reads it last, if at all (the optimizer checks), so its chunks are hashed
     after the model's (verify_the_rest) instead of competing with the load for the cores: a 7B model's AdamW
     moments are twice its weights."""
-    return name in (spec.OPTIMIZER_TENSORS, spec.SNAPSHOT_STATE.optimizer_tensors) \
-        or name.endswith("-" + spec.OPTIMIZER_TENSORS)  # a buddy copy of another rank's (spec.copy_file_name)
+    return name == spec.OPTIMIZER_TENSORS or name.endswith("-" + spec.OPTIMIZER_TENSORS)  # the host snapshot's, a
+    # buddy copy of another rank's (spec.SNAPSHOT_STATE, spec.copy_file_name)
 
 
 def verify_the_rest(dump: Dump) -> None:

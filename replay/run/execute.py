@@ -275,9 +275,8 @@ class StepRunner:
         unchanged. Passes, their gradients and the optimizer checks (which step copies of the parameters:
         replay.localize.update.step_each_parameter) leave the weights alone; an fp32 pass's casts change the
         storage; code that steps the model itself calls weights_changed()."""
-        untouched = self._untouched or {}
-        now = weight_fingerprints(self.model)
-        return {name for name in live if untouched.get(name) != now.get(name, name)}
+        untouched, now = self._untouched or {}, weight_fingerprints(self.model)
+        return {name for name in live if name not in now or untouched.get(name) != now[name]}  # buffers: not in now
 
     def _live_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return list(self.model.named_parameters()) + list(self.model.named_buffers())
