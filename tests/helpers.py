@@ -59,6 +59,20 @@ def default_loss_fn(ignore: tuple = ("sample_ids",)) -> Callable:
     return lambda model, batch: default_loss(model, batch, ignore)
 
 
+def guarded_step(guard, optimizer, batch, loss_of: Callable[[Any], torch.Tensor], scheduler=None) -> None:
+    """One step of the loop README shows, one micro-batch, no clipping: record_batch, the loss, record_loss, backward,
+    the optimizer step only when check() says so (then the scheduler's), zero_grad."""
+    guard.record_batch(batch)
+    loss = loss_of(batch)
+    guard.record_loss(loss)
+    loss.backward()
+    if guard.check():
+        optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad()
+
+
 @dataclass
 class StepLog:
     """What the loop saw at one optimizer step, taken right before `guard.check()`."""

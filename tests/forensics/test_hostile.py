@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import zstandard
 from click.testing import CliRunner
+from forensics_test_helpers import guarded_step
 
 import forensics.format.reader as reader_module
 from forensics.cli import main
@@ -668,13 +669,8 @@ def chunked_dump(tmp_path_factory) -> Path:
                 embeds[1, 2, 5] = float("inf")
             batch = {"inputs_embeds": embeds, "labels": torch.randint(0, 16384, (2, 8)),
                      "sample_ids": [f"s{step}-0", f"s{step}-1"]}
-            guard.record_batch(batch)
-            loss = model(inputs_embeds=batch["inputs_embeds"], labels=batch["labels"]).loss
-            guard.record_loss(loss)
-            loss.backward()
-            if guard.check():
-                optimizer.step()
-            optimizer.zero_grad()
+            guarded_step(guard, optimizer, batch,
+                         lambda b: model(inputs_embeds=b["inputs_embeds"], labels=b["labels"]).loss)
     guard.close()
     return guard.dumps[0]
 

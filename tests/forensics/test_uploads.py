@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from forensics_test_helpers import guarded_step
 
 from capture import Guard, GuardConfig
 from forensics.cli import main
@@ -27,13 +28,8 @@ def _crash(tmp_path, **config) -> Guard:
         x = torch.randn(4, 3)
         if step == 2:
             x[1, 0] = float("nan")
-        guard.record_batch({"x": x, "sample_ids": [f"s{step}-{i}" for i in range(4)]})
-        loss = model(x).pow(2).mean()
-        guard.record_loss(loss)
-        loss.backward()
-        if guard.check():
-            optimizer.step()
-        optimizer.zero_grad()
+        guarded_step(guard, optimizer, {"x": x, "sample_ids": [f"s{step}-{i}" for i in range(4)]},
+                     lambda batch: model(batch["x"]).pow(2).mean())
     guard.close()
     assert len(guard.dumps) == 1
     return guard

@@ -10,6 +10,7 @@ import logging
 import torch
 import transformers
 from click.testing import CliRunner
+from forensics_test_helpers import guarded_step
 
 from capture import Guard, GuardConfig
 from forensics.cli import main
@@ -37,13 +38,9 @@ def _train(tmp_path, **config):
         ids = torch.randint(0, 64, (8, 12), generator=data)  # token 99 never appears ...
         if step == BAD_STEP:
             ids[5, 7] = BAD_TOKEN  # ... except in one sample of step 4
-        guard.record_batch({"input_ids": ids, "labels": ids, "sample_ids": [f"doc-{step}-{i}" for i in range(8)]})
-        loss = model(input_ids=ids, labels=ids).loss
-        guard.record_loss(loss)
-        loss.backward()
-        if guard.check():
-            optimizer.step()
-        optimizer.zero_grad()
+        guarded_step(guard, optimizer, {"input_ids": ids, "labels": ids,
+                                        "sample_ids": [f"doc-{step}-{i}" for i in range(8)]},
+                     lambda batch: model(input_ids=batch["input_ids"], labels=batch["labels"]).loss)
     guard.close()
     return guard
 

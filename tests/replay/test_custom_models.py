@@ -11,6 +11,7 @@ import textwrap
 import pytest
 import torch
 from click.testing import CliRunner
+from forensics_test_helpers import guarded_step
 
 from capture import Guard, GuardConfig
 from capture.recipe import build_recipe
@@ -57,14 +58,8 @@ def _train(module, tmp_path, loss_fn=None, recipe=None):
         x, y = torch.randn(8, 3), torch.randn(8, 1)
         if step == 2:
             x[5] = float("inf")
-        batch = {"x": x, "y": y, "sample_ids": [f"row-{step * 8 + i}" for i in range(8)]}
-        guard.record_batch(batch)
-        loss = module.mse(model, batch)
-        guard.record_loss(loss)
-        loss.backward()
-        if guard.check():
-            optimizer.step()
-        optimizer.zero_grad()
+        guarded_step(guard, optimizer, {"x": x, "y": y, "sample_ids": [f"row-{step * 8 + i}" for i in range(8)]},
+                     lambda batch: module.mse(model, batch))
     guard.close()
     assert len(guard.dumps) == 1
     return guard.dumps[0]

@@ -9,6 +9,7 @@ import json
 import torch
 import transformers
 from click.testing import CliRunner
+from forensics_test_helpers import guarded_step
 
 from capture import Guard, GuardConfig, SpikeConfig
 from forensics.cli import main
@@ -26,13 +27,8 @@ def test_a_spike_in_a_run_that_diverged_long_ago_blames_no_sample(tmp_path):
     data = torch.Generator().manual_seed(1)
     for step in range(120):
         ids = torch.randint(0, 64, (8, 16), generator=data)
-        guard.record_batch({"input_ids": ids, "labels": ids, "sample_ids": [f"s{step}-{i}" for i in range(8)]})
-        loss = model(input_ids=ids, labels=ids).loss
-        guard.record_loss(loss)
-        loss.backward()
-        if guard.check():
-            optimizer.step()
-        optimizer.zero_grad()
+        guarded_step(guard, optimizer, {"input_ids": ids, "labels": ids, "sample_ids": [f"s{step}-{i}" for i in range(8)]},
+                     lambda batch: model(input_ids=batch["input_ids"], labels=batch["labels"]).loss)
         if guard.dumps:
             break
     guard.close()

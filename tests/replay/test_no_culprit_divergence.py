@@ -14,6 +14,7 @@ import torch
 import transformers
 from click.testing import CliRunner
 from torch.utils.data import DataLoader
+from forensics_test_helpers import guarded_step
 
 from capture import Guard, GuardConfig, SpikeConfig
 from forensics.cli import main
@@ -43,15 +44,7 @@ def train_sgd_lr50(job, tmp_path: Path, warmup: bool) -> Path:
     batches = iter(DataLoader(job.make_dataset(400), batch_size=8))
     with pytest.raises(TrainingFaultError) as fault:
         for _ in range(40):
-            batch = next(batches)
-            guard.record_batch(batch)
-            loss = job.mse_loss(model, batch)
-            guard.record_loss(loss)
-            loss.backward()
-            if guard.check():
-                optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
+            guarded_step(guard, optimizer, next(batches), lambda batch: job.mse_loss(model, batch), scheduler)
     guard.close()
     return fault.value.dump_path
 
@@ -138,13 +131,7 @@ def test_a_nan_in_one_samples_input_is_that_sample_with_or_without_bisection(job
     dataset.dataset.x[22, 3] = float("nan")  # step 5, row 2
     with pytest.raises(TrainingFaultError) as fault:
         for batch in DataLoader(dataset, batch_size=4):
-            guard.record_batch(batch)
-            loss = job.mse_loss(model, batch)
-            guard.record_loss(loss)
-            loss.backward()
-            if guard.check():
-                optimizer.step()
-            optimizer.zero_grad()
+            guarded_step(guard, optimizer, batch, lambda b: job.mse_loss(model, b))
     guard.close()
     out = tmp_path / "report"
     args = ["replay", str(fault.value.dump_path), "--device", "cpu", "--trust", "--path", str(HERE), "-o", str(out),
