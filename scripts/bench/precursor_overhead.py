@@ -10,7 +10,9 @@ multiple of PrecursorConfig.every so each timing holds the same number of sample
 over rounds and the ratio against `guarded` of the same rounds. Then, per mode, the operators dispatched per step
 beyond `guarded`'s (views left out: on a GPU each of the others is about one kernel launch; a `_foreach` op is one
 launch per few dozen tensors), averaged over `every` steps.
-Usage: python -m scripts.bench.precursor_overhead [--rounds 5] [--steps 8]
+--profile: then, under torch.profiler, `every` steps of `guarded` and of `precursors_every_step`: the operators whose
+device time (CUDA kernels; CPU time on a CPU) grew most per step — where a sampled step's cost goes.
+Usage: python -m scripts.bench.precursor_overhead [--rounds 5] [--steps 8] [--profile]
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     size, batch, seq = ("small", 4, 1024) if device == "cuda" else ("tiny", 4, 128)
@@ -102,6 +105,39 @@ def main() -> None:
     for mode, values in times.items():
         print(f"{mode:<36} {median(values) * 1e3:9.2f} ms {median(values) / base:7.3f} "
               f"{ops[mode] - ops['guarded']:15.1f}")
+    if args.profile:
+        profiled = {mode: device_time_per_op(lambda g: [step(g) for _ in range(every)], fresh(MODES[mode]), device,
+                                             every) for mode in ("guarded", "precursors_every_step")}
+        print_profile_difference(*profiled.values())
+
+
+def device_time_per_op(run, guard: Guard, device: str, steps: int) -> dict[str, tuple[float, float]]:
+    """{operator: (calls per step, device microseconds per step)} of `run(guard)` under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    run(guard)  # warm
+    with profile(activities=activities) as prof:
+        run(guard)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    guard.close()
+    table = {}
+    for event in prof.key_averages():
+        micros = event.self_device_time_total if device == "cuda" else event.self_cpu_time_total
+        table[event.key] = (event.count / steps, micros / steps)
+    return table
+
+
+def print_profile_difference(base: dict[str, tuple[float, float]], other: dict[str, tuple[float, float]]) -> None:
+    total = {name: sum(t for _, t in table.values()) for name, table in (("base", base), ("other", other))}
+    print(f"profile: device time per step {total['base'] / 1e3:.2f} ms guarded, "
+          f"{total['other'] / 1e3:.2f} ms sampled ({(total['other'] - total['base']) / 1e3:+.2f} ms)")
+    grown = sorted(((other.get(k, (0, 0))[1] - base.get(k, (0, 0))[1], k) for k in set(base) | set(other)),
+                   reverse=True)
+    print(f"{'operator':<48} {'extra us/step':>13} {'extra calls':>11}")
+    for extra, key in grown[:20]:
+        calls = other.get(key, (0, 0))[0] - base.get(key, (0, 0))[0]
+        print(f"{key[:48]:<48} {extra:13.1f} {calls:11.1f}")
 
 
 if __name__ == "__main__":
