@@ -75,11 +75,13 @@ def foreach_copy(destinations: list[torch.Tensor], sources: list[torch.Tensor]) 
         destination.copy_(source)
 
 
-def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each tensor's L2 norm, as 0-d tensors on its device, in one fused kernel per device and dtype.
+def foreach_norm(tensors: list[torch.Tensor], ord: float = 2) -> list[torch.Tensor]:
+    """Each tensor's `ord` norm (2, 1 or math.inf: the abs-max), as 0-d tensors on its device, in one fused kernel
+    per device and dtype on CUDA (a CPU runs it tensor by tensor).
 
-    torch >= 1.13: `torch._foreach_norm`; checked on torch 2.13 (CPU)."""
-    return list(torch._foreach_norm(tensors))
+    torch >= 1.13: `torch._foreach_norm` (ord=inf on CUDA's fused path from 2.1); checked on torch 2.13 (CPU) and
+    2.11 (CUDA)."""
+    return list(torch._foreach_norm(tensors, ord))
 
 
 def foreach_mul_(tensors: list[torch.Tensor], other: Any) -> None:

@@ -24,7 +24,7 @@ step() {
   echo "== $name"
   local code=0 start=$SECONDS
   "$@" >"$out/$name.log" 2>&1 || code=$?
-  grep -E "forensics-example|forensics-job|Verdict|VERDICT|OK:|scenarios give|passed|failed|GB/s|waited|^\{|^guarded|^precursors|^profile|^aten" \
+  grep -E "forensics-example|forensics-job|Verdict|VERDICT|OK:|scenarios give|passed|failed|GB/s|waited|^\{|^guarded|^precursors|^profile|^aten|^guarded step" \
     "$out/$name.log" | cut -c1-300 | tail -12 || true
   if [ "$code" -ne "$expected" ]; then
     echo "FAILED: $name exited $code, expected $expected"; tail -25 "$out/$name.log"; failed=1
@@ -89,7 +89,7 @@ step scenarios_cuda 0 python3 -m scripts.check_scenarios --device cuda:0 --json 
 #    before the non-finite step and its replay names a block; then the monitor's cost on a healthy GPU step (GPT-2
 #    small, bf16, fused AdamW)
 step precursor_divergence 0 python3 tests/capture/precursor_divergence_job.py $d/pdiv --device cuda:0
-step precursor_bench 0 timeout 300 python3 -m scripts.bench.precursor_overhead --rounds 5 --steps 16 --profile
+step precursor_bench 0 timeout 300 python3 -m scripts.bench.precursor_overhead --rounds 5 --steps 32 --profile
 # 9. the write benchmark (forensics vs torch.save vs raw, cuda)
 step dump_write_bench 0 python3 -m scripts.bench.dump_write --dir /tmp --rounds 3 --device cuda:0
 echo "--- summary ($(cat "$out/date.txt"))"; cat "$out/summary.txt"

@@ -189,21 +189,31 @@ def iter_safetensors_file(path, name: str, device) -> "Iterator[tuple[str, torch
 
 _DTYPES_BY_CODE = {code: dtype for dtype, code in _DTYPE_NAMES.items()}
 
-READ_PIECE = 32 << 20
-"""A tensor larger than this is read in pieces of this size by several threads: one thread's copy out of the page
-cache runs at a fraction of what the memory and the disk give (a 7B model's 0.5 GB embedding, its AdamW moments)."""
+READ_PIECE_MIN = 2 << 20
+"""A tensor larger than this is read by several threads at once, in up to READ_THREADS pieces of at least this size:
+one thread's copy out of the page cache runs at a fraction of what the memory and the disk give, and a model's
+tensors are mostly of a few to a few hundred MB (a 0.7B Llama's attention weights 16 MB each)."""
+
+READ_THREADS = min(8, os.cpu_count() or 1)
+
+
+def read_pieces(nbytes: int) -> list[tuple[int, int]]:
+    """[begin, end) byte ranges that split a tensor of `nbytes` among the reader threads."""
+    count = max(1, min(READ_THREADS, nbytes // READ_PIECE_MIN))
+    step = -(-nbytes // count)
+    return [(start, min(nbytes, start + step)) for start in range(0, nbytes, step)] if nbytes else []
 
 
 @functools.cache
 def _reader_pool() -> ThreadPoolExecutor:
     """The threads that read large tensors' pieces (one pool per process, made on first use)."""
-    return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="forensics-read")
+    return ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="forensics-read")
 
 
 class SafetensorsFile:
     """A safetensors file read tensor by tensor with `pread`, never memory-mapped: on the CPU each tensor is read
-    straight into its own memory, for a device through one pinned (CUDA) staging buffer of that tensor's size,
-    so the host holds at most one tensor beyond what the caller keeps.
+    straight into its own memory, for a device through a pinned (CUDA) staging buffer of that tensor's size whose
+    copy to the device overlaps the next read, so the host holds about two tensors beyond what the caller keeps.
 
     The header is checked before anything is allocated: its size, every entry's dtype, shape and byte range
     (inside the file, matching numel x item size, no two overlapping). The file is checksummed already, or
@@ -256,7 +266,7 @@ class SafetensorsFile:
         with torch.cuda.device(device) if pinned else contextlib.nullcontext():  # not a context on cuda:0
             raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
         view = memoryview(raw.numpy()) if nbytes else memoryview(b"")
-        pieces = [(start, min(nbytes, start + READ_PIECE)) for start in range(0, nbytes, READ_PIECE)]
+        pieces = read_pieces(nbytes)
         if len(pieces) > 1:  # a large tensor: its pieces read by several threads (pread releases the GIL)
             list(_reader_pool().map(lambda piece: self._pread_into(view, offset, *piece, key), pieces))
         elif pieces:
@@ -264,7 +274,11 @@ class SafetensorsFile:
         if self._range_verified is not None:
             self._range_verified(offset, offset + nbytes)
         tensor = raw.view(dtype).reshape(shape)
-        return tensor.to(device) if device.type != "cpu" else tensor  # a blocking copy: `raw` may be freed after
+        if device.type == "cpu":
+            return tensor
+        # not blocking: the next tensor is read while this one crosses the bus; the pinned allocator keeps `raw`'s
+        # block from reuse until the copy is done, and the device tensor is ready in stream order
+        return tensor.to(device, non_blocking=pinned)
 
     def _pread_into(self, view: memoryview, offset: int, begin: int, end: int, key: str) -> None:
         """Bytes [begin, end) of the tensor at file `offset` into view[begin:end]."""

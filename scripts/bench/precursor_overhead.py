@@ -1,34 +1,35 @@
-"""Benchmark: step time of a guarded training loop with and without the precursor monitor, interleaved, as a ratio.
+"""Benchmark: what the precursor monitor costs a healthy training step, from per-step times of the same run.
 
 GPU: GPT-2 small (124M), 2 micro-batches x 4 x 1024 tokens, bf16 autocast, fused AdamW, clip_grad_norm_.
 CPU: a small GPT-2 stand-in (4 layers, width 256, 2 x 4 x 128 tokens), AdamW.
-Modes: guarded (GuardConfig()); precursors (GuardConfig(precursors=PrecursorConfig()): every 8th step measured, the
-amortised cost); precursors_every_step (PrecursorConfig(every=1): every step measured, the cost of one sampled step);
-precursors_every_step_no_optimizer (every=1, optimizer=False: no update-ratio / Adam-floor pass). Each round builds
-each mode's Guard afresh (closing a Guard removes its hooks), warms it up, and times `--steps` steps (keep it a
-multiple of PrecursorConfig.every so each timing holds the same number of sampled steps); the report is the median
-over rounds and the ratio against `guarded` of the same rounds. Then, per mode, the operators dispatched per step
-beyond `guarded`'s (views left out: on a GPU each of the others is about one kernel launch; a `_foreach` op is one
-launch per few dozen tensors), averaged over `every` steps.
---profile: then, under torch.profiler, `every` steps of `guarded` and of `precursors_every_step`: the operators whose
+Modes: guarded (GuardConfig()), precursors (GuardConfig(precursors=PrecursorConfig()): every 8th step sampled) and
+precursors_no_optimizer (PrecursorConfig(optimizer=False): no update-ratio / Adam-floor pass). Each round builds
+each mode's Guard afresh (closing a Guard removes its hooks), warms it up and times `--steps` steps one by one
+(each ends with a device sync; the Guard's check() syncs every step anyway), marking which were sampled. The
+report: per mode the median unsampled and sampled step; a sampled step's cost = sampled - unsampled of the same
+run (paired, so the machine's drift cancels); an unsampled step's cost = its median - guarded's; amortised =
+(unsampled cost + sampled cost / every) / guarded step — what a job pays on average, the <= 1 % goal.
+Then, per mode, the operators dispatched per step beyond `guarded`'s (views left out: on a GPU each of the others
+is about one kernel launch; a `_foreach` op is one launch per few dozen tensors), averaged over `every` steps.
+--profile: then, under torch.profiler, `every` steps of `guarded` and of every-step sampling: the operators whose
 device time (CUDA kernels; CPU time on a CPU) grew most per step — where a sampled step's cost goes.
-Usage: python -m scripts.bench.precursor_overhead [--rounds 5] [--steps 8] [--profile]
+Usage: python -m scripts.bench.precursor_overhead [--rounds 5] [--steps 32] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
 import tempfile
+import time
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from capture import Guard, GuardConfig, PrecursorConfig
-from scripts.bench.common import gpt2, machine, median, timed
+from scripts.bench.common import gpt2, machine, median, sync
 
 MODES = {"guarded": None, "precursors": PrecursorConfig(),
-         "precursors_every_step": PrecursorConfig(every=1),
-         "precursors_every_step_no_optimizer": PrecursorConfig(every=1, optimizer=False)}
+         "precursors_no_optimizer": PrecursorConfig(optimizer=False)}
 
 
 class CountOps(TorchDispatchMode):
@@ -47,7 +48,7 @@ class CountOps(TorchDispatchMode):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -76,18 +77,20 @@ def main() -> None:
         return Guard(model, optimizer, config=GuardConfig(dump_dir=tempfile.mkdtemp(), on_nonfinite="continue",
                                                           precursors=precursors))
 
-    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    # (mode, sampled) -> step times in seconds
+    times: dict[tuple[str, bool], list[float]] = {(mode, sampled): [] for mode in MODES for sampled in (False, True)}
     for _ in range(args.rounds):
         for mode, precursors in MODES.items():
             guard = fresh(precursors)
             for _ in range(2):
                 step(guard)
-
-            def steps(guard: Guard = guard) -> None:
-                for _ in range(args.steps):
-                    step(guard)
-
-            times[mode].append(timed(steps, device) / args.steps)
+            sync(device)
+            for _ in range(args.steps):
+                sampled = guard.precursors is not None and guard.precursors.stats.active
+                begin = time.perf_counter()
+                step(guard)
+                sync(device)
+                times[mode, sampled].append(time.perf_counter() - begin)
             guard.close()
     ops: dict[str, float] = {}
     every = PrecursorConfig().every
@@ -98,16 +101,20 @@ def main() -> None:
                 step(guard)
         ops[mode] = counter.count / every
         guard.close()
-    base = median(times["guarded"])
+    base = median(times["guarded", False])
     print(f"machine: {machine()}")
-    print(f"model: GPT-2 {size}, {micro} x {batch} x {seq} tokens per step, {args.rounds} rounds x {args.steps} steps")
-    print(f"{'mode':<36} {'step time':>11} {'ratio':>7} {'extra ops/step':>15}")
-    for mode, values in times.items():
-        print(f"{mode:<36} {median(values) * 1e3:9.2f} ms {median(values) / base:7.3f} "
-              f"{ops[mode] - ops['guarded']:15.1f}")
+    print(f"model: GPT-2 {size}, {micro} x {batch} x {seq} tokens per step, {args.rounds} rounds x {args.steps} "
+          f"steps, every={every}")
+    print(f"guarded step: {base * 1e3:.2f} ms (median of {len(times['guarded', False])})")
+    print(f"{'mode':<26} {'unsampled':>10} {'sampled':>10} {'sampled cost':>13} {'amortised':>10} {'extra ops':>10}")
+    for mode in list(MODES)[1:]:
+        plain, sampled = median(times[mode, False]), median(times[mode, True])
+        amortised = ((plain - base) + (sampled - plain) / every) / base
+        print(f"{mode:<26} {plain * 1e3:7.2f} ms {sampled * 1e3:7.2f} ms {(sampled - plain) * 1e3:7.2f} ms "
+              f"{100 * (sampled - plain) / base:4.1f}% {100 * amortised:+9.2f}% {ops[mode] - ops['guarded']:10.1f}")
     if args.profile:
-        profiled = {mode: device_time_per_op(lambda g: [step(g) for _ in range(every)], fresh(MODES[mode]), device,
-                                             every) for mode in ("guarded", "precursors_every_step")}
+        profiled = {mode: device_time_per_op(lambda g: [step(g) for _ in range(every)], fresh(config), device, every)
+                    for mode, config in (("guarded", None), ("sampled", PrecursorConfig(every=1)))}
         print_profile_difference(*profiled.values())
 
 
@@ -123,6 +130,8 @@ def device_time_per_op(run, guard: Guard, device: str, steps: int) -> dict[str, 
     guard.close()
     table = {}
     for event in prof.key_averages():
+        if event.device_type != torch.autograd.DeviceType.CPU:
+            continue  # a kernel row: its time is also its launching operator's self device time
         micros = event.self_device_time_total if device == "cuda" else event.self_cpu_time_total
         table[event.key] = (event.count / steps, micros / steps)
     return table

@@ -186,3 +186,19 @@ def test_writer_failure_mid_write_leaves_no_dump_and_no_temp_dir(helpers, tmp_pa
 def test_file_and_directory_names_follow_the_spec():
     assert spec.batch_tensors_name(3) == "batch-003.safetensors.zst" and spec.batch_json_name(12) == "batch-012.json.zst"
     assert spec.step_dir_name(41217) == "step-000041217" and spec.rank_dir_name(3) == "rank-00003"
+
+
+def test_tensors_read_in_pieces_by_several_threads_round_trip_bitwise(monkeypatch, tmp_path):
+    from forensics.format import tensors as tensor_io
+
+    monkeypatch.setattr(tensor_io, "READ_PIECE_MIN", 1000)  # pieces at odd byte boundaries, several per tensor
+    monkeypatch.setattr(tensor_io, "READ_THREADS", 3)
+    source = {"odd": torch.randn(1237, 3), "bf16": torch.randn(5001).to(torch.bfloat16), "small": torch.arange(7),
+              "empty": torch.empty(0)}
+    path = tmp_path / "t.safetensors"
+    with open(path, "wb") as out:
+        tensor_io.write_safetensors(out, source)
+    assert len(tensor_io.read_pieces(1237 * 3 * 4)) == 3
+    with tensor_io.SafetensorsFile(path, "t.safetensors") as reader:
+        for key, value in source.items():
+            assert torch.equal(reader.read(key), value), key
