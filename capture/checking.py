@@ -103,16 +103,18 @@ class SyncCheck:
         scale = grad_scaler_scale(g.scaler) if g.scaler is not None and g.scaler.is_enabled() else None
         values: list[Any] = [*record.losses, grad_norm, scale]
         n = len(record.losses)
-        row = g.precursors.device_row() if g.precursors is not None else None  # sampled steps only
+        row = g.precursors.pending_row() if g.precursors is not None else None  # the last sampled step's
         agreed = None
         if g.multi_rank:
             host, agreed = agree(values, n, divisor=record.divisor(g.config.loss_divisor),
                                  min_loss_scale=g.config.min_loss_scale, sharded_grad_norm=sharded)
-            row_values = row.tolist() if row is not None else None  # after the all-reduce's sync: a short wait
+            row_values = row.tolist() if row is not None else None  # done on the device long since: no wait
         else:
             host, row_values = host_numbers(values, row)
-        if row_values is not None:
-            g.precursors.receive(g.step, row_values)
+        if g.precursors is not None:
+            if row_values is not None:
+                g.precursors.receive(row_values)
+            g.precursors.launch_row(g.step)  # after the transfer: its device work overlaps the optimizer step
         return host[:n], host[n], host[n + 1], agreed
 
 

@@ -14,7 +14,8 @@ sync are on the step's critical path):
 * at check() the gradient and weight norms of all blocks are one `_foreach_norm` each, summed per block by one
   `index_add_`; the Adam update m^ / (sqrt(v^) + eps) and the second-moment floor are a short chain of `_foreach`
   ops per (block, param group) — never a Python loop of tensor ops per parameter;
-* everything ends in one row tensor, read by the caller with the step's own device->host transfer.
+* everything ends in one row tensor, queued after check()'s transfer (its device work overlaps the optimizer step
+  and the next forward) and read with the next check()'s transfer (capture/precursors.py).
 """
 
 from __future__ import annotations

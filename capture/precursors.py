@@ -17,9 +17,10 @@ gradient norm or update/weight ratio grows for tens of steps, Adam's second mome
   decay left out) or SGD's momentum buffer / gradient, at the learning rate of the step being checked; other
   optimizers give neither.
 
-No host sync of its own: a sampled step's values end in one device row that travels with check()'s own
-device->host transfer (capture/checking.py; with several ranks, one small read after the step's all-reduce, on
-sampled steps only). On the other steps the hooks return after one flag check. `RobustTrend` judges each statistic
+No host sync of its own: a sampled step's values end in one device row, queued after that step's check() transfer
+(so its device work overlaps the optimizer step and the next forward) and read with the next check()'s own
+device->host transfer (capture/checking.py; with several ranks, one small read after the step's all-reduce, of a
+row done long since). A statistic is thus judged, and a precursor dumped, one step after the sampled step. On the other steps the hooks return after one flag check. `RobustTrend` judges each statistic
 on the host over the sampled steps: its log against the running median of the recent healthy values, in robust
 standard deviations (1.4826 x MAD), sustained for a few sampled steps (forensics/trend.py, which replay uses to rank
 them too). When one fires, the Guard dumps the step (TriggerKind.PRECURSOR, policy 'continue') and the job goes on;
@@ -156,34 +157,46 @@ class PrecursorMonitor:
         self.stats.active = True  # the first step is sampled
         self._fired: dict[tuple[str, PrecursorStatistic], int] = {}
         self._pending: list[Firing] = []
+        self._launched: tuple[int, torch.Tensor] | None = None
+        """(step, row) of the last sampled step, queued on the device, not yet read."""
         self.recorder: Any = None
         """The Guard's flight recorder (capture/window.py), which keeps the rows read from the device."""
         self.dumps = 0
         self.firings: list[Firing] = []
         """Every firing of the run, dumped or not."""
 
-    # -- at check(): before its transfer, and after it -------------------------------------------------
-    def device_row(self) -> torch.Tensor | None:
-        """The row of the step being checked when it is sampled (a device tensor that travels with check()'s one
-        transfer), else None; arms the hooks for the next step. Never raises: a failure turns the monitor off."""
+    # -- at check(): the transfer reads the row launched at an earlier check(), then this step's is launched ------
+    def pending_row(self) -> torch.Tensor | None:
+        """The row of the last sampled step, launched after that step's transfer and done on the device long since:
+        it travels with this check()'s one transfer. None when there is none to read."""
+        return self._launched[1] if self._launched is not None else None
+
+    def launch_row(self, step: int) -> None:
+        """After check()'s transfer: when `step` was sampled, queues its row on the device (gradients and optimizer
+        state as they are before the optimizer step, whose kernels come later in stream order) to be read by the
+        next check(); arms the hooks for the next step. Launched here rather than before the transfer, its device
+        work overlaps the optimizer step and the next forward instead of lengthening the wait for the transfer.
+        Never raises: a failure turns the monitor off."""
         sampled, self._checks = self.stats.active, self._checks + 1
         self.stats.active = False
-        row = None
         if self.stats.failed:  # a hook failed during the step (and logged why)
             self.off()
-            return None
+            return
         if sampled:
             try:
-                row = self.stats.row()
+                self._launched = (step, self.stats.row())
             except Exception:  # noqa: BLE001 - a statistic is a convenience; the job goes on
                 log.exception("forensics: precursors: the statistics failed; the monitor is off for this run")
                 self.off()
+                return
         self.stats.active = self._checks % self.every == 0
-        return row
 
-    def receive(self, step: int, values: list[float | None]) -> None:
-        """The host values of a sampled step's row: recorded and judged; what fired waits for `take_firings`.
-        Never raises (it runs inside check(), before the step's own detectors)."""
+    def receive(self, values: list[float | None]) -> None:
+        """The host values of `pending_row()`: recorded and judged under the step they were measured at; what fired
+        waits for `take_firings`. Never raises (it runs inside check(), before the step's own detectors)."""
+        if self._launched is None:
+            return
+        step, self._launched = self._launched[0], None
         try:
             self._judge(step, values)
         except Exception:  # noqa: BLE001 - a statistic is a convenience; the job goes on
@@ -203,10 +216,10 @@ class PrecursorMonitor:
         self.firings += fired
         self._pending = fired
 
-    def take_firings(self, step: int) -> list[Firing]:
-        """What fired at `step` (once; [] when its row was not read: not sampled, or its check raised)."""
+    def take_firings(self) -> list[Firing]:
+        """What fired when this check() read the last sampled step's row (once; [] when it read none)."""
         fired, self._pending = self._pending, []
-        return [f for f in fired if f.step == step]
+        return fired
 
     def off(self) -> None:
         """No step is sampled again; the hooks are removed."""
@@ -240,14 +253,14 @@ class PrecursorMonitor:
 
 
 def watch(guard: Any, record: StepRecord, decision: bool, sync_free: bool) -> None:
-    """Guard.check()'s precursor step (only the Guard's public members): when a statistic fired at the step just
-    checked (its row was read with check()'s transfer) on a healthy step no other trigger dumped, dumps it under
-    policy 'continue'. Never raises."""
+    """Guard.check()'s precursor step (only the Guard's public members): when a statistic fired in the row this
+    check() read (the last sampled step's: this step's or one before it) on a healthy step no other trigger dumped,
+    dumps this step under policy 'continue'. Never raises."""
     monitor = guard.precursors
     if sync_free:
         return  # attach() refused the sync-free mode already
     try:
-        firings = monitor.take_firings(guard.step)
+        firings = monitor.take_firings()
         if not firings:
             return
         for firing in firings:

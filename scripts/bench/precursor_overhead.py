@@ -118,8 +118,8 @@ def main() -> None:
         print_profile_difference(*profiled.values())
 
 
-def device_time_per_op(run, guard: Guard, device: str, steps: int) -> dict[str, tuple[float, float]]:
-    """{operator: (calls per step, device microseconds per step)} of `run(guard)` under torch.profiler."""
+def device_time_per_op(run, guard: Guard, device: str, steps: int) -> dict[str, tuple[float, float, float]]:
+    """{operator: (calls, device microseconds, CPU microseconds) per step} of `run(guard)` under torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     run(guard)  # warm
@@ -133,20 +133,23 @@ def device_time_per_op(run, guard: Guard, device: str, steps: int) -> dict[str, 
         if event.device_type != torch.autograd.DeviceType.CPU:
             continue  # a kernel row: its time is also its launching operator's self device time
         micros = event.self_device_time_total if device == "cuda" else event.self_cpu_time_total
-        table[event.key] = (event.count / steps, micros / steps)
+        table[event.key] = (event.count / steps, micros / steps, event.self_cpu_time_total / steps)
     return table
 
 
-def print_profile_difference(base: dict[str, tuple[float, float]], other: dict[str, tuple[float, float]]) -> None:
-    total = {name: sum(t for _, t in table.values()) for name, table in (("base", base), ("other", other))}
-    print(f"profile: device time per step {total['base'] / 1e3:.2f} ms guarded, "
-          f"{total['other'] / 1e3:.2f} ms sampled ({(total['other'] - total['base']) / 1e3:+.2f} ms)")
-    grown = sorted(((other.get(k, (0, 0))[1] - base.get(k, (0, 0))[1], k) for k in set(base) | set(other)),
-                   reverse=True)
-    print(f"{'operator':<48} {'extra us/step':>13} {'extra calls':>11}")
-    for extra, key in grown[:20]:
-        calls = other.get(key, (0, 0))[0] - base.get(key, (0, 0))[0]
-        print(f"{key[:48]:<48} {extra:13.1f} {calls:11.1f}")
+def print_profile_difference(base: dict, other: dict) -> None:
+    """The totals and the operators whose device or CPU time grew most (a launch-bound step pays the CPU time)."""
+    zero = (0.0, 0.0, 0.0)
+    for column, label in ((1, "device"), (2, "CPU (operators' own)")):
+        totals = [sum(v[column] for v in table.values()) / 1e3 for table in (base, other)]
+        print(f"profile: {label} time per step {totals[0]:.2f} ms guarded, {totals[1]:.2f} ms sampled "
+              f"({totals[1] - totals[0]:+.2f} ms)")
+    grown = sorted(((max(other.get(k, zero)[1] - base.get(k, zero)[1], other.get(k, zero)[2] - base.get(k, zero)[2]),
+                     k) for k in set(base) | set(other)), reverse=True)
+    print(f"{'operator':<44} {'extra device us':>15} {'extra CPU us':>12} {'extra calls':>11}")
+    for _, key in grown[:20]:
+        calls, device_us, cpu_us = (other.get(key, zero)[i] - base.get(key, zero)[i] for i in range(3))
+        print(f"{key[:44]:<44} {device_us:15.1f} {cpu_us:12.1f} {calls:11.1f}")
 
 
 if __name__ == "__main__":

@@ -50,7 +50,8 @@ def test_a_provoked_divergence_is_dumped_as_a_precursor_ten_steps_ahead_naming_t
     assert verify_dump(precursor[0]).ok
     assert dump.step <= nonfinite_at - AHEAD
     table = dump.precursors()
-    assert table["steps"][-1] == dump.step and len(table["values"]) == len(table["steps"])
+    # the sampled step that fired is the one before the dump (its row is read with the next check's transfer)
+    assert table["steps"][-1] == dump.step - 1 and len(table["values"]) == len(table["steps"])
     report = run_replay(precursor[0], ReplayOptions(device="cpu"))
     assert report["verdict"]["kind"] == VerdictKind.INSTABILITY_AHEAD and report["schema"] == "forensics-report/3"
     first = report["precursor"]["ranking"][0]
@@ -76,8 +77,8 @@ def test_the_crash_dump_still_comes_and_carries_the_statistics(diverged):
     assert crash.trigger["kind"] in (TriggerKind.NONFINITE_LOSS, TriggerKind.NONFINITE_GRAD)
     table = crash.precursors()
     assert crash.step == nonfinite_at
-    # the last sampled step (its row is read with check()'s transfer, before a raise)
-    assert crash.step - PrecursorConfig().every < table["steps"][-1] <= crash.step
+    # the last sampled step before the crash (its row is read with the next check()'s transfer, before a raise)
+    assert crash.step - PrecursorConfig().every <= table["steps"][-1] < crash.step
     assert all(s % PrecursorConfig().every == 0 for s in table["steps"])  # the Guard counts from step 0
     assert [f for f in table["firings"] if f["dumped"]]  # the precursor that fired is in the crash dump too
 
@@ -128,7 +129,7 @@ def test_a_sampled_row_holds_the_statistics_computed_directly_and_other_steps_no
         (name, "qkv"), out.detach())) for name, block in blocks.items()]
     handles.append(model.lm_head.register_forward_hook(lambda m, a, out: outputs.__setitem__("logits", out.detach())))
     expected = {}
-    for step, batch in enumerate(batches(7)):
+    for step, batch in enumerate(batches(8)):  # the row of step 6 is read at step 7
         guard.record_batch(batch)
         loss = model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
         guard.record_loss(loss)
