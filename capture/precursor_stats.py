@@ -11,8 +11,8 @@ sync are on the step's critical path):
 * the attention-logit bound needs the largest per-head row norm of the query and key projections' outputs: one
   `vector_norm(dim=-1)` and one `amax` per projection (both halves of a fused q|k|v projection at once);
 * the output-logit abs-max is one `aminmax` pass over the logits;
-* at check() the gradient and weight norms of all blocks are one `_foreach_norm` each, summed per block by one
-  `index_add_`; the Adam update m^ / (sqrt(v^) + eps) and the second-moment floor are a short chain of `_foreach`
+* at check() the gradient and weight norms of all blocks' weight matrices (`block_weights`) are one `_foreach_norm`
+  each, summed per block by one `index_add_`; the Adam update m^ / (sqrt(v^) + eps) and the second-moment floor are a short chain of `_foreach`
   ops per (block, param group) — never a Python loop of tensor ops per parameter;
 * everything ends in one row tensor, queued after check()'s transfer (its device work overlaps the optimizer step
   and the next forward) and read with the next check()'s transfer (capture/precursors.py).
@@ -51,6 +51,15 @@ def find_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
         return []
     _, name, blocks = best
     return [(f"{name}.{i}" if name else str(i), block) for i, block in enumerate(blocks)]
+
+
+def block_weights(block: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters a block's gradient norm, update/weight ratio and Adam floor are taken over: its trainable
+    weight matrices (>= 2 dimensions; all its trainable parameters when it has none). Biases and norm gains move
+    the norms little and would triple the tensors each sampled step walks (GPT-2: 4 of 12 per block are matrices):
+    on a GPU each tensor of a `_foreach` call or a `stack` costs host time on the step's critical path."""
+    params = [p for p in block.parameters() if p.requires_grad]
+    return [p for p in params if p.dim() >= 2] or params
 
 
 def head_dim(model: torch.nn.Module) -> int | None:
@@ -125,13 +134,12 @@ class StepStatistics:
         if self.with_optimizer:
             self.columns += [(name, PrecursorStatistic.UPDATE_RATIO) for name, _ in self.blocks]
             self.columns += [(name, PrecursorStatistic.ADAM_V_FLOOR) for name, _ in self.blocks]
-        # the blocks' trainable parameters in one fixed order, and the block each belongs to (a device index, built
-        # once here: an index built at a step would be a host->device copy, which waits like a sync)
+        # the blocks' trainable weight matrices in one fixed order, and the block each belongs to (a device index,
+        # built once here: an index built at a step would be a host->device copy, which waits like a sync)
         self._params: list[torch.nn.Parameter] = []
         owners: list[int] = []
         for index, (_, block) in enumerate(self.blocks):
-            params = [p for p in block.parameters() if p.requires_grad]
-            self._params += params
+            self._params += (params := block_weights(block))
             owners += [index] * len(params)
         self._owner = torch.tensor(owners, dtype=torch.long, device=self.device)
         self._neg_inf = torch.full((max(len(self.columns), 1),), -math.inf, device=self.device)
@@ -259,9 +267,11 @@ class StepStatistics:
                 parts.append(self._neg_inf[:len(self._attention_blocks)])
         if self._has_output:
             parts.append(self._max_over(self._logits, 1))
-        parts.append(self._block_norms([p.grad for p in self._params]))
         if self.with_optimizer:
-            parts += self._optimizer_statistics()
+            grads, weights = self._block_norms([p.grad for p in self._params], self._params)
+            parts += [grads, *self._optimizer_statistics(weights)]
+        else:
+            parts.append(self._block_norms([p.grad for p in self._params])[0])
         return torch.cat([p.float().reshape(-1) for p in parts]) if parts else self._neg_inf[:0]
 
     def _max_over(self, values: list[torch.Tensor], size: int) -> torch.Tensor:
@@ -276,20 +286,21 @@ class StepStatistics:
             self._empty[p.dtype] = torch.zeros(0, dtype=p.dtype, device=p.device)
         return self._empty[p.dtype]
 
-    def _block_norms(self, tensors: list[torch.Tensor | None]) -> torch.Tensor:
-        """Per block, the L2 norm of its parameters' `tensors` (None counts as 0): one `_foreach_norm`, summed per
-        block by one `index_add_`."""
+    def _block_norms(self, *tensors: list[torch.Tensor | None]) -> torch.Tensor:
+        """Per block, the L2 norm of its parameters' tensors, for each list of `tensors` (None counts as 0): one
+        `_foreach_norm` and one `stack` for all the lists, summed per block by one `index_add_`; (lists, blocks)."""
         if not self._params:
-            return self._neg_inf[:0]
-        filled = [t if t is not None else self._placeholder(p) for t, p in zip(tensors, self._params)]
-        squares = torch.stack(thirdparty.foreach_norm(filled)).float().square()
-        return self._per_block(squares).sqrt()
+            return self._neg_inf[:0].expand(len(tensors), 0)
+        filled = [t if t is not None else self._placeholder(p) for ts in tensors for t, p in zip(ts, self._params)]
+        squares = torch.stack(thirdparty.foreach_norm(filled)).float().square().view(len(tensors), -1)
+        return torch.zeros(len(tensors), len(self.blocks), device=squares.device).index_add_(
+            1, self._owner, squares).sqrt()
 
     def _per_block(self, per_param: torch.Tensor) -> torch.Tensor:
         return torch.zeros(len(self.blocks), device=per_param.device).index_add_(0, self._owner, per_param)
 
-    def _optimizer_statistics(self) -> list[torch.Tensor]:
-        """Per block: ||lr x update|| / ||W|| of the update the optimizer state points to, and the smallest Adam
+    def _optimizer_statistics(self, weights: torch.Tensor) -> list[torch.Tensor]:
+        """Per block (`weights`: the blocks' weight norms): ||lr x update|| / ||W|| of the update the optimizer state points to, and the smallest Adam
         second moment (exp_avg_sq). Adam's update is the bias-corrected m / (sqrt(v) + eps) (weight decay left out),
         SGD's the momentum buffer (else the gradient); other optimizers give -inf (not measured)."""
         n = len(self.blocks)
@@ -335,7 +346,6 @@ class StepStatistics:
             for i, v in zip(indices, norms):
                 updates[i] = v
         update = self._per_block(torch.stack(updates).float().square()).sqrt()
-        weights = self._block_norms(self._params)
         ratio = torch.where(update > 0, update / weights, self._neg_inf[:n])
         floor = torch.full((n,), -math.inf, device=self.device).scatter_reduce_(
             0, self._owner, torch.stack(floors).float(), "amax")

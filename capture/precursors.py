@@ -11,8 +11,10 @@ gradient norm or update/weight ratio grows for tens of steps, Adam's second mome
   (`q_proj` / `k_proj`, `query` / `key`, or GPT-2's fused `c_attn`). It is an upper bound of max |q.k|/sqrt(d) —
   rotary embeddings keep each head's norm, so it holds for RoPE models too — and not the logit itself;
 * output-logit abs-max (a hook on the model's output embedding, `get_output_embeddings()`);
-* gradient norm of the block's parameters (at check(), before the optimizer step);
-* update/weight ratio ||lr x update|| / ||W|| and the Adam second-moment floor (min of exp_avg_sq), at check()
+* gradient norm of the block's weight matrices (its trainable parameters of >= 2 dimensions: biases and norm gains
+  left out, `precursor_stats.block_weights`; at check(), before the optimizer step);
+* update/weight ratio ||lr x update|| / ||W|| and the Adam second-moment floor (min of exp_avg_sq) of the same
+  weight matrices, at check()
   from the optimizer state the previous step left: the update is Adam's bias-corrected m / (sqrt(v) + eps) (weight
   decay left out) or SGD's momentum buffer / gradient, at the learning rate of the step being checked; other
   optimizers give neither.

@@ -3,7 +3,8 @@
 GPU: GPT-2 small (124M), 2 micro-batches x 4 x 1024 tokens, bf16 autocast, fused AdamW, clip_grad_norm_.
 CPU: a small GPT-2 stand-in (4 layers, width 256, 2 x 4 x 128 tokens), AdamW.
 Modes: guarded (GuardConfig()), precursors (GuardConfig(precursors=PrecursorConfig()): every 8th step sampled) and
-precursors_no_optimizer (PrecursorConfig(optimizer=False): no update-ratio / Adam-floor pass). Each round builds
+precursors_no_optimizer (PrecursorConfig(optimizer=False): no update-ratio / Adam-floor pass) and
+precursors_no_attention (attention=False: no query / key hooks): what each part costs. Each round builds
 each mode's Guard afresh (closing a Guard removes its hooks), warms it up and times `--steps` steps one by one
 (each ends with a device sync; the Guard's check() syncs every step anyway), marking which were sampled. The
 report: per mode the median unsampled and sampled step; a sampled step's cost = sampled - unsampled of the same
@@ -29,7 +30,8 @@ from capture import Guard, GuardConfig, PrecursorConfig
 from scripts.bench.common import gpt2, machine, median, sync
 
 MODES = {"guarded": None, "precursors": PrecursorConfig(),
-         "precursors_no_optimizer": PrecursorConfig(optimizer=False)}
+         "precursors_no_optimizer": PrecursorConfig(optimizer=False),
+         "precursors_no_attention": PrecursorConfig(attention=False)}
 
 
 class CountOps(TorchDispatchMode):

@@ -164,7 +164,8 @@ def _direct_statistics(blocks, outputs, optimizer) -> dict:
         t = outputs[name].float()
         out[(name, stat.BLOCK_RMS)] = float(t.pow(2).mean().sqrt())
         out[(name, stat.BLOCK_ABSMAX)] = float(t.abs().max())
-        params = [p for p in block.parameters() if p.requires_grad]
+        params = [p for p in block.parameters() if p.requires_grad and p.dim() >= 2]  # the weight matrices
+        assert len(params) == 4  # c_attn, attn.c_proj, c_fc, mlp.c_proj
         weights = math.sqrt(sum(float(p.detach().pow(2).sum()) for p in params))
         out[(name, stat.GRAD_NORM)] = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in params))
         if not optimizer.state:
