@@ -1,9 +1,9 @@
 """The precursor monitor's device side: per-block statistics of a sampled step, batched into one row tensor.
 
 Only every `PrecursorConfig.every`-th step is measured. On the other steps every hook returns after one flag check
-and nothing runs on the device. On a sampled step the work is batched so that its cost does not grow with the
-number of parameters in Python calls (on a GPU each call is a kernel launch, and the launches after check()'s
-sync are on the step's critical path):
+and nothing runs on the device. On a sampled step the forward statistics come from its first micro-batch, and the
+work is batched so that its cost does not grow with the number of parameters in Python calls (on a GPU each call
+is a kernel launch and host time; a step that is launch-bound pays both):
 
 * block outputs are only referenced by the block hooks (they stay alive for backward anyway); at the last block
   one `_foreach_norm` gives every block's RMS and one more (ord=inf) their abs-max on CUDA — on a CPU one `aminmax`
@@ -147,17 +147,22 @@ class StepStatistics:
         self._empty: dict[torch.dtype, torch.Tensor] = {}
         self._outputs: list[torch.Tensor | None] = [None] * n
         self._qk: list[torch.Tensor | None] = [None] * (2 * len(self._attention_blocks))
-        self._rms: list[torch.Tensor] = []  # one (blocks,) vector per micro-batch of the sampled step
+        # the forward statistics of a sampled step come from its first micro-batch with gradients (the others are
+        # not measured: on a GPU each measurement is launches on the step's critical path, and one micro-batch in
+        # every `every` steps samples the trend as well as all of them would)
+        self._forward_measured = False
+        """The sampled step's first forward has reached its last block: the block and q/k hooks are done."""
+        self._rms: list[torch.Tensor] = []  # (blocks,) of the measured micro-batch (a row flushed early: more)
         self._absmax: list[torch.Tensor] = []
-        self._qk_parts: list[torch.Tensor] = []  # one (attention blocks, 2) per micro-batch: max |q|, max |k|
-        self._logits: list[torch.Tensor] = []  # one scalar per micro-batch
+        self._qk_parts: list[torch.Tensor] = []  # (attention blocks, 2): max |q|, max |k|
+        self._logits: list[torch.Tensor] = []  # the measured micro-batch's output-logit abs-max
 
     # -- hooks (one flag check unless the step is sampled) ------------------------------------------------
     def _block_hook(self, index: int):
         last = index == len(self.blocks) - 1
 
         def hook(module, args, output):
-            if not self.active or not torch.is_grad_enabled():
+            if not self.active or self._forward_measured or not torch.is_grad_enabled():
                 return
             with self._never_raising():
                 self._outputs[index] = _first_tensor(output)
@@ -166,7 +171,7 @@ class StepStatistics:
         return hook
 
     def _output_hook(self, module, args, output):
-        if not self.active or not torch.is_grad_enabled():
+        if not self.active or self._logits or not torch.is_grad_enabled():
             return
         with self._never_raising():
             t = _first_tensor(output)
@@ -177,7 +182,7 @@ class StepStatistics:
         size = self._head_dim
 
         def hook(module, args, output):
-            if not self.active or not torch.is_grad_enabled():
+            if not self.active or self._forward_measured or not torch.is_grad_enabled():
                 return
             with self._never_raising():
                 measure(_first_tensor(output))
@@ -224,7 +229,8 @@ class StepStatistics:
         return found
 
     def _flush_micro_batch(self) -> None:
-        """The block and q/k values the hooks referenced during one forward, as one vector each."""
+        """The block and q/k values the hooks referenced during the measured forward, as one vector each."""
+        self._forward_measured = True
         present = [(i, t) for i, t in enumerate(self._outputs) if t is not None]
         if present:
             tensors = [t for _, t in present]
@@ -254,6 +260,7 @@ class StepStatistics:
                 return self._row()
         finally:
             self._rms, self._absmax, self._qk_parts, self._logits = [], [], [], []
+            self._forward_measured = False
 
     def _row(self) -> torch.Tensor:
         self._flush_micro_batch()
@@ -275,7 +282,7 @@ class StepStatistics:
         return torch.cat([p.float().reshape(-1) for p in parts]) if parts else self._neg_inf[:0]
 
     def _max_over(self, values: list[torch.Tensor], size: int) -> torch.Tensor:
-        """The max over the step's micro-batches (a vector of `size`), or -inf when none was measured."""
+        """The max over what was measured (a vector of `size`), or -inf when nothing was."""
         if not values:
             return self._neg_inf[:size]
         return torch.stack(values).amax(0).reshape(size)

@@ -6,7 +6,8 @@ gradient norm or update/weight ratio grows for tens of steps, Adam's second mome
 `find_blocks`, the largest nn.ModuleList of one class), on every `PrecursorConfig.every`-th step
 (forensics.kinds.PrecursorStatistic; capture/precursor_stats.py computes them):
 
-* block output RMS and abs-max (a forward hook on the block; max over the step's micro-batches);
+* block output RMS and abs-max (a forward hook on the block; the forward statistics are of the sampled step's
+  first micro-batch);
 * attention-logit bound: max|q| x max|k| / sqrt(head_dim), from hooks on the block's query and key projections
   (`q_proj` / `k_proj`, `query` / `key`, or GPT-2's fused `c_attn`). It is an upper bound of max |q.k|/sqrt(d) —
   rotary embeddings keep each head's norm, so it holds for RoPE models too — and not the logit itself;

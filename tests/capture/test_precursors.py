@@ -152,6 +152,43 @@ def test_a_sampled_row_holds_the_statistics_computed_directly_and_other_steps_no
                 assert got[column] == pytest.approx(value, rel=1e-4), (step, column)
 
 
+def test_the_forward_statistics_of_a_step_with_several_micro_batches_are_its_first_micro_batchs():
+    """A sampled step measures its first micro-batch's forward only (each measurement is launches on a GPU step's
+    critical path); the gradient norm covers the whole step's accumulated gradient."""
+    model = gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = Guard(model, optimizer, config=GuardConfig(precursors=PrecursorConfig(every=1)))
+    blocks = dict(find_blocks(model))
+    first_block, last = list(blocks)[0], list(blocks)[-1]
+    seen = []  # per forward: [last block's output abs-max, logits abs-max]
+    handles = [blocks[last].register_forward_hook(lambda m, a, out: seen.append(
+        [float((out if isinstance(out, torch.Tensor) else out[0]).detach().abs().max())])),
+               model.lm_head.register_forward_hook(lambda m, a, out: seen[-1].append(float(out.detach().abs().max())))]
+    expected = {}
+    for step in range(3):  # the row of step 1 is read at step 2's check()
+        seen.clear()
+        for index, (batch, scale) in enumerate(zip(batches(2), (1.0, 50.0))):  # the second far larger
+            guard.record_batch(batch, sample_ids=[f"{index}-{i}" for i in range(len(batch["input_ids"]))])
+            loss = model(inputs_embeds=model.transformer.wte(batch["input_ids"]) * scale,
+                         labels=batch["input_ids"]).loss
+            guard.record_loss(loss)
+            loss.backward()
+        grads = [p.grad for p in blocks[first_block].parameters() if p.dim() >= 2]
+        expected[step] = (seen[0], seen[1], math.sqrt(sum(float(g.pow(2).sum()) for g in grads)))
+        assert guard.check()
+        optimizer.step()
+        optimizer.zero_grad()
+    guard.close()
+    for handle in handles:
+        handle.remove()
+    values = dict(zip(guard.precursors.columns, dict(guard.window._precursor_rows)[1]))
+    measured, other, grad_norm = expected[1]
+    assert other[0] > 5 * measured[0] and other[1] > measured[1]
+    assert values[(last, PrecursorStatistic.BLOCK_ABSMAX)] == pytest.approx(measured[0], rel=1e-5)
+    assert values[("lm_head", PrecursorStatistic.OUTPUT_LOGIT)] == pytest.approx(measured[1], rel=1e-5)
+    assert values[(first_block, PrecursorStatistic.GRAD_NORM)] == pytest.approx(grad_norm, rel=1e-4)
+
+
 def _direct_statistics(blocks, outputs, optimizer) -> dict:
     stat = PrecursorStatistic
     groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
