@@ -16,6 +16,7 @@ import torch
 from forensics.device_sync import DeviceFence, on_device_of
 from forensics.errors import DumpCorruptError
 from forensics.format.spec import MAX_SAFETENSORS_HEADER
+from forensics.unfilled import unfilled
 
 _DTYPE_NAMES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -263,8 +264,8 @@ class SafetensorsFile:
         dtype, shape, offset, nbytes = self._entry(key)
         device = torch.device(device)
         pinned = device.type == "cuda"
-        with torch.cuda.device(device) if pinned else contextlib.nullcontext():  # not a context on cuda:0
-            raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        with torch.cuda.device(device) if pinned else contextlib.nullcontext(), unfilled():  # read over whole
+            raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)  # (not a context on cuda:0)
         view = memoryview(raw.numpy()) if nbytes else memoryview(b"")
         pieces = read_pieces(nbytes)
         if len(pieces) > 1:  # a large tensor: its pieces read by several threads (pread releases the GIL)

@@ -20,6 +20,7 @@ from forensics.gc_pause import gc_paused
 from forensics.kinds import TriggerKind
 from forensics.thirdparty import is_persistent_buffer, own_buffers, put_buffer, put_parameter, tensor_version
 from forensics.trigger import Trigger
+from forensics.unfilled import unfilled
 from replay.load.environment import dtype_from_name, environment_warnings, resolve_device, to_device
 from replay.load.fsdp_precision import FsdpUnit, compute_dtype, parse_units
 from replay.load.optimizer_state import DumpOptimizerState, OptimizerSnapshot
@@ -285,7 +286,8 @@ def parameters_on_meta() -> Iterator[None]:
 
     torch.nn.Module.register_parameter = on_meta
     try:
-        yield
+        with unfilled():  # each parameter's memory goes to meta at once: no deterministic fill of it
+            yield
     finally:
         torch.nn.Module.register_parameter = register
 

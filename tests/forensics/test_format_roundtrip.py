@@ -202,3 +202,46 @@ def test_tensors_read_in_pieces_by_several_threads_round_trip_bitwise(monkeypatc
     with tensor_io.SafetensorsFile(path, "t.safetensors") as reader:
         for key, value in source.items():
             assert torch.equal(reader.read(key), value), key
+
+
+def test_reads_under_deterministic_algorithms_skip_the_fill_and_restore_the_setting(tmp_path):
+    """Replay reads under torch.use_deterministic_algorithms, which fills every torch.empty (a second write of the
+    whole state): the reader's buffers, overwritten whole, are not filled; the caller's setting comes back, also
+    with readers on several threads at once."""
+    import threading
+
+    import torch.utils.deterministic
+
+    from forensics.format import tensors as tensor_io
+    from forensics.unfilled import unfilled
+
+    source = {f"t{i}": torch.randn(3000) for i in range(8)}
+    path = tmp_path / "t.safetensors"
+    with open(path, "wb") as out:
+        tensor_io.write_safetensors(out, source)
+    saved = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert torch.utils.deterministic.fill_uninitialized_memory
+        with unfilled():
+            assert not torch.utils.deterministic.fill_uninitialized_memory
+        assert torch.utils.deterministic.fill_uninitialized_memory
+        results, errors = {}, []
+
+        def read(keys):
+            try:
+                with tensor_io.SafetensorsFile(path, "t.safetensors") as reader:
+                    for key in keys:
+                        results[key] = reader.read(key)
+            except Exception as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        threads = [threading.Thread(target=read, args=(list(source)[i::3],)) for i in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors and all(torch.equal(results[k], v) for k, v in source.items())
+        assert torch.utils.deterministic.fill_uninitialized_memory  # restored after overlapping readers
+    finally:
+        torch.use_deterministic_algorithms(saved)
