@@ -9,7 +9,8 @@ is a kernel launch and host time; a step that is launch-bound pays both):
   one `_foreach_norm` gives every block's RMS and one more (ord=inf) their abs-max on CUDA — on a CPU one `aminmax`
   per block, as an L-inf norm of bf16 is 20x slower there — in the output's dtype (no float copy);
 * the attention-logit bound needs the largest per-head row norm of the query and key projections' outputs: one
-  `vector_norm(dim=-1)` and one `amax` per projection (both halves of a fused q|k|v projection at once);
+  `vector_norm(dim=-1)` per projection (both halves of a fused q|k|v projection at once), kept (one value per
+  token and head) until the last block, where one `stack` and one `amax` give every projection's maximum;
 * the output-logit abs-max is one `aminmax` pass over the logits;
 * at check() the gradient and weight norms of all blocks' weight matrices (`block_weights`) are one `_foreach_norm`
   each, summed per block by one `index_add_`; the Adam update m^ / (sqrt(v^) + eps) and the second-moment floor are a short chain of `_foreach`
@@ -195,10 +196,9 @@ class StepStatistics:
                     return
                 width = t.shape[-1] // 3
                 norms = torch.linalg.vector_norm(t[..., :2 * width].unflatten(-1, (2, -1, size)), dim=-1)
-                pair = norms.amax(dim=[d for d in range(norms.dim()) if d != norms.dim() - 2])
-                self._qk[slot], self._qk[slot + 1] = pair[0], pair[1]
+                self._qk[slot], self._qk[slot + 1] = norms.unbind(-2)  # per token and head; maxed at the flush
             elif not t.shape[-1] % size:
-                self._qk[slot] = torch.linalg.vector_norm(t.unflatten(-1, (-1, size)), dim=-1).amax()
+                self._qk[slot] = torch.linalg.vector_norm(t.unflatten(-1, (-1, size)), dim=-1)
         return hook
 
     @contextlib.contextmanager
@@ -247,9 +247,18 @@ class StepStatistics:
                     full[i] = v
                 into.append(torch.stack(full))
             self._outputs = [None] * len(self._outputs)
-        if any(t is not None for t in self._qk):
-            self._qk_parts.append(torch.stack([self._neg_inf[0] if t is None else t for t in self._qk])
-                                  .view(-1, 2))
+        norms = [t for t in self._qk if t is not None]
+        if norms:
+            if len({(t.shape, t.dtype) for t in norms}) == 1:  # one stack and one max for every projection
+                maxima = torch.stack(norms).flatten(1).amax(1).unbind()
+            else:  # projections of different sizes (grouped-query attention's keys): one max each
+                maxima = [t.amax() for t in norms]
+            if len(norms) == len(self._qk):
+                self._qk_parts.append(torch.stack(maxima).view(-1, 2))
+            else:
+                found = iter(maxima)
+                self._qk_parts.append(torch.stack([self._neg_inf[0] if t is None else next(found)
+                                                   for t in self._qk]).view(-1, 2))
             self._qk = [None] * len(self._qk)
 
     # -- at check() -------------------------------------------------------------------------------------
@@ -268,7 +277,7 @@ class StepStatistics:
         parts = [self._max_over(self._rms, n), self._max_over(self._absmax, n)]
         if self._attention_blocks:
             if self._qk_parts:
-                bound = torch.stack(self._qk_parts).amax(0).float()
+                bound = self._max_over(self._qk_parts, -1).view(-1, 2).float()
                 parts.append(bound[:, 0] * bound[:, 1] / math.sqrt(self._head_dim))
             else:
                 parts.append(self._neg_inf[:len(self._attention_blocks)])
@@ -285,6 +294,8 @@ class StepStatistics:
         """The max over what was measured (a vector of `size`), or -inf when nothing was."""
         if not values:
             return self._neg_inf[:size]
+        if len(values) == 1:  # the usual case: one measured micro-batch
+            return values[0].reshape(size)
         return torch.stack(values).amax(0).reshape(size)
 
     def _placeholder(self, p: torch.Tensor) -> torch.Tensor:

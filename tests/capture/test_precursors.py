@@ -105,6 +105,43 @@ def test_blocks_and_attention_projections_are_found_generically():
     guard.close()
 
 
+def test_the_attention_bound_of_a_grouped_query_llama_is_max_q_norm_times_max_k_norm():
+    """Separate q_proj / k_proj outputs of different widths (4 query heads, 2 key heads): the bound per block is
+    the largest per-head row norm of each, multiplied, over sqrt(head_dim)."""
+    from transformers import LlamaForCausalLM
+
+    from forensics.demo.models import llama_config
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(llama_config(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2))
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                  config=GuardConfig(precursors=PrecursorConfig(every=1, optimizer=False)))
+    outputs = {}
+    handles = [getattr(layer.self_attn, name).register_forward_hook(
+        lambda m, a, out, key=(index, name): outputs.__setitem__(key, out.detach()))
+        for index, layer in enumerate(model.model.layers) for name in ("q_proj", "k_proj")]
+    input_ids = torch.randint(1, 64, (3, 10))
+    for step in range(2):  # the row of step 0 is read at step 1's check()
+        guard.record_batch({"input_ids": input_ids}, sample_ids=[0, 1, 2])
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        guard.record_loss(loss)
+        loss.backward()
+        if step == 0:
+            expected = {index: float(outputs[index, "q_proj"].unflatten(-1, (-1, 8)).norm(dim=-1).max()
+                                     * outputs[index, "k_proj"].unflatten(-1, (-1, 8)).norm(dim=-1).max()) / math.sqrt(8)
+                        for index in range(3)}
+        assert guard.check()
+        guard.optimizer.zero_grad()
+    guard.close()
+    for handle in handles:
+        handle.remove()
+    assert outputs[0, "q_proj"].shape[-1] == 2 * outputs[0, "k_proj"].shape[-1]  # grouped-query attention
+    values = dict(zip(guard.precursors.columns, dict(guard.window._precursor_rows)[0]))
+    for index in range(3):
+        got = values[(f"model.layers.{index}", PrecursorStatistic.ATTENTION_LOGIT)]
+        assert got == pytest.approx(expected[index], rel=1e-5), index
+
+
 @pytest.mark.parametrize("bad", [dict(window=2), dict(sustained=0), dict(min_growth=1.0), dict(history=3),
                                  dict(every=0)])
 def test_config_is_validated(bad):
