@@ -151,8 +151,11 @@ class StepStatistics:
         # the forward statistics of a sampled step come from its first micro-batch with gradients (the others are
         # not measured: on a GPU each measurement is launches on the step's critical path, and one micro-batch in
         # every `every` steps samples the trend as well as all of them would)
-        self._forward_measured = False
-        """The sampled step's first forward has reached its last block: the block and q/k hooks are done."""
+        self._blocks_done = self._qk_done = False
+        """Every block's output (every q/k projection's) was seen by one flush: those hooks are done for the step.
+        Separate, because under reentrant activation checkpointing the blocks' outputs are seen in the forward
+        while the projections run without gradients there and only in the recomputation inside backward (last
+        block first)."""
         self._rms: list[torch.Tensor] = []  # (blocks,) of the measured micro-batch (a row flushed early: more)
         self._absmax: list[torch.Tensor] = []
         self._qk_parts: list[torch.Tensor] = []  # (attention blocks, 2): max |q|, max |k|
@@ -163,10 +166,11 @@ class StepStatistics:
         last = index == len(self.blocks) - 1
 
         def hook(module, args, output):
-            if not self.active or self._forward_measured or not torch.is_grad_enabled():
+            if not self.active or not torch.is_grad_enabled():
                 return
             with self._never_raising():
-                self._outputs[index] = _first_tensor(output)
+                if not self._blocks_done:
+                    self._outputs[index] = _first_tensor(output)
                 if last:
                     self._flush_micro_batch()
         return hook
@@ -183,7 +187,7 @@ class StepStatistics:
         size = self._head_dim
 
         def hook(module, args, output):
-            if not self.active or self._forward_measured or not torch.is_grad_enabled():
+            if not self.active or self._qk_done or not torch.is_grad_enabled():
                 return
             with self._never_raising():
                 measure(_first_tensor(output))
@@ -229,8 +233,11 @@ class StepStatistics:
         return found
 
     def _flush_micro_batch(self) -> None:
-        """The block and q/k values the hooks referenced during the measured forward, as one vector each."""
-        self._forward_measured = True
+        """The block and q/k values the hooks referenced since the last flush, as one vector each. Blocks (q/k
+        projections) count as measured once one flush saw all of them: a recomputation under reentrant activation
+        checkpointing runs the blocks backwards from the last one, so its first flush holds one block only."""
+        self._blocks_done = self._blocks_done or all(t is not None for t in self._outputs)
+        self._qk_done = self._qk_done or all(t is not None for t in self._qk)
         present = [(i, t) for i, t in enumerate(self._outputs) if t is not None]
         if present:
             tensors = [t for _, t in present]
@@ -269,7 +276,7 @@ class StepStatistics:
                 return self._row()
         finally:
             self._rms, self._absmax, self._qk_parts, self._logits = [], [], [], []
-            self._forward_measured = False
+            self._blocks_done = self._qk_done = False
 
     def _row(self) -> torch.Tensor:
         self._flush_micro_batch()

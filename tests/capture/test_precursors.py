@@ -105,6 +105,36 @@ def test_blocks_and_attention_projections_are_found_generically():
     guard.close()
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_every_block_is_measured_under_activation_checkpointing(reentrant):
+    """Checkpointed blocks run their forward again inside backward (reentrant: without gradients first, then
+    recomputed from the last block backwards): every block's statistics are still those of the step's forward."""
+    model = gpt2()
+    model.train()
+    plain = {}
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.0),
+                  config=GuardConfig(precursors=PrecursorConfig(every=1, optimizer=False)))
+    batch = next(iter(batches(1)))
+    for checkpointed in (False, True):
+        if checkpointed:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        for _ in range(2):  # the row of the first step is read at the second's check()
+            guard.record_batch(batch, sample_ids=list(range(len(batch["input_ids"]))))
+            torch.manual_seed(0)  # the same dropout masks in both runs
+            loss = model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+            guard.record_loss(loss)
+            loss.backward()
+            assert guard.check()
+            model.zero_grad()
+        rows = guard.window._precursor_rows
+        plain[checkpointed] = dict(zip(guard.precursors.columns, rows[-1][1]))
+    guard.close()
+    for name, _ in find_blocks(model):
+        for stat in (PrecursorStatistic.BLOCK_RMS, PrecursorStatistic.BLOCK_ABSMAX, PrecursorStatistic.ATTENTION_LOGIT):
+            assert plain[True][(name, stat)] is not None, (name, stat)
+            assert plain[True][(name, stat)] == pytest.approx(plain[False][(name, stat)], rel=1e-5), (name, stat)
+
+
 def test_the_attention_bound_of_a_grouped_query_llama_is_max_q_norm_times_max_k_norm():
     """Separate q_proj / k_proj outputs of different widths (4 query heads, 2 key heads): the bound per block is
     the largest per-head row norm of each, multiplied, over sqrt(head_dim)."""
