@@ -12,9 +12,10 @@ is a kernel launch and host time; a step that is launch-bound pays both):
   `vector_norm(dim=-1)` per projection (both halves of a fused q|k|v projection at once), kept (one value per
   token and head) until the last block, where one `stack` and one `amax` give every projection's maximum;
 * the output-logit abs-max is one `aminmax` pass over the logits;
-* at check() the gradient and weight norms of all blocks' weight matrices (`block_weights`) are one `_foreach_norm`
-  each, summed per block by one `index_add_`; the Adam update m^ / (sqrt(v^) + eps) and the second-moment floor are a short chain of `_foreach`
-  ops per (block, param group) — never a Python loop of tensor ops per parameter;
+* after check()'s transfer, the Adam update m^ / (sqrt(v^) + eps) and the second-moment floor of all blocks' weight
+  matrices (`block_weights`) are a short chain of `_foreach` ops per param group (in parts of PART_ELEMENTS); their
+  gradient and weight norms are one `_foreach_norm`, stacked once with the update norms and summed per block by one
+  `index_add_` — never a Python loop of tensor ops per parameter;
 * everything ends in one row tensor, queued after check()'s transfer (its device work overlaps the optimizer step
   and the next forward) and read with the next check()'s transfer (capture/precursors.py).
 """
@@ -257,15 +258,13 @@ class StepStatistics:
         norms = [t for t in self._qk if t is not None]
         if norms:
             if len({(t.shape, t.dtype) for t in norms}) == 1:  # one stack and one max for every projection
-                maxima = torch.stack(norms).flatten(1).amax(1).unbind()
+                maxima = torch.stack(norms).flatten(1).amax(1)
             else:  # projections of different sizes (grouped-query attention's keys): one max each
-                maxima = [t.amax() for t in norms]
-            if len(norms) == len(self._qk):
-                self._qk_parts.append(torch.stack(maxima).view(-1, 2))
-            else:
-                found = iter(maxima)
-                self._qk_parts.append(torch.stack([self._neg_inf[0] if t is None else next(found)
-                                                   for t in self._qk]).view(-1, 2))
+                maxima = torch.stack([t.amax() for t in norms])
+            if len(norms) < len(self._qk):  # some projection did not run: -inf in its place
+                found = iter(maxima.unbind())
+                maxima = torch.stack([self._neg_inf[0] if t is None else next(found) for t in self._qk])
+            self._qk_parts.append(maxima.view(-1, 2))
             self._qk = [None] * len(self._qk)
 
     # -- at check() -------------------------------------------------------------------------------------
@@ -290,11 +289,13 @@ class StepStatistics:
                 parts.append(self._neg_inf[:len(self._attention_blocks)])
         if self._has_output:
             parts.append(self._max_over(self._logits, 1))
+        grads = [p.grad for p in self._params]
         if self.with_optimizer:
-            grads, weights = self._block_norms([p.grad for p in self._params], self._params)
-            parts += [grads, *self._optimizer_statistics(weights)]
+            updates, floors = self._optimizer_updates()
+            grad, weight, update = self._block_norms(grads, self._params, norms=updates)
+            parts += [grad, torch.where(update > 0, update / weight, self._neg_inf[:n]), self._block_floor(floors)]
         else:
-            parts.append(self._block_norms([p.grad for p in self._params])[0])
+            parts.append(self._block_norms(grads)[0])
         return torch.cat([p.float().reshape(-1) for p in parts]) if parts else self._neg_inf[:0]
 
     def _max_over(self, values: list[torch.Tensor], size: int) -> torch.Tensor:
@@ -311,24 +312,28 @@ class StepStatistics:
             self._empty[p.dtype] = torch.zeros(0, dtype=p.dtype, device=p.device)
         return self._empty[p.dtype]
 
-    def _block_norms(self, *tensors: list[torch.Tensor | None]) -> torch.Tensor:
-        """Per block, the L2 norm of its parameters' tensors, for each list of `tensors` (None counts as 0): one
-        `_foreach_norm` and one `stack` for all the lists, summed per block by one `index_add_`; (lists, blocks)."""
+    def _block_norms(self, *tensors: list[torch.Tensor | None], norms: list[torch.Tensor] = ()) -> torch.Tensor:
+        """Per block, the L2 norm of its parameters' tensors, for each list of `tensors` (None counts as 0) and then
+        for `norms` (a list of per-parameter norms computed already): one `_foreach_norm` and one `stack` for all
+        of them, summed per block by one `index_add_`; (lists, blocks)."""
+        lists = len(tensors) + bool(norms)
         if not self._params:
-            return self._neg_inf[:0].expand(len(tensors), 0)
+            return self._neg_inf[:0].expand(lists, 0)
         filled = [t if t is not None else self._placeholder(p) for ts in tensors for t, p in zip(ts, self._params)]
-        squares = torch.stack(thirdparty.foreach_norm(filled)).float().square().view(len(tensors), -1)
-        return torch.zeros(len(tensors), len(self.blocks), device=squares.device).index_add_(
-            1, self._owner, squares).sqrt()
+        squares = torch.stack(thirdparty.foreach_norm(filled) + list(norms)).float().square().view(lists, -1)
+        return torch.zeros(lists, len(self.blocks), device=squares.device).index_add_(1, self._owner, squares).sqrt()
 
-    def _per_block(self, per_param: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(len(self.blocks), device=per_param.device).index_add_(0, self._owner, per_param)
-
-    def _optimizer_statistics(self, weights: torch.Tensor) -> list[torch.Tensor]:
-        """Per block (`weights`: the blocks' weight norms): ||lr x update|| / ||W|| of the update the optimizer state points to, and the smallest Adam
-        second moment (exp_avg_sq). Adam's update is the bias-corrected m / (sqrt(v) + eps) (weight decay left out),
-        SGD's the momentum buffer (else the gradient); other optimizers give -inf (not measured)."""
+    def _block_floor(self, floors: list[torch.Tensor]) -> torch.Tensor:
+        """Per block, the smallest Adam second moment from each parameter's -sqrt(min v); -inf where none."""
         n = len(self.blocks)
+        floor = torch.full((n,), -math.inf, device=self.device).scatter_reduce_(
+            0, self._owner, torch.stack(floors).float(), "amax")
+        return torch.where(floor > -math.inf, floor.square(), self._neg_inf[:n])
+
+    def _optimizer_updates(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per parameter: ||lr x update|| of the update the optimizer state points to, and -sqrt of its smallest Adam
+        second moment (exp_avg_sq; -inf: none). Adam's update is the bias-corrected m / (sqrt(v) + eps) (weight
+        decay left out), SGD's the momentum buffer (else the gradient); other optimizers give 0 (not measured)."""
         groups = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
         state = self.optimizer.state
         updates: list[torch.Tensor] = [self._zero] * len(self._params)
@@ -370,11 +375,7 @@ class StepStatistics:
             thirdparty.foreach_mul_(norms, scale)
             for i, v in zip(indices, norms):
                 updates[i] = v
-        update = self._per_block(torch.stack(updates).float().square()).sqrt()
-        ratio = torch.where(update > 0, update / weights, self._neg_inf[:n])
-        floor = torch.full((n,), -math.inf, device=self.device).scatter_reduce_(
-            0, self._owner, torch.stack(floors).float(), "amax")
-        return [ratio, torch.where(floor > -math.inf, floor.square(), self._neg_inf[:n])]
+        return updates, floors
 
 
 PART_ELEMENTS = 1 << 26
