@@ -157,7 +157,7 @@ class StepStatistics:
         Separate, because under reentrant activation checkpointing the blocks' outputs are seen in the forward
         while the projections run without gradients there and only in the recomputation inside backward (last
         block first)."""
-        self._rms: list[torch.Tensor] = []  # (blocks,) of the measured micro-batch (a row flushed early: more)
+        self._rms: list[torch.Tensor] = []  # (blocks,) per flush: one, or several when blocks came over several
         self._absmax: list[torch.Tensor] = []
         self._qk_parts: list[torch.Tensor] = []  # (attention blocks, 2): max |q|, max |k|
         self._logits: list[torch.Tensor] = []  # the measured micro-batch's output-logit abs-max
