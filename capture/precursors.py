@@ -15,19 +15,19 @@ gradient norm or update/weight ratio grows for tens of steps, Adam's second mome
 * gradient norm of the block's weight matrices (its trainable parameters of >= 2 dimensions: biases and norm gains
   left out, `precursor_stats.block_weights`; at check(), before the optimizer step);
 * update/weight ratio ||lr x update|| / ||W|| and the Adam second-moment floor (min of exp_avg_sq) of the same
-  weight matrices, at check()
-  from the optimizer state the previous step left: the update is Adam's bias-corrected m / (sqrt(v) + eps) (weight
-  decay left out) or SGD's momentum buffer / gradient, at the learning rate of the step being checked; other
-  optimizers give neither.
+  weight matrices, at check() from the optimizer state the previous step left: the update is Adam's bias-corrected m
+  / (sqrt(v) + eps) (weight decay left out) or SGD's momentum buffer / gradient, at the learning rate of the step
+  being checked; other optimizers give neither.
 
 No host sync of its own: a sampled step's values end in one device row, queued after that step's check() transfer
 (so its device work overlaps the optimizer step and the next forward) and read with the next check()'s own
-device->host transfer (capture/checking.py; with several ranks, one small read after the step's all-reduce, of a
-row done long since). A statistic is thus judged, and a precursor dumped, one step after the sampled step. On the other steps the hooks return after one flag check. `RobustTrend` judges each statistic
-on the host over the sampled steps: its log against the running median of the recent healthy values, in robust
-standard deviations (1.4826 x MAD), sustained for a few sampled steps (forensics/trend.py, which replay uses to rank
-them too). When one fires, the Guard dumps the step (TriggerKind.PRECURSOR, policy 'continue') and the job goes on;
-the statistics of the last `history` sampled steps travel in the dump as `precursors.json` (capture/window.py).
+device->host transfer (capture/checking.py; with several ranks, one small read after the step's all-reduce, of a row
+done long since). A statistic is thus judged, and a precursor dumped, one step after the sampled step. On the other
+steps the hooks return after one flag check. `RobustTrend` judges each statistic on the host over the sampled steps:
+its log against the running median of the recent healthy values, in robust standard deviations (1.4826 x MAD),
+sustained for a few sampled steps (forensics/trend.py, which replay uses to rank them too). When one fires, the
+Guard dumps the step (TriggerKind.PRECURSOR, policy 'continue') and the job goes on; the statistics of the last
+`history` sampled steps travel in the dump as `precursors.json` (capture/window.py).
 """
 
 from __future__ import annotations

@@ -264,8 +264,9 @@ class SafetensorsFile:
         dtype, shape, offset, nbytes = self._entry(key)
         device = torch.device(device)
         pinned = device.type == "cuda"
-        with torch.cuda.device(device) if pinned else contextlib.nullcontext(), unfilled():  # read over whole
-            raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)  # (not a context on cuda:0)
+        # pinned memory of the reading device (not a context on cuda:0), unfilled: the read overwrites all of it
+        with torch.cuda.device(device) if pinned else contextlib.nullcontext(), unfilled():
+            raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
         view = memoryview(raw.numpy()) if nbytes else memoryview(b"")
         pieces = read_pieces(nbytes)
         if len(pieces) > 1:  # a large tensor: its pieces read by several threads (pread releases the GIL)

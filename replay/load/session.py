@@ -286,7 +286,7 @@ def parameters_on_meta() -> Iterator[None]:
 
     torch.nn.Module.register_parameter = on_meta
     try:
-        with unfilled():  # each parameter's memory goes to meta at once: no deterministic fill of it
+        with unfilled():  # each parameter's memory goes to meta at once (a buffer left unset is the model's bug)
             yield
     finally:
         torch.nn.Module.register_parameter = register

@@ -105,13 +105,20 @@ def test_blocks_and_attention_projections_are_found_generically():
     guard.close()
 
 
+def rows_after_close(guard: Guard, handles=()) -> dict[int, dict]:
+    """Closes the Guard and removes the test's own hooks; the rows the monitor read, by step, as {column: value}."""
+    guard.close()
+    for handle in handles:
+        handle.remove()
+    return {step: dict(zip(guard.precursors.columns, values)) for step, values in guard.window._precursor_rows}
+
+
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_every_block_is_measured_under_activation_checkpointing(reentrant):
     """Checkpointed blocks run their forward again inside backward (reentrant: without gradients first, then
     recomputed from the last block backwards): every block's statistics are still those of the step's forward."""
     model = gpt2()
     model.train()
-    plain = {}
     guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.0),
                   config=GuardConfig(precursors=PrecursorConfig(every=1, optimizer=False)))
     batch = next(iter(batches(1)))
@@ -126,9 +133,8 @@ def test_every_block_is_measured_under_activation_checkpointing(reentrant):
             loss.backward()
             assert guard.check()
             model.zero_grad()
-        rows = guard.window._precursor_rows
-        plain[checkpointed] = dict(zip(guard.precursors.columns, rows[-1][1]))
-    guard.close()
+    rows = rows_after_close(guard)
+    plain = {False: rows[0], True: rows[2]}  # steps 0-1 plain, 2-3 checkpointed: the rows of 0 and 2 were read
     for name, _ in find_blocks(model):
         for stat in (PrecursorStatistic.BLOCK_RMS, PrecursorStatistic.BLOCK_ABSMAX, PrecursorStatistic.ATTENTION_LOGIT):
             assert plain[True][(name, stat)] is not None, (name, stat)
@@ -162,11 +168,8 @@ def test_the_attention_bound_of_a_grouped_query_llama_is_max_q_norm_times_max_k_
                         for index in range(3)}
         assert guard.check()
         guard.optimizer.zero_grad()
-    guard.close()
-    for handle in handles:
-        handle.remove()
+    values = rows_after_close(guard, handles)[0]
     assert outputs[0, "q_proj"].shape[-1] == 2 * outputs[0, "k_proj"].shape[-1]  # grouped-query attention
-    values = dict(zip(guard.precursors.columns, dict(guard.window._precursor_rows)[0]))
     for index in range(3):
         got = values[(f"model.layers.{index}", PrecursorStatistic.ATTENTION_LOGIT)]
         assert got == pytest.approx(expected[index], rel=1e-5), index
@@ -205,13 +208,9 @@ def test_a_sampled_row_holds_the_statistics_computed_directly_and_other_steps_no
         assert guard.check()
         optimizer.step()
         optimizer.zero_grad()
-    guard.close()
-    for handle in handles:
-        handle.remove()
-    rows = dict(guard.window._precursor_rows)
+    rows = rows_after_close(guard, handles)
     assert sorted(rows) == [0, 3, 6]  # every=3, from the first step
-    for step, values in rows.items():
-        got = {column: value for column, value in zip(guard.precursors.columns, values)}
+    for step, got in rows.items():
         for column, value in expected[step].items():
             if value is None:
                 assert got[column] is None, (step, column)
@@ -245,10 +244,7 @@ def test_the_forward_statistics_of_a_step_with_several_micro_batches_are_its_fir
         assert guard.check()
         optimizer.step()
         optimizer.zero_grad()
-    guard.close()
-    for handle in handles:
-        handle.remove()
-    values = dict(zip(guard.precursors.columns, dict(guard.window._precursor_rows)[1]))
+    values = rows_after_close(guard, handles)[1]
     measured, other, grad_norm = expected[1]
     assert other[0] > 5 * measured[0] and other[1] > measured[1]
     assert values[(last, PrecursorStatistic.BLOCK_ABSMAX)] == pytest.approx(measured[0], rel=1e-5)
