@@ -87,9 +87,11 @@ rm -rf $d/fsdp1b $d/z3llama
 step scenarios_cuda 0 python3 -m scripts.check_scenarios --device cuda:0 --json "$out/scenarios.json"
 # 8. a divergence provoked by the learning rate (nothing planted) on cuda:0: the precursor dump comes >= 10 steps
 #    before the non-finite step and its replay names a block; then the monitor's cost on a healthy GPU step (GPT-2
-#    small, bf16, fused AdamW)
+#    small, bf16, fused AdamW): a short step (2 x 4 x 1024 tokens), then nanoGPT's per-GPU step (5 x 12 x 1024)
 step precursor_divergence 0 python3 tests/capture/precursor_divergence_job.py $d/pdiv --device cuda:0
 step precursor_bench 0 timeout 300 python3 -m scripts.bench.precursor_overhead --rounds 5 --steps 32 --profile
+step precursor_bench_nanogpt 0 timeout 300 python3 -m scripts.bench.precursor_overhead --rounds 3 --steps 32 \
+  --micro 5 --batch 12 --modes precursors
 # 9. the write benchmark (forensics vs torch.save vs raw, cuda)
 step dump_write_bench 0 python3 -m scripts.bench.dump_write --dir /tmp --rounds 3 --device cuda:0
 echo "--- summary ($(cat "$out/date.txt"))"; cat "$out/summary.txt"

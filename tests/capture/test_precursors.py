@@ -14,6 +14,7 @@ import torch
 from forensics_test_helpers import load_test_module
 
 from capture import Guard, GuardConfig, PrecursorConfig
+from capture import precursor_stats
 from capture.precursor_stats import find_blocks
 from forensics.format import open_dump, verify_dump
 from forensics.kinds import PrecursorStatistic, TriggerKind, VerdictKind
@@ -182,9 +183,13 @@ def test_config_is_validated(bad):
         PrecursorConfig(**bad)
 
 
-def test_a_sampled_row_holds_the_statistics_computed_directly_and_other_steps_none():
-    """The batched statistics (one `_foreach` chain per block and param group, sign tricks included) against a plain
-    per-parameter computation of the same definitions, at the sampled steps only."""
+@pytest.mark.parametrize("part_elements", [None, 5000], ids=["one_part", "parts_of_5000"])
+def test_a_sampled_row_holds_the_statistics_computed_directly_and_other_steps_none(part_elements, monkeypatch):
+    """The batched statistics (one `_foreach` chain per param group and part of the optimizer state, sign tricks
+    included) against a plain per-parameter computation of the same definitions, at the sampled steps only; also
+    with the state split into parts of ~1-2 weight matrices each, as a large model's is."""
+    if part_elements is not None:
+        monkeypatch.setattr(precursor_stats, "PART_ELEMENTS", part_elements)
     model = gpt2()
     optimizer = torch.optim.AdamW([{"params": [p for n, p in model.named_parameters() if n.endswith("bias")],
                                     "weight_decay": 0.0, "lr": 3e-3},
