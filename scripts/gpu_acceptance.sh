@@ -36,6 +36,12 @@ step() {
 # must_say LOG PATTERN: a step's log must hold PATTERN (the expected outcome of a step that fails on purpose)
 must_say() { grep -qE "$2" "$out/$1.log" || { echo "FAILED: $1.log lacks /$2/"; failed=1; echo "FAIL $1 lacks /$2/" >> "$out/summary.txt"; }; }
 
+# names_sample LABEL REPLAY_DIR SAMPLE: the replay's report names exactly that sample as the culprit
+names_sample() {
+  python3 -c "import json,sys; r=json.load(open('$2/report.json')); s=[c['sample_id'] for c in r['culprit']['samples']]; print('$1 culprit', s, r['verdict']['kind']); sys.exit(s != [$3])" \
+    >> "$out/summary.txt" 2>&1 || { echo "FAILED: $1 replay did not name sample $3"; echo "FAIL $1 culprit" >> "$out/summary.txt"; failed=1; }
+}
+
 nvidia-smi -L; python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())"
 date -u +"%Y-%m-%d %H:%M UTC" > "$out/date.txt"
 
@@ -78,10 +84,7 @@ step fsdp2_1b 0 timeout 420 torchrun --nproc_per_node=2 scripts/examples/fsdp2_e
   --bf16 --poison-value inf --dump-dir $d --run-id fsdp1b
 step fsdp2_1b_verify 0 python3 -m forensics.cli verify $d/fsdp1b/step-000000003
 step fsdp2_1b_replay 0 python3 -m forensics.cli replay $d/fsdp1b/step-000000003 --rank 1 --device cuda:0 -o "$out/fsdp1b"
-if wanted fsdp2_1b_replay; then
-  python3 -c "import json,sys; r=json.load(open('$out/fsdp1b/report.json')); s=[c['sample_id'] for c in r['culprit']['samples']]; print('fsdp2_1b culprit', s, r['verdict']['kind']); sys.exit(s != [29])" \
-    >> "$out/summary.txt" 2>&1 || { echo "FAILED: fsdp2_1b replay did not name sample 29"; failed=1; }
-fi
+wanted fsdp2_1b_replay && names_sample fsdp2_1b "$out/fsdp1b" 29
 rm -rf $d/fsdp1b $d/z3llama
 # 7. every planted-fault scenario captured and replayed on cuda:0
 step scenarios_cuda 0 python3 -m scripts.check_scenarios --device cuda:0 --json "$out/scenarios.json"
@@ -92,7 +95,26 @@ step precursor_divergence 0 python3 tests/capture/precursor_divergence_job.py $d
 step precursor_bench 0 timeout 300 python3 -m scripts.bench.precursor_overhead --rounds 5 --steps 32 --profile
 step precursor_bench_nanogpt 0 timeout 300 python3 -m scripts.bench.precursor_overhead --rounds 3 --steps 32 \
   --micro 5 --batch 12 --modes precursors
-# 9. the write benchmark (forensics vs torch.save vs raw, cuda)
+# 9. the framework integrations on GPUs: Accelerate bf16 and plain DDP fp16 (GradScaler) on 2 GPUs over NCCL, the
+#    Hugging Face Trainer bf16 and Lightning bf16-mixed on one (CUDA_VISIBLE_DEVICES=0: a Trainer that sees 2 GPUs in
+#    one process wraps the model in DataParallel); each dump replayed on cuda:0 names the corrupt sample
+step integ_accelerate 0 timeout 300 torchrun --nproc_per_node=2 scripts/examples/accelerate_example.py \
+  --mixed-precision bf16 --dump-dir $d --run-id acc
+step integ_accelerate_replay 0 python3 -m forensics.cli replay $d/acc/step-000000003 --rank 1 --device cuda:0 -o "$out/acc"
+wanted integ_accelerate_replay && names_sample accelerate_bf16 "$out/acc" 29
+step integ_ddp 0 timeout 300 torchrun --nproc_per_node=2 scripts/examples/ddp_example.py --fp16 --dump-dir $d --run-id ddp
+step integ_ddp_replay 0 python3 -m forensics.cli replay $d/ddp/step-000000003 --rank 1 --device cuda:0 -o "$out/ddp"
+wanted integ_ddp_replay && names_sample ddp_fp16 "$out/ddp" 29
+step integ_trainer 0 env CUDA_VISIBLE_DEVICES=0 timeout 300 python3 scripts/examples/hf_trainer_example.py --bf16 \
+  --sequential --dump-dir $d --run-id tr
+step integ_trainer_replay 0 python3 -m forensics.cli replay $d/tr/step-000000003 --device cuda:0 -o "$out/tr"
+wanted integ_trainer_replay && names_sample trainer_bf16 "$out/tr" 13
+step integ_lightning 0 env CUDA_VISIBLE_DEVICES=0 timeout 300 python3 scripts/examples/lightning_example.py \
+  --precision bf16-mixed --dump-dir $d --run-id lit
+step integ_lightning_replay 0 python3 -m forensics.cli replay $d/lit/step-000000003 --device cuda:0 --path scripts/examples \
+  --trust -o "$out/lit"
+wanted integ_lightning_replay && names_sample lightning_bf16 "$out/lit" 13
+# 10. the write benchmark (forensics vs torch.save vs raw, cuda)
 step dump_write_bench 0 python3 -m scripts.bench.dump_write --dir /tmp --rounds 3 --device cuda:0
 echo "--- summary ($(cat "$out/date.txt"))"; cat "$out/summary.txt"
 [ "$failed" -eq 0 ] && echo "all GPU acceptance steps passed; logs in $out" || { echo "some GPU acceptance steps FAILED"; exit 1; }
