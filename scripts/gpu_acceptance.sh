@@ -114,7 +114,17 @@ step integ_lightning 0 env CUDA_VISIBLE_DEVICES=0 timeout 300 python3 scripts/ex
 step integ_lightning_replay 0 python3 -m forensics.cli replay $d/lit/step-000000003 --device cuda:0 --path scripts/examples \
   --trust -o "$out/lit"
 wanted integ_lightning_replay && names_sample lightning_bf16 "$out/lit" 13
-# 10. the write benchmark (forensics vs torch.save vs raw, cuda)
+# 10. GuardConfig(shard_replicas=2) under FSDP2 bf16 on 2 GPUs: each rank sends its shards to its buddy over NCCL
+#     before writing; with rank 0's dump deleted, verify says the state is whole (exit 2: a rank is missing) and rank
+#     1's dump alone replays on cuda:0 and names the sample
+step buddy_fsdp2 0 timeout 300 torchrun --nproc_per_node=2 scripts/examples/fsdp2_example.py --bf16 --replicas 2 \
+  --poison-value inf --dump-dir $d --run-id buddy
+step buddy_verify_without_rank0 2 bash -c "rm -rf $d/buddy/step-000000003/rank-00000 && \
+  python3 -m forensics.cli verify $d/buddy/step-000000003"
+wanted buddy_verify_without_rank0 && must_say buddy_verify_without_rank0 "the state is complete without it"
+step buddy_replay 0 python3 -m forensics.cli replay $d/buddy/step-000000003 --device cuda:0 -o "$out/buddy"
+wanted buddy_replay && names_sample buddy_fsdp2 "$out/buddy" 29
+# 11. the write benchmark (forensics vs torch.save vs raw, cuda)
 step dump_write_bench 0 python3 -m scripts.bench.dump_write --dir /tmp --rounds 3 --device cuda:0
 echo "--- summary ($(cat "$out/date.txt"))"; cat "$out/summary.txt"
 [ "$failed" -eq 0 ] && echo "all GPU acceptance steps passed; logs in $out" || { echo "some GPU acceptance steps FAILED"; exit 1; }
