@@ -34,25 +34,35 @@ from forensics.kinds import PrecursorStatistic
 
 log = logging.getLogger(__name__)
 
-# (query name, key name, fused): the projections whose outputs bound the attention logits; fused: one q|k|v
-# projection whose first two thirds are the queries and keys (GPT-2's c_attn).
-QK_PROJECTIONS = (("q_proj", "k_proj", False), ("query", "key", False), ("c_attn", "c_attn", True))
+# (query name, key name, fused): the projections whose outputs bound the attention logits, as children of one
+# attention module: Hugging Face Llama / Mistral / Qwen / OPT (q_proj), BERT (query), DeBERTa (query_proj), DistilBERT
+# (q_lin), T5 (q), torchtitan and Meta's Llama (wq); fused: one q|k|v projection whose first two thirds are the
+# queries and keys (GPT-2's and nanoGPT's c_attn).
+QK_PROJECTIONS = (("q_proj", "k_proj", False), ("query", "key", False), ("query_proj", "key_proj", False),
+                  ("q_lin", "k_lin", False), ("wq", "wk", False), ("q", "k", False), ("c_attn", "c_attn", True))
+HEAD_SIZE_ATTRIBUTES = ("head_dim", "attention_head_size", "key_value_proj_dim", "head_size")
+"""An attention module's own attribute for its head size (Llama, GPT-2, torchtitan: head_dim; BERT:
+attention_head_size; T5: key_value_proj_dim)."""
+OUTPUT_NAMES = ("lm_head", "output", "head")
+"""A model without `get_output_embeddings` (not a Hugging Face one): its output projection, a direct child of one of
+these names (torchtitan: output)."""
+BLOCK_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
 
 
 def find_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The model's repeated blocks, by qualified name: the children of its largest nn.ModuleList (by parameter
-    count) whose children are all of one class (`transformer.h`, `model.layers`, `encoder.layer` ...); [] when it
-    has none."""
-    best: tuple[int, str, torch.nn.ModuleList] | None = None
+    """The model's repeated blocks, by qualified name: the children of its largest (by parameter count) ModuleList,
+    ModuleDict or Sequential whose children are all of one class (`transformer.h`, `model.layers`, `encoder.layer`,
+    torchtitan's `layers` dict, a ViT's `blocks` ...); [] when it has none."""
+    best: tuple[int, str, torch.nn.Module] | None = None
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) and len({type(c) for c in module}) == 1:
+        if isinstance(module, BLOCK_CONTAINERS) and len(module) and len({type(c) for c in module.children()}) == 1:
             size = sum(p.numel() for p in module.parameters())
             if size and (best is None or size > best[0]):
                 best = (size, name, module)
     if best is None:
         return []
     _, name, blocks = best
-    return [(f"{name}.{i}" if name else str(i), block) for i, block in enumerate(blocks)]
+    return [(f"{name}.{child}" if name else child, block) for child, block in blocks.named_children()]
 
 
 def block_weights(block: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -76,6 +86,35 @@ def head_dim(model: torch.nn.Module) -> int | None:
     if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads == 0:
         return hidden // heads
     return None
+
+
+def attention_projections(block: torch.nn.Module
+                          ) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module, bool] | None:
+    """(attention module, query projection, key projection, fused) of a block: the first module in it with a
+    QK_PROJECTIONS pair as its direct children; None when it has none."""
+    for module in block.modules():
+        children = dict(module.named_children())
+        for q_name, k_name, fused in QK_PROJECTIONS:
+            if q_name in children and k_name in children:
+                return module, children[q_name], children[k_name], fused
+    return None
+
+
+def head_size(attention: torch.nn.Module) -> int | None:
+    """The head size an attention module states itself (HEAD_SIZE_ATTRIBUTES), else None."""
+    value = next((getattr(attention, a) for a in HEAD_SIZE_ATTRIBUTES if hasattr(attention, a)), None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def output_projection(model: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
+    """(name, module) of the model's output projection, whose output is the logits: `get_output_embeddings()` of a
+    Hugging Face model, else a direct child named in OUTPUT_NAMES; None when there is neither."""
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(output, torch.nn.Module):
+        return next((name for name, m in model.named_modules() if m is output), "output"), output
+    children = dict(model.named_children())
+    return next(((name, children[name]) for name in OUTPUT_NAMES if isinstance(children.get(name), torch.nn.Module)),
+                None)
 
 
 def _first_tensor(output: Any) -> torch.Tensor | None:
@@ -122,15 +161,15 @@ class StepStatistics:
         self.columns += [(name, PrecursorStatistic.BLOCK_ABSMAX) for name, _ in self.blocks]
         for index, (_, block) in enumerate(self.blocks):
             self.handles.append(block.register_forward_hook(self._block_hook(index)))
-        self._head_dim = head_dim(model) if attention else None
-        self._attention_blocks = self._add_attention() if self._head_dim else []
+        self._head_dim: int | None = None
+        """The head size of the watched attention modules (one per model; a block whose differs is not watched)."""
+        self._attention_blocks = self._add_attention(head_dim(model)) if attention else []
         self.columns += [(self.blocks[i][0], PrecursorStatistic.ATTENTION_LOGIT) for i in self._attention_blocks]
-        output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        self._has_output = isinstance(output, torch.nn.Module)
-        if self._has_output:
-            label = next((name for name, m in model.named_modules() if m is output), "output")
-            self.columns.append((label, PrecursorStatistic.OUTPUT_LOGIT))
-            self.handles.append(output.register_forward_hook(self._output_hook))
+        output = output_projection(model)
+        self._has_output = output is not None
+        if output is not None:
+            self.columns.append((output[0], PrecursorStatistic.OUTPUT_LOGIT))
+            self.handles.append(output[1].register_forward_hook(self._output_hook))
         self.columns += [(name, PrecursorStatistic.GRAD_NORM) for name, _ in self.blocks]
         self.with_optimizer = with_optimizer and n > 0
         if self.with_optimizer:
@@ -216,21 +255,24 @@ class StepStatistics:
             log.exception("forensics: precursors: the statistics failed; the monitor is off for this run")
             self.failed, self.active = True, False
 
-    def _add_attention(self) -> list[int]:
-        """Hooks on the query / key projections of each block that has recognisable ones; the blocks' indices."""
+    def _add_attention(self, model_head_size: int | None) -> list[int]:
+        """Hooks on the query / key projections of each block that has recognisable ones (and a known head size: the
+        attention module's own, else the model config's); the blocks' indices."""
         found = []
         for index, (_, block) in enumerate(self.blocks):
-            modules = {n.rpartition(".")[2]: m for n, m in block.named_modules()}
-            for q_name, k_name, fused in QK_PROJECTIONS:
-                q, k = modules.get(q_name), modules.get(k_name)
-                if q is None or k is None:
-                    continue
-                slot = 2 * len(found)
-                found.append(index)
-                self.handles.append(q.register_forward_hook(self._qk_hook(slot, fused)))
-                if not fused:
-                    self.handles.append(k.register_forward_hook(self._qk_hook(slot + 1, False)))
-                break
+            projections = attention_projections(block)
+            if projections is None:
+                continue
+            attention, q, k, fused = projections
+            size = head_size(attention) or model_head_size
+            if size is None or size != (self._head_dim or size):
+                continue
+            self._head_dim = size
+            slot = 2 * len(found)
+            found.append(index)
+            self.handles.append(q.register_forward_hook(self._qk_hook(slot, fused)))
+            if not fused:
+                self.handles.append(k.register_forward_hook(self._qk_hook(slot + 1, False)))
         return found
 
     def _flush_micro_batch(self) -> None:

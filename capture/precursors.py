@@ -3,15 +3,18 @@
 Large runs announce their spikes: attention logits and output logits drift up (Wortsman et al. 2023), one layer's
 gradient norm or update/weight ratio grows for tens of steps, Adam's second moment vanishes so that updates jump
 (Molybog et al. 2023). The monitor measures, for each repeated block of the model (found generically:
-`find_blocks`, the largest nn.ModuleList of one class), on every `PrecursorConfig.every`-th step
+`find_blocks`, the largest ModuleList / ModuleDict / Sequential of one class), on every `PrecursorConfig.every`-th step
 (forensics.kinds.PrecursorStatistic; capture/precursor_stats.py computes them):
 
 * block output RMS and abs-max (a forward hook on the block; the forward statistics are of the sampled step's
   first micro-batch);
 * attention-logit bound: max|q| x max|k| / sqrt(head_dim), from hooks on the block's query and key projections
-  (`q_proj` / `k_proj`, `query` / `key`, or GPT-2's fused `c_attn`). It is an upper bound of max |q.k|/sqrt(d) —
+  (children of one attention module: `q_proj` / `k_proj`, `query` / `key`, torchtitan's `wq` / `wk` and the others of
+  precursor_stats.QK_PROJECTIONS, or GPT-2's fused `c_attn`; the head size the attention module states, else the
+  config's). It is an upper bound of max |q.k|/sqrt(d) —
   rotary embeddings keep each head's norm, so it holds for RoPE models too — and not the logit itself;
-* output-logit abs-max (a hook on the model's output embedding, `get_output_embeddings()`);
+* output-logit abs-max (a hook on the model's output projection: `get_output_embeddings()`, else a direct child named
+  `lm_head`, `output` or `head`);
 * gradient norm of the block's weight matrices (its trainable parameters of >= 2 dimensions: biases and norm gains
   left out, `precursor_stats.block_weights`; at check(), before the optimizer step);
 * update/weight ratio ||lr x update|| / ||W|| and the Adam second-moment floor (min of exp_avg_sq) of the same
@@ -150,8 +153,8 @@ class PrecursorMonitor:
         self.every = config.every
         self.stats = StepStatistics(model, optimizer, config.attention, config.optimizer)
         if not self.stats.blocks:
-            log.warning("forensics: precursors: the model has no nn.ModuleList of repeated blocks; only the output "
-                        "logits are watched")
+            log.warning("forensics: precursors: the model has no ModuleList / ModuleDict / Sequential of repeated "
+                        "blocks; only the output logits are watched")
         self.handles = self.stats.handles
         self.columns: list[tuple[str, PrecursorStatistic]] = self.stats.columns
         """What each value of a row is: (layer, statistic)."""

@@ -106,6 +106,74 @@ def test_blocks_and_attention_projections_are_found_generically():
     guard.close()
 
 
+def test_blocks_in_a_sequential_and_a_head_of_a_plain_model_are_found():
+    """Not a Hugging Face model: blocks in an nn.Sequential (as a ViT keeps them), the output projection a direct
+    child named `head`; nn.MultiheadAttention has no separate q / k projections, so no attention bound."""
+    class Plain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Linear(4, 16)
+            self.blocks = torch.nn.Sequential(*[torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+                                                for _ in range(3)])
+            self.head = torch.nn.Linear(16, 10)
+
+    model = Plain()
+    assert [name for name, _ in find_blocks(model)] == ["blocks.0", "blocks.1", "blocks.2"]
+    guard = Guard(model, torch.optim.AdamW(model.parameters()), config=GuardConfig(precursors=PrecursorConfig()))
+    columns = set(guard.precursors.columns)
+    assert ("head", PrecursorStatistic.OUTPUT_LOGIT) in columns
+    assert ("blocks.2", PrecursorStatistic.GRAD_NORM) in columns
+    assert not [c for c in columns if c[1] is PrecursorStatistic.ATTENTION_LOGIT]
+    guard.close()
+
+
+def test_a_torchtitan_llama_is_watched_block_by_block():
+    """torchtitan's Llama 3: blocks in a ModuleDict, grouped-query projections `wq` / `wk` whose head size only the
+    attention module states, the logits from its `output` projection; a sampled row against direct computations."""
+    pytest.importorskip("torchtitan")
+    from torchtitan.models.llama3.model.args import TransformerModelArgs
+    from torchtitan.models.llama3.model.model import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(TransformerModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128,
+                                             max_seq_len=16, use_flex_attn=False))
+    model.init_weights()
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.01),
+                  config=GuardConfig(precursors=PrecursorConfig(every=1, optimizer=False)))
+    seen = {}
+    keep = lambda key: lambda m, a, out: seen.__setitem__(key, out.detach())  # noqa: E731
+    handles = [model.output.register_forward_hook(keep("logits"))]
+    for name, layer in model.layers.items():
+        handles += [layer.register_forward_hook(keep(name)),
+                    layer.attention.wq.register_forward_hook(keep((name, "q"))),
+                    layer.attention.wk.register_forward_hook(keep((name, "k")))]
+    tokens = torch.randint(0, 128, (3, 16))
+    for step in range(2):  # the row of step 0 is read at step 1's check()
+        guard.record_batch({"tokens": tokens}, sample_ids=[0, 1, 2])
+        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+        guard.record_loss(loss)
+        loss.backward()
+        if step == 0:
+            stat = PrecursorStatistic
+            expected = {("output", stat.OUTPUT_LOGIT): float(seen["logits"].abs().max())}
+            for name in model.layers:
+                out, q, k = seen[name], seen[name, "q"], seen[name, "k"]
+                heads = [t.unflatten(-1, (-1, 16)).norm(dim=-1).max() for t in (q, k)]  # head_dim 16
+                grads = [p.grad for p in model.layers[name].parameters() if p.dim() >= 2]
+                expected |= {(f"layers.{name}", stat.BLOCK_RMS): float(out.pow(2).mean().sqrt()),
+                             (f"layers.{name}", stat.BLOCK_ABSMAX): float(out.abs().max()),
+                             (f"layers.{name}", stat.ATTENTION_LOGIT): float(heads[0] * heads[1]) / 4.0,
+                             (f"layers.{name}", stat.GRAD_NORM): math.sqrt(sum(float(g.pow(2).sum()) for g in grads))}
+        assert guard.check()
+        guard.optimizer.step()
+        guard.optimizer.zero_grad()
+    values = rows_after_close(guard, handles)[0]
+    assert seen["0", "q"].shape[-1] == 2 * seen["0", "k"].shape[-1]  # grouped-query attention
+    assert sorted(values) == sorted(expected)
+    for column, value in expected.items():
+        assert values[column] == pytest.approx(value, rel=1e-5), column
+
+
 def rows_after_close(guard: Guard, handles=()) -> dict[int, dict]:
     """Closes the Guard and removes the test's own hooks; the rows the monitor read, by step, as {column: value}."""
     guard.close()
