@@ -16,6 +16,9 @@ is a kernel launch and host time; a step that is launch-bound pays both):
   matrices (`block_weights`) are a short chain of `_foreach` ops per param group (in parts of PART_ELEMENTS); their
   gradient and weight norms are one `_foreach_norm`, stacked once with the update norms and summed per block by one
   `index_add_` — never a Python loop of tensor ops per parameter;
+* with sharded parameters (DTensor: FSDP2, tensor parallel) the gradient and weight norms, the update and the Adam
+  floor are of this rank's local shards — no collective is added, and each rank judges its own view, as it does its
+  own micro-batches' forward statistics;
 * everything ends in one row tensor, queued after check()'s transfer (its device work overlaps the optimizer step
   and the next forward) and read with the next check()'s transfer (capture/precursors.py).
 """
@@ -29,6 +32,7 @@ from typing import Any, Iterator
 
 import torch
 
+from capture.sharding import is_dtensor
 from forensics import thirdparty
 from forensics.kinds import PrecursorStatistic
 
@@ -131,6 +135,11 @@ def _absmax(t: torch.Tensor) -> torch.Tensor:
     """max |t| from one `aminmax` pass (one read, like an L-inf norm, which is 20x slower on a CPU for bf16)."""
     low, high = torch.aminmax(t)
     return torch.maximum(high, low.neg())
+
+
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's part of a DTensor (FSDP2, tensor parallel: its local shard), else the tensor itself."""
+    return t.to_local() if is_dtensor(t) else t
 
 
 def _on_host(value: Any) -> Any:
@@ -331,10 +340,10 @@ class StepStatistics:
                 parts.append(self._neg_inf[:len(self._attention_blocks)])
         if self._has_output:
             parts.append(self._max_over(self._logits, 1))
-        grads = [p.grad for p in self._params]
+        grads = [_local(p.grad) for p in self._params]
         if self.with_optimizer:
             updates, floors = self._optimizer_updates()
-            grad, weight, update = self._block_norms(grads, self._params, norms=updates)
+            grad, weight, update = self._block_norms(grads, [_local(p) for p in self._params], norms=updates)
             parts += [grad, torch.where(update > 0, update / weight, self._neg_inf[:n]), self._block_floor(floors)]
         else:
             parts.append(self._block_norms(grads)[0])
@@ -383,12 +392,12 @@ class StepStatistics:
         subsets: dict[tuple[int, int], list[int]] = {}  # (param group, part) -> parameters: few `_foreach` calls
         filled: dict[int, tuple[int, int]] = {}  # param group -> (its current part, elements in it)
         for i, p in enumerate(self._params):
-            group = groups.get(id(p))
-            if group is not None and state.get(p) and p.numel():
+            group, size = groups.get(id(p)), _local(p).numel()
+            if group is not None and state.get(p) and size:
                 part, elements = filled.get(id(group), (0, 0))
-                if elements and elements + p.numel() > PART_ELEMENTS:
+                if elements and elements + size > PART_ELEMENTS:
                     part, elements = part + 1, 0
-                filled[id(group)] = (part, elements + p.numel())
+                filled[id(group)] = (part, elements + size)
                 subsets.setdefault((id(group), part), []).append(i)
         scalars: dict[int, tuple[Any, Any]] = {}
         for (group_id, _), indices in subsets.items():
@@ -398,15 +407,15 @@ class StepStatistics:
                 if group_id not in scalars:
                     scalars[group_id] = _adam_scalars(group, states[0].get("step", 1))
                 shift, scale = scalars[group_id]
-                d = thirdparty.foreach_sqrt([s["exp_avg_sq"] for s in states])
+                d = thirdparty.foreach_sqrt([_local(s["exp_avg_sq"]) for s in states])
                 thirdparty.foreach_neg_(d)  # -sqrt(v): its max is -sqrt(min v), the floor
                 for i, top in zip(indices, thirdparty.foreach_max(d)):
                     floors[i] = top
                 thirdparty.foreach_sub_(d, shift)
                 thirdparty.foreach_reciprocal_(d)
-                thirdparty.foreach_mul_(d, [s["exp_avg"] for s in states])  # -m / (sqrt(v) + eps sqrt(bc2))
+                thirdparty.foreach_mul_(d, [_local(s["exp_avg"]) for s in states])  # -m / (sqrt(v) + eps sqrt(bc2))
             elif all("momentum_buffer" in s for s in states):
-                d = [s["momentum_buffer"] if s["momentum_buffer"] is not None else self._params[i].grad
+                d = [_local(s["momentum_buffer"] if s["momentum_buffer"] is not None else self._params[i].grad)
                      for s, i in zip(states, indices)]
                 if any(t is None for t in d):
                     continue

@@ -22,6 +22,9 @@ gradient norm or update/weight ratio grows for tens of steps, Adam's second mome
   / (sqrt(v) + eps) (weight decay left out) or SGD's momentum buffer / gradient, at the learning rate of the step
   being checked; other optimizers give neither.
 
+With several ranks each rank judges its own view: its micro-batches' forward statistics and, with sharded parameters
+(FSDP2, tensor parallel: DTensors), its local shards' gradient / update statistics — no collective is added; a firing
+on a rank whose state is sharded is logged and recorded but not dumped (one rank cannot write a sharded state alone).
 No host sync of its own: a sampled step's values end in one device row, queued after that step's check() transfer
 (so its device work overlaps the optimizer step and the next forward) and read with the next check()'s own
 device->host transfer (capture/checking.py; with several ranks, one small read after the step's all-reduce, of a row

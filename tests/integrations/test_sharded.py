@@ -301,3 +301,19 @@ def test_a_torchtitan_job_guarded_with_one_line_names_the_corrupt_record(harness
     assert report["precision"]["fsdp_param_dtype"] == "bfloat16"  # torchtitan's default mixed precision, replayed
     assert report["fidelity"]["bitwise_equal"] is True, report["fidelity"]
     assert report["culprit"]["parameter"] is None  # a batch field, not a parameter of the model
+
+
+def test_the_precursor_monitor_measures_the_local_shards_under_fsdp2(harness):
+    """FSDP2 parameters are DTensors: the monitor measures each rank's local shards (no collective added) instead of
+    turning itself off at the first sampled step; each block's gradient-norm column equals the norm of its local
+    gradient shards, and the update ratios are measured."""
+    harness.requires("transformers")
+    result = harness.launch_script(str(harness.REPO / "tests" / "integrations" / "precursor_fsdp_worker.py"), [])
+    assert sorted(result.reports) == [0, 1], result.explain()
+    for report in result.reports.values():
+        assert report["sampling"] and report["rows"] == [0, 1], report
+        assert sorted(report["grad_norm"]) == sorted(report["direct"]) == ["transformer.h.0", "transformer.h.1"]
+        for layer, value in report["direct"].items():
+            assert report["grad_norm"][layer] == pytest.approx(value, rel=1e-5), (report["rank"], layer)
+        assert len(report["update_ratios"]) == 2 and all(0 < r < 1 for r in report["update_ratios"]), report
+    assert result.reports[0]["direct"] != result.reports[1]["direct"]  # each rank's own shards
