@@ -174,6 +174,36 @@ def test_a_torchtitan_llama_is_watched_block_by_block():
         assert values[column] == pytest.approx(value, rel=1e-5), column
 
 
+def test_a_torch_compiled_model_gives_the_rows_of_the_eager_model():
+    """Under torch.compile the hooks run inside the traced forward (their flag is a guard: sampled and other steps
+    are two graphs); the rows equal the eager model's. (aot_eager: the compiler's tracing without a C compiler.)"""
+    def rows(compiled: bool) -> dict[int, list]:
+        model = gpt2()
+        model.eval()  # no dropout: the same numbers in both runs
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        run = torch.compile(model, backend="aot_eager") if compiled else model
+        guard = Guard(run, optimizer, config=GuardConfig(precursors=PrecursorConfig(every=2)))
+        for batch in batches(5):
+            guard.record_batch(batch, sample_ids=list(range(len(batch["input_ids"]))))
+            loss = run(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+            guard.record_loss(loss)
+            loss.backward()
+            assert guard.check()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert guard.precursors.every == 2  # still on
+        return {step: values for step, values in rows_after_close(guard).items()}
+
+    eager, compiled = rows(False), rows(True)
+    assert sorted(eager) == sorted(compiled) == [0, 2]  # the row of step 4 is read at step 5's check()
+    for step, values in eager.items():
+        assert all(value is not None for column, value in values.items()
+                   if column[1] not in (PrecursorStatistic.UPDATE_RATIO, PrecursorStatistic.ADAM_V_FLOOR)), step
+        for column, value in values.items():
+            expected = None if value is None else pytest.approx(value, rel=1e-4)
+            assert compiled[step][column] == expected, (step, column)
+
+
 def rows_after_close(guard: Guard, handles=()) -> dict[int, dict]:
     """Closes the Guard and removes the test's own hooks; the rows the monitor read, by step, as {column: value}."""
     guard.close()
