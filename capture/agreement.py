@@ -3,10 +3,11 @@
 Under torchrun each rank runs its own Guard. Left alone, a rank would judge only what it sees, so a
 spike on one rank's data would be dumped by that rank alone, and a sharded state gather (a
 collective) entered by one rank would hang. `agree` folds what every rank needs to know into one
-all-reduce of seven numbers per step: whether the rank saw a real fault (a non-finite loss, or a
+all-reduce of eight numbers per step: whether the rank saw a real fault (a non-finite loss, or a
 non-finite gradient norm that is not an ordinary loss-scaler overflow), whether that fault was a
 non-finite loss, its step loss and whether it recorded losses, its finite gradient norm and whether
-it has one, and (sharded optimizers) the squared norm of its gradient shard. Every rank then runs its
+it has one, (sharded optimizers) the squared norm of its gradient shard, and whether one of its precursor
+statistics fired (sharded state: every rank then dumps the step together). Every rank then runs its
 spike detectors on the same global values.
 
 Also here: the rank / world size / run ID every rank agrees on, `unwrap_model` (DDP, DataParallel,
@@ -40,6 +41,7 @@ class Agreement:
     loss_fault: bool  # some rank saw a non-finite loss (that rank's data is the first suspect)
     step_loss: float | None  # the mean over ranks (that recorded losses) of their finite step losses
     grad_norm: float | None  # sharded: the global norm assembled from shards; else the mean of the ranks' finite norms
+    precursor: bool = False  # some rank's precursor statistic fired at its last check (capture/precursors.py)
 
 
 def distributed() -> bool:
@@ -133,7 +135,7 @@ def _scalar(value: Any, device: torch.device) -> torch.Tensor:
 
 
 def agree(values: list[Any], n_losses: int, *, divisor: float, min_loss_scale: float,
-          sharded_grad_norm: bool) -> tuple[list[float | None], Agreement]:
+          sharded_grad_norm: bool, precursor_fired: bool = False) -> tuple[list[float | None], Agreement]:
     """The step's one all-reduce and its one device->host transfer.
 
     Args:
@@ -142,6 +144,7 @@ def agree(values: list[Any], n_losses: int, *, divisor: float, min_loss_scale: f
         divisor: what the step loss divides the summed micro-batch losses by.
         min_loss_scale: a non-finite gradient with a loss scale above this is the scaler's ordinary skip.
         sharded_grad_norm: the grad norm is this rank's shard's; the global one is assembled here.
+        precursor_fired: a precursor statistic of this rank fired at its last check and waits for every rank.
     Returns:
         `values` as host numbers (None stays None; the grad norm is the global one when sharded), and
         the Agreement, identical on every rank.
@@ -167,10 +170,11 @@ def agree(values: list[Any], n_losses: int, *, divisor: float, min_loss_scale: f
         norm_sum, has_norm = torch.where(norm_finite, norm, zero), norm_finite.double()
     step_loss = torch.where(finite, losses, torch.zeros_like(losses)).sum() / divisor
     has_losses = torch.full((), 1.0 if n_losses else 0.0, dtype=torch.float64, device=device)
-    stats = torch.stack([loss_fault, grad_fault, step_loss, has_losses, shard_sq, norm_sum, has_norm])
+    precursor = torch.full((), 1.0 if precursor_fired else 0.0, dtype=torch.float64, device=device)
+    stats = torch.stack([loss_fault, grad_fault, step_loss, has_losses, shard_sq, norm_sum, has_norm, precursor])
     torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.SUM)
     fetched = torch.cat([vector, stats]).tolist()  # the one device->host transfer of the step
-    loss_faults, grad_faults, loss_sum, ranks_with_losses, norm_sq, norms, ranks_with_norm = fetched[-7:]
+    loss_faults, grad_faults, loss_sum, ranks_with_losses, norm_sq, norms, ranks_with_norm, precursors = fetched[-8:]
     host = [None if v is None else fetched[i] for i, v in enumerate(values)]
     if sharded_grad_norm:
         agreed_norm = host[n_losses] = math.sqrt(norm_sq)
@@ -178,5 +182,5 @@ def agree(values: list[Any], n_losses: int, *, divisor: float, min_loss_scale: f
         agreed_norm = norms / ranks_with_norm if ranks_with_norm else None
     agreement = Agreement(fault=loss_faults + grad_faults > 0, loss_fault=loss_faults > 0,
                           step_loss=loss_sum / ranks_with_losses if ranks_with_losses else None,
-                          grad_norm=agreed_norm)
+                          grad_norm=agreed_norm, precursor=precursors > 0)
     return host, agreement

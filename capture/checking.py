@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import torch
 
-from capture import sharding, snapshot
+from capture import precursors, sharding, snapshot
 from capture.agreement import Agreement, agree
 from capture.config import GuardConfig
 from capture.detectors import StepDetectors, clipped
@@ -74,6 +74,10 @@ class SyncCheck:
             trigger = Trigger(TriggerKind.NONFINITE_GRAD, norm, None, None,
                               "another rank saw a non-finite loss or gradient at this step", local=False)
         policy = g.config.policy_for(trigger.kind) if trigger is not None else None
+        if g.precursors is not None:  # every rank of a sharded state dumps a precursor together (or none does)
+            agreed_precursor = precursors.agreed_trigger(g.precursors, agreed, other=trigger is not None)
+            if agreed_precursor is not None:
+                trigger, policy = agreed_precursor, Policy.CONTINUE
         lr, was_clipped = snapshot.current_lr(g.optimizer), clipped(norm, g.config.max_grad_norm)
         g.history.append(g.step, step_loss, norm, lr, loss_scale,
                          was_clipped, policy is Policy.SKIP or scaler_overflow, g.detectors.note_suppressed(g.step))
@@ -107,7 +111,8 @@ class SyncCheck:
         agreed = None
         if g.multi_rank:
             host, agreed = agree(values, n, divisor=record.divisor(g.config.loss_divisor),
-                                 min_loss_scale=g.config.min_loss_scale, sharded_grad_norm=sharded)
+                                 min_loss_scale=g.config.min_loss_scale, sharded_grad_norm=sharded,
+                                 precursor_fired=g.precursors is not None and g.precursors.awaiting is not None)
             row_values = row.tolist() if row is not None else None  # done on the device long since: no wait
         else:
             host, row_values = host_numbers(values, row)

@@ -307,6 +307,15 @@ class Guard:
         full_form = self._state_references()
         return self._choose_layout(full_form) is StateLayout.FULL or sharding.needs_collective(full_form)
 
+    @property
+    def dump_needs_every_rank(self) -> bool:
+        """True when one rank's dump would not hold the whole state: several ranks, and a state each writes its
+        part of (sharded layout) or one gathered by a collective. A dump this rank alone decides on (a precursor)
+        is then made by every rank at the same step, through the step's all-reduce (capture/precursors.py)."""
+        if not self.multi_rank:
+            return False
+        return self.state_is_collective or self._choose_layout(self._state_references()) is StateLayout.SHARDED
+
     # -- a step that raises ----------------------------------------------------------------------
     @contextlib.contextmanager
     def capture_errors(self) -> Iterator["Guard"]:

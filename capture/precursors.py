@@ -23,8 +23,10 @@ gradient norm or update/weight ratio grows for tens of steps, Adam's second mome
   being checked; other optimizers give neither.
 
 With several ranks each rank judges its own view: its micro-batches' forward statistics and, with sharded parameters
-(FSDP2, tensor parallel: DTensors), its local shards' gradient / update statistics — no collective is added; a firing
-on a rank whose state is sharded is logged and recorded but not dumped (one rank cannot write a sharded state alone).
+(FSDP2, tensor parallel: DTensors), its local shards' gradient / update statistics — no collective is added. A firing
+dumps the rank's step alone when its dump holds the whole state (DDP); when it would not (a state sharded over the
+ranks), the next check()'s all-reduce, which every step makes anyway, carries one more number and every rank dumps
+that step together (the firing rank's trigger names the layer, the others' have local false).
 No host sync of its own: a sampled step's values end in one device row, queued after that step's check() transfer
 (so its device work overlaps the optimizer step and the next forward) and read with the next check()'s own
 device->host transfer (capture/checking.py; with several ranks, one small read after the step's all-reduce, of a row
@@ -167,6 +169,9 @@ class PrecursorMonitor:
         self.stats.active = True  # the first step is sampled
         self._fired: dict[tuple[str, PrecursorStatistic], int] = {}
         self._pending: list[Firing] = []
+        self.awaiting: Firing | None = None
+        """A firing this rank chose to dump while its state is sharded: the next check()'s all-reduce tells every
+        rank, and all dump that step together (`agreed_trigger`)."""
         self._launched: tuple[int, torch.Tensor] | None = None
         """(step, row) of the last sampled step, queued on the device, not yet read."""
         self.recorder: Any = None
@@ -244,9 +249,10 @@ class PrecursorMonitor:
                 "config": {"every": c.every, "window": c.window, "warmup": c.warmup, "sustained": c.sustained,
                            "z_threshold": c.z_threshold, "min_growth": c.min_growth}}
 
-    def to_dump(self, firings: list[Firing], step: int) -> Firing | None:
+    def to_dump(self, firings: list[Firing], step: int, count: bool = True) -> Firing | None:
         """The firing to dump at `step` (None: none may): the earliest-starting one whose (layer, statistic) did
-        not fire within min_gap steps, within max_dumps. Every firing of the step is marked as seen."""
+        not fire within min_gap steps, within max_dumps. Every firing of the step is marked as seen. count=False:
+        the dump is counted when every rank makes it (`agreed_trigger`), so that all ranks' counts agree."""
         chosen = None
         for firing in firings:
             key = (firing.layer, firing.statistic)
@@ -258,14 +264,31 @@ class PrecursorMonitor:
                 chosen = firing
         if chosen is None or self.dumps >= self.config.max_dumps:
             return None
-        self.dumps += 1
+        self.dumps += count
         return chosen
+
+
+def agreed_trigger(monitor: PrecursorMonitor, agreement: Any, other: bool) -> Trigger | None:
+    """check()'s precursor step on ranks whose state is sharded: when the step's all-reduce says some rank's
+    precursor fired at its last check (`PrecursorMonitor.awaiting`) and no other trigger fired, the trigger every
+    rank dumps this step with (policy 'continue'): the firing rank's names the layer, the others' say another rank's
+    fired (local false). The waiting firing is cleared either way. Never raises."""
+    firing, monitor.awaiting = monitor.awaiting, None
+    if other or agreement is None or not getattr(agreement, "precursor", False):
+        return None
+    monitor.dumps += 1
+    if firing is not None:
+        return Trigger(TriggerKind.PRECURSOR, firing.value, firing.baseline, None, firing.detail)
+    return Trigger(TriggerKind.PRECURSOR, None, None, None,
+                   "another rank's per-layer statistics kept growing (its dump names the layer)", local=False)
 
 
 def watch(guard: Any, record: StepRecord, decision: bool, sync_free: bool) -> None:
     """Guard.check()'s precursor step (only the Guard's public members): when a statistic fired in the row this
     check() read (the last sampled step's: this step's or one before it) on a healthy step no other trigger dumped,
-    dumps this step under policy 'continue'. Never raises."""
+    dumps this step under policy 'continue' — or, when one rank's dump would not hold the whole state (sharded over
+    the ranks: FSDP2, ZeRO, tensor parallel, GuardConfig.state_layout "sharded"), marks the firing as awaiting: the next check()'s all-reduce tells every rank, and all dump that step
+    together (`agreed_trigger`). Never raises."""
     monitor = guard.precursors
     if sync_free:
         return  # attach() refused the sync-free mode already
@@ -275,14 +298,15 @@ def watch(guard: Any, record: StepRecord, decision: bool, sync_free: bool) -> No
             return
         for firing in firings:
             log.warning("forensics: step %d: precursor: %s", guard.step, firing.detail)
-        chosen = monitor.to_dump(firings, guard.step)
+        together = guard.dump_needs_every_rank
+        chosen = monitor.to_dump(firings, guard.step, count=not together)
         for firing in firings:
             guard.window.note_precursor_firing({**firing.as_dict(), "dumped": firing is chosen})
         if chosen is None or not decision or guard.last_incident_step == guard.step:
             return
-        if guard.multi_rank and guard.state_is_collective:
-            log.warning("forensics: precursor at step %d not dumped: this rank alone cannot gather a sharded state",
-                        guard.step)
+        if together:  # one rank's dump would not hold the whole state: every rank dumps the next step
+            monitor.awaiting = chosen
+            log.warning("forensics: precursor at step %d: every rank dumps the next step", guard.step)
             return
         trigger = Trigger(TriggerKind.PRECURSOR, chosen.value, chosen.baseline, None, chosen.detail)
         losses = [float(v.float().mean()) if isinstance(v, torch.Tensor) else float(v)

@@ -389,6 +389,11 @@ class DeepSpeedGuard(DistributedGuard):
     def state_is_collective(self) -> bool:
         return self.sharded and self._zero_layout() is StateLayout.FULL
 
+    @property
+    def dump_needs_every_rank(self) -> bool:
+        """ZeRO partitions the state: each rank writes its partitions, or all gather them (a collective)."""
+        return self.multi_rank and (self.sharded or self._zero_layout() is StateLayout.SHARDED)
+
     def replay_recipe(self) -> dict:
         recipe = super().replay_recipe()
         if recipe.get("factory") == HUGGINGFACE_FACTORY and self.lp_dtype != torch.float32:

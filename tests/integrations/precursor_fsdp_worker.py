@@ -1,9 +1,12 @@
 """Test worker: the precursor monitor under FSDP2 (DTensor parameters, gloo), every step sampled.
 
-A tiny GPT-2 whose blocks and root are `fully_shard`ed over the ranks, AdamW, 3 healthy steps. Each rank reports
-(one `forensics-example` JSON line) whether its monitor stayed on, how many rows it read, and, for the row of
-step 1, each block's gradient-norm column next to the norm of the block's local gradient shards computed
-directly before the optimizer step. Usage (under torchrun): precursor_fsdp_worker.py
+A tiny GPT-2 whose blocks and root are `fully_shard`ed over the ranks, AdamW. Usage (under torchrun):
+    precursor_fsdp_worker.py measure   3 healthy steps; each rank reports (one `forensics-example` JSON line) whether
+                                       its monitor stayed on, the rows it read and, for step 1, each block's
+                                       gradient-norm column next to the norm of its local gradient shards
+    precursor_fsdp_worker.py grow DIR  16 steps; from step 8 on, rank 1's token embeddings are scaled up 3x more each
+                                       step (only its own view of the blocks grows): its precursor fires and every
+                                       rank must dump one step together into DIR; each reports the dumps it wrote
 """
 
 from __future__ import annotations
@@ -21,37 +24,50 @@ from torch.distributed.fsdp import fully_shard
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "examples"))
 import _common  # noqa: E402
 
-from capture import Guard, GuardConfig, PrecursorConfig  # noqa: E402
+from capture import Guard, GuardConfig, PrecursorConfig, SpikeConfig  # noqa: E402
 from capture.precursor_stats import find_blocks  # noqa: E402
 from forensics.kinds import PrecursorStatistic  # noqa: E402
 
 
-def main() -> None:
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+def sharded_gpt2(world: int) -> torch.nn.Module:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     model = _common.tiny_model("gpt2")
     for block in model.transformer.h:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return model
+
+
+def train_step(guard: Guard, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor,
+               sample_ids: list, before_check=lambda: None) -> None:
+    """One guarded step of one micro-batch; `before_check` runs between backward and check()."""
+    guard.record_batch({"input_ids": ids}, sample_ids=sample_ids)
+    loss = model(input_ids=ids, labels=ids).loss
+    guard.record_loss(loss)
+    loss.backward()
+    before_check()
+    if guard.check():
+        optimizer.step()
+    optimizer.zero_grad()
+
+
+def measure(rank: int, world: int) -> dict:
+    model = sharded_gpt2(world)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     guard = Guard(model, optimizer, config=GuardConfig(precursors=PrecursorConfig(every=1)))
     blocks = find_blocks(model)
     generator = torch.Generator().manual_seed(rank)
     direct = {}
+
+    def shard_norms() -> None:
+        for name, block in blocks:
+            shards = [p.grad.to_local() for p in block.parameters() if p.dim() >= 2]
+            direct[name] = math.sqrt(sum(float(g.pow(2).sum()) for g in shards))
+
     for step in range(3):
         ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=generator)
-        guard.record_batch({"input_ids": ids}, sample_ids=[2 * rank, 2 * rank + 1])
-        loss = model(input_ids=ids, labels=ids).loss
-        guard.record_loss(loss)
-        loss.backward()
-        if step == 1:
-            for name, block in blocks:
-                shards = [p.grad.to_local() for p in block.parameters() if p.dim() >= 2]
-                direct[name] = math.sqrt(sum(float(g.pow(2).sum()) for g in shards))
-        if guard.check():
-            optimizer.step()
-        optimizer.zero_grad()
+        train_step(guard, model, optimizer, ids, [2 * rank, 2 * rank + 1],
+                   shard_norms if step == 1 else lambda: None)
     monitor = guard.precursors
     guard.close()
     rows = dict(guard.window._precursor_rows)
@@ -59,9 +75,34 @@ def main() -> None:
                 if stat is PrecursorStatistic.GRAD_NORM}
     ratios = [value for (layer, stat), value in zip(monitor.columns, rows.get(1, []))
               if stat is PrecursorStatistic.UPDATE_RATIO]
-    print("forensics-example " + json.dumps({"rank": rank, "sampling": monitor.every == 1, "rows": sorted(rows),
-                                             "grad_norm": measured, "direct": direct, "update_ratios": ratios}),
-          flush=True)
+    return {"sampling": monitor.every == 1, "rows": sorted(rows), "grad_norm": measured, "direct": direct,
+            "update_ratios": ratios}
+
+
+def grow(rank: int, world: int, dump_dir: str) -> dict:
+    model = sharded_gpt2(world)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    off = SpikeConfig(enabled=False)
+    guard = Guard(model, optimizer, config=GuardConfig(
+        dump_dir=dump_dir, run_id="grow", loss_spike=off, grad_norm_spike=off, state_layout="sharded",
+        precursors=PrecursorConfig(every=1, warmup=4, attention=False, optimizer=False)))
+    scale = [1.0]
+    model.transformer.wte.register_forward_hook(lambda module, args, out: out * scale[0])
+    generator = torch.Generator().manual_seed(rank)
+    for step in range(16):
+        scale[0] = 3.0 ** (step - 7) if rank == 1 and step >= 8 else 1.0
+        ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=generator)
+        train_step(guard, model, optimizer, ids, [f"{rank}-{step}-0", f"{rank}-{step}-1"])
+    guard.close()
+    return {"dumps": [str(p) for p in guard.dumps], "errors": guard.dump_errors,
+            "fired": [f.step for f in guard.precursors.firings]}
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    report = measure(rank, world) if sys.argv[1] == "measure" else grow(rank, world, sys.argv[2])
+    print("forensics-example " + json.dumps({"rank": rank, **report}), flush=True)
     dist.destroy_process_group()
 
 

@@ -308,7 +308,8 @@ def test_the_precursor_monitor_measures_the_local_shards_under_fsdp2(harness):
     turning itself off at the first sampled step; each block's gradient-norm column equals the norm of its local
     gradient shards, and the update ratios are measured."""
     harness.requires("transformers")
-    result = harness.launch_script(str(harness.REPO / "tests" / "integrations" / "precursor_fsdp_worker.py"), [])
+    result = harness.launch_script(str(harness.REPO / "tests" / "integrations" / "precursor_fsdp_worker.py"),
+                                   ["measure"])
     assert sorted(result.reports) == [0, 1], result.explain()
     for report in result.reports.values():
         assert report["sampling"] and report["rows"] == [0, 1], report
@@ -317,3 +318,31 @@ def test_the_precursor_monitor_measures_the_local_shards_under_fsdp2(harness):
             assert report["grad_norm"][layer] == pytest.approx(value, rel=1e-5), (report["rank"], layer)
         assert len(report["update_ratios"]) == 2 and all(0 < r < 1 for r in report["update_ratios"]), report
     assert result.reports[0]["direct"] != result.reports[1]["direct"]  # each rank's own shards
+
+
+def test_a_precursor_on_one_rank_of_a_sharded_state_is_dumped_by_every_rank(harness, tmp_path):
+    """FSDP2, sharded layout: one rank's dump alone would hold half the state. Rank 1's view of the blocks grows (its
+    embeddings scaled up from step 8), its precursor fires when it reads step 9's row at step 10, and the next
+    step's all-reduce makes every rank dump step 11 together: a complete, verifiable dump whose replay reports the
+    instability and names the block; rank 0's trigger says another rank's fired."""
+    harness.requires("transformers")
+    result = harness.launch_script(str(harness.REPO / "tests" / "integrations" / "precursor_fsdp_worker.py"),
+                                   ["grow", str(tmp_path)])
+    assert sorted(result.reports) == [0, 1], result.explain()
+    step_dir = tmp_path / "grow" / "step-000000011"
+    for rank in (0, 1):
+        assert result.reports[rank]["dumps"] == [str(step_dir / f"rank-{rank:05d}")], result.reports[rank]
+    assert result.reports[1]["fired"] and not result.reports[0]["fired"]
+    check = verify_dump(step_dir)
+    assert check.ok, [str(p) for p in check.problems]
+    dump = open_dump(step_dir)  # the rank that saw it first-hand
+    assert dump.rank == 1 and dump.trigger["kind"] == "precursor" and dump.trigger["local"]
+    assert "transformer.h." in dump.trigger["detail"]
+    other = open_dump(step_dir, rank=0).trigger
+    assert other["kind"] == "precursor" and not other["local"]
+    runner = CliRunner()
+    replayed = runner.invoke(main, ["replay", str(step_dir), "-o", str(tmp_path / "report")])
+    assert replayed.exit_code == 0, replayed.output
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert report["verdict"]["kind"] == "instability_ahead"
+    assert "transformer.h." in report["verdict"]["headline"]
