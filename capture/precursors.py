@@ -287,8 +287,8 @@ def watch(guard: Any, record: StepRecord, decision: bool, sync_free: bool) -> No
     """Guard.check()'s precursor step (only the Guard's public members): when a statistic fired in the row this
     check() read (the last sampled step's: this step's or one before it) on a healthy step no other trigger dumped,
     dumps this step under policy 'continue' — or, when one rank's dump would not hold the whole state (sharded over
-    the ranks: FSDP2, ZeRO, tensor parallel, GuardConfig.state_layout "sharded"), marks the firing as awaiting: the next check()'s all-reduce tells every rank, and all dump that step
-    together (`agreed_trigger`). Never raises."""
+    the ranks: FSDP2, ZeRO, tensor parallel, GuardConfig.state_layout "sharded"), marks the firing as awaiting: the
+    next check()'s all-reduce tells every rank, and all dump that step together (`agreed_trigger`). Never raises."""
     monitor = guard.precursors
     if sync_free:
         return  # attach() refused the sync-free mode already
