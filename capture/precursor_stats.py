@@ -192,6 +192,11 @@ class StepStatistics:
             self._params += (params := block_weights(block))
             owners += [index] * len(params)
         self._owner = torch.tensor(owners, dtype=torch.long, device=self.device)
+        self._owners = owners
+        self._unmeasured: dict[frozenset[int], torch.Tensor] = {}
+        """Per set of blocks without any gradient (frozen, unused, or a ZeRO optimizer keeping gradients in its
+        own buffers), the device mask that turns their gradient norm into -inf (not measured) rather than 0: built
+        once per set, as the set rarely changes (a mask built at each step would be a host->device copy)."""
         self._neg_inf = torch.full((max(len(self.columns), 1),), -math.inf, device=self.device)
         self._zero = torch.zeros((), device=self.device)
         self._empty: dict[torch.dtype, torch.Tensor] = {}
@@ -344,9 +349,10 @@ class StepStatistics:
         if self.with_optimizer:
             updates, floors = self._optimizer_updates()
             grad, weight, update = self._block_norms(grads, [_local(p) for p in self._params], norms=updates)
-            parts += [grad, torch.where(update > 0, update / weight, self._neg_inf[:n]), self._block_floor(floors)]
+            parts += [self._without_gradients(grad, grads), torch.where(update > 0, update / weight, self._neg_inf[:n]),
+                      self._block_floor(floors)]
         else:
-            parts.append(self._block_norms(grads)[0])
+            parts.append(self._without_gradients(self._block_norms(grads)[0], grads))
         return torch.cat([p.float().reshape(-1) for p in parts]) if parts else self._neg_inf[:0]
 
     def _max_over(self, values: list[torch.Tensor], size: int) -> torch.Tensor:
@@ -373,6 +379,18 @@ class StepStatistics:
         filled = [t if t is not None else self._placeholder(p) for ts in tensors for t, p in zip(ts, self._params)]
         squares = torch.stack(thirdparty.foreach_norm(filled) + list(norms)).float().square().view(lists, -1)
         return torch.zeros(lists, len(self.blocks), device=squares.device).index_add_(1, self._owner, squares).sqrt()
+
+    def _without_gradients(self, norms: torch.Tensor, grads: list[torch.Tensor | None]) -> torch.Tensor:
+        """The blocks' gradient norms with -inf (not measured) for each block none of whose watched parameters has
+        a gradient: 0 would read as a measured, vanished gradient."""
+        measured = {owner for owner, g in zip(self._owners, grads) if g is not None}
+        missing = frozenset(range(len(self.blocks))) - measured
+        if not missing:
+            return norms
+        if missing not in self._unmeasured:
+            self._unmeasured[missing] = torch.tensor([i in missing for i in range(len(self.blocks))],
+                                                     device=self.device)
+        return torch.where(self._unmeasured[missing], self._neg_inf[:len(self.blocks)], norms)
 
     def _block_floor(self, floors: list[torch.Tensor]) -> torch.Tensor:
         """Per block, the smallest Adam second moment from each parameter's -sqrt(min v); -inf where none."""

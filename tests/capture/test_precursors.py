@@ -183,14 +183,7 @@ def test_a_torch_compiled_model_gives_the_rows_of_the_eager_model():
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         run = torch.compile(model, backend="aot_eager") if compiled else model
         guard = Guard(run, optimizer, config=GuardConfig(precursors=PrecursorConfig(every=2)))
-        for batch in batches(5):
-            guard.record_batch(batch, sample_ids=list(range(len(batch["input_ids"]))))
-            loss = run(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
-            guard.record_loss(loss)
-            loss.backward()
-            assert guard.check()
-            optimizer.step()
-            optimizer.zero_grad()
+        train_steps(guard, run, optimizer, 5)
         assert guard.precursors.every == 2  # still on
         return {step: values for step, values in rows_after_close(guard).items()}
 
@@ -202,6 +195,41 @@ def test_a_torch_compiled_model_gives_the_rows_of_the_eager_model():
         for column, value in values.items():
             expected = None if value is None else pytest.approx(value, rel=1e-4)
             assert compiled[step][column] == expected, (step, column)
+
+
+def test_a_block_without_gradients_reads_as_not_measured_not_as_zero():
+    """A frozen block, and one whose gradients are not in `.grad` (a ZeRO optimizer keeps them in its own buffers;
+    an unused block has none): their gradient norm is not measured (null), never a vanished 0."""
+    model = gpt2()
+    for p in model.transformer.h[0].parameters():
+        p.requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    guard = Guard(model, optimizer, config=GuardConfig(precursors=PrecursorConfig(every=1)))
+
+    def drop_block_1_gradients():
+        for p in model.transformer.h[1].parameters():
+            p.grad = None
+
+    train_steps(guard, model, optimizer, 3, drop_block_1_gradients)
+    values = rows_after_close(guard)[1]
+    stat = PrecursorStatistic
+    assert values[("transformer.h.0", stat.GRAD_NORM)] is None and values[("transformer.h.1", stat.GRAD_NORM)] is None
+    assert values[("transformer.h.2", stat.GRAD_NORM)] > 0
+    assert values[("transformer.h.0", stat.UPDATE_RATIO)] is None and values[("transformer.h.2", stat.UPDATE_RATIO)] > 0
+    assert values[("transformer.h.0", stat.BLOCK_RMS)] > 0  # its forward is still watched
+
+
+def train_steps(guard: Guard, model, optimizer, steps: int, before_check=lambda: None) -> None:
+    """`steps` guarded steps of one micro-batch of the job's learnable sequences; `before_check` runs after backward."""
+    for batch in batches(steps):
+        guard.record_batch(batch, sample_ids=list(range(len(batch["input_ids"]))))
+        loss = model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+        guard.record_loss(loss)
+        loss.backward()
+        before_check()
+        assert guard.check()
+        optimizer.step()
+        optimizer.zero_grad()
 
 
 def rows_after_close(guard: Guard, handles=()) -> dict[int, dict]:
@@ -262,8 +290,8 @@ def test_the_attention_bound_of_a_grouped_query_llama_is_max_q_norm_times_max_k_
         guard.record_loss(loss)
         loss.backward()
         if step == 0:
-            expected = {index: float(outputs[index, "q_proj"].unflatten(-1, (-1, 8)).norm(dim=-1).max()
-                                     * outputs[index, "k_proj"].unflatten(-1, (-1, 8)).norm(dim=-1).max()) / math.sqrt(8)
+            heads = {key: t.unflatten(-1, (-1, 8)).norm(dim=-1).max() for key, t in outputs.items()}  # head_dim 8
+            expected = {index: float(heads[index, "q_proj"] * heads[index, "k_proj"]) / math.sqrt(8)
                         for index in range(3)}
         assert guard.check()
         guard.optimizer.zero_grad()
