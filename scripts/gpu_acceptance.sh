@@ -124,7 +124,15 @@ step buddy_verify_without_rank0 2 bash -c "rm -rf $d/buddy/step-000000003/rank-0
 wanted buddy_verify_without_rank0 && must_say buddy_verify_without_rank0 "the state is complete without it"
 step buddy_replay 0 python3 -m forensics.cli replay $d/buddy/step-000000003 --device cuda:0 -o "$out/buddy"
 wanted buddy_replay && names_sample buddy_fsdp2 "$out/buddy" 29
-# 11. the write benchmark (forensics vs torch.save vs raw, cuda)
+# 11. a precursor on one rank of FSDP2 on 2 GPUs (NCCL; rank 1's embeddings scaled up from step 8): every rank dumps
+#     the next step together (one more number in the step's all-reduce); the step verifies; its replay on cuda:0
+#     says instability_ahead. (Written 2026-11-27 after the device budget was spent: first run pending.)
+step precursor_fsdp2 0 timeout 300 torchrun --nproc_per_node=2 tests/integrations/precursor_fsdp_worker.py grow \
+  $d/pfsdp
+step precursor_fsdp2_replay 0 bash -c "s=\$(ls -d $d/pfsdp/grow/step-* | head -1) && \
+  python3 -m forensics.cli verify \$s && python3 -m forensics.cli replay \$s --device cuda:0 -o $out/pfsdp"
+wanted precursor_fsdp2_replay && must_say precursor_fsdp2_replay "instability ahead"
+# 12. the write benchmark (forensics vs torch.save vs raw, cuda)
 step dump_write_bench 0 python3 -m scripts.bench.dump_write --dir /tmp --rounds 3 --device cuda:0
 echo "--- summary ($(cat "$out/date.txt"))"; cat "$out/summary.txt"
 [ "$failed" -eq 0 ] && echo "all GPU acceptance steps passed; logs in $out" || { echo "some GPU acceptance steps FAILED"; exit 1; }

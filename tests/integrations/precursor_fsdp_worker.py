@@ -1,4 +1,5 @@
-"""Test worker: the precursor monitor under FSDP2 (DTensor parameters, gloo), every step sampled.
+"""Test worker: the precursor monitor under FSDP2 (DTensor parameters; gloo on CPUs, NCCL on GPUs), every step
+sampled.
 
 A tiny GPT-2 whose blocks and root are `fully_shard`ed over the ranks, AdamW. Usage (under torchrun):
     precursor_fsdp_worker.py measure   3 healthy steps; each rank reports (one `forensics-example` JSON line) whether
@@ -29,9 +30,9 @@ from capture.precursor_stats import find_blocks  # noqa: E402
 from forensics.kinds import PrecursorStatistic  # noqa: E402
 
 
-def sharded_gpt2(world: int) -> torch.nn.Module:
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
-    model = _common.tiny_model("gpt2")
+def sharded_gpt2(world: int, device: torch.device) -> torch.nn.Module:
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    model = _common.tiny_model("gpt2", device=device)
     for block in model.transformer.h:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -51,8 +52,8 @@ def train_step(guard: Guard, model: torch.nn.Module, optimizer: torch.optim.Opti
     optimizer.zero_grad()
 
 
-def measure(rank: int, world: int) -> dict:
-    model = sharded_gpt2(world)
+def measure(rank: int, world: int, device: torch.device) -> dict:
+    model = sharded_gpt2(world, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     guard = Guard(model, optimizer, config=GuardConfig(precursors=PrecursorConfig(every=1)))
     blocks = find_blocks(model)
@@ -65,7 +66,7 @@ def measure(rank: int, world: int) -> dict:
             direct[name] = math.sqrt(sum(float(g.pow(2).sum()) for g in shards))
 
     for step in range(3):
-        ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=generator)
+        ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=generator).to(device)
         train_step(guard, model, optimizer, ids, [2 * rank, 2 * rank + 1],
                    shard_norms if step == 1 else lambda: None)
     monitor = guard.precursors
@@ -79,8 +80,8 @@ def measure(rank: int, world: int) -> dict:
             "update_ratios": ratios}
 
 
-def grow(rank: int, world: int, dump_dir: str) -> dict:
-    model = sharded_gpt2(world)
+def grow(rank: int, world: int, device: torch.device, dump_dir: str) -> dict:
+    model = sharded_gpt2(world, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     off = SpikeConfig(enabled=False)
     guard = Guard(model, optimizer, config=GuardConfig(
@@ -91,7 +92,7 @@ def grow(rank: int, world: int, dump_dir: str) -> dict:
     generator = torch.Generator().manual_seed(rank)
     for step in range(16):
         scale[0] = 3.0 ** (step - 7) if rank == 1 and step >= 8 else 1.0
-        ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=generator)
+        ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=generator).to(device)
         train_step(guard, model, optimizer, ids, [f"{rank}-{step}-0", f"{rank}-{step}-1"])
     guard.close()
     return {"dumps": [str(p) for p in guard.dumps], "errors": guard.dump_errors,
@@ -99,9 +100,8 @@ def grow(rank: int, world: int, dump_dir: str) -> dict:
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    report = measure(rank, world) if sys.argv[1] == "measure" else grow(rank, world, sys.argv[2])
+    rank, world, device = _common.init_distributed()  # NCCL on GPUs, else gloo
+    report = measure(rank, world, device) if sys.argv[1] == "measure" else grow(rank, world, device, sys.argv[2])
     print("forensics-example " + json.dumps({"rank": rank, **report}), flush=True)
     dist.destroy_process_group()
 
