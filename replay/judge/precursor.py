@@ -68,9 +68,12 @@ def precursor_report(dump: Any, dump_info: dict, history: HistoryFinding, starte
     """The report (schema forensics-report/3, verdict `instability_ahead`) of a precursor dump."""
     table = dump.precursors() or {"columns": [], "steps": [], "values": [], "firings": [], "config": {}}
     ranking = rank_growth(table)
-    fired = next((f for f in reversed(table["firings"]) if f.get("dumped") and f.get("step") == dump.step), None)
-    verdict = _verdict(dump.step, ranking, fired, len(table["columns"]))
+    # the firing this dump was made for: read at this step, or (a state sharded over the ranks, dumped by every rank
+    # together) at the step before
+    fired = next((f for f in reversed(table["firings"]) if f.get("dumped") and isinstance(f.get("step"), int)
+                  and dump.step - 1 <= f["step"] <= dump.step), None)
     trigger = dict(dump.trigger or {})
+    verdict = _verdict(dump.step, ranking, fired, len(table["columns"]), local=trigger.get("local") is not False)
     lead = ranking[0] if ranking else fired or {}
     report = {
         "schema": schema_for(VerdictKind.INSTABILITY_AHEAD),
@@ -107,8 +110,16 @@ def _series(table: dict, rows: list[dict]) -> list[dict]:
     return out
 
 
-def _verdict(step: int, ranking: list[dict], fired: dict | None, columns: int) -> dict:
+def _verdict(step: int, ranking: list[dict], fired: dict | None, columns: int, local: bool = True) -> dict:
     kind = VerdictKind.INSTABILITY_AHEAD
+    if not ranking and not local:  # dumped because another rank's statistics grew (a sharded state: all ranks dump)
+        headline = (f"Instability ahead at step {step}, seen by another rank: this rank's statistics did not leave "
+                    "their baseline. Replay the rank that saw it (`forensics replay` of the step directory picks the "
+                    "rank whose trigger is local).")
+        explanation = ("Every rank dumped this step together because one rank's per-layer statistics kept growing; "
+                       "each rank measures its own micro-batches and parameter shards.")
+        return {"kind": kind.value, "headline": headline, "explanation": explanation,
+                "suggestions": list(GENERAL_FIXES)}
     if ranking:
         first = ranking[0]
         stat = PrecursorStatistic(first["statistic"])

@@ -324,7 +324,7 @@ def test_a_precursor_on_one_rank_of_a_sharded_state_is_dumped_by_every_rank(harn
     """FSDP2, sharded layout: one rank's dump alone would hold half the state. Rank 1's view of the blocks grows (its
     embeddings scaled up from step 8), its precursor fires when it reads step 9's row at step 10, and the next
     step's all-reduce makes every rank dump step 11 together: a complete, verifiable dump whose replay reports the
-    instability and names the block; rank 0's trigger says another rank's fired."""
+    instability and names the block; rank 0's trigger says another rank's fired, and so does its replay."""
     harness.requires("transformers")
     result = harness.launch_script(str(harness.REPO / "tests" / "integrations" / "precursor_fsdp_worker.py"),
                                    ["grow", str(tmp_path)])
@@ -346,3 +346,7 @@ def test_a_precursor_on_one_rank_of_a_sharded_state_is_dumped_by_every_rank(harn
     report = json.loads((tmp_path / "report" / "report.json").read_text())
     assert report["verdict"]["kind"] == "instability_ahead"
     assert "transformer.h." in report["verdict"]["headline"]
+    replayed = runner.invoke(main, ["replay", str(step_dir), "--rank", "0", "-o", str(tmp_path / "report-0")])
+    assert replayed.exit_code == 0, replayed.output
+    report = json.loads((tmp_path / "report-0" / "report.json").read_text())
+    assert report["verdict"]["kind"] == "instability_ahead" and "another rank" in report["verdict"]["headline"]
