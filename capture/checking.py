@@ -74,10 +74,10 @@ class SyncCheck:
             trigger = Trigger(TriggerKind.NONFINITE_GRAD, norm, None, None,
                               "another rank saw a non-finite loss or gradient at this step", local=False)
         policy = g.config.policy_for(trigger.kind) if trigger is not None else None
-        if g.precursors is not None:  # every rank of a sharded state dumps a precursor together (or none does)
-            agreed_precursor = precursors.agreed_trigger(g.precursors, agreed, other=trigger is not None)
-            if agreed_precursor is not None:
-                trigger, policy = agreed_precursor, Policy.CONTINUE
+        # every rank of a sharded state dumps a precursor together (or none does), with a monitor of its own or not
+        agreed_precursor = precursors.agreed_trigger(g.precursors, agreed, other=trigger is not None)
+        if agreed_precursor is not None:
+            trigger, policy = agreed_precursor, Policy.CONTINUE
         lr, was_clipped = snapshot.current_lr(g.optimizer), clipped(norm, g.config.max_grad_norm)
         g.history.append(g.step, step_loss, norm, lr, loss_scale,
                          was_clipped, policy is Policy.SKIP or scaler_overflow, g.detectors.note_suppressed(g.step))

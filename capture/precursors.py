@@ -268,15 +268,19 @@ class PrecursorMonitor:
         return chosen
 
 
-def agreed_trigger(monitor: PrecursorMonitor, agreement: Any, other: bool) -> Trigger | None:
+def agreed_trigger(monitor: PrecursorMonitor | None, agreement: Any, other: bool) -> Trigger | None:
     """check()'s precursor step on ranks whose state is sharded: when the step's all-reduce says some rank's
     precursor fired at its last check (`PrecursorMonitor.awaiting`) and no other trigger fired, the trigger every
     rank dumps this step with (policy 'continue'): the firing rank's names the layer, the others' say another rank's
-    fired (local false). The waiting firing is cleared either way. Never raises."""
-    firing, monitor.awaiting = monitor.awaiting, None
+    fired (local false) — a rank whose monitor could not be set up included, as a collective write needs every rank.
+    The waiting firing is cleared either way. Never raises."""
+    firing = None
+    if monitor is not None:
+        firing, monitor.awaiting = monitor.awaiting, None
     if other or agreement is None or not getattr(agreement, "precursor", False):
         return None
-    monitor.dumps += 1
+    if monitor is not None:
+        monitor.dumps += 1
     if firing is not None:
         return Trigger(TriggerKind.PRECURSOR, firing.value, firing.baseline, None, firing.detail)
     return Trigger(TriggerKind.PRECURSOR, None, None, None,
