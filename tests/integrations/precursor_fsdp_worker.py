@@ -8,6 +8,7 @@ A tiny GPT-2 whose blocks and root are `fully_shard`ed over the ranks, AdamW. Us
     precursor_fsdp_worker.py grow DIR  16 steps; from step 8 on, rank 1's token embeddings are scaled up 3x more each
                                        step (only its own view of the blocks grows): its precursor fires and every
                                        rank must dump one step together into DIR; each reports the dumps it wrote
+    precursor_fsdp_worker.py grow-without-rank-0 DIR   the same, with no precursor monitor on rank 0
 """
 
 from __future__ import annotations
@@ -80,13 +81,13 @@ def measure(rank: int, world: int, device: torch.device) -> dict:
             "update_ratios": ratios}
 
 
-def grow(rank: int, world: int, device: torch.device, dump_dir: str) -> dict:
+def grow(rank: int, world: int, device: torch.device, dump_dir: str, monitor: bool) -> dict:
     model = sharded_gpt2(world, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     off = SpikeConfig(enabled=False)
     guard = Guard(model, optimizer, config=GuardConfig(
         dump_dir=dump_dir, run_id="grow", loss_spike=off, grad_norm_spike=off, state_layout="sharded",
-        precursors=PrecursorConfig(every=1, warmup=4, attention=False, optimizer=False)))
+        precursors=PrecursorConfig(every=1, warmup=4, attention=False, optimizer=False) if monitor else None))
     scale = [1.0]
     model.transformer.wte.register_forward_hook(lambda module, args, out: out * scale[0])
     generator = torch.Generator().manual_seed(rank)
@@ -96,12 +97,14 @@ def grow(rank: int, world: int, device: torch.device, dump_dir: str) -> dict:
         train_step(guard, model, optimizer, ids, [f"{rank}-{step}-0", f"{rank}-{step}-1"])
     guard.close()
     return {"dumps": [str(p) for p in guard.dumps], "errors": guard.dump_errors,
-            "fired": [f.step for f in guard.precursors.firings]}
+            "fired": [f.step for f in guard.precursors.firings] if guard.precursors is not None else []}
 
 
 def main() -> None:
     rank, world, device = _common.init_distributed()  # NCCL on GPUs, else gloo
-    report = measure(rank, world, device) if sys.argv[1] == "measure" else grow(rank, world, device, sys.argv[2])
+    mode = sys.argv[1]
+    report = measure(rank, world, device) if mode == "measure" else \
+        grow(rank, world, device, sys.argv[2], monitor=rank != 0 or mode != "grow-without-rank-0")
     print("forensics-example " + json.dumps({"rank": rank, **report}), flush=True)
     dist.destroy_process_group()
 

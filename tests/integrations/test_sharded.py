@@ -320,21 +320,28 @@ def test_the_precursor_monitor_measures_the_local_shards_under_fsdp2(harness):
     assert result.reports[0]["direct"] != result.reports[1]["direct"]  # each rank's own shards
 
 
+def _every_rank_dumped_step_11(harness, tmp_path, mode: str):
+    """Runs precursor_fsdp_worker.py in `mode` on 2 ranks; each rank must have dumped step 11 (and nothing else)
+    into a step directory that verifies. Returns (the launch, the step directory)."""
+    harness.requires("transformers")
+    result = harness.launch_script(str(harness.REPO / "tests" / "integrations" / "precursor_fsdp_worker.py"),
+                                   [mode, str(tmp_path)])
+    assert sorted(result.reports) == [0, 1], result.explain()
+    step_dir = tmp_path / "grow" / "step-000000011"
+    for rank in (0, 1):
+        assert result.reports[rank]["dumps"] == [str(step_dir / f"rank-{rank:05d}")], result.reports[rank]
+    check = verify_dump(step_dir)
+    assert check.ok, [str(p) for p in check.problems]
+    return result, step_dir
+
+
 def test_a_precursor_on_one_rank_of_a_sharded_state_is_dumped_by_every_rank(harness, tmp_path):
     """FSDP2, sharded layout: one rank's dump alone would hold half the state. Rank 1's view of the blocks grows (its
     embeddings scaled up from step 8), its precursor fires when it reads step 9's row at step 10, and the next
     step's all-reduce makes every rank dump step 11 together: a complete, verifiable dump whose replay reports the
     instability and names the block; rank 0's trigger says another rank's fired, and so does its replay."""
-    harness.requires("transformers")
-    result = harness.launch_script(str(harness.REPO / "tests" / "integrations" / "precursor_fsdp_worker.py"),
-                                   ["grow", str(tmp_path)])
-    assert sorted(result.reports) == [0, 1], result.explain()
-    step_dir = tmp_path / "grow" / "step-000000011"
-    for rank in (0, 1):
-        assert result.reports[rank]["dumps"] == [str(step_dir / f"rank-{rank:05d}")], result.reports[rank]
+    result, step_dir = _every_rank_dumped_step_11(harness, tmp_path, "grow")
     assert result.reports[1]["fired"] and not result.reports[0]["fired"]
-    check = verify_dump(step_dir)
-    assert check.ok, [str(p) for p in check.problems]
     dump = open_dump(step_dir)  # the rank that saw it first-hand
     assert dump.rank == 1 and dump.trigger["kind"] == "precursor" and dump.trigger["local"]
     assert "transformer.h." in dump.trigger["detail"]
@@ -350,3 +357,10 @@ def test_a_precursor_on_one_rank_of_a_sharded_state_is_dumped_by_every_rank(harn
     assert replayed.exit_code == 0, replayed.output
     report = json.loads((tmp_path / "report-0" / "report.json").read_text())
     assert report["verdict"]["kind"] == "instability_ahead" and "another rank" in report["verdict"]["headline"]
+
+
+def test_a_rank_without_a_precursor_monitor_joins_the_dump_another_rank_asks_for(harness, tmp_path):
+    """Rank 0 has no precursor monitor (as when setting it up failed there): when rank 1's fires, rank 0 still dumps
+    the step with it — its part of the state is needed, and a collective write would wait for it forever."""
+    _, step_dir = _every_rank_dumped_step_11(harness, tmp_path, "grow-without-rank-0")
+    assert not open_dump(step_dir, rank=0).trigger["local"] and open_dump(step_dir).rank == 1
