@@ -31,8 +31,10 @@ import torch
 from forensics.errors import ReplayError
 from forensics.format import open_dump
 from forensics.format.tensors import safetensors_bytes
+from forensics.kinds import TriggerKind
 from forensics.fsio import atomic_file, atomic_write_text
 from forensics.thirdparty import op_schema
+from forensics.trigger import Trigger
 from replay.load.samples import SampleRef
 from replay.load.session import load_session
 from replay.localize.forward_backward import localize_forward
@@ -79,11 +81,15 @@ def write_repro(dump_path: str | Path, out_dir: str | Path, *, device: str | Non
     Returns:
         Repro: the files written, and notes on what could not be.
     Raises:
-        ReplayError: the dump's step does not fail in the forward or backward on replay.
+        ReplayError: the dump's step does not fail in the forward or backward on replay (or is a precursor dump).
     Example:
         >>> write_repro("dumps/run/step-000000042", "repro")  # doctest: +SKIP
     """
     dump = open_dump(dump_path, rank=rank)
+    if Trigger.from_dict(dump.trigger).kind is TriggerKind.PRECURSOR:
+        raise ReplayError(f"step {dump.step} is a precursor dump: a healthy step, dumped because per-layer statistics "
+                          "kept growing, before anything failed: nothing to reproduce standalone. `forensics replay` "
+                          "ranks the statistics that grew; run `forensics repro` on the crash dump that follows")
     session = load_session(dump, device=device, trust=trust, factory=factory, loss=loss, sys_path=sys_path or [])
     runner = StepRunner(session)
     out = Path(out_dir)

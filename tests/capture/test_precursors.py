@@ -84,6 +84,21 @@ def test_the_crash_dump_still_comes_and_carries_the_statistics(diverged):
     assert [f for f in table["firings"] if f["dumped"]]  # the precursor that fired is in the crash dump too
 
 
+def test_repro_of_a_precursor_dump_says_there_is_nothing_to_reproduce(diverged, tmp_path):
+    """A precursor dump is a healthy step: `forensics repro` refuses it (exit 2) and points to replay and to the
+    crash dump, writing nothing."""
+    from click.testing import CliRunner
+
+    from forensics.cli import main
+
+    guard, _ = diverged
+    precursor = next(p for p in guard.dumps if open_dump(p).trigger["kind"] == TriggerKind.PRECURSOR)
+    result = CliRunner().invoke(main, ["repro", str(precursor), "-o", str(tmp_path / "repro")])
+    assert result.exit_code == 2, result.output
+    assert "precursor dump" in result.output and "crash dump" in result.output
+    assert not (tmp_path / "repro").exists()
+
+
 def test_a_healthy_run_fires_no_precursor(tmp_path):
     guard, nonfinite_at = train(tmp_path, lr=0.1, steps=100)
     assert nonfinite_at is None and guard.dumps == [] and guard.precursors.firings == []
