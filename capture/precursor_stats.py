@@ -153,8 +153,11 @@ def _on_host(value: Any) -> Any:
 class StepStatistics:
     """The hooks and the per-step device values of one monitor; `row()` closes a sampled step."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: Any, attention: bool, with_optimizer: bool):
+    def __init__(self, model: torch.nn.Module, optimizer: Any, attention: bool, with_optimizer: bool,
+                 scaler: Any = None):
         self.optimizer = optimizer
+        self.scaler = scaler
+        """The job's GradScaler (or None): gradients still multiplied by its scale are divided by it."""
         self.blocks = find_blocks(model)
         self.active = False
         """Whether the step in progress is sampled: the only thing a hook looks at on the other steps."""
@@ -381,8 +384,13 @@ class StepStatistics:
         return torch.zeros(lists, len(self.blocks), device=squares.device).index_add_(1, self._owner, squares).sqrt()
 
     def _without_gradients(self, norms: torch.Tensor, grads: list[torch.Tensor | None]) -> torch.Tensor:
-        """The blocks' gradient norms with -inf (not measured) for each block none of whose watched parameters has
-        a gradient: 0 would read as a measured, vanished gradient."""
+        """The blocks' true gradient norms: divided by the loss scale while a GradScaler's gradients are still
+        scaled (check() before `scaler.unscale_`: else every scale change would move them 2x), and -inf (not
+        measured) for each block none of whose watched parameters has a gradient (0 would read as a measured,
+        vanished gradient)."""
+        scale = thirdparty.grads_scaled_by(self.scaler, self.optimizer)
+        if scale is not None:
+            norms = norms / scale.to(norms.device, norms.dtype)
         measured = {owner for owner, g in zip(self._owners, grads) if g is not None}
         missing = frozenset(range(len(self.blocks))) - measured
         if not missing:

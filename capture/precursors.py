@@ -153,10 +153,11 @@ class PrecursorMonitor:
     """The precursor monitor of one Guard (GuardConfig.precursors): which steps are sampled, the host-side trends
     and what fired. The statistics themselves are capture/precursor_stats.py's."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: PrecursorConfig):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: PrecursorConfig,
+                 scaler: Any = None):
         self.config = config
         self.every = config.every
-        self.stats = StepStatistics(model, optimizer, config.attention, config.optimizer)
+        self.stats = StepStatistics(model, optimizer, config.attention, config.optimizer, scaler)
         if not self.stats.blocks:
             log.warning("forensics: precursors: the model has no ModuleList / ModuleDict / Sequential of repeated "
                         "blocks; only the output logits are watched")
@@ -331,7 +332,7 @@ def attach(guard: Any, config: PrecursorConfig | None) -> PrecursorMonitor | Non
         log.warning("forensics: precursors are off in the sync_free mode (their statistics are read at check())")
         return None
     try:
-        monitor = PrecursorMonitor(guard.model, guard.optimizer, config)
+        monitor = PrecursorMonitor(guard.model, guard.optimizer, config, guard.scaler)
     except Exception:  # noqa: BLE001
         log.exception("forensics: precursors: the monitor could not be set up; it is off")
         return None

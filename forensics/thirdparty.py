@@ -155,6 +155,23 @@ def grad_scaler_scale(scaler: Any) -> torch.Tensor | None:
     return getattr(scaler, "_scale", None)
 
 
+def grads_scaled_by(scaler: Any, optimizer: Any) -> torch.Tensor | None:
+    """What the optimizer's gradients are multiplied by right now: the GradScaler's scale (its device tensor) between
+    `scaler.scale(loss).backward()` and `scaler.unscale_(optimizer)`; None once unscaled, before the first scale(),
+    or without an enabled scaler.
+
+    torch >= 2.3: `GradScaler._per_optimizer_states[id(optimizer)]["stage"]` (an OptState; no entry yet: READY)
+    and `_scale`; checked on torch 2.13 (CPU)."""
+    if scaler is None or not callable(getattr(scaler, "is_enabled", None)) or not scaler.is_enabled():
+        return None
+    states = getattr(scaler, "_per_optimizer_states", None)
+    entry = states.get(id(optimizer)) if isinstance(states, dict) else None
+    stage = entry.get("stage") if isinstance(entry, dict) else None
+    if getattr(stage, "name", None) == "UNSCALED":
+        return None
+    return grad_scaler_scale(scaler)
+
+
 def deterministic_setter() -> Callable[..., None] | None:
     """torch.use_deterministic_algorithms's own setter (mode, warn_only=...), which skips importing torch._inductor
     for its flag; None where torch has none.

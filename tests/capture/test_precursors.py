@@ -234,6 +234,35 @@ def test_a_block_without_gradients_reads_as_not_measured_not_as_zero():
     assert values[("transformer.h.0", stat.BLOCK_RMS)] > 0  # its forward is still watched
 
 
+@pytest.mark.parametrize("unscaled", [False, True], ids=["scaled_at_check", "unscale_before_check"])
+def test_gradient_norms_under_a_grad_scaler_are_the_true_ones(unscaled):
+    """With a GradScaler the gradients at check() are still multiplied by the loss scale unless the loop called
+    `scaler.unscale_` first; the scale doubles here at every step, which must not read as a gradient that grows."""
+    model = gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1)
+    guard = Guard(model, optimizer, scaler=scaler, config=GuardConfig(precursors=PrecursorConfig(every=1)))
+    expected = {}
+    for step, batch in enumerate(batches(4)):
+        guard.record_batch(batch, sample_ids=list(range(len(batch["input_ids"]))))
+        loss = model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+        guard.record_loss(loss)
+        scaler.scale(loss).backward()
+        if unscaled:
+            scaler.unscale_(optimizer)
+        divisor = 1.0 if unscaled else scaler.get_scale()
+        expected[step] = math.sqrt(sum(float((p.grad / divisor).pow(2).sum())
+                                       for p in model.transformer.h[1].parameters() if p.dim() >= 2))
+        assert guard.check()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    assert scaler.get_scale() == 2.0 ** 14  # doubled at every step
+    rows = rows_after_close(guard)
+    for step in (0, 1, 2):
+        assert rows[step][("transformer.h.1", PrecursorStatistic.GRAD_NORM)] == pytest.approx(expected[step], rel=1e-4)
+
+
 def train_steps(guard: Guard, model, optimizer, steps: int, before_check=lambda: None) -> None:
     """`steps` guarded steps of one micro-batch of the job's learnable sequences; `before_check` runs after backward."""
     for batch in batches(steps):

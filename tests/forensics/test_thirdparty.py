@@ -122,6 +122,20 @@ def test_grad_scaler_scale_is_the_device_tensor_once_it_scaled():
     assert isinstance(scale, torch.Tensor) and float(scale) == 1024.0 == scaler.get_scale()
 
 
+def test_grads_scaled_by_is_the_scale_until_unscale_and_none_after():
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    assert thirdparty.grads_scaled_by(scaler, optimizer) is None  # nothing scaled yet
+    scaler.scale(weight.sum()).backward()
+    assert float(thirdparty.grads_scaled_by(scaler, optimizer)) == 8.0
+    assert torch.equal(weight.grad, torch.full((3,), 8.0))
+    scaler.unscale_(optimizer)
+    assert thirdparty.grads_scaled_by(scaler, optimizer) is None and torch.equal(weight.grad, torch.ones(3))
+    assert thirdparty.grads_scaled_by(torch.amp.GradScaler("cpu", enabled=False), optimizer) is None
+    assert thirdparty.grads_scaled_by(None, optimizer) is None
+
+
 def test_deterministic_setter_sets_what_torch_reports():
     setter = thirdparty.deterministic_setter()
     assert setter is not None
