@@ -314,7 +314,9 @@ class Guard:
         is then made by every rank at the same step, through the step's all-reduce (capture/precursors.py)."""
         if not self.multi_rank:
             return False
-        return self.state_is_collective or self._choose_layout(self._state_references()) is StateLayout.SHARDED
+        if self.dtensors:  # written sharded, or gathered whole by a collective: either way every rank takes part
+            return True
+        return self._choose_layout(self._state_references()) is StateLayout.SHARDED
 
     # -- a step that raises ----------------------------------------------------------------------
     @contextlib.contextmanager

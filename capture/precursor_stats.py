@@ -348,14 +348,15 @@ class StepStatistics:
                 parts.append(self._neg_inf[:len(self._attention_blocks)])
         if self._has_output:
             parts.append(self._max_over(self._logits, 1))
-        grads = [_local(p.grad) for p in self._params]
+        grads = [_local(p.grad) for p in self._params]  # this rank's shards of sharded parameters
         if self.with_optimizer:
-            updates, floors = self._optimizer_updates()
-            grad, weight, update = self._block_norms(grads, [_local(p) for p in self._params], norms=updates)
-            parts += [self._without_gradients(grad, grads), torch.where(update > 0, update / weight, self._neg_inf[:n]),
+            weights = [_local(p) for p in self._params]
+            updates, floors = self._optimizer_updates(weights, grads)
+            grad, weight, update = self._block_norms(grads, weights, norms=updates)
+            parts += [self._grad_norms(grad, grads), torch.where(update > 0, update / weight, self._neg_inf[:n]),
                       self._block_floor(floors)]
         else:
-            parts.append(self._without_gradients(self._block_norms(grads)[0], grads))
+            parts.append(self._grad_norms(self._block_norms(grads)[0], grads))
         return torch.cat([p.float().reshape(-1) for p in parts]) if parts else self._neg_inf[:0]
 
     def _max_over(self, values: list[torch.Tensor], size: int) -> torch.Tensor:
@@ -383,7 +384,7 @@ class StepStatistics:
         squares = torch.stack(thirdparty.foreach_norm(filled) + list(norms)).float().square().view(lists, -1)
         return torch.zeros(lists, len(self.blocks), device=squares.device).index_add_(1, self._owner, squares).sqrt()
 
-    def _without_gradients(self, norms: torch.Tensor, grads: list[torch.Tensor | None]) -> torch.Tensor:
+    def _grad_norms(self, norms: torch.Tensor, grads: list[torch.Tensor | None]) -> torch.Tensor:
         """The blocks' true gradient norms: divided by the loss scale while a GradScaler's gradients are still
         scaled (check() before `scaler.unscale_`: else every scale change would move them 2x), and -inf (not
         measured) for each block none of whose watched parameters has a gradient (0 would read as a measured,
@@ -407,10 +408,12 @@ class StepStatistics:
             0, self._owner, torch.stack(floors).float(), "amax")
         return torch.where(floor > -math.inf, floor.square(), self._neg_inf[:n])
 
-    def _optimizer_updates(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per parameter: ||lr x update|| of the update the optimizer state points to, and -sqrt of its smallest Adam
-        second moment (exp_avg_sq; -inf: none). Adam's update is the bias-corrected m / (sqrt(v) + eps) (weight
-        decay left out), SGD's the momentum buffer (else the gradient); other optimizers give 0 (not measured)."""
+    def _optimizer_updates(self, weights: list[torch.Tensor], grads: list[torch.Tensor | None]
+                           ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per parameter (`weights` and `grads`: this rank's parts, in `_params` order): ||lr x update|| of the update
+        the optimizer state points to, and -sqrt of its smallest Adam second moment (exp_avg_sq; -inf: none). Adam's
+        update is the bias-corrected m / (sqrt(v) + eps) (weight decay left out), SGD's the momentum buffer (else the
+        gradient); other optimizers give 0 (not measured)."""
         groups = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
         state = self.optimizer.state
         updates: list[torch.Tensor] = [self._zero] * len(self._params)
@@ -418,7 +421,7 @@ class StepStatistics:
         subsets: dict[tuple[int, int], list[int]] = {}  # (param group, part) -> parameters: few `_foreach` calls
         filled: dict[int, tuple[int, int]] = {}  # param group -> (its current part, elements in it)
         for i, p in enumerate(self._params):
-            group, size = groups.get(id(p)), _local(p).numel()
+            group, size = groups.get(id(p)), weights[i].numel()
             if group is not None and state.get(p) and size:
                 part, elements = filled.get(id(group), (0, 0))
                 if elements and elements + size > PART_ELEMENTS:
@@ -441,7 +444,7 @@ class StepStatistics:
                 thirdparty.foreach_reciprocal_(d)
                 thirdparty.foreach_mul_(d, [_local(s["exp_avg"]) for s in states])  # -m / (sqrt(v) + eps sqrt(bc2))
             elif all("momentum_buffer" in s for s in states):
-                d = [_local(s["momentum_buffer"] if s["momentum_buffer"] is not None else self._params[i].grad)
+                d = [_local(s["momentum_buffer"]) if s["momentum_buffer"] is not None else grads[i]
                      for s, i in zip(states, indices)]
                 if any(t is None for t in d):
                     continue

@@ -250,10 +250,10 @@ class PrecursorMonitor:
                 "config": {"every": c.every, "window": c.window, "warmup": c.warmup, "sustained": c.sustained,
                            "z_threshold": c.z_threshold, "min_growth": c.min_growth}}
 
-    def to_dump(self, firings: list[Firing], step: int, count: bool = True) -> Firing | None:
+    def to_dump(self, firings: list[Firing], step: int) -> Firing | None:
         """The firing to dump at `step` (None: none may): the earliest-starting one whose (layer, statistic) did
-        not fire within min_gap steps, within max_dumps. Every firing of the step is marked as seen. count=False:
-        the dump is counted when every rank makes it (`agreed_trigger`), so that all ranks' counts agree."""
+        not fire within min_gap steps, within max_dumps (counted where a dump is made: `watch`, `agreed_trigger`).
+        Every firing of the step is marked as seen."""
         chosen = None
         for firing in firings:
             key = (firing.layer, firing.statistic)
@@ -265,7 +265,6 @@ class PrecursorMonitor:
                 chosen = firing
         if chosen is None or self.dumps >= self.config.max_dumps:
             return None
-        self.dumps += count
         return chosen
 
 
@@ -303,16 +302,16 @@ def watch(guard: Any, record: StepRecord, decision: bool, sync_free: bool) -> No
             return
         for firing in firings:
             log.warning("forensics: step %d: precursor: %s", guard.step, firing.detail)
-        together = guard.dump_needs_every_rank
-        chosen = monitor.to_dump(firings, guard.step, count=not together)
+        chosen = monitor.to_dump(firings, guard.step)
         for firing in firings:
             guard.window.note_precursor_firing({**firing.as_dict(), "dumped": firing is chosen})
         if chosen is None or not decision or guard.last_incident_step == guard.step:
             return
-        if together:  # one rank's dump would not hold the whole state: every rank dumps the next step
-            monitor.awaiting = chosen
+        if guard.dump_needs_every_rank:  # this rank's dump alone would not hold the state: all dump the next step
+            monitor.awaiting = chosen  # counted by every rank when they do (agreed_trigger): the counts stay equal
             log.warning("forensics: precursor at step %d: every rank dumps the next step", guard.step)
             return
+        monitor.dumps += 1
         trigger = Trigger(TriggerKind.PRECURSOR, chosen.value, chosen.baseline, None, chosen.detail)
         losses = [float(v.float().mean()) if isinstance(v, torch.Tensor) else float(v)
                   for v in record.losses]  # a few scalars, read only when a precursor fires

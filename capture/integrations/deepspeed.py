@@ -392,7 +392,7 @@ class DeepSpeedGuard(DistributedGuard):
     @property
     def dump_needs_every_rank(self) -> bool:
         """ZeRO partitions the state: each rank writes its partitions, or all gather them (a collective)."""
-        return self.multi_rank and (self.sharded or self._zero_layout() is StateLayout.SHARDED)
+        return self.multi_rank if self.sharded else super().dump_needs_every_rank
 
     def replay_recipe(self) -> dict:
         recipe = super().replay_recipe()
