@@ -42,3 +42,23 @@ def helpers():
 def gpt2():
     """Factory: gpt2(seed=0, dropout=0.1) -> a tiny random-init GPT2LMHeadModel in train mode."""
     return _load_helpers().make_gpt2
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--runslow", action="store_true", default=False,
+        help="also run the tests marked slow (more multi-process launches; CI runs without them)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "slow: a multi-process or long test beyond the CI set; runs with --runslow")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--runslow"):
+        return
+    skip_slow = pytest.mark.skip(reason="slow: run with --runslow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip_slow)
