@@ -27,6 +27,7 @@ from forensics.format.limits import ArchiveLimits
 from forensics.kinds import HistoryPattern, Phase, TriggerKind
 from forensics.report.model import to_json_safe
 from replay.culprits.bisect import bisect_budget, ddmin
+from replay.culprits.margin import others_margin
 from replay.culprits.per_sample import SampleRow, per_sample_stats
 from replay.culprits.sample_facts import describe_samples, nonfinite_in_field, too_long
 from replay.culprits.sizes import longer_than, outlier_refs, size_summary
@@ -323,6 +324,13 @@ def run_session(session: ReplaySession, options: ReplayOptions | None = None, pr
                                         threshold=findings.threshold)
     elif options.fp32_check:
         findings.precision = fp32_check(runner, kind=TriggerKind.NONFINITE_PARAM)  # dtype facts only, no run
+    if findings.culprits and (findings.precision or {}).get("fp32_reproduces") is False:
+        _stage(progress, "measuring how close the other samples come to fp16's limit")
+        findings.margin = others_margin(runner, findings.culprits)
+        if findings.margin is not None and findings.margin["at_the_edge"]:
+            logger.info("without the culprits the step still reaches %.0f %% of fp16's max: the state is at the "
+                        "edge, no sample is to blame", 100 * findings.margin["share"])
+            findings.bisection.culprits = []  # the bisection block keeps what it found; no sample is blamed
     if findings.weights_nonfinite:
         _stage(progress, "locating the non-finite weights and the samples that touch them")
         findings.corrupted = corrupted_weights(runner)
