@@ -376,8 +376,11 @@ class Guard:
         """
         trigger, policy = incident.trigger, incident.policy
         self.last_incident_step = incident.step
-        log.warning("forensics: step %d rank %d: %s (policy: %s)", incident.step, self.rank, trigger.message, policy)
-        dump_path, dump_error = self.dumper.dump(incident)
+        admission = self.dumper.admit(incident)  # one not dumped is counted and logged once per window there
+        if admission.why_not is None or policy is not Policy.CONTINUE:
+            log.warning("forensics: step %d rank %d: %s (policy: %s)", incident.step, self.rank, trigger.message,
+                        policy)
+        dump_path, dump_error = self.dumper.dump(incident, admission)
         if policy is Policy.RAISE:
             where = f"dump written to {dump_path}" if dump_path else f"NO dump was written: {dump_error}"
             raise TrainingFaultError(
