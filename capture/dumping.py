@@ -264,7 +264,7 @@ class Dumper:
             "world_size": source.world_size, "local_rank": source.local_rank, "grad_accum": len(record.batches),
             "micro_batches": micro_batches,
             "loss": {"per_micro_batch": losses, "divisor": incident.divisor, "grad_norm": incident.grad_norm,
-                     "step_loss": incident.step_loss},
+                     "grad_norm_unscaled_by": incident.grad_norm_unscaled_by, "step_loss": incident.step_loss},
             "precision": {"param_dtype": str(param.dtype).removeprefix("torch.") if param is not None else None,
                           "autocast": record.autocast or {"enabled": False, "device_type": None, "dtype": None},
                           "grad_scaler": _scaler_state(source.scaler),

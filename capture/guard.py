@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from capture import deferred, environment, exceptions, precursors, sharding, snapshot
+from forensics import thirdparty
 from capture.agreement import default_run_id, dist_info, distributed, unwrap_model
 from capture.buffers import PreForwardBuffers
 from capture.checking import SyncCheck
@@ -117,6 +118,8 @@ class Guard:
                         "ranks that saw the fault alone would wait forever for the others")
             self.config = dataclasses.replace(self.config, recheck=False)
         self.sharded_grad_norm = type(self).sharded_grad_norm or self.dtensors
+        self.own_norm_unscaled = False
+        """The last compute_grad_norm() divided the loss scale out of gradients a scaler still held scaled."""
         self.layout_used: StateLayout | None = None
         """The state layout of the last dump (GuardConfig.state_layout resolved)."""
         self.detectors = StepDetectors(self.config)
@@ -240,11 +243,16 @@ class Guard:
 
     def compute_grad_norm(self) -> torch.Tensor | float | None:
         """The gradient norm of this step when the loop passed none (None: no gradients); for a DTensor model,
-        the norm of this rank's shards (sharded_grad_norm)."""
+        the norm of this rank's shards (sharded_grad_norm). Always unscaled: gradients a GradScaler still holds
+        scaled (check() before `scaler.unscale_`) are measured divided by its scale (its device tensor, no sync),
+        and `own_norm_unscaled` says so (the manifest's `loss.grad_norm_unscaled_by`)."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if self.dtensors:
-            return sharding.shard_grad_norm(grads)
-        return total_grad_norm(grads)
+        norm = sharding.shard_grad_norm(grads) if self.dtensors else total_grad_norm(grads)
+        scale = thirdparty.grads_scaled_by(self.scaler, self.optimizer)  # before scaler.unscale_: grads x scale
+        self.own_norm_unscaled = scale is not None and norm is not None
+        if self.own_norm_unscaled:  # one unit everywhere: the norm clip_grad_norm_ would see after unscale_
+            norm = norm / scale.reshape(()).to(norm.device) if isinstance(norm, torch.Tensor) else norm / float(scale)
+        return norm
 
     def collect_state(self, copy: snapshot.HostCopy) -> dict:
         """Name-keyed pre-step state: `{"model": {name: tensor}, "optimizer": {...}}` (docs/DUMP_FORMAT.md), the

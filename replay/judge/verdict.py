@@ -64,6 +64,9 @@ class VerdictFacts:
     threshold: float | None = None
     replayed_value: float | None = None
     """The same quantity in the replay (for not_reproduced: 'recorded nan, replayed 2.31')."""
+    unit_factor: str | None = None
+    """Not reproduced, and the recorded value is the replayed one times a factor the job recorded (replay/run/units.py):
+    'the recorded grad norm is the replayed one times the loss scale (65536)'. A unit, not hardware."""
     bitwise: bool | None = None
     """Replayed values equal the recorded ones bit for bit (fidelity.bitwise_equal)."""
     replay_device: str | None = None
@@ -461,6 +464,8 @@ def _not_reproduced(f: VerdictFacts) -> dict:
     rank = f" on the node of rank {f.rank}" if f.rank is not None else ""
     if f.out_of_memory:
         return _memory_not_reproduced(f, headline)
+    if f.unit_factor:
+        return _other_units(f, headline)
     return _result(VerdictKind.NOT_REPRODUCED, headline, f, [
         "Replay on the same GPU model, driver and torch version as the job (the environment "
         "warnings list what differs).",
@@ -471,6 +476,26 @@ def _not_reproduced(f: VerdictFacts) -> dict:
         f"If the same GPU and settings still do not reproduce it, suspect the hardware (silent data "
         f"corruption): run the vendor's diagnostics (e.g. DCGM level 3){rank}.",
     ], reading)
+
+
+def _other_units(f: VerdictFacts, headline: str) -> dict:
+    """Not reproduced, but the ratio of recorded to replayed is a factor the job recorded: a unit, not the hardware."""
+    reading = (f"{f.unit_factor[0].upper() + f.unit_factor[1:]}: the job and the replay measured the same step in "
+               "different units, so the two numbers cannot be compared as they are. This is not a sign of "
+               "non-determinism or of the hardware.")
+    suggestions = []
+    if "loss scale" in f.unit_factor:
+        suggestions.append("Pass check() the norm of unscaled gradients: call scaler.unscale_(optimizer) before "
+                           "clip_grad_norm_, or call check() without grad_norm (the Guard divides the loss scale out "
+                           "of its own norm); clipping thresholds are then in the same units too.")
+    if "world size" in f.unit_factor:
+        suggestions.append("The recorded value covers every rank (summed, or not averaged); replay this step with "
+                           "--all-ranks to compare the whole job's value.")
+    if "accumulation" in f.unit_factor:
+        suggestions.append("The loop divides (or does not divide) by the number of micro-batches where the Guard "
+                           "assumes otherwise: set GuardConfig.loss_divisor to what the loop divides each "
+                           "micro-batch loss by.")
+    return _result(VerdictKind.NOT_REPRODUCED, headline, f, suggestions, reading)
 
 
 def _memory_not_reproduced(f: VerdictFacts, headline: str) -> dict:
