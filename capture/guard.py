@@ -140,6 +140,9 @@ class Guard:
         """The record of the last checked step (a step that raises after check(); verify_update)."""
         self._sync_check = SyncCheck(self)
         self._sync_free = deferred.SyncFree(self) if self.config.sync_free else None
+        self.stopped: TrainingFaultError | None = None
+        """The TrainingFaultError check() raised last, until the next step is recorded: an exception raised after it
+        outside a recorded step (code after the training loop) is not dumped as the faulted step's."""
         self.last_incident_step: int | None = None
         """The step of the last incident handled (a precursor does not dump a step dumped already)."""
         self.precursors = precursors.attach(self, self.config.precursors)
@@ -160,6 +163,7 @@ class Guard:
             if self._current is None:
                 self._current = StepRecord()
                 self.buffers.take_before_forward()
+                self.stopped = None  # the job caught the TrainingFaultError and trains on
             record = self._current
             if len(record.batches) >= MAX_MICRO_BATCHES:
                 return
@@ -213,8 +217,9 @@ class Guard:
         try:
             sync_free = self._sync_free is not None and self._sync_free.active()
             decision = (self._sync_free if sync_free else self._sync_check).check(record, grad_norm)
-        except TrainingFaultError:
+        except TrainingFaultError as fault:
             self.last_step = record
+            self.stopped = fault  # later exceptions outside a recorded step are not this step's (record_exception)
             self.step += 1  # a job that catches the error and goes on must not reuse this step's number
             raise
         except Exception as exc:  # noqa: BLE001
