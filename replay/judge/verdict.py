@@ -298,7 +298,8 @@ def _evidence(f: VerdictFacts) -> list[str]:
         out.append(f"It fails from {f.rng_seeds_tried} other seeds too, so the random state is not the cause.")
     low = _low_precision(f)
     if f.fp32_reproduces is False:
-        out.append(f"In fp32 the step is finite → {'precision + data' if _has_culprit(f) else 'precision'}.")
+        healthy = "does not spike" if f.spike else "is finite"
+        out.append(f"In fp32 the step {healthy} → {'precision + data' if _has_culprit(f) else 'precision'}.")
     elif f.fp32_reproduces is True and low:
         out.append(f"It fails in fp32 too, so {low} is not the cause.")
     return out
@@ -405,11 +406,12 @@ def decide_verdict(facts: VerdictFacts) -> dict:
         return _update_too_large(f)
     if f.spike and (f.run_diverged or f.history_pattern is HistoryPattern.DIVERGED):
         return _diverged(f)
-    if f.weights_nonfinite_at_start or f.all_subsets_fail:
+    precision = f.fp32_reproduces is False and _low_precision(f) is not None
+    if f.weights_nonfinite_at_start or (f.all_subsets_fail and not precision):
         return _model_state(f)
     if f.phase is Phase.OPTIMIZER:
         return _optimizer_update(f)
-    if f.fp32_reproduces is False and _low_precision(f):
+    if precision:  # every sample failing alone, or none to blame, and finite in fp32: the precision is the cause
         return _numerical_precision(f)
     if _has_culprit(f):
         return _bad_sample(f)
@@ -656,8 +658,10 @@ def _numerical_precision(f: VerdictFacts) -> dict:
     who = f" and only with {_samples_phrase(f, lower=True).rstrip(',')}," if with_data else ""
     at = _where_step(f)
     where = ("," if not with_data and _where_value(f) else "") + _where_value(f)
-    headline = (f"{at[0].upper() + at[1:]} goes non-finite only in {dtype}{who}{where}; "
-                f"in fp32 it is finite" + (": precision + data." if with_data else "."))
+    fails, fine = ("spikes", "it does not") if f.spike else ("goes non-finite", "it is finite")
+    every = " with every sample on its own" if f.all_subsets_fail and not with_data else ""
+    headline = (f"{at[0].upper() + at[1:]} {fails} only in {dtype}{who}{every}{where}; "
+                f"in fp32 {fine}" + (": precision + data." if with_data else "."))
     suggestions = []
     if with_data:
         ids = ", ".join(_id(s) for s in f.culprit_samples[:MAX_NAMED_SAMPLES])

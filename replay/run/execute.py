@@ -393,8 +393,12 @@ class StepRunner:
         if not keep_grads:
             for p in self.model.parameters():
                 p.grad = None
-        if fp32:
+        if fp32:  # the weights back in their dtype; the gradients kept (an update from them is measured next)
+            grads = {name: p.grad for name, p in self.model.named_parameters()} if keep_grads else {}
             self.reset()
+            for name, p in self.model.named_parameters():
+                grad = grads.get(name)
+                p.grad = None if grad is None else grad.to(p.dtype)
         return result
 
     def _start_pass(self, fp32: bool) -> None:
