@@ -366,6 +366,7 @@ def _reproduce(runner: StepRunner, options: ReplayOptions, progress: Progress | 
     kind = trigger.kind
     _stage(progress, f"reproducing the step ({len(session.micro_batches)} micro-batch(es), trigger {kind})")
     reproduction = reproduce(runner, options.max_attempts)
+    trigger = session.trigger  # in the replay's units (a grad norm recorded on scaled gradients: unscaled)
     findings = Findings(kind=kind, trigger=trigger, threshold=trigger.threshold,
                         reproduction=reproduction, reproduced=reproduction.reproduced,
                         weights_nonfinite=list(runner.nonfinite_params))

@@ -1,0 +1,65 @@
+"""Whether a recorded number and its replayed counterpart differ by a factor the job recorded — the loss scale, the
+world size, the gradient-accumulation count — rather than by their values: a norm of gradients still scaled by a
+GradScaler (a loop that passes check() clip_grad_norm_'s value before scaler.unscale_, or a dump from before the
+Guard measured unscaled norms) reads loss-scale times the replayed one. Such a ratio is a unit, not a failure to
+reproduce: fidelity does not compare across it, and the verdict names the factor instead of suspecting hardware."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+TOLERANCE = 0.1
+"""Relative distance of the ratio from the factor still read as that factor (a replay on other kernels moves the
+norm by a few percent; two recorded factors are powers of two apart or more)."""
+
+
+@dataclass(frozen=True)
+class UnitFactor:
+    """The recorded factor that explains recorded / replayed."""
+
+    name: str
+    """'the loss scale', 'the world size', 'the gradient-accumulation count'."""
+    value: float
+    recorded_larger: bool
+    """True: recorded = value x replayed; False: recorded = replayed / value."""
+
+    def words(self, what: str = "the grad norm") -> str:
+        """'the recorded grad norm is the loss scale (65536) times the replayed one'."""
+        how = "times" if self.recorded_larger else "divided by"
+        return f"the recorded {what} is the replayed one {how} {self.name} ({self.value:g})"
+
+
+def recorded_factors(session: Any) -> list[tuple[str, float]]:
+    """The factors a replayed number may differ by, from what the dump recorded (a ReplaySession)."""
+    factors: list[tuple[str, float]] = []
+    if getattr(session, "scaler_enabled", False):
+        factors.append(("the loss scale", float(session.scaler_state["scale"])))
+    world = getattr(session, "world_size", 1) or 1
+    if world > 1:
+        factors.append(("the world size", float(world)))
+    accumulation = len(getattr(session, "micro_batches", []) or [])
+    if accumulation > 1:
+        factors.append(("the gradient-accumulation count", float(accumulation)))
+    return factors
+
+
+def explaining_factor(recorded: float | None, replayed: float | None,
+                      factors: list[tuple[str, float]]) -> UnitFactor | None:
+    """The recorded factor that recorded / replayed equals (or its inverse), within TOLERANCE; None when none does
+    or either number is missing, zero or non-finite."""
+    if not _positive(recorded) or not _positive(replayed):
+        return None
+    ratio = abs(recorded) / abs(replayed)
+    for name, value in factors:
+        if not _positive(value) or value == 1:
+            continue
+        for candidate, larger in ((value, True), (1 / value, False)):
+            if abs(ratio / candidate - 1) <= TOLERANCE:
+                return UnitFactor(name, value, larger)
+    return None
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value != 0
