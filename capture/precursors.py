@@ -189,6 +189,9 @@ class PrecursorMonitor:
         self.stats.active = True  # the first step is sampled
         self._fired: dict[tuple[str, PrecursorStatistic], int] = {}
         self._pending: list[Firing] = []
+        self.deferred: Firing | None = None
+        """A firing read at a step that was an incident of its own (a spike, a skipped step): dumped at the next
+        healthy step instead."""
         self.awaiting: Firing | None = None
         """A firing this rank chose to dump while its state is sharded: the next check()'s all-reduce tells every
         rank, and all dump that step together (`agreed_trigger`)."""
@@ -359,17 +362,23 @@ def watch(guard: Any, record: StepRecord, decision: bool, sync_free: bool) -> No
     if sync_free:
         return  # attach() refused the sync-free mode already
     try:
-        if not decision or guard.last_incident_step == guard.step:
+        unhealthy = not decision or guard.last_incident_step == guard.step
+        if unhealthy:
             monitor.note_step(guard.step, healthy=False)
         firings = monitor.take_firings()
-        if not firings:
+        deferred, monitor.deferred = monitor.deferred, None
+        if not firings and deferred is None:
             return
         for firing in firings:
             log.warning("forensics: step %d: precursor: %s", guard.step, firing.detail)
-        chosen = monitor.to_dump(firings, guard.step)
+        chosen = monitor.to_dump(firings, guard.step) if firings else None
         for firing in firings:
             guard.window.note_precursor_firing({**firing.as_dict(), "dumped": firing is chosen})
-        if chosen is None or not decision or guard.last_incident_step == guard.step:
+        chosen = chosen or deferred
+        if chosen is None or monitor.dumps >= monitor.config.max_dumps:
+            return
+        if guard.last_dumped_step == guard.step:  # dumped already for an incident of its own: the next step then
+            monitor.deferred = chosen
             return
         if guard.dump_needs_every_rank:  # this rank's dump alone would not hold the state: all dump the next step
             monitor.awaiting = chosen  # counted by every rank when they do (agreed_trigger): the counts stay equal

@@ -36,7 +36,7 @@ from replay.judge.between_steps import between_steps_report, raised_between_step
 from replay.judge.findings import Bisection, Findings, HistoryFinding
 from replay.judge.history_pattern import classify_history, diverged_long_ago, history_signals, read_history
 from replay.judge.precision import fp32_check, uses_low_precision
-from replay.judge.precursor import precursor_report
+from replay.judge.precursor import add_crash_history, precursor_report
 from replay.judge.remedies import try_remedies
 from replay.judge.remedy_followup import follow_remedies
 from replay.load.environment import deterministic_mode
@@ -187,6 +187,7 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
                                                      started))
             report = run_session(session, options, progress, dump_info=dump_info, history=dump.history(),
                                  started=started)
+            add_crash_history(report, dump)  # the statistics before the crash, the run's earlier dumps
             if hint:
                 report["verdict"]["suggestions"].insert(0, hint)
             return _checked(dump, report)

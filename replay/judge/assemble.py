@@ -38,10 +38,10 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
         first, last = tested_suggestions(findings.remedies, diverged=diverged)
         verdict["suggestions"] = list(dict.fromkeys(first + verdict["suggestions"] + last))
     if findings.margin is not None and findings.margin["at_the_edge"]:
-        verdict["explanation"] = (verdict.get("explanation") or "") + (
+        verdict["explanation"] = ((verdict.get("explanation") or "") + (
             f" Without the {findings.margin['samples_excluded']} sample(s) bisection isolated, the rest of the step "
             f"still reaches {100 * findings.margin['share']:.0f} % of fp16's max (65,504): the model's state is at "
-            "the edge of fp16, and whichever sample crosses first is not to blame.").lstrip()
+            "the edge of fp16, and whichever sample crosses first is not to blame.")).strip()
     trigger = findings.trigger
     history = findings.history
     report = {
