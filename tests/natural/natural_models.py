@@ -45,26 +45,14 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class ScaledHead(nn.Module):
-    """An output projection with a learnable temperature, as CLIP has (without CLIP's clamp at ln 100): the loss of
-    a fitted batch falls as the scale rises, so Adam raises it by ~lr every step, and the logits grow exponentially."""
-
-    def __init__(self, width: int, vocab: int):
-        super().__init__()
-        self.proj, self.logit_scale = nn.Linear(width, vocab, bias=False), nn.Parameter(torch.zeros(()))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x) * self.logit_scale.exp()
-
-
 class TinyLM(nn.Module):
     def __init__(self, vocab: int = 64, width: int = 32, heads: int = 2, layers: int = 2, seq_len: int = 16,
-                 final_norm: bool = True, qk_norm: bool = False, logit_scale: bool = False):
+                 final_norm: bool = True, qk_norm: bool = False):
         super().__init__()
         self.embed, self.pos = nn.Embedding(vocab, width), nn.Embedding(seq_len, width)
         self.layers = nn.ModuleList(Block(width, heads, qk_norm) for _ in range(layers))
         self.norm = nn.LayerNorm(width) if final_norm else nn.Identity()
-        self.lm_head = ScaledHead(width, vocab) if logit_scale else nn.Linear(width, vocab, bias=False)
+        self.lm_head = nn.Linear(width, vocab, bias=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(input_ids) + self.pos(torch.arange(input_ids.shape[1], device=input_ids.device))

@@ -7,6 +7,7 @@ tests/natural/natural_job.py holds the scenarios (and runs them on a GPU)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,9 @@ def default_run(request, tmp_path_factory):
     """Each scenario under the default GuardConfig, its crash dump replayed on the CPU."""
     scenario = SCENARIOS[request.param]
     run = _job.train(scenario, tmp_path_factory.mktemp(scenario.name))
-    return scenario, run, _job.summarize(scenario, run)
+    out = _job.summarize(scenario, run)
+    print(json.dumps(out))  # pytest -s: what BENCHMARKS.md "natural_runs" records
+    return scenario, run, out
 
 
 def test_the_run_diverges_by_itself_and_its_crash_is_dumped_under_the_default_config(default_run):
@@ -51,7 +54,9 @@ def watched_run(request, tmp_path_factory):
     """The same run with PrecursorConfig() (opt-in); the crash dump is not replayed except for the fp16 climb."""
     scenario = SCENARIOS[request.param]
     run = _job.train(scenario, tmp_path_factory.mktemp(f"{scenario.name}-watched"), precursors=True)
-    return scenario, run, _job.summarize(scenario, run, replay=scenario.name == "attention_fp16")
+    out = _job.summarize(scenario, run, replay=scenario.name == "attention_fp16")
+    print(json.dumps(out))
+    return scenario, run, out
 
 
 def test_a_precursor_comes_ten_steps_ahead_naming_a_block(watched_run):
