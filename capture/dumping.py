@@ -25,6 +25,7 @@ from capture.dump_budget import Admission, DumpBudget, spike_size
 from capture.history import History
 from capture.host_snapshots import HostSnapshots
 from capture.incident import Incident, batch_size, json_ids
+from forensics.trigger import Trigger
 from capture.main_script import MainScript
 from capture.uploads import send_dump
 from capture.window import FlightRecorder
@@ -89,10 +90,14 @@ class Dumper:
         trigger = incident.trigger
         admission = self.budget.admit(trigger.kind, incident.step, trigger.value, trigger.threshold)
         if admission.why_not is not None:
-            self.budget.not_dumped.note(trigger.kind, incident.step, admission.why_not, admission.reason,
-                                        trigger.message, spike_size(trigger.value, trigger.threshold)
-                                        if trigger.kind.spike else None)
+            self.not_dumped(trigger, incident.step, admission.why_not, admission.reason)
         return admission
+
+    def not_dumped(self, trigger: Trigger, step: int, why: str, reason: str) -> None:
+        """Counts a trigger at `step` that is not dumped because `why` (`reason`: its key in the manifest's
+        `dump_budget.not_dumped`); logged once, then once per window with a count (dump_budget.NotDumped)."""
+        size = spike_size(trigger.value, trigger.threshold) if trigger.kind.spike else None
+        self.budget.not_dumped.note(trigger.kind, step, why, reason, trigger.message, size)
 
     def dump(self, incident: Incident, admission: Admission | None = None) -> tuple[Path | None, str | None]:
         """Dumps the incident unless its budget says no (`admission`: admit()'s answer, asked now when None).

@@ -402,6 +402,11 @@ class Guard:
                 trigger, dump_path, dump_error)
         return policy is not Policy.SKIP
 
+    def not_dumped(self, trigger: Any, step: int, why: str, reason: str) -> None:
+        """Counts a trigger that is not dumped (`why`; `reason` its key in the manifest's `dump_budget`), logged once
+        per window (capture/dump_budget.py)."""
+        self.dumper.not_dumped(trigger, step, why, reason)
+
     # -- lifecycle -------------------------------------------------------------------------------
     def flush(self) -> None:
         """GuardConfig.sync_free: judges the last checked step now (dump, policy); a no-op otherwise.
