@@ -639,6 +639,7 @@ def _to_replay_units(session: ReplaySession, result: StepResult) -> bool:
         detail=f"{trigger.detail} (recorded on scaled gradients; / loss scale {divide:g} here)")
     if session.recorded_grad_norm is not None:
         session.recorded_grad_norm = session.recorded_grad_norm / divide
+    session.grad_norms_scaled = True
     session.warnings.append(f"the recorded grad norm {trigger.value:.4g} was measured on gradients still scaled by "
                             f"the GradScaler ({unit.words()}); replay compares unscaled values: recorded value and "
                             "threshold are divided by the loss scale")

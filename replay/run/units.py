@@ -63,3 +63,17 @@ def explaining_factor(recorded: float | None, replayed: float | None,
 
 def _positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value != 0
+
+
+def unscaled_history(history: dict | None) -> dict | None:
+    """The recorded history with each row's grad norm divided by that row's loss scale (a job whose grad norms were
+    measured on scaled gradients: ReplaySession.grad_norms_scaled), so its reading and the clipping threshold it
+    suggests are in unscaled units. Rows without a positive loss scale keep their norm."""
+    if not history or not history.get("grad_norm"):
+        return history
+    scales = list(history.get("loss_scale") or [])
+    norms = []
+    for i, norm in enumerate(history["grad_norm"]):
+        scale = scales[i] if i < len(scales) else None
+        norms.append(norm / scale if _positive(norm) and _positive(scale) and scale > 0 else norm)
+    return {**history, "grad_norm": norms}
