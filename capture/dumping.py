@@ -25,7 +25,6 @@ from capture.dump_budget import Admission, DumpBudget, spike_size
 from capture.history import History
 from capture.host_snapshots import HostSnapshots
 from capture.incident import Incident, batch_size, json_ids
-from forensics.trigger import Trigger
 from capture.main_script import MainScript
 from capture.uploads import send_dump
 from capture.window import FlightRecorder
@@ -35,6 +34,7 @@ from forensics.format.writer import DumpContent, dump_path, remove_rank_dump, wr
 from forensics.kinds import Policy, TriggerKind
 from forensics.recipes import default_loss
 from forensics.rng import capture_rng, restore_rng
+from forensics.trigger import Trigger
 
 log = logging.getLogger(__name__)
 
