@@ -24,7 +24,7 @@ from forensics.unfilled import unfilled
 from replay.load.environment import dtype_from_name, environment_warnings, resolve_device, to_device
 from replay.load.fsdp_precision import FsdpUnit, compute_dtype, parse_units
 from replay.load.optimizer_state import DumpOptimizerState, OptimizerSnapshot
-from replay.load.recipe import LossFn, TrainingScript, optimizer_class, resolve_recipe
+from replay.load.recipe import LossFn, TrainingScript, job_paths, optimizer_class, resolve_recipe
 from replay.load.samples import SampleRef
 
 logger = logging.getLogger(__name__)
@@ -150,19 +150,23 @@ def training_script(dump: Any) -> TrainingScript:
     if not described or not dump.has_file(spec.MAIN_SCRIPT):
         return TrainingScript()
     return TrainingScript(str(described.get("name") or "the training script"),
-                          dump.read_file(spec.MAIN_SCRIPT, spec.MAX_MAIN_SCRIPT))
+                          dump.read_file(spec.MAIN_SCRIPT, spec.MAX_MAIN_SCRIPT),
+                          dict(described.get("globals") or {}), dict(described.get("unrecorded") or {}))
 
 
 @gc_paused()  # the model's libraries import and its state loads: forensics.gc_pause
 def load_session(dump: Any, *, device: str | torch.device | None = None, trust: bool = False,
                  factory: str | None = None, loss: str | None = None,
-                 sys_path: tuple[str, ...] | list[str] = (), weights: bool = True) -> ReplaySession:
+                 sys_path: tuple[str, ...] | list[str] = (), weights: bool = True,
+                 factory_kwargs: dict | None = None, loss_kwargs: dict | None = None) -> ReplaySession:
     """Rebuilds model, optimizer, loss and micro-batches of a dump's failing step.
 
     Args:
         dump: a forensics.format.Dump (open_dump(path, rank=...)).
         device: "cuda:0", "cpu" or None (CUDA when present).
-        trust / factory / loss / sys_path: consent for imports (see resolve_recipe).
+        trust / factory / loss / sys_path: consent for imports (see resolve_recipe); with it, the job's script and
+            working directories follow `sys_path` (replay.load.recipe.job_paths).
+        factory_kwargs / loss_kwargs: instead of the recorded ones (None: the recorded ones).
         weights: False for a window replay of a dump without pre-step state (`state_missing`): the model is built
             with its own init and no state or batch is read (the checkpoint and the data recipe supply them).
     Returns:
@@ -183,10 +187,11 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
                         "Guard's host snapshot in the dump (GuardConfig.snapshot_every, with a data recipe; pass "
                         "--trust) or --from CHECKPOINT --trust")
     recipe = resolve_recipe(dump.recipe, trust=trust, factory=factory, loss=loss, sys_path=sys_path,
-                            script=training_script(dump))
+                            script=training_script(dump), factory_kwargs=factory_kwargs, loss_kwargs=loss_kwargs,
+                            job_dirs=job_paths(manifest.get("environment")))
     precision = dump.precision or {}
     env_warnings = environment_warnings(manifest.get("environment"), device)
-    warnings = list(env_warnings)
+    warnings = list(env_warnings) + recipe.notes
     if not weights:
         model = build_model(recipe, on_meta=False).to(device)
     else:
