@@ -86,6 +86,9 @@ class ReplaySession:
     world_size: int = 1
     """Ranks of the job. With more than one, the recorded grad norm covers every rank's gradients
     (after all-reduce / over all ZeRO shards), so a one-rank replay compares losses only."""
+    step_micro_batches: int = 0
+    """The job's micro-batches per step (manifest `grad_accum`): more than `micro_batches` when the step raised
+    part-way ("micro-batch 1 of 2", never "1 of 1" for a step of 2 that raised in its first)."""
     fsdp_units: list[FsdpUnit] = field(default_factory=list)
     """The job's FSDP2 units and mixed-precision policies (replay/load/fsdp_precision.py): the step computes in them."""
 
@@ -142,6 +145,11 @@ def _check_no_unreplayable(batch: Any, index: int, warnings: list[str]) -> Any:
         return node
 
     return walk(batch)
+
+
+def _step_micro_batches(manifest: dict) -> int:
+    count = manifest.get("grad_accum")
+    return count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else 0
 
 
 def training_script(dump: Any) -> TrainingScript:
@@ -231,7 +239,7 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
         scaler = dict(precision["grad_scaler"])
     return ReplaySession(
         model=model, loss_fn=recipe.loss_fn, micro_batches=batches, device=device, sample_ids=ids,
-        rng_states=rngs, loss_divisor=float(divisor), optimizer=snapshot, autocast=autocast,
+        rng_states=rngs, loss_divisor=float(divisor), step_micro_batches=_step_micro_batches(manifest), optimizer=snapshot, autocast=autocast,
         scaler_state=scaler, scheduler_state=dump.scheduler_state(), recorded_losses=losses,
         recorded_grad_norm=loss_meta.get("grad_norm"), trigger=Trigger.from_dict(dump.trigger), param_dtype=param_dtype,
         exception=manifest.get("exception") if isinstance(manifest.get("exception"), dict) else None,

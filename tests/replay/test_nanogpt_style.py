@@ -186,3 +186,29 @@ def test_factory_keeps_the_recorded_kwargs_unless_others_are_given():
     assert kept.factory_kwargs == {"width": 3}
     given = resolve_recipe(recipe, factory="forensics.recipes:huggingface_model", factory_kwargs={"width": 5})
     assert given.factory_kwargs == {"width": 5}
+
+
+def test_its_repro_scripts_reproduce_the_raising_op_and_sample_from_any_directory(nano_dump, tmp_path, monkeypatch):
+    """`forensics repro --trust --path .` in the job's directory; the scripts then run from another directory in a
+    fresh process: op_repro.py calls the embedding on the corrupt token and fails, model_repro.py runs that sample."""
+    monkeypatch.chdir(nano_dump.parents[4])
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    out = tmp_path / "repro"
+    try:
+        result = CliRunner().invoke(main, ["repro", str(nano_dump), "-o", str(out), "--trust", "--path", "."])
+    finally:
+        sys.modules.pop("model", None)
+    assert result.exit_code == 0, (result.stdout, result.stderr, result.exception)
+    spec = json.loads((out / "model.json").read_text())
+    assert not os.path.isabs(spec["dump"]) and not any(os.path.isabs(p) or p == "." for p in spec["sys_path"])
+    assert spec["sample_ids"] == ["doc-3-2"] and spec["blames_sample"] is True
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(elsewhere), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    op = subprocess.run([sys.executable, str(out / "op_repro.py")], cwd=elsewhere, env=env, capture_output=True,
+                        text=True, timeout=120)
+    assert op.returncode == 1 and "AssertionError: aten::embedding raised IndexError" in op.stderr, op.stderr[-2000:]
+    model = subprocess.run([sys.executable, str(out / "model_repro.py")], cwd=elsewhere, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert model.returncode == 1, model.stderr[-3000:]
+    assert "AssertionError: sample(s) ['doc-3-2'] make the step raise IndexError" in model.stderr
