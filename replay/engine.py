@@ -41,7 +41,7 @@ from replay.judge.remedy_followup import follow_remedies
 from replay.load.environment import deterministic_mode
 from replay.load.recipe import job_paths
 from replay.load.samples import select_samples
-from replay.load.session import ReplaySession, load_session
+from replay.load.session import ReplaySession, load_session, step_micro_batches
 from replay.load.user_code import as_user_error
 from replay.localize.exception import localize_exception
 from replay.localize.forward_backward import INPUT_MODULE, localize_backward, localize_forward
@@ -168,7 +168,7 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
         missing = sorted(set(range(dump.world_size)) - {dump.rank, *(d.rank for d in dump.peers())})
     dump_info = {"path": path, "run_id": dump.manifest.get("run_id"), "step": dump.step, "rank": dump.rank,
                  "world_size": dump.world_size, "missing_ranks": missing,
-                 "num_micro_batches": dump.num_micro_batches, "damaged": [d.as_dict() for d in damaged]}
+                 "num_micro_batches": max(dump.num_micro_batches, step_micro_batches(dump.manifest)), "damaged": [d.as_dict() for d in damaged]}
     if raised_between_steps(dump.manifest):  # the loop's own code raised: no model step to replay
         _stage(progress, "the exception was raised between steps: nothing to replay")
         return _checked(dump, between_steps_report(dump, dump_info, _history(dump.history()), started))

@@ -45,6 +45,7 @@ from forensics.thirdparty import op_schema
 from forensics.trigger import Trigger
 from replay.load.samples import SampleRef
 from replay.load.session import load_session
+from replay.judge.history_pattern import diverged_long_ago, read_history
 from replay.localize.exception import localize_exception
 from replay.localize.forward_backward import localize_forward
 from replay.run.execute import StepRunner
@@ -128,8 +129,14 @@ def write_repro(dump_path: str | Path, out_dir: str | Path, *, device: str | Non
             raise ReplayError(f"step {dump.step} stays finite in a forward-only replay: nothing to reproduce "
                               "standalone (a gradient or optimizer failure: see `forensics replay`)")
         refs, blamed = culprit
+    why_no_sample = None if kind is TriggerKind.EXCEPTION else _diverged_before(dump)
+    if why_no_sample is not None and blamed:  # as replay's verdict: the run, not this step's data
+        refs, blamed = [r for r in session.sample_refs if r.micro_batch == refs[0].micro_batch], False
+    if not blamed:
+        why_no_sample = why_no_sample or "every sample of it fails alone: the weights, not a sample"
+        repro.notes.append(f"no sample is to blame ({why_no_sample}): model_repro.py runs the whole micro-batch")
     spec = {"factory_override": factory, "loss_override": loss, "factory_kwargs": factory_kwargs,
-            "loss_kwargs": loss_kwargs, "raises": kind is TriggerKind.EXCEPTION}
+            "loss_kwargs": loss_kwargs, "raises": kind is TriggerKind.EXCEPTION, "why_no_sample": why_no_sample}
     _write_model(repro, Path(dump_path), dump, session, refs, blamed, device, trust, sys_path or [], spec)
     atomic_write_text(out / "repro.json", json.dumps(repro.as_dict(), indent=2, default=repr))
     return repro
@@ -272,6 +279,21 @@ def _culprit(runner: StepRunner, finding: Any) -> tuple[list[SampleRef], bool] |
     batch_refs = [r for r in refs if r.micro_batch == index]
     return _first_alone(batch_refs, [r for r in refs if r.micro_batch != index],
                         lambda ref: not runner.run([ref], backward=False).loss_finite)
+
+
+def _diverged_before(dump: Any) -> str | None:
+    """Why no sample of the step is to blame although one fails alone: the loss had left its start before the dumped
+    step (a learning rate too high: replay's verdict says so too, and names no sample). None otherwise."""
+    try:
+        history = dump.history()
+    except Exception:  # noqa: BLE001 - a damaged optional part: judge the step alone
+        return None
+    if not history:
+        return None
+    onset = read_history(history, dump.step).onset
+    if onset is not None and onset < dump.step:
+        return f"the loss had left its start at step {onset}, before step {dump.step}: the run diverged"
+    return diverged_long_ago(history)
 
 
 def _first_alone(batch_refs: list[SampleRef], others: list[SampleRef], fails: Any) -> tuple[list[SampleRef], bool]:
@@ -421,7 +443,8 @@ MODEL_TEMPLATE = '''#!/usr/bin/env python
 Runs the sample(s) model.json names through the model's pre-step weights read from the dump, with the job's RNG
 and autocast, and FAILS with an AssertionError (exit code 1) while the loss is non-finite (or, for a step that
 raised, while the step raises). model.json says whether one sample is to blame ("blames_sample"): when every sample
-of the micro-batch fails alone, the weights are, and the whole micro-batch runs.
+of the micro-batch fails alone, or the run had diverged before this step, no sample is ("why_no_sample") and the
+whole micro-batch runs.
 
 Needs torch, forensics (to read the dump) and the model's code: it imports the model factory and the loss that
 the dump's recipe names (model.json "factory") with the consent `forensics repro` was given (model.json "trust"),
@@ -456,7 +479,7 @@ def main():
         batch = select_samples(batch, spec["samples"])
     runner.restore_rng(spec["micro_batch"])
     what = (f"sample(s) {spec['sample_ids']!r}" if spec["blames_sample"] else
-            f"micro-batch {spec['micro_batch'] + 1} (every sample fails alone: the weights, not a sample)")
+            f"micro-batch {spec['micro_batch'] + 1} (no sample is to blame: {spec['why_no_sample']})")
     try:
         with torch.set_grad_enabled(spec["raises"]), runner.autocast_context():
             loss = session.loss_fn(model, batch)

@@ -147,7 +147,8 @@ def _check_no_unreplayable(batch: Any, index: int, warnings: list[str]) -> Any:
     return walk(batch)
 
 
-def _step_micro_batches(manifest: dict) -> int:
+def step_micro_batches(manifest: dict) -> int:
+    """The job's micro-batches per step: manifest `grad_accum` (0 when absent or odd)."""
     count = manifest.get("grad_accum")
     return count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else 0
 
@@ -239,7 +240,7 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
         scaler = dict(precision["grad_scaler"])
     return ReplaySession(
         model=model, loss_fn=recipe.loss_fn, micro_batches=batches, device=device, sample_ids=ids,
-        rng_states=rngs, loss_divisor=float(divisor), step_micro_batches=_step_micro_batches(manifest), optimizer=snapshot, autocast=autocast,
+        rng_states=rngs, loss_divisor=float(divisor), step_micro_batches=step_micro_batches(manifest), optimizer=snapshot, autocast=autocast,
         scaler_state=scaler, scheduler_state=dump.scheduler_state(), recorded_losses=losses,
         recorded_grad_norm=loss_meta.get("grad_norm"), trigger=Trigger.from_dict(dump.trigger), param_dtype=param_dtype,
         exception=manifest.get("exception") if isinstance(manifest.get("exception"), dict) else None,
