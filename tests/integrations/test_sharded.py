@@ -269,6 +269,7 @@ def test_with_two_replicas_fsdp2_shards_survive_a_rank_that_dies_mid_write(harne
     harness.replay_names_sample_and_layer(step_dir)
 
 
+@pytest.mark.slow  # the buddy copies are proven under FSDP2 (a rank dies mid-write); ZeRO-2's layout by zero2 above
 def test_with_two_replicas_zero2_partitions_survive_the_loss_of_a_rank_dump(harness, tmp_path, reference):
     """ZeRO-2 with GuardConfig(shard_replicas=2): the flat optimizer partitions are copied to the buddy rank (the
     replicated weights are written by both ranks); with rank 0's dump gone, rank 1's holds the whole state."""
