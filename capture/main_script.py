@@ -109,10 +109,16 @@ def _codes(obj: Any) -> list[types.CodeType]:
 
 
 def _json_value(value: Any) -> tuple[bool, int]:
-    """(value survives a JSON round trip unchanged, its size in bytes)."""
+    """(value survives a JSON round trip unchanged and fits MAX_GLOBAL_BYTES, its size in bytes). Encoded piece by
+    piece and abandoned past the cap: a 10-million-token list global costs nothing at dump time."""
     try:
-        text = json.dumps(value, allow_nan=False)
-        return json.loads(text) == value, len(text)
+        pieces, size = [], 0
+        for piece in json.JSONEncoder(allow_nan=False).iterencode(value):
+            size += len(piece)
+            if size > MAX_GLOBAL_BYTES:
+                return False, size
+            pieces.append(piece)
+        return json.loads("".join(pieces)) == value, size
     except (TypeError, ValueError, RecursionError):
         return False, 0
 
@@ -157,7 +163,7 @@ def read_globals(recipe: dict) -> tuple[dict[str, Any], dict[str, str]]:
         if isinstance(value, (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type)):
             continue  # defined again from the source (defs, classes, imports)
         ok, size = _json_value(value)
-        if ok and size <= MAX_GLOBAL_BYTES and total + size <= MAX_GLOBALS_BYTES:
+        if ok and total + size <= MAX_GLOBALS_BYTES:
             recorded[name] = value
             total += size
         else:

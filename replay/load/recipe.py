@@ -97,7 +97,8 @@ def _from_main(path: str, what: str, trust: bool, script: TrainingScript, flag: 
     move = move_instruction(qualname, script.name, flag)
     if script.source is None:
         raise RecipeError(f"the dump's {what} `{shown}` was defined in the job's training script (__main__), and the "
-                          "dump holds no copy of that script; importing the script would run its training again. "
+                          "dump holds no copy of that script; forensics does not import the script (that would run all of its "
+                          "top-level code). "
                           f"To replay, {move}.")
     if not trust:
         raise RecipeError(f"the dump's {what} `{shown}` is defined in the training script {name}, whose source the "
