@@ -131,6 +131,13 @@ def test_an_unwritable_output_is_refused_before_the_dump_is_read(tmp_path, monke
     assert not Path("/proc/forbidden").exists()
 
 
+def test_factory_kwargs_must_be_a_json_object(tmp_path):
+    result = invoke(["replay", tmp_path, "--factory-kwargs", "[1, 2]"], exit_code=ExitCode.BAD_INPUT)
+    assert "must be a JSON object" in result.stderr
+    assert "is not JSON" in invoke(["repro", tmp_path, "-o", tmp_path / "r", "--loss-kwargs", "{width"],
+                                   exit_code=ExitCode.BAD_INPUT).stderr
+
+
 def test_a_bug_in_forensics_exits_1(dumps, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("a bug")
