@@ -87,7 +87,7 @@ def write_repro(dump_path: str | Path, out_dir: str | Path, *, device: str | Non
 
     Args:
         dump_path: the dump (rank dir, step dir or .tar.zst).
-        out_dir: where the scripts go (created first: an unwritable one fails before anything is loaded).
+        out_dir: where the scripts go (created before the model is loaded: an unwritable one fails first).
         device, trust, factory, loss, sys_path, rank, factory_kwargs, loss_kwargs: as for `forensics replay`.
     Returns:
         Repro: the files written, and notes on what could not be.
@@ -99,7 +99,6 @@ def write_repro(dump_path: str | Path, out_dir: str | Path, *, device: str | Non
         >>> write_repro("dumps/run/step-000000042", "repro")  # doctest: +SKIP
     """
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     dump = open_dump(dump_path, rank=rank)
     kind = Trigger.from_dict(dump.trigger).kind
     if kind is TriggerKind.PRECURSOR:
@@ -111,6 +110,7 @@ def write_repro(dump_path: str | Path, out_dir: str | Path, *, device: str | Non
         raise ReplayError(f"step {dump.step} raised between steps (data loading or your code after the update): there "
                           "is no model step to reproduce standalone; `forensics replay` names the exception and your "
                           "line of code")
+    out.mkdir(parents=True, exist_ok=True)  # before the model loads: an unwritable one fails now
     session = load_session(dump, device=device, trust=trust, factory=factory, loss=loss, sys_path=sys_path or [],
                            factory_kwargs=factory_kwargs, loss_kwargs=loss_kwargs)
     runner = StepRunner(session)
