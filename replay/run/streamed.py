@@ -83,6 +83,11 @@ class BlockStreamer:
         self.nonfinite: set[str] = set()
         self.grad_factor = 1.0
         self.anchor = torch.empty(0, device=device, requires_grad=True)
+        self.recompute_context: Callable[[int], ContextManager] | None = None
+        """Set by a stage that watches the backward (replay/localize/forward_backward.localize_backward): entered
+        around each block's recomputation, given the block's index."""
+        self.after_recompute: Callable[[list[torch.Tensor]], None] | None = None
+        """Called with a block's recomputed outputs before their backward runs."""
         self._forwards: list[tuple[torch.nn.Module, Any]] = []
 
     # -- hooks -----------------------------------------------------------------------------------
@@ -349,13 +354,17 @@ class _StreamedBlock(torch.autograd.Function):
         streamer.direction = -1
         autocast = torch.autocast(ctx.device_type, dtype=dtype, enabled=enabled) if dtype is not None \
             else contextlib.nullcontext()
-        with torch.random.fork_rng(devices=devices), torch.enable_grad(), autocast:
+        watch = streamer.recompute_context(call.index) if streamer.recompute_context is not None \
+            else contextlib.nullcontext()
+        with torch.random.fork_rng(devices=devices), torch.enable_grad(), autocast, watch:
             torch.set_rng_state(ctx.cpu_rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, streamer.device)
             out = call.run(ctx.layout, tuple(inputs))
         leaves, _ = tree_flatten(out)
         outputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        if streamer.after_recompute is not None:
+            streamer.after_recompute(outputs)
         pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])

@@ -46,9 +46,9 @@ def _gpt2_dump(tmp_path, helpers, kit, layers: int = 2):
 
 def test_bad_sample_dump_streamed_gives_the_same_report(tmp_path, helpers, kit):
     dump = _gpt2_dump(tmp_path, helpers, kit)
-    normal = run_replay(dump, ReplayOptions(device="cpu"))
+    normal = run_replay(dump, ReplayOptions(device="cpu", max_per_sample=3))
     stages = []
-    streamed = run_replay(dump, ReplayOptions(device="cpu", gpu_memory=TINY), progress=stages.append)
+    streamed = run_replay(dump, ReplayOptions(device="cpu", gpu_memory=TINY, max_per_sample=3), progress=stages.append)
     _same_report(normal, streamed)
     assert streamed["culprit"]["module"] == "transformer.h.0.ln_1"
     assert "stream" not in normal and streamed["stream"]["blocks"] == 2
@@ -73,7 +73,8 @@ def test_no_more_blocks_materialised_than_the_plan_allows(tmp_path, helpers, kit
         seen.append((live + (self.reader.pending is not None), self.capacity))
 
     monkeypatch.setattr(BlockStreamer, "acquire", counting)
-    report = run_replay(dump, ReplayOptions(device="cpu", gpu_memory=330_000, remedies=False))
+    report = run_replay(dump, ReplayOptions(device="cpu", gpu_memory=330_000, remedies=False, rng_check=False,
+                                            max_per_sample=1))
     assert report["verdict"]["kind"] == "bad_sample"
     assert seen and all(live <= capacity for live, capacity in seen)
     capacity = seen[0][1]
@@ -85,10 +86,10 @@ def test_no_more_blocks_materialised_than_the_plan_allows(tmp_path, helpers, kit
 def test_demo_dumps_streamed_far_below_their_state(tmp_path):
     for name in ("bad_sample", "fp16_overflow"):
         captured = SCENARIOS[name].run(tmp_path / name, torch.device("cpu"), lambda *_: None)
-        normal = run_replay(captured.dump_path, ReplayOptions(device="cpu", remedies=False))
+        options = dict(device="cpu", remedies=False, rng_check=False, max_per_sample=2)
+        normal = run_replay(captured.dump_path, ReplayOptions(**options))
         state = normal_state(captured.dump_path)  # a normal replay wants ~2.7x this (weights, grads, activations)
-        streamed = run_replay(captured.dump_path, ReplayOptions(device="cpu", remedies=False,
-                                                                gpu_memory=2 * state))
+        streamed = run_replay(captured.dump_path, ReplayOptions(**options, gpu_memory=2 * state))
         assert streamed["stream"]["blocks_resident"] < streamed["stream"]["blocks"]
         _same_report(normal, streamed)
         assert streamed["verdict"]["kind"] == captured.expected.verdict
@@ -107,3 +108,48 @@ def test_a_budget_too_small_or_unreadable_is_a_clear_error(tmp_path, helpers, ki
     assert parse_bytes("16GiB") == 16 << 30 and parse_bytes("1.5GB") == 1_500_000_000
     with pytest.raises(ValueError):
         parse_bytes("lots")
+
+
+WHERE_SQRT = '''
+import torch, torch.nn.functional as F, transformers
+
+class WhereSqrt(torch.nn.Module):
+    """gelu where x > -1e4, else sqrt(x): forward finite, but where's backward multiplies sqrt's NaN by 0."""
+    def forward(self, x):
+        return torch.where(x > -1e4, F.gelu(x), torch.sqrt(x))
+
+def build():
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0))
+    model.transformer.h[1].mlp.act = WhereSqrt()
+    return model
+'''
+
+
+def test_backward_localisation_streamed_names_the_op_inside_the_block(tmp_path, helpers):
+    (tmp_path / "where_sqrt_model.py").write_text(WHERE_SQRT)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("where_sqrt_model", tmp_path / "where_sqrt_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.build()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="sqrt"))
+    g = torch.Generator().manual_seed(3)
+    steps = [[{"input_ids": torch.randint(0, 64, (2, 8), generator=g), "sample_ids": [f"m{m}-{i}" for i in range(2)]}
+              for m in range(2)]]
+    for batch in steps[0]:
+        batch["labels"] = batch["input_ids"].clone()
+    with pytest.raises(TrainingFaultError) as err:
+        helpers.TrainLoop(model, optimizer, guard, snapshot=False).run(steps)
+    guard.close()
+    options = dict(device="cpu", factory="where_sqrt_model:build", sys_path=[str(tmp_path)], remedies=False,
+                   bisect=False, rng_check=False, fp32_check=False, max_per_sample=1)
+    normal = run_replay(err.value.dump_path, ReplayOptions(**options))
+    streamed = run_replay(err.value.dump_path, ReplayOptions(**options, gpu_memory=TINY))
+    assert normal["culprit"]["phase"] == "backward" and normal["culprit"]["module"] == "transformer.h.1.mlp.act"
+    _same_report(normal, streamed)
+    assert streamed["culprit"]["parameter"] == normal["culprit"]["parameter"]
+    assert streamed["stream"]["blocks_resident"] == 1
