@@ -171,7 +171,7 @@ def _evaluate(runner: StepRunner, kind: RemedyKind, change: str, *, samples: lis
         if value is not None:
             result.setting[key] = value
     try:
-        with _scale(runner, loss_scale):
+        with _scale(runner, loss_scale), runner.keeping_gradients():
             run = runner.run(samples, fp32=fp32, keep_grads=True)
         result.step_loss = run.comparable_loss if samples is not None else run.step_loss
         result.grad_norm = run.grad_norm

@@ -49,7 +49,8 @@ def localize_optimizer(runner: StepRunner, samples: list[SampleRef] | None = Non
     session = runner.session
     if session.optimizer is None:
         return None
-    result = runner.run(samples, keep_grads=True)
+    with runner.keeping_gradients():
+        result = runner.run(samples, keep_grads=True)
     try:
         if not (result.loss_finite and result.grads_finite):
             return None

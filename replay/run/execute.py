@@ -296,6 +296,11 @@ class StepRunner:
         return [torch.linalg.vector_norm(p.grad.float()) for p in module.parameters(recurse=False)
                 if p.grad is not None]
 
+    def keeping_gradients(self) -> ContextManager:
+        """Within: run(keep_grads=True) keeps the gradients themselves for `gradients()` (a streamed runner otherwise
+        keeps only their norms: the optimizer checks ask for them, the other stages need the numbers)."""
+        return contextlib.nullcontext()
+
     def clip_gradients(self, max_norm: float) -> None:
         """torch.nn.utils.clip_grad_norm_ over the model's gradients."""
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)

@@ -402,6 +402,7 @@ class StreamedStepRunner(StepRunner):
         self.last_grad_norm: float | None = None
         self._last = 0
         self._keep_next = False
+        self._wanted = False
         weakref.finalize(self, self.streamer.remove)
 
     def close(self) -> None:
@@ -447,8 +448,17 @@ class StreamedStepRunner(StepRunner):
             streamer.reduce_dtype.clear()
 
     # -- a pass ----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def keeping_gradients(self) -> Iterator[None]:
+        self._wanted = True
+        try:
+            yield
+        finally:
+            self._wanted = False
+
     def run(self, samples: list[SampleRef] | None = None, **kwargs: Any):
-        self._keep_next = bool(kwargs.get("keep_grads"))  # the base run() resets first: the pass keeps them
+        # kept gradients (a pass's worth of bytes written to the host) only for a caller that steps the optimizer
+        self._keep_next = bool(kwargs.get("keep_grads")) and self._wanted  # the base run() resets first
         try:
             result = super().run(samples, **kwargs)
         finally:
