@@ -296,7 +296,9 @@ def run_session(session: ReplaySession, options: ReplayOptions | None = None, pr
     runner = StreamedStepRunner(session) if session.stream is not None else StepRunner(session)
     try:
         if session.stream is not None:
-            for line in session.stream.describe(expected_passes(session)):
+            passes = expected_passes(session, bisect=options.bisect, rng_check=options.rng_check,
+                                     fp32_check=options.fp32_check, remedies=options.remedies)
+            for line in session.stream.describe(passes):
                 _stage(progress, line)
         report = _stages(session, runner, options, progress, dump_info, history, started)
         if session.stream is not None:

@@ -578,11 +578,15 @@ class StreamedStepRunner(StepRunner):
                 "block_reads": self.streamer.reader.reads, "read_ahead_used": self.streamer.reader.hits}
 
 
-def expected_passes(session: ReplaySession) -> int:
-    """About how many passes a replay of this session takes (reproduce, seeds, localise, bisect, fp32, per-layer,
-    per-sample rows, remedies): the plan's estimate."""
+def expected_passes(session: ReplaySession, *, bisect: bool = True, rng_check: bool = True, fp32_check: bool = True,
+                    remedies: bool = True) -> int:
+    """About how many passes a replay of this session takes: reproduce, localise and per-layer statistics (3), other
+    seeds (3), bisection (about 2 log2(samples) + 2), the fp32 re-run, the per-sample rows, the remedies (about 7).
+    The plan's estimate: a step that does not reproduce stops earlier, one whose samples fail only together bisects
+    longer."""
     samples = max(1, len(session.sample_refs))
-    return 8 + 2 * max(1, samples.bit_length()) + min(samples, STREAMED_PER_SAMPLE) + 8
+    return (3 + 3 * rng_check + (2 * samples.bit_length() + 2) * bisect + fp32_check
+            + min(samples, STREAMED_PER_SAMPLE) + 7 * remedies)
 
 
 __all__ = ["BlockStreamer", "StreamedStepRunner", "GradStore", "expected_passes", "STREAMED_PER_SAMPLE"]
