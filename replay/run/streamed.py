@@ -316,10 +316,13 @@ class _BlockCall:
 
 
 def _autocast_state(device_type: str) -> tuple[bool, torch.dtype | None]:
+    """Whether autocast is on for `device_type`, and its dtype (what the recomputation enters again)."""
     try:
         return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
-    except (TypeError, AttributeError, RuntimeError):  # older signatures
-        return False, None
+    except (TypeError, AttributeError, RuntimeError):  # torch before the device_type arguments
+        if device_type == "cpu":
+            return torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
+        return torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
 
 
 class _StreamedBlock(torch.autograd.Function):

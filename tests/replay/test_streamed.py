@@ -153,3 +153,16 @@ def test_backward_localisation_streamed_names_the_op_inside_the_block(tmp_path, 
     _same_report(normal, streamed)
     assert streamed["culprit"]["parameter"] == normal["culprit"]["parameter"]
     assert streamed["stream"]["blocks_resident"] == 1
+
+
+def test_gradients_off_the_device_round_trip_through_mapped_files(tmp_path):
+    from replay.run.streamed import GradStore
+
+    store = GradStore(str(tmp_path))
+    big, small = torch.randn(1 << 19), torch.randn(7)  # 2 MiB: a mapped file; 28 bytes: ordinary memory
+    store.put("a", big, kept=True)
+    store.put("b", small)
+    assert torch.equal(store.get("a"), big) and torch.equal(store.pop("b"), small)
+    assert store.kept == {"a"} and list(tmp_path.iterdir())  # the directory holds the (unlinked) mapping's home
+    store.close()
+    assert not list(tmp_path.iterdir())
