@@ -48,7 +48,7 @@ from replay.localize.update import localize_optimizer, per_layer_stats
 from replay.localize.weights import corrupted_weights, samples_touching_embeddings
 from replay.run.execute import SampleRef, StepRunner, reproduce
 from replay.run.rng_dependence import check_rng_dependence
-from replay.run.streamed import STREAMED_PER_SAMPLE, StreamedStepRunner, expected_passes
+from replay.run.streamed import STREAMED_PER_SAMPLE, StreamedStepRunner, expected_passes, runner_for
 from replay.run.window import Checkpoint, data_recipe, dump_snapshot, load_checkpoint, replay_window, window_block
 
 logger = logging.getLogger(__name__)
@@ -293,7 +293,7 @@ def run_session(session: ReplaySession, options: ReplayOptions | None = None, pr
     """
     options = options or ReplayOptions()
     started = time.monotonic() if started is None else started
-    runner = StreamedStepRunner(session) if session.stream is not None else StepRunner(session)
+    runner = runner_for(session)
     try:
         if session.stream is not None:
             passes = expected_passes(session, bisect=options.bisect, rng_check=options.rng_check,

@@ -581,6 +581,11 @@ class StreamedStepRunner(StepRunner):
                 "block_reads": self.streamer.reader.reads, "read_ahead_used": self.streamer.reader.hits}
 
 
+def runner_for(session: ReplaySession) -> StepRunner:
+    """The runner a session needs: streamed when its state did not fit the device (`session.stream`)."""
+    return StreamedStepRunner(session) if session.stream is not None else StepRunner(session)
+
+
 def expected_passes(session: ReplaySession, *, bisect: bool = True, rng_check: bool = True, fp32_check: bool = True,
                     remedies: bool = True) -> int:
     """About how many passes a replay of this session takes: reproduce, localise and per-layer statistics (3), other
@@ -592,4 +597,4 @@ def expected_passes(session: ReplaySession, *, bisect: bool = True, rng_check: b
             + min(samples, STREAMED_PER_SAMPLE) + 7 * remedies)
 
 
-__all__ = ["BlockStreamer", "StreamedStepRunner", "GradStore", "expected_passes", "STREAMED_PER_SAMPLE"]
+__all__ = ["BlockStreamer", "StreamedStepRunner", "GradStore", "expected_passes", "runner_for", "STREAMED_PER_SAMPLE"]
