@@ -74,6 +74,8 @@ class BlockStreamer:
         """FSDP2 mixed precision (StreamedStepRunner.job_precision): the dtype each parameter computes in."""
         self.reduce_dtype: dict[str, torch.dtype | None] = {}
         self.direction = 1
+        self.scan_only = False
+        """The pass runs no backward (runner): blocks are evicted most recently used first."""
         self.grads = GradStore()
         self.keep = False
         self.final = True
@@ -124,7 +126,8 @@ class BlockStreamer:
         key = self._dtypes(index)
         hit = self.cache.get(index)
         if hit is not None and hit[0] == key:
-            self.cache.move_to_end(index)
+            if not self.scan_only:  # a scan keeps the order blocks came in: the first ones stay (_make_room)
+                self.cache.move_to_end(index)
         else:
             if hit is not None:
                 self._evict(index)
@@ -165,9 +168,13 @@ class BlockStreamer:
         self.peak = max(self.peak, len(self.cache) + extra + (1 if self.reader.pending is not None else 0))
 
     def _make_room(self, slots: int, keep: int | None) -> None:
-        """Evicts least recently used blocks (never `keep`) until `slots` more fit beside the cache and the read-ahead."""
+        """Evicts blocks (never `keep`) until `slots` more fit beside the cache and the read-ahead: the least recently
+        used when a backward follows (it runs the blocks in reverse: the forward's last ones are its first), else the
+        most recently used (a forward-only pass scans the blocks in order, again for the next micro-batch and pass:
+        the first ones stay)."""
         while self.cache and len(self.cache) + slots + (1 if self.reader.pending is not None else 0) > self.capacity:
-            victim = next((i for i in self.cache if i != keep), None)
+            order = reversed(self.cache) if self.scan_only else iter(self.cache)
+            victim = next((i for i in order if i != keep), None)
             if victim is None:
                 break
             self._evict(victim)
@@ -472,6 +479,7 @@ class StreamedStepRunner(StepRunner):
     def _run_micro_batches(self, selected, scale, options):
         self._last = max(selected) if selected else len(self.session.micro_batches) - 1
         self.streamer.inv_scale = None if scale is None else scale.double().reciprocal().float()
+        self.streamer.scan_only = not options.backward
         return super()._run_micro_batches(selected, scale, options)
 
     def _run_micro_batch(self, i, indices, scale, options, done) -> bool:
