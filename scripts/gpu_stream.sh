@@ -15,7 +15,7 @@ size=${SIZE:-7b}; row=fsdp$size
 d=/tmp/stream; rm -rf "$d"; mkdir -p "$d"
 nvidia-smi -L; date -u +"%Y-%m-%d %H:%M UTC"; df -h /tmp | tail -1; free -g | head -2
 start=$SECONDS
-timeout 330 torchrun --nproc_per_node=2 scripts/examples/fsdp2_example.py --model llama --size "$size" --bf16 \
+timeout 360 torchrun --nproc_per_node=2 scripts/examples/fsdp2_example.py --model llama --size "$size" --bf16 \
   --poison-value inf --dump-dir "$d" --run-id "$row" > "$out/$row-dump.log" 2>&1 || { tail -30 "$out/$row-dump.log"; exit 1; }
 grep forensics-example "$out/$row-dump.log" | cut -c1-300
 step_dir="$d/$row/step-000000003"

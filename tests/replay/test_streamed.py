@@ -108,6 +108,14 @@ def test_a_budget_too_small_or_unreadable_is_a_clear_error(tmp_path, helpers, ki
     assert parse_bytes("16GiB") == 16 << 30 and parse_bytes("1.5GB") == 1_500_000_000
     with pytest.raises(ValueError):
         parse_bytes("lots")
+    from click.testing import CliRunner
+
+    from forensics.cli import main
+
+    for size, said in (("lots", "not a size"), ("10KB", "--gpu-memory 1")):  # exit 2, saying what to give instead
+        result = CliRunner().invoke(main, ["replay", str(dump), "--device", "cpu", "--gpu-memory", size,
+                                           "-o", str(tmp_path / "report")])
+        assert result.exit_code == 2 and said in result.output, result.output
 
 
 WHERE_SQRT = '''
