@@ -236,7 +236,7 @@ def _upload_report(tracker: str, report: dict, files: dict, tensorboard_dir: Pat
                   "report", summary, tensorboard_dir)
 
 
-def _size(text: str | None) -> int | None:
+def _size(ctx: click.Context, param: click.Parameter, text: str | None) -> int | None:
     """--gpu-memory's SIZE in bytes (None: not given)."""
     from replay.load.streamed import parse_bytes
 
@@ -277,7 +277,7 @@ def _progress(stage: str) -> None:
               "loss scale, clip, lower LR, skip).")
 @click.option("--no-rng-check", is_flag=True, help="Skip the re-runs with other seeds that tell whether the "
               "failure needs the recorded random state (e.g. one dropout mask).")
-@click.option("--gpu-memory", "gpu_memory", default=None, metavar="SIZE",
+@click.option("--gpu-memory", "gpu_memory", default=None, metavar="SIZE", callback=_size,
               help="Memory the replay may use on its device (the CPU too), e.g. 16GiB: a state that does not fit is "
                    "streamed block by block from the dump (automatic on a GPU it does not fit).")
 @click.option("--json", "as_json", is_flag=True, help="Print report.json to stdout.")
@@ -312,7 +312,7 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
                                     rng_check=not no_rng_check, remedies=not no_remedies,
                                     from_checkpoint=str(from_checkpoint) if from_checkpoint else None,
                                     from_step=from_step, window=not no_window,
-                                    archive_limits=archive_limits, gpu_memory=_size(gpu_memory),
+                                    archive_limits=archive_limits, gpu_memory=gpu_memory,
                                     shard_dirs=[str(d) for d in shard_dirs])
             report = run_replay(dump, options, progress=_progress)
             target = out or default_report_dir(report["dump"].get("path"), report["dump"]["rank"]) \
