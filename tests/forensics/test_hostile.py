@@ -104,6 +104,27 @@ sys.stderr.write("PEAK_RSS_KIB %d\\n" % peak_kib())
 """
 GiB = 1 << 30
 MEMORY_LIMIT = 4 * GiB
+ZSTD_BLOCK = 128 << 10
+
+
+def zstd_bomb(prefix: bytes, size: int, declare: bool = True, fill: bytes = b"\0", suffix: bytes = b"") -> bytes:
+    """A zstd frame of `prefix`, then `fill` bytes, then `suffix`: `size` bytes in all, declared in its header (or
+    not), written by hand as an adversary would: the fill as RLE blocks of 128 KiB, 4 bytes each (3 GiB in ~98 KB,
+    built in a blink instead of compressing gigabytes). A 128 KiB window: any zstd decoder reads it."""
+    out = bytearray((0xFD2FB528).to_bytes(4, "little"))
+    out += bytes([0xC0 if declare else 0x00, 0x38])  # an 8-byte content size (or none); window 2**17
+    out += size.to_bytes(8, "little") if declare else b""
+    blocks = [(0, prefix[i:i + ZSTD_BLOCK]) for i in range(0, len(prefix), ZSTD_BLOCK)]
+    left = size - len(prefix) - len(suffix)
+    while left:
+        blocks.append((1, min(left, ZSTD_BLOCK)))
+        left -= blocks[-1][1]
+    blocks += [(0, suffix)] if suffix else []
+    for index, (kind, body) in enumerate(blocks):
+        n = len(body) if kind == 0 else body
+        out += ((index == len(blocks) - 1) | kind << 1 | n << 3).to_bytes(3, "little")
+        out += body if kind == 0 else fill
+    return bytes(out)
 """The address space a child may map (RLIMIT_AS): a bomb inflated whole fails with MemoryError instead of passing."""
 
 
@@ -351,29 +372,13 @@ def test_the_users_loss_raising_on_dump_data_exits_2_with_their_traceback(dump, 
 @pytest.fixture(scope="module")
 def skeleton_bomb() -> bytes:
     """A ~100 KB zstd frame whose header declares 3 GiB: '[', 3 GiB of spaces, ']' (valid JSON when decompressed)."""
-    size, out = 3 * GiB, io.BytesIO()
-    with zstandard.ZstdCompressor(level=1).stream_writer(out, size=size, closefd=False) as writer:
-        writer.write(b"[")
-        spaces, left = b" " * (64 << 20), size - 2
-        while left:
-            writer.write(spaces[:min(left, len(spaces))])
-            left -= min(left, len(spaces))
-        writer.write(b"]")
-    assert len(out.getvalue()) <= 100_000
-    return out.getvalue()
-
-
-def test_a_skeleton_declaring_3_gib_is_refused_by_every_command_within_a_gib(dump, tmp_path, skeleton_bomb):
-    resign(dump, "batch-000.json.zst", skeleton_bomb)
-    for result in run_children([["inspect", dump], ["verify", dump], ["replay", dump, *REPLAY, "-o", tmp_path / "r"]]):
-        assert_refused_within_a_gib(result, "batch-000.json.zst", f"declares {3 * GiB} decompressed bytes", "67108864")
+    bomb = zstd_bomb(b"[", 3 * GiB, fill=b" ", suffix=b"]")
+    assert len(bomb) <= 100_000
+    return bomb
 
 
 def test_a_skeleton_that_hides_its_size_is_capped_while_streaming(dump, tmp_path):
-    out = io.BytesIO()
-    with zstandard.ZstdCompressor(level=1).stream_writer(out, closefd=False) as writer:  # no size in the header
-        writer.write(b"[" + b" " * (65 << 20) + b"]")
-    resign(dump, "batch-000.json.zst", out.getvalue())
+    resign(dump, "batch-000.json.zst", zstd_bomb(b"[", (65 << 20) + 2, declare=False, fill=b" ", suffix=b"]"))
     assert_exit(run(["inspect", dump]), ExitCode.OK)  # inspect reads frame headers only
     for verb in ("verify", "replay"):
         result = run([verb, dump, *(REPLAY + ["-o", tmp_path / "report"] if verb == "replay" else [])])
@@ -526,10 +531,9 @@ def _skeleton_mutant(rng: random.Random, dump: Path) -> str:
     """A batch skeleton (json.zst) with one node replaced, or one whose frame declares more than the JSON cap."""
     name = rng.choice(sorted(p.name for p in dump.glob("batch-*.json.zst")))
     if rng.random() < 0.2:
-        data = b"[" + b" " * (65 << 20) + b"]"
+        resign(dump, name, zstd_bomb(b"[", (65 << 20) + 2, fill=b" ", suffix=b"]"))
     else:
-        data = json.dumps(_mutate_json(rng, json.loads(read_member(dump, name)))).encode()
-    resign_member(dump, name, data)
+        resign_member(dump, name, json.dumps(_mutate_json(rng, json.loads(read_member(dump, name)))).encode())
     return name
 
 
@@ -654,12 +658,8 @@ def test_an_archive_whose_pax_header_claims_gigabytes_is_refused_within_bounded_
     data[124:136] = b"%011o\0" % (3 << 30)
     checksum = sum(data[:148]) + 8 * 32 + sum(data[156:512])
     data[148:156] = b"%06o\0 " % checksum
-    compressor = zstandard.ZstdCompressor()
-    with open(tmp_path / "pax.tar.zst", "wb") as out, compressor.stream_writer(out) as writer:
-        writer.write(bytes(data[:512]))
-        zeros = b"\0" * (64 << 20)
-        for _ in range(3 << 4):  # 3 GiB of zeros, compressed to a few hundred KB
-            writer.write(zeros)
+    (tmp_path / "pax.tar.zst").write_bytes(zstd_bomb(bytes(data[:512]), 512 + 3 * GiB, declare=False))  # 3 GiB of
+    # zeros after the header, in ~100 KB
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     result = run(["verify", tmp_path / "pax.tar.zst"])
     assert_exit(result, ExitCode.BAD_INPUT)
@@ -761,21 +761,11 @@ def test_a_flipped_byte_in_a_streamed_state_file_ends_the_replay_naming_it(chunk
 
 # -- round 4 (issue 33): a tensor-file bomb, keys twice, overlapping offsets, the last rough edges ---------------
 
-def _zstd_of(parts, size: int | None) -> bytes:
-    """A zstd frame of `parts` (bytes, or (byte, count) runs written 64 MiB at a time), declaring `size` (None: no
-    size in its header)."""
+def _zstd_of(data: bytes) -> bytes:
+    """A zstd frame of `data` that does not declare its size."""
     out = io.BytesIO()
-    kwargs = {"size": size} if size is not None else {}
-    with zstandard.ZstdCompressor(level=1).stream_writer(out, closefd=False, **kwargs) as writer:
-        for part in parts:
-            if isinstance(part, bytes):
-                writer.write(part)
-                continue
-            byte, count = part
-            block = byte * min(count, 64 << 20)
-            while count:
-                writer.write(block[:min(count, len(block))])
-                count -= min(count, len(block))
+    with zstandard.ZstdCompressor().stream_writer(out, closefd=False) as writer:
+        writer.write(data)
     return out.getvalue()
 
 
@@ -792,27 +782,33 @@ def tensor_bombs() -> dict[str, bytes]:
     size = 3 * GiB
     head = _safetensors_head({"x": {"dtype": "U8", "shape": [size - 8 - 80], "data_offsets": [0, size - 8 - 80]}})
     assert len(head) == 88
-    bombs = {"zeros": _zstd_of([(b"\0", size)], size),
-             "valid header": _zstd_of([head, (b"\0", size - len(head))], size),
-             "no declared size": _zstd_of([head, (b"\0", size - len(head))], None)}
+    bombs = {"zeros": zstd_bomb(b"", size), "valid header": zstd_bomb(head, size),
+             "no declared size": zstd_bomb(head, size, declare=False)}
     assert all(len(bomb) < 100_000 for bomb in bombs.values()), {k: len(v) for k, v in bombs.items()}
     return bombs
 
 
-def test_a_tensor_file_bomb_is_refused_by_every_command_before_it_is_inflated(pristine, tmp_path, tensor_bombs):
-    """Each bomb: inspect, verify and replay exit 2 with one line naming the file, in one child process limited to
-    4 GiB of address space whose peak RSS stays under 1 GiB (it was 3.6 GB, then a MemoryError traceback)."""
-    commands, expected = [], []
-    for index, (kind, bomb) in enumerate(tensor_bombs.items()):
+def test_a_batch_file_bomb_is_refused_by_every_command_before_it_is_inflated(pristine, tmp_path, tensor_bombs,
+                                                                              skeleton_bomb):
+    """Each bomb (~98 KB declaring or holding 3 GiB): inspect, verify and replay exit 2 with one line naming the file,
+    all in one child process limited to 4 GiB of address space whose peak RSS stays under 1 GiB (the tensor bomb
+    took 3.6 GB, then a MemoryError traceback)."""
+    bombs = [("batch-000.json.zst", "skeleton", skeleton_bomb)] + \
+        [("batch-000.safetensors.zst", kind, bomb) for kind, bomb in tensor_bombs.items()]
+    commands = []
+    for index, (name, _, bomb) in enumerate(bombs):
         dump = tmp_path / f"d{index}" / "run" / "step-000000006" / "rank-00000"
         shutil.copytree(pristine, dump)
-        resign(dump, "batch-000.safetensors.zst", bomb)
+        resign(dump, name, bomb)
         commands += [["inspect", dump], ["verify", dump], ["replay", dump, *REPLAY, "-o", tmp_path / f"r{index}"]]
-        expected += [kind] * 3
-    for kind, result in zip(expected, run_children(commands)):
-        assert_refused_within_a_gib(result, "batch-000.safetensors.zst")
-        if kind == "valid header":  # the frame and the header agree: the size/ratio rule refuses it
-            assert "would decompress to 3221225472 bytes" in result.stderr, result.stderr[-2000:]
+    results = run_children(commands)
+    for (name, kind, _), three in zip(bombs, (results[i:i + 3] for i in range(0, len(results), 3))):
+        for result in three:
+            assert_refused_within_a_gib(result, name)
+            if kind == "skeleton":
+                assert f"declares {3 * GiB} decompressed bytes" in result.stderr and "67108864" in result.stderr
+            if kind == "valid header":  # the frame and the header agree: the size / ratio rule refuses it
+                assert "would decompress to 3221225472 bytes" in result.stderr, result.stderr[-2000:]
     assert not any(tmp_path.glob("r*/report.json"))
 
 
@@ -822,7 +818,7 @@ def test_a_tensor_file_holding_more_or_less_than_its_header_accounts_for_is_refu
     blob = read_member(dump, "batch-000.safetensors.zst")
     assert load(blob)
     for data, words in ((blob + b"\0" * 64, "holds more than"), (blob[:-8], "ends after")):
-        resign(dump, "batch-000.safetensors.zst", _zstd_of([data], None))
+        resign(dump, "batch-000.safetensors.zst", _zstd_of(data))
         for verb in (["verify", dump], ["replay", dump, *REPLAY, "-o", tmp_path / "report"]):
             result = run(verb)
             assert_exit(result, ExitCode.BAD_INPUT)
