@@ -81,7 +81,7 @@ class ChildRun:
 
 
 CHILD = """
-import json, resource, sys
+import json, resource, sys, traceback
 limit = int(sys.argv[1])
 if limit:  # as `ulimit -v`: an allocation beyond it fails (MemoryError) instead of swapping the machine
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
@@ -92,6 +92,9 @@ for args in json.loads(sys.argv[2]):
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # MemoryError under the limit: reported as the exit 1 it would be, and the next one runs
+        traceback.print_exc()
+        code = 1
     for stream in (sys.stdout, sys.stderr):
         stream.write("\\nEXIT_CODE %d\\n" % code)
         stream.flush()
