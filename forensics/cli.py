@@ -123,7 +123,7 @@ def main() -> None:
 def inspect(dump: Path, rank: int | None, as_json: bool, **limits) -> None:
     """Summarise a dump: trigger, step, rank, samples, history, sizes, environment. Reads no weights."""
     from forensics.format import open_dump, open_step
-    from forensics.summary import dump_summary, render_summary
+    from forensics.summary import dump_summary, render_damage, render_summary
 
     try:
         chosen = open_dump(dump, rank=rank, limits=_limits(**limits))
@@ -137,8 +137,11 @@ def inspect(dump: Path, rank: int | None, as_json: bool, **limits) -> None:
         click.echo(json.dumps(to_jsonable(summary), indent=2))
     else:
         click.echo(render_summary(summary))
-    if summary.get("damaged"):
-        sys.exit(int(ExitCode.BAD_INPUT))  # the summary is shown, but the dump is not whole
+    if summary.get("damaged"):  # the summary is shown, but the dump is not whole
+        for line in render_damage(summary):
+            click.echo(line, err=True)
+        more = f" (and {len(summary['damaged']) - 1} more problem(s))" if len(summary["damaged"]) > 1 else ""
+        raise BadInput(clean(f"{dump} is damaged: {summary['damaged'][0]}{more}; `forensics verify` checks it whole"))
 
 
 @main.command()

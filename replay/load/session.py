@@ -358,9 +358,10 @@ def stream_weights(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Te
     for key, tensor in tensors:
         if key in canonical:
             first = canonical[key]
-            if first in loaded:
-                continue  # the tied twin of a parameter already put in place
             old = model.get_parameter(first)
+            if first in loaded:  # the tied twin of a parameter already put in place: it must fit as well
+                _check_fits(key, tensor, old, "parameter")
+                continue
             _check_fits(key, tensor, old, "parameter")
             new = torch.nn.Parameter(tensor, requires_grad=old.requires_grad)
             for name in aliases[first]:
