@@ -39,6 +39,7 @@ from replay.load.samples import SampleRef
 from replay.load.session import load_session
 from replay.localize.forward_backward import localize_forward
 from replay.run.execute import StepRunner
+from replay.run.streamed import runner_for
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ def write_repro(dump_path: str | Path, out_dir: str | Path, *, device: str | Non
                           "kept growing, before anything failed: nothing to reproduce standalone. `forensics replay` "
                           "ranks the statistics that grew; run `forensics repro` on the crash dump that follows")
     session = load_session(dump, device=device, trust=trust, factory=factory, loss=loss, sys_path=sys_path or [])
-    runner = StepRunner(session)
+    runner = runner_for(session)  # a state that does not fit the GPU is streamed (replay/run/streamed.py)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     repro = Repro(out)
@@ -358,7 +359,7 @@ import torch
 from forensics.format import open_dump
 from replay.load.samples import select_samples
 from replay.load.session import load_session
-from replay.run.execute import StepRunner
+from replay.run.streamed import runner_for
 
 HERE = Path(__file__).resolve().parent
 
@@ -368,7 +369,7 @@ def main():
     dump = open_dump(spec["dump"], rank=spec["rank"])
     session = load_session(dump, device=spec["device"], trust=spec["trust"], factory=spec["factory_override"],
                            loss=spec["loss_override"], sys_path=spec["sys_path"])
-    runner = StepRunner(session)
+    runner = runner_for(session)
     model = session.model.train()
     batch = session.micro_batches[spec["micro_batch"]]
     if spec["samples"] is not None:

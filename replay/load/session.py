@@ -26,6 +26,7 @@ from replay.load.fsdp_precision import FsdpUnit, compute_dtype, parse_units
 from replay.load.optimizer_state import DumpOptimizerState, OptimizerSnapshot
 from replay.load.recipe import LossFn, TrainingScript, optimizer_class, resolve_recipe
 from replay.load.samples import SampleRef
+from replay.load.streamed import StreamPlan, keep_blocks_at_rest, plan_streaming, settle
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,9 @@ class ReplaySession:
     (after all-reduce / over all ZeRO shards), so a one-rank replay compares losses only."""
     fsdp_units: list[FsdpUnit] = field(default_factory=list)
     """The job's FSDP2 units and mixed-precision policies (replay/load/fsdp_precision.py): the step computes in them."""
+    stream: StreamPlan | None = None
+    """The state does not fit the replay device: its blocks stay in the dump and are materialised a few at a time
+    while the step runs (replay/load/streamed.py, replay/run/streamed.py); None: a normal replay."""
 
     def new_optimizer(self) -> torch.optim.Optimizer | None:
         """A fresh optimizer over the model's parameters in its pre-step state (None if not recorded)."""
@@ -156,7 +160,8 @@ def training_script(dump: Any) -> TrainingScript:
 @gc_paused()  # the model's libraries import and its state loads: forensics.gc_pause
 def load_session(dump: Any, *, device: str | torch.device | None = None, trust: bool = False,
                  factory: str | None = None, loss: str | None = None,
-                 sys_path: tuple[str, ...] | list[str] = (), weights: bool = True) -> ReplaySession:
+                 sys_path: tuple[str, ...] | list[str] = (), weights: bool = True,
+                 memory_budget: int | None = None) -> ReplaySession:
     """Rebuilds model, optimizer, loss and micro-batches of a dump's failing step.
 
     Args:
@@ -165,6 +170,8 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
         trust / factory / loss / sys_path: consent for imports (see resolve_recipe).
         weights: False for a window replay of a dump without pre-step state (`state_missing`): the model is built
             with its own init and no state or batch is read (the checkpoint and the data recipe supply them).
+        memory_budget: bytes the replay may use on `device` (CLI --gpu-memory); a state that does not fit them (or,
+            without a budget, a CUDA device's free memory) is streamed (`ReplaySession.stream`).
     Returns:
         ReplaySession holding the pre-step state on `device`; `warnings` lists environment
         differences and anything left out.
@@ -187,15 +194,20 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
     precision = dump.precision or {}
     env_warnings = environment_warnings(manifest.get("environment"), device)
     warnings = list(env_warnings)
+    plan = None
     if not weights:
         model = build_model(recipe, on_meta=False).to(device)
     else:
+        built = build_model(recipe)
+        plan = plan_streaming(built, device, memory_budget)
         try:
-            model = stream_weights(build_model(recipe), dump.iter_model_tensors(device), device, warnings)
+            model = stream_weights(built, _weights(dump, device, plan, built), device, warnings)
         except MetaBuffersError:  # a buffer computed from a parameter at init, and not in the dump
             logger.info("a buffer of the model was derived from meta parameters; building the model normally")
-            model = stream_weights(build_model(recipe, on_meta=False), dump.iter_model_tensors(device), device,
-                                   warnings)
+            built = build_model(recipe, on_meta=False)
+            model = stream_weights(built, _weights(dump, device, plan, built), device, warnings)
+        if plan is not None:
+            settle(plan, model)
     param_dtype = _param_dtype(precision.get("param_dtype"), model)
 
     snapshot = None
@@ -236,9 +248,16 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
         pre_step_weights=lambda names=None: dump.iter_model_tensors(device, names=names),
         loaded_weights=weight_fingerprints(model) if weights else None,
         world_size=int(getattr(dump, "world_size", None) or manifest.get("world_size") or 1),
-        fsdp_units=parse_units(precision.get("fsdp")),
+        fsdp_units=parse_units(precision.get("fsdp")), stream=plan,
         positional_ids=frozenset(i for i, meta in enumerate(dump.micro_batches_meta)
                                  if meta.get("ids_are_positional") or not meta.get("sample_ids")))
+
+
+def _weights(dump: Any, device: torch.device, plan: StreamPlan | None,
+             model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The dump's weights onto `device`; a streamed model's blocks left at rest (replay/load/streamed.py)."""
+    tensors = dump.iter_model_tensors(device)
+    return tensors if plan is None else keep_blocks_at_rest(tensors, plan, model)
 
 
 def weight_fingerprints(model: torch.nn.Module) -> dict[str, tuple]:
@@ -365,7 +384,8 @@ def stream_weights(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Te
                           f"{' ...' if len(missing) > 5 else ''}: the recipe built a different model")
     if any(t.is_meta for t in model.buffers()):
         raise MetaBuffersError("a buffer not in the dump was computed from meta parameters")
-    model.to(device)  # the buffers the dump does not hold (non-persistent ones) follow the weights
+    model.to(device)  # the buffers the dump does not hold (non-persistent ones) follow the weights (a streamed
+    # block's placeholders are on the device already: replay/load/streamed.py)
     left = sorted(buffers - loaded - {n for n, _ in model.named_buffers() if not _persistent(model, n)})
     if left:
         warnings.append(f"buffers not in the dump, left as built: {left[:5]}")
