@@ -171,7 +171,7 @@ def main() -> None:
 def inspect(dump: Path, rank: int | None, as_json: bool, **limits) -> None:
     """Summarise a dump: trigger, step, rank, samples, history, sizes, environment. Reads no weights."""
     from forensics.format import open_dump, open_step
-    from forensics.summary import dump_summary, render_summary
+    from forensics.summary import dump_summary, render_damage, render_summary
 
     try:
         chosen = open_dump(dump, rank=rank, limits=_limits(**limits))
@@ -185,8 +185,11 @@ def inspect(dump: Path, rank: int | None, as_json: bool, **limits) -> None:
         click.echo(json.dumps(to_jsonable(summary), indent=2))
     else:
         click.echo(render_summary(summary))
-    if summary.get("damaged"):
-        sys.exit(int(ExitCode.BAD_INPUT))  # the summary is shown, but the dump is not whole
+    if summary.get("damaged"):  # the summary is shown, but the dump is not whole
+        for line in render_damage(summary):
+            click.echo(line, err=True)
+        more = f" (and {len(summary['damaged']) - 1} more problem(s))" if len(summary["damaged"]) > 1 else ""
+        raise BadInput(clean(f"{dump} is damaged: {summary['damaged'][0]}{more}; `forensics verify` checks it whole"))
 
 
 @main.command()
@@ -284,6 +287,18 @@ def _upload_report(tracker: str, report: dict, files: dict, tensorboard_dir: Pat
                   "report", summary, tensorboard_dir)
 
 
+def _size(ctx: click.Context, param: click.Parameter, text: str | None) -> int | None:
+    """--gpu-memory's SIZE in bytes (None: not given)."""
+    from replay.load.streamed import parse_bytes
+
+    if text is None:
+        return None
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--gpu-memory") from None
+
+
 def _progress(stage: str) -> None:
     click.echo(f"[{time.strftime('%H:%M:%S')}] {stage}", err=True)
 
@@ -313,6 +328,9 @@ def _progress(stage: str) -> None:
               "loss scale, clip, lower LR, skip).")
 @click.option("--no-rng-check", is_flag=True, help="Skip the re-runs with other seeds that tell whether the "
               "failure needs the recorded random state (e.g. one dropout mask).")
+@click.option("--gpu-memory", "gpu_memory", default=None, metavar="SIZE", callback=_size,
+              help="Memory the replay may use on its device (the CPU too), e.g. 16GiB: a state that does not fit is "
+                   "streamed block by block from the dump (automatic on a GPU it does not fit).")
 @click.option("--json", "as_json", is_flag=True, help="Print report.json to stdout.")
 @click.option("--upload", "trackers", multiple=True, type=click.Choice(["wandb", "mlflow", "tensorboard"]),
               help="Also send the report to this tracker's run (WANDB_RUN_ID / MLFLOW_RUN_ID name it; repeatable).")
@@ -321,7 +339,8 @@ def _progress(stage: str) -> None:
 @archive_options
 @shards_option
 def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_path, factory_kwargs, loss_kwargs, out,
-           blocklist, from_checkpoint, from_step, no_window, no_bisect, no_remedies, no_rng_check, as_json, trackers, tensorboard_dir, shard_dirs, **limits) -> None:
+           blocklist, from_checkpoint, from_step, no_window, no_bisect, no_remedies, no_rng_check, gpu_memory, as_json,
+           trackers, tensorboard_dir, shard_dirs, **limits) -> None:
     """Replay the failing step of DUMP offline, localise it, bisect the samples, print the verdict."""
     from forensics.gc_pause import gc_paused
 
@@ -346,7 +365,7 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
                                     rng_check=not no_rng_check, remedies=not no_remedies,
                                     from_checkpoint=str(from_checkpoint) if from_checkpoint else None,
                                     from_step=from_step, window=not no_window,
-                                    archive_limits=archive_limits,
+                                    archive_limits=archive_limits, gpu_memory=gpu_memory,
                                     shard_dirs=[str(d) for d in shard_dirs])
             report = run_replay(dump, options, progress=_progress)
             target = out or default_report_dir(report["dump"].get("path"), report["dump"]["rank"]) \

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from forensics.errors import DumpError, is_out_of_memory
+from forensics.errors import DumpError, ReplayError, is_out_of_memory
 from forensics.format import open_dump, open_step
 from forensics.format.verify import finish_verifying, set_aside_damaged, verify_the_rest
 from forensics.format.limits import ArchiveLimits
@@ -49,6 +49,7 @@ from replay.localize.update import localize_optimizer, per_layer_stats
 from replay.localize.weights import corrupted_weights, samples_touching_embeddings
 from replay.run.execute import SampleRef, StepRunner, reproduce
 from replay.run.rng_dependence import check_rng_dependence
+from replay.run.streamed import STREAMED_PER_SAMPLE, StreamedStepRunner, expected_passes, runner_for
 from replay.run.window import Checkpoint, data_recipe, dump_snapshot, load_checkpoint, replay_window, window_block
 
 logger = logging.getLogger(__name__)
@@ -112,8 +113,13 @@ class ReplayOptions:
     rng_check: bool = True
     """Once reproduced, re-run the step from a few other seeds (recorded RNG not restored) to tell
     whether the failure needs the dump's random state (a dropout mask); report block `rng`."""
+    gpu_memory: int | None = None
+    """Bytes the replay may use on its device (CLI --gpu-memory 16GiB; the CPU too). A state that does not fit them,
+    or without a budget a GPU's free memory, is streamed block by block (replay/run/streamed.py; report `stream`)."""
 
     def __post_init__(self):
+        if self.gpu_memory is not None and self.gpu_memory <= 0:
+            raise ValueError(f"ReplayOptions.gpu_memory must be a positive number of bytes, got {self.gpu_memory}")
         if self.max_attempts < 1:
             raise ValueError(f"ReplayOptions.max_attempts must be >= 1, got {self.max_attempts}")
         if self.max_per_sample < 0:
@@ -186,6 +192,10 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
             checkpoint, hint = (load_checkpoint(options.from_checkpoint), None) if options.from_checkpoint \
                 else dump_snapshot(dump, options.window or bool(dump.state_missing), options.trust)
             session = _load(dump, options, weights=not (dump.state_missing and checkpoint is not None))
+            if session.stream is not None and checkpoint is not None:
+                raise ReplayError("a window replay (--from, or the Guard's host snapshot in the dump) is not streamed: "
+                                  "pass --no-window to analyse the dumped step streamed, or replay on a device the "
+                                  "state fits")
             verify_the_rest(dump)
             if checkpoint is not None:
                 return _checked(dump, _window_replay(dump, session, checkpoint, options, progress, dump_info,
@@ -205,7 +215,7 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
 def _load(dump: Any, options: ReplayOptions, weights: bool = True) -> ReplaySession:
     """The dump's step as a live session, on the options' device, with their consent and user code."""
     return load_session(dump, device=options.device, trust=options.trust, factory=options.factory,
-                        loss=options.loss, sys_path=options.sys_path, weights=weights,
+                        loss=options.loss, sys_path=options.sys_path, weights=weights, memory_budget=options.gpu_memory,
                         factory_kwargs=options.factory_kwargs, loss_kwargs=options.loss_kwargs)
 
 
@@ -291,7 +301,24 @@ def run_session(session: ReplaySession, options: ReplayOptions | None = None, pr
     """
     options = options or ReplayOptions()
     started = time.monotonic() if started is None else started
-    runner = StepRunner(session)
+    runner = runner_for(session)
+    try:
+        if session.stream is not None:
+            passes = expected_passes(session, bisect=options.bisect, rng_check=options.rng_check,
+                                     fp32_check=options.fp32_check, remedies=options.remedies)
+            for line in session.stream.describe(passes):
+                _stage(progress, line)
+        report = _stages(session, runner, options, progress, dump_info, history, started)
+        if session.stream is not None:
+            report["stream"] = runner.stream_report()
+        return report
+    finally:
+        runner.close()
+
+
+def _stages(session: ReplaySession, runner: StepRunner, options: ReplayOptions, progress: Progress | None,
+            dump_info: dict | None, history: dict | None, started: float) -> dict:
+    """run_session's stages, in order, on one runner."""
     findings = _reproduce(runner, options, progress)
     raised = findings.kind is TriggerKind.EXCEPTION  # the step stops where it raises: no numbers to measure
     _localise(findings, runner, options, progress)
@@ -331,7 +358,10 @@ def run_session(session: ReplaySession, options: ReplayOptions | None = None, pr
                                         threshold=findings.threshold)
     elif options.fp32_check:
         findings.precision = fp32_check(runner, kind=TriggerKind.NONFINITE_PARAM)  # dtype facts only, no run
-    if findings.weights_nonfinite:
+    if findings.weights_nonfinite and session.stream is not None:
+        session.warnings.append("streamed replay: the non-finite pre-step weights are named, but their bad slices and "
+                                "the samples that touch them are not located (that stage reads whole weights)")
+    elif findings.weights_nonfinite:
         _stage(progress, "locating the non-finite weights and the samples that touch them")
         findings.corrupted = corrupted_weights(runner)
         findings.touching = samples_touching_embeddings(runner, findings.corrupted)
@@ -481,6 +511,14 @@ def _per_sample(runner: StepRunner, refs: list[SampleRef], culprits: list[Sample
     chosen += [r for r in refs if r not in chosen][:max(0, limit - len(chosen))]
     chosen.sort(key=lambda r: (r.micro_batch, r.index))
     session, model = runner.session, runner.model
+    if isinstance(runner, StreamedStepRunner):  # one streamed pass per row: the culprits and a few others
+        few = [r for r in chosen if r in set(culprits)] or []
+        few += [r for r in chosen if r not in set(few)][:max(0, STREAMED_PER_SAMPLE - len(few))]
+        if len(few) < len(chosen):
+            session.warnings.append(f"streamed replay: per-sample rows for {len(few)} of {len(chosen)} samples (the "
+                                    "culprits first), each being a pass over the whole model")
+        few.sort(key=lambda r: (r.micro_batch, r.index))
+        return runner.per_sample_rows(few)
 
     def run_one(ref: SampleRef) -> torch.Tensor:
         batch = select_samples(session.micro_batches[ref.micro_batch], [ref.index])

@@ -49,6 +49,7 @@ from replay.judge.history_pattern import diverged_long_ago, read_history
 from replay.localize.exception import localize_exception
 from replay.localize.forward_backward import localize_forward
 from replay.run.execute import StepRunner
+from replay.run.streamed import runner_for
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ def write_repro(dump_path: str | Path, out_dir: str | Path, *, device: str | Non
     out.mkdir(parents=True, exist_ok=True)  # before the model loads: an unwritable one fails now
     session = load_session(dump, device=device, trust=trust, factory=factory, loss=loss, sys_path=sys_path or [],
                            factory_kwargs=factory_kwargs, loss_kwargs=loss_kwargs)
-    runner = StepRunner(session)
+    runner = runner_for(session)  # a state that does not fit the GPU is streamed (replay/run/streamed.py)
     repro = Repro(out)
     if kind is TriggerKind.EXCEPTION:
         refs, blamed = _exception_culprit(repro, runner, dump.step, exception)
@@ -461,7 +462,7 @@ import torch
 from forensics.format import open_dump
 from replay.load.samples import select_samples
 from replay.load.session import load_session
-from replay.run.execute import StepRunner
+from replay.run.streamed import runner_for
 
 HERE = Path(__file__).resolve().parent
 
@@ -472,7 +473,7 @@ def main():
     session = load_session(dump, device=spec["device"], trust=spec["trust"], factory=spec["factory_override"],
                            loss=spec["loss_override"], sys_path=[str(HERE / p) for p in spec["sys_path"]],
                            factory_kwargs=spec.get("factory_kwargs"), loss_kwargs=spec.get("loss_kwargs"))
-    runner = StepRunner(session)
+    runner = runner_for(session)
     model = session.model.train()
     batch = session.micro_batches[spec["micro_batch"]]
     if spec["samples"] is not None:

@@ -251,8 +251,11 @@ def _layout(c: _Checker, layout: Any, version: int) -> None:
     if layout is None:
         return
     c.kind(layout, "layout", dict, optional=False)
-    if layout.get("kind") != spec.SHARDED or version < spec.SHARDED_VERSION:
-        raise c.fail("layout.kind", f"must be {spec.SHARDED!r} (format version 2), got {_short(layout.get('kind'))}")
+    if layout.get("kind") != spec.SHARDED:
+        raise c.fail("layout.kind", f"must be {spec.SHARDED!r}, got {_short(layout.get('kind'))}")
+    if version < spec.SHARDED_VERSION:
+        raise c.fail("layout", f"(a sharded state) needs format_version {spec.SHARDED_VERSION} or later, but the "
+                               f"manifest says format_version {version}")
     for section in ("tensors", "shards"):
         value = layout.get(section)
         c.kind(value, f"layout.{section}", dict, optional=False)

@@ -26,6 +26,7 @@ from replay.load.fsdp_precision import FsdpUnit, compute_dtype, parse_units
 from replay.load.optimizer_state import DumpOptimizerState, OptimizerSnapshot
 from replay.load.recipe import LossFn, TrainingScript, job_paths, optimizer_class, resolve_recipe
 from replay.load.samples import SampleRef
+from replay.load.streamed import StreamPlan, keep_blocks_at_rest, plan_streaming, settle
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,9 @@ class ReplaySession:
     part-way ("micro-batch 1 of 2", never "1 of 1" for a step of 2 that raised in its first)."""
     fsdp_units: list[FsdpUnit] = field(default_factory=list)
     """The job's FSDP2 units and mixed-precision policies (replay/load/fsdp_precision.py): the step computes in them."""
+    stream: StreamPlan | None = None
+    """The state does not fit the replay device: its blocks stay in the dump and are materialised a few at a time
+    while the step runs (replay/load/streamed.py, replay/run/streamed.py); None: a normal replay."""
 
     def new_optimizer(self) -> torch.optim.Optimizer | None:
         """A fresh optimizer over the model's parameters in its pre-step state (None if not recorded)."""
@@ -167,7 +171,8 @@ def training_script(dump: Any) -> TrainingScript:
 def load_session(dump: Any, *, device: str | torch.device | None = None, trust: bool = False,
                  factory: str | None = None, loss: str | None = None,
                  sys_path: tuple[str, ...] | list[str] = (), weights: bool = True,
-                 factory_kwargs: dict | None = None, loss_kwargs: dict | None = None) -> ReplaySession:
+                 memory_budget: int | None = None, factory_kwargs: dict | None = None,
+                 loss_kwargs: dict | None = None) -> ReplaySession:
     """Rebuilds model, optimizer, loss and micro-batches of a dump's failing step.
 
     Args:
@@ -178,6 +183,8 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
         factory_kwargs / loss_kwargs: instead of the recorded ones (None: the recorded ones).
         weights: False for a window replay of a dump without pre-step state (`state_missing`): the model is built
             with its own init and no state or batch is read (the checkpoint and the data recipe supply them).
+        memory_budget: bytes the replay may use on `device` (CLI --gpu-memory); a state that does not fit them (or,
+            without a budget, a CUDA device's free memory) is streamed (`ReplaySession.stream`).
     Returns:
         ReplaySession holding the pre-step state on `device`; `warnings` lists environment
         differences and anything left out.
@@ -201,15 +208,20 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
     precision = dump.precision or {}
     env_warnings = environment_warnings(manifest.get("environment"), device)
     warnings = list(env_warnings) + recipe.notes
+    plan = None
     if not weights:
         model = build_model(recipe, on_meta=False).to(device)
     else:
+        built = build_model(recipe)
+        plan = plan_streaming(built, device, memory_budget)
         try:
-            model = stream_weights(build_model(recipe), dump.iter_model_tensors(device), device, warnings)
+            model = stream_weights(built, _weights(dump, device, plan, built), device, warnings)
         except MetaBuffersError:  # a buffer computed from a parameter at init, and not in the dump
             logger.info("a buffer of the model was derived from meta parameters; building the model normally")
-            model = stream_weights(build_model(recipe, on_meta=False), dump.iter_model_tensors(device), device,
-                                   warnings)
+            built = build_model(recipe, on_meta=False)
+            model = stream_weights(built, _weights(dump, device, plan, built), device, warnings)
+        if plan is not None:
+            settle(plan, model)
     param_dtype = _param_dtype(precision.get("param_dtype"), model)
 
     snapshot = None
@@ -250,9 +262,16 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
         pre_step_weights=lambda names=None: dump.iter_model_tensors(device, names=names),
         loaded_weights=weight_fingerprints(model) if weights else None,
         world_size=int(getattr(dump, "world_size", None) or manifest.get("world_size") or 1),
-        fsdp_units=parse_units(precision.get("fsdp")),
+        fsdp_units=parse_units(precision.get("fsdp")), stream=plan,
         positional_ids=frozenset(i for i, meta in enumerate(dump.micro_batches_meta)
                                  if meta.get("ids_are_positional") or not meta.get("sample_ids")))
+
+
+def _weights(dump: Any, device: torch.device, plan: StreamPlan | None,
+             model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The dump's weights onto `device`; a streamed model's blocks left at rest (replay/load/streamed.py)."""
+    tensors = dump.iter_model_tensors(device)
+    return tensors if plan is None else keep_blocks_at_rest(tensors, plan, model)
 
 
 def weight_fingerprints(model: torch.nn.Module) -> dict[str, tuple]:
@@ -353,9 +372,10 @@ def stream_weights(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Te
     for key, tensor in tensors:
         if key in canonical:
             first = canonical[key]
-            if first in loaded:
-                continue  # the tied twin of a parameter already put in place
             old = model.get_parameter(first)
+            if first in loaded:  # the tied twin of a parameter already put in place: it must fit as well
+                _check_fits(key, tensor, old, "parameter")
+                continue
             _check_fits(key, tensor, old, "parameter")
             new = torch.nn.Parameter(tensor, requires_grad=old.requires_grad)
             for name in aliases[first]:
@@ -378,7 +398,8 @@ def stream_weights(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Te
                           f"{' ...' if len(missing) > 5 else ''}: the recipe built a different model")
     if any(t.is_meta for t in model.buffers()):
         raise MetaBuffersError("a buffer not in the dump was computed from meta parameters")
-    model.to(device)  # the buffers the dump does not hold (non-persistent ones) follow the weights
+    model.to(device)  # the buffers the dump does not hold (non-persistent ones) follow the weights (a streamed
+    # block's placeholders are on the device already: replay/load/streamed.py)
     left = sorted(buffers - loaded - {n for n, _ in model.named_buffers() if not _persistent(model, n)})
     if left:
         warnings.append(f"buffers not in the dump, left as built: {left[:5]}")

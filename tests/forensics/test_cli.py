@@ -194,5 +194,5 @@ def test_inspect_shows_a_truncated_file_and_exits_2(dumps, tmp_path):
     with open(model, "r+b") as handle:
         handle.truncate(size // 2)
     result = invoke(["inspect", copy], exit_code=ExitCode.BAD_INPUT)
-    assert "DAMAGED: model.safetensors has" in result.stdout and f"{size:,}" in result.stdout
+    assert "DAMAGED: model.safetensors has" in result.stderr and f"{size:,}" in result.stderr  # as every error
     assert "step" in result.stdout  # the summary is still shown
