@@ -87,10 +87,10 @@ def recipe_options(command):
                                 "and working directories, recorded in the dump, follow it.")(command)
     command = click.option("--loss-kwargs", default=None, metavar="JSON", callback=_json_object,
                            help="Keyword arguments for the loss, instead of the recorded ones (kept otherwise, also "
-                                "with --loss).")(command)
+                                "with --loss, unless they are a built-in recipe's).")(command)
     command = click.option("--factory-kwargs", default=None, metavar="JSON", callback=_json_object,
                            help="Keyword arguments for the model factory, instead of the recorded ones (kept "
-                                "otherwise, also with --factory).")(command)
+                                "otherwise, also with --factory, unless they are a built-in recipe's).")(command)
     command = click.option("--loss", "loss_fn", default=None, metavar="MODULE:FN",
                            help="Loss function (model, batch) -> loss.")(command)
     command = click.option("--factory", default=None, metavar="MODULE:FN",

@@ -136,6 +136,17 @@ class ResolvedRecipe:
     """What the report should say about how the code was found (recorded globals used, sys.path entries added)."""
 
 
+def _kwargs(recorded_path: Any, override: str | None, recorded: Any, given: dict | None) -> dict:
+    """The keyword arguments for a factory or loss: `given` (--factory-kwargs / --loss-kwargs); else the recorded
+    ones — also for a --factory / --loss that names the user's code moved out of the script — unless they belong to
+    a built-in recipe the override replaces (the default loss's `ignore_keys`, the Hugging Face factory's config)."""
+    if given is not None:
+        return dict(given)
+    if override and override != recorded_path and (not recorded_path or is_builtin(recorded_path)):
+        return {}
+    return dict(recorded or {}) if isinstance(recorded, dict) else {}
+
+
 def job_paths(environment: dict | None) -> list[str]:
     """The job's script directory and working directory (manifest `environment`), those that exist here."""
     environment = environment or {}
@@ -191,9 +202,9 @@ def resolve_recipe(recipe: dict | None, *, trust: bool = False, factory: str | N
         loss_callable = import_object(loss, "loss function", sys_path)
     else:
         loss_callable = _consented(loss_path, "loss function", trust, sys_path, script)
-    loss_kw = dict(recipe.get("loss_kwargs") or {}) if loss_kwargs is None else dict(loss_kwargs)
+    loss_kw = _kwargs(recipe.get("loss"), loss, recipe.get("loss_kwargs"), loss_kwargs)
     loss_fn: LossFn = (lambda model, batch: loss_callable(model, batch, **loss_kw)) if loss_kw else loss_callable
-    kwargs = dict(recipe.get("factory_kwargs") or {}) if factory_kwargs is None else dict(factory_kwargs)
+    kwargs = _kwargs(recipe.get("factory"), factory, recipe.get("factory_kwargs"), factory_kwargs)
     if script.used:
         values = ", ".join(f"{name}={clean(repr(script.globals[name]), 60)}" for name in script.used[:12])
         notes.append(f"defined from {clean(script.name, 100)} with the values the job's top-level code gave its "

@@ -181,11 +181,15 @@ def test_a_global_the_dump_could_not_hold_is_refused_with_what_to_do_and_no_fals
 
 
 def test_factory_keeps_the_recorded_kwargs_unless_others_are_given():
+    """The user's factory moved out of the script keeps its recorded kwargs; a built-in recipe's own kwargs (the
+    Hugging Face config) do not follow a --factory that replaces it."""
     recipe = {"factory": "__main__:build", "factory_kwargs": {"width": 3}, "loss": "forensics.recipes:default_loss"}
     kept = resolve_recipe(recipe, factory="forensics.recipes:huggingface_model")
     assert kept.factory_kwargs == {"width": 3}
     given = resolve_recipe(recipe, factory="forensics.recipes:huggingface_model", factory_kwargs={"width": 5})
     assert given.factory_kwargs == {"width": 5}
+    builtin = {"factory": "forensics.recipes:huggingface_model", "factory_kwargs": {"architecture": "GPT2LMHeadModel"}}
+    assert resolve_recipe(builtin, factory="forensics.recipes:default_loss").factory_kwargs == {}
 
 
 def test_its_repro_scripts_reproduce_the_raising_op_and_sample_from_any_directory(nano_dump, tmp_path, monkeypatch):
