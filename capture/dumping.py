@@ -24,7 +24,7 @@ from capture.config import GuardConfig
 from capture.dump_budget import Admission, DumpBudget, spike_size
 from capture.history import History
 from capture.host_snapshots import HostSnapshots
-from capture.incident import Incident, batch_size, json_ids
+from capture.incident import Incident, StepRecord, batch_size, json_ids
 from capture.main_script import MainScript
 from capture.uploads import send_dump
 from capture.window import FlightRecorder
@@ -34,6 +34,7 @@ from forensics.format.writer import DumpContent, dump_path, remove_rank_dump, wr
 from forensics.kinds import Policy, TriggerKind
 from forensics.recipes import default_loss
 from forensics.rng import capture_rng, restore_rng
+from forensics.trigger import Trigger
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ class DumpSource(Protocol):
     window: FlightRecorder
     snapshots: HostSnapshots
     fsdp_units: list[dict]
+    last_step: StepRecord | None
+    """The last checked step's record: how many micro-batches a step has (a step that raised part-way has fewer)."""
 
     @property
     def multi_rank(self) -> bool: ...
@@ -67,6 +70,15 @@ class DumpSource(Protocol):
     def describe_distribution(self) -> dict | None: ...
 
     def device_lost(self) -> None: ...
+
+
+def _accumulation(incident: Incident, last_step: StepRecord | None) -> int:
+    """The step's micro-batch count: a step that raised in its first of 2 micro-batches holds 1, yet is a step of 2
+    like the one before it (the previous step's count, when larger)."""
+    count = len(incident.record.batches)
+    if incident.trigger.kind is TriggerKind.EXCEPTION and last_step is not None:
+        count = max(count, len(last_step.batches))
+    return count
 
 
 class Dumper:
@@ -89,10 +101,14 @@ class Dumper:
         trigger = incident.trigger
         admission = self.budget.admit(trigger.kind, incident.step, trigger.value, trigger.threshold)
         if admission.why_not is not None:
-            self.budget.not_dumped.note(trigger.kind, incident.step, admission.why_not, admission.reason,
-                                        trigger.message, spike_size(trigger.value, trigger.threshold)
-                                        if trigger.kind.spike else None)
+            self.not_dumped(trigger, incident.step, admission.why_not, admission.reason)
         return admission
+
+    def not_dumped(self, trigger: Trigger, step: int, why: str, reason: str) -> None:
+        """Counts a trigger at `step` that is not dumped because `why` (`reason`: its key in the manifest's
+        `dump_budget.not_dumped`); logged once, then once per window with a count (dump_budget.NotDumped)."""
+        size = spike_size(trigger.value, trigger.threshold) if trigger.kind.spike else None
+        self.budget.not_dumped.note(trigger.kind, step, why, reason, trigger.message, size)
 
     def dump(self, incident: Incident, admission: Admission | None = None) -> tuple[Path | None, str | None]:
         """Dumps the incident unless its budget says no (`admission`: admit()'s answer, asked now when None).
@@ -261,7 +277,7 @@ class Dumper:
         param = next(iter(source.model.parameters()), None)
         manifest = {
             "run_id": source.run_id, "trigger": incident.trigger.as_dict(), "step": step, "rank": source.rank,
-            "world_size": source.world_size, "local_rank": source.local_rank, "grad_accum": len(record.batches),
+            "world_size": source.world_size, "local_rank": source.local_rank, "grad_accum": _accumulation(incident, source.last_step),
             "micro_batches": micro_batches,
             "loss": {"per_micro_batch": losses, "divisor": incident.divisor, "grad_norm": incident.grad_norm,
                      "grad_norm_unscaled_by": incident.grad_norm_unscaled_by, "step_loss": incident.step_loss},

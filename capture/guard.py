@@ -152,7 +152,7 @@ class Guard:
         environment.environment()  # versions, git commit: read now, not while a fault is being dumped
         if self.config.capture_exceptions:
             exceptions.watch(self)
-        unfit = default_loss_fits(model, recipe)
+        unfit = default_loss_fits(model, recipe, self.config.recipe)
         if unfit:
             log.warning("forensics: %s", unfit)
         if self.config.verify_update:
@@ -405,6 +405,11 @@ class Guard:
                 + (f"Replay it with: forensics replay {dump_path}" if dump_path else ""),
                 trigger, dump_path, dump_error)
         return policy is not Policy.SKIP
+
+    def not_dumped(self, trigger: Any, step: int, why: str, reason: str) -> None:
+        """Counts a trigger that is not dumped (`why`; `reason` its key in the manifest's `dump_budget`), logged once
+        per window (capture/dump_budget.py)."""
+        self.dumper.not_dumped(trigger, step, why, reason)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def flush(self) -> None:

@@ -9,14 +9,13 @@ copy of the initial state_dict and loads it back before each run.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import os
 import traceback
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterable
+from typing import Any, Callable, ContextManager, Iterable, Iterator
 
 import torch
 
@@ -26,7 +25,7 @@ from forensics.kinds import Phase, TriggerKind
 from replay.load.fsdp_precision import fsdp_compute
 from replay.load.samples import SampleRef
 from replay.load.session import ReplaySession, finite_float, weight_fingerprints
-from replay.run.units import explaining_factor, recorded_factors
+from replay.run.units import explaining_factor, recorded_factors, to_replay_units
 
 logger = logging.getLogger(__name__)
 
@@ -282,6 +281,33 @@ class StepRunner:
 
     def _live_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return list(self.model.named_parameters()) + list(self.model.named_buffers())
+
+    # -- gradients, as the stages that read them see them (a streamed runner, replay/run/streamed.py, answers these
+    # block by block) ---------------------------------------------------------------------------
+    def gradient_names(self) -> list[str]:
+        """The parameters holding a gradient after the last run(keep_grads=True), in named_parameters() order."""
+        return [n for n, p in self.model.named_parameters() if p.grad is not None]
+
+    def gradients(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """Those parameters, each with its weights and `.grad` in place while the caller holds it."""
+        return ((n, p) for n, p in self.model.named_parameters() if p.grad is not None)
+
+    def own_grad_norms(self, module: torch.nn.Module) -> list[torch.Tensor]:
+        """The fp32 gradient norm of each of `module`'s own parameters (not its children's) holding one."""
+        return [torch.linalg.vector_norm(p.grad.float()) for p in module.parameters(recurse=False)
+                if p.grad is not None]
+
+    def keeping_gradients(self) -> ContextManager:
+        """Within: run(keep_grads=True) keeps the gradients themselves for `gradients()` (a streamed runner otherwise
+        keeps only their norms: the optimizer checks ask for them, the other stages need the numbers)."""
+        return contextlib.nullcontext()
+
+    def clip_gradients(self, max_norm: float) -> None:
+        """torch.nn.utils.clip_grad_norm_ over the model's gradients."""
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
+    def close(self) -> None:
+        """Frees what the runner holds beyond the model (nothing here)."""
 
     def autocast_context(self, fp32: bool = False) -> ContextManager:
         """The job's autocast on the replay device (none with fp32=True or when the job used none)."""
@@ -571,7 +597,7 @@ def reproduce(runner: StepRunner, max_attempts: int = 3, tolerance: float = DEFA
     attempts, result, reproduced = 0, None, False
     for attempts in range(1, max(1, max_attempts) + 1):
         result = runner.run(keep_grads=True)
-        if attempts == 1 and _to_replay_units(session, result):
+        if attempts == 1 and to_replay_units(session, result.grad_norm):
             threshold = session.trigger.threshold
         reproduced = result.trigger_reproduced(kind, threshold)
         if reproduced or session.device.type == "cpu":  # CPU kernels are deterministic: same answer again
@@ -619,30 +645,6 @@ def reproduce(runner: StepRunner, max_attempts: int = 3, tolerance: float = DEFA
     elif mode == "bitwise" and not bitwise and any(a is not None for a in recorded):
         logger.warning("reproduced, but not bitwise: recorded %s, replayed %s", recorded, replayed)
     return Reproduction(reproduced=reproduced, result=result, fidelity=fidelity, attempts=attempts)
-
-
-def _to_replay_units(session: ReplaySession, result: StepResult) -> bool:
-    """A grad-norm trigger recorded on gradients a GradScaler still held scaled (the loop passed check() the norm
-    before `scaler.unscale_`, or a dump from before the Guard unscaled its own norm): its value and threshold are
-    the loss scale times the replay's unscaled norm. They are put into the replay's units (session.trigger,
-    recorded_grad_norm), with a warning, so every stage compares like with like. Returns True when converted."""
-    trigger = session.trigger
-    if trigger.kind.replayed != "grad_norm" or not trigger.kind.spike or not session.scaler_enabled:
-        return False
-    scale = [f for f in recorded_factors(session) if f[0] == "the loss scale"]
-    unit = explaining_factor(trigger.value, result.grad_norm, scale)
-    if unit is None or not unit.recorded_larger:
-        return False
-    divide = unit.value
-    session.trigger = dataclasses.replace(
-        trigger, value=trigger.value / divide, threshold=trigger.threshold / divide if trigger.threshold else None,
-        detail=f"{trigger.detail} (recorded on scaled gradients; / loss scale {divide:g} here)")
-    if session.recorded_grad_norm is not None:
-        session.recorded_grad_norm = session.recorded_grad_norm / divide
-    session.warnings.append(f"the recorded grad norm {trigger.value:.4g} was measured on gradients still scaled by "
-                            f"the GradScaler ({unit.words()}); replay compares unscaled values: recorded value and "
-                            "threshold are divided by the loss scale")
-    return True
 
 
 __all__ = ["SampleRef", "StepResult", "StepRunner", "Reproduction", "reproduce", "any_nonfinite",

@@ -91,3 +91,35 @@ def test_a_spike_dump_under_a_grad_scaler_replays_as_reproduced(run, tmp_path):
     assert result.exit_code in (0, 4), (result.output, result.exception)  # 3 would be "not reproduced"
     report = json.loads((out / "report.json").read_text())
     assert report["reproduced"] is True and "DCGM" not in result.output
+
+
+def test_a_spike_dump_whose_grad_norms_were_scaled_replays_in_unscaled_units(run, tmp_path, helpers):
+    """A loop that passed check() clip_grad_norm_'s value before scaler.unscale_ (or a dump from before the Guard
+    unscaled its own norm): trigger, grad norm and history are the loss scale times the replay's. The replay compares
+    in its own units (reproduced, not exit 3, no hardware advice), and the clipping it suggests is unscaled."""
+    import shutil
+
+    guard, _, _ = run
+    source = next(p for p in guard.dumps if open_dump(p).trigger["kind"] == "grad_norm_spike")
+    dump = tmp_path / "scaled" / "step-1" / "rank-00000"
+    shutil.copytree(source, dump)
+    history = json.loads((dump / "history.json").read_text())
+    history["grad_norm"] = [n * s if n is not None and s else n for n, s in zip(history["grad_norm"],
+                                                                                history["loss_scale"])]
+    helpers.resign(dump, "history.json", json.dumps(history).encode())
+
+    def scaled(manifest):
+        scale = manifest["loss"].pop("grad_norm_unscaled_by")
+        manifest["loss"]["grad_norm"] *= scale
+        manifest["trigger"]["value"] *= scale
+        manifest["trigger"]["threshold"] *= scale
+    helpers.edit_manifest(dump, scaled)
+    out = tmp_path / "report"
+    result = CliRunner().invoke(main, ["replay", str(dump), "--device", "cpu", "--no-rng-check", "--no-bisect",
+                                       "-o", str(out)])
+    assert result.exit_code in (0, 4), (result.output, result.exception)
+    report = json.loads((out / "report.json").read_text())
+    assert report["reproduced"] is True and "DCGM" not in result.output
+    assert any("scaled by the GradScaler" in w for w in report["environment"]["warnings"])
+    clip = [r for r in report["remedies"]["tested"] if r["kind"] == "clip_grad"]
+    assert clip and 0.01 < clip[0]["setting"]["clip"] < 100  # unscaled units (scaled: ~65536x)

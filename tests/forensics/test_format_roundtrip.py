@@ -174,13 +174,12 @@ def test_step_directory_with_several_ranks_and_one_missing(helpers, tmp_path):
         open_dump(tmp_path / "run-test")
 
 
-def test_writer_failure_mid_write_leaves_no_dump_and_no_temp_dir(helpers, tmp_path):
+def test_writer_failure_mid_write_leaves_no_dump_no_temp_dir_and_no_empty_step_dir(helpers, tmp_path):
     content, _ = helpers.synthetic_content()
     content.model["complex"] = torch.zeros(2, dtype=torch.complex64)  # safetensors cannot store it
     with pytest.raises(CaptureError, match="complex"):
         write_dump(content, tmp_path)
-    step_dir = tmp_path / "run-test" / "step-000000007"
-    assert list(step_dir.iterdir()) == []
+    assert list(tmp_path.iterdir()) == []  # no temporary, and no empty step or run directory
 
 
 def test_file_and_directory_names_follow_the_spec():
