@@ -229,6 +229,8 @@ def _series_of(table: dict, j: int, since: int) -> list[tuple[int, float]]:
 def _closest_to_limit(table: dict) -> dict | None:
     """The statistic measured in a low-precision dtype that came closest to its limit (forensics/headroom.py)."""
     since = table["steps"][-1] - HISTORY_SPAN
+    head = (table.get("config") or {}).get("head_dim")
+    head = head if isinstance(head, int) and not isinstance(head, bool) else None
     best = None
     for j, column in enumerate(table["columns"]):
         stat, limit = _statistic(column.get("statistic")), column.get("limit")
@@ -240,11 +242,12 @@ def _closest_to_limit(table: dict) -> dict | None:
         (s0, v0), (s1, v1) = series[0], series[-1]
         share = v1 / limit
         if best is None or share > best["share"]:
-            words = column.get("limit_words") if isinstance(column.get("limit_words"), str) else "its dtype's limit"
+            known = limit_of(stat, column.get("dtype") if isinstance(column.get("dtype"), str) else None, head)
+            words = known.words if known is not None else "its dtype's limit"  # never the dump's own text
             best = {"layer": column["layer"], "statistic": stat.value, "first": v0, "last": v1, "growth": v1 / v0,
                     "span": s1 - s0, "share": share, "limit": float(limit), "dtype": column.get("dtype"),
                     "sentence": (f"the {stat.words} of `{column['layer']}` grew {fmt_num(v1 / v0, 2)}x over the "
-                                 f"{s1 - s0} steps before, to {percent_of(v1, limit)} of {words[:120]}")}
+                                 f"{s1 - s0} steps before, to {percent_of(v1, limit)} of {words}")}
     return best
 
 

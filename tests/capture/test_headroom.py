@@ -133,3 +133,20 @@ def test_the_dtype_of_each_forward_statistic_is_recorded_under_autocast(tmp_path
     columns = {(c["layer"], c["statistic"]): c for c in monitor.meta["columns"]}
     attention = columns[("transformer.h.0", "attention_logit_bound")]
     assert attention["dtype"] == "float16" and math.isclose(attention["limit"], FP16_MAX / 4)
+
+
+def test_a_crash_dump_names_the_runs_earlier_dumps_from_the_listing_only(helpers, tmp_path):
+    """replay/judge/precursor.earlier_dumps: sibling step directories of the same run id, newest first; another run's
+    dump, a symlinked step directory and a directory that is not a step are left out."""
+    from forensics.format import open_dump
+    from replay.judge.precursor import earlier_dumps
+
+    for step in (3, 5):
+        helpers.write_synthetic_dump(tmp_path, step=step)
+    crash = open_dump(helpers.write_synthetic_dump(tmp_path, step=7))
+    run_dir = next(p for p in tmp_path.iterdir() if p.is_dir())
+    other = helpers.write_synthetic_dump(tmp_path / "elsewhere", step=4, run_id="another")
+    (run_dir / "step-000000004").symlink_to(other.parent, target_is_directory=True)
+    (run_dir / "notes").mkdir()
+    found = earlier_dumps(crash)
+    assert [d["step"] for d in found] == [5, 3] and all(d["path"].startswith(str(run_dir)) for d in found)
