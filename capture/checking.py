@@ -41,6 +41,7 @@ class CheckSource(Protocol):
     step: int
     rank: int
     sharded_grad_norm: bool
+    own_norm_unscaled: bool
 
     @property
     def multi_rank(self) -> bool: ...
@@ -53,6 +54,8 @@ class CheckSource(Protocol):
 
     def handle_incident(self, incident: Incident) -> bool: ...
 
+    def not_dumped(self, trigger: Trigger, step: int, why: str, reason: str) -> None: ...
+
     def add_hook(self, handle: Any) -> None: ...
 
 
@@ -61,6 +64,9 @@ class SyncCheck:
 
     def __init__(self, guard: CheckSource):
         self.guard = guard
+        self.unscaled_by: float | None = None
+        """The loss scale the Guard divided its own grad norm by at the last check (None: the loop's norm, or none
+        divided)."""
 
     def check(self, record: StepRecord, grad_norm: Any) -> bool:
         """True to apply the step, False to skip it; raises TrainingFaultError under the 'raise' policy."""
@@ -89,7 +95,7 @@ class SyncCheck:
                 take_snapshot(g)
             return True
         return g.handle_incident(Incident(trigger, g.step, record, losses, norm, divisor, policy,
-                                          agreed=g.multi_rank))
+                                          agreed=g.multi_rank, grad_norm_unscaled_by=self.unscaled_by))
 
     def _gather(self, record: StepRecord, grad_norm: Any
                 ) -> tuple[list[float], float | None, float | None, Agreement | None]:
@@ -100,9 +106,10 @@ class SyncCheck:
         host->device copy, which waits for the stream just like a sync.
         """
         g = self.guard
-        sharded = False
+        sharded = own_unscaled = False
         if grad_norm is None:
             grad_norm, sharded = g.compute_grad_norm(), g.sharded_grad_norm
+            own_unscaled = g.own_norm_unscaled
         grad_norm = sharding.host_norm(grad_norm)
         scale = grad_scaler_scale(g.scaler) if g.scaler is not None and g.scaler.is_enabled() else None
         values: list[Any] = [*record.losses, grad_norm, scale]
@@ -120,6 +127,7 @@ class SyncCheck:
             if row_values is not None:
                 g.precursors.receive(row_values)
             g.precursors.launch_row(g.step)  # after the transfer: its device work overlaps the optimizer step
+        self.unscaled_by = host[n + 1] if own_unscaled else None
         return host[:n], host[n], host[n + 1], agreed
 
 

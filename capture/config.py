@@ -48,9 +48,22 @@ class GuardConfig:
     on_spike: Policy = Policy.CONTINUE
     """Policy for finite loss / grad-norm spikes."""
     max_dumps: int = 3
-    """At most this many dumps per run (per rank); later triggers are logged only."""
+    """Fault dumps per run (per rank): a non-finite loss, gradient or weight, a step that raised, a device error.
+    These places are the crash's own: spike and precursor dumps never use them (they have max_spike_dumps and
+    PrecursorConfig.max_dumps), so a long spiky run that ends in a NaN always dumps the NaN. 3: a job under
+    'raise' stops at its first fault; under 'skip' / 'continue' the first three are kept (later ones repeat them).
+    Later triggers are counted and logged once per 100 steps; the counts go into the next dump's manifest
+    (`dump_budget`)."""
+    max_spike_dumps: int = 3
+    """Spike dumps (loss / grad-norm spikes) kept on disk per run (per rank): the run's first spike, where the trouble
+    began, and the largest of the others (value / threshold). A spike larger than the smallest one kept replaces
+    it: the new dump is written, then the old one deleted with its step directory. Real runs spike often and
+    recover; 3 bounds the disk to three states while keeping the onset and the worst, and a run of n spikes
+    rewrites only when a spike beats the ones kept (about ln n times for spikes in random order). 0: no spike
+    dumps (spikes are still logged and in the history)."""
     min_spike_gap: int = 100
-    """Steps between two spike dumps, so one unstable phase does not fill the disk."""
+    """Steps between two spike dumps, so one unstable phase is not written step after step (the spikes in between
+    are counted, not dumped)."""
     loss_spike: SpikeConfig = field(default_factory=SpikeConfig)
     grad_norm_spike: SpikeConfig = field(default_factory=lambda: SpikeConfig(min_ratio=3.0))
     history_size: int = 512
@@ -177,8 +190,9 @@ class GuardConfig:
                              f"{self.snapshot_count}) exceeds window_steps ({self.window_steps}): the flight recorder "
                              "would not hold the steps from the oldest snapshot on. Raise window_steps or snapshot "
                              "more often")
-        if self.max_dumps < 0 or self.min_spike_gap < 0 or self.history_size < 1:
-            raise ValueError("GuardConfig needs max_dumps >= 0, min_spike_gap >= 0, history_size >= 1")
+        if self.max_dumps < 0 or self.max_spike_dumps < 0 or self.min_spike_gap < 0 or self.history_size < 1:
+            raise ValueError("GuardConfig needs max_dumps >= 0, max_spike_dumps >= 0, min_spike_gap >= 0, "
+                             "history_size >= 1")
 
     def policy_for(self, kind: TriggerKind) -> Policy:
         """The policy that applies to a trigger of this kind: on_spike for spikes, else on_nonfinite."""

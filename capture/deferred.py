@@ -193,8 +193,8 @@ class SyncFree:
     def _on_spike(self, trigger: Trigger, step: int, policy: Policy) -> None:
         """A finite spike was applied before it was seen: its pre-step state is gone, so it is not dumped."""
         g = self.guard
-        log.warning("forensics: step %d rank %d: %s (policy: %s; sync_free: seen one step late, after its update, "
-                    "so not dumped)", step, g.rank, trigger.message, policy)
+        if policy is not Policy.RAISE:  # counted, and logged once per window (capture/dump_budget.py)
+            g.not_dumped(trigger, step, "sync_free: seen one step late, after its update", "sync_free")
         if policy is Policy.RAISE:
             reason = "sync_free mode does not dump spikes (the spike step's update was already applied)"
             raise TrainingFaultError(f"step {step}: {trigger.message} (detected one step late); NO dump was "

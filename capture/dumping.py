@@ -1,6 +1,7 @@
 """The Guard's dump path: one `Incident` in, one dump directory out (within the run's caps).
 
-`Dumper.dump(incident)` applies the caps (GuardConfig.max_dumps, min_spike_gap), collects the pre-step
+`Dumper.dump(incident)` asks the run's dump budgets (capture/dump_budget.py: the crash's own reserve, the
+spike dumps kept, min_spike_gap), collects the pre-step
 state through the Guard's `collect_state` hook (or takes the one the Incident already holds), builds the
 manifest (docs/DUMP_FORMAT.md), and writes — in the background for a spike the job goes on after. A step
 whose CUDA context is unusable gets what the host still holds. Everything about the step comes from the
@@ -9,9 +10,9 @@ Incident; the Guard is read only through `DumpSource` (its objects, identity, re
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
-import threading
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -20,6 +21,7 @@ import torch
 from capture import buddy, environment, snapshot
 from capture.agreement import deferred_termination
 from capture.config import GuardConfig
+from capture.dump_budget import Admission, DumpBudget, spike_size
 from capture.history import History
 from capture.host_snapshots import HostSnapshots
 from capture.incident import Incident, StepRecord, batch_size, json_ids
@@ -28,10 +30,11 @@ from capture.uploads import send_dump
 from capture.window import FlightRecorder
 from capture.writer_thread import BackgroundWriter
 from forensics.errors import CaptureError
-from forensics.format.writer import DumpContent, write_dump
+from forensics.format.writer import DumpContent, dump_path, remove_rank_dump, write_dump
 from forensics.kinds import Policy, TriggerKind
 from forensics.recipes import default_loss
 from forensics.rng import capture_rng, restore_rng
+from forensics.trigger import Trigger
 
 log = logging.getLogger(__name__)
 
@@ -87,32 +90,49 @@ class Dumper:
         """The training script's source, for a recipe naming a function of it (capture/main_script.py)."""
         self.dumps: list[Path] = []
         self.errors: list[str] = []
-        # max_dumps slots: taken when a dump starts (background writes land later). One process gives a slot
-        # back when its write fails; several ranks do not (attempts are identical on every rank, failures
-        # are not, and a collective state gather must be entered by every rank or by none).
-        self._slots = threading.Semaphore(source.config.max_dumps)
-        self._last_spike_dump: int | None = None
+        # The run's dump budgets (capture/dump_budget.py): a place is taken when a dump starts (background writes
+        # land later), identically on every rank; one process gives it back when its write fails.
+        self.budget = DumpBudget(source.config)
         self._writer = BackgroundWriter()
 
-    def dump(self, incident: Incident) -> tuple[Path | None, str | None]:
-        """Dumps the incident unless a cap says no. Returns (path, None) or (None, why there is no dump)."""
-        config = self.source.config
-        spike, step = incident.trigger.kind.spike, incident.step
-        if spike and self._last_spike_dump is not None and step - self._last_spike_dump < config.min_spike_gap:
-            return None, f"a spike was dumped {step - self._last_spike_dump} steps ago (GuardConfig.min_spike_gap)"
-        if not self._slots.acquire(blocking=False):
-            return None, f"the cap of {config.max_dumps} dumps per run is reached (GuardConfig.max_dumps)"
-        if spike:
-            self._last_spike_dump = step  # at the attempt, as the slot: the same on every rank
+    def admit(self, incident: Incident) -> Admission:
+        """Whether the budget lets the incident be dumped; one that is not is counted (and logged once per
+        window: dump_budget.NotDumped)."""
+        trigger = incident.trigger
+        admission = self.budget.admit(trigger.kind, incident.step, trigger.value, trigger.threshold)
+        if admission.why_not is not None:
+            self.not_dumped(trigger, incident.step, admission.why_not, admission.reason)
+        return admission
+
+    def not_dumped(self, trigger: Trigger, step: int, why: str, reason: str) -> None:
+        """Counts a trigger at `step` that is not dumped because `why` (`reason`: its key in the manifest's
+        `dump_budget.not_dumped`); logged once, then once per window with a count (dump_budget.NotDumped)."""
+        size = spike_size(trigger.value, trigger.threshold) if trigger.kind.spike else None
+        self.budget.not_dumped.note(trigger.kind, step, why, reason, trigger.message, size)
+
+    def dump(self, incident: Incident, admission: Admission | None = None) -> tuple[Path | None, str | None]:
+        """Dumps the incident unless its budget says no (`admission`: admit()'s answer, asked now when None).
+        Returns (path, None) or (None, why there is no dump)."""
+        admission = self.admit(incident) if admission is None else admission
+        if admission.why_not is not None:
+            return None, admission.why_not
+        background = incident.trigger.kind.spike and incident.policy is Policy.CONTINUE \
+            and self.source.config.background_write
         with deferred_termination():
-            return self._write(incident, background=spike and incident.policy is Policy.CONTINUE
-                               and config.background_write)
+            outcome = self._write(incident, admission, background=background)
+        if background:
+            self._writer.hook_sigterm()
+        return outcome
 
     def join(self, timeout: float | None = None) -> None:
-        """Waits for the background writes (Guard.close())."""
+        """Waits for the background writes (Guard.close()) and logs what was not dumped since the last line."""
         self._writer.join(timeout)
+        self.budget.not_dumped.flush()
 
-    def _write(self, incident: Incident, background: bool) -> tuple[Path | None, str | None]:
+    def _write(self, incident: Incident, admission: Admission, background: bool) -> tuple[Path | None, str | None]:
+        kind = incident.trigger.kind
+        written = functools.partial(self._written, admission=admission)
+        failed = functools.partial(self._failed, kind=kind, admission=admission)
         unusable = "the CUDA context is unusable after a CUDA error" if (incident.exception or {}).get("cuda_error") \
             else None
         try:
@@ -122,23 +142,25 @@ class Dumper:
             unusable = f"collecting the state failed ({type(exc).__name__}: {str(exc)[:300]})"
             content = self._host_content(incident, unusable) if incident.exception is not None else None
         if content is None:
-            self._failed(f"no dump written: {unusable}")
+            failed(f"no dump written: {unusable}")
             return None, f"no dump written: {unusable}"
         if background:
-            path = self._writer.submit(content, self.source.config.dump_dir, self._written, self._failed)
+            path = self._writer.submit(content, self.source.config.dump_dir, written, failed)
             return path, None
         try:
             path = write_dump(content, self.source.config.dump_dir)
         except CaptureError as exc:
-            self._failed(str(exc))
+            failed(str(exc))
             return None, str(exc)
-        self._written(path)
+        written(path)
         return path, None
 
-    def _written(self, path: Path) -> None:
+    def _written(self, path: Path, admission: Admission | None = None) -> None:
         config = self.source.config
         self.dumps.append(path)
         log.warning("forensics: dump written to %s — replay it with: forensics replay %s", path, path)
+        if admission is not None and admission.replaces is not None:
+            self._remove_spike_dump(admission.replaces.step, path)
         if config.upload:
             send_dump(path, config.upload, config.tensorboard_dir)
         if config.on_dump is not None:
@@ -147,11 +169,30 @@ class Dumper:
             except Exception:  # noqa: BLE001 - the user's hook must not stop the job either
                 log.exception("forensics: GuardConfig.on_dump raised for %s", path)
 
-    def _failed(self, message: str) -> None:
-        if not self.source.multi_rank:  # several ranks: the attempt counts (see __init__)
-            self._slots.release()
+    def _failed(self, message: str, kind: TriggerKind | None = None, admission: Admission | None = None) -> None:
+        if kind is not None and admission is not None:  # several ranks: the attempt counts (dump_budget)
+            self.budget.failed(kind, admission, self.source.multi_rank)
         self.errors.append(message)
         log.error("forensics: %s", message)
+
+    def _remove_spike_dump(self, step: int, larger: Path) -> None:
+        """Deletes this rank's spike dump of `step`, replaced by the larger one at `larger`, with its packed archive,
+        and the step directory once no rank's dump is left in it. After the writes queued before it (the
+        old dump may still be in the background writer's queue). Never raises."""
+        source = self.source
+        old = dump_path(Path(source.config.dump_dir), source.run_id, step, source.rank)
+
+        def remove() -> None:
+            try:
+                remove_rank_dump(old)
+                if old in self.dumps:
+                    self.dumps.remove(old)
+                log.warning("forensics: spike dump of step %d deleted: replaced by the larger spike at %s "
+                            "(GuardConfig.max_spike_dumps keeps the first and the largest)", step, larger)
+            except Exception as exc:  # noqa: BLE001 - a dump left on disk costs space, never the job
+                log.error("forensics: could not delete the replaced spike dump %s: %s", old, exc)
+
+        self._writer.after_queued(remove)
 
     def _content(self, incident: Incident, background: bool) -> DumpContent:
         source = self.source
@@ -239,7 +280,7 @@ class Dumper:
             "world_size": source.world_size, "local_rank": source.local_rank, "grad_accum": _accumulation(incident, source.last_step),
             "micro_batches": micro_batches,
             "loss": {"per_micro_batch": losses, "divisor": incident.divisor, "grad_norm": incident.grad_norm,
-                     "step_loss": incident.step_loss},
+                     "grad_norm_unscaled_by": incident.grad_norm_unscaled_by, "step_loss": incident.step_loss},
             "precision": {"param_dtype": str(param.dtype).removeprefix("torch.") if param is not None else None,
                           "autocast": record.autocast or {"enabled": False, "device_type": None, "dtype": None},
                           "grad_scaler": _scaler_state(source.scaler),
@@ -249,6 +290,7 @@ class Dumper:
             "recipe": self.script.describe(source.replay_recipe()),
             "recheck": recheck(source, incident) if config.recheck else {"performed": False},
             "missing_ranks": [],
+            "dump_budget": self.budget.manifest(),
         }
         window = source.window.steps_before(step)
         if window:
@@ -312,3 +354,4 @@ def recheck(source: DumpSource, incident: Incident) -> dict:
     return {"performed": True, "micro_batch": index, "original": original, "recomputed": value,
             "reproduced": bool(same or (math.isfinite(value) and math.isfinite(original)
                                         and abs(value - original) <= 1e-3 * max(1.0, abs(original))))}
+

@@ -126,6 +126,7 @@ class RaisingStepSource(Protocol):
     rank: int
     config: GuardConfig
     last_step: StepRecord | None
+    stopped: TrainingFaultError | None
     buffers: PreForwardBuffers
     optimizer_steps: OptimizerSteps
     dumper: Dumper
@@ -143,10 +144,18 @@ def dump_raised(guard: RaisingStepSource, exc: BaseException, current: StepRecor
     (the loop's own code raised between steps). Returns the dump's path, or None."""
     if not first_sight(exc):
         return None  # already dumped by check(), or by an outer capture_errors() / the excepthook
+    if current is None and guard.stopped is not None:
+        log.warning("forensics: %s raised after the Guard stopped the job at step %d (TrainingFaultError): not a "
+                    "step of the training loop, not dumped (that step's dump: %s)", type(exc).__name__,
+                    guard.step - 1, guard.stopped.dump_path or guard.stopped.dump_error)
+        return None
     where = guard.optimizer_steps.after_check() if current is None else None
     record = current if current is not None else guard.last_step
     if record is None or not record.batches:
-        log.warning("forensics: %s raised outside a recorded step; nothing to dump", type(exc).__name__)
+        log.warning("forensics: %s raised outside a recorded step (%s): nothing to dump. To have such code dumped "
+                    "(evaluation, a data check), record its batch and wrap it: `with guard.capture_errors(): "
+                    "guard.record_batch(batch); ...` — the step is then dumped where it raises", type(exc).__name__,
+                    "before the first record_batch" if guard.last_step is None else "the steps so far recorded no batch")
         return None
     if guard.state_is_collective and guard.multi_rank:
         log.error("forensics: step %d raised %s on rank %d; its ZeRO-sharded state cannot be gathered by one "

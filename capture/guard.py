@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from capture import deferred, environment, exceptions, precursors, sharding, snapshot
+from forensics import thirdparty
 from capture.agreement import default_run_id, dist_info, distributed, unwrap_model
 from capture.buffers import PreForwardBuffers
 from capture.checking import SyncCheck
@@ -117,6 +118,8 @@ class Guard:
                         "ranks that saw the fault alone would wait forever for the others")
             self.config = dataclasses.replace(self.config, recheck=False)
         self.sharded_grad_norm = type(self).sharded_grad_norm or self.dtensors
+        self.own_norm_unscaled = False
+        """The last compute_grad_norm() divided the loss scale out of gradients a scaler still held scaled."""
         self.layout_used: StateLayout | None = None
         """The state layout of the last dump (GuardConfig.state_layout resolved)."""
         self.detectors = StepDetectors(self.config)
@@ -137,6 +140,9 @@ class Guard:
         """The record of the last checked step (a step that raises after check(); verify_update)."""
         self._sync_check = SyncCheck(self)
         self._sync_free = deferred.SyncFree(self) if self.config.sync_free else None
+        self.stopped: TrainingFaultError | None = None
+        """The TrainingFaultError check() raised last, until the next step is recorded: an exception raised after it
+        outside a recorded step (code after the training loop) is not dumped as the faulted step's."""
         self.last_incident_step: int | None = None
         """The step of the last incident handled (a precursor does not dump a step dumped already)."""
         self.precursors = precursors.attach(self, self.config.precursors)
@@ -157,6 +163,7 @@ class Guard:
             if self._current is None:
                 self._current = StepRecord()
                 self.buffers.take_before_forward()
+                self.stopped = None  # the job caught the TrainingFaultError and trains on
             record = self._current
             if len(record.batches) >= MAX_MICRO_BATCHES:
                 return
@@ -210,8 +217,9 @@ class Guard:
         try:
             sync_free = self._sync_free is not None and self._sync_free.active()
             decision = (self._sync_free if sync_free else self._sync_check).check(record, grad_norm)
-        except TrainingFaultError:
+        except TrainingFaultError as fault:
             self.last_step = record
+            self.stopped = fault  # later exceptions outside a recorded step are not this step's (record_exception)
             self.step += 1  # a job that catches the error and goes on must not reuse this step's number
             raise
         except Exception as exc:  # noqa: BLE001
@@ -240,11 +248,16 @@ class Guard:
 
     def compute_grad_norm(self) -> torch.Tensor | float | None:
         """The gradient norm of this step when the loop passed none (None: no gradients); for a DTensor model,
-        the norm of this rank's shards (sharded_grad_norm)."""
+        the norm of this rank's shards (sharded_grad_norm). Always unscaled: gradients a GradScaler still holds
+        scaled (check() before `scaler.unscale_`) are measured divided by its scale (its device tensor, no sync),
+        and `own_norm_unscaled` says so (the manifest's `loss.grad_norm_unscaled_by`)."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if self.dtensors:
-            return sharding.shard_grad_norm(grads)
-        return total_grad_norm(grads)
+        norm = sharding.shard_grad_norm(grads) if self.dtensors else total_grad_norm(grads)
+        scale = thirdparty.grads_scaled_by(self.scaler, self.optimizer)  # before scaler.unscale_: grads x scale
+        self.own_norm_unscaled = scale is not None and norm is not None
+        if self.own_norm_unscaled:  # one unit everywhere: the norm clip_grad_norm_ would see after unscale_
+            norm = norm / scale.reshape(()).to(norm.device) if isinstance(norm, torch.Tensor) else norm / float(scale)
+        return norm
 
     def collect_state(self, copy: snapshot.HostCopy) -> dict:
         """Name-keyed pre-step state: `{"model": {name: tensor}, "optimizer": {...}}` (docs/DUMP_FORMAT.md), the
@@ -376,8 +389,11 @@ class Guard:
         """
         trigger, policy = incident.trigger, incident.policy
         self.last_incident_step = incident.step
-        log.warning("forensics: step %d rank %d: %s (policy: %s)", incident.step, self.rank, trigger.message, policy)
-        dump_path, dump_error = self.dumper.dump(incident)
+        admission = self.dumper.admit(incident)  # one not dumped is counted and logged once per window there
+        if admission.why_not is None or policy is not Policy.CONTINUE:
+            log.warning("forensics: step %d rank %d: %s (policy: %s)", incident.step, self.rank, trigger.message,
+                        policy)
+        dump_path, dump_error = self.dumper.dump(incident, admission)
         if policy is Policy.RAISE:
             where = f"dump written to {dump_path}" if dump_path else f"NO dump was written: {dump_error}"
             raise TrainingFaultError(
@@ -385,6 +401,11 @@ class Guard:
                 + (f"Replay it with: forensics replay {dump_path}" if dump_path else ""),
                 trigger, dump_path, dump_error)
         return policy is not Policy.SKIP
+
+    def not_dumped(self, trigger: Any, step: int, why: str, reason: str) -> None:
+        """Counts a trigger that is not dumped (`why`; `reason` its key in the manifest's `dump_budget`), logged once
+        per window (capture/dump_budget.py)."""
+        self.dumper.not_dumped(trigger, step, why, reason)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def flush(self) -> None:

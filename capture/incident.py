@@ -58,6 +58,8 @@ class Incident:
     """Scheduler state saved at the step's check (sync-free: the scheduler has moved on since)."""
     exception: dict | None = None
     """The manifest's `exception` section when the step raised (capture/exceptions.py)."""
+    grad_norm_unscaled_by: float | None = None
+    """The loss scale the Guard divided its own grad norm by (the manifest's `loss.grad_norm_unscaled_by`)."""
     agreed: bool = False
     """Every rank of a multi-rank job dumps this step (a trigger agreed at check()): the dump may exchange
     data between ranks (buddy copies) before writing."""

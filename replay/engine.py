@@ -34,6 +34,7 @@ from replay.judge.assemble import assemble_report
 from replay.judge.between_steps import between_steps_report, raised_between_steps
 from replay.judge.findings import Bisection, Findings, HistoryFinding
 from replay.judge.history_pattern import classify_history, diverged_long_ago, history_signals, read_history
+from replay.run.units import unscaled_history
 from replay.judge.precision import fp32_check, uses_low_precision
 from replay.judge.precursor import precursor_report
 from replay.judge.remedies import try_remedies
@@ -371,6 +372,8 @@ def _stages(session: ReplaySession, runner: StepRunner, options: ReplayOptions, 
     elif findings.culprits and findings.exception is not None:
         _stage(progress, "naming the values that make the culprit samples raise")
         findings.exception = localize_exception(runner, findings.culprits) or findings.exception
+    if session.grad_norms_scaled:  # the job's grad norms were of scaled gradients: read them unscaled
+        history = unscaled_history(history)
     findings.history = _history(history, _uniform_loss(runner.model), (dump_info or {}).get("step"))
     if findings.reproduced and not raised and options.remedies:
         _stage(progress, "trying remedies on the step")
@@ -396,6 +399,7 @@ def _reproduce(runner: StepRunner, options: ReplayOptions, progress: Progress | 
     kind = trigger.kind
     _stage(progress, f"reproducing the step ({len(session.micro_batches)} micro-batch(es), trigger {kind})")
     reproduction = reproduce(runner, options.max_attempts)
+    trigger = session.trigger  # in the replay's units (a grad norm recorded on scaled gradients: unscaled)
     findings = Findings(kind=kind, trigger=trigger, threshold=trigger.threshold,
                         reproduction=reproduction, reproduced=reproduction.reproduced,
                         weights_nonfinite=list(runner.nonfinite_params))

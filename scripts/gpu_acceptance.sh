@@ -134,5 +134,17 @@ step precursor_fsdp2_replay 0 bash -c "s=\$(ls -d $d/pfsdp/grow/step-* | head -1
 wanted precursor_fsdp2_replay && must_say precursor_fsdp2_replay "instability ahead"
 # 12. the write benchmark (forensics vs torch.save vs raw, cuda)
 step dump_write_bench 0 python3 -m scripts.bench.dump_write --dir /tmp --rounds 3 --device cuda:0
+# 13. a natural fp16 divergence on cuda:0 under the DEFAULT GuardConfig (issue 30): a small GPT-2, SGD at a learning
+#     rate too high, autocast fp16 + GradScaler(init_scale 2**16), check() measuring the grad norm itself before any
+#     unscale_. Real spikes, then the crash: the crash is dumped, spike dumps stay within max_spike_dumps, their grad
+#     norms are unscaled (the scale recorded). The spike dump's replay reproduces (exit 0 or 4, never 3, no hardware
+#     advice); the crash dump's replay reproduces too. (Written 2026-11-27 on the CPU, where it spikes at step ~99 and
+#     goes NaN at ~125; first GPU run pending.)
+step natural_fp16 0 python3 scripts/natural_spiky_fp16.py $d/nat --device cuda:0
+replay_reproduces() {  # DUMP_FILE REPORT_DIR: the replay of the dump named in DUMP_FILE exits 0 or 4, without DCGM
+  local said rc; said=$(python3 -m forensics.cli replay "$(cat "$1")" --device cuda:0 -o "$2" 2>&1); rc=$?
+  echo "$said"; echo "replay-exit=$rc"; ! grep -q DCGM <<<"$said" && { [ "$rc" -eq 0 ] || [ "$rc" -eq 4 ]; }; }
+step natural_fp16_replay_spike 0 replay_reproduces $d/nat/spike_dump.txt "$out/nat_spike"
+step natural_fp16_replay_crash 0 replay_reproduces $d/nat/crash_dump.txt "$out/nat_crash"
 echo "--- summary ($(cat "$out/date.txt"))"; cat "$out/summary.txt"
 [ "$failed" -eq 0 ] && echo "all GPU acceptance steps passed; logs in $out" || { echo "some GPU acceptance steps FAILED"; exit 1; }

@@ -164,6 +164,7 @@ class DeepSpeedGuard(DistributedGuard):
             return 0.0
         squares = torch.stack([torch.linalg.vector_norm(t.detach(), dtype=torch.float32) ** 2 for t in tensors])
         norm = squares.sum().sqrt()
+        self.own_norm_unscaled = self.scaler is not None
         if self.scaler is not None:
             norm = norm / float(self.optimizer.loss_scale)
         return norm

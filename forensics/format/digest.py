@@ -12,6 +12,7 @@ import hashlib
 import os
 from typing import BinaryIO
 
+from forensics.format import threads
 from forensics.format.spec import CHUNK_BYTES
 
 
@@ -93,7 +94,7 @@ class HashingWriter:
                 hasher.update(piece)
         else:
             pool = _hash_pool()
-            jobs = [pool.submit(hasher.update, piece) for hasher, piece, _ in pieces]
+            jobs = [threads.submit(pool, hasher.update, piece) for hasher, piece, _ in pieces]
             try:
                 self.raw.write(view)
             finally:

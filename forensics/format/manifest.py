@@ -27,7 +27,7 @@ MAX_STEP = 1 << 62
 OPTIONAL_SECTIONS: dict[str, type] = {
     "loss": dict, "precision": dict, "recipe": dict, "determinism": dict, "environment": dict, "recheck": dict,
     "distributed": dict, "exception": dict, "layout": dict, "window": dict, "data_recipe": dict, "snapshot": dict,
-    "state_missing": str, "missing_ranks": list,
+    "state_missing": str, "missing_ranks": list, "dump_budget": dict,
 }
 """Top-level sections a writer omits when it has nothing to say: when present, each has this JSON type."""
 _TYPE_WORDS = {dict: "an object", str: "a string", list: "a list"}

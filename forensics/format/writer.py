@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import errno
+import functools
 import logging
 import os
 import shutil
@@ -16,7 +17,7 @@ import zstandard
 
 from forensics.errors import CaptureError
 from forensics.fsio import fsync_dir
-from forensics.format import jsonio, spec
+from forensics.format import jsonio, spec, threads
 from forensics.format.shards import LocalShard, ShardCopies, shard_entry
 from forensics.format.stale import remove_stale_temporaries, temporary_name
 from forensics.format.digest import HashingWriter
@@ -29,16 +30,6 @@ log = logging.getLogger(__name__)
 
 ZSTD_LEVEL = 3
 CONCURRENT_WRITE_MIN = 64 << 20  # below 64 MB of weights, a second writer thread is not worth starting
-
-
-class _Done:
-    """An already-computed result with a future's .result()."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def result(self):
-        return self.value  # batches are small; level 3 is zstd's default speed/ratio balance
 
 
 @dataclass
@@ -157,7 +148,7 @@ def _write_state(target: _DumpDir, files: spec.StateFiles, model: dict[str, Any]
     big = sum(t.numel() * t.element_size() for t in map(lambda v: shard_entry(v)[0], model.values())) \
         >= CONCURRENT_WRITE_MIN
     with ThreadPoolExecutor(max_workers=2 if big else 1, thread_name_prefix="forensics-write") as pool:
-        run = pool.submit if big else (lambda fn, *args: _Done(fn(*args)))
+        run = functools.partial(threads.submit, pool) if big else (lambda fn, *args: threads.Done(fn(*args)))
         jobs = [run(target.write_tensors, files.model, model)]
         if optimizer is not None:
             meta, tensors = _optimizer_parts(optimizer)
@@ -177,7 +168,7 @@ def _write_copies(target: _DumpDir, copies: list[ShardCopies]) -> dict:
     big = sum(s.tensor.numel() * s.tensor.element_size() for *_, shards in files for s in shards.values()) \
         >= CONCURRENT_WRITE_MIN
     with ThreadPoolExecutor(max_workers=2 if big else 1, thread_name_prefix="forensics-write") as pool:
-        for job in [pool.submit(target.write_tensors, stored, shards) for stored, _, _, shards in files]:
+        for job in [threads.submit(pool, target.write_tensors, stored, shards) for stored, _, _, shards in files]:
             job.result()
     return {stored: {"of": file, "rank": source, "shards": target.shards.pop(stored)}
             for stored, file, source, _ in files}
@@ -263,6 +254,22 @@ def _remove_if_empty(directory: Path, root: Path) -> None:
         except OSError:
             return
         directory = directory.parent
+
+
+def remove_rank_dump(path: Path) -> None:
+    """Deletes the rank dump at `path` (and its packed archive next to it), then its step directory once no rank's
+    dump is left in it (another rank still writing there keeps it).
+
+    Raises:
+        OSError: the dump could not be deleted.
+    """
+    path = Path(path)
+    if path.is_dir():
+        shutil.rmtree(path)
+    archive = path.with_name(path.name + spec.ARCHIVE_SUFFIX)
+    if archive.is_file():
+        archive.unlink()
+    _remove_if_empty(path.parent, path.parent.parent)
 
 
 _CLEANED: set[str] = set()

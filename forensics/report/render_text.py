@@ -9,7 +9,7 @@ import os
 from typing import Any, Mapping
 
 from forensics.report.model import as_float
-from forensics.kinds import Phase
+from forensics.kinds import Phase, TriggerKind
 from forensics.report.wording import (MAX_LISTED_SAMPLES, clean, fmt_id, fmt_list, fmt_num, mb_number, mb_phrase,
                                       pattern_words, trigger_detail, verdict_label)
 
@@ -261,12 +261,13 @@ def precision_sentence(report: Mapping) -> str | None:
     has_samples = bool(culprit_ids(report))
     under = f"autocast {clean(dtype)}" if dtype else f"FSDP2 mixed precision ({clean(fsdp)} compute)" if fsdp \
         else "the job's precision"
+    spike = TriggerKind.parse((report.get("trigger") or {}).get("kind"), TriggerKind.NONFINITE_LOSS).spike
     if fp32 is False:
         cause = "precision + data" if has_samples else "precision"
-        return f"Ran under {under}; in fp32 the step is finite → {cause}."
+        return f"Ran under {under}; in fp32 the step {'does not spike' if spike else 'is finite'} → {cause}."
     if fp32 is True:
         cause = "data, not precision" if has_samples else "not precision (data, model or optimizer)"
-        return f"Ran under {under}; still non-finite in fp32 → {cause}."
+        return f"Ran under {under}; {'still spikes' if spike else 'still non-finite'} in fp32 → {cause}."
     if not report.get("reproduced"):
         return None  # nothing failed in the replay, so there was nothing to re-run in fp32
     if not dtype and not fsdp:

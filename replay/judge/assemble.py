@@ -21,6 +21,7 @@ from replay.load.environment import replay_environment
 from replay.load.session import ReplaySession, finite_float
 from replay.localize.forward_backward import INPUT_MODULE, ROOT_MODULE
 from replay.run.execute import StepRunner
+from replay.run.units import explaining_factor, recorded_factors
 
 
 def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | None, started: float) -> dict:
@@ -138,6 +139,18 @@ def culprit_block(findings: Findings, rank: int, positional: frozenset[int] = fr
     return block
 
 
+def _unit_words(findings: Findings, session: ReplaySession) -> str | None:
+    """A step not reproduced whose recorded value is the replayed one times a recorded factor (loss scale, world
+    size, accumulation count): that factor, in words (replay/run/units.py); None otherwise."""
+    if findings.reproduced:
+        return None
+    trigger, result = findings.trigger, findings.reproduction.result
+    what = "grad norm" if trigger.kind.replayed == "grad_norm" else "loss"
+    unit = explaining_factor(trigger.value, result.replayed_value(trigger.kind, trigger.micro_batch),
+                             recorded_factors(session))
+    return unit.words(what) if unit is not None else None
+
+
 def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | None, culprit: dict) -> VerdictFacts:
     """What the verdict rules (replay/judge/verdict.py) decide on, read from the typed findings."""
     kind, trigger, result = findings.kind, findings.trigger, findings.reproduction.result
@@ -155,6 +168,7 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
         micro_batch=micro_batch, num_micro_batches=max(len(session.micro_batches), session.step_micro_batches),
         trigger_value=trigger.value, threshold=findings.threshold,
         replayed_value=result.replayed_value(kind, trigger.micro_batch),
+        unit_factor=_unit_words(findings, session),
         bitwise=findings.reproduction.fidelity.get("bitwise_equal"), replay_device=str(session.device),
         environment_warnings=list(session.warnings),
         phase=culprit.get("phase"), module=culprit.get("module"), op=culprit.get("op"),

@@ -64,6 +64,9 @@ class VerdictFacts:
     threshold: float | None = None
     replayed_value: float | None = None
     """The same quantity in the replay (for not_reproduced: 'recorded nan, replayed 2.31')."""
+    unit_factor: str | None = None
+    """Not reproduced, and the recorded value is the replayed one times a factor the job recorded (replay/run/units.py):
+    'the recorded grad norm is the replayed one times the loss scale (65536)'. A unit, not hardware."""
     bitwise: bool | None = None
     """Replayed values equal the recorded ones bit for bit (fidelity.bitwise_equal)."""
     replay_device: str | None = None
@@ -295,7 +298,8 @@ def _evidence(f: VerdictFacts) -> list[str]:
         out.append(f"It fails from {f.rng_seeds_tried} other seeds too, so the random state is not the cause.")
     low = _low_precision(f)
     if f.fp32_reproduces is False:
-        out.append(f"In fp32 the step is finite → {'precision + data' if _has_culprit(f) else 'precision'}.")
+        healthy = "does not spike" if f.spike else "is finite"
+        out.append(f"In fp32 the step {healthy} → {'precision + data' if _has_culprit(f) else 'precision'}.")
     elif f.fp32_reproduces is True and low:
         out.append(f"It fails in fp32 too, so {low} is not the cause.")
     return out
@@ -402,11 +406,12 @@ def decide_verdict(facts: VerdictFacts) -> dict:
         return _update_too_large(f)
     if f.spike and (f.run_diverged or f.history_pattern is HistoryPattern.DIVERGED):
         return _diverged(f)
-    if f.weights_nonfinite_at_start or f.all_subsets_fail:
+    precision = f.fp32_reproduces is False and _low_precision(f) is not None
+    if f.weights_nonfinite_at_start or (f.all_subsets_fail and not precision):
         return _model_state(f)
     if f.phase is Phase.OPTIMIZER:
         return _optimizer_update(f)
-    if f.fp32_reproduces is False and _low_precision(f):
+    if precision:  # every sample failing alone, or none to blame, and finite in fp32: the precision is the cause
         return _numerical_precision(f)
     if _has_culprit(f):
         return _bad_sample(f)
@@ -461,6 +466,8 @@ def _not_reproduced(f: VerdictFacts) -> dict:
     rank = f" on the node of rank {f.rank}" if f.rank is not None else ""
     if f.out_of_memory:
         return _memory_not_reproduced(f, headline)
+    if f.unit_factor:
+        return _other_units(f, headline)
     return _result(VerdictKind.NOT_REPRODUCED, headline, f, [
         "Replay on the same GPU model, driver and torch version as the job (the environment "
         "warnings list what differs).",
@@ -471,6 +478,26 @@ def _not_reproduced(f: VerdictFacts) -> dict:
         f"If the same GPU and settings still do not reproduce it, suspect the hardware (silent data "
         f"corruption): run the vendor's diagnostics (e.g. DCGM level 3){rank}.",
     ], reading)
+
+
+def _other_units(f: VerdictFacts, headline: str) -> dict:
+    """Not reproduced, but the ratio of recorded to replayed is a factor the job recorded: a unit, not the hardware."""
+    reading = (f"{f.unit_factor[0].upper() + f.unit_factor[1:]}: the job and the replay measured the same step in "
+               "different units, so the two numbers cannot be compared as they are. This is not a sign of "
+               "non-determinism or of the hardware.")
+    suggestions = []
+    if "loss scale" in f.unit_factor:
+        suggestions.append("Pass check() the norm of unscaled gradients: call scaler.unscale_(optimizer) before "
+                           "clip_grad_norm_, or call check() without grad_norm (the Guard divides the loss scale out "
+                           "of its own norm); clipping thresholds are then in the same units too.")
+    if "world size" in f.unit_factor:
+        suggestions.append("The recorded value covers every rank (summed, or not averaged); replay this step with "
+                           "--all-ranks to compare the whole job's value.")
+    if "accumulation" in f.unit_factor:
+        suggestions.append("The loop divides (or does not divide) by the number of micro-batches where the Guard "
+                           "assumes otherwise: set GuardConfig.loss_divisor to what the loop divides each "
+                           "micro-batch loss by.")
+    return _result(VerdictKind.NOT_REPRODUCED, headline, f, suggestions, reading)
 
 
 def _memory_not_reproduced(f: VerdictFacts, headline: str) -> dict:
@@ -631,8 +658,10 @@ def _numerical_precision(f: VerdictFacts) -> dict:
     who = f" and only with {_samples_phrase(f, lower=True).rstrip(',')}," if with_data else ""
     at = _where_step(f)
     where = ("," if not with_data and _where_value(f) else "") + _where_value(f)
-    headline = (f"{at[0].upper() + at[1:]} goes non-finite only in {dtype}{who}{where}; "
-                f"in fp32 it is finite" + (": precision + data." if with_data else "."))
+    fails, fine = ("spikes", "it does not") if f.spike else ("goes non-finite", "it is finite")
+    every = " with every sample on its own" if f.all_subsets_fail and not with_data else ""
+    headline = (f"{at[0].upper() + at[1:]} {fails} only in {dtype}{who}{every}{where}; "
+                f"in fp32 {fine}" + (": precision + data." if with_data else "."))
     suggestions = []
     if with_data:
         ids = ", ".join(_id(s) for s in f.culprit_samples[:MAX_NAMED_SAMPLES])

@@ -84,6 +84,9 @@ class ReplaySession:
     positional_ids: frozenset[int] = frozenset()
     """Micro-batches whose sample IDs are positions in the batch, made up because the job recorded none: a
     report may name such a sample, a blocklist never (manifest `ids_are_positional`)."""
+    grad_norms_scaled: bool = False
+    """The job's grad norms were measured on gradients a GradScaler still held scaled (found by replay/run/execute.py
+    `_to_replay_units`): the history's are divided by their loss scale before they are read."""
     world_size: int = 1
     """Ranks of the job. With more than one, the recorded grad norm covers every rank's gradients
     (after all-reduce / over all ZeRO shards), so a one-rank replay compares losses only."""

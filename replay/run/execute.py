@@ -25,6 +25,7 @@ from forensics.kinds import Phase, TriggerKind
 from replay.load.fsdp_precision import fsdp_compute
 from replay.load.samples import SampleRef
 from replay.load.session import ReplaySession, finite_float, weight_fingerprints
+from replay.run.units import explaining_factor, recorded_factors, to_replay_units
 
 logger = logging.getLogger(__name__)
 
@@ -418,8 +419,12 @@ class StepRunner:
         if not keep_grads:
             for p in self.model.parameters():
                 p.grad = None
-        if fp32:
+        if fp32:  # the weights back in their dtype; the gradients kept (an update from them is measured next)
+            grads = {name: p.grad for name, p in self.model.named_parameters()} if keep_grads else {}
             self.reset()
+            for name, p in self.model.named_parameters():
+                grad = grads.get(name)
+                p.grad = None if grad is None else grad.to(p.dtype)
         return result
 
     def _start_pass(self, fp32: bool) -> None:
@@ -592,6 +597,8 @@ def reproduce(runner: StepRunner, max_attempts: int = 3, tolerance: float = DEFA
     attempts, result, reproduced = 0, None, False
     for attempts in range(1, max(1, max_attempts) + 1):
         result = runner.run(keep_grads=True)
+        if attempts == 1 and to_replay_units(session, result.grad_norm):
+            threshold = session.trigger.threshold
         reproduced = result.trigger_reproduced(kind, threshold)
         if reproduced or session.device.type == "cpu":  # CPU kernels are deterministic: same answer again
             break
@@ -606,6 +613,10 @@ def reproduce(runner: StepRunner, max_attempts: int = 3, tolerance: float = DEFA
     if session.world_size > 1:
         norm_reason = (f"the recorded grad norm covers all {session.world_size} ranks' gradients; a one-rank "
                        "replay computes this rank's only, so fidelity compares the per-micro-batch losses")
+    unit = explaining_factor(recorded_norm, result.grad_norm, recorded_factors(session))
+    if norm_reason is None and unit is not None:
+        norm_reason = (f"{unit.words()}: the job measured it in other units, so fidelity compares the per-micro-batch "
+                       "losses")
     norm_compared = recorded_norm is not None and norm_reason is None
     compared = any(a is not None for a in recorded) or norm_compared
     bitwise = compared and all(_same(a, b) for a, b in zip(recorded, replayed) if a is not None) and \

@@ -115,3 +115,62 @@ def test_wrapped_optimizers_are_hooked_on_the_torch_optimizer_inside():
             self.optimizer = optimizer
 
     assert torch_optimizer(ZeroLike(ZeroLike(inner))) is inner
+
+
+def test_an_exception_after_the_guard_stopped_the_job_is_not_claimed_as_a_step(tmp_path, caplog):
+    """Issue 30, item 6: the loop ends with TrainingFaultError (a NaN loss at step 3); code after the loop raises
+    FileNotFoundError. The Guard does not dump or describe it as 'step N raised ... between steps'."""
+    from forensics.errors import TrainingFaultError
+
+    caplog.set_level("WARNING", logger="capture")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(WIDTH, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = Guard(model, optimizer, loss_fn=loss_fn, config=GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="after"))
+    data = torch.randn(SAMPLES, WIDTH, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(FileNotFoundError):
+        try:
+            for step in range(5):
+                with guard.capture_errors():
+                    batch = build_batch(data, list(range(SAMPLES)), step)
+                    guard.record_batch(batch)
+                    loss = loss_fn(model, batch) * (float("nan") if step == 3 else 1.0)
+                    guard.record_loss(loss)
+                    loss.backward()
+                    if guard.check():
+                        optimizer.step()
+                    optimizer.zero_grad()
+        except TrainingFaultError:
+            with guard.capture_errors():  # the user's clean-up after the failed run
+                open(tmp_path / "no-such-checkpoint.pt", "rb")
+    guard.close()
+    assert [open_dump(p).trigger["kind"] for p in guard.dumps] == ["nonfinite_loss"]
+    messages = [r.getMessage() for r in caplog.records]
+    assert not any("FileNotFoundError" in m and "between steps" in m for m in messages)
+    assert any("FileNotFoundError raised after the Guard stopped the job at step 3" in m for m in messages)
+
+
+def test_an_exception_before_the_first_recorded_step_says_how_to_guard_it_or_is_dumped_when_recorded(tmp_path, caplog):
+    """An evaluation before training raises: without a recorded batch the log says how to have it dumped; with
+    record_batch inside capture_errors() it is dumped (trigger exception, the evaluation batch's samples)."""
+    caplog.set_level("WARNING", logger="capture")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(WIDTH, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = Guard(model, optimizer, loss_fn=loss_fn, config=GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="eval"))
+    wrong = {"x": torch.randn(4, WIDTH + 1), "y": torch.zeros(4, 1), "sample_ids": [f"eval-{i}" for i in range(4)]}
+    with pytest.raises(RuntimeError):
+        with guard.capture_errors():
+            loss_fn(model, wrong)  # evaluation, no batch recorded
+    assert guard.dumps == []
+    hint = [r.getMessage() for r in caplog.records if "outside a recorded step" in r.getMessage()]
+    assert len(hint) == 1 and "before the first record_batch" in hint[0] and "guard.capture_errors()" in hint[0] \
+        and "record_batch" in hint[0]
+    with pytest.raises(RuntimeError):
+        with guard.capture_errors():
+            guard.record_batch(wrong)
+            loss_fn(model, wrong)
+    guard.close()
+    [path] = guard.dumps
+    dump = open_dump(path)
+    assert dump.trigger["kind"] == "exception" and dump.sample_ids(0) == [f"eval-{i}" for i in range(4)]

@@ -30,13 +30,14 @@ WORKER = textwrap.dedent('''
 
 
     SPIKE_STEP = 8
+    REPLACE = {8: 10.0, 11: 10.0, 14: 30.0, 17: 10.0}  # "replace": rank 1's spikes (target offsets), one larger
 
 
     def run(scenario, dump_dir):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
         # spike: a DDP-wrapped model (gradients agree; the Guard strips the wrapper); elsewhere each rank's own
-        wrapped = DistributedDataParallel(model) if scenario == "spike" else model
+        wrapped = DistributedDataParallel(model) if scenario in ("spike", "replace") else model
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 30) if scenario == "overflow" else None
         if scenario == "cap" and rank == 1:  # rank 1 cannot write: its dump_dir is under a regular file
@@ -45,16 +46,20 @@ WORKER = textwrap.dedent('''
             dump_dir = os.path.join(blocker, "dumps")
         config = GuardConfig(dump_dir=dump_dir, run_id="ddp", on_nonfinite="continue" if scenario == "cap" else "skip",
                              max_dumps=1 if scenario == "cap" else 3,
+                             max_spike_dumps=2 if scenario == "replace" else 3,
+                             min_spike_gap=0 if scenario == "replace" else 100,
                              loss_spike=SpikeConfig(window=8, warmup=4))
         guard = Guard(wrapped, optimizer, scaler=scaler, config=config, loss_fn=None)
         decisions = []
-        for step in range(SPIKE_STEP + 2 if scenario == "spike" else 3):
+        for step in range(SPIKE_STEP + 2 if scenario == "spike" else 19 if scenario == "replace" else 3):
             x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
             if scenario in ("nan", "cap") and rank == 1 and step >= 1 and (scenario == "cap" or step == 1):
                 x[0, 0] = float("nan")
             target = torch.zeros(4, 1)
             if scenario == "spike" and rank == 1 and step == SPIKE_STEP:
                 target += 100.0  # a finite loss spike, on rank 1 only
+            if scenario == "replace" and rank == 1:
+                target += REPLACE.get(step, 0.0)
             batch = {"x": x, "sample_ids": [f"r{rank}s{step}i{i}" for i in range(4)]}
             guard.record_batch(batch)
             with torch.autocast("cpu", dtype=torch.float16, enabled=scaler is not None):
@@ -77,7 +82,7 @@ WORKER = textwrap.dedent('''
 
     os.makedirs(sys.argv[1], exist_ok=True)
     print(json.dumps({scenario: run(scenario, os.path.join(sys.argv[1], scenario))
-                      for scenario in ("nan", "overflow", "spike", "cap")}), flush=True)
+                      for scenario in ("nan", "overflow", "spike", "cap", "replace")}), flush=True)
     dist.barrier()
     os._exit(0)  # no gloo teardown: under load it can abort (SIGABRT) a rank whose peer closed first
 ''')
@@ -168,3 +173,16 @@ def test_a_dump_that_fails_on_one_rank_still_counts_against_its_cap(two_ranks):
     assert [Path(p).parent.name for p in rank0["dumps"]] == ["step-000000001"] and rank0["dump_errors"] == []
     assert rank1["dumps"] == [] and len(rank1["dump_errors"]) == 1, rank1
     assert "Not a directory" in rank1["dump_errors"][0]
+
+
+def test_spike_dumps_are_kept_and_replaced_alike_on_every_rank(two_ranks):
+    """max_spike_dumps=2, rank 1's spikes at steps 8, 11, 14 (the largest) and 17: both ranks keep steps 8 and 14 (the
+    first and the largest), both delete step 11 (no step directory left), neither writes step 17 — the same decisions
+    on every rank, from the agreed values."""
+    root, results = two_ranks
+    for result in results["replace"]:
+        assert sorted(open_dump(p).step for p in result["dumps"]) == [8, 14], result
+    run_dir = root / "replace" / "ddp"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["step-000000008", "step-000000014"]
+    for step_dir in run_dir.iterdir():
+        assert sorted(p.name for p in step_dir.iterdir()) == ["rank-00000", "rank-00001"]

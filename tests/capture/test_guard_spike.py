@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from capture import Guard, GuardConfig, SpikeConfig
+from forensics.errors import TrainingFaultError
 from forensics.format import open_dump, verify_dump
 
 SEQ = torch.arange(8)
@@ -60,23 +61,56 @@ def test_spike_under_continue_policy_writes_a_dump_in_the_background_and_trainin
     assert dump.trigger["value"] > 20 * sorted(losses[WARM - 8:WARM])[4]
 
 
-def test_several_spikes_are_capped_by_max_dumps(helpers, gpt2, tmp_path):
-    spikes = set(range(WARM, WARM + 5))
-    guard, loop = run(helpers, gpt2, tmp_path, spike_steps=spikes, total=WARM + 6, max_dumps=2, min_spike_gap=0)
-    assert all(log.decision for log in loop.logs)
-    assert len(guard.dumps) == 2
-    assert sorted(open_dump(p).step for p in guard.dumps) == [WARM, WARM + 1]
-    steps_on_disk = sorted(p.name for p in (tmp_path / "dumps" / "spiky").iterdir())
-    assert steps_on_disk == [f"step-{WARM:09d}", f"step-{WARM + 1:09d}"]
+def sized_micro_batch(step: int, index: int, wrong: int) -> dict:
+    """`wrong` of the step's 4 samples (2 micro-batches of 2) carry labels the model cannot predict: the spike's size."""
+    batch = micro_batch(step, index, False)
+    for j in range(2):
+        if 2 * index + j < wrong:
+            batch["labels"][j] = WRONG
+    return batch
 
 
-def test_spikes_closer_than_min_spike_gap_are_not_dumped(helpers, gpt2, tmp_path, caplog):
+def test_spike_dumps_keep_the_first_and_the_largest_and_the_crash_keeps_its_own_place(helpers, gpt2, tmp_path,
+                                                                                         caplog):
+    """max_spike_dumps=2: the first spike stays; a larger later one replaces the smaller second one on disk (its
+    step directory gone); smaller ones are counted, logged once, and written into the crash dump's manifest; the NaN
+    at the end still gets its dump (max_dumps=1 is the crash's own)."""
+    caplog.set_level("WARNING", logger="capture")
+    sizes = {WARM: 1, WARM + 3: 1, WARM + 6: 4, WARM + 9: 1, WARM + 10: 1}
+    nan_step = WARM + 12
+    model = gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = Guard(model, optimizer, config=GuardConfig(
+        dump_dir=str(tmp_path / "dumps"), run_id="spiky", loss_spike=SpikeConfig(window=16, warmup=8),
+        max_dumps=1, max_spike_dumps=2, min_spike_gap=0))
+    base = helpers.default_loss_fn(("sample_ids", "factor"))
+    loop = helpers.TrainLoop(model, optimizer, guard, loss_fn=lambda m, b: base(m, b) * b.get("factor", 1.0))
+    steps = [[sized_micro_batch(step, i, sizes.get(step, 0)) for i in range(2)] for step in range(nan_step + 1)]
+    steps[nan_step][1]["factor"] = float("nan")
+    with pytest.raises(TrainingFaultError):
+        loop.run(steps)
+    guard.close()
+    on_disk = sorted(p.name for p in (tmp_path / "dumps" / "spiky").iterdir())
+    assert on_disk == [f"step-{s:09d}" for s in (WARM, WARM + 6, nan_step)]  # WARM + 3 was replaced, no empty dir
+    crash = open_dump(tmp_path / "dumps" / "spiky" / f"step-{nan_step:09d}" / "rank-00000")
+    assert crash.trigger["kind"] == "nonfinite_loss"
+    budget = crash.manifest["dump_budget"]
+    assert budget["spike_dumps_kept"] == [WARM, WARM + 6]
+    assert budget["not_dumped"]["loss_spike"]["smaller_than_kept"] >= 2  # WARM + 9, WARM + 10 (and echoes)
+    assert sorted(p.parent.name for p in guard.dumps) == on_disk
+    lines = [r.getMessage() for r in caplog.records if "not dumped" in r.getMessage()]
+    assert len(lines) == 2 and "max_spike_dumps" in lines[0]  # the first with the rule, then one count at close()
+    assert "1 more trigger(s)" in lines[1]
+
+
+def test_spikes_closer_than_min_spike_gap_are_counted_and_logged_once(helpers, gpt2, tmp_path, caplog):
     spikes = set(range(WARM, WARM + 5))
     caplog.set_level("WARNING", logger="capture")
-    guard, loop = run(helpers, gpt2, tmp_path, spike_steps=spikes, total=WARM + 6, max_dumps=10, min_spike_gap=3)
+    guard, loop = run(helpers, gpt2, tmp_path, spike_steps=spikes, total=WARM + 6, max_spike_dumps=10, min_spike_gap=3)
     assert sorted(open_dump(p).step for p in guard.dumps) == [WARM, WARM + 3]
-    fired = [r.getMessage() for r in caplog.records if "above the spike threshold" in r.getMessage()]
-    assert len(fired) >= 4  # every spike is logged even when it is not dumped
+    refused = [r.getMessage() for r in caplog.records if "not dumped" in r.getMessage()]
+    assert len(refused) == 2  # the first refusal with its reason, then one line with the count at close()
+    assert "min_spike_gap" in refused[0] and "more trigger(s)" in refused[1] and "min_spike_gap" in refused[1]
 
 
 def test_a_healthy_run_writes_nothing(helpers, gpt2, tmp_path):

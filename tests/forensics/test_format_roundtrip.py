@@ -174,7 +174,7 @@ def test_step_directory_with_several_ranks_and_one_missing(helpers, tmp_path):
         open_dump(tmp_path / "run-test")
 
 
-def test_writer_failure_mid_write_leaves_no_dump_and_no_temp_dir(helpers, tmp_path):
+def test_writer_failure_mid_write_leaves_no_dump_no_temp_dir_and_no_empty_step_dir(helpers, tmp_path):
     content, _ = helpers.synthetic_content()
     content.model["complex"] = torch.zeros(2, dtype=torch.complex64)  # safetensors cannot store it
     with pytest.raises(CaptureError, match="complex"):

@@ -130,7 +130,7 @@ def test_multi_rank_dump_compares_losses_only(kit):
     session = kit.make_session(kit.build_gpt2(dropout=0.0), kit.build_batches(poison=False),
                                trigger={"kind": "nonfinite_loss", "value": None, "threshold": None,
                                         "micro_batch": None})
-    session.recorded_grad_norm = session.recorded_grad_norm * 0.5  # e.g. averaged over 2 ranks
+    session.recorded_grad_norm = session.recorded_grad_norm * 0.7  # another value (not x a recorded factor)
     alone = reproduce(StepRunner(session)).fidelity
     assert alone["bitwise_equal"] is False and alone["grad_norm_compared"] is True
 

@@ -262,3 +262,23 @@ def test_spike_advice_for_numeric_features_speaks_of_their_scale_not_of_text():
     tokens = " ".join(decide_verdict(VerdictFacts(**common, data_kind="tokens"))["suggestions"])
     assert "scale and range of its features" in numeric and "sequence lengths" not in numeric
     assert "sequence lengths" in tokens
+
+
+def test_every_sample_failing_alone_but_finite_in_fp32_is_precision_not_model_state():
+    v = check_shape(decide_verdict(facts(all_subsets_fail=True, fp32_reproduces=False, autocast_dtype="float16")))
+    assert v["kind"] == "numerical_precision" and "with every sample on its own" in v["headline"]
+    v = check_shape(decide_verdict(facts(trigger_kind="grad_norm_spike", trigger_value=9.0, threshold=3.0,
+                                         fp32_reproduces=False, autocast_dtype="float16")))
+    assert v["kind"] == "numerical_precision" and "spikes only in float16" in v["headline"]
+    assert "In fp32 the step does not spike" in v["explanation"]
+
+
+def test_not_reproduced_by_a_recorded_factor_names_it_and_never_suspects_the_hardware():
+    v = check_shape(decide_verdict(facts(trigger_kind="grad_norm_spike", reproduced=False, trigger_value=7.288e4,
+                                         threshold=2e4, replayed_value=1.112,
+                                         unit_factor="the recorded grad norm is the replayed one times the loss "
+                                                     "scale (65536)")))
+    assert v["kind"] == "not_reproduced"
+    text = " ".join([v["headline"], v["explanation"], *v["suggestions"]])
+    assert "loss scale (65536)" in text and "scaler.unscale_" in text
+    assert "DCGM" not in text and "hardware (silent" not in text
