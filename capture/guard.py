@@ -37,7 +37,7 @@ from capture.window import FlightRecorder
 from forensics.errors import TrainingFaultError
 from forensics.grad_norm import total_grad_norm
 from forensics.kinds import Policy, StateLayout
-from forensics.rng import capture_rng
+from forensics.rng import RngCapture
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +127,7 @@ class Guard:
         self.dump_errors: list[str] = self.dumper.errors
         """Why a dump was not written, one entry per failed attempt."""
         self._current: StepRecord | None = None
+        self._capture_rng = RngCapture()
         self._hooks: list[Any] = []
         self.add_hook(model.register_forward_pre_hook(self._note_autocast))
         self.optimizer_steps = OptimizerSteps(optimizer, self.add_hook)
@@ -164,7 +165,7 @@ class Guard:
                 sample_ids = batch.get(self.config.sample_id_key)
             record.batches.append(batch)
             record.sample_ids.append(sample_ids)
-            record.rng.append(capture_rng())
+            record.rng.append(self._capture_rng())
         except Exception:  # noqa: BLE001 - capture must never break the job
             log.exception("forensics: record_batch failed; this step will not be capturable")
 
