@@ -1,6 +1,7 @@
 """The in-job Guard: records each step's micro-batches and RNG, detects faults, writes the dump, applies policy.
 
-Costs on a healthy step: an RNG snapshot per micro-batch (host only), one fused grad-norm reduction
+Costs on a healthy step: an RNG snapshot per micro-batch (host only; the Python and numpy states shared while their
+generators did not draw), one fused grad-norm reduction
 when the loop does not pass its own, and exactly one device->host transfer (inside `check`). Under
 torchrun (world size > 1, torch.distributed initialised) add one all-reduce, so that every rank
 triggers on the same step (capture/agreement.py); framework adapters live in capture.integrations.

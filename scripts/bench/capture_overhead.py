@@ -16,6 +16,9 @@ interleaved rounds whose mode order rotates, medians of rounds; the Guard's own 
   fsdp2:   FSDP2 (fully_shard per layer, bf16 compute / fp32 reduce) Llama of 1.47 B parameters (hidden 2048, 26
            layers, SwiGLU 5632, vocabulary 32000), AdamW (fused on CUDA), 2 micro-batches x 2 x 1024 tokens per rank:
       torchrun --nproc_per_node=2 -m scripts.bench.capture_overhead --config fsdp2 [--rounds 6 --steps 10]
+  host:    the host time a guarded step adds on the CPU, 12 x Linear(256), AdamW, one thread, plain and guarded
+           interleaved (15 rounds x 20 steps unless --rounds / --steps say otherwise), and the time inside the Guard:
+      python -m scripts.bench.capture_overhead --config host [--micro 4]
 `--tiny` shrinks either to a CPU-sized model (a check that the script runs: `--no-compile` on a machine without a
 compiler for inductor).
 """
@@ -36,11 +39,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--config", choices=("short", "nanogpt", "fsdp2"), default="short",
-                        help="short: the modes below on 2 x 4 x 1024 tokens; nanogpt / fsdp2: issue 32's two steps")
+    parser.add_argument("--config", choices=("short", "nanogpt", "fsdp2", "host"), default="short",
+                        help="short: the modes below on 2 x 4 x 1024 tokens; nanogpt / fsdp2: issue 32's two steps; "
+                             "host: the host time a guarded step adds on the CPU (12 x Linear(256))")
+    parser.add_argument("--micro", type=int, default=1, help="host: micro-batches per step")
     parser.add_argument("--tiny", action="store_true", help="a CPU-sized model (checks that the script runs)")
     parser.add_argument("--no-compile", action="store_true", help="nanogpt without torch.compile")
     args = parser.parse_args()
+    if args.config == "host":
+        from scripts.bench.step_ratios import host_cost
+        host_cost(15 if args.rounds == 6 else args.rounds, 20 if args.steps == 10 else args.steps, args.micro)
+        return
     if args.config != "short":
         from scripts.bench.step_ratios import run_config
         run_config(args.config, args.rounds, args.steps, tiny=args.tiny, compile_model=not args.no_compile)

@@ -177,3 +177,59 @@ def report(config: str, words: str, device: torch.device, rounds: int, steps: in
     on_top = [(pc - g) / p for pc, g, p in zip(times["precursors"], times["guarded"], plain)]
     print(f"precursors on top of guarded (PrecursorConfig() defaults, every 8th step sampled): "
           f"{100 * median(on_top):+.2f} % of a plain step (median of rounds)")
+
+
+def host_cost(rounds: int, steps: int, micro: int) -> None:
+    """The host time a guarded step adds on the CPU (12 x Linear(256), AdamW, one thread, check(grad_norm=...)):
+    plain and guarded steps interleaved (two copies of the model), and the time inside the Guard's calls alone."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(12)])
+    data = torch.randn(micro, 8, 256)
+    runs = {}
+    for mode in ("plain", "guarded"):
+        model = copy.deepcopy(base)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        guard = Guard(model, optimizer, config=GuardConfig(dump_dir=tempfile.mkdtemp(prefix="fx-host-")),
+                      loss_fn=squared_output) if mode == "guarded" else None
+        runs[mode] = (model, optimizer, Timed(guard) if guard is not None else None)
+
+    def step(mode: str) -> None:
+        model, optimizer, timed = runs[mode]
+        for index in range(micro):
+            batch = {"x": data[index], "sample_ids": [index]}
+            if timed:
+                timed("record_batch", batch)
+            loss = squared_output(model, batch)
+            if timed:
+                timed("record_loss", loss)
+            loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if timed is None or timed("check", grad_norm=norm):
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(60):
+        step("plain"), step("guarded")
+    times: dict[str, list[float]] = {"plain": [], "guarded": []}
+    inside: list[float] = []
+    for index in range(rounds):
+        for mode in (("plain", "guarded") if index % 2 == 0 else ("guarded", "plain")):
+            timed = runs[mode][2]
+            before = timed.seconds if timed else 0.0
+            start = time.perf_counter()
+            for _ in range(steps):
+                step(mode)
+            times[mode].append((time.perf_counter() - start) / steps)
+            if timed:
+                inside.append((timed.seconds - before) / steps)
+    added = [g - p for g, p in zip(times["guarded"], times["plain"])]
+    print(f"machine: {machine()}; load average {os.getloadavg()[0]:.1f}")
+    print(f"12 x Linear(256), AdamW, {micro} micro-batch(es) of 8, one thread; {rounds} interleaved rounds x {steps} steps")
+    print(f"plain {median(times['plain']) * 1e6:.0f} us, guarded {median(times['guarded']) * 1e6:.0f} us per step; "
+          f"added (median of paired rounds) {median(added) * 1e6:.0f} us; inside the Guard's calls "
+          f"{median(inside) * 1e6:.0f} us per step")
+
+
+def squared_output(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    return model(batch["x"]).pow(2).mean()
