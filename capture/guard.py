@@ -1,8 +1,8 @@
 """The in-job Guard: records each step's micro-batches and RNG, detects faults, writes the dump, applies policy.
 
 Costs on a healthy step: an RNG snapshot per micro-batch (host only; the Python and numpy states shared while their
-generators did not draw), one fused grad-norm reduction
-when the loop does not pass its own, and exactly one device->host transfer (inside `check`). Under
+generators did not draw), one fused grad-norm reduction when the loop does not pass its own, and exactly one
+device->host transfer (inside `check`); tests/capture/test_healthy_cost.py holds the count in CI. Under
 torchrun (world size > 1, torch.distributed initialised) add one all-reduce, so that every rank
 triggers on the same step (capture/agreement.py); framework adapters live in capture.integrations.
 GuardConfig(sync_free=True) removes the transfer for fused optimizers (capture/deferred.py).
