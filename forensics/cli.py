@@ -66,10 +66,31 @@ def shards_option(command):
                              "directory) holding the other ranks' dumps of this step. Repeatable.")(command)
 
 
+def _json_object(ctx: click.Context, param: click.Parameter, value: str | None) -> dict | None:
+    """--factory-kwargs / --loss-kwargs: a JSON object, or None (keep the recorded ones)."""
+    if value is None:
+        return None
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise click.BadParameter(f"is not JSON ({exc}); pass an object, e.g. '{{\"width\": 512}}'") from None
+    if not isinstance(parsed, dict):
+        raise click.BadParameter("must be a JSON object of keyword arguments, e.g. '{\"width\": 512}'")
+    return parsed
+
+
 def recipe_options(command):
-    """--trust / --factory / --loss / --path: what replay may import to rebuild the model and loss."""
+    """--trust / --factory / --loss / --path / --factory-kwargs / --loss-kwargs: what replay may import to rebuild
+    the model and loss, and with what arguments."""
     command = click.option("--path", "sys_path", multiple=True, type=click.Path(path_type=Path),
-                           help="Directory to add to sys.path for --factory / --loss (repeatable).")(command)
+                           help="Directory to add to sys.path for --factory / --loss (repeatable). The job's script "
+                                "and working directories, recorded in the dump, follow it.")(command)
+    command = click.option("--loss-kwargs", default=None, metavar="JSON", callback=_json_object,
+                           help="Keyword arguments for the loss, instead of the recorded ones (kept otherwise, also "
+                                "with --loss, unless they are a built-in recipe's).")(command)
+    command = click.option("--factory-kwargs", default=None, metavar="JSON", callback=_json_object,
+                           help="Keyword arguments for the model factory, instead of the recorded ones (kept "
+                                "otherwise, also with --factory, unless they are a built-in recipe's).")(command)
     command = click.option("--loss", "loss_fn", default=None, metavar="MODULE:FN",
                            help="Loss function (model, batch) -> loss.")(command)
     command = click.option("--factory", default=None, metavar="MODULE:FN",
@@ -102,6 +123,33 @@ def _refuse_writing_into(dump: Path, outputs: dict[str, Path]) -> None:
                                  f"choose another {option}"))
 
 
+def _refuse_unwritable(outputs: dict[str, Path]) -> None:
+    """An output that cannot be written is an error now, before the dump is opened or the model built: `-o` a
+    directory (made if missing), `--blocklist` a file. Nothing is left behind by the probe."""
+    for option, output in outputs.items():
+        directory = output.parent if option == "--blocklist" else output
+        if option == "--blocklist" and output.is_dir():
+            raise BadInput(clean(f"--blocklist {output} is a directory; name a file"))
+        existing = directory
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        try:
+            if not existing.is_dir():
+                raise NotADirectoryError(20, "Not a directory", str(existing))
+            if existing == directory:
+                tempfile.TemporaryFile(dir=directory).close()
+            else:
+                first = directory
+                while first.parent != existing:
+                    first = first.parent
+                first.mkdir()
+                first.rmdir()
+        except OSError as exc:
+            where = exc.filename or existing
+            raise BadInput(clean(f"{option} {output} cannot be written ({exc.strerror or exc}: {where}); choose a "
+                                 "writable path")) from None
+
+
 def _report_dir(report: dict) -> Path:
     """forensics_reports/<run>-step<N>-rank<R>: the run id only when it is a plain name (it comes from the dump)."""
     d = report["dump"]
@@ -123,7 +171,7 @@ def main() -> None:
 def inspect(dump: Path, rank: int | None, as_json: bool, **limits) -> None:
     """Summarise a dump: trigger, step, rank, samples, history, sizes, environment. Reads no weights."""
     from forensics.format import open_dump, open_step
-    from forensics.summary import dump_summary, render_summary
+    from forensics.summary import dump_summary, render_damage, render_summary
 
     try:
         chosen = open_dump(dump, rank=rank, limits=_limits(**limits))
@@ -137,8 +185,11 @@ def inspect(dump: Path, rank: int | None, as_json: bool, **limits) -> None:
         click.echo(json.dumps(to_jsonable(summary), indent=2))
     else:
         click.echo(render_summary(summary))
-    if summary.get("damaged"):
-        sys.exit(int(ExitCode.BAD_INPUT))  # the summary is shown, but the dump is not whole
+    if summary.get("damaged"):  # the summary is shown, but the dump is not whole
+        for line in render_damage(summary):
+            click.echo(line, err=True)
+        more = f" (and {len(summary['damaged']) - 1} more problem(s))" if len(summary["damaged"]) > 1 else ""
+        raise BadInput(clean(f"{dump} is damaged: {summary['damaged'][0]}{more}; `forensics verify` checks it whole"))
 
 
 @main.command()
@@ -236,6 +287,18 @@ def _upload_report(tracker: str, report: dict, files: dict, tensorboard_dir: Pat
                   "report", summary, tensorboard_dir)
 
 
+def _size(ctx: click.Context, param: click.Parameter, text: str | None) -> int | None:
+    """--gpu-memory's SIZE in bytes (None: not given)."""
+    from replay.load.streamed import parse_bytes
+
+    if text is None:
+        return None
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--gpu-memory") from None
+
+
 def _progress(stage: str) -> None:
     click.echo(f"[{time.strftime('%H:%M:%S')}] {stage}", err=True)
 
@@ -265,6 +328,9 @@ def _progress(stage: str) -> None:
               "loss scale, clip, lower LR, skip).")
 @click.option("--no-rng-check", is_flag=True, help="Skip the re-runs with other seeds that tell whether the "
               "failure needs the recorded random state (e.g. one dropout mask).")
+@click.option("--gpu-memory", "gpu_memory", default=None, metavar="SIZE", callback=_size,
+              help="Memory the replay may use on its device (the CPU too), e.g. 16GiB: a state that does not fit is "
+                   "streamed block by block from the dump (automatic on a GPU it does not fit).")
 @click.option("--json", "as_json", is_flag=True, help="Print report.json to stdout.")
 @click.option("--upload", "trackers", multiple=True, type=click.Choice(["wandb", "mlflow", "tensorboard"]),
               help="Also send the report to this tracker's run (WANDB_RUN_ID / MLFLOW_RUN_ID name it; repeatable).")
@@ -272,8 +338,9 @@ def _progress(stage: str) -> None:
               help="TensorBoard log directory for --upload tensorboard.")
 @archive_options
 @shards_option
-def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_path, out, blocklist, from_checkpoint,
-           from_step, no_window, no_bisect, no_remedies, no_rng_check, as_json, trackers, tensorboard_dir, shard_dirs, **limits) -> None:
+def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_path, factory_kwargs, loss_kwargs, out,
+           blocklist, from_checkpoint, from_step, no_window, no_bisect, no_remedies, no_rng_check, gpu_memory, as_json,
+           trackers, tensorboard_dir, shard_dirs, **limits) -> None:
     """Replay the failing step of DUMP offline, localise it, bisect the samples, print the verdict."""
     from forensics.gc_pause import gc_paused
 
@@ -286,17 +353,19 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
 
     outputs = {"-o": out or Path("forensics_reports"), **({"--blocklist": blocklist} if blocklist else {})}
     _refuse_writing_into(dump, outputs)
+    _refuse_unwritable({**({"-o": out} if out else {}), **({"--blocklist": blocklist} if blocklist else {})})
     try:
         archive_limits = _limits(**limits)
         ranks = [d.rank for d in open_step(dump, archive_limits)[0]] if all_ranks else [rank]
         codes = []
         for chosen_rank in ranks:
             options = ReplayOptions(device=device, trust=trust, factory=factory, loss=loss_fn,
-                                    sys_path=[str(p) for p in sys_path], rank=chosen_rank, bisect=not no_bisect,
+                                    sys_path=[str(p) for p in sys_path], factory_kwargs=factory_kwargs,
+                                    loss_kwargs=loss_kwargs, rank=chosen_rank, bisect=not no_bisect,
                                     rng_check=not no_rng_check, remedies=not no_remedies,
                                     from_checkpoint=str(from_checkpoint) if from_checkpoint else None,
                                     from_step=from_step, window=not no_window,
-                                    archive_limits=archive_limits,
+                                    archive_limits=archive_limits, gpu_memory=gpu_memory,
                                     shard_dirs=[str(d) for d in shard_dirs])
             report = run_replay(dump, options, progress=_progress)
             target = out or default_report_dir(report["dump"].get("path"), report["dump"]["rank"]) \
@@ -329,16 +398,19 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
 @recipe_options
 @click.option("--report", "report_dir", type=click.Path(path_type=Path), default=None,
               help="A report directory of this dump (forensics replay -o): its report links the scripts.")
-def repro(dump: Path, out: Path, device, rank, trust, factory, loss_fn, sys_path, report_dir) -> None:
+def repro(dump: Path, out: Path, device, rank, trust, factory, loss_fn, sys_path, factory_kwargs, loss_kwargs,
+          report_dir) -> None:
     """Write a standalone reproduction of DUMP's failure into OUT: op_repro.py (the first non-finite op on its
     exact, shrunk inputs; needs only torch) and model_repro.py (the culprit sample through the dumped weights;
     needs the model code). Each fails with an AssertionError while the bug is there."""
     from replay.repro import link_report, write_repro
 
     _refuse_writing_into(dump, {"-o": out})
+    _refuse_unwritable({"-o": out})
     try:
         result = write_repro(dump, out, device=device, trust=trust, factory=factory, loss=loss_fn,
-                             sys_path=[str(p) for p in sys_path], rank=rank)
+                             sys_path=[str(p) for p in sys_path], rank=rank, factory_kwargs=factory_kwargs,
+                             loss_kwargs=loss_kwargs)
         if report_dir is not None:
             link_report(report_dir, result)
     except (ForensicsError, OSError) as exc:

@@ -13,9 +13,8 @@ HISTORY_AROUND_TRIGGER = 12  # steps of history shown before the trigger
 
 def dump_summary(dump: Dump, missing_ranks: list[int], path: str | None = None) -> dict:
     """A JSON-able summary: the manifest's key facts plus the history tail (reads history.json only).
-    `path`: what to call the dump (the archive the user named, not its temporary unpacked directory). Raises
-    DumpCorruptError for a zstd member whose frame header declares more than it may hold."""
-    dump.check_declared_sizes()
+    `path`: what to call the dump (the archive the user named, not its temporary unpacked directory). `damaged`:
+    listed files missing or of another size, and headers that break the rules replay applies (no file is hashed)."""
     history = dump.history()
     tail = {key: history.get(key, [])[-HISTORY_AROUND_TRIGGER:] for key in ("step", "loss", "grad_norm", "lr",
                                                                              "loss_scale", "skipped")}
@@ -32,7 +31,7 @@ def dump_summary(dump: Dump, missing_ranks: list[int], path: str | None = None) 
         "state": _state_summary(m),
         "window": m.get("window"), "data_recipe": m.get("data_recipe"), "snapshot_step": dump.snapshot_step,
         "state_missing": dump.state_missing,
-        "damaged": [clean(problem) for problem in dump.size_mismatches()],
+        "damaged": [clean(problem) for problem in dump.size_mismatches() + dump.structure_problems()],
     }
 
 
@@ -45,6 +44,12 @@ def _state_summary(manifest: dict) -> dict:
     held = sum(1 for shards in layout["shards"].values() for _ in shards)
     copies_of = sorted({int(c["rank"]) for c in (layout.get("copies") or {}).values()})
     return {"layout": StateLayout.SHARDED.value, "tensors": len(rows), "parts_here": held, "copies_of": copies_of}
+
+
+def render_damage(summary: dict) -> list[str]:
+    """The `DAMAGED:` lines of `forensics inspect` (it prints them on stderr and exits 2)."""
+    return [clean(f"DAMAGED: {problem} — `forensics verify` checks every file; replay refuses a damaged essential file")
+            for problem in summary.get("damaged") or []]
 
 
 def render_summary(summary: dict) -> str:
@@ -93,9 +98,6 @@ def render_summary(summary: dict) -> str:
         f"  size: {fmt_size(summary['total_bytes'])} in {len(summary['files'])} files; format v{summary['format_version']}, "
         f"written {summary['created_at']}",
     ]
-    for problem in summary.get("damaged") or []:
-        lines.append(f"  DAMAGED: {problem} — `forensics verify` checks every file; replay refuses a damaged "
-                     "essential file")
     state = summary.get("state") or {}
     if state.get("layout") == StateLayout.SHARDED:
         lines.append(f"  state: sharded — this rank holds {state['parts_here']} parts of the {state['tensors']} tensors "

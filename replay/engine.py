@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from forensics.errors import DumpError, is_out_of_memory
+from forensics.errors import DumpError, ReplayError, is_out_of_memory
 from forensics.format import open_dump, open_step
 from forensics.format.verify import finish_verifying, set_aside_damaged, verify_the_rest
 from forensics.format.limits import ArchiveLimits
@@ -39,8 +39,9 @@ from replay.judge.precursor import precursor_report
 from replay.judge.remedies import try_remedies
 from replay.judge.remedy_followup import follow_remedies
 from replay.load.environment import deterministic_mode
+from replay.load.recipe import job_paths
 from replay.load.samples import select_samples
-from replay.load.session import ReplaySession, load_session
+from replay.load.session import ReplaySession, load_session, step_micro_batches
 from replay.load.user_code import as_user_error
 from replay.localize.exception import localize_exception
 from replay.localize.forward_backward import INPUT_MODULE, localize_backward, localize_forward
@@ -48,6 +49,7 @@ from replay.localize.update import localize_optimizer, per_layer_stats
 from replay.localize.weights import corrupted_weights, samples_touching_embeddings
 from replay.run.execute import SampleRef, StepRunner, reproduce
 from replay.run.rng_dependence import check_rng_dependence
+from replay.run.streamed import STREAMED_PER_SAMPLE, StreamedStepRunner, expected_passes, runner_for
 from replay.run.window import Checkpoint, data_recipe, dump_snapshot, load_checkpoint, replay_window, window_block
 
 logger = logging.getLogger(__name__)
@@ -72,7 +74,12 @@ class ReplayOptions:
     loss: str | None = None
     """"module:fn" with (model, batch) -> loss, instead of the dump's (CLI --loss)."""
     sys_path: list[str] = field(default_factory=list)
-    """Directories put in front of sys.path for the imports above (CLI --path)."""
+    """Directories put in front of sys.path for the imports above (CLI --path); the job's script and working
+    directories, recorded in the dump, follow them (replay.load.recipe.job_paths)."""
+    factory_kwargs: dict | None = None
+    """Keyword arguments for the factory instead of the recorded ones (CLI --factory-kwargs); None: recorded."""
+    loss_kwargs: dict | None = None
+    """Keyword arguments for the loss instead of the recorded ones (CLI --loss-kwargs); None: recorded."""
     rank: int | None = None
     """Rank of a multi-rank step dump; None: the rank whose trigger fired, else the lowest."""
     max_attempts: int = 3
@@ -106,8 +113,13 @@ class ReplayOptions:
     rng_check: bool = True
     """Once reproduced, re-run the step from a few other seeds (recorded RNG not restored) to tell
     whether the failure needs the dump's random state (a dropout mask); report block `rng`."""
+    gpu_memory: int | None = None
+    """Bytes the replay may use on its device (CLI --gpu-memory 16GiB; the CPU too). A state that does not fit them,
+    or without a budget a GPU's free memory, is streamed block by block (replay/run/streamed.py; report `stream`)."""
 
     def __post_init__(self):
+        if self.gpu_memory is not None and self.gpu_memory <= 0:
+            raise ValueError(f"ReplayOptions.gpu_memory must be a positive number of bytes, got {self.gpu_memory}")
         if self.max_attempts < 1:
             raise ValueError(f"ReplayOptions.max_attempts must be >= 1, got {self.max_attempts}")
         if self.max_per_sample < 0:
@@ -162,7 +174,7 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
         missing = sorted(set(range(dump.world_size)) - {dump.rank, *(d.rank for d in dump.peers())})
     dump_info = {"path": path, "run_id": dump.manifest.get("run_id"), "step": dump.step, "rank": dump.rank,
                  "world_size": dump.world_size, "missing_ranks": missing,
-                 "num_micro_batches": dump.num_micro_batches, "damaged": [d.as_dict() for d in damaged]}
+                 "num_micro_batches": max(dump.num_micro_batches, step_micro_batches(dump.manifest)), "damaged": [d.as_dict() for d in damaged]}
     if raised_between_steps(dump.manifest):  # the loop's own code raised: no model step to replay
         _stage(progress, "the exception was raised between steps: nothing to replay")
         return _checked(dump, between_steps_report(dump, dump_info, _history(dump.history()), started))
@@ -180,6 +192,10 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
             checkpoint, hint = (load_checkpoint(options.from_checkpoint), None) if options.from_checkpoint \
                 else dump_snapshot(dump, options.window or bool(dump.state_missing), options.trust)
             session = _load(dump, options, weights=not (dump.state_missing and checkpoint is not None))
+            if session.stream is not None and checkpoint is not None:
+                raise ReplayError("a window replay (--from, or the Guard's host snapshot in the dump) is not streamed: "
+                                  "pass --no-window to analyse the dumped step streamed, or replay on a device the "
+                                  "state fits")
             verify_the_rest(dump)
             if checkpoint is not None:
                 return _checked(dump, _window_replay(dump, session, checkpoint, options, progress, dump_info,
@@ -199,7 +215,8 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
 def _load(dump: Any, options: ReplayOptions, weights: bool = True) -> ReplaySession:
     """The dump's step as a live session, on the options' device, with their consent and user code."""
     return load_session(dump, device=options.device, trust=options.trust, factory=options.factory,
-                        loss=options.loss, sys_path=options.sys_path, weights=weights)
+                        loss=options.loss, sys_path=options.sys_path, weights=weights, memory_budget=options.gpu_memory,
+                        factory_kwargs=options.factory_kwargs, loss_kwargs=options.loss_kwargs)
 
 
 def _checked(dump: Any, report: dict) -> dict:
@@ -234,7 +251,8 @@ def _window_replay(dump: Any, session: ReplaySession, checkpoint: Checkpoint, op
                         "directory with trainer_state.json, says it itself)")
     if not 0 <= start <= dump.step:
         raise DumpError(f"--from-step {start} is not before the dumped step {dump.step}")
-    data = data_recipe(dump.manifest.get("data_recipe"), options.trust, options.sys_path)
+    job_dirs = job_paths(dump.manifest.get("environment")) if options.trust else []
+    data = data_recipe(dump.manifest.get("data_recipe"), options.trust, [*options.sys_path, *job_dirs])
     outcomes, broken = replay_window(session, dump, checkpoint, start, data, lambda m: _stage(progress, m),
                                      through_dumped=bool(dump.state_missing))
     block = to_json_safe(window_block(outcomes, start, dump.step, checkpoint))
@@ -283,7 +301,24 @@ def run_session(session: ReplaySession, options: ReplayOptions | None = None, pr
     """
     options = options or ReplayOptions()
     started = time.monotonic() if started is None else started
-    runner = StepRunner(session)
+    runner = runner_for(session)
+    try:
+        if session.stream is not None:
+            passes = expected_passes(session, bisect=options.bisect, rng_check=options.rng_check,
+                                     fp32_check=options.fp32_check, remedies=options.remedies)
+            for line in session.stream.describe(passes):
+                _stage(progress, line)
+        report = _stages(session, runner, options, progress, dump_info, history, started)
+        if session.stream is not None:
+            report["stream"] = runner.stream_report()
+        return report
+    finally:
+        runner.close()
+
+
+def _stages(session: ReplaySession, runner: StepRunner, options: ReplayOptions, progress: Progress | None,
+            dump_info: dict | None, history: dict | None, started: float) -> dict:
+    """run_session's stages, in order, on one runner."""
     findings = _reproduce(runner, options, progress)
     raised = findings.kind is TriggerKind.EXCEPTION  # the step stops where it raises: no numbers to measure
     _localise(findings, runner, options, progress)
@@ -323,7 +358,10 @@ def run_session(session: ReplaySession, options: ReplayOptions | None = None, pr
                                         threshold=findings.threshold)
     elif options.fp32_check:
         findings.precision = fp32_check(runner, kind=TriggerKind.NONFINITE_PARAM)  # dtype facts only, no run
-    if findings.weights_nonfinite:
+    if findings.weights_nonfinite and session.stream is not None:
+        session.warnings.append("streamed replay: the non-finite pre-step weights are named, but their bad slices and "
+                                "the samples that touch them are not located (that stage reads whole weights)")
+    elif findings.weights_nonfinite:
         _stage(progress, "locating the non-finite weights and the samples that touch them")
         findings.corrupted = corrupted_weights(runner)
         findings.touching = samples_touching_embeddings(runner, findings.corrupted)
@@ -473,6 +511,14 @@ def _per_sample(runner: StepRunner, refs: list[SampleRef], culprits: list[Sample
     chosen += [r for r in refs if r not in chosen][:max(0, limit - len(chosen))]
     chosen.sort(key=lambda r: (r.micro_batch, r.index))
     session, model = runner.session, runner.model
+    if isinstance(runner, StreamedStepRunner):  # one streamed pass per row: the culprits and a few others
+        few = [r for r in chosen if r in set(culprits)] or []
+        few += [r for r in chosen if r not in set(few)][:max(0, STREAMED_PER_SAMPLE - len(few))]
+        if len(few) < len(chosen):
+            session.warnings.append(f"streamed replay: per-sample rows for {len(few)} of {len(chosen)} samples (the "
+                                    "culprits first), each being a pass over the whole model")
+        few.sort(key=lambda r: (r.micro_batch, r.index))
+        return runner.per_sample_rows(few)
 
     def run_one(ref: SampleRef) -> torch.Tensor:
         batch = select_samples(session.micro_batches[ref.micro_batch], [ref.index])

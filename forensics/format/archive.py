@@ -7,6 +7,7 @@ accepted: a dump holds nothing else.
 
 from __future__ import annotations
 
+import stat
 import tarfile
 import tempfile
 from pathlib import Path
@@ -55,6 +56,9 @@ def _dump_members(tar: tarfile.TarFile, limits: ArchiveLimits, archive_bytes: in
                                    "refusing to unpack")
         if not (member.isfile() or member.isdir()):
             raise DumpCorruptError(f"archive member {name!r} is a link or device; refusing to unpack")
+        if member.mode & (stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX):
+            raise DumpCorruptError(f"archive member {name!r} has mode {member.mode:o} (setuid, setgid or sticky), "
+                                   "which no file of a dump has; refusing to unpack")
         total += member.size
         if total > allowed:
             raise DumpCorruptError(

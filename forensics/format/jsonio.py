@@ -75,7 +75,7 @@ def from_jsonable(obj: Any) -> Any:
             try:
                 return float(obj[_FLOAT_TAG])
             except (TypeError, ValueError):
-                raise ValueError(f"malformed float tag {str(obj)[:60]}") from None
+                raise JSONRefused(f"has a malformed float tag {str(obj)[:60]}") from None
         if len(obj) == 1 and UNSERIALIZABLE_TAG in obj:
             return None
         return {k: from_jsonable(v) for k, v in obj.items()}
@@ -88,28 +88,62 @@ def dumps(obj: Any) -> bytes:
     return json.dumps(to_jsonable(obj), indent=1, allow_nan=False).encode("utf-8")
 
 
+class JSONRefused(ValueError):
+    """Well-formed JSON that a dump may not hold: nested too deep, a number too long, a key twice, a bare NaN or
+    Infinity. Its message is a phrase to follow the document's name ("is nested too deep ...")."""
+
+
 def _int(text: str) -> int:
     """A JSON integer of bounded length (int() of a huge digit string is quadratic; floats are bounded)."""
     if len(text) > MAX_JSON_NUMBER_DIGITS:
-        raise ValueError(f"a JSON number of {len(text)} digits (at most {MAX_JSON_NUMBER_DIGITS})")
+        raise JSONRefused(f"has a number of {len(text)} digits (at most {MAX_JSON_NUMBER_DIGITS})")
     return int(text)
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict:
+    """A JSON object whose keys are all different: with a key twice, one reader takes the first value and another
+    the last (a file listed twice in the manifest, with the bad checksum hidden behind the good one)."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        twice = next(key for key, _ in pairs if key in seen or seen.add(key))
+        raise JSONRefused(f"has the key {twice[:120]!r} twice in one object (which value counts is ambiguous)")
+    return obj
+
+
+def _constant(name: str) -> Any:
+    raise JSONRefused(f"holds a bare {name}, which is not JSON (a dump writes a non-finite number as "
+                      f'{{"{_FLOAT_TAG}": "inf"}})')
+
+
+TOO_DEEP = f"is nested too deep (more than {MAX_JSON_DEPTH} levels; a dump's JSON is a handful of levels deep)"
 
 
 def parse_json(data: bytes) -> Any:
     """Parses untrusted JSON with limits: nesting at most MAX_JSON_DEPTH, integers at most
-    MAX_JSON_NUMBER_DIGITS digits. Raises ValueError (never RecursionError or MemoryError) otherwise."""
+    MAX_JSON_NUMBER_DIGITS digits, no key twice in an object, no bare NaN / Infinity. Raises JSONRefused for those,
+    ValueError for text that is not JSON (never RecursionError or MemoryError); `refusal` words either."""
     try:
-        parsed = json.loads(data.decode("utf-8"), parse_int=_int)
+        parsed = json.loads(data.decode("utf-8"), parse_int=_int, object_pairs_hook=_object, parse_constant=_constant)
     except RecursionError:  # the C parser's own guard against deep nesting
-        raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
+        raise JSONRefused(TOO_DEEP) from None
     level = [(parsed, 1)]  # the depth, measured without recursion
     while level:
         node, depth = level.pop()
         if depth > MAX_JSON_DEPTH:
-            raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+            raise JSONRefused(TOO_DEEP)
         children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
         level.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
     return parsed
+
+
+def refusal(exc: ValueError) -> str:
+    """Why parse_json (or from_jsonable) refused a document, as a phrase to follow its name: the limit it broke, or
+    "is truncated or not valid JSON (<the parser's words>)"."""
+    if isinstance(exc, JSONRefused):
+        return str(exc)
+    text = str(exc)
+    return f"is truncated or not valid JSON ({text if len(text) <= 200 else text[:197] + '...'})"
 
 
 def loads(data: bytes) -> Any:

@@ -21,6 +21,13 @@ MAX_JSON_NUMBER_DIGITS = 400
 """Digits of one JSON number (a float64 needs ~25; an int64 20)."""
 MAX_DECOMPRESSED = 4 * GiB
 """What one zstd-compressed micro-batch file may decompress to, whatever its frame header declares."""
+BATCH_FREE = 256 * MiB
+"""A micro-batch file may decompress to this much whatever its compressed size (an all-zero image batch of
+256 MiB compresses to a few KB); beyond it, at most MAX_BATCH_RATIO x its compressed size."""
+MAX_BATCH_RATIO = 1024
+"""Decompressed bytes per compressed byte of a micro-batch file beyond BATCH_FREE: real data (tokens, pixels,
+features) compresses a few times, padding and masks some hundreds; a frame of zeros (a zstd bomb) ~30,000. With
+it, a file under 100 KB never makes a reader allocate more than BATCH_FREE."""
 MAX_WORLD_SIZE = 1 << 20
 """Ranks a manifest may claim (no structure is ever sized by it beyond this)."""
 MAX_MICRO_BATCHES = 4096

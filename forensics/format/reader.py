@@ -11,14 +11,14 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-import zstandard
-
 from forensics.errors import (DumpCorruptError, DumpNotFoundError, NotADumpError,
                               UnsupportedVersionError)
 from forensics.format import jsonio, spec
 from forensics.format.archive import unpack_archive
 from forensics.format.digest import chunk_digests
-from forensics.format.limits import HASH_CHUNK, MAX_DECOMPRESSED, MAX_JSON_FILE, ArchiveLimits
+from forensics.format.header import read_entries
+from forensics.format.limits import HASH_CHUNK, MAX_JSON_FILE, ArchiveLimits
+from forensics.format.members import check_member, check_member_header, read_json_member, read_tensor_member
 from forensics.format.manifest import check_manifest
 
 if TYPE_CHECKING:  # torch is imported only when tensors are read: inspect and verify start fast
@@ -38,8 +38,8 @@ def read_manifest(directory: Path) -> dict:
         raise DumpCorruptError(f"{path} is {size} bytes; a manifest is at most {MAX_JSON_FILE}", spec.MANIFEST)
     try:
         manifest = jsonio.parse_json(path.read_bytes())
-    except ValueError as exc:  # also UnicodeDecodeError, JSONDecodeError, depth and number limits
-        raise DumpCorruptError(f"{path} is truncated or not valid JSON ({_cut(exc)})", spec.MANIFEST) from exc
+    except ValueError as exc:  # also UnicodeDecodeError, JSONDecodeError, depth, number and duplicate-key limits
+        raise DumpCorruptError(f"{path} {jsonio.refusal(exc)}", spec.MANIFEST) from exc
     if not isinstance(manifest, dict) or manifest.get("format") != spec.FORMAT_NAME:
         raise DumpCorruptError(f"{path} is not a forensics manifest (format != {spec.FORMAT_NAME!r})",
                                spec.MANIFEST)
@@ -59,7 +59,7 @@ def read_manifest(directory: Path) -> dict:
     try:
         manifest = jsonio.from_jsonable(manifest)
     except ValueError as exc:
-        raise DumpCorruptError(f"{path}: {_cut(exc)}", spec.MANIFEST) from exc
+        raise DumpCorruptError(f"{path} {jsonio.refusal(exc)}", spec.MANIFEST) from exc
     check_manifest(manifest, str(path))
     return manifest
 
@@ -125,26 +125,6 @@ class ChunkVerifier:
 def _cut(text: object, limit: int = 200) -> str:
     text = str(text)
     return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-ZSTD_FRAME_HEADER_MAX = 18
-"""Bytes of the longest zstd frame header (it may declare the frame's decompressed size)."""
-
-
-def decompressed_limit(name: str) -> int:
-    """The most a zstd member may decompress to: a JSON skeleton as much as any JSON file, tensors MAX_DECOMPRESSED."""
-    return MAX_JSON_FILE if name.endswith(spec.JSON_ZSTD_SUFFIX) else MAX_DECOMPRESSED
-
-
-def _check_declared_size(head: bytes, path: Path, name: str, limit: int) -> None:
-    """Refuses a zstd frame whose header declares more than `limit` bytes (before anything is decompressed)."""
-    try:
-        declared = zstandard.get_frame_parameters(head).content_size
-    except zstandard.ZstdError as exc:
-        raise DumpCorruptError(f"{path} is not a valid zstd frame ({_cut(exc)})", name) from exc
-    if declared != zstandard.CONTENTSIZE_UNKNOWN and declared > limit:
-        raise DumpCorruptError(f"{path} declares {declared} decompressed bytes, more than the {limit} such a file "
-                               "may hold; refusing it", name)
 
 
 def _lstat_mode(path: Path) -> int:
@@ -331,7 +311,7 @@ class Dump:
         try:
             return jsonio.loads(self.read_file(name))
         except ValueError as exc:  # also UnicodeDecodeError, JSONDecodeError, a malformed float tag, limits
-            raise DumpCorruptError(f"{self.path / name} is not valid JSON ({_cut(exc)})", name) from exc
+            raise DumpCorruptError(f"{self.path / name} {jsonio.refusal(exc)}", name) from exc
 
     def _json_object(self, name: str, required: tuple[str, ...] = ()) -> dict:
         value = self._json(name)
@@ -344,47 +324,40 @@ class Dump:
 
         return load_safetensors_file(self.verify_file(name), name)
 
-    def _zstd_chunks(self, name: str) -> Iterator[bytes]:
-        """A listed zstd member (verified), decompressed while streaming in HASH_CHUNK pieces; refused as soon as its
-        output passes the cap for its kind (decompressed_limit: a JSON skeleton at most MAX_JSON_FILE), and at once
-        when its frame header declares more, whatever it then holds."""
+    def check_structure(self, name: str) -> None:
+        """`verify`: a listed file's size and sha256, then what replay checks of its structure before it trusts it:
+        a JSON file parses as a dump's JSON may (no key twice, not nested too deep); a safetensors file's header
+        (entries of known dtypes whose byte ranges fit the data, none overlapping); a zstd member decompresses as
+        replay reads it (forensics.format.members), keeping no tensor data.
+
+        Raises:
+            DumpCorruptError: naming the file and the rule it breaks.
+        """
         path = self.verify_file(name)
-        limit, total = decompressed_limit(name), 0
-        try:
-            with open(path, "rb") as raw:
-                _check_declared_size(raw.read(ZSTD_FRAME_HEADER_MAX), path, name, limit)
-                raw.seek(0)
-                with zstandard.ZstdDecompressor().stream_reader(raw) as stream:
-                    while chunk := stream.read(HASH_CHUNK):
-                        total += len(chunk)
-                        if total > limit:
-                            raise DumpCorruptError(f"{path} decompresses to more than {limit} bytes, the most such "
-                                                   "a file may hold; refusing it", name)
-                        yield chunk
-        except zstandard.ZstdError as exc:
-            raise DumpCorruptError(f"{path} is not a valid zstd frame ({_cut(exc)})", name) from exc
+        if name.endswith(spec.ZSTD_SUFFIX):
+            check_member(path, name)
+        elif name.endswith(".safetensors"):
+            read_entries(path, name)
+        elif name.endswith(".json"):
+            self._json(name)
 
-    def _zstd(self, name: str) -> bytearray:
-        """A listed zstd member, decompressed into one growing buffer (never a list of chunks joined at the end)."""
-        out = bytearray()
-        for chunk in self._zstd_chunks(name):
-            out += chunk
-        return out
-
-    def check_decompressed_size(self, name: str) -> None:
-        """`verify`: a listed zstd member decompresses within its cap (streamed; nothing is kept)."""
-        for _ in self._zstd_chunks(name):
-            pass
-
-    def check_declared_sizes(self) -> None:
-        """`inspect`: no zstd member's frame header declares more than its cap (a few bytes read per member; a member
-        that is missing or not a regular file is left to `verify`)."""
-        for name, entry in self.manifest["files"].items():
+    def structure_problems(self) -> list[str]:
+        """`inspect`: the safetensors headers of the listed files that break the rules replay and verify apply
+        (headers only: nothing is hashed or decompressed beyond them), worded for people."""
+        problems = []
+        for name in self.manifest["files"]:
             path = self.path / name
-            if not name.endswith(spec.ZSTD_SUFFIX) or not stat.S_ISREG(_lstat_mode(path)):
+            if not stat.S_ISREG(_lstat_mode(path)) or not (name.endswith(".safetensors") or
+                                                           name.endswith(spec.ZSTD_SUFFIX)):
                 continue
-            with open(path, "rb") as raw:
-                _check_declared_size(raw.read(ZSTD_FRAME_HEADER_MAX), path, name, decompressed_limit(name))
+            try:
+                if name.endswith(spec.ZSTD_SUFFIX):
+                    check_member_header(path, name)
+                else:
+                    read_entries(path, name)
+            except DumpCorruptError as exc:
+                problems.append(str(exc))
+        return problems
 
     def size_mismatches(self) -> list[str]:
         """`inspect`: the listed files that are missing, not regular files, or not of their listed size (one lstat
@@ -477,6 +450,13 @@ class Dump:
             raise DumpCorruptError(f"{self.path / files.optimizer_json} does not have the documented layout "
                                    "(class: str, param_groups: [{..., params: [...]}], state: {name: {...}})",
                                    files.optimizer_json)
+        for index, group in enumerate(meta["param_groups"]):
+            lr = group.get("lr", 0.0)
+            if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 <= lr < float("inf"):
+                raise DumpCorruptError(f"{self.path / files.optimizer_json}: param group {index}'s learning rate is "
+                                       f"{_cut(repr(lr), 60)}, not a finite number >= 0: the file was edited (or the "
+                                       "job's scheduler made it so, which is then the cause to fix)",
+                                       files.optimizer_json)
         return {"class": meta["class"], "param_groups": meta["param_groups"],
                 "state": {name: dict(values) for name, values in raw_state.items()}}
 
@@ -564,20 +544,23 @@ class Dump:
         try:
             return RngState.from_parts(meta[index], tensors, f"mb{index}")
         except (KeyError, TypeError, ValueError, IndexError, RuntimeError, OverflowError) as exc:
-            raise DumpCorruptError(f"{self.path / spec.RNG_JSON}: the RNG state of micro-batch {index} is "
+            raise DumpCorruptError(f"{self.path / spec.RNG_JSON}: the RNG state of micro-batch {index + 1} is "
                                    f"malformed ({type(exc).__name__}: {_cut(exc, 120)})", spec.RNG_JSON) from exc
 
     def micro_batch(self, index: int) -> Any:
         if not 0 <= index < self.num_micro_batches:
             raise IndexError(f"micro-batch {index} does not exist; this dump has {self.num_micro_batches}")
-        from forensics.format.tensors import load_safetensors_bytes
+        from forensics.format.tensors import tensors_in
         from forensics.format.tree import decode_tree
 
-        tensors = load_safetensors_bytes(self._zstd(spec.batch_tensors_name(index)), spec.batch_tensors_name(index))
+        name = spec.batch_tensors_name(index)
+        buffer, entries = read_tensor_member(self.verify_file(name), name)
+        tensors = tensors_in(buffer, entries, name)
+        name = spec.batch_json_name(index)
         try:
-            skeleton = jsonio.loads(self._zstd(spec.batch_json_name(index)))
+            skeleton = jsonio.loads(read_json_member(self.verify_file(name), name))
         except ValueError as exc:
-            raise DumpCorruptError(f"{spec.batch_json_name(index)} is not valid JSON", spec.batch_json_name(index)) from exc
+            raise DumpCorruptError(f"{self.path / name} {jsonio.refusal(exc)}", name) from exc
         return decode_tree(skeleton, tensors)
 
     def window(self) -> list[dict]:
@@ -734,7 +717,26 @@ def open_step(path: str | Path, limits: ArchiveLimits | None = None) -> tuple[li
         dumps = [Dump(r, holder) for r in rank_dirs(directory) if is_rank_dump(r)]
         if not dumps:
             open_dump(directory)  # raises the precise error
-    world = max(d.world_size for d in dumps)
+    _check_same_step(dumps)
+    world = dumps[0].world_size
     present = {d.rank for d in dumps}
     missing = [] if is_rank_dump(directory) else sorted(set(range(world)) - present)
     return dumps, missing
+
+
+def _check_same_step(dumps: list[Dump]) -> None:
+    """The rank dumps of one step directory agree on the run, the step and the world size: a rank dump copied in
+    from another run or step would be counted, verified and replayed as this step's.
+
+    Raises:
+        DumpCorruptError: naming the field and the ranks that disagree.
+    """
+    for field in ("run_id", "step", "world_size"):
+        values: dict = {}
+        for dump in dumps:
+            values.setdefault(dump.manifest[field], []).append(dump.rank)
+        if len(values) > 1:
+            shown = "; ".join(f"{field} {value!r} in rank(s) {ranks}" for value, ranks in list(values.items())[:4])
+            raise DumpCorruptError(f"{dumps[0].path.parent}: its rank dumps are not of one step ({shown}): a rank "
+                                   "dump was copied in from another run or step; pass the rank directory you mean",
+                                   spec.MANIFEST)

@@ -15,6 +15,7 @@ import torch
 
 from forensics.device_sync import DeviceFence, on_device_of
 from forensics.errors import DumpCorruptError
+from forensics.format.header import Entry, parse_header
 from forensics.format.spec import MAX_SAFETENSORS_HEADER
 from forensics.unfilled import unfilled
 
@@ -120,60 +121,40 @@ def check_header(data: bytes | memoryview, name: str) -> None:
 
 
 def load_safetensors_bytes(data: bytes | bytearray, name: str) -> dict[str, torch.Tensor]:
-    """Parses a whole safetensors blob (already checksummed) into CPU tensors that share its memory (a decompressed
-    micro-batch is never copied again); the header is checked as SafetensorsFile checks it."""
-    from forensics.format.jsonio import parse_json
-
+    """Parses a whole safetensors blob (already checksummed) into CPU tensors that share its memory; the header is
+    checked as SafetensorsFile checks it (forensics.format.header)."""
     check_header(data, name)
-    if isinstance(data, bytes):
-        data = bytearray(data)  # tensors share a writable buffer (the reader's decompressed ones are already)
     (length,) = struct.unpack("<Q", bytes(data[:8]))
-    try:
-        header = parse_json(bytes(data[8:8 + length]))
-    except ValueError as exc:
-        raise DumpCorruptError(f"{name} has a safetensors header that is not valid JSON", name) from exc
+    entries = parse_header(bytes(data[8:8 + length]), 8 + length, len(data), name)
+    buffer = torch.frombuffer(bytearray(data) if isinstance(data, bytes) else data, dtype=torch.uint8) if len(data) \
+        else torch.empty(0, dtype=torch.uint8)
+    return tensors_in(buffer, entries, name)
+
+
+def tensors_in(buffer: torch.Tensor, entries: dict[str, Entry], name: str) -> dict[str, torch.Tensor]:
+    """The tensors `entries` (checked: forensics.format.header) place in `buffer`, a whole safetensors file as uint8:
+    views of it (a decompressed micro-batch is never copied again), an unaligned entry its own aligned copy."""
     tensors = {}
-    for key, (dtype, shape, offset, nbytes) in parse_entries(header, 8 + length, len(data), name).items():
+    for key, (dtype, shape, offset, nbytes) in torch_entries(entries, name).items():
         if nbytes == 0:
             tensors[key] = torch.empty(shape, dtype=dtype)
             continue
-        raw = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=offset)
+        raw = buffer[offset:offset + nbytes]
         if offset % raw.new_empty((), dtype=dtype).element_size():
             raw = raw.clone()  # an unaligned entry (not from forensics's writer): its own aligned copy
         tensors[key] = raw.view(dtype).reshape(shape)
     return tensors
 
 
-def parse_entries(header: object, start: int, size: int, name: str) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
-    """{key: (dtype, shape, file offset, bytes)} of a parsed safetensors header whose data section runs from `start`
-    to `size`, after checking every entry: a known dtype, a shape and byte range that agree and lie inside the
-    data, no two entries overlapping."""
-    if not isinstance(header, dict):
-        raise DumpCorruptError(f"{name}: the safetensors header is not an object", name)
-    entries, spans = {}, []
-    for key, entry in header.items():
-        if key == "__metadata__":
-            continue
-        try:
-            dtype = _DTYPES_BY_CODE[entry["dtype"]]
-            shape = [int(n) for n in entry["shape"]]
-            begin, end = (int(o) for o in entry["data_offsets"])
-            numel = 1
-            for n in shape:
-                numel *= n
-            ok = all(n >= 0 for n in shape) and 0 <= begin <= end <= size - start and \
-                end - begin == numel * torch.empty((), dtype=dtype).element_size()
-        except (KeyError, TypeError, ValueError, AttributeError):
-            ok = False
-        if not ok:
-            raise DumpCorruptError(f"{name}: safetensors entry {str(key)[:120]!r} has a malformed dtype, "
-                                   "shape or byte range", name)
-        entries[key] = (dtype, shape, start + begin, end - begin)
-        spans.append((begin, end))
-    spans.sort()
-    if any(a_end > b_begin for (_, a_end), (b_begin, _) in zip(spans, spans[1:])):
-        raise DumpCorruptError(f"{name}: safetensors entries overlap", name)
-    return entries
+def torch_entries(entries: dict[str, Entry], name: str) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
+    """{key: (torch dtype, shape, file offset, bytes)} of checked header entries."""
+    out = {}
+    for key, entry in entries.items():
+        if entry.dtype not in _DTYPES_BY_CODE:
+            raise DumpCorruptError(f"{name}: tensor {str(key)[:120]!r} has dtype {entry.dtype}, which this torch "
+                                   f"({torch.__version__}) cannot hold", name)
+        out[key] = (_DTYPES_BY_CODE[entry.dtype], list(entry.shape), entry.offset, entry.nbytes)
+    return out
 
 
 def load_safetensors_file(path, name: str) -> dict[str, torch.Tensor]:
@@ -233,16 +214,10 @@ class SafetensorsFile:
             raise
 
     def _parse_header(self, size: int) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
-        from forensics.format.jsonio import parse_json
-
         (length,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
         if self._range_verified is not None:
             self._range_verified(0, 8 + length)
-        try:
-            header = parse_json(os.pread(self._fd, length, 8))
-        except ValueError as exc:
-            raise DumpCorruptError(f"{self.name} has a safetensors header that is not valid JSON", self.name) from exc
-        return parse_entries(header, 8 + length, size, self.name)
+        return torch_entries(parse_header(os.pread(self._fd, length, 8), 8 + length, size, self.name), self.name)
 
     def keys(self) -> list[str]:
         return sorted(self._entries)  # safetensors' own order: sorted by name

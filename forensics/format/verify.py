@@ -44,9 +44,7 @@ def _check_rank(dump: Dump) -> list[Problem]:
     dump.start_verifying(listed)
     for name in listed:
         try:
-            dump.verify_file(name)
-            if name.endswith(spec.ZSTD_SUFFIX):
-                dump.check_decompressed_size(name)
+            dump.check_structure(name)
         except DumpError as exc:
             problems.append(Problem(str(dump.path / name), str(exc)))
     for path in sorted(dump.path.iterdir()):

@@ -143,7 +143,7 @@ def _write_contents(target: _DumpDir, content: DumpContent) -> list[dict]:
         encoded = encode_tree(batch)
         for leaf in encoded.unreplayable:
             log.warning("forensics: micro-batch %d leaf %s of type %s cannot be stored; it is recorded as "
-                        "unreplayable", index, leaf["path"], leaf["type"])
+                        "unreplayable", index + 1, leaf["path"], leaf["type"])  # words count from 1
         unreplayable.append(encoded.unreplayable)
         target.write_bytes(spec.batch_tensors_name(index), compressor.compress(safetensors_bytes(encoded.tensors)))
         target.write_bytes(spec.batch_json_name(index), compressor.compress(jsonio.dumps(encoded.skeleton)))
@@ -212,7 +212,7 @@ def _write_dump(content: DumpContent, root: Path) -> Path:
     _clean_once(Path(root))
     tmp = final.parent / temporary_name(final.name)
     try:
-        tmp.mkdir(parents=True)
+        _make_directory(tmp)
         target = _DumpDir(tmp)
         unreplayable = _write_contents(target, content)
         for meta, leaves in zip(manifest.get("micro_batches", []), unreplayable):
@@ -241,7 +241,31 @@ def _write_dump(content: DumpContent, root: Path) -> Path:
         return final
     except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_if_empty(final.parent, Path(root))
         raise CaptureError(_explain(exc, final)) from exc
+
+
+def _make_directory(path: Path) -> None:
+    """mkdir -p, again when another rank's failed write removed an empty parent between two of its steps."""
+    for attempt in range(3):
+        try:
+            path.mkdir(parents=True)
+            return
+        except FileNotFoundError:
+            if attempt == 2:
+                raise
+
+
+def _remove_if_empty(directory: Path, root: Path) -> None:
+    """After a failed write: the step (and run) directory made for it, when nothing else is in it, so no empty
+    `step-*` directory is left for `list` and `verify` to call "not a forensics dump". rmdir removes only an empty
+    directory: another rank's dump or temporary beside it keeps it."""
+    while directory != root and root in directory.parents:
+        try:
+            directory.rmdir()
+        except OSError:
+            return
+        directory = directory.parent
 
 
 _CLEANED: set[str] = set()

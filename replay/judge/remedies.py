@@ -171,7 +171,7 @@ def _evaluate(runner: StepRunner, kind: RemedyKind, change: str, *, samples: lis
         if value is not None:
             result.setting[key] = value
     try:
-        with _scale(runner, loss_scale):
+        with _scale(runner, loss_scale), runner.keeping_gradients():
             run = runner.run(samples, fp32=fp32, keep_grads=True)
         result.step_loss = run.comparable_loss if samples is not None else run.step_loss
         result.grad_norm = run.grad_norm
@@ -180,10 +180,10 @@ def _evaluate(runner: StepRunner, kind: RemedyKind, change: str, *, samples: lis
             result.note = "the loss or the gradients are non-finite before any update"
             return result
         if clip is not None:
-            torch.nn.utils.clip_grad_norm_(runner.model.parameters(), clip)
+            runner.clip_gradients(clip)
         moved = size = 0.0
         worst, worst_name, finite = -1.0, None, True
-        for step in step_each_parameter(runner.model, runner.session.optimizer, hyper):
+        for step in step_each_parameter(runner.model, runner.session.optimizer, hyper, runner=runner):
             finite = finite and not step.broke and not any_nonfinite([step.param.detach()])[0]
             moved, size = moved + step.moved_sq, size + step.size_sq
             if step.moved_sq > worst:  # the parameter the update moved most, in absolute terms

@@ -57,21 +57,33 @@ def compute_dtype(units: list[FsdpUnit]) -> torch.dtype | None:
     return min(dtypes, key=lambda d: torch.finfo(d).bits) if dtypes else None
 
 
-@contextlib.contextmanager
-def fsdp_compute(model: torch.nn.Module, units: list[FsdpUnit]) -> Iterator[None]:
-    """Within: the model computes as the job's FSDP2 units did; on exit, parameters and gradients in the
-    parameters' own dtype again."""
+def _known(model: torch.nn.Module, units: list[FsdpUnit]) -> list[tuple[torch.nn.Module, FsdpUnit]]:
     modules = dict(model.named_modules())
-    known = sorted(((modules[u.module], u) for u in units if u.module in modules), key=lambda mu: mu[1].depth)
+    return sorted(((modules[u.module], u) for u in units if u.module in modules), key=lambda mu: mu[1].depth)
+
+
+def parameter_units(model: torch.nn.Module, units: list[FsdpUnit]) -> dict[int, FsdpUnit]:
+    """{id(parameter): the innermost unit holding it}."""
     owner: dict[int, FsdpUnit] = {}
-    for module, unit in known:  # deeper units last: a parameter belongs to the innermost unit holding it
+    for module, unit in _known(model, units):  # deeper units last: a parameter belongs to the innermost unit
         for param in module.parameters():
             owner[id(param)] = unit
+    return owner
+
+
+@contextlib.contextmanager
+def fsdp_compute(model: torch.nn.Module, units: list[FsdpUnit], skip: set[int] | frozenset[int] = frozenset()
+                 ) -> Iterator[None]:
+    """Within: the model computes as the job's FSDP2 units did; on exit, parameters and gradients in the
+    parameters' own dtype again. `skip`: ids of parameters cast by the caller (a streamed replay's blocks, cast as
+    they are materialised: replay/run/streamed.py)."""
+    known = _known(model, units)
+    owner = parameter_units(model, units)
     cast: list[tuple[torch.nn.Parameter, torch.Tensor, FsdpUnit]] = []
     hooks = []
     try:
         for param in model.parameters():
-            unit = owner.get(id(param))
+            unit = owner.get(id(param)) if id(param) not in skip else None
             if unit is not None and unit.param_dtype is not None and param.is_floating_point() \
                     and param.dtype != unit.param_dtype:
                 cast.append((param, param.data, unit))

@@ -24,8 +24,9 @@ from forensics.unfilled import unfilled
 from replay.load.environment import dtype_from_name, environment_warnings, resolve_device, to_device
 from replay.load.fsdp_precision import FsdpUnit, compute_dtype, parse_units
 from replay.load.optimizer_state import DumpOptimizerState, OptimizerSnapshot
-from replay.load.recipe import LossFn, TrainingScript, optimizer_class, resolve_recipe
+from replay.load.recipe import LossFn, TrainingScript, job_paths, optimizer_class, resolve_recipe
 from replay.load.samples import SampleRef
+from replay.load.streamed import StreamPlan, keep_blocks_at_rest, plan_streaming, settle
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +87,14 @@ class ReplaySession:
     world_size: int = 1
     """Ranks of the job. With more than one, the recorded grad norm covers every rank's gradients
     (after all-reduce / over all ZeRO shards), so a one-rank replay compares losses only."""
+    step_micro_batches: int = 0
+    """The job's micro-batches per step (manifest `grad_accum`): more than `micro_batches` when the step raised
+    part-way ("micro-batch 1 of 2", never "1 of 1" for a step of 2 that raised in its first)."""
     fsdp_units: list[FsdpUnit] = field(default_factory=list)
     """The job's FSDP2 units and mixed-precision policies (replay/load/fsdp_precision.py): the step computes in them."""
+    stream: StreamPlan | None = None
+    """The state does not fit the replay device: its blocks stay in the dump and are materialised a few at a time
+    while the step runs (replay/load/streamed.py, replay/run/streamed.py); None: a normal replay."""
 
     def new_optimizer(self) -> torch.optim.Optimizer | None:
         """A fresh optimizer over the model's parameters in its pre-step state (None if not recorded)."""
@@ -144,27 +151,40 @@ def _check_no_unreplayable(batch: Any, index: int, warnings: list[str]) -> Any:
     return walk(batch)
 
 
+def step_micro_batches(manifest: dict) -> int:
+    """The job's micro-batches per step: manifest `grad_accum` (0 when absent or odd)."""
+    count = manifest.get("grad_accum")
+    return count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else 0
+
+
 def training_script(dump: Any) -> TrainingScript:
     """The training script the dump holds (manifest `recipe.script`; read and checked, never run here)."""
     described = (dump.recipe or {}).get("script") or {}
     if not described or not dump.has_file(spec.MAIN_SCRIPT):
         return TrainingScript()
     return TrainingScript(str(described.get("name") or "the training script"),
-                          dump.read_file(spec.MAIN_SCRIPT, spec.MAX_MAIN_SCRIPT))
+                          dump.read_file(spec.MAIN_SCRIPT, spec.MAX_MAIN_SCRIPT),
+                          dict(described.get("globals") or {}), dict(described.get("unrecorded") or {}))
 
 
 @gc_paused()  # the model's libraries import and its state loads: forensics.gc_pause
 def load_session(dump: Any, *, device: str | torch.device | None = None, trust: bool = False,
                  factory: str | None = None, loss: str | None = None,
-                 sys_path: tuple[str, ...] | list[str] = (), weights: bool = True) -> ReplaySession:
+                 sys_path: tuple[str, ...] | list[str] = (), weights: bool = True,
+                 memory_budget: int | None = None, factory_kwargs: dict | None = None,
+                 loss_kwargs: dict | None = None) -> ReplaySession:
     """Rebuilds model, optimizer, loss and micro-batches of a dump's failing step.
 
     Args:
         dump: a forensics.format.Dump (open_dump(path, rank=...)).
         device: "cuda:0", "cpu" or None (CUDA when present).
-        trust / factory / loss / sys_path: consent for imports (see resolve_recipe).
+        trust / factory / loss / sys_path: consent for imports (see resolve_recipe); with it, the job's script and
+            working directories follow `sys_path` (replay.load.recipe.job_paths).
+        factory_kwargs / loss_kwargs: instead of the recorded ones (None: the recorded ones).
         weights: False for a window replay of a dump without pre-step state (`state_missing`): the model is built
             with its own init and no state or batch is read (the checkpoint and the data recipe supply them).
+        memory_budget: bytes the replay may use on `device` (CLI --gpu-memory); a state that does not fit them (or,
+            without a budget, a CUDA device's free memory) is streamed (`ReplaySession.stream`).
     Returns:
         ReplaySession holding the pre-step state on `device`; `warnings` lists environment
         differences and anything left out.
@@ -183,19 +203,25 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
                         "Guard's host snapshot in the dump (GuardConfig.snapshot_every, with a data recipe; pass "
                         "--trust) or --from CHECKPOINT --trust")
     recipe = resolve_recipe(dump.recipe, trust=trust, factory=factory, loss=loss, sys_path=sys_path,
-                            script=training_script(dump))
+                            script=training_script(dump), factory_kwargs=factory_kwargs, loss_kwargs=loss_kwargs,
+                            job_dirs=job_paths(manifest.get("environment")))
     precision = dump.precision or {}
     env_warnings = environment_warnings(manifest.get("environment"), device)
-    warnings = list(env_warnings)
+    warnings = list(env_warnings) + recipe.notes
+    plan = None
     if not weights:
         model = build_model(recipe, on_meta=False).to(device)
     else:
+        built = build_model(recipe)
+        plan = plan_streaming(built, device, memory_budget)
         try:
-            model = stream_weights(build_model(recipe), dump.iter_model_tensors(device), device, warnings)
+            model = stream_weights(built, _weights(dump, device, plan, built), device, warnings)
         except MetaBuffersError:  # a buffer computed from a parameter at init, and not in the dump
             logger.info("a buffer of the model was derived from meta parameters; building the model normally")
-            model = stream_weights(build_model(recipe, on_meta=False), dump.iter_model_tensors(device), device,
-                                   warnings)
+            built = build_model(recipe, on_meta=False)
+            model = stream_weights(built, _weights(dump, device, plan, built), device, warnings)
+        if plan is not None:
+            settle(plan, model)
     param_dtype = _param_dtype(precision.get("param_dtype"), model)
 
     snapshot = None
@@ -226,7 +252,7 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
         scaler = dict(precision["grad_scaler"])
     return ReplaySession(
         model=model, loss_fn=recipe.loss_fn, micro_batches=batches, device=device, sample_ids=ids,
-        rng_states=rngs, loss_divisor=float(divisor), optimizer=snapshot, autocast=autocast,
+        rng_states=rngs, loss_divisor=float(divisor), step_micro_batches=step_micro_batches(manifest), optimizer=snapshot, autocast=autocast,
         scaler_state=scaler, scheduler_state=dump.scheduler_state(), recorded_losses=losses,
         recorded_grad_norm=loss_meta.get("grad_norm"), trigger=Trigger.from_dict(dump.trigger), param_dtype=param_dtype,
         exception=manifest.get("exception") if isinstance(manifest.get("exception"), dict) else None,
@@ -236,9 +262,16 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
         pre_step_weights=lambda names=None: dump.iter_model_tensors(device, names=names),
         loaded_weights=weight_fingerprints(model) if weights else None,
         world_size=int(getattr(dump, "world_size", None) or manifest.get("world_size") or 1),
-        fsdp_units=parse_units(precision.get("fsdp")),
+        fsdp_units=parse_units(precision.get("fsdp")), stream=plan,
         positional_ids=frozenset(i for i, meta in enumerate(dump.micro_batches_meta)
                                  if meta.get("ids_are_positional") or not meta.get("sample_ids")))
+
+
+def _weights(dump: Any, device: torch.device, plan: StreamPlan | None,
+             model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The dump's weights onto `device`; a streamed model's blocks left at rest (replay/load/streamed.py)."""
+    tensors = dump.iter_model_tensors(device)
+    return tensors if plan is None else keep_blocks_at_rest(tensors, plan, model)
 
 
 def weight_fingerprints(model: torch.nn.Module) -> dict[str, tuple]:
@@ -339,9 +372,10 @@ def stream_weights(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Te
     for key, tensor in tensors:
         if key in canonical:
             first = canonical[key]
-            if first in loaded:
-                continue  # the tied twin of a parameter already put in place
             old = model.get_parameter(first)
+            if first in loaded:  # the tied twin of a parameter already put in place: it must fit as well
+                _check_fits(key, tensor, old, "parameter")
+                continue
             _check_fits(key, tensor, old, "parameter")
             new = torch.nn.Parameter(tensor, requires_grad=old.requires_grad)
             for name in aliases[first]:
@@ -364,7 +398,8 @@ def stream_weights(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Te
                           f"{' ...' if len(missing) > 5 else ''}: the recipe built a different model")
     if any(t.is_meta for t in model.buffers()):
         raise MetaBuffersError("a buffer not in the dump was computed from meta parameters")
-    model.to(device)  # the buffers the dump does not hold (non-persistent ones) follow the weights
+    model.to(device)  # the buffers the dump does not hold (non-persistent ones) follow the weights (a streamed
+    # block's placeholders are on the device already: replay/load/streamed.py)
     left = sorted(buffers - loaded - {n for n, _ in model.named_buffers() if not _persistent(model, n)})
     if left:
         warnings.append(f"buffers not in the dump, left as built: {left[:5]}")

@@ -22,11 +22,11 @@ from types import TracebackType
 import torch
 
 from forensics.errors import ForensicsError, UserCodeError
-from forensics.recipes import BUILTIN_RECIPES
+from forensics.recipes import BUILTIN_RECIPES, DEFAULT_LOSS
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # replay/load/ -> the repository
 OURS = tuple(os.path.join(_ROOT, package) + os.sep for package in ("forensics", "capture", "replay"))
-_LIBRARIES = [sysconfig.get_paths()["stdlib"], os.path.dirname(torch.__file__)]
+_LIBRARIES = [os.path.dirname(torch.__file__)]
 for _name in ("numpy", "safetensors", "zstandard"):
     try:
         _module = __import__(_name)
@@ -34,6 +34,16 @@ for _name in ("numpy", "safetensors", "zstandard"):
     except ImportError:  # pragma: no cover - optional here
         pass
 LIBRARIES = tuple(os.path.abspath(p) + os.sep for p in _LIBRARIES)
+_STDLIB = tuple({os.path.abspath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "platstdlib")})
+_SITE = tuple({os.path.abspath(sysconfig.get_paths()[k]) + os.sep for k in ("purelib", "platlib")})
+"""Installed packages: under the standard library's directory in an installation without a virtual environment,
+but not the standard library (forensics itself, transformers, the user's packages may be there)."""
+
+
+def _library(filename: str) -> bool:
+    """A frame of library code: the standard library, torch, numpy, safetensors, zstandard (or generated code)."""
+    return filename.startswith("<") or filename.startswith(LIBRARIES) or \
+        (filename.startswith(_STDLIB) and not filename.startswith(_SITE))
 
 
 def _module_file(module: str) -> str | None:
@@ -56,7 +66,7 @@ def _frames(tb: TracebackType | None) -> list[str]:
 def _deciding_frame(exc: BaseException) -> str | None:
     """The file of the innermost frame outside library code (None: library frames only)."""
     for filename in reversed(_frames(exc.__traceback__)):
-        if not (filename.startswith(LIBRARIES) or filename.startswith("<")):
+        if not _library(filename):
             return filename
     return None
 
@@ -68,18 +78,29 @@ def raised_by_user_code(exc: BaseException) -> bool:
     return filename is not None and (filename in RECIPE_FILES or not filename.startswith(OURS))
 
 
+def _built_in_model_raised(exc: BaseException) -> bool:
+    """The model code that raised was entered through a built-in recipe: the outermost frame of model code (outside
+    the libraries and forensics' own machinery), the default loss passed over (it only calls the model, which may be
+    the user's), is in a demo model; or the default loss itself raised with nothing of the user's below it."""
+    default_loss = _module_file(DEFAULT_LOSS.partition(":")[0])
+    model_code = [f for f in _frames(exc.__traceback__)
+                  if not _library(f) and (f in RECIPE_FILES or not f.startswith(OURS))]
+    owners = [f for f in model_code if f != default_loss]
+    return owners[0] in RECIPE_FILES if owners else bool(model_code)
+
+
 def as_user_error(exc: Exception, doing: str) -> Exception:
-    """`exc` as a UserCodeError (with the user's traceback) when their code raised it; else `exc` itself."""
+    """`exc` as a UserCodeError when model code raised it: the user's own with their traceback; a built-in recipe's
+    (the demo models, the default loss) in one sentence, since its traceback would run through forensics' own files
+    and tell the user nothing they can fix there. Else (a bug of forensics) `exc` itself."""
     if isinstance(exc, ForensicsError) or not raised_by_user_code(exc):
         return exc
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     what = str(exc)[:300].rstrip(".")
-    if _deciding_frame(exc) in RECIPE_FILES:
-        message = (f"the model the dump's recipe names (built into forensics) raised {type(exc).__name__} on the "
-                   f"dump's data while {doing}: {what}. The data does not fit that model (a tensor of "
-                   "another shape or type than it takes): the dump was changed after it was written, or its recipe "
-                   "is not the job's; pass --factory / --loss that accept this data")
-    else:
-        message = (f"your code raised {type(exc).__name__} while {doing}: {what}. The traceback printed "
-                   "above is from your model / loss code; fix it, or pass --factory / --loss that accept this data")
-    return UserCodeError(message, text)
+    if _built_in_model_raised(exc):
+        return UserCodeError(f"the model the dump's recipe names (built into forensics) raised {type(exc).__name__} "
+                             f"on the dump's data while {doing}: {what}. The data does not fit that model (a tensor of "
+                             "another shape or type than it takes): the dump was changed after it was written, or its "
+                             "recipe is not the job's; pass --factory / --loss that accept this data", "")
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return UserCodeError(f"your code raised {type(exc).__name__} while {doing}: {what}. The traceback printed above "
+                         "is from your model / loss code; fix it, or pass --factory / --loss that accept this data", text)

@@ -446,6 +446,18 @@ def _clean_traceback(frames: Any) -> str | None:
     return "".join(kept or frames)
 
 
+@contextlib.contextmanager
+def _recomputing(tracker: ModuleTracker, block: str) -> Iterator[None]:
+    """A streamed block recomputed for its backward: its nodes tagged with the modules running, the block first."""
+    tracker.stack.append(block)
+    try:
+        with _GraphTagger(tracker):
+            yield
+    finally:
+        if tracker.stack and tracker.stack[-1] == block:
+            tracker.stack.pop()
+
+
 def localize_backward(runner: StepRunner, samples: list[SampleRef] | None = None, *,
                       fp32: bool = False, anomaly: bool = True) -> BackwardFinding | None:
     """Re-runs forward + backward with node tagging, node/parameter hooks and anomaly mode.
@@ -482,14 +494,17 @@ def localize_backward(runner: StepRunner, samples: list[SampleRef] | None = None
                              "micro_batch": state["micro_batch"]}
         return hook
 
+    def watch(roots: list[Any], label: str) -> None:
+        _tag_graph(roots, label)
+        for root in roots:
+            for node in _all_nodes(root):
+                if "AccumulateGrad" not in node.name():
+                    handles.append(node.register_hook(node_hook(node)))
+
     def on_loss(index: int, loss: torch.Tensor) -> None:
         state["micro_batch"] = index
-        if loss.grad_fn is None:
-            return
-        _tag_graph([loss.grad_fn], LOSS_MODULE)
-        for node in _all_nodes(loss.grad_fn):
-            if "AccumulateGrad" not in node.name():
-                handles.append(node.register_hook(node_hook(node)))
+        if loss.grad_fn is not None:
+            watch([loss.grad_fn], LOSS_MODULE)
 
     with ModuleTracker(model) as tracker:
         @contextlib.contextmanager
@@ -498,10 +513,17 @@ def localize_backward(runner: StepRunner, samples: list[SampleRef] | None = None
                 yield
 
         param_handles = [p.register_hook(param_hook(n)) for n, p in model.named_parameters() if p.requires_grad]
+        streamer = getattr(runner, "streamer", None)  # a streamed replay: each block's graph exists only while its
+        if streamer is not None:  # recomputation's backward runs (replay/run/streamed.py); watch it there
+            streamer.recompute_context = lambda index: _recomputing(tracker, streamer.plan.blocks[index].name)
+            streamer.after_recompute = lambda outputs: watch([t.grad_fn for t in outputs if t.grad_fn is not None],
+                                                             LOSS_MODULE)
         try:
             result = runner.run(samples, fp32=fp32, anomaly=anomaly, anomaly_check_nan=False,
                                 forward_context=forward_context, on_loss=on_loss)
         finally:
+            if streamer is not None:
+                streamer.recompute_context = streamer.after_recompute = None
             for handle in param_handles + handles:
                 handle.remove()
     if result.grads_finite and result.error is None and state["node"] is None:

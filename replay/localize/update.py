@@ -49,14 +49,15 @@ def localize_optimizer(runner: StepRunner, samples: list[SampleRef] | None = Non
     session = runner.session
     if session.optimizer is None:
         return None
-    result = runner.run(samples, keep_grads=True)
+    with runner.keeping_gradients():
+        result = runner.run(samples, keep_grads=True)
     try:
         if not (result.loss_finite and result.grads_finite):
             return None
         snapshot = session.optimizer
         broken, explanations = [], {}
         try:
-            for step in step_each_parameter(runner.model, snapshot):
+            for step in step_each_parameter(runner.model, snapshot, runner=runner):
                 if step.broke:
                     broken.append(step.name)
                     explanations[step.name] = explain_update(step.name, step.param.grad, step.pre_state(),
@@ -103,19 +104,30 @@ class ParameterStep:
         return relative_change(self.moved_sq, self.size_sq)
 
 
-def step_each_parameter(model: torch.nn.Module, snapshot: Any, hyper: dict | None = None) -> Iterator[ParameterStep]:
+def step_each_parameter(model: torch.nn.Module, snapshot: Any, hyper: dict | None = None, *,
+                        runner: StepRunner | None = None) -> Iterator[ParameterStep]:
     """Steps a fresh copy of the pre-step optimizer (with `hyper` changed, if given) on the model's current
     gradients, one parameter at a time, so only one parameter's optimizer state is in memory at a time (and the
     next one's, read ahead). Elementwise and per-tensor optimizers (Adam, AdamW, SGD, Adagrad, ...) update each
     parameter independently, so this is the whole step's update. Each step moves a copy of the parameter (the
-    yielded `param`): the model's weights stay the pre-step ones, so the replay need not re-read them. Raises
-    what the optimizer's step raises."""
+    yielded `param`): the model's weights stay the pre-step ones, so the replay need not re-read them. With
+    `runner`, the parameters and their gradients come from `runner.gradients()` (a streamed replay's blocks
+    materialised one at a time: replay/run/streamed.py). Raises what the optimizer's step raises."""
     stepped = {name for group in snapshot.param_groups for name in group["params"]}
-    order = [(name, param) for name, param in model.named_parameters() if name in stepped and param.grad is not None]
+    if runner is None:
+        names = [name for name, param in model.named_parameters() if param.grad is not None]
+        pairs = ((n, p) for n, p in model.named_parameters() if p.grad is not None)
+    else:
+        names, pairs = runner.gradient_names(), runner.gradients()
+    order = [name for name in names if name in stepped]
     try:
-        for position, (name, param) in enumerate(order):
-            if position + 1 < len(order):
-                snapshot.read_ahead(order[position + 1][0])
+        position = 0
+        for name, param in pairs:
+            if name not in stepped:
+                continue
+            position += 1
+            if position < len(order):
+                snapshot.read_ahead(order[position])
             yield _step_copy(name, param, snapshot, hyper)
     finally:
         snapshot.drop_read_ahead()
@@ -208,11 +220,8 @@ def per_layer_stats(runner: StepRunner, samples: list[SampleRef] | None = None, 
     rows = []
     try:
         for name, module in modules.items():
-            grads = [p.grad for p in module.parameters(recurse=False) if p.grad is not None]
-            norm = None
-            if grads:
-                norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
-                norm = float(torch.linalg.vector_norm(norms))
+            norms = runner.own_grad_norms(module)
+            norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else None
             value = absmax.get(name)
             rows.append({"module": module_label(name), "grad_norm": norm,
                          "output_absmax": float(value) if value is not None else None})

@@ -15,7 +15,7 @@ import os
 import traceback
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterable
+from typing import Any, Callable, ContextManager, Iterable, Iterator
 
 import torch
 
@@ -280,6 +280,33 @@ class StepRunner:
 
     def _live_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return list(self.model.named_parameters()) + list(self.model.named_buffers())
+
+    # -- gradients, as the stages that read them see them (a streamed runner, replay/run/streamed.py, answers these
+    # block by block) ---------------------------------------------------------------------------
+    def gradient_names(self) -> list[str]:
+        """The parameters holding a gradient after the last run(keep_grads=True), in named_parameters() order."""
+        return [n for n, p in self.model.named_parameters() if p.grad is not None]
+
+    def gradients(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """Those parameters, each with its weights and `.grad` in place while the caller holds it."""
+        return ((n, p) for n, p in self.model.named_parameters() if p.grad is not None)
+
+    def own_grad_norms(self, module: torch.nn.Module) -> list[torch.Tensor]:
+        """The fp32 gradient norm of each of `module`'s own parameters (not its children's) holding one."""
+        return [torch.linalg.vector_norm(p.grad.float()) for p in module.parameters(recurse=False)
+                if p.grad is not None]
+
+    def keeping_gradients(self) -> ContextManager:
+        """Within: run(keep_grads=True) keeps the gradients themselves for `gradients()` (a streamed runner otherwise
+        keeps only their norms: the optimizer checks ask for them, the other stages need the numbers)."""
+        return contextlib.nullcontext()
+
+    def clip_gradients(self, max_norm: float) -> None:
+        """torch.nn.utils.clip_grad_norm_ over the model's gradients."""
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
+    def close(self) -> None:
+        """Frees what the runner holds beyond the model (nothing here)."""
 
     def autocast_context(self, fp32: bool = False) -> ContextManager:
         """The job's autocast on the replay device (none with fp32=True or when the job used none)."""

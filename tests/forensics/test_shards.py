@@ -235,7 +235,7 @@ def _edit_manifest(path, edit) -> None:
 
 
 @pytest.mark.parametrize("edit, words", [
-    (lambda m: m.update(format_version=1), "format version 2"),
+    (lambda m: m.update(format_version=1), "needs format_version 2 or later"),
     (lambda m: m["layout"]["tensors"]["model.safetensors"].update(grid={"shape": [1 << 40, 1 << 40],
                                                                        "dtype": "float32"}), "different state"),
     (lambda m: m["layout"]["shards"]["model.safetensors"]["grid"].update(shape=[4000, 6]), "do not fit"),

@@ -1,0 +1,264 @@
+"""Load, streamed: a model whose state does not fit the replay device, its repeated blocks left in the dump.
+
+`plan_streaming` decides, before anything is read, whether the step's state fits the budget (`--gpu-memory`, or the
+device's free memory on a GPU): it needs the weights and their gradients on the device at once, plus room for the
+activations (STATE_FACTOR, ACTIVATION_SHARE). When it does not, the model's largest `nn.ModuleList` (a
+transformer's layers) is streamed: `keep_blocks_at_rest` wraps the dump's tensor stream so that each block
+parameter is read once (its shape and dtype checked by the session's `stream_weights`, its finiteness noted) and
+replaced by a one-element placeholder expanded to its shape (`at_rest`): the Parameter object, its name, shape and
+dtype stay, so hooks, optimizers and reports see the model they expect, and no memory is held. Everything outside
+the blocks (embeddings, final norm, head, buffers) is resident as in a normal replay. replay/run/streamed.py
+materialises the blocks' weights again from the dump, a few at a time, while the step runs.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from forensics.errors import ReplayError
+
+STATE_FACTOR = 2
+"""A normal replay holds every weight and its gradient on the device at once (the 7B FSDP2 replay: 27 GB of
+weights, 51.7 GiB peak): the state fits when STATE_FACTOR x its bytes and the activations fit the budget."""
+ACTIVATION_SHARE = 0.25
+"""Share of the budget left for activations, the saved block inputs and the allocator's slack."""
+MIN_RESIDENT_BLOCKS = 1
+
+_UNITS = {"": 1, "b": 1, "k": 10 ** 3, "kb": 10 ** 3, "kib": 1 << 10, "m": 10 ** 6, "mb": 10 ** 6, "mib": 1 << 20,
+          "g": 10 ** 9, "gb": 10 ** 9, "gib": 1 << 30, "t": 10 ** 12, "tb": 10 ** 12, "tib": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """"16GiB" -> 17179869184; "16GB" / "16G" are powers of ten; a bare number is bytes.
+
+    Raises:
+        ValueError: not a positive size.
+    """
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"{text!r} is not a size: write e.g. 16GiB, 800MiB or 32GB")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"{text!r} is not a positive size")
+    return value
+
+
+def words(nbytes: float) -> str:
+    """Bytes for people: 1.50 GiB, 300.0 MiB."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+@dataclass(frozen=True)
+class Block:
+    """One streamed block: a child of the model's largest nn.ModuleList."""
+
+    name: str
+    params: tuple[str, ...]
+    """Its parameters' names (first names; parameters tied to something outside the block stay resident)."""
+    nbytes: int
+
+
+@dataclass
+class StreamPlan:
+    """How a replay streams a model that does not fit: printed before the replay (`describe`), kept in the report."""
+
+    budget: int
+    """Bytes the replay may use on its device (--gpu-memory, or the GPU's free memory)."""
+    reason: str
+    blocks: list[Block]
+    resident_bytes: int
+    """Weights and buffers outside the blocks: on the device for the whole replay."""
+    state_bytes: int
+    """Weights and buffers of the whole model, as the factory builds them (the dump's dtypes once loaded)."""
+    resident_blocks: int = 1
+    """K: at most this many blocks' weights are materialised at once (read-ahead counts as one of them)."""
+    read_ahead: bool = False
+    """The next block is read while this one computes (K >= 2)."""
+    read_seconds: float | None = None
+    """Time the load took to read the blocks once (measured): the estimate of one streamed pass's reads."""
+    nonfinite: list[str] = field(default_factory=list)
+    """Block parameters already holding NaN/Inf in the dump (seen while they were read)."""
+    at_rest: dict[str, torch.dtype] = field(default_factory=dict)
+    """Each streamed parameter's dtype in the dump."""
+
+    @property
+    def block_bytes(self) -> int:
+        return max((b.nbytes for b in self.blocks), default=0)
+
+    @property
+    def streamed_bytes(self) -> int:
+        return sum(b.nbytes for b in self.blocks)
+
+    def as_dict(self) -> dict:
+        """The report's `stream` block."""
+        return {"budget_bytes": self.budget, "reason": self.reason, "state_bytes": self.state_bytes,
+                "resident_bytes": self.resident_bytes, "blocks": len(self.blocks), "block_bytes": self.block_bytes,
+                "blocks_resident": self.resident_blocks, "read_ahead": self.read_ahead,
+                "read_seconds": self.read_seconds}
+
+    def describe(self, expected_passes: int | None = None) -> list[str]:
+        """The plan in words, one line each."""
+        lines = [f"streamed replay: {self.reason}",
+                 f"  state {words(self.state_bytes)}; budget {words(self.budget)}; resident outside the blocks "
+                 f"{words(self.resident_bytes)}",
+                 f"  {len(self.blocks)} blocks of up to {words(self.block_bytes)}; at most {self.resident_blocks} "
+                 f"materialised at once ({'the next one read ahead' if self.read_ahead else 'no read-ahead'})"]
+        if expected_passes is not None:
+            per_pass = ""
+            if self.read_seconds is not None:
+                # a pass reads every block for the forward and again for the backward's recomputation
+                per_pass = f", about {2 * self.read_seconds:.1f} s of reads each (the load read the blocks in " \
+                           f"{self.read_seconds:.1f} s): about {expected_passes * 2 * self.read_seconds:.0f} s"
+            lines.append(f"  expected about {expected_passes} passes over the step{per_pass}")
+        return lines
+
+
+def find_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The children of the model's nn.ModuleList holding the most parameters (a transformer's layers).
+
+    Raises:
+        ReplayError: the model has no list of at least two blocks with parameters.
+    """
+    best, best_count = None, 0
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.ModuleList) or len(module) < 2:
+            continue
+        count = sum(p.numel() for p in module.parameters())
+        if count > best_count:
+            best, best_count = name, count
+    if best is None:
+        raise ReplayError("this model cannot be streamed: it has no nn.ModuleList of at least two blocks with "
+                          "parameters (streaming keeps the blocks in the dump). Replay it without --gpu-memory, on "
+                          "a device it fits")
+    modules = model.get_submodule(best)
+    return [(f"{best}.{i}" if best else str(i), child) for i, child in enumerate(modules)
+            if any(True for _ in child.parameters())]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def plan_streaming(model: torch.nn.Module, device: torch.device, budget: int | None) -> StreamPlan | None:
+    """The plan for a model built with meta parameters, or None when its state fits `budget` (or, without one, the
+    free memory of a CUDA device; the CPU without a budget is never streamed).
+
+    Raises:
+        ReplayError: the budget cannot hold the resident part and one block.
+    """
+    reason = None
+    state = sum(_nbytes(p) for p in model.parameters()) + sum(_nbytes(b) for b in model.buffers())
+    if budget is None:
+        if device.type != "cuda":
+            return None
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free)
+        reason = f"the state ({words(state)}) does not fit the free memory of {device} ({words(free)})"
+    need = STATE_FACTOR * state / (1 - ACTIVATION_SHARE)
+    if need <= budget:
+        return None
+    reason = reason or f"the state ({words(state)}: about {words(need)} with gradients and activations) does not " \
+                       f"fit the budget of {words(budget)}"
+    found = find_blocks(model)
+    outside = {id(p) for name, p in model.named_parameters(remove_duplicate=False)
+               if not any(name.startswith(b + ".") for b, _ in found)}
+    blocks = []
+    for name, module in found:
+        params = tuple(f"{name}.{n}" for n, p in module.named_parameters() if id(p) not in outside)
+        blocks.append(Block(name, params, sum(_nbytes(p) for p in module.parameters() if id(p) not in outside)))
+    streamed = {id(model.get_parameter(n)) for b in blocks for n in b.params}
+    resident = state - sum(_nbytes(p) for p in model.parameters() if id(p) in streamed)
+    plan = StreamPlan(budget=budget, reason=reason, blocks=blocks, resident_bytes=resident, state_bytes=state)
+    fit_blocks(plan)
+    return plan
+
+
+def fit_blocks(plan: StreamPlan) -> None:
+    """Sets K (resident_blocks) and read-ahead from the budget and the blocks' bytes (again once the load measured
+    the dump's own dtypes).
+
+    Raises:
+        ReplayError: the resident part and one block do not fit.
+    """
+    room = plan.budget * (1 - ACTIVATION_SHARE) - STATE_FACTOR * plan.resident_bytes
+    per_block = STATE_FACTOR * max(plan.block_bytes, 1)
+    count = int(room // per_block) if room > 0 else 0
+    if count < MIN_RESIDENT_BLOCKS:
+        least = (STATE_FACTOR * (plan.resident_bytes + plan.block_bytes)) / (1 - ACTIVATION_SHARE)
+        raise ReplayError(f"a budget of {words(plan.budget)} cannot replay this model even streamed: the part outside "
+                          f"its blocks needs {words(plan.resident_bytes)} and one block {words(plan.block_bytes)}, "
+                          f"with their gradients and room for activations at least {words(least)}; give "
+                          f"--gpu-memory {_rounded_up(least)} or more")
+    plan.resident_blocks = min(count, len(plan.blocks))
+    plan.read_ahead = plan.resident_blocks >= 2
+
+
+def _rounded_up(nbytes: float) -> str:
+    """A size as --gpu-memory takes it, rounded up: 17GiB, 166KiB."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"{math.ceil(nbytes / size)}{unit}"
+    return str(math.ceil(nbytes))
+
+
+def at_rest(tensor: torch.Tensor) -> torch.Tensor:
+    """A placeholder of `tensor`'s shape, dtype and device holding one element (stride 0): what a streamed parameter
+    holds while its block is not materialised."""
+    return torch.zeros((), dtype=tensor.dtype, device=tensor.device).expand(tensor.shape)
+
+
+def keep_blocks_at_rest(tensors: Iterator[tuple[str, torch.Tensor]], plan: StreamPlan,
+                        model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The dump's tensor stream with every block parameter replaced by its placeholder once read (its dtype, bytes
+    and finiteness noted in `plan`); the time the blocks' reads took goes to `plan.read_seconds`."""
+    first_name: dict[int, str] = {}
+    aliases = {name: first_name.setdefault(id(p), name) for name, p in model.named_parameters(remove_duplicate=False)}
+    streamed = {n for b in plan.blocks for n in b.params}
+    sizes: dict[str, int] = {}
+    spent, mark = 0.0, time.perf_counter()
+    for key, tensor in tensors:
+        first = aliases.get(key, key)
+        now = time.perf_counter()
+        if first in streamed:
+            spent += now - mark
+            plan.at_rest[first] = tensor.dtype
+            sizes[first] = _nbytes(tensor)
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                plan.nonfinite.append(first)
+            tensor = at_rest(tensor)
+        yield key, tensor
+        mark = time.perf_counter()
+    if sizes:  # the dump's own dtypes: bf16 weights of a model the factory builds in fp32 take half
+        plan.blocks = [Block(b.name, b.params, sum(sizes.get(n, 0) for n in b.params)) for b in plan.blocks]
+        plan.read_seconds = spent
+
+
+def settle(plan: StreamPlan, model: torch.nn.Module) -> None:
+    """Once the model is loaded: the plan's bytes as the dump's dtypes make them, K fitted to them again.
+
+    Raises:
+        ReplayError: the resident part and one block do not fit the budget.
+    """
+    streamed = {n for b in plan.blocks for n in b.params}
+    seen: set[int] = set()
+    resident = 0
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if name not in streamed and id(tensor) not in seen:
+            seen.add(id(tensor))
+            resident += _nbytes(tensor)
+    plan.resident_bytes, plan.state_bytes = resident, resident + plan.streamed_bytes
+    fit_blocks(plan)
+
+
+__all__ = ["StreamPlan", "Block", "plan_streaming", "keep_blocks_at_rest", "find_blocks", "fit_blocks",
+           "parse_bytes", "at_rest", "settle", "words", "STATE_FACTOR", "ACTIVATION_SHARE"]

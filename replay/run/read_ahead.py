@@ -1,0 +1,96 @@
+"""Run, streamed: a block's weights read from the dump, the next block's on a background thread while this one computes.
+
+`BlockReader.read` reads a block now (the calling thread, its current stream). `start` reads one on a worker thread:
+on a GPU the reader's pinned staging copies go to the device on a stream of their own, an event recorded on it
+after the last copy; `take` makes the consumer's stream wait for that event and records the tensors as used on it
+(so the caching allocator does not hand their memory to the worker's stream while the block computes). The dump's
+reader (forensics.format.tensors.SafetensorsFile) stages each tensor in its own pinned buffer and copies it
+non-blocking, so the bytes of the next tensor are read while the previous crosses the bus.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Iterator
+
+import torch
+
+from forensics.errors import DumpCorruptError
+
+
+class BlockReader:
+    """Reads blocks' weights from the dump, at most one ahead of the consumer."""
+
+    def __init__(self, read: Callable[..., Iterator[tuple[str, torch.Tensor]]], device: torch.device, ahead: bool):
+        self._read, self.device = read, device
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forensics-stream") if ahead else None
+        self._stream = torch.cuda.Stream(device) if ahead and device.type == "cuda" else None
+        self.pending: tuple[int, tuple, Future] | None = None
+        self.reads = 0
+        """Blocks read from the dump (one block read twice counts twice)."""
+        self.hits = 0
+        """Of them, read ahead and used."""
+
+    def read(self, index: int, names: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
+        """Block `index`'s tensors, `names` -> the dtype each is cast to, on the device in the current stream."""
+        self.reads += 1
+        out = {}
+        for name, tensor in self._read(names=set(names)):
+            if name in names:
+                dtype = names[name]
+                out[name] = tensor if tensor.dtype == dtype or not tensor.is_floating_point() else tensor.to(dtype)
+        missing = [n for n in names if n not in out]
+        if missing:
+            raise DumpCorruptError(f"the dump holds no weight {missing[0]!r} of a streamed block", "model.safetensors")
+        return out
+
+    def _read_on_worker(self, index: int, names: dict[str, torch.dtype]):
+        if self._stream is None:
+            return self.read(index, names), None
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            tensors = self.read(index, names)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return tensors, event
+
+    def start(self, index: int, key: tuple, names: dict[str, torch.dtype]) -> None:
+        """Reads block `index` (`key`: the dtypes it is cast to) on the worker thread."""
+        if self._pool is None or self.pending is not None:
+            return
+        self.pending = (index, key, self._pool.submit(self._read_on_worker, index, names))
+
+    def take(self, index: int, key: tuple) -> dict[str, torch.Tensor] | None:
+        """The block read ahead, once it is ready for the current stream; None when another one (or none) was."""
+        if self.pending is None or self.pending[:2] != (index, key):
+            return None
+        future = self.pending[2]
+        self.pending = None
+        tensors, event = future.result()
+        if event is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(event)
+            for tensor in tensors.values():
+                tensor.record_stream(current)
+        self.hits += 1
+        return tensors
+
+    def cancel(self) -> None:
+        """Drops the block being read ahead (once its read is over: a failed read raises here)."""
+        if self.pending is None:
+            return
+        future = self.pending[2]
+        self.pending = None
+        with contextlib.suppress(Exception):
+            tensors, event = future.result()
+            if event is not None:
+                event.synchronize()
+
+    def close(self) -> None:
+        self.cancel()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+__all__ = ["BlockReader"]

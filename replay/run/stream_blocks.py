@@ -1,0 +1,366 @@
+"""Run, streamed: the blocks of a streamed model, materialised from the dump a few at a time, recomputed for backward.
+
+`BlockStreamer` materialises a block's weights from the dump (the session's `pre_step_weights`: pread, or the rank
+dumps of a sharded one) when the block runs, into the same Parameter objects (`param.data` swapped), and keeps at
+most K blocks materialised (replay/load/streamed.py decides K): least recently used out first when a backward
+follows (it runs the blocks in reverse and finds the forward's last ones still there), most recently used out first
+in a forward-only pass (a scan in order: the first blocks stay for the next one). With K >= 2 the next block is read
+on a background thread while this one computes (replay/run/read_ahead.py).
+
+Each block's forward runs through `_StreamedBlock`, an autograd Function that keeps the block's inputs and recomputes
+the block for its backward: torch.utils.checkpoint's reentrant form, with the weights materialised for the
+recomputation, the forward's RNG and autocast state restored, and a point after the block's backward where its
+gradients are taken off the device (`GradStore`: summed across micro-batches in mapped temporary files, measured once
+the step's last micro-batch is through, kept only for a caller that steps the optimizer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import weakref
+from collections import OrderedDict
+from typing import Any, Callable, ContextManager, Iterator
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from forensics.errors import DumpCorruptError
+from replay.load.streamed import StreamPlan, at_rest
+from replay.run.execute import any_nonfinite
+from replay.run.read_ahead import BlockReader
+
+_FORWARD = torch.nn.Linear.forward.__name__  # the method nn.Module.__call__ runs, overridden per block instance
+
+
+class BlockStreamer:
+    """Materialises the streamed blocks' weights from the dump on demand, at most `plan.resident_blocks` at once."""
+
+    def __init__(self, model: torch.nn.Module, plan: StreamPlan, read: Callable[..., Iterator[tuple[str, torch.Tensor]]],
+                 device: torch.device):
+        self.model, self.plan, self.device = model, plan, device
+        self.modules = [model.get_submodule(b.name) for b in plan.blocks]
+        self.params = {n: model.get_parameter(n) for b in plan.blocks for n in b.params}
+        self.block_of = {n: i for i, b in enumerate(plan.blocks) for n in b.params}
+        self.rest = {n: at_rest(p) for n, p in self.params.items()}
+        self.capacity = plan.resident_blocks
+        self.cache: OrderedDict[int, tuple[tuple, dict[str, torch.Tensor]]] = OrderedDict()
+        self.reader = BlockReader(read, device, plan.read_ahead)
+        self.peak = 0
+        """Most blocks materialised at once (cached + being read ahead): never above `capacity`."""
+        self.fp32 = False
+        self.unit_dtype: dict[str, torch.dtype] = {}
+        """FSDP2 mixed precision (StreamedStepRunner.job_precision): the dtype each parameter computes in."""
+        self.reduce_dtype: dict[str, torch.dtype | None] = {}
+        self.direction = 1
+        self.scan_only = False
+        """The pass runs no backward (runner): blocks are evicted most recently used first."""
+        self.grads = GradStore()
+        self.keep = False
+        self.final = True
+        self.inv_scale: torch.Tensor | None = None
+        self.norms: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        """This pass: each streamed parameter's gradient norm (in its dtype, as clip_grad_norm_ takes it; in fp32)."""
+        self.nonfinite: set[str] = set()
+        self.grad_factor = 1.0
+        self.anchor = torch.empty(0, device=device, requires_grad=True)
+        self.recompute_context: Callable[[int], ContextManager] | None = None
+        """Set by a stage that watches the backward (replay/localize/forward_backward.localize_backward): entered
+        around each block's recomputation, given the block's index."""
+        self.after_recompute: Callable[[list[torch.Tensor]], None] | None = None
+        """Called with a block's recomputed outputs before their backward runs."""
+        self._forwards: list[tuple[torch.nn.Module, Any]] = []
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def install(self) -> None:
+        """Each block's forward goes through `_BlockCall` (an instance attribute: the module's hooks stay around it)."""
+        for index, module in enumerate(self.modules):
+            self._forwards.append((module, vars(module).get(_FORWARD)))
+            module.forward = _BlockCall(self, index, module.forward)
+
+    def remove(self) -> None:
+        for module, own in self._forwards:
+            if own is None:
+                vars(module).pop(_FORWARD, None)
+            else:
+                module.forward = own
+        self._forwards.clear()
+        self.release_all()
+        self.reader.close()
+        self.grads.close()
+
+    # -- materialising ---------------------------------------------------------------------------
+    def _dtypes(self, index: int) -> tuple:
+        """The dtype each parameter of block `index` computes in now."""
+        return tuple(self.compute_dtype(n) for n in self.plan.blocks[index].params)
+
+    def compute_dtype(self, name: str) -> torch.dtype:
+        rest = self.rest[name].dtype
+        if self.fp32 and rest.is_floating_point:
+            return torch.float32
+        return self.unit_dtype.get(name, rest)
+
+    def acquire(self, index: int) -> None:
+        """Block `index`'s weights materialised in its parameters (read from the dump unless still cached)."""
+        key = self._dtypes(index)
+        hit = self.cache.get(index)
+        if hit is not None and hit[0] == key:
+            if not self.scan_only:  # a scan keeps the order blocks came in: the first ones stay (_make_room)
+                self.cache.move_to_end(index)
+        else:
+            if hit is not None:
+                self._evict(index)
+            tensors = self.reader.take(index, key)  # read ahead already, or None
+            if tensors is None:
+                self.reader.cancel()
+                self._make_room(1, keep=None)
+                tensors = self.reader.read(index, self._names(index, key))
+                self._count(1)
+            self._check(index, tensors)
+            self.cache[index] = (key, tensors)
+            for name, tensor in tensors.items():
+                self.params[name].data = tensor
+        self._read_ahead(index)
+
+    def _names(self, index: int, key: tuple) -> dict[str, torch.dtype]:
+        return dict(zip(self.plan.blocks[index].params, key))
+
+    def _check(self, index: int, tensors: dict[str, torch.Tensor]) -> None:
+        for name in self.plan.blocks[index].params:
+            tensor = tensors.get(name)
+            if tensor is None or tuple(tensor.shape) != tuple(self.rest[name].shape):
+                raise DumpCorruptError(f"the dump's weight {name!r} changed while it was replayed (missing or another "
+                                       "shape on a second read)", "model.safetensors")
+
+    def _read_ahead(self, index: int) -> None:
+        if not self.plan.read_ahead:
+            return
+        nxt = index + self.direction
+        if not 0 <= nxt < len(self.modules) or nxt in self.cache or self.reader.pending is not None:
+            return
+        self._make_room(1, keep=index)
+        key = self._dtypes(nxt)
+        self.reader.start(nxt, key, self._names(nxt, key))
+        self._count(0)
+
+    def _count(self, extra: int) -> None:
+        self.peak = max(self.peak, len(self.cache) + extra + (1 if self.reader.pending is not None else 0))
+
+    def _make_room(self, slots: int, keep: int | None) -> None:
+        """Evicts blocks (never `keep`) until `slots` more fit beside the cache and the read-ahead: the least recently
+        used when a backward follows (it runs the blocks in reverse: the forward's last ones are its first), else the
+        most recently used (a forward-only pass scans the blocks in order, again for the next micro-batch and pass:
+        the first ones stay)."""
+        while self.cache and len(self.cache) + slots + (1 if self.reader.pending is not None else 0) > self.capacity:
+            order = reversed(self.cache) if self.scan_only else iter(self.cache)
+            victim = next((i for i in order if i != keep), None)
+            if victim is None:
+                break
+            self._evict(victim)
+
+    def _evict(self, index: int) -> None:
+        self.cache.pop(index, None)
+        for name in self.plan.blocks[index].params:
+            param = self.params[name]
+            param.grad = None
+            param.data = self.rest[name]
+
+    def release_all(self) -> None:
+        for index in list(self.cache):
+            self._evict(index)
+        self.reader.cancel()
+
+    # -- gradients -------------------------------------------------------------------------------
+    def new_pass(self, keep: bool) -> None:
+        self.grads.clear()
+        self.norms.clear()
+        self.nonfinite.clear()
+        self.keep, self.grad_factor = keep, 1.0
+
+    def block_backward_done(self, index: int) -> None:
+        """Block `index`'s backward of one micro-batch is over: its gradients off the device (accumulated across
+        micro-batches), measured once the pass's last micro-batch is through."""
+        for name in self.plan.blocks[index].params:
+            param = self.params[name]
+            grad, param.grad = param.grad, None
+            if grad is None:
+                continue
+            held = self.grads.pop(name)
+            if held is not None:
+                grad = held.to(grad.device) + grad  # the accumulation autograd does into .grad, in its dtype
+            if self.final:
+                self._finish(name, grad)
+            else:
+                self.grads.put(name, grad)
+
+    def finish_pass(self) -> None:
+        """Gradients still accumulating when the pass stopped early (an exception, anomaly mode's error)."""
+        for name in list(self.grads.names()):
+            if name not in self.norms:
+                grad = self.grads.pop(name)
+                self._finish(name, grad.to(self.device))
+
+    def _finish(self, name: str, grad: torch.Tensor) -> None:
+        rest = self.rest[name].dtype
+        if name in self.reduce_dtype and grad.dtype != rest:  # FSDP2: reduced in reduce_dtype onto the fp32 weights
+            grad = grad.to(self.reduce_dtype[name] or rest).to(rest)
+        if self.inv_scale is not None:  # GradScaler.unscale_: times 1/scale in fp32
+            grad = grad * self.inv_scale.to(grad.device)
+        norm = torch._foreach_norm([grad], 2.0)[0] if hasattr(torch, "_foreach_norm") \
+            else torch.linalg.vector_norm(grad, 2.0)
+        self.norms[name] = (norm, torch.linalg.vector_norm(grad.float()))
+        if any_nonfinite([grad])[0]:
+            self.nonfinite.add(name)
+        if self.keep:
+            self.grads.put(name, grad, kept=True)
+
+
+class GradStore:
+    """Gradients off the device: accumulating across micro-batches, or kept for the optimizer check. Large ones
+    live in files of a temporary directory mapped into memory (the page cache holds them, the kernel may write them
+    out), small ones in ordinary memory."""
+
+    FILE_MIN = 1 << 20
+
+    def __init__(self, directory: str | None = None):
+        self._directory = directory
+        self._dir: str | None = None
+        self._held: dict[str, torch.Tensor] = {}
+        self.kept: set[str] = set()
+        self._count = 0
+
+    def _host(self, like: torch.Tensor) -> torch.Tensor:
+        nbytes = like.numel() * like.element_size()
+        if nbytes < self.FILE_MIN:
+            return torch.empty(like.shape, dtype=like.dtype)
+        if self._dir is None:
+            self._dir = tempfile.mkdtemp(prefix="forensics-grads-", dir=self._directory)
+            weakref.finalize(self, shutil.rmtree, self._dir, True)
+        self._count += 1
+        path = os.path.join(self._dir, f"{self._count}.bin")
+        tensor = torch.from_file(path, shared=True, size=like.numel(), dtype=like.dtype).view(like.shape)
+        os.unlink(path)  # the mapping stays; the file goes with it
+        return tensor
+
+    def put(self, name: str, grad: torch.Tensor, kept: bool = False) -> None:
+        host = self._host(grad)
+        host.copy_(grad)
+        self._held[name] = host
+        if kept:
+            self.kept.add(name)
+
+    def pop(self, name: str) -> torch.Tensor | None:
+        self.kept.discard(name)
+        return self._held.pop(name, None)
+
+    def get(self, name: str) -> torch.Tensor | None:
+        return self._held.get(name)
+
+    def names(self) -> list[str]:
+        return list(self._held)
+
+    def clear(self) -> None:
+        self._held.clear()
+        self.kept.clear()
+
+    def close(self) -> None:
+        self.clear()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, True)
+            self._dir = None
+
+
+class _BlockCall:
+    """A streamed block's forward: through `_StreamedBlock` when autograd records, straight otherwise."""
+
+    def __init__(self, streamer: BlockStreamer, index: int, forward: Callable):
+        self.streamer, self.index, self.forward = streamer, index, forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            self.streamer.direction = 1
+            self.streamer.acquire(self.index)
+            return self.forward(*args, **kwargs)
+        leaves, spec = tree_flatten((args, kwargs))
+        positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        box: dict[str, Any] = {}
+        outputs = _StreamedBlock.apply(self, box, (leaves, spec, positions), self.streamer.anchor,
+                                       *[leaves[i] for i in positions])
+        out_leaves = list(box["leaves"])
+        for position, tensor in zip(box["positions"], outputs):
+            out_leaves[position] = tensor
+        return tree_unflatten(out_leaves, box["spec"])
+
+    def run(self, layout: tuple, tensors: tuple) -> Any:
+        leaves, spec, positions = layout
+        leaves = list(leaves)
+        for position, tensor in zip(positions, tensors):
+            leaves[position] = tensor
+        args, kwargs = tree_unflatten(leaves, spec)
+        self.streamer.acquire(self.index)
+        return self.forward(*args, **kwargs)
+
+
+def _autocast_state(device_type: str) -> tuple[bool, torch.dtype | None]:
+    """Whether autocast is on for `device_type`, and its dtype (what the recomputation enters again)."""
+    try:
+        return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    except (TypeError, AttributeError, RuntimeError):  # torch before the device_type arguments
+        if device_type == "cpu":
+            return torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
+        return torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
+
+
+class _StreamedBlock(torch.autograd.Function):
+    """One block: forward without saving its activations, recomputed (weights materialised again) for backward."""
+
+    @staticmethod
+    def forward(ctx, call: _BlockCall, box: dict, layout: tuple, anchor: torch.Tensor, *tensors: torch.Tensor):
+        streamer = call.streamer
+        ctx.call, ctx.layout = call, layout
+        ctx.save_for_backward(*tensors)  # the block's inputs, kept where they are
+        ctx.device_type = streamer.device.type
+        ctx.autocast = _autocast_state(ctx.device_type)
+        ctx.cpu_rng = torch.get_rng_state()
+        ctx.cuda_rng = torch.cuda.get_rng_state(streamer.device) if streamer.device.type == "cuda" else None
+        streamer.direction = 1
+        out = call.run(layout, tensors)
+        leaves, spec = tree_flatten(out)
+        positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        box.update(leaves=leaves, spec=spec, positions=positions)
+        outputs = tuple(leaves[i] for i in positions)
+        ctx.mark_non_differentiable(*[t for t in outputs if not (t.is_floating_point() or t.is_complex())])
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        call, streamer = ctx.call, ctx.call.streamer
+        needs = ctx.needs_input_grad[4:]
+        inputs = [t.detach().requires_grad_(need) if need else t.detach()
+                  for t, need in zip(ctx.saved_tensors, needs)]
+        devices = [streamer.device.index or 0] if ctx.cuda_rng is not None else []
+        enabled, dtype = ctx.autocast
+        streamer.direction = -1
+        autocast = torch.autocast(ctx.device_type, dtype=dtype, enabled=enabled) if dtype is not None \
+            else contextlib.nullcontext()
+        watch = streamer.recompute_context(call.index) if streamer.recompute_context is not None \
+            else contextlib.nullcontext()
+        with torch.random.fork_rng(devices=devices), torch.enable_grad(), autocast, watch:
+            torch.set_rng_state(ctx.cpu_rng)
+            if ctx.cuda_rng is not None:
+                torch.cuda.set_rng_state(ctx.cuda_rng, streamer.device)
+            out = call.run(ctx.layout, tuple(inputs))
+        leaves, _ = tree_flatten(out)
+        outputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        if streamer.after_recompute is not None:
+            streamer.after_recompute(outputs)
+        pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        streamer.block_backward_done(call.index)
+        return (None, None, None, None, *[t.grad if need else None for t, need in zip(inputs, needs)])
+
+
+__all__ = ["BlockStreamer", "GradStore"]

@@ -1,0 +1,259 @@
+"""Run, streamed: the StepRunner of a model whose blocks stay in the dump (ReplaySession.stream).
+
+replay/load/streamed.py left each block parameter as a one-element placeholder; replay/run/stream_blocks.py
+materialises the blocks a few at a time while a pass runs and recomputes each for its backward. `StreamedStepRunner`
+runs the same passes as the StepRunner over such a model, so every stage of the engine runs through it unchanged,
+except where a stage reads gradients or weights itself (`gradients`, `gradient_names`, `own_grad_norms`,
+`clip_gradients`, `keeping_gradients`; the engine's per-sample rows: `per_sample_rows`), which it answers block by
+block. `runner_for(session)` picks the runner a session needs.
+
+Why not FSDP2 on a world of one with CPUOffloadPolicy: it keeps the whole sharded model (and its gradients) in
+pinned host memory, a second host copy of the model, which the dump already is; torch.utils.checkpoint alone cannot
+materialise weights inside its recomputation nor say when a block's backward is over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from typing import Any, ContextManager, Iterator
+
+import torch
+
+from forensics.errors import ReplayError
+from forensics.grad_norm import total_grad_norm
+from replay.load.fsdp_precision import fsdp_compute, parameter_units
+from replay.load.samples import SampleRef
+from replay.load.session import ReplaySession
+from replay.run.execute import StepRunner, any_nonfinite
+from replay.run.stream_blocks import BlockStreamer
+
+STREAMED_PER_SAMPLE = 8
+"""Streamed, each per-sample row is a pass over the whole model: culprits and at most this many rows."""
+
+
+class StreamedStepRunner(StepRunner):
+    """The StepRunner of a streamed session (ReplaySession.stream): the same passes, the blocks materialised a few at
+    a time; the stages' own reads of gradients go through `gradients` / `own_grad_norms` / `clip_gradients`."""
+
+    def __init__(self, session: ReplaySession):
+        if session.stream is None or session.pre_step_weights is None:
+            raise ReplayError("a streamed replay needs a session loaded from a dump with a stream plan")
+        self.session, self.model, self.plan = session, session.model, session.stream
+        for module in self.model.modules():  # a KV cache (Hugging Face) would grow again in each recomputation
+            config = getattr(module, "config", None)
+            if getattr(config, "use_cache", False):
+                config.use_cache = False
+        self.streamer = BlockStreamer(self.model, self.plan, session.pre_step_weights, session.device)
+        self.streamer.install()
+        self._streamed = set(self.streamer.params)
+        self._reload = session.pre_step_weights
+        self._initial = None
+        self.param_names = [n for n, _ in self.model.named_parameters()]
+        self._dtypes = {n: t.dtype for n, t in self._live_tensors()}
+        resident = [(n, p) for n, p in self.model.named_parameters() if n not in self._streamed]
+        flags = dict(zip([n for n, _ in resident], any_nonfinite(p.detach() for _, p in resident)))
+        bad = set(self.plan.nonfinite) | {n for n, f in flags.items() if f}
+        self.nonfinite_params = [n for n in self.param_names if n in bad]
+        self.passes = 0
+        self._untouched = session.loaded_weights
+        self._warned_autocast = False
+        self._warned_unrunnable = False
+        self.last_grad_norm: float | None = None
+        self._last = 0
+        self._keep_next = False
+        self._wanted = False
+        weakref.finalize(self, self.streamer.remove)
+
+    def close(self) -> None:
+        """Puts the blocks' own forwards back and frees what the streamer holds."""
+        self.streamer.remove()
+
+    # -- the base runner's state, without the streamed parameters --------------------------------
+    def _live_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return [(n, t) for n, t in super()._live_tensors() if n not in self._streamed]
+
+    def _stale(self, live: dict[str, torch.Tensor]) -> set[str]:
+        return super()._stale({k: v for k, v in live.items() if k not in self._streamed})
+
+    def reset(self) -> None:
+        self.streamer.fp32 = False
+        super().reset()
+        self.streamer.new_pass(keep=self._keep_next)
+
+    def _start_pass(self, fp32: bool) -> None:
+        super()._start_pass(fp32)
+        self.streamer.fp32 = fp32
+
+    def job_precision(self, fp32: bool = False) -> ContextManager:
+        if fp32 or not self.session.fsdp_units:
+            return contextlib.nullcontext()
+        return self._streamed_fsdp()
+
+    @contextlib.contextmanager
+    def _streamed_fsdp(self) -> Iterator[None]:
+        """FSDP2's mixed precision with the blocks cast as they are materialised (replay/load/fsdp_precision.py)."""
+        units = parameter_units(self.model, self.session.fsdp_units)
+        streamer = self.streamer
+        for name, param in streamer.params.items():
+            unit = units.get(id(param))
+            if unit is not None and unit.param_dtype is not None and param.is_floating_point():
+                streamer.unit_dtype[name] = unit.param_dtype
+                streamer.reduce_dtype[name] = unit.reduce_dtype
+        try:
+            with fsdp_compute(self.model, self.session.fsdp_units, skip={id(p) for p in streamer.params.values()}):
+                yield
+        finally:
+            streamer.unit_dtype.clear()
+            streamer.reduce_dtype.clear()
+
+    # -- a pass ----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def keeping_gradients(self) -> Iterator[None]:
+        self._wanted = True
+        try:
+            yield
+        finally:
+            self._wanted = False
+
+    def run(self, samples: list[SampleRef] | None = None, **kwargs: Any):
+        # kept gradients (a pass's worth of bytes written to the host) only for a caller that steps the optimizer
+        self._keep_next = bool(kwargs.get("keep_grads")) and self._wanted  # the base run() resets first
+        try:
+            result = super().run(samples, **kwargs)
+        finally:
+            self._keep_next = False
+        self.last_grad_norm = result.grad_norm
+        return result
+
+    def _run_micro_batches(self, selected, scale, options):
+        self._last = max(selected) if selected else len(self.session.micro_batches) - 1
+        self.streamer.inv_scale = None if scale is None else scale.double().reciprocal().float()
+        self.streamer.scan_only = not options.backward
+        return super()._run_micro_batches(selected, scale, options)
+
+    def _run_micro_batch(self, i, indices, scale, options, done) -> bool:
+        self.streamer.final = i == self._last
+        return super()._run_micro_batch(i, indices, scale, options, done)
+
+    def _measured_grads(self, scale, backward):
+        streamer = self.streamer
+        streamer.finish_pass()
+        grads = {n: p.grad for n, p in self.model.named_parameters() if p.grad is not None and n not in self._streamed}
+        if scale is not None:
+            inv = scale.double().reciprocal().float()
+            with torch.no_grad():
+                for g in grads.values():
+                    g.mul_(inv.to(g.device))
+        if not (backward and (grads or streamer.norms)):
+            return None, []
+        resident = dict(zip(grads, torch._foreach_norm(list(grads.values()), 2.0))) if grads else {}
+        flags = dict(zip(grads, any_nonfinite(grads.values())))
+        norms, bad = [], []
+        for name in self.param_names:
+            if name in streamer.norms:
+                norms.append(streamer.norms[name][0])
+                if name in streamer.nonfinite:
+                    bad.append(name)
+            elif name in resident:
+                norms.append(resident[name])
+                if flags[name]:
+                    bad.append(name)
+        norm = total_grad_norm(norms)
+        return (float(norm) if norm is not None else None), bad
+
+    # -- what the stages read themselves ---------------------------------------------------------
+    def own_grad_norms(self, module: torch.nn.Module) -> list[torch.Tensor]:
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        out = []
+        for param in module.parameters(recurse=False):
+            name = names.get(id(param))
+            if name in self.streamer.norms:
+                out.append(self.streamer.norms[name][1])
+            elif param.grad is not None:
+                out.append(torch.linalg.vector_norm(param.grad.float()))
+        return out
+
+    def gradient_names(self) -> list[str]:
+        kept = self.streamer.grads.kept
+        return [n for n, p in self.model.named_parameters()
+                if ((n in kept) if n in self._streamed else p.grad is not None)]
+
+    def gradients(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """Each parameter holding a gradient, its block materialised and its kept gradient on the device while the
+        caller holds it (until the next one)."""
+        streamer = self.streamer
+        for name, param in list(self.model.named_parameters()):
+            if name not in self._streamed:
+                if param.grad is not None:
+                    yield name, param
+                continue
+            held = streamer.grads.get(name) if name in streamer.grads.kept else None
+            if held is None:
+                continue
+            streamer.direction = 1
+            streamer.acquire(streamer.block_of[name])
+            grad = held.to(param.device, dtype=param.dtype)
+            if streamer.grad_factor != 1.0:
+                grad.mul_(streamer.grad_factor)
+            param.grad = grad
+            try:
+                yield name, param
+            finally:
+                param.grad = None
+
+    def clip_gradients(self, max_norm: float) -> None:
+        """clip_grad_norm_ over the whole model: the resident gradients scaled now, the streamed ones as they are
+        handed out (`gradients`)."""
+        total = self.last_grad_norm
+        if total is None:
+            return
+        coef = min(1.0, float(max_norm) / (total + 1e-6))
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                if name not in self._streamed and param.grad is not None:
+                    param.grad.mul_(coef)
+        self.streamer.grad_factor = coef
+
+    def per_sample_rows(self, refs: list[SampleRef]) -> list[dict]:
+        """Each sample's loss and gradient norm alone, one streamed pass each (the sample's own loss, not divided)."""
+        rows = []
+        for ref in refs:
+            result = self.run([ref])
+            loss = result.losses[ref.micro_batch] if ref.micro_batch < len(result.losses) else None
+            norm = None if result.grad_norm is None else result.grad_norm * self.session.loss_divisor
+            if result.raised is not None:
+                rows.append({"sample_id": ref.sample_id, "micro_batch": ref.micro_batch, "index": ref.index,
+                             "loss": None, "grad_norm": None, "finite": False,
+                             "error": f"{result.raised['type']}: {result.raised['message']}"})
+                continue
+            finite = loss is not None and math.isfinite(loss) and (norm is None or math.isfinite(norm))
+            rows.append({"sample_id": ref.sample_id, "micro_batch": ref.micro_batch, "index": ref.index,
+                         "loss": loss, "grad_norm": norm, "finite": finite})
+        self.reset()
+        return rows
+
+    def stream_report(self) -> dict:
+        """The report's `stream` block: the plan and what the replay did with it."""
+        return {**self.plan.as_dict(), "peak_blocks_materialised": self.streamer.peak,
+                "block_reads": self.streamer.reader.reads, "read_ahead_used": self.streamer.reader.hits}
+
+
+def runner_for(session: ReplaySession) -> StepRunner:
+    """The runner a session needs: streamed when its state did not fit the device (`session.stream`)."""
+    return StreamedStepRunner(session) if session.stream is not None else StepRunner(session)
+
+
+def expected_passes(session: ReplaySession, *, bisect: bool = True, rng_check: bool = True, fp32_check: bool = True,
+                    remedies: bool = True) -> int:
+    """About how many passes a replay of this session takes: reproduce, localise and per-layer statistics (3), other
+    seeds (3), bisection (about 2 log2(samples) + 2), the fp32 re-run, the per-sample rows, the remedies (about 7).
+    The plan's estimate: a step that does not reproduce stops earlier, one whose samples fail only together bisects
+    longer."""
+    samples = max(1, len(session.sample_refs))
+    return (3 + 3 * rng_check + (2 * samples.bit_length() + 2) * bisect + fp32_check
+            + min(samples, STREAMED_PER_SAMPLE) + 7 * remedies)
+
+
+__all__ = ["StreamedStepRunner", "expected_passes", "runner_for", "STREAMED_PER_SAMPLE"]
