@@ -28,7 +28,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from forensics.errors import DumpCorruptError
-from replay.load.streamed import StreamPlan, at_rest
+from replay.load.streamed import ACTIVATION_SHARE, StreamPlan, at_rest
 from replay.run.execute import any_nonfinite
 from replay.run.read_ahead import BlockReader
 
@@ -46,7 +46,13 @@ class BlockStreamer:
         self.block_of = {n: i for i, b in enumerate(plan.blocks) for n in b.params}
         self.rest = {n: at_rest(p) for n, p in self.params.items()}
         self.capacity = plan.resident_blocks
+        """K for the dtypes of the pass that runs (the plan's K; fewer in the fp32 re-run, whose blocks are larger)."""
         self.cache: OrderedDict[int, tuple[tuple, dict[str, torch.Tensor]]] = OrderedDict()
+        self._sizes: dict[tuple, int] = {}
+        self._incoming = plan.materialised_bytes
+        self.memory_evictions = 0
+        """Blocks evicted because the device's allocated bytes came near the budget (CUDA; the plan's estimate
+        was short)."""
         self.reader = BlockReader(read, device, plan.read_ahead)
         self.peak = 0
         """Most blocks materialised at once (cached + being read ahead): never above `capacity`."""
@@ -102,9 +108,22 @@ class BlockStreamer:
             return torch.float32
         return self.unit_dtype.get(name, rest)
 
+    def _fit(self, index: int, key: tuple) -> None:
+        """K from the bytes block `index` takes in the dtypes `key` (the dtypes change between passes: fp32 re-run)."""
+        size = self._sizes.get(key)
+        if size is None:
+            size = sum(self.rest[n].numel() * torch.empty((), dtype=d).element_size()
+                       for n, d in zip(self.plan.blocks[index].params, key))
+            self._sizes[key] = size
+        capacity = self.plan.blocks_fitting(size) if self.plan.room > 0 else self.plan.resident_blocks
+        self.capacity = max(1, capacity)
+        self._incoming = size
+
     def acquire(self, index: int) -> None:
-        """Block `index`'s weights materialised in its parameters (read from the dump unless still cached)."""
+        """Block `index`'s weights materialised in its parameters (read from the dump unless still cached, in the
+        dtypes the pass computes in: blocks stay materialised from one pass to the next, up to K)."""
         key = self._dtypes(index)
+        self._fit(index, key)
         hit = self.cache.get(index)
         if hit is not None and hit[0] == key:
             if not self.scan_only:  # a scan keeps the order blocks came in: the first ones stay (_make_room)
@@ -152,13 +171,23 @@ class BlockStreamer:
         """Evicts blocks (never `keep`) until `slots` more fit beside the cache and the read-ahead: the least recently
         used when a backward follows (it runs the blocks in reverse: the forward's last ones are its first), else the
         most recently used (a forward-only pass scans the blocks in order, again for the next micro-batch and pass:
-        the first ones stay)."""
-        while self.cache and len(self.cache) + slots + (1 if self.reader.pending is not None else 0) > self.capacity:
+        the first ones stay). On a GPU also while the allocated bytes, the incoming block and its gradients would
+        pass the budget less half the activations' share (the plan's estimate was short: evicted for memory)."""
+        while self.cache and (len(self.cache) + slots + (1 if self.reader.pending is not None else 0) > self.capacity
+                              or self._short_of_memory(slots)):
             order = reversed(self.cache) if self.scan_only else iter(self.cache)
             victim = next((i for i in order if i != keep), None)
             if victim is None:
                 break
             self._evict(victim)
+
+    def _short_of_memory(self, slots: int) -> bool:
+        if self.device.type != "cuda" or self.plan.room <= 0:
+            return False
+        limit = self.plan.budget * (1 - ACTIVATION_SHARE / 2)
+        short = torch.cuda.memory_allocated(self.device) + (slots + 1) * self._incoming > limit
+        self.memory_evictions += int(short)
+        return short
 
     def _evict(self, index: int) -> None:
         self.cache.pop(index, None)
