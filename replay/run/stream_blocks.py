@@ -219,6 +219,7 @@ class BlockStreamer:
             held = self.grads.pop(name)
             if held is not None:
                 grad = held.to(grad.device) + grad  # the accumulation autograd does into .grad, in its dtype
+                self.grads.recycle(held)  # the copy above is synchronous (pageable host memory)
             if self.final:
                 self._finish(name, grad)
             else:
@@ -228,8 +229,10 @@ class BlockStreamer:
         """Gradients still accumulating when the pass stopped early (an exception, anomaly mode's error)."""
         for name in list(self.grads.names()):
             if name not in self.norms:
-                grad = self.grads.pop(name)
-                self._finish(name, grad.to(self.device))
+                held = self.grads.pop(name)
+                grad = held.to(self.device, copy=True)
+                self.grads.recycle(held)
+                self._finish(name, grad)
 
     def _finish(self, name: str, grad: torch.Tensor) -> None:
         rest = self.rest[name].dtype
@@ -259,8 +262,14 @@ class GradStore:
         self._held: dict[str, torch.Tensor] = {}
         self.kept: set[str] = set()
         self._count = 0
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+        """Host buffers no longer held, by shape and dtype, for the next micro-batch or pass (at most what one pass
+        held at once): faulting a pass's worth of fresh mapped pages in costs more than the copies."""
 
     def _host(self, like: torch.Tensor) -> torch.Tensor:
+        free = self._free.get((tuple(like.shape), like.dtype))
+        if free:  # its pages are mapped already: a pass after the first writes no new ones
+            return free.pop()
         nbytes = like.numel() * like.element_size()
         if nbytes < self.FILE_MIN:
             return torch.empty(like.shape, dtype=like.dtype)
@@ -281,8 +290,13 @@ class GradStore:
             self.kept.add(name)
 
     def pop(self, name: str) -> torch.Tensor | None:
+        """The gradient held for `name` (the caller hands it back with `recycle` once copied)."""
         self.kept.discard(name)
         return self._held.pop(name, None)
+
+    def recycle(self, host: torch.Tensor) -> None:
+        """A buffer `pop` returned, its contents used: for the next `put` of its shape and dtype."""
+        self._free.setdefault((tuple(host.shape), host.dtype), []).append(host)
 
     def get(self, name: str) -> torch.Tensor | None:
         return self._held.get(name)
@@ -291,11 +305,14 @@ class GradStore:
         return list(self._held)
 
     def clear(self) -> None:
+        for host in self._held.values():
+            self.recycle(host)
         self._held.clear()
         self.kept.clear()
 
     def close(self) -> None:
         self.clear()
+        self._free.clear()
         if self._dir is not None:
             shutil.rmtree(self._dir, True)
             self._dir = None
