@@ -50,6 +50,8 @@ class BlockStreamer:
         self.cache: OrderedDict[int, tuple[tuple, dict[str, torch.Tensor]]] = OrderedDict()
         self._sizes: dict[tuple, int] = {}
         self._incoming = plan.materialised_bytes
+        self.casts = 0
+        """Blocks cast on the device from their materialised dump values instead of read again (`_derive`)."""
         self.memory_evictions = 0
         """Blocks evicted because the device's allocated bytes came near the budget (CUDA; the plan's estimate
         was short)."""
@@ -129,9 +131,12 @@ class BlockStreamer:
             if not self.scan_only:  # a scan keeps the order blocks came in: the first ones stay (_make_room)
                 self.cache.move_to_end(index)
         else:
+            derived = self._derive(index, hit[1], key) if hit is not None else None
             if hit is not None:
                 self._evict(index)
-            tensors = self.reader.take(index, key)  # read ahead already, or None
+            if derived is not None and self.reader.pending is not None and self.reader.pending[0] == index:
+                self.reader.cancel()
+            tensors = derived if derived is not None else self.reader.take(index, key)  # read ahead, or None
             if tensors is None:
                 self.reader.cancel()
                 self._make_room(1, keep=None)
@@ -142,6 +147,16 @@ class BlockStreamer:
             for name, tensor in tensors.items():
                 self.params[name].data = tensor
         self._read_ahead(index)
+
+    def _derive(self, index: int, held: dict[str, torch.Tensor], key: tuple) -> dict[str, torch.Tensor] | None:
+        """Block `index` in the dtypes `key`, cast on the device from its materialised tensors when they hold the
+        dump's values exactly (the dump's own dtypes: the fp32 re-run's blocks of an fp32 dump serve the bf16 passes
+        after it without a read); None otherwise."""
+        names = self.plan.blocks[index].params
+        if any(held[n].dtype != self.rest[n].dtype for n in names):
+            return None
+        self.casts += 1
+        return {n: held[n] if held[n].dtype == d else held[n].to(d) for n, d in zip(names, key)}
 
     def _names(self, index: int, key: tuple) -> dict[str, torch.dtype]:
         return dict(zip(self.plan.blocks[index].params, key))
