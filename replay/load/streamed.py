@@ -146,7 +146,8 @@ class StreamPlan:
             if self.read_seconds is not None and self.blocks:
                 per = f", up to {reads * self.read_seconds / len(self.blocks):.0f} s of reads (the load read the " \
                       f"blocks in {self.read_seconds:.1f} s)"
-            lines.append(f"  expected about {expected_passes} passes over the step, up to about {reads} block reads{per}")
+            lines.append(f"  expected about {expected_passes} passes over the step, up to about {reads} block "
+                         f"reads{per}")
         return lines
 
     def expected_reads(self, passes: int, micro_batches: int = 1) -> int:

@@ -265,11 +265,15 @@ class BlockStreamer:
 
 
 class GradStore:
-    """Gradients off the device: accumulating across micro-batches, or kept for the optimizer check. Large ones
-    live in files of a temporary directory mapped into memory (the page cache holds them, the kernel may write them
-    out), small ones in ordinary memory."""
+    """Gradients off the device: accumulating across micro-batches, or kept for the optimizer check. Those of a
+    CUDA device go to pinned host memory up to `pinned_limit` (copies at the bus's speed: a 7B model's bf16 gradients,
+    12.4 GB, cross twice in each pass of two micro-batches), then, like large ones of the CPU, to files of a temporary
+    directory mapped into memory (the page cache holds them, the kernel may write them out); small ones live in
+    ordinary memory. Buffers are reused from one micro-batch and pass to the next."""
 
     FILE_MIN = 1 << 20
+    PINNED_MAX = 16 << 30
+    """Pinned bytes at most (and at most an eighth of the host's memory)."""
 
     def __init__(self, directory: str | None = None):
         self._directory = directory
@@ -278,14 +282,25 @@ class GradStore:
         self.kept: set[str] = set()
         self._count = 0
         self._free: dict[tuple, list[torch.Tensor]] = {}
+        self._pinned = 0
+        try:
+            host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            host = 0
+        self.pinned_limit = min(self.PINNED_MAX, host // 8)
         """Host buffers no longer held, by shape and dtype, for the next micro-batch or pass (at most what one pass
         held at once): faulting a pass's worth of fresh mapped pages in costs more than the copies."""
 
     def _host(self, like: torch.Tensor) -> torch.Tensor:
-        free = self._free.get((tuple(like.shape), like.dtype))
-        if free:  # its pages are mapped already: a pass after the first writes no new ones
-            return free.pop()
+        for pinned in (True, False) if like.device.type == "cuda" else (False,):
+            free = self._free.get((tuple(like.shape), like.dtype, pinned))
+            if free:  # its pages are mapped (or pinned) already: a pass after the first maps no new ones
+                return free.pop()
         nbytes = like.numel() * like.element_size()
+        if like.device.type == "cuda" and self._pinned + nbytes <= self.pinned_limit:
+            self._pinned += nbytes
+            with torch.cuda.device(like.device):  # pinned for the gradient's device, not a context made on cuda:0
+                return torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
         if nbytes < self.FILE_MIN:
             return torch.empty(like.shape, dtype=like.dtype)
         if self._dir is None:
@@ -311,7 +326,7 @@ class GradStore:
 
     def recycle(self, host: torch.Tensor) -> None:
         """A buffer `pop` returned, its contents used: for the next `put` of its shape and dtype."""
-        self._free.setdefault((tuple(host.shape), host.dtype), []).append(host)
+        self._free.setdefault((tuple(host.shape), host.dtype, host.is_pinned()), []).append(host)
 
     def get(self, name: str) -> torch.Tensor | None:
         return self._held.get(name)
@@ -328,6 +343,7 @@ class GradStore:
     def close(self) -> None:
         self.clear()
         self._free.clear()
+        self._pinned = 0
         if self._dir is not None:
             shutil.rmtree(self._dir, True)
             self._dir = None
