@@ -97,6 +97,12 @@ def test_demo_dumps_streamed_far_below_their_state(tmp_path):
         assert streamed["stream"]["blocks_resident"] < streamed["stream"]["blocks"]
         _same_report(normal, streamed)
         assert streamed["verdict"]["kind"] == captured.expected.verdict
+        if name == "bad_sample":
+            # a budget that holds every block but not the normal replay: each block read once for all the passes
+            cached = run_replay(captured.dump_path, ReplayOptions(**options, gpu_memory=2 * state))
+            assert cached["stream"]["blocks_resident"] == cached["stream"]["blocks"]
+            assert cached["stream"]["block_reads"] == cached["stream"]["blocks"]
+            _same_report(normal, cached)
 
 
 def normal_state(path) -> int:
