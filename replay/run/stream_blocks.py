@@ -188,21 +188,27 @@ class BlockStreamer:
         most recently used (a forward-only pass scans the blocks in order, again for the next micro-batch and pass:
         the first ones stay). On a GPU also while the allocated bytes, the incoming block and its gradients would
         pass the budget less half the activations' share (the plan's estimate was short: evicted for memory)."""
-        while self.cache and (len(self.cache) + slots + (1 if self.reader.pending is not None else 0) > self.capacity
-                              or self._short_of_memory(slots)):
+        freed = 0
+        while self.cache:
+            over = len(self.cache) + slots + (1 if self.reader.pending is not None else 0) > self.capacity
+            short = not over and self._short_of_memory(slots, freed)
+            if not (over or short):
+                break
             order = reversed(self.cache) if self.scan_only else iter(self.cache)
             victim = next((i for i in order if i != keep), None)
             if victim is None:
                 break
+            freed += sum(t.numel() * t.element_size() for t in self.cache[victim][1].values())
+            self.memory_evictions += int(short)
             self._evict(victim)
 
-    def _short_of_memory(self, slots: int) -> bool:
+    def _short_of_memory(self, slots: int, freed: int) -> bool:
+        """The allocator's bytes less those just evicted (a block used on two streams is freed only once its
+        last use is done: the allocator's count lags), the incoming block and its gradients pass the limit."""
         if self.device.type != "cuda" or self.plan.room <= 0:
             return False
         limit = self.plan.budget * (1 - ACTIVATION_SHARE / 2)
-        short = torch.cuda.memory_allocated(self.device) + (slots + 1) * self._incoming > limit
-        self.memory_evictions += int(short)
-        return short
+        return torch.cuda.memory_allocated(self.device) - freed + (slots + 1) * self._incoming > limit
 
     def _evict(self, index: int) -> None:
         self.cache.pop(index, None)
@@ -234,7 +240,7 @@ class BlockStreamer:
             held = self.grads.pop(name)
             if held is not None:
                 grad = held.to(grad.device) + grad  # the accumulation autograd does into .grad, in its dtype
-                self.grads.recycle(held)  # the copy above is synchronous (pageable host memory)
+                self.grads.recycle(held)  # the copy above is synchronous (non_blocking=False)
             if self.final:
                 self._finish(name, grad)
             else:
