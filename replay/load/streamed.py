@@ -153,11 +153,13 @@ class StreamPlan:
     def expected_reads(self, passes: int, micro_batches: int = 1) -> int:
         """Block reads of `passes` forward+backward passes: the first reads every block; then each micro-batch's
         forward finds the first K blocks still materialised (the last backward's) and reads the others, and its
-        backward finds the last K (the forward's) and reads the others again: 2 (n - K) each."""
+        backward finds the last K (the forward's) and reads the others again: 2 (n - K) each. The fp32 re-run of a
+        step that computes in a lower precision reads every block once more."""
         n, k = len(self.blocks), self.resident_blocks
+        fp32 = n if self.compute_bytes is not None else 0
         if k >= n:
-            return n
-        return n + (passes * max(1, micro_batches) * 2 - 1) * (n - k)
+            return n + fp32
+        return n + fp32 + (passes * max(1, micro_batches) * 2 - 1) * (n - k)
 
 def find_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """The children of the model's nn.ModuleList holding the most parameters (a transformer's layers).
