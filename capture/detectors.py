@@ -90,7 +90,7 @@ class StepDetectors:
         for index, value in enumerate(losses):
             if not math.isfinite(value):
                 return Trigger(TriggerKind.NONFINITE_LOSS, value, None, index,
-                               f"loss of micro-batch {index} is {value}")
+                               f"loss of micro-batch {index + 1} is {value}")  # words count from 1
         if norm is not None and not math.isfinite(norm):  # None: no gradients to measure, not a fault
             if agreed is not None and agreed.loss_fault:
                 return None  # another rank's non-finite loss reached these gradients through their all-reduce

@@ -22,14 +22,14 @@ from capture.agreement import deferred_termination
 from capture.config import GuardConfig
 from capture.history import History
 from capture.host_snapshots import HostSnapshots
-from capture.incident import Incident, batch_size, json_ids
+from capture.incident import Incident, StepRecord, batch_size, json_ids
 from capture.main_script import MainScript
 from capture.uploads import send_dump
 from capture.window import FlightRecorder
 from capture.writer_thread import BackgroundWriter
 from forensics.errors import CaptureError
 from forensics.format.writer import DumpContent, write_dump
-from forensics.kinds import Policy
+from forensics.kinds import Policy, TriggerKind
 from forensics.recipes import default_loss
 from forensics.rng import capture_rng, restore_rng
 
@@ -54,6 +54,8 @@ class DumpSource(Protocol):
     window: FlightRecorder
     snapshots: HostSnapshots
     fsdp_units: list[dict]
+    last_step: StepRecord | None
+    """The last checked step's record: how many micro-batches a step has (a step that raised part-way has fewer)."""
 
     @property
     def multi_rank(self) -> bool: ...
@@ -65,6 +67,15 @@ class DumpSource(Protocol):
     def describe_distribution(self) -> dict | None: ...
 
     def device_lost(self) -> None: ...
+
+
+def _accumulation(incident: Incident, last_step: StepRecord | None) -> int:
+    """The step's micro-batch count: a step that raised in its first of 2 micro-batches holds 1, yet is a step of 2
+    like the one before it (the previous step's count, when larger)."""
+    count = len(incident.record.batches)
+    if incident.trigger.kind is TriggerKind.EXCEPTION and last_step is not None:
+        count = max(count, len(last_step.batches))
+    return count
 
 
 class Dumper:
@@ -225,7 +236,7 @@ class Dumper:
         param = next(iter(source.model.parameters()), None)
         manifest = {
             "run_id": source.run_id, "trigger": incident.trigger.as_dict(), "step": step, "rank": source.rank,
-            "world_size": source.world_size, "local_rank": source.local_rank, "grad_accum": len(record.batches),
+            "world_size": source.world_size, "local_rank": source.local_rank, "grad_accum": _accumulation(incident, source.last_step),
             "micro_batches": micro_batches,
             "loss": {"per_micro_batch": losses, "divisor": incident.divisor, "grad_norm": incident.grad_norm,
                      "step_loss": incident.step_loss},

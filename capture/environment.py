@@ -46,6 +46,13 @@ def _gpus() -> list[dict]:
     return gpus
 
 
+def script_dir() -> str | None:
+    """The directory of the script the job runs (`python train.py`, torchrun): Python put it first on the job's
+    sys.path, so replay puts it there too (replay/load/session.py). None for `python -c` and interactive sessions."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    return os.path.dirname(os.path.abspath(path)) if isinstance(path, str) and path else None
+
+
 @lru_cache(maxsize=1)
 def _static_environment() -> dict:
     return {
@@ -57,6 +64,7 @@ def _static_environment() -> dict:
         "hostname": socket.gethostname(),
         "argv": list(sys.argv),
         "cwd": os.getcwd(),
+        "script_dir": script_dir(),
         "git_commit": _git_commit(),
         "packages": _packages(),
     }

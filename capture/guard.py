@@ -144,7 +144,7 @@ class Guard:
         environment.environment()  # versions, git commit: read now, not while a fault is being dumped
         if self.config.capture_exceptions:
             exceptions.watch(self)
-        unfit = default_loss_fits(model, recipe)
+        unfit = default_loss_fits(model, recipe, self.config.recipe)
         if unfit:
             log.warning("forensics: %s", unfit)
         if self.config.verify_update:

@@ -45,10 +45,11 @@ def build_recipe(model: torch.nn.Module, loss_fn: Callable | None, sample_id_key
     return recipe
 
 
-def default_loss_fits(model: torch.nn.Module, recipe: dict) -> str | None:
+def default_loss_fits(model: torch.nn.Module, recipe: dict, override: dict | None = None) -> str | None:
     """Why the recipe's loss cannot serve this model (None: it can): the built-in default loss calls
-    `model(**batch).loss`, which only Hugging Face-style models answer."""
-    if recipe.get("loss") != DEFAULT_LOSS or huggingface_recipe(model) is not None:
+    `model(**batch).loss`, which only Hugging Face-style models answer. A GuardConfig.recipe that names the loss
+    itself (the default one included: a model of the user's that answers `.loss`) is taken at its word."""
+    if recipe.get("loss") != DEFAULT_LOSS or huggingface_recipe(model) is not None or "loss" in (override or {}):
         return None
     return (f"{model_class(model).__name__} is not a Hugging Face model, and no loss_fn was given: replay would call "
             "model(**batch).loss. Pass Guard(..., loss_fn=my_loss) with a module-level `def my_loss(model, batch)`, "

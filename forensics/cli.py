@@ -66,10 +66,31 @@ def shards_option(command):
                              "directory) holding the other ranks' dumps of this step. Repeatable.")(command)
 
 
+def _json_object(ctx: click.Context, param: click.Parameter, value: str | None) -> dict | None:
+    """--factory-kwargs / --loss-kwargs: a JSON object, or None (keep the recorded ones)."""
+    if value is None:
+        return None
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise click.BadParameter(f"is not JSON ({exc}); pass an object, e.g. '{{\"width\": 512}}'") from None
+    if not isinstance(parsed, dict):
+        raise click.BadParameter("must be a JSON object of keyword arguments, e.g. '{\"width\": 512}'")
+    return parsed
+
+
 def recipe_options(command):
-    """--trust / --factory / --loss / --path: what replay may import to rebuild the model and loss."""
+    """--trust / --factory / --loss / --path / --factory-kwargs / --loss-kwargs: what replay may import to rebuild
+    the model and loss, and with what arguments."""
     command = click.option("--path", "sys_path", multiple=True, type=click.Path(path_type=Path),
-                           help="Directory to add to sys.path for --factory / --loss (repeatable).")(command)
+                           help="Directory to add to sys.path for --factory / --loss (repeatable). The job's script "
+                                "and working directories, recorded in the dump, follow it.")(command)
+    command = click.option("--loss-kwargs", default=None, metavar="JSON", callback=_json_object,
+                           help="Keyword arguments for the loss, instead of the recorded ones (kept otherwise, also "
+                                "with --loss, unless they are a built-in recipe's).")(command)
+    command = click.option("--factory-kwargs", default=None, metavar="JSON", callback=_json_object,
+                           help="Keyword arguments for the model factory, instead of the recorded ones (kept "
+                                "otherwise, also with --factory, unless they are a built-in recipe's).")(command)
     command = click.option("--loss", "loss_fn", default=None, metavar="MODULE:FN",
                            help="Loss function (model, batch) -> loss.")(command)
     command = click.option("--factory", default=None, metavar="MODULE:FN",
@@ -100,6 +121,33 @@ def _refuse_writing_into(dump: Path, outputs: dict[str, Path]) -> None:
         if any(target == rank or rank in target.parents for rank in ranks):
             raise BadInput(clean(f"the report would be written into the dump ({option} {output} is inside {dump}); "
                                  f"choose another {option}"))
+
+
+def _refuse_unwritable(outputs: dict[str, Path]) -> None:
+    """An output that cannot be written is an error now, before the dump is opened or the model built: `-o` a
+    directory (made if missing), `--blocklist` a file. Nothing is left behind by the probe."""
+    for option, output in outputs.items():
+        directory = output.parent if option == "--blocklist" else output
+        if option == "--blocklist" and output.is_dir():
+            raise BadInput(clean(f"--blocklist {output} is a directory; name a file"))
+        existing = directory
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        try:
+            if not existing.is_dir():
+                raise NotADirectoryError(20, "Not a directory", str(existing))
+            if existing == directory:
+                tempfile.TemporaryFile(dir=directory).close()
+            else:
+                first = directory
+                while first.parent != existing:
+                    first = first.parent
+                first.mkdir()
+                first.rmdir()
+        except OSError as exc:
+            where = exc.filename or existing
+            raise BadInput(clean(f"{option} {output} cannot be written ({exc.strerror or exc}: {where}); choose a "
+                                 "writable path")) from None
 
 
 def _report_dir(report: dict) -> Path:
@@ -290,9 +338,9 @@ def _progress(stage: str) -> None:
               help="TensorBoard log directory for --upload tensorboard.")
 @archive_options
 @shards_option
-def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_path, out, blocklist, from_checkpoint,
-           from_step, no_window, no_bisect, no_remedies, no_rng_check, gpu_memory, as_json, trackers, tensorboard_dir,
-           shard_dirs, **limits) -> None:
+def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_path, factory_kwargs, loss_kwargs, out,
+           blocklist, from_checkpoint, from_step, no_window, no_bisect, no_remedies, no_rng_check, gpu_memory, as_json,
+           trackers, tensorboard_dir, shard_dirs, **limits) -> None:
     """Replay the failing step of DUMP offline, localise it, bisect the samples, print the verdict."""
     from forensics.gc_pause import gc_paused
 
@@ -305,13 +353,15 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
 
     outputs = {"-o": out or Path("forensics_reports"), **({"--blocklist": blocklist} if blocklist else {})}
     _refuse_writing_into(dump, outputs)
+    _refuse_unwritable({**({"-o": out} if out else {}), **({"--blocklist": blocklist} if blocklist else {})})
     try:
         archive_limits = _limits(**limits)
         ranks = [d.rank for d in open_step(dump, archive_limits)[0]] if all_ranks else [rank]
         codes = []
         for chosen_rank in ranks:
             options = ReplayOptions(device=device, trust=trust, factory=factory, loss=loss_fn,
-                                    sys_path=[str(p) for p in sys_path], rank=chosen_rank, bisect=not no_bisect,
+                                    sys_path=[str(p) for p in sys_path], factory_kwargs=factory_kwargs,
+                                    loss_kwargs=loss_kwargs, rank=chosen_rank, bisect=not no_bisect,
                                     rng_check=not no_rng_check, remedies=not no_remedies,
                                     from_checkpoint=str(from_checkpoint) if from_checkpoint else None,
                                     from_step=from_step, window=not no_window,
@@ -348,16 +398,19 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
 @recipe_options
 @click.option("--report", "report_dir", type=click.Path(path_type=Path), default=None,
               help="A report directory of this dump (forensics replay -o): its report links the scripts.")
-def repro(dump: Path, out: Path, device, rank, trust, factory, loss_fn, sys_path, report_dir) -> None:
+def repro(dump: Path, out: Path, device, rank, trust, factory, loss_fn, sys_path, factory_kwargs, loss_kwargs,
+          report_dir) -> None:
     """Write a standalone reproduction of DUMP's failure into OUT: op_repro.py (the first non-finite op on its
     exact, shrunk inputs; needs only torch) and model_repro.py (the culprit sample through the dumped weights;
     needs the model code). Each fails with an AssertionError while the bug is there."""
     from replay.repro import link_report, write_repro
 
     _refuse_writing_into(dump, {"-o": out})
+    _refuse_unwritable({"-o": out})
     try:
         result = write_repro(dump, out, device=device, trust=trust, factory=factory, loss=loss_fn,
-                             sys_path=[str(p) for p in sys_path], rank=rank)
+                             sys_path=[str(p) for p in sys_path], rank=rank, factory_kwargs=factory_kwargs,
+                             loss_kwargs=loss_kwargs)
         if report_dir is not None:
             link_report(report_dir, result)
     except (ForensicsError, OSError) as exc:

@@ -16,6 +16,7 @@ string, and json writes it as that string.
 from __future__ import annotations
 
 import enum
+from typing import Any
 from dataclasses import dataclass
 
 
@@ -359,10 +360,17 @@ class HistoryPattern(_Kind):
         """What the pattern usually means ('' when it means nothing in particular)."""
         return _PATTERN_PROPS[self].usual_cause
 
-    @property
-    def means(self) -> str:
-        """'sudden jump (usually one bad sample, or a numerical overflow)'."""
-        return f"{self.words} ({self.usual_cause})" if self.usual_cause else self.words
+    def cause_for(self, trigger: Any) -> str:
+        """usual_cause, true for a dump of `trigger` (a TriggerKind or its value): 'the failing step is an outlier'
+        only where a value failed — not for a step that raised or a precursor of a healthy step."""
+        if self is HistoryPattern.STABLE and trigger in (TriggerKind.EXCEPTION, TriggerKind.PRECURSOR):
+            return ""
+        return self.usual_cause
+
+    def means(self, trigger: Any = None) -> str:
+        """'sudden jump (usually one bad sample, or a numerical overflow)', for a dump of `trigger`."""
+        cause = self.cause_for(trigger)
+        return f"{self.words} ({cause})" if cause else self.words
 
 
 _PATTERN_PROPS = {

@@ -51,9 +51,21 @@ def huggingface_model(architecture: str, config: dict, attn_implementation: str 
     hf_config = transformers.AutoConfig.for_model(model_type, **config)
     if attn_implementation:
         thirdparty.set_attn_implementation(hf_config, attn_implementation)
-    model = model_class(hf_config)
+    model = name_default_loss(model_class(hf_config))
     if dtype:
         model = model.to(getattr(torch, dtype))
+    return model
+
+
+def name_default_loss(model: torch.nn.Module) -> torch.nn.Module:
+    """`model`, its Hugging Face loss named where transformers would fall back to it with a warning.
+
+    transformers picks a model's loss from its class name; for one that names none (GPT2LMHeadModel) it warns
+    "`loss_type=None` was set in the config but it is unrecognized" at the first loss and uses `ForCausalLM`.
+    Naming that same loss changes nothing but the warning, which would otherwise look like forensics' own.
+    """
+    if getattr(model, "loss_type", "") is None:
+        model.loss_type = "ForCausalLM"
     return model
 
 

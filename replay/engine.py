@@ -39,8 +39,9 @@ from replay.judge.precursor import precursor_report
 from replay.judge.remedies import try_remedies
 from replay.judge.remedy_followup import follow_remedies
 from replay.load.environment import deterministic_mode
+from replay.load.recipe import job_paths
 from replay.load.samples import select_samples
-from replay.load.session import ReplaySession, load_session
+from replay.load.session import ReplaySession, load_session, step_micro_batches
 from replay.load.user_code import as_user_error
 from replay.localize.exception import localize_exception
 from replay.localize.forward_backward import INPUT_MODULE, localize_backward, localize_forward
@@ -73,7 +74,12 @@ class ReplayOptions:
     loss: str | None = None
     """"module:fn" with (model, batch) -> loss, instead of the dump's (CLI --loss)."""
     sys_path: list[str] = field(default_factory=list)
-    """Directories put in front of sys.path for the imports above (CLI --path)."""
+    """Directories put in front of sys.path for the imports above (CLI --path); the job's script and working
+    directories, recorded in the dump, follow them (replay.load.recipe.job_paths)."""
+    factory_kwargs: dict | None = None
+    """Keyword arguments for the factory instead of the recorded ones (CLI --factory-kwargs); None: recorded."""
+    loss_kwargs: dict | None = None
+    """Keyword arguments for the loss instead of the recorded ones (CLI --loss-kwargs); None: recorded."""
     rank: int | None = None
     """Rank of a multi-rank step dump; None: the rank whose trigger fired, else the lowest."""
     max_attempts: int = 3
@@ -168,7 +174,7 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
         missing = sorted(set(range(dump.world_size)) - {dump.rank, *(d.rank for d in dump.peers())})
     dump_info = {"path": path, "run_id": dump.manifest.get("run_id"), "step": dump.step, "rank": dump.rank,
                  "world_size": dump.world_size, "missing_ranks": missing,
-                 "num_micro_batches": dump.num_micro_batches, "damaged": [d.as_dict() for d in damaged]}
+                 "num_micro_batches": max(dump.num_micro_batches, step_micro_batches(dump.manifest)), "damaged": [d.as_dict() for d in damaged]}
     if raised_between_steps(dump.manifest):  # the loop's own code raised: no model step to replay
         _stage(progress, "the exception was raised between steps: nothing to replay")
         return _checked(dump, between_steps_report(dump, dump_info, _history(dump.history()), started))
@@ -209,7 +215,8 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
 def _load(dump: Any, options: ReplayOptions, weights: bool = True) -> ReplaySession:
     """The dump's step as a live session, on the options' device, with their consent and user code."""
     return load_session(dump, device=options.device, trust=options.trust, factory=options.factory,
-                        loss=options.loss, sys_path=options.sys_path, weights=weights, memory_budget=options.gpu_memory)
+                        loss=options.loss, sys_path=options.sys_path, weights=weights, memory_budget=options.gpu_memory,
+                        factory_kwargs=options.factory_kwargs, loss_kwargs=options.loss_kwargs)
 
 
 def _checked(dump: Any, report: dict) -> dict:
@@ -244,7 +251,8 @@ def _window_replay(dump: Any, session: ReplaySession, checkpoint: Checkpoint, op
                         "directory with trainer_state.json, says it itself)")
     if not 0 <= start <= dump.step:
         raise DumpError(f"--from-step {start} is not before the dumped step {dump.step}")
-    data = data_recipe(dump.manifest.get("data_recipe"), options.trust, options.sys_path)
+    job_dirs = job_paths(dump.manifest.get("environment")) if options.trust else []
+    data = data_recipe(dump.manifest.get("data_recipe"), options.trust, [*options.sys_path, *job_dirs])
     outcomes, broken = replay_window(session, dump, checkpoint, start, data, lambda m: _stage(progress, m),
                                      through_dumped=bool(dump.state_missing))
     block = to_json_safe(window_block(outcomes, start, dump.step, checkpoint))

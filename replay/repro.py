@@ -8,10 +8,17 @@ Two scripts, each failing (an AssertionError, exit code 1) for as long as the bu
   each dimension of the output, the slice that holds a non-finite value is kept wherever the op still makes
   NaN/Inf from the sliced inputs (the one row / sample of a batched op). Written only when the failure shows up
   in the forward pass as an op's output.
-* `model_repro.py` — the culprit sample (the first sample of the failing micro-batch that fails alone; else the
-  whole micro-batch) run through the model's recorded pre-step state from the dump, under the job's autocast and
-  RNG. It needs the model's code: it imports the factory and loss the dump's recipe names (as `forensics replay`
-  does, with the --trust that `forensics repro` was given), and forensics to read the dump.
+  A step that raised (trigger `exception`: a token id past the vocabulary) gets the op that raised, called on its
+  inputs for the culprit sample alone; the script fails while the op still raises.
+* `model_repro.py` — the culprit sample (the first sample of the failing micro-batch that fails alone) run through
+  the model's recorded pre-step state from the dump, under the job's autocast and RNG. When every sample fails
+  alone (the weights themselves are broken: a learning-rate divergence), no sample is to blame: the script runs the
+  whole micro-batch and its assertion says so. It needs the model's code: it imports the factory and loss the dump's
+  recipe names (as `forensics replay` does, with the --trust that `forensics repro` was given), and forensics to
+  read the dump.
+
+The scripts run from any directory: the dump's path and the --path entries are stored relative to the scripts'
+own directory (model.json), never as the working directory of whoever wrote them.
 
 Nothing from the dump reaches a path or the scripts' code: file names are this module's own, the scripts are
 fixed text, and what varies (op name, sample ID, dump path) is in `op.json` / `model.json`, read with json.
@@ -22,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,12 +39,14 @@ import torch
 from forensics.errors import ReplayError
 from forensics.format import open_dump
 from forensics.format.tensors import safetensors_bytes
-from forensics.kinds import TriggerKind
+from forensics.kinds import Phase, TriggerKind
 from forensics.fsio import atomic_file, atomic_write_text
 from forensics.thirdparty import op_schema
 from forensics.trigger import Trigger
 from replay.load.samples import SampleRef
 from replay.load.session import load_session
+from replay.judge.history_pattern import diverged_long_ago, read_history
+from replay.localize.exception import localize_exception
 from replay.localize.forward_backward import localize_forward
 from replay.run.execute import StepRunner
 from replay.run.streamed import runner_for
@@ -72,41 +82,63 @@ class Repro:
 
 def write_repro(dump_path: str | Path, out_dir: str | Path, *, device: str | None = "cpu", trust: bool = False,
                 factory: str | None = None, loss: str | None = None, sys_path: list[str] | None = None,
-                rank: int | None = None) -> Repro:
+                rank: int | None = None, factory_kwargs: dict | None = None,
+                loss_kwargs: dict | None = None) -> Repro:
     """Writes `op_repro.py` (+ its inputs) and `model_repro.py` for the dump at `dump_path` into `out_dir`.
 
     Args:
         dump_path: the dump (rank dir, step dir or .tar.zst).
-        out_dir: where the scripts go (created).
-        device, trust, factory, loss, sys_path, rank: as for `forensics replay`.
+        out_dir: where the scripts go (created before the model is loaded: an unwritable one fails first).
+        device, trust, factory, loss, sys_path, rank, factory_kwargs, loss_kwargs: as for `forensics replay`.
     Returns:
         Repro: the files written, and notes on what could not be.
     Raises:
-        ReplayError: the dump's step does not fail in the forward or backward on replay (or is a precursor dump).
+        ReplayError: the dump's step does not fail in the forward or backward on replay (or is a precursor dump, or
+            raised between steps).
+        OSError: `out_dir` cannot be made.
     Example:
         >>> write_repro("dumps/run/step-000000042", "repro")  # doctest: +SKIP
     """
+    out = Path(out_dir)
     dump = open_dump(dump_path, rank=rank)
-    if Trigger.from_dict(dump.trigger).kind is TriggerKind.PRECURSOR:
+    kind = Trigger.from_dict(dump.trigger).kind
+    if kind is TriggerKind.PRECURSOR:
         raise ReplayError(f"step {dump.step} is a precursor dump: a healthy step, dumped because per-layer statistics "
                           "kept growing, before anything failed: nothing to reproduce standalone. `forensics replay` "
                           "ranks the statistics that grew; run `forensics repro` on the crash dump that follows")
-    session = load_session(dump, device=device, trust=trust, factory=factory, loss=loss, sys_path=sys_path or [])
+    exception = dump.manifest.get("exception") or {}
+    if kind is TriggerKind.EXCEPTION and exception.get("during") == Phase.BETWEEN_STEPS.value:
+        raise ReplayError(f"step {dump.step} raised between steps (data loading or your code after the update): there "
+                          "is no model step to reproduce standalone; `forensics replay` names the exception and your "
+                          "line of code")
+    out.mkdir(parents=True, exist_ok=True)  # before the model loads: an unwritable one fails now
+    session = load_session(dump, device=device, trust=trust, factory=factory, loss=loss, sys_path=sys_path or [],
+                           factory_kwargs=factory_kwargs, loss_kwargs=loss_kwargs)
     runner = runner_for(session)  # a state that does not fit the GPU is streamed (replay/run/streamed.py)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     repro = Repro(out)
-    finding = localize_forward(runner, keep_op_inputs=True)
-    if finding is not None and finding.op_call is not None:
-        _write_op(repro, *finding.op_call)
+    if kind is TriggerKind.EXCEPTION:
+        refs, blamed = _exception_culprit(repro, runner, dump.step, exception)
     else:
-        repro.notes.append("no ATen op made the first non-finite value in the forward pass (the batch held it, or it "
-                           "appears in the backward): no op-level script")
-    refs = _culprit(runner, finding)
-    if refs is None:
-        raise ReplayError(f"step {dump.step} stays finite in a forward-only replay: nothing to reproduce standalone "
-                          "(a gradient or optimizer failure: see `forensics replay`)")
-    _write_model(repro, Path(dump_path), dump, session, refs, device, trust, factory, loss, sys_path or [])
+        finding = localize_forward(runner, keep_op_inputs=True)
+        if finding is not None and finding.op_call is not None:
+            _write_op(repro, *finding.op_call)
+        else:
+            repro.notes.append("no ATen op made the first non-finite value in the forward pass (the batch held it, or "
+                               "it appears in the backward): no op-level script")
+        culprit = _culprit(runner, finding)
+        if culprit is None:
+            raise ReplayError(f"step {dump.step} stays finite in a forward-only replay: nothing to reproduce "
+                              "standalone (a gradient or optimizer failure: see `forensics replay`)")
+        refs, blamed = culprit
+    why_no_sample = None if kind is TriggerKind.EXCEPTION else _diverged_before(dump)
+    if why_no_sample is not None and blamed:  # as replay's verdict: the run, not this step's data
+        refs, blamed = [r for r in session.sample_refs if r.micro_batch == refs[0].micro_batch], False
+    if not blamed:
+        why_no_sample = why_no_sample or "every sample of it fails alone: the weights, not a sample"
+        repro.notes.append(f"no sample is to blame ({why_no_sample}): model_repro.py runs the whole micro-batch")
+    spec = {"factory_override": factory, "loss_override": loss, "factory_kwargs": factory_kwargs,
+            "loss_kwargs": loss_kwargs, "raises": kind is TriggerKind.EXCEPTION, "why_no_sample": why_no_sample}
+    _write_model(repro, Path(dump_path), dump, session, refs, blamed, device, trust, sys_path or [], spec)
     atomic_write_text(out / "repro.json", json.dumps(repro.as_dict(), indent=2, default=repr))
     return repro
 
@@ -193,19 +225,23 @@ def _encode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
     raise _Unwritable(type(value).__name__)
 
 
-def _write_op(repro: Repro, func: Any, args: tuple, kwargs: dict) -> None:
+def _write_op(repro: Repro, func: Any, args: tuple, kwargs: dict, raised: str | None = None) -> None:
+    """The op script: `raised` ("IndexError: ...") for an op that raised (its inputs are one sample's: not shrunk),
+    else an op whose output is non-finite (its inputs shrunk)."""
     schema = op_schema(func)
     namespace, _, name = schema.name.partition("::")
     overload = schema.overload_name or "default"
     before = [list(t.shape) for t in _tensors((args, kwargs))]
-    try:
-        args, kwargs = shrink(func, args, kwargs)
-    except Exception:  # noqa: BLE001 - the full inputs are a repro too
-        log.warning("forensics repro: shrinking the inputs of %s failed; writing them whole", schema.name, exc_info=True)
+    if raised is None:
+        try:
+            args, kwargs = shrink(func, args, kwargs)
+        except Exception:  # noqa: BLE001 - the full inputs are a repro too
+            log.warning("forensics repro: shrinking the inputs of %s failed; writing them whole", schema.name,
+                        exc_info=True)
     tensors: dict[str, torch.Tensor] = {}
     try:
         spec = {"namespace": namespace, "name": name, "overload": overload, "op": schema.name,
-                "args": _encode(args, tensors), "kwargs": _encode(kwargs, tensors)}
+                "args": _encode(args, tensors), "kwargs": _encode(kwargs, tensors), "raised": raised}
     except _Unwritable as exc:
         repro.notes.append(f"{schema.name} takes an argument of type {exc} that cannot be written: no op-level script")
         return
@@ -231,9 +267,10 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 
 
 # -- the sample through the model -------------------------------------------------------------------
-def _culprit(runner: StepRunner, finding: Any) -> list[SampleRef] | None:
-    """The first sample of the failing micro-batch that fails alone (forward only), else that whole micro-batch;
-    None when the forward of the whole step is finite."""
+def _culprit(runner: StepRunner, finding: Any) -> tuple[list[SampleRef], bool] | None:
+    """(the samples model_repro.py runs, whether one sample is to blame): the first sample of the failing micro-batch
+    that fails alone — unless every sample fails alone (broken weights: the whole micro-batch, no sample blamed) or
+    none does (they fail only together: the whole micro-batch). None when the forward of the whole step is finite."""
     if finding is None:
         return None
     refs = runner.session.sample_refs
@@ -241,25 +278,80 @@ def _culprit(runner: StepRunner, finding: Any) -> list[SampleRef] | None:
         (mb for mb in range(len(runner.session.micro_batches))
          if not runner.run([r for r in refs if r.micro_batch == mb], backward=False).loss_finite), 0)
     batch_refs = [r for r in refs if r.micro_batch == index]
-    for ref in batch_refs[:MAX_SAMPLE_TRIES]:
-        if not runner.run([ref], backward=False).loss_finite:
-            return [ref]
-    return batch_refs
+    return _first_alone(batch_refs, [r for r in refs if r.micro_batch != index],
+                        lambda ref: not runner.run([ref], backward=False).loss_finite)
 
 
-def _write_model(repro: Repro, dump_path: Path, dump: Any, session: Any, refs: list[SampleRef], device: str | None,
-                 trust: bool, factory: str | None, loss: str | None, sys_path: list[str]) -> None:
+def _diverged_before(dump: Any) -> str | None:
+    """Why no sample of the step is to blame although one fails alone: the loss had left its start before the dumped
+    step (a learning rate too high: replay's verdict says so too, and names no sample). None otherwise."""
+    try:
+        history = dump.history()
+    except Exception:  # noqa: BLE001 - a damaged optional part: judge the step alone
+        return None
+    if not history:
+        return None
+    onset = read_history(history, dump.step).onset
+    if onset is not None and onset < dump.step:
+        return f"the loss had left its start at step {onset}, before step {dump.step}: the run diverged"
+    return diverged_long_ago(history)
+
+
+def _first_alone(batch_refs: list[SampleRef], others: list[SampleRef], fails: Any) -> tuple[list[SampleRef], bool]:
+    """The first sample that fails alone, blamed only when another sample (of the micro-batch, else of the step's
+    other micro-batches) does not fail alone."""
+    tried = batch_refs[:MAX_SAMPLE_TRIES]
+    failing = [ref for ref in tried if fails(ref)]
+    if failing and (len(failing) < len(tried) or any(not fails(ref) for ref in others[:4])):
+        return [failing[0]], True
+    return batch_refs, False
+
+
+def _exception_culprit(repro: Repro, runner: StepRunner, step: int, recorded: dict) -> tuple[list[SampleRef], bool]:
+    """A step that raised: the samples that make it raise, and the op that raised called on their inputs."""
+    found = localize_exception(runner)
+    if found is None:
+        raise ReplayError(f"step {step} raised {recorded.get('type') or 'an exception'} in the job, but its replay here "
+                          "does not raise: nothing to reproduce standalone (see `forensics replay` for why)")
+    batch_refs = [r for r in runner.session.sample_refs if r.micro_batch == found.micro_batch]
+    alone: dict[int, Any] = {}
+
+    def raises(ref: SampleRef) -> bool:
+        alone[ref.index] = localize_exception(runner, [ref])
+        return alone[ref.index] is not None
+
+    refs, blamed = _first_alone(batch_refs, [r for r in runner.session.sample_refs
+                                             if r.micro_batch != found.micro_batch], raises)
+    call = (alone.get(refs[0].index) if blamed else None) or found
+    if call.op_call is not None:
+        _write_op(repro, *call.op_call, raised=f"{call.type}: {call.message}")
+    else:
+        repro.notes.append(f"the {call.type} was not raised by an ATen op in the forward pass (Python code, or the "
+                           "backward): no op-level script")
+    return refs, blamed
+
+
+def _relative(path: str | Path, directory: Path) -> str:
+    """`path` relative to the scripts' directory (they resolve it against their own file, not the working one)."""
+    try:
+        return os.path.relpath(Path(path).resolve(), directory.resolve())
+    except ValueError:  # another drive (Windows): only an absolute path can say where it is
+        return str(Path(path).resolve())
+
+
+def _write_model(repro: Repro, dump_path: Path, dump: Any, session: Any, refs: list[SampleRef], blamed: bool,
+                 device: str | None, trust: bool, sys_path: list[str], overrides: dict) -> None:
     recipe = dump.recipe or {}
-    whole = len(refs) == len([r for r in session.sample_refs if r.micro_batch == refs[0].micro_batch])
-    spec = {"dump": str(dump_path.resolve()), "rank": dump.rank, "step": dump.step, "device": device or "cpu",
-            "micro_batch": refs[0].micro_batch, "samples": None if whole else [r.index for r in refs],
-            "sample_ids": [r.sample_id for r in refs], "factory": factory or recipe.get("factory"),
-            "factory_override": factory, "loss_override": loss, "sys_path": [str(p) for p in sys_path],
-            "trust": bool(trust)}
     out = repro.directory
+    whole = not blamed and len(refs) == len([r for r in session.sample_refs if r.micro_batch == refs[0].micro_batch])
+    spec = {"dump": _relative(dump_path, out), "rank": dump.rank, "step": dump.step, "device": device or "cpu",
+            "micro_batch": refs[0].micro_batch, "samples": None if whole else [r.index for r in refs],
+            "sample_ids": [r.sample_id for r in refs], "blames_sample": blamed,
+            "factory": overrides["factory_override"] or recipe.get("factory"),
+            "sys_path": [_relative(p, out) for p in sys_path], "trust": bool(trust), **overrides}
     atomic_write_text(out / MODEL_SPEC, json.dumps(spec, indent=1, default=repr))
     atomic_write_text(out / MODEL_SCRIPT, MODEL_TEMPLATE)
-    repro.sample = refs[0].sample_id if len(refs) == 1 else None
+    repro.sample = refs[0].sample_id if blamed else None
     repro.files.update(model_script=str(out / MODEL_SCRIPT), model_spec=str(out / MODEL_SPEC))
 
 
@@ -268,8 +360,8 @@ OP_TEMPLATE = '''#!/usr/bin/env python
 """Standalone reproduction of the first non-finite op of a training step, written by `forensics repro`.
 
 Needs only torch (the inputs are read from op_inputs.safetensors by the few lines below). op.json names the op
-and its arguments. It FAILS with an AssertionError (exit code 1) while the op makes NaN/Inf from these inputs,
-and passes once it does not.
+and its arguments. It FAILS with an AssertionError (exit code 1) while the op makes NaN/Inf from these inputs (or,
+for a step that raised, while the op raises on them), and passes once it does not. Run it from any directory.
 """
 
 import json
@@ -327,6 +419,13 @@ def main():
         finite = bool(torch.isfinite(value).all()) if value.is_floating_point() else True
         print(f"input {index}: {value.dtype} {list(value.shape)} finite={finite}"
               + (f" abs-max={value.abs().max().item():.6g}" if value.is_floating_point() and value.numel() else ""))
+    if spec.get("raised"):  # the job's step raised here
+        try:
+            op(*args, **kwargs)
+        except Exception as exc:
+            raise AssertionError(f"{spec['op']} raised {type(exc).__name__} on these inputs: {exc}") from exc
+        print(f"{spec['op']}.{spec['overload']} no longer raises on these inputs (the job's: {spec['raised']})")
+        return
     out = op(*args, **kwargs)
     result = out[0] if isinstance(out, (tuple, list)) else out
     kinds = [k for k, bad in (("nan", torch.isnan(result).any()), ("+inf", torch.isposinf(result).any()),
@@ -343,11 +442,15 @@ MODEL_TEMPLATE = '''#!/usr/bin/env python
 """Reproduction of a failing training step's culprit sample through the model, written by `forensics repro`.
 
 Runs the sample(s) model.json names through the model's pre-step weights read from the dump, with the job's RNG
-and autocast, and FAILS with an AssertionError (exit code 1) while the loss is non-finite.
+and autocast, and FAILS with an AssertionError (exit code 1) while the loss is non-finite (or, for a step that
+raised, while the step raises). model.json says whether one sample is to blame ("blames_sample"): when every sample
+of the micro-batch fails alone, or the run had diverged before this step, no sample is ("why_no_sample") and the
+whole micro-batch runs.
 
 Needs torch, forensics (to read the dump) and the model's code: it imports the model factory and the loss that
 the dump's recipe names (model.json "factory") with the consent `forensics repro` was given (model.json "trust"),
-as `forensics replay` does.
+as `forensics replay` does. The dump and the --path entries are found relative to this file: run it from any
+directory.
 """
 
 import json
@@ -366,20 +469,30 @@ HERE = Path(__file__).resolve().parent
 
 def main():
     spec = json.loads((HERE / "model.json").read_text())
-    dump = open_dump(spec["dump"], rank=spec["rank"])
+    dump = open_dump(HERE / spec["dump"], rank=spec["rank"])
     session = load_session(dump, device=spec["device"], trust=spec["trust"], factory=spec["factory_override"],
-                           loss=spec["loss_override"], sys_path=spec["sys_path"])
+                           loss=spec["loss_override"], sys_path=[str(HERE / p) for p in spec["sys_path"]],
+                           factory_kwargs=spec.get("factory_kwargs"), loss_kwargs=spec.get("loss_kwargs"))
     runner = runner_for(session)
     model = session.model.train()
     batch = session.micro_batches[spec["micro_batch"]]
     if spec["samples"] is not None:
         batch = select_samples(batch, spec["samples"])
     runner.restore_rng(spec["micro_batch"])
-    with torch.no_grad(), runner.autocast_context():
-        loss = session.loss_fn(model, batch)
+    what = (f"sample(s) {spec['sample_ids']!r}" if spec["blames_sample"] else
+            f"micro-batch {spec['micro_batch'] + 1} (no sample is to blame: {spec['why_no_sample']})")
+    try:
+        with torch.set_grad_enabled(spec["raises"]), runner.autocast_context():
+            loss = session.loss_fn(model, batch)
+            if spec["raises"]:
+                loss.float().mean().backward()
+    except Exception as exc:
+        if spec["raises"]:
+            raise AssertionError(f"{what} make the step raise {type(exc).__name__}: {exc}") from exc
+        raise
     value = float(loss.detach().float().mean())
     print(f"step {spec['step']}, micro-batch {spec['micro_batch'] + 1}, samples {spec['sample_ids']!r}: loss {value}")
-    assert math.isfinite(value), f"the loss of sample(s) {spec['sample_ids']!r} is {value}"
+    assert spec["raises"] or math.isfinite(value), f"the loss of {what} is {value}"
 
 
 if __name__ == "__main__":

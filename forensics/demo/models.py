@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn import functional as F
+from forensics.recipes import name_default_loss
 
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ class AdapterLM(nn.Module):
 
         lm_config = llama_config(**config)
         self.adapter = SwiGLUAdapter(n_features, adapter_hidden, lm_config.hidden_size)
-        self.lm = LlamaForCausalLM(lm_config)
+        self.lm = name_default_loss(LlamaForCausalLM(lm_config))
 
     def forward(self, features: torch.Tensor, labels: torch.Tensor | None = None):
         return self.lm(inputs_embeds=self.adapter(features), labels=labels)
@@ -151,7 +152,7 @@ class GatedLM(nn.Module):
         self.gate_logits = nn.Parameter(torch.zeros(n_gates))
         self.gate_dropout = nn.Dropout(gate_dropout)
         self.aux_weight = aux_weight
-        self.lm = GPT2LMHeadModel(gpt2_config(**config))
+        self.lm = name_default_loss(GPT2LMHeadModel(gpt2_config(**config)))
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
         kept = self.gate_dropout(torch.sigmoid(self.gate_logits))

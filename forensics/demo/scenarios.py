@@ -24,6 +24,7 @@ from capture import Guard, GuardConfig, SpikeConfig
 from forensics.demo import models
 from forensics.errors import ForensicsError, TrainingFaultError
 from forensics.kinds import Phase, TriggerKind
+from forensics.recipes import name_default_loss
 
 log = logging.getLogger(__name__)
 
@@ -249,8 +250,10 @@ def free_run_id(dump_dir: Path, base: str) -> str:
 
 
 def _recipe(factory: str, factory_kwargs: dict) -> dict:
-    """GuardConfig.recipe naming a demo model factory, so replay rebuilds it without --trust."""
-    return {"factory": f"{models.MODULE}:{factory}", "factory_kwargs": factory_kwargs}
+    """GuardConfig.recipe naming a demo model factory, so replay rebuilds it without --trust, and the built-in
+    loss `model(**batch).loss` that the demo's models answer (named, so the Guard does not doubt it)."""
+    return {"factory": f"{models.MODULE}:{factory}", "factory_kwargs": factory_kwargs,
+            "loss": "forensics.recipes:default_loss", "loss_kwargs": {"ignore_keys": ["sample_ids"]}}
 
 
 # -- (a) bad_sample: a corrupted feature record --------------------------------------------------
@@ -268,7 +271,7 @@ def _bad_sample(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
     steps = make_steps(10, seed=3, make_record=record)
     bad = steps[6][1][2]  # a record whose features were mis-decoded: three tokens hold ~1e38
     bad["inputs_embeds"][5:8] = (torch.rand(3, n_embd, generator=torch.Generator().manual_seed(2)) * 2 - 1) * 1e38
-    run = Run("bad_sample", GPT2LMHeadModel(models.gpt2_config(n_embd=n_embd)), steps, hf_loss,
+    run = Run("bad_sample", name_default_loss(GPT2LMHeadModel(models.gpt2_config(n_embd=n_embd))), steps, hf_loss,
               _config(out_dir, "bad_sample"))
     return _finish(run, device, echo, Expected("bad_sample", (bad["sample_ids"],), module="transformer.h.0.ln_1",
                                                 phase=Phase.FORWARD))
@@ -287,7 +290,8 @@ def _log_zero(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
     bad = steps[5][0][1]
     bad["quality"] = torch.tensor(0.0)  # the quality filter "rejected" it with weight 0 instead of dropping it
     config = _config(out_dir, "log_zero", recipe={"loss": f"{models.MODULE}:quality_weighted_loss", "loss_kwargs": {}})
-    run = Run("log_zero", GPT2LMHeadModel(models.gpt2_config()), steps, models.quality_weighted_loss, config)
+    model = name_default_loss(GPT2LMHeadModel(models.gpt2_config()))
+    run = Run("log_zero", model, steps, models.quality_weighted_loss, config)
     return _finish(run, device, echo, Expected("bad_sample", (bad["sample_ids"],), op="aten::log", phase=Phase.FORWARD))
 
 
@@ -319,7 +323,7 @@ def _adam_eps_zero(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
     seed_everything(0)
     # 32 position embeddings, sequences of 16: rows 16..31 never get a gradient. eps=0 makes Adam
     # divide 0 by sqrt(0) for them on the first step that updates the position embeddings.
-    model = GPT2LMHeadModel(models.gpt2_config(n_positions=32))
+    model = name_default_loss(GPT2LMHeadModel(models.gpt2_config(n_positions=32)))
     wpe = model.transformer.wpe.weight
     wpe.requires_grad_(False)  # position embeddings frozen for the first steps, then unfrozen
     unfreeze_at = 4
@@ -365,7 +369,7 @@ def _sdc(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
     from transformers import GPT2LMHeadModel
 
     seed_everything(0)
-    model = GPT2LMHeadModel(models.gpt2_config())
+    model = name_default_loss(GPT2LMHeadModel(models.gpt2_config()))
     fire_at, fired = 4, []
     state = {"step": 0}
 

@@ -101,6 +101,8 @@ def check_manifest(manifest: dict, where: str) -> None:
     _recipe(c, manifest.get("recipe"))
     gpus = (manifest.get("environment") or {}).get("gpus")
     c.each(gpus, "environment.gpus", lambda g, f: c.kind(g, f, dict, optional=False), MAX_WORLD_SIZE)
+    for key in ("cwd", "script_dir"):  # put on sys.path at replay (--trust): a string or nothing
+        c.kind((manifest.get("environment") or {}).get(key), f"environment.{key}", str)
     _exception(c, manifest.get("exception"))
     _layout(c, manifest.get("layout"), manifest["format_version"])
     _window(c, manifest.get("window"), manifest.get("data_recipe"))
@@ -189,6 +191,14 @@ def _recipe(c: _Checker, recipe: Any) -> None:
         if script.get("file") != spec.MAIN_SCRIPT:
             raise c.fail("recipe.script.file", f"must be {spec.MAIN_SCRIPT!r}, got {_short(script.get('file'))}")
         c.kind(script.get("name"), "recipe.script.name", str)
+        c.kind(script.get("globals"), "recipe.script.globals", dict)
+        c.kind(script.get("unrecorded"), "recipe.script.unrecorded", dict)
+        for key in ("globals", "unrecorded"):
+            for name, value in (script.get(key) or {}).items():
+                if not name.isidentifier() or name.startswith("__"):
+                    raise c.fail(f"recipe.script.{key}", f"names {_short(name)}, not a plain Python name")
+                if key == "unrecorded":
+                    c.kind(value, f"recipe.script.unrecorded.{name}", str, optional=False)
 
 
 def _exception(c: _Checker, exception: Any) -> None:

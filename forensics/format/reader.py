@@ -544,7 +544,7 @@ class Dump:
         try:
             return RngState.from_parts(meta[index], tensors, f"mb{index}")
         except (KeyError, TypeError, ValueError, IndexError, RuntimeError, OverflowError) as exc:
-            raise DumpCorruptError(f"{self.path / spec.RNG_JSON}: the RNG state of micro-batch {index} is "
+            raise DumpCorruptError(f"{self.path / spec.RNG_JSON}: the RNG state of micro-batch {index + 1} is "
                                    f"malformed ({type(exc).__name__}: {_cut(exc, 120)})", spec.RNG_JSON) from exc
 
     def micro_batch(self, index: int) -> Any:

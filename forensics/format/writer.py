@@ -140,7 +140,7 @@ def _write_contents(target: _DumpDir, content: DumpContent) -> list[dict]:
         encoded = encode_tree(batch)
         for leaf in encoded.unreplayable:
             log.warning("forensics: micro-batch %d leaf %s of type %s cannot be stored; it is recorded as "
-                        "unreplayable", index, leaf["path"], leaf["type"])
+                        "unreplayable", index + 1, leaf["path"], leaf["type"])  # words count from 1
         unreplayable.append(encoded.unreplayable)
         target.write_bytes(spec.batch_tensors_name(index), compressor.compress(safetensors_bytes(encoded.tensors)))
         target.write_bytes(spec.batch_json_name(index), compressor.compress(jsonio.dumps(encoded.skeleton)))

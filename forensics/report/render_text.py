@@ -278,7 +278,7 @@ def history_sentence(report: Mapping) -> str | None:
     pattern = report.get("history_pattern")
     if not pattern:
         return None
-    words, meaning = pattern_words(pattern)
+    words, meaning = pattern_words(pattern, section(report, "trigger").get("kind"))
     text = f"Loss history: {words}"
     losses = section(report, "history").get("loss") or []
     if losses:

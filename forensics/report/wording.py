@@ -105,13 +105,14 @@ def verdict_label(kind: Any) -> str:
         return clean(kind)
 
 
-def pattern_words(pattern: Any) -> tuple[str, str]:
-    """(words, usual cause) of a history pattern; an unknown one as its cleaned name and no cause."""
+def pattern_words(pattern: Any, trigger: Any = None) -> tuple[str, str]:
+    """(words, usual cause) of a history pattern for a dump of `trigger` (HistoryPattern.cause_for); an unknown
+    pattern as its cleaned name and no cause."""
     try:
         found = HistoryPattern(pattern)
     except ValueError:
         return clean(pattern).replace("_", " "), ""
-    return found.words, found.usual_cause
+    return found.words, found.cause_for(trigger)
 
 
 def trigger_detail(trigger: Mapping) -> str:

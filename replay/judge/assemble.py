@@ -41,7 +41,7 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
     report = {
         "schema": schema_for(verdict["kind"]),
         "created_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "dump": {"num_micro_batches": len(session.micro_batches),
+        "dump": {"num_micro_batches": max(len(session.micro_batches), session.step_micro_batches),
                  **(dump_info or {"path": None, "run_id": None, "step": 0, "rank": rank,
                                   "world_size": session.world_size, "missing_ranks": []})},
         "trigger": {"kind": findings.kind.value, "value": trigger.value, "threshold": findings.threshold,
@@ -152,7 +152,7 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
         culprits_each_fail_alone=findings.bisection.independent_groups > 1,
         trigger_kind=kind, reproduced=findings.reproduced, trigger_local=trigger.local,
         step=(dump_info or {}).get("step"), rank=(dump_info or {}).get("rank"),
-        micro_batch=micro_batch, num_micro_batches=len(session.micro_batches),
+        micro_batch=micro_batch, num_micro_batches=max(len(session.micro_batches), session.step_micro_batches),
         trigger_value=trigger.value, threshold=findings.threshold,
         replayed_value=result.replayed_value(kind, trigger.micro_batch),
         bitwise=findings.reproduction.fidelity.get("bitwise_equal"), replay_device=str(session.device),

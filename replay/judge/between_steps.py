@@ -95,7 +95,10 @@ def _verdict(exception: dict, dumped_step: int, last_step: int | None, ids: list
                    f"loop's own code, so there is no model step to replay and nothing was re-run. {samples}{state}")
     suggestions = [f"Fix the code{where or ' the traceback names'}: the traceback in report.json (exception.traceback) "
                    "shows the call chain.",
-                   "If the data loader raised on a record, look up the samples it was about to load after the "
-                   "last recorded ones (the sample ids above), and filter or repair that record."]
+                   ("If the data loader raised on a record, look up the samples it was about to load after the last "
+                    f"recorded ones (step {last_step}'s: {named}), and filter or repair that record." if ids else
+                    "If the data loader raised on a record, the loader's own position (its sampler, the step count) "
+                    "says which records came next: no sample IDs were recorded to start from. Filter or repair that "
+                    "record.")]
     return {"kind": VerdictKind.EXCEPTION.value, "headline": headline, "explanation": explanation.strip(),
             "suggestions": suggestions}

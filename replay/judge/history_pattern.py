@@ -355,16 +355,35 @@ def read_history(history: dict | None, step: int | None, uniform_loss: float | N
 
 
 def _lr_words(steps: list[int], rates: list[float | None], at: int | None) -> str | None:
-    """'The learning rate was 50 at step 1, constant over the 2 recorded steps before it (no warm-up).'"""
+    """The learning rate at the failure and the phase of its recorded schedule that led there, read from the last
+    change: 'The learning rate was 50 at step 1, constant since step 0 (no warm-up in the recorded steps).',
+    '..., still rising (warm-up) from 0.1 at step 2.', '..., falling since step 3 (from 0.6).', '..., constant
+    since step 9, after rising from 0.1 at step 2.' Never 'rising' for a rate that fell or stayed flat last."""
     known = [(s, r) for s, r in zip(steps, rates) if r is not None and math.isfinite(r) and (at is None or s <= at)]
     if not known:
         return None
-    (s0, r0), (s1, r1) = known[0], known[-1]
+    s1, r1 = known[-1]
     text = f"The learning rate was {fmt_num(r1, 3)} at step {s1}"
     if len(known) == 1:
         return text + "."
-    if r1 > r0 * 1.01:
+
+    def same(a: float, b: float) -> bool:  # a scheduler's flat stretch repeats the same float
+        return math.isclose(a, b, rel_tol=1e-6, abs_tol=0.0)
+
+    flat = len(known) - 1
+    while flat > 0 and same(known[flat - 1][1], known[flat][1]):
+        flat -= 1
+    if flat == 0:
+        return text + f", constant since step {known[0][0]} (no warm-up in the recorded steps)."
+    rising = known[flat][1] > known[flat - 1][1]
+    start = flat - 1
+    while start > 0 and not same(known[start - 1][1], known[start][1]) \
+            and (known[start][1] > known[start - 1][1]) == rising:
+        start -= 1
+    s0, r0 = known[start]
+    if flat < len(known) - 1:
+        return text + (f", constant since step {known[flat][0]}, after {'rising' if rising else 'falling'} from "
+                       f"{fmt_num(r0, 3)} at step {s0}.")
+    if rising:
         return text + f", still rising (warm-up) from {fmt_num(r0, 3)} at step {s0}."
-    if abs(r1 - r0) <= 0.01 * abs(r0):
-        return text + f", constant since step {s0} (no warm-up in the recorded steps)."
-    return text + f", down from {fmt_num(r0, 3)} at step {s0}."
+    return text + f", falling since step {s0} (from {fmt_num(r0, 3)})."

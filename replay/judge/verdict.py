@@ -304,7 +304,7 @@ def _evidence(f: VerdictFacts) -> list[str]:
 def _history(f: VerdictFacts) -> list[str]:
     out = [f.run_diverged] if f.run_diverged else []
     if f.history_pattern:
-        out.append(f"Loss history: {f.history_pattern.means}.")
+        out.append(f"Loss history: {f.history_pattern.means(f.trigger_kind)}.")
     out.extend(f.history_reading)
     out.extend(f.history_signals)
     return out

@@ -8,8 +8,11 @@ names, attribute reads and arithmetic on them) to the module's own names, and `t
 fresh module whose `__name__` is not "__main__". Everything else (calls at top level, loops, `with`,
 `model = GPT(...)`, `torch.backends.cudnn.benchmark = True`, the main guard's body) is left out. What runs can
 still run any code — an import's side effects, a decorator, a default value, a class body, a base class
-expression — which is what --trust consents to (TRUST_NOTE). When the function needs a name that only left-out code defines, nothing is run
-and the error says what to pass instead.
+expression — which is what --trust consents to (TRUST_NOTE). The globals the function read in the job, as the dump
+recorded them (`recipe.script.globals`: nanoGPT's configurator values, `ddp_world_size`), are defined before the
+script's definitions run and again after them, so the job's values win over the script's defaults; a constant
+assignment that reads a name nothing defines here is skipped. When the function needs a name that only left-out code
+defines and the dump holds no value of, nothing is run and the error says what to pass instead.
 """
 
 from __future__ import annotations
@@ -44,12 +47,6 @@ def _names_only(target: ast.expr) -> bool:
     if isinstance(target, ast.Starred):
         return _names_only(target.value)
     return isinstance(target, ast.Name)
-
-
-def _main_guard(node: ast.stmt) -> bool:
-    test = node.test if isinstance(node, ast.If) else None
-    return (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__"
-            and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in test.comparators))
 
 
 def defines_only(node: ast.stmt) -> bool:
@@ -103,9 +100,26 @@ def _needed(definitions: dict[str, ast.stmt], start: str) -> set[str]:
     return needed
 
 
-def define_from_script(source: bytes, qualname: str, script_name: str, what: str, flag: str) -> Any:
+def _refusal(names: list[str], unrecorded: dict[str, str], script: str) -> str:
+    shown = []
+    for name in names[:8]:
+        kind = unrecorded.get(name)
+        shown.append(f"`{clean(name, 60)}` (a {clean(kind, 60)}: not a JSON value, so the dump holds none)" if kind
+                     else f"`{clean(name, 60)}`")
+    return (f"{', '.join(shown)}, which {script} sets in top-level code that replay does not run (calls, loops, "
+            "`if` blocks, exec'd files) and the dump recorded no value of")
+
+
+def define_from_script(source: bytes, qualname: str, script_name: str, what: str, flag: str,
+                       recorded: dict[str, Any] | None = None,
+                       unrecorded: dict[str, str] | None = None) -> tuple[Any, list[str]]:
     """The object `qualname` of the script, defined by running only its definitions (see the module docstring).
 
+    Args:
+        recorded: the job's values of the globals the function reads (manifest `recipe.script.globals`).
+        unrecorded: the globals it reads whose values were not JSON: name -> type name (for the refusal).
+    Returns:
+        (the callable, the recorded globals it uses: what the report says was defined from the dump).
     Raises:
         RecipeError: the script does not parse, does not define `qualname`, or `qualname` needs names that only
             code left out (training, building objects) defines; the message says what to pass instead.
@@ -118,32 +132,44 @@ def define_from_script(source: bytes, qualname: str, script_name: str, what: str
         raise RecipeError(f"the training script {script} recorded in the dump does not parse ({type(exc).__name__}); "
                           f"{instead}") from exc
     kept = [node for node in tree.body if defines_only(node)]
-    left_out = [node for node in tree.body if not defines_only(node) and not _main_guard(node)]
+    left_out = [node for node in tree.body if not defines_only(node)]  # the main guard too: it may set a global
     top = qualname.split(".")[0]
     definitions = {node.name: node for node in kept
                    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
     if top not in definitions:
         raise RecipeError(f"the training script {script} recorded in the dump defines no function `{shown}` at its top "
                           f"level; {instead}")
-    missing = sorted((_needed(definitions, top) & _bound(left_out)) - _bound(kept))
+    recorded, unrecorded = dict(recorded or {}), dict(unrecorded or {})
+    needed = _needed(definitions, top)
+    missing = sorted((needed & _bound(left_out)) - _bound(kept) - set(recorded))
     if missing:
-        names = ", ".join(f"`{clean(n, 60)}`" for n in missing[:8])
-        raise RecipeError(f"the {what} `{shown}` uses {names}, which {script} computes in top-level code that replay "
-                          f"does not run (it would train again); {instead}")
+        raise RecipeError(f"the {what} `{shown}` uses {_refusal(missing, unrecorded, script)}; {instead}")
     module = types.ModuleType(MODULE_NAME)
     module.__file__ = f"<{script} recorded in the dump>"
     sys.modules[MODULE_NAME] = module  # dataclasses and pickling look the module up by name
-    try:
-        exec(compile(ast.Module(body=kept, type_ignores=[]), module.__file__, "exec"), module.__dict__)  # noqa: S102
-    except Exception as exc:  # noqa: BLE001 - the script's imports or definitions failing here is the user's to fix
-        raise RecipeError(f"defining `{shown}` from the training script {script} raised {type(exc).__name__}: "
-                          f"{clean(str(exc), 300)}; {instead}") from exc
+    module.__dict__.update(recorded)
+    skipped: set[str] = set()
+    for node in kept:
+        try:
+            exec(compile(ast.Module(body=[node], type_ignores=[]), module.__file__, "exec"), module.__dict__)  # noqa: S102
+        except NameError:
+            if not isinstance(node, (ast.Assign, ast.AnnAssign)):
+                raise RecipeError(f"defining `{shown}` from the training script {script} needs a name its top-level "
+                                  f"code sets at line {node.lineno}; {instead}") from None
+            skipped |= _bound([node])  # `tokens_per_iter = batch * ddp_world_size`: ddp_world_size unknown here
+        except Exception as exc:  # noqa: BLE001 - the script's imports or definitions failing here is the user's to fix
+            raise RecipeError(f"defining `{shown}` from the training script {script} raised {type(exc).__name__}: "
+                              f"{clean(str(exc), 300)}; {instead}") from exc
+    module.__dict__.update(recorded)  # the job's values win over the script's defaults (a configurator changed them)
+    unset = sorted((needed & skipped) - set(module.__dict__))
+    if unset:
+        raise RecipeError(f"the {what} `{shown}` uses {_refusal(unset, unrecorded, script)}; {instead}")
     obj: Any = module
     for part in qualname.split("."):
         obj = getattr(obj, part, None)
     if not callable(obj):
         raise RecipeError(f"`{shown}` in the training script {script} is not callable; {instead}")
-    return obj
+    return obj, sorted(needed & set(recorded))
 
 
 def move_instruction(qualname: str, script_name: str, flag: str) -> str:

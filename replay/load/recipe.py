@@ -11,15 +11,22 @@ class. Nothing a dump names is imported unless the user agreed to it:
 * optimizer classes from `torch.optim` are used without trust; any other class needs `trust=True`;
 * a function of the job's training script (`__main__:fn`) is never imported (that would run the script's
   training again): with `trust=True` it is defined from the script's source the dump holds
-  (replay/load/main_script.py); without, or without that source, the error says what to pass.
+  (replay/load/main_script.py), with the values of the globals it read in the job (recorded in the dump); without,
+  or without that source, the error says what to pass.
+
+With consent (trust, or code the user names), the job's script directory and working directory (manifest
+`environment.script_dir`, `environment.cwd`, where they exist here) follow the user's --path entries on sys.path:
+`python train.py` had both importable, so `from model import GPT` in the script or a factory `tinylm:build` beside
+it imports without --path (job_paths).
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -47,12 +54,16 @@ def _split_path(path: str, what: str) -> tuple[str, str]:
     return module, attr
 
 
-def import_object(path: str, what: str = "recipe", sys_path: tuple[str, ...] | list[str] = ()) -> Any:
-    """Imports `module:attr.sub` (no consent check: call only for paths the user agreed to)."""
-    module_name, attr = _split_path(path, what)
+def _put_on_sys_path(sys_path: tuple[str, ...] | list[str]) -> None:
     for entry in reversed(list(sys_path)):
         if entry not in sys.path:
             sys.path.insert(0, entry)  # kept: model code may import lazily at forward time
+
+
+def import_object(path: str, what: str = "recipe", sys_path: tuple[str, ...] | list[str] = ()) -> Any:
+    """Imports `module:attr.sub` (no consent check: call only for paths the user agreed to)."""
+    module_name, attr = _split_path(path, what)
+    _put_on_sys_path(sys_path)
     try:
         obj: Any = importlib.import_module(module_name)
         for part in attr.split("."):
@@ -71,6 +82,12 @@ class TrainingScript:
 
     name: str = "the training script"
     source: bytes | None = None
+    globals: dict = field(default_factory=dict)
+    """The job's values of the globals its functions read (manifest `recipe.script.globals`)."""
+    unrecorded: dict = field(default_factory=dict)
+    """Globals they read whose values the dump could not hold: name -> type name."""
+    used: list[str] = field(default_factory=list)
+    """Filled at replay: the recorded globals a function defined from the script uses (said in the report)."""
 
 
 def _from_main(path: str, what: str, trust: bool, script: TrainingScript, flag: str) -> Any:
@@ -80,19 +97,25 @@ def _from_main(path: str, what: str, trust: bool, script: TrainingScript, flag: 
     move = move_instruction(qualname, script.name, flag)
     if script.source is None:
         raise RecipeError(f"the dump's {what} `{shown}` was defined in the job's training script (__main__), and the "
-                          "dump holds no copy of that script; importing the script would run its training again. "
+                          "dump holds no copy of that script; forensics does not import the script (that would run all of its "
+                          "top-level code). "
                           f"To replay, {move}.")
     if not trust:
         raise RecipeError(f"the dump's {what} `{shown}` is defined in the training script {name}, whose source the "
                           "dump holds; it was NOT run. Pass --trust to define it from that source (only the script's "
                           f"imports, definitions and constants run, never its training code; {TRUST_NOTE}), or "
                           f"{move}.")
-    return define_from_script(script.source, qualname, script.name, what, flag)
+    obj, used = define_from_script(script.source, qualname, script.name, what, flag, script.globals,
+                                   script.unrecorded)
+    script.used.extend(name for name in used if name not in script.used)
+    return obj
 
 
 def _consented(path: str, what: str, trust: bool, sys_path, script: TrainingScript) -> Any:
     flag = "--factory" if what == "model factory" else "--loss"
     if isinstance(path, str) and path.startswith(MAIN_PREFIX):
+        if trust:
+            _put_on_sys_path(sys_path)  # the script's own imports (`from model import GPT`)
         return _from_main(path, what, trust, script, flag)
     if is_builtin(path) or trust:
         return import_object(path, what, sys_path)
@@ -109,11 +132,36 @@ class ResolvedRecipe:
     loss_fn: LossFn
     factory_path: str
     loss_path: str
+    notes: list[str] = field(default_factory=list)
+    """What the report should say about how the code was found (recorded globals used, sys.path entries added)."""
+
+
+def _kwargs(recorded_path: Any, override: str | None, recorded: Any, given: dict | None) -> dict:
+    """The keyword arguments for a factory or loss: `given` (--factory-kwargs / --loss-kwargs); else the recorded
+    ones — also for a --factory / --loss that names the user's code moved out of the script — unless they belong to
+    a built-in recipe the override replaces (the default loss's `ignore_keys`, the Hugging Face factory's config)."""
+    if given is not None:
+        return dict(given)
+    if override and override != recorded_path and (not recorded_path or is_builtin(recorded_path)):
+        return {}
+    return dict(recorded or {}) if isinstance(recorded, dict) else {}
+
+
+def job_paths(environment: dict | None) -> list[str]:
+    """The job's script directory and working directory (manifest `environment`), those that exist here."""
+    environment = environment or {}
+    found = []
+    for key in ("script_dir", "cwd"):
+        path = environment.get(key)
+        if isinstance(path, str) and os.path.isabs(path) and os.path.isdir(path) and path not in found:
+            found.append(path)
+    return found
 
 
 def resolve_recipe(recipe: dict | None, *, trust: bool = False, factory: str | None = None,
                    loss: str | None = None, sys_path: tuple[str, ...] | list[str] = (),
-                   script: TrainingScript | None = None) -> ResolvedRecipe:
+                   script: TrainingScript | None = None, factory_kwargs: dict | None = None,
+                   loss_kwargs: dict | None = None, job_dirs: list[str] | tuple[str, ...] = ()) -> ResolvedRecipe:
     """Picks the model factory and loss function, importing only what the user consented to.
 
     Args:
@@ -122,6 +170,9 @@ def resolve_recipe(recipe: dict | None, *, trust: bool = False, factory: str | N
         factory / loss: "module:fn" named by the user; used instead of the recipe's (always imported).
         sys_path: extra import directories (e.g. the training repo), added in front of sys.path.
         script: the training script the dump holds, for a recipe naming `__main__:fn`.
+        factory_kwargs / loss_kwargs: used instead of the recorded ones (CLI --factory-kwargs / --loss-kwargs);
+            None keeps the recorded ones, also with --factory / --loss.
+        job_dirs: the job's script and working directories (job_paths): after `sys_path` once the user consented.
     Returns:
         ResolvedRecipe with callables; the loss takes (model, batch).
     Raises:
@@ -130,6 +181,11 @@ def resolve_recipe(recipe: dict | None, *, trust: bool = False, factory: str | N
     """
     recipe = recipe or {}
     script = script or TrainingScript()
+    notes: list[str] = []
+    if job_dirs and (trust or factory or loss):
+        sys_path = [*sys_path, *(d for d in job_dirs if d not in sys_path)]
+        notes.append("importable as in the job: " + ", ".join(clean(d, 200) for d in job_dirs)
+                     + " (the job's script and working directories) on sys.path")
     factory_path = factory or recipe.get("factory")
     if not factory_path:
         raise RecipeError("the dump has no model recipe; pass --factory module:fn, a function that "
@@ -146,11 +202,14 @@ def resolve_recipe(recipe: dict | None, *, trust: bool = False, factory: str | N
         loss_callable = import_object(loss, "loss function", sys_path)
     else:
         loss_callable = _consented(loss_path, "loss function", trust, sys_path, script)
-    loss_kwargs = dict(recipe.get("loss_kwargs") or {}) if not loss else {}
-    loss_fn: LossFn = (lambda model, batch: loss_callable(model, batch, **loss_kwargs)) if loss_kwargs \
-        else loss_callable
-    kwargs = dict(recipe.get("factory_kwargs") or {}) if not factory or factory == recipe.get("factory") else {}
-    return ResolvedRecipe(factory_fn, kwargs, loss_fn, factory_path, loss_path)
+    loss_kw = _kwargs(recipe.get("loss"), loss, recipe.get("loss_kwargs"), loss_kwargs)
+    loss_fn: LossFn = (lambda model, batch: loss_callable(model, batch, **loss_kw)) if loss_kw else loss_callable
+    kwargs = _kwargs(recipe.get("factory"), factory, recipe.get("factory_kwargs"), factory_kwargs)
+    if script.used:
+        values = ", ".join(f"{name}={clean(repr(script.globals[name]), 60)}" for name in script.used[:12])
+        notes.append(f"defined from {clean(script.name, 100)} with the values the job's top-level code gave its "
+                     f"globals (recorded in the dump): {values}")
+    return ResolvedRecipe(factory_fn, kwargs, loss_fn, factory_path, loss_path, notes)
 
 
 def optimizer_class(path: str, trust: bool) -> type:
@@ -168,5 +227,5 @@ def optimizer_class(path: str, trust: bool) -> type:
 
 
 
-__all__ = ["ResolvedRecipe", "TrainingScript", "resolve_recipe", "is_builtin", "import_object", "optimizer_class", "LossFn",
+__all__ = ["ResolvedRecipe", "TrainingScript", "job_paths", "resolve_recipe", "is_builtin", "import_object", "optimizer_class", "LossFn",
            "DEFAULT_LOSS_PATH", "TRUSTED_OPTIMIZER_PREFIX"]

@@ -24,7 +24,7 @@ from forensics.unfilled import unfilled
 from replay.load.environment import dtype_from_name, environment_warnings, resolve_device, to_device
 from replay.load.fsdp_precision import FsdpUnit, compute_dtype, parse_units
 from replay.load.optimizer_state import DumpOptimizerState, OptimizerSnapshot
-from replay.load.recipe import LossFn, TrainingScript, optimizer_class, resolve_recipe
+from replay.load.recipe import LossFn, TrainingScript, job_paths, optimizer_class, resolve_recipe
 from replay.load.samples import SampleRef
 from replay.load.streamed import StreamPlan, keep_blocks_at_rest, plan_streaming, settle
 
@@ -87,6 +87,9 @@ class ReplaySession:
     world_size: int = 1
     """Ranks of the job. With more than one, the recorded grad norm covers every rank's gradients
     (after all-reduce / over all ZeRO shards), so a one-rank replay compares losses only."""
+    step_micro_batches: int = 0
+    """The job's micro-batches per step (manifest `grad_accum`): more than `micro_batches` when the step raised
+    part-way ("micro-batch 1 of 2", never "1 of 1" for a step of 2 that raised in its first)."""
     fsdp_units: list[FsdpUnit] = field(default_factory=list)
     """The job's FSDP2 units and mixed-precision policies (replay/load/fsdp_precision.py): the step computes in them."""
     stream: StreamPlan | None = None
@@ -148,26 +151,36 @@ def _check_no_unreplayable(batch: Any, index: int, warnings: list[str]) -> Any:
     return walk(batch)
 
 
+def step_micro_batches(manifest: dict) -> int:
+    """The job's micro-batches per step: manifest `grad_accum` (0 when absent or odd)."""
+    count = manifest.get("grad_accum")
+    return count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else 0
+
+
 def training_script(dump: Any) -> TrainingScript:
     """The training script the dump holds (manifest `recipe.script`; read and checked, never run here)."""
     described = (dump.recipe or {}).get("script") or {}
     if not described or not dump.has_file(spec.MAIN_SCRIPT):
         return TrainingScript()
     return TrainingScript(str(described.get("name") or "the training script"),
-                          dump.read_file(spec.MAIN_SCRIPT, spec.MAX_MAIN_SCRIPT))
+                          dump.read_file(spec.MAIN_SCRIPT, spec.MAX_MAIN_SCRIPT),
+                          dict(described.get("globals") or {}), dict(described.get("unrecorded") or {}))
 
 
 @gc_paused()  # the model's libraries import and its state loads: forensics.gc_pause
 def load_session(dump: Any, *, device: str | torch.device | None = None, trust: bool = False,
                  factory: str | None = None, loss: str | None = None,
                  sys_path: tuple[str, ...] | list[str] = (), weights: bool = True,
-                 memory_budget: int | None = None) -> ReplaySession:
+                 memory_budget: int | None = None, factory_kwargs: dict | None = None,
+                 loss_kwargs: dict | None = None) -> ReplaySession:
     """Rebuilds model, optimizer, loss and micro-batches of a dump's failing step.
 
     Args:
         dump: a forensics.format.Dump (open_dump(path, rank=...)).
         device: "cuda:0", "cpu" or None (CUDA when present).
-        trust / factory / loss / sys_path: consent for imports (see resolve_recipe).
+        trust / factory / loss / sys_path: consent for imports (see resolve_recipe); with it, the job's script and
+            working directories follow `sys_path` (replay.load.recipe.job_paths).
+        factory_kwargs / loss_kwargs: instead of the recorded ones (None: the recorded ones).
         weights: False for a window replay of a dump without pre-step state (`state_missing`): the model is built
             with its own init and no state or batch is read (the checkpoint and the data recipe supply them).
         memory_budget: bytes the replay may use on `device` (CLI --gpu-memory); a state that does not fit them (or,
@@ -190,10 +203,11 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
                         "Guard's host snapshot in the dump (GuardConfig.snapshot_every, with a data recipe; pass "
                         "--trust) or --from CHECKPOINT --trust")
     recipe = resolve_recipe(dump.recipe, trust=trust, factory=factory, loss=loss, sys_path=sys_path,
-                            script=training_script(dump))
+                            script=training_script(dump), factory_kwargs=factory_kwargs, loss_kwargs=loss_kwargs,
+                            job_dirs=job_paths(manifest.get("environment")))
     precision = dump.precision or {}
     env_warnings = environment_warnings(manifest.get("environment"), device)
-    warnings = list(env_warnings)
+    warnings = list(env_warnings) + recipe.notes
     plan = None
     if not weights:
         model = build_model(recipe, on_meta=False).to(device)
@@ -238,7 +252,7 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
         scaler = dict(precision["grad_scaler"])
     return ReplaySession(
         model=model, loss_fn=recipe.loss_fn, micro_batches=batches, device=device, sample_ids=ids,
-        rng_states=rngs, loss_divisor=float(divisor), optimizer=snapshot, autocast=autocast,
+        rng_states=rngs, loss_divisor=float(divisor), step_micro_batches=step_micro_batches(manifest), optimizer=snapshot, autocast=autocast,
         scaler_state=scaler, scheduler_state=dump.scheduler_state(), recorded_losses=losses,
         recorded_grad_norm=loss_meta.get("grad_norm"), trigger=Trigger.from_dict(dump.trigger), param_dtype=param_dtype,
         exception=manifest.get("exception") if isinstance(manifest.get("exception"), dict) else None,

@@ -40,6 +40,8 @@ class ExceptionFinding:
     """[{"value", "limit", "sample_id", "micro_batch", "index", "position"}] for out-of-range indices."""
     context_limit: int | None = None
     """A position embedding ran out of positions: the model's context length (a sample longer than it)."""
+    op_call: tuple | None = field(default=None, repr=False)
+    """(ATen overload, args, kwargs) of the op that raised in the forward: `forensics repro` calls it again."""
 
 
 class _RaisingOp(TorchDispatchMode):
@@ -57,7 +59,7 @@ class _RaisingOp(TorchDispatchMode):
         except Exception:
             if self.found is None:
                 self.found = {"op": f"aten::{op_schema(func).name.split('::')[-1]}", "module": self.tracker.current,
-                              "args": args}
+                              "args": args, "call": (func, args, kwargs)}
             raise
 
 
@@ -97,7 +99,8 @@ def localize_exception(runner: StepRunner, samples: list[SampleRef] | None = Non
     return ExceptionFinding(type=raised["type"], message=raised["message"],
                             module=found["module"] if found else None, op=found["op"] if found else None,
                             micro_batch=index, phase=Phase.BACKWARD if raised["phase"] == Phase.BACKWARD else Phase.FORWARD,
-                            detail=detail, bad_values=bad, context_limit=context)
+                            detail=detail, bad_values=bad, context_limit=context,
+                            op_call=found.get("call") if found else None)
 
 
 def _positions(indices: Any) -> bool:

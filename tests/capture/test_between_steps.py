@@ -91,6 +91,8 @@ def test_replay_names_the_exception_and_the_user_line_instead_of_not_reproduced(
     assert "build_batch" in verdict["headline"] and "test_between_steps.py" in verdict["headline"]
     # the samples recorded so far: step 4's, the last step that ran
     assert "row-16" in verdict["explanation"] and "step 4" in verdict["explanation"]
+    # the suggestion names the samples itself: the terminal prints no list "above" it (issue 31)
+    assert "row-16" in verdict["suggestions"][1] and "above" not in verdict["suggestions"][1]
     assert report["exception"]["during"] == "between_steps"
 
 

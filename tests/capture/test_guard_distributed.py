@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -24,7 +23,9 @@ WORKER = textwrap.dedent('''
     from capture import Guard, GuardConfig, SpikeConfig
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    # a file store, not a TCP port: no port another job on the machine can take between choosing and binding it
+    dist.init_process_group("gloo", init_method="file://" + os.environ["FORENSICS_TEST_STORE"],
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     rank = dist.get_rank()
 
 
@@ -82,10 +83,7 @@ WORKER = textwrap.dedent('''
 ''')
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+LAUNCH_TIMEOUT = 420  # seconds: about 25 s alone; a 2-core machine shared with other jobs is many times slower
 
 
 @pytest.fixture(scope="module")
@@ -94,23 +92,22 @@ def two_ranks(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
     tmp_path = tmp_path_factory.mktemp("ddp")
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    port = _free_port()
     root = Path(__file__).resolve().parents[2]
     procs = []
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "FORENSICS_TEST_STORE": str(tmp_path / "store"), "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
         procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path / "dumps")], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outputs = []
     for proc in procs:
         try:
-            out, err = proc.communicate(timeout=120)
+            out, err = proc.communicate(timeout=LAUNCH_TIMEOUT)
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
-            pytest.fail("the two-rank run did not finish in 120 s")
+            pytest.fail(f"the two-rank run did not finish in {LAUNCH_TIMEOUT} s")
         # judged by the rank's report (printed after all its work), not by the exit code of gloo's teardown
         lines = out.strip().splitlines()
         assert lines and lines[-1].startswith("{"), f"exit code {proc.returncode}\n{err[-3000:]}"

@@ -48,7 +48,7 @@ def test_every_verdict_kind_has_a_label_an_exit_code_and_renders(kind):
 
 @pytest.mark.parametrize("pattern", list(HistoryPattern))
 def test_every_history_pattern_has_words(pattern):
-    assert pattern.words and pattern.means.startswith(pattern.words)
+    assert pattern.words and pattern.means().startswith(pattern.words)
 
 
 def test_phases():

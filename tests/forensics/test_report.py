@@ -477,3 +477,14 @@ def test_a_window_replay_is_a_step_by_step_table_in_markdown_and_html():
     rows = _md_table(render_markdown(report), "Window replay")
     assert [r[0] for r in rows] == ["4", "5", "6"] and rows[2][5] == "no" and "non-finite" in rows[2][7]
     assert "Window replay" in render_html(report) and "step 6 broke the run" in render_markdown(report)
+
+
+@pytest.mark.parametrize("trigger", ["exception", "precursor"])
+def test_no_failing_value_no_outlier_words(trigger):
+    """'the failing step is an outlier' only where a value failed: a step that raised, or a precursor of a healthy
+    step, has none (issue 31)."""
+    report = make_report("exception" if trigger == "exception" else "instability_ahead", history_pattern="stable",
+                         trigger={"kind": trigger, "value": None, "micro_batch": None, "detail": "raised"})
+    text = render_verdict_text(report)
+    assert "stable until the failure" in text and "outlier" not in text
+    assert "outlier" in render_verdict_text(make_report("bad_sample", history_pattern="stable"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -61,7 +62,14 @@ def test_wandb_offline_receives_the_packed_dump(tmp_path, monkeypatch):
         wandb.finish()
     archive = Path(str(guard.dumps[0]) + ".tar.zst")
     assert archive.is_file()
-    logs = list((tmp_path / "wandb").rglob(f"run-{run.id}.wandb"))
+    # wandb-core writes the run's transaction log in its own process and may still be writing after finish()
+    # returns: on a busy machine the read came first (issue 31). Wait for its writer, not a fixed time.
+    deadline = time.monotonic() + 60
+    while True:
+        logs = list((tmp_path / "wandb").rglob(f"run-{run.id}.wandb"))
+        if logs and b"forensics-up-step2-rank0" in logs[0].read_bytes() or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert logs and b"forensics-up-step2-rank0" in logs[0].read_bytes()
 
 
@@ -91,6 +99,8 @@ def test_tensorboard_gets_a_text_entry_and_an_unknown_tracker_is_refused(tmp_pat
     _crash(tmp_path, upload=("tensorboard",), tensorboard_dir=str(tmp_path / "tb"))
     events = list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert events and b"forensics/up-step2-rank0" in events[0].read_bytes()
+    # the one micro-batch of the step is micro-batch 1 there too, as on the terminal (issue 31)
+    assert b"loss of micro-batch 1 is nan" in events[0].read_bytes()
     with pytest.raises(ValueError, match="unknown tracker"):
         GuardConfig(upload=("neptune",))
 

@@ -133,7 +133,7 @@ def test_accelerate_deepspeed_plugin_checks_inside_engine_step(harness, tmp_path
         assert dump.history()["step"] == [0, 1, 2, 3]  # one check per optimizer step, none doubled
 
 
-@pytest.mark.parametrize("kind", ["distributed", "plain"])
+@pytest.mark.parametrize("kind", [pytest.param("distributed", marks=pytest.mark.slow), "plain"])
 def test_a_loss_spike_on_one_rank_is_dumped_by_every_rank(harness, tmp_path, kind):
     """Spike detectors run on the step loss agreed across ranks, so every rank dumps the spike step
     (a ZeRO gather entered by one rank alone would hang), under DistributedGuard and plain Guard alike."""

@@ -136,3 +136,18 @@ def test_a_sudden_failure_at_the_analysed_step_is_not_told_as_the_loss_leaving_i
     assert reading.onset == 6 and not any("left it" in s for s in reading.sentences)
     gradual = read_history({**history, "loss": [4.16, 4.2, 9.0, 30.0, 90.0, 400.0, float("nan")]}, 6)
     assert any("left it at step 3 (over 3 x its start)" in s for s in gradual.sentences)  # 30 > 3 x 4.16
+
+
+@pytest.mark.parametrize("lr, words", [
+    ([1e-4, 2e-4, 3e-4, 6e-4, 5e-4, 4e-4, 3e-4], "falling since step 3 (from 0.0006)"),    # warm-up, then decay
+    ([1e-4, 2e-4, 3e-4, 3e-4, 3e-4, 3e-4, 3e-4], "constant since step 2, after rising"),   # warm-up, then flat
+    ([1e-4, 2e-4, 3e-4, 4e-4, 5e-4, 6e-4, 7e-4], "still rising (warm-up) from 0.0001 at step 0"),
+])
+def test_the_learning_rate_words_follow_the_recorded_schedule(lr, words):
+    """'still rising (warm-up)' only while the LR rises at the failure, never for one that fell or stayed flat since
+    (issue 31: the demo's schedule had been falling since step 3)."""
+    from replay.judge.history_pattern import read_history
+
+    history = {"step": list(range(7)), "loss": [2.0] * 6 + [float("nan")], "grad_norm": [0.5] * 7, "lr": lr}
+    said = " ".join(read_history(history, 6).sentences)
+    assert words in said and ("still rising" in said) == ("still rising" in words), said

@@ -79,7 +79,8 @@ def test_the_dump_holds_the_script_and_names_it(script_dump):
     manifest = json.loads((script_dump / "manifest.json").read_text())
     recipe = manifest["recipe"]
     assert recipe["loss"] == "__main__:lm_loss" and recipe["factory"] == "__main__:build"
-    assert recipe["script"] == {"file": "main_script.py", "name": "train.py"}
+    assert recipe["script"] == {"file": "main_script.py", "name": "train.py", "globals": {"WIDTH": 3},
+                                "unrecorded": {}}
     assert (script_dump / "main_script.py").read_text() == SCRIPT
 
 
@@ -119,7 +120,7 @@ def test_a_function_that_needs_what_the_training_code_computes_is_refused_with_w
     with pytest.raises(RecipeError) as refused:
         define_from_script(source, "lm_loss", "train.py", "loss function", "--loss")
     message = str(refused.value)
-    assert "`lm_loss` uses `criterion`, which train.py computes in top-level code that replay does not run" in message
+    assert "`lm_loss` uses `criterion`, which train.py sets in top-level code that replay does not run" in message
     assert "--loss train_lib:lm_loss --path DIR_OF_THAT_MODULE" in message
 
 
@@ -139,7 +140,7 @@ def test_definitions_run_and_the_main_guard_and_top_level_calls_do_not(capsys):
         if __name__ == "__main__":
             print("TRAINING in the guard")
     ''').encode()
-    loss = define_from_script(source, "lm_loss", "train.py", "loss function", "--loss")
+    loss, _ = define_from_script(source, "lm_loss", "train.py", "loss function", "--loss")
     assert loss(None, 1.0) == pytest.approx(6.283185307)
     assert "TRAINING" not in capsys.readouterr().out
 
@@ -160,7 +161,7 @@ def test_top_level_assignments_into_modules_are_not_run(monkeypatch):
         def lm_loss(model, batch):
             return batch * SCALE + HIGH
     ''').encode()
-    loss = define_from_script(source, "lm_loss", "train.py", "loss function", "--loss")
+    loss, _ = define_from_script(source, "lm_loss", "train.py", "loss function", "--loss")
     assert loss(None, 1) == 3
     assert "FORENSICS_SCRIPT_MARK" not in os.environ and torch.backends.cudnn.benchmark is False
 

@@ -76,6 +76,13 @@ def test_sgd_at_lr_50_on_clean_data_blames_the_learning_rate_not_the_samples(job
     else:
         assert broke == 0 and "run's first recorded step" in verdict["explanation"]
         assert "constant" in shows
+        # its standalone repro blames no sample either: the whole micro-batch, and why (issue 31)
+        from replay.repro import write_repro
+
+        repro = write_repro(dump, tmp_path / "repro", device="cpu", trust=True, sys_path=[str(HERE)])
+        spec = json.loads((tmp_path / "repro" / "model.json").read_text())
+        assert repro.sample is None and spec["blames_sample"] is False and spec["samples"] is None
+        assert "the run diverged" in spec["why_no_sample"]
 
 
 def test_a_gpt2_at_lr_0_3_far_above_the_uniform_guess_is_neither_stable_nor_needs_no_action(tmp_path):

@@ -3,6 +3,7 @@ Guard, replayed on the CPU, and the report must name what was planted (verdict, 
 
 from __future__ import annotations
 
+import logging
 import math
 import struct
 from pathlib import Path
@@ -18,8 +19,27 @@ from replay.load.session import load_session
 from replay.run.execute import StepRunner
 
 
+class _Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.name}: {record.getMessage()}")
+
+
 @pytest.fixture(scope="module")
-def captured(tmp_path_factory) -> dict[str, Captured]:
+def warned() -> _Warnings:
+    """The warnings logged while the scenarios train and replay (transformers' once-only ones included)."""
+    logging.Logger.warning_once.cache_clear()  # transformers' warning_once: said again in this module
+    handler = _Warnings()
+    logging.getLogger().addHandler(handler)
+    yield handler
+    logging.getLogger().removeHandler(handler)
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory, warned) -> dict[str, Captured]:
     """Each scenario's dump, captured once per test module."""
     root = tmp_path_factory.mktemp("scenarios")
     return {name: scenario.capture(root / name, device="cpu") for name, scenario in SCENARIOS.items()}
@@ -29,6 +49,13 @@ def captured(tmp_path_factory) -> dict[str, Captured]:
 def reports(captured) -> dict[str, dict]:
     """Each scenario's replay report: CPU, and no --trust (the demo recipes are forensics' own code)."""
     return {name: run_replay(run.dump_path, ReplayOptions(device="cpu")) for name, run in captured.items()}
+
+
+def test_the_demos_print_no_warning_of_their_own(captured, reports, warned):
+    """The project's own models and Guard settings draw no warning from transformers or from the Guard (issue 31):
+    a user would take it for a problem of their job."""
+    noise = [line for line in warned.lines if "loss_type=None" in line or "is not a Hugging Face model" in line]
+    assert noise == []
 
 
 def _bits(value) -> object:
