@@ -153,12 +153,20 @@ def host_numbers(values: list[Any], row: torch.Tensor | None = None
     host = [None if v is None or i in on_device else
             float(v.detach().float().mean()) if isinstance(v, torch.Tensor) else float(v)
             for i, v in enumerate(values)]
-    parts = [torch.stack([values[i].detach().float().mean() for i in on_device])] if on_device else []
+    parts = [stacked_means([values[i] for i in on_device])] if on_device else []
     if row is not None:
         parts.append(row.detach().float().to(device))  # on its device already, unless the model is split
     if not parts:
         return host, None
-    fetched = torch.cat(parts).tolist()  # the one sync
+    fetched = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()  # the one sync
     for slot, i in enumerate(on_device):
         host[i] = fetched[slot]
     return host, fetched[len(on_device):] if row is not None else None
+
+
+def stacked_means(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The mean of each tensor as one fp32 vector, in as few operators as a healthy step allows: scalars (a loss, a
+    norm) are stacked as they are (stack promotes their dtypes; one cast after), others averaged in fp32 first."""
+    stacked = torch.stack([(t.detach() if t.requires_grad else t) if t.dim() == 0 else t.detach().float().mean()
+                           for t in tensors])
+    return stacked if stacked.dtype == torch.float32 else stacked.float()

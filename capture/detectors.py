@@ -4,8 +4,8 @@ scalars, and StepDetectors, which turns one step's numbers into a Trigger."""
 from __future__ import annotations
 
 import logging
+import bisect
 import math
-import statistics
 from collections import deque
 
 from capture.agreement import Agreement
@@ -28,25 +28,42 @@ class SpikeDetector:
     During warm-up (fewer than SpikeConfig.warmup finite values) nothing fires, but a value that the
     threshold over the values seen so far would flag (or, before EARLY_EVIDENCE values, one EARLY_RATIO
     times the largest so far) is reported in `suppressed`, so the Guard can say so instead of staying silent.
+
+    Cost per observation (a healthy step's hot path): the window is also kept sorted (one bisect to add a value,
+    one to drop the oldest), so the median is read, not computed; the MAD is taken only for a value above the
+    lowest threshold the median allows (the median itself, times min_ratio when it is positive), i.e. almost
+    never on a healthy run, by one walk outward from the median. The threshold is the one of the whole window,
+    the same numbers as `statistics.median` over it.
     """
 
     def __init__(self, config: SpikeConfig):
         self.config = config
         self._window: deque[float] = deque(maxlen=config.window)
+        self._sorted: list[float] = []
+        """The values of `_window`, sorted."""
         self.suppressed: float | None = None
         """After observe(): the threshold a warm-up value exceeded (it was not flagged), else None."""
 
-    def _threshold(self, values: list[float]) -> float:
-        median = statistics.median(values)
-        mad = statistics.median(abs(v - median) for v in values)
-        robust = median + self.config.mad_factor * MAD_TO_SIGMA * mad
+    def _median(self) -> float:
+        values, n = self._sorted, len(self._sorted)
+        return values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
+
+    def _threshold(self) -> float:
+        median = self._median()
+        robust = median + self.config.mad_factor * MAD_TO_SIGMA * median_deviation(self._sorted, median)
         return max(robust, median * self.config.min_ratio) if median > 0 else robust
+
+    def _below_any_threshold(self, value: float) -> bool:
+        """True when `value` is at most the median (times min_ratio when the median is positive): no threshold
+        the window can give is lower (the MAD is >= 0, min_ratio >= 1), so the MAD need not be taken."""
+        median = self._median()
+        return value <= (median * self.config.min_ratio if median > 0 else median)
 
     def threshold(self) -> float | None:
         """The value above which the next observation is a spike, or None during warm-up."""
         if not self.config.enabled or len(self._window) < self.config.warmup:
             return None
-        return self._threshold(list(self._window))
+        return self._threshold()
 
     @property
     def warming_up(self) -> bool:
@@ -57,14 +74,46 @@ class SpikeDetector:
         self.suppressed = None
         if value is None or not math.isfinite(value):
             return None
-        limit = self.threshold()
-        if limit is None and self.config.enabled and self._window:
-            values = list(self._window)
-            early = self._threshold(values) if len(values) >= EARLY_EVIDENCE else \
-                EARLY_RATIO * max(values) if max(values) > 0 else None
-            self.suppressed = early if early is not None and value > early else None
-        self._window.append(value)
+        limit = None
+        if self.config.enabled and self._window:
+            if len(self._window) >= self.config.warmup:
+                limit = None if self._below_any_threshold(value) else self._threshold()
+            elif len(self._window) < EARLY_EVIDENCE:
+                largest = self._sorted[-1]
+                early = EARLY_RATIO * largest if largest > 0 else None
+                self.suppressed = early if early is not None and value > early else None
+            elif not self._below_any_threshold(value):
+                early = self._threshold()
+                self.suppressed = early if value > early else None
+        self._add(value)
         return limit if limit is not None and value > limit else None
+
+    def _add(self, value: float) -> None:
+        if len(self._window) == self._window.maxlen:
+            del self._sorted[bisect.bisect_left(self._sorted, self._window[0])]
+        self._window.append(value)
+        bisect.insort(self._sorted, value)
+
+
+def median_deviation(values: list[float], median: float) -> float:
+    """The median of |v - median| over `values` (sorted), as `statistics.median` computes it: the deviations
+    below and above the median are each sorted already, so the middle ones are found by walking outward from
+    the median, smallest deviation first."""
+    n = len(values)
+    below = bisect.bisect_right(values, median) - 1  # the largest value <= median
+    above = below + 1
+    wanted = (n - 1) // 2, n // 2  # the positions of the middle deviation(s) in sorted order
+    found = []
+    for position in range(wanted[1] + 1):
+        low = median - values[below] if below >= 0 else math.inf
+        high = values[above] - median if above < n else math.inf
+        if low <= high:
+            deviation, below = low, below - 1
+        else:
+            deviation, above = high, above + 1
+        if position in wanted:
+            found.append(deviation)
+    return found[0] if n % 2 else (found[0] + found[1]) / 2
 
 
 class StepDetectors:

@@ -1,7 +1,8 @@
 """The in-job Guard: records each step's micro-batches and RNG, detects faults, writes the dump, applies policy.
 
-Costs on a healthy step: an RNG snapshot per micro-batch (host only), one fused grad-norm reduction
-when the loop does not pass its own, and exactly one device->host transfer (inside `check`). Under
+Costs on a healthy step: an RNG snapshot per micro-batch (host only; the Python and numpy states shared while their
+generators did not draw), one fused grad-norm reduction when the loop does not pass its own, and exactly one
+device->host transfer (inside `check`); tests/capture/test_healthy_cost.py holds the count in CI. Under
 torchrun (world size > 1, torch.distributed initialised) add one all-reduce, so that every rank
 triggers on the same step (capture/agreement.py); framework adapters live in capture.integrations.
 GuardConfig(sync_free=True) removes the transfer for fused optimizers (capture/deferred.py).
@@ -38,7 +39,7 @@ from capture.window import FlightRecorder
 from forensics.errors import TrainingFaultError
 from forensics.grad_norm import total_grad_norm
 from forensics.kinds import Policy, StateLayout
-from forensics.rng import capture_rng
+from forensics.rng import RngCapture
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,7 @@ class Guard:
         self.dump_errors: list[str] = self.dumper.errors
         """Why a dump was not written, one entry per failed attempt."""
         self._current: StepRecord | None = None
+        self._capture_rng = RngCapture()
         self._hooks: list[Any] = []
         self.add_hook(model.register_forward_pre_hook(self._note_autocast))
         self.optimizer_steps = OptimizerSteps(optimizer, self.add_hook)
@@ -173,7 +175,7 @@ class Guard:
                 sample_ids = batch.get(self.config.sample_id_key)
             record.batches.append(batch)
             record.sample_ids.append(sample_ids)
-            record.rng.append(capture_rng())
+            record.rng.append(self._capture_rng())
         except Exception:  # noqa: BLE001 - capture must never break the job
             log.exception("forensics: record_batch failed; this step will not be capturable")
 

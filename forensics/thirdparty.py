@@ -1,4 +1,4 @@
-"""The one place forensics reads other libraries' private members (torch, DeepSpeed, transformers).
+"""The one place forensics reads other libraries' private members (torch, DeepSpeed, transformers, numpy, CPython).
 
 Each read is one small function whose docstring says which versions have the member and where it was checked;
 tests/forensics/test_thirdparty.py runs each against the installed library and fails loudly when it changes.
@@ -7,6 +7,10 @@ Nothing here imports DeepSpeed or transformers: the objects come from the caller
 
 from __future__ import annotations
 
+import array
+import ctypes
+import random
+import sys
 from typing import Any, Callable
 
 import torch
@@ -232,6 +236,63 @@ def zero_dp_group(param: Any) -> Any:
 
 
 # --------------------------------------------------------------------------------------------------------------
+# Raw RNG states: whether a generator drew since the last look, in a byte compare instead of a state copy
+
+MT_WORDS = 624  # the Mersenne Twister's 624 32-bit words
+_raw_layout_ok: dict[type, bool] = {}  # per generator type: the raw bytes matched its public state once
+
+
+def numpy_global_bit_generator() -> Any:
+    """The bit generator behind numpy's legacy global functions (np.random.rand, np.random.get_state).
+
+    numpy >= 1.25: `np.random.get_bit_generator()`; older: `np.random.mtrand._rand._bit_generator`; checked on numpy
+    2.4."""
+    import numpy as np
+
+    getter = getattr(np.random, "get_bit_generator", None)
+    return getter() if getter is not None else np.random.mtrand._rand._bit_generator
+
+
+def numpy_mt19937_raw(bit_generator: Any) -> bytes | None:
+    """The raw state of a numpy MT19937 bit generator (its 624 key words, then its int position: 2,500 bytes), read
+    through its documented ctypes interface (`BitGenerator.ctypes.state_address`); None for another generator, or
+    when the bytes did not match `bit_generator.state` the first time (checked once per process).
+
+    The layout is numpy's `mt19937_state` (uint32 key[624]; int pos): numpy >= 1.17; checked on numpy 2.4."""
+    kind = type(bit_generator)
+    if kind.__name__ != "MT19937" or _raw_layout_ok.get(kind) is False:
+        return None
+    raw = ctypes.string_at(bit_generator.ctypes.state_address, MT_WORDS * 4 + 4)
+    if kind not in _raw_layout_ok:
+        state = bit_generator.state["state"]
+        expected = state["key"].astype("=u4").tobytes() + int(state["pos"]).to_bytes(4, sys.byteorder)
+        _raw_layout_ok[kind] = raw == expected
+        return raw if _raw_layout_ok[kind] else None
+    return raw
+
+
+def python_random_raw(generator: random.Random) -> bytes | None:
+    """The raw Mersenne Twister state of a `random.Random` (its int index, then its 624 words: 2,500 bytes), read
+    from the object's C struct right after the object header; None when the bytes did not match `getstate()` the
+    first time for its type (checked once per process: another interpreter, another layout). `gauss_next` (a plain
+    attribute) is not in it.
+
+    The layout is CPython's `RandomObject` (PyObject_HEAD; int index; uint32_t state[624]): CPython 3.x; checked on
+    CPython 3.11 and 3.12."""
+    kind = type(generator)
+    if not isinstance(generator, random.Random) or _raw_layout_ok.get(kind) is False:
+        return None
+    raw = ctypes.string_at(id(generator) + object.__basicsize__, MT_WORDS * 4 + 4)
+    if kind not in _raw_layout_ok:
+        internal = generator.getstate()[1]
+        words = internal[:MT_WORDS]
+        _raw_layout_ok[kind] = len(internal) == MT_WORDS + 1 and raw == (
+            int(internal[MT_WORDS]).to_bytes(4, sys.byteorder, signed=True) + array.array("I", words).tobytes())
+        return raw if _raw_layout_ok[kind] else None
+    return raw
+
+
+# --------------------------------------------------------------------------------------------------------------
 # transformers
 
 
@@ -251,6 +312,7 @@ def set_attn_implementation(config: Any, value: str) -> None:
 
 __all__ = ["attn_implementation", "compiled_original", "deterministic_setter", "dtensor_local_box", "foreach_copy",
            "foreach_max", "foreach_mul_", "foreach_neg_", "foreach_norm", "foreach_reciprocal_", "foreach_sqrt",
-           "foreach_sub_", "fsdp_mixed_precision", "grad_scaler_scale", "is_persistent_buffer", "op_schema",
-           "optimizer_honours_found_inf", "own_buffers", "put_buffer", "put_parameter", "set_attn_implementation",
-           "tensor_version", "zero_dp_group", "zero_fragment", "zero_linked"]
+           "foreach_sub_", "fsdp_mixed_precision", "grad_scaler_scale", "is_persistent_buffer",
+           "numpy_global_bit_generator", "numpy_mt19937_raw", "op_schema", "optimizer_honours_found_inf", "own_buffers",
+           "put_buffer", "put_parameter", "python_random_raw", "set_attn_implementation", "tensor_version",
+           "zero_dp_group", "zero_fragment", "zero_linked"]

@@ -309,7 +309,7 @@ def run_session(session: ReplaySession, options: ReplayOptions | None = None, pr
         if session.stream is not None:
             passes = expected_passes(session, bisect=options.bisect, rng_check=options.rng_check,
                                      fp32_check=options.fp32_check, remedies=options.remedies)
-            for line in session.stream.describe(passes):
+            for line in session.stream.describe(passes, len(session.micro_batches)):
                 _stage(progress, line)
         report = _stages(session, runner, options, progress, dump_info, history, started)
         if session.stream is not None:

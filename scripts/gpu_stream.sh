@@ -3,8 +3,8 @@
 # the FSDP2 bf16 Llama 7B dump as scripts/gpu_scale.sh's fsdp7b row makes it (2 ranks), then rank 1's step replayed on
 # cuda:0 three times, each in a fresh process: unconstrained, --gpu-memory 32GiB and 16GiB (the caching allocator
 # capped at the budget with torch.cuda.set_per_process_memory_fraction; peak = torch.cuda.max_memory_allocated).
-# Prints each replay's stages and the table (budget, peak, time, passes, K, block reads) and whether verdict and
-# sample agree. REMEDIES=1 / RNG=1 also run those stages (every row alike; longer than one call allows at 7B).
+# Prints each replay's stages, the table (budget, peak, time, passes, K, block reads, blocks cast instead of read,
+# blocks evicted for memory), whether verdict and sample agree, and the seconds per stage of each row. REMEDIES=1 / RNG=1 also run those stages (every row alike; longer than one call allows at 7B).
 # Usage (repo root, .whl carried): bash scripts/gpu_stream.sh OUTDIR      (SIZE=1b for a quicker check)
 set -uo pipefail
 out=${1:-/tmp/gpu_stream}; mkdir -p "$out"

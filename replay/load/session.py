@@ -224,7 +224,7 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
             built = build_model(recipe, on_meta=False)
             model = stream_weights(built, _weights(dump, device, plan, built), device, warnings)
         if plan is not None:
-            settle(plan, model)
+            settle(plan, model, parse_units(precision.get("fsdp")))
     param_dtype = _param_dtype(precision.get("param_dtype"), model)
 
     snapshot = None

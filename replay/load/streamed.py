@@ -22,6 +22,7 @@ from typing import Iterator
 import torch
 
 from forensics.errors import ReplayError
+from replay.load.fsdp_precision import FsdpUnit, parameter_units
 
 STATE_FACTOR = 2
 """A normal replay holds every weight and its gradient on the device at once (the 7B FSDP2 replay: 27 GB of
@@ -81,7 +82,18 @@ class StreamPlan:
     state_bytes: int
     """Weights and buffers of the whole model, as the factory builds them (the dump's dtypes once loaded)."""
     resident_blocks: int = 1
-    """K: at most this many blocks' weights are materialised at once (read-ahead counts as one of them)."""
+    """K: at most this many blocks' weights are materialised at once in the dtype the step computes in (read-ahead
+    counts as one of them); they stay on the device from one pass to the next (replay/run/stream_blocks.py)."""
+    room: int = 0
+    """Bytes for materialised blocks: what the budget leaves beside the resident part, its gradients and the
+    activations' share. One block's worth of it is kept for the gradients of the block whose backward runs."""
+    compute_bytes: int | None = None
+    """The largest block's bytes in the dtype the step computes in (FSDP2's param_dtype: bf16 blocks of fp32 master
+    weights take half their bytes in the dump); None: as in the dump."""
+    fp32_bytes: int = 0
+    """The largest block's bytes with its floating-point weights in fp32."""
+    fp32_blocks: int = 1
+    """K of the fp32 re-run (its blocks take fp32 bytes)."""
     read_ahead: bool = False
     """The next block is read while this one computes (K >= 2)."""
     read_seconds: float | None = None
@@ -96,6 +108,16 @@ class StreamPlan:
         return max((b.nbytes for b in self.blocks), default=0)
 
     @property
+    def materialised_bytes(self) -> int:
+        """A block's bytes as the normal passes materialise it."""
+        return self.compute_bytes if self.compute_bytes is not None else self.block_bytes
+
+    def blocks_fitting(self, block_bytes: int) -> int:
+        """How many blocks of `block_bytes` may be materialised at once (0: not one)."""
+        count = int(self.room // max(block_bytes, 1)) - 1 if self.room > 0 else 0
+        return max(0, min(count, len(self.blocks)))
+
+    @property
     def streamed_bytes(self) -> int:
         return sum(b.nbytes for b in self.blocks)
 
@@ -103,25 +125,41 @@ class StreamPlan:
         """The report's `stream` block."""
         return {"budget_bytes": self.budget, "reason": self.reason, "state_bytes": self.state_bytes,
                 "resident_bytes": self.resident_bytes, "blocks": len(self.blocks), "block_bytes": self.block_bytes,
-                "blocks_resident": self.resident_blocks, "read_ahead": self.read_ahead,
+                "blocks_resident": self.resident_blocks, "block_bytes_materialised": self.materialised_bytes,
+                "blocks_resident_fp32": self.fp32_blocks, "read_ahead": self.read_ahead,
                 "read_seconds": self.read_seconds}
 
-    def describe(self, expected_passes: int | None = None) -> list[str]:
+    def describe(self, expected_passes: int | None = None, micro_batches: int = 1) -> list[str]:
         """The plan in words, one line each."""
+        materialised = f" ({words(self.materialised_bytes)} each as the step computes)" \
+            if self.materialised_bytes != self.block_bytes else ""
         lines = [f"streamed replay: {self.reason}",
                  f"  state {words(self.state_bytes)}; budget {words(self.budget)}; resident outside the blocks "
                  f"{words(self.resident_bytes)}",
-                 f"  {len(self.blocks)} blocks of up to {words(self.block_bytes)}; at most {self.resident_blocks} "
-                 f"materialised at once ({'the next one read ahead' if self.read_ahead else 'no read-ahead'})"]
+                 f"  {len(self.blocks)} blocks of up to {words(self.block_bytes)} in the dump{materialised}; at most "
+                 f"{self.resident_blocks} materialised at once, kept from pass to pass "
+                 f"({'the next one read ahead' if self.read_ahead else 'no read-ahead'}; fp32 re-run: "
+                 f"{self.fp32_blocks})"]
         if expected_passes is not None:
-            per_pass = ""
-            if self.read_seconds is not None:
-                # a pass reads every block for the forward and again for the backward's recomputation
-                per_pass = f", about {2 * self.read_seconds:.1f} s of reads each (the load read the blocks in " \
-                           f"{self.read_seconds:.1f} s): about {expected_passes * 2 * self.read_seconds:.0f} s"
-            lines.append(f"  expected about {expected_passes} passes over the step{per_pass}")
+            reads = self.expected_reads(expected_passes, micro_batches)
+            per = ""
+            if self.read_seconds is not None and self.blocks:
+                per = f", up to {reads * self.read_seconds / len(self.blocks):.0f} s of reads (the load read the " \
+                      f"blocks in {self.read_seconds:.1f} s)"
+            lines.append(f"  expected about {expected_passes} passes over the step, up to about {reads} block "
+                         f"reads{per}")
         return lines
 
+    def expected_reads(self, passes: int, micro_batches: int = 1) -> int:
+        """Block reads of `passes` forward+backward passes: the first reads every block; then each micro-batch's
+        forward finds the first K blocks still materialised (the last backward's) and reads the others, and its
+        backward finds the last K (the forward's) and reads the others again: 2 (n - K) each. The fp32 re-run of a
+        step that computes in a lower precision reads every block once more."""
+        n, k = len(self.blocks), self.resident_blocks
+        fp32 = n if self.compute_bytes is not None else 0
+        if k >= n:
+            return n + fp32
+        return n + fp32 + (passes * max(1, micro_batches) * 2 - 1) * (n - k)
 
 def find_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """The children of the model's nn.ModuleList holding the most parameters (a transformer's layers).
@@ -179,27 +217,34 @@ def plan_streaming(model: torch.nn.Module, device: torch.device, budget: int | N
     streamed = {id(model.get_parameter(n)) for b in blocks for n in b.params}
     resident = state - sum(_nbytes(p) for p in model.parameters() if id(p) in streamed)
     plan = StreamPlan(budget=budget, reason=reason, blocks=blocks, resident_bytes=resident, state_bytes=state)
+    plan.fp32_bytes = max(_block_bytes(model, b, lambda p: torch.float32 if p.is_floating_point() else p.dtype)
+                          for b in blocks)
     fit_blocks(plan)
     return plan
 
 
 def fit_blocks(plan: StreamPlan) -> None:
-    """Sets K (resident_blocks) and read-ahead from the budget and the blocks' bytes (again once the load measured
-    the dump's own dtypes).
+    """Sets the room for blocks, K (resident_blocks, from the blocks' bytes in the dtype the step computes in; again
+    once the load measured the dump's own dtypes) and read-ahead.
+
+    The budget holds: the resident part and its gradients (STATE_FACTOR x), the activations' share, and K blocks'
+    weights plus one block's worth for the gradients of the block whose backward runs (they leave the device when it
+    is over: replay/run/stream_blocks.GradStore). The budget must hold one block in fp32 (the fp32 re-run).
 
     Raises:
         ReplayError: the resident part and one block do not fit.
     """
-    room = plan.budget * (1 - ACTIVATION_SHARE) - STATE_FACTOR * plan.resident_bytes
-    per_block = STATE_FACTOR * max(plan.block_bytes, 1)
-    count = int(room // per_block) if room > 0 else 0
-    if count < MIN_RESIDENT_BLOCKS:
-        least = (STATE_FACTOR * (plan.resident_bytes + plan.block_bytes)) / (1 - ACTIVATION_SHARE)
+    plan.room = int(plan.budget * (1 - ACTIVATION_SHARE) - STATE_FACTOR * plan.resident_bytes)
+    fp32 = max(plan.block_bytes, plan.fp32_bytes)
+    plan.fp32_blocks = plan.blocks_fitting(fp32)
+    count = min(plan.blocks_fitting(plan.materialised_bytes), len(plan.blocks))
+    if count < MIN_RESIDENT_BLOCKS or plan.fp32_blocks < MIN_RESIDENT_BLOCKS:
+        least = (STATE_FACTOR * (plan.resident_bytes + fp32)) / (1 - ACTIVATION_SHARE)
         raise ReplayError(f"a budget of {words(plan.budget)} cannot replay this model even streamed: the part outside "
-                          f"its blocks needs {words(plan.resident_bytes)} and one block {words(plan.block_bytes)}, "
+                          f"its blocks needs {words(plan.resident_bytes)} and one block {words(fp32)}, "
                           f"with their gradients and room for activations at least {words(least)}; give "
                           f"--gpu-memory {_rounded_up(least)} or more")
-    plan.resident_blocks = min(count, len(plan.blocks))
+    plan.resident_blocks = count
     plan.read_ahead = plan.resident_blocks >= 2
 
 
@@ -243,8 +288,17 @@ def keep_blocks_at_rest(tensors: Iterator[tuple[str, torch.Tensor]], plan: Strea
         plan.read_seconds = spent
 
 
-def settle(plan: StreamPlan, model: torch.nn.Module) -> None:
-    """Once the model is loaded: the plan's bytes as the dump's dtypes make them, K fitted to them again.
+def _block_bytes(model: torch.nn.Module, block: Block, dtype_of) -> int:
+    total = 0
+    for name in block.params:
+        param = model.get_parameter(name)
+        total += param.numel() * torch.empty((), dtype=dtype_of(param)).element_size()
+    return total
+
+
+def settle(plan: StreamPlan, model: torch.nn.Module, units: list[FsdpUnit] | None = None) -> None:
+    """Once the model is loaded: the plan's bytes as the dump's dtypes make them and as the step computes in them
+    (the job's FSDP2 param_dtype, `units`), K fitted to them again.
 
     Raises:
         ReplayError: the resident part and one block do not fit the budget.
@@ -257,6 +311,19 @@ def settle(plan: StreamPlan, model: torch.nn.Module) -> None:
             seen.add(id(tensor))
             resident += _nbytes(tensor)
     plan.resident_bytes, plan.state_bytes = resident, resident + plan.streamed_bytes
+    owner = parameter_units(model, units or [])
+
+    def computes_in(param: torch.Tensor) -> torch.dtype:
+        unit = owner.get(id(param))
+        if unit is not None and unit.param_dtype is not None and param.is_floating_point():
+            return unit.param_dtype
+        return param.dtype
+
+    if plan.blocks:
+        plan.fp32_bytes = max(_block_bytes(model, b, lambda p: torch.float32 if p.is_floating_point() else p.dtype)
+                              for b in plan.blocks)
+        computed = max(_block_bytes(model, b, computes_in) for b in plan.blocks)
+        plan.compute_bytes = computed if computed != plan.block_bytes else None
     fit_blocks(plan)
 
 

@@ -28,7 +28,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from forensics.errors import DumpCorruptError
-from replay.load.streamed import StreamPlan, at_rest
+from replay.load.streamed import ACTIVATION_SHARE, StreamPlan, at_rest
 from replay.run.execute import any_nonfinite
 from replay.run.read_ahead import BlockReader
 
@@ -46,7 +46,15 @@ class BlockStreamer:
         self.block_of = {n: i for i, b in enumerate(plan.blocks) for n in b.params}
         self.rest = {n: at_rest(p) for n, p in self.params.items()}
         self.capacity = plan.resident_blocks
+        """K for the dtypes of the pass that runs (the plan's K; fewer in the fp32 re-run, whose blocks are larger)."""
         self.cache: OrderedDict[int, tuple[tuple, dict[str, torch.Tensor]]] = OrderedDict()
+        self._sizes: dict[tuple, int] = {}
+        self._incoming = plan.materialised_bytes
+        self.casts = 0
+        """Blocks cast on the device from their materialised dump values instead of read again (`_derive`)."""
+        self.memory_evictions = 0
+        """Blocks evicted because the device's allocated bytes came near the budget (CUDA; the plan's estimate
+        was short)."""
         self.reader = BlockReader(read, device, plan.read_ahead)
         self.peak = 0
         """Most blocks materialised at once (cached + being read ahead): never above `capacity`."""
@@ -102,17 +110,33 @@ class BlockStreamer:
             return torch.float32
         return self.unit_dtype.get(name, rest)
 
+    def _fit(self, index: int, key: tuple) -> None:
+        """K from the bytes block `index` takes in the dtypes `key` (the dtypes change between passes: fp32 re-run)."""
+        size = self._sizes.get(key)
+        if size is None:
+            size = sum(self.rest[n].numel() * torch.empty((), dtype=d).element_size()
+                       for n, d in zip(self.plan.blocks[index].params, key))
+            self._sizes[key] = size
+        capacity = self.plan.blocks_fitting(size) if self.plan.room > 0 else self.plan.resident_blocks
+        self.capacity = max(1, capacity)
+        self._incoming = size
+
     def acquire(self, index: int) -> None:
-        """Block `index`'s weights materialised in its parameters (read from the dump unless still cached)."""
+        """Block `index`'s weights materialised in its parameters (read from the dump unless still cached, in the
+        dtypes the pass computes in: blocks stay materialised from one pass to the next, up to K)."""
         key = self._dtypes(index)
+        self._fit(index, key)
         hit = self.cache.get(index)
         if hit is not None and hit[0] == key:
             if not self.scan_only:  # a scan keeps the order blocks came in: the first ones stay (_make_room)
                 self.cache.move_to_end(index)
         else:
+            derived = self._derive(index, hit[1], key) if hit is not None else None
             if hit is not None:
                 self._evict(index)
-            tensors = self.reader.take(index, key)  # read ahead already, or None
+            if derived is not None and self.reader.pending is not None and self.reader.pending[0] == index:
+                self.reader.cancel()
+            tensors = derived if derived is not None else self.reader.take(index, key)  # read ahead, or None
             if tensors is None:
                 self.reader.cancel()
                 self._make_room(1, keep=None)
@@ -123,6 +147,16 @@ class BlockStreamer:
             for name, tensor in tensors.items():
                 self.params[name].data = tensor
         self._read_ahead(index)
+
+    def _derive(self, index: int, held: dict[str, torch.Tensor], key: tuple) -> dict[str, torch.Tensor] | None:
+        """Block `index` in the dtypes `key`, cast on the device from its materialised tensors when they hold the
+        dump's values exactly (the dump's own dtypes: the fp32 re-run's blocks of an fp32 dump serve the bf16 passes
+        after it without a read); None otherwise."""
+        names = self.plan.blocks[index].params
+        if any(held[n].dtype != self.rest[n].dtype for n in names):
+            return None
+        self.casts += 1
+        return {n: held[n] if held[n].dtype == d else held[n].to(d) for n, d in zip(names, key)}
 
     def _names(self, index: int, key: tuple) -> dict[str, torch.dtype]:
         return dict(zip(self.plan.blocks[index].params, key))
@@ -152,13 +186,29 @@ class BlockStreamer:
         """Evicts blocks (never `keep`) until `slots` more fit beside the cache and the read-ahead: the least recently
         used when a backward follows (it runs the blocks in reverse: the forward's last ones are its first), else the
         most recently used (a forward-only pass scans the blocks in order, again for the next micro-batch and pass:
-        the first ones stay)."""
-        while self.cache and len(self.cache) + slots + (1 if self.reader.pending is not None else 0) > self.capacity:
+        the first ones stay). On a GPU also while the allocated bytes, the incoming block and its gradients would
+        pass the budget less half the activations' share (the plan's estimate was short: evicted for memory)."""
+        freed = 0
+        while self.cache:
+            over = len(self.cache) + slots + (1 if self.reader.pending is not None else 0) > self.capacity
+            short = not over and self._short_of_memory(slots, freed)
+            if not (over or short):
+                break
             order = reversed(self.cache) if self.scan_only else iter(self.cache)
             victim = next((i for i in order if i != keep), None)
             if victim is None:
                 break
+            freed += sum(t.numel() * t.element_size() for t in self.cache[victim][1].values())
+            self.memory_evictions += int(short)
             self._evict(victim)
+
+    def _short_of_memory(self, slots: int, freed: int) -> bool:
+        """The allocator's bytes less those just evicted (a block used on two streams is freed only once its
+        last use is done: the allocator's count lags), the incoming block and its gradients pass the limit."""
+        if self.device.type != "cuda" or self.plan.room <= 0:
+            return False
+        limit = self.plan.budget * (1 - ACTIVATION_SHARE / 2)
+        return torch.cuda.memory_allocated(self.device) - freed + (slots + 1) * self._incoming > limit
 
     def _evict(self, index: int) -> None:
         self.cache.pop(index, None)
@@ -190,6 +240,7 @@ class BlockStreamer:
             held = self.grads.pop(name)
             if held is not None:
                 grad = held.to(grad.device) + grad  # the accumulation autograd does into .grad, in its dtype
+                self.grads.recycle(held)  # the copy above is synchronous (non_blocking=False)
             if self.final:
                 self._finish(name, grad)
             else:
@@ -199,8 +250,10 @@ class BlockStreamer:
         """Gradients still accumulating when the pass stopped early (an exception, anomaly mode's error)."""
         for name in list(self.grads.names()):
             if name not in self.norms:
-                grad = self.grads.pop(name)
-                self._finish(name, grad.to(self.device))
+                held = self.grads.pop(name)
+                grad = held.to(self.device, copy=True)
+                self.grads.recycle(held)
+                self._finish(name, grad)
 
     def _finish(self, name: str, grad: torch.Tensor) -> None:
         rest = self.rest[name].dtype
@@ -218,11 +271,15 @@ class BlockStreamer:
 
 
 class GradStore:
-    """Gradients off the device: accumulating across micro-batches, or kept for the optimizer check. Large ones
-    live in files of a temporary directory mapped into memory (the page cache holds them, the kernel may write them
-    out), small ones in ordinary memory."""
+    """Gradients off the device: accumulating across micro-batches, or kept for the optimizer check. Those of a
+    CUDA device go to pinned host memory up to `pinned_limit` (copies at the bus's speed: a 7B model's bf16 gradients,
+    12.4 GB, cross twice in each pass of two micro-batches), then, like large ones of the CPU, to files of a temporary
+    directory mapped into memory (the page cache holds them, the kernel may write them out); small ones live in
+    ordinary memory. Buffers are reused from one micro-batch and pass to the next."""
 
     FILE_MIN = 1 << 20
+    PINNED_MAX = 16 << 30
+    """Pinned bytes at most (and at most an eighth of the host's memory)."""
 
     def __init__(self, directory: str | None = None):
         self._directory = directory
@@ -230,9 +287,26 @@ class GradStore:
         self._held: dict[str, torch.Tensor] = {}
         self.kept: set[str] = set()
         self._count = 0
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+        self._pinned = 0
+        try:
+            host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            host = 0
+        self.pinned_limit = min(self.PINNED_MAX, host // 8)
+        """Host buffers no longer held, by shape and dtype, for the next micro-batch or pass (at most what one pass
+        held at once): faulting a pass's worth of fresh mapped pages in costs more than the copies."""
 
     def _host(self, like: torch.Tensor) -> torch.Tensor:
+        for pinned in (True, False) if like.device.type == "cuda" else (False,):
+            free = self._free.get((tuple(like.shape), like.dtype, pinned))
+            if free:  # its pages are mapped (or pinned) already: a pass after the first maps no new ones
+                return free.pop()
         nbytes = like.numel() * like.element_size()
+        if like.device.type == "cuda" and self._pinned + nbytes <= self.pinned_limit:
+            self._pinned += nbytes
+            with torch.cuda.device(like.device):  # pinned for the gradient's device, not a context made on cuda:0
+                return torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
         if nbytes < self.FILE_MIN:
             return torch.empty(like.shape, dtype=like.dtype)
         if self._dir is None:
@@ -252,8 +326,13 @@ class GradStore:
             self.kept.add(name)
 
     def pop(self, name: str) -> torch.Tensor | None:
+        """The gradient held for `name` (the caller hands it back with `recycle` once copied)."""
         self.kept.discard(name)
         return self._held.pop(name, None)
+
+    def recycle(self, host: torch.Tensor) -> None:
+        """A buffer `pop` returned, its contents used: for the next `put` of its shape and dtype."""
+        self._free.setdefault((tuple(host.shape), host.dtype, host.is_pinned()), []).append(host)
 
     def get(self, name: str) -> torch.Tensor | None:
         return self._held.get(name)
@@ -262,11 +341,15 @@ class GradStore:
         return list(self._held)
 
     def clear(self) -> None:
+        for host in self._held.values():
+            self.recycle(host)
         self._held.clear()
         self.kept.clear()
 
     def close(self) -> None:
         self.clear()
+        self._free.clear()
+        self._pinned = 0
         if self._dir is not None:
             shutil.rmtree(self._dir, True)
             self._dir = None

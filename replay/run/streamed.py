@@ -237,7 +237,8 @@ class StreamedStepRunner(StepRunner):
     def stream_report(self) -> dict:
         """The report's `stream` block: the plan and what the replay did with it."""
         return {**self.plan.as_dict(), "peak_blocks_materialised": self.streamer.peak,
-                "block_reads": self.streamer.reader.reads, "read_ahead_used": self.streamer.reader.hits}
+                "block_reads": self.streamer.reader.reads, "read_ahead_used": self.streamer.reader.hits,
+                "blocks_cast_not_read": self.streamer.casts, "evicted_for_memory": self.streamer.memory_evictions}
 
 
 def runner_for(session: ReplaySession) -> StepRunner:

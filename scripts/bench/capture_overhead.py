@@ -6,6 +6,21 @@ Modes: plain, logged (loss.item() each step), synced (a NaN check by hand), guar
 its flight recorder, GuardConfig(window_steps=0)), guarded (the default Guard) and guarded_sync_free (GuardConfig(sync_free=True): no sync in check(); needs the fused AdamW used on CUDA, on CPU
 it falls back to the synchronous check with a warning).
 Usage: python scripts/bench/capture_overhead.py [--rounds 6] [--steps 10]
+
+The two configurations of issue 32 (`--config`), each printing a ratio table (plain, guarded and guarded with
+precursors; each mode its own copy of the model and optimizer, so no Guard's hooks sit on another mode's model;
+interleaved rounds whose mode order rotates, medians of rounds; the Guard's own host time per step beside them):
+  nanogpt: GPT-2 small (124M, dropout 0, nanoGPT's pre-training setting), torch.compile, bf16 autocast, 4 micro-batches
+           x 12 x 1024 tokens, fused AdamW, clip_grad_norm_, check(grad_norm=...):
+      python -m scripts.bench.capture_overhead --config nanogpt [--rounds 6 --steps 10]
+  fsdp2:   FSDP2 (fully_shard per layer, bf16 compute / fp32 reduce) Llama of 1.47 B parameters (hidden 2048, 26
+           layers, SwiGLU 5632, vocabulary 32000), AdamW (fused on CUDA), 2 micro-batches x 2 x 1024 tokens per rank:
+      torchrun --nproc_per_node=2 -m scripts.bench.capture_overhead --config fsdp2 [--rounds 6 --steps 10]
+  host:    the host time a guarded step adds on the CPU, 12 x Linear(256), AdamW, one thread, plain and guarded
+           interleaved (15 rounds x 20 steps unless --rounds / --steps say otherwise), and the time inside the Guard:
+      python -m scripts.bench.capture_overhead --config host [--micro 4]
+`--tiny` shrinks either to a CPU-sized model (a check that the script runs: `--no-compile` on a machine without a
+compiler for inductor).
 """
 
 from __future__ import annotations
@@ -24,7 +39,21 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--config", choices=("short", "nanogpt", "fsdp2", "host"), default="short",
+                        help="short: the modes below on 2 x 4 x 1024 tokens; nanogpt / fsdp2: issue 32's two steps; "
+                             "host: the host time a guarded step adds on the CPU (12 x Linear(256))")
+    parser.add_argument("--micro", type=int, default=1, help="host: micro-batches per step")
+    parser.add_argument("--tiny", action="store_true", help="a CPU-sized model (checks that the script runs)")
+    parser.add_argument("--no-compile", action="store_true", help="nanogpt without torch.compile")
     args = parser.parse_args()
+    if args.config == "host":
+        from scripts.bench.step_ratios import host_cost
+        host_cost(15 if args.rounds == 6 else args.rounds, 20 if args.steps == 10 else args.steps, args.micro)
+        return
+    if args.config != "short":
+        from scripts.bench.step_ratios import run_config
+        run_config(args.config, args.rounds, args.steps, tiny=args.tiny, compile_model=not args.no_compile)
+        return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     size, batch, seq = ("small", 4, 1024) if device == "cuda" else ("tiny", 4, 128)
     micro = 2  # 2 x 4 = 8 sequences per optimizer step

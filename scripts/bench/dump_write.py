@@ -4,10 +4,15 @@ Every writer writes the same bytes-worth of state to the same directory in one p
 order rotates (a writer that follows another's 1.5 GB meets a busier disk: on a VM the host's write cache):
 `raw` (os.write of the state's own bytes from host memory into one file + fsync: the disk's limit for these
 bytes; each writer's file is removed after its timing), `dd` (`dd if=/dev/zero bs=64M conv=fsync` of the same size, where dd exists), `torch.save` (+ fsync)
-and the forensics dump (`write_dump`: the dump stall of a fatal trigger on this rank). Also measures sha256 on
-one core and on every core, and the training stall of a non-fatal (spike) dump: the time `Guard.check` takes
-to return when the dump is copied and written by the background thread.
-Usage: python -m scripts.bench.dump_write [--dir /tmp] [--rounds 3] [--params 125] [--device cuda:0] [--json OUT]
+the forensics dump (`write_dump` of the collected state) and `guard.check`: the path a job takes, a Guard's check()
+that dumps the same state (a non-finite loss, policy 'continue', so the write is synchronous: the stall a job sees,
+manifest, flight recorder, re-check and all). Also measures sha256 on one core and on every core, and the training
+stall of a non-fatal (spike) dump: the time `Guard.check` takes to return when the dump is copied and written by the
+background thread.
+`--busy N` starts N processes that keep a core busy each (a data loader's workers, another job) for the whole
+measurement, the writers' competition on a small machine; they are stopped at the end.
+Usage: python -m scripts.bench.dump_write [--dir /tmp] [--rounds 3] [--params 125] [--device cuda:0] [--busy N]
+       [--json OUT]
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -56,8 +62,19 @@ def main() -> None:
     parser.add_argument("--params", type=int, default=125, help="millions of parameters (125 -> ~1.5 GB)")
     parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu",
                         help="where the state lives (cuda:N on a GPU machine)")
+    parser.add_argument("--busy", type=int, default=0, help="processes that keep a core busy each meanwhile")
     parser.add_argument("--json", help="also write the results as JSON to this file")
     args = parser.parse_args()
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    try:
+        run(args)
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
+
+
+def run(args: argparse.Namespace) -> None:
     device = args.device
     if device.startswith("cuda"):
         device = str(torch.device(device) if ":" in device else torch.device("cuda", torch.cuda.current_device()))
@@ -108,7 +125,18 @@ def main() -> None:
                               micro_batches=[], history={})
         removals.append(write_dump(content, work).parent.parent)
 
-    writers = {"raw": raw_write, "torch.save": torch_save, "forensics": forensics_dump}
+    check_guard = Guard(model, optimizer, config=GuardConfig(dump_dir=work, run_id="check", on_nonfinite="continue",
+                                                             max_dumps=1 << 20), loss_fn=mlp_loss)
+    x = torch.randn(2, width, device=device)
+    guarded_steps = iter(range(1 << 20))
+
+    def guard_check():  # what a job sees: check() returns once its dump is written
+        check_guard.record_batch({"x": x, "sample_ids": [0, 1]})
+        check_guard.record_loss(torch.tensor(float("nan"), device=device))
+        check_guard.check(grad_norm=torch.tensor(1.0, device=device), step=next(guarded_steps))
+        removals.append(os.path.join(work, "check"))
+
+    writers = {"raw": raw_write, "torch.save": torch_save, "forensics": forensics_dump, "guard.check": guard_check}
     if shutil.which("dd"):
         writers["dd"] = dd_write
     results: dict[str, list[float]] = {name: [] for name in writers}
@@ -153,6 +181,10 @@ def main() -> None:
         "gb_s": {name: round(gb / t, 3) for name, t in times.items()},
         "stall_vs_raw": round(times["forensics"] / times["raw"], 3),
         "stall_vs_raw_per_round": [round(f / r, 3) for f, r in zip(results["forensics"], results["raw"])],
+        "check_vs_raw": round(times["guard.check"] / times["raw"], 3),
+        "check_vs_raw_per_round": [round(f / r, 3) for f, r in zip(results["guard.check"], results["raw"])],
+        "check_vs_dd": round(times["guard.check"] / times["dd"], 3) if "dd" in times else None,
+        "busy_processes": args.busy,
         "load_average": [round(load, 2) for load in os.getloadavg()],
         "stall_vs_dd": round(times["forensics"] / times["dd"], 3) if "dd" in times else None,
         "forensics_vs_torch_save": round(times["torch.save"] / times["forensics"], 3),
@@ -167,12 +199,19 @@ def main() -> None:
     print(f"dump stall / raw write of the same bytes: {summary['stall_vs_raw']:.2f} (dd: {summary['stall_vs_dd']}); "
           f"forensics vs torch.save: {summary['forensics_vs_torch_save']:.2f}x faster")
     print(f"dump / raw per round: {summary['stall_vs_raw_per_round']}; load average {summary['load_average']}")
+    print(f"Guard check() that dumps / raw: {summary['check_vs_raw']:.2f} (dd: {summary['check_vs_dd']}); per round "
+          f"{summary['check_vs_raw_per_round']}; {args.busy} busy processes beside the writer")
     print(f"spike dump training stall: {stall:.3f} s; background write finished {background:.2f} s later; "
           f"dumps written: {len(stall_guard.dumps)}")
     print(json.dumps(summary))
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(summary, handle, indent=1)
+
+
+def mlp_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """The loss the Guard's in-job re-check recomputes for the bench's MLP."""
+    return model(batch["x"]).float().pow(2).mean()
 
 
 def sha256_speeds() -> dict[str, float]:

@@ -60,6 +60,31 @@ def run_one(dump: str, device: str, rank: str, budget: str, remedies: bool, rng:
     return json.loads(line[len("RESULT "):])
 
 
+def stage_times(row: dict) -> dict[str, float]:
+    """{stage: seconds} of one row: from each stage's progress line to the next one's (the plan's lines, printed
+    before the first pass, fold into the stage before them; the last stage runs to the end of the replay)."""
+    marks = [(at, message) for at, message in row["stages"] if not message.startswith(("  ", "streamed replay"))]
+    out: dict[str, float] = {}
+    for (at, message), (end, _) in zip(marks, marks[1:] + [(row["replay_s"], "")]):
+        name = message.split(" (")[0].split(" on ")[0].split(" /")[0]
+        name = "loading model and step" if name.startswith("loading model") else name
+        name = "bisecting samples" if name.startswith("bisecting") else name
+        out[name] = round(out.get(name, 0.0) + end - at, 2)
+    return out
+
+
+def print_stage_times(rows: list[dict]) -> None:
+    """Seconds per stage, one column per budget."""
+    if not rows:
+        return
+    times = [stage_times(r) for r in rows]
+    stages = list(dict.fromkeys(name for t in times for name in t))
+    print("\n| stage (s) | " + " | ".join(r["budget"] for r in rows) + " |")
+    print("|---|" + "---|" * len(rows))
+    for stage in stages:
+        print(f"| {stage} | " + " | ".join(f"{t[stage]:.2f}" if stage in t else "-" for t in times) + " |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dump", required=True, help="the step (or rank) directory to replay")
@@ -80,16 +105,17 @@ def main() -> int:
         for at, message in row["stages"]:
             print(f"  [{budget} +{at:7.2f}s] {message}", flush=True)
     print("\n| budget | GPU peak (GiB) | replay to verdict (s) | passes | blocks at once (K) / of | block reads | "
-          "read ahead used | verdict | culprits |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "read ahead used | cast, not read | evicted for memory | verdict | culprits |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         if "error" in row:
-            print(f"| {row['budget']} | failed | | | | | | | |")
+            print(f"| {row['budget']} | failed | | | | | | | | | |")
             continue
         stream = row.get("stream") or {}
         k = f"{stream.get('blocks_resident')} / {stream.get('blocks')}" if stream else "all"
         print(f"| {row['budget']} | {row['gpu_peak_gib']} | {row['replay_s']} | {row['passes']} | {k} | "
-              f"{stream.get('block_reads', '-')} | {stream.get('read_ahead_used', '-')} | {row['verdict']} | "
+              f"{stream.get('block_reads', '-')} | {stream.get('read_ahead_used', '-')} | "
+              f"{stream.get('blocks_cast_not_read', '-')} | {stream.get('evicted_for_memory', '-')} | {row['verdict']} | "
               f"{row['culprits']} |")
     good = [r for r in rows if "error" not in r]
     same = bool(good) and len(good) == len(rows) and all(
@@ -100,6 +126,7 @@ def main() -> int:
             print(f"{row['budget']}: {row['replay_s'] / base:.2f} x the unconstrained replay's time "
                   f"(goal <= 3), peak {row['gpu_peak_gib']} GiB")
     print(f"same verdict and culprits in every row: {same}")
+    print_stage_times(good)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(rows, handle, indent=1)

@@ -120,3 +120,27 @@ def test_indexed_dataset_attaches_dataset_indices_as_sample_ids():
     assert IndexedDataset(data, key="idx")[3]["idx"] == 3
     with pytest.raises(TypeError, match="sample_ids= to Guard.record_batch"):
         IndexedDataset([1, 2])[0]
+
+
+def test_the_kept_sorted_window_gives_the_thresholds_of_a_full_recomputation():
+    """The window is kept sorted and its MAD taken only above the lowest possible threshold: the verdicts, the
+    suppressed warm-up values and the thresholds are those of statistics.median over the whole window."""
+    import random
+    import statistics
+
+    def reference(values: list[float], config: SpikeConfig) -> float:
+        median = statistics.median(values)
+        robust = median + config.mad_factor * MAD_TO_SIGMA * statistics.median(abs(v - median) for v in values)
+        return max(robust, median * config.min_ratio) if median > 0 else robust
+
+    rng = random.Random(0)
+    for window, draw in ((8, lambda: rng.gauss(2, 0.3)), (9, lambda: float(rng.randint(-2, 3))),
+                         (16, lambda: rng.choice([1.0, 1.1, 50.0, -3.0, 1e-30]))):
+        d = detector(window=window, warmup=4, min_ratio=1.5)
+        values: list[float] = []
+        for _ in range(200):
+            value = draw()
+            limit = reference(values, d.config) if len(values) >= 4 else None
+            assert d.threshold() == limit
+            assert d.observe(value) == (limit if limit is not None and value > limit else None)
+            values = (values + [value])[-window:]

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import torch
 
-from forensics.rng import RngState, capture_rng, restore_rng
+from forensics.rng import RngCapture, RngState, capture_rng, restore_rng
 
 
 def _draw() -> tuple:
@@ -60,3 +60,30 @@ def test_restore_with_device_mapping_is_harmless_without_cuda():
     expected = torch.rand(3)
     restore_rng(state, source_device=3, target_device=0)
     assert torch.equal(torch.rand(3), expected)
+
+
+def _equal_states(a: RngState, b: RngState) -> bool:
+    return (a.python == b.python and torch.equal(a.torch_cpu, b.torch_cpu) and a.numpy[0] == b.numpy[0]
+            and np.array_equal(a.numpy[1], b.numpy[1]) and a.numpy[2:] == b.numpy[2:])
+
+
+def test_the_hot_path_capture_shares_unchanged_states_and_equals_a_full_capture_after_any_draw():
+    """RngCapture (the Guard's record_batch) copies the Python / numpy states only when a generator drew: what it
+    returns is always what capture_rng returns, cached Gaussians included (a draw that consumes one leaves the
+    generator's raw bytes as they were)."""
+    capture = RngCapture()
+    random.seed(1)
+    np.random.seed(1)
+    first, second = capture(), capture()
+    assert second.python is first.python and second.numpy is first.numpy  # nothing drew: shared, not copied
+    draws = [lambda: random.random(), lambda: random.gauss(0, 1), lambda: np.random.rand(),
+             lambda: np.random.standard_normal(), lambda: torch.rand(1), lambda: None]
+    for draw in draws * 3:  # a cached Gaussian made, then consumed (no raw change), for each generator
+        draw()
+        assert _equal_states(capture(), capture_rng()), draw
+    random.gauss(0, 1)
+    np.random.standard_normal()  # a Gaussian cached in each; consumed below without a raw change
+    state = capture()
+    expected = _draw()
+    restore_rng(state)
+    assert _same(_draw(), expected)

@@ -207,3 +207,28 @@ def test_attn_implementation_is_what_a_transformers_model_is_built_with():
     assert thirdparty.attn_implementation(config) == "eager"
     model = transformers.GPT2LMHeadModel(config)
     assert thirdparty.attn_implementation(model.config) == "eager"
+
+
+def test_raw_rng_states_match_the_public_ones_and_change_with_every_draw():
+    """The raw bytes RngCapture compares (a byte compare instead of a state copy) are the generators' states: equal
+    to what getstate()/get_state() say, and different after any draw."""
+    import random
+    import sys
+
+    import numpy as np
+
+    generator = random.Random(3)
+    raw = thirdparty.python_random_raw(generator)
+    assert raw is not None and len(raw) == 2500
+    internal = generator.getstate()[1]
+    assert raw[:4] == internal[-1].to_bytes(4, sys.byteorder) and raw[4:8] == internal[0].to_bytes(4, sys.byteorder)
+    generator.random()
+    assert thirdparty.python_random_raw(generator) != raw
+    bit_generator = thirdparty.numpy_global_bit_generator()
+    np.random.seed(3)
+    raw = thirdparty.numpy_mt19937_raw(bit_generator)
+    state = np.random.get_state()
+    assert raw is not None and raw[:2496] == state[1].astype("=u4").tobytes()
+    np.random.rand()
+    assert thirdparty.numpy_mt19937_raw(bit_generator) != raw
+    assert thirdparty.numpy_mt19937_raw(np.random.PCG64()) is None  # another bit generator: no raw read

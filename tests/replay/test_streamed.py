@@ -89,10 +89,20 @@ def test_demo_dumps_streamed_far_below_their_state(tmp_path):
         options = dict(device="cpu", remedies=False, rng_check=False, max_per_sample=2)
         normal = run_replay(captured.dump_path, ReplayOptions(**options))
         state = normal_state(captured.dump_path)  # a normal replay wants ~2.7x this (weights, grads, activations)
-        streamed = run_replay(captured.dump_path, ReplayOptions(**options, gpu_memory=2 * state))
+        with pytest.raises(ReplayError) as small:  # the error names the least budget that replays it: that one
+            run_replay(captured.dump_path, ReplayOptions(**options, gpu_memory=state // 2))
+        least = parse_bytes(small.value.args[0].split("--gpu-memory ")[1].split()[0])
+        assert least < 2 * state
+        streamed = run_replay(captured.dump_path, ReplayOptions(**options, gpu_memory=least))
         assert streamed["stream"]["blocks_resident"] < streamed["stream"]["blocks"]
         _same_report(normal, streamed)
         assert streamed["verdict"]["kind"] == captured.expected.verdict
+        if name == "bad_sample":
+            # a budget that holds every block but not the normal replay: each block read once for all the passes
+            cached = run_replay(captured.dump_path, ReplayOptions(**options, gpu_memory=2 * state))
+            assert cached["stream"]["blocks_resident"] == cached["stream"]["blocks"]
+            assert cached["stream"]["block_reads"] == cached["stream"]["blocks"]
+            _same_report(normal, cached)
 
 
 def normal_state(path) -> int:

@@ -1,0 +1,235 @@
+"""Issue 32's two step configurations for scripts/bench/capture_overhead.py: plain vs guarded vs guarded with precursors.
+
+Each mode trains its own copy of the model with its own optimizer (the same initial weights and batches), so no
+Guard's hooks sit on another mode's model and a compiled model never recompiles between modes. Rounds interleave
+the modes (the order rotates each round: no mode always follows the same one); each round times `steps` steps of
+each mode after a device sync; the table shows the median over rounds of each mode's step time, its ratio to
+plain (the median of per-round ratios, paired within a round, so drift between rounds cancels), the spread of
+plain between rounds, and the wall time per step spent inside the Guard's calls (record_batch + record_loss + check;
+check() includes its one read, i.e. waiting for the backward to finish on a GPU, and with several ranks the
+agreement all-reduce: on a GPU this column is mostly that wait, not the Guard's own work). Under torchrun every rank runs the same and
+rank 0 prints (the step time is the slowest rank's: each step ends in the optimizer's collectives).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+import time
+
+import torch
+
+from capture import Guard, GuardConfig, PrecursorConfig
+from scripts.bench.common import machine, median, sync
+
+MODES = ("plain", "guarded", "precursors")
+LLAMA_1B47 = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=26, num_attention_heads=16,
+                  num_key_value_heads=16, vocab_size=32000)  # 1.467 B parameters
+LLAMA_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, vocab_size=512)
+
+
+class Timed:
+    """Host seconds spent inside the Guard's calls."""
+
+    def __init__(self, guard: Guard):
+        self.guard, self.seconds = guard, 0.0
+
+    def __call__(self, method: str, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return getattr(self.guard, method)(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
+def nanogpt(tiny: bool, device: torch.device, compile_model: bool):
+    """GPT-2 small as nanoGPT pre-trains it (dropout 0), 4 micro-batches x 12 x 1024 tokens; or a tiny stand-in."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    size = dict(n_layer=2, n_embd=64, n_head=2, n_positions=64, vocab_size=512) if tiny else \
+        dict(n_layer=12, n_embd=768, n_head=12, n_positions=1024, vocab_size=50304)  # nanoGPT's padded vocabulary
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(**size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).to(device)
+    micro, batch, seq = (4, 2, 64) if tiny else (4, 12, 1024)
+    data = [torch.randint(0, size["vocab_size"], (batch, seq), device=device) for _ in range(micro)]
+
+    def make():
+        m = copy.deepcopy(model)
+        optimizer = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=device.type == "cuda")
+        return (torch.compile(m) if compile_model else m), optimizer
+
+    def loss_of(m, ids):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            return m(input_ids=ids, labels=ids).loss
+
+    words = (f"GPT-2 {'tiny' if tiny else 'small (124M)'}, {'torch.compile, ' if compile_model else ''}bf16 autocast, "
+             f"{micro} micro-batches x {batch} x {seq} tokens, AdamW{' (fused)' if device.type == 'cuda' else ''}, "
+             "clip_grad_norm_, check(grad_norm=...)")
+    return make, data, loss_of, words
+
+
+def fsdp2_llama(tiny: bool, device: torch.device):
+    """A Llama of 1.47 B parameters (or a tiny one) sharded by FSDP2 over every rank, bf16 compute / fp32 reduce."""
+    import transformers
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    config = transformers.LlamaConfig(**(LLAMA_TINY if tiny else LLAMA_1B47), max_position_embeddings=1024)
+    micro, batch, seq = (2, 2, 32) if tiny else (2, 2, 1024)
+    rank = torch.distributed.get_rank()
+    generator = torch.Generator(device="cpu").manual_seed(1 + rank)  # each rank its own data
+    data = [torch.randint(0, config.vocab_size, (batch, seq), generator=generator).to(device) for _ in range(micro)]
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+    def make():
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = transformers.LlamaForCausalLM(config)
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+
+    def loss_of(m, ids):
+        return m(input_ids=ids, labels=ids).loss
+
+    params = sum(p.numel() for p in transformers.LlamaForCausalLM(config).parameters()) if tiny else 1_467_000_000
+    words = (f"FSDP2 bf16 Llama {params / 1e9:.3g} B, {torch.distributed.get_world_size()} ranks, {micro} micro-batches x "
+             f"{batch} x {seq} tokens per rank, AdamW{' (fused)' if device.type == 'cuda' else ''}, clip_grad_norm_, "
+             "check(grad_norm=...)")
+    return make, data, loss_of, words
+
+
+def run_config(config: str, rounds: int, steps: int, tiny: bool = False, compile_model: bool = True) -> None:
+    distributed = config == "fsdp2"
+    if distributed:
+        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    make, data, loss_of, words = fsdp2_llama(tiny, device) if distributed else nanogpt(tiny, device, compile_model)
+    dump_dir = tempfile.mkdtemp(prefix="fx-overhead-")
+    runs = {}
+    for mode in MODES:
+        model, optimizer = make()
+        guard = None if mode == "plain" else Guard(model, optimizer, config=GuardConfig(
+            dump_dir=dump_dir, run_id=mode, on_nonfinite="continue",
+            precursors=PrecursorConfig() if mode == "precursors" else None))
+        runs[mode] = (model, optimizer, Timed(guard) if guard is not None else None)
+
+    def step(mode: str) -> None:
+        model, optimizer, timed = runs[mode]
+        for ids in data:
+            if timed:
+                timed("record_batch", {"input_ids": ids})
+            loss = loss_of(model, ids)
+            if timed:
+                timed("record_loss", loss)
+            (loss / len(data)).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if timed is None or timed("check", grad_norm=norm):
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for mode in MODES:  # compile, allocator, the detectors' warm-up (32 steps), a few precursor samples
+        for _ in range(40 if not tiny else 34):
+            step(mode)
+    sync(str(device))
+    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    host: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for index in range(rounds):
+        for mode in MODES[index % len(MODES):] + MODES[:index % len(MODES)]:
+            timed = runs[mode][2]
+            before = timed.seconds if timed else 0.0
+            sync(str(device))
+            start = time.perf_counter()
+            for _ in range(steps):
+                step(mode)
+            sync(str(device))
+            times[mode].append((time.perf_counter() - start) / steps)
+            host[mode].append(((timed.seconds - before) / steps) if timed else 0.0)
+    if distributed:  # a step is as long as its slowest rank
+        table = torch.tensor([times[m] for m in MODES], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(table, op=torch.distributed.ReduceOp.MAX)
+        times = {m: table[i].tolist() for i, m in enumerate(MODES)}
+    for mode in MODES[1:]:
+        runs[mode][2].guard.close()
+    if not distributed or torch.distributed.get_rank() == 0:
+        report(config, words, device, rounds, steps, times, host)
+    if distributed:
+        torch.distributed.destroy_process_group()
+
+
+def report(config: str, words: str, device: torch.device, rounds: int, steps: int, times: dict, host: dict) -> None:
+    plain = times["plain"]
+    spread = (max(plain) - min(plain)) / median(plain)
+    print(f"machine: {machine()}")
+    print(f"config {config}: {words}; device {device}")
+    print(f"{rounds} interleaved rounds x {steps} steps per mode (order rotating); plain step spread between rounds "
+          f"{100 * spread:.1f} %")
+    print(f"{'mode':<12} {'step (median)':>14} {'ratio vs plain':>15} {'per-round ratios':<40} {'in Guard calls':>15}")
+    for mode in MODES:
+        ratios = [t / p for t, p in zip(times[mode], plain)]
+        print(f"{mode:<12} {median(times[mode]) * 1e3:11.2f} ms {median(ratios):15.4f} "
+              f"{' '.join(f'{r:.3f}' for r in ratios):<40} {median(host[mode]) * 1e6:12.0f} us")
+    on_top = [(pc - g) / p for pc, g, p in zip(times["precursors"], times["guarded"], plain)]
+    print(f"precursors on top of guarded (PrecursorConfig() defaults, every 8th step sampled): "
+          f"{100 * median(on_top):+.2f} % of a plain step (median of rounds)")
+
+
+def host_cost(rounds: int, steps: int, micro: int) -> None:
+    """The host time a guarded step adds on the CPU (12 x Linear(256), AdamW, one thread, check(grad_norm=...)):
+    plain and guarded steps interleaved (two copies of the model), and the time inside the Guard's calls alone."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(12)])
+    data = torch.randn(micro, 8, 256)
+    runs = {}
+    for mode in ("plain", "guarded"):
+        model = copy.deepcopy(base)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        guard = Guard(model, optimizer, config=GuardConfig(dump_dir=tempfile.mkdtemp(prefix="fx-host-")),
+                      loss_fn=squared_output) if mode == "guarded" else None
+        runs[mode] = (model, optimizer, Timed(guard) if guard is not None else None)
+
+    def step(mode: str) -> None:
+        model, optimizer, timed = runs[mode]
+        for index in range(micro):
+            batch = {"x": data[index], "sample_ids": [index]}
+            if timed:
+                timed("record_batch", batch)
+            loss = squared_output(model, batch)
+            if timed:
+                timed("record_loss", loss)
+            loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if timed is None or timed("check", grad_norm=norm):
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(60):
+        step("plain"), step("guarded")
+    times: dict[str, list[float]] = {"plain": [], "guarded": []}
+    inside: list[float] = []
+    for index in range(rounds):
+        for mode in (("plain", "guarded") if index % 2 == 0 else ("guarded", "plain")):
+            timed = runs[mode][2]
+            before = timed.seconds if timed else 0.0
+            start = time.perf_counter()
+            for _ in range(steps):
+                step(mode)
+            times[mode].append((time.perf_counter() - start) / steps)
+            if timed:
+                inside.append((timed.seconds - before) / steps)
+    added = [g - p for g, p in zip(times["guarded"], times["plain"])]
+    print(f"machine: {machine()}; load average {os.getloadavg()[0]:.1f}")
+    print(f"12 x Linear(256), AdamW, {micro} micro-batch(es) of 8, one thread; {rounds} interleaved rounds x {steps} steps")
+    print(f"plain {median(times['plain']) * 1e6:.0f} us, guarded {median(times['guarded']) * 1e6:.0f} us per step; "
+          f"added (median of paired rounds) {median(added) * 1e6:.0f} us; inside the Guard's calls "
+          f"{median(inside) * 1e6:.0f} us per step")
+
+
+def squared_output(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    return model(batch["x"]).pow(2).mean()
