@@ -146,6 +146,8 @@ class Guard:
         """The TrainingFaultError check() raised last, until the next step is recorded: an exception raised after it
         outside a recorded step (code after the training loop) is not dumped as the faulted step's."""
         self.last_incident_step: int | None = None
+        self.last_dumped_step: int | None = None
+        """The step of the last incident admitted for a dump (a precursor then waits for a step not dumped)."""
         """The step of the last incident handled (a precursor does not dump a step dumped already)."""
         self.precursors = precursors.attach(self, self.config.precursors)
         """GuardConfig.precursors: the per-layer statistics monitor (capture/precursors.py), or None."""
@@ -396,6 +398,8 @@ class Guard:
             log.warning("forensics: step %d rank %d: %s (policy: %s)", incident.step, self.rank, trigger.message,
                         policy)
         dump_path, dump_error = self.dumper.dump(incident, admission)
+        if admission.why_not is None:
+            self.last_dumped_step = incident.step
         if policy is Policy.RAISE:
             where = f"dump written to {dump_path}" if dump_path else f"NO dump was written: {dump_error}"
             raise TrainingFaultError(

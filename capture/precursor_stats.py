@@ -179,6 +179,10 @@ class StepStatistics:
         self.columns += [(self.blocks[i][0], PrecursorStatistic.ATTENTION_LOGIT) for i in self._attention_blocks]
         output = output_projection(model)
         self._has_output = output is not None
+        self._output_name = output[0] if output is not None else ""
+        if output is None:
+            log.warning("forensics: precursors: the output-logit abs-max is not measured on this model: it has no "
+                        "get_output_embeddings() and no direct child named %s", " / ".join(OUTPUT_NAMES))
         if output is not None:
             self.columns.append((output[0], PrecursorStatistic.OUTPUT_LOGIT))
             self.handles.append(output[1].register_forward_hook(self._output_hook))
@@ -203,7 +207,11 @@ class StepStatistics:
         self._neg_inf = torch.full((max(len(self.columns), 1),), -math.inf, device=self.device)
         self._zero = torch.zeros((), device=self.device)
         self._empty: dict[torch.dtype, torch.Tensor] = {}
+        self._warned_optimizer = False
         self._outputs: list[torch.Tensor | None] = [None] * n
+        self.dtypes: dict[tuple[str, PrecursorStatistic], torch.dtype] = {}
+        """The dtype each forward statistic was measured in (block output, query projection output under autocast,
+        logits), as the sampled steps' hooks saw it: what forensics/headroom.py judges its limit by."""
         self._qk: list[torch.Tensor | None] = [None] * (2 * len(self._attention_blocks))
         # the forward statistics of a sampled step come from its first micro-batch with gradients (the others are
         # not measured: on a GPU each measurement is launches on the step's critical path, and one micro-batch in
@@ -239,9 +247,11 @@ class StepStatistics:
             t = _first_tensor(output)
             if t is not None:
                 self._logits.append(_absmax(t))
+                self.dtypes[(self._output_name, PrecursorStatistic.OUTPUT_LOGIT)] = t.dtype
 
-    def _qk_hook(self, slot: int, fused: bool):
+    def _qk_hook(self, slot: int, fused: bool, layer: str):
         size = self._head_dim
+        key = (layer, PrecursorStatistic.ATTENTION_LOGIT)
 
         def hook(module, args, output):
             if not self.active or self._qk_done or not torch.is_grad_enabled():
@@ -252,14 +262,17 @@ class StepStatistics:
         def measure(t: torch.Tensor | None) -> None:
             if t is None:
                 return
+            self.dtypes[key] = t.dtype  # fp16 under fp16 autocast: its limit is judged by it
+            # norms accumulated and kept in fp32: an fp16 norm overflows (inf) before any element of q does
             if fused:
                 if t.shape[-1] % (3 * size):
                     return
                 width = t.shape[-1] // 3
-                norms = torch.linalg.vector_norm(t[..., :2 * width].unflatten(-1, (2, -1, size)), dim=-1)
+                norms = torch.linalg.vector_norm(t[..., :2 * width].unflatten(-1, (2, -1, size)), dim=-1,
+                                                 dtype=torch.float32)
                 self._qk[slot], self._qk[slot + 1] = norms.unbind(-2)  # per token and head; maxed at the flush
             elif not t.shape[-1] % size:
-                self._qk[slot] = torch.linalg.vector_norm(t.unflatten(-1, (-1, size)), dim=-1)
+                self._qk[slot] = torch.linalg.vector_norm(t.unflatten(-1, (-1, size)), dim=-1, dtype=torch.float32)
         return hook
 
     @contextlib.contextmanager
@@ -274,23 +287,41 @@ class StepStatistics:
 
     def _add_attention(self, model_head_size: int | None) -> list[int]:
         """Hooks on the query / key projections of each block that has recognisable ones (and a known head size: the
-        attention module's own, else the model config's); the blocks' indices."""
-        found = []
-        for index, (_, block) in enumerate(self.blocks):
+        attention module's own, else the model config's); the blocks' indices. Says once, in plain words, when the
+        bound cannot be measured on this model (no projections found, or no head size)."""
+        found, unsized = [], []
+        for index, (name, block) in enumerate(self.blocks):
             projections = attention_projections(block)
             if projections is None:
                 continue
             attention, q, k, fused = projections
             size = head_size(attention) or model_head_size
-            if size is None or size != (self._head_dim or size):
+            if size is None:
+                unsized.append(name)
+                continue
+            if size != (self._head_dim or size):  # one head size per model: another block's is not watched
                 continue
             self._head_dim = size
             slot = 2 * len(found)
             found.append(index)
-            self.handles.append(q.register_forward_hook(self._qk_hook(slot, fused)))
+            self.handles.append(q.register_forward_hook(self._qk_hook(slot, fused, name)))
             if not fused:
-                self.handles.append(k.register_forward_hook(self._qk_hook(slot + 1, False)))
+                self.handles.append(k.register_forward_hook(self._qk_hook(slot + 1, False, name)))
+        if unsized:
+            log.warning("forensics: precursors: the attention-logit bound is not measured for %s: no head size found "
+                        "(an attribute %s on the attention module, or head_dim / hidden_size and num_attention_heads "
+                        "in model.config); set one of them to watch it", ", ".join(unsized[:3]) +
+                        (f" and {len(unsized) - 3} more" if len(unsized) > 3 else ""), " / ".join(HEAD_SIZE_ATTRIBUTES))
+        elif not found and self.blocks:
+            log.warning("forensics: precursors: the attention-logit bound is not measured on this model: its blocks "
+                        "have no query / key projections under a known name (%s)",
+                        ", ".join(f"{q}/{k}" for q, k, _ in QK_PROJECTIONS[:-1]) + ", fused c_attn")
         return found
+
+    @property
+    def measured_head_dim(self) -> int | None:
+        """The head size the attention-logit bound is divided by (None: not measured)."""
+        return self._head_dim
 
     def _flush_micro_batch(self) -> None:
         """The block and q/k values the hooks referenced since the last flush, as one vector each. Blocks (q/k
@@ -299,6 +330,8 @@ class StepStatistics:
         self._blocks_done = self._blocks_done or all(t is not None for t in self._outputs)
         self._qk_done = self._qk_done or all(t is not None for t in self._qk)
         present = [(i, t) for i, t in enumerate(self._outputs) if t is not None]
+        for i, t in present:
+            self.dtypes[(self.blocks[i][0], PrecursorStatistic.BLOCK_ABSMAX)] = t.dtype
         if present:
             tensors = [t for _, t in present]
             l2 = thirdparty.foreach_norm(tensors)
@@ -455,6 +488,11 @@ class StepStatistics:
             thirdparty.foreach_mul_(norms, scale)
             for i, v in zip(indices, norms):
                 updates[i] = v
+        if subsets and all(u is self._zero for u in updates) and not self._warned_optimizer:
+            self._warned_optimizer = True
+            log.warning("forensics: precursors: the update/weight ratio and the Adam second-moment floor are not "
+                        "measured with %s: its state has neither Adam's exp_avg / exp_avg_sq nor SGD's "
+                        "momentum_buffer", type(self.optimizer).__name__)
         return updates, floors
 
 

@@ -49,7 +49,9 @@ import torch
 
 from capture.incident import Incident, StepRecord, Trigger
 from capture.precursor_stats import StepStatistics
-from forensics.kinds import Policy, PrecursorStatistic, TriggerKind
+from forensics import headroom
+from forensics.headroom import LimitWatch
+from forensics.kinds import Policy, PrecursorRule, PrecursorStatistic, TriggerKind
 from forensics.trend import TINY, RobustTrend
 
 log = logging.getLogger(__name__)
@@ -137,13 +139,20 @@ class Firing:
     baseline: float
     """The median of the healthy values before it."""
     z: float
+    rule: PrecursorRule = PrecursorRule.GROWTH
+    """Which rule fired: the relative growth (above), or the dtype's limit (forensics/headroom.py: then `baseline`
+    is the threshold it crossed and `words` says how close to the limit it is)."""
+    words: str = ""
 
     def as_dict(self) -> dict:
         return {"layer": self.layer, "statistic": self.statistic.value, "step": self.step, "started": self.started,
-                "value": self.value, "baseline": self.baseline, "z": self.z}
+                "value": self.value if math.isfinite(self.value) else None, "baseline": self.baseline, "z": self.z,
+                "rule": self.rule.value, **({"words": self.words} if self.words else {})}
 
     @property
     def detail(self) -> str:
+        if self.rule is not PrecursorRule.GROWTH:
+            return self.words
         direction = "above" if self.statistic.rising else "below"
         ratio = self.value / self.baseline if self.statistic.rising else self.baseline / max(self.value, TINY)
         return (f"{self.statistic.words} of {self.layer} has stayed {direction} its baseline since step "
@@ -167,10 +176,22 @@ class PrecursorMonitor:
         """What each value of a row is: (layer, statistic)."""
         self.trends = [RobustTrend(config.window, config.warmup_samples, config.sustained, config.z_threshold,
                                    config.min_growth, stat.rising) for _, stat in self.columns]
+        self.limits: dict[int, LimitWatch] = {}
+        """Per column measured in a low-precision dtype (known from the first sampled step): its headroom and
+        trend against that dtype's limit (forensics/headroom.py)."""
+        self._limit_fired: set[tuple[int, PrecursorRule]] = set()  # each column's limit rules fire once per run
+        self._unhealthy: set[int] = set()
+        """Recent steps the Guard did not find healthy (their statistics' overflow is that step's own incident)."""
+        self.meta = self.describe()
+        """`precursors.json`'s columns and settings, kept by the flight recorder: each column's dtype and limit
+        are added once known."""
         self._checks = 0
         self.stats.active = True  # the first step is sampled
         self._fired: dict[tuple[str, PrecursorStatistic], int] = {}
         self._pending: list[Firing] = []
+        self.deferred: Firing | None = None
+        """A firing read at a step that was an incident of its own (a spike, a skipped step): dumped at the next
+        healthy step instead."""
         self.awaiting: Firing | None = None
         """A firing this rank chose to dump while its state is sharded: the next check()'s all-reduce tells every
         rank, and all dump that step together (`agreed_trigger`)."""
@@ -229,9 +250,51 @@ class PrecursorMonitor:
             found = trend.observe(step, value)
             if found is not None:
                 fired.append(Firing(layer, stat, step, found.started, found.value, found.baseline, found.z))
-        fired.sort(key=lambda f: (f.started, -f.z))
+        fired += self._judge_limits(step, values)
+        # the dtype's limit first (the hard evidence), then the earliest start
+        fired.sort(key=lambda f: (f.rule is PrecursorRule.GROWTH, f.started, -f.z))
         self.firings += fired
         self._pending = fired
+
+    def _judge_limits(self, step: int, values: list[float | None]) -> list[Firing]:
+        """The headroom / trend / non-finite rules (forensics/headroom.py) of the columns measured in a
+        low-precision dtype; a column's watch starts once a sampled step has shown its dtype."""
+        fired = []
+        healthy = step not in self._unhealthy
+        for j, ((layer, stat), value) in enumerate(zip(self.columns, values)):
+            watch = self.limits.get(j)
+            if watch is None:
+                if stat not in headroom.LIMITED or (layer, stat) not in self.stats.dtypes:
+                    continue
+                dtype = headroom.dtype_name(self.stats.dtypes[(layer, stat)])
+                limit = headroom.limit_of(stat, dtype, self.stats.measured_head_dim)
+                self.meta["columns"][j]["dtype"] = dtype
+                if limit is None:
+                    continue
+                watch = self.limits[j] = LimitWatch(limit, self.config.warmup)
+                self.meta["columns"][j]["limit"] = limit.value
+                self.meta["columns"][j]["limit_words"] = limit.words
+            value = None if value is None or float(value) == -math.inf else float(value)  # -inf: not measured
+            alarm = watch.observe(step, value, healthy)
+            if alarm is None or (j, alarm.rule) in self._limit_fired:
+                continue
+            self._limit_fired.add((j, alarm.rule))
+            if alarm.rule is not PrecursorRule.NONFINITE:  # once close to the limit, only an overflow says more
+                self._limit_fired.update({(j, PrecursorRule.HEADROOM), (j, PrecursorRule.TREND)})
+            started = step - (alarm.span or 0)
+            baseline = {PrecursorRule.HEADROOM: headroom.HEADROOM * alarm.limit.value,
+                        PrecursorRule.TREND: alarm.value / (alarm.growth or 1.0)}.get(alarm.rule, alarm.limit.value)
+            fired.append(Firing(layer, stat, step, started, alarm.value, baseline, 0.0, alarm.rule,
+                                headroom.describe(alarm, f"the {stat.words} of {layer}")))
+        return fired
+
+    def note_step(self, step: int, healthy: bool) -> None:
+        """check()'s verdict on `step`: the statistics of a step that was itself an incident (or skipped) do not
+        fire the non-finite rule."""
+        if not healthy:
+            self._unhealthy.add(step)
+            if len(self._unhealthy) > 64:
+                self._unhealthy = {s for s in self._unhealthy if s > step - 64}
 
     def take_firings(self) -> list[Firing]:
         """What fired when this check() read the last sampled step's row (once; [] when it read none)."""
@@ -249,7 +312,8 @@ class PrecursorMonitor:
         c = self.config
         return {"columns": [{"layer": layer, "statistic": stat.value} for layer, stat in self.columns],
                 "config": {"every": c.every, "window": c.window, "warmup": c.warmup, "sustained": c.sustained,
-                           "z_threshold": c.z_threshold, "min_growth": c.min_growth}}
+                           "z_threshold": c.z_threshold, "min_growth": c.min_growth,
+                           "head_dim": self.stats.measured_head_dim}}
 
     def to_dump(self, firings: list[Firing], step: int) -> Firing | None:
         """The firing to dump at `step` (None: none may): the earliest-starting one whose (layer, statistic) did
@@ -298,15 +362,23 @@ def watch(guard: Any, record: StepRecord, decision: bool, sync_free: bool) -> No
     if sync_free:
         return  # attach() refused the sync-free mode already
     try:
+        unhealthy = not decision or guard.last_incident_step == guard.step
+        if unhealthy:
+            monitor.note_step(guard.step, healthy=False)
         firings = monitor.take_firings()
-        if not firings:
+        deferred, monitor.deferred = monitor.deferred, None
+        if not firings and deferred is None:
             return
         for firing in firings:
             log.warning("forensics: step %d: precursor: %s", guard.step, firing.detail)
-        chosen = monitor.to_dump(firings, guard.step)
+        chosen = monitor.to_dump(firings, guard.step) if firings else None
         for firing in firings:
             guard.window.note_precursor_firing({**firing.as_dict(), "dumped": firing is chosen})
-        if chosen is None or not decision or guard.last_incident_step == guard.step:
+        chosen = chosen or deferred
+        if chosen is None or monitor.dumps >= monitor.config.max_dumps:
+            return
+        if guard.last_dumped_step == guard.step:  # dumped already for an incident of its own: the next step then
+            monitor.deferred = chosen
             return
         if guard.dump_needs_every_rank:  # this rank's dump alone would not hold the state: all dump the next step
             monitor.awaiting = chosen  # counted by every rank when they do (agreed_trigger): the counts stay equal
@@ -339,5 +411,5 @@ def attach(guard: Any, config: PrecursorConfig | None) -> PrecursorMonitor | Non
     for handle in monitor.handles:
         guard.add_hook(handle)
     monitor.recorder = guard.window
-    guard.window.watch_precursors(monitor.describe(), config.history)
+    guard.window.watch_precursors(monitor.meta, config.history)
     return monitor

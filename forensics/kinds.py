@@ -213,6 +213,19 @@ _STATISTIC_PROPS = {
 }
 
 
+class PrecursorRule(_Kind):
+    """Which rule made a precursor statistic fire (capture/precursors.py; `precursors.json` firings' `rule`)."""
+
+    GROWTH = "growth"
+    """It grew fast against its own recent median (forensics/trend.py)."""
+    HEADROOM = "headroom"
+    """It passed half of its dtype's limit (forensics/headroom.py)."""
+    TREND = "trend"
+    """Its steady log-linear growth reaches its dtype's limit within a short horizon (forensics/headroom.py)."""
+    NONFINITE = "nonfinite"
+    """It overflowed on a step whose loss was still finite."""
+
+
 class SampleFactKind(_Kind):
     """What replay/culprits/sample_facts.py found odd in a culprit sample's own data (most telling first)."""
 

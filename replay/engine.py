@@ -27,6 +27,7 @@ from forensics.format.limits import ArchiveLimits
 from forensics.kinds import HistoryPattern, Phase, TriggerKind
 from forensics.report.model import to_json_safe
 from replay.culprits.bisect import bisect_budget, ddmin
+from replay.culprits.margin import others_margin
 from replay.culprits.per_sample import SampleRow, per_sample_stats
 from replay.culprits.sample_facts import describe_samples, nonfinite_in_field, too_long
 from replay.culprits.sizes import longer_than, outlier_refs, size_summary
@@ -36,7 +37,7 @@ from replay.judge.findings import Bisection, Findings, HistoryFinding
 from replay.judge.history_pattern import classify_history, diverged_long_ago, history_signals, read_history
 from replay.run.units import unscaled_history
 from replay.judge.precision import fp32_check, uses_low_precision
-from replay.judge.precursor import precursor_report
+from replay.judge.precursor import add_crash_history, precursor_report
 from replay.judge.remedies import try_remedies
 from replay.judge.remedy_followup import follow_remedies
 from replay.load.environment import deterministic_mode
@@ -203,6 +204,7 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
                                                      started))
             report = run_session(session, options, progress, dump_info=dump_info, history=dump.history(),
                                  started=started)
+            add_crash_history(report, dump)  # the statistics before the crash, the run's earlier dumps
             if hint:
                 report["verdict"]["suggestions"].insert(0, hint)
             return _checked(dump, report)
@@ -359,6 +361,13 @@ def _stages(session: ReplaySession, runner: StepRunner, options: ReplayOptions, 
                                         threshold=findings.threshold)
     elif options.fp32_check:
         findings.precision = fp32_check(runner, kind=TriggerKind.NONFINITE_PARAM)  # dtype facts only, no run
+    if findings.culprits and (findings.precision or {}).get("fp32_reproduces") is False:
+        _stage(progress, "measuring how close the other samples come to fp16's limit")
+        findings.margin = others_margin(runner, findings.culprits)
+        if findings.margin is not None and findings.margin["at_the_edge"]:
+            logger.info("without the culprits the step still reaches %.0f %% of fp16's max: the state is at the "
+                        "edge, no sample is to blame", 100 * findings.margin["share"])
+            findings.bisection.culprits = []  # the bisection block keeps what it found; no sample is blamed
     if findings.weights_nonfinite and session.stream is not None:
         session.warnings.append("streamed replay: the non-finite pre-step weights are named, but their bad slices and "
                                 "the samples that touch them are not located (that stage reads whole weights)")

@@ -95,6 +95,16 @@ step precursor_divergence 0 python3 tests/capture/precursor_divergence_job.py $d
 step precursor_bench 0 timeout 300 python3 -m scripts.bench.precursor_overhead --rounds 5 --steps 32 --profile
 step precursor_bench_nanogpt 0 timeout 300 python3 -m scripts.bench.precursor_overhead --rounds 3 --steps 32 \
   --micro 5 --batch 12 --modes precursors
+# 8b. the natural-instability suite on cuda:0 (tests/natural/natural_job.py; nothing planted, default GuardConfig):
+#     each run leaves its crash dump, its replay on cuda:0 blames no sample and gives the scenario's verdict kind; with
+#     --precursors (opt-in) the fp16 attention climb and the late death are seen >= 10 steps ahead naming a block
+for sc in attention_fp16 lr_too_high spiky_late; do
+  step natural_$sc 0 timeout 300 python3 tests/natural/natural_job.py $d/natural --scenario $sc --device cuda:0
+done
+for sc in attention_fp16 spiky_late; do
+  step natural_${sc}_precursors 0 timeout 300 python3 tests/natural/natural_job.py $d/natural-p --scenario $sc \
+    --device cuda:0 --precursors
+done
 # 9. the framework integrations on GPUs: Accelerate bf16 and plain DDP fp16 (GradScaler) on 2 GPUs over NCCL, the
 #    Hugging Face Trainer bf16 and Lightning bf16-mixed on one (CUDA_VISIBLE_DEVICES=0: a Trainer that sees 2 GPUs in
 #    one process wraps the model in DataParallel); each dump replayed on cuda:0 names the corrupt sample

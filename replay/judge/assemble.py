@@ -37,6 +37,11 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
         diverged = bool(findings.history.diverged) or findings.history.pattern is HistoryPattern.DIVERGED
         first, last = tested_suggestions(findings.remedies, diverged=diverged)
         verdict["suggestions"] = list(dict.fromkeys(first + verdict["suggestions"] + last))
+    if findings.margin is not None and findings.margin["at_the_edge"]:
+        verdict["explanation"] = ((verdict.get("explanation") or "") + (
+            f" Without the {findings.margin['samples_excluded']} sample(s) bisection isolated, the rest of the step "
+            f"still reaches {100 * findings.margin['share']:.0f} % of fp16's max (65,504): the model's state is at "
+            "the edge of fp16, and whichever sample crosses first is not to blame.")).strip()
     trigger = findings.trigger
     history = findings.history
     report = {
@@ -55,6 +60,7 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
         "verdict": verdict,
         "culprit": culprit,
         "precision": findings.precision,
+        "margin": findings.margin,
         "bisection": findings.bisection.block,
         "per_sample": findings.per_sample,
         "per_layer": findings.per_layer,

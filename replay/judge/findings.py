@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from forensics.kinds import HistoryPattern, Phase, TriggerKind
 from forensics.trigger import Trigger
+from replay.culprits.margin import MarginBlock
 from replay.culprits.per_sample import SampleRow
 from replay.culprits.sample_facts import SampleFact
 from replay.culprits.sizes import SizeSummary
@@ -82,6 +83,8 @@ class Findings:
     per_layer: list[LayerRow] = field(default_factory=list)
     bisection: Bisection = field(default_factory=lambda: Bisection([], None))
     precision: PrecisionBlock | None = None
+    margin: MarginBlock | None = None
+    """How close the step comes to fp16's limit without the samples bisection named (replay/culprits/margin.py)."""
     per_sample: list[SampleRow] = field(default_factory=list)
     history: HistoryFinding = field(default_factory=lambda: HistoryFinding(None, HistoryPattern.INSUFFICIENT_HISTORY))
     exception: ExceptionFinding | None = None

@@ -13,13 +13,16 @@ dump: no --trust needed, no model built.
 from __future__ import annotations
 
 import math
+import re
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from forensics.kinds import PrecursorStatistic, TriggerKind, VerdictKind
+from forensics.headroom import HORIZON, limit_of, percent_of
+from forensics.kinds import PrecursorRule, PrecursorStatistic, TriggerKind, VerdictKind
 from forensics.report.model import schema_for, to_json_safe
 from forensics.report.wording import fmt_num
 from forensics.trend import RobustTrend
@@ -74,6 +77,9 @@ def precursor_report(dump: Any, dump_info: dict, history: HistoryFinding, starte
                   and dump.step - 1 <= f["step"] <= dump.step), None)
     trigger = dict(dump.trigger or {})
     verdict = _verdict(dump.step, ranking, fired, len(table["columns"]), local=trigger.get("local") is not False)
+    near = _limit_headline(dump.step, fired, table)
+    if near is not None:  # the dtype's limit fired: that is the headline, the ranking explains how it got there
+        verdict["headline"] = near
     lead = ranking[0] if ranking else fired or {}
     report = {
         "schema": schema_for(VerdictKind.INSTABILITY_AHEAD),
@@ -98,6 +104,32 @@ def precursor_report(dump: Any, dump_info: dict, history: HistoryFinding, starte
         "timings": {"total_s": round(time.monotonic() - started, 3), "passes": 0},
     }
     return to_json_safe(report)
+
+
+def _limit_headline(step: int, fired: dict | None, table: dict) -> str | None:
+    """The headline of a precursor fired by its dtype's limit (headroom, trend, overflow), rebuilt from the numbers
+    and the column's dtype (never from text in the dump)."""
+    rule = PrecursorRule.parse((fired or {}).get("rule"), PrecursorRule.GROWTH)
+    stat = _statistic((fired or {}).get("statistic"))
+    if rule is PrecursorRule.GROWTH or stat is None:
+        return None
+    column = next((c for c in table["columns"] if c.get("layer") == fired.get("layer")
+                   and c.get("statistic") == stat.value), {})
+    head = (table.get("config") or {}).get("head_dim")
+    limit = limit_of(stat, column.get("dtype") if isinstance(column.get("dtype"), str) else None,
+                     head if isinstance(head, int) and not isinstance(head, bool) else None)
+    if limit is None:
+        return None
+    what = f"the {stat.words} of `{fired['layer']}`"
+    value = fired.get("value")
+    if rule is PrecursorRule.NONFINITE or not isinstance(value, (int, float)):
+        return f"Instability ahead at step {step}: {what} overflowed ({limit.words}) while the loss was still finite."
+    if rule is PrecursorRule.HEADROOM:
+        return (f"Instability ahead at step {step}: {what} reached {fmt_num(value)}, {percent_of(value, limit.value)} "
+                f"of {limit.words}.")
+    return (f"Instability ahead at step {step}: {what} is climbing steadily toward {limit.words}: "
+            f"{fmt_num(value)} ({percent_of(value, limit.value)}), on course to reach it within "
+            f"{HORIZON} steps.")
 
 
 def _series(table: dict, rows: list[dict]) -> list[dict]:
@@ -158,3 +190,129 @@ def _int(value: Any, default: int) -> int:
 def _float(value: Any, default: float) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and \
         math.isfinite(value) and value > 1 else default
+
+
+# -- the crash dump of a job with precursors on: what its statistics did before, and the run's earlier dumps ----------
+HISTORY_SPAN = 80      # steps before the crash the growth sentence looks back over
+MAX_EARLIER = 8        # earlier dumps of the run named in the report
+_STEP_DIR = re.compile(r"^step-(\d{1,12})$")
+
+
+def crash_history(dump: Any) -> dict | None:
+    """The report's `precursor_history` block of a crash dump whose job recorded precursor statistics (None: it has
+    none): the statistic closest to its dtype's limit (else the one that grew first), in one sentence — "the
+    attention-logit bound of `layers.0` grew 2.6x over the 80 steps before, to 79 % of fp16's max" — what fired, and
+    the run's earlier dumps (sibling `step-*` directories of the same run id, read from the directory listing: no
+    name from a dump is used as a path). Never raises on a damaged table."""
+    try:
+        table = dump.precursors()
+    except Exception:  # noqa: BLE001 - an optional part: the report goes on without it
+        return None
+    if not table or not table["steps"]:
+        return None
+    lead = _closest_to_limit(table) or _first_grown(table)
+    fired = [{k: f.get(k) for k in ("step", "layer", "statistic", "rule", "dumped")}
+             for f in table["firings"] if isinstance(f.get("step"), int)][-MAX_RANKED:]
+    earlier = earlier_dumps(dump)
+    sentence = lead["sentence"] if lead else None
+    if earlier:
+        named = ", ".join(f"step {d['step']} ({d['trigger']})" for d in earlier)
+        sentence = ((sentence + ". ") if sentence else "") + f"Earlier dumps of this run: {named}"
+    return {"sentence": sentence, "lead": lead, "fired": fired, "earlier_dumps": earlier}
+
+
+def _series_of(table: dict, j: int, since: int) -> list[tuple[int, float]]:
+    return [(s, row[j]) for s, row in zip(table["steps"], table["values"])
+            if s >= since and isinstance(row[j], (int, float)) and math.isfinite(row[j]) and row[j] > 0]
+
+
+def _closest_to_limit(table: dict) -> dict | None:
+    """The statistic measured in a low-precision dtype that came closest to its limit (forensics/headroom.py)."""
+    since = table["steps"][-1] - HISTORY_SPAN
+    head = (table.get("config") or {}).get("head_dim")
+    head = head if isinstance(head, int) and not isinstance(head, bool) else None
+    best = None
+    for j, column in enumerate(table["columns"]):
+        stat, limit = _statistic(column.get("statistic")), column.get("limit")
+        if stat is None or not isinstance(limit, (int, float)) or isinstance(limit, bool) or not limit > 0:
+            continue
+        series = _series_of(table, j, since)
+        if len(series) < 2:
+            continue
+        (s0, v0), (s1, v1) = series[0], series[-1]
+        share = v1 / limit
+        if best is None or share > best["share"]:
+            known = limit_of(stat, column.get("dtype") if isinstance(column.get("dtype"), str) else None, head)
+            words = known.words if known is not None else "its dtype's limit"  # never the dump's own text
+            best = {"layer": column["layer"], "statistic": stat.value, "first": v0, "last": v1, "growth": v1 / v0,
+                    "span": s1 - s0, "share": share, "limit": float(limit), "dtype": column.get("dtype"),
+                    "sentence": (f"the {stat.words} of `{column['layer']}` grew {fmt_num(v1 / v0, 2)}x over the "
+                                 f"{s1 - s0} steps before, to {percent_of(v1, limit)} of {words}")}
+    return best
+
+
+def _first_grown(table: dict) -> dict | None:
+    ranking = rank_growth(table)
+    if not ranking:
+        return None
+    r = ranking[0]
+    direction = "grew" if PrecursorStatistic(r["statistic"]).rising else "fell"
+    return {"layer": r["layer"], "statistic": r["statistic"], "first": r["baseline"], "last": r["last"],
+            "growth": r["growth"], "span": None, "share": None, "limit": None, "dtype": None,
+            "sentence": (f"the {r['words']} of `{r['layer']}` {direction} first, from step {r['started']} "
+                         f"({fmt_num(r['baseline'])} -> {fmt_num(r['last'])}, {fmt_num(r['growth'], 3)}x)")}
+
+
+def earlier_dumps(dump: Any) -> list[dict]:
+    """The run's dumps before this one: sibling `step-*` directories (by the listing's names only) whose rank
+    dump's manifest has the same run id; newest first, at most MAX_EARLIER. [] when the dump is not in a run
+    directory (an archive, a copy elsewhere)."""
+    from forensics.format.reader import read_manifest
+
+    here = Path(str(getattr(dump, "path", "") or ""))
+    run_id, step = dump.manifest.get("run_id"), dump.step
+    if not here.name.startswith("rank-") or not here.parent.is_dir():
+        return []
+    run_dir = here.parent.parent
+    found = []
+    try:
+        entries = sorted((int(m.group(1)), e) for e in run_dir.iterdir() if (m := _STEP_DIR.match(e.name)))
+    except OSError:
+        return []
+    for number, entry in reversed(entries):
+        if number >= step or entry.is_symlink() or not entry.is_dir():
+            continue
+        rank = entry / here.name
+        try:
+            manifest = read_manifest(rank if rank.is_dir() and not rank.is_symlink() else next(
+                p for p in sorted(entry.iterdir()) if p.name.startswith("rank-") and p.is_dir() and not p.is_symlink()))
+        except Exception:  # noqa: BLE001 - a damaged or partial neighbour is simply not named
+            continue
+        if manifest.get("run_id") != run_id:
+            continue
+        kind = (manifest.get("trigger") or {}).get("kind")
+        found.append({"step": number, "trigger": kind if kind in TriggerKind.values() else "unknown",
+                      "path": str(entry)})
+        if len(found) >= MAX_EARLIER:
+            break
+    return found
+
+
+def add_crash_history(report: dict, dump: Any) -> None:
+    """Adds `precursor_history` to a crash dump's report and one sentence to its verdict's explanation (the growth
+    before, the earlier dumps to compare with)."""
+    block = crash_history(dump)
+    if block is None:
+        earlier = earlier_dumps(dump)
+        if not earlier:
+            return
+        block = {"sentence": None, "lead": None, "fired": [], "earlier_dumps": earlier}
+        block["sentence"] = "Earlier dumps of this run: " + ", ".join(
+            f"step {d['step']} ({d['trigger']})" for d in earlier)
+    report["precursor_history"] = block
+    verdict = report.get("verdict") or {}
+    lead = block.get("lead")
+    before = f"Before it, {block['sentence']}" if lead else block["sentence"]
+    verdict["explanation"] = ((verdict.get("explanation") or "") + " " + before + ".").strip()
+    if block["earlier_dumps"]:
+        verdict["explanation"] += " Replay them (`forensics replay STEP_DIR`) to see how it built up."

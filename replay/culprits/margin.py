@@ -1,0 +1,91 @@
+"""Is the fp16 overflow the sample's doing, or is every sample at the edge? The margin the rest of the step keeps.
+
+Bisection names the smallest set of samples that makes the step fail; in a run whose state has grown to the edge of
+fp16 (attention or output logits climbing for hundreds of steps), that is whichever sample crossed the limit first —
+the next step, another one would. Blaming it sends the user to filter a harmless sample. So when the step fails only
+in fp16 with some samples, the step is run again, forward only and in its recorded precision, *without* them, and
+the largest finite value any fp16 op produces is measured (a dispatch mode: every op, not only module outputs,
+since the overflow is usually inside one — q @ k.T in an attention). When the others reach forensics.headroom.HEADROOM
+(half) of fp16's largest value too, the samples are not culprits: the state is (report `margin`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Any, TypedDict
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from forensics.headroom import FP16_MAX, HEADROOM
+from replay.run.execute import SampleRef, StepRunner
+
+logger = logging.getLogger(__name__)
+
+
+class MarginBlock(TypedDict):
+    """The report's `margin` block (docs/REPORT_FORMAT.md)."""
+
+    dtype: str
+    others_absmax: float
+    """The largest finite |value| of any fp16 op, over the step without the samples bisection named."""
+    limit: float
+    share: float
+    """others_absmax / limit."""
+    samples_excluded: int
+    at_the_edge: bool
+    """share >= HEADROOM: the state, not the samples, brings the step to the overflow."""
+
+
+class _LargestHalf(TorchDispatchMode):
+    """Keeps the largest finite |value| among the fp16 outputs of every op run under it (a 0-dim tensor)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest: torch.Tensor | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float16 and t.numel():
+                a = t.detach().abs()
+                top = torch.where(torch.isfinite(a), a, torch.zeros_like(a)).amax().float()
+                self.largest = top if self.largest is None else torch.maximum(self.largest, top)
+        return out
+
+
+def others_margin(runner: StepRunner, culprits: list[SampleRef]) -> MarginBlock | None:
+    """How close the step comes to fp16's limit without `culprits` (None: not an fp16-autocast step, nothing left
+    to run, or the run failed). Never raises."""
+    session = runner.session
+    if session.autocast_dtype != torch.float16 or not culprits:
+        return None
+    rest = [r for r in session.sample_refs if r not in set(culprits)]
+    if not rest:
+        return None
+    mode = _LargestHalf()
+
+    @contextlib.contextmanager
+    def measured(_micro_batch: int) -> Any:
+        with mode:
+            yield
+
+    try:
+        runner.run(rest, backward=False, forward_context=measured)
+    except Exception:  # noqa: BLE001 - a measurement: the verdict goes on without it
+        logger.warning("the margin of the other samples could not be measured", exc_info=True)
+        return None
+    if mode.largest is None:
+        return None
+    largest = float(mode.largest)
+    if not math.isfinite(largest):
+        return None
+    share = largest / FP16_MAX
+    return {"dtype": "float16", "others_absmax": largest, "limit": FP16_MAX, "share": share,
+            "samples_excluded": len(culprits), "at_the_edge": share >= HEADROOM}
+
+
+__all__ = ["MarginBlock", "others_margin"]
