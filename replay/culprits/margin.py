@@ -52,7 +52,9 @@ class _LargestHalf(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.dtype == torch.float16 and t.numel():
                 a = t.detach().abs()
-                top = torch.where(torch.isfinite(a), a, torch.zeros_like(a)).amax().float()
+                # fp16's largest value itself is a sentinel, not a computed value: attention masks are filled with
+                # torch.finfo(float16).min (-65504), which would put every masked step 'at the edge'
+                top = torch.where(a < FP16_MAX, a, torch.zeros_like(a)).amax().float()
                 self.largest = top if self.largest is None else torch.maximum(self.largest, top)
         return out
 
