@@ -194,6 +194,7 @@ def test_a_torchtitan_llama_is_watched_block_by_block():
         assert values[column] == pytest.approx(value, rel=1e-5), column
 
 
+@pytest.mark.slow  # compiling with aot_eager dominates; the hooks are the eager ones
 def test_a_torch_compiled_model_gives_the_rows_of_the_eager_model():
     """Under torch.compile the hooks run inside the traced forward (their flag is a guard: sampled and other steps
     are two graphs); the rows equal the eager model's. (aot_eager: the compiler's tracing without a C compiler.)"""

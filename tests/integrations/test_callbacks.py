@@ -138,6 +138,7 @@ def test_lightning_callback_dumps_the_step_with_the_corrupt_sample(harness, tmp_
     assert dump.scheduler_state()["state"]["last_epoch"] == BAD_STEP
 
 
+@pytest.mark.slow  # the Trainer callback and the DeepSpeed adapter are proven each
 def test_hf_trainer_deepspeed_dump_matches_the_plain_trainer_dump(harness, tmp_path):
     """The Trainer's DeepSpeed mode (ZeRO-2; the Trainer's two parameter groups, with and without weight
     decay) dumps the same step with the same state as the plain Trainer, gathered from the ZeRO shards."""

@@ -16,6 +16,7 @@ from forensics.format import open_dump, verify_dump
 
 
 
+@pytest.mark.slow  # Accelerate (DDP underneath) and DDP fp16 prove both ranks dumping
 def test_ddp_both_ranks_dump_the_same_step_with_full_state(harness, tmp_path, reference):
     harness.requires("transformers")
     step_dir, _ = harness.run_example(tmp_path, "ddp_example.py", "ddp")
@@ -117,6 +118,7 @@ def test_a_rank_killed_while_writing_its_dump_does_not_hang_or_spoil_the_others(
     assert len(survivor.model_state()) > 0 and survivor.optimizer_state()["state"]
 
 
+@pytest.mark.slow  # Accelerate's DeepSpeed plugin over the DeepSpeed adapter that ZeRO-3 proves
 def test_accelerate_deepspeed_plugin_checks_inside_engine_step(harness, tmp_path, reference):
     """Under Accelerate's DeepSpeed plugin `accelerator.backward` runs `engine.step()` itself: the guard
     checks from inside that call, before the step, and the loop's own check() calls do nothing."""

@@ -82,6 +82,7 @@ def test_ddp_ranks_split_the_writing_of_replicated_state(harness, tmp_path, refe
     harness.replay_names_sample_and_layer(step_dir)
 
 
+@pytest.mark.slow  # four ranks; the 2-D mesh (FSDP over tensor parallel) test proves mesh-aware sharded writes
 def test_hsdp_on_four_ranks_writes_one_replica_group(harness, tmp_path):
     """A 2 x 2 mesh (replicate x shard): the replicas do not both write; rank 1 (step 1 with four ranks) replays."""
     harness.requires("transformers")
@@ -157,6 +158,7 @@ def test_two_nodes_write_node_local_dumps_that_replay_together(harness, tmp_path
     assert [s["sample_id"] for s in report["culprit"]["samples"]] == [harness.POISON]
 
 
+@pytest.mark.slow  # buddy copies across nodes: the two-node launch and the FSDP2 buddy tests prove its parts
 def test_with_two_replicas_one_node_replays_alone_when_the_other_node_is_lost(harness, tmp_path):
     """Two nodes x 2 ranks, GuardConfig(shard_replicas=2): each rank's buddy is the same local rank on the other
     node, so node 0's disk alone holds the whole state (its ranks' shards and copies of node 1's); node 1's disk
@@ -311,6 +313,7 @@ def test_a_torchtitan_job_guarded_with_one_line_names_the_corrupt_record(harness
     assert report["culprit"]["parameter"] is None  # a batch field, not a parameter of the model
 
 
+@pytest.mark.slow  # the agreed precursor dump under FSDP2 runs the same monitor
 def test_the_precursor_monitor_measures_the_local_shards_under_fsdp2(harness):
     """FSDP2 parameters are DTensors: the monitor measures each rank's local shards (no collective added) instead of
     turning itself off at the first sampled step; each block's gradient-norm column equals the norm of its local
@@ -367,6 +370,7 @@ def test_a_precursor_on_one_rank_of_a_sharded_state_is_dumped_by_every_rank(harn
     assert report["verdict"]["kind"] == "instability_ahead" and "another rank" in report["verdict"]["headline"]
 
 
+@pytest.mark.slow  # an edge of the agreed precursor dump, which test_a_precursor_on_one_rank... proves
 def test_a_rank_without_a_precursor_monitor_joins_the_dump_another_rank_asks_for(harness, tmp_path):
     """Rank 0 has no precursor monitor (as when setting it up failed there): when rank 1's fires, rank 0 still dumps
     the step with it — its part of the state is needed, and a collective write would wait for it forever."""

@@ -210,6 +210,7 @@ def test_an_exception_on_one_rank_of_two_does_not_hang_and_its_dump_replays(tmp_
     assert report["culprit"]["op"] == "aten::embedding"
 
 
+@pytest.mark.slow  # an exception on one rank of two and sharded writes are proven each by their own launch
 def test_ranks_of_an_fsdp2_job_that_raise_mid_forward_write_a_complete_sharded_dump(tmp_path):
     """FSDP2: both ranks raise in the embedding's forward (root parameters gathered at that moment); each writes
     its own shards with no collective, and the step dump replays to the bad record."""
