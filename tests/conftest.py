@@ -55,20 +55,25 @@ def pytest_configure(config):
         "markers", "slow: a multi-process or long test beyond the CI set; runs with --runslow")
     config.addinivalue_line(  # pytest-xdist's own marker, named here so that runs without xdist know it too
         "markers", "xdist_group(name): tests that one xdist worker runs (their module shares an expensive fixture)")
+    if getattr(config.option, "numprocesses", None) and config.option.dist == "load":  # `-n N` without --dist
+        config.option.dist = "loadgroup"  # xdist_group marks hold (below), other tests go one by one
+        config.option.loadscopereorder = False  # in the order below: the slowest first
 
 
-# The test modules that take longest, longest first (seconds on the 2-core machine, measured 2026-11-27): under
-# `-n 2 --dist loadgroup --no-loadscope-reorder` (the README's command) the workers start with them, so that no long
-# module is left to run alone at the end. A module missing here only runs later; nothing depends on the order.
+# The test modules that take longest, longest first (2-core machine, 2026-11-27): under `-n 2` (the README's command,
+# made `--dist loadgroup --no-loadscope-reorder` above) the workers start with them, so that no long module is left
+# to run alone at the end. A module missing here only runs later; nothing depends on the order.
 SLOWEST_FIRST = [
+    "tests/replay/test_exceptions.py",
+    "tests/replay/test_repro.py",
     "tests/integrations/test_sharded.py",
     "tests/integrations/test_multirank.py",
-    "tests/test_docs.py",
-    "tests/replay/test_exceptions.py",
+    "tests/natural/test_natural_runs.py",
     "tests/forensics/test_hostile.py",
-    "tests/replay/test_repro.py",
+    "tests/test_docs.py",
+    "tests/replay/test_nanogpt_style.py",
+    "tests/replay/test_main_script.py",
     "tests/integrations/test_callbacks.py",
-    "tests/capture/test_precursors.py",
 ]
 
 

@@ -1,7 +1,7 @@
 """Every Python snippet in README.md and docs/INTEGRATIONS.md runs as written.
 
-Each snippet runs in its own process (frameworks keep global state; tests/snippet_runner.py forks it from a server
-that has imported torch and transformers once) after a prelude that makes the names
+Each snippet runs in its own process (frameworks keep global state; tests/fork_server.py forks it from a server
+that imported torch and transformers once) after a prelude that makes the names
 the documents say the reader brings: `model` (a tiny random GPT-2), `optimizer`, `scheduler`, `scaler`,
 `dataset` (one sample is corrupt), `batch_loader`, `loader`, `device`. The corrupt sample must stop the
 run with TrainingFaultError and leave a dump that `forensics verify` accepts.
@@ -9,15 +9,9 @@ run with TrainingFaultError and leave a dump that `forensics verify` accepts.
 
 from __future__ import annotations
 
-import json
 import os
-import queue
 import re
-import signal
 import socket
-import subprocess
-import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -61,51 +55,10 @@ def _free_port() -> int:
 SNIPPET_TIMEOUT = 600  # seconds: a snippet takes 5-15 s alone, a few times that on a busy 2-core machine
 
 
-class SnippetRunner:
-    """tests/snippet_runner.py in a process of its own: run(script, cwd) forks a fresh child for each script."""
+def _fork_server():
+    from forensics_test_helpers import load_test_module  # set by tests/conftest.py
 
-    def __init__(self):
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-        self.process = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("snippet_runner.py")), str(ROOT / "scripts" / "examples")],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        self.lines: queue.Queue = queue.Queue()
-        threading.Thread(target=lambda: [self.lines.put(line) for line in self.process.stdout] + [self.lines.put("")],
-                         daemon=True).start()
-
-    def _answer(self, timeout: float) -> dict:
-        try:
-            line = self.lines.get(timeout=timeout)
-        except queue.Empty:
-            return {}
-        if not line:
-            pytest.fail(f"the snippet runner died: {self.process.stderr.read()[-3000:]}")
-        return json.loads(line)
-
-    def run(self, script: Path) -> tuple[int, str, str]:
-        """Runs `script` as __main__ in its directory; returns (exit code, stdout, stderr). A hang fails the test."""
-        self.process.stdin.write(json.dumps({"script": str(script), "cwd": str(script.parent)}) + "\n")
-        self.process.stdin.flush()
-        pid = self._answer(SNIPPET_TIMEOUT)["pid"]
-        done = self._answer(SNIPPET_TIMEOUT)
-        out, err = ((script.parent / name).read_text(errors="replace") for name in ("stdout.txt", "stderr.txt"))
-        if not done:
-            os.kill(pid, signal.SIGKILL)
-            self._answer(60)
-            pytest.fail(f"{script.name} hung: no exit within {SNIPPET_TIMEOUT} s\n{out[-3000:]}\n{err[-3000:]}")
-        return done["code"], out, err
-
-    def close(self) -> None:
-        self.process.stdin.close()
-        self.process.wait(timeout=60)
-
-
-@pytest.fixture(scope="module")
-def runner():
-    started = SnippetRunner()
-    yield started
-    started.close()
+    return load_test_module("forensics_fork_server", Path(__file__).with_name("fork_server.py"))
 
 
 CASES = [("README.md", 0, None), ("docs/INTEGRATIONS.md", 0, None), ("docs/INTEGRATIONS.md", 1, "accelerate"),
@@ -114,7 +67,7 @@ CASES = [("README.md", 0, None), ("docs/INTEGRATIONS.md", 0, None), ("docs/INTEG
 
 
 @pytest.mark.parametrize("document, index, needs", CASES, ids=[f"{d}#{i}" for d, i, _ in CASES])
-def test_snippet_runs_as_written_and_dumps_the_corrupt_step(document, index, needs, tmp_path, runner):
+def test_snippet_runs_as_written_and_dumps_the_corrupt_step(document, index, needs, tmp_path):
     import importlib.util
 
     if needs and importlib.util.find_spec(needs) is None:
@@ -129,8 +82,16 @@ def test_snippet_runs_as_written_and_dumps_the_corrupt_step(document, index, nee
         "\n".join("    " + line for line in code.splitlines()) + \
         "\nexcept TrainingFaultError as fault:\n    print('DUMP', fault.dump_path)\n"
     (tmp_path / "snippet.py").write_text(script)
-    returncode, stdout, stderr = runner.run(tmp_path / "snippet.py")
-    assert returncode == 0, stdout[-3000:] + stderr[-5000:]
+    server = _fork_server()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
+    try:
+        done = server.shared(ROOT).run(tmp_path / "snippet.py", [], cwd=tmp_path, env=env, out_dir=tmp_path / "out",
+                                       timeout=SNIPPET_TIMEOUT)
+    except server.Timeout as hung:
+        pytest.fail(f"the snippet hung: no exit within {SNIPPET_TIMEOUT} s\n{hung.stdout[-3000:]}\n{hung.stderr[-3000:]}")
+    stdout, stderr = done.stdout, done.stderr
+    assert done.returncode == 0, stdout[-3000:] + stderr[-5000:]
     dumped = [line.split(" ", 1)[1] for line in stdout.splitlines() if line.startswith("DUMP ")]
     assert dumped and dumped[0] != "None", stdout[-2000:] + stderr[-3000:]
     from forensics.format import verify_dump
