@@ -40,6 +40,18 @@ class StepRecord:
         return float(loss_divisor or max(len(self.losses), 1))
 
 
+@dataclass(frozen=True)
+class Undumpable:
+    """Why an incident cannot be dumped at all (sync_free: a spike seen only after its update was applied)."""
+
+    why: str
+    """The line the dump budget counts it under."""
+    reason: str
+    """Its key in the manifest's `dump_budget.not_dumped`."""
+    error: str
+    """What the TrainingFaultError says under 'raise'."""
+
+
 @dataclass
 class Incident:
     """One trigger at one step, with everything the dump and the policy need."""
@@ -63,6 +75,10 @@ class Incident:
     agreed: bool = False
     """Every rank of a multi-rank job dumps this step (a trigger agreed at check()): the dump may exchange
     data between ranks (buddy copies) before writing."""
+    accumulation: int | None = None
+    """The step's micro-batch count when the record holds fewer (a step that raised part-way); None: the record's."""
+    undumpable: Undumpable | None = None
+    """Set when the incident cannot be dumped: the Guard still counts it and applies its policy."""
 
     @property
     def step_loss(self) -> float | None:

@@ -58,7 +58,7 @@ def ranks_per_node(world_size: int) -> int:
 
 
 def sole_shards(state: dict) -> dict[str, dict[str, LocalShard]]:
-    """The shards of a sharded state (`{"model", "optimizer"}` as collect_state returns them) that no other
+    """The shards of a sharded state (`{"model", "optimizer"}` as StateSource.collect returns them) that no other
     rank writes, by file and stored name."""
     found: dict[str, dict[str, LocalShard]] = {spec.MODEL: {}, spec.OPTIMIZER_TENSORS: {}}
     for name, value in state["model"].items():
