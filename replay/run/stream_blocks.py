@@ -310,6 +310,8 @@ class GradStore:
         held at once): faulting a pass's worth of fresh mapped pages in costs more than the copies."""
         self._slabs: list[list] = []
         """[pinned uint8 tensor, bytes used] of each slab."""
+        self._registered: list[torch.Tensor] = []
+        """Slabs registered with the driver (cudaHostRegister): unregistered before their memory is freed."""
         self.pinned_bytes = 0
         self.host_bytes = 0
         """Bytes of host buffers made (pinned, mapped or ordinary): at most what one pass held at once."""
@@ -360,12 +362,34 @@ class GradStore:
             if self.pinned_bytes + size > self.pinned_limit:
                 return None
             with torch.cuda.device(like.device):  # pinned for the gradient's device, not a context made on cuda:0
-                slab = [torch.empty(size, dtype=torch.uint8, pin_memory=True), 0]
+                slab = [self._pinned_slab(size), 0]
             self._slabs.append(slab)
             self.pinned_bytes += size
         start = slab[1]
         slab[1] += span
         return slab[0][start:start + nbytes].view(like.dtype).view(like.shape)
+
+    def _pinned_slab(self, size: int) -> torch.Tensor:
+        """`size` bytes of page-locked memory: ordinary memory faulted in by torch's threads, then registered with
+        the driver (8.5 GiB/s on a 32-core host, against 2.2 GiB/s for cudaHostAlloc, which zeroes and locks page by
+        page on one thread: BENCHMARKS.md, scripts/bench/pinned_alloc.py); cudaHostAlloc where registering fails."""
+        slab = torch.empty(size, dtype=torch.uint8)
+        slab.zero_()
+        cudart = torch.cuda.cudart()
+        if int(cudart.cudaHostRegister(slab.data_ptr(), size, 0)) == 0:
+            self._registered.append(slab)
+            return slab
+        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+
+    def _unregister(self) -> None:
+        """The registered slabs unlocked, once every copy that may still touch them is done."""
+        if not self._registered:
+            return
+        torch.cuda.synchronize()
+        cudart = torch.cuda.cudart()
+        for slab in self._registered:
+            cudart.cudaHostUnregister(slab.data_ptr())
+        self._registered.clear()
 
     def put(self, name: str, grad: torch.Tensor, kept: bool = False) -> None:
         host = self._host(grad)
@@ -398,6 +422,7 @@ class GradStore:
     def close(self) -> None:
         self.clear()
         self._free.clear()
+        self._unregister()
         self._slabs.clear()
         self.pinned_bytes = 0
         if self._dir is not None:
