@@ -1,8 +1,8 @@
 """The Guard's synchronous check (the default mode): the step's numbers read on the host in one transfer, the
 detectors asked, the history and flight recorder fed, and a trigger turned into an `Incident`.
 
-GuardConfig.sync_free replaces it with capture/check/sync_free.py. Both take what they read (configuration, state
-source, recorders) and return an `Incident` or None: the Guard dumps it and applies its policy.
+GuardConfig.detection.sync_free replaces it with capture/check/sync_free.py. Both take what they read
+(configuration, state source, recorders) and return an `Incident` or None: the Guard dumps it and applies its policy.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class SyncCheck:
         """The step's Incident when a detector fired (the Guard dumps it and applies its policy), else None."""
         config, state = self.config, self.state
         losses, norm, loss_scale, agreed = self._gather(record, grad_norm, step)
-        divisor = record.divisor(config.loss_divisor)
+        divisor = record.divisor(config.detection.loss_divisor)
         step_loss = sum(losses) / divisor if losses else None
         scaler_overflow = loss_scale is not None and norm is not None and not math.isfinite(norm)
         trigger = self.detectors.detect(losses, norm, step_loss, loss_scale, agreed)
@@ -62,7 +62,7 @@ class SyncCheck:
         agreed_precursor = monitor.agreed_trigger(self.precursors, agreed, other=trigger is not None)
         if agreed_precursor is not None:
             trigger, policy = agreed_precursor, Policy.CONTINUE
-        lr, was_clipped = snapshot.current_lr(state.optimizer), clipped(norm, config.max_grad_norm)
+        lr, was_clipped = snapshot.current_lr(state.optimizer), clipped(norm, config.detection.max_grad_norm)
         self.history.append(step, step_loss, norm, lr, loss_scale, was_clipped,
                             policy is Policy.SKIP or scaler_overflow, self.detectors.note_suppressed(step))
         self.window.append(WindowStep(step, list(record.sample_ids), list(record.rng), lr, loss_scale, divisor,
@@ -96,8 +96,8 @@ class SyncCheck:
         row = precursors.pending_row() if precursors is not None else None  # the last sampled step's
         agreed = None
         if state.ranks.multi_rank:
-            host, agreed = agree(values, n, divisor=record.divisor(self.config.loss_divisor),
-                                 min_loss_scale=self.config.min_loss_scale, sharded_grad_norm=sharded,
+            host, agreed = agree(values, n, divisor=record.divisor(self.config.detection.loss_divisor),
+                                 min_loss_scale=self.config.detection.min_loss_scale, sharded_grad_norm=sharded,
                                  precursor_fired=precursors is not None and precursors.awaiting is not None)
             row_values = row.tolist() if row is not None else None  # done on the device long since: no wait
         else:
@@ -111,8 +111,8 @@ class SyncCheck:
 
 
 def take_snapshot(state: StateSource, snapshots: HostSnapshots, step: int) -> None:
-    """GuardConfig.snapshot_every: host copies of the state the state source names; turned off, with the reason,
-    when it names none or copying fails (a snapshot is a convenience; the job goes on without it)."""
+    """GuardConfig.recording.snapshot_every: host copies of the state the state source names; turned off, with the
+    reason, when it names none or copying fails (a snapshot is a convenience; the job goes on without it)."""
     try:
         references, why_not = state.snapshot()
         if references is None:

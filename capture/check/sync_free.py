@@ -1,4 +1,5 @@
-"""The Guard's sync-free mode (GuardConfig.sync_free): the step is skipped on the device, and judged one step later.
+"""The Guard's sync-free mode (GuardConfig.detection.sync_free): the step is skipped on the device, judged one step
+later.
 
 The default check reads the step's losses and grad norm on the host before optimizer.step(), which
 stalls the host until the GPU has finished backward, so the optimizer's kernel launches are no longer
@@ -18,7 +19,7 @@ attributes GradScaler sets (`_step_supports_amp_scaling`: fused Adam / AdamW / S
    IS its pre-step state: it is dumped with that step's micro-batches, RNG, losses, and the scheduler
    state and optimizer hyper-parameters saved at its check.
 
-Limits: see the GuardConfig.sync_free docstring (capture/config.py).
+Limits: see the GuardConfig.detection.sync_free docstring (capture/config.py).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def unsupported(config: GuardConfig, state: StateSource) -> str | None:
                 "AdamW(fused=True))")
     if scaler is not None and getattr(scaler, "is_enabled", lambda: True)():
         return "a GradScaler is enabled (it sets found_inf itself)"
-    if config.verify_update:
+    if config.detection.verify_update:
         return "verify_update copies the state before every step"
     if state.ranks.multi_rank:
         return "several ranks must agree on each step before it is applied"
@@ -105,7 +106,8 @@ class SyncFree:
             reason = unsupported(self.config, self.state)
             self._active = reason is None
             if reason:
-                log.warning("forensics: GuardConfig.sync_free is ignored: %s; using the synchronous check", reason)
+                log.warning("forensics: GuardConfig.detection.sync_free is ignored: %s; using the synchronous check",
+                            reason)
             else:
                 self.add_hook(self.state.optimizer.register_step_post_hook(_clear_found_inf))
         return self._active
@@ -143,7 +145,7 @@ class SyncFree:
                  for group in optimizer.param_groups]
         self.pending = Pending(step, record, len(record.losses), host, device_index, buffer, landed,
                                snapshot.current_lr(optimizer), snapshot.scheduler_state(state.scheduler), hyper,
-                               record.divisor(self.config.loss_divisor))
+                               record.divisor(self.config.detection.loss_divisor))
 
     def quarantine(self) -> None:
         """A CUDA error poisoned the context: the pending step's pinned buffer is never freed (see
@@ -171,8 +173,9 @@ class SyncFree:
         step_loss = sum(losses) / divisor if losses else None
         trigger = self.detectors.detect(losses, norm, step_loss, None)
         spike = trigger is not None and trigger.kind.spike
-        self.history.append(pending.step, step_loss, norm, pending.lr, None, clipped(norm, self.config.max_grad_norm),
-                            trigger is not None and not spike, self.detectors.note_suppressed(step))
+        self.history.append(pending.step, step_loss, norm, pending.lr, None,
+                            clipped(norm, self.config.detection.max_grad_norm), trigger is not None and not spike,
+                            self.detectors.note_suppressed(step))
         if trigger is None:
             return None
         policy = self.config.policy_for(trigger.kind)

@@ -1,5 +1,5 @@
-"""GuardConfig.verify_update: the state is copied before each optimizer step, and an update that makes a finite
-parameter non-finite is dumped as a `nonfinite_param` incident with that copy as its pre-step state."""
+"""GuardConfig.detection.verify_update: the state is copied before each optimizer step, and an update that makes a
+finite parameter non-finite is dumped as a `nonfinite_param` incident with that copy as its pre-step state."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ class UpdateCheck:
                           f"the optimizer update of step {step} made parameter {bad} non-finite")
         norm = self.history.to_dict()["grad_norm"][-1] if len(self.history) else float("nan")
         self.report(Incident(trigger, step, record, [float(v) for v in record.losses], norm,
-                             record.divisor(self.config.loss_divisor), self.config.policy_for(trigger.kind),
+                             record.divisor(self.config.detection.loss_divisor), self.config.policy_for(trigger.kind),
                              state=state))
 
 

@@ -30,6 +30,7 @@ from capture.record.incident import Incident, batch_size, json_ids
 from capture.record.window import FlightRecorder
 from capture.state import buddy, snapshot
 from capture.state.host_snapshots import HostSnapshots
+from capture.state.recipe import default_loss_fits
 from capture.state.source import StateSource
 from forensics.errors import CaptureError
 from forensics.format.writer import DumpContent, dump_path, remove_rank_dump, write_dump
@@ -48,19 +49,22 @@ class Dumper:
         config: the Guard's configuration; run_id: the run's dump folder.
         state: the state source: the objects whose state is dumped, the state, recipe and distribution.
         history, window, snapshots: the recorders whose contents go into every dump.
-        script: the training script's source, for a recipe naming a function of it.
         on_device_lost: called when a dump finds the CUDA context unusable (sync_free's buffers are then never
             reused).
     """
 
     def __init__(self, config: GuardConfig, run_id: str, state: StateSource, history: History,
-                 window: FlightRecorder, snapshots: HostSnapshots, script: MainScript | None = None,
-                 on_device_lost: Callable[[], None] = lambda: None):
+                 window: FlightRecorder, snapshots: HostSnapshots, on_device_lost: Callable[[], None] = lambda: None):
         self.config, self.run_id, self.state = config, run_id, state
         self.history, self.window, self.snapshots = history, window, snapshots
         self.on_device_lost = on_device_lost
-        self.script = script or MainScript({})
+        recipe = state.recipe()
+        self.script = MainScript(recipe)
         """The training script's source, for a recipe naming a function of it (capture/dump/main_script.py)."""
+        unfit = default_loss_fits(state.model, recipe, config.dumping.recipe)
+        if unfit:  # said now, at the start of the job, not when a dump is made
+            log.warning("forensics: %s", unfit)
+        environment.environment()  # versions, git commit: read now, not while a fault is being dumped
         self.dumps: list[Path] = []
         self.errors: list[str] = []
         # The run's dump budgets (capture/dump/budget.py): a place is taken when a dump starts (background writes
@@ -95,7 +99,7 @@ class Dumper:
         if admission.why_not is not None:
             return None, admission.why_not
         background = incident.trigger.kind.spike and incident.policy is Policy.CONTINUE \
-            and self.config.background_write
+            and self.config.dumping.background_write
         with deferred_termination():
             outcome = self._write(incident, admission, background=background)
         if background:
@@ -139,13 +143,13 @@ class Dumper:
         log.warning("forensics: dump written to %s — replay it with: forensics replay %s", path, path)
         if admission is not None and admission.replaces is not None:
             self._remove_spike_dump(admission.replaces.step, path)
-        if config.upload:
-            send_dump(path, config.upload, config.tensorboard_dir)
-        if config.on_dump is not None:
+        if config.dumping.upload:
+            send_dump(path, config.dumping.upload, config.dumping.tensorboard_dir)
+        if config.dumping.on_dump is not None:
             try:
-                config.on_dump(path)
+                config.dumping.on_dump(path)
             except Exception:  # noqa: BLE001 - the user's hook must not stop the job either
-                log.exception("forensics: GuardConfig.on_dump raised for %s", path)
+                log.exception("forensics: GuardConfig.dumping.on_dump raised for %s", path)
 
     def _failed(self, message: str, kind: TriggerKind | None = None, admission: Admission | None = None) -> None:
         if kind is not None and admission is not None:  # several ranks: the attempt counts (dump_budget)
@@ -165,7 +169,7 @@ class Dumper:
                 if old in self.dumps:
                     self.dumps.remove(old)
                 log.warning("forensics: spike dump of step %d deleted: replaced by the larger spike at %s "
-                            "(GuardConfig.max_spike_dumps keeps the first and the largest)", step, larger)
+                            "(GuardConfig.dumping.max_spike_dumps keeps the first and the largest)", step, larger)
             except Exception as exc:  # noqa: BLE001 - a dump left on disk costs space, never the job
                 log.error("forensics: could not delete the replaced spike dump %s: %s", old, exc)
 
@@ -196,9 +200,9 @@ class Dumper:
         return {**self.window.files(step), **self.script.files()}
 
     def _buddy_copies(self, state: dict, incident: Incident) -> list:
-        """Sharded layout with GuardConfig.shard_replicas >= 2: the shards only other ranks hold, received from
+        """Sharded layout with GuardConfig.dumping.shard_replicas >= 2: the shards only other ranks hold, received from
         them (capture/state/buddy.py) — only in a dump every rank makes, before any rank writes."""
-        ranks, replicas = self.state.ranks, self.config.shard_replicas
+        ranks, replicas = self.state.ranks, self.config.dumping.shard_replicas
         if "layout" not in state or replicas < 2 or not incident.agreed:
             return []
         return buddy.exchange(buddy.sole_shards(state), ranks.rank, ranks.world_size, replicas)
@@ -266,17 +270,17 @@ class Dumper:
             "determinism": environment.determinism_flags(),
             "environment": environment.environment(),
             "recipe": self.script.describe(source.recipe()),
-            "recheck": recheck(source.model, source.loss_fn, config.sample_id_key, incident) if config.recheck
-            else {"performed": False},
+            "recheck": recheck(source.model, source.loss_fn, config.recording.sample_id_key, incident)
+            if config.dumping.recheck else {"performed": False},
             "missing_ranks": [],
             "dump_budget": self.budget.manifest(),
         }
         window = self.window.steps_before(step)
         if window:
             manifest["window"] = {"first_step": window[0], "last_step": window[-1], "steps": len(window),
-                                  "max_grad_norm": config.max_grad_norm}
-        if config.data_recipe:
-            manifest["data_recipe"] = dict(config.data_recipe)
+                                  "max_grad_norm": config.detection.max_grad_norm}
+        if config.dumping.data_recipe:
+            manifest["data_recipe"] = dict(config.dumping.data_recipe)
         distribution = source.distribution()
         if distribution is not None:
             manifest["distributed"] = distribution
@@ -304,8 +308,8 @@ def _scaler_state(scaler: Any) -> dict | None:
 
 
 def recheck(model: torch.nn.Module, loss_fn: Callable | None, sample_id_key: str, incident: Incident) -> dict:
-    """Megatron-style in-job re-check (GuardConfig.recheck): recompute the failing micro-batch's loss with its RNG;
-    `loss_fn` None: the default loss, which drops the batch's `sample_id_key`."""
+    """Megatron-style in-job re-check (GuardConfig.dumping.recheck): recompute the failing micro-batch's loss with its
+    RNG; `loss_fn` None: the default loss, which drops the batch's `sample_id_key`."""
     record, index = incident.record, incident.trigger.micro_batch
     if index is None or index >= len(record.batches) or incident.exception:
         return {"performed": False}

@@ -13,7 +13,6 @@ the loss scale has fallen to DeepSpeed's `min_loss_scale`.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import math
@@ -124,7 +123,7 @@ class DeepSpeedState(StateSource):
             self.layout_used = StateLayout.SHARDED
             local = {"model": self._local_weights(), "optimizer": self._optimizer_state(self._local_value)}
             parts, table = sharding.shard_state(local, self.ranks.rank, self.ranks.world_size,
-                                                self.config.shard_replicas, copy)
+                                                self.config.dumping.shard_replicas, copy)
             return {**parts, "layout": table}
         self.layout_used = StateLayout.FULL
         if not self.sharded:
@@ -138,12 +137,12 @@ class DeepSpeedState(StateSource):
         return None, "DeepSpeed's state lives in its engine; pass your checkpoint to --from"
 
     def _zero_layout(self) -> StateLayout:
-        """ZeRO partitions its state: sharded unless GuardConfig.state_layout says "full" (every rank gathers)."""
+        """ZeRO partitions its state: sharded unless DumpConfig.state_layout says "full" (every rank gathers)."""
         numel = sum(math.prod(thirdparty.full_shape(p)) for p in self.model.parameters())
         state_bytes = numel * (torch.tensor([], dtype=self.lp_dtype).element_size() + 12)  # + fp32 master, 2 moments
         ranks = self.ranks
-        return sharding.choose_layout(self.config.state_layout, ranks.world_size if ranks.multi_rank else 1,
-                                      True, state_bytes, self.config.full_state_max_bytes)
+        return sharding.choose_layout(self.config.dumping.state_layout, ranks.world_size if ranks.multi_rank else 1,
+                                      True, state_bytes, self.config.dumping.full_state_max_bytes)
 
     def _local_weights(self) -> dict[str, Any]:
         """This rank's weights: ZeRO-3 partitions as flat shards; replicated weights (ZeRO-1/2) whole (the ranks
@@ -355,23 +354,23 @@ class DeepSpeedGuard(DistributedGuard):
         config = config or GuardConfig()
         defaults = GuardConfig()
         changes: dict[str, Any] = {}
-        if config.loss_divisor is None:
+        if config.detection.loss_divisor is None:
             changes["loss_divisor"] = float(engine.gradient_accumulation_steps())
-        if config.max_grad_norm is None and engine.gradient_clipping():
+        if config.detection.max_grad_norm is None and engine.gradient_clipping():
             changes["max_grad_norm"] = float(engine.gradient_clipping())
-        if scaler is not None and config.min_loss_scale == defaults.min_loss_scale:
+        if scaler is not None and config.detection.min_loss_scale == defaults.min_loss_scale:
             changes["min_loss_scale"] = scaler.min_scale()
-        if config.verify_update:
+        if config.detection.verify_update:
             log.warning("forensics: verify_update is not supported under DeepSpeed (its optimizer steps flat "
                         "shards); it is turned off")
             changes["verify_update"] = False
-        if config.recheck and self.zero_stage == 3:
+        if config.dumping.recheck and self.zero_stage == 3:
             log.warning("forensics: recheck is off under ZeRO-3: a forward on one rank alone would hang")
             changes["recheck"] = False
-        if config.on_nonfinite == "skip":
+        if config.detection.on_nonfinite == "skip":
             log.warning("forensics: the 'skip' policy cannot stop engine.step() under DeepSpeed; faults are "
                         "dumped and training goes on")
-        config = dataclasses.replace(config, **changes)
+        config = config.replace(**changes)
         super().__init__(engine.module, optimizer, getattr(engine, "lr_scheduler", None), scaler,
                          config=config, loss_fn=loss_fn, state=functools.partial(DeepSpeedState, engine))
         self._in_step_hook = False

@@ -290,13 +290,23 @@ def agreed_trigger(monitor: PrecursorMonitor | None, agreement: Any, other: bool
 
 
 def judge(monitor: PrecursorMonitor, step: int, record: StepRecord, *, healthy: bool, dumped: bool,
-          state: StateSource, history: History, divisor: float) -> Incident | None:
+          state: StateSource, history: History, report: Callable[[Incident], Any]) -> None:
     """Guard.check()'s precursor step: when a statistic fired in the row this check() read (the last sampled
-    step's: this step's or one before it) on a `healthy` step, the Incident that dumps this step under policy
-    'continue' — unless it was `dumped` already for an incident of its own (the next step then) or one rank's dump
-    would not hold the whole state (sharded over the ranks: FSDP2, ZeRO, tensor parallel, GuardConfig.state_layout
+    step's: this step's or one before it) on a `healthy` step, `report`s the Incident that dumps this step under
+    policy 'continue' — unless it was `dumped` already for an incident of its own (the next step then) or one rank's
+    dump would not hold the whole state (sharded over the ranks: FSDP2, ZeRO, tensor parallel, DumpConfig.state_layout
     "sharded"): the firing then waits (`awaiting`), the next check()'s all-reduce tells every rank, and all dump
-    that step together (`agreed_trigger`). None: nothing to dump now."""
+    that step together (`agreed_trigger`). Never raises."""
+    try:
+        incident = _incident(monitor, step, record, healthy, dumped, state, history)
+        if incident is not None:
+            report(incident)
+    except Exception:  # noqa: BLE001 - capture must never stop a healthy job
+        log.exception("forensics: precursors: step %d could not be judged", step)
+
+
+def _incident(monitor: PrecursorMonitor, step: int, record: StepRecord, healthy: bool, dumped: bool,
+              state: StateSource, history: History) -> Incident | None:
     if not healthy:
         monitor.note_step(step, healthy=False)
     firings = monitor.take_firings()
@@ -323,7 +333,8 @@ def judge(monitor: PrecursorMonitor, step: int, record: StepRecord, *, healthy: 
     losses = [float(v.float().mean()) if isinstance(v, torch.Tensor) else float(v)
               for v in record.losses]  # a few scalars, read only when a precursor fires
     norm = history.to_dict()["grad_norm"][-1] if len(history) else None
-    return Incident(trigger, step, record, losses, norm, divisor, Policy.CONTINUE)
+    return Incident(trigger, step, record, losses, norm, record.divisor(state.config.detection.loss_divisor),
+                    Policy.CONTINUE)
 
 
 def attach(model: torch.nn.Module, optimizer: Any, scaler: Any, config: PrecursorConfig | None, *, sync_free: bool,

@@ -117,13 +117,14 @@ def first_sight(exc: BaseException) -> bool:
 
 
 def raised_incident(exc: BaseException, current: StepRecord | None, *, step: int, last_step: StepRecord | None,
-                    stopped: TrainingFaultError | None, optimizer_steps: OptimizerSteps, state: StateSource,
-                    loss_divisor: float | None) -> Incident | None:
+                    stopped: TrainingFaultError | None, optimizer_steps: OptimizerSteps, state: StateSource
+                    ) -> Incident | None:
     """The Incident of the step that raised `exc` (Guard.record_exception dumps it), or None when there is nothing
     to dump. The step is `current`, the step in progress (number `step`), or — raised after check(), `current`
     None — the step last checked (`last_step`), or the next one's pre-step state when the update had finished (the
     loop's own code raised between steps: `optimizer_steps` tells). `stopped`: the TrainingFaultError check()
-    raised last, if the job goes on after it. `state`: whether reading the state is a collective; its buffers."""
+    raised last, if the job goes on after it. `state`: whether reading the state is a collective; its buffers and
+    configuration."""
     if not first_sight(exc):
         return None  # already dumped by check(), or by an outer capture_errors() / the excepthook
     if current is None and stopped is not None:
@@ -148,7 +149,7 @@ def raised_incident(exc: BaseException, current: StepRecord | None, *, step: int
     if where is not None and where.state_holds is StateHolds.AFTER_UPDATE:
         state.buffers.take_before_forward()  # the next step's pre-step buffers are the ones now
     incident = step_incident(exc, record, step if current is not None else step - 1, where, multi_rank,
-                             record.divisor(loss_divisor))
+                             record.divisor(state.config.detection.loss_divisor))
     if incident.trigger.kind is TriggerKind.EXCEPTION and last_step is not None:
         incident.accumulation = max(len(incident.record.batches), len(last_step.batches))
     log.error("forensics: step %d rank %d raised %s; dumping the step", incident.step, state.ranks.rank,
@@ -243,14 +244,15 @@ _PREVIOUS: list[Any] = []
 
 def _excepthook(exc_type, exc, tb) -> None:
     if isinstance(exc, Exception):
-        for guard in list(_WATCHED):
-            guard.record_exception(exc)  # never raises; dumps only a guard with a step in progress
+        for recorder in list(_WATCHED):
+            recorder.record_exception(exc)  # never raises; a Guard dumps only a step in progress
     (_PREVIOUS[0] if _PREVIOUS else sys.__excepthook__)(exc_type, exc, tb)
 
 
-def watch(guard: RecordsExceptions) -> None:
-    """Has uncaught exceptions dump `guard`'s step in progress. One hook for every Guard of the process,
-    chained to the previous one, holding the guards weakly (a Guard that is dropped is not kept alive)."""
+def watch(recorder: RecordsExceptions) -> None:
+    """Has uncaught exceptions go to `recorder.record_exception` (a Guard: it dumps its step in progress). One hook
+    for every Guard of the process, chained to the previous one, holding them weakly (a Guard that is dropped is not
+    kept alive)."""
     if nccl_watchdog_aborts_on_cuda_errors():
         log.warning("forensics: NCCL's watchdog aborts this process on a CUDA error (a device-side assert), which can "
                     "end the rank before its dump is written; to let the dump finish and the job fail with its own "
@@ -258,11 +260,11 @@ def watch(guard: RecordsExceptions) -> None:
     if sys.excepthook is not _excepthook:
         _PREVIOUS[:] = [sys.excepthook]
         sys.excepthook = _excepthook
-    _WATCHED.add(guard)
+    _WATCHED.add(recorder)
 
 
-def unwatch(guard: RecordsExceptions) -> None:
-    """Guard.close(): this guard no longer dumps uncaught exceptions; the hook goes once none is watched."""
-    _WATCHED.discard(guard)
+def unwatch(recorder: RecordsExceptions) -> None:
+    """Guard.close(): this Guard no longer dumps uncaught exceptions; the hook goes once none is watched."""
+    _WATCHED.discard(recorder)
     if not _WATCHED and sys.excepthook is _excepthook:
         sys.excepthook = _PREVIOUS[0] if _PREVIOUS else sys.__excepthook__

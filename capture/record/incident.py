@@ -35,7 +35,7 @@ class StepRecord:
     autocast: dict | None = None
 
     def divisor(self, loss_divisor: float | None) -> float:
-        """What the step loss divides the summed micro-batch losses by (GuardConfig.loss_divisor, else the
+        """What the step loss divides the summed micro-batch losses by (GuardConfig.detection.loss_divisor, else the
         number of micro-batch losses recorded)."""
         return float(loss_divisor or max(len(self.losses), 1))
 

@@ -65,7 +65,28 @@ class StepRecorder:
         except Exception:  # noqa: BLE001 - capture must never break the job
             log.exception("forensics: record_batch failed; this step will not be capturable")
 
+    def note_autocast(self, module: torch.nn.Module, args: Any) -> None:
+        """Forward pre-hook on the model: the autocast state the step actually runs under (read once per step)."""
+        if self.current is not None and self.current.autocast is None:
+            self.current.autocast = autocast_settings()
+
     def take(self) -> StepRecord:
         """The step's record (an empty one when nothing was recorded); the next call starts a new step."""
         record, self.current = self.current or StepRecord(), None
         return record
+
+
+def autocast_settings() -> dict:
+    """The autocast state active right now (called from inside the user's forward context)."""
+    for device_type in ("cuda", "cpu"):
+        try:
+            enabled = torch.is_autocast_enabled(device_type)
+        except TypeError:  # torch < 2.4 has no device argument
+            enabled = torch.is_autocast_enabled() if device_type == "cuda" else torch.is_autocast_cpu_enabled()
+        if enabled:
+            try:
+                dtype = torch.get_autocast_dtype(device_type)
+            except (AttributeError, TypeError):
+                dtype = torch.get_autocast_gpu_dtype() if device_type == "cuda" else torch.get_autocast_cpu_dtype()
+            return {"enabled": True, "device_type": device_type, "dtype": str(dtype).removeprefix("torch.")}
+    return {"enabled": False, "device_type": None, "dtype": None}

@@ -1,4 +1,4 @@
-"""Buddy copies of the shards only one rank holds (GuardConfig.shard_replicas >= 2), exchanged before writing.
+"""Buddy copies of the shards only one rank holds (GuardConfig.dumping.shard_replicas >= 2), exchanged before writing.
 
 A plain FSDP2 / tensor-parallel shard or a ZeRO partition lives on one rank: if that rank (or its node) dies
 while writing its dump, the state cannot be rebuilt. With `shard_replicas = k`, before any rank starts

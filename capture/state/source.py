@@ -16,6 +16,7 @@ specialises it for ZeRO's flat partitions (capture/integrations/deepspeed.py). W
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -29,6 +30,8 @@ from capture.state.recipe import build_recipe
 from forensics import thirdparty
 from forensics.grad_norm import total_grad_norm
 from forensics.kinds import StateLayout
+
+log = logging.getLogger(__name__)
 
 
 def distributed() -> bool:
@@ -64,7 +67,8 @@ class StateSource:
 
     Args:
         model: the unwrapped module; optimizer, scheduler, scaler: as given to the Guard.
-        config: the Guard's configuration (state layout, recipe, sample-ID key).
+        config: the Guard's configuration (state layout, recipe, sample-ID key); a source may turn off what its state
+            cannot do (`config` then differs from the one given: the Guard takes it).
         ranks: who this process is.
         loss_fn: the loss the recipe names and the in-job re-check calls.
     """
@@ -86,7 +90,7 @@ class StateSource:
         self.own_norm_unscaled = False
         """The last grad_norm() divided the loss scale out of gradients a scaler still held scaled."""
         self.layout_used: StateLayout | None = None
-        """The state layout of the last collect() (GuardConfig.state_layout resolved)."""
+        """The state layout of the last collect() (GuardConfig.dumping.state_layout resolved)."""
         self.integration: dict | None = None
         """A framework adapter's `{"framework": ...}`: the manifest's `distributed` section names it (even on one
         rank). None: the section is written only with several ranks."""
@@ -110,14 +114,14 @@ class StateSource:
     # -- the state a dump writes -----------------------------------------------------------------
     def collect(self, copy: snapshot.HostCopy) -> dict:
         """Name-keyed pre-step state: `{"model": {name: tensor}, "optimizer": {...}}` (docs/DUMP_FORMAT.md), the
-        full state, or, in the sharded layout (GuardConfig.state_layout), this rank's part of it plus `"layout"`,
+        full state, or, in the sharded layout (DumpConfig.state_layout), this rank's part of it plus `"layout"`,
         the table of the complete state. Tensors go through `copy` (a no-op unless the dump is written in the
         background)."""
         full_form = self.references()
         self.layout_used = self._layout(full_form)
         if self.layout_used is StateLayout.SHARDED:
             state, table = sharding.shard_state(full_form, self.ranks.rank, self.ranks.world_size,
-                                                self.config.shard_replicas, copy)
+                                                self.config.dumping.shard_replicas, copy)
             return {**state, "layout": table}
         return sharding.full_state(full_form, copy)
 
@@ -131,12 +135,13 @@ class StateSource:
         """The state a host snapshot copies (references, full layout), or (None, why a snapshot is not taken)."""
         full_form = self.references()
         if self._layout(full_form) is StateLayout.SHARDED:
-            return None, "the state is written sharded across ranks (GuardConfig.state_layout)"
+            return None, "the state is written sharded across ranks (GuardConfig.dumping.state_layout)"
         return full_form, None
 
     def _layout(self, full_form: dict) -> StateLayout:
-        return sharding.choose_layout(self.config.state_layout, self.ranks.world_size if self.ranks.multi_rank else 1,
-                                      self.dtensors, sharding.state_bytes(full_form), self.config.full_state_max_bytes)
+        dumping, ranks = self.config.dumping, self.ranks
+        return sharding.choose_layout(dumping.state_layout, ranks.world_size if ranks.multi_rank else 1, self.dtensors,
+                                      sharding.state_bytes(full_form), dumping.full_state_max_bytes)
 
     @property
     def is_collective(self) -> bool:
@@ -154,7 +159,7 @@ class StateSource:
     # -- what the manifest says about it ---------------------------------------------------------
     def recipe(self) -> dict:
         """The manifest's `recipe`: import paths of the model factory and loss, never executed here."""
-        return build_recipe(self.model, self.loss_fn, self.config.sample_id_key, self.config.recipe)
+        return build_recipe(self.model, self.loss_fn, self.config.recording.sample_id_key, self.config.dumping.recipe)
 
     def distribution(self) -> dict | None:
         """The manifest's optional `distributed` section (None: omitted): the adapter's framework, or with several
@@ -180,6 +185,10 @@ class DTensorState(StateSource):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.fsdp_units = sharding.fsdp_units(self.model)
+        if self.config.dumping.recheck:  # the Guard takes this config
+            log.warning("forensics: recheck is off for a DTensor (FSDP2 / tensor-parallel) model: a forward on the "
+                        "ranks that saw the fault alone would wait forever for the others")
+            self.config = self.config.replace(recheck=False)
 
     def _norm_of(self, grads: list[torch.Tensor]) -> torch.Tensor | float | None:
         return sharding.shard_grad_norm(grads)
