@@ -358,7 +358,7 @@ class DeepSpeedGuard(DistributedGuard):
             changes["loss_divisor"] = float(engine.gradient_accumulation_steps())
         if config.detection.max_grad_norm is None and engine.gradient_clipping():
             changes["max_grad_norm"] = float(engine.gradient_clipping())
-        if scaler is not None and config.detection.min_loss_scale == defaults.min_loss_scale:
+        if scaler is not None and config.detection.min_loss_scale == defaults.detection.min_loss_scale:
             changes["min_loss_scale"] = scaler.min_scale()
         if config.detection.verify_update:
             log.warning("forensics: verify_update is not supported under DeepSpeed (its optimizer steps flat "
