@@ -133,12 +133,13 @@ class Guard:
             return True
         step = self.step_number() if step is None else step
         self.step = self.step if step is None else step
-        record, self.stopped = self.recorder.take(), None  # a job that caught a TrainingFaultError trains on
+        record, self.recorder.current = self.recorder.current or StepRecord(), None  # the next batch starts a step
+        self.stopped = None  # a job that caught the last TrainingFaultError trains on
         self.optimizer_steps.checked()
         self.first_step.look(record)
         decision = sync_free = True
         try:
-            sync_free = self.checks.sync_free_active()  # sync-free: the device skipped a bad update already
+            sync_free = self.checks.sync_free is not None and self.checks.sync_free.active()  # skipped on the device
             for incident in self.checks.incidents(record, grad_norm, self.step, sync_free):
                 decision = self.handle_incident(incident) or sync_free
         except TrainingFaultError as fault:
@@ -166,8 +167,7 @@ class Guard:
     def handle_incident(self, incident: Incident) -> bool:
         """Dumps the incident (within the caps) and applies its policy: False when the step must be skipped ('skip'),
         else True. Raises TrainingFaultError under 'raise', after the dump was written (or failed to be)."""
-        trigger, policy = incident.trigger, incident.policy
-        self.last_incident_step = incident.step
+        trigger, policy, self.last_incident_step = incident.trigger, incident.policy, incident.step
         admission = self.dumper.admit(incident)  # one not dumped is counted and logged once per window there
         if incident.undumpable is None and (admission.why_not is None or policy is not Policy.CONTINUE):
             log.warning("forensics: step %d rank %d: %s (policy: %s)", incident.step, self.rank, trigger.message,

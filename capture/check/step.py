@@ -7,7 +7,7 @@ Either way a check only reports: it yields the Incidents the Guard then dumps an
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from capture.check.detectors import StepDetectors
 from capture.check.sync import SyncCheck
@@ -40,22 +40,21 @@ class StepCheck:
         self.sync_free = SyncFree(config, self.detectors, state, history, add_hook) if config.detection.sync_free \
             else None
 
-    def sync_free_active(self) -> bool:
-        """Whether this step runs sync-free (decided at the first check: one warning when it cannot)."""
-        return self.sync_free is not None and self.sync_free.active()
+    def incidents(self, record: StepRecord, grad_norm: Any, step: int, sync_free: bool) -> Iterable[Incident]:
+        """The Incidents of this check of `step` (none on a healthy step: the hot path makes no generator).
+        Sync-free: the previous step's (judged now); this step's copies start only once the caller has handled it,
+        so a TrainingFaultError raised for it leaves this step unstarted, as the synchronous mode leaves its step
+        unapplied."""
+        if sync_free:
+            return self._sync_free_incidents(record, grad_norm, step)
+        incident = self.sync.check(record, grad_norm, step)
+        return () if incident is None else (incident,)
 
-    def incidents(self, record: StepRecord, grad_norm: Any, step: int, sync_free: bool) -> Iterator[Incident]:
-        """The Incidents of this check of `step`. Sync-free: the previous step's (judged now); this step's copies
-        start only once the caller has handled it, so a TrainingFaultError raised for it leaves this step unstarted,
-        as the synchronous mode leaves its step unapplied."""
-        if not sync_free:
-            incident = self.sync.check(record, grad_norm, step)
-        else:
-            incident = self.sync_free.resolve(step)
+    def _sync_free_incidents(self, record: StepRecord, grad_norm: Any, step: int) -> Iterator[Incident]:
+        incident = self.sync_free.resolve(step)
         if incident is not None:
             yield incident
-        if sync_free:
-            self.sync_free.start(record, grad_norm, step)
+        self.sync_free.start(record, grad_norm, step)
 
     def flush(self, step: int, report: Callable[[Incident], Any]) -> None:
         """Sync-free: judges the step still waiting (Guard.flush / close) and `report`s its Incident, if it failed.

@@ -34,7 +34,7 @@ def loss_value(loss: Any) -> torch.Tensor | float | None:
 
 
 class StepRecorder:
-    """The step in progress (`current`), built by `batch` (and Guard.record_loss) and handed to check() by `take`.
+    """The step in progress (`current`), built by `batch` (and Guard.record_loss) and taken by check().
 
     Args:
         sample_id_key: the batch field holding the samples' IDs (a dict batch).
@@ -69,11 +69,6 @@ class StepRecorder:
         """Forward pre-hook on the model: the autocast state the step actually runs under (read once per step)."""
         if self.current is not None and self.current.autocast is None:
             self.current.autocast = autocast_settings()
-
-    def take(self) -> StepRecord:
-        """The step's record (an empty one when nothing was recorded); the next call starts a new step."""
-        record, self.current = self.current or StepRecord(), None
-        return record
 
 
 def autocast_settings() -> dict:
