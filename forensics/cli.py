@@ -17,7 +17,7 @@ from forensics.catalog import REPORTS_DIR
 from forensics.errors import ForensicsError
 from forensics.format.limits import ArchiveLimits
 from forensics.format.manifest import safe_name
-from forensics.kinds import ExitCode, VerdictKind
+from forensics.kinds import ExitCode, Tracker, VerdictKind
 from forensics.report.wording import clean
 
 
@@ -332,7 +332,7 @@ def _progress(stage: str) -> None:
               help="Memory the replay may use on its device (the CPU too), e.g. 16GiB: a state that does not fit is "
                    "streamed block by block from the dump (automatic on a GPU it does not fit).")
 @click.option("--json", "as_json", is_flag=True, help="Print report.json to stdout.")
-@click.option("--upload", "trackers", multiple=True, type=click.Choice(["wandb", "mlflow", "tensorboard"]),
+@click.option("--upload", "trackers", multiple=True, type=click.Choice(Tracker.values()),
               help="Also send the report to this tracker's run (WANDB_RUN_ID / MLFLOW_RUN_ID name it; repeatable).")
 @click.option("--tensorboard-dir", type=click.Path(path_type=Path), default=None,
               help="TensorBoard log directory for --upload tensorboard.")

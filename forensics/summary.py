@@ -6,7 +6,8 @@ from __future__ import annotations
 from forensics.format.reader import Dump
 from forensics.kinds import StateLayout
 
-from forensics.report.wording import clean, fmt_num, fmt_size, mb_phrase, trigger_detail
+from forensics.report.wording import clean, fmt_num, fmt_size, mb_phrase
+from forensics.trigger import trigger_detail
 
 HISTORY_AROUND_TRIGGER = 12  # steps of history shown before the trigger
 
@@ -21,7 +22,7 @@ def dump_summary(dump: Dump, missing_ranks: list[int], path: str | None = None) 
     m = dump.manifest
     return {
         "path": path or str(dump.path), "run_id": m["run_id"], "step": dump.step, "rank": dump.rank,
-        "world_size": dump.world_size, "missing_ranks": missing_ranks, "trigger": dump.trigger,
+        "world_size": dump.world_size, "missing_ranks": missing_ranks, "trigger": dump.trigger.as_dict(),
         "micro_batches": [{k: mb.get(k) for k in ("index", "sample_ids", "batch_size", "loss", "unreplayable")}
                           for mb in dump.micro_batches_meta],
         "precision": dump.precision, "recipe": dump.recipe, "recheck": m.get("recheck"),

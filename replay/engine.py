@@ -40,6 +40,7 @@ from replay.judge.precision import fp32_check, uses_low_precision
 from replay.judge.precursor import add_crash_history, precursor_report
 from replay.judge.remedies import try_remedies
 from replay.judge.remedy_followup import follow_remedies
+from replay.judge.window_words import say_broke_before, say_window_start
 from replay.load.environment import deterministic_mode
 from replay.load.recipe import job_paths
 from replay.load.samples import select_samples
@@ -183,7 +184,7 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
     if dump.num_micro_batches == 0:
         raise DumpError(f"{path or 'the dump'} records no micro-batch, so there is no step to replay; the loop "
                         "called check() without record_batch() (see README: the four calls)")
-    if TriggerKind.parse((dump.trigger or {}).get("kind"), TriggerKind.NONFINITE_LOSS) is TriggerKind.PRECURSOR:
+    if dump.trigger.kind is TriggerKind.PRECURSOR:
         _stage(progress, "a precursor dump (a healthy step): ranking the statistics that grew")
         return _checked(dump, precursor_report(dump, dump_info, _history(dump.history()), started))
     options = _off_the_gpu_after_a_cuda_error(dump, options, progress)
@@ -270,28 +271,13 @@ def _window_replay(dump: Any, session: ReplaySession, checkpoint: Checkpoint, op
         report = run_session(broken, options, progress, dump_info={**dump_info, "step": step},
                              history=dump.history(), started=started)
         if step < dump.step:
-            why = "" if broken.trigger.update_change is not None else f": {outcomes[-1].broke}"  # the verdict says it
-            report["verdict"]["headline"] = (f"The weights broke at step {step} ({dump.step - step} steps before the "
-                                             f"crash at step {dump.step}){why}. " + report["verdict"]["headline"])
+            why = None if broken.trigger.update_change is not None else outcomes[-1].broke  # the verdict says it
+            say_broke_before(report["verdict"], step, dump.step, why)
         if step == start and outcomes[-1].broke:
-            _say_window_start(report, step, checkpoint, (dump.history().get("summary") or {}).get("first_step"))
+            say_window_start(report["verdict"], step, checkpoint.source,
+                             (dump.history().get("summary") or {}).get("first_step"))
     report["window"] = block
     return report
-
-
-def _say_window_start(report: dict, step: int, checkpoint: Checkpoint, first_step: int | None) -> None:
-    """The step that broke the run is the window's first: the replay could not look at the steps before it."""
-    verdict = report["verdict"]
-    if first_step is not None and step <= first_step:
-        verdict["explanation"] += (f" Step {step} is the run's first recorded step: its very first update already "
-                                   "breaks the weights, so nothing earlier is to blame.")
-        return
-    verdict["explanation"] += (f" Step {step} is the first step the window replay re-executed (it starts at "
-                               f"{checkpoint.source}), so the weights may have been breaking before it: the steps "
-                               "before were not checked.")
-    verdict["suggestions"].append(
-        f"To look before step {step}: replay with --from an earlier checkpoint (--from-step N), or run the job with "
-        "a smaller GuardConfig(snapshot_every=K) and window_steps >= 2 x K, so the Guard's snapshot is older.")
 
 
 def run_session(session: ReplaySession, options: ReplayOptions | None = None, progress: Progress | None = None,

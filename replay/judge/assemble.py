@@ -12,6 +12,7 @@ import torch
 from forensics.format.tree import tensor_leaves
 from forensics.kinds import HistoryPattern, Phase, TriggerKind
 from forensics.report.model import schema_for, to_json_safe
+from forensics.report.tree import TriggerBlock
 from replay.culprits.per_sample import rank_by_loss
 from replay.culprits.sample_facts import describe
 from replay.judge.findings import Findings
@@ -50,8 +51,7 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
         "dump": {"num_micro_batches": max(len(session.micro_batches), session.step_micro_batches),
                  **(dump_info or {"path": None, "run_id": None, "step": 0, "rank": rank,
                                   "world_size": session.world_size, "missing_ranks": []})},
-        "trigger": {"kind": findings.kind.value, "value": trigger.value, "threshold": findings.threshold,
-                    "micro_batch": trigger.micro_batch, "detail": trigger.detail},
+        "trigger": TriggerBlock.of(trigger).as_dict(),
         "environment": {"capture": session.capture_environment, "replay": replay_environment(session.device),
                         "warnings": list(session.warnings)},
         "reproduced": findings.reproduced,
@@ -151,7 +151,7 @@ def _unit_words(findings: Findings, session: ReplaySession) -> str | None:
     if findings.reproduced:
         return None
     trigger, result = findings.trigger, findings.reproduction.result
-    what = "grad norm" if trigger.kind.replayed == "grad_norm" else "loss"
+    what = trigger.kind.replayed.words if trigger.kind.replayed is not None else "loss"
     unit = explaining_factor(trigger.value, result.replayed_value(trigger.kind, trigger.micro_batch),
                              recorded_factors(session))
     return unit.words(what) if unit is not None else None

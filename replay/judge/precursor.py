@@ -12,6 +12,7 @@ dump: no --trust needed, no model built.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import time
@@ -22,8 +23,9 @@ from typing import Any
 import torch
 
 from forensics.headroom import HORIZON, limit_of, percent_of
-from forensics.kinds import PrecursorRule, PrecursorStatistic, TriggerKind, VerdictKind
+from forensics.kinds import FidelityMode, PrecursorRule, PrecursorStatistic, TriggerKind, VerdictKind
 from forensics.report.model import schema_for, to_json_safe
+from forensics.report.tree import TriggerBlock
 from forensics.report.wording import fmt_num
 from forensics.trend import RobustTrend
 from replay.judge.findings import HistoryFinding
@@ -75,8 +77,8 @@ def precursor_report(dump: Any, dump_info: dict, history: HistoryFinding, starte
     # together) at the step before
     fired = next((f for f in reversed(table["firings"]) if f.get("dumped") and isinstance(f.get("step"), int)
                   and dump.step - 1 <= f["step"] <= dump.step), None)
-    trigger = dict(dump.trigger or {})
-    verdict = _verdict(dump.step, ranking, fired, len(table["columns"]), local=trigger.get("local") is not False)
+    trigger = dataclasses.replace(dump.trigger, kind=TriggerKind.PRECURSOR, micro_batch=None)
+    verdict = _verdict(dump.step, ranking, fired, len(table["columns"]), local=trigger.local)
     near = _limit_headline(dump.step, fired, table)
     if near is not None:  # the dtype's limit fired: that is the headline, the ranking explains how it got there
         verdict["headline"] = near
@@ -85,12 +87,11 @@ def precursor_report(dump: Any, dump_info: dict, history: HistoryFinding, starte
         "schema": schema_for(VerdictKind.INSTABILITY_AHEAD),
         "created_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "dump": {**dump_info},
-        "trigger": {"kind": TriggerKind.PRECURSOR.value, "value": trigger.get("value"),
-                    "threshold": trigger.get("threshold"), "micro_batch": None, "detail": trigger.get("detail") or ""},
+        "trigger": TriggerBlock.of(trigger).as_dict(),
         "environment": {"capture": dump.manifest.get("environment") or {},
                         "replay": replay_environment(torch.device("cpu")), "warnings": []},
         "reproduced": False,
-        "fidelity": {"mode": "not_replayed", "reason": "a precursor dump holds a healthy step: the report is built "
+        "fidelity": {"mode": FidelityMode.NOT_REPLAYED.value, "reason": "a precursor dump holds a healthy step: the report is built "
                                                        "from the statistics the job recorded"},
         "verdict": verdict,
         "culprit": {"samples": [], "module": lead.get("layer"), "op": None, "phase": None, "parameter": None,

@@ -218,7 +218,7 @@ def replay_window(session: ReplaySession, dump: Any, checkpoint: Checkpoint, sta
             optimizer.load_state_dict(pre_optimizer)
             set_lr(optimizer, row.get("lr"))  # load_state_dict put back the lr of before this step's set_lr
             broken = _step_session(session, model, optimizer, batches, row, outcome, outcomes, grads_ok,
-                                   Trigger.from_dict(dump.trigger) if step == dump.step else None)
+                                   dump.trigger if step == dump.step else None)
             broken.followup = Followup(row, data, max_norm, pre_model,
                                        _following(dump, rows, step, data, session.device))
             return outcomes, broken
