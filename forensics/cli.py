@@ -182,14 +182,15 @@ def inspect(dump: Path, rank: int | None, as_json: bool, **limits) -> None:
     if as_json:
         from forensics.format.jsonio import to_jsonable
 
-        click.echo(json.dumps(to_jsonable(summary), indent=2))
+        click.echo(json.dumps(to_jsonable(summary.as_dict()), indent=2))
     else:
         click.echo(render_summary(summary))
-    if summary.get("damaged"):  # the summary is shown, but the dump is not whole
+    damaged = summary.damaged or []
+    if damaged:  # the summary is shown, but the dump is not whole
         for line in render_damage(summary):
             click.echo(line, err=True)
-        more = f" (and {len(summary['damaged']) - 1} more problem(s))" if len(summary["damaged"]) > 1 else ""
-        raise BadInput(clean(f"{dump} is damaged: {summary['damaged'][0]}{more}; `forensics verify` checks it whole"))
+        more = f" (and {len(damaged) - 1} more problem(s))" if len(damaged) > 1 else ""
+        raise BadInput(clean(f"{dump} is damaged: {damaged[0]}{more}; `forensics verify` checks it whole"))
 
 
 @main.command()
