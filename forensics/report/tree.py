@@ -470,10 +470,12 @@ class Report(Node):
     remedies: Remedies | None = _node(Remedies)
     window: Window | None = _node(Window)
     precursor: Precursor | None = _node(Precursor)
+    stream: dict | None = None
     precursor_history: dict | None = None
     margin: dict | None = None
     repro: Repro | None = _node(Repro)
-    stream: dict | None = None
+    # a key set in code after the report was read goes after the keys read, in this order (the engine's: the
+    # stream of a streamed replay, then the crash's precursor history; repro last, by `forensics repro --report`)
 
 
 def parse_report(data: Mapping | Report) -> Report:

@@ -1,4 +1,4 @@
-"""The one place the report is assembled: from the replay's Findings to the report dict (schema
+"""The one place the report is assembled: from the replay's Findings to the report (forensics/report/tree.py; schema
 forensics-report/1, docs/REPORT_FORMAT.md), including the facts the verdict is decided on.
 Writing the report to disk is forensics.report's job."""
 
@@ -12,7 +12,7 @@ import torch
 from forensics.format.tree import tensor_leaves
 from forensics.kinds import HistoryPattern, Phase, TriggerKind
 from forensics.report.model import schema_for, to_json_safe
-from forensics.report.tree import TriggerBlock
+from forensics.report.tree import Report, TriggerBlock, parse_report
 from replay.culprits.per_sample import rank_by_loss
 from replay.culprits.sample_facts import describe
 from replay.judge.findings import Findings
@@ -25,8 +25,8 @@ from replay.run.execute import StepRunner
 from replay.run.units import explaining_factor, recorded_factors
 
 
-def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | None, started: float) -> dict:
-    """The report dict of one replay, JSON-safe (non-finite floats as "nan"/"inf")."""
+def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | None, started: float) -> Report:
+    """The report of one replay, JSON-safe (non-finite floats as "nan"/"inf")."""
     session = runner.session
     rank = int((dump_info or {}).get("rank") or 0)
     culprit = culprit_block(findings, rank, session.positional_ids)
@@ -80,7 +80,7 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
         report["weights"] = _weights_block(findings)
     if findings.remedies:
         report["remedies"] = findings.remedies
-    return to_json_safe(report)
+    return parse_report(to_json_safe(report))
 
 
 def _weights_block(findings: Findings) -> dict:

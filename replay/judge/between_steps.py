@@ -16,7 +16,7 @@ import torch
 
 from forensics.kinds import FidelityMode, Phase, StateHolds, TriggerKind, VerdictKind
 from forensics.report.model import schema_for, to_json_safe
-from forensics.report.tree import TriggerBlock
+from forensics.report.tree import Report, TriggerBlock, parse_report
 from forensics.trigger import Trigger
 from forensics.report.wording import clean, fmt_id
 from replay.judge.findings import HistoryFinding
@@ -44,7 +44,7 @@ def last_samples(dump: Any) -> tuple[int | None, list]:
     return last["step"], [i for ids in last["sample_ids"] for i in ids or []]
 
 
-def between_steps_report(dump: Any, dump_info: dict, history: HistoryFinding, started: float) -> dict:
+def between_steps_report(dump: Any, dump_info: dict, history: HistoryFinding, started: float) -> Report:
     """The report (docs/REPORT_FORMAT.md) of a dump raised between steps; nothing is replayed."""
     exception = dump.manifest["exception"]
     step, ids = last_samples(dump)
@@ -72,7 +72,7 @@ def between_steps_report(dump: Any, dump_info: dict, history: HistoryFinding, st
                                                                                      "sample_ids": ids[:MAX_LISTED]},
                       "traceback": exception.get("traceback")},
     }
-    return to_json_safe(report)
+    return parse_report(to_json_safe(report))
 
 
 def _verdict(exception: dict, dumped_step: int, last_step: int | None, ids: list, state_holds: StateHolds) -> dict:
