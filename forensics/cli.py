@@ -9,6 +9,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Mapping
 
 import click
 
@@ -18,12 +19,13 @@ from forensics.errors import ForensicsError
 from forensics.format.limits import ArchiveLimits
 from forensics.format.manifest import safe_name
 from forensics.kinds import ExitCode, Tracker, VerdictKind
+from forensics.report.tree import Report, parse_report
 from forensics.report.wording import clean
 
 
-def replay_exit_code(report: dict) -> int:
+def replay_exit_code(report: Mapping | Report) -> int:
     """The exit code of a replay: its verdict kind's (forensics.kinds.VerdictKind.exit_code)."""
-    kind = (report.get("verdict") or {}).get("kind")
+    kind = parse_report(report).verdict.kind
     try:
         return int(VerdictKind(kind).exit_code)
     except ValueError:
@@ -150,11 +152,11 @@ def _refuse_unwritable(outputs: dict[str, Path]) -> None:
                                  "writable path")) from None
 
 
-def _report_dir(report: dict) -> Path:
+def _report_dir(report: Report) -> Path:
     """forensics_reports/<run>-step<N>-rank<R>: the run id only when it is a plain name (it comes from the dump)."""
-    d = report["dump"]
-    run = d.get("run_id") if safe_name(d.get("run_id")) else "run"
-    return Path(REPORTS_DIR) / f"{run}-step{int(d['step'])}-rank{int(d['rank'])}"
+    d = report.dump
+    run = d.run_id if safe_name(d.run_id) else "run"
+    return Path(REPORTS_DIR) / f"{run}-step{int(d.step)}-rank{int(d.rank)}"
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -277,14 +279,14 @@ def list_command(directory: Path, check: bool, reports: Path, clean_stale: bool,
         click.echo(clean(f"unfinished (writer gone): {path}  — `forensics list --clean-stale` removes it"))
 
 
-def _upload_report(tracker: str, report: dict, files: dict, tensorboard_dir: Path | None) -> str:
+def _upload_report(tracker: str, report: Report, files: dict, tensorboard_dir: Path | None) -> str:
     from forensics.uploads import upload
 
-    d, verdict = report["dump"], report.get("verdict") or {}
-    run = d.get("run_id") if safe_name(d.get("run_id")) else "run"
-    summary = {"run_id": run, "step": d.get("step"), "rank": d.get("rank"), "verdict": verdict.get("kind"),
-               "headline": verdict.get("headline"), "exit_code": replay_exit_code(report)}
-    return upload(tracker, [Path(p) for p in files.values()], f"{run}-step{d['step']}-rank{d['rank']}-report",
+    d, verdict = report.dump, report.verdict
+    run = d.run_id if safe_name(d.run_id) else "run"
+    summary = {"run_id": run, "step": d.step, "rank": d.rank, "verdict": verdict.kind,
+               "headline": verdict.headline, "exit_code": replay_exit_code(report)}
+    return upload(tracker, [Path(p) for p in files.values()], f"{run}-step{d.step}-rank{d.rank}-report",
                   "report", summary, tensorboard_dir)
 
 
@@ -368,13 +370,12 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
                                     from_step=from_step, window=not no_window,
                                     archive_limits=archive_limits, gpu_memory=gpu_memory,
                                     shard_dirs=[str(d) for d in shard_dirs])
-            report = run_replay(dump, options, progress=_progress)
-            target = out or default_report_dir(report["dump"].get("path"), report["dump"]["rank"]) \
-                or _report_dir(report)
+            report = parse_report(run_replay(dump, options, progress=_progress))
+            target = out or default_report_dir(report.dump.path, report.dump.rank) or _report_dir(report)
             if all_ranks and out:
-                target = out / f"rank{int(report['dump']['rank'])}"
+                target = out / f"rank{int(report.dump.rank)}"
             files = write_report_files(report, target)
-            note_report(report["dump"].get("path"), report["dump"]["rank"], files["json"])
+            note_report(report.dump.path, report.dump.rank, files["json"])
             culprits = blocklist_ids(report)  # never IDs made up from positions
             if blocklist or culprits:  # the verdict's "blocklist.jsonl lists the culprits" is always true
                 files["blocklist"] = write_blocklist(report, blocklist or target / BLOCKLIST_NAME,

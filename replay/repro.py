@@ -145,11 +145,12 @@ def write_repro(dump_path: str | Path, out_dir: str | Path, *, device: str | Non
 def link_report(report_dir: str | Path, repro: Repro) -> dict:
     """Adds the `repro` block to the report in `report_dir` (written by `forensics replay -o`) and rewrites its
     files, so report.json / report.md / report.html link the scripts. Returns the files written."""
-    from forensics.report import write_report_files
+    from forensics.report import parse_report, write_report_files
     from forensics.report.model import load_report
+    from forensics.report.tree import Repro as ReproBlock
 
-    report = load_report(report_dir)
-    report["repro"] = repro.as_dict()
+    report = parse_report(load_report(report_dir))
+    report.repro = ReproBlock.parse(repro.as_dict())
     return write_report_files(report, report_dir)
 
 
