@@ -236,7 +236,8 @@ class GuardConfig:
         self.upload = tuple(self.upload)
         unknown = [t for t in self.upload if t not in Tracker.values()]
         if unknown:
-            raise ValueError(f"GuardConfig.upload: unknown tracker(s) {unknown}; choose from {', '.join(Tracker.values())}")
+            raise ValueError(f"GuardConfig.upload: unknown tracker(s) {unknown}; choose from "
+                             f"{', '.join(Tracker.values())}")
         if Tracker.TENSORBOARD in self.upload and not self.tensorboard_dir:
             raise ValueError("GuardConfig.upload=('tensorboard',) needs GuardConfig.tensorboard_dir")
         try:

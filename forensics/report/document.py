@@ -1,6 +1,7 @@
 """The report as a document: a tiny model (sections of paragraphs, bullets, tables, code, plots) and the
-one function that builds it from a report (forensics.report.tree.Report, or its dict). report.md (render_markdown) and report.html
-(render_html) render the same sections, each escaping every string for its own syntax."""
+one function that builds it from a report (forensics.report.tree.Report, or its dict). report.md
+(render_markdown) and report.html (render_html) render the same sections, each escaping every string for its
+own syntax."""
 
 from __future__ import annotations
 
