@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from forensics.kinds import Policy, StateLayout, TriggerKind
+from forensics.kinds import Policy, StateLayout, Tracker, TriggerKind
 
 
 @dataclass
@@ -215,10 +215,11 @@ class DumpConfig:
 
     def __post_init__(self):
         self.upload = tuple(self.upload)
-        unknown = [t for t in self.upload if t not in ("wandb", "mlflow", "tensorboard")]
+        unknown = [t for t in self.upload if t not in Tracker.values()]
         if unknown:
-            raise ValueError(f"DumpConfig.upload: unknown tracker(s) {unknown}; choose from wandb, mlflow, tensorboard")
-        if "tensorboard" in self.upload and not self.tensorboard_dir:
+            raise ValueError(f"DumpConfig.upload: unknown tracker(s) {unknown}; choose from "
+                             f"{', '.join(Tracker.values())}")
+        if Tracker.TENSORBOARD in self.upload and not self.tensorboard_dir:
             raise ValueError("DumpConfig.upload=('tensorboard',) needs DumpConfig.tensorboard_dir")
         try:
             self.state_layout = StateLayout(self.state_layout)
