@@ -100,7 +100,7 @@ def test_the_import_graph_has_no_cycles():
 
 def test_the_graph_sees_the_packages():
     graph = _graph()
-    assert "capture.dumping" in graph and "forensics.format.writer" in graph["capture.dumping"]
+    assert "capture.dump.dumper" in graph and "forensics.format.writer" in graph["capture.dump.dumper"]
     assert "replay.engine" in graph and "forensics.cli" in graph and _layer("forensics.format.reader") == 0
 
 
@@ -118,16 +118,23 @@ def _doc_tree(root: str) -> dict[str, str]:
     return entries
 
 
-def test_the_replay_tree_in_the_architecture_doc_is_the_package():
-    drawn = {p for p in _doc_tree("replay") if p.endswith(".py")}
-    files = {p.relative_to(ROOT / "replay").as_posix() for p in (ROOT / "replay").rglob("*.py")
+def _assert_the_doc_draws(package: str) -> None:
+    """docs/ARCHITECTURE.md's tree of `package/` names each of its modules and sub-packages, and no module is named
+    like its sub-package."""
+    drawn = _doc_tree(package)
+    files = {p.relative_to(ROOT / package).as_posix() for p in (ROOT / package).rglob("*.py")
              if p.name != "__init__.py"}
-    assert drawn == files, f"docs/ARCHITECTURE.md's replay/ tree: missing {sorted(files - drawn)}, " \
-                           f"not in the code {sorted(drawn - files)}"
-    stages = {p for p in _doc_tree("replay") if "." not in p}
-    assert stages == {p.name for p in (ROOT / "replay").iterdir() if (p / "__init__.py").is_file()}
-    assert all(p.parent == ROOT / "replay" or p.stem != p.parent.name for p in (ROOT / "replay").rglob("*.py")), \
+    modules = {p for p in drawn if p.endswith(".py")}
+    assert modules == files, f"docs/ARCHITECTURE.md's {package}/ tree: missing {sorted(files - modules)}, " \
+                             f"not in the code {sorted(modules - files)}"
+    assert {p for p in drawn if "." not in p} == {p.name for p in (ROOT / package).iterdir()
+                                                   if (p / "__init__.py").is_file()}
+    assert all(p.parent == ROOT / package or p.stem != p.parent.name for p in (ROOT / package).rglob("*.py")), \
         "a module named like its sub-package"
+
+
+def test_the_replay_tree_in_the_architecture_doc_is_the_package():
+    _assert_the_doc_draws("replay")
 
 
 REPLAY_STAGES = ["load", "run", "localize", "culprits", "judge"]
@@ -142,6 +149,52 @@ def test_a_replay_stage_imports_only_its_own_and_earlier_stages():
              and REPLAY_STAGES.index(stage[target]) > REPLAY_STAGES.index(stage[module])]
     assert not wrong, "\n".join(sorted(wrong))
     assert set(REPLAY_STAGES) == {p.name for p in (ROOT / "replay").iterdir() if (p / "__init__.py").is_file()}
+
+
+CAPTURE_STAGES = ["config", "record", "state", "precursors", "check", "dump", "raised", "guard", "integrations"]
+"""capture/ in the order of a step's way through the Guard: the configuration every stage reads, what is recorded of the
+step, the state a dump holds, the precursor statistics, the check, the dump, a step that raised, the Guard that runs
+them, and the framework adapters built on it. A sub-package (or the top-level module config / guard) may import its
+own and earlier stages only."""
+
+
+def _capture_stage(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "capture" and len(parts) > 1 else None
+
+
+def test_a_capture_stage_imports_only_its_own_and_earlier_stages():
+    graph = _graph()
+    stage = {name: _capture_stage(name) for name in graph if _capture_stage(name)}
+    assert set(stage.values()) == set(CAPTURE_STAGES), "a capture/ module outside the stages of CAPTURE_STAGES"
+    wrong = [f"{module} ({stage[module]}) imports {target} ({stage[target]})"
+             for module, targets in graph.items() if module in stage
+             for target in targets if target in stage
+             and CAPTURE_STAGES.index(stage[target]) > CAPTURE_STAGES.index(stage[module])]
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_no_capture_stage_holds_the_guard():
+    """The stages take their inputs (configuration, state source, recorders, a `report` callable): none gets the Guard
+    as `Any` or reads it through a wide Protocol (the excepthook's one-method `RecordsExceptions` is the narrowest)."""
+    wrong = []
+    for path in (ROOT / "capture").rglob("*.py"):
+        relative = path.relative_to(ROOT).as_posix()
+        if relative == "capture/guard.py" or relative.startswith("capture/integrations/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), relative)):
+            if isinstance(node, ast.ClassDef) and any(getattr(b, "id", "") == "Protocol" for b in node.bases):
+                members = [n for n in node.body if isinstance(n, (ast.AnnAssign, ast.FunctionDef))]
+                if len(members) > 1:
+                    wrong.append(f"{relative}: Protocol {node.name} has {len(members)} members")
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                wrong += [f"{relative}:{node.lineno}: {node.name}({a.arg}) takes the Guard"
+                          for a in node.args.args + node.args.kwonlyargs if a.arg == "guard"]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_capture_tree_in_the_architecture_doc_is_the_package():
+    _assert_the_doc_draws("capture")
 
 
 def test_the_forensics_tree_in_the_architecture_doc_names_each_module_and_its_layer():
@@ -163,24 +216,44 @@ KIND_HOMES = {"forensics/kinds.py", "forensics/format/spec.py", "forensics/forma
 
 
 def _kind_literals() -> set[str]:
-    """Trigger-kind, phase and state-layout values. 'exception', 'optimizer' and 'precursor' are left out: they are
-    also the names of manifest / report sections and state keys."""
-    from forensics.kinds import Phase, StateLayout, TriggerKind
-    values = {k.value for kind in (TriggerKind, Phase, StateLayout) for k in kind}
+    """The values of the kinds code branches on: trigger kinds, phases, state layouts, policies, fidelity modes,
+    replayed quantities and trackers. 'exception', 'optimizer', 'precursor' and 'grad_norm' are left out: they are also
+    the names of manifest / report sections, columns and state keys, spelt out in lists of names too."""
+    from forensics.kinds import FidelityMode, Phase, Policy, ReplayedQuantity, StateLayout, Tracker, TriggerKind
+    values = {k.value for kind in (TriggerKind, Phase, StateLayout, Policy, FidelityMode, ReplayedQuantity, Tracker)
+              for k in kind}
     return values - {TriggerKind.EXCEPTION.value, TriggerKind.PRECURSOR.value, Phase.OPTIMIZER.value,
-                     StateLayout.AUTO.value}
+                     StateLayout.AUTO.value, ReplayedQuantity.GRAD_NORM.value}
 
 
-def test_no_trigger_kind_phase_or_layout_string_outside_the_kinds_module_and_the_format():
+_GETTERS = {"get", "pop", "setdefault"}
+
+
+def _keys_of(tree: ast.AST) -> set[int]:
+    """The constants that name a key (a dict literal's key, a subscript, `.get("key")`): a key may share its spelling
+    with a kind (`fidelity["tolerance"]`)."""
+    keys: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Dict):
+            keys.update(id(k) for k in node.keys if k is not None)
+        elif isinstance(node, ast.Subscript):
+            keys.add(id(node.slice))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _GETTERS \
+                and node.args:
+            keys.add(id(node.args[0]))
+    return keys
+
+
+def test_no_kind_string_outside_the_kinds_module_and_the_format():
     literals, found = _kind_literals(), []
     for path in _modules().values():
         relative = path.relative_to(ROOT).as_posix()
         if relative in KIND_HOMES:
             continue
         tree = ast.parse(path.read_text(), relative)
-        docstrings = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}
+        skipped = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)} | _keys_of(tree)
         for node in ast.walk(tree):
-            if isinstance(node, ast.Constant) and node.value in literals and id(node) not in docstrings:
+            if isinstance(node, ast.Constant) and node.value in literals and id(node) not in skipped:
                 found.append(f"{relative}:{node.lineno}: {node.value!r}")
     assert not found, "use the kind (forensics/kinds.py), not its string:\n" + "\n".join(found)
 

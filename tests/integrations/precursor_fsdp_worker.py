@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "exampl
 import _common  # noqa: E402
 
 from capture import Guard, GuardConfig, PrecursorConfig, SpikeConfig  # noqa: E402
-from capture.precursor_stats import find_blocks  # noqa: E402
+from capture.precursors.statistics import find_blocks  # noqa: E402
 from forensics.kinds import PrecursorStatistic  # noqa: E402
 
 
