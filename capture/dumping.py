@@ -30,6 +30,7 @@ from capture.uploads import send_dump
 from capture.window import FlightRecorder
 from capture.writer_thread import BackgroundWriter
 from forensics.errors import CaptureError
+from forensics.format.tree import map_tensors
 from forensics.format.writer import DumpContent, dump_path, remove_rank_dump, write_dump
 from forensics.kinds import Policy, TriggerKind
 from forensics.recipes import default_loss
@@ -166,7 +167,7 @@ class Dumper:
         if config.on_dump is not None:
             try:
                 config.on_dump(path)
-            except Exception:  # noqa: BLE001 - the user's hook must not stop the job either
+            except Exception:  # the user's hook must not stop the job either
                 log.exception("forensics: GuardConfig.on_dump raised for %s", path)
 
     def _failed(self, message: str, kind: TriggerKind | None = None, admission: Admission | None = None) -> None:
@@ -258,7 +259,7 @@ class Dumper:
                 rng=list(incident.record.rng), micro_batches=[snapshot.host_only(b) for b in incident.record.batches],
                 history=source.history.to_dict(), scheduler=scheduler, snapshot=held, done=release,
                 extra_files=self._extra_files(incident.step))
-        except Exception:  # noqa: BLE001 - the job is failing already
+        except Exception:  # the job is failing already
             log.exception("forensics: even the host-side dump of step %d failed", incident.step)
             return None
 
@@ -307,14 +308,8 @@ class Dumper:
 
 
 def copy_tree(node: Any, copy: snapshot.HostCopy) -> Any:
-    """The batch tree with every tensor passed through `copy` (named tuples kept as they are)."""
-    if isinstance(node, torch.Tensor):
-        return copy(node)
-    if isinstance(node, dict):
-        return {k: copy_tree(v, copy) for k, v in node.items()}
-    if isinstance(node, (list, tuple)):
-        return type(node)(copy_tree(v, copy) for v in node) if not hasattr(node, "_fields") else node
-    return node
+    """The batch tree with every tensor passed through `copy` (`forensics.format.tree.map_tensors`)."""
+    return map_tensors(node, copy)
 
 
 def _scaler_state(scaler: Any) -> dict | None:

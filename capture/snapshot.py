@@ -8,6 +8,7 @@ import torch
 
 from forensics.device_sync import DeviceFence, on_device_of
 from forensics.format.jsonio import to_jsonable
+from forensics.format.tree import map_tensors
 
 
 class HostCopy:
@@ -116,13 +117,7 @@ class DeviceOnly:
 
 def host_only(node: Any) -> Any:
     """A micro-batch with its device tensors replaced by DeviceOnly (nothing is read from the device)."""
-    if isinstance(node, torch.Tensor):
-        return node.detach() if node.device.type == "cpu" else DeviceOnly(node)
-    if isinstance(node, dict):
-        return {k: host_only(v) for k, v in node.items()}
-    if isinstance(node, (list, tuple)) and not hasattr(node, "_fields"):
-        return type(node)(host_only(v) for v in node)
-    return node
+    return map_tensors(node, lambda t: t.detach() if t.device.type == "cpu" else DeviceOnly(t))
 
 
 def plain(value: Any) -> Any:

@@ -14,6 +14,7 @@ import sys
 from typing import Any, Callable
 
 import torch
+from torch.utils import _python_dispatch, _pytree  # torch imports both itself: nothing more is loaded here
 
 # --------------------------------------------------------------------------------------------------------------
 # torch.nn.Module
@@ -141,6 +142,42 @@ def op_schema(func: Any) -> Any:
 
     torch >= 2.0: `OpOverload._schema`; checked on torch 2.13 (CPU)."""
     return func._schema
+
+
+TorchDispatchMode = _python_dispatch.TorchDispatchMode
+"""The base class of a mode that sees every ATen op (`__torch_dispatch__(func, types, args, kwargs)`) while it is
+entered: subclass it, as the localisation and margin checks do.
+
+torch >= 2.0: `torch.utils._python_dispatch.TorchDispatchMode`; checked on torch 2.13 (CPU)."""
+
+
+def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
+    """The leaves of a tree of tuples / lists / dicts / named tuples (as torch's ops see arguments), and the spec
+    `tree_unflatten` rebuilds it from.
+
+    torch >= 2.0: `torch.utils._pytree.tree_flatten`; checked on torch 2.13 (CPU)."""
+    return _pytree.tree_flatten(tree)
+
+
+def tree_unflatten(leaves: list[Any], spec: Any) -> Any:
+    """The tree `tree_flatten` took apart, with `leaves` in place of its leaves.
+
+    torch >= 2.0: `torch.utils._pytree.tree_unflatten`; checked on torch 2.13 (CPU)."""
+    return _pytree.tree_unflatten(leaves, spec)
+
+
+def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """The tree with every leaf replaced by `fn(leaf)` (torch's own rule: an op's arguments as it sees them).
+
+    torch >= 2.0: `torch.utils._pytree.tree_map`; checked on torch 2.13 (CPU)."""
+    return _pytree.tree_map(fn, tree)
+
+
+def tree_leaves(tree: Any) -> list[Any]:
+    """The leaves of the tree, in `tree_flatten`'s order.
+
+    torch >= 2.0: `torch.utils._pytree.tree_leaves`; checked on torch 2.13 (CPU)."""
+    return _pytree.tree_leaves(tree)
 
 
 def optimizer_honours_found_inf(optimizer: Any) -> bool:
@@ -315,4 +352,4 @@ __all__ = ["attn_implementation", "compiled_original", "deterministic_setter", "
            "foreach_sub_", "fsdp_mixed_precision", "grad_scaler_scale", "is_persistent_buffer",
            "numpy_global_bit_generator", "numpy_mt19937_raw", "op_schema", "optimizer_honours_found_inf", "own_buffers",
            "put_buffer", "put_parameter", "python_random_raw", "set_attn_implementation", "tensor_version",
-           "zero_dp_group", "zero_fragment", "zero_linked"]
+           "TorchDispatchMode", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "zero_dp_group", "zero_fragment", "zero_linked"]

@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Mapping
 
+from forensics.format.jsonio import lenient_float
 from forensics.kinds import TriggerKind
 from forensics.report.wording import trigger_detail
 
@@ -51,18 +52,8 @@ class Trigger:
         """
         data = data or {}
         index = data.get("micro_batch")
-        return cls(TriggerKind.parse(data.get("kind") or TriggerKind.NONFINITE_LOSS), _number(data.get("value")),
-                   _number(data.get("threshold")),
+        return cls(TriggerKind.parse(data.get("kind") or TriggerKind.NONFINITE_LOSS), lenient_float(data.get("value")),
+                   lenient_float(data.get("threshold")),
                    index if isinstance(index, int) and not isinstance(index, bool) else None,
                    str(data.get("detail") or ""), data.get("local", True) is not False,
-                   _number(data.get("update_change")))
-
-
-def _number(value: Any) -> float | None:
-    """float(value), NaN / Inf kept; None for nothing or anything that is not a number."""
-    if value is None or isinstance(value, bool):
-        return None
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
+                   lenient_float(data.get("update_change")))

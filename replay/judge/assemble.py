@@ -9,6 +9,7 @@ from datetime import datetime, timezone
 
 import torch
 
+from forensics.format.jsonio import lenient_float
 from forensics.format.tree import tensor_leaves
 from forensics.kinds import HistoryPattern, Phase, TriggerKind
 from forensics.report.model import schema_for, to_json_safe
@@ -18,7 +19,7 @@ from replay.judge.findings import Findings
 from replay.judge.remedies import tested_suggestions
 from replay.judge.verdict import VerdictFacts, decide_verdict
 from replay.load.environment import replay_environment
-from replay.load.session import ReplaySession, finite_float
+from replay.load.session import ReplaySession
 from replay.localize.forward_backward import INPUT_MODULE, ROOT_MODULE
 from replay.run.execute import StepRunner
 from replay.run.units import explaining_factor, recorded_factors
@@ -208,7 +209,7 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
         median_size=sizes.median if sizes is not None else None,
         unblamed_group=findings.bisection.unblamed_group,
         history_reading=findings.history.reading.sentences if findings.history.reading.onset is not None else [],
-        update_change=finite_float(trigger.update_change),
+        update_change=lenient_float(trigger.update_change),
         lr=_lr(session),
         ids_are_positional=any(s.get("positional") for s in culprit["samples"])
         or any(o.ref.micro_batch in session.positional_ids for o in (sizes.outliers if sizes is not None else ())))
@@ -217,7 +218,7 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
 def _lr(session: ReplaySession) -> float | None:
     """The step's learning rate: the optimizer's first parameter group."""
     groups = getattr(session.optimizer, "param_groups", None) or []
-    return finite_float(groups[0].get("lr")) if groups and isinstance(groups[0], dict) else None
+    return lenient_float(groups[0].get("lr")) if groups and isinstance(groups[0], dict) else None
 
 
 def _data_kind(session: ReplaySession, findings: Findings) -> str | None:

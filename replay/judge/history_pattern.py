@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from statistics import median
 from typing import Any, Sequence
 
+from forensics.format.jsonio import lenient_float
 from forensics.kinds import HistoryPattern
 from forensics.report.wording import fmt_num
 
@@ -182,15 +183,6 @@ def _column(history: dict, key: str, n: int) -> list:
     return (values + [None] * n)[:n]
 
 
-def _num(v: Any) -> float | None:
-    if v is None or isinstance(v, bool):
-        return None
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return None
-
-
 def history_signals(history: dict) -> list[str]:
     """Plain-words warnings from the recorded history (field notes' "other signals").
 
@@ -216,7 +208,7 @@ def history_signals(history: dict) -> list[str]:
                        f"({100 * hits / len(clipped):.0f}%): clipping hides an optimiser or data problem "
                        "rather than fixing it; look at the learning rate and the data.")
 
-    grads = [(s, _num(g)) for s, g in zip(steps, _column(history, "grad_norm", n))]
+    grads = [(s, lenient_float(g)) for s, g in zip(steps, _column(history, "grad_norm", n))]
     grads = [(s, g) for s, g in grads if g is not None and math.isfinite(g)]
     run = 0
     for _, g in reversed(grads):
@@ -233,7 +225,7 @@ def history_signals(history: dict) -> list[str]:
                            "step before): dead units, or fp16 gradients underflowing because of the loss scale.")
             break
 
-    scales = [(s, _num(v)) for s, v in zip(steps, _column(history, "loss_scale", n))]
+    scales = [(s, lenient_float(v)) for s, v in zip(steps, _column(history, "loss_scale", n))]
     skipped = _column(history, "skipped", n)
     overflow_steps = {s for s, k in zip(steps, skipped) if k}
     known = [(s, v) for s, v in scales if v is not None and math.isfinite(v)]
@@ -266,7 +258,7 @@ def diverged_long_ago(history: dict, uniform_loss: float | None = None) -> str |
     DIVERGED_FOR steps. Then a spike at the dumped step is a symptom of that run, not a cause.
     """
     first = _first_losses(history)
-    losses = [_num(v) for v in (history.get("loss") or [])][:-1]  # the last entry is the dumped step
+    losses = [lenient_float(v) for v in (history.get("loss") or [])][:-1]  # the last entry is the dumped step
     steps = list(history.get("step") or [])[:len(losses)]
     recent = [(s, v) for s, v in zip(steps, losses) if v is not None and math.isfinite(v)]
     if not first or len(recent) < DIVERGED_FOR:
@@ -318,9 +310,9 @@ def read_history(history: dict | None, step: int | None, uniform_loss: float | N
     history = history or {}
     n = max((len(v) for v in history.values() if isinstance(v, list)), default=0)
     steps = [s if isinstance(s, int) else i for i, s in enumerate(_column(history, "step", n))]
-    losses = [_num(v) for v in _column(history, "loss", n)]
-    norms = [_num(v) for v in _column(history, "grad_norm", n)]
-    rates = [_num(v) for v in _column(history, "lr", n)]
+    losses = [lenient_float(v) for v in _column(history, "loss", n)]
+    norms = [lenient_float(v) for v in _column(history, "grad_norm", n)]
+    rates = [lenient_float(v) for v in _column(history, "lr", n)]
     clipped = _column(history, "clipped", n)
     first = _first_losses(history)
     limit = divergence_limit(first, uniform_loss)

@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from forensics.kinds import Phase
-from forensics.thirdparty import op_schema
+from forensics.thirdparty import TorchDispatchMode, op_schema
 from replay.localize.forward_backward import ModuleTracker
 from replay.run.execute import SampleRef, StepRunner
 
@@ -40,7 +39,7 @@ class ExceptionFinding:
     """[{"value", "limit", "sample_id", "micro_batch", "index", "position"}] for out-of-range indices."""
     context_limit: int | None = None
     """A position embedding ran out of positions: the model's context length (a sample longer than it)."""
-    op_call: tuple | None = field(default=None, repr=False)
+    op_call: tuple[Any, tuple, dict] | None = field(default=None, repr=False)  # (op, args, kwargs)
     """(ATen overload, args, kwargs) of the op that raised in the forward: `forensics repro` calls it again."""
 
 

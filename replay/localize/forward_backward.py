@@ -26,11 +26,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from forensics.kinds import Phase
-from forensics.thirdparty import op_schema
+from forensics.thirdparty import TorchDispatchMode, op_schema, tree_flatten, tree_map
 from replay.run.execute import SampleRef, StepRunner, any_nonfinite
 
 logger = logging.getLogger(__name__)
@@ -173,7 +171,7 @@ class ForwardFinding:
     op_stats: dict = field(default_factory=dict)
     output_kinds: list[str] = field(default_factory=list)
     phase: Phase = Phase.FORWARD
-    op_call: tuple | None = None
+    op_call: tuple[Any, tuple, dict] | None = None  # (op, args, kwargs)
     """With keep_op_inputs: (the ATen OpOverload, args, kwargs) of that op, tensors copied as they went in
     (replay/repro.py writes them out as a standalone reproduction)."""
 
@@ -243,8 +241,6 @@ class _NonFiniteOpChecker(TorchDispatchMode):
 
 def _copy_call(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """An op's arguments with every tensor detached and copied (what went in, whatever the op does to it)."""
-    from torch.utils._pytree import tree_map
-
     def copy(value: Any) -> Any:
         return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
@@ -269,7 +265,7 @@ def localize_forward(runner: StepRunner, samples: list[SampleRef] | None = None,
     if bad_input is not None:
         return bad_input
     model = runner.model
-    param_ids = {}
+    param_ids: dict[int, str] = {}
     first_bad_module: dict = {}
     module_stats: dict[str, dict] = {}
     checker_box: dict[str, _NonFiniteOpChecker] = {}
@@ -359,7 +355,7 @@ def _nonfinite_batch_input(runner: StepRunner, samples: list[SampleRef] | None) 
 
 
 def _module_stats(module: torch.nn.Module, args: tuple, kwargs: dict, outputs: list[torch.Tensor]) -> dict:
-    params = [p for p in module.parameters() if p.is_floating_point() and p.numel()]
+    params: list[torch.Tensor] = [p for p in module.parameters() if p.is_floating_point() and p.numel()]
     return {"inputs_absmax": _absmax(float_tensors((args, kwargs))), "outputs_absmax": _absmax(outputs),
             "params_absmax": _absmax(params)}
 
