@@ -103,7 +103,7 @@ def deferred_termination() -> Iterator[None]:
         return
     received: list[int] = []
 
-    def hold(signum, frame):  # noqa: ARG001
+    def hold(signum, frame):
         received.append(signum)
         log.warning("forensics: SIGTERM received while writing the dump; finishing the dump first")
 

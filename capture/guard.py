@@ -176,7 +176,7 @@ class Guard:
             record.batches.append(batch)
             record.sample_ids.append(sample_ids)
             record.rng.append(self._capture_rng())
-        except Exception:  # noqa: BLE001 - capture must never break the job
+        except Exception:  # capture must never break the job
             log.exception("forensics: record_batch failed; this step will not be capturable")
 
     def record_loss(self, loss: Any) -> None:
@@ -226,7 +226,7 @@ class Guard:
             self.stopped = fault  # later exceptions outside a recorded step are not this step's (record_exception)
             self.step += 1  # a job that catches the error and goes on must not reuse this step's number
             raise
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             if exceptions.is_cuda_error(exc):  # the job's own device fault, surfacing at the step's one sync
                 self._current = record  # dumped as the step that raised; the job fails with its own error
                 self.record_exception(exc)  # which ends the step (self._current = None)
@@ -349,7 +349,7 @@ class Guard:
         """
         try:
             yield self
-        except Exception as exc:  # noqa: BLE001 - recorded, then re-raised unchanged
+        except Exception as exc:  # recorded, then re-raised unchanged
             self.record_exception(exc)
             raise
 
@@ -362,7 +362,7 @@ class Guard:
         """
         try:
             return exceptions.dump_raised(self, exc, self._current)
-        except Exception:  # noqa: BLE001 - the job is already failing: never add a second error
+        except Exception:  # the job is already failing: never add a second error
             log.exception("forensics: dumping the step that raised %s failed", type(exc).__name__)
             return None
         finally:

@@ -281,7 +281,7 @@ class StepStatistics:
         monitor then removes its hooks at check()), never raised into the training step."""
         try:
             yield
-        except Exception:  # noqa: BLE001 - capture must never stop a healthy job
+        except Exception:  # capture must never stop a healthy job
             log.exception("forensics: precursors: the statistics failed; the monitor is off for this run")
             self.failed, self.active = True, False
 

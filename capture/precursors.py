@@ -223,7 +223,7 @@ class PrecursorMonitor:
         if sampled:
             try:
                 self._launched = (step, self.stats.row())
-            except Exception:  # noqa: BLE001 - a statistic is a convenience; the job goes on
+            except Exception:  # a statistic is a convenience; the job goes on
                 log.exception("forensics: precursors: the statistics failed; the monitor is off for this run")
                 self.off()
                 return
@@ -237,7 +237,7 @@ class PrecursorMonitor:
         step, self._launched = self._launched[0], None
         try:
             self._judge(step, values)
-        except Exception:  # noqa: BLE001 - a statistic is a convenience; the job goes on
+        except Exception:  # a statistic is a convenience; the job goes on
             log.exception("forensics: precursors: step %d could not be judged; the monitor is off", step)
             self.off()
 
@@ -391,7 +391,7 @@ def watch(guard: Any, record: StepRecord, decision: bool, sync_free: bool) -> No
         norm = guard.history.to_dict()["grad_norm"][-1] if len(guard.history) else None
         guard.handle_incident(Incident(trigger, guard.step, record, losses, norm,
                                        record.divisor(guard.config.loss_divisor), Policy.CONTINUE))
-    except Exception:  # noqa: BLE001 - capture must never stop a healthy job
+    except Exception:  # capture must never stop a healthy job
         log.exception("forensics: precursors: step %d could not be judged", guard.step)
 
 
@@ -405,7 +405,7 @@ def attach(guard: Any, config: PrecursorConfig | None) -> PrecursorMonitor | Non
         return None
     try:
         monitor = PrecursorMonitor(guard.model, guard.optimizer, config, guard.scaler)
-    except Exception:  # noqa: BLE001
+    except Exception:
         log.exception("forensics: precursors: the monitor could not be set up; it is off")
         return None
     for handle in monitor.handles:

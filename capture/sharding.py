@@ -82,7 +82,7 @@ def fsdp_units(model: torch.nn.Module) -> list[dict]:
             units.append({"module": name, "param_dtype": dtype(policy.param_dtype),
                           "reduce_dtype": dtype(policy.reduce_dtype), "output_dtype": dtype(policy.output_dtype),
                           "cast_forward_inputs": bool(policy.cast_forward_inputs)})
-    except Exception:  # noqa: BLE001 - a torch whose FSDP2 internals differ
+    except Exception:  # a torch whose FSDP2 internals differ
         log.warning("forensics: could not read FSDP2's mixed-precision policies; replay will compute in the "
                     "parameters' dtype", exc_info=True)
         return []

@@ -52,7 +52,7 @@ class UpdateCheck:
             self._pre_step_copy = self.guard.collect_state(copy)
             copy.finish()
             copy.wait()
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("forensics: verify_update could not copy the pre-step state")
             self._pre_step_copy = None
 

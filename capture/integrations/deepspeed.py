@@ -151,7 +151,7 @@ class DeepSpeedGuard(DistributedGuard):
         """Norm of the (unscaled) gradients this rank holds: its ZeRO shard, or all of them (ZeRO-0)."""
         try:
             tensors = self._shard_grads()
-        except Exception:  # noqa: BLE001 - an internal layout this version does not know
+        except Exception:  # an internal layout this version does not know
             log.debug("forensics: reading DeepSpeed gradient shards failed", exc_info=True)
             tensors = None
         if tensors is not None and not tensors and self.sharded:

@@ -308,7 +308,7 @@ def _fp16_overflow(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
     steps = make_steps(10, seed=5, make_record=record)
     bad = steps[5][1][3]
     bad["features"] = bad["features"] * 300.0  # exported un-normalised: values of a few hundred
-    kwargs = {"n_features": n_features, "adapter_hidden": 64, "config": {}}
+    kwargs: dict[str, Any] = {"n_features": n_features, "adapter_hidden": 64, "config": {}}
     model = models.adapter_lm(**kwargs)
     config = _config(out_dir, "fp16_overflow", recipe=_recipe("adapter_lm", kwargs))
     run = Run("fp16_overflow", model, steps, hf_loss, config, autocast=torch.float16)
@@ -357,7 +357,7 @@ def _pair(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
     # channel 3 standardises to NaN in the forward pass, the same on the CPU and on CUDA.
     first["features"][3, 5] = 0.75 * FLT_MAX
     second["features"][3, 9] = 0.75 * FLT_MAX
-    kwargs = {"n_channels": n_channels, "hidden": 32, "n_classes": 4}
+    kwargs: dict[str, Any] = {"n_channels": n_channels, "hidden": 32, "n_classes": 4}
     config = _config(out_dir, "pair", recipe=_recipe("sensor_classifier", kwargs))
     run = Run("pair", models.sensor_classifier(**kwargs), steps, dict_loss, config)
     return _finish(run, device, echo, Expected("bad_sample", (first["sample_ids"], second["sample_ids"]),
@@ -370,7 +370,8 @@ def _sdc(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
 
     seed_everything(0)
     model = name_default_loss(GPT2LMHeadModel(models.gpt2_config()))
-    fire_at, fired = 4, []
+    fire_at = 4
+    fired: list[bool] = []
     state = {"step": 0}
 
     def flip_one_activation(module, inputs, output):  # stands in for a flaky GPU: one value, once
@@ -394,7 +395,7 @@ def _sdc(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
 # -- (g) a NaN that needs one particular dropout mask ---------------------------------------------------
 def _dropout_mask(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
     seed_everything(12)  # on the CPU the first all-dropping gate mask comes at step 7 (p = 1/16 a forward)
-    kwargs = {"n_gates": 4, "gate_dropout": 0.5, "aux_weight": 0.01, "config": {}}
+    kwargs: dict[str, Any] = {"n_gates": 4, "gate_dropout": 0.5, "aux_weight": 0.01, "config": {}}
     steps = make_steps(40, seed=9, make_record=lambda gen: {"input_ids": (ids := token_record(gen)), "labels": ids})
     config = _config(out_dir, "dropout_mask", recipe=_recipe("gated_lm", kwargs))
     run = Run("dropout_mask", models.gated_lm(**kwargs), steps, dict_loss, config)

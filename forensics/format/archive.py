@@ -85,7 +85,7 @@ def unpack_archive(path: Path, limits: ArchiveLimits | None = None) -> tuple[Pat
                 limits = limits or ArchiveLimits()
                 packed = path.stat().st_size
                 capped = _CappedStream(stream, _allowed_bytes(limits, packed) + limits.max_members * 1024 + GiB // 64)
-                with tarfile.open(fileobj=capped, mode="r|") as tar:
+                with tarfile.open(fileobj=capped, mode="r|") as tar:  # type: ignore[call-overload]  # typeshed wants write/seek of a stream that is only read
                     for member in _dump_members(tar, limits, packed):
                         tar.extract(member, root, set_attrs=False, filter="data")
     except tarfile.FilterError as exc:

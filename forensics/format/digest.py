@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import BinaryIO
+from typing import Any, Protocol
 
 from forensics.format import threads
 from forensics.format.spec import CHUNK_BYTES
@@ -44,6 +44,12 @@ def _hash_pool():
     return _POOL
 
 
+class Sink(Protocol):
+    """Where HashingWriter passes the bytes on: an open binary file, or a wrapper of one (EarlyWriteback)."""
+
+    def write(self, data: Any, /) -> Any: ...
+
+
 class HashingWriter:
     """File wrapper that counts bytes and sha256s each CHUNK_BYTES chunk of the file on the way to disk.
 
@@ -56,7 +62,7 @@ class HashingWriter:
 
     PARALLEL_MIN = 1 << 20  # below this, a thread hand-off costs more than it saves
 
-    def __init__(self, raw: BinaryIO, chunk_bytes: int = CHUNK_BYTES):
+    def __init__(self, raw: Sink, chunk_bytes: int = CHUNK_BYTES):
         self.raw = raw
         self.size = 0
         self.chunk_bytes = chunk_bytes

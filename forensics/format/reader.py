@@ -7,6 +7,7 @@ import hashlib
 import os
 import stat
 import threading
+from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -638,7 +639,7 @@ def resolve(path: str | Path, limits: ArchiveLimits | None = None) -> tuple[Path
 
 
 def open_dump(path: str | Path, rank: int | None = None, limits: ArchiveLimits | None = None,
-              shard_dirs: list[str | Path] = ()) -> Dump:
+              shard_dirs: Sequence[str | Path] = ()) -> Dump:
     """Opens a rank dump, a step directory (choose `rank`), or a packed `.tar.zst` of either.
 
     Args:
@@ -655,16 +656,16 @@ def open_dump(path: str | Path, rank: int | None = None, limits: ArchiveLimits |
         >>> dump.trigger["kind"]  # doctest: +SKIP
         'nonfinite_loss'
     """
-    shard_dirs = [Path(d) for d in shard_dirs]
+    dirs = [Path(d) for d in shard_dirs]
     try:
         dump = _choose_dump(path, rank, limits)
     except NotADumpError:
-        found = _rank_elsewhere(path, rank, limits, shard_dirs)
+        found = _rank_elsewhere(path, rank, limits, dirs)
         if found is None:
             raise
         dump, here = found
-        shard_dirs.insert(0, here)  # the ranks of the directory the user named are peers too
-    dump.shard_dirs = shard_dirs
+        dirs.insert(0, here)  # the ranks of the directory the user named are peers too
+    dump.shard_dirs = dirs
     return dump
 
 

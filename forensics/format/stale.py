@@ -59,7 +59,7 @@ def stale_temporaries(root: str | os.PathLike, now: float | None = None) -> list
 
 def remove_stale_temporaries(root: str | os.PathLike) -> list[Path]:
     """Removes the stale `.tmp-*` directories under `root`; returns those removed. Never raises."""
-    removed = []
+    removed: list[Path] = []
     try:
         candidates = stale_temporaries(root)
     except OSError:

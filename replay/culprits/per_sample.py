@@ -103,7 +103,12 @@ def _vmap_stats(model: torch.nn.Module, loss_fn: Callable, batch: Any) -> tuple[
     frozen = {n: p.detach() for n, p in wrapper.named_parameters() if not p.requires_grad}
     frozen.update(dict(wrapper.named_buffers()))
     leaves: list[torch.Tensor] = []
-    map_sample_tensors(batch, lambda t: leaves.append(t) or t)
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        leaves.append(tensor)
+        return tensor
+
+    map_sample_tensors(batch, keep)
 
     def one_sample_loss(p: dict, xs: list[torch.Tensor]) -> torch.Tensor:
         it = iter(xs)
@@ -245,9 +250,10 @@ def rank_by_loss(rows: Sequence[SampleRow]) -> list[SampleRow]:
     """
     def key(item: tuple[int, SampleRow]) -> tuple:
         pos, row = item
-        if not row.get("finite", False) or row.get("loss") is None:
+        loss = row.get("loss")
+        if not row.get("finite", False) or loss is None:
             return (0, 0.0, 0.0, pos)
         grad = row.get("grad_norm")
-        return (1, -row["loss"], -(grad if grad is not None else -math.inf), pos)
+        return (1, -loss, -(grad if grad is not None else -math.inf), pos)
 
     return [row for _, row in sorted(enumerate(rows), key=key)]

@@ -23,7 +23,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator, TypedDict
 
-import torch
 
 from forensics.kinds import RemedyKind
 from replay.judge.precision import uses_low_precision
@@ -136,8 +135,8 @@ def try_remedies(runner: StepRunner, culprits: list[SampleRef], clip_at: float |
             "to float32), or " if culprit_module and "<" not in culprit_module else ""  # <input>.x is data, no module
         results.append(_evaluate(runner, RemedyKind.FP32, f"{where}train without autocast / loss scaling",
                                  fp32=True))
-    if session.scaler_enabled:
-        scale = float(session.scaler_state["scale"])
+    if session.loss_scale is not None:
+        scale = session.loss_scale
         results.append(_evaluate(runner, RemedyKind.LOSS_SCALE,
                                  f"GradScaler(init_scale={scale * LOSS_SCALE_FACTOR:g}) (the step ran at {scale:g})",
                                  loss_scale=scale * LOSS_SCALE_FACTOR))

@@ -17,7 +17,7 @@ import math
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, cast
 
 import torch
 
@@ -178,7 +178,7 @@ def find_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
         raise ReplayError("this model cannot be streamed: it has no nn.ModuleList of at least two blocks with "
                           "parameters (streaming keeps the blocks in the dump). Replay it without --gpu-memory, on "
                           "a device it fits")
-    modules = model.get_submodule(best)
+    modules = cast(torch.nn.ModuleList, model.get_submodule(best))  # the nn.ModuleList found above
     return [(f"{best}.{i}" if best else str(i), child) for i, child in enumerate(modules)
             if any(True for _ in child.parameters())]
 

@@ -100,7 +100,7 @@ def _safetensors(path: Path) -> dict[str, torch.Tensor]:
 def _torch_load(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - an unpickler refusal or a damaged file: the user's input
+    except Exception as exc:  # an unpickler refusal or a damaged file: the user's input
         raise DumpError(f"cannot read {path} as a weights-only torch.save file ({type(exc).__name__}: "
                         f"{str(exc)[:200]}); forensics never unpickles code: save tensors and plain containers, "
                         "or a safetensors file") from exc
@@ -144,7 +144,7 @@ class DataRecipe:
     def batch(self, ids: list) -> Any:
         try:
             return self.collate([self.dataset[i] for i in ids])
-        except Exception as exc:  # noqa: BLE001 - the user's dataset on recorded ids
+        except Exception as exc:  # the user's dataset on recorded ids
             raise RecipeError(f"the data recipe could not rebuild a micro-batch from sample ids {ids[:8]}: "
                               f"{type(exc).__name__}: {str(exc)[:200]}") from exc
 
@@ -395,7 +395,7 @@ def _optimizer(session: ReplaySession, checkpoint: Checkpoint) -> torch.optim.Op
         return optimizer
     try:
         optimizer.load_state_dict(checkpoint.optimizer)
-    except Exception as exc:  # noqa: BLE001 - a state dict of another optimizer layout
+    except Exception as exc:  # a state dict of another optimizer layout
         raise RecipeError(f"the checkpoint's optimizer state does not fit a {snapshot.class_path} over this model "
                           f"({type(exc).__name__}: {str(exc)[:200]})") from exc
     return optimizer

@@ -27,7 +27,7 @@ def _loop(tmp_path, losses, sample_ids=None, policy="raise"):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="odd", on_nonfinite=policy))
     decisions = []
-    for step, extra in enumerate(losses):
+    for _step, extra in enumerate(losses):
         x = torch.randn(4, 3)
         guard.record_batch({"x": x}, sample_ids=sample_ids)
         loss = model(x).pow(2).mean()
