@@ -1,11 +1,12 @@
 """In-job capture: the Guard watches a training loop and writes a replayable dump when a step goes wrong.
 
-Imports nothing heavy beyond torch; framework adapters live in capture.integrations and load lazily.
+Imports nothing heavy beyond torch; framework adapters live in capture.integrations and load lazily. The
+sub-packages are the stages of a step's way through the Guard (docs/ARCHITECTURE.md, "Capture"); a module is
+imported by its full path (`capture.check.detectors`).
 """
 
-from capture.config import GuardConfig, SpikeConfig
-from capture.datasets import IndexedDataset
+from capture.config import GuardConfig, PrecursorConfig, SpikeConfig
 from capture.guard import Guard
-from capture.precursors import PrecursorConfig
+from capture.record.datasets import IndexedDataset
 
 __all__ = ["Guard", "GuardConfig", "IndexedDataset", "PrecursorConfig", "SpikeConfig"]

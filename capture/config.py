@@ -2,12 +2,79 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from capture.precursors import PrecursorConfig
 from forensics.kinds import Policy, StateLayout, TriggerKind
+
+
+@dataclass
+class PrecursorConfig:
+    """Opt-in precursor monitor: GuardConfig(precursors=PrecursorConfig()).
+
+    Only every `every`-th step is measured, and the trend is judged over those sampled steps: `window`,
+    `sustained` and `history` count sampled steps; `warmup` and `min_gap` count training steps. Defaults are
+    conservative: a statistic fires only after `warmup` steps, when its log stays more than `z_threshold` robust
+    standard deviations above the median of the last `window` healthy sampled values AND at least `min_growth` x
+    that median, for `sustained` consecutive sampled steps (with the defaults: 2x above the median of the last 32
+    steps, seen at two samples 8 steps apart). Runs with a long learning-rate warm-up should set `warmup` to its
+    length.
+    """
+
+    every: int = 8
+    """Steps from one measured step to the next. A measured step costs ~5 ms on an H100 for GPT-2 small, whatever
+    the step's size (per-block reductions and one pass over the optimizer state: BENCHMARKS.md, precursor_overhead);
+    8 brings the amortised cost under 1 % even of a short step (0.8 % of 2 x 4 x 1024 tokens) while a growth that
+    builds over tens of steps is still seen tens of steps ahead (tests/capture/test_precursors.py: 20-35 steps before
+    the NaN). 1: every step."""
+    window: int = 4
+    """Healthy sampled values per statistic in the running median / MAD: 4 x every = the last 32 steps. What fires
+    is growth faster than the baseline follows, so the window's span in steps sets the sensitivity: a longer span
+    also fires on the slow, healthy growth of early training (6 samples did, on the tiny GPT-2 at learning rate
+    0.3; with every=1 choose about 32)."""
+    warmup: int = 64
+    """Training steps before a statistic may fire: early training moves every statistic (a randomly initialised
+    model's attention logits grow tens of times while it learns to attend), and that is not a precursor."""
+    sustained: int = 2
+    """Consecutive sampled steps above the baseline before it fires (2 x every = 16 steps): one noisy sample never
+    does."""
+    z_threshold: float = 6.0
+    """Robust z of log(value) against the baseline that counts as 'above'."""
+    min_growth: float = 2.0
+    """And the value must be at least this many times the baseline median (for the Adam floor: this many times
+    below it): the z test alone fires on a near-constant series."""
+    attention: bool = True
+    """Measure the attention-logit bound where the blocks have recognisable query / key projections."""
+    optimizer: bool = True
+    """Measure the update/weight ratio and the Adam floor (one elementwise pass over the blocks' optimizer state
+    on a sampled step: the largest part of its cost; scripts/bench/precursor_overhead.py)."""
+    max_dumps: int = 1
+    """Precursor dumps per run: their own budget; they never use GuardConfig.max_dumps, the crash's
+    (capture/dump/budget.py)."""
+    min_gap: int = 200
+    """Steps before the same (layer, statistic) may fire again."""
+    history: int = 64
+    """Sampled steps of statistics kept in the flight recorder and written into every dump (`precursors.json`)."""
+
+    def __post_init__(self):
+        if self.window < 4 or self.warmup < 0:
+            raise ValueError(f"PrecursorConfig needs window >= 4 and warmup >= 0, got window={self.window}, "
+                             f"warmup={self.warmup}")
+        if self.every < 1 or self.sustained < 1 or self.max_dumps < 0 or self.min_gap < 0:
+            raise ValueError("PrecursorConfig needs every >= 1, sustained >= 1, max_dumps >= 0, min_gap >= 0")
+        if self.z_threshold <= 0 or self.min_growth <= 1:
+            raise ValueError(f"PrecursorConfig needs z_threshold > 0 and min_growth > 1, got "
+                             f"{self.z_threshold}, {self.min_growth}")
+        if self.history < self.window:
+            raise ValueError(f"PrecursorConfig.history ({self.history}) must be >= window ({self.window}): the dump "
+                             "must show the baseline the growth left")
+
+    @property
+    def warmup_samples(self) -> int:
+        """`warmup` in sampled steps (what a trend counts), at least 4: a baseline needs values."""
+        return max(4, math.ceil(self.warmup / self.every))
 
 
 @dataclass
@@ -150,11 +217,11 @@ class GuardConfig:
     """Sharded layout: on how many ranks every part of the state is written, so that a rank (or node) that dies
     while writing loses nothing. Replicated tensors (DDP weights, HSDP's replicas) are written by that many
     ranks; a shard only one rank holds (plain FSDP / tensor parallel, ZeRO partitions) is sent point to point
-    to shard_replicas - 1 buddy ranks, on other nodes first, before any rank writes (capture/buddy.py; only in
+    to shard_replicas - 1 buddy ranks, on other nodes first, before any rank writes (capture/state/buddy.py; only in
     dumps every rank makes — a step that raised on one rank is written without copies). 2 doubles the state's
     bytes on disk. Default 1: one copy."""
     precursors: PrecursorConfig | None = None
-    """Opt-in precursor monitor (capture/precursors.py): per-layer statistics (block output RMS / abs-max,
+    """Opt-in precursor monitor (capture/precursors/monitor.py): per-layer statistics (block output RMS / abs-max,
     attention- and output-logit bounds, gradient norm, update/weight ratio, Adam second-moment floor) measured on
     every PrecursorConfig.every-th step (8) and read with check()'s own transfer; a statistic that keeps growing dumps the step once (trigger 'precursor', policy
     'continue'), before the loss goes non-finite. None (default): off."""

@@ -4,8 +4,8 @@ Costs on a healthy step: an RNG snapshot per micro-batch (host only; the Python 
 generators did not draw), one fused grad-norm reduction when the loop does not pass its own, and exactly one
 device->host transfer (inside `check`); tests/capture/test_healthy_cost.py holds the count in CI. Under
 torchrun (world size > 1, torch.distributed initialised) add one all-reduce, so that every rank
-triggers on the same step (capture/agreement.py); framework adapters live in capture.integrations.
-GuardConfig(sync_free=True) removes the transfer for fused optimizers (capture/deferred.py).
+triggers on the same step (capture/check/agreement.py); framework adapters live in capture.integrations.
+GuardConfig(sync_free=True) removes the transfer for fused optimizers (capture/check/sync_free.py).
 """
 
 from __future__ import annotations
@@ -19,23 +19,27 @@ from typing import Any, Callable
 
 import torch
 
-from capture import deferred, environment, exceptions, precursors, sharding, snapshot
-from forensics import thirdparty
-from capture.agreement import default_run_id, dist_info, distributed, unwrap_model
-from capture.buffers import PreForwardBuffers
-from capture.checking import SyncCheck
+from capture.check import sync_free
+from capture.check.agreement import default_run_id, dist_info, distributed, unwrap_model
+from capture.check.detectors import StepDetectors
+from capture.check.sync import SyncCheck
+from capture.check.update import UpdateCheck
 from capture.config import GuardConfig
-from capture.detectors import StepDetectors
-from capture.dumping import Dumper
-from capture.history import History
-from capture.host_snapshots import HostSnapshots
-from capture.incident import Incident, StepRecord
-from capture.main_script import MainScript
-from capture.misuse import FirstStepCheck
-from capture.optimizer_steps import OptimizerSteps
-from capture.recipe import build_recipe, default_loss_fits
-from capture.update_check import UpdateCheck
-from capture.window import FlightRecorder
+from capture.dump import environment
+from capture.dump.dumper import Dumper
+from capture.dump.main_script import MainScript
+from capture.dump.recipe import build_recipe, default_loss_fits
+from capture.precursors import monitor
+from capture.raised import exceptions
+from capture.raised.optimizer_steps import OptimizerSteps
+from capture.record.history import History
+from capture.record.incident import Incident, StepRecord
+from capture.record.misuse import FirstStepCheck
+from capture.record.window import FlightRecorder
+from capture.state import sharding, snapshot
+from capture.state.buffers import PreForwardBuffers
+from capture.state.host_snapshots import HostSnapshots
+from forensics import thirdparty
 from forensics.errors import TrainingFaultError
 from forensics.grad_norm import total_grad_norm
 from forensics.kinds import Policy, StateLayout
@@ -85,8 +89,8 @@ class Guard:
         ...     scheduler.step(); optimizer.zero_grad()
 
     Framework adapters (capture/integrations/) subclass the Guard and override only the methods under
-    "adapter hooks" below (docs/ARCHITECTURE.md, "Adapter hooks"). The dump path is capture/dumping.py, the
-    synchronous check capture/checking.py, the sync-free one capture/deferred.py: each reads the Guard
+    "adapter hooks" below (docs/ARCHITECTURE.md, "Adapter hooks"). The dump path is capture/dump/dumper.py, the
+    synchronous check capture/check/sync.py, the sync-free one capture/check/sync_free.py: each reads the Guard
     through a narrow Protocol.
     """
 
@@ -105,11 +109,12 @@ class Guard:
         self.step = 0
         self.history = History(self.config.history_size)
         self.window = FlightRecorder(self.config.window_steps)
-        """The flight recorder: sample IDs, RNG and scalars of the last window_steps steps (capture/window.py)."""
+        """The flight recorder: sample IDs, RNG and scalars of the last window_steps steps
+        (capture/record/window.py)."""
         self.snapshots = HostSnapshots(self.config.snapshot_every, self.config.snapshot_count)
-        """Host copies of the state every snapshot_every steps (capture/host_snapshots.py)."""
+        """Host copies of the state every snapshot_every steps (capture/state/host_snapshots.py)."""
         self.buffers = PreForwardBuffers(model)
-        """The model's buffers before the step's first forward (capture/buffers.py): dumped, restored on skip."""
+        """The model's buffers before the step's first forward (capture/state/buffers.py): dumped, restored on skip."""
         self.dtensors = sharding.has_dtensors(model)
         """The model holds DTensors (FSDP2, tensor parallel): state is written from local shards."""
         self.fsdp_units = sharding.fsdp_units(model) if self.dtensors else []
@@ -135,13 +140,13 @@ class Guard:
         self._hooks: list[Any] = []
         self.add_hook(model.register_forward_pre_hook(self._note_autocast))
         self.optimizer_steps = OptimizerSteps(optimizer, self.add_hook)
-        """Whether the optimizer stepped since the last check() (capture/optimizer_steps.py)."""
+        """Whether the optimizer stepped since the last check() (capture/raised/optimizer_steps.py)."""
         self.first_step = FirstStepCheck(self.config.sample_id_key)
-        """Warns once, at the first check(), about calls a dump could not use (capture/misuse.py)."""
+        """Warns once, at the first check(), about calls a dump could not use (capture/record/misuse.py)."""
         self.last_step: StepRecord | None = None
         """The record of the last checked step (a step that raises after check(); verify_update)."""
         self._sync_check = SyncCheck(self)
-        self._sync_free = deferred.SyncFree(self) if self.config.sync_free else None
+        self._sync_free = sync_free.SyncFree(self) if self.config.sync_free else None
         self.stopped: TrainingFaultError | None = None
         """The TrainingFaultError check() raised last, until the next step is recorded: an exception raised after it
         outside a recorded step (code after the training loop) is not dumped as the faulted step's."""
@@ -149,8 +154,8 @@ class Guard:
         self.last_dumped_step: int | None = None
         """The step of the last incident admitted for a dump (a precursor then waits for a step not dumped)."""
         """The step of the last incident handled (a precursor does not dump a step dumped already)."""
-        self.precursors = precursors.attach(self, self.config.precursors)
-        """GuardConfig.precursors: the per-layer statistics monitor (capture/precursors.py), or None."""
+        self.precursors = monitor.attach(self, self.config.precursors)
+        """GuardConfig.precursors: the per-layer statistics monitor (capture/precursors/monitor.py), or None."""
         environment.environment()  # versions, git commit: read now, not while a fault is being dumped
         if self.config.capture_exceptions:
             exceptions.watch(self)
@@ -234,7 +239,7 @@ class Guard:
             log.exception("forensics: the check of step %d failed inside forensics; training continues", self.step)
             decision = True
         if self.precursors is not None:
-            precursors.watch(self, record, decision, sync_free)
+            monitor.watch(self, record, decision, sync_free)
         if not decision and not sync_free:
             self.buffers.undo_skipped_step(self.step)
         self.last_step = record
@@ -328,7 +333,7 @@ class Guard:
     def dump_needs_every_rank(self) -> bool:
         """True when one rank's dump would not hold the whole state: several ranks, and a state each writes its
         part of (sharded layout) or one gathered by a collective. A dump this rank alone decides on (a precursor)
-        is then made by every rank at the same step, through the step's all-reduce (capture/precursors.py)."""
+        is then made by every rank at the same step, through the step's all-reduce (capture/precursors/monitor.py)."""
         if not self.multi_rank:
             return False
         if self.dtensors:  # written sharded, or gathered whole by a collective: either way every rank takes part
@@ -358,7 +363,7 @@ class Guard:
         Lightning callback call this). Never raises; returns the dump's path, or None.
 
         Raised after check(), the optimizer's step hooks tell where: inside the update (the manifest says
-        `state_may_be_partial`) or after it, between steps (capture/exceptions.py `dump_raised`).
+        `state_may_be_partial`) or after it, between steps (capture/raised/exceptions.py `dump_raised`).
         """
         try:
             return exceptions.dump_raised(self, exc, self._current)
@@ -368,7 +373,7 @@ class Guard:
         finally:
             self._current = None  # the step is over; a job that catches the error starts the next one afresh
 
-    # -- what the checks and the dump path call back (capture/checking.py, deferred.py, dumping.py) -----
+    # -- what the checks and the dump path call back (capture/check/sync.py, sync_free.py, dump/dumper.py) -----
     @property
     def multi_rank(self) -> bool:
         """Several ranks under an initialised process group (each step then agrees across ranks)."""
@@ -410,7 +415,7 @@ class Guard:
 
     def not_dumped(self, trigger: Any, step: int, why: str, reason: str) -> None:
         """Counts a trigger that is not dumped (`why`; `reason` its key in the manifest's `dump_budget`), logged once
-        per window (capture/dump_budget.py)."""
+        per window (capture/dump/budget.py)."""
         self.dumper.not_dumped(trigger, step, why, reason)
 
     # -- lifecycle -------------------------------------------------------------------------------

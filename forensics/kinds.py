@@ -104,7 +104,7 @@ class TriggerKind(_Kind):
     EXCEPTION = "exception"
     """The step raised (IndexError, a shape error, out of memory ...): manifest section `exception`."""
     PRECURSOR = "precursor"
-    """A healthy step whose per-layer statistics have been growing for several steps (capture/precursors.py):
+    """A healthy step whose per-layer statistics have been growing for several steps (capture/precursors/monitor.py):
     dumped once per (layer, statistic) under policy 'continue', before any loss is non-finite."""
 
     @property
@@ -166,7 +166,7 @@ class _StatisticProps:
 
 
 class PrecursorStatistic(_Kind):
-    """A per-layer statistic the precursor monitor records (capture/precursors.py; dump `precursors.json`)."""
+    """A per-layer statistic the precursor monitor records (capture/precursors/monitor.py; dump `precursors.json`)."""
 
     BLOCK_RMS = "block_rms"
     BLOCK_ABSMAX = "block_absmax"
@@ -214,7 +214,7 @@ _STATISTIC_PROPS = {
 
 
 class PrecursorRule(_Kind):
-    """Which rule made a precursor statistic fire (capture/precursors.py; `precursors.json` firings' `rule`)."""
+    """Which rule made a precursor statistic fire (capture/precursors/monitor.py; `precursors.json` firings' `rule`)."""
 
     GROWTH = "growth"
     """It grew fast against its own recent median (forensics/trend.py)."""
@@ -246,7 +246,7 @@ class Phase(_Kind):
     OPTIMIZER = "optimizer"
     BETWEEN_STEPS = "between_steps"
     """After the optimizer update of one step and before the next step's first record_batch: the user's data
-    loading or other code of the loop raised (only a step that raised; capture/optimizer_steps.py)."""
+    loading or other code of the loop raised (only a step that raised; capture/raised/optimizer_steps.py)."""
 
     @property
     def is_pass(self) -> bool:

@@ -68,7 +68,7 @@ def name_default_loss(model: M) -> M:
     Naming that same loss changes nothing but the warning, which would otherwise look like forensics' own.
     """
     if getattr(model, "loss_type", "") is None:
-        setattr(model, "loss_type", "ForCausalLM")  # an attribute of the transformers model, not a submodule
+        model.loss_type = "ForCausalLM"  # type: ignore[assignment]  # a transformers attribute, not a submodule
     return model
 
 

@@ -100,7 +100,7 @@ def test_the_import_graph_has_no_cycles():
 
 def test_the_graph_sees_the_packages():
     graph = _graph()
-    assert "capture.dumping" in graph and "forensics.format.writer" in graph["capture.dumping"]
+    assert "capture.dump.dumper" in graph and "forensics.format.writer" in graph["capture.dump.dumper"]
     assert "replay.engine" in graph and "forensics.cli" in graph and _layer("forensics.format.reader") == 0
 
 
@@ -118,16 +118,23 @@ def _doc_tree(root: str) -> dict[str, str]:
     return entries
 
 
-def test_the_replay_tree_in_the_architecture_doc_is_the_package():
-    drawn = {p for p in _doc_tree("replay") if p.endswith(".py")}
-    files = {p.relative_to(ROOT / "replay").as_posix() for p in (ROOT / "replay").rglob("*.py")
+def _assert_the_doc_draws(package: str) -> None:
+    """docs/ARCHITECTURE.md's tree of `package/` names each of its modules and sub-packages, and no module is named
+    like its sub-package."""
+    drawn = _doc_tree(package)
+    files = {p.relative_to(ROOT / package).as_posix() for p in (ROOT / package).rglob("*.py")
              if p.name != "__init__.py"}
-    assert drawn == files, f"docs/ARCHITECTURE.md's replay/ tree: missing {sorted(files - drawn)}, " \
-                           f"not in the code {sorted(drawn - files)}"
-    stages = {p for p in _doc_tree("replay") if "." not in p}
-    assert stages == {p.name for p in (ROOT / "replay").iterdir() if (p / "__init__.py").is_file()}
-    assert all(p.parent == ROOT / "replay" or p.stem != p.parent.name for p in (ROOT / "replay").rglob("*.py")), \
+    modules = {p for p in drawn if p.endswith(".py")}
+    assert modules == files, f"docs/ARCHITECTURE.md's {package}/ tree: missing {sorted(files - modules)}, " \
+                             f"not in the code {sorted(modules - files)}"
+    assert {p for p in drawn if "." not in p} == {p.name for p in (ROOT / package).iterdir()
+                                                   if (p / "__init__.py").is_file()}
+    assert all(p.parent == ROOT / package or p.stem != p.parent.name for p in (ROOT / package).rglob("*.py")), \
         "a module named like its sub-package"
+
+
+def test_the_replay_tree_in_the_architecture_doc_is_the_package():
+    _assert_the_doc_draws("replay")
 
 
 REPLAY_STAGES = ["load", "run", "localize", "culprits", "judge"]
@@ -142,6 +149,33 @@ def test_a_replay_stage_imports_only_its_own_and_earlier_stages():
              and REPLAY_STAGES.index(stage[target]) > REPLAY_STAGES.index(stage[module])]
     assert not wrong, "\n".join(sorted(wrong))
     assert set(REPLAY_STAGES) == {p.name for p in (ROOT / "replay").iterdir() if (p / "__init__.py").is_file()}
+
+
+CAPTURE_STAGES = ["config", "record", "state", "precursors", "check", "dump", "raised", "guard", "integrations"]
+"""capture/ in the order of a step's way through the Guard: the configuration every stage reads, what is recorded of the
+step, the state a dump holds, the precursor statistics, the check, the dump, a step that raised, the Guard that runs
+them, and the framework adapters built on it. A sub-package (or the top-level module config / guard) may import its
+own and earlier stages only."""
+
+
+def _capture_stage(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "capture" and len(parts) > 1 else None
+
+
+def test_a_capture_stage_imports_only_its_own_and_earlier_stages():
+    graph = _graph()
+    stage = {name: _capture_stage(name) for name in graph if _capture_stage(name)}
+    assert set(stage.values()) == set(CAPTURE_STAGES), "a capture/ module outside the stages of CAPTURE_STAGES"
+    wrong = [f"{module} ({stage[module]}) imports {target} ({stage[target]})"
+             for module, targets in graph.items() if module in stage
+             for target in targets if target in stage
+             and CAPTURE_STAGES.index(stage[target]) > CAPTURE_STAGES.index(stage[module])]
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_the_capture_tree_in_the_architecture_doc_is_the_package():
+    _assert_the_doc_draws("capture")
 
 
 def test_the_forensics_tree_in_the_architecture_doc_names_each_module_and_its_layer():

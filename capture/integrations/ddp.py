@@ -2,7 +2,7 @@
 
 The multi-rank behaviour itself (one all-reduce per step so every rank triggers on the same step,
 spikes included; the dump cap counting attempts; SIGTERM held while a rank writes; DDP / compile
-wrappers stripped) is the plain Guard's (capture/guard.py, capture/agreement.py): a plain `Guard`
+wrappers stripped) is the plain Guard's (capture/guard.py, capture/check/agreement.py): a plain `Guard`
 under torchrun is just as correct. What this class adds is framework-specific: the autocast a
 framework applies where the loop cannot see it, and `integration` info in the manifest's `distributed`
 section (the `describe_distribution` hook).
@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from capture.agreement import Agreement, deferred_termination, unwrap_model
+from capture.check.agreement import Agreement, deferred_termination, unwrap_model
 from capture.config import GuardConfig
 from capture.guard import Guard
 

@@ -22,9 +22,9 @@ from typing import Any, Callable
 
 import torch
 
-from capture import sharding, snapshot
 from capture.config import GuardConfig
 from capture.integrations.ddp import DistributedGuard
+from capture.state import sharding, snapshot
 from forensics.format.shards import LocalShard
 from forensics.kinds import StateLayout
 from forensics.recipes import HUGGINGFACE_FACTORY

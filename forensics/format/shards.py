@@ -34,7 +34,7 @@ class LocalShard:
 
     With `flat`, offsets and the box are those of the flattened tensor (a ZeRO partition: a contiguous
     range of elements), and `offsets` has one entry. `holders`: how many ranks write this same box (HSDP
-    replica groups); a box only one rank holds is what a buddy copy protects (capture/buddy.py).
+    replica groups); a box only one rank holds is what a buddy copy protects (capture/state/buddy.py).
     """
 
     tensor: Any  # torch.Tensor (contiguous)

@@ -57,8 +57,8 @@ class DumpContent:
     """Sharded layout (forensics.format.shards): `{file: {name: {"shape", "dtype"}}}`, every tensor of the
     complete state; this rank's model / optimizer hold only the parts it owns. None: the full state."""
     copies: list[ShardCopies] = field(default_factory=list)
-    """Sharded layout: other ranks' sole shards this rank writes too (GuardConfig.shard_replicas, capture/buddy.py),
-    as spec.copy_file_name files listed in the manifest's `layout.copies`."""
+    """Sharded layout: other ranks' sole shards this rank writes too (GuardConfig.shard_replicas,
+    capture/state/buddy.py), as spec.copy_file_name files listed in the manifest's `layout.copies`."""
 
 
 class _DumpDir:

@@ -1,6 +1,6 @@
 """The report of a precursor dump: which layer and which statistic started to grow first, and what usually fixes it.
 
-A precursor dump (trigger `precursor`, capture/precursors.py) holds a healthy step: there is nothing to reproduce.
+A precursor dump (trigger `precursor`, capture/precursors/monitor.py) holds a healthy step: nothing to reproduce.
 Its report is built from the statistics the job recorded (`precursors.json`): each (layer, statistic) series is
 walked with the same robust trend rule as in the job (forensics/trend.py) but with a lower bar (REPORT_Z, the
 square root of the job's growth), so the step each one *started* to leave its baseline is found; the series are

@@ -20,6 +20,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import time
 import weakref
 from collections import OrderedDict
 from typing import Any, Callable, ContextManager, Iterator
@@ -259,28 +260,45 @@ class BlockStreamer:
 
     def _finish(self, name: str, grad: torch.Tensor) -> None:
         rest = self.rest[name].dtype
+        accumulated = grad
         if name in self.reduce_dtype and grad.dtype != rest:  # FSDP2: reduced in reduce_dtype onto the fp32 weights
-            grad = grad.to(self.reduce_dtype[name] or rest).to(rest)
+            via = self.reduce_dtype[name] or rest
+            grad = grad.to(via).to(rest)
+            exact = widens_exactly(accumulated.dtype, via) and widens_exactly(via, rest)
+        else:
+            exact = True
         if self.inv_scale is not None:  # GradScaler.unscale_: times 1/scale in fp32
             grad = grad * self.inv_scale.to(grad.device)
+            exact = False
         norm = foreach_norm([grad], 2.0)[0]
         self.norms[name] = (norm, torch.linalg.vector_norm(grad.float()))
         if any_nonfinite([grad])[0]:
             self.nonfinite.add(name)
-        if self.keep:
-            self.grads.put(name, grad, kept=True)
+        if self.keep:  # in the accumulated dtype when widening it gives the same values: half the bytes off the device
+            self.grads.put(name, accumulated if exact else grad, kept=True)
+
+
+def widens_exactly(narrow: torch.dtype, wide: torch.dtype) -> bool:
+    """Every value of `narrow` is a value of `wide` (a cast there and back is the identity)."""
+    halves, singles = (torch.float16, torch.bfloat16), (torch.float32, torch.float64)
+    return narrow == wide or (narrow in halves and wide in singles) or (narrow, wide) == (torch.float32, torch.float64)
 
 
 class GradStore:
     """Gradients off the device: accumulating across micro-batches, or kept for the optimizer check. Those of a
     CUDA device go to pinned host memory up to `pinned_limit` (copies at the bus's speed: a 7B model's bf16 gradients,
-    12.4 GB, cross twice in each pass of two micro-batches), then, like large ones of the CPU, to files of a temporary
-    directory mapped into memory (the page cache holds them, the kernel may write them out); small ones live in
-    ordinary memory. Buffers are reused from one micro-batch and pass to the next."""
+    12.4 GB, cross twice in each pass of two micro-batches), carved from slabs of `SLAB` bytes (the caching host
+    allocator rounds each allocation up to a power of two and pins page by page: one allocation per gradient pinned
+    a third more than the gradients and took most of the first pass), then, like large ones of the CPU, to files of a
+    temporary directory mapped into memory (the page cache holds them, the kernel may write them out); small ones
+    live in ordinary memory. Buffers are reused from one micro-batch and pass to the next."""
 
     FILE_MIN = 1 << 20
     PINNED_MAX = 16 << 30
     """Pinned bytes at most (and at most an eighth of the host's memory)."""
+    SLAB = 1 << 30
+    """Bytes of one pinned allocation (a power of two: nothing rounded away); larger gradients get their own."""
+    ALIGN = 512
 
     def __init__(self, directory: str | None = None):
         self._directory = directory
@@ -289,25 +307,42 @@ class GradStore:
         self.kept: set[str] = set()
         self._count = 0
         self._free: dict[tuple, list[torch.Tensor]] = {}
-        self._pinned = 0
+        """Host buffers no longer held, by shape and dtype, for the next micro-batch or pass (at most what one pass
+        held at once): faulting a pass's worth of fresh mapped pages in costs more than the copies."""
+        self._slabs: list[list] = []
+        """[pinned uint8 tensor, bytes used] of each slab."""
+        self._registered: list[torch.Tensor] = []
+        """Slabs registered with the driver (cudaHostRegister): unregistered before their memory is freed."""
+        self.pinned_bytes = 0
+        self.host_bytes = 0
+        """Bytes of host buffers made (pinned, mapped or ordinary): at most what one pass held at once."""
+        self.alloc_seconds = 0.0
+        """Time spent making host buffers (pinning pages costs more than the copies into them)."""
         try:
             host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         except (ValueError, OSError, AttributeError):
             host = 0
         self.pinned_limit = min(self.PINNED_MAX, host // 8)
-        """Host buffers no longer held, by shape and dtype, for the next micro-batch or pass (at most what one pass
-        held at once): faulting a pass's worth of fresh mapped pages in costs more than the copies."""
 
     def _host(self, like: torch.Tensor) -> torch.Tensor:
         for pinned in (True, False) if like.device.type == "cuda" else (False,):
             free = self._free.get((tuple(like.shape), like.dtype, pinned))
             if free:  # its pages are mapped (or pinned) already: a pass after the first maps no new ones
                 return free.pop()
+        started = time.perf_counter()
+        try:
+            tensor = self._new_host(like)
+        finally:
+            self.alloc_seconds += time.perf_counter() - started
+        self.host_bytes += like.numel() * like.element_size()
+        return tensor
+
+    def _new_host(self, like: torch.Tensor) -> torch.Tensor:
         nbytes = like.numel() * like.element_size()
-        if like.device.type == "cuda" and self._pinned + nbytes <= self.pinned_limit:
-            self._pinned += nbytes
-            with torch.cuda.device(like.device):  # pinned for the gradient's device, not a context made on cuda:0
-                return torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+        if like.device.type == "cuda":
+            pinned = self._pinned(like, nbytes)
+            if pinned is not None:
+                return pinned
         if nbytes < self.FILE_MIN:
             return torch.empty(like.shape, dtype=like.dtype)
         if self._dir is None:
@@ -318,6 +353,44 @@ class GradStore:
         tensor = torch.from_file(path, shared=True, size=like.numel(), dtype=like.dtype).view(like.shape)
         os.unlink(path)  # the mapping stays; the file goes with it
         return tensor
+
+    def _pinned(self, like: torch.Tensor, nbytes: int) -> torch.Tensor | None:
+        """A pinned buffer shaped like `like`, carved from a slab with room (a new slab while under the limit)."""
+        span = -(-nbytes // self.ALIGN) * self.ALIGN
+        slab = next((s for s in self._slabs if s[0].numel() - s[1] >= span), None)
+        if slab is None:
+            size = max(self.SLAB, span)
+            if self.pinned_bytes + size > self.pinned_limit:
+                return None
+            with torch.cuda.device(like.device):  # pinned for the gradient's device, not a context made on cuda:0
+                slab = [self._pinned_slab(size), 0]
+            self._slabs.append(slab)
+            self.pinned_bytes += size
+        start = slab[1]
+        slab[1] += span
+        return slab[0][start:start + nbytes].view(like.dtype).view(like.shape)
+
+    def _pinned_slab(self, size: int) -> torch.Tensor:
+        """`size` bytes of page-locked memory: ordinary memory faulted in by torch's threads, then registered with
+        the driver (8.5 GiB/s on a 32-core host, against 2.2 GiB/s for cudaHostAlloc, which zeroes and locks page by
+        page on one thread: BENCHMARKS.md, scripts/bench/pinned_alloc.py); cudaHostAlloc where registering fails."""
+        slab = torch.empty(size, dtype=torch.uint8)
+        slab.zero_()
+        cudart = torch.cuda.cudart()
+        if int(cudart.cudaHostRegister(slab.data_ptr(), size, 0)) == 0:
+            self._registered.append(slab)
+            return slab
+        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+
+    def _unregister(self) -> None:
+        """The registered slabs unlocked, once every copy that may still touch them is done."""
+        if not self._registered:
+            return
+        torch.cuda.synchronize()
+        cudart = torch.cuda.cudart()
+        for slab in self._registered:
+            cudart.cudaHostUnregister(slab.data_ptr())
+        self._registered.clear()
 
     def put(self, name: str, grad: torch.Tensor, kept: bool = False) -> None:
         host = self._host(grad)
@@ -350,7 +423,9 @@ class GradStore:
     def close(self) -> None:
         self.clear()
         self._free.clear()
-        self._pinned = 0
+        self._unregister()
+        self._slabs.clear()
+        self.pinned_bytes = 0
         if self._dir is not None:
             shutil.rmtree(self._dir, True)
             self._dir = None

@@ -195,7 +195,7 @@ class StreamedStepRunner(StepRunner):
                 continue
             streamer.direction = 1
             streamer.acquire(streamer.block_of[name])
-            grad = held.to(param.device, dtype=param.dtype)
+            grad = held.to(param.device, dtype=param.dtype, copy=True)  # the caller may scale it in place
             if streamer.grad_factor != 1.0:
                 grad.mul_(streamer.grad_factor)
             param.grad = grad
@@ -239,7 +239,10 @@ class StreamedStepRunner(StepRunner):
         """The report's `stream` block: the plan and what the replay did with it."""
         return {**self.plan.as_dict(), "peak_blocks_materialised": self.streamer.peak,
                 "block_reads": self.streamer.reader.reads, "read_ahead_used": self.streamer.reader.hits,
-                "blocks_cast_not_read": self.streamer.casts, "evicted_for_memory": self.streamer.memory_evictions}
+                "blocks_cast_not_read": self.streamer.casts, "evicted_for_memory": self.streamer.memory_evictions,
+                "gradient_host_bytes": self.streamer.grads.host_bytes,
+                "gradient_pinned_bytes": self.streamer.grads.pinned_bytes,
+                "gradient_host_alloc_seconds": round(self.streamer.grads.alloc_seconds, 3)}
 
 
 def runner_for(session: ReplaySession) -> StepRunner:

@@ -1,4 +1,4 @@
-"""Benchmark: the per-step cost of copying the model's buffers before the forward (capture/buffers.py).
+"""Benchmark: the per-step cost of copying the model's buffers before the forward (capture/state/buffers.py).
 
 A ResNet-shaped CNN (BatchNorm after every convolution) trained with the Guard, step time with the
 pre-forward buffer copy on and off (interleaved rounds), and the copy alone against one plain `copy_` of the

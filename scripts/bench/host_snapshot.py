@@ -15,7 +15,7 @@ import time
 import torch
 
 from capture import Guard, GuardConfig
-from capture.sharding import state_bytes
+from capture.state.sharding import state_bytes
 from scripts.bench.common import gpt2, machine, median, sync, timed
 
 

@@ -85,6 +85,14 @@ def print_stage_times(rows: list[dict]) -> None:
         print(f"| {stage} | " + " | ".join(f"{t[stage]:.2f}" if stage in t else "-" for t in times) + " |")
 
 
+def _host(stream: dict) -> str:
+    """Gradient bytes held on the host and the time making those buffers (replay/run/stream_blocks.GradStore)."""
+    if "gradient_host_bytes" not in stream:
+        return "-"
+    return (f"{stream['gradient_host_bytes'] / 2**30:.1f} ({stream['gradient_pinned_bytes'] / 2**30:.1f}), "
+            f"{stream['gradient_host_alloc_seconds']:.2f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dump", required=True, help="the step (or rank) directory to replay")
@@ -105,17 +113,19 @@ def main() -> int:
         for at, message in row["stages"]:
             print(f"  [{budget} +{at:7.2f}s] {message}", flush=True)
     print("\n| budget | GPU peak (GiB) | replay to verdict (s) | passes | blocks at once (K) / of | block reads | "
-          "read ahead used | cast, not read | evicted for memory | verdict | culprits |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "read ahead used | cast, not read | evicted for memory | gradients off the device: host GiB (pinned), s making "
+          "buffers | verdict | culprits |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         if "error" in row:
-            print(f"| {row['budget']} | failed | | | | | | | | | |")
+            print(f"| {row['budget']} | failed | | | | | | | | | | |")
             continue
         stream = row.get("stream") or {}
         k = f"{stream.get('blocks_resident')} / {stream.get('blocks')}" if stream else "all"
         print(f"| {row['budget']} | {row['gpu_peak_gib']} | {row['replay_s']} | {row['passes']} | {k} | "
               f"{stream.get('block_reads', '-')} | {stream.get('read_ahead_used', '-')} | "
-              f"{stream.get('blocks_cast_not_read', '-')} | {stream.get('evicted_for_memory', '-')} | {row['verdict']} | "
+              f"{stream.get('blocks_cast_not_read', '-')} | {stream.get('evicted_for_memory', '-')} | {_host(stream)} | "
+              f"{row['verdict']} | "
               f"{row['culprits']} |")
     good = [r for r in rows if "error" not in r]
     same = bool(good) and len(good) == len(rows) and all(

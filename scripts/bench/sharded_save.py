@@ -84,7 +84,8 @@ def forensics_save(model, optimizer, ids, root: Path, layout: str, replicas: int
 
 def exchange_only(model, optimizer) -> dict:
     """The buddy exchange of shard_replicas=2 alone, on the state the Guard collects."""
-    from capture import Guard, GuardConfig, buddy, snapshot
+    from capture import Guard, GuardConfig
+    from capture.state import buddy, snapshot
 
     guard = Guard(model, optimizer, config=GuardConfig(state_layout="sharded", shard_replicas=2))
     state = guard.collect_state(snapshot.HostCopy(enabled=False))

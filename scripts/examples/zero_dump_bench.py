@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from capture import GuardConfig, snapshot
+from capture import GuardConfig
+from capture.state import snapshot
 from forensics.format.tensors import write_safetensors
 
 

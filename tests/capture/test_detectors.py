@@ -10,8 +10,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from capture import GuardConfig, IndexedDataset, SpikeConfig
-from capture.detectors import MAD_TO_SIGMA, SpikeDetector
-from capture.history import FIELDS, History
+from capture.check.detectors import MAD_TO_SIGMA, SpikeDetector
+from capture.record.history import FIELDS, History
 
 
 def detector(values=(), **config) -> SpikeDetector:

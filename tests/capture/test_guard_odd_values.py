@@ -60,7 +60,7 @@ def test_odd_sample_ids_are_stored_as_their_repr_and_the_dump_is_written(tmp_pat
 
 
 def test_an_out_of_memory_error_records_the_memory_picture_of_each_micro_batch():
-    from capture.exceptions import describe
+    from capture.raised.exceptions import describe
 
     batches = [{"input_ids": torch.zeros(4, 128, dtype=torch.long)}, {"input_ids": torch.zeros(4, 4096, dtype=torch.long)}]
     oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
@@ -79,7 +79,7 @@ def test_the_excepthook_holds_guards_weakly_and_goes_when_the_last_is_closed():
     import gc
     import sys
 
-    from capture import exceptions
+    from capture.raised import exceptions
 
     before = sys.excepthook
     models = [torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)]

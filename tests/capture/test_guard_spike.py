@@ -162,8 +162,8 @@ def test_an_early_spike_is_logged_once_and_marked_in_the_history(tmp_path, caplo
 
 
 def test_a_jump_at_step_1_is_noted_before_there_is_a_median():
+    from capture.check.detectors import SpikeDetector
     from capture.config import SpikeConfig
-    from capture.detectors import SpikeDetector
 
     detector = SpikeDetector(SpikeConfig())
     assert detector.observe(4.9) is None and detector.suppressed is None

@@ -89,7 +89,7 @@ class _Model(torch.nn.Module):
 
 def test_a_statistic_that_cannot_be_measured_is_named_once_in_plain_words(caplog):
     model = _Model()  # query / key projections, but no head size anywhere
-    with caplog.at_level(logging.WARNING, logger="capture.precursor_stats"):
+    with caplog.at_level(logging.WARNING, logger="capture.precursors.statistics"):
         guard = Guard(model, torch.optim.Adagrad(model.parameters()), config=GuardConfig(precursors=PrecursorConfig()))
     said = [r.getMessage() for r in caplog.records]
     assert any("attention-logit bound is not measured for layers.0, layers.1: no head size found" in m for m in said)

@@ -8,7 +8,7 @@ import logging
 import torch
 
 from capture import Guard, GuardConfig
-from capture import host_snapshots
+from capture.state import host_snapshots
 
 
 def _adam_job(steps: int, config: GuardConfig, seen: dict | None = None) -> Guard:
@@ -72,7 +72,7 @@ def test_a_slot_lent_to_a_dump_writer_is_not_overwritten(tmp_path):
 def test_a_snapshot_larger_than_half_the_available_memory_is_refused_and_training_goes_on(tmp_path, monkeypatch,
                                                                                            caplog):
     monkeypatch.setattr(host_snapshots, "available_host_memory", lambda: 1000)  # bytes: this machine "has" 1 KB
-    with caplog.at_level(logging.WARNING, logger="capture.host_snapshots"):
+    with caplog.at_level(logging.WARNING, logger="capture.state.host_snapshots"):
         guard = _adam_job(4, GuardConfig(dump_dir=str(tmp_path), snapshot_every=1, snapshot_count=2))
     assert guard.snapshots.bytes_held == 0 and "snapshot_count" in guard.snapshots.off_because
     assert sum("host snapshots" in r.message for r in caplog.records) == 1  # said once

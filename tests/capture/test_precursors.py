@@ -14,8 +14,8 @@ import torch
 from forensics_test_helpers import load_test_module
 
 from capture import Guard, GuardConfig, PrecursorConfig
-from capture import precursor_stats
-from capture.precursor_stats import find_blocks
+from capture.precursors import statistics as precursor_stats
+from capture.precursors.statistics import find_blocks
 from forensics.format import open_dump, verify_dump
 from forensics.kinds import PrecursorStatistic, TriggerKind, VerdictKind
 from forensics.report import render_markdown

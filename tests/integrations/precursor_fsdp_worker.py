@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "exampl
 import _common
 
 from capture import Guard, GuardConfig, PrecursorConfig, SpikeConfig
-from capture.precursor_stats import find_blocks
+from capture.precursors.statistics import find_blocks
 from forensics.kinds import PrecursorStatistic
 
 

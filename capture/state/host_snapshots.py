@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from capture.sharding import state_bytes
+from capture.state.sharding import state_bytes
 from forensics.device_sync import DeviceFence, on_device_of, quarantine
 
 log = logging.getLogger(__name__)

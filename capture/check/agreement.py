@@ -41,7 +41,7 @@ class Agreement:
     loss_fault: bool  # some rank saw a non-finite loss (that rank's data is the first suspect)
     step_loss: float | None  # the mean over ranks (that recorded losses) of their finite step losses
     grad_norm: float | None  # sharded: the global norm assembled from shards; else the mean of the ranks' finite norms
-    precursor: bool = False  # some rank's precursor statistic fired at its last check (capture/precursors.py)
+    precursor: bool = False  # some rank's precursor statistic fired at its last check (capture/precursors/monitor.py)
 
 
 def distributed() -> bool:

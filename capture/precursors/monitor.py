@@ -4,7 +4,7 @@ Large runs announce their spikes: attention logits and output logits drift up (W
 gradient norm or update/weight ratio grows for tens of steps, Adam's second moment vanishes so that updates jump
 (Molybog et al. 2023). The monitor measures, for each repeated block of the model (found generically:
 `find_blocks`, the largest ModuleList / ModuleDict / Sequential of one class), on every `PrecursorConfig.every`-th step
-(forensics.kinds.PrecursorStatistic; capture/precursor_stats.py computes them):
+(forensics.kinds.PrecursorStatistic; capture/precursors/statistics.py computes them):
 
 * block output RMS and abs-max (a forward hook on the block; the forward statistics are of the sampled step's
   first micro-batch);
@@ -29,13 +29,13 @@ ranks), the next check()'s all-reduce, which every step makes anyway, carries on
 that step together (the firing rank's trigger names the layer, the others' have local false).
 No host sync of its own: a sampled step's values end in one device row, queued after that step's check() transfer
 (so its device work overlaps the optimizer step and the next forward) and read with the next check()'s own
-device->host transfer (capture/checking.py; with several ranks, one small read after the step's all-reduce, of a row
+device->host transfer (capture/check/sync.py; with several ranks, one small read after the step's all-reduce, of a row
 done long since). A statistic is thus judged, and a precursor dumped, one step after the sampled step. On the other
 steps the hooks return after one flag check. `RobustTrend` judges each statistic on the host over the sampled steps:
 its log against the running median of the recent healthy values, in robust standard deviations (1.4826 x MAD),
 sustained for a few sampled steps (forensics/trend.py, which replay uses to rank them too). When one fires, the
 Guard dumps the step (TriggerKind.PRECURSOR, policy 'continue') and the job goes on; the statistics of the last
-`history` sampled steps travel in the dump as `precursors.json` (capture/window.py).
+`history` sampled steps travel in the dump as `precursors.json` (capture/record/window.py).
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ from typing import Any
 
 import torch
 
-from capture.incident import Incident, StepRecord, Trigger
-from capture.precursor_stats import StepStatistics
+from capture.config import PrecursorConfig
+from capture.precursors.statistics import StepStatistics
+from capture.record.incident import Incident, StepRecord, Trigger
 from forensics import headroom
 from forensics.headroom import LimitWatch
 from forensics.kinds import Policy, PrecursorRule, PrecursorStatistic, TriggerKind
@@ -57,73 +58,6 @@ from forensics.trend import TINY, RobustTrend
 log = logging.getLogger(__name__)
 
 NEVER = 1 << 62  # `every` of a monitor turned off: no step is sampled again
-
-
-@dataclass
-class PrecursorConfig:
-    """Opt-in precursor monitor: GuardConfig(precursors=PrecursorConfig()).
-
-    Only every `every`-th step is measured, and the trend is judged over those sampled steps: `window`,
-    `sustained` and `history` count sampled steps; `warmup` and `min_gap` count training steps. Defaults are
-    conservative: a statistic fires only after `warmup` steps, when its log stays more than `z_threshold` robust
-    standard deviations above the median of the last `window` healthy sampled values AND at least `min_growth` x
-    that median, for `sustained` consecutive sampled steps (with the defaults: 2x above the median of the last 32
-    steps, seen at two samples 8 steps apart). Runs with a long learning-rate warm-up should set `warmup` to its
-    length.
-    """
-
-    every: int = 8
-    """Steps from one measured step to the next. A measured step costs ~5 ms on an H100 for GPT-2 small, whatever
-    the step's size (per-block reductions and one pass over the optimizer state: BENCHMARKS.md, precursor_overhead);
-    8 brings the amortised cost under 1 % even of a short step (0.8 % of 2 x 4 x 1024 tokens) while a growth that
-    builds over tens of steps is still seen tens of steps ahead (tests/capture/test_precursors.py: 20-35 steps before
-    the NaN). 1: every step."""
-    window: int = 4
-    """Healthy sampled values per statistic in the running median / MAD: 4 x every = the last 32 steps. What fires
-    is growth faster than the baseline follows, so the window's span in steps sets the sensitivity: a longer span
-    also fires on the slow, healthy growth of early training (6 samples did, on the tiny GPT-2 at learning rate
-    0.3; with every=1 choose about 32)."""
-    warmup: int = 64
-    """Training steps before a statistic may fire: early training moves every statistic (a randomly initialised
-    model's attention logits grow tens of times while it learns to attend), and that is not a precursor."""
-    sustained: int = 2
-    """Consecutive sampled steps above the baseline before it fires (2 x every = 16 steps): one noisy sample never
-    does."""
-    z_threshold: float = 6.0
-    """Robust z of log(value) against the baseline that counts as 'above'."""
-    min_growth: float = 2.0
-    """And the value must be at least this many times the baseline median (for the Adam floor: this many times
-    below it): the z test alone fires on a near-constant series."""
-    attention: bool = True
-    """Measure the attention-logit bound where the blocks have recognisable query / key projections."""
-    optimizer: bool = True
-    """Measure the update/weight ratio and the Adam floor (one elementwise pass over the blocks' optimizer state
-    on a sampled step: the largest part of its cost; scripts/bench/precursor_overhead.py)."""
-    max_dumps: int = 1
-    """Precursor dumps per run: their own budget; they never use GuardConfig.max_dumps, the crash's
-    (capture/dump_budget.py)."""
-    min_gap: int = 200
-    """Steps before the same (layer, statistic) may fire again."""
-    history: int = 64
-    """Sampled steps of statistics kept in the flight recorder and written into every dump (`precursors.json`)."""
-
-    def __post_init__(self):
-        if self.window < 4 or self.warmup < 0:
-            raise ValueError(f"PrecursorConfig needs window >= 4 and warmup >= 0, got window={self.window}, "
-                             f"warmup={self.warmup}")
-        if self.every < 1 or self.sustained < 1 or self.max_dumps < 0 or self.min_gap < 0:
-            raise ValueError("PrecursorConfig needs every >= 1, sustained >= 1, max_dumps >= 0, min_gap >= 0")
-        if self.z_threshold <= 0 or self.min_growth <= 1:
-            raise ValueError(f"PrecursorConfig needs z_threshold > 0 and min_growth > 1, got "
-                             f"{self.z_threshold}, {self.min_growth}")
-        if self.history < self.window:
-            raise ValueError(f"PrecursorConfig.history ({self.history}) must be >= window ({self.window}): the dump "
-                             "must show the baseline the growth left")
-
-    @property
-    def warmup_samples(self) -> int:
-        """`warmup` in sampled steps (what a trend counts), at least 4: a baseline needs values."""
-        return max(4, math.ceil(self.warmup / self.every))
 
 
 @dataclass
@@ -161,7 +95,7 @@ class Firing:
 
 class PrecursorMonitor:
     """The precursor monitor of one Guard (GuardConfig.precursors): which steps are sampled, the host-side trends
-    and what fired. The statistics themselves are capture/precursor_stats.py's."""
+    and what fired. The statistics themselves are capture/precursors/statistics.py's."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: PrecursorConfig,
                  scaler: Any = None):
@@ -198,7 +132,7 @@ class PrecursorMonitor:
         self._launched: tuple[int, torch.Tensor] | None = None
         """(step, row) of the last sampled step, queued on the device, not yet read."""
         self.recorder: Any = None
-        """The Guard's flight recorder (capture/window.py), which keeps the rows read from the device."""
+        """The Guard's flight recorder (capture/record/window.py), which keeps the rows read from the device."""
         self.dumps = 0
         self.firings: list[Firing] = []
         """Every firing of the run, dumped or not."""

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from capture.incident import StepRecord
+from capture.record.incident import StepRecord
 
 log = logging.getLogger(__name__)
 

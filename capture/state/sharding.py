@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from capture.buddy import buddy_offsets, ranks_per_node
+from capture.state.buddy import buddy_offsets, ranks_per_node
 from forensics.format import spec
 from forensics.format.shards import LocalShard, table_entry
 from forensics.grad_norm import total_grad_norm
@@ -192,7 +192,7 @@ def needs_collective(state: dict) -> bool:
 
 class Assignment:
     """Which ranks write each replicated tensor: largest first, to the least-loaded rank (LPT), and with
-    replicas > 1 also to that rank's buddies (capture/buddy.py: on other nodes first), so that a lost node
+    replicas > 1 also to that rank's buddies (capture/state/buddy.py: on other nodes first), so that a lost node
     loses no replicated tensor either. Every rank is the buddy of as many ranks as it has buddies, so
     balanced first writers keep the copies balanced too."""
 

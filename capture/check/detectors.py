@@ -8,10 +8,10 @@ import bisect
 import math
 from collections import deque
 
-from capture.agreement import Agreement
+from capture.check.agreement import Agreement
 from capture.config import GuardConfig, SpikeConfig
-from forensics.trigger import Trigger
 from forensics.kinds import TriggerKind
+from forensics.trigger import Trigger
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The Guard's dump path: one `Incident` in, one dump directory out (within the run's caps).
 
-`Dumper.dump(incident)` asks the run's dump budgets (capture/dump_budget.py: the crash's own reserve, the
+`Dumper.dump(incident)` asks the run's dump budgets (capture/dump/budget.py: the crash's own reserve, the
 spike dumps kept, min_spike_gap), collects the pre-step
 state through the Guard's `collect_state` hook (or takes the one the Incident already holds), builds the
 manifest (docs/DUMP_FORMAT.md), and writes — in the background for a spike the job goes on after. A step
@@ -18,17 +18,18 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from capture import buddy, environment, snapshot
-from capture.agreement import deferred_termination
+from capture.check.agreement import deferred_termination
 from capture.config import GuardConfig
-from capture.dump_budget import Admission, DumpBudget, spike_size
-from capture.history import History
-from capture.host_snapshots import HostSnapshots
-from capture.incident import Incident, StepRecord, batch_size, json_ids
-from capture.main_script import MainScript
-from capture.uploads import send_dump
-from capture.window import FlightRecorder
-from capture.writer_thread import BackgroundWriter
+from capture.dump import environment
+from capture.dump.budget import Admission, DumpBudget, spike_size
+from capture.dump.main_script import MainScript
+from capture.dump.uploads import send_dump
+from capture.dump.writer_thread import BackgroundWriter
+from capture.record.history import History
+from capture.record.incident import Incident, StepRecord, batch_size, json_ids
+from capture.record.window import FlightRecorder
+from capture.state import buddy, snapshot
+from capture.state.host_snapshots import HostSnapshots
 from forensics.errors import CaptureError
 from forensics.format.tree import map_tensors
 from forensics.format.writer import DumpContent, dump_path, remove_rank_dump, write_dump
@@ -88,10 +89,10 @@ class Dumper:
     def __init__(self, source: DumpSource, script: MainScript | None = None):
         self.source = source
         self.script = script or MainScript({})
-        """The training script's source, for a recipe naming a function of it (capture/main_script.py)."""
+        """The training script's source, for a recipe naming a function of it (capture/dump/main_script.py)."""
         self.dumps: list[Path] = []
         self.errors: list[str] = []
-        # The run's dump budgets (capture/dump_budget.py): a place is taken when a dump starts (background writes
+        # The run's dump budgets (capture/dump/budget.py): a place is taken when a dump starts (background writes
         # land later), identically on every rank; one process gives it back when its write fails.
         self.budget = DumpBudget(source.config)
         self._writer = BackgroundWriter()
@@ -221,7 +222,7 @@ class Dumper:
 
     def _buddy_copies(self, state: dict, incident: Incident) -> list:
         """Sharded layout with GuardConfig.shard_replicas >= 2: the shards only other ranks hold, received from
-        them (capture/buddy.py) — only in a dump every rank makes, before any rank writes."""
+        them (capture/state/buddy.py) — only in a dump every rank makes, before any rank writes."""
         source = self.source
         if "layout" not in state or source.config.shard_replicas < 2 or not incident.agreed:
             return []

@@ -57,7 +57,7 @@ class Incident:
     scheduler: dict | None = None
     """Scheduler state saved at the step's check (sync-free: the scheduler has moved on since)."""
     exception: dict | None = None
-    """The manifest's `exception` section when the step raised (capture/exceptions.py)."""
+    """The manifest's `exception` section when the step raised (capture/raised/exceptions.py)."""
     grad_norm_unscaled_by: float | None = None
     """The loss scale the Guard divided its own grad norm by (the manifest's `loss.grad_norm_unscaled_by`)."""
     agreed: bool = False

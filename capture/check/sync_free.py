@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
-from capture import snapshot
-from capture.checking import CheckSource
-from capture.detectors import clipped
-from capture.incident import Incident, StepRecord
+from capture.check.detectors import clipped
+from capture.check.sync import CheckSource
+from capture.record.incident import Incident, StepRecord
+from capture.state import snapshot
 from forensics.device_sync import DeviceFence, quarantine
 from forensics.errors import TrainingFaultError
 from forensics.kinds import Policy
@@ -81,7 +81,7 @@ def unsupported(guard: CheckSource) -> str | None:
 class SyncFree:
     """Runs Guard.check in sync-free mode; falls back to the synchronous check (one warning) when unsupported.
 
-    Reads the Guard only through capture.checking.CheckSource.
+    Reads the Guard only through capture.check.sync.CheckSource.
     """
 
     def __init__(self, guard: CheckSource):
@@ -193,7 +193,7 @@ class SyncFree:
     def _on_spike(self, trigger: Trigger, step: int, policy: Policy) -> None:
         """A finite spike was applied before it was seen: its pre-step state is gone, so it is not dumped."""
         g = self.guard
-        if policy is not Policy.RAISE:  # counted, and logged once per window (capture/dump_budget.py)
+        if policy is not Policy.RAISE:  # counted, and logged once per window (capture/dump/budget.py)
             g.not_dumped(trigger, step, "sync_free: seen one step late, after its update", "sync_free")
         if policy is Policy.RAISE:
             reason = "sync_free mode does not dump spikes (the spike step's update was already applied)"

@@ -1,7 +1,7 @@
 """The Guard's synchronous check (the default mode): the step's numbers read on the host in one transfer, the
 detectors asked, the history and flight recorder fed, and a trigger turned into an `Incident`.
 
-GuardConfig.sync_free replaces it with capture/deferred.py. Both read the Guard through `CheckSource`.
+GuardConfig.sync_free replaces it with capture/check/sync_free.py. Both read the Guard through `CheckSource`.
 """
 
 from __future__ import annotations
@@ -11,18 +11,19 @@ from typing import Any, Protocol
 
 import torch
 
-from capture import precursors, sharding, snapshot
-from capture.agreement import Agreement, agree
+from capture.check.agreement import Agreement, agree
+from capture.check.detectors import StepDetectors, clipped
 from capture.config import GuardConfig
-from capture.detectors import StepDetectors, clipped
-from capture.history import History
-from capture.host_snapshots import HostSnapshots
-from capture.incident import Incident, StepRecord
-from capture.precursors import PrecursorMonitor
-from capture.window import FlightRecorder, WindowStep
-from forensics.trigger import Trigger
+from capture.precursors import monitor
+from capture.precursors.monitor import PrecursorMonitor
+from capture.record.history import History
+from capture.record.incident import Incident, StepRecord
+from capture.record.window import FlightRecorder, WindowStep
+from capture.state import sharding, snapshot
+from capture.state.host_snapshots import HostSnapshots
 from forensics.kinds import Policy, TriggerKind
 from forensics.thirdparty import grad_scaler_scale
+from forensics.trigger import Trigger
 
 
 class CheckSource(Protocol):
@@ -81,7 +82,7 @@ class SyncCheck:
                               "another rank saw a non-finite loss or gradient at this step", local=False)
         policy = g.config.policy_for(trigger.kind) if trigger is not None else None
         # every rank of a sharded state dumps a precursor together (or none does), with a monitor of its own or not
-        agreed_precursor = precursors.agreed_trigger(g.precursors, agreed, other=trigger is not None)
+        agreed_precursor = monitor.agreed_trigger(g.precursors, agreed, other=trigger is not None)
         if agreed_precursor is not None:
             trigger, policy = agreed_precursor, Policy.CONTINUE
         lr, was_clipped = snapshot.current_lr(g.optimizer), clipped(norm, g.config.max_grad_norm)
@@ -100,7 +101,7 @@ class SyncCheck:
     def _gather(self, record: StepRecord, grad_norm: Any
                 ) -> tuple[list[float], float | None, float | None, Agreement | None]:
         """One device->host transfer of per-micro-batch losses, grad norm and loss scale (and, with several
-        ranks, the step's one all-reduce: capture/agreement.py).
+        ranks, the step's one all-reduce: capture/check/agreement.py).
 
         Python numbers stay on the host: building a device tensor from one would be a pageable
         host->device copy, which waits for the stream just like a sync.

@@ -8,12 +8,12 @@ from typing import Any, Protocol
 
 import torch
 
-from capture import snapshot
 from capture.config import GuardConfig
-from capture.history import History
-from capture.incident import Incident, StepRecord
-from forensics.trigger import Trigger
+from capture.record.history import History
+from capture.record.incident import Incident, StepRecord
+from capture.state import snapshot
 from forensics.kinds import TriggerKind
+from forensics.trigger import Trigger
 
 log = logging.getLogger(__name__)
 

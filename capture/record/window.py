@@ -11,7 +11,7 @@ broke the weights (replay/run/window.py). Written to the dump as `window.json` a
 (docs/DUMP_FORMAT.md "Flight recorder").
 
 With GuardConfig.precursors it also keeps the precursor monitor's per-layer statistics of the last
-PrecursorConfig.history steps (host numbers, read from the device by capture/precursors.py) and what fired,
+PrecursorConfig.history steps (host numbers, read from the device by capture/precursors/monitor.py) and what fired,
 written as `precursors.json`.
 """
 
@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from capture.incident import json_ids
+from capture.record.incident import json_ids
 from forensics.format import jsonio, spec
 from forensics.format.tensors import safetensors_bytes
 from forensics.rng import RngState

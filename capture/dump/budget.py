@@ -13,7 +13,7 @@ Three budgets that never borrow from each other:
 * precursors — counted by the precursor monitor itself (PrecursorConfig.max_dumps); no slot here.
 
 Every decision depends only on the step and the trigger's value and threshold, which the detectors compute from
-values agreed across ranks (capture/agreement.py): every rank takes the same decision at the same step, so a
+values agreed across ranks (capture/check/agreement.py): every rank takes the same decision at the same step, so a
 collective dump never waits on a rank that declined. One process gives a slot back when its write fails; several
 ranks do not (failures are not identical on every rank).
 

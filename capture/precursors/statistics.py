@@ -20,7 +20,7 @@ is a kernel launch and host time; a step that is launch-bound pays both):
   floor are of this rank's local shards — no collective is added, and each rank judges its own view, as it does its
   own micro-batches' forward statistics;
 * everything ends in one row tensor, queued after check()'s transfer (its device work overlaps the optimizer step
-  and the next forward) and read with the next check()'s transfer (capture/precursors.py).
+  and the next forward) and read with the next check()'s transfer (capture/precursors/monitor.py).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any, Iterator
 
 import torch
 
-from capture.sharding import is_dtensor
+from capture.state.sharding import is_dtensor
 from forensics import thirdparty
 from forensics.kinds import PrecursorStatistic
 

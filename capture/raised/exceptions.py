@@ -20,13 +20,13 @@ from typing import Any, Protocol
 
 import torch
 
-from capture.buffers import PreForwardBuffers
-from capture.checking import host_numbers
+from capture.check.sync import host_numbers
 from capture.config import GuardConfig
-from capture.dumping import Dumper
-from capture.host_snapshots import available_host_memory, proc_bytes
-from capture.incident import Incident, StepRecord
-from capture.optimizer_steps import AfterCheck, OptimizerSteps
+from capture.dump.dumper import Dumper
+from capture.raised.optimizer_steps import AfterCheck, OptimizerSteps
+from capture.record.incident import Incident, StepRecord
+from capture.state.buffers import PreForwardBuffers
+from capture.state.host_snapshots import available_host_memory, proc_bytes
 from forensics.errors import TrainingFaultError, is_out_of_memory
 from forensics.format.tree import tensor_leaves
 from forensics.kinds import Phase, Policy, StateHolds, TriggerKind
