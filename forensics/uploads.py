@@ -48,7 +48,7 @@ def upload(tracker: str, files: list[Path], name: str, kind: str, summary: dict,
     return senders[tracker](files, name, kind, summary, tensorboard_dir)
 
 
-def _require(module: str, extra: str):
+def _import_extra(module: str, extra: str):
     try:
         return __import__(module, fromlist=["_"])
     except ImportError:
@@ -56,7 +56,7 @@ def _require(module: str, extra: str):
 
 
 def _wandb(files: list[Path], name: str, kind: str, summary: dict, _tb) -> str:
-    wandb = _require("wandb", "wandb")
+    wandb = _import_extra("wandb", "wandb")
     run = wandb.run
     if run is None:
         if not os.environ.get("WANDB_RUN_ID"):
@@ -71,7 +71,7 @@ def _wandb(files: list[Path], name: str, kind: str, summary: dict, _tb) -> str:
 
 
 def _mlflow(files: list[Path], name: str, kind: str, summary: dict, _tb) -> str:
-    mlflow = _require("mlflow", "mlflow")
+    mlflow = _import_extra("mlflow", "mlflow")
     started = False
     run = mlflow.active_run()
     if run is None:
@@ -91,7 +91,7 @@ def _mlflow(files: list[Path], name: str, kind: str, summary: dict, _tb) -> str:
 
 
 def _tensorboard(files: list[Path], name: str, kind: str, summary: dict, log_dir) -> str:
-    _require("tensorboard", "tensorboard")
+    _import_extra("tensorboard", "tensorboard")
     from torch.utils.tensorboard import SummaryWriter
 
     if log_dir is None:

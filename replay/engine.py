@@ -179,13 +179,13 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
                  "num_micro_batches": max(dump.num_micro_batches, step_micro_batches(dump.manifest)), "damaged": [d.as_dict() for d in damaged]}
     if raised_between_steps(dump.manifest):  # the loop's own code raised: no model step to replay
         _stage(progress, "the exception was raised between steps: nothing to replay")
-        return _checked(dump, between_steps_report(dump, dump_info, _history(dump.history()), started))
+        return _checked(dump, between_steps_report(dump, dump_info, _history_finding(dump.history()), started))
     if dump.num_micro_batches == 0:
         raise DumpError(f"{path or 'the dump'} records no micro-batch, so there is no step to replay; the loop "
                         "called check() without record_batch() (see README: the four calls)")
     if TriggerKind.parse((dump.trigger or {}).get("kind"), TriggerKind.NONFINITE_LOSS) is TriggerKind.PRECURSOR:
         _stage(progress, "a precursor dump (a healthy step): ranking the statistics that grew")
-        return _checked(dump, precursor_report(dump, dump_info, _history(dump.history()), started))
+        return _checked(dump, precursor_report(dump, dump_info, _history_finding(dump.history()), started))
     options = _off_the_gpu_after_a_cuda_error(dump, options, progress)
     with deterministic_mode(dump.manifest.get("determinism")):
         _stage(progress, f"loading model and step {dump.step} (rank {dump.rank}) on "
@@ -376,13 +376,13 @@ def _stages(session: ReplaySession, runner: StepRunner, options: ReplayOptions, 
         findings.touching = samples_touching_embeddings(runner, findings.corrupted)
     if not raised:
         _stage(progress, "per-sample loss and gradient norm")
-        findings.per_sample = _per_sample(runner, refs, findings.culprits, options.max_per_sample)
+        findings.per_sample = _per_sample_rows(runner, refs, findings.culprits, options.max_per_sample)
     elif findings.culprits and findings.exception is not None:
         _stage(progress, "naming the values that make the culprit samples raise")
         findings.exception = localize_exception(runner, findings.culprits) or findings.exception
     if session.grad_norms_scaled:  # the job's grad norms were of scaled gradients: read them unscaled
         history = unscaled_history(history)
-    findings.history = _history(history, _uniform_loss(runner.model), (dump_info or {}).get("step"))
+    findings.history = _history_finding(history, _uniform_loss(runner.model), (dump_info or {}).get("step"))
     if findings.reproduced and not raised and options.remedies:
         _stage(progress, "trying remedies on the step")
         findings.remedies = try_remedies(runner, findings.culprits, findings.history.reading.healthy_grad_norm,
@@ -517,7 +517,7 @@ def _input_field(forward: Any) -> tuple[int, str] | None:
     return None
 
 
-def _per_sample(runner: StepRunner, refs: list[SampleRef], culprits: list[SampleRef], limit: int) -> list[SampleRow]:
+def _per_sample_rows(runner: StepRunner, refs: list[SampleRef], culprits: list[SampleRef], limit: int) -> list[SampleRow]:
     """Stage 5: loss and gradient norm of each sample alone (culprits first, then up to `limit`)."""
     if not refs or limit <= 0:
         return []
@@ -562,7 +562,7 @@ def _uniform_loss(model: torch.nn.Module) -> float | None:
     return math.log(vocab) if isinstance(vocab, int) and vocab > 1 else None
 
 
-def _history(history: dict | None, uniform_loss: float | None = None, step: int | None = None) -> HistoryFinding:
+def _history_finding(history: dict | None, uniform_loss: float | None = None, step: int | None = None) -> HistoryFinding:
     """Stage 6: the recorded history's curve shape and warning signals, whether the run diverged long ago, and
     what it shows before `step` (the analysed one) with numbers from before the divergence."""
     if not history:

@@ -126,7 +126,7 @@ def write_repro(dump_path: str | Path, out_dir: str | Path, *, device: str | Non
         else:
             repro.notes.append("no ATen op made the first non-finite value in the forward pass (the batch held it, or "
                                "it appears in the backward): no op-level script")
-        culprit = _culprit(runner, finding)
+        culprit = _culprit_samples(runner, finding)
         if culprit is None:
             raise ReplayError(f"step {dump.step} stays finite in a forward-only replay: nothing to reproduce "
                               "standalone (a gradient or optimizer failure: see `forensics replay`)")
@@ -265,7 +265,7 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 
 
 # -- the sample through the model -------------------------------------------------------------------
-def _culprit(runner: StepRunner, finding: Any) -> tuple[list[SampleRef], bool] | None:
+def _culprit_samples(runner: StepRunner, finding: Any) -> tuple[list[SampleRef], bool] | None:
     """(the samples model_repro.py runs, whether one sample is to blame): the first sample of the failing micro-batch
     that fails alone — unless every sample fails alone (broken weights: the whole micro-batch, no sample blamed) or
     none does (they fail only together: the whole micro-batch). None when the forward of the whole step is finite."""

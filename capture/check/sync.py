@@ -7,7 +7,7 @@ GuardConfig.sync_free replaces it with capture/check/sync_free.py. Both read the
 from __future__ import annotations
 
 import math
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -90,7 +90,7 @@ class SyncCheck:
                          was_clipped, policy is Policy.SKIP or scaler_overflow, g.detectors.note_suppressed(g.step))
         g.window.append(WindowStep(g.step, list(record.sample_ids), list(record.rng), lr, loss_scale, divisor,
                                    step_loss, norm, was_clipped))
-        if trigger is None:
+        if trigger is None or policy is None:  # policy is set whenever trigger is
             g.snapshots.settle()
             if g.snapshots.due(g.step):
                 take_snapshot(g)
@@ -129,7 +129,7 @@ class SyncCheck:
                 g.precursors.receive(row_values)
             g.precursors.launch_row(g.step)  # after the transfer: its device work overlaps the optimizer step
         self.unscaled_by = host[n + 1] if own_unscaled else None
-        return host[:n], host[n], host[n + 1], agreed
+        return cast("list[float]", host[:n]), host[n], host[n + 1], agreed  # a recorded loss is never None
 
 
 def take_snapshot(guard: CheckSource) -> None:

@@ -27,7 +27,7 @@ import logging
 import math
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -167,7 +167,7 @@ class SyncFree:
             values[i] = v
         for i, v in zip(pending.device_index, pending.buffer.tolist()):
             values[i] = v
-        self._judge(pending, values[:pending.n_losses], values[pending.n_losses])
+        self._judge(pending, cast("list[float]", values[:pending.n_losses]), values[pending.n_losses])  # all filled
 
     def _judge(self, pending: Pending, losses: list[float], norm: float | None) -> None:
         g = self.guard

@@ -4,6 +4,7 @@ parameter non-finite is dumped as a `nonfinite_param` incident with that copy as
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -87,7 +88,7 @@ class UpdateCheck:
                                    g.config.policy_for(trigger.kind), state=state))
 
 
-def _all_finite(tensors: list[torch.Tensor]) -> bool:
+def _all_finite(tensors: Sequence[torch.Tensor]) -> bool:
     """Every tensor finite: one device->host read per device the tensors live on (a model split over several GPUs
     cannot stack its flags on one device)."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}

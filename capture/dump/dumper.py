@@ -26,7 +26,7 @@ from capture.dump.main_script import MainScript
 from capture.dump.uploads import send_dump
 from capture.dump.writer_thread import BackgroundWriter
 from capture.record.history import History
-from capture.record.incident import Incident, StepRecord, batch_size, json_ids
+from capture.record.incident import Incident, StepRecord, json_ids, leading_dim
 from capture.record.window import FlightRecorder
 from capture.state import buddy, snapshot
 from capture.state.host_snapshots import HostSnapshots
@@ -270,7 +270,7 @@ class Dumper:
         micro_batches = []
         for index, batch in enumerate(record.batches):
             ids = json_ids(record.sample_ids[index])
-            size = batch_size(batch) or (len(ids) if ids else None)
+            size = leading_dim(batch) or (len(ids) if ids else None)
             if ids is None and size is not None:
                 ids = [f"step{step}/rank{source.rank}/mb{index}/{j}" for j in range(size)]
             micro_batches.append({"index": index, "sample_ids": ids, "batch_size": size,

@@ -200,7 +200,7 @@ class PrecursorMonitor:
             if watch is None:
                 if stat not in headroom.LIMITED or (layer, stat) not in self.stats.dtypes:
                     continue
-                dtype = headroom.dtype_name(self.stats.dtypes[(layer, stat)])
+                dtype = headroom.known_dtype_name(self.stats.dtypes[(layer, stat)])
                 limit = headroom.limit_of(stat, dtype, self.stats.measured_head_dim)
                 self.meta["columns"][j]["dtype"] = dtype
                 if limit is None:
@@ -219,7 +219,7 @@ class PrecursorMonitor:
             baseline = {PrecursorRule.HEADROOM: headroom.HEADROOM * alarm.limit.value,
                         PrecursorRule.TREND: alarm.value / (alarm.growth or 1.0)}.get(alarm.rule, alarm.limit.value)
             fired.append(Firing(layer, stat, step, started, alarm.value, baseline, 0.0, alarm.rule,
-                                headroom.describe(alarm, f"the {stat.words} of {layer}")))
+                                headroom.describe_alarm(alarm, f"the {stat.words} of {layer}")))
         return fired
 
     def note_step(self, step: int, healthy: bool) -> None:

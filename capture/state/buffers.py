@@ -50,8 +50,9 @@ class PreForwardBuffers:
         self.valid = False
         if self.off or not self._slots:
             return
-        live = [own_buffers(module)[attr] for _, module, attr in self._slots]
-        if any(t is None for t in live):  # a module dropped a buffer: stop rather than guess
+        found = [own_buffers(module)[attr] for _, module, attr in self._slots]
+        live = [t for t in found if t is not None]
+        if len(live) != len(found):  # a module dropped a buffer: stop rather than guess
             self._turn_off("a buffer was removed from the model")
             return
         if [(t.shape, t.dtype, t.device) for t in live] != [(t.shape, t.dtype, t.device) for t in self._saved]:
@@ -94,7 +95,7 @@ class PreForwardBuffers:
         live = [own_buffers(module)[attr] for _, module, attr in self._slots]
         if any(a is not b for a, b in zip(live, self._taken_from)):
             return 0  # the model swapped a buffer object since: leave it
-        _copy_all(live, self._saved)
+        _copy_all(self._taken_from, self._saved)  # the very tensors `live` holds
         return len(live)
 
     def _turn_off(self, why: str) -> None:

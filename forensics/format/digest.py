@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from forensics.format import threads
 from forensics.format.spec import CHUNK_BYTES
+
+if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
 
 
 def digest_of_chunks(chunks: list[str]) -> str:
@@ -28,11 +31,11 @@ def chunk_digests(data: bytes | memoryview, chunk_size: int) -> list[str]:
             for start in range(0, max(len(view), 1), chunk_size)]
 
 
-_POOL = None
-_POOL_PID = None
+_POOL: ThreadPoolExecutor | None = None
+_POOL_PID: int | None = None
 
 
-def _hash_pool():
+def _hash_pool() -> ThreadPoolExecutor:
     """The threads every HashingWriter of the process shares (hashlib releases the GIL on large updates); a
     process forked from one that had them (a data-loader worker) starts its own."""
     global _POOL, _POOL_PID
@@ -91,7 +94,7 @@ class HashingWriter:
             else:
                 self._open, self._fill = hasher, fill
 
-    def write(self, data) -> None:
+    def write(self, data: Any) -> None:
         view = memoryview(data).cast("B")
         pieces = self._pieces(view)
         if len(view) < self.PARALLEL_MIN:

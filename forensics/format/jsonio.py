@@ -109,14 +109,14 @@ class JSONRefused(ValueError):
     Infinity. Its message is a phrase to follow the document's name ("is nested too deep ...")."""
 
 
-def _int(text: str) -> int:
+def _bounded_int(text: str) -> int:
     """A JSON integer of bounded length (int() of a huge digit string is quadratic; floats are bounded)."""
     if len(text) > MAX_JSON_NUMBER_DIGITS:
         raise JSONRefused(f"has a number of {len(text)} digits (at most {MAX_JSON_NUMBER_DIGITS})")
     return int(text)
 
 
-def _object(pairs: list[tuple[str, Any]]) -> dict:
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """A JSON object whose keys are all different: with a key twice, one reader takes the first value and another
     the last (a file listed twice in the manifest, with the bad checksum hidden behind the good one)."""
     obj = dict(pairs)
@@ -142,7 +142,7 @@ def parse_json(data: bytes | bytearray) -> Any:
     MAX_JSON_NUMBER_DIGITS digits, no key twice in an object, no bare NaN / Infinity. Raises JSONRefused for those,
     ValueError for text that is not JSON (never RecursionError or MemoryError); `refusal` words either."""
     try:
-        parsed = json.loads(data.decode("utf-8"), parse_int=_int, object_pairs_hook=_object, parse_constant=_constant)
+        parsed = json.loads(data.decode("utf-8"), parse_int=_bounded_int, object_pairs_hook=_object, parse_constant=_constant)
     except RecursionError:  # the C parser's own guard against deep nesting
         raise JSONRefused(TOO_DEEP) from None
     level = [(parsed, 1)]  # the depth, measured without recursion

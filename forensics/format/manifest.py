@@ -97,15 +97,15 @@ def check_manifest(manifest: dict, where: str) -> None:
     c.each(batches, "micro_batches", lambda b, f: _micro_batch(c, b, f), MAX_MICRO_BATCHES, optional=False)
     _trigger(c, manifest["trigger"], len(batches))
     _loss(c, manifest.get("loss"))
-    _precision(c, manifest.get("precision"))
-    _recipe(c, manifest.get("recipe"))
+    _check_precision(c, manifest.get("precision"))
+    _check_recipe(c, manifest.get("recipe"))
     gpus = (manifest.get("environment") or {}).get("gpus")
     c.each(gpus, "environment.gpus", lambda g, f: c.kind(g, f, dict, optional=False), MAX_WORLD_SIZE)
     for key in ("cwd", "script_dir"):  # put on sys.path at replay (--trust): a string or nothing
         c.kind((manifest.get("environment") or {}).get(key), f"environment.{key}", str)
-    _exception(c, manifest.get("exception"))
+    _check_exception(c, manifest.get("exception"))
     _layout(c, manifest.get("layout"), manifest["format_version"])
-    _window(c, manifest.get("window"), manifest.get("data_recipe"))
+    _check_window(c, manifest.get("window"), manifest.get("data_recipe"))
     _snapshot(c, manifest.get("snapshot"), manifest["step"])
     c.kind(manifest.get("state_missing"), "state_missing", str)
     c.each(manifest.get("missing_ranks"), "missing_ranks",
@@ -149,7 +149,7 @@ def _loss(c: _Checker, loss: Any) -> None:
         raise c.fail("loss.divisor", f"must be a positive number, got {_short(divisor)}")
 
 
-def _precision(c: _Checker, precision: Any) -> None:
+def _check_precision(c: _Checker, precision: Any) -> None:
     c.kind(precision, "precision", dict)
     if not precision:
         return
@@ -177,7 +177,7 @@ def _precision(c: _Checker, precision: Any) -> None:
         c.kind(unit.get("cast_forward_inputs"), f"{field}.cast_forward_inputs", bool)
 
 
-def _recipe(c: _Checker, recipe: Any) -> None:
+def _check_recipe(c: _Checker, recipe: Any) -> None:
     c.kind(recipe, "recipe", dict)
     if not recipe:
         return
@@ -201,7 +201,7 @@ def _recipe(c: _Checker, recipe: Any) -> None:
                     c.kind(value, f"recipe.script.unrecorded.{name}", str, optional=False)
 
 
-def _exception(c: _Checker, exception: Any) -> None:
+def _check_exception(c: _Checker, exception: Any) -> None:
     c.kind(exception, "exception", dict)
     if not exception:
         return
@@ -219,7 +219,7 @@ def _exception(c: _Checker, exception: Any) -> None:
     c.each(exception.get("frames"), "exception.frames", lambda f, name: c.kind(f, name, dict, optional=False), 1000)
 
 
-def _window(c: _Checker, window: Any, data_recipe: Any) -> None:
+def _check_window(c: _Checker, window: Any, data_recipe: Any) -> None:
     """The flight recorder's summary and the data recipe (both optional)."""
     c.kind(window, "window", dict)
     if window:
@@ -262,7 +262,7 @@ def _layout(c: _Checker, layout: Any, version: int) -> None:
         for file, rows in value.items():
             if file not in spec.SHARDED_FILES:
                 raise c.fail(f"layout.{section}", f"names {_short(file)}; only {list(spec.SHARDED_FILES)} are sharded")
-            _rows(c, rows, f"layout.{section}.{file}", section == "shards")
+            _check_rows(c, rows, f"layout.{section}.{file}", section == "shards")
     copies = layout.get("copies")
     c.kind(copies, "layout.copies", dict)
     if copies and len(copies) > 2 * len(spec.SHARDED_FILES) * MAX_COPIES:
@@ -276,10 +276,10 @@ def _layout(c: _Checker, layout: Any, version: int) -> None:
         if entry.get("of") not in spec.SHARDED_FILES:
             raise c.fail(f"{field}.of", f"must be one of {list(spec.SHARDED_FILES)}, got {_short(entry.get('of'))}")
         c.integer(entry.get("rank"), f"{field}.rank", 0, (1 << 20) - 1)
-        _rows(c, entry.get("shards"), f"{field}.shards", shards=True)
+        _check_rows(c, entry.get("shards"), f"{field}.shards", shards=True)
 
 
-def _rows(c: _Checker, rows: Any, field: str, shards: bool) -> None:
+def _check_rows(c: _Checker, rows: Any, field: str, shards: bool) -> None:
     """A `layout.tensors` table (global shapes and dtypes) or a `shards` table (boxes) of one file."""
     c.kind(rows, field, dict, optional=False)
     if len(rows) > MAX_TENSORS:

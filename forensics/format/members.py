@@ -19,7 +19,7 @@ from typing import IO, TYPE_CHECKING, Literal, overload
 
 import zstandard
 
-from forensics.errors import DumpCorruptError
+from forensics.errors import DumpCorruptError, cut_text
 from forensics.format import spec
 from forensics.format.header import Entry, data_end, parse_header
 from forensics.format.limits import BATCH_FREE, HASH_CHUNK, MAX_BATCH_RATIO, MAX_DECOMPRESSED, MAX_JSON_FILE
@@ -50,7 +50,7 @@ def declared_size(head: bytes, path: Path, name: str) -> int | None:
     try:
         declared = zstandard.get_frame_parameters(head).content_size
     except zstandard.ZstdError as exc:
-        raise DumpCorruptError(f"{path} is not a valid zstd frame ({_cut(exc)})", name) from exc
+        raise DumpCorruptError(f"{path} is not a valid zstd frame ({cut_text(exc)})", name) from exc
     limit = decompressed_limit(name)
     if declared == zstandard.CONTENTSIZE_UNKNOWN:
         return None
@@ -82,7 +82,7 @@ class _Frame:
                     break
                 got += n
         except zstandard.ZstdError as exc:
-            raise DumpCorruptError(f"{self.path} is not a valid zstd frame ({_cut(exc)})", self.name) from exc
+            raise DumpCorruptError(f"{self.path} is not a valid zstd frame ({cut_text(exc)})", self.name) from exc
         return got
 
     def skip(self, count: int) -> int:
@@ -214,8 +214,3 @@ def check_member(path: Path, name: str) -> None:
             raise DumpCorruptError(f"{path} {jsonio.refusal(exc)}", name) from exc
     else:
         read_tensor_member(path, name, keep=False)
-
-
-def _cut(text: object, limit: int = 200) -> str:
-    text = str(text)
-    return text if len(text) <= limit else text[:limit - 3] + "..."

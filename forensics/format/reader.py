@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from forensics.errors import (DumpCorruptError, DumpNotFoundError, NotADumpError,
-                              UnsupportedVersionError)
+                              UnsupportedVersionError, cut_text)
 from forensics.format import jsonio, spec
 from forensics.format.archive import unpack_archive
 from forensics.format.digest import chunk_digests
@@ -46,7 +46,7 @@ def read_manifest(directory: Path) -> dict:
                                spec.MANIFEST)
     version = manifest.get("format_version")
     if not isinstance(version, int) or isinstance(version, bool):
-        raise DumpCorruptError(f"{path}: format_version must be an integer, got {_cut(repr(version))}",
+        raise DumpCorruptError(f"{path}: format_version must be an integer, got {cut_text(repr(version))}",
                                spec.MANIFEST)
     if version > spec.FORMAT_VERSION:
         raise UnsupportedVersionError(
@@ -121,11 +121,6 @@ class ChunkVerifier:
     def close(self) -> None:
         for chunk in self._chunks:
             chunk.cancel()
-
-
-def _cut(text: object, limit: int = 200) -> str:
-    text = str(text)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _lstat_mode(path: Path) -> int:
@@ -455,7 +450,7 @@ class Dump:
             lr = group.get("lr", 0.0)
             if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 <= lr < float("inf"):
                 raise DumpCorruptError(f"{self.path / files.optimizer_json}: param group {index}'s learning rate is "
-                                       f"{_cut(repr(lr), 60)}, not a finite number >= 0: the file was edited (or the "
+                                       f"{cut_text(repr(lr), 60)}, not a finite number >= 0: the file was edited (or the "
                                        "job's scheduler made it so, which is then the cause to fix)",
                                        files.optimizer_json)
         return {"class": meta["class"], "param_groups": meta["param_groups"],
@@ -478,7 +473,7 @@ class Dump:
         for key, shape in shapes.items():
             parts = key.split("/", 1)
             if len(parts) != 2 or "/" not in parts[1]:
-                raise DumpCorruptError(f"{name} key {_cut(repr(key), 80)} is not 'state/<param name>/<key>'", name)
+                raise DumpCorruptError(f"{name} key {cut_text(repr(key), 80)} is not 'state/<param name>/<key>'", name)
             param, entry = parts[1].rsplit("/", 1)
             index.setdefault(param, {})[entry] = (key, shape)
         self._optimizer_indexes[files] = index
@@ -546,7 +541,7 @@ class Dump:
             return RngState.from_parts(meta[index], tensors, f"mb{index}")
         except (KeyError, TypeError, ValueError, IndexError, RuntimeError, OverflowError) as exc:
             raise DumpCorruptError(f"{self.path / spec.RNG_JSON}: the RNG state of micro-batch {index + 1} is "
-                                   f"malformed ({type(exc).__name__}: {_cut(exc, 120)})", spec.RNG_JSON) from exc
+                                   f"malformed ({type(exc).__name__}: {cut_text(exc, 120)})", spec.RNG_JSON) from exc
 
     def micro_batch(self, index: int) -> Any:
         if not 0 <= index < self.num_micro_batches:
@@ -585,7 +580,7 @@ class Dump:
                 out.append({**row, "step": step, "sample_ids": ids, "rng": states})
         except (KeyError, TypeError, ValueError, IndexError, RuntimeError, OverflowError) as exc:
             raise DumpCorruptError(f"{self.path / spec.WINDOW_JSON} does not have the documented layout "
-                                   f"({type(exc).__name__}: {_cut(exc, 120)})", spec.WINDOW_JSON) from exc
+                                   f"({type(exc).__name__}: {cut_text(exc, 120)})", spec.WINDOW_JSON) from exc
         return out
 
     def precursors(self) -> dict | None:
@@ -608,7 +603,7 @@ class Dump:
                     raise ValueError(f"every row must hold {len(columns)} numbers or nulls")
             firings = [f for f in table.get("firings") or [] if isinstance(f, dict)]
         except (TypeError, ValueError) as exc:
-            raise DumpCorruptError(f"{self.path / spec.PRECURSORS} does not have the documented layout ({_cut(exc, 120)})",
+            raise DumpCorruptError(f"{self.path / spec.PRECURSORS} does not have the documented layout ({cut_text(exc, 120)})",
                                    spec.PRECURSORS) from exc
         config = table.get("config") if isinstance(table.get("config"), dict) else {}
         return {"columns": columns, "steps": steps, "values": values, "firings": firings, "config": config}

@@ -9,7 +9,7 @@ import json
 import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -31,6 +31,11 @@ for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
 
 
 SAFETENSORS_DTYPES = frozenset(_DTYPE_NAMES)
+
+
+def tensor_bytes(value: Any) -> int:
+    """The bytes a tensor's elements take (0 for anything that is not a tensor)."""
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
 
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:

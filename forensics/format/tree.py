@@ -27,7 +27,7 @@ class Unreplayable:
 class EncodedTree:
     skeleton: Any
     tensors: dict[str, torch.Tensor]
-    unreplayable: list[dict]  # [{"path": "batch['pixels']", "type": "PIL.Image"}]
+    unreplayable: list[dict[str, str]]  # [{"path": "batch['pixels']", "type": "PIL.Image"}]
 
 
 def tensor_leaves(node: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
@@ -104,7 +104,7 @@ def storable(tensor: torch.Tensor) -> bool:
 def encode_tree(batch: Any) -> EncodedTree:
     """Splits a batch into a JSON skeleton and its tensor leaves; odd leaves are named, not dropped."""
     tensors: dict[str, torch.Tensor] = {}
-    unreplayable: list[dict] = []
+    unreplayable: list[dict[str, str]] = []
 
     def encode(node: Any, path: str) -> Any:
         if isinstance(node, torch.Tensor) and storable(node):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from forensics.errors import DumpError
 from forensics.format import spec
@@ -70,7 +71,7 @@ class Damage:
     lost: str
     """What that part would have told, in words: the replay goes on without it."""
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {"file": self.file, "problem": self.problem, "lost": self.lost}
 
 

@@ -89,7 +89,7 @@ def _kinds(tensors: list[torch.Tensor]) -> set[str]:
     return kinds
 
 
-def _absmax(tensors: list[torch.Tensor]) -> float | None:
+def _largest_abs(tensors: list[torch.Tensor]) -> float | None:
     """Largest |x| over the tensors (NaN if any NaN, inf if any inf), or None without tensors."""
     if not tensors:
         return None
@@ -232,7 +232,7 @@ class _NonFiniteOpChecker(TorchDispatchMode):
         self.found = {
             "op": name, "module": self.tracker.current, "micro_batch": self.micro_batch,
             "inputs_finite": not in_kinds, "nonfinite_inputs": bad_params, "output_kinds": sorted(out_kinds),
-            "op_stats": {"inputs_absmax": _absmax(inputs), "outputs_absmax": _absmax(outputs)},
+            "op_stats": {"inputs_absmax": _largest_abs(inputs), "outputs_absmax": _largest_abs(outputs)},
         }
         if self.keep_inputs:
             self.found["call"] = (func, *(kept or _copy_call(args, kwargs)))
@@ -349,15 +349,15 @@ def _nonfinite_batch_input(runner: StepRunner, samples: list[SampleRef] | None) 
                 return ForwardFinding(module=f"{INPUT_MODULE}.{field}", op=None, micro_batch=index,
                                       op_inputs_finite=False, nonfinite_inputs=[field],
                                       first_nonfinite_module=None,
-                                      stats={"inputs_absmax": _absmax([value]),  # nan when it holds NaN
+                                      stats={"inputs_absmax": _largest_abs([value]),  # nan when it holds NaN
                                              "outputs_absmax": None, "params_absmax": None})
     return None
 
 
 def _module_stats(module: torch.nn.Module, args: tuple, kwargs: dict, outputs: list[torch.Tensor]) -> dict:
     params: list[torch.Tensor] = [p for p in module.parameters() if p.is_floating_point() and p.numel()]
-    return {"inputs_absmax": _absmax(float_tensors((args, kwargs))), "outputs_absmax": _absmax(outputs),
-            "params_absmax": _absmax(params)}
+    return {"inputs_absmax": _largest_abs(float_tensors((args, kwargs))), "outputs_absmax": _largest_abs(outputs),
+            "params_absmax": _largest_abs(params)}
 
 
 # --------------------------------------------------------------------------------------------

@@ -220,7 +220,7 @@ def replay_window(session: ReplaySession, dump: Any, checkpoint: Checkpoint, sta
             broken = _step_session(session, model, optimizer, batches, row, outcome, outcomes, grads_ok,
                                    Trigger.from_dict(dump.trigger) if step == dump.step else None)
             broken.followup = Followup(row, data, max_norm, pre_model,
-                                       _following(dump, rows, step, data, session.device))
+                                       _following_steps(dump, rows, step, data, session.device))
             return outcomes, broken
     return outcomes, None
 
@@ -254,7 +254,7 @@ class Followup:
     """The next recorded steps (at most FOLLOWING_STEPS, the dumped step included): (row, micro-batches)."""
 
 
-def _following(dump: Any, rows: dict[int, dict], broke: int, data: DataRecipe, device: torch.device
+def _following_steps(dump: Any, rows: dict[int, dict], broke: int, data: DataRecipe, device: torch.device
                ) -> list[tuple[dict, list]]:
     """Up to FOLLOWING_STEPS steps after `broke`: from the flight recorder, then the dumped step itself (its
     micro-batches and RNG are in the dump; its lr is the history's last)."""
