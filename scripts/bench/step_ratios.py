@@ -23,7 +23,10 @@ import torch
 from capture import Guard, GuardConfig, PrecursorConfig
 from scripts.bench.common import machine, median, sync
 
-MODES = ("plain", "guarded", "precursors")
+MODES = ("plain", "synced", "guarded", "precursors", "sync_free")
+"""plain: no read of its own; synced: the loop reads the grad norm before optimizer.step() (a NaN check by hand, one
+sync: what any exact check before the step costs); guarded: the default Guard; precursors: with PrecursorConfig();
+sync_free: GuardConfig(sync_free=True) (single process only: several ranks fall back to the synchronous check)."""
 LLAMA_1B47 = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=26, num_attention_heads=16,
                   num_key_value_heads=16, vocab_size=32000)  # 1.467 B parameters
 LLAMA_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -112,10 +115,11 @@ def run_config(config: str, rounds: int, steps: int, tiny: bool = False, compile
     make, data, loss_of, words = fsdp2_llama(tiny, device) if distributed else nanogpt(tiny, device, compile_model)
     dump_dir = tempfile.mkdtemp(prefix="fx-overhead-")
     runs = {}
-    for mode in MODES:
+    modes = tuple(m for m in MODES if not (distributed and m == "sync_free"))
+    for mode in modes:
         model, optimizer = make()
-        guard = None if mode == "plain" else Guard(model, optimizer, config=GuardConfig(
-            dump_dir=dump_dir, run_id=mode, on_nonfinite="continue",
+        guard = None if mode in ("plain", "synced") else Guard(model, optimizer, config=GuardConfig(
+            dump_dir=dump_dir, run_id=mode, on_nonfinite="continue", sync_free=mode == "sync_free",
             precursors=PrecursorConfig() if mode == "precursors" else None))
         runs[mode] = (model, optimizer, Timed(guard) if guard is not None else None)
 
@@ -129,18 +133,20 @@ def run_config(config: str, rounds: int, steps: int, tiny: bool = False, compile
                 timed("record_loss", loss)
             (loss / len(data)).backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if mode == "synced" and not torch.isfinite(norm).item():
+            return
         if timed is None or timed("check", grad_norm=norm):
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    for mode in MODES:  # compile, allocator, the detectors' warm-up (32 steps), a few precursor samples
+    for mode in modes:  # compile, allocator, the detectors' warm-up (32 steps), a few precursor samples
         for _ in range(40 if not tiny else 34):
             step(mode)
     sync(str(device))
-    times: dict[str, list[float]] = {mode: [] for mode in MODES}
-    host: dict[str, list[float]] = {mode: [] for mode in MODES}
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    host: dict[str, list[float]] = {mode: [] for mode in modes}
     for index in range(rounds):
-        for mode in MODES[index % len(MODES):] + MODES[:index % len(MODES)]:
+        for mode in modes[index % len(modes):] + modes[:index % len(modes)]:
             timed = runs[mode][2]
             before = timed.seconds if timed else 0.0
             sync(str(device))
@@ -151,11 +157,12 @@ def run_config(config: str, rounds: int, steps: int, tiny: bool = False, compile
             times[mode].append((time.perf_counter() - start) / steps)
             host[mode].append(((timed.seconds - before) / steps) if timed else 0.0)
     if distributed:  # a step is as long as its slowest rank
-        table = torch.tensor([times[m] for m in MODES], dtype=torch.float64, device=device)
+        table = torch.tensor([times[m] for m in modes], dtype=torch.float64, device=device)
         torch.distributed.all_reduce(table, op=torch.distributed.ReduceOp.MAX)
-        times = {m: table[i].tolist() for i, m in enumerate(MODES)}
-    for mode in MODES[1:]:
-        runs[mode][2].guard.close()
+        times = {m: table[i].tolist() for i, m in enumerate(modes)}
+    for mode in modes:
+        if runs[mode][2] is not None:
+            runs[mode][2].guard.close()
     if not distributed or torch.distributed.get_rank() == 0:
         report(config, words, device, rounds, steps, times, host)
     if distributed:
@@ -170,7 +177,7 @@ def report(config: str, words: str, device: torch.device, rounds: int, steps: in
     print(f"{rounds} interleaved rounds x {steps} steps per mode (order rotating); plain step spread between rounds "
           f"{100 * spread:.1f} %")
     print(f"{'mode':<12} {'step (median)':>14} {'ratio vs plain':>15} {'per-round ratios':<40} {'in Guard calls':>15}")
-    for mode in MODES:
+    for mode in times:
         ratios = [t / p for t, p in zip(times[mode], plain)]
         print(f"{mode:<12} {median(times[mode]) * 1e3:11.2f} ms {median(ratios):15.4f} "
               f"{' '.join(f'{r:.3f}' for r in ratios):<40} {median(host[mode]) * 1e6:12.0f} us")
@@ -205,6 +212,8 @@ def host_cost(rounds: int, steps: int, micro: int) -> None:
                 timed("record_loss", loss)
             loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if mode == "synced" and not torch.isfinite(norm).item():
+            return
         if timed is None or timed("check", grad_norm=norm):
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
