@@ -208,8 +208,11 @@ def history_signals(history: dict) -> list[str]:
                        f"({100 * hits / len(clipped):.0f}%): clipping hides an optimiser or data problem "
                        "rather than fixing it; look at the learning rate and the data.")
 
-    grads = [(s, lenient_float(g)) for s, g in zip(steps, _column(history, "grad_norm", n))]
-    grads = [(s, g) for s, g in grads if g is not None and math.isfinite(g)]
+    grads: list[tuple[Any, float]] = []
+    for s, raw in zip(steps, _column(history, "grad_norm", n)):
+        g = lenient_float(raw)
+        if g is not None and math.isfinite(g):
+            grads.append((s, g))
     run = 0
     for _, g in reversed(grads):
         if not g < LOW_GRAD_NORM:
@@ -277,7 +280,9 @@ def diverged_long_ago(history: dict, uniform_loss: float | None = None) -> str |
 
 
 def _first_losses(history: dict) -> list[float]:
-    summary = history.get("summary") if isinstance(history.get("summary"), dict) else {}
+    summary = history.get("summary")
+    if not isinstance(summary, dict):
+        summary = {}
     first = _finite(summary.get("first_losses") or [])
     return first or _finite((history.get("loss") or [])[:3])
 
@@ -320,14 +325,15 @@ def read_history(history: dict | None, step: int | None, uniform_loss: float | N
                   if v is not None and (not math.isfinite(v) or v > limit)), None)
     cutoff = onset if onset is not None else step if step is not None else (steps[-1] + 1 if steps else 0)
     healthy = [i for i, s in enumerate(steps) if s < cutoff]
-    good_norms = sorted(norms[i] for i in healthy if norms[i] is not None and math.isfinite(norms[i]) and norms[i] > 0)
+    good_norms = sorted(v for v in (norms[i] for i in healthy) if v is not None and math.isfinite(v) and v > 0)
     typical = good_norms[len(good_norms) // 2] if good_norms else None
     sentences = []
     if first and onset is not None and onset in steps and (step is None or onset < step):  # not the failure itself
         at = steps.index(onset)
         later = [(s, v) for s, v in zip(steps[at:], losses[at:]) if v is not None][:4]
         path = ", ".join(f"{fmt_num(v, 3)} (step {s})" for s, v in later)
-        why = ("non-finite" if not math.isfinite(losses[at]) else
+        at_loss = losses[at]  # not None: the onset is a recorded loss
+        why = ("non-finite" if at_loss is not None and not math.isfinite(at_loss) else
                f"above {fmt_num(UNIFORM_FACTOR, 2)} x the {fmt_num(uniform_loss, 3)} of a uniform guess over the "
                "vocabulary" if uniform_loss is not None and limit < DIVERGED_FACTOR * min(first[:3])
                else f"over {fmt_num(DIVERGED_FACTOR, 2)} x its start")

@@ -187,13 +187,14 @@ def _evaluate(runner: StepRunner, kind: RemedyKind, change: str, *, samples: lis
             moved, size = moved + step.moved_sq, size + step.size_sq
             if step.moved_sq > worst:  # the parameter the update moved most, in absolute terms
                 worst, worst_name = step.moved_sq, step.name
-        change = relative_change(moved, size)
-        if not math.isfinite(change):
+        moved_by = relative_change(moved, size)  # `change` is the remedy's description
+        if not math.isfinite(moved_by):
             finite = False
-        result.weights_finite, result.relative_change, result.worst_parameter = finite, change, worst_name
-        result.healthy = finite and change <= WRECK_RATIO
-        if finite and change > WRECK_RATIO:
-            result.note = f"the update moves the weights by {change:.0%} of their norm in one step (most: `{worst_name}`)"
+        result.weights_finite, result.relative_change, result.worst_parameter = finite, moved_by, worst_name
+        result.healthy = finite and moved_by <= WRECK_RATIO
+        if finite and moved_by > WRECK_RATIO:
+            result.note = (f"the update moves the weights by {moved_by:.0%} of their norm in one step "
+                           f"(most: `{worst_name}`)")
         return result
     except Exception as exc:  # noqa: BLE001 - one remedy that cannot run must not lose the others
         logger.warning("remedy %s could not be tried: %s: %s", kind.value, type(exc).__name__, exc)

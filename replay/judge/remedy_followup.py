@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from forensics.errors import ReplayError
 from forensics.kinds import RemedyKind
 from replay.judge.remedies import Following, RemediesBlock, RemedyRow
 from replay.run.execute import StepRunner
@@ -42,7 +43,7 @@ def follow_remedies(block: RemediesBlock, runner: StepRunner, followup: Followup
             runner.weights_changed()  # the fix was carried over by stepping the model itself
             runner.reset()
     block["tested"].sort(key=lambda r: (r.get("healthy") is not True,
-                                        (r.get("following") or {}).get("healthy") is False,
+                                        dict(r.get("following") or {}).get("healthy") is False,
                                         RemedyKind(r["kind"]).rank))
     block["following_steps"] = (f"each change that made step {followup.row['step']} healthy was kept for the "
                                 f"recorded steps after it ({', '.join(map(str, steps))}) and they were re-executed")
@@ -59,6 +60,8 @@ def _follow(row: RemedyRow, runner: StepRunner, followup: Followup) -> Following
         for tensor in model.parameters():
             tensor.data = tensor.data.float()  # runner.reset() puts the recorded dtypes back
     optimizer = session.new_optimizer()
+    if optimizer is None:  # the caller notes the remedy as not carried over
+        raise ReplayError("the dump holds no optimizer to carry the fix over the following steps")
     hyper = dict(setting.get("hyper") or {})
     broken_lr = followup.row.get("lr")
     lr_factor = hyper.pop("lr") / broken_lr if "lr" in hyper and isinstance(broken_lr, (int, float)) and broken_lr \
