@@ -225,7 +225,8 @@ class Guard:
         self.first_step.look(record)
         try:
             sync_free = self._sync_free is not None and self._sync_free.active()
-            decision = (self._sync_free if sync_free else self._sync_check).check(record, grad_norm)
+            checker = self._sync_free if sync_free and self._sync_free is not None else self._sync_check
+            decision = checker.check(record, grad_norm)
         except TrainingFaultError as fault:
             self.last_step = record
             self.stopped = fault  # later exceptions outside a recorded step are not this step's (record_exception)
@@ -263,8 +264,9 @@ class Guard:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         norm = sharding.shard_grad_norm(grads) if self.dtensors else total_grad_norm(grads)
         scale = thirdparty.grads_scaled_by(self.scaler, self.optimizer)  # before scaler.unscale_: grads x scale
-        self.own_norm_unscaled = scale is not None and norm is not None
-        if self.own_norm_unscaled:  # one unit everywhere: the norm clip_grad_norm_ would see after unscale_
+        self.own_norm_unscaled = False
+        if scale is not None and norm is not None:  # one unit everywhere: the norm clip_grad_norm_ sees after unscale_
+            self.own_norm_unscaled = True
             norm = norm / scale.reshape(()).to(norm.device) if isinstance(norm, torch.Tensor) else norm / float(scale)
         return norm
 
@@ -304,7 +306,7 @@ class Guard:
         return full_form
 
     def _choose_layout(self, full_form: dict) -> StateLayout:
-        return sharding.choose_layout(self.config.state_layout, self.world_size if self.multi_rank else 1,
+        return sharding.choose_layout(StateLayout(self.config.state_layout), self.world_size if self.multi_rank else 1,
                                       self.dtensors, sharding.state_bytes(full_form), self.config.full_state_max_bytes)
 
     def replay_recipe(self) -> dict:

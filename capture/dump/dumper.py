@@ -343,8 +343,8 @@ def recheck(source: DumpSource, incident: Incident) -> dict:
     finally:
         restore_rng(saved)
         with torch.no_grad():
-            for buffer, value in buffers:
-                buffer.copy_(value)
+            for buffer, kept in buffers:
+                buffer.copy_(kept)
     original = incident.losses[index]
     same = (value == original) or (not math.isfinite(value) and not math.isfinite(original))
     return {"performed": True, "micro_batch": index, "original": original, "recomputed": value,

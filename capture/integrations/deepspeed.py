@@ -205,7 +205,7 @@ class DeepSpeedGuard(DistributedGuard):
         """ZeRO partitions its state: sharded unless GuardConfig.state_layout says "full" (every rank gathers)."""
         numel = sum(math.prod(_full_shape(p)) for p in self.model.parameters())
         state_bytes = numel * (torch.tensor([], dtype=self.lp_dtype).element_size() + 12)  # + fp32 master, 2 moments
-        return sharding.choose_layout(self.config.state_layout, self.world_size if self.multi_rank else 1,
+        return sharding.choose_layout(StateLayout(self.config.state_layout), self.world_size if self.multi_rank else 1,
                                       True, state_bytes, self.config.full_state_max_bytes)
 
     def _local_weights(self) -> dict[str, Any]:

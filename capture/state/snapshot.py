@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -74,11 +74,11 @@ def parameter_names(model: torch.nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in model.named_parameters()}
 
 
-def model_state(model: torch.nn.Module, copy: HostCopy) -> dict[str, torch.Tensor]:
+def model_state(model: torch.nn.Module, copy: Callable[[torch.Tensor], Any]) -> dict[str, torch.Tensor]:
     return {name: copy(t) for name, t in model.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)}
 
 
-def optimizer_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module, copy: HostCopy) -> dict:
+def optimizer_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module, copy: Callable[[torch.Tensor], Any]) -> dict:
     """Optimizer hyper-parameters and state keyed by parameter name (docs/DUMP_FORMAT.md)."""
     names, state = parameter_names(model), {}
     for group_index, group in enumerate(optimizer.param_groups):
