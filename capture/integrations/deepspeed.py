@@ -25,6 +25,7 @@ import torch
 from capture.config import GuardConfig
 from capture.integrations.ddp import DistributedGuard
 from capture.state import sharding, snapshot
+from forensics.errors import CaptureError
 from forensics.format.shards import LocalShard
 from forensics.kinds import StateLayout
 from forensics.recipes import HUGGINGFACE_FACTORY
@@ -166,7 +167,8 @@ class DeepSpeedGuard(DistributedGuard):
         norm = squares.sum().sqrt()
         self.own_norm_unscaled = self.scaler is not None
         if self.scaler is not None:
-            norm = norm / float(self.optimizer.loss_scale)
+            zero: Any = self.optimizer  # DeepSpeed's optimizer wrapper, not a torch Optimizer
+            norm = norm / float(zero.loss_scale)
         return norm
 
     def _shard_grads(self) -> list[torch.Tensor] | None:
@@ -211,12 +213,13 @@ class DeepSpeedGuard(DistributedGuard):
     def _local_weights(self) -> dict[str, Any]:
         """This rank's weights: ZeRO-3 partitions as flat shards; replicated weights (ZeRO-1/2) whole (the ranks
         split their writing)."""
-        state = {}
+        state: dict[str, Any] = {}
         for key, tensor in self.model.state_dict(keep_vars=True).items():
             if not isinstance(tensor, torch.Tensor):
                 continue
             if hasattr(tensor, "ds_id"):
-                state[key] = _zero3_shard(tensor, tensor.ds_tensor)
+                partitioned: Any = tensor  # a ZeRO-3 parameter: DeepSpeed's ds_* attributes
+                state[key] = _zero3_shard(partitioned, partitioned.ds_tensor)
             else:
                 state[key] = tensor.detach()
         state.update({name: value for name, value in self.buffers.before().items() if name in state})
@@ -320,7 +323,8 @@ class DeepSpeedGuard(DistributedGuard):
             return mapping.hp_fragment
         hp = mapping.hp_fragment_address
         flat = self._hp_flat(mapping.param_group_index)
-        value = self.optimizer.optimizer.state.get(flat, {}).get(key) if flat is not None else None
+        zero: Any = self.optimizer  # DeepSpeed's optimizer wrapper: the torch optimizer is its `optimizer`
+        value = zero.optimizer.state.get(flat, {}).get(key) if flat is not None else None
         return value.narrow(0, hp.start, hp.numel) if isinstance(value, torch.Tensor) else None
 
     def _hp_flat(self, group_index: int) -> torch.Tensor | None:
@@ -336,7 +340,7 @@ class DeepSpeedGuard(DistributedGuard):
         DeepSpeed's unfused wrapper keeps one fp32 master per parameter; the fused one a flat fp32
         buffer per group, laid out in parameter order.
         """
-        optimizer = self.optimizer
+        optimizer: Any = self.optimizer  # DeepSpeed's optimizer wrapper: the torch optimizer is its `optimizer`
         basic = optimizer.optimizer
         names = snapshot.parameter_names(self.model)
         per_param = getattr(optimizer, "fp32_groups", None)
@@ -350,6 +354,9 @@ class DeepSpeedGuard(DistributedGuard):
                     entries = dict(basic.state.get(master, {}))
                     pieces = {k: v for k, v in entries.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
                 else:
+                    if flats is None:
+                        raise CaptureError(f"DeepSpeed's {type(optimizer).__name__} has neither fp32_groups nor "
+                                           "fp32_groups_flat: this version's fp32 masters cannot be read")
                     flat = flats[group_index]
                     entries = dict(basic.state.get(flat, {}))
                     numel = param.numel()
@@ -435,7 +442,7 @@ def _full_zero3(param: torch.nn.Parameter, key: str | None) -> torch.Tensor | No
     return safe_get_full_fp32_param(param) if key is None else safe_get_full_optimizer_state(param, key)
 
 
-def _zero3_shard(param: torch.nn.Parameter, local: torch.Tensor) -> LocalShard:
+def _zero3_shard(param: Any, local: torch.Tensor) -> LocalShard:
     """A ZeRO-3 partition (`local`: this rank's flat, padded slice of the flattened parameter) as a flat shard
     (empty when the partition is all padding)."""
     partition = local.numel()
@@ -444,7 +451,7 @@ def _zero3_shard(param: torch.nn.Parameter, local: torch.Tensor) -> LocalShard:
     return LocalShard(local.detach().reshape(-1)[:valid], tuple(_full_shape(param)), (start,), flat=True)
 
 
-def _gather_zero3(param: torch.nn.Parameter) -> torch.Tensor:
+def _gather_zero3(param: Any) -> torch.Tensor:
     import deepspeed
 
     with deepspeed.zero.GatheredParameters([param], modifier_rank=None):

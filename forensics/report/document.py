@@ -191,7 +191,7 @@ def _reproduction(report: Mapping) -> Section:
     blocks: list[Block] = [Para([reproduction_sentence(report)])]
     rec, rep = fid.get("recorded_losses") or [], fid.get("replayed_losses") or []
     if rec or rep:
-        rows = []
+        rows: list[list[Inline]] = []
         for i in range(max(len(rec), len(rep))):
             a = rec[i] if i < len(rec) else None
             b = rep[i] if i < len(rep) else None
@@ -231,7 +231,7 @@ def _culprit(report: Mapping) -> Section:
     loc = location_sentence(report)
     if loc:
         blocks.append(Para([loc]))
-    stats = c.get("stats") if isinstance(c.get("stats"), dict) else {}
+    stats = section(c, "stats")
     blocks.append(_kv_table([
         ("Module", _code_or_na(c.get("module"))),
         ("Op", _code_or_na(c.get("op"))),
@@ -262,7 +262,7 @@ def _exception(report: Mapping) -> Section:
                               clean(b.get("position"))] for b in bad[:TOP_N]]))
     memory = exc.get("memory")
     if isinstance(memory, dict):
-        sizes = [[mb_number(m.get("index")), fmt_num(m.get("bytes"))] for m in memory.get("micro_batches") or []
+        sizes: list[list[Inline]] = [[mb_number(m.get("index")), fmt_num(m.get("bytes"))] for m in memory.get("micro_batches") or []
                  if isinstance(m, dict)]
         blocks.append(Para([f"Memory when it raised: allocated {fmt_num(memory.get('allocated'))} B, reserved "
                             f"{fmt_num(memory.get('reserved'))} B of {fmt_num(memory.get('total'))} B."]))
@@ -293,7 +293,7 @@ def _remedies(report: Mapping) -> Section:
     block = report.get("remedies")
     if not isinstance(block, dict):
         return Section("Remedies tried", [Para(["Not run."])], "remedies")
-    rows = []
+    rows: list[list[Inline]] = []
     for row in block.get("tested") or []:
         if not isinstance(row, dict):
             continue
@@ -381,7 +381,7 @@ def _precursor(report: Mapping) -> Section:
 def _repro(report: Mapping) -> Section:
     """`forensics repro`: where the standalone scripts are."""
     block = section(report, "repro")
-    files = block.get("files") if isinstance(block.get("files"), dict) else {}
+    files = section(block, "files")
     rows: list[tuple[str, Inline]] = [("Directory", _code_or_na(block.get("directory"))),
                                       ("Op", _code_or_na(block.get("op")))]
     rows += [(clean(key), _code_or_na(path)) for key, path in files.items()]
@@ -441,7 +441,7 @@ def _history(report: Mapping) -> Section:
     blocks.append(Plot("history"))
     loss, gn = hist.get("loss") or [], hist.get("grad_norm") or []
     first = max(0, len(steps) - HISTORY_ROWS)
-    rows = [[fmt_num(steps[i]), fmt_num(loss[i] if i < len(loss) else None),
+    rows: list[list[Inline]] = [[fmt_num(steps[i]), fmt_num(loss[i] if i < len(loss) else None),
              fmt_num(gn[i] if i < len(gn) else None)] for i in range(first, len(steps))]
     note = f"Last {len(rows)} of {len(steps)} recorded steps (all of them are in report.json)."
     blocks.extend([Para([note]), Table(["step", "loss", "grad norm"], rows)])
@@ -471,7 +471,7 @@ def _gpus(capture: Mapping) -> str | None:
 def _environment(report: Mapping) -> Section:
     env = section(report, "environment")
     cap, rep = section(env, "capture"), section(env, "replay")
-    rows = [
+    rows: list[list[Inline]] = [
         ["device", "n/a", str(rep.get("device") or "n/a")],
         ["GPU", _gpus(cap) or "none", str(rep.get("gpu") or "none")],
         ["torch", str(cap.get("torch") or "n/a"), str(rep.get("torch") or "n/a")],

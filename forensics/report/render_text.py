@@ -62,8 +62,7 @@ def where_sentence(report: Mapping) -> str:
         parts.append(f"rank {rank}" + (f" of {ws}" if isinstance(ws, int) and ws > 1 else ""))
     mb = trigger.get("micro_batch")
     samples = section(report, "culprit").get("samples") or []
-    mbs = sorted({s.get("micro_batch") for s in samples if isinstance(s, dict)
-                  and isinstance(s.get("micro_batch"), int)})
+    mbs = sorted({mb for s in samples if isinstance(s, dict) and isinstance(mb := s.get("micro_batch"), int)})
     if len(mbs) == 1:
         mb = mbs[0]
     n = dump.get("num_micro_batches")
@@ -163,7 +162,7 @@ def location_sentence(report: Mapping) -> str | None:
     c = section(report, "culprit")
     module, op, phase = c.get("module"), c.get("op"), c.get("phase")
     param, opt_state = c.get("parameter"), c.get("optimizer_state")
-    stats = c.get("stats") if isinstance(c.get("stats"), dict) else {}
+    stats = section(c, "stats")
     nonfinite = str(section(report, "trigger").get("kind") or "").startswith("nonfinite")
     if phase == Phase.OPTIMIZER:
         text = "The optimizer update broke " + (f"parameter {clean(param)}" if param else "the weights")

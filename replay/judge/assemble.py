@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from datetime import datetime, timezone
+from typing import Any, cast
 
 import torch
 
@@ -45,7 +46,7 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
             "the edge of fp16, and whichever sample crosses first is not to blame.")).strip()
     trigger = findings.trigger
     history = findings.history
-    report = {
+    report: dict[str, Any] = {
         "schema": schema_for(verdict["kind"]),
         "created_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "dump": {"num_micro_batches": max(len(session.micro_batches), session.step_micro_batches),
@@ -120,7 +121,7 @@ def culprit_block(findings: Findings, rank: int, positional: frozenset[int] = fr
         if ref in findings.sample_facts:
             sample["description"] = describe(findings.sample_facts[ref])
         samples.append(sample)
-    block = {"samples": samples,
+    block: dict[str, Any] = {"samples": samples,
              "module": None, "op": None, "phase": None, "parameter": None, "optimizer_state": None,
              "stats": {"inputs_absmax": None, "outputs_absmax": None, "params_absmax": None},
              "traceback": None}
@@ -165,8 +166,11 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
     if micro_batch is None and findings.forward is not None:
         micro_batch = findings.forward.micro_batch
     stats = culprit.get("stats") or {}
-    precision, rng, sizes = findings.precision or {}, findings.rng or {}, findings.sizes
-    remedies = {row["kind"]: row.get("healthy") for row in (findings.remedies or {}).get("tested", [])}
+    precision = cast("dict[str, Any]", findings.precision or {})  # TypedDicts, read as dicts here
+    rng = cast("dict[str, Any]", findings.rng or {})
+    sizes = findings.sizes
+    tested = cast("dict[str, Any]", findings.remedies or {}).get("tested", [])
+    remedies = {row["kind"]: row.get("healthy") for row in tested}
     return VerdictFacts(
         remedies=remedies,
         culprits_each_fail_alone=findings.bisection.independent_groups > 1,
@@ -191,7 +195,7 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
         autocast_dtype=precision.get("autocast_dtype"),
         param_dtype=str(session.param_dtype).removeprefix("torch."),
         history_pattern=findings.history.pattern, history_signals=list(findings.history.signals),
-        per_sample_top=rank_by_loss(findings.per_sample)[:3] if findings.per_sample else [],
+        per_sample_top=cast("list[dict]", rank_by_loss(findings.per_sample)[:3]) if findings.per_sample else [],
         rng_dependent=rng.get("rng_dependent"), rng_seeds_tried=len(rng.get("seeds") or []),
         data_kind=_data_kind(session, findings),
         run_diverged=findings.history.diverged,

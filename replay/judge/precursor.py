@@ -111,9 +111,9 @@ def _limit_headline(step: int, fired: dict | None, table: dict) -> str | None:
     and the column's dtype (never from text in the dump)."""
     rule = PrecursorRule.parse((fired or {}).get("rule"), PrecursorRule.GROWTH)
     stat = _statistic((fired or {}).get("statistic"))
-    if rule is PrecursorRule.GROWTH or stat is None:
+    if fired is None or rule is PrecursorRule.GROWTH or stat is None:
         return None
-    column = next((c for c in table["columns"] if c.get("layer") == fired.get("layer")
+    column: dict = next((c for c in table["columns"] if c.get("layer") == fired.get("layer")
                    and c.get("statistic") == stat.value), {})
     head = (table.get("config") or {}).get("head_dim")
     limit = limit_of(stat, column.get("dtype") if isinstance(column.get("dtype"), str) else None,
@@ -170,8 +170,9 @@ def _verdict(step: int, ranking: list[dict], fired: dict | None, columns: int, l
                    "to tell which started first."
         explanation = "The statistics in the dump do not show a sustained growth from a baseline."
     fixes = [PrecursorStatistic(r["statistic"]).usual_fix for r in ranking[:4]]
-    if fired and not ranking and _statistic(fired.get("statistic")) is not None:
-        fixes.append(_statistic(fired.get("statistic")).usual_fix)
+    fired_stat = _statistic(fired.get("statistic")) if fired else None
+    if fired and not ranking and fired_stat is not None:
+        fixes.append(fired_stat.usual_fix)
     return {"kind": kind.value, "headline": headline, "explanation": explanation,
             "suggestions": list(dict.fromkeys(fixes + list(GENERAL_FIXES)))}
 
