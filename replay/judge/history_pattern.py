@@ -57,7 +57,7 @@ SWING_MIN = math.log(1.25)   # oscillation swings of at least 25%
 NOISE_FLOOR = 1e-3      # median step size never counts as smaller than 0.1%
 
 
-def _finite(values: Sequence[Any]) -> list[float]:
+def _finite_values(values: Sequence[Any]) -> list[float]:
     out = []
     for v in values:
         if v is None or isinstance(v, bool):
@@ -84,7 +84,7 @@ def divergence_limit(first_losses: Sequence[float | None], uniform_loss: float |
     """The loss above which a run has left where it started: DIVERGED_FACTOR x its start (the least of its first
     3 losses: a run that blows up at once has huge first losses), or 1.5 x the uniform-guess loss when known
     (a random-init language model starts right at ln(vocabulary)); inf when neither is known."""
-    first = [v for v in _finite(first_losses)[:3]]
+    first = [v for v in _finite_values(first_losses)[:3]]
     start = min(first) if first else None
     limit = DIVERGED_FACTOR * start if start is not None and start > 0 else math.inf
     if uniform_loss is not None and uniform_loss > 0:
@@ -152,7 +152,7 @@ def classify_history(losses: Sequence[float | None], first_losses: Sequence[floa
         >>> classify_history([2.1, 2.3, 2.8, 4.5, 12.3, 89.7, float("nan")])
         'exponential_growth'
     """
-    values = _finite(losses)[-WINDOW:]
+    values = _finite_values(losses)[-WINDOW:]
     if len(values) < MIN_POINTS:
         return HistoryPattern.INSUFFICIENT_HISTORY
     y = _log_space(values)
@@ -283,8 +283,8 @@ def _first_losses(history: dict) -> list[float]:
     summary = history.get("summary")
     if not isinstance(summary, dict):
         summary = {}
-    first = _finite(summary.get("first_losses") or [])
-    return first or _finite((history.get("loss") or [])[:3])
+    first = _finite_values(summary.get("first_losses") or [])
+    return first or _finite_values((history.get("loss") or [])[:3])
 
 
 @dataclass(frozen=True)

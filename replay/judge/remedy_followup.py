@@ -71,14 +71,14 @@ def _follow(row: RemedyRow, runner: StepRunner, followup: Followup) -> Following
     clip = setting.get("clip", followup.max_norm)
     if not setting.get("skip"):
         ids, batches, rng = _without(followup, setting.get("drop") or [], session.device)
-        _lr(optimizer, followup.row, lr_factor)
+        _set_lr_scaled(optimizer, followup.row, lr_factor)
         outcome, _ = run_step(model, optimizer, session, batches, {**followup.row, "rng": rng}, clip, fp32)
         if outcome.broke:
             return {"tested": True, "healthy": False, "steps": [], "first_unhealthy": followup.row["step"],
                     "why": outcome.broke}
     done = []
     for step_row, batches in followup.steps:
-        _lr(optimizer, step_row, lr_factor)
+        _set_lr_scaled(optimizer, step_row, lr_factor)
         outcome, _ = run_step(model, optimizer, session, batches, step_row, clip, fp32)
         done.append(step_row["step"])
         if outcome.broke:
@@ -87,7 +87,7 @@ def _follow(row: RemedyRow, runner: StepRunner, followup: Followup) -> Following
     return {"tested": True, "healthy": True, "steps": done, "first_unhealthy": None, "why": None}
 
 
-def _lr(optimizer: torch.optim.Optimizer, row: dict, factor: float) -> None:
+def _set_lr_scaled(optimizer: torch.optim.Optimizer, row: dict, factor: float) -> None:
     set_lr(optimizer, row.get("lr"))
     if factor != 1.0:
         for group in optimizer.param_groups:

@@ -305,7 +305,7 @@ def _evidence(f: VerdictFacts) -> list[str]:
     return out
 
 
-def _history(f: VerdictFacts) -> list[str]:
+def _history_sentences(f: VerdictFacts) -> list[str]:
     out = [f.run_diverged] if f.run_diverged else []
     if f.history_pattern:
         out.append(f"Loss history: {f.history_pattern.means(f.trigger_kind)}.")
@@ -372,7 +372,7 @@ def _pattern_hints(f: VerdictFacts) -> list[str]:
 
 def _result(kind: VerdictKind, headline: str, f: VerdictFacts, suggestions: list[str],
             reading: str | None = None) -> dict:
-    evidence = _evidence(f) + ([reading] if reading else []) + _history(f)
+    evidence = _evidence(f) + ([reading] if reading else []) + _history_sentences(f)
     unique = list(dict.fromkeys(s for s in suggestions + _no_blocklist(f) if s))
     log.info("verdict %s: %s", kind, headline)
     return {"kind": kind.value, "headline": headline, "explanation": " ".join(evidence), "suggestions": unique}
@@ -401,7 +401,7 @@ def decide_verdict(facts: VerdictFacts) -> dict:
     if not f.reproduced:
         return _not_reproduced(f)
     if f.trigger_kind is TriggerKind.EXCEPTION:
-        return _exception(f)
+        return _exception_verdict(f)
     if f.spike and f.update_change is not None and not _has_culprit(f):
         return _update_too_large(f)
     if f.spike and (f.run_diverged or f.history_pattern is HistoryPattern.DIVERGED):
@@ -718,7 +718,7 @@ def _data_hint(f: VerdictFacts) -> str:
     return f"{who}: {fact.words}. Fix: {_FACT_FIXES[fact.kind]}"
 
 
-def _exception(f: VerdictFacts) -> dict:
+def _exception_verdict(f: VerdictFacts) -> dict:
     """The step raises on replay too: where, which samples, and the data that made it raise."""
     what = f.exception_type or "an exception"
     where = f" at `{f.module}`" if f.module else ""

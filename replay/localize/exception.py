@@ -80,7 +80,7 @@ def localize_exception(runner: StepRunner, samples: list[SampleRef] | None = Non
     mode = state.get("mode")
     found = mode.found if mode is not None and raised["phase"] == Phase.FORWARD else None
     index = raised["micro_batch"]
-    rows = _rows(samples, index, len(session.sample_ids[index]) if index < len(session.sample_ids) else 0)
+    rows = _rows_run(samples, index, len(session.sample_ids[index]) if index < len(session.sample_ids) else 0)
     bad = _out_of_range(found, [session.sample_ids[index][r] for r in rows], rows, index) if found else []
     detail, context = None, None
     if bad and bad[0]["what"] == "position":
@@ -113,7 +113,7 @@ def _positions(indices: Any) -> bool:
     return bool(((rows - rows[:, :1]) == steps).all())
 
 
-def _rows(samples: list[SampleRef] | None, micro_batch: int, size: int) -> list[int]:
+def _rows_run(samples: list[SampleRef] | None, micro_batch: int, size: int) -> list[int]:
     """The rows of the micro-batch that ran, in batch order (a subset when bisecting)."""
     if samples is None:
         return list(range(size))
