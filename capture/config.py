@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from forensics.kinds import Policy, StateLayout, TriggerKind
+from forensics.kinds import Policy, StateLayout, Tracker, TriggerKind
 
 
 @dataclass
@@ -234,10 +234,11 @@ class GuardConfig:
                 raise ValueError(f"GuardConfig.{name} must be one of {', '.join(p.value for p in Policy)}, "
                                  f"got {getattr(self, name)!r}") from None
         self.upload = tuple(self.upload)
-        unknown = [t for t in self.upload if t not in ("wandb", "mlflow", "tensorboard")]
+        unknown = [t for t in self.upload if t not in Tracker.values()]
         if unknown:
-            raise ValueError(f"GuardConfig.upload: unknown tracker(s) {unknown}; choose from wandb, mlflow, tensorboard")
-        if "tensorboard" in self.upload and not self.tensorboard_dir:
+            raise ValueError(f"GuardConfig.upload: unknown tracker(s) {unknown}; choose from "
+                             f"{', '.join(Tracker.values())}")
+        if Tracker.TENSORBOARD in self.upload and not self.tensorboard_dir:
             raise ValueError("GuardConfig.upload=('tensorboard',) needs GuardConfig.tensorboard_dir")
         try:
             self.state_layout = StateLayout(self.state_layout)

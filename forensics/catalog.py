@@ -89,7 +89,7 @@ def list_dumps(root: str | os.PathLike, *, verify: bool = False,
             continue
         first = dumps[0]
         row.run_id, row.step, row.world_size = first.manifest["run_id"], first.step, first.world_size
-        row.trigger = str(first.trigger.get("kind"))
+        row.trigger = first.trigger.kind.value
         row.ranks = sorted(d.rank for d in dumps)
         row.bytes = sum(d.total_size() for d in dumps)
         if verify:

@@ -9,6 +9,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Mapping
 
 import click
 
@@ -17,13 +18,14 @@ from forensics.catalog import REPORTS_DIR
 from forensics.errors import ForensicsError
 from forensics.format.limits import ArchiveLimits
 from forensics.format.manifest import safe_name
-from forensics.kinds import ExitCode, VerdictKind
+from forensics.kinds import ExitCode, Tracker, VerdictKind
+from forensics.report.tree import Report, parse_report
 from forensics.report.wording import clean
 
 
-def replay_exit_code(report: dict) -> int:
+def replay_exit_code(report: Mapping | Report) -> int:
     """The exit code of a replay: its verdict kind's (forensics.kinds.VerdictKind.exit_code)."""
-    kind = (report.get("verdict") or {}).get("kind")
+    kind = parse_report(report).verdict.kind
     try:
         return int(VerdictKind(kind).exit_code)
     except ValueError:
@@ -150,11 +152,11 @@ def _refuse_unwritable(outputs: dict[str, Path]) -> None:
                                  "writable path")) from None
 
 
-def _report_dir(report: dict) -> Path:
+def _report_dir(report: Report) -> Path:
     """forensics_reports/<run>-step<N>-rank<R>: the run id only when it is a plain name (it comes from the dump)."""
-    d = report["dump"]
-    run = d.get("run_id") if safe_name(d.get("run_id")) else "run"
-    return Path(REPORTS_DIR) / f"{run}-step{int(d['step'])}-rank{int(d['rank'])}"
+    d = report.dump
+    run = d.run_id if safe_name(d.run_id) else "run"
+    return Path(REPORTS_DIR) / f"{run}-step{int(d.step or 0)}-rank{int(d.rank or 0)}"
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -182,14 +184,15 @@ def inspect(dump: Path, rank: int | None, as_json: bool, **limits) -> None:
     if as_json:
         from forensics.format.jsonio import to_jsonable
 
-        click.echo(json.dumps(to_jsonable(summary), indent=2))
+        click.echo(json.dumps(to_jsonable(summary.as_dict()), indent=2))
     else:
         click.echo(render_summary(summary))
-    if summary.get("damaged"):  # the summary is shown, but the dump is not whole
+    damaged = summary.damaged or []
+    if damaged:  # the summary is shown, but the dump is not whole
         for line in render_damage(summary):
             click.echo(line, err=True)
-        more = f" (and {len(summary['damaged']) - 1} more problem(s))" if len(summary["damaged"]) > 1 else ""
-        raise BadInput(clean(f"{dump} is damaged: {summary['damaged'][0]}{more}; `forensics verify` checks it whole"))
+        more = f" (and {len(damaged) - 1} more problem(s))" if len(damaged) > 1 else ""
+        raise BadInput(clean(f"{dump} is damaged: {damaged[0]}{more}; `forensics verify` checks it whole"))
 
 
 @main.command()
@@ -276,14 +279,14 @@ def list_command(directory: Path, check: bool, reports: Path, clean_stale: bool,
         click.echo(clean(f"unfinished (writer gone): {path}  — `forensics list --clean-stale` removes it"))
 
 
-def _upload_report(tracker: str, report: dict, files: dict, tensorboard_dir: Path | None) -> str:
+def _upload_report(tracker: str, report: Report, files: dict, tensorboard_dir: Path | None) -> str:
     from forensics.uploads import upload
 
-    d, verdict = report["dump"], report.get("verdict") or {}
-    run = d.get("run_id") if safe_name(d.get("run_id")) else "run"
-    summary = {"run_id": run, "step": d.get("step"), "rank": d.get("rank"), "verdict": verdict.get("kind"),
-               "headline": verdict.get("headline"), "exit_code": replay_exit_code(report)}
-    return upload(tracker, [Path(p) for p in files.values()], f"{run}-step{d['step']}-rank{d['rank']}-report",
+    d, verdict = report.dump, report.verdict
+    run = d.run_id if safe_name(d.run_id) else "run"
+    summary = {"run_id": run, "step": d.step, "rank": d.rank, "verdict": verdict.kind,
+               "headline": verdict.headline, "exit_code": replay_exit_code(report)}
+    return upload(tracker, [Path(p) for p in files.values()], f"{run}-step{d.step}-rank{d.rank}-report",
                   "report", summary, tensorboard_dir)
 
 
@@ -332,7 +335,7 @@ def _progress(stage: str) -> None:
               help="Memory the replay may use on its device (the CPU too), e.g. 16GiB: a state that does not fit is "
                    "streamed block by block from the dump (automatic on a GPU it does not fit).")
 @click.option("--json", "as_json", is_flag=True, help="Print report.json to stdout.")
-@click.option("--upload", "trackers", multiple=True, type=click.Choice(["wandb", "mlflow", "tensorboard"]),
+@click.option("--upload", "trackers", multiple=True, type=click.Choice(Tracker.values()),
               help="Also send the report to this tracker's run (WANDB_RUN_ID / MLFLOW_RUN_ID name it; repeatable).")
 @click.option("--tensorboard-dir", type=click.Path(path_type=Path), default=None,
               help="TensorBoard log directory for --upload tensorboard.")
@@ -367,13 +370,13 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
                                     from_step=from_step, window=not no_window,
                                     archive_limits=archive_limits, gpu_memory=gpu_memory,
                                     shard_dirs=[str(d) for d in shard_dirs])
-            report = run_replay(dump, options, progress=_progress)
-            target = out or default_report_dir(report["dump"].get("path"), report["dump"]["rank"]) \
-                or _report_dir(report)
+            report = parse_report(run_replay(dump, options, progress=_progress))
+            rank = report.dump.rank or 0  # a replayed dump names its rank
+            target = out or default_report_dir(report.dump.path, rank) or _report_dir(report)
             if all_ranks and out:
-                target = out / f"rank{int(report['dump']['rank'])}"
+                target = out / f"rank{rank}"
             files = write_report_files(report, target)
-            note_report(report["dump"].get("path"), report["dump"]["rank"], files["json"])
+            note_report(report.dump.path, rank, files["json"])
             culprits = blocklist_ids(report)  # never IDs made up from positions
             if blocklist or culprits:  # the verdict's "blocklist.jsonl lists the culprits" is always true
                 files["blocklist"] = write_blocklist(report, blocklist or target / BLOCKLIST_NAME,

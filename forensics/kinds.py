@@ -84,13 +84,55 @@ class StateLayout(_Kind):
     the state across all ranks, no gather, no collective while writing (dump format version 2)."""
 
 
+class ReplayedQuantity(_Kind):
+    """Which replayed number is compared with a trigger's recorded value (TriggerKind.replayed)."""
+
+    MICRO_BATCH_LOSS = "micro_batch_loss"
+    """The loss of the micro-batch that fired."""
+    STEP_LOSS = "step_loss"
+    """The step's loss (every micro-batch's, divided as the job divided it)."""
+    GRAD_NORM = "grad_norm"
+    """The total gradient norm of the step."""
+    EXCEPTION = "exception"
+    """The same exception type, raised at the same place."""
+
+    @property
+    def words(self) -> str:
+        """'grad norm' or 'loss': the quantity in a sentence."""
+        return "grad norm" if self is ReplayedQuantity.GRAD_NORM else "loss"
+
+
+class FidelityMode(_Kind):
+    """How replayed and recorded values were compared (report `fidelity.mode`)."""
+
+    BITWISE = "bitwise"
+    """Bit for bit (the replay runs where the job ran, deterministically)."""
+    TOLERANCE = "tolerance"
+    """Within an absolute tolerance (another device or kernels that are not deterministic)."""
+    NOT_REPLAYED = "not_replayed"
+    """Nothing was re-run (a precursor dump, an exception raised between steps): `fidelity.reason` says why."""
+
+
+class Tracker(_Kind):
+    """An experiment tracker a dump or report is sent to (GuardConfig.upload, `forensics replay --upload`)."""
+
+    WANDB = "wandb"
+    MLFLOW = "mlflow"
+    TENSORBOARD = "tensorboard"
+
+    @property
+    def module(self) -> str:
+        """The package imported to send to it (installed by the extra of the same name: forensics[wandb])."""
+        return self.value
+
+
 @dataclass(frozen=True)
 class _TriggerProps:
     spike: bool
     needs_backward: bool
     words: str
     what_fails: str
-    replayed: str | None
+    replayed: ReplayedQuantity | None
 
 
 class TriggerKind(_Kind):
@@ -132,10 +174,8 @@ class TriggerKind(_Kind):
         return self.props.what_fails
 
     @property
-    def replayed(self) -> str | None:
-        """Which replayed quantity is compared with the recorded value: 'micro_batch_loss', 'step_loss',
-        'grad_norm', 'exception' (the same exception type raised at the same place), or None (the weights
-        after the update)."""
+    def replayed(self) -> ReplayedQuantity | None:
+        """Which replayed quantity is compared with the recorded value, or None (the weights after the update)."""
         return self.props.replayed
 
     @property
@@ -146,14 +186,14 @@ class TriggerKind(_Kind):
 
 _TRIGGER_PROPS = {
     TriggerKind.NONFINITE_LOSS: _TriggerProps(False, False, "non-finite loss", "the loss non-finite",
-                                              "micro_batch_loss"),
+                                              ReplayedQuantity.MICRO_BATCH_LOSS),
     TriggerKind.NONFINITE_GRAD: _TriggerProps(False, True, "non-finite gradient", "the gradients non-finite",
-                                              "grad_norm"),
-    TriggerKind.LOSS_SPIKE: _TriggerProps(True, False, "loss spike", "the loss spike", "step_loss"),
+                                              ReplayedQuantity.GRAD_NORM),
+    TriggerKind.LOSS_SPIKE: _TriggerProps(True, False, "loss spike", "the loss spike", ReplayedQuantity.STEP_LOSS),
     TriggerKind.GRAD_NORM_SPIKE: _TriggerProps(True, True, "gradient-norm spike", "the gradient norm spike",
-                                               "grad_norm"),
+                                               ReplayedQuantity.GRAD_NORM),
     TriggerKind.NONFINITE_PARAM: _TriggerProps(False, True, "non-finite weights", "the weights non-finite", None),
-    TriggerKind.EXCEPTION: _TriggerProps(False, True, "exception", "the step raise", "exception"),
+    TriggerKind.EXCEPTION: _TriggerProps(False, True, "exception", "the step raise", ReplayedQuantity.EXCEPTION),
     TriggerKind.PRECURSOR: _TriggerProps(False, True, "instability precursor", "a layer's statistics grow", None),
 }
 
@@ -399,7 +439,8 @@ _PATTERN_PROPS = {
     HistoryPattern.INSUFFICIENT_HISTORY: _PatternProps("too little history to tell", ""),
 }
 
-__all__ = ["ExitCode", "HistoryPattern", "Phase", "Policy", "PrecursorStatistic", "TriggerKind", "VerdictKind"]
+__all__ = ["ExitCode", "FidelityMode", "HistoryPattern", "Phase", "Policy", "PrecursorStatistic", "ReplayedQuantity",
+           "Tracker", "TriggerKind", "VerdictKind"]
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Callable
 
 from forensics.errors import ForensicsError
+from forensics.kinds import Tracker
 
-TRACKERS = ("wandb", "mlflow", "tensorboard")
+TRACKERS = Tracker.values()
 
 
 class UploadError(ForensicsError):
@@ -42,21 +43,24 @@ def upload(tracker: str, files: list[Path], name: str, kind: str, summary: dict,
     Raises:
         UploadError: with what to do (install the extra, open a run ...).
     """
-    senders: dict[str, Callable[..., str]] = {"wandb": _wandb, "mlflow": _mlflow, "tensorboard": _tensorboard}
-    if tracker not in senders:
-        raise UploadError(f"unknown tracker {tracker!r}; choose from {', '.join(TRACKERS)}")
-    return senders[tracker](files, name, kind, summary, tensorboard_dir)
-
-
-def _import_extra(module: str, extra: str):
+    senders: dict[Tracker, Callable[..., str]] = {Tracker.WANDB: _wandb, Tracker.MLFLOW: _mlflow,
+                                                  Tracker.TENSORBOARD: _tensorboard}
     try:
-        return __import__(module, fromlist=["_"])
+        known = Tracker.parse(tracker)
+    except ValueError:
+        raise UploadError(f"unknown tracker {tracker!r}; choose from {', '.join(TRACKERS)}") from None
+    return senders[known](files, name, kind, summary, tensorboard_dir)
+
+
+def _import_extra(tracker: Tracker):
+    try:
+        return __import__(tracker.module, fromlist=["_"])
     except ImportError:
-        raise UploadError(f"uploading to {extra} needs its package: pip install 'forensics[{extra}]'") from None
+        raise UploadError(f"uploading to {tracker} needs its package: pip install 'forensics[{tracker}]'") from None
 
 
 def _wandb(files: list[Path], name: str, kind: str, summary: dict, _tb) -> str:
-    wandb = _import_extra("wandb", "wandb")
+    wandb = _import_extra(Tracker.WANDB)
     run = wandb.run
     if run is None:
         if not os.environ.get("WANDB_RUN_ID"):
@@ -71,7 +75,7 @@ def _wandb(files: list[Path], name: str, kind: str, summary: dict, _tb) -> str:
 
 
 def _mlflow(files: list[Path], name: str, kind: str, summary: dict, _tb) -> str:
-    mlflow = _import_extra("mlflow", "mlflow")
+    mlflow = _import_extra(Tracker.MLFLOW)
     started = False
     run = mlflow.active_run()
     if run is None:
@@ -91,7 +95,7 @@ def _mlflow(files: list[Path], name: str, kind: str, summary: dict, _tb) -> str:
 
 
 def _tensorboard(files: list[Path], name: str, kind: str, summary: dict, log_dir) -> str:
-    _import_extra("tensorboard", "tensorboard")
+    _import_extra(Tracker.TENSORBOARD)
     from torch.utils.tensorboard import SummaryWriter
 
     if log_dir is None:

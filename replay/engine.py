@@ -26,6 +26,7 @@ from forensics.format.verify import finish_verifying, set_aside_damaged, verify_
 from forensics.format.limits import ArchiveLimits
 from forensics.kinds import HistoryPattern, Phase, TriggerKind
 from forensics.report.model import to_json_safe
+from forensics.report.tree import Report, Window
 from replay.culprits.bisect import bisect_budget, ddmin
 from replay.culprits.margin import others_margin
 from replay.culprits.per_sample import SampleRow, per_sample_stats
@@ -40,6 +41,7 @@ from replay.judge.precision import fp32_check, uses_low_precision
 from replay.judge.precursor import add_crash_history, precursor_report
 from replay.judge.remedies import try_remedies
 from replay.judge.remedy_followup import follow_remedies
+from replay.judge.window_words import say_broke_before, say_window_start, snapshot_suggestion
 from replay.load.environment import deterministic_mode
 from replay.load.recipe import job_paths
 from replay.load.samples import select_samples
@@ -183,7 +185,7 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
     if dump.num_micro_batches == 0:
         raise DumpError(f"{path or 'the dump'} records no micro-batch, so there is no step to replay; the loop "
                         "called check() without record_batch() (see README: the four calls)")
-    if TriggerKind.parse((dump.trigger or {}).get("kind"), TriggerKind.NONFINITE_LOSS) is TriggerKind.PRECURSOR:
+    if dump.trigger.kind is TriggerKind.PRECURSOR:
         _stage(progress, "a precursor dump (a healthy step): ranking the statistics that grew")
         return _checked(dump, precursor_report(dump, dump_info, _history_finding(dump.history()), started))
     options = _off_the_gpu_after_a_cuda_error(dump, options, progress)
@@ -191,7 +193,7 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
         _stage(progress, f"loading model and step {dump.step} (rank {dump.rank}) on "
                          f"{options.device or 'the default device'}")
         try:
-            checkpoint, hint = (load_checkpoint(options.from_checkpoint), None) if options.from_checkpoint \
+            checkpoint, unused = (load_checkpoint(options.from_checkpoint), None) if options.from_checkpoint \
                 else dump_snapshot(dump, options.window or bool(dump.state_missing), options.trust)
             session = _load(dump, options, weights=not (dump.state_missing and checkpoint is not None))
             if session.stream is not None and checkpoint is not None:
@@ -202,11 +204,11 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
             if checkpoint is not None:
                 return _checked(dump, _window_replay(dump, session, checkpoint, options, progress, dump_info,
                                                      started))
-            report = run_session(session, options, progress, dump_info=dump_info, history=dump.history(),
-                                 started=started)
+            report = _session_report(session, options, progress, dump_info=dump_info, history=dump.history(),
+                                     started=started)
             add_crash_history(report, dump)  # the statistics before the crash, the run's earlier dumps
-            if hint:
-                report["verdict"]["suggestions"].insert(0, hint)
+            if unused is not None:
+                report.verdict.suggestions = [snapshot_suggestion(unused), *(report.verdict.suggestions or [])]
             return _checked(dump, report)
         except Exception as exc:  # the user's model / loss raising on the dump's data is theirs
             converted = as_user_error(exc, f"replaying step {dump.step}")
@@ -222,12 +224,12 @@ def _load(dump: Any, options: ReplayOptions, weights: bool = True) -> ReplaySess
                         factory_kwargs=options.factory_kwargs, loss_kwargs=options.loss_kwargs)
 
 
-def _checked(dump: Any, report: dict) -> dict:
-    """`report`, once every file of the dump has matched its digests: the state's large files were verified in the
-    background while they streamed (forensics.format.verify.set_aside_damaged); the parts replay never read are
-    waited for here. A damage found now raises DumpCorruptError: the findings would rest on it."""
+def _checked(dump: Any, report: Report) -> dict:
+    """`report`'s dict, once every file of the dump has matched its digests: the state's large files were verified
+    in the background while they streamed (forensics.format.verify.set_aside_damaged); the parts replay never read
+    are waited for here. A damage found now raises DumpCorruptError: the findings would rest on it."""
     finish_verifying(dump)
-    return report
+    return report.as_dict()
 
 
 def _off_the_gpu_after_a_cuda_error(dump: Any, options: "ReplayOptions", progress: Progress | None
@@ -245,7 +247,7 @@ def _off_the_gpu_after_a_cuda_error(dump: Any, options: "ReplayOptions", progres
 
 
 def _window_replay(dump: Any, session: ReplaySession, checkpoint: Checkpoint, options: ReplayOptions,
-                   progress: Progress | None, dump_info: dict, started: float) -> dict:
+                   progress: Progress | None, dump_info: dict, started: float) -> Report:
     """--from CHECKPOINT (or the dump's own host snapshot): re-execute the recorded steps from the checkpoint;
     analyse the step that broke the run (or, when none did, the dumped step); the report gets a `window` block."""
     start = options.from_step if options.from_step is not None else checkpoint.step
@@ -262,36 +264,22 @@ def _window_replay(dump: Any, session: ReplaySession, checkpoint: Checkpoint, op
     if broken is None:
         _stage(progress, f"no step from {start} to {dump.step - 1} broke the weights: analysing the dumped step")
         fresh = _load(dump, options)
-        report = run_session(fresh, options, progress, dump_info=dump_info, history=dump.history(), started=started)
+        report = _session_report(fresh, options, progress, dump_info=dump_info, history=dump.history(),
+                                 started=started)
     else:
         step = outcomes[-1].step
         _stage(progress, f"step {step} broke the run ({outcomes[-1].broke}): analysing it" if outcomes[-1].broke
                else f"re-executed up to the dumped step {step}: analysing it")
-        report = run_session(broken, options, progress, dump_info={**dump_info, "step": step},
-                             history=dump.history(), started=started)
+        report = _session_report(broken, options, progress, dump_info={**dump_info, "step": step},
+                                 history=dump.history(), started=started)
         if step < dump.step:
-            why = "" if broken.trigger.update_change is not None else f": {outcomes[-1].broke}"  # the verdict says it
-            report["verdict"]["headline"] = (f"The weights broke at step {step} ({dump.step - step} steps before the "
-                                             f"crash at step {dump.step}){why}. " + report["verdict"]["headline"])
+            why = None if broken.trigger.update_change is not None else outcomes[-1].broke  # the verdict says it
+            say_broke_before(report.verdict, step, dump.step, why)
         if step == start and outcomes[-1].broke:
-            _say_window_start(report, step, checkpoint, (dump.history().get("summary") or {}).get("first_step"))
-    report["window"] = block
+            say_window_start(report.verdict, step, checkpoint.source,
+                             (dump.history().get("summary") or {}).get("first_step"))
+    report.window = Window.parse(block)
     return report
-
-
-def _say_window_start(report: dict, step: int, checkpoint: Checkpoint, first_step: int | None) -> None:
-    """The step that broke the run is the window's first: the replay could not look at the steps before it."""
-    verdict = report["verdict"]
-    if first_step is not None and step <= first_step:
-        verdict["explanation"] += (f" Step {step} is the run's first recorded step: its very first update already "
-                                   "breaks the weights, so nothing earlier is to blame.")
-        return
-    verdict["explanation"] += (f" Step {step} is the first step the window replay re-executed (it starts at "
-                               f"{checkpoint.source}), so the weights may have been breaking before it: the steps "
-                               "before were not checked.")
-    verdict["suggestions"].append(
-        f"To look before step {step}: replay with --from an earlier checkpoint (--from-step N), or run the job with "
-        "a smaller GuardConfig(snapshot_every=K) and window_steps >= 2 x K, so the Guard's snapshot is older.")
 
 
 def run_session(session: ReplaySession, options: ReplayOptions | None = None, progress: Progress | None = None,
@@ -302,6 +290,14 @@ def run_session(session: ReplaySession, options: ReplayOptions | None = None, pr
     Returns:
         The report dict (see run_replay).
     """
+    return _session_report(session, options, progress, dump_info=dump_info, history=history,
+                           started=started).as_dict()
+
+
+def _session_report(session: ReplaySession, options: ReplayOptions | None = None, progress: Progress | None = None,
+                    *, dump_info: dict | None = None, history: dict | None = None,
+                    started: float | None = None) -> Report:
+    """run_session's report, as the tree (forensics/report/tree.py)."""
     options = options or ReplayOptions()
     started = time.monotonic() if started is None else started
     runner = runner_for(session)
@@ -313,14 +309,14 @@ def run_session(session: ReplaySession, options: ReplayOptions | None = None, pr
                 _stage(progress, line)
         report = _stages(session, runner, options, progress, dump_info, history, started)
         if isinstance(runner, StreamedStepRunner):  # the session has a stream plan
-            report["stream"] = runner.stream_report()
+            report.stream = runner.stream_report()
         return report
     finally:
         runner.close()
 
 
 def _stages(session: ReplaySession, runner: StepRunner, options: ReplayOptions, progress: Progress | None,
-            dump_info: dict | None, history: dict | None, started: float) -> dict:
+            dump_info: dict | None, history: dict | None, started: float) -> Report:
     """run_session's stages, in order, on one runner."""
     findings = _reproduce(runner, options, progress)
     raised = findings.kind is TriggerKind.EXCEPTION  # the step stops where it raises: no numbers to measure

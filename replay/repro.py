@@ -43,7 +43,6 @@ from forensics.format.tensors import safetensors_bytes
 from forensics.kinds import Phase, TriggerKind
 from forensics.fsio import atomic_file, atomic_write_text
 from forensics.thirdparty import op_schema, tree_flatten, tree_map
-from forensics.trigger import Trigger
 from replay.load.samples import SampleRef
 from replay.load.session import load_session
 from replay.judge.history_pattern import diverged_long_ago, read_history
@@ -102,7 +101,7 @@ def write_repro(dump_path: str | Path, out_dir: str | Path, *, device: str | Non
     """
     out = Path(out_dir)
     dump = open_dump(dump_path, rank=rank)
-    kind = Trigger.from_dict(dump.trigger).kind
+    kind = dump.trigger.kind
     if kind is TriggerKind.PRECURSOR:
         raise ReplayError(f"step {dump.step} is a precursor dump: a healthy step, dumped because per-layer statistics "
                           "kept growing, before anything failed: nothing to reproduce standalone. `forensics replay` "
@@ -147,11 +146,12 @@ def write_repro(dump_path: str | Path, out_dir: str | Path, *, device: str | Non
 def link_report(report_dir: str | Path, repro: Repro) -> dict:
     """Adds the `repro` block to the report in `report_dir` (written by `forensics replay -o`) and rewrites its
     files, so report.json / report.md / report.html link the scripts. Returns the files written."""
-    from forensics.report import write_report_files
+    from forensics.report import parse_report, write_report_files
     from forensics.report.model import load_report
+    from forensics.report.tree import Repro as ReproBlock
 
-    report = load_report(report_dir)
-    report["repro"] = repro.as_dict()
+    report = parse_report(load_report(report_dir))
+    report.repro = ReproBlock.parse(repro.as_dict())
     return write_report_files(report, report_dir)
 
 

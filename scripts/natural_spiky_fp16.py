@@ -69,13 +69,13 @@ def main() -> int:
         fault = exc
     guard.close()
     dumps = [open_dump(p) for p in guard.dumps]
-    spikes = sorted((d for d in dumps if d.trigger["kind"] in ("loss_spike", "grad_norm_spike")), key=lambda d: d.step)
+    spikes = sorted((d for d in dumps if d.trigger.kind in ("loss_spike", "grad_norm_spike")), key=lambda d: d.step)
     crash = open_dump(fault.dump_path) if fault is not None and fault.dump_path else None
     budget = crash.manifest.get("dump_budget", {}) if crash is not None else {}
     unscaled = [d.manifest["loss"].get("grad_norm_unscaled_by") for d in spikes]
     summary = {"device": torch.cuda.get_device_name(0) if device_type == "cuda" else "cpu", "steps_run": last + 1,
                "seconds": round(time.time() - started, 1), "crash_step": crash.step if crash else None,
-               "crash_kind": crash.trigger["kind"] if crash else None, "spike_dumps": [d.step for d in spikes],
+               "crash_kind": crash.trigger.kind.value if crash else None, "spike_dumps": [d.step for d in spikes],
                "not_dumped": budget.get("not_dumped"), "grad_norm_unscaled_by": unscaled,
                "spike_grad_norms": [d.manifest["loss"].get("grad_norm") for d in spikes]}
     print(json.dumps(summary))

@@ -9,7 +9,6 @@ from pathlib import Path
 from forensics.format import spec
 from forensics.format.pack import pack_dump
 from forensics.format.reader import open_dump
-from forensics.report.wording import trigger_detail
 from forensics.uploads import upload
 
 log = logging.getLogger(__name__)
@@ -23,8 +22,8 @@ def send_dump(path: Path, trackers: tuple[str, ...], tensorboard_dir: str | None
         archive = pack_dump(path, path.with_name(path.name + spec.ARCHIVE_SUFFIX), rank_part=True)
         name = f"{dump.manifest['run_id']}-step{dump.step}-rank{dump.rank}"
         summary = {"run_id": dump.manifest["run_id"], "step": dump.step, "rank": dump.rank,
-                   "trigger": dump.trigger.get("kind"),
-                   "detail": trigger_detail(dump.trigger),  # micro-batches numbered from 1, as in every sentence
+                   "trigger": dump.trigger.kind.value,
+                   "detail": dump.trigger.message,  # micro-batches numbered from 1, as in every sentence
                    "path": str(path), "archive": str(archive)}
     except Exception:
         log.exception("forensics: packing %s for upload failed; the dump stays where it is", path)

@@ -27,7 +27,7 @@ from capture.integrations.ddp import DistributedGuard
 from capture.state import sharding, snapshot
 from forensics.errors import CaptureError
 from forensics.format.shards import LocalShard
-from forensics.kinds import StateLayout
+from forensics.kinds import Policy, StateLayout
 from forensics.recipes import HUGGINGFACE_FACTORY
 from forensics.thirdparty import zero_dp_group, zero_fragment, zero_linked
 
@@ -117,7 +117,7 @@ class DeepSpeedGuard(DistributedGuard):
         if config.recheck and self.zero_stage == 3:
             log.warning("forensics: recheck is off under ZeRO-3: a forward on one rank alone would hang")
             changes["recheck"] = False
-        if config.on_nonfinite == "skip":
+        if config.on_nonfinite == Policy.SKIP:
             log.warning("forensics: the 'skip' policy cannot stop engine.step() under DeepSpeed; faults are "
                         "dumped and training goes on")
         config = dataclasses.replace(config, **changes)

@@ -21,6 +21,7 @@ from forensics.format.header import read_entries
 from forensics.format.limits import HASH_CHUNK, MAX_JSON_FILE, ArchiveLimits
 from forensics.format.members import check_member, check_member_header, read_json_member, read_tensor_member
 from forensics.format.manifest import check_manifest
+from forensics.trigger import Trigger
 
 if TYPE_CHECKING:  # torch is imported only when tensors are read: inspect and verify start fast
     import torch
@@ -185,7 +186,8 @@ class Dump:
     step = property(lambda self: int(self.manifest["step"]))
     rank = property(lambda self: int(self.manifest["rank"]))
     world_size = property(lambda self: int(self.manifest["world_size"]))
-    trigger = property(lambda self: self.manifest["trigger"])
+    trigger = property(lambda self: Trigger.from_dict(self.manifest["trigger"]),
+                       doc="What fired (forensics.trigger.Trigger), read from the checked manifest.")
     recipe = property(lambda self: self.manifest.get("recipe") or {})
     precision = property(lambda self: self.manifest.get("precision") or {})
     micro_batches_meta = property(lambda self: self.manifest["micro_batches"])
@@ -648,8 +650,8 @@ def open_dump(path: str | Path, rank: int | None = None, limits: ArchiveLimits |
         Dump, whose manifest is read and validated; weights are read only when asked.
     Example:
         >>> dump = open_dump("crash_dumps/run/step-000000042")  # doctest: +SKIP
-        >>> dump.trigger["kind"]  # doctest: +SKIP
-        'nonfinite_loss'
+        >>> dump.trigger.kind  # doctest: +SKIP
+        <TriggerKind.NONFINITE_LOSS: 'nonfinite_loss'>
     """
     dirs = [Path(d) for d in shard_dirs]
     try:
@@ -700,7 +702,7 @@ def _choose_dump(path: str | Path, rank: int | None, limits: ArchiveLimits | Non
             if dump.rank == rank:
                 return dump
         raise NotADumpError(f"{directory} has no dump for rank {rank}; present: {[d.rank for d in dumps]}")
-    local = [d for d in dumps if d.trigger.get("local", True)]
+    local = [d for d in dumps if d.trigger.local]
     return (local or dumps)[0]
 
 

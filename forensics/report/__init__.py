@@ -12,14 +12,17 @@ from forensics.report.model import (
 from forensics.report.render_html import render_html
 from forensics.report.render_markdown import render_markdown
 from forensics.report.render_text import render_verdict_text
+from forensics.report.tree import Report, parse_report
 from forensics.report.write import write_blocklist, write_report_files
 
 __all__ = [
     "SCHEMA",
     "VERDICT_KINDS",
+    "Report",
     "ReportError",
     "as_float",
     "load_report",
+    "parse_report",
     "render_html",
     "render_markdown",
     "render_verdict_text",

@@ -13,7 +13,8 @@ import math
 from typing import Any, Callable, Mapping
 
 from forensics.report.model import as_float
-from forensics.report.render_text import culprit_ids, section, top_rows
+from forensics.report.render_text import top_rows
+from forensics.report.tree import LayerRow, Report, parse_report
 
 log = logging.getLogger(__name__)
 
@@ -101,28 +102,29 @@ def _plot_series(ax, steps: list, values: list, name: str, color: str, trigger_s
     ax.legend(loc="upper left", fontsize=8)
 
 
-def plot_history(report: Mapping) -> bytes | None:
+def plot_history(report: Mapping | Report) -> bytes | None:
     """Loss and grad norm per step (log y), trigger step marked, non-finite values marked at the top.
 
     Returns PNG bytes, or None when the report has no history.
     """
-    hist = section(report, "history")
-    steps = hist.get("step") or []
-    if not steps:
+    r = parse_report(report)
+    hist = r.history
+    steps = (hist.step if hist else None) or []
+    if not steps or hist is None:
         return None
-    trigger_step = section(report, "dump").get("step")
+    trigger_step = r.dump.step
     fig = _new_figure(8, 5)
     ax_loss, ax_gn = fig.subplots(2, 1, sharex=True)
-    _plot_series(ax_loss, steps, hist.get("loss") or [], "loss", BLUE, trigger_step)
-    _plot_series(ax_gn, steps, hist.get("grad_norm") or [], "grad norm", ORANGE, trigger_step)
+    _plot_series(ax_loss, steps, hist.loss or [], "loss", BLUE, trigger_step)
+    _plot_series(ax_gn, steps, hist.grad_norm or [], "grad norm", ORANGE, trigger_step)
     ax_gn.set_xlabel("step")
     ax_loss.set_title("Training history up to the failing step")
     return _png(fig)
 
 
-def _bar_values(rows: list[dict], key: str) -> tuple[list[float], list[bool]]:
+def _bar_values(values: list[Any]) -> tuple[list[float], list[bool]]:
     """Bar lengths for a log axis: non-finite drawn as the largest finite value × 10."""
-    xs = [as_float(r.get(key)) for r in rows]
+    xs = [as_float(v) for v in values]
     finite = [x for x in xs if x is not None and math.isfinite(x) and x > 0]
     cap = max(finite) * 10 if finite else 1.0
     lengths, flags = [], []
@@ -139,43 +141,46 @@ def _bar_values(rows: list[dict], key: str) -> tuple[list[float], list[bool]]:
     return lengths, flags
 
 
-def plot_per_layer(report: Mapping) -> bytes | None:
+def plot_per_layer(report: Mapping | Report) -> bytes | None:
     """Horizontal bars: grad norm and output abs-max of the top layers by grad norm (log x).
 
     The culprit module's label is red; non-finite values are red bars labelled nan/inf.
     Returns PNG bytes, or None when the report has no per-layer data or none of it is finite.
     """
-    rows = top_rows(report.get("per_layer"), "grad_norm", TOP_LAYERS)
+    r = parse_report(report)
+    rows = top_rows(r.per_layer, lambda row: row.grad_norm, TOP_LAYERS)
     if not rows:
         return None
-    values = [as_float(r.get(key)) for r in rows for key in ("grad_norm", "output_absmax")]
+    values = [as_float(v) for row in rows for v in (row.grad_norm, row.output_absmax)]
     if not any(x is not None and math.isfinite(x) for x in values):
         return None  # every bar would be the same "non-finite" stub: the table says it better
-    culprit_module = section(report, "culprit").get("module")
+    culprit_module = r.culprit.module
     rows = rows[::-1]  # largest at the top
     fig = _new_figure(9, max(2.5, 0.32 * len(rows) + 1.2))
     ax = fig.subplots()
     h = 0.4
     ypos = list(range(len(rows)))
     drew_log = False
-    for offset, key, color, name in ((h / 2, "grad_norm", ORANGE, "grad norm"),
-                                     (-h / 2, "output_absmax", BLUE, "output abs-max")):
-        lengths, bad = _bar_values(rows, key)
+    bars: tuple[tuple[float, Callable[[LayerRow], Any], str, str], ...] = (
+        (h / 2, lambda row: row.grad_norm, ORANGE, "grad norm"), (-h / 2, lambda row: row.output_absmax, BLUE,
+                                                                  "output abs-max"))
+    for offset, value, color, name in bars:
+        lengths, bad = _bar_values([value(row) for row in rows])
         if not any(lengths):
             continue
         colors = [RED if b else color for b in bad]
         ax.barh([y + offset for y in ypos], lengths, height=h, color=colors, label=name)
-        for y, length, b, r in zip(ypos, lengths, bad, rows):
+        for y, length, b, row in zip(ypos, lengths, bad, rows):
             if b:
-                ax.text(length, y + offset, " " + _nonfinite_word(as_float(r.get(key))),
+                ax.text(length, y + offset, " " + _nonfinite_word(as_float(value(row))),
                         va="center", fontsize=7, color=RED)
         drew_log = drew_log or all(v > 0 for v in lengths)
     if drew_log:
         _log_axis(ax.xaxis, ax.set_xscale)
     ax.set_yticks(ypos)
-    labels = ax.set_yticklabels([_label(r.get("module")) for r in rows], fontsize=7)
-    for lab, r in zip(labels, rows):
-        if culprit_module is not None and r.get("module") == culprit_module:
+    labels = ax.set_yticklabels([_label(row.module) for row in rows], fontsize=7)
+    for lab, row in zip(labels, rows):
+        if culprit_module is not None and row.module == culprit_module:
             lab.set_color(RED)
             lab.set_fontweight("bold")
     ax.set_title("Per-layer gradient norm and output abs-max (red: non-finite / culprit)")
@@ -184,25 +189,26 @@ def plot_per_layer(report: Mapping) -> bytes | None:
     return _png(fig)
 
 
-def plot_per_sample(report: Mapping) -> bytes | None:
+def plot_per_sample(report: Mapping | Report) -> bytes | None:
     """Bars: replayed loss of each sample; culprit samples red, non-finite losses hatched and labelled.
 
     Returns PNG bytes, or None when the report has no per-sample data.
     """
-    rows = [r for r in report.get("per_sample") or [] if isinstance(r, dict)]
+    r = parse_report(report)
+    rows = r.per_sample
     if not rows:
         return None
     if len(rows) > MAX_SAMPLES:
-        rows = top_rows(rows, "loss", MAX_SAMPLES)
-    culprits = culprit_ids(report)
-    xs = [as_float(r.get("loss")) for r in rows]
+        rows = top_rows(rows, lambda row: row.loss, MAX_SAMPLES)
+    culprits = r.culprit.ids()
+    xs = [as_float(row.loss) for row in rows]
     finite = [x for x in xs if x is not None and math.isfinite(x)]
     use_log = bool(finite) and min(finite) > 0 and max(finite) / min(finite) > 100
     cap = (max(finite) * (10 if use_log else 1.15)) if finite and max(finite) > 0 else 1.0
     fig = _new_figure(max(6, 0.28 * len(rows) + 2), 4)
     ax = fig.subplots()
-    for i, (r, x) in enumerate(zip(rows, xs)):
-        is_culprit = r.get("sample_id") in culprits
+    for i, (row, x) in enumerate(zip(rows, xs)):
+        is_culprit = row.sample_id in culprits
         color = RED if is_culprit else BLUE
         if x is None:
             continue
@@ -214,10 +220,10 @@ def plot_per_sample(report: Mapping) -> bytes | None:
     if use_log:
         _log_axis(ax.yaxis, ax.set_yscale)
     ax.set_xticks(range(len(rows)))
-    labels = ax.set_xticklabels([_label(r.get("sample_id")) for r in rows], rotation=60,
+    labels = ax.set_xticklabels([_label(row.sample_id) for row in rows], rotation=60,
                                 ha="right", fontsize=7)
-    for lab, r in zip(labels, rows):
-        if r.get("sample_id") in culprits:
+    for lab, row in zip(labels, rows):
+        if row.sample_id in culprits:
             lab.set_color(RED)
             lab.set_fontweight("bold")
     ax.set_ylabel("loss" + (" (log)" if use_log else ""))
@@ -226,32 +232,33 @@ def plot_per_sample(report: Mapping) -> bytes | None:
     return _png(fig)
 
 
-def plot_precursors(report: Mapping) -> bytes | None:
+def plot_precursors(report: Mapping | Report) -> bytes | None:
     """A precursor report: the leading statistics over the recorded window, each divided by its baseline (log y),
     the step each started to grow marked with a dot, the dumped step with a line. None without series."""
-    block = section(report, "precursor")
-    steps, series = block.get("steps") or [], [s for s in block.get("series") or [] if isinstance(s, dict)]
+    r = parse_report(report)
+    block = r.precursor
+    steps, series = (block.steps if block else None) or [], block.series if block else []
     if not steps or not series:
         return None
     fig = _new_figure(9, 4.5)
     ax = fig.subplots()
     colors = (RED, ORANGE, BLUE, GREY, "#8e44ad", "#27ae60")
     for i, row in enumerate(series):
-        baseline = as_float(row.get("baseline"))
+        baseline = as_float(row.baseline)
         if not baseline or not math.isfinite(baseline) or baseline <= 0:
             continue
-        values = [(s, as_float(v)) for s, v in zip(steps, row.get("values") or [])]
+        values = [(s, as_float(v)) for s, v in zip(steps, row.values or [])]
         points = [(s, v / baseline) for s, v in values if v is not None and math.isfinite(v) and v > 0]
         if not points:
             continue
         color = colors[i % len(colors)]
-        label = f"{i + 1}. {_label(row.get('layer'))} {_label(row.get('statistic'))}"
+        label = f"{i + 1}. {_label(row.layer)} {_label(row.statistic)}"
         ax.plot([p[0] for p in points], [p[1] for p in points], color=color, lw=2.2 if i == 0 else 1.2, label=label)
-        start = next((p for p in points if p[0] == row.get("started")), None)
+        start = next((p for p in points if p[0] == row.started), None)
         if start is not None:
             ax.plot([start[0]], [start[1]], "o", color=color)
     _log_axis(ax.yaxis, ax.set_yscale)
-    step = section(report, "dump").get("step")
+    step = r.dump.step
     if isinstance(step, int):
         ax.axvline(step, color=RED, ls="--", lw=1)
     ax.set_xlabel("step")
@@ -262,7 +269,7 @@ def plot_precursors(report: Mapping) -> bytes | None:
     return _png(fig)
 
 
-PLOTS: dict[str, tuple[str, Callable[[Mapping], bytes | None]]] = {
+PLOTS: dict[str, tuple[str, Callable[[Mapping | Report], bytes | None]]] = {
     "precursor": ("Per-layer statistics over the window, the first to grow marked", plot_precursors),
     "history": ("Loss and grad-norm history, trigger step marked", plot_history),
     "per_layer": ("Per-layer grad norm and output abs-max", plot_per_layer),
@@ -270,7 +277,7 @@ PLOTS: dict[str, tuple[str, Callable[[Mapping], bytes | None]]] = {
 }
 
 
-def render_plots(report: Mapping) -> dict[str, bytes]:
+def render_plots(report: Mapping | Report) -> dict[str, bytes]:
     """Every plot the report has data for, as {name: PNG bytes} (names: history, per_layer, per_sample).
 
     Returns {} if matplotlib is not installed. A plot that fails is logged and left out, so a
@@ -280,6 +287,7 @@ def render_plots(report: Mapping) -> dict[str, bytes]:
         log.info("matplotlib is not installed; report.html will have no plots")
         return {}
     out = {}
+    report = parse_report(report)
     for name, (_, make) in PLOTS.items():
         try:
             png = make(report)

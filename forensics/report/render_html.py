@@ -18,7 +18,7 @@ from forensics.report.plots import PLOTS, matplotlib_available, render_plots
 from forensics.report.document import (
     Block, Bullets, Code, CodeBlock, Inline, Para, Plot, Section, Strong, Table, build_sections,
 )
-from forensics.report.render_text import section
+from forensics.report.tree import Report, parse_report
 from forensics.report.wording import clean, fmt_num, verdict_label
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ def _verdict_box(sec: Section) -> str:
     return "\n".join(out)
 
 
-def render_html(report: Mapping, *, plots: bool = True) -> str:
+def render_html(report: Mapping | Report, *, plots: bool = True) -> str:
     """The full report as one self-contained HTML page (report.html).
 
     Same sections as report.md, plus plots (matplotlib, Agg): loss / grad-norm history with the
@@ -137,25 +137,24 @@ def render_html(report: Mapping, *, plots: bool = True) -> str:
     Example:
         >>> Path("report.html").write_text(render_html(report), encoding="utf-8")  # doctest: +SKIP
     """
-    images: dict[str, bytes] = render_plots(report) if plots else {}
+    r = parse_report(report)
+    images: dict[str, bytes] = render_plots(r) if plots else {}
     if not plots:
         note = "Plots were not requested."
-    elif not images and _has_plot_data(report):
+    elif not images and _has_plot_data(r):
         note = ("Plots are missing: matplotlib is not installed (pip install matplotlib)."
                 if not matplotlib_available() else "Plots could not be drawn; see the log.")
     else:
         note = None
 
-    dump = section(report, "dump")
-    verdict = section(report, "verdict")
-    kind = verdict.get("kind") or ""
-    title = f"Forensics report: step {fmt_num(dump.get('step'))}, rank {fmt_num(dump.get('rank'))}"
-    sections = build_sections(report)
+    kind = r.verdict.kind or ""
+    title = f"Forensics report: step {fmt_num(r.dump.step)}, rank {fmt_num(r.dump.rank)}"
+    sections = build_sections(r)
     nav = " ".join(f'<a href="#{escape(s.anchor)}">{escape(s.title.split(" (")[0])}</a>'
                    for s in sections if s.anchor)
     body = [f"<h1>{escape(title)}</h1>",
             f'<p class="note">{escape(verdict_label(kind))} · '
-            f'created {escape(clean(report.get("created_at") or "n/a"))}</p>',
+            f'created {escape(clean(r.created_at or "n/a"))}</p>',
             f"<nav>{nav}</nav>"]
     if note and not images:
         body.append(f'<p class="note">{escape(note)}</p>')
@@ -165,7 +164,7 @@ def render_html(report: Mapping, *, plots: bool = True) -> str:
             html_sec = html_sec.replace("<section id=\"verdict\">",
                                         f'<section id="verdict" class="verdict {verdict_css_class(kind)}">', 1)
         body.append(html_sec)
-    body.append(f'<p class="note">Schema {escape(clean(report.get("schema") or SCHEMA))}. '
+    body.append(f'<p class="note">Schema {escape(clean(r.schema or SCHEMA))}. '
                 "This page is self-contained: it loads nothing from the network.</p>")
     return ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
             f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">\n'
@@ -174,6 +173,5 @@ def render_html(report: Mapping, *, plots: bool = True) -> str:
             + "\n".join(body) + "\n</body>\n</html>\n")
 
 
-def _has_plot_data(report: Mapping) -> bool:
-    return bool(section(report, "history").get("step") or report.get("per_layer")
-                or report.get("per_sample") or section(report, "precursor").get("series"))
+def _has_plot_data(r: Report) -> bool:
+    return bool((r.history and r.history.step) or r.per_layer or r.per_sample or (r.precursor and r.precursor.series))

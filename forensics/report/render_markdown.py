@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 from forensics.report.document import Block, Bullets, Code, CodeBlock, Inline, Para, Strong, Table, build_sections
 from forensics.report.model import SCHEMA
-from forensics.report.render_text import section
+from forensics.report.tree import Report, parse_report
 from forensics.report.wording import clean, fmt_num
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ def _md_block(block: Block) -> str:
     return ""  # Plot: HTML only
 
 
-def render_markdown(report: Mapping) -> str:
+def render_markdown(report: Mapping | Report) -> str:
     """The full report as Markdown (report.md).
 
     Sections: verdict and suggestions, where it happened, reproduction, culprit (samples, module,
@@ -94,18 +94,18 @@ def render_markdown(report: Mapping) -> str:
     Every string from the report is escaped: a sample id cannot inject Markdown or HTML.
 
     Args:
-        report: a report dict (schema forensics-report/1).
+        report: a report (forensics.report.tree.Report, or its dict: schema forensics-report/1).
     Returns:
         The Markdown text, ending with a newline.
     Example:
         >>> Path("report.md").write_text(render_markdown(report))  # doctest: +SKIP
     """
-    dump = section(report, "dump")
-    title = f"# Forensics report: step {fmt_num(dump.get('step'))}, rank {fmt_num(dump.get('rank'))}"
+    r = parse_report(report)
+    title = f"# Forensics report: step {fmt_num(r.dump.step)}, rank {fmt_num(r.dump.rank)}"
     out = [title]
-    for sec in build_sections(report):
+    for sec in build_sections(r):
         out.append(f"## {md_text(sec.title)}")
         out.extend(s for s in (_md_block(b) for b in sec.blocks) if s)
-    out.append(f"_Schema {md_text(report.get('schema') or SCHEMA)}; "
-               f"created {md_text(report.get('created_at') or 'n/a')} by forensics._")
+    out.append(f"_Schema {md_text(r.schema or SCHEMA)}; "
+               f"created {md_text(r.created_at or 'n/a')} by forensics._")
     return "\n\n".join(out) + "\n"

@@ -6,12 +6,14 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 from forensics.report.model import as_float
-from forensics.kinds import Phase, TriggerKind
+from forensics.kinds import FidelityMode, Phase, TriggerKind
+from forensics.report.tree import Bisection, Report, Timings, parse_report
 from forensics.report.wording import (MAX_LISTED_SAMPLES, clean, fmt_id, fmt_list, fmt_num, mb_number, mb_phrase,
-                                      pattern_words, trigger_detail, verdict_label)
+                                      pattern_words, verdict_label)
+from forensics.trigger import detail_words
 
 log = logging.getLogger(__name__)
 
@@ -20,18 +22,13 @@ def is_nonfinite(value: Any) -> bool:
     return x is not None and not math.isfinite(x)
 
 
-def section(report: Mapping, key: str) -> dict:
-    """report[key] as a dict ({} when absent or null)."""
-    value = report.get(key)
-    return value if isinstance(value, dict) else {}
+Row = TypeVar("Row")
 
 
-def top_rows(rows: Any, key: str, n: int = 20) -> list[dict]:
-    """The `n` rows with the largest `key`: non-finite first, then largest finite, then null."""
-    rows = [r for r in (rows or []) if isinstance(r, dict)]
-
-    def order(row: dict) -> tuple:
-        x = as_float(row.get(key))
+def top_rows(rows: Sequence[Row], value: Callable[[Row], Any], n: int = 20) -> list[Row]:
+    """The `n` rows with the largest `value(row)`: non-finite first, then largest finite, then null."""
+    def order(row: Row) -> tuple:
+        x = as_float(value(row))
         if x is None:
             return (2, 0.0)
         if not math.isfinite(x):
@@ -41,129 +38,123 @@ def top_rows(rows: Any, key: str, n: int = 20) -> list[dict]:
     return sorted(rows, key=order)[:n]
 
 
-def culprit_ids(report: Mapping) -> list:
+def culprit_ids(report: Mapping | Report) -> list:
     """The culprit samples' ids, in report order, without duplicates."""
-    ids: list = []
-    for s in section(report, "culprit").get("samples") or []:
-        if isinstance(s, dict) and "sample_id" in s and s["sample_id"] not in ids:
-            ids.append(s["sample_id"])
-    return ids
+    return parse_report(report).culprit.ids()
 
 
 # ---- sentences shared by the text, Markdown and HTML renderers (plain words, no markup) ----
 
-def where_sentence(report: Mapping) -> str:
+def where_sentence(report: Mapping | Report) -> str:
     """'Step 41217, rank 3 of 8, micro-batch 2 of 4.'"""
-    dump, trigger = section(report, "dump"), section(report, "trigger")
-    parts = [f"Step {dump.get('step', '?')}"]
-    rank = dump.get("rank")
-    if rank is not None:
-        ws = dump.get("world_size")
-        parts.append(f"rank {rank}" + (f" of {ws}" if isinstance(ws, int) and ws > 1 else ""))
-    mb = trigger.get("micro_batch")
-    samples = section(report, "culprit").get("samples") or []
-    mbs = sorted({mb for s in samples if isinstance(s, dict) and isinstance(mb := s.get("micro_batch"), int)})
+    r = parse_report(report)
+    dump = r.dump
+    parts = [f"Step {'?' if dump.step is None else dump.step}"]
+    if dump.rank is not None:
+        ws = dump.world_size
+        parts.append(f"rank {dump.rank}" + (f" of {ws}" if isinstance(ws, int) and ws > 1 else ""))
+    mb = r.trigger.micro_batch
+    mbs = sorted({s.micro_batch for s in r.culprit.samples if isinstance(s.micro_batch, int)})
     if len(mbs) == 1:
         mb = mbs[0]
-    n = dump.get("num_micro_batches")
+    n = dump.num_micro_batches
     if len(mbs) > 1:
         parts.append("micro-batches " + ", ".join(mb_number(m) for m in mbs)
                      + (f" of {n}" if isinstance(n, int) else ""))
     elif mb is not None:
         parts.append(mb_phrase(mb, n))
     text = ", ".join(parts) + "."
-    missing = dump.get("missing_ranks") or []
+    missing = dump.missing_ranks or []
     if missing:
-        text += f" Ranks that wrote no dump: {', '.join(str(r) for r in missing)}."
-    damage = damage_sentence(report)
+        text += f" Ranks that wrote no dump: {', '.join(str(m) for m in missing)}."
+    damage = damage_sentence(r)
     return f"{text} {damage}" if damage else text
 
 
-def damage_sentence(report: Mapping) -> str:
+def damage_sentence(report: Mapping | Report) -> str:
     """'The dump is damaged: window.json (...) — the flight recorder ...: the window replay is skipped.' ('' if not)."""
-    damaged = [d for d in section(report, "dump").get("damaged") or [] if isinstance(d, dict)]
+    damaged = parse_report(report).dump.damaged
     if not damaged:
         return ""
-    parts = [f"{clean(d.get('file'), 80)} ({clean(d.get('problem'), 200)}) — {clean(d.get('lost'), 200)}"
-             for d in damaged]
+    parts = [f"{clean(d.file, 80)} ({clean(d.problem, 200)}) — {clean(d.lost, 200)}" for d in damaged]
     return "The dump is damaged, and the replay went on without the damaged parts: " + "; ".join(parts) + "."
 
 
-def trigger_sentence(report: Mapping) -> str:
-    trigger = section(report, "trigger")
-    kind = trigger.get("kind") or "unknown trigger"
-    detail = trigger_detail(trigger)
+def trigger_sentence(report: Mapping | Report) -> str:
+    trigger = parse_report(report).trigger
+    kind = trigger.kind or "unknown trigger"
+    detail = detail_words(trigger.detail, trigger.micro_batch)
     text = f"Trigger: {clean(kind)}"
     if detail:
         text += f" ({clean(detail, 200)})"
     else:
-        text += f" (value {fmt_num(trigger.get('value'))}"
-        if trigger.get("threshold") is not None:
-            text += f", threshold {fmt_num(trigger.get('threshold'))}"
+        text += f" (value {fmt_num(trigger.value)}"
+        if trigger.threshold is not None:
+            text += f", threshold {fmt_num(trigger.threshold)}"
         text += ")"
     return text + "."
 
 
-def reproduction_sentence(report: Mapping) -> str:
-    fid = section(report, "fidelity")
-    replay = section(section(report, "environment"), "replay")
-    device = replay.get("device") or "the replay device"
-    on = f"on {clean(device)}" + (f" ({clean(replay['gpu'])})" if replay.get("gpu") else "")
-    if fid.get("mode") == "not_replayed":
-        return f"Not replayed: {clean(fid.get('reason') or 'nothing to reproduce', 300)}."
-    attempts = fid.get("attempts")
+def reproduction_sentence(report: Mapping | Report) -> str:
+    r = parse_report(report)
+    fid, replay = r.fidelity, r.environment.replay
+    device = replay.device or "the replay device"
+    on = f"on {clean(device)}" + (f" ({clean(replay.gpu)})" if replay.gpu else "")
+    if fid.mode == FidelityMode.NOT_REPLAYED:
+        return f"Not replayed: {clean(fid.reason or 'nothing to reproduce', 300)}."
+    attempts = fid.attempts
     att = f"{attempts} attempt{'s' if attempts != 1 else ''}" if isinstance(attempts, int) else None
-    if report.get("reproduced"):
-        compared = any(v is not None for v in fid.get("recorded_losses") or []) or fid.get("grad_norm_compared")
-        if not compared and fid.get("recorded_losses") is not None:
+    if r.reproduced:
+        compared = any(v is not None for v in fid.recorded_losses or []) or fid.grad_norm_compared
+        if not compared and fid.recorded_losses is not None:
             return (f"Reproduced {on}" + (f", {att}" if att else "") + ": it raised where the job did, before any "
                     "loss the job recorded, so there is no value to compare bit for bit.")
-        if fid.get("bitwise_equal") or (fid.get("mode") == "bitwise" and fid.get("bitwise_equal") is not False):
-            how = "bitwise"
-        elif fid.get("mode") == "tolerance":
-            how = f"within tolerance {fmt_num(fid.get('tolerance'))}"
-            if fid.get("max_abs_diff") is not None:
-                how += f" (max abs diff {fmt_num(fid.get('max_abs_diff'))})"
+        if fid.bitwise_equal or (fid.mode == FidelityMode.BITWISE and fid.bitwise_equal is not False):
+            how = FidelityMode.BITWISE.value  # the mode's name is the word
+        elif fid.mode == FidelityMode.TOLERANCE:
+            how = f"within tolerance {fmt_num(fid.tolerance)}"
+            if fid.max_abs_diff is not None:
+                how += f" (max abs diff {fmt_num(fid.max_abs_diff)})"
         else:
             how = "but not bitwise"
-            if fid.get("max_abs_diff") is not None:
-                how += f" (max abs diff {fmt_num(fid.get('max_abs_diff'))})"
+            if fid.max_abs_diff is not None:
+                how += f" (max abs diff {fmt_num(fid.max_abs_diff)})"
         text = f"Reproduced {how} {on}" + (f", {att}." if att else ".")
-        if fid.get("grad_norm_compared") is False and fid.get("grad_norm_reason"):
-            text += f" Grad norm not compared: {clean(fid['grad_norm_reason'], 300)}."
+        if fid.grad_norm_compared is False and fid.grad_norm_reason:
+            text += f" Grad norm not compared: {clean(fid.grad_norm_reason, 300)}."
         return text
-    rec, rep = fid.get("recorded_losses") or [], fid.get("replayed_losses") or []
+    rec, rep = fid.recorded_losses or [], fid.replayed_losses or []
     text = f"NOT reproduced {on}" + (f" after {att}" if att else "")
     if rec or rep:
         text += f": recorded losses [{fmt_list(rec)}], replayed [{fmt_list(rep)}]"
-    gn_rec, gn_rep = fid.get("recorded_grad_norm"), fid.get("replayed_grad_norm")
+    gn_rec, gn_rep = fid.recorded_grad_norm, fid.replayed_grad_norm
     if gn_rec is not None or gn_rep is not None:
         text += f"; grad norm recorded {fmt_num(gn_rec)}, replayed {fmt_num(gn_rep)}"
     return text + "."
 
 
-def rng_sentence(report: Mapping) -> str | None:
+def rng_sentence(report: Mapping | Report) -> str | None:
     """Whether the failure needs the dump's random state (report block `rng`), or None if not checked."""
-    rng = section(report, "rng")
-    if not rng.get("checked"):
+    rng = parse_report(report).rng
+    if rng is None or not rng.checked:
         return None
-    seeds = rng.get("seeds") or []
+    seeds = rng.seeds or []
     n = f"{len(seeds)} other seed{'s' if len(seeds) != 1 else ''}"
-    if rng.get("rng_dependent"):
+    if rng.rng_dependent:
         return (f"Random state: the failure needs the dump's RNG — re-run from {n} without it, the step "
                 "is healthy (a dropout mask or another random op makes it).")
-    if rng.get("rng_dependent") is False:
+    if rng.rng_dependent is False:
         return f"Random state: the step fails from {n} too; the RNG is not the cause."
     return None
 
 
-def location_sentence(report: Mapping) -> str | None:
+def location_sentence(report: Mapping | Report) -> str | None:
     """Where the first bad value appeared (module / op / phase / parameter), or None if unknown."""
-    c = section(report, "culprit")
-    module, op, phase = c.get("module"), c.get("op"), c.get("phase")
-    param, opt_state = c.get("parameter"), c.get("optimizer_state")
-    stats = section(c, "stats")
-    nonfinite = str(section(report, "trigger").get("kind") or "").startswith("nonfinite")
+    r = parse_report(report)
+    c = r.culprit
+    module, op, phase = c.module, c.op, c.phase
+    param, opt_state = c.parameter, c.optimizer_state
+    nonfinite = str(r.trigger.kind or "").startswith("nonfinite")
     if phase == Phase.OPTIMIZER:
         text = "The optimizer update broke " + (f"parameter {clean(param)}" if param else "the weights")
         if opt_state:
@@ -180,10 +171,11 @@ def location_sentence(report: Mapping) -> str | None:
         text += f" at {clean(module)}"
     if op:
         text += f" ({clean(op)})"
-    facts = [f"{label} holds NaN" if fmt_num(stats.get(key)) == "nan" else
-             f"{label} abs-max {fmt_num(stats.get(key), 3)}" for key, label in (("inputs_absmax", "input"), ("outputs_absmax", "output"),
-                                ("params_absmax", "weight"))
-             if stats.get(key) is not None]
+    stats = c.stats
+    facts = [f"{label} holds NaN" if fmt_num(value) == "nan" else f"{label} abs-max {fmt_num(value, 3)}"
+             for value, label in ((stats.inputs_absmax, "input"), (stats.outputs_absmax, "output"),
+                                  (stats.params_absmax, "weight"))
+             if value is not None]
     if facts:
         text += ": " + ", ".join(facts)
     text += "."
@@ -195,33 +187,35 @@ def location_sentence(report: Mapping) -> str | None:
     return text
 
 
-def culprit_sentence(report: Mapping) -> str | None:
+def culprit_sentence(report: Mapping | Report) -> str | None:
     """'Culprit: sample 'x' (micro-batch 3 of 4, batch[5]) alone — found in 6 replays of 32 samples.'
 
     Micro-batches are counted from 1 (JSON index 2 above); the sample's `index` is shown as the row of
     its batch tensors, batch[5], 0-based as Python indexes it."""
-    samples = [s for s in section(report, "culprit").get("samples") or [] if isinstance(s, dict)]
-    bis = section(report, "bisection")
+    r = parse_report(report)
+    samples = r.culprit.samples
+    bis = r.bisection or Bisection.parse({})
     found = bisection_phrase(bis)
-    n_mb = section(report, "dump").get("num_micro_batches")
+    n_mb = r.dump.num_micro_batches
+    runs = "?" if bis.runs is None else bis.runs
     if not samples:
-        if bis.get("unblamed_group"):
-            test = "whose removal ends the spike" if bis.get("test") == "removal" else "that fails"
-            return (f"No culprit sample: the smallest set {test} is {fmt_num(bis.get('unblamed_group'))} of the "
-                    f"{fmt_num(bis.get('candidates'))} samples ({bis.get('runs', '?')} replays), too large a share "
+        if bis.unblamed_group:
+            test = "whose removal ends the spike" if bis.test == "removal" else "that fails"
+            return (f"No culprit sample: the smallest set {test} is {fmt_num(bis.unblamed_group)} of the "
+                    f"{fmt_num(bis.candidates)} samples ({runs} replays), too large a share "
                     "of the step to blame any of them; no blocklist is written.")
-        if bis.get("candidates"):
-            return (f"No culprit sample: bisecting {bis.get('candidates')} samples "
-                    f"({bis.get('runs', '?')} replays) found no subset that fails on its own.")
+        if bis.candidates:
+            return (f"No culprit sample: bisecting {bis.candidates} samples "
+                    f"({runs} replays) found no subset that fails on its own.")
         return None
 
-    def one(s: dict) -> str:
+    def one(s) -> str:
         where = []
-        if s.get("micro_batch") is not None:
-            where.append(mb_phrase(s["micro_batch"], n_mb))
-        if s.get("index") is not None:
-            where.append(f"batch[{clean(s['index'])}]")
-        return fmt_id(s.get("sample_id")) + (f" ({', '.join(where)})" if where else "")
+        if s.micro_batch is not None:
+            where.append(mb_phrase(s.micro_batch, n_mb))
+        if s.index is not None:
+            where.append(f"batch[{clean(s.index)}]")
+        return fmt_id(s.sample_id) + (f" ({', '.join(where)})" if where else "")
 
     if len(samples) == 1:
         text = f"Culprit: sample {one(samples[0])} alone"
@@ -232,98 +226,101 @@ def culprit_sentence(report: Mapping) -> str | None:
         if more > 0:
             text += f"; and {more} more (see report.md)"
     text += f" — {found}." if found else "."
-    described = [s for s in samples[:MAX_LISTED_SAMPLES] if s.get("description")]
+    described = [s for s in samples[:MAX_LISTED_SAMPLES] if s.description]
     if len(samples) == 1 and described:
-        text += f" Its data: {clean(described[0]['description'], 200)}."
+        text += f" Its data: {clean(described[0].description, 200)}."
     elif described:
-        text += " Their data: " + "; ".join(f"{fmt_id(s.get('sample_id'))}: {clean(s['description'], 200)}"
+        text += " Their data: " + "; ".join(f"{fmt_id(s.sample_id)}: {clean(s.description, 200)}"
                                              for s in described) + "."
     return text
 
 
-def bisection_phrase(bis: Mapping) -> str | None:
-    runs, cand = bis.get("runs"), bis.get("candidates")
+def bisection_phrase(bis: Bisection) -> str | None:
+    runs, cand = bis.runs, bis.candidates
     if runs is None or cand is None:
         return None
     text = f"found in {runs} replay{'s' if runs != 1 else ''} of {cand} samples"
-    if bis.get("budget") is not None:
-        text += f" (budget {bis['budget']})"
+    if bis.budget is not None:
+        text += f" (budget {bis.budget})"
     return text
 
 
-def precision_sentence(report: Mapping) -> str | None:
+def precision_sentence(report: Mapping | Report) -> str | None:
     """The fp32 triage in plain words, combined with the culprit: 'precision + data'."""
-    prec = report.get("precision")
-    if not isinstance(prec, dict):
+    r = parse_report(report)
+    prec = r.precision
+    if prec is None:
         return None
-    dtype, fp32, fsdp = prec.get("autocast_dtype"), prec.get("fp32_reproduces"), prec.get("fsdp_param_dtype")
-    has_samples = bool(culprit_ids(report))
+    dtype, fp32, fsdp = prec.autocast_dtype, prec.fp32_reproduces, prec.fsdp_param_dtype
+    has_samples = bool(r.culprit.ids())
     under = f"autocast {clean(dtype)}" if dtype else f"FSDP2 mixed precision ({clean(fsdp)} compute)" if fsdp \
         else "the job's precision"
-    spike = TriggerKind.parse((report.get("trigger") or {}).get("kind"), TriggerKind.NONFINITE_LOSS).spike
+    spike = TriggerKind.parse(r.trigger.kind, TriggerKind.NONFINITE_LOSS).spike
     if fp32 is False:
         cause = "precision + data" if has_samples else "precision"
         return f"Ran under {under}; in fp32 the step {'does not spike' if spike else 'is finite'} → {cause}."
     if fp32 is True:
         cause = "data, not precision" if has_samples else "not precision (data, model or optimizer)"
         return f"Ran under {under}; {'still spikes' if spike else 'still non-finite'} in fp32 → {cause}."
-    if not report.get("reproduced"):
+    if not r.reproduced:
         return None  # nothing failed in the replay, so there was nothing to re-run in fp32
     if not dtype and not fsdp:
         return "The job ran in full precision (no autocast); no fp32 re-run needed."
     return f"Ran under {under}; fp32 re-run not performed."
 
 
-def history_sentence(report: Mapping) -> str | None:
-    pattern = report.get("history_pattern")
+def history_sentence(report: Mapping | Report) -> str | None:
+    r = parse_report(report)
+    pattern = r.history_pattern
     if not pattern:
         return None
-    words, meaning = pattern_words(pattern, section(report, "trigger").get("kind"))
+    words, meaning = pattern_words(pattern, r.trigger.kind)
     text = f"Loss history: {words}"
-    losses = section(report, "history").get("loss") or []
+    losses = (r.history.loss if r.history else None) or []
     if losses:
         text += f" ({fmt_list(losses, 6)})"
     if meaning:
         text += f" — {meaning}"
-    shows = [clean(str(line), 400) for line in section(report, "history").get("shows") or []]
+    shows = [clean(str(line), 400) for line in (r.history.shows if r.history else None) or []]
     return " ".join([text + "."] + shows)
 
 
-def per_sample_sentence(report: Mapping) -> str | None:
+def per_sample_sentence(report: Mapping | Report) -> str | None:
     """Per-sample replay summary: how many samples are non-finite, which is the worst."""
-    rows = [r for r in report.get("per_sample") or [] if isinstance(r, dict)]
+    rows = parse_report(report).per_sample
     if not rows:
         return None
-    raised = [r for r in rows if r.get("error")]
-    bad = [r for r in rows if not r.get("error") and (r.get("finite") is False or is_nonfinite(r.get("loss"))
-                                                      or is_nonfinite(r.get("grad_norm")))]
+    raised = [r for r in rows if r.error]
+    bad = [r for r in rows if not r.error and (r.finite is False or is_nonfinite(r.loss)
+                                                or is_nonfinite(r.grad_norm))]
     text = f"Per-sample replay: {len(bad)} of {len(rows)} samples non-finite"
     if raised:
-        kind = clean(str(raised[0]["error"]).split(":", 1)[0], 60)
+        kind = clean(str(raised[0].error).split(":", 1)[0], 60)
         text += f", {len(raised)} raised when run alone ({kind})"
-    top = top_rows(rows, "loss", 2)
-    if not top or as_float(top[0].get("loss")) is None:
+    top = top_rows(rows, lambda row: row.loss, 2)
+    if not top or as_float(top[0].loss) is None:
         return text + "."
-    worst = f"{fmt_id(top[0].get('sample_id'))} loss {fmt_num(top[0].get('loss'))}"
-    if len(top) > 1 and as_float(top[1].get("loss")) is not None:
-        worst += f" (next highest {fmt_num(top[1].get('loss'))})"
+    worst = f"{fmt_id(top[0].sample_id)} loss {fmt_num(top[0].loss)}"
+    if len(top) > 1 and as_float(top[1].loss) is not None:
+        worst += f" (next highest {fmt_num(top[1].loss)})"
     return f"{text}; highest loss: {worst}."
 
 
-def timing_sentence(report: Mapping) -> str | None:
-    t = section(report, "timings")
-    if t.get("total_s") is None:
+def timing_sentence(report: Mapping | Report) -> str | None:
+    t = parse_report(report).timings or Timings.parse({})
+    if t.total_s is None:
         return None
-    passes = t.get("passes")
-    return f"Replay took {fmt_num(t['total_s'], 3)} s" + (
+    passes = t.passes
+    return f"Replay took {fmt_num(t.total_s, 3)} s" + (
         f" ({passes} forward/backward passes)." if passes is not None else ".")
 
 
-def render_verdict_text(report: Mapping, files: Mapping[str, Any] | None = None) -> str:
+def render_verdict_text(report: Mapping | Report, files: Mapping[str, Any] | None = None) -> str:
     """The short terminal summary `forensics replay` prints: verdict and evidence in plain words.
 
     Args:
-        report: a report dict (schema forensics-report/1; numbers may be floats or "nan" strings).
+        report: a report (forensics.report.tree.Report, or its dict: schema forensics-report/1; numbers may be
+            floats or "nan" strings).
         files: optional {"json"|"md"|"html"|"blocklist": path} of files written, to say where they are.
     Returns:
         Several lines of text, ending with a newline. Strings from the report are made
@@ -334,28 +331,29 @@ def render_verdict_text(report: Mapping, files: Mapping[str, Any] | None = None)
         Step 41217, rank 3 of 8, micro-batch 2 of 4. Trigger: nonfinite_loss (loss of micro-batch 2 is nan).
         ...
     """
-    verdict = section(report, "verdict")
-    kind = verdict.get("kind") or "unknown"
+    r = parse_report(report)
+    verdict = r.verdict
+    kind = verdict.kind or "unknown"
     label = verdict_label(kind)
-    lines = [f"Verdict: {label} — {clean(verdict.get('headline') or '(no headline)', 400)}"]
-    lines.append(f"{where_sentence(report)} {trigger_sentence(report)}")
-    lines.append(reproduction_sentence(report))
+    lines = [f"Verdict: {label} — {clean(verdict.headline or '(no headline)', 400)}"]
+    lines.append(f"{where_sentence(r)} {trigger_sentence(r)}")
+    lines.append(reproduction_sentence(r))
     for make in (rng_sentence, location_sentence, culprit_sentence, per_sample_sentence, precision_sentence,
                  history_sentence):
         try:
-            sentence = make(report)
+            sentence = make(r)
         except Exception:  # a malformed optional section must not hide the verdict
             log.warning("could not summarise part of the report (%s)", make.__name__, exc_info=True)
             continue
         if sentence:
             lines.append(sentence)
-    for w in section(report, "environment").get("warnings") or []:
+    for w in r.environment.warnings or []:
         lines.append(f"Warning: {clean(w, 300)}")
-    suggestions = verdict.get("suggestions") or []
+    suggestions = verdict.suggestions or []
     if suggestions:
         lines.append("Suggested:")
         lines.extend(f"  - {clean(s, 300)}" for s in suggestions)
-    timing = timing_sentence(report)
+    timing = timing_sentence(r)
     if timing:
         lines.append(timing)
     lines.extend(_files_lines(files))

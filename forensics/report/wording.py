@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import unicodedata
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable
 
 from forensics.kinds import HistoryPattern, VerdictKind
 from forensics.report.model import as_float
@@ -70,9 +69,6 @@ def fmt_list(values: Iterable[Any], limit: int = 8) -> str:
 
 # ---- micro-batch numbers: 0-based in JSON, 1-based in every sentence a person reads ----
 
-DETAIL_MICRO_BATCH = re.compile(r"\bmicro-batch (\d+)\b")
-
-
 def mb_number(index: Any) -> str:
     """A 0-based micro-batch index as people count it: 1 -> '2' (as in 'micro-batch 2 of 4')."""
     if isinstance(index, int) and not isinstance(index, bool):
@@ -113,18 +109,3 @@ def pattern_words(pattern: Any, trigger: Any = None) -> tuple[str, str]:
     except ValueError:
         return clean(pattern).replace("_", " "), ""
     return found.words, found.cause_for(trigger)
-
-
-def trigger_detail(trigger: Mapping) -> str:
-    """The detector's one-line detail in 1-based words.
-
-    The Guard writes e.g. 'loss of micro-batch 1 is nan' with the 0-based index (the JSON's). When the
-    number in the detail is the trigger's own 0-based `micro_batch`, it is shown 1-based; any other
-    number (a detail already written 1-based) is left alone.
-    """
-    detail = str(trigger.get("detail") or "")
-    index = trigger.get("micro_batch")
-    if not isinstance(index, int) or isinstance(index, bool):
-        return detail
-    return DETAIL_MICRO_BATCH.sub(
-        lambda m: f"micro-batch {index + 1}" if int(m.group(1)) == index else m.group(0), detail)

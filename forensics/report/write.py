@@ -12,7 +12,7 @@ from forensics.fsio import atomic_write_text
 from forensics.report.model import SCHEMA_KEYS, ReportError, to_json_safe, validate_report
 from forensics.report.render_html import render_html
 from forensics.report.render_markdown import render_markdown
-from forensics.report.render_text import culprit_ids
+from forensics.report.tree import Report, parse_report
 
 log = logging.getLogger(__name__)
 
@@ -20,16 +20,18 @@ REPORT_FILES = {"json": "report.json", "md": "report.md", "html": "report.html"}
 BLOCKLIST_NAME = "blocklist.jsonl"
 
 
-def report_json_text(report: Mapping) -> str:
-    """report.json's text: JSON-safe, validated, indent 2, top-level keys in schema order."""
-    safe = to_json_safe(dict(report))
+def report_json_text(report: Mapping | Report) -> str:
+    """report.json's text: the report tree serialised (forensics.report.tree), JSON-safe, validated, indent 2,
+    top-level keys in schema order."""
+    safe = to_json_safe(report.as_dict() if isinstance(report, Report) else dict(report))
     validate_report(safe)
+    safe = parse_report(safe).as_dict()
     ordered = {k: safe[k] for k in SCHEMA_KEYS if k in safe}
     ordered.update((k, v) for k, v in safe.items() if k not in ordered)  # keys added by newer writers
     return json.dumps(ordered, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
 
 
-def write_report_files(report: Mapping, out_dir: str | os.PathLike, *, html: bool = True,
+def write_report_files(report: Mapping | Report, out_dir: str | os.PathLike, *, html: bool = True,
                        plots: bool = True) -> dict[str, Path]:
     """Validate the report and write report.json, report.md and report.html into `out_dir`.
 
@@ -50,7 +52,7 @@ def write_report_files(report: Mapping, out_dir: str | os.PathLike, *, html: boo
         >>> print(render_verdict_text(report, files=files))  # doctest: +SKIP
     """
     text = report_json_text(report)
-    safe = json.loads(text)
+    safe = parse_report(json.loads(text))
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -64,19 +66,18 @@ def write_report_files(report: Mapping, out_dir: str | os.PathLike, *, html: boo
     return files
 
 
-def blocklist_ids(report: Mapping) -> list:
+def blocklist_ids(report: Mapping | Report) -> list:
     """The culprit ids a blocklist may hold: never an ID the replay made up from a sample's position in its batch
     (culprit sample `positional`: the job recorded no IDs), which names no record of the dataset."""
-    samples = (report.get("culprit") or {}).get("samples") or []
-    positional = {json.dumps(s.get("sample_id"), default=repr) for s in samples
-                  if isinstance(s, dict) and s.get("positional")}
+    culprit = parse_report(report).culprit
+    positional = {json.dumps(s.sample_id, default=repr) for s in culprit.samples if s.positional}
     if positional:
         log.warning("%d culprit sample(s) have made-up positional IDs and are left out of the blocklist (the job "
                     "recorded no sample IDs for their micro-batch)", len(positional))
-    return [sid for sid in culprit_ids(report) if json.dumps(sid, default=repr) not in positional]
+    return [sid for sid in culprit.ids() if json.dumps(sid, default=repr) not in positional]
 
 
-def write_blocklist(report: Mapping, path: str | os.PathLike, *, append: bool = False) -> Path:
+def write_blocklist(report: Mapping | Report, path: str | os.PathLike, *, append: bool = False) -> Path:
     """Write the culprit samples' ids to `path`, one JSON value per line (JSON Lines).
 
     Each line is `json.dumps(sample_id)`, so string ids with newlines or quotes stay one line and
@@ -102,7 +103,7 @@ def write_blocklist(report: Mapping, path: str | os.PathLike, *, append: bool = 
                 except json.JSONDecodeError as e:
                     raise ReportError(f"{path}:{n} is not a JSON value ({e}); fix or remove the "
                                       "line, or write a new blocklist without append") from e
-    for sid in blocklist_ids(to_json_safe(dict(report))):
+    for sid in blocklist_ids(to_json_safe(report.as_dict() if isinstance(report, Report) else dict(report))):
         if sid not in ids:
             ids.append(sid)
     if not ids:

@@ -1,4 +1,4 @@
-"""The one place the report is assembled: from the replay's Findings to the report dict (schema
+"""The one place the report is assembled: from the replay's Findings to the report (forensics/report/tree.py; schema
 forensics-report/1, docs/REPORT_FORMAT.md), including the facts the verdict is decided on.
 Writing the report to disk is forensics.report's job."""
 
@@ -14,6 +14,7 @@ from forensics.format.jsonio import lenient_float
 from forensics.format.tree import tensor_leaves
 from forensics.kinds import HistoryPattern, Phase, TriggerKind
 from forensics.report.model import schema_for, to_json_safe
+from forensics.report.tree import Culprit, Report, TriggerBlock, parse_report
 from replay.culprits.per_sample import rank_by_loss
 from replay.culprits.sample_facts import describe
 from replay.judge.findings import Findings
@@ -26,8 +27,8 @@ from replay.run.execute import StepRunner
 from replay.run.units import explaining_factor, recorded_factors
 
 
-def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | None, started: float) -> dict:
-    """The report dict of one replay, JSON-safe (non-finite floats as "nan"/"inf")."""
+def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | None, started: float) -> Report:
+    """The report of one replay, JSON-safe (non-finite floats as "nan"/"inf")."""
     session = runner.session
     rank = int((dump_info or {}).get("rank") or 0)
     culprit = culprit_block(findings, rank, session.positional_ids)
@@ -52,15 +53,14 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
         "dump": {"num_micro_batches": max(len(session.micro_batches), session.step_micro_batches),
                  **(dump_info or {"path": None, "run_id": None, "step": 0, "rank": rank,
                                   "world_size": session.world_size, "missing_ranks": []})},
-        "trigger": {"kind": findings.kind.value, "value": trigger.value, "threshold": findings.threshold,
-                    "micro_batch": trigger.micro_batch, "detail": trigger.detail},
+        "trigger": TriggerBlock.of(trigger).as_dict(),
         "environment": {"capture": session.capture_environment, "replay": replay_environment(session.device),
                         "warnings": list(session.warnings)},
         "reproduced": findings.reproduced,
         "fidelity": fidelity,
         "rng": findings.rng,
         "verdict": verdict,
-        "culprit": culprit,
+        "culprit": culprit.as_dict(),
         "precision": findings.precision,
         "margin": findings.margin,
         "bisection": findings.bisection.block,
@@ -82,7 +82,7 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
         report["weights"] = _weights_block(findings)
     if findings.remedies:
         report["remedies"] = findings.remedies
-    return to_json_safe(report)
+    return parse_report(to_json_safe(report))
 
 
 def _weights_block(findings: Findings) -> dict:
@@ -109,7 +109,7 @@ def _exception_block(findings: Findings, session: ReplaySession) -> dict:
             "memory": recorded.get("memory"), "sizes": findings.sizes.as_dict() if findings.sizes is not None else None, "traceback": recorded.get("traceback")}
 
 
-def culprit_block(findings: Findings, rank: int, positional: frozenset[int] = frozenset()) -> dict:
+def culprit_block(findings: Findings, rank: int, positional: frozenset[int] = frozenset()) -> Culprit:
     """The report's `culprit` block: the samples, and where the first non-finite value appeared; a sample whose
     ID is only its position in the batch (`positional`: micro-batches recorded without IDs) says so."""
     forward, backward, optimizer = findings.forward, findings.backward, findings.optimizer
@@ -144,7 +144,7 @@ def culprit_block(findings: Findings, rank: int, positional: frozenset[int] = fr
             block["module"] = name.rpartition(".")[0] or ROOT_MODULE
     if block["phase"] is None:
         block["phase"] = findings.phase
-    return block
+    return Culprit.parse(block)
 
 
 def _unit_words(findings: Findings, session: ReplaySession) -> str | None:
@@ -153,19 +153,19 @@ def _unit_words(findings: Findings, session: ReplaySession) -> str | None:
     if findings.reproduced:
         return None
     trigger, result = findings.trigger, findings.reproduction.result
-    what = "grad norm" if trigger.kind.replayed == "grad_norm" else "loss"
+    what = trigger.kind.replayed.words if trigger.kind.replayed is not None else "loss"
     unit = explaining_factor(trigger.value, result.replayed_value(trigger.kind, trigger.micro_batch),
                              recorded_factors(session))
     return unit.words(what) if unit is not None else None
 
 
-def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | None, culprit: dict) -> VerdictFacts:
+def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | None,
+                  culprit: Culprit) -> VerdictFacts:
     """What the verdict rules (replay/judge/verdict.py) decide on, read from the typed findings."""
     kind, trigger, result = findings.kind, findings.trigger, findings.reproduction.result
     micro_batch = trigger.micro_batch
     if micro_batch is None and findings.forward is not None:
         micro_batch = findings.forward.micro_batch
-    stats = culprit.get("stats") or {}
     precision = cast("dict[str, Any]", findings.precision or {})  # TypedDicts, read as dicts here
     rng = cast("dict[str, Any]", findings.rng or {})
     sizes = findings.sizes
@@ -182,10 +182,10 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
         unit_factor=_unit_words(findings, session),
         bitwise=findings.reproduction.fidelity.get("bitwise_equal"), replay_device=str(session.device),
         environment_warnings=list(session.warnings),
-        phase=culprit.get("phase"), module=culprit.get("module"), op=culprit.get("op"),
-        parameter=culprit.get("parameter"), optimizer_state=culprit.get("optimizer_state"),
+        phase=Phase.parse(culprit.phase) if culprit.phase else None, module=culprit.module, op=culprit.op,
+        parameter=culprit.parameter, optimizer_state=culprit.optimizer_state,
         optimizer_class=findings.optimizer.optimizer_class if findings.optimizer is not None else None,
-        inputs_absmax=stats.get("inputs_absmax"), outputs_absmax=stats.get("outputs_absmax"),
+        inputs_absmax=culprit.stats.inputs_absmax, outputs_absmax=culprit.stats.outputs_absmax,
         culprit_samples=[r.sample_id for r in findings.culprits],
         culprit_facts=[fact for r in findings.culprits for fact in findings.sample_facts.get(r, [])],
         culprit_subset_size=len(findings.culprits), candidates=len(session.sample_refs),
@@ -215,7 +215,7 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
         history_reading=findings.history.reading.sentences if findings.history.reading.onset is not None else [],
         update_change=lenient_float(trigger.update_change),
         lr=_lr(session),
-        ids_are_positional=any(s.get("positional") for s in culprit["samples"])
+        ids_are_positional=any(s.positional for s in culprit.samples)
         or any(o.ref.micro_batch in session.positional_ids for o in (sizes.outliers if sizes is not None else ())))
 
 

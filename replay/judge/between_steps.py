@@ -14,8 +14,10 @@ from typing import Any
 
 import torch
 
-from forensics.kinds import Phase, StateHolds, TriggerKind, VerdictKind
+from forensics.kinds import FidelityMode, Phase, StateHolds, TriggerKind, VerdictKind
 from forensics.report.model import schema_for, to_json_safe
+from forensics.report.tree import Report, TriggerBlock, parse_report
+from forensics.trigger import Trigger
 from forensics.report.wording import clean, fmt_id
 from replay.judge.findings import HistoryFinding
 from replay.load.environment import replay_environment
@@ -42,7 +44,7 @@ def last_samples(dump: Any) -> tuple[int | None, list]:
     return last["step"], [i for ids in last["sample_ids"] for i in ids or []]
 
 
-def between_steps_report(dump: Any, dump_info: dict, history: HistoryFinding, started: float) -> dict:
+def between_steps_report(dump: Any, dump_info: dict, history: HistoryFinding, started: float) -> Report:
     """The report (docs/REPORT_FORMAT.md) of a dump raised between steps; nothing is replayed."""
     exception = dump.manifest["exception"]
     step, ids = last_samples(dump)
@@ -52,12 +54,11 @@ def between_steps_report(dump: Any, dump_info: dict, history: HistoryFinding, st
         "schema": schema_for(VerdictKind.EXCEPTION),
         "created_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "dump": {"num_micro_batches": dump.num_micro_batches, **dump_info},
-        "trigger": {"kind": TriggerKind.EXCEPTION.value, "value": None, "threshold": None, "micro_batch": None,
-                    "detail": dump.trigger.get("detail") or ""},
+        "trigger": TriggerBlock.of(Trigger(TriggerKind.EXCEPTION, detail=dump.trigger.detail)).as_dict(),
         "environment": {"capture": dump.manifest.get("environment"), "replay": replay_environment(torch.device("cpu")),
                         "warnings": []},
         "reproduced": False,
-        "fidelity": {"mode": "not_replayed", "reason": "the exception was raised between steps, outside the model's "
+        "fidelity": {"mode": FidelityMode.NOT_REPLAYED.value, "reason": "the exception was raised between steps, outside the model's "
                      "step: there is no step to replay", "attempts": 0},
         "verdict": verdict,
         "culprit": {"samples": [], "module": None, "op": None, "phase": Phase.BETWEEN_STEPS.value, "parameter": None,
@@ -71,7 +72,7 @@ def between_steps_report(dump: Any, dump_info: dict, history: HistoryFinding, st
                                                                                      "sample_ids": ids[:MAX_LISTED]},
                       "traceback": exception.get("traceback")},
     }
-    return to_json_safe(report)
+    return parse_report(to_json_safe(report))
 
 
 def _verdict(exception: dict, dumped_step: int, last_step: int | None, ids: list, state_holds: StateHolds) -> dict:

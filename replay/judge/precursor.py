@@ -12,6 +12,7 @@ dump: no --trust needed, no model built.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import time
@@ -22,8 +23,10 @@ from typing import Any
 import torch
 
 from forensics.headroom import HORIZON, limit_of, percent_of
-from forensics.kinds import PrecursorRule, PrecursorStatistic, TriggerKind, VerdictKind
+from forensics.kinds import FidelityMode, PrecursorRule, PrecursorStatistic, TriggerKind, VerdictKind
 from forensics.report.model import schema_for, to_json_safe
+from forensics.report.tree import Report, TriggerBlock, parse_report
+from forensics.trigger import Trigger
 from forensics.report.wording import fmt_num
 from forensics.trend import RobustTrend
 from replay.judge.findings import HistoryFinding
@@ -67,7 +70,7 @@ def rank_growth(table: dict) -> list[dict]:
     return rows
 
 
-def precursor_report(dump: Any, dump_info: dict, history: HistoryFinding, started: float) -> dict:
+def precursor_report(dump: Any, dump_info: dict, history: HistoryFinding, started: float) -> Report:
     """The report (schema forensics-report/3, verdict `instability_ahead`) of a precursor dump."""
     table = dump.precursors() or {"columns": [], "steps": [], "values": [], "firings": [], "config": {}}
     ranking = rank_growth(table)
@@ -75,8 +78,8 @@ def precursor_report(dump: Any, dump_info: dict, history: HistoryFinding, starte
     # together) at the step before
     fired = next((f for f in reversed(table["firings"]) if f.get("dumped") and isinstance(f.get("step"), int)
                   and dump.step - 1 <= f["step"] <= dump.step), None)
-    trigger = dict(dump.trigger or {})
-    verdict = _verdict(dump.step, ranking, fired, len(table["columns"]), local=trigger.get("local") is not False)
+    trigger = dataclasses.replace(dump.trigger, kind=TriggerKind.PRECURSOR, micro_batch=None)
+    verdict = _verdict(dump.step, ranking, fired, len(table["columns"]), local=trigger.local)
     near = _limit_headline(dump.step, fired, table)
     if near is not None:  # the dtype's limit fired: that is the headline, the ranking explains how it got there
         verdict["headline"] = near
@@ -85,12 +88,11 @@ def precursor_report(dump: Any, dump_info: dict, history: HistoryFinding, starte
         "schema": schema_for(VerdictKind.INSTABILITY_AHEAD),
         "created_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "dump": {**dump_info},
-        "trigger": {"kind": TriggerKind.PRECURSOR.value, "value": trigger.get("value"),
-                    "threshold": trigger.get("threshold"), "micro_batch": None, "detail": trigger.get("detail") or ""},
+        "trigger": TriggerBlock.of(trigger).as_dict(),
         "environment": {"capture": dump.manifest.get("environment") or {},
                         "replay": replay_environment(torch.device("cpu")), "warnings": []},
         "reproduced": False,
-        "fidelity": {"mode": "not_replayed", "reason": "a precursor dump holds a healthy step: the report is built "
+        "fidelity": {"mode": FidelityMode.NOT_REPLAYED.value, "reason": "a precursor dump holds a healthy step: the report is built "
                                                        "from the statistics the job recorded"},
         "verdict": verdict,
         "culprit": {"samples": [], "module": lead.get("layer"), "op": None, "phase": None, "parameter": None,
@@ -103,7 +105,7 @@ def precursor_report(dump: Any, dump_info: dict, history: HistoryFinding, starte
                       "series": _series(table, ranking[:PLOTTED]), "config": table["config"]},
         "timings": {"total_s": round(time.monotonic() - started, 3), "passes": 0},
     }
-    return to_json_safe(report)
+    return parse_report(to_json_safe(report))
 
 
 def _limit_headline(step: int, fired: dict | None, table: dict) -> str | None:
@@ -291,15 +293,17 @@ def earlier_dumps(dump: Any) -> list[dict]:
             continue
         if manifest.get("run_id") != run_id:
             continue
-        kind = (manifest.get("trigger") or {}).get("kind")
-        found.append({"step": number, "trigger": kind if kind in TriggerKind.values() else "unknown",
-                      "path": str(entry)})
+        try:  # read_manifest checked the kind: a newer one is refused there
+            kind = Trigger.from_dict(manifest.get("trigger")).kind.value
+        except ValueError:
+            kind = "unknown"
+        found.append({"step": number, "trigger": kind, "path": str(entry)})
         if len(found) >= MAX_EARLIER:
             break
     return found
 
 
-def add_crash_history(report: dict, dump: Any) -> None:
+def add_crash_history(report: Report, dump: Any) -> None:
     """Adds `precursor_history` to a crash dump's report and one sentence to its verdict's explanation (the growth
     before, the earlier dumps to compare with)."""
     block = crash_history(dump)
@@ -310,10 +314,10 @@ def add_crash_history(report: dict, dump: Any) -> None:
         block = {"sentence": None, "lead": None, "fired": [], "earlier_dumps": earlier}
         block["sentence"] = "Earlier dumps of this run: " + ", ".join(
             f"step {d['step']} ({d['trigger']})" for d in earlier)
-    report["precursor_history"] = block
-    verdict = report.get("verdict") or {}
+    report.precursor_history = block
+    verdict = report.verdict
     lead = block.get("lead")
     before = f"Before it, {block['sentence']}" if lead else block["sentence"]
-    verdict["explanation"] = ((verdict.get("explanation") or "") + " " + before + ".").strip()
+    verdict.explanation = ((verdict.explanation or "") + " " + before + ".").strip()
     if block["earlier_dumps"]:
-        verdict["explanation"] += " Replay them (`forensics replay STEP_DIR`) to see how it built up."
+        verdict.explanation += " Replay them (`forensics replay STEP_DIR`) to see how it built up."

@@ -262,7 +262,7 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
         model=model, loss_fn=recipe.loss_fn, micro_batches=batches, device=device, sample_ids=ids,
         rng_states=rngs, loss_divisor=float(divisor), step_micro_batches=step_micro_batches(manifest), optimizer=snapshot, autocast=autocast,
         scaler_state=scaler, scheduler_state=dump.scheduler_state(), recorded_losses=losses,
-        recorded_grad_norm=loss_meta.get("grad_norm"), trigger=Trigger.from_dict(dump.trigger), param_dtype=param_dtype,
+        recorded_grad_norm=loss_meta.get("grad_norm"), trigger=dump.trigger, param_dtype=param_dtype,
         exception=manifest.get("exception") if isinstance(manifest.get("exception"), dict) else None,
         warnings=warnings, source_cuda_device=manifest.get("local_rank"),
         expect_bitwise=_expect_bitwise(env_warnings, device, manifest.get("determinism") or {}),

@@ -22,7 +22,7 @@ import torch
 from forensics.errors import ForensicsError, ReplayError, is_out_of_memory
 from forensics.format.jsonio import lenient_float
 from forensics.grad_norm import total_grad_norm
-from forensics.kinds import Phase, TriggerKind
+from forensics.kinds import FidelityMode, Phase, ReplayedQuantity, TriggerKind
 from replay.load.fsdp_precision import fsdp_compute
 from replay.load.samples import SampleRef
 from replay.load.session import ReplaySession, weight_fingerprints
@@ -103,7 +103,7 @@ class StepResult:
         if self.unrunnable:
             return False
         if trigger.spike:
-            if trigger.replayed == "step_loss":
+            if trigger.replayed is ReplayedQuantity.STEP_LOSS:
                 if any(not math.isfinite(v) for v in self.losses if v is not None):
                     return True
                 value = self.comparable_loss
@@ -112,21 +112,22 @@ class StepResult:
                 if value is not None and not math.isfinite(value):
                     return True
             return threshold is not None and value is not None and value > threshold
-        if trigger.replayed == "exception":
+        if trigger.replayed is ReplayedQuantity.EXCEPTION:
             return self.raised_same
-        if trigger.replayed == "micro_batch_loss":
+        if trigger.replayed is ReplayedQuantity.MICRO_BATCH_LOSS:
             return not self.loss_finite
-        if trigger.replayed == "grad_norm":
+        if trigger.replayed is ReplayedQuantity.GRAD_NORM:
             return not self.grads_finite
         return not self.params_finite
 
     def replayed_value(self, kind: TriggerKind, micro_batch: int | None = None) -> float | None:
         """The replayed counterpart of the trigger's recorded value (None: the kind has none)."""
-        if kind.replayed == "grad_norm":
+        if kind.replayed is ReplayedQuantity.GRAD_NORM:
             return self.grad_norm
-        if kind.replayed == "micro_batch_loss" and isinstance(micro_batch, int) and micro_batch < len(self.losses):
+        if kind.replayed is ReplayedQuantity.MICRO_BATCH_LOSS and isinstance(micro_batch, int) \
+                and micro_batch < len(self.losses):
             return self.losses[micro_batch]
-        if kind.replayed in ("micro_batch_loss", "step_loss"):
+        if kind.replayed in (ReplayedQuantity.MICRO_BATCH_LOSS, ReplayedQuantity.STEP_LOSS):
             return self.step_loss
         return None
 
@@ -624,10 +625,10 @@ def reproduce(runner: StepRunner, max_attempts: int = 3, tolerance: float = DEFA
     compared = any(a is not None for a in recorded) or norm_compared
     bitwise = compared and all(_same(a, b) for a, b in zip(recorded, replayed) if a is not None) and \
         (not norm_compared or _same(recorded_norm, result.grad_norm))
-    mode = "bitwise" if session.expect_bitwise else "tolerance"
+    mode = FidelityMode.BITWISE if session.expect_bitwise else FidelityMode.TOLERANCE
     fidelity = {
-        "mode": mode,
-        "tolerance": None if mode == "bitwise" else tolerance,
+        "mode": mode.value,
+        "tolerance": None if mode is FidelityMode.BITWISE else tolerance,
         "attempts": attempts,
         "recorded_losses": recorded,
         "replayed_losses": replayed,
@@ -639,13 +640,13 @@ def reproduce(runner: StepRunner, max_attempts: int = 3, tolerance: float = DEFA
         "grad_norm_reason": norm_reason if norm_reason is not None
         else (None if norm_compared else "the job recorded no grad norm"),
     }
-    if mode == "tolerance":
+    if mode is FidelityMode.TOLERANCE:
         fidelity["within_tolerance"] = all(_close(a, b, tolerance) for a, b in zip(recorded, replayed)
                                            if a is not None)
     if not reproduced:
         logger.warning("the %s trigger did not reproduce in %d attempt(s); recorded losses %s, replayed %s",
                        kind, attempts, recorded, replayed)
-    elif mode == "bitwise" and not bitwise and any(a is not None for a in recorded):
+    elif mode is FidelityMode.BITWISE and not bitwise and any(a is not None for a in recorded):
         logger.warning("reproduced, but not bitwise: recorded %s, replayed %s", recorded, replayed)
     return Reproduction(reproduced=reproduced, result=result, fidelity=fidelity, attempts=attempts)
 

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, TypeGuard
 
+from forensics.kinds import ReplayedQuantity
 from replay.load.session import ReplaySession
 
 TOLERANCE = 0.1
@@ -88,7 +89,7 @@ def to_replay_units(session: ReplaySession, replayed_norm: float | None) -> bool
     recorded_grad_norm, grad_norms_scaled), with a warning, so every stage compares like with like.
     `replayed_norm`: the whole step's replayed grad norm. Returns True when converted."""
     trigger = session.trigger
-    if trigger.kind.replayed != "grad_norm" or not trigger.kind.spike or not session.scaler_enabled:
+    if trigger.kind.replayed is not ReplayedQuantity.GRAD_NORM or not trigger.kind.spike or not session.scaler_enabled:
         return False
     scale = [f for f in recorded_factors(session) if f[0] == "the loss scale"]
     value = trigger.value

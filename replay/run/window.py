@@ -72,20 +72,27 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     return _torch_file(path)
 
 
-def dump_snapshot(dump: Any, enabled: bool, trust: bool) -> tuple[Checkpoint | None, str | None]:
+@dataclass(frozen=True)
+class SnapshotUnused:
+    """The dump holds the Guard's host snapshot of `step`, but the window replay cannot start from it
+    (replay/judge/window_words.py says what to do)."""
+
+    step: int
+    no_data_recipe: bool
+    """True: the dump has no data recipe to rebuild the steps' batches; False: no consent to import it (--trust)."""
+
+
+def dump_snapshot(dump: Any, enabled: bool, trust: bool) -> tuple[Checkpoint | None, SnapshotUnused | None]:
     """The Guard's host snapshot in `dump` (GuardConfig.snapshot_every) as the checkpoint of a window replay, when
     the replay may use it: it is on, the dump has a data recipe, and the user allowed importing it. Otherwise
-    (None, a suggestion saying how to get the window replay) — (None, None) for a dump without a snapshot."""
+    (None, why it cannot be used) — (None, None) for a dump without a snapshot."""
     step = dump.snapshot_step
     if step is None or not enabled:
         return None, None
     if not dump.manifest.get("data_recipe"):
-        return None, (f"The dump holds the Guard's host snapshot of step {step} but no data recipe, so the steps "
-                      "since then cannot be re-executed: set GuardConfig(data_recipe=...) in the job.")
+        return None, SnapshotUnused(step, no_data_recipe=True)
     if not trust:
-        return None, (f"Re-run with --trust: the dump holds the Guard's host snapshot of step {step}, and the window "
-                      "replay re-executes the steps since then (importing the job's data recipe) to find the step "
-                      "whose update broke the weights.")
+        return None, SnapshotUnused(step, no_data_recipe=False)
     files = spec.SNAPSHOT_STATE
     return Checkpoint(dump.model_state(files), dump.optimizer_state(files), True, step,
                       f"the Guard's host snapshot of step {step} (in the dump)"), None
@@ -218,7 +225,7 @@ def replay_window(session: ReplaySession, dump: Any, checkpoint: Checkpoint, sta
             optimizer.load_state_dict(pre_optimizer)
             set_lr(optimizer, row.get("lr"))  # load_state_dict put back the lr of before this step's set_lr
             broken = _step_session(session, model, optimizer, batches, row, outcome, outcomes, grads_ok,
-                                   Trigger.from_dict(dump.trigger) if step == dump.step else None)
+                                   dump.trigger if step == dump.step else None)
             broken.followup = Followup(row, data, max_norm, pre_model,
                                        _following_steps(dump, rows, step, data, session.device))
             return outcomes, broken

@@ -394,7 +394,8 @@ def test_prose_counts_micro_batches_from_one_and_json_keeps_the_index():
 
 
 def test_trigger_detail_already_one_based_is_left_alone():
-    from forensics.report.render_text import mb_phrase, trigger_detail
+    from forensics.report.render_text import mb_phrase
+    from forensics.trigger import trigger_detail
 
     assert trigger_detail({"micro_batch": 0, "detail": "loss of micro-batch 0 is nan"}) == "loss of micro-batch 1 is nan"
     assert trigger_detail({"micro_batch": 0, "detail": "loss of micro-batch 1 is nan"}) == "loss of micro-batch 1 is nan"
