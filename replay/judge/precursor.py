@@ -79,7 +79,7 @@ def precursor_report(dump: Any, dump_info: dict, history: HistoryFinding, starte
     fired = next((f for f in reversed(table["firings"]) if f.get("dumped") and isinstance(f.get("step"), int)
                   and dump.step - 1 <= f["step"] <= dump.step), None)
     trigger = dataclasses.replace(dump.trigger, kind=TriggerKind.PRECURSOR, micro_batch=None)
-    verdict = _verdict(dump.step, ranking, fired, len(table["columns"]), local=trigger.local)
+    verdict = _precursor_verdict(dump.step, ranking, fired, len(table["columns"]), local=trigger.local)
     near = _limit_headline(dump.step, fired, table)
     if near is not None:  # the dtype's limit fired: that is the headline, the ranking explains how it got there
         verdict["headline"] = near
@@ -144,7 +144,7 @@ def _series(table: dict, rows: list[dict]) -> list[dict]:
     return out
 
 
-def _verdict(step: int, ranking: list[dict], fired: dict | None, columns: int, local: bool = True) -> dict:
+def _precursor_verdict(step: int, ranking: list[dict], fired: dict | None, columns: int, local: bool = True) -> dict:
     kind = VerdictKind.INSTABILITY_AHEAD
     if not ranking and not local:  # dumped because another rank's statistics grew (a sharded state: all ranks dump)
         headline = (f"Instability ahead at step {step}, seen by another rank: this rank's statistics did not leave "
