@@ -39,6 +39,12 @@ class MarginBlock(TypedDict):
     """share >= HEADROOM: the state, not the samples, brings the step to the overflow."""
 
 
+_UNWRITTEN = {getattr(torch.ops.aten, name) for name in
+              ("empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "empty_permuted", "resize_")
+              if hasattr(torch.ops.aten, name)}
+"""Ops whose output holds no computed value (allocations): measuring them read stale memory (a flaky verdict)."""
+
+
 class _LargestHalf(TorchDispatchMode):
     """Keeps the largest finite |value| among the fp16 outputs of every op run under it (a 0-dim tensor)."""
 
@@ -48,6 +54,8 @@ class _LargestHalf(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in _UNWRITTEN:  # uninitialised memory: whatever an earlier tensor left there
+            return out
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.dtype == torch.float16 and t.numel():
                 a = t.detach().abs()

@@ -194,3 +194,18 @@ def test_two_independent_bad_samples_are_both_named(kit):
     assert sorted(s["sample_id"] for s in report["culprit"]["samples"]) == ["doc-0-1", "doc-1-2"]
     assert report["bisection"]["confirmed"] is True and report["bisection"]["independent_groups"] == 2
     assert report["verdict"]["kind"] == "bad_sample"
+
+
+def test_fp16_margin_reads_only_computed_values():
+    """An allocation's output is stale memory, not a value the step computed: the margin (and so the verdict) must not
+    read it (it made test_fp16_overflow_of_one_sample_is_numerical_precision flaky: empty_like held up to 52,736)."""
+    from replay.culprits.margin import _LargestHalf
+
+    mode = _LargestHalf()
+    with mode:
+        stale = torch.empty(64, dtype=torch.float16)
+        torch.empty_like(stale)
+    assert mode.largest is None
+    with mode:
+        torch.full((4,), 3.0, dtype=torch.float16)
+    assert float(mode.largest) == 3.0
