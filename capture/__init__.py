@@ -5,8 +5,9 @@ sub-packages are the stages of a step's way through the Guard (docs/ARCHITECTURE
 imported by its full path (`capture.check.detectors`).
 """
 
-from capture.config import GuardConfig, PrecursorConfig, SpikeConfig
+from capture.config import DetectionConfig, DumpConfig, GuardConfig, PrecursorConfig, RecordConfig, SpikeConfig
 from capture.guard import Guard
 from capture.record.datasets import IndexedDataset
 
-__all__ = ["Guard", "GuardConfig", "IndexedDataset", "PrecursorConfig", "SpikeConfig"]
+__all__ = ["DetectionConfig", "DumpConfig", "Guard", "GuardConfig", "IndexedDataset", "PrecursorConfig", "RecordConfig",
+           "SpikeConfig"]

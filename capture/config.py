@@ -1,8 +1,11 @@
-"""Configuration of the in-job capture: detectors, policies, limits. One dataclass per component."""
+"""Configuration of the in-job capture, one dataclass per stage: GuardConfig holds DetectionConfig, DumpConfig,
+RecordConfig and PrecursorConfig (and accepts the flat spelling of one release ago, with a FutureWarning)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -102,18 +105,59 @@ class SpikeConfig:
 
 
 @dataclass
-class GuardConfig:
-    """How the Guard watches a training loop and what it does when a step goes wrong."""
+class DetectionConfig:
+    """What fires, and what the Guard then does: GuardConfig(detection=DetectionConfig(...))."""
 
-    dump_dir: str = "forensics_dumps"
-    """Where dumps go: <dump_dir>/<run_id>/step-<step>/rank-<rank>/."""
-    run_id: str | None = None
-    """Names the run's dump folder; default: $FORENSICS_RUN_ID, $TORCHELASTIC_RUN_ID, or a timestamp."""
     on_nonfinite: Policy = Policy.RAISE
     """Policy for NaN/Inf loss or gradients: 'raise' (stop with TrainingFaultError), 'skip' (check()
     returns False: do not step), or 'continue'."""
     on_spike: Policy = Policy.CONTINUE
     """Policy for finite loss / grad-norm spikes."""
+    loss_spike: SpikeConfig = field(default_factory=SpikeConfig)
+    grad_norm_spike: SpikeConfig = field(default_factory=lambda: SpikeConfig(min_ratio=3.0))
+    loss_divisor: float | None = None
+    """What the loop divides each micro-batch loss by before backward; default: the number of
+    micro-batches recorded in the step (the usual gradient-accumulation normalisation)."""
+    max_grad_norm: float | None = None
+    """The loop's clipping threshold, if any: steps whose grad norm exceeds it count as clipped."""
+    min_loss_scale: float = 1.0
+    """With a GradScaler, non-finite gradients are normal overflow skips; they trigger only once the
+    loss scale has fallen to this value."""
+    sync_free: bool = False
+    """Opt-in: no device->host sync inside check(), for optimizers whose step() honours GradScaler's
+    `found_inf` attribute (fused Adam / AdamW / SGD / Adagrad, e.g. AdamW(fused=True)). check() sets
+    `optimizer.found_inf` to a device flag "a loss or the grad norm is non-finite", so the plain
+    optimizer.step() skips a bad update on the device, and always returns True; the step's numbers reach
+    the host asynchronously and are judged at the NEXT check() (or flush() / close()). Consequences:
+    a non-finite step is always skipped on the device (also under 'continue'); it is dumped with its
+    pre-step state one step late (model buffers such as BatchNorm statistics have seen the next step's
+    forwards), and 'raise' raises at the next check(); finite spikes are applied before they are seen,
+    so they are logged and recorded in the history but never dumped ('raise' still raises, 'skip' cannot
+    skip). The micro-batches are kept by reference one step longer (a loader must not reuse its tensors).
+    Falls back to the synchronous check, with one warning, for an optimizer without found_inf support,
+    an enabled GradScaler, verify_update, or several ranks. On CPU it works the same (and saves nothing)."""
+    verify_update: bool = False
+    """Debug mode: copy the state before every optimizer step and check the parameters after it, so an
+    update that makes weights non-finite (e.g. Adam eps=0) is dumped with its pre-step state. Costs a
+    full state copy and one extra sync per step: use it to chase an 'optimizer_update' suspicion."""
+
+    def __post_init__(self):
+        for name in ("on_nonfinite", "on_spike"):
+            try:
+                setattr(self, name, Policy(getattr(self, name)))
+            except ValueError:
+                raise ValueError(f"DetectionConfig.{name} must be one of {', '.join(p.value for p in Policy)}, "
+                                 f"got {getattr(self, name)!r}") from None
+
+    def policy_for(self, kind: TriggerKind) -> Policy:
+        """The policy that applies to a trigger of this kind: on_spike for spikes, else on_nonfinite."""
+        return self.on_spike if TriggerKind(kind).spike else self.on_nonfinite
+
+
+@dataclass
+class DumpConfig:
+    """How many dumps a run writes, what each holds and where it goes next: GuardConfig(dumping=DumpConfig(...))."""
+
     max_dumps: int = 3
     """Fault dumps per run (per rank): a non-finite loss, gradient or weight, a step that raised, a device error.
     These places are the crash's own: spike and precursor dumps never use them (they have max_spike_dumps and
@@ -131,81 +175,21 @@ class GuardConfig:
     min_spike_gap: int = 100
     """Steps between two spike dumps, so one unstable phase is not written step after step (the spikes in between
     are counted, not dumped)."""
-    loss_spike: SpikeConfig = field(default_factory=SpikeConfig)
-    grad_norm_spike: SpikeConfig = field(default_factory=lambda: SpikeConfig(min_ratio=3.0))
-    history_size: int = 512
-    """Steps of loss / grad-norm / lr / loss-scale history kept (scalars only) and written to the dump."""
-    sample_id_key: str = "sample_ids"
-    """Batch field holding the samples' IDs (a dict batch); IDs can also be passed to record_batch."""
-    loss_divisor: float | None = None
-    """What the loop divides each micro-batch loss by before backward; default: the number of
-    micro-batches recorded in the step (the usual gradient-accumulation normalisation)."""
-    max_grad_norm: float | None = None
-    """The loop's clipping threshold, if any: steps whose grad norm exceeds it count as clipped."""
-    min_loss_scale: float = 1.0
-    """With a GradScaler, non-finite gradients are normal overflow skips; they trigger only once the
-    loss scale has fallen to this value."""
     recheck: bool = False
     """On a trigger, recompute the failing micro-batch's forward once inside the job with the step's
     RNG (needs loss_fn) and record whether it reproduced: a mismatch points at hardware or
     non-determinism."""
-    verify_update: bool = False
-    """Debug mode: copy the state before every optimizer step and check the parameters after it, so an
-    update that makes weights non-finite (e.g. Adam eps=0) is dumped with its pre-step state. Costs a
-    full state copy and one extra sync per step: use it to chase an 'optimizer_update' suspicion."""
     background_write: bool = True
     """Spike dumps under 'continue' are copied to host memory and written by a background thread, so the
     loop stalls only for the copy."""
-    sync_free: bool = False
-    """Opt-in: no device->host sync inside check(), for optimizers whose step() honours GradScaler's
-    `found_inf` attribute (fused Adam / AdamW / SGD / Adagrad, e.g. AdamW(fused=True)). check() sets
-    `optimizer.found_inf` to a device flag "a loss or the grad norm is non-finite", so the plain
-    optimizer.step() skips a bad update on the device, and always returns True; the step's numbers reach
-    the host asynchronously and are judged at the NEXT check() (or flush() / close()). Consequences:
-    a non-finite step is always skipped on the device (also under 'continue'); it is dumped with its
-    pre-step state one step late (model buffers such as BatchNorm statistics have seen the next step's
-    forwards), and 'raise' raises at the next check(); finite spikes are applied before they are seen,
-    so they are logged and recorded in the history but never dumped ('raise' still raises, 'skip' cannot
-    skip). The micro-batches are kept by reference one step longer (a loader must not reuse its tensors).
-    Falls back to the synchronous check, with one warning, for an optimizer without found_inf support,
-    an enabled GradScaler, verify_update, or several ranks. On CPU it works the same (and saves nothing)."""
     recipe: dict[str, Any] | None = None
     """Replay recipe override: {"factory": "pkg.mod:fn", "factory_kwargs": {...}, "loss": "pkg.mod:fn",
     "loss_kwargs": {...}}. Default: filled in from model.config for Hugging Face models."""
-    capture_exceptions: bool = True
-    """A step that raises (IndexError on bad token ids, a shape error, out of memory ...) is dumped when the
-    exception reaches the top of the program (the Guard chains sys.excepthook until close()); wrap the step in
-    `with guard.capture_errors():` to dump it where it raises even when your code catches the exception."""
-    on_dump: Callable[[Path], None] | None = None
-    """Called with the rank dump's directory after each dump is written (in the thread that wrote it); an
-    exception in it is logged, never raised into the job."""
-    upload: tuple[str, ...] = ()
-    """Trackers that receive each dump, packed (.tar.zst next to it): "wandb", "mlflow", "tensorboard"
-    (forensics/uploads.py; the job's open run; optional extras). A failed upload is logged only."""
-    tensorboard_dir: str | None = None
-    """TensorBoard log directory for upload=("tensorboard",)."""
-    window_steps: int = 32
-    """Flight recorder: keep, for the last this many steps, the sample IDs of every micro-batch, the RNG before
-    each forward, lr, loss scale, loss and grad norm (host memory: about 12 KB per micro-batch), and write them
-    into the dump, so `forensics replay DUMP --from CHECKPOINT` can re-execute the steps that led to it.
-    0 turns it off."""
     data_recipe: dict[str, Any] | None = None
     """How replay rebuilds a micro-batch from its sample IDs, by import path (never pickled; replay imports it
     only with --trust): {"dataset": "pkg.mod:fn", "dataset_kwargs": {...}, "collate": "pkg.mod:fn" (optional;
     default torch's default_collate)}. `fn(**dataset_kwargs)` returns a map-style dataset whose items the
     recorded sample IDs index (capture.IndexedDataset records exactly those indices)."""
-    snapshot_every: int = 0
-    """Host snapshots: every this many steps, copy the pre-step model + optimizer state to host memory (reused
-    buffers; asynchronous from a GPU, one memcpy on CPU), and write the oldest one the flight recorder covers
-    into each dump, so `forensics replay DUMP --trust` re-executes the steps from it and finds the step whose
-    update broke the weights without a checkpoint of yours. Costs snapshot_count x the state in host memory
-    (refused, with a warning, above half the memory available). Full-state jobs only (one process, DDP); a
-    sharded state (FSDP2, DeepSpeed) and the sync_free mode take none: pass your own checkpoint with --from.
-    0 (default): off."""
-    snapshot_count: int = 2
-    """Host snapshots kept (rotating): the oldest is up to snapshot_count x snapshot_every steps before a dump, so
-    a break between the newest snapshot and the crash is still covered. snapshot_every x snapshot_count must
-    not exceed window_steps (the recorder must hold every step from the oldest snapshot on)."""
     state_layout: StateLayout | str = StateLayout.AUTO
     """Several ranks: "full" (every rank dumps the whole state, replayable alone), "sharded" (each rank
     writes only its part: one copy of the state in all, replay reads the step's rank dumps together) or
@@ -220,48 +204,163 @@ class GuardConfig:
     to shard_replicas - 1 buddy ranks, on other nodes first, before any rank writes (capture/state/buddy.py; only in
     dumps every rank makes — a step that raised on one rank is written without copies). 2 doubles the state's
     bytes on disk. Default 1: one copy."""
-    precursors: PrecursorConfig | None = None
-    """Opt-in precursor monitor (capture/precursors/monitor.py): per-layer statistics (block output RMS / abs-max,
-    attention- and output-logit bounds, gradient norm, update/weight ratio, Adam second-moment floor) measured on
-    every PrecursorConfig.every-th step (8) and read with check()'s own transfer; a statistic that keeps growing dumps the step once (trigger 'precursor', policy
-    'continue'), before the loss goes non-finite. None (default): off."""
+    on_dump: Callable[[Path], None] | None = None
+    """Called with the rank dump's directory after each dump is written (in the thread that wrote it); an
+    exception in it is logged, never raised into the job."""
+    upload: tuple[str, ...] = ()
+    """Trackers that receive each dump, packed (.tar.zst next to it): "wandb", "mlflow", "tensorboard"
+    (forensics/uploads.py; the job's open run; optional extras). A failed upload is logged only."""
+    tensorboard_dir: str | None = None
+    """TensorBoard log directory for upload=("tensorboard",)."""
 
     def __post_init__(self):
-        for name in ("on_nonfinite", "on_spike"):
-            try:
-                setattr(self, name, Policy(getattr(self, name)))
-            except ValueError:
-                raise ValueError(f"GuardConfig.{name} must be one of {', '.join(p.value for p in Policy)}, "
-                                 f"got {getattr(self, name)!r}") from None
         self.upload = tuple(self.upload)
         unknown = [t for t in self.upload if t not in Tracker.values()]
         if unknown:
-            raise ValueError(f"GuardConfig.upload: unknown tracker(s) {unknown}; choose from "
+            raise ValueError(f"DumpConfig.upload: unknown tracker(s) {unknown}; choose from "
                              f"{', '.join(Tracker.values())}")
         if Tracker.TENSORBOARD in self.upload and not self.tensorboard_dir:
-            raise ValueError("GuardConfig.upload=('tensorboard',) needs GuardConfig.tensorboard_dir")
+            raise ValueError("DumpConfig.upload=('tensorboard',) needs DumpConfig.tensorboard_dir")
         try:
             self.state_layout = StateLayout(self.state_layout)
         except ValueError:
-            raise ValueError(f"GuardConfig.state_layout must be one of {', '.join(k.value for k in StateLayout)}, "
+            raise ValueError(f"DumpConfig.state_layout must be one of {', '.join(k.value for k in StateLayout)}, "
                              f"got {self.state_layout!r}") from None
         if self.data_recipe is not None and (not isinstance(self.data_recipe, dict)
                                              or not isinstance(self.data_recipe.get("dataset"), str)):
-            raise ValueError("GuardConfig.data_recipe must be a dict with 'dataset': 'pkg.module:function' "
+            raise ValueError("DumpConfig.data_recipe must be a dict with 'dataset': 'pkg.module:function' "
                              "(and optional 'dataset_kwargs', 'collate')")
-        if self.shard_replicas < 1 or self.full_state_max_bytes < 0 or self.window_steps < 0:
-            raise ValueError("GuardConfig needs shard_replicas >= 1, full_state_max_bytes >= 0, window_steps >= 0")
+        if self.shard_replicas < 1 or self.full_state_max_bytes < 0:
+            raise ValueError("DumpConfig needs shard_replicas >= 1 and full_state_max_bytes >= 0")
+        if self.max_dumps < 0 or self.max_spike_dumps < 0 or self.min_spike_gap < 0:
+            raise ValueError("DumpConfig needs max_dumps >= 0, max_spike_dumps >= 0 and min_spike_gap >= 0")
+
+
+@dataclass
+class RecordConfig:
+    """What the Guard keeps of each step and of the steps before it: GuardConfig(recording=RecordConfig(...))."""
+
+    history_size: int = 512
+    """Steps of loss / grad-norm / lr / loss-scale history kept (scalars only) and written to the dump."""
+    sample_id_key: str = "sample_ids"
+    """Batch field holding the samples' IDs (a dict batch); IDs can also be passed to record_batch."""
+    window_steps: int = 32
+    """Flight recorder: keep, for the last this many steps, the sample IDs of every micro-batch, the RNG before
+    each forward, lr, loss scale, loss and grad norm (host memory: about 12 KB per micro-batch), and write them
+    into the dump, so `forensics replay DUMP --from CHECKPOINT` can re-execute the steps that led to it.
+    0 turns it off."""
+    snapshot_every: int = 0
+    """Host snapshots: every this many steps, copy the pre-step model + optimizer state to host memory (reused
+    buffers; asynchronous from a GPU, one memcpy on CPU), and write the oldest one the flight recorder covers
+    into each dump, so `forensics replay DUMP --trust` re-executes the steps from it and finds the step whose
+    update broke the weights without a checkpoint of yours. Costs snapshot_count x the state in host memory
+    (refused, with a warning, above half the memory available). Full-state jobs only (one process, DDP); a
+    sharded state (FSDP2, DeepSpeed) and the sync_free mode take none: pass your own checkpoint with --from.
+    0 (default): off."""
+    snapshot_count: int = 2
+    """Host snapshots kept (rotating): the oldest is up to snapshot_count x snapshot_every steps before a dump, so
+    a break between the newest snapshot and the crash is still covered. snapshot_every x snapshot_count must
+    not exceed window_steps (the recorder must hold every step from the oldest snapshot on)."""
+    capture_exceptions: bool = True
+    """A step that raises (IndexError on bad token ids, a shape error, out of memory ...) is dumped when the
+    exception reaches the top of the program (the Guard chains sys.excepthook until close()); wrap the step in
+    `with guard.capture_errors():` to dump it where it raises even when your code catches the exception."""
+
+    def __post_init__(self):
+        if self.window_steps < 0 or self.history_size < 1:
+            raise ValueError("RecordConfig needs window_steps >= 0 and history_size >= 1")
         if self.snapshot_every < 0 or self.snapshot_count < 1:
-            raise ValueError("GuardConfig needs snapshot_every >= 0 and snapshot_count >= 1")
+            raise ValueError("RecordConfig needs snapshot_every >= 0 and snapshot_count >= 1")
         if self.snapshot_every * self.snapshot_count > self.window_steps:
-            raise ValueError(f"GuardConfig.snapshot_every x snapshot_count ({self.snapshot_every} x "
+            raise ValueError(f"RecordConfig.snapshot_every x snapshot_count ({self.snapshot_every} x "
                              f"{self.snapshot_count}) exceeds window_steps ({self.window_steps}): the flight recorder "
                              "would not hold the steps from the oldest snapshot on. Raise window_steps or snapshot "
                              "more often")
-        if self.max_dumps < 0 or self.max_spike_dumps < 0 or self.min_spike_gap < 0 or self.history_size < 1:
-            raise ValueError("GuardConfig needs max_dumps >= 0, max_spike_dumps >= 0, min_spike_gap >= 0, "
-                             "history_size >= 1")
+
+
+FLAT = {name: group for group, cls in (("detection", DetectionConfig), ("dumping", DumpConfig),
+                                        ("recording", RecordConfig)) for name in cls.__dataclass_fields__}
+"""The flat spelling of one release ago, GuardConfig(max_dumps=...): each field and the group it moved to."""
+_GROUP_CLASSES = {"detection": DetectionConfig, "dumping": DumpConfig, "recording": RecordConfig}
+
+
+@dataclass(init=False)
+class GuardConfig:
+    """How the Guard watches a training loop and what it does when a step goes wrong, one group per stage.
+
+    Example:
+        >>> GuardConfig(dump_dir="dumps", detection=DetectionConfig(on_nonfinite="skip"),
+        ...             dumping=DumpConfig(max_dumps=5), recording=RecordConfig(window_steps=64))  # doctest: +SKIP
+
+    The flat spelling of one release ago (`GuardConfig(on_nonfinite="skip", max_dumps=5)`) still works, with a
+    FutureWarning naming the nested one; it goes in the next release.
+    """
+
+    dump_dir: str = "forensics_dumps"
+    """Where dumps go: <dump_dir>/<run_id>/step-<step>/rank-<rank>/."""
+    run_id: str | None = None
+    """Names the run's dump folder; default: $FORENSICS_RUN_ID, $TORCHELASTIC_RUN_ID, or a timestamp."""
+    detection: DetectionConfig = field(default_factory=DetectionConfig)
+    """What fires, and the policy that applies (DetectionConfig)."""
+    dumping: DumpConfig = field(default_factory=DumpConfig)
+    """How many dumps, what each holds, where it goes next (DumpConfig)."""
+    recording: RecordConfig = field(default_factory=RecordConfig)
+    """What is kept of each step and of the steps before it (RecordConfig)."""
+    precursors: PrecursorConfig | None = None
+    """Opt-in precursor monitor (capture/precursors/monitor.py): per-layer statistics (block output RMS / abs-max,
+    attention- and output-logit bounds, gradient norm, update/weight ratio, Adam second-moment floor) measured on
+    every PrecursorConfig.every-th step (8) and read with check()'s own transfer; a statistic that keeps growing
+    dumps the step once (trigger 'precursor', policy 'continue'), before the loss goes non-finite. None (default):
+    off."""
+
+
+    def __init__(self, dump_dir: str = "forensics_dumps", run_id: str | None = None, *,
+                 detection: DetectionConfig | None = None, dumping: DumpConfig | None = None,
+                 recording: RecordConfig | None = None, precursors: PrecursorConfig | None = None, **flat: Any):
+        self.dump_dir, self.run_id, self.precursors = dump_dir, run_id, precursors
+        given = {"detection": detection, "dumping": dumping, "recording": recording}
+        unknown = sorted(set(flat) - set(FLAT))
+        if unknown:
+            raise TypeError(f"GuardConfig got unexpected keyword argument(s) {', '.join(unknown)}")
+        if flat:
+            warnings.warn(_flat_words(flat), FutureWarning, stacklevel=2)
+        for name, cls in _GROUP_CLASSES.items():
+            moved = {k: v for k, v in flat.items() if FLAT[k] == name}
+            value = given[name]
+            value = dataclasses.replace(value, **moved) if value is not None and moved else value or cls(**moved)
+            object.__setattr__(self, name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in FLAT:  # the flat spelling, read
+            warnings.warn(f"GuardConfig.{name} is now GuardConfig.{FLAT[name]}.{name}", FutureWarning, stacklevel=2)
+            return getattr(object.__getattribute__(self, FLAT[name]), name)
+        raise AttributeError(f"'GuardConfig' object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in FLAT:  # the flat spelling, written
+            warnings.warn(f"GuardConfig.{name} is now GuardConfig.{FLAT[name]}.{name}", FutureWarning, stacklevel=2)
+            setattr(getattr(self, FLAT[name]), name, value)
+        else:
+            object.__setattr__(self, name, value)
 
     def policy_for(self, kind: TriggerKind) -> Policy:
         """The policy that applies to a trigger of this kind: on_spike for spikes, else on_nonfinite."""
-        return self.on_spike if TriggerKind(kind).spike else self.on_nonfinite
+        return self.detection.policy_for(kind)
+
+    def replace(self, **changes: Any) -> "GuardConfig":
+        """A copy, its groups copied too, with `changes`: fields of a group by their own name (`loss_divisor=2.0`) or
+        of GuardConfig itself (`run_id="r"`). What adapters use to fill in a framework's defaults."""
+        groups = {name: dataclasses.replace(getattr(self, name),
+                                            **{k: v for k, v in changes.items() if FLAT.get(k) == name})
+                  for name in _GROUP_CLASSES}
+        return dataclasses.replace(self, **groups, **{k: v for k, v in changes.items() if k not in FLAT})
+
+
+def _flat_words(flat: dict[str, Any]) -> str:
+    """The FutureWarning for the flat spelling: what to write instead."""
+    groups: dict[str, list[str]] = {}
+    for name in flat:
+        groups.setdefault(FLAT[name], []).append(f"{name}=...")
+    nested = ", ".join(f"{g}={_GROUP_CLASSES[g].__name__}({', '.join(names)})" for g, names in groups.items())
+    return (f"GuardConfig({', '.join(f'{n}=...' for n in flat)}) is the flat spelling, accepted until the next "
+            f"release: write GuardConfig({nested})")

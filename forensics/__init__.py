@@ -1,7 +1,8 @@
 """forensics: capture the failing step of a PyTorch training run, replay it on one GPU, name the cause.
 
 Public API (everything else is internal):
-    Guard, GuardConfig, SpikeConfig, PrecursorConfig, IndexedDataset -- in-job capture (package `capture`)
+    Guard, GuardConfig (DetectionConfig, DumpConfig, RecordConfig, PrecursorConfig, SpikeConfig),
+    IndexedDataset                                    -- in-job capture (package `capture`)
     open_dump, verify_dump, pack_dump                 -- reading dumps (never unpickles)
     replay_dump                                       -- offline replay -> report dict (package `replay`)
     ForensicsError and subclasses                     -- one error hierarchy
@@ -18,14 +19,16 @@ from forensics.errors import (CaptureError, DumpCorruptError, DumpError, DumpNot
 from forensics.lazy import lazy_exports
 
 __all__ = [
-    "CaptureError", "DumpCorruptError", "DumpError", "DumpNotFoundError", "ForensicsError", "Guard",
-    "GuardConfig", "IndexedDataset", "NotADumpError", "PrecursorConfig", "RecipeError", "ReplayError", "SpikeConfig",
-    "TrainingFaultError", "UnsupportedVersionError", "open_dump", "pack_dump", "replay_dump", "verify_dump",
+    "CaptureError", "DetectionConfig", "DumpConfig", "DumpCorruptError", "DumpError", "DumpNotFoundError",
+    "ForensicsError", "Guard", "GuardConfig", "IndexedDataset", "NotADumpError", "PrecursorConfig", "RecipeError",
+    "RecordConfig", "ReplayError", "SpikeConfig", "TrainingFaultError", "UnsupportedVersionError", "open_dump",
+    "pack_dump", "replay_dump", "verify_dump",
 ]
 
 # Lazy so that `import forensics` in a job does not import replay, and the CLI starts fast.
 __getattr__ = lazy_exports(__name__, {
-    **dict.fromkeys(("Guard", "GuardConfig", "SpikeConfig", "PrecursorConfig", "IndexedDataset"), "capture"),
+    **dict.fromkeys(("Guard", "GuardConfig", "DetectionConfig", "DumpConfig", "RecordConfig", "SpikeConfig",
+                     "PrecursorConfig", "IndexedDataset"), "capture"),
     **dict.fromkeys(("open_dump", "pack_dump", "verify_dump"), "forensics.format"),
     "replay_dump": "replay.engine:run_replay",
 })

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import functools
 import random
 import sys
 from typing import Any, Callable
@@ -272,6 +273,130 @@ def zero_dp_group(param: Any) -> Any:
     return getattr(param, "_dp_group", None)
 
 
+def zero_gradient_partitions(optimizer: Any) -> list[torch.Tensor] | None:
+    """ZeRO-1/2: the gradient partitions this rank holds before the step (averaged over the ranks); None where the
+    optimizer keeps none in that form (ZeRO-3, a plain optimizer).
+
+    deepspeed >= 0.10: `DeepSpeedZeroOptimizer.averaged_gradients`, `{group index: [tensor | None]}` (a list of lists
+    in older releases); checked on deepspeed 0.19.8."""
+    grads = getattr(optimizer, "averaged_gradients", None)
+    if not isinstance(grads, (dict, list)):
+        return None
+    groups = grads.values() if isinstance(grads, dict) else grads
+    return [t for group in groups if group is not None for t in group if t is not None]
+
+
+def zero_param_groups(optimizer: Any) -> list[tuple[int, list[Any]]] | None:
+    """The model's parameters in each of the user's optimizer groups, in DeepSpeed's order, as (group index,
+    parameters); None for an optimizer DeepSpeed does not wrap.
+
+    deepspeed >= 0.10: `bit16_groups` (ZeRO-1/2), `bf16_groups` (BF16_Optimizer), `fp16_groups` with
+    `sub_group_to_group_id` (ZeRO-3 splits a group into sub-groups), `fp16_groups` (FP16_Optimizer); checked on
+    deepspeed 0.19.8."""
+    for attribute in ("bit16_groups", "bf16_groups"):
+        groups = getattr(optimizer, attribute, None)
+        if groups:
+            return list(enumerate(groups))
+    sub_groups = getattr(optimizer, "fp16_groups", None)
+    if sub_groups and hasattr(optimizer, "sub_group_to_group_id"):
+        merged: dict[int, list[Any]] = {}
+        for index, params in enumerate(sub_groups):
+            merged.setdefault(optimizer.sub_group_to_group_id[index], []).extend(params)
+        return sorted(merged.items())
+    return list(enumerate(sub_groups)) if sub_groups else None
+
+
+def zero_master_partition(optimizer: Any, group_index: int) -> torch.Tensor | None:
+    """ZeRO-1/2 and the bf16 optimizer: this rank's flat fp32 master partition of group `group_index`, the key its
+    optimizer state is kept under; None when the optimizer has none.
+
+    deepspeed >= 0.10: `single_partition_of_fp32_groups` (ZeRO-1/2), `fp32_groups_flat_partition` (BF16_Optimizer);
+    checked on deepspeed 0.19.8."""
+    for attribute in ("single_partition_of_fp32_groups", "fp32_groups_flat_partition"):
+        flats = getattr(optimizer, attribute, None)
+        if flats:
+            master: torch.Tensor = flats[group_index]
+            return master
+    return None
+
+
+def zero3_master_partitions(optimizer: Any) -> list[torch.Tensor]:
+    """ZeRO-3: the flat fp32 partitions its optimizer steps, one per sub-group (the keys of its state).
+
+    deepspeed >= 0.10: `DeepSpeedZeroOptimizer_Stage3.fp32_partitioned_groups_flat`; checked on deepspeed 0.19.8."""
+    return list(getattr(optimizer, "fp32_partitioned_groups_flat", []))
+
+
+def fp16_optimizer_masters(optimizer: Any) -> tuple[list[list[Any]], list[list[torch.Tensor]] | None,
+                                                    list[torch.Tensor] | None]:
+    """ZeRO-0 with bf16 / fp16: (the low-precision parameter groups, the unfused wrapper's fp32 master per parameter,
+    the fused wrapper's flat fp32 master per group, laid out in parameter order); the masters not kept are None.
+
+    deepspeed >= 0.10: `fp16_groups`, `fp32_groups` (FP16_UnfusedOptimizer), `fp32_groups_flat` (FP16_Optimizer);
+    checked on deepspeed 0.19.8."""
+    return (list(getattr(optimizer, "fp16_groups", None) or []), getattr(optimizer, "fp32_groups", None) or None,
+            getattr(optimizer, "fp32_groups_flat", None) or None)
+
+
+def loss_scale(optimizer: Any) -> float:
+    """The current loss scale of a DeepSpeed fp16 optimizer.
+
+    deepspeed >= 0.10: the `loss_scale` property of its fp16 / ZeRO optimizers; checked on deepspeed 0.19.8."""
+    return float(optimizer.loss_scale)
+
+
+def loss_scaler(optimizer: Any) -> Any:
+    """A DeepSpeed fp16 optimizer's loss scaler (`dynamic`, `min_scale`, `scale_factor`, `scale_window`,
+    `cur_hysteresis`, `cur_iter` ...); None when it keeps none.
+
+    deepspeed >= 0.10: `loss_scaler` (deepspeed.runtime.fp16.loss_scaler); checked on deepspeed 0.19.8."""
+    return getattr(optimizer, "loss_scaler", None)
+
+
+def zero3_partitioned(param: Any) -> bool:
+    """Whether ZeRO-3 partitioned the parameter (its data is a placeholder; `zero3_partition` reads this rank's part).
+
+    deepspeed >= 0.10: `param.ds_id`; checked on deepspeed 0.19.8."""
+    return hasattr(param, "ds_id")
+
+
+def zero3_partition(param: Any) -> tuple[torch.Tensor, int, tuple[int, ...], Any]:
+    """A ZeRO-3 parameter's part on this rank: (this rank's flat, padded slice of the flattened parameter, the full
+    number of elements, the full shape, the process group it is partitioned over).
+
+    deepspeed >= 0.10: `ds_tensor`, `ds_numel`, `ds_shape`, `ds_process_group`; checked on deepspeed 0.19.8."""
+    return param.ds_tensor, int(param.ds_numel), tuple(param.ds_shape), param.ds_process_group
+
+
+def full_shape(param: Any) -> torch.Size:
+    """The parameter's shape before ZeRO-3 partitioned it (its own shape otherwise).
+
+    deepspeed >= 0.10: `param.ds_shape`; checked on deepspeed 0.19.8."""
+    shape: torch.Size = getattr(param, "ds_shape", None) or param.shape
+    return shape
+
+
+def call_before(obj: Any, name: str, before: Callable[[], None]) -> Callable[[], None]:
+    """Makes `obj.<name>(...)` call `before()` first, through an instance attribute that shadows the class's method
+    (DeepSpeed's `engine.step`, which Accelerate and the Trainer call themselves); returns the function that removes
+    it, after which the class's method shows through again. When `before` raises, the method is not called and the
+    exception goes on (a TrainingFaultError under 'raise' stops the step)."""
+    original = getattr(obj, name)
+
+    @functools.wraps(original)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        before()
+        return original(*args, **kwargs)
+
+    setattr(obj, name, wrapped)
+
+    def remove() -> None:
+        if name in vars(obj):
+            delattr(obj, name)
+
+    return remove
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Raw RNG states: whether a generator drew since the last look, in a byte compare instead of a state copy
 
@@ -347,9 +472,12 @@ def set_attn_implementation(config: Any, value: str) -> None:
     config._attn_implementation = value
 
 
-__all__ = ["attn_implementation", "compiled_original", "deterministic_setter", "dtensor_local_box", "foreach_copy",
-           "foreach_max", "foreach_mul_", "foreach_neg_", "foreach_norm", "foreach_reciprocal_", "foreach_sqrt",
-           "foreach_sub_", "fsdp_mixed_precision", "grad_scaler_scale", "is_persistent_buffer",
-           "numpy_global_bit_generator", "numpy_mt19937_raw", "op_schema", "optimizer_honours_found_inf", "own_buffers",
-           "put_buffer", "put_parameter", "python_random_raw", "set_attn_implementation", "tensor_version",
-           "TorchDispatchMode", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "zero_dp_group", "zero_fragment", "zero_linked"]
+__all__ = ["attn_implementation", "call_before", "compiled_original", "deterministic_setter", "dtensor_local_box",
+           "foreach_copy", "foreach_max", "foreach_mul_", "foreach_neg_", "foreach_norm", "foreach_reciprocal_",
+           "foreach_sqrt", "foreach_sub_", "fp16_optimizer_masters", "fsdp_mixed_precision", "full_shape",
+           "grad_scaler_scale", "is_persistent_buffer", "loss_scale", "loss_scaler", "numpy_global_bit_generator",
+           "numpy_mt19937_raw", "op_schema", "optimizer_honours_found_inf", "own_buffers", "put_buffer",
+           "put_parameter", "python_random_raw", "set_attn_implementation", "tensor_version", "TorchDispatchMode",
+           "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "zero3_master_partitions", "zero3_partition",
+           "zero3_partitioned", "zero_dp_group", "zero_fragment", "zero_gradient_partitions", "zero_linked",
+           "zero_master_partition", "zero_param_groups"]

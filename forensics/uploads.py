@@ -1,6 +1,6 @@
 """Sending a dump (packed) or a report to an experiment tracker: Weights & Biases, MLflow, TensorBoard.
 
-Used by the Guard after a dump is written (`GuardConfig(upload=("wandb",))`, to the tracker run the job
+Used by the Guard after a dump is written (`DumpConfig(upload=("wandb",))`, to the tracker run the job
 has open) and by `forensics replay --upload ...` for the report (to the run named by the tracker's own
 environment: WANDB_RUN_ID / WANDB_PROJECT, MLFLOW_RUN_ID / MLFLOW_TRACKING_URI). Each tracker is an
 optional extra (`pip install 'forensics[wandb]'`, `[mlflow]`, `[tensorboard]`), imported only when named.
@@ -99,7 +99,7 @@ def _tensorboard(files: list[Path], name: str, kind: str, summary: dict, log_dir
     from torch.utils.tensorboard import SummaryWriter
 
     if log_dir is None:
-        raise UploadError("TensorBoard needs a log directory: GuardConfig(tensorboard_dir=...) or --tensorboard-dir")
+        raise UploadError("TensorBoard needs a log directory: DumpConfig(tensorboard_dir=...) or --tensorboard-dir")
     writer = SummaryWriter(log_dir=str(log_dir))
     try:
         lines = [f"forensics {kind} **{name}**", "", "```", json.dumps(summary, indent=1, default=str), "```", ""]

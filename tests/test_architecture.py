@@ -174,6 +174,25 @@ def test_a_capture_stage_imports_only_its_own_and_earlier_stages():
     assert not wrong, "\n".join(sorted(wrong))
 
 
+def test_no_capture_stage_holds_the_guard():
+    """The stages take their inputs (configuration, state source, recorders, a `report` callable): none gets the Guard
+    as `Any` or reads it through a wide Protocol (the excepthook's one-method `RecordsExceptions` is the narrowest)."""
+    wrong = []
+    for path in (ROOT / "capture").rglob("*.py"):
+        relative = path.relative_to(ROOT).as_posix()
+        if relative == "capture/guard.py" or relative.startswith("capture/integrations/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), relative)):
+            if isinstance(node, ast.ClassDef) and any(getattr(b, "id", "") == "Protocol" for b in node.bases):
+                members = [n for n in node.body if isinstance(n, (ast.AnnAssign, ast.FunctionDef))]
+                if len(members) > 1:
+                    wrong.append(f"{relative}: Protocol {node.name} has {len(members)} members")
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                wrong += [f"{relative}:{node.lineno}: {node.name}({a.arg}) takes the Guard"
+                          for a in node.args.args + node.args.kwonlyargs if a.arg == "guard"]
+    assert not wrong, "\n".join(wrong)
+
+
 def test_the_capture_tree_in_the_architecture_doc_is_the_package():
     _assert_the_doc_draws("capture")
 

@@ -10,7 +10,7 @@ it has one, (sharded optimizers) the squared norm of its gradient shard, and whe
 statistics fired (sharded state: every rank then dumps the step together). Every rank then runs its
 spike detectors on the same global values.
 
-Also here: the rank / world size / run ID every rank agrees on, `unwrap_model` (DDP, DataParallel,
+Also here: the run ID every rank agrees on, `unwrap_model` (DDP, DataParallel,
 torch.compile) and `deferred_termination` (SIGTERM held while a rank writes its dump).
 """
 
@@ -28,6 +28,7 @@ from typing import Any, Iterator
 
 import torch
 
+from capture.state.source import distributed
 from forensics.thirdparty import compiled_original
 
 log = logging.getLogger(__name__)
@@ -42,20 +43,6 @@ class Agreement:
     step_loss: float | None  # the mean over ranks (that recorded losses) of their finite step losses
     grad_norm: float | None  # sharded: the global norm assembled from shards; else the mean of the ranks' finite norms
     precursor: bool = False  # some rank's precursor statistic fired at its last check (capture/precursors/monitor.py)
-
-
-def distributed() -> bool:
-    """True when torch.distributed is initialised in this process."""
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def dist_info() -> tuple[int, int, int]:
-    """(rank, world size, local rank) of this process; from the environment before init_process_group."""
-    if distributed():
-        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    else:
-        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    return rank, world, int(os.environ.get("LOCAL_RANK", 0))
 
 
 def collective_device() -> torch.device:

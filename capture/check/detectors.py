@@ -124,9 +124,9 @@ class StepDetectors:
     """
 
     def __init__(self, config: GuardConfig):
-        self.min_loss_scale = config.min_loss_scale
-        self.loss = SpikeDetector(config.loss_spike)
-        self.grad_norm = SpikeDetector(config.grad_norm_spike)
+        self.min_loss_scale = config.detection.min_loss_scale
+        self.loss = SpikeDetector(config.detection.loss_spike)
+        self.grad_norm = SpikeDetector(config.detection.grad_norm_spike)
         self.suppressed: list[Trigger] = []
         """After detect(): spikes that warm-up kept from firing (note_suppressed logs them)."""
         self._suppressed_logged: set[TriggerKind] = set()
@@ -194,7 +194,7 @@ class StepDetectors:
 
 
 def clipped(norm: float | None, max_grad_norm: float | None) -> bool | None:
-    """Whether the loop's clipping (GuardConfig.max_grad_norm) fired at this norm (None: unknown)."""
+    """Whether the loop's clipping (GuardConfig.detection.max_grad_norm) fired at this norm (None: unknown)."""
     if max_grad_norm is None or norm is None or not math.isfinite(norm):
         return None
     return norm > max_grad_norm

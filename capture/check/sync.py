@@ -1,13 +1,14 @@
 """The Guard's synchronous check (the default mode): the step's numbers read on the host in one transfer, the
 detectors asked, the history and flight recorder fed, and a trigger turned into an `Incident`.
 
-GuardConfig.sync_free replaces it with capture/check/sync_free.py. Both read the Guard through `CheckSource`.
+GuardConfig.detection.sync_free replaces it with capture/check/sync_free.py. Both take what they read
+(configuration, state source, recorders) and return an `Incident` or None: the Guard dumps it and applies its policy.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import torch
 
@@ -21,84 +22,60 @@ from capture.record.incident import Incident, StepRecord
 from capture.record.window import FlightRecorder, WindowStep
 from capture.state import sharding, snapshot
 from capture.state.host_snapshots import HostSnapshots
+from capture.state.source import StateSource
 from forensics.kinds import Policy, TriggerKind
 from forensics.thirdparty import grad_scaler_scale
 from forensics.trigger import Trigger
 
 
-class CheckSource(Protocol):
-    """What a check reads of the Guard (capture/guard.py) and calls back: the objects it watches, its
-    detectors and recorders, the step being checked, and the adapter hooks it needs."""
-
-    optimizer: Any
-    scheduler: Any
-    scaler: Any
-    config: GuardConfig
-    detectors: StepDetectors
-    history: History
-    window: FlightRecorder
-    snapshots: HostSnapshots
-    precursors: PrecursorMonitor | None
-    step: int
-    rank: int
-    sharded_grad_norm: bool
-    own_norm_unscaled: bool
-
-    @property
-    def multi_rank(self) -> bool: ...
-
-    def compute_grad_norm(self) -> torch.Tensor | float | None: ...
-
-    def collect_state(self, copy: snapshot.HostCopy) -> dict: ...
-
-    def snapshot_state(self) -> dict | None: ...
-
-    def handle_incident(self, incident: Incident) -> bool: ...
-
-    def not_dumped(self, trigger: Trigger, step: int, why: str, reason: str) -> None: ...
-
-    def add_hook(self, handle: Any) -> None: ...
-
-
 class SyncCheck:
-    """check() between backward and optimizer.step(), reading the step's numbers before it returns."""
+    """check() between backward and optimizer.step(), reading the step's numbers before it returns.
 
-    def __init__(self, guard: CheckSource):
-        self.guard = guard
+    Args:
+        config: the Guard's configuration; detectors: its StepDetectors.
+        state: the state source (optimizer, scaler, the grad norm, the state a host snapshot copies).
+        history, window, snapshots: the recorders this check feeds.
+        precursors: the precursor monitor whose row rides on the step's transfer (None: off).
+    """
+
+    def __init__(self, config: GuardConfig, detectors: StepDetectors, state: StateSource, history: History,
+                 window: FlightRecorder, snapshots: HostSnapshots, precursors: PrecursorMonitor | None):
+        self.config, self.detectors, self.state, self.precursors = config, detectors, state, precursors
+        self.history, self.window, self.snapshots = history, window, snapshots
         self.unscaled_by: float | None = None
         """The loss scale the Guard divided its own grad norm by at the last check (None: the loop's norm, or none
         divided)."""
 
-    def check(self, record: StepRecord, grad_norm: Any) -> bool:
-        """True to apply the step, False to skip it; raises TrainingFaultError under the 'raise' policy."""
-        g = self.guard
-        losses, norm, loss_scale, agreed = self._gather(record, grad_norm)
-        divisor = record.divisor(g.config.loss_divisor)
+    def check(self, record: StepRecord, grad_norm: Any, step: int) -> Incident | None:
+        """The step's Incident when a detector fired (the Guard dumps it and applies its policy), else None."""
+        config, state = self.config, self.state
+        losses, norm, loss_scale, agreed = self._gather(record, grad_norm, step)
+        divisor = record.divisor(config.detection.loss_divisor)
         step_loss = sum(losses) / divisor if losses else None
         scaler_overflow = loss_scale is not None and norm is not None and not math.isfinite(norm)
-        trigger = g.detectors.detect(losses, norm, step_loss, loss_scale, agreed)
+        trigger = self.detectors.detect(losses, norm, step_loss, loss_scale, agreed)
         if trigger is None and agreed is not None and agreed.fault:
             trigger = Trigger(TriggerKind.NONFINITE_GRAD, norm, None, None,
                               "another rank saw a non-finite loss or gradient at this step", local=False)
-        policy = g.config.policy_for(trigger.kind) if trigger is not None else None
+        policy = config.policy_for(trigger.kind) if trigger is not None else None
         # every rank of a sharded state dumps a precursor together (or none does), with a monitor of its own or not
-        agreed_precursor = monitor.agreed_trigger(g.precursors, agreed, other=trigger is not None)
+        agreed_precursor = monitor.agreed_trigger(self.precursors, agreed, other=trigger is not None)
         if agreed_precursor is not None:
             trigger, policy = agreed_precursor, Policy.CONTINUE
-        lr, was_clipped = snapshot.current_lr(g.optimizer), clipped(norm, g.config.max_grad_norm)
-        g.history.append(g.step, step_loss, norm, lr, loss_scale,
-                         was_clipped, policy is Policy.SKIP or scaler_overflow, g.detectors.note_suppressed(g.step))
-        g.window.append(WindowStep(g.step, list(record.sample_ids), list(record.rng), lr, loss_scale, divisor,
-                                   step_loss, norm, was_clipped))
+        lr, was_clipped = snapshot.current_lr(state.optimizer), clipped(norm, config.detection.max_grad_norm)
+        self.history.append(step, step_loss, norm, lr, loss_scale, was_clipped,
+                            policy is Policy.SKIP or scaler_overflow, self.detectors.note_suppressed(step))
+        self.window.append(WindowStep(step, list(record.sample_ids), list(record.rng), lr, loss_scale, divisor,
+                                      step_loss, norm, was_clipped))
         if trigger is None or policy is None:  # policy is set whenever trigger is
-            g.snapshots.settle()
-            if g.snapshots.due(g.step):
-                take_snapshot(g)
-            return True
-        return g.handle_incident(Incident(trigger, g.step, record, losses, norm, divisor, policy,
-                                          agreed=g.multi_rank, grad_norm_unscaled_by=self.unscaled_by))
+            self.snapshots.settle()
+            if self.snapshots.due(step):
+                take_snapshot(state, self.snapshots, step)
+            return None
+        return Incident(trigger, step, record, losses, norm, divisor, policy, agreed=state.ranks.multi_rank,
+                        grad_norm_unscaled_by=self.unscaled_by)
 
-    def _gather(self, record: StepRecord, grad_norm: Any
+    def _gather(self, record: StepRecord, grad_norm: Any, step: int
                 ) -> tuple[list[float], float | None, float | None, Agreement | None]:
         """One device->host transfer of per-micro-batch losses, grad norm and loss scale (and, with several
         ranks, the step's one all-reduce: capture/check/agreement.py).
@@ -106,41 +83,44 @@ class SyncCheck:
         Python numbers stay on the host: building a device tensor from one would be a pageable
         host->device copy, which waits for the stream just like a sync.
         """
-        g = self.guard
+        state, precursors = self.state, self.precursors
         sharded = own_unscaled = False
         if grad_norm is None:
-            grad_norm, sharded = g.compute_grad_norm(), g.sharded_grad_norm
-            own_unscaled = g.own_norm_unscaled
+            grad_norm, sharded = state.grad_norm(), state.sharded_grad_norm
+            own_unscaled = state.own_norm_unscaled
         grad_norm = sharding.host_norm(grad_norm)
-        scale = grad_scaler_scale(g.scaler) if g.scaler is not None and g.scaler.is_enabled() else None
+        scaler = state.scaler
+        scale = grad_scaler_scale(scaler) if scaler is not None and scaler.is_enabled() else None
         values: list[Any] = [*record.losses, grad_norm, scale]
         n = len(record.losses)
-        row = g.precursors.pending_row() if g.precursors is not None else None  # the last sampled step's
+        row = precursors.pending_row() if precursors is not None else None  # the last sampled step's
         agreed = None
-        if g.multi_rank:
-            host, agreed = agree(values, n, divisor=record.divisor(g.config.loss_divisor),
-                                 min_loss_scale=g.config.min_loss_scale, sharded_grad_norm=sharded,
-                                 precursor_fired=g.precursors is not None and g.precursors.awaiting is not None)
+        if state.ranks.multi_rank:
+            host, agreed = agree(values, n, divisor=record.divisor(self.config.detection.loss_divisor),
+                                 min_loss_scale=self.config.detection.min_loss_scale, sharded_grad_norm=sharded,
+                                 precursor_fired=precursors is not None and precursors.awaiting is not None)
             row_values = row.tolist() if row is not None else None  # done on the device long since: no wait
         else:
             host, row_values = host_numbers(values, row)
-        if g.precursors is not None:
+        if precursors is not None:
             if row_values is not None:
-                g.precursors.receive(row_values)
-            g.precursors.launch_row(g.step)  # after the transfer: its device work overlaps the optimizer step
+                precursors.receive(row_values)
+            precursors.launch_row(step)  # after the transfer: its device work overlaps the optimizer step
         self.unscaled_by = host[n + 1] if own_unscaled else None
         return cast("list[float]", host[:n]), host[n], host[n + 1], agreed  # a recorded loss is never None
 
 
-def take_snapshot(guard: CheckSource) -> None:
-    """GuardConfig.snapshot_every: host copies of the state the `snapshot_state` hook names; turned off, with
-    the reason, when copying fails (a snapshot is a convenience; the job goes on without it)."""
+def take_snapshot(state: StateSource, snapshots: HostSnapshots, step: int) -> None:
+    """GuardConfig.recording.snapshot_every: host copies of the state the state source names; turned off, with the
+    reason, when it names none or copying fails (a snapshot is a convenience; the job goes on without it)."""
     try:
-        state = guard.snapshot_state()
-        if state is not None:
-            guard.snapshots.take(guard.step, state)
+        references, why_not = state.snapshot()
+        if references is None:
+            snapshots.turn_off(why_not or "no state to snapshot")
+        else:
+            snapshots.take(step, references)
     except Exception as exc:  # noqa: BLE001
-        guard.snapshots.turn_off(f"copying the state failed ({type(exc).__name__}: {exc})")
+        snapshots.turn_off(f"copying the state failed ({type(exc).__name__}: {exc})")
 
 
 def host_numbers(values: list[Any], row: torch.Tensor | None = None

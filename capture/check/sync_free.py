@@ -1,4 +1,5 @@
-"""The Guard's sync-free mode (GuardConfig.sync_free): the step is skipped on the device, and judged one step later.
+"""The Guard's sync-free mode (GuardConfig.detection.sync_free): the step is skipped on the device, judged one step
+later.
 
 The default check reads the step's losses and grad norm on the host before optimizer.step(), which
 stalls the host until the GPU has finished backward, so the optimizer's kernel launches are no longer
@@ -18,7 +19,7 @@ attributes GradScaler sets (`_step_supports_amp_scaling`: fused Adam / AdamW / S
    IS its pre-step state: it is dumped with that step's micro-batches, RNG, losses, and the scheduler
    state and optimizer hyper-parameters saved at its check.
 
-Limits: see the GuardConfig.sync_free docstring (capture/config.py).
+Limits: see the GuardConfig.detection.sync_free docstring (capture/config.py).
 """
 
 from __future__ import annotations
@@ -27,23 +28,25 @@ import logging
 import math
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Callable, cast
 
 import torch
 
-from capture.check.detectors import clipped
-from capture.check.sync import CheckSource
-from capture.record.incident import Incident, StepRecord
+from capture.check.detectors import StepDetectors, clipped
+from capture.config import GuardConfig
+from capture.record.history import History
+from capture.record.incident import Incident, Undumpable, StepRecord
 from capture.state import snapshot
+from capture.state.source import StateSource
 from forensics.device_sync import DeviceFence, quarantine
-from forensics.errors import TrainingFaultError
-from forensics.kinds import Policy
 from forensics.thirdparty import optimizer_honours_found_inf
-from forensics.trigger import Trigger
 
 log = logging.getLogger(__name__)
 
 LATE = " (sync_free: detected one step late, at the next step's check; this step's update was skipped on the device)"
+SPIKE_LATE = " (detected one step late)"
+SPIKE_NOT_DUMPED = Undumpable("sync_free: seen one step late, after its update", "sync_free",
+                             "sync_free mode does not dump spikes (the spike step's update was already applied)")
 
 
 @dataclass
@@ -63,55 +66,59 @@ class Pending:
     divisor: float
 
 
-def unsupported(guard: CheckSource) -> str | None:
-    """Why the sync-free mode cannot run for this Guard (None: it can)."""
-    optimizer, scaler = guard.optimizer, guard.scaler
+def unsupported(config: GuardConfig, state: StateSource) -> str | None:
+    """Why the sync-free mode cannot run for this state and configuration (None: it can)."""
+    optimizer, scaler = state.optimizer, state.scaler
     if not optimizer_honours_found_inf(optimizer):
         return (f"{type(optimizer).__name__} does not honour found_inf (only fused optimizers do, e.g. "
                 "AdamW(fused=True))")
     if scaler is not None and getattr(scaler, "is_enabled", lambda: True)():
         return "a GradScaler is enabled (it sets found_inf itself)"
-    if guard.config.verify_update:
+    if config.detection.verify_update:
         return "verify_update copies the state before every step"
-    if guard.multi_rank:
+    if state.ranks.multi_rank:
         return "several ranks must agree on each step before it is applied"
     return None
 
 
 class SyncFree:
-    """Runs Guard.check in sync-free mode; falls back to the synchronous check (one warning) when unsupported.
+    """Guard.check in sync-free mode; falls back to the synchronous check (one warning) when unsupported.
 
-    Reads the Guard only through capture.check.sync.CheckSource.
+    `resolve()` judges the step started last and `start()` launches this one's copies; the Guard dumps the
+    Incident resolve() returns and applies its policy.
+
+    Args:
+        config: the Guard's configuration; detectors: its StepDetectors; history: the history this mode feeds.
+        state: the state source (optimizer, scheduler, grad norm, the pre-step state of a non-finite step).
+        add_hook: keeps the optimizer step hook this mode installs (the Guard removes it at close()).
     """
 
-    def __init__(self, guard: CheckSource):
-        self.guard = guard
+    def __init__(self, config: GuardConfig, detectors: StepDetectors, state: StateSource, history: History,
+                 add_hook: Callable[[Any], None]):
+        self.config, self.detectors, self.state, self.history = config, detectors, state, history
+        self.add_hook = add_hook
         self.pending: Pending | None = None
         self._active: bool | None = None  # decided at the first check
 
     def active(self) -> bool:
         """Whether this Guard can run sync-free (decided once, at the first check; one warning if not)."""
         if self._active is None:
-            g = self.guard
-            reason = unsupported(g)
+            reason = unsupported(self.config, self.state)
             self._active = reason is None
             if reason:
-                log.warning("forensics: GuardConfig.sync_free is ignored: %s; using the synchronous check", reason)
+                log.warning("forensics: GuardConfig.detection.sync_free is ignored: %s; using the synchronous check",
+                            reason)
             else:
-                g.add_hook(g.optimizer.register_step_post_hook(_clear_found_inf))
+                self.add_hook(self.state.optimizer.register_step_post_hook(_clear_found_inf))
         return self._active
 
-    def check(self, record: StepRecord, grad_norm: Any) -> bool:
-        """The sync-free check (call only when active()): judges the previous step, starts this one's."""
-        self.resolve()  # the previous step: may dump, and raise under the 'raise' policy
-        self._start(record, grad_norm)
-        return True
-
-    def _start(self, record: StepRecord, grad_norm: Any) -> None:
-        g = self.guard
+    def start(self, record: StepRecord, grad_norm: Any, step: int) -> None:
+        """This step's half of the sync-free check (call only when active(), after resolve())."""
+        state = self.state
+        optimizer = state.optimizer
         if grad_norm is None:
-            grad_norm = g.compute_grad_norm()
-        param = next((p for group in g.optimizer.param_groups for p in group["params"]), None)
+            grad_norm = state.grad_norm()
+        param = next((p for group in optimizer.param_groups for p in group["params"]), None)
         device = param.device if param is not None else torch.device("cpu")
         values = [*record.losses, grad_norm]
         device_index = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and v.device == device]
@@ -131,14 +138,14 @@ class SyncFree:
         else:
             found_inf = torch.full((), float(host_bad), device=device)
             buffer = torch.empty(0)
-        g.optimizer.found_inf = found_inf  # the fused step skips the update (and undoes its step count) when 1
-        g.optimizer.grad_scale = None
+        optimizer.found_inf = found_inf  # the fused step skips the update (and undoes its step count) when 1
+        optimizer.grad_scale = None
         landed = DeviceFence([device] if pinned else [])
         hyper = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in group.items() if k != "params"}
-                 for group in g.optimizer.param_groups]
-        self.pending = Pending(g.step, record, len(record.losses), host, device_index, buffer, landed,
-                               snapshot.current_lr(g.optimizer), snapshot.scheduler_state(g.scheduler), hyper,
-                               record.divisor(g.config.loss_divisor))
+                 for group in optimizer.param_groups]
+        self.pending = Pending(step, record, len(record.losses), host, device_index, buffer, landed,
+                               snapshot.current_lr(optimizer), snapshot.scheduler_state(state.scheduler), hyper,
+                               record.divisor(self.config.detection.loss_divisor))
 
     def quarantine(self) -> None:
         """A CUDA error poisoned the context: the pending step's pinned buffer is never freed (see
@@ -147,58 +154,41 @@ class SyncFree:
             quarantine([self.pending.buffer])
             self.pending = None
 
-    def flush(self) -> None:
-        """Guard.flush(): resolve() now; a failure inside forensics is logged, a TrainingFaultError goes on."""
-        try:
-            self.resolve()
-        except TrainingFaultError:
-            raise
-        except Exception:
-            log.exception("forensics: judging the last step failed inside forensics")
-
-    def resolve(self) -> None:
-        """Judges the pending step, if any: history, detectors, dump, policy (raises under 'raise')."""
+    def resolve(self, step: int) -> Incident | None:
+        """Judges the pending step, if any (`step`: the one being checked now): history and detectors fed, its
+        Incident returned when a detector fired."""
         pending, self.pending = self.pending, None
         if pending is None:
-            return
+            return None
         pending.landed.wait()
         values: list[float | None] = [None] * (pending.n_losses + 1)
         for i, v in pending.host.items():
             values[i] = v
         for i, v in zip(pending.device_index, pending.buffer.tolist()):
             values[i] = v
-        self._judge(pending, cast("list[float]", values[:pending.n_losses]), values[pending.n_losses])  # all filled
+        losses = cast("list[float]", values[:pending.n_losses])  # all filled in above
+        return self._judge(pending, losses, values[pending.n_losses], step)
 
-    def _judge(self, pending: Pending, losses: list[float], norm: float | None) -> None:
-        g = self.guard
+    def _judge(self, pending: Pending, losses: list[float], norm: float | None, step: int) -> Incident | None:
         divisor = pending.divisor
         step_loss = sum(losses) / divisor if losses else None
-        trigger = g.detectors.detect(losses, norm, step_loss, None)
+        trigger = self.detectors.detect(losses, norm, step_loss, None)
         spike = trigger is not None and trigger.kind.spike
-        g.history.append(pending.step, step_loss, norm, pending.lr, None, clipped(norm, g.config.max_grad_norm),
-                         trigger is not None and not spike, g.detectors.note_suppressed(g.step))
+        self.history.append(pending.step, step_loss, norm, pending.lr, None,
+                            clipped(norm, self.config.detection.max_grad_norm), trigger is not None and not spike,
+                            self.detectors.note_suppressed(step))
         if trigger is None:
-            return
-        policy = g.config.policy_for(trigger.kind)
-        if spike:
-            self._on_spike(trigger, pending.step, policy)
-            return
+            return None
+        policy = self.config.policy_for(trigger.kind)
+        if spike:  # applied before it was seen: its pre-step state is gone, so it is not dumped
+            return Incident(dataclasses.replace(trigger, detail=trigger.detail + SPIKE_LATE), pending.step,
+                            pending.record, losses, norm, divisor, policy, undumpable=SPIKE_NOT_DUMPED)
         trigger = dataclasses.replace(trigger, detail=trigger.detail + LATE)
-        state = g.collect_state(snapshot.HostCopy(enabled=False))
+        state = self.state.collect(snapshot.HostCopy(enabled=False))
         for group, hyper in zip(state["optimizer"]["param_groups"], pending.hyper):
             group.update({k: snapshot.plain(v) for k, v in hyper.items()})
-        g.handle_incident(Incident(trigger, pending.step, pending.record, losses, norm, divisor, policy,
-                                   state=state, scheduler=pending.scheduler))
-
-    def _on_spike(self, trigger: Trigger, step: int, policy: Policy) -> None:
-        """A finite spike was applied before it was seen: its pre-step state is gone, so it is not dumped."""
-        g = self.guard
-        if policy is not Policy.RAISE:  # counted, and logged once per window (capture/dump/budget.py)
-            g.not_dumped(trigger, step, "sync_free: seen one step late, after its update", "sync_free")
-        if policy is Policy.RAISE:
-            reason = "sync_free mode does not dump spikes (the spike step's update was already applied)"
-            raise TrainingFaultError(f"step {step}: {trigger.message} (detected one step late); NO dump was "
-                                     f"written: {reason}.", trigger, None, reason)
+        return Incident(trigger, pending.step, pending.record, losses, norm, divisor, policy, state=state,
+                        scheduler=pending.scheduler)
 
 
 def _clear_found_inf(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

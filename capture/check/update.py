@@ -1,11 +1,11 @@
-"""GuardConfig.verify_update: the state is copied before each optimizer step, and an update that makes a finite
-parameter non-finite is dumped as a `nonfinite_param` incident with that copy as its pre-step state."""
+"""GuardConfig.detection.verify_update: the state is copied before each optimizer step, and an update that makes a
+finite parameter non-finite is dumped as a `nonfinite_param` incident with that copy as its pre-step state."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Callable
 
 import torch
 
@@ -13,44 +13,39 @@ from capture.config import GuardConfig
 from capture.record.history import History
 from capture.record.incident import Incident, StepRecord
 from capture.state import snapshot
+from capture.state.source import StateSource
 from forensics.kinds import TriggerKind
 from forensics.trigger import Trigger
 
 log = logging.getLogger(__name__)
 
 
-class UpdateSource(Protocol):
-    """What the update check reads of the Guard and calls back."""
-
-    model: torch.nn.Module
-    optimizer: Any
-    config: GuardConfig
-    history: History
-    step: int
-    last_step: StepRecord | None
-
-    def collect_state(self, copy: snapshot.HostCopy) -> dict: ...
-
-    def handle_incident(self, incident: Incident) -> bool: ...
-
-    def add_hook(self, handle: Any) -> None: ...
-
-
 class UpdateCheck:
-    """Optimizer step pre/post hooks (installed by the Guard, removed by Guard.close())."""
+    """Optimizer step pre/post hooks (kept through `add_hook`: the Guard removes them at close()).
 
-    def __init__(self, guard: UpdateSource):
-        self.guard = guard
+    Args:
+        config: the Guard's configuration; state: the state source (model, optimizer, the pre-step state).
+        history: the grad norm of the step checked last.
+        last_checked: the step number and record of the step check() saw last.
+        report: the Guard's handle_incident: dumps the Incident this check builds and applies its policy.
+        add_hook: keeps a removable hook handle.
+    """
+
+    def __init__(self, config: GuardConfig, state: StateSource, history: History,
+                 last_checked: Callable[[], tuple[int, StepRecord | None]], report: Callable[[Incident], Any],
+                 add_hook: Callable[[Any], None]):
+        self.config, self.state, self.history = config, state, history
+        self.last_checked, self.report = last_checked, report
         self._pre_step_copy: dict | None = None
         self._warned_already_bad = False
-        guard.add_hook(guard.optimizer.register_step_pre_hook(self.before))
-        guard.add_hook(guard.optimizer.register_step_post_hook(self.after))
+        add_hook(state.optimizer.register_step_pre_hook(self.before))
+        add_hook(state.optimizer.register_step_post_hook(self.after))
 
     def before(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Step pre-hook: a host copy of the state the update starts from."""
         try:
             copy = snapshot.HostCopy(enabled=True)
-            self._pre_step_copy = self.guard.collect_state(copy)
+            self._pre_step_copy = self.state.collect(copy)
             copy.finish()
             copy.wait()
         except Exception:
@@ -59,16 +54,16 @@ class UpdateCheck:
 
     def after(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Step post-hook: dumps the step when its update made a finite parameter non-finite."""
-        g = self.guard
+        model = self.state.model
         state, self._pre_step_copy = self._pre_step_copy, None
         if state is None:
             return
-        params = [p for p in g.model.parameters()]
+        params = [p for p in model.parameters()]
         if not params or _all_finite(params):
             return
-        step = g.step - 1  # check() already advanced the counter
+        step, last = self.last_checked()
         before = state.get("model") or {}
-        broken = [name for name, p in g.model.named_parameters() if not bool(torch.isfinite(p).all())]
+        broken = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
         newly = [name for name in broken
                  if name not in before or bool(torch.isfinite(before[name]).all())]  # finite before this update
         if not newly:
@@ -79,13 +74,13 @@ class UpdateCheck:
                             broken[0], step)
             return
         bad = newly[0]
-        record = g.last_step or StepRecord()
+        record = last or StepRecord()
         trigger = Trigger(TriggerKind.NONFINITE_PARAM, float("nan"), None, None,
                           f"the optimizer update of step {step} made parameter {bad} non-finite")
-        norm = g.history.to_dict()["grad_norm"][-1] if len(g.history) else float("nan")
-        g.handle_incident(Incident(trigger, step, record, [float(v) for v in record.losses], norm,
-                                   record.divisor(g.config.loss_divisor),
-                                   g.config.policy_for(trigger.kind), state=state))
+        norm = self.history.to_dict()["grad_norm"][-1] if len(self.history) else float("nan")
+        self.report(Incident(trigger, step, record, [float(v) for v in record.losses], norm,
+                             record.divisor(self.config.detection.loss_divisor), self.config.policy_for(trigger.kind),
+                             state=state))
 
 
 def _all_finite(tensors: Sequence[torch.Tensor]) -> bool:

@@ -1,4 +1,4 @@
-"""How many dumps a run may write, by kind, so that spikes never starve the crash (GuardConfig.max_dumps,
+"""How many dumps a run may write, by kind, so that spikes never starve the crash (GuardConfig.dumping.max_dumps,
 max_spike_dumps, min_spike_gap).
 
 Three budgets that never borrow from each other:
@@ -106,7 +106,7 @@ class DumpBudget:
 
     def __init__(self, config: GuardConfig):
         self.config = config
-        self._faults = threading.Semaphore(config.max_dumps)
+        self._faults = threading.Semaphore(config.dumping.max_dumps)
         self._lock = threading.Lock()
         self._first_spike: _Kept | None = None
         self._largest: list[_Kept] = []
@@ -121,26 +121,28 @@ class DumpBudget:
         if not kind.spike:
             if self._faults.acquire(blocking=False):
                 return Admission()
-            return Admission(f"the {config.max_dumps} fault dumps of this run are written (GuardConfig.max_dumps)",
+            return Admission(f"the {config.dumping.max_dumps} fault dumps of this run are written "
+                             "(GuardConfig.dumping.max_dumps)",
                              "max_dumps")
         with self._lock:
             last = self._last_spike_step
-            if last is not None and step - last < config.min_spike_gap:
-                return Admission(f"a spike was dumped {step - last} steps ago (GuardConfig.min_spike_gap)",
+            if last is not None and step - last < config.dumping.min_spike_gap:
+                return Admission(f"a spike was dumped {step - last} steps ago (GuardConfig.dumping.min_spike_gap)",
                                  "min_spike_gap")
             size = spike_size(value, threshold)
             kept = _Kept(step, size)
-            if config.max_spike_dumps == 0:
-                return Admission("spike dumps are off (GuardConfig.max_spike_dumps=0)", "off")
+            if config.dumping.max_spike_dumps == 0:
+                return Admission("spike dumps are off (GuardConfig.dumping.max_spike_dumps=0)", "off")
             if self._first_spike is None:
                 self._first_spike = kept
-            elif len(self._largest) + 1 < config.max_spike_dumps:
+            elif len(self._largest) + 1 < config.dumping.max_spike_dumps:
                 self._largest.append(kept)
             else:
                 smallest = min(self._largest, key=lambda k: k.size, default=None)
                 if smallest is None or size <= smallest.size:
-                    return Admission(f"it is not larger than the {config.max_spike_dumps} spike dumps kept (the first "
-                                     "and the largest; GuardConfig.max_spike_dumps)", "smaller_than_kept")
+                    return Admission(f"it is not larger than the {config.dumping.max_spike_dumps} spike dumps kept "
+                                     "(the first "
+                                     "and the largest; GuardConfig.dumping.max_spike_dumps)", "smaller_than_kept")
                 self._largest.remove(smallest)
                 self._largest.append(kept)
                 self._last_spike_step = step
@@ -170,8 +172,8 @@ class DumpBudget:
         """The manifest's `dump_budget` section (docs/DUMP_FORMAT.md): the budgets and what was not dumped."""
         with self._lock:
             kept = [k.step for k in ([self._first_spike] if self._first_spike else []) + self._largest]
-        return {"max_dumps": self.config.max_dumps, "max_spike_dumps": self.config.max_spike_dumps,
-                "min_spike_gap": self.config.min_spike_gap, "spike_dumps_kept": sorted(kept),
+        return {"max_dumps": self.config.dumping.max_dumps, "max_spike_dumps": self.config.dumping.max_spike_dumps,
+                "min_spike_gap": self.config.dumping.min_spike_gap, "spike_dumps_kept": sorted(kept),
                 "not_dumped": {kind: dict(reasons) for kind, reasons in self.not_dumped.counts.items()}}
 
 

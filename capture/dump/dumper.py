@@ -2,10 +2,10 @@
 
 `Dumper.dump(incident)` asks the run's dump budgets (capture/dump/budget.py: the crash's own reserve, the
 spike dumps kept, min_spike_gap), collects the pre-step
-state through the Guard's `collect_state` hook (or takes the one the Incident already holds), builds the
+state from the state source (`StateSource.collect`) (or takes the one the Incident already holds), builds the
 manifest (docs/DUMP_FORMAT.md), and writes — in the background for a spike the job goes on after. A step
 whose CUDA context is unusable gets what the host still holds. Everything about the step comes from the
-Incident; the Guard is read only through `DumpSource` (its objects, identity, recorders and adapter hooks).
+Incident; the rest is what the Dumper is built from (configuration, state source, recorders), never the Guard.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import functools
 import logging
 import math
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import torch
 
@@ -26,10 +26,12 @@ from capture.dump.main_script import MainScript
 from capture.dump.uploads import send_dump
 from capture.dump.writer_thread import BackgroundWriter
 from capture.record.history import History
-from capture.record.incident import Incident, StepRecord, json_ids, leading_dim
+from capture.record.incident import Incident, json_ids, leading_dim
 from capture.record.window import FlightRecorder
 from capture.state import buddy, snapshot
 from capture.state.host_snapshots import HostSnapshots
+from capture.state.recipe import default_loss_fits
+from capture.state.source import StateSource
 from forensics.errors import CaptureError
 from forensics.format.tree import map_tensors
 from forensics.format.writer import DumpContent, dump_path, remove_rank_dump, write_dump
@@ -41,66 +43,45 @@ from forensics.trigger import Trigger
 log = logging.getLogger(__name__)
 
 
-class DumpSource(Protocol):
-    """What the dump path reads of the Guard (capture/guard.py): the objects it watches, who it is, its
-    recorders, and the adapter hooks that say what the state is and how replay rebuilds the model."""
-
-    model: torch.nn.Module
-    optimizer: Any
-    scheduler: Any
-    scaler: Any
-    loss_fn: Callable | None
-    config: GuardConfig
-    rank: int
-    world_size: int
-    local_rank: int
-    run_id: str
-    history: History
-    window: FlightRecorder
-    snapshots: HostSnapshots
-    fsdp_units: list[dict]
-    last_step: StepRecord | None
-    """The last checked step's record: how many micro-batches a step has (a step that raised part-way has fewer)."""
-
-    @property
-    def multi_rank(self) -> bool: ...
-
-    def collect_state(self, copy: snapshot.HostCopy) -> dict: ...
-
-    def replay_recipe(self) -> dict: ...
-
-    def describe_distribution(self) -> dict | None: ...
-
-    def device_lost(self) -> None: ...
-
-
-def _accumulation(incident: Incident, last_step: StepRecord | None) -> int:
-    """The step's micro-batch count: a step that raised in its first of 2 micro-batches holds 1, yet is a step of 2
-    like the one before it (the previous step's count, when larger)."""
-    count = len(incident.record.batches)
-    if incident.trigger.kind is TriggerKind.EXCEPTION and last_step is not None:
-        count = max(count, len(last_step.batches))
-    return count
-
-
 class Dumper:
-    """Writes the dumps of one Guard and keeps their outcome (`dumps`, `errors`)."""
+    """Writes the dumps of one Guard and keeps their outcome (`dumps`, `errors`).
 
-    def __init__(self, source: DumpSource, script: MainScript | None = None):
-        self.source = source
-        self.script = script or MainScript({})
+    Args:
+        config: the Guard's configuration; run_id: the run's dump folder.
+        state: the state source: the objects whose state is dumped, the state, recipe and distribution.
+        history, window, snapshots: the recorders whose contents go into every dump.
+        on_device_lost: called when a dump finds the CUDA context unusable (sync_free's buffers are then never
+            reused).
+    """
+
+    def __init__(self, config: GuardConfig, run_id: str, state: StateSource, history: History,
+                 window: FlightRecorder, snapshots: HostSnapshots, on_device_lost: Callable[[], None] = lambda: None):
+        self.config, self.run_id, self.state = config, run_id, state
+        self.history, self.window, self.snapshots = history, window, snapshots
+        self.on_device_lost = on_device_lost
+        recipe = state.recipe()
+        self.script = MainScript(recipe)
         """The training script's source, for a recipe naming a function of it (capture/dump/main_script.py)."""
+        unfit = default_loss_fits(state.model, recipe, config.dumping.recipe)
+        if unfit:  # said now, at the start of the job, not when a dump is made
+            log.warning("forensics: %s", unfit)
+        environment.environment()  # versions, git commit: read now, not while a fault is being dumped
         self.dumps: list[Path] = []
         self.errors: list[str] = []
         # The run's dump budgets (capture/dump/budget.py): a place is taken when a dump starts (background writes
         # land later), identically on every rank; one process gives it back when its write fails.
-        self.budget = DumpBudget(source.config)
+        self.budget = DumpBudget(config)
         self._writer = BackgroundWriter()
 
     def admit(self, incident: Incident) -> Admission:
         """Whether the budget lets the incident be dumped; one that is not is counted (and logged once per
         window: dump_budget.NotDumped)."""
         trigger = incident.trigger
+        if incident.undumpable is not None:  # counted unless 'raise' stops the job, which says why itself
+            undumpable = incident.undumpable
+            if incident.policy is not Policy.RAISE:
+                self.not_dumped(trigger, incident.step, undumpable.why, undumpable.reason)
+            return Admission(undumpable.error, undumpable.reason)
         admission = self.budget.admit(trigger.kind, incident.step, trigger.value, trigger.threshold)
         if admission.why_not is not None:
             self.not_dumped(trigger, incident.step, admission.why_not, admission.reason)
@@ -119,7 +100,7 @@ class Dumper:
         if admission.why_not is not None:
             return None, admission.why_not
         background = incident.trigger.kind.spike and incident.policy is Policy.CONTINUE \
-            and self.source.config.background_write
+            and self.config.dumping.background_write
         with deferred_termination():
             outcome = self._write(incident, admission, background=background)
         if background:
@@ -147,10 +128,10 @@ class Dumper:
             failed(f"no dump written: {unusable}")
             return None, f"no dump written: {unusable}"
         if background:
-            path = self._writer.submit(content, self.source.config.dump_dir, written, failed)
+            path = self._writer.submit(content, self.config.dump_dir, written, failed)
             return path, None
         try:
-            path = write_dump(content, self.source.config.dump_dir)
+            path = write_dump(content, self.config.dump_dir)
         except CaptureError as exc:
             failed(str(exc))
             return None, str(exc)
@@ -158,22 +139,22 @@ class Dumper:
         return path, None
 
     def _written(self, path: Path, admission: Admission | None = None) -> None:
-        config = self.source.config
+        config = self.config
         self.dumps.append(path)
         log.warning("forensics: dump written to %s — replay it with: forensics replay %s", path, path)
         if admission is not None and admission.replaces is not None:
             self._remove_spike_dump(admission.replaces.step, path)
-        if config.upload:
-            send_dump(path, config.upload, config.tensorboard_dir)
-        if config.on_dump is not None:
+        if config.dumping.upload:
+            send_dump(path, config.dumping.upload, config.dumping.tensorboard_dir)
+        if config.dumping.on_dump is not None:
             try:
-                config.on_dump(path)
+                config.dumping.on_dump(path)
             except Exception:  # the user's hook must not stop the job either
-                log.exception("forensics: GuardConfig.on_dump raised for %s", path)
+                log.exception("forensics: GuardConfig.dumping.on_dump raised for %s", path)
 
     def _failed(self, message: str, kind: TriggerKind | None = None, admission: Admission | None = None) -> None:
         if kind is not None and admission is not None:  # several ranks: the attempt counts (dump_budget)
-            self.budget.failed(kind, admission, self.source.multi_rank)
+            self.budget.failed(kind, admission, self.state.ranks.multi_rank)
         self.errors.append(message)
         log.error("forensics: %s", message)
 
@@ -181,8 +162,7 @@ class Dumper:
         """Deletes this rank's spike dump of `step`, replaced by the larger one at `larger`, with its packed archive,
         and the step directory once no rank's dump is left in it. After the writes queued before it (the
         old dump may still be in the background writer's queue). Never raises."""
-        source = self.source
-        old = dump_path(Path(source.config.dump_dir), source.run_id, step, source.rank)
+        old = dump_path(Path(self.config.dump_dir), self.run_id, step, self.state.ranks.rank)
 
         def remove() -> None:
             try:
@@ -190,16 +170,16 @@ class Dumper:
                 if old in self.dumps:
                     self.dumps.remove(old)
                 log.warning("forensics: spike dump of step %d deleted: replaced by the larger spike at %s "
-                            "(GuardConfig.max_spike_dumps keeps the first and the largest)", step, larger)
+                            "(GuardConfig.dumping.max_spike_dumps keeps the first and the largest)", step, larger)
             except Exception as exc:  # noqa: BLE001 - a dump left on disk costs space, never the job
                 log.error("forensics: could not delete the replaced spike dump %s: %s", old, exc)
 
         self._writer.after_queued(remove)
 
     def _content(self, incident: Incident, background: bool) -> DumpContent:
-        source = self.source
+        source = self.state
         copy = snapshot.HostCopy(enabled=background)
-        state = incident.state if incident.state is not None else source.collect_state(copy)
+        state = incident.state if incident.state is not None else source.collect(copy)
         batches = [copy_tree(b, copy) for b in incident.record.batches]
         if incident.state is not None:  # collected earlier, live tensors: fence their devices too
             copy.cover(state)
@@ -209,7 +189,7 @@ class Dumper:
         content = DumpContent(
             manifest=manifest, snapshot=held, done=release,
             model=state["model"], optimizer=state["optimizer"], rng=list(incident.record.rng),
-            micro_batches=batches, history=source.history.to_dict(),
+            micro_batches=batches, history=self.history.to_dict(),
             scheduler=incident.scheduler or snapshot.scheduler_state(source.scheduler),
             scaler=snapshot.scaler_state(source.scaler), layout=state.get("layout"),
             copies=self._buddy_copies(state, incident), extra_files=self._extra_files(incident.step))
@@ -218,21 +198,21 @@ class Dumper:
 
     def _extra_files(self, step: int) -> dict[str, bytes]:
         """The flight recorder's files and the training script's source (when the recipe names it)."""
-        return {**self.source.window.files(step), **self.script.files()}
+        return {**self.window.files(step), **self.script.files()}
 
     def _buddy_copies(self, state: dict, incident: Incident) -> list:
-        """Sharded layout with GuardConfig.shard_replicas >= 2: the shards only other ranks hold, received from
+        """Sharded layout with GuardConfig.dumping.shard_replicas >= 2: the shards only other ranks hold, received from
         them (capture/state/buddy.py) — only in a dump every rank makes, before any rank writes."""
-        source = self.source
-        if "layout" not in state or source.config.shard_replicas < 2 or not incident.agreed:
+        ranks, replicas = self.state.ranks, self.config.dumping.shard_replicas
+        if "layout" not in state or replicas < 2 or not incident.agreed:
             return []
-        return buddy.exchange(buddy.sole_shards(state), source.rank, source.world_size, source.config.shard_replicas)
+        return buddy.exchange(buddy.sole_shards(state), ranks.rank, ranks.world_size, replicas)
 
     def _lend_snapshot(self, step: int, manifest: dict, device_usable: bool = True) -> tuple[dict | None, Any]:
         """The oldest host snapshot the flight recorder covers for a dump of `step` (noted in its manifest), and
         the function that gives it back once the dump is written; (None, None) when there is none."""
-        earlier = self.source.window.steps_before(step)
-        held, release = self.source.snapshots.lend_oldest(earlier[0], device_usable) if earlier else (None, None)
+        earlier = self.window.steps_before(step)
+        held, release = self.snapshots.lend_oldest(earlier[0], device_usable) if earlier else (None, None)
         if held is not None:
             manifest["snapshot"] = {"step": held["step"]}
         return held, release
@@ -242,13 +222,13 @@ class Dumper:
         holds — sample IDs, host-side batch tensors, RNG, history, the flight recorder, the optimizer's class and
         hyper-parameters and the last host snapshot — with `state_missing` saying why the rest is absent. None
         when even that fails."""
-        source = self.source
+        source = self.state
         try:
             manifest = self._manifest(incident)
             manifest["state_missing"] = why
             held, release = self._lend_snapshot(incident.step, manifest, device_usable)
             if not device_usable:
-                source.device_lost()
+                self.on_device_lost()
             try:
                 scheduler = incident.scheduler or snapshot.scheduler_state(source.scheduler)
             except Exception:  # noqa: BLE001 - a scheduler state on the device
@@ -258,28 +238,29 @@ class Dumper:
             return DumpContent(
                 manifest=manifest, model={}, optimizer=snapshot.optimizer_hyper(source.optimizer, source.model),
                 rng=list(incident.record.rng), micro_batches=[snapshot.host_only(b) for b in incident.record.batches],
-                history=source.history.to_dict(), scheduler=scheduler, snapshot=held, done=release,
+                history=self.history.to_dict(), scheduler=scheduler, snapshot=held, done=release,
                 extra_files=self._extra_files(incident.step))
         except Exception:  # the job is failing already
             log.exception("forensics: even the host-side dump of step %d failed", incident.step)
             return None
 
     def _manifest(self, incident: Incident) -> dict:
-        source, config = self.source, self.source.config
+        source, config, ranks = self.state, self.config, self.state.ranks
         record, losses, step = incident.record, incident.losses, incident.step
         micro_batches = []
         for index, batch in enumerate(record.batches):
             ids = json_ids(record.sample_ids[index])
             size = leading_dim(batch) or (len(ids) if ids else None)
             if ids is None and size is not None:
-                ids = [f"step{step}/rank{source.rank}/mb{index}/{j}" for j in range(size)]
+                ids = [f"step{step}/rank{ranks.rank}/mb{index}/{j}" for j in range(size)]
             micro_batches.append({"index": index, "sample_ids": ids, "batch_size": size,
                                   "loss": losses[index] if index < len(losses) else None,
                                   "ids_are_positional": record.sample_ids[index] is None})
         param = next(iter(source.model.parameters()), None)
         manifest = {
-            "run_id": source.run_id, "trigger": incident.trigger.as_dict(), "step": step, "rank": source.rank,
-            "world_size": source.world_size, "local_rank": source.local_rank, "grad_accum": _accumulation(incident, source.last_step),
+            "run_id": self.run_id, "trigger": incident.trigger.as_dict(), "step": step, "rank": ranks.rank,
+            "world_size": ranks.world_size, "local_rank": ranks.local_rank,
+            "grad_accum": incident.accumulation or len(record.batches),
             "micro_batches": micro_batches,
             "loss": {"per_micro_batch": losses, "divisor": incident.divisor, "grad_norm": incident.grad_norm,
                      "grad_norm_unscaled_by": incident.grad_norm_unscaled_by, "step_loss": incident.step_loss},
@@ -289,18 +270,19 @@ class Dumper:
                           **({"fsdp": source.fsdp_units} if source.fsdp_units else {})},
             "determinism": environment.determinism_flags(),
             "environment": environment.environment(),
-            "recipe": self.script.describe(source.replay_recipe()),
-            "recheck": recheck(source, incident) if config.recheck else {"performed": False},
+            "recipe": self.script.describe(source.recipe()),
+            "recheck": recheck(source.model, source.loss_fn, config.recording.sample_id_key, incident)
+            if config.dumping.recheck else {"performed": False},
             "missing_ranks": [],
             "dump_budget": self.budget.manifest(),
         }
-        window = source.window.steps_before(step)
+        window = self.window.steps_before(step)
         if window:
             manifest["window"] = {"first_step": window[0], "last_step": window[-1], "steps": len(window),
-                                  "max_grad_norm": config.max_grad_norm}
-        if config.data_recipe:
-            manifest["data_recipe"] = dict(config.data_recipe)
-        distribution = source.describe_distribution()
+                                  "max_grad_norm": config.detection.max_grad_norm}
+        if config.dumping.data_recipe:
+            manifest["data_recipe"] = dict(config.dumping.data_recipe)
+        distribution = source.distribution()
         if distribution is not None:
             manifest["distributed"] = distribution
         if incident.exception is not None:
@@ -320,12 +302,12 @@ def _scaler_state(scaler: Any) -> dict | None:
         return None
 
 
-def recheck(source: DumpSource, incident: Incident) -> dict:
-    """Megatron-style in-job re-check (GuardConfig.recheck): recompute the failing micro-batch's loss with its RNG."""
+def recheck(model: torch.nn.Module, loss_fn: Callable | None, sample_id_key: str, incident: Incident) -> dict:
+    """Megatron-style in-job re-check (GuardConfig.dumping.recheck): recompute the failing micro-batch's loss with its
+    RNG; `loss_fn` None: the default loss, which drops the batch's `sample_id_key`."""
     record, index = incident.record, incident.trigger.micro_batch
     if index is None or index >= len(record.batches) or incident.exception:
         return {"performed": False}
-    model = source.model
     saved = capture_rng()
     buffers = [(b, b.detach().clone()) for b in model.buffers()]  # BatchNorm stats move in a forward
     try:
@@ -334,10 +316,10 @@ def recheck(source: DumpSource, incident: Incident) -> dict:
         with torch.no_grad(), torch.autocast(autocast.get("device_type") or "cpu",
                                              dtype=getattr(torch, autocast.get("dtype") or "bfloat16"),
                                              enabled=bool(autocast.get("enabled"))):
-            if source.loss_fn is not None:
-                value = float(source.loss_fn(model, record.batches[index]))
+            if loss_fn is not None:
+                value = float(loss_fn(model, record.batches[index]))
             else:
-                value = float(default_loss(model, record.batches[index], [source.config.sample_id_key]))
+                value = float(default_loss(model, record.batches[index], [sample_id_key]))
     except Exception as exc:  # noqa: BLE001
         return {"performed": False, "error": f"{type(exc).__name__}: {exc}"}
     finally:

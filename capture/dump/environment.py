@@ -84,19 +84,3 @@ def determinism_flags() -> dict:
         "allow_tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
         "allow_tf32_cudnn": torch.backends.cudnn.allow_tf32,
     }
-
-
-def autocast_settings() -> dict:
-    """The autocast state active right now (called from inside the user's forward context)."""
-    for device_type in ("cuda", "cpu"):
-        try:
-            enabled = torch.is_autocast_enabled(device_type)
-        except TypeError:  # torch < 2.4 has no device argument
-            enabled = torch.is_autocast_enabled() if device_type == "cuda" else torch.is_autocast_cpu_enabled()
-        if enabled:
-            try:
-                dtype = torch.get_autocast_dtype(device_type)
-            except (AttributeError, TypeError):
-                dtype = torch.get_autocast_gpu_dtype() if device_type == "cuda" else torch.get_autocast_cpu_dtype()
-            return {"enabled": True, "device_type": device_type, "dtype": str(dtype).removeprefix("torch.")}
-    return {"enabled": False, "device_type": None, "dtype": None}

@@ -1,4 +1,4 @@
-"""After a dump is written: pack it and send it to the trackers GuardConfig.upload names (forensics/uploads.py).
+"""After a dump is written: pack it and send it to the trackers GuardConfig.dumping.upload names (forensics/uploads.py).
 Never raises: a failed upload is logged, the dump stays on disk."""
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ then a DeepSpeedGuard hooked into that call.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any, Callable
 
@@ -53,8 +52,8 @@ class AccelerateGuard(DistributedGuard):
                  config: GuardConfig | None = None, loss_fn: Callable | None = None):
         self.accelerator = accelerator
         config = config or GuardConfig()
-        if config.loss_divisor is None:
-            config = dataclasses.replace(config, loss_divisor=float(accelerator.gradient_accumulation_steps))
+        if config.detection.loss_divisor is None:
+            config = config.replace(loss_divisor=float(accelerator.gradient_accumulation_steps))
         torch_optimizer = getattr(optimizer, "optimizer", optimizer)  # AcceleratedOptimizer wraps the real one
         torch_scheduler = getattr(scheduler, "scheduler", scheduler)
         super().__init__(accelerator.unwrap_model(model), torch_optimizer, torch_scheduler,

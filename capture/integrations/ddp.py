@@ -5,7 +5,7 @@ spikes included; the dump cap counting attempts; SIGTERM held while a rank write
 wrappers stripped) is the plain Guard's (capture/guard.py, capture/check/agreement.py): a plain `Guard`
 under torchrun is just as correct. What this class adds is framework-specific: the autocast a
 framework applies where the loop cannot see it, and `integration` info in the manifest's `distributed`
-section (the `describe_distribution` hook).
+section (the state source's `integration`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 from capture.check.agreement import Agreement, deferred_termination, unwrap_model
 from capture.config import GuardConfig
 from capture.guard import Guard
+from capture.state.source import StateSource, state_source
 
 __all__ = ["Agreement", "DistributedGuard", "deferred_termination", "unwrap_model"]
 
@@ -42,18 +43,25 @@ class DistributedGuard(Guard):
 
     def __init__(self, model: torch.nn.Module, optimizer: Any, scheduler: Any = None, scaler: Any = None, *,
                  config: GuardConfig | None = None, loss_fn: Callable | None = None,
-                 autocast: dict | None = None):
-        super().__init__(model, optimizer, scheduler, scaler, config=config, loss_fn=loss_fn)
+                 autocast: dict | None = None, state: Callable[..., StateSource] = state_source):
+        super().__init__(model, optimizer, scheduler, scaler, config=config, loss_fn=loss_fn, state=state)
         self.autocast = autocast
         """The autocast a framework applies inside the model's forward (where the loop cannot see it)."""
-        self.integration: dict = {"framework": "torch"}
-        """Written to the manifest's `distributed` section: framework, ZeRO stage, how state was gathered."""
+        if self.state.integration is None:
+            self.integration = {"framework": "torch"}
+
+    @property
+    def integration(self) -> dict | None:
+        """Written to the manifest's `distributed` section: framework, ZeRO stage, how state was gathered (the state
+        source's `integration`)."""
+        return self.state.integration
+
+    @integration.setter
+    def integration(self, value: dict) -> None:
+        self.state.integration = value
 
     def record_loss(self, loss: Any) -> None:
         super().record_loss(loss)
-        record = self._current
+        record = self.recorder.current
         if self.autocast and record is not None and not (record.autocast or {}).get("enabled"):
             record.autocast = dict(self.autocast)
-
-    def describe_distribution(self) -> dict:
-        return {**self.integration, "world_size": self.world_size, "state": self.state_words()}

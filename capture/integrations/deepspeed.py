@@ -13,11 +13,9 @@ the loss scale has fallen to DeepSpeed's `min_loss_scale`.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import math
-from collections import defaultdict
 from typing import Any, Callable
 
 import torch
@@ -25,10 +23,13 @@ import torch
 from capture.config import GuardConfig
 from capture.integrations.ddp import DistributedGuard
 from capture.state import sharding, snapshot
+from capture.state.snapshot import HostCopy  # `snapshot` is also a method name in the class below
+from capture.state.source import StateSource
 from forensics.errors import CaptureError
 from forensics.format.shards import LocalShard
 from forensics.kinds import Policy, StateLayout
 from forensics.recipes import HUGGINGFACE_FACTORY
+from forensics import thirdparty
 from forensics.thirdparty import zero_dp_group, zero_fragment, zero_linked
 
 log = logging.getLogger(__name__)
@@ -48,17 +49,17 @@ class LossScaleView:
 
     @property
     def _scale(self) -> torch.Tensor:
-        return torch.tensor(float(self.optimizer.loss_scale))
+        return torch.tensor(thirdparty.loss_scale(self.optimizer))
 
     def min_scale(self) -> float:
-        scaler = getattr(self.optimizer, "loss_scaler", None)
+        scaler = thirdparty.loss_scaler(self.optimizer)
         if scaler is not None and getattr(scaler, "dynamic", True) and hasattr(scaler, "min_scale"):
             return float(scaler.min_scale)
         return 0.0  # a static scale never collapses
 
     def state_dict(self) -> dict:
-        scaler = getattr(self.optimizer, "loss_scaler", None)
-        state = {"scale": float(self.optimizer.loss_scale)}
+        scaler = thirdparty.loss_scaler(self.optimizer)
+        state = {"scale": thirdparty.loss_scale(self.optimizer)}
         for name in ("dynamic", "min_scale", "scale_factor", "scale_window", "cur_hysteresis", "delayed_shift",
                      "cur_iter", "last_overflow_iter", "consecutive_hysteresis"):
             value = getattr(scaler, name, None)
@@ -67,88 +68,28 @@ class LossScaleView:
         return state
 
 
-class DeepSpeedGuard(DistributedGuard):
-    """Watches a DeepSpeed engine; on NaN/Inf or a spike every rank dumps the full pre-step state.
-
-    Call `check()` after `engine.backward(loss)` and before `engine.step()` on every micro-batch (it does
-    nothing until the accumulation boundary), or pass `hook_step=True` to have `engine.step()` run it
-    (needed where the framework calls `engine.step()` for you, e.g. Accelerate); explicit `check()`
-    calls are then no-ops.
+class DeepSpeedState(StateSource):
+    """The state of a DeepSpeed engine: ZeRO's flat partitions read by parameter name, its loss scale, its grad norm.
 
     Args:
-        engine: what `deepspeed.initialize` returned first.
-        config: GuardConfig. Filled in from the engine when left at their defaults: `loss_divisor`
-            (gradient_accumulation_steps), `max_grad_norm` (gradient_clipping), `min_loss_scale` (fp16).
-        loss_fn: `(model, batch) -> loss`, as for Guard.
-        hook_step: wrap `engine.step` so that it calls `check()` first; `close()` unwraps it.
-    Example:
-        >>> engine, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=model.parameters())  # doctest: +SKIP
-        >>> guard = DeepSpeedGuard(engine, config=GuardConfig(dump_dir="dumps"))                           # doctest: +SKIP
-        >>> for batch in loader:                                                                              # doctest: +SKIP
-        ...     guard.record_batch(batch)
-        ...     loss = engine(**inputs).loss; guard.record_loss(loss)
-        ...     engine.backward(loss)
-        ...     guard.check()
-        ...     engine.step()
-
-    The 'skip' policy cannot stop `engine.step()`; DeepSpeed itself skips steps whose gradient norm is
-    non-finite in fp16 and fp32 (and in bf16 with `"check_grad_overflow": true` in zero_optimization).
+        engine: what `deepspeed.initialize` returned first; the rest as for StateSource (the Guard passes them).
     """
 
-    def __init__(self, engine: Any, *, config: GuardConfig | None = None, loss_fn: Callable | None = None,
-                 hook_step: bool = False):
+    def __init__(self, engine: Any, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
         self.engine = engine
         self.zero_stage = int(engine.zero_optimization_stage())
-        optimizer = engine.optimizer
-        scaler = LossScaleView(optimizer) if engine.fp16_enabled() else None
-        config = config or GuardConfig()
-        defaults = GuardConfig()
-        changes: dict[str, Any] = {}
-        if config.loss_divisor is None:
-            changes["loss_divisor"] = float(engine.gradient_accumulation_steps())
-        if config.max_grad_norm is None and engine.gradient_clipping():
-            changes["max_grad_norm"] = float(engine.gradient_clipping())
-        if scaler is not None and config.min_loss_scale == defaults.min_loss_scale:
-            changes["min_loss_scale"] = scaler.min_scale()
-        if config.verify_update:
-            log.warning("forensics: verify_update is not supported under DeepSpeed (its optimizer steps flat "
-                        "shards); it is turned off")
-            changes["verify_update"] = False
-        if config.recheck and self.zero_stage == 3:
-            log.warning("forensics: recheck is off under ZeRO-3: a forward on one rank alone would hang")
-            changes["recheck"] = False
-        if config.on_nonfinite == Policy.SKIP:
-            log.warning("forensics: the 'skip' policy cannot stop engine.step() under DeepSpeed; faults are "
-                        "dumped and training goes on")
-        config = dataclasses.replace(config, **changes)
-        super().__init__(engine.module, optimizer, getattr(engine, "lr_scheduler", None), scaler,
-                         config=config, loss_fn=loss_fn)
         self.sharded = self.zero_stage >= 1 or _has_hp_mapping(self.model)
         self.sharded_grad_norm = self.sharded
-        lp_dtype = next((p.dtype for p in self.model.parameters()), torch.float32)
-        self.lp_dtype = lp_dtype
-        basic = getattr(optimizer, "optimizer", optimizer)
+        self.lp_dtype = next((p.dtype for p in self.model.parameters()), torch.float32)
+        basic = _basic(self.optimizer)
         self.integration = {"framework": "deepspeed", "zero_stage": self.zero_stage,
                             "optimizer_class": _class_path(basic),
                             "precision": "fp16" if engine.fp16_enabled() else
                             "bf16" if engine.bfloat16_enabled() else "fp32"}
         self._warned_no_grads = False
-        self._original_step = None
-        self._in_step_hook = False
-        if hook_step:
-            self._hook_step()
 
-    # -- adapter hooks (capture.guard.Guard) ---------------------------------------------------
-    def at_step_boundary(self) -> bool:
-        """At DeepSpeed's accumulation boundary; when hooked into engine.step(), only from inside that call."""
-        if self._original_step is not None and not self._in_step_hook:
-            return False  # hooked: engine.step() runs the check itself, at the right moment
-        return bool(self.engine.is_gradient_accumulation_boundary())
-
-    def step_number(self) -> int | None:
-        return int(self.engine.global_steps)
-
-    def compute_grad_norm(self) -> Any:
+    def grad_norm(self) -> Any:
         """Norm of the (unscaled) gradients this rank holds: its ZeRO shard, or all of them (ZeRO-0)."""
         try:
             tensors = self._shard_grads()
@@ -167,48 +108,43 @@ class DeepSpeedGuard(DistributedGuard):
         norm = squares.sum().sqrt()
         self.own_norm_unscaled = self.scaler is not None
         if self.scaler is not None:
-            zero: Any = self.optimizer  # DeepSpeed's optimizer wrapper, not a torch Optimizer
-            norm = norm / float(zero.loss_scale)
+            norm = norm / thirdparty.loss_scale(self.optimizer)
         return norm
 
     def _shard_grads(self) -> list[torch.Tensor] | None:
         """The gradient tensors this rank holds before the step; None where their layout is unknown."""
         if self.sharded:
-            grads = getattr(self.optimizer, "averaged_gradients", None)
-            if not isinstance(grads, (dict, list)):
-                return None
-            groups = grads.values() if isinstance(grads, dict) else grads
-            return [t for group in groups if group is not None for t in group if t is not None]
+            return thirdparty.zero_gradient_partitions(self.optimizer)
         return [p.grad for p in self.model.parameters() if p.grad is not None]
 
     # -- state ---------------------------------------------------------------------------------
-    def collect_state(self, copy: snapshot.HostCopy) -> dict:
+    def collect(self, copy: snapshot.HostCopy) -> dict:
         """Pre-step weights and optimizer state keyed by parameter name. ZeRO (partitioned state): in the sharded
         layout each rank's own partitions, no communication; in the full layout, gathered (a collective)."""
         if self.sharded and self._zero_layout() is StateLayout.SHARDED:
             self.layout_used = StateLayout.SHARDED
             local = {"model": self._local_weights(), "optimizer": self._optimizer_state(self._local_value)}
-            parts, table = sharding.shard_state(local, self.rank, self.world_size, self.config.shard_replicas, copy)
+            parts, table = sharding.shard_state(local, self.ranks.rank, self.ranks.world_size,
+                                                self.config.dumping.shard_replicas, copy)
             return {**parts, "layout": table}
         self.layout_used = StateLayout.FULL
         if not self.sharded:
-            if self.optimizer is getattr(self.optimizer, "optimizer", self.optimizer) or \
-                    not getattr(self.optimizer, "fp16_groups", None):
-                return super().collect_state(copy)  # ZeRO-0 fp32: DeepSpeed steps the torch optimizer itself
+            if self.optimizer is _basic(self.optimizer) or not thirdparty.fp16_optimizer_masters(self.optimizer)[0]:
+                return super().collect(copy)  # ZeRO-0 fp32: DeepSpeed steps the torch optimizer itself
             return {"model": self._full_weights(copy), "optimizer": self._replicated_optimizer_state(copy)}
         return {"model": self._full_weights(copy), "optimizer": self._optimizer_state(self._full_value)}
 
-    def snapshot_state(self) -> dict | None:
+    def snapshot(self) -> tuple[dict | None, str | None]:
         """DeepSpeed keeps the state in its engine (flat fp32 partitions): no host snapshot; pass a checkpoint."""
-        self.snapshots.turn_off("DeepSpeed's state lives in its engine; pass your checkpoint to --from")
-        return None
+        return None, "DeepSpeed's state lives in its engine; pass your checkpoint to --from"
 
     def _zero_layout(self) -> StateLayout:
-        """ZeRO partitions its state: sharded unless GuardConfig.state_layout says "full" (every rank gathers)."""
-        numel = sum(math.prod(_full_shape(p)) for p in self.model.parameters())
+        """ZeRO partitions its state: sharded unless DumpConfig.state_layout says "full" (every rank gathers)."""
+        numel = sum(math.prod(thirdparty.full_shape(p)) for p in self.model.parameters())
         state_bytes = numel * (torch.tensor([], dtype=self.lp_dtype).element_size() + 12)  # + fp32 master, 2 moments
-        return sharding.choose_layout(StateLayout(self.config.state_layout), self.world_size if self.multi_rank else 1,
-                                      True, state_bytes, self.config.full_state_max_bytes)
+        ranks = self.ranks
+        return sharding.choose_layout(StateLayout(self.config.dumping.state_layout), ranks.world_size if ranks.multi_rank else 1,
+                                      True, state_bytes, self.config.dumping.full_state_max_bytes)
 
     def _local_weights(self) -> dict[str, Any]:
         """This rank's weights: ZeRO-3 partitions as flat shards; replicated weights (ZeRO-1/2) whole (the ranks
@@ -217,20 +153,19 @@ class DeepSpeedGuard(DistributedGuard):
         for key, tensor in self.model.state_dict(keep_vars=True).items():
             if not isinstance(tensor, torch.Tensor):
                 continue
-            if hasattr(tensor, "ds_id"):
-                partitioned: Any = tensor  # a ZeRO-3 parameter: DeepSpeed's ds_* attributes
-                state[key] = _zero3_shard(partitioned, partitioned.ds_tensor)
+            if thirdparty.zero3_partitioned(tensor):
+                state[key] = _zero3_shard(tensor, thirdparty.zero3_partition(tensor)[0])
             else:
                 state[key] = tensor.detach()
         state.update({name: value for name, value in self.buffers.before().items() if name in state})
         return state
 
-    def _full_weights(self, copy: snapshot.HostCopy) -> dict[str, torch.Tensor]:
+    def _full_weights(self, copy: HostCopy) -> dict[str, torch.Tensor]:
         state, gathered = {}, {}
         for key, tensor in self.model.state_dict(keep_vars=True).items():
             if not isinstance(tensor, torch.Tensor):
                 continue
-            if hasattr(tensor, "ds_id"):  # a ZeRO-3 partitioned parameter: gather it (collective)
+            if thirdparty.zero3_partitioned(tensor):  # a ZeRO-3 partitioned parameter: gather it (collective)
                 if id(tensor) not in gathered:
                     gathered[id(tensor)] = _gather_zero3(tensor)
                 state[key] = gathered[id(tensor)]
@@ -242,7 +177,7 @@ class DeepSpeedGuard(DistributedGuard):
     def _full_value(self, param: torch.nn.Parameter, key: str | None) -> torch.Tensor | None:
         """The whole optimizer state `key` (None: the fp32 master) of `param`, gathered (a collective)."""
         value = _full_zero3(param, key) if self.zero_stage == 3 else self._full_hp(param, key)
-        return None if value is None else _to_host(value).reshape(_full_shape(param))
+        return None if value is None else _to_host(value).reshape(thirdparty.full_shape(param))
 
     def _local_value(self, param: torch.nn.Parameter, key: str | None) -> LocalShard | None:
         """This rank's partition of the optimizer state `key` (None: the fp32 master) of `param`, as a flat shard
@@ -263,7 +198,7 @@ class DeepSpeedGuard(DistributedGuard):
     def _optimizer_state(self, fetch: Callable[[torch.nn.Parameter, str | None], Any]) -> dict:
         """Optimizer state by parameter name; `fetch(param, key)` gives each value (whole, or this rank's part)."""
         optimizer = self.optimizer
-        basic = getattr(optimizer, "optimizer", optimizer)
+        basic = _basic(optimizer)
         names = snapshot.parameter_names(self.model)
         entries = [s for s in basic.state.values() if s]
         # Every rank steps the same groups of flat shards, so whether state exists and its keys agree on
@@ -271,7 +206,7 @@ class DeepSpeedGuard(DistributedGuard):
         keys = sorted(k for k, v in entries[0].items() if isinstance(v, torch.Tensor) and v.dim() > 0) if entries else []
         step = _step_value(entries[0] if entries else {}, basic)
         if self.zero_stage == 3:
-            flats = getattr(optimizer, "fp32_partitioned_groups_flat", [])
+            flats = thirdparty.zero3_master_partitions(optimizer)
             keys = [k for k in keys if all(k in basic.state.get(flat, {}) for flat in flats)]
         groups, state = [], {}
         for group_index, params in self._lp_groups():
@@ -322,31 +257,21 @@ class DeepSpeedGuard(DistributedGuard):
         if key is None:
             return mapping.hp_fragment
         hp = mapping.hp_fragment_address
-        flat = self._hp_flat(mapping.param_group_index)
-        zero: Any = self.optimizer  # DeepSpeed's optimizer wrapper: the torch optimizer is its `optimizer`
-        value = zero.optimizer.state.get(flat, {}).get(key) if flat is not None else None
+        flat = thirdparty.zero_master_partition(self.optimizer, mapping.param_group_index)
+        value = _basic(self.optimizer).state.get(flat, {}).get(key) if flat is not None else None
         return value.narrow(0, hp.start, hp.numel) if isinstance(value, torch.Tensor) else None
 
-    def _hp_flat(self, group_index: int) -> torch.Tensor | None:
-        for attribute in ("single_partition_of_fp32_groups", "fp32_groups_flat_partition"):
-            flats = getattr(self.optimizer, attribute, None)
-            if flats:
-                return flats[group_index]
-        return None
-
-    def _replicated_optimizer_state(self, copy: snapshot.HostCopy) -> dict:
+    def _replicated_optimizer_state(self, copy: HostCopy) -> dict:
         """ZeRO-0 with bf16/fp16: every rank holds fp32 masters and their optimizer state, unsharded.
 
         DeepSpeed's unfused wrapper keeps one fp32 master per parameter; the fused one a flat fp32
         buffer per group, laid out in parameter order.
         """
-        optimizer: Any = self.optimizer  # DeepSpeed's optimizer wrapper: the torch optimizer is its `optimizer`
-        basic = optimizer.optimizer
+        basic = _basic(self.optimizer)
         names = snapshot.parameter_names(self.model)
-        per_param = getattr(optimizer, "fp32_groups", None)
-        flats = getattr(optimizer, "fp32_groups_flat", None)
+        lp_groups, per_param, flats = thirdparty.fp16_optimizer_masters(self.optimizer)
         groups, state = [], {}
-        for group_index, params in enumerate(optimizer.fp16_groups):
+        for group_index, params in enumerate(lp_groups):
             offset = 0
             for position, param in enumerate(params):
                 if per_param:
@@ -355,7 +280,7 @@ class DeepSpeedGuard(DistributedGuard):
                     pieces = {k: v for k, v in entries.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
                 else:
                     if flats is None:
-                        raise CaptureError(f"DeepSpeed's {type(optimizer).__name__} has neither fp32_groups nor "
+                        raise CaptureError(f"DeepSpeed's {type(self.optimizer).__name__} has neither fp32_groups nor "
                                            "fp32_groups_flat: this version's fp32 masters cannot be read")
                     flat = flats[group_index]
                     entries = dict(basic.state.get(flat, {}))
@@ -378,62 +303,116 @@ class DeepSpeedGuard(DistributedGuard):
 
     def _lp_groups(self) -> list[tuple[int, list[torch.nn.Parameter]]]:
         """The model's parameters in each of the user's optimizer groups, in DeepSpeed's order."""
-        optimizer = self.optimizer
-        for attribute in ("bit16_groups", "bf16_groups"):  # ZeRO-1/2, and the ZeRO-0 bf16 optimizer
-            groups = getattr(optimizer, attribute, None)
-            if groups:
-                return list(enumerate(groups))
-        sub_groups = getattr(optimizer, "fp16_groups", None)
-        if sub_groups and hasattr(optimizer, "sub_group_to_group_id"):  # ZeRO-3 splits groups into sub-groups
-            merged: dict[int, list] = defaultdict(list)
-            for index, params in enumerate(sub_groups):
-                merged[optimizer.sub_group_to_group_id[index]].extend(params)
-            return sorted(merged.items())
-        if sub_groups:
-            return list(enumerate(sub_groups))
-        return [(0, [p for p in self.model.parameters() if p.requires_grad])]
+        return thirdparty.zero_param_groups(self.optimizer) or \
+            [(0, [p for p in self.model.parameters() if p.requires_grad])]
 
     @property
-    def state_is_collective(self) -> bool:
+    def is_collective(self) -> bool:
         return self.sharded and self._zero_layout() is StateLayout.FULL
 
     @property
-    def dump_needs_every_rank(self) -> bool:
+    def needs_every_rank(self) -> bool:
         """ZeRO partitions the state: each rank writes its partitions, or all gather them (a collective)."""
-        return self.multi_rank if self.sharded else super().dump_needs_every_rank
+        return self.ranks.multi_rank if self.sharded else super().needs_every_rank
 
-    def replay_recipe(self) -> dict:
-        recipe = super().replay_recipe()
+    def recipe(self) -> dict:
+        recipe = super().recipe()
         if recipe.get("factory") == HUGGINGFACE_FACTORY and self.lp_dtype != torch.float32:
             # DeepSpeed casts the model itself (no autocast): replay must build it in that dtype.
             recipe.setdefault("factory_kwargs", {})["dtype"] = str(self.lp_dtype).removeprefix("torch.")
         return recipe
 
+class DeepSpeedGuard(DistributedGuard):
+    """Watches a DeepSpeed engine; on NaN/Inf or a spike every rank dumps the full pre-step state.
+
+    Call `check()` after `engine.backward(loss)` and before `engine.step()` on every micro-batch (it does
+    nothing until the accumulation boundary), or pass `hook_step=True` to have `engine.step()` run it
+    (needed where the framework calls `engine.step()` for you, e.g. Accelerate); explicit `check()`
+    calls are then no-ops.
+
+    Args:
+        engine: what `deepspeed.initialize` returned first.
+        config: GuardConfig. Filled in from the engine when left at their defaults: `loss_divisor`
+            (gradient_accumulation_steps), `max_grad_norm` (gradient_clipping), `min_loss_scale` (fp16).
+        loss_fn: `(model, batch) -> loss`, as for Guard.
+        hook_step: wrap `engine.step` so that it calls `check()` first; `close()` unwraps it.
+    Example:
+        >>> engine, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=model.parameters())  # doctest: +SKIP
+        >>> guard = DeepSpeedGuard(engine, config=GuardConfig(dump_dir="dumps"))                           # doctest: +SKIP
+        >>> for batch in loader:                                                                              # doctest: +SKIP
+        ...     guard.record_batch(batch)
+        ...     loss = engine(**inputs).loss; guard.record_loss(loss)
+        ...     engine.backward(loss)
+        ...     guard.check()
+        ...     engine.step()
+
+    The 'skip' policy cannot stop `engine.step()`; DeepSpeed itself skips steps whose gradient norm is
+    non-finite in fp16 and fp32 (and in bf16 with `"check_grad_overflow": true` in zero_optimization).
+    """
+
+    def __init__(self, engine: Any, *, config: GuardConfig | None = None, loss_fn: Callable | None = None,
+                 hook_step: bool = False):
+        self.engine = engine
+        self.zero_stage = int(engine.zero_optimization_stage())
+        optimizer = engine.optimizer
+        scaler = LossScaleView(optimizer) if engine.fp16_enabled() else None
+        config = config or GuardConfig()
+        defaults = GuardConfig()
+        changes: dict[str, Any] = {}
+        if config.detection.loss_divisor is None:
+            changes["loss_divisor"] = float(engine.gradient_accumulation_steps())
+        if config.detection.max_grad_norm is None and engine.gradient_clipping():
+            changes["max_grad_norm"] = float(engine.gradient_clipping())
+        if scaler is not None and config.detection.min_loss_scale == defaults.detection.min_loss_scale:
+            changes["min_loss_scale"] = scaler.min_scale()
+        if config.detection.verify_update:
+            log.warning("forensics: verify_update is not supported under DeepSpeed (its optimizer steps flat "
+                        "shards); it is turned off")
+            changes["verify_update"] = False
+        if config.dumping.recheck and self.zero_stage == 3:
+            log.warning("forensics: recheck is off under ZeRO-3: a forward on one rank alone would hang")
+            changes["recheck"] = False
+        if config.detection.on_nonfinite == Policy.SKIP:
+            log.warning("forensics: the 'skip' policy cannot stop engine.step() under DeepSpeed; faults are "
+                        "dumped and training goes on")
+        config = config.replace(**changes)
+        super().__init__(engine.module, optimizer, getattr(engine, "lr_scheduler", None), scaler,
+                         config=config, loss_fn=loss_fn, state=functools.partial(DeepSpeedState, engine))
+        self._in_step_hook = False
+        self._unhook_step = thirdparty.call_before(engine, "step", self._check_in_step) if hook_step else None
+
+    # -- adapter hooks (capture.guard.Guard) ---------------------------------------------------
+    def at_step_boundary(self) -> bool:
+        """At DeepSpeed's accumulation boundary; when hooked into engine.step(), only from inside that call."""
+        if self._unhook_step is not None and not self._in_step_hook:
+            return False  # hooked: engine.step() runs the check itself, at the right moment
+        return bool(self.engine.is_gradient_accumulation_boundary())
+
+    def step_number(self) -> int | None:
+        return int(self.engine.global_steps)
+
     # -- engine.step hook ------------------------------------------------------------------------
-    def _hook_step(self) -> None:
-        original = self.engine.step
-
-        @functools.wraps(original)
-        def step(*args, **kwargs):
-            self._in_step_hook = True
-            try:
-                self.check()
-            finally:
-                self._in_step_hook = False
-            return original(*args, **kwargs)
-
-        self._original_step = original
-        self.engine.step = step
+    def _check_in_step(self) -> None:
+        self._in_step_hook = True
+        try:
+            self.check()
+        finally:
+            self._in_step_hook = False
 
     def close(self, timeout: float | None = None) -> None:
-        if self._original_step is not None:
-            del self.engine.step  # the instance attribute; the class method shows through again
-            self._original_step = None
+        if self._unhook_step is not None:
+            self._unhook_step()  # engine.step is DeepSpeed's own again
+            self._unhook_step = None
         super().close(timeout)
 
 
+def _basic(optimizer: Any) -> Any:
+    """The torch optimizer DeepSpeed's wrapper steps (its `optimizer`), or the optimizer itself."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
 def _has_hp_mapping(model: torch.nn.Module) -> bool:
-    return any(zero_fragment(p) is not None or hasattr(p, "ds_id") for p in model.parameters())
+    return any(zero_fragment(p) is not None or thirdparty.zero3_partitioned(p) for p in model.parameters())
 
 
 def _full_zero3(param: torch.nn.Parameter, key: str | None) -> torch.Tensor | None:
@@ -445,10 +424,11 @@ def _full_zero3(param: torch.nn.Parameter, key: str | None) -> torch.Tensor | No
 def _zero3_shard(param: Any, local: torch.Tensor) -> LocalShard:
     """A ZeRO-3 partition (`local`: this rank's flat, padded slice of the flattened parameter) as a flat shard
     (empty when the partition is all padding)."""
+    _, numel, _, group = thirdparty.zero3_partition(param)
     partition = local.numel()
-    start = torch.distributed.get_rank(group=param.ds_process_group) * partition
-    valid = max(0, min(partition, int(param.ds_numel) - start))
-    return LocalShard(local.detach().reshape(-1)[:valid], tuple(_full_shape(param)), (start,), flat=True)
+    start = torch.distributed.get_rank(group=group) * partition
+    valid = max(0, min(partition, numel - start))
+    return LocalShard(local.detach().reshape(-1)[:valid], tuple(thirdparty.full_shape(param)), (start,), flat=True)
 
 
 def _gather_zero3(param: Any) -> torch.Tensor:
@@ -460,10 +440,6 @@ def _gather_zero3(param: Any) -> torch.Tensor:
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", copy=True)
-
-
-def _full_shape(param: torch.nn.Parameter) -> torch.Size:
-    return getattr(param, "ds_shape", None) or param.shape
 
 
 def _step_value(entry: dict, basic: Any) -> float | None:

@@ -11,14 +11,13 @@ How the Trainer's step is observed without changing it:
 - the check: `on_pre_optimizer_step`, after clipping, before `optimizer.step()`. The 'skip' policy
   drops the step's gradients there, so `optimizer.step()` changes nothing.
 Sample IDs reach the model only if the Trainer keeps the column: use `remove_unused_columns=False` and a
-dataset whose items carry `GuardConfig.sample_id_key` (e.g. `capture.IndexedDataset`).
+dataset whose items carry `GuardConfig.recording.sample_id_key` (e.g. `capture.IndexedDataset`).
 In the Trainer's DeepSpeed mode `accelerator.backward` runs `engine.step()`, before
 `on_pre_optimizer_step`: the guard is then a DeepSpeedGuard that checks from inside `engine.step()`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any, Callable
 
@@ -80,11 +79,11 @@ class ForensicsTrainerCallback(TrainerCallback):
         if model is None or optimizer is None:
             log.warning("forensics: the Trainer gave no model/optimizer to callbacks; training is not guarded")
             return
-        config = dataclasses.replace(self.config)  # a copy: the callback adjusts it to the Trainer
-        if config.max_grad_norm is None and args.max_grad_norm:
-            config = dataclasses.replace(config, max_grad_norm=float(args.max_grad_norm))
-        if config.loss_divisor is None:
-            config = dataclasses.replace(config, loss_divisor=float(args.gradient_accumulation_steps))
+        config = self.config.replace()  # a copy: the callback adjusts it to the Trainer
+        if config.detection.max_grad_norm is None and args.max_grad_norm:
+            config = config.replace(max_grad_norm=float(args.max_grad_norm))
+        if config.detection.loss_divisor is None:
+            config = config.replace(loss_divisor=float(args.gradient_accumulation_steps))
         autocast = None
         if args.bf16 or args.fp16:
             autocast = {"enabled": True, "device_type": args.device.type,
@@ -127,7 +126,7 @@ class ForensicsTrainerCallback(TrainerCallback):
     def _before_forward(self, module, args, kwargs):
         if self.guard is None or not module.training or not torch.is_grad_enabled():
             return None
-        key = self.guard.config.sample_id_key
+        key = self.guard.config.recording.sample_id_key
         sample_ids = kwargs.get(key)
         if sample_ids is None and not self._warned_no_ids:
             self._warned_no_ids = True
@@ -144,7 +143,7 @@ class ForensicsTrainerCallback(TrainerCallback):
         if isinstance(batch, dict):
             batch.pop(key, None)
             if NUM_ITEMS_KEY in batch:  # the loss is normalised over the step: micro-batch losses add up
-                self.guard.config.loss_divisor = 1.0
+                self.guard.config.detection.loss_divisor = 1.0
         self.guard.record_batch(batch, sample_ids=sample_ids)
         if key in kwargs:
             return args, {k: v for k, v in kwargs.items() if k != key}

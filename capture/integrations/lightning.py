@@ -7,13 +7,12 @@ Hooks used (automatic optimization): `on_train_batch_start` records the micro-ba
 divides it by `accumulate_grad_batches` and, in fp16, scales it), by wrapping the module's
 `training_step` for the length of the fit; `on_before_optimizer_step` (after backward and fp16
 unscaling, before clipping) runs the check. The 'skip' policy drops the step's gradients there.
-For replay, name a factory that builds your LightningModule: `GuardConfig(recipe={"factory": "pkg.mod:fn"})`;
+For replay, name a factory that builds your LightningModule: `DumpConfig(recipe={"factory": "pkg.mod:fn"})`;
 the recorded loss is `training_step_loss` (the module's own `training_step`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from collections.abc import Mapping
@@ -68,12 +67,13 @@ class ForensicsLightningCallback(Callback):
         optimizers = trainer.optimizers
         if len(optimizers) != 1:
             log.warning("forensics: %d optimizers; only the first one's state is dumped", len(optimizers))
-        config = dataclasses.replace(self.config)
-        if config.loss_divisor is None:
-            config.loss_divisor = float(trainer.accumulate_grad_batches)
+        config = self.config.replace()  # a copy: the callback adjusts it to the Trainer
+        if config.detection.loss_divisor is None:
+            config.detection.loss_divisor = float(trainer.accumulate_grad_batches)
         clip = trainer.gradient_clip_val
-        if config.max_grad_norm is None and clip and str(trainer.gradient_clip_algorithm or "norm").endswith("norm"):
-            config.max_grad_norm = float(clip)
+        algorithm = str(trainer.gradient_clip_algorithm or "norm")
+        if config.detection.max_grad_norm is None and clip and algorithm.endswith("norm"):
+            config.detection.max_grad_norm = float(clip)
         schedulers = trainer.lr_scheduler_configs
         self.guard = DistributedGuard(pl_module, optimizers[0], schedulers[0].scheduler if schedulers else None,
                                       getattr(trainer.precision_plugin, "scaler", None), config=config,

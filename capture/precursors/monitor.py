@@ -43,13 +43,16 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from capture.config import PrecursorConfig
 from capture.precursors.statistics import StepStatistics
+from capture.record.history import History
 from capture.record.incident import Incident, StepRecord, Trigger
+from capture.record.window import FlightRecorder
+from capture.state.source import StateSource
 from forensics import headroom
 from forensics.headroom import LimitWatch
 from forensics.kinds import Policy, PrecursorRule, PrecursorStatistic, TriggerKind
@@ -131,7 +134,7 @@ class PrecursorMonitor:
         rank, and all dump that step together (`agreed_trigger`)."""
         self._launched: tuple[int, torch.Tensor] | None = None
         """(step, row) of the last sampled step, queued on the device, not yet read."""
-        self.recorder: Any = None
+        self.recorder: FlightRecorder | None = None
         """The Guard's flight recorder (capture/record/window.py), which keeps the rows read from the device."""
         self.dumps = 0
         self.firings: list[Firing] = []
@@ -286,64 +289,72 @@ def agreed_trigger(monitor: PrecursorMonitor | None, agreement: Any, other: bool
                    "another rank's per-layer statistics kept growing (its dump names the layer)", local=False)
 
 
-def watch(guard: Any, record: StepRecord, decision: bool, sync_free: bool) -> None:
-    """Guard.check()'s precursor step (only the Guard's public members): when a statistic fired in the row this
-    check() read (the last sampled step's: this step's or one before it) on a healthy step no other trigger dumped,
-    dumps this step under policy 'continue' — or, when one rank's dump would not hold the whole state (sharded over
-    the ranks: FSDP2, ZeRO, tensor parallel, GuardConfig.state_layout "sharded"), marks the firing as awaiting: the
-    next check()'s all-reduce tells every rank, and all dump that step together (`agreed_trigger`). Never raises."""
-    monitor = guard.precursors
-    if sync_free:
-        return  # attach() refused the sync-free mode already
+def judge(monitor: PrecursorMonitor, step: int, record: StepRecord, *, healthy: bool, dumped: bool,
+          state: StateSource, history: History, report: Callable[[Incident], Any]) -> None:
+    """Guard.check()'s precursor step: when a statistic fired in the row this check() read (the last sampled
+    step's: this step's or one before it) on a `healthy` step, `report`s the Incident that dumps this step under
+    policy 'continue' — unless it was `dumped` already for an incident of its own (the next step then) or one rank's
+    dump would not hold the whole state (sharded over the ranks: FSDP2, ZeRO, tensor parallel, DumpConfig.state_layout
+    "sharded"): the firing then waits (`awaiting`), the next check()'s all-reduce tells every rank, and all dump
+    that step together (`agreed_trigger`). Never raises."""
     try:
-        unhealthy = not decision or guard.last_incident_step == guard.step
-        if unhealthy:
-            monitor.note_step(guard.step, healthy=False)
-        firings = monitor.take_firings()
-        deferred, monitor.deferred = monitor.deferred, None
-        if not firings and deferred is None:
-            return
-        for firing in firings:
-            log.warning("forensics: step %d: precursor: %s", guard.step, firing.detail)
-        chosen = monitor.to_dump(firings, guard.step) if firings else None
-        for firing in firings:
-            guard.window.note_precursor_firing({**firing.as_dict(), "dumped": firing is chosen})
-        chosen = chosen or deferred
-        if chosen is None or monitor.dumps >= monitor.config.max_dumps:
-            return
-        if guard.last_dumped_step == guard.step:  # dumped already for an incident of its own: the next step then
-            monitor.deferred = chosen
-            return
-        if guard.dump_needs_every_rank:  # this rank's dump alone would not hold the state: all dump the next step
-            monitor.awaiting = chosen  # counted by every rank when they do (agreed_trigger): the counts stay equal
-            log.warning("forensics: precursor at step %d: every rank dumps the next step", guard.step)
-            return
-        monitor.dumps += 1
-        trigger = Trigger(TriggerKind.PRECURSOR, chosen.value, chosen.baseline, None, chosen.detail)
-        losses = [float(v.float().mean()) if isinstance(v, torch.Tensor) else float(v)
-                  for v in record.losses]  # a few scalars, read only when a precursor fires
-        norm = guard.history.to_dict()["grad_norm"][-1] if len(guard.history) else None
-        guard.handle_incident(Incident(trigger, guard.step, record, losses, norm,
-                                       record.divisor(guard.config.loss_divisor), Policy.CONTINUE))
+        incident = _incident(monitor, step, record, healthy, dumped, state, history)
+        if incident is not None:
+            report(incident)
     except Exception:  # capture must never stop a healthy job
-        log.exception("forensics: precursors: step %d could not be judged", guard.step)
+        log.exception("forensics: precursors: step %d could not be judged", step)
 
 
-def attach(guard: Any, config: PrecursorConfig | None) -> PrecursorMonitor | None:
-    """The Guard's monitor for GuardConfig.precursors (None: off, or refused with a warning); its hooks are the
-    Guard's to remove."""
+def _incident(monitor: PrecursorMonitor, step: int, record: StepRecord, healthy: bool, dumped: bool,
+              state: StateSource, history: History) -> Incident | None:
+    if not healthy:
+        monitor.note_step(step, healthy=False)
+    firings = monitor.take_firings()
+    deferred, monitor.deferred = monitor.deferred, None
+    if not firings and deferred is None:
+        return None
+    for firing in firings:
+        log.warning("forensics: step %d: precursor: %s", step, firing.detail)
+    chosen = monitor.to_dump(firings, step) if firings else None
+    recorder = monitor.recorder
+    for firing in firings:
+        if recorder is not None:
+            recorder.note_precursor_firing({**firing.as_dict(), "dumped": firing is chosen})
+    chosen = chosen or deferred
+    if chosen is None or monitor.dumps >= monitor.config.max_dumps:
+        return None
+    if dumped:  # dumped already for an incident of its own: the next step then
+        monitor.deferred = chosen
+        return None
+    if state.needs_every_rank:  # this rank's dump alone would not hold the state: all dump the next step
+        monitor.awaiting = chosen  # counted by every rank when they do (agreed_trigger): the counts stay equal
+        log.warning("forensics: precursor at step %d: every rank dumps the next step", step)
+        return None
+    monitor.dumps += 1
+    trigger = Trigger(TriggerKind.PRECURSOR, chosen.value, chosen.baseline, None, chosen.detail)
+    losses = [float(v.float().mean()) if isinstance(v, torch.Tensor) else float(v)
+              for v in record.losses]  # a few scalars, read only when a precursor fires
+    norm = history.to_dict()["grad_norm"][-1] if len(history) else None
+    return Incident(trigger, step, record, losses, norm, record.divisor(state.config.detection.loss_divisor),
+                    Policy.CONTINUE)
+
+
+def attach(model: torch.nn.Module, optimizer: Any, scaler: Any, config: PrecursorConfig | None, *, sync_free: bool,
+           window: FlightRecorder, add_hook: Callable[[Any], None]) -> PrecursorMonitor | None:
+    """The monitor for GuardConfig.precursors (None: off, or refused with a warning); its hooks go to `add_hook`
+    (the Guard removes them) and its rows to the flight recorder `window`."""
     if config is None:
         return None
-    if guard.config.sync_free:
+    if sync_free:
         log.warning("forensics: precursors are off in the sync_free mode (their statistics are read at check())")
         return None
     try:
-        monitor = PrecursorMonitor(guard.model, guard.optimizer, config, guard.scaler)
+        monitor = PrecursorMonitor(model, optimizer, config, scaler)
     except Exception:
         log.exception("forensics: precursors: the monitor could not be set up; it is off")
         return None
     for handle in monitor.handles:
-        guard.add_hook(handle)
-    monitor.recorder = guard.window
-    guard.window.watch_precursors(monitor.meta, config.history)
+        add_hook(handle)
+    monitor.recorder = window
+    window.watch_precursors(monitor.meta, config.history)
     return monitor

@@ -15,18 +15,15 @@ import sys
 import sysconfig
 import traceback
 import weakref
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from capture.check.sync import host_numbers
-from capture.config import GuardConfig
-from capture.dump.dumper import Dumper
 from capture.raised.optimizer_steps import AfterCheck, OptimizerSteps
 from capture.record.incident import Incident, StepRecord
-from capture.state.buffers import PreForwardBuffers
 from capture.state.host_snapshots import available_host_memory, proc_bytes
+from capture.state.source import StateSource
 from forensics.errors import TrainingFaultError, is_out_of_memory
 from forensics.format.tree import tensor_leaves
 from forensics.kinds import Phase, Policy, StateHolds, TriggerKind
@@ -119,59 +116,45 @@ def first_sight(exc: BaseException) -> bool:
     return True
 
 
-class RaisingStepSource(Protocol):
-    """What dumping a step that raised reads of the Guard (capture/guard.py)."""
-
-    step: int
-    rank: int
-    config: GuardConfig
-    last_step: StepRecord | None
-    stopped: TrainingFaultError | None
-    buffers: PreForwardBuffers
-    optimizer_steps: OptimizerSteps
-    dumper: Dumper
-
-    @property
-    def multi_rank(self) -> bool: ...
-
-    @property
-    def state_is_collective(self) -> bool: ...
-
-
-def dump_raised(guard: RaisingStepSource, exc: BaseException, current: StepRecord | None) -> Path | None:
-    """Dumps the step that raised `exc` (Guard.record_exception): `current`, the step in progress, or — raised after
-    check(), `current` None — the step last checked, or the next one's pre-step state when the update had finished
-    (the loop's own code raised between steps). Returns the dump's path, or None."""
+def raised_incident(exc: BaseException, current: StepRecord | None, *, step: int, last_step: StepRecord | None,
+                    stopped: TrainingFaultError | None, optimizer_steps: OptimizerSteps, state: StateSource
+                    ) -> Incident | None:
+    """The Incident of the step that raised `exc` (Guard.record_exception dumps it), or None when there is nothing
+    to dump. The step is `current`, the step in progress (number `step`), or — raised after check(), `current`
+    None — the step last checked (`last_step`), or the next one's pre-step state when the update had finished (the
+    loop's own code raised between steps: `optimizer_steps` tells). `stopped`: the TrainingFaultError check()
+    raised last, if the job goes on after it. `state`: whether reading the state is a collective; its buffers and
+    configuration."""
     if not first_sight(exc):
         return None  # already dumped by check(), or by an outer capture_errors() / the excepthook
-    if current is None and guard.stopped is not None:
+    if current is None and stopped is not None:
         log.warning("forensics: %s raised after the Guard stopped the job at step %d (TrainingFaultError): not a "
                     "step of the training loop, not dumped (that step's dump: %s)", type(exc).__name__,
-                    guard.step - 1, guard.stopped.dump_path or guard.stopped.dump_error)
+                    step - 1, stopped.dump_path or stopped.dump_error)
         return None
-    where = guard.optimizer_steps.after_check() if current is None else None
-    record = current if current is not None else guard.last_step
+    where = optimizer_steps.after_check() if current is None else None
+    record = current if current is not None else last_step
     if record is None or not record.batches:
         log.warning("forensics: %s raised outside a recorded step (%s): nothing to dump. To have such code dumped "
                     "(evaluation, a data check), record its batch and wrap it: `with guard.capture_errors(): "
                     "guard.record_batch(batch); ...` — the step is then dumped where it raises", type(exc).__name__,
-                    "before the first record_batch" if guard.last_step is None else "the steps so far recorded no batch")
+                    "before the first record_batch" if last_step is None else "the steps so far recorded no batch")
         return None
-    if guard.state_is_collective and guard.multi_rank:
+    multi_rank = state.ranks.multi_rank
+    if state.is_collective and multi_rank:
         log.error("forensics: step %d raised %s on rank %d; its ZeRO-sharded state cannot be gathered by one "
                   "rank alone, so it is not dumped (the micro-batches are in the traceback's frames)",
-                  guard.step, type(exc).__name__, guard.rank)
+                  step, type(exc).__name__, state.ranks.rank)
         return None
     if where is not None and where.state_holds is StateHolds.AFTER_UPDATE:
-        guard.buffers.take_before_forward()  # the next step's pre-step buffers are the ones now
-    incident = step_incident(exc, record, guard.step if current is not None else guard.step - 1, where,
-                             guard.multi_rank, record.divisor(guard.config.loss_divisor))
-    log.error("forensics: step %d rank %d raised %s; dumping the step", incident.step, guard.rank,
+        state.buffers.take_before_forward()  # the next step's pre-step buffers are the ones now
+    incident = step_incident(exc, record, step if current is not None else step - 1, where, multi_rank,
+                             record.divisor(state.config.detection.loss_divisor))
+    if incident.trigger.kind is TriggerKind.EXCEPTION and last_step is not None:
+        incident.accumulation = max(len(incident.record.batches), len(last_step.batches))
+    log.error("forensics: step %d rank %d raised %s; dumping the step", incident.step, state.ranks.rank,
               incident.trigger.message)
-    path, error = guard.dumper.dump(incident)
-    if error:
-        log.error("forensics: no dump of the step that raised: %s", error)
-    return path
+    return incident
 
 
 def step_incident(exc: BaseException, record: StepRecord, step: int, after_check: AfterCheck | None,
@@ -261,14 +244,15 @@ _PREVIOUS: list[Any] = []
 
 def _excepthook(exc_type, exc, tb) -> None:
     if isinstance(exc, Exception):
-        for guard in list(_WATCHED):
-            guard.record_exception(exc)  # never raises; dumps only a guard with a step in progress
+        for recorder in list(_WATCHED):
+            recorder.record_exception(exc)  # never raises; a Guard dumps only a step in progress
     (_PREVIOUS[0] if _PREVIOUS else sys.__excepthook__)(exc_type, exc, tb)
 
 
-def watch(guard: RecordsExceptions) -> None:
-    """Has uncaught exceptions dump `guard`'s step in progress. One hook for every Guard of the process,
-    chained to the previous one, holding the guards weakly (a Guard that is dropped is not kept alive)."""
+def watch(recorder: RecordsExceptions) -> None:
+    """Has uncaught exceptions go to `recorder.record_exception` (a Guard: it dumps its step in progress). One hook
+    for every Guard of the process, chained to the previous one, holding them weakly (a Guard that is dropped is not
+    kept alive)."""
     if nccl_watchdog_aborts_on_cuda_errors():
         log.warning("forensics: NCCL's watchdog aborts this process on a CUDA error (a device-side assert), which can "
                     "end the rank before its dump is written; to let the dump finish and the job fail with its own "
@@ -276,11 +260,11 @@ def watch(guard: RecordsExceptions) -> None:
     if sys.excepthook is not _excepthook:
         _PREVIOUS[:] = [sys.excepthook]
         sys.excepthook = _excepthook
-    _WATCHED.add(guard)
+    _WATCHED.add(recorder)
 
 
-def unwatch(guard: RecordsExceptions) -> None:
-    """Guard.close(): this guard no longer dumps uncaught exceptions; the hook goes once none is watched."""
-    _WATCHED.discard(guard)
+def unwatch(recorder: RecordsExceptions) -> None:
+    """Guard.close(): this Guard no longer dumps uncaught exceptions; the hook goes once none is watched."""
+    _WATCHED.discard(recorder)
     if not _WATCHED and sys.excepthook is _excepthook:
         sys.excepthook = _PREVIOUS[0] if _PREVIOUS else sys.__excepthook__

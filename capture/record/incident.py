@@ -35,9 +35,21 @@ class StepRecord:
     autocast: dict | None = None
 
     def divisor(self, loss_divisor: float | None) -> float:
-        """What the step loss divides the summed micro-batch losses by (GuardConfig.loss_divisor, else the
+        """What the step loss divides the summed micro-batch losses by (GuardConfig.detection.loss_divisor, else the
         number of micro-batch losses recorded)."""
         return float(loss_divisor or max(len(self.losses), 1))
+
+
+@dataclass(frozen=True)
+class Undumpable:
+    """Why an incident cannot be dumped at all (sync_free: a spike seen only after its update was applied)."""
+
+    why: str
+    """The line the dump budget counts it under."""
+    reason: str
+    """Its key in the manifest's `dump_budget.not_dumped`."""
+    error: str
+    """What the TrainingFaultError says under 'raise'."""
 
 
 @dataclass
@@ -63,6 +75,10 @@ class Incident:
     agreed: bool = False
     """Every rank of a multi-rank job dumps this step (a trigger agreed at check()): the dump may exchange
     data between ranks (buddy copies) before writing."""
+    accumulation: int | None = None
+    """The step's micro-batch count when the record holds fewer (a step that raised part-way); None: the record's."""
+    undumpable: Undumpable | None = None
+    """Set when the incident cannot be dumped: the Guard still counts it and applies its policy."""
 
     @property
     def step_loss(self) -> float | None:

@@ -55,7 +55,7 @@ class FirstStepCheck:
             log.warning("forensics: the Guard cannot read sample IDs from %d of the step's %d micro-batch(es) (%s): a "
                         "dump would name samples by their position in the batch ('step5/rank0/mb0/2'), which no "
                         "blocklist can use. Fix: guard.record_batch(batch, sample_ids=ids) with your dataset's IDs, "
-                        "or put them under the batch's %r key (GuardConfig.sample_id_key)",
+                        "or put them under the batch's %r key (GuardConfig.recording.sample_id_key)",
                         len(missing), len(record.batches), why, self.sample_id_key)
         if not record.losses:
             log.warning("forensics: no loss was recorded at the first step: a NaN loss goes unseen (only the gradient "

@@ -3,9 +3,9 @@
 Per checked step: the sample IDs of every micro-batch (references, converted to JSON only when a dump is
 written), the RNG state taken right before each micro-batch's forward (host memory, already captured by
 record_batch), the learning rate, loss scale, divisor, step loss and grad norm. Bounded: the last
-GuardConfig.window_steps steps (about 12 KB per micro-batch: the torch CPU and Python RNG states).
+GuardConfig.recording.window_steps steps (about 12 KB per micro-batch: the torch CPU and Python RNG states).
 
-With a data recipe (GuardConfig.data_recipe: how to rebuild a micro-batch from its sample IDs) and an earlier
+With a data recipe (GuardConfig.dumping.data_recipe: how to rebuild a micro-batch from its sample IDs) and an earlier
 checkpoint, `forensics replay DUMP --from CHECKPOINT` re-executes those steps to find the one whose update
 broke the weights (replay/run/window.py). Written to the dump as `window.json` and `window-rng.safetensors`
 (docs/DUMP_FORMAT.md "Flight recorder").

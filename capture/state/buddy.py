@@ -1,4 +1,4 @@
-"""Buddy copies of the shards only one rank holds (GuardConfig.shard_replicas >= 2), exchanged before writing.
+"""Buddy copies of the shards only one rank holds (GuardConfig.dumping.shard_replicas >= 2), exchanged before writing.
 
 A plain FSDP2 / tensor-parallel shard or a ZeRO partition lives on one rank: if that rank (or its node) dies
 while writing its dump, the state cannot be rebuilt. With `shard_replicas = k`, before any rank starts
@@ -58,7 +58,7 @@ def ranks_per_node(world_size: int) -> int:
 
 
 def sole_shards(state: dict) -> dict[str, dict[str, LocalShard]]:
-    """The shards of a sharded state (`{"model", "optimizer"}` as collect_state returns them) that no other
+    """The shards of a sharded state (`{"model", "optimizer"}` as StateSource.collect returns them) that no other
     rank writes, by file and stored name."""
     found: dict[str, dict[str, LocalShard]] = {spec.MODEL: {}, spec.OPTIMIZER_TENSORS: {}}
     for name, value in state["model"].items():

@@ -1,4 +1,4 @@
-"""The Guard's own host snapshots of the training state every K steps (GuardConfig.snapshot_every), so that a
+"""The Guard's own host snapshots of the training state every K steps (GuardConfig.recording.snapshot_every), so that a
 window replay (`forensics replay DUMP`) needs no checkpoint of the user's.
 
 At the check() of a healthy step S with S % every == 0, the pre-step model + optimizer state is copied into
@@ -56,7 +56,7 @@ class HostSnapshots:
     def turn_off(self, why: str) -> None:
         if self.off_because is None:
             self.off_because = why
-            log.warning("forensics: host snapshots (GuardConfig.snapshot_every) are off: %s", why)
+            log.warning("forensics: host snapshots (GuardConfig.recording.snapshot_every) are off: %s", why)
 
     def take(self, step: int, state: dict) -> None:
         """Copies `state` (full layout, tensors as references) into the next free slot."""
@@ -135,7 +135,7 @@ class HostSnapshots:
         if available is not None and need > MAX_SHARE_OF_AVAILABLE * available:
             self.turn_off(f"{self.count} snapshots of this rank's state need {need / 2**20:,.1f} MiB of host memory, "
                           f"more than half of the {available / 2**20:,.1f} MiB available; lower "
-                          "GuardConfig.snapshot_count or pass a checkpoint of your own to `forensics replay --from`")
+                          "RecordConfig.snapshot_count or pass a checkpoint of your own to `forensics replay --from`")
             return False
         log.info("forensics: host snapshots every %d steps hold %.1f MiB (%d x the state)", self.every,
                  need / 2**20, self.count)

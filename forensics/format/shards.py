@@ -5,7 +5,7 @@ Writer side: a state value may be a `LocalShard` (this rank's box of a larger te
 data under the tensor's name and lists it in the manifest's `layout.shards`. Every rank's manifest also
 carries `layout.tensors`, the table of every tensor of the complete state (name, global shape, dtype), so
 any one rank dump says what the whole state is and which parts are missing. `ShardCopies` are another
-rank's shards a rank also stores (`layout.copies`, GuardConfig.shard_replicas): used only to fill gaps.
+rank's shards a rank also stores (`layout.copies`, GuardConfig.dumping.shard_replicas): used only to fill gaps.
 
 Reader side: `ShardIndex` joins the `layout` sections of a step's rank dumps (the step-level index) and
 checks, before anything is allocated, that the boxes of each tensor tile it exactly (in bounds, no
@@ -46,7 +46,7 @@ class LocalShard:
 
 @dataclass
 class ShardCopies:
-    """Another rank's sole shards, received to be written beside this rank's own (GuardConfig.shard_replicas):
+    """Another rank's sole shards, received to be written beside this rank's own (GuardConfig.dumping.shard_replicas):
     `files` maps a SHARDED_FILES name to `{stored name: LocalShard}`."""
 
     source_rank: int
@@ -198,7 +198,7 @@ class ShardIndex:
             f"({shown}). Rank dumps found: {present}; missing: {absent or 'none'}. Each rank wrote only its own "
             "shards: copy the missing rank-* directories (from the other nodes' dump_dir) next to these, or "
             "name their directories with --shards DIR. If those ranks died while writing, the state cannot be "
-            "rebuilt from this dump (GuardConfig(shard_replicas=2) writes every part on two ranks).", names, absent)
+            "rebuilt from this dump (DumpConfig(shard_replicas=2) writes every part on two ranks).", names, absent)
 
 
 class ShardedState:

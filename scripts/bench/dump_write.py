@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> None:
     guard = Guard(model, optimizer, config=GuardConfig(dump_dir=work, run_id="bench"))
 
     def forensics_dump():
-        state = guard.collect_state(__import__("capture.state.snapshot", fromlist=["HostCopy"]).HostCopy(enabled=False))
+        state = guard.state.collect(__import__("capture.state.snapshot", fromlist=["HostCopy"]).HostCopy(enabled=False))
         content = DumpContent(manifest={"run_id": "bench", "step": 0, "rank": 0, "world_size": 1, "trigger": {},
                                         "micro_batches": []},
                               model=state["model"], optimizer=state["optimizer"], rng=[capture_rng()],

@@ -88,7 +88,7 @@ def exchange_only(model, optimizer) -> dict:
     from capture.state import buddy, snapshot
 
     guard = Guard(model, optimizer, config=GuardConfig(state_layout="sharded", shard_replicas=2))
-    state = guard.collect_state(snapshot.HostCopy(enabled=False))
+    state = guard.state.collect(snapshot.HostCopy(enabled=False))
     shards = buddy.sole_shards(state)
     sent = sum(s.tensor.numel() * s.tensor.element_size() for rows in shards.values() for s in rows.values())
     dist.barrier()

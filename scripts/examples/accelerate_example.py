@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 import _common
-from capture import GuardConfig, IndexedDataset
+from capture import DetectionConfig, DumpConfig, GuardConfig, IndexedDataset
 from capture.integrations import AccelerateGuard
 from forensics.errors import TrainingFaultError
 
@@ -44,8 +44,9 @@ def main() -> None:
     model, optimizer = accelerator.prepare(model, optimizer)
     # --- forensics: one line to create the guard (after prepare) ---
     guard = AccelerateGuard.create(accelerator, model, optimizer, scheduler, config=GuardConfig(
-        dump_dir=args.dump_dir, run_id=args.run_id, on_nonfinite=args.policy, max_grad_norm=_common.CLIP,
-        state_layout=args.layout, shard_replicas=args.replicas))
+        dump_dir=args.dump_dir, run_id=args.run_id,
+        detection=DetectionConfig(on_nonfinite=args.policy, max_grad_norm=_common.CLIP),
+        dumping=DumpConfig(state_layout=args.layout, shard_replicas=args.replicas)))
 
     samples = world * args.steps * args.accum * args.micro_batch
     dataset = IndexedDataset(_common.EmbedsDataset(samples, poison=args.poison))

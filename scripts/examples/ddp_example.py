@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 import _common
-from capture import GuardConfig, IndexedDataset
+from capture import DetectionConfig, DumpConfig, GuardConfig, IndexedDataset
 from capture.integrations import DistributedGuard
 
 
@@ -35,9 +35,10 @@ def main() -> None:
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** args.initial_scale_power, enabled=args.fp16)
     # --- forensics: one line to create the guard (pass the DDP wrapper or the model) ---
     guard = DistributedGuard(ddp, optimizer, scheduler, scaler, config=GuardConfig(
-        dump_dir=args.dump_dir, run_id=args.run_id, on_nonfinite=args.policy, max_grad_norm=_common.CLIP,
-        max_dumps=args.max_dumps, min_loss_scale=args.min_loss_scale, state_layout=args.layout,
-        shard_replicas=args.replicas))
+        dump_dir=args.dump_dir, run_id=args.run_id,
+        detection=DetectionConfig(on_nonfinite=args.policy, max_grad_norm=_common.CLIP,
+                                  min_loss_scale=args.min_loss_scale),
+        dumping=DumpConfig(max_dumps=args.max_dumps, state_layout=args.layout, shard_replicas=args.replicas)))
 
     samples = world * args.steps * args.accum * args.micro_batch
     dataset = IndexedDataset(_common.EmbedsDataset(samples, poison=args.poison))  # adds batch["sample_ids"]

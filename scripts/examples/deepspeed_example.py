@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 import _common
-from capture import GuardConfig, IndexedDataset
+from capture import DetectionConfig, DumpConfig, GuardConfig, IndexedDataset
 from capture.integrations import DeepSpeedGuard
 from forensics.errors import TrainingFaultError
 
@@ -54,9 +54,9 @@ def main() -> None:
         model=model, config=ds_config(args), model_parameters=model.parameters(),
         lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, _common.warmup))
     # --- forensics: one line to create the guard ---
-    guard = DeepSpeedGuard(engine, config=GuardConfig(dump_dir=args.dump_dir, run_id=args.run_id,
-                                                      on_nonfinite=args.policy, max_dumps=args.max_dumps,
-                                                      state_layout=args.layout, shard_replicas=args.replicas))
+    guard = DeepSpeedGuard(engine, config=GuardConfig(
+        dump_dir=args.dump_dir, run_id=args.run_id, detection=DetectionConfig(on_nonfinite=args.policy),
+        dumping=DumpConfig(max_dumps=args.max_dumps, state_layout=args.layout, shard_replicas=args.replicas)))
     dtype = next(engine.module.parameters()).dtype
 
     samples = world * args.steps * args.accum * args.micro_batch

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader, DistributedSampler
 
 import _common
-from capture import Guard, GuardConfig, IndexedDataset
+from capture import DetectionConfig, DumpConfig, Guard, GuardConfig, IndexedDataset
 
 
 def main() -> None:
@@ -45,8 +45,9 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _common.warmup)
     # --- forensics: one line to create the guard ---
     guard = Guard(model, optimizer, scheduler, config=GuardConfig(
-        dump_dir=args.dump_dir, run_id=args.run_id, on_nonfinite=args.policy, max_grad_norm=_common.CLIP,
-        max_dumps=args.max_dumps, state_layout=args.layout, shard_replicas=args.replicas))
+        dump_dir=args.dump_dir, run_id=args.run_id,
+        detection=DetectionConfig(on_nonfinite=args.policy, max_grad_norm=_common.CLIP),
+        dumping=DumpConfig(max_dumps=args.max_dumps, state_layout=args.layout, shard_replicas=args.replicas)))
 
     samples = world * args.steps * args.accum * args.micro_batch
     dataset = IndexedDataset(_common.EmbedsDataset(samples, poison=args.poison, poison_value=args.poison_value,

@@ -17,7 +17,7 @@ import tempfile
 import torch
 
 import _common
-from capture import GuardConfig, IndexedDataset
+from capture import DetectionConfig, GuardConfig, IndexedDataset
 from capture.integrations import ForensicsTrainerCallback
 from forensics.errors import TrainingFaultError
 
@@ -49,7 +49,7 @@ def main() -> None:
         )
         # --- forensics: one callback ---
         callback = ForensicsTrainerCallback(GuardConfig(dump_dir=args.dump_dir, run_id=args.run_id,
-                                                        on_nonfinite=args.policy))
+                                                        detection=DetectionConfig(on_nonfinite=args.policy)))
         trainer = Trainer(model=_common.tiny_gpt2(), args=training_args, train_dataset=dataset,
                           callbacks=[callback])
         rank = training_args.process_index

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import _common
-from capture import GuardConfig, IndexedDataset
+from capture import DetectionConfig, DumpConfig, GuardConfig, IndexedDataset
 from capture.integrations import ForensicsLightningCallback
 from forensics.errors import TrainingFaultError
 
@@ -34,8 +34,8 @@ def main() -> None:
                         batch_size=args.micro_batch, shuffle=False)
     # --- forensics: one callback (the recipe tells replay how to rebuild this LightningModule) ---
     callback = ForensicsLightningCallback(GuardConfig(
-        dump_dir=args.dump_dir, run_id=args.run_id, on_nonfinite=args.policy,
-        recipe={"factory": "_common:lit_gpt2", "factory_kwargs": {}}))
+        dump_dir=args.dump_dir, run_id=args.run_id, detection=DetectionConfig(on_nonfinite=args.policy),
+        dumping=DumpConfig(recipe={"factory": "_common:lit_gpt2", "factory_kwargs": {}})))
     trainer = pl.Trainer(max_steps=args.steps, accumulate_grad_batches=args.accum, gradient_clip_val=_common.CLIP,
                          precision=args.precision, accelerator="gpu" if torch.cuda.is_available() else "cpu",
                          devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,

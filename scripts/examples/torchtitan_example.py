@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader, DistributedSampler
 
 import _common
-from capture import Guard, GuardConfig, IndexedDataset
+from capture import DetectionConfig, DumpConfig, Guard, GuardConfig, IndexedDataset
 
 VOCAB, SEQ = 128, 16
 
@@ -74,9 +74,11 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=_common.LR)
     # --- forensics: one line to create the guard (the recipe names this file's model factory and loss) ---
     guard = Guard(model, optimizer, loss_fn=masked_loss, config=GuardConfig(
-        dump_dir=args.dump_dir, run_id=args.run_id, on_nonfinite=args.policy, max_grad_norm=_common.CLIP,
-        max_dumps=args.max_dumps, state_layout=args.layout, shard_replicas=args.replicas,
-        recipe={"factory": "torchtitan_example:build_model", "loss": "torchtitan_example:masked_loss"}))
+        dump_dir=args.dump_dir, run_id=args.run_id,
+        detection=DetectionConfig(on_nonfinite=args.policy, max_grad_norm=_common.CLIP),
+        dumping=DumpConfig(max_dumps=args.max_dumps, state_layout=args.layout, shard_replicas=args.replicas,
+                           recipe={"factory": "torchtitan_example:build_model",
+                                   "loss": "torchtitan_example:masked_loss"})))
 
     samples = world * args.steps * args.accum * args.micro_batch
     dataset = IndexedDataset(WeightedTokens(samples, poison=args.poison))

@@ -87,7 +87,7 @@ def main() -> None:
 
     torch.distributed.barrier()
     start = time.perf_counter()
-    state = guard.collect_state(snapshot.HostCopy(enabled=False))
+    state = guard.state.collect(snapshot.HostCopy(enabled=False))
     gather_s = time.perf_counter() - start
     full = dict(state["model"])
     for name, entries in state["optimizer"]["state"].items():

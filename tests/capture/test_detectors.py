@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from capture import GuardConfig, IndexedDataset, SpikeConfig
+from capture import DetectionConfig, DumpConfig, GuardConfig, IndexedDataset, RecordConfig, SpikeConfig
 from capture.check.detectors import MAD_TO_SIGMA, SpikeDetector
 from capture.record.history import FIELDS, History
 
@@ -73,16 +73,42 @@ def test_spike_config_validation(kwargs):
         SpikeConfig(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs", [{"on_nonfinite": "ignore"}, {"on_spike": "stop"}, {"max_dumps": -1},
-                                    {"min_spike_gap": -1}, {"history_size": 0}])
-def test_guard_config_validation(kwargs):
-    with pytest.raises(ValueError, match="GuardConfig"):
-        GuardConfig(**kwargs)
+@pytest.mark.parametrize("group, kwargs", [(DetectionConfig, {"on_nonfinite": "ignore"}),
+                                           (DetectionConfig, {"on_spike": "stop"}), (DumpConfig, {"max_dumps": -1}),
+                                           (DumpConfig, {"min_spike_gap": -1}), (RecordConfig, {"history_size": 0})])
+def test_guard_config_validation(group, kwargs):
+    with pytest.raises(ValueError, match=group.__name__):
+        group(**kwargs)
 
 
 def test_guard_config_defaults_raise_on_nonfinite_and_continue_on_spikes():
     config = GuardConfig()
-    assert (config.on_nonfinite, config.on_spike, config.max_dumps) == ("raise", "continue", 3)
+    assert (config.detection.on_nonfinite, config.detection.on_spike, config.dumping.max_dumps) == \
+        ("raise", "continue", 3)
+
+
+def test_the_flat_spelling_still_works_for_one_release_and_says_what_to_write():
+    with pytest.warns(FutureWarning, match=r"GuardConfig\(detection=DetectionConfig\(on_nonfinite=\.\.\.\), "
+                                           r"dumping=DumpConfig\(max_dumps=\.\.\.\)\)"):
+        config = GuardConfig(dump_dir="d", on_nonfinite="skip", max_dumps=5)
+    assert config == GuardConfig(dump_dir="d", detection=DetectionConfig(on_nonfinite="skip"),
+                                 dumping=DumpConfig(max_dumps=5))
+    with pytest.warns(FutureWarning, match="GuardConfig.detection.loss_divisor"):
+        config.loss_divisor = 2.0
+    assert config.detection.loss_divisor == 2.0
+    with pytest.warns(FutureWarning, match="GuardConfig.dumping.max_dumps"):
+        assert config.max_dumps == 5
+    with pytest.raises(ValueError, match="DumpConfig"), pytest.warns(FutureWarning):
+        GuardConfig(max_dumps=-1)
+    with pytest.raises(TypeError, match="max_dump"):
+        GuardConfig(max_dump=1)
+
+
+def test_replace_copies_the_groups_an_adapter_fills_in():
+    config = GuardConfig(detection=DetectionConfig(max_grad_norm=1.0))
+    filled = config.replace(loss_divisor=4.0, run_id="r")
+    assert (filled.detection.loss_divisor, filled.detection.max_grad_norm, filled.run_id) == (4.0, 1.0, "r")
+    assert config.detection.loss_divisor is None and filled.detection is not config.detection
 
 
 def test_history_is_a_ring_buffer_of_its_capacity():

@@ -213,6 +213,82 @@ def test_zero_fragment_is_deepspeeds_link_from_a_parameter_to_its_fp32_partition
     assert thirdparty.zero_dp_group(second) == "group"
 
 
+ZERO_INTERNALS = """
+import json, os, sys
+os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK="0", RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=sys.argv[1])
+import torch, deepspeed
+from forensics import thirdparty
+out = {}
+for stage in (0, 2, 3):  # ZeRO-0 bf16: DeepSpeed's unfused fp16 wrapper; 2: flat partitions; 3: partitioned params
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
+        "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}, "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}})
+    loss = engine(torch.randn(2, 4, dtype=torch.bfloat16)).float().pow(2).mean()
+    engine.backward(loss)
+    optimizer, param = engine.optimizer, next(engine.module.parameters())
+    grads = thirdparty.zero_gradient_partitions(optimizer)
+    lp, per_param, flats = thirdparty.fp16_optimizer_masters(optimizer)
+    master = thirdparty.zero_master_partition(optimizer, 0)
+    out[stage] = {"grads": None if grads is None else sum(g.numel() for g in grads),
+                  "groups": [(i, len(p)) for i, p in thirdparty.zero_param_groups(optimizer) or []],
+                  "master": None if master is None else master.numel(),
+                  "zero3_masters": [t.numel() for t in thirdparty.zero3_master_partitions(optimizer)],
+                  "fp16": [len(lp), per_param is not None, flats is not None],
+                  "partitioned": thirdparty.zero3_partitioned(param), "shape": list(thirdparty.full_shape(param)),
+                  "partition": list(thirdparty.zero3_partition(param)[1:3]) if thirdparty.zero3_partitioned(param)
+                  else None}
+print("RESULT", json.dumps(out))
+"""
+
+
+@pytest.mark.slow  # a DeepSpeed launch (~20 s); the ZeRO-2 / ZeRO-3 multi-rank dumps read the same members
+def test_deepspeeds_zero_internals_are_where_the_adapters_read_them(tmp_path):
+    """One process, ZeRO-0 / 2 / 3 on CPU: what each adapter reads of a real DeepSpeed optimizer (58 parameters in 4
+    tensors, one group)."""
+    pytest.importorskip("deepspeed")
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", ZERO_INTERNALS, port], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    line = next((text for text in done.stdout.splitlines() if text.startswith("RESULT ")), None)
+    assert line is not None, done.stdout[-3000:] + done.stderr[-3000:]
+    found = {int(k): v for k, v in json.loads(line.removeprefix("RESULT ")).items()}
+    assert found[0]["fp16"] == [1, True, False] and found[0]["grads"] is None and found[0]["master"] is None
+    assert found[2]["grads"] == 58 and found[2]["master"] == 58 and found[2]["fp16"][0] == 0
+    assert found[3]["zero3_masters"] == [58] and found[3]["master"] is None
+    assert found[3]["partitioned"] and found[3]["partition"] == [32, [8, 4]] and found[3]["shape"] == [8, 4]
+    assert not found[2]["partitioned"] and found[2]["partition"] is None
+    assert all(found[stage]["groups"] == [[0, 4]] for stage in (0, 2, 3))
+
+
+def test_call_before_runs_first_and_removes_itself():
+    class Engine:
+        def step(self, x):
+            calls.append(("step", x))
+            return x + 1
+
+    calls: list = []
+    engine = Engine()
+    remove = thirdparty.call_before(engine, "step", lambda: calls.append("before"))
+    assert engine.step(1) == 2 and calls == ["before", ("step", 1)]
+    remove()
+    assert engine.step(2) == 3 and calls[-1] == ("step", 2) and "step" not in vars(engine)
+    remove()  # twice: nothing left to remove
+
+
 def test_attn_implementation_is_what_a_transformers_model_is_built_with():
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8)

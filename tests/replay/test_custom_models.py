@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from forensics_test_helpers import guarded_step
 
 from capture import Guard, GuardConfig
-from capture.dump.recipe import build_recipe
+from capture.state.recipe import build_recipe
 from forensics.cli import main
 from forensics.recipes import DEFAULT_LOSS, HUGGINGFACE_FACTORY
 

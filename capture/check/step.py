@@ -1,0 +1,77 @@
+"""The check a step gets: the synchronous one (capture/check/sync.py), or the sync-free one
+(capture/check/sync_free.py) when DetectionConfig.sync_free asks for it and the optimizer supports it.
+
+Either way a check only reports: it yields the Incidents the Guard then dumps and applies its policy to.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterable, Iterator
+
+from capture.check.detectors import StepDetectors
+from capture.check.sync import SyncCheck
+from capture.check.sync_free import SyncFree
+from capture.config import GuardConfig
+from capture.precursors.monitor import PrecursorMonitor
+from capture.record.history import History
+from capture.record.incident import Incident, StepRecord
+from capture.record.window import FlightRecorder
+from capture.state.host_snapshots import HostSnapshots
+from capture.state.source import StateSource
+from forensics.errors import TrainingFaultError
+
+log = logging.getLogger(__name__)
+
+
+class StepCheck:
+    """Runs the step's check in the mode the configuration and the optimizer allow.
+
+    Args:
+        config, state, history, window, snapshots, precursors: what the checks read and feed (capture/check/sync.py);
+            the detectors (StepDetectors) are the check's own.
+        add_hook: keeps the optimizer hook the sync-free mode installs (the Guard removes it at close()).
+    """
+
+    def __init__(self, config: GuardConfig, state: StateSource, history: History, window: FlightRecorder,
+                 snapshots: HostSnapshots, precursors: PrecursorMonitor | None, add_hook: Callable[[Any], None]):
+        self.detectors = StepDetectors(config)
+        self.sync = SyncCheck(config, self.detectors, state, history, window, snapshots, precursors)
+        self.sync_free = SyncFree(config, self.detectors, state, history, add_hook) if config.detection.sync_free \
+            else None
+
+    def incidents(self, record: StepRecord, grad_norm: Any, step: int, sync_free: bool) -> Iterable[Incident]:
+        """The Incidents of this check of `step` (none on a healthy step: the hot path makes no generator).
+        Sync-free: the previous step's (judged now); this step's copies start only once the caller has handled it,
+        so a TrainingFaultError raised for it leaves this step unstarted, as the synchronous mode leaves its step
+        unapplied."""
+        if sync_free:
+            return self._sync_free_incidents(record, grad_norm, step)
+        incident = self.sync.check(record, grad_norm, step)
+        return () if incident is None else (incident,)
+
+    def _sync_free_incidents(self, record: StepRecord, grad_norm: Any, step: int) -> Iterator[Incident]:
+        deferred = self.sync_free
+        if deferred is None:  # sync_free is checked active first
+            return
+        incident = deferred.resolve(step)
+        if incident is not None:
+            yield incident
+        deferred.start(record, grad_norm, step)
+
+    def flush(self, step: int, report: Callable[[Incident], Any]) -> None:
+        """Sync-free: judges the step still waiting (Guard.flush / close) and `report`s its Incident, if it failed.
+        A TrainingFaultError from `report` goes on; a failure inside forensics is logged."""
+        try:
+            incident = self.sync_free.resolve(step) if self.sync_free is not None else None
+            if incident is not None:
+                report(incident)
+        except TrainingFaultError:
+            raise
+        except Exception:
+            log.exception("forensics: judging the last step failed inside forensics")
+
+    def device_lost(self) -> None:
+        """The CUDA context is unusable: sync-free buffers the device may still write into are never reused."""
+        if self.sync_free is not None:
+            self.sync_free.quarantine()
