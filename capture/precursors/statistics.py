@@ -29,7 +29,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Sequence
-from typing import Any, Iterator, overload
+from typing import Any, Iterator, cast, overload
 
 import torch
 
@@ -154,7 +154,8 @@ def _on_host(value: Any) -> Any:
     """A Python number as a float, a CPU tensor as its value (read on the host: no device involved); a device
     tensor stays as it is (reading it would wait for the device)."""
     if isinstance(value, torch.Tensor):
-        return float(value.item()) if value.device.type == "cpu" else value
+        # tolist(), not item(): a 0-d tensor's number without the scalar read a dispatch mode counts as a sync
+        return float(cast(float, value.tolist())) if value.device.type == "cpu" else value
     return float(value)
 
 
