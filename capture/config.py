@@ -358,7 +358,7 @@ class GuardConfig:
 
 def _flat_words(flat: dict[str, Any]) -> str:
     """The FutureWarning for the flat spelling: what to write instead."""
-    groups = {}
+    groups: dict[str, list[str]] = {}
     for name in flat:
         groups.setdefault(FLAT[name], []).append(f"{name}=...")
     nested = ", ".join(f"{g}={_GROUP_CLASSES[g].__name__}({', '.join(names)})" for g, names in groups.items())

@@ -73,7 +73,8 @@ class Guard:
         self.state = state(model, optimizer, scheduler, scaler, config or GuardConfig(), ranks, loss_fn)
         self.config = config = self.state.config  # a DTensor state turns the in-job re-check off
         self.run_id = config.run_id or default_run_id()
-        self.buffers, self._hooks = self.state.buffers, []
+        self.buffers = self.state.buffers
+        self._hooks: list[Any] = []
         self.history = History(config.recording.history_size)
         self.window = FlightRecorder(config.recording.window_steps)  # the flight recorder (record/window.py)
         self.snapshots = HostSnapshots(config.recording.snapshot_every, config.recording.snapshot_count)
@@ -147,7 +148,7 @@ class Guard:
             self.stopped = fault  # later exceptions outside a recorded step are not this step's (record_exception)
             self.step += 1  # a job that catches the error and goes on must not reuse this step's number
             raise
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             if exceptions.is_cuda_error(exc):  # the job's own device fault, surfacing at the step's one sync
                 self.recorder.current = record  # dumped as the step that raised; the job fails with its own error
                 self.record_exception(exc)  # which ends the step
@@ -199,7 +200,7 @@ class Guard:
         micro-batches so far and the one in flight, RNG, the exception — and the exception goes on."""
         try:
             yield self
-        except Exception as exc:  # noqa: BLE001 - recorded, then re-raised unchanged
+        except Exception as exc:  # recorded, then re-raised unchanged
             self.record_exception(exc)
             raise
 
@@ -215,7 +216,7 @@ class Guard:
             if error:
                 log.error("forensics: no dump of the step that raised: %s", error)
             return path
-        except Exception:  # noqa: BLE001 - the job is already failing: never add a second error
+        except Exception:  # the job is already failing: never add a second error
             log.exception("forensics: dumping the step that raised %s failed", type(exc).__name__)
             return None
         finally:

@@ -156,7 +156,7 @@ def _report_dir(report: Report) -> Path:
     """forensics_reports/<run>-step<N>-rank<R>: the run id only when it is a plain name (it comes from the dump)."""
     d = report.dump
     run = d.run_id if safe_name(d.run_id) else "run"
-    return Path(REPORTS_DIR) / f"{run}-step{int(d.step)}-rank{int(d.rank)}"
+    return Path(REPORTS_DIR) / f"{run}-step{int(d.step or 0)}-rank{int(d.rank or 0)}"
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -371,11 +371,12 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
                                     archive_limits=archive_limits, gpu_memory=gpu_memory,
                                     shard_dirs=[str(d) for d in shard_dirs])
             report = parse_report(run_replay(dump, options, progress=_progress))
-            target = out or default_report_dir(report.dump.path, report.dump.rank) or _report_dir(report)
+            rank = report.dump.rank or 0  # a replayed dump names its rank
+            target = out or default_report_dir(report.dump.path, rank) or _report_dir(report)
             if all_ranks and out:
-                target = out / f"rank{int(report.dump.rank)}"
+                target = out / f"rank{rank}"
             files = write_report_files(report, target)
-            note_report(report.dump.path, report.dump.rank, files["json"])
+            note_report(report.dump.path, rank, files["json"])
             culprits = blocklist_ids(report)  # never IDs made up from positions
             if blocklist or culprits:  # the verdict's "blocklist.jsonl lists the culprits" is always true
                 files["blocklist"] = write_blocklist(report, blocklist or target / BLOCKLIST_NAME,

@@ -95,3 +95,9 @@ OUT_OF_MEMORY_WORDS = ("out of memory", "can't allocate memory", "Cannot allocat
 def is_out_of_memory(type_name: str | None, message: str | None) -> bool:
     """Whether a job's exception (by type name and message) is running out of memory, on a GPU or on the host."""
     return type_name in OUT_OF_MEMORY_TYPES or any(word in (message or "") for word in OUT_OF_MEMORY_WORDS)
+
+
+def cut_text(text: object, limit: int = 200) -> str:
+    """`str(text)` cut to `limit` characters ("..." at the end) for an error message."""
+    text = str(text)
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -11,11 +11,11 @@ import contextlib
 import os
 import tempfile
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Any, Iterator
 
 
 @contextlib.contextmanager
-def atomic_file(path: str | os.PathLike, binary: bool = False) -> Iterator[IO]:
+def atomic_file(path: str | os.PathLike[str], binary: bool = False) -> Iterator[IO[Any]]:
     """Opens a temporary file next to `path` for writing; on a clean exit it replaces `path`.
 
     Args:
@@ -46,14 +46,14 @@ def atomic_file(path: str | os.PathLike, binary: bool = False) -> Iterator[IO]:
     fsync_dir(path.parent)
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
     """Writes `text` (UTF-8) to `path` atomically; returns the path."""
     with atomic_file(path) as handle:
         handle.write(text)
     return Path(path)
 
 
-def fsync_dir(path: str | os.PathLike) -> None:
+def fsync_dir(path: str | os.PathLike[str]) -> None:
     """Makes a rename inside `path` durable (best effort: some file systems refuse to fsync a directory)."""
     try:
         fd = os.open(path, os.O_RDONLY)

@@ -28,7 +28,9 @@ def total_grad_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor | None:
         return None
     get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6: what clip_grad_norm_ uses
     if get_total_norm is not None:
-        return get_total_norm(grads, 2.0)
+        norm: torch.Tensor = get_total_norm(grads, 2.0)
+        return norm
     first = grads[0].device
     norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]
-    return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), 2.0)
+    total: torch.Tensor = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), 2.0)
+    return total

@@ -63,7 +63,7 @@ class Limit:
     """'fp16's max (65,504)', 'fp16's max for q·k (65,504/√16)', 'bf16's logit resolution limit (256)'."""
 
 
-def dtype_name(dtype: object) -> str | None:
+def known_dtype_name(dtype: object) -> str | None:
     """'float16' for torch.float16 (or the string 'float16'); None for anything else unknown."""
     name = str(dtype).removeprefix("torch.")
     return name if name.replace("_", "").isalnum() and len(name) <= 32 else None
@@ -156,7 +156,7 @@ def percent_of(value: float, limit: float) -> str:
     return f"{share:.0f} %" if share < 999.5 else ">999 %"
 
 
-def describe(alarm: Alarm, what: str) -> str:
+def describe_alarm(alarm: Alarm, what: str) -> str:
     """One plain sentence for an alarm of `what` ('the attention-logit bound of `transformer.h.0`')."""
     if alarm.rule is PrecursorRule.NONFINITE:
         return (f"{what} overflowed ({alarm.limit.words}) on a step whose loss was still finite: the forward "

@@ -6,7 +6,7 @@ never change what they do. Anything else a dump names is imported only with the 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -57,7 +57,10 @@ def huggingface_model(architecture: str, config: dict, attn_implementation: str 
     return model
 
 
-def name_default_loss(model: torch.nn.Module) -> torch.nn.Module:
+M = TypeVar("M", bound=torch.nn.Module)
+
+
+def name_default_loss(model: M) -> M:
     """`model`, its Hugging Face loss named where transformers would fall back to it with a warning.
 
     transformers picks a model's loss from its class name; for one that names none (GPT2LMHeadModel) it warns
@@ -65,7 +68,7 @@ def name_default_loss(model: torch.nn.Module) -> torch.nn.Module:
     Naming that same loss changes nothing but the warning, which would otherwise look like forensics' own.
     """
     if getattr(model, "loss_type", "") is None:
-        model.loss_type = "ForCausalLM"
+        model.loss_type = "ForCausalLM"  # type: ignore[assignment]  # a transformers attribute, not a submodule
     return model
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -13,7 +13,7 @@ from forensics import thirdparty
 try:  # numpy is optional for the job; its RNG is captured when it is importable
     import numpy as np
 except ImportError:  # pragma: no cover - numpy ships with torch wheels in practice
-    np = None
+    np = None  # type: ignore[assignment]  # numpy is optional
 
 
 MAX_CUDA_DEVICES = 1024  # CUDA RNG states a dump may claim per micro-batch
@@ -70,6 +70,11 @@ class RngState:
                 raise ValueError("a CUDA RNG state must be a 1-D uint8 tensor")
 
 
+def _numpy_state() -> tuple | None:
+    """numpy's global legacy state, (name, keys, pos, has_gauss, cached_gaussian); None without numpy."""
+    return cast(tuple, np.random.get_state()) if np is not None else None  # the stubs' overload says dict
+
+
 def capture_rng() -> RngState:
     """Snapshot of every RNG; CUDA states only when CUDA is already initialised (never initialises it)."""
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
@@ -77,7 +82,7 @@ def capture_rng() -> RngState:
         python=random.getstate(),
         torch_cpu=torch.get_rng_state(),
         cuda=cuda,
-        numpy=np.random.get_state() if np is not None else None,
+        numpy=_numpy_state(),
     )
 
 
@@ -96,7 +101,7 @@ class RngCapture:
 
     def __call__(self) -> RngState:
         last = self._last
-        generator = random.getstate.__self__  # the module's shared random.Random
+        generator = random.getstate.__self__  # type: ignore[attr-defined]  # the module's shared random.Random
         python_raw = thirdparty.python_random_raw(generator)
         python_key = None if python_raw is None else (python_raw, generator.gauss_next)
         if last is not None and python_key is not None and python_key == self._python_raw:
@@ -108,8 +113,8 @@ class RngCapture:
         if last is not None and last.numpy is not None and numpy_raw is not None and numpy_raw == self._numpy_raw \
                 and not last.numpy[3]:  # has_gauss: a cached Gaussian may be gone with the same raw bytes
             numpy_state = last.numpy
-        elif np is not None:
-            numpy_state = np.random.get_state()
+        else:
+            numpy_state = _numpy_state()
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
         self._last = RngState(python=python, torch_cpu=torch.get_rng_state(), cuda=cuda, numpy=numpy_state)
         self._python_raw, self._numpy_raw = python_key, numpy_raw

@@ -189,7 +189,7 @@ def render_summary(summary: DumpSummary | Mapping) -> str:
         f"  recipe: factory {recipe.factory}  loss {recipe.loss}  ({recipe.source or ''})",
         f"  environment: python {env.python}, torch {env.torch}, CUDA {env.cuda}, "
         f"GPUs {gpus}, host {env.hostname}, git {env.git_commit or '-'}",
-        f"  size: {fmt_size(s.total_bytes)} in {len(s.files)} files; format v{s.format_version}, "
+        f"  size: {fmt_size(s.total_bytes or 0)} in {len(s.files or {})} files; format v{s.format_version}, "
         f"written {s.created_at}",
     ]
     state = s.state or StateFacts.parse({})

@@ -15,6 +15,7 @@ import sys
 from typing import Any, Callable
 
 import torch
+from torch.utils import _python_dispatch, _pytree  # torch imports both itself: nothing more is loaded here
 
 # --------------------------------------------------------------------------------------------------------------
 # torch.nn.Module
@@ -142,6 +143,42 @@ def op_schema(func: Any) -> Any:
 
     torch >= 2.0: `OpOverload._schema`; checked on torch 2.13 (CPU)."""
     return func._schema
+
+
+TorchDispatchMode = _python_dispatch.TorchDispatchMode
+"""The base class of a mode that sees every ATen op (`__torch_dispatch__(func, types, args, kwargs)`) while it is
+entered: subclass it, as the localisation and margin checks do.
+
+torch >= 2.0: `torch.utils._python_dispatch.TorchDispatchMode`; checked on torch 2.13 (CPU)."""
+
+
+def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
+    """The leaves of a tree of tuples / lists / dicts / named tuples (as torch's ops see arguments), and the spec
+    `tree_unflatten` rebuilds it from.
+
+    torch >= 2.0: `torch.utils._pytree.tree_flatten`; checked on torch 2.13 (CPU)."""
+    return _pytree.tree_flatten(tree)
+
+
+def tree_unflatten(leaves: list[Any], spec: Any) -> Any:
+    """The tree `tree_flatten` took apart, with `leaves` in place of its leaves.
+
+    torch >= 2.0: `torch.utils._pytree.tree_unflatten`; checked on torch 2.13 (CPU)."""
+    return _pytree.tree_unflatten(leaves, spec)
+
+
+def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """The tree with every leaf replaced by `fn(leaf)` (torch's own rule: an op's arguments as it sees them).
+
+    torch >= 2.0: `torch.utils._pytree.tree_map`; checked on torch 2.13 (CPU)."""
+    return _pytree.tree_map(fn, tree)
+
+
+def tree_leaves(tree: Any) -> list[Any]:
+    """The leaves of the tree, in `tree_flatten`'s order.
+
+    torch >= 2.0: `torch.utils._pytree.tree_leaves`; checked on torch 2.13 (CPU)."""
+    return _pytree.tree_leaves(tree)
 
 
 def optimizer_honours_found_inf(optimizer: Any) -> bool:
@@ -278,7 +315,8 @@ def zero_master_partition(optimizer: Any, group_index: int) -> torch.Tensor | No
     for attribute in ("single_partition_of_fp32_groups", "fp32_groups_flat_partition"):
         flats = getattr(optimizer, attribute, None)
         if flats:
-            return flats[group_index]
+            master: torch.Tensor = flats[group_index]
+            return master
     return None
 
 
@@ -334,7 +372,8 @@ def full_shape(param: Any) -> torch.Size:
     """The parameter's shape before ZeRO-3 partitioned it (its own shape otherwise).
 
     deepspeed >= 0.10: `param.ds_shape`; checked on deepspeed 0.19.8."""
-    return getattr(param, "ds_shape", None) or param.shape
+    shape: torch.Size = getattr(param, "ds_shape", None) or param.shape
+    return shape
 
 
 def call_before(obj: Any, name: str, before: Callable[[], None]) -> Callable[[], None]:
@@ -438,6 +477,7 @@ __all__ = ["attn_implementation", "call_before", "compiled_original", "determini
            "foreach_sqrt", "foreach_sub_", "fp16_optimizer_masters", "fsdp_mixed_precision", "full_shape",
            "grad_scaler_scale", "is_persistent_buffer", "loss_scale", "loss_scaler", "numpy_global_bit_generator",
            "numpy_mt19937_raw", "op_schema", "optimizer_honours_found_inf", "own_buffers", "put_buffer",
-           "put_parameter", "python_random_raw", "set_attn_implementation", "tensor_version",
-           "zero3_master_partitions", "zero3_partition", "zero3_partitioned", "zero_dp_group", "zero_fragment",
-           "zero_gradient_partitions", "zero_linked", "zero_master_partition", "zero_param_groups"]
+           "put_parameter", "python_random_raw", "set_attn_implementation", "tensor_version", "TorchDispatchMode",
+           "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "zero3_master_partitions", "zero3_partition",
+           "zero3_partitioned", "zero_dp_group", "zero_fragment", "zero_gradient_partitions", "zero_linked",
+           "zero_master_partition", "zero_param_groups"]

@@ -36,7 +36,7 @@ class RobustTrend:
 
     def __init__(self, window: int, warmup: int, sustained: int, z_threshold: float, min_growth: float,
                  rising: bool = True):
-        self.warmup, self.sustained, self.seen = warmup, sustained, 0
+        self.window, self.warmup, self.sustained, self.seen = window, warmup, sustained, 0
         self.z_threshold, self.min_log_growth = z_threshold, math.log(min_growth)
         self.sign = 1.0 if rising else -1.0
         self.base: deque[float] = deque(maxlen=window)
@@ -49,7 +49,7 @@ class RobustTrend:
             return None
         x = self.sign * math.log(max(value, TINY))
         self.seen += 1
-        if self.seen <= self.warmup or len(self.base) < min(4, self.base.maxlen):
+        if self.seen <= self.warmup or len(self.base) < min(4, self.window):
             self.base.append(x)  # the window keeps the newest healthy values: warm-up may be longer than it
             return None
         median = statistics.median(self.base)
@@ -65,5 +65,5 @@ class RobustTrend:
         found = Excursion(self.run[0][0], value, math.exp(self.sign * median), z)
         self.run.clear()
         self.base.clear()  # adapt to the new level: the statistic fires again only once the window is refilled
-        self.seen = self.warmup - self.base.maxlen
+        self.seen = self.warmup - self.window
         return found

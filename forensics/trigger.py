@@ -9,6 +9,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from forensics.format.jsonio import lenient_float
 from forensics.kinds import TriggerKind
 
 DETAIL_MICRO_BATCH = re.compile(r"\bmicro-batch (\d+)\b")
@@ -70,11 +71,11 @@ class Trigger:
         """
         data = data if isinstance(data, Mapping) else {}
         index = data.get("micro_batch")
-        return cls(TriggerKind.parse(data.get("kind") or TriggerKind.NONFINITE_LOSS), _number(data.get("value")),
-                   _number(data.get("threshold")),
+        return cls(TriggerKind.parse(data.get("kind") or TriggerKind.NONFINITE_LOSS), lenient_float(data.get("value")),
+                   lenient_float(data.get("threshold")),
                    index if isinstance(index, int) and not isinstance(index, bool) else None,
                    str(data.get("detail") or ""), data.get("local", True) is not False,
-                   _number(data.get("update_change")))
+                   lenient_float(data.get("update_change")))
 
 
 def detail_words(detail: Any, micro_batch: Any) -> str:
@@ -97,12 +98,3 @@ def trigger_detail(trigger: Mapping | Trigger) -> str:
         return trigger.message
     return detail_words(trigger.get("detail"), trigger.get("micro_batch"))
 
-
-def _number(value: Any) -> float | None:
-    """float(value), NaN / Inf kept; None for nothing or anything that is not a number."""
-    if value is None or isinstance(value, bool):
-        return None
-    try:
-        return float(value)
-    except (TypeError, ValueError, OverflowError):
-        return None

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.utils.deterministic
 
+_settings: Any = torch.utils.deterministic  # its flag is a property of a module subclass the stubs do not show
 _lock = threading.Lock()
 _users = 0
 _saved = True
@@ -29,8 +30,8 @@ def unfilled() -> Iterator[None]:
     global _users, _saved
     with _lock:
         if _users == 0:
-            _saved = torch.utils.deterministic.fill_uninitialized_memory
-            torch.utils.deterministic.fill_uninitialized_memory = False
+            _saved = _settings.fill_uninitialized_memory
+            _settings.fill_uninitialized_memory = False
         _users += 1
     try:
         yield
@@ -38,4 +39,4 @@ def unfilled() -> Iterator[None]:
         with _lock:
             _users -= 1
             if _users == 0:
-                torch.utils.deterministic.fill_uninitialized_memory = _saved
+                _settings.fill_uninitialized_memory = _saved

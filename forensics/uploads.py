@@ -52,7 +52,7 @@ def upload(tracker: str, files: list[Path], name: str, kind: str, summary: dict,
     return senders[known](files, name, kind, summary, tensorboard_dir)
 
 
-def _require(tracker: Tracker):
+def _import_extra(tracker: Tracker):
     try:
         return __import__(tracker.module, fromlist=["_"])
     except ImportError:
@@ -60,7 +60,7 @@ def _require(tracker: Tracker):
 
 
 def _wandb(files: list[Path], name: str, kind: str, summary: dict, _tb) -> str:
-    wandb = _require(Tracker.WANDB)
+    wandb = _import_extra(Tracker.WANDB)
     run = wandb.run
     if run is None:
         if not os.environ.get("WANDB_RUN_ID"):
@@ -75,7 +75,7 @@ def _wandb(files: list[Path], name: str, kind: str, summary: dict, _tb) -> str:
 
 
 def _mlflow(files: list[Path], name: str, kind: str, summary: dict, _tb) -> str:
-    mlflow = _require(Tracker.MLFLOW)
+    mlflow = _import_extra(Tracker.MLFLOW)
     started = False
     run = mlflow.active_run()
     if run is None:
@@ -95,7 +95,7 @@ def _mlflow(files: list[Path], name: str, kind: str, summary: dict, _tb) -> str:
 
 
 def _tensorboard(files: list[Path], name: str, kind: str, summary: dict, log_dir) -> str:
-    _require(Tracker.TENSORBOARD)
+    _import_extra(Tracker.TENSORBOARD)
     from torch.utils.tensorboard import SummaryWriter
 
     if log_dir is None:

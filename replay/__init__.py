@@ -30,6 +30,6 @@ _EXPORTS = {
     "reproduce": "replay.run.execute",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = list(sorted(_EXPORTS))  # a list literal's type for linters
 
 __getattr__ = lazy_exports(__name__, _EXPORTS)

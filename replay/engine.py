@@ -16,7 +16,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 
@@ -136,7 +136,7 @@ def _stage(progress: Progress | None, message: str) -> None:
     if progress is not None:
         try:
             progress(message)
-        except Exception:  # noqa: BLE001 - a broken progress callback must not stop the replay
+        except Exception:  # a broken progress callback must not stop the replay
             logger.debug("progress callback failed", exc_info=True)
 
 
@@ -181,13 +181,13 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
                  "num_micro_batches": max(dump.num_micro_batches, step_micro_batches(dump.manifest)), "damaged": [d.as_dict() for d in damaged]}
     if raised_between_steps(dump.manifest):  # the loop's own code raised: no model step to replay
         _stage(progress, "the exception was raised between steps: nothing to replay")
-        return _checked(dump, between_steps_report(dump, dump_info, _history(dump.history()), started))
+        return _checked(dump, between_steps_report(dump, dump_info, _history_finding(dump.history()), started))
     if dump.num_micro_batches == 0:
         raise DumpError(f"{path or 'the dump'} records no micro-batch, so there is no step to replay; the loop "
                         "called check() without record_batch() (see README: the four calls)")
     if dump.trigger.kind is TriggerKind.PRECURSOR:
         _stage(progress, "a precursor dump (a healthy step): ranking the statistics that grew")
-        return _checked(dump, precursor_report(dump, dump_info, _history(dump.history()), started))
+        return _checked(dump, precursor_report(dump, dump_info, _history_finding(dump.history()), started))
     options = _off_the_gpu_after_a_cuda_error(dump, options, progress)
     with deterministic_mode(dump.manifest.get("determinism")):
         _stage(progress, f"loading model and step {dump.step} (rank {dump.rank}) on "
@@ -210,7 +210,7 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
             if unused is not None:
                 report.verdict.suggestions = [snapshot_suggestion(unused), *(report.verdict.suggestions or [])]
             return _checked(dump, report)
-        except Exception as exc:  # noqa: BLE001 - the user's model / loss raising on the dump's data is theirs
+        except Exception as exc:  # the user's model / loss raising on the dump's data is theirs
             converted = as_user_error(exc, f"replaying step {dump.step}")
             if converted is exc:
                 raise
@@ -308,7 +308,7 @@ def _session_report(session: ReplaySession, options: ReplayOptions | None = None
             for line in session.stream.describe(passes, len(session.micro_batches)):
                 _stage(progress, line)
         report = _stages(session, runner, options, progress, dump_info, history, started)
-        if session.stream is not None:
+        if isinstance(runner, StreamedStepRunner):  # the session has a stream plan
             report.stream = runner.stream_report()
         return report
     finally:
@@ -341,12 +341,11 @@ def _stages(session: ReplaySession, runner: StepRunner, options: ReplayOptions, 
     elif findings.reproduced and options.bisect and not data_independent and refs:
         _stage(progress, f"bisecting {len(refs)} samples")
         findings.bisection = _bisect(runner, refs, findings.kind, findings.threshold, options)
-    elif findings.reproduced and not data_independent and _from_input(findings.forward):
+    elif findings.reproduced and not data_independent and (in_batch := _input_field(findings.forward)) is not None:
         # the first non-finite value is in the batch itself: its samples holding it are named without bisection
-        forward = findings.forward
+        mb, name = in_batch
         findings.bisection.culprits = nonfinite_in_field(
-            session.micro_batches[forward.micro_batch], [r for r in refs if r.micro_batch == forward.micro_batch],
-            forward.nonfinite_inputs[0])
+            session.micro_batches[mb], [r for r in refs if r.micro_batch == mb], name)
     findings.sample_facts = {**describe_samples(session.micro_batches, findings.culprits), **findings.sample_facts}
     if raised:
         pass
@@ -357,7 +356,7 @@ def _stages(session: ReplaySession, runner: StepRunner, options: ReplayOptions, 
                                         threshold=findings.threshold)
     elif options.fp32_check:
         findings.precision = fp32_check(runner, kind=TriggerKind.NONFINITE_PARAM)  # dtype facts only, no run
-    if findings.culprits and (findings.precision or {}).get("fp32_reproduces") is False:
+    if findings.culprits and findings.precision is not None and findings.precision.get("fp32_reproduces") is False:
         _stage(progress, "measuring how close the other samples come to fp16's limit")
         findings.margin = others_margin(runner, findings.culprits)
         if findings.margin is not None and findings.margin["at_the_edge"]:
@@ -373,13 +372,13 @@ def _stages(session: ReplaySession, runner: StepRunner, options: ReplayOptions, 
         findings.touching = samples_touching_embeddings(runner, findings.corrupted)
     if not raised:
         _stage(progress, "per-sample loss and gradient norm")
-        findings.per_sample = _per_sample(runner, refs, findings.culprits, options.max_per_sample)
+        findings.per_sample = _per_sample_rows(runner, refs, findings.culprits, options.max_per_sample)
     elif findings.culprits and findings.exception is not None:
         _stage(progress, "naming the values that make the culprit samples raise")
         findings.exception = localize_exception(runner, findings.culprits) or findings.exception
     if session.grad_norms_scaled:  # the job's grad norms were of scaled gradients: read them unscaled
         history = unscaled_history(history)
-    findings.history = _history(history, _uniform_loss(runner.model), (dump_info or {}).get("step"))
+    findings.history = _history_finding(history, _uniform_loss(runner.model), (dump_info or {}).get("step"))
     if findings.reproduced and not raised and options.remedies:
         _stage(progress, "trying remedies on the step")
         findings.remedies = try_remedies(runner, findings.culprits, findings.history.reading.healthy_grad_norm,
@@ -506,13 +505,15 @@ def _bisect(runner: StepRunner, refs: list[SampleRef], kind: TriggerKind, thresh
     return Bisection([] if too_large else culprits, block, outcome.all_failed)
 
 
-def _from_input(forward: Any) -> bool:
-    """The forward finding names a batch field (`<input>.FIELD`) in a known micro-batch."""
-    return forward is not None and forward.micro_batch is not None and bool(forward.nonfinite_inputs) \
-        and (forward.module or "").startswith(INPUT_MODULE + ".")
+def _input_field(forward: Any) -> tuple[int, str] | None:
+    """(micro-batch, field) when the forward finding names a batch field (`<input>.FIELD`) in a known micro-batch."""
+    if forward is not None and forward.micro_batch is not None and bool(forward.nonfinite_inputs) \
+            and (forward.module or "").startswith(INPUT_MODULE + "."):
+        return forward.micro_batch, forward.nonfinite_inputs[0]
+    return None
 
 
-def _per_sample(runner: StepRunner, refs: list[SampleRef], culprits: list[SampleRef], limit: int) -> list[SampleRow]:
+def _per_sample_rows(runner: StepRunner, refs: list[SampleRef], culprits: list[SampleRef], limit: int) -> list[SampleRow]:
     """Stage 5: loss and gradient norm of each sample alone (culprits first, then up to `limit`)."""
     if not refs or limit <= 0:
         return []
@@ -527,7 +528,7 @@ def _per_sample(runner: StepRunner, refs: list[SampleRef], culprits: list[Sample
             session.warnings.append(f"streamed replay: per-sample rows for {len(few)} of {len(chosen)} samples (the "
                                     "culprits first), each being a pass over the whole model")
         few.sort(key=lambda r: (r.micro_batch, r.index))
-        return runner.per_sample_rows(few)
+        return cast("list[SampleRow]", runner.per_sample_rows(few))  # the same rows, built by the streamed runner
 
     def run_one(ref: SampleRef) -> torch.Tensor:
         batch = select_samples(session.micro_batches[ref.micro_batch], [ref.index])
@@ -557,7 +558,7 @@ def _uniform_loss(model: torch.nn.Module) -> float | None:
     return math.log(vocab) if isinstance(vocab, int) and vocab > 1 else None
 
 
-def _history(history: dict | None, uniform_loss: float | None = None, step: int | None = None) -> HistoryFinding:
+def _history_finding(history: dict | None, uniform_loss: float | None = None, step: int | None = None) -> HistoryFinding:
     """Stage 6: the recorded history's curve shape and warning signals, whether the run diverged long ago, and
     what it shows before `step` (the analysed one) with numbers from before the divergence."""
     if not history:
@@ -566,10 +567,12 @@ def _history(history: dict | None, uniform_loss: float | None = None, step: int 
              "grad_norm": list(history.get("grad_norm") or [])}
     try:
         signals = history_signals(history)
-    except Exception:  # noqa: BLE001 - signals are an extra; never fail the replay on them
+    except Exception:  # signals are an extra; never fail the replay on them
         logger.warning("history signals failed", exc_info=True)
         signals = []
-    summary = history.get("summary") if isinstance(history.get("summary"), dict) else {}
+    summary = history.get("summary")
+    if not isinstance(summary, dict):
+        summary = {}
     pattern = classify_history(block["loss"], summary.get("first_losses") or block["loss"][:3], uniform_loss)
     return HistoryFinding(block, HistoryPattern(pattern), signals, diverged_long_ago(history, uniform_loss),
                           read_history(history, step, uniform_loss))

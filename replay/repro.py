@@ -26,6 +26,7 @@ fixed text, and what varies (op name, sample ID, dump path) is in `op.json` / `m
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -41,7 +42,7 @@ from forensics.format import open_dump
 from forensics.format.tensors import safetensors_bytes
 from forensics.kinds import Phase, TriggerKind
 from forensics.fsio import atomic_file, atomic_write_text
-from forensics.thirdparty import op_schema
+from forensics.thirdparty import op_schema, tree_flatten, tree_map
 from replay.load.samples import SampleRef
 from replay.load.session import load_session
 from replay.judge.history_pattern import diverged_long_ago, read_history
@@ -124,7 +125,7 @@ def write_repro(dump_path: str | Path, out_dir: str | Path, *, device: str | Non
         else:
             repro.notes.append("no ATen op made the first non-finite value in the forward pass (the batch held it, or "
                                "it appears in the backward): no op-level script")
-        culprit = _culprit(runner, finding)
+        culprit = _culprit_samples(runner, finding)
         if culprit is None:
             raise ReplayError(f"step {dump.step} stays finite in a forward-only replay: nothing to reproduce "
                               "standalone (a gradient or optimizer failure: see `forensics replay`)")
@@ -164,12 +165,17 @@ def _fails(func: Any, args: tuple, kwargs: dict) -> bool:
     return isinstance(result, torch.Tensor) and result.is_floating_point() and not bool(torch.isfinite(result).all())
 
 
+def _cut(value: Any, rank: int, dim: int, size: int, at: int) -> Any:
+    """A tensor of `rank` dimensions whose `dim` has `size` elements, cut to its slice `at` (a copy)."""
+    if isinstance(value, torch.Tensor) and value.dim() == rank and value.shape[dim] == size:
+        return value.narrow(dim, at, 1).clone()
+    return value
+
+
 def shrink(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Smaller inputs that still make the op's output non-finite: along each output dimension, every input whose
     same dimension has the output's size is cut to the slice holding the first non-finite output value; a cut is
     kept only when the op still fails on it."""
-    from torch.utils._pytree import tree_map
-
     for _ in range(SHRINK_ROUNDS):
         changed = False
         out = func(*args, **kwargs)
@@ -181,13 +187,7 @@ def shrink(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             bad = (~torch.isfinite(result)).nonzero()
             if not len(bad):
                 break
-            at = int(bad[0, dim])
-
-            def cut(value: Any) -> Any:
-                if isinstance(value, torch.Tensor) and value.dim() == result.dim() and value.shape[dim] == size:
-                    return value.narrow(dim, at, 1).clone()
-                return value
-
+            cut = functools.partial(_cut, rank=result.dim(), dim=dim, size=size, at=int(bad[0, dim]))
             smaller_args, smaller_kwargs = tree_map(cut, args), tree_map(cut, kwargs)
             if _fails(func, smaller_args, smaller_kwargs):
                 args, kwargs, changed = smaller_args, smaller_kwargs, True
@@ -235,7 +235,7 @@ def _write_op(repro: Repro, func: Any, args: tuple, kwargs: dict, raised: str | 
     if raised is None:
         try:
             args, kwargs = shrink(func, args, kwargs)
-        except Exception:  # noqa: BLE001 - the full inputs are a repro too
+        except Exception:  # the full inputs are a repro too
             log.warning("forensics repro: shrinking the inputs of %s failed; writing them whole", schema.name,
                         exc_info=True)
     tensors: dict[str, torch.Tensor] = {}
@@ -261,13 +261,11 @@ def _write_op(repro: Repro, func: Any, args: tuple, kwargs: dict, raised: str | 
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_flatten
-
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
 # -- the sample through the model -------------------------------------------------------------------
-def _culprit(runner: StepRunner, finding: Any) -> tuple[list[SampleRef], bool] | None:
+def _culprit_samples(runner: StepRunner, finding: Any) -> tuple[list[SampleRef], bool] | None:
     """(the samples model_repro.py runs, whether one sample is to blame): the first sample of the failing micro-batch
     that fails alone — unless every sample fails alone (broken weights: the whole micro-batch, no sample blamed) or
     none does (they fail only together: the whole micro-batch). None when the forward of the whole step is finite."""
@@ -324,7 +322,8 @@ def _exception_culprit(repro: Repro, runner: StepRunner, step: int, recorded: di
                                              if r.micro_batch != found.micro_batch], raises)
     call = (alone.get(refs[0].index) if blamed else None) or found
     if call.op_call is not None:
-        _write_op(repro, *call.op_call, raised=f"{call.type}: {call.message}")
+        op, args, kwargs = call.op_call
+        _write_op(repro, op, args, kwargs, raised=f"{call.type}: {call.message}")
     else:
         repro.notes.append(f"the {call.type} was not raised by an ATen op in the forward pass (Python code, or the "
                            "backward): no op-level script")

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from forensics.thirdparty import TorchDispatchMode
 
 VOCAB, EMBD, POSITIONS = 64, 32, 32
 

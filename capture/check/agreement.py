@@ -90,7 +90,7 @@ def deferred_termination() -> Iterator[None]:
         return
     received: list[int] = []
 
-    def hold(signum, frame):  # noqa: ARG001
+    def hold(signum, frame):
         received.append(signum)
         log.warning("forensics: SIGTERM received while writing the dump; finishing the dump first")
 
@@ -163,6 +163,7 @@ def agree(values: list[Any], n_losses: int, *, divisor: float, min_loss_scale: f
     fetched = torch.cat([vector, stats]).tolist()  # the one device->host transfer of the step
     loss_faults, grad_faults, loss_sum, ranks_with_losses, norm_sq, norms, ranks_with_norm, precursors = fetched[-8:]
     host = [None if v is None else fetched[i] for i, v in enumerate(values)]
+    agreed_norm: float | None
     if sharded_grad_norm:
         agreed_norm = host[n_losses] = math.sqrt(norm_sq)
     else:

@@ -168,12 +168,12 @@ class StepDetectors:
             return Trigger(TriggerKind.GRAD_NORM_SPIKE, norm, limit, worst,
                            f"grad norm {norm:.4g}{where} is above the spike threshold {limit:.4g}",
                            local=own_norm is not None and own_norm > limit)
-        for kind, value, early, detector, name in (
+        for kind, observed, early, detector, name in (
                 (TriggerKind.LOSS_SPIKE, step_loss, early_loss, self.loss, "loss"),
                 (TriggerKind.GRAD_NORM_SPIKE, norm, self.grad_norm.suppressed, self.grad_norm, "grad norm")):
             if early is not None:
-                self.suppressed.append(Trigger(kind, value, early, worst, (
-                    f"{name} {value:.4g}{where} is above {early:.4g}, a spike by the steps seen so far, but spike "
+                self.suppressed.append(Trigger(kind, observed, early, worst, (
+                    f"{name} {observed:.4g}{where} is above {early:.4g}, a spike by the steps seen so far, but spike "
                     f"detection is still warming up ({len(detector._window) - 1} of {detector.config.warmup} steps; "
                     f"SpikeConfig.warmup): not dumped")))
         return None

@@ -51,10 +51,13 @@ class StepCheck:
         return () if incident is None else (incident,)
 
     def _sync_free_incidents(self, record: StepRecord, grad_norm: Any, step: int) -> Iterator[Incident]:
-        incident = self.sync_free.resolve(step)
+        deferred = self.sync_free
+        if deferred is None:  # sync_free is checked active first
+            return
+        incident = deferred.resolve(step)
         if incident is not None:
             yield incident
-        self.sync_free.start(record, grad_norm, step)
+        deferred.start(record, grad_norm, step)
 
     def flush(self, step: int, report: Callable[[Incident], Any]) -> None:
         """Sync-free: judges the step still waiting (Guard.flush / close) and `report`s its Incident, if it failed.
@@ -65,7 +68,7 @@ class StepCheck:
                 report(incident)
         except TrainingFaultError:
             raise
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("forensics: judging the last step failed inside forensics")
 
     def device_lost(self) -> None:

@@ -8,7 +8,7 @@ GuardConfig.detection.sync_free replaces it with capture/check/sync_free.py. Bot
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -67,7 +67,7 @@ class SyncCheck:
                             policy is Policy.SKIP or scaler_overflow, self.detectors.note_suppressed(step))
         self.window.append(WindowStep(step, list(record.sample_ids), list(record.rng), lr, loss_scale, divisor,
                                       step_loss, norm, was_clipped))
-        if trigger is None:
+        if trigger is None or policy is None:  # policy is set whenever trigger is
             self.snapshots.settle()
             if self.snapshots.due(step):
                 take_snapshot(state, self.snapshots, step)
@@ -107,7 +107,7 @@ class SyncCheck:
                 precursors.receive(row_values)
             precursors.launch_row(step)  # after the transfer: its device work overlaps the optimizer step
         self.unscaled_by = host[n + 1] if own_unscaled else None
-        return host[:n], host[n], host[n + 1], agreed
+        return cast("list[float]", host[:n]), host[n], host[n + 1], agreed  # a recorded loss is never None
 
 
 def take_snapshot(state: StateSource, snapshots: HostSnapshots, step: int) -> None:

@@ -28,7 +28,7 @@ import logging
 import math
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 
@@ -166,7 +166,8 @@ class SyncFree:
             values[i] = v
         for i, v in zip(pending.device_index, pending.buffer.tolist()):
             values[i] = v
-        return self._judge(pending, values[:pending.n_losses], values[pending.n_losses], step)
+        losses = cast("list[float]", values[:pending.n_losses])  # all filled in above
+        return self._judge(pending, losses, values[pending.n_losses], step)
 
     def _judge(self, pending: Pending, losses: list[float], norm: float | None, step: int) -> Incident | None:
         divisor = pending.divisor

@@ -4,6 +4,7 @@ finite parameter non-finite is dumped as a `nonfinite_param` incident with that 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import torch
@@ -47,7 +48,7 @@ class UpdateCheck:
             self._pre_step_copy = self.state.collect(copy)
             copy.finish()
             copy.wait()
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("forensics: verify_update could not copy the pre-step state")
             self._pre_step_copy = None
 
@@ -82,7 +83,7 @@ class UpdateCheck:
                              state=state))
 
 
-def _all_finite(tensors: list[torch.Tensor]) -> bool:
+def _all_finite(tensors: Sequence[torch.Tensor]) -> bool:
     """Every tensor finite: one device->host read per device the tensors live on (a model split over several GPUs
     cannot stack its flags on one device)."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}

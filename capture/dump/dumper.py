@@ -26,13 +26,14 @@ from capture.dump.main_script import MainScript
 from capture.dump.uploads import send_dump
 from capture.dump.writer_thread import BackgroundWriter
 from capture.record.history import History
-from capture.record.incident import Incident, batch_size, json_ids
+from capture.record.incident import Incident, json_ids, leading_dim
 from capture.record.window import FlightRecorder
 from capture.state import buddy, snapshot
 from capture.state.host_snapshots import HostSnapshots
 from capture.state.recipe import default_loss_fits
 from capture.state.source import StateSource
 from forensics.errors import CaptureError
+from forensics.format.tree import map_tensors
 from forensics.format.writer import DumpContent, dump_path, remove_rank_dump, write_dump
 from forensics.kinds import Policy, TriggerKind
 from forensics.recipes import default_loss
@@ -148,7 +149,7 @@ class Dumper:
         if config.dumping.on_dump is not None:
             try:
                 config.dumping.on_dump(path)
-            except Exception:  # noqa: BLE001 - the user's hook must not stop the job either
+            except Exception:  # the user's hook must not stop the job either
                 log.exception("forensics: GuardConfig.dumping.on_dump raised for %s", path)
 
     def _failed(self, message: str, kind: TriggerKind | None = None, admission: Admission | None = None) -> None:
@@ -239,7 +240,7 @@ class Dumper:
                 rng=list(incident.record.rng), micro_batches=[snapshot.host_only(b) for b in incident.record.batches],
                 history=self.history.to_dict(), scheduler=scheduler, snapshot=held, done=release,
                 extra_files=self._extra_files(incident.step))
-        except Exception:  # noqa: BLE001 - the job is failing already
+        except Exception:  # the job is failing already
             log.exception("forensics: even the host-side dump of step %d failed", incident.step)
             return None
 
@@ -249,7 +250,7 @@ class Dumper:
         micro_batches = []
         for index, batch in enumerate(record.batches):
             ids = json_ids(record.sample_ids[index])
-            size = batch_size(batch) or (len(ids) if ids else None)
+            size = leading_dim(batch) or (len(ids) if ids else None)
             if ids is None and size is not None:
                 ids = [f"step{step}/rank{ranks.rank}/mb{index}/{j}" for j in range(size)]
             micro_batches.append({"index": index, "sample_ids": ids, "batch_size": size,
@@ -290,14 +291,8 @@ class Dumper:
 
 
 def copy_tree(node: Any, copy: snapshot.HostCopy) -> Any:
-    """The batch tree with every tensor passed through `copy` (named tuples kept as they are)."""
-    if isinstance(node, torch.Tensor):
-        return copy(node)
-    if isinstance(node, dict):
-        return {k: copy_tree(v, copy) for k, v in node.items()}
-    if isinstance(node, (list, tuple)):
-        return type(node)(copy_tree(v, copy) for v in node) if not hasattr(node, "_fields") else node
-    return node
+    """The batch tree with every tensor passed through `copy` (`forensics.format.tree.map_tensors`)."""
+    return map_tensors(node, copy)
 
 
 def _scaler_state(scaler: Any) -> dict | None:
@@ -330,8 +325,8 @@ def recheck(model: torch.nn.Module, loss_fn: Callable | None, sample_id_key: str
     finally:
         restore_rng(saved)
         with torch.no_grad():
-            for buffer, value in buffers:
-                buffer.copy_(value)
+            for buffer, kept in buffers:
+                buffer.copy_(kept)
     original = incident.losses[index]
     same = (value == original) or (not math.isfinite(value) and not math.isfinite(original))
     return {"performed": True, "micro_batch": index, "original": original, "recomputed": value,

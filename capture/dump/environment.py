@@ -35,7 +35,7 @@ def _packages() -> dict[str, str]:
     return found
 
 
-def _gpus() -> list[dict]:
+def _gpu_descriptions() -> list[dict]:
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return []
     gpus = []
@@ -72,7 +72,7 @@ def _static_environment() -> dict:
 
 def environment() -> dict:
     """The environment section of the manifest (computed once per process, GPUs read at call time)."""
-    return {**_static_environment(), "gpus": _gpus()}
+    return {**_static_environment(), "gpus": _gpu_descriptions()}
 
 
 def determinism_flags() -> dict:

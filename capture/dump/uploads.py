@@ -25,7 +25,7 @@ def send_dump(path: Path, trackers: tuple[str, ...], tensorboard_dir: str | None
                    "trigger": dump.trigger.kind.value,
                    "detail": dump.trigger.message,  # micro-batches numbered from 1, as in every sentence
                    "path": str(path), "archive": str(archive)}
-    except Exception:  # noqa: BLE001
+    except Exception:
         log.exception("forensics: packing %s for upload failed; the dump stays where it is", path)
         return sent
     for tracker in trackers:

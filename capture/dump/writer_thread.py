@@ -98,7 +98,7 @@ class BackgroundWriter:
                 finally:
                     with self._lock:
                         self._pending -= 1
-            except Exception:  # noqa: BLE001 - a callback that raises must not end the thread
+            except Exception:  # a callback that raises must not end the thread
                 log.exception("forensics: the background dump writer hit an error")
             finally:
                 self._queue.task_done()

@@ -22,7 +22,7 @@ _EXPORTS = {
     "ForensicsLightningCallback": "capture.integrations.lightning",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = list(sorted(_EXPORTS))  # a list literal's type for linters
 
 
 __getattr__ = lazy_exports(__name__, _EXPORTS)

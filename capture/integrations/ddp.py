@@ -51,7 +51,7 @@ class DistributedGuard(Guard):
             self.integration = {"framework": "torch"}
 
     @property
-    def integration(self) -> dict:
+    def integration(self) -> dict | None:
         """Written to the manifest's `distributed` section: framework, ZeRO stage, how state was gathered (the state
         source's `integration`)."""
         return self.state.integration

@@ -23,7 +23,9 @@ import torch
 from capture.config import GuardConfig
 from capture.integrations.ddp import DistributedGuard
 from capture.state import sharding, snapshot
+from capture.state.snapshot import HostCopy  # `snapshot` is also a method name in the class below
 from capture.state.source import StateSource
+from forensics.errors import CaptureError
 from forensics.format.shards import LocalShard
 from forensics.kinds import Policy, StateLayout
 from forensics.recipes import HUGGINGFACE_FACTORY
@@ -91,7 +93,7 @@ class DeepSpeedState(StateSource):
         """Norm of the (unscaled) gradients this rank holds: its ZeRO shard, or all of them (ZeRO-0)."""
         try:
             tensors = self._shard_grads()
-        except Exception:  # noqa: BLE001 - an internal layout this version does not know
+        except Exception:  # an internal layout this version does not know
             log.debug("forensics: reading DeepSpeed gradient shards failed", exc_info=True)
             tensors = None
         if tensors is not None and not tensors and self.sharded:
@@ -141,13 +143,13 @@ class DeepSpeedState(StateSource):
         numel = sum(math.prod(thirdparty.full_shape(p)) for p in self.model.parameters())
         state_bytes = numel * (torch.tensor([], dtype=self.lp_dtype).element_size() + 12)  # + fp32 master, 2 moments
         ranks = self.ranks
-        return sharding.choose_layout(self.config.dumping.state_layout, ranks.world_size if ranks.multi_rank else 1,
+        return sharding.choose_layout(StateLayout(self.config.dumping.state_layout), ranks.world_size if ranks.multi_rank else 1,
                                       True, state_bytes, self.config.dumping.full_state_max_bytes)
 
     def _local_weights(self) -> dict[str, Any]:
         """This rank's weights: ZeRO-3 partitions as flat shards; replicated weights (ZeRO-1/2) whole (the ranks
         split their writing)."""
-        state = {}
+        state: dict[str, Any] = {}
         for key, tensor in self.model.state_dict(keep_vars=True).items():
             if not isinstance(tensor, torch.Tensor):
                 continue
@@ -158,7 +160,7 @@ class DeepSpeedState(StateSource):
         state.update({name: value for name, value in self.buffers.before().items() if name in state})
         return state
 
-    def _full_weights(self, copy: snapshot.HostCopy) -> dict[str, torch.Tensor]:
+    def _full_weights(self, copy: HostCopy) -> dict[str, torch.Tensor]:
         state, gathered = {}, {}
         for key, tensor in self.model.state_dict(keep_vars=True).items():
             if not isinstance(tensor, torch.Tensor):
@@ -259,7 +261,7 @@ class DeepSpeedState(StateSource):
         value = _basic(self.optimizer).state.get(flat, {}).get(key) if flat is not None else None
         return value.narrow(0, hp.start, hp.numel) if isinstance(value, torch.Tensor) else None
 
-    def _replicated_optimizer_state(self, copy: snapshot.HostCopy) -> dict:
+    def _replicated_optimizer_state(self, copy: HostCopy) -> dict:
         """ZeRO-0 with bf16/fp16: every rank holds fp32 masters and their optimizer state, unsharded.
 
         DeepSpeed's unfused wrapper keeps one fp32 master per parameter; the fused one a flat fp32
@@ -277,6 +279,9 @@ class DeepSpeedState(StateSource):
                     entries = dict(basic.state.get(master, {}))
                     pieces = {k: v for k, v in entries.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
                 else:
+                    if flats is None:
+                        raise CaptureError(f"DeepSpeed's {type(self.optimizer).__name__} has neither fp32_groups nor "
+                                           "fp32_groups_flat: this version's fp32 masters cannot be read")
                     flat = flats[group_index]
                     entries = dict(basic.state.get(flat, {}))
                     numel = param.numel()
@@ -416,7 +421,7 @@ def _full_zero3(param: torch.nn.Parameter, key: str | None) -> torch.Tensor | No
     return safe_get_full_fp32_param(param) if key is None else safe_get_full_optimizer_state(param, key)
 
 
-def _zero3_shard(param: torch.nn.Parameter, local: torch.Tensor) -> LocalShard:
+def _zero3_shard(param: Any, local: torch.Tensor) -> LocalShard:
     """A ZeRO-3 partition (`local`: this rank's flat, padded slice of the flattened parameter) as a flat shard
     (empty when the partition is all padding)."""
     _, numel, _, group = thirdparty.zero3_partition(param)
@@ -426,7 +431,7 @@ def _zero3_shard(param: torch.nn.Parameter, local: torch.Tensor) -> LocalShard:
     return LocalShard(local.detach().reshape(-1)[:valid], tuple(thirdparty.full_shape(param)), (start,), flat=True)
 
 
-def _gather_zero3(param: torch.nn.Parameter) -> torch.Tensor:
+def _gather_zero3(param: Any) -> torch.Tensor:
     import deepspeed
 
     with deepspeed.zero.GatheredParameters([param], modifier_rank=None):

@@ -33,10 +33,10 @@ log = logging.getLogger(__name__)
 
 def training_step_loss(model: Any, batch: Any) -> torch.Tensor:
     """Replay loss of a LightningModule: the loss its own `training_step(batch, 0)` returns."""
-    return _loss_of(model.training_step(batch, 0))
+    return _step_loss(model.training_step(batch, 0))
 
 
-def _loss_of(output: Any) -> Any:
+def _step_loss(output: Any) -> Any:
     if isinstance(output, Mapping):
         return output.get("loss")
     return output
@@ -89,7 +89,7 @@ class ForensicsLightningCallback(Callback):
         @functools.wraps(original)
         def training_step(*args, **kwargs):
             output = original(*args, **kwargs)
-            loss = _loss_of(output)
+            loss = _step_loss(output)
             if isinstance(loss, torch.Tensor):
                 guard.record_loss(loss)
             return output

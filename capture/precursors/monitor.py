@@ -160,7 +160,7 @@ class PrecursorMonitor:
         if sampled:
             try:
                 self._launched = (step, self.stats.row())
-            except Exception:  # noqa: BLE001 - a statistic is a convenience; the job goes on
+            except Exception:  # a statistic is a convenience; the job goes on
                 log.exception("forensics: precursors: the statistics failed; the monitor is off for this run")
                 self.off()
                 return
@@ -174,7 +174,7 @@ class PrecursorMonitor:
         step, self._launched = self._launched[0], None
         try:
             self._judge(step, values)
-        except Exception:  # noqa: BLE001 - a statistic is a convenience; the job goes on
+        except Exception:  # a statistic is a convenience; the job goes on
             log.exception("forensics: precursors: step %d could not be judged; the monitor is off", step)
             self.off()
 
@@ -203,7 +203,7 @@ class PrecursorMonitor:
             if watch is None:
                 if stat not in headroom.LIMITED or (layer, stat) not in self.stats.dtypes:
                     continue
-                dtype = headroom.dtype_name(self.stats.dtypes[(layer, stat)])
+                dtype = headroom.known_dtype_name(self.stats.dtypes[(layer, stat)])
                 limit = headroom.limit_of(stat, dtype, self.stats.measured_head_dim)
                 self.meta["columns"][j]["dtype"] = dtype
                 if limit is None:
@@ -222,7 +222,7 @@ class PrecursorMonitor:
             baseline = {PrecursorRule.HEADROOM: headroom.HEADROOM * alarm.limit.value,
                         PrecursorRule.TREND: alarm.value / (alarm.growth or 1.0)}.get(alarm.rule, alarm.limit.value)
             fired.append(Firing(layer, stat, step, started, alarm.value, baseline, 0.0, alarm.rule,
-                                headroom.describe(alarm, f"the {stat.words} of {layer}")))
+                                headroom.describe_alarm(alarm, f"the {stat.words} of {layer}")))
         return fired
 
     def note_step(self, step: int, healthy: bool) -> None:
@@ -301,7 +301,7 @@ def judge(monitor: PrecursorMonitor, step: int, record: StepRecord, *, healthy: 
         incident = _incident(monitor, step, record, healthy, dumped, state, history)
         if incident is not None:
             report(incident)
-    except Exception:  # noqa: BLE001 - capture must never stop a healthy job
+    except Exception:  # capture must never stop a healthy job
         log.exception("forensics: precursors: step %d could not be judged", step)
 
 
@@ -316,8 +316,10 @@ def _incident(monitor: PrecursorMonitor, step: int, record: StepRecord, healthy:
     for firing in firings:
         log.warning("forensics: step %d: precursor: %s", step, firing.detail)
     chosen = monitor.to_dump(firings, step) if firings else None
+    recorder = monitor.recorder
     for firing in firings:
-        monitor.recorder.note_precursor_firing({**firing.as_dict(), "dumped": firing is chosen})
+        if recorder is not None:
+            recorder.note_precursor_firing({**firing.as_dict(), "dumped": firing is chosen})
     chosen = chosen or deferred
     if chosen is None or monitor.dumps >= monitor.config.max_dumps:
         return None
@@ -348,7 +350,7 @@ def attach(model: torch.nn.Module, optimizer: Any, scaler: Any, config: Precurso
         return None
     try:
         monitor = PrecursorMonitor(model, optimizer, config, scaler)
-    except Exception:  # noqa: BLE001
+    except Exception:
         log.exception("forensics: precursors: the monitor could not be set up; it is off")
         return None
     for handle in monitor.handles:

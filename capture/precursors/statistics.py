@@ -28,7 +28,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from typing import Any, Iterator
+from collections.abc import Sequence
+from typing import Any, Iterator, cast, overload
 
 import torch
 
@@ -113,7 +114,8 @@ def head_size(attention: torch.nn.Module) -> int | None:
 def output_projection(model: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
     """(name, module) of the model's output projection, whose output is the logits: `get_output_embeddings()` of a
     Hugging Face model, else a direct child named in OUTPUT_NAMES; None when there is neither."""
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    getter = getattr(model, "get_output_embeddings", None)  # a Hugging Face model's
+    output = getter() if callable(getter) else None
     if isinstance(output, torch.nn.Module):
         return next((name for name, m in model.named_modules() if m is output), "output"), output
     children = dict(model.named_children())
@@ -137,6 +139,12 @@ def _absmax(t: torch.Tensor) -> torch.Tensor:
     return torch.maximum(high, low.neg())
 
 
+@overload
+def _local(t: torch.Tensor) -> torch.Tensor: ...
+@overload
+def _local(t: torch.Tensor | None) -> torch.Tensor | None: ...
+
+
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:
     """This rank's part of a DTensor (FSDP2, tensor parallel: its local shard), else the tensor itself."""
     return t.to_local() if is_dtensor(t) else t
@@ -146,7 +154,8 @@ def _on_host(value: Any) -> Any:
     """A Python number as a float, a CPU tensor as its value (read on the host: no device involved); a device
     tensor stays as it is (reading it would wait for the device)."""
     if isinstance(value, torch.Tensor):
-        return float(value.tolist()) if value.device.type == "cpu" else value
+        # tolist(), not item(): a 0-d tensor's number without the scalar read a dispatch mode counts as a sync
+        return float(cast(float, value.tolist())) if value.device.type == "cpu" else value
     return float(value)
 
 
@@ -249,8 +258,7 @@ class StepStatistics:
                 self._logits.append(_absmax(t))
                 self.dtypes[(self._output_name, PrecursorStatistic.OUTPUT_LOGIT)] = t.dtype
 
-    def _qk_hook(self, slot: int, fused: bool, layer: str):
-        size = self._head_dim
+    def _qk_hook(self, slot: int, fused: bool, layer: str, size: int):
         key = (layer, PrecursorStatistic.ATTENTION_LOGIT)
 
         def hook(module, args, output):
@@ -281,7 +289,7 @@ class StepStatistics:
         monitor then removes its hooks at check()), never raised into the training step."""
         try:
             yield
-        except Exception:  # noqa: BLE001 - capture must never stop a healthy job
+        except Exception:  # capture must never stop a healthy job
             log.exception("forensics: precursors: the statistics failed; the monitor is off for this run")
             self.failed, self.active = True, False
 
@@ -289,7 +297,8 @@ class StepStatistics:
         """Hooks on the query / key projections of each block that has recognisable ones (and a known head size: the
         attention module's own, else the model config's); the blocks' indices. Says once, in plain words, when the
         bound cannot be measured on this model (no projections found, or no head size)."""
-        found, unsized = [], []
+        found: list[int] = []
+        unsized: list[str] = []
         for index, (name, block) in enumerate(self.blocks):
             projections = attention_projections(block)
             if projections is None:
@@ -304,9 +313,9 @@ class StepStatistics:
             self._head_dim = size
             slot = 2 * len(found)
             found.append(index)
-            self.handles.append(q.register_forward_hook(self._qk_hook(slot, fused, name)))
+            self.handles.append(q.register_forward_hook(self._qk_hook(slot, fused, name, size)))
             if not fused:
-                self.handles.append(k.register_forward_hook(self._qk_hook(slot + 1, False, name)))
+                self.handles.append(k.register_forward_hook(self._qk_hook(slot + 1, False, name, size)))
         if unsized:
             log.warning("forensics: precursors: the attention-logit bound is not measured for %s: no head size found "
                         "(an attribute %s on the attention module, or head_dim / hidden_size and num_attention_heads "
@@ -340,7 +349,7 @@ class StepStatistics:
                 absmax = thirdparty.foreach_norm(tensors, math.inf)
             else:  # an L-inf norm of bf16 is 20x slower than aminmax on a CPU
                 lows, highs = zip(*(torch.aminmax(t) for t in tensors))
-                absmax = torch.maximum(torch.stack(highs), torch.stack(lows).neg()).unbind()
+                absmax = list(torch.maximum(torch.stack(highs), torch.stack(lows).neg()).unbind())
             for values, into in ((l2, self._rms), (absmax, self._absmax)):
                 full = [self._neg_inf[0]] * len(self._outputs)
                 for (i, _), v in zip(present, values):
@@ -374,7 +383,7 @@ class StepStatistics:
         n = len(self.blocks)
         parts = [self._max_over(self._rms, n), self._max_over(self._absmax, n)]
         if self._attention_blocks:
-            if self._qk_parts:
+            if self._qk_parts and self._head_dim is not None:  # measured parts: the head size is known
                 bound = self._max_over(self._qk_parts, -1).view(-1, 2).float()
                 parts.append(bound[:, 0] * bound[:, 1] / math.sqrt(self._head_dim))
             else:
@@ -406,7 +415,7 @@ class StepStatistics:
             self._empty[p.dtype] = torch.zeros(0, dtype=p.dtype, device=p.device)
         return self._empty[p.dtype]
 
-    def _block_norms(self, *tensors: list[torch.Tensor | None], norms: list[torch.Tensor] = ()) -> torch.Tensor:
+    def _block_norms(self, *tensors: Sequence[torch.Tensor | None], norms: Sequence[torch.Tensor] = ()) -> torch.Tensor:
         """Per block, the L2 norm of its parameters' tensors, for each list of `tensors` (None counts as 0) and then
         for `norms` (a list of per-parameter norms computed already): one `_foreach_norm` and one `stack` for all
         of them, summed per block by one `index_add_`; (lists, blocks)."""
@@ -477,10 +486,11 @@ class StepStatistics:
                 thirdparty.foreach_reciprocal_(d)
                 thirdparty.foreach_mul_(d, [_local(s["exp_avg"]) for s in states])  # -m / (sqrt(v) + eps sqrt(bc2))
             elif all("momentum_buffer" in s for s in states):
-                d = [_local(s["momentum_buffer"]) if s["momentum_buffer"] is not None else grads[i]
-                     for s, i in zip(states, indices)]
-                if any(t is None for t in d):
+                moments = [_local(s["momentum_buffer"]) if s["momentum_buffer"] is not None else grads[i]
+                           for s, i in zip(states, indices)]
+                if any(t is None for t in moments):
                     continue
+                d = [t for t in moments if t is not None]
                 scale = _on_host(group.get("lr", 0.0))
             else:
                 continue

@@ -35,7 +35,7 @@ MAX_FRAMES = 40
 MAX_MESSAGE = 4000
 
 
-def describe(exc: BaseException, during: Phase, batches: list[Any]) -> dict:
+def exception_section(exc: BaseException, during: Phase, batches: list[Any]) -> dict:
     """The manifest's `exception` section for `exc`, raised `during` the forward, backward, optimizer step or
     between steps."""
     frames = traceback.extract_tb(exc.__traceback__)[-MAX_FRAMES:]
@@ -110,7 +110,7 @@ def first_sight(exc: BaseException) -> bool:
     if isinstance(exc, TrainingFaultError) or getattr(exc, "_forensics_recorded", False):
         return False
     try:
-        exc._forensics_recorded = True
+        exc._forensics_recorded = True  # type: ignore[attr-defined]  # a mark on the exception object itself
     except AttributeError:
         pass
     return True
@@ -171,7 +171,7 @@ def step_incident(exc: BaseException, record: StepRecord, step: int, after_check
     step += holds.step_offset
     if holds is StateHolds.AFTER_UPDATE:
         record = StepRecord()
-    section = describe(exc, during, record.batches)
+    section = exception_section(exc, during, record.batches)
     section["state_may_be_partial"] = holds is StateHolds.MAYBE_PARTIAL
     section["state_holds"] = holds.value
     index = len(record.batches) - 1 if during is Phase.FORWARD else None
@@ -200,7 +200,7 @@ def peer_failure(exc: BaseException) -> bool:
 
 
 def _is_oom(exc: BaseException) -> bool:
-    oom = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", ())
+    oom: Any = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", ())
     return isinstance(exc, oom) or (isinstance(exc, (RuntimeError, MemoryError))
                                     and is_out_of_memory(type(exc).__name__, _safe_str(exc)))
 

@@ -5,6 +5,7 @@ so replay can tell a run that diverged long ago from a step that broke a healthy
 from __future__ import annotations
 
 import math
+from typing import Any
 from collections import deque
 
 FIRST_STEPS = 16  # the run's first finite losses / grad norms kept whole: its baseline
@@ -16,7 +17,7 @@ class History:
     def __init__(self, capacity: int):
         self.capacity = capacity
         self._rows: deque[tuple] = deque(maxlen=capacity)
-        self._summary = {"steps": 0, "first_step": None, "first_losses": [], "first_grad_norms": [],
+        self._summary: dict[str, Any] = {"steps": 0, "first_step": None, "first_losses": [], "first_grad_norms": [],
                          "min_loss": None, "min_loss_step": None, "clipped_steps": 0, "skipped_steps": 0}
 
     def append(self, step: int, loss: float | None, grad_norm: float | None, lr: float | None,

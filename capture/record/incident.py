@@ -100,7 +100,7 @@ def json_ids(ids: Any) -> list | None:
     except Exception as exc:  # noqa: BLE001 - an ID container whose iteration or conversion raises
         log.warning("forensics: the sample IDs of a micro-batch could not be read (%s: %s); stored as one repr",
                     type(exc).__name__, exc)
-        return [_safe_repr(ids)]
+        return [_short_repr(ids)]
 
 
 def _json_id(value: Any) -> Any:
@@ -111,19 +111,20 @@ def _json_id(value: Any) -> Any:
     if isinstance(value, float) and math.isfinite(value):
         return value
     log.warning("forensics: a sample ID of type %s is not a JSON value; stored as its repr", type(value).__name__)
-    return _safe_repr(value)
+    return _short_repr(value)
 
 
-def _safe_repr(value: Any) -> str:
+def _short_repr(value: Any) -> str:
     try:
         return repr(value)[:1000]
     except Exception:  # noqa: BLE001
         return f"<{type(value).__name__} without a repr>"
 
 
-def batch_size(batch: Any) -> int | None:
-    """The leading dimension of the first tensor in a batch tree (None: no tensor with one, or a batch
-    that cannot be walked)."""
+def leading_dim(batch: Any) -> int | None:
+    """The leading dimension of the first tensor in a batch tree, or None (no tensor with one, or a batch that
+    cannot be walked): the manifest's `batch_size`. Replay infers a batch's size by its own rule
+    (replay/load/samples.batch_size)."""
     try:
         return next((t.shape[0] for _, t in tensor_leaves(batch) if t.dim()), None)
     except Exception:  # noqa: BLE001 - an odd batch must not cost the dump

@@ -39,7 +39,7 @@ class FirstStepCheck:
         self.done = True
         try:
             self._look(record)
-        except Exception:  # noqa: BLE001 - advice must never cost the job
+        except Exception:  # advice must never cost the job
             log.debug("forensics: the first-step usage check failed", exc_info=True)
 
     def _look(self, record: StepRecord) -> None:

@@ -62,7 +62,7 @@ class StepRecorder:
             record.batches.append(batch)
             record.sample_ids.append(sample_ids)
             record.rng.append(self._capture_rng())
-        except Exception:  # noqa: BLE001 - capture must never break the job
+        except Exception:  # capture must never break the job
             log.exception("forensics: record_batch failed; this step will not be capturable")
 
     def note_autocast(self, module: torch.nn.Module, args: Any) -> None:

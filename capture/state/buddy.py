@@ -104,7 +104,7 @@ def _exchange_with(shards: dict[str, dict[str, LocalShard]], to: int, source: in
     receives = _rounds([math.prod(shape) * spec.ITEM_SIZE[dtype] for _, _, _, _, shape, dtype, _ in incoming])
     copies = ShardCopies(source, {})
     for index in range(max(len(sends), len(receives))):
-        out = [_as_bytes(outgoing[i][2].tensor, device) for i in (sends[index] if index < len(sends) else [])]
+        out = [_byte_view(outgoing[i][2].tensor, device) for i in (sends[index] if index < len(sends) else [])]
         mine = receives[index] if index < len(receives) else []
         into = [torch.empty(math.prod(incoming[i][4]) * spec.ITEM_SIZE[incoming[i][5]], dtype=torch.uint8,
                             device=device) for i in mine]
@@ -148,5 +148,5 @@ def _comm_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _as_bytes(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _byte_view(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.detach().to(device).contiguous().reshape(-1).view(torch.uint8)

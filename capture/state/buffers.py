@@ -50,8 +50,9 @@ class PreForwardBuffers:
         self.valid = False
         if self.off or not self._slots:
             return
-        live = [module._buffers[attr] for _, module, attr in self._slots]
-        if any(t is None for t in live):  # a module dropped a buffer: stop rather than guess
+        found = [own_buffers(module)[attr] for _, module, attr in self._slots]
+        live = [t for t in found if t is not None]
+        if len(live) != len(found):  # a module dropped a buffer: stop rather than guess
             self._turn_off("a buffer was removed from the model")
             return
         if [(t.shape, t.dtype, t.device) for t in live] != [(t.shape, t.dtype, t.device) for t in self._saved]:
@@ -67,7 +68,7 @@ class PreForwardBuffers:
         """take() at the step's first record_batch, never raising: a failure turns the copies off for the run."""
         try:
             self.take()
-        except Exception:  # noqa: BLE001 - a convenience: the dump then holds the buffers as check() sees them
+        except Exception:  # a convenience: the dump then holds the buffers as check() sees them
             self.off = True
             log.exception("forensics: copying the model's buffers before the forward failed; not tried again")
 
@@ -78,7 +79,7 @@ class PreForwardBuffers:
             if restored:
                 log.warning("forensics: step %d skipped; %d buffer(s) its forward had updated (e.g. BatchNorm running "
                             "statistics) are back to their values before the step", step, restored)
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("forensics: restoring the model's buffers after a skipped step failed")
 
     def before(self) -> dict[str, torch.Tensor]:
@@ -91,10 +92,10 @@ class PreForwardBuffers:
         """Puts the pre-forward values back into the model's buffers (a skipped step); returns how many."""
         if not self.valid:
             return 0
-        live = [module._buffers[attr] for _, module, attr in self._slots]
+        live = [own_buffers(module)[attr] for _, module, attr in self._slots]
         if any(a is not b for a, b in zip(live, self._taken_from)):
             return 0  # the model swapped a buffer object since: leave it
-        _copy_all(live, self._saved)
+        _copy_all(self._taken_from, self._saved)  # the very tensors `live` holds
         return len(live)
 
     def _turn_off(self, why: str) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from capture.state.sharding import state_bytes
 from forensics.device_sync import DeviceFence, on_device_of, quarantine
+from forensics.format.tensors import tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ class HostSnapshots:
             del slot.buffers[key]  # a tensor that no longer exists (a parameter group removed)
         slot.landed = DeviceFence(devices)
         slot.step, slot.state = step, {"model": model, "optimizer": optimizer}
-        self.bytes_held = sum(_nbytes(t) for s in self._slots for t in s.buffers.values())
+        self.bytes_held = sum(tensor_bytes(t) for s in self._slots for t in s.buffers.values())
         self._next = (self._slots.index(slot) + 1) % self.count
 
     def settle(self) -> None:
@@ -115,11 +116,11 @@ class HostSnapshots:
                 and (device_usable or s.landed.settled)]
         if not held:
             return None, lambda: None
-        slot = min(held, key=lambda s: s.step)
+        slot = min(held, key=lambda s: s.step or 0)  # every held slot has a step
         if device_usable:
             slot.wait()
         slot.lent.set()
-        return {"step": slot.step, **slot.state}, slot.lent.clear
+        return {"step": slot.step, **(slot.state or {})}, slot.lent.clear
 
     def _free_slot(self) -> _Slot | None:
         for offset in range(self.count):
@@ -149,10 +150,6 @@ def _host_buffer(tensor: torch.Tensor) -> torch.Tensor:
         except RuntimeError:  # no pinnable memory left: a pageable buffer (the copy then waits)
             pass
     return torch.empty(tensor.shape, dtype=tensor.dtype)
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 
 def available_host_memory() -> int | None:

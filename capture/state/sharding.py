@@ -18,16 +18,20 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import logging
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeGuard
 
 import torch
 
 from capture.state.buddy import buddy_offsets, ranks_per_node
 from forensics.format import spec
 from forensics.format.shards import LocalShard, table_entry
+from forensics.format.tensors import tensor_bytes
 from forensics.grad_norm import total_grad_norm
 from forensics.kinds import StateLayout
 from forensics.thirdparty import dtensor_local_box, fsdp_mixed_precision
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +43,7 @@ def layout_words(layout: StateLayout | None) -> str:
     return "full on every rank (replayable alone)"
 
 
-def is_dtensor(value: Any) -> bool:
+def is_dtensor(value: Any) -> TypeGuard[DTensor]:
     return type(value).__name__ == "DTensor" and hasattr(value, "to_local") and hasattr(value, "placements")
 
 
@@ -82,7 +86,7 @@ def fsdp_units(model: torch.nn.Module) -> list[dict]:
             units.append({"module": name, "param_dtype": dtype(policy.param_dtype),
                           "reduce_dtype": dtype(policy.reduce_dtype), "output_dtype": dtype(policy.output_dtype),
                           "cast_forward_inputs": bool(policy.cast_forward_inputs)})
-    except Exception:  # noqa: BLE001 - a torch whose FSDP2 internals differ
+    except Exception:  # a torch whose FSDP2 internals differ
         log.warning("forensics: could not read FSDP2's mixed-precision policies; replay will compute in the "
                     "parameters' dtype", exc_info=True)
         return []
@@ -160,15 +164,11 @@ def host_norm(value: Any) -> Any:
     return value
 
 
-def _nbytes(value: Any) -> int:
-    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
-
-
 def state_bytes(state: dict) -> int:
     """Bytes of the complete state (global sizes of DTensors)."""
-    total = sum(_nbytes(t) for t in state["model"].values())
+    total = sum(tensor_bytes(t) for t in state["model"].values())
     for entries in (state.get("optimizer") or {}).get("state", {}).values():
-        total += sum(_nbytes(v) for v in entries.values())
+        total += sum(tensor_bytes(v) for v in entries.values())
     return total
 
 
@@ -225,8 +225,8 @@ def shard_state(state: dict, rank: int, world_size: int, replicas: int,
                    for key, value in values.items() if isinstance(value, (torch.Tensor, LocalShard))}
     table = {spec.MODEL: {n: _row(t) for n, t in model_state.items()},
              spec.OPTIMIZER_TENSORS: {k: _row(t) for k, t in entries.items()}}
-    plain = {f"{spec.MODEL}/{n}": _nbytes(t) for n, t in model_state.items() if _replicated(t)}
-    plain.update({f"{spec.OPTIMIZER_TENSORS}/{k}": _nbytes(t) for k, t in entries.items() if _replicated(t)})
+    plain = {f"{spec.MODEL}/{n}": tensor_bytes(t) for n, t in model_state.items() if _replicated(t)}
+    plain.update({f"{spec.OPTIMIZER_TENSORS}/{k}": tensor_bytes(t) for k, t in entries.items() if _replicated(t)})
     assignment = Assignment(plain, world_size, replicas, ranks_per_node(world_size))
 
     def mine(file: str, name: str, value: Any) -> Any:

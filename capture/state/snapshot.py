@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from forensics.device_sync import DeviceFence, on_device_of
 from forensics.format.jsonio import to_jsonable
+from forensics.format.tree import map_tensors
 
 
 class HostCopy:
@@ -73,11 +74,11 @@ def parameter_names(model: torch.nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in model.named_parameters()}
 
 
-def model_state(model: torch.nn.Module, copy: HostCopy) -> dict[str, torch.Tensor]:
+def model_state(model: torch.nn.Module, copy: Callable[[torch.Tensor], Any]) -> dict[str, torch.Tensor]:
     return {name: copy(t) for name, t in model.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)}
 
 
-def optimizer_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module, copy: HostCopy) -> dict:
+def optimizer_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module, copy: Callable[[torch.Tensor], Any]) -> dict:
     """Optimizer hyper-parameters and state keyed by parameter name (docs/DUMP_FORMAT.md)."""
     names, state = parameter_names(model), {}
     for group_index, group in enumerate(optimizer.param_groups):
@@ -116,13 +117,7 @@ class DeviceOnly:
 
 def host_only(node: Any) -> Any:
     """A micro-batch with its device tensors replaced by DeviceOnly (nothing is read from the device)."""
-    if isinstance(node, torch.Tensor):
-        return node.detach() if node.device.type == "cpu" else DeviceOnly(node)
-    if isinstance(node, dict):
-        return {k: host_only(v) for k, v in node.items()}
-    if isinstance(node, (list, tuple)) and not hasattr(node, "_fields"):
-        return type(node)(host_only(v) for v in node)
-    return node
+    return map_tensors(node, lambda t: t.detach() if t.device.type == "cpu" else DeviceOnly(t))
 
 
 def plain(value: Any) -> Any:

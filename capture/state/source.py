@@ -103,8 +103,9 @@ class StateSource:
         `loss.grad_norm_unscaled_by`)."""
         norm = self._norm_of([p.grad for p in self.model.parameters() if p.grad is not None])
         scale = thirdparty.grads_scaled_by(self.scaler, self.optimizer)  # before scaler.unscale_: grads x scale
-        self.own_norm_unscaled = scale is not None and norm is not None
-        if self.own_norm_unscaled:  # one unit everywhere: the norm clip_grad_norm_ would see after unscale_
+        self.own_norm_unscaled = False
+        if scale is not None and norm is not None:  # one unit everywhere: the norm clip_grad_norm_ sees after unscale_
+            self.own_norm_unscaled = True
             norm = norm / scale.reshape(()).to(norm.device) if isinstance(norm, torch.Tensor) else norm / float(scale)
         return norm
 
@@ -140,7 +141,7 @@ class StateSource:
 
     def _layout(self, full_form: dict) -> StateLayout:
         dumping, ranks = self.config.dumping, self.ranks
-        return sharding.choose_layout(dumping.state_layout, ranks.world_size if ranks.multi_rank else 1, self.dtensors,
+        return sharding.choose_layout(StateLayout(dumping.state_layout), ranks.world_size if ranks.multi_rank else 1, self.dtensors,
                                       sharding.state_bytes(full_form), dumping.full_state_max_bytes)
 
     @property

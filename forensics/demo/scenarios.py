@@ -23,6 +23,7 @@ import torch
 from capture import Guard, GuardConfig, SpikeConfig
 from forensics.demo import models
 from forensics.errors import ForensicsError, TrainingFaultError
+from forensics.format.tree import map_tensors
 from forensics.kinds import Phase, TriggerKind
 from forensics.recipes import name_default_loss
 
@@ -135,10 +136,6 @@ def make_steps(n_steps: int, seed: int, make_record: Callable[[torch.Generator],
              for _ in range(GRAD_ACCUM)] for _ in range(n_steps)]
 
 
-def to_device(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
@@ -193,7 +190,7 @@ def train(run: Run, device: torch.device, echo: Echo) -> tuple[list[Path], str, 
                 run.before_step(step)
             step_loss = 0.0
             for records in micro_batches:
-                batch = to_device(collate(records), device)
+                batch = map_tensors(collate(records), lambda t: t.to(device))
                 guard.record_batch(batch)  # forensics
                 with torch.autocast(device.type, dtype=run.autocast or torch.bfloat16, enabled=amp):
                     loss = run.loss_fn(model, batch)
@@ -249,7 +246,7 @@ def free_run_id(dump_dir: Path, base: str) -> str:
     return candidate
 
 
-def _recipe(factory: str, factory_kwargs: dict) -> dict:
+def _recipe_of(factory: str, factory_kwargs: dict) -> dict:
     """GuardConfig.recipe naming a demo model factory, so replay rebuilds it without --trust, and the built-in
     loss `model(**batch).loss` that the demo's models answer (named, so the Guard does not doubt it)."""
     return {"factory": f"{models.MODULE}:{factory}", "factory_kwargs": factory_kwargs,
@@ -257,7 +254,7 @@ def _recipe(factory: str, factory_kwargs: dict) -> dict:
 
 
 # -- (a) bad_sample: a corrupted feature record --------------------------------------------------
-def _bad_sample(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
+def _bad_sample_scenario(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
     from transformers import GPT2LMHeadModel
 
     seed_everything(0)
@@ -308,9 +305,9 @@ def _fp16_overflow(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
     steps = make_steps(10, seed=5, make_record=record)
     bad = steps[5][1][3]
     bad["features"] = bad["features"] * 300.0  # exported un-normalised: values of a few hundred
-    kwargs = {"n_features": n_features, "adapter_hidden": 64, "config": {}}
+    kwargs: dict[str, Any] = {"n_features": n_features, "adapter_hidden": 64, "config": {}}
     model = models.adapter_lm(**kwargs)
-    config = _config(out_dir, "fp16_overflow", recipe=_recipe("adapter_lm", kwargs))
+    config = _config(out_dir, "fp16_overflow", recipe=_recipe_of("adapter_lm", kwargs))
     run = Run("fp16_overflow", model, steps, hf_loss, config, autocast=torch.float16)
     return _finish(run, device, echo, Expected("numerical_precision", (bad["sample_ids"],), module="adapter",
                                                 op="aten::mul", phase=Phase.FORWARD))
@@ -357,8 +354,8 @@ def _pair(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
     # channel 3 standardises to NaN in the forward pass, the same on the CPU and on CUDA.
     first["features"][3, 5] = 0.75 * FLT_MAX
     second["features"][3, 9] = 0.75 * FLT_MAX
-    kwargs = {"n_channels": n_channels, "hidden": 32, "n_classes": 4}
-    config = _config(out_dir, "pair", recipe=_recipe("sensor_classifier", kwargs))
+    kwargs: dict[str, Any] = {"n_channels": n_channels, "hidden": 32, "n_classes": 4}
+    config = _config(out_dir, "pair", recipe=_recipe_of("sensor_classifier", kwargs))
     run = Run("pair", models.sensor_classifier(**kwargs), steps, dict_loss, config)
     return _finish(run, device, echo, Expected("bad_sample", (first["sample_ids"], second["sample_ids"]),
                                                 module="bn", phase=Phase.FORWARD))
@@ -370,7 +367,8 @@ def _sdc(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
 
     seed_everything(0)
     model = name_default_loss(GPT2LMHeadModel(models.gpt2_config()))
-    fire_at, fired = 4, []
+    fire_at = 4
+    fired: list[bool] = []
     state = {"step": 0}
 
     def flip_one_activation(module, inputs, output):  # stands in for a flaky GPU: one value, once
@@ -394,15 +392,15 @@ def _sdc(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
 # -- (g) a NaN that needs one particular dropout mask ---------------------------------------------------
 def _dropout_mask(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
     seed_everything(12)  # on the CPU the first all-dropping gate mask comes at step 7 (p = 1/16 a forward)
-    kwargs = {"n_gates": 4, "gate_dropout": 0.5, "aux_weight": 0.01, "config": {}}
+    kwargs: dict[str, Any] = {"n_gates": 4, "gate_dropout": 0.5, "aux_weight": 0.01, "config": {}}
     steps = make_steps(40, seed=9, make_record=lambda gen: {"input_ids": (ids := token_record(gen)), "labels": ids})
-    config = _config(out_dir, "dropout_mask", recipe=_recipe("gated_lm", kwargs))
+    config = _config(out_dir, "dropout_mask", recipe=_recipe_of("gated_lm", kwargs))
     run = Run("dropout_mask", models.gated_lm(**kwargs), steps, dict_loss, config)
     return _finish(run, device, echo, Expected("model_state", (), op="aten::log", phase=Phase.FORWARD))
 
 
 # -- (h) a finite loss spike from one sample --------------------------------------------------------
-def _spike(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
+def _spike_scenario(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
     from transformers import GPT2ForSequenceClassification
 
     seed_everything(0)
@@ -427,7 +425,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     Scenario("bad_sample", "one corrupted input record (values ~1e38) turns the loss NaN",
              "A GPT-2 trains on features precomputed by a frozen encoder. One record was mis-decoded: "
              "three of its tokens hold values around 1e38. Its first LayerNorm overflows and the loss "
-             "goes NaN.", _bad_sample),
+             "goes NaN.", _bad_sample_scenario),
     Scenario("log_zero", "a custom loss takes log(0) for one sample whose data-quality weight is 0",
              "The loss weights each sample by a data-quality score in log space (nll - log w). One "
              "record was rejected by the quality filter with weight 0 instead of being dropped.",
@@ -453,7 +451,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     Scenario("spike", "a finite loss spike caused by one mislabelled sample (training continues)",
              "A GPT-2 regression head; one record's target was exported in percent instead of a "
              "fraction. The loss jumps 100-fold; the Guard dumps the step and training goes on.",
-             _spike),
+             _spike_scenario),
 ]}
 
 DEFAULT_SCENARIO = "bad_sample"

@@ -10,6 +10,8 @@ from __future__ import annotations
 import stat
 import tarfile
 import tempfile
+from collections.abc import Iterator
+from typing import Any
 from pathlib import Path
 
 import zstandard
@@ -27,11 +29,11 @@ class _CappedStream:
     """The decompressed tar stream, refused once it passes `cap` bytes: bounds what tarfile reads even for
     headers it buffers whole (a pax header that claims gigabytes)."""
 
-    def __init__(self, stream, cap: int):
+    def __init__(self, stream: Any, cap: int):
         self.stream, self.cap, self.seen = stream, cap, 0
 
     def read(self, size: int = -1) -> bytes:
-        data = self.stream.read(size if size >= 0 else self.cap + 1 - self.seen)
+        data: bytes = self.stream.read(size if size >= 0 else self.cap + 1 - self.seen)
         self.seen += len(data)
         if self.seen > self.cap:
             raise DumpCorruptError(f"the archive unpacks to more than {self.cap} bytes (headers included); "
@@ -39,7 +41,7 @@ class _CappedStream:
         return data
 
 
-def _dump_members(tar: tarfile.TarFile, limits: ArchiveLimits, archive_bytes: int):
+def _dump_members(tar: tarfile.TarFile, limits: ArchiveLimits, archive_bytes: int) -> Iterator[tarfile.TarInfo]:
     members = total = 0
     allowed = _allowed_bytes(limits, archive_bytes)
     for member in tar:
@@ -67,7 +69,7 @@ def _dump_members(tar: tarfile.TarFile, limits: ArchiveLimits, archive_bytes: in
         yield member
 
 
-def unpack_archive(path: Path, limits: ArchiveLimits | None = None) -> tuple[Path, tempfile.TemporaryDirectory]:
+def unpack_archive(path: Path, limits: ArchiveLimits | None = None) -> tuple[Path, tempfile.TemporaryDirectory[str]]:
     """Unpacks into a temporary directory, within `limits` (checked on each member's header, before its
     bytes are written); returns the dump directory and the holder keeping it alive.
 
@@ -85,7 +87,7 @@ def unpack_archive(path: Path, limits: ArchiveLimits | None = None) -> tuple[Pat
                 limits = limits or ArchiveLimits()
                 packed = path.stat().st_size
                 capped = _CappedStream(stream, _allowed_bytes(limits, packed) + limits.max_members * 1024 + GiB // 64)
-                with tarfile.open(fileobj=capped, mode="r|") as tar:
+                with tarfile.open(fileobj=capped, mode="r|") as tar:  # type: ignore[call-overload]  # typeshed wants write/seek of a stream that is only read
                     for member in _dump_members(tar, limits, packed):
                         tar.extract(member, root, set_attrs=False, filter="data")
     except tarfile.FilterError as exc:

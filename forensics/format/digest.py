@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import BinaryIO
+from typing import TYPE_CHECKING, Any, Protocol
 
 from forensics.format import threads
 from forensics.format.spec import CHUNK_BYTES
+
+if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
 
 
 def digest_of_chunks(chunks: list[str]) -> str:
@@ -28,11 +31,11 @@ def chunk_digests(data: bytes | memoryview, chunk_size: int) -> list[str]:
             for start in range(0, max(len(view), 1), chunk_size)]
 
 
-_POOL = None
-_POOL_PID = None
+_POOL: ThreadPoolExecutor | None = None
+_POOL_PID: int | None = None
 
 
-def _hash_pool():
+def _hash_pool() -> ThreadPoolExecutor:
     """The threads every HashingWriter of the process shares (hashlib releases the GIL on large updates); a
     process forked from one that had them (a data-loader worker) starts its own."""
     global _POOL, _POOL_PID
@@ -42,6 +45,12 @@ def _hash_pool():
         _POOL = ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1), thread_name_prefix="forensics-sha256")
         _POOL_PID = os.getpid()
     return _POOL
+
+
+class Sink(Protocol):
+    """Where HashingWriter passes the bytes on: an open binary file, or a wrapper of one (EarlyWriteback)."""
+
+    def write(self, data: Any, /) -> Any: ...
 
 
 class HashingWriter:
@@ -56,7 +65,7 @@ class HashingWriter:
 
     PARALLEL_MIN = 1 << 20  # below this, a thread hand-off costs more than it saves
 
-    def __init__(self, raw: BinaryIO, chunk_bytes: int = CHUNK_BYTES):
+    def __init__(self, raw: Sink, chunk_bytes: int = CHUNK_BYTES):
         self.raw = raw
         self.size = 0
         self.chunk_bytes = chunk_bytes
@@ -85,7 +94,7 @@ class HashingWriter:
             else:
                 self._open, self._fill = hasher, fill
 
-    def write(self, data) -> None:
+    def write(self, data: Any) -> None:
         view = memoryview(data).cast("B")
         pieces = self._pieces(view)
         if len(view) < self.PARALLEL_MIN:

@@ -90,7 +90,7 @@ def data_end(entries: dict[str, Entry], start: int) -> int:
     return max([start, *(entry.offset + entry.nbytes for entry in entries.values())])
 
 
-def read_entries(path, name: str) -> dict[str, Entry]:
+def read_entries(path: str | os.PathLike[str], name: str) -> dict[str, Entry]:
     """The checked entries of a safetensors file on disk (its header only is read: `verify`, `inspect`).
 
     Raises:

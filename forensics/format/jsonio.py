@@ -84,6 +84,22 @@ def from_jsonable(obj: Any) -> Any:
     return obj
 
 
+def lenient_float(value: Any) -> float | None:
+    """A number read from dump or report metadata: `float(value)`, NaN and Inf kept; None for None, a bool,
+    or anything that is not a number (the one lenient parser; a strict field is checked by `manifest.py`).
+
+    Example:
+        >>> [lenient_float(v) for v in (2, "1.5", None, True, "n/a")]
+        [2.0, 1.5, None, None, None]
+    """
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
 def dumps(obj: Any) -> bytes:
     return json.dumps(to_jsonable(obj), indent=1, allow_nan=False).encode("utf-8")
 
@@ -93,21 +109,23 @@ class JSONRefused(ValueError):
     Infinity. Its message is a phrase to follow the document's name ("is nested too deep ...")."""
 
 
-def _int(text: str) -> int:
+def _bounded_int(text: str) -> int:
     """A JSON integer of bounded length (int() of a huge digit string is quadratic; floats are bounded)."""
     if len(text) > MAX_JSON_NUMBER_DIGITS:
         raise JSONRefused(f"has a number of {len(text)} digits (at most {MAX_JSON_NUMBER_DIGITS})")
     return int(text)
 
 
-def _object(pairs: list[tuple[str, Any]]) -> dict:
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """A JSON object whose keys are all different: with a key twice, one reader takes the first value and another
     the last (a file listed twice in the manifest, with the bad checksum hidden behind the good one)."""
     obj = dict(pairs)
     if len(obj) != len(pairs):
         seen: set[str] = set()
-        twice = next(key for key, _ in pairs if key in seen or seen.add(key))
-        raise JSONRefused(f"has the key {twice[:120]!r} twice in one object (which value counts is ambiguous)")
+        for key, _ in pairs:
+            if key in seen:
+                raise JSONRefused(f"has the key {key[:120]!r} twice in one object (which value counts is ambiguous)")
+            seen.add(key)
     return obj
 
 
@@ -119,12 +137,12 @@ def _constant(name: str) -> Any:
 TOO_DEEP = f"is nested too deep (more than {MAX_JSON_DEPTH} levels; a dump's JSON is a handful of levels deep)"
 
 
-def parse_json(data: bytes) -> Any:
+def parse_json(data: bytes | bytearray) -> Any:
     """Parses untrusted JSON with limits: nesting at most MAX_JSON_DEPTH, integers at most
     MAX_JSON_NUMBER_DIGITS digits, no key twice in an object, no bare NaN / Infinity. Raises JSONRefused for those,
     ValueError for text that is not JSON (never RecursionError or MemoryError); `refusal` words either."""
     try:
-        parsed = json.loads(data.decode("utf-8"), parse_int=_int, object_pairs_hook=_object, parse_constant=_constant)
+        parsed = json.loads(data.decode("utf-8"), parse_int=_bounded_int, object_pairs_hook=_object, parse_constant=_constant)
     except RecursionError:  # the C parser's own guard against deep nesting
         raise JSONRefused(TOO_DEEP) from None
     level = [(parsed, 1)]  # the depth, measured without recursion
@@ -146,6 +164,6 @@ def refusal(exc: ValueError) -> str:
     return f"is truncated or not valid JSON ({text if len(text) <= 200 else text[:197] + '...'})"
 
 
-def loads(data: bytes) -> Any:
+def loads(data: bytes | bytearray) -> Any:
     """`parse_json` then the dump format's float tags decoded."""
     return from_jsonable(parse_json(data))

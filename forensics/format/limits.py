@@ -54,6 +54,6 @@ class ArchiveLimits:
     max_depth: int = 8
     """Path components of one member (run/step/rank/file is 4)."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if min(self.max_bytes, self.max_ratio, self.max_members, self.max_path_chars, self.max_depth) <= 0:
             raise ValueError("ArchiveLimits must all be positive")

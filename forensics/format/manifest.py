@@ -30,7 +30,7 @@ OPTIONAL_SECTIONS: dict[str, type] = {
     "state_missing": str, "missing_ranks": list, "dump_budget": dict,
 }
 """Top-level sections a writer omits when it has nothing to say: when present, each has this JSON type."""
-_TYPE_WORDS = {dict: "an object", str: "a string", list: "a list"}
+_TYPE_WORDS: dict[type, str] = {dict: "an object", str: "a string", list: "a list"}
 
 
 def safe_name(value: Any) -> bool:
@@ -46,7 +46,7 @@ class _Checker:
         return DumpCorruptError(f"{self.where}: '{field}' {what}; the manifest was edited or damaged",
                                 spec.MANIFEST)
 
-    def int(self, value: Any, field: str, low: int = 0, high: int = MAX_STEP, optional: bool = False) -> None:
+    def integer(self, value: Any, field: str, low: int = 0, high: int = MAX_STEP, optional: bool = False) -> None:
         if value is None and optional:
             return
         if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
@@ -83,11 +83,11 @@ def check_manifest(manifest: dict, where: str) -> None:
     if not safe_name(manifest["run_id"]):
         raise c.fail("run_id", f"must be a plain name ({NAME_PATTERN.pattern}, at most {MAX_NAME_CHARS} "
                                f"characters), got {_short(manifest['run_id'])}")
-    c.int(manifest["step"], "step")
-    c.int(manifest["world_size"], "world_size", 1, MAX_WORLD_SIZE)
-    c.int(manifest["rank"], "rank", 0, manifest["world_size"] - 1)
-    c.int(manifest.get("local_rank"), "local_rank", 0, MAX_WORLD_SIZE, optional=True)
-    c.int(manifest.get("grad_accum"), "grad_accum", 0, MAX_MICRO_BATCHES, optional=True)
+    c.integer(manifest["step"], "step")
+    c.integer(manifest["world_size"], "world_size", 1, MAX_WORLD_SIZE)
+    c.integer(manifest["rank"], "rank", 0, manifest["world_size"] - 1)
+    c.integer(manifest.get("local_rank"), "local_rank", 0, MAX_WORLD_SIZE, optional=True)
+    c.integer(manifest.get("grad_accum"), "grad_accum", 0, MAX_MICRO_BATCHES, optional=True)
     c.kind(manifest["created_at"], "created_at", str, optional=False)
     for key, expected in OPTIONAL_SECTIONS.items():
         if key in manifest and not isinstance(manifest[key], expected):
@@ -97,26 +97,26 @@ def check_manifest(manifest: dict, where: str) -> None:
     c.each(batches, "micro_batches", lambda b, f: _micro_batch(c, b, f), MAX_MICRO_BATCHES, optional=False)
     _trigger(c, manifest["trigger"], len(batches))
     _loss(c, manifest.get("loss"))
-    _precision(c, manifest.get("precision"))
-    _recipe(c, manifest.get("recipe"))
+    _check_precision(c, manifest.get("precision"))
+    _check_recipe(c, manifest.get("recipe"))
     gpus = (manifest.get("environment") or {}).get("gpus")
     c.each(gpus, "environment.gpus", lambda g, f: c.kind(g, f, dict, optional=False), MAX_WORLD_SIZE)
     for key in ("cwd", "script_dir"):  # put on sys.path at replay (--trust): a string or nothing
         c.kind((manifest.get("environment") or {}).get(key), f"environment.{key}", str)
-    _exception(c, manifest.get("exception"))
+    _check_exception(c, manifest.get("exception"))
     _layout(c, manifest.get("layout"), manifest["format_version"])
-    _window(c, manifest.get("window"), manifest.get("data_recipe"))
+    _check_window(c, manifest.get("window"), manifest.get("data_recipe"))
     _snapshot(c, manifest.get("snapshot"), manifest["step"])
     c.kind(manifest.get("state_missing"), "state_missing", str)
     c.each(manifest.get("missing_ranks"), "missing_ranks",
-           lambda r, f: c.int(r, f, 0, MAX_WORLD_SIZE), MAX_WORLD_SIZE)
+           lambda r, f: c.integer(r, f, 0, MAX_WORLD_SIZE), MAX_WORLD_SIZE)
     _files(c, manifest["files"], manifest["format_version"])
 
 
 def _micro_batch(c: _Checker, batch: Any, field: str) -> None:
     c.kind(batch, field, dict, optional=False)
-    c.int(batch.get("index"), f"{field}.index", 0, MAX_MICRO_BATCHES, optional=True)
-    c.int(batch.get("batch_size"), f"{field}.batch_size", 0, 1 << 40, optional=True)
+    c.integer(batch.get("index"), f"{field}.index", 0, MAX_MICRO_BATCHES, optional=True)
+    c.integer(batch.get("batch_size"), f"{field}.batch_size", 0, 1 << 40, optional=True)
     c.number(batch.get("loss"), f"{field}.loss")
     c.kind(batch.get("sample_ids"), f"{field}.sample_ids", list)
     c.kind(batch.get("ids_are_positional"), f"{field}.ids_are_positional", bool)
@@ -132,7 +132,7 @@ def _trigger(c: _Checker, trigger: Any, num_micro_batches: int) -> None:
                                      "upgrade (pip install -U forensics)")
     c.number(trigger.get("value"), "trigger.value")
     c.number(trigger.get("threshold"), "trigger.threshold")
-    c.int(trigger.get("micro_batch"), "trigger.micro_batch", 0, max(num_micro_batches - 1, 0), optional=True)
+    c.integer(trigger.get("micro_batch"), "trigger.micro_batch", 0, max(num_micro_batches - 1, 0), optional=True)
     c.kind(trigger.get("detail"), "trigger.detail", str)
     c.kind(trigger.get("local"), "trigger.local", bool)
 
@@ -149,7 +149,7 @@ def _loss(c: _Checker, loss: Any) -> None:
         raise c.fail("loss.divisor", f"must be a positive number, got {_short(divisor)}")
 
 
-def _precision(c: _Checker, precision: Any) -> None:
+def _check_precision(c: _Checker, precision: Any) -> None:
     c.kind(precision, "precision", dict)
     if not precision:
         return
@@ -177,7 +177,7 @@ def _precision(c: _Checker, precision: Any) -> None:
         c.kind(unit.get("cast_forward_inputs"), f"{field}.cast_forward_inputs", bool)
 
 
-def _recipe(c: _Checker, recipe: Any) -> None:
+def _check_recipe(c: _Checker, recipe: Any) -> None:
     c.kind(recipe, "recipe", dict)
     if not recipe:
         return
@@ -201,7 +201,7 @@ def _recipe(c: _Checker, recipe: Any) -> None:
                     c.kind(value, f"recipe.script.unrecorded.{name}", str, optional=False)
 
 
-def _exception(c: _Checker, exception: Any) -> None:
+def _check_exception(c: _Checker, exception: Any) -> None:
     c.kind(exception, "exception", dict)
     if not exception:
         return
@@ -215,16 +215,16 @@ def _exception(c: _Checker, exception: Any) -> None:
     if frame:
         for key in ("file", "function", "code"):
             c.kind(frame.get(key), f"exception.user_frame.{key}", str)
-        c.int(frame.get("line"), "exception.user_frame.line", optional=True)
+        c.integer(frame.get("line"), "exception.user_frame.line", optional=True)
     c.each(exception.get("frames"), "exception.frames", lambda f, name: c.kind(f, name, dict, optional=False), 1000)
 
 
-def _window(c: _Checker, window: Any, data_recipe: Any) -> None:
+def _check_window(c: _Checker, window: Any, data_recipe: Any) -> None:
     """The flight recorder's summary and the data recipe (both optional)."""
     c.kind(window, "window", dict)
     if window:
         for key in ("first_step", "last_step", "steps"):
-            c.int(window.get(key), f"window.{key}")
+            c.integer(window.get(key), f"window.{key}")
         c.number(window.get("max_grad_norm"), "window.max_grad_norm")
     c.kind(data_recipe, "data_recipe", dict)
     if data_recipe:
@@ -237,7 +237,7 @@ def _snapshot(c: _Checker, snapshot: Any, step: int) -> None:
     """The Guard's host snapshot of an earlier step (optional): `{"step"}`, before the dumped step."""
     c.kind(snapshot, "snapshot", dict)
     if snapshot:
-        c.int(snapshot.get("step"), "snapshot.step", 0, max(step - 1, 0))
+        c.integer(snapshot.get("step"), "snapshot.step", 0, max(step - 1, 0))
 
 
 MAX_DIMS = 32
@@ -262,7 +262,7 @@ def _layout(c: _Checker, layout: Any, version: int) -> None:
         for file, rows in value.items():
             if file not in spec.SHARDED_FILES:
                 raise c.fail(f"layout.{section}", f"names {_short(file)}; only {list(spec.SHARDED_FILES)} are sharded")
-            _rows(c, rows, f"layout.{section}.{file}", section == "shards")
+            _check_rows(c, rows, f"layout.{section}.{file}", section == "shards")
     copies = layout.get("copies")
     c.kind(copies, "layout.copies", dict)
     if copies and len(copies) > 2 * len(spec.SHARDED_FILES) * MAX_COPIES:
@@ -275,11 +275,11 @@ def _layout(c: _Checker, layout: Any, version: int) -> None:
         c.kind(entry, field, dict, optional=False)
         if entry.get("of") not in spec.SHARDED_FILES:
             raise c.fail(f"{field}.of", f"must be one of {list(spec.SHARDED_FILES)}, got {_short(entry.get('of'))}")
-        c.int(entry.get("rank"), f"{field}.rank", 0, (1 << 20) - 1)
-        _rows(c, entry.get("shards"), f"{field}.shards", shards=True)
+        c.integer(entry.get("rank"), f"{field}.rank", 0, (1 << 20) - 1)
+        _check_rows(c, entry.get("shards"), f"{field}.shards", shards=True)
 
 
-def _rows(c: _Checker, rows: Any, field: str, shards: bool) -> None:
+def _check_rows(c: _Checker, rows: Any, field: str, shards: bool) -> None:
     """A `layout.tensors` table (global shapes and dtypes) or a `shards` table (boxes) of one file."""
     c.kind(rows, field, dict, optional=False)
     if len(rows) > MAX_TENSORS:
@@ -288,7 +288,7 @@ def _rows(c: _Checker, rows: Any, field: str, shards: bool) -> None:
         where = f"{field}[{_short(name)}]"
         c.kind(row, where, dict, optional=False)
         for key in ("shape", "offsets") if shards else ("shape",):
-            c.each(row.get(key), f"{where}.{key}", lambda n, f: c.int(n, f, 0, 1 << 48), MAX_DIMS, optional=False)
+            c.each(row.get(key), f"{where}.{key}", lambda n, f: c.integer(n, f, 0, 1 << 48), MAX_DIMS, optional=False)
         if not shards and row.get("dtype") not in spec.DTYPES:
             raise c.fail(f"{where}.dtype", f"must be one of {list(spec.DTYPES)}, got {_short(row.get('dtype'))}")
         if shards:
@@ -310,7 +310,7 @@ def _files(c: _Checker, files: Any, version: int) -> None:
             raise c.fail(f"files.{name}", 'must be {"size": int >= 0, "sha256": 64 lowercase hex digits}')
         if "chunks" in entry or "chunk_size" in entry:
             chunk_size, chunks = entry.get("chunk_size"), entry.get("chunks")
-            c.int(chunk_size, f"files.{name}.chunk_size", 1 << 20, 1 << 32)
+            c.integer(chunk_size, f"files.{name}.chunk_size", 1 << 20, 1 << 32)
             expected = -(-entry["size"] // chunk_size)
             if not isinstance(chunks, list) or len(chunks) != expected or \
                     not all(isinstance(d, str) and SHA256.fullmatch(d) for d in chunks):

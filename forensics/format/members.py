@@ -15,11 +15,11 @@ from __future__ import annotations
 import os
 import struct
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Literal, overload
 
 import zstandard
 
-from forensics.errors import DumpCorruptError
+from forensics.errors import DumpCorruptError, cut_text
 from forensics.format import spec
 from forensics.format.header import Entry, data_end, parse_header
 from forensics.format.limits import BATCH_FREE, HASH_CHUNK, MAX_BATCH_RATIO, MAX_DECOMPRESSED, MAX_JSON_FILE
@@ -50,7 +50,7 @@ def declared_size(head: bytes, path: Path, name: str) -> int | None:
     try:
         declared = zstandard.get_frame_parameters(head).content_size
     except zstandard.ZstdError as exc:
-        raise DumpCorruptError(f"{path} is not a valid zstd frame ({_cut(exc)})", name) from exc
+        raise DumpCorruptError(f"{path} is not a valid zstd frame ({cut_text(exc)})", name) from exc
     limit = decompressed_limit(name)
     if declared == zstandard.CONTENTSIZE_UNKNOWN:
         return None
@@ -82,7 +82,7 @@ class _Frame:
                     break
                 got += n
         except zstandard.ZstdError as exc:
-            raise DumpCorruptError(f"{self.path} is not a valid zstd frame ({_cut(exc)})", self.name) from exc
+            raise DumpCorruptError(f"{self.path} is not a valid zstd frame ({cut_text(exc)})", self.name) from exc
         return got
 
     def skip(self, count: int) -> int:
@@ -115,7 +115,8 @@ def read_json_member(path: Path, name: str) -> bytes | bytearray:
             if got != frame.declared or not frame.at_end():
                 raise frame.fail(f"does not decompress to the {frame.declared} bytes its frame declares")
             return out
-        pieces, total = [], 0
+        pieces: list[bytes] = []
+        total = 0
         while True:
             piece = bytearray(min(HASH_CHUNK, limit + 1 - total))
             n = frame.read_into(memoryview(piece))
@@ -127,7 +128,13 @@ def read_json_member(path: Path, name: str) -> bytes | bytearray:
             pieces.append(bytes(piece[:n]))
 
 
-def read_tensor_member(path: Path, name: str, keep: bool = True) -> tuple["torch.Tensor | None", dict[str, Entry]]:
+@overload
+def read_tensor_member(path: Path, name: str, keep: Literal[True] = True) -> tuple[torch.Tensor, dict[str, Entry]]: ...
+@overload
+def read_tensor_member(path: Path, name: str, keep: bool) -> tuple[torch.Tensor | None, dict[str, Entry]]: ...
+
+
+def read_tensor_member(path: Path, name: str, keep: bool = True) -> tuple[torch.Tensor | None, dict[str, Entry]]:
     """A safetensors member: the whole file as one uint8 tensor (None with `keep=False`: streamed and counted, for
     `verify`) and its header's checked entries. Its safetensors header is decompressed and checked first; the
     destination is allocated only for the size that header accounts for, once it matches what the frame declares
@@ -148,7 +155,7 @@ def read_tensor_member(path: Path, name: str, keep: bool = True) -> tuple["torch
 
             with unfilled():  # every byte is overwritten below
                 buffer = torch.empty(total, dtype=torch.uint8)
-            view = memoryview(buffer.numpy()) if total else memoryview(bytearray())
+            view = buffer.numpy().data if total else memoryview(bytearray())
             view[:8], view[8:start] = head, header
             got = frame.read_into(view[start:])
         else:
@@ -207,8 +214,3 @@ def check_member(path: Path, name: str) -> None:
             raise DumpCorruptError(f"{path} {jsonio.refusal(exc)}", name) from exc
     else:
         read_tensor_member(path, name, keep=False)
-
-
-def _cut(text: object, limit: int = 200) -> str:
-    text = str(text)
-    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -7,12 +7,13 @@ import hashlib
 import os
 import stat
 import threading
+from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from forensics.errors import (DumpCorruptError, DumpNotFoundError, NotADumpError,
-                              UnsupportedVersionError)
+                              UnsupportedVersionError, cut_text)
 from forensics.format import jsonio, spec
 from forensics.format.archive import unpack_archive
 from forensics.format.digest import chunk_digests
@@ -46,7 +47,7 @@ def read_manifest(directory: Path) -> dict:
                                spec.MANIFEST)
     version = manifest.get("format_version")
     if not isinstance(version, int) or isinstance(version, bool):
-        raise DumpCorruptError(f"{path}: format_version must be an integer, got {_cut(repr(version))}",
+        raise DumpCorruptError(f"{path}: format_version must be an integer, got {cut_text(repr(version))}",
                                spec.MANIFEST)
     if version > spec.FORMAT_VERSION:
         raise UnsupportedVersionError(
@@ -121,11 +122,6 @@ class ChunkVerifier:
     def close(self) -> None:
         for chunk in self._chunks:
             chunk.cancel()
-
-
-def _cut(text: object, limit: int = 200) -> str:
-    text = str(text)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _lstat_mode(path: Path) -> int:
@@ -456,7 +452,7 @@ class Dump:
             lr = group.get("lr", 0.0)
             if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 <= lr < float("inf"):
                 raise DumpCorruptError(f"{self.path / files.optimizer_json}: param group {index}'s learning rate is "
-                                       f"{_cut(repr(lr), 60)}, not a finite number >= 0: the file was edited (or the "
+                                       f"{cut_text(repr(lr), 60)}, not a finite number >= 0: the file was edited (or the "
                                        "job's scheduler made it so, which is then the cause to fix)",
                                        files.optimizer_json)
         return {"class": meta["class"], "param_groups": meta["param_groups"],
@@ -479,7 +475,7 @@ class Dump:
         for key, shape in shapes.items():
             parts = key.split("/", 1)
             if len(parts) != 2 or "/" not in parts[1]:
-                raise DumpCorruptError(f"{name} key {_cut(repr(key), 80)} is not 'state/<param name>/<key>'", name)
+                raise DumpCorruptError(f"{name} key {cut_text(repr(key), 80)} is not 'state/<param name>/<key>'", name)
             param, entry = parts[1].rsplit("/", 1)
             index.setdefault(param, {})[entry] = (key, shape)
         self._optimizer_indexes[files] = index
@@ -547,7 +543,7 @@ class Dump:
             return RngState.from_parts(meta[index], tensors, f"mb{index}")
         except (KeyError, TypeError, ValueError, IndexError, RuntimeError, OverflowError) as exc:
             raise DumpCorruptError(f"{self.path / spec.RNG_JSON}: the RNG state of micro-batch {index + 1} is "
-                                   f"malformed ({type(exc).__name__}: {_cut(exc, 120)})", spec.RNG_JSON) from exc
+                                   f"malformed ({type(exc).__name__}: {cut_text(exc, 120)})", spec.RNG_JSON) from exc
 
     def micro_batch(self, index: int) -> Any:
         if not 0 <= index < self.num_micro_batches:
@@ -586,7 +582,7 @@ class Dump:
                 out.append({**row, "step": step, "sample_ids": ids, "rng": states})
         except (KeyError, TypeError, ValueError, IndexError, RuntimeError, OverflowError) as exc:
             raise DumpCorruptError(f"{self.path / spec.WINDOW_JSON} does not have the documented layout "
-                                   f"({type(exc).__name__}: {_cut(exc, 120)})", spec.WINDOW_JSON) from exc
+                                   f"({type(exc).__name__}: {cut_text(exc, 120)})", spec.WINDOW_JSON) from exc
         return out
 
     def precursors(self) -> dict | None:
@@ -609,7 +605,7 @@ class Dump:
                     raise ValueError(f"every row must hold {len(columns)} numbers or nulls")
             firings = [f for f in table.get("firings") or [] if isinstance(f, dict)]
         except (TypeError, ValueError) as exc:
-            raise DumpCorruptError(f"{self.path / spec.PRECURSORS} does not have the documented layout ({_cut(exc, 120)})",
+            raise DumpCorruptError(f"{self.path / spec.PRECURSORS} does not have the documented layout ({cut_text(exc, 120)})",
                                    spec.PRECURSORS) from exc
         config = table.get("config") if isinstance(table.get("config"), dict) else {}
         return {"columns": columns, "steps": steps, "values": values, "firings": firings, "config": config}
@@ -640,7 +636,7 @@ def resolve(path: str | Path, limits: ArchiveLimits | None = None) -> tuple[Path
 
 
 def open_dump(path: str | Path, rank: int | None = None, limits: ArchiveLimits | None = None,
-              shard_dirs: list[str | Path] = ()) -> Dump:
+              shard_dirs: Sequence[str | Path] = ()) -> Dump:
     """Opens a rank dump, a step directory (choose `rank`), or a packed `.tar.zst` of either.
 
     Args:
@@ -657,16 +653,16 @@ def open_dump(path: str | Path, rank: int | None = None, limits: ArchiveLimits |
         >>> dump.trigger.kind  # doctest: +SKIP
         <TriggerKind.NONFINITE_LOSS: 'nonfinite_loss'>
     """
-    shard_dirs = [Path(d) for d in shard_dirs]
+    dirs = [Path(d) for d in shard_dirs]
     try:
         dump = _choose_dump(path, rank, limits)
     except NotADumpError:
-        found = _rank_elsewhere(path, rank, limits, shard_dirs)
+        found = _rank_elsewhere(path, rank, limits, dirs)
         if found is None:
             raise
         dump, here = found
-        shard_dirs.insert(0, here)  # the ranks of the directory the user named are peers too
-    dump.shard_dirs = shard_dirs
+        dirs.insert(0, here)  # the ranks of the directory the user named are peers too
+    dump.shard_dirs = dirs
     return dump
 
 

@@ -130,14 +130,14 @@ class ShardIndex:
         for name, entry in shards.items():
             row = self.layout["tensors"].get(file, {}).get(name)
             if row is None:
-                raise DumpCorruptError(f"{dump.path / spec.MANIFEST}: shard {_short(name)} of {file} is not "
+                raise DumpCorruptError(f"{dump.path / spec.MANIFEST}: shard {_quoted(name)} of {file} is not "
                                        "in layout.tensors", spec.MANIFEST)
             piece = Piece(dump, tuple(entry["offsets"]), tuple(entry["shape"]), bool(entry["flat"]), stored)
             declared += piece.numel * spec.ITEM_SIZE[row["dtype"]]
             self.pieces.setdefault((file, name), []).append(piece)
         files = dump.manifest["files"]
         if shards and (stored not in files or declared > files[stored]["size"]):
-            raise DumpCorruptError(f"{dump.path / spec.MANIFEST}: the shards listed for {_short(stored)} do not fit "
+            raise DumpCorruptError(f"{dump.path / spec.MANIFEST}: the shards listed for {_quoted(stored)} do not fit "
                                    "that file", spec.MANIFEST)
 
     def names(self, file: str) -> list[str]:
@@ -159,12 +159,12 @@ class ShardIndex:
             chosen.setdefault(piece.box, piece)  # the same box from another rank is a replica
         pieces = sorted(chosen.values(), key=lambda p: p.offsets)
         if len({p.flat for p in pieces}) > 1:
-            raise DumpCorruptError(f"the shards of {_short(name)} mix flat and box layouts", spec.MANIFEST)
+            raise DumpCorruptError(f"the shards of {_quoted(name)} mix flat and box layouts", spec.MANIFEST)
         bounds = (numel,) if pieces and pieces[0].flat else shape
         for piece in pieces:
             if len(piece.offsets) != len(bounds) or len(piece.shape) != len(bounds) or any(
                     o < 0 or o + s > n for o, s, n in zip(piece.offsets, piece.shape, bounds)):
-                raise DumpCorruptError(f"{piece.dump.path}: a shard of {_short(name)} lies outside its tensor of "
+                raise DumpCorruptError(f"{piece.dump.path}: a shard of {_quoted(name)} lies outside its tensor of "
                                        f"shape {list(shape)}", spec.MANIFEST)
         for i, piece in enumerate(pieces):  # sweep along the first dimension: near-linear for real shardings
             for other in pieces[i + 1:]:
@@ -172,7 +172,7 @@ class ShardIndex:
                     break
                 if piece.numel and other.numel and _overlap(piece, other):
                     raise DumpCorruptError(f"{piece.dump.path} and {other.dump.path} hold overlapping, different "
-                                           f"shards of {_short(name)}", spec.MANIFEST)
+                                           f"shards of {_quoted(name)}", spec.MANIFEST)
         return pieces, numel - sum(p.numel for p in pieces)
 
     def missing(self) -> dict[str, list[str]]:
@@ -192,7 +192,7 @@ class ShardIndex:
         present = sorted({d.rank for d in self.dumps})
         absent = sorted(set(range(world_size)) - set(present))
         names = [name for rows in gaps.values() for name in rows]
-        shown = ", ".join(_short(n) for n in names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        shown = ", ".join(_quoted(n) for n in names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
         raise DumpIncompleteError(
             f"this sharded dump is incomplete: {len(names)} tensors of the state have parts no rank dump holds "
             f"({shown}). Rank dumps found: {present}; missing: {absent or 'none'}. Each rank wrote only its own "
@@ -214,7 +214,7 @@ class ShardedState:
         row = self.index.row(file, name)
         pieces, gap = self.index.tiling(file, name)
         if gap:
-            raise DumpIncompleteError(f"{_short(name)} of {file} is missing {gap} elements (a rank dump is "
+            raise DumpIncompleteError(f"{_quoted(name)} of {file} is missing {gap} elements (a rank dump is "
                                       "missing)", [name], [])
         out = torch.empty(row["shape"], dtype=getattr(torch, row["dtype"]), device=device)
         flat_out = out.view(-1) if pieces and pieces[0].flat else None
@@ -223,7 +223,7 @@ class ShardedState:
                 continue
             data = piece.dump.tensor_file(piece.stored).read(name, device)
             if tuple(data.shape) != piece.shape or data.dtype != out.dtype:
-                raise DumpCorruptError(f"{piece.dump.path / piece.stored}: shard {_short(name)} is "
+                raise DumpCorruptError(f"{piece.dump.path / piece.stored}: shard {_quoted(name)} is "
                                        f"{list(data.shape)} {data.dtype}, the manifest says {list(piece.shape)} "
                                        f"{out.dtype}", piece.stored)
             if flat_out is not None:
@@ -239,7 +239,7 @@ class ShardedState:
                 yield name, self.tensor(file, name, device)
 
 
-def _short(name: object, limit: int = 120) -> str:
+def _quoted(name: object, limit: int = 120) -> str:
     """A name from a dump, safe to print: repr-quoted (no escape sequences reach the terminal) and cut."""
     text = repr(str(name))
     return text if len(text) <= limit else text[:limit - 4] + "...'"

@@ -42,7 +42,7 @@ def _writer_gone(name: str) -> bool:
     return False
 
 
-def stale_temporaries(root: str | os.PathLike, now: float | None = None) -> list[Path]:
+def stale_temporaries(root: str | os.PathLike[str], now: float | None = None) -> list[Path]:
     """The stale `.tmp-*` directories under `root` (a dump, run or step directory: `.../step-<N>/.tmp-*`)."""
     now = time.time() if now is None else now
     found = []
@@ -57,9 +57,9 @@ def stale_temporaries(root: str | os.PathLike, now: float | None = None) -> list
     return sorted(found)
 
 
-def remove_stale_temporaries(root: str | os.PathLike) -> list[Path]:
+def remove_stale_temporaries(root: str | os.PathLike[str]) -> list[Path]:
     """Removes the stale `.tmp-*` directories under `root`; returns those removed. Never raises."""
-    removed = []
+    removed: list[Path] = []
     try:
         candidates = stale_temporaries(root)
     except OSError:

@@ -9,7 +9,7 @@ import json
 import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -33,11 +33,16 @@ for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
 SAFETENSORS_DTYPES = frozenset(_DTYPE_NAMES)
 
 
+def tensor_bytes(value: Any) -> int:
+    """The bytes a tensor's elements take (0 for anything that is not a tensor)."""
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy())
+    return flat.view(torch.uint8).numpy().data
 
 
 def write_safetensors(out, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
@@ -74,35 +79,39 @@ def _host_bytes(tensors: list[torch.Tensor]):
     if not cuda:
         yield from (_as_bytes(t) for t in tensors)
         return
-    chunks = []  # (device byte view, start, end) in write order; CPU tensors as whole views
+    # (device byte view, (start, end)) in write order; CPU tensors as whole views (no range)
+    chunks: list[tuple[torch.Tensor, tuple[int, int] | None]] = []
     for tensor in tensors:
         if not tensor.is_cuda:
-            chunks.append((tensor, None, None))
+            chunks.append((tensor, None))
             continue
-        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8) if tensor.numel() else None
-        for start in range(0, flat.numel() if flat is not None else 0, STAGING_CHUNK):
-            chunks.append((flat, start, min(start + STAGING_CHUNK, flat.numel())))
+        if not tensor.numel():
+            continue
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        for start in range(0, flat.numel(), STAGING_CHUNK):
+            chunks.append((flat, (start, min(start + STAGING_CHUNK, flat.numel()))))
     with on_device_of(cuda[0]):  # the pinned buffers belong to the job's device, not to a context made on cuda:0
         staging = [torch.empty(STAGING_CHUNK, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-    landed: list[DeviceFence | None] = [None, None]
+    landed: dict[int, DeviceFence] = {}  # per staging buffer: its last copy's completion
 
     def issue(k: int) -> None:
-        source, start, end = chunks[k]
-        if start is not None:
+        source, span = chunks[k]
+        if span is not None:
+            start, end = span
             with on_device_of(source):
                 staging[k % 2][: end - start].copy_(source[start:end], non_blocking=True)
                 landed[k % 2] = DeviceFence([source.device])
 
     if chunks:
         issue(0)
-    for k, (source, start, end) in enumerate(chunks):
+    for k, (source, span) in enumerate(chunks):
         if k + 1 < len(chunks):
             issue(k + 1)  # the other buffer: it was written out before this chunk began
-        if start is None:
+        if span is None:
             yield _as_bytes(source)
             continue
         landed[k % 2].wait()
-        yield memoryview(staging[k % 2][: end - start].numpy())
+        yield staging[k % 2][: span[1] - span[0]].numpy().data
 
 
 def safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
@@ -111,7 +120,7 @@ def safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
     return buffer.getvalue()
 
 
-def check_header(data: bytes | memoryview, name: str) -> None:
+def check_header(data: bytes | bytearray | memoryview, name: str) -> None:
     """Refuses a safetensors blob whose declared header would not fit (truncated or hostile)."""
     if len(data) < 8:
         raise DumpCorruptError(f"{name} is truncated (shorter than a safetensors header)", name)
@@ -204,7 +213,8 @@ class SafetensorsFile:
     """
 
     def __init__(self, path, name: str, verified: "Callable[[int, int], None] | None" = None):
-        self.path, self.name, self._fd, self._range_verified = str(path), name, None, verified
+        self.path, self.name, self._range_verified = str(path), name, verified
+        self._fd = -1  # no descriptor (yet, or closed)
         check_file_header(path, name)
         self._fd = os.open(self.path, os.O_RDONLY)
         try:
@@ -242,10 +252,10 @@ class SafetensorsFile:
         # pinned memory of the reading device (not a context on cuda:0), unfilled: the read overwrites all of it
         with torch.cuda.device(device) if pinned else contextlib.nullcontext(), unfilled():
             raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-        view = memoryview(raw.numpy()) if nbytes else memoryview(b"")
+        view = raw.numpy().data if nbytes else memoryview(b"")
         pieces = read_pieces(nbytes)
         if len(pieces) > 1:  # a large tensor: its pieces read by several threads (pread releases the GIL)
-            list(_reader_pool().map(lambda piece: self._pread_into(view, offset, *piece, key), pieces))
+            list(_reader_pool().map(lambda piece: self._pread_into(view, offset, piece[0], piece[1], key), pieces))
         elif pieces:
             self._pread_into(view, offset, 0, nbytes, key)
         if self._range_verified is not None:
@@ -266,9 +276,9 @@ class SafetensorsFile:
             begin += got
 
     def close(self) -> None:
-        if self._fd is not None:
+        if self._fd >= 0:
             os.close(self._fd)
-            self._fd = None
+            self._fd = -1
 
     def __enter__(self) -> "SafetensorsFile":
         return self

@@ -17,7 +17,7 @@ class Done:
         return self.value
 
 
-def submit(pool: Any, fn: Callable, *args: Any) -> Any:
+def submit(pool: Any, fn: Callable[..., Any], *args: Any) -> Any:
     """`pool.submit(fn, *args)`; after interpreter shutdown began ("cannot schedule new futures after interpreter
     shutdown"), `fn(*args)` run here, as a Done."""
     try:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+import logging
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from forensics.errors import DumpCorruptError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -24,7 +27,7 @@ class Unreplayable:
 class EncodedTree:
     skeleton: Any
     tensors: dict[str, torch.Tensor]
-    unreplayable: list[dict]  # [{"path": "batch['pixels']", "type": "PIL.Image"}]
+    unreplayable: list[dict[str, str]]  # [{"path": "batch['pixels']", "type": "PIL.Image"}]
 
 
 def tensor_leaves(node: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
@@ -39,6 +42,58 @@ def tensor_leaves(node: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor
             yield from tensor_leaves(value, f"{path}[{i}]")
 
 
+def rebuild(node: Mapping[Any, Any] | list[Any] | tuple[Any, ...], items: list[Any]) -> Any:
+    """A container like `node` holding `items` (its values, in order): the one rule every batch walker follows.
+
+    A mapping gets `node`'s keys and is built as `type(node)(dict)` (dict subclasses and dict-likes such as
+    transformers' BatchEncoding kept), a named tuple as `type(node)(*items)`, another list or tuple as
+    `type(node)(items)`; a type that cannot be built so falls back to a plain dict / tuple / list.
+    """
+    if isinstance(node, Mapping):
+        plain: dict[Any, Any] = dict(zip(node.keys(), items))
+        kind: Any = type(node)  # a Mapping subclass: its constructor is its own
+        return plain if kind is dict else _built(node, plain, lambda: kind(plain))
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+        return _built(node, tuple(items), lambda: type(node)(*items))
+    if type(node) in (list, tuple):
+        return type(node)(items)
+    fallback = tuple(items) if isinstance(node, tuple) else list(items)
+    return _built(node, fallback, lambda: type(node)(items))
+
+
+def _built(node: Any, fallback: Any, build: Callable[[], Any]) -> Any:
+    try:
+        return build()
+    except Exception:  # noqa: BLE001 - a container type with its own constructor: a plain one carries the data
+        log.debug("cannot rebuild a %s from its items; using a plain %s", type(node).__name__, type(fallback).__name__)
+        return fallback
+
+
+def map_tree(node: Any, leaf: Callable[[Any], Any], *, whole: Callable[[Any], bool] | None = None) -> Any:
+    """`node` with every leaf replaced by `leaf(value)`, containers rebuilt by `rebuild`.
+
+    Mappings, lists and tuples (named tuples included) are walked into; anything else is a leaf, and so is a
+    container for which `whole(container)` is true (e.g. a list of per-sample ids that is sliced as one).
+    """
+    if whole is not None and whole(node):
+        return leaf(node)
+    if isinstance(node, Mapping):
+        return rebuild(node, [map_tree(v, leaf, whole=whole) for v in node.values()])
+    if isinstance(node, (list, tuple)):
+        return rebuild(node, [map_tree(v, leaf, whole=whole) for v in node])
+    return leaf(node)
+
+
+def map_tensors(node: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """`node` with every tensor leaf replaced by `fn(tensor)`; other leaves kept (see `map_tree`).
+
+    Example:
+        >>> map_tensors({"x": torch.ones(2), "ids": ["a", "b"]}, lambda t: t * 2)["x"].tolist()
+        [2.0, 2.0]
+    """
+    return map_tree(node, lambda v: fn(v) if isinstance(v, torch.Tensor) else v)
+
+
 def storable(tensor: torch.Tensor) -> bool:
     """A dense tensor of a dtype safetensors can hold (sparse, nested, complex ones are unreplayable)."""
     from forensics.format.tensors import SAFETENSORS_DTYPES
@@ -49,7 +104,7 @@ def storable(tensor: torch.Tensor) -> bool:
 def encode_tree(batch: Any) -> EncodedTree:
     """Splits a batch into a JSON skeleton and its tensor leaves; odd leaves are named, not dropped."""
     tensors: dict[str, torch.Tensor] = {}
-    unreplayable: list[dict] = []
+    unreplayable: list[dict[str, str]] = []
 
     def encode(node: Any, path: str) -> Any:
         if isinstance(node, torch.Tensor) and storable(node):

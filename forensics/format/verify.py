@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from forensics.errors import DumpError
 from forensics.format import spec
@@ -69,7 +71,7 @@ class Damage:
     lost: str
     """What that part would have told, in words: the replay goes on without it."""
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {"file": self.file, "problem": self.problem, "lost": self.lost}
 
 
@@ -172,7 +174,7 @@ def _check_shards(dumps: list[Dump]) -> list[Problem]:
 
 
 def verify_dump(path: str | Path, limits: ArchiveLimits | None = None,
-                shard_dirs: list[str | Path] = (), whole_state: bool = True) -> VerifyResult:
+                shard_dirs: Sequence[str | Path] = (), whole_state: bool = True) -> VerifyResult:
     """Checks a rank dump, a step directory or an archive (and, for a sharded dump, that the rank dumps found
     hold the complete state; `shard_dirs`: other nodes' directories of the same step; `whole_state=False`:
     only the files of the dumps under `path`). Raises DumpError when it cannot even be opened."""

@@ -99,8 +99,8 @@ class _DumpDir:
         self.shards[name] = shards
 
 
-def _optimizer_parts(optimizer: dict) -> tuple[dict, dict[str, torch.Tensor]]:
-    tensors: dict[str, torch.Tensor] = {}
+def _optimizer_parts(optimizer: dict) -> tuple[dict, dict[str, torch.Tensor | LocalShard]]:
+    tensors: dict[str, torch.Tensor | LocalShard] = {}
     scalar_state: dict[str, dict] = {}
     for name, entries in optimizer["state"].items():
         scalar_state[name] = {}
@@ -113,7 +113,7 @@ def _optimizer_parts(optimizer: dict) -> tuple[dict, dict[str, torch.Tensor]]:
     return meta, tensors
 
 
-def _write_contents(target: _DumpDir, content: DumpContent) -> list[dict]:
+def _write_contents(target: _DumpDir, content: DumpContent) -> list[list[dict]]:
     _write_state(target, spec.PRE_STEP_STATE, content.model, content.optimizer)
     if content.snapshot is not None:
         _write_state(target, spec.SNAPSHOT_STATE, content.snapshot["model"], content.snapshot["optimizer"])

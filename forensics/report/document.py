@@ -17,7 +17,8 @@ from forensics.report.render_text import (
     top_rows, trigger_sentence, where_sentence,
 )
 from forensics.kinds import HistoryPattern
-from forensics.report.tree import CaptureEnv, Following, Report, parse_report
+from forensics.report.tree import (CaptureEnv, ExceptionBlock, Following, Precursor, Report, Repro, Window,
+                                   parse_report)
 from forensics.report.wording import clean, fmt_num, mb_number, mb_phrase, verdict_label
 from forensics.trigger import detail_words
 
@@ -195,7 +196,7 @@ def _reproduction(r: Report) -> Section:
     blocks: list[Block] = [Para([reproduction_sentence(r)])]
     rec, rep = fid.recorded_losses or [], fid.replayed_losses or []
     if rec or rep:
-        rows = []
+        rows: list[list[Inline]] = []
         for i in range(max(len(rec), len(rep))):
             a = rec[i] if i < len(rec) else None
             b = rep[i] if i < len(rep) else None
@@ -226,7 +227,7 @@ def _culprit(r: Report) -> Section:
     if sentence:
         blocks.append(Para([sentence]))
     if c.samples:
-        rows = [[_sid(s.sample_id), mb_number(s.micro_batch), fmt_num(s.index), fmt_num(s.rank),
+        rows: list[list[Inline]] = [[_sid(s.sample_id), mb_number(s.micro_batch), fmt_num(s.index), fmt_num(s.rank),
                  s.description or ""] for s in c.samples]
         blocks.append(Table(["sample id", "micro-batch", "index (0-based)", "rank", "description"], rows))
     elif not sentence:
@@ -252,8 +253,8 @@ def _culprit(r: Report) -> Section:
 
 def _exception(r: Report) -> Section:
     """A step that raised: what, where, the values that made it raise, the memory picture, the traceback."""
-    exc = r.exception
-    rows = [("Exception", _code_or_na(exc.type)), ("Message", clean(exc.message or "n/a", 300)),
+    exc = r.exception or ExceptionBlock.parse({})  # the section is built only for a report that has one
+    rows: list[tuple[str, Inline]] = [("Exception", _code_or_na(exc.type)), ("Message", clean(exc.message or "n/a", 300)),
             ("Raised during", clean(exc.during or "n/a")), ("Module", _code_or_na(exc.module)),
             ("Op", _code_or_na(exc.op)), ("Data", clean(exc.detail or "n/a", 300))]
     blocks: list[Block] = [_kv_table(rows)]
@@ -263,7 +264,7 @@ def _exception(r: Report) -> Section:
                              for b in exc.bad_values[:TOP_N]]))
     memory = exc.memory
     if memory is not None:
-        sizes = [[mb_number(m.index), fmt_num(m.bytes)] for m in memory.micro_batches]
+        sizes: list[list[Inline]] = [[mb_number(m.index), fmt_num(m.bytes)] for m in memory.micro_batches]
         blocks.append(Para([f"Memory when it raised: allocated {fmt_num(memory.allocated)} B, reserved "
                             f"{fmt_num(memory.reserved)} B of {fmt_num(memory.total)} B."]))
         if sizes:
@@ -293,7 +294,7 @@ def _remedies(r: Report) -> Section:
     block = r.remedies
     if block is None:
         return Section("Remedies tried", [Para(["Not run."])], "remedies")
-    rows = []
+    rows: list[list[Inline]] = []
     for row in block.tested:
         verdict = {True: "healthy", False: "not enough", None: "not tried"}.get(row.healthy, "n/a")
         rows.append([str(row.words), verdict, fmt_num(row.step_loss), fmt_num(row.grad_norm),
@@ -356,7 +357,7 @@ def _per_sample(r: Report) -> Section:
 
 def _precursor(r: Report) -> Section:
     """A precursor report: the statistics that grew, earliest start first."""
-    block = r.precursor
+    block = r.precursor or Precursor.parse({})  # the section is built only for a report that has one
     fired = block.fired
     blocks: list[Block] = []
     if fired:
@@ -377,7 +378,7 @@ def _precursor(r: Report) -> Section:
 
 def _repro(r: Report) -> Section:
     """`forensics repro`: where the standalone scripts are."""
-    block = r.repro
+    block = r.repro or Repro.parse({})  # the section is built only for a report that has one
     files = block.files if isinstance(block.files, dict) else {}
     rows: list[tuple[str, Inline]] = [("Directory", _code_or_na(block.directory)),
                                       ("Op", _code_or_na(block.op))]
@@ -406,7 +407,7 @@ def _per_layer(r: Report) -> Section:
 def _window(r: Report) -> Section:
     """The window replay step by step: recorded vs replayed loss and grad norm, whether the weights stayed finite,
     the update's size, and the step that broke the run."""
-    window = r.window
+    window = r.window or Window.parse({})  # the section is built only for a report that has one
     steps = window.steps
     broke = window.broke_at
     intro = (f"Re-executed steps {fmt_num(window.from_step)} to {fmt_num(steps[-1].step)} from "
@@ -414,7 +415,7 @@ def _window(r: Report) -> Section:
              + (f"step {fmt_num(broke)} broke the run: {window.why}." if broke is not None
                 else "no step before the dumped one broke the weights.")) if steps else \
         "The window replay re-executed no step."
-    rows = [[fmt_num(s.step), fmt_num(s.recorded_loss), fmt_num(s.replayed_loss),
+    rows: list[list[Inline]] = [[fmt_num(s.step), fmt_num(s.recorded_loss), fmt_num(s.replayed_loss),
              fmt_num(s.recorded_grad_norm), fmt_num(s.replayed_grad_norm),
              _yes_no(s.weights_finite), fmt_num(s.relative_change), s.broke or ""]
             for s in steps[-HISTORY_ROWS:]]
@@ -432,13 +433,13 @@ def _history(r: Report) -> Section:
     sentence = history_sentence(r)
     if sentence:
         blocks.append(Para([sentence]))
-    if not steps:
+    if not steps or hist is None:
         blocks.append(Para(["No history recorded."]))
         return Section("Loss history", blocks, "history")
     blocks.append(Plot("history"))
     loss, gn = hist.loss or [], hist.grad_norm or []
     first = max(0, len(steps) - HISTORY_ROWS)
-    rows = [[fmt_num(steps[i]), fmt_num(loss[i] if i < len(loss) else None),
+    rows: list[list[Inline]] = [[fmt_num(steps[i]), fmt_num(loss[i] if i < len(loss) else None),
              fmt_num(gn[i] if i < len(gn) else None)] for i in range(first, len(steps))]
     note = f"Last {len(rows)} of {len(steps)} recorded steps (all of them are in report.json)."
     blocks.extend([Para([note]), Table(["step", "loss", "grad norm"], rows)])
@@ -466,7 +467,7 @@ def _filled(value: Any) -> Any:
 def _environment(r: Report) -> Section:
     env = r.environment
     cap, rep = env.capture, env.replay
-    rows = [
+    rows: list[list[Inline]] = [
         ["device", "n/a", str(rep.device or "n/a")],
         ["GPU", _gpus(cap) or "none", str(rep.gpu or "none")],
         ["torch", str(cap.torch or "n/a"), str(rep.torch or "n/a")],

@@ -69,8 +69,8 @@ def _log_axis(axis, set_scale) -> None:
     axis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
 
 
-def _nonfinite_word(x: float) -> str:
-    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+def _nonfinite_word(x: float | None) -> str:
+    return "nan" if x is None or math.isnan(x) else ("inf" if x > 0 else "-inf")
 
 
 def _plot_series(ax, steps: list, values: list, name: str, color: str, trigger_step: Any) -> None:
@@ -110,7 +110,7 @@ def plot_history(report: Mapping | Report) -> bytes | None:
     r = parse_report(report)
     hist = r.history
     steps = (hist.step if hist else None) or []
-    if not steps:
+    if not steps or hist is None:
         return None
     trigger_step = r.dump.step
     fig = _new_figure(8, 5)
@@ -247,8 +247,8 @@ def plot_precursors(report: Mapping | Report) -> bytes | None:
         baseline = as_float(row.baseline)
         if not baseline or not math.isfinite(baseline) or baseline <= 0:
             continue
-        points = [(s, as_float(v) / baseline) for s, v in zip(steps, row.values or [])
-                  if as_float(v) is not None and math.isfinite(as_float(v)) and as_float(v) > 0]
+        values = [(s, as_float(v)) for s, v in zip(steps, row.values or [])]
+        points = [(s, v / baseline) for s, v in values if v is not None and math.isfinite(v) and v > 0]
         if not points:
             continue
         color = colors[i % len(colors)]

@@ -32,7 +32,7 @@ from forensics.trigger import Trigger
 N = TypeVar("N", bound="Node")
 
 
-def _node(cls: type, always: bool = False) -> Any:
+def _node(cls: type[Node], always: bool = False) -> Any:
     """A field holding a block: `always` ones read as an empty block when absent (the renderers' "n/a")."""
     return field(default_factory=(lambda: cls.parse({})) if always else (lambda: None),
                  metadata={"node": cls, "always": always})

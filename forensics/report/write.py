@@ -31,7 +31,7 @@ def report_json_text(report: Mapping | Report) -> str:
     return json.dumps(ordered, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
 
 
-def write_report_files(report: Mapping, out_dir: str | os.PathLike, *, html: bool = True,
+def write_report_files(report: Mapping | Report, out_dir: str | os.PathLike, *, html: bool = True,
                        plots: bool = True) -> dict[str, Path]:
     """Validate the report and write report.json, report.md and report.html into `out_dir`.
 
@@ -77,7 +77,7 @@ def blocklist_ids(report: Mapping | Report) -> list:
     return [sid for sid in culprit.ids() if json.dumps(sid, default=repr) not in positional]
 
 
-def write_blocklist(report: Mapping, path: str | os.PathLike, *, append: bool = False) -> Path:
+def write_blocklist(report: Mapping | Report, path: str | os.PathLike, *, append: bool = False) -> Path:
     """Write the culprit samples' ids to `path`, one JSON value per line (JSON Lines).
 
     Each line is `json.dumps(sample_id)`, so string ids with newlines or quotes stay one line and

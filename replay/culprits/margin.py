@@ -17,10 +17,9 @@ import math
 from typing import Any, TypedDict
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from forensics.headroom import FP16_MAX, HEADROOM
+from forensics.thirdparty import TorchDispatchMode, tree_leaves
 from replay.run.execute import SampleRef, StepRunner
 
 logger = logging.getLogger(__name__)
@@ -85,7 +84,7 @@ def others_margin(runner: StepRunner, culprits: list[SampleRef]) -> MarginBlock 
 
     try:
         runner.run(rest, backward=False, forward_context=measured)
-    except Exception:  # noqa: BLE001 - a measurement: the verdict goes on without it
+    except Exception:  # a measurement: the verdict goes on without it
         logger.warning("the margin of the other samples could not be measured", exc_info=True)
         return None
     if mode.largest is None:

@@ -65,7 +65,7 @@ def _total_norm(tensors: list[torch.Tensor]) -> float | None:
     return float(torch.linalg.vector_norm(norms))
 
 
-def _scalar(loss: Any, ref: Any) -> torch.Tensor:
+def _scalar_loss(loss: Any, ref: Any) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise PerSampleError(f"run_one({ref!r}) returned {shape}, not a scalar loss tensor; "
@@ -73,7 +73,7 @@ def _scalar(loss: Any, ref: Any) -> torch.Tensor:
     return loss.reshape(())
 
 
-def _row(ref: Any, loss: float | None, grad_norm: float | None) -> SampleRow:
+def _sample_row(ref: Any, loss: float | None, grad_norm: float | None) -> SampleRow:
     finite = loss is not None and math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))
     return {"sample_id": ref.sample_id, "micro_batch": ref.micro_batch, "index": ref.index,
             "loss": loss, "grad_norm": grad_norm, "finite": finite}
@@ -103,7 +103,12 @@ def _vmap_stats(model: torch.nn.Module, loss_fn: Callable, batch: Any) -> tuple[
     frozen = {n: p.detach() for n, p in wrapper.named_parameters() if not p.requires_grad}
     frozen.update(dict(wrapper.named_buffers()))
     leaves: list[torch.Tensor] = []
-    map_sample_tensors(batch, lambda t: leaves.append(t) or t)
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        leaves.append(tensor)
+        return tensor
+
+    map_sample_tensors(batch, keep)
 
     def one_sample_loss(p: dict, xs: list[torch.Tensor]) -> torch.Tensor:
         it = iter(xs)
@@ -204,7 +209,7 @@ def _vectorised_rows(model, refs, batches, loss_fn, before_each, max_bytes) -> d
                      type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
             return rows
         for p, loss, norm in zip(positions, losses, norms):
-            rows[p] = _row(refs[p], loss, norm)
+            rows[p] = _sample_row(refs[p], loss, norm)
     return rows
 
 
@@ -215,19 +220,19 @@ def _loop_row(params: list[torch.nn.Parameter], ref: Any, run_one: Callable,
     if before_each is not None:
         before_each(ref)
     try:
-        loss = _scalar(run_one(ref), ref)
+        loss = _scalar_loss(run_one(ref), ref)
         grad_norm = None
         if loss.requires_grad:
             loss.backward()
             grad_norm = _total_norm([p.grad for p in params if p.grad is not None])
-        return _row(ref, float(loss.detach().float()), grad_norm)
+        return _sample_row(ref, float(loss.detach().float()), grad_norm)
     except PerSampleError:
         raise
     except (RuntimeError, IndexError, ValueError, ArithmeticError) as exc:  # e.g. a token id out of
         # the vocabulary: that sample is bad, the others still get their row
         log.warning("sample %r (micro-batch %s, index %s) raised %s: %s", ref.sample_id, ref.micro_batch,
                     ref.index, type(exc).__name__, exc)
-        row = _row(ref, None, None)
+        row = _sample_row(ref, None, None)
         row["error"] = f"{type(exc).__name__}: {exc}"
         return row
 
@@ -245,9 +250,10 @@ def rank_by_loss(rows: Sequence[SampleRow]) -> list[SampleRow]:
     """
     def key(item: tuple[int, SampleRow]) -> tuple:
         pos, row = item
-        if not row.get("finite", False) or row.get("loss") is None:
+        loss = row.get("loss")
+        if not row.get("finite", False) or loss is None:
             return (0, 0.0, 0.0, pos)
         grad = row.get("grad_norm")
-        return (1, -row["loss"], -(grad if grad is not None else -math.inf), pos)
+        return (1, -loss, -(grad if grad is not None else -math.inf), pos)
 
     return [row for _, row in sorted(enumerate(rows), key=key)]

@@ -39,7 +39,8 @@ class SampleSize:
 def sample_sizes(micro_batches: list[Any], refs: list[SampleRef]) -> tuple[list[SampleSize], str | None]:
     """Each sample's size and how it was measured ("attention_mask", "row elements", "tensor elements"), or
     ([], None) when the micro-batches do not say."""
-    sizes, measure = [], None
+    sizes: list[SampleSize] = []
+    measure: str | None = None
     for mb, batch in enumerate(micro_batches):
         mine = [r for r in refs if r.micro_batch == mb]
         counts, how = _sizes_of(batch, len(mine))

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import time
 from datetime import datetime, timezone
+from typing import Any, cast
 
 import torch
 
+from forensics.format.jsonio import lenient_float
 from forensics.format.tree import tensor_leaves
 from forensics.kinds import HistoryPattern, Phase, TriggerKind
 from forensics.report.model import schema_for, to_json_safe
@@ -19,7 +21,7 @@ from replay.judge.findings import Findings
 from replay.judge.remedies import tested_suggestions
 from replay.judge.verdict import VerdictFacts, decide_verdict
 from replay.load.environment import replay_environment
-from replay.load.session import ReplaySession, finite_float
+from replay.load.session import ReplaySession
 from replay.localize.forward_backward import INPUT_MODULE, ROOT_MODULE
 from replay.run.execute import StepRunner
 from replay.run.units import explaining_factor, recorded_factors
@@ -45,7 +47,7 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
             "the edge of fp16, and whichever sample crosses first is not to blame.")).strip()
     trigger = findings.trigger
     history = findings.history
-    report = {
+    report: dict[str, Any] = {
         "schema": schema_for(verdict["kind"]),
         "created_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "dump": {"num_micro_batches": max(len(session.micro_batches), session.step_micro_batches),
@@ -119,7 +121,7 @@ def culprit_block(findings: Findings, rank: int, positional: frozenset[int] = fr
         if ref in findings.sample_facts:
             sample["description"] = describe(findings.sample_facts[ref])
         samples.append(sample)
-    block = {"samples": samples,
+    block: dict[str, Any] = {"samples": samples,
              "module": None, "op": None, "phase": None, "parameter": None, "optimizer_state": None,
              "stats": {"inputs_absmax": None, "outputs_absmax": None, "params_absmax": None},
              "traceback": None}
@@ -164,8 +166,11 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
     micro_batch = trigger.micro_batch
     if micro_batch is None and findings.forward is not None:
         micro_batch = findings.forward.micro_batch
-    precision, rng, sizes = findings.precision or {}, findings.rng or {}, findings.sizes
-    remedies = {row["kind"]: row.get("healthy") for row in (findings.remedies or {}).get("tested", [])}
+    precision = cast("dict[str, Any]", findings.precision or {})  # TypedDicts, read as dicts here
+    rng = cast("dict[str, Any]", findings.rng or {})
+    sizes = findings.sizes
+    tested = cast("dict[str, Any]", findings.remedies or {}).get("tested", [])
+    remedies = {row["kind"]: row.get("healthy") for row in tested}
     return VerdictFacts(
         remedies=remedies,
         culprits_each_fail_alone=findings.bisection.independent_groups > 1,
@@ -177,7 +182,7 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
         unit_factor=_unit_words(findings, session),
         bitwise=findings.reproduction.fidelity.get("bitwise_equal"), replay_device=str(session.device),
         environment_warnings=list(session.warnings),
-        phase=culprit.phase, module=culprit.module, op=culprit.op,
+        phase=Phase.parse(culprit.phase) if culprit.phase else None, module=culprit.module, op=culprit.op,
         parameter=culprit.parameter, optimizer_state=culprit.optimizer_state,
         optimizer_class=findings.optimizer.optimizer_class if findings.optimizer is not None else None,
         inputs_absmax=culprit.stats.inputs_absmax, outputs_absmax=culprit.stats.outputs_absmax,
@@ -190,7 +195,7 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
         autocast_dtype=precision.get("autocast_dtype"),
         param_dtype=str(session.param_dtype).removeprefix("torch."),
         history_pattern=findings.history.pattern, history_signals=list(findings.history.signals),
-        per_sample_top=rank_by_loss(findings.per_sample)[:3] if findings.per_sample else [],
+        per_sample_top=cast("list[dict]", rank_by_loss(findings.per_sample)[:3]) if findings.per_sample else [],
         rng_dependent=rng.get("rng_dependent"), rng_seeds_tried=len(rng.get("seeds") or []),
         data_kind=_data_kind(session, findings),
         run_diverged=findings.history.diverged,
@@ -208,7 +213,7 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
         median_size=sizes.median if sizes is not None else None,
         unblamed_group=findings.bisection.unblamed_group,
         history_reading=findings.history.reading.sentences if findings.history.reading.onset is not None else [],
-        update_change=finite_float(trigger.update_change),
+        update_change=lenient_float(trigger.update_change),
         lr=_lr(session),
         ids_are_positional=any(s.positional for s in culprit.samples)
         or any(o.ref.micro_batch in session.positional_ids for o in (sizes.outliers if sizes is not None else ())))
@@ -217,7 +222,7 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
 def _lr(session: ReplaySession) -> float | None:
     """The step's learning rate: the optimizer's first parameter group."""
     groups = getattr(session.optimizer, "param_groups", None) or []
-    return finite_float(groups[0].get("lr")) if groups and isinstance(groups[0], dict) else None
+    return lenient_float(groups[0].get("lr")) if groups and isinstance(groups[0], dict) else None
 
 
 def _data_kind(session: ReplaySession, findings: Findings) -> str | None:

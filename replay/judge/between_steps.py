@@ -48,8 +48,8 @@ def between_steps_report(dump: Any, dump_info: dict, history: HistoryFinding, st
     """The report (docs/REPORT_FORMAT.md) of a dump raised between steps; nothing is replayed."""
     exception = dump.manifest["exception"]
     step, ids = last_samples(dump)
-    verdict = _verdict(exception, dump.step, step, ids, StateHolds.parse(exception.get("state_holds"),
-                                                                         StateHolds.MAYBE_PARTIAL))
+    holds = StateHolds.parse(exception.get("state_holds"), StateHolds.MAYBE_PARTIAL)
+    verdict = _between_steps_verdict(exception, dump.step, step, ids, holds)
     report = {
         "schema": schema_for(VerdictKind.EXCEPTION),
         "created_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -75,7 +75,8 @@ def between_steps_report(dump: Any, dump_info: dict, history: HistoryFinding, st
     return parse_report(to_json_safe(report))
 
 
-def _verdict(exception: dict, dumped_step: int, last_step: int | None, ids: list, state_holds: StateHolds) -> dict:
+def _between_steps_verdict(exception: dict, dumped_step: int, last_step: int | None, ids: list,
+                           state_holds: StateHolds) -> dict:
     what = clean(str(exception.get("type") or "an exception"), 100)
     frame = exception.get("user_frame") or {}
     where = (f" at {clean(str(frame.get('file')), 200)}:{frame.get('line')} in {clean(str(frame.get('function')), 100)}"

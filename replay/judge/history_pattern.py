@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from statistics import median
 from typing import Any, Sequence
 
+from forensics.format.jsonio import lenient_float
 from forensics.kinds import HistoryPattern
 from forensics.report.wording import fmt_num
 
@@ -56,7 +57,7 @@ SWING_MIN = math.log(1.25)   # oscillation swings of at least 25%
 NOISE_FLOOR = 1e-3      # median step size never counts as smaller than 0.1%
 
 
-def _finite(values: Sequence[Any]) -> list[float]:
+def _finite_values(values: Sequence[Any]) -> list[float]:
     out = []
     for v in values:
         if v is None or isinstance(v, bool):
@@ -83,7 +84,7 @@ def divergence_limit(first_losses: Sequence[float | None], uniform_loss: float |
     """The loss above which a run has left where it started: DIVERGED_FACTOR x its start (the least of its first
     3 losses: a run that blows up at once has huge first losses), or 1.5 x the uniform-guess loss when known
     (a random-init language model starts right at ln(vocabulary)); inf when neither is known."""
-    first = [v for v in _finite(first_losses)[:3]]
+    first = [v for v in _finite_values(first_losses)[:3]]
     start = min(first) if first else None
     limit = DIVERGED_FACTOR * start if start is not None and start > 0 else math.inf
     if uniform_loss is not None and uniform_loss > 0:
@@ -151,7 +152,7 @@ def classify_history(losses: Sequence[float | None], first_losses: Sequence[floa
         >>> classify_history([2.1, 2.3, 2.8, 4.5, 12.3, 89.7, float("nan")])
         'exponential_growth'
     """
-    values = _finite(losses)[-WINDOW:]
+    values = _finite_values(losses)[-WINDOW:]
     if len(values) < MIN_POINTS:
         return HistoryPattern.INSUFFICIENT_HISTORY
     y = _log_space(values)
@@ -182,15 +183,6 @@ def _column(history: dict, key: str, n: int) -> list:
     return (values + [None] * n)[:n]
 
 
-def _num(v: Any) -> float | None:
-    if v is None or isinstance(v, bool):
-        return None
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return None
-
-
 def history_signals(history: dict) -> list[str]:
     """Plain-words warnings from the recorded history (field notes' "other signals").
 
@@ -216,8 +208,11 @@ def history_signals(history: dict) -> list[str]:
                        f"({100 * hits / len(clipped):.0f}%): clipping hides an optimiser or data problem "
                        "rather than fixing it; look at the learning rate and the data.")
 
-    grads = [(s, _num(g)) for s, g in zip(steps, _column(history, "grad_norm", n))]
-    grads = [(s, g) for s, g in grads if g is not None and math.isfinite(g)]
+    grads: list[tuple[Any, float]] = []
+    for s, raw in zip(steps, _column(history, "grad_norm", n)):
+        g = lenient_float(raw)
+        if g is not None and math.isfinite(g):
+            grads.append((s, g))
     run = 0
     for _, g in reversed(grads):
         if not g < LOW_GRAD_NORM:
@@ -233,7 +228,7 @@ def history_signals(history: dict) -> list[str]:
                            "step before): dead units, or fp16 gradients underflowing because of the loss scale.")
             break
 
-    scales = [(s, _num(v)) for s, v in zip(steps, _column(history, "loss_scale", n))]
+    scales = [(s, lenient_float(v)) for s, v in zip(steps, _column(history, "loss_scale", n))]
     skipped = _column(history, "skipped", n)
     overflow_steps = {s for s, k in zip(steps, skipped) if k}
     known = [(s, v) for s, v in scales if v is not None and math.isfinite(v)]
@@ -266,7 +261,7 @@ def diverged_long_ago(history: dict, uniform_loss: float | None = None) -> str |
     DIVERGED_FOR steps. Then a spike at the dumped step is a symptom of that run, not a cause.
     """
     first = _first_losses(history)
-    losses = [_num(v) for v in (history.get("loss") or [])][:-1]  # the last entry is the dumped step
+    losses = [lenient_float(v) for v in (history.get("loss") or [])][:-1]  # the last entry is the dumped step
     steps = list(history.get("step") or [])[:len(losses)]
     recent = [(s, v) for s, v in zip(steps, losses) if v is not None and math.isfinite(v)]
     if not first or len(recent) < DIVERGED_FOR:
@@ -285,9 +280,11 @@ def diverged_long_ago(history: dict, uniform_loss: float | None = None) -> str |
 
 
 def _first_losses(history: dict) -> list[float]:
-    summary = history.get("summary") if isinstance(history.get("summary"), dict) else {}
-    first = _finite(summary.get("first_losses") or [])
-    return first or _finite((history.get("loss") or [])[:3])
+    summary = history.get("summary")
+    if not isinstance(summary, dict):
+        summary = {}
+    first = _finite_values(summary.get("first_losses") or [])
+    return first or _finite_values((history.get("loss") or [])[:3])
 
 
 @dataclass(frozen=True)
@@ -318,9 +315,9 @@ def read_history(history: dict | None, step: int | None, uniform_loss: float | N
     history = history or {}
     n = max((len(v) for v in history.values() if isinstance(v, list)), default=0)
     steps = [s if isinstance(s, int) else i for i, s in enumerate(_column(history, "step", n))]
-    losses = [_num(v) for v in _column(history, "loss", n)]
-    norms = [_num(v) for v in _column(history, "grad_norm", n)]
-    rates = [_num(v) for v in _column(history, "lr", n)]
+    losses = [lenient_float(v) for v in _column(history, "loss", n)]
+    norms = [lenient_float(v) for v in _column(history, "grad_norm", n)]
+    rates = [lenient_float(v) for v in _column(history, "lr", n)]
     clipped = _column(history, "clipped", n)
     first = _first_losses(history)
     limit = divergence_limit(first, uniform_loss)
@@ -328,14 +325,15 @@ def read_history(history: dict | None, step: int | None, uniform_loss: float | N
                   if v is not None and (not math.isfinite(v) or v > limit)), None)
     cutoff = onset if onset is not None else step if step is not None else (steps[-1] + 1 if steps else 0)
     healthy = [i for i, s in enumerate(steps) if s < cutoff]
-    good_norms = sorted(norms[i] for i in healthy if norms[i] is not None and math.isfinite(norms[i]) and norms[i] > 0)
+    good_norms = sorted(v for v in (norms[i] for i in healthy) if v is not None and math.isfinite(v) and v > 0)
     typical = good_norms[len(good_norms) // 2] if good_norms else None
     sentences = []
     if first and onset is not None and onset in steps and (step is None or onset < step):  # not the failure itself
         at = steps.index(onset)
         later = [(s, v) for s, v in zip(steps[at:], losses[at:]) if v is not None][:4]
         path = ", ".join(f"{fmt_num(v, 3)} (step {s})" for s, v in later)
-        why = ("non-finite" if not math.isfinite(losses[at]) else
+        at_loss = losses[at]  # not None: the onset is a recorded loss
+        why = ("non-finite" if at_loss is not None and not math.isfinite(at_loss) else
                f"above {fmt_num(UNIFORM_FACTOR, 2)} x the {fmt_num(uniform_loss, 3)} of a uniform guess over the "
                "vocabulary" if uniform_loss is not None and limit < DIVERGED_FACTOR * min(first[:3])
                else f"over {fmt_num(DIVERGED_FACTOR, 2)} x its start")

@@ -79,7 +79,7 @@ def precursor_report(dump: Any, dump_info: dict, history: HistoryFinding, starte
     fired = next((f for f in reversed(table["firings"]) if f.get("dumped") and isinstance(f.get("step"), int)
                   and dump.step - 1 <= f["step"] <= dump.step), None)
     trigger = dataclasses.replace(dump.trigger, kind=TriggerKind.PRECURSOR, micro_batch=None)
-    verdict = _verdict(dump.step, ranking, fired, len(table["columns"]), local=trigger.local)
+    verdict = _precursor_verdict(dump.step, ranking, fired, len(table["columns"]), local=trigger.local)
     near = _limit_headline(dump.step, fired, table)
     if near is not None:  # the dtype's limit fired: that is the headline, the ranking explains how it got there
         verdict["headline"] = near
@@ -113,9 +113,9 @@ def _limit_headline(step: int, fired: dict | None, table: dict) -> str | None:
     and the column's dtype (never from text in the dump)."""
     rule = PrecursorRule.parse((fired or {}).get("rule"), PrecursorRule.GROWTH)
     stat = _statistic((fired or {}).get("statistic"))
-    if rule is PrecursorRule.GROWTH or stat is None:
+    if fired is None or rule is PrecursorRule.GROWTH or stat is None:
         return None
-    column = next((c for c in table["columns"] if c.get("layer") == fired.get("layer")
+    column: dict = next((c for c in table["columns"] if c.get("layer") == fired.get("layer")
                    and c.get("statistic") == stat.value), {})
     head = (table.get("config") or {}).get("head_dim")
     limit = limit_of(stat, column.get("dtype") if isinstance(column.get("dtype"), str) else None,
@@ -144,7 +144,7 @@ def _series(table: dict, rows: list[dict]) -> list[dict]:
     return out
 
 
-def _verdict(step: int, ranking: list[dict], fired: dict | None, columns: int, local: bool = True) -> dict:
+def _precursor_verdict(step: int, ranking: list[dict], fired: dict | None, columns: int, local: bool = True) -> dict:
     kind = VerdictKind.INSTABILITY_AHEAD
     if not ranking and not local:  # dumped because another rank's statistics grew (a sharded state: all ranks dump)
         headline = (f"Instability ahead at step {step}, seen by another rank: this rank's statistics did not leave "
@@ -172,8 +172,9 @@ def _verdict(step: int, ranking: list[dict], fired: dict | None, columns: int, l
                    "to tell which started first."
         explanation = "The statistics in the dump do not show a sustained growth from a baseline."
     fixes = [PrecursorStatistic(r["statistic"]).usual_fix for r in ranking[:4]]
-    if fired and not ranking and _statistic(fired.get("statistic")) is not None:
-        fixes.append(_statistic(fired.get("statistic")).usual_fix)
+    fired_stat = _statistic(fired.get("statistic")) if fired else None
+    if fired and not ranking and fired_stat is not None:
+        fixes.append(fired_stat.usual_fix)
     return {"kind": kind.value, "headline": headline, "explanation": explanation,
             "suggestions": list(dict.fromkeys(fixes + list(GENERAL_FIXES)))}
 

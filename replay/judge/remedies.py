@@ -23,7 +23,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator, TypedDict
 
-import torch
 
 from forensics.kinds import RemedyKind
 from replay.judge.precision import uses_low_precision
@@ -136,8 +135,8 @@ def try_remedies(runner: StepRunner, culprits: list[SampleRef], clip_at: float |
             "to float32), or " if culprit_module and "<" not in culprit_module else ""  # <input>.x is data, no module
         results.append(_evaluate(runner, RemedyKind.FP32, f"{where}train without autocast / loss scaling",
                                  fp32=True))
-    if session.scaler_enabled:
-        scale = float(session.scaler_state["scale"])
+    if session.loss_scale is not None:
+        scale = session.loss_scale
         results.append(_evaluate(runner, RemedyKind.LOSS_SCALE,
                                  f"GradScaler(init_scale={scale * LOSS_SCALE_FACTOR:g}) (the step ran at {scale:g})",
                                  loss_scale=scale * LOSS_SCALE_FACTOR))
@@ -188,13 +187,14 @@ def _evaluate(runner: StepRunner, kind: RemedyKind, change: str, *, samples: lis
             moved, size = moved + step.moved_sq, size + step.size_sq
             if step.moved_sq > worst:  # the parameter the update moved most, in absolute terms
                 worst, worst_name = step.moved_sq, step.name
-        change = relative_change(moved, size)
-        if not math.isfinite(change):
+        moved_by = relative_change(moved, size)  # `change` is the remedy's description
+        if not math.isfinite(moved_by):
             finite = False
-        result.weights_finite, result.relative_change, result.worst_parameter = finite, change, worst_name
-        result.healthy = finite and change <= WRECK_RATIO
-        if finite and change > WRECK_RATIO:
-            result.note = f"the update moves the weights by {change:.0%} of their norm in one step (most: `{worst_name}`)"
+        result.weights_finite, result.relative_change, result.worst_parameter = finite, moved_by, worst_name
+        result.healthy = finite and moved_by <= WRECK_RATIO
+        if finite and moved_by > WRECK_RATIO:
+            result.note = (f"the update moves the weights by {moved_by:.0%} of their norm in one step "
+                           f"(most: `{worst_name}`)")
         return result
     except Exception as exc:  # noqa: BLE001 - one remedy that cannot run must not lose the others
         logger.warning("remedy %s could not be tried: %s: %s", kind.value, type(exc).__name__, exc)

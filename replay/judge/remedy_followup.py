@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from forensics.errors import ReplayError
 from forensics.kinds import RemedyKind
 from replay.judge.remedies import Following, RemediesBlock, RemedyRow
 from replay.run.execute import StepRunner
@@ -42,7 +43,7 @@ def follow_remedies(block: RemediesBlock, runner: StepRunner, followup: Followup
             runner.weights_changed()  # the fix was carried over by stepping the model itself
             runner.reset()
     block["tested"].sort(key=lambda r: (r.get("healthy") is not True,
-                                        (r.get("following") or {}).get("healthy") is False,
+                                        dict(r.get("following") or {}).get("healthy") is False,
                                         RemedyKind(r["kind"]).rank))
     block["following_steps"] = (f"each change that made step {followup.row['step']} healthy was kept for the "
                                 f"recorded steps after it ({', '.join(map(str, steps))}) and they were re-executed")
@@ -59,6 +60,8 @@ def _follow(row: RemedyRow, runner: StepRunner, followup: Followup) -> Following
         for tensor in model.parameters():
             tensor.data = tensor.data.float()  # runner.reset() puts the recorded dtypes back
     optimizer = session.new_optimizer()
+    if optimizer is None:  # the caller notes the remedy as not carried over
+        raise ReplayError("the dump holds no optimizer to carry the fix over the following steps")
     hyper = dict(setting.get("hyper") or {})
     broken_lr = followup.row.get("lr")
     lr_factor = hyper.pop("lr") / broken_lr if "lr" in hyper and isinstance(broken_lr, (int, float)) and broken_lr \
@@ -68,14 +71,14 @@ def _follow(row: RemedyRow, runner: StepRunner, followup: Followup) -> Following
     clip = setting.get("clip", followup.max_norm)
     if not setting.get("skip"):
         ids, batches, rng = _without(followup, setting.get("drop") or [], session.device)
-        _lr(optimizer, followup.row, lr_factor)
+        _set_lr_scaled(optimizer, followup.row, lr_factor)
         outcome, _ = run_step(model, optimizer, session, batches, {**followup.row, "rng": rng}, clip, fp32)
         if outcome.broke:
             return {"tested": True, "healthy": False, "steps": [], "first_unhealthy": followup.row["step"],
                     "why": outcome.broke}
     done = []
     for step_row, batches in followup.steps:
-        _lr(optimizer, step_row, lr_factor)
+        _set_lr_scaled(optimizer, step_row, lr_factor)
         outcome, _ = run_step(model, optimizer, session, batches, step_row, clip, fp32)
         done.append(step_row["step"])
         if outcome.broke:
@@ -84,7 +87,7 @@ def _follow(row: RemedyRow, runner: StepRunner, followup: Followup) -> Following
     return {"tested": True, "healthy": True, "steps": done, "first_unhealthy": None, "why": None}
 
 
-def _lr(optimizer: torch.optim.Optimizer, row: dict, factor: float) -> None:
+def _set_lr_scaled(optimizer: torch.optim.Optimizer, row: dict, factor: float) -> None:
     set_lr(optimizer, row.get("lr"))
     if factor != 1.0:
         for group in optimizer.param_groups:

@@ -268,7 +268,7 @@ def _evidence(f: VerdictFacts) -> list[str]:
                 stats.append(f"{label} holds NaN" if math.isnan(value) else f"{label} abs-max {_num(value)}")
         if f.parameter and f.phase in (Phase.BACKWARD, Phase.OPTIMIZER):
             stats.append(f"parameter `{f.parameter}`")
-        where = _where_value(f, stats) if (f.module or (f.phase is not None and f.phase.is_pass)) \
+        located = _where_value(f, stats) if (f.module or (f.phase is not None and f.phase.is_pass)) \
             else f" in the {f.phase} step" + (f" ({'; '.join(stats)})" if stats else "")
         if f.module and f.module.startswith(INPUT_PREFIX):
             field = f.module[len(INPUT_PREFIX):]
@@ -278,7 +278,7 @@ def _evidence(f: VerdictFacts) -> list[str]:
             out.append(f"The batch's own `{field}` already holds {held} before any layer runs: the data is the "
                        "source, not a module.")
         else:
-            out.append(f"The first non-finite value appears{where}.")
+            out.append(f"The first non-finite value appears{located}.")
     if _has_culprit(f):
         runs = f" (found in {f.bisect_runs} replays of {f.candidates} samples)" if f.bisect_runs is not None else ""
         phrase = _samples_phrase(f).rstrip(",")
@@ -305,7 +305,7 @@ def _evidence(f: VerdictFacts) -> list[str]:
     return out
 
 
-def _history(f: VerdictFacts) -> list[str]:
+def _history_sentences(f: VerdictFacts) -> list[str]:
     out = [f.run_diverged] if f.run_diverged else []
     if f.history_pattern:
         out.append(f"Loss history: {f.history_pattern.means(f.trigger_kind)}.")
@@ -372,7 +372,7 @@ def _pattern_hints(f: VerdictFacts) -> list[str]:
 
 def _result(kind: VerdictKind, headline: str, f: VerdictFacts, suggestions: list[str],
             reading: str | None = None) -> dict:
-    evidence = _evidence(f) + ([reading] if reading else []) + _history(f)
+    evidence = _evidence(f) + ([reading] if reading else []) + _history_sentences(f)
     unique = list(dict.fromkeys(s for s in suggestions + _no_blocklist(f) if s))
     log.info("verdict %s: %s", kind, headline)
     return {"kind": kind.value, "headline": headline, "explanation": " ".join(evidence), "suggestions": unique}
@@ -401,7 +401,7 @@ def decide_verdict(facts: VerdictFacts) -> dict:
     if not f.reproduced:
         return _not_reproduced(f)
     if f.trigger_kind is TriggerKind.EXCEPTION:
-        return _exception(f)
+        return _exception_verdict(f)
     if f.spike and f.update_change is not None and not _has_culprit(f):
         return _update_too_large(f)
     if f.spike and (f.run_diverged or f.history_pattern is HistoryPattern.DIVERGED):
@@ -482,18 +482,19 @@ def _not_reproduced(f: VerdictFacts) -> dict:
 
 def _other_units(f: VerdictFacts, headline: str) -> dict:
     """Not reproduced, but the ratio of recorded to replayed is a factor the job recorded: a unit, not the hardware."""
-    reading = (f"{f.unit_factor[0].upper() + f.unit_factor[1:]}: the job and the replay measured the same step in "
+    factor = f.unit_factor or ""  # set: the caller checked
+    reading = (f"{factor[0].upper() + factor[1:]}: the job and the replay measured the same step in "
                "different units, so the two numbers cannot be compared as they are. This is not a sign of "
                "non-determinism or of the hardware.")
     suggestions = []
-    if "loss scale" in f.unit_factor:
+    if "loss scale" in factor:
         suggestions.append("Pass check() the norm of unscaled gradients: call scaler.unscale_(optimizer) before "
                            "clip_grad_norm_, or call check() without grad_norm (the Guard divides the loss scale out "
                            "of its own norm); clipping thresholds are then in the same units too.")
-    if "world size" in f.unit_factor:
+    if "world size" in factor:
         suggestions.append("The recorded value covers every rank (summed, or not averaged); replay this step with "
                            "--all-ranks to compare the whole job's value.")
-    if "accumulation" in f.unit_factor:
+    if "accumulation" in factor:
         suggestions.append("The loop divides (or does not divide) by the number of micro-batches where the Guard "
                            "assumes otherwise: set GuardConfig.loss_divisor to what the loop divides each "
                            "micro-batch loss by.")
@@ -537,13 +538,13 @@ def _model_state(f: VerdictFacts) -> dict:
     if f.weights_nonfinite_at_start:
         where = _corruption_words(f)
         which = f": {where}" if where else (f", first in `{f.parameter}`" if f.parameter else "")
-        partial = f.samples_failing is not None and f.samples_checked and len(f.samples_failing) < f.samples_checked
-        if partial:
-            failing = f.touching_samples if f.touching_samples else f.samples_failing
+        all_failing = f.samples_failing
+        if all_failing is not None and f.samples_checked and len(all_failing) < f.samples_checked:
+            failing = f.touching_samples if f.touching_samples else all_failing
             named = ", ".join(_id(s) for s in failing[:MAX_NAMED_SAMPLES]) + \
                 (f" and {len(failing) - MAX_NAMED_SAMPLES} more" if len(failing) > MAX_NAMED_SAMPLES else "")
             headline = (f"The weights were already non-finite before {_where_step(f, micro_batch=False)}{which}; "
-                        f"only the samples that meet them fail ({named}: {len(f.samples_failing)} of "
+                        f"only the samples that meet them fail ({named}: {len(all_failing)} of "
                         f"{f.samples_checked}), the others are finite.")
             reading = ("A few slices of the weights hold NaN/Inf, so only the samples that use them fail; the update "
                        "that broke them happened at an earlier, unchecked step (this step's data only decides "
@@ -717,7 +718,7 @@ def _data_hint(f: VerdictFacts) -> str:
     return f"{who}: {fact.words}. Fix: {_FACT_FIXES[fact.kind]}"
 
 
-def _exception(f: VerdictFacts) -> dict:
+def _exception_verdict(f: VerdictFacts) -> dict:
     """The step raises on replay too: where, which samples, and the data that made it raise."""
     what = f.exception_type or "an exception"
     where = f" at `{f.module}`" if f.module else ""

@@ -16,6 +16,7 @@ from typing import Any, Iterator
 import torch
 
 from forensics.errors import ReplayError
+from forensics.format.tree import map_tensors
 from forensics.thirdparty import deterministic_setter
 
 logger = logging.getLogger(__name__)
@@ -36,16 +37,9 @@ def dtype_from_name(name: Any) -> torch.dtype:
 
 
 def to_device(tree: Any, device: torch.device) -> Any:
-    """Moves every tensor of a batch tree (dict / list / tuple) to `device`."""
-    if isinstance(tree, torch.Tensor):
-        return tree.to(device)
-    if isinstance(tree, dict):
-        return {k: to_device(v, device) for k, v in tree.items()}
-    if isinstance(tree, tuple):
-        return tuple(to_device(v, device) for v in tree)
-    if isinstance(tree, list):
-        return [to_device(v, device) for v in tree]
-    return tree
+    """Moves every tensor of a batch tree to `device` (forensics.format.tree.map_tensors: containers keep their
+    type)."""
+    return map_tensors(tree, lambda t: t.to(device))
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

@@ -23,6 +23,7 @@ from typing import Any, Iterator
 
 import torch
 
+from forensics.format.tree import map_tensors
 from replay.load.environment import dtype_from_name
 
 
@@ -105,13 +106,7 @@ def fsdp_compute(model: torch.nn.Module, units: list[FsdpUnit], skip: set[int] |
 
 
 def _cast(dtype: torch.dtype, value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, dict):
-        return {k: _cast(dtype, v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_cast(dtype, v) for v in value)
-    return value
+    return map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
 def _cast_inputs(dtype: torch.dtype, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import sys
 import types
+from collections.abc import Mapping
 from typing import Any
 
 from forensics.errors import RecipeError
@@ -82,7 +83,7 @@ def _bound(nodes: list[ast.stmt]) -> set[str]:
     return names
 
 
-def _needed(definitions: dict[str, ast.stmt], start: str) -> set[str]:
+def _needed(definitions: Mapping[str, ast.stmt], start: str) -> set[str]:
     """The module-level names `start` reads, following the script's own functions and classes it uses."""
     seen, todo, needed = set(), [start], set()
     while todo:
@@ -157,7 +158,7 @@ def define_from_script(source: bytes, qualname: str, script_name: str, what: str
                 raise RecipeError(f"defining `{shown}` from the training script {script} needs a name its top-level "
                                   f"code sets at line {node.lineno}; {instead}") from None
             skipped |= _bound([node])  # `tokens_per_iter = batch * ddp_world_size`: ddp_world_size unknown here
-        except Exception as exc:  # noqa: BLE001 - the script's imports or definitions failing here is the user's to fix
+        except Exception as exc:  # the script's imports or definitions failing here is the user's to fix
             raise RecipeError(f"defining `{shown}` from the training script {script} raised {type(exc).__name__}: "
                               f"{clean(str(exc), 300)}; {instead}") from exc
     module.__dict__.update(recorded)  # the job's values win over the script's defaults (a configurator changed them)

@@ -68,7 +68,7 @@ def import_object(path: str, what: str = "recipe", sys_path: tuple[str, ...] | l
         obj: Any = importlib.import_module(module_name)
         for part in attr.split("."):
             obj = getattr(obj, part)
-    except Exception as exc:  # noqa: BLE001 - any import-time failure of user code is a recipe problem
+    except Exception as exc:  # any import-time failure of user code is a recipe problem
         raise RecipeError(f"cannot import the {what} {path!r}: {type(exc).__name__}: {exc}. "
                           "Check the path, or pass --path DIR (sys_path=) so Python can find the module") from exc
     if not callable(obj):

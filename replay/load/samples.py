@@ -16,7 +16,8 @@ The rule, in one place (both functions below follow it):
   leaf (0-d tensors, tensors of another length such as `position_ids` of shape `(1, T)`, strings,
   numbers, `forensics.format.Unreplayable` markers) is kept as it is, shared with the input.
   Containers are rebuilt with their own type (dict subclasses and named tuples included, falling
-  back to a plain dict / tuple when the type cannot be rebuilt from its items).
+  back to a plain dict / tuple when the type cannot be rebuilt from its items: the one rule of
+  `forensics.format.tree.rebuild`, which every batch walker follows).
 
 A tensor whose first dimension happens to equal the batch size without being per-sample (e.g. a
 `(T,)` tensor with `T == B`) is sliced too; the tree carries nothing that could tell them apart.
@@ -26,12 +27,14 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 
 from forensics.errors import ReplayError
+from forensics.format.tree import map_tensors, map_tree, rebuild
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ def _votes(node: Any, tensors: list[int], lists: list[int]) -> None:
     if isinstance(node, torch.Tensor):
         if node.dim() >= 1:
             tensors.append(node.shape[0])
-    elif isinstance(node, dict):
+    elif isinstance(node, Mapping):
         for value in node.values():
             _votes(value, tensors, lists)
     elif isinstance(node, (list, tuple)):
@@ -112,50 +115,22 @@ def batch_size(batch: Any) -> int:
     )
 
 
-def _rebuild(node: Any, items: list[Any]) -> Any:
-    if isinstance(node, dict):
-        pairs = list(zip(node.keys(), items))
-        if type(node) is dict:
-            return dict(pairs)
-        try:
-            return type(node)(pairs)
-        except Exception:  # a dict subclass with its own constructor; a plain dict carries the data
-            log.debug("cannot rebuild %s from items; returning a dict", type(node).__name__)
-            return dict(pairs)
-    if isinstance(node, tuple):
-        if hasattr(node, "_fields"):  # named tuple
-            return type(node)(*items)
-        if type(node) is tuple:
-            return tuple(items)
-        try:
-            return type(node)(items)
-        except Exception:
-            return tuple(items)
-    if type(node) is list:
-        return items
-    try:
-        return type(node)(items)
-    except Exception:
-        return items
+def _select(batch: Any, size: int, indices: list[int]) -> Any:
+    index_tensors: dict[torch.device, torch.Tensor] = {}
 
-
-def _select(node: Any, size: int, indices: list[int], index_tensors: dict) -> Any:
-    if isinstance(node, torch.Tensor):
-        if node.dim() >= 1 and node.shape[0] == size:
-            key = node.device
-            if key not in index_tensors:
-                index_tensors[key] = torch.tensor(indices, dtype=torch.long, device=node.device)
-            return node.index_select(0, index_tensors[key])
-        return node
-    if isinstance(node, dict):
-        return _rebuild(node, [_select(v, size, indices, index_tensors) for v in node.values()])
-    if isinstance(node, (list, tuple)):
-        if _is_per_sample_list(node):
-            if len(node) == size:
-                return _rebuild(node, [node[i] for i in indices])
+    def leaf(node: Any) -> Any:
+        if isinstance(node, torch.Tensor):
+            if node.dim() >= 1 and node.shape[0] == size:
+                key = node.device
+                if key not in index_tensors:
+                    index_tensors[key] = torch.tensor(indices, dtype=torch.long, device=node.device)
+                return node.index_select(0, index_tensors[key])
             return node
-        return _rebuild(node, [_select(v, size, indices, index_tensors) for v in node])
-    return node
+        if _is_per_sample_list(node) and len(node) == size:
+            return rebuild(node, [node[i] for i in indices])
+        return node
+
+    return map_tree(batch, leaf, whole=_is_per_sample_list)
 
 
 def map_sample_tensors(batch: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
@@ -169,17 +144,7 @@ def map_sample_tensors(batch: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
         torch.Size([2])
     """
     size = batch_size(batch)
-
-    def walk(node: Any) -> Any:
-        if isinstance(node, torch.Tensor):
-            return fn(node) if node.dim() >= 1 and node.shape[0] == size else node
-        if isinstance(node, dict):
-            return _rebuild(node, [walk(v) for v in node.values()])
-        if isinstance(node, (list, tuple)) and not _is_per_sample_list(node):
-            return _rebuild(node, [walk(v) for v in node])
-        return node
-
-    return walk(batch)
+    return map_tensors(batch, lambda t: fn(t) if t.dim() >= 1 and t.shape[0] == size else t)
 
 
 def select_samples(batch: Any, indices: Iterable[int]) -> Any:
@@ -206,4 +171,4 @@ def select_samples(batch: Any, indices: Iterable[int]) -> Any:
         raise SampleSelectionError(
             f"sample indices {bad} are out of range for a batch of {size}; use 0..{size - 1}"
         )
-    return _select(batch, size, indices, {})
+    return _select(batch, size, indices)

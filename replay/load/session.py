@@ -120,10 +120,15 @@ class ReplaySession:
         return bool(state) and state.get("enabled", True) is not False and state.get("scale") is not None
 
     @property
+    def loss_scale(self) -> float | None:
+        """The job's GradScaler scale at the step; None without an enabled scaler."""
+        return float(self.scaler_state["scale"]) if self.scaler_state is not None and self.scaler_enabled else None
+
+    @property
     def sample_refs(self) -> list:
         """Every sample of the step as a SampleRef, in micro-batch order."""
 
-        refs = []
+        refs: list[SampleRef] = []
         for mb, ids in enumerate(self.sample_ids):
             refs.extend(SampleRef(mb, i, sid) for i, sid in enumerate(ids))
         return refs
@@ -320,12 +325,12 @@ def parameters_on_meta() -> Iterator[None]:
         if param is not None and param.device.type != "meta":
             put_parameter(module, name, torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad))
 
-    torch.nn.Module.register_parameter = on_meta
+    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign, assignment]  # for this block only
     try:
         with unfilled():  # each parameter's memory goes to meta at once (a buffer left unset is the model's bug)
             yield
     finally:
-        torch.nn.Module.register_parameter = register
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
 class MetaBuffersError(RuntimeError):
@@ -338,7 +343,7 @@ def build_model(recipe: Any, on_meta: bool = True) -> torch.nn.Module:
     def call() -> torch.nn.Module:
         try:
             model = recipe.factory(**recipe.factory_kwargs)
-        except Exception as exc:  # noqa: BLE001 - user / recipe code
+        except Exception as exc:  # user / recipe code
             raise RecipeError(f"the model factory {recipe.factory_path!r} failed: {type(exc).__name__}: {exc}") \
                 from exc
         if not isinstance(model, torch.nn.Module):
@@ -388,9 +393,9 @@ def stream_weights(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Te
         elif key in buffers:
             owner, _, attr = key.rpartition(".")
             module = model.get_submodule(owner)
-            old = own_buffers(module)[attr]
-            if old is not None:
-                _check_fits(key, tensor, old, "buffer")
+            old_buffer = own_buffers(module)[attr]
+            if old_buffer is not None:
+                _check_fits(key, tensor, old_buffer, "buffer")
             put_buffer(module, attr, tensor)
             loaded.add(key)
         else:
@@ -492,14 +497,4 @@ def _ids_of(batch: Any, index: int, key: str | None) -> list:
         return []
 
 
-def finite_float(value: Any) -> float | None:
-    """float(value) or None; keeps nan / inf (the report encodes them)."""
-    if value is None:
-        return None
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
-
-
-__all__ = ["ReplaySession", "load_session", "session_from_objects", "finite_float"]
+__all__ = ["ReplaySession", "load_session", "session_from_objects"]

@@ -17,11 +17,12 @@ import math
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, cast
 
 import torch
 
 from forensics.errors import ReplayError
+from forensics.format.tensors import tensor_bytes
 from replay.load.fsdp_precision import FsdpUnit, parameter_units
 
 STATE_FACTOR = 2
@@ -161,7 +162,7 @@ class StreamPlan:
             return n + fp32
         return n + fp32 + (passes * max(1, micro_batches) * 2 - 1) * (n - k)
 
-def find_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+def streamable_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """The children of the model's nn.ModuleList holding the most parameters (a transformer's layers).
 
     Raises:
@@ -178,13 +179,9 @@ def find_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
         raise ReplayError("this model cannot be streamed: it has no nn.ModuleList of at least two blocks with "
                           "parameters (streaming keeps the blocks in the dump). Replay it without --gpu-memory, on "
                           "a device it fits")
-    modules = model.get_submodule(best)
+    modules = cast(torch.nn.ModuleList, model.get_submodule(best))  # the nn.ModuleList found above
     return [(f"{best}.{i}" if best else str(i), child) for i, child in enumerate(modules)
             if any(True for _ in child.parameters())]
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def plan_streaming(model: torch.nn.Module, device: torch.device, budget: int | None) -> StreamPlan | None:
@@ -195,7 +192,7 @@ def plan_streaming(model: torch.nn.Module, device: torch.device, budget: int | N
         ReplayError: the budget cannot hold the resident part and one block.
     """
     reason = None
-    state = sum(_nbytes(p) for p in model.parameters()) + sum(_nbytes(b) for b in model.buffers())
+    state = sum(tensor_bytes(p) for p in model.parameters()) + sum(tensor_bytes(b) for b in model.buffers())
     if budget is None:
         if device.type != "cuda":
             return None
@@ -207,15 +204,15 @@ def plan_streaming(model: torch.nn.Module, device: torch.device, budget: int | N
         return None
     reason = reason or f"the state ({words(state)}: about {words(need)} with gradients and activations) does not " \
                        f"fit the budget of {words(budget)}"
-    found = find_blocks(model)
+    found = streamable_blocks(model)
     outside = {id(p) for name, p in model.named_parameters(remove_duplicate=False)
                if not any(name.startswith(b + ".") for b, _ in found)}
     blocks = []
     for name, module in found:
         params = tuple(f"{name}.{n}" for n, p in module.named_parameters() if id(p) not in outside)
-        blocks.append(Block(name, params, sum(_nbytes(p) for p in module.parameters() if id(p) not in outside)))
+        blocks.append(Block(name, params, sum(tensor_bytes(p) for p in module.parameters() if id(p) not in outside)))
     streamed = {id(model.get_parameter(n)) for b in blocks for n in b.params}
-    resident = state - sum(_nbytes(p) for p in model.parameters() if id(p) in streamed)
+    resident = state - sum(tensor_bytes(p) for p in model.parameters() if id(p) in streamed)
     plan = StreamPlan(budget=budget, reason=reason, blocks=blocks, resident_bytes=resident, state_bytes=state)
     plan.fp32_bytes = max(_block_bytes(model, b, lambda p: torch.float32 if p.is_floating_point() else p.dtype)
                           for b in blocks)
@@ -277,7 +274,7 @@ def keep_blocks_at_rest(tensors: Iterator[tuple[str, torch.Tensor]], plan: Strea
         if first in streamed:
             spent += now - mark
             plan.at_rest[first] = tensor.dtype
-            sizes[first] = _nbytes(tensor)
+            sizes[first] = tensor_bytes(tensor)
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 plan.nonfinite.append(first)
             tensor = at_rest(tensor)
@@ -309,7 +306,7 @@ def settle(plan: StreamPlan, model: torch.nn.Module, units: list[FsdpUnit] | Non
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         if name not in streamed and id(tensor) not in seen:
             seen.add(id(tensor))
-            resident += _nbytes(tensor)
+            resident += tensor_bytes(tensor)
     plan.resident_bytes, plan.state_bytes = resident, resident + plan.streamed_bytes
     owner = parameter_units(model, units or [])
 
@@ -327,5 +324,5 @@ def settle(plan: StreamPlan, model: torch.nn.Module, units: list[FsdpUnit] | Non
     fit_blocks(plan)
 
 
-__all__ = ["StreamPlan", "Block", "plan_streaming", "keep_blocks_at_rest", "find_blocks", "fit_blocks",
+__all__ = ["StreamPlan", "Block", "plan_streaming", "keep_blocks_at_rest", "streamable_blocks", "fit_blocks",
            "parse_bytes", "at_rest", "settle", "words", "STATE_FACTOR", "ACTIVATION_SHARE"]

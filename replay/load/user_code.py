@@ -30,7 +30,8 @@ _LIBRARIES = [os.path.dirname(torch.__file__)]
 for _name in ("numpy", "safetensors", "zstandard"):
     try:
         _module = __import__(_name)
-        _LIBRARIES.append(os.path.dirname(os.path.abspath(_module.__file__)))
+        if _module.__file__ is not None:
+            _LIBRARIES.append(os.path.dirname(os.path.abspath(_module.__file__)))
     except ImportError:  # pragma: no cover - optional here
         pass
 LIBRARIES = tuple(os.path.abspath(p) + os.sep for p in _LIBRARIES)

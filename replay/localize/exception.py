@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from forensics.kinds import Phase
-from forensics.thirdparty import op_schema
+from forensics.thirdparty import TorchDispatchMode, op_schema
 from replay.localize.forward_backward import ModuleTracker
 from replay.run.execute import SampleRef, StepRunner
 
@@ -40,7 +39,7 @@ class ExceptionFinding:
     """[{"value", "limit", "sample_id", "micro_batch", "index", "position"}] for out-of-range indices."""
     context_limit: int | None = None
     """A position embedding ran out of positions: the model's context length (a sample longer than it)."""
-    op_call: tuple | None = field(default=None, repr=False)
+    op_call: tuple[Any, tuple, dict] | None = field(default=None, repr=False)  # (op, args, kwargs)
     """(ATen overload, args, kwargs) of the op that raised in the forward: `forensics repro` calls it again."""
 
 
@@ -81,7 +80,7 @@ def localize_exception(runner: StepRunner, samples: list[SampleRef] | None = Non
     mode = state.get("mode")
     found = mode.found if mode is not None and raised["phase"] == Phase.FORWARD else None
     index = raised["micro_batch"]
-    rows = _rows(samples, index, len(session.sample_ids[index]) if index < len(session.sample_ids) else 0)
+    rows = _rows_run(samples, index, len(session.sample_ids[index]) if index < len(session.sample_ids) else 0)
     bad = _out_of_range(found, [session.sample_ids[index][r] for r in rows], rows, index) if found else []
     detail, context = None, None
     if bad and bad[0]["what"] == "position":
@@ -114,7 +113,7 @@ def _positions(indices: Any) -> bool:
     return bool(((rows - rows[:, :1]) == steps).all())
 
 
-def _rows(samples: list[SampleRef] | None, micro_batch: int, size: int) -> list[int]:
+def _rows_run(samples: list[SampleRef] | None, micro_batch: int, size: int) -> list[int]:
     """The rows of the micro-batch that ran, in batch order (a subset when bisecting)."""
     if samples is None:
         return list(range(size))

@@ -26,11 +26,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from forensics.kinds import Phase
-from forensics.thirdparty import op_schema
+from forensics.thirdparty import TorchDispatchMode, op_schema, tree_flatten, tree_map
 from replay.run.execute import SampleRef, StepRunner, any_nonfinite
 
 logger = logging.getLogger(__name__)
@@ -91,7 +89,7 @@ def _kinds(tensors: list[torch.Tensor]) -> set[str]:
     return kinds
 
 
-def _absmax(tensors: list[torch.Tensor]) -> float | None:
+def _largest_abs(tensors: list[torch.Tensor]) -> float | None:
     """Largest |x| over the tensors (NaN if any NaN, inf if any inf), or None without tensors."""
     if not tensors:
         return None
@@ -173,7 +171,7 @@ class ForwardFinding:
     op_stats: dict = field(default_factory=dict)
     output_kinds: list[str] = field(default_factory=list)
     phase: Phase = Phase.FORWARD
-    op_call: tuple | None = None
+    op_call: tuple[Any, tuple, dict] | None = None  # (op, args, kwargs)
     """With keep_op_inputs: (the ATen OpOverload, args, kwargs) of that op, tensors copied as they went in
     (replay/repro.py writes them out as a standalone reproduction)."""
 
@@ -234,7 +232,7 @@ class _NonFiniteOpChecker(TorchDispatchMode):
         self.found = {
             "op": name, "module": self.tracker.current, "micro_batch": self.micro_batch,
             "inputs_finite": not in_kinds, "nonfinite_inputs": bad_params, "output_kinds": sorted(out_kinds),
-            "op_stats": {"inputs_absmax": _absmax(inputs), "outputs_absmax": _absmax(outputs)},
+            "op_stats": {"inputs_absmax": _largest_abs(inputs), "outputs_absmax": _largest_abs(outputs)},
         }
         if self.keep_inputs:
             self.found["call"] = (func, *(kept or _copy_call(args, kwargs)))
@@ -243,8 +241,6 @@ class _NonFiniteOpChecker(TorchDispatchMode):
 
 def _copy_call(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """An op's arguments with every tensor detached and copied (what went in, whatever the op does to it)."""
-    from torch.utils._pytree import tree_map
-
     def copy(value: Any) -> Any:
         return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
@@ -269,7 +265,7 @@ def localize_forward(runner: StepRunner, samples: list[SampleRef] | None = None,
     if bad_input is not None:
         return bad_input
     model = runner.model
-    param_ids = {}
+    param_ids: dict[int, str] = {}
     first_bad_module: dict = {}
     module_stats: dict[str, dict] = {}
     checker_box: dict[str, _NonFiniteOpChecker] = {}
@@ -353,15 +349,15 @@ def _nonfinite_batch_input(runner: StepRunner, samples: list[SampleRef] | None) 
                 return ForwardFinding(module=f"{INPUT_MODULE}.{field}", op=None, micro_batch=index,
                                       op_inputs_finite=False, nonfinite_inputs=[field],
                                       first_nonfinite_module=None,
-                                      stats={"inputs_absmax": _absmax([value]),  # nan when it holds NaN
+                                      stats={"inputs_absmax": _largest_abs([value]),  # nan when it holds NaN
                                              "outputs_absmax": None, "params_absmax": None})
     return None
 
 
 def _module_stats(module: torch.nn.Module, args: tuple, kwargs: dict, outputs: list[torch.Tensor]) -> dict:
-    params = [p for p in module.parameters() if p.is_floating_point() and p.numel()]
-    return {"inputs_absmax": _absmax(float_tensors((args, kwargs))), "outputs_absmax": _absmax(outputs),
-            "params_absmax": _absmax(params)}
+    params: list[torch.Tensor] = [p for p in module.parameters() if p.is_floating_point() and p.numel()]
+    return {"inputs_absmax": _largest_abs(float_tensors((args, kwargs))), "outputs_absmax": _largest_abs(outputs),
+            "params_absmax": _largest_abs(params)}
 
 
 # --------------------------------------------------------------------------------------------

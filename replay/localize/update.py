@@ -116,7 +116,8 @@ def step_each_parameter(model: torch.nn.Module, snapshot: Any, hyper: dict | Non
     stepped = {name for group in snapshot.param_groups for name in group["params"]}
     if runner is None:
         names = [name for name, param in model.named_parameters() if param.grad is not None]
-        pairs = ((n, p) for n, p in model.named_parameters() if p.grad is not None)
+        pairs: Iterator[tuple[str, torch.nn.Parameter]] = (
+            (n, p) for n, p in model.named_parameters() if p.grad is not None)
     else:
         names, pairs = runner.gradient_names(), runner.gradients()
     order = [name for name in names if name in stepped]
@@ -217,7 +218,7 @@ def per_layer_stats(runner: StepRunner, samples: list[SampleRef] | None = None, 
 
     with ModuleTracker(model, on_exit):
         runner.run(samples, fp32=fp32, keep_grads=True)
-    rows = []
+    rows: list[LayerRow] = []
     try:
         for name, module in modules.items():
             norms = runner.own_grad_norms(module)

@@ -15,16 +15,17 @@ import os
 import traceback
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterable, Iterator
+from typing import Any, Callable, ContextManager, Iterable, Iterator, TypeGuard
 
 import torch
 
 from forensics.errors import ForensicsError, ReplayError, is_out_of_memory
+from forensics.format.jsonio import lenient_float
 from forensics.grad_norm import total_grad_norm
 from forensics.kinds import FidelityMode, Phase, ReplayedQuantity, TriggerKind
 from replay.load.fsdp_precision import fsdp_compute
 from replay.load.samples import SampleRef
-from replay.load.session import ReplaySession, finite_float, weight_fingerprints
+from replay.load.session import ReplaySession, weight_fingerprints
 from replay.run.units import explaining_factor, recorded_factors, to_replay_units
 
 logger = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_TOLERANCE = 1e-2
 
 
-def _finite(value: float | None) -> bool:
+def _finite(value: float | None) -> TypeGuard[float]:
     return value is not None and math.isfinite(value)
 
 
@@ -96,13 +97,13 @@ class StepResult:
         NaN/Inf (an update that breaks them is checked by replay.localize.update.localize_optimizer).
         """
         try:
-            kind = TriggerKind.parse(kind)
+            trigger = TriggerKind.parse(kind)
         except ValueError as exc:
             raise ReplayError(str(exc)) from None
         if self.unrunnable:
             return False
-        if kind.spike:
-            if kind.replayed is ReplayedQuantity.STEP_LOSS:
+        if trigger.spike:
+            if trigger.replayed is ReplayedQuantity.STEP_LOSS:
                 if any(not math.isfinite(v) for v in self.losses if v is not None):
                     return True
                 value = self.comparable_loss
@@ -111,11 +112,11 @@ class StepResult:
                 if value is not None and not math.isfinite(value):
                     return True
             return threshold is not None and value is not None and value > threshold
-        if kind.replayed is ReplayedQuantity.EXCEPTION:
+        if trigger.replayed is ReplayedQuantity.EXCEPTION:
             return self.raised_same
-        if kind.replayed is ReplayedQuantity.MICRO_BATCH_LOSS:
+        if trigger.replayed is ReplayedQuantity.MICRO_BATCH_LOSS:
             return not self.loss_finite
-        if kind.replayed is ReplayedQuantity.GRAD_NORM:
+        if trigger.replayed is ReplayedQuantity.GRAD_NORM:
             return not self.grads_finite
         return not self.params_finite
 
@@ -224,7 +225,7 @@ class StepRunner:
             crowded or state_bytes > RELOAD_MIN_BYTES) else None
         """Large model replayed from a dump: every reset re-reads the pre-step weights from the dump (pread)
         (page cache, disk speed) instead of keeping a second copy of the model in memory."""
-        self._initial = None
+        self._initial: dict[str, torch.Tensor] | None = None
         if self._reload is None:
             where = torch.device("cpu") if (crowded if keep_initial_on_cpu is None else keep_initial_on_cpu) else None
             self._initial = {k: (v.detach().to(where, copy=True) if where else v.detach().clone())
@@ -255,7 +256,7 @@ class StepRunner:
                 for name, tensor in self._reload(names=stale) if stale else ():
                     if name in live:
                         live[name].copy_(tensor)
-            else:
+            elif self._initial is not None:
                 model.load_state_dict(self._initial, strict=False)
         for p in model.parameters():
             p.grad = None
@@ -394,8 +395,8 @@ class StepRunner:
         self.reset()
         self._start_pass(fp32)
         scale = None
-        if session.scaler_enabled and not fp32:
-            scale = torch.tensor(float(session.scaler_state["scale"]), dtype=torch.float32, device=session.device)
+        if session.loss_scale is not None and not fp32:
+            scale = torch.tensor(session.loss_scale, dtype=torch.float32, device=session.device)
         options = _PassOptions(fp32, anomaly, restore_rng, backward, forward_context, on_loss, anomaly_check_nan)
         done = self._run_micro_batches(_selection(samples), scale, options)
         grad_norm, bad_grads = self._measured_grads(scale, backward)
@@ -496,7 +497,7 @@ class StepRunner:
                     done.error = str(exc)
                     return False
             return True
-        except Exception as exc:  # noqa: BLE001 - replaying a step that raised in the job
+        except Exception as exc:  # replaying a step that raised in the job
             if isinstance(exc, ForensicsError) or (session.exception is None and indices is None):
                 raise
             done.raised = raised_info(exc, i, phase)
@@ -604,10 +605,12 @@ def reproduce(runner: StepRunner, max_attempts: int = 3, tolerance: float = DEFA
         if reproduced or session.device.type == "cpu":  # CPU kernels are deterministic: same answer again
             break
         logger.info("attempt %d did not reproduce %s; retrying", attempts, kind)
-    recorded = [finite_float(v) for v in session.recorded_losses]
+    if result is None:  # the loop above runs at least once
+        raise ReplayError("no replay attempt ran")
+    recorded = [lenient_float(v) for v in session.recorded_losses]
     replayed = result.losses
     diffs = [abs(a - b) for a, b in zip(recorded, replayed) if _finite(a) and _finite(b)]
-    recorded_norm = finite_float(session.recorded_grad_norm)
+    recorded_norm = lenient_float(session.recorded_grad_norm)
     # With several ranks the job's norm covers every rank's gradients (all-reduced, or over all ZeRO
     # shards); one rank replayed alone cannot produce it, so only the losses are compared.
     norm_reason = None

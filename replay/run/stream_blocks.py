@@ -26,9 +26,9 @@ from collections import OrderedDict
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from forensics.errors import DumpCorruptError
+from forensics.thirdparty import foreach_norm, tree_flatten, tree_unflatten
 from replay.load.streamed import ACTIVATION_SHARE, StreamPlan, at_rest
 from replay.run.execute import any_nonfinite
 from replay.run.read_ahead import BlockReader
@@ -252,6 +252,8 @@ class BlockStreamer:
         for name in list(self.grads.names()):
             if name not in self.norms:
                 held = self.grads.pop(name)
+                if held is None:  # names() lists only what it holds
+                    continue
                 grad = held.to(self.device, copy=True)
                 self.grads.recycle(held)
                 self._finish(name, grad)
@@ -268,8 +270,7 @@ class BlockStreamer:
         if self.inv_scale is not None:  # GradScaler.unscale_: times 1/scale in fp32
             grad = grad * self.inv_scale.to(grad.device)
             exact = False
-        norm = torch._foreach_norm([grad], 2.0)[0] if hasattr(torch, "_foreach_norm") \
-            else torch.linalg.vector_norm(grad, 2.0)
+        norm = foreach_norm([grad], 2.0)[0]
         self.norms[name] = (norm, torch.linalg.vector_norm(grad.float()))
         if any_nonfinite([grad])[0]:
             self.nonfinite.add(name)

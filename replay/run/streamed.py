@@ -23,6 +23,7 @@ import torch
 
 from forensics.errors import ReplayError
 from forensics.grad_norm import total_grad_norm
+from forensics.thirdparty import foreach_norm
 from replay.load.fsdp_precision import fsdp_compute, parameter_units
 from replay.load.samples import SampleRef
 from replay.load.session import ReplaySession
@@ -43,7 +44,7 @@ class StreamedStepRunner(StepRunner):
         self.session, self.model, self.plan = session, session.model, session.stream
         for module in self.model.modules():  # a KV cache (Hugging Face) would grow again in each recomputation
             config = getattr(module, "config", None)
-            if getattr(config, "use_cache", False):
+            if config is not None and getattr(config, "use_cache", False):
                 config.use_cache = False
         self.streamer = BlockStreamer(self.model, self.plan, session.pre_step_weights, session.device)
         self.streamer.install()
@@ -148,7 +149,7 @@ class StreamedStepRunner(StepRunner):
                     g.mul_(inv.to(g.device))
         if not (backward and (grads or streamer.norms)):
             return None, []
-        resident = dict(zip(grads, torch._foreach_norm(list(grads.values()), 2.0))) if grads else {}
+        resident = dict(zip(grads, foreach_norm(list(grads.values()), 2.0))) if grads else {}
         flags = dict(zip(grads, any_nonfinite(grads.values())))
         norms, bad = [], []
         for name in self.param_names:

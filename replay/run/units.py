@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeGuard
 
 from forensics.kinds import ReplayedQuantity
 from replay.load.session import ReplaySession
@@ -37,8 +37,8 @@ class UnitFactor:
 def recorded_factors(session: ReplaySession) -> list[tuple[str, float]]:
     """The factors a replayed number may differ by, from what the dump recorded (a ReplaySession)."""
     factors: list[tuple[str, float]] = []
-    if session.scaler_enabled:
-        factors.append(("the loss scale", float(session.scaler_state["scale"])))
+    if session.loss_scale is not None:
+        factors.append(("the loss scale", session.loss_scale))
     world = session.world_size or 1
     if world > 1:
         factors.append(("the world size", float(world)))
@@ -64,7 +64,7 @@ def explaining_factor(recorded: float | None, replayed: float | None,
     return None
 
 
-def _positive(value: Any) -> bool:
+def _positive(value: Any) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value != 0
 
 
@@ -92,12 +92,13 @@ def to_replay_units(session: ReplaySession, replayed_norm: float | None) -> bool
     if trigger.kind.replayed is not ReplayedQuantity.GRAD_NORM or not trigger.kind.spike or not session.scaler_enabled:
         return False
     scale = [f for f in recorded_factors(session) if f[0] == "the loss scale"]
-    unit = explaining_factor(trigger.value, replayed_norm, scale)
-    if unit is None or not unit.recorded_larger:
+    value = trigger.value
+    unit = explaining_factor(value, replayed_norm, scale)
+    if value is None or unit is None or not unit.recorded_larger:
         return False
     divide = unit.value
     session.trigger = replace(
-        trigger, value=trigger.value / divide, threshold=trigger.threshold / divide if trigger.threshold else None,
+        trigger, value=value / divide, threshold=trigger.threshold / divide if trigger.threshold else None,
         detail=f"{trigger.detail} (recorded on scaled gradients; / loss scale {divide:g} here)")
     if session.recorded_grad_norm is not None:
         session.recorded_grad_norm = session.recorded_grad_norm / divide

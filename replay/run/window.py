@@ -107,7 +107,7 @@ def _safetensors(path: Path) -> dict[str, torch.Tensor]:
 def _torch_load(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - an unpickler refusal or a damaged file: the user's input
+    except Exception as exc:  # an unpickler refusal or a damaged file: the user's input
         raise DumpError(f"cannot read {path} as a weights-only torch.save file ({type(exc).__name__}: "
                         f"{str(exc)[:200]}); forensics never unpickles code: save tensors and plain containers, "
                         "or a safetensors file") from exc
@@ -151,7 +151,7 @@ class DataRecipe:
     def batch(self, ids: list) -> Any:
         try:
             return self.collate([self.dataset[i] for i in ids])
-        except Exception as exc:  # noqa: BLE001 - the user's dataset on recorded ids
+        except Exception as exc:  # the user's dataset on recorded ids
             raise RecipeError(f"the data recipe could not rebuild a micro-batch from sample ids {ids[:8]}: "
                               f"{type(exc).__name__}: {str(exc)[:200]}") from exc
 
@@ -227,7 +227,7 @@ def replay_window(session: ReplaySession, dump: Any, checkpoint: Checkpoint, sta
             broken = _step_session(session, model, optimizer, batches, row, outcome, outcomes, grads_ok,
                                    dump.trigger if step == dump.step else None)
             broken.followup = Followup(row, data, max_norm, pre_model,
-                                       _following(dump, rows, step, data, session.device))
+                                       _following_steps(dump, rows, step, data, session.device))
             return outcomes, broken
     return outcomes, None
 
@@ -261,7 +261,7 @@ class Followup:
     """The next recorded steps (at most FOLLOWING_STEPS, the dumped step included): (row, micro-batches)."""
 
 
-def _following(dump: Any, rows: dict[int, dict], broke: int, data: DataRecipe, device: torch.device
+def _following_steps(dump: Any, rows: dict[int, dict], broke: int, data: DataRecipe, device: torch.device
                ) -> list[tuple[dict, list]]:
     """Up to FOLLOWING_STEPS steps after `broke`: from the flight recorder, then the dumped step itself (its
     micro-batches and RNG are in the dump; its lr is the history's last)."""
@@ -402,7 +402,7 @@ def _optimizer(session: ReplaySession, checkpoint: Checkpoint) -> torch.optim.Op
         return optimizer
     try:
         optimizer.load_state_dict(checkpoint.optimizer)
-    except Exception as exc:  # noqa: BLE001 - a state dict of another optimizer layout
+    except Exception as exc:  # a state dict of another optimizer layout
         raise RecipeError(f"the checkpoint's optimizer state does not fit a {snapshot.class_path} over this model "
                           f"({type(exc).__name__}: {str(exc)[:200]})") from exc
     return optimizer

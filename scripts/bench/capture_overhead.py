@@ -99,7 +99,7 @@ def main() -> None:
     times = {mode: [] for mode in modes}
     for _ in range(args.rounds):
         for mode in modes:  # interleaved so drift hits all alike
-            times[mode].append(timed(lambda: [step(mode) for _ in range(args.steps)], device) / args.steps)
+            times[mode].append(timed(lambda mode=mode: [step(mode) for _ in range(args.steps)], device) / args.steps)
     syncs = {}
     if device == "cuda":
         for mode in modes:

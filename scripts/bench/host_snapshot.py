@@ -53,7 +53,7 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in guards}
     for _ in range(args.rounds):  # interleaved, so drift hits both alike
         for name, guard in guards.items():
-            times[name].append(timed(lambda: [step(guard) for _ in range(args.steps)], device) / args.steps)
+            times[name].append(timed(lambda guard=guard: [step(guard) for _ in range(args.steps)], device) / args.steps)
 
     snapshots = guards[f"snapshot every {args.every}"].snapshots
     state = guards["no snapshots"]._state_references()

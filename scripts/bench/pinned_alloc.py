@@ -69,8 +69,8 @@ def main() -> None:
             reg = keep[-1]
     src = torch.empty(SLAB, dtype=torch.uint8, device="cuda").fill_(1)
     for name, dst in (("pinned (cudaHostAlloc)", pinned), ("registered", reg), ("ordinary (faulted)", pageable)):
-        seconds = min(timed(lambda: dst.copy_(src)) for _ in range(3))
-        back = min(timed(lambda: src.copy_(dst)) for _ in range(3))
+        seconds = min(timed(lambda dst=dst: dst.copy_(src)) for _ in range(3))
+        back = min(timed(lambda dst=dst: src.copy_(dst)) for _ in range(3))
         print(f"copy 1 GiB device->host {name:24s} {1 / seconds:6.2f} GiB/s; host->device {1 / back:6.2f} GiB/s")
     fresh = torch.empty(SLAB, dtype=torch.uint8)
     seconds = timed(lambda: fresh.copy_(src))

@@ -30,9 +30,9 @@ import tempfile
 import time
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from capture import Guard, GuardConfig, PrecursorConfig
+from forensics.thirdparty import TorchDispatchMode
 from scripts.bench.common import gpt2, machine, median, sync
 
 MODES = {"guarded": None, "precursors": PrecursorConfig(),

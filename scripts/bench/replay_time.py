@@ -79,7 +79,7 @@ def main() -> None:
     plain_step(False)
     plain = timed(lambda: plain_step(False), device)
     anomaly = timed(lambda: plain_step(True), device)
-    del model, optimizer, guard
+    model = optimizer = guard = None  # the job's memory (the closures above hold it too), freed before the replay
     if device == "cuda":
         torch.cuda.empty_cache()
 

@@ -45,7 +45,7 @@ def main() -> None:
     loader = DataLoader(dataset, batch_size=args.micro_batch, sampler=DistributedSampler(dataset, shuffle=False))
     batches = iter(loader)
     with _common.reported(rank, guard) as timer:  # one report line per rank; the Guard closed
-        for step in range(args.steps):
+        for _step in range(args.steps):
             for index in range(args.accum):
                 batch = {k: v.to(device) for k, v in next(batches).items()}
                 guard.record_batch(batch)                                    # forensics

@@ -27,7 +27,7 @@ def _loop(tmp_path, losses, sample_ids=None, policy="raise"):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="odd", on_nonfinite=policy))
     decisions = []
-    for step, extra in enumerate(losses):
+    for _step, extra in enumerate(losses):
         x = torch.randn(4, 3)
         guard.record_batch({"x": x}, sample_ids=sample_ids)
         loss = model(x).pow(2).mean()
@@ -60,14 +60,14 @@ def test_odd_sample_ids_are_stored_as_their_repr_and_the_dump_is_written(tmp_pat
 
 
 def test_an_out_of_memory_error_records_the_memory_picture_of_each_micro_batch():
-    from capture.raised.exceptions import describe
+    from capture.raised.exceptions import exception_section
 
     batches = [{"input_ids": torch.zeros(4, 128, dtype=torch.long)}, {"input_ids": torch.zeros(4, 4096, dtype=torch.long)}]
     oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
     try:
         raise oom("CUDA out of memory. Tried to allocate 2.00 GiB")
     except oom as exc:
-        section = describe(exc, "forward", batches)
+        section = exception_section(exc, "forward", batches)
     assert section["type"] == "OutOfMemoryError" and section["during"] == "forward"
     sizes = [m["bytes"] for m in section["memory"]["micro_batches"]]
     assert sizes == [4 * 128 * 8, 4 * 4096 * 8] and section["memory"]["micro_batches"][1]["shapes"] == {

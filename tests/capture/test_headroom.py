@@ -51,7 +51,7 @@ def test_a_slow_climb_fires_the_trend_ahead_of_the_limit_and_headroom_at_half():
     reaches = math.log(FP16_MAX / 2000) / 0.012
     assert rule is PrecursorRule.TREND and left <= HORIZON and reaches - first_step >= 100
     assert any(r is PrecursorRule.HEADROOM for _, r, _ in fired)
-    said = headroom.describe(headroom.Alarm(PrecursorRule.TREND, 51500.0, limit, 20, 2.6, 80), "the bound of `h.0`")
+    said = headroom.describe_alarm(headroom.Alarm(PrecursorRule.TREND, 51500.0, limit, 20, 2.6, 80), "the bound of `h.0`")
     assert said == ("the bound of `h.0` grew 2.6x over the last 80 steps to 5.15e+04 (79 % of fp16's max (65,504)); "
                     "at that rate it reaches the limit in ~20 steps")
 

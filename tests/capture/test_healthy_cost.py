@@ -17,9 +17,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from capture import Guard, GuardConfig
+from forensics.thirdparty import TorchDispatchMode
 from forensics_test_helpers import Watched
 
 MICRO_BATCHES = 2

@@ -55,7 +55,7 @@ def test_a_slot_lent_to_a_dump_writer_is_not_overwritten(tmp_path):
     held, release = guard.snapshots.lend_oldest(first_step=0)  # step 2 (slots hold 2 and 4)
     kept = {k: v.clone() for k, v in held["model"].items()}
     model, optimizer = guard.model, guard.optimizer
-    for step in range(5, 9):  # snapshots due at 6 and 8: both go to the free slot
+    for _step in range(5, 9):  # snapshots due at 6 and 8: both go to the free slot
         x = torch.randn(4, 6)
         guard.record_batch({"x": x})
         model(x).pow(2).mean().backward()

@@ -12,7 +12,7 @@ from forensics.kinds import ExitCode, HistoryPattern, Phase, Policy, TriggerKind
 from forensics.report import VERDICT_KINDS, render_html, render_markdown, render_verdict_text
 
 sys.path.insert(0, str(Path(__file__).parent))
-from report_factory import make_report  # noqa: E402
+from report_factory import make_report
 
 
 def test_kinds_compare_and_serialise_as_their_stored_strings():

@@ -20,9 +20,9 @@ from forensics.report import (
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
-from report_factory import GPT2_MODULES, make_report  # noqa: E402
+from report_factory import GPT2_MODULES, make_report
 
-from forensics.report.write import report_json_text  # noqa: E402
+from forensics.report.write import report_json_text
 
 XSS = "<script>alert(1)</script>"
 

@@ -19,7 +19,7 @@ from forensics.report.write import report_json_text
 from forensics.trigger import Trigger
 
 sys.path.insert(0, str(Path(__file__).parent))
-from report_factory import make_report  # noqa: E402
+from report_factory import make_report
 
 
 def _text(d: dict) -> str:

@@ -136,14 +136,13 @@ def _box_dumps(root, shards_per_rank, copies: bool = False):
         return LocalShard(data, (4, 6), offsets, flat)
 
     paths = []
-    for rank, boxes in enumerate(shards_per_rank):
+    for rank, (box,) in enumerate(shards_per_rank):  # one box of "grid" per rank
         content, _ = synthetic_content(rank=rank, world_size=2)
-        content.model, content.optimizer = {"grid": shard(*box) for box in boxes}, None
+        content.model, content.optimizer = {"grid": shard(*box)}, None
         content.layout = {"model.safetensors": {"grid": table_entry((4, 6), torch.float32)},
                           "optimizer.safetensors": {}}
         if copies:
-            content.copies = [ShardCopies(1 - rank, {"model.safetensors": {
-                "grid": shard(*box) for box in shards_per_rank[1 - rank]}})]
+            content.copies = [ShardCopies(1 - rank, {"model.safetensors": {"grid": shard(*shards_per_rank[1 - rank][0])}})]
         paths.append(write_dump(content, root))
     return paths, full
 

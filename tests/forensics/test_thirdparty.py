@@ -3,10 +3,11 @@ member of theirs, and each test here fails loudly when that member moves or chan
 
 from __future__ import annotations
 
+from collections import namedtuple
+
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from forensics import thirdparty
 
@@ -86,7 +87,7 @@ def test_the_elementwise_foreach_ops_match_their_per_tensor_forms():
     assert all(torch.allclose(r, 2 * t / (-t.sqrt() - 0.75)) for r, t in zip(roots, tensors))
 
 
-class Schemas(TorchDispatchMode):
+class Schemas(thirdparty.TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.seen = {}
@@ -106,6 +107,18 @@ def test_op_schema_names_the_aten_op_its_mutability_and_aliasing():
                                                   else "aten::add_"]
     assert not mm.is_mutable and all(r.alias_info is None for r in mm.returns)
     assert add_.is_mutable and any(r.alias_info is not None for r in add_.returns)
+
+
+def test_pytree_flattens_an_ops_arguments_and_rebuilds_them_in_order():
+    Pair = namedtuple("Pair", "a b")
+    tree = ((torch.ones(2), 3), {"k": [torch.zeros(1), "s"]}, Pair(torch.full((1,), 5.0), None))
+    leaves, spec = thirdparty.tree_flatten(tree)
+    assert [type(v).__name__ for v in leaves] == ["Tensor", "int", "Tensor", "str", "Tensor", "NoneType"]
+    assert thirdparty.tree_leaves(tree) == leaves
+    rebuilt = thirdparty.tree_unflatten(list(range(len(leaves))), spec)
+    assert rebuilt == ((0, 1), {"k": [2, 3]}, Pair(4, 5)) and isinstance(rebuilt[2], Pair)
+    doubled = thirdparty.tree_map(lambda v: v * 2 if isinstance(v, torch.Tensor) else v, tree)
+    assert float(doubled[2].a) == 10.0 and doubled[1]["k"][1] == "s" and isinstance(doubled[2], Pair)
 
 
 def test_only_a_fused_optimizer_honours_found_inf():
@@ -250,7 +263,7 @@ def test_deepspeeds_zero_internals_are_where_the_adapters_read_them(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", ZERO_INTERNALS, port], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
-    line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
+    line = next((text for text in done.stdout.splitlines() if text.startswith("RESULT ")), None)
     assert line is not None, done.stdout[-3000:] + done.stderr[-3000:]
     found = {int(k): v for k, v in json.loads(line.removeprefix("RESULT ")).items()}
     assert found[0]["fp16"] == [1, True, False] and found[0]["grads"] is None and found[0]["master"] is None

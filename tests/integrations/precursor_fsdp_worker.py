@@ -24,11 +24,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "examples"))
-import _common  # noqa: E402
+import _common
 
-from capture import Guard, GuardConfig, PrecursorConfig, SpikeConfig  # noqa: E402
-from capture.precursors.statistics import find_blocks  # noqa: E402
-from forensics.kinds import PrecursorStatistic  # noqa: E402
+from capture import Guard, GuardConfig, PrecursorConfig, SpikeConfig
+from capture.precursors.statistics import find_blocks
+from forensics.kinds import PrecursorStatistic
 
 
 def sharded_gpt2(world: int, device: torch.device) -> torch.nn.Module:

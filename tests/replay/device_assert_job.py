@@ -16,9 +16,9 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import token_job  # noqa: E402  (the data recipe names it: replay imports it with --path tests/replay)
+import token_job  # (the data recipe names it: replay imports it with --path tests/replay)
 
-from capture import Guard, GuardConfig  # noqa: E402
+from capture import Guard, GuardConfig
 
 BAD_STEP, BAD_MB, BAD_ROW = 5, 1, 2
 

@@ -295,7 +295,7 @@ def test_a_cuda_error_leaves_what_the_host_holds_and_replays_from_the_host_snaps
         data_recipe={"dataset": "token_job:make_dataset", "dataset_kwargs": {"n": 96, "bad": bad}}))
     loader = iter(torch.utils.data.DataLoader(token_job.make_dataset(96, bad), batch_size=4))
     with pytest.raises(RuntimeError, match="device-side assert"):
-        for step in range(8):
+        for _step in range(8):
             with guard.capture_errors():
                 for _ in range(2):
                     batch = next(loader)
