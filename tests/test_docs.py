@@ -89,7 +89,8 @@ def test_snippet_runs_as_written_and_dumps_the_corrupt_step(document, index, nee
         done = server.shared(ROOT).run(tmp_path / "snippet.py", [], cwd=tmp_path, env=env, out_dir=tmp_path / "out",
                                        timeout=SNIPPET_TIMEOUT)
     except server.Timeout as hung:
-        pytest.fail(f"the snippet hung: no exit within {SNIPPET_TIMEOUT} s\n{hung.stdout[-3000:]}\n{hung.stderr[-3000:]}")
+        pytest.fail(f"the snippet hung: no exit within {SNIPPET_TIMEOUT} s\n{hung.stdout[-3000:]}\n"
+                    f"{hung.stderr[-3000:]}")
     stdout, stderr = done.stdout, done.stderr
     assert done.returncode == 0, stdout[-3000:] + stderr[-5000:]
     dumped = [line.split(" ", 1)[1] for line in stdout.splitlines() if line.startswith("DUMP ")]
