@@ -53,9 +53,44 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "slow: a multi-process or long test beyond the CI set; runs with --runslow")
+    config.addinivalue_line(  # pytest-xdist's own marker, named here so that runs without xdist know it too
+        "markers", "xdist_group(name): tests that one xdist worker runs (their module shares an expensive fixture)")
+    if getattr(config.option, "numprocesses", None) and config.option.dist == "load":  # `-n N` without --dist
+        config.option.dist = "loadgroup"  # xdist_group marks hold (below), other tests go one by one
+        config.option.loadscopereorder = False  # in the order below: the slowest first
 
 
+# The test modules that take longest, longest first (2-core machine, 2026-11-27): under `-n 2` (the README's command,
+# made `--dist loadgroup --no-loadscope-reorder` above) the workers start with them, so that no long module is left
+# to run alone at the end. A module missing here only runs later; nothing depends on the order.
+SLOWEST_FIRST = [
+    "tests/replay/test_exceptions.py",
+    "tests/replay/test_repro.py",
+    "tests/integrations/test_sharded.py",
+    "tests/integrations/test_multirank.py",
+    "tests/natural/test_natural_runs.py",
+    "tests/forensics/test_hostile.py",
+    "tests/test_docs.py",
+    "tests/replay/test_nanogpt_style.py",
+    "tests/replay/test_main_script.py",
+    "tests/integrations/test_callbacks.py",
+]
+
+
+def _module(item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks added here
 def pytest_collection_modifyitems(config, items):
+    """Skips the slow tests without --runslow; keeps each module whose tests share a module-scoped fixture on one
+    xdist worker (the fixture is built once); puts the slowest modules first."""
+    for item in items:
+        scopes = {d.scope for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs}
+        if scopes & {"module", "class", "package"}:
+            item.add_marker(pytest.mark.xdist_group(_module(item)))
+    rank = {module: i for i, module in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(_module(item), len(rank)))  # stable: the rest keep their order
     if config.getoption("--runslow"):
         return
     skip_slow = pytest.mark.skip(reason="slow: run with --runslow")

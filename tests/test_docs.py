@@ -1,6 +1,7 @@
 """Every Python snippet in README.md and docs/INTEGRATIONS.md runs as written.
 
-Each snippet runs in its own process (frameworks keep global state) after a prelude that makes the names
+Each snippet runs in its own process (frameworks keep global state; tests/fork_server.py forks it from a server
+that imported torch and transformers once) after a prelude that makes the names
 the documents say the reader brings: `model` (a tiny random GPT-2), `optimizer`, `scheduler`, `scaler`,
 `dataset` (one sample is corrupt), `batch_loader`, `loader`, `device`. The corrupt sample must stop the
 run with TrainingFaultError and leave a dump that `forensics verify` accepts.
@@ -11,8 +12,6 @@ from __future__ import annotations
 import os
 import re
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -53,6 +52,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+SNIPPET_TIMEOUT = 600  # seconds: a snippet takes 5-15 s alone, a few times that on a busy 2-core machine
+
+
+def _fork_server():
+    from forensics_test_helpers import load_test_module  # set by tests/conftest.py
+
+    return load_test_module("forensics_fork_server", Path(__file__).with_name("fork_server.py"))
+
+
 CASES = [("README.md", 0, None), ("docs/INTEGRATIONS.md", 0, None), ("docs/INTEGRATIONS.md", 1, "accelerate"),
          ("docs/INTEGRATIONS.md", 2, "deepspeed"), ("docs/INTEGRATIONS.md", 3, "transformers"),
          ("docs/INTEGRATIONS.md", 4, "pytorch_lightning"), ("docs/INTEGRATIONS.md", 5, None)]
@@ -74,13 +82,19 @@ def test_snippet_runs_as_written_and_dumps_the_corrupt_step(document, index, nee
         "\n".join("    " + line for line in code.splitlines()) + \
         "\nexcept TrainingFaultError as fault:\n    print('DUMP', fault.dump_path)\n"
     (tmp_path / "snippet.py").write_text(script)
+    server = _fork_server()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run([sys.executable, "snippet.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    dumped = [line.split(" ", 1)[1] for line in result.stdout.splitlines() if line.startswith("DUMP ")]
-    assert dumped and dumped[0] != "None", result.stdout[-2000:] + result.stderr[-3000:]
+    try:
+        done = server.shared(ROOT).run(tmp_path / "snippet.py", [], cwd=tmp_path, env=env, out_dir=tmp_path / "out",
+                                       timeout=SNIPPET_TIMEOUT)
+    except server.Timeout as hung:
+        pytest.fail(f"the snippet hung: no exit within {SNIPPET_TIMEOUT} s\n{hung.stdout[-3000:]}\n"
+                    f"{hung.stderr[-3000:]}")
+    stdout, stderr = done.stdout, done.stderr
+    assert done.returncode == 0, stdout[-3000:] + stderr[-5000:]
+    dumped = [line.split(" ", 1)[1] for line in stdout.splitlines() if line.startswith("DUMP ")]
+    assert dumped and dumped[0] != "None", stdout[-2000:] + stderr[-3000:]
     from forensics.format import verify_dump
 
     assert verify_dump(tmp_path / dumped[0]).ok

@@ -11,8 +11,10 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,13 +109,31 @@ def _env(extra: dict | None) -> dict:
 
 
 def launch(script: str, args: list[str], **kwargs) -> Launch:
-    """Runs scripts/examples/<script> under torchrun (or `runner`) and collects each rank's report line."""
+    """Runs scripts/examples/<script> on WORLD ranks (or `nproc`) and collects each rank's report line."""
     return launch_script(str(EXAMPLES / script), args, **kwargs)
 
 
+def _fork_server():
+    from forensics_test_helpers import load_test_module  # set by tests/conftest.py
+
+    return load_test_module("forensics_fork_server", REPO / "tests" / "fork_server.py")
+
+
 def launch_script(path: str, args: list[str], *, nproc: int = WORLD, env: dict | None = None,
-                  timeout: int = LAUNCH_TIMEOUT, runner: list[str] | None = None) -> Launch:
-    """Runs the script at `path` under torchrun (or `runner`, e.g. [python] for one process)."""
+                  timeout: int = LAUNCH_TIMEOUT, runner: list[str] | None = None, torchrun: bool = False) -> Launch:
+    """Runs the script at `path` on `nproc` ranks: processes forked from tests/fork_server.py with torchrun's
+    environment and failure handling (torch imported once per session), or under torchrun itself (`torchrun=True`:
+    for what torchrun does, its SIGTERM to the surviving ranks), or under `runner` (e.g. [python]: one process)."""
+    if runner is None and not torchrun:
+        server, out_dir = _fork_server(), Path(tempfile.mkdtemp(prefix="forensics-launch-"))
+        try:
+            done = server.shared(REPO).run(path, args, cwd=str(REPO), env=_env(env), nproc=nproc, distributed=True,
+                                           timeout=timeout, out_dir=out_dir)
+        except server.Timeout as hung:
+            pytest.fail(f"{path} hung: no exit within {timeout} s\n{hung.stdout[-3000:]}\n{hung.stderr[-3000:]}")
+        finally:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        return _collect(done)
     if runner is None:
         runner = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     try:
@@ -123,6 +143,10 @@ def launch_script(path: str, args: list[str], *, nproc: int = WORLD, env: dict |
         out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         err = (exc.stderr or b"").decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
         pytest.fail(f"{path} hung: no exit within {timeout} s\n{out[-3000:]}\n{err[-3000:]}")
+    return _collect(done)
+
+
+def _collect(done) -> Launch:
     output = done.stdout + done.stderr
     reports = {}
     decoder = json.JSONDecoder()

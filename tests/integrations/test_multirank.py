@@ -97,7 +97,8 @@ def test_a_rank_killed_while_writing_its_dump_does_not_hang_or_spoil_the_others(
     started = time.monotonic()
     result = harness.launch_script(worker, [example, "--zero-stage", "2", "--dump-dir", str(dump_dir),
                                             "--run-id", "killed", "--layout", "full"],
-                                    env={"FORENSICS_TEST_DIE_RANK": "1", "FORENSICS_TEST_SLOW_RANK": "0"})
+                                    env={"FORENSICS_TEST_DIE_RANK": "1", "FORENSICS_TEST_SLOW_RANK": "0"},
+                                    torchrun=True)  # torchrun's own SIGTERM to the survivor, as users run it
     elapsed = time.monotonic() - started
     assert result.returncode != 0, result.explain()  # torchrun reports the dead rank
     # rank 0 was sent SIGTERM while it wrote (slowly): it finished its dump first
