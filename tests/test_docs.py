@@ -76,6 +76,8 @@ def test_snippet_runs_as_written_and_dumps_the_corrupt_step(document, index, nee
     prelude = PRELUDE.format(examples=str(ROOT / "scripts" / "examples"))
     if "DistributedDataParallel" in code or "deepspeed" in code or "fully_shard" in code:
         prelude += DISTRIBUTED.format(port=_free_port())
+    if "deepspeed" in code:  # without DeepSpeed's CPU shared-memory op: tests/integrations/deepspeed_rank.py says why
+        prelude += "import deepspeed.ops\ndeepspeed.ops.__compatible_ops__['deepspeed_shm_comm'] = False\n"
     if needs == "pytorch_lightning":  # the snippet's `module` and the recipe it names: the user's code
         prelude += "module = common.lit_gpt2()\n"
     script = prelude + "\nfrom forensics.errors import TrainingFaultError\ntry:\n" + \

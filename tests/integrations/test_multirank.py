@@ -104,7 +104,7 @@ def test_a_rank_killed_while_writing_its_dump_does_not_hang_or_spoil_the_others(
     # rank 0 was sent SIGTERM while it wrote (slowly): it finished its dump first
     assert "SIGTERM received while writing the dump" in result.output, result.explain()
     # Waiting on the dead rank would last gloo's timeout (30 min); a loaded 2-core machine needs up to ~90 s here
-    # (DeepSpeed's import and its first extension build), so the bound sits just under the launch timeout.
+    # (two DeepSpeed imports), so the bound sits just under the launch timeout.
     assert elapsed < harness.LAUNCH_TIMEOUT - 10, f"the surviving rank took {elapsed:.0f} s: it waited on the dead one"
     step_dir = dump_dir / "killed" / f"step-{harness.BAD_STEP:09d}"
     leftovers = [p.name for p in step_dir.iterdir() if p.name.startswith(".tmp-rank-00001")]
