@@ -89,7 +89,7 @@ def test_snippet_runs_as_written_and_dumps_the_corrupt_step(document, index, nee
            "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
     try:
         done = server.shared(ROOT).run(tmp_path / "snippet.py", [], cwd=tmp_path, env=env, out_dir=tmp_path / "out",
-                                       timeout=SNIPPET_TIMEOUT)
+                                       timeout=SNIPPET_TIMEOUT, preload=["deepspeed"] if needs == "deepspeed" else [])
     except server.Timeout as hung:
         pytest.fail(f"the snippet hung: no exit within {SNIPPET_TIMEOUT} s\n{hung.stdout[-3000:]}\n"
                     f"{hung.stderr[-3000:]}")

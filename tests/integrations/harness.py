@@ -43,9 +43,19 @@ def requires(*modules: str) -> None:
 DEEPSPEED_RANK = REPO / "tests" / "integrations" / "deepspeed_rank.py"
 
 
-def _deepspeed_job(path: str, args: list[str]) -> bool:
-    """Whether a launch runs DeepSpeed: its script, or an example it runs, or an option of the example names it."""
-    return any("deepspeed" in Path(part).name for part in [path, *args])
+def _names(path: str, args: list[str], framework: str) -> bool:
+    """Whether a launch runs `framework`: its script, or an example it runs, or an option of the example names it."""
+    return any(framework in Path(part).name for part in [path, *args])
+
+
+def _preload(path: str, args: list[str]) -> list[str]:
+    """What the fork server imports once before such a job, instead of each rank (tests/fork_server.py)."""
+    modules = []
+    if _names(path, args, "deepspeed"):
+        modules += ["deepspeed", "deepspeed.ops:__compatible_ops__"]
+    if _names(path, args, "torchtitan"):
+        modules += ["torchtitan.models.llama3.model.model", "torchtitan.models.llama3.infra.parallelize"]
+    return [m for m in modules if importlib.util.find_spec(m.partition(".")[0].partition(":")[0])]
 
 
 def load_common():
@@ -95,13 +105,14 @@ def launch_script(path: str, args: list[str], *, nproc: int = WORLD, env: dict |
     for what torchrun does, its SIGTERM to the surviving ranks), or under `runner` (e.g. [python]: one process).
     A DeepSpeed job runs through deepspeed_rank.py: without DeepSpeed's CPU shared-memory op, which training does not
     use and whose build would cost each fresh environment a minute and a half of CPU (that file says why)."""
-    if _deepspeed_job(path, args):
+    preload = _preload(path, args)
+    if _names(path, args, "deepspeed"):
         path, args = str(DEEPSPEED_RANK), [path, *args]
     if runner is None and not torchrun:
         server, out_dir = _fork_server(), Path(tempfile.mkdtemp(prefix="forensics-launch-"))
         try:
             done = server.shared(REPO).run(path, args, cwd=str(REPO), env=_env(env), nproc=nproc, distributed=True,
-                                           timeout=timeout, out_dir=out_dir)
+                                           timeout=timeout, out_dir=out_dir, preload=preload)
         except server.Timeout as hung:
             pytest.fail(f"{path} hung: no exit within {timeout} s\n{hung.stdout[-3000:]}\n{hung.stderr[-3000:]}")
         finally:
