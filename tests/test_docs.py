@@ -56,9 +56,9 @@ SNIPPET_TIMEOUT = 600  # seconds: a snippet takes 5-15 s alone, a few times that
 
 
 def _fork_server():
-    from forensics_test_helpers import load_test_module  # set by tests/conftest.py
+    from forensics_test_helpers import fork_server  # tests/helpers.py
 
-    return load_test_module("forensics_fork_server", Path(__file__).with_name("fork_server.py"))
+    return fork_server()
 
 
 CASES = [("README.md", 0, None), ("docs/INTEGRATIONS.md", 0, None), ("docs/INTEGRATIONS.md", 1, "accelerate"),

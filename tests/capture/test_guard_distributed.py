@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from forensics_test_helpers import fork_server
 
 from forensics.format import open_dump, open_step, verify_dump
 
@@ -89,12 +90,6 @@ WORKER = textwrap.dedent('''
 LAUNCH_TIMEOUT = 420  # seconds: about 25 s alone; a 2-core machine shared with other jobs is many times slower
 
 
-def _fork_server():
-    from forensics_test_helpers import load_test_module  # set by tests/conftest.py
-
-    return load_test_module("forensics_fork_server", Path(__file__).resolve().parents[1] / "fork_server.py")
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
     """Runs WORKER as ranks 0 and 1 once (two processes forked from tests/fork_server.py, with torchrun's
@@ -103,7 +98,7 @@ def two_ranks(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     root = Path(__file__).resolve().parents[2]
-    server = _fork_server()
+    server = fork_server()
     env = {**os.environ, "FORENSICS_TEST_STORE": str(tmp_path / "store"), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     try:

@@ -93,9 +93,9 @@ def launch(script: str, args: list[str], **kwargs) -> Launch:
 
 
 def _fork_server():
-    from forensics_test_helpers import load_test_module  # set by tests/conftest.py
+    from forensics_test_helpers import fork_server  # tests/helpers.py
 
-    return load_test_module("forensics_fork_server", REPO / "tests" / "fork_server.py")
+    return fork_server()
 
 
 def launch_script(path: str, args: list[str], *, nproc: int = WORLD, env: dict | None = None,

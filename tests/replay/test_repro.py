@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from forensics_test_helpers import fork_server
 
 from forensics.cli import main
 from forensics.demo.scenarios import SCENARIOS
@@ -22,17 +23,11 @@ OPS = {"bad_sample": ("aten::native_layer_norm", "nan"), "log_zero": ("aten::log
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _fork_server():
-    from forensics_test_helpers import load_test_module  # set by tests/conftest.py
-
-    return load_test_module("forensics_fork_server", REPO / "tests" / "fork_server.py")
-
-
 @pytest.fixture(scope="module")
 def torch_only():
     """A fork server that imported torch alone, started without PYTHONPATH: op_repro.py runs in a process forked from
     it, with torch only (tests/fork_server.py: each script a process of its own, as `python SCRIPT` runs it)."""
-    server = _fork_server().ForkServer(["torch"], {"PATH": "/usr/bin:/bin", "HOME": str(REPO)})
+    server = fork_server().ForkServer(["torch"], {"PATH": "/usr/bin:/bin", "HOME": str(REPO)})
     yield server
     server.close()
 
@@ -44,7 +39,7 @@ def run_script(path: Path, cwd: Path, server=None) -> subprocess.CompletedProces
     env = {"PATH": "/usr/bin:/bin", "HOME": str(cwd)}
     if path.name == "model_repro.py":
         env["PYTHONPATH"] = str(REPO)
-        server = _fork_server().shared(REPO)
+        server = fork_server().shared(REPO)
     done = server.run(path, [], cwd=str(cwd), env=env, out_dir=cwd / "output", timeout=300)
     return subprocess.CompletedProcess([path], done.returncode, done.stdout, done.stderr)
 
