@@ -248,9 +248,10 @@ class ForkServer:
 
 PRELOAD = ["torch", "transformers:GPT2LMHeadModel", "capture", "forensics", "_common", "accelerate"]
 """What the shared server imports first: what nearly every test script and example imports (and `_common`, the
-examples' helpers, and Accelerate, for the Accelerate jobs and the Trainer's). DeepSpeed (6-7 s of CPU: it imports
-MLflow) and torchtitan (12 s: datasets, inductor) come with the first job that names them in `preload`. Each import
-leaves the server with its main thread alone (checked 2026-11-27): a process should not fork with threads running."""
+examples' helpers, and Accelerate, for the Accelerate jobs and the Trainer's). DeepSpeed (about 12 s of CPU: it
+imports MLflow, and its ZeRO optimizer check inductor) and torchtitan (12 s: datasets, inductor) come with the first
+job that names them in `preload`. Each import leaves the server with its main thread alone (checked 2026-11-27): a
+process should not fork with threads running."""
 
 _shared: list[ForkServer] = []
 

@@ -52,7 +52,8 @@ def _preload(path: str, args: list[str]) -> list[str]:
     """What the fork server imports once before such a job, instead of each rank (tests/fork_server.py)."""
     modules = []
     if _names(path, args, "deepspeed"):
-        modules += ["deepspeed", "deepspeed.ops:__compatible_ops__"]
+        # deepspeed.initialize's optimizer check imports ZeRO's Muon, whose torch.compile loads inductor (4-5 s)
+        modules += ["deepspeed", "deepspeed.ops:__compatible_ops__", "deepspeed.runtime.zero.muon.muon_optimizer"]
     if _names(path, args, "torchtitan"):
         modules += ["torchtitan.models.llama3.model.model", "torchtitan.models.llama3.infra.parallelize"]
     return [m for m in modules if importlib.util.find_spec(m.partition(".")[0].partition(":")[0])]
