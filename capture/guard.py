@@ -251,7 +251,7 @@ class Guard:
             self.flush()
         except TrainingFaultError as fault:
             log.error("forensics: %s", fault)
-        except Exception:  # noqa: BLE001 - the job is already ending
+        except Exception:  # the job is already ending
             log.exception("forensics: judging the last checked step failed")
 
     def close(self, timeout: float | None = None) -> None:

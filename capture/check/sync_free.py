@@ -235,7 +235,8 @@ class SyncFree:
                             scheduler=pending.scheduler, hyper=pending.hyper)
         if not skipped:  # a spike applied before it was judged: the budget had no place for it (asked before the step)
             floor = self.spike_floor(pending.step)
-            if floor is None or policy is Policy.CONTINUE and not _larger(trigger.value, trigger.threshold, floor):
+            limit = trigger.threshold if trigger.threshold is not None else math.inf  # a spike always has one
+            if floor is None or policy is Policy.CONTINUE and not _larger(trigger.value, limit, floor):
                 return incident  # the budget refuses it now too, and counts why, as for the synchronous check
             return dataclasses.replace(incident, undumpable=SPIKE_APPLIED)  # never a dump of the state after it
         return dataclasses.replace(incident, trigger=dataclasses.replace(trigger, detail=trigger.detail + LATE))

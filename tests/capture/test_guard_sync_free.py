@@ -157,7 +157,7 @@ def test_the_default_runs_sync_free_only_where_nothing_else_changes(tmp_path, ca
                   loss_fn=lambda m, b: m(b["x"]).pow(2).mean())
     reads = []
     with caplog.at_level(logging.WARNING):
-        for step in range(3):
+        for _ in range(3):
             batch = {"x": torch.randn(4, 8)}
             guard.record_batch(batch)
             loss = model(batch["x"]).pow(2).mean()
