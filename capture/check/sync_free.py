@@ -49,6 +49,8 @@ from forensics.thirdparty import optimizer_honours_found_inf
 log = logging.getLogger(__name__)
 
 LATE = " (sync-free check: judged one step late, at the next step's check; this step's update was skipped on the device)"
+HELD = (" (sync-free check: judged one step late, at the next step's check; its update was held back on the device so that "
+        "the dump holds its exact pre-step state: this one batch is not trained on)")
 SPIKE_APPLIED = Undumpable("sync-free check: its update was applied before it was judged", "sync_free",
                            "the sync-free check does not dump a spike the dump budget had no place for when its "
                            "update was applied")
@@ -239,7 +241,8 @@ class SyncFree:
             if floor is None or policy is Policy.CONTINUE and not _larger(trigger.value, limit, floor):
                 return incident  # the budget refuses it now too, and counts why, as for the synchronous check
             return dataclasses.replace(incident, undumpable=SPIKE_APPLIED)  # never a dump of the state after it
-        return dataclasses.replace(incident, trigger=dataclasses.replace(trigger, detail=trigger.detail + LATE))
+        late = HELD if trigger.kind.spike else LATE
+        return dataclasses.replace(incident, trigger=dataclasses.replace(trigger, detail=trigger.detail + late))
 
 
 def _scalar(value: Any, device: torch.device) -> torch.Tensor:

@@ -40,5 +40,5 @@ def test_a_failed_last_step_the_sync_free_check_had_not_judged_is_dumped_at_exit
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     dump = tmp_path / "ending" / "step-000000007" / "rank-00000"
-    assert verify_dump(dump).ok and open_dump(dump).trigger["kind"] == "nonfinite_loss", done.stderr[-3000:]
+    assert verify_dump(dump).ok and open_dump(dump).trigger.kind.value == "nonfinite_loss", done.stderr[-3000:]
     assert "step 7: loss of micro-batch 1 is nan" in done.stderr and "one step late" in done.stderr

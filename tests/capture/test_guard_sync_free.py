@@ -193,5 +193,5 @@ def test_a_failed_step_still_waiting_for_its_judgment_is_dumped_when_the_next_st
         loop.step(batches[(BAD_STEP + 1) * ACCUM:(BAD_STEP + 2) * ACCUM])
     guard.close()
     dumps = [open_dump(p) for p in guard.dumps]
-    assert [(d.step, d.trigger["kind"]) for d in dumps] == [(BAD_STEP, "nonfinite_loss"), (BAD_STEP + 1, "exception")]
+    assert [(d.step, d.trigger.kind.value) for d in dumps] == [(BAD_STEP, "nonfinite_loss"), (BAD_STEP + 1, "exception")]
     helpers.assert_dump_holds_pre_step_state(dumps[0], loop.logs[BAD_STEP], model, optimizer)
