@@ -34,8 +34,8 @@ def model_and_optimizer(device: str):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
 
 
-def step(model, optimizer, guard, ids, labels, sample_ids, embeds=None) -> tuple[bool, int]:
-    """One step of two micro-batches; returns check()'s decision and the syncs counted inside check()."""
+def step(model, optimizer, guard, ids, labels, sample_ids, embeds=None) -> tuple[bool, list[str]]:
+    """One step of two micro-batches; returns check()'s decision and where check() synced (file:line each)."""
     for mb in range(2):
         batch = {"input_ids": ids, "labels": labels, "sample_ids": [f"{sample_ids}-{mb}-{i}" for i in range(2)]}
         guard.record_batch(batch)
@@ -44,6 +44,8 @@ def step(model, optimizer, guard, ids, labels, sample_ids, embeds=None) -> tuple
         guard.record_loss(loss)
         (loss / 2).backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    if ids.is_cuda:  # the previous step's numbers have landed: what is counted below is check()'s own syncs (on a
+        torch.cuda.synchronize()  # real run check() waits for them only when the GPU is a whole step behind)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if ids.is_cuda:
@@ -53,7 +55,8 @@ def step(model, optimizer, guard, ids, labels, sample_ids, embeds=None) -> tuple
         finally:
             if ids.is_cuda:
                 torch.cuda.set_sync_debug_mode("default")
-    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    syncs = [f"{w.filename}:{w.lineno}" for w in caught  # where check() synced ("called a synchronizing CUDA op")
+             if "called a synchronizing" in str(w.message)]
     if decision:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -68,7 +71,7 @@ def check_nan(device: str) -> list[str]:
     model, optimizer = model_and_optimizer(device)
     guard = Guard(model, optimizer, config=GuardConfig(dump_dir=tempfile.mkdtemp(), run_id="nan"))
     ids = torch.randint(0, 64, (2, SEQ), device=device)
-    bad_step, problems, syncs = 3, [], 0
+    bad_step, problems, syncs = 3, [], []
     before = after = None
     try:
         for s in range(6):
@@ -86,7 +89,7 @@ def check_nan(device: str) -> list[str]:
             problems.append(f"the error names another step: {fault}")
     guard.close()
     if syncs:
-        problems.append(f"{syncs} syncs inside check() on healthy steps")
+        problems.append(f"{len(syncs)} syncs inside check() on healthy steps, at {sorted(set(syncs))}")
     if len(guard.dumps) != 1:
         problems.append(f"{len(guard.dumps)} dumps")
     else:
@@ -105,7 +108,7 @@ def check_spike(device: str) -> list[str]:
     guard = Guard(model, optimizer, config=GuardConfig(dump_dir=tempfile.mkdtemp(), run_id="spike"))
     ids = torch.arange(SEQ, device=device).remainder(64).repeat(2, 1)
     wrong = torch.randint(0, 64, (2, SEQ), device=device, generator=torch.Generator(device).manual_seed(5))
-    states, problems, syncs = [], [], 0
+    states, problems, syncs = [], [], []
     for s in range(WARM + 3):
         states.append(copy.deepcopy(model.state_dict()))
         decision, counted = step(model, optimizer, guard, ids, wrong if s == WARM else ids, f"s{s}")
@@ -115,7 +118,7 @@ def check_spike(device: str) -> list[str]:
     states.append(copy.deepcopy(model.state_dict()))
     guard.close()
     if syncs:
-        problems.append(f"{syncs} syncs inside check()")
+        problems.append(f"{len(syncs)} syncs inside check(), at {sorted(set(syncs))}")
     steps = [open_dump(p).step for p in guard.dumps]
     if steps != [WARM]:
         problems.append(f"spike dumps at steps {steps}, expected [{WARM}]")

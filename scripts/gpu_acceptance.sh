@@ -171,5 +171,8 @@ step extra_overhead_nanogpt 0 timeout 480 python3 -m scripts.bench.capture_overh
   --steps 10
 step extra_overhead_fsdp2 0 timeout 480 torchrun --nproc_per_node=2 -m scripts.bench.capture_overhead --config fsdp2 \
   --rounds 10 --steps 10
+# the FSDP2 step's time moves 20 % between rounds of 10 steps: plain and guarded alone, 2 steps per mode per round
+step extra_overhead_fsdp2_paired 0 timeout 480 torchrun --nproc_per_node=2 -m scripts.bench.capture_overhead \
+  --config fsdp2 --modes guarded --rounds 60 --steps 2
 echo "--- summary ($(cat "$out/date.txt"))"; cat "$out/summary.txt"
 [ "$failed" -eq 0 ] && echo "all GPU acceptance steps passed; logs in $out" || { echo "some GPU acceptance steps FAILED"; exit 1; }

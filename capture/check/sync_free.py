@@ -31,20 +31,22 @@ import logging
 import math
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 
+from capture.check.agreement import STATS, Agreement, agreed_on_device, collective_device, launch, settle
 from capture.check.detectors import StepDetectors, clipped
 from capture.config import GuardConfig
 from capture.record.history import History
 from capture.record.incident import Incident, Undumpable, StepRecord
 from capture.record.window import FlightRecorder, WindowStep
-from capture.state import snapshot
+from capture.state import sharding, snapshot
 from capture.state.source import StateSource
 from forensics.device_sync import DeviceFence, quarantine
-from forensics.kinds import Policy
+from forensics.kinds import Policy, TriggerKind
 from forensics.thirdparty import optimizer_honours_found_inf
+from forensics.trigger import Trigger
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,8 @@ class Pending:
     scheduler: dict | None
     hyper: list[dict]
     divisor: float
+    sharded_norm: bool | None = None  # several ranks: `buffer` is agreement.launch()'s vector, then skipped; the
+    # grad norm is a shard's (assembled by the all-reduce) when True
 
 
 def unsupported(config: GuardConfig, state: StateSource) -> str | None:
@@ -83,7 +87,11 @@ def unsupported(config: GuardConfig, state: StateSource) -> str | None:
     if config.detection.verify_update:
         return "verify_update copies the state before every step"
     if state.ranks.multi_rank:
-        return "several ranks must agree on each step before it is applied"
+        param = next((p for group in optimizer.param_groups for p in group["params"]), None)
+        collective = collective_device()
+        if param is not None and param.device.type != collective.type:
+            return (f"the ranks agree over {collective.type} while the parameters are on {param.device.type}: "
+                    "reading across them would wait for the device")
     return None
 
 
@@ -148,26 +156,23 @@ class SyncFree:
     def start(self, record: StepRecord, grad_norm: Any, step: int) -> None:
         """This step's half of the check (call only when active(), after resolve())."""
         state, optimizer = self.state, self.state.optimizer
+        sharded = False
         if grad_norm is None:
-            grad_norm = state.grad_norm()
+            grad_norm, sharded = state.grad_norm(), state.sharded_grad_norm
+        grad_norm = sharding.host_norm(grad_norm)
         param = next((p for group in optimizer.param_groups for p in group["params"]), None)
         device = param.device if param is not None else torch.device("cpu")
         n, has_norm = len(record.losses), grad_norm is not None
-        values = torch.stack([_scalar(v, device) for v in [*record.losses, grad_norm if has_norm else math.nan]])
-        values = values if values.dtype == torch.float64 else values.double()
         divisor = record.divisor(self.config.detection.loss_divisor)
-        step_loss = values[:n].sum() / divisor if n else None
-        watched = values if has_norm else values[:n]
-        skip = (~torch.isfinite(watched)).any() if watched.numel() else torch.zeros((), dtype=torch.bool,
-                                                                                  device=device)
-        spike = self._spike_to_hold(step_loss, values[n] if has_norm else None, step)
-        if spike is not None:
-            skip = skip | spike
+        if state.ranks.multi_rank:
+            numbers, skip = self._agreed_numbers(record, grad_norm, divisor, sharded, step)
+        else:
+            numbers, skip = self._own_numbers(record, grad_norm, divisor, device, step)
         found_inf = skip.float()
         optimizer.found_inf = found_inf  # the fused step skips the update (and undoes its step count) when 1
         optimizer.grad_scale = None
-        numbers = torch.cat([values, (step_loss if step_loss is not None else values.new_zeros(())).reshape(1),
-                             found_inf.double().reshape(1)])
+        numbers = torch.cat([numbers, found_inf.double().reshape(1)])
+        device = numbers.device
         pinned = device.type == "cuda"
         buffer = torch.empty(numbers.shape, dtype=torch.float64, pin_memory=pinned)
         buffer.copy_(numbers, non_blocking=pinned)
@@ -175,13 +180,41 @@ class SyncFree:
                  for group in optimizer.param_groups]
         self.pending = Pending(step, record, n, has_norm, buffer, DeviceFence([device] if pinned else []),
                                snapshot.current_lr(optimizer), snapshot.scheduler_state(state.scheduler), hyper,
-                               divisor)
+                               divisor, sharded if state.ranks.multi_rank else None)
 
-    def _spike_to_hold(self, step_loss: torch.Tensor | None, norm: torch.Tensor | None,
-                       step: int) -> torch.Tensor | None:
+    def _own_numbers(self, record: StepRecord, grad_norm: Any, divisor: float, device: torch.device,
+                     step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One process: `[*losses, grad norm, step loss]` (float64, on the parameters' device) and the skip flag."""
+        n, has_norm = len(record.losses), grad_norm is not None
+        values = torch.stack([_scalar(v, device) for v in [*record.losses, grad_norm if has_norm else math.nan]])
+        values = values if values.dtype == torch.float64 else values.double()
+        step_loss = values[:n].sum() / divisor if n else None
+        watched = values if has_norm else values[:n]
+        skip = (~torch.isfinite(watched)).any() if watched.numel() else torch.zeros((), dtype=torch.bool,
+                                                                                  device=device)
+        spike = self._spike_to_hold(step_loss, values[n] if has_norm else None, step)
+        skip = skip | spike if spike is not None else skip
+        return torch.cat([values, (step_loss if step_loss is not None else values.new_zeros(())).reshape(1)]), skip
+
+    def _agreed_numbers(self, record: StepRecord, grad_norm: Any, divisor: float, sharded: bool,
+                        step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Several ranks: the agreement all-reduce queued (capture/check/agreement.py launch(): `[*losses, grad norm,
+        loss scale, *summed statistics]`) and the skip flag from the agreed numbers, identical on every rank."""
+        launched = launch([*record.losses, grad_norm, None], len(record.losses), divisor=divisor,
+                          min_loss_scale=self.config.detection.min_loss_scale, sharded_grad_norm=sharded)
+        fault, step_loss, norm = agreed_on_device(launched, sharded)
+        stats = launched[-STATS:]
+        spike = self._spike_to_hold(step_loss, norm, step, loss_known=stats[3] > 0,
+                                    norm_known=None if sharded else stats[6] > 0)
+        return launched, fault | spike if spike is not None else fault
+
+    def _spike_to_hold(self, step_loss: torch.Tensor | None, norm: torch.Tensor | None, step: int,
+                       loss_known: torch.Tensor | None = None, norm_known: torch.Tensor | None = None
+                       ) -> torch.Tensor | None:
         """A device flag: the step is a spike whose update must wait for its judgment, because its dump needs the
         pre-step state (the budget takes it) or the policy skips or raises. Mirrors StepDetectors.detect: a loss spike
-        is judged first; a grad-norm spike only when the loss did not spike. None: no spike can be held."""
+        is judged first; a grad-norm spike only when the loss did not spike. `loss_known` / `norm_known`: device flags
+        that the (agreed) value exists (several ranks: some rank had one). None: no spike can be held."""
         if self.config.detection.on_spike is Policy.CONTINUE:
             floor = self.spike_floor(step)  # None: the budget would dump no spike at this step
             if floor is None:
@@ -193,9 +226,12 @@ class SyncFree:
         held = loss_fires = None
         if step_loss is not None and loss_limit is not None:
             loss_fires = step_loss > loss_limit
+            loss_fires = loss_fires & loss_known if loss_known is not None else loss_fires
             held = _held(loss_fires, step_loss, loss_limit, floor)
         if norm is not None and norm_limit is not None:
-            norm_held = _held(norm > norm_limit, norm, norm_limit, floor)
+            norm_fires = norm > norm_limit
+            norm_held = _held(norm_fires & norm_known if norm_known is not None else norm_fires, norm, norm_limit,
+                              floor)
             if loss_fires is not None:
                 norm_held = norm_held & ~loss_fires
             held = norm_held if held is None else held | norm_held
@@ -216,15 +252,23 @@ class SyncFree:
             return None
         pending.landed.wait()
         numbers = pending.buffer.tolist()
-        n = pending.n_losses
-        norm = numbers[n] if pending.has_norm else None
-        step_loss = numbers[n + 1] if n else None
-        return self._judge(pending, numbers[:n], norm, step_loss, skipped=numbers[n + 2] > 0)
+        n, skipped = pending.n_losses, numbers[-1] > 0
+        if pending.sharded_norm is None:
+            norm = numbers[n] if pending.has_norm else None
+            return self._judge(pending, numbers[:n], norm, numbers[n + 1] if n else None, skipped)
+        shape = [0.0] * n + [0.0 if pending.has_norm else None, None]  # which values were None (settle() keeps them)
+        host, agreed = settle(numbers[:-1], shape, n, pending.sharded_norm)
+        losses = cast("list[float]", host[:n])
+        return self._judge(pending, losses, host[n], sum(losses) / pending.divisor if losses else None, skipped,
+                           agreed)
 
     def _judge(self, pending: Pending, losses: list[float], norm: float | None, step_loss: float | None,
-               skipped: bool) -> Incident | None:
+               skipped: bool, agreed: Agreement | None = None) -> Incident | None:
         detection = self.config.detection
-        trigger = self.detectors.detect(losses, norm, step_loss, None)
+        trigger = self.detectors.detect(losses, norm, step_loss, None, agreed)
+        if trigger is None and agreed is not None and agreed.fault:
+            trigger = Trigger(TriggerKind.NONFINITE_GRAD, norm, None, None,
+                              "another rank saw a non-finite loss or gradient at this step", local=False)
         was_clipped = clipped(norm, detection.max_grad_norm)
         self.history.append(pending.step, step_loss, norm, pending.lr, None, was_clipped, skipped,
                             self.detectors.note_suppressed(pending.step))
@@ -234,7 +278,7 @@ class SyncFree:
             return None
         policy = self.config.policy_for(trigger.kind)
         incident = Incident(trigger, pending.step, pending.record, losses, norm, pending.divisor, policy,
-                            scheduler=pending.scheduler, hyper=pending.hyper)
+                            scheduler=pending.scheduler, hyper=pending.hyper, agreed=agreed is not None)
         if not skipped:  # a spike applied before it was judged: the budget had no place for it (asked before the step)
             floor = self.spike_floor(pending.step)
             limit = trigger.threshold if trigger.threshold is not None else math.inf  # a spike always has one

@@ -106,7 +106,9 @@ def fsdp2_llama(tiny: bool, device: torch.device):
     return make, data, loss_of, words
 
 
-def run_config(config: str, rounds: int, steps: int, tiny: bool = False, compile_model: bool = True) -> None:
+def run_config(config: str, rounds: int, steps: int, tiny: bool = False, compile_model: bool = True,
+               only: tuple[str, ...] = ()) -> None:
+    """Times the configuration's modes (MODES; `only`: those of them, plain always included)."""
     distributed = config == "fsdp2"
     if distributed:
         torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -117,7 +119,8 @@ def run_config(config: str, rounds: int, steps: int, tiny: bool = False, compile
     make, data, loss_of, words = fsdp2_llama(tiny, device) if distributed else nanogpt(tiny, device, compile_model)
     dump_dir = tempfile.mkdtemp(prefix="fx-overhead-")
     runs = {}
-    modes = tuple(m for m in MODES if not (distributed and m == "synchronous"))
+    modes = tuple(m for m in MODES if not (distributed and m == "synchronous") and (not only or m in only or
+                                                                                   m == "plain"))
     for mode in modes:
         model, optimizer = make()
         guard = None if mode in ("plain", "synced") else Guard(model, optimizer, config=GuardConfig(
@@ -178,14 +181,18 @@ def report(config: str, words: str, device: torch.device, rounds: int, steps: in
     print(f"config {config}: {words}; device {device}")
     print(f"{rounds} interleaved rounds x {steps} steps per mode (order rotating); plain step spread between rounds "
           f"{100 * spread:.1f} %")
-    print(f"{'mode':<12} {'step (median)':>14} {'ratio vs plain':>15} {'per-round ratios':<40} {'in Guard calls':>15}")
+    print(f"{'mode':<12} {'step (median)':>14} {'ratio vs plain':>15} {'quartiles':>13} {'in Guard calls':>15}  "
+          "per-round ratios")
     for mode in times:
-        ratios = [t / p for t, p in zip(times[mode], plain)]
-        print(f"{mode:<12} {median(times[mode]) * 1e3:11.2f} ms {median(ratios):15.4f} "
-              f"{' '.join(f'{r:.3f}' for r in ratios):<40} {median(host[mode]) * 1e6:12.0f} us")
-    on_top = [(pc - g) / p for pc, g, p in zip(times["precursors"], times["guarded"], plain)]
-    print(f"precursors on top of guarded (PrecursorConfig() defaults, every 8th step sampled): "
-          f"{100 * median(on_top):+.2f} % of a plain step (median of rounds)")
+        ratios = sorted(t / p for t, p in zip(times[mode], plain))
+        quartiles = f"{ratios[len(ratios) // 4]:.3f}-{ratios[(3 * len(ratios)) // 4]:.3f}"
+        print(f"{mode:<12} {median(times[mode]) * 1e3:11.2f} ms {median(ratios):15.4f} {quartiles:>13} "
+              f"{median(host[mode]) * 1e6:12.0f} us  "
+              f"{' '.join(f'{t / p:.3f}' for t, p in zip(times[mode], plain))}")
+    if "precursors" in times and "guarded" in times:
+        on_top = [(pc - g) / p for pc, g, p in zip(times["precursors"], times["guarded"], plain)]
+        print(f"precursors on top of guarded (PrecursorConfig() defaults, every 8th step sampled): "
+              f"{100 * median(on_top):+.2f} % of a plain step (median of rounds)")
 
 
 def host_cost(rounds: int, steps: int, micro: int) -> None:

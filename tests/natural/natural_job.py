@@ -78,7 +78,7 @@ SCENARIOS = {s.name: s for s in (
              model={"final_norm": False, "qk_norm": True}, verdicts=("numerical_precision",), precursor_lead=False),
     # dies within ~70 steps: inside the precursor monitor's 64-step warm-up, so no lead is promised
     Scenario("lr_too_high", "sgd", 1.0, 240, verdicts=("optimizer_update", "model_state"), precursor_lead=False),
-    Scenario("spiky_late", "sgd", 0.1, 600, lr_growth=0.03, data="mixed",
+    Scenario("spiky_late", "sgd", 0.1, 1000, lr_growth=0.03, data="mixed",
              verdicts=("optimizer_update", "model_state", "numerical_precision")),
 )}
 
