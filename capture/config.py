@@ -136,15 +136,16 @@ class DetectionConfig:
     and the dump budget are known before the step, so the device skips exactly the spikes the synchronous check
     would dump; under 'continue' such a spike's update is the one thing lost (like a GradScaler overflow step), and
     spikes that are not dumped (min_spike_gap, max_spike_dumps) are applied and counted as always.
-    'raise' raises at the next check().
+    'raise' raises at the next check(). Under torchrun the ranks' agreement all-reduce is queued on the device and
+    the flag is computed from the agreed numbers, so every rank skips (and dumps) the same step.
 
-    The default (None) runs sync-free only where nothing else changes: a fused optimizer, one process, no enabled
-    GradScaler, on_nonfinite 'raise' or 'skip' (under 'continue' a non-finite update is applied), no precursors,
+    The default (None) runs sync-free only where nothing else changes: a fused optimizer (in one process, or on
+    ranks whose process group runs on the parameters' device: NCCL with CUDA, gloo with CPU), no enabled GradScaler, on_nonfinite 'raise' or 'skip' (under 'continue' a non-finite update is applied), no precursors,
     host snapshots, in-job recheck or verify_update, and a model without persistent buffers its forward may update
     (BatchNorm statistics would have seen the next step's forward). Elsewhere it is the synchronous check, silently.
     True also runs with those (precursors off; buffers as after the next step's forward; 'continue' skips
     non-finite updates) and falls back, with one warning, only for an optimizer without found_inf support, an
-    enabled GradScaler, verify_update, or several ranks. Either way the micro-batches are kept by reference one step
+    enabled GradScaler, verify_update, or ranks whose collectives run on another device than the parameters. Either way the micro-batches are kept by reference one step
     longer (a loader must not reuse its tensors). On CPU it works the same (and saves nothing)."""
     verify_update: bool = False
     """Debug mode: copy the state before every optimizer step and check the parameters after it, so an

@@ -218,8 +218,8 @@ class Guard:
         inside the update (`state_may_be_partial`) or after it, between steps (capture/raised/exceptions.py)."""
         if exceptions.is_cuda_error(exc):
             self.checks.device_lost()  # the step judged one step late can no longer be read
-        else:
-            self.judge_pending()  # before the step that raised: that step failed first
+        elif not (self.state.ranks.multi_rank and self.config.dumping.shard_replicas > 1):  # (buddy copies: a
+            self.judge_pending()  # collective the other ranks would not enter) the step before failed first
         try:
             incident = exceptions.raised_incident(
                 exc, self.recorder.current, step=self.step, last_step=self.last_step, stopped=self.stopped,

@@ -173,6 +173,15 @@ step extra_overhead_fsdp2 0 timeout 480 torchrun --nproc_per_node=2 -m scripts.b
   --rounds 10 --steps 10
 # the FSDP2 step's time moves 20 % between rounds of 10 steps: plain and guarded alone, 2 steps per mode per round
 step extra_overhead_fsdp2_paired 0 timeout 480 torchrun --nproc_per_node=2 -m scripts.bench.capture_overhead \
-  --config fsdp2 --modes guarded --rounds 60 --steps 2
+  --config fsdp2 --modes guarded,synchronous --rounds 20 --steps 10
+# FSDP2 with a fused AdamW (the sync-free check across ranks: found_inf on DTensor parameters over NCCL): the NaN step
+# is skipped on the device by both ranks and dumped one step late; the one-GPU replay names the sample
+step fsdp2_fused 0 timeout 420 torchrun --nproc_per_node=2 scripts/examples/fsdp2_example.py --model llama --size 1b \
+  --bf16 --poison-value inf --fused --dump-dir $d --run-id fsdpfused
+step fsdp2_fused_replay 0 python3 -m forensics.cli replay $d/fsdpfused/step-000000003 --rank 1 --device cuda:0 \
+  -o "$out/fsdpfused"
+wanted fsdp2_fused_replay && names_sample fsdp2_fused "$out/fsdpfused" 29
+wanted fsdp2_fused && must_say fsdp2_fused "one step late"
+rm -rf $d/fsdpfused
 echo "--- summary ($(cat "$out/date.txt"))"; cat "$out/summary.txt"
 [ "$failed" -eq 0 ] && echo "all GPU acceptance steps passed; logs in $out" || { echo "some GPU acceptance steps FAILED"; exit 1; }

@@ -1,5 +1,6 @@
 """The Guard's sync-free check (GuardConfig.detection.sync_free; by default wherever the dumps stay exact): a step that
-must not be applied is skipped on the device, and every step is judged one step later.
+must not be applied is skipped on the device, and every step is judged one step later. In one process or across
+ranks (their agreement all-reduce queued on the device, capture/check/agreement.py launch()).
 
 The synchronous check reads the step's losses and grad norm on the host before optimizer.step(), which stalls the
 host until the GPU has finished backward, so the optimizer's and the next step's kernel launches are no longer hidden
@@ -165,13 +166,13 @@ class SyncFree:
         n, has_norm = len(record.losses), grad_norm is not None
         divisor = record.divisor(self.config.detection.loss_divisor)
         if state.ranks.multi_rank:
-            numbers, skip = self._agreed_numbers(record, grad_norm, divisor, sharded, step)
+            parts, skip = self._agreed_numbers(record, grad_norm, divisor, sharded, step)
         else:
-            numbers, skip = self._own_numbers(record, grad_norm, divisor, device, step)
+            parts, skip = self._own_numbers(record, grad_norm, divisor, device, step)
         found_inf = skip.float()
         optimizer.found_inf = found_inf  # the fused step skips the update (and undoes its step count) when 1
         optimizer.grad_scale = None
-        numbers = torch.cat([numbers, found_inf.double().reshape(1)])
+        numbers = torch.cat([*parts, found_inf.double().reshape(1)])
         device = numbers.device
         pinned = device.type == "cuda"
         buffer = torch.empty(numbers.shape, dtype=torch.float64, pin_memory=pinned)
@@ -183,8 +184,9 @@ class SyncFree:
                                divisor, sharded if state.ranks.multi_rank else None)
 
     def _own_numbers(self, record: StepRecord, grad_norm: Any, divisor: float, device: torch.device,
-                     step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One process: `[*losses, grad norm, step loss]` (float64, on the parameters' device) and the skip flag."""
+                     step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """One process: the pieces of `[*losses, grad norm, step loss]` (float64, on the parameters' device) and the
+        skip flag."""
         n, has_norm = len(record.losses), grad_norm is not None
         values = torch.stack([_scalar(v, device) for v in [*record.losses, grad_norm if has_norm else math.nan]])
         values = values if values.dtype == torch.float64 else values.double()
@@ -194,10 +196,10 @@ class SyncFree:
                                                                                   device=device)
         spike = self._spike_to_hold(step_loss, values[n] if has_norm else None, step)
         skip = skip | spike if spike is not None else skip
-        return torch.cat([values, (step_loss if step_loss is not None else values.new_zeros(())).reshape(1)]), skip
+        return [values, (step_loss if step_loss is not None else values.new_zeros(())).reshape(1)], skip
 
     def _agreed_numbers(self, record: StepRecord, grad_norm: Any, divisor: float, sharded: bool,
-                        step: int) -> tuple[torch.Tensor, torch.Tensor]:
+                        step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Several ranks: the agreement all-reduce queued (capture/check/agreement.py launch(): `[*losses, grad norm,
         loss scale, *summed statistics]`) and the skip flag from the agreed numbers, identical on every rank."""
         launched = launch([*record.losses, grad_norm, None], len(record.losses), divisor=divisor,
@@ -206,7 +208,7 @@ class SyncFree:
         stats = launched[-STATS:]
         spike = self._spike_to_hold(step_loss, norm, step, loss_known=stats[3] > 0,
                                     norm_known=None if sharded else stats[6] > 0)
-        return launched, fault | spike if spike is not None else fault
+        return [launched], fault | spike if spike is not None else fault
 
     def _spike_to_hold(self, step_loss: torch.Tensor | None, norm: torch.Tensor | None, step: int,
                        loss_known: torch.Tensor | None = None, norm_known: torch.Tensor | None = None

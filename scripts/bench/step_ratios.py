@@ -26,9 +26,8 @@ from scripts.bench.common import machine, median, sync
 MODES = ("plain", "synced", "guarded", "synchronous", "precursors")
 """plain: no read of its own; synced: the loop reads the grad norm before optimizer.step() (a NaN check by hand, one
 sync: what any exact check before the step costs); guarded: the default GuardConfig (with a fused optimizer in one
-process: the sync-free check); synchronous: GuardConfig(sync_free=False), the check that reads the step before
-optimizer.step() (single process only: with several ranks the default is this one); precursors: with
-PrecursorConfig() (which keeps the synchronous check)."""
+process or several: the sync-free check); synchronous: GuardConfig(sync_free=False), the check that reads the step
+before optimizer.step(); precursors: with PrecursorConfig() (which keeps the synchronous check)."""
 LLAMA_1B47 = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=26, num_attention_heads=16,
                   num_key_value_heads=16, vocab_size=32000)  # 1.467 B parameters
 LLAMA_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -119,8 +118,7 @@ def run_config(config: str, rounds: int, steps: int, tiny: bool = False, compile
     make, data, loss_of, words = fsdp2_llama(tiny, device) if distributed else nanogpt(tiny, device, compile_model)
     dump_dir = tempfile.mkdtemp(prefix="fx-overhead-")
     runs = {}
-    modes = tuple(m for m in MODES if not (distributed and m == "synchronous") and (not only or m in only or
-                                                                                   m == "plain"))
+    modes = tuple(m for m in MODES if not only or m in only or m == "plain")
     for mode in modes:
         model, optimizer = make()
         guard = None if mode in ("plain", "synced") else Guard(model, optimizer, config=GuardConfig(
