@@ -14,6 +14,7 @@ rank 0 prints (the step time is the slowest rank's: each step ends in the optimi
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import tempfile
 import time
@@ -146,6 +147,9 @@ def run_config(config: str, rounds: int, steps: int, tiny: bool = False, compile
         for _ in range(40 if not tiny else 34):
             step(mode)
     sync(str(device))
+    gc.collect()
+    gc.freeze()  # the models' objects (millions with several FSDP2 models) leave the collector's walks: a walk that
+    # lands in one mode's round would count against that mode
     times: dict[str, list[float]] = {mode: [] for mode in modes}
     host: dict[str, list[float]] = {mode: [] for mode in modes}
     for index in range(rounds):
