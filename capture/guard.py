@@ -150,7 +150,8 @@ class Guard:
         try:
             sync_free = self.checks.sync_free is not None and self.checks.sync_free.active()  # skipped on the device
             for incident in self.checks.incidents(record, grad_norm, self.step, sync_free):
-                decision = self.handle_incident(incident) or sync_free
+                # an earlier step's incident (judged late) does not decide this step
+                decision = self.handle_incident(incident) or (sync_free and incident.step != self.step)
         except TrainingFaultError as fault:
             self.last_step = record
             self.stopped = fault  # later exceptions outside a recorded step are not this step's (record_exception)

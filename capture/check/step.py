@@ -59,7 +59,12 @@ class StepCheck:
         incident = deferred.resolve(step)
         if incident is not None:
             yield incident
-        deferred.start(record, grad_norm, step)
+        if deferred.active():
+            deferred.start(record, grad_norm, step)
+            return
+        incident = self.sync.check(record, grad_norm, step)  # the judgment just turned the check synchronous
+        if incident is not None:
+            yield incident
 
     def flush(self, step: int, report: Callable[[Incident], Any]) -> None:
         """Sync-free: judges the step still waiting (Guard.flush / close) and `report`s its Incident, if it failed.

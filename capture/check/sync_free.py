@@ -75,6 +75,7 @@ class Pending:
     divisor: float
     sharded_norm: bool | None = None  # several ranks: `buffer` is agreement.launch()'s vector, then skipped; the
     # grad norm is a shard's (assembled by the all-reduce) when True
+    overridden: bool = False  # another found_inf (a GradScaler the Guard was not given) replaced this step's flag
 
 
 def unsupported(config: GuardConfig, state: StateSource) -> str | None:
@@ -137,6 +138,7 @@ class SyncFree:
         self.spike_floor, self.add_hook = spike_floor, add_hook
         self.pending: Pending | None = None
         self._active: bool | None = None  # decided at the first check
+        self._flag: torch.Tensor | None = None  # the found_inf this check handed the optimizer for its next step
 
     def active(self) -> bool:
         """Whether this Guard runs sync-free (decided once, at the first check; one warning if it was asked for and
@@ -146,7 +148,7 @@ class SyncFree:
             reason = unsupported(self.config, self.state) if asked else not_by_default(self.config, self.state)
             self._active = reason is None
             if reason is None:
-                self.add_hook(self.state.optimizer.register_step_post_hook(_clear_found_inf))
+                self.add_hook(self.state.optimizer.register_step_post_hook(self._after_step))
             elif asked:
                 log.warning("forensics: GuardConfig.detection.sync_free is ignored: %s; using the synchronous check",
                             reason)
@@ -170,7 +172,7 @@ class SyncFree:
         else:
             parts, skip = self._own_numbers(record, grad_norm, divisor, device, step)
         found_inf = skip.float()
-        optimizer.found_inf = found_inf  # the fused step skips the update (and undoes its step count) when 1
+        optimizer.found_inf = self._flag = found_inf  # the fused step skips the update (and undoes its count) when 1
         optimizer.grad_scale = None
         numbers = torch.cat([*parts, found_inf.double().reshape(1)])
         device = numbers.device
@@ -239,6 +241,20 @@ class SyncFree:
             held = norm_held if held is None else held | norm_held
         return held
 
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Step post-hook: the attributes apply to one step only (GradScaler deletes its own the same way). A flag
+        that is not this check's means a GradScaler stepped the optimizer with its own found_inf: this step was not
+        held back, and the check turns synchronous (said once) after judging it."""
+        flag, self._flag = self._flag, None
+        if flag is None:
+            return
+        if getattr(optimizer, "found_inf", None) is flag:
+            for name in ("found_inf", "grad_scale"):
+                if hasattr(optimizer, name):
+                    delattr(optimizer, name)
+        elif self.pending is not None:
+            self.pending.overridden = True
+
     def quarantine(self) -> None:
         """A CUDA error poisoned the context: the pending step's pinned buffer is never freed (see
         forensics.device_sync.quarantine) and the step is not judged (its values can no longer be read)."""
@@ -254,7 +270,12 @@ class SyncFree:
             return None
         pending.landed.wait()
         numbers = pending.buffer.tolist()
-        n, skipped = pending.n_losses, numbers[-1] > 0
+        n, skipped = pending.n_losses, numbers[-1] > 0 and not pending.overridden
+        if pending.overridden:
+            self._active = False
+            log.warning("forensics: step %d: the optimizer was stepped with another found_inf (a GradScaler the Guard "
+                        "was not given: Guard(model, optimizer, scaler=scaler)); the Guard could not hold a failing "
+                        "step back on the device and now reads each step before optimizer.step()", pending.step)
         if pending.sharded_norm is None:
             norm = numbers[n] if pending.has_norm else None
             return self._judge(pending, numbers[:n], norm, numbers[n + 1] if n else None, skipped)
@@ -281,7 +302,8 @@ class SyncFree:
         policy = self.config.policy_for(trigger.kind)
         incident = Incident(trigger, pending.step, pending.record, losses, norm, pending.divisor, policy,
                             scheduler=pending.scheduler, hyper=pending.hyper, agreed=agreed is not None)
-        if not skipped:  # a spike applied before it was judged: the budget had no place for it (asked before the step)
+        if not skipped and trigger.kind.spike:  # applied before it was judged: the budget had no place for it (asked
+            # before the step), or a GradScaler's found_inf replaced the flag (it skips a non-finite step itself)
             floor = self.spike_floor(pending.step)
             limit = trigger.threshold if trigger.threshold is not None else math.inf  # a spike always has one
             if floor is None or policy is Policy.CONTINUE and not _larger(trigger.value, limit, floor):
@@ -315,10 +337,3 @@ def _larger(value: Any, limit: float, floor: float) -> Any:
 def _held(fires: torch.Tensor, value: torch.Tensor, limit: float, floor: float) -> torch.Tensor:
     """`fires`, and the spike larger than `floor` (no operator when any spike is held)."""
     return fires if floor == -math.inf else fires & _larger(value, limit, floor)
-
-
-def _clear_found_inf(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Step post-hook: the attributes apply to one step only (GradScaler deletes them the same way)."""
-    for name in ("found_inf", "grad_scale"):
-        if hasattr(optimizer, name):
-            delattr(optimizer, name)

@@ -195,3 +195,33 @@ def test_a_failed_step_still_waiting_for_its_judgment_is_dumped_when_the_next_st
     dumps = [open_dump(p) for p in guard.dumps]
     assert [(d.step, d.trigger.kind.value) for d in dumps] == [(BAD_STEP, "nonfinite_loss"), (BAD_STEP + 1, "exception")]
     helpers.assert_dump_holds_pre_step_state(dumps[0], loop.logs[BAD_STEP], model, optimizer)
+
+
+def test_a_grad_scaler_the_guard_was_not_given_turns_the_check_synchronous_and_the_job_runs_on(tmp_path, caplog):
+    """A loop steps its fused AdamW through a GradScaler it did not pass to the Guard: GradScaler.step hands the
+    optimizer its own found_inf (and deletes it after). The Guard sees its flag replaced at the first step, says so
+    once, and reads each later step before optimizer.step(); the job never fails on the attributes either sets."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="gs"))
+    reads = []
+    with caplog.at_level(logging.WARNING):
+        for _ in range(4):
+            batch = {"x": torch.randn(4, 8)}
+            guard.record_batch(batch)
+            loss = model(batch["x"]).pow(2).mean()
+            guard.record_loss(loss.as_subclass(Watched))
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            Watched.reads = []
+            assert guard.check()
+            reads.append(len(Watched.reads))
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+        guard.close()
+    assert reads == [0, 1, 1, 1]  # the first step is judged at the second check, which then reads its own step
+    said = [r.getMessage() for r in caplog.records if "GradScaler the Guard was not given" in r.getMessage()]
+    assert len(said) == 1 and guard.dumps == [] and len(guard.history) == 4
