@@ -123,19 +123,30 @@ class DetectionConfig:
     min_loss_scale: float = 1.0
     """With a GradScaler, non-finite gradients are normal overflow skips; they trigger only once the
     loss scale has fallen to this value."""
-    sync_free: bool = False
-    """Opt-in: no device->host sync inside check(), for optimizers whose step() honours GradScaler's
-    `found_inf` attribute (fused Adam / AdamW / SGD / Adagrad, e.g. AdamW(fused=True)). check() sets
-    `optimizer.found_inf` to a device flag "a loss or the grad norm is non-finite", so the plain
-    optimizer.step() skips a bad update on the device, and always returns True; the step's numbers reach
-    the host asynchronously and are judged at the NEXT check() (or flush() / close()). Consequences:
-    a non-finite step is always skipped on the device (also under 'continue'); it is dumped with its
-    pre-step state one step late (model buffers such as BatchNorm statistics have seen the next step's
-    forwards), and 'raise' raises at the next check(); finite spikes are applied before they are seen,
-    so they are logged and recorded in the history but never dumped ('raise' still raises, 'skip' cannot
-    skip). The micro-batches are kept by reference one step longer (a loader must not reuse its tensors).
-    Falls back to the synchronous check, with one warning, for an optimizer without found_inf support,
-    an enabled GradScaler, verify_update, or several ranks. On CPU it works the same (and saves nothing)."""
+    sync_free: bool | None = None
+    """No device->host sync inside check(). None (default): wherever the dumps stay exact (below); True: asked for
+    (one warning where it cannot run); False: never (check() reads the step's numbers before optimizer.step()).
+
+    How: for optimizers whose step() honours GradScaler's `found_inf` attribute (fused Adam / AdamW / SGD /
+    Adagrad, e.g. AdamW(fused=True)), check() sets `optimizer.found_inf` to a device flag, "a loss or the grad norm
+    is non-finite, or this step is a spike the Guard will dump (or skip / raise on)", so the plain optimizer.step()
+    skips that update on the device, and check() returns True; the step's numbers reach the host asynchronously and
+    are judged at the NEXT check() (or flush() / close(), an uncaught exception, the interpreter's exit). A skipped
+    step's state at that moment IS its pre-step state: it is dumped exactly, one step late. The spike thresholds
+    and the dump budget are known before the step, so the device skips exactly the spikes the synchronous check
+    would dump; under 'continue' such a spike's update is the one thing lost (like a GradScaler overflow step), and
+    spikes that are not dumped (min_spike_gap, max_spike_dumps) are applied and counted as always.
+    'raise' raises at the next check(). Under torchrun the ranks' agreement all-reduce is queued on the device and
+    the flag is computed from the agreed numbers, so every rank skips (and dumps) the same step.
+
+    The default (None) runs sync-free only where nothing else changes: a fused optimizer (in one process, or on
+    ranks whose process group runs on the parameters' device: NCCL with CUDA, gloo with CPU), no enabled GradScaler, on_nonfinite 'raise' or 'skip' (under 'continue' a non-finite update is applied), no precursors,
+    host snapshots, in-job recheck or verify_update, and a model without persistent buffers its forward may update
+    (BatchNorm statistics would have seen the next step's forward). Elsewhere it is the synchronous check, silently.
+    True also runs with those (precursors off; buffers as after the next step's forward; 'continue' skips
+    non-finite updates) and falls back, with one warning, only for an optimizer without found_inf support, an
+    enabled GradScaler, verify_update, or ranks whose collectives run on another device than the parameters. Either way the micro-batches are kept by reference one step
+    longer (a loader must not reuse its tensors). On CPU it works the same (and saves nothing)."""
     verify_update: bool = False
     """Debug mode: copy the state before every optimizer step and check the parameters after it, so an
     update that makes weights non-finite (e.g. Adam eps=0) is dumped with its pre-step state. Costs a

@@ -1,15 +1,18 @@
 """The in-job Guard: records each step's micro-batches and RNG, detects faults, writes the dump, applies policy.
 
 A healthy step costs an RNG snapshot per micro-batch (host only), one fused grad-norm reduction when the loop passes
-none, and exactly one device->host transfer (in `check`; tests/capture/test_healthy_cost.py counts them); under
+none, and no device->host transfer with a fused optimizer in one process (the sync-free check, judged one step later:
+capture/check/sync_free.py), else exactly one (in `check`; tests/capture/test_healthy_cost.py counts both); under
 torchrun one all-reduce more, so that every rank triggers on the same step (capture/check/agreement.py).
-DetectionConfig(sync_free=True) removes the transfer for fused optimizers (capture/check/sync_free.py).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import logging
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -19,6 +22,7 @@ from capture.check.agreement import default_run_id, unwrap_model
 from capture.check.step import StepCheck
 from capture.check.update import UpdateCheck
 from capture.config import GuardConfig
+from capture.dump.budget import DumpBudget
 from capture.dump.dumper import Dumper
 from capture.precursors import monitor
 from capture.raised import exceptions
@@ -79,10 +83,11 @@ class Guard:
         self.window = FlightRecorder(config.recording.window_steps)  # the flight recorder (record/window.py)
         self.snapshots = HostSnapshots(config.recording.snapshot_every, config.recording.snapshot_count)
         self.precursors = monitor.attach(model, optimizer, scaler, config.precursors, window=self.window,
-                                         sync_free=config.detection.sync_free, add_hook=self.add_hook)  # or None
+                                         sync_free=config.detection.sync_free is True, add_hook=self.add_hook)  # or None
+        budget = DumpBudget(config)  # shared: the sync-free check asks it before a step is applied
         self.checks = StepCheck(config, self.state, self.history, self.window, self.snapshots, self.precursors,
-                                self.add_hook)
-        self.dumper = Dumper(config, self.run_id, self.state, self.history, self.window, self.snapshots,
+                                budget.spike_floor, self.add_hook)
+        self.dumper = Dumper(config, self.run_id, self.state, self.history, self.window, self.snapshots, budget,
                              on_device_lost=self.checks.device_lost)
         self.dumps: list[Path] = self.dumper.dumps  # written so far (a background write once it is complete)
         self.dump_errors: list[str] = self.dumper.errors  # why a dump was not written, one per failed attempt
@@ -97,6 +102,9 @@ class Guard:
         self.last_dumped_step: int | None = None  # one dumped already: it waits for the next
         if config.recording.capture_exceptions:
             exceptions.watch(self)
+        self._judge_at_exit = functools.partial(_judge_at_exit, weakref.ref(self))
+        if self.checks.sync_free is not None:  # a step judged one step late is still judged when the job just ends
+            atexit.register(self._judge_at_exit)
         if config.detection.verify_update:
             UpdateCheck(config, self.state, self.history, lambda: (self.step - 1, self.last_step),
                         self.handle_incident, self.add_hook)
@@ -142,7 +150,8 @@ class Guard:
         try:
             sync_free = self.checks.sync_free is not None and self.checks.sync_free.active()  # skipped on the device
             for incident in self.checks.incidents(record, grad_norm, self.step, sync_free):
-                decision = self.handle_incident(incident) or sync_free
+                # an earlier step's incident (judged late) does not decide this step
+                decision = self.handle_incident(incident) or (sync_free and incident.step != self.step)
         except TrainingFaultError as fault:
             self.last_step = record
             self.stopped = fault  # later exceptions outside a recorded step are not this step's (record_exception)
@@ -208,6 +217,10 @@ class Guard:
         """Dumps the step in progress because it raised `exc` (capture_errors(), the excepthook, Lightning's callback).
         Never raises; returns the dump's path, or None. Raised after check(), the optimizer's step hooks tell where:
         inside the update (`state_may_be_partial`) or after it, between steps (capture/raised/exceptions.py)."""
+        if exceptions.is_cuda_error(exc):
+            self.checks.device_lost()  # the step judged one step late can no longer be read
+        elif not (self.state.ranks.multi_rank and self.config.dumping.shard_replicas > 1):  # (buddy copies: a
+            self.judge_pending()  # collective the other ranks would not enter) the step before failed first
         try:
             incident = exceptions.raised_incident(
                 exc, self.recorder.current, step=self.step, last_step=self.last_step, stopped=self.stopped,
@@ -228,12 +241,23 @@ class Guard:
         self._hooks.append(handle)
 
     def flush(self) -> None:
-        """GuardConfig.detection.sync_free: judges the last checked step now (dump, policy); a no-op otherwise.
-        Raises TrainingFaultError under the 'raise' policy, when that step was non-finite."""
+        """The sync-free check (by default with a fused optimizer): judges the last checked step now (dump, policy); a
+        no-op otherwise. Raises TrainingFaultError under the 'raise' policy, when that step failed."""
         self.checks.flush(self.step, report=self.handle_incident)
 
+    def judge_pending(self) -> None:
+        """flush() for a job that is going down anyway (an exception, the interpreter's exit): never raises; a
+        TrainingFaultError for the pending step is logged (its dump is written)."""
+        try:
+            self.flush()
+        except TrainingFaultError as fault:
+            log.error("forensics: %s", fault)
+        except Exception:  # the job is already ending
+            log.exception("forensics: judging the last checked step failed")
+
     def close(self, timeout: float | None = None) -> None:
-        """Judges a step still pending (sync_free), waits for background dump writes, removes the hooks."""
+        """Judges a step still pending (sync-free check), waits for background dump writes, removes the hooks."""
+        atexit.unregister(self._judge_at_exit)
         try:
             self.flush()
         finally:
@@ -248,3 +272,10 @@ class Guard:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _judge_at_exit(guard: "weakref.ref[Guard]") -> None:
+    """atexit: a Guard still open judges its last checked step (sync-free: it may be the one that failed)."""
+    live = guard()
+    if live is not None:
+        live.judge_pending()

@@ -70,8 +70,8 @@ class DeviceFence:
         return self.settled
 
     def wait(self) -> None:
-        """Blocks until every event has completed."""
-        if not self.settled:
+        """Blocks until every event has completed (no blocking call when they have: one query each first)."""
+        if not self.poll():
             for event in self._events:
                 event.synchronize()
             self.settled = True

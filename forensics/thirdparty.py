@@ -183,10 +183,14 @@ def tree_leaves(tree: Any) -> list[Any]:
 
 def optimizer_honours_found_inf(optimizer: Any) -> bool:
     """Whether the optimizer's step() takes GradScaler's `found_inf` itself and skips a non-finite step on the
-    device (fused Adam / AdamW / SGD), with no host sync.
+    device (fused Adam / AdamW / SGD / Adagrad), with no host sync. The optimizer's own attribute only: a wrapper that
+    forwards attribute reads to the optimizer it wraps (Accelerate's, Lightning's) would take `found_inf` on itself,
+    where the fused step never sees it.
 
-    torch >= 2.0: `Optimizer._step_supports_amp_scaling`; checked on torch 2.13 (CPU)."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+    torch >= 2.0: `Optimizer._step_supports_amp_scaling`, set in the instance by a fused optimizer's __init__; checked
+    on torch 2.13 (CPU)."""
+    return bool(vars(optimizer).get("_step_supports_amp_scaling", False)) if hasattr(optimizer, "__dict__") \
+        else False
 
 
 def grad_scaler_scale(scaler: Any) -> torch.Tensor | None:

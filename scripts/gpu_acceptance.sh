@@ -156,5 +156,32 @@ replay_reproduces() {  # DUMP_FILE REPORT_DIR: the replay of the dump named in D
   echo "$said"; echo "replay-exit=$rc"; ! grep -q DCGM <<<"$said" && { [ "$rc" -eq 0 ] || [ "$rc" -eq 4 ]; }; }
 step natural_fp16_replay_spike 0 replay_reproduces $d/nat/spike_dump.txt "$out/nat_spike"
 step natural_fp16_replay_crash 0 replay_reproduces $d/nat/crash_dump.txt "$out/nat_crash"
+# 14. the sync-free check, the default with a fused optimizer in one process (issue 32): no sync inside check(), a NaN
+#     step skipped on the device and dumped exactly one step late, a spike the budget dumps held on the device; the
+#     natural runs without a GradScaler with their optimizer fused; then what a healthy step costs: the short bench
+#     (syncs per step in CUDA's sync debug mode), nanoGPT's step and FSDP2 1.47 B on 2 GPUs (plain vs guarded,
+#     interleaved rounds). The overhead steps are measurements: run them with STEPS (not in a plain run).
+step sync_free_check 0 python3 -m scripts.check_sync_free --device cuda:0
+for sc in lr_too_high spiky_late; do
+  step natural_${sc}_fused 0 timeout 300 python3 tests/natural/natural_job.py $d/natural-f --scenario $sc \
+    --device cuda:0 --fused
+done
+step extra_overhead_short 0 timeout 300 python3 -m scripts.bench.capture_overhead --rounds 6 --steps 10
+step extra_overhead_nanogpt 0 timeout 480 python3 -m scripts.bench.capture_overhead --config nanogpt --rounds 10 \
+  --steps 10
+step extra_overhead_fsdp2 0 timeout 480 torchrun --nproc_per_node=2 -m scripts.bench.capture_overhead --config fsdp2 \
+  --rounds 10 --steps 10
+# the FSDP2 step's time moves 20 % between rounds of 10 steps: plain and guarded alone, 2 steps per mode per round
+step extra_overhead_fsdp2_paired 0 timeout 480 torchrun --nproc_per_node=2 -m scripts.bench.capture_overhead \
+  --config fsdp2 --modes guarded,synchronous --rounds 20 --steps 10
+# FSDP2 with a fused AdamW (the sync-free check across ranks: found_inf on DTensor parameters over NCCL): the NaN step
+# is skipped on the device by both ranks and dumped one step late; the one-GPU replay names the sample
+step fsdp2_fused 0 timeout 420 torchrun --nproc_per_node=2 scripts/examples/fsdp2_example.py --model llama --size 1b \
+  --bf16 --poison-value inf --fused --dump-dir $d --run-id fsdpfused
+step fsdp2_fused_replay 0 python3 -m forensics.cli replay $d/fsdpfused/step-000000003 --rank 1 --device cuda:0 \
+  -o "$out/fsdpfused"
+wanted fsdp2_fused_replay && names_sample fsdp2_fused "$out/fsdpfused" 29
+wanted fsdp2_fused && must_say fsdp2_fused "one step late"
+rm -rf $d/fsdpfused
 echo "--- summary ($(cat "$out/date.txt"))"; cat "$out/summary.txt"
 [ "$failed" -eq 0 ] && echo "all GPU acceptance steps passed; logs in $out" || { echo "some GPU acceptance steps FAILED"; exit 1; }

@@ -123,7 +123,7 @@ def _scalar(value: Any, device: torch.device) -> torch.Tensor:
 
 def agree(values: list[Any], n_losses: int, *, divisor: float, min_loss_scale: float,
           sharded_grad_norm: bool, precursor_fired: bool = False) -> tuple[list[float | None], Agreement]:
-    """The step's one all-reduce and its one device->host transfer.
+    """The step's one all-reduce and its one device->host transfer (launch() and settle(), read at once).
 
     Args:
         values: `[*micro-batch losses, grad norm, loss scale]`, each a tensor, a number or None (unknown).
@@ -136,6 +136,20 @@ def agree(values: list[Any], n_losses: int, *, divisor: float, min_loss_scale: f
         `values` as host numbers (None stays None; the grad norm is the global one when sharded), and
         the Agreement, identical on every rank.
     """
+    launched = launch(values, n_losses, divisor=divisor, min_loss_scale=min_loss_scale,
+                      sharded_grad_norm=sharded_grad_norm, precursor_fired=precursor_fired)
+    return settle(launched.tolist(), values, n_losses, sharded_grad_norm)  # the one device->host transfer
+
+
+STATS = 8
+"""The summed statistics at the end of launch()'s vector (settle() reads them)."""
+
+
+def launch(values: list[Any], n_losses: int, *, divisor: float, min_loss_scale: float,
+           sharded_grad_norm: bool, precursor_fired: bool = False) -> torch.Tensor:
+    """The step's all-reduce, queued and not read: `[*values, *STATS summed statistics]` as float64 on the
+    collective device (agree()'s arguments). The sync-free check derives its device flags from it and reads it one
+    step later (capture/check/sync_free.py)."""
     device = collective_device()
     source = next((v.device for v in values if isinstance(v, torch.Tensor) and v.device.type != "cpu"), device)
     if device.type != "cpu":
@@ -160,8 +174,24 @@ def agree(values: list[Any], n_losses: int, *, divisor: float, min_loss_scale: f
     precursor = torch.full((), 1.0 if precursor_fired else 0.0, dtype=torch.float64, device=device)
     stats = torch.stack([loss_fault, grad_fault, step_loss, has_losses, shard_sq, norm_sum, has_norm, precursor])
     torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.SUM)
-    fetched = torch.cat([vector, stats]).tolist()  # the one device->host transfer of the step
-    loss_faults, grad_faults, loss_sum, ranks_with_losses, norm_sq, norms, ranks_with_norm, precursors = fetched[-8:]
+    return torch.cat([vector, stats])
+
+
+def agreed_on_device(launched: torch.Tensor, sharded_grad_norm: bool) -> tuple[torch.Tensor, torch.Tensor,
+                                                                              torch.Tensor]:
+    """From launch()'s vector, on its device: (some rank saw a fault, the agreed step loss, the agreed grad norm), the
+    numbers settle() gives the host (the same float64 operations; a loss or norm no rank had reads 0)."""
+    loss_faults, grad_faults, loss_sum, ranks_with_losses, norm_sq, norms, ranks_with_norm, _ = launched[-STATS:]
+    step_loss = loss_sum / ranks_with_losses.clamp(min=1.0)
+    norm = norm_sq.sqrt() if sharded_grad_norm else norms / ranks_with_norm.clamp(min=1.0)
+    return (loss_faults + grad_faults) > 0, step_loss, norm
+
+
+def settle(fetched: list[float], values: list[Any], n_losses: int, sharded_grad_norm: bool
+           ) -> tuple[list[float | None], Agreement]:
+    """launch()'s vector read on the host (`fetched`) as agree() returns it: the host numbers and the Agreement."""
+    loss_faults, grad_faults, loss_sum, ranks_with_losses, norm_sq, norms, ranks_with_norm, precursors = \
+        fetched[-STATS:]
     host = [None if v is None else fetched[i] for i, v in enumerate(values)]
     agreed_norm: float | None
     if sharded_grad_norm:

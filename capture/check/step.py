@@ -1,5 +1,5 @@
-"""The check a step gets: the synchronous one (capture/check/sync.py), or the sync-free one
-(capture/check/sync_free.py) when DetectionConfig.sync_free asks for it and the optimizer supports it.
+"""The check a step gets: the sync-free one (capture/check/sync_free.py) where DetectionConfig.sync_free and the
+optimizer allow it (by default: where the dumps stay exact), else the synchronous one (capture/check/sync.py).
 
 Either way a check only reports: it yields the Incidents the Guard then dumps and applies its policy to.
 """
@@ -30,15 +30,17 @@ class StepCheck:
     Args:
         config, state, history, window, snapshots, precursors: what the checks read and feed (capture/check/sync.py);
             the detectors (StepDetectors) are the check's own.
+        spike_floor: the dump budget's DumpBudget.spike_floor (the sync-free check asks it before a step's update).
         add_hook: keeps the optimizer hook the sync-free mode installs (the Guard removes it at close()).
     """
 
     def __init__(self, config: GuardConfig, state: StateSource, history: History, window: FlightRecorder,
-                 snapshots: HostSnapshots, precursors: PrecursorMonitor | None, add_hook: Callable[[Any], None]):
+                 snapshots: HostSnapshots, precursors: PrecursorMonitor | None,
+                 spike_floor: Callable[[int], float | None], add_hook: Callable[[Any], None]):
         self.detectors = StepDetectors(config)
         self.sync = SyncCheck(config, self.detectors, state, history, window, snapshots, precursors)
-        self.sync_free = SyncFree(config, self.detectors, state, history, add_hook) if config.detection.sync_free \
-            else None
+        self.sync_free = None if config.detection.sync_free is False else \
+            SyncFree(config, self.detectors, state, history, window, spike_floor, add_hook)
 
     def incidents(self, record: StepRecord, grad_norm: Any, step: int, sync_free: bool) -> Iterable[Incident]:
         """The Incidents of this check of `step` (none on a healthy step: the hot path makes no generator).
@@ -57,7 +59,12 @@ class StepCheck:
         incident = deferred.resolve(step)
         if incident is not None:
             yield incident
-        deferred.start(record, grad_norm, step)
+        if deferred.active():
+            deferred.start(record, grad_norm, step)
+            return
+        incident = self.sync.check(record, grad_norm, step)  # the judgment just turned the check synchronous
+        if incident is not None:
+            yield incident
 
     def flush(self, step: int, report: Callable[[Incident], Any]) -> None:
         """Sync-free: judges the step still waiting (Guard.flush / close) and `report`s its Incident, if it failed.

@@ -1,25 +1,29 @@
-"""The Guard's sync-free mode (GuardConfig.detection.sync_free): the step is skipped on the device, judged one step
-later.
+"""The Guard's sync-free check (GuardConfig.detection.sync_free; by default wherever the dumps stay exact): a step that
+must not be applied is skipped on the device, and every step is judged one step later. In one process or across
+ranks (their agreement all-reduce queued on the device, capture/check/agreement.py launch()).
 
-The default check reads the step's losses and grad norm on the host before optimizer.step(), which
-stalls the host until the GPU has finished backward, so the optimizer's kernel launches are no longer
-hidden behind GPU work. Here, for optimizers whose step() honours the `found_inf` / `grad_scale`
-attributes GradScaler sets (`_step_supports_amp_scaling`: fused Adam / AdamW / SGD / Adagrad):
+The synchronous check reads the step's losses and grad norm on the host before optimizer.step(), which stalls the
+host until the GPU has finished backward, so the optimizer's and the next step's kernel launches are no longer hidden
+behind GPU work (~1.5 % of a GPT-2 step on an H200: BENCHMARKS.md). Here, for optimizers whose step() honours the
+`found_inf` / `grad_scale` attributes GradScaler sets (`_step_supports_amp_scaling`: fused Adam / AdamW / SGD /
+Adagrad):
 
-1. check() computes on the device a 0/1 `found_inf` = "some micro-batch loss or the grad norm is
-   non-finite" and sets `optimizer.found_inf`, `optimizer.grad_scale = None`. The user's plain
-   optimizer.step() then skips the update on the device when it is 1: the fused kernel returns early
-   and undoes the step counter it had just incremented (torch/optim/adam.py `_fused_adam`). A step
-   post-hook removes both attributes, as GradScaler.step does with `del`.
-2. check() starts a non-blocking copy of the step's scalars into a (pinned) host buffer, records a
-   CUDA event and returns True without waiting.
-3. The next check() (or Guard.flush() / Guard.close()) reads those scalars (the event is long
-   complete unless the host runs more than a step ahead), feeds the history and the detectors, and
-   applies the policy to that step. A non-finite step was not applied, so the state at that moment
-   IS its pre-step state: it is dumped with that step's micro-batches, RNG, losses, and the scheduler
-   state and optimizer hyper-parameters saved at its check.
-
-Limits: see the GuardConfig.detection.sync_free docstring (capture/config.py).
+1. start() computes on the device a 0/1 `found_inf`: "a micro-batch loss or the grad norm is non-finite, or the step
+   is a spike that the synchronous check would dump (or skip / raise on)". The spike thresholds are known before the
+   step (the detectors' windows hold the steps before it) and so is whether the dump budget would take a spike here
+   and of what size (DumpBudget.spike_floor); the device compares the step's numbers in float64, the same numbers the
+   host judges later. It sets `optimizer.found_inf`, `optimizer.grad_scale = None`: the user's plain
+   optimizer.step() then skips the update on the device when the flag is 1 (the fused kernel returns early and undoes
+   the step counter it had just incremented: torch/optim/adam.py `_fused_adam`). A step post-hook removes both
+   attributes, as GradScaler.step does with `del`.
+2. start() also queues a non-blocking copy of the step's numbers and the flag into a pinned host buffer, records a
+   CUDA event and returns without waiting.
+3. resolve(), at the next check() (or Guard.flush() / close(), an uncaught exception, the interpreter's exit), reads
+   the numbers (the event is long complete unless the host runs more than a step ahead), feeds the history, the
+   flight recorder and the detectors, and reports the step's Incident. A step the device skipped was not applied, so
+   the state at that moment IS its pre-step state: it is dumped with that step's micro-batches, RNG, losses, and the
+   scheduler state and optimizer hyper-parameters saved at its check. A spike the budget would not dump was applied
+   and is only counted, as the synchronous check counts it.
 """
 
 from __future__ import annotations
@@ -32,42 +36,50 @@ from typing import Any, Callable, cast
 
 import torch
 
+from capture.check.agreement import STATS, Agreement, agreed_on_device, collective_device, launch, settle
 from capture.check.detectors import StepDetectors, clipped
 from capture.config import GuardConfig
 from capture.record.history import History
 from capture.record.incident import Incident, Undumpable, StepRecord
-from capture.state import snapshot
+from capture.record.window import FlightRecorder, WindowStep
+from capture.state import sharding, snapshot
 from capture.state.source import StateSource
 from forensics.device_sync import DeviceFence, quarantine
+from forensics.kinds import Policy, TriggerKind
 from forensics.thirdparty import optimizer_honours_found_inf
+from forensics.trigger import Trigger
 
 log = logging.getLogger(__name__)
 
-LATE = " (sync_free: detected one step late, at the next step's check; this step's update was skipped on the device)"
-SPIKE_LATE = " (detected one step late)"
-SPIKE_NOT_DUMPED = Undumpable("sync_free: seen one step late, after its update", "sync_free",
-                             "sync_free mode does not dump spikes (the spike step's update was already applied)")
+LATE = " (sync-free check: judged one step late, at the next step's check; this step's update was skipped on the device)"
+HELD = (" (sync-free check: judged one step late, at the next step's check; its update was held back on the device so that "
+        "the dump holds its exact pre-step state: this one batch is not trained on)")
+SPIKE_APPLIED = Undumpable("sync-free check: its update was applied before it was judged", "sync_free",
+                           "the sync-free check does not dump a spike the dump budget had no place for when its "
+                           "update was applied")
 
 
 @dataclass
 class Pending:
-    """A step whose scalars are on their way to the host."""
+    """A step whose numbers are on their way to the host."""
 
     step: int
     record: StepRecord
     n_losses: int
-    host: dict[int, float | None]  # values already on the host (Python numbers, tensors off the device)
-    device_index: list[int]  # positions of the values in `buffer`
-    buffer: torch.Tensor
+    has_norm: bool
+    buffer: torch.Tensor  # [*losses, grad norm, step loss, skipped] (float64) once `landed` is passed
     landed: DeviceFence  # passed once `buffer` holds the values (CPU: at once, the copy was synchronous)
     lr: float | None
     scheduler: dict | None
     hyper: list[dict]
     divisor: float
+    sharded_norm: bool | None = None  # several ranks: `buffer` is agreement.launch()'s vector, then skipped; the
+    # grad norm is a shard's (assembled by the all-reduce) when True
+    overridden: bool = False  # another found_inf (a GradScaler the Guard was not given) replaced this step's flag
 
 
 def unsupported(config: GuardConfig, state: StateSource) -> str | None:
-    """Why the sync-free mode cannot run for this state and configuration (None: it can)."""
+    """Why the sync-free check cannot run for this state and configuration (None: it can)."""
     optimizer, scaler = state.optimizer, state.scaler
     if not optimizer_honours_found_inf(optimizer):
         return (f"{type(optimizer).__name__} does not honour found_inf (only fused optimizers do, e.g. "
@@ -77,75 +89,171 @@ def unsupported(config: GuardConfig, state: StateSource) -> str | None:
     if config.detection.verify_update:
         return "verify_update copies the state before every step"
     if state.ranks.multi_rank:
-        return "several ranks must agree on each step before it is applied"
+        param = next((p for group in optimizer.param_groups for p in group["params"]), None)
+        collective = collective_device()
+        if param is not None and param.device.type != collective.type:
+            return (f"the ranks agree over {collective.type} while the parameters are on {param.device.type}: "
+                    "reading across them would wait for the device")
+    return None
+
+
+def not_by_default(config: GuardConfig, state: StateSource) -> str | None:
+    """Why the default (DetectionConfig.sync_free None) keeps the synchronous check (None: it runs sync-free): what
+    unsupported() says, or a setting whose behaviour the sync-free check would change."""
+    reason = unsupported(config, state)
+    if reason is not None:
+        return reason
+    if config.detection.on_nonfinite is Policy.CONTINUE:
+        return "on_nonfinite='continue' applies a non-finite update, which the sync-free check would skip"
+    if config.precursors is not None:
+        return "the precursor monitor reads its statistics at check()"
+    if config.recording.snapshot_every:
+        return "host snapshots are taken at check()"
+    if config.dumping.recheck:
+        return "the in-job recheck runs at check()"
+    if state.buffers.tracks_any():
+        return ("the model has persistent buffers its forward may update (e.g. BatchNorm statistics): the next "
+                "step's forward would reach them before the step is judged")
     return None
 
 
 class SyncFree:
-    """Guard.check in sync-free mode; falls back to the synchronous check (one warning) when unsupported.
+    """Guard.check without a device->host sync; falls back to the synchronous check where it cannot run (one warning
+    when it was asked for).
 
-    `resolve()` judges the step started last and `start()` launches this one's copies; the Guard dumps the
-    Incident resolve() returns and applies its policy.
+    `resolve()` judges the step started last and `start()` launches this one's; the Guard dumps the Incident resolve()
+    returns and applies its policy.
 
     Args:
-        config: the Guard's configuration; detectors: its StepDetectors; history: the history this mode feeds.
-        state: the state source (optimizer, scheduler, grad norm, the pre-step state of a non-finite step).
+        config: the Guard's configuration; detectors: its StepDetectors; history, window: the recorders this check
+            feeds; spike_floor: the dump budget's DumpBudget.spike_floor (capture/dump/budget.py): the size a spike at
+            a step must exceed to be dumped, asked before the step so the device knows whether its update must wait.
+        state: the state source (optimizer, scheduler, grad norm, the pre-step state of a skipped step).
         add_hook: keeps the optimizer step hook this mode installs (the Guard removes it at close()).
     """
 
     def __init__(self, config: GuardConfig, detectors: StepDetectors, state: StateSource, history: History,
-                 add_hook: Callable[[Any], None]):
-        self.config, self.detectors, self.state, self.history = config, detectors, state, history
-        self.add_hook = add_hook
+                 window: FlightRecorder, spike_floor: Callable[[int], float | None], add_hook: Callable[[Any], None]):
+        self.config, self.detectors, self.state, self.history, self.window = config, detectors, state, history, window
+        self.spike_floor, self.add_hook = spike_floor, add_hook
         self.pending: Pending | None = None
         self._active: bool | None = None  # decided at the first check
+        self._flag: torch.Tensor | None = None  # the found_inf this check handed the optimizer for its next step
 
     def active(self) -> bool:
-        """Whether this Guard can run sync-free (decided once, at the first check; one warning if not)."""
+        """Whether this Guard runs sync-free (decided once, at the first check; one warning if it was asked for and
+        cannot)."""
         if self._active is None:
-            reason = unsupported(self.config, self.state)
+            asked = self.config.detection.sync_free is True
+            reason = unsupported(self.config, self.state) if asked else not_by_default(self.config, self.state)
             self._active = reason is None
-            if reason:
+            if reason is None:
+                self.add_hook(self.state.optimizer.register_step_post_hook(self._after_step))
+            elif asked:
                 log.warning("forensics: GuardConfig.detection.sync_free is ignored: %s; using the synchronous check",
                             reason)
             else:
-                self.add_hook(self.state.optimizer.register_step_post_hook(_clear_found_inf))
+                log.info("forensics: the synchronous check (one device->host read per step): %s", reason)
         return self._active
 
     def start(self, record: StepRecord, grad_norm: Any, step: int) -> None:
-        """This step's half of the sync-free check (call only when active(), after resolve())."""
-        state = self.state
-        optimizer = state.optimizer
+        """This step's half of the check (call only when active(), after resolve())."""
+        state, optimizer = self.state, self.state.optimizer
+        sharded = False
         if grad_norm is None:
-            grad_norm = state.grad_norm()
+            grad_norm, sharded = state.grad_norm(), state.sharded_grad_norm
+        grad_norm = sharding.host_norm(grad_norm)
         param = next((p for group in optimizer.param_groups for p in group["params"]), None)
         device = param.device if param is not None else torch.device("cpu")
-        values = [*record.losses, grad_norm]
-        device_index = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and v.device == device]
-        # Off-device values are read on the host; a Python number is never moved to the device (a pageable
-        # host->device copy waits for the stream like a sync).
-        host = {i: None if v is None else float(v.detach().float().mean()) if isinstance(v, torch.Tensor)
-                else float(v) for i, v in enumerate(values) if i not in device_index}
-        host_bad = any(v is not None and not math.isfinite(v) for v in host.values())
-        pinned = device.type == "cuda"
-        if device_index:
-            stacked = torch.stack([values[i].detach().float().mean() for i in device_index])
-            found_inf = (~torch.isfinite(stacked)).any().float()
-            if host_bad:
-                found_inf = torch.ones((), device=device)
-            buffer = torch.empty(len(device_index), dtype=torch.float32, pin_memory=pinned)
-            buffer.copy_(stacked, non_blocking=pinned)
+        n, has_norm = len(record.losses), grad_norm is not None
+        divisor = record.divisor(self.config.detection.loss_divisor)
+        if state.ranks.multi_rank:
+            parts, skip = self._agreed_numbers(record, grad_norm, divisor, sharded, step)
         else:
-            found_inf = torch.full((), float(host_bad), device=device)
-            buffer = torch.empty(0)
-        optimizer.found_inf = found_inf  # the fused step skips the update (and undoes its step count) when 1
+            parts, skip = self._own_numbers(record, grad_norm, divisor, device, step)
+        found_inf = skip.float()
+        optimizer.found_inf = self._flag = found_inf  # the fused step skips the update (and undoes its count) when 1
         optimizer.grad_scale = None
-        landed = DeviceFence([device] if pinned else [])
+        numbers = torch.cat([*parts, found_inf.double().reshape(1)])
+        device = numbers.device
+        pinned = device.type == "cuda"
+        buffer = torch.empty(numbers.shape, dtype=torch.float64, pin_memory=pinned)
+        buffer.copy_(numbers, non_blocking=pinned)
         hyper = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in group.items() if k != "params"}
                  for group in optimizer.param_groups]
-        self.pending = Pending(step, record, len(record.losses), host, device_index, buffer, landed,
+        self.pending = Pending(step, record, n, has_norm, buffer, DeviceFence([device] if pinned else []),
                                snapshot.current_lr(optimizer), snapshot.scheduler_state(state.scheduler), hyper,
-                               record.divisor(self.config.detection.loss_divisor))
+                               divisor, sharded if state.ranks.multi_rank else None)
+
+    def _own_numbers(self, record: StepRecord, grad_norm: Any, divisor: float, device: torch.device,
+                     step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """One process: the pieces of `[*losses, grad norm, step loss]` (float64, on the parameters' device) and the
+        skip flag."""
+        n, has_norm = len(record.losses), grad_norm is not None
+        values = torch.stack([_scalar(v, device) for v in [*record.losses, grad_norm if has_norm else math.nan]])
+        values = values if values.dtype == torch.float64 else values.double()
+        step_loss = values[:n].sum() / divisor if n else None
+        watched = values if has_norm else values[:n]
+        skip = (~torch.isfinite(watched)).any() if watched.numel() else torch.zeros((), dtype=torch.bool,
+                                                                                  device=device)
+        spike = self._spike_to_hold(step_loss, values[n] if has_norm else None, step)
+        skip = skip | spike if spike is not None else skip
+        return [values, (step_loss if step_loss is not None else values.new_zeros(())).reshape(1)], skip
+
+    def _agreed_numbers(self, record: StepRecord, grad_norm: Any, divisor: float, sharded: bool,
+                        step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Several ranks: the agreement all-reduce queued (capture/check/agreement.py launch(): `[*losses, grad norm,
+        loss scale, *summed statistics]`) and the skip flag from the agreed numbers, identical on every rank."""
+        launched = launch([*record.losses, grad_norm, None], len(record.losses), divisor=divisor,
+                          min_loss_scale=self.config.detection.min_loss_scale, sharded_grad_norm=sharded)
+        fault, step_loss, norm = agreed_on_device(launched, sharded)
+        stats = launched[-STATS:]
+        spike = self._spike_to_hold(step_loss, norm, step, loss_known=stats[3] > 0,
+                                    norm_known=None if sharded else stats[6] > 0)
+        return [launched], fault | spike if spike is not None else fault
+
+    def _spike_to_hold(self, step_loss: torch.Tensor | None, norm: torch.Tensor | None, step: int,
+                       loss_known: torch.Tensor | None = None, norm_known: torch.Tensor | None = None
+                       ) -> torch.Tensor | None:
+        """A device flag: the step is a spike whose update must wait for its judgment, because its dump needs the
+        pre-step state (the budget takes it) or the policy skips or raises. Mirrors StepDetectors.detect: a loss spike
+        is judged first; a grad-norm spike only when the loss did not spike. `loss_known` / `norm_known`: device flags
+        that the (agreed) value exists (several ranks: some rank had one). None: no spike can be held."""
+        if self.config.detection.on_spike is Policy.CONTINUE:
+            floor = self.spike_floor(step)  # None: the budget would dump no spike at this step
+            if floor is None:
+                return None
+        else:
+            floor = -math.inf
+        detectors = self.detectors
+        loss_limit, norm_limit = detectors.loss.threshold(), detectors.grad_norm.threshold()
+        held = loss_fires = None
+        if step_loss is not None and loss_limit is not None:
+            loss_fires = step_loss > loss_limit
+            loss_fires = loss_fires & loss_known if loss_known is not None else loss_fires
+            held = _held(loss_fires, step_loss, loss_limit, floor)
+        if norm is not None and norm_limit is not None:
+            norm_fires = norm > norm_limit
+            norm_held = _held(norm_fires & norm_known if norm_known is not None else norm_fires, norm, norm_limit,
+                              floor)
+            if loss_fires is not None:
+                norm_held = norm_held & ~loss_fires
+            held = norm_held if held is None else held | norm_held
+        return held
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Step post-hook: the attributes apply to one step only (GradScaler deletes its own the same way). A flag
+        that is not this check's means a GradScaler stepped the optimizer with its own found_inf: this step was not
+        held back, and the check turns synchronous (said once) after judging it."""
+        flag, self._flag = self._flag, None
+        if flag is None:
+            return
+        if getattr(optimizer, "found_inf", None) is flag:
+            for name in ("found_inf", "grad_scale"):
+                if hasattr(optimizer, name):
+                    delattr(optimizer, name)
+        elif self.pending is not None:
+            self.pending.overridden = True
 
     def quarantine(self) -> None:
         """A CUDA error poisoned the context: the pending step's pinned buffer is never freed (see
@@ -155,44 +263,77 @@ class SyncFree:
             self.pending = None
 
     def resolve(self, step: int) -> Incident | None:
-        """Judges the pending step, if any (`step`: the one being checked now): history and detectors fed, its
-        Incident returned when a detector fired."""
+        """Judges the pending step, if any (`step`: the one being checked now): history, flight recorder and
+        detectors fed, its Incident returned when a detector fired."""
         pending, self.pending = self.pending, None
         if pending is None:
             return None
         pending.landed.wait()
-        values: list[float | None] = [None] * (pending.n_losses + 1)
-        for i, v in pending.host.items():
-            values[i] = v
-        for i, v in zip(pending.device_index, pending.buffer.tolist()):
-            values[i] = v
-        losses = cast("list[float]", values[:pending.n_losses])  # all filled in above
-        return self._judge(pending, losses, values[pending.n_losses], step)
+        numbers = pending.buffer.tolist()
+        n, skipped = pending.n_losses, numbers[-1] > 0 and not pending.overridden
+        if pending.overridden:
+            self._active = False
+            log.warning("forensics: step %d: the optimizer was stepped with another found_inf (a GradScaler the Guard "
+                        "was not given: Guard(model, optimizer, scaler=scaler)); the Guard could not hold a failing "
+                        "step back on the device and now reads each step before optimizer.step()", pending.step)
+        if pending.sharded_norm is None:
+            norm = numbers[n] if pending.has_norm else None
+            return self._judge(pending, numbers[:n], norm, numbers[n + 1] if n else None, skipped)
+        shape = [0.0] * n + [0.0 if pending.has_norm else None, None]  # which values were None (settle() keeps them)
+        host, agreed = settle(numbers[:-1], shape, n, pending.sharded_norm)
+        losses = cast("list[float]", host[:n])
+        return self._judge(pending, losses, host[n], sum(losses) / pending.divisor if losses else None, skipped,
+                           agreed)
 
-    def _judge(self, pending: Pending, losses: list[float], norm: float | None, step: int) -> Incident | None:
-        divisor = pending.divisor
-        step_loss = sum(losses) / divisor if losses else None
-        trigger = self.detectors.detect(losses, norm, step_loss, None)
-        spike = trigger is not None and trigger.kind.spike
-        self.history.append(pending.step, step_loss, norm, pending.lr, None,
-                            clipped(norm, self.config.detection.max_grad_norm), trigger is not None and not spike,
-                            self.detectors.note_suppressed(step))
+    def _judge(self, pending: Pending, losses: list[float], norm: float | None, step_loss: float | None,
+               skipped: bool, agreed: Agreement | None = None) -> Incident | None:
+        detection = self.config.detection
+        trigger = self.detectors.detect(losses, norm, step_loss, None, agreed)
+        if trigger is None and agreed is not None and agreed.fault:
+            trigger = Trigger(TriggerKind.NONFINITE_GRAD, norm, None, None,
+                              "another rank saw a non-finite loss or gradient at this step", local=False)
+        was_clipped = clipped(norm, detection.max_grad_norm)
+        self.history.append(pending.step, step_loss, norm, pending.lr, None, was_clipped, skipped,
+                            self.detectors.note_suppressed(pending.step))
+        self.window.append(WindowStep(pending.step, list(pending.record.sample_ids), list(pending.record.rng),
+                                      pending.lr, None, pending.divisor, step_loss, norm, was_clipped))
         if trigger is None:
             return None
         policy = self.config.policy_for(trigger.kind)
-        if spike:  # applied before it was seen: its pre-step state is gone, so it is not dumped
-            return Incident(dataclasses.replace(trigger, detail=trigger.detail + SPIKE_LATE), pending.step,
-                            pending.record, losses, norm, divisor, policy, undumpable=SPIKE_NOT_DUMPED)
-        trigger = dataclasses.replace(trigger, detail=trigger.detail + LATE)
-        state = self.state.collect(snapshot.HostCopy(enabled=False))
-        for group, hyper in zip(state["optimizer"]["param_groups"], pending.hyper):
-            group.update({k: snapshot.plain(v) for k, v in hyper.items()})
-        return Incident(trigger, pending.step, pending.record, losses, norm, divisor, policy, state=state,
-                        scheduler=pending.scheduler)
+        incident = Incident(trigger, pending.step, pending.record, losses, norm, pending.divisor, policy,
+                            scheduler=pending.scheduler, hyper=pending.hyper, agreed=agreed is not None)
+        if not skipped and trigger.kind.spike:  # applied before it was judged: the budget had no place for it (asked
+            # before the step), or a GradScaler's found_inf replaced the flag (it skips a non-finite step itself)
+            floor = self.spike_floor(pending.step)
+            limit = trigger.threshold if trigger.threshold is not None else math.inf  # a spike always has one
+            if floor is None or policy is Policy.CONTINUE and not _larger(trigger.value, limit, floor):
+                return incident  # the budget refuses it now too, and counts why, as for the synchronous check
+            return dataclasses.replace(incident, undumpable=SPIKE_APPLIED)  # never a dump of the state after it
+        late = HELD if trigger.kind.spike else LATE
+        return dataclasses.replace(incident, trigger=dataclasses.replace(trigger, detail=trigger.detail + late))
 
 
-def _clear_found_inf(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Step post-hook: the attributes apply to one step only (GradScaler deletes them the same way)."""
-    for name in ("found_inf", "grad_scale"):
-        if hasattr(optimizer, name):
-            delattr(optimizer, name)
+def _scalar(value: Any, device: torch.device) -> torch.Tensor:
+    """A 0-dim tensor on `device` holding `value` (a loss, a norm), made without waiting on the device: a device
+    tensor stays there (averaged when it is not a scalar); a CPU tensor or a Python number is read on the host and
+    filled in (a pageable host->device copy would wait for the stream)."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach()
+        if value.device == device:
+            return value if value.dim() == 0 and value.is_floating_point() else value.float().mean()
+        if value.device.type != "cpu":
+            return value.float().mean().to(device)
+        value = float(value.float().mean())
+    return torch.full((), float(value), dtype=torch.float64, device=device)
+
+
+def _larger(value: Any, limit: float, floor: float) -> Any:
+    """Whether a spike of `value` (a float64 device scalar, or its host number) over `limit` is larger than `floor` by
+    the dump budget's measure (capture/dump/budget.py spike_size): the same float64 division on either side."""
+    size = value / limit if limit > 0 else value
+    return size > floor
+
+
+def _held(fires: torch.Tensor, value: torch.Tensor, limit: float, floor: float) -> torch.Tensor:
+    """`fires`, and the spike larger than `floor` (no operator when any spike is held)."""
+    return fires if floor == -math.inf else fires & _larger(value, limit, floor)

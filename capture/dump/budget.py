@@ -25,6 +25,7 @@ LOG_EVERY_STEPS steps with a count (never once per step), and written in every l
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from dataclasses import dataclass, field
 
@@ -125,30 +126,51 @@ class DumpBudget:
                              "(GuardConfig.dumping.max_dumps)",
                              "max_dumps")
         with self._lock:
-            last = self._last_spike_step
-            if last is not None and step - last < config.dumping.min_spike_gap:
-                return Admission(f"a spike was dumped {step - last} steps ago (GuardConfig.dumping.min_spike_gap)",
-                                 "min_spike_gap")
             size = spike_size(value, threshold)
+            refusal = self._spike_refusal(step, size)
+            if refusal is not None:
+                return refusal
             kept = _Kept(step, size)
-            if config.dumping.max_spike_dumps == 0:
-                return Admission("spike dumps are off (GuardConfig.dumping.max_spike_dumps=0)", "off")
+            self._last_spike_step = step
             if self._first_spike is None:
                 self._first_spike = kept
             elif len(self._largest) + 1 < config.dumping.max_spike_dumps:
                 self._largest.append(kept)
             else:
-                smallest = min(self._largest, key=lambda k: k.size, default=None)
-                if smallest is None or size <= smallest.size:
-                    return Admission(f"it is not larger than the {config.dumping.max_spike_dumps} spike dumps kept "
-                                     "(the first "
-                                     "and the largest; GuardConfig.dumping.max_spike_dumps)", "smaller_than_kept")
+                smallest = min(self._largest, key=lambda k: k.size)  # _spike_refusal: there is one, and smaller
                 self._largest.remove(smallest)
                 self._largest.append(kept)
-                self._last_spike_step = step
                 return Admission(replaces=smallest, spike=kept)
-            self._last_spike_step = step
             return Admission(spike=kept)
+
+    def spike_floor(self, step: int) -> float | None:
+        """The size (value / threshold: spike_size) a spike at `step` must exceed to be dumped; -inf: any spike is,
+        None: none is (min_spike_gap, spike dumps off). Changes nothing: the sync-free check asks before the step's
+        update, on the device, whether a spike would be dumped (capture/check/sync_free.py), and admit() answers the
+        same at that step when nothing was admitted in between."""
+        with self._lock:
+            if self._spike_refusal(step, math.inf) is not None:
+                return None
+            if self._spike_refusal(step, -math.inf) is None:
+                return -math.inf
+            return min(k.size for k in self._largest)
+
+    def _spike_refusal(self, step: int, size: float) -> Admission | None:
+        """Why a spike of `size` at `step` is not dumped (None: it is). Call with the lock held; changes nothing."""
+        dumping = self.config.dumping
+        last = self._last_spike_step
+        if last is not None and step - last < dumping.min_spike_gap:
+            return Admission(f"a spike was dumped {step - last} steps ago (GuardConfig.dumping.min_spike_gap)",
+                             "min_spike_gap")
+        if dumping.max_spike_dumps == 0:
+            return Admission("spike dumps are off (GuardConfig.dumping.max_spike_dumps=0)", "off")
+        if self._first_spike is None or len(self._largest) + 1 < dumping.max_spike_dumps:
+            return None
+        smallest = min(self._largest, key=lambda k: k.size, default=None)
+        if smallest is None or size <= smallest.size:
+            return Admission(f"it is not larger than the {dumping.max_spike_dumps} spike dumps kept (the first and "
+                             "the largest; GuardConfig.dumping.max_spike_dumps)", "smaller_than_kept")
+        return None
 
     def failed(self, kind: TriggerKind, admission: Admission, multi_rank: bool) -> None:
         """The write failed: one process gives the place back (several ranks keep it: module docstring)."""

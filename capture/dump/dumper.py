@@ -50,12 +50,14 @@ class Dumper:
         config: the Guard's configuration; run_id: the run's dump folder.
         state: the state source: the objects whose state is dumped, the state, recipe and distribution.
         history, window, snapshots: the recorders whose contents go into every dump.
+        budget: the run's dump budgets (shared with the sync-free check, which asks it before a step is applied).
         on_device_lost: called when a dump finds the CUDA context unusable (sync_free's buffers are then never
             reused).
     """
 
     def __init__(self, config: GuardConfig, run_id: str, state: StateSource, history: History,
-                 window: FlightRecorder, snapshots: HostSnapshots, on_device_lost: Callable[[], None] = lambda: None):
+                 window: FlightRecorder, snapshots: HostSnapshots, budget: DumpBudget,
+                 on_device_lost: Callable[[], None] = lambda: None):
         self.config, self.run_id, self.state = config, run_id, state
         self.history, self.window, self.snapshots = history, window, snapshots
         self.on_device_lost = on_device_lost
@@ -68,9 +70,9 @@ class Dumper:
         environment.environment()  # versions, git commit: read now, not while a fault is being dumped
         self.dumps: list[Path] = []
         self.errors: list[str] = []
-        # The run's dump budgets (capture/dump/budget.py): a place is taken when a dump starts (background writes
-        # land later), identically on every rank; one process gives it back when its write fails.
-        self.budget = DumpBudget(config)
+        self.budget = budget
+        """The run's dump budgets (capture/dump/budget.py): a place is taken when a dump starts (background writes land
+        later), identically on every rank; one process gives it back when its write fails."""
         self._writer = BackgroundWriter()
 
     def admit(self, incident: Incident) -> Admission:
@@ -183,6 +185,8 @@ class Dumper:
         batches = [copy_tree(b, copy) for b in incident.record.batches]
         if incident.state is not None:  # collected earlier, live tensors: fence their devices too
             copy.cover(state)
+        for group, hyper in zip(state["optimizer"]["param_groups"], incident.hyper or ()):
+            group.update({k: snapshot.plain(v) for k, v in hyper.items()})  # the step's, saved at its check
         copy.finish()
         manifest = self._manifest(incident)
         held, release = self._lend_snapshot(incident.step, manifest) if "layout" not in state else (None, None)

@@ -42,7 +42,7 @@ class StepRecord:
 
 @dataclass(frozen=True)
 class Undumpable:
-    """Why an incident cannot be dumped at all (sync_free: a spike seen only after its update was applied)."""
+    """Why an incident cannot be dumped at all (sync-free check: a spike judged after its update was applied)."""
 
     why: str
     """The line the dump budget counts it under."""
@@ -65,9 +65,12 @@ class Incident:
     divisor: float
     policy: Policy
     state: dict | None = None
-    """Pre-step model / optimizer state already collected (sync-free, verify_update); None: collect now."""
+    """Pre-step model / optimizer state already collected (verify_update); None: collect now."""
     scheduler: dict | None = None
     """Scheduler state saved at the step's check (sync-free: the scheduler has moved on since)."""
+    hyper: list[dict] | None = None
+    """The optimizer's param-group hyper-parameters (lr, betas, ...) saved at the step's check, by group (sync-free:
+    the scheduler has changed them since); None: as they are at the dump."""
     exception: dict | None = None
     """The manifest's `exception` section when the step raised (capture/raised/exceptions.py)."""
     grad_norm_unscaled_by: float | None = None

@@ -45,6 +45,10 @@ class PreForwardBuffers:
             self._slots = []
             self._turn_off(f"the model's buffers could not be listed ({type(exc).__name__}: {exc})")
 
+    def tracks_any(self) -> bool:
+        """Whether the model has persistent buffers this copies before each step (its forward may update them)."""
+        return bool(self._slots) and not self.off
+
     def take(self) -> None:
         """Copies the buffers as they are now (call before the step's first forward)."""
         self.valid = False

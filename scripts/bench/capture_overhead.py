@@ -3,8 +3,8 @@
 GPU: GPT-2 small (124M), batch 8 x 1024 tokens, bf16 autocast, AdamW, 2 micro-batches per step.
 CPU: a small GPT-2 stand-in. Also counts device->host syncs per step with CUDA's sync debug mode.
 Modes: plain, logged (loss.item() each step), synced (a NaN check by hand), guarded_no_window (the Guard without
-its flight recorder, GuardConfig(window_steps=0)), guarded (the default Guard) and guarded_sync_free (GuardConfig(sync_free=True): no sync in check(); needs the fused AdamW used on CUDA, on CPU
-it falls back to the synchronous check with a warning).
+its flight recorder, GuardConfig(window_steps=0)), guarded (the default Guard: with the fused AdamW used on CUDA, the
+sync-free check, no sync in check()) and guarded_synchronous (GuardConfig(sync_free=False): one read in check()).
 Usage: python scripts/bench/capture_overhead.py [--rounds 6] [--steps 10]
 
 The two configurations of issue 32 (`--config`), each printing a ratio table (plain, guarded and guarded with
@@ -31,7 +31,7 @@ import warnings
 
 import torch
 
-from capture import Guard, GuardConfig
+from capture import DetectionConfig, Guard, GuardConfig, RecordConfig
 from scripts.bench.common import gpt2, machine, median, sync, timed
 
 
@@ -45,6 +45,8 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=1, help="host: micro-batches per step")
     parser.add_argument("--tiny", action="store_true", help="a CPU-sized model (checks that the script runs)")
     parser.add_argument("--no-compile", action="store_true", help="nanogpt without torch.compile")
+    parser.add_argument("--modes", default="", help="nanogpt / fsdp2: only these modes, comma-separated (plain always "
+                                                    "runs): plain, synced, guarded, synchronous, precursors")
     args = parser.parse_args()
     if args.config == "host":
         from scripts.bench.step_ratios import host_cost
@@ -52,7 +54,8 @@ def main() -> None:
         return
     if args.config != "short":
         from scripts.bench.step_ratios import run_config
-        run_config(args.config, args.rounds, args.steps, tiny=args.tiny, compile_model=not args.no_compile)
+        run_config(args.config, args.rounds, args.steps, tiny=args.tiny, compile_model=not args.no_compile,
+                   only=tuple(m for m in args.modes.split(",") if m))
         return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     size, batch, seq = ("small", 4, 1024) if device == "cuda" else ("tiny", 4, 128)
@@ -66,16 +69,15 @@ def main() -> None:
              "sample_ids": list(range(i * batch, (i + 1) * batch))} for i in range(micro)]
     for b in data:
         b["labels"] = b["input_ids"]
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=tempfile.mkdtemp(), on_nonfinite="continue"))
-    # sync_free needs an optimizer honouring found_inf: fused AdamW (used on CUDA here; CPU has it from torch 2.4)
-    free_guard = Guard(model, optimizer, config=GuardConfig(dump_dir=tempfile.mkdtemp(), on_nonfinite="continue",
-                                                            sync_free=True))
-    no_window = Guard(model, optimizer, config=GuardConfig(dump_dir=tempfile.mkdtemp(), on_nonfinite="continue",
-                                                           window_steps=0))
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=tempfile.mkdtemp()))
+    synchronous = Guard(model, optimizer, config=GuardConfig(dump_dir=tempfile.mkdtemp(),
+                                                             detection=DetectionConfig(sync_free=False)))
+    no_window = Guard(model, optimizer, config=GuardConfig(dump_dir=tempfile.mkdtemp(),
+                                                           recording=RecordConfig(window_steps=0)))
 
     def step(mode: str) -> None:
-        guarded = mode in ("guarded", "guarded_sync_free", "guarded_no_window")
-        g = {"guarded_sync_free": free_guard, "guarded_no_window": no_window}.get(mode, guard)
+        guarded = mode in ("guarded", "guarded_synchronous", "guarded_no_window")
+        g = {"guarded_synchronous": synchronous, "guarded_no_window": no_window}.get(mode, guard)
         for b in data:
             if guarded:
                 g.record_batch(b)
@@ -93,7 +95,7 @@ def main() -> None:
         if mode == "logged":  # what most loops do: log the loss every step (one sync)
             loss.item()
 
-    modes = ("plain", "logged", "synced", "guarded_no_window", "guarded", "guarded_sync_free")
+    modes = ("plain", "logged", "synced", "guarded_no_window", "guarded", "guarded_synchronous")
     for mode in modes * 2:  # warm-up: kernels, allocator, the guard's detectors
         step(mode)
     times = {mode: [] for mode in modes}

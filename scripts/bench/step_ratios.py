@@ -14,19 +14,21 @@ rank 0 prints (the step time is the slowest rank's: each step ends in the optimi
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import tempfile
 import time
 
 import torch
 
-from capture import Guard, GuardConfig, PrecursorConfig
+from capture import DetectionConfig, Guard, GuardConfig, PrecursorConfig
 from scripts.bench.common import machine, median, sync
 
-MODES = ("plain", "synced", "guarded", "precursors", "sync_free")
+MODES = ("plain", "synced", "guarded", "synchronous", "precursors")
 """plain: no read of its own; synced: the loop reads the grad norm before optimizer.step() (a NaN check by hand, one
-sync: what any exact check before the step costs); guarded: the default Guard; precursors: with PrecursorConfig();
-sync_free: GuardConfig(sync_free=True) (single process only: several ranks fall back to the synchronous check)."""
+sync: what any exact check before the step costs); guarded: the default GuardConfig (with a fused optimizer in one
+process or several: the sync-free check); synchronous: GuardConfig(sync_free=False), the check that reads the step
+before optimizer.step(); precursors: with PrecursorConfig() (which keeps the synchronous check)."""
 LLAMA_1B47 = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=26, num_attention_heads=16,
                   num_key_value_heads=16, vocab_size=32000)  # 1.467 B parameters
 LLAMA_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -104,7 +106,9 @@ def fsdp2_llama(tiny: bool, device: torch.device):
     return make, data, loss_of, words
 
 
-def run_config(config: str, rounds: int, steps: int, tiny: bool = False, compile_model: bool = True) -> None:
+def run_config(config: str, rounds: int, steps: int, tiny: bool = False, compile_model: bool = True,
+               only: tuple[str, ...] = ()) -> None:
+    """Times the configuration's modes (MODES; `only`: those of them, plain always included)."""
     distributed = config == "fsdp2"
     if distributed:
         torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -115,11 +119,11 @@ def run_config(config: str, rounds: int, steps: int, tiny: bool = False, compile
     make, data, loss_of, words = fsdp2_llama(tiny, device) if distributed else nanogpt(tiny, device, compile_model)
     dump_dir = tempfile.mkdtemp(prefix="fx-overhead-")
     runs = {}
-    modes = tuple(m for m in MODES if not (distributed and m == "sync_free"))
+    modes = tuple(m for m in MODES if not only or m in only or m == "plain")
     for mode in modes:
         model, optimizer = make()
         guard = None if mode in ("plain", "synced") else Guard(model, optimizer, config=GuardConfig(
-            dump_dir=dump_dir, run_id=mode, on_nonfinite="continue", sync_free=mode == "sync_free",
+            dump_dir=dump_dir, run_id=mode, detection=DetectionConfig(sync_free=False if mode == "synchronous" else None),
             precursors=PrecursorConfig() if mode == "precursors" else None))
         runs[mode] = (model, optimizer, Timed(guard) if guard is not None else None)
 
@@ -143,6 +147,9 @@ def run_config(config: str, rounds: int, steps: int, tiny: bool = False, compile
         for _ in range(40 if not tiny else 34):
             step(mode)
     sync(str(device))
+    gc.collect()
+    gc.freeze()  # the models' objects (millions with several FSDP2 models) leave the collector's walks: a walk that
+    # lands in one mode's round would count against that mode
     times: dict[str, list[float]] = {mode: [] for mode in modes}
     host: dict[str, list[float]] = {mode: [] for mode in modes}
     for index in range(rounds):
@@ -176,14 +183,18 @@ def report(config: str, words: str, device: torch.device, rounds: int, steps: in
     print(f"config {config}: {words}; device {device}")
     print(f"{rounds} interleaved rounds x {steps} steps per mode (order rotating); plain step spread between rounds "
           f"{100 * spread:.1f} %")
-    print(f"{'mode':<12} {'step (median)':>14} {'ratio vs plain':>15} {'per-round ratios':<40} {'in Guard calls':>15}")
+    print(f"{'mode':<12} {'step (median)':>14} {'ratio vs plain':>15} {'quartiles':>13} {'in Guard calls':>15}  "
+          "per-round ratios")
     for mode in times:
-        ratios = [t / p for t, p in zip(times[mode], plain)]
-        print(f"{mode:<12} {median(times[mode]) * 1e3:11.2f} ms {median(ratios):15.4f} "
-              f"{' '.join(f'{r:.3f}' for r in ratios):<40} {median(host[mode]) * 1e6:12.0f} us")
-    on_top = [(pc - g) / p for pc, g, p in zip(times["precursors"], times["guarded"], plain)]
-    print(f"precursors on top of guarded (PrecursorConfig() defaults, every 8th step sampled): "
-          f"{100 * median(on_top):+.2f} % of a plain step (median of rounds)")
+        ratios = sorted(t / p for t, p in zip(times[mode], plain))
+        quartiles = f"{ratios[len(ratios) // 4]:.3f}-{ratios[(3 * len(ratios)) // 4]:.3f}"
+        print(f"{mode:<12} {median(times[mode]) * 1e3:11.2f} ms {median(ratios):15.4f} {quartiles:>13} "
+              f"{median(host[mode]) * 1e6:12.0f} us  "
+              f"{' '.join(f'{t / p:.3f}' for t, p in zip(times[mode], plain))}")
+    if "precursors" in times and "guarded" in times:
+        on_top = [(pc - g) / p for pc, g, p in zip(times["precursors"], times["guarded"], plain)]
+        print(f"precursors on top of guarded (PrecursorConfig() defaults, every 8th step sampled): "
+              f"{100 * median(on_top):+.2f} % of a plain step (median of rounds)")
 
 
 def host_cost(rounds: int, steps: int, micro: int) -> None:

@@ -107,6 +107,8 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--layout", default="auto", choices=("auto", "full", "sharded"),
                    help="GuardConfig.state_layout: how the ranks write the state")
     p.add_argument("--replicas", type=int, default=1, help="GuardConfig.shard_replicas (sharded layout)")
+    p.add_argument("--fused", action="store_true",
+                   help="AdamW(fused=True): the default GuardConfig then checks without a sync (judged one step late)")
     p.add_argument("--min-loss-scale", type=float, default=1.0,
                    help="fp16: an overflow at this loss scale or below is a fault, not a normal skip")
     return p

@@ -30,7 +30,7 @@ def main() -> None:
 
     model = _common.tiny_gpt2().to(device)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=_common.LR)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=_common.LR, fused=args.fused)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _common.warmup)
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** args.initial_scale_power, enabled=args.fp16)
     # --- forensics: one line to create the guard (pass the DDP wrapper or the model) ---

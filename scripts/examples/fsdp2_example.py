@@ -41,7 +41,7 @@ def main() -> None:
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=_common.LR)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=_common.LR, fused=args.fused)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _common.warmup)
     # --- forensics: one line to create the guard ---
     guard = Guard(model, optimizer, scheduler, config=GuardConfig(

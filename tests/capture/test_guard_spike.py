@@ -1,5 +1,7 @@
 """Finite loss spikes on a real GPT-2: under the continue policy training goes on, dumps are written in the
-background with the pre-step state, and max_dumps / min_spike_gap bound how many."""
+background with the pre-step state, and max_dumps / min_spike_gap bound how many. Each runs with both checks the
+default configuration picks: the synchronous one (AdamW's for-each step) and the sync-free one (AdamW(fused=True):
+a spike the budget dumps is held on the device and judged one step late; capture/check/sync_free.py)."""
 
 from __future__ import annotations
 
@@ -24,9 +26,12 @@ def micro_batch(step: int, index: int, spike: bool) -> dict:
     return {"input_ids": ids, "labels": labels, "sample_ids": [f"s{step}-{index}-{j}" for j in range(2)]}
 
 
-def run(helpers, gpt2, tmp_path, spike_steps, total, **config):
+FUSED = pytest.mark.parametrize("fused", [False, True], ids=["synchronous", "sync_free"])
+
+
+def run(helpers, gpt2, tmp_path, spike_steps, total, fused=False, **config):
     model = gpt2()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
     config.setdefault("loss_spike", SpikeConfig(window=16, warmup=8))
     guard = Guard(model, optimizer, scheduler,
@@ -37,9 +42,14 @@ def run(helpers, gpt2, tmp_path, spike_steps, total, **config):
     return guard, loop
 
 
-def test_spike_under_continue_policy_writes_a_dump_in_the_background_and_training_goes_on(helpers, gpt2, tmp_path):
-    guard, loop = run(helpers, gpt2, tmp_path, spike_steps={WARM}, total=WARM + 3)
-    assert all(log.decision for log in loop.logs)  # continue: every optimizer step ran
+@FUSED
+def test_spike_under_continue_policy_writes_a_dump_in_the_background_and_training_goes_on(helpers, gpt2, tmp_path,
+                                                                                         fused):
+    guard, loop = run(helpers, gpt2, tmp_path, spike_steps={WARM}, total=WARM + 3, fused=fused)
+    assert all(log.decision for log in loop.logs)  # continue: check() let every optimizer step run
+    held = helpers.trees_equal(loop.logs[WARM + 1].model_state, loop.logs[WARM].model_state)
+    assert held == fused  # sync-free: the dumped spike's update waited on the device for its judgment, and was dropped
+    assert not helpers.trees_equal(loop.logs[WARM + 2].model_state, loop.logs[WARM + 1].model_state)
     [path] = guard.dumps
     assert verify_dump(path).ok
     dump = open_dump(path)
@@ -59,6 +69,7 @@ def test_spike_under_continue_policy_writes_a_dump_in_the_background_and_trainin
     losses = dump.history()["loss"]
     assert len(losses) == WARM + 1 and losses[-1] == dump.trigger["value"]
     assert dump.trigger["value"] > 20 * sorted(losses[WARM - 8:WARM])[4]
+    assert guard.history.to_dict()["skipped"] == [fused and s == WARM for s in range(WARM + 3)]
 
 
 def sized_micro_batch(step: int, index: int, wrong: int) -> dict:
@@ -70,8 +81,9 @@ def sized_micro_batch(step: int, index: int, wrong: int) -> dict:
     return batch
 
 
+@FUSED
 def test_spike_dumps_keep_the_first_and_the_largest_and_the_crash_keeps_its_own_place(helpers, gpt2, tmp_path,
-                                                                                         caplog):
+                                                                                         caplog, fused):
     """max_spike_dumps=2: the first spike stays; a larger later one replaces the smaller second one on disk (its
     step directory gone); smaller ones are counted, logged once, and written into the crash dump's manifest; the NaN
     at the end still gets its dump (max_dumps=1 is the crash's own)."""
@@ -79,7 +91,7 @@ def test_spike_dumps_keep_the_first_and_the_largest_and_the_crash_keeps_its_own_
     sizes = {WARM: 1, WARM + 3: 1, WARM + 6: 4, WARM + 9: 1, WARM + 10: 1}
     nan_step = WARM + 12
     model = gpt2()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
     guard = Guard(model, optimizer, config=GuardConfig(
         dump_dir=str(tmp_path / "dumps"), run_id="spiky", loss_spike=SpikeConfig(window=16, warmup=8),
         max_dumps=1, max_spike_dumps=2, min_spike_gap=0))
@@ -88,8 +100,9 @@ def test_spike_dumps_keep_the_first_and_the_largest_and_the_crash_keeps_its_own_
     steps = [[sized_micro_batch(step, i, sizes.get(step, 0)) for i in range(2)] for step in range(nan_step + 1)]
     steps[nan_step][1]["factor"] = float("nan")
     with pytest.raises(TrainingFaultError):
-        loop.run(steps)
+        loop.run(steps + [steps[0]])  # sync-free: the NaN raises at the next step's check
     guard.close()
+    assert len(loop.logs) == nan_step + 1 + fused
     on_disk = sorted(p.name for p in (tmp_path / "dumps" / "spiky").iterdir())
     assert on_disk == [f"step-{s:09d}" for s in (WARM, WARM + 6, nan_step)]  # WARM + 3 was replaced, no empty dir
     crash = open_dump(tmp_path / "dumps" / "spiky" / f"step-{nan_step:09d}" / "rank-00000")
@@ -103,11 +116,16 @@ def test_spike_dumps_keep_the_first_and_the_largest_and_the_crash_keeps_its_own_
     assert "1 more trigger(s)" in lines[1]
 
 
-def test_spikes_closer_than_min_spike_gap_are_counted_and_logged_once(helpers, gpt2, tmp_path, caplog):
+@FUSED
+def test_spikes_closer_than_min_spike_gap_are_counted_and_logged_once(helpers, gpt2, tmp_path, caplog, fused):
     spikes = set(range(WARM, WARM + 5))
     caplog.set_level("WARNING", logger="capture")
-    guard, loop = run(helpers, gpt2, tmp_path, spike_steps=spikes, total=WARM + 6, max_spike_dumps=10, min_spike_gap=3)
+    guard, loop = run(helpers, gpt2, tmp_path, spike_steps=spikes, total=WARM + 6, fused=fused, max_spike_dumps=10,
+                      min_spike_gap=3)
     assert sorted(open_dump(p).step for p in guard.dumps) == [WARM, WARM + 3]
+    # sync-free: only the two dumped spikes were held on the device; the counted ones were applied
+    assert [s for s, skipped in enumerate(guard.history.to_dict()["skipped"]) if skipped] == \
+        ([WARM, WARM + 3] if fused else [])
     refused = [r.getMessage() for r in caplog.records if "not dumped" in r.getMessage()]
     assert len(refused) == 2  # the first refusal with its reason, then one line with the count at close()
     assert "min_spike_gap" in refused[0] and "more trigger(s)" in refused[1] and "min_spike_gap" in refused[1]

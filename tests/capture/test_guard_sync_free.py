@@ -1,5 +1,8 @@
-"""GuardConfig(sync_free=True): a fused AdamW skips the poisoned step on the device, the Guard reads nothing from
-the device inside check(), and the dump, written one step late, still holds the exact pre-step state."""
+"""The sync-free check (the default with a fused optimizer; GuardConfig(sync_free=True) asks for it): a fused AdamW
+skips the poisoned step on the device, the Guard reads nothing from the device inside check(), and the dump, written
+one step late, still holds the exact pre-step state. Where it would change what the Guard does, the default keeps the
+synchronous check. (Spikes held on the device: tests/capture/test_guard_spike.py; a last step judged at the
+interpreter's exit: tests/capture/test_exit_flush.py.)"""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from capture import Guard, GuardConfig, IndexedDataset
+from capture import DetectionConfig, DumpConfig, Guard, GuardConfig, IndexedDataset, RecordConfig
 from forensics.errors import TrainingFaultError
 from forensics.format import open_dump, verify_dump
 from forensics_test_helpers import ScalarReads, Watched
@@ -81,10 +84,12 @@ def test_last_step_is_judged_by_close(helpers, gpt2, tmp_path):
     assert len(guard.dumps) == 1 and not hasattr(optimizer, "found_inf")
 
 
-def test_healthy_steps_read_nothing_from_the_device_inside_check(helpers, gpt2, tmp_path):
+@pytest.mark.parametrize("asked", [None, True], ids=["default", "asked"])
+def test_healthy_steps_read_nothing_from_the_device_inside_check(helpers, gpt2, tmp_path, asked):
     model = gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="s", sync_free=True))
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="s",
+                                                       detection=DetectionConfig(sync_free=asked)))
     data = helpers.EmbedsDataset(16)
     reads = []
     for step in range(4):
@@ -118,3 +123,105 @@ def test_unsupported_optimizer_falls_back_to_the_synchronous_check(helpers, gpt2
     assert len(warnings) == 1 and "does not honour found_inf" in warnings[0].getMessage()
     assert [log.decision for log in loop.logs] == [s != BAD_STEP for s in range(STEPS)]  # the host decided
     assert [open_dump(p).step for p in guard.dumps] == [BAD_STEP]
+
+
+class Normed(torch.nn.Module):
+    """A small regressor with a BatchNorm: its running statistics are persistent buffers its forward updates."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.norm = torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return self.norm(self.linear(x))
+
+
+@pytest.mark.parametrize("setting, expected_reads", [
+    ({}, 0),
+    ({"fused": False}, 1),
+    ({"batch_norm": True}, 1),
+    ({"detection": DetectionConfig(on_nonfinite="continue")}, 1),
+    ({"recording": RecordConfig(snapshot_every=2, window_steps=4)}, 1),
+    ({"dumping": DumpConfig(recheck=True)}, 1),
+], ids=["fused", "for_each", "batch_norm", "continue", "snapshots", "recheck"])
+def test_the_default_runs_sync_free_only_where_nothing_else_changes(tmp_path, caplog, setting, expected_reads):
+    """Default DetectionConfig.sync_free (None): sync-free for a fused optimizer; the synchronous check, one read in
+    check() and no warning, where the sync-free check would skip a 'continue' update, miss a BatchNorm's pre-step
+    statistics, or where host snapshots / the recheck run at check()."""
+    setting = dict(setting)
+    fused, batch_norm = setting.pop("fused", True), setting.pop("batch_norm", False)
+    torch.manual_seed(0)
+    model = Normed() if batch_norm else torch.nn.Linear(8, 8)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="d", **setting),
+                  loss_fn=lambda m, b: m(b["x"]).pow(2).mean())
+    reads = []
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            batch = {"x": torch.randn(4, 8)}
+            guard.record_batch(batch)
+            loss = model(batch["x"]).pow(2).mean()
+            guard.record_loss(loss.as_subclass(Watched))
+            loss.backward()
+            Watched.reads = []
+            assert guard.check()
+            reads.append(len(Watched.reads))
+            optimizer.step()
+            optimizer.zero_grad()
+        guard.close()
+    assert reads == [expected_reads] * 3
+    assert not [r for r in caplog.records if "sync_free" in r.getMessage()]
+    assert guard.dumps == [] and len(guard.history) == 3
+
+
+def test_a_failed_step_still_waiting_for_its_judgment_is_dumped_when_the_next_step_raises(helpers, gpt2, tmp_path):
+    """Default configuration, fused AdamW: the NaN step is judged at the next check(); when the next step raises
+    first, both are dumped: the NaN step (with its pre-step state) before the step that raised."""
+    model = gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="run"))
+    loader = DataLoader(IndexedDataset(helpers.EmbedsDataset(STEPS * ACCUM * MICRO, poison=[POISON])),
+                        batch_size=MICRO, shuffle=False)
+    batches = list(loader)
+    loop = helpers.TrainLoop(model, optimizer, guard)
+    loop.run([batches[i:i + ACCUM] for i in range(0, (BAD_STEP + 1) * ACCUM, ACCUM)])
+
+    def raises(model, batch):
+        raise RuntimeError("the data loader returned a corrupt batch")
+    loop.loss_fn = raises
+    with pytest.raises(RuntimeError, match="corrupt batch"), guard.capture_errors():
+        loop.step(batches[(BAD_STEP + 1) * ACCUM:(BAD_STEP + 2) * ACCUM])
+    guard.close()
+    dumps = [open_dump(p) for p in guard.dumps]
+    assert [(d.step, d.trigger.kind.value) for d in dumps] == [(BAD_STEP, "nonfinite_loss"), (BAD_STEP + 1, "exception")]
+    helpers.assert_dump_holds_pre_step_state(dumps[0], loop.logs[BAD_STEP], model, optimizer)
+
+
+def test_a_grad_scaler_the_guard_was_not_given_turns_the_check_synchronous_and_the_job_runs_on(tmp_path, caplog):
+    """A loop steps its fused AdamW through a GradScaler it did not pass to the Guard: GradScaler.step hands the
+    optimizer its own found_inf (and deletes it after). The Guard sees its flag replaced at the first step, says so
+    once, and reads each later step before optimizer.step(); the job never fails on the attributes either sets."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="gs"))
+    reads = []
+    with caplog.at_level(logging.WARNING):
+        for _ in range(4):
+            batch = {"x": torch.randn(4, 8)}
+            guard.record_batch(batch)
+            loss = model(batch["x"]).pow(2).mean()
+            guard.record_loss(loss.as_subclass(Watched))
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            Watched.reads = []
+            assert guard.check()
+            reads.append(len(Watched.reads))
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+        guard.close()
+    assert reads == [0, 1, 1, 1]  # the first step is judged at the second check, which then reads its own step
+    said = [r.getMessage() for r in caplog.records if "GradScaler the Guard was not given" in r.getMessage()]
+    assert len(said) == 1 and guard.dumps == [] and len(guard.history) == 4

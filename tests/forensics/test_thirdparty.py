@@ -126,6 +126,15 @@ def test_only_a_fused_optimizer_honours_found_inf():
     assert thirdparty.optimizer_honours_found_inf(torch.optim.AdamW(params, fused=True))
     assert not thirdparty.optimizer_honours_found_inf(torch.optim.AdamW(params))
 
+    class Wrapper:  # forwards reads to the optimizer it wraps, as Accelerate's and Lightning's wrappers do
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+    wrapped = Wrapper(torch.optim.AdamW(params, fused=True))
+    assert wrapped._step_supports_amp_scaling and not thirdparty.optimizer_honours_found_inf(wrapped)
+
 
 def test_grad_scaler_scale_is_the_device_tensor_once_it_scaled():
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)

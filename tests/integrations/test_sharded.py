@@ -39,6 +39,19 @@ def test_fsdp2_ranks_write_their_shards_once_and_replay_names_the_sample(harness
     harness.replay_names_sample_and_layer(step_dir)
 
 
+def test_fsdp2_with_a_fused_optimizer_checks_without_a_sync_and_dumps_the_same_pre_step_state(harness, tmp_path,
+                                                                                               reference):
+    """AdamW(fused=True) under FSDP2, default GuardConfig: the ranks agree on each step with an all-reduce no rank
+    waits for, the fused step skips the NaN step on the device on every rank (a DTensor optimizer given GradScaler's
+    found_inf), and at the next check every rank dumps its shards of the same exact pre-step state."""
+    harness.requires("transformers")
+    step_dir, _ = harness.run_example(tmp_path, "fsdp2_example.py", "fused", "--fused")
+    dumps = harness.check_step_dump(step_dir, reference)  # the assembled state equals plain-torch training's
+    assert all("one step late" in d.trigger.detail for d in dumps.values())
+    assert "another rank saw" in dumps[0].trigger.detail
+    harness.replay_names_sample_and_layer(step_dir)
+
+
 def test_an_fsdp2_bf16_job_is_replayed_in_its_own_precision_bit_for_bit(harness, tmp_path):
     """FSDP2 with MixedPrecisionPolicy(param_dtype=bfloat16): not autocast, so the Guard records each unit's policy
     and the one-process replay computes in bf16 as the units did — the recorded losses come back bit for bit

@@ -21,11 +21,16 @@ _job = load_test_module("forensics_natural_job", Path(__file__).with_name("natur
 SCENARIOS, AHEAD = _job.SCENARIOS, _job.AHEAD
 
 
-@pytest.fixture(scope="module", params=sorted(SCENARIOS))
+FUSED = ("lr_too_high", "spiky_late")  # without a GradScaler: a fused optimizer makes the default check sync-free
+
+
+@pytest.fixture(scope="module", params=sorted(SCENARIOS) + [f"{name}/fused" for name in FUSED])
 def default_run(request, tmp_path_factory):
-    """Each scenario under the default GuardConfig, its crash dump replayed on the CPU."""
-    scenario = SCENARIOS[request.param]
-    run = _job.train(scenario, tmp_path_factory.mktemp(scenario.name))
+    """Each scenario under the default GuardConfig, its crash dump replayed on the CPU; the scenarios without a
+    GradScaler once more with their optimizer fused (the sync-free check: a crash judged one step late)."""
+    name, _, fused = request.param.partition("/")
+    scenario = SCENARIOS[name]
+    run = _job.train(scenario, tmp_path_factory.mktemp(scenario.name), fused=bool(fused))
     out = _job.summarize(scenario, run)
     print(json.dumps(out))  # pytest -s: what BENCHMARKS.md "natural_runs" records
     return scenario, run, out
@@ -38,6 +43,8 @@ def test_the_run_diverges_by_itself_and_its_crash_is_dumped_under_the_default_co
     crash = open_dump(run.dumps[-1])
     assert crash.trigger["kind"] in (TriggerKind.NONFINITE_LOSS, TriggerKind.NONFINITE_GRAD)
     assert crash.step == run.nonfinite_at == out["crash_step"]
+    fused = run.guard.optimizer.defaults.get("fused")
+    assert ("one step late" in crash.trigger.detail) == bool(fused)  # sync-free exactly where the default picks it
 
 
 def test_the_crash_replays_to_the_scenarios_verdict_and_blames_no_sample(default_run):
@@ -83,8 +90,8 @@ def test_the_slow_fp16_climb_is_seen_by_its_limit_and_the_crash_verdict_tells_th
 
 def test_the_monitor_does_not_change_the_run(default_run, tmp_path):
     """The precursor hooks only read: with them the same seeded run takes bitwise the same first 20 steps."""
-    scenario, _, _ = default_run
-    if scenario.name != "lr_too_high":
+    scenario, run, _ = default_run
+    if scenario.name != "lr_too_high" or run.guard.optimizer.defaults.get("fused"):
         pytest.skip("one scenario is enough")
     import dataclasses
 
