@@ -57,6 +57,7 @@ def test_accelerate_both_ranks_dump_the_same_step_with_full_state(harness, tmp_p
     assert dumps[1].manifest["loss"]["divisor"] == harness.ACCUM
 
 
+@pytest.mark.xdist_group("deepspeed")  # one worker's fork server imports DeepSpeed once for both ZeRO jobs
 def test_deepspeed_zero2_ranks_write_their_partitions_once(harness, tmp_path, reference):
     harness.requires("transformers", "deepspeed")
     step_dir, result = harness.run_example(tmp_path, "deepspeed_example.py", "z2", "--zero-stage", "2")
@@ -70,6 +71,7 @@ def test_deepspeed_zero2_ranks_write_their_partitions_once(harness, tmp_path, re
     assert history["grad_norm"][:3] == dumps[1].history()["grad_norm"][:3]
 
 
+@pytest.mark.xdist_group("deepspeed")  # one worker's fork server imports DeepSpeed once for both ZeRO jobs
 def test_deepspeed_zero3_bf16_writes_partitioned_weights_and_fp32_masters_once(harness, tmp_path, reference):
     harness.requires("transformers", "deepspeed")
     step_dir, result = harness.run_example(tmp_path, "deepspeed_example.py", "z3", "--zero-stage", "3",
