@@ -187,8 +187,8 @@ class StepDetectors:
         if first.kind not in self._suppressed_logged:
             self._suppressed_logged.add(first.kind)
             log.warning("forensics: step %d: %s. Early spikes are not dumped; to catch them, lower the warm-up, "
-                        "e.g. GuardConfig(%s=SpikeConfig(warmup=8)). Logged once; every such step is marked in the "
-                        "history (column 'suppressed').", step, first.detail,
+                        "e.g. GuardConfig(detection=DetectionConfig(%s=SpikeConfig(warmup=8))). Logged once; every "
+                        "such step is marked in the history (column 'suppressed').", step, first.detail,
                         first.kind.value)  # GuardConfig's SpikeConfig fields are named after their kinds
         return first.kind.value
 

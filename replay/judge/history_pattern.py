@@ -345,7 +345,8 @@ def read_history(history: dict | None, step: int | None, uniform_loss: float | N
     known = [bool(c) for i, c in enumerate(clipped) if c is not None and i in set(healthy)]
     if typical is not None:
         clip = (f"clipping fired on {sum(known)} of those {len(known)} steps" if known else
-                "clipping: not recorded (GuardConfig(max_grad_norm=...) tells the Guard the loop's threshold)")
+                "clipping: not recorded (GuardConfig(detection=DetectionConfig(max_grad_norm=...)) tells the Guard the "
+                "loop's threshold)")
         steps_words = f"median of {len(good_norms)} healthy recorded steps" if len(good_norms) > 1 else \
             "the one healthy recorded step"
         sentences.append(f"Before that, the gradient norm was {fmt_num(typical, 3)} ({steps_words}); {clip}.")

@@ -207,7 +207,7 @@ def _evaluate(runner: StepRunner, kind: RemedyKind, change: str, *, samples: lis
 def _skip(runner: StepRunner) -> RemedyResult:
     """Skipping the step keeps the pre-step weights: healthy exactly when they are finite; the data stays."""
     bad = runner.nonfinite_params
-    return RemedyResult(RemedyKind.SKIP_STEP, "GuardConfig(on_nonfinite='skip') / on_spike='skip' (check() returns "
+    return RemedyResult(RemedyKind.SKIP_STEP, "GuardConfig(detection=DetectionConfig(on_nonfinite='skip' / on_spike='skip')) (check() returns "
                         "False; do not call optimizer.step())", healthy=not bad, weights_finite=not bad,
                         relative_change=0.0, setting={"skip": True},
                         note="hides the cause: the same data or state fails again when it comes back")

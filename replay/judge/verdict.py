@@ -556,11 +556,12 @@ def _model_state(f: VerdictFacts) -> dict:
                        "update that broke them happened at an earlier, unchecked step.")
         suggestions = ["Find the step that broke them: `forensics replay DUMP --from CHECKPOINT --trust` "
                        "re-executes the recorded steps from an earlier checkpoint (the job needs "
-                       "GuardConfig(data_recipe=...); GuardConfig(snapshot_every=K) makes the Guard keep its own "
+                       "GuardConfig(dumping=DumpConfig(data_recipe=...)); "
+                       "GuardConfig(recording=RecordConfig(snapshot_every=K)) makes the Guard keep its own "
                        "snapshot, so no checkpoint is needed).",
                        "Or go back to the last checkpoint with finite weights and train forward from it with "
-                       "GuardConfig(verify_update=True), which checks the weights after every optimizer step "
-                       "and dumps the update that breaks them (trigger nonfinite_param).",
+                       "GuardConfig(detection=DetectionConfig(verify_update=True)), which checks the weights after "
+                       "every optimizer step and dumps the update that breaks them (trigger nonfinite_param).",
                        "Check that gradient clipping runs after backward and before optimizer.step(), and "
                        "that skipped steps (loss-scale overflow) really skip the update."]
     elif f.rng_dependent:

@@ -11,7 +11,7 @@ def snapshot_suggestion(unused: SnapshotUnused) -> str:
     """How to get the window replay from the Guard's host snapshot the dump holds (the first suggestion)."""
     if unused.no_data_recipe:
         return (f"The dump holds the Guard's host snapshot of step {unused.step} but no data recipe, so the steps "
-                "since then cannot be re-executed: set GuardConfig(data_recipe=...) in the job.")
+                "since then cannot be re-executed: set GuardConfig(dumping=DumpConfig(data_recipe=...)) in the job.")
     return (f"Re-run with --trust: the dump holds the Guard's host snapshot of step {unused.step}, and the window "
             "replay re-executes the steps since then (importing the job's data recipe) to find the step "
             "whose update broke the weights.")
@@ -38,4 +38,5 @@ def say_window_start(verdict: Verdict, step: int, source: str, first_step: int |
         "have been breaking before it: the steps before were not checked.")
     verdict.suggestions = [*(verdict.suggestions or []), (
         f"To look before step {step}: replay with --from an earlier checkpoint (--from-step N), or run the job with "
-        "a smaller GuardConfig(snapshot_every=K) and window_steps >= 2 x K, so the Guard's snapshot is older.")]
+        "a smaller GuardConfig(recording=RecordConfig(snapshot_every=K, window_steps=2 * K)), so the Guard's "
+        "snapshot is older.")]

@@ -159,7 +159,7 @@ class DataRecipe:
 def data_recipe(recipe: dict | None, trust: bool, sys_path: list[str]) -> DataRecipe:
     if not recipe:
         raise RecipeError("the dump has no data recipe, so the recorded steps' micro-batches cannot be rebuilt: "
-                          "set GuardConfig(data_recipe={'dataset': 'pkg.mod:make_dataset', ...}) in the job")
+                          "set GuardConfig(dumping=DumpConfig(data_recipe={'dataset': 'pkg.mod:make_dataset', ...})) in the job")
     if not trust:
         raise RecipeError(f"the dump's data recipe imports {recipe.get('dataset')!r}"
                           + (f" and {recipe.get('collate')!r}" if recipe.get("collate") else "")
