@@ -58,6 +58,16 @@ def pytest_configure(config):
     if getattr(config.option, "numprocesses", None) and config.option.dist == "load":  # `-n N` without --dist
         config.option.dist = "loadgroup"  # xdist_group marks hold (below), other tests go one by one
         config.option.loadscopereorder = False  # in the order below: the slowest first
+    if getattr(config, "workerinput", {}).get("forensics_loadgroup"):  # an xdist worker of such a run
+        config.option.loadgroup = True  # xdist decides grouping on the worker from this option
+        config.pluginmanager.register(_GroupIds(), "forensics-group-ids")
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: on the controller, for each worker it starts
+def pytest_configure_node(node):
+    """Tells each worker that the run groups: xdist reads `loadgroup` on the worker, where it comes from the command
+    line's --dist alone, so the `loadgroup` chosen in pytest_configure above would hold on the controller only."""
+    node.workerinput["forensics_loadgroup"] = node.config.option.dist == "loadgroup"
 
 
 # The test modules that take longest, longest first (2-core machine, 2026-11-27): under `-n 2` (the README's command,
@@ -97,3 +107,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip_slow)
+
+
+
+class _GroupIds:
+    """Puts a test's xdist_group into its node id, as pytest-xdist's loadgroup does (`name@group`: its scheduler keeps
+    one group on one worker). pytest-xdist 3.8 writes `item._nodeid`, which pytest 9.2 no longer reads (its node id
+    is `item._id`): without this, loadgroup spread a module's tests over both workers and each built the module's
+    fixture, e.g. test_guard_distributed's two-rank run and test_repro's repro scripts ran twice (issue 31)."""
+
+    @pytest.hookimpl(trylast=True)  # after pytest-xdist's hook (a worker's), which did this where it still works
+    def pytest_collection_modifyitems(self, config, items):
+        for item in items:
+            groups = sorted({str(m.args[0]) for m in item.iter_markers("xdist_group") if m.args})
+            node_id = getattr(item, "_id", None)
+            if groups and node_id is not None and "@" not in item.nodeid:
+                item._id = type(node_id).parse(f"{item.nodeid}@{'_'.join(groups)}")

@@ -149,14 +149,23 @@ def _serve(request: dict) -> int:
         os.waitpid(store, 0)
 
 
-def serve(modules: list[str]) -> None:
+def _import(modules: list[str]) -> None:
     for module in modules:
         name, _, attribute = module.partition(":")
         loaded = importlib.import_module(name)
         if attribute:
             getattr(loaded, attribute)  # a lazy module's attribute: loads that code too
+
+
+def serve(modules: list[str]) -> None:
+    _import(modules)
     for line in sys.stdin:
-        code = _serve(json.loads(line))
+        request = json.loads(line)
+        try:  # a framework some jobs use (DeepSpeed, torchtitan): imported once, at its first job
+            _import(request.get("preload", []))
+        except Exception:  # noqa: BLE001 - not installed or broken: the job's own import fails and says why
+            pass
+        code = _serve(request)
         print(json.dumps({"code": code}), flush=True)
 
 
@@ -202,15 +211,17 @@ class ForkServer:
         return json.loads(line)
 
     def run(self, script: str, args: list[str], *, cwd: str, env: dict, out_dir: Path, nproc: int = 1,
-            distributed: bool = False, timeout: float = 600) -> Completed:
+            distributed: bool = False, timeout: float = 600, preload: list[str] = ()) -> Completed:
         """Runs `script ARGS` in `cwd` with `env` (nproc ranks with torchrun's environment when nproc > 1 or
-        `distributed`); its output goes to out_dir/stdout.txt and stderr.txt. Raises Timeout after `timeout` s."""
+        `distributed`); its output goes to out_dir/stdout.txt and stderr.txt. Raises Timeout after `timeout` s.
+        `preload`: modules the server imports first (once; it keeps them for later jobs), as `module[:attribute]`."""
         out_dir.mkdir(parents=True, exist_ok=True)
         out, err = out_dir / "stdout.txt", out_dir / "stderr.txt"
         for path in (out, err):
             path.write_text("")
         request = {"script": str(script), "args": [str(a) for a in args], "cwd": str(cwd), "env": env,
-                   "nproc": nproc, "distributed": distributed, "out": str(out), "err": str(err)}
+                   "nproc": nproc, "distributed": distributed, "out": str(out), "err": str(err),
+                   "preload": list(preload)}
         with self.lock:
             self.process.stdin.write(json.dumps(request) + "\n")
             self.process.stdin.flush()
@@ -237,8 +248,10 @@ class ForkServer:
 
 PRELOAD = ["torch", "transformers:GPT2LMHeadModel", "capture", "forensics", "_common", "accelerate"]
 """What the shared server imports first: what nearly every test script and example imports (and `_common`, the
-examples' helpers, and Accelerate, for the Accelerate jobs and the Trainer's). Not DeepSpeed: its import starts a
-thread, and a process should not fork with threads running."""
+examples' helpers, and Accelerate, for the Accelerate jobs and the Trainer's). DeepSpeed (about 12 s of CPU: it
+imports MLflow, and its ZeRO optimizer check inductor) and torchtitan (12 s: datasets, inductor) come with the first
+job that names them in `preload`. Each import leaves the server with its main thread alone (checked 2026-11-27): a
+process should not fork with threads running."""
 
 _shared: list[ForkServer] = []
 

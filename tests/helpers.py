@@ -15,6 +15,15 @@ from forensics.thirdparty import TorchDispatchMode
 VOCAB, EMBD, POSITIONS = 64, 32, 32
 
 
+def fork_server():
+    """The tests/fork_server.py module (its `shared(repo)` server starts scripts and jobs as forked processes)."""
+    import sys
+    from pathlib import Path
+
+    load = sys.modules["forensics_test_helpers"].load_test_module  # set by tests/conftest.py
+    return load("forensics_fork_server", Path(__file__).with_name("fork_server.py"))
+
+
 def make_gpt2(seed: int = 0, dropout: float = 0.1):
     """A random-init GPT-2 (2 layers, 32 wide, vocab 64) in train mode, dropout on."""
     import transformers

@@ -56,9 +56,9 @@ SNIPPET_TIMEOUT = 600  # seconds: a snippet takes 5-15 s alone, a few times that
 
 
 def _fork_server():
-    from forensics_test_helpers import load_test_module  # set by tests/conftest.py
+    from forensics_test_helpers import fork_server  # tests/helpers.py
 
-    return load_test_module("forensics_fork_server", Path(__file__).with_name("fork_server.py"))
+    return fork_server()
 
 
 CASES = [("README.md", 0, None), ("docs/INTEGRATIONS.md", 0, None), ("docs/INTEGRATIONS.md", 1, "accelerate"),
@@ -76,6 +76,8 @@ def test_snippet_runs_as_written_and_dumps_the_corrupt_step(document, index, nee
     prelude = PRELUDE.format(examples=str(ROOT / "scripts" / "examples"))
     if "DistributedDataParallel" in code or "deepspeed" in code or "fully_shard" in code:
         prelude += DISTRIBUTED.format(port=_free_port())
+    if "deepspeed" in code:  # without DeepSpeed's CPU shared-memory op: tests/integrations/deepspeed_rank.py says why
+        prelude += "import deepspeed.ops\ndeepspeed.ops.__compatible_ops__['deepspeed_shm_comm'] = False\n"
     if needs == "pytorch_lightning":  # the snippet's `module` and the recipe it names: the user's code
         prelude += "module = common.lit_gpt2()\n"
     script = prelude + "\nfrom forensics.errors import TrainingFaultError\ntry:\n" + \
@@ -87,7 +89,7 @@ def test_snippet_runs_as_written_and_dumps_the_corrupt_step(document, index, nee
            "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
     try:
         done = server.shared(ROOT).run(tmp_path / "snippet.py", [], cwd=tmp_path, env=env, out_dir=tmp_path / "out",
-                                       timeout=SNIPPET_TIMEOUT)
+                                       timeout=SNIPPET_TIMEOUT, preload=["deepspeed"] if needs == "deepspeed" else [])
     except server.Timeout as hung:
         pytest.fail(f"the snippet hung: no exit within {SNIPPET_TIMEOUT} s\n{hung.stdout[-3000:]}\n"
                     f"{hung.stderr[-3000:]}")

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from forensics_test_helpers import fork_server
 
 from forensics.format import open_dump, open_step, verify_dump
 
@@ -81,8 +80,8 @@ WORKER = textwrap.dedent('''
 
 
     os.makedirs(sys.argv[1], exist_ok=True)
-    print(json.dumps({scenario: run(scenario, os.path.join(sys.argv[1], scenario))
-                      for scenario in ("nan", "overflow", "spike", "cap", "replace")}), flush=True)
+    print("two-ranks", json.dumps({scenario: run(scenario, os.path.join(sys.argv[1], scenario))
+                                   for scenario in ("nan", "overflow", "spike", "cap", "replace")}), flush=True)
     dist.barrier()
     os._exit(0)  # no gloo teardown: under load it can abort (SIGABRT) a rank whose peer closed first
 ''')
@@ -93,30 +92,25 @@ LAUNCH_TIMEOUT = 420  # seconds: about 25 s alone; a 2-core machine shared with 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
-    """Runs WORKER as ranks 0 and 1 once; returns the dump root and each scenario's per-rank results."""
+    """Runs WORKER as ranks 0 and 1 once (two processes forked from tests/fork_server.py, with torchrun's
+    environment); returns the dump root and each scenario's per-rank results."""
     tmp_path = tmp_path_factory.mktemp("ddp")
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     root = Path(__file__).resolve().parents[2]
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-               "FORENSICS_TEST_STORE": str(tmp_path / "store"), "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-        procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path / "dumps")], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outputs = []
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=LAUNCH_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            pytest.fail(f"the two-rank run did not finish in {LAUNCH_TIMEOUT} s")
-        # judged by the rank's report (printed after all its work), not by the exit code of gloo's teardown
-        lines = out.strip().splitlines()
-        assert lines and lines[-1].startswith("{"), f"exit code {proc.returncode}\n{err[-3000:]}"
-        outputs.append(json.loads(lines[-1]))
+    server = fork_server()
+    env = {**os.environ, "FORENSICS_TEST_STORE": str(tmp_path / "store"), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    try:
+        done = server.shared(root).run(script, [tmp_path / "dumps"], cwd=str(tmp_path), env=env, nproc=2,
+                                       distributed=True, out_dir=tmp_path / "output", timeout=LAUNCH_TIMEOUT)
+    except server.Timeout as hung:
+        pytest.fail(f"the two-rank run did not finish in {LAUNCH_TIMEOUT} s\n{hung.stderr[-3000:]}")
+    # judged by each rank's report (printed after all its work), not by the exit code of gloo's teardown
+    outputs, decoder = [], json.JSONDecoder()
+    for chunk in done.stdout.split("two-ranks ")[1:]:  # the ranks share stdout: their lines may abut
+        outputs.append(decoder.raw_decode(chunk)[0])
+    assert len(outputs) == 2, f"exit code {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
     by_scenario = {name: sorted((o[name] for o in outputs), key=lambda r: r["rank"]) for name in outputs[0]}
     return tmp_path / "dumps", by_scenario
 

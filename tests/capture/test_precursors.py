@@ -147,6 +147,7 @@ def test_blocks_in_a_sequential_and_a_head_of_a_plain_model_are_found():
     guard.close()
 
 
+@pytest.mark.xdist_group("torchtitan")  # one worker imports torchtitan (12 s of CPU) for both torchtitan tests
 def test_a_torchtitan_llama_is_watched_block_by_block():
     """torchtitan's Llama 3: blocks in a ModuleDict, grouped-query projections `wq` / `wk` whose head size only the
     attention module states, the logits from its `output` projection; a sampled row against direct computations."""

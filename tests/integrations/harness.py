@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,48 +34,29 @@ LAUNCH_TIMEOUT = 420  # seconds; a hang fails the test instead of the suite. A l
 
 
 def requires(*modules: str) -> None:
-    """Skips the calling test when a framework it runs is not installed (the examples import it); DeepSpeed's CPU op
-    is built once first (deepspeed_ops_built)."""
+    """Skips the calling test when a framework it runs is not installed (the examples import it)."""
     for module in modules:
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"{module} is not installed")
-    if "deepspeed" in modules:
-        deepspeed_ops_built()
 
 
-DS_BUILD_TIMEOUT = 1200  # seconds: a first build took 6 minutes on the 2-core machine with other jobs running
-STALE_LOCK = 1800  # seconds: a build lock older than this was left by a build that was killed
+DEEPSPEED_RANK = REPO / "tests" / "integrations" / "deepspeed_rank.py"
 
 
-def deepspeed_ops_built(_done: list = []) -> None:  # noqa: B006 - once per test session
-    """Builds DeepSpeed's CPU shared-memory collective op (`deepspeed_shm_comm`, JIT-compiled by every DeepSpeed
-    launch's init_distributed) once, before any launch and outside its time limit.
+def _names(path: str, args: list[str], framework: str) -> bool:
+    """Whether a launch runs `framework`: its script, or an example it runs, or an option of the example names it."""
+    return any(framework in Path(part).name for part in [path, *args])
 
-    Why (issue 31): each rank of a launch builds it on first use, or waits on torch's build lock until another
-    process has (torch_extensions/<py>/deepspeed_shm_comm/lock). On a busy 2-core machine the build took 6 minutes,
-    so a launch "hung" past its limit; and a build killed with its launch leaves the lock behind, on which every later
-    launch would wait forever (torch's FileBaton has no timeout). Here a lock older than STALE_LOCK is removed, and
-    the build runs in its own process with a limit of its own; the launches then load the built op.
-    """
-    if _done:
-        return
-    _done.append(True)
-    from torch.utils.cpp_extension import _get_build_directory
 
-    lock = Path(_get_build_directory("deepspeed_shm_comm", verbose=False)) / "lock"
-    try:
-        if time.time() - lock.stat().st_mtime > STALE_LOCK:
-            lock.unlink()
-    except OSError:
-        pass
-    code = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
-    try:
-        done = subprocess.run([sys.executable, "-c", code], env=_env(None), capture_output=True, text=True,
-                              timeout=DS_BUILD_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"building DeepSpeed's CPU op took over {DS_BUILD_TIMEOUT} s (lock: {lock})")
-    if done.returncode != 0:
-        pytest.fail(f"building DeepSpeed's CPU op failed:\n{done.stderr[-3000:]}")
+def _preload(path: str, args: list[str]) -> list[str]:
+    """What the fork server imports once before such a job, instead of each rank (tests/fork_server.py)."""
+    modules = []
+    if _names(path, args, "deepspeed"):
+        # deepspeed.initialize's optimizer check imports ZeRO's Muon, whose torch.compile loads inductor (4-5 s)
+        modules += ["deepspeed", "deepspeed.ops:__compatible_ops__", "deepspeed.runtime.zero.muon.muon_optimizer"]
+    if _names(path, args, "torchtitan"):
+        modules += ["torchtitan.models.llama3.model.model", "torchtitan.models.llama3.infra.parallelize"]
+    return [m for m in modules if importlib.util.find_spec(m.partition(".")[0].partition(":")[0])]
 
 
 def load_common():
@@ -114,21 +94,26 @@ def launch(script: str, args: list[str], **kwargs) -> Launch:
 
 
 def _fork_server():
-    from forensics_test_helpers import load_test_module  # set by tests/conftest.py
+    from forensics_test_helpers import fork_server  # tests/helpers.py
 
-    return load_test_module("forensics_fork_server", REPO / "tests" / "fork_server.py")
+    return fork_server()
 
 
 def launch_script(path: str, args: list[str], *, nproc: int = WORLD, env: dict | None = None,
                   timeout: int = LAUNCH_TIMEOUT, runner: list[str] | None = None, torchrun: bool = False) -> Launch:
     """Runs the script at `path` on `nproc` ranks: processes forked from tests/fork_server.py with torchrun's
     environment and failure handling (torch imported once per session), or under torchrun itself (`torchrun=True`:
-    for what torchrun does, its SIGTERM to the surviving ranks), or under `runner` (e.g. [python]: one process)."""
+    for what torchrun does, its SIGTERM to the surviving ranks), or under `runner` (e.g. [python]: one process).
+    A DeepSpeed job runs through deepspeed_rank.py: without DeepSpeed's CPU shared-memory op, which training does not
+    use and whose build would cost each fresh environment a minute and a half of CPU (that file says why)."""
+    preload = _preload(path, args)
+    if _names(path, args, "deepspeed"):
+        path, args = str(DEEPSPEED_RANK), [path, *args]
     if runner is None and not torchrun:
         server, out_dir = _fork_server(), Path(tempfile.mkdtemp(prefix="forensics-launch-"))
         try:
             done = server.shared(REPO).run(path, args, cwd=str(REPO), env=_env(env), nproc=nproc, distributed=True,
-                                           timeout=timeout, out_dir=out_dir)
+                                           timeout=timeout, out_dir=out_dir, preload=preload)
         except server.Timeout as hung:
             pytest.fail(f"{path} hung: no exit within {timeout} s\n{hung.stdout[-3000:]}\n{hung.stderr[-3000:]}")
         finally:

@@ -302,6 +302,7 @@ def test_with_two_replicas_zero2_partitions_survive_the_loss_of_a_rank_dump(harn
     harness.replay_names_sample_and_layer(step_dir)
 
 
+@pytest.mark.xdist_group("torchtitan")  # one worker imports torchtitan (12 s of CPU) for both torchtitan tests
 def test_a_torchtitan_job_guarded_with_one_line_names_the_corrupt_record(harness, tmp_path):
     """The showcase: torchtitan's Llama 3 Transformer sharded by torchtitan's own `apply_fsdp` (FSDP2), trained
     with a per-token loss weight; rank 1 reads a record whose weights are NaN in step 3. Both ranks write their

@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 from click.testing import CliRunner
+from forensics_test_helpers import fork_server
 
 from capture import Guard, GuardConfig
 from forensics.cli import main
@@ -155,8 +156,10 @@ def test_an_uncaught_exception_is_dumped_by_the_excepthook_and_replays_to_the_la
     (tmp_path / "labeljob.py").write_text(LABEL_JOB)
     (tmp_path / "labelmodel.py").write_text(LABEL_MODEL)
     env = {"PYTHONPATH": f"{REPO}:{tmp_path}", "PATH": "/usr/bin:/bin"}
-    done = subprocess.run([sys.executable, str(tmp_path / "labeljob.py"), str(tmp_path / "dumps")], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=300)
+    # `python labeljob.py`: a process of its own (forked from the session's server), its uncaught exception reaching
+    # sys.excepthook as the interpreter's top level hands it over
+    done = fork_server().shared(REPO).run(tmp_path / "labeljob.py", [tmp_path / "dumps"], cwd=str(tmp_path), env=env,
+                                          out_dir=tmp_path / "output", timeout=300)
     assert done.returncode == 1 and "IndexError" in done.stderr and "Target 12 is out of bounds" in done.stderr
     step = tmp_path / "dumps" / "labels" / "step-000000003"
     assert step.is_dir(), done.stderr[-3000:]
@@ -238,13 +241,13 @@ MEMORY_CAP = 6 * 10**9  # bytes of address space for the job and the replay: a "
 
 
 def _capped(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    import resource
-
-    def cap() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_CAP, MEMORY_CAP))
-
-    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=300, preexec_fn=cap,
-                          env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    """`python ARGS` (a script, or `--cli` and the forensics CLI's arguments) capped at MEMORY_CAP bytes of address
+    space: a process of its own, forked from the test session's server (tests/replay/capped.py)."""
+    env = {**__import__("os").environ, "PYTHONPATH": str(REPO)}
+    done = fork_server().shared(REPO).run(REPO / "tests" / "replay" / "capped.py", [MEMORY_CAP, *args], cwd=str(cwd),
+                                          env=env, out_dir=cwd / f"output-{Path(args[0]).stem.strip('-')}",
+                                          timeout=300)
+    return subprocess.CompletedProcess(args, done.returncode, done.stdout, done.stderr)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS caps the address space on Linux")
@@ -252,7 +255,7 @@ def test_out_of_memory_from_one_long_sample_names_it_by_its_size(tmp_path):
     """One 100,000-token sample in a dynamically padded micro-batch: the step runs out of memory (the CPU
     allocator, capped like a small device). Every sample of that micro-batch fails with it, so bisection cannot
     tell them apart; replay names the long sample by its size, with the exception and the place."""
-    job = _capped([sys.executable, str(REPO / "tests" / "replay" / "oom_job.py"), str(tmp_path / "dumps")], tmp_path)
+    job = _capped([str(REPO / "tests" / "replay" / "oom_job.py"), str(tmp_path / "dumps")], tmp_path)
     assert job.returncode != 0 and "can't allocate memory" in job.stderr, job.stderr[-2000:]
     dump = open_dump(tmp_path / "dumps" / "oom" / "step-000000002")
     recorded = dump.manifest["exception"]
@@ -261,7 +264,7 @@ def test_out_of_memory_from_one_long_sample_names_it_by_its_size(tmp_path):
     assert recorded["memory"]["host"]["rss"] > 0
 
     out = tmp_path / "report"
-    replayed = _capped([sys.executable, "-c", "from forensics.cli import main; main()", "replay", str(dump.path),
+    replayed = _capped(["--cli", "replay", str(dump.path),
                         "--device", "cpu", "--no-rng-check", "--trust", "-o", str(out)], tmp_path)
     assert replayed.returncode == 0, replayed.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())

@@ -1,16 +1,16 @@
 """`forensics repro`: for the demo scenarios whose failure is an op of the forward pass, the generated scripts
-reproduce it standalone — each run in a fresh Python process fails with the AssertionError naming the op (with
+reproduce it standalone — each run in a Python process of its own fails with the AssertionError naming the op (with
 inputs shrunk to the failing slice) or the culprit sample — and the report links them."""
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from forensics_test_helpers import fork_server
 
 from forensics.cli import main
 from forensics.demo.scenarios import SCENARIOS
@@ -23,12 +23,25 @@ OPS = {"bad_sample": ("aten::native_layer_norm", "nan"), "log_zero": ("aten::log
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_script(path: Path, cwd: Path) -> subprocess.CompletedProcess:
-    """The script in a fresh interpreter, from a directory of its own (op_repro.py gets no PYTHONPATH: torch only)."""
+@pytest.fixture(scope="module")
+def torch_only():
+    """A fork server that imported torch alone, started without PYTHONPATH: op_repro.py runs in a process forked from
+    it, with torch only (tests/fork_server.py: each script a process of its own, as `python SCRIPT` runs it)."""
+    server = fork_server().ForkServer(["torch"], {"PATH": "/usr/bin:/bin", "HOME": str(REPO)})
+    yield server
+    server.close()
+
+
+def run_script(path: Path, cwd: Path, server=None) -> subprocess.CompletedProcess:
+    """The script as `python SCRIPT` runs it, in a process of its own, from a directory of its own: op_repro.py forked
+    from `server` (torch_only: no PYTHONPATH), model_repro.py with this checkout on PYTHONPATH, forked from the test
+    session's server (what it imported, torch and transformers, is shared; no state is)."""
     env = {"PATH": "/usr/bin:/bin", "HOME": str(cwd)}
     if path.name == "model_repro.py":
         env["PYTHONPATH"] = str(REPO)
-    return subprocess.run([sys.executable, str(path)], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+        server = fork_server().shared(REPO)
+    done = server.run(path, [], cwd=str(cwd), env=env, out_dir=cwd / "output", timeout=300)
+    return subprocess.CompletedProcess([path], done.returncode, done.stdout, done.stderr)
 
 
 @pytest.fixture(scope="module")
@@ -48,14 +61,14 @@ def repros(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", list(OPS))
-def test_the_op_script_fails_standalone_on_the_shrunk_inputs(name, repros, tmp_path):
+def test_the_op_script_fails_standalone_on_the_shrunk_inputs(name, repros, tmp_path, torch_only):
     _, directory, _ = repros[name]
     op, kind = OPS[name]
     summary = json.loads((directory / "repro.json").read_text())
     assert summary["op"] == op
     before, after = summary["shrunk"]["from"], summary["shrunk"]["to"]
     assert sum(map(_numel, after)) < sum(map(_numel, before))  # cut to the failing slice
-    done = run_script(directory / "op_repro.py", tmp_path)
+    done = run_script(directory / "op_repro.py", tmp_path, torch_only)
     assert done.returncode == 1, done.stderr
     assert f"AssertionError: {op} made non-finite output" in done.stderr and kind in done.stderr
 
