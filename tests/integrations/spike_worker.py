@@ -1,7 +1,8 @@
-"""Test worker (torchrun, gloo): a finite loss spike on rank 1 only, under DistributedGuard or plain Guard.
+"""Test worker (torchrun, gloo): a finite loss spike on rank 1 only, under DistributedGuard or plain Guard, or plain
+Guard with a fused SGD (`fused`: the sync-free check across ranks, which holds the dumped spike back on every rank).
 
 Each rank trains a tiny linear regression on its own data; in step 8 rank 1's inputs are 100x larger,
-so only rank 1's local loss jumps. Usage: spike_worker.py DUMP_DIR {distributed|plain}
+so only rank 1's local loss jumps. Usage: spike_worker.py DUMP_DIR {distributed|plain|fused}
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     ddp = DistributedDataParallel(model)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, fused=kind == "fused")
     config = GuardConfig(dump_dir=dump_dir, run_id=kind, loss_spike=SpikeConfig(window=8, warmup=4),
                          grad_norm_spike=SpikeConfig(enabled=False), background_write=False)
     guard = (DistributedGuard if kind == "distributed" else Guard)(ddp, optimizer, config=config)
@@ -40,11 +41,15 @@ def main() -> None:
         loss = ((ddp(batch["x"]) - batch["y"]) ** 2).mean()
         guard.record_loss(loss)
         loss.backward()
+        before = [p.detach().clone() for p in model.parameters()]
         if guard.check():
             optimizer.step()
+        if step == SPIKE_STEP:
+            held = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
         optimizer.zero_grad()
     guard.close()
-    sys.stdout.write("forensics-example " + json.dumps({"rank": rank, "dumps": [str(p) for p in guard.dumps]}) + "\n")
+    sys.stdout.write("forensics-example " + json.dumps({"rank": rank, "dumps": [str(p) for p in guard.dumps],
+                                                        "held": held}) + "\n")
     sys.stdout.flush()
     torch.distributed.barrier()
     os._exit(0)  # no gloo teardown: under load it can abort a rank whose peer closed first

@@ -138,10 +138,12 @@ def test_accelerate_deepspeed_plugin_checks_inside_engine_step(harness, tmp_path
         assert dump.history()["step"] == [0, 1, 2, 3]  # one check per optimizer step, none doubled
 
 
-@pytest.mark.parametrize("kind", [pytest.param("distributed", marks=pytest.mark.slow), "plain"])
+@pytest.mark.parametrize("kind", [pytest.param("distributed", marks=pytest.mark.slow), "plain", "fused"])
 def test_a_loss_spike_on_one_rank_is_dumped_by_every_rank(harness, tmp_path, kind):
     """Spike detectors run on the step loss agreed across ranks, so every rank dumps the spike step
-    (a ZeRO gather entered by one rank alone would hang), under DistributedGuard and plain Guard alike."""
+    (a ZeRO gather entered by one rank alone would hang), under DistributedGuard and plain Guard alike. With a fused
+    optimizer (the sync-free check across ranks) every rank holds the spike's update back on the device, from the
+    agreed numbers, and dumps it one step late."""
     worker = str(harness.REPO / "tests" / "integrations" / "spike_worker.py")
     result = harness.launch_script(worker, [str(tmp_path / "dumps"), kind])
     assert result.returncode == 0 and sorted(result.reports) == [0, 1], result.explain()
@@ -152,3 +154,5 @@ def test_a_loss_spike_on_one_rank_is_dumped_by_every_rank(harness, tmp_path, kin
         assert dump.trigger["kind"] == "loss_spike"
         assert dump.sample_ids(0)[0] == f"r{rank}s8i0"  # each rank's own batch
     assert dumps[1].trigger["local"] is True and dumps[0].trigger["local"] is False  # rank 1's loss spiked
+    assert {rank: report["held"] for rank, report in result.reports.items()} == {0: kind == "fused", 1: kind == "fused"}
+    assert all(("one step late" in d.trigger.detail) == (kind == "fused") for d in dumps.values())
