@@ -125,6 +125,30 @@ def test_unsupported_optimizer_falls_back_to_the_synchronous_check(helpers, gpt2
     assert [open_dump(p).step for p in guard.dumps] == [BAD_STEP]
 
 
+def reads_inside_checks(model, optimizer, guard, steps: int, scaler=None) -> list[int]:
+    """Trains `steps` steps of a squared-output loss (through `scaler` when given: scale, unscale_, step, update) and
+    returns how many host reads of the step's numbers each check() made."""
+    reads = []
+    for _ in range(steps):
+        batch = {"x": torch.randn(4, 8)}
+        guard.record_batch(batch)
+        loss = model(batch["x"]).pow(2).mean()
+        guard.record_loss(loss.as_subclass(Watched))
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        Watched.reads = []
+        assert guard.check()
+        reads.append(len(Watched.reads))
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad()
+    return reads
+
+
 class Normed(torch.nn.Module):
     """A small regressor with a BatchNorm: its running statistics are persistent buffers its forward updates."""
 
@@ -155,19 +179,8 @@ def test_the_default_runs_sync_free_only_where_nothing_else_changes(tmp_path, ca
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
     guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="d", **setting),
                   loss_fn=lambda m, b: m(b["x"]).pow(2).mean())
-    reads = []
     with caplog.at_level(logging.WARNING):
-        for _ in range(3):
-            batch = {"x": torch.randn(4, 8)}
-            guard.record_batch(batch)
-            loss = model(batch["x"]).pow(2).mean()
-            guard.record_loss(loss.as_subclass(Watched))
-            loss.backward()
-            Watched.reads = []
-            assert guard.check()
-            reads.append(len(Watched.reads))
-            optimizer.step()
-            optimizer.zero_grad()
+        reads = reads_inside_checks(model, optimizer, guard, 3)
         guard.close()
     assert reads == [expected_reads] * 3
     assert not [r for r in caplog.records if "sync_free" in r.getMessage()]
@@ -206,21 +219,8 @@ def test_a_grad_scaler_the_guard_was_not_given_turns_the_check_synchronous_and_t
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
     guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="gs"))
-    reads = []
     with caplog.at_level(logging.WARNING):
-        for _ in range(4):
-            batch = {"x": torch.randn(4, 8)}
-            guard.record_batch(batch)
-            loss = model(batch["x"]).pow(2).mean()
-            guard.record_loss(loss.as_subclass(Watched))
-            scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)
-            Watched.reads = []
-            assert guard.check()
-            reads.append(len(Watched.reads))
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad()
+        reads = reads_inside_checks(model, optimizer, guard, 4, scaler)
         guard.close()
     assert reads == [0, 1, 1, 1]  # the first step is judged at the second check, which then reads its own step
     said = [r.getMessage() for r in caplog.records if "GradScaler the Guard was not given" in r.getMessage()]
