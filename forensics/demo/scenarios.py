@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from capture import Guard, GuardConfig, SpikeConfig
+from capture import DetectionConfig, DumpConfig, Guard, GuardConfig, SpikeConfig
 from forensics.demo import models
 from forensics.errors import ForensicsError, TrainingFaultError
 from forensics.format.tree import map_tensors
@@ -230,10 +230,11 @@ def _finish(run: Run, device: torch.device, echo: Echo, expected: Expected) -> C
     return Captured(dump_path=dumps[0], expected=expected, step=_step_of(dumps[0]), message=message, losses=losses)
 
 
-def _config(out_dir: Path, name: str, **kwargs: Any) -> GuardConfig:
-    """The scenario's Guard settings; dumps go to <out_dir>/dumps/<run id>/ (a fresh run id per run)."""
+def _config(out_dir: Path, name: str, **groups: Any) -> GuardConfig:
+    """The scenario's Guard settings (`groups`: GuardConfig's detection= / dumping= / recording=); dumps go to
+    <out_dir>/dumps/<run id>/ (a fresh run id per run)."""
     dump_dir = out_dir / "dumps"
-    return GuardConfig(dump_dir=str(dump_dir), run_id=free_run_id(dump_dir, f"demo-{name}"), **kwargs)
+    return GuardConfig(dump_dir=str(dump_dir), run_id=free_run_id(dump_dir, f"demo-{name}"), **groups)
 
 
 def free_run_id(dump_dir: Path, base: str) -> str:
@@ -286,7 +287,8 @@ def _log_zero(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
     steps = make_steps(10, seed=4, make_record=record)
     bad = steps[5][0][1]
     bad["quality"] = torch.tensor(0.0)  # the quality filter "rejected" it with weight 0 instead of dropping it
-    config = _config(out_dir, "log_zero", recipe={"loss": f"{models.MODULE}:quality_weighted_loss", "loss_kwargs": {}})
+    config = _config(out_dir, "log_zero", dumping=DumpConfig(recipe={"loss": f"{models.MODULE}:quality_weighted_loss",
+                                                                 "loss_kwargs": {}}))
     model = name_default_loss(GPT2LMHeadModel(models.gpt2_config()))
     run = Run("log_zero", model, steps, models.quality_weighted_loss, config)
     return _finish(run, device, echo, Expected("bad_sample", (bad["sample_ids"],), op="aten::log", phase=Phase.FORWARD))
@@ -307,7 +309,7 @@ def _fp16_overflow(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
     bad["features"] = bad["features"] * 300.0  # exported un-normalised: values of a few hundred
     kwargs: dict[str, Any] = {"n_features": n_features, "adapter_hidden": 64, "config": {}}
     model = models.adapter_lm(**kwargs)
-    config = _config(out_dir, "fp16_overflow", recipe=_recipe_of("adapter_lm", kwargs))
+    config = _config(out_dir, "fp16_overflow", dumping=DumpConfig(recipe=_recipe_of("adapter_lm", kwargs)))
     run = Run("fp16_overflow", model, steps, hf_loss, config, autocast=torch.float16)
     return _finish(run, device, echo, Expected("numerical_precision", (bad["sample_ids"],), module="adapter",
                                                 op="aten::mul", phase=Phase.FORWARD))
@@ -330,7 +332,7 @@ def _adam_eps_zero(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
             wpe.requires_grad_(True)
 
     steps = make_steps(8, seed=6, make_record=lambda gen: {"input_ids": (ids := token_record(gen)), "labels": ids})
-    config = _config(out_dir, "adam_eps_zero", verify_update=True)
+    config = _config(out_dir, "adam_eps_zero", detection=DetectionConfig(verify_update=True))
     run = Run("adam_eps_zero", model, steps, hf_loss, config, eps=0.0, before_step=before_step)
     return _finish(run, device, echo, Expected("optimizer_update", (), parameter="transformer.wpe.weight",
                                                 phase=Phase.OPTIMIZER, trigger=TriggerKind.NONFINITE_PARAM,
@@ -355,7 +357,7 @@ def _pair(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
     first["features"][3, 5] = 0.75 * FLT_MAX
     second["features"][3, 9] = 0.75 * FLT_MAX
     kwargs: dict[str, Any] = {"n_channels": n_channels, "hidden": 32, "n_classes": 4}
-    config = _config(out_dir, "pair", recipe=_recipe_of("sensor_classifier", kwargs))
+    config = _config(out_dir, "pair", dumping=DumpConfig(recipe=_recipe_of("sensor_classifier", kwargs)))
     run = Run("pair", models.sensor_classifier(**kwargs), steps, dict_loss, config)
     return _finish(run, device, echo, Expected("bad_sample", (first["sample_ids"], second["sample_ids"]),
                                                 module="bn", phase=Phase.FORWARD))
@@ -385,7 +387,7 @@ def _sdc(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
         state["step"] = step
 
     steps = make_steps(8, seed=8, make_record=lambda gen: {"input_ids": (ids := token_record(gen)), "labels": ids})
-    run = Run("sdc", model, steps, hf_loss, _config(out_dir, "sdc", recheck=True), before_step=before_step)
+    run = Run("sdc", model, steps, hf_loss, _config(out_dir, "sdc", dumping=DumpConfig(recheck=True)), before_step=before_step)
     return _finish(run, device, echo, Expected("not_reproduced", (), reproduced=False))
 
 
@@ -394,7 +396,7 @@ def _dropout_mask(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
     seed_everything(12)  # on the CPU the first all-dropping gate mask comes at step 7 (p = 1/16 a forward)
     kwargs: dict[str, Any] = {"n_gates": 4, "gate_dropout": 0.5, "aux_weight": 0.01, "config": {}}
     steps = make_steps(40, seed=9, make_record=lambda gen: {"input_ids": (ids := token_record(gen)), "labels": ids})
-    config = _config(out_dir, "dropout_mask", recipe=_recipe_of("gated_lm", kwargs))
+    config = _config(out_dir, "dropout_mask", dumping=DumpConfig(recipe=_recipe_of("gated_lm", kwargs)))
     run = Run("dropout_mask", models.gated_lm(**kwargs), steps, dict_loss, config)
     return _finish(run, device, echo, Expected("model_state", (), op="aten::log", phase=Phase.FORWARD))
 
@@ -414,8 +416,8 @@ def _spike_scenario(out_dir: Path, device: torch.device, echo: Echo) -> Captured
     bad["labels"] = bad["labels"] * 100.0  # its target was exported in percent, not as a fraction
     model = GPT2ForSequenceClassification(models.gpt2_config(num_labels=1, problem_type="regression",
                                                              pad_token_id=0))
-    config = _config(out_dir, "spike", loss_spike=SpikeConfig(window=16, warmup=4),
-                     grad_norm_spike=SpikeConfig(enabled=False))
+    config = _config(out_dir, "spike", detection=DetectionConfig(loss_spike=SpikeConfig(window=16, warmup=4),
+                                                          grad_norm_spike=SpikeConfig(enabled=False)))
     run = Run("spike", model, steps, hf_loss, config)
     return _finish(run, device, echo, Expected("bad_sample", (bad["sample_ids"],), trigger=TriggerKind.LOSS_SPIKE,
                                                 top_sample=bad["sample_ids"]))

@@ -67,11 +67,11 @@ def build(hidden: int, layers: int):
 
 
 def forensics_save(model, optimizer, ids, root: Path, layout: str, replicas: int = 1) -> tuple[float, int]:
-    from capture import Guard, GuardConfig
+    from capture import DetectionConfig, DumpConfig, Guard, GuardConfig
 
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(root), run_id=f"{layout}-{replicas}",
-                                                       on_nonfinite="continue", state_layout=layout,
-                                                       background_write=False, shard_replicas=replicas))
+    guard = Guard(model, optimizer, config=GuardConfig(
+        dump_dir=str(root), run_id=f"{layout}-{replicas}", detection=DetectionConfig(on_nonfinite="continue"),
+        dumping=DumpConfig(state_layout=layout, background_write=False, shard_replicas=replicas)))
     guard.record_batch({"input_ids": ids, "labels": ids})
     guard.record_loss(float("nan"))
     start = time.perf_counter()
@@ -84,10 +84,10 @@ def forensics_save(model, optimizer, ids, root: Path, layout: str, replicas: int
 
 def exchange_only(model, optimizer) -> dict:
     """The buddy exchange of shard_replicas=2 alone, on the state the Guard collects."""
-    from capture import Guard, GuardConfig
+    from capture import DumpConfig, Guard, GuardConfig
     from capture.state import buddy, snapshot
 
-    guard = Guard(model, optimizer, config=GuardConfig(state_layout="sharded", shard_replicas=2))
+    guard = Guard(model, optimizer, config=GuardConfig(dumping=DumpConfig(state_layout="sharded", shard_replicas=2)))
     state = guard.state.collect(snapshot.HostCopy(enabled=False))
     shards = buddy.sole_shards(state)
     sent = sum(s.tensor.numel() * s.tensor.element_size() for rows in shards.values() for s in rows.values())
