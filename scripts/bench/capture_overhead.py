@@ -45,6 +45,8 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=1, help="host: micro-batches per step")
     parser.add_argument("--tiny", action="store_true", help="a CPU-sized model (checks that the script runs)")
     parser.add_argument("--no-compile", action="store_true", help="nanogpt without torch.compile")
+    parser.add_argument("--profile", type=int, default=0, help="nanogpt / fsdp2: then trace this many steps of each "
+                                                                 "mode with torch.profiler (host and device time)")
     parser.add_argument("--modes", default="", help="nanogpt / fsdp2: only these modes, comma-separated (plain always "
                                                     "runs): plain, synced, guarded, synchronous, precursors")
     args = parser.parse_args()
@@ -55,7 +57,7 @@ def main() -> None:
     if args.config != "short":
         from scripts.bench.step_ratios import run_config
         run_config(args.config, args.rounds, args.steps, tiny=args.tiny, compile_model=not args.no_compile,
-                   only=tuple(m for m in args.modes.split(",") if m))
+                   only=tuple(m for m in args.modes.split(",") if m), profile=args.profile)
         return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     size, batch, seq = ("small", 4, 1024) if device == "cuda" else ("tiny", 4, 128)

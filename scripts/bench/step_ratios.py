@@ -19,6 +19,8 @@ import os
 import tempfile
 import time
 
+from typing import Any
+
 import torch
 
 from capture import DetectionConfig, Guard, GuardConfig, PrecursorConfig
@@ -107,8 +109,9 @@ def fsdp2_llama(tiny: bool, device: torch.device):
 
 
 def run_config(config: str, rounds: int, steps: int, tiny: bool = False, compile_model: bool = True,
-               only: tuple[str, ...] = ()) -> None:
-    """Times the configuration's modes (MODES; `only`: those of them, plain always included)."""
+               only: tuple[str, ...] = (), profile: int = 0) -> None:
+    """Times the configuration's modes (MODES; `only`: those of them, plain always included); `profile`: then traces
+    that many more steps of each mode with torch.profiler and prints (rank 0) where the host and the device spent them."""
     distributed = config == "fsdp2"
     if distributed:
         torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -167,13 +170,35 @@ def run_config(config: str, rounds: int, steps: int, tiny: bool = False, compile
         table = torch.tensor([times[m] for m in modes], dtype=torch.float64, device=device)
         torch.distributed.all_reduce(table, op=torch.distributed.ReduceOp.MAX)
         times = {m: table[i].tolist() for i, m in enumerate(modes)}
+    traces = {mode: trace(lambda mode=mode: step(mode), profile, device) for mode in modes} if profile else {}
     for mode in modes:
         if runs[mode][2] is not None:
             runs[mode][2].guard.close()
     if not distributed or torch.distributed.get_rank() == 0:
         report(config, words, device, rounds, steps, times, host)
+        for mode, table in traces.items():
+            print(f"--- profile of {profile} {mode} steps (self time, the 12 largest by host time)\n{table}")
     if distributed:
         torch.distributed.destroy_process_group()
+
+
+def trace(step: Any, steps: int, device: torch.device) -> str:
+    """`steps` calls of `step` under torch.profiler (the device's kernels too on CUDA): wall time, the device's busy
+    time (the sum of its kernels' self time) and the operators with the most host time, as a table."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    sync(str(device))
+    start = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as profiler:
+        for _ in range(steps):
+            step()
+        sync(str(device))
+    wall = time.perf_counter() - start
+    events = profiler.key_averages()
+    busy = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events) / 1e6
+    return (f"wall {wall / steps * 1e3:.1f} ms per step, device busy {busy / steps * 1e3:.1f} ms per step (under the "
+            f"profiler)\n" + events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
 
 
 def report(config: str, words: str, device: torch.device, rounds: int, steps: int, times: dict, host: dict) -> None:
