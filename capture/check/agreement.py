@@ -107,17 +107,18 @@ def deferred_termination() -> Iterator[None]:
             signal.raise_signal(signal.SIGTERM)
 
 
-def _scalar(value: Any, device: torch.device) -> torch.Tensor:
-    """A 0-dim float64 on `device`, built without a pageable host->device copy (which waits on the stream):
-    host numbers become a fill kernel; a CPU tensor is read on the host (no device sync) and filled."""
+def device_scalar(value: Any, device: torch.device) -> torch.Tensor:
+    """A 0-dim tensor on `device` holding `value` (a loss, a norm; None: NaN), made without waiting on the device: a
+    floating device scalar is used as it is (the caller stacks and casts once), another device tensor averaged in fp32;
+    a CPU tensor or a Python number is read on the host and filled in as float64 (a pageable host->device copy would
+    wait for the stream)."""
     if isinstance(value, torch.Tensor):
         value = value.detach()
         if value.device == device:
-            return value.float().mean().double()
-        if value.device.type == "cpu":
-            value = float(value.float().mean())
-        else:
-            return value.float().mean().double().to(device)
+            return value if value.dim() == 0 and value.is_floating_point() else value.float().mean()
+        if value.device.type != "cpu":
+            return value.float().mean().to(device)
+        value = float(value.float().mean())
     return torch.full((), math.nan if value is None else float(value), dtype=torch.float64, device=device)
 
 
@@ -154,7 +155,8 @@ def launch(values: list[Any], n_losses: int, *, divisor: float, min_loss_scale: 
     source = next((v.device for v in values if isinstance(v, torch.Tensor) and v.device.type != "cpu"), device)
     if device.type != "cpu":
         source = device
-    vector = torch.stack([_scalar(v, source) for v in values]).to(device)  # gloo + CUDA losses: the one copy
+    vector = torch.stack([device_scalar(v, source) for v in values]).to(device, torch.float64)  # gloo + CUDA
+    # losses: the one copy
     losses, norm, scale = vector[:n_losses], vector[n_losses], vector[n_losses + 1]
     zero = torch.zeros((), dtype=torch.float64, device=device)
     finite = torch.isfinite(losses)

@@ -36,7 +36,8 @@ from typing import Any, Callable, cast
 
 import torch
 
-from capture.check.agreement import STATS, Agreement, agreed_on_device, collective_device, launch, settle
+from capture.check.agreement import (STATS, Agreement, agreed_on_device, collective_device, device_scalar, launch,
+                                     settle)
 from capture.check.detectors import StepDetectors, clipped
 from capture.config import GuardConfig
 from capture.record.history import History
@@ -190,7 +191,7 @@ class SyncFree:
         """One process: the pieces of `[*losses, grad norm, step loss]` (float64, on the parameters' device) and the
         skip flag."""
         n, has_norm = len(record.losses), grad_norm is not None
-        values = torch.stack([_scalar(v, device) for v in [*record.losses, grad_norm if has_norm else math.nan]])
+        values = torch.stack([device_scalar(v, device) for v in [*record.losses, grad_norm if has_norm else None]])
         values = values if values.dtype == torch.float64 else values.double()
         step_loss = values[:n].sum() / divisor if n else None
         watched = values if has_norm else values[:n]
@@ -311,20 +312,6 @@ class SyncFree:
             return dataclasses.replace(incident, undumpable=SPIKE_APPLIED)  # never a dump of the state after it
         late = HELD if trigger.kind.spike else LATE
         return dataclasses.replace(incident, trigger=dataclasses.replace(trigger, detail=trigger.detail + late))
-
-
-def _scalar(value: Any, device: torch.device) -> torch.Tensor:
-    """A 0-dim tensor on `device` holding `value` (a loss, a norm), made without waiting on the device: a device
-    tensor stays there (averaged when it is not a scalar); a CPU tensor or a Python number is read on the host and
-    filled in (a pageable host->device copy would wait for the stream)."""
-    if isinstance(value, torch.Tensor):
-        value = value.detach()
-        if value.device == device:
-            return value if value.dim() == 0 and value.is_floating_point() else value.float().mean()
-        if value.device.type != "cpu":
-            return value.float().mean().to(device)
-        value = float(value.float().mean())
-    return torch.full((), float(value), dtype=torch.float64, device=device)
 
 
 def _larger(value: Any, limit: float, floor: float) -> Any:
