@@ -176,7 +176,7 @@ step extra_overhead_fsdp2_paired 0 timeout 480 torchrun --nproc_per_node=2 -m sc
   --config fsdp2 --modes guarded,synchronous --rounds 20 --steps 10
 # where the FSDP2 step's time goes (issue 32's open half): 5 traced steps of plain and guarded after the timed rounds
 step extra_overhead_fsdp2_profile 0 timeout 480 torchrun --nproc_per_node=2 -m scripts.bench.capture_overhead \
-  --config fsdp2 --modes guarded --rounds 4 --steps 10 --profile 5
+  --config fsdp2 --modes guarded,synchronous --rounds 4 --steps 10 --profile 5
 # FSDP2 with a fused AdamW (the sync-free check across ranks: found_inf on DTensor parameters over NCCL): the NaN step
 # is skipped on the device by both ranks and dumped one step late; the one-GPU replay names the sample
 step fsdp2_fused 0 timeout 420 torchrun --nproc_per_node=2 scripts/examples/fsdp2_example.py --model llama --size 1b \

@@ -14,6 +14,7 @@ rank 0 prints (the step time is the slowest rank's: each step ends in the optimi
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import os
 import tempfile
@@ -42,13 +43,16 @@ class Timed:
 
     def __init__(self, guard: Guard):
         self.guard, self.seconds = guard, 0.0
+        self.by_method: dict[str, float] = {}
 
     def __call__(self, method: str, *args, **kwargs):
         start = time.perf_counter()
         try:
             return getattr(self.guard, method)(*args, **kwargs)
         finally:
-            self.seconds += time.perf_counter() - start
+            spent = time.perf_counter() - start
+            self.seconds += spent
+            self.by_method[method] = self.by_method.get(method, 0.0) + spent
 
 
 def nanogpt(tiny: bool, device: torch.device, compile_model: bool):
@@ -176,15 +180,21 @@ def run_config(config: str, rounds: int, steps: int, tiny: bool = False, compile
             runs[mode][2].guard.close()
     if not distributed or torch.distributed.get_rank() == 0:
         report(config, words, device, rounds, steps, times, host)
-        for mode, table in traces.items():
-            print(f"--- profile of {profile} {mode} steps (self time, the 12 largest by host time)\n{table}")
+        for mode in modes:
+            timed = runs[mode][2]
+            if timed is not None:
+                total = rounds * steps + 40 if not tiny else rounds * steps + 34  # the warm-up's steps too
+                print(f"{mode}: inside the Guard per step, " + ", ".join(
+                    f"{name} {seconds / total * 1e6:.0f} us" for name, seconds in timed.by_method.items()))
+        if traces:
+            print(profile_report(traces, profile))
     if distributed:
         torch.distributed.destroy_process_group()
 
 
-def trace(step: Any, steps: int, device: torch.device) -> str:
+def trace(step: Any, steps: int, device: torch.device) -> Trace:
     """`steps` calls of `step` under torch.profiler (the device's kernels too on CUDA): wall time, the device's busy
-    time (the sum of its kernels' self time) and the operators with the most host time, as a table."""
+    time (the sum of its kernels' self time) and each operator's calls and host self time, per step."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -197,8 +207,39 @@ def trace(step: Any, steps: int, device: torch.device) -> str:
     wall = time.perf_counter() - start
     events = profiler.key_averages()
     busy = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events) / 1e6
-    return (f"wall {wall / steps * 1e3:.1f} ms per step, device busy {busy / steps * 1e3:.1f} ms per step (under the "
-            f"profiler)\n" + events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+    ops = {e.key: (e.count / steps, e.self_cpu_time_total / steps) for e in events}
+    return Trace(wall / steps, busy / steps, ops)
+
+
+@dataclasses.dataclass
+class Trace:
+    """One mode's profiled steps, per step: wall and device-busy seconds, {operator: (calls, host self microseconds)}."""
+
+    wall: float
+    busy: float
+    ops: dict[str, tuple[float, float]]
+
+
+def profile_report(traces: dict[str, Trace], steps: int) -> str:
+    """Each mode's wall / device-busy / host time per step under the profiler, and for each mode but plain the
+    operators whose host time or calls grew most against plain: where a guarded step's extra time goes."""
+    lines = [f"--- torch.profiler, {steps} steps of each mode (per step; host = operators' self time)"]
+    for mode, t in traces.items():
+        calls, host = sum(c for c, _ in t.ops.values()), sum(h for _, h in t.ops.values())
+        lines.append(f"{mode:<12} wall {t.wall * 1e3:8.1f} ms  device busy {t.busy * 1e3:8.1f} ms  host "
+                     f"{host / 1e3:8.1f} ms in {calls:8.0f} operator calls")
+    plain = traces["plain"].ops
+    for mode, t in traces.items():
+        if mode == "plain":
+            continue
+        grown = sorted(((h - plain.get(k, (0.0, 0.0))[1], c - plain.get(k, (0.0, 0.0))[0], k)
+                        for k, (c, h) in t.ops.items()), reverse=True)
+        lines.append(f"{mode} vs plain, operators with the most added host time (us per step, calls per step):")
+        lines += [f"  {dh:+9.1f} us {dc:+7.1f} calls  {key[:90]}" for dh, dc, key in grown[:15]]
+        more = sorted(((c - plain.get(k, (0.0, 0.0))[0], k) for k, (c, h) in t.ops.items()), reverse=True)
+        lines.append(f"{mode} vs plain, operators with the most added calls: " + ", ".join(
+            f"{key[:50]} {dc:+.1f}" for dc, key in more[:10] if dc > 0))
+    return "\n".join(lines)
 
 
 def report(config: str, words: str, device: torch.device, rounds: int, steps: int, times: dict, host: dict) -> None:
