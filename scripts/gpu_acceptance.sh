@@ -171,10 +171,12 @@ step extra_overhead_nanogpt 0 timeout 480 python3 -m scripts.bench.capture_overh
   --steps 10
 step extra_overhead_fsdp2 0 timeout 480 torchrun --nproc_per_node=2 -m scripts.bench.capture_overhead --config fsdp2 \
   --rounds 10 --steps 10
-# the FSDP2 step's time moves 20 % between rounds of 10 steps: plain and guarded alone, 2 steps per mode per round
+# one round of the (host-bound) FSDP2 step varies ~8 %: plain and guarded alone, many short rounds, the median ratio
+# with its bootstrap interval (BENCHMARKS.md, "FSDP2, demonstrated")
 step extra_overhead_fsdp2_paired 0 timeout 480 torchrun --nproc_per_node=2 -m scripts.bench.capture_overhead \
-  --config fsdp2 --modes guarded,synchronous --rounds 20 --steps 10
-# where the FSDP2 step's time goes (issue 32's open half): 5 traced steps of plain and guarded after the timed rounds
+  --config fsdp2 --modes guarded --rounds 60 --steps 2
+# where the FSDP2 step's time goes: traced steps of each mode after the timed rounds (torch.profiler, each mode's
+# operators against plain's; the Guard's calls under cProfile)
 step extra_overhead_fsdp2_profile 0 timeout 480 torchrun --nproc_per_node=2 -m scripts.bench.capture_overhead \
   --config fsdp2 --modes guarded,synchronous --rounds 4 --steps 10 --profile 5
 # FSDP2 with a fused AdamW (the sync-free check across ranks: found_inf on DTensor parameters over NCCL): the NaN step

@@ -49,6 +49,8 @@ def main() -> None:
                                                                  "mode with torch.profiler (host and device time)")
     parser.add_argument("--modes", default="", help="nanogpt / fsdp2: only these modes, comma-separated (plain always "
                                                     "runs): plain, synced, guarded, synchronous, precursors")
+    parser.add_argument("--pin", action="store_true", help="nanogpt / fsdp2: each local rank on its own share of the "
+                                                           "host's cores")
     args = parser.parse_args()
     if args.config == "host":
         from scripts.bench.step_ratios import host_cost
@@ -57,7 +59,7 @@ def main() -> None:
     if args.config != "short":
         from scripts.bench.step_ratios import run_config
         run_config(args.config, args.rounds, args.steps, tiny=args.tiny, compile_model=not args.no_compile,
-                   only=tuple(m for m in args.modes.split(",") if m), profile=args.profile)
+                   only=tuple(m for m in args.modes.split(",") if m), profile=args.profile, pin=args.pin)
         return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     size, batch, seq = ("small", 4, 1024) if device == "cuda" else ("tiny", 4, 128)

@@ -14,9 +14,13 @@ rank 0 prints (the step time is the slowest rank's: each step ends in the optimi
 from __future__ import annotations
 
 import copy
+import cProfile
 import dataclasses
 import gc
+import io
 import os
+import pstats
+import random
 import tempfile
 import time
 
@@ -44,15 +48,22 @@ class Timed:
     def __init__(self, guard: Guard):
         self.guard, self.seconds = guard, 0.0
         self.by_method: dict[str, float] = {}
+        self.on_cpu: dict[str, float] = {}  # the calling thread's CPU time in them (the rest: waiting)
+        self.profiler: cProfile.Profile | None = None  # set: the Guard's calls (only they) run under cProfile
 
     def __call__(self, method: str, *args, **kwargs):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
+        if self.profiler is not None:
+            self.profiler.enable()
         try:
             return getattr(self.guard, method)(*args, **kwargs)
         finally:
+            if self.profiler is not None:
+                self.profiler.disable()
             spent = time.perf_counter() - start
             self.seconds += spent
             self.by_method[method] = self.by_method.get(method, 0.0) + spent
+            self.on_cpu[method] = self.on_cpu.get(method, 0.0) + time.thread_time() - cpu
 
 
 def nanogpt(tiny: bool, device: torch.device, compile_model: bool):
@@ -113,13 +124,18 @@ def fsdp2_llama(tiny: bool, device: torch.device):
 
 
 def run_config(config: str, rounds: int, steps: int, tiny: bool = False, compile_model: bool = True,
-               only: tuple[str, ...] = (), profile: int = 0) -> None:
+               only: tuple[str, ...] = (), profile: int = 0, pin: bool = False) -> None:
     """Times the configuration's modes (MODES; `only`: those of them, plain always included); `profile`: then traces
-    that many more steps of each mode with torch.profiler and prints (rank 0) where the host and the device spent them."""
+    that many more steps of each mode with torch.profiler and prints (rank 0) where the host and the device spent them;
+    `pin`: each local rank runs on its own share of the host's cores (as numactl / a launcher's CPU binding does)."""
     distributed = config == "fsdp2"
     if distributed:
         torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     local = int(os.environ.get("LOCAL_RANK", 0))
+    if pin:
+        cores = sorted(os.sched_getaffinity(0))
+        share = max(1, len(cores) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        os.sched_setaffinity(0, cores[local * share:(local + 1) * share] or cores)
     device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -175,6 +191,18 @@ def run_config(config: str, rounds: int, steps: int, tiny: bool = False, compile
         torch.distributed.all_reduce(table, op=torch.distributed.ReduceOp.MAX)
         times = {m: table[i].tolist() for i, m in enumerate(modes)}
     traces = {mode: trace(lambda mode=mode: step(mode), profile, device) for mode in modes} if profile else {}
+    inside = {}
+    for mode in modes if profile else ():  # then the Guard's own calls under cProfile (Python-level, host only)
+        timed = runs[mode][2]
+        if timed is not None:
+            timed.profiler = cProfile.Profile()
+            for _ in range(profile):
+                step(mode)
+            timed.profiler.create_stats()
+            text = io.StringIO()
+            pstats.Stats(timed.profiler, stream=text).sort_stats("tottime").print_stats(25)
+            inside[mode] = text.getvalue()
+            timed.profiler = None
     for mode in modes:
         if runs[mode][2] is not None:
             runs[mode][2].guard.close()
@@ -184,10 +212,13 @@ def run_config(config: str, rounds: int, steps: int, tiny: bool = False, compile
             timed = runs[mode][2]
             if timed is not None:
                 total = rounds * steps + 40 if not tiny else rounds * steps + 34  # the warm-up's steps too
-                print(f"{mode}: inside the Guard per step, " + ", ".join(
-                    f"{name} {seconds / total * 1e6:.0f} us" for name, seconds in timed.by_method.items()))
+                print(f"{mode}: inside the Guard per step (wall / on the thread's CPU), " + ", ".join(
+                    f"{name} {seconds / total * 1e6:.0f} / {timed.on_cpu[name] / total * 1e6:.0f} us"
+                    for name, seconds in timed.by_method.items()))
         if traces:
             print(profile_report(traces, profile))
+        for mode, text in inside.items():
+            print(f"--- cProfile of the Guard's calls in {profile} {mode} steps (by own time)\n{text}")
     if distributed:
         torch.distributed.destroy_process_group()
 
@@ -249,18 +280,31 @@ def report(config: str, words: str, device: torch.device, rounds: int, steps: in
     print(f"config {config}: {words}; device {device}")
     print(f"{rounds} interleaved rounds x {steps} steps per mode (order rotating); plain step spread between rounds "
           f"{100 * spread:.1f} %")
+    intervals: list[str] = []
     print(f"{'mode':<12} {'step (median)':>14} {'ratio vs plain':>15} {'quartiles':>13} {'in Guard calls':>15}  "
           "per-round ratios")
     for mode in times:
         ratios = sorted(t / p for t, p in zip(times[mode], plain))
         quartiles = f"{ratios[len(ratios) // 4]:.3f}-{ratios[(3 * len(ratios)) // 4]:.3f}"
+        if mode != "plain":
+            low, high = median_interval(ratios)
+            intervals.append(f"{mode} {median(ratios):.4f} (95 % interval of the median {low:.4f}-{high:.4f})")
         print(f"{mode:<12} {median(times[mode]) * 1e3:11.2f} ms {median(ratios):15.4f} {quartiles:>13} "
               f"{median(host[mode]) * 1e6:12.0f} us  "
               f"{' '.join(f'{t / p:.3f}' for t, p in zip(times[mode], plain))}")
+    print("ratio vs plain, median of paired rounds, with a bootstrap interval (2,000 resamples of the rounds): "
+          + "; ".join(intervals))
     if "precursors" in times and "guarded" in times:
         on_top = [(pc - g) / p for pc, g, p in zip(times["precursors"], times["guarded"], plain)]
         print(f"precursors on top of guarded (PrecursorConfig() defaults, every 8th step sampled): "
               f"{100 * median(on_top):+.2f} % of a plain step (median of rounds)")
+
+
+def median_interval(values: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A 95 % bootstrap interval of the median of `values` (resampled with replacement, a fixed seed)."""
+    draw = random.Random(seed)
+    medians = sorted(median(draw.choices(values, k=len(values))) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
 def host_cost(rounds: int, steps: int, micro: int) -> None:
