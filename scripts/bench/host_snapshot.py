@@ -1,4 +1,4 @@
-"""Benchmark: what the Guard's host snapshots (GuardConfig.snapshot_every) cost — the stall of one snapshot
+"""Benchmark: what the Guard's host snapshots (RecordConfig.snapshot_every) cost — the stall of one snapshot
 against a plain copy of the same bytes into preallocated host memory (the memcpy / PCIe limit, measured in the
 same run), the step time with snapshots every K steps against none, and the host memory they hold.
 
