@@ -48,7 +48,7 @@ BUDGET = {
 }
 CHECK_BUDGET = {
     "synchronous": Budget(ops=1, host_reads=1, scalar_reads=0, python_calls=39, peak_kb=2),
-    "sync_free": Budget(ops=28, host_reads=0, scalar_reads=0, python_calls=55, peak_kb=3),
+    "sync_free": Budget(ops=25, host_reads=0, scalar_reads=0, python_calls=55, peak_kb=3),
 }
 
 
