@@ -111,7 +111,7 @@ def device_scalar(value: Any, device: torch.device) -> torch.Tensor:
     """A 0-dim tensor on `device` holding `value` (a loss, a norm; None: NaN), made without waiting on the device: a
     floating device scalar is used as it is (the caller stacks and casts once), another device tensor averaged in fp32;
     a CPU tensor or a Python number is read on the host and filled in as float64 (a pageable host->device copy would
-    wait for the stream)."""
+    wait for the stream). The result may be shared (a constant): stack or copy it, never write into it."""
     if isinstance(value, torch.Tensor):
         value = value.detach()
         if value.device == device:
@@ -119,7 +119,26 @@ def device_scalar(value: Any, device: torch.device) -> torch.Tensor:
         if value.device.type != "cpu":
             return value.float().mean().to(device)
         value = float(value.float().mean())
-    return torch.full((), math.nan if value is None else float(value), dtype=torch.float64, device=device)
+    if value is None:
+        return constant(math.nan, device)
+    return torch.full((), float(value), dtype=torch.float64, device=device)
+
+
+_CONSTANTS = (0.0, 1.0, math.nan)
+_constants: dict[torch.device, torch.Tensor] = {}
+
+
+def constant(value: float, device: torch.device) -> torch.Tensor:
+    """0, 1 or NaN as a float64 0-dim tensor on `device`: a view of a vector made once per device, so that a step's
+    numbers are stacked from it without launching a fill for each constant (on a GPU every launch costs the host
+    tens of microseconds). Never write into it."""
+    vector = _constants.get(device)
+    if vector is None:  # filled on the device: a host->device copy of a pageable list would wait for the stream
+        vector = torch.zeros(len(_CONSTANTS), dtype=torch.float64, device=device)
+        vector[1].fill_(1.0)
+        vector[2].fill_(math.nan)
+        _constants[device] = vector
+    return vector[2 if math.isnan(value) else _CONSTANTS.index(value)]
 
 
 def agree(values: list[Any], n_losses: int, *, divisor: float, min_loss_scale: float,
@@ -150,31 +169,30 @@ def launch(values: list[Any], n_losses: int, *, divisor: float, min_loss_scale: 
            sharded_grad_norm: bool, precursor_fired: bool = False) -> torch.Tensor:
     """The step's all-reduce, queued and not read: `[*values, *STATS summed statistics]` as float64 on the
     collective device (agree()'s arguments). The sync-free check derives its device flags from it and reads it one
-    step later (capture/check/sync_free.py)."""
+    step later (capture/check/sync_free.py). A dozen small operators (each a kernel launch on a GPU, where a host-bound
+    step pays for every one): the values cleaned of non-finite ones once, the flags compared against that."""
     device = collective_device()
     source = next((v.device for v in values if isinstance(v, torch.Tensor) and v.device.type != "cpu"), device)
     if device.type != "cpu":
         source = device
     vector = torch.stack([device_scalar(v, source) for v in values]).to(device, torch.float64)  # gloo + CUDA
     # losses: the one copy
-    losses, norm, scale = vector[:n_losses], vector[n_losses], vector[n_losses + 1]
-    zero = torch.zeros((), dtype=torch.float64, device=device)
-    finite = torch.isfinite(losses)
-    loss_fault = (~finite).any().double() if n_losses else zero
+    cleaned = torch.nan_to_num(vector, nan=0.0, posinf=0.0, neginf=0.0)  # each value, or 0 where it is not finite
+    bad = (vector != cleaned).double()  # 1 where a value is not finite (a finite value equals its cleaned self)
+    zero, one = constant(0.0, device), constant(1.0, device)
+    loss_fault = bad[:n_losses].amax() if n_losses else zero
     if values[n_losses] is None:  # no gradients to measure: not a fault, no shard
         grad_fault, shard_sq, norm_sum, has_norm = zero, zero, zero, zero
     else:
-        norm_finite = torch.isfinite(norm)
-        bad = ~norm_finite
+        norm = vector[n_losses]
+        grad_fault = bad[n_losses]
         if values[n_losses + 1] is not None:  # with a loss scaler, an overflow above the floor is its skip
-            bad = bad & ~(scale > min_loss_scale)
-        grad_fault = bad.double()
+            grad_fault = grad_fault * ~(vector[n_losses + 1] > min_loss_scale)
         shard_sq = norm * norm if sharded_grad_norm else zero
-        norm_sum, has_norm = torch.where(norm_finite, norm, zero), norm_finite.double()
-    step_loss = torch.where(finite, losses, torch.zeros_like(losses)).sum() / divisor
-    has_losses = torch.full((), 1.0 if n_losses else 0.0, dtype=torch.float64, device=device)
-    precursor = torch.full((), 1.0 if precursor_fired else 0.0, dtype=torch.float64, device=device)
-    stats = torch.stack([loss_fault, grad_fault, step_loss, has_losses, shard_sq, norm_sum, has_norm, precursor])
+        norm_sum, has_norm = cleaned[n_losses], 1.0 - bad[n_losses]
+    step_loss = cleaned[:n_losses].sum() / divisor
+    stats = torch.stack([loss_fault, grad_fault, step_loss, one if n_losses else zero, shard_sq, norm_sum, has_norm,
+                         one if precursor_fired else zero])
     torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.SUM)
     return torch.cat([vector, stats])
 
@@ -182,10 +200,11 @@ def launch(values: list[Any], n_losses: int, *, divisor: float, min_loss_scale: 
 def agreed_on_device(launched: torch.Tensor, sharded_grad_norm: bool) -> tuple[torch.Tensor, torch.Tensor,
                                                                               torch.Tensor]:
     """From launch()'s vector, on its device: (some rank saw a fault, the agreed step loss, the agreed grad norm), the
-    numbers settle() gives the host (the same float64 operations; a loss or norm no rank had reads 0)."""
+    numbers settle() gives the host (the same float64 operations). A loss or norm no rank had is NaN (0 / 0), so no
+    comparison with it is true: settle() has None there."""
     loss_faults, grad_faults, loss_sum, ranks_with_losses, norm_sq, norms, ranks_with_norm, _ = launched[-STATS:]
-    step_loss = loss_sum / ranks_with_losses.clamp(min=1.0)
-    norm = norm_sq.sqrt() if sharded_grad_norm else norms / ranks_with_norm.clamp(min=1.0)
+    step_loss = loss_sum / ranks_with_losses
+    norm = norm_sq.sqrt() if sharded_grad_norm else norms / ranks_with_norm
     return (loss_faults + grad_faults) > 0, step_loss, norm
 
 

@@ -36,7 +36,7 @@ from typing import Any, Callable, cast
 
 import torch
 
-from capture.check.agreement import (STATS, Agreement, agreed_on_device, collective_device, device_scalar, launch,
+from capture.check.agreement import (Agreement, agreed_on_device, collective_device, device_scalar, launch,
                                      settle)
 from capture.check.detectors import StepDetectors, clipped
 from capture.config import GuardConfig
@@ -195,8 +195,8 @@ class SyncFree:
         values = values if values.dtype == torch.float64 else values.double()
         step_loss = values[:n].sum() / divisor if n else None
         watched = values if has_norm else values[:n]
-        skip = (~torch.isfinite(watched)).any() if watched.numel() else torch.zeros((), dtype=torch.bool,
-                                                                                  device=device)
+        skip = torch.isnan((watched * 0).sum())  # a value not finite makes its product with 0 NaN (3 operators,
+        # where ~isfinite(x).any() is 6: torch.isfinite is four)
         spike = self._spike_to_hold(step_loss, values[n] if has_norm else None, step)
         skip = skip | spike if spike is not None else skip
         return [values, (step_loss if step_loss is not None else values.new_zeros(())).reshape(1)], skip
@@ -207,19 +207,16 @@ class SyncFree:
         loss scale, *summed statistics]`) and the skip flag from the agreed numbers, identical on every rank."""
         launched = launch([*record.losses, grad_norm, None], len(record.losses), divisor=divisor,
                           min_loss_scale=self.config.detection.min_loss_scale, sharded_grad_norm=sharded)
-        fault, step_loss, norm = agreed_on_device(launched, sharded)
-        stats = launched[-STATS:]
-        spike = self._spike_to_hold(step_loss, norm, step, loss_known=stats[3] > 0,
-                                    norm_known=None if sharded else stats[6] > 0)
+        fault, step_loss, norm = agreed_on_device(launched, sharded)  # NaN where no rank had one: no spike fires
+        spike = self._spike_to_hold(step_loss, norm, step)
         return [launched], fault | spike if spike is not None else fault
 
-    def _spike_to_hold(self, step_loss: torch.Tensor | None, norm: torch.Tensor | None, step: int,
-                       loss_known: torch.Tensor | None = None, norm_known: torch.Tensor | None = None
+    def _spike_to_hold(self, step_loss: torch.Tensor | None, norm: torch.Tensor | None, step: int
                        ) -> torch.Tensor | None:
         """A device flag: the step is a spike whose update must wait for its judgment, because its dump needs the
         pre-step state (the budget takes it) or the policy skips or raises. Mirrors StepDetectors.detect: a loss spike
-        is judged first; a grad-norm spike only when the loss did not spike. `loss_known` / `norm_known`: device flags
-        that the (agreed) value exists (several ranks: some rank had one). None: no spike can be held."""
+        is judged first; a grad-norm spike only when the loss did not spike. A NaN value (no rank had it) never fires.
+        None: no spike can be held."""
         if self.config.detection.on_spike is Policy.CONTINUE:
             floor = self.spike_floor(step)  # None: the budget would dump no spike at this step
             if floor is None:
@@ -231,12 +228,9 @@ class SyncFree:
         held = loss_fires = None
         if step_loss is not None and loss_limit is not None:
             loss_fires = step_loss > loss_limit
-            loss_fires = loss_fires & loss_known if loss_known is not None else loss_fires
             held = _held(loss_fires, step_loss, loss_limit, floor)
         if norm is not None and norm_limit is not None:
-            norm_fires = norm > norm_limit
-            norm_held = _held(norm_fires & norm_known if norm_known is not None else norm_fires, norm, norm_limit,
-                              floor)
+            norm_held = _held(norm > norm_limit, norm, norm_limit, floor)
             if loss_fires is not None:
                 norm_held = norm_held & ~loss_fires
             held = norm_held if held is None else held | norm_held

@@ -224,8 +224,8 @@ def run_config(config: str, rounds: int, steps: int, tiny: bool = False, compile
 
 
 def trace(step: Any, steps: int, device: torch.device) -> Trace:
-    """`steps` calls of `step` under torch.profiler (the device's kernels too on CUDA): wall time, the device's busy
-    time (the sum of its kernels' self time) and each operator's calls and host self time, per step."""
+    """`steps` calls of `step` under torch.profiler (the device's kernels too on CUDA): wall time, the device's
+    kernel time (the sum over its kernels, every stream: overlapping NCCL and compute kernels both count) and each operator's calls and host self time, per step."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -237,14 +237,15 @@ def trace(step: Any, steps: int, device: torch.device) -> Trace:
         sync(str(device))
     wall = time.perf_counter() - start
     events = profiler.key_averages()
-    busy = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events) / 1e6
+    kernels = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]  # the kernels themselves
+    busy = sum(getattr(e, "self_device_time_total", 0) or 0 for e in kernels) / 1e6  # (operators carry it too)
     ops = {e.key: (e.count / steps, e.self_cpu_time_total / steps) for e in events}
     return Trace(wall / steps, busy / steps, ops)
 
 
 @dataclasses.dataclass
 class Trace:
-    """One mode's profiled steps, per step: wall and device-busy seconds, {operator: (calls, host self microseconds)}."""
+    """One mode's profiled steps, per step: wall and kernel seconds (all streams), {operator: (calls, host self microseconds)}."""
 
     wall: float
     busy: float
@@ -252,12 +253,12 @@ class Trace:
 
 
 def profile_report(traces: dict[str, Trace], steps: int) -> str:
-    """Each mode's wall / device-busy / host time per step under the profiler, and for each mode but plain the
+    """Each mode's wall / kernel / host time per step under the profiler, and for each mode but plain the
     operators whose host time or calls grew most against plain: where a guarded step's extra time goes."""
     lines = [f"--- torch.profiler, {steps} steps of each mode (per step; host = operators' self time)"]
     for mode, t in traces.items():
         calls, host = sum(c for c, _ in t.ops.values()), sum(h for _, h in t.ops.values())
-        lines.append(f"{mode:<12} wall {t.wall * 1e3:8.1f} ms  device busy {t.busy * 1e3:8.1f} ms  host "
+        lines.append(f"{mode:<12} wall {t.wall * 1e3:8.1f} ms  kernels {t.busy * 1e3:8.1f} ms  host "
                      f"{host / 1e3:8.1f} ms in {calls:8.0f} operator calls")
     plain = traces["plain"].ops
     for mode, t in traces.items():

@@ -11,11 +11,13 @@ budget has a margin (PYTHON_MARGIN); operators and host reads have none.
 
 from __future__ import annotations
 
+import random
 import sys
 import tracemalloc
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy
 import pytest
 import torch
 
@@ -48,7 +50,7 @@ BUDGET = {
 }
 CHECK_BUDGET = {
     "synchronous": Budget(ops=1, host_reads=1, scalar_reads=0, python_calls=39, peak_kb=2),
-    "sync_free": Budget(ops=28, host_reads=0, scalar_reads=0, python_calls=55, peak_kb=3),
+    "sync_free": Budget(ops=25, host_reads=0, scalar_reads=0, python_calls=55, peak_kb=3),
 }
 
 
@@ -109,6 +111,8 @@ def healthy_steps(dump_dir, steps: int, check: str, warm: int = 40) -> dict[str,
     detectors' warm-up) of 3 x Linear(16) trained by AdamW with clip_grad_norm_: `steps` steps per pass. `check`: a
     key of CHECK_BUDGET (the optimizer that makes the default configuration pick it)."""
     torch.manual_seed(0)
+    random.seed(0)  # whatever an earlier test left (numpy's cached Gaussian forces a full state copy per micro-batch)
+    numpy.random.seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=check == "sync_free")
     guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(dump_dir)), loss_fn=squared_output)

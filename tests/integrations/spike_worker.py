@@ -7,6 +7,7 @@ so only rank 1's local loss jumps. Usage: spike_worker.py DUMP_DIR {distributed|
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -16,8 +17,20 @@ from torch.nn.parallel import DistributedDataParallel
 
 from capture import DetectionConfig, DumpConfig, Guard, GuardConfig, SpikeConfig
 from capture.integrations import DistributedGuard
+from forensics.thirdparty import TorchDispatchMode
 
 SPIKE_STEP = 8
+COUNTED_STEP = 6  # healthy, after the detector's warm-up: the operators its check() dispatches are reported
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 def main() -> None:
@@ -34,6 +47,7 @@ def main() -> None:
                          dumping=DumpConfig(background_write=False))
     guard = (DistributedGuard if kind == "distributed" else Guard)(ddp, optimizer, config=config)
     data = torch.Generator().manual_seed(rank)
+    check_ops = None
     for step in range(SPIKE_STEP + 2):
         x = torch.randn(8, 4, generator=data)
         if rank == 1 and step == SPIKE_STEP:
@@ -44,14 +58,18 @@ def main() -> None:
         guard.record_loss(loss)
         loss.backward()
         before = [p.detach().clone() for p in model.parameters()]
-        if guard.check():
+        counter = CountOps()
+        with counter if step == COUNTED_STEP else contextlib.nullcontext():
+            go_on = guard.check()
+        check_ops = counter.count if step == COUNTED_STEP else check_ops
+        if go_on:
             optimizer.step()
         if step == SPIKE_STEP:
             held = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
         optimizer.zero_grad()
     guard.close()
     sys.stdout.write("forensics-example " + json.dumps({"rank": rank, "dumps": [str(p) for p in guard.dumps],
-                                                        "held": held}) + "\n")
+                                                        "held": held, "check_ops": check_ops}) + "\n")
     sys.stdout.flush()
     torch.distributed.barrier()
     os._exit(0)  # no gloo teardown: under load it can abort a rank whose peer closed first
