@@ -124,7 +124,7 @@ step integ_lightning 0 env CUDA_VISIBLE_DEVICES=0 timeout 300 python3 scripts/ex
 step integ_lightning_replay 0 python3 -m forensics.cli replay $d/lit/step-000000003 --device cuda:0 --path scripts/examples \
   --trust -o "$out/lit"
 wanted integ_lightning_replay && names_sample lightning_bf16 "$out/lit" 13
-# 10. GuardConfig(shard_replicas=2) under FSDP2 bf16 on 2 GPUs: each rank sends its shards to its buddy over NCCL
+# 10. DumpConfig(shard_replicas=2) under FSDP2 bf16 on 2 GPUs: each rank sends its shards to its buddy over NCCL
 #     before writing; with rank 0's dump deleted, verify says the state is whole (exit 2: a rank is missing) and rank
 #     1's dump alone replays on cuda:0 and names the sample
 step buddy_fsdp2 0 timeout 300 torchrun --nproc_per_node=2 scripts/examples/fsdp2_example.py --bf16 --replicas 2 \

@@ -84,7 +84,7 @@ def main() -> int:
             spikes[0].step)]))
     if crash is not None:
         (args.out / "crash_dump.txt").write_text(str(fault.dump_path))
-    ok = crash is not None and 0 < len(spikes) <= GuardConfig().max_spike_dumps and all(
+    ok = crash is not None and 0 < len(spikes) <= GuardConfig().dumping.max_spike_dumps and all(
         d.step < crash.step for d in spikes) and all(u is not None and u > 1 for u in unscaled)
     print("OK: real spikes, then the crash; the crash is dumped, spike dumps within budget, grad norms unscaled" if ok
           else "FAILED: a crash dump after 1..max_spike_dumps spike dumps with unscaled grad norms was expected (try "

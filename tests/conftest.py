@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -51,6 +52,12 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    # pyproject.toml's "error:..." warning filters (our own deprecated spellings) reach only pytest's processes; the
+    # jobs the tests launch (torchrun ranks, job scripts) get them through PYTHONWARNINGS, so a subprocess that
+    # builds GuardConfig(max_dumps=...) or reads dump.trigger["kind"] fails too.
+    own = [f for f in config.getini("filterwarnings") if f.startswith("error:")]
+    given = [f for f in os.environ.get("PYTHONWARNINGS", "").split(",") if f]
+    os.environ["PYTHONWARNINGS"] = ",".join(given + [f for f in own if f not in given])
     config.addinivalue_line(
         "markers", "slow: a multi-process or long test beyond the CI set; runs with --runslow")
     config.addinivalue_line(  # pytest-xdist's own marker, named here so that runs without xdist know it too

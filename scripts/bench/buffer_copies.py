@@ -15,7 +15,7 @@ import tempfile
 
 import torch
 
-from capture import Guard, GuardConfig
+from capture import DetectionConfig, Guard, GuardConfig
 from scripts.bench.common import machine, median, timed
 
 
@@ -38,7 +38,8 @@ def main() -> None:
     torch.manual_seed(0)
     model = cnn(blocks, width).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=tempfile.mkdtemp(), on_nonfinite="continue"))
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=tempfile.mkdtemp(),
+                                                       detection=DetectionConfig(on_nonfinite="continue")))
     data = {"image": torch.randn(batch, 3, side, side, device=device),
             "label": torch.randint(0, 10, (batch,), device=device), "sample_ids": list(range(batch))}
 

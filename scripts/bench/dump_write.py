@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from capture import Guard, GuardConfig, SpikeConfig
+from capture import DetectionConfig, DumpConfig, Guard, GuardConfig, SpikeConfig
 from forensics.format.writer import DumpContent, write_dump
 from forensics.rng import capture_rng
 from scripts.bench.common import machine, median
@@ -125,8 +125,9 @@ def run(args: argparse.Namespace) -> None:
                               micro_batches=[], history={})
         removals.append(write_dump(content, work).parent.parent)
 
-    check_guard = Guard(model, optimizer, config=GuardConfig(dump_dir=work, run_id="check", on_nonfinite="continue",
-                                                             max_dumps=1 << 20), loss_fn=mlp_loss)
+    check_guard = Guard(model, optimizer, config=GuardConfig(dump_dir=work, run_id="check",
+                                                             detection=DetectionConfig(on_nonfinite="continue"),
+                                                             dumping=DumpConfig(max_dumps=1 << 20)), loss_fn=mlp_loss)
     x = torch.randn(2, width, device=device)
     guarded_steps = iter(range(1 << 20))
 
@@ -155,7 +156,8 @@ def run(args: argparse.Namespace) -> None:
 
     # Training stall of a spike dump written in the background (continue policy).
     stall_guard = Guard(model, optimizer, config=GuardConfig(
-        dump_dir=work, run_id="stall", loss_spike=SpikeConfig(window=8, warmup=4, min_ratio=1.5)))
+        dump_dir=work, run_id="stall",
+        detection=DetectionConfig(loss_spike=SpikeConfig(window=8, warmup=4, min_ratio=1.5))))
     x = torch.randn(4, width, device=device)
     for value in (1.0, 1.0, 1.0, 1.0, 1.0):
         stall_guard.record_batch({"x": x, "sample_ids": [0, 1, 2, 3]})

@@ -1,4 +1,4 @@
-"""Benchmark: what the Guard's host snapshots (GuardConfig.snapshot_every) cost — the stall of one snapshot
+"""Benchmark: what the Guard's host snapshots (RecordConfig.snapshot_every) cost — the stall of one snapshot
 against a plain copy of the same bytes into preallocated host memory (the memcpy / PCIe limit, measured in the
 same run), the step time with snapshots every K steps against none, and the host memory they hold.
 
@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from capture import Guard, GuardConfig
+from capture import Guard, GuardConfig, RecordConfig
 from capture.state.sharding import state_bytes
 from scripts.bench.common import gpt2, machine, median, sync, timed
 
@@ -34,8 +34,8 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     data = {"input_ids": torch.randint(0, model.config.vocab_size, (batch, seq), device=device)}
     data["labels"] = data["input_ids"]
-    guards = {name: Guard(model, optimizer, config=GuardConfig(
-        dump_dir=tempfile.mkdtemp(), snapshot_every=every, window_steps=max(32, 2 * every), capture_exceptions=False))
+    guards = {name: Guard(model, optimizer, config=GuardConfig(dump_dir=tempfile.mkdtemp(), recording=RecordConfig(
+        snapshot_every=every, window_steps=max(32, 2 * every), capture_exceptions=False)))
         for name, every in (("no snapshots", 0), (f"snapshot every {args.every}", args.every))}
 
     def step(guard: Guard) -> None:

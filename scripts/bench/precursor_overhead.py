@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from capture import Guard, GuardConfig, PrecursorConfig
+from capture import DetectionConfig, Guard, GuardConfig, PrecursorConfig
 from forensics.thirdparty import TorchDispatchMode
 from scripts.bench.common import gpt2, machine, median, sync
 
@@ -99,8 +99,8 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
 
     def fresh(precursors: PrecursorConfig | None) -> Guard:
-        return Guard(model, optimizer, config=GuardConfig(dump_dir=tempfile.mkdtemp(), on_nonfinite="continue",
-                                                          precursors=precursors))
+        return Guard(model, optimizer, config=GuardConfig(dump_dir=tempfile.mkdtemp(), precursors=precursors,
+                                                          detection=DetectionConfig(on_nonfinite="continue")))
 
     # (mode, kind of step) -> step times in seconds
     times: dict[tuple[str, str], list[float]] = {(mode, kind): [] for mode in modes for kind in KINDS}

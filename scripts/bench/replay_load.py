@@ -53,7 +53,7 @@ def write(directory: Path, hidden: int, layers: int) -> Path:
     import torch
     import transformers
 
-    from capture import Guard, GuardConfig
+    from capture import DetectionConfig, Guard, GuardConfig
 
     config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 8 // 3, num_hidden_layers=layers,
                                       num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 64),
@@ -61,7 +61,8 @@ def write(directory: Path, hidden: int, layers: int) -> Path:
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(directory), run_id="bench", on_nonfinite="skip"))
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(directory), run_id="bench",
+                                                       detection=DetectionConfig(on_nonfinite="skip")))
     ids = torch.randint(0, 32000, (2, 64))
     guard.record_batch({"input_ids": ids, "labels": ids, "sample_ids": ["a", "b"]})
     loss = model(input_ids=ids, labels=ids).loss

@@ -4,7 +4,7 @@
 
 Every rank builds a Llama-shaped model (transformers, random init, fp32), shards it with `fully_shard`, takes
 one AdamW step (so the moments exist), then, with a barrier between each:
-- `forensics sharded`: the Guard's real path (a NaN loss seen by `check()`), GuardConfig(state_layout="sharded");
+- `forensics sharded`: the Guard's real path (a NaN loss seen by `check()`), DumpConfig(state_layout="sharded");
 - `forensics sharded x2`: the same with shard_replicas=2 (each rank's shards also sent to a buddy rank and
   written there), and the buddy exchange alone (`exchange`: its wall time and the bytes each rank sent);
 - `forensics full`: the same with state_layout="full" (every rank gathers and writes the whole state: the

@@ -101,12 +101,12 @@ def parser(description: str) -> argparse.ArgumentParser:
                    help="value planted in the corrupt sample (RMSNorm maps 1e38 to 0: use inf for llama)")
     p.add_argument("--policy", default="raise", choices=("raise", "skip", "continue"),
                    help="what the Guard does on a NaN/Inf step")
-    p.add_argument("--max-dumps", type=int, default=3, help="GuardConfig.max_dumps")
+    p.add_argument("--max-dumps", type=int, default=3, help="DumpConfig.max_dumps")
     p.add_argument("--initial-scale-power", type=int, default=16,
                    help="fp16: the loss scale starts at 2**this (40 makes the first steps overflow)")
     p.add_argument("--layout", default="auto", choices=("auto", "full", "sharded"),
-                   help="GuardConfig.state_layout: how the ranks write the state")
-    p.add_argument("--replicas", type=int, default=1, help="GuardConfig.shard_replicas (sharded layout)")
+                   help="DumpConfig.state_layout: how the ranks write the state")
+    p.add_argument("--replicas", type=int, default=1, help="DumpConfig.shard_replicas (sharded layout)")
     p.add_argument("--fused", action="store_true",
                    help="AdamW(fused=True): the default GuardConfig then checks without a sync (judged one step late)")
     p.add_argument("--min-loss-scale", type=float, default=1.0,

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from capture import Guard, GuardConfig, PrecursorConfig, SpikeConfig
+from capture import DetectionConfig, Guard, GuardConfig, PrecursorConfig, SpikeConfig
 from forensics.errors import TrainingFaultError
 
 STEPS = 260  # the run at lr 1.0 goes non-finite between steps ~90 and ~150 depending on the machine's rounding (seeded,
@@ -48,8 +48,9 @@ def train(dump_dir, lr: float, steps: int = STEPS, device: str = "cpu") -> tuple
     model = gpt2().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     off = SpikeConfig(enabled=False)
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(dump_dir), run_id="diverging", loss_spike=off,
-                                                       grad_norm_spike=off, precursors=PrecursorConfig()))
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(dump_dir), run_id="diverging",
+                                                       precursors=PrecursorConfig(),
+                                                       detection=DetectionConfig(loss_spike=off, grad_norm_spike=off)))
     nonfinite_at = None
     try:
         for step, batch in enumerate(batches(steps)):
@@ -81,7 +82,7 @@ def main() -> int:
     from replay.engine import ReplayOptions, run_replay
 
     guard, nonfinite_at = train(args.out, lr=1.0, device=args.device)
-    precursor = [p for p in guard.dumps if open_dump(p).trigger["kind"] == TriggerKind.PRECURSOR]
+    precursor = [p for p in guard.dumps if open_dump(p).trigger.kind == TriggerKind.PRECURSOR]
     result: dict = {"device": args.device, "nonfinite_at": nonfinite_at, "precursor_dumps": len(precursor)}
     if precursor:
         report = run_replay(precursor[0], ReplayOptions(device=args.device))

@@ -72,7 +72,7 @@ def test_an_index_error_in_batch_building_after_the_update_is_between_steps(tmp_
     assert exception["type"] == "IndexError" and exception["during"] == "between_steps"
     assert exception["state_holds"] == "after_update" and exception["state_may_be_partial"] is False
     assert exception["user_frame"]["function"] == "build_batch"
-    assert "between steps (data loading or user code)" in dump.trigger["detail"]
+    assert "between steps (data loading or user code)" in dump.trigger.detail
     # step 4 was checked and applied: the dump holds its updated weights as step 5's pre-step state
     assert dump.step == 5 and dump.num_micro_batches == 0
     state = dump.model_state()
@@ -144,7 +144,7 @@ def test_an_exception_after_the_guard_stopped_the_job_is_not_claimed_as_a_step(t
             with guard.capture_errors():  # the user's clean-up after the failed run
                 open(tmp_path / "no-such-checkpoint.pt", "rb")
     guard.close()
-    assert [open_dump(p).trigger["kind"] for p in guard.dumps] == ["nonfinite_loss"]
+    assert [open_dump(p).trigger.kind for p in guard.dumps] == ["nonfinite_loss"]
     messages = [r.getMessage() for r in caplog.records]
     assert not any("FileNotFoundError" in m and "between steps" in m for m in messages)
     assert any("FileNotFoundError raised after the Guard stopped the job at step 3" in m for m in messages)
@@ -173,4 +173,4 @@ def test_an_exception_before_the_first_recorded_step_says_how_to_guard_it_or_is_
     guard.close()
     [path] = guard.dumps
     dump = open_dump(path)
-    assert dump.trigger["kind"] == "exception" and dump.sample_ids(0) == [f"eval-{i}" for i in range(4)]
+    assert dump.trigger.kind == "exception" and dump.sample_ids(0) == [f"eval-{i}" for i in range(4)]

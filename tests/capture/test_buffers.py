@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from capture import Guard, GuardConfig
+from capture import DetectionConfig, Guard, GuardConfig
 from capture.state.buffers import PreForwardBuffers
 from forensics.format import open_dump
 from forensics_test_helpers import bitwise_equal  # tests/helpers.py
@@ -47,7 +47,8 @@ def _train(model, optimizer, batches, guard=None, seen=None):
 def test_a_skipped_step_leaves_batchnorm_statistics_as_if_it_never_ran_and_the_dump_holds_them(tmp_path):
     model = _net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="bn", on_nonfinite="skip"))
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="bn",
+                                                       detection=DetectionConfig(on_nonfinite="skip")))
     before = {}
     _train(model, optimizer, _batches(), guard, before)
     guard.close()

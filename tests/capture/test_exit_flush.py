@@ -27,7 +27,7 @@ def test_a_dump_in_flight_when_the_job_ends_is_written(tmp_path, how):
     steps = list((tmp_path / "ending").iterdir())
     assert [p.name for p in steps] == ["step-000000007"], done.stderr[-3000:]
     dump = steps[0] / "rank-00000"
-    assert verify_dump(dump).ok and open_dump(dump).trigger["kind"] == "loss_spike"
+    assert verify_dump(dump).ok and open_dump(dump).trigger.kind == "loss_spike"
     assert "cannot schedule new futures" not in done.stderr and "no dump written" not in done.stderr
 
 

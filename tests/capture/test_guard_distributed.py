@@ -19,7 +19,7 @@ WORKER = textwrap.dedent('''
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
-    from capture import Guard, GuardConfig, SpikeConfig
+    from capture import DetectionConfig, DumpConfig, Guard, GuardConfig, SpikeConfig
 
     torch.set_num_threads(1)
     # a file store, not a TCP port: no port another job on the machine can take between choosing and binding it
@@ -43,11 +43,12 @@ WORKER = textwrap.dedent('''
             blocker = dump_dir + "-not-a-dir"
             open(blocker, "w").close()
             dump_dir = os.path.join(blocker, "dumps")
-        config = GuardConfig(dump_dir=dump_dir, run_id="ddp", on_nonfinite="continue" if scenario == "cap" else "skip",
-                             max_dumps=1 if scenario == "cap" else 3,
-                             max_spike_dumps=2 if scenario == "replace" else 3,
-                             min_spike_gap=0 if scenario == "replace" else 100,
-                             loss_spike=SpikeConfig(window=8, warmup=4))
+        config = GuardConfig(dump_dir=dump_dir, run_id="ddp",
+                             detection=DetectionConfig(on_nonfinite="continue" if scenario == "cap" else "skip",
+                                                       loss_spike=SpikeConfig(window=8, warmup=4)),
+                             dumping=DumpConfig(max_dumps=1 if scenario == "cap" else 3,
+                                                max_spike_dumps=2 if scenario == "replace" else 3,
+                                                min_spike_gap=0 if scenario == "replace" else 100))
         guard = Guard(wrapped, optimizer, scaler=scaler, config=config, loss_fn=None)
         decisions = []
         for step in range(SPIKE_STEP + 2 if scenario == "spike" else 19 if scenario == "replace" else 3):
@@ -125,8 +126,8 @@ def test_a_fault_on_one_rank_makes_every_rank_dump_that_step(two_ranks):
     assert [d.rank for d in dumps] == [0, 1] and missing == []
     assert verify_dump(step_dir).ok
     by_rank = {d.rank: d for d in dumps}
-    assert by_rank[1].trigger["kind"] == "nonfinite_loss" and by_rank[1].trigger["local"] is True
-    assert by_rank[0].trigger["local"] is False and by_rank[0].world_size == 2
+    assert by_rank[1].trigger.kind == "nonfinite_loss" and by_rank[1].trigger.local is True
+    assert by_rank[0].trigger.local is False and by_rank[0].world_size == 2
     assert by_rank[1].sample_ids(0) == ["r1s1i0", "r1s1i1", "r1s1i2", "r1s1i3"]
     assert open_dump(step_dir).rank == 1  # by default the reader opens the rank that saw the fault
 
@@ -151,11 +152,11 @@ def test_a_loss_spike_on_one_rank_is_dumped_by_every_rank_under_a_plain_guard(tw
     dumps = {d.rank: d for d in open_step(step_dir)[0]}
     assert sorted(dumps) == [0, 1]
     for rank, dump in dumps.items():
-        assert dump.trigger["kind"] == "loss_spike" and dump.world_size == 2
+        assert dump.trigger.kind == "loss_spike" and dump.world_size == 2
         assert dump.sample_ids(0) == [f"r{rank}s8i{i}" for i in range(4)]  # each rank's own batch
         assert sorted(dump.model_state()) == ["0.bias", "0.weight", "2.bias", "2.weight"]  # DDP wrapper stripped
-    assert dumps[1].trigger["local"] is True and dumps[0].trigger["local"] is False
-    assert dumps[0].trigger["value"] == dumps[1].trigger["value"]  # the agreed (mean) step loss
+    assert dumps[1].trigger.local is True and dumps[0].trigger.local is False
+    assert dumps[0].trigger.value == dumps[1].trigger.value  # the agreed (mean) step loss
     assert open_dump(step_dir).rank == 1
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from capture import Guard, GuardConfig
+from capture import DetectionConfig, Guard, GuardConfig
 from forensics.errors import TrainingFaultError
 from forensics.format import Unreplayable, open_dump, verify_dump
 
@@ -25,10 +25,11 @@ def _steps(helpers, n_steps=3, extra=None):
     return steps
 
 
-def _guard(gpt2, dump_dir, policy, **config):
+def _guard(gpt2, dump_dir, policy, **config_changes):
     model = gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(dump_dir), run_id="r", on_nonfinite=policy, **config))
+    config = GuardConfig(dump_dir=str(dump_dir), run_id="r", detection=DetectionConfig(on_nonfinite=policy))
+    guard = Guard(model, optimizer, config=config.replace(**config_changes))
     return model, optimizer, guard
 
 

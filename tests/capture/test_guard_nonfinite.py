@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from capture import Guard, GuardConfig, IndexedDataset
+from capture import DetectionConfig, Guard, GuardConfig, IndexedDataset
 from forensics.errors import TrainingFaultError
 from forensics.format import open_dump, verify_dump
 from forensics.recipes import default_loss, huggingface_model
@@ -22,12 +22,12 @@ BAD_STEP, BAD_MB = POISON // (ACCUM * MICRO), (POISON // MICRO) % ACCUM
 STEPS = 6
 
 
-def _setup(helpers, gpt2, tmp_path, policy, scaler=None, **config):
+def _setup(helpers, gpt2, tmp_path, policy, scaler=None, **config_changes):
     model = gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
-    guard = Guard(model, optimizer, scheduler, scaler,
-                  config=GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="run", on_nonfinite=policy, **config))
+    config = GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="run", detection=DetectionConfig(on_nonfinite=policy))
+    guard = Guard(model, optimizer, scheduler, scaler, config=config.replace(**config_changes))
     loader = DataLoader(IndexedDataset(helpers.EmbedsDataset(STEPS * ACCUM * MICRO, poison=[POISON])),
                         batch_size=MICRO, shuffle=False)
     batches = list(loader)
@@ -50,8 +50,8 @@ def test_poisoned_sample_gives_one_dump_of_the_pre_step_state_batches_and_rng(he
     log = loop.logs[BAD_STEP]
 
     # what fired, and where
-    assert dump.step == BAD_STEP and dump.trigger["kind"] == "nonfinite_loss"
-    assert dump.trigger["micro_batch"] == BAD_MB and math.isnan(dump.trigger["value"])
+    assert dump.step == BAD_STEP and dump.trigger.kind == "nonfinite_loss"
+    assert dump.trigger.micro_batch == BAD_MB and math.isnan(dump.trigger.value)
     assert dump.manifest["grad_accum"] == ACCUM and dump.manifest["loss"]["divisor"] == ACCUM
 
     # the micro-batches and sample IDs the loader produced
@@ -151,7 +151,7 @@ def test_gradient_accumulation_with_autocast_and_grad_scaler(helpers, gpt2, tmp_
     [path] = guard.dumps
     dump = open_dump(path)
     log = loop.logs[BAD_STEP]
-    assert dump.step == BAD_STEP and dump.trigger["kind"] == "nonfinite_loss"
+    assert dump.step == BAD_STEP and dump.trigger.kind == "nonfinite_loss"
     helpers.assert_dump_holds_pre_step_state(dump, log, model, optimizer)
     assert dump.scaler_state() == {k: (float(v) if isinstance(v, float) else v) for k, v in log.scaler_state.items()}
     precision = dump.precision
@@ -194,7 +194,8 @@ def test_verify_update_dumps_the_pre_step_state_of_an_update_that_makes_weights_
     # update is 0 / (sqrt(0) + 0) = NaN although every loss and gradient is finite
     model = gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=0.0)
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="u", verify_update=True))
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="u",
+                                                       detection=DetectionConfig(verify_update=True)))
     data = helpers.EmbedsDataset(4)
     loop = helpers.TrainLoop(model, optimizer, guard)
     with pytest.raises(TrainingFaultError, match="transformer.wpe.weight non-finite") as info:
@@ -202,7 +203,7 @@ def test_verify_update_dumps_the_pre_step_state_of_an_update_that_makes_weights_
     guard.close()
     assert info.value.trigger["kind"] == "nonfinite_param"
     dump = open_dump(info.value.dump_path)
-    assert dump.step == 0 and dump.trigger["kind"] == "nonfinite_param"
+    assert dump.step == 0 and dump.trigger.kind == "nonfinite_param"
     assert not torch.isfinite(model.transformer.wpe.weight).all()  # the update did happen ...
     state = dump.model_state()
     for name, tensor in loop.logs[0].model_state.items():  # ... the dump holds the weights from before it

@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from capture import Guard, GuardConfig
+from capture import DetectionConfig, Guard, GuardConfig
 from forensics.format import open_dump
 
 
@@ -25,7 +25,8 @@ def _loop(tmp_path, losses, sample_ids=None, policy="raise"):
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="odd", on_nonfinite=policy))
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="odd",
+                                                       detection=DetectionConfig(on_nonfinite=policy)))
     decisions = []
     for _step, extra in enumerate(losses):
         x = torch.randn(4, 3)

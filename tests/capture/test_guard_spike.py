@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from capture import Guard, GuardConfig, SpikeConfig
+from capture import DetectionConfig, DumpConfig, Guard, GuardConfig, SpikeConfig
 from forensics.errors import TrainingFaultError
 from forensics.format import open_dump, verify_dump
 
@@ -35,7 +35,7 @@ def run(helpers, gpt2, tmp_path, spike_steps, total, fused=False, **config):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
     config.setdefault("loss_spike", SpikeConfig(window=16, warmup=8))
     guard = Guard(model, optimizer, scheduler,
-                  config=GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="spiky", **config))
+                  config=GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="spiky").replace(**config))
     loop = helpers.TrainLoop(model, optimizer, guard, scheduler)
     loop.run([[micro_batch(step, i, step in spike_steps) for i in range(2)] for step in range(total)])
     guard.close()
@@ -53,8 +53,8 @@ def test_spike_under_continue_policy_writes_a_dump_in_the_background_and_trainin
     [path] = guard.dumps
     assert verify_dump(path).ok
     dump = open_dump(path)
-    assert dump.step == WARM and dump.trigger["kind"] == "loss_spike" and dump.trigger["micro_batch"] == 1
-    assert dump.trigger["value"] > dump.trigger["threshold"] > 0
+    assert dump.step == WARM and dump.trigger.kind == "loss_spike" and dump.trigger.micro_batch == 1
+    assert dump.trigger.value > dump.trigger.threshold > 0
     assert dump.sample_ids(1) == [f"s{WARM}-1-0", f"s{WARM}-1-1"]
     assert torch.equal(dump.micro_batch(1)["labels"][0], WRONG)
     # the background writer copied the state before optimizer.step() changed it
@@ -67,8 +67,8 @@ def test_spike_under_continue_policy_writes_a_dump_in_the_background_and_trainin
         for key, value in entries.items():
             assert helpers.bitwise_equal(dump.optimizer_state()["state"][name][key], value), (name, key)
     losses = dump.history()["loss"]
-    assert len(losses) == WARM + 1 and losses[-1] == dump.trigger["value"]
-    assert dump.trigger["value"] > 20 * sorted(losses[WARM - 8:WARM])[4]
+    assert len(losses) == WARM + 1 and losses[-1] == dump.trigger.value
+    assert dump.trigger.value > 20 * sorted(losses[WARM - 8:WARM])[4]
     assert guard.history.to_dict()["skipped"] == [fused and s == WARM for s in range(WARM + 3)]
 
 
@@ -93,8 +93,9 @@ def test_spike_dumps_keep_the_first_and_the_largest_and_the_crash_keeps_its_own_
     model = gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
     guard = Guard(model, optimizer, config=GuardConfig(
-        dump_dir=str(tmp_path / "dumps"), run_id="spiky", loss_spike=SpikeConfig(window=16, warmup=8),
-        max_dumps=1, max_spike_dumps=2, min_spike_gap=0))
+        dump_dir=str(tmp_path / "dumps"), run_id="spiky",
+        detection=DetectionConfig(loss_spike=SpikeConfig(window=16, warmup=8)),
+        dumping=DumpConfig(max_dumps=1, max_spike_dumps=2, min_spike_gap=0)))
     base = helpers.default_loss_fn(("sample_ids", "factor"))
     loop = helpers.TrainLoop(model, optimizer, guard, loss_fn=lambda m, b: base(m, b) * b.get("factor", 1.0))
     steps = [[sized_micro_batch(step, i, sizes.get(step, 0)) for i in range(2)] for step in range(nan_step + 1)]
@@ -106,7 +107,7 @@ def test_spike_dumps_keep_the_first_and_the_largest_and_the_crash_keeps_its_own_
     on_disk = sorted(p.name for p in (tmp_path / "dumps" / "spiky").iterdir())
     assert on_disk == [f"step-{s:09d}" for s in (WARM, WARM + 6, nan_step)]  # WARM + 3 was replaced, no empty dir
     crash = open_dump(tmp_path / "dumps" / "spiky" / f"step-{nan_step:09d}" / "rank-00000")
-    assert crash.trigger["kind"] == "nonfinite_loss"
+    assert crash.trigger.kind == "nonfinite_loss"
     budget = crash.manifest["dump_budget"]
     assert budget["spike_dumps_kept"] == [WARM, WARM + 6]
     assert budget["not_dumped"]["loss_spike"]["smaller_than_kept"] >= 2  # WARM + 9, WARM + 10 (and echoes)

@@ -1,4 +1,4 @@
-"""The sync-free check (the default with a fused optimizer; GuardConfig(sync_free=True) asks for it): a fused AdamW
+"""The sync-free check (the default with a fused optimizer; DetectionConfig(sync_free=True) asks for it): a fused AdamW
 skips the poisoned step on the device, the Guard reads nothing from the device inside check(), and the dump, written
 one step late, still holds the exact pre-step state. Where it would change what the Guard does, the default keeps the
 synchronous check. (Spikes held on the device: tests/capture/test_guard_spike.py; a last step judged at the
@@ -29,7 +29,7 @@ def _setup(helpers, gpt2, tmp_path, policy, fused=True):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
     guard = Guard(model, optimizer, scheduler, config=GuardConfig(
-        dump_dir=str(tmp_path / "dumps"), run_id="run", on_nonfinite=policy, sync_free=True))
+        dump_dir=str(tmp_path / "dumps"), run_id="run", detection=DetectionConfig(on_nonfinite=policy, sync_free=True)))
     loader = DataLoader(IndexedDataset(helpers.EmbedsDataset(STEPS * ACCUM * MICRO, poison=[POISON])),
                         batch_size=MICRO, shuffle=False)
     batches = list(loader)
@@ -53,8 +53,8 @@ def test_poisoned_step_is_skipped_on_device_and_dumped_with_its_pre_step_state(h
     assert path == tmp_path / "dumps" / "run" / f"step-{BAD_STEP:09d}" / "rank-00000"
     assert verify_dump(path).ok
     dump = open_dump(path)
-    assert dump.step == BAD_STEP and dump.trigger["kind"] == "nonfinite_loss"
-    assert dump.trigger["micro_batch"] == BAD_MB and "one step late" in dump.trigger["detail"]
+    assert dump.step == BAD_STEP and dump.trigger.kind == "nonfinite_loss"
+    assert dump.trigger.micro_batch == BAD_MB and "one step late" in dump.trigger.detail
     helpers.assert_dump_holds_pre_step_state(dump, before, model, optimizer)
     [group] = dump.optimizer_state()["param_groups"]
     assert group["lr"] == before.optimizer_state["param_groups"][0]["lr"]  # the bad step's lr, not the next one's

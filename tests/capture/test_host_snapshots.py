@@ -1,4 +1,4 @@
-"""The Guard's own host snapshots (GuardConfig.snapshot_every): bitwise the pre-step state of their step, rotating
+"""The Guard's own host snapshots (RecordConfig.snapshot_every): bitwise the pre-step state of their step, rotating
 slots, a slot lent to a dump writer is not overwritten, and a snapshot that would not fit is refused."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from capture import Guard, GuardConfig
+from capture import Guard, GuardConfig, RecordConfig
 from capture.state import host_snapshots
 
 
@@ -34,7 +34,8 @@ def _adam_job(steps: int, config: GuardConfig, seen: dict | None = None) -> Guar
 
 def test_snapshots_are_bitwise_the_pre_step_state_and_rotate(tmp_path):
     seen: dict = {}
-    guard = _adam_job(7, GuardConfig(dump_dir=str(tmp_path), snapshot_every=2, snapshot_count=2, window_steps=8),
+    guard = _adam_job(7, GuardConfig(dump_dir=str(tmp_path),
+                                     recording=RecordConfig(snapshot_every=2, snapshot_count=2, window_steps=8)),
                       seen)
     held, release = guard.snapshots.lend_oldest(first_step=0)
     assert held["step"] == 4  # taken at 0, 2, 4, 6; two kept: 4 and 6
@@ -51,7 +52,8 @@ def test_snapshots_are_bitwise_the_pre_step_state_and_rotate(tmp_path):
 
 
 def test_a_slot_lent_to_a_dump_writer_is_not_overwritten(tmp_path):
-    guard = _adam_job(5, GuardConfig(dump_dir=str(tmp_path), snapshot_every=2, snapshot_count=2, window_steps=8))
+    guard = _adam_job(5, GuardConfig(dump_dir=str(tmp_path),
+                                     recording=RecordConfig(snapshot_every=2, snapshot_count=2, window_steps=8)))
     held, release = guard.snapshots.lend_oldest(first_step=0)  # step 2 (slots hold 2 and 4)
     kept = {k: v.clone() for k, v in held["model"].items()}
     model, optimizer = guard.model, guard.optimizer
@@ -73,7 +75,8 @@ def test_a_snapshot_larger_than_half_the_available_memory_is_refused_and_trainin
                                                                                            caplog):
     monkeypatch.setattr(host_snapshots, "available_host_memory", lambda: 1000)  # bytes: this machine "has" 1 KB
     with caplog.at_level(logging.WARNING, logger="capture.state.host_snapshots"):
-        guard = _adam_job(4, GuardConfig(dump_dir=str(tmp_path), snapshot_every=1, snapshot_count=2))
+        guard = _adam_job(4, GuardConfig(dump_dir=str(tmp_path),
+                                         recording=RecordConfig(snapshot_every=1, snapshot_count=2)))
     assert guard.snapshots.bytes_held == 0 and "snapshot_count" in guard.snapshots.off_because
     assert sum("host snapshots" in r.message for r in caplog.records) == 1  # said once
     assert guard.snapshots.lend_oldest(0)[0] is None and guard.step == 4

@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from capture import Guard, GuardConfig
+from capture import DetectionConfig, DumpConfig, Guard, GuardConfig
 from forensics.cli import main
 from forensics.errors import TrainingFaultError
 
@@ -45,8 +45,9 @@ def train(module, tmp_path, *, record_batch=True, record_loss=True, batch_form="
     model = module.build()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     guard = Guard(model, optimizer, loss_fn=module.tuple_mse,
-                  config=GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="misuse", on_nonfinite=policy,
-                                     recipe={"factory": "misuse_user:build"}))
+                  config=GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="misuse",
+                                     detection=DetectionConfig(on_nonfinite=policy),
+                                     dumping=DumpConfig(recipe={"factory": "misuse_user:build"})))
     data = torch.Generator().manual_seed(0)
     for step in range(steps):
         x, y = torch.randn(4, 3, generator=data), torch.randn(4, 1, generator=data)
@@ -105,7 +106,7 @@ def test_a_loop_used_right_gets_no_usage_warning(tmp_path, caplog):
     model = torch.nn.Linear(3, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     guard = Guard(model, optimizer, loss_fn=lambda m, b: m(b["x"]).pow(2).mean(),
-                  config=GuardConfig(dump_dir=str(tmp_path), recipe={"factory": "x:y"}))
+                  config=GuardConfig(dump_dir=str(tmp_path), dumping=DumpConfig(recipe={"factory": "x:y"})))
     for step in range(3):
         batch = {"x": torch.randn(2, 3), "sample_ids": [f"a{step}", f"b{step}"]}
         guard.record_batch(batch)

@@ -64,11 +64,11 @@ def test_the_crash_is_dumped_after_real_spikes_and_spike_dumps_stay_in_their_bud
     guard, fault, root = run
     assert fault is not None and fault.dump_path is not None, "the run must go non-finite and dump it"
     dumps = [open_dump(p) for p in guard.dumps]
-    spikes = [d for d in dumps if d.trigger["kind"] in ("loss_spike", "grad_norm_spike")]
+    spikes = [d for d in dumps if d.trigger.kind in ("loss_spike", "grad_norm_spike")]
     crash = open_dump(fault.dump_path)
-    assert crash.trigger["kind"] in ("nonfinite_loss", "nonfinite_grad")
+    assert crash.trigger.kind in ("nonfinite_loss", "nonfinite_grad")
     assert spikes and all(d.step < crash.step for d in spikes)  # real spikes came first
-    assert len(spikes) <= GuardConfig().max_spike_dumps
+    assert len(spikes) <= GuardConfig().dumping.max_spike_dumps
     budget = crash.manifest["dump_budget"]
     not_dumped = sum(n for reasons in budget["not_dumped"].values() for n in reasons.values())
     assert not_dumped >= 1 and budget["spike_dumps_kept"] == sorted(d.step for d in spikes)
@@ -84,7 +84,7 @@ def test_the_crash_is_dumped_after_real_spikes_and_spike_dumps_stay_in_their_bud
 
 def test_a_spike_dump_under_a_grad_scaler_replays_as_reproduced(run, tmp_path):
     guard, _, _ = run
-    spike = next(p for p in guard.dumps if open_dump(p).trigger["kind"] in ("loss_spike", "grad_norm_spike"))
+    spike = next(p for p in guard.dumps if open_dump(p).trigger.kind in ("loss_spike", "grad_norm_spike"))
     out = tmp_path / "report"
     result = CliRunner().invoke(main, ["replay", str(spike), "--device", "cpu", "--no-rng-check", "--no-bisect",
                                        "--no-remedies", "-o", str(out)])
@@ -100,7 +100,7 @@ def test_a_spike_dump_whose_grad_norms_were_scaled_replays_in_unscaled_units(run
     import shutil
 
     guard, _, _ = run
-    source = next(p for p in guard.dumps if open_dump(p).trigger["kind"] == "grad_norm_spike")
+    source = next(p for p in guard.dumps if open_dump(p).trigger.kind == "grad_norm_spike")
     dump = tmp_path / "scaled" / "step-1" / "rank-00000"
     shutil.copytree(source, dump)
     history = json.loads((dump / "history.json").read_text())

@@ -45,7 +45,7 @@ def onset(steps: list, series: list, rising: bool, baseline: range, factor: floa
 def test_a_provoked_divergence_is_dumped_as_a_precursor_ten_steps_ahead_naming_the_first_layer(diverged):
     guard, nonfinite_at = diverged
     assert nonfinite_at is not None, "the learning rate did not make the run diverge"
-    precursor = [p for p in guard.dumps if open_dump(p).trigger["kind"] == TriggerKind.PRECURSOR]
+    precursor = [p for p in guard.dumps if open_dump(p).trigger.kind == TriggerKind.PRECURSOR]
     assert len(precursor) == 1  # PrecursorConfig.max_dumps
     dump = open_dump(precursor[0])
     assert verify_dump(precursor[0]).ok
@@ -80,7 +80,7 @@ def test_a_provoked_divergence_is_dumped_as_a_precursor_ten_steps_ahead_naming_t
 def test_the_crash_dump_still_comes_and_carries_the_statistics(diverged):
     guard, nonfinite_at = diverged
     crash = open_dump(guard.dumps[-1])
-    assert crash.trigger["kind"] in (TriggerKind.NONFINITE_LOSS, TriggerKind.NONFINITE_GRAD)
+    assert crash.trigger.kind in (TriggerKind.NONFINITE_LOSS, TriggerKind.NONFINITE_GRAD)
     table = crash.precursors()
     assert crash.step == nonfinite_at
     # the last sampled step before the crash (its row is read with the next check()'s transfer, before a raise)
@@ -97,7 +97,7 @@ def test_repro_of_a_precursor_dump_says_there_is_nothing_to_reproduce(diverged, 
     from forensics.cli import main
 
     guard, _ = diverged
-    precursor = next(p for p in guard.dumps if open_dump(p).trigger["kind"] == TriggerKind.PRECURSOR)
+    precursor = next(p for p in guard.dumps if open_dump(p).trigger.kind == TriggerKind.PRECURSOR)
     result = CliRunner().invoke(main, ["repro", str(precursor), "-o", str(tmp_path / "repro")])
     assert result.exit_code == 2, result.output
     assert "precursor dump" in result.output and "crash dump" in result.output

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from capture import Guard, GuardConfig, SpikeConfig
+from capture import DetectionConfig, DumpConfig, Guard, GuardConfig, RecordConfig, SpikeConfig
 from forensics.format import open_dump, verify_dump
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -69,8 +69,10 @@ def test_twenty_dumps_from_cuda1_match_the_job_element_by_element_and_read_back_
     torch.manual_seed(0)
     model = Mixed().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="cuda1", on_nonfinite="skip",
-                                                       max_dumps=DUMPS + 1, capture_exceptions=False))
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="cuda1",
+                                                       detection=DetectionConfig(on_nonfinite="skip"),
+                                                       dumping=DumpConfig(max_dumps=DUMPS + 1),
+                                                       recording=RecordConfig(capture_exceptions=False)))
     checked = 0
     for step in range(DUMPS + 2):
         x = torch.randn(8, WIDTH, device=device)
@@ -105,8 +107,9 @@ def test_background_spike_dumps_from_cuda1_hold_the_pre_step_state(tmp_path):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     spikes = {12, 16}
     guard = Guard(model, optimizer, config=GuardConfig(
-        dump_dir=str(tmp_path), run_id="spikes", min_spike_gap=1, max_dumps=4, capture_exceptions=False,
-        loss_spike=SpikeConfig(warmup=4), grad_norm_spike=SpikeConfig(enabled=False)))
+        dump_dir=str(tmp_path), run_id="spikes",
+        detection=DetectionConfig(loss_spike=SpikeConfig(warmup=4), grad_norm_spike=SpikeConfig(enabled=False)),
+        dumping=DumpConfig(min_spike_gap=1, max_dumps=4), recording=RecordConfig(capture_exceptions=False)))
     expected = {}
     for step in range(20):
         x = torch.randn(8, WIDTH, device=device)

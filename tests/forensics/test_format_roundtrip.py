@@ -52,7 +52,7 @@ def test_manifest_tags_non_finite_floats_and_is_strict_json(dump_dir):
     assert manifest["trigger"]["value"] == {"__float__": "nan"}
     assert manifest["loss"]["grad_norm"] == {"__float__": "inf"}
     dump = open_dump(dump_dir)
-    assert math.isnan(dump.trigger["value"]) and dump.manifest["loss"]["grad_norm"] == math.inf
+    assert math.isnan(dump.trigger.value) and dump.manifest["loss"]["grad_norm"] == math.inf
 
 
 def test_model_tensors_round_trip_bitwise_with_dtype_shape_and_tied_keys(helpers, dump_dir):

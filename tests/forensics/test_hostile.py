@@ -724,7 +724,7 @@ def chunked_dump(tmp_path_factory) -> Path:
     import torch
     import transformers
 
-    from capture import Guard, GuardConfig
+    from capture import Guard, GuardConfig, RecordConfig
     from forensics.errors import TrainingFaultError
 
     torch.manual_seed(0)
@@ -732,7 +732,8 @@ def chunked_dump(tmp_path_factory) -> Path:
                                                                  n_positions=16))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     root = tmp_path_factory.mktemp("chunked")
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(root), run_id="big", capture_exceptions=False))
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(root), run_id="big",
+                                                       recording=RecordConfig(capture_exceptions=False)))
     with pytest.raises(TrainingFaultError):
         for step in range(4):
             embeds = torch.randn(2, 8, 128)

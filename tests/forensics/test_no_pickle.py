@@ -39,12 +39,13 @@ def test_reading_a_dump_and_its_archives_never_unpickles(helpers, tmp_path, no_p
 
 
 def test_reading_a_real_guard_dump_never_unpickles(helpers, gpt2, tmp_path, monkeypatch):
-    from capture import Guard, GuardConfig
+    from capture import DetectionConfig, Guard, GuardConfig
 
     model = gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
-    guard = Guard(model, optimizer, scheduler, config=GuardConfig(dump_dir=str(tmp_path), run_id="np", on_nonfinite="skip"))
+    guard = Guard(model, optimizer, scheduler, config=GuardConfig(dump_dir=str(tmp_path), run_id="np",
+                                                                  detection=DetectionConfig(on_nonfinite="skip")))
     data = helpers.EmbedsDataset(4, poison=[3])
     loop = helpers.TrainLoop(model, optimizer, guard, scheduler, snapshot=False)
     loop.run([[helpers.collate(data, [0]), helpers.collate(data, [1])],

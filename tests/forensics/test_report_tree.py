@@ -7,7 +7,6 @@ import json
 import math
 import random
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -93,8 +92,8 @@ def test_dump_trigger_is_typed_and_dict_reads_still_work_deprecated(helpers, tmp
 
     dump = open_dump(helpers.write_synthetic_dump(tmp_path))
     assert isinstance(dump.trigger, Trigger) and dump.trigger.kind in TriggerKind
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert dump.trigger["kind"] == dump.trigger.kind and dump.trigger.get("local") is dump.trigger.local
-    assert {w.category for w in caught} == {DeprecationWarning}
+    with pytest.warns(DeprecationWarning, match=r"Dump\.trigger is a forensics\.trigger\.Trigger: read trigger\.kind"):
+        assert dump.trigger["kind"] == dump.trigger.kind
+    with pytest.warns(DeprecationWarning, match=r"Dump\.trigger is a forensics\.trigger\.Trigger: read its attributes"):
+        assert dump.trigger.get("local") is dump.trigger.local
 

@@ -123,7 +123,7 @@ def test_ranks_on_two_nodes_are_joined_with_shard_dirs(tmp_path):
 
 def _box_dumps(root, shards_per_rank, copies: bool = False):
     """Two ranks holding boxes of `full` (4, 6): rank r writes shards_per_rank[r] as LocalShards (and, with
-    `copies`, the other rank's as its buddy copy, as GuardConfig(shard_replicas=2) does)."""
+    `copies`, the other rank's as its buddy copy, as DumpConfig(shard_replicas=2) does)."""
     full = torch.arange(24, dtype=torch.float32).reshape(4, 6)
 
     def shard(offsets, shape, flat):

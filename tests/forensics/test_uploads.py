@@ -14,17 +14,17 @@ import torch
 from click.testing import CliRunner
 from forensics_test_helpers import guarded_step
 
-from capture import Guard, GuardConfig
+from capture import DetectionConfig, DumpConfig, Guard, GuardConfig
 from forensics.cli import main
 
 
-def _crash(tmp_path, **config) -> Guard:
-    """A tiny loop whose step 2 has a NaN loss, guarded with `config` (policy 'skip')."""
+def _crash(tmp_path, **config_changes) -> Guard:
+    """A tiny loop whose step 2 has a NaN loss, guarded with `config_changes` (policy 'skip')."""
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="up",
-                                                        on_nonfinite="skip", **config))
+    config = GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="up", detection=DetectionConfig(on_nonfinite="skip"))
+    guard = Guard(model, optimizer, config=config.replace(**config_changes))
     for step in range(3):
         x = torch.randn(4, 3)
         if step == 2:
@@ -102,7 +102,7 @@ def test_tensorboard_gets_a_text_entry_and_an_unknown_tracker_is_refused(tmp_pat
     # the one micro-batch of the step is micro-batch 1 there too, as on the terminal (issue 31)
     assert b"loss of micro-batch 1 is nan" in events[0].read_bytes()
     with pytest.raises(ValueError, match="unknown tracker"):
-        GuardConfig(upload=("neptune",))
+        GuardConfig(dumping=DumpConfig(upload=("neptune",)))
 
 
 def test_an_upload_without_a_run_is_logged_and_the_job_goes_on(tmp_path, caplog, monkeypatch):

@@ -192,8 +192,8 @@ def check_step_dump(step_dir, reference, *, atol: float = 1e-5, weight_dtype=tor
         assert dump.step == BAD_STEP and dump.world_size == 2
         expected_ids = rank_samples(rank)[BAD_STEP * ACCUM:(BAD_STEP + 1) * ACCUM]
         assert [dump.sample_ids(i) for i in range(dump.num_micro_batches)] == expected_ids
-    assert dumps[1].trigger["kind"] == "nonfinite_loss" and dumps[1].trigger["micro_batch"] == BAD_MB
-    assert dumps[1].trigger["local"] is True and dumps[0].trigger["local"] is False
+    assert dumps[1].trigger.kind == "nonfinite_loss" and dumps[1].trigger.micro_batch == BAD_MB
+    assert dumps[1].trigger.local is True and dumps[0].trigger.local is False
     assert POISON in dumps[1].sample_ids(BAD_MB)
     poisoned = dumps[1].micro_batch(BAD_MB)
     row = dumps[1].sample_ids(BAD_MB).index(POISON)

@@ -26,7 +26,7 @@ from torch.distributed.fsdp import fully_shard
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "examples"))
 import _common
 
-from capture import Guard, GuardConfig, PrecursorConfig, SpikeConfig
+from capture import DetectionConfig, DumpConfig, Guard, GuardConfig, PrecursorConfig, SpikeConfig
 from capture.precursors.statistics import find_blocks
 from forensics.kinds import PrecursorStatistic
 
@@ -86,7 +86,8 @@ def grow(rank: int, world: int, device: torch.device, dump_dir: str, monitor: bo
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     off = SpikeConfig(enabled=False)
     guard = Guard(model, optimizer, config=GuardConfig(
-        dump_dir=dump_dir, run_id="grow", loss_spike=off, grad_norm_spike=off, state_layout="sharded",
+        dump_dir=dump_dir, run_id="grow", detection=DetectionConfig(loss_spike=off, grad_norm_spike=off),
+        dumping=DumpConfig(state_layout="sharded"),
         precursors=PrecursorConfig(every=1, warmup=4, attention=False, optimizer=False) if monitor else None))
     scale = [1.0]
     model.transformer.wte.register_forward_hook(lambda module, args, out: out * scale[0])

@@ -17,7 +17,7 @@ import torch
 import transformers
 from torch.nn.parallel import DistributedDataParallel
 
-from capture import Guard, GuardConfig
+from capture import DumpConfig, Guard, GuardConfig
 
 BAD_STEP, BAD_MB, BAD_ROW = 2, 1, 3
 
@@ -46,7 +46,8 @@ def main() -> None:
     else:
         ddp = DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-    guard = Guard(ddp, optimizer, config=GuardConfig(dump_dir=dump_dir, run_id="raise", background_write=False))
+    guard = Guard(ddp, optimizer, config=GuardConfig(dump_dir=dump_dir, run_id="raise",
+                                                     dumping=DumpConfig(background_write=False)))
     data = torch.Generator().manual_seed(rank)
     for step in range(4):
         for mb in range(2):

@@ -15,7 +15,7 @@ import sys
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from capture import Guard, GuardConfig, SpikeConfig
+from capture import DetectionConfig, DumpConfig, Guard, GuardConfig, SpikeConfig
 from capture.integrations import DistributedGuard
 from forensics.thirdparty import TorchDispatchMode
 
@@ -41,8 +41,10 @@ def main() -> None:
     model = torch.nn.Linear(4, 1)
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, fused=kind == "fused")
-    config = GuardConfig(dump_dir=dump_dir, run_id=kind, loss_spike=SpikeConfig(window=8, warmup=4),
-                         grad_norm_spike=SpikeConfig(enabled=False), background_write=False)
+    config = GuardConfig(dump_dir=dump_dir, run_id=kind,
+                         detection=DetectionConfig(loss_spike=SpikeConfig(window=8, warmup=4),
+                                                   grad_norm_spike=SpikeConfig(enabled=False)),
+                         dumping=DumpConfig(background_write=False))
     guard = (DistributedGuard if kind == "distributed" else Guard)(ddp, optimizer, config=config)
     data = torch.Generator().manual_seed(rank)
     check_ops = None

@@ -36,8 +36,8 @@ def _assert_pre_step_state(dump, model, optimizer):
 
 def _assert_names_the_sample(dump):
     assert verify_dump(dump.path).ok
-    assert dump.step == BAD_STEP and dump.trigger["kind"] == "nonfinite_loss"
-    assert dump.trigger["micro_batch"] == BAD_MB
+    assert dump.step == BAD_STEP and dump.trigger.kind == "nonfinite_loss"
+    assert dump.trigger.micro_batch == BAD_MB
     assert [dump.sample_ids(i) for i in range(dump.num_micro_batches)] == [[12, 13], [14, 15]]
     batch = dump.micro_batch(BAD_MB)
     assert batch["inputs_embeds"][1].abs().max().item() >= 1e37  # sample 13 is row 1

@@ -39,12 +39,12 @@ def test_ddp_fp16_scaler_skips_are_history_until_the_loss_scale_collapses(harnes
     run = dump_dir / "fp16"
     assert sorted(p.name for p in run.iterdir()) == ["step-000000003", "step-000000007"]
     nan_step = {d.rank: d for d in verify_dump(run / "step-000000003").dumps}
-    assert nan_step[1].trigger["kind"] == "nonfinite_loss" and nan_step[0].trigger["local"] is False
+    assert nan_step[1].trigger.kind == "nonfinite_loss" and nan_step[0].trigger.local is False
     collapsed = verify_dump(run / "step-000000007")
     assert collapsed.ok and sorted(d.rank for d in collapsed.dumps) == [0, 1]
     for dump in collapsed.dumps:
-        assert dump.trigger["kind"] == "nonfinite_grad" and dump.trigger["local"] is True
-        assert dump.trigger["threshold"] == min_scale
+        assert dump.trigger.kind == "nonfinite_grad" and dump.trigger.local is True
+        assert dump.trigger.threshold == min_scale
         assert dump.precision["autocast"] == {"enabled": True, "device_type": "cpu", "dtype": "float16"}
         history = dump.history()
         assert history["loss_scale"] == [2.0 ** (40 - step) for step in range(8)]
@@ -153,9 +153,9 @@ def test_a_loss_spike_on_one_rank_is_dumped_by_every_rank(harness, tmp_path, kin
     assert dumped == {0: ["step-000000008"], 1: ["step-000000008"]}
     dumps = {d.rank: d for d in verify_dump(tmp_path / "dumps" / kind / "step-000000008").dumps}
     for rank, dump in dumps.items():
-        assert dump.trigger["kind"] == "loss_spike"
+        assert dump.trigger.kind == "loss_spike"
         assert dump.sample_ids(0)[0] == f"r{rank}s8i0"  # each rank's own batch
-    assert dumps[1].trigger["local"] is True and dumps[0].trigger["local"] is False  # rank 1's loss spiked
+    assert dumps[1].trigger.local is True and dumps[0].trigger.local is False  # rank 1's loss spiked
     assert {rank: report["held"] for rank, report in result.reports.items()} == {0: kind == "fused", 1: kind == "fused"}
     assert all(("one step late" in d.trigger.detail) == (kind == "fused") for d in dumps.values())
     if kind == "fused":  # the sync-free check on several ranks, counted (capture/check/agreement.py launch()): on a

@@ -173,7 +173,7 @@ def test_two_nodes_write_node_local_dumps_that_replay_together(harness, tmp_path
 
 @pytest.mark.slow  # buddy copies across nodes: the two-node launch and the FSDP2 buddy tests prove its parts
 def test_with_two_replicas_one_node_replays_alone_when_the_other_node_is_lost(harness, tmp_path):
-    """Two nodes x 2 ranks, GuardConfig(shard_replicas=2): each rank's buddy is the same local rank on the other
+    """Two nodes x 2 ranks, DumpConfig(shard_replicas=2): each rank's buddy is the same local rank on the other
     node, so node 0's disk alone holds the whole state (its ranks' shards and copies of node 1's); node 1's disk
     is lost, and rank 1 (sample 29 lands there with four ranks: step 1) replays from node 0 alone."""
     harness.requires("transformers")
@@ -228,7 +228,7 @@ def test_fsdp_over_tensor_parallel_2d_mesh_dumps_exactly_the_gathered_state(harn
     assert check.ok, [str(p) for p in check.problems]
     reference = load_file(str(tmp_path / "reference.safetensors"))
     dump = open_dump(step_dir)
-    assert dump.rank in (2, 3) and dump.trigger["local"]  # the ranks that read the inf
+    assert dump.rank in (2, 3) and dump.trigger.local  # the ranks that read the inf
     weights, optimizer = dump.model_state(), dump.optimizer_state()["state"]
     for key, expected in reference.items():
         actual = optimizer[key.split("/")[1]][key.split("/")[2]] if key.startswith("state/") else weights[key]
@@ -239,7 +239,7 @@ def test_fsdp_over_tensor_parallel_2d_mesh_dumps_exactly_the_gathered_state(harn
 
 
 def test_with_two_replicas_the_ranks_survive_the_loss_of_one_dump(harness, tmp_path):
-    """GuardConfig(shard_replicas=2) under DDP: every replicated tensor written by both ranks, so rank 1's dump
+    """DumpConfig(shard_replicas=2) under DDP: every replicated tensor written by both ranks, so rank 1's dump
     replays after rank 0's is lost."""
     harness.requires("transformers")
     step_dir, _ = harness.run_example(tmp_path, "ddp_example.py", "ddp2", "--layout", "sharded", "--replicas", "2")
@@ -253,7 +253,7 @@ def test_with_two_replicas_the_ranks_survive_the_loss_of_one_dump(harness, tmp_p
 
 
 def test_with_two_replicas_fsdp2_shards_survive_a_rank_that_dies_mid_write(harness, tmp_path, reference):
-    """GuardConfig(shard_replicas=2) under FSDP2: a plain FSDP shard exists on one rank only, so each rank sends its
+    """DumpConfig(shard_replicas=2) under FSDP2: a plain FSDP shard exists on one rank only, so each rank sends its
     shards to its buddy before anyone writes. Rank 0 dies halfway through writing; rank 1's dump alone holds the
     whole state (its own shards and its copy of rank 0's), equal to plain-torch training's, and replays."""
     harness.requires("transformers")
@@ -286,7 +286,7 @@ def test_with_two_replicas_fsdp2_shards_survive_a_rank_that_dies_mid_write(harne
 
 @pytest.mark.slow  # the buddy copies are proven under FSDP2 (a rank dies mid-write); ZeRO-2's layout by zero2 above
 def test_with_two_replicas_zero2_partitions_survive_the_loss_of_a_rank_dump(harness, tmp_path, reference):
-    """ZeRO-2 with GuardConfig(shard_replicas=2): the flat optimizer partitions are copied to the buddy rank (the
+    """ZeRO-2 with DumpConfig(shard_replicas=2): the flat optimizer partitions are copied to the buddy rank (the
     replicated weights are written by both ranks); with rank 0's dump gone, rank 1's holds the whole state."""
     harness.requires("transformers", "deepspeed")
     step_dir, _ = harness.run_example(tmp_path, "deepspeed_example.py", "z2buddy", "--zero-stage", "2",
@@ -368,10 +368,10 @@ def test_a_precursor_on_one_rank_of_a_sharded_state_is_dumped_by_every_rank(harn
     result, step_dir = _every_rank_dumped_step_11(harness, tmp_path, "grow")
     assert result.reports[1]["fired"] and not result.reports[0]["fired"]
     dump = open_dump(step_dir)  # the rank that saw it first-hand
-    assert dump.rank == 1 and dump.trigger["kind"] == "precursor" and dump.trigger["local"]
-    assert "transformer.h." in dump.trigger["detail"]
+    assert dump.rank == 1 and dump.trigger.kind == "precursor" and dump.trigger.local
+    assert "transformer.h." in dump.trigger.detail
     other = open_dump(step_dir, rank=0).trigger
-    assert other["kind"] == "precursor" and not other["local"]
+    assert other.kind == "precursor" and not other.local
     runner = CliRunner()
     replayed = runner.invoke(main, ["replay", str(step_dir), "-o", str(tmp_path / "report")])
     assert replayed.exit_code == 0, replayed.output
@@ -389,4 +389,4 @@ def test_a_rank_without_a_precursor_monitor_joins_the_dump_another_rank_asks_for
     """Rank 0 has no precursor monitor (as when setting it up failed there): when rank 1's fires, rank 0 still dumps
     the step with it — its part of the state is needed, and a collective write would wait for it forever."""
     _, step_dir = _every_rank_dumped_step_11(harness, tmp_path, "grow-without-rank-0")
-    assert not open_dump(step_dir, rank=0).trigger["local"] and open_dump(step_dir).rank == 1
+    assert not open_dump(step_dir, rank=0).trigger.local and open_dump(step_dir).rank == 1

@@ -45,7 +45,7 @@ if str(HERE) not in sys.path:
 
 from natural_models import build, lm_loss  # noqa: E402
 
-from capture import Guard, GuardConfig, PrecursorConfig  # noqa: E402
+from capture import DumpConfig, Guard, GuardConfig, PrecursorConfig  # noqa: E402
 from forensics.errors import TrainingFaultError  # noqa: E402
 
 AHEAD = 10  # the promise: a precursor at least this many steps before the non-finite step
@@ -124,8 +124,9 @@ def train(scenario: Scenario, dump_dir, device: str = "cpu", precursors: bool = 
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 + scenario.lr_growth * s)
     dtype = getattr(torch, scenario.autocast) if scenario.autocast else None
     scaler = torch.amp.GradScaler(torch.device(device).type) if scenario.scaler else None
-    config = GuardConfig(dump_dir=str(dump_dir), run_id=f"natural-{scenario.name}", recipe=recipe(scenario),
-                         precursors=PrecursorConfig() if precursors else None)
+    config = GuardConfig(dump_dir=str(dump_dir), run_id=f"natural-{scenario.name}",
+                         precursors=PrecursorConfig() if precursors else None,
+                         dumping=DumpConfig(recipe=recipe(scenario)))
     guard = Guard(model, optimizer, schedule, scaler, config=config, loss_fn=lm_loss)
     nonfinite_at = None
     try:
@@ -161,14 +162,14 @@ def summarize(scenario: Scenario, run: Run, device: str = "cpu", replay: bool = 
     from forensics.kinds import TriggerKind
 
     triggers = [(p, open_dump(p)) for p in run.dumps]
-    crash = next(((p, d) for p, d in reversed(triggers) if d.trigger["kind"] in (
+    crash = next(((p, d) for p, d in reversed(triggers) if d.trigger.kind in (
         TriggerKind.NONFINITE_LOSS, TriggerKind.NONFINITE_GRAD, TriggerKind.NONFINITE_PARAM)), None)
-    precursor = next(((p, d) for p, d in triggers if d.trigger["kind"] == TriggerKind.PRECURSOR), None)
+    precursor = next(((p, d) for p, d in triggers if d.trigger.kind == TriggerKind.PRECURSOR), None)
     out = {"scenario": scenario.name, "device": device, "nonfinite_at": run.nonfinite_at,
-           "dumps": [f"{d.step}:{d.trigger['kind']}" for _, d in triggers], "crash_step": None}
+           "dumps": [f"{d.step}:{d.trigger.kind}" for _, d in triggers], "crash_step": None}
     if crash is not None:
         out["crash_step"] = crash[1].step
-        out["crash_kind"] = crash[1].trigger["kind"]
+        out["crash_kind"] = crash[1].trigger.kind
     if precursor is not None:
         table = precursor[1].precursors() or {}
         fired = next((f for f in reversed(table.get("firings") or []) if f.get("dumped")), {})

@@ -41,7 +41,7 @@ def test_the_run_diverges_by_itself_and_its_crash_is_dumped_under_the_default_co
     assert run.nonfinite_at is not None, f"{scenario.name} did not diverge within {scenario.steps} steps"
     assert run.guard.config.precursors is None  # the pure default: no precursor monitor
     crash = open_dump(run.dumps[-1])
-    assert crash.trigger["kind"] in (TriggerKind.NONFINITE_LOSS, TriggerKind.NONFINITE_GRAD)
+    assert crash.trigger.kind in (TriggerKind.NONFINITE_LOSS, TriggerKind.NONFINITE_GRAD)
     assert crash.step == run.nonfinite_at == out["crash_step"]
     fused = run.guard.optimizer.defaults.get("fused")
     assert ("one step late" in crash.trigger.detail) == bool(fused)  # sync-free exactly where the default picks it

@@ -18,7 +18,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import token_job  # (the data recipe names it: replay imports it with --path tests/replay)
 
-from capture import Guard, GuardConfig
+from capture import DumpConfig, Guard, GuardConfig, RecordConfig
 
 BAD_STEP, BAD_MB, BAD_ROW = 5, 1, 2
 
@@ -36,8 +36,8 @@ def main(dump_dir: str) -> None:
     model = transformers.GPT2LMHeadModel(config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     guard = Guard(model, optimizer, config=GuardConfig(
-        dump_dir=dump_dir, run_id="assert", snapshot_every=2, window_steps=8,
-        data_recipe={"dataset": "token_job:make_dataset", "dataset_kwargs": {"n": 96, "bad": bad}}))
+        dump_dir=dump_dir, run_id="assert", recording=RecordConfig(snapshot_every=2, window_steps=8),
+        dumping=DumpConfig(data_recipe={"dataset": "token_job:make_dataset", "dataset_kwargs": {"n": 96, "bad": bad}})))
     loader = iter(torch.utils.data.DataLoader(token_job.make_dataset(96, bad), batch_size=4))
     for step in range(10):
         print(f"forensics-job: rank {rank} step {step} t={time.time():.3f}", flush=True)

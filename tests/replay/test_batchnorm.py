@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from click.testing import CliRunner
 
-from capture import Guard, GuardConfig
+from capture import DetectionConfig, DumpConfig, Guard, GuardConfig
 from forensics.cli import main
 from replay.engine import ReplayOptions, run_replay
 
@@ -24,8 +24,8 @@ def test_subsets_a_batchnorm_model_cannot_run_alone_do_not_end_the_replay(tmp_pa
     model = _build()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     guard = Guard(model, optimizer, loss_fn=_loss, config=GuardConfig(
-        dump_dir=str(tmp_path), run_id="bn", on_nonfinite="skip",
-        recipe={"factory": f"{__name__}:_build", "loss": f"{__name__}:_loss"}))
+        dump_dir=str(tmp_path), run_id="bn", detection=DetectionConfig(on_nonfinite="skip"),
+        dumping=DumpConfig(recipe={"factory": f"{__name__}:_build", "loss": f"{__name__}:_loss"})))
     g = torch.Generator().manual_seed(2)
     for step in range(3):
         for mb in range(2):

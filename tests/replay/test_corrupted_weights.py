@@ -12,7 +12,7 @@ import transformers
 from click.testing import CliRunner
 from forensics_test_helpers import guarded_step
 
-from capture import Guard, GuardConfig
+from capture import DetectionConfig, Guard, GuardConfig
 from forensics.cli import main
 
 BAD_TOKEN, BAD_STEP = 99, 4
@@ -26,13 +26,14 @@ def tiny_llama():
     return transformers.LlamaForCausalLM(config)
 
 
-def _train(tmp_path, **config):
+def _train(tmp_path, **config_changes):
     model = tiny_llama()
     with torch.no_grad():
         model.model.embed_tokens.weight[BAD_TOKEN] = float("inf")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="row99",
-                                                        on_nonfinite="skip", **config))
+    config = GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="row99",
+                         detection=DetectionConfig(on_nonfinite="skip"))
+    guard = Guard(model, optimizer, config=config.replace(**config_changes))
     data = torch.Generator().manual_seed(0)
     for step in range(BAD_STEP + 1):
         ids = torch.randint(0, 64, (8, 12), generator=data)  # token 99 never appears ...

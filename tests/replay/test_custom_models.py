@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 from forensics_test_helpers import guarded_step
 
-from capture import Guard, GuardConfig
+from capture import DetectionConfig, DumpConfig, Guard, GuardConfig
 from capture.state.recipe import build_recipe
 from forensics.cli import main
 from forensics.recipes import DEFAULT_LOSS, HUGGINGFACE_FACTORY
@@ -53,7 +53,8 @@ def _train(module, tmp_path, loss_fn=None, recipe=None):
     model = module.build()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="reg",
-                                                        on_nonfinite="skip", recipe=recipe), loss_fn=loss_fn)
+                                                       detection=DetectionConfig(on_nonfinite="skip"),
+                                                       dumping=DumpConfig(recipe=recipe)), loss_fn=loss_fn)
     for step in range(4):
         x, y = torch.randn(8, 3), torch.randn(8, 1)
         if step == 2:

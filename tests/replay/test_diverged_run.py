@@ -11,7 +11,7 @@ import transformers
 from click.testing import CliRunner
 from forensics_test_helpers import guarded_step
 
-from capture import Guard, GuardConfig, SpikeConfig
+from capture import DetectionConfig, DumpConfig, Guard, GuardConfig, SpikeConfig
 from forensics.cli import main
 
 
@@ -22,8 +22,9 @@ def test_a_spike_in_a_run_that_diverged_long_ago_blames_no_sample(tmp_path):
     model = transformers.GPT2LMHeadModel(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3.0)
     guard = Guard(model, optimizer, config=GuardConfig(
-        dump_dir=str(tmp_path / "dumps"), run_id="lr3", max_dumps=1, loss_spike=SpikeConfig(enabled=False),
-        grad_norm_spike=SpikeConfig(warmup=16, mad_factor=3.0, min_ratio=1.5)))
+        dump_dir=str(tmp_path / "dumps"), run_id="lr3", dumping=DumpConfig(max_dumps=1),
+        detection=DetectionConfig(loss_spike=SpikeConfig(enabled=False),
+                                  grad_norm_spike=SpikeConfig(warmup=16, mad_factor=3.0, min_ratio=1.5))))
     data = torch.Generator().manual_seed(1)
     for step in range(120):
         ids = torch.randint(0, 64, (8, 16), generator=data)

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from capture import Guard, GuardConfig
+from capture import DumpConfig, Guard, GuardConfig
 from forensics.errors import DumpError, RecipeError, TrainingFaultError
 from forensics.report.model import validate_report
 from replay.engine import ReplayOptions, run_replay
@@ -73,7 +73,7 @@ def test_guard_dump_replays_to_the_poisoned_sample(tmp_path, helpers, kit):
 
 def test_dump_naming_foreign_code_needs_consent(tmp_path, helpers, kit):
     dump_path = crash_and_dump(tmp_path, helpers, kit,
-                               {"recipe": {"factory": "not_ours.models:build", "factory_kwargs": {}}})
+                               {"dumping": DumpConfig(recipe={"factory": "not_ours.models:build", "factory_kwargs": {}})})
     with pytest.raises(RecipeError) as err:
         run_replay(dump_path, ReplayOptions(device="cpu"))
     assert "not_ours.models:build" in str(err.value) and "--trust" in str(err.value)

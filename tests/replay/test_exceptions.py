@@ -16,7 +16,7 @@ import transformers
 from click.testing import CliRunner
 from forensics_test_helpers import fork_server
 
-from capture import Guard, GuardConfig
+from capture import DumpConfig, Guard, GuardConfig, RecordConfig
 from forensics.cli import main
 from forensics.format import open_dump, verify_dump
 
@@ -58,7 +58,7 @@ def test_out_of_range_token_ids_dumped_and_replayed_to_the_sample_and_the_value(
                 optimizer.zero_grad()
     assert len(guard.dumps) == 1
     dump = open_dump(guard.dumps[0])
-    assert verify_dump(dump.path).ok and dump.step == 4 and dump.trigger["kind"] == "exception"
+    assert verify_dump(dump.path).ok and dump.step == 4 and dump.trigger.kind == "exception"
     assert dump.manifest["exception"]["type"] == "IndexError" and dump.manifest["exception"]["during"] == "forward"
     bad = f"doc-4-{bad_mb}-2"
     assert dump.num_micro_batches == bad_mb + 1 and dump.sample_ids(bad_mb)[2] == bad  # the micro-batch in flight
@@ -130,13 +130,14 @@ LABEL_MODEL = textwrap.dedent('''
 
 LABEL_JOB = textwrap.dedent('''
     import sys, torch
-    from capture import Guard, GuardConfig
+    from capture import DumpConfig, Guard, GuardConfig
     from labelmodel import build, xent
 
     model = build()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     guard = Guard(model, optimizer, config=GuardConfig(dump_dir=sys.argv[1], run_id="labels",
-                                                        recipe={"factory": "labelmodel:build"}), loss_fn=xent)
+                                                       dumping=DumpConfig(recipe={"factory": "labelmodel:build"})),
+                  loss_fn=xent)
     data = torch.Generator().manual_seed(0)
     for step in range(5):
         x, y = torch.randn(8, 6, generator=data), torch.randint(0, 10, (8,), generator=data)
@@ -176,7 +177,7 @@ def test_a_malformed_record_shape_error_names_the_module_whatever_the_samples(tm
     model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="shape",
-                                                        recipe={"factory": "torch.nn:Identity"}))
+                                                       dumping=DumpConfig(recipe={"factory": "torch.nn:Identity"})))
     with pytest.raises(RuntimeError):
         for step in range(3):
             with guard.capture_errors():
@@ -294,8 +295,8 @@ def test_a_cuda_error_leaves_what_the_host_holds_and_replays_from_the_host_snaps
     model = tiny_gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     guard = Guard(model, optimizer, config=GuardConfig(
-        dump_dir=str(tmp_path / "dumps"), run_id="cuda", snapshot_every=2, window_steps=8,
-        data_recipe={"dataset": "token_job:make_dataset", "dataset_kwargs": {"n": 96, "bad": bad}}))
+        dump_dir=str(tmp_path / "dumps"), run_id="cuda", recording=RecordConfig(snapshot_every=2, window_steps=8),
+        dumping=DumpConfig(data_recipe={"dataset": "token_job:make_dataset", "dataset_kwargs": {"n": 96, "bad": bad}})))
     loader = iter(torch.utils.data.DataLoader(token_job.make_dataset(96, bad), batch_size=4))
     with pytest.raises(RuntimeError, match="device-side assert"):
         for _step in range(8):

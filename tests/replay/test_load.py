@@ -167,10 +167,11 @@ def test_deepspeed_fp32_master_is_set_aside_and_a_bf16_model_gets_a_working_opti
 
 def _nan_step_dump(tmp_path, model) -> str:
     """The Guard's dump of one AdamW step of a GPT-2 whose loss is NaN."""
-    from capture import Guard, GuardConfig
+    from capture import DetectionConfig, Guard, GuardConfig
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="nan", on_nonfinite="skip"))
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="nan",
+                                                       detection=DetectionConfig(on_nonfinite="skip")))
     ids = torch.randint(0, 64, (2, 8))
     guard.record_batch({"input_ids": ids, "labels": ids, "sample_ids": ["a", "b"]})
     loss = model(input_ids=ids, labels=ids).loss * float("nan")
@@ -213,13 +214,14 @@ def build_derived_buffer():
 
 
 def test_a_buffer_derived_from_a_parameter_at_init_falls_back_to_a_normal_build(tmp_path):
-    from capture import Guard, GuardConfig
+    from capture import DetectionConfig, Guard, GuardConfig
     from forensics.format import open_dump
     from replay.load.session import load_session
 
     model = _DerivedBuffer()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="derived", on_nonfinite="skip"),
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="derived",
+                                                       detection=DetectionConfig(on_nonfinite="skip")),
                   loss_fn=_derived_loss)
     x = torch.tensor([1.0, float("nan"), 2.0])
     guard.record_batch({"x": x.unsqueeze(0)}, sample_ids=["only"])

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = textwrap.dedent('''
     """A training script as people write them: everything at top level, no `if __name__ == "__main__":`."""
     import torch
-    from capture import Guard, GuardConfig
+    from capture import DetectionConfig, DumpConfig, Guard, GuardConfig
 
     WIDTH = 3
 
@@ -39,8 +39,8 @@ SCRIPT = textwrap.dedent('''
     model = build()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     guard = Guard(model, optimizer, loss_fn=lm_loss,
-                  config=GuardConfig(dump_dir="dumps", run_id="script", on_nonfinite="skip",
-                                     recipe={"factory": "__main__:build"}))
+                  config=GuardConfig(dump_dir="dumps", run_id="script", detection=DetectionConfig(on_nonfinite="skip"),
+                                     dumping=DumpConfig(recipe={"factory": "__main__:build"})))
     data = torch.Generator().manual_seed(0)
     for step in range(6):
         x, y = torch.randn(4, WIDTH, generator=data), torch.randn(4, 1, generator=data)

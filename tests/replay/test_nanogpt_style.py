@@ -71,7 +71,7 @@ TRAIN = textwrap.dedent(f'''
     import os
     import torch
     from model import GPTConfig, GPT
-    from capture import Guard, GuardConfig
+    from capture import DumpConfig, Guard, GuardConfig
 
     n_layer = 12
     n_embd = 768
@@ -104,7 +104,8 @@ TRAIN = textwrap.dedent(f'''
     model = build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
     guard = Guard(model, optimizer, loss_fn=lm_loss,
-                  config=GuardConfig(dump_dir="out/dumps", run_id="nano", recipe={{"factory": "__main__:build_model"}}))
+                  config=GuardConfig(dump_dir="out/dumps", run_id="nano",
+                                     dumping=DumpConfig(recipe={{"factory": "__main__:build_model"}})))
     data = torch.Generator().manual_seed(0)
     for iter_num in range(max_iters):
         x = torch.randint(0, meta_vocab_size, (4, block_size + 1), generator=data)

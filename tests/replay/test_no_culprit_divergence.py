@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from torch.utils.data import DataLoader
 from forensics_test_helpers import guarded_step
 
-from capture import Guard, GuardConfig, SpikeConfig
+from capture import DetectionConfig, DumpConfig, Guard, GuardConfig, RecordConfig, SpikeConfig
 from forensics.cli import main
 from forensics.errors import TrainingFaultError
 
@@ -33,14 +33,14 @@ def job():
 
 
 def train_sgd_lr50(job, tmp_path: Path, warmup: bool) -> Path:
-    """Clean data, SGD at lr=50 (constant, or reached by a geometric warm-up), GuardConfig(snapshot_every=2)."""
+    """Clean data, SGD at lr=50 (constant, or reached by a geometric warm-up), RecordConfig(snapshot_every=2)."""
     model = job.make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=50.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, 3.0 ** (t - 8)) if warmup else 1.0)
     guard = Guard(model, optimizer, scheduler, loss_fn=job.mse_loss, config=GuardConfig(
-        dump_dir=str(tmp_path / "dumps"), run_id="lr50", snapshot_every=2, window_steps=16,
-        recipe={"factory": "window_job:make_model"},
-        data_recipe={"dataset": "window_job:make_dataset", "dataset_kwargs": {"n": 400}}))
+        dump_dir=str(tmp_path / "dumps"), run_id="lr50", recording=RecordConfig(snapshot_every=2, window_steps=16),
+        dumping=DumpConfig(recipe={"factory": "window_job:make_model"},
+                           data_recipe={"dataset": "window_job:make_dataset", "dataset_kwargs": {"n": 400}})))
     batches = iter(DataLoader(job.make_dataset(400), batch_size=8))
     with pytest.raises(TrainingFaultError) as fault:
         for _ in range(40):
@@ -95,8 +95,9 @@ def test_a_gpt2_at_lr_0_3_far_above_the_uniform_guess_is_neither_stable_nor_need
     model = transformers.GPT2LMHeadModel(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.3)
     guard = Guard(model, optimizer, config=GuardConfig(
-        dump_dir=str(tmp_path / "dumps"), run_id="gpt", max_dumps=1, loss_spike=SpikeConfig(enabled=False),
-        grad_norm_spike=SpikeConfig(warmup=16, mad_factor=3.0, min_ratio=1.5)))
+        dump_dir=str(tmp_path / "dumps"), run_id="gpt", dumping=DumpConfig(max_dumps=1),
+        detection=DetectionConfig(loss_spike=SpikeConfig(enabled=False),
+                                  grad_norm_spike=SpikeConfig(warmup=16, mad_factor=3.0, min_ratio=1.5))))
     data = torch.Generator().manual_seed(1)
     for step in range(80):
         ids = torch.randint(0, vocab, (8, 16), generator=data)
@@ -133,7 +134,8 @@ def test_a_nan_in_one_samples_input_is_that_sample_with_or_without_bisection(job
     model = job.make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     guard = Guard(model, optimizer, loss_fn=job.mse_loss, config=GuardConfig(
-        dump_dir=str(tmp_path / "dumps"), run_id="nan", recipe={"factory": "window_job:make_model"}))
+        dump_dir=str(tmp_path / "dumps"), run_id="nan",
+        dumping=DumpConfig(recipe={"factory": "window_job:make_model"})))
     dataset = job.make_dataset(64)
     dataset.dataset.x[22, 3] = float("nan")  # step 5, row 2
     with pytest.raises(TrainingFaultError) as fault:

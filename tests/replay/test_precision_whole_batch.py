@@ -13,7 +13,7 @@ import json
 import torch
 from click.testing import CliRunner
 
-from capture import Guard, GuardConfig
+from capture import DumpConfig, Guard, GuardConfig
 from forensics.cli import main
 from forensics.demo import models
 from forensics.demo.scenarios import hf_loss
@@ -30,7 +30,7 @@ def test_every_sample_overflowing_float16_is_numerical_precision_with_a_measured
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
     guard = Guard(model, optimizer, scaler=scaler, config=GuardConfig(
         dump_dir=str(tmp_path / "dumps"), run_id="raw",
-        recipe={"factory": f"{models.MODULE}:adapter_lm", "factory_kwargs": KWARGS}))
+        dumping=DumpConfig(recipe={"factory": f"{models.MODULE}:adapter_lm", "factory_kwargs": KWARGS})))
     gen = torch.Generator().manual_seed(1)
     projection = torch.randn(FEATURES, VOCAB, generator=torch.Generator().manual_seed(2))
     try:

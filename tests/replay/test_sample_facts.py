@@ -67,12 +67,13 @@ def test_a_hostile_field_name_is_printed_clean_and_an_unreadable_batch_gives_no_
 def test_a_micro_batch_with_every_label_masked_is_named_in_the_verdict(helpers, tmp_path):
     """Supervised fine-tuning with one sample per micro-batch: a sample whose prompt was truncated past its answer
     has every label -100, so Hugging Face's mean cross-entropy is 0/0 = NaN for its micro-batch."""
-    from capture import Guard, GuardConfig
+    from capture import DetectionConfig, Guard, GuardConfig
     from replay import engine
 
     model = helpers.make_gpt2(dropout=0.0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="sft", on_nonfinite="skip"))
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="sft",
+                                                       detection=DetectionConfig(on_nonfinite="skip")))
     g = torch.Generator().manual_seed(3)
     for step in range(3):
         for mb in range(4):

@@ -12,7 +12,7 @@ import torch
 from click.testing import CliRunner
 from torch.utils.data import DataLoader
 
-from capture import Guard, GuardConfig
+from capture import DumpConfig, Guard, GuardConfig, RecordConfig
 from forensics.cli import main, replay_exit_code
 from forensics.errors import TrainingFaultError
 from forensics.format import open_dump, spec
@@ -40,9 +40,10 @@ def train(job, tmp_path, optimizer_factory, *, checkpoint_step: int, poison: int
         prepare(model)
     optimizer = optimizer_factory(model)
     guard = Guard(model, optimizer, loss_fn=job.mse_loss, config=GuardConfig(
-        dump_dir=str(tmp_path / "dumps"), run_id="win", window_steps=window_steps, snapshot_every=snapshot_every,
-        recipe={"factory": "window_job:make_model"},
-        data_recipe={"dataset": "window_job:make_dataset", "dataset_kwargs": {"n": 200, "poison": poison}}))
+        dump_dir=str(tmp_path / "dumps"), run_id="win",
+        recording=RecordConfig(window_steps=window_steps, snapshot_every=snapshot_every),
+        dumping=DumpConfig(recipe={"factory": "window_job:make_model"}, data_recipe={
+            "dataset": "window_job:make_dataset", "dataset_kwargs": {"n": 200, "poison": poison}})))
     batches = iter(DataLoader(job.make_dataset(200, poison), batch_size=2))
     checkpoint = tmp_path / "step.pt"
     with pytest.raises(TrainingFaultError) as fault:
@@ -70,7 +71,7 @@ def options(checkpoint, **kwargs) -> ReplayOptions:
 def test_window_replay_finds_the_update_that_wrecked_the_weights_steps_before_the_crash(job, tmp_path):
     dump_path, checkpoint = train(job, tmp_path, lambda m: torch.optim.SGD(m.parameters(), lr=0.05), checkpoint_step=2)
     dump = open_dump(dump_path)
-    assert dump.step == 7 and dump.trigger["kind"] == "nonfinite_grad"  # the gradients overflow two steps later
+    assert dump.step == 7 and dump.trigger.kind == "nonfinite_grad"  # the gradients overflow two steps later
     assert [row["step"] for row in dump.window()] == list(range(7))
     assert dump.window()[5]["sample_ids"][0] == [20, POISON]
 
@@ -158,7 +159,7 @@ def test_a_safetensors_file_or_a_trainer_checkpoint_directory_serves_as_the_chec
 
 
 def test_the_guards_own_host_snapshot_replaces_the_checkpoint(job, tmp_path):
-    """GuardConfig(snapshot_every=2): snapshots at steps 0, 2, 4, 6 (two kept); the crash at step 7 carries the
+    """RecordConfig(snapshot_every=2): snapshots at steps 0, 2, 4, 6 (two kept); the crash at step 7 carries the
     oldest, step 4 — bitwise the job's state then — and a plain `forensics replay DUMP --trust` re-executes
     steps 4-6 from it and names step 5 and its sample, with no checkpoint of the user's."""
     import json
@@ -205,7 +206,7 @@ def test_no_snapshot_unless_asked_and_a_config_that_cannot_cover_it_is_refused(j
     dump = open_dump(dump_path)
     assert dump.snapshot_step is None and not dump.has_file(spec.SNAPSHOT_STATE.model)
     with pytest.raises(ValueError, match="window_steps"):
-        GuardConfig(snapshot_every=16, snapshot_count=3, window_steps=32)
+        GuardConfig(recording=RecordConfig(snapshot_every=16, snapshot_count=3, window_steps=32))
 
 
 def test_a_fix_carried_over_the_following_steps_shows_when_it_only_postpones_the_failure(job, tmp_path):
