@@ -54,7 +54,7 @@ class PrecursorConfig:
     """Measure the update/weight ratio and the Adam floor (one elementwise pass over the blocks' optimizer state
     on a sampled step: the largest part of its cost; scripts/bench/precursor_overhead.py)."""
     max_dumps: int = 1
-    """Precursor dumps per run: their own budget; they never use GuardConfig.max_dumps, the crash's
+    """Precursor dumps per run: their own budget; they never use GuardConfig.dumping.max_dumps, the crash's
     (capture/dump/budget.py)."""
     min_gap: int = 200
     """Steps before the same (layer, statistic) may fire again."""

@@ -62,7 +62,7 @@ class ExitCode(enum.IntEnum):
 
 
 class Policy(_Kind):
-    """What the Guard does after dumping a trigger (GuardConfig.on_nonfinite / on_spike)."""
+    """What the Guard does after dumping a trigger (GuardConfig.detection.on_nonfinite / on_spike)."""
 
     RAISE = "raise"
     """Stop the job with TrainingFaultError (after the dump)."""
@@ -73,10 +73,10 @@ class Policy(_Kind):
 
 
 class StateLayout(_Kind):
-    """How the ranks of a multi-rank job write the model and optimizer state (GuardConfig.state_layout)."""
+    """How the ranks of a multi-rank job write the model and optimizer state (GuardConfig.dumping.state_layout)."""
 
     AUTO = "auto"
-    """FULL for a small state without DTensors (at most GuardConfig.full_state_max_bytes), else SHARDED."""
+    """FULL for a small state without DTensors (at most GuardConfig.dumping.full_state_max_bytes), else SHARDED."""
     FULL = "full"
     """Every rank writes the full state: each rank dump replays alone (sharded states are gathered first)."""
     SHARDED = "sharded"
@@ -114,7 +114,7 @@ class FidelityMode(_Kind):
 
 
 class Tracker(_Kind):
-    """An experiment tracker a dump or report is sent to (GuardConfig.upload, `forensics replay --upload`)."""
+    """An experiment tracker a dump or report is sent to (GuardConfig.dumping.upload, `forensics replay --upload`)."""
 
     WANDB = "wandb"
     MLFLOW = "mlflow"

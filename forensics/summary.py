@@ -199,7 +199,7 @@ def render_summary(summary: DumpSummary | Mapping) -> str:
                      "other nodes')")
         if state.copies_of:
             ranks = ", ".join(str(r) for r in state.copies_of)
-            lines.append(f"  buddy copies: the parts of rank(s) {ranks} too (GuardConfig.shard_replicas), used where "
+            lines.append(f"  buddy copies: the parts of rank(s) {ranks} too (GuardConfig.dumping.shard_replicas), used where "
                          "their own dumps are missing")
     window = s.window
     if window:

@@ -108,7 +108,7 @@ class ReplayOptions:
     from_step: int | None = None
     """The step the checkpoint was taken before (CLI --from-step; default: what the checkpoint says)."""
     window: bool = True
-    """A dump holding the Guard's host snapshot (GuardConfig.snapshot_every) and a data recipe: re-execute the
+    """A dump holding the Guard's host snapshot (GuardConfig.recording.snapshot_every) and a data recipe: re-execute the
     recorded steps from the snapshot, as --from does with a checkpoint (needs trust: it imports the data
     recipe). CLI --no-window turns it off."""
     remedies: bool = True

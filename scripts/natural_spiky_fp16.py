@@ -7,7 +7,7 @@ A small GPT-2 (random init, no warm-up, no QK-norm) trained with SGD + momentum 
 the loss scaled by a GradScaler (init_scale 2**16), check() called without a grad norm before any scaler.unscale_
 (the Guard measures the scaled gradients and divides the scale out). Nothing is planted. Writes OUTDIR/spike_dump.txt
 (the first spike dump kept) and OUTDIR/crash_dump.txt, prints one JSON line, and exits 1 unless the crash was dumped,
-the spike dumps stayed within GuardConfig.max_spike_dumps and the spike dump's grad norm is in unscaled units.
+the spike dumps stayed within GuardConfig.dumping.max_spike_dumps and the spike dump's grad norm is in unscaled units.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Models and losses of the demo scenarios that are not plain Hugging Face models, as built-in recipes.
 
 Each factory and loss here is named by import path in a demo dump's recipe
-(`GuardConfig(recipe={"factory": "forensics.demo.models:adapter_lm", ...})`). Those paths are listed in
+(`GuardConfig(dumping=DumpConfig(recipe={"factory": "forensics.demo.models:adapter_lm", ...}))`). Those paths are listed in
 the static allow-list `forensics.recipes.BUILTIN_RECIPES`, so replay rebuilds them without `--trust`:
 a dump can only pick one of these functions and give it JSON keyword arguments.
 

@@ -248,7 +248,7 @@ def free_run_id(dump_dir: Path, base: str) -> str:
 
 
 def _recipe_of(factory: str, factory_kwargs: dict) -> dict:
-    """GuardConfig.recipe naming a demo model factory, so replay rebuilds it without --trust, and the built-in
+    """GuardConfig.dumping.recipe naming a demo model factory, so replay rebuilds it without --trust, and the built-in
     loss `model(**batch).loss` that the demo's models answer (named, so the Guard does not doubt it)."""
     return {"factory": f"{models.MODULE}:{factory}", "factory_kwargs": factory_kwargs,
             "loss": "forensics.recipes:default_loss", "loss_kwargs": {"ignore_keys": ["sample_ids"]}}

@@ -54,7 +54,7 @@ class StateFiles(NamedTuple):
 PRE_STEP_STATE = StateFiles(MODEL, OPTIMIZER_TENSORS, OPTIMIZER_JSON)
 """The state the dumped step started from."""
 SNAPSHOT_STATE = StateFiles("snapshot-model.safetensors", "snapshot-optimizer.safetensors", "snapshot-optimizer.json")
-"""The Guard's host snapshot of an earlier step (GuardConfig.snapshot_every; OPTIONAL): where a window replay
+"""The Guard's host snapshot of an earlier step (GuardConfig.recording.snapshot_every; OPTIONAL): where a window replay
 starts when the user has no checkpoint. Manifest `snapshot: {"step": N}`."""
 
 SHARDED = "sharded"
@@ -65,7 +65,7 @@ SHARDED_FILES = (MODEL, OPTIMIZER_TENSORS)
 
 def copy_file_name(of: str, source_rank: int) -> str:
     """Where a rank stores its copy of another rank's shards of `of` (a SHARDED_FILES name): manifest
-    `layout.copies` (GuardConfig.shard_replicas). Readers take the names from the manifest, never from here."""
+    `layout.copies` (GuardConfig.dumping.shard_replicas). Readers take the names from the manifest, never from here."""
     return f"copy-{source_rank:05d}-{of}"
 ITEM_SIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
              "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint16": 2, "uint32": 4,

@@ -51,13 +51,13 @@ class DumpContent:
     ready: Callable[[], None] | None = None  # blocks until asynchronous device->host copies have landed
     done: Callable[[], None] | None = None  # called once the write is over (written or not)
     snapshot: dict | None = None
-    """The Guard's host snapshot of an earlier step (GuardConfig.snapshot_every): `{"step", "model", "optimizer"}`
+    """The Guard's host snapshot of an earlier step (GuardConfig.recording.snapshot_every): `{"step", "model", "optimizer"}`
     in the full layout, written as spec.SNAPSHOT_STATE."""
     layout: dict | None = None
     """Sharded layout (forensics.format.shards): `{file: {name: {"shape", "dtype"}}}`, every tensor of the
     complete state; this rank's model / optimizer hold only the parts it owns. None: the full state."""
     copies: list[ShardCopies] = field(default_factory=list)
-    """Sharded layout: other ranks' sole shards this rank writes too (GuardConfig.shard_replicas,
+    """Sharded layout: other ranks' sole shards this rank writes too (GuardConfig.dumping.shard_replicas,
     capture/state/buddy.py), as spec.copy_file_name files listed in the manifest's `layout.copies`."""
 
 

@@ -496,7 +496,7 @@ def _other_units(f: VerdictFacts, headline: str) -> dict:
                            "--all-ranks to compare the whole job's value.")
     if "accumulation" in factor:
         suggestions.append("The loop divides (or does not divide) by the number of micro-batches where the Guard "
-                           "assumes otherwise: set GuardConfig.loss_divisor to what the loop divides each "
+                           "assumes otherwise: set GuardConfig.detection.loss_divisor to what the loop divides each "
                            "micro-batch loss by.")
     return _result(VerdictKind.NOT_REPRODUCED, headline, f, suggestions, reading)
 

@@ -208,7 +208,7 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
     if dump.state_missing and weights:
         raise DumpError(f"the dump holds no pre-step state ({dump.state_missing}). It names the step's samples "
                         "(`forensics inspect`); to replay the step, re-execute up to it from an earlier state: the "
-                        "Guard's host snapshot in the dump (GuardConfig.snapshot_every, with a data recipe; pass "
+                        "Guard's host snapshot in the dump (GuardConfig.recording.snapshot_every, with a data recipe; pass "
                         "--trust) or --from CHECKPOINT --trust")
     recipe = resolve_recipe(dump.recipe, trust=trust, factory=factory, loss=loss, sys_path=sys_path,
                             script=training_script(dump), factory_kwargs=factory_kwargs, loss_kwargs=loss_kwargs,

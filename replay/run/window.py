@@ -83,7 +83,7 @@ class SnapshotUnused:
 
 
 def dump_snapshot(dump: Any, enabled: bool, trust: bool) -> tuple[Checkpoint | None, SnapshotUnused | None]:
-    """The Guard's host snapshot in `dump` (GuardConfig.snapshot_every) as the checkpoint of a window replay, when
+    """The Guard's host snapshot in `dump` (GuardConfig.recording.snapshot_every) as the checkpoint of a window replay, when
     the replay may use it: it is on, the dump has a data recipe, and the user allowed importing it. Otherwise
     (None, why it cannot be used) — (None, None) for a dump without a snapshot."""
     step = dump.snapshot_step
@@ -205,7 +205,7 @@ def replay_window(session: ReplaySession, dump: Any, checkpoint: Checkpoint, sta
         held = f"steps {min(rows)}..{max(rows)}" if rows else "no steps"
         raise DumpError(f"the dump's flight recorder holds {held}; replaying from step {start} needs steps "
                         f"{missing[:5]}{' ...' if len(missing) > 5 else ''}. Use a checkpoint taken later, or "
-                        "raise GuardConfig.window_steps")
+                        "raise GuardConfig.recording.window_steps")
     model = session.model
     _load_weights(model, checkpoint)
     optimizer = _optimizer(session, checkpoint)

@@ -3,8 +3,8 @@
 GPU: GPT-2 small (124M), batch 8 x 1024 tokens, bf16 autocast, AdamW, 2 micro-batches per step.
 CPU: a small GPT-2 stand-in. Also counts device->host syncs per step with CUDA's sync debug mode.
 Modes: plain, logged (loss.item() each step), synced (a NaN check by hand), guarded_no_window (the Guard without
-its flight recorder, GuardConfig(window_steps=0)), guarded (the default Guard: with the fused AdamW used on CUDA, the
-sync-free check, no sync in check()) and guarded_synchronous (GuardConfig(sync_free=False): one read in check()).
+its flight recorder, RecordConfig(window_steps=0)), guarded (the default Guard: with the fused AdamW used on CUDA, the
+sync-free check, no sync in check()) and guarded_synchronous (DetectionConfig(sync_free=False): one read in check()).
 Usage: python scripts/bench/capture_overhead.py [--rounds 6] [--steps 10]
 
 The two configurations of issue 32 (`--config`), each printing a ratio table (plain, guarded and guarded with

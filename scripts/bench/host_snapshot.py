@@ -56,7 +56,7 @@ def main() -> None:
             times[name].append(timed(lambda guard=guard: [step(guard) for _ in range(args.steps)], device) / args.steps)
 
     snapshots = guards[f"snapshot every {args.every}"].snapshots
-    state = guards["no snapshots"]._state_references()
+    state = guards["no snapshots"].state.references()
     nbytes = state_bytes(state)
     stalls, copies = [], []
     flat = [t for t in state["model"].values()] + [v for entries in state["optimizer"]["state"].values()

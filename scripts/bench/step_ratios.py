@@ -34,7 +34,7 @@ from scripts.bench.common import machine, median, sync
 MODES = ("plain", "synced", "guarded", "synchronous", "precursors")
 """plain: no read of its own; synced: the loop reads the grad norm before optimizer.step() (a NaN check by hand, one
 sync: what any exact check before the step costs); guarded: the default GuardConfig (with a fused optimizer in one
-process or several: the sync-free check); synchronous: GuardConfig(sync_free=False), the check that reads the step
+process or several: the sync-free check); synchronous: DetectionConfig(sync_free=False), the check that reads the step
 before optimizer.step(); precursors: with PrecursorConfig() (which keeps the synchronous check)."""
 LLAMA_1B47 = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=26, num_attention_heads=16,
                   num_key_value_heads=16, vocab_size=32000)  # 1.467 B parameters

@@ -120,7 +120,7 @@ def test_window_replay_needs_consent_a_recorded_window_and_says_so(job, tmp_path
     short = CliRunner().invoke(main, ["replay", str(dump_path), "--device", "cpu", "--from", str(checkpoint),
                                       "--trust", "--path", str(HERE)])
     assert short.exit_code == 2, short.output
-    assert "flight recorder holds steps 4..6" in short.output and "GuardConfig.window_steps" in short.output
+    assert "flight recorder holds steps 4..6" in short.output and "GuardConfig.recording.window_steps" in short.output
     pickled = tmp_path / "code.pt"
     torch.save({"model": {"up.weight": torch.zeros(1)}, "hook": math.floor}, pickled)  # a function: not weights-only
     refused = CliRunner().invoke(main, ["replay", str(dump_path), "--device", "cpu", "--from", str(pickled),
