@@ -450,7 +450,7 @@ def numpy_mt19937_raw(bit_generator: Any) -> bytes | None:
 
 
 def _numpy_state_address(bit_generator: Any) -> int:
-    return bit_generator.ctypes.state_address
+    return int(bit_generator.ctypes.state_address)
 
 
 def _python_state_address(generator: random.Random) -> int:
