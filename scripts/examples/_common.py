@@ -164,8 +164,9 @@ def env_rank() -> int:
     return int(os.environ.get("RANK", 0))
 
 
-def lit_gpt2():
-    """The examples' LightningModule (a factory replay can import: `--factory _common:lit_gpt2`)."""
+def lit_gpt2(fused: bool = False):
+    """The examples' LightningModule (a factory replay can import: `--factory _common:lit_gpt2`); `fused`: its AdamW
+    fused (the default GuardConfig then checks without a sync)."""
     try:
         import pytorch_lightning as pl
     except ImportError:  # the unified package
@@ -180,7 +181,7 @@ def lit_gpt2():
             return self.model(inputs_embeds=batch["inputs_embeds"], labels=batch["labels"]).loss
 
         def configure_optimizers(self):
-            optimizer = torch.optim.AdamW(self.parameters(), lr=LR)
+            optimizer = torch.optim.AdamW(self.parameters(), lr=LR, fused=True if fused else None)
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

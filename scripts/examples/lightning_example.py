@@ -35,13 +35,13 @@ def main() -> None:
     # --- forensics: one callback (the recipe tells replay how to rebuild this LightningModule) ---
     callback = ForensicsLightningCallback(GuardConfig(
         dump_dir=args.dump_dir, run_id=args.run_id, detection=DetectionConfig(on_nonfinite=args.policy),
-        dumping=DumpConfig(recipe={"factory": "_common:lit_gpt2", "factory_kwargs": {}})))
+        dumping=DumpConfig(recipe={"factory": "_common:lit_gpt2", "factory_kwargs": {"fused": args.fused}})))
     trainer = pl.Trainer(max_steps=args.steps, accumulate_grad_batches=args.accum, gradient_clip_val=_common.CLIP,
                          precision=args.precision, accelerator="gpu" if torch.cuda.is_available() else "cpu",
                          devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, callbacks=[callback])
     try:
-        trainer.fit(_common.lit_gpt2(), loader)
+        trainer.fit(_common.lit_gpt2(fused=args.fused), loader)
         _common.report(trainer.global_rank, fault=None, dumps=callback.guard.dumps)
     except TrainingFaultError as fault:
         _common.report(trainer.global_rank, fault=fault.trigger, dump=fault.dump_path, dump_error=fault.dump_error)

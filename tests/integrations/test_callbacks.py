@@ -105,7 +105,10 @@ def test_hf_trainer_callback_dumps_the_step_with_the_corrupt_sample(harness, tmp
     assert dump.history()["step"] == list(range(BAD_STEP + 1))
 
 
-def test_lightning_callback_dumps_the_step_with_the_corrupt_sample(harness, tmp_path):
+@pytest.mark.parametrize("fused", [False, True])
+def test_lightning_callback_dumps_the_step_with_the_corrupt_sample(harness, tmp_path, fused):
+    """Lightning steps the optimizer with a closure; with a fused AdamW the default GuardConfig checks without a sync,
+    skips the failing update on the device and raises one step late: the dump is the same pre-step state."""
     harness.requires("transformers")
     try:
         import pytorch_lightning as pl
@@ -122,9 +125,10 @@ def test_lightning_callback_dumps_the_step_with_the_corrupt_sample(harness, tmp_
                          accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                          callbacks=[callback], default_root_dir=str(tmp_path))
-    module = common.lit_gpt2()
+    module = common.lit_gpt2(fused=fused)
     with pytest.raises(TrainingFaultError) as fault:
         trainer.fit(module, loader)
+    assert ("one step late" in fault.value.fired.detail) is fused
     dump = open_dump(fault.value.dump_path)
     _assert_names_the_sample(dump)
     _assert_pre_step_state(dump, module, trainer.optimizers[0])
