@@ -193,7 +193,8 @@ class ForkServer:
         self.process = subprocess.Popen([sys.executable, __file__, *modules], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self.lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
         self.lock = threading.Lock()
 
     def _read(self) -> None:
@@ -244,6 +245,11 @@ class ForkServer:
                 self.process.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self.process.kill()
+                self.process.wait()
+        self.reader.join(timeout=10)  # it ends at the server's end of output
+        for pipe in (self.process.stdin, self.process.stdout, self.process.stderr):
+            if pipe is not None and not pipe.closed and not (pipe is self.process.stdout and self.reader.is_alive()):
+                pipe.close()
 
 
 PRELOAD = ["torch", "transformers:GPT2LMHeadModel", "capture", "forensics", "_common", "accelerate"]
