@@ -140,13 +140,15 @@ class DetectionConfig:
     the flag is computed from the agreed numbers, so every rank skips (and dumps) the same step.
 
     The default (None) runs sync-free only where nothing else changes: a fused optimizer (in one process, or on
-    ranks whose process group runs on the parameters' device: NCCL with CUDA, gloo with CPU), no enabled GradScaler, on_nonfinite 'raise' or 'skip' (under 'continue' a non-finite update is applied), no precursors,
+    ranks whose process group runs on the parameters' device: NCCL with CUDA, gloo with CPU), no enabled
+    GradScaler, on_nonfinite 'raise' or 'skip' (under 'continue' a non-finite update is applied), no precursors,
     host snapshots, in-job recheck or verify_update, and a model without persistent buffers its forward may update
     (BatchNorm statistics would have seen the next step's forward). Elsewhere it is the synchronous check, silently.
     True also runs with those (precursors off; buffers as after the next step's forward; 'continue' skips
     non-finite updates) and falls back, with one warning, only for an optimizer without found_inf support, an
-    enabled GradScaler, verify_update, or ranks whose collectives run on another device than the parameters. Either way the micro-batches are kept by reference one step
-    longer (a loader must not reuse its tensors). On CPU it works the same (and saves nothing)."""
+    enabled GradScaler, verify_update, or ranks whose collectives run on another device than the parameters.
+    Either way the micro-batches are kept by reference one step longer (a loader must not reuse its tensors).
+    On CPU it works the same (and saves nothing)."""
     verify_update: bool = False
     """Debug mode: copy the state before every optimizer step and check the parameters after it, so an
     update that makes weights non-finite (e.g. Adam eps=0) is dumped with its pre-step state. Costs a
