@@ -78,8 +78,8 @@ class ReplayOptions:
     loss: str | None = None
     """"module:fn" with (model, batch) -> loss, instead of the dump's (CLI --loss)."""
     sys_path: list[str] = field(default_factory=list)
-    """Directories put in front of sys.path for the imports above (CLI --path); the job's script and working
-    directories, recorded in the dump, follow them (replay.load.recipe.job_paths)."""
+    """Directories put in front of sys.path for the imports above (CLI --path); with `trust`, the job's script and
+    working directories recorded in the dump go at the end of sys.path (replay.load.recipe.job_paths)."""
     factory_kwargs: dict | None = None
     """Keyword arguments for the factory instead of the recorded ones (CLI --factory-kwargs); None: recorded."""
     loss_kwargs: dict | None = None
@@ -256,8 +256,8 @@ def _window_replay(dump: Any, session: ReplaySession, checkpoint: Checkpoint, op
                         "directory with trainer_state.json, says it itself)")
     if not 0 <= start <= dump.step:
         raise DumpError(f"--from-step {start} is not before the dumped step {dump.step}")
-    job_dirs = job_paths(dump.manifest.get("environment")) if options.trust else []
-    data = data_recipe(dump.manifest.get("data_recipe"), options.trust, [*options.sys_path, *job_dirs])
+    job_dirs = job_paths(dump.manifest.get("environment"), dump.path) if options.trust else []
+    data = data_recipe(dump.manifest.get("data_recipe"), options.trust, list(options.sys_path), job_dirs)
     outcomes, broken = replay_window(session, dump, checkpoint, start, data, lambda m: _stage(progress, m),
                                      through_dumped=bool(dump.state_missing))
     block = to_json_safe(window_block(outcomes, start, dump.step, checkpoint))

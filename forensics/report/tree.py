@@ -174,6 +174,9 @@ class CaptureEnv(Node):
     gpus: Any = None
     hostname: Any = None
     git_commit: Any = None
+    cwd: Any = None
+    """The job's working directory; with --trust, replay imports modules missing here from it (and script_dir)."""
+    script_dir: Any = None
 
 
 @dataclass
