@@ -28,6 +28,7 @@ from forensics.kinds import HistoryPattern, Phase, TriggerKind
 from forensics.report.model import to_json_safe
 from forensics.report.tree import Report, Window
 from replay.culprits.bisect import bisect_budget, ddmin
+from replay.culprits.evidence import RecordEvidence, weigh
 from replay.culprits.margin import others_margin
 from replay.culprits.per_sample import SampleRow, per_sample_stats
 from replay.culprits.sample_facts import describe_samples, nonfinite_in_field, too_long
@@ -325,8 +326,12 @@ def _stages(session: ReplaySession, runner: StepRunner, options: ReplayOptions, 
         _stage(progress, "per-layer gradient norms and output abs-max")
         findings.per_layer = per_layer_stats(runner)
     refs = session.sample_refs
+    result = findings.reproduction.result
+    if findings.reproduced and result.norm_overflow and findings.kind is TriggerKind.NONFINITE_GRAD:
+        _stage(progress, "every gradient is finite but their norm overflows: measuring the largest")
+        findings.norm_overflow = _largest_gradient(runner)
     data_independent = findings.kind.data_independent or bool(findings.weights_nonfinite) \
-        or findings.phase is Phase.OPTIMIZER
+        or findings.phase is Phase.OPTIMIZER or findings.norm_overflow is not None
     largest = []
     if raised and is_out_of_memory((session.exception or {}).get("type"), (session.exception or {}).get("message")):
         _stage(progress, "measuring the samples' sizes (out of memory)")
@@ -389,7 +394,37 @@ def _stages(session: ReplaySession, runner: StepRunner, options: ReplayOptions, 
     if findings.kind.spike and findings.history.diverged and findings.culprits:
         logger.info("the run diverged long before: the samples whose removal ends the spike are not culprits")
         findings.bisection.culprits = []  # the bisection block keeps what it found; no sample is blamed
+    if findings.culprits and not raised:
+        findings.evidence = _weigh_evidence(findings, session)
     return assemble_report(findings, runner, dump_info, started)
+
+
+def _weigh_evidence(findings: Findings, session: ReplaySession) -> RecordEvidence:
+    """Stage 8: is there evidence that the culprits' records are bad data, or are they triggers?"""
+    precision = cast("dict[str, Any]", findings.precision or {})
+    low_job = session.autocast_dtype is not None or session.param_dtype in (torch.float16, torch.bfloat16) \
+        or bool(precision.get("code_dtypes"))
+    full_precision = precision.get("fp32_reproduces") is True or (not low_job and not session.scaler_enabled)
+    evidence = weigh(findings.culprits, cast("list[dict]", findings.per_sample), findings.sample_facts,
+                     nonfinite_trigger=not findings.kind.spike, full_precision=full_precision,
+                     isolated=(findings.bisection.block or {}).get("test") == "isolation")
+    if not evidence.bad_data:
+        logger.info("no evidence that the culprits' records are bad: they are triggers (%s)", evidence.ordinary)
+    return evidence
+
+
+def _largest_gradient(runner: StepRunner) -> float | None:
+    """The largest |gradient| of the step (a norm that overflows while every value is finite)."""
+    try:
+        with runner.keeping_gradients():
+            runner.run(keep_grads=True)
+            values = [float(p.grad.detach().abs().max()) for _, p in runner.gradients() if p.grad.numel()]
+        return max(values) if values else None
+    except Exception:  # a measurement: the verdict goes on without the number
+        logger.warning("the largest gradient could not be measured", exc_info=True)
+        return None
+    finally:
+        runner.reset()
 
 
 # --------------------------------------------------------------------------------------------

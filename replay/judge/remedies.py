@@ -28,6 +28,7 @@ from forensics.kinds import RemedyKind
 from replay.judge.precision import uses_low_precision
 from replay.localize.update import step_each_parameter
 from replay.run.execute import SampleRef, StepRunner, any_nonfinite
+from replay.run.fp32 import ran_words
 from replay.run.update_size import WRECK_RATIO, relative_change
 
 logger = logging.getLogger(__name__)
@@ -121,11 +122,8 @@ def try_remedies(runner: StepRunner, culprits: list[SampleRef], clip_at: float |
     if culprits:
         ids = [r.sample_id for r in culprits]
         keep = [r for r in session.sample_refs if r not in set(culprits)]
-        listed = "" if any(r.micro_batch in session.positional_ids for r in culprits) \
-            else " (blocklist.jsonl lists them)"  # made-up positional IDs: no blocklist lists them
-        if keep:
-            results.append(_evaluate(runner, RemedyKind.DROP_SAMPLES, f"leave out samples {ids}{listed}",
-                                     samples=keep))
+        if keep:  # whether they are bad data, and so listed in a blocklist, is the verdict's to say
+            results.append(_evaluate(runner, RemedyKind.DROP_SAMPLES, f"leave out samples {ids}", samples=keep))
     eps = hyper.get("eps")
     if isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps < SAFE_EPS:
         results.append(_evaluate(runner, RemedyKind.ADAM_EPS, f"eps={SAFE_EPS:g} in the optimizer (was {eps:g})",
@@ -172,6 +170,9 @@ def _evaluate(runner: StepRunner, kind: RemedyKind, change: str, *, samples: lis
     try:
         with _scale(runner, loss_scale), runner.keeping_gradients():
             run = runner.run(samples, fp32=fp32, keep_grads=True)
+        if fp32 and not runner.fp32_count.verified:  # the user's code kept computing below fp32: no conclusion
+            result.note = f"could not be held to float32 ({ran_words(runner.fp32_count)})"
+            return result
         result.step_loss = run.comparable_loss if samples is not None else run.step_loss
         result.grad_norm = run.grad_norm
         if not (run.loss_finite and run.grads_finite):
