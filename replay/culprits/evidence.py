@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from forensics.kinds import EvidenceKind
 from forensics.report.wording import fmt_num
@@ -93,7 +93,8 @@ def loss_outlier(loss: Any, others: Sequence[float]) -> bool:
 
 
 def weigh(culprits: list[SampleRef], rows: list[dict], facts: dict[SampleRef, list[SampleFact]], *,
-          nonfinite_trigger: bool, full_precision: bool, isolated: bool) -> RecordEvidence:
+          nonfinite_trigger: bool, full_precision: bool, isolated: bool,
+          others_far: Callable[[], bool] = lambda: True) -> RecordEvidence:
     """The evidence about the culprits' records from what the replay measured.
 
     Args:
@@ -104,6 +105,9 @@ def weigh(culprits: list[SampleRef], rows: list[dict], facts: dict[SampleRef, li
         full_precision: the step was (also) replayed in float32 and still failed as recorded: an fp32 job, or the
             fp32 re-run checked to have run in float32 (replay/judge/precision.py).
         isolated: bisection's test was isolation (the culprits fail on their own), not removal.
+        others_far: whether the step without the culprits stays far from its dtypes' limits (asked only when it
+            decides: replay.culprits.margin.others_share); a sample that alone goes non-finite counts against its
+            record only then — on a state where everyone is near the limit, it only crossed first.
     """
     evidence = RecordEvidence()
     chosen = set(culprits)
@@ -124,11 +128,12 @@ def weigh(culprits: list[SampleRef], rows: list[dict], facts: dict[SampleRef, li
                 f"its loss replayed alone is {fmt_num(loss, 4)}, against {_range(other_losses)} for the other "
                 f"{len(other_losses)} samples (median {fmt_num(statistics.median(other_losses), 4)})"))
         elif (nonfinite_trigger and full_precision and isolated and row and not _finite(loss)
-              and all_others_finite):
+              and all_others_finite and others_far()):
             evidence.against.append(Evidence(
                 EvidenceKind.NONFINITE_ALONE, ref.sample_id,
                 f"on its own it makes the loss non-finite in float32 too, while each of the other "
-                f"{len(other_losses)} samples alone gives a finite loss ({_range(other_losses)})"))
+                f"{len(other_losses)} samples alone gives a finite loss ({_range(other_losses)}) and the step "
+                "without it stays far from float32's limit"))
         if _finite(loss) and other_losses:
             part = f"its loss {fmt_num(loss, 4)} against {_range(other_losses)} for the other {len(other_losses)}"
             if _finite(norm) and other_norms:

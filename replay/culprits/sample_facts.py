@@ -147,8 +147,8 @@ def repeated_share(tokens: torch.Tensor) -> float | None:
         return None
     n = 8 if row.numel() >= 64 else 4
     grams = row.unfold(0, n, 1)
-    unique = torch.unique(grams, dim=0).shape[0]
-    return 1.0 - unique / grams.shape[0]
+    unique = int(torch.unique(grams, dim=0).shape[0])
+    return 1.0 - unique / int(grams.shape[0])
 
 
 def _repeats(path: str, shown: str, tokens: torch.Tensor, others: torch.Tensor | None) -> list[SampleFact]:

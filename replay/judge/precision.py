@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator, TypedDict
+from typing import Any, Iterator, TypedDict
 
 import torch
 
@@ -38,9 +38,9 @@ class PrecisionBlock(_PrecisionFacts, total=False):
     """The report's `precision` block (docs/REPORT_FORMAT.md); `fsdp_param_dtype` only for FSDP2 mixed precision."""
 
     fsdp_param_dtype: str
-    fp32_ran: dict
+    fp32_ran: dict[str, Any]
     """What the fp32 pass ran (replay.run.fp32.Fp32Count.as_dict): compute ops by dtype, casts and autocasts held."""
-    code_dtypes: dict
+    code_dtypes: dict[str, int]
     """A job that recorded no low precision: the compute ops of one forward in its own precision, by dtype."""
 
 
