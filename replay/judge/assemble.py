@@ -44,7 +44,11 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
             sample.trigger = True
     if findings.remedies:  # a tested fix comes before what is only suggested
         diverged = bool(findings.history.diverged) or findings.history.pattern is HistoryPattern.DIVERGED
-        first, last = tested_suggestions(findings.remedies, diverged=diverged)
+        blames = verdict["kind"] in (VerdictKind.BAD_SAMPLE.value, VerdictKind.EXCEPTION.value) or (
+            verdict["kind"] == VerdictKind.NUMERICAL_PRECISION.value and findings.evidence is not None
+            and findings.evidence.bad_data)
+        first, last = tested_suggestions(findings.remedies, diverged=diverged, blames_data=blames,
+                                         trigger=verdict["kind"] == VerdictKind.TRIGGER_SAMPLE.value)
         verdict["suggestions"] = list(dict.fromkeys(first + verdict["suggestions"] + last))
     if findings.margin is not None and findings.margin["at_the_edge"]:
         verdict["explanation"] = ((verdict.get("explanation") or "") + (

@@ -233,7 +233,8 @@ def _first_group(snapshot: Any) -> dict:
     return {k: v for k, v in (snapshot.param_groups[0] if snapshot.param_groups else {}).items() if k != "params"}
 
 
-def tested_suggestions(block: RemediesBlock | None, limit: int = 3, diverged: bool = False) -> tuple[list[str], list[str]]:
+def tested_suggestions(block: RemediesBlock | None, limit: int = 3, diverged: bool = False,
+                       blames_data: bool = False, trigger: bool = False) -> tuple[list[str], list[str]]:
     """What the remedies showed, with their numbers: (lines that go before the verdict's own suggestions,
     lines that go after them). A fix that worked leads; skipping the step only hides the cause, so when it
     is the only thing that worked it is said last. `diverged`: the loss sits far above where the run started,
@@ -249,8 +250,15 @@ def tested_suggestions(block: RemediesBlock | None, limit: int = 3, diverged: bo
                     "skipping or clipping this step does not bring it back."]
     if any(r["kind"] == RemedyKind.AS_RECORDED.value for r in healthy):
         row = next(r for r in healthy if r["kind"] == RemedyKind.AS_RECORDED.value)
-        return [f"No action needed: replayed as recorded, the step's update leaves every weight finite and "
-                f"changes the weights by {_percent(row.get('relative_change'))} of their norm."], []
+        harmless = (f"replayed as recorded, the step's update leaves every weight finite and changes the weights by "
+                    f"{_percent(row.get('relative_change'))} of their norm")
+        if blames_data:  # the job survived this step; the record is still worth removing (said once, below)
+            return [], [f"The job survives this step ({harmless}): no restart is needed for it; filtering the record "
+                        "keeps it from coming back."]
+        if trigger:  # the step is harmless, the state that made an ordinary sample cross is not
+            return [], [f"This step itself is harmless ({harmless}), but the state that made an ordinary sample "
+                        "cross is still there: expect more such steps."]
+        return [f"No action needed: {harmless}."], []
     fixes = [r for r in healthy if r["kind"] != RemedyKind.SKIP_STEP.value]
     first = [f"Tested fix ({row['words']}): {row['change']} — the step is then healthy (step loss "
              f"{_number(row.get('step_loss'))}, grad norm {_number(row.get('grad_norm'))}, weights change by "
