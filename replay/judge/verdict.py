@@ -15,7 +15,7 @@ Before the weight / precision / sample rules, a spike whose own update wrecks th
 run whose loss had long left where it started is `spike_no_single_cause` with no sample named.
 | anything else (non-finite, but only the whole batch fails)        | `model_state`           |
 
-The wording follows the field notes' "What a good forensic answer looks like" (README): the
+The wording follows the field notes' "What a good forensic answer looks like" (../shared/FIELD-NOTES.md): the
 headline is one sentence naming what broke and where; the explanation gives the evidence in the
 triage order (where, reproduction, culprit, precision, history); suggestions are concrete.
 """
