@@ -175,9 +175,10 @@ def _evaluate(runner: StepRunner, kind: RemedyKind, change: str, *, samples: lis
             return result
         result.step_loss = run.comparable_loss if samples is not None else run.step_loss
         result.grad_norm = run.grad_norm
-        if not (run.loss_finite and run.grads_finite):
+        if not (run.loss_finite and run.grads_finite) or run.norm_overflow:
             result.healthy, result.weights_finite = False, None
-            result.note = "the loss or the gradients are non-finite before any update"
+            result.note = ("the gradients' norm overflows before any update" if run.norm_overflow else
+                           "the loss or the gradients are non-finite before any update")
             return result
         if clip is not None:
             runner.clip_gradients(clip)
