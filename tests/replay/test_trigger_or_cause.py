@@ -163,3 +163,26 @@ def test_a_sample_that_alone_goes_non_finite_far_from_the_limit_is_bad_data():
 ])
 def test_the_loss_outlier_rule(loss, others, outlier):
     assert loss_outlier(loss, others) is outlier
+
+
+class HalfInside(torch.nn.Module):
+    """A forward that casts to float16 itself (`.half()` on its input and weight), as some custom kernels do."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8, bias=False)
+        torch.nn.init.constant_(self.lin.weight, 3e4)
+
+    def forward(self, x, y):
+        out = torch.nn.functional.linear(x.half(), self.lin.weight.half())  # 3e4 x sum(x): beyond 65504
+        return ((out.float() - y) ** 2).mean()
+
+
+def test_casts_to_float16_inside_the_forward_are_held_to_fp32_and_counted():
+    runner = StepRunner(session(HalfInside(), batches()))
+    assert not runner.run().loss_finite
+    block = fp32_check(runner)
+    assert block["code_dtypes"]["float16"] > 0  # the dump says nothing of fp16: the code does it
+    ran = block["fp32_ran"]
+    assert ran["verified"] and ran["held_casts"] >= 2 and ran["ops"].get("float16", 0) == 0
+    assert block["fp32_reproduces"] is False
