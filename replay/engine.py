@@ -368,6 +368,9 @@ def _stages(session: ReplaySession, runner: StepRunner, options: ReplayOptions, 
     findings.sample_facts = {**describe_samples(session.micro_batches, findings.culprits), **findings.sample_facts}
     if raised:
         pass
+    elif options.fp32_check and findings.reproduced and findings.weights_nonfinite:
+        findings.precision = fp32_check(runner, kind=TriggerKind.NONFINITE_PARAM)  # broken weights fail in any dtype:
+        # a re-run on them says nothing about the precision (dtype facts only)
     elif options.fp32_check and findings.reproduced:
         if uses_low_precision(runner):
             _stage(progress, "re-running in fp32")

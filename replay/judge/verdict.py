@@ -445,8 +445,13 @@ def decide_verdict(facts: VerdictFacts) -> dict:
         return _optimizer_update(f)
     if precision:  # every sample failing alone, or none to blame, and finite in fp32: the precision is the cause
         return _numerical_precision(f)
+    if _has_culprit(f) and f.record_evidence:
+        return _bad_sample(f)
+    if not f.spike and not _whole_batch(f) and (f.run_diverged or f.history_pattern in (
+            HistoryPattern.EXPONENTIAL_GROWTH, HistoryPattern.DIVERGED)):
+        return _diverging(f)  # a NaN at the end of a loss that grew for steps: the learning rate, whoever crossed
     if _has_culprit(f):
-        return _bad_sample(f) if f.record_evidence else _trigger_sample(f)
+        return _trigger_sample(f)
     if f.spike:
         return _spike(f)
     return _model_state(f)
@@ -896,6 +901,23 @@ def _trigger_sample(f: VerdictFacts) -> dict:
                            "snapshot_every=K)) keeps one in every dump, or pass --from CHECKPOINT --trust; the replay "
                            "then feeds this micro-batch to it (a bad record fails there too, a trigger does not).")
     return _result(VerdictKind.TRIGGER_SAMPLE, headline, f, suggestions + _op_hints(f), reading)
+
+
+def _diverging(f: VerdictFacts) -> dict:
+    """A NaN/Inf at the end of a loss that grew for steps (or sat far above its start): the run diverged; whichever
+    sample crossed first is not the cause, and no record shows otherwise."""
+    lr = f" at a learning rate of {_num(f.lr)}" if f.lr is not None else ""
+    crossed = (f"; {_samples_phrase(f, lower=True).rstrip(',')} crossed first, but nothing marks its record as bad"
+               if _has_culprit(f) else "")
+    headline = (f"The run diverged{lr}: its loss grew for steps before {_what(f)} at {_where_step(f)}"
+                f"{_where_value(f)}{crossed}; no sample is to blame.")
+    reading = ("The loss history shows the divergence before this step; the non-finite value is where it ended, "
+               "not where it began.")
+    suggestions = _pattern_hints(f) + [
+        "Restart from a checkpoint taken before the loss left its early values, with a lower learning rate or a "
+        "longer warm-up; change one setting at a time.",
+        "Do not filter the samples of this step: on weights this far gone, any batch fails."]
+    return _result(VerdictKind.MODEL_STATE, headline, f, suggestions, reading)
 
 
 def _norm_overflow(f: VerdictFacts) -> dict:
