@@ -115,7 +115,7 @@ class VerdictFacts:
     median_size: float | None = None
     unblamed_group: int = 0
     """The smallest failing set bisection found when it was too large a share of the step to blame (the whole
-    step or most of it: replay.engine.MAX_CULPRIT_SHARE); 0 otherwise. No sample is named then."""
+    step or most of it: replay.stages.MAX_CULPRIT_SHARE); 0 otherwise. No sample is named then."""
     history_reading: list[str] = field(default_factory=list)
     """What the history shows before the loss left its start (replay.judge.history_pattern.read_history): where it
     left, the learning rate then, clipping, the healthy steps' grad norm. Empty when the loss never left it."""
