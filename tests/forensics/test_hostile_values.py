@@ -1,0 +1,80 @@
+"""Hostile values in a dump's JSON files, sizes a dump asks the replay to build, and the smaller faults of the fifth
+attack round (issue 43, items 3 to 7): each must end in a normal report or a one-line exit 2, never a traceback
+(exit 1), never more than a GiB or a minute. tests/forensics/test_hostile.py holds the earlier rounds."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from forensics_test_helpers import edit_manifest, resign
+
+from forensics.cli import main
+from forensics.demo.scenarios import SCENARIOS
+from forensics.format import spec
+from forensics.kinds import ExitCode
+
+REPLAY = ["--device", "cpu", "--no-bisect", "--no-rng-check"]
+
+
+def run(args: list):
+    """`forensics ARGS` in-process; returns the click Result (never raises)."""
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=True)
+
+
+def assert_exit(result, code: int) -> None:
+    assert result.exit_code == code, (result.exit_code, result.stdout[-2000:], result.stderr[-2000:],
+                                      repr(result.exception))
+    if code == ExitCode.BAD_INPUT:
+        assert result.stderr.startswith("Error:") and result.stderr.count("\n") == 1, result.stderr
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Path:
+    return SCENARIOS["bad_sample"].capture(tmp_path_factory.mktemp("values"), device="cpu").dump_path
+
+
+@pytest.fixture
+def dump(pristine, tmp_path) -> Path:
+    """A fresh copy of a real, replayable rank dump, alone in its run directory."""
+    copy = tmp_path / "dumps" / "run" / f"step-{int(pristine.parent.name[5:]):09d}" / "rank-00000"
+    shutil.copytree(pristine, copy)
+    return copy
+
+
+def flat_table(steps: int = 12, **overrides) -> dict:
+    """precursors.json of a job whose statistics stayed flat (nothing grew), as the monitor writes it."""
+    table = {"columns": [{"layer": "transformer.h.0", "statistic": "block_absmax"},
+                         {"layer": "transformer.h.1", "statistic": "block_absmax"}],
+             "steps": list(range(steps)), "values": [[1.0 + 0.01 * (s % 3), 2.0] for s in range(steps)],
+             "firings": [], "config": {"every": 1, "window": 4, "warmup": 4, "sustained": 2, "z_threshold": 6.0,
+                                       "min_growth": 2.0, "head_dim": None}}
+    table.update(overrides)
+    return table
+
+
+def with_precursors(dump: Path, table: dict) -> None:
+    resign(dump, spec.PRECURSORS, json.dumps(table).encode())
+
+
+# -- item 5: precursors on, a sudden NaN, nothing grew, no earlier dump --------------------------------------------
+def test_a_crash_dump_whose_statistics_did_not_grow_and_no_earlier_dump_is_reported(dump, tmp_path):
+    with_precursors(dump, flat_table())
+    result = run(["replay", dump, "--out", tmp_path / "out", *REPLAY])
+    assert result.exit_code in (ExitCode.OK, ExitCode.NO_CULPRIT), (result.stderr[-2000:], repr(result.exception))
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["precursor_history"]["earlier_dumps"] == [] and report["precursor_history"]["lead"] is None
+    assert "None" not in report["verdict"]["explanation"]
+
+
+def test_a_sibling_step_directory_whose_name_ends_in_a_newline_is_not_an_earlier_dump(dump):
+    from forensics.format import open_dump
+    from replay.judge.precursor import earlier_dumps
+
+    run_dir = dump.parent.parent
+    shutil.copytree(dump.parent, run_dir / "step-000000003\n")
+    shutil.copytree(dump.parent, run_dir / "step-000000002")
+    assert [d["step"] for d in earlier_dumps(open_dump(dump))] == [2]
