@@ -46,7 +46,7 @@ def deferred_termination(deliver: bool = True) -> Iterator[list[int]]:
     def note(signum: int, frame: Any) -> None:
         received.append(signum)
         if received.count(signum) == 1:
-            log.warning("forensics: %s received while a dump is being written; finishing the dump first",
+            log.warning("forensics: %s received while writing the dump; finishing the dump first",
                         signal.Signals(signum).name)
 
     previous: dict[int, Any] = {}
