@@ -78,3 +78,26 @@ def test_a_sibling_step_directory_whose_name_ends_in_a_newline_is_not_an_earlier
     shutil.copytree(dump.parent, run_dir / "step-000000003\n")
     shutil.copytree(dump.parent, run_dir / "step-000000002")
     assert [d["step"] for d in earlier_dumps(open_dump(dump))] == [2]
+
+
+# -- item 3: what the Guard writes, its reader accepts ----------------------------------------------------------------
+def test_a_micro_batch_with_a_large_all_zero_tensor_is_written_and_read_back(tmp_path, helpers):
+    """A padding mask of zeros compresses ~30,000x: the old ratio rule (beyond 256 MiB at most 1024 x the compressed
+    size) refused the Guard's own dump as a zstd bomb. 257 MiB is just over that line (the issue's mask was 1.2 GB:
+    the same rule, without allocating it in CI)."""
+    import mmap
+
+    import torch
+
+    from forensics.format import open_dump, write_dump
+
+    size = (256 << 20) + (1 << 20)
+    mask = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.bool)  # zero pages: nothing resident until read
+    content, _ = helpers.synthetic_content()
+    content.micro_batches[0]["padding_mask"] = mask
+    path = write_dump(content, tmp_path / "dumps")
+    assert (path / "batch-000.safetensors.zst").stat().st_size < size // 1024
+    for verb in ("verify", "inspect"):
+        assert_exit(run([verb, path]), ExitCode.OK)
+    read = open_dump(path).micro_batch(0)["padding_mask"]
+    assert read.shape == (size,) and read.dtype == torch.bool and not read.any()
