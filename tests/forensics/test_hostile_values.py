@@ -28,8 +28,10 @@ def run(args: list):
 def assert_exit(result, code: int) -> None:
     assert result.exit_code == code, (result.exit_code, result.stdout[-2000:], result.stderr[-2000:],
                                       repr(result.exception))
-    if code == ExitCode.BAD_INPUT:
-        assert result.stderr.startswith("Error:") and result.stderr.count("\n") == 1, result.stderr
+    if code == ExitCode.BAD_INPUT:  # one line saying why, after the progress lines
+        lines = result.stderr.strip().splitlines()
+        assert lines[-1].startswith("Error:") and sum(line.startswith("Error:") for line in lines) == 1, result.stderr
+        assert "Traceback" not in result.stderr + result.stdout, result.stderr
 
 
 @pytest.fixture(scope="module")
@@ -101,3 +103,32 @@ def test_a_micro_batch_with_a_large_all_zero_tensor_is_written_and_read_back(tmp
         assert_exit(run([verb, path]), ExitCode.OK)
     read = open_dump(path).micro_batch(0)["padding_mask"]
     assert read.shape == (size,) and read.dtype == torch.bool and not read.any()
+
+
+# -- item 4: every size a dump asks the replay to build is held to what the dump holds -------------------------------
+@pytest.mark.parametrize("key, value, built", [
+    ("n_layer", 1_000_000, "parameters"),  # 3.5 GB and minutes before the fix (a million GPT-2 blocks)
+    ("n_embd", 100_000, "elements of tensors"),  # one block's attention weights alone: 3e10 elements
+    ("n_positions", 100_000_000, "elements of tensors"),  # the position embedding
+])
+def test_a_recipe_size_edited_far_beyond_the_dumps_weights_stops_the_build_early(dump, tmp_path, key, value, built):
+    """A built-in recipe (no --trust): the build stops as soon as it creates more than the dump's weights hold, with
+    one line naming both sizes. It stops early: that is what keeps it cheap (no timing asserted)."""
+    edit_manifest(dump, lambda m: m["recipe"]["factory_kwargs"]["config"].__setitem__(key, value))
+    result = run(["replay", dump, "-o", tmp_path / "out", *REPLAY])
+    assert_exit(result, ExitCode.BAD_INPUT)
+    assert "larger than the weights the dump holds" in result.stderr and "created" in result.stderr
+    assert built in result.stderr and "the dump's weights hold" in result.stderr
+
+
+def test_the_unedited_recipe_builds_within_the_dumps_weights(dump, tmp_path):
+    from forensics.format import open_dump
+    from replay.load.build_budget import weights_held
+    from replay.load.recipe import resolve_recipe
+    from replay.load.session import build_model
+
+    opened = open_dump(dump)
+    held = weights_held(opened)
+    model = build_model(resolve_recipe(opened.recipe), held=held)
+    assert held.tensors == len(model.state_dict()) and held.elements == sum(
+        t.numel() for t in model.state_dict().values())
