@@ -132,3 +132,77 @@ def test_the_unedited_recipe_builds_within_the_dumps_weights(dump, tmp_path):
     model = build_model(resolve_recipe(opened.recipe), held=held)
     assert held.tensors == len(model.state_dict()) and held.elements == sum(
         t.numel() for t in model.state_dict().values())
+
+
+# -- item 6: hostile values are refused at the loader, once -----------------------------------------------------------
+HUGE = int("1" + "0" * 399)  # 400 digits: valid JSON, within the parser's digit limit, beyond any float
+
+
+def as_precursor_dump(dump: Path) -> None:
+    edit_manifest(dump, lambda m: m.__setitem__("trigger", {
+        "kind": "precursor", "value": 4.0, "threshold": 2.0, "micro_batch": None,
+        "detail": "block_absmax of transformer.h.1 has stayed above its baseline"}))
+
+
+def growing_table() -> dict:
+    """A table whose second column grows from step 8 on, with the firing the monitor recorded."""
+    table = flat_table(steps=24)
+    for s, row in enumerate(table["values"]):
+        row[1] = 2.0 if s < 8 else 2.0 * 1.5 ** (s - 7)
+    table["firings"] = [{"layer": "transformer.h.1", "statistic": "block_absmax", "step": 5, "started": 2,
+                         "value": 9.0, "baseline": 2.0, "z": 8.0, "rule": "growth", "dumped": True}]
+    return table
+
+
+def test_a_precursor_dump_with_growing_statistics_is_reported(dump, tmp_path):
+    """The baseline the hostile edits below start from: a normal report."""
+    as_precursor_dump(dump)
+    with_precursors(dump, growing_table())
+    result = run(["replay", dump, "-o", tmp_path / "out", *REPLAY])
+    assert result.exit_code == ExitCode.OK, (result.stderr[-2000:], repr(result.exception))
+    assert "transformer.h.1" in json.loads((tmp_path / "out" / "report.json").read_text())["verdict"]["headline"]
+
+
+def _without_statistic(table: dict) -> dict:
+    del table["firings"][0]["statistic"]
+    table["values"] = [[1.0, 2.0] for _ in table["steps"]]  # nothing ranked: the firing names the statistic
+    return table
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda t: t["values"][20].__setitem__(1, HUGE), "values[20][1] is out of range (400 digits)"),
+    (lambda t: t["columns"][1].__setitem__("limit", HUGE), "columns[1].limit is out of range"),
+    (lambda t: t["config"].__setitem__("min_growth", HUGE), "config.min_growth must be an integer within int64"),
+    (lambda t: t["steps"].__setitem__(0, HUGE), "steps[0] must be an integer within int64"),
+    (_without_statistic, "firing 0 lacks 'statistic'"),
+])
+def test_a_hostile_value_in_precursors_json_exits_2_naming_it(dump, tmp_path, edit, words):
+    as_precursor_dump(dump)
+    table = growing_table()
+    edit(table)
+    with_precursors(dump, table)
+    result = run(["replay", dump, "-o", tmp_path / "out", *REPLAY])
+    assert_exit(result, ExitCode.BAD_INPUT)
+    assert "precursors.json does not have the documented layout" in result.stderr and words in result.stderr
+
+
+def test_a_400_digit_number_in_history_json_exits_2_naming_it(dump, tmp_path):
+    history = json.loads((dump / "history.json").read_text())
+    history["loss"][-2] = HUGE
+    resign(dump, "history.json", json.dumps(history).encode())
+    for verb in (["replay", dump, "-o", tmp_path / "out", *REPLAY], ["inspect", dump]):
+        result = run(verb)
+        assert_exit(result, ExitCode.BAD_INPUT)
+        assert "history.json" in result.stderr and "is out of range (400 digits)" in result.stderr
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--gpu-memory", f"{HUGE}GiB"], "is larger than any machine's memory"),
+    (["--max-unpacked-gb", "inf"], "--max-unpacked-gb"),
+    (["--max-unpacked-gb", "nan"], "nan is not a number"),
+    (["--max-unpack-ratio", "nan"], "nan is not a number"),
+])
+def test_a_size_option_beyond_any_machine_or_not_a_number_exits_2(dump, tmp_path, args, words):
+    result = run(["replay", dump, "-o", tmp_path / "out", *REPLAY, *args])
+    assert_exit(result, ExitCode.BAD_INPUT)
+    assert words in result.stderr
