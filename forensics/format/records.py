@@ -63,7 +63,8 @@ def checked_precursors(table: dict) -> dict:
             raise ValueError(f"every row must hold {len(columns)} numbers or nulls")
         rows.append([_float(v, f"values[{i}][{j}]") for j, v in enumerate(row)])
     firings = [_firing(f, i) for i, f in enumerate(_list(table.get("firings") or [], "firings"))]
-    raw = table.get("config") if isinstance(table.get("config"), dict) else {}
+    raw = table.get("config")
+    raw = raw if isinstance(raw, dict) else {}
     config = {k: _value(v, f"config.{k}", integer=isinstance(v, int)) for k, v in raw.items()
               if v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))}  # the settings: numbers
     return {"columns": columns, "steps": steps, "values": rows, "firings": firings, "config": config}
