@@ -132,6 +132,8 @@ def weights_held(dump: Any) -> WeightsHeld | None:
     from forensics.format import spec
 
     for files in (spec.PRE_STEP_STATE, spec.SNAPSHOT_STATE):
+        if files is spec.PRE_STEP_STATE and dump.state_missing:
+            continue  # written without a state (an unusable device): its model file holds nothing to compare with
         if files is spec.PRE_STEP_STATE and dump.sharded:
             rows = ((dump.manifest.get("layout") or {}).get("tensors") or {}).get(files.model) or {}
             shapes = [row["shape"] for row in rows.values()]
@@ -139,6 +141,8 @@ def weights_held(dump: Any) -> WeightsHeld | None:
             handle = dump.tensor_file(files.model)
             shapes = [handle.shape(key) for key in handle.keys()]
         else:
+            continue
+        if not shapes:
             continue
         return WeightsHeld(len(shapes), sum(_product(shape) for shape in shapes))
     return None

@@ -206,3 +206,21 @@ def test_a_size_option_beyond_any_machine_or_not_a_number_exits_2(dump, tmp_path
     result = run(["replay", dump, "-o", tmp_path / "out", *REPLAY, *args])
     assert_exit(result, ExitCode.BAD_INPUT)
     assert words in result.stderr
+
+
+# -- item 7: the smaller ones -------------------------------------------------------------------------------------------
+def test_a_built_in_hugging_face_model_raising_on_edited_data_is_not_called_the_users_code(dump, tmp_path):
+    """The dump's recipe is the built-in Hugging Face one (GPT-2) and the default loss: nothing of the user's runs, so
+    a label out of range raising inside transformers is the data not fitting that model, in one sentence."""
+    from forensics_test_helpers import read_member, resign_member
+    from safetensors.torch import load, save
+
+    tensors = load(read_member(dump, "batch-000.safetensors.zst"))
+    labels = next(k for k, t in tensors.items() if not t.dtype.is_floating_point)
+    tensors[labels] = tensors[labels].clone()
+    tensors[labels][0, 3] = 1000  # the vocabulary has 64 tokens
+    resign_member(dump, "batch-000.safetensors.zst", save(tensors))
+    result = run(["replay", dump, "-o", tmp_path / "out", *REPLAY])
+    assert_exit(result, ExitCode.BAD_INPUT)
+    assert "the model the dump's recipe names (built into forensics) raised IndexError" in result.stderr
+    assert "your code raised" not in result.stderr
