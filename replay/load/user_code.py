@@ -17,7 +17,9 @@ import importlib.util
 import os
 import sysconfig
 import traceback
+from collections.abc import Mapping
 from types import TracebackType
+from typing import Any
 
 import torch
 
@@ -90,7 +92,7 @@ def _built_in_model_raised(exc: BaseException) -> bool:
     return owners[0] in RECIPE_FILES if owners else bool(model_code)
 
 
-def recipe_is_built_in(recorded: dict, factory: str | None, loss: str | None) -> bool:
+def recipe_is_built_in(recorded: Mapping[str, Any], factory: str | None, loss: str | None) -> bool:
     """Whether the replay's model and loss are both built-in recipes (`factory` / `loss`: the user's --factory /
     --loss, else the dump's `recorded` recipe): then no code of the user's runs in a forward or a loss — the
     built-in Hugging Face recipe builds a class transformers itself exports, never remote code."""
