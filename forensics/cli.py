@@ -93,8 +93,8 @@ def recipe_options(command):
     """--trust / --factory / --loss / --path / --factory-kwargs / --loss-kwargs: what replay may import to rebuild
     the model and loss, and with what arguments."""
     command = click.option("--path", "sys_path", multiple=True, type=click.Path(path_type=Path),
-                           help="Directory to add to sys.path for --factory / --loss (repeatable). The job's script "
-                                "and working directories, recorded in the dump, follow it.")(command)
+                           help="Directory to put in front of sys.path for --factory / --loss (repeatable). The "
+                                "job's own directories, recorded in the dump, are used only with --trust.")(command)
     command = click.option("--loss-kwargs", default=None, metavar="JSON", callback=_json_object,
                            help="Keyword arguments for the loss, instead of the recorded ones (kept otherwise, also "
                                 "with --loss, unless they are a built-in recipe's).")(command)
@@ -105,9 +105,13 @@ def recipe_options(command):
                            help="Loss function (model, batch) -> loss.")(command)
     command = click.option("--factory", default=None, metavar="MODULE:FN",
                            help="Model factory to use instead of the dump's.")(command)
-    return click.option("--trust", is_flag=True, help="Allow importing the model factory / loss the dump names, or "
-                        "defining them from the training script it holds (that runs the script's imports and "
-                        "definitions).")(command)
+    return click.option("--trust", is_flag=True, help="Run code the dump names: import the model factory, loss, "
+                        "optimizer class and data recipe it names, or define them from the training script it holds "
+                        "(the script's imports, decorators, default values and class bodies run). Modules they "
+                        "import that are neither in the standard library nor installed are then also looked up, "
+                        "last, in the job's script and working directories recorded in the dump (`forensics "
+                        "inspect` shows them). Without it, only forensics' own recipes and the code you name with "
+                        "--factory / --loss run.")(command)
 
 
 def _limits(max_unpacked_gb: float, max_unpack_ratio: float, max_members: int) -> ArchiveLimits:

@@ -6,12 +6,14 @@ never change what they do. Anything else a dump names is imported only with the 
 
 from __future__ import annotations
 
+import re
 from typing import Any, TypeVar
 
 import torch
 
 from forensics import thirdparty
 from forensics.errors import RecipeError
+from forensics.report.wording import clean
 
 BUILTIN_PREFIX = "forensics.recipes:"
 DEFAULT_LOSS = BUILTIN_PREFIX + "default_loss"
@@ -34,26 +36,75 @@ def is_builtin(import_path: str | None) -> bool:
     return isinstance(import_path, str) and import_path in BUILTIN_RECIPES
 
 
+# Attention implementations are plain names (eager, sdpa, flash_attention_2, flex_attention ...). transformers reads
+# a name of the form "org/repo[:kernel]" as a kernel to download and run from the Hugging Face Hub: code from
+# elsewhere, which a dump's settings must never make a replay load.
+ATTN_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")
+ATTN_KEYS = ("attn_implementation", "_attn_implementation", "_attn_implementation_internal")
+# Config keys through which a config can ask transformers to load code that is not part of transformers.
+REMOTE_CODE_KEYS = ("auto_map", "trust_remote_code")
+MAX_CONFIG_DEPTH = 8  # configs nest a few levels (text_config.rope_scaling ...); deeper is not a transformers config
+
+
+def check_no_remote_code(config: Any, where: str = "config", depth: int = 0) -> None:
+    """Raises RecipeError when a recorded Hugging Face config asks for code from outside transformers: a Hub kernel as
+    its attention implementation, remote code (`auto_map`, `trust_remote_code`), at any level of nesting."""
+    if depth > MAX_CONFIG_DEPTH:
+        raise RecipeError(f"the dump's model {where} nests deeper than {MAX_CONFIG_DEPTH} levels; it is not a "
+                          "transformers config")
+    if isinstance(config, dict):
+        for key, value in config.items():
+            field = f"{where}.{clean(str(key), 60)}"
+            if key in REMOTE_CODE_KEYS and value:
+                raise RecipeError(f"the dump's model {field} asks transformers to load code from outside the package "
+                                  "(remote code); forensics' built-in recipe never does. Replay with your own "
+                                  "--factory module:fn if you need that model class")
+            if key in ATTN_KEYS and value is not None:
+                check_attn_implementation(value, field)
+            check_no_remote_code(value, field, depth + 1)
+    elif isinstance(config, list):
+        for item in config:
+            check_no_remote_code(item, where, depth + 1)
+
+
+def check_attn_implementation(value: Any, where: str = "attn_implementation") -> None:
+    """A plain attention implementation name, never a Hub kernel ("org/repo:kernel") nor anything else."""
+    if not (isinstance(value, str) and ATTN_NAME.fullmatch(value)):
+        raise RecipeError(f"the dump's {where} {clean(repr(value), 80)} is not a plain attention implementation "
+                          "name (eager, sdpa, flash_attention_2 ...); a name like 'org/repo' would make transformers "
+                          "download and run a kernel from the Hub, which a replay never does. Pass "
+                          "--factory-kwargs '{...\"attn_implementation\": \"eager\"}' or your own --factory")
+
+
 def huggingface_model(architecture: str, config: dict, attn_implementation: str | None = None,
                       dtype: str | None = None) -> torch.nn.Module:
     """Builds a transformers model of class `architecture` from a config dict (random init, no download).
 
-    Only classes exported by the `transformers` package itself are accepted, and remote code is never
-    trusted, so a dump cannot make this import anything else.
+    Only classes exported by the `transformers` package itself are accepted, and nothing from elsewhere is ever
+    loaded (no remote code, no Hub kernels: check_no_remote_code), so a dump cannot make this import or run anything
+    else.
     """
     import transformers
 
-    model_class = getattr(transformers, architecture, None)
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise RecipeError("the dump's Hugging Face recipe has no config with a model_type")
+    check_no_remote_code(config)
+    if attn_implementation is not None:
+        check_attn_implementation(attn_implementation)
+    torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else None
+    if dtype is not None and not isinstance(torch_dtype, torch.dtype):
+        raise RecipeError(f"the dump's model dtype {clean(repr(dtype), 40)} is not a torch dtype")
+    model_class = getattr(transformers, architecture, None) if isinstance(architecture, str) else None
     if not (isinstance(model_class, type) and issubclass(model_class, transformers.PreTrainedModel)):
-        raise ValueError(f"{architecture!r} is not a transformers model class")
+        raise RecipeError(f"{clean(repr(architecture), 80)} is not a transformers model class")
     config = {k: v for k, v in config.items() if not (k == "loss_type" and v is None)}  # avoids a warning
     model_type = config.pop("model_type")
     hf_config = transformers.AutoConfig.for_model(model_type, **config)
     if attn_implementation:
         thirdparty.set_attn_implementation(hf_config, attn_implementation)
     model = name_default_loss(model_class(hf_config))
-    if dtype:
-        model = model.to(getattr(torch, dtype))
+    if torch_dtype is not None:
+        model = model.to(torch_dtype)
     return model
 
 

@@ -189,6 +189,9 @@ def render_summary(summary: DumpSummary | Mapping) -> str:
         f"  recipe: factory {recipe.factory}  loss {recipe.loss}  ({recipe.source or ''})",
         f"  environment: python {env.python}, torch {env.torch}, CUDA {env.cuda}, "
         f"GPUs {gpus}, host {env.hostname}, git {env.git_commit or '-'}",
+        f"  job directories: script {clean(str(env.script_dir), 200) if env.script_dir else '-'}, working directory "
+        f"{clean(str(env.cwd), 200) if env.cwd else '-'} (replay imports from them only with --trust, after the "
+        "standard library and installed packages)",
         f"  size: {fmt_size(s.total_bytes or 0)} in {len(s.files or {})} files; format v{s.format_version}, "
         f"written {s.created_at}",
     ]

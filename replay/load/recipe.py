@@ -14,10 +14,15 @@ class. Nothing a dump names is imported unless the user agreed to it:
   (replay/load/main_script.py), with the values of the globals it read in the job (recorded in the dump); without,
   or without that source, the error says what to pass.
 
-With consent (trust, or code the user names), the job's script directory and working directory (manifest
-`environment.script_dir`, `environment.cwd`, where they exist here) follow the user's --path entries on sys.path:
-`python train.py` had both importable, so `from model import GPT` in the script or a factory `tinylm:build` beside
-it imports without --path (job_paths).
+Where imports come from. The user's --path entries (`sys_path`) go in front of sys.path, as PYTHONPATH would put
+them. The directories a dump names — the job's script directory and working directory (manifest
+`environment.script_dir`, `environment.cwd`) — are added only with `trust=True`, and then at the END of sys.path,
+after the standard library and the installed packages, so a file planted there can never stand in for a module that
+exists here (`shlex`, `yaml`, `transformers`): `python train.py` had them importable, so `from model import GPT` in
+the script or a recipe `tinylm:build` beside it imports without --path (job_paths). Directories that are not real
+directories of this host (under /proc, /sys, /dev) or that lie inside the dump itself are never added. A --factory
+or --loss the user names consents to that code alone, not to the dump's directories: when it is not found, the
+error names the recorded directory that holds it (pass it with --path).
 """
 
 from __future__ import annotations
@@ -55,25 +60,64 @@ def _split_path(path: str, what: str) -> tuple[str, str]:
 
 
 def _put_on_sys_path(sys_path: tuple[str, ...] | list[str]) -> None:
+    """The user's own import directories, in front (kept: model code may import lazily at forward time)."""
     for entry in reversed(list(sys_path)):
         if entry not in sys.path:
-            sys.path.insert(0, entry)  # kept: model code may import lazily at forward time
+            sys.path.insert(0, entry)
 
 
-def import_object(path: str, what: str = "recipe", sys_path: tuple[str, ...] | list[str] = ()) -> Any:
-    """Imports `module:attr.sub` (no consent check: call only for paths the user agreed to)."""
+def _append_to_sys_path(job_dirs: tuple[str, ...] | list[str]) -> None:
+    """Directories the dump names (consented with trust): after everything else, never ahead of the standard
+    library or an installed package."""
+    for entry in job_dirs:
+        if entry not in sys.path:
+            sys.path.append(entry)
+
+
+def import_object(path: str, what: str = "recipe", sys_path: tuple[str, ...] | list[str] = (),
+                  job_dirs: tuple[str, ...] | list[str] = ()) -> Any:
+    """Imports `module:attr.sub` (no consent check: call only for paths the user agreed to). `sys_path` goes in
+    front of sys.path; `job_dirs` (directories the dump names: pass them only with trust) at its end."""
     module_name, attr = _split_path(path, what)
     _put_on_sys_path(sys_path)
+    _append_to_sys_path(job_dirs)
     try:
         obj: Any = importlib.import_module(module_name)
         for part in attr.split("."):
             obj = getattr(obj, part)
     except Exception as exc:  # any import-time failure of user code is a recipe problem
-        raise RecipeError(f"cannot import the {what} {path!r}: {type(exc).__name__}: {exc}. "
+        raise RecipeError(f"cannot import the {what} {clean(path, 200)!r}: {type(exc).__name__}: {clean(str(exc), 300)}. "
                           "Check the path, or pass --path DIR (sys_path=) so Python can find the module") from exc
     if not callable(obj):
-        raise RecipeError(f"the {what} {path!r} is not callable")
+        raise RecipeError(f"the {what} {clean(path, 200)!r} is not callable")
     return obj
+
+
+def _where_recorded(path: str, recorded_dirs: list[str]) -> str | None:
+    """The first directory the dump names that holds `path`'s top-level module (a hint for --path; nothing there is
+    imported)."""
+    top = path.partition(":")[0].split(".")[0]
+    for directory in recorded_dirs:
+        if os.path.isfile(os.path.join(directory, top + ".py")) or os.path.isdir(os.path.join(directory, top)):
+            return directory
+    return None
+
+
+def import_named(path: str, what: str, sys_path: tuple[str, ...] | list[str], recorded_dirs: list[str]) -> Any:
+    """Imports code the user named (--factory / --loss): from the installed packages and their --path entries only.
+    When it is not found there but one of the job's recorded directories holds it, the error says to pass that
+    directory with --path (naming code consents to that code, not to the directories a dump names)."""
+    try:
+        return import_object(path, what, sys_path)
+    except RecipeError as exc:
+        if not isinstance(exc.__cause__, ImportError):
+            raise
+        found = _where_recorded(path, recorded_dirs)
+        if found is None or found in sys_path:
+            raise
+        raise RecipeError(f"{exc}. The job ran from {clean(found, 200)}, which holds it: pass --path "
+                          f"{clean(found, 200)} if you trust the code there (forensics does not import from a "
+                          "directory the dump names unless you pass --trust)") from exc.__cause__
 
 
 @dataclass
@@ -111,13 +155,18 @@ def _from_main(path: str, what: str, trust: bool, script: TrainingScript, flag: 
     return obj
 
 
-def _consented(path: str, what: str, trust: bool, sys_path, script: TrainingScript) -> Any:
+def _consented(path: str, what: str, trust: bool, sys_path, script: TrainingScript, job_dirs: list[str]) -> Any:
+    """The recorded `path`, imported where consent allows it: built-ins always; anything else with trust, which also
+    lets the job's recorded directories serve imports (at the end of sys.path)."""
     flag = "--factory" if what == "model factory" else "--loss"
     if isinstance(path, str) and path.startswith(MAIN_PREFIX):
         if trust:
             _put_on_sys_path(sys_path)  # the script's own imports (`from model import GPT`)
+            _append_to_sys_path(job_dirs)
         return _from_main(path, what, trust, script, flag)
-    if is_builtin(path) or trust:
+    if trust:
+        return import_object(path, what, sys_path, job_dirs)
+    if is_builtin(path):
         return import_object(path, what, sys_path)
     raise RecipeError(
         f"the dump asks to import the {what} {path!r}, which is not forensics' own code; it was NOT "
@@ -147,15 +196,39 @@ def _kwargs(recorded_path: Any, override: str | None, recorded: Any, given: dict
     return dict(recorded or {}) if isinstance(recorded, dict) else {}
 
 
-def job_paths(environment: dict | None) -> list[str]:
-    """The job's script directory and working directory (manifest `environment`), those that exist here."""
+# Directories of the host's kernel, never a job's code: a dump naming one (e.g. /proc/self/cwd, which is whatever
+# directory the replay runs in) is ignored.
+SYSTEM_DIRS = ("/proc", "/sys", "/dev")
+
+
+def _inside(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
+
+
+def job_paths(environment: dict | None, dump_dir: str | os.PathLike | None = None) -> list[str]:
+    """The job's script directory and working directory (manifest `environment`) as real directories of this host:
+    absolute, existing, resolved through symbolic links, not under /proc, /sys or /dev, and not inside the dump
+    (`dump_dir`) itself. Put on sys.path only with trust (see the module docstring)."""
     environment = environment or {}
-    found = []
+    own = os.path.realpath(dump_dir) if dump_dir is not None else None
+    found: list[str] = []
     for key in ("script_dir", "cwd"):
         path = environment.get(key)
-        if isinstance(path, str) and os.path.isabs(path) and os.path.isdir(path) and path not in found:
-            found.append(path)
+        if not (isinstance(path, str) and "\x00" not in path and os.path.isabs(path)):
+            continue
+        real = os.path.realpath(path)
+        if (not os.path.isdir(real) or any(_inside(p, d) for p in (os.path.normpath(path), real) for d in SYSTEM_DIRS)
+                or (own is not None and _inside(real, own)) or real in found):
+            continue
+        found.append(real)
     return found
+
+
+def recorded_dirs_note(job_dirs: list[str] | tuple[str, ...]) -> str:
+    """What --trust adds to the imports, in the words the report and the consent text use."""
+    return ("with --trust, modules not found in the standard library or the installed packages are imported from the "
+            "job's directories recorded in the dump: " + ", ".join(clean(d, 200) for d in job_dirs)
+            + " (after everything else on sys.path)")
 
 
 def resolve_recipe(recipe: dict | None, *, trust: bool = False, factory: str | None = None,
@@ -172,7 +245,7 @@ def resolve_recipe(recipe: dict | None, *, trust: bool = False, factory: str | N
         script: the training script the dump holds, for a recipe naming `__main__:fn`.
         factory_kwargs / loss_kwargs: used instead of the recorded ones (CLI --factory-kwargs / --loss-kwargs);
             None keeps the recorded ones, also with --factory / --loss.
-        job_dirs: the job's script and working directories (job_paths): after `sys_path` once the user consented.
+        job_dirs: the job's script and working directories (job_paths): at the end of sys.path, with trust only.
     Returns:
         ResolvedRecipe with callables; the loss takes (model, batch).
     Raises:
@@ -182,26 +255,28 @@ def resolve_recipe(recipe: dict | None, *, trust: bool = False, factory: str | N
     recipe = recipe or {}
     script = script or TrainingScript()
     notes: list[str] = []
-    if job_dirs and (trust or factory or loss):
-        sys_path = [*sys_path, *(d for d in job_dirs if d not in sys_path)]
-        notes.append("importable as in the job: " + ", ".join(clean(d, 200) for d in job_dirs)
-                     + " (the job's script and working directories) on sys.path")
+    recorded_dirs = [d for d in job_dirs if d not in sys_path]
+    consented_dirs = recorded_dirs if trust else []
+    if consented_dirs:
+        notes.append(recorded_dirs_note(consented_dirs))
     factory_path = factory or recipe.get("factory")
     if not factory_path:
         raise RecipeError("the dump has no model recipe; pass --factory module:fn, a function that "
                           "returns the model (weights are loaded from the dump afterwards)")
     if factory:
-        factory_fn = import_object(factory, "model factory", sys_path)
+        factory_fn = (import_object(factory, "model factory", sys_path, consented_dirs) if trust
+                      else import_named(factory, "model factory", sys_path, recorded_dirs))
     else:
-        factory_fn = _consented(factory_path, "model factory", trust, sys_path, script)
+        factory_fn = _consented(factory_path, "model factory", trust, sys_path, script, consented_dirs)
     loss_path = loss or recipe.get("loss") or DEFAULT_LOSS_PATH
     if not loss and "loss" in recipe and not recipe.get("loss"):
         logger.warning("the job's loss function could not be named in the dump (a lambda or closure?); "
                        "replaying with %s. Pass --loss module:fn to use the job's own.", DEFAULT_LOSS_PATH)
     if loss:
-        loss_callable = import_object(loss, "loss function", sys_path)
+        loss_callable = (import_object(loss, "loss function", sys_path, consented_dirs) if trust
+                         else import_named(loss, "loss function", sys_path, recorded_dirs))
     else:
-        loss_callable = _consented(loss_path, "loss function", trust, sys_path, script)
+        loss_callable = _consented(loss_path, "loss function", trust, sys_path, script, consented_dirs)
     loss_kw = _kwargs(recipe.get("loss"), loss, recipe.get("loss_kwargs"), loss_kwargs)
     loss_fn: LossFn = (lambda model, batch: loss_callable(model, batch, **loss_kw)) if loss_kw else loss_callable
     kwargs = _kwargs(recipe.get("factory"), factory, recipe.get("factory_kwargs"), factory_kwargs)
@@ -227,5 +302,5 @@ def optimizer_class(path: str, trust: bool) -> type:
 
 
 
-__all__ = ["ResolvedRecipe", "TrainingScript", "job_paths", "resolve_recipe", "is_builtin", "import_object", "optimizer_class", "LossFn",
+__all__ = ["ResolvedRecipe", "TrainingScript", "job_paths", "recorded_dirs_note", "import_named", "resolve_recipe", "is_builtin", "import_object", "optimizer_class", "LossFn",
            "DEFAULT_LOSS_PATH", "TRUSTED_OPTIMIZER_PREFIX"]

@@ -213,7 +213,7 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
                         "--trust) or --from CHECKPOINT --trust")
     recipe = resolve_recipe(dump.recipe, trust=trust, factory=factory, loss=loss, sys_path=sys_path,
                             script=training_script(dump), factory_kwargs=factory_kwargs, loss_kwargs=loss_kwargs,
-                            job_dirs=job_paths(manifest.get("environment")))
+                            job_dirs=job_paths(manifest.get("environment"), dump.path))
     precision = dump.precision or {}
     env_warnings = environment_warnings(manifest.get("environment"), device)
     warnings = list(env_warnings) + recipe.notes

@@ -156,7 +156,10 @@ class DataRecipe:
                               f"{type(exc).__name__}: {str(exc)[:200]}") from exc
 
 
-def data_recipe(recipe: dict | None, trust: bool, sys_path: list[str]) -> DataRecipe:
+def data_recipe(recipe: dict | None, trust: bool, sys_path: list[str],
+                job_dirs: tuple[str, ...] | list[str] = ()) -> DataRecipe:
+    """The dump's data recipe (trust only); `sys_path` (--path) in front of sys.path, `job_dirs` (the job's recorded
+    directories) at its end (replay.load.recipe)."""
     if not recipe:
         raise RecipeError("the dump has no data recipe, so the recorded steps' micro-batches cannot be rebuilt: "
                           "set GuardConfig(dumping=DumpConfig(data_recipe={'dataset': 'pkg.mod:make_dataset', ...})) in the job")
@@ -164,8 +167,8 @@ def data_recipe(recipe: dict | None, trust: bool, sys_path: list[str]) -> DataRe
         raise RecipeError(f"the dump's data recipe imports {recipe.get('dataset')!r}"
                           + (f" and {recipe.get('collate')!r}" if recipe.get("collate") else "")
                           + "; pass --trust to allow it (it runs that code)")
-    make = import_object(recipe["dataset"], "data recipe", sys_path)
-    collate = import_object(recipe["collate"], "collate function", sys_path) if recipe.get("collate") \
+    make = import_object(recipe["dataset"], "data recipe", sys_path, job_dirs)
+    collate = import_object(recipe["collate"], "collate function", sys_path, job_dirs) if recipe.get("collate") \
         else torch.utils.data.default_collate
     return DataRecipe(make(**(recipe.get("dataset_kwargs") or {})), collate)
 
