@@ -136,7 +136,9 @@ class BackgroundWriter:
             failed_before = self._failed
         log.warning("forensics: %s: waiting up to %.0f s for %d dump(s) still being written", why, EXIT_WAIT_S,
                     pending)
-        if self.join(EXIT_WAIT_S):
+        with deferred_termination():  # a SIGTERM or Ctrl-C now ends the job once the dumps are written (and said)
+            if not self.join(EXIT_WAIT_S):
+                return
             with self._lock:
                 failed = self._failed - failed_before
             if failed:  # each said why already ("no dump written: ...")
@@ -145,8 +147,7 @@ class BackgroundWriter:
                 log.warning("forensics: the dump(s) are written")
 
     def _at_exit(self) -> None:
-        with deferred_termination():  # a SIGTERM or Ctrl-C now ends the job once the dumps are written
-            self.finish("the job is exiting")
+        self.finish("the job is exiting")
 
 
 def _chain_sigterm(writer: BackgroundWriter) -> None:

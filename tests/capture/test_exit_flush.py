@@ -63,6 +63,7 @@ def test_signals_during_a_dump_write_wait_for_it_then_end_the_job(tmp_path, how,
     assert verify_dump(step / "rank-00000").ok
     assert open_dump(step / "rank-00000").trigger.kind == ("nonfinite_loss" if how == "sync_nan" else "loss_spike")
     assert "finishing the dump first" in done.stderr
+    assert how == "sync_nan" or "the dump(s) are written" in done.stderr  # said before the signal ends the job
 
 
 def test_a_flush_whose_dump_fails_for_want_of_space_does_not_say_it_was_written(tmp_path, helpers, caplog):
