@@ -5,6 +5,7 @@ replay exits with its verdict kind's code; bad input, code or environment is 2; 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import tempfile
 import time
@@ -53,12 +54,19 @@ def archive_options(command):
     defaults = ArchiveLimits()
     command = click.option("--max-members", type=click.IntRange(1), default=defaults.max_members, show_default=True,
                            help="Archive DUMP: most files it may hold.")(command)
-    command = click.option("--max-unpack-ratio", type=click.FloatRange(min=1.0), default=defaults.max_ratio,
-                           show_default=True, help="Archive DUMP: most unpacked bytes per packed byte "
-                           "(beyond the first GiB).")(command)
-    return click.option("--max-unpacked-gb", type=click.FloatRange(min=0.001),
-                        default=defaults.max_bytes / (1 << 30), show_default=True,
+    command = click.option("--max-unpack-ratio", type=click.FloatRange(min=1.0, max=1e9), default=defaults.max_ratio,
+                           show_default=True, callback=_finite, help="Archive DUMP: most unpacked bytes per packed "
+                           "byte (beyond the first GiB).")(command)
+    return click.option("--max-unpacked-gb", type=click.FloatRange(min=0.001, max=float(1 << 30)),
+                        default=defaults.max_bytes / (1 << 30), show_default=True, callback=_finite,
                         help="Archive DUMP: most bytes it may unpack to.")(command)
+
+
+def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    """A limit given as a float: a number (click's FloatRange lets NaN through)."""
+    if not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a number")
+    return value
 
 
 def shards_option(command):

@@ -41,7 +41,7 @@ from replay.judge.window_words import say_broke_before, say_window_start, snapsh
 from replay.load.environment import deterministic_mode
 from replay.load.recipe import job_paths
 from replay.load.session import ReplaySession, load_session, step_micro_batches
-from replay.load.user_code import as_user_error
+from replay.load.user_code import as_user_error, recipe_is_built_in
 from replay.localize.exception import localize_exception
 from replay.localize.update import per_layer_stats
 from replay.localize.weights import corrupted_weights, samples_touching_embeddings
@@ -191,7 +191,8 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
                 report.verdict.suggestions = [snapshot_suggestion(unused), *(report.verdict.suggestions or [])]
             return _checked(dump, report)
         except Exception as exc:  # the user's model / loss raising on the dump's data is theirs
-            converted = as_user_error(exc, f"replaying step {dump.step}")
+            converted = as_user_error(exc, f"replaying step {dump.step}",
+                                      recipe_is_built_in(dump.recipe, options.factory, options.loss))
             if converted is exc:
                 raise
             raise converted from exc

@@ -10,21 +10,18 @@ it has one, (sharded optimizers) the squared norm of its gradient shard, and whe
 statistics fired (sharded state: every rank then dumps the step together). Every rank then runs its
 spike detectors on the same global values.
 
-Also here: the run ID every rank agrees on, `unwrap_model` (DDP, DataParallel,
-torch.compile) and `deferred_termination` (SIGTERM held while a rank writes its dump).
+Also here: the run ID every rank agrees on and `unwrap_model` (DDP, DataParallel, torch.compile). The signals held
+while a rank writes its dump are capture/dump/signals.py's.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 import math
 import os
-import signal
-import threading
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -75,36 +72,6 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
             model = inner
         else:
             return model
-
-
-@contextlib.contextmanager
-def deferred_termination() -> Iterator[None]:
-    """Holds SIGTERM back while a rank writes its dump, then lets it act.
-
-    When one rank dies, torchrun sends SIGTERM to the others (and SIGKILL 30 s later); a job scheduler
-    preempting a one-process run does the same. A rank halfway through its dump would otherwise leave
-    it unfinished. Only the main thread can install handlers; elsewhere this does nothing.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received: list[int] = []
-
-    def hold(signum, frame):
-        received.append(signum)
-        log.warning("forensics: SIGTERM received while writing the dump; finishing the dump first")
-
-    try:
-        previous = signal.signal(signal.SIGTERM, hold)
-    except (ValueError, OSError):  # not allowed here (embedded interpreter)
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        if received:
-            signal.raise_signal(signal.SIGTERM)
 
 
 def device_scalar(value: Any, device: torch.device) -> torch.Tensor:

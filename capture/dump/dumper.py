@@ -18,11 +18,11 @@ from typing import Any, Callable
 
 import torch
 
-from capture.check.agreement import deferred_termination
 from capture.config import GuardConfig
 from capture.dump import environment
 from capture.dump.budget import Admission, DumpBudget, spike_size
 from capture.dump.main_script import MainScript
+from capture.dump.signals import deferred_termination
 from capture.dump.uploads import send_dump
 from capture.dump.writer_thread import BackgroundWriter
 from capture.record.history import History

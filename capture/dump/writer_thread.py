@@ -2,7 +2,8 @@
 
 A dump still being written when the job ends is not lost: at interpreter exit (an atexit hook) and on SIGTERM (a
 handler chained to the one installed before: it waits, then hands the signal on — the process still ends as it
-would have) the writes are waited for, at most EXIT_WAIT_S seconds, with a message saying so. At exit,
+would have) the writes are waited for, at most EXIT_WAIT_S seconds, with a message saying so; further SIGTERMs and
+Ctrl-Cs during that wait are held and handed on after it (capture/dump/signals.py). At exit,
 concurrent.futures has already refused new work (its own exit hook runs before atexit's), so the writer then
 writes on its own thread (forensics/format/threads.py).
 """
@@ -17,6 +18,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
+from capture.dump.signals import deferred_termination, hand_on
 from forensics.errors import CaptureError
 from forensics.format.writer import DumpContent, dump_path, write_dump
 
@@ -37,6 +39,7 @@ class BackgroundWriter:
         self._hooked = False
         self._sigterm_hooked = False
         self._pending = 0
+        self._failed = 0
         self._lock = threading.Lock()
 
     @property
@@ -90,11 +93,15 @@ class BackgroundWriter:
                     continue
                 content, root, on_done, on_error = payload
                 try:
-                    on_done(write_dump(content, root))
+                    path = write_dump(content, root)
                 except CaptureError as exc:
+                    self._count_failure()
                     on_error(str(exc))
                 except Exception as exc:  # noqa: BLE001 - never let the thread die silently
+                    self._count_failure()
                     on_error(f"no dump written: {type(exc).__name__}: {exc}")
+                else:
+                    on_done(path)
                 finally:
                     with self._lock:
                         self._pending -= 1
@@ -102,6 +109,10 @@ class BackgroundWriter:
                 log.exception("forensics: the background dump writer hit an error")
             finally:
                 self._queue.task_done()
+
+    def _count_failure(self) -> None:
+        with self._lock:
+            self._failed += 1
 
     def join(self, timeout: float | None = None) -> bool:
         """Blocks until every queued dump is written (or `timeout` seconds pass). Returns True when none is left."""
@@ -121,10 +132,19 @@ class BackgroundWriter:
         pending = self.pending
         if self._thread is None or not pending:
             return
+        with self._lock:
+            failed_before = self._failed
         log.warning("forensics: %s: waiting up to %.0f s for %d dump(s) still being written", why, EXIT_WAIT_S,
                     pending)
-        if self.join(EXIT_WAIT_S):
-            log.warning("forensics: the dump(s) are written")
+        with deferred_termination():  # a SIGTERM or Ctrl-C now ends the job once the dumps are written (and said)
+            if not self.join(EXIT_WAIT_S):
+                return
+            with self._lock:
+                failed = self._failed - failed_before
+            if failed:  # each said why already ("no dump written: ...")
+                log.error("forensics: %d of the %d dump(s) could not be written (see above)", failed, pending)
+            else:
+                log.warning("forensics: the dump(s) are written")
 
     def _at_exit(self) -> None:
         self.finish("the job is exiting")
@@ -141,12 +161,14 @@ def _chain_sigterm(writer: BackgroundWriter) -> None:
             return  # the job ignores SIGTERM: nothing ends, nothing to finish
 
         def on_sigterm(signum: int, frame: Any) -> None:
-            writer.finish("SIGTERM received")
+            with deferred_termination(deliver=False) as later:  # a second SIGTERM, a Ctrl-C: after the dumps
+                writer.finish("SIGTERM received")
             if callable(previous):
                 previous(signum, frame)
-                return
-            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
-            signal.raise_signal(signal.SIGTERM)
+            else:
+                signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+                signal.raise_signal(signal.SIGTERM)
+            hand_on(later, skip=signal.SIGTERM)  # a Ctrl-C that came too, where the previous handler went on
 
         signal.signal(signal.SIGTERM, on_sigterm)
     except (ValueError, OSError):  # not allowed here (embedded interpreter)

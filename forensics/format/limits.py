@@ -7,6 +7,7 @@ above what a real dump needs. The archive limits can be raised on the command li
 
 from __future__ import annotations
 
+import resource
 from dataclasses import dataclass
 
 GiB = 1 << 30
@@ -19,15 +20,11 @@ MAX_JSON_DEPTH = 64
 """Nesting of any JSON document (a batch tree or a recipe's config is a handful of levels)."""
 MAX_JSON_NUMBER_DIGITS = 400
 """Digits of one JSON number (a float64 needs ~25; an int64 20)."""
-MAX_DECOMPRESSED = 4 * GiB
-"""What one zstd-compressed micro-batch file may decompress to, whatever its frame header declares."""
-BATCH_FREE = 256 * MiB
-"""A micro-batch file may decompress to this much whatever its compressed size (an all-zero image batch of
-256 MiB compresses to a few KB); beyond it, at most MAX_BATCH_RATIO x its compressed size."""
-MAX_BATCH_RATIO = 1024
-"""Decompressed bytes per compressed byte of a micro-batch file beyond BATCH_FREE: real data (tokens, pixels,
-features) compresses a few times, padding and masks some hundreds; a frame of zeros (a zstd bomb) ~30,000. With
-it, a file under 100 KB never makes a reader allocate more than BATCH_FREE."""
+MAX_DECOMPRESSED = 1 << 40
+"""What one zstd-compressed micro-batch tensor file may decompress to, whatever its frame header declares: 1 TiB, more
+than any host holds as one micro-batch (a size field beyond it is nonsense). What a reader allocates is bounded by the
+size the file's headers declare (checked to agree) and by what the host can hold now (`memory_room`), never by a ratio
+to the compressed size: an all-zero tensor (a padding mask) compresses ~30,000x and is a legitimate batch."""
 MAX_WORLD_SIZE = 1 << 20
 """Ranks a manifest may claim (no structure is ever sized by it beyond this)."""
 MAX_MICRO_BATCHES = 4096
@@ -57,3 +54,48 @@ class ArchiveLimits:
     def __post_init__(self) -> None:
         if min(self.max_bytes, self.max_ratio, self.max_members, self.max_path_chars, self.max_depth) <= 0:
             raise ValueError("ArchiveLimits must all be positive")
+
+
+def memory_room() -> int | None:
+    """Bytes this process can still allocate now (None: unknown): the least of the host's available memory
+    (/proc/meminfo MemAvailable), its cgroup's limit less its usage, and its address-space limit (RLIMIT_AS, as
+    `ulimit -v`) less what it maps. A reader checks a size a dump declares against it before allocating it."""
+    room = [_meminfo("MemAvailable:"), _cgroup_room()]
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    mapped = _status("VmSize:")
+    if soft != resource.RLIM_INFINITY and mapped is not None:
+        room.append(max(0, soft - mapped))
+    known = [r for r in room if r is not None]
+    return min(known) if known else None
+
+
+def _kib_field(path: str, key: str) -> int | None:
+    try:
+        with open(path) as handle:
+            line = next((line for line in handle if line.startswith(key)), None)
+        return int(line.split()[1]) * 1024 if line else None
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _meminfo(key: str) -> int | None:
+    return _kib_field("/proc/meminfo", key)
+
+
+def _status(key: str) -> int | None:
+    return _kib_field("/proc/self/status", key)
+
+
+def _cgroup_room() -> int | None:
+    """The memory cgroup's limit less its usage (v2 or v1 files at the usual mount; None: no limit or unknown)."""
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit) as a, open(usage) as b:
+                cap, used = a.read().strip(), int(b.read().strip())
+        except (OSError, ValueError):
+            continue
+        if cap.isdigit() and int(cap) < (1 << 60):  # "max" or v1's near-2**63: no limit
+            return max(0, int(cap) - used)
+        return None
+    return None

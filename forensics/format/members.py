@@ -1,18 +1,20 @@
 """The zstd members of a dump (a micro-batch's `batch-<i>.safetensors.zst` and `batch-<i>.json.zst`), decompressed
-within what their headers justify.
+within what their headers declare.
 
-A member is read once its sha256 matched, but its contents are still untrusted: a 98 KB frame of zeros may declare
-3 GiB. So nothing is allocated for a member before its size is known and checked: the zstd frame header's declared
-size against the cap for its kind (decompressed_limit), and for tensors the safetensors header (decompressed first,
-on its own) against the frame: the bytes the header's entries account for must be what the frame declares, within
-MAX_DECOMPRESSED and, beyond BATCH_FREE, MAX_BATCH_RATIO x the compressed size. Only then is the destination
-allocated, once, at its final size, and the rest decompressed straight into it (never a buffer that grows). `verify`
-runs the same reader with nowhere to keep the data: one reader, one set of rules for replay, verify and inspect.
+A member is read once its sha256 matched, but its contents are still untrusted: a 98 KB frame may declare 3 GiB. So
+nothing is allocated for a member before its size is known and checked: the zstd frame header's declared size against
+the cap for its kind (decompressed_limit), and for tensors the safetensors header (decompressed first, on its own)
+against the frame by `tensor_member_problem`, the one rule the writer also applies to what it writes (what the Guard
+writes, its reader accepts): the bytes the header's entries account for must be what the frame declares, within
+MAX_DECOMPRESSED. Then that size is checked against what the host can hold now (limits.memory_room); only then is the
+destination allocated, once, at its final size, and the rest decompressed straight into it (never a buffer that
+grows). There is no ratio rule: an all-zero tensor of any size that fits the host is a legitimate batch. `verify`
+runs the same reader with nowhere to keep the data (in a small reused buffer: no room needed): one reader, one set of
+rules for replay, verify and inspect.
 """
 
 from __future__ import annotations
 
-import os
 import struct
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Literal, overload
@@ -22,7 +24,7 @@ import zstandard
 from forensics.errors import DumpCorruptError, cut_text
 from forensics.format import spec
 from forensics.format.header import Entry, data_end, parse_header
-from forensics.format.limits import BATCH_FREE, HASH_CHUNK, MAX_BATCH_RATIO, MAX_DECOMPRESSED, MAX_JSON_FILE
+from forensics.format.limits import HASH_CHUNK, MAX_DECOMPRESSED, MAX_JSON_FILE, memory_room
 
 if TYPE_CHECKING:
     import torch
@@ -36,9 +38,15 @@ def decompressed_limit(name: str) -> int:
     return MAX_JSON_FILE if name.endswith(spec.JSON_ZSTD_SUFFIX) else MAX_DECOMPRESSED
 
 
-def tensor_allowance(compressed: int) -> int:
-    """What a tensor member of `compressed` bytes may decompress to (limits.BATCH_FREE, MAX_BATCH_RATIO)."""
-    return min(MAX_DECOMPRESSED, max(BATCH_FREE, MAX_BATCH_RATIO * compressed))
+def tensor_member_problem(total: int, declared: int | None) -> str | None:
+    """Why a tensor member whose safetensors header accounts for `total` bytes, in a zstd frame declaring `declared`
+    (None: not declared), is not one the format allows (None: it is) — a phrase to follow the file's name. The one
+    rule for the writer (on what it writes) and every reader (before allocating anything)."""
+    if declared is not None and declared != total:
+        return f"declares {declared} decompressed bytes, but its safetensors header accounts for {total}"
+    if total > MAX_DECOMPRESSED:
+        return f"would decompress to {total} bytes, more than the {MAX_DECOMPRESSED} a micro-batch file may hold"
+    return None
 
 
 def declared_size(head: bytes, path: Path, name: str) -> int | None:
@@ -138,16 +146,20 @@ def read_tensor_member(path: Path, name: str, keep: bool = True) -> tuple[torch.
     """A safetensors member: the whole file as one uint8 tensor (None with `keep=False`: streamed and counted, for
     `verify`) and its header's checked entries. Its safetensors header is decompressed and checked first; the
     destination is allocated only for the size that header accounts for, once it matches what the frame declares
-    and what the file's compressed size allows (tensor_allowance).
+    (tensor_member_problem) and fits in what the host can hold now (limits.memory_room).
 
     Raises:
         DumpCorruptError: naming the file and what it claims against what it may hold.
     """
     with open(path, "rb") as raw:
         frame = _Frame(raw, path, name)
-        head, header, entries, total = _tensor_header(frame, os.path.getsize(path))
+        head, header, entries, total = _tensor_header(frame)
         start = 8 + len(header)
         buffer = None
+        room = memory_room() if keep else None
+        if room is not None and total > room:
+            raise frame.fail(f"would decompress to {total} bytes, more than this host can hold now ({room} bytes: its "
+                             "available memory and this process's limits); read it on a host with more memory")
         if keep:
             import torch
 
@@ -167,9 +179,9 @@ def read_tensor_member(path: Path, name: str, keep: bool = True) -> tuple[torch.
     return buffer, entries
 
 
-def _tensor_header(frame: _Frame, compressed: int) -> tuple[bytearray, bytearray, dict[str, Entry], int]:
+def _tensor_header(frame: _Frame) -> tuple[bytearray, bytearray, dict[str, Entry], int]:
     """The 8-byte length, the header, its checked entries and the size they account for, of a tensor member's frame
-    (nothing beyond the header decompressed), once that size matches the frame's and tensor_allowance."""
+    (nothing beyond the header decompressed), once that size passes tensor_member_problem."""
     head = bytearray(8)
     if frame.read_into(memoryview(head)) < 8:
         raise frame.fail("is shorter than a safetensors header")
@@ -182,13 +194,9 @@ def _tensor_header(frame: _Frame, compressed: int) -> tuple[bytearray, bytearray
         raise frame.fail("ends inside its safetensors header")
     entries = parse_header(header, 8 + length, bound, frame.name)
     total = data_end(entries, 8 + length)
-    if frame.declared is not None and frame.declared != total:
-        raise frame.fail(f"declares {frame.declared} decompressed bytes, but its safetensors header accounts for "
-                         f"{total}")
-    if total > tensor_allowance(compressed):
-        raise frame.fail(f"would decompress to {total} bytes, {total // max(compressed, 1)} x its {compressed} "
-                         f"compressed bytes: beyond {BATCH_FREE} bytes a micro-batch file may hold at most "
-                         f"{MAX_BATCH_RATIO} x its size (a frame of repeated bytes, not a batch)")
+    problem = tensor_member_problem(total, frame.declared)
+    if problem is not None:
+        raise frame.fail(problem)
     return head, header, entries, total
 
 
@@ -198,12 +206,11 @@ def check_member_header(path: Path, name: str) -> None:
     with open(path, "rb") as raw:
         frame = _Frame(raw, path, name)
         if not name.endswith(spec.JSON_ZSTD_SUFFIX):
-            _tensor_header(frame, os.path.getsize(path))
+            _tensor_header(frame)
 
 
 def check_member(path: Path, name: str) -> None:
-    """`verify`: a zstd member decompresses as replay would read it (tensors: the header's entries, sizes and
-    ratio; JSON: within its cap and parseable as a dump's JSON), keeping no tensor data."""
+    """`verify`: a zstd member decompresses as replay would read it (tensors: the header's entries and sizes; JSON: within its cap and parseable as a dump's JSON), keeping no tensor data."""
     if name.endswith(spec.JSON_ZSTD_SUFFIX):
         from forensics.format import jsonio
 

@@ -21,6 +21,7 @@ from forensics.format.header import read_entries
 from forensics.format.limits import HASH_CHUNK, MAX_JSON_FILE, ArchiveLimits
 from forensics.format.members import check_member, check_member_header, read_json_member, read_tensor_member
 from forensics.format.manifest import check_manifest
+from forensics.format.records import checked_history, checked_precursors
 from forensics.trigger import Trigger
 
 if TYPE_CHECKING:  # torch is imported only when tensors are read: inspect and verify start fast
@@ -588,35 +589,22 @@ class Dump:
     def precursors(self) -> dict | None:
         """The precursor monitor's table (docs/DUMP_FORMAT.md `precursors.json`): `{"columns": [{"layer",
         "statistic"}], "steps": [int], "values": [[float | None per column] per step], "firings": [...],
-        "config": {...}}`, shapes checked; None when the dump has none. Layer names are untrusted text."""
+        "config": {...}}`, every value checked once (forensics/format/records.py); None when the dump has none. Layer
+        names are untrusted text."""
         if not self.has_file(spec.PRECURSORS):
             return None
-        table = self._json_object(spec.PRECURSORS, ("columns", "steps", "values"))
         try:
-            columns, steps, values = list(table["columns"]), list(table["steps"]), list(table["values"])
-            if not all(isinstance(c, dict) and isinstance(c.get("layer"), str) and isinstance(c.get("statistic"), str)
-                       for c in columns):
-                raise ValueError("every column must be {'layer': str, 'statistic': str}")
-            if len(steps) != len(values) or not all(isinstance(s, int) and not isinstance(s, bool) for s in steps):
-                raise ValueError("one integer step per row")
-            for row in values:
-                if not isinstance(row, list) or len(row) != len(columns) or not all(
-                        v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in row):
-                    raise ValueError(f"every row must hold {len(columns)} numbers or nulls")
-            firings = [f for f in table.get("firings") or [] if isinstance(f, dict)]
-        except (TypeError, ValueError) as exc:
-            raise DumpCorruptError(f"{self.path / spec.PRECURSORS} does not have the documented layout ({cut_text(exc, 120)})",
-                                   spec.PRECURSORS) from exc
-        config = table.get("config") if isinstance(table.get("config"), dict) else {}
-        return {"columns": columns, "steps": steps, "values": values, "firings": firings, "config": config}
+            return checked_precursors(self._json_object(spec.PRECURSORS, ("columns", "steps", "values")))
+        except ValueError as exc:
+            raise DumpCorruptError(f"{self.path / spec.PRECURSORS} does not have the documented layout "
+                                   f"({cut_text(exc, 160)})", spec.PRECURSORS) from exc
 
     def history(self) -> dict:
-        history = self._json_object(spec.HISTORY)
-        if not all(isinstance(v, list) for k, v in history.items() if k not in ("capacity", "summary")) \
-                or not isinstance(history.get("summary", {}), dict):
-            raise DumpCorruptError(f"{self.path / spec.HISTORY}: every column must be a list (and 'summary' an "
-                                   "object)", spec.HISTORY)
-        return history
+        """The loss history (docs/DUMP_FORMAT.md `history.json`), every value checked (forensics/format/records.py)."""
+        try:
+            return checked_history(self._json_object(spec.HISTORY))
+        except ValueError as exc:
+            raise DumpCorruptError(f"{self.path / spec.HISTORY}: {cut_text(exc, 160)}", spec.HISTORY) from exc
 
     def total_size(self) -> int:
         return sum(int(entry.get("size", 0)) for entry in self.manifest["files"].values())

@@ -21,6 +21,7 @@ from forensics.format import jsonio, spec, threads
 from forensics.format.shards import LocalShard, ShardCopies, shard_entry
 from forensics.format.stale import remove_stale_temporaries, temporary_name
 from forensics.format.digest import HashingWriter
+from forensics.format.members import tensor_member_problem
 from forensics.format.tensors import safetensors_bytes, write_safetensors
 from forensics.format.tree import encode_tree
 from forensics.format.writeback import EarlyWriteback
@@ -136,12 +137,23 @@ def _write_contents(target: _DumpDir, content: DumpContent) -> list[list[dict]]:
             log.warning("forensics: micro-batch %d leaf %s of type %s cannot be stored; it is recorded as "
                         "unreplayable", index + 1, leaf["path"], leaf["type"])  # words count from 1
         unreplayable.append(encoded.unreplayable)
-        target.write_bytes(spec.batch_tensors_name(index), compressor.compress(safetensors_bytes(encoded.tensors)))
+        target.write_bytes(spec.batch_tensors_name(index), _tensor_member(compressor, encoded.tensors, index))
         target.write_bytes(spec.batch_json_name(index), compressor.compress(jsonio.dumps(encoded.skeleton)))
     target.write_json(spec.HISTORY, content.history)
     for name, data in content.extra_files.items():
         target.write_bytes(name, data)
     return unreplayable
+
+
+def _tensor_member(compressor: zstandard.ZstdCompressor, tensors: dict, index: int) -> bytes:
+    """A micro-batch's tensors as the zstd member its reader accepts: checked by the reader's own rule
+    (members.tensor_member_problem) on the sizes the frame declares and the safetensors header accounts for."""
+    raw = safetensors_bytes(tensors)
+    blob = compressor.compress(raw)
+    problem = tensor_member_problem(len(raw), zstandard.get_frame_parameters(blob).content_size)
+    if problem is not None:
+        raise ValueError(f"micro-batch {index + 1}'s tensors {problem}")
+    return blob
 
 
 def _write_state(target: _DumpDir, files: spec.StateFiles, model: dict[str, Any], optimizer: dict | None) -> None:

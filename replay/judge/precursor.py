@@ -198,7 +198,7 @@ def _float(value: Any, default: float) -> float:
 # -- the crash dump of a job with precursors on: what its statistics did before, and the run's earlier dumps ----------
 HISTORY_SPAN = 80      # steps before the crash the growth sentence looks back over
 MAX_EARLIER = 8        # earlier dumps of the run named in the report
-_STEP_DIR = re.compile(r"^step-(\d{1,12})$")
+_STEP_DIR = re.compile(r"step-([0-9]{1,12})")  # fullmatch: `$` would accept a name ending in a newline
 
 
 def crash_history(dump: Any) -> dict | None:
@@ -279,7 +279,7 @@ def earlier_dumps(dump: Any) -> list[dict]:
     run_dir = here.parent.parent
     found = []
     try:
-        entries = sorted((int(m.group(1)), e) for e in run_dir.iterdir() if (m := _STEP_DIR.match(e.name)))
+        entries = sorted((int(m.group(1)), e) for e in run_dir.iterdir() if (m := _STEP_DIR.fullmatch(e.name)))
     except OSError:
         return []
     for number, entry in reversed(entries):
@@ -315,9 +315,10 @@ def add_crash_history(report: Report, dump: Any) -> None:
         block["sentence"] = "Earlier dumps of this run: " + ", ".join(
             f"step {d['step']} ({d['trigger']})" for d in earlier)
     report.precursor_history = block
+    if not block["sentence"]:  # nothing grew and no earlier dump: the table is in the report, nothing to say
+        return
     verdict = report.verdict
-    lead = block.get("lead")
-    before = f"Before it, {block['sentence']}" if lead else block["sentence"]
+    before = f"Before it, {block['sentence']}" if block.get("lead") else block["sentence"]
     verdict.explanation = ((verdict.explanation or "") + " " + before + ".").strip()
     if block["earlier_dumps"]:
         verdict.explanation += " Replay them (`forensics replay STEP_DIR`) to see how it built up."

@@ -21,6 +21,7 @@ from forensics.kinds import TriggerKind
 from forensics.thirdparty import is_persistent_buffer, own_buffers, put_buffer, put_parameter, tensor_version
 from forensics.trigger import Trigger
 from forensics.unfilled import unfilled
+from replay.load.build_budget import BuildTooLargeError, WeightsHeld, build_budget, weights_held
 from replay.load.environment import dtype_from_name, environment_warnings, resolve_device, to_device
 from replay.load.fsdp_precision import FsdpUnit, compute_dtype, parse_units
 from replay.load.optimizer_state import DumpOptimizerState, OptimizerSnapshot
@@ -217,16 +218,17 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
     env_warnings = environment_warnings(manifest.get("environment"), device)
     warnings = list(env_warnings) + recipe.notes
     plan = None
+    held = weights_held(dump)  # every size the recipe asks for is held to what the dump holds while it is built
     if not weights:
-        model = build_model(recipe, on_meta=False).to(device)
+        model = build_model(recipe, on_meta=False, held=held).to(device)
     else:
-        built = build_model(recipe)
+        built = build_model(recipe, held=held)
         plan = plan_streaming(built, device, memory_budget)
         try:
             model = stream_weights(built, _weights(dump, device, plan, built), device, warnings)
         except MetaBuffersError:  # a buffer computed from a parameter at init, and not in the dump
             logger.info("a buffer of the model was derived from meta parameters; building the model normally")
-            built = build_model(recipe, on_meta=False)
+            built = build_model(recipe, on_meta=False, held=held)
             model = stream_weights(built, _weights(dump, device, plan, built), device, warnings)
         if plan is not None:
             settle(plan, model, parse_units(precision.get("fsdp")))
@@ -337,12 +339,17 @@ class MetaBuffersError(RuntimeError):
     """stream_weights: the model built on meta derived a buffer from a parameter; build it normally instead."""
 
 
-def build_model(recipe: Any, on_meta: bool = True) -> torch.nn.Module:
+def build_model(recipe: Any, on_meta: bool = True, held: WeightsHeld | None = None) -> torch.nn.Module:
     """The recipe's model with its parameters on the meta device (their values come from the dump); a
-    factory that cannot build that way is called again normally (and `on_meta=False` builds normally)."""
+    factory that cannot build that way is called again normally (and `on_meta=False` builds normally). With `held`
+    (what the dump's weights hold), the build stops with BuildTooLargeError as soon as it creates more
+    (replay/load/build_budget.py)."""
     def call() -> torch.nn.Module:
         try:
-            model = recipe.factory(**recipe.factory_kwargs)
+            with build_budget(held, f"that {recipe.factory_path!r} builds"):
+                model = recipe.factory(**recipe.factory_kwargs)
+        except BuildTooLargeError:
+            raise
         except Exception as exc:  # user / recipe code
             raise RecipeError(f"the model factory {recipe.factory_path!r} failed: {type(exc).__name__}: {exc}") \
                 from exc
@@ -356,6 +363,8 @@ def build_model(recipe: Any, on_meta: bool = True) -> torch.nn.Module:
     try:
         with parameters_on_meta():
             return call()
+    except BuildTooLargeError:
+        raise
     except RecipeError as exc:
         logger.info("the factory does not build with meta parameters (%s); building it normally", exc)
         return call()

@@ -21,7 +21,7 @@ from typing import Iterator, cast
 
 import torch
 
-from forensics.errors import ReplayError
+from forensics.errors import ReplayError, cut_text
 from forensics.format.tensors import tensor_bytes
 from replay.load.fsdp_precision import FsdpUnit, parameter_units
 
@@ -36,6 +36,10 @@ _UNITS = {"": 1, "b": 1, "k": 10 ** 3, "kb": 10 ** 3, "kib": 1 << 10, "m": 10 **
           "g": 10 ** 9, "gb": 10 ** 9, "gib": 1 << 30, "t": 10 ** 12, "tb": 10 ** 12, "tib": 1 << 40}
 
 
+MAX_SIZE = float(1 << 60)
+"""The largest SIZE parse_bytes takes (1 EiB): beyond it a number is a typo, or a float that is no longer exact."""
+
+
 def parse_bytes(text: str) -> int:
     """"16GiB" -> 17179869184; "16GB" / "16G" are powers of ten; a bare number is bytes.
 
@@ -46,10 +50,12 @@ def parse_bytes(text: str) -> int:
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
         raise ValueError(f"{text!r} is not a size: write e.g. 16GiB, 800MiB or 32GB")
-    value = int(float(match.group(1)) * _UNITS[unit])
-    if value <= 0:
+    value = float(match.group(1)) * _UNITS[unit]
+    if not value < MAX_SIZE:  # also 1 followed by 400 zeros, which is inf as a float
+        raise ValueError(f"{cut_text(text, 40)!r} is larger than any machine's memory (at most 1 EiB)")
+    if int(value) <= 0:
         raise ValueError(f"{text!r} is not a positive size")
-    return value
+    return int(value)
 
 
 def words(nbytes: float) -> str:

@@ -17,12 +17,14 @@ import importlib.util
 import os
 import sysconfig
 import traceback
+from collections.abc import Mapping
 from types import TracebackType
+from typing import Any
 
 import torch
 
 from forensics.errors import ForensicsError, UserCodeError
-from forensics.recipes import BUILTIN_RECIPES, DEFAULT_LOSS
+from forensics.recipes import BUILTIN_RECIPES, DEFAULT_LOSS, is_builtin
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # replay/load/ -> the repository
 OURS = tuple(os.path.join(_ROOT, package) + os.sep for package in ("forensics", "capture", "replay"))
@@ -90,17 +92,26 @@ def _built_in_model_raised(exc: BaseException) -> bool:
     return owners[0] in RECIPE_FILES if owners else bool(model_code)
 
 
-def as_user_error(exc: Exception, doing: str) -> Exception:
+def recipe_is_built_in(recorded: Mapping[str, Any], factory: str | None, loss: str | None) -> bool:
+    """Whether the replay's model and loss are both built-in recipes (`factory` / `loss`: the user's --factory /
+    --loss, else the dump's `recorded` recipe): then no code of the user's runs in a forward or a loss — the
+    built-in Hugging Face recipe builds a class transformers itself exports, never remote code."""
+    return is_builtin(factory or recorded.get("factory")) and is_builtin(loss or recorded.get("loss") or DEFAULT_LOSS)
+
+
+def as_user_error(exc: Exception, doing: str, built_in_recipe: bool = False) -> Exception:
     """`exc` as a UserCodeError when model code raised it: the user's own with their traceback; a built-in recipe's
-    (the demo models, the default loss) in one sentence, since its traceback would run through forensics' own files
-    and tell the user nothing they can fix there. Else (a bug of forensics) `exc` itself."""
+    (the demo models, the default loss, and with `built_in_recipe` — model and loss both built in, see
+    recipe_is_built_in — transformers' code the built-in Hugging Face recipe runs) in one sentence, since its
+    traceback would run through code the user did not write and cannot fix there. Else (a bug of forensics) `exc`
+    itself."""
     if isinstance(exc, ForensicsError) or not raised_by_user_code(exc):
         return exc
     what = str(exc)[:300].rstrip(".")
-    if _built_in_model_raised(exc):
+    if built_in_recipe or _built_in_model_raised(exc):
         return UserCodeError(f"the model the dump's recipe names (built into forensics) raised {type(exc).__name__} "
                              f"on the dump's data while {doing}: {what}. The data does not fit that model (a tensor of "
-                             "another shape or type than it takes): the dump was changed after it was written, or its "
+                             "another shape, type or range than it takes): the dump was changed after it was written, or its "
                              "recipe is not the job's; pass --factory / --loss that accept this data", "")
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     return UserCodeError(f"your code raised {type(exc).__name__} while {doing}: {what}. The traceback printed above "

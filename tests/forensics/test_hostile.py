@@ -781,22 +781,26 @@ def _safetensors_head(entries: dict) -> bytes:
 
 @pytest.fixture(scope="module")
 def tensor_bombs() -> dict[str, bytes]:
-    """Batch tensor files under 100 KB that would inflate to 3 GiB: a frame of zeros (the adversary's), one with a
-    safetensors header that accounts for all of it, and one whose frame does not declare its size."""
-    size = 3 * GiB
+    """Batch tensor files of ~160 KB that would inflate to 5 GiB, more than the child's 4 GiB of address space can
+    hold: a frame of zeros (the adversary's), one with a safetensors header that accounts for all of it, and one
+    whose frame does not declare its size. The last two are well-formed all-zero tensors (a padding mask of that
+    size is a legitimate batch, issue 43): intact to `inspect` and `verify`, too large for this host to replay."""
+    size = 5 * GiB
     head = _safetensors_head({"x": {"dtype": "U8", "shape": [size - 8 - 80], "data_offsets": [0, size - 8 - 80]}})
     assert len(head) == 88
     bombs = {"zeros": zstd_bomb(b"", size), "valid header": zstd_bomb(head, size),
              "no declared size": zstd_bomb(head, size, declare=False)}
-    assert all(len(bomb) < 100_000 for bomb in bombs.values()), {k: len(v) for k, v in bombs.items()}
+    assert all(len(bomb) < 200_000 for bomb in bombs.values()), {k: len(v) for k, v in bombs.items()}
     return bombs
 
 
 def test_a_batch_file_bomb_is_refused_by_every_command_before_it_is_inflated(pristine, tmp_path, tensor_bombs,
                                                                               skeleton_bomb):
-    """Each bomb (~98 KB declaring or holding 3 GiB): inspect, verify and replay exit 2 with one line naming the file,
-    all in one child process limited to 4 GiB of address space whose peak RSS stays under 1 GiB (the tensor bomb
-    took 3.6 GB, then a MemoryError traceback)."""
+    """Each bomb (~100-160 KB declaring or holding 3 or 5 GiB) in one child process limited to 4 GiB of address
+    space whose peak RSS stays under 1 GiB (the tensor bomb took 3.6 GB, then a MemoryError traceback): the skeleton
+    and the headerless frame of zeros are refused by inspect, verify and replay with one line naming the file; the
+    well-formed 5 GiB all-zero tensors are intact to inspect and verify (streamed through a small buffer) and
+    replay refuses them before allocating: more than this host can hold."""
     bombs = [("batch-000.json.zst", "skeleton", skeleton_bomb)] + \
         [("batch-000.safetensors.zst", kind, bomb) for kind, bomb in tensor_bombs.items()]
     commands = []
@@ -807,12 +811,16 @@ def test_a_batch_file_bomb_is_refused_by_every_command_before_it_is_inflated(pri
         commands += [["inspect", dump], ["verify", dump], ["replay", dump, *REPLAY, "-o", tmp_path / f"r{index}"]]
     results = run_children(commands)
     for (name, kind, _), three in zip(bombs, (results[i:i + 3] for i in range(0, len(results), 3))):
+        if kind in ("valid header", "no declared size"):
+            inspect, verify, replay = three
+            assert inspect.code == verify.code == ExitCode.OK, (inspect.stderr[-2000:], verify.stderr[-2000:])
+            assert_refused_within_a_gib(replay, name, f"would decompress to {5 * GiB} bytes, more than this host can "
+                                                      "hold now")
+            continue
         for result in three:
             assert_refused_within_a_gib(result, name)
             if kind == "skeleton":
                 assert f"declares {3 * GiB} decompressed bytes" in result.stderr and "67108864" in result.stderr
-            if kind == "valid header":  # the frame and the header agree: the size / ratio rule refuses it
-                assert "would decompress to 3221225472 bytes" in result.stderr, result.stderr[-2000:]
     assert not any(tmp_path.glob("r*/report.json"))
 
 

@@ -172,3 +172,52 @@ def test_the_trust_message_says_that_definitions_can_run_code(script_dump, tmp_p
     result = CliRunner().invoke(main, ["replay", str(script_dump), "--device", "cpu", "-o", str(tmp_path / "r")])
     assert result.exit_code == 2
     assert "decorators, default values and class bodies can run any code" in result.stderr
+
+
+# -- issue 43: a script's encoding, its nesting, and constants that would run code -----------------------------------
+LOSS = b"def lm_loss(model, batch):\n    return batch * SCALE\nSCALE = 3\n"
+
+
+@pytest.mark.parametrize("head", [b"\xef\xbb\xbf", b"# -*- coding: latin-1 -*-\n# caf\xe9\n"],
+                         ids=["utf-8 BOM", "latin-1 coding line"])
+def test_a_valid_script_with_a_bom_or_a_coding_line_is_defined(head):
+    loss, _ = define_from_script(head + LOSS, "lm_loss", "train.py", "loss function", "--loss")
+    assert loss(None, 2) == 6
+
+
+def test_a_script_nested_3000_deep_is_refused_in_one_sentence():
+    source = LOSS + b"DEEP = " + b"-" * 3000 + b"1\n"
+    with pytest.raises(RecipeError, match="is nested too deep to parse"):
+        define_from_script(source, "lm_loss", "train.py", "loss function", "--loss")
+
+
+def test_constant_assignments_are_evaluated_never_run(monkeypatch):
+    """An operator or a format of an object whose class the script defines would run the script's code: such an
+    assignment is skipped, while plain arithmetic, module constants and f-strings of plain values are evaluated."""
+    monkeypatch.delenv("FORENSICS_OPERATOR_RAN", raising=False)
+    source = textwrap.dedent('''
+        import math
+        import os
+        class Meta(type):
+            def __add__(cls, other):
+                os.environ["FORENSICS_OPERATOR_RAN"] = "__add__"
+                return 1
+            def __format__(cls, spec):
+                os.environ["FORENSICS_OPERATOR_RAN"] = "__format__"
+                return ""
+        class A(metaclass=Meta):
+            pass
+        ADDED = A + 1
+        SHOWN = f"{A}"
+        HUGE = 2 ** 10 ** 10
+        WIDE = "x" * 10 ** 12
+        SCALE = 2 * math.pi
+        NAME = "run"
+        LABEL = f"{NAME}-{3!r}"
+        LOW, (MID, *HIGH) = -1, (0, 1, 2)
+        def lm_loss(model, batch):
+            return batch * SCALE, LABEL, HIGH
+    ''').encode()
+    loss, _ = define_from_script(source, "lm_loss", "train.py", "loss function", "--loss")
+    assert loss(None, 1.0) == (pytest.approx(6.283185307), "run-3", [1, 2])
+    assert "FORENSICS_OPERATOR_RAN" not in os.environ
