@@ -5,6 +5,8 @@ a spike the budget dumps is held on the device and judged one step late; capture
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -188,3 +190,38 @@ def test_a_jump_at_step_1_is_noted_before_there_is_a_median():
     assert detector.observe(4.9) is None and detector.suppressed is None
     assert detector.observe(186.0) is None and detector.suppressed == pytest.approx(49.0)
     assert detector.observe(150.0) is None and detector.suppressed is None  # not 10x the largest so far
+
+
+def test_fp16_a_loss_spike_on_a_step_whose_gradients_overflow_is_dumped(tmp_path):
+    """Issue 42 item 3: the GradScaler finds inf gradients at the spike step (it skips that update); the loss, 40x
+    its median, is still checked and the step dumped with its pre-step state; its inf norm stays out of the grad-norm
+    detector."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=10 ** 6)
+    guard = Guard(model, optimizer, scaler=scaler, config=GuardConfig(
+        dump_dir=str(tmp_path / "dumps"), run_id="fp16",
+        detection=DetectionConfig(loss_spike=SpikeConfig(window=16, warmup=8))))
+    data = torch.Generator().manual_seed(1)
+    spike = 12
+    for step in range(spike + 2):
+        x = torch.randn(8, 4, generator=data)
+        guard.record_batch({"x": x, "sample_ids": list(range(8 * step, 8 * step + 8))})
+        loss = torch.nn.functional.mse_loss(model(x), torch.zeros(8, 1)) + (40.0 if step == spike else 0.0)
+        guard.record_loss(loss)
+        scaler.scale(loss).backward()
+        if step == spike:
+            model.weight.grad[0, 0] = float("inf")  # fp16's overflow, as the scaler finds it
+        scaler.unscale_(optimizer)
+        if guard.check():
+            scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    guard.close()
+    [path] = guard.dumps
+    dump = open_dump(path)
+    assert dump.step == spike and dump.trigger.kind == "loss_spike" and dump.trigger.value > 20
+    history = guard.history.to_dict()
+    assert history["skipped"][spike] and not any(history["skipped"][:spike])  # the scaler skipped it
+    assert all(math.isfinite(v) for v in guard.checks.detectors.grad_norm._window)
