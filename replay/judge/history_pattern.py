@@ -292,8 +292,8 @@ class HistoryReading:
     """What the recorded history shows about the run before it broke, with numbers from BEFORE the divergence."""
 
     onset: int | None
-    """The first recorded step whose loss left where the run started (above `divergence_limit`) or was
-    non-finite; None when the loss never did."""
+    """The first recorded step from which the loss stayed out of where the run started (above `divergence_limit`,
+    or non-finite) up to the analysed step; None when it never left, or came back (a one-step spike)."""
     healthy_grad_norm: float | None
     """The median grad norm of the recorded steps before `onset` (or before the analysed step): a clipping
     threshold from healthy steps, never from diverged ones."""
@@ -321,8 +321,7 @@ def read_history(history: dict | None, step: int | None, uniform_loss: float | N
     clipped = _column(history, "clipped", n)
     first = _first_losses(history)
     limit = divergence_limit(first, uniform_loss)
-    onset = next((s for s, v in zip(steps, losses)
-                  if v is not None and (not math.isfinite(v) or v > limit)), None)
+    onset = _stayed_out_since(steps, losses, limit, step)
     cutoff = onset if onset is not None else step if step is not None else (steps[-1] + 1 if steps else 0)
     healthy = [i for i, s in enumerate(steps) if s < cutoff]
     good_norms = sorted(v for v in (norms[i] for i in healthy) if v is not None and math.isfinite(v) and v > 0)
@@ -351,6 +350,21 @@ def read_history(history: dict | None, step: int | None, uniform_loss: float | N
             "the one healthy recorded step"
         sentences.append(f"Before that, the gradient norm was {fmt_num(typical, 3)} ({steps_words}); {clip}.")
     return HistoryReading(onset, typical, len(good_norms), sentences)
+
+
+def _stayed_out_since(steps: list[int], losses: list[float | None], limit: float, step: int | None) -> int | None:
+    """The first recorded step from which the loss stayed out of where the run started (above `limit`, or
+    non-finite) up to the analysed `step`; None when the last recorded loss is back in. A loss that went out and
+    came back (a one-step spike, a first loss that fell) did not leave its start."""
+    onset = None
+    for s, v in zip(steps, losses):
+        if step is not None and s > step or v is None:
+            continue
+        if not math.isfinite(v) or v > limit:
+            onset = s if onset is None else onset
+        else:
+            onset = None
+    return onset
 
 
 def _lr_words(steps: list[int], rates: list[float | None], at: int | None) -> str | None:
