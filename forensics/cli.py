@@ -173,7 +173,7 @@ class Interruptible(click.Group):
 
     interrupted = False
 
-    def invoke(self, ctx: click.Context):  # type: ignore[override]
+    def invoke(self, ctx: click.Context):
         Interruptible.interrupted = False
 
         def on_sigint(signum, frame):
