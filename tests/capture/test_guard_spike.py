@@ -46,8 +46,19 @@ def run(helpers, gpt2, tmp_path, spike_steps, total, fused=False, **config):
 
 @FUSED
 def test_spike_under_continue_policy_writes_a_dump_in_the_background_and_training_goes_on(helpers, gpt2, tmp_path,
-                                                                                         fused):
+                                                                                         fused, caplog):
+    caplog.set_level("WARNING", logger="capture")
     guard, loop = run(helpers, gpt2, tmp_path, spike_steps={WARM}, total=WARM + 3, fused=fused)
+    # sync-free: said once, at the first check, with the setting that applies every update (issue 42 item 2) ...
+    notices = [r.getMessage() for r in caplog.records if "holds back up to" in r.getMessage()]
+    assert len(notices) == int(fused)
+    if fused:
+        assert "up to 3 spike steps per run" in notices[0] and "DetectionConfig(sync_free=False)" in notices[0]
+        assert caplog.records[0].getMessage() == notices[0]  # before any step was judged
+    # ... and the held-back step, in one line when it is judged
+    held = [r.getMessage() for r in caplog.records if f"step {WARM} " in r.getMessage() and "held back" in
+            r.getMessage()]
+    assert len(held) == int(fused)
     assert all(log.decision for log in loop.logs)  # continue: check() let every optimizer step run
     held = helpers.trees_equal(loop.logs[WARM + 1].model_state, loop.logs[WARM].model_state)
     assert held == fused  # sync-free: the dumped spike's update waited on the device for its judgment, and was dropped
