@@ -194,7 +194,7 @@ class Guard:
         if admission.why_not is None:
             self.last_dumped_step = incident.step
         if policy is Policy.RAISE:
-            where = f"dump written to {dump_path}. Replay it with: forensics replay {dump_path}" if dump_path \
+            where = f"dump written to {dump_path}. Replay it with: {self.dumper.needs.command(dump_path)}" if dump_path \
                 else f"NO dump was written: {dump_error}. "
             raise TrainingFaultError(f"step {incident.step}: {trigger.message}; {where}", trigger, dump_path,
                                      dump_error)
