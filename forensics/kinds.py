@@ -278,6 +278,21 @@ class SampleFactKind(_Kind):
     NONFINITE_VALUES = "nonfinite_values"
     EXTREME_VALUES = "extreme_values"
     ALL_ZERO = "all_zero"
+    REPEATED_NGRAMS = "repeated_ngrams"
+    """Most of its tokens belong to n-grams it repeats, far more than the other samples' (OLMo 2's spikes)."""
+
+
+class EvidenceKind(_Kind):
+    """Why the replay calls a culprit's record bad data (replay/culprits/evidence.py; report `evidence.against`)."""
+
+    RECORD_DATA = "record_data"
+    """Its data is odd on its own (a SampleFactKind)."""
+    LOSS_OUTLIER = "loss_outlier"
+    """Its loss alone is an outlier against the step's other samples."""
+    NONFINITE_ALONE = "nonfinite_alone"
+    """Alone it makes the loss non-finite in float32 too, while every other sample's loss is finite."""
+    EARLIER_STATE = "earlier_state"
+    """Fed to an earlier state of the model, it still fails or still stands out."""
 
 
 class Phase(_Kind):
@@ -348,6 +363,9 @@ class VerdictKind(_Kind):
     """The step raised on replay too; names where, and the samples that make it raise."""
     INSTABILITY_AHEAD = "instability_ahead"
     """A precursor dump: the job was still healthy; names the layer and statistic that started to grow first."""
+    TRIGGER_SAMPLE = "trigger_sample"
+    """Bisection isolated samples, but nothing shows their records are bad: they are the first to cross on a state
+    that could not take them (replay/culprits/evidence.py); no blocklist, the advice is about the state."""
 
     @property
     def label(self) -> str:
@@ -387,6 +405,7 @@ _VERDICT_PROPS = {
     VerdictKind.SPIKE_NO_SINGLE_CAUSE: _VerdictProps("spike, no single cause", ExitCode.NO_CULPRIT, False),
     VerdictKind.EXCEPTION: _VerdictProps("exception", ExitCode.OK, True, schema_major=2),
     VerdictKind.INSTABILITY_AHEAD: _VerdictProps("instability ahead", ExitCode.OK, True, schema_major=3),
+    VerdictKind.TRIGGER_SAMPLE: _VerdictProps("trigger, not bad data", ExitCode.NO_CULPRIT, False, schema_major=4),
 }
 
 
@@ -442,7 +461,7 @@ _PATTERN_PROPS = {
     HistoryPattern.INSUFFICIENT_HISTORY: _PatternProps("too little history to tell", ""),
 }
 
-__all__ = ["ExitCode", "FidelityMode", "HistoryPattern", "Phase", "Policy", "PrecursorStatistic", "ReplayedQuantity",
+__all__ = ["EvidenceKind", "ExitCode", "FidelityMode", "HistoryPattern", "Phase", "Policy", "PrecursorStatistic", "ReplayedQuantity",
            "Tracker", "TriggerKind", "VerdictKind"]
 
 

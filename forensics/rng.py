@@ -136,9 +136,22 @@ def restore_rng(state: RngState, source_device: int | None = None, target_device
         np.random.set_state(state.numpy)
     if not state.cuda or not torch.cuda.is_available():
         return
+    for captured, device in cuda_rng_targets(len(state.cuda), torch.cuda.device_count(), source_device, target_device):
+        torch.cuda.set_rng_state(state.cuda[captured], device)
+
+
+def cuda_rng_targets(captured: int, devices_here: int, source_device: int | None = None,
+                     target_device: int | None = None) -> list[tuple[int, int]]:
+    """Which captured CUDA state `restore_rng` puts onto which device here: (captured index, device) pairs.
+
+    Args:
+        captured: the CUDA states the dump holds (the job's visible devices).
+        devices_here: the CUDA devices of this machine.
+        source_device / target_device: as `restore_rng`'s; given both, only that one state moves (none when the
+            job captured no state for `source_device`).
+
+    Example: rank 3 of a 4-GPU node replayed on one GPU: `cuda_rng_targets(4, 1, 3, 0) == [(3, 0)]`.
+    """
     if source_device is not None and target_device is not None:
-        if source_device < len(state.cuda):
-            torch.cuda.set_rng_state(state.cuda[source_device], target_device)
-        return
-    for device in range(min(len(state.cuda), torch.cuda.device_count())):
-        torch.cuda.set_rng_state(state.cuda[device], device)
+        return [(source_device, target_device)] if 0 <= source_device < captured else []
+    return [(device, device) for device in range(min(captured, devices_here))]

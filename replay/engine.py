@@ -21,14 +21,16 @@ from typing import Any, Callable, cast
 import torch
 
 from forensics.errors import DumpError, ReplayError, is_out_of_memory
-from forensics.format import open_dump, open_step
+from forensics.format import open_dump, open_step, spec
 from forensics.format.verify import finish_verifying, set_aside_damaged, verify_the_rest
 from forensics.format.limits import ArchiveLimits
 from forensics.kinds import HistoryPattern, Phase, TriggerKind
 from forensics.report.model import to_json_safe
 from forensics.report.tree import Report, Window
 from replay.culprits.bisect import bisect_budget, ddmin
-from replay.culprits.margin import others_margin
+from replay.culprits.earlier_state import EarlierState, feed_earlier_state
+from replay.culprits.evidence import RecordEvidence, weigh
+from replay.culprits.margin import FAR_FROM_LIMIT, others_margin, others_share
 from replay.culprits.per_sample import SampleRow, per_sample_stats
 from replay.culprits.sample_facts import describe_samples, nonfinite_in_field, too_long
 from replay.culprits.sizes import longer_than, outlier_refs, size_summary
@@ -205,7 +207,7 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
                 return _checked(dump, _window_replay(dump, session, checkpoint, options, progress, dump_info,
                                                      started))
             report = _session_report(session, options, progress, dump_info=dump_info, history=dump.history(),
-                                     started=started)
+                                     started=started, earlier=_snapshot_state(dump))
             add_crash_history(report, dump)  # the statistics before the crash, the run's earlier dumps
             if unused is not None:
                 report.verdict.suggestions = [snapshot_suggestion(unused), *(report.verdict.suggestions or [])]
@@ -215,6 +217,16 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
             if converted is exc:
                 raise
             raise converted from exc
+
+
+def _snapshot_state(dump: Any) -> Callable[[], EarlierState] | None:
+    """The Guard's host snapshot in the dump as an earlier state to feed the culprits to (weights only: reading
+    tensors needs no consent), read only if a stage asks for it; None for a dump without one."""
+    step = dump.snapshot_step
+    if step is None:
+        return None
+    return lambda: EarlierState(dump.model_state(spec.SNAPSHOT_STATE), step,
+                                f"the Guard's host snapshot of step {step} (in the dump)")
 
 
 def _load(dump: Any, options: ReplayOptions, weights: bool = True) -> ReplaySession:
@@ -265,7 +277,8 @@ def _window_replay(dump: Any, session: ReplaySession, checkpoint: Checkpoint, op
         _stage(progress, f"no step from {start} to {dump.step - 1} broke the weights: analysing the dumped step")
         fresh = _load(dump, options)
         report = _session_report(fresh, options, progress, dump_info=dump_info, history=dump.history(),
-                                 started=started)
+                                 started=started, earlier=lambda: EarlierState(checkpoint.model, checkpoint.step,
+                                                                               checkpoint.source))
     else:
         step = outcomes[-1].step
         _stage(progress, f"step {step} broke the run ({outcomes[-1].broke}): analysing it" if outcomes[-1].broke
@@ -284,19 +297,20 @@ def _window_replay(dump: Any, session: ReplaySession, checkpoint: Checkpoint, op
 
 def run_session(session: ReplaySession, options: ReplayOptions | None = None, progress: Progress | None = None,
                 *, dump_info: dict | None = None, history: dict | None = None,
-                started: float | None = None) -> dict:
+                started: float | None = None, earlier: EarlierState | None = None) -> dict:
     """The replay pipeline on a ready ReplaySession (in-memory replays and tests; run_replay calls it).
 
+    `earlier`: an earlier state of the model to feed the culprits to (replay/culprits/earlier_state.py).
     Returns:
         The report dict (see run_replay).
     """
-    return _session_report(session, options, progress, dump_info=dump_info, history=history,
-                           started=started).as_dict()
+    return _session_report(session, options, progress, dump_info=dump_info, history=history, started=started,
+                           earlier=(lambda: earlier) if earlier is not None else None).as_dict()
 
 
 def _session_report(session: ReplaySession, options: ReplayOptions | None = None, progress: Progress | None = None,
                     *, dump_info: dict | None = None, history: dict | None = None,
-                    started: float | None = None) -> Report:
+                    started: float | None = None, earlier: Callable[[], EarlierState] | None = None) -> Report:
     """run_session's report, as the tree (forensics/report/tree.py)."""
     options = options or ReplayOptions()
     started = time.monotonic() if started is None else started
@@ -307,7 +321,7 @@ def _session_report(session: ReplaySession, options: ReplayOptions | None = None
                                      fp32_check=options.fp32_check, remedies=options.remedies)
             for line in session.stream.describe(passes, len(session.micro_batches)):
                 _stage(progress, line)
-        report = _stages(session, runner, options, progress, dump_info, history, started)
+        report = _stages(session, runner, options, progress, dump_info, history, started, earlier)
         if isinstance(runner, StreamedStepRunner):  # the session has a stream plan
             report.stream = runner.stream_report()
         return report
@@ -316,7 +330,8 @@ def _session_report(session: ReplaySession, options: ReplayOptions | None = None
 
 
 def _stages(session: ReplaySession, runner: StepRunner, options: ReplayOptions, progress: Progress | None,
-            dump_info: dict | None, history: dict | None, started: float) -> Report:
+            dump_info: dict | None, history: dict | None, started: float,
+            earlier: Callable[[], EarlierState] | None = None) -> Report:
     """run_session's stages, in order, on one runner."""
     findings = _reproduce(runner, options, progress)
     raised = findings.kind is TriggerKind.EXCEPTION  # the step stops where it raises: no numbers to measure
@@ -325,8 +340,12 @@ def _stages(session: ReplaySession, runner: StepRunner, options: ReplayOptions, 
         _stage(progress, "per-layer gradient norms and output abs-max")
         findings.per_layer = per_layer_stats(runner)
     refs = session.sample_refs
+    result = findings.reproduction.result
+    if findings.reproduced and result.norm_overflow and findings.kind is TriggerKind.NONFINITE_GRAD:
+        _stage(progress, "every gradient is finite but their norm overflows: measuring the largest")
+        findings.norm_overflow = _largest_gradient(runner)
     data_independent = findings.kind.data_independent or bool(findings.weights_nonfinite) \
-        or findings.phase is Phase.OPTIMIZER
+        or findings.phase is Phase.OPTIMIZER or findings.norm_overflow is not None
     largest = []
     if raised and is_out_of_memory((session.exception or {}).get("type"), (session.exception or {}).get("message")):
         _stage(progress, "measuring the samples' sizes (out of memory)")
@@ -389,7 +408,44 @@ def _stages(session: ReplaySession, runner: StepRunner, options: ReplayOptions, 
     if findings.kind.spike and findings.history.diverged and findings.culprits:
         logger.info("the run diverged long before: the samples whose removal ends the spike are not culprits")
         findings.bisection.culprits = []  # the bisection block keeps what it found; no sample is blamed
+    if findings.culprits and not raised:
+        findings.evidence = _weigh_evidence(findings, session, runner)
+        if earlier is not None and session.stream is None:
+            state = earlier()
+            _stage(progress, f"feeding the culprit micro-batch's samples to {state.source} (trigger or cause?)")
+            feed_earlier_state(runner, state, findings.culprits, findings.kind, findings.evidence,
+                               (dump_info or {}).get("step"))
     return assemble_report(findings, runner, dump_info, started)
+
+
+def _weigh_evidence(findings: Findings, session: ReplaySession, runner: StepRunner) -> RecordEvidence:
+    """Stage 8: is there evidence that the culprits' records are bad data, or are they triggers?"""
+    precision = cast("dict[str, Any]", findings.precision or {})
+    low_job = session.autocast_dtype is not None or session.param_dtype in (torch.float16, torch.bfloat16) \
+        or bool(precision.get("code_dtypes"))
+    full_precision = precision.get("fp32_reproduces") is True or (not low_job and not session.scaler_enabled)
+    evidence = weigh(findings.culprits, cast("list[dict]", findings.per_sample), findings.sample_facts,
+                     nonfinite_trigger=not findings.kind.spike, full_precision=full_precision,
+                     isolated=(findings.bisection.block or {}).get("test") == "isolation",
+                     others_far=lambda: (others_share(runner, findings.culprits) or 1.0) < FAR_FROM_LIMIT)
+    if not evidence.bad_data:
+        logger.info("no evidence that the culprits' records are bad: they are triggers (%s)", evidence.ordinary)
+    return evidence
+
+
+def _largest_gradient(runner: StepRunner) -> float | None:
+    """The largest |gradient| of the step (a norm that overflows while every value is finite)."""
+    try:
+        with runner.keeping_gradients():
+            runner.run(keep_grads=True)
+            values = [float(p.grad.detach().abs().max()) for _, p in runner.gradients()
+                      if p.grad is not None and p.grad.numel()]
+        return max(values) if values else None
+    except Exception:  # a measurement: the verdict goes on without the number
+        logger.warning("the largest gradient could not be measured", exc_info=True)
+        return None
+    finally:
+        runner.reset()
 
 
 # --------------------------------------------------------------------------------------------

@@ -185,7 +185,7 @@ step extra_overhead_nanogpt 0 timeout 480 python3 -m scripts.bench.capture_overh
 step extra_overhead_fsdp2 0 timeout 480 torchrun --nproc_per_node=2 -m scripts.bench.capture_overhead --config fsdp2 \
   --rounds 10 --steps 10
 # one round of the (host-bound) FSDP2 step varies ~8 %: plain and guarded alone, many short rounds, the median ratio
-# with its bootstrap interval (BENCHMARKS.md, "FSDP2, demonstrated")
+# with its bootstrap interval (BENCHMARKS.md, "FSDP2 on two GPUs")
 step extra_overhead_fsdp2_paired 0 timeout 480 torchrun --nproc_per_node=2 -m scripts.bench.capture_overhead \
   --config fsdp2 --modes guarded --rounds 60 --steps 2
 # where the FSDP2 step's time goes: traced steps of each mode after the timed rounds (torch.profiler, each mode's

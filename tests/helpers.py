@@ -155,6 +155,19 @@ class TrainLoop:
         return log
 
 
+def written(record: dict, *path: str) -> Any:
+    """`record[path[0]][path[1]]...`, failing with the missing key's name: a test that compares `.get(key)` of two
+    reports passes when no code writes the key at all (None == None); reading through this one cannot.
+
+    Example: `assert written(streamed, "culprit", "module") == written(normal, "culprit", "module")`."""
+    value: Any = record
+    for depth, key in enumerate(path):
+        assert isinstance(value, dict) and key in value, \
+            f"no key {'.'.join(path[:depth + 1])!r}: nothing wrote it (has {sorted(value) if isinstance(value, dict) else type(value).__name__})"
+        value = value[key]
+    return value
+
+
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same dtype, shape and bytes (NaN == NaN when the bits match)."""
     if a.dtype != b.dtype or a.shape != b.shape:

@@ -1,10 +1,12 @@
-"""Every Python snippet in README.md and docs/INTEGRATIONS.md runs as written.
+"""Every Python snippet in README.md and docs/*.md runs as written; the configuration reference is current.
 
-Each snippet runs in its own process (frameworks keep global state; tests/fork_server.py forks it from a server
-that imported torch and transformers once) after a prelude that makes the names
-the documents say the reader brings: `model` (a tiny random GPT-2), `optimizer`, `scheduler`, `scaler`,
-`dataset` (one sample is corrupt), `batch_loader`, `loader`, `device`. The corrupt sample must stop the
-run with TrainingFaultError and leave a dump that `forensics verify` accepts.
+Every ```python block of those documents is a test case (a block that is not meant to run has a plain ``` fence), and
+none is skipped: a snippet whose framework is not installed fails, naming the extra to install (CI installs
+`.[dev]`, which has them all). Each snippet runs in its own process (frameworks keep global state;
+tests/fork_server.py forks it from a server that imported torch and transformers once) after a prelude that makes the
+names the documents say the reader brings: `model` (a tiny random GPT-2), `optimizer`, `scheduler`, `scaler`,
+`dataset` (one sample is corrupt), `batch_loader`, `loader`, `device`. The corrupt sample must stop the run with
+TrainingFaultError and leave a dump that `forensics verify` accepts.
 """
 
 from __future__ import annotations
@@ -42,8 +44,22 @@ torch.distributed.init_process_group("gloo", rank=0, world_size=1)
 '''
 
 
+DOCUMENTS = ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))]
+
+FRAMEWORKS = {"accelerate": "accelerate", "deepspeed": "deepspeed", "pytorch_lightning": "lightning",
+              "transformers": "demo"}  # a module a snippet imports -> the extra that installs it
+
+
 def _snippets(document: str) -> list[str]:
-    return re.findall(r"```python\n(.*?)```", (ROOT / document).read_text(), re.S)
+    return re.findall(r"^```python\n(.*?)^```", (ROOT / document).read_text(), re.S | re.M)
+
+
+def _needs(code: str) -> str | None:
+    """The framework the snippet imports, if any (its test needs it installed)."""
+    for module in FRAMEWORKS:
+        if re.search(rf"^\s*(import|from) {module}\b", code, re.M):
+            return module
+    return None
 
 
 def _free_port() -> int:
@@ -61,18 +77,28 @@ def _fork_server():
     return fork_server()
 
 
-CASES = [("README.md", 0, None), ("docs/INTEGRATIONS.md", 0, None), ("docs/INTEGRATIONS.md", 1, "accelerate"),
-         ("docs/INTEGRATIONS.md", 2, "deepspeed"), ("docs/INTEGRATIONS.md", 3, "transformers"),
-         ("docs/INTEGRATIONS.md", 4, "pytorch_lightning"), ("docs/INTEGRATIONS.md", 5, None)]
+CASES = [(document, index) for document in DOCUMENTS for index in range(len(_snippets(document)))]
 
 
-@pytest.mark.parametrize("document, index, needs", CASES, ids=[f"{d}#{i}" for d, i, _ in CASES])
-def test_snippet_runs_as_written_and_dumps_the_corrupt_step(document, index, needs, tmp_path):
+def test_every_python_block_is_a_case_and_no_other_fence_hides_one():
+    """A block fenced ```py / ```python3 / ```pycon would be Python that never runs: it is ```python (it runs) or
+    a plain ``` fence (a fragment, a signature, an API sketch)."""
+    assert {d for d, _ in CASES} >= {"README.md", "docs/INTEGRATIONS.md"}
+    hidden = [f"{document}: ```{language}" for document in DOCUMENTS
+              for language in re.findall(r"^```(\w+)", (ROOT / document).read_text(), re.M)
+              if language.lower() in ("py", "python3", "pycon", "ipython") or language == "Python"]
+    assert not hidden, hidden
+
+
+@pytest.mark.parametrize("document, index", CASES, ids=[f"{d}#{i}" for d, i in CASES])
+def test_snippet_runs_as_written_and_dumps_the_corrupt_step(document, index, tmp_path):
     import importlib.util
 
-    if needs and importlib.util.find_spec(needs) is None:
-        pytest.skip(f"{needs} is not installed")
     code = _snippets(document)[index]
+    needs = _needs(code)
+    if needs and importlib.util.find_spec(needs) is None:
+        pytest.fail(f"{document} snippet {index} imports {needs}: pip install -e '.[{FRAMEWORKS[needs]}]' "
+                    "(or '.[dev]') to run it")
     prelude = PRELUDE.format(examples=str(ROOT / "scripts" / "examples"))
     if "DistributedDataParallel" in code or "deepspeed" in code or "fully_shard" in code:
         prelude += DISTRIBUTED.format(port=_free_port())
@@ -100,3 +126,10 @@ def test_snippet_runs_as_written_and_dumps_the_corrupt_step(document, index, nee
     from forensics.format import verify_dump
 
     assert verify_dump(tmp_path / dumped[0]).ok
+
+
+def test_the_configuration_reference_is_current():
+    from scripts import config_reference
+
+    assert (ROOT / "docs" / "CONFIGURATION.md").read_text() == config_reference.render(), \
+        "docs/CONFIGURATION.md is not current: run python -m scripts.config_reference"

@@ -21,7 +21,7 @@ def import_path(fn: Callable) -> str | None:
 
 def build_recipe(model: torch.nn.Module, loss_fn: Callable | None, sample_id_key: str,
                  override: dict | None) -> dict:
-    """The recipe written to the manifest (docs/DUMP_FORMAT.md `recipe`; keys documented in README).
+    """The recipe written to the manifest (docs/DUMP_FORMAT.md `recipe`; keys documented in docs/GUIDE.md).
 
     A user override (GuardConfig.dumping.recipe) replaces a field together with the fields that belong to it:
     a new `factory` drops the automatic `factory_kwargs` (and `loss` its `loss_kwargs`) unless the override

@@ -204,6 +204,9 @@ def culprit_sentence(report: Mapping | Report) -> str | None:
             return (f"No culprit sample: the smallest set {test} is {fmt_num(bis.unblamed_group)} of the "
                     f"{fmt_num(bis.candidates)} samples ({runs} replays), too large a share "
                     "of the step to blame any of them; no blocklist is written.")
+        if bis.culprit_size:  # found, then not blamed (the rest of the step at the same edge, a diverged run)
+            return (f"No sample is blamed: bisecting {bis.candidates} samples ({runs} replays) isolated "
+                    f"{fmt_num(bis.culprit_size)}, but the verdict finds the state at fault, not their data.")
         if bis.candidates:
             return (f"No culprit sample: bisecting {bis.candidates} samples "
                     f"({runs} replays) found no subset that fails on its own.")
@@ -217,12 +220,13 @@ def culprit_sentence(report: Mapping | Report) -> str | None:
             where.append(f"batch[{clean(s.index)}]")
         return fmt_id(s.sample_id) + (f" ({', '.join(where)})" if where else "")
 
+    label = "First to cross (not bad data)" if any(s.trigger for s in samples) else "Culprit"
     if len(samples) == 1:
-        text = f"Culprit: sample {one(samples[0])} alone"
+        text = f"{label}: sample {one(samples[0])} alone"
     else:
         listed = "; ".join(one(s) for s in samples[:MAX_LISTED_SAMPLES])
         more = len(samples) - MAX_LISTED_SAMPLES
-        text = f"Culprit: {len(samples)} samples together: {listed}"
+        text = f"{label}: {len(samples)} samples together: {listed}"
         if more > 0:
             text += f"; and {more} more (see report.md)"
     text += f" — {found}." if found else "."
@@ -252,21 +256,66 @@ def precision_sentence(report: Mapping | Report) -> str | None:
     if prec is None:
         return None
     dtype, fp32, fsdp = prec.autocast_dtype, prec.fp32_reproduces, prec.fsdp_param_dtype
-    has_samples = bool(r.culprit.ids())
+    evidence = r.evidence if isinstance(r.evidence, dict) else {}
+    has_samples = bool(r.culprit.ids()) and bool(evidence.get("bad_data", True))  # bad data, not a trigger
+    code = prec.code_dtypes if isinstance(prec.code_dtypes, dict) else {}
+    low_code = next((k for k in ("float16", "bfloat16") if code.get(k)), None)
     under = f"autocast {clean(dtype)}" if dtype else f"FSDP2 mixed precision ({clean(fsdp)} compute)" if fsdp \
-        else "the job's precision"
+        else f"{low_code} (the job's own code)" if low_code else "the job's precision"
     spike = TriggerKind.parse(r.trigger.kind, TriggerKind.NONFINITE_LOSS).spike
+    ran = prec.fp32_ran if isinstance(prec.fp32_ran, dict) else None
+    checked = f" (checked: {_ran_words(ran)})" if ran else ""
+    if ran is not None and not ran.get("verified"):
+        return f"Ran under {under}; the fp32 re-run could not be held to float32{checked}: no conclusion drawn."
     if fp32 is False:
         cause = "precision + data" if has_samples else "precision"
-        return f"Ran under {under}; in fp32 the step {'does not spike' if spike else 'is finite'} → {cause}."
+        return f"Ran under {under}; in fp32{checked} the step {'does not spike' if spike else 'is finite'} → {cause}."
     if fp32 is True:
         cause = "data, not precision" if has_samples else "not precision (data, model or optimizer)"
-        return f"Ran under {under}; {'still spikes' if spike else 'still non-finite'} in fp32 → {cause}."
+        return f"Ran under {under}; {'still spikes' if spike else 'still non-finite'} in fp32{checked} → {cause}."
     if not r.reproduced:
         return None  # nothing failed in the replay, so there was nothing to re-run in fp32
     if not dtype and not fsdp:
         return "The job ran in full precision (no autocast); no fp32 re-run needed."
     return f"Ran under {under}; fp32 re-run not performed."
+
+
+def _ran_words(ran: dict) -> str:
+    """'214 ops in float32, none in float16 or bfloat16' from a precision block's `fp32_ran`."""
+    ops_value = ran.get("ops")
+    ops: dict = ops_value if isinstance(ops_value, dict) else {}
+    low = ", ".join(f"{fmt_num(n)} in {clean(k, 20)}" for k, n in sorted(ops.items()) if k in ("float16", "bfloat16"))
+    text = f"{fmt_num(ops.get('float32', 0))} ops in float32, " + (f"but {low}" if low else "none in float16 or bfloat16")
+    if ran.get("held_autocasts"):
+        text += f"; the code's own autocast held off {fmt_num(ran['held_autocasts'])} time(s)"
+    return text
+
+
+def evidence_sentence(report: Mapping | Report) -> str | None:
+    """Why the named samples are (or are not) bad data, and what an earlier state said (replay/culprits/evidence.py)."""
+    r = parse_report(report)
+    evidence = r.evidence if isinstance(r.evidence, dict) else None
+    if not evidence or not r.culprit.samples:
+        return None
+    against = [clean(str(e.get("words")), 200) for e in evidence.get("against") or [] if isinstance(e, dict)]
+    if against:
+        text = "Evidence against the record: " + "; ".join(against[:3]) + "."
+    elif evidence.get("ordinary"):
+        text = f"Its record looks like the others: {clean(str(evidence['ordinary']), 300)}."
+    else:
+        text = "Nothing marks its record as bad."
+    if evidence.get("earlier_state"):
+        text += " " + clean(str(evidence["earlier_state"]), 300)
+    return text
+
+
+def precursor_story_sentence(report: Mapping | Report) -> str | None:
+    """What the per-layer statistics did before the crash, and the run's earlier dumps (report.md has it too)."""
+    block = parse_report(report).precursor_history
+    if not isinstance(block, dict) or not block.get("sentence"):
+        return None
+    before = f"Before it, {clean(str(block['sentence']), 400)}" if block.get("lead") else clean(str(block["sentence"]), 400)
+    return before.rstrip(".") + "."
 
 
 def history_sentence(report: Mapping | Report) -> str | None:
@@ -294,6 +343,9 @@ def per_sample_sentence(report: Mapping | Report) -> str | None:
     bad = [r for r in rows if not r.error and (r.finite is False or is_nonfinite(r.loss)
                                                 or is_nonfinite(r.grad_norm))]
     text = f"Per-sample replay: {len(bad)} of {len(rows)} samples non-finite"
+    culprits = parse_report(report).culprit.samples
+    if bad and (not culprits or all(s.trigger for s in culprits)):
+        text += " (alone, on this state; the verdict finds the state at fault, not their records)"
     if raised:
         kind = clean(str(raised[0].error).split(":", 1)[0], 60)
         text += f", {len(raised)} raised when run alone ({kind})"
@@ -338,8 +390,8 @@ def render_verdict_text(report: Mapping | Report, files: Mapping[str, Any] | Non
     lines = [f"Verdict: {label} — {clean(verdict.headline or '(no headline)', 400)}"]
     lines.append(f"{where_sentence(r)} {trigger_sentence(r)}")
     lines.append(reproduction_sentence(r))
-    for make in (rng_sentence, location_sentence, culprit_sentence, per_sample_sentence, precision_sentence,
-                 history_sentence):
+    for make in (rng_sentence, location_sentence, culprit_sentence, evidence_sentence, per_sample_sentence,
+                 precision_sentence, history_sentence, precursor_story_sentence):
         try:
             sentence = make(r)
         except Exception:  # a malformed optional section must not hide the verdict

@@ -239,6 +239,8 @@ class CulpritSample(Node):
     rank: int | None = None
     positional: bool | None = None
     description: str | None = None
+    trigger: bool | None = None
+    """Named as the sample that crossed first, not as bad data (verdict trigger_sample): never in a blocklist."""
 
 
 @dataclass
@@ -273,6 +275,9 @@ class Precision(Node):
     autocast_dtype: str | None = None
     fp32_reproduces: bool | None = None
     fsdp_param_dtype: str | None = None
+    fp32_ran: dict | None = None
+    """What the fp32 re-run ran (replay/run/fp32.py): compute ops by dtype, and what was held to float32."""
+    code_dtypes: dict | None = None
 
 
 @dataclass
@@ -476,6 +481,8 @@ class Report(Node):
     stream: dict | None = None
     precursor_history: dict | None = None
     margin: dict | None = None
+    evidence: dict | None = None
+    """Whether the culprits' records are bad data or triggers (replay/culprits/evidence.py)."""
     repro: Repro | None = _node(Repro)
     # a key set in code after the report was read goes after the keys read, in this order (the engine's: the
     # stream of a streamed replay, then the crash's precursor history; repro last, by `forensics repro --report`)

@@ -70,6 +70,8 @@ def blocklist_ids(report: Mapping | Report) -> list:
     """The culprit ids a blocklist may hold: never an ID the replay made up from a sample's position in its batch
     (culprit sample `positional`: the job recorded no IDs), which names no record of the dataset."""
     culprit = parse_report(report).culprit
+    if any(s.trigger for s in culprit.samples):  # the first to cross on a broken state, not bad data
+        return []
     positional = {json.dumps(s.sample_id, default=repr) for s in culprit.samples if s.positional}
     if positional:
         log.warning("%d culprit sample(s) have made-up positional IDs and are left out of the blocklist (the job "

@@ -66,6 +66,54 @@ class _LargestHalf(TorchDispatchMode):
         return out
 
 
+FAR_FROM_LIMIT = 1e-3
+"""The rest of a step is 'far from the limit' of its dtypes when no op's largest finite |value| reaches this share of
+its dtype's largest value: then a sample that alone makes the loss non-finite does it by its own record (a log(0), a
+division by zero), not by crossing an edge everyone is near (replay/culprits/evidence.py)."""
+
+
+class _LargestShare(TorchDispatchMode):
+    """Keeps, over every floating-point op output, the largest finite |value| as a share of its dtype's largest value
+    (the dtype's own max, a sentinel that attention masks fill with, is left out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.share = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in _UNWRITTEN:
+            return out
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+                limit = torch.finfo(t.dtype).max
+                a = t.detach().abs()
+                top = float(torch.where(torch.isfinite(a) & (a < limit), a, torch.zeros_like(a)).amax())
+                self.share = max(self.share, top / limit)
+        return out
+
+
+def others_share(runner: StepRunner, culprits: list[SampleRef]) -> float | None:
+    """How close the step's other samples come to their dtypes' largest values (0..1), forward only, without
+    `culprits`; None when nothing is left to run or the run failed. Never raises."""
+    rest = [r for r in runner.session.sample_refs if r not in set(culprits)]
+    if not rest:
+        return None
+    mode = _LargestShare()
+
+    @contextlib.contextmanager
+    def measured(_micro_batch: int) -> Any:
+        with mode:
+            yield
+
+    try:
+        runner.run(rest, backward=False, forward_context=measured)
+    except Exception:  # a measurement: the evidence goes on without it
+        logger.warning("how close the other samples come to the limit could not be measured", exc_info=True)
+        return None
+    return mode.share
+
+
 def others_margin(runner: StepRunner, culprits: list[SampleRef]) -> MarginBlock | None:
     """How close the step comes to fp16's limit without `culprits` (None: not an fp16-autocast step, nothing left
     to run, or the run failed). Never raises."""
@@ -97,4 +145,4 @@ def others_margin(runner: StepRunner, culprits: list[SampleRef]) -> MarginBlock 
             "samples_excluded": len(culprits), "at_the_edge": share >= HEADROOM}
 
 
-__all__ = ["MarginBlock", "others_margin"]
+__all__ = ["FAR_FROM_LIMIT", "MarginBlock", "others_margin", "others_share"]

@@ -37,6 +37,12 @@ OUTLIER_RATIO = 100.0
 """A float field whose largest |value| is this many times the other samples' largest is named, before any other
 fact about floats (an all-zero field beside it is named second)."""
 LABEL_FIELDS = ("labels", "label", "targets", "target")
+REPEAT_SHARE = 0.5
+"""A token sequence is named when at least this share of its n-grams repeat one it already had ..."""
+REPEAT_MARGIN = 0.3
+"""... and that share is this much above every other sample's: a task whose every sample repeats itself (a copy
+task, code) repeats in all of them alike, and none stands out."""
+MIN_REPEAT_TOKENS = 16
 MASK_FIELDS = ("attention_mask",)
 
 
@@ -54,8 +60,9 @@ def describe_samples(micro_batches: list[Any], refs: list[SampleRef]) -> dict[Sa
     gives no facts."""
     found = {}
     for ref in refs:
+        fellow = [r.index for r in refs if r.micro_batch == ref.micro_batch and r != ref]  # compared with the rest
         try:
-            facts = sample_facts(micro_batches[ref.micro_batch], ref.index)
+            facts = sample_facts(micro_batches[ref.micro_batch], ref.index, exclude=fellow)
         except Exception as exc:  # noqa: BLE001 - a description is a bonus; the replay's findings stand
             log.debug("no data facts for sample %r: %s", ref.sample_id, exc)
             continue
@@ -64,10 +71,12 @@ def describe_samples(micro_batches: list[Any], refs: list[SampleRef]) -> dict[Sa
     return found
 
 
-def sample_facts(batch: Any, index: int) -> list[SampleFact]:
-    """What is odd about sample `index` of `batch` (a micro-batch tree), most telling first."""
+def sample_facts(batch: Any, index: int, exclude: list[int] | tuple[int, ...] = ()) -> list[SampleFact]:
+    """What is odd about sample `index` of `batch` (a micro-batch tree), most telling first, against the batch's
+    other samples less `exclude` (the other culprits: two records carrying the same sentinel are each odd against
+    the rest, not against each other)."""
     own = dict(tensor_leaves(select_samples(batch, [index])))
-    others_batch = _others(batch, index)
+    others_batch = _others(batch, index, exclude)
     others = dict(tensor_leaves(others_batch)) if others_batch is not None else {}
     facts: list[SampleFact] = []
     for path, tensor in own.items():
@@ -84,6 +93,8 @@ def sample_facts(batch: Any, index: int) -> list[SampleFact]:
                                         "and attention masks every score"))
         elif tensor.is_floating_point():
             facts.extend(_floats(path, shown, tensor, others.get(path)))
+        elif tensor.dtype != torch.bool and name not in LABEL_FIELDS:
+            facts.extend(_repeats(path, shown, tensor, others.get(path)))
     order = list(SampleFactKind)
     return sorted(facts, key=lambda f: order.index(f.kind))
 
@@ -110,8 +121,8 @@ def describe(facts: list[SampleFact]) -> str | None:
     return "; ".join(f.words for f in facts) or None
 
 
-def _others(batch: Any, index: int) -> Any:
-    rest = [i for i in range(batch_size(batch)) if i != index]
+def _others(batch: Any, index: int, exclude: list[int] | tuple[int, ...] = ()) -> Any:
+    rest = [i for i in range(batch_size(batch)) if i != index and i not in exclude]
     return select_samples(batch, rest) if rest else None
 
 
@@ -126,6 +137,33 @@ def _labels(path: str, shown: str, labels: torch.Tensor) -> list[SampleFact]:
                            f"only the first of its {labels.shape[-1]:,} {shown} is not {IGNORE_INDEX}, and a "
                            "causal LM's shifted loss drops the first: a mean over zero tokens is 0/0 = NaN")]
     return []
+
+
+def repeated_share(tokens: torch.Tensor) -> float | None:
+    """The share of a token sequence's n-grams (n = 8 from 64 tokens, else 4) that repeat an earlier one of it;
+    None for a sequence too short to tell."""
+    row = tokens.detach().reshape(-1).long().cpu()
+    if row.numel() < MIN_REPEAT_TOKENS:
+        return None
+    n = 8 if row.numel() >= 64 else 4
+    grams = row.unfold(0, n, 1)
+    unique = int(torch.unique(grams, dim=0).shape[0])
+    return 1.0 - unique / int(grams.shape[0])
+
+
+def _repeats(path: str, shown: str, tokens: torch.Tensor, others: torch.Tensor | None) -> list[SampleFact]:
+    """Long repeated n-grams (OLMo 2 traced gradient spikes to them), when the other samples do not repeat so."""
+    own = repeated_share(tokens)
+    if own is None or own < REPEAT_SHARE or others is None or not others.numel() or others.dim() < 1:
+        return []
+    shares = [repeated_share(row) for row in others.reshape(others.shape[0], -1)] if others.dim() >= 2 \
+        else [repeated_share(others)]
+    known = [v for v in shares if v is not None]
+    if not known or own < max(known) + REPEAT_MARGIN:
+        return []
+    return [SampleFact(SampleFactKind.REPEATED_NGRAMS, path,
+                       f"{own:.0%} of its {shown} n-grams repeat one it already had, against at most "
+                       f"{max(known):.0%} in the other samples (long repeated sequences)")]
 
 
 def _floats(path: str, shown: str, values: torch.Tensor, others: torch.Tensor | None) -> list[SampleFact]:

@@ -5,6 +5,7 @@ Writing the report to disk is forensics.report's job."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 from datetime import datetime, timezone
 from typing import Any, cast
 
@@ -12,7 +13,7 @@ import torch
 
 from forensics.format.jsonio import lenient_float
 from forensics.format.tree import tensor_leaves
-from forensics.kinds import HistoryPattern, Phase, TriggerKind
+from forensics.kinds import HistoryPattern, Phase, TriggerKind, VerdictKind
 from forensics.report.model import schema_for, to_json_safe
 from forensics.report.tree import Culprit, Report, TriggerBlock, parse_report
 from replay.culprits.per_sample import rank_by_loss
@@ -24,6 +25,7 @@ from replay.load.environment import replay_environment
 from replay.load.session import ReplaySession
 from replay.localize.forward_backward import INPUT_MODULE, ROOT_MODULE
 from replay.run.execute import StepRunner
+from replay.run.fp32 import Fp32Count, ran_words
 from replay.run.units import explaining_factor, recorded_factors
 
 
@@ -36,9 +38,17 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
     if findings.kind is TriggerKind.NONFINITE_PARAM and findings.optimizer is not None:
         fidelity["optimizer_reproduced"] = True
     verdict = decide_verdict(verdict_facts(findings, session, dump_info, culprit))
+    if verdict["kind"] in (VerdictKind.TRIGGER_SAMPLE.value, VerdictKind.NUMERICAL_PRECISION.value) \
+            and findings.evidence is not None and not findings.evidence.bad_data:
+        for sample in culprit.samples:  # named as the first to cross, not as bad data: no blocklist lists them
+            sample.trigger = True
     if findings.remedies:  # a tested fix comes before what is only suggested
         diverged = bool(findings.history.diverged) or findings.history.pattern is HistoryPattern.DIVERGED
-        first, last = tested_suggestions(findings.remedies, diverged=diverged)
+        blames = verdict["kind"] in (VerdictKind.BAD_SAMPLE.value, VerdictKind.EXCEPTION.value) or (
+            verdict["kind"] == VerdictKind.NUMERICAL_PRECISION.value and findings.evidence is not None
+            and findings.evidence.bad_data)
+        first, last = tested_suggestions(findings.remedies, diverged=diverged, blames_data=blames,
+                                         trigger=verdict["kind"] == VerdictKind.TRIGGER_SAMPLE.value)
         verdict["suggestions"] = list(dict.fromkeys(first + verdict["suggestions"] + last))
     if findings.margin is not None and findings.margin["at_the_edge"]:
         verdict["explanation"] = ((verdict.get("explanation") or "") + (
@@ -63,6 +73,7 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
         "culprit": culprit.as_dict(),
         "precision": findings.precision,
         "margin": findings.margin,
+        "evidence": findings.evidence.as_dict() if findings.evidence is not None else None,
         "bisection": findings.bisection.block,
         "per_sample": findings.per_sample,
         "per_layer": findings.per_layer,
@@ -192,7 +203,7 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
         bisect_runs=findings.bisection.runs, all_subsets_fail=findings.bisection.all_failed,
         weights_nonfinite_at_start=bool(findings.weights_nonfinite),
         fp32_reproduces=precision.get("fp32_reproduces"),
-        autocast_dtype=precision.get("autocast_dtype"),
+        autocast_dtype=precision.get("autocast_dtype") or _code_low_dtype(precision),
         param_dtype=str(session.param_dtype).removeprefix("torch."),
         history_pattern=findings.history.pattern, history_signals=list(findings.history.signals),
         per_sample_top=cast("list[dict]", rank_by_loss(findings.per_sample)[:3]) if findings.per_sample else [],
@@ -215,8 +226,28 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
         history_reading=findings.history.reading.sentences if findings.history.reading.onset is not None else [],
         update_change=lenient_float(trigger.update_change),
         lr=_lr(session),
+        record_evidence=[e.words for e in findings.evidence.against] if findings.evidence is not None else [],
+        ordinary_record=findings.evidence.ordinary if findings.evidence is not None else None,
+        earlier_state=findings.evidence.earlier if findings.evidence is not None else None,
+        fp32_ran=ran_words(_fp32_count(precision)) if precision.get("fp32_ran") else None,
+        fp32_unverified=bool(precision.get("fp32_ran")) and not precision["fp32_ran"].get("verified"),
+        grad_norm_overflow=findings.norm_overflow,
         ids_are_positional=any(s.positional for s in culprit.samples)
         or any(o.ref.micro_batch in session.positional_ids for o in (sizes.outliers if sizes is not None else ())))
+
+
+def _code_low_dtype(precision: dict) -> str | None:
+    """A job that recorded no autocast but whose code computed below fp32 (autocast inside its loss, `.half()`):
+    the low dtype it used most (replay/judge/precision.py `code_dtypes`)."""
+    seen = {k: v for k, v in (precision.get("code_dtypes") or {}).items() if k in ("float16", "bfloat16")}
+    return max(seen, key=seen.__getitem__) if seen else None
+
+
+def _fp32_count(precision: dict) -> Fp32Count:
+    """The precision block's `fp32_ran`, back as the count it was made from (for its words)."""
+    ran = precision.get("fp32_ran") or {}
+    return Fp32Count(Counter(ran.get("ops") or {}), int(ran.get("held_casts") or 0),
+                     int(ran.get("held_autocasts") or 0))
 
 
 def _lr(session: ReplaySession) -> float | None:

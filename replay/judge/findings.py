@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from forensics.kinds import HistoryPattern, Phase, TriggerKind
 from forensics.trigger import Trigger
+from replay.culprits.evidence import RecordEvidence
 from replay.culprits.margin import MarginBlock
 from replay.culprits.per_sample import SampleRow
 from replay.culprits.sample_facts import SampleFact
@@ -100,6 +101,10 @@ class Findings:
     sizes: SizeSummary | None = None
     """Out of memory: the step's sample sizes, largest and outliers (replay/culprits/sizes.py; report
     exception.sizes)."""
+    evidence: RecordEvidence | None = None
+    """Whether the culprits' records are bad data or triggers (replay/culprits/evidence.py); None: no culprit."""
+    norm_overflow: float | None = None
+    """Every gradient finite but their norm not: the largest |gradient| (replay.run.execute.StepResult.norm_overflow)."""
     sample_facts: dict[SampleRef, list[SampleFact]] = field(default_factory=dict)
     """What is odd in each culprit's own data (replay/culprits/sample_facts.py): the report's sample `description`."""
 

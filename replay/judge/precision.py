@@ -2,17 +2,25 @@
 
 If it vanishes, the failure is (at least partly) a precision problem: an fp16 overflow, bf16
 rounding, a loss scale out of range. If it stays, suspect the data or the model state instead.
+
+The fp32 pass is held to float32 whatever the user's code enters or casts to (replay/run/fp32.py), and what ran is
+counted: the block's `fp32_ran` says it ("214 ops in float32, none in float16"), and when a compute op still ran
+below float32, or none ran, `fp32_reproduces` stays None — no conclusion is drawn from a pass that did not run as
+stated. A job whose dump records no low precision but whose code computes in float16 / bfloat16 anyway (autocast
+inside the loss, `.half()` in the forward) is found out by counting one forward pass in its own precision.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import TypedDict
+from typing import Any, Iterator, TypedDict
 
 import torch
 
 from forensics.kinds import TriggerKind
 from replay.run.execute import SampleRef, StepRunner
+from replay.run.fp32 import CountDtypes, ran_words
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +38,10 @@ class PrecisionBlock(_PrecisionFacts, total=False):
     """The report's `precision` block (docs/REPORT_FORMAT.md); `fsdp_param_dtype` only for FSDP2 mixed precision."""
 
     fsdp_param_dtype: str
+    fp32_ran: dict[str, Any]
+    """What the fp32 pass ran (replay.run.fp32.Fp32Count.as_dict): compute ops by dtype, casts and autocasts held."""
+    code_dtypes: dict[str, int]
+    """A job that recorded no low precision: the compute ops of one forward in its own precision, by dtype."""
 
 
 def uses_low_precision(runner: StepRunner) -> bool:
@@ -67,13 +79,42 @@ def fp32_check(runner: StepRunner, samples: list[SampleRef] | None = None, *, ki
              "grad_scaler": session.scaler_enabled}
     if session.fsdp_dtype is not None:
         block["fsdp_param_dtype"] = str(session.fsdp_dtype).removeprefix("torch.")
-    if kind is TriggerKind.NONFINITE_PARAM or not uses_low_precision(runner):
+    if kind is TriggerKind.NONFINITE_PARAM:
         return block
+    if not uses_low_precision(runner):
+        seen = code_dtypes(runner, samples)
+        if not any(dtype in ("float16", "bfloat16") for dtype in seen):
+            return block
+        block["code_dtypes"] = seen  # the user's code computes below fp32 where the dump says nothing of it
     result = runner.run(samples, fp32=True)
+    count = runner.fp32_count
+    block["fp32_ran"] = count.as_dict()
+    if not count.verified:
+        logger.warning("the fp32 re-run did not run in float32 (%s): no conclusion drawn from it", ran_words(count))
+        return block
     block["fp32_reproduces"] = result.trigger_reproduced(kind, threshold)
-    logger.info("fp32 re-run: %s %s (losses %s, grad norm %s)", kind,
-                "still fires" if block["fp32_reproduces"] else "vanishes", result.losses, result.grad_norm)
+    logger.info("fp32 re-run: %s %s (losses %s, grad norm %s; %s)", kind,
+                "still fires" if block["fp32_reproduces"] else "vanishes", result.losses, result.grad_norm,
+                ran_words(count))
     return block
 
 
-__all__ = ["PrecisionBlock", "fp32_check", "uses_low_precision"]
+def code_dtypes(runner: StepRunner, samples: list[SampleRef] | None = None) -> dict[str, int]:
+    """The compute ops of one forward of the step (or `samples`) in the job's own precision, by output dtype
+    ('float16': 12): what the user's code computes in, whatever the dump recorded. Never raises."""
+    counter = CountDtypes()
+
+    @contextlib.contextmanager
+    def counted(_micro_batch: int) -> Iterator[None]:
+        with counter:
+            yield
+
+    try:
+        runner.run(samples, backward=False, forward_context=counted)
+    except Exception:  # a measurement: the triage goes on without it
+        logger.warning("the dtypes of the step's own forward could not be counted", exc_info=True)
+        return {}
+    return dict(sorted(counter.ops.items()))
+
+
+__all__ = ["PrecisionBlock", "code_dtypes", "fp32_check", "uses_low_precision"]

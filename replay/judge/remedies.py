@@ -28,6 +28,7 @@ from forensics.kinds import RemedyKind
 from replay.judge.precision import uses_low_precision
 from replay.localize.update import step_each_parameter
 from replay.run.execute import SampleRef, StepRunner, any_nonfinite
+from replay.run.fp32 import ran_words
 from replay.run.update_size import WRECK_RATIO, relative_change
 
 logger = logging.getLogger(__name__)
@@ -121,11 +122,8 @@ def try_remedies(runner: StepRunner, culprits: list[SampleRef], clip_at: float |
     if culprits:
         ids = [r.sample_id for r in culprits]
         keep = [r for r in session.sample_refs if r not in set(culprits)]
-        listed = "" if any(r.micro_batch in session.positional_ids for r in culprits) \
-            else " (blocklist.jsonl lists them)"  # made-up positional IDs: no blocklist lists them
-        if keep:
-            results.append(_evaluate(runner, RemedyKind.DROP_SAMPLES, f"leave out samples {ids}{listed}",
-                                     samples=keep))
+        if keep:  # whether they are bad data, and so listed in a blocklist, is the verdict's to say
+            results.append(_evaluate(runner, RemedyKind.DROP_SAMPLES, f"leave out samples {ids}", samples=keep))
     eps = hyper.get("eps")
     if isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps < SAFE_EPS:
         results.append(_evaluate(runner, RemedyKind.ADAM_EPS, f"eps={SAFE_EPS:g} in the optimizer (was {eps:g})",
@@ -172,11 +170,15 @@ def _evaluate(runner: StepRunner, kind: RemedyKind, change: str, *, samples: lis
     try:
         with _scale(runner, loss_scale), runner.keeping_gradients():
             run = runner.run(samples, fp32=fp32, keep_grads=True)
+        if fp32 and not runner.fp32_count.verified:  # the user's code kept computing below fp32: no conclusion
+            result.note = f"could not be held to float32 ({ran_words(runner.fp32_count)})"
+            return result
         result.step_loss = run.comparable_loss if samples is not None else run.step_loss
         result.grad_norm = run.grad_norm
-        if not (run.loss_finite and run.grads_finite):
+        if not (run.loss_finite and run.grads_finite) or run.norm_overflow:
             result.healthy, result.weights_finite = False, None
-            result.note = "the loss or the gradients are non-finite before any update"
+            result.note = ("the gradients' norm overflows before any update" if run.norm_overflow else
+                           "the loss or the gradients are non-finite before any update")
             return result
         if clip is not None:
             runner.clip_gradients(clip)
@@ -232,7 +234,8 @@ def _first_group(snapshot: Any) -> dict:
     return {k: v for k, v in (snapshot.param_groups[0] if snapshot.param_groups else {}).items() if k != "params"}
 
 
-def tested_suggestions(block: RemediesBlock | None, limit: int = 3, diverged: bool = False) -> tuple[list[str], list[str]]:
+def tested_suggestions(block: RemediesBlock | None, limit: int = 3, diverged: bool = False,
+                       blames_data: bool = False, trigger: bool = False) -> tuple[list[str], list[str]]:
     """What the remedies showed, with their numbers: (lines that go before the verdict's own suggestions,
     lines that go after them). A fix that worked leads; skipping the step only hides the cause, so when it
     is the only thing that worked it is said last. `diverged`: the loss sits far above where the run started,
@@ -248,8 +251,15 @@ def tested_suggestions(block: RemediesBlock | None, limit: int = 3, diverged: bo
                     "skipping or clipping this step does not bring it back."]
     if any(r["kind"] == RemedyKind.AS_RECORDED.value for r in healthy):
         row = next(r for r in healthy if r["kind"] == RemedyKind.AS_RECORDED.value)
-        return [f"No action needed: replayed as recorded, the step's update leaves every weight finite and "
-                f"changes the weights by {_percent(row.get('relative_change'))} of their norm."], []
+        harmless = (f"replayed as recorded, the step's update leaves every weight finite and changes the weights by "
+                    f"{_percent(row.get('relative_change'))} of their norm")
+        if blames_data:  # the job survived this step; the record is still worth removing (said once, below)
+            return [], [f"The job survives this step ({harmless}): no restart is needed for it; filtering the record "
+                        "keeps it from coming back."]
+        if trigger:  # the step is harmless, the state that made an ordinary sample cross is not
+            return [], [f"This step itself is harmless ({harmless}), but the state that made an ordinary sample "
+                        "cross is still there: expect more such steps."]
+        return [f"No action needed: {harmless}."], []
     fixes = [r for r in healthy if r["kind"] != RemedyKind.SKIP_STEP.value]
     first = [f"Tested fix ({row['words']}): {row['change']} — the step is then healthy (step loss "
              f"{_number(row.get('step_loss'))}, grad norm {_number(row.get('grad_norm'))}, weights change by "

@@ -8,14 +8,20 @@
 | weights non-finite before the step, or every sample fails alone   | `model_state`           |
 | forward and backward finite, the optimizer update broke a weight  | `optimizer_update`      |
 | finite in fp32, non-finite in float16 / bfloat16                  | `numerical_precision`   |
-| a culprit subset smaller than the batch (or the only sample)      | `bad_sample`            |
+| a culprit subset, and evidence that its record is bad             | `bad_sample`            |
+| a culprit subset, and nothing shows its record is bad             | `trigger_sample`        |
 | a spike (finite trigger) with no culprit subset                   | `spike_no_single_cause` |
-
-Before the weight / precision / sample rules, a spike whose own update wrecks the weights (window replay) or in a
-run whose loss had long left where it started is `spike_no_single_cause` with no sample named.
 | anything else (non-finite, but only the whole batch fails)        | `model_state`           |
 
-The wording follows the field notes' "What a good forensic answer looks like" (README): the
+Before the weight / precision / sample rules, a spike whose own update wrecks the weights (window replay) or in a
+run whose loss had long left where it started is `spike_no_single_cause` with no sample named; a step whose
+gradients are all finite but whose norm overflows (a divergence) is `model_state`.
+Evidence that a record is bad (replay/culprits/evidence.py): its data is odd on its own, its loss alone is an outlier,
+it alone makes the loss non-finite in float32, or it still fails on an earlier state. Without any, the sample only
+crossed first (`trigger_sample`): no blocklist, no "filter", and the advice is about the state. The fp32 re-run counts
+only when it was checked to have run in float32 (replay/run/fp32.py).
+
+The wording follows the field notes' "What a good forensic answer looks like" (../shared/FIELD-NOTES.md): the
 headline is one sentence naming what broke and where; the explanation gives the evidence in the
 triage order (where, reproduction, culprit, precision, history); suggestions are concrete.
 """
@@ -148,6 +154,18 @@ class VerdictFacts:
     is what broke the run (more than replay.judge.remedies.WRECK_RATIO with finite gradients and weights)."""
     lr: float | None = None
     """The step's learning rate (the optimizer's first parameter group)."""
+    record_evidence: list[str] = field(default_factory=list)
+    """Why the culprits' records are bad data (replay/culprits/evidence.py), in words; empty: they are triggers."""
+    ordinary_record: str | None = None
+    """For triggers: the culprit against the other samples ('its loss 4.2 against 4.1-4.24 for the other 15 ...')."""
+    earlier_state: str | None = None
+    """The earlier-state ablation in one sentence (replay/culprits/earlier_state.py); None: no earlier state."""
+    fp32_ran: str | None = None
+    """What the fp32 re-run ran, in words (replay.run.fp32.ran_words); None: no fp32 re-run."""
+    fp32_unverified: bool = False
+    """The fp32 re-run could not be held to float32 (a compute op still ran below it): no conclusion from it."""
+    grad_norm_overflow: float | None = None
+    """Every gradient value is finite but their norm overflows: the largest |gradient| (a diverged state)."""
     ids_are_positional: bool = False
     """The samples the verdict names carry IDs made up from their position in the batch (the job recorded no
     sample IDs: manifest `ids_are_positional`): no blocklist lists them, and the verdict says how to record real
@@ -167,6 +185,8 @@ class VerdictFacts:
             self.culprit_subset_size = len(self.culprit_samples)
         if self.culprit_rank is None:
             self.culprit_rank = self.rank
+        if self.culprit_facts and not self.record_evidence:  # what is odd in the record's own data is evidence
+            self.record_evidence = [fact.words for fact in self.culprit_facts]
 
 
 # --- wording helpers --------------------------------------------------------------------------
@@ -282,7 +302,14 @@ def _evidence(f: VerdictFacts) -> list[str]:
     if _has_culprit(f):
         runs = f" (found in {f.bisect_runs} replays of {f.candidates} samples)" if f.bisect_runs is not None else ""
         phrase = _samples_phrase(f).rstrip(",")
-        out.append(f"Culprit: {phrase[0].lower() + phrase[1:]}{runs}.")
+        label = "Culprit" if f.record_evidence else "First to cross"
+        out.append(f"{label}: {phrase[0].lower() + phrase[1:]}{runs}.")
+        if f.record_evidence:
+            out.append(f"Evidence against the record: {'; '.join(f.record_evidence[:3])}.")
+        elif f.ordinary_record:
+            out.append(f"Its record looks like the others: {f.ordinary_record}.")
+        if f.earlier_state:
+            out.append(f.earlier_state)
     elif f.unblamed_group and f.bisect_runs is not None:
         test = "whose removal ends the spike" if f.spike else "that fails"
         out.append(f"Bisecting {f.candidates} samples ({f.bisect_runs} replays): the smallest set {test} is "
@@ -297,11 +324,14 @@ def _evidence(f: VerdictFacts) -> list[str]:
     elif f.rng_dependent is False and f.rng_seeds_tried:
         out.append(f"It fails from {f.rng_seeds_tried} other seeds too, so the random state is not the cause.")
     low = _low_precision(f)
-    if f.fp32_reproduces is False:
+    checked = f" (checked: {f.fp32_ran})" if f.fp32_ran else ""
+    if f.fp32_unverified:
+        out.append(f"The fp32 re-run could not be held to float32{checked}: no conclusion is drawn from it.")
+    elif f.fp32_reproduces is False:
         healthy = "does not spike" if f.spike else "is finite"
-        out.append(f"In fp32 the step {healthy} → {'precision + data' if _has_culprit(f) else 'precision'}.")
+        out.append(f"In fp32{checked} the step {healthy} → {'precision + data' if _blames_data(f) else 'precision'}.")
     elif f.fp32_reproduces is True and low:
-        out.append(f"It fails in fp32 too, so {low} is not the cause.")
+        out.append(f"It fails in fp32 too{checked}, so {low} is not the cause.")
     return out
 
 
@@ -406,7 +436,9 @@ def decide_verdict(facts: VerdictFacts) -> dict:
         return _update_too_large(f)
     if f.spike and (f.run_diverged or f.history_pattern is HistoryPattern.DIVERGED):
         return _diverged(f)
-    precision = f.fp32_reproduces is False and _low_precision(f) is not None
+    precision = f.fp32_reproduces is False and (_low_precision(f) is not None or f.fp32_ran is not None)
+    if f.grad_norm_overflow is not None and not f.weights_nonfinite_at_start:
+        return _norm_overflow(f)
     if f.weights_nonfinite_at_start or (f.all_subsets_fail and not precision):
         return _model_state(f)
     if f.phase is Phase.OPTIMIZER:
@@ -414,7 +446,7 @@ def decide_verdict(facts: VerdictFacts) -> dict:
     if precision:  # every sample failing alone, or none to blame, and finite in fp32: the precision is the cause
         return _numerical_precision(f)
     if _has_culprit(f):
-        return _bad_sample(f)
+        return _bad_sample(f) if f.record_evidence else _trigger_sample(f)
     if f.spike:
         return _spike(f)
     return _model_state(f)
@@ -427,6 +459,11 @@ def _whole_batch(f: VerdictFacts) -> bool:
 
 def _has_culprit(f: VerdictFacts) -> bool:
     return bool(f.culprit_samples) and not _whole_batch(f)
+
+
+def _blames_data(f: VerdictFacts) -> bool:
+    """A culprit subset AND evidence that its records are bad: only then is a sample called bad data."""
+    return _has_culprit(f) and bool(f.record_evidence)
 
 
 def _what(f: VerdictFacts) -> str:
@@ -655,8 +692,8 @@ def _optimizer_update(f: VerdictFacts) -> dict:
 
 
 def _numerical_precision(f: VerdictFacts) -> dict:
-    dtype = _low_precision(f)
-    with_data = _has_culprit(f)
+    dtype = _low_precision(f) or "float16 / bfloat16"
+    with_data = _blames_data(f)
     who = f" and only with {_samples_phrase(f, lower=True).rstrip(',')}," if with_data else ""
     at = _where_step(f)
     where = ("," if not with_data and _where_value(f) else "") + _where_value(f)
@@ -670,6 +707,10 @@ def _numerical_precision(f: VerdictFacts) -> dict:
         suggestions.append(f"Filter {ids} from the data{_listed(f, 'the culprits')}: "
                            f"{'it pushes' if len(f.culprit_samples) == 1 else 'they push'} the activations "
                            f"out of {dtype}'s range.")
+    if _has_culprit(f) and not with_data:
+        suggestions.append(f"Do not filter {_id(f.culprit_samples[0])}: nothing marks its record as bad; it is only the "
+                           "first sample to cross on a state at the edge of the format, and the next one like it "
+                           "would cross too.")
     if dtype == "float16":
         suggestions.append("Switch autocast from float16 to bfloat16: same speed on Ampere and newer, "
                            "fp32's range, no overflow at 65504; keep dynamic loss scaling while on fp16.")
@@ -704,6 +745,8 @@ _FACT_FIXES = {
                                    "or drop the record.",
     SampleFactKind.ALL_ZERO: "check why the record is all zeros (a failed read, missing values filled with 0) and fix "
                              "or drop it.",
+    SampleFactKind.REPEATED_NGRAMS: "deduplicate or filter documents dominated by repeated n-grams (OLMo 2 removed "
+                                    "such spans, and their spikes with them).",
 }
 _DIVISION_FIX = "drop such records, or guard the division (clamp the sum or norm to at least eps)."
 
@@ -816,6 +859,58 @@ def _bad_sample(f: VerdictFacts) -> dict:
     if _low_precision(f) == "float16" and not any("bfloat16" in h for h in hints):
         hints.append("The job runs in float16: bfloat16 has fp32's range and tolerates outliers better.")
     return _result(VerdictKind.BAD_SAMPLE, headline, f, suggestions + hints + _pattern_hints(f), reading)
+
+
+def _state_hints(f: VerdictFacts) -> list[str]:
+    """Fixes that act on the state a trigger met: learning rate, warm-up, logit growth, the format, skipping."""
+    hints = _pattern_hints(f)
+    lr = f" (it was {_num(f.lr)})" if f.lr is not None else ""
+    hints.append(f"Act on the state: lower the learning rate{lr} or lengthen the warm-up, and restart from a checkpoint "
+                 "taken well before this step (PaLM restarted ~100 steps earlier and skipped 200-500 batches).")
+    if "attn" in (f.module or "").lower() or "attention" in (f.module or "").lower() or "softmax" in (f.op or ""):
+        hints.append("The attention logits grew until they crossed: QK-norm (or QK-clip) holds them.")
+    else:
+        hints.append("If attention or output logits keep growing, QK-norm and a z-loss hold them.")
+    if _low_precision(f) == "float16":
+        hints.append("bfloat16 has fp32's range: the same state does not overflow it.")
+    hints.append("To ride it out without restarting, skip such steps: DetectionConfig(on_spike='skip') / "
+                 "on_nonfinite='skip', or a skip-step optimizer (OLMo-core, Levanter).")
+    return hints
+
+
+def _trigger_sample(f: VerdictFacts) -> dict:
+    """Bisection isolated samples, but nothing shows their records are bad: they crossed first on a state that could
+    not take them (replay/culprits/evidence.py)."""
+    phrase = _samples_phrase(f)
+    verb = "are" if (f.culprit_subset_size or 0) > 1 else "is"
+    headline = (f"{phrase.rstrip(',')} {verb} the first to make {_what(f)} at {_where_step(f)}{_where_value(f)}, but "
+                "nothing marks the record as bad: the model's state is what fails, and no sample is to blame.")
+    reading = ("On a state at the edge, the first sample to cross is whichever comes: filtering it only moves the "
+               "failure to the next sample like it.")
+    ids = ", ".join(_id(s) for s in f.culprit_samples[:MAX_NAMED_SAMPLES])
+    suggestions = [f"Do not filter {ids}: no blocklist is written. Its loss and data are like the other samples'; "
+                   "a large gradient on an ordinary record is what a sharpened state gives."]
+    suggestions += _state_hints(f)
+    if not f.earlier_state:
+        suggestions.append("To be sure, replay it with an earlier state: GuardConfig(recording=RecordConfig("
+                           "snapshot_every=K)) keeps one in every dump, or pass --from CHECKPOINT --trust; the replay "
+                           "then feeds this micro-batch to it (a bad record fails there too, a trigger does not).")
+    return _result(VerdictKind.TRIGGER_SAMPLE, headline, f, suggestions + _op_hints(f), reading)
+
+
+def _norm_overflow(f: VerdictFacts) -> dict:
+    """Every gradient value finite, their norm not: the weights and gradients grew until the norm overflowed."""
+    largest = f" (the largest |gradient| is {_num(f.grad_norm_overflow)})" if f.grad_norm_overflow else ""
+    headline = (f"Every gradient of {_where_step(f, micro_batch=False)} is finite, but they are so large that their "
+                f"norm overflows float32{largest}: the run has diverged, and no sample is to blame.")
+    reading = ("The Guard fired on the gradient norm, which is Inf here too: the replay reproduces it. Gradients that "
+               "large come from weights that grew step after step, not from one batch.")
+    suggestions = _pattern_hints(f) or ["Lower the learning rate (or lengthen the warm-up) and restart from a "
+                                        "checkpoint taken before the loss left its early values."]
+    suggestions += ["Clip gradients (clip_grad_norm_ after backward, before optimizer.step()); with a norm this "
+                    "large, clipping only hides the divergence: the learning rate is what to change.",
+                    "Do not filter the samples of this step: any batch gives such gradients on these weights."]
+    return _result(VerdictKind.MODEL_STATE, headline, f, suggestions, reading)
 
 
 def _update_too_large(f: VerdictFacts) -> dict:

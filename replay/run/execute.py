@@ -26,6 +26,7 @@ from forensics.kinds import FidelityMode, Phase, ReplayedQuantity, TriggerKind
 from replay.load.fsdp_precision import fsdp_compute
 from replay.load.samples import SampleRef
 from replay.load.session import ReplaySession, weight_fingerprints
+from replay.run.fp32 import Fp32Count, held_to_fp32
 from replay.run.units import explaining_factor, recorded_factors, to_replay_units
 
 logger = logging.getLogger(__name__)
@@ -87,10 +88,17 @@ class StepResult:
     size) in a job that did not raise: it shows nothing about the trigger (`raised` says what it raised)."""
     anomaly_warnings: list[str] = field(default_factory=list)
 
+    @property
+    def norm_overflow(self) -> bool:
+        """Every gradient value is finite but their total norm is not (a diverged state: values past ~1e19 square
+        beyond float32's range): the Guard's non-finite grad norm, as clip_grad_norm_ computes it."""
+        return self.grads_finite and self.grad_norm is not None and not math.isfinite(self.grad_norm)
+
     def trigger_reproduced(self, kind: TriggerKind | str, threshold: float | None = None) -> bool:
         """True when this run shows the same kind of failure as the trigger.
 
-        nonfinite_loss: a micro-batch loss is NaN/Inf. nonfinite_grad: a gradient is NaN/Inf.
+        nonfinite_loss: a micro-batch loss is NaN/Inf. nonfinite_grad: a gradient is NaN/Inf, or the gradients'
+        total norm is (norm_overflow).
         loss_spike: a loss is non-finite, or the step loss (sum / divisor, as the Guard computes it;
         for a run that skipped micro-batches, `comparable_loss`) is above `threshold`. grad_norm_spike: the
         grad norm is above `threshold` (or non-finite). nonfinite_param: the pre-step weights hold
@@ -116,8 +124,8 @@ class StepResult:
             return self.raised_same
         if trigger.replayed is ReplayedQuantity.MICRO_BATCH_LOSS:
             return not self.loss_finite
-        if trigger.replayed is ReplayedQuantity.GRAD_NORM:
-            return not self.grads_finite
+        if trigger.replayed is ReplayedQuantity.GRAD_NORM:  # a NaN/Inf value, or finite values whose norm overflows
+            return not self.grads_finite or self.norm_overflow
         return not self.params_finite
 
     def replayed_value(self, kind: TriggerKind, micro_batch: int | None = None) -> float | None:
@@ -239,6 +247,9 @@ class StepRunner:
         """Large model reset from the dump: each parameter's fingerprint (replay.load.session.weight_fingerprints)
         as the load or the last reset() left it, by name; None: reload everything (weights_changed())."""
         self._warned_autocast = False
+        self.fp32_count = Fp32Count()
+        """What the last fp32 pass ran (replay/run/fp32.py): the precision triage reports it and trusts it only
+        when no compute op ran below float32."""
         self._warned_unrunnable = False
 
     # -- state ---------------------------------------------------------------------------------
@@ -312,9 +323,12 @@ class StepRunner:
         """Frees what the runner holds beyond the model (nothing here)."""
 
     def autocast_context(self, fp32: bool = False) -> ContextManager:
-        """The job's autocast on the replay device (none with fp32=True or when the job used none)."""
+        """The job's autocast on the replay device (none when the job used none); with fp32=True, float32 whatever
+        the user's code enters or casts to (replay/run/fp32.py), counted in `fp32_count`."""
         dtype = self.session.autocast_dtype
-        if fp32 or dtype is None:
+        if fp32:  # held there whatever autocast or casts the user's code asks for; what ran is counted
+            return held_to_fp32(self.fp32_count)
+        if dtype is None:
             return contextlib.nullcontext()
         device_type = self.session.device.type
         try:
@@ -433,6 +447,8 @@ class StepRunner:
         """Counts the pass, puts the model in train mode and, for fp32, casts its floating-point tensors."""
         self.passes += 1
         self.model.train()
+        if fp32:
+            self.fp32_count = Fp32Count()
         if fp32:  # floating-point tensors only: Module.to(float32) would also make complex buffers (rotary
             for _, tensor in self._live_tensors():  # freqs_cis) real, dropping their imaginary parts for good
                 if tensor.is_floating_point() and tensor.dtype != torch.float32:

@@ -123,3 +123,22 @@ def test_a_spike_dump_whose_grad_norms_were_scaled_replays_in_unscaled_units(run
     assert any("scaled by the GradScaler" in w for w in report["environment"]["warnings"])
     clip = [r for r in report["remedies"]["tested"] if r["kind"] == "clip_grad"]
     assert clip and 0.01 < clip[0]["setting"]["clip"] < 100  # unscaled units (scaled: ~65536x)
+
+
+def test_no_dump_of_the_natural_run_blames_its_data(run, tmp_path):
+    """Nothing was planted: every dump the run left (its spikes and its NaN), replayed with bisection as a user would,
+    names no sample as bad data and writes no blocklist (a sample bisection isolates is a trigger: verdict
+    trigger_sample, exit 4, or no sample at all)."""
+    guard, _, _ = run
+    assert guard.dumps
+    for index, dump in enumerate(guard.dumps):
+        out = tmp_path / f"report-{index}"
+        result = CliRunner().invoke(main, ["replay", str(dump), "--device", "cpu", "--no-rng-check", "--no-remedies",
+                                           "-o", str(out)])
+        report = json.loads((out / "report.json").read_text())
+        verdict = report["verdict"]
+        assert result.exit_code in (0, 4), (result.output, result.exception)
+        assert verdict["kind"] not in ("bad_sample", "exception"), verdict["headline"]
+        assert not (out / "blocklist.jsonl").exists(), verdict["headline"]
+        assert not any(s.startswith("Filter") for s in verdict["suggestions"]), verdict["suggestions"]
+        assert (report.get("evidence") or {}).get("bad_data") in (None, False)

@@ -184,6 +184,18 @@ def make_report(kind: str = "bad_sample", *, sample_ids: list | None = None,
                           "grow first, at step 2.",
                  explanation="1 of 20 per-layer statistics left their baseline.",
                  suggestions=["Add QK-norm."])
+    elif kind == "trigger_sample":
+        r["schema"] = "forensics-report/4"
+        r["trigger"].update(kind="grad_norm_spike", value=17.7, threshold=3.1)
+        r["culprit"].update(samples=[{"sample_id": ids[5], "micro_batch": 1, "index": 1, "rank": 3, "trigger": True}])
+        r["evidence"] = {"bad_data": False, "against": [], "earlier_state": None,
+                         "ordinary": "its loss 4.198 against 4.1-4.24 for the other 15; its gradient norm 17.7 "
+                                     "against 0.24-0.8"}
+        v.update(headline=f"Sample '{ids[5]}' alone is the first to make the gradient norm spike at step 41217, but "
+                          "nothing marks the record as bad: the model's state is what fails, and no sample is to "
+                          "blame.",
+                 explanation="First to cross: sample 'x' alone. Its record looks like the others.",
+                 suggestions=["Do not filter it: no blocklist is written.", "Lower the learning rate."])
     else:
         raise ValueError(f"unknown verdict kind {kind!r}")
     for key, value in overrides.items():

@@ -31,8 +31,17 @@ def test_every_trigger_kind_has_its_properties(kind):
     assert kind.data_independent == (kind in (TriggerKind.NONFINITE_PARAM, TriggerKind.PRECURSOR))
 
 
-def test_verdict_kinds_are_the_report_schemas():
-    assert VERDICT_KINDS == tuple(k.value for k in VerdictKind)
+def test_every_verdict_kind_is_documented_with_its_exit_code_in_the_report_format():
+    """docs/REPORT_FORMAT.md's verdict table is what a user scripting on report.json reads: each kind a report may
+    carry has its row there, with the exit code `forensics replay` gives it."""
+    rows = {}
+    for line in (Path(__file__).parents[2] / "docs" / "REPORT_FORMAT.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`") and cells[2].isdigit():
+            rows[cells[0].split("`")[1]] = cells[2]
+    assert set(VERDICT_KINDS) <= set(rows), set(VERDICT_KINDS) - set(rows)
+    for kind in VerdictKind:
+        assert rows[kind.value] == str(int(kind.exit_code)), (kind, rows[kind.value])
 
 
 @pytest.mark.parametrize("kind", list(VerdictKind))

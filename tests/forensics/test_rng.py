@@ -5,9 +5,10 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 import torch
 
-from forensics.rng import RngCapture, RngState, capture_rng, restore_rng
+from forensics.rng import RngCapture, RngState, capture_rng, cuda_rng_targets, restore_rng
 
 
 def _draw() -> tuple:
@@ -51,15 +52,38 @@ def test_parts_round_trip_through_json_types_and_tensors():
     assert _same(_draw(), expected)
 
 
-def test_cuda_states_are_not_captured_when_cuda_is_unused():
-    assert capture_rng().cuda == [] or torch.cuda.is_initialized()
-
-
-def test_restore_with_device_mapping_is_harmless_without_cuda():
+def test_capture_never_initialises_cuda():
+    initialised = torch.cuda.is_initialized()  # read before the call that could change it
     state = capture_rng()
-    expected = torch.rand(3)
+    assert torch.cuda.is_initialized() == initialised
+    if not initialised:
+        assert state.cuda == []
+
+
+def test_a_rank_s_cuda_state_goes_onto_the_replay_device_and_nothing_else_moves():
+    assert cuda_rng_targets(4, 1, source_device=3, target_device=0) == [(3, 0)]  # rank 3 of a node, one GPU here
+    assert cuda_rng_targets(8, 8, source_device=5, target_device=2) == [(5, 2)]
+    assert cuda_rng_targets(2, 1, source_device=3, target_device=0) == []  # the job captured no state for device 3
+    assert cuda_rng_targets(4, 2) == [(0, 0), (1, 1)]  # no mapping: each state onto its own index, where it exists
+    assert cuda_rng_targets(1, 4) == [(0, 0)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="puts a CUDA generator's state: needs a GPU")
+def test_restore_with_device_mapping_sets_the_mapped_state_on_the_gpu():
+    torch.cuda.init()
+    ours = torch.cuda.get_rng_state(0)
+    other = torch.Generator("cuda").manual_seed(1234).get_state()
+    state = capture_rng()
+    state.cuda = [ours, ours, ours, other]  # as if the job's device 3 had drawn differently
     restore_rng(state, source_device=3, target_device=0)
-    assert torch.equal(torch.rand(3), expected)
+    assert torch.equal(torch.cuda.get_rng_state(0), other)
+
+
+def test_restore_with_device_mapping_restores_the_cpu_generators_without_cuda():
+    state = capture_rng()
+    expected = _draw()
+    restore_rng(state, source_device=3, target_device=0)
+    assert _same(_draw(), expected)
 
 
 def _equal_states(a: RngState, b: RngState) -> bool:

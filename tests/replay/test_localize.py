@@ -146,8 +146,10 @@ def test_fp16_overflow_is_localised_and_vanishes_in_fp32(kit):
 
     culprit = [SampleRef(*kit.POISONED)]
     block = fp32_check(runner, culprit)
+    ran = block.pop("fp32_ran")
     assert block == {"autocast_dtype": "float16", "fp32_reproduces": False, "param_dtype": "float32",
                      "grad_scaler": False}
+    assert ran["verified"] and ran["ops"]["float32"] > 0 and set(ran["ops"]) == {"float32"}  # it ran as it says
     assert runner.run(culprit).trigger_reproduced("nonfinite_loss")  # still fails under fp16
 
 

@@ -11,10 +11,17 @@ from replay.judge.verdict import VerdictFacts, decide_verdict
 NAN = float("nan")
 
 
+EVIDENCE = ["its loss replayed alone is 9.7, against 4.1-4.2 for the other 31 samples"]
+
+
 def facts(**kw):
+    """Facts of a reproduced step; culprits come with evidence against their record unless the test says otherwise
+    (the bad-data wording); test_trigger_* below give none."""
     base = dict(trigger_kind="nonfinite_loss", reproduced=True, step=41217, rank=3, micro_batch=1,
                 num_micro_batches=4, trigger_value=NAN, bitwise=True, replay_device="cuda:0",
                 candidates=32, bisect_runs=6)
+    if kw.get("culprit_samples"):
+        base["record_evidence"] = EVIDENCE
     base.update(kw)
     return VerdictFacts(**base)
 
@@ -217,7 +224,7 @@ def test_a_rank_that_only_inherited_the_fault_points_to_the_other_rank():
 
 def test_the_record_hint_fits_the_kind_of_data():
     common = dict(reproduced=True, step=3, culprit_samples=["row-7"], candidates=8, bisect_runs=5, phase="forward",
-                  module="net.0")
+                  module="net.0", record_evidence=EVIDENCE)
     floats = decide_verdict(VerdictFacts("nonfinite_loss", data_kind="float", **common))
     tokens = decide_verdict(VerdictFacts("nonfinite_loss", data_kind="tokens", **common))
     assert floats["kind"] == tokens["kind"] == "bad_sample"
@@ -283,6 +290,59 @@ def test_not_reproduced_by_a_recorded_factor_names_it_and_never_suspects_the_har
     text = " ".join([v["headline"], v["explanation"], *v["suggestions"]])
     assert "loss scale (65536)" in text and "scaler.unscale_" in text
     assert "DCGM" not in text and "hardware (silent" not in text
+
+
+ORDINARY = "its loss 4.198 against 4.10-4.24 for the other 15; its gradient norm 17.7 against 0.24-0.8"
+
+
+@pytest.mark.parametrize("trigger_kind, value", [("grad_norm_spike", 17.7), ("loss_spike", 9.0),
+                                                 ("nonfinite_loss", NAN)])
+def test_trigger_a_culprit_without_evidence_is_named_as_the_first_to_cross_and_never_to_filter(trigger_kind, value):
+    v = check_shape(decide_verdict(facts(trigger_kind=trigger_kind, trigger_value=value, threshold=3.0,
+                                         culprit_samples=["s138-i4"], record_evidence=[], ordinary_record=ORDINARY,
+                                         lr=0.03, history_pattern="sudden_jump")))
+    assert v["kind"] == "trigger_sample"
+    assert "'s138-i4'" in v["headline"] and "no sample is to blame" in v["headline"]
+    text = " ".join([v["headline"], v["explanation"], *v["suggestions"]])
+    assert "First to cross" in v["explanation"] and ORDINARY in v["explanation"]
+    assert "Filter" not in text and "blocklist.jsonl" not in text and "Do not filter 's138-i4'" in text
+    assert "learning rate" in text and "next sample like it" in text
+    assert "earlier state" in text  # how to confirm it: an earlier state, the Guard's snapshot or a checkpoint
+
+
+def test_trigger_with_evidence_is_bad_sample_and_shows_the_evidence():
+    v = check_shape(decide_verdict(facts(culprit_samples=["doc-9"], record_evidence=EVIDENCE)))
+    assert v["kind"] == "bad_sample"
+    assert "Evidence against the record: " + EVIDENCE[0] in v["explanation"]
+    assert v["suggestions"][0].startswith("Filter 'doc-9'")
+
+
+def test_precision_with_a_trigger_sample_names_no_data_and_says_not_to_filter():
+    v = check_shape(decide_verdict(facts(culprit_samples=["s1017-i3"], record_evidence=[], fp32_reproduces=False,
+                                         autocast_dtype="float16", fp32_ran="214 ops in float32, none in float16 or "
+                                                                           "bfloat16 (the code's own autocast held off "
+                                                                           "2 time(s))")))
+    assert v["kind"] == "numerical_precision"
+    assert "precision + data" not in v["headline"] + v["explanation"]
+    assert "checked: 214 ops in float32" in v["explanation"]
+    assert not any(s.startswith("Filter") for s in v["suggestions"])
+    assert any(s.startswith("Do not filter 's1017-i3'") for s in v["suggestions"])
+
+
+def test_an_fp32_rerun_that_did_not_run_in_fp32_draws_no_conclusion():
+    v = check_shape(decide_verdict(facts(culprit_samples=["x"], fp32_reproduces=None, fp32_unverified=True,
+                                         autocast_dtype="float16", fp32_ran="0 ops in float32, but 12 in float16")))
+    assert "could not be held to float32" in v["explanation"] and "no conclusion" in v["explanation"]
+    assert "fails in fp32 too" not in v["explanation"] and "In fp32" not in v["explanation"]
+
+
+def test_a_norm_that_overflows_with_finite_gradients_is_the_diverged_state_not_the_hardware():
+    v = check_shape(decide_verdict(facts(trigger_kind="nonfinite_grad", trigger_value=math.inf,
+                                         grad_norm_overflow=3.2e20, history_pattern="exponential_growth")))
+    assert v["kind"] == "model_state"
+    text = " ".join([v["headline"], v["explanation"], *v["suggestions"]])
+    assert "overflows float32" in v["headline"] and "3.2e+20" in v["headline"]
+    assert "learning rate" in text and "DCGM" not in text and "hardware" not in text
 
 
 @pytest.mark.parametrize("batch, kind", [

@@ -1,0 +1,149 @@
+"""The fp32 re-run as it says: hold every pass marked fp32 to float32 whatever the user's code does, and count what ran.
+
+Dropping the replay's own autocast is not enough: user code often enters autocast itself (inside the forward or the
+loss function: `with torch.autocast("cuda", dtype=torch.float16)`, a `torch.amp.autocast` decorator, HF's and
+Lightning's wrappers, which all go through `torch.amp.autocast_mode.autocast`) or casts with `.half()` /
+`.to(torch.bfloat16)`. Inside `held_to_fp32()`:
+
+* every autocast context entered is entered disabled (the one class all spellings share: torch.autocast,
+  torch.amp.autocast, torch.cuda.amp.autocast, torch.cpu.amp.autocast);
+* a dispatch mode turns each op's requested float16 / bfloat16 `dtype=` (casts, factories) into float32 and counts
+  the output dtypes of the compute ops (matmuls, convolutions, attention), so the report can say what ran
+  ("fp32 checked: 214 ops in float32, none in float16") and a pass that still ran below fp32 draws no conclusion.
+
+A pass is the forward (and the loss) of each micro-batch: autograd's backward runs in the dtypes the forward saved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from forensics.thirdparty import TorchDispatchMode, tree_leaves
+
+LOW = (torch.float16, torch.bfloat16)
+COMPUTE_OPS = frozenset(
+    name for name in ("mm", "addmm", "bmm", "baddbmm", "addbmm", "convolution", "_convolution", "cudnn_convolution",
+                      "mkldnn_convolution", "_scaled_dot_product_flash_attention",
+                      "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                      "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward",
+                      "_efficient_attention_forward", "_scaled_mm") if hasattr(torch.ops.aten, name))
+"""The ops whose output dtype says what precision a pass computed in (matrix products, convolutions, attention)."""
+
+
+@dataclass
+class Fp32Count:
+    """What one fp32 pass ran: compute-op outputs by dtype, and how many low-precision requests were held to fp32."""
+
+    ops: Counter = field(default_factory=Counter)
+    """dtype name ('float32', 'float16' ...) -> compute ops whose output had it."""
+    held_casts: int = 0
+    """Casts or new tensors the code asked for in float16 / bfloat16, made in float32 instead."""
+    held_autocasts: int = 0
+    """Autocast contexts the code entered, entered disabled."""
+
+    @property
+    def low_ops(self) -> int:
+        return sum(n for dtype, n in self.ops.items() if dtype in ("float16", "bfloat16"))
+
+    @property
+    def verified(self) -> bool:
+        """The pass ran compute ops, none of them below float32."""
+        return sum(self.ops.values()) > 0 and self.low_ops == 0
+
+    def as_dict(self) -> dict:
+        return {"ops": dict(sorted(self.ops.items())), "held_casts": self.held_casts,
+                "held_autocasts": self.held_autocasts, "verified": self.verified}
+
+
+class _HoldToFp32(TorchDispatchMode):
+    def __init__(self, count: Fp32Count):
+        super().__init__()
+        self.count = count
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if kwargs.get("dtype") in LOW:
+            kwargs = {**kwargs, "dtype": torch.float32}
+            self.count.held_casts += 1
+        out = func(*args, **kwargs)
+        _count_output(func, out, self.count.ops)
+        return out
+
+
+class CountDtypes(TorchDispatchMode):
+    """Counts the compute ops' output dtypes and changes nothing (a pass in the job's own precision)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        _count_output(func, out, self.ops)
+        return out
+
+
+def _count_output(func: Any, out: Any, ops: Counter) -> None:
+    if func.overloadpacket.__name__ in COMPUTE_OPS:
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                ops[str(t.dtype).removeprefix("torch.")] += 1
+                break
+
+
+_patch_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _autocast_entered_disabled(count: Fp32Count) -> Iterator[None]:
+    autocast = torch.amp.autocast_mode.autocast
+    original = autocast.__enter__
+
+    def enter_disabled(self: Any) -> Any:
+        if getattr(self, "_enabled", False):
+            count.held_autocasts += 1
+        self._enabled = False
+        return original(self)
+
+    with _patch_lock:
+        autocast.__enter__ = enter_disabled  # type: ignore[method-assign]  # for this block only
+        try:
+            yield
+        finally:
+            autocast.__enter__ = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def held_to_fp32(count: Fp32Count) -> Iterator[Fp32Count]:
+    """Within: the code runs in float32 (see the module docstring); `count` collects what ran."""
+    with _autocast_entered_disabled(count), torch.autocast("cpu", enabled=False), _HoldToFp32(count):
+        if torch.cuda.is_available():
+            with torch.autocast("cuda", enabled=False):
+                yield count
+        else:
+            yield count
+
+
+def ran_words(count: Fp32Count) -> str:
+    """'214 ops in float32, none in float16 or bfloat16 (the code's own autocast held off 2 times)'."""
+    total = sum(count.ops.values())
+    if not total:
+        return "no matrix product, convolution or attention ran, so the pass's precision could not be checked"
+    f32 = count.ops.get("float32", 0)
+    low = ", ".join(f"{n} in {dtype}" for dtype, n in sorted(count.ops.items()) if dtype in ("float16", "bfloat16"))
+    held = []
+    if count.held_autocasts:
+        held.append(f"the code's own autocast held off {count.held_autocasts} time(s)")
+    if count.held_casts:
+        held.append(f"{count.held_casts} cast(s) to float16 / bfloat16 made in float32")
+    text = f"{f32} ops in float32, " + (f"but {low}" if low else "none in float16 or bfloat16")
+    return text + (f" ({'; '.join(held)})" if held else "")
+
+
+__all__ = ["CountDtypes", "Fp32Count", "held_to_fp32", "ran_words"]
