@@ -102,7 +102,7 @@ def replay_needs(model: torch.nn.Module, recipe: dict, override: dict | None = N
     factory = None
     if not recipe.get("factory"):
         cls = model_class(model)
-        where = (f"a function of {script_name} returning it works too: --factory __main__:build --trust"
+        where = (f"a function of {script_name} that returns it works too: --factory __main__:FUNCTION --trust"
                  if script_name else "--factory module:fn at replay")
         factory = (f"no recipe can be recorded for {cls.__name__}, which is not a Hugging Face model: pass "
                    "GuardConfig(dumping=DumpConfig(recipe={'factory': 'pkg.module:build'})) now, or name one at "

@@ -192,7 +192,7 @@ def test_a_job_without_a_factory_is_told_at_once_and_the_replay_line_and_main_fa
     assert ran.returncode == 0 and "TRAINING step 5" in ran.stdout, ran.stderr
     needs = [line for line in ran.stderr.splitlines() if "a replay of this job's dumps will need" in line]
     assert len(needs) == 1 and "a model factory" in needs[0] and "--trust" in needs[0]
-    assert "--factory __main__:build --trust" in needs[0]  # the script is a file: a function of it can be named
+    assert "--factory __main__:FUNCTION --trust" in needs[0]  # the script is a file: a function of it can be named
     assert ran.stderr.index(needs[0]) < ran.stderr.index("TRAINING step 0") if "TRAINING step 0" in ran.stderr \
         else True
     [dump] = sorted((job / "dumps").glob("norecipe/step-*/rank-*"))
