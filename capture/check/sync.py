@@ -7,6 +7,7 @@ GuardConfig.detection.sync_free replaces it with capture/check/sync_free.py. Bot
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import Any, cast
@@ -50,6 +51,8 @@ class SyncCheck:
         """The loss scale the Guard divided the step's grad norm by at the last check (its own norm, or one the loop
         passed while the gradients were still scaled; None: none divided)."""
         self.scaled_norm_said = False
+        self.loop_norm = False
+        """The last check's grad norm came from the loop, with a GradScaler on."""
 
     def check(self, record: StepRecord, grad_norm: Any, step: int) -> Incident | None:
         """The step's Incident when a detector fired (the Guard dumps it and applies its policy), else None."""
@@ -77,8 +80,34 @@ class SyncCheck:
             if self.snapshots.due(step):
                 take_snapshot(state, self.snapshots, step)
             return None
-        return Incident(trigger, step, record, losses, norm, divisor, policy, agreed=state.ranks.multi_rank,
-                        grad_norm_unscaled_by=self.unscaled_by)
+        incident = Incident(trigger, step, record, losses, norm, divisor, policy, agreed=state.ranks.multi_rank,
+                            grad_norm_unscaled_by=self.unscaled_by)
+        if self.loop_norm and loss_scale and self.unscaled_by is None and norm is not None and math.isfinite(norm) \
+                and not state.ranks.multi_rank:  # one process: its own norm is the whole norm
+            incident = self._loop_norm_units(incident, loss_scale)
+        return incident
+
+    def _loop_norm_units(self, incident: Incident, loss_scale: float) -> Incident:
+        """A step that is dumped, whose grad norm the loop passed with a GradScaler on: that norm compared with the
+        gradients' own norm, measured now (a read on the dumping path only, never on a healthy step). A loop norm that
+        is the loss scale times the gradients' norm was taken before `scaler.unscale_` (and passed after it): said
+        once, and the dump records it unscaled (`loss.grad_norm_unscaled_by`)."""
+        try:
+            own = sharding.host_norm(self.state.grad_norm())
+            own = float(own) if own is not None else None
+        except Exception:  # noqa: BLE001 - a comparison for advice; the dump goes on without it
+            return incident
+        norm = incident.grad_norm
+        if not own or norm is None or not math.isfinite(own) or abs(norm / (own * loss_scale) - 1) > 1e-3:
+            return incident
+        if not self.scaled_norm_said:
+            self.scaled_norm_said = True
+            log.warning("forensics: step %d: the grad norm check() got (%.6g) is the loss scale (%g) times the "
+                        "gradients' norm: it was taken before scaler.unscale_(optimizer), and the history holds such "
+                        "norms. Fix: call scaler.unscale_(optimizer) before clip_grad_norm_ (whose threshold then "
+                        "applies to unscaled gradients); this dump records the unscaled norm. Logged once",
+                        incident.step, norm, loss_scale)
+        return dataclasses.replace(incident, grad_norm=norm / loss_scale, grad_norm_unscaled_by=loss_scale)
 
     def loop_norm_unscaled(self, grad_norm: Any, step: int) -> tuple[Any, bool]:
         """The loop's grad norm in unscaled units: a norm passed while a GradScaler still holds the gradients scaled
@@ -110,7 +139,8 @@ class SyncCheck:
             grad_norm, sharded = state.grad_norm(), state.sharded_grad_norm
             own_unscaled = state.own_norm_unscaled
         grad_norm = sharding.host_norm(grad_norm)
-        if passed and state.scaler is not None:
+        self.loop_norm = passed and state.scaler is not None
+        if self.loop_norm:
             grad_norm, own_unscaled = self.loop_norm_unscaled(grad_norm, step)
         scaler = state.scaler
         scale = grad_scaler_scale(scaler) if scaler is not None and scaler.is_enabled() else None

@@ -240,3 +240,45 @@ def test_a_grad_norm_of_still_scaled_gradients_is_unscaled_and_said_once(tmp_pat
     assert recorded == pytest.approx(unscaled, rel=1e-5)
     said = warnings_about(caplog, "still holds scaled")
     assert len(said) == 1 and "scaler.unscale_(optimizer) before clip_grad_norm_" in said[0]
+
+
+def test_a_grad_norm_taken_before_unscale_and_passed_after_it_is_found_out_when_the_step_is_dumped(tmp_path, caplog):
+    """Issue 42 item 7, the other order: the norm was taken before scaler.unscale_ and passed to check() after it
+    (the gradients are unscaled by then: nothing to see on a healthy step without a device read). When a step is
+    dumped (here a loss spike), the Guard compares it with the gradients' own norm, says so once, and the dump
+    records the unscaled norm."""
+    from capture import DetectionConfig, SpikeConfig
+    from forensics.format import open_dump
+
+    caplog.set_level(logging.WARNING, logger="capture")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_interval=10 ** 6)
+    guard = Guard(model, optimizer, scaler=scaler, loss_fn=lambda m, b: m(b["x"]).pow(2).mean(),
+                  config=GuardConfig(dump_dir=str(tmp_path), run_id="late",
+                                     detection=DetectionConfig(loss_spike=SpikeConfig(window=8, warmup=4)),
+                                     dumping=DumpConfig(recipe={"factory": "x:y"})))
+    data = torch.Generator().manual_seed(0)
+    spike = 6
+    for step in range(spike + 1):
+        batch = {"x": torch.randn(4, 3, generator=data), "sample_ids": [f"{step}-{i}" for i in range(4)]}
+        guard.record_batch(batch)
+        loss = model(batch["x"]).pow(2).mean() + (50.0 if step == spike else 0.0)
+        guard.record_loss(loss)
+        scaler.scale(loss).backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # taken while still scaled ...
+        scaler.unscale_(optimizer)  # ... and passed after unscale_
+        if step == spike:
+            unscaled = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+        if guard.check(grad_norm=grad_norm):
+            scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    guard.close()
+    [path] = guard.dumps
+    loss_block = open_dump(path).manifest["loss"]
+    assert loss_block["grad_norm"] == pytest.approx(unscaled, rel=1e-5)
+    assert loss_block["grad_norm_unscaled_by"] == 2.0 ** 16
+    said = warnings_about(caplog, "taken before scaler.unscale_(optimizer)")
+    assert len(said) == 1 and f"step {spike}" in said[0]
