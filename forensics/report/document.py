@@ -196,9 +196,25 @@ def untold(explanation: str, facts: list[str]) -> str:
     reproduction, random state, location, culprit, precision, loss history): the verdict box says each thing once."""
     told = {_topic(f) for f in facts} - {None}
     said = " ".join(" ".join(f.split()) for f in facts)
-    kept = [s for s in _SENTENCE_END.split(explanation)
+    kept = [_unsaid_clauses(" ".join(s.split()), said) for s in _SENTENCE_END.split(explanation)
             if s.strip() and _topic(s) not in told and " ".join(s.split()) not in said]
-    return " ".join(kept)
+    return " ".join(s for s in kept if s)
+
+
+def _unsaid_clauses(sentence: str, said: str) -> str:
+    """`sentence` ('Label: clause; clause.') without the clauses the bullets already say word for word ('' when
+    none is left)."""
+    label, colon, body = sentence.partition(": ")
+    if not colon or len(label) > 40:  # no 'Label: ' opening: the clauses are the whole sentence's
+        label, body = "", sentence
+    end = body[-1] if body[-1:] in ".!?" else ""
+    clauses = [c for c in (body[:-1] if end else body).split("; ") if c.strip()]
+    kept = [c for c in clauses if c not in said]
+    if len(kept) == len(clauses):
+        return sentence
+    if not kept:
+        return ""
+    return (f"{label}: " if label else "") + "; ".join(kept) + end
 
 
 def _where(r: Report) -> Section:

@@ -91,3 +91,5 @@ def test_the_verdict_box_says_each_thing_once(tmp_path):
     for topic in ("The learning rate was", "clipping: not recorded", "Reproduced", "Culprit", "fails from"):
         assert text.count(topic) <= 1, topic
     assert "Culprit" in text and "Reproduced" in text and report["verdict"]["headline"].split(" ")[0] in text
+    facts = text.split("Suggested next steps")[0]  # the evidence paragraph keeps only what the bullets do not say
+    assert facts.count("the other samples' largest") == 1, facts
