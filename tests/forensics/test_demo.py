@@ -27,6 +27,7 @@ def test_default_demo_end_to_end(tmp_path):
     assert on_disk["verdict"]["kind"] == "bad_sample"
     assert [json.loads(line) for line in (report_dir / "blocklist.jsonl").read_text().splitlines()] == [expected_id]
     assert expected_id in (report_dir / "report.md").read_text(encoding="utf-8")
+    assert_the_verdict_box_says_each_thing_once(report, report_dir)
 
     text = "\n".join(lines)
     assert "step  5" in text  # training progress before the fault
@@ -75,13 +76,12 @@ def test_the_static_allow_list_names_exactly_the_demo_recipes():
     assert not is_builtin("forensics.demo.models:torch")
 
 
-def test_the_verdict_box_says_each_thing_once(tmp_path):
+def assert_the_verdict_box_says_each_thing_once(report, report_dir):
     """Issue 42 item 8: report.html's verdict box (and report.md's) gives each fact once: the bullets with their
     numbers, then only what the verdict's explanation adds (nothing twice, word for word or on the same topic)."""
     import html
     import re
 
-    report, report_dir = run_demo(DEFAULT_SCENARIO, tmp_path / "demo", "cpu", echo=lambda line: None)
     page = (report_dir / "report.html").read_text(encoding="utf-8")
     box = page.split('<section id="verdict"', 1)[1].split("</section>", 1)[0]
     text = html.unescape(re.sub(r"<[^>]+>", " ", box))
