@@ -3,7 +3,6 @@
 import math
 
 import pytest
-import torch
 
 from forensics.report import VERDICT_KINDS
 from replay.judge.verdict import VerdictFacts, decide_verdict
@@ -343,18 +342,3 @@ def test_a_norm_that_overflows_with_finite_gradients_is_the_diverged_state_not_t
     text = " ".join([v["headline"], v["explanation"], *v["suggestions"]])
     assert "overflows float32" in v["headline"] and "3.2e+20" in v["headline"]
     assert "learning rate" in text and "DCGM" not in text and "hardware" not in text
-
-
-@pytest.mark.parametrize("batch, kind", [
-    ({"x": torch.randn(8, 4), "y": torch.randint(0, 3, (8,))}, "float"),  # features and class labels
-    ({"inputs_embeds": torch.randn(2, 8, 16), "labels": torch.randint(0, 64, (2, 8))}, "float"),
-    ({"pixels": torch.randn(2, 3, 4, 4)}, "float"),
-    ({"input_ids": torch.randint(0, 64, (2, 8)), "labels": torch.randint(0, 64, (2, 8))}, "tokens"),
-    ([torch.randint(0, 64, (2, 8)), torch.randn(2, 8)], "tokens"),
-])
-def test_text_advice_is_for_token_batches_only(batch, kind):
-    """Issue 42 item 10: a batch of tensors (features with integer class labels, embeddings) is not text: its records
-    get the numeric hint, never 'base64, control characters'."""
-    from replay.judge.assemble import batch_data_kind
-
-    assert batch_data_kind(batch) == kind
