@@ -12,11 +12,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, cast
+from typing import Any, Callable
 
 import torch
 
@@ -24,20 +23,15 @@ from forensics.errors import DumpError, ReplayError, is_out_of_memory
 from forensics.format import open_dump, open_step, spec
 from forensics.format.verify import finish_verifying, set_aside_damaged, verify_the_rest
 from forensics.format.limits import ArchiveLimits
-from forensics.kinds import HistoryPattern, Phase, TriggerKind
+from forensics.kinds import Phase, TriggerKind
 from forensics.report.model import to_json_safe
 from forensics.report.tree import Report, Window
-from replay.culprits.bisect import bisect_budget, ddmin
 from replay.culprits.earlier_state import EarlierState, feed_earlier_state
-from replay.culprits.evidence import RecordEvidence, weigh
-from replay.culprits.margin import FAR_FROM_LIMIT, others_margin, others_share
-from replay.culprits.per_sample import SampleRow, per_sample_stats
+from replay.culprits.margin import others_margin
 from replay.culprits.sample_facts import describe_samples, nonfinite_in_field, too_long
 from replay.culprits.sizes import longer_than, outlier_refs, size_summary
 from replay.judge.assemble import assemble_report
 from replay.judge.between_steps import between_steps_report, raised_between_steps
-from replay.judge.findings import Bisection, Findings, HistoryFinding
-from replay.judge.history_pattern import classify_history, diverged_long_ago, history_signals, read_history
 from replay.run.units import unscaled_history
 from replay.judge.precision import fp32_check, uses_low_precision
 from replay.judge.precursor import add_crash_history, precursor_report
@@ -46,25 +40,18 @@ from replay.judge.remedy_followup import follow_remedies
 from replay.judge.window_words import say_broke_before, say_window_start, snapshot_suggestion
 from replay.load.environment import deterministic_mode
 from replay.load.recipe import job_paths
-from replay.load.samples import select_samples
 from replay.load.session import ReplaySession, load_session, step_micro_batches
 from replay.load.user_code import as_user_error
 from replay.localize.exception import localize_exception
-from replay.localize.forward_backward import INPUT_MODULE, localize_backward, localize_forward
-from replay.localize.update import localize_optimizer, per_layer_stats
+from replay.localize.update import per_layer_stats
 from replay.localize.weights import corrupted_weights, samples_touching_embeddings
-from replay.run.execute import SampleRef, StepRunner, reproduce
-from replay.run.rng_dependence import check_rng_dependence
-from replay.run.streamed import STREAMED_PER_SAMPLE, StreamedStepRunner, expected_passes, runner_for
+from replay.run.execute import StepRunner
+from replay.run.streamed import StreamedStepRunner, expected_passes, runner_for
+from replay.stages import (CONFIRM_ROUNDS, Progress, stage, weigh_evidence, largest_gradient, reproduce_step, localise, bisect_samples, input_field, per_sample_rows, uniform_loss, history_finding)
 from replay.run.window import Checkpoint, data_recipe, dump_snapshot, load_checkpoint, replay_window, window_block
 
 logger = logging.getLogger(__name__)
 
-CONFIRM_ROUNDS = 3  # independent culprits looked for before concluding "no sample is to blame"
-MAX_CULPRIT_SHARE = 0.5
-"""A group of samples that fail only together (or whose removal ends a spike) and is more than this share of the
-step's samples is no culprit: it is the step itself, not a few records, so no sample is named or blocklisted."""
-Progress = Callable[[str], None]
 
 
 @dataclass
@@ -133,15 +120,6 @@ class ReplayOptions:
         self.sys_path = [str(p) for p in self.sys_path]
 
 
-def _stage(progress: Progress | None, message: str) -> None:
-    logger.info("replay: %s", message)
-    if progress is not None:
-        try:
-            progress(message)
-        except Exception:  # a broken progress callback must not stop the replay
-            logger.debug("progress callback failed", exc_info=True)
-
-
 def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress: Progress | None = None) -> dict:
     """Replays a dump's failing step and returns the report dict.
 
@@ -166,10 +144,10 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
         dump, path = dump_or_path, str(getattr(dump_or_path, "path", ""))
     else:
         path = str(dump_or_path)
-        _stage(progress, f"opening {path}")
+        stage(progress, f"opening {path}")
         dump = open_dump(dump_or_path, rank=options.rank, limits=options.archive_limits,
                          shard_dirs=options.shard_dirs)
-    _stage(progress, "verifying every file the dump lists")
+    stage(progress, "verifying every file the dump lists")
     damaged = set_aside_damaged(dump)  # a damaged essential file ends the replay here (DumpCorruptError)
     missing = list(dump.manifest.get("missing_ranks") or [])
     if not hasattr(dump_or_path, "manifest") and Path(path).is_dir():
@@ -182,17 +160,17 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
                  "world_size": dump.world_size, "missing_ranks": missing,
                  "num_micro_batches": max(dump.num_micro_batches, step_micro_batches(dump.manifest)), "damaged": [d.as_dict() for d in damaged]}
     if raised_between_steps(dump.manifest):  # the loop's own code raised: no model step to replay
-        _stage(progress, "the exception was raised between steps: nothing to replay")
-        return _checked(dump, between_steps_report(dump, dump_info, _history_finding(dump.history()), started))
+        stage(progress, "the exception was raised between steps: nothing to replay")
+        return _checked(dump, between_steps_report(dump, dump_info, history_finding(dump.history()), started))
     if dump.num_micro_batches == 0:
         raise DumpError(f"{path or 'the dump'} records no micro-batch, so there is no step to replay; the loop "
                         "called check() without record_batch() (see README: the four calls)")
     if dump.trigger.kind is TriggerKind.PRECURSOR:
-        _stage(progress, "a precursor dump (a healthy step): ranking the statistics that grew")
-        return _checked(dump, precursor_report(dump, dump_info, _history_finding(dump.history()), started))
+        stage(progress, "a precursor dump (a healthy step): ranking the statistics that grew")
+        return _checked(dump, precursor_report(dump, dump_info, history_finding(dump.history()), started))
     options = _off_the_gpu_after_a_cuda_error(dump, options, progress)
     with deterministic_mode(dump.manifest.get("determinism")):
-        _stage(progress, f"loading model and step {dump.step} (rank {dump.rank}) on "
+        stage(progress, f"loading model and step {dump.step} (rank {dump.rank}) on "
                          f"{options.device or 'the default device'}")
         try:
             checkpoint, unused = (load_checkpoint(options.from_checkpoint), None) if options.from_checkpoint \
@@ -253,7 +231,7 @@ def _off_the_gpu_after_a_cuda_error(dump: Any, options: "ReplayOptions", progres
         return options
     if options.device is None and not torch.cuda.is_available() or str(options.device or "cuda").startswith("cpu"):
         return options
-    _stage(progress, "the step raised a CUDA error (device-side assert): replaying on the CPU, where the same op "
+    stage(progress, "the step raised a CUDA error (device-side assert): replaying on the CPU, where the same op "
                      "raises a readable error and nothing poisons the GPU")
     return dataclasses.replace(options, device="cpu")
 
@@ -270,18 +248,18 @@ def _window_replay(dump: Any, session: ReplaySession, checkpoint: Checkpoint, op
         raise DumpError(f"--from-step {start} is not before the dumped step {dump.step}")
     job_dirs = job_paths(dump.manifest.get("environment"), dump.path) if options.trust else []
     data = data_recipe(dump.manifest.get("data_recipe"), options.trust, list(options.sys_path), job_dirs)
-    outcomes, broken = replay_window(session, dump, checkpoint, start, data, lambda m: _stage(progress, m),
+    outcomes, broken = replay_window(session, dump, checkpoint, start, data, lambda m: stage(progress, m),
                                      through_dumped=bool(dump.state_missing))
     block = to_json_safe(window_block(outcomes, start, dump.step, checkpoint))
     if broken is None:
-        _stage(progress, f"no step from {start} to {dump.step - 1} broke the weights: analysing the dumped step")
+        stage(progress, f"no step from {start} to {dump.step - 1} broke the weights: analysing the dumped step")
         fresh = _load(dump, options)
         report = _session_report(fresh, options, progress, dump_info=dump_info, history=dump.history(),
                                  started=started, earlier=lambda: EarlierState(checkpoint.model, checkpoint.step,
                                                                                checkpoint.source))
     else:
         step = outcomes[-1].step
-        _stage(progress, f"step {step} broke the run ({outcomes[-1].broke}): analysing it" if outcomes[-1].broke
+        stage(progress, f"step {step} broke the run ({outcomes[-1].broke}): analysing it" if outcomes[-1].broke
                else f"re-executed up to the dumped step {step}: analysing it")
         report = _session_report(broken, options, progress, dump_info={**dump_info, "step": step},
                                  history=dump.history(), started=started)
@@ -320,7 +298,7 @@ def _session_report(session: ReplaySession, options: ReplayOptions | None = None
             passes = expected_passes(session, bisect=options.bisect, rng_check=options.rng_check,
                                      fp32_check=options.fp32_check, remedies=options.remedies)
             for line in session.stream.describe(passes, len(session.micro_batches)):
-                _stage(progress, line)
+                stage(progress, line)
         report = _stages(session, runner, options, progress, dump_info, history, started, earlier)
         if isinstance(runner, StreamedStepRunner):  # the session has a stream plan
             report.stream = runner.stream_report()
@@ -333,22 +311,22 @@ def _stages(session: ReplaySession, runner: StepRunner, options: ReplayOptions, 
             dump_info: dict | None, history: dict | None, started: float,
             earlier: Callable[[], EarlierState] | None = None) -> Report:
     """run_session's stages, in order, on one runner."""
-    findings = _reproduce(runner, options, progress)
+    findings = reproduce_step(runner, options, progress)
     raised = findings.kind is TriggerKind.EXCEPTION  # the step stops where it raises: no numbers to measure
-    _localise(findings, runner, options, progress)
+    localise(findings, runner, options, progress)
     if not raised:
-        _stage(progress, "per-layer gradient norms and output abs-max")
+        stage(progress, "per-layer gradient norms and output abs-max")
         findings.per_layer = per_layer_stats(runner)
     refs = session.sample_refs
     result = findings.reproduction.result
     if findings.reproduced and result.norm_overflow and findings.kind is TriggerKind.NONFINITE_GRAD:
-        _stage(progress, "every gradient is finite but their norm overflows: measuring the largest")
-        findings.norm_overflow = _largest_gradient(runner)
+        stage(progress, "every gradient is finite but their norm overflows: measuring the largest")
+        findings.norm_overflow = largest_gradient(runner)
     data_independent = findings.kind.data_independent or bool(findings.weights_nonfinite) \
         or findings.phase is Phase.OPTIMIZER or findings.norm_overflow is not None
     largest = []
     if raised and is_out_of_memory((session.exception or {}).get("type"), (session.exception or {}).get("message")):
-        _stage(progress, "measuring the samples' sizes (out of memory)")
+        stage(progress, "measuring the samples' sizes (out of memory)")
         findings.sizes = size_summary(session.micro_batches, refs)
         largest = outlier_refs(findings.sizes, refs)
     elif raised and findings.exception is not None and findings.exception.context_limit:
@@ -358,9 +336,9 @@ def _stages(session: ReplaySession, runner: StepRunner, options: ReplayOptions, 
     if largest:  # padding makes its micro-batch fail whichever of its samples run: the size names the culprit
         findings.bisection.culprits = largest
     elif findings.reproduced and options.bisect and not data_independent and refs:
-        _stage(progress, f"bisecting {len(refs)} samples")
-        findings.bisection = _bisect(runner, refs, findings.kind, findings.threshold, options)
-    elif findings.reproduced and not data_independent and (in_batch := _input_field(findings.forward)) is not None:
+        stage(progress, f"bisecting {len(refs)} samples")
+        findings.bisection = bisect_samples(runner, refs, findings.kind, findings.threshold, options)
+    elif findings.reproduced and not data_independent and (in_batch := input_field(findings.forward)) is not None:
         # the first non-finite value is in the batch itself: its samples holding it are named without bisection
         mb, name = in_batch
         findings.bisection.culprits = nonfinite_in_field(
@@ -368,15 +346,18 @@ def _stages(session: ReplaySession, runner: StepRunner, options: ReplayOptions, 
     findings.sample_facts = {**describe_samples(session.micro_batches, findings.culprits), **findings.sample_facts}
     if raised:
         pass
+    elif options.fp32_check and findings.reproduced and findings.weights_nonfinite:
+        findings.precision = fp32_check(runner, kind=TriggerKind.NONFINITE_PARAM)  # broken weights fail in any dtype:
+        # a re-run on them says nothing about the precision (dtype facts only)
     elif options.fp32_check and findings.reproduced:
         if uses_low_precision(runner):
-            _stage(progress, "re-running in fp32")
+            stage(progress, "re-running in fp32")
         findings.precision = fp32_check(runner, findings.culprits or None, kind=findings.kind,
                                         threshold=findings.threshold)
     elif options.fp32_check:
         findings.precision = fp32_check(runner, kind=TriggerKind.NONFINITE_PARAM)  # dtype facts only, no run
     if findings.culprits and findings.precision is not None and findings.precision.get("fp32_reproduces") is False:
-        _stage(progress, "measuring how close the other samples come to fp16's limit")
+        stage(progress, "measuring how close the other samples come to fp16's limit")
         findings.margin = others_margin(runner, findings.culprits)
         if findings.margin is not None and findings.margin["at_the_edge"]:
             logger.info("without the culprits the step still reaches %.0f %% of fp16's max: the state is at the "
@@ -386,252 +367,35 @@ def _stages(session: ReplaySession, runner: StepRunner, options: ReplayOptions, 
         session.warnings.append("streamed replay: the non-finite pre-step weights are named, but their bad slices and "
                                 "the samples that touch them are not located (that stage reads whole weights)")
     elif findings.weights_nonfinite:
-        _stage(progress, "locating the non-finite weights and the samples that touch them")
+        stage(progress, "locating the non-finite weights and the samples that touch them")
         findings.corrupted = corrupted_weights(runner)
         findings.touching = samples_touching_embeddings(runner, findings.corrupted)
     if not raised:
-        _stage(progress, "per-sample loss and gradient norm")
-        findings.per_sample = _per_sample_rows(runner, refs, findings.culprits, options.max_per_sample)
+        stage(progress, "per-sample loss and gradient norm")
+        findings.per_sample = per_sample_rows(runner, refs, findings.culprits, options.max_per_sample)
     elif findings.culprits and findings.exception is not None:
-        _stage(progress, "naming the values that make the culprit samples raise")
+        stage(progress, "naming the values that make the culprit samples raise")
         findings.exception = localize_exception(runner, findings.culprits) or findings.exception
     if session.grad_norms_scaled:  # the job's grad norms were of scaled gradients: read them unscaled
         history = unscaled_history(history)
-    findings.history = _history_finding(history, _uniform_loss(runner.model), (dump_info or {}).get("step"))
+    findings.history = history_finding(history, uniform_loss(runner.model), (dump_info or {}).get("step"))
     if findings.reproduced and not raised and options.remedies:
-        _stage(progress, "trying remedies on the step")
+        stage(progress, "trying remedies on the step")
         findings.remedies = try_remedies(runner, findings.culprits, findings.history.reading.healthy_grad_norm,
                                          findings.forward.module if findings.forward is not None else None)
         if findings.remedies and session.followup is not None:
-            _stage(progress, "carrying the fixes over the recorded steps after this one")
+            stage(progress, "carrying the fixes over the recorded steps after this one")
             follow_remedies(findings.remedies, runner, session.followup)
     if findings.kind.spike and findings.history.diverged and findings.culprits:
         logger.info("the run diverged long before: the samples whose removal ends the spike are not culprits")
         findings.bisection.culprits = []  # the bisection block keeps what it found; no sample is blamed
     if findings.culprits and not raised:
-        findings.evidence = _weigh_evidence(findings, session, runner)
+        findings.evidence = weigh_evidence(findings, session, runner)
         if earlier is not None and session.stream is None:
             state = earlier()
-            _stage(progress, f"feeding the culprit micro-batch's samples to {state.source} (trigger or cause?)")
+            stage(progress, f"feeding the culprit micro-batch's samples to {state.source} (trigger or cause?)")
             feed_earlier_state(runner, state, findings.culprits, findings.kind, findings.evidence,
                                (dump_info or {}).get("step"))
     return assemble_report(findings, runner, dump_info, started)
-
-
-def _weigh_evidence(findings: Findings, session: ReplaySession, runner: StepRunner) -> RecordEvidence:
-    """Stage 8: is there evidence that the culprits' records are bad data, or are they triggers?"""
-    precision = cast("dict[str, Any]", findings.precision or {})
-    low_job = session.autocast_dtype is not None or session.param_dtype in (torch.float16, torch.bfloat16) \
-        or bool(precision.get("code_dtypes"))
-    full_precision = precision.get("fp32_reproduces") is True or (not low_job and not session.scaler_enabled)
-    evidence = weigh(findings.culprits, cast("list[dict]", findings.per_sample), findings.sample_facts,
-                     nonfinite_trigger=not findings.kind.spike, full_precision=full_precision,
-                     isolated=(findings.bisection.block or {}).get("test") == "isolation",
-                     others_far=lambda: (others_share(runner, findings.culprits) or 1.0) < FAR_FROM_LIMIT)
-    if not evidence.bad_data:
-        logger.info("no evidence that the culprits' records are bad: they are triggers (%s)", evidence.ordinary)
-    return evidence
-
-
-def _largest_gradient(runner: StepRunner) -> float | None:
-    """The largest |gradient| of the step (a norm that overflows while every value is finite)."""
-    try:
-        with runner.keeping_gradients():
-            runner.run(keep_grads=True)
-            values = [float(p.grad.detach().abs().max()) for _, p in runner.gradients()
-                      if p.grad is not None and p.grad.numel()]
-        return max(values) if values else None
-    except Exception:  # a measurement: the verdict goes on without the number
-        logger.warning("the largest gradient could not be measured", exc_info=True)
-        return None
-    finally:
-        runner.reset()
-
-
-# --------------------------------------------------------------------------------------------
-# stages
-# --------------------------------------------------------------------------------------------
-def _reproduce(runner: StepRunner, options: ReplayOptions, progress: Progress | None) -> Findings:
-    """Stage 1: re-run the whole step until the trigger reproduces; for an update that broke the weights,
-    step a fresh copy of the optimizer; then, optionally, re-run from other seeds (is the RNG needed?)."""
-    session = runner.session
-    trigger = session.trigger
-    kind = trigger.kind
-    _stage(progress, f"reproducing the step ({len(session.micro_batches)} micro-batch(es), trigger {kind})")
-    reproduction = reproduce(runner, options.max_attempts)
-    trigger = session.trigger  # in the replay's units (a grad norm recorded on scaled gradients: unscaled)
-    findings = Findings(kind=kind, trigger=trigger, threshold=trigger.threshold,
-                        reproduction=reproduction, reproduced=reproduction.reproduced,
-                        weights_nonfinite=list(runner.nonfinite_params))
-    if kind is TriggerKind.NONFINITE_PARAM and not findings.weights_nonfinite:
-        _stage(progress, "stepping a fresh copy of the optimizer on the replayed gradients")
-        findings.optimizer = localize_optimizer(runner)
-        findings.reproduced = findings.optimizer is not None
-    if findings.reproduced and options.rng_check and kind is not TriggerKind.NONFINITE_PARAM \
-            and not findings.weights_nonfinite and findings.optimizer is None:
-        if any(state is not None for state in session.rng_states):
-            _stage(progress, "re-running the step from other seeds (is the recorded RNG needed?)")
-            findings.rng = check_rng_dependence(runner, kind, findings.threshold)
-        else:
-            findings.rng = {"checked": False, "seeds": [], "failed": [], "rng_dependent": None}
-    return findings
-
-
-def _localise(findings: Findings, runner: StepRunner, options: ReplayOptions, progress: Progress | None) -> None:
-    """Stage 2: where the first non-finite value appeared: forward (op by op), backward (anomaly mode) or
-    the optimizer update."""
-    if not findings.reproduced:
-        return
-    if findings.kind is TriggerKind.EXCEPTION:
-        _stage(progress, "localising where the step raises")
-        findings.exception = localize_exception(runner)
-        findings.phase = findings.exception.phase if findings.exception is not None else None
-        return
-    result = findings.reproduction.result
-    if findings.weights_nonfinite:
-        _stage(progress, f"the pre-step weights are already non-finite ({findings.weights_nonfinite[0]} ...)")
-    if not result.loss_finite:
-        _stage(progress, "localising the first non-finite value in the forward pass")
-        findings.forward = localize_forward(runner, allow_neg_inf_masks=options.allow_neg_inf_masks)
-        findings.phase = Phase.FORWARD if findings.forward is not None else None
-    elif not result.grads_finite:
-        _stage(progress, "localising the first non-finite gradient (anomaly mode)")
-        findings.backward = localize_backward(runner)
-        findings.phase = Phase.BACKWARD if findings.backward is not None else None
-    if findings.optimizer is None and result.loss_finite and result.grads_finite and runner.session.optimizer \
-            and not findings.weights_nonfinite and not findings.kind.spike:
-        findings.optimizer = localize_optimizer(runner)
-    if findings.optimizer is not None and findings.phase is None:
-        findings.phase = Phase.OPTIMIZER
-
-
-def _bisect(runner: StepRunner, refs: list[SampleRef], kind: TriggerKind, threshold: float | None,
-            options: ReplayOptions) -> Bisection:
-    """Stage 3: the smallest set of samples that makes the step fail (ddmin), confirmed by removal."""
-    # A NaN/Inf is isolated: the culprit fails on its own. A spike is judged against a threshold set by
-    # the whole batch, and a few samples alone are noisier than the batch (the norm of a mean of fewer
-    # gradients is larger), so a spike culprit is the smallest set whose REMOVAL ends the spike.
-    needs_backward, by_removal = kind.needs_backward, kind.spike
-
-    def run_fails(subset: list[SampleRef]) -> bool:
-        return runner.run(subset, backward=needs_backward).trigger_reproduced(kind, threshold)
-
-    def fails(subset: list[SampleRef]) -> bool:
-        if by_removal:
-            chosen = set(subset)
-            rest = [r for r in refs if r not in chosen]
-            return not rest or not run_fails(rest)
-        return run_fails(subset)
-
-    if len(refs) == 1:
-        return Bisection(list(refs), {"runs": 0, "candidates": 1, "culprit_size": 1, "budget": bisect_budget(1),
-                                      "confirmed": None, "test": "isolation"})
-    outcome = ddmin(refs, fails, max_runs=options.max_bisect_runs)
-    runs, culprits, confirmed = outcome.runs, [] if outcome.all_failed else list(outcome.culprits), None
-    groups = 1
-    if culprits and not by_removal:
-        # Confirm: without the culprits the step must pass. Several samples may each fail alone; look
-        # for up to CONFIRM_ROUNDS of them. More than that, or a micro-batch where any sample fails
-        # (a dropout mask, a broken buffer), is no sample's fault.
-        for _ in range(CONFIRM_ROUNDS):
-            rest = [r for r in refs if r not in set(culprits)]
-            runs += 1
-            if not rest or not run_fails(rest):
-                confirmed = True
-                break
-            more = ddmin(rest, fails, max_runs=options.max_bisect_runs)
-            runs += more.runs
-            if more.all_failed:
-                break
-            culprits += [r for r in more.culprits if r not in set(culprits)]
-            groups += 1
-        if not confirmed:
-            logger.info("the step still fails without samples %s: no sample is to blame",
-                        [r.sample_id for r in culprits])
-            confirmed, culprits = False, []
-    too_large = len(culprits) > 1 and groups == 1 and len(culprits) > MAX_CULPRIT_SHARE * len(refs)
-    if too_large:
-        logger.info("the smallest failing set is %d of %d samples: too large a share of the step to blame",
-                    len(culprits), len(refs))
-    block = {"runs": runs, "candidates": len(refs), "culprit_size": 0 if too_large else len(culprits),
-             "unblamed_group": len(culprits) if too_large else 0,
-             "budget": outcome.budget, "all_subsets_fail": outcome.all_failed, "minimal": outcome.minimal,
-             "test": "removal" if by_removal else "isolation", "confirmed": confirmed,
-             "independent_groups": groups if culprits and not too_large else 0}
-    return Bisection([] if too_large else culprits, block, outcome.all_failed)
-
-
-def _input_field(forward: Any) -> tuple[int, str] | None:
-    """(micro-batch, field) when the forward finding names a batch field (`<input>.FIELD`) in a known micro-batch."""
-    if forward is not None and forward.micro_batch is not None and bool(forward.nonfinite_inputs) \
-            and (forward.module or "").startswith(INPUT_MODULE + "."):
-        return forward.micro_batch, forward.nonfinite_inputs[0]
-    return None
-
-
-def _per_sample_rows(runner: StepRunner, refs: list[SampleRef], culprits: list[SampleRef], limit: int) -> list[SampleRow]:
-    """Stage 5: loss and gradient norm of each sample alone (culprits first, then up to `limit`)."""
-    if not refs or limit <= 0:
-        return []
-    chosen = list(culprits[:limit])
-    chosen += [r for r in refs if r not in chosen][:max(0, limit - len(chosen))]
-    chosen.sort(key=lambda r: (r.micro_batch, r.index))
-    session, model = runner.session, runner.model
-    if isinstance(runner, StreamedStepRunner):  # one streamed pass per row: the culprits and a few others
-        few = [r for r in chosen if r in set(culprits)] or []
-        few += [r for r in chosen if r not in set(few)][:max(0, STREAMED_PER_SAMPLE - len(few))]
-        if len(few) < len(chosen):
-            session.warnings.append(f"streamed replay: per-sample rows for {len(few)} of {len(chosen)} samples (the "
-                                    "culprits first), each being a pass over the whole model")
-        few.sort(key=lambda r: (r.micro_batch, r.index))
-        return cast("list[SampleRow]", runner.per_sample_rows(few))  # the same rows, built by the streamed runner
-
-    def run_one(ref: SampleRef) -> torch.Tensor:
-        batch = select_samples(session.micro_batches[ref.micro_batch], [ref.index])
-        with runner.autocast_context():
-            return session.loss_fn(model, batch)
-
-    def before_each(ref: SampleRef) -> None:
-        runner.restore_rng(ref.micro_batch)
-
-    def loss_fn(m: torch.nn.Module, batch: Any) -> torch.Tensor:
-        with runner.autocast_context():
-            return session.loss_fn(m, batch)
-
-    runner.reset()
-    model.train()
-    try:
-        with runner.job_precision():  # an FSDP2 bf16 job's samples in bf16, as the step ran them
-            return per_sample_stats(model, chosen, run_one, before_each=before_each,
-                                    batches=session.micro_batches, loss_fn=loss_fn)
-    finally:
-        runner.reset()
-
-
-def _uniform_loss(model: torch.nn.Module) -> float | None:
-    """ln(vocabulary size): the loss of a uniform guess, for a language model that says its vocabulary."""
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    return math.log(vocab) if isinstance(vocab, int) and vocab > 1 else None
-
-
-def _history_finding(history: dict | None, uniform_loss: float | None = None, step: int | None = None) -> HistoryFinding:
-    """Stage 6: the recorded history's curve shape and warning signals, whether the run diverged long ago, and
-    what it shows before `step` (the analysed one) with numbers from before the divergence."""
-    if not history:
-        return HistoryFinding(None, HistoryPattern.INSUFFICIENT_HISTORY, reading=read_history(None, step))
-    block = {"step": list(history.get("step") or []), "loss": list(history.get("loss") or []),
-             "grad_norm": list(history.get("grad_norm") or [])}
-    try:
-        signals = history_signals(history)
-    except Exception:  # signals are an extra; never fail the replay on them
-        logger.warning("history signals failed", exc_info=True)
-        signals = []
-    summary = history.get("summary")
-    if not isinstance(summary, dict):
-        summary = {}
-    pattern = classify_history(block["loss"], summary.get("first_losses") or block["loss"][:3], uniform_loss)
-    return HistoryFinding(block, HistoryPattern(pattern), signals, diverged_long_ago(history, uniform_loss),
-                          read_history(history, step, uniform_loss))
-
 
 __all__ = ["ReplayOptions", "run_replay", "run_session", "CONFIRM_ROUNDS"]

@@ -38,8 +38,8 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
     if findings.kind is TriggerKind.NONFINITE_PARAM and findings.optimizer is not None:
         fidelity["optimizer_reproduced"] = True
     verdict = decide_verdict(verdict_facts(findings, session, dump_info, culprit))
-    if verdict["kind"] in (VerdictKind.TRIGGER_SAMPLE.value, VerdictKind.NUMERICAL_PRECISION.value) \
-            and findings.evidence is not None and not findings.evidence.bad_data:
+    if verdict["kind"] != VerdictKind.EXCEPTION.value and findings.evidence is not None \
+            and not findings.evidence.bad_data:
         for sample in culprit.samples:  # named as the first to cross, not as bad data: no blocklist lists them
             sample.trigger = True
     if findings.remedies:  # a tested fix comes before what is only suggested

@@ -25,7 +25,8 @@ steps and wall time; nothing here depends on the exact step a run spikes or dies
   which is 0 in fp16: Adam's denominator underflows and the first update is Inf/NaN.
 
 Writes OUT/<scenario>/<step dir>/... (every dump the Guard kept on disk: its first and largest spike dumps, the
-crash dump, as the Guard wrote them), OUT/<scenario>/losses.json (the loss of every step),
+crash dump, as the Guard wrote them), OUT/packed/<scenario>-<step dir>.tar.zst (each packed by `forensics pack`:
+about 60 % of the directory, what to check in as test data), OUT/<scenario>/losses.json (the loss of every step),
 OUT/reports/<code>-<device>/<scenario>/<step dir>/ (each replay's report; the replay runs on a scratch copy of the
 dump), OUT/replay_cmds.sh (commands to replay them again) and OUT/summary.json (per scenario: the learning rates
 tried, the spike and non-finite steps, each dump's trigger, size and verdicts). A scenario whose run leaves no dump
@@ -45,6 +46,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -54,6 +56,7 @@ if str(REPO) not in sys.path:
 
 from capture import DumpConfig, Guard, GuardConfig  # noqa: E402
 from forensics.errors import TrainingFaultError  # noqa: E402
+from forensics.format import pack_dump  # noqa: E402
 from scripts.natural_gpu import models  # noqa: E402
 
 MODELS = "scripts.natural_gpu.models"
@@ -69,7 +72,7 @@ class Scenario:
     data: str = "copy"       # "copy" | "sequences" | "random_tokens"
     model: str = "gpt"       # "gpt" | "hf_gpt2"
     model_kwargs: dict = field(default_factory=dict)
-    loss: str = "copy_loss"  # a function of models.py, given to the Guard as its loss_fn (None for HF: default)
+    loss: str | None = "copy_loss"  # a function of models.py, given to the Guard as its loss_fn (None for HF: default)
     loop_autocast: str | None = None  # "float16" | "bfloat16": entered by the loop around the loss
     scaler: bool = False
     half_params: bool = False
@@ -169,7 +172,7 @@ def train(scenario: Scenario, lr: float, dump_dir: Path, device: str, steps: int
     first_nonfinite, fault, stopped = None, None, "steps"
     started = time.time()
     try:
-        for step, batch in zip(range(steps), batches(scenario, model.config.vocab_size, seed + 1)):
+        for step, batch in zip(range(steps), batches(scenario, scenario.model_kwargs["vocab_size"], seed + 1)):
             if time.time() > deadline:
                 stopped = "wall time"
                 break
@@ -249,10 +252,11 @@ def _replay(cmd: list, report_dir: Path, timeout: float, code: Path) -> dict:
     env = {"OMP_NUM_THREADS": "2", **os.environ, "PYTHONPATH": os.pathsep.join(paths).rstrip(os.pathsep)}
     started = time.time()
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(REPO))
+        # cwd: `python -m` puts it first on sys.path, so it decides which forensics is imported
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(code))
     except subprocess.TimeoutExpired:
         return {"exit_code": None, "error": f"timed out after {timeout:.0f} s", "seconds": round(time.time() - started, 1)}
-    out = {"exit_code": done.returncode, "seconds": round(time.time() - started, 1)}
+    out: dict[str, Any] = {"exit_code": done.returncode, "seconds": round(time.time() - started, 1)}
     try:
         report = json.loads(done.stdout[done.stdout.index("{"):])
     except ValueError:
@@ -273,7 +277,8 @@ def run_scenario(scenario: Scenario, out: Path, device: str, steps_scale: float,
     started = time.time()
     deadline = started + scenario.cap_s * (len(scenario.lrs) if sweep else 1)
     work = out / "_work" / scenario.name
-    tries, runs = [], []
+    tries: list[dict] = []
+    runs: list[tuple] = []
     for lr in scenario.lrs:
         if time.time() > deadline:
             break
@@ -293,19 +298,23 @@ def run_scenario(scenario: Scenario, out: Path, device: str, steps_scale: float,
     chosen = max(runs, key=lambda r: r[:3])[3] if runs else None
     dest = out / scenario.name
     dest.mkdir(parents=True, exist_ok=True)
+    (out / "packed").mkdir(exist_ok=True)
     dumps = []
     if chosen is not None:
         (dest / "losses.json").write_text(json.dumps({"lr": chosen["lr"], "losses": chosen["losses"]}))
         for path in sorted(chosen["dumps"], key=lambda p: describe_dump(p)["step"]):
             kept = keep(path, dest)
-            entry = {"path": str(kept.relative_to(out)), "bytes": dir_bytes(kept.parent if kept.name.startswith(
-                "rank") else kept)} | describe_dump(kept)
+            step_dir = kept.parent if kept.name.startswith("rank") else kept
+            packed = pack_dump(step_dir, out / "packed" / f"{scenario.name}-{step_dir.name}.tar.zst")
+            entry = {"path": str(kept.relative_to(out)), "bytes": dir_bytes(step_dir),
+                     "packed": str(packed.relative_to(out)), "packed_bytes": packed.stat().st_size} | describe_dump(kept)
             dumps.append(entry)
     summary = {"scenario": scenario.name, "note": scenario.note, "lr": chosen["lr"] if chosen else None,
                "tries": tries, "spike_steps": [d["step"] for d in dumps if "spike" in d["trigger"]],
                "nonfinite_steps": [d["step"] for d in dumps if d["trigger"] in NONFINITE],
                "first_nonfinite_loss_step": chosen["first_nonfinite_loss_step"] if chosen else None,
                "dumps": dumps, "dump_bytes": sum(d["bytes"] for d in dumps),
+               "packed_bytes": sum(d["packed_bytes"] for d in dumps),
                "train_seconds": round(time.time() - started, 1)}
     summary["wall_seconds"] = round(time.time() - started, 1)
     return summary
@@ -349,12 +358,15 @@ def main() -> int:
                         "default: this checkout, named 'worktree')")
     parser.add_argument("--replay-workers", type=int, default=4, help="replays at a time")
     parser.add_argument("--replay-timeout", type=float, default=240.0)
+    parser.add_argument("--replay-existing", action="store_true", help="train nothing: replay the dumps OUT/summary.json "
+                        "lists (as a run of this script wrote them)")
     args = parser.parse_args()
+    args.out = args.out.resolve()
     torch.set_num_threads(min(4, torch.get_num_threads()))
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     device = args.device
-    info = {"device": torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu",
+    info: dict[str, Any] = {"device": torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu",
             "torch": torch.__version__, "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
             "command": " ".join(sys.argv)}
     try:
@@ -365,7 +377,14 @@ def main() -> int:
         pass
     print(json.dumps(info), flush=True)
     results = []
-    for name in args.only or list(SCENARIOS):
+    if args.replay_existing:
+        made = json.loads((args.out / "summary.json").read_text())
+        results = [r for r in made["scenarios"] if not args.only or r["scenario"] in args.only]
+        for r in results:
+            for d in r["dumps"]:
+                d.pop("replay", None)
+        info["made"] = {k: v for k, v in made.items() if k != "scenarios"}
+    for name in [] if args.replay_existing else args.only or list(SCENARIOS):
         print(f"{name} ...", flush=True)
         scenario = SCENARIOS[name]
         if args.lrs:
@@ -381,15 +400,16 @@ def main() -> int:
                    args.replay_timeout, args.replay_workers)
     info["wall_seconds"] = round(time.time() - started, 1)
     info["dump_bytes"] = sum(r["dump_bytes"] for r in results)
+    info["packed_bytes"] = sum(r.get("packed_bytes", 0) for r in results)
     (args.out / "summary.json").write_text(json.dumps(info | {"scenarios": results}, indent=1, default=str))
     lines = ["# Replays every dump of the natural suite with the code of the checkout it runs in. From the repository root:",
-             "#   DUMPS=DIR_HOLDING_THE_SCENARIO_FOLDERS REPORTS=OUTDIR DEVICE=cuda:0 bash replay_cmds.sh",
-             "# (a replay writes replays.jsonl beside the dump: replay a copy to keep the dumps as the Guard wrote them)",
+             "#   DUMPS=THIS_SCRIPTS_OUT REPORTS=OUTDIR DEVICE=cuda:0 bash replay_cmds.sh",
+             "# (the packed archives; a replay of a dump directory writes replays.jsonl beside it)",
              "set -u", 'mkdir -p "$REPORTS"']
     for r in results:
         for d in r["dumps"]:
             name = f"{r['scenario']}-{d['step']}"
-            lines.append(f"PYTHONPATH=. python3 -m forensics.cli replay \"$DUMPS/{d['path']}\" --device \"$DEVICE\" "
+            lines.append(f"PYTHONPATH=. python3 -m forensics.cli replay \"$DUMPS/{d.get('packed', d['path'])}\" --device \"$DEVICE\" "
                          f"--trust --json -o \"$REPORTS/{name}\" > \"$REPORTS/{name}.json\"; echo \"{name} exit $?\"")
     (args.out / "replay_cmds.sh").write_text("\n".join(lines) + "\n")
     order = [f"{c.split('=')[0]}@{d}" for c in args.replay_code or ["worktree"] for d in args.replay_device or [device]]
@@ -399,7 +419,7 @@ def main() -> int:
                                                          for o in order) for d in r["dumps"])
         print(f"{r['scenario']:34} {r['lr'] or 0:>6g} {str(r['spike_steps']):18} {str(r['nonfinite_steps']):10} "
               f"{r['dump_bytes'] / 1e6:5.2f} {r['wall_seconds']:6.1f}  {verdicts}")
-    print(f"total {info['dump_bytes'] / 1e6:.2f} MB of dumps, {info['wall_seconds']} s (verdicts: {' / '.join(order)})",
+    print(f"total {info['dump_bytes'] / 1e6:.2f} MB of dumps ({info['packed_bytes'] / 1e6:.2f} MB packed), {info['wall_seconds']} s (verdicts: {' / '.join(order)})",
           flush=True)
     return 0
 

@@ -72,6 +72,7 @@ def test_an_fsdp2_bf16_job_is_replayed_in_its_own_precision_bit_for_bit(harness,
 
     # the per-sample rows too run each sample in the units' bf16 (not in the fp32 weights'), and the weights come back
     from forensics.format import open_dump
+    from replay import stages
     from replay.load.session import load_session
     from replay.run.execute import StepRunner
 
@@ -79,7 +80,7 @@ def test_an_fsdp2_bf16_job_is_replayed_in_its_own_precision_bit_for_bit(harness,
     runner, seen = StepRunner(session), []
     attention = session.model.transformer.h[0].attn.c_attn
     handle = attention.register_forward_pre_hook(lambda module, args: seen.append(module.weight.dtype))
-    rows = engine._per_sample_rows(runner, session.sample_refs, [], 64)
+    rows = stages.per_sample_rows(runner, session.sample_refs, [], 64)
     handle.remove()
     assert len(rows) == len(session.sample_refs) and set(seen) == {torch.bfloat16}
     assert {p.dtype for p in session.model.parameters()} == {torch.float32}

@@ -342,3 +342,14 @@ def test_a_norm_that_overflows_with_finite_gradients_is_the_diverged_state_not_t
     text = " ".join([v["headline"], v["explanation"], *v["suggestions"]])
     assert "overflows float32" in v["headline"] and "3.2e+20" in v["headline"]
     assert "learning rate" in text and "DCGM" not in text and "hardware" not in text
+
+
+def test_a_nan_at_the_end_of_exponential_growth_is_the_divergence_whoever_crossed_first():
+    v = check_shape(decide_verdict(facts(trigger_kind="nonfinite_grad", culprit_samples=["s9-i1"], record_evidence=[],
+                                         history_pattern="exponential_growth", lr=300.0, phase="backward",
+                                         module="transformer.h.1.ln_1", op="aten::native_layer_norm_backward")))
+    assert v["kind"] == "model_state"
+    assert v["headline"].startswith("The run diverged at a learning rate of 300")
+    text = " ".join([v["headline"], v["explanation"], *v["suggestions"]])
+    assert "no sample is to blame" in v["headline"] and "Filter" not in text
+    assert "normalisation eps" not in text  # not the normalisation's fault: the weights are far gone

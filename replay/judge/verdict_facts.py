@@ -1,0 +1,189 @@
+"""What the verdict is decided on: VerdictFacts, everything the replay established, and the predicates the rules and
+the wording share (has a culprit, blames data, a whole-batch failure, the low precision the job ran in)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from forensics.kinds import HistoryPattern, Phase, TriggerKind
+from replay.culprits.sample_facts import SampleFact
+
+LOW_PRECISION = {"float16": "float16", "half": "float16", "torch.float16": "float16", "fp16": "float16",
+                 "bfloat16": "bfloat16", "torch.bfloat16": "bfloat16", "bf16": "bfloat16"}
+MAX_NAMED_SAMPLES = 3   # headlines name at most this many culprit samples
+MAX_ID_CHARS = 80       # longer sample ids are cut in the headline (report.json keeps them whole)
+PROSE_DIGITS = 6        # significant digits of numbers in verdict prose
+# replay.localize.forward_backward.INPUT_MODULE + ".": a batch field that was non-finite itself
+INPUT_PREFIX = "<input>."
+
+
+@dataclass
+class VerdictFacts:
+    """Everything the replay found that the verdict depends on. Only the first two are required."""
+
+    trigger_kind: TriggerKind
+    """manifest trigger.kind: nonfinite_loss, nonfinite_grad, loss_spike, grad_norm_spike, nonfinite_param."""
+    reproduced: bool
+    """The replay failed the same way (report `reproduced`)."""
+    step: int | None = None
+    rank: int | None = None
+    trigger_local: bool = True
+    """False when this rank only inherited the fault from another rank (multi-rank dumps)."""
+    """Rank whose dump was replayed; also the rank of the culprit samples unless `culprit_rank`."""
+    micro_batch: int | None = None
+    """Micro-batch index in which the trigger fired, 0-based as in the report's JSON; prose shows it
+    1-based, like the report renderers (index 1 of 4 reads "micro-batch 2 of 4")."""
+    num_micro_batches: int | None = None
+    trigger_value: float | None = None
+    """The recorded value that fired (nan / inf / the spiking number)."""
+    threshold: float | None = None
+    replayed_value: float | None = None
+    """The same quantity in the replay (for not_reproduced: 'recorded nan, replayed 2.31')."""
+    unit_factor: str | None = None
+    """Not reproduced, and the recorded value is the replayed one times a factor the job recorded (replay/run/units.py):
+    'the recorded grad norm is the replayed one times the loss scale (65536)'. A unit, not hardware."""
+    bitwise: bool | None = None
+    """Replayed values equal the recorded ones bit for bit (fidelity.bitwise_equal)."""
+    replay_device: str | None = None
+    environment_warnings: list[str] = field(default_factory=list)
+    phase: Phase | None = None
+    """forward, backward, optimizer or None: where the first non-finite value appeared."""
+    module: str | None = None
+    op: str | None = None
+    parameter: str | None = None
+    optimizer_state: str | None = None
+    """The optimizer-state fact that explains an optimizer_update, e.g. 'exp_avg_sq == 0 with eps == 0'."""
+    optimizer_class: str | None = None
+    inputs_absmax: float | None = None
+    outputs_absmax: float | None = None
+    culprit_samples: list[Any] = field(default_factory=list)
+    """Sample ids of the culprit subset bisection found ([] if none or not run)."""
+    culprit_facts: list[SampleFact] = field(default_factory=list)
+    """What is odd in the culprits' own data (replay/culprits/sample_facts.py), most telling first."""
+    remedies: dict[str, bool | None] = field(default_factory=dict)
+    """RemedyKind value -> whether that change made the step healthy (replay/judge/remedies.py; absent: not tried).
+    A suggestion the remedies showed to be useless is not made."""
+    culprit_rank: int | None = None
+    culprit_subset_size: int | None = None
+    """Defaults to len(culprit_samples)."""
+    candidates: int = 0
+    """Samples that were bisected."""
+    bisect_runs: int | None = None
+    culprits_each_fail_alone: bool = False
+    """The culprits are independent: each one alone makes the step fail (several bad samples)."""
+    all_subsets_fail: bool = False
+    """Every subset tried failed (every sample fails alone): the data is not what breaks it."""
+    weights_nonfinite_at_start: bool = False
+    fp32_reproduces: bool | None = None
+    """True: still fails in fp32; False: finite in fp32; None: not re-run."""
+    autocast_dtype: str | None = None
+    param_dtype: str | None = None
+    history_pattern: HistoryPattern | None = None
+    history_signals: list[str] = field(default_factory=list)
+    spike: bool | None = None
+    """The trigger is a finite spike; None: derived from trigger_kind."""
+    per_sample_top: list[dict] = field(default_factory=list)
+    """Worst rows of `rank_by_loss(per_sample_stats(...))`, worst first."""
+    rng_dependent: bool | None = None
+    """True: the step fails with the recorded RNG but not from some other seed (a dropout mask, a random
+    op); False: it failed from every other seed tried; None: not checked (report block `rng`)."""
+    exception_type: str | None = None
+    """trigger exception: the type the replay raised (e.g. IndexError)."""
+    exception_message: str | None = None
+    exception_detail: str | None = None
+    """trigger exception: the data that made the op raise, in words ('token id 300 is outside [0, 64) ...')."""
+    corrupted_weights: list[dict] = field(default_factory=list)
+    """Parameters non-finite before the step: name, bad_elements, elements, slice_kind, bad_rows ..."""
+    touching_samples: list | None = None
+    """Samples whose input ids hit a corrupted embedding row (None: no corrupted embedding)."""
+    samples_failing: list | None = None
+    """Samples whose own replay is non-finite (per-sample table); None: not measured."""
+    samples_checked: int = 0
+    run_diverged: str | None = None
+    """A sentence when the run was far off long before this step (replay.judge.history_pattern.diverged_long_ago):
+    then a spike is that run's symptom, and no sample is blamed for it."""
+    data_kind: str | None = None
+    """'tokens' when the culprit's micro-batch holds integer tensors (token ids, labels), 'float' when it holds
+    only floating-point data (features, embeddings, images): chooses the record-inspection hint."""
+    rng_seeds_tried: int = 0
+    """Other seeds the step was re-run from (without restoring the recorded RNG)."""
+    out_of_memory: bool = False
+    """The job's exception is running out of memory (GPU or host): sizes were measured (report exception.sizes)."""
+    size_outliers: list[dict] = field(default_factory=list)
+    """Out of memory: samples at least replay.culprits.sizes.OUTLIER_FACTOR x the step's median size, largest first."""
+    median_size: float | None = None
+    unblamed_group: int = 0
+    """The smallest failing set bisection found when it was too large a share of the step to blame (the whole
+    step or most of it: replay.stages.MAX_CULPRIT_SHARE); 0 otherwise. No sample is named then."""
+    history_reading: list[str] = field(default_factory=list)
+    """What the history shows before the loss left its start (replay.judge.history_pattern.read_history): where it
+    left, the learning rate then, clipping, the healthy steps' grad norm. Empty when the loss never left it."""
+    update_change: float | None = None
+    """Window replay: how far this step's own update moved the weights (|update| / |weights|), set only when that
+    is what broke the run (more than replay.judge.remedies.WRECK_RATIO with finite gradients and weights)."""
+    lr: float | None = None
+    """The step's learning rate (the optimizer's first parameter group)."""
+    record_evidence: list[str] = field(default_factory=list)
+    """Why the culprits' records are bad data (replay/culprits/evidence.py), in words; empty: they are triggers."""
+    ordinary_record: str | None = None
+    """For triggers: the culprit against the other samples ('its loss 4.2 against 4.1-4.24 for the other 15 ...')."""
+    earlier_state: str | None = None
+    """The earlier-state ablation in one sentence (replay/culprits/earlier_state.py); None: no earlier state."""
+    fp32_ran: str | None = None
+    """What the fp32 re-run ran, in words (replay.run.fp32.ran_words); None: no fp32 re-run."""
+    fp32_unverified: bool = False
+    """The fp32 re-run could not be held to float32 (a compute op still ran below it): no conclusion from it."""
+    grad_norm_overflow: float | None = None
+    """Every gradient value is finite but their norm overflows: the largest |gradient| (a diverged state)."""
+    ids_are_positional: bool = False
+    """The samples the verdict names carry IDs made up from their position in the batch (the job recorded no
+    sample IDs: manifest `ids_are_positional`): no blocklist lists them, and the verdict says how to record real
+    IDs instead of promising a blocklist entry."""
+
+    def __post_init__(self) -> None:
+        for name, kind in (("trigger_kind", TriggerKind), ("phase", Phase), ("history_pattern", HistoryPattern)):
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    setattr(self, name, kind.parse(value))
+                except ValueError as exc:
+                    raise ValueError(f"VerdictFacts.{name}: {exc}") from None
+        if self.spike is None:
+            self.spike = self.trigger_kind.spike
+        if self.culprit_subset_size is None:
+            self.culprit_subset_size = len(self.culprit_samples)
+        if self.culprit_rank is None:
+            self.culprit_rank = self.rank
+        if self.culprit_facts and not self.record_evidence:  # what is odd in the record's own data is evidence
+            self.record_evidence = [fact.words for fact in self.culprit_facts]
+
+
+def low_precision(f: VerdictFacts) -> str | None:
+    for dtype in (f.autocast_dtype, f.param_dtype):
+        if dtype is not None and str(dtype).lower() in LOW_PRECISION:
+            return LOW_PRECISION[str(dtype).lower()]
+    return None
+
+
+def whole_batch(f: VerdictFacts) -> bool:
+    """Bisection's 1-minimal failing set is every candidate, or most of them: no sample can be singled out."""
+    return f.candidates > 1 and ((f.culprit_subset_size or 0) >= f.candidates or f.unblamed_group > 0)
+
+
+def has_culprit(f: VerdictFacts) -> bool:
+    return bool(f.culprit_samples) and not whole_batch(f)
+
+
+def blames_data(f: VerdictFacts) -> bool:
+    """A culprit subset AND evidence that its records are bad: only then is a sample called bad data."""
+    return has_culprit(f) and bool(f.record_evidence)
+
+
+def what(f: VerdictFacts) -> str:
+    return f.trigger_kind.what_fails
+
+
+
+
+__all__ = ['INPUT_PREFIX', 'LOW_PRECISION', 'MAX_ID_CHARS', 'MAX_NAMED_SAMPLES', 'PROSE_DIGITS', 'VerdictFacts', 'blames_data', 'has_culprit', 'low_precision', 'what', 'whole_batch']
