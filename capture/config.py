@@ -148,7 +148,20 @@ class DetectionConfig:
     non-finite updates) and falls back, with one warning, only for an optimizer without found_inf support, an
     enabled GradScaler, verify_update, or ranks whose collectives run on another device than the parameters.
     Either way the micro-batches are kept by reference one step longer (a loader must not reuse its tensors).
-    On CPU it works the same (and saves nothing)."""
+    On CPU it works the same (and saves nothing).
+
+    Held-back spikes, and why that is the default (issue 42). Under on_spike='continue' the one thing the sync-free
+    check changes in training is that a spike the Guard dumps is not applied: check() returned True, the framework
+    goes on, and that one batch is not trained on. For a diagnostic tool this is the better default: a spike dump is
+    worth having only if it replays exactly, which needs the pre-step state, and the alternatives are worse. Reading
+    every step on the host (sync_free=False) costs every step of every run (1.3 % of nanoGPT's step on 2 x H200,
+    against 0.06 % sync-free: README cost table) to save a handful of batches; applying the spike before judging it
+    leaves no pre-step state to dump. What it costs training is bounded and small: up to max_spike_dumps steps per
+    run (then only a spike larger than those kept), never two within min_spike_gap steps — fewer batches than an
+    fp16 GradScaler drops, and what large runs do on purpose (PaLM skipped 200-500 batches around each spike;
+    skip-step optimizers skip spike steps). It is said where the user looks: once in the log at the first check
+    (with this setting to turn it off), in one log line at each held step (judged one step later), in the history
+    (`skipped`), and in README / docs/INTEGRATIONS.md per framework. sync_free=False applies every update."""
     verify_update: bool = False
     """Debug mode: copy the state before every optimizer step and check the parameters after it, so an
     update that makes weights non-finite (e.g. Adam eps=0) is dumped with its pre-step state. Costs a

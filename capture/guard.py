@@ -29,7 +29,7 @@ from capture.raised import exceptions
 from capture.raised.optimizer_steps import OptimizerSteps
 from capture.record.history import History
 from capture.record.incident import Incident, StepRecord
-from capture.record.misuse import FirstStepCheck
+from capture.record.misuse import FirstStepCheck, LoopOrder
 from capture.record.recorder import StepRecorder, loss_value
 from capture.record.window import FlightRecorder
 from capture.state.host_snapshots import HostSnapshots
@@ -95,6 +95,8 @@ class Guard:
         self.add_hook(model.register_forward_pre_hook(self.recorder.note_autocast))
         self.optimizer_steps = OptimizerSteps(optimizer, self.add_hook)  # stepped since the last check()?
         self.first_step = FirstStepCheck(config.recording.sample_id_key)  # the first check()'s warnings
+        self.loop_order = LoopOrder(model, type(self.state).grad_norm is StateSource.grad_norm)  # check() misplaced
+        self.last_decision = True  # what the last check() returned (a repeated check() returns it again)
         self.last_step: StepRecord | None = None  # the last checked step (raised after check(); verify_update)
         self.stopped: TrainingFaultError | None = None  # what check() raised, until the next check(): raised after
         # it outside a recorded step (code after the training loop), an exception is not dumped as that step's
@@ -140,12 +142,18 @@ class Guard:
         """
         if not self.at_step_boundary():
             return True
+        if self.recorder.current is None and self.last_step is not None:  # nothing recorded since the last check
+            steps = self.optimizer_steps
+            if self.loop_order.repeated(self.step - 1, self.last_step, steps.started if steps.known else None):
+                return self.last_decision
         step = self.step_number() if step is None else step
         self.step = self.step if step is None else step
         record, self.recorder.current = self.recorder.current or StepRecord(), None  # the next batch starts a step
         self.stopped = None  # a job that caught the last TrainingFaultError trains on
         self.optimizer_steps.checked()
         self.first_step.look(record)
+        if self.loop_order.looks:  # the first checks only
+            self.loop_order.no_gradients(self.step)
         decision = sync_free = True
         try:
             sync_free = self.checks.sync_free is not None and self.checks.sync_free.active()  # skipped on the device
@@ -170,7 +178,7 @@ class Guard:
                           history=self.history, report=self.handle_incident)
         if not decision:
             self.buffers.undo_skipped_step(self.step)
-        self.last_step = record
+        self.last_step, self.last_decision = record, decision
         self.step += 1
         return decision
 
@@ -186,7 +194,7 @@ class Guard:
         if admission.why_not is None:
             self.last_dumped_step = incident.step
         if policy is Policy.RAISE:
-            where = f"dump written to {dump_path}. Replay it with: forensics replay {dump_path}" if dump_path \
+            where = f"dump written to {dump_path}. Replay it with: {self.dumper.needs.command(dump_path)}" if dump_path \
                 else f"NO dump was written: {dump_error}. "
             raise TrainingFaultError(f"step {incident.step}: {trigger.message}; {where}", trigger, dump_path,
                                      dump_error)

@@ -1,11 +1,13 @@
 """The `forensics` command line: inspect, verify, pack, replay, demo. Each command parses, calls one
 library function and maps the outcome to an exit code (forensics.kinds.ExitCode, the one table: a
-replay exits with its verdict kind's code; bad input, code or environment is 2; 1 only for bugs)."""
+replay exits with its verdict kind's code; bad input, code or environment is 2; 1 only for bugs; Ctrl-C is 130, with one
+line, whatever the command was doing: the files it writes are each written whole or not at all)."""
 
 from __future__ import annotations
 
 import json
 import math
+import signal
 import sys
 import tempfile
 import time
@@ -171,7 +173,47 @@ def _report_dir(report: Report) -> Path:
     return Path(REPORTS_DIR) / f"{run}-step{int(d.step or 0)}-rank{int(d.rank or 0)}"
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class Interruptible(click.Group):
+    """The command group: Ctrl-C ends any command with exit code 130 (ExitCode.INTERRUPTED) and the one line
+    "interrupted", never click's "Aborted!" (exit 1, the code of a bug) nor a traceback. An interrupt that library
+    code swallowed (a KeyboardInterrupt raised inside a finalizer or weakref callback is only printed by Python) is
+    still obeyed: the next progress line raises it again, and a command that ends anyway exits 130."""
+
+    interrupted = False
+
+    def invoke(self, ctx: click.Context):
+        Interruptible.interrupted = False
+
+        def on_sigint(signum, frame):
+            Interruptible.interrupted = True
+            raise KeyboardInterrupt
+
+        try:
+            previous = signal.signal(signal.SIGINT, on_sigint)
+        except ValueError:  # not the main thread (an embedding application): its own handler stays
+            previous = None
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            Interruptible.interrupted = True
+        except BaseException:
+            if not Interruptible.interrupted:
+                raise
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+            if Interruptible.interrupted:
+                click.echo("interrupted", err=True)
+        raise click.exceptions.Exit(int(ExitCode.INTERRUPTED))
+
+    @staticmethod
+    def check() -> None:
+        """Raises KeyboardInterrupt again when an interrupt was swallowed since the command started."""
+        if Interruptible.interrupted:
+            raise KeyboardInterrupt
+
+
+@click.group(cls=Interruptible, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="forensics", prog_name="forensics")
 def main() -> None:
     """Crash forensics for PyTorch training: inspect, verify and replay dumps of failing steps."""
@@ -315,6 +357,7 @@ def _size(ctx: click.Context, param: click.Parameter, text: str | None) -> int |
 
 
 def _progress(stage: str) -> None:
+    Interruptible.check()
     click.echo(f"[{time.strftime('%H:%M:%S')}] {stage}", err=True)
 
 

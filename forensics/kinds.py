@@ -59,6 +59,9 @@ class ExitCode(enum.IntEnum):
     """`replay`: the failure did not reproduce."""
     NO_CULPRIT = 4
     """`replay`: reproduced, but no single culprit."""
+    INTERRUPTED = 130
+    """Ctrl-C (SIGINT), any command: 128 + the signal's number, as shells report it; the files a command writes are
+    each written whole (atomically) or not at all."""
 
 
 class Policy(_Kind):

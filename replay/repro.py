@@ -18,7 +18,9 @@ Two scripts, each failing (an AssertionError, exit code 1) for as long as the bu
   read the dump.
 
 The scripts run from any directory: the dump's path and the --path entries are stored relative to the scripts'
-own directory (model.json), never as the working directory of whoever wrote them.
+own directory and absolute (model.json), never as the working directory of whoever wrote them; a copy of the
+directory elsewhere finds the dump where it was, and `model_repro.py --dump PATH` names a moved one. A dump not
+found is one line and exit code 3 (1 is the reproduced failure's).
 
 Nothing from the dump reaches a path or the scripts' code: file names are this module's own, the scripts are
 fixed text, and what varies (op name, sample ID, dump path) is in `op.json` / `model.json`, read with json.
@@ -128,7 +130,7 @@ def write_repro(dump_path: str | Path, out_dir: str | Path, *, device: str | Non
         culprit = _culprit_samples(runner, finding)
         if culprit is None:
             raise ReplayError(f"step {dump.step} stays finite in a forward-only replay: nothing to reproduce "
-                              "standalone (a gradient or optimizer failure: see `forensics replay`)")
+                              f"standalone ({_finite_kind(kind)}: see `forensics replay`)")
         refs, blamed = culprit
     why_no_sample = None if kind is TriggerKind.EXCEPTION else _diverged_before(dump)
     if why_no_sample is not None and blamed:  # as replay's verdict: the run, not this step's data
@@ -280,6 +282,16 @@ def _culprit_samples(runner: StepRunner, finding: Any) -> tuple[list[SampleRef],
                         lambda ref: not runner.run([ref], backward=False).loss_finite)
 
 
+def _finite_kind(kind: TriggerKind) -> str:
+    """What a dump whose forward stays finite is, in words: a spike is a finite value, never a failure of the
+    gradients or the optimizer."""
+    if kind is TriggerKind.LOSS_SPIKE:
+        return "a loss spike: the loss stays finite, and `forensics replay` finds the samples that make it spike"
+    if kind is TriggerKind.GRAD_NORM_SPIKE:
+        return "a grad-norm spike: the gradients stay finite, and `forensics replay` finds what makes them large"
+    return "a failure of the gradients or the optimizer update"
+
+
 def _diverged_before(dump: Any) -> str | None:
     """Why no sample of the step is to blame although one fails alone: the loss had left its start before the dumped
     step (a learning rate too high: replay's verdict says so too, and names no sample). None otherwise."""
@@ -343,11 +355,13 @@ def _write_model(repro: Repro, dump_path: Path, dump: Any, session: Any, refs: l
     recipe = dump.recipe or {}
     out = repro.directory
     whole = not blamed and len(refs) == len([r for r in session.sample_refs if r.micro_batch == refs[0].micro_batch])
-    spec = {"dump": _relative(dump_path, out), "rank": dump.rank, "step": dump.step, "device": device or "cpu",
+    spec = {"dump": _relative(dump_path, out), "dump_absolute": str(Path(dump_path).resolve()), "rank": dump.rank,
+            "step": dump.step, "device": device or "cpu",
             "micro_batch": refs[0].micro_batch, "samples": None if whole else [r.index for r in refs],
             "sample_ids": [r.sample_id for r in refs], "blames_sample": blamed,
             "factory": overrides["factory_override"] or recipe.get("factory"),
-            "sys_path": [_relative(p, out) for p in sys_path], "trust": bool(trust), **overrides}
+            "sys_path": [_relative(p, out) for p in sys_path],
+            "sys_path_absolute": [str(Path(p).resolve()) for p in sys_path], "trust": bool(trust), **overrides}
     atomic_write_text(out / MODEL_SPEC, json.dumps(spec, indent=1, default=repr))
     atomic_write_text(out / MODEL_SCRIPT, MODEL_TEMPLATE)
     repro.sample = refs[0].sample_id if blamed else None
@@ -448,30 +462,66 @@ whole micro-batch runs.
 
 Needs torch, forensics (to read the dump) and the model's code: it imports the model factory and the loss that
 the dump's recipe names (model.json "factory") with the consent `forensics repro` was given (model.json "trust"),
-as `forensics replay` does. The dump and the --path entries are found relative to this file: run it from any
-directory.
+as `forensics replay` does. The dump and the --path entries are looked for relative to this file first, then where
+they were when `forensics repro` wrote it (absolute): run it from any directory, or copy this directory elsewhere.
+`--dump PATH` names the dump yourself (a moved or unpacked copy).
+
+Exit codes: 0 the step no longer fails; 1 AssertionError: the failure is reproduced; 2 the reproduction could not
+run (the model code or the recipe: one line says why); 3 the dump was not found (one line: pass --dump PATH).
 """
 
+import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 import torch
 
+from forensics.errors import DumpNotFoundError, ForensicsError
 from forensics.format import open_dump
 from replay.load.samples import select_samples
 from replay.load.session import load_session
 from replay.run.streamed import runner_for
 
 HERE = Path(__file__).resolve().parent
+CANNOT_RUN, NO_DUMP = 2, 3  # exit codes (1 is the reproduced failure's AssertionError)
+
+
+def fail(message, code):
+    print(f"model_repro.py: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def find(relative, absolute):
+    """A path model.json names: relative to this file first, then where it was when the scripts were written."""
+    for candidate in (HERE / relative, Path(absolute) if absolute else None):
+        if candidate is not None and candidate.exists():
+            return candidate
+    return None
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dump", type=Path, default=None, help="the dump (default: where model.json says)")
+    args = parser.parse_args()
     spec = json.loads((HERE / "model.json").read_text())
-    dump = open_dump(HERE / spec["dump"], rank=spec["rank"])
-    session = load_session(dump, device=spec["device"], trust=spec["trust"], factory=spec["factory_override"],
-                           loss=spec["loss_override"], sys_path=[str(HERE / p) for p in spec["sys_path"]],
-                           factory_kwargs=spec.get("factory_kwargs"), loss_kwargs=spec.get("loss_kwargs"))
+    path = args.dump if args.dump is not None else find(spec["dump"], spec.get("dump_absolute"))
+    if path is None or not path.exists():
+        tried = str(args.dump) if args.dump is not None else \
+            f"{HERE / spec['dump']} nor {spec.get('dump_absolute') or 'its recorded place'}"
+        fail(f"the dump is not at {tried}; pass --dump PATH", NO_DUMP)
+    absolute = spec.get("sys_path_absolute") or [None] * len(spec["sys_path"])
+    sys_path = [str(find(p, a) or HERE / p) for p, a in zip(spec["sys_path"], absolute)]
+    try:
+        dump = open_dump(path, rank=spec["rank"])
+        session = load_session(dump, device=spec["device"], trust=spec["trust"], factory=spec["factory_override"],
+                               loss=spec["loss_override"], sys_path=sys_path,
+                               factory_kwargs=spec.get("factory_kwargs"), loss_kwargs=spec.get("loss_kwargs"))
+    except DumpNotFoundError as exc:
+        fail(f"{exc}; pass --dump PATH", NO_DUMP)
+    except ForensicsError as exc:
+        fail(f"cannot run the reproduction: {exc}", CANNOT_RUN)
     runner = runner_for(session)
     model = session.model.train()
     batch = session.micro_batches[spec["micro_batch"]]

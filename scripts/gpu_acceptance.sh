@@ -131,6 +131,12 @@ wanted integ_lightning_fused && must_say integ_lightning_fused "one step late"
 step integ_lightning_fused_replay 0 python3 -m forensics.cli replay $d/litf/step-000000003 --device cuda:0 \
   --path scripts/examples --trust -o "$out/litf"
 wanted integ_lightning_fused_replay && names_sample lightning_bf16_fused "$out/litf" 13
+# fp16 (16-mixed) with a fused AdamW: Lightning's GradScaler makes the check synchronous; the module clips itself
+step integ_lightning_fused16 0 env CUDA_VISIBLE_DEVICES=0 timeout 300 python3 scripts/examples/lightning_example.py \
+  --precision 16-mixed --fused --dump-dir $d --run-id litf16
+step integ_lightning_fused16_replay 0 python3 -m forensics.cli replay $d/litf16/step-000000003 --device cuda:0 \
+  --path scripts/examples --trust -o "$out/litf16"
+wanted integ_lightning_fused16_replay && names_sample lightning_fp16_fused "$out/litf16" 13
 # 10. DumpConfig(shard_replicas=2) under FSDP2 bf16 on 2 GPUs: each rank sends its shards to its buddy over NCCL
 #     before writing; with rank 0's dump deleted, verify says the state is whole (exit 2: a rank is missing) and rank
 #     1's dump alone replays on cuda:0 and names the sample

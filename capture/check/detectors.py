@@ -118,7 +118,8 @@ def median_deviation(values: list[float], median: float) -> float:
 
 class StepDetectors:
     """Turns one step's host numbers into a Trigger (or None): non-finite loss, non-finite gradients
-    (a GradScaler's ordinary overflow excepted until the scale collapses), then loss and grad-norm spikes.
+    (a GradScaler's ordinary overflow excepted until the scale collapses), then loss and grad-norm spikes (on a
+    GradScaler overflow step, the loss alone: its grad norm is not a measurement).
 
     Adding a trigger kind: a member of forensics.kinds.TriggerKind, and its test here.
     """
@@ -140,6 +141,7 @@ class StepDetectors:
             if not math.isfinite(value):
                 return Trigger(TriggerKind.NONFINITE_LOSS, value, None, index,
                                f"loss of micro-batch {index + 1} is {value}")  # words count from 1
+        overflow = False
         if norm is not None and not math.isfinite(norm):  # None: no gradients to measure, not a fault
             if agreed is not None and agreed.loss_fault:
                 return None  # another rank's non-finite loss reached these gradients through their all-reduce
@@ -150,12 +152,16 @@ class StepDetectors:
             if loss_scale <= self.min_loss_scale:
                 return Trigger(TriggerKind.NONFINITE_GRAD, norm, self.min_loss_scale, None,
                                f"gradients overflow and the loss scale has collapsed to {loss_scale}")
-            return None  # a normal GradScaler overflow: it skips the step and lowers the scale
+            overflow = True  # a normal GradScaler overflow: it skips the step and lowers the scale. Its loss is still
+            # a real loss, judged for a spike below; its overflowed norm means nothing: the grad-norm detector never
+            # sees it
         own_loss, own_norm, where = step_loss, norm, ""
         if agreed is not None:
             if agreed.fault:
                 return None  # another rank's fault (the caller adds that trigger); the spike windows stay as they are
             step_loss, norm, where = agreed.step_loss, agreed.grad_norm, " (agreed across ranks)"
+        if overflow:
+            norm = own_norm = None
         worst = max(range(len(losses)), key=lambda i: losses[i]) if losses else None
         limit = self.loss.observe(step_loss)
         if limit is not None:

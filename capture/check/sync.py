@@ -7,6 +7,8 @@ GuardConfig.detection.sync_free replaces it with capture/check/sync_free.py. Bot
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 from typing import Any, cast
 
@@ -24,8 +26,11 @@ from capture.state import sharding, snapshot
 from capture.state.host_snapshots import HostSnapshots
 from capture.state.source import StateSource
 from forensics.kinds import Policy, TriggerKind
+from forensics import thirdparty
 from forensics.thirdparty import grad_scaler_scale
 from forensics.trigger import Trigger
+
+log = logging.getLogger(__name__)
 
 
 class SyncCheck:
@@ -43,8 +48,11 @@ class SyncCheck:
         self.config, self.detectors, self.state, self.precursors = config, detectors, state, precursors
         self.history, self.window, self.snapshots = history, window, snapshots
         self.unscaled_by: float | None = None
-        """The loss scale the Guard divided its own grad norm by at the last check (None: the loop's norm, or none
-        divided)."""
+        """The loss scale the Guard divided the step's grad norm by at the last check (its own norm, or one the loop
+        passed while the gradients were still scaled; None: none divided)."""
+        self.scaled_norm_said = False
+        self.loop_norm = False
+        """The last check's grad norm came from the loop, with a GradScaler on."""
 
     def check(self, record: StepRecord, grad_norm: Any, step: int) -> Incident | None:
         """The step's Incident when a detector fired (the Guard dumps it and applies its policy), else None."""
@@ -72,8 +80,49 @@ class SyncCheck:
             if self.snapshots.due(step):
                 take_snapshot(state, self.snapshots, step)
             return None
-        return Incident(trigger, step, record, losses, norm, divisor, policy, agreed=state.ranks.multi_rank,
-                        grad_norm_unscaled_by=self.unscaled_by)
+        incident = Incident(trigger, step, record, losses, norm, divisor, policy, agreed=state.ranks.multi_rank,
+                            grad_norm_unscaled_by=self.unscaled_by)
+        if self.loop_norm and loss_scale and self.unscaled_by is None and norm is not None and math.isfinite(norm) \
+                and not state.ranks.multi_rank:  # one process: its own norm is the whole norm
+            incident = self._loop_norm_units(incident, loss_scale)
+        return incident
+
+    def _loop_norm_units(self, incident: Incident, loss_scale: float) -> Incident:
+        """A step that is dumped, whose grad norm the loop passed with a GradScaler on: that norm compared with the
+        gradients' own norm, measured now (a read on the dumping path only, never on a healthy step). A loop norm that
+        is the loss scale times the gradients' norm was taken before `scaler.unscale_` (and passed after it): said
+        once, and the dump records it unscaled (`loss.grad_norm_unscaled_by`)."""
+        try:
+            own = sharding.host_norm(self.state.grad_norm())
+            own = float(own) if own is not None else None
+        except Exception:  # noqa: BLE001 - a comparison for advice; the dump goes on without it
+            return incident
+        norm = incident.grad_norm
+        if not own or norm is None or not math.isfinite(own) or abs(norm / (own * loss_scale) - 1) > 1e-3:
+            return incident
+        if not self.scaled_norm_said:
+            self.scaled_norm_said = True
+            log.warning("forensics: step %d: the grad norm check() got (%.6g) is the loss scale (%g) times the "
+                        "gradients' norm: it was taken before scaler.unscale_(optimizer), and the history holds such "
+                        "norms. Fix: call scaler.unscale_(optimizer) before clip_grad_norm_ (whose threshold then "
+                        "applies to unscaled gradients); this dump records the unscaled norm. Logged once",
+                        incident.step, norm, loss_scale)
+        return dataclasses.replace(incident, grad_norm=norm / loss_scale, grad_norm_unscaled_by=loss_scale)
+
+    def loop_norm_unscaled(self, grad_norm: Any, step: int) -> tuple[Any, bool]:
+        """The loop's grad norm in unscaled units: a norm passed while a GradScaler still holds the gradients scaled
+        (check() before `scaler.unscale_(optimizer)`) is the scale times too large; it is divided by the scale (its
+        device tensor: no sync) and the loop is told once how to fix it. (grad norm, whether it was divided)."""
+        scale = thirdparty.grads_scaled_by(self.state.scaler, self.state.optimizer)
+        if scale is None:
+            return grad_norm, False
+        if not self.scaled_norm_said:
+            self.scaled_norm_said = True
+            log.warning("forensics: step %d: check(grad_norm=...) got the norm of gradients the GradScaler still holds "
+                        "scaled (x the loss scale): the history and spike detection would see it that many times too "
+                        "large. Fix: call scaler.unscale_(optimizer) before clip_grad_norm_ and check(); meanwhile the "
+                        "Guard divides the scale out (the dump's loss.grad_norm_unscaled_by). Logged once", step)
+        return _divided(grad_norm, scale), True
 
     def _gather(self, record: StepRecord, grad_norm: Any, step: int
                 ) -> tuple[list[float], float | None, float | None, Agreement | None]:
@@ -85,10 +134,14 @@ class SyncCheck:
         """
         state, precursors = self.state, self.precursors
         sharded = own_unscaled = False
-        if grad_norm is None:
+        passed = grad_norm is not None
+        if not passed:
             grad_norm, sharded = state.grad_norm(), state.sharded_grad_norm
             own_unscaled = state.own_norm_unscaled
         grad_norm = sharding.host_norm(grad_norm)
+        self.loop_norm = passed and state.scaler is not None
+        if self.loop_norm:
+            grad_norm, own_unscaled = self.loop_norm_unscaled(grad_norm, step)
         scaler = state.scaler
         scale = grad_scaler_scale(scaler) if scaler is not None and scaler.is_enabled() else None
         values: list[Any] = [*record.losses, grad_norm, scale]
@@ -108,6 +161,13 @@ class SyncCheck:
             precursors.launch_row(step)  # after the transfer: its device work overlaps the optimizer step
         self.unscaled_by = host[n + 1] if own_unscaled else None
         return cast("list[float]", host[:n]), host[n], host[n + 1], agreed  # a recorded loss is never None
+
+
+def _divided(norm: Any, scale: torch.Tensor) -> Any:
+    """`norm` (a tensor or a number) divided by the GradScaler's scale tensor, on the norm's device (no host read)."""
+    if isinstance(norm, torch.Tensor):
+        return norm / scale.reshape(()).to(norm.device)
+    return torch.as_tensor(float(norm), dtype=torch.float32) / scale.reshape(()).cpu().float()
 
 
 def take_snapshot(state: StateSource, snapshots: HostSnapshots, step: int) -> None:

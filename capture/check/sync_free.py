@@ -79,6 +79,21 @@ class Pending:
     overridden: bool = False  # another found_inf (a GradScaler the Guard was not given) replaced this step's flag
 
 
+def held_back_notice(config: GuardConfig) -> str | None:
+    """What the sync-free check does to the run's spike steps, said once at the first check (None: it holds none back:
+    spikes skip or raise by the user's policy, or spike dumps are off)."""
+    dumping = config.dumping
+    if config.detection.on_spike is not Policy.CONTINUE or dumping.max_spike_dumps == 0:
+        return None
+    return (f"the sync-free check (a fused optimizer: no device->host read per step) holds back up to "
+            f"{dumping.max_spike_dumps} spike steps per run to dump their exact pre-step state (DumpConfig."
+            f"max_spike_dumps; after that only a spike larger than those kept, never two within "
+            f"DumpConfig.min_spike_gap={dumping.min_spike_gap} steps): such a step's update is not applied, like a "
+            "GradScaler overflow step, and each is logged when it happens. "
+            "GuardConfig(detection=DetectionConfig(sync_free=False)) to apply every update (one device->host read "
+            "per step)")
+
+
 def unsupported(config: GuardConfig, state: StateSource) -> str | None:
     """Why the sync-free check cannot run for this state and configuration (None: it can)."""
     optimizer, scaler = state.optimizer, state.scaler
@@ -150,6 +165,9 @@ class SyncFree:
             self._active = reason is None
             if reason is None:
                 self.add_hook(self.state.optimizer.register_step_post_hook(self._after_step))
+                notice = held_back_notice(self.config)
+                if notice is not None and self.state.ranks.rank == 0:
+                    log.warning("forensics: %s", notice)
             elif asked:
                 log.warning("forensics: GuardConfig.detection.sync_free is ignored: %s; using the synchronous check",
                             reason)

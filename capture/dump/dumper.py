@@ -30,7 +30,7 @@ from capture.record.incident import Incident, json_ids, leading_dim
 from capture.record.window import FlightRecorder
 from capture.state import buddy, snapshot
 from capture.state.host_snapshots import HostSnapshots
-from capture.state.recipe import default_loss_fits
+from capture.state.recipe import replay_needs
 from capture.state.source import StateSource
 from forensics.errors import CaptureError
 from forensics.format.tree import map_tensors
@@ -64,9 +64,12 @@ class Dumper:
         recipe = state.recipe()
         self.script = MainScript(recipe)
         """The training script's source, for a recipe naming a function of it (capture/dump/main_script.py)."""
-        unfit = default_loss_fits(state.model, recipe, config.dumping.recipe)
-        if unfit:  # said now, at the start of the job, not when a dump is made
-            log.warning("forensics: %s", unfit)
+        self.needs = replay_needs(state.model, recipe, config.dumping.recipe,
+                                  self.script.name if self.script.source is not None else None)
+        """What a replay of this job's dumps needs beyond the dump (--trust, --factory, --loss)."""
+        needs = self.needs.words()
+        if needs and state.ranks.rank == 0:  # said now, at the start of the job, not when a dump is made
+            log.warning("forensics: %s", needs)
         environment.environment()  # versions, git commit: read now, not while a fault is being dumped
         self.dumps: list[Path] = []
         self.errors: list[str] = []
@@ -143,7 +146,7 @@ class Dumper:
     def _written(self, path: Path, admission: Admission | None = None) -> None:
         config = self.config
         self.dumps.append(path)
-        log.warning("forensics: dump written to %s — replay it with: forensics replay %s", path, path)
+        log.warning("forensics: dump written to %s — replay it with: %s", path, self.needs.command(path))
         if admission is not None and admission.replaces is not None:
             self._remove_spike_dump(admission.replaces.step, path)
         if config.dumping.upload:

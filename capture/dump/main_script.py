@@ -1,4 +1,5 @@
-"""The training script's source, recorded for a loss or model factory defined in it (`python train.py`).
+"""The training script's source, recorded for a loss or model factory defined in it (`python train.py`), and for a
+model without a recorded factory (the user can then name one the script defines: `--factory __main__:build --trust`).
 
 Such a function is named `__main__:lm_loss`, which replay cannot import: `__main__` there is forensics, and
 importing `train` instead would run the script's training again. So the Guard reads the script once, when it
@@ -34,6 +35,12 @@ def uses_main(recipe: dict) -> bool:
     return any(isinstance(recipe.get(key), str) and recipe[key].startswith(MAIN_PREFIX) for key in ("loss", "factory"))
 
 
+def wants_script(recipe: dict) -> bool:
+    """The dump should hold the training script: the recipe names a function of it, or names no model factory (the
+    user may then name one defined in the script at replay: `--factory __main__:build --trust`)."""
+    return uses_main(recipe) or not recipe.get("factory")
+
+
 class MainScript:
     """The script's bytes (or why there are none) for dumps whose recipe names `__main__`."""
 
@@ -41,10 +48,10 @@ class MainScript:
         self.source: bytes | None = None
         self.name = "the training script"
         self.why_missing: str | None = None
-        if uses_main(recipe):
-            self._read()
+        if wants_script(recipe):
+            self._read(say=uses_main(recipe))
 
-    def _read(self) -> None:
+    def _read(self, say: bool = True) -> None:
         path = getattr(sys.modules.get("__main__"), "__file__", None)
         if not path or not os.path.isfile(path):
             self.why_missing = "the job's __main__ is not a script file (an interactive session, python -c)"
@@ -59,7 +66,7 @@ class MainScript:
                         self.source = file.read(spec.MAX_MAIN_SCRIPT + 1)[:spec.MAX_MAIN_SCRIPT]
             except OSError as exc:
                 self.why_missing = f"{self.name} could not be read ({type(exc).__name__}: {exc})"
-        if self.why_missing:
+        if self.why_missing and say:
             log.warning("forensics: the loss or model factory is defined in the training script, but %s: replay will "
                         "need it in an importable module (--loss module:fn)", self.why_missing)
 
@@ -67,7 +74,9 @@ class MainScript:
         """The manifest's recipe, with `script` naming the recorded source and the globals its functions read
         (docs/DUMP_FORMAT.md `recipe`)."""
         if not uses_main(recipe):
-            return recipe
+            if self.source is None or not wants_script(recipe):
+                return recipe
+            return {**recipe, "script": {"file": spec.MAIN_SCRIPT, "name": self.name, "globals": {}, "unrecorded": {}}}
         recipe = dict(recipe)
         if self.source is not None:
             try:

@@ -5,6 +5,11 @@ without record_batch (no micro-batch to replay), batches whose sample IDs the Gu
 made up from positions: a replay can name a position, never a record to filter), and no record_loss (a NaN
 loss is invisible; the trigger can only see the gradient norm). Each is logged once, at the first step, with
 the fix. Costs nothing after the first step.
+
+LoopOrder catches check() in the wrong place of the loop, from host state only (no device read): before backward
+(no parameter has a gradient yet: looked at in the first GRADIENT_LOOKS checks only), and twice for one step (no
+batch, loss or optimizer step since the last check: the repeat is ignored, so the step counter does not run double).
+A grad norm taken before `scaler.unscale_` is capture/check/sync.py's (SyncCheck.loop_norm_unscaled).
 """
 
 from __future__ import annotations
@@ -62,3 +67,51 @@ class FirstStepCheck:
                         "norm is watched) and the dump holds no loss to compare a replay with. Fix: call "
                         "guard.record_loss(loss) once per micro-batch, with the loss before dividing it by the "
                         "accumulation steps")
+
+
+GRADIENT_LOOKS = 2  # the first checks whose parameters' .grad are looked at: a loop that checks before backward
+# shows it at once (its gradients are still None at step 0), and a look costs a walk over the parameters
+
+
+class LoopOrder:
+    """Warns once each about check() called in the wrong place of the loop, with what to change.
+
+    Args:
+        model: the guarded module (its parameters' .grad are looked at, host only).
+        grads_on_parameters: the state keeps gradients on `param.grad` (not DeepSpeed's partitions).
+    """
+
+    def __init__(self, model: Any, grads_on_parameters: bool):
+        self.model = model
+        self.looks = GRADIENT_LOOKS if grads_on_parameters else 0
+        self.said: set[str] = set()
+
+    def no_gradients(self, step: int) -> None:
+        """check() of `step`: in the first GRADIENT_LOOKS checks, warns when no trainable parameter has a gradient."""
+        if self.looks <= 0:
+            return
+        self.looks -= 1
+        try:
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            if params and all(p.grad is None for p in params) and "no_gradients" not in self.said:
+                self.said.add("no_gradients")
+                log.warning("forensics: step %d: check() found no gradients (every parameter's .grad is None): it runs "
+                            "before backward(), so it judges none of the step's gradients and a dump records no grad "
+                            "norm. Fix: call guard.check() after loss.backward() (and scaler.unscale_ / clipping), "
+                            "right before optimizer.step(). Logged once", step)
+        except Exception:  # advice must never cost the job
+            log.debug("forensics: the gradient look failed", exc_info=True)
+
+    def repeated(self, step: int, last: StepRecord, stepped: bool | None) -> bool:
+        """For a check() with nothing recorded since the last one: True when it repeats that check for the same step
+        (the last check had a batch or a loss, and the optimizer did not step since: `stepped` False; None: unknown).
+        Warns once; the Guard ignores the repeat."""
+        if not (last.batches or last.losses) or stepped is not False:
+            return False
+        if "repeated" not in self.said:
+            self.said.add("repeated")
+            log.warning("forensics: check() was called again for step %d with no batch, loss or optimizer step since the "
+                        "last call: the repeat is ignored (it would count a step that did not happen and shift every "
+                        "step number). Fix: call guard.check() once per optimizer step, between backward and "
+                        "optimizer.step(). Logged once", step)
+        return True

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
-from forensics.recipes import DEFAULT_LOSS, huggingface_recipe, model_class
+from forensics.recipes import DEFAULT_LOSS, huggingface_recipe, is_builtin, model_class
 
 
 def import_path(fn: Callable) -> str | None:
@@ -54,3 +55,58 @@ def default_loss_fits(model: torch.nn.Module, recipe: dict, override: dict | Non
     return (f"{model_class(model).__name__} is not a Hugging Face model, and no loss_fn was given: replay would call "
             "model(**batch).loss. Pass Guard(..., loss_fn=my_loss) with a module-level `def my_loss(model, batch)`, "
             "or GuardConfig(dumping=DumpConfig(recipe={'loss': 'mypkg.losses:my_loss'})), or --loss at replay")
+
+
+@dataclass(frozen=True)
+class ReplayNeeds:
+    """What a replay of this job's dumps will need that the dump cannot give, known when the Guard is created."""
+
+    factory: str | None = None
+    """Why no model factory can be recorded (None: one is)."""
+    loss: str | None = None
+    """Why the recorded loss cannot serve the model (default_loss_fits; None: it can)."""
+    trusted: tuple[str, ...] = ()
+    """The recipe's import paths that are the user's code: replay imports (or, for `__main__`, defines) them only
+    with --trust."""
+
+    def words(self) -> str | None:
+        """The one line the Guard logs at creation (None: a plain `forensics replay DUMP` will do)."""
+        parts = []
+        if self.factory:
+            parts.append(f"a model factory ({self.factory})")
+        if self.loss:
+            parts.append(f"a loss ({self.loss})")
+        if self.trusted:
+            parts.append(f"--trust (the dump names your code: {', '.join(self.trusted)}; replay imports it only with "
+                         "your consent)")
+        if not parts:
+            return None
+        return f"a replay of this job's dumps will need {'; '.join(parts)}. Replay with: {self.command('DUMP')}"
+
+    def command(self, dump: Any) -> str:
+        """The replay command that works for a dump of this job."""
+        flags = " --trust" if self.trusted else ""
+        if self.factory:
+            flags += " --factory MODULE:FUNCTION --path DIR_OF_MODULE" if not self.trusted else \
+                " --factory MODULE:FUNCTION"
+        if self.loss:
+            flags += " --loss MODULE:FUNCTION"
+        return f"forensics replay {dump}{flags}"
+
+
+def replay_needs(model: torch.nn.Module, recipe: dict, override: dict | None = None,
+                 script_name: str | None = None) -> ReplayNeeds:
+    """What a replay will need beyond the dump (ReplayNeeds), from the recipe the Guard records. `script_name`: the
+    training script's file name when `__main__` is a script (the dump then holds its source, so a factory defined
+    in it can be named at replay: `--factory __main__:build --trust`)."""
+    factory = None
+    if not recipe.get("factory"):
+        cls = model_class(model)
+        where = (f"a function of {script_name} that returns it works too: --factory __main__:FUNCTION --trust"
+                 if script_name else "--factory module:fn at replay")
+        factory = (f"no recipe can be recorded for {cls.__name__}, which is not a Hugging Face model: pass "
+                   "GuardConfig(dumping=DumpConfig(recipe={'factory': 'pkg.module:build'})) now, or name one at "
+                   f"replay ({where})")
+    trusted = tuple(path for key in ("factory", "loss")
+                    if isinstance(path := recipe.get(key), str) and not is_builtin(path))
+    return ReplayNeeds(factory, default_loss_fits(model, recipe, override), trusted)

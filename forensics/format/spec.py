@@ -35,7 +35,7 @@ PRECURSORS = "precursors.json"
 """The precursor monitor's per-layer statistics of the recent steps, and what fired (OPTIONAL; GuardConfig.precursors)."""
 MAIN_SCRIPT = "main_script.py"
 """The training script's source (UTF-8, at most MAX_MAIN_SCRIPT bytes) when the recipe's loss or factory is defined
-in it (`__main__:name`); OPTIONAL, named by the manifest's `recipe.script`."""
+in it (`__main__:name`) or the recipe names no factory; OPTIONAL, named by the manifest's `recipe.script`."""
 MAX_MAIN_SCRIPT = 1 << 20
 ARCHIVE_SUFFIX = ".tar.zst"
 ZSTD_SUFFIX = ".zst"

@@ -155,20 +155,66 @@ def _summary(r: Report) -> Section:
     kind = verdict.kind or "unknown"
     blocks: list[Block] = [Para([Strong(f"Verdict: {verdict_label(kind)}."), " ",
                                  *prose(verdict.headline or "")])]
-    for paragraph in re.split(r"\n\s*\n", verdict.explanation or ""):
-        if paragraph.strip():
-            blocks.append(Para(prose(" ".join(paragraph.split()))))
     facts = [where_sentence(r) + " " + trigger_sentence(r), reproduction_sentence(r)]
-    for make in (location_sentence, culprit_sentence, precision_sentence, history_sentence):
+    for make in (rng_sentence, location_sentence, culprit_sentence, precision_sentence, history_sentence):
         sentence = make(r)
         if sentence:
             facts.append(sentence)
     blocks.append(Bullets([[f] for f in facts]))
+    for paragraph in re.split(r"\n\s*\n", verdict.explanation or ""):
+        rest = untold(" ".join(paragraph.split()), facts)
+        if rest:
+            blocks.append(Para(prose(rest)))
     suggestions = verdict.suggestions or []
     if suggestions:
         blocks.append(Para([Strong("Suggested next steps:")]))
         blocks.append(Bullets([prose(s) for s in suggestions]))
     return Section("Verdict", blocks, "verdict")
+
+
+# What a sentence of the verdict's explanation is about, when a fact bullet of the verdict box says it too (the
+# bullets give the numbers: the step, the replay's fidelity, the op's statistics, the culprit's replays).
+_TOPICS = {
+    "where": re.compile(r"(step \S|the failing step\b)"),
+    "reproduction": re.compile(r"(reproduced|not reproduced|not replayed)\b"),
+    "rng": re.compile(r"(random state:|it fails from \d+ other seed|re-run from \d+ other seed)"),
+    "location": re.compile(r"((the )?first non-finite value|the batch's own )"),
+    "culprit": re.compile(r"(culprit|no culprit|bisecting \d+ samples)\b"),
+    "precision": re.compile(r"(in fp32 the step|it fails in fp32 too|ran under |the job ran in full precision)"),
+    "history": re.compile(r"loss history:"),
+}
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z`'\"])")
+
+
+def _topic(sentence: str) -> str | None:
+    low = sentence.strip().lower()
+    return next((name for name, pattern in _TOPICS.items() if pattern.match(low)), None)
+
+
+def untold(explanation: str, facts: list[str]) -> str:
+    """The sentences of `explanation` that no fact bullet already says (word for word, or on the same topic: where,
+    reproduction, random state, location, culprit, precision, loss history): the verdict box says each thing once."""
+    told = {_topic(f) for f in facts} - {None}
+    said = " ".join(" ".join(f.split()) for f in facts)
+    kept = [_unsaid_clauses(" ".join(s.split()), said) for s in _SENTENCE_END.split(explanation)
+            if s.strip() and _topic(s) not in told and " ".join(s.split()) not in said]
+    return " ".join(s for s in kept if s)
+
+
+def _unsaid_clauses(sentence: str, said: str) -> str:
+    """`sentence` ('Label: clause; clause.') without the clauses the bullets already say word for word ('' when
+    none is left)."""
+    label, colon, body = sentence.partition(": ")
+    if not colon or len(label) > 40:  # no 'Label: ' opening: the clauses are the whole sentence's
+        label, body = "", sentence
+    end = body[-1] if body[-1:] in ".!?" else ""
+    clauses = [c for c in (body[:-1] if end else body).split("; ") if c.strip()]
+    kept = [c for c in clauses if c not in said]
+    if len(kept) == len(clauses):
+        return sentence
+    if not kept:
+        return ""
+    return (f"{label}: " if label else "") + "; ".join(kept) + end
 
 
 def _where(r: Report) -> Section:

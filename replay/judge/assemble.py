@@ -259,9 +259,18 @@ def _lr(session: ReplaySession) -> float | None:
 def _data_kind(session: ReplaySession, findings: Findings) -> str | None:
     """'tokens' or 'float': what the culprit's micro-batch holds (see VerdictFacts.data_kind)."""
     index = findings.culprits[0].micro_batch if findings.culprits else 0
-    if not session.micro_batches:
-        return None
-    kinds = {"float" if t.is_floating_point() else "tokens" if t.dtype != torch.bool else None
-             for _, t in tensor_leaves(session.micro_batches[index])}
-    return "tokens" if "tokens" in kinds else "float" if "float" in kinds else None
+    return batch_data_kind(session.micro_batches[index]) if session.micro_batches else None
+
+
+def batch_data_kind(batch: Any) -> str | None:
+    """'tokens' when the batch holds token ids: integer sequences (a tensor of two dimensions or more, labels aside);
+    'float' when it holds floating-point features (images, sensor rows, embeddings), with or without integer class
+    labels or indices beside them: text advice (base64, control characters) means nothing for such records."""
+    leaves = list(tensor_leaves(batch))
+    integers = [(path, t) for path, t in leaves if not t.is_floating_point() and t.dtype != torch.bool]
+    if any(t.dim() >= 2 and "label" not in path.lower() for path, t in integers):
+        return "tokens"
+    if any(t.is_floating_point() for _, t in leaves):
+        return "float"
+    return "tokens" if integers else None
 

@@ -80,6 +80,9 @@ def _log_space(values: list[float]) -> list[float]:
 RECENT = 8  # "the loss sits above": the median of this many last finite losses
 
 
+BACK_FOR = 4  # recorded steps in a row back where the run started: the loss came back (a spike recovered)
+
+
 def divergence_limit(first_losses: Sequence[float | None], uniform_loss: float | None = None) -> float:
     """The loss above which a run has left where it started: DIVERGED_FACTOR x its start (the least of its first
     3 losses: a run that blows up at once has huge first losses), or 1.5 x the uniform-guess loss when known
@@ -292,8 +295,8 @@ class HistoryReading:
     """What the recorded history shows about the run before it broke, with numbers from BEFORE the divergence."""
 
     onset: int | None
-    """The first recorded step whose loss left where the run started (above `divergence_limit`) or was
-    non-finite; None when the loss never did."""
+    """The first recorded step from which the loss stayed out of where the run started (above `divergence_limit`,
+    or non-finite); None when it never left, or came back to stay (a one-step spike that recovered)."""
     healthy_grad_norm: float | None
     """The median grad norm of the recorded steps before `onset` (or before the analysed step): a clipping
     threshold from healthy steps, never from diverged ones."""
@@ -321,8 +324,7 @@ def read_history(history: dict | None, step: int | None, uniform_loss: float | N
     clipped = _column(history, "clipped", n)
     first = _first_losses(history)
     limit = divergence_limit(first, uniform_loss)
-    onset = next((s for s, v in zip(steps, losses)
-                  if v is not None and (not math.isfinite(v) or v > limit)), None)
+    onset = _stayed_out_since(steps, losses, limit)
     cutoff = onset if onset is not None else step if step is not None else (steps[-1] + 1 if steps else 0)
     healthy = [i for i, s in enumerate(steps) if s < cutoff]
     good_norms = sorted(v for v in (norms[i] for i in healthy) if v is not None and math.isfinite(v) and v > 0)
@@ -351,6 +353,24 @@ def read_history(history: dict | None, step: int | None, uniform_loss: float | N
             "the one healthy recorded step"
         sentences.append(f"Before that, the gradient norm was {fmt_num(typical, 3)} ({steps_words}); {clip}.")
     return HistoryReading(onset, typical, len(good_norms), sentences)
+
+
+def _stayed_out_since(steps: list[int], losses: list[float | None], limit: float) -> int | None:
+    """The first recorded step from which the loss was out of where the run started (above `limit`, or non-finite)
+    without coming back for BACK_FOR recorded steps in a row. A loss that went out and came back to stay (a one-step
+    spike that recovered, a first loss that fell) did not leave its start; one that swings in and out while it
+    diverges did."""
+    onset, back = None, 0
+    for s, v in zip(steps, losses):
+        if v is None:
+            continue
+        if not math.isfinite(v) or v > limit:
+            onset, back = (s if onset is None else onset), 0
+        else:
+            back += 1
+            if back >= BACK_FOR:
+                onset = None
+    return onset
 
 
 def _lr_words(steps: list[int], rates: list[float | None], at: int | None) -> str | None:

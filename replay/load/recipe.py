@@ -12,7 +12,8 @@ class. Nothing a dump names is imported unless the user agreed to it:
 * a function of the job's training script (`__main__:fn`) is never imported (that would run the script's
   training again): with `trust=True` it is defined from the script's source the dump holds
   (replay/load/main_script.py), with the values of the globals it read in the job (recorded in the dump); without,
-  or without that source, the error says what to pass.
+  or without that source, the error says what to pass. The same for `--factory __main__:fn` / `--loss __main__:fn`
+  the user names (a model whose factory the job could not record: the dump then holds the script too).
 
 Where imports come from. The user's --path entries (`sys_path`) go in front of sys.path, as PYTHONPATH would put
 them. The directories a dump names — the job's script directory and working directory (manifest
@@ -263,7 +264,9 @@ def resolve_recipe(recipe: dict | None, *, trust: bool = False, factory: str | N
     if not factory_path:
         raise RecipeError("the dump has no model recipe; pass --factory module:fn, a function that "
                           "returns the model (weights are loaded from the dump afterwards)")
-    if factory:
+    if factory and factory.startswith(MAIN_PREFIX):  # a function of the training script the dump holds: defined from
+        factory_fn = _consented(factory, "model factory", trust, sys_path, script, consented_dirs)  # it, with trust
+    elif factory:
         factory_fn = (import_object(factory, "model factory", sys_path, consented_dirs) if trust
                       else import_named(factory, "model factory", sys_path, recorded_dirs))
     else:
@@ -272,7 +275,9 @@ def resolve_recipe(recipe: dict | None, *, trust: bool = False, factory: str | N
     if not loss and "loss" in recipe and not recipe.get("loss"):
         logger.warning("the job's loss function could not be named in the dump (a lambda or closure?); "
                        "replaying with %s. Pass --loss module:fn to use the job's own.", DEFAULT_LOSS_PATH)
-    if loss:
+    if loss and loss.startswith(MAIN_PREFIX):
+        loss_callable = _consented(loss, "loss function", trust, sys_path, script, consented_dirs)
+    elif loss:
         loss_callable = (import_object(loss, "loss function", sys_path, consented_dirs) if trust
                          else import_named(loss, "loss function", sys_path, recorded_dirs))
     else:

@@ -166,7 +166,8 @@ def env_rank() -> int:
 
 def lit_gpt2(fused: bool = False):
     """The examples' LightningModule (a factory replay can import: `--factory _common:lit_gpt2`); `fused`: its AdamW
-    fused (the default GuardConfig then checks without a sync)."""
+    fused (the default GuardConfig then checks without a sync, except under 16-mixed's GradScaler), clipped by the
+    module itself (Lightning refuses gradient_clip_val for a fused optimizer under mixed precision)."""
     try:
         import pytorch_lightning as pl
     except ImportError:  # the unified package
@@ -184,5 +185,22 @@ def lit_gpt2(fused: bool = False):
             optimizer = torch.optim.AdamW(self.parameters(), lr=LR, fused=True if fused else None)
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+            """A fused AdamW under mixed precision: Lightning refuses gradient_clip_val ("performs unscaling of
+            gradients internally"), so the module clips itself, unscaling first when a GradScaler (16-mixed) still
+            holds the gradients scaled; GradScaler.step then knows they are unscaled."""
+            if not fused:
+                return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+            if not gradient_clip_val:
+                return None
+            scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+            if scaler is not None:
+                scaler.unscale_(optimizer)
+            if str(gradient_clip_algorithm or "norm").endswith("value"):
+                torch.nn.utils.clip_grad_value_(self.parameters(), gradient_clip_val)
+            else:
+                torch.nn.utils.clip_grad_norm_(self.parameters(), gradient_clip_val)
+            return None
 
     return LitGPT2()

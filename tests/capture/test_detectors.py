@@ -170,3 +170,20 @@ def test_the_kept_sorted_window_gives_the_thresholds_of_a_full_recomputation():
             assert d.threshold() == limit
             assert d.observe(value) == (limit if limit is not None and value > limit else None)
             values = (values + [value])[-window:]
+
+
+def test_a_loss_spike_on_a_grad_scaler_overflow_step_fires_and_its_norm_is_never_observed():
+    """fp16 (issue 42 item 3): a step whose gradients overflow (the GradScaler skips it) still has a real loss, judged
+    for a spike; its non-finite norm is no measurement and never enters the grad-norm window."""
+    from capture.check.detectors import StepDetectors
+    from forensics.kinds import TriggerKind
+
+    detectors = StepDetectors(GuardConfig(detection=DetectionConfig(loss_spike=SpikeConfig(window=8, warmup=4),
+                                                                    grad_norm_spike=SpikeConfig(window=8, warmup=4))))
+    for value in (1.0, 1.1, 0.9, 1.0, 1.05):
+        assert detectors.detect([value], 2.0, value, 65536.0) is None
+    norms_before = list(detectors.grad_norm._window)
+    trigger = detectors.detect([50.0], math.inf, 50.0, 65536.0)
+    assert trigger is not None and trigger.kind is TriggerKind.LOSS_SPIKE and trigger.value == 50.0
+    assert list(detectors.grad_norm._window) == norms_before
+    assert detectors.detect([1.0], math.inf, 1.0, 65536.0) is None  # an ordinary overflow stays silent

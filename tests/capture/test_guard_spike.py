@@ -5,6 +5,8 @@ a spike the budget dumps is held on the device and judged one step late; capture
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -44,8 +46,19 @@ def run(helpers, gpt2, tmp_path, spike_steps, total, fused=False, **config):
 
 @FUSED
 def test_spike_under_continue_policy_writes_a_dump_in_the_background_and_training_goes_on(helpers, gpt2, tmp_path,
-                                                                                         fused):
+                                                                                         fused, caplog):
+    caplog.set_level("WARNING", logger="capture")
     guard, loop = run(helpers, gpt2, tmp_path, spike_steps={WARM}, total=WARM + 3, fused=fused)
+    # sync-free: said once, at the first check, with the setting that applies every update (issue 42 item 2) ...
+    notices = [r.getMessage() for r in caplog.records if "holds back up to" in r.getMessage()]
+    assert len(notices) == int(fused)
+    if fused:
+        assert "up to 3 spike steps per run" in notices[0] and "DetectionConfig(sync_free=False)" in notices[0]
+        assert caplog.records[0].getMessage() == notices[0]  # before any step was judged
+    # ... and the held-back step, in one line when it is judged
+    held = [r.getMessage() for r in caplog.records if f"step {WARM} " in r.getMessage() and "held back" in
+            r.getMessage()]
+    assert len(held) == int(fused)
     assert all(log.decision for log in loop.logs)  # continue: check() let every optimizer step run
     held = helpers.trees_equal(loop.logs[WARM + 1].model_state, loop.logs[WARM].model_state)
     assert held == fused  # sync-free: the dumped spike's update waited on the device for its judgment, and was dropped
@@ -188,3 +201,38 @@ def test_a_jump_at_step_1_is_noted_before_there_is_a_median():
     assert detector.observe(4.9) is None and detector.suppressed is None
     assert detector.observe(186.0) is None and detector.suppressed == pytest.approx(49.0)
     assert detector.observe(150.0) is None and detector.suppressed is None  # not 10x the largest so far
+
+
+def test_fp16_a_loss_spike_on_a_step_whose_gradients_overflow_is_dumped(tmp_path):
+    """Issue 42 item 3: the GradScaler finds inf gradients at the spike step (it skips that update); the loss, 40x
+    its median, is still checked and the step dumped with its pre-step state; its inf norm stays out of the grad-norm
+    detector."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=10 ** 6)
+    guard = Guard(model, optimizer, scaler=scaler, config=GuardConfig(
+        dump_dir=str(tmp_path / "dumps"), run_id="fp16",
+        detection=DetectionConfig(loss_spike=SpikeConfig(window=16, warmup=8))))
+    data = torch.Generator().manual_seed(1)
+    spike = 12
+    for step in range(spike + 2):
+        x = torch.randn(8, 4, generator=data)
+        guard.record_batch({"x": x, "sample_ids": list(range(8 * step, 8 * step + 8))})
+        loss = torch.nn.functional.mse_loss(model(x), torch.zeros(8, 1)) + (40.0 if step == spike else 0.0)
+        guard.record_loss(loss)
+        scaler.scale(loss).backward()
+        if step == spike:
+            model.weight.grad[0, 0] = float("inf")  # fp16's overflow, as the scaler finds it
+        scaler.unscale_(optimizer)
+        if guard.check():
+            scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    guard.close()
+    [path] = guard.dumps
+    dump = open_dump(path)
+    assert dump.step == spike and dump.trigger.kind == "loss_spike" and dump.trigger.value > 20
+    history = guard.history.to_dict()
+    assert history["skipped"][spike] and not any(history["skipped"][:spike])  # the scaler skipped it
+    assert all(math.isfinite(v) for v in guard.checks.detectors.grad_norm._window)

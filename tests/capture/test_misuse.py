@@ -151,3 +151,134 @@ def test_positional_ids_never_reach_the_blocklist_and_the_report_says_why(user_m
     result = CliRunner().invoke(main, ["replay", str(guard.dumps[0]), "--device", "cpu", "--trust", "--no-rng-check",
                                        "--path", str(tmp_path), "-o", str(out), "--blocklist", str(explicit)])
     assert result.exit_code == 0 and explicit.read_text() == ""
+
+
+def _loop(tmp_path, order: str, steps: int = 5, scaler=None, fused: bool = False):
+    """A small regression loop whose calls come in `order` ('right', 'check_before_backward', 'check_twice')."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=fused)
+    guard = Guard(model, optimizer, scaler=scaler, loss_fn=lambda m, b: m(b["x"]).pow(2).mean(),
+                  config=GuardConfig(dump_dir=str(tmp_path), dumping=DumpConfig(recipe={"factory": "x:y"})))
+    data = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        batch = {"x": torch.randn(4, 3, generator=data), "sample_ids": [f"{step}-{i}" for i in range(4)]}
+        guard.record_batch(batch)
+        loss = model(batch["x"]).pow(2).mean()
+        guard.record_loss(loss)
+        if order == "check_before_backward":
+            guard.check()
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        if order in ("check_twice", "right"):
+            guard.check()
+        if order == "check_twice":
+            guard.check()
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad()
+    return guard
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["synchronous", "sync_free"])
+def test_check_before_backward_is_said_once_with_the_fix(tmp_path, caplog, fused):
+    """Issue 42 item 7: check() before backward() sees no gradients; said once at once (host state, no device read)."""
+    caplog.set_level(logging.WARNING, logger="capture")
+    _loop(tmp_path, "check_before_backward", fused=fused)
+    said = warnings_about(caplog, "found no gradients")
+    assert len(said) == 1 and "step 0" in said[0] and "after loss.backward()" in said[0]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["synchronous", "sync_free"])
+def test_check_twice_per_step_is_said_once_and_the_step_counter_does_not_run_double(tmp_path, caplog, fused):
+    caplog.set_level(logging.WARNING, logger="capture")
+    guard = _loop(tmp_path, "check_twice", fused=fused)
+    guard.close()
+    said = warnings_about(caplog, "check() was called again for step 0")
+    assert len(said) == 1 and "once per optimizer step" in said[0]
+    assert guard.history.to_dict()["step"] == list(range(5)) and guard.step == 5
+
+
+def test_a_right_loop_is_not_taken_for_a_repeat_or_a_missing_backward(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="capture")
+    for fused in (False, True):
+        guard = _loop(tmp_path / str(fused), "right", fused=fused)
+        guard.close()
+        assert guard.history.to_dict()["step"] == list(range(5))
+    assert not warnings_about(caplog, "found no gradients") and not warnings_about(caplog, "called again")
+
+
+def test_a_grad_norm_of_still_scaled_gradients_is_unscaled_and_said_once(tmp_path, caplog):
+    """Issue 42 item 7: a loop that passes check() the norm of gradients the GradScaler still holds scaled (the issue's
+    history showed 56,702 at a scale of 65,536): the history holds the unscaled norm, and the loop is told the fix."""
+    caplog.set_level(logging.WARNING, logger="capture")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    guard = Guard(model, optimizer, scaler=scaler, loss_fn=lambda m, b: m(b["x"]).pow(2).mean(),
+                  config=GuardConfig(dump_dir=str(tmp_path), dumping=DumpConfig(recipe={"factory": "x:y"})))
+    data = torch.Generator().manual_seed(0)
+    unscaled = []
+    for step in range(4):
+        batch = {"x": torch.randn(4, 3, generator=data), "sample_ids": [f"{step}-{i}" for i in range(4)]}
+        guard.record_batch(batch)
+        loss = model(batch["x"]).pow(2).mean()
+        guard.record_loss(loss)
+        scaler.scale(loss).backward()
+        unscaled.append(float(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()]))
+                              / scaler.get_scale()))
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # before scaler.unscale_: scaled
+        if guard.check(grad_norm=grad_norm):
+            scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    guard.close()
+    recorded = guard.history.to_dict()["grad_norm"]
+    assert recorded == pytest.approx(unscaled, rel=1e-5)
+    said = warnings_about(caplog, "still holds scaled")
+    assert len(said) == 1 and "scaler.unscale_(optimizer) before clip_grad_norm_" in said[0]
+
+
+def test_a_grad_norm_taken_before_unscale_and_passed_after_it_is_found_out_when_the_step_is_dumped(tmp_path, caplog):
+    """Issue 42 item 7, the other order: the norm was taken before scaler.unscale_ and passed to check() after it
+    (the gradients are unscaled by then: nothing to see on a healthy step without a device read). When a step is
+    dumped (here a loss spike), the Guard compares it with the gradients' own norm, says so once, and the dump
+    records the unscaled norm."""
+    from capture import DetectionConfig, SpikeConfig
+    from forensics.format import open_dump
+
+    caplog.set_level(logging.WARNING, logger="capture")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_interval=10 ** 6)
+    guard = Guard(model, optimizer, scaler=scaler, loss_fn=lambda m, b: m(b["x"]).pow(2).mean(),
+                  config=GuardConfig(dump_dir=str(tmp_path), run_id="late",
+                                     detection=DetectionConfig(loss_spike=SpikeConfig(window=8, warmup=4)),
+                                     dumping=DumpConfig(recipe={"factory": "x:y"})))
+    data = torch.Generator().manual_seed(0)
+    spike = 6
+    for step in range(spike + 1):
+        batch = {"x": torch.randn(4, 3, generator=data), "sample_ids": [f"{step}-{i}" for i in range(4)]}
+        guard.record_batch(batch)
+        loss = model(batch["x"]).pow(2).mean() + (50.0 if step == spike else 0.0)
+        guard.record_loss(loss)
+        scaler.scale(loss).backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # taken while still scaled ...
+        scaler.unscale_(optimizer)  # ... and passed after unscale_
+        if step == spike:
+            unscaled = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+        if guard.check(grad_norm=grad_norm):
+            scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    guard.close()
+    [path] = guard.dumps
+    loss_block = open_dump(path).manifest["loss"]
+    assert loss_block["grad_norm"] == pytest.approx(unscaled, rel=1e-5)
+    assert loss_block["grad_norm_unscaled_by"] == 2.0 ** 16
+    said = warnings_about(caplog, "taken before scaler.unscale_(optimizer)")
+    assert len(said) == 1 and f"step {spike}" in said[0]

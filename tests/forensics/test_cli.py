@@ -198,3 +198,43 @@ def test_inspect_shows_a_truncated_file_and_exits_2(dumps, tmp_path):
     result = invoke(["inspect", copy], exit_code=ExitCode.BAD_INPUT)
     assert "DAMAGED: model.safetensors has" in result.stderr and f"{size:,}" in result.stderr  # as every error
     assert "step" in result.stdout  # the summary is still shown
+
+
+def _interrupted_while(stage, swallowed: bool):
+    """`stage` with a real SIGINT sent to this process in its middle (raised into the command, or swallowed the way
+    Python swallows a KeyboardInterrupt raised inside a finalizer or weakref callback)."""
+    import signal
+
+    def interrupted(*args, **kwargs):
+        if swallowed:
+            try:
+                signal.raise_signal(signal.SIGINT)
+            except KeyboardInterrupt:
+                pass
+        else:
+            signal.raise_signal(signal.SIGINT)
+        return stage(*args, **kwargs)
+
+    return interrupted
+
+
+@pytest.mark.parametrize("swallowed", [False, True], ids=["raised", "swallowed"])
+def test_ctrl_c_exits_130_with_one_line_and_no_half_written_report(dumps, tmp_path, monkeypatch, swallowed):
+    """Issue 42 item 6: Ctrl-C during `forensics replay` (here while the report is being written) ends it with exit
+    130 and the one line 'interrupted' — not click's 'Aborted!' (exit 1, the code of a bug), not a traceback — also
+    when library code swallowed the KeyboardInterrupt; each report file is whole or absent."""
+    import signal
+
+    import forensics.report.write as write
+
+    monkeypatch.setattr(write, "render_markdown", _interrupted_while(write.render_markdown, swallowed))
+    out = tmp_path / "report"
+    before = signal.getsignal(signal.SIGINT)
+    result = invoke(["replay", dumps["bad_sample"], "--device", "cpu", "--no-rng-check", "-o", out],
+                    exit_code=ExitCode.INTERRUPTED)
+    assert result.stderr.strip().splitlines()[-1] == "interrupted" and "Aborted" not in result.output
+    assert "Traceback" not in result.output and result.exception is None or isinstance(result.exception, SystemExit)
+    assert signal.getsignal(signal.SIGINT) is before  # the command's handler is gone
+    assert not list(out.glob(".*tmp*")) and not list(out.glob("*.tmp"))  # no partial file left behind
+    assert json.loads((out / "report.json").read_text())["verdict"]["kind"] == "bad_sample"  # written whole
+    assert (out / "report.md").is_file() == swallowed  # raised: the interrupt stopped it before the rename

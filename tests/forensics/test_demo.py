@@ -27,6 +27,7 @@ def test_default_demo_end_to_end(tmp_path):
     assert on_disk["verdict"]["kind"] == "bad_sample"
     assert [json.loads(line) for line in (report_dir / "blocklist.jsonl").read_text().splitlines()] == [expected_id]
     assert expected_id in (report_dir / "report.md").read_text(encoding="utf-8")
+    assert_the_verdict_box_says_each_thing_once(report, report_dir)
 
     text = "\n".join(lines)
     assert "step  5" in text  # training progress before the fault
@@ -73,3 +74,22 @@ def test_the_static_allow_list_names_exactly_the_demo_recipes():
         assert is_builtin(path) and callable(getattr(forensics.demo.models, path.split(":")[1]))
     assert not is_builtin("forensics.demo.scenarios:train")
     assert not is_builtin("forensics.demo.models:torch")
+
+
+def assert_the_verdict_box_says_each_thing_once(report, report_dir):
+    """Issue 42 item 8: report.html's verdict box (and report.md's) gives each fact once: the bullets with their
+    numbers, then only what the verdict's explanation adds (nothing twice, word for word or on the same topic)."""
+    import html
+    import re
+
+    page = (report_dir / "report.html").read_text(encoding="utf-8")
+    box = page.split('<section id="verdict"', 1)[1].split("</section>", 1)[0]
+    text = html.unescape(re.sub(r"<[^>]+>", " ", box))
+    sentences = [" ".join(s.split()) for s in re.split(r"(?<=[.!?])\s+(?=[A-Z])", text) if s.strip()]
+    repeated = {s for s in sentences if sentences.count(s) > 1}
+    assert not repeated, repeated
+    for topic in ("The learning rate was", "clipping: not recorded", "Reproduced", "Culprit", "fails from"):
+        assert text.count(topic) <= 1, topic
+    assert "Culprit" in text and "Reproduced" in text and report["verdict"]["headline"].split(" ")[0] in text
+    facts = text.split("Suggested next steps")[0]  # the evidence paragraph keeps only what the bullets do not say
+    assert facts.count("the other samples' largest") == 1, facts

@@ -169,3 +169,32 @@ def test_hf_trainer_deepspeed_dump_matches_the_plain_trainer_dump(harness, tmp_p
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.allclose(actual["state"][name][key], entries[key], atol=1e-6), (name, key)
         assert float(actual["state"][name]["step"]) == float(entries["step"])
+
+
+def test_lightning_fused_adamw_under_mixed_precision_clips_and_dumps(harness, tmp_path):
+    """Issue 42 item 9: Lightning refuses gradient_clip_val for a fused optimizer under mixed precision; the examples'
+    module clips itself (configure_gradient_clipping), so the fused bf16-mixed fit runs, is checked without a sync and
+    dumps the corrupt sample's step (the GPU acceptance step integ_lightning_fused runs the same on a GPU)."""
+    harness.requires("transformers")
+    try:
+        import pytorch_lightning as pl
+    except ImportError:
+        pl = pytest.importorskip("lightning.pytorch")
+    from capture.integrations import ForensicsLightningCallback
+
+    common = harness.load_common()
+    loader = DataLoader(IndexedDataset(common.EmbedsDataset(STEPS * ACCUM * MICRO, poison=POISON)),
+                        batch_size=MICRO, shuffle=False)
+    callback = ForensicsLightningCallback(GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="litf"))
+    trainer = pl.Trainer(max_steps=STEPS, accumulate_grad_batches=ACCUM, gradient_clip_val=common.CLIP,
+                         precision="bf16-mixed", accelerator="cpu", devices=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, callbacks=[callback], default_root_dir=str(tmp_path))
+    with pytest.raises(TrainingFaultError) as fault:
+        trainer.fit(common.lit_gpt2(fused=True), loader)
+    assert "one step late" in fault.value.fired.detail
+    dump = open_dump(fault.value.dump_path)
+    _assert_names_the_sample(dump)
+    assert dump.manifest["loss"]["divisor"] == ACCUM
+    steps = dump.history()["step"]
+    assert steps == list(range(BAD_STEP + 1)) and not any(dump.history()["skipped"][:BAD_STEP])

@@ -151,3 +151,18 @@ def test_the_learning_rate_words_follow_the_recorded_schedule(lr, words):
     history = {"step": list(range(7)), "loss": [2.0] * 6 + [float("nan")], "grad_norm": [0.5] * 7, "lr": lr}
     said = " ".join(read_history(history, 6).sentences)
     assert words in said and ("still rising" in said) == ("still rising" in words), said
+
+
+def test_a_one_step_spike_before_the_failure_is_not_the_loss_leaving_its_start():
+    """Issue 42 item 10: a loss that spiked once at step 3 and came back, or a first loss that fell, did not 'leave
+    its start'; the history tells only a departure that lasted up to the analysed step."""
+    from replay.judge.history_pattern import read_history
+
+    spiky = {"step": list(range(9)), "loss": [0.216, 0.165, 0.0287, 40.0, 0.02, 0.016, 0.019, 0.02, 316.0],
+             "grad_norm": [0.5] * 9, "lr": [1e-3] * 9, "summary": {"first_losses": [0.216, 0.165, 0.0287]}}
+    reading = read_history(spiky, 8)
+    assert reading.onset == 8 and not any("left it" in s for s in reading.sentences)
+    assert reading.healthy_grad_norm == 0.5
+    lasting = {**spiky, "loss": [0.216, 0.165, 0.0287, 0.02, 0.019, 0.021, 0.5, 0.08, 2.0, 316.0],
+               "step": list(range(10)), "grad_norm": [0.5] * 10, "lr": [1e-3] * 10}
+    assert any("left it at step 6" in s for s in read_history(lasting, 9).sentences)  # 0.08: swings back once

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -221,3 +222,39 @@ def test_constant_assignments_are_evaluated_never_run(monkeypatch):
     loss, _ = define_from_script(source, "lm_loss", "train.py", "loss function", "--loss")
     assert loss(None, 1.0) == (pytest.approx(6.283185307), "run-3", [1, 2])
     assert "FORENSICS_OPERATOR_RAN" not in os.environ
+
+
+NO_RECIPE = re.sub(r',\s*dumping=DumpConfig\(recipe=\{"factory": "__main__:build"\}\)', "", SCRIPT) \
+    .replace('run_id="script"', 'run_id="norecipe"')
+
+
+def test_a_job_without_a_factory_is_told_at_once_and_the_replay_line_and_main_factory_work(tmp_path, monkeypatch):
+    """Issue 42 item 4: a plain module and a loss of the script, no recipe: the Guard says at creation, in one line,
+    what a replay will need (a factory, --trust); the dump line prints the command that works; and
+    `--factory __main__:build --trust` defines `build` from the script the dump holds (no main guard in it)."""
+    assert NO_RECIPE != SCRIPT and "DumpConfig(recipe" not in NO_RECIPE
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "train.py").write_text(NO_RECIPE)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    ran = subprocess.run([sys.executable, "train.py"], cwd=job, env=env, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0 and "TRAINING step 5" in ran.stdout, ran.stderr
+    needs = [line for line in ran.stderr.splitlines() if "a replay of this job's dumps will need" in line]
+    assert len(needs) == 1 and "a model factory" in needs[0] and "--trust" in needs[0]
+    assert "--factory __main__:FUNCTION --trust" in needs[0]  # the script is a file: a function of it can be named
+    assert ran.stderr.index(needs[0]) < ran.stderr.index("TRAINING step 0") if "TRAINING step 0" in ran.stderr \
+        else True
+    [dump] = sorted((job / "dumps").glob("norecipe/step-*/rank-*"))
+    said = [line for line in ran.stderr.splitlines() if "replay it with:" in line]
+    assert said and said[0].endswith(f"forensics replay {dump.relative_to(job)} --trust --factory MODULE:FUNCTION")
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "report"
+    result = CliRunner().invoke(main, ["replay", str(dump), "--device", "cpu", "--factory", "__main__:build",
+                                       "--trust", "--no-rng-check", "-o", str(out)])
+    assert result.exit_code == 0, (result.stdout, result.stderr, result.exception)
+    assert "TRAINING" not in result.stdout + result.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert [s["sample_id"] for s in report["culprit"]["samples"]] == ["rec-3-1"]
+    refused = CliRunner().invoke(main, ["replay", str(dump), "--device", "cpu", "--factory", "__main__:build",
+                                        "-o", str(tmp_path / "r2")])
+    assert refused.exit_code == 2 and "Pass --trust" in refused.stderr

@@ -220,6 +220,7 @@ def test_its_repro_scripts_reproduce_the_raising_op_and_sample_from_any_director
 RUN_BOTH = """
 import runpy, sys
 for script in sys.argv[1:]:  # each as `python SCRIPT` would run it; one fresh process for both (one torch import)
+    sys.argv = [script]  # what `python SCRIPT` gives the script (model_repro.py parses its arguments)
     try:
         runpy.run_path(script, run_name="__main__")
     except AssertionError as exc:

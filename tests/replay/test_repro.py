@@ -126,3 +126,35 @@ def test_repro_never_writes_into_the_dump(repros):
     result = CliRunner().invoke(main, ["repro", str(captured.dump_path), "-o", str(captured.dump_path / "repro")])
     assert result.exit_code == 2 and "would be written into the dump" in result.stderr
     assert not (captured.dump_path / "repro").exists()
+
+
+def test_a_copied_model_script_finds_its_dump_and_a_missing_dump_is_one_line_exit_3(repros, tmp_path):
+    """Issue 42 item 5: model_repro.py copied to another directory still finds the dump (recorded absolute too); a
+    dump found nowhere is one line and exit code 3 (1 means the bug is reproduced), and --dump PATH names it."""
+    import shutil
+
+    captured, directory, _ = repros["bad_sample"]
+    copied = tmp_path / "elsewhere" / "deeper" / "repro"
+    shutil.copytree(directory, copied)
+    done = run_script(copied / "model_repro.py", tmp_path)
+    assert done.returncode == 1 and "AssertionError: the loss of sample(s)" in done.stderr, done.stderr
+
+    spec = json.loads((copied / "model.json").read_text())
+    spec["dump_absolute"] = str(tmp_path / "moved-away")  # the dump is no longer where repro found it
+    (copied / "model.json").write_text(json.dumps(spec))
+    lost = run_script(copied / "model_repro.py", tmp_path)
+    assert lost.returncode == 3, lost.stderr
+    assert lost.stderr.strip().count("\n") == 0 and "pass --dump PATH" in lost.stderr and "Traceback" not in lost.stderr
+    server = fork_server().shared(REPO)
+    named = server.run(copied / "model_repro.py", ["--dump", str(captured.dump_path)], cwd=str(tmp_path),
+                       env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(REPO)},
+                       out_dir=tmp_path / "output2", timeout=300)
+    assert named.returncode == 1 and "AssertionError" in named.stderr, named.stderr
+
+
+def test_repro_of_a_loss_spike_says_spike_not_a_gradient_failure(tmp_path):
+    """Issue 42 item 10: a loss-spike dump has no standalone reproduction, and repro says it is a spike."""
+    captured = SCENARIOS["spike"].capture(tmp_path / "spike", device="cpu")
+    result = CliRunner().invoke(main, ["repro", str(captured.dump_path), "-o", str(tmp_path / "repro")])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert "loss spike" in result.stderr and "gradient or optimizer" not in result.stderr

@@ -4,6 +4,7 @@ micro-batch of one sample has every label masked (0/0 = NaN) gets that named in 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from forensics.kinds import SampleFactKind
@@ -119,3 +120,18 @@ def test_a_feature_100x_the_others_is_named_first_and_a_zero_target_claims_no_di
     divided = decide_verdict(VerdictFacts("nonfinite_loss", True, step=5, culprit_samples=[13], candidates=4,
                                           culprit_facts=facts[1:], phase="forward", module="<loss>", op="aten::div"))
     assert "aten::div divides by its sum or norm" in divided["suggestions"][1]
+
+
+@pytest.mark.parametrize("batch, kind", [
+    ({"x": torch.randn(8, 4), "y": torch.randint(0, 3, (8,))}, "float"),  # features and class labels
+    ({"inputs_embeds": torch.randn(2, 8, 16), "labels": torch.randint(0, 64, (2, 8))}, "float"),
+    ({"pixels": torch.randn(2, 3, 4, 4)}, "float"),
+    ({"input_ids": torch.randint(0, 64, (2, 8)), "labels": torch.randint(0, 64, (2, 8))}, "tokens"),
+    ([torch.randint(0, 64, (2, 8)), torch.randn(2, 8)], "tokens"),
+])
+def test_text_advice_is_for_token_batches_only(batch, kind):
+    """Issue 42 item 10: a batch of tensors (features with integer class labels, embeddings) is not text: its records
+    get the numeric hint, never 'base64, control characters'."""
+    from replay.judge.assemble import batch_data_kind
+
+    assert batch_data_kind(batch) == kind
