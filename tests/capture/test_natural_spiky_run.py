@@ -142,3 +142,48 @@ def test_no_dump_of_the_natural_run_blames_its_data(run, tmp_path):
         assert not (out / "blocklist.jsonl").exists(), verdict["headline"]
         assert not any(s.startswith("Filter") for s in verdict["suggestions"]), verdict["suggestions"]
         assert (report.get("evidence") or {}).get("bad_data") in (None, False)
+
+
+def test_with_the_guards_host_snapshot_the_spike_is_fed_to_an_earlier_state(tmp_path):
+    """PaLM's test on a natural spike: the same run with RecordConfig(snapshot_every=16) keeps an earlier state in each
+    dump; the replay feeds the sample bisection isolated to it and says what happened there (healthy: the state)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from capture import RecordConfig
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, resid_pdrop=0,
+                                       embd_pdrop=0, attn_pdrop=0, bos_token_id=0, eos_token_id=0))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    guard = Guard(model, optimizer, scaler=scaler, config=GuardConfig(
+        dump_dir=str(tmp_path), run_id="snap", recording=RecordConfig(snapshot_every=16)))
+    try:
+        for batch in _batches():
+            guard.record_batch(batch)
+            loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+            guard.record_loss(loss)
+            scaler.scale(loss).backward()
+            if guard.check():
+                scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            if any(open_dump(p).trigger.kind.spike for p in guard.dumps):
+                break
+    except TrainingFaultError:
+        pass
+    guard.close()
+    spike = next(p for p in guard.dumps if open_dump(p).trigger.kind.spike)
+    assert open_dump(spike).snapshot_step is not None
+    out = tmp_path / "report"
+    result = CliRunner().invoke(main, ["replay", str(spike), "--device", "cpu", "--no-rng-check", "--no-remedies",
+                                       "-o", str(out)])
+    report = json.loads((out / "report.json").read_text())
+    assert result.exit_code in (0, 4), (result.output, result.exception)
+    assert report["verdict"]["kind"] not in ("bad_sample", "exception"), report["verdict"]["headline"]
+    assert report["culprit"]["samples"], report["verdict"]["headline"]  # bisection isolated one
+    if report["culprit"]["samples"]:  # it was fed to the snapshot's state
+        said = report["evidence"]["earlier_state"]
+        assert said and said.startswith("Fed to the Guard's host snapshot of step"), said
+        assert "is healthy" in said and "the state, not the data" in said
+        assert said in result.output  # the terminal verdict says it too
