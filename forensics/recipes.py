@@ -153,9 +153,11 @@ def default_loss(model: torch.nn.Module, batch: Any, ignore_keys: tuple | list =
 
 
 def model_class(model: torch.nn.Module) -> type:
-    """The model's own class: FSDP2's `fully_shard` swaps in a generated `FSDP<Name>` subclass, skipped here."""
+    """The model's own class: FSDP2's `fully_shard` swaps in a generated `FSDP<Name>` subclass, skipped here (its
+    module is torch.distributed's, or `abc` when the model's class has an ABC metaclass, as torchtitan's do)."""
     for cls in type(model).__mro__:
-        if not cls.__module__.startswith("torch.distributed."):
+        generated = any(base.__module__.startswith("torch.distributed.") for base in cls.__bases__)
+        if not cls.__module__.startswith("torch.distributed.") and not generated:
             return cls
     return type(model)
 
