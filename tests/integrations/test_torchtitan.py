@@ -1,0 +1,58 @@
+"""torchtitan's own trainer, guarded by its configuration alone (capture/integrations/torchtitan.py).
+
+The job (tests/integrations/titan_job.toml) is torchtitan's Llama 3 debug model on two CPU ranks under its default
+FSDP, reading a local synthetic token stream (titan_job.py, named by the config's custom_import); record 5 of rank
+1's stream has every label masked. Its config says `[forensics] enable = true` and nothing else of forensics.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from forensics.format import open_dump, verify_dump
+
+HERE = Path(__file__).resolve().parent
+TRAIN, JOB = HERE / "torchtitan_train.py", HERE / "titan_job.toml"
+BAD_STEP, BAD_MB = 3, 1  # torchtitan counts steps from 1: rank 1 reads its records 4 and 5 in step 3
+
+
+@pytest.mark.xdist_group("torchtitan")  # one worker imports torchtitan (12 s of CPU) for every torchtitan test
+def test_torchtitans_trainer_guarded_by_its_config_dumps_and_replay_names_the_record(harness, tmp_path):
+    harness.requires("torchtitan")
+    result = harness.launch_script(str(TRAIN), ["--job.config_file", str(JOB), "--job.dump_folder", str(tmp_path)])
+    assert result.returncode != 0, result.explain()  # on_nonfinite = "raise": the job fails once the dump is written
+    assert "TrainingFaultError: step 3: loss of micro-batch 2 is nan" in result.output, result.explain()
+
+    step_dir = tmp_path / "forensics" / "titan" / f"step-{BAD_STEP:09d}"  # dump_dir defaults next to checkpoints
+    checked = verify_dump(step_dir)
+    assert checked.ok and checked.missing_ranks == [], [str(p) for p in checked.problems]
+    dumps = {d.rank: d for d in checked.dumps}
+    assert sorted(dumps) == [0, 1] and all(d.sharded for d in dumps.values())  # FSDP: each rank its shards
+    for rank, dump in dumps.items():  # the position of each record in its rank's stream
+        assert [dump.sample_ids(i) for i in range(dump.num_micro_batches)] == [[f"dp{rank}:4"], [f"dp{rank}:5"]]
+    bad = dumps[1]
+    assert bad.trigger.kind == "nonfinite_loss" and bad.trigger.micro_batch == BAD_MB and bad.trigger.local
+    batch = bad.micro_batch(BAD_MB)
+    assert sorted(batch) == ["input", "labels"] and (batch["labels"] == -100).all()
+    assert tuple(batch["input"].shape) == (1, 32)
+    manifest = json.loads((step_dir / "rank-00001" / "manifest.json").read_text())
+    assert manifest["recipe"]["factory"] == "forensics.recipes:torchtitan_model"
+    assert manifest["recipe"]["factory_kwargs"]["model"] == "llama3"
+    assert manifest["recipe"]["factory_kwargs"]["model_args"]["max_seq_len"] == 32  # as the job ran it
+    assert open_dump(step_dir).rank == 1
+
+    from forensics.cli import main  # `forensics replay DUMP --rank 1`, in-process; no --trust: built-in recipes
+
+    out = tmp_path / "replay"
+    replayed = CliRunner().invoke(main, ["replay", str(step_dir), "--rank", "1", "--device", "cpu", "-o", str(out)])
+    assert replayed.exit_code == 0, (replayed.output, replayed.exception)
+    assert "Sample 'dp1:5'" in replayed.output, replayed.output
+    report = json.loads((out / "report.json").read_text())
+    assert report["verdict"]["kind"] == "bad_sample"
+    assert [(s["sample_id"], s["rank"]) for s in report["culprit"]["samples"]] == [("dp1:5", 1)]
+    assert report["fidelity"]["bitwise_equal"] is True, report["fidelity"]
+    assert report["precision"]["fsdp_param_dtype"] == "bfloat16"  # torchtitan's default mixed precision, replayed
