@@ -204,7 +204,7 @@ def torchtitan_model(model: str, model_args: dict) -> torch.nn.Module:
         if name not in fields:
             raise RecipeError(f"torchtitan's {args_type.__name__} has no field {clean(repr(name), 60)}")
         default = getattr(defaults, name)
-        if dataclasses.is_dataclass(default) and isinstance(value, dict):
+        if dataclasses.is_dataclass(default) and not isinstance(default, type) and isinstance(value, dict):
             nested = {f.name for f in dataclasses.fields(default)}
             if not set(value) <= nested or not all(isinstance(v, TORCHTITAN_ARG_TYPES) for v in value.values()):
                 raise RecipeError(f"the dump's torchtitan model_args.{name} is not a {type(default).__name__}")
@@ -226,7 +226,7 @@ def torchtitan_recipe(model: torch.nn.Module, model_args: Any) -> dict | None:
     cls = model_class(model)
     parts = cls.__module__.split(".")
     family = parts[2] if len(parts) > 2 and parts[:2] == ["torchtitan", "models"] else None
-    if family not in TORCHTITAN_MODELS or not dataclasses.is_dataclass(model_args):
+    if family not in TORCHTITAN_MODELS or not dataclasses.is_dataclass(model_args) or isinstance(model_args, type):
         return None
     return {"factory": TORCHTITAN_FACTORY, "loss": TORCHTITAN_LOSS, "loss_kwargs": {},
             "factory_kwargs": {"model": family, "model_args": dataclasses.asdict(model_args)}}

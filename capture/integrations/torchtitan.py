@@ -44,6 +44,7 @@ from torchtitan.train import Trainer
 
 from capture.config import DetectionConfig, DumpConfig, GuardConfig, RecordConfig
 from capture.integrations.ddp import DistributedGuard
+from forensics.kinds import Policy
 from forensics.recipes import torchtitan_loss, torchtitan_recipe
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,8 @@ def guard_config(job_config: Any, recipe: dict | None) -> GuardConfig:
     dumping = DumpConfig(max_dumps=section.max_dumps, recipe=recipe)
     return GuardConfig(dump_dir=section.dump_dir or os.path.join(job_config.job.dump_folder, "forensics"),
                        run_id=section.run_id or None,
-                       detection=DetectionConfig(on_nonfinite=section.on_nonfinite, on_spike=section.on_spike,
+                       detection=DetectionConfig(on_nonfinite=Policy(section.on_nonfinite),
+                                                 on_spike=Policy(section.on_spike),
                                                  max_grad_norm=float(job_config.training.max_norm) or None),
                        dumping=dumping, recording=RecordConfig(sample_id_key=section.sample_id_key))
 
@@ -156,7 +158,7 @@ class ForensicsTrainer(Trainer):
         guard = self.forensics_guard
         if guard is None:
             return super().forward_backward_step(input_dict, labels)
-        sample_ids = input_dict.pop(guard.config.recording.sample_id_key, None)  # the model never sees them
+        sample_ids: Any = input_dict.pop(guard.config.recording.sample_id_key, None)  # the model never sees them
         rows = int(labels.shape[0])
         rank = self.dataloader.dp_rank if hasattr(self.dataloader, "dp_rank") else guard.rank
         if sample_ids is None:
