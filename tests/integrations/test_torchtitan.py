@@ -57,3 +57,23 @@ def test_torchtitans_trainer_guarded_by_its_config_dumps_and_replay_names_the_re
     assert [(s["sample_id"], s["rank"]) for s in report["culprit"]["samples"]] == [("dp1:5", 1)]
     assert report["fidelity"]["bitwise_equal"] is True, report["fidelity"]
     assert report["precision"]["fsdp_param_dtype"] == "bfloat16"  # torchtitan's default mixed precision, replayed
+
+
+@pytest.mark.slow  # the same capture; what differs is torchtitan's one-rank path
+@pytest.mark.xdist_group("torchtitan")
+def test_one_rank_torchtitan_amp_and_fused_adamw_dumps_one_step_late_and_names_the_record(harness, tmp_path):
+    """One rank: no FSDP, so torchtitan runs forward and loss under its own bf16 autocast; its default fused AdamW
+    gives the sync-free check (the step skipped on the device, judged at the next check). What the GPU acceptance
+    run does on one GPU (scripts/gpu_acceptance.sh, integ_torchtitan)."""
+    harness.requires("torchtitan")
+    result = harness.launch_script(str(TRAIN), [
+        "--job.config_file", str(JOB), "--job.dump_folder", str(tmp_path), "--training.global_batch_size", "2",
+        "--optimizer.implementation", "fused"], nproc=1, env={"TITAN_POISON_RANK": "0"})
+    assert "step 3: loss of micro-batch 2 is nan (sync-free check: judged one step late" in result.output, \
+        result.explain()
+    step_dir = tmp_path / "forensics" / "titan" / f"step-{BAD_STEP:09d}"
+    from replay import engine
+
+    report = engine.run_replay(str(step_dir), engine.ReplayOptions(device="cpu", remedies=False, rng_check=False))
+    assert [(s["sample_id"], s["rank"]) for s in report["culprit"]["samples"]] == [("dp0:5", 0)]
+    assert report["precision"]["autocast_dtype"] == "bfloat16", report["precision"]  # torchtitan's AMP, replayed
