@@ -18,7 +18,7 @@ What the Guard does to the step (`train_step` in torchtitan/train.py):
 - each micro-batch (`forward_backward_step`): recorded before its forward, as `{**input_dict, "labels": labels}`,
   with its sample IDs: the `sample_ids` field of the input dict when the dataset yields one (taken out before the
   model sees it), else the record's position in this data-parallel rank's stream, `"dp<R>:<N>"` (N counts from 0
-  the records this rank has trained on, across checkpoints: it is saved in the trainer's state);
+  the sequences this rank has trained on, from torchtitan's `ntokens_seen`, which its checkpoints keep);
 - its loss: torchtitan's loss function before the division by the accumulation count (the `unwrapped_loss_fn` of
   its RescaleAccumulatedLoss), recorded as it is computed;
 - the check: after the step's last backward, before torchtitan clips. torchtitan keeps the norm it clips with in
@@ -48,9 +48,6 @@ from forensics.kinds import Policy
 from forensics.recipes import torchtitan_loss, torchtitan_recipe
 
 log = logging.getLogger(__name__)
-
-POSITION_KEY = "forensics_records_read"  # the trainer-state key of this rank's position counter
-
 
 @dataclass
 class Forensics:
@@ -109,7 +106,6 @@ class ForensicsTrainer(Trainer):
 
     def __init__(self, job_config: Any):
         self.forensics_guard: DistributedGuard | None = None
-        self.records_read = 0  # this data-parallel rank's records trained on: the default sample IDs
         self._micro_batch = 0
         super().__init__(job_config)
         section = getattr(job_config, "forensics", None)
@@ -159,11 +155,8 @@ class ForensicsTrainer(Trainer):
         if guard is None:
             return super().forward_backward_step(input_dict, labels)
         sample_ids: Any = input_dict.pop(guard.config.recording.sample_id_key, None)  # the model never sees them
-        rows = int(labels.shape[0])
-        rank = self.dataloader.dp_rank if hasattr(self.dataloader, "dp_rank") else guard.rank
         if sample_ids is None:
-            sample_ids = [f"dp{rank}:{self.records_read + row}" for row in range(rows)]
-        self.records_read += rows
+            sample_ids = self._positions(labels, guard)
         guard.record_batch({**input_dict, "labels": labels}, sample_ids=sample_ids)
         loss = super().forward_backward_step(input_dict, labels)
         self._micro_batch += 1
@@ -177,12 +170,14 @@ class ForensicsTrainer(Trainer):
         self._micro_batch = 0  # a step starts with its first micro-batch, whatever the last one did
         super().train_step(data_iterator)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), POSITION_KEY: self.records_read}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        self.records_read = int(state_dict.get(POSITION_KEY, 0))
+    def _positions(self, labels: torch.Tensor, guard: DistributedGuard) -> list[str]:
+        """`dp<R>:<N>` for each row of the micro-batch: N counts the sequences this data-parallel rank has trained on,
+        from torchtitan's own `ntokens_seen` (which `batch_generator` has already advanced by this micro-batch, and
+        which torchtitan's checkpoints save: the count goes on after a resume)."""
+        rank = getattr(self.dataloader, "dp_rank", guard.rank)
+        per_row = max(1, labels[0].numel()) if labels.dim() else 1
+        first = (self.ntokens_seen - labels.numel()) // per_row
+        return [f"dp{rank}:{first + row}" for row in range(int(labels.shape[0]) if labels.dim() else 1)]
 
     def close(self) -> None:
         guard, self.forensics_guard = self.forensics_guard, None
