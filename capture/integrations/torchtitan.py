@@ -37,7 +37,7 @@ Replay rebuilds the model from the dump's recipe: torchtitan's model family and 
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torchtitan.train import Trainer
@@ -59,10 +59,10 @@ class Forensics:
     """Where dumps go; empty: `<job.dump_folder>/forensics`, next to torchtitan's checkpoints."""
     run_id: str = ""
     """Names the run's dump folder; empty: $FORENSICS_RUN_ID, $TORCHELASTIC_RUN_ID (torchrun's), or a timestamp."""
-    on_nonfinite: Literal["raise", "skip", "continue"] = "raise"
-    """A NaN/Inf loss or gradient: raise after the dump (the job fails), skip the step, or continue."""
-    on_spike: Literal["raise", "skip", "continue"] = "continue"
-    """A loss or grad-norm spike (GuardConfig's detectors): dumped; then this."""
+    on_nonfinite: str = Policy.RAISE.value
+    """A NaN/Inf loss or gradient: raise after the dump (the job fails), skip the step, or continue (a Policy)."""
+    on_spike: str = Policy.CONTINUE.value
+    """A loss or grad-norm spike (GuardConfig's detectors): dumped; then this (a Policy)."""
     max_dumps: int = 3
     """Fault dumps per run (DumpConfig.max_dumps)."""
     sample_id_key: str = "sample_ids"
@@ -72,6 +72,10 @@ class Forensics:
     (forensics.recipes:torchtitan_loss). Name yours when the train spec's loss is another one."""
 
     def __post_init__(self):
+        policies = [p.value for p in Policy]
+        for name in ("on_nonfinite", "on_spike"):
+            if getattr(self, name) not in policies:
+                raise ValueError(f"forensics.{name} must be one of {policies}, got {getattr(self, name)!r}")
         if self.max_dumps < 0:
             raise ValueError(f"forensics.max_dumps must be >= 0, got {self.max_dumps}")
         if self.replay_loss and ":" not in self.replay_loss:

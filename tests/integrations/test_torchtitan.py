@@ -77,3 +77,36 @@ def test_one_rank_torchtitan_amp_and_fused_adamw_dumps_one_step_late_and_names_t
     report = engine.run_replay(str(step_dir), engine.ReplayOptions(device="cpu", remedies=False, rng_check=False))
     assert [(s["sample_id"], s["rank"]) for s in report["culprit"]["samples"]] == [("dp0:5", 0)]
     assert report["precision"]["autocast_dtype"] == "bfloat16", report["precision"]  # torchtitan's AMP, replayed
+
+
+@pytest.mark.xdist_group("torchtitan")
+def test_the_forensics_section_of_torchtitans_config_sets_the_guard(capsys):
+    """`[forensics]` parses as torchtitan parses every section (TOML, then `--forensics.<field>` overrides); a policy
+    that is not one exits 2 with a one-line reason; the clipping norm and the dump directory follow the job."""
+    pytest.importorskip("torchtitan")
+    from torchtitan.config import ConfigManager
+
+    from capture.integrations.torchtitan import guard_config
+    from forensics.kinds import Policy
+
+    config = ConfigManager().parse_args(["--job.config_file", str(JOB), "--job.dump_folder", "/job/out",
+                                         "--forensics.on_nonfinite", "skip", "--training.max_norm", "0.5"])
+    assert config.forensics.enable is True and config.forensics.run_id == "titan"
+    guard = guard_config(config, None)
+    assert guard.detection.on_nonfinite is Policy.SKIP and guard.detection.max_grad_norm == 0.5
+    assert guard.dump_dir == "/job/out/forensics" and guard.run_id == "titan"
+    with pytest.raises(SystemExit) as exited:
+        ConfigManager().parse_args(["--job.config_file", str(JOB), "--forensics.on_nonfinite", "ignore"])
+    assert exited.value.code == 2 and "forensics.on_nonfinite must be one of" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # the policy itself is the Guard's (tests/capture); this is torchtitan's step taking it
+@pytest.mark.xdist_group("torchtitan")
+def test_skip_drops_the_bad_steps_gradients_and_torchtitan_trains_on(harness, tmp_path):
+    harness.requires("torchtitan")
+    result = harness.launch_script(str(TRAIN), ["--job.config_file", str(JOB), "--job.dump_folder", str(tmp_path),
+                                                "--forensics.on_nonfinite", "skip"])
+    assert result.returncode == 0, result.explain()
+    assert "step 3 rank 1: loss of micro-batch 2 is nan (policy: skip)" in result.output
+    assert result.output.count("Training completed") == 2  # both ranks ran step 4
+    assert verify_dump(tmp_path / "forensics" / "titan" / f"step-{BAD_STEP:09d}").ok
