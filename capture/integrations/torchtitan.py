@@ -9,9 +9,9 @@
     # launch this module instead of torchtitan.train (run_train.sh: TRAIN_FILE=capture.integrations.torchtitan)
     torchrun --nproc_per_node=8 -m capture.integrations.torchtitan --job.config_file job.toml
 
-`ForensicsTrainer` is torchtitan's `Trainer` with three of its methods extended, never its loop copied; with
-`enable = false` (the default) it is torchtitan's Trainer. torchtitan 0.2.0 has no setting that names a Trainer
-class: its `train.py` builds `Trainer(config)` in its `__main__` block, and its own variants (experiments/flux,
+`ForensicsTrainer` is torchtitan's `Trainer` with `__init__`, `forward_backward_step`, `train_step` and `close`
+extended (each calls torchtitan's own), never its loop copied; with `enable = false` (the default) it is
+torchtitan's Trainer. torchtitan 0.2.0 has no setting that names a Trainer class: its `train.py` builds `Trainer(config)` in its `__main__` block, and its own variants (experiments/flux,
 experiments/torchcomms) subclass Trainer and ship that block again; `main()` below is that block.
 
 What the Guard does to the step (`train_step` in torchtitan/train.py):
@@ -118,7 +118,10 @@ class ForensicsTrainer(Trainer):
         if self.parallel_dims.pp_enabled or len(self.model_parts) != 1:
             log.warning("forensics: pipeline parallelism is not guarded (the loss is computed inside the schedule)")
             return
-        self.forensics_guard = self._build_guard(job_config, section)
+        try:
+            self.forensics_guard = self._build_guard(job_config, section)
+        except Exception:  # forensics' own failure never stops a healthy job
+            log.exception("forensics: the Guard could not be built; training is not guarded")
 
     def _build_guard(self, job_config: Any, section: Forensics) -> DistributedGuard:
         model = self.model_parts[0]
