@@ -103,10 +103,16 @@ def test_the_forensics_section_of_torchtitans_config_sets_the_guard(capsys):
 @pytest.mark.slow  # the policy itself is the Guard's (tests/capture); this is torchtitan's step taking it
 @pytest.mark.xdist_group("torchtitan")
 def test_skip_drops_the_bad_steps_gradients_and_torchtitan_trains_on(harness, tmp_path):
+    """'skip': torchtitan trains on past the dumped step. The dataset names its records itself (a `sample_ids` field
+    of the input dict): the dump holds those IDs, and the model never saw the field (it takes no such argument)."""
     harness.requires("torchtitan")
     result = harness.launch_script(str(TRAIN), ["--job.config_file", str(JOB), "--job.dump_folder", str(tmp_path),
-                                                "--forensics.on_nonfinite", "skip"])
+                                                "--forensics.on_nonfinite", "skip"], env={"TITAN_SAMPLE_IDS": "1"})
     assert result.returncode == 0, result.explain()
     assert "step 3 rank 1: loss of micro-batch 2 is nan (policy: skip)" in result.output
     assert result.output.count("Training completed") == 2  # both ranks ran step 4
-    assert verify_dump(tmp_path / "forensics" / "titan" / f"step-{BAD_STEP:09d}").ok
+    checked = verify_dump(tmp_path / "forensics" / "titan" / f"step-{BAD_STEP:09d}")
+    assert checked.ok
+    bad = {d.rank: d for d in checked.dumps}[1]
+    assert [bad.sample_ids(i) for i in range(bad.num_micro_batches)] == [["rank1/rec4"], ["rank1/rec5"]]
+    assert sorted(bad.micro_batch(BAD_MB)) == ["input", "labels"]

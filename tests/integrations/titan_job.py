@@ -23,11 +23,13 @@ from torch.utils.data import IterableDataset
 VOCAB, SEQ = 2048, 32  # torchtitan's llama3 debugmodel vocabulary; a short sequence keeps the CPU test cheap
 POISON = int(os.environ.get("TITAN_POISON", "5"))  # position of the masked record in rank POISON_RANK's stream
 POISON_RANK = int(os.environ.get("TITAN_POISON_RANK", "1"))
+WITH_IDS = os.environ.get("TITAN_SAMPLE_IDS") == "1"  # records carry their own IDs in the input dict
 IGNORE_INDEX = -100  # torch's cross_entropy default, which torchtitan's loss keeps
 
 
 class TokenRecords(IterableDataset):
-    """This data-parallel rank's records, in order: ({"input": SEQ ids}, SEQ labels), the labels the inputs shifted.
+    """This data-parallel rank's records, in order: ({"input": SEQ ids}, SEQ labels), the labels the inputs shifted
+    (with TITAN_SAMPLE_IDS=1 the input dict also holds the record's ID, "rank<R>/rec<N>").
 
     Record POISON of rank POISON_RANK has all its labels masked. The tokens come from a fixed generator per rank, so a
     re-run reads the same records."""
@@ -42,7 +44,10 @@ class TokenRecords(IterableDataset):
             labels = tokens[1:].clone()
             if self.dp_rank == POISON_RANK and position == POISON:
                 labels[:] = IGNORE_INDEX
-            yield {"input": tokens[:-1]}, labels
+            inputs = {"input": tokens[:-1]}
+            if WITH_IDS:  # a dataset that names its records: the Guard takes the field out before the model
+                inputs["sample_ids"] = f"rank{self.dp_rank}/rec{position}"
+            yield inputs, labels
 
 
 def build_token_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config, **kwargs):
