@@ -18,6 +18,8 @@ from forensics.report.wording import clean
 BUILTIN_PREFIX = "forensics.recipes:"
 DEFAULT_LOSS = BUILTIN_PREFIX + "default_loss"
 HUGGINGFACE_FACTORY = BUILTIN_PREFIX + "huggingface_model"
+TORCHTITAN_FACTORY = BUILTIN_PREFIX + "torchtitan_model"
+TORCHTITAN_LOSS = BUILTIN_PREFIX + "torchtitan_loss"
 
 # Import paths replay may resolve without --trust: forensics' own factories and losses, listed one by
 # one (never "anything under forensics.", which would let a dump call arbitrary functions of ours).
@@ -25,7 +27,7 @@ HUGGINGFACE_FACTORY = BUILTIN_PREFIX + "huggingface_model"
 # tests/forensics/test_demo.py checks that the demo entries name real functions of forensics.demo.models.
 DEMO_MODELS = "forensics.demo.models"
 BUILTIN_RECIPES: frozenset[str] = frozenset({
-    DEFAULT_LOSS, HUGGINGFACE_FACTORY,
+    DEFAULT_LOSS, HUGGINGFACE_FACTORY, TORCHTITAN_FACTORY, TORCHTITAN_LOSS,
     *(f"{DEMO_MODELS}:{name}" for name in (
         "adapter_lm", "sensor_classifier", "gated_lm", "quality_weighted_loss")),
 })
@@ -151,9 +153,11 @@ def default_loss(model: torch.nn.Module, batch: Any, ignore_keys: tuple | list =
 
 
 def model_class(model: torch.nn.Module) -> type:
-    """The model's own class: FSDP2's `fully_shard` swaps in a generated `FSDP<Name>` subclass, skipped here."""
+    """The model's own class: FSDP2's `fully_shard` swaps in a generated `FSDP<Name>` subclass, skipped here (its
+    module is torch.distributed's, or `abc` when the model's class has an ABC metaclass, as torchtitan's do)."""
     for cls in type(model).__mro__:
-        if not cls.__module__.startswith("torch.distributed."):
+        generated = any(base.__module__.startswith("torch.distributed.") for base in cls.__bases__)
+        if not cls.__module__.startswith("torch.distributed.") and not generated:
             return cls
     return type(model)
 
@@ -169,3 +173,72 @@ def huggingface_recipe(model: torch.nn.Module) -> dict | None:
     if attn:
         kwargs["attn_implementation"] = attn
     return {"factory": HUGGINGFACE_FACTORY, "factory_kwargs": kwargs, "source": "auto:huggingface"}
+
+
+# torchtitan's model families (torchtitan.models._supported_models in 0.2.0): the only modules torchtitan_model imports.
+TORCHTITAN_MODELS = frozenset({"deepseek_v3", "llama3", "llama3_ft", "llama4", "qwen3"})
+TORCHTITAN_ARG_TYPES = (int, float, str, bool, type(None))
+
+
+def torchtitan_model(model: str, model_args: dict) -> torch.nn.Module:
+    """Builds torchtitan's model of family `model` (llama3, qwen3 ...) from its model args (random init, no download).
+
+    `model` must be one of torchtitan's own families (TORCHTITAN_MODELS): its train spec names the model class and
+    the model-args dataclass; `model_args` holds that dataclass's fields (numbers, strings, booleans; a nested
+    dataclass as a dict of those), as the job ran them (after `update_from_config`). Nothing else is imported.
+    """
+    import dataclasses
+    import importlib
+
+    if not (isinstance(model, str) and model in TORCHTITAN_MODELS):
+        raise RecipeError(f"{clean(repr(model), 60)} is not one of torchtitan's model families "
+                          f"({', '.join(sorted(TORCHTITAN_MODELS))}); pass your own --factory")
+    if not isinstance(model_args, dict):
+        raise RecipeError("the dump's torchtitan recipe has no model_args dict")
+    spec = importlib.import_module(f"torchtitan.models.{model}").get_train_spec()
+    args_type = type(next(iter(spec.model_args.values())))
+    defaults = args_type()
+    kwargs: dict[str, Any] = {}
+    fields = {f.name: f for f in dataclasses.fields(args_type)}
+    for name, value in model_args.items():
+        if name not in fields:
+            raise RecipeError(f"torchtitan's {args_type.__name__} has no field {clean(repr(name), 60)}")
+        default = getattr(defaults, name)
+        if dataclasses.is_dataclass(default) and not isinstance(default, type) and isinstance(value, dict):
+            nested = {f.name for f in dataclasses.fields(default)}
+            if not set(value) <= nested or not all(isinstance(v, TORCHTITAN_ARG_TYPES) for v in value.values()):
+                raise RecipeError(f"the dump's torchtitan model_args.{name} is not a {type(default).__name__}")
+            value = dataclasses.replace(default, **value)
+        elif not isinstance(value, TORCHTITAN_ARG_TYPES):
+            raise RecipeError(f"the dump's torchtitan model_args.{name} is not a number, string or boolean")
+        kwargs[name] = value
+    built = spec.model_cls(dataclasses.replace(defaults, **kwargs))
+    with torch.no_grad():
+        built.init_weights()  # the buffers torchtitan computes at init (rotary frequencies); weights come from the dump
+    return built
+
+
+def torchtitan_recipe(model: torch.nn.Module, model_args: Any) -> dict | None:
+    """The recipe of a model built by torchtitan's trainer from `model_args`, or None when its class is not one of
+    torchtitan's own families (then name a factory: GuardConfig.dumping.recipe, or --factory at replay)."""
+    import dataclasses
+
+    cls = model_class(model)
+    parts = cls.__module__.split(".")
+    family = parts[2] if len(parts) > 2 and parts[:2] == ["torchtitan", "models"] else None
+    if family not in TORCHTITAN_MODELS or not dataclasses.is_dataclass(model_args) or isinstance(model_args, type):
+        return None
+    return {"factory": TORCHTITAN_FACTORY, "loss": TORCHTITAN_LOSS, "loss_kwargs": {},
+            "factory_kwargs": {"model": family, "model_args": dataclasses.asdict(model_args)}}
+
+
+def torchtitan_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """The loss of torchtitan's trainer for one recorded micro-batch: `cross_entropy_loss(model(input, **extra),
+    labels)`, torchtitan's own (before its division by the accumulation count). The batch is what
+    capture.integrations.torchtitan records: torchtitan's input dict plus `labels`."""
+    from torchtitan.components.loss import cross_entropy_loss
+
+    from forensics.format.tree import Unreplayable
+
+    extra = {k: v for k, v in batch.items() if k not in ("input", "labels") and not isinstance(v, Unreplayable)}
+    return cross_entropy_loss(model(batch["input"], **extra), batch["labels"])

@@ -137,6 +137,18 @@ step integ_lightning_fused16 0 env CUDA_VISIBLE_DEVICES=0 timeout 300 python3 sc
 step integ_lightning_fused16_replay 0 python3 -m forensics.cli replay $d/litf16/step-000000003 --device cuda:0 \
   --path scripts/examples --trust -o "$out/litf16"
 wanted integ_lightning_fused16_replay && names_sample lightning_fp16_fused "$out/litf16" 13
+# torchtitan's own trainer (torchtitan 0.2.0 in .whl/ with tyro and torchdata), the Guard enabled by its config alone
+# (tests/integrations/titan_job.toml: [forensics] enable = true): one GPU (no FSDP: torchtitan's bf16 autocast), its
+# default fused AdamW (the sync-free check: step 3 skipped on the device, dumped one step late); record 5 of the
+# stream has every label masked. The replay on cuda:0 names it.
+step integ_torchtitan 1 env CUDA_VISIBLE_DEVICES=0 TITAN_POISON_RANK=0 timeout 300 torchrun --nproc_per_node=1 \
+  -m capture.integrations.torchtitan --job.config_file tests/integrations/titan_job.toml --job.dump_folder $d/titan \
+  --training.global_batch_size 2 --optimizer.implementation fused
+wanted integ_torchtitan && must_say integ_torchtitan "TrainingFaultError: step 3: loss of micro-batch 2 is nan"
+wanted integ_torchtitan && must_say integ_torchtitan "one step late"
+step integ_torchtitan_replay 0 python3 -m forensics.cli replay $d/titan/forensics/titan/step-000000003 --device cuda:0 \
+  -o "$out/titan"
+wanted integ_torchtitan_replay && names_sample torchtitan_bf16 "$out/titan" "'dp0:5'"
 # 10. DumpConfig(shard_replicas=2) under FSDP2 bf16 on 2 GPUs: each rank sends its shards to its buddy over NCCL
 #     before writing; with rank 0's dump deleted, verify says the state is whole (exit 2: a rank is missing) and rank
 #     1's dump alone replays on cuda:0 and names the sample

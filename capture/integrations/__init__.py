@@ -1,13 +1,14 @@
-"""Framework adapters for the Guard: DDP, Accelerate, DeepSpeed, Hugging Face Trainer, Lightning.
+"""Framework adapters for the Guard: DDP, Accelerate, DeepSpeed, Hugging Face Trainer, Lightning, torchtitan.
 
 Each lives in its own module and is imported only when its name is first used, so `import capture`
-never imports accelerate, deepspeed, transformers or lightning.
+never imports accelerate, deepspeed, transformers, lightning or torchtitan.
 
     from capture.integrations import DistributedGuard             # torch DDP (torchrun)
     from capture.integrations import AccelerateGuard              # accelerate.Accelerator
     from capture.integrations import DeepSpeedGuard               # deepspeed engines, ZeRO 0-3
     from capture.integrations import ForensicsTrainerCallback     # transformers.Trainer
     from capture.integrations import ForensicsLightningCallback   # pytorch_lightning / lightning
+    from capture.integrations import ForensicsTrainer             # torchtitan's Trainer (config: [forensics])
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ _EXPORTS = {
     "DeepSpeedGuard": "capture.integrations.deepspeed",
     "ForensicsTrainerCallback": "capture.integrations.hf_trainer",
     "ForensicsLightningCallback": "capture.integrations.lightning",
+    "ForensicsTrainer": "capture.integrations.torchtitan",
 }
 
 __all__ = list(sorted(_EXPORTS))  # a list literal's type for linters

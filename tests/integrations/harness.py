@@ -56,6 +56,8 @@ def _preload(path: str, args: list[str]) -> list[str]:
         modules += ["deepspeed", "deepspeed.ops:__compatible_ops__", "deepspeed.runtime.zero.muon.muon_optimizer"]
     if _names(path, args, "torchtitan"):
         modules += ["torchtitan.models.llama3.model.model", "torchtitan.models.llama3.infra.parallelize"]
+        if "train" in Path(path).name:  # torchtitan's own trainer (tests/integrations/torchtitan_train.py)
+            modules += ["torchtitan.train", "torchtitan.models.llama3"]
     return [m for m in modules if importlib.util.find_spec(m.partition(".")[0].partition(":")[0])]
 
 
