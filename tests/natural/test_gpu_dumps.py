@@ -34,6 +34,7 @@ DEFAULT = _first_of_each_scenario()
 CASES = [pytest.param(name, marks=() if name in DEFAULT else pytest.mark.slow) for name in sorted(INDEX)]
 
 
+@pytest.mark.filterwarnings("ignore:CUDA is not available")  # the job's own autocast("cuda") in its loss, inert here
 @pytest.mark.parametrize("name", CASES)
 def test_a_natural_gpu_dump_blames_no_data_and_gets_its_gpu_verdict_on_the_cpu(name, tmp_path):
     entry = INDEX[name]
