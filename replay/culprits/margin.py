@@ -11,10 +11,9 @@ since the overflow is usually inside one — q @ k.T in an attention). When the 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-from typing import Any, TypedDict
+from typing import TypedDict
 
 import torch
 
@@ -100,16 +99,7 @@ def others_share(runner: StepRunner, culprits: list[SampleRef]) -> float | None:
     if not rest:
         return None
     mode = _LargestShare()
-
-    @contextlib.contextmanager
-    def measured(_micro_batch: int) -> Any:
-        with mode:
-            yield
-
-    try:
-        runner.run(rest, backward=False, forward_context=measured)
-    except Exception:  # a measurement: the evidence goes on without it
-        logger.warning("how close the other samples come to the limit could not be measured", exc_info=True)
+    if not runner.forward_measured(mode, rest, "how close the other samples come to the limit"):
         return None
     return mode.share
 
@@ -124,16 +114,7 @@ def others_margin(runner: StepRunner, culprits: list[SampleRef]) -> MarginBlock 
     if not rest:
         return None
     mode = _LargestHalf()
-
-    @contextlib.contextmanager
-    def measured(_micro_batch: int) -> Any:
-        with mode:
-            yield
-
-    try:
-        runner.run(rest, backward=False, forward_context=measured)
-    except Exception:  # a measurement: the verdict goes on without it
-        logger.warning("the margin of the other samples could not be measured", exc_info=True)
+    if not runner.forward_measured(mode, rest, "the margin of the other samples"):
         return None
     if mode.largest is None:
         return None

@@ -12,9 +12,8 @@ inside the loss, `.half()` in the forward) is found out by counting one forward 
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from typing import Any, Iterator, TypedDict
+from typing import Any, TypedDict
 
 import torch
 
@@ -103,16 +102,7 @@ def code_dtypes(runner: StepRunner, samples: list[SampleRef] | None = None) -> d
     """The compute ops of one forward of the step (or `samples`) in the job's own precision, by output dtype
     ('float16': 12): what the user's code computes in, whatever the dump recorded. Never raises."""
     counter = CountDtypes()
-
-    @contextlib.contextmanager
-    def counted(_micro_batch: int) -> Iterator[None]:
-        with counter:
-            yield
-
-    try:
-        runner.run(samples, backward=False, forward_context=counted)
-    except Exception:  # a measurement: the triage goes on without it
-        logger.warning("the dtypes of the step's own forward could not be counted", exc_info=True)
+    if not runner.forward_measured(counter, samples, "the dtypes of the step's own forward"):
         return {}
     return dict(sorted(counter.ops.items()))
 

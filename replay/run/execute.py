@@ -443,6 +443,22 @@ class StepRunner:
                 p.grad = None if grad is None else grad.to(p.dtype)
         return result
 
+    def forward_measured(self, mode: ContextManager, samples: list[SampleRef] | None, what: str) -> bool:
+        """One forward of the step (or `samples`) with each micro-batch's forward under `mode` (a dispatch mode that
+        measures); False, with `what` could not be measured logged, when the run raised. A measurement never stops the
+        replay."""
+        @contextlib.contextmanager
+        def measured(_micro_batch: int) -> Iterator[None]:
+            with mode:
+                yield
+
+        try:
+            self.run(samples, backward=False, forward_context=measured)
+        except Exception:  # a measurement: the stage goes on without it
+            logger.warning("%s could not be measured", what, exc_info=True)
+            return False
+        return True
+
     def _start_pass(self, fp32: bool) -> None:
         """Counts the pass, puts the model in train mode and, for fp32, casts its floating-point tensors."""
         self.passes += 1

@@ -32,8 +32,9 @@ def _batches():
         yield {"input_ids": ids, "labels": ids, "sample_ids": torch.arange(8) + 8 * step}
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def _train(config: GuardConfig, stop_at_first_spike: bool = False):
+    """The run: a tiny GPT-2, SGD + momentum at lr 1.0, a GradScaler, check() without a grad norm (the Guard measures
+    the scaled gradients itself). Returns the Guard and the fault that ended the run (None if none did)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
@@ -41,8 +42,7 @@ def run(tmp_path_factory):
                                        embd_pdrop=0, attn_pdrop=0, bos_token_id=0, eos_token_id=0))
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
-    root = tmp_path_factory.mktemp("natural")
-    guard = Guard(model, optimizer, scaler=scaler, config=GuardConfig(dump_dir=str(root), run_id="spiky"))
+    guard = Guard(model, optimizer, scaler=scaler, config=config)
     fault = None
     try:
         for batch in _batches():
@@ -54,9 +54,18 @@ def run(tmp_path_factory):
                 scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad()
+            if stop_at_first_spike and any(open_dump(p).trigger.kind.spike for p in guard.dumps):
+                break
     except TrainingFaultError as exc:
         fault = exc
     guard.close()
+    return guard, fault
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("natural")
+    guard, fault = _train(GuardConfig(dump_dir=str(root), run_id="spiky"))
     return guard, fault, root
 
 
@@ -147,32 +156,10 @@ def test_no_dump_of_the_natural_run_blames_its_data(run, tmp_path):
 def test_with_the_guards_host_snapshot_the_spike_is_fed_to_an_earlier_state(tmp_path):
     """PaLM's test on a natural spike: the same run with RecordConfig(snapshot_every=16) keeps an earlier state in each
     dump; the replay feeds the sample bisection isolated to it and says what happened there (healthy: the state)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     from capture import RecordConfig
 
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, resid_pdrop=0,
-                                       embd_pdrop=0, attn_pdrop=0, bos_token_id=0, eos_token_id=0))
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
-    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
-    guard = Guard(model, optimizer, scaler=scaler, config=GuardConfig(
-        dump_dir=str(tmp_path), run_id="snap", recording=RecordConfig(snapshot_every=16)))
-    try:
-        for batch in _batches():
-            guard.record_batch(batch)
-            loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
-            guard.record_loss(loss)
-            scaler.scale(loss).backward()
-            if guard.check():
-                scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad()
-            if any(open_dump(p).trigger.kind.spike for p in guard.dumps):
-                break
-    except TrainingFaultError:
-        pass
-    guard.close()
+    guard, _ = _train(GuardConfig(dump_dir=str(tmp_path), run_id="snap", recording=RecordConfig(snapshot_every=16)),
+                      stop_at_first_spike=True)
     spike = next(p for p in guard.dumps if open_dump(p).trigger.kind.spike)
     assert open_dump(spike).snapshot_step is not None
     out = tmp_path / "report"
