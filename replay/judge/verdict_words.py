@@ -274,7 +274,7 @@ def state_hints(f: VerdictFacts) -> list[str]:
         hints.append("The attention logits grew until they crossed: QK-norm (or QK-clip) holds them.")
     else:
         hints.append("If attention or output logits keep growing, QK-norm and a z-loss hold them.")
-    if low_precision(f) == "float16":
+    if low_precision(f) == "float16" and f.fp32_reproduces is not True:  # still failing in fp32: the range is not it
         hints.append("bfloat16 has fp32's range: the same state does not overflow it.")
     hints.append("To ride it out without restarting, skip such steps: DetectionConfig(on_spike='skip') / "
                  "on_nonfinite='skip', or a skip-step optimizer (OLMo-core, Levanter).")
