@@ -207,6 +207,9 @@ def culprit_sentence(report: Mapping | Report) -> str | None:
         if bis.culprit_size:  # found, then not blamed (the rest of the step at the same edge, a diverged run)
             return (f"No sample is blamed: bisecting {bis.candidates} samples ({runs} replays) isolated "
                     f"{fmt_num(bis.culprit_size)}, but the verdict finds the state at fault, not their data.")
+        if bis.candidates and bis.all_subsets_fail:
+            return (f"No culprit sample: every subset of the {bis.candidates} samples bisection tried ({runs} replays) "
+                    "fails on its own, down to single samples: the state, not the data.")
         if bis.candidates:
             return (f"No culprit sample: bisecting {bis.candidates} samples "
                     f"({runs} replays) found no subset that fails on its own.")

@@ -289,6 +289,7 @@ class Bisection(Node):
     test: str | None = None
     unblamed_group: int | None = None
     independent_groups: int | None = None
+    all_subsets_fail: bool | None = None
 
 
 @dataclass

@@ -489,3 +489,16 @@ def test_no_failing_value_no_outlier_words(trigger):
     text = render_verdict_text(report)
     assert "stable until the failure" in text and "outlier" not in text
     assert "outlier" in render_verdict_text(make_report("bad_sample", history_pattern="stable"))
+
+
+def test_a_bisection_where_every_subset_fails_is_not_called_one_that_found_none():
+    """The terminal summary must not say 'found no subset that fails on its own' beside '12 of 16 samples
+    non-finite' when every subset tried failed (issue 41, no contradictions in one report)."""
+    from forensics.report.render_text import culprit_sentence
+
+    report = to_json_safe(make_report("model_state"))
+    report["culprit"]["samples"] = []
+    report["bisection"] = {"runs": 5, "candidates": 16, "culprit_size": 0, "budget": 12, "test": "isolation",
+                           "all_subsets_fail": True}
+    sentence = culprit_sentence(report)
+    assert "fails on its own, down to single samples" in sentence and "found no subset" not in sentence
