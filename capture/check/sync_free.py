@@ -4,7 +4,7 @@ ranks (their agreement all-reduce queued on the device, capture/check/agreement.
 
 The synchronous check reads the step's losses and grad norm on the host before optimizer.step(), which stalls the
 host until the GPU has finished backward, so the optimizer's and the next step's kernel launches are no longer hidden
-behind GPU work (~1.5 % of a GPT-2 step on an H200: BENCHMARKS.md). Here, for optimizers whose step() honours the
+behind GPU work (~1.3 % of a nanoGPT step on an H200: BENCHMARKS.md). Here, for optimizers whose step() honours the
 `found_inf` / `grad_scale` attributes GradScaler sets (`_step_supports_amp_scaling`: fused Adam / AdamW / SGD /
 Adagrad):
 

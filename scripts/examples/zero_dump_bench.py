@@ -3,7 +3,7 @@
     DS_ACCELERATOR=cpu torchrun --nproc_per_node=2 scripts/examples/zero_dump_bench.py --zero-stage 3 --layers 6 --width 512
     torchrun --nproc_per_node=8 scripts/examples/zero_dump_bench.py --zero-stage 3 --layers 24 --width 2048   # GPUs
 
-"gather": what DeepSpeedGuard does: every rank gathers the full weights, fp32 masters and Adam moments
+"gather": what DeepSpeedGuard did before per-rank shards became its default: every rank gathers the full weights, fp32 masters and Adam moments
 (collectives, one parameter at a time, straight to host) and writes them, so each rank's dump replays
 alone. "shards": each rank writes only the flat fp32 partitions and optimizer state it owns (no
 collective; zero_to_fp32-style consolidation later needs every rank's file). Prints one JSON line per

@@ -24,7 +24,7 @@ steps, fp32 and fp16) did not diverge within 400 steps on this tiny model — Ad
 lr x (1 - beta1) / sqrt(1 - beta2), so the collapse makes spikes, not a NaN, without something to amplify them.
 
 Every run uses the DEFAULT GuardConfig (plus its dump directory, run id and recipe); --precursors adds
-PrecursorConfig() (opt-in: README "See it coming"). Nothing here depends on the exact step a run dies at: the
+PrecursorConfig() (opt-in: docs/GUIDE.md "Precursors: see it coming"). Nothing here depends on the exact step a run dies at: the
 checks are kinds and ranges.
 """
 

@@ -56,18 +56,27 @@ def test_the_crash_replays_to_the_scenarios_verdict_and_blames_no_sample(default
 LEAD = sorted(name for name, s in SCENARIOS.items() if s.precursor_lead)
 
 
-@pytest.fixture(scope="module", params=LEAD)
-def watched_run(request, tmp_path_factory):
-    """The same run with PrecursorConfig() (opt-in); the crash dump is not replayed except for the fp16 climb."""
-    scenario = SCENARIOS[request.param]
-    run = _job.train(scenario, tmp_path_factory.mktemp(f"{scenario.name}-watched"), precursors=True)
-    out = _job.summarize(scenario, run, replay=scenario.name == "attention_fp16")
-    print(json.dumps(out))
-    return scenario, run, out
+@pytest.fixture(scope="module")
+def watched(tmp_path_factory):
+    """The same runs with PrecursorConfig() (opt-in), each trained once, when a test first asks for it; the crash
+    dump is not replayed except for the fp16 climb."""
+    runs: dict = {}
+
+    def run_of(name: str):
+        if name not in runs:
+            scenario = SCENARIOS[name]
+            run = _job.train(scenario, tmp_path_factory.mktemp(f"{name}-watched"), precursors=True)
+            out = _job.summarize(scenario, run, replay=name == "attention_fp16")
+            print(json.dumps(out))
+            runs[name] = scenario, run, out
+        return runs[name]
+
+    return run_of
 
 
-def test_a_precursor_comes_ten_steps_ahead_naming_a_block(watched_run):
-    scenario, run, out = watched_run
+@pytest.mark.parametrize("name", LEAD)
+def test_a_precursor_comes_ten_steps_ahead_naming_a_block(watched, name):
+    scenario, run, out = watched(name)
     assert out.get("crash_step") is not None, out
     assert out.get("ahead") is not None and out["ahead"] >= AHEAD, out
     assert str(out["precursor_layer"]).startswith("layers."), out
@@ -75,12 +84,10 @@ def test_a_precursor_comes_ten_steps_ahead_naming_a_block(watched_run):
         assert out["precursor_statistic"] in scenario.lead_statistics, out
 
 
-def test_the_slow_fp16_climb_is_seen_by_its_limit_and_the_crash_verdict_tells_the_growth_before(watched_run):
+def test_the_slow_fp16_climb_is_seen_by_its_limit_and_the_crash_verdict_tells_the_growth_before(watched):
     """attention_fp16: the bound of a block climbs toward fp16's limit; the headroom or trend rule fires (not only
     the relative one), and the crash dump's replay says how the bound grew and points to the run's earlier dumps."""
-    scenario, run, out = watched_run
-    if scenario.name != "attention_fp16":
-        pytest.skip("the fp16 climb")
+    scenario, run, out = watched("attention_fp16")
     assert out["precursor_rule"] in ("headroom", "trend"), out
     assert out["verdict"] == VerdictKind.NUMERICAL_PRECISION and out["samples"] == [], out
     history = out["precursor_history"]
@@ -88,14 +95,11 @@ def test_the_slow_fp16_climb_is_seen_by_its_limit_and_the_crash_verdict_tells_th
     assert f"step {out['precursor_step']} (precursor)" in history, history
 
 
-def test_the_monitor_does_not_change_the_run(default_run, tmp_path):
+def test_the_monitor_does_not_change_the_run(tmp_path):
     """The precursor hooks only read: with them the same seeded run takes bitwise the same first 20 steps."""
-    scenario, run, _ = default_run
-    if scenario.name != "lr_too_high" or run.guard.optimizer.defaults.get("fused"):
-        pytest.skip("one scenario is enough")
     import dataclasses
 
-    short = dataclasses.replace(scenario, steps=20)
+    short = dataclasses.replace(SCENARIOS["lr_too_high"], steps=20)
     a = _job.train(short, tmp_path / "a").guard.model
     b = _job.train(short, tmp_path / "b", precursors=True).guard.model
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
