@@ -18,7 +18,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from capture.check.agreement import default_run_id, unwrap_model
+from capture.state.run_id import default_run_id
+from capture.state.unwrap import unwrap_model
 from capture.check.step import StepCheck
 from capture.check.update import UpdateCheck
 from capture.config import GuardConfig

@@ -345,15 +345,15 @@ def _upload_report(tracker: str, report: Report, files: dict, tensorboard_dir: P
 
 
 def _size(ctx: click.Context, param: click.Parameter, text: str | None) -> int | None:
-    """--gpu-memory's SIZE in bytes (None: not given)."""
-    from replay.load.streamed import parse_bytes
+    """--memory-budget's SIZE in bytes (None: not given)."""
+    from forensics.sizes import parse_bytes
 
     if text is None:
         return None
     try:
         return parse_bytes(text)
     except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--gpu-memory") from None
+        raise click.BadParameter(str(exc), param_hint="--memory-budget") from None
 
 
 def _progress(stage: str) -> None:
@@ -386,9 +386,10 @@ def _progress(stage: str) -> None:
               "loss scale, clip, lower LR, skip).")
 @click.option("--no-rng-check", is_flag=True, help="Skip the re-runs with other seeds that tell whether the "
               "failure needs the recorded random state (e.g. one dropout mask).")
-@click.option("--gpu-memory", "gpu_memory", default=None, metavar="SIZE", callback=_size,
+@click.option("--memory-budget", "--gpu-memory", "memory_budget", default=None, metavar="SIZE", callback=_size,
               help="Memory the replay may use on its device (the CPU too), e.g. 16GiB: a state that does not fit is "
-                   "streamed block by block from the dump (automatic on a GPU it does not fit).")
+                   "streamed block by block from the dump (automatic on a GPU it does not fit). --gpu-memory is the "
+                   "same option under its earlier name.")
 @click.option("--json", "as_json", is_flag=True, help="Print report.json to stdout.")
 @click.option("--upload", "trackers", multiple=True, type=click.Choice(Tracker.values()),
               help="Also send the report to this tracker's run (WANDB_RUN_ID / MLFLOW_RUN_ID name it; repeatable).")
@@ -397,7 +398,7 @@ def _progress(stage: str) -> None:
 @archive_options
 @shards_option
 def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_path, factory_kwargs, loss_kwargs, out,
-           blocklist, from_checkpoint, from_step, no_window, no_bisect, no_remedies, no_rng_check, gpu_memory, as_json,
+           blocklist, from_checkpoint, from_step, no_window, no_bisect, no_remedies, no_rng_check, memory_budget, as_json,
            trackers, tensorboard_dir, shard_dirs, **limits) -> None:
     """Replay the failing step of DUMP offline, localise it, bisect the samples, print the verdict."""
     from forensics.gc_pause import gc_paused
@@ -423,7 +424,7 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
                                     rng_check=not no_rng_check, remedies=not no_remedies,
                                     from_checkpoint=str(from_checkpoint) if from_checkpoint else None,
                                     from_step=from_step, window=not no_window,
-                                    archive_limits=archive_limits, gpu_memory=gpu_memory,
+                                    archive_limits=archive_limits, memory_budget=memory_budget,
                                     shard_dirs=[str(d) for d in shard_dirs])
             report = parse_report(run_replay(dump, options, progress=_progress))
             rank = report.dump.rank or 0  # a replayed dump names its rank

@@ -128,7 +128,7 @@ def name_default_loss(model: M) -> M:
 def default_loss(model: torch.nn.Module, batch: Any, ignore_keys: tuple | list = ()) -> torch.Tensor:
     """`model(**batch).loss` for dict batches (keys in `ignore_keys`, e.g. sample ids, left out);
     the output itself when the model returns a scalar tensor."""
-    from forensics.format.tree import Unreplayable
+    from forensics.format.batch_tree import Unreplayable
 
     try:
         if isinstance(batch, dict):
@@ -238,7 +238,7 @@ def torchtitan_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     capture.integrations.torchtitan records: torchtitan's input dict plus `labels`."""
     from torchtitan.components.loss import cross_entropy_loss
 
-    from forensics.format.tree import Unreplayable
+    from forensics.format.batch_tree import Unreplayable
 
     extra = {k: v for k, v in batch.items() if k not in ("input", "labels") and not isinstance(v, Unreplayable)}
     return cross_entropy_loss(model(batch["input"], **extra), batch["labels"])

@@ -46,7 +46,7 @@ from replay.localize.exception import localize_exception
 from replay.localize.update import per_layer_stats
 from replay.localize.weights import corrupted_weights, samples_touching_embeddings
 from replay.run.execute import StepRunner
-from replay.run.streamed import StreamedStepRunner, expected_passes, runner_for
+from replay.run.streamed_runner import StreamedStepRunner, expected_passes, runner_for
 from replay.stages import (CONFIRM_ROUNDS, Progress, stage, weigh_evidence, largest_gradient, reproduce_step, localise, bisect_samples, input_field, per_sample_rows, uniform_loss, history_finding)
 from replay.run.window import Checkpoint, data_recipe, dump_snapshot, load_checkpoint, replay_window, window_block
 
@@ -106,13 +106,13 @@ class ReplayOptions:
     rng_check: bool = True
     """Once reproduced, re-run the step from a few other seeds (recorded RNG not restored) to tell
     whether the failure needs the dump's random state (a dropout mask); report block `rng`."""
-    gpu_memory: int | None = None
-    """Bytes the replay may use on its device (CLI --gpu-memory 16GiB; the CPU too). A state that does not fit them,
-    or without a budget a GPU's free memory, is streamed block by block (replay/run/streamed.py; report `stream`)."""
+    memory_budget: int | None = None
+    """Bytes the replay may use on its device (CLI --memory-budget 16GiB; the CPU too). A state that does not fit them,
+    or without a budget a GPU's free memory, is streamed block by block (replay/run/streamed_runner.py; report `stream`)."""
 
     def __post_init__(self):
-        if self.gpu_memory is not None and self.gpu_memory <= 0:
-            raise ValueError(f"ReplayOptions.gpu_memory must be a positive number of bytes, got {self.gpu_memory}")
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise ValueError(f"ReplayOptions.memory_budget must be a positive number of bytes, got {self.memory_budget}")
         if self.max_attempts < 1:
             raise ValueError(f"ReplayOptions.max_attempts must be >= 1, got {self.max_attempts}")
         if self.max_per_sample < 0:
@@ -211,7 +211,7 @@ def _snapshot_state(dump: Any) -> Callable[[], EarlierState] | None:
 def _load(dump: Any, options: ReplayOptions, weights: bool = True) -> ReplaySession:
     """The dump's step as a live session, on the options' device, with their consent and user code."""
     return load_session(dump, device=options.device, trust=options.trust, factory=options.factory,
-                        loss=options.loss, sys_path=options.sys_path, weights=weights, memory_budget=options.gpu_memory,
+                        loss=options.loss, sys_path=options.sys_path, weights=weights, memory_budget=options.memory_budget,
                         factory_kwargs=options.factory_kwargs, loss_kwargs=options.loss_kwargs)
 
 

@@ -51,7 +51,7 @@ from replay.judge.history_pattern import diverged_long_ago, read_history
 from replay.localize.exception import localize_exception
 from replay.localize.forward_backward import localize_forward
 from replay.run.execute import StepRunner
-from replay.run.streamed import runner_for
+from replay.run.streamed_runner import runner_for
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def write_repro(dump_path: str | Path, out_dir: str | Path, *, device: str | Non
     out.mkdir(parents=True, exist_ok=True)  # before the model loads: an unwritable one fails now
     session = load_session(dump, device=device, trust=trust, factory=factory, loss=loss, sys_path=sys_path or [],
                            factory_kwargs=factory_kwargs, loss_kwargs=loss_kwargs)
-    runner = runner_for(session)  # a state that does not fit the GPU is streamed (replay/run/streamed.py)
+    runner = runner_for(session)  # a state that does not fit the GPU is streamed (replay/run/streamed_runner.py)
     repro = Repro(out)
     if kind is TriggerKind.EXCEPTION:
         refs, blamed = _exception_culprit(repro, runner, dump.step, exception)
@@ -482,7 +482,7 @@ from forensics.errors import DumpNotFoundError, ForensicsError
 from forensics.format import open_dump
 from replay.load.samples import select_samples
 from replay.load.session import load_session
-from replay.run.streamed import runner_for
+from replay.run.streamed_runner import runner_for
 
 HERE = Path(__file__).resolve().parent
 CANNOT_RUN, NO_DUMP = 2, 3  # exit codes (1 is the reproduced failure's AssertionError)

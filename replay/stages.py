@@ -24,7 +24,7 @@ from replay.localize.forward_backward import INPUT_MODULE, localize_backward, lo
 from replay.localize.update import localize_optimizer
 from replay.run.execute import SampleRef, StepRunner, reproduce
 from replay.run.rng_dependence import check_rng_dependence
-from replay.run.streamed import STREAMED_PER_SAMPLE, StreamedStepRunner
+from replay.run.streamed_runner import STREAMED_PER_SAMPLE, StreamedStepRunner
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Streamed replay on one GPU (issue 35; BENCHMARKS.md "Streamed replay"). One device call of <= 10 minutes on 2 GPUs:
 # the FSDP2 bf16 Llama 7B dump as scripts/gpu_scale.sh's fsdp7b row makes it (2 ranks), then rank 1's step replayed on
-# cuda:0 three times, each in a fresh process: unconstrained, --gpu-memory 32GiB and 16GiB (the caching allocator
+# cuda:0 three times, each in a fresh process: unconstrained, --memory-budget 32GiB and 16GiB (the caching allocator
 # capped at the budget with torch.cuda.set_per_process_memory_fraction; peak = torch.cuda.max_memory_allocated).
 # Prints each replay's stages, the table (budget, peak, time, passes, K, block reads, blocks cast instead of read,
 # blocks evicted for memory), whether verdict and sample agree, and the seconds per stage of each row. REMEDIES=1 / RNG=1 also run those stages (every row alike; longer than one call allows at 7B).

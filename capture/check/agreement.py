@@ -10,23 +10,20 @@ it has one, (sharded optimizers) the squared norm of its gradient shard, and whe
 statistics fired (sharded state: every rank then dumps the step together). Every rank then runs its
 spike detectors on the same global values.
 
-Also here: the run ID every rank agrees on and `unwrap_model` (DDP, DataParallel, torch.compile). The signals held
-while a rank writes its dump are capture/dump/signals.py's.
+The run ID every rank agrees on is capture/state/run_id.py's, `unwrap_model` capture/state/unwrap.py's, the signals held
+while a rank writes its dump capture/dump/signals.py's.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from capture.state.source import distributed
-from forensics.thirdparty import compiled_original
+from capture.state.run_id import collective_device
 
 log = logging.getLogger(__name__)
 
@@ -40,38 +37,6 @@ class Agreement:
     step_loss: float | None  # the mean over ranks (that recorded losses) of their finite step losses
     grad_norm: float | None  # sharded: the global norm assembled from shards; else the mean of the ranks' finite norms
     precursor: bool = False  # some rank's precursor statistic fired at its last check (capture/precursors/monitor.py)
-
-
-def collective_device() -> torch.device:
-    """Where the all-reduce's tensor must live for the default process group's backend."""
-    if "nccl" in str(torch.distributed.get_backend()) and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def default_run_id() -> str:
-    """$FORENSICS_RUN_ID, $TORCHELASTIC_RUN_ID, or a timestamp that rank 0 broadcasts (one start-up collective)."""
-    for name in ("FORENSICS_RUN_ID", "TORCHELASTIC_RUN_ID"):
-        if os.environ.get(name) and os.environ[name] != "none":
-            return os.environ[name]
-    stamp = int(datetime.datetime.now().timestamp())
-    if distributed():
-        shared = torch.full((1,), stamp, dtype=torch.int64, device=collective_device())
-        torch.distributed.broadcast(shared, src=0)
-        stamp = int(shared.item())
-    return "run-" + datetime.datetime.fromtimestamp(stamp).strftime("%Y%m%d-%H%M%S")
-
-
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The module whose parameter names a one-GPU replay will see: strips DDP / DataParallel / torch.compile."""
-    wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
-    while True:
-        if isinstance(model, wrappers):
-            model = model.module
-        elif (inner := compiled_original(model)) is not None:
-            model = inner
-        else:
-            return model
 
 
 def device_scalar(value: Any, device: torch.device) -> torch.Tensor:

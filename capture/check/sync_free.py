@@ -36,8 +36,8 @@ from typing import Any, Callable, cast
 
 import torch
 
-from capture.check.agreement import (Agreement, agreed_on_device, collective_device, device_scalar, launch,
-                                     settle)
+from capture.check.agreement import (Agreement, agreed_on_device, device_scalar, launch, settle)
+from capture.state.run_id import collective_device
 from capture.check.detectors import StepDetectors, clipped
 from capture.config import GuardConfig
 from capture.record.history import History

@@ -33,7 +33,7 @@ from capture.state.host_snapshots import HostSnapshots
 from capture.state.recipe import replay_needs
 from capture.state.source import StateSource
 from forensics.errors import CaptureError
-from forensics.format.tree import map_tensors
+from forensics.format.batch_tree import map_tensors
 from forensics.format.writer import DumpContent, dump_path, remove_rank_dump, write_dump
 from forensics.kinds import Policy, TriggerKind
 from forensics.recipes import default_loss
@@ -298,7 +298,7 @@ class Dumper:
 
 
 def copy_tree(node: Any, copy: snapshot.HostCopy) -> Any:
-    """The batch tree with every tensor passed through `copy` (`forensics.format.tree.map_tensors`)."""
+    """The batch tree with every tensor passed through `copy` (`forensics.format.batch_tree.map_tensors`)."""
     return map_tensors(node, copy)
 
 

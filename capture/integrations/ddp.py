@@ -15,7 +15,8 @@ from typing import Any, Callable
 
 import torch
 
-from capture.check.agreement import Agreement, unwrap_model
+from capture.check.agreement import Agreement
+from capture.state.unwrap import unwrap_model
 from capture.dump.signals import deferred_termination
 from capture.config import GuardConfig
 from capture.guard import Guard

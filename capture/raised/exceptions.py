@@ -25,7 +25,7 @@ from capture.record.incident import Incident, StepRecord
 from capture.state.host_snapshots import available_host_memory, proc_bytes
 from capture.state.source import StateSource
 from forensics.errors import TrainingFaultError, is_out_of_memory
-from forensics.format.tree import tensor_leaves
+from forensics.format.batch_tree import tensor_leaves
 from forensics.kinds import Phase, Policy, StateHolds, TriggerKind
 from forensics.trigger import Trigger
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from forensics.format.tree import tensor_leaves
+from forensics.format.batch_tree import tensor_leaves
 from forensics.kinds import Policy
 from forensics.rng import RngState
 from forensics.trigger import Trigger

@@ -8,7 +8,7 @@ import torch
 
 from forensics.device_sync import DeviceFence, on_device_of
 from forensics.format.jsonio import to_jsonable
-from forensics.format.tree import map_tensors
+from forensics.format.batch_tree import map_tensors
 
 
 class HostCopy:

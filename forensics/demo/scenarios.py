@@ -23,7 +23,7 @@ import torch
 from capture import DetectionConfig, DumpConfig, Guard, GuardConfig, SpikeConfig
 from forensics.demo import models
 from forensics.errors import ForensicsError, TrainingFaultError
-from forensics.format.tree import map_tensors
+from forensics.format.batch_tree import map_tensors
 from forensics.kinds import Phase, TriggerKind
 from forensics.recipes import name_default_loss
 

@@ -12,7 +12,7 @@ _EXPORTS = {
     "DumpContent": "forensics.format.writer", "write_dump": "forensics.format.writer",
     "Problem": "forensics.format.verify", "VerifyResult": "forensics.format.verify",
     "verify_dump": "forensics.format.verify", "pack_dump": "forensics.format.pack",
-    "Unreplayable": "forensics.format.tree",
+    "Unreplayable": "forensics.format.batch_tree",
 }
 
 __all__ = list(sorted(_EXPORTS))  # a list literal's type for linters

@@ -550,7 +550,7 @@ class Dump:
         if not 0 <= index < self.num_micro_batches:
             raise IndexError(f"micro-batch {index} does not exist; this dump has {self.num_micro_batches}")
         from forensics.format.tensors import tensors_in
-        from forensics.format.tree import decode_tree
+        from forensics.format.batch_tree import decode_tree
 
         name = spec.batch_tensors_name(index)
         buffer, entries = read_tensor_member(self.verify_file(name), name)

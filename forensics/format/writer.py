@@ -23,7 +23,7 @@ from forensics.format.stale import remove_stale_temporaries, temporary_name
 from forensics.format.digest import HashingWriter
 from forensics.format.members import tensor_member_problem
 from forensics.format.tensors import safetensors_bytes, write_safetensors
-from forensics.format.tree import encode_tree
+from forensics.format.batch_tree import encode_tree
 from forensics.format.writeback import EarlyWriteback
 from forensics.rng import RngState
 

@@ -26,7 +26,7 @@ import torch
 from forensics.kinds import SampleFactKind
 from forensics.report.wording import clean
 from replay.run.execute import SampleRef
-from forensics.format.tree import tensor_leaves
+from forensics.format.batch_tree import tensor_leaves
 from replay.load.samples import batch_size, select_samples
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from typing import Any, cast
 import torch
 
 from forensics.format.jsonio import lenient_float
-from forensics.format.tree import tensor_leaves
+from forensics.format.batch_tree import tensor_leaves
 from forensics.kinds import HistoryPattern, Phase, TriggerKind, VerdictKind
 from forensics.report.model import schema_for, to_json_safe
 from forensics.report.tree import Culprit, Report, TriggerBlock, parse_report

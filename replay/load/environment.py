@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import torch
 
 from forensics.errors import ReplayError
-from forensics.format.tree import map_tensors
+from forensics.format.batch_tree import map_tensors
 from forensics.thirdparty import deterministic_setter
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ def dtype_from_name(name: Any) -> torch.dtype:
 
 
 def to_device(tree: Any, device: torch.device) -> Any:
-    """Moves every tensor of a batch tree to `device` (forensics.format.tree.map_tensors: containers keep their
+    """Moves every tensor of a batch tree to `device` (forensics.format.batch_tree.map_tensors: containers keep their
     type)."""
     return map_tensors(tree, lambda t: t.to(device))
 

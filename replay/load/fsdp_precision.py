@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 import torch
 
-from forensics.format.tree import map_tensors
+from forensics.format.batch_tree import map_tensors
 from replay.load.environment import dtype_from_name
 
 
@@ -77,7 +77,7 @@ def fsdp_compute(model: torch.nn.Module, units: list[FsdpUnit], skip: set[int] |
                  ) -> Iterator[None]:
     """Within: the model computes as the job's FSDP2 units did; on exit, parameters and gradients in the
     parameters' own dtype again. `skip`: ids of parameters cast by the caller (a streamed replay's blocks, cast as
-    they are materialised: replay/run/streamed.py)."""
+    they are materialised: replay/run/streamed_runner.py)."""
     known = _known(model, units)
     owner = parameter_units(model, units)
     cast: list[tuple[torch.nn.Parameter, torch.Tensor, FsdpUnit]] = []

@@ -17,7 +17,7 @@ The rule, in one place (both functions below follow it):
   numbers, `forensics.format.Unreplayable` markers) is kept as it is, shared with the input.
   Containers are rebuilt with their own type (dict subclasses and named tuples included, falling
   back to a plain dict / tuple when the type cannot be rebuilt from its items: the one rule of
-  `forensics.format.tree.rebuild`, which every batch walker follows).
+  `forensics.format.batch_tree.rebuild`, which every batch walker follows).
 
 A tensor whose first dimension happens to equal the batch size without being per-sample (e.g. a
 `(T,)` tensor with `T == B`) is sliced too; the tree carries nothing that could tell them apart.
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from forensics.errors import ReplayError
-from forensics.format.tree import map_tensors, map_tree, rebuild
+from forensics.format.batch_tree import map_tensors, map_tree, rebuild
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from replay.load.fsdp_precision import FsdpUnit, compute_dtype, parse_units
 from replay.load.optimizer_state import DumpOptimizerState, OptimizerSnapshot
 from replay.load.recipe import LossFn, TrainingScript, job_paths, optimizer_class, resolve_recipe
 from replay.load.samples import SampleRef
-from replay.load.streamed import StreamPlan, keep_blocks_at_rest, plan_streaming, settle
+from replay.load.stream_plan import StreamPlan, keep_blocks_at_rest, plan_streaming, settle
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class ReplaySession:
     """The job's FSDP2 units and mixed-precision policies (replay/load/fsdp_precision.py): the step computes in them."""
     stream: StreamPlan | None = None
     """The state does not fit the replay device: its blocks stay in the dump and are materialised a few at a time
-    while the step runs (replay/load/streamed.py, replay/run/streamed.py); None: a normal replay."""
+    while the step runs (replay/load/stream_plan.py, replay/run/streamed_runner.py); None: a normal replay."""
 
     def new_optimizer(self) -> torch.optim.Optimizer | None:
         """A fresh optimizer over the model's parameters in its pre-step state (None if not recorded)."""
@@ -192,7 +192,7 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
         factory_kwargs / loss_kwargs: instead of the recorded ones (None: the recorded ones).
         weights: False for a window replay of a dump without pre-step state (`state_missing`): the model is built
             with its own init and no state or batch is read (the checkpoint and the data recipe supply them).
-        memory_budget: bytes the replay may use on `device` (CLI --gpu-memory); a state that does not fit them (or,
+        memory_budget: bytes the replay may use on `device` (CLI --memory-budget); a state that does not fit them (or,
             without a budget, a CUDA device's free memory) is streamed (`ReplaySession.stream`).
     Returns:
         ReplaySession holding the pre-step state on `device`; `warnings` lists environment
@@ -279,7 +279,7 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
 
 def _weights(dump: Any, device: torch.device, plan: StreamPlan | None,
              model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The dump's weights onto `device`; a streamed model's blocks left at rest (replay/load/streamed.py)."""
+    """The dump's weights onto `device`; a streamed model's blocks left at rest (replay/load/stream_plan.py)."""
     tensors = dump.iter_model_tensors(device)
     return tensors if plan is None else keep_blocks_at_rest(tensors, plan, model)
 
@@ -416,7 +416,7 @@ def stream_weights(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Te
     if any(t.is_meta for t in model.buffers()):
         raise MetaBuffersError("a buffer not in the dump was computed from meta parameters")
     model.to(device)  # the buffers the dump does not hold (non-persistent ones) follow the weights (a streamed
-    # block's placeholders are on the device already: replay/load/streamed.py)
+    # block's placeholders are on the device already: replay/load/stream_plan.py)
     left = sorted(buffers - loaded - {n for n, _ in model.named_buffers() if not _persistent(model, n)})
     if left:
         warnings.append(f"buffers not in the dump, left as built: {left[:5]}")

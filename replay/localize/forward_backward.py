@@ -331,7 +331,7 @@ def localize_forward(runner: StepRunner, samples: list[SampleRef] | None = None,
 def _nonfinite_batch_input(runner: StepRunner, samples: list[SampleRef] | None) -> ForwardFinding | None:
     """The batch's own float data holding NaN/Inf (an `inputs_embeds` already broken): then the input is the
     source, not the first module that passes it on. Named by its field path, e.g. `<input>.inputs_embeds`."""
-    from forensics.format.tree import tensor_leaves
+    from forensics.format.batch_tree import tensor_leaves
     from replay.load.samples import select_samples
 
     session = runner.session
@@ -510,7 +510,7 @@ def localize_backward(runner: StepRunner, samples: list[SampleRef] | None = None
 
         param_handles = [p.register_hook(param_hook(n)) for n, p in model.named_parameters() if p.requires_grad]
         streamer = getattr(runner, "streamer", None)  # a streamed replay: each block's graph exists only while its
-        if streamer is not None:  # recomputation's backward runs (replay/run/streamed.py); watch it there
+        if streamer is not None:  # recomputation's backward runs (replay/run/streamed_runner.py); watch it there
             streamer.recompute_context = lambda index: _recomputing(tracker, streamer.plan.blocks[index].name)
             streamer.after_recompute = lambda outputs: watch([t.grad_fn for t in outputs if t.grad_fn is not None],
                                                              LOSS_MODULE)

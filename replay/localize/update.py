@@ -112,7 +112,7 @@ def step_each_parameter(model: torch.nn.Module, snapshot: Any, hyper: dict | Non
     parameter independently, so this is the whole step's update. Each step moves a copy of the parameter (the
     yielded `param`): the model's weights stay the pre-step ones, so the replay need not re-read them. With
     `runner`, the parameters and their gradients come from `runner.gradients()` (a streamed replay's blocks
-    materialised one at a time: replay/run/streamed.py). Raises what the optimizer's step raises."""
+    materialised one at a time: replay/run/streamed_runner.py). Raises what the optimizer's step raises."""
     stepped = {name for group in snapshot.param_groups for name in group["params"]}
     if runner is None:
         names = [name for name, param in model.named_parameters() if param.grad is not None]

@@ -295,7 +295,7 @@ class StepRunner:
     def _live_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return list(self.model.named_parameters()) + list(self.model.named_buffers())
 
-    # -- gradients, as the stages that read them see them (a streamed runner, replay/run/streamed.py, answers these
+    # -- gradients, as the stages that read them see them (a streamed runner, replay/run/streamed_runner.py, answers these
     # block by block) ---------------------------------------------------------------------------
     def gradient_names(self) -> list[str]:
         """The parameters holding a gradient after the last run(keep_grads=True), in named_parameters() order."""

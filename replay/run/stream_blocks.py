@@ -2,7 +2,7 @@
 
 `BlockStreamer` materialises a block's weights from the dump (the session's `pre_step_weights`: pread, or the rank
 dumps of a sharded one) when the block runs, into the same Parameter objects (`param.data` swapped), and keeps at
-most K blocks materialised (replay/load/streamed.py decides K): least recently used out first when a backward
+most K blocks materialised (replay/load/stream_plan.py decides K): least recently used out first when a backward
 follows (it runs the blocks in reverse and finds the forward's last ones still there), most recently used out first
 in a forward-only pass (a scan in order: the first blocks stay for the next one). With K >= 2 the next block is read
 on a background thread while this one computes (replay/run/read_ahead.py).
@@ -29,7 +29,7 @@ import torch
 
 from forensics.errors import DumpCorruptError
 from forensics.thirdparty import foreach_norm, tree_flatten, tree_unflatten
-from replay.load.streamed import ACTIVATION_SHARE, StreamPlan, at_rest
+from replay.load.stream_plan import ACTIVATION_SHARE, StreamPlan, at_rest
 from replay.run.execute import any_nonfinite
 from replay.run.read_ahead import BlockReader
 

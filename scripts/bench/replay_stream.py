@@ -4,7 +4,7 @@ process, to the same verdict and sample (the table of BENCHMARKS.md "Streamed re
     python -m scripts.bench.replay_stream --dump STEP_DIR --rank 1 --device cuda:0 --budgets none,32GiB,16GiB \
         --json out.json
 
-Each budget runs `run_replay(..., ReplayOptions(gpu_memory=B))` in its own process with the CUDA caching allocator
+Each budget runs `run_replay(..., ReplayOptions(memory_budget=B))` in its own process with the CUDA caching allocator
 capped at B (`torch.cuda.set_per_process_memory_fraction(B / total)`: an allocation beyond it raises out of memory,
 so the budget is enforced, not only planned); the peak is `torch.cuda.max_memory_allocated`. "none" is the normal
 replay, uncapped. Columns: budget, GPU peak, replay time (to the verdict, load included), passes, blocks materialised
@@ -25,7 +25,7 @@ import json, sys, time
 import torch
 import transformers.models.llama.modeling_llama  # a fixed import cost, outside the timers
 from replay.engine import ReplayOptions, run_replay
-from replay.load.streamed import parse_bytes
+from forensics.sizes import parse_bytes
 dump, device, rank, budget, remedies, rng = sys.argv[1:7]
 cuda = device.startswith("cuda")
 limit = None if budget == "none" else parse_bytes(budget)
@@ -37,7 +37,7 @@ if cuda:  # the CPU runs the same probe (a check of this script), without an enf
         torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), torch.device(device))
 marks = []
 start = time.perf_counter()
-report = run_replay(dump, ReplayOptions(device=device, rank=int(rank) if rank != "-" else None, gpu_memory=limit,
+report = run_replay(dump, ReplayOptions(device=device, rank=int(rank) if rank != "-" else None, memory_budget=limit,
                                         remedies=remedies == "1", rng_check=rng == "1"),
                     progress=lambda m: marks.append((round(time.perf_counter() - start, 2), m[:120])))
 out = {"budget": budget, "replay_s": round(time.perf_counter() - start, 2),

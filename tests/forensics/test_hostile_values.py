@@ -197,7 +197,7 @@ def test_a_400_digit_number_in_history_json_exits_2_naming_it(dump, tmp_path):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--gpu-memory", f"{HUGE}GiB"], "is larger than any machine's memory"),
+    (["--memory-budget", f"{HUGE}GiB"], "is larger than any machine's memory"),
     (["--max-unpacked-gb", "inf"], "--max-unpacked-gb"),
     (["--max-unpacked-gb", "nan"], "nan is not a number"),
     (["--max-unpack-ratio", "nan"], "nan is not a number"),

@@ -1,4 +1,4 @@
-"""forensics/format/tree.py's one batch-tree mapper: every walker (capture's host copies, FSDP2 casts, sample
+"""forensics/format/batch_tree.py's one batch-tree mapper: every walker (capture's host copies, FSDP2 casts, sample
 selection) rebuilds containers by the same rule, named tuples and dict-likes included."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from collections import OrderedDict, namedtuple
 
 import torch
 
-from forensics.format.tree import map_tensors, map_tree, rebuild
+from forensics.format.batch_tree import map_tensors, map_tree, rebuild
 
 Pair = namedtuple("Pair", "inputs targets")
 

@@ -1,5 +1,5 @@
-"""Streamed replay (--gpu-memory): a budget far below the state gives the same report as a normal replay, with no
-more blocks materialised at once than the plan allows (replay/load/streamed.py, replay/run/streamed.py)."""
+"""Streamed replay (--memory-budget): a budget far below the state gives the same report as a normal replay, with no
+more blocks materialised at once than the plan allows (replay/load/stream_plan.py, replay/run/streamed_runner.py)."""
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ from capture import Guard, GuardConfig
 from forensics.errors import ReplayError, TrainingFaultError
 from forensics.demo.scenarios import SCENARIOS
 from replay.engine import ReplayOptions, run_replay
-from replay.load.streamed import parse_bytes
+from forensics.sizes import parse_bytes
 from replay.run.stream_blocks import BlockStreamer
 
 TINY = 170_000  # bytes: the tiny GPT-2 holds 0.11 MB of state; the embeddings and one block fit, two do not
@@ -50,7 +50,7 @@ def test_bad_sample_dump_streamed_gives_the_same_report(tmp_path, helpers, kit):
     dump = _gpt2_dump(tmp_path, helpers, kit)
     normal = run_replay(dump, ReplayOptions(device="cpu", max_per_sample=3))
     stages = []
-    streamed = run_replay(dump, ReplayOptions(device="cpu", gpu_memory=TINY, max_per_sample=3), progress=stages.append)
+    streamed = run_replay(dump, ReplayOptions(device="cpu", memory_budget=TINY, max_per_sample=3), progress=stages.append)
     _same_report(normal, streamed, helpers)
     assert streamed["culprit"]["module"] == "transformer.h.0.ln_1"
     assert "stream" not in normal and streamed["stream"]["blocks"] == 2
@@ -75,7 +75,7 @@ def test_no_more_blocks_materialised_than_the_plan_allows(tmp_path, helpers, kit
         seen.append((live + (self.reader.pending is not None), self.capacity))
 
     monkeypatch.setattr(BlockStreamer, "acquire", counting)
-    report = run_replay(dump, ReplayOptions(device="cpu", gpu_memory=330_000, remedies=False, rng_check=False,
+    report = run_replay(dump, ReplayOptions(device="cpu", memory_budget=330_000, remedies=False, rng_check=False,
                                             max_per_sample=1))
     assert report["verdict"]["kind"] == "bad_sample"
     assert seen and all(live <= capacity for live, capacity in seen)
@@ -92,16 +92,16 @@ def test_demo_dumps_streamed_far_below_their_state(tmp_path, helpers):
         normal = run_replay(captured.dump_path, ReplayOptions(**options))
         state = normal_state(captured.dump_path)  # a normal replay wants ~2.7x this (weights, grads, activations)
         with pytest.raises(ReplayError) as small:  # the error names the least budget that replays it: that one
-            run_replay(captured.dump_path, ReplayOptions(**options, gpu_memory=state // 2))
-        least = parse_bytes(small.value.args[0].split("--gpu-memory ")[1].split()[0])
+            run_replay(captured.dump_path, ReplayOptions(**options, memory_budget=state // 2))
+        least = parse_bytes(small.value.args[0].split("--memory-budget ")[1].split()[0])
         assert least < 2 * state
-        streamed = run_replay(captured.dump_path, ReplayOptions(**options, gpu_memory=least))
+        streamed = run_replay(captured.dump_path, ReplayOptions(**options, memory_budget=least))
         assert streamed["stream"]["blocks_resident"] < streamed["stream"]["blocks"]
         _same_report(normal, streamed, helpers)
         assert streamed["verdict"]["kind"] == captured.expected.verdict
         if name == "bad_sample":
             # a budget that holds every block but not the normal replay: each block read once for all the passes
-            cached = run_replay(captured.dump_path, ReplayOptions(**options, gpu_memory=2 * state))
+            cached = run_replay(captured.dump_path, ReplayOptions(**options, memory_budget=2 * state))
             assert cached["stream"]["blocks_resident"] == cached["stream"]["blocks"]
             assert cached["stream"]["block_reads"] == cached["stream"]["blocks"]
             _same_report(normal, cached, helpers)
@@ -115,8 +115,8 @@ def normal_state(path) -> int:
 
 def test_a_budget_too_small_or_unreadable_is_a_clear_error(tmp_path, helpers, kit):
     dump = _gpt2_dump(tmp_path, helpers, kit)
-    with pytest.raises(ReplayError, match="--gpu-memory"):
-        run_replay(dump, ReplayOptions(device="cpu", gpu_memory=10_000))
+    with pytest.raises(ReplayError, match="--memory-budget"):
+        run_replay(dump, ReplayOptions(device="cpu", memory_budget=10_000))
     assert parse_bytes("16GiB") == 16 << 30 and parse_bytes("1.5GB") == 1_500_000_000
     with pytest.raises(ValueError):
         parse_bytes("lots")
@@ -124,8 +124,9 @@ def test_a_budget_too_small_or_unreadable_is_a_clear_error(tmp_path, helpers, ki
 
     from forensics.cli import main
 
-    for size, said in (("lots", "not a size"), ("10KB", "--gpu-memory 1")):  # exit 2, saying what to give instead
-        result = CliRunner().invoke(main, ["replay", str(dump), "--device", "cpu", "--gpu-memory", size,
+    for flag, size, said in (("--memory-budget", "lots", "not a size"), ("--memory-budget", "10KB", "--memory-budget 1"),
+                             ("--gpu-memory", "10KB", "--memory-budget 1")):  # exit 2, saying what to give instead
+        result = CliRunner().invoke(main, ["replay", str(dump), "--device", "cpu", flag, size,
                                            "-o", str(tmp_path / "report")])
         assert result.exit_code == 2 and said in result.output, result.output
 
@@ -168,7 +169,7 @@ def test_backward_localisation_streamed_names_the_op_inside_the_block(tmp_path, 
     options = dict(device="cpu", factory="where_sqrt_model:build", sys_path=[str(tmp_path)], remedies=False,
                    bisect=False, rng_check=False, fp32_check=False, max_per_sample=1)
     normal = run_replay(err.value.dump_path, ReplayOptions(**options))
-    streamed = run_replay(err.value.dump_path, ReplayOptions(**options, gpu_memory=TINY))
+    streamed = run_replay(err.value.dump_path, ReplayOptions(**options, memory_budget=TINY))
     assert normal["culprit"]["phase"] == "backward" and normal["culprit"]["module"] == "transformer.h.1.mlp.act"
     _same_report(normal, streamed, helpers)
     assert streamed["culprit"]["parameter"] == normal["culprit"]["parameter"]

@@ -1,28 +1,28 @@
 """Load, streamed: a model whose state does not fit the replay device, its repeated blocks left in the dump.
 
-`plan_streaming` decides, before anything is read, whether the step's state fits the budget (`--gpu-memory`, or the
+`plan_streaming` decides, before anything is read, whether the step's state fits the budget (`--memory-budget`, or the
 device's free memory on a GPU): it needs the weights and their gradients on the device at once, plus room for the
 activations (STATE_FACTOR, ACTIVATION_SHARE). When it does not, the model's largest `nn.ModuleList` (a
 transformer's layers) is streamed: `keep_blocks_at_rest` wraps the dump's tensor stream so that each block
 parameter is read once (its shape and dtype checked by the session's `stream_weights`, its finiteness noted) and
 replaced by a one-element placeholder expanded to its shape (`at_rest`): the Parameter object, its name, shape and
 dtype stay, so hooks, optimizers and reports see the model they expect, and no memory is held. Everything outside
-the blocks (embeddings, final norm, head, buffers) is resident as in a normal replay. replay/run/streamed.py
+the blocks (embeddings, final norm, head, buffers) is resident as in a normal replay. replay/run/streamed_runner.py
 materialises the blocks' weights again from the dump, a few at a time, while the step runs.
 """
 
 from __future__ import annotations
 
 import math
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, cast
 
 import torch
 
-from forensics.errors import ReplayError, cut_text
+from forensics.errors import ReplayError
 from forensics.format.tensors import tensor_bytes
+from forensics.sizes import words
 from replay.load.fsdp_precision import FsdpUnit, parameter_units
 
 STATE_FACTOR = 2
@@ -31,40 +31,6 @@ weights, 51.7 GiB peak): the state fits when STATE_FACTOR x its bytes and the ac
 ACTIVATION_SHARE = 0.25
 """Share of the budget left for activations, the saved block inputs and the allocator's slack."""
 MIN_RESIDENT_BLOCKS = 1
-
-_UNITS = {"": 1, "b": 1, "k": 10 ** 3, "kb": 10 ** 3, "kib": 1 << 10, "m": 10 ** 6, "mb": 10 ** 6, "mib": 1 << 20,
-          "g": 10 ** 9, "gb": 10 ** 9, "gib": 1 << 30, "t": 10 ** 12, "tb": 10 ** 12, "tib": 1 << 40}
-
-
-MAX_SIZE = float(1 << 60)
-"""The largest SIZE parse_bytes takes (1 EiB): beyond it a number is a typo, or a float that is no longer exact."""
-
-
-def parse_bytes(text: str) -> int:
-    """"16GiB" -> 17179869184; "16GB" / "16G" are powers of ten; a bare number is bytes.
-
-    Raises:
-        ValueError: not a positive size.
-    """
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ValueError(f"{text!r} is not a size: write e.g. 16GiB, 800MiB or 32GB")
-    value = float(match.group(1)) * _UNITS[unit]
-    if not value < MAX_SIZE:  # also 1 followed by 400 zeros, which is inf as a float
-        raise ValueError(f"{cut_text(text, 40)!r} is larger than any machine's memory (at most 1 EiB)")
-    if int(value) <= 0:
-        raise ValueError(f"{text!r} is not a positive size")
-    return int(value)
-
-
-def words(nbytes: float) -> str:
-    """Bytes for people: 1.50 GiB, 300.0 MiB."""
-    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= size:
-            return f"{nbytes / size:.2f} {unit}"
-    return f"{int(nbytes)} B"
-
 
 @dataclass(frozen=True)
 class Block:
@@ -81,7 +47,7 @@ class StreamPlan:
     """How a replay streams a model that does not fit: printed before the replay (`describe`), kept in the report."""
 
     budget: int
-    """Bytes the replay may use on its device (--gpu-memory, or the GPU's free memory)."""
+    """Bytes the replay may use on its device (--memory-budget, or the GPU's free memory)."""
     reason: str
     blocks: list[Block]
     resident_bytes: int
@@ -183,7 +149,7 @@ def streamable_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module
             best, best_count = name, count
     if best is None:
         raise ReplayError("this model cannot be streamed: it has no nn.ModuleList of at least two blocks with "
-                          "parameters (streaming keeps the blocks in the dump). Replay it without --gpu-memory, on "
+                          "parameters (streaming keeps the blocks in the dump). Replay it without --memory-budget, on "
                           "a device it fits")
     modules = cast(torch.nn.ModuleList, model.get_submodule(best))  # the nn.ModuleList found above
     return [(f"{best}.{i}" if best else str(i), child) for i, child in enumerate(modules)
@@ -246,13 +212,13 @@ def fit_blocks(plan: StreamPlan) -> None:
         raise ReplayError(f"a budget of {words(plan.budget)} cannot replay this model even streamed: the part outside "
                           f"its blocks needs {words(plan.resident_bytes)} and one block {words(fp32)}, "
                           f"with their gradients and room for activations at least {words(least)}; give "
-                          f"--gpu-memory {_rounded_up(least)} or more")
+                          f"--memory-budget {_rounded_up(least)} or more")
     plan.resident_blocks = count
     plan.read_ahead = plan.resident_blocks >= 2
 
 
 def _rounded_up(nbytes: float) -> str:
-    """A size as --gpu-memory takes it, rounded up: 17GiB, 166KiB."""
+    """A size as --memory-budget takes it, rounded up: 17GiB, 166KiB."""
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if nbytes >= size:
             return f"{math.ceil(nbytes / size)}{unit}"
@@ -331,4 +297,4 @@ def settle(plan: StreamPlan, model: torch.nn.Module, units: list[FsdpUnit] | Non
 
 
 __all__ = ["StreamPlan", "Block", "plan_streaming", "keep_blocks_at_rest", "streamable_blocks", "fit_blocks",
-           "parse_bytes", "at_rest", "settle", "words", "STATE_FACTOR", "ACTIVATION_SHARE"]
+           "at_rest", "settle", "STATE_FACTOR", "ACTIVATION_SHARE"]

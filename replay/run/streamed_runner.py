@@ -1,6 +1,6 @@
 """Run, streamed: the StepRunner of a model whose blocks stay in the dump (ReplaySession.stream).
 
-replay/load/streamed.py left each block parameter as a one-element placeholder; replay/run/stream_blocks.py
+replay/load/stream_plan.py left each block parameter as a one-element placeholder; replay/run/stream_blocks.py
 materialises the blocks a few at a time while a pass runs and recomputes each for its backward. `StreamedStepRunner`
 runs the same passes as the StepRunner over such a model, so every stage of the engine runs through it unchanged,
 except where a stage reads gradients or weights itself (`gradients`, `gradient_names`, `own_grad_norms`,
