@@ -55,7 +55,7 @@ class PrecursorConfig:
     on a sampled step: the largest part of its cost; scripts/bench/precursor_overhead.py)."""
     max_dumps: int = 1
     """Precursor dumps per run: their own budget; they never use GuardConfig.dumping.max_dumps, the crash's
-    (capture/dump/budget.py)."""
+    (capture/dumping/budget.py)."""
     min_gap: int = 200
     """Steps before the same (layer, statistic) may fire again."""
     history: int = 64

@@ -2,8 +2,8 @@
 
 A healthy step costs an RNG snapshot per micro-batch (host only), one fused grad-norm reduction when the loop passes
 none, and no device->host transfer with a fused optimizer in one process (the sync-free check, judged one step later:
-capture/check/sync_free.py), else exactly one (in `check`; tests/capture/test_healthy_cost.py counts both); under
-torchrun one all-reduce more, so that every rank triggers on the same step (capture/check/agreement.py).
+capture/detection/sync_free.py), else exactly one (in `check`; tests/capture/test_healthy_cost.py counts both); under
+torchrun one all-reduce more, so that every rank triggers on the same step (capture/detection/agreement.py).
 """
 
 from __future__ import annotations
@@ -20,19 +20,19 @@ import torch
 
 from capture.state.run_id import default_run_id
 from capture.state.unwrap import unwrap_model
-from capture.check.step import StepCheck
-from capture.check.update import UpdateCheck
+from capture.detection.step import StepCheck
+from capture.detection.update import UpdateCheck
 from capture.config import GuardConfig
-from capture.dump.budget import DumpBudget
-from capture.dump.dumper import Dumper
+from capture.dumping.budget import DumpBudget
+from capture.dumping.dumper import Dumper
 from capture.precursors import monitor
 from capture.raised import exceptions
 from capture.raised.optimizer_steps import OptimizerSteps
-from capture.record.history import History
-from capture.record.incident import Incident, StepRecord
-from capture.record.misuse import FirstStepCheck, LoopOrder
-from capture.record.recorder import StepRecorder, loss_value
-from capture.record.window import FlightRecorder
+from capture.recording.history import History
+from capture.recording.incident import Incident, StepRecord
+from capture.recording.misuse import FirstStepCheck, LoopOrder
+from capture.recording.recorder import StepRecorder, loss_value
+from capture.recording.window import FlightRecorder
 from capture.state.host_snapshots import HostSnapshots
 from capture.state.source import Ranks, StateSource, state_source
 from forensics.errors import TrainingFaultError

@@ -100,7 +100,7 @@ def test_the_import_graph_has_no_cycles():
 
 def test_the_graph_sees_the_packages():
     graph = _graph()
-    assert "capture.dump.dumper" in graph and "forensics.format.writer" in graph["capture.dump.dumper"]
+    assert "capture.dumping.dumper" in graph and "forensics.format.writer" in graph["capture.dumping.dumper"]
     assert "replay.engine" in graph and "forensics.cli" in graph and _layer("forensics.format.reader") == 0
 
 
@@ -151,7 +151,7 @@ def test_a_replay_stage_imports_only_its_own_and_earlier_stages():
     assert set(REPLAY_STAGES) == {p.name for p in (ROOT / "replay").iterdir() if (p / "__init__.py").is_file()}
 
 
-CAPTURE_STAGES = ["config", "record", "state", "precursors", "check", "dump", "raised", "guard", "integrations"]
+CAPTURE_STAGES = ["config", "recording", "state", "precursors", "detection", "dumping", "raised", "guard", "integrations"]
 """capture/ in the order of a step's way through the Guard: the configuration every stage reads, what is recorded of the
 step, the state a dump holds, the precursor statistics, the check, the dump, a step that raised, the Guard that runs
 them, and the framework adapters built on it. A sub-package (or the top-level module config / guard) may import its

@@ -2,7 +2,7 @@
 
 The multi-rank behaviour itself (one all-reduce per step so every rank triggers on the same step,
 spikes included; the dump cap counting attempts; SIGTERM held while a rank writes; DDP / compile
-wrappers stripped) is the plain Guard's (capture/guard.py, capture/check/agreement.py): a plain `Guard`
+wrappers stripped) is the plain Guard's (capture/guard.py, capture/detection/agreement.py): a plain `Guard`
 under torchrun is just as correct. What this class adds is framework-specific: the autocast a
 framework applies where the loop cannot see it, and `integration` info in the manifest's `distributed`
 section (the state source's `integration`).
@@ -15,9 +15,9 @@ from typing import Any, Callable
 
 import torch
 
-from capture.check.agreement import Agreement
+from capture.detection.agreement import Agreement
 from capture.state.unwrap import unwrap_model
-from capture.dump.signals import deferred_termination
+from capture.dumping.signals import deferred_termination
 from capture.config import GuardConfig
 from capture.guard import Guard
 from capture.state.source import StateSource, state_source

@@ -29,13 +29,13 @@ ranks), the next check()'s all-reduce, which every step makes anyway, carries on
 that step together (the firing rank's trigger names the layer, the others' have local false).
 No host sync of its own: a sampled step's values end in one device row, queued after that step's check() transfer
 (so its device work overlaps the optimizer step and the next forward) and read with the next check()'s own
-device->host transfer (capture/check/sync.py; with several ranks, one small read after the step's all-reduce, of a row
+device->host transfer (capture/detection/sync.py; with several ranks, one small read after the step's all-reduce, of a row
 done long since). A statistic is thus judged, and a precursor dumped, one step after the sampled step. On the other
 steps the hooks return after one flag check. `RobustTrend` judges each statistic on the host over the sampled steps:
 its log against the running median of the recent healthy values, in robust standard deviations (1.4826 x MAD),
 sustained for a few sampled steps (forensics/trend.py, which replay uses to rank them too). When one fires, the
 Guard dumps the step (TriggerKind.PRECURSOR, policy 'continue') and the job goes on; the statistics of the last
-`history` sampled steps travel in the dump as `precursors.json` (capture/record/window.py).
+`history` sampled steps travel in the dump as `precursors.json` (capture/recording/window.py).
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ import torch
 
 from capture.config import PrecursorConfig
 from capture.precursors.statistics import StepStatistics
-from capture.record.history import History
-from capture.record.incident import Incident, StepRecord, Trigger
-from capture.record.window import FlightRecorder
+from capture.recording.history import History
+from capture.recording.incident import Incident, StepRecord, Trigger
+from capture.recording.window import FlightRecorder
 from capture.state.source import StateSource
 from forensics import headroom
 from forensics.headroom import LimitWatch
@@ -135,7 +135,7 @@ class PrecursorMonitor:
         self._launched: tuple[int, torch.Tensor] | None = None
         """(step, row) of the last sampled step, queued on the device, not yet read."""
         self.recorder: FlightRecorder | None = None
-        """The Guard's flight recorder (capture/record/window.py), which keeps the rows read from the device."""
+        """The Guard's flight recorder (capture/recording/window.py), which keeps the rows read from the device."""
         self.dumps = 0
         self.firings: list[Firing] = []
         """Every firing of the run, dumped or not."""

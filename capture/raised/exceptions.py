@@ -19,9 +19,9 @@ from typing import Any, Protocol
 
 import torch
 
-from capture.check.sync import host_numbers
+from capture.detection.sync import host_numbers
 from capture.raised.optimizer_steps import AfterCheck, OptimizerSteps
-from capture.record.incident import Incident, StepRecord
+from capture.recording.incident import Incident, StepRecord
 from capture.state.host_snapshots import available_host_memory, proc_bytes
 from capture.state.source import StateSource
 from forensics.errors import TrainingFaultError, is_out_of_memory

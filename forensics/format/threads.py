@@ -1,6 +1,6 @@
 """Work handed to a thread pool, or done on the calling thread when the pool refuses it because the interpreter
 is shutting down (concurrent.futures' exit hook runs before atexit's: a dump finished at exit must still be written,
-capture/dump/writer_thread.py)."""
+capture/dumping/writer_thread.py)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 A function of the job's `__main__` (`python train.py`) cannot be imported: importing `train` runs the whole
 script again, and most scripts train at top level, with no `if __name__ == "__main__":` guard. The dump holds
-the script's source (`main_script.py`, capture/dump/main_script.py); behind --trust, this module parses it and
+the script's source (`main_script.py`, capture/dumping/main_script.py); behind --trust, this module parses it and
 runs only the statements that define things — imports, `def`, `class`, assignments of constants (literals,
 names, attribute reads and arithmetic on them) to the module's own names, and `try` blocks made of those — in a
 fresh module whose `__name__` is not "__main__". Everything else (calls at top level, loops, `with`,

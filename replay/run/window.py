@@ -1,7 +1,7 @@
 """Window replay: from an earlier checkpoint, re-execute the recorded steps up to the dumped one and find the step
 whose update broke the weights — then give that step the full single-step analysis.
 
-`forensics replay DUMP --from CHECKPOINT [--from-step N]`. The dump's flight recorder (capture/record/window.py)
+`forensics replay DUMP --from CHECKPOINT [--from-step N]`. The dump's flight recorder (capture/recording/window.py)
 holds, per step, the sample IDs of each micro-batch, the RNG before each forward, lr, divisor, loss and grad
 norm; its data recipe rebuilds each micro-batch from its IDs (imported only with consent, like the model
 recipe). The checkpoint is a forensics dump, a Hugging Face / Accelerate checkpoint directory, a

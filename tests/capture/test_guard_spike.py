@@ -1,7 +1,7 @@
 """Finite loss spikes on a real GPT-2: under the continue policy training goes on, dumps are written in the
 background with the pre-step state, and max_dumps / min_spike_gap bound how many. Each runs with both checks the
 default configuration picks: the synchronous one (AdamW's for-each step) and the sync-free one (AdamW(fused=True):
-a spike the budget dumps is held on the device and judged one step late; capture/check/sync_free.py)."""
+a spike the budget dumps is held on the device and judged one step late; capture/detection/sync_free.py)."""
 
 from __future__ import annotations
 
@@ -194,7 +194,7 @@ def test_an_early_spike_is_logged_once_and_marked_in_the_history(tmp_path, caplo
 
 
 def test_a_jump_at_step_1_is_noted_before_there_is_a_median():
-    from capture.check.detectors import SpikeDetector
+    from capture.detection.detectors import SpikeDetector
     from capture.config import SpikeConfig
 
     detector = SpikeDetector(SpikeConfig())

@@ -39,7 +39,7 @@ class Budget:
 
 
 # Per healthy step of 2 micro-batches, as measured on the code of this commit (torch 2.13, CPU), for each check the
-# default configuration picks (capture/check/step.py). record_loss keeps a detached reference. The synchronous check
+# default configuration picks (capture/detection/step.py). record_loss keeps a detached reference. The synchronous check
 # (AdamW's for-each step) stacks the step's numbers (one operator) and reads them in one transfer (tolist). The
 # sync-free check (AdamW(fused=True)) reads nothing: its operators (on a GPU, small kernels queued behind backward)
 # take the numbers to float64, flag a non-finite value or a spike to hold (two thresholds) into found_inf, and start

@@ -116,7 +116,7 @@ def test_a_loop_used_right_gets_no_usage_warning(tmp_path, caplog):
         guard.check()
         optimizer.step()
         optimizer.zero_grad()
-    assert not [r for r in caplog.records if "capture.record.misuse" in r.name]
+    assert not [r for r in caplog.records if "capture.recording.misuse" in r.name]
 
 
 def test_without_record_batch_a_nan_loss_is_still_seen(user_module, tmp_path):

@@ -158,7 +158,7 @@ def test_a_loss_spike_on_one_rank_is_dumped_by_every_rank(harness, tmp_path, kin
     assert dumps[1].trigger.local is True and dumps[0].trigger.local is False  # rank 1's loss spiked
     assert {rank: report["held"] for rank, report in result.reports.items()} == {0: kind == "fused", 1: kind == "fused"}
     assert all(("one step late" in d.trigger.detail) == (kind == "fused") for d in dumps.values())
-    if kind == "fused":  # the sync-free check on several ranks, counted (capture/check/agreement.py launch()): on a
+    if kind == "fused":  # the sync-free check on several ranks, counted (capture/detection/agreement.py launch()): on a
         # GPU most operators are a kernel launch, tens of microseconds of host time each on a host-bound step
         ops = {rank: report["check_ops"] for rank, report in result.reports.items()}
         assert max(ops.values()) <= SYNC_FREE_MULTI_RANK_OPS, (

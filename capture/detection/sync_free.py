@@ -1,6 +1,6 @@
 """The Guard's sync-free check (GuardConfig.detection.sync_free; by default wherever the dumps stay exact): a step that
 must not be applied is skipped on the device, and every step is judged one step later. In one process or across
-ranks (their agreement all-reduce queued on the device, capture/check/agreement.py launch()).
+ranks (their agreement all-reduce queued on the device, capture/detection/agreement.py launch()).
 
 The synchronous check reads the step's losses and grad norm on the host before optimizer.step(), which stalls the
 host until the GPU has finished backward, so the optimizer's and the next step's kernel launches are no longer hidden
@@ -36,13 +36,13 @@ from typing import Any, Callable, cast
 
 import torch
 
-from capture.check.agreement import (Agreement, agreed_on_device, device_scalar, launch, settle)
+from capture.detection.agreement import (Agreement, agreed_on_device, device_scalar, launch, settle)
 from capture.state.run_id import collective_device
-from capture.check.detectors import StepDetectors, clipped
+from capture.detection.detectors import StepDetectors, clipped
 from capture.config import GuardConfig
-from capture.record.history import History
-from capture.record.incident import Incident, Undumpable, StepRecord
-from capture.record.window import FlightRecorder, WindowStep
+from capture.recording.history import History
+from capture.recording.incident import Incident, Undumpable, StepRecord
+from capture.recording.window import FlightRecorder, WindowStep
 from capture.state import sharding, snapshot
 from capture.state.source import StateSource
 from forensics.device_sync import DeviceFence, quarantine
@@ -142,7 +142,7 @@ class SyncFree:
 
     Args:
         config: the Guard's configuration; detectors: its StepDetectors; history, window: the recorders this check
-            feeds; spike_floor: the dump budget's DumpBudget.spike_floor (capture/dump/budget.py): the size a spike at
+            feeds; spike_floor: the dump budget's DumpBudget.spike_floor (capture/dumping/budget.py): the size a spike at
             a step must exceed to be dumped, asked before the step so the device knows whether its update must wait.
         state: the state source (optimizer, scheduler, grad norm, the pre-step state of a skipped step).
         add_hook: keeps the optimizer step hook this mode installs (the Guard removes it at close()).
@@ -221,7 +221,7 @@ class SyncFree:
 
     def _agreed_numbers(self, record: StepRecord, grad_norm: Any, divisor: float, sharded: bool,
                         step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Several ranks: the agreement all-reduce queued (capture/check/agreement.py launch(): `[*losses, grad norm,
+        """Several ranks: the agreement all-reduce queued (capture/detection/agreement.py launch(): `[*losses, grad norm,
         loss scale, *summed statistics]`) and the skip flag from the agreed numbers, identical on every rank."""
         launched = launch([*record.losses, grad_norm, None], len(record.losses), divisor=divisor,
                           min_loss_scale=self.config.detection.min_loss_scale, sharded_grad_norm=sharded)
@@ -328,7 +328,7 @@ class SyncFree:
 
 def _larger(value: Any, limit: float, floor: float) -> Any:
     """Whether a spike of `value` (a float64 device scalar, or its host number) over `limit` is larger than `floor` by
-    the dump budget's measure (capture/dump/budget.py spike_size): the same float64 division on either side."""
+    the dump budget's measure (capture/dumping/budget.py spike_size): the same float64 division on either side."""
     size = value / limit if limit > 0 else value
     return size > floor
 

@@ -1,6 +1,6 @@
 """The Guard's dump path: one `Incident` in, one dump directory out (within the run's caps).
 
-`Dumper.dump(incident)` asks the run's dump budgets (capture/dump/budget.py: the crash's own reserve, the
+`Dumper.dump(incident)` asks the run's dump budgets (capture/dumping/budget.py: the crash's own reserve, the
 spike dumps kept, min_spike_gap), collects the pre-step
 state from the state source (`StateSource.collect`) (or takes the one the Incident already holds), builds the
 manifest (docs/DUMP_FORMAT.md), and writes — in the background for a spike the job goes on after. A step
@@ -19,15 +19,15 @@ from typing import Any, Callable
 import torch
 
 from capture.config import GuardConfig
-from capture.dump import environment
-from capture.dump.budget import Admission, DumpBudget, spike_size
-from capture.dump.main_script import MainScript
-from capture.dump.signals import deferred_termination
-from capture.dump.uploads import send_dump
-from capture.dump.writer_thread import BackgroundWriter
-from capture.record.history import History
-from capture.record.incident import Incident, json_ids, leading_dim
-from capture.record.window import FlightRecorder
+from capture.dumping import environment
+from capture.dumping.budget import Admission, DumpBudget, spike_size
+from capture.dumping.main_script import MainScript
+from capture.dumping.signals import deferred_termination
+from capture.dumping.uploads import send_dump
+from capture.dumping.writer_thread import BackgroundWriter
+from capture.recording.history import History
+from capture.recording.incident import Incident, json_ids, leading_dim
+from capture.recording.window import FlightRecorder
 from capture.state import buddy, snapshot
 from capture.state.host_snapshots import HostSnapshots
 from capture.state.recipe import replay_needs
@@ -63,7 +63,7 @@ class Dumper:
         self.on_device_lost = on_device_lost
         recipe = state.recipe()
         self.script = MainScript(recipe)
-        """The training script's source, for a recipe naming a function of it (capture/dump/main_script.py)."""
+        """The training script's source, for a recipe naming a function of it (capture/dumping/main_script.py)."""
         self.needs = replay_needs(state.model, recipe, config.dumping.recipe,
                                   self.script.name if self.script.source is not None else None)
         """What a replay of this job's dumps needs beyond the dump (--trust, --factory, --loss)."""
@@ -74,7 +74,7 @@ class Dumper:
         self.dumps: list[Path] = []
         self.errors: list[str] = []
         self.budget = budget
-        """The run's dump budgets (capture/dump/budget.py): a place is taken when a dump starts (background writes land
+        """The run's dump budgets (capture/dumping/budget.py): a place is taken when a dump starts (background writes land
         later), identically on every rank; one process gives it back when its write fails."""
         self._writer = BackgroundWriter()
 

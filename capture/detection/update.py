@@ -10,8 +10,8 @@ from typing import Any, Callable
 import torch
 
 from capture.config import GuardConfig
-from capture.record.history import History
-from capture.record.incident import Incident, StepRecord
+from capture.recording.history import History
+from capture.recording.incident import Incident, StepRecord
 from capture.state import snapshot
 from capture.state.source import StateSource
 from forensics.kinds import TriggerKind

@@ -9,7 +9,7 @@ the fix. Costs nothing after the first step.
 LoopOrder catches check() in the wrong place of the loop, from host state only (no device read): before backward
 (no parameter has a gradient yet: looked at in the first GRADIENT_LOOKS checks only), and twice for one step (no
 batch, loss or optimizer step since the last check: the repeat is ignored, so the step counter does not run double).
-A grad norm taken before `scaler.unscale_` is capture/check/sync.py's (SyncCheck.loop_norm_unscaled).
+A grad norm taken before `scaler.unscale_` is capture/detection/sync.py's (SyncCheck.loop_norm_unscaled).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from capture.record.incident import StepRecord
+from capture.recording.incident import StepRecord
 
 log = logging.getLogger(__name__)
 

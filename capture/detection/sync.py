@@ -1,7 +1,7 @@
 """The Guard's synchronous check (the default mode): the step's numbers read on the host in one transfer, the
 detectors asked, the history and flight recorder fed, and a trigger turned into an `Incident`.
 
-GuardConfig.detection.sync_free replaces it with capture/check/sync_free.py. Both take what they read
+GuardConfig.detection.sync_free replaces it with capture/detection/sync_free.py. Both take what they read
 (configuration, state source, recorders) and return an `Incident` or None: the Guard dumps it and applies its policy.
 """
 
@@ -14,14 +14,14 @@ from typing import Any, cast
 
 import torch
 
-from capture.check.agreement import Agreement, agree
-from capture.check.detectors import StepDetectors, clipped
+from capture.detection.agreement import Agreement, agree
+from capture.detection.detectors import StepDetectors, clipped
 from capture.config import GuardConfig
 from capture.precursors import monitor
 from capture.precursors.monitor import PrecursorMonitor
-from capture.record.history import History
-from capture.record.incident import Incident, StepRecord
-from capture.record.window import FlightRecorder, WindowStep
+from capture.recording.history import History
+from capture.recording.incident import Incident, StepRecord
+from capture.recording.window import FlightRecorder, WindowStep
 from capture.state import sharding, snapshot
 from capture.state.host_snapshots import HostSnapshots
 from capture.state.source import StateSource
@@ -127,7 +127,7 @@ class SyncCheck:
     def _gather(self, record: StepRecord, grad_norm: Any, step: int
                 ) -> tuple[list[float], float | None, float | None, Agreement | None]:
         """One device->host transfer of per-micro-batch losses, grad norm and loss scale (and, with several
-        ranks, the step's one all-reduce: capture/check/agreement.py).
+        ranks, the step's one all-reduce: capture/detection/agreement.py).
 
         Python numbers stay on the host: building a device tensor from one would be a pageable
         host->device copy, which waits for the stream just like a sync.

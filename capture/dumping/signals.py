@@ -3,7 +3,7 @@
 When one rank dies, torchrun sends SIGTERM to the others (and SIGKILL 30 s later); a job scheduler preempting a run
 does the same, often twice; a user presses Ctrl-C (SIGINT), sometimes after a SIGTERM. Any of them arriving while a
 dump is written — the synchronous write of a crash, or the exit flush of a spike dump still in the background writer
-(capture/dump/writer_thread.py) — would end the job mid-write and lose the dump (a `.tmp-*` directory, never
+(capture/dumping/writer_thread.py) — would end the job mid-write and lose the dump (a `.tmp-*` directory, never
 trusted). So while a dump is in flight every SIGTERM and SIGINT, in any number and order, is only noted; once it is
 written (or the flush gave up at its limit) the handlers the job had are put back and each signal that came is raised
 again, first one first: the default SIGTERM ends the process by SIGTERM, Ctrl-C raises KeyboardInterrupt. Only

@@ -1,5 +1,5 @@
-"""The check a step gets: the sync-free one (capture/check/sync_free.py) where DetectionConfig.sync_free and the
-optimizer allow it (by default: where the dumps stay exact), else the synchronous one (capture/check/sync.py).
+"""The check a step gets: the sync-free one (capture/detection/sync_free.py) where DetectionConfig.sync_free and the
+optimizer allow it (by default: where the dumps stay exact), else the synchronous one (capture/detection/sync.py).
 
 Either way a check only reports: it yields the Incidents the Guard then dumps and applies its policy to.
 """
@@ -9,14 +9,14 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Iterable, Iterator
 
-from capture.check.detectors import StepDetectors
-from capture.check.sync import SyncCheck
-from capture.check.sync_free import SyncFree
+from capture.detection.detectors import StepDetectors
+from capture.detection.sync import SyncCheck
+from capture.detection.sync_free import SyncFree
 from capture.config import GuardConfig
 from capture.precursors.monitor import PrecursorMonitor
-from capture.record.history import History
-from capture.record.incident import Incident, StepRecord
-from capture.record.window import FlightRecorder
+from capture.recording.history import History
+from capture.recording.incident import Incident, StepRecord
+from capture.recording.window import FlightRecorder
 from capture.state.host_snapshots import HostSnapshots
 from capture.state.source import StateSource
 from forensics.errors import TrainingFaultError
@@ -28,7 +28,7 @@ class StepCheck:
     """Runs the step's check in the mode the configuration and the optimizer allow.
 
     Args:
-        config, state, history, window, snapshots, precursors: what the checks read and feed (capture/check/sync.py);
+        config, state, history, window, snapshots, precursors: what the checks read and feed (capture/detection/sync.py);
             the detectors (StepDetectors) are the check's own.
         spike_floor: the dump budget's DumpBudget.spike_floor (the sync-free check asks it before a step's update).
         add_hook: keeps the optimizer hook the sync-free mode installs (the Guard removes it at close()).

@@ -11,7 +11,7 @@ statistics fired (sharded state: every rank then dumps the step together). Every
 spike detectors on the same global values.
 
 The run ID every rank agrees on is capture/state/run_id.py's, `unwrap_model` capture/state/unwrap.py's, the signals held
-while a rank writes its dump capture/dump/signals.py's.
+while a rank writes its dump capture/dumping/signals.py's.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def launch(values: list[Any], n_losses: int, *, divisor: float, min_loss_scale: 
            sharded_grad_norm: bool, precursor_fired: bool = False) -> torch.Tensor:
     """The step's all-reduce, queued and not read: `[*values, *STATS summed statistics]` as float64 on the
     collective device (agree()'s arguments). The sync-free check derives its device flags from it and reads it one
-    step later (capture/check/sync_free.py). A dozen small operators (each a kernel launch on a GPU, where a host-bound
+    step later (capture/detection/sync_free.py). A dozen small operators (each a kernel launch on a GPU, where a host-bound
     step pays for every one): the values cleaned of non-finite ones once, the flags compared against that."""
     device = collective_device()
     source = next((v.device for v in values if isinstance(v, torch.Tensor) and v.device.type != "cpu"), device)

@@ -3,7 +3,7 @@
 A dump still being written when the job ends is not lost: at interpreter exit (an atexit hook) and on SIGTERM (a
 handler chained to the one installed before: it waits, then hands the signal on — the process still ends as it
 would have) the writes are waited for, at most EXIT_WAIT_S seconds, with a message saying so; further SIGTERMs and
-Ctrl-Cs during that wait are held and handed on after it (capture/dump/signals.py). At exit,
+Ctrl-Cs during that wait are held and handed on after it (capture/dumping/signals.py). At exit,
 concurrent.futures has already refused new work (its own exit hook runs before atexit's), so the writer then
 writes on its own thread (forensics/format/threads.py).
 """
@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
-from capture.dump.signals import deferred_termination, hand_on
+from capture.dumping.signals import deferred_termination, hand_on
 from forensics.errors import CaptureError
 from forensics.format.writer import DumpContent, dump_path, write_dump
 

@@ -13,7 +13,7 @@ Three budgets that never borrow from each other:
 * precursors — counted by the precursor monitor itself (PrecursorConfig.max_dumps); no slot here.
 
 Every decision depends only on the step and the trigger's value and threshold, which the detectors compute from
-values agreed across ranks (capture/check/agreement.py): every rank takes the same decision at the same step, so a
+values agreed across ranks (capture/detection/agreement.py): every rank takes the same decision at the same step, so a
 collective dump never waits on a rank that declined. One process gives a slot back when its write fails; several
 ranks do not (failures are not identical on every rank).
 
@@ -146,7 +146,7 @@ class DumpBudget:
     def spike_floor(self, step: int) -> float | None:
         """The size (value / threshold: spike_size) a spike at `step` must exceed to be dumped; -inf: any spike is,
         None: none is (min_spike_gap, spike dumps off). Changes nothing: the sync-free check asks before the step's
-        update, on the device, whether a spike would be dumped (capture/check/sync_free.py), and admit() answers the
+        update, on the device, whether a spike would be dumped (capture/detection/sync_free.py), and admit() answers the
         same at that step when nothing was admitted in between."""
         with self._lock:
             if self._spike_refusal(step, math.inf) is not None:

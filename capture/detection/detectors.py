@@ -8,7 +8,7 @@ import bisect
 import math
 from collections import deque
 
-from capture.check.agreement import Agreement
+from capture.detection.agreement import Agreement
 from capture.config import GuardConfig, SpikeConfig
 from forensics.kinds import TriggerKind
 from forensics.trigger import Trigger
