@@ -9,5 +9,13 @@ from capture.config import DetectionConfig, DumpConfig, GuardConfig, PrecursorCo
 from capture.guard import Guard
 from capture.recording.datasets import IndexedDataset
 
-__all__ = ["DetectionConfig", "DumpConfig", "Guard", "GuardConfig", "IndexedDataset", "PrecursorConfig", "RecordConfig",
-           "SpikeConfig"]
+__all__ = [
+    "DetectionConfig",
+    "DumpConfig",
+    "Guard",
+    "GuardConfig",
+    "IndexedDataset",
+    "PrecursorConfig",
+    "RecordConfig",
+    "SpikeConfig",
+]

@@ -63,16 +63,20 @@ class PrecursorConfig:
 
     def __post_init__(self):
         if self.window < 4 or self.warmup < 0:
-            raise ValueError(f"PrecursorConfig needs window >= 4 and warmup >= 0, got window={self.window}, "
-                             f"warmup={self.warmup}")
+            raise ValueError(
+                f"PrecursorConfig needs window >= 4 and warmup >= 0, got window={self.window}, warmup={self.warmup}"
+            )
         if self.every < 1 or self.sustained < 1 or self.max_dumps < 0 or self.min_gap < 0:
             raise ValueError("PrecursorConfig needs every >= 1, sustained >= 1, max_dumps >= 0, min_gap >= 0")
         if self.z_threshold <= 0 or self.min_growth <= 1:
-            raise ValueError(f"PrecursorConfig needs z_threshold > 0 and min_growth > 1, got "
-                             f"{self.z_threshold}, {self.min_growth}")
+            raise ValueError(
+                f"PrecursorConfig needs z_threshold > 0 and min_growth > 1, got {self.z_threshold}, {self.min_growth}"
+            )
         if self.history < self.window:
-            raise ValueError(f"PrecursorConfig.history ({self.history}) must be >= window ({self.window}): the dump "
-                             "must show the baseline the growth left")
+            raise ValueError(
+                f"PrecursorConfig.history ({self.history}) must be >= window ({self.window}): the dump "
+                "must show the baseline the growth left"
+            )
 
     @property
     def warmup_samples(self) -> int:
@@ -172,8 +176,10 @@ class DetectionConfig:
             try:
                 setattr(self, name, Policy(getattr(self, name)))
             except ValueError:
-                raise ValueError(f"DetectionConfig.{name} must be one of {', '.join(p.value for p in Policy)}, "
-                                 f"got {getattr(self, name)!r}") from None
+                raise ValueError(
+                    f"DetectionConfig.{name} must be one of {', '.join(p.value for p in Policy)}, "
+                    f"got {getattr(self, name)!r}"
+                ) from None
 
     def policy_for(self, kind: TriggerKind) -> Policy:
         """The policy that applies to a trigger of this kind: on_spike for spikes, else on_nonfinite."""
@@ -243,19 +249,25 @@ class DumpConfig:
         self.upload = tuple(self.upload)
         unknown = [t for t in self.upload if t not in Tracker.values()]
         if unknown:
-            raise ValueError(f"DumpConfig.upload: unknown tracker(s) {unknown}; choose from "
-                             f"{', '.join(Tracker.values())}")
+            raise ValueError(
+                f"DumpConfig.upload: unknown tracker(s) {unknown}; choose from {', '.join(Tracker.values())}"
+            )
         if Tracker.TENSORBOARD in self.upload and not self.tensorboard_dir:
             raise ValueError("DumpConfig.upload=('tensorboard',) needs DumpConfig.tensorboard_dir")
         try:
             self.state_layout = StateLayout(self.state_layout)
         except ValueError:
-            raise ValueError(f"DumpConfig.state_layout must be one of {', '.join(k.value for k in StateLayout)}, "
-                             f"got {self.state_layout!r}") from None
-        if self.data_recipe is not None and (not isinstance(self.data_recipe, dict)
-                                             or not isinstance(self.data_recipe.get("dataset"), str)):
-            raise ValueError("DumpConfig.data_recipe must be a dict with 'dataset': 'pkg.module:function' "
-                             "(and optional 'dataset_kwargs', 'collate')")
+            raise ValueError(
+                f"DumpConfig.state_layout must be one of {', '.join(k.value for k in StateLayout)}, "
+                f"got {self.state_layout!r}"
+            ) from None
+        if self.data_recipe is not None and (
+            not isinstance(self.data_recipe, dict) or not isinstance(self.data_recipe.get("dataset"), str)
+        ):
+            raise ValueError(
+                "DumpConfig.data_recipe must be a dict with 'dataset': 'pkg.module:function' "
+                "(and optional 'dataset_kwargs', 'collate')"
+            )
         if self.shard_replicas < 1 or self.full_state_max_bytes < 0:
             raise ValueError("DumpConfig needs shard_replicas >= 1 and full_state_max_bytes >= 0")
         if self.max_dumps < 0 or self.max_spike_dumps < 0 or self.min_spike_gap < 0:
@@ -298,14 +310,19 @@ class RecordConfig:
         if self.snapshot_every < 0 or self.snapshot_count < 1:
             raise ValueError("RecordConfig needs snapshot_every >= 0 and snapshot_count >= 1")
         if self.snapshot_every * self.snapshot_count > self.window_steps:
-            raise ValueError(f"RecordConfig.snapshot_every x snapshot_count ({self.snapshot_every} x "
-                             f"{self.snapshot_count}) exceeds window_steps ({self.window_steps}): the flight recorder "
-                             "would not hold the steps from the oldest snapshot on. Raise window_steps or snapshot "
-                             "more often")
+            raise ValueError(
+                f"RecordConfig.snapshot_every x snapshot_count ({self.snapshot_every} x "
+                f"{self.snapshot_count}) exceeds window_steps ({self.window_steps}): the flight recorder "
+                "would not hold the steps from the oldest snapshot on. Raise window_steps or snapshot "
+                "more often"
+            )
 
 
-FLAT = {name: group for group, cls in (("detection", DetectionConfig), ("dumping", DumpConfig),
-                                        ("recording", RecordConfig)) for name in cls.__dataclass_fields__}
+FLAT = {
+    name: group
+    for group, cls in (("detection", DetectionConfig), ("dumping", DumpConfig), ("recording", RecordConfig))
+    for name in cls.__dataclass_fields__
+}
 """The flat spelling of one release ago, GuardConfig(max_dumps=...): each field and the group it moved to."""
 _GROUP_CLASSES = {"detection": DetectionConfig, "dumping": DumpConfig, "recording": RecordConfig}
 
@@ -339,10 +356,17 @@ class GuardConfig:
     dumps the step once (trigger 'precursor', policy 'continue'), before the loss goes non-finite. None (default):
     off."""
 
-
-    def __init__(self, dump_dir: str = "forensics_dumps", run_id: str | None = None, *,
-                 detection: DetectionConfig | None = None, dumping: DumpConfig | None = None,
-                 recording: RecordConfig | None = None, precursors: PrecursorConfig | None = None, **flat: Any):
+    def __init__(
+        self,
+        dump_dir: str = "forensics_dumps",
+        run_id: str | None = None,
+        *,
+        detection: DetectionConfig | None = None,
+        dumping: DumpConfig | None = None,
+        recording: RecordConfig | None = None,
+        precursors: PrecursorConfig | None = None,
+        **flat: Any,
+    ):
         self.dump_dir, self.run_id, self.precursors = dump_dir, run_id, precursors
         given = {"detection": detection, "dumping": dumping, "recording": recording}
         unknown = sorted(set(flat) - set(FLAT))
@@ -376,9 +400,10 @@ class GuardConfig:
     def replace(self, **changes: Any) -> "GuardConfig":
         """A copy, its groups copied too, with `changes`: fields of a group by their own name (`loss_divisor=2.0`) or
         of GuardConfig itself (`run_id="r"`). What adapters use to fill in a framework's defaults."""
-        groups = {name: dataclasses.replace(getattr(self, name),
-                                            **{k: v for k, v in changes.items() if FLAT.get(k) == name})
-                  for name in _GROUP_CLASSES}
+        groups = {
+            name: dataclasses.replace(getattr(self, name), **{k: v for k, v in changes.items() if FLAT.get(k) == name})
+            for name in _GROUP_CLASSES
+        }
         return dataclasses.replace(self, **groups, **{k: v for k, v in changes.items() if k not in FLAT})
 
 
@@ -388,5 +413,7 @@ def _flat_words(flat: dict[str, Any]) -> str:
     for name in flat:
         groups.setdefault(FLAT[name], []).append(f"{name}=...")
     nested = ", ".join(f"{g}={_GROUP_CLASSES[g].__name__}({', '.join(names)})" for g, names in groups.items())
-    return (f"GuardConfig({', '.join(f'{n}=...' for n in flat)}) is the flat spelling, accepted until the next "
-            f"release: write GuardConfig({nested})")
+    return (
+        f"GuardConfig({', '.join(f'{n}=...' for n in flat)}) is the flat spelling, accepted until the next "
+        f"release: write GuardConfig({nested})"
+    )

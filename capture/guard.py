@@ -68,9 +68,17 @@ class Guard:
     Incidents; the Guard dumps each and applies its policy (docs/ARCHITECTURE.md, "Capture").
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None,
-                 scaler: Any = None, *, config: GuardConfig | None = None, loss_fn: Callable | None = None,
-                 state: Callable[..., StateSource] = state_source):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        scaler: Any = None,
+        *,
+        config: GuardConfig | None = None,
+        loss_fn: Callable | None = None,
+        state: Callable[..., StateSource] = state_source,
+    ):
         model = unwrap_model(model)
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         ranks, self.loss_fn, self.step = Ranks.here(), loss_fn, 0
@@ -83,13 +91,36 @@ class Guard:
         self.history = History(config.recording.history_size)
         self.window = FlightRecorder(config.recording.window_steps)  # the flight recorder (record/window.py)
         self.snapshots = HostSnapshots(config.recording.snapshot_every, config.recording.snapshot_count)
-        self.precursors = monitor.attach(model, optimizer, scaler, config.precursors, window=self.window,
-                                         sync_free=config.detection.sync_free is True, add_hook=self.add_hook)  # or None
+        self.precursors = monitor.attach(
+            model,
+            optimizer,
+            scaler,
+            config.precursors,
+            window=self.window,
+            sync_free=config.detection.sync_free is True,
+            add_hook=self.add_hook,
+        )  # or None
         budget = DumpBudget(config)  # shared: the sync-free check asks it before a step is applied
-        self.checks = StepCheck(config, self.state, self.history, self.window, self.snapshots, self.precursors,
-                                budget.spike_floor, self.add_hook)
-        self.dumper = Dumper(config, self.run_id, self.state, self.history, self.window, self.snapshots, budget,
-                             on_device_lost=self.checks.device_lost)
+        self.checks = StepCheck(
+            config,
+            self.state,
+            self.history,
+            self.window,
+            self.snapshots,
+            self.precursors,
+            budget.spike_floor,
+            self.add_hook,
+        )
+        self.dumper = Dumper(
+            config,
+            self.run_id,
+            self.state,
+            self.history,
+            self.window,
+            self.snapshots,
+            budget,
+            on_device_lost=self.checks.device_lost,
+        )
         self.dumps: list[Path] = self.dumper.dumps  # written so far (a background write once it is complete)
         self.dump_errors: list[str] = self.dumper.errors  # why a dump was not written, one per failed attempt
         self.recorder = StepRecorder(config.recording.sample_id_key, self.buffers.take_before_forward)
@@ -109,8 +140,14 @@ class Guard:
         if self.checks.sync_free is not None:  # a step judged one step late is still judged when the job just ends
             atexit.register(self._judge_at_exit)
         if config.detection.verify_update:
-            UpdateCheck(config, self.state, self.history, lambda: (self.step - 1, self.last_step),
-                        self.handle_incident, self.add_hook)
+            UpdateCheck(
+                config,
+                self.state,
+                self.history,
+                lambda: (self.step - 1, self.last_step),
+                self.handle_incident,
+                self.add_hook,
+            )
 
     # -- recording (hot path: references and host-side RNG only) ---------------------------------
     def record_batch(self, batch: Any, sample_ids: Any = None) -> None:
@@ -175,8 +212,16 @@ class Guard:
             decision = True
         if self.precursors is not None:  # never in the sync-free mode (monitor.attach)
             healthy, dumped = decision and self.last_incident_step != self.step, self.last_dumped_step == self.step
-            monitor.judge(self.precursors, self.step, record, healthy=healthy, dumped=dumped, state=self.state,
-                          history=self.history, report=self.handle_incident)
+            monitor.judge(
+                self.precursors,
+                self.step,
+                record,
+                healthy=healthy,
+                dumped=dumped,
+                state=self.state,
+                history=self.history,
+                report=self.handle_incident,
+            )
         if not decision:
             self.buffers.undo_skipped_step(self.step)
         self.last_step, self.last_decision = record, decision
@@ -189,16 +234,21 @@ class Guard:
         trigger, policy, self.last_incident_step = incident.trigger, incident.policy, incident.step
         admission = self.dumper.admit(incident)  # one not dumped is counted and logged once per window there
         if incident.undumpable is None and (admission.why_not is None or policy is not Policy.CONTINUE):
-            log.warning("forensics: step %d rank %d: %s (policy: %s)", incident.step, self.rank, trigger.message,
-                        policy)
+            log.warning(
+                "forensics: step %d rank %d: %s (policy: %s)", incident.step, self.rank, trigger.message, policy
+            )
         dump_path, dump_error = self.dumper.dump(incident, admission)
         if admission.why_not is None:
             self.last_dumped_step = incident.step
         if policy is Policy.RAISE:
-            where = f"dump written to {dump_path}. Replay it with: {self.dumper.needs.command(dump_path)}" if dump_path \
+            where = (
+                f"dump written to {dump_path}. Replay it with: {self.dumper.needs.command(dump_path)}"
+                if dump_path
                 else f"NO dump was written: {dump_error}. "
-            raise TrainingFaultError(f"step {incident.step}: {trigger.message}; {where}", trigger, dump_path,
-                                     dump_error)
+            )
+            raise TrainingFaultError(
+                f"step {incident.step}: {trigger.message}; {where}", trigger, dump_path, dump_error
+            )
         return policy is not Policy.SKIP
 
     # -- adapter hooks (docs/ARCHITECTURE.md, "Adapter hooks") ------------------------------------
@@ -232,8 +282,14 @@ class Guard:
             self.judge_pending()  # collective the other ranks would not enter) the step before failed first
         try:
             incident = exceptions.raised_incident(
-                exc, self.recorder.current, step=self.step, last_step=self.last_step, stopped=self.stopped,
-                optimizer_steps=self.optimizer_steps, state=self.state)
+                exc,
+                self.recorder.current,
+                step=self.step,
+                last_step=self.last_step,
+                stopped=self.stopped,
+                optimizer_steps=self.optimizer_steps,
+                state=self.state,
+            )
             path, error = self.dumper.dump(incident) if incident is not None else (None, None)
             if error:
                 log.error("forensics: no dump of the step that raised: %s", error)

@@ -13,22 +13,63 @@ capture and replay share (format/, report/, kinds, errors, trigger, rng, recipes
 
 from __future__ import annotations
 
-from forensics.errors import (CaptureError, DumpCorruptError, DumpError, DumpNotFoundError, ForensicsError,
-                              NotADumpError, RecipeError, ReplayError, TrainingFaultError,
-                              UnsupportedVersionError)
+from forensics.errors import (
+    CaptureError,
+    DumpCorruptError,
+    DumpError,
+    DumpNotFoundError,
+    ForensicsError,
+    NotADumpError,
+    RecipeError,
+    ReplayError,
+    TrainingFaultError,
+    UnsupportedVersionError,
+)
 from forensics.lazy import lazy_exports
 
 __all__ = [
-    "CaptureError", "DetectionConfig", "DumpConfig", "DumpCorruptError", "DumpError", "DumpNotFoundError",
-    "ForensicsError", "Guard", "GuardConfig", "IndexedDataset", "NotADumpError", "PrecursorConfig", "RecipeError",
-    "RecordConfig", "ReplayError", "SpikeConfig", "TrainingFaultError", "UnsupportedVersionError", "open_dump",
-    "pack_dump", "replay_dump", "verify_dump",
+    "CaptureError",
+    "DetectionConfig",
+    "DumpConfig",
+    "DumpCorruptError",
+    "DumpError",
+    "DumpNotFoundError",
+    "ForensicsError",
+    "Guard",
+    "GuardConfig",
+    "IndexedDataset",
+    "NotADumpError",
+    "PrecursorConfig",
+    "RecipeError",
+    "RecordConfig",
+    "ReplayError",
+    "SpikeConfig",
+    "TrainingFaultError",
+    "UnsupportedVersionError",
+    "open_dump",
+    "pack_dump",
+    "replay_dump",
+    "verify_dump",
 ]
 
 # Lazy so that `import forensics` in a job does not import replay, and the CLI starts fast.
-__getattr__ = lazy_exports(__name__, {
-    **dict.fromkeys(("Guard", "GuardConfig", "DetectionConfig", "DumpConfig", "RecordConfig", "SpikeConfig",
-                     "PrecursorConfig", "IndexedDataset"), "capture"),
-    **dict.fromkeys(("open_dump", "pack_dump", "verify_dump"), "forensics.format"),
-    "replay_dump": "replay.engine:run_replay",
-})
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        **dict.fromkeys(
+            (
+                "Guard",
+                "GuardConfig",
+                "DetectionConfig",
+                "DumpConfig",
+                "RecordConfig",
+                "SpikeConfig",
+                "PrecursorConfig",
+                "IndexedDataset",
+            ),
+            "capture",
+        ),
+        **dict.fromkeys(("open_dump", "pack_dump", "verify_dump"), "forensics.format"),
+        "replay_dump": "replay.engine:run_replay",
+    },
+)

@@ -61,8 +61,9 @@ class Listed:
         return asdict(self)
 
 
-def list_dumps(root: str | os.PathLike, *, verify: bool = False,
-               reports: str | os.PathLike = REPORTS_DIR) -> tuple[list[Listed], list[Path]]:
+def list_dumps(
+    root: str | os.PathLike, *, verify: bool = False, reports: str | os.PathLike = REPORTS_DIR
+) -> tuple[list[Listed], list[Path]]:
     """Lists the step dumps under `root` (a dump directory, a run directory or a step directory).
 
     Args:
@@ -76,8 +77,14 @@ def list_dumps(root: str | os.PathLike, *, verify: bool = False,
 
     root = Path(root)
     manifests = [root / spec.MANIFEST] if (root / spec.MANIFEST).is_file() else root.rglob(spec.MANIFEST)
-    steps = sorted({m.parent.parent if m.parent.name.startswith("rank-") and m.parent.parent.name.startswith("step-")
-                    else m.parent for m in manifests})
+    steps = sorted(
+        {
+            m.parent.parent
+            if m.parent.name.startswith("rank-") and m.parent.parent.name.startswith("step-")
+            else m.parent
+            for m in manifests
+        }
+    )
     rows = []
     for step_dir in steps:
         row = Listed(path=str(step_dir))
@@ -138,8 +145,9 @@ def note_report(dump_path: str | os.PathLike | None, rank: int, report_json: str
         return
     line = json.dumps({"rank": int(rank), "report": str(Path(report_json).resolve())}) + "\n"
     try:  # never through a link, never into anything but a plain file (the step directory comes with the dump)
-        fd = os.open(step_dir / REPLAYS_NOTE, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK,
-                     0o666)  # O_NONBLOCK: a FIFO there fails at once instead of waiting for a reader
+        fd = os.open(
+            step_dir / REPLAYS_NOTE, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666
+        )  # O_NONBLOCK: a FIFO there fails at once instead of waiting for a reader
         with os.fdopen(fd, "a", encoding="utf-8") as f:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise OSError(f"{REPLAYS_NOTE} is not a plain file")
@@ -171,8 +179,9 @@ def _noted(step_dir: Path) -> str | None:
     return None
 
 
-def _report_for(reports: Path, run_id: str | None, step: int | None, ranks: list[int],
-                step_dir: Path | None = None) -> str | None:
+def _report_for(
+    reports: Path, run_id: str | None, step: int | None, ranks: list[int], step_dir: Path | None = None
+) -> str | None:
     if step_dir is not None:
         noted = _noted(step_dir) or next((str(p) for p in sorted(step_dir.glob("report-rank*/report.json"))), None)
         if noted:

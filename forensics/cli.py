@@ -54,14 +54,29 @@ def _fail(exc: Exception) -> BadInput:
 def archive_options(command):
     """--max-unpacked-gb / --max-unpack-ratio / --max-members: the limits for unpacking a .tar.zst DUMP."""
     defaults = ArchiveLimits()
-    command = click.option("--max-members", type=click.IntRange(1), default=defaults.max_members, show_default=True,
-                           help="Archive DUMP: most files it may hold.")(command)
-    command = click.option("--max-unpack-ratio", type=click.FloatRange(min=1.0, max=1e9), default=defaults.max_ratio,
-                           show_default=True, callback=_finite, help="Archive DUMP: most unpacked bytes per packed "
-                           "byte (beyond the first GiB).")(command)
-    return click.option("--max-unpacked-gb", type=click.FloatRange(min=0.001, max=float(1 << 30)),
-                        default=defaults.max_bytes / (1 << 30), show_default=True, callback=_finite,
-                        help="Archive DUMP: most bytes it may unpack to.")(command)
+    command = click.option(
+        "--max-members",
+        type=click.IntRange(1),
+        default=defaults.max_members,
+        show_default=True,
+        help="Archive DUMP: most files it may hold.",
+    )(command)
+    command = click.option(
+        "--max-unpack-ratio",
+        type=click.FloatRange(min=1.0, max=1e9),
+        default=defaults.max_ratio,
+        show_default=True,
+        callback=_finite,
+        help="Archive DUMP: most unpacked bytes per packed byte (beyond the first GiB).",
+    )(command)
+    return click.option(
+        "--max-unpacked-gb",
+        type=click.FloatRange(min=0.001, max=float(1 << 30)),
+        default=defaults.max_bytes / (1 << 30),
+        show_default=True,
+        callback=_finite,
+        help="Archive DUMP: most bytes it may unpack to.",
+    )(command)
 
 
 def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
@@ -73,9 +88,14 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 
 def shards_option(command):
     """--shards DIR: other nodes' directories holding rank dumps of a sharded dump's step."""
-    return click.option("--shards", "shard_dirs", multiple=True, type=click.Path(path_type=Path),
-                        help="Sharded dump written on several nodes: another node's dump_dir (or run / step "
-                             "directory) holding the other ranks' dumps of this step. Repeatable.")(command)
+    return click.option(
+        "--shards",
+        "shard_dirs",
+        multiple=True,
+        type=click.Path(path_type=Path),
+        help="Sharded dump written on several nodes: another node's dump_dir (or run / step "
+        "directory) holding the other ranks' dumps of this step. Repeatable.",
+    )(command)
 
 
 def _json_object(ctx: click.Context, param: click.Parameter, value: str | None) -> dict | None:
@@ -94,31 +114,53 @@ def _json_object(ctx: click.Context, param: click.Parameter, value: str | None) 
 def recipe_options(command):
     """--trust / --factory / --loss / --path / --factory-kwargs / --loss-kwargs: what replay may import to rebuild
     the model and loss, and with what arguments."""
-    command = click.option("--path", "sys_path", multiple=True, type=click.Path(path_type=Path),
-                           help="Directory to put in front of sys.path for --factory / --loss (repeatable). The "
-                                "job's own directories, recorded in the dump, are used only with --trust.")(command)
-    command = click.option("--loss-kwargs", default=None, metavar="JSON", callback=_json_object,
-                           help="Keyword arguments for the loss, instead of the recorded ones (kept otherwise, also "
-                                "with --loss, unless they are a built-in recipe's).")(command)
-    command = click.option("--factory-kwargs", default=None, metavar="JSON", callback=_json_object,
-                           help="Keyword arguments for the model factory, instead of the recorded ones (kept "
-                                "otherwise, also with --factory, unless they are a built-in recipe's).")(command)
-    command = click.option("--loss", "loss_fn", default=None, metavar="MODULE:FN",
-                           help="Loss function (model, batch) -> loss.")(command)
-    command = click.option("--factory", default=None, metavar="MODULE:FN",
-                           help="Model factory to use instead of the dump's.")(command)
-    return click.option("--trust", is_flag=True, help="Run code the dump names: import the model factory, loss, "
-                        "optimizer class and data recipe it names, or define them from the training script it holds "
-                        "(the script's imports, decorators, default values and class bodies run). Modules they "
-                        "import that are neither in the standard library nor installed are then also looked up, "
-                        "last, in the job's script and working directories recorded in the dump (`forensics "
-                        "inspect` shows them). Without it, only forensics' own recipes and the code you name with "
-                        "--factory / --loss run.")(command)
+    command = click.option(
+        "--path",
+        "sys_path",
+        multiple=True,
+        type=click.Path(path_type=Path),
+        help="Directory to put in front of sys.path for --factory / --loss (repeatable). The "
+        "job's own directories, recorded in the dump, are used only with --trust.",
+    )(command)
+    command = click.option(
+        "--loss-kwargs",
+        default=None,
+        metavar="JSON",
+        callback=_json_object,
+        help="Keyword arguments for the loss, instead of the recorded ones (kept otherwise, also "
+        "with --loss, unless they are a built-in recipe's).",
+    )(command)
+    command = click.option(
+        "--factory-kwargs",
+        default=None,
+        metavar="JSON",
+        callback=_json_object,
+        help="Keyword arguments for the model factory, instead of the recorded ones (kept "
+        "otherwise, also with --factory, unless they are a built-in recipe's).",
+    )(command)
+    command = click.option(
+        "--loss", "loss_fn", default=None, metavar="MODULE:FN", help="Loss function (model, batch) -> loss."
+    )(command)
+    command = click.option(
+        "--factory", default=None, metavar="MODULE:FN", help="Model factory to use instead of the dump's."
+    )(command)
+    return click.option(
+        "--trust",
+        is_flag=True,
+        help="Run code the dump names: import the model factory, loss, "
+        "optimizer class and data recipe it names, or define them from the training script it holds "
+        "(the script's imports, decorators, default values and class bodies run). Modules they "
+        "import that are neither in the standard library nor installed are then also looked up, "
+        "last, in the job's script and working directories recorded in the dump (`forensics "
+        "inspect` shows them). Without it, only forensics' own recipes and the code you name with "
+        "--factory / --loss run.",
+    )(command)
 
 
 def _limits(max_unpacked_gb: float, max_unpack_ratio: float, max_members: int) -> ArchiveLimits:
-    return ArchiveLimits(max_bytes=int(max_unpacked_gb * (1 << 30)), max_ratio=max_unpack_ratio,
-                         max_members=max_members)
+    return ArchiveLimits(
+        max_bytes=int(max_unpacked_gb * (1 << 30)), max_ratio=max_unpack_ratio, max_members=max_members
+    )
 
 
 def _refuse_writing_into(dump: Path, outputs: dict[str, Path]) -> None:
@@ -127,16 +169,27 @@ def _refuse_writing_into(dump: Path, outputs: dict[str, Path]) -> None:
     from forensics.format import spec
 
     root = (dump.parent if dump.name == spec.MANIFEST else dump).resolve()
-    ranks = [root] if (root / spec.MANIFEST).is_file() or not root.is_dir() else \
-        [p.resolve() for p in root.iterdir() if p.name.startswith("rank-")]
+    ranks = (
+        [root]
+        if (root / spec.MANIFEST).is_file() or not root.is_dir()
+        else [p.resolve() for p in root.iterdir() if p.name.startswith("rank-")]
+    )
     for option, output in outputs.items():
         target = output.resolve()
         if target == root and root not in ranks:
-            raise BadInput(clean(f"{option} {output} is the dump's step directory itself; choose a directory of "
-                                 f"its own (the default is report-rank<R> inside it)"))
+            raise BadInput(
+                clean(
+                    f"{option} {output} is the dump's step directory itself; choose a directory of "
+                    f"its own (the default is report-rank<R> inside it)"
+                )
+            )
         if any(target == rank or rank in target.parents for rank in ranks):
-            raise BadInput(clean(f"the report would be written into the dump ({option} {output} is inside {dump}); "
-                                 f"choose another {option}"))
+            raise BadInput(
+                clean(
+                    f"the report would be written into the dump ({option} {output} is inside {dump}); "
+                    f"choose another {option}"
+                )
+            )
 
 
 def _refuse_unwritable(outputs: dict[str, Path]) -> None:
@@ -162,8 +215,9 @@ def _refuse_unwritable(outputs: dict[str, Path]) -> None:
                 first.rmdir()
         except OSError as exc:
             where = exc.filename or existing
-            raise BadInput(clean(f"{option} {output} cannot be written ({exc.strerror or exc}: {where}); choose a "
-                                 "writable path")) from None
+            raise BadInput(
+                clean(f"{option} {output} cannot be written ({exc.strerror or exc}: {where}); choose a writable path")
+            ) from None
 
 
 def _report_dir(report: Report) -> Path:
@@ -271,15 +325,22 @@ def verify(dump: Path, shard_dirs: tuple[Path, ...], **limits) -> None:
         click.echo(clean(f"PROBLEM {problem}"), err=True)
     if result.only_ranks_missing:
         present = sorted(d.rank for d in result.dumps)
-        raise BadInput(f"{dump} lacks the dumps of rank(s) {result.missing_ranks} (their micro-batches are lost), but "
-                       f"its state is whole: replay rank(s) {present} (forensics replay {dump} --rank R)")
+        raise BadInput(
+            f"{dump} lacks the dumps of rank(s) {result.missing_ranks} (their micro-batches are lost), but "
+            f"its state is whole: replay rank(s) {present} (forensics replay {dump} --rank R)"
+        )
     raise BadInput(f"{dump} failed verification ({len(result.problems)} problem(s)); do not trust it for replay")
 
 
 @main.command()
 @click.argument("dump", type=click.Path(path_type=Path))
-@click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
-              help="Archive path (default: DUMP.tar.zst next to it).")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Archive path (default: DUMP.tar.zst next to it).",
+)
 def pack(dump: Path, output: Path | None) -> None:
     """Pack a dump directory into one .tar.zst to attach to job artifacts (every command reads it)."""
     from forensics.format import pack_dump
@@ -292,10 +353,17 @@ def pack(dump: Path, output: Path | None) -> None:
 
 
 @main.command(name="list")
-@click.argument("directory", type=click.Path(path_type=Path, exists=True, file_okay=False), default=Path("forensics_dumps"))
+@click.argument(
+    "directory", type=click.Path(path_type=Path, exists=True, file_okay=False), default=Path("forensics_dumps")
+)
 @click.option("--verify", "check", is_flag=True, help="Also check every file's size and sha256 (reads everything).")
-@click.option("--reports", type=click.Path(path_type=Path), default=Path(REPORTS_DIR), show_default=True,
-              help="Where `forensics replay` wrote its reports (to tell which dumps were replayed).")
+@click.option(
+    "--reports",
+    type=click.Path(path_type=Path),
+    default=Path(REPORTS_DIR),
+    show_default=True,
+    help="Where `forensics replay` wrote its reports (to tell which dumps were replayed).",
+)
 @click.option("--clean-stale", is_flag=True, help="Remove the unfinished .tmp-* dumps of writers that are gone.")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 def list_command(directory: Path, check: bool, reports: Path, clean_stale: bool, as_json: bool) -> None:
@@ -325,8 +393,12 @@ def list_command(directory: Path, check: bool, reports: Path, clean_stale: bool,
             continue
         ranks = f"{len(r.ranks)}/{r.world_size}"
         verified = "-" if r.verified is None else "yes" if r.verified else "NO"
-        click.echo(clean(f"{(r.run_id or '?')[:28]:<28} {r.step:>9}  {r.trigger or '?':<16} {ranks:<9} "
-                         f"{fmt_size(r.bytes):>9}  {verified:<8} {'yes' if r.report else 'no':<8} {r.path}"))
+        click.echo(
+            clean(
+                f"{(r.run_id or '?')[:28]:<28} {r.step:>9}  {r.trigger or '?':<16} {ranks:<9} "
+                f"{fmt_size(r.bytes):>9}  {verified:<8} {'yes' if r.report else 'no':<8} {r.path}"
+            )
+        )
         if r.report:
             click.echo(clean(f"    report: {r.report}"))
     for path in stale:
@@ -338,10 +410,22 @@ def _upload_report(tracker: str, report: Report, files: dict, tensorboard_dir: P
 
     d, verdict = report.dump, report.verdict
     run = d.run_id if safe_name(d.run_id) else "run"
-    summary = {"run_id": run, "step": d.step, "rank": d.rank, "verdict": verdict.kind,
-               "headline": verdict.headline, "exit_code": replay_exit_code(report)}
-    return upload(tracker, [Path(p) for p in files.values()], f"{run}-step{d.step}-rank{d.rank}-report",
-                  "report", summary, tensorboard_dir)
+    summary = {
+        "run_id": run,
+        "step": d.step,
+        "rank": d.rank,
+        "verdict": verdict.kind,
+        "headline": verdict.headline,
+        "exit_code": replay_exit_code(report),
+    }
+    return upload(
+        tracker,
+        [Path(p) for p in files.values()],
+        f"{run}-step{d.step}-rank{d.rank}-report",
+        "report",
+        summary,
+        tensorboard_dir,
+    )
 
 
 def _size(ctx: click.Context, param: click.Parameter, text: str | None) -> int | None:
@@ -367,39 +451,107 @@ def _progress(stage: str) -> None:
 @click.option("--rank", type=int, default=None, help="Which rank of a multi-rank step dump to replay.")
 @click.option("--all-ranks", is_flag=True, help="Replay every rank present, one after another.")
 @recipe_options
-@click.option("-o", "--out", type=click.Path(path_type=Path), default=None,
-              help="Report directory (default: report-rank<R> in the dump's step directory, beside the rank "
-                   "directories; ./forensics_reports/<run>-step<N>-rank<R> for an archive).")
-@click.option("--blocklist", type=click.Path(path_type=Path), default=None,
-              help="Where to write the culprit sample IDs, one JSON value per line (default: blocklist.jsonl "
-                   "next to the report, whenever the verdict names culprit samples).")
-@click.option("--from", "from_checkpoint", type=click.Path(path_type=Path), default=None,
-              help="Window replay: an earlier checkpoint (forensics dump, HF/Accelerate checkpoint directory, "
-                   ".safetensors, or a weights-only torch.save file); re-executes the recorded steps from it to find "
-                   "the step that broke the weights. Needs the dump's data recipe (--trust).")
-@click.option("--from-step", type=click.IntRange(min=0), default=None,
-              help="With --from: the step the checkpoint was taken before (default: what it says).")
-@click.option("--no-window", is_flag=True, help="A dump holding the Guard's host snapshot (snapshot_every): analyse "
-              "the dumped step only, without re-executing the recorded steps from the snapshot.")
+@click.option(
+    "-o",
+    "--out",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Report directory (default: report-rank<R> in the dump's step directory, beside the rank "
+    "directories; ./forensics_reports/<run>-step<N>-rank<R> for an archive).",
+)
+@click.option(
+    "--blocklist",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Where to write the culprit sample IDs, one JSON value per line (default: blocklist.jsonl "
+    "next to the report, whenever the verdict names culprit samples).",
+)
+@click.option(
+    "--from",
+    "from_checkpoint",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Window replay: an earlier checkpoint (forensics dump, HF/Accelerate checkpoint directory, "
+    ".safetensors, or a weights-only torch.save file); re-executes the recorded steps from it to find "
+    "the step that broke the weights. Needs the dump's data recipe (--trust).",
+)
+@click.option(
+    "--from-step",
+    type=click.IntRange(min=0),
+    default=None,
+    help="With --from: the step the checkpoint was taken before (default: what it says).",
+)
+@click.option(
+    "--no-window",
+    is_flag=True,
+    help="A dump holding the Guard's host snapshot (snapshot_every): analyse "
+    "the dumped step only, without re-executing the recorded steps from the snapshot.",
+)
 @click.option("--no-bisect", is_flag=True, help="Skip the sample bisection.")
-@click.option("--no-remedies", is_flag=True, help="Skip trying fixes on the step (drop samples, eps, fp32, "
-              "loss scale, clip, lower LR, skip).")
-@click.option("--no-rng-check", is_flag=True, help="Skip the re-runs with other seeds that tell whether the "
-              "failure needs the recorded random state (e.g. one dropout mask).")
-@click.option("--memory-budget", "--gpu-memory", "memory_budget", default=None, metavar="SIZE", callback=_size,
-              help="Memory the replay may use on its device (the CPU too), e.g. 16GiB: a state that does not fit is "
-                   "streamed block by block from the dump (automatic on a GPU it does not fit). --gpu-memory is the "
-                   "same option under its earlier name.")
+@click.option(
+    "--no-remedies",
+    is_flag=True,
+    help="Skip trying fixes on the step (drop samples, eps, fp32, loss scale, clip, lower LR, skip).",
+)
+@click.option(
+    "--no-rng-check",
+    is_flag=True,
+    help="Skip the re-runs with other seeds that tell whether the "
+    "failure needs the recorded random state (e.g. one dropout mask).",
+)
+@click.option(
+    "--memory-budget",
+    "--gpu-memory",
+    "memory_budget",
+    default=None,
+    metavar="SIZE",
+    callback=_size,
+    help="Memory the replay may use on its device (the CPU too), e.g. 16GiB: a state that does not fit is "
+    "streamed block by block from the dump (automatic on a GPU it does not fit). --gpu-memory is the "
+    "same option under its earlier name.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print report.json to stdout.")
-@click.option("--upload", "trackers", multiple=True, type=click.Choice(Tracker.values()),
-              help="Also send the report to this tracker's run (WANDB_RUN_ID / MLFLOW_RUN_ID name it; repeatable).")
-@click.option("--tensorboard-dir", type=click.Path(path_type=Path), default=None,
-              help="TensorBoard log directory for --upload tensorboard.")
+@click.option(
+    "--upload",
+    "trackers",
+    multiple=True,
+    type=click.Choice(Tracker.values()),
+    help="Also send the report to this tracker's run (WANDB_RUN_ID / MLFLOW_RUN_ID name it; repeatable).",
+)
+@click.option(
+    "--tensorboard-dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="TensorBoard log directory for --upload tensorboard.",
+)
 @archive_options
 @shards_option
-def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_path, factory_kwargs, loss_kwargs, out,
-           blocklist, from_checkpoint, from_step, no_window, no_bisect, no_remedies, no_rng_check, memory_budget, as_json,
-           trackers, tensorboard_dir, shard_dirs, **limits) -> None:
+def replay(
+    dump: Path,
+    device,
+    rank,
+    all_ranks,
+    trust,
+    factory,
+    loss_fn,
+    sys_path,
+    factory_kwargs,
+    loss_kwargs,
+    out,
+    blocklist,
+    from_checkpoint,
+    from_step,
+    no_window,
+    no_bisect,
+    no_remedies,
+    no_rng_check,
+    memory_budget,
+    as_json,
+    trackers,
+    tensorboard_dir,
+    shard_dirs,
+    **limits,
+) -> None:
     """Replay the failing step of DUMP offline, localise it, bisect the samples, print the verdict."""
     from forensics.gc_pause import gc_paused
 
@@ -418,14 +570,25 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
         ranks = [d.rank for d in open_step(dump, archive_limits)[0]] if all_ranks else [rank]
         codes = []
         for chosen_rank in ranks:
-            options = ReplayOptions(device=device, trust=trust, factory=factory, loss=loss_fn,
-                                    sys_path=[str(p) for p in sys_path], factory_kwargs=factory_kwargs,
-                                    loss_kwargs=loss_kwargs, rank=chosen_rank, bisect=not no_bisect,
-                                    rng_check=not no_rng_check, remedies=not no_remedies,
-                                    from_checkpoint=str(from_checkpoint) if from_checkpoint else None,
-                                    from_step=from_step, window=not no_window,
-                                    archive_limits=archive_limits, memory_budget=memory_budget,
-                                    shard_dirs=[str(d) for d in shard_dirs])
+            options = ReplayOptions(
+                device=device,
+                trust=trust,
+                factory=factory,
+                loss=loss_fn,
+                sys_path=[str(p) for p in sys_path],
+                factory_kwargs=factory_kwargs,
+                loss_kwargs=loss_kwargs,
+                rank=chosen_rank,
+                bisect=not no_bisect,
+                rng_check=not no_rng_check,
+                remedies=not no_remedies,
+                from_checkpoint=str(from_checkpoint) if from_checkpoint else None,
+                from_step=from_step,
+                window=not no_window,
+                archive_limits=archive_limits,
+                memory_budget=memory_budget,
+                shard_dirs=[str(d) for d in shard_dirs],
+            )
             report = parse_report(run_replay(dump, options, progress=_progress))
             rank = report.dump.rank or 0  # a replayed dump names its rank
             target = out or default_report_dir(report.dump.path, rank) or _report_dir(report)
@@ -435,8 +598,9 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
             note_report(report.dump.path, rank, files["json"])
             culprits = blocklist_ids(report)  # never IDs made up from positions
             if blocklist or culprits:  # the verdict's "blocklist.jsonl lists the culprits" is always true
-                files["blocklist"] = write_blocklist(report, blocklist or target / BLOCKLIST_NAME,
-                                                     append=bool(blocklist) and chosen_rank != ranks[0])
+                files["blocklist"] = write_blocklist(
+                    report, blocklist or target / BLOCKLIST_NAME, append=bool(blocklist) and chosen_rank != ranks[0]
+                )
             for tracker in trackers:
                 click.echo(f"uploaded: {_upload_report(tracker, report, files, tensorboard_dir)}", err=True)
             if as_json:
@@ -455,10 +619,16 @@ def replay(dump: Path, device, rank, all_ranks, trust, factory, loss_fn, sys_pat
 @click.option("--device", default="cpu", show_default=True, help="cuda:0, cpu, ...: where the step is re-run.")
 @click.option("--rank", type=int, default=None, help="Which rank of a multi-rank step dump.")
 @recipe_options
-@click.option("--report", "report_dir", type=click.Path(path_type=Path), default=None,
-              help="A report directory of this dump (forensics replay -o): its report links the scripts.")
-def repro(dump: Path, out: Path, device, rank, trust, factory, loss_fn, sys_path, factory_kwargs, loss_kwargs,
-          report_dir) -> None:
+@click.option(
+    "--report",
+    "report_dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="A report directory of this dump (forensics replay -o): its report links the scripts.",
+)
+def repro(
+    dump: Path, out: Path, device, rank, trust, factory, loss_fn, sys_path, factory_kwargs, loss_kwargs, report_dir
+) -> None:
     """Write a standalone reproduction of DUMP's failure into OUT: op_repro.py (the first non-finite op on its
     exact, shrunk inputs; needs only torch) and model_repro.py (the culprit sample through the dumped weights;
     needs the model code). Each fails with an AssertionError while the bug is there."""
@@ -467,9 +637,18 @@ def repro(dump: Path, out: Path, device, rank, trust, factory, loss_fn, sys_path
     _refuse_writing_into(dump, {"-o": out})
     _refuse_unwritable({"-o": out})
     try:
-        result = write_repro(dump, out, device=device, trust=trust, factory=factory, loss=loss_fn,
-                             sys_path=[str(p) for p in sys_path], rank=rank, factory_kwargs=factory_kwargs,
-                             loss_kwargs=loss_kwargs)
+        result = write_repro(
+            dump,
+            out,
+            device=device,
+            trust=trust,
+            factory=factory,
+            loss=loss_fn,
+            sys_path=[str(p) for p in sys_path],
+            rank=rank,
+            factory_kwargs=factory_kwargs,
+            loss_kwargs=loss_kwargs,
+        )
         if report_dir is not None:
             link_report(report_dir, result)
     except (ForensicsError, OSError) as exc:
@@ -492,10 +671,21 @@ class _DemoCommand(click.Command):
 
 
 @main.command(cls=_DemoCommand)
-@click.option("--scenario", type=click.Choice(SCENARIO_NAMES), default="bad_sample", show_default=True,
-              help="The planted fault (each is described under Scenarios above).")
-@click.option("-o", "--out", type=click.Path(path_type=Path), default=Path(tempfile.gettempdir()) / "forensics_demo",
-              show_default=True, help="Where the demo writes its dump and report (outside your repository).")
+@click.option(
+    "--scenario",
+    type=click.Choice(SCENARIO_NAMES),
+    default="bad_sample",
+    show_default=True,
+    help="The planted fault (each is described under Scenarios above).",
+)
+@click.option(
+    "-o",
+    "--out",
+    type=click.Path(path_type=Path),
+    default=Path(tempfile.gettempdir()) / "forensics_demo",
+    show_default=True,
+    help="Where the demo writes its dump and report (outside your repository).",
+)
 @click.option("--device", default=None, help="cuda:0, cpu, ... (default: CUDA when present).")
 def demo(scenario: str, out: Path, device: str | None) -> None:
     """Train a small GPT-style model with a planted fault, capture it, replay it, print the verdict."""

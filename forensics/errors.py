@@ -100,4 +100,4 @@ def is_out_of_memory(type_name: str | None, message: str | None) -> bool:
 def cut_text(text: object, limit: int = 200) -> str:
     """`str(text)` cut to `limit` characters ("..." at the end) for an error message."""
     text = str(text)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -40,12 +40,12 @@ from forensics.kinds import PrecursorRule, PrecursorStatistic
 
 FP16_MAX = 65504.0
 BF16_LOGIT_LIMIT = 256.0
-HEADROOM = 0.5       # fraction of the limit that fires at once
-TREND_SAMPLES = 16   # sampled values the slope is taken over (128 steps at PrecursorConfig.every = 8)
+HEADROOM = 0.5  # fraction of the limit that fires at once
+TREND_SAMPLES = 16  # sampled values the slope is taken over (128 steps at PrecursorConfig.every = 8)
 MIN_TREND_SAMPLES = 6  # fewer: no forecast (48 steps at every = 8)
-HORIZON = 200        # steps: a forecast that reaches the limit within this many steps fires
-STEADY = 0.75        # share of pairwise slopes that must be positive: a noisy series forecasts nothing
-FLOOR = 1 / 16       # the value must be at least this fraction of the limit before a forecast may fire
+HORIZON = 200  # steps: a forecast that reaches the limit within this many steps fires
+STEADY = 0.75  # share of pairwise slopes that must be positive: a noisy series forecasts nothing
+FLOOR = 1 / 16  # the value must be at least this fraction of the limit before a forecast may fire
 
 LIMITED = (PrecursorStatistic.BLOCK_ABSMAX, PrecursorStatistic.ATTENTION_LOGIT, PrecursorStatistic.OUTPUT_LOGIT)
 """The statistics whose overflow breaks the forward (block RMS follows abs-max; the gradient and optimizer statistics
@@ -86,7 +86,7 @@ def limit_of(statistic: PrecursorStatistic, dtype: str | None, head_dim: int | N
 
 def theil_sen(points: list[tuple[int, float]]) -> tuple[float, float] | None:
     """(median pairwise slope, share of positive pairwise slopes) of (x, y) points; None under 2 distinct x."""
-    slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(points) for x2, y2 in points[i + 1:] if x2 != x1]
+    slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(points) for x2, y2 in points[i + 1 :] if x2 != x1]
     if not slopes:
         return None
     slopes.sort()
@@ -159,10 +159,14 @@ def percent_of(value: float, limit: float) -> str:
 def describe_alarm(alarm: Alarm, what: str) -> str:
     """One plain sentence for an alarm of `what` ('the attention-logit bound of `transformer.h.0`')."""
     if alarm.rule is PrecursorRule.NONFINITE:
-        return (f"{what} overflowed ({alarm.limit.words}) on a step whose loss was still finite: the forward "
-                "already makes Inf/NaN somewhere that a later op hides")
+        return (
+            f"{what} overflowed ({alarm.limit.words}) on a step whose loss was still finite: the forward "
+            "already makes Inf/NaN somewhere that a later op hides"
+        )
     share = percent_of(alarm.value, alarm.limit.value)
     if alarm.rule is PrecursorRule.HEADROOM:
         return f"{what} reached {alarm.value:.4g}, {share} of {alarm.limit.words}"
-    return (f"{what} grew {alarm.growth:.2g}x over the last {alarm.span} steps to {alarm.value:.4g} ({share} of "
-            f"{alarm.limit.words}); at that rate it reaches the limit in ~{alarm.steps_left:.0f} steps")
+    return (
+        f"{what} grew {alarm.growth:.2g}x over the last {alarm.span} steps to {alarm.value:.4g} ({share} of "
+        f"{alarm.limit.words}); at that rate it reaches the limit in ~{alarm.steps_left:.0f} steps"
+    )

@@ -42,8 +42,7 @@ class _Kind(str, enum.Enum):
         except ValueError:
             if default is not None:
                 return default
-            raise ValueError(f"unknown {cls.__name__} {value!r}; expected one of "
-                             f"{', '.join(cls.values())}") from None
+            raise ValueError(f"unknown {cls.__name__} {value!r}; expected one of {', '.join(cls.values())}") from None
 
 
 class ExitCode(enum.IntEnum):
@@ -188,13 +187,16 @@ class TriggerKind(_Kind):
 
 
 _TRIGGER_PROPS = {
-    TriggerKind.NONFINITE_LOSS: _TriggerProps(False, False, "non-finite loss", "the loss non-finite",
-                                              ReplayedQuantity.MICRO_BATCH_LOSS),
-    TriggerKind.NONFINITE_GRAD: _TriggerProps(False, True, "non-finite gradient", "the gradients non-finite",
-                                              ReplayedQuantity.GRAD_NORM),
+    TriggerKind.NONFINITE_LOSS: _TriggerProps(
+        False, False, "non-finite loss", "the loss non-finite", ReplayedQuantity.MICRO_BATCH_LOSS
+    ),
+    TriggerKind.NONFINITE_GRAD: _TriggerProps(
+        False, True, "non-finite gradient", "the gradients non-finite", ReplayedQuantity.GRAD_NORM
+    ),
     TriggerKind.LOSS_SPIKE: _TriggerProps(True, False, "loss spike", "the loss spike", ReplayedQuantity.STEP_LOSS),
-    TriggerKind.GRAD_NORM_SPIKE: _TriggerProps(True, True, "gradient-norm spike", "the gradient norm spike",
-                                               ReplayedQuantity.GRAD_NORM),
+    TriggerKind.GRAD_NORM_SPIKE: _TriggerProps(
+        True, True, "gradient-norm spike", "the gradient norm spike", ReplayedQuantity.GRAD_NORM
+    ),
     TriggerKind.NONFINITE_PARAM: _TriggerProps(False, True, "non-finite weights", "the weights non-finite", None),
     TriggerKind.EXCEPTION: _TriggerProps(False, True, "exception", "the step raise", ReplayedQuantity.EXCEPTION),
     TriggerKind.PRECURSOR: _TriggerProps(False, True, "instability precursor", "a layer's statistics grow", None),
@@ -237,22 +239,32 @@ class PrecursorStatistic(_Kind):
 
 _STATISTIC_PROPS = {
     PrecursorStatistic.BLOCK_RMS: _StatisticProps(
-        "block output RMS", True, "lower the learning rate or lengthen the warm-up; add or check the block's norm"),
+        "block output RMS", True, "lower the learning rate or lengthen the warm-up; add or check the block's norm"
+    ),
     PrecursorStatistic.BLOCK_ABSMAX: _StatisticProps(
-        "block output abs-max", True, "lower the learning rate; look for outlier features (clip activations, "
-                                      "check the norm's epsilon)"),
+        "block output abs-max",
+        True,
+        "lower the learning rate; look for outlier features (clip activations, check the norm's epsilon)",
+    ),
     PrecursorStatistic.ATTENTION_LOGIT: _StatisticProps(
-        "attention-logit bound (max |q|·|k|/√d)", True, "add QK-norm (normalise queries and keys), or lower the "
-                                                       "learning rate of the attention projections"),
+        "attention-logit bound (max |q|·|k|/√d)",
+        True,
+        "add QK-norm (normalise queries and keys), or lower the learning rate of the attention projections",
+    ),
     PrecursorStatistic.OUTPUT_LOGIT: _StatisticProps(
-        "output-logit abs-max", True, "add a z-loss (1e-4 · logsumexp²) so the output logits stop drifting"),
+        "output-logit abs-max", True, "add a z-loss (1e-4 · logsumexp²) so the output logits stop drifting"
+    ),
     PrecursorStatistic.GRAD_NORM: _StatisticProps(
-        "gradient norm", True, "lower the learning rate, lengthen the warm-up, or clip gradients"),
+        "gradient norm", True, "lower the learning rate, lengthen the warm-up, or clip gradients"
+    ),
     PrecursorStatistic.UPDATE_RATIO: _StatisticProps(
-        "update/weight ratio", True, "lower the learning rate (the layer moves a growing fraction of itself per step)"),
+        "update/weight ratio", True, "lower the learning rate (the layer moves a growing fraction of itself per step)"
+    ),
     PrecursorStatistic.ADAM_V_FLOOR: _StatisticProps(
-        "Adam second-moment floor (min exp_avg_sq)", False, "raise Adam's eps (e.g. 1e-8 -> 1e-6) so tiny second "
-                                                            "moments cannot make updates jump"),
+        "Adam second-moment floor (min exp_avg_sq)",
+        False,
+        "raise Adam's eps (e.g. 1e-8 -> 1e-6) so tiny second moments cannot make updates jump",
+    ),
 }
 
 
@@ -322,8 +334,12 @@ class Phase(_Kind):
         return _PHASE_WORDS[self]
 
 
-_PHASE_WORDS = {Phase.FORWARD: "the forward pass", Phase.BACKWARD: "the backward pass",
-                Phase.OPTIMIZER: "the optimizer update", Phase.BETWEEN_STEPS: "between steps (data loading or user code)"}
+_PHASE_WORDS = {
+    Phase.FORWARD: "the forward pass",
+    Phase.BACKWARD: "the backward pass",
+    Phase.OPTIMIZER: "the optimizer update",
+    Phase.BETWEEN_STEPS: "between steps (data loading or user code)",
+}
 
 
 class StateHolds(_Kind):
@@ -451,18 +467,32 @@ class HistoryPattern(_Kind):
 _PATTERN_PROPS = {
     HistoryPattern.SUDDEN_JUMP: _PatternProps("sudden jump", "usually one bad sample, or a numerical overflow"),
     HistoryPattern.EXPONENTIAL_GROWTH: _PatternProps(
-        "exponential growth", "usually a learning rate too high, an accumulation bug, or momentum"),
+        "exponential growth", "usually a learning rate too high, an accumulation bug, or momentum"
+    ),
     HistoryPattern.OSCILLATING_DIVERGENCE: _PatternProps(
-        "oscillating divergence", "usually corrupted optimizer state or a batch distribution shift"),
+        "oscillating divergence", "usually corrupted optimizer state or a batch distribution shift"
+    ),
     HistoryPattern.DIVERGED: _PatternProps(
         "diverged: the loss sits far above where the run started",
-        "usually a learning rate too high or a warm-up too short"),
+        "usually a learning rate too high or a warm-up too short",
+    ),
     HistoryPattern.STABLE: _PatternProps("stable until the failure", "the failing step is an outlier"),
     HistoryPattern.INSUFFICIENT_HISTORY: _PatternProps("too little history to tell", ""),
 }
 
-__all__ = ["EvidenceKind", "ExitCode", "FidelityMode", "HistoryPattern", "Phase", "Policy", "PrecursorStatistic", "ReplayedQuantity",
-           "Tracker", "TriggerKind", "VerdictKind"]
+__all__ = [
+    "EvidenceKind",
+    "ExitCode",
+    "FidelityMode",
+    "HistoryPattern",
+    "Phase",
+    "Policy",
+    "PrecursorStatistic",
+    "ReplayedQuantity",
+    "Tracker",
+    "TriggerKind",
+    "VerdictKind",
+]
 
 
 @dataclass(frozen=True)

@@ -26,11 +26,15 @@ TORCHTITAN_LOSS = BUILTIN_PREFIX + "torchtitan_loss"
 # A static list: what is allowed never depends on which modules happen to be imported.
 # tests/forensics/test_demo.py checks that the demo entries name real functions of forensics.demo.models.
 DEMO_MODELS = "forensics.demo.models"
-BUILTIN_RECIPES: frozenset[str] = frozenset({
-    DEFAULT_LOSS, HUGGINGFACE_FACTORY, TORCHTITAN_FACTORY, TORCHTITAN_LOSS,
-    *(f"{DEMO_MODELS}:{name}" for name in (
-        "adapter_lm", "sensor_classifier", "gated_lm", "quality_weighted_loss")),
-})
+BUILTIN_RECIPES: frozenset[str] = frozenset(
+    {
+        DEFAULT_LOSS,
+        HUGGINGFACE_FACTORY,
+        TORCHTITAN_FACTORY,
+        TORCHTITAN_LOSS,
+        *(f"{DEMO_MODELS}:{name}" for name in ("adapter_lm", "sensor_classifier", "gated_lm", "quality_weighted_loss")),
+    }
+)
 
 
 def is_builtin(import_path: str | None) -> bool:
@@ -52,15 +56,18 @@ def check_no_remote_code(config: Any, where: str = "config", depth: int = 0) -> 
     """Raises RecipeError when a recorded Hugging Face config asks for code from outside transformers: a Hub kernel as
     its attention implementation, remote code (`auto_map`, `trust_remote_code`), at any level of nesting."""
     if depth > MAX_CONFIG_DEPTH:
-        raise RecipeError(f"the dump's model {where} nests deeper than {MAX_CONFIG_DEPTH} levels; it is not a "
-                          "transformers config")
+        raise RecipeError(
+            f"the dump's model {where} nests deeper than {MAX_CONFIG_DEPTH} levels; it is not a transformers config"
+        )
     if isinstance(config, dict):
         for key, value in config.items():
             field = f"{where}.{clean(str(key), 60)}"
             if key in REMOTE_CODE_KEYS and value:
-                raise RecipeError(f"the dump's model {field} asks transformers to load code from outside the package "
-                                  "(remote code); forensics' built-in recipe never does. Replay with your own "
-                                  "--factory module:fn if you need that model class")
+                raise RecipeError(
+                    f"the dump's model {field} asks transformers to load code from outside the package "
+                    "(remote code); forensics' built-in recipe never does. Replay with your own "
+                    "--factory module:fn if you need that model class"
+                )
             if key in ATTN_KEYS and value is not None:
                 check_attn_implementation(value, field)
             check_no_remote_code(value, field, depth + 1)
@@ -72,14 +79,17 @@ def check_no_remote_code(config: Any, where: str = "config", depth: int = 0) -> 
 def check_attn_implementation(value: Any, where: str = "attn_implementation") -> None:
     """A plain attention implementation name, never a Hub kernel ("org/repo:kernel") nor anything else."""
     if not (isinstance(value, str) and ATTN_NAME.fullmatch(value)):
-        raise RecipeError(f"the dump's {where} {clean(repr(value), 80)} is not a plain attention implementation "
-                          "name (eager, sdpa, flash_attention_2 ...); a name like 'org/repo' would make transformers "
-                          "download and run a kernel from the Hub, which a replay never does. Pass "
-                          "--factory-kwargs '{...\"attn_implementation\": \"eager\"}' or your own --factory")
+        raise RecipeError(
+            f"the dump's {where} {clean(repr(value), 80)} is not a plain attention implementation "
+            "name (eager, sdpa, flash_attention_2 ...); a name like 'org/repo' would make transformers "
+            "download and run a kernel from the Hub, which a replay never does. Pass "
+            '--factory-kwargs \'{..."attn_implementation": "eager"}\' or your own --factory'
+        )
 
 
-def huggingface_model(architecture: str, config: dict, attn_implementation: str | None = None,
-                      dtype: str | None = None) -> torch.nn.Module:
+def huggingface_model(
+    architecture: str, config: dict, attn_implementation: str | None = None, dtype: str | None = None
+) -> torch.nn.Module:
     """Builds a transformers model of class `architecture` from a config dict (random init, no download).
 
     Only classes exported by the `transformers` package itself are accepted, and nothing from elsewhere is ever
@@ -132,7 +142,9 @@ def default_loss(model: torch.nn.Module, batch: Any, ignore_keys: tuple | list =
 
     try:
         if isinstance(batch, dict):
-            output = model(**{k: v for k, v in batch.items() if k not in ignore_keys and not isinstance(v, Unreplayable)})
+            output = model(
+                **{k: v for k, v in batch.items() if k not in ignore_keys and not isinstance(v, Unreplayable)}
+            )
         elif isinstance(batch, (list, tuple)):
             output = model(*batch)
         else:
@@ -140,15 +152,19 @@ def default_loss(model: torch.nn.Module, batch: Any, ignore_keys: tuple | list =
     except TypeError as exc:
         if "argument" not in str(exc):  # a TypeError inside the forward is the model's own
             raise
-        raise RecipeError(f"the default loss calls the model with the batch, and {type(model).__name__} does not "
-                          f"take it ({exc}); pass --loss module:fn, a function (model, batch) -> loss "
-                          "(or record loss_fn= in the job)") from exc
+        raise RecipeError(
+            f"the default loss calls the model with the batch, and {type(model).__name__} does not "
+            f"take it ({exc}); pass --loss module:fn, a function (model, batch) -> loss "
+            "(or record loss_fn= in the job)"
+        ) from exc
     if isinstance(output, torch.Tensor) and output.dim() == 0:
         return output
     loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
     if loss is None:
-        raise RecipeError("the model output has no .loss and is not a scalar; pass a loss function "
-                          "(loss_fn= in capture, --loss module:fn in replay)")
+        raise RecipeError(
+            "the model output has no .loss and is not a scalar; pass a loss function "
+            "(loss_fn= in capture, --loss module:fn in replay)"
+        )
     return loss
 
 
@@ -191,8 +207,10 @@ def torchtitan_model(model: str, model_args: dict) -> torch.nn.Module:
     import importlib
 
     if not (isinstance(model, str) and model in TORCHTITAN_MODELS):
-        raise RecipeError(f"{clean(repr(model), 60)} is not one of torchtitan's model families "
-                          f"({', '.join(sorted(TORCHTITAN_MODELS))}); pass your own --factory")
+        raise RecipeError(
+            f"{clean(repr(model), 60)} is not one of torchtitan's model families "
+            f"({', '.join(sorted(TORCHTITAN_MODELS))}); pass your own --factory"
+        )
     if not isinstance(model_args, dict):
         raise RecipeError("the dump's torchtitan recipe has no model_args dict")
     spec = importlib.import_module(f"torchtitan.models.{model}").get_train_spec()
@@ -228,8 +246,12 @@ def torchtitan_recipe(model: torch.nn.Module, model_args: Any) -> dict | None:
     family = parts[2] if len(parts) > 2 and parts[:2] == ["torchtitan", "models"] else None
     if family not in TORCHTITAN_MODELS or not dataclasses.is_dataclass(model_args) or isinstance(model_args, type):
         return None
-    return {"factory": TORCHTITAN_FACTORY, "loss": TORCHTITAN_LOSS, "loss_kwargs": {},
-            "factory_kwargs": {"model": family, "model_args": dataclasses.asdict(model_args)}}
+    return {
+        "factory": TORCHTITAN_FACTORY,
+        "loss": TORCHTITAN_LOSS,
+        "loss_kwargs": {},
+        "factory_kwargs": {"model": family, "model_args": dataclasses.asdict(model_args)},
+    }
 
 
 def torchtitan_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:

@@ -29,15 +29,22 @@ class RngState:
     def to_parts(self, prefix: str) -> tuple[dict, dict[str, torch.Tensor]]:
         """Splits into a JSON-able dict and tensors keyed under `prefix` (docs/DUMP_FORMAT.md)."""
         version, internal, gauss = self.python
-        meta: dict[str, Any] = {"python": [version, list(internal), gauss], "cuda_devices": len(self.cuda),
-                                "numpy": None}
+        meta: dict[str, Any] = {
+            "python": [version, list(internal), gauss],
+            "cuda_devices": len(self.cuda),
+            "numpy": None,
+        }
         tensors = {f"{prefix}/torch_cpu": self.torch_cpu}
         for device, state in enumerate(self.cuda):
             tensors[f"{prefix}/cuda/{device}"] = state
         if self.numpy is not None:
             name, keys, pos, has_gauss, cached = self.numpy
-            meta["numpy"] = {"name": name, "pos": int(pos), "has_gauss": int(has_gauss),
-                             "cached_gaussian": float(cached)}
+            meta["numpy"] = {
+                "name": name,
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached_gaussian": float(cached),
+            }
             tensors[f"{prefix}/numpy_keys"] = torch.from_numpy(keys.astype("uint32").view("int32").copy())
         return meta, tensors
 
@@ -53,8 +60,12 @@ class RngState:
         if not isinstance(devices, int) or not 0 <= devices <= MAX_CUDA_DEVICES:
             raise ValueError(f"cuda_devices must be an integer in [0, {MAX_CUDA_DEVICES}], got {devices!r}")
         cuda = [tensors[f"{prefix}/cuda/{d}"] for d in range(devices)]
-        state = cls(python=(version, tuple(internal), gauss), torch_cpu=tensors[f"{prefix}/torch_cpu"],
-                    cuda=cuda, numpy=numpy_state)
+        state = cls(
+            python=(version, tuple(internal), gauss),
+            torch_cpu=tensors[f"{prefix}/torch_cpu"],
+            cuda=cuda,
+            numpy=numpy_state,
+        )
         state.validate()
         return state
 
@@ -110,8 +121,13 @@ class RngCapture:
             python = random.getstate()
         numpy_state = None
         numpy_raw = thirdparty.numpy_mt19937_raw(thirdparty.numpy_global_bit_generator()) if np is not None else None
-        if last is not None and last.numpy is not None and numpy_raw is not None and numpy_raw == self._numpy_raw \
-                and not last.numpy[3]:  # has_gauss: a cached Gaussian may be gone with the same raw bytes
+        if (
+            last is not None
+            and last.numpy is not None
+            and numpy_raw is not None
+            and numpy_raw == self._numpy_raw
+            and not last.numpy[3]
+        ):  # has_gauss: a cached Gaussian may be gone with the same raw bytes
             numpy_state = last.numpy
         else:
             numpy_state = _numpy_state()
@@ -140,8 +156,9 @@ def restore_rng(state: RngState, source_device: int | None = None, target_device
         torch.cuda.set_rng_state(state.cuda[captured], device)
 
 
-def cuda_rng_targets(captured: int, devices_here: int, source_device: int | None = None,
-                     target_device: int | None = None) -> list[tuple[int, int]]:
+def cuda_rng_targets(
+    captured: int, devices_here: int, source_device: int | None = None, target_device: int | None = None
+) -> list[tuple[int, int]]:
     """Which captured CUDA state `restore_rng` puts onto which device here: (captured index, device) pairs.
 
     Args:

@@ -7,8 +7,22 @@ import re
 
 from forensics.errors import cut_text
 
-_UNITS = {"": 1, "b": 1, "k": 10 ** 3, "kb": 10 ** 3, "kib": 1 << 10, "m": 10 ** 6, "mb": 10 ** 6, "mib": 1 << 20,
-          "g": 10 ** 9, "gb": 10 ** 9, "gib": 1 << 30, "t": 10 ** 12, "tb": 10 ** 12, "tib": 1 << 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 1 << 10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 1 << 20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 1 << 30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 1 << 40,
+}
 
 
 MAX_SIZE = float(1 << 60)
@@ -16,7 +30,7 @@ MAX_SIZE = float(1 << 60)
 
 
 def parse_bytes(text: str) -> int:
-    """"16GiB" -> 17179869184; "16GB" / "16G" are powers of ten; a bare number is bytes.
+    """ "16GiB" -> 17179869184; "16GB" / "16G" are powers of ten; a bare number is bytes.
 
     Raises:
         ValueError: not a positive size.

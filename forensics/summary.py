@@ -107,23 +107,41 @@ def dump_summary(dump: Dump, missing_ranks: list[int], path: str | None = None) 
     `path`: what to call the dump (the archive the user named, not its temporary unpacked directory). `damaged`:
     listed files missing or of another size, and headers that break the rules replay applies (no file is hashed)."""
     history = dump.history()
-    tail = {key: history.get(key, [])[-HISTORY_AROUND_TRIGGER:] for key in ("step", "loss", "grad_norm", "lr",
-                                                                             "loss_scale", "skipped")}
+    tail = {
+        key: history.get(key, [])[-HISTORY_AROUND_TRIGGER:]
+        for key in ("step", "loss", "grad_norm", "lr", "loss_scale", "skipped")
+    }
     m = dump.manifest
-    return DumpSummary.parse({
-        "path": path or str(dump.path), "run_id": m["run_id"], "step": dump.step, "rank": dump.rank,
-        "world_size": dump.world_size, "missing_ranks": missing_ranks, "trigger": dump.trigger.as_dict(),
-        "micro_batches": [{k: mb.get(k) for k in ("index", "sample_ids", "batch_size", "loss", "unreplayable")}
-                          for mb in dump.micro_batches_meta],
-        "precision": dump.precision, "recipe": dump.recipe, "recheck": m.get("recheck"),
-        "history_tail": tail, "total_bytes": dump.total_size(),
-        "files": m["files"], "environment": m.get("environment", {}),
-        "format_version": m["format_version"], "created_at": m["created_at"],
-        "state": _state_summary(m),
-        "window": m.get("window"), "data_recipe": m.get("data_recipe"), "snapshot_step": dump.snapshot_step,
-        "state_missing": dump.state_missing,
-        "damaged": [clean(problem) for problem in dump.size_mismatches() + dump.structure_problems()],
-    })
+    return DumpSummary.parse(
+        {
+            "path": path or str(dump.path),
+            "run_id": m["run_id"],
+            "step": dump.step,
+            "rank": dump.rank,
+            "world_size": dump.world_size,
+            "missing_ranks": missing_ranks,
+            "trigger": dump.trigger.as_dict(),
+            "micro_batches": [
+                {k: mb.get(k) for k in ("index", "sample_ids", "batch_size", "loss", "unreplayable")}
+                for mb in dump.micro_batches_meta
+            ],
+            "precision": dump.precision,
+            "recipe": dump.recipe,
+            "recheck": m.get("recheck"),
+            "history_tail": tail,
+            "total_bytes": dump.total_size(),
+            "files": m["files"],
+            "environment": m.get("environment", {}),
+            "format_version": m["format_version"],
+            "created_at": m["created_at"],
+            "state": _state_summary(m),
+            "window": m.get("window"),
+            "data_recipe": m.get("data_recipe"),
+            "snapshot_step": dump.snapshot_step,
+            "state_missing": dump.state_missing,
+            "damaged": [clean(problem) for problem in dump.size_mismatches() + dump.structure_problems()],
+        }
+    )
 
 
 def _state_summary(manifest: dict) -> dict:
@@ -140,8 +158,10 @@ def _state_summary(manifest: dict) -> dict:
 def render_damage(summary: DumpSummary | Mapping) -> list[str]:
     """The `DAMAGED:` lines of `forensics inspect` (it prints them on stderr and exits 2)."""
     summary = _parsed(summary)
-    return [clean(f"DAMAGED: {problem} — `forensics verify` checks every file; replay refuses a damaged essential file")
-            for problem in summary.damaged or []]
+    return [
+        clean(f"DAMAGED: {problem} — `forensics verify` checks every file; replay refuses a damaged essential file")
+        for problem in summary.damaged or []
+    ]
 
 
 def _parsed(summary: DumpSummary | Mapping) -> DumpSummary:
@@ -179,8 +199,9 @@ def render_summary(summary: DumpSummary | Mapping) -> str:
     for row in zip(*(tail[c] for c in columns)):
         lines.append("    " + "  ".join(f"{fmt_num(v, 6):>10}" for v in row))
     precision, autocast, env, recipe = s.precision, s.precision.autocast, s.environment, s.recipe
-    gpus = ", ".join(f"{g.get('name')} ({g.get('sm_count')} SMs)" for g in env.gpus or []
-                     if isinstance(g, dict)) or "none"
+    gpus = (
+        ", ".join(f"{g.get('name')} ({g.get('sm_count')} SMs)" for g in env.gpus or [] if isinstance(g, dict)) or "none"
+    )
     lines += [
         "",
         f"  precision: params {precision.param_dtype}, autocast "
@@ -197,26 +218,37 @@ def render_summary(summary: DumpSummary | Mapping) -> str:
     ]
     state = s.state or StateFacts.parse({})
     if state.layout == StateLayout.SHARDED:
-        lines.append(f"  state: sharded — this rank holds {state.parts_here} parts of the {state.tensors} tensors "
-                     "of the state; replay and verify read the step's other rank dumps too (--shards DIR for "
-                     "other nodes')")
+        lines.append(
+            f"  state: sharded — this rank holds {state.parts_here} parts of the {state.tensors} tensors "
+            "of the state; replay and verify read the step's other rank dumps too (--shards DIR for "
+            "other nodes')"
+        )
         if state.copies_of:
             ranks = ", ".join(str(r) for r in state.copies_of)
-            lines.append(f"  buddy copies: the parts of rank(s) {ranks} too (GuardConfig.dumping.shard_replicas), used where "
-                         "their own dumps are missing")
+            lines.append(
+                f"  buddy copies: the parts of rank(s) {ranks} too (GuardConfig.dumping.shard_replicas), used where "
+                "their own dumps are missing"
+            )
     window = s.window
     if window:
         data = s.data_recipe.dataset if s.data_recipe else None
-        lines.append(f"  flight recorder: steps {window.first_step}..{window.last_step} "
-                     f"({window.steps} steps); data recipe: {data or 'none (window replay needs one)'}")
+        lines.append(
+            f"  flight recorder: steps {window.first_step}..{window.last_step} "
+            f"({window.steps} steps); data recipe: {data or 'none (window replay needs one)'}"
+        )
     if s.state_missing:
-        lines.append(f"  pre-step state: MISSING ({s.state_missing}); replay re-executes up to the step from "
-                     "the host snapshot or --from CHECKPOINT")
+        lines.append(
+            f"  pre-step state: MISSING ({s.state_missing}); replay re-executes up to the step from "
+            "the host snapshot or --from CHECKPOINT"
+        )
     if s.snapshot_step is not None:
-        lines.append(f"  host snapshot: the state before step {s.snapshot_step} (window replay starts there "
-                     "with --trust)")
+        lines.append(
+            f"  host snapshot: the state before step {s.snapshot_step} (window replay starts there with --trust)"
+        )
     recheck = s.recheck
     if recheck and recheck.performed:
-        lines.append(f"  in-job re-check: {'reproduced' if recheck.reproduced else 'NOT reproduced'} "
-                     f"(original {fmt_num(recheck.original, 6)}, recomputed {fmt_num(recheck.recomputed, 6)})")
+        lines.append(
+            f"  in-job re-check: {'reproduced' if recheck.reproduced else 'NOT reproduced'} "
+            f"(original {fmt_num(recheck.original, 6)}, recomputed {fmt_num(recheck.recomputed, 6)})"
+        )
     return "\n".join(clean(line) for line in lines)  # every value from the dump is shown escaped

@@ -189,8 +189,7 @@ def optimizer_honours_found_inf(optimizer: Any) -> bool:
 
     torch >= 2.0: `Optimizer._step_supports_amp_scaling`, set in the instance by a fused optimizer's __init__; checked
     on torch 2.13 (CPU)."""
-    return bool(vars(optimizer).get("_step_supports_amp_scaling", False)) if hasattr(optimizer, "__dict__") \
-        else False
+    return bool(vars(optimizer).get("_step_supports_amp_scaling", False)) if hasattr(optimizer, "__dict__") else False
 
 
 def grad_scaler_scale(scaler: Any) -> torch.Tensor | None:
@@ -331,15 +330,19 @@ def zero3_master_partitions(optimizer: Any) -> list[torch.Tensor]:
     return list(getattr(optimizer, "fp32_partitioned_groups_flat", []))
 
 
-def fp16_optimizer_masters(optimizer: Any) -> tuple[list[list[Any]], list[list[torch.Tensor]] | None,
-                                                    list[torch.Tensor] | None]:
+def fp16_optimizer_masters(
+    optimizer: Any,
+) -> tuple[list[list[Any]], list[list[torch.Tensor]] | None, list[torch.Tensor] | None]:
     """ZeRO-0 with bf16 / fp16: (the low-precision parameter groups, the unfused wrapper's fp32 master per parameter,
     the fused wrapper's flat fp32 master per group, laid out in parameter order); the masters not kept are None.
 
     deepspeed >= 0.10: `fp16_groups`, `fp32_groups` (FP16_UnfusedOptimizer), `fp32_groups_flat` (FP16_Optimizer);
     checked on deepspeed 0.19.8."""
-    return (list(getattr(optimizer, "fp16_groups", None) or []), getattr(optimizer, "fp32_groups", None) or None,
-            getattr(optimizer, "fp32_groups_flat", None) or None)
+    return (
+        list(getattr(optimizer, "fp16_groups", None) or []),
+        getattr(optimizer, "fp32_groups", None) or None,
+        getattr(optimizer, "fp32_groups_flat", None) or None,
+    )
 
 
 def loss_scale(optimizer: Any) -> float:
@@ -473,7 +476,8 @@ def python_random_raw(generator: random.Random) -> bytes | None:
         internal = generator.getstate()[1]
         words = internal[:MT_WORDS]
         _raw_layout_ok[kind] = len(internal) == MT_WORDS + 1 and raw == (
-            int(internal[MT_WORDS]).to_bytes(4, sys.byteorder, signed=True) + array.array("I", words).tobytes())
+            int(internal[MT_WORDS]).to_bytes(4, sys.byteorder, signed=True) + array.array("I", words).tobytes()
+        )
         return raw if _raw_layout_ok[kind] else None
     return raw
 
@@ -496,12 +500,49 @@ def set_attn_implementation(config: Any, value: str) -> None:
     config._attn_implementation = value
 
 
-__all__ = ["attn_implementation", "call_before", "compiled_original", "deterministic_setter", "dtensor_local_box",
-           "foreach_copy", "foreach_max", "foreach_mul_", "foreach_neg_", "foreach_norm", "foreach_reciprocal_",
-           "foreach_sqrt", "foreach_sub_", "fp16_optimizer_masters", "fsdp_mixed_precision", "full_shape",
-           "grad_scaler_scale", "is_persistent_buffer", "loss_scale", "loss_scaler", "numpy_global_bit_generator",
-           "numpy_mt19937_raw", "op_schema", "optimizer_honours_found_inf", "own_buffers", "put_buffer",
-           "put_parameter", "python_random_raw", "set_attn_implementation", "tensor_version", "TorchDispatchMode",
-           "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "zero3_master_partitions", "zero3_partition",
-           "zero3_partitioned", "zero_dp_group", "zero_fragment", "zero_gradient_partitions", "zero_linked",
-           "zero_master_partition", "zero_param_groups"]
+__all__ = [
+    "attn_implementation",
+    "call_before",
+    "compiled_original",
+    "deterministic_setter",
+    "dtensor_local_box",
+    "foreach_copy",
+    "foreach_max",
+    "foreach_mul_",
+    "foreach_neg_",
+    "foreach_norm",
+    "foreach_reciprocal_",
+    "foreach_sqrt",
+    "foreach_sub_",
+    "fp16_optimizer_masters",
+    "fsdp_mixed_precision",
+    "full_shape",
+    "grad_scaler_scale",
+    "is_persistent_buffer",
+    "loss_scale",
+    "loss_scaler",
+    "numpy_global_bit_generator",
+    "numpy_mt19937_raw",
+    "op_schema",
+    "optimizer_honours_found_inf",
+    "own_buffers",
+    "put_buffer",
+    "put_parameter",
+    "python_random_raw",
+    "set_attn_implementation",
+    "tensor_version",
+    "TorchDispatchMode",
+    "tree_flatten",
+    "tree_leaves",
+    "tree_map",
+    "tree_unflatten",
+    "zero3_master_partitions",
+    "zero3_partition",
+    "zero3_partitioned",
+    "zero_dp_group",
+    "zero_fragment",
+    "zero_gradient_partitions",
+    "zero_linked",
+    "zero_master_partition",
+    "zero_param_groups",
+]

@@ -34,8 +34,9 @@ class Excursion:
 class RobustTrend:
     """One statistic's baseline (running median / MAD of its healthy log-values) and its excursion in progress."""
 
-    def __init__(self, window: int, warmup: int, sustained: int, z_threshold: float, min_growth: float,
-                 rising: bool = True):
+    def __init__(
+        self, window: int, warmup: int, sustained: int, z_threshold: float, min_growth: float, rising: bool = True
+    ):
         self.window, self.warmup, self.sustained, self.seen = window, warmup, sustained, 0
         self.z_threshold, self.min_log_growth = z_threshold, math.log(min_growth)
         self.sign = 1.0 if rising else -1.0

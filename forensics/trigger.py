@@ -44,20 +44,33 @@ class Trigger:
         return detail_words(self.detail, self.micro_batch)
 
     def as_dict(self) -> dict:
-        stored = {"kind": self.kind.value, "value": self.value, "threshold": self.threshold,
-                  "micro_batch": self.micro_batch, "detail": self.detail, "local": self.local}
+        stored = {
+            "kind": self.kind.value,
+            "value": self.value,
+            "threshold": self.threshold,
+            "micro_batch": self.micro_batch,
+            "detail": self.detail,
+            "local": self.local,
+        }
         return stored if self.update_change is None else {**stored, "update_change": self.update_change}
 
     def __getitem__(self, key: str) -> Any:
         """The stored form's `key` (`dump.trigger["kind"]`), as when Dump.trigger was a dict. Deprecated."""
-        warnings.warn("Dump.trigger is a forensics.trigger.Trigger: read trigger.kind, trigger.value ... instead of "
-                      "trigger['kind']", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "Dump.trigger is a forensics.trigger.Trigger: read trigger.kind, trigger.value ... instead of "
+            "trigger['kind']",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return self.as_dict()[key]
 
     def get(self, key: str, default: Any = None) -> Any:
         """The stored form's `key`, or `default` (dict-era spelling; deprecated like `trigger[key]`)."""
-        warnings.warn("Dump.trigger is a forensics.trigger.Trigger: read its attributes instead of trigger.get(key)",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "Dump.trigger is a forensics.trigger.Trigger: read its attributes instead of trigger.get(key)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return self.as_dict().get(key, default)
 
     @classmethod
@@ -71,11 +84,15 @@ class Trigger:
         """
         data = data if isinstance(data, Mapping) else {}
         index = data.get("micro_batch")
-        return cls(TriggerKind.parse(data.get("kind") or TriggerKind.NONFINITE_LOSS), lenient_float(data.get("value")),
-                   lenient_float(data.get("threshold")),
-                   index if isinstance(index, int) and not isinstance(index, bool) else None,
-                   str(data.get("detail") or ""), data.get("local", True) is not False,
-                   lenient_float(data.get("update_change")))
+        return cls(
+            TriggerKind.parse(data.get("kind") or TriggerKind.NONFINITE_LOSS),
+            lenient_float(data.get("value")),
+            lenient_float(data.get("threshold")),
+            index if isinstance(index, int) and not isinstance(index, bool) else None,
+            str(data.get("detail") or ""),
+            data.get("local", True) is not False,
+            lenient_float(data.get("update_change")),
+        )
 
 
 def detail_words(detail: Any, micro_batch: Any) -> str:
@@ -89,7 +106,8 @@ def detail_words(detail: Any, micro_batch: Any) -> str:
     if not isinstance(micro_batch, int) or isinstance(micro_batch, bool):
         return detail
     return DETAIL_MICRO_BATCH.sub(
-        lambda m: f"micro-batch {micro_batch + 1}" if int(m.group(1)) == micro_batch else m.group(0), detail)
+        lambda m: f"micro-batch {micro_batch + 1}" if int(m.group(1)) == micro_batch else m.group(0), detail
+    )
 
 
 def trigger_detail(trigger: Mapping | Trigger) -> str:
@@ -97,4 +115,3 @@ def trigger_detail(trigger: Mapping | Trigger) -> str:
     if isinstance(trigger, Trigger):
         return trigger.message
     return detail_words(trigger.get("detail"), trigger.get("micro_batch"))
-

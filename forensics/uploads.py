@@ -29,8 +29,14 @@ class UploadError(ForensicsError):
     """A tracker is not installed, has no run to log to, or refused the upload."""
 
 
-def upload(tracker: str, files: list[Path], name: str, kind: str, summary: dict,
-           tensorboard_dir: str | os.PathLike | None = None) -> str:
+def upload(
+    tracker: str,
+    files: list[Path],
+    name: str,
+    kind: str,
+    summary: dict,
+    tensorboard_dir: str | os.PathLike | None = None,
+) -> str:
     """Sends `files` to `tracker` under `name`; returns where they went (for the log).
 
     Args:
@@ -43,8 +49,11 @@ def upload(tracker: str, files: list[Path], name: str, kind: str, summary: dict,
     Raises:
         UploadError: with what to do (install the extra, open a run ...).
     """
-    senders: dict[Tracker, Callable[..., str]] = {Tracker.WANDB: _wandb, Tracker.MLFLOW: _mlflow,
-                                                  Tracker.TENSORBOARD: _tensorboard}
+    senders: dict[Tracker, Callable[..., str]] = {
+        Tracker.WANDB: _wandb,
+        Tracker.MLFLOW: _mlflow,
+        Tracker.TENSORBOARD: _tensorboard,
+    }
     try:
         known = Tracker.parse(tracker)
     except ValueError:
@@ -64,8 +73,10 @@ def _wandb(files: list[Path], name: str, kind: str, summary: dict, _tb) -> str:
     run = wandb.run
     if run is None:
         if not os.environ.get("WANDB_RUN_ID"):
-            raise UploadError("no W&B run to upload to: call wandb.init() in the job, or set WANDB_RUN_ID "
-                              "(and WANDB_PROJECT) to attach to an existing run")
+            raise UploadError(
+                "no W&B run to upload to: call wandb.init() in the job, or set WANDB_RUN_ID "
+                "(and WANDB_PROJECT) to attach to an existing run"
+            )
         run = wandb.init(resume="allow")
     artifact = wandb.Artifact(f"forensics-{name}", type=f"forensics-{kind}", metadata=summary)
     for path in files:
@@ -80,8 +91,10 @@ def _mlflow(files: list[Path], name: str, kind: str, summary: dict, _tb) -> str:
     run = mlflow.active_run()
     if run is None:
         if not os.environ.get("MLFLOW_RUN_ID"):
-            raise UploadError("no MLflow run to upload to: call mlflow.start_run() in the job, or set "
-                              "MLFLOW_RUN_ID to attach to an existing run")
+            raise UploadError(
+                "no MLflow run to upload to: call mlflow.start_run() in the job, or set "
+                "MLFLOW_RUN_ID to attach to an existing run"
+            )
         run, started = mlflow.start_run(), True
     try:
         for path in files:

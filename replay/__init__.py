@@ -23,10 +23,15 @@ from __future__ import annotations
 from forensics.lazy import lazy_exports
 
 _EXPORTS = {
-    "run_replay": "replay.engine", "run_session": "replay.engine", "ReplayOptions": "replay.engine",
-    "load_session": "replay.load.session", "session_from_objects": "replay.load.session",
+    "run_replay": "replay.engine",
+    "run_session": "replay.engine",
+    "ReplayOptions": "replay.engine",
+    "load_session": "replay.load.session",
+    "session_from_objects": "replay.load.session",
     "ReplaySession": "replay.load.session",
-    "StepRunner": "replay.run.execute", "StepResult": "replay.run.execute", "SampleRef": "replay.run.execute",
+    "StepRunner": "replay.run.execute",
+    "StepResult": "replay.run.execute",
+    "SampleRef": "replay.run.execute",
     "reproduce": "replay.run.execute",
 }
 

@@ -47,11 +47,23 @@ from replay.localize.update import per_layer_stats
 from replay.localize.weights import corrupted_weights, samples_touching_embeddings
 from replay.run.execute import StepRunner
 from replay.run.streamed_runner import StreamedStepRunner, expected_passes, runner_for
-from replay.stages import (CONFIRM_ROUNDS, Progress, stage, weigh_evidence, largest_gradient, reproduce_step, localise, bisect_samples, input_field, per_sample_rows, uniform_loss, history_finding)
+from replay.stages import (
+    CONFIRM_ROUNDS,
+    Progress,
+    stage,
+    weigh_evidence,
+    largest_gradient,
+    reproduce_step,
+    localise,
+    bisect_samples,
+    input_field,
+    per_sample_rows,
+    uniform_loss,
+    history_finding,
+)
 from replay.run.window import Checkpoint, data_recipe, dump_snapshot, load_checkpoint, replay_window, window_block
 
 logger = logging.getLogger(__name__)
-
 
 
 @dataclass
@@ -112,7 +124,9 @@ class ReplayOptions:
 
     def __post_init__(self):
         if self.memory_budget is not None and self.memory_budget <= 0:
-            raise ValueError(f"ReplayOptions.memory_budget must be a positive number of bytes, got {self.memory_budget}")
+            raise ValueError(
+                f"ReplayOptions.memory_budget must be a positive number of bytes, got {self.memory_budget}"
+            )
         if self.max_attempts < 1:
             raise ValueError(f"ReplayOptions.max_attempts must be >= 1, got {self.max_attempts}")
         if self.max_per_sample < 0:
@@ -145,8 +159,7 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
     else:
         path = str(dump_or_path)
         stage(progress, f"opening {path}")
-        dump = open_dump(dump_or_path, rank=options.rank, limits=options.archive_limits,
-                         shard_dirs=options.shard_dirs)
+        dump = open_dump(dump_or_path, rank=options.rank, limits=options.archive_limits, shard_dirs=options.shard_dirs)
     stage(progress, "verifying every file the dump lists")
     damaged = set_aside_damaged(dump)  # a damaged essential file ends the replay here (DumpCorruptError)
     missing = list(dump.manifest.get("missing_ranks") or [])
@@ -156,43 +169,66 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
     if dump.sharded:  # the ranks beside it and in --shards directories all count
         dump.shards  # noqa: B018 - refuses an incomplete sharded dump now, naming what is missing
         missing = sorted(set(range(dump.world_size)) - {dump.rank, *(d.rank for d in dump.peers())})
-    dump_info = {"path": path, "run_id": dump.manifest.get("run_id"), "step": dump.step, "rank": dump.rank,
-                 "world_size": dump.world_size, "missing_ranks": missing,
-                 "num_micro_batches": max(dump.num_micro_batches, step_micro_batches(dump.manifest)), "damaged": [d.as_dict() for d in damaged]}
+    dump_info = {
+        "path": path,
+        "run_id": dump.manifest.get("run_id"),
+        "step": dump.step,
+        "rank": dump.rank,
+        "world_size": dump.world_size,
+        "missing_ranks": missing,
+        "num_micro_batches": max(dump.num_micro_batches, step_micro_batches(dump.manifest)),
+        "damaged": [d.as_dict() for d in damaged],
+    }
     if raised_between_steps(dump.manifest):  # the loop's own code raised: no model step to replay
         stage(progress, "the exception was raised between steps: nothing to replay")
         return _checked(dump, between_steps_report(dump, dump_info, history_finding(dump.history()), started))
     if dump.num_micro_batches == 0:
-        raise DumpError(f"{path or 'the dump'} records no micro-batch, so there is no step to replay; the loop "
-                        "called check() without record_batch() (see README: the four calls)")
+        raise DumpError(
+            f"{path or 'the dump'} records no micro-batch, so there is no step to replay; the loop "
+            "called check() without record_batch() (see README: the four calls)"
+        )
     if dump.trigger.kind is TriggerKind.PRECURSOR:
         stage(progress, "a precursor dump (a healthy step): ranking the statistics that grew")
         return _checked(dump, precursor_report(dump, dump_info, history_finding(dump.history()), started))
     options = _off_the_gpu_after_a_cuda_error(dump, options, progress)
     with deterministic_mode(dump.manifest.get("determinism")):
-        stage(progress, f"loading model and step {dump.step} (rank {dump.rank}) on "
-                         f"{options.device or 'the default device'}")
+        stage(
+            progress,
+            f"loading model and step {dump.step} (rank {dump.rank}) on {options.device or 'the default device'}",
+        )
         try:
-            checkpoint, unused = (load_checkpoint(options.from_checkpoint), None) if options.from_checkpoint \
+            checkpoint, unused = (
+                (load_checkpoint(options.from_checkpoint), None)
+                if options.from_checkpoint
                 else dump_snapshot(dump, options.window or bool(dump.state_missing), options.trust)
+            )
             session = _load(dump, options, weights=not (dump.state_missing and checkpoint is not None))
             if session.stream is not None and checkpoint is not None:
-                raise ReplayError("a window replay (--from, or the Guard's host snapshot in the dump) is not streamed: "
-                                  "pass --no-window to analyse the dumped step streamed, or replay on a device the "
-                                  "state fits")
+                raise ReplayError(
+                    "a window replay (--from, or the Guard's host snapshot in the dump) is not streamed: "
+                    "pass --no-window to analyse the dumped step streamed, or replay on a device the "
+                    "state fits"
+                )
             verify_the_rest(dump)
             if checkpoint is not None:
-                return _checked(dump, _window_replay(dump, session, checkpoint, options, progress, dump_info,
-                                                     started))
-            report = _session_report(session, options, progress, dump_info=dump_info, history=dump.history(),
-                                     started=started, earlier=_snapshot_state(dump))
+                return _checked(dump, _window_replay(dump, session, checkpoint, options, progress, dump_info, started))
+            report = _session_report(
+                session,
+                options,
+                progress,
+                dump_info=dump_info,
+                history=dump.history(),
+                started=started,
+                earlier=_snapshot_state(dump),
+            )
             add_crash_history(report, dump)  # the statistics before the crash, the run's earlier dumps
             if unused is not None:
                 report.verdict.suggestions = [snapshot_suggestion(unused), *(report.verdict.suggestions or [])]
             return _checked(dump, report)
         except Exception as exc:  # the user's model / loss raising on the dump's data is theirs
-            converted = as_user_error(exc, f"replaying step {dump.step}",
-                                      recipe_is_built_in(dump.recipe, options.factory, options.loss))
+            converted = as_user_error(
+                exc, f"replaying step {dump.step}", recipe_is_built_in(dump.recipe, options.factory, options.loss)
+            )
             if converted is exc:
                 raise
             raise converted from exc
@@ -204,15 +240,25 @@ def _snapshot_state(dump: Any) -> Callable[[], EarlierState] | None:
     step = dump.snapshot_step
     if step is None:
         return None
-    return lambda: EarlierState(dump.model_state(spec.SNAPSHOT_STATE), step,
-                                f"the Guard's host snapshot of step {step} (in the dump)")
+    return lambda: EarlierState(
+        dump.model_state(spec.SNAPSHOT_STATE), step, f"the Guard's host snapshot of step {step} (in the dump)"
+    )
 
 
 def _load(dump: Any, options: ReplayOptions, weights: bool = True) -> ReplaySession:
     """The dump's step as a live session, on the options' device, with their consent and user code."""
-    return load_session(dump, device=options.device, trust=options.trust, factory=options.factory,
-                        loss=options.loss, sys_path=options.sys_path, weights=weights, memory_budget=options.memory_budget,
-                        factory_kwargs=options.factory_kwargs, loss_kwargs=options.loss_kwargs)
+    return load_session(
+        dump,
+        device=options.device,
+        trust=options.trust,
+        factory=options.factory,
+        loss=options.loss,
+        sys_path=options.sys_path,
+        weights=weights,
+        memory_budget=options.memory_budget,
+        factory_kwargs=options.factory_kwargs,
+        loss_kwargs=options.loss_kwargs,
+    )
 
 
 def _checked(dump: Any, report: Report) -> dict:
@@ -223,8 +269,7 @@ def _checked(dump: Any, report: Report) -> dict:
     return report.as_dict()
 
 
-def _off_the_gpu_after_a_cuda_error(dump: Any, options: "ReplayOptions", progress: Progress | None
-                                    ) -> "ReplayOptions":
+def _off_the_gpu_after_a_cuda_error(dump: Any, options: "ReplayOptions", progress: Progress | None) -> "ReplayOptions":
     """A step that raised a CUDA error (a device-side assert) is replayed on the CPU: on a GPU the same bad index
     would poison this process's CUDA context too, while the CPU raises a readable error at the op itself."""
     exception = dump.manifest.get("exception")
@@ -232,72 +277,123 @@ def _off_the_gpu_after_a_cuda_error(dump: Any, options: "ReplayOptions", progres
         return options
     if options.device is None and not torch.cuda.is_available() or str(options.device or "cuda").startswith("cpu"):
         return options
-    stage(progress, "the step raised a CUDA error (device-side assert): replaying on the CPU, where the same op "
-                     "raises a readable error and nothing poisons the GPU")
+    stage(
+        progress,
+        "the step raised a CUDA error (device-side assert): replaying on the CPU, where the same op "
+        "raises a readable error and nothing poisons the GPU",
+    )
     return dataclasses.replace(options, device="cpu")
 
 
-def _window_replay(dump: Any, session: ReplaySession, checkpoint: Checkpoint, options: ReplayOptions,
-                   progress: Progress | None, dump_info: dict, started: float) -> Report:
+def _window_replay(
+    dump: Any,
+    session: ReplaySession,
+    checkpoint: Checkpoint,
+    options: ReplayOptions,
+    progress: Progress | None,
+    dump_info: dict,
+    started: float,
+) -> Report:
     """--from CHECKPOINT (or the dump's own host snapshot): re-execute the recorded steps from the checkpoint;
     analyse the step that broke the run (or, when none did, the dumped step); the report gets a `window` block."""
     start = options.from_step if options.from_step is not None else checkpoint.step
     if start is None:
-        raise DumpError(f"say which step {checkpoint.source} was taken before: --from-step N (a forensics dump, or a "
-                        "directory with trainer_state.json, says it itself)")
+        raise DumpError(
+            f"say which step {checkpoint.source} was taken before: --from-step N (a forensics dump, or a "
+            "directory with trainer_state.json, says it itself)"
+        )
     if not 0 <= start <= dump.step:
         raise DumpError(f"--from-step {start} is not before the dumped step {dump.step}")
     job_dirs = job_paths(dump.manifest.get("environment"), dump.path) if options.trust else []
     data = data_recipe(dump.manifest.get("data_recipe"), options.trust, list(options.sys_path), job_dirs)
-    outcomes, broken = replay_window(session, dump, checkpoint, start, data, lambda m: stage(progress, m),
-                                     through_dumped=bool(dump.state_missing))
+    outcomes, broken = replay_window(
+        session, dump, checkpoint, start, data, lambda m: stage(progress, m), through_dumped=bool(dump.state_missing)
+    )
     block = to_json_safe(window_block(outcomes, start, dump.step, checkpoint))
     if broken is None:
         stage(progress, f"no step from {start} to {dump.step - 1} broke the weights: analysing the dumped step")
         fresh = _load(dump, options)
-        report = _session_report(fresh, options, progress, dump_info=dump_info, history=dump.history(),
-                                 started=started, earlier=lambda: EarlierState(checkpoint.model, checkpoint.step,
-                                                                               checkpoint.source))
+        report = _session_report(
+            fresh,
+            options,
+            progress,
+            dump_info=dump_info,
+            history=dump.history(),
+            started=started,
+            earlier=lambda: EarlierState(checkpoint.model, checkpoint.step, checkpoint.source),
+        )
     else:
         step = outcomes[-1].step
-        stage(progress, f"step {step} broke the run ({outcomes[-1].broke}): analysing it" if outcomes[-1].broke
-               else f"re-executed up to the dumped step {step}: analysing it")
-        report = _session_report(broken, options, progress, dump_info={**dump_info, "step": step},
-                                 history=dump.history(), started=started)
+        stage(
+            progress,
+            f"step {step} broke the run ({outcomes[-1].broke}): analysing it"
+            if outcomes[-1].broke
+            else f"re-executed up to the dumped step {step}: analysing it",
+        )
+        report = _session_report(
+            broken, options, progress, dump_info={**dump_info, "step": step}, history=dump.history(), started=started
+        )
         if step < dump.step:
             why = None if broken.trigger.update_change is not None else outcomes[-1].broke  # the verdict says it
             say_broke_before(report.verdict, step, dump.step, why)
         if step == start and outcomes[-1].broke:
-            say_window_start(report.verdict, step, checkpoint.source,
-                             (dump.history().get("summary") or {}).get("first_step"))
+            say_window_start(
+                report.verdict, step, checkpoint.source, (dump.history().get("summary") or {}).get("first_step")
+            )
     report.window = Window.parse(block)
     return report
 
 
-def run_session(session: ReplaySession, options: ReplayOptions | None = None, progress: Progress | None = None,
-                *, dump_info: dict | None = None, history: dict | None = None,
-                started: float | None = None, earlier: EarlierState | None = None) -> dict:
+def run_session(
+    session: ReplaySession,
+    options: ReplayOptions | None = None,
+    progress: Progress | None = None,
+    *,
+    dump_info: dict | None = None,
+    history: dict | None = None,
+    started: float | None = None,
+    earlier: EarlierState | None = None,
+) -> dict:
     """The replay pipeline on a ready ReplaySession (in-memory replays and tests; run_replay calls it).
 
     `earlier`: an earlier state of the model to feed the culprits to (replay/culprits/earlier_state.py).
     Returns:
         The report dict (see run_replay).
     """
-    return _session_report(session, options, progress, dump_info=dump_info, history=history, started=started,
-                           earlier=(lambda: earlier) if earlier is not None else None).as_dict()
+    return _session_report(
+        session,
+        options,
+        progress,
+        dump_info=dump_info,
+        history=history,
+        started=started,
+        earlier=(lambda: earlier) if earlier is not None else None,
+    ).as_dict()
 
 
-def _session_report(session: ReplaySession, options: ReplayOptions | None = None, progress: Progress | None = None,
-                    *, dump_info: dict | None = None, history: dict | None = None,
-                    started: float | None = None, earlier: Callable[[], EarlierState] | None = None) -> Report:
+def _session_report(
+    session: ReplaySession,
+    options: ReplayOptions | None = None,
+    progress: Progress | None = None,
+    *,
+    dump_info: dict | None = None,
+    history: dict | None = None,
+    started: float | None = None,
+    earlier: Callable[[], EarlierState] | None = None,
+) -> Report:
     """run_session's report, as the tree (forensics/report/tree.py)."""
     options = options or ReplayOptions()
     started = time.monotonic() if started is None else started
     runner = runner_for(session)
     try:
         if session.stream is not None:
-            passes = expected_passes(session, bisect=options.bisect, rng_check=options.rng_check,
-                                     fp32_check=options.fp32_check, remedies=options.remedies)
+            passes = expected_passes(
+                session,
+                bisect=options.bisect,
+                rng_check=options.rng_check,
+                fp32_check=options.fp32_check,
+                remedies=options.remedies,
+            )
             for line in session.stream.describe(passes, len(session.micro_batches)):
                 stage(progress, line)
         report = _stages(session, runner, options, progress, dump_info, history, started, earlier)
@@ -308,9 +404,16 @@ def _session_report(session: ReplaySession, options: ReplayOptions | None = None
         runner.close()
 
 
-def _stages(session: ReplaySession, runner: StepRunner, options: ReplayOptions, progress: Progress | None,
-            dump_info: dict | None, history: dict | None, started: float,
-            earlier: Callable[[], EarlierState] | None = None) -> Report:
+def _stages(
+    session: ReplaySession,
+    runner: StepRunner,
+    options: ReplayOptions,
+    progress: Progress | None,
+    dump_info: dict | None,
+    history: dict | None,
+    started: float,
+    earlier: Callable[[], EarlierState] | None = None,
+) -> Report:
     """run_session's stages, in order, on one runner."""
     findings = reproduce_step(runner, options, progress)
     raised = findings.kind is TriggerKind.EXCEPTION  # the step stops where it raises: no numbers to measure
@@ -323,8 +426,12 @@ def _stages(session: ReplaySession, runner: StepRunner, options: ReplayOptions, 
     if findings.reproduced and result.norm_overflow and findings.kind is TriggerKind.NONFINITE_GRAD:
         stage(progress, "every gradient is finite but their norm overflows: measuring the largest")
         findings.norm_overflow = largest_gradient(runner)
-    data_independent = findings.kind.data_independent or bool(findings.weights_nonfinite) \
-        or findings.phase is Phase.OPTIMIZER or findings.norm_overflow is not None
+    data_independent = (
+        findings.kind.data_independent
+        or bool(findings.weights_nonfinite)
+        or findings.phase is Phase.OPTIMIZER
+        or findings.norm_overflow is not None
+    )
     largest = []
     if raised and is_out_of_memory((session.exception or {}).get("type"), (session.exception or {}).get("message")):
         stage(progress, "measuring the samples' sizes (out of memory)")
@@ -343,7 +450,8 @@ def _stages(session: ReplaySession, runner: StepRunner, options: ReplayOptions, 
         # the first non-finite value is in the batch itself: its samples holding it are named without bisection
         mb, name = in_batch
         findings.bisection.culprits = nonfinite_in_field(
-            session.micro_batches[mb], [r for r in refs if r.micro_batch == mb], name)
+            session.micro_batches[mb], [r for r in refs if r.micro_batch == mb], name
+        )
     findings.sample_facts = {**describe_samples(session.micro_batches, findings.culprits), **findings.sample_facts}
     if raised:
         pass
@@ -353,20 +461,26 @@ def _stages(session: ReplaySession, runner: StepRunner, options: ReplayOptions, 
     elif options.fp32_check and findings.reproduced:
         if uses_low_precision(runner):
             stage(progress, "re-running in fp32")
-        findings.precision = fp32_check(runner, findings.culprits or None, kind=findings.kind,
-                                        threshold=findings.threshold)
+        findings.precision = fp32_check(
+            runner, findings.culprits or None, kind=findings.kind, threshold=findings.threshold
+        )
     elif options.fp32_check:
         findings.precision = fp32_check(runner, kind=TriggerKind.NONFINITE_PARAM)  # dtype facts only, no run
     if findings.culprits and findings.precision is not None and findings.precision.get("fp32_reproduces") is False:
         stage(progress, "measuring how close the other samples come to fp16's limit")
         findings.margin = others_margin(runner, findings.culprits)
         if findings.margin is not None and findings.margin["at_the_edge"]:
-            logger.info("without the culprits the step still reaches %.0f %% of fp16's max: the state is at the "
-                        "edge, no sample is to blame", 100 * findings.margin["share"])
+            logger.info(
+                "without the culprits the step still reaches %.0f %% of fp16's max: the state is at the "
+                "edge, no sample is to blame",
+                100 * findings.margin["share"],
+            )
             findings.bisection.culprits = []  # the bisection block keeps what it found; no sample is blamed
     if findings.weights_nonfinite and session.stream is not None:
-        session.warnings.append("streamed replay: the non-finite pre-step weights are named, but their bad slices and "
-                                "the samples that touch them are not located (that stage reads whole weights)")
+        session.warnings.append(
+            "streamed replay: the non-finite pre-step weights are named, but their bad slices and "
+            "the samples that touch them are not located (that stage reads whole weights)"
+        )
     elif findings.weights_nonfinite:
         stage(progress, "locating the non-finite weights and the samples that touch them")
         findings.corrupted = corrupted_weights(runner)
@@ -382,8 +496,12 @@ def _stages(session: ReplaySession, runner: StepRunner, options: ReplayOptions, 
     findings.history = history_finding(history, uniform_loss(runner.model), (dump_info or {}).get("step"))
     if findings.reproduced and not raised and options.remedies:
         stage(progress, "trying remedies on the step")
-        findings.remedies = try_remedies(runner, findings.culprits, findings.history.reading.healthy_grad_norm,
-                                         findings.forward.module if findings.forward is not None else None)
+        findings.remedies = try_remedies(
+            runner,
+            findings.culprits,
+            findings.history.reading.healthy_grad_norm,
+            findings.forward.module if findings.forward is not None else None,
+        )
         if findings.remedies and session.followup is not None:
             stage(progress, "carrying the fixes over the recorded steps after this one")
             follow_remedies(findings.remedies, runner, session.followup)
@@ -395,8 +513,10 @@ def _stages(session: ReplaySession, runner: StepRunner, options: ReplayOptions, 
         if earlier is not None and session.stream is None:
             state = earlier()
             stage(progress, f"feeding the culprit micro-batch's samples to {state.source} (trigger or cause?)")
-            feed_earlier_state(runner, state, findings.culprits, findings.kind, findings.evidence,
-                               (dump_info or {}).get("step"))
+            feed_earlier_state(
+                runner, state, findings.culprits, findings.kind, findings.evidence, (dump_info or {}).get("step")
+            )
     return assemble_report(findings, runner, dump_info, started)
+
 
 __all__ = ["ReplayOptions", "run_replay", "run_session", "CONFIRM_ROUNDS"]

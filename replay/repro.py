@@ -58,8 +58,10 @@ log = logging.getLogger(__name__)
 OP_SCRIPT, OP_SPEC, OP_INPUTS = "op_repro.py", "op.json", "op_inputs.safetensors"
 MODEL_SCRIPT, MODEL_SPEC = "model_repro.py", "model.json"
 MAX_SAMPLE_TRIES = 64  # samples run alone to find the culprit of the failing micro-batch
-SHRINK_ROUNDS = 4      # passes over the output's dimensions while slicing still keeps the failure
-MAX_OP_INPUT_BYTES = 1 << 30  # op_inputs.safetensors larger than this (an op the shrinking could not cut) is not written
+SHRINK_ROUNDS = 4  # passes over the output's dimensions while slicing still keeps the failure
+MAX_OP_INPUT_BYTES = (
+    1 << 30
+)  # op_inputs.safetensors larger than this (an op the shrinking could not cut) is not written
 
 
 @dataclass
@@ -78,14 +80,29 @@ class Repro:
     """Why a part was not written."""
 
     def as_dict(self) -> dict:
-        return {"directory": str(self.directory), "files": dict(self.files), "op": self.op, "shrunk": self.shrunk,
-                "sample": self.sample, "notes": list(self.notes)}
+        return {
+            "directory": str(self.directory),
+            "files": dict(self.files),
+            "op": self.op,
+            "shrunk": self.shrunk,
+            "sample": self.sample,
+            "notes": list(self.notes),
+        }
 
 
-def write_repro(dump_path: str | Path, out_dir: str | Path, *, device: str | None = "cpu", trust: bool = False,
-                factory: str | None = None, loss: str | None = None, sys_path: list[str] | None = None,
-                rank: int | None = None, factory_kwargs: dict | None = None,
-                loss_kwargs: dict | None = None) -> Repro:
+def write_repro(
+    dump_path: str | Path,
+    out_dir: str | Path,
+    *,
+    device: str | None = "cpu",
+    trust: bool = False,
+    factory: str | None = None,
+    loss: str | None = None,
+    sys_path: list[str] | None = None,
+    rank: int | None = None,
+    factory_kwargs: dict | None = None,
+    loss_kwargs: dict | None = None,
+) -> Repro:
     """Writes `op_repro.py` (+ its inputs) and `model_repro.py` for the dump at `dump_path` into `out_dir`.
 
     Args:
@@ -105,17 +122,29 @@ def write_repro(dump_path: str | Path, out_dir: str | Path, *, device: str | Non
     dump = open_dump(dump_path, rank=rank)
     kind = dump.trigger.kind
     if kind is TriggerKind.PRECURSOR:
-        raise ReplayError(f"step {dump.step} is a precursor dump: a healthy step, dumped because per-layer statistics "
-                          "kept growing, before anything failed: nothing to reproduce standalone. `forensics replay` "
-                          "ranks the statistics that grew; run `forensics repro` on the crash dump that follows")
+        raise ReplayError(
+            f"step {dump.step} is a precursor dump: a healthy step, dumped because per-layer statistics "
+            "kept growing, before anything failed: nothing to reproduce standalone. `forensics replay` "
+            "ranks the statistics that grew; run `forensics repro` on the crash dump that follows"
+        )
     exception = dump.manifest.get("exception") or {}
     if kind is TriggerKind.EXCEPTION and exception.get("during") == Phase.BETWEEN_STEPS.value:
-        raise ReplayError(f"step {dump.step} raised between steps (data loading or your code after the update): there "
-                          "is no model step to reproduce standalone; `forensics replay` names the exception and your "
-                          "line of code")
+        raise ReplayError(
+            f"step {dump.step} raised between steps (data loading or your code after the update): there "
+            "is no model step to reproduce standalone; `forensics replay` names the exception and your "
+            "line of code"
+        )
     out.mkdir(parents=True, exist_ok=True)  # before the model loads: an unwritable one fails now
-    session = load_session(dump, device=device, trust=trust, factory=factory, loss=loss, sys_path=sys_path or [],
-                           factory_kwargs=factory_kwargs, loss_kwargs=loss_kwargs)
+    session = load_session(
+        dump,
+        device=device,
+        trust=trust,
+        factory=factory,
+        loss=loss,
+        sys_path=sys_path or [],
+        factory_kwargs=factory_kwargs,
+        loss_kwargs=loss_kwargs,
+    )
     runner = runner_for(session)  # a state that does not fit the GPU is streamed (replay/run/streamed_runner.py)
     repro = Repro(out)
     if kind is TriggerKind.EXCEPTION:
@@ -125,12 +154,16 @@ def write_repro(dump_path: str | Path, out_dir: str | Path, *, device: str | Non
         if finding is not None and finding.op_call is not None:
             _write_op(repro, *finding.op_call)
         else:
-            repro.notes.append("no ATen op made the first non-finite value in the forward pass (the batch held it, or "
-                               "it appears in the backward): no op-level script")
+            repro.notes.append(
+                "no ATen op made the first non-finite value in the forward pass (the batch held it, or "
+                "it appears in the backward): no op-level script"
+            )
         culprit = _culprit_samples(runner, finding)
         if culprit is None:
-            raise ReplayError(f"step {dump.step} stays finite in a forward-only replay: nothing to reproduce "
-                              f"standalone ({_finite_kind(kind)}: see `forensics replay`)")
+            raise ReplayError(
+                f"step {dump.step} stays finite in a forward-only replay: nothing to reproduce "
+                f"standalone ({_finite_kind(kind)}: see `forensics replay`)"
+            )
         refs, blamed = culprit
     why_no_sample = None if kind is TriggerKind.EXCEPTION else _diverged_before(dump)
     if why_no_sample is not None and blamed:  # as replay's verdict: the run, not this step's data
@@ -138,8 +171,14 @@ def write_repro(dump_path: str | Path, out_dir: str | Path, *, device: str | Non
     if not blamed:
         why_no_sample = why_no_sample or "every sample of it fails alone: the weights, not a sample"
         repro.notes.append(f"no sample is to blame ({why_no_sample}): model_repro.py runs the whole micro-batch")
-    spec = {"factory_override": factory, "loss_override": loss, "factory_kwargs": factory_kwargs,
-            "loss_kwargs": loss_kwargs, "raises": kind is TriggerKind.EXCEPTION, "why_no_sample": why_no_sample}
+    spec = {
+        "factory_override": factory,
+        "loss_override": loss,
+        "factory_kwargs": factory_kwargs,
+        "loss_kwargs": loss_kwargs,
+        "raises": kind is TriggerKind.EXCEPTION,
+        "why_no_sample": why_no_sample,
+    }
     _write_model(repro, Path(dump_path), dump, session, refs, blamed, device, trust, sys_path or [], spec)
     atomic_write_text(out / "repro.json", json.dumps(repro.as_dict(), indent=2, default=repr))
     return repro
@@ -238,19 +277,29 @@ def _write_op(repro: Repro, func: Any, args: tuple, kwargs: dict, raised: str | 
         try:
             args, kwargs = shrink(func, args, kwargs)
         except Exception:  # the full inputs are a repro too
-            log.warning("forensics repro: shrinking the inputs of %s failed; writing them whole", schema.name,
-                        exc_info=True)
+            log.warning(
+                "forensics repro: shrinking the inputs of %s failed; writing them whole", schema.name, exc_info=True
+            )
     tensors: dict[str, torch.Tensor] = {}
     try:
-        spec = {"namespace": namespace, "name": name, "overload": overload, "op": schema.name,
-                "args": _encode(args, tensors), "kwargs": _encode(kwargs, tensors), "raised": raised}
+        spec = {
+            "namespace": namespace,
+            "name": name,
+            "overload": overload,
+            "op": schema.name,
+            "args": _encode(args, tensors),
+            "kwargs": _encode(kwargs, tensors),
+            "raised": raised,
+        }
     except _Unwritable as exc:
         repro.notes.append(f"{schema.name} takes an argument of type {exc} that cannot be written: no op-level script")
         return
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     if size > MAX_OP_INPUT_BYTES:
-        repro.notes.append(f"the inputs of {schema.name} are {size} bytes even after shrinking, over the "
-                           f"{MAX_OP_INPUT_BYTES} bytes written: no op-level script")
+        repro.notes.append(
+            f"the inputs of {schema.name} are {size} bytes even after shrinking, over the "
+            f"{MAX_OP_INPUT_BYTES} bytes written: no op-level script"
+        )
         return
     out = repro.directory
     with atomic_file(out / OP_INPUTS, binary=True) as handle:
@@ -274,12 +323,24 @@ def _culprit_samples(runner: StepRunner, finding: Any) -> tuple[list[SampleRef],
     if finding is None:
         return None
     refs = runner.session.sample_refs
-    index = finding.micro_batch if finding.micro_batch is not None else next(
-        (mb for mb in range(len(runner.session.micro_batches))
-         if not runner.run([r for r in refs if r.micro_batch == mb], backward=False).loss_finite), 0)
+    index = (
+        finding.micro_batch
+        if finding.micro_batch is not None
+        else next(
+            (
+                mb
+                for mb in range(len(runner.session.micro_batches))
+                if not runner.run([r for r in refs if r.micro_batch == mb], backward=False).loss_finite
+            ),
+            0,
+        )
+    )
     batch_refs = [r for r in refs if r.micro_batch == index]
-    return _first_alone(batch_refs, [r for r in refs if r.micro_batch != index],
-                        lambda ref: not runner.run([ref], backward=False).loss_finite)
+    return _first_alone(
+        batch_refs,
+        [r for r in refs if r.micro_batch != index],
+        lambda ref: not runner.run([ref], backward=False).loss_finite,
+    )
 
 
 def _finite_kind(kind: TriggerKind) -> str:
@@ -321,8 +382,10 @@ def _exception_culprit(repro: Repro, runner: StepRunner, step: int, recorded: di
     """A step that raised: the samples that make it raise, and the op that raised called on their inputs."""
     found = localize_exception(runner)
     if found is None:
-        raise ReplayError(f"step {step} raised {recorded.get('type') or 'an exception'} in the job, but its replay here "
-                          "does not raise: nothing to reproduce standalone (see `forensics replay` for why)")
+        raise ReplayError(
+            f"step {step} raised {recorded.get('type') or 'an exception'} in the job, but its replay here "
+            "does not raise: nothing to reproduce standalone (see `forensics replay` for why)"
+        )
     batch_refs = [r for r in runner.session.sample_refs if r.micro_batch == found.micro_batch]
     alone: dict[int, Any] = {}
 
@@ -330,15 +393,18 @@ def _exception_culprit(repro: Repro, runner: StepRunner, step: int, recorded: di
         alone[ref.index] = localize_exception(runner, [ref])
         return alone[ref.index] is not None
 
-    refs, blamed = _first_alone(batch_refs, [r for r in runner.session.sample_refs
-                                             if r.micro_batch != found.micro_batch], raises)
+    refs, blamed = _first_alone(
+        batch_refs, [r for r in runner.session.sample_refs if r.micro_batch != found.micro_batch], raises
+    )
     call = (alone.get(refs[0].index) if blamed else None) or found
     if call.op_call is not None:
         op, args, kwargs = call.op_call
         _write_op(repro, op, args, kwargs, raised=f"{call.type}: {call.message}")
     else:
-        repro.notes.append(f"the {call.type} was not raised by an ATen op in the forward pass (Python code, or the "
-                           "backward): no op-level script")
+        repro.notes.append(
+            f"the {call.type} was not raised by an ATen op in the forward pass (Python code, or the "
+            "backward): no op-level script"
+        )
     return refs, blamed
 
 
@@ -350,18 +416,37 @@ def _relative(path: str | Path, directory: Path) -> str:
         return str(Path(path).resolve())
 
 
-def _write_model(repro: Repro, dump_path: Path, dump: Any, session: Any, refs: list[SampleRef], blamed: bool,
-                 device: str | None, trust: bool, sys_path: list[str], overrides: dict) -> None:
+def _write_model(
+    repro: Repro,
+    dump_path: Path,
+    dump: Any,
+    session: Any,
+    refs: list[SampleRef],
+    blamed: bool,
+    device: str | None,
+    trust: bool,
+    sys_path: list[str],
+    overrides: dict,
+) -> None:
     recipe = dump.recipe or {}
     out = repro.directory
     whole = not blamed and len(refs) == len([r for r in session.sample_refs if r.micro_batch == refs[0].micro_batch])
-    spec = {"dump": _relative(dump_path, out), "dump_absolute": str(Path(dump_path).resolve()), "rank": dump.rank,
-            "step": dump.step, "device": device or "cpu",
-            "micro_batch": refs[0].micro_batch, "samples": None if whole else [r.index for r in refs],
-            "sample_ids": [r.sample_id for r in refs], "blames_sample": blamed,
-            "factory": overrides["factory_override"] or recipe.get("factory"),
-            "sys_path": [_relative(p, out) for p in sys_path],
-            "sys_path_absolute": [str(Path(p).resolve()) for p in sys_path], "trust": bool(trust), **overrides}
+    spec = {
+        "dump": _relative(dump_path, out),
+        "dump_absolute": str(Path(dump_path).resolve()),
+        "rank": dump.rank,
+        "step": dump.step,
+        "device": device or "cpu",
+        "micro_batch": refs[0].micro_batch,
+        "samples": None if whole else [r.index for r in refs],
+        "sample_ids": [r.sample_id for r in refs],
+        "blames_sample": blamed,
+        "factory": overrides["factory_override"] or recipe.get("factory"),
+        "sys_path": [_relative(p, out) for p in sys_path],
+        "sys_path_absolute": [str(Path(p).resolve()) for p in sys_path],
+        "trust": bool(trust),
+        **overrides,
+    }
     atomic_write_text(out / MODEL_SPEC, json.dumps(spec, indent=1, default=repr))
     atomic_write_text(out / MODEL_SCRIPT, MODEL_TEMPLATE)
     repro.sample = refs[0].sample_id if blamed else None

@@ -44,18 +44,24 @@ def stage(progress: Progress | None, message: str) -> None:
             logger.debug("progress callback failed", exc_info=True)
 
 
-
-
 def weigh_evidence(findings: Findings, session: ReplaySession, runner: StepRunner) -> RecordEvidence:
     """Stage 8: is there evidence that the culprits' records are bad data, or are they triggers?"""
     precision = cast("dict[str, Any]", findings.precision or {})
-    low_job = session.autocast_dtype is not None or session.param_dtype in (torch.float16, torch.bfloat16) \
+    low_job = (
+        session.autocast_dtype is not None
+        or session.param_dtype in (torch.float16, torch.bfloat16)
         or bool(precision.get("code_dtypes"))
+    )
     full_precision = precision.get("fp32_reproduces") is True or (not low_job and not session.scaler_enabled)
-    evidence = weigh(findings.culprits, cast("list[dict]", findings.per_sample), findings.sample_facts,
-                     nonfinite_trigger=not findings.kind.spike, full_precision=full_precision,
-                     isolated=(findings.bisection.block or {}).get("test") == "isolation",
-                     others_far=lambda: (others_share(runner, findings.culprits) or 1.0) < FAR_FROM_LIMIT)
+    evidence = weigh(
+        findings.culprits,
+        cast("list[dict]", findings.per_sample),
+        findings.sample_facts,
+        nonfinite_trigger=not findings.kind.spike,
+        full_precision=full_precision,
+        isolated=(findings.bisection.block or {}).get("test") == "isolation",
+        others_far=lambda: (others_share(runner, findings.culprits) or 1.0) < FAR_FROM_LIMIT,
+    )
     if not evidence.bad_data:
         logger.info("no evidence that the culprits' records are bad: they are triggers (%s)", evidence.ordinary)
     return evidence
@@ -66,8 +72,11 @@ def largest_gradient(runner: StepRunner) -> float | None:
     try:
         with runner.keeping_gradients():
             runner.run(keep_grads=True)
-            values = [float(p.grad.detach().abs().max()) for _, p in runner.gradients()
-                      if p.grad is not None and p.grad.numel()]
+            values = [
+                float(p.grad.detach().abs().max())
+                for _, p in runner.gradients()
+                if p.grad is not None and p.grad.numel()
+            ]
         return max(values) if values else None
     except Exception:  # a measurement: the verdict goes on without the number
         logger.warning("the largest gradient could not be measured", exc_info=True)
@@ -85,15 +94,25 @@ def reproduce_step(runner: StepRunner, options: Any, progress: Progress | None) 
     stage(progress, f"reproducing the step ({len(session.micro_batches)} micro-batch(es), trigger {kind})")
     reproduction = reproduce(runner, options.max_attempts)
     trigger = session.trigger  # in the replay's units (a grad norm recorded on scaled gradients: unscaled)
-    findings = Findings(kind=kind, trigger=trigger, threshold=trigger.threshold,
-                        reproduction=reproduction, reproduced=reproduction.reproduced,
-                        weights_nonfinite=list(runner.nonfinite_params))
+    findings = Findings(
+        kind=kind,
+        trigger=trigger,
+        threshold=trigger.threshold,
+        reproduction=reproduction,
+        reproduced=reproduction.reproduced,
+        weights_nonfinite=list(runner.nonfinite_params),
+    )
     if kind is TriggerKind.NONFINITE_PARAM and not findings.weights_nonfinite:
         stage(progress, "stepping a fresh copy of the optimizer on the replayed gradients")
         findings.optimizer = localize_optimizer(runner)
         findings.reproduced = findings.optimizer is not None
-    if findings.reproduced and options.rng_check and kind is not TriggerKind.NONFINITE_PARAM \
-            and not findings.weights_nonfinite and findings.optimizer is None:
+    if (
+        findings.reproduced
+        and options.rng_check
+        and kind is not TriggerKind.NONFINITE_PARAM
+        and not findings.weights_nonfinite
+        and findings.optimizer is None
+    ):
         if any(state is not None for state in session.rng_states):
             stage(progress, "re-running the step from other seeds (is the recorded RNG needed?)")
             findings.rng = check_rng_dependence(runner, kind, findings.threshold)
@@ -123,15 +142,22 @@ def localise(findings: Findings, runner: StepRunner, options: Any, progress: Pro
         stage(progress, "localising the first non-finite gradient (anomaly mode)")
         findings.backward = localize_backward(runner)
         findings.phase = Phase.BACKWARD if findings.backward is not None else None
-    if findings.optimizer is None and result.loss_finite and result.grads_finite and runner.session.optimizer \
-            and not findings.weights_nonfinite and not findings.kind.spike:
+    if (
+        findings.optimizer is None
+        and result.loss_finite
+        and result.grads_finite
+        and runner.session.optimizer
+        and not findings.weights_nonfinite
+        and not findings.kind.spike
+    ):
         findings.optimizer = localize_optimizer(runner)
     if findings.optimizer is not None and findings.phase is None:
         findings.phase = Phase.OPTIMIZER
 
 
-def bisect_samples(runner: StepRunner, refs: list[SampleRef], kind: TriggerKind, threshold: float | None,
-            options: Any) -> Bisection:
+def bisect_samples(
+    runner: StepRunner, refs: list[SampleRef], kind: TriggerKind, threshold: float | None, options: Any
+) -> Bisection:
     """Stage 3: the smallest set of samples that makes the step fail (ddmin), confirmed by removal."""
     # A NaN/Inf is isolated: the culprit fails on its own. A spike is judged against a threshold set by
     # the whole batch, and a few samples alone are noisier than the batch (the norm of a mean of fewer
@@ -149,8 +175,17 @@ def bisect_samples(runner: StepRunner, refs: list[SampleRef], kind: TriggerKind,
         return run_fails(subset)
 
     if len(refs) == 1:
-        return Bisection(list(refs), {"runs": 0, "candidates": 1, "culprit_size": 1, "budget": bisect_budget(1),
-                                      "confirmed": None, "test": "isolation"})
+        return Bisection(
+            list(refs),
+            {
+                "runs": 0,
+                "candidates": 1,
+                "culprit_size": 1,
+                "budget": bisect_budget(1),
+                "confirmed": None,
+                "test": "isolation",
+            },
+        )
     outcome = ddmin(refs, fails, max_runs=options.max_bisect_runs)
     runs, culprits, confirmed = outcome.runs, [] if outcome.all_failed else list(outcome.culprits), None
     groups = 1
@@ -171,43 +206,62 @@ def bisect_samples(runner: StepRunner, refs: list[SampleRef], kind: TriggerKind,
             culprits += [r for r in more.culprits if r not in set(culprits)]
             groups += 1
         if not confirmed:
-            logger.info("the step still fails without samples %s: no sample is to blame",
-                        [r.sample_id for r in culprits])
+            logger.info(
+                "the step still fails without samples %s: no sample is to blame", [r.sample_id for r in culprits]
+            )
             confirmed, culprits = False, []
     too_large = len(culprits) > 1 and groups == 1 and len(culprits) > MAX_CULPRIT_SHARE * len(refs)
     if too_large:
-        logger.info("the smallest failing set is %d of %d samples: too large a share of the step to blame",
-                    len(culprits), len(refs))
-    block = {"runs": runs, "candidates": len(refs), "culprit_size": 0 if too_large else len(culprits),
-             "unblamed_group": len(culprits) if too_large else 0,
-             "budget": outcome.budget, "all_subsets_fail": outcome.all_failed, "minimal": outcome.minimal,
-             "test": "removal" if by_removal else "isolation", "confirmed": confirmed,
-             "independent_groups": groups if culprits and not too_large else 0}
+        logger.info(
+            "the smallest failing set is %d of %d samples: too large a share of the step to blame",
+            len(culprits),
+            len(refs),
+        )
+    block = {
+        "runs": runs,
+        "candidates": len(refs),
+        "culprit_size": 0 if too_large else len(culprits),
+        "unblamed_group": len(culprits) if too_large else 0,
+        "budget": outcome.budget,
+        "all_subsets_fail": outcome.all_failed,
+        "minimal": outcome.minimal,
+        "test": "removal" if by_removal else "isolation",
+        "confirmed": confirmed,
+        "independent_groups": groups if culprits and not too_large else 0,
+    }
     return Bisection([] if too_large else culprits, block, outcome.all_failed)
 
 
 def input_field(forward: Any) -> tuple[int, str] | None:
     """(micro-batch, field) when the forward finding names a batch field (`<input>.FIELD`) in a known micro-batch."""
-    if forward is not None and forward.micro_batch is not None and bool(forward.nonfinite_inputs) \
-            and (forward.module or "").startswith(INPUT_MODULE + "."):
+    if (
+        forward is not None
+        and forward.micro_batch is not None
+        and bool(forward.nonfinite_inputs)
+        and (forward.module or "").startswith(INPUT_MODULE + ".")
+    ):
         return forward.micro_batch, forward.nonfinite_inputs[0]
     return None
 
 
-def per_sample_rows(runner: StepRunner, refs: list[SampleRef], culprits: list[SampleRef], limit: int) -> list[SampleRow]:
+def per_sample_rows(
+    runner: StepRunner, refs: list[SampleRef], culprits: list[SampleRef], limit: int
+) -> list[SampleRow]:
     """Stage 5: loss and gradient norm of each sample alone (culprits first, then up to `limit`)."""
     if not refs or limit <= 0:
         return []
     chosen = list(culprits[:limit])
-    chosen += [r for r in refs if r not in chosen][:max(0, limit - len(chosen))]
+    chosen += [r for r in refs if r not in chosen][: max(0, limit - len(chosen))]
     chosen.sort(key=lambda r: (r.micro_batch, r.index))
     session, model = runner.session, runner.model
     if isinstance(runner, StreamedStepRunner):  # one streamed pass per row: the culprits and a few others
         few = [r for r in chosen if r in set(culprits)] or []
-        few += [r for r in chosen if r not in set(few)][:max(0, STREAMED_PER_SAMPLE - len(few))]
+        few += [r for r in chosen if r not in set(few)][: max(0, STREAMED_PER_SAMPLE - len(few))]
         if len(few) < len(chosen):
-            session.warnings.append(f"streamed replay: per-sample rows for {len(few)} of {len(chosen)} samples (the "
-                                    "culprits first), each being a pass over the whole model")
+            session.warnings.append(
+                f"streamed replay: per-sample rows for {len(few)} of {len(chosen)} samples (the "
+                "culprits first), each being a pass over the whole model"
+            )
         few.sort(key=lambda r: (r.micro_batch, r.index))
         return cast("list[SampleRow]", runner.per_sample_rows(few))  # the same rows, built by the streamed runner
 
@@ -227,8 +281,9 @@ def per_sample_rows(runner: StepRunner, refs: list[SampleRef], culprits: list[Sa
     model.train()
     try:
         with runner.job_precision():  # an FSDP2 bf16 job's samples in bf16, as the step ran them
-            return per_sample_stats(model, chosen, run_one, before_each=before_each,
-                                    batches=session.micro_batches, loss_fn=loss_fn)
+            return per_sample_stats(
+                model, chosen, run_one, before_each=before_each, batches=session.micro_batches, loss_fn=loss_fn
+            )
     finally:
         runner.reset()
 
@@ -244,8 +299,11 @@ def history_finding(history: dict | None, uniform_loss: float | None = None, ste
     what it shows before `step` (the analysed one) with numbers from before the divergence."""
     if not history:
         return HistoryFinding(None, HistoryPattern.INSUFFICIENT_HISTORY, reading=read_history(None, step))
-    block = {"step": list(history.get("step") or []), "loss": list(history.get("loss") or []),
-             "grad_norm": list(history.get("grad_norm") or [])}
+    block = {
+        "step": list(history.get("step") or []),
+        "loss": list(history.get("loss") or []),
+        "grad_norm": list(history.get("grad_norm") or []),
+    }
     try:
         signals = history_signals(history)
     except Exception:  # signals are an extra; never fail the replay on them
@@ -255,7 +313,10 @@ def history_finding(history: dict | None, uniform_loss: float | None = None, ste
     if not isinstance(summary, dict):
         summary = {}
     pattern = classify_history(block["loss"], summary.get("first_losses") or block["loss"][:3], uniform_loss)
-    return HistoryFinding(block, HistoryPattern(pattern), signals, diverged_long_ago(history, uniform_loss),
-                          read_history(history, step, uniform_loss))
-
-
+    return HistoryFinding(
+        block,
+        HistoryPattern(pattern),
+        signals,
+        diverged_long_ago(history, uniform_loss),
+        read_history(history, step, uniform_loss),
+    )

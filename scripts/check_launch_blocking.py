@@ -26,16 +26,25 @@ def run(blocking: bool) -> dict:
     env.pop("CUDA_LAUNCH_BLOCKING", None)
     if blocking:
         env["CUDA_LAUNCH_BLOCKING"] = "1"
-    job = subprocess.run([sys.executable, str(REPO / "tests" / "replay" / "device_assert_job.py"), out],
-                         capture_output=True, text=True, env=env, timeout=300)
+    job = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "replay" / "device_assert_job.py"), out],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     times = [float(t) for t in re.findall(r"step \d+ t=([0-9.]+)", job.stdout)]
     dumps = sorted(Path(out).glob("assert/step-*/rank-*"))
     exception = open_dump(dumps[0]).manifest["exception"] if dumps else {}
     frame = (exception.get("frames") or [{}])[-1]
-    return {"CUDA_LAUNCH_BLOCKING": int(blocking), "exit": job.returncode, "dumped": bool(dumps),
-            "during": exception.get("during"), "innermost_frame": f"{Path(str(frame.get('file'))).name}:"
-                                                                  f"{frame.get('function')}",
-            "seconds_per_healthy_step": round((times[-1] - times[0]) / (len(times) - 1), 4) if len(times) > 1 else None}
+    return {
+        "CUDA_LAUNCH_BLOCKING": int(blocking),
+        "exit": job.returncode,
+        "dumped": bool(dumps),
+        "during": exception.get("during"),
+        "innermost_frame": f"{Path(str(frame.get('file'))).name}:{frame.get('function')}",
+        "seconds_per_healthy_step": round((times[-1] - times[0]) / (len(times) - 1), 4) if len(times) > 1 else None,
+    }
 
 
 if __name__ == "__main__":

@@ -16,10 +16,15 @@ from replay.engine import ReplayOptions, run_replay
 
 def compare(report: dict, expected) -> list[str]:
     culprit = report["culprit"]
-    got = {"verdict": report["verdict"]["kind"], "reproduced": report["reproduced"],
-           "samples": sorted(str(s["sample_id"]) for s in culprit["samples"]),
-           "module": culprit.get("module"), "op": culprit.get("op"), "phase": culprit.get("phase"),
-           "parameter": culprit.get("parameter")}
+    got = {
+        "verdict": report["verdict"]["kind"],
+        "reproduced": report["reproduced"],
+        "samples": sorted(str(s["sample_id"]) for s in culprit["samples"]),
+        "module": culprit.get("module"),
+        "op": culprit.get("op"),
+        "phase": culprit.get("phase"),
+        "parameter": culprit.get("parameter"),
+    }
     wrong = []
     if got["verdict"] != expected.verdict:
         wrong.append(f"verdict {got['verdict']} != {expected.verdict}")
@@ -47,10 +52,18 @@ def main() -> int:
             report = run_replay(captured.dump_path, ReplayOptions(device=args.device))
             wrong = compare(report, captured.expected)
             culprit = report["culprit"]
-            row = {"scenario": name, "ok": not wrong, "problems": wrong, "verdict": report["verdict"]["kind"],
-                   "samples": [s["sample_id"] for s in culprit["samples"]], "module": culprit.get("module"),
-                   "op": culprit.get("op"), "phase": culprit.get("phase"),
-                   "fidelity": report["fidelity"].get("mode"), "bitwise": report["fidelity"].get("bitwise_equal")}
+            row = {
+                "scenario": name,
+                "ok": not wrong,
+                "problems": wrong,
+                "verdict": report["verdict"]["kind"],
+                "samples": [s["sample_id"] for s in culprit["samples"]],
+                "module": culprit.get("module"),
+                "op": culprit.get("op"),
+                "phase": culprit.get("phase"),
+                "fidelity": report["fidelity"].get("mode"),
+                "bitwise": report["fidelity"].get("bitwise_equal"),
+            }
         except Exception as exc:  # noqa: BLE001 - one broken scenario must not hide the others
             row = {"scenario": name, "ok": False, "problems": [f"{type(exc).__name__}: {exc}"]}
         row["seconds"] = round(time.perf_counter() - start, 1)

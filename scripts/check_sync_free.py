@@ -39,8 +39,11 @@ def step(model, optimizer, guard, ids, labels, sample_ids, embeds=None) -> tuple
     for mb in range(2):
         batch = {"input_ids": ids, "labels": labels, "sample_ids": [f"{sample_ids}-{mb}-{i}" for i in range(2)]}
         guard.record_batch(batch)
-        loss = model(input_ids=ids, labels=labels).loss if embeds is None or mb == 0 else \
-            model(inputs_embeds=embeds, labels=labels).loss
+        loss = (
+            model(input_ids=ids, labels=labels).loss
+            if embeds is None or mb == 0
+            else model(inputs_embeds=embeds, labels=labels).loss
+        )
         guard.record_loss(loss)
         (loss / 2).backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -55,8 +58,11 @@ def step(model, optimizer, guard, ids, labels, sample_ids, embeds=None) -> tuple
         finally:
             if ids.is_cuda:
                 torch.cuda.set_sync_debug_mode("default")
-    syncs = [f"{w.filename}:{w.lineno}" for w in caught  # where check() synced ("called a synchronizing CUDA op")
-             if "called a synchronizing" in str(w.message)]
+    syncs = [
+        f"{w.filename}:{w.lineno}"
+        for w in caught  # where check() synced ("called a synchronizing CUDA op")
+        if "called a synchronizing" in str(w.message)
+    ]
     if decision:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -141,10 +147,18 @@ def main() -> None:
     device = parser.parse_args().device
     failed = False
     for name, check, ok in (
-            ("nan", check_nan, "no sync in check(); NaN step skipped on the device, raised at the next check(), "
-                               "dumped with its pre-step weights bitwise"),
-            ("spike", check_spike, "spike held on the device, dumped with its pre-step weights bitwise, training went on "
-                                   "(no sync in check())")):
+        (
+            "nan",
+            check_nan,
+            "no sync in check(); NaN step skipped on the device, raised at the next check(), "
+            "dumped with its pre-step weights bitwise",
+        ),
+        (
+            "spike",
+            check_spike,
+            "spike held on the device, dumped with its pre-step weights bitwise, training went on (no sync in check())",
+        ),
+    ):
         problems = check(device)
         failed = failed or bool(problems)
         print(f"sync-free check on {device}, {name}: " + ("OK: " + ok if not problems else "; ".join(problems)))

@@ -21,12 +21,14 @@ SOURCE = ROOT / "capture" / "config.py"
 TARGET = ROOT / "docs" / "CONFIGURATION.md"
 
 ORDER = ("GuardConfig", "DetectionConfig", "SpikeConfig", "DumpConfig", "RecordConfig", "PrecursorConfig")
-WHERE = {"GuardConfig": "`Guard(..., config=GuardConfig(...))`",
-         "DetectionConfig": "`GuardConfig(detection=DetectionConfig(...))`",
-         "SpikeConfig": "`DetectionConfig(loss_spike=SpikeConfig(...), grad_norm_spike=SpikeConfig(...))`",
-         "DumpConfig": "`GuardConfig(dumping=DumpConfig(...))`",
-         "RecordConfig": "`GuardConfig(recording=RecordConfig(...))`",
-         "PrecursorConfig": "`GuardConfig(precursors=PrecursorConfig(...))` (off unless given)"}
+WHERE = {
+    "GuardConfig": "`Guard(..., config=GuardConfig(...))`",
+    "DetectionConfig": "`GuardConfig(detection=DetectionConfig(...))`",
+    "SpikeConfig": "`DetectionConfig(loss_spike=SpikeConfig(...), grad_norm_spike=SpikeConfig(...))`",
+    "DumpConfig": "`GuardConfig(dumping=DumpConfig(...))`",
+    "RecordConfig": "`GuardConfig(recording=RecordConfig(...))`",
+    "PrecursorConfig": "`GuardConfig(precursors=PrecursorConfig(...))` (off unless given)",
+}
 
 HEADER = """# Configuration reference
 

@@ -16,8 +16,11 @@ def main(path: str) -> None:
         return
     last_step = max(t for _, t in steps)
     end = max(ends) if ends else None
-    print(f"device_assert_2gpu: the job ended {end - last_step:.1f} s after the last step began" if end
-          else "device_assert_2gpu: no end time recorded")
+    print(
+        f"device_assert_2gpu: the job ended {end - last_step:.1f} s after the last step began"
+        if end
+        else "device_assert_2gpu: no end time recorded"
+    )
 
 
 if __name__ == "__main__":

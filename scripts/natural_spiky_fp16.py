@@ -24,7 +24,7 @@ from capture import Guard, GuardConfig
 from forensics.errors import TrainingFaultError
 from forensics.format import open_dump
 
-SCALE = 2.0 ** 16
+SCALE = 2.0**16
 
 
 def batches(steps: int, device: str):
@@ -46,8 +46,20 @@ def main() -> int:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, resid_pdrop=0,
-                                       embd_pdrop=0, attn_pdrop=0, bos_token_id=0, eos_token_id=0)).to(args.device)
+    model = GPT2LMHeadModel(
+        GPT2Config(
+            n_layer=2,
+            n_embd=32,
+            n_head=2,
+            vocab_size=64,
+            n_positions=32,
+            resid_pdrop=0,
+            embd_pdrop=0,
+            attn_pdrop=0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    ).to(args.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     device_type = torch.device(args.device).type
     scaler = torch.amp.GradScaler(device_type, init_scale=SCALE)
@@ -73,22 +85,37 @@ def main() -> int:
     crash = open_dump(fault.dump_path) if fault is not None and fault.dump_path else None
     budget = crash.manifest.get("dump_budget", {}) if crash is not None else {}
     unscaled = [d.manifest["loss"].get("grad_norm_unscaled_by") for d in spikes]
-    summary = {"device": torch.cuda.get_device_name(0) if device_type == "cuda" else "cpu", "steps_run": last + 1,
-               "seconds": round(time.time() - started, 1), "crash_step": crash.step if crash else None,
-               "crash_kind": crash.trigger.kind.value if crash else None, "spike_dumps": [d.step for d in spikes],
-               "not_dumped": budget.get("not_dumped"), "grad_norm_unscaled_by": unscaled,
-               "spike_grad_norms": [d.manifest["loss"].get("grad_norm") for d in spikes]}
+    summary = {
+        "device": torch.cuda.get_device_name(0) if device_type == "cuda" else "cpu",
+        "steps_run": last + 1,
+        "seconds": round(time.time() - started, 1),
+        "crash_step": crash.step if crash else None,
+        "crash_kind": crash.trigger.kind.value if crash else None,
+        "spike_dumps": [d.step for d in spikes],
+        "not_dumped": budget.get("not_dumped"),
+        "grad_norm_unscaled_by": unscaled,
+        "spike_grad_norms": [d.manifest["loss"].get("grad_norm") for d in spikes],
+    }
     print(json.dumps(summary))
     if spikes:
-        (args.out / "spike_dump.txt").write_text(str(guard.dumps[[open_dump(p).step for p in guard.dumps].index(
-            spikes[0].step)]))
+        (args.out / "spike_dump.txt").write_text(
+            str(guard.dumps[[open_dump(p).step for p in guard.dumps].index(spikes[0].step)])
+        )
     if crash is not None:
         (args.out / "crash_dump.txt").write_text(str(fault.dump_path))
-    ok = crash is not None and 0 < len(spikes) <= GuardConfig().dumping.max_spike_dumps and all(
-        d.step < crash.step for d in spikes) and all(u is not None and u > 1 for u in unscaled)
-    print("OK: real spikes, then the crash; the crash is dumped, spike dumps within budget, grad norms unscaled" if ok
-          else "FAILED: a crash dump after 1..max_spike_dumps spike dumps with unscaled grad norms was expected (try "
-               "another --lr if the run did not spike or did not diverge)", flush=True)
+    ok = (
+        crash is not None
+        and 0 < len(spikes) <= GuardConfig().dumping.max_spike_dumps
+        and all(d.step < crash.step for d in spikes)
+        and all(u is not None and u > 1 for u in unscaled)
+    )
+    print(
+        "OK: real spikes, then the crash; the crash is dumped, spike dumps within budget, grad norms unscaled"
+        if ok
+        else "FAILED: a crash dump after 1..max_spike_dumps spike dumps with unscaled grad norms was expected (try "
+        "another --lr if the run did not spike or did not diverge)",
+        flush=True,
+    )
     return 0 if ok else 1
 
 

@@ -47,8 +47,11 @@ def gpt2():
 
 def pytest_addoption(parser):
     parser.addoption(
-        "--runslow", action="store_true", default=False,
-        help="also run the tests marked slow (more multi-process launches; CI runs without them)")
+        "--runslow",
+        action="store_true",
+        default=False,
+        help="also run the tests marked slow (more multi-process launches; CI runs without them)",
+    )
 
 
 def pytest_configure(config):
@@ -58,10 +61,10 @@ def pytest_configure(config):
     own = [f for f in config.getini("filterwarnings") if f.startswith("error:")]
     given = [f for f in os.environ.get("PYTHONWARNINGS", "").split(",") if f]
     os.environ["PYTHONWARNINGS"] = ",".join(given + [f for f in own if f not in given])
-    config.addinivalue_line(
-        "markers", "slow: a multi-process or long test beyond the CI set; runs with --runslow")
+    config.addinivalue_line("markers", "slow: a multi-process or long test beyond the CI set; runs with --runslow")
     config.addinivalue_line(  # pytest-xdist's own marker, named here so that runs without xdist know it too
-        "markers", "xdist_group(name): tests that one xdist worker runs (their module shares an expensive fixture)")
+        "markers", "xdist_group(name): tests that one xdist worker runs (their module shares an expensive fixture)"
+    )
     if getattr(config.option, "numprocesses", None) and config.option.dist == "load":  # `-n N` without --dist
         config.option.dist = "loadgroup"  # xdist_group marks hold (below), other tests go one by one
         config.option.loadscopereorder = False  # in the order below: the slowest first
@@ -114,7 +117,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip_slow)
-
 
 
 class _GroupIds:

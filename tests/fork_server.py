@@ -36,6 +36,7 @@ STOP_GRACE = 30  # seconds between SIGTERM and SIGKILL to the ranks left when on
 
 # -- the server ------------------------------------------------------------------------------------------------------
 
+
 def _child(request: dict, environ: dict) -> None:
     """In a forked child: becomes the script's process (cwd, environment, output files, argv, a fresh __main__) and
     runs it as `python script.py` would: an uncaught exception reaches sys.excepthook, exit handlers run."""
@@ -52,8 +53,9 @@ def _child(request: dict, environ: dict) -> None:
     sys.argv = [script, *request["args"]]
     sys.path[0] = os.path.dirname(script)  # as `python script.py` sets it
     main = types.ModuleType("__main__")
-    main.__dict__.update(__file__=script, __builtins__=builtins, __cached__=None, __loader__=None, __spec__=None,
-                         __package__=None)
+    main.__dict__.update(
+        __file__=script, __builtins__=builtins, __cached__=None, __loader__=None, __spec__=None, __package__=None
+    )
     sys.modules["__main__"] = main
     with open(script, "rb") as source:
         code = compile(source.read(), script, "exec")
@@ -131,12 +133,24 @@ def _serve(request: dict) -> int:
     store, port = _start_store(nproc)
     pids = []
     for rank in range(nproc):
-        environ = {**request["env"], "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-                   "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": str(rank),
-                   "ROLE_WORLD_SIZE": str(nproc), "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
-                   "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-                   "TORCHELASTIC_RUN_ID": "forensics-tests"}
+        environ = {
+            **request["env"],
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "GROUP_RANK": "0",
+            "GROUP_WORLD_SIZE": "1",
+            "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": str(nproc),
+            "ROLE_NAME": "default",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_RUN_ID": "forensics-tests",
+        }
         pid = os.fork()
         if pid == 0:
             _child(request, environ)
@@ -171,6 +185,7 @@ def serve(modules: list[str]) -> None:
 
 # -- the client ------------------------------------------------------------------------------------------------------
 
+
 @dataclass
 class Completed:
     returncode: int
@@ -190,8 +205,14 @@ class ForkServer:
     """The server in a process of its own: run(...) starts a script (or N ranks of it) forked from it."""
 
     def __init__(self, modules: list[str], env: dict):
-        self.process = subprocess.Popen([sys.executable, __file__, *modules], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, *modules],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         self.lines: queue.Queue = queue.Queue()
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -211,8 +232,19 @@ class ForkServer:
             raise RuntimeError(f"the fork server died: {self.process.stderr.read()[-3000:]}")
         return json.loads(line)
 
-    def run(self, script: str, args: list[str], *, cwd: str, env: dict, out_dir: Path, nproc: int = 1,
-            distributed: bool = False, timeout: float = 600, preload: list[str] = ()) -> Completed:
+    def run(
+        self,
+        script: str,
+        args: list[str],
+        *,
+        cwd: str,
+        env: dict,
+        out_dir: Path,
+        nproc: int = 1,
+        distributed: bool = False,
+        timeout: float = 600,
+        preload: list[str] = (),
+    ) -> Completed:
         """Runs `script ARGS` in `cwd` with `env` (nproc ranks with torchrun's environment when nproc > 1 or
         `distributed`); its output goes to out_dir/stdout.txt and stderr.txt. Raises Timeout after `timeout` s.
         `preload`: modules the server imports first (once; it keeps them for later jobs), as `module[:attribute]`."""
@@ -220,9 +252,17 @@ class ForkServer:
         out, err = out_dir / "stdout.txt", out_dir / "stderr.txt"
         for path in (out, err):
             path.write_text("")
-        request = {"script": str(script), "args": [str(a) for a in args], "cwd": str(cwd), "env": env,
-                   "nproc": nproc, "distributed": distributed, "out": str(out), "err": str(err),
-                   "preload": list(preload)}
+        request = {
+            "script": str(script),
+            "args": [str(a) for a in args],
+            "cwd": str(cwd),
+            "env": env,
+            "nproc": nproc,
+            "distributed": distributed,
+            "out": str(out),
+            "err": str(err),
+            "preload": list(preload),
+        }
         with self.lock:
             self.process.stdin.write(json.dumps(request) + "\n")
             self.process.stdin.flush()
@@ -267,10 +307,17 @@ def shared(repo: Path) -> ForkServer:
     if not _shared:
         import importlib.util
 
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false",
-               "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "",
-               "PYTHONPATH": os.pathsep.join([str(repo), str(repo / "scripts" / "examples"),
-                                              os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "DS_ACCELERATOR": "cpu",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",
+            "CUDA_VISIBLE_DEVICES": "",
+            "PYTHONPATH": os.pathsep.join(
+                [str(repo), str(repo / "scripts" / "examples"), os.environ.get("PYTHONPATH", "")]
+            ).rstrip(os.pathsep),
+        }
         modules = [m for m in PRELOAD if m == "_common" or importlib.util.find_spec(m.partition(":")[0])]
         _shared.append(ForkServer(modules, env))
         atexit.register(_shared[0].close)

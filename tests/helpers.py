@@ -29,9 +29,18 @@ def make_gpt2(seed: int = 0, dropout: float = 0.1):
     import transformers
 
     torch.manual_seed(seed)
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=EMBD, n_head=2, vocab_size=VOCAB, n_positions=POSITIONS,
-                                  resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
-                                  bos_token_id=0, eos_token_id=0)
+    cfg = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=EMBD,
+        n_head=2,
+        vocab_size=VOCAB,
+        n_positions=POSITIONS,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return transformers.GPT2LMHeadModel(cfg).train()
 
 
@@ -44,8 +53,13 @@ class EmbedsDataset:
 
     def __init__(self, n: int, seq_len: int = 8, poison: Iterable[int] = (), seed: int = 1):
         g = torch.Generator().manual_seed(seed)
-        self.items = [{"inputs_embeds": torch.randn(seq_len, EMBD, generator=g),
-                       "labels": torch.randint(0, VOCAB, (seq_len,), generator=g)} for _ in range(n)]
+        self.items = [
+            {
+                "inputs_embeds": torch.randn(seq_len, EMBD, generator=g),
+                "labels": torch.randint(0, VOCAB, (seq_len,), generator=g),
+            }
+            for _ in range(n)
+        ]
         for index in poison:
             self.items[index]["inputs_embeds"][0, 0] = 1e38
 
@@ -89,13 +103,13 @@ class StepLog:
 
     step: int
     micro_batches: list = field(default_factory=list)
-    losses: list = field(default_factory=list)      # detached per-micro-batch losses (before division)
-    draws: list = field(default_factory=list)       # torch.rand(4) drawn right after record_batch, per micro-batch
-    model_state: dict | None = None                  # deep copies taken right before check()
+    losses: list = field(default_factory=list)  # detached per-micro-batch losses (before division)
+    draws: list = field(default_factory=list)  # torch.rand(4) drawn right after record_batch, per micro-batch
+    model_state: dict | None = None  # deep copies taken right before check()
     optimizer_state: dict | None = None
     scheduler_state: dict | None = None
     scaler_state: dict | None = None
-    decision: bool | None = None                     # what check() returned (None: it raised)
+    decision: bool | None = None  # what check() returned (None: it raised)
 
 
 class TrainLoop:
@@ -105,9 +119,19 @@ class TrainLoop:
     step to `self.logs` before calling check(), so a test still has them when check() raises.
     """
 
-    def __init__(self, model, optimizer, guard, scheduler=None, scaler=None, loss_fn: Callable | None = None,
-                 autocast_dtype: torch.dtype | None = None, clip: float = 1.0, snapshot: bool = True,
-                 draw: bool = False):
+    def __init__(
+        self,
+        model,
+        optimizer,
+        guard,
+        scheduler=None,
+        scaler=None,
+        loss_fn: Callable | None = None,
+        autocast_dtype: torch.dtype | None = None,
+        clip: float = 1.0,
+        snapshot: bool = True,
+        draw: bool = False,
+    ):
         self.model, self.optimizer, self.guard = model, optimizer, guard
         self.scheduler, self.scaler = scheduler, scaler
         self.loss_fn = loss_fn or default_loss_fn()
@@ -126,8 +150,9 @@ class TrainLoop:
             self.guard.record_batch(batch)
             if self.draw:
                 log.draws.append(torch.rand(4))
-            with torch.autocast("cpu", dtype=self.autocast_dtype or torch.bfloat16,
-                                enabled=self.autocast_dtype is not None):
+            with torch.autocast(
+                "cpu", dtype=self.autocast_dtype or torch.bfloat16, enabled=self.autocast_dtype is not None
+            ):
                 loss = self.loss_fn(self.model, batch)
                 self.guard.record_loss(loss)  # inside autocast: the Guard reads the autocast state here
             log.losses.append(loss.detach().clone())
@@ -162,8 +187,9 @@ def written(record: dict, *path: str) -> Any:
     Example: `assert written(streamed, "culprit", "module") == written(normal, "culprit", "module")`."""
     value: Any = record
     for depth, key in enumerate(path):
-        assert isinstance(value, dict) and key in value, \
-            f"no key {'.'.join(path[:depth + 1])!r}: nothing wrote it (has {sorted(value) if isinstance(value, dict) else type(value).__name__})"
+        assert isinstance(value, dict) and key in value, (
+            f"no key {'.'.join(path[: depth + 1])!r}: nothing wrote it (has {sorted(value) if isinstance(value, dict) else type(value).__name__})"
+        )
         value = value[key]
     return value
 
@@ -172,8 +198,9 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same dtype, shape and bytes (NaN == NaN when the bits match)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    return torch.equal(a.detach().contiguous().reshape(-1).view(torch.uint8),
-                       b.detach().contiguous().reshape(-1).view(torch.uint8))
+    return torch.equal(
+        a.detach().contiguous().reshape(-1).view(torch.uint8), b.detach().contiguous().reshape(-1).view(torch.uint8)
+    )
 
 
 def optimizer_state_by_name(state_dict: dict, model, optimizer) -> dict:
@@ -198,12 +225,24 @@ def trees_equal(a: Any, b: Any) -> bool:
 
 # -- synthetic dumps (no Guard): every optional file present, awkward dtypes and batch trees ---------
 
-SYNTHETIC_FILES = sorted([
-    "model.safetensors", "optimizer.safetensors", "optimizer.json", "scheduler.json", "scaler.json",
-    "rng.safetensors", "rng.json", "history.json",
-    "batch-000.safetensors.zst", "batch-000.json.zst", "batch-001.safetensors.zst", "batch-001.json.zst",
-    "batch-002.safetensors.zst", "batch-002.json.zst",
-])
+SYNTHETIC_FILES = sorted(
+    [
+        "model.safetensors",
+        "optimizer.safetensors",
+        "optimizer.json",
+        "scheduler.json",
+        "scaler.json",
+        "rng.safetensors",
+        "rng.json",
+        "history.json",
+        "batch-000.safetensors.zst",
+        "batch-000.json.zst",
+        "batch-001.safetensors.zst",
+        "batch-001.json.zst",
+        "batch-002.safetensors.zst",
+        "batch-002.json.zst",
+    ]
+)
 
 
 class OpaqueImage:
@@ -225,48 +264,100 @@ def synthetic_content(step: int = 7, rank: int = 0, world_size: int = 1, run_id:
         "mask": torch.tensor([True, False, True]),
         "count": torch.tensor(41, dtype=torch.int64),
         "empty": torch.zeros(0, 3),
-        "tied.a": tied, "tied.b": tied,
+        "tied.a": tied,
+        "tied.b": tied,
         "transposed": torch.randn(3, 4, generator=g).t(),
         "nonfinite": torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0]),
     }
-    optimizer = {"class": "torch.optim.adamw.AdamW",
-                 "param_groups": [{"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "foreach": None,
-                                   "params": ["w", "half"]}],
-                 "state": {"w": {"step": torch.tensor(3.0), "exp_avg": torch.randn(4, 3, generator=g),
-                                 "exp_avg_sq": torch.rand(4, 3, generator=g)},
-                           "half": {"step": 3, "note": "scalar state"}}}
+    optimizer = {
+        "class": "torch.optim.adamw.AdamW",
+        "param_groups": [{"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "foreach": None, "params": ["w", "half"]}],
+        "state": {
+            "w": {
+                "step": torch.tensor(3.0),
+                "exp_avg": torch.randn(4, 3, generator=g),
+                "exp_avg_sq": torch.rand(4, 3, generator=g),
+            },
+            "half": {"step": 3, "note": "scalar state"},
+        },
+    }
     rng = []
     batches = [
-        {"input_ids": torch.randint(0, 64, (2, 5), generator=g), "attention_mask": torch.ones(2, 5, dtype=torch.long),
-         "sample_ids": ["doc-1", "doc-2"],
-         "meta": {"lengths": [5, 4], "pair": (1.5, float("nan")), "none": None, "flag": True, "name": "x"}},
+        {
+            "input_ids": torch.randint(0, 64, (2, 5), generator=g),
+            "attention_mask": torch.ones(2, 5, dtype=torch.long),
+            "sample_ids": ["doc-1", "doc-2"],
+            "meta": {"lengths": [5, 4], "pair": (1.5, float("nan")), "none": None, "flag": True, "name": "x"},
+        },
         (torch.randn(3, 2, generator=g), [torch.arange(3), "tail", float("inf")]),
         {"text": ["no tensors here"], "image": OpaqueImage(), "obj": object()},
     ]
     for _ in batches:
         rng.append(capture_rng())
         torch.rand(3)
-    micro_batches = [{"index": i, "sample_ids": ids, "batch_size": size, "loss": loss}
-                     for i, (ids, size, loss) in enumerate([(["doc-1", "doc-2"], 2, 1.25), ([0, 1, 2], 3, float("nan")),
-                                                             (["t0"], 1, 2.5)])]
-    manifest = {"run_id": run_id, "step": step, "rank": rank, "world_size": world_size, "local_rank": rank,
-                "grad_accum": 3, "micro_batches": micro_batches,
-                "trigger": {"kind": "nonfinite_loss", "value": float("nan"), "threshold": None, "micro_batch": 1,
-                            "detail": "loss of micro-batch 1 is nan"},
-                "loss": {"per_micro_batch": [1.25, float("nan"), 2.5], "divisor": 3, "grad_norm": float("inf")},
-                "precision": {"param_dtype": "float32", "autocast": {"enabled": False, "device_type": None, "dtype": None},
-                              "grad_scaler": None},
-                "recipe": {"factory": None, "factory_kwargs": {}, "loss": None}}
-    history = {"capacity": 8, "step": [5, 6, 7], "loss": [1.0, 1.1, float("nan")], "grad_norm": [0.5, None, float("inf")],
-               "lr": [1e-3, 1e-3, 1e-3], "loss_scale": [None, None, None], "clipped": [False, None, None],
-               "skipped": [False, False, True]}
-    content = DumpContent(manifest=manifest, model=model, rng=rng, micro_batches=batches, history=history,
-                          optimizer=optimizer, scheduler={"class": "torch.optim.lr_scheduler.LambdaLR",
-                                                          "state": {"last_epoch": 7, "base_lrs": [1e-3]}},
-                          scaler={"scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5,
-                                  "growth_interval": 2000, "_growth_tracker": 3})
-    originals = {"model": {k: v.clone() for k, v in model.items()}, "optimizer": optimizer, "batches": batches,
-                 "rng": rng, "history": history, "manifest": manifest}
+    micro_batches = [
+        {"index": i, "sample_ids": ids, "batch_size": size, "loss": loss}
+        for i, (ids, size, loss) in enumerate(
+            [(["doc-1", "doc-2"], 2, 1.25), ([0, 1, 2], 3, float("nan")), (["t0"], 1, 2.5)]
+        )
+    ]
+    manifest = {
+        "run_id": run_id,
+        "step": step,
+        "rank": rank,
+        "world_size": world_size,
+        "local_rank": rank,
+        "grad_accum": 3,
+        "micro_batches": micro_batches,
+        "trigger": {
+            "kind": "nonfinite_loss",
+            "value": float("nan"),
+            "threshold": None,
+            "micro_batch": 1,
+            "detail": "loss of micro-batch 1 is nan",
+        },
+        "loss": {"per_micro_batch": [1.25, float("nan"), 2.5], "divisor": 3, "grad_norm": float("inf")},
+        "precision": {
+            "param_dtype": "float32",
+            "autocast": {"enabled": False, "device_type": None, "dtype": None},
+            "grad_scaler": None,
+        },
+        "recipe": {"factory": None, "factory_kwargs": {}, "loss": None},
+    }
+    history = {
+        "capacity": 8,
+        "step": [5, 6, 7],
+        "loss": [1.0, 1.1, float("nan")],
+        "grad_norm": [0.5, None, float("inf")],
+        "lr": [1e-3, 1e-3, 1e-3],
+        "loss_scale": [None, None, None],
+        "clipped": [False, None, None],
+        "skipped": [False, False, True],
+    }
+    content = DumpContent(
+        manifest=manifest,
+        model=model,
+        rng=rng,
+        micro_batches=batches,
+        history=history,
+        optimizer=optimizer,
+        scheduler={"class": "torch.optim.lr_scheduler.LambdaLR", "state": {"last_epoch": 7, "base_lrs": [1e-3]}},
+        scaler={
+            "scale": 65536.0,
+            "growth_factor": 2.0,
+            "backoff_factor": 0.5,
+            "growth_interval": 2000,
+            "_growth_tracker": 3,
+        },
+    )
+    originals = {
+        "model": {k: v.clone() for k, v in model.items()},
+        "optimizer": optimizer,
+        "batches": batches,
+        "rng": rng,
+        "history": history,
+        "manifest": manifest,
+    }
     return content, originals
 
 
@@ -294,8 +385,12 @@ def as_version_1_dump(dump_dir, chunk_bytes: int = OLD_CHUNK_BYTES) -> None:
         data = (dump_dir / name).read_bytes()
         entry = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         if len(data) > chunk_bytes:
-            entry.update(chunk_size=chunk_bytes, chunks=[hashlib.sha256(data[i:i + chunk_bytes]).hexdigest()
-                                                          for i in range(0, len(data), chunk_bytes)])
+            entry.update(
+                chunk_size=chunk_bytes,
+                chunks=[
+                    hashlib.sha256(data[i : i + chunk_bytes]).hexdigest() for i in range(0, len(data), chunk_bytes)
+                ],
+            )
         manifest["files"][name] = entry
     manifest["format_version"] = 1
     path.write_text(json.dumps(manifest))
@@ -306,17 +401,26 @@ def read_everything(path) -> dict:
     from forensics.format import open_dump, verify_dump
 
     dump = open_dump(path)
-    out = {"dump": dump, "step": dump.step, "rank": dump.rank, "trigger": dump.trigger,
-           "model": dump.model_state(), "optimizer": dump.optimizer_state(),
-           "scheduler": dump.scheduler_state(), "scaler": dump.scaler_state(), "history": dump.history(),
-           "rng": [dump.rng_state(i) for i in range(dump.num_micro_batches)],
-           "batches": [dump.micro_batch(i) for i in range(dump.num_micro_batches)],
-           "sample_ids": [dump.sample_ids(i) for i in range(dump.num_micro_batches)]}
+    out = {
+        "dump": dump,
+        "step": dump.step,
+        "rank": dump.rank,
+        "trigger": dump.trigger,
+        "model": dump.model_state(),
+        "optimizer": dump.optimizer_state(),
+        "scheduler": dump.scheduler_state(),
+        "scaler": dump.scaler_state(),
+        "history": dump.history(),
+        "rng": [dump.rng_state(i) for i in range(dump.num_micro_batches)],
+        "batches": [dump.micro_batch(i) for i in range(dump.num_micro_batches)],
+        "sample_ids": [dump.sample_ids(i) for i in range(dump.num_micro_batches)],
+    }
     out["verify"] = verify_dump(path)
     return out
 
 
 # -- re-signed files: a change whose checksums pass, so the parsers behind them are reached ------------
+
 
 def edit_manifest(dump, edit) -> None:
     """Applies `edit(manifest dict)` to a rank dump's manifest.json (which no checksum covers)."""
@@ -332,8 +436,9 @@ def resign(dump, name: str, data: bytes) -> None:
     import hashlib
 
     (dump / name).write_bytes(data)
-    edit_manifest(dump, lambda m: m["files"].__setitem__(
-        name, {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}))
+    edit_manifest(
+        dump, lambda m: m["files"].__setitem__(name, {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+    )
 
 
 def read_member(dump, name: str) -> bytes:
@@ -368,8 +473,19 @@ def retype_tensor(blob: bytes, key: str, dtype: torch.dtype) -> bytes:
 
 
 # -- counting host reads (the Guard's one-sync promise) ----------------------------------
-HOST_READS = {"tolist", "item", "__float__", "__int__", "__bool__", "__index__", "numpy", "cpu", "__array__",
-              "__format__", "__repr__"}
+HOST_READS = {
+    "tolist",
+    "item",
+    "__float__",
+    "__int__",
+    "__bool__",
+    "__index__",
+    "numpy",
+    "cpu",
+    "__array__",
+    "__format__",
+    "__repr__",
+}
 
 
 class Watched(torch.Tensor):

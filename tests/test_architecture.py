@@ -41,7 +41,7 @@ def _imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
             if node.level:
                 anchor = name.split(".")
                 anchor = anchor if is_package else anchor[:-1]
-                anchor = anchor[:len(anchor) - node.level + 1]
+                anchor = anchor[: len(anchor) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
             for alias in node.names:
                 sub = f"{base}.{alias.name}"
@@ -86,7 +86,7 @@ def test_the_import_graph_has_no_cycles():
         stack.append(node)
         for target in sorted(graph[node]):
             if state.get(target) == 1:
-                cycles.append(stack[stack.index(target):] + [target])
+                cycles.append(stack[stack.index(target) :] + [target])
             elif target not in state:
                 visit(target)
         stack.pop()
@@ -110,9 +110,9 @@ def _doc_tree(root: str) -> dict[str, str]:
     lines = (ROOT / "docs" / "ARCHITECTURE.md").read_text().splitlines()
     start = lines.index(f"{root}/") + 1
     entries, folders = {}, []
-    for line in lines[start:lines.index("```", start)]:
+    for line in lines[start : lines.index("```", start)]:
         depth = next(i for i, c in enumerate(line) if c.isalnum() or c == "_") // 4 - 1
-        name, _, rest = line[(depth + 1) * 4:].partition(" ")
+        name, _, rest = line[(depth + 1) * 4 :].partition(" ")
         folders[depth:] = [name.rstrip("/")] if name.endswith("/") else []
         entries["/".join(folders[:depth] + [name.rstrip("/")])] = rest.strip()
     return entries
@@ -122,15 +122,20 @@ def _assert_the_doc_draws(package: str) -> None:
     """docs/ARCHITECTURE.md's tree of `package/` names each of its modules and sub-packages, and no module is named
     like its sub-package."""
     drawn = _doc_tree(package)
-    files = {p.relative_to(ROOT / package).as_posix() for p in (ROOT / package).rglob("*.py")
-             if p.name != "__init__.py"}
+    files = {
+        p.relative_to(ROOT / package).as_posix() for p in (ROOT / package).rglob("*.py") if p.name != "__init__.py"
+    }
     modules = {p for p in drawn if p.endswith(".py")}
-    assert modules == files, f"docs/ARCHITECTURE.md's {package}/ tree: missing {sorted(files - modules)}, " \
-                             f"not in the code {sorted(modules - files)}"
-    assert {p for p in drawn if "." not in p} == {p.name for p in (ROOT / package).iterdir()
-                                                   if (p / "__init__.py").is_file()}
-    assert all(p.parent == ROOT / package or p.stem != p.parent.name for p in (ROOT / package).rglob("*.py")), \
+    assert modules == files, (
+        f"docs/ARCHITECTURE.md's {package}/ tree: missing {sorted(files - modules)}, "
+        f"not in the code {sorted(modules - files)}"
+    )
+    assert {p for p in drawn if "." not in p} == {
+        p.name for p in (ROOT / package).iterdir() if (p / "__init__.py").is_file()
+    }
+    assert all(p.parent == ROOT / package or p.stem != p.parent.name for p in (ROOT / package).rglob("*.py")), (
         "a module named like its sub-package"
+    )
 
 
 def test_the_replay_tree_in_the_architecture_doc_is_the_package():
@@ -143,15 +148,30 @@ REPLAY_STAGES = ["load", "run", "localize", "culprits", "judge"]
 
 def test_a_replay_stage_imports_only_its_own_and_earlier_stages():
     stage = {name: name.split(".")[1] for name in _modules() if name.count(".") >= 2 and name.startswith("replay.")}
-    wrong = [f"{module} ({stage[module]}) imports {target} ({stage[target]})"
-             for module, targets in _graph().items() if module in stage and stage[module] in REPLAY_STAGES
-             for target in targets if target in stage and stage[target] in REPLAY_STAGES
-             and REPLAY_STAGES.index(stage[target]) > REPLAY_STAGES.index(stage[module])]
+    wrong = [
+        f"{module} ({stage[module]}) imports {target} ({stage[target]})"
+        for module, targets in _graph().items()
+        if module in stage and stage[module] in REPLAY_STAGES
+        for target in targets
+        if target in stage
+        and stage[target] in REPLAY_STAGES
+        and REPLAY_STAGES.index(stage[target]) > REPLAY_STAGES.index(stage[module])
+    ]
     assert not wrong, "\n".join(sorted(wrong))
     assert set(REPLAY_STAGES) == {p.name for p in (ROOT / "replay").iterdir() if (p / "__init__.py").is_file()}
 
 
-CAPTURE_STAGES = ["config", "recording", "state", "precursors", "detection", "dumping", "raised", "guard", "integrations"]
+CAPTURE_STAGES = [
+    "config",
+    "recording",
+    "state",
+    "precursors",
+    "detection",
+    "dumping",
+    "raised",
+    "guard",
+    "integrations",
+]
 """capture/ in the order of a step's way through the Guard: the configuration every stage reads, what is recorded of the
 step, the state a dump holds, the precursor statistics, the check, the dump, a step that raised, the Guard that runs
 them, and the framework adapters built on it. A sub-package (or the top-level module config / guard) may import its
@@ -167,10 +187,13 @@ def test_a_capture_stage_imports_only_its_own_and_earlier_stages():
     graph = _graph()
     stage = {name: _capture_stage(name) for name in graph if _capture_stage(name)}
     assert set(stage.values()) == set(CAPTURE_STAGES), "a capture/ module outside the stages of CAPTURE_STAGES"
-    wrong = [f"{module} ({stage[module]}) imports {target} ({stage[target]})"
-             for module, targets in graph.items() if module in stage
-             for target in targets if target in stage
-             and CAPTURE_STAGES.index(stage[target]) > CAPTURE_STAGES.index(stage[module])]
+    wrong = [
+        f"{module} ({stage[module]}) imports {target} ({stage[target]})"
+        for module, targets in graph.items()
+        if module in stage
+        for target in targets
+        if target in stage and CAPTURE_STAGES.index(stage[target]) > CAPTURE_STAGES.index(stage[module])
+    ]
     assert not wrong, "\n".join(sorted(wrong))
 
 
@@ -188,8 +211,11 @@ def test_no_capture_stage_holds_the_guard():
                 if len(members) > 1:
                     wrong.append(f"{relative}: Protocol {node.name} has {len(members)} members")
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                wrong += [f"{relative}:{node.lineno}: {node.name}({a.arg}) takes the Guard"
-                          for a in node.args.args + node.args.kwonlyargs if a.arg == "guard"]
+                wrong += [
+                    f"{relative}:{node.lineno}: {node.name}({a.arg}) takes the Guard"
+                    for a in node.args.args + node.args.kwonlyargs
+                    if a.arg == "guard"
+                ]
     assert not wrong, "\n".join(wrong)
 
 
@@ -199,19 +225,24 @@ def test_the_capture_tree_in_the_architecture_doc_is_the_package():
 
 def test_the_forensics_tree_in_the_architecture_doc_names_each_module_and_its_layer():
     drawn = _doc_tree("forensics")
-    present = {p.name for p in (ROOT / "forensics").iterdir()
-               if p.suffix == ".py" or (p / "__init__.py").is_file()}
+    present = {p.name for p in (ROOT / "forensics").iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()}
     assert set(drawn) == present
     for name, rest in drawn.items():
         module = "forensics" if name == "__init__.py" else f"forensics.{name.removesuffix('.py')}"
         layer = "top" if _layer(module) == 2 else "core"
-        assert rest.split()[0] == layer, f"docs/ARCHITECTURE.md calls forensics/{name} {rest.split()[0]}, " \
-                                         f"the import rules {layer}"
+        assert rest.split()[0] == layer, (
+            f"docs/ARCHITECTURE.md calls forensics/{name} {rest.split()[0]}, the import rules {layer}"
+        )
 
 
 # -- named kinds instead of strings (forensics/kinds.py) ------------------------------------------
-KIND_HOMES = {"forensics/kinds.py", "forensics/format/spec.py", "forensics/format/reader.py",
-              "forensics/format/writer.py", "forensics/format/manifest.py"}
+KIND_HOMES = {
+    "forensics/kinds.py",
+    "forensics/format/spec.py",
+    "forensics/format/reader.py",
+    "forensics/format/writer.py",
+    "forensics/format/manifest.py",
+}
 """Where a kind's value may stand as a string: the kinds module and the format's reader / writer."""
 
 
@@ -220,10 +251,19 @@ def _kind_literals() -> set[str]:
     replayed quantities and trackers. 'exception', 'optimizer', 'precursor' and 'grad_norm' are left out: they are also
     the names of manifest / report sections, columns and state keys, spelt out in lists of names too."""
     from forensics.kinds import FidelityMode, Phase, Policy, ReplayedQuantity, StateLayout, Tracker, TriggerKind
-    values = {k.value for kind in (TriggerKind, Phase, StateLayout, Policy, FidelityMode, ReplayedQuantity, Tracker)
-              for k in kind}
-    return values - {TriggerKind.EXCEPTION.value, TriggerKind.PRECURSOR.value, Phase.OPTIMIZER.value,
-                     StateLayout.AUTO.value, ReplayedQuantity.GRAD_NORM.value}
+
+    values = {
+        k.value
+        for kind in (TriggerKind, Phase, StateLayout, Policy, FidelityMode, ReplayedQuantity, Tracker)
+        for k in kind
+    }
+    return values - {
+        TriggerKind.EXCEPTION.value,
+        TriggerKind.PRECURSOR.value,
+        Phase.OPTIMIZER.value,
+        StateLayout.AUTO.value,
+        ReplayedQuantity.GRAD_NORM.value,
+    }
 
 
 _GETTERS = {"get", "pop", "setdefault"}
@@ -238,8 +278,12 @@ def _keys_of(tree: ast.AST) -> set[int]:
             keys.update(id(k) for k in node.keys if k is not None)
         elif isinstance(node, ast.Subscript):
             keys.add(id(node.slice))
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _GETTERS \
-                and node.args:
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in _GETTERS
+            and node.args
+        ):
             keys.add(id(node.args[0]))
     return keys
 
@@ -262,18 +306,25 @@ def test_the_architecture_kinds_table_lists_every_kind_and_member():
     import enum
 
     from forensics import kinds
+
     table = {}
     for line in (ROOT / "docs" / "ARCHITECTURE.md").read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if line.startswith("| `") and len(cells) >= 2:
             table[cells[0].strip("`")] = cells[1]
-    kinds_found = [k for k in vars(kinds).values()
-                   if isinstance(k, type) and issubclass(k, enum.Enum) and k.__module__ == kinds.__name__
-                   and not k.__name__.startswith("_")]
+    kinds_found = [
+        k
+        for k in vars(kinds).values()
+        if isinstance(k, type)
+        and issubclass(k, enum.Enum)
+        and k.__module__ == kinds.__name__
+        and not k.__name__.startswith("_")
+    ]
     assert {k.__name__ for k in kinds_found} >= {"TriggerKind", "VerdictKind", "Phase", "StateLayout"}
     for kind in kinds_found:
         assert kind.__name__ in table, f"docs/ARCHITECTURE.md's kinds table lacks {kind.__name__}"
         members = {m.strip() for m in table[kind.__name__].replace(",", " ").split()}
         for member in kind:
-            assert str(member.value) in members or member.name in members, \
+            assert str(member.value) in members or member.name in members, (
                 f"docs/ARCHITECTURE.md's kinds table lacks {kind.__name__}.{member.name}"
+            )

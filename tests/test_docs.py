@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-PRELUDE = '''
+PRELUDE = """
 import os, sys, torch
 sys.path.insert(0, {examples!r})
 import _common as common
@@ -36,18 +36,22 @@ dataset = common.EmbedsDataset(24, poison=9)
 batch_loader = torch.utils.data.DataLoader(IndexedDataset(dataset), batch_size=2)
 indexed = IndexedDataset(dataset)
 loader = [[default_collate([indexed[i], indexed[i + 1]]) for i in (start, start + 2)] for start in range(0, 24, 4)]
-'''
+"""
 
-DISTRIBUTED = '''
+DISTRIBUTED = """
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-'''
+"""
 
 
 DOCUMENTS = ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))]
 
-FRAMEWORKS = {"accelerate": "accelerate", "deepspeed": "deepspeed", "pytorch_lightning": "lightning",
-              "transformers": "demo"}  # a module a snippet imports -> the extra that installs it
+FRAMEWORKS = {
+    "accelerate": "accelerate",
+    "deepspeed": "deepspeed",
+    "pytorch_lightning": "lightning",
+    "transformers": "demo",
+}  # a module a snippet imports -> the extra that installs it
 
 
 def _snippets(document: str) -> list[str]:
@@ -84,9 +88,12 @@ def test_every_python_block_is_a_case_and_no_other_fence_hides_one():
     """A block fenced ```py / ```python3 / ```pycon would be Python that never runs: it is ```python (it runs) or
     a plain ``` fence (a fragment, a signature, an API sketch)."""
     assert {d for d, _ in CASES} >= {"README.md", "docs/INTEGRATIONS.md"}
-    hidden = [f"{document}: ```{language}" for document in DOCUMENTS
-              for language in re.findall(r"^```(\w+)", (ROOT / document).read_text(), re.M)
-              if language.lower() in ("py", "python3", "pycon", "ipython") or language == "Python"]
+    hidden = [
+        f"{document}: ```{language}"
+        for document in DOCUMENTS
+        for language in re.findall(r"^```(\w+)", (ROOT / document).read_text(), re.M)
+        if language.lower() in ("py", "python3", "pycon", "ipython") or language == "Python"
+    ]
     assert not hidden, hidden
 
 
@@ -97,8 +104,10 @@ def test_snippet_runs_as_written_and_dumps_the_corrupt_step(document, index, tmp
     code = _snippets(document)[index]
     needs = _needs(code)
     if needs and importlib.util.find_spec(needs) is None:
-        pytest.fail(f"{document} snippet {index} imports {needs}: pip install -e '.[{FRAMEWORKS[needs]}]' "
-                    "(or '.[dev]') to run it")
+        pytest.fail(
+            f"{document} snippet {index} imports {needs}: pip install -e '.[{FRAMEWORKS[needs]}]' "
+            "(or '.[dev]') to run it"
+        )
     prelude = PRELUDE.format(examples=str(ROOT / "scripts" / "examples"))
     if "DistributedDataParallel" in code or "deepspeed" in code or "fully_shard" in code:
         prelude += DISTRIBUTED.format(port=_free_port())
@@ -106,19 +115,34 @@ def test_snippet_runs_as_written_and_dumps_the_corrupt_step(document, index, tmp
         prelude += "import deepspeed.ops\ndeepspeed.ops.__compatible_ops__['deepspeed_shm_comm'] = False\n"
     if needs == "pytorch_lightning":  # the snippet's `module` and the recipe it names: the user's code
         prelude += "module = common.lit_gpt2()\n"
-    script = prelude + "\nfrom forensics.errors import TrainingFaultError\ntry:\n" + \
-        "\n".join("    " + line for line in code.splitlines()) + \
-        "\nexcept TrainingFaultError as fault:\n    print('DUMP', fault.dump_path)\n"
+    script = (
+        prelude
+        + "\nfrom forensics.errors import TrainingFaultError\ntry:\n"
+        + "\n".join("    " + line for line in code.splitlines())
+        + "\nexcept TrainingFaultError as fault:\n    print('DUMP', fault.dump_path)\n"
+    )
     (tmp_path / "snippet.py").write_text(script)
     server = _fork_server()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "DS_ACCELERATOR": "cpu",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     try:
-        done = server.shared(ROOT).run(tmp_path / "snippet.py", [], cwd=tmp_path, env=env, out_dir=tmp_path / "out",
-                                       timeout=SNIPPET_TIMEOUT, preload=["deepspeed"] if needs == "deepspeed" else [])
+        done = server.shared(ROOT).run(
+            tmp_path / "snippet.py",
+            [],
+            cwd=tmp_path,
+            env=env,
+            out_dir=tmp_path / "out",
+            timeout=SNIPPET_TIMEOUT,
+            preload=["deepspeed"] if needs == "deepspeed" else [],
+        )
     except server.Timeout as hung:
-        pytest.fail(f"the snippet hung: no exit within {SNIPPET_TIMEOUT} s\n{hung.stdout[-3000:]}\n"
-                    f"{hung.stderr[-3000:]}")
+        pytest.fail(
+            f"the snippet hung: no exit within {SNIPPET_TIMEOUT} s\n{hung.stdout[-3000:]}\n{hung.stderr[-3000:]}"
+        )
     stdout, stderr = done.stdout, done.stderr
     assert done.returncode == 0, stdout[-3000:] + stderr[-5000:]
     dumped = [line.split(" ", 1)[1] for line in stdout.splitlines() if line.startswith("DUMP ")]
@@ -131,5 +155,6 @@ def test_snippet_runs_as_written_and_dumps_the_corrupt_step(document, index, tmp
 def test_the_configuration_reference_is_current():
     from scripts import config_reference
 
-    assert (ROOT / "docs" / "CONFIGURATION.md").read_text() == config_reference.render(), \
+    assert (ROOT / "docs" / "CONFIGURATION.md").read_text() == config_reference.render(), (
         "docs/CONFIGURATION.md is not current: run python -m scripts.config_reference"
+    )

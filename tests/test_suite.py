@@ -19,14 +19,22 @@ def _reads_a_key(node: ast.AST) -> bool:
     """`x.get(key)` without a default, also as `(x.get(key) or {})` and `x.get(a).get(b)`."""
     if isinstance(node, ast.BoolOp):
         return any(_reads_a_key(value) for value in node.values)
-    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
-            and len(node.args) == 1 and not node.keywords
-            and not (isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "environ"))
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "get"
+        and len(node.args) == 1
+        and not node.keywords
+        and not (isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "environ")
+    )
 
 
 def _absent_value(node: ast.AST) -> bool:
-    return (isinstance(node, ast.Constant) and node.value in _ABSENT and not isinstance(node.value, float)) or \
-        (isinstance(node, ast.Dict) and not node.keys) or (isinstance(node, (ast.List, ast.Tuple)) and not node.elts)
+    return (
+        (isinstance(node, ast.Constant) and node.value in _ABSENT and not isinstance(node.value, float))
+        or (isinstance(node, ast.Dict) and not node.keys)
+        or (isinstance(node, (ast.List, ast.Tuple)) and not node.elts)
+    )
 
 
 def _passes_without_the_key(compare: ast.Compare) -> bool:
@@ -55,15 +63,29 @@ def vacuous_assertions(source: str, name: str) -> list[str]:
 
 
 def test_no_assertion_passes_because_a_key_is_missing():
-    found = [line for path in sorted(TESTS.rglob("*.py"))
-             for line in vacuous_assertions(path.read_text(), path.relative_to(TESTS).as_posix())]
+    found = [
+        line
+        for path in sorted(TESTS.rglob("*.py"))
+        for line in vacuous_assertions(path.read_text(), path.relative_to(TESTS).as_posix())
+    ]
     assert not found, "these hold when nothing writes the key; read it with helpers.written(...):\n" + "\n".join(found)
 
 
 def test_the_rule_catches_the_pattern_and_leaves_sound_reads_alone():
-    caught = ['assert a.get("k") == b.get("k")', 'assert (a.get("c") or {}).get(key) == (b.get("c") or {}).get(key)',
-              'assert a.get("k") is None', 'assert a.get("k") != "x"', 'assert a.get("k") == {}']
-    sound = ['assert a.get("k") is not None', 'assert a.get("k") == 3', 'assert a.get("k", 0) == 0',
-             'assert a["k"] == b["k"]', 'assert os.environ.get("X") is None', 'assert a.get("k") != None']
+    caught = [
+        'assert a.get("k") == b.get("k")',
+        'assert (a.get("c") or {}).get(key) == (b.get("c") or {}).get(key)',
+        'assert a.get("k") is None',
+        'assert a.get("k") != "x"',
+        'assert a.get("k") == {}',
+    ]
+    sound = [
+        'assert a.get("k") is not None',
+        'assert a.get("k") == 3',
+        'assert a.get("k", 0) == 0',
+        'assert a["k"] == b["k"]',
+        'assert os.environ.get("X") is None',
+        'assert a.get("k") != None',
+    ]
     assert [bool(vacuous_assertions(line, "t.py")) for line in caught] == [True] * len(caught)
     assert [bool(vacuous_assertions(line, "t.py")) for line in sound] == [False] * len(sound)

@@ -73,8 +73,15 @@ def constant(value: float, device: torch.device) -> torch.Tensor:
     return vector[2 if math.isnan(value) else _CONSTANTS.index(value)]
 
 
-def agree(values: list[Any], n_losses: int, *, divisor: float, min_loss_scale: float,
-          sharded_grad_norm: bool, precursor_fired: bool = False) -> tuple[list[float | None], Agreement]:
+def agree(
+    values: list[Any],
+    n_losses: int,
+    *,
+    divisor: float,
+    min_loss_scale: float,
+    sharded_grad_norm: bool,
+    precursor_fired: bool = False,
+) -> tuple[list[float | None], Agreement]:
     """The step's one all-reduce and its one device->host transfer (launch() and settle(), read at once).
 
     Args:
@@ -88,8 +95,14 @@ def agree(values: list[Any], n_losses: int, *, divisor: float, min_loss_scale: f
         `values` as host numbers (None stays None; the grad norm is the global one when sharded), and
         the Agreement, identical on every rank.
     """
-    launched = launch(values, n_losses, divisor=divisor, min_loss_scale=min_loss_scale,
-                      sharded_grad_norm=sharded_grad_norm, precursor_fired=precursor_fired)
+    launched = launch(
+        values,
+        n_losses,
+        divisor=divisor,
+        min_loss_scale=min_loss_scale,
+        sharded_grad_norm=sharded_grad_norm,
+        precursor_fired=precursor_fired,
+    )
     return settle(launched.tolist(), values, n_losses, sharded_grad_norm)  # the one device->host transfer
 
 
@@ -97,8 +110,15 @@ STATS = 8
 """The summed statistics at the end of launch()'s vector (settle() reads them)."""
 
 
-def launch(values: list[Any], n_losses: int, *, divisor: float, min_loss_scale: float,
-           sharded_grad_norm: bool, precursor_fired: bool = False) -> torch.Tensor:
+def launch(
+    values: list[Any],
+    n_losses: int,
+    *,
+    divisor: float,
+    min_loss_scale: float,
+    sharded_grad_norm: bool,
+    precursor_fired: bool = False,
+) -> torch.Tensor:
     """The step's all-reduce, queued and not read: `[*values, *STATS summed statistics]` as float64 on the
     collective device (agree()'s arguments). The sync-free check derives its device flags from it and reads it one
     step later (capture/detection/sync_free.py). A dozen small operators (each a kernel launch on a GPU, where a host-bound
@@ -123,14 +143,25 @@ def launch(values: list[Any], n_losses: int, *, divisor: float, min_loss_scale: 
         shard_sq = norm * norm if sharded_grad_norm else zero
         norm_sum, has_norm = cleaned[n_losses], 1.0 - bad[n_losses]
     step_loss = cleaned[:n_losses].sum() / divisor
-    stats = torch.stack([loss_fault, grad_fault, step_loss, one if n_losses else zero, shard_sq, norm_sum, has_norm,
-                         one if precursor_fired else zero])
+    stats = torch.stack(
+        [
+            loss_fault,
+            grad_fault,
+            step_loss,
+            one if n_losses else zero,
+            shard_sq,
+            norm_sum,
+            has_norm,
+            one if precursor_fired else zero,
+        ]
+    )
     torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.SUM)
     return torch.cat([vector, stats])
 
 
-def agreed_on_device(launched: torch.Tensor, sharded_grad_norm: bool) -> tuple[torch.Tensor, torch.Tensor,
-                                                                              torch.Tensor]:
+def agreed_on_device(
+    launched: torch.Tensor, sharded_grad_norm: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """From launch()'s vector, on its device: (some rank saw a fault, the agreed step loss, the agreed grad norm), the
     numbers settle() gives the host (the same float64 operations). A loss or norm no rank had is NaN (0 / 0), so no
     comparison with it is true: settle() has None there."""
@@ -140,18 +171,24 @@ def agreed_on_device(launched: torch.Tensor, sharded_grad_norm: bool) -> tuple[t
     return (loss_faults + grad_faults) > 0, step_loss, norm
 
 
-def settle(fetched: list[float], values: list[Any], n_losses: int, sharded_grad_norm: bool
-           ) -> tuple[list[float | None], Agreement]:
+def settle(
+    fetched: list[float], values: list[Any], n_losses: int, sharded_grad_norm: bool
+) -> tuple[list[float | None], Agreement]:
     """launch()'s vector read on the host (`fetched`) as agree() returns it: the host numbers and the Agreement."""
-    loss_faults, grad_faults, loss_sum, ranks_with_losses, norm_sq, norms, ranks_with_norm, precursors = \
-        fetched[-STATS:]
+    loss_faults, grad_faults, loss_sum, ranks_with_losses, norm_sq, norms, ranks_with_norm, precursors = fetched[
+        -STATS:
+    ]
     host = [None if v is None else fetched[i] for i, v in enumerate(values)]
     agreed_norm: float | None
     if sharded_grad_norm:
         agreed_norm = host[n_losses] = math.sqrt(norm_sq)
     else:
         agreed_norm = norms / ranks_with_norm if ranks_with_norm else None
-    agreement = Agreement(fault=loss_faults + grad_faults > 0, loss_fault=loss_faults > 0,
-                          step_loss=loss_sum / ranks_with_losses if ranks_with_losses else None,
-                          grad_norm=agreed_norm, precursor=precursors > 0)
+    agreement = Agreement(
+        fault=loss_faults + grad_faults > 0,
+        loss_fault=loss_faults > 0,
+        step_loss=loss_sum / ranks_with_losses if ranks_with_losses else None,
+        grad_norm=agreed_norm,
+        precursor=precursors > 0,
+    )
     return host, agreement

@@ -132,26 +132,44 @@ class StepDetectors:
         """After detect(): spikes that warm-up kept from firing (note_suppressed logs them)."""
         self._suppressed_logged: set[TriggerKind] = set()
 
-    def detect(self, losses: list[float], norm: float | None, step_loss: float | None,
-               loss_scale: float | None, agreed: Agreement | None = None) -> Trigger | None:
+    def detect(
+        self,
+        losses: list[float],
+        norm: float | None,
+        step_loss: float | None,
+        loss_scale: float | None,
+        agreed: Agreement | None = None,
+    ) -> Trigger | None:
         """This rank's trigger, if any. With several ranks (`agreed`), the spike detectors see the values
         agreed across ranks, so their windows, and so their verdicts, are identical on every rank."""
         self.suppressed = []
         for index, value in enumerate(losses):
             if not math.isfinite(value):
-                return Trigger(TriggerKind.NONFINITE_LOSS, value, None, index,
-                               f"loss of micro-batch {index + 1} is {value}")  # words count from 1
+                return Trigger(
+                    TriggerKind.NONFINITE_LOSS, value, None, index, f"loss of micro-batch {index + 1} is {value}"
+                )  # words count from 1
         overflow = False
         if norm is not None and not math.isfinite(norm):  # None: no gradients to measure, not a fault
             if agreed is not None and agreed.loss_fault:
                 return None  # another rank's non-finite loss reached these gradients through their all-reduce
             if loss_scale is None:
-                return Trigger(TriggerKind.NONFINITE_GRAD, norm, None, None,
-                               f"gradient norm is {norm} with a finite loss" if losses else
-                               f"gradient norm is {norm} (the loss is unknown: record_loss was not called)")
+                return Trigger(
+                    TriggerKind.NONFINITE_GRAD,
+                    norm,
+                    None,
+                    None,
+                    f"gradient norm is {norm} with a finite loss"
+                    if losses
+                    else f"gradient norm is {norm} (the loss is unknown: record_loss was not called)",
+                )
             if loss_scale <= self.min_loss_scale:
-                return Trigger(TriggerKind.NONFINITE_GRAD, norm, self.min_loss_scale, None,
-                               f"gradients overflow and the loss scale has collapsed to {loss_scale}")
+                return Trigger(
+                    TriggerKind.NONFINITE_GRAD,
+                    norm,
+                    self.min_loss_scale,
+                    None,
+                    f"gradients overflow and the loss scale has collapsed to {loss_scale}",
+                )
             overflow = True  # a normal GradScaler overflow: it skips the step and lowers the scale. Its loss is still
             # a real loss, judged for a spike below; its overflowed norm means nothing: the grad-norm detector never
             # sees it
@@ -165,23 +183,43 @@ class StepDetectors:
         worst = max(range(len(losses)), key=lambda i: losses[i]) if losses else None
         limit = self.loss.observe(step_loss)
         if limit is not None:
-            return Trigger(TriggerKind.LOSS_SPIKE, step_loss, limit, worst,
-                           f"loss {step_loss:.4g}{where} is above the spike threshold {limit:.4g}",
-                           local=own_loss is not None and own_loss > limit)
+            return Trigger(
+                TriggerKind.LOSS_SPIKE,
+                step_loss,
+                limit,
+                worst,
+                f"loss {step_loss:.4g}{where} is above the spike threshold {limit:.4g}",
+                local=own_loss is not None and own_loss > limit,
+            )
         early_loss = self.loss.suppressed
         limit = self.grad_norm.observe(norm)
         if limit is not None:
-            return Trigger(TriggerKind.GRAD_NORM_SPIKE, norm, limit, worst,
-                           f"grad norm {norm:.4g}{where} is above the spike threshold {limit:.4g}",
-                           local=own_norm is not None and own_norm > limit)
+            return Trigger(
+                TriggerKind.GRAD_NORM_SPIKE,
+                norm,
+                limit,
+                worst,
+                f"grad norm {norm:.4g}{where} is above the spike threshold {limit:.4g}",
+                local=own_norm is not None and own_norm > limit,
+            )
         for kind, observed, early, detector, name in (
-                (TriggerKind.LOSS_SPIKE, step_loss, early_loss, self.loss, "loss"),
-                (TriggerKind.GRAD_NORM_SPIKE, norm, self.grad_norm.suppressed, self.grad_norm, "grad norm")):
+            (TriggerKind.LOSS_SPIKE, step_loss, early_loss, self.loss, "loss"),
+            (TriggerKind.GRAD_NORM_SPIKE, norm, self.grad_norm.suppressed, self.grad_norm, "grad norm"),
+        ):
             if early is not None:
-                self.suppressed.append(Trigger(kind, observed, early, worst, (
-                    f"{name} {observed:.4g}{where} is above {early:.4g}, a spike by the steps seen so far, but spike "
-                    f"detection is still warming up ({len(detector._window) - 1} of {detector.config.warmup} steps; "
-                    f"SpikeConfig.warmup): not dumped")))
+                self.suppressed.append(
+                    Trigger(
+                        kind,
+                        observed,
+                        early,
+                        worst,
+                        (
+                            f"{name} {observed:.4g}{where} is above {early:.4g}, a spike by the steps seen so far, but spike "
+                            f"detection is still warming up ({len(detector._window) - 1} of {detector.config.warmup} steps; "
+                            f"SpikeConfig.warmup): not dumped"
+                        ),
+                    )
+                )
         return None
 
     def note_suppressed(self, step: int) -> str | None:
@@ -192,10 +230,14 @@ class StepDetectors:
         first = self.suppressed[0]
         if first.kind not in self._suppressed_logged:
             self._suppressed_logged.add(first.kind)
-            log.warning("forensics: step %d: %s. Early spikes are not dumped; to catch them, lower the warm-up, "
-                        "e.g. GuardConfig(detection=DetectionConfig(%s=SpikeConfig(warmup=8))). Logged once; every "
-                        "such step is marked in the history (column 'suppressed').", step, first.detail,
-                        first.kind.value)  # GuardConfig's SpikeConfig fields are named after their kinds
+            log.warning(
+                "forensics: step %d: %s. Early spikes are not dumped; to catch them, lower the warm-up, "
+                "e.g. GuardConfig(detection=DetectionConfig(%s=SpikeConfig(warmup=8))). Logged once; every "
+                "such step is marked in the history (column 'suppressed').",
+                step,
+                first.detail,
+                first.kind.value,
+            )  # GuardConfig's SpikeConfig fields are named after their kinds
         return first.kind.value
 
 

@@ -34,13 +34,24 @@ class StepCheck:
         add_hook: keeps the optimizer hook the sync-free mode installs (the Guard removes it at close()).
     """
 
-    def __init__(self, config: GuardConfig, state: StateSource, history: History, window: FlightRecorder,
-                 snapshots: HostSnapshots, precursors: PrecursorMonitor | None,
-                 spike_floor: Callable[[int], float | None], add_hook: Callable[[Any], None]):
+    def __init__(
+        self,
+        config: GuardConfig,
+        state: StateSource,
+        history: History,
+        window: FlightRecorder,
+        snapshots: HostSnapshots,
+        precursors: PrecursorMonitor | None,
+        spike_floor: Callable[[int], float | None],
+        add_hook: Callable[[Any], None],
+    ):
         self.detectors = StepDetectors(config)
         self.sync = SyncCheck(config, self.detectors, state, history, window, snapshots, precursors)
-        self.sync_free = None if config.detection.sync_free is False else \
-            SyncFree(config, self.detectors, state, history, window, spike_floor, add_hook)
+        self.sync_free = (
+            None
+            if config.detection.sync_free is False
+            else SyncFree(config, self.detectors, state, history, window, spike_floor, add_hook)
+        )
 
     def incidents(self, record: StepRecord, grad_norm: Any, step: int, sync_free: bool) -> Iterable[Incident]:
         """The Incidents of this check of `step` (none on a healthy step: the hot path makes no generator).

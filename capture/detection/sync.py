@@ -43,8 +43,16 @@ class SyncCheck:
         precursors: the precursor monitor whose row rides on the step's transfer (None: off).
     """
 
-    def __init__(self, config: GuardConfig, detectors: StepDetectors, state: StateSource, history: History,
-                 window: FlightRecorder, snapshots: HostSnapshots, precursors: PrecursorMonitor | None):
+    def __init__(
+        self,
+        config: GuardConfig,
+        detectors: StepDetectors,
+        state: StateSource,
+        history: History,
+        window: FlightRecorder,
+        snapshots: HostSnapshots,
+        precursors: PrecursorMonitor | None,
+    ):
         self.config, self.detectors, self.state, self.precursors = config, detectors, state, precursors
         self.history, self.window, self.snapshots = history, window, snapshots
         self.unscaled_by: float | None = None
@@ -63,27 +71,59 @@ class SyncCheck:
         scaler_overflow = loss_scale is not None and norm is not None and not math.isfinite(norm)
         trigger = self.detectors.detect(losses, norm, step_loss, loss_scale, agreed)
         if trigger is None and agreed is not None and agreed.fault:
-            trigger = Trigger(TriggerKind.NONFINITE_GRAD, norm, None, None,
-                              "another rank saw a non-finite loss or gradient at this step", local=False)
+            trigger = Trigger(
+                TriggerKind.NONFINITE_GRAD,
+                norm,
+                None,
+                None,
+                "another rank saw a non-finite loss or gradient at this step",
+                local=False,
+            )
         policy = config.policy_for(trigger.kind) if trigger is not None else None
         # every rank of a sharded state dumps a precursor together (or none does), with a monitor of its own or not
         agreed_precursor = monitor.agreed_trigger(self.precursors, agreed, other=trigger is not None)
         if agreed_precursor is not None:
             trigger, policy = agreed_precursor, Policy.CONTINUE
         lr, was_clipped = snapshot.current_lr(state.optimizer), clipped(norm, config.detection.max_grad_norm)
-        self.history.append(step, step_loss, norm, lr, loss_scale, was_clipped,
-                            policy is Policy.SKIP or scaler_overflow, self.detectors.note_suppressed(step))
-        self.window.append(WindowStep(step, list(record.sample_ids), list(record.rng), lr, loss_scale, divisor,
-                                      step_loss, norm, was_clipped))
+        self.history.append(
+            step,
+            step_loss,
+            norm,
+            lr,
+            loss_scale,
+            was_clipped,
+            policy is Policy.SKIP or scaler_overflow,
+            self.detectors.note_suppressed(step),
+        )
+        self.window.append(
+            WindowStep(
+                step, list(record.sample_ids), list(record.rng), lr, loss_scale, divisor, step_loss, norm, was_clipped
+            )
+        )
         if trigger is None or policy is None:  # policy is set whenever trigger is
             self.snapshots.settle()
             if self.snapshots.due(step):
                 take_snapshot(state, self.snapshots, step)
             return None
-        incident = Incident(trigger, step, record, losses, norm, divisor, policy, agreed=state.ranks.multi_rank,
-                            grad_norm_unscaled_by=self.unscaled_by)
-        if self.loop_norm and loss_scale and self.unscaled_by is None and norm is not None and math.isfinite(norm) \
-                and not state.ranks.multi_rank:  # one process: its own norm is the whole norm
+        incident = Incident(
+            trigger,
+            step,
+            record,
+            losses,
+            norm,
+            divisor,
+            policy,
+            agreed=state.ranks.multi_rank,
+            grad_norm_unscaled_by=self.unscaled_by,
+        )
+        if (
+            self.loop_norm
+            and loss_scale
+            and self.unscaled_by is None
+            and norm is not None
+            and math.isfinite(norm)
+            and not state.ranks.multi_rank
+        ):  # one process: its own norm is the whole norm
             incident = self._loop_norm_units(incident, loss_scale)
         return incident
 
@@ -102,11 +142,15 @@ class SyncCheck:
             return incident
         if not self.scaled_norm_said:
             self.scaled_norm_said = True
-            log.warning("forensics: step %d: the grad norm check() got (%.6g) is the loss scale (%g) times the "
-                        "gradients' norm: it was taken before scaler.unscale_(optimizer), and the history holds such "
-                        "norms. Fix: call scaler.unscale_(optimizer) before clip_grad_norm_ (whose threshold then "
-                        "applies to unscaled gradients); this dump records the unscaled norm. Logged once",
-                        incident.step, norm, loss_scale)
+            log.warning(
+                "forensics: step %d: the grad norm check() got (%.6g) is the loss scale (%g) times the "
+                "gradients' norm: it was taken before scaler.unscale_(optimizer), and the history holds such "
+                "norms. Fix: call scaler.unscale_(optimizer) before clip_grad_norm_ (whose threshold then "
+                "applies to unscaled gradients); this dump records the unscaled norm. Logged once",
+                incident.step,
+                norm,
+                loss_scale,
+            )
         return dataclasses.replace(incident, grad_norm=norm / loss_scale, grad_norm_unscaled_by=loss_scale)
 
     def loop_norm_unscaled(self, grad_norm: Any, step: int) -> tuple[Any, bool]:
@@ -118,14 +162,18 @@ class SyncCheck:
             return grad_norm, False
         if not self.scaled_norm_said:
             self.scaled_norm_said = True
-            log.warning("forensics: step %d: check(grad_norm=...) got the norm of gradients the GradScaler still holds "
-                        "scaled (x the loss scale): the history and spike detection would see it that many times too "
-                        "large. Fix: call scaler.unscale_(optimizer) before clip_grad_norm_ and check(); meanwhile the "
-                        "Guard divides the scale out (the dump's loss.grad_norm_unscaled_by). Logged once", step)
+            log.warning(
+                "forensics: step %d: check(grad_norm=...) got the norm of gradients the GradScaler still holds "
+                "scaled (x the loss scale): the history and spike detection would see it that many times too "
+                "large. Fix: call scaler.unscale_(optimizer) before clip_grad_norm_ and check(); meanwhile the "
+                "Guard divides the scale out (the dump's loss.grad_norm_unscaled_by). Logged once",
+                step,
+            )
         return _divided(grad_norm, scale), True
 
-    def _gather(self, record: StepRecord, grad_norm: Any, step: int
-                ) -> tuple[list[float], float | None, float | None, Agreement | None]:
+    def _gather(
+        self, record: StepRecord, grad_norm: Any, step: int
+    ) -> tuple[list[float], float | None, float | None, Agreement | None]:
         """One device->host transfer of per-micro-batch losses, grad norm and loss scale (and, with several
         ranks, the step's one all-reduce: capture/detection/agreement.py).
 
@@ -149,9 +197,14 @@ class SyncCheck:
         row = precursors.pending_row() if precursors is not None else None  # the last sampled step's
         agreed = None
         if state.ranks.multi_rank:
-            host, agreed = agree(values, n, divisor=record.divisor(self.config.detection.loss_divisor),
-                                 min_loss_scale=self.config.detection.min_loss_scale, sharded_grad_norm=sharded,
-                                 precursor_fired=precursors is not None and precursors.awaiting is not None)
+            host, agreed = agree(
+                values,
+                n,
+                divisor=record.divisor(self.config.detection.loss_divisor),
+                min_loss_scale=self.config.detection.min_loss_scale,
+                sharded_grad_norm=sharded,
+                precursor_fired=precursors is not None and precursors.awaiting is not None,
+            )
             row_values = row.tolist() if row is not None else None  # done on the device long since: no wait
         else:
             host, row_values = host_numbers(values, row)
@@ -183,17 +236,21 @@ def take_snapshot(state: StateSource, snapshots: HostSnapshots, step: int) -> No
         snapshots.turn_off(f"copying the state failed ({type(exc).__name__}: {exc})")
 
 
-def host_numbers(values: list[Any], row: torch.Tensor | None = None
-                 ) -> tuple[list[float | None], list[float] | None]:
+def host_numbers(values: list[Any], row: torch.Tensor | None = None) -> tuple[list[float | None], list[float] | None]:
     """Host numbers for `values` (None: unknown), stacked on their device and read in one transfer, and those of
     `row` (a 1-D tensor: the precursor statistics of a sampled step) read in the same transfer.
     A CPU tensor beside device tensors is read on the host (moving it to the device would wait)."""
     tensors = [v for v in values if isinstance(v, torch.Tensor)] + ([row] if row is not None else [])
     device = next((t.device for t in tensors if t.device.type != "cpu"), torch.device("cpu"))
     on_device = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and v.device == device]
-    host = [None if v is None or i in on_device else
-            float(v.detach().float().mean()) if isinstance(v, torch.Tensor) else float(v)
-            for i, v in enumerate(values)]
+    host = [
+        None
+        if v is None or i in on_device
+        else float(v.detach().float().mean())
+        if isinstance(v, torch.Tensor)
+        else float(v)
+        for i, v in enumerate(values)
+    ]
     parts = [stacked_means([values[i] for i in on_device])] if on_device else []
     if row is not None:
         parts.append(row.detach().float().to(device))  # on its device already, unless the model is split
@@ -202,12 +259,13 @@ def host_numbers(values: list[Any], row: torch.Tensor | None = None
     fetched = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()  # the one sync
     for slot, i in enumerate(on_device):
         host[i] = fetched[slot]
-    return host, fetched[len(on_device):] if row is not None else None
+    return host, fetched[len(on_device) :] if row is not None else None
 
 
 def stacked_means(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The mean of each tensor as one fp32 vector, in as few operators as a healthy step allows: scalars (a loss, a
     norm) are stacked as they are (stack promotes their dtypes; one cast after), others averaged in fp32 first."""
-    stacked = torch.stack([(t.detach() if t.requires_grad else t) if t.dim() == 0 else t.detach().float().mean()
-                           for t in tensors])
+    stacked = torch.stack(
+        [(t.detach() if t.requires_grad else t) if t.dim() == 0 else t.detach().float().mean() for t in tensors]
+    )
     return stacked if stacked.dtype == torch.float32 else stacked.float()

@@ -36,7 +36,7 @@ from typing import Any, Callable, cast
 
 import torch
 
-from capture.detection.agreement import (Agreement, agreed_on_device, device_scalar, launch, settle)
+from capture.detection.agreement import Agreement, agreed_on_device, device_scalar, launch, settle
 from capture.state.run_id import collective_device
 from capture.detection.detectors import StepDetectors, clipped
 from capture.config import GuardConfig
@@ -52,12 +52,18 @@ from forensics.trigger import Trigger
 
 log = logging.getLogger(__name__)
 
-LATE = " (sync-free check: judged one step late, at the next step's check; this step's update was skipped on the device)"
-HELD = (" (sync-free check: judged one step late, at the next step's check; its update was held back on the device so that "
-        "the dump holds its exact pre-step state: this one batch is not trained on)")
-SPIKE_APPLIED = Undumpable("sync-free check: its update was applied before it was judged", "sync_free",
-                           "the sync-free check does not dump a spike the dump budget had no place for when its "
-                           "update was applied")
+LATE = (
+    " (sync-free check: judged one step late, at the next step's check; this step's update was skipped on the device)"
+)
+HELD = (
+    " (sync-free check: judged one step late, at the next step's check; its update was held back on the device so that "
+    "the dump holds its exact pre-step state: this one batch is not trained on)"
+)
+SPIKE_APPLIED = Undumpable(
+    "sync-free check: its update was applied before it was judged",
+    "sync_free",
+    "the sync-free check does not dump a spike the dump budget had no place for when its update was applied",
+)
 
 
 @dataclass
@@ -85,21 +91,24 @@ def held_back_notice(config: GuardConfig) -> str | None:
     dumping = config.dumping
     if config.detection.on_spike is not Policy.CONTINUE or dumping.max_spike_dumps == 0:
         return None
-    return (f"the sync-free check (a fused optimizer: no device->host read per step) holds back up to "
-            f"{dumping.max_spike_dumps} spike steps per run to dump their exact pre-step state (DumpConfig."
-            f"max_spike_dumps; after that only a spike larger than those kept, never two within "
-            f"DumpConfig.min_spike_gap={dumping.min_spike_gap} steps): such a step's update is not applied, like a "
-            "GradScaler overflow step, and each is logged when it happens. "
-            "GuardConfig(detection=DetectionConfig(sync_free=False)) to apply every update (one device->host read "
-            "per step)")
+    return (
+        f"the sync-free check (a fused optimizer: no device->host read per step) holds back up to "
+        f"{dumping.max_spike_dumps} spike steps per run to dump their exact pre-step state (DumpConfig."
+        f"max_spike_dumps; after that only a spike larger than those kept, never two within "
+        f"DumpConfig.min_spike_gap={dumping.min_spike_gap} steps): such a step's update is not applied, like a "
+        "GradScaler overflow step, and each is logged when it happens. "
+        "GuardConfig(detection=DetectionConfig(sync_free=False)) to apply every update (one device->host read "
+        "per step)"
+    )
 
 
 def unsupported(config: GuardConfig, state: StateSource) -> str | None:
     """Why the sync-free check cannot run for this state and configuration (None: it can)."""
     optimizer, scaler = state.optimizer, state.scaler
     if not optimizer_honours_found_inf(optimizer):
-        return (f"{type(optimizer).__name__} does not honour found_inf (only fused optimizers do, e.g. "
-                "AdamW(fused=True))")
+        return (
+            f"{type(optimizer).__name__} does not honour found_inf (only fused optimizers do, e.g. AdamW(fused=True))"
+        )
     if scaler is not None and getattr(scaler, "is_enabled", lambda: True)():
         return "a GradScaler is enabled (it sets found_inf itself)"
     if config.detection.verify_update:
@@ -108,8 +117,10 @@ def unsupported(config: GuardConfig, state: StateSource) -> str | None:
         param = next((p for group in optimizer.param_groups for p in group["params"]), None)
         collective = collective_device()
         if param is not None and param.device.type != collective.type:
-            return (f"the ranks agree over {collective.type} while the parameters are on {param.device.type}: "
-                    "reading across them would wait for the device")
+            return (
+                f"the ranks agree over {collective.type} while the parameters are on {param.device.type}: "
+                "reading across them would wait for the device"
+            )
     return None
 
 
@@ -128,8 +139,10 @@ def not_by_default(config: GuardConfig, state: StateSource) -> str | None:
     if config.dumping.recheck:
         return "the in-job recheck runs at check()"
     if state.buffers.tracks_any():
-        return ("the model has persistent buffers its forward may update (e.g. BatchNorm statistics): the next "
-                "step's forward would reach them before the step is judged")
+        return (
+            "the model has persistent buffers its forward may update (e.g. BatchNorm statistics): the next "
+            "step's forward would reach them before the step is judged"
+        )
     return None
 
 
@@ -148,8 +161,16 @@ class SyncFree:
         add_hook: keeps the optimizer step hook this mode installs (the Guard removes it at close()).
     """
 
-    def __init__(self, config: GuardConfig, detectors: StepDetectors, state: StateSource, history: History,
-                 window: FlightRecorder, spike_floor: Callable[[int], float | None], add_hook: Callable[[Any], None]):
+    def __init__(
+        self,
+        config: GuardConfig,
+        detectors: StepDetectors,
+        state: StateSource,
+        history: History,
+        window: FlightRecorder,
+        spike_floor: Callable[[int], float | None],
+        add_hook: Callable[[Any], None],
+    ):
         self.config, self.detectors, self.state, self.history, self.window = config, detectors, state, history, window
         self.spike_floor, self.add_hook = spike_floor, add_hook
         self.pending: Pending | None = None
@@ -169,8 +190,9 @@ class SyncFree:
                 if notice is not None and self.state.ranks.rank == 0:
                     log.warning("forensics: %s", notice)
             elif asked:
-                log.warning("forensics: GuardConfig.detection.sync_free is ignored: %s; using the synchronous check",
-                            reason)
+                log.warning(
+                    "forensics: GuardConfig.detection.sync_free is ignored: %s; using the synchronous check", reason
+                )
             else:
                 log.info("forensics: the synchronous check (one device->host read per step): %s", reason)
         return self._active
@@ -198,14 +220,27 @@ class SyncFree:
         pinned = device.type == "cuda"
         buffer = torch.empty(numbers.shape, dtype=torch.float64, pin_memory=pinned)
         buffer.copy_(numbers, non_blocking=pinned)
-        hyper = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in group.items() if k != "params"}
-                 for group in optimizer.param_groups]
-        self.pending = Pending(step, record, n, has_norm, buffer, DeviceFence([device] if pinned else []),
-                               snapshot.current_lr(optimizer), snapshot.scheduler_state(state.scheduler), hyper,
-                               divisor, sharded if state.ranks.multi_rank else None)
+        hyper = [
+            {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in group.items() if k != "params"}
+            for group in optimizer.param_groups
+        ]
+        self.pending = Pending(
+            step,
+            record,
+            n,
+            has_norm,
+            buffer,
+            DeviceFence([device] if pinned else []),
+            snapshot.current_lr(optimizer),
+            snapshot.scheduler_state(state.scheduler),
+            hyper,
+            divisor,
+            sharded if state.ranks.multi_rank else None,
+        )
 
-    def _own_numbers(self, record: StepRecord, grad_norm: Any, divisor: float, device: torch.device,
-                     step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def _own_numbers(
+        self, record: StepRecord, grad_norm: Any, divisor: float, device: torch.device, step: int
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """One process: the pieces of `[*losses, grad norm, step loss]` (float64, on the parameters' device) and the
         skip flag."""
         n, has_norm = len(record.losses), grad_norm is not None
@@ -219,18 +254,25 @@ class SyncFree:
         skip = skip | spike if spike is not None else skip
         return [values, (step_loss if step_loss is not None else values.new_zeros(())).reshape(1)], skip
 
-    def _agreed_numbers(self, record: StepRecord, grad_norm: Any, divisor: float, sharded: bool,
-                        step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def _agreed_numbers(
+        self, record: StepRecord, grad_norm: Any, divisor: float, sharded: bool, step: int
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Several ranks: the agreement all-reduce queued (capture/detection/agreement.py launch(): `[*losses, grad norm,
         loss scale, *summed statistics]`) and the skip flag from the agreed numbers, identical on every rank."""
-        launched = launch([*record.losses, grad_norm, None], len(record.losses), divisor=divisor,
-                          min_loss_scale=self.config.detection.min_loss_scale, sharded_grad_norm=sharded)
+        launched = launch(
+            [*record.losses, grad_norm, None],
+            len(record.losses),
+            divisor=divisor,
+            min_loss_scale=self.config.detection.min_loss_scale,
+            sharded_grad_norm=sharded,
+        )
         fault, step_loss, norm = agreed_on_device(launched, sharded)  # NaN where no rank had one: no spike fires
         spike = self._spike_to_hold(step_loss, norm, step)
         return [launched], fault | spike if spike is not None else fault
 
-    def _spike_to_hold(self, step_loss: torch.Tensor | None, norm: torch.Tensor | None, step: int
-                       ) -> torch.Tensor | None:
+    def _spike_to_hold(
+        self, step_loss: torch.Tensor | None, norm: torch.Tensor | None, step: int
+    ) -> torch.Tensor | None:
         """A device flag: the step is a spike whose update must wait for its judgment, because its dump needs the
         pre-step state (the budget takes it) or the policy skips or raises. Mirrors StepDetectors.detect: a loss spike
         is judged first; a grad-norm spike only when the loss did not spike. A NaN value (no rank had it) never fires.
@@ -286,35 +328,79 @@ class SyncFree:
         n, skipped = pending.n_losses, numbers[-1] > 0 and not pending.overridden
         if pending.overridden:
             self._active = False
-            log.warning("forensics: step %d: the optimizer was stepped with another found_inf (a GradScaler the Guard "
-                        "was not given: Guard(model, optimizer, scaler=scaler)); the Guard could not hold a failing "
-                        "step back on the device and now reads each step before optimizer.step()", pending.step)
+            log.warning(
+                "forensics: step %d: the optimizer was stepped with another found_inf (a GradScaler the Guard "
+                "was not given: Guard(model, optimizer, scaler=scaler)); the Guard could not hold a failing "
+                "step back on the device and now reads each step before optimizer.step()",
+                pending.step,
+            )
         if pending.sharded_norm is None:
             norm = numbers[n] if pending.has_norm else None
             return self._judge(pending, numbers[:n], norm, numbers[n + 1] if n else None, skipped)
         shape = [0.0] * n + [0.0 if pending.has_norm else None, None]  # which values were None (settle() keeps them)
         host, agreed = settle(numbers[:-1], shape, n, pending.sharded_norm)
         losses = cast("list[float]", host[:n])
-        return self._judge(pending, losses, host[n], sum(losses) / pending.divisor if losses else None, skipped,
-                           agreed)
+        return self._judge(pending, losses, host[n], sum(losses) / pending.divisor if losses else None, skipped, agreed)
 
-    def _judge(self, pending: Pending, losses: list[float], norm: float | None, step_loss: float | None,
-               skipped: bool, agreed: Agreement | None = None) -> Incident | None:
+    def _judge(
+        self,
+        pending: Pending,
+        losses: list[float],
+        norm: float | None,
+        step_loss: float | None,
+        skipped: bool,
+        agreed: Agreement | None = None,
+    ) -> Incident | None:
         detection = self.config.detection
         trigger = self.detectors.detect(losses, norm, step_loss, None, agreed)
         if trigger is None and agreed is not None and agreed.fault:
-            trigger = Trigger(TriggerKind.NONFINITE_GRAD, norm, None, None,
-                              "another rank saw a non-finite loss or gradient at this step", local=False)
+            trigger = Trigger(
+                TriggerKind.NONFINITE_GRAD,
+                norm,
+                None,
+                None,
+                "another rank saw a non-finite loss or gradient at this step",
+                local=False,
+            )
         was_clipped = clipped(norm, detection.max_grad_norm)
-        self.history.append(pending.step, step_loss, norm, pending.lr, None, was_clipped, skipped,
-                            self.detectors.note_suppressed(pending.step))
-        self.window.append(WindowStep(pending.step, list(pending.record.sample_ids), list(pending.record.rng),
-                                      pending.lr, None, pending.divisor, step_loss, norm, was_clipped))
+        self.history.append(
+            pending.step,
+            step_loss,
+            norm,
+            pending.lr,
+            None,
+            was_clipped,
+            skipped,
+            self.detectors.note_suppressed(pending.step),
+        )
+        self.window.append(
+            WindowStep(
+                pending.step,
+                list(pending.record.sample_ids),
+                list(pending.record.rng),
+                pending.lr,
+                None,
+                pending.divisor,
+                step_loss,
+                norm,
+                was_clipped,
+            )
+        )
         if trigger is None:
             return None
         policy = self.config.policy_for(trigger.kind)
-        incident = Incident(trigger, pending.step, pending.record, losses, norm, pending.divisor, policy,
-                            scheduler=pending.scheduler, hyper=pending.hyper, agreed=agreed is not None)
+        incident = Incident(
+            trigger,
+            pending.step,
+            pending.record,
+            losses,
+            norm,
+            pending.divisor,
+            policy,
+            scheduler=pending.scheduler,
+            hyper=pending.hyper,
+            agreed=agreed is not None,
+        )
         if not skipped and trigger.kind.spike:  # applied before it was judged: the budget had no place for it (asked
             # before the step), or a GradScaler's found_inf replaced the flag (it skips a non-finite step itself)
             floor = self.spike_floor(pending.step)

@@ -31,9 +31,15 @@ class UpdateCheck:
         add_hook: keeps a removable hook handle.
     """
 
-    def __init__(self, config: GuardConfig, state: StateSource, history: History,
-                 last_checked: Callable[[], tuple[int, StepRecord | None]], report: Callable[[Incident], Any],
-                 add_hook: Callable[[Any], None]):
+    def __init__(
+        self,
+        config: GuardConfig,
+        state: StateSource,
+        history: History,
+        last_checked: Callable[[], tuple[int, StepRecord | None]],
+        report: Callable[[Incident], Any],
+        add_hook: Callable[[Any], None],
+    ):
         self.config, self.state, self.history = config, state, history
         self.last_checked, self.report = last_checked, report
         self._pre_step_copy: dict | None = None
@@ -64,23 +70,41 @@ class UpdateCheck:
         step, last = self.last_checked()
         before = state.get("model") or {}
         broken = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
-        newly = [name for name in broken
-                 if name not in before or bool(torch.isfinite(before[name]).all())]  # finite before this update
+        newly = [
+            name for name in broken if name not in before or bool(torch.isfinite(before[name]).all())
+        ]  # finite before this update
         if not newly:
             if not self._warned_already_bad:
                 self._warned_already_bad = True
-                log.warning("forensics: verify_update: %s was already non-finite before the update of step %d, so that "
-                            "update is not blamed (an earlier step, or the data loaded into the model, broke it)",
-                            broken[0], step)
+                log.warning(
+                    "forensics: verify_update: %s was already non-finite before the update of step %d, so that "
+                    "update is not blamed (an earlier step, or the data loaded into the model, broke it)",
+                    broken[0],
+                    step,
+                )
             return
         bad = newly[0]
         record = last or StepRecord()
-        trigger = Trigger(TriggerKind.NONFINITE_PARAM, float("nan"), None, None,
-                          f"the optimizer update of step {step} made parameter {bad} non-finite")
+        trigger = Trigger(
+            TriggerKind.NONFINITE_PARAM,
+            float("nan"),
+            None,
+            None,
+            f"the optimizer update of step {step} made parameter {bad} non-finite",
+        )
         norm = self.history.to_dict()["grad_norm"][-1] if len(self.history) else float("nan")
-        self.report(Incident(trigger, step, record, [float(v) for v in record.losses], norm,
-                             record.divisor(self.config.detection.loss_divisor), self.config.policy_for(trigger.kind),
-                             state=state))
+        self.report(
+            Incident(
+                trigger,
+                step,
+                record,
+                [float(v) for v in record.losses],
+                norm,
+                record.divisor(self.config.detection.loss_divisor),
+                self.config.policy_for(trigger.kind),
+                state=state,
+            )
+        )
 
 
 def _all_finite(tensors: Sequence[torch.Tensor]) -> bool:

@@ -74,9 +74,15 @@ class NotDumped:
         if self._last_logged is None or step - self._last_logged >= LOG_EVERY_STEPS:
             self.flush(step)
             self._last_logged = step
-            log.warning("forensics: step %d: %s; not dumped: %s. Further triggers that are not dumped are counted "
-                        "and logged at most once per %d steps (the counts go into every later dump's manifest, "
-                        "`dump_budget`).", step, message, why, LOG_EVERY_STEPS)
+            log.warning(
+                "forensics: step %d: %s; not dumped: %s. Further triggers that are not dumped are counted "
+                "and logged at most once per %d steps (the counts go into every later dump's manifest, "
+                "`dump_budget`).",
+                step,
+                message,
+                why,
+                LOG_EVERY_STEPS,
+            )
             return
         self._pending += 1
         self._pending_since = step if self._pending_since is None else self._pending_since
@@ -87,9 +93,15 @@ class NotDumped:
         """Logs the count of triggers not dumped since the last line (at the next window, and at close())."""
         if not self._pending:
             return
-        largest = (f"; the largest at step {self._largest[1]}: {self._largest[2]}" if self._largest else "")
-        log.warning("forensics: %d more trigger(s) in steps %d-%s were not dumped (dump budget: %s)%s",
-                    self._pending, self._pending_since, step if step is not None else "end", self.words(), largest)
+        largest = f"; the largest at step {self._largest[1]}: {self._largest[2]}" if self._largest else ""
+        log.warning(
+            "forensics: %d more trigger(s) in steps %d-%s were not dumped (dump budget: %s)%s",
+            self._pending,
+            self._pending_since,
+            step if step is not None else "end",
+            self.words(),
+            largest,
+        )
         self._pending, self._pending_since, self._largest = 0, None, None
 
     def total(self) -> int:
@@ -97,8 +109,13 @@ class NotDumped:
 
     def words(self) -> str:
         """'12 loss_spike (9 min_spike_gap, 3 smaller), 1 precursor (...)' for the log."""
-        return ", ".join(f"{sum(r.values())} {kind} ({', '.join(f'{n} {why}' for why, n in r.items())})"
-                         for kind, r in self.counts.items()) or "none"
+        return (
+            ", ".join(
+                f"{sum(r.values())} {kind} ({', '.join(f'{n} {why}' for why, n in r.items())})"
+                for kind, r in self.counts.items()
+            )
+            or "none"
+        )
 
 
 class DumpBudget:
@@ -122,9 +139,10 @@ class DumpBudget:
         if not kind.spike:
             if self._faults.acquire(blocking=False):
                 return Admission()
-            return Admission(f"the {config.dumping.max_dumps} fault dumps of this run are written "
-                             "(GuardConfig.dumping.max_dumps)",
-                             "max_dumps")
+            return Admission(
+                f"the {config.dumping.max_dumps} fault dumps of this run are written (GuardConfig.dumping.max_dumps)",
+                "max_dumps",
+            )
         with self._lock:
             size = spike_size(value, threshold)
             refusal = self._spike_refusal(step, size)
@@ -160,16 +178,20 @@ class DumpBudget:
         dumping = self.config.dumping
         last = self._last_spike_step
         if last is not None and step - last < dumping.min_spike_gap:
-            return Admission(f"a spike was dumped {step - last} steps ago (GuardConfig.dumping.min_spike_gap)",
-                             "min_spike_gap")
+            return Admission(
+                f"a spike was dumped {step - last} steps ago (GuardConfig.dumping.min_spike_gap)", "min_spike_gap"
+            )
         if dumping.max_spike_dumps == 0:
             return Admission("spike dumps are off (GuardConfig.dumping.max_spike_dumps=0)", "off")
         if self._first_spike is None or len(self._largest) + 1 < dumping.max_spike_dumps:
             return None
         smallest = min(self._largest, key=lambda k: k.size, default=None)
         if smallest is None or size <= smallest.size:
-            return Admission(f"it is not larger than the {dumping.max_spike_dumps} spike dumps kept (the first and "
-                             "the largest; GuardConfig.dumping.max_spike_dumps)", "smaller_than_kept")
+            return Admission(
+                f"it is not larger than the {dumping.max_spike_dumps} spike dumps kept (the first and "
+                "the largest; GuardConfig.dumping.max_spike_dumps)",
+                "smaller_than_kept",
+            )
         return None
 
     def failed(self, kind: TriggerKind, admission: Admission, multi_rank: bool) -> None:
@@ -194,9 +216,13 @@ class DumpBudget:
         """The manifest's `dump_budget` section (docs/DUMP_FORMAT.md): the budgets and what was not dumped."""
         with self._lock:
             kept = [k.step for k in ([self._first_spike] if self._first_spike else []) + self._largest]
-        return {"max_dumps": self.config.dumping.max_dumps, "max_spike_dumps": self.config.dumping.max_spike_dumps,
-                "min_spike_gap": self.config.dumping.min_spike_gap, "spike_dumps_kept": sorted(kept),
-                "not_dumped": {kind: dict(reasons) for kind, reasons in self.not_dumped.counts.items()}}
+        return {
+            "max_dumps": self.config.dumping.max_dumps,
+            "max_spike_dumps": self.config.dumping.max_spike_dumps,
+            "min_spike_gap": self.config.dumping.min_spike_gap,
+            "spike_dumps_kept": sorted(kept),
+            "not_dumped": {kind: dict(reasons) for kind, reasons in self.not_dumped.counts.items()},
+        }
 
 
 def spike_size(value: float | None, threshold: float | None) -> float:

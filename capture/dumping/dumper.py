@@ -55,17 +55,26 @@ class Dumper:
             reused).
     """
 
-    def __init__(self, config: GuardConfig, run_id: str, state: StateSource, history: History,
-                 window: FlightRecorder, snapshots: HostSnapshots, budget: DumpBudget,
-                 on_device_lost: Callable[[], None] = lambda: None):
+    def __init__(
+        self,
+        config: GuardConfig,
+        run_id: str,
+        state: StateSource,
+        history: History,
+        window: FlightRecorder,
+        snapshots: HostSnapshots,
+        budget: DumpBudget,
+        on_device_lost: Callable[[], None] = lambda: None,
+    ):
         self.config, self.run_id, self.state = config, run_id, state
         self.history, self.window, self.snapshots = history, window, snapshots
         self.on_device_lost = on_device_lost
         recipe = state.recipe()
         self.script = MainScript(recipe)
         """The training script's source, for a recipe naming a function of it (capture/dumping/main_script.py)."""
-        self.needs = replay_needs(state.model, recipe, config.dumping.recipe,
-                                  self.script.name if self.script.source is not None else None)
+        self.needs = replay_needs(
+            state.model, recipe, config.dumping.recipe, self.script.name if self.script.source is not None else None
+        )
         """What a replay of this job's dumps needs beyond the dump (--trust, --factory, --loss)."""
         needs = self.needs.words()
         if needs and state.ranks.rank == 0:  # said now, at the start of the job, not when a dump is made
@@ -104,8 +113,9 @@ class Dumper:
         admission = self.admit(incident) if admission is None else admission
         if admission.why_not is not None:
             return None, admission.why_not
-        background = incident.trigger.kind.spike and incident.policy is Policy.CONTINUE \
-            and self.config.dumping.background_write
+        background = (
+            incident.trigger.kind.spike and incident.policy is Policy.CONTINUE and self.config.dumping.background_write
+        )
         with deferred_termination():
             outcome = self._write(incident, admission, background=background)
         if background:
@@ -121,11 +131,15 @@ class Dumper:
         kind = incident.trigger.kind
         written = functools.partial(self._written, admission=admission)
         failed = functools.partial(self._failed, kind=kind, admission=admission)
-        unusable = "the CUDA context is unusable after a CUDA error" if (incident.exception or {}).get("cuda_error") \
-            else None
+        unusable = (
+            "the CUDA context is unusable after a CUDA error" if (incident.exception or {}).get("cuda_error") else None
+        )
         try:
-            content = self._host_content(incident, unusable, device_usable=False) if unusable \
+            content = (
+                self._host_content(incident, unusable, device_usable=False)
+                if unusable
                 else self._content(incident, background)
+            )
         except Exception as exc:  # noqa: BLE001
             unusable = f"collecting the state failed ({type(exc).__name__}: {str(exc)[:300]})"
             content = self._host_content(incident, unusable) if incident.exception is not None else None
@@ -174,8 +188,12 @@ class Dumper:
                 remove_rank_dump(old)
                 if old in self.dumps:
                     self.dumps.remove(old)
-                log.warning("forensics: spike dump of step %d deleted: replaced by the larger spike at %s "
-                            "(GuardConfig.dumping.max_spike_dumps keeps the first and the largest)", step, larger)
+                log.warning(
+                    "forensics: spike dump of step %d deleted: replaced by the larger spike at %s "
+                    "(GuardConfig.dumping.max_spike_dumps keeps the first and the largest)",
+                    step,
+                    larger,
+                )
             except Exception as exc:  # noqa: BLE001 - a dump left on disk costs space, never the job
                 log.error("forensics: could not delete the replaced spike dump %s: %s", old, exc)
 
@@ -194,12 +212,20 @@ class Dumper:
         manifest = self._manifest(incident)
         held, release = self._lend_snapshot(incident.step, manifest) if "layout" not in state else (None, None)
         content = DumpContent(
-            manifest=manifest, snapshot=held, done=release,
-            model=state["model"], optimizer=state["optimizer"], rng=list(incident.record.rng),
-            micro_batches=batches, history=self.history.to_dict(),
+            manifest=manifest,
+            snapshot=held,
+            done=release,
+            model=state["model"],
+            optimizer=state["optimizer"],
+            rng=list(incident.record.rng),
+            micro_batches=batches,
+            history=self.history.to_dict(),
             scheduler=incident.scheduler or snapshot.scheduler_state(source.scheduler),
-            scaler=snapshot.scaler_state(source.scaler), layout=state.get("layout"),
-            copies=self._buddy_copies(state, incident), extra_files=self._extra_files(incident.step))
+            scaler=snapshot.scaler_state(source.scaler),
+            layout=state.get("layout"),
+            copies=self._buddy_copies(state, incident),
+            extra_files=self._extra_files(incident.step),
+        )
         content.ready = copy.wait  # the writer waits for the device copies before touching them
         return content
 
@@ -240,13 +266,24 @@ class Dumper:
                 scheduler = incident.scheduler or snapshot.scheduler_state(source.scheduler)
             except Exception:  # noqa: BLE001 - a scheduler state on the device
                 scheduler = None
-            log.error("forensics: step %d: %s; writing what the host holds (no pre-step state%s)", incident.step, why,
-                      f"; the host snapshot of step {held['step']}" if held else "")
+            log.error(
+                "forensics: step %d: %s; writing what the host holds (no pre-step state%s)",
+                incident.step,
+                why,
+                f"; the host snapshot of step {held['step']}" if held else "",
+            )
             return DumpContent(
-                manifest=manifest, model={}, optimizer=snapshot.optimizer_hyper(source.optimizer, source.model),
-                rng=list(incident.record.rng), micro_batches=[snapshot.host_only(b) for b in incident.record.batches],
-                history=self.history.to_dict(), scheduler=scheduler, snapshot=held, done=release,
-                extra_files=self._extra_files(incident.step))
+                manifest=manifest,
+                model={},
+                optimizer=snapshot.optimizer_hyper(source.optimizer, source.model),
+                rng=list(incident.record.rng),
+                micro_batches=[snapshot.host_only(b) for b in incident.record.batches],
+                history=self.history.to_dict(),
+                scheduler=scheduler,
+                snapshot=held,
+                done=release,
+                extra_files=self._extra_files(incident.step),
+            )
         except Exception:  # the job is failing already
             log.exception("forensics: even the host-side dump of step %d failed", incident.step)
             return None
@@ -260,33 +297,55 @@ class Dumper:
             size = leading_dim(batch) or (len(ids) if ids else None)
             if ids is None and size is not None:
                 ids = [f"step{step}/rank{ranks.rank}/mb{index}/{j}" for j in range(size)]
-            micro_batches.append({"index": index, "sample_ids": ids, "batch_size": size,
-                                  "loss": losses[index] if index < len(losses) else None,
-                                  "ids_are_positional": record.sample_ids[index] is None})
+            micro_batches.append(
+                {
+                    "index": index,
+                    "sample_ids": ids,
+                    "batch_size": size,
+                    "loss": losses[index] if index < len(losses) else None,
+                    "ids_are_positional": record.sample_ids[index] is None,
+                }
+            )
         param = next(iter(source.model.parameters()), None)
         manifest = {
-            "run_id": self.run_id, "trigger": incident.trigger.as_dict(), "step": step, "rank": ranks.rank,
-            "world_size": ranks.world_size, "local_rank": ranks.local_rank,
+            "run_id": self.run_id,
+            "trigger": incident.trigger.as_dict(),
+            "step": step,
+            "rank": ranks.rank,
+            "world_size": ranks.world_size,
+            "local_rank": ranks.local_rank,
             "grad_accum": incident.accumulation or len(record.batches),
             "micro_batches": micro_batches,
-            "loss": {"per_micro_batch": losses, "divisor": incident.divisor, "grad_norm": incident.grad_norm,
-                     "grad_norm_unscaled_by": incident.grad_norm_unscaled_by, "step_loss": incident.step_loss},
-            "precision": {"param_dtype": str(param.dtype).removeprefix("torch.") if param is not None else None,
-                          "autocast": record.autocast or {"enabled": False, "device_type": None, "dtype": None},
-                          "grad_scaler": _scaler_state(source.scaler),
-                          **({"fsdp": source.fsdp_units} if source.fsdp_units else {})},
+            "loss": {
+                "per_micro_batch": losses,
+                "divisor": incident.divisor,
+                "grad_norm": incident.grad_norm,
+                "grad_norm_unscaled_by": incident.grad_norm_unscaled_by,
+                "step_loss": incident.step_loss,
+            },
+            "precision": {
+                "param_dtype": str(param.dtype).removeprefix("torch.") if param is not None else None,
+                "autocast": record.autocast or {"enabled": False, "device_type": None, "dtype": None},
+                "grad_scaler": _scaler_state(source.scaler),
+                **({"fsdp": source.fsdp_units} if source.fsdp_units else {}),
+            },
             "determinism": environment.determinism_flags(),
             "environment": environment.environment(),
             "recipe": self.script.describe(source.recipe()),
             "recheck": recheck(source.model, source.loss_fn, config.recording.sample_id_key, incident)
-            if config.dumping.recheck else {"performed": False},
+            if config.dumping.recheck
+            else {"performed": False},
             "missing_ranks": [],
             "dump_budget": self.budget.manifest(),
         }
         window = self.window.steps_before(step)
         if window:
-            manifest["window"] = {"first_step": window[0], "last_step": window[-1], "steps": len(window),
-                                  "max_grad_norm": config.detection.max_grad_norm}
+            manifest["window"] = {
+                "first_step": window[0],
+                "last_step": window[-1],
+                "steps": len(window),
+                "max_grad_norm": config.detection.max_grad_norm,
+            }
         if config.dumping.data_recipe:
             manifest["data_recipe"] = dict(config.dumping.data_recipe)
         distribution = source.distribution()
@@ -320,9 +379,14 @@ def recheck(model: torch.nn.Module, loss_fn: Callable | None, sample_id_key: str
     try:
         restore_rng(record.rng[index])
         autocast = record.autocast or {}
-        with torch.no_grad(), torch.autocast(autocast.get("device_type") or "cpu",
-                                             dtype=getattr(torch, autocast.get("dtype") or "bfloat16"),
-                                             enabled=bool(autocast.get("enabled"))):
+        with (
+            torch.no_grad(),
+            torch.autocast(
+                autocast.get("device_type") or "cpu",
+                dtype=getattr(torch, autocast.get("dtype") or "bfloat16"),
+                enabled=bool(autocast.get("enabled")),
+            ),
+        ):
             if loss_fn is not None:
                 value = float(loss_fn(model, record.batches[index]))
             else:
@@ -336,7 +400,17 @@ def recheck(model: torch.nn.Module, loss_fn: Callable | None, sample_id_key: str
                 buffer.copy_(kept)
     original = incident.losses[index]
     same = (value == original) or (not math.isfinite(value) and not math.isfinite(original))
-    return {"performed": True, "micro_batch": index, "original": original, "recomputed": value,
-            "reproduced": bool(same or (math.isfinite(value) and math.isfinite(original)
-                                        and abs(value - original) <= 1e-3 * max(1.0, abs(original))))}
-
+    return {
+        "performed": True,
+        "micro_batch": index,
+        "original": original,
+        "recomputed": value,
+        "reproduced": bool(
+            same
+            or (
+                math.isfinite(value)
+                and math.isfinite(original)
+                and abs(value - original) <= 1e-3 * max(1.0, abs(original))
+            )
+        ),
+    }

@@ -12,14 +12,23 @@ from importlib import metadata
 
 import torch
 
-KEY_PACKAGES = ("forensics", "transformers", "accelerate", "deepspeed", "safetensors", "numpy",
-                "pytorch-lightning", "lightning")
+KEY_PACKAGES = (
+    "forensics",
+    "transformers",
+    "accelerate",
+    "deepspeed",
+    "safetensors",
+    "numpy",
+    "pytorch-lightning",
+    "lightning",
+)
 
 
 def _git_commit() -> str | None:
     try:
-        result = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=2,
-                                cwd=os.getcwd())
+        result = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=2, cwd=os.getcwd()
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return result.stdout.strip() or None if result.returncode == 0 else None
@@ -41,8 +50,15 @@ def _gpu_descriptions() -> list[dict]:
     gpus = []
     for index in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(index)
-        gpus.append({"index": index, "name": props.name, "sm_count": props.multi_processor_count,
-                     "capability": f"{props.major}.{props.minor}", "memory_bytes": props.total_memory})
+        gpus.append(
+            {
+                "index": index,
+                "name": props.name,
+                "sm_count": props.multi_processor_count,
+                "capability": f"{props.major}.{props.minor}",
+                "memory_bytes": props.total_memory,
+            }
+        )
     return gpus
 
 

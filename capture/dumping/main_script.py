@@ -63,12 +63,15 @@ class MainScript:
                     self.why_missing = f"{self.name} is {size} bytes, over the {spec.MAX_MAIN_SCRIPT} recorded"
                 else:
                     with open(path, "rb") as file:
-                        self.source = file.read(spec.MAX_MAIN_SCRIPT + 1)[:spec.MAX_MAIN_SCRIPT]
+                        self.source = file.read(spec.MAX_MAIN_SCRIPT + 1)[: spec.MAX_MAIN_SCRIPT]
             except OSError as exc:
                 self.why_missing = f"{self.name} could not be read ({type(exc).__name__}: {exc})"
         if self.why_missing and say:
-            log.warning("forensics: the loss or model factory is defined in the training script, but %s: replay will "
-                        "need it in an importable module (--loss module:fn)", self.why_missing)
+            log.warning(
+                "forensics: the loss or model factory is defined in the training script, but %s: replay will "
+                "need it in an importable module (--loss module:fn)",
+                self.why_missing,
+            )
 
     def describe(self, recipe: dict) -> dict:
         """The manifest's recipe, with `script` naming the recorded source and the globals its functions read
@@ -84,13 +87,21 @@ class MainScript:
             except Exception as exc:  # noqa: BLE001 - odd objects in __main__ must not cost the dump
                 log.warning("forensics: could not read the training script's globals (%s: %s)", type(exc).__name__, exc)
                 recorded, unrecorded = {}, {}
-            recipe["script"] = {"file": spec.MAIN_SCRIPT, "name": self.name, "globals": recorded,
-                                "unrecorded": unrecorded}
-            recipe["note"] = (f"defined in the training script {self.name}, whose source the dump holds: replay --trust "
-                              "defines it from there without running the script's training code")
+            recipe["script"] = {
+                "file": spec.MAIN_SCRIPT,
+                "name": self.name,
+                "globals": recorded,
+                "unrecorded": unrecorded,
+            }
+            recipe["note"] = (
+                f"defined in the training script {self.name}, whose source the dump holds: replay --trust "
+                "defines it from there without running the script's training code"
+            )
         else:
-            recipe["note"] = (f"defined in the training script, which the dump does not hold ({self.why_missing}): "
-                              "move it into a module and replay with --loss module:fn --path DIR")
+            recipe["note"] = (
+                f"defined in the training script, which the dump does not hold ({self.why_missing}): "
+                "move it into a module and replay with --loss module:fn --path DIR"
+            )
         return recipe
 
     def files(self) -> dict[str, bytes]:

@@ -46,8 +46,9 @@ def deferred_termination(deliver: bool = True) -> Iterator[list[int]]:
     def note(signum: int, frame: Any) -> None:
         received.append(signum)
         if received.count(signum) == 1:
-            log.warning("forensics: %s received while writing the dump; finishing the dump first",
-                        signal.Signals(signum).name)
+            log.warning(
+                "forensics: %s received while writing the dump; finishing the dump first", signal.Signals(signum).name
+            )
 
     previous: dict[int, Any] = {}
     try:

@@ -21,10 +21,15 @@ def send_dump(path: Path, trackers: tuple[str, ...], tensorboard_dir: str | None
         dump = open_dump(path)
         archive = pack_dump(path, path.with_name(path.name + spec.ARCHIVE_SUFFIX), rank_part=True)
         name = f"{dump.manifest['run_id']}-step{dump.step}-rank{dump.rank}"
-        summary = {"run_id": dump.manifest["run_id"], "step": dump.step, "rank": dump.rank,
-                   "trigger": dump.trigger.kind.value,
-                   "detail": dump.trigger.message,  # micro-batches numbered from 1, as in every sentence
-                   "path": str(path), "archive": str(archive)}
+        summary = {
+            "run_id": dump.manifest["run_id"],
+            "step": dump.step,
+            "rank": dump.rank,
+            "trigger": dump.trigger.kind.value,
+            "detail": dump.trigger.message,  # micro-batches numbered from 1, as in every sentence
+            "path": str(path),
+            "archive": str(archive),
+        }
     except Exception:
         log.exception("forensics: packing %s for upload failed; the dump stays where it is", path)
         return sent

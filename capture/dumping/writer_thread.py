@@ -48,8 +48,9 @@ class BackgroundWriter:
         with self._lock:
             return self._pending
 
-    def submit(self, content: DumpContent, root: str, on_done: Callable[[Path], None],
-               on_error: Callable[[str], None]) -> Path:
+    def submit(
+        self, content: DumpContent, root: str, on_done: Callable[[Path], None], on_error: Callable[[str], None]
+    ) -> Path:
         """Queues `content`; returns where the dump will appear once written."""
         self._start()
         with self._lock:
@@ -122,8 +123,12 @@ class BackgroundWriter:
         self._queue.put(None)  # after every queued dump: the thread writes them, then ends
         thread.join(timeout)
         if thread.is_alive():
-            log.error("forensics: background dump writes did not finish within %s s; %d dump(s) are lost (an "
-                      "unfinished one is removed at the next run's first dump)", timeout, self.pending)
+            log.error(
+                "forensics: background dump writes did not finish within %s s; %d dump(s) are lost (an "
+                "unfinished one is removed at the next run's first dump)",
+                timeout,
+                self.pending,
+            )
             return False
         return True
 
@@ -134,8 +139,7 @@ class BackgroundWriter:
             return
         with self._lock:
             failed_before = self._failed
-        log.warning("forensics: %s: waiting up to %.0f s for %d dump(s) still being written", why, EXIT_WAIT_S,
-                    pending)
+        log.warning("forensics: %s: waiting up to %.0f s for %d dump(s) still being written", why, EXIT_WAIT_S, pending)
         with deferred_termination():  # a SIGTERM or Ctrl-C now ends the job once the dumps are written (and said)
             if not self.join(EXIT_WAIT_S):
                 return

@@ -48,23 +48,48 @@ class AccelerateGuard(DistributedGuard):
         ...         scheduler.step(); optimizer.zero_grad()
     """
 
-    def __init__(self, accelerator: Any, model: Any, optimizer: Any, scheduler: Any = None, *,
-                 config: GuardConfig | None = None, loss_fn: Callable | None = None):
+    def __init__(
+        self,
+        accelerator: Any,
+        model: Any,
+        optimizer: Any,
+        scheduler: Any = None,
+        *,
+        config: GuardConfig | None = None,
+        loss_fn: Callable | None = None,
+    ):
         self.accelerator = accelerator
         config = config or GuardConfig()
         if config.detection.loss_divisor is None:
             config = config.replace(loss_divisor=float(accelerator.gradient_accumulation_steps))
         torch_optimizer = getattr(optimizer, "optimizer", optimizer)  # AcceleratedOptimizer wraps the real one
         torch_scheduler = getattr(scheduler, "scheduler", scheduler)
-        super().__init__(accelerator.unwrap_model(model), torch_optimizer, torch_scheduler,
-                         getattr(accelerator, "scaler", None), config=config, loss_fn=loss_fn,
-                         autocast=_autocast(accelerator))
-        self.integration = {"framework": "accelerate", "mixed_precision": str(accelerator.mixed_precision),
-                            "distributed_type": str(accelerator.distributed_type)}
+        super().__init__(
+            accelerator.unwrap_model(model),
+            torch_optimizer,
+            torch_scheduler,
+            getattr(accelerator, "scaler", None),
+            config=config,
+            loss_fn=loss_fn,
+            autocast=_autocast(accelerator),
+        )
+        self.integration = {
+            "framework": "accelerate",
+            "mixed_precision": str(accelerator.mixed_precision),
+            "distributed_type": str(accelerator.distributed_type),
+        }
 
     @classmethod
-    def create(cls, accelerator: Any, model: Any, optimizer: Any, scheduler: Any = None, *,
-               config: GuardConfig | None = None, loss_fn: Callable | None = None) -> DistributedGuard:
+    def create(
+        cls,
+        accelerator: Any,
+        model: Any,
+        optimizer: Any,
+        scheduler: Any = None,
+        *,
+        config: GuardConfig | None = None,
+        loss_fn: Callable | None = None,
+    ) -> DistributedGuard:
         """The right guard for this accelerator: an AccelerateGuard, or under the DeepSpeed plugin a
         DeepSpeedGuard hooked into `engine.step()` (call it after `accelerator.prepare`)."""
         wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
@@ -86,8 +111,9 @@ class AccelerateDeepSpeedGuard(DeepSpeedGuard):
     """A DeepSpeedGuard hooked into engine.step() (Accelerate calls it inside `accelerator.backward`), whose
     `backward` records the loss and goes through the accelerator. Made by `AccelerateGuard.create`."""
 
-    def __init__(self, accelerator: Any, engine: Any, *, config: GuardConfig | None = None,
-                 loss_fn: Callable | None = None):
+    def __init__(
+        self, accelerator: Any, engine: Any, *, config: GuardConfig | None = None, loss_fn: Callable | None = None
+    ):
         self.accelerator = accelerator
         super().__init__(engine, config=config, loss_fn=loss_fn, hook_step=True)
 

@@ -43,9 +43,18 @@ class DistributedGuard(Guard):
         >>> # then the Guard loop: record_batch, record_loss, check(grad_norm=clip_grad_norm_(...))
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: Any, scheduler: Any = None, scaler: Any = None, *,
-                 config: GuardConfig | None = None, loss_fn: Callable | None = None,
-                 autocast: dict | None = None, state: Callable[..., StateSource] = state_source):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: Any,
+        scheduler: Any = None,
+        scaler: Any = None,
+        *,
+        config: GuardConfig | None = None,
+        loss_fn: Callable | None = None,
+        autocast: dict | None = None,
+        state: Callable[..., StateSource] = state_source,
+    ):
         super().__init__(model, optimizer, scheduler, scaler, config=config, loss_fn=loss_fn, state=state)
         self.autocast = autocast
         """The autocast a framework applies inside the model's forward (where the loop cannot see it)."""

@@ -60,8 +60,17 @@ class LossScaleView:
     def state_dict(self) -> dict:
         scaler = thirdparty.loss_scaler(self.optimizer)
         state = {"scale": thirdparty.loss_scale(self.optimizer)}
-        for name in ("dynamic", "min_scale", "scale_factor", "scale_window", "cur_hysteresis", "delayed_shift",
-                     "cur_iter", "last_overflow_iter", "consecutive_hysteresis"):
+        for name in (
+            "dynamic",
+            "min_scale",
+            "scale_factor",
+            "scale_window",
+            "cur_hysteresis",
+            "delayed_shift",
+            "cur_iter",
+            "last_overflow_iter",
+            "consecutive_hysteresis",
+        ):
             value = getattr(scaler, name, None)
             if isinstance(value, (bool, int, float)):
                 state[name] = value
@@ -83,10 +92,12 @@ class DeepSpeedState(StateSource):
         self.sharded_grad_norm = self.sharded
         self.lp_dtype = next((p.dtype for p in self.model.parameters()), torch.float32)
         basic = _basic(self.optimizer)
-        self.integration = {"framework": "deepspeed", "zero_stage": self.zero_stage,
-                            "optimizer_class": _class_path(basic),
-                            "precision": "fp16" if engine.fp16_enabled() else
-                            "bf16" if engine.bfloat16_enabled() else "fp32"}
+        self.integration = {
+            "framework": "deepspeed",
+            "zero_stage": self.zero_stage,
+            "optimizer_class": _class_path(basic),
+            "precision": "fp16" if engine.fp16_enabled() else "bf16" if engine.bfloat16_enabled() else "fp32",
+        }
         self._warned_no_grads = False
 
     def grad_norm(self) -> Any:
@@ -100,8 +111,11 @@ class DeepSpeedState(StateSource):
             return torch.zeros(())  # this rank's shard holds no gradient: it adds nothing to the norm
         if not tensors:
             if not self._warned_no_grads:
-                log.warning("forensics: cannot read gradients from this DeepSpeed optimizer (%s); detection "
-                            "uses the loss only and the history's grad_norm is 0", type(self.optimizer).__name__)
+                log.warning(
+                    "forensics: cannot read gradients from this DeepSpeed optimizer (%s); detection "
+                    "uses the loss only and the history's grad_norm is 0",
+                    type(self.optimizer).__name__,
+                )
                 self._warned_no_grads = True
             return 0.0
         squares = torch.stack([torch.linalg.vector_norm(t.detach(), dtype=torch.float32) ** 2 for t in tensors])
@@ -124,8 +138,9 @@ class DeepSpeedState(StateSource):
         if self.sharded and self._zero_layout() is StateLayout.SHARDED:
             self.layout_used = StateLayout.SHARDED
             local = {"model": self._local_weights(), "optimizer": self._optimizer_state(self._local_value)}
-            parts, table = sharding.shard_state(local, self.ranks.rank, self.ranks.world_size,
-                                                self.config.dumping.shard_replicas, copy)
+            parts, table = sharding.shard_state(
+                local, self.ranks.rank, self.ranks.world_size, self.config.dumping.shard_replicas, copy
+            )
             return {**parts, "layout": table}
         self.layout_used = StateLayout.FULL
         if not self.sharded:
@@ -143,8 +158,13 @@ class DeepSpeedState(StateSource):
         numel = sum(math.prod(thirdparty.full_shape(p)) for p in self.model.parameters())
         state_bytes = numel * (torch.tensor([], dtype=self.lp_dtype).element_size() + 12)  # + fp32 master, 2 moments
         ranks = self.ranks
-        return sharding.choose_layout(StateLayout(self.config.dumping.state_layout), ranks.world_size if ranks.multi_rank else 1,
-                                      True, state_bytes, self.config.dumping.full_state_max_bytes)
+        return sharding.choose_layout(
+            StateLayout(self.config.dumping.state_layout),
+            ranks.world_size if ranks.multi_rank else 1,
+            True,
+            state_bytes,
+            self.config.dumping.full_state_max_bytes,
+        )
 
     def _local_weights(self) -> dict[str, Any]:
         """This rank's weights: ZeRO-3 partitions as flat shards; replicated weights (ZeRO-1/2) whole (the ranks
@@ -203,7 +223,9 @@ class DeepSpeedState(StateSource):
         entries = [s for s in basic.state.values() if s]
         # Every rank steps the same groups of flat shards, so whether state exists and its keys agree on
         # all ranks: the collectives below are made by all of them or by none, in the same order.
-        keys = sorted(k for k, v in entries[0].items() if isinstance(v, torch.Tensor) and v.dim() > 0) if entries else []
+        keys = (
+            sorted(k for k, v in entries[0].items() if isinstance(v, torch.Tensor) and v.dim() > 0) if entries else []
+        )
         step = _step_value(entries[0] if entries else {}, basic)
         if self.zero_stage == 3:
             flats = thirdparty.zero3_master_partitions(optimizer)
@@ -228,8 +250,12 @@ class DeepSpeedState(StateSource):
                 if entry:
                     state[name] = entry
             hyper = basic.param_groups[group_index] if group_index < len(basic.param_groups) else {}
-            groups.append({**{k: snapshot.plain(v) for k, v in hyper.items() if k not in ("params", "step")},
-                           "params": group_names})
+            groups.append(
+                {
+                    **{k: snapshot.plain(v) for k, v in hyper.items() if k not in ("params", "step")},
+                    "params": group_names,
+                }
+            )
         return {"class": _replay_class(basic), "param_groups": groups, "state": state}
 
     def _full_hp(self, param: torch.nn.Parameter, key: str | None) -> torch.Tensor | None:
@@ -280,14 +306,19 @@ class DeepSpeedState(StateSource):
                     pieces = {k: v for k, v in entries.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
                 else:
                     if flats is None:
-                        raise CaptureError(f"DeepSpeed's {type(self.optimizer).__name__} has neither fp32_groups nor "
-                                           "fp32_groups_flat: this version's fp32 masters cannot be read")
+                        raise CaptureError(
+                            f"DeepSpeed's {type(self.optimizer).__name__} has neither fp32_groups nor "
+                            "fp32_groups_flat: this version's fp32 masters cannot be read"
+                        )
                     flat = flats[group_index]
                     entries = dict(basic.state.get(flat, {}))
                     numel = param.numel()
                     master = flat.narrow(0, offset, numel).view(param.shape)
-                    pieces = {k: v.narrow(0, offset, numel).view(param.shape) for k, v in entries.items()
-                              if isinstance(v, torch.Tensor) and v.dim() > 0}
+                    pieces = {
+                        k: v.narrow(0, offset, numel).view(param.shape)
+                        for k, v in entries.items()
+                        if isinstance(v, torch.Tensor) and v.dim() > 0
+                    }
                     offset += numel
                 entry = {k: copy(v) for k, v in pieces.items()}
                 if entry:
@@ -297,14 +328,19 @@ class DeepSpeedState(StateSource):
                         entry["step"] = torch.tensor(step, dtype=torch.float32)
                     state[names.get(id(param), f"<unnamed group {group_index}>")] = entry
             hyper = basic.param_groups[group_index] if group_index < len(basic.param_groups) else {}
-            groups.append({**{k: snapshot.plain(v) for k, v in hyper.items() if k not in ("params", "step")},
-                           "params": [names.get(id(p), f"<unnamed group {group_index}>") for p in params]})
+            groups.append(
+                {
+                    **{k: snapshot.plain(v) for k, v in hyper.items() if k not in ("params", "step")},
+                    "params": [names.get(id(p), f"<unnamed group {group_index}>") for p in params],
+                }
+            )
         return {"class": _replay_class(basic), "param_groups": groups, "state": state}
 
     def _lp_groups(self) -> list[tuple[int, list[torch.nn.Parameter]]]:
         """The model's parameters in each of the user's optimizer groups, in DeepSpeed's order."""
-        return thirdparty.zero_param_groups(self.optimizer) or \
-            [(0, [p for p in self.model.parameters() if p.requires_grad])]
+        return thirdparty.zero_param_groups(self.optimizer) or [
+            (0, [p for p in self.model.parameters() if p.requires_grad])
+        ]
 
     @property
     def is_collective(self) -> bool:
@@ -321,6 +357,7 @@ class DeepSpeedState(StateSource):
             # DeepSpeed casts the model itself (no autocast): replay must build it in that dtype.
             recipe.setdefault("factory_kwargs", {})["dtype"] = str(self.lp_dtype).removeprefix("torch.")
         return recipe
+
 
 class DeepSpeedGuard(DistributedGuard):
     """Watches a DeepSpeed engine; on NaN/Inf or a spike every rank dumps the full pre-step state.
@@ -350,8 +387,14 @@ class DeepSpeedGuard(DistributedGuard):
     non-finite in fp16 and fp32 (and in bf16 with `"check_grad_overflow": true` in zero_optimization).
     """
 
-    def __init__(self, engine: Any, *, config: GuardConfig | None = None, loss_fn: Callable | None = None,
-                 hook_step: bool = False):
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        config: GuardConfig | None = None,
+        loss_fn: Callable | None = None,
+        hook_step: bool = False,
+    ):
         self.engine = engine
         self.zero_stage = int(engine.zero_optimization_stage())
         optimizer = engine.optimizer
@@ -366,18 +409,29 @@ class DeepSpeedGuard(DistributedGuard):
         if scaler is not None and config.detection.min_loss_scale == defaults.detection.min_loss_scale:
             changes["min_loss_scale"] = scaler.min_scale()
         if config.detection.verify_update:
-            log.warning("forensics: verify_update is not supported under DeepSpeed (its optimizer steps flat "
-                        "shards); it is turned off")
+            log.warning(
+                "forensics: verify_update is not supported under DeepSpeed (its optimizer steps flat "
+                "shards); it is turned off"
+            )
             changes["verify_update"] = False
         if config.dumping.recheck and self.zero_stage == 3:
             log.warning("forensics: recheck is off under ZeRO-3: a forward on one rank alone would hang")
             changes["recheck"] = False
         if config.detection.on_nonfinite == Policy.SKIP:
-            log.warning("forensics: the 'skip' policy cannot stop engine.step() under DeepSpeed; faults are "
-                        "dumped and training goes on")
+            log.warning(
+                "forensics: the 'skip' policy cannot stop engine.step() under DeepSpeed; faults are "
+                "dumped and training goes on"
+            )
         config = config.replace(**changes)
-        super().__init__(engine.module, optimizer, getattr(engine, "lr_scheduler", None), scaler,
-                         config=config, loss_fn=loss_fn, state=functools.partial(DeepSpeedState, engine))
+        super().__init__(
+            engine.module,
+            optimizer,
+            getattr(engine, "lr_scheduler", None),
+            scaler,
+            config=config,
+            loss_fn=loss_fn,
+            state=functools.partial(DeepSpeedState, engine),
+        )
         self._in_step_hook = False
         self._unhook_step = thirdparty.call_before(engine, "step", self._check_in_step) if hook_step else None
 

@@ -50,8 +50,13 @@ def _loss_of(output: Any) -> Any:
     if isinstance(output, dict):
         return output.get("loss")
     loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor) \
-            and output[0].dim() == 0:
+    if (
+        loss is None
+        and isinstance(output, (tuple, list))
+        and output
+        and isinstance(output[0], torch.Tensor)
+        and output[0].dim() == 0
+    ):
         loss = output[0]
     return loss
 
@@ -86,14 +91,19 @@ class ForensicsTrainerCallback(TrainerCallback):
             config = config.replace(loss_divisor=float(args.gradient_accumulation_steps))
         autocast = None
         if args.bf16 or args.fp16:
-            autocast = {"enabled": True, "device_type": args.device.type,
-                        "dtype": "bfloat16" if args.bf16 else "float16"}
+            autocast = {
+                "enabled": True,
+                "device_type": args.device.type,
+                "dtype": "bfloat16" if args.bf16 else "float16",
+            }
         self._optimizer = optimizer
         if getattr(args, "deepspeed", None) or getattr(args, "deepspeed_plugin", None):
             engine = _find_engine(model)
             if engine is None:
-                log.warning("forensics: the Trainer runs DeepSpeed but its engine was not found; training is "
-                            "not guarded (use DeepSpeedGuard in a custom loop)")
+                log.warning(
+                    "forensics: the Trainer runs DeepSpeed but its engine was not found; training is "
+                    "not guarded (use DeepSpeedGuard in a custom loop)"
+                )
                 return
             from capture.integrations.deepspeed import DeepSpeedGuard
 
@@ -101,15 +111,22 @@ class ForensicsTrainerCallback(TrainerCallback):
             self.guard = DeepSpeedGuard(engine, config=config, loss_fn=self.loss_fn, hook_step=True)
             self.guard.integration["framework"] = "transformers.Trainer+deepspeed"
         else:
-            self.guard = DistributedGuard(model, getattr(optimizer, "optimizer", optimizer),
-                                          getattr(lr_scheduler, "scheduler", lr_scheduler),
-                                          getattr(optimizer, "scaler", None), config=config, loss_fn=self.loss_fn,
-                                          autocast=autocast)
+            self.guard = DistributedGuard(
+                model,
+                getattr(optimizer, "optimizer", optimizer),
+                getattr(lr_scheduler, "scheduler", lr_scheduler),
+                getattr(optimizer, "scaler", None),
+                config=config,
+                loss_fn=self.loss_fn,
+                autocast=autocast,
+            )
             self.guard.integration = {"framework": "transformers.Trainer"}
         self._ids_dropped_by_trainer = bool(getattr(args, "remove_unused_columns", False))
         self._warned_no_ids = False
-        self._handles = [model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
-                         model.register_forward_hook(self._after_forward, with_kwargs=True)]
+        self._handles = [
+            model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+            model.register_forward_hook(self._after_forward, with_kwargs=True),
+        ]
 
     def on_train_end(self, args, state, control, **kwargs):
         self.close()
@@ -130,12 +147,20 @@ class ForensicsTrainerCallback(TrainerCallback):
         sample_ids = kwargs.get(key)
         if sample_ids is None and not self._warned_no_ids:
             self._warned_no_ids = True
-            why = (" The Trainer removes dataset columns its model's forward does not accept: set "
-                   "TrainingArguments(remove_unused_columns=False) to keep them (the callback takes the ids out "
-                   "before the forward)." if self._ids_dropped_by_trainer else "")
-            log.warning("forensics: the Trainer's batches carry no %r field, so dumps will name samples by their "
-                        "position in the step (step<N>/rank<R>/mb<M>/<i>), not by their dataset id.%s Add ids with "
-                        "capture.IndexedDataset(dataset).", key, why)
+            why = (
+                " The Trainer removes dataset columns its model's forward does not accept: set "
+                "TrainingArguments(remove_unused_columns=False) to keep them (the callback takes the ids out "
+                "before the forward)."
+                if self._ids_dropped_by_trainer
+                else ""
+            )
+            log.warning(
+                "forensics: the Trainer's batches carry no %r field, so dumps will name samples by their "
+                "position in the step (step<N>/rank<R>/mb<M>/<i>), not by their dataset id.%s Add ids with "
+                "capture.IndexedDataset(dataset).",
+                key,
+                why,
+            )
         if args and kwargs:
             batch: Any = {"args": list(args), **kwargs}
         else:

@@ -61,8 +61,10 @@ class ForensicsLightningCallback(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         if not pl_module.automatic_optimization:
-            log.warning("forensics: manual optimization is not guarded by ForensicsLightningCallback; "
-                        "call Guard.record_batch / record_loss / check in your training_step")
+            log.warning(
+                "forensics: manual optimization is not guarded by ForensicsLightningCallback; "
+                "call Guard.record_batch / record_loss / check in your training_step"
+            )
             return
         optimizers = trainer.optimizers
         if len(optimizers) != 1:
@@ -75,11 +77,19 @@ class ForensicsLightningCallback(Callback):
         if config.detection.max_grad_norm is None and clip and algorithm.endswith("norm"):
             config.detection.max_grad_norm = float(clip)
         schedulers = trainer.lr_scheduler_configs
-        self.guard = DistributedGuard(pl_module, optimizers[0], schedulers[0].scheduler if schedulers else None,
-                                      getattr(trainer.precision_plugin, "scaler", None), config=config,
-                                      loss_fn=self.loss_fn)
-        self.guard.integration = {"framework": "lightning", "precision": str(trainer.precision),
-                                  "strategy": type(trainer.strategy).__name__}
+        self.guard = DistributedGuard(
+            pl_module,
+            optimizers[0],
+            schedulers[0].scheduler if schedulers else None,
+            getattr(trainer.precision_plugin, "scaler", None),
+            config=config,
+            loss_fn=self.loss_fn,
+        )
+        self.guard.integration = {
+            "framework": "lightning",
+            "precision": str(trainer.precision),
+            "strategy": type(trainer.strategy).__name__,
+        }
         self._wrap_training_step(pl_module)
 
     def _wrap_training_step(self, pl_module) -> None:

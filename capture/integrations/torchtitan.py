@@ -49,6 +49,7 @@ from forensics.recipes import torchtitan_loss, torchtitan_recipe
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class Forensics:
     """The `[forensics]` section of a torchtitan job config (`--forensics.<field>` on the command line)."""
@@ -93,12 +94,17 @@ def guard_config(job_config: Any, recipe: dict | None) -> GuardConfig:
     """The GuardConfig a torchtitan job's `[forensics]` section (and its clipping norm) describes."""
     section: Forensics = job_config.forensics
     dumping = DumpConfig(max_dumps=section.max_dumps, recipe=recipe)
-    return GuardConfig(dump_dir=section.dump_dir or os.path.join(job_config.job.dump_folder, "forensics"),
-                       run_id=section.run_id or None,
-                       detection=DetectionConfig(on_nonfinite=Policy(section.on_nonfinite),
-                                                 on_spike=Policy(section.on_spike),
-                                                 max_grad_norm=float(job_config.training.max_norm) or None),
-                       dumping=dumping, recording=RecordConfig(sample_id_key=section.sample_id_key))
+    return GuardConfig(
+        dump_dir=section.dump_dir or os.path.join(job_config.job.dump_folder, "forensics"),
+        run_id=section.run_id or None,
+        detection=DetectionConfig(
+            on_nonfinite=Policy(section.on_nonfinite),
+            on_spike=Policy(section.on_spike),
+            max_grad_norm=float(job_config.training.max_norm) or None,
+        ),
+        dumping=dumping,
+        recording=RecordConfig(sample_id_key=section.sample_id_key),
+    )
 
 
 class ForensicsTrainer(Trainer):
@@ -127,19 +133,35 @@ class ForensicsTrainer(Trainer):
         model = self.model_parts[0]
         recipe = torchtitan_recipe(model, self.model_args)
         if recipe is None:
-            log.warning("forensics: %s is not one of torchtitan's model families; name a replay factory with "
-                        "--factory at replay", type(model).__name__)
+            log.warning(
+                "forensics: %s is not one of torchtitan's model families; name a replay factory with "
+                "--factory at replay",
+                type(model).__name__,
+            )
         elif section.replay_loss:
             recipe["loss"] = section.replay_loss
         autocast = None
         if isinstance(self.maybe_enable_amp, torch.autocast):  # torchtitan's AMP (no FSDP): around forward and loss
-            autocast = {"enabled": True, "device_type": self.device.type,
-                        "dtype": job_config.training.mixed_precision_param}
+            autocast = {
+                "enabled": True,
+                "device_type": self.device.type,
+                "dtype": job_config.training.mixed_precision_param,
+            }
         [optimizer] = self.optimizers.optimizers  # one model part: one torch optimizer
-        guard = DistributedGuard(model, optimizer, self.lr_schedulers.schedulers[0],
-                                 config=guard_config(job_config, recipe), loss_fn=torchtitan_loss, autocast=autocast)
-        guard.integration = {"framework": "torchtitan", "model": job_config.model.name,
-                             "flavor": job_config.model.flavor, "fsdp": bool(self.parallel_dims.fsdp_enabled)}
+        guard = DistributedGuard(
+            model,
+            optimizer,
+            self.lr_schedulers.schedulers[0],
+            config=guard_config(job_config, recipe),
+            loss_fn=torchtitan_loss,
+            autocast=autocast,
+        )
+        guard.integration = {
+            "framework": "torchtitan",
+            "model": job_config.model.name,
+            "flavor": job_config.model.flavor,
+            "fsdp": bool(self.parallel_dims.fsdp_enabled),
+        }
         self._record_losses(guard)
         return guard
 

@@ -82,9 +82,17 @@ class Firing:
     words: str = ""
 
     def as_dict(self) -> dict:
-        return {"layer": self.layer, "statistic": self.statistic.value, "step": self.step, "started": self.started,
-                "value": self.value if math.isfinite(self.value) else None, "baseline": self.baseline, "z": self.z,
-                "rule": self.rule.value, **({"words": self.words} if self.words else {})}
+        return {
+            "layer": self.layer,
+            "statistic": self.statistic.value,
+            "step": self.step,
+            "started": self.started,
+            "value": self.value if math.isfinite(self.value) else None,
+            "baseline": self.baseline,
+            "z": self.z,
+            "rule": self.rule.value,
+            **({"words": self.words} if self.words else {}),
+        }
 
     @property
     def detail(self) -> str:
@@ -92,27 +100,41 @@ class Firing:
             return self.words
         direction = "above" if self.statistic.rising else "below"
         ratio = self.value / self.baseline if self.statistic.rising else self.baseline / max(self.value, TINY)
-        return (f"{self.statistic.words} of {self.layer} has stayed {direction} its baseline since step "
-                f"{self.started}: {self.value:.4g} vs median {self.baseline:.4g} ({ratio:.3g}x, robust z {self.z:.1f})")
+        return (
+            f"{self.statistic.words} of {self.layer} has stayed {direction} its baseline since step "
+            f"{self.started}: {self.value:.4g} vs median {self.baseline:.4g} ({ratio:.3g}x, robust z {self.z:.1f})"
+        )
 
 
 class PrecursorMonitor:
     """The precursor monitor of one Guard (GuardConfig.precursors): which steps are sampled, the host-side trends
     and what fired. The statistics themselves are capture/precursors/statistics.py's."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: PrecursorConfig,
-                 scaler: Any = None):
+    def __init__(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: PrecursorConfig, scaler: Any = None
+    ):
         self.config = config
         self.every = config.every
         self.stats = StepStatistics(model, optimizer, config.attention, config.optimizer, scaler)
         if not self.stats.blocks:
-            log.warning("forensics: precursors: the model has no ModuleList / ModuleDict / Sequential of repeated "
-                        "blocks; only the output logits are watched")
+            log.warning(
+                "forensics: precursors: the model has no ModuleList / ModuleDict / Sequential of repeated "
+                "blocks; only the output logits are watched"
+            )
         self.handles = self.stats.handles
         self.columns: list[tuple[str, PrecursorStatistic]] = self.stats.columns
         """What each value of a row is: (layer, statistic)."""
-        self.trends = [RobustTrend(config.window, config.warmup_samples, config.sustained, config.z_threshold,
-                                   config.min_growth, stat.rising) for _, stat in self.columns]
+        self.trends = [
+            RobustTrend(
+                config.window,
+                config.warmup_samples,
+                config.sustained,
+                config.z_threshold,
+                config.min_growth,
+                stat.rising,
+            )
+            for _, stat in self.columns
+        ]
         self.limits: dict[int, LimitWatch] = {}
         """Per column measured in a low-precision dtype (known from the first sampled step): its headroom and
         trend against that dtype's limit (forensics/headroom.py)."""
@@ -219,10 +241,23 @@ class PrecursorMonitor:
             if alarm.rule is not PrecursorRule.NONFINITE:  # once close to the limit, only an overflow says more
                 self._limit_fired.update({(j, PrecursorRule.HEADROOM), (j, PrecursorRule.TREND)})
             started = step - (alarm.span or 0)
-            baseline = {PrecursorRule.HEADROOM: headroom.HEADROOM * alarm.limit.value,
-                        PrecursorRule.TREND: alarm.value / (alarm.growth or 1.0)}.get(alarm.rule, alarm.limit.value)
-            fired.append(Firing(layer, stat, step, started, alarm.value, baseline, 0.0, alarm.rule,
-                                headroom.describe_alarm(alarm, f"the {stat.words} of {layer}")))
+            baseline = {
+                PrecursorRule.HEADROOM: headroom.HEADROOM * alarm.limit.value,
+                PrecursorRule.TREND: alarm.value / (alarm.growth or 1.0),
+            }.get(alarm.rule, alarm.limit.value)
+            fired.append(
+                Firing(
+                    layer,
+                    stat,
+                    step,
+                    started,
+                    alarm.value,
+                    baseline,
+                    0.0,
+                    alarm.rule,
+                    headroom.describe_alarm(alarm, f"the {stat.words} of {layer}"),
+                )
+            )
         return fired
 
     def note_step(self, step: int, healthy: bool) -> None:
@@ -247,10 +282,18 @@ class PrecursorMonitor:
     def describe(self) -> dict:
         """The columns and settings `precursors.json` states (docs/DUMP_FORMAT.md)."""
         c = self.config
-        return {"columns": [{"layer": layer, "statistic": stat.value} for layer, stat in self.columns],
-                "config": {"every": c.every, "window": c.window, "warmup": c.warmup, "sustained": c.sustained,
-                           "z_threshold": c.z_threshold, "min_growth": c.min_growth,
-                           "head_dim": self.stats.measured_head_dim}}
+        return {
+            "columns": [{"layer": layer, "statistic": stat.value} for layer, stat in self.columns],
+            "config": {
+                "every": c.every,
+                "window": c.window,
+                "warmup": c.warmup,
+                "sustained": c.sustained,
+                "z_threshold": c.z_threshold,
+                "min_growth": c.min_growth,
+                "head_dim": self.stats.measured_head_dim,
+            },
+        }
 
     def to_dump(self, firings: list[Firing], step: int) -> Firing | None:
         """The firing to dump at `step` (None: none may): the earliest-starting one whose (layer, statistic) did
@@ -285,12 +328,27 @@ def agreed_trigger(monitor: PrecursorMonitor | None, agreement: Any, other: bool
         monitor.dumps += 1
     if firing is not None:
         return Trigger(TriggerKind.PRECURSOR, firing.value, firing.baseline, None, firing.detail)
-    return Trigger(TriggerKind.PRECURSOR, None, None, None,
-                   "another rank's per-layer statistics kept growing (its dump names the layer)", local=False)
+    return Trigger(
+        TriggerKind.PRECURSOR,
+        None,
+        None,
+        None,
+        "another rank's per-layer statistics kept growing (its dump names the layer)",
+        local=False,
+    )
 
 
-def judge(monitor: PrecursorMonitor, step: int, record: StepRecord, *, healthy: bool, dumped: bool,
-          state: StateSource, history: History, report: Callable[[Incident], Any]) -> None:
+def judge(
+    monitor: PrecursorMonitor,
+    step: int,
+    record: StepRecord,
+    *,
+    healthy: bool,
+    dumped: bool,
+    state: StateSource,
+    history: History,
+    report: Callable[[Incident], Any],
+) -> None:
     """Guard.check()'s precursor step: when a statistic fired in the row this check() read (the last sampled
     step's: this step's or one before it) on a `healthy` step, `report`s the Incident that dumps this step under
     policy 'continue' — unless it was `dumped` already for an incident of its own (the next step then) or one rank's
@@ -305,8 +363,15 @@ def judge(monitor: PrecursorMonitor, step: int, record: StepRecord, *, healthy: 
         log.exception("forensics: precursors: step %d could not be judged", step)
 
 
-def _incident(monitor: PrecursorMonitor, step: int, record: StepRecord, healthy: bool, dumped: bool,
-              state: StateSource, history: History) -> Incident | None:
+def _incident(
+    monitor: PrecursorMonitor,
+    step: int,
+    record: StepRecord,
+    healthy: bool,
+    dumped: bool,
+    state: StateSource,
+    history: History,
+) -> Incident | None:
     if not healthy:
         monitor.note_step(step, healthy=False)
     firings = monitor.take_firings()
@@ -332,15 +397,25 @@ def _incident(monitor: PrecursorMonitor, step: int, record: StepRecord, healthy:
         return None
     monitor.dumps += 1
     trigger = Trigger(TriggerKind.PRECURSOR, chosen.value, chosen.baseline, None, chosen.detail)
-    losses = [float(v.float().mean()) if isinstance(v, torch.Tensor) else float(v)
-              for v in record.losses]  # a few scalars, read only when a precursor fires
+    losses = [
+        float(v.float().mean()) if isinstance(v, torch.Tensor) else float(v) for v in record.losses
+    ]  # a few scalars, read only when a precursor fires
     norm = history.to_dict()["grad_norm"][-1] if len(history) else None
-    return Incident(trigger, step, record, losses, norm, record.divisor(state.config.detection.loss_divisor),
-                    Policy.CONTINUE)
+    return Incident(
+        trigger, step, record, losses, norm, record.divisor(state.config.detection.loss_divisor), Policy.CONTINUE
+    )
 
 
-def attach(model: torch.nn.Module, optimizer: Any, scaler: Any, config: PrecursorConfig | None, *, sync_free: bool,
-           window: FlightRecorder, add_hook: Callable[[Any], None]) -> PrecursorMonitor | None:
+def attach(
+    model: torch.nn.Module,
+    optimizer: Any,
+    scaler: Any,
+    config: PrecursorConfig | None,
+    *,
+    sync_free: bool,
+    window: FlightRecorder,
+    add_hook: Callable[[Any], None],
+) -> PrecursorMonitor | None:
     """The monitor for GuardConfig.precursors (None: off, or refused with a warning); its hooks go to `add_hook`
     (the Guard removes them) and its rows to the flight recorder `window`."""
     if config is None:

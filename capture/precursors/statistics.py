@@ -43,8 +43,15 @@ log = logging.getLogger(__name__)
 # attention module: Hugging Face Llama / Mistral / Qwen / OPT (q_proj), BERT (query), DeBERTa (query_proj), DistilBERT
 # (q_lin), T5 (q), torchtitan and Meta's Llama (wq); fused: one q|k|v projection whose first two thirds are the
 # queries and keys (GPT-2's and nanoGPT's c_attn).
-QK_PROJECTIONS = (("q_proj", "k_proj", False), ("query", "key", False), ("query_proj", "key_proj", False),
-                  ("q_lin", "k_lin", False), ("wq", "wk", False), ("q", "k", False), ("c_attn", "c_attn", True))
+QK_PROJECTIONS = (
+    ("q_proj", "k_proj", False),
+    ("query", "key", False),
+    ("query_proj", "key_proj", False),
+    ("q_lin", "k_lin", False),
+    ("wq", "wk", False),
+    ("q", "k", False),
+    ("c_attn", "c_attn", True),
+)
 HEAD_SIZE_ATTRIBUTES = ("head_dim", "attention_head_size", "key_value_proj_dim", "head_size")
 """An attention module's own attribute for its head size (Llama, GPT-2, torchtitan: head_dim; BERT:
 attention_head_size; T5: key_value_proj_dim)."""
@@ -86,15 +93,17 @@ def head_dim(model: torch.nn.Module) -> int | None:
     if isinstance(value, int) and value > 0:
         return value
     hidden = next((getattr(config, k) for k in ("hidden_size", "n_embd", "d_model") if hasattr(config, k)), None)
-    heads = next((getattr(config, k) for k in ("num_attention_heads", "n_head", "num_heads") if hasattr(config, k)),
-                 None)
+    heads = next(
+        (getattr(config, k) for k in ("num_attention_heads", "n_head", "num_heads") if hasattr(config, k)), None
+    )
     if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads == 0:
         return hidden // heads
     return None
 
 
-def attention_projections(block: torch.nn.Module
-                          ) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module, bool] | None:
+def attention_projections(
+    block: torch.nn.Module,
+) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module, bool] | None:
     """(attention module, query projection, key projection, fused) of a block: the first module in it with a
     QK_PROJECTIONS pair as its direct children; None when it has none."""
     for module in block.modules():
@@ -119,8 +128,9 @@ def output_projection(model: torch.nn.Module) -> tuple[str, torch.nn.Module] | N
     if isinstance(output, torch.nn.Module):
         return next((name for name, m in model.named_modules() if m is output), "output"), output
     children = dict(model.named_children())
-    return next(((name, children[name]) for name in OUTPUT_NAMES if isinstance(children.get(name), torch.nn.Module)),
-                None)
+    return next(
+        ((name, children[name]) for name in OUTPUT_NAMES if isinstance(children.get(name), torch.nn.Module)), None
+    )
 
 
 def _first_tensor(output: Any) -> torch.Tensor | None:
@@ -162,8 +172,9 @@ def _on_host(value: Any) -> Any:
 class StepStatistics:
     """The hooks and the per-step device values of one monitor; `row()` closes a sampled step."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: Any, attention: bool, with_optimizer: bool,
-                 scaler: Any = None):
+    def __init__(
+        self, model: torch.nn.Module, optimizer: Any, attention: bool, with_optimizer: bool, scaler: Any = None
+    ):
         self.optimizer = optimizer
         self.scaler = scaler
         """The job's GradScaler (or None): gradients still multiplied by its scale are divided by it."""
@@ -190,8 +201,11 @@ class StepStatistics:
         self._has_output = output is not None
         self._output_name = output[0] if output is not None else ""
         if output is None:
-            log.warning("forensics: precursors: the output-logit abs-max is not measured on this model: it has no "
-                        "get_output_embeddings() and no direct child named %s", " / ".join(OUTPUT_NAMES))
+            log.warning(
+                "forensics: precursors: the output-logit abs-max is not measured on this model: it has no "
+                "get_output_embeddings() and no direct child named %s",
+                " / ".join(OUTPUT_NAMES),
+            )
         if output is not None:
             self.columns.append((output[0], PrecursorStatistic.OUTPUT_LOGIT))
             self.handles.append(output[1].register_forward_hook(self._output_hook))
@@ -247,6 +261,7 @@ class StepStatistics:
                     self._outputs[index] = _first_tensor(output)
                 if last:
                     self._flush_micro_batch()
+
         return hook
 
     def _output_hook(self, module, args, output):
@@ -276,11 +291,13 @@ class StepStatistics:
                 if t.shape[-1] % (3 * size):
                     return
                 width = t.shape[-1] // 3
-                norms = torch.linalg.vector_norm(t[..., :2 * width].unflatten(-1, (2, -1, size)), dim=-1,
-                                                 dtype=torch.float32)
+                norms = torch.linalg.vector_norm(
+                    t[..., : 2 * width].unflatten(-1, (2, -1, size)), dim=-1, dtype=torch.float32
+                )
                 self._qk[slot], self._qk[slot + 1] = norms.unbind(-2)  # per token and head; maxed at the flush
             elif not t.shape[-1] % size:
                 self._qk[slot] = torch.linalg.vector_norm(t.unflatten(-1, (-1, size)), dim=-1, dtype=torch.float32)
+
         return hook
 
     @contextlib.contextmanager
@@ -317,14 +334,19 @@ class StepStatistics:
             if not fused:
                 self.handles.append(k.register_forward_hook(self._qk_hook(slot + 1, False, name, size)))
         if unsized:
-            log.warning("forensics: precursors: the attention-logit bound is not measured for %s: no head size found "
-                        "(an attribute %s on the attention module, or head_dim / hidden_size and num_attention_heads "
-                        "in model.config); set one of them to watch it", ", ".join(unsized[:3]) +
-                        (f" and {len(unsized) - 3} more" if len(unsized) > 3 else ""), " / ".join(HEAD_SIZE_ATTRIBUTES))
+            log.warning(
+                "forensics: precursors: the attention-logit bound is not measured for %s: no head size found "
+                "(an attribute %s on the attention module, or head_dim / hidden_size and num_attention_heads "
+                "in model.config); set one of them to watch it",
+                ", ".join(unsized[:3]) + (f" and {len(unsized) - 3} more" if len(unsized) > 3 else ""),
+                " / ".join(HEAD_SIZE_ATTRIBUTES),
+            )
         elif not found and self.blocks:
-            log.warning("forensics: precursors: the attention-logit bound is not measured on this model: its blocks "
-                        "have no query / key projections under a known name (%s)",
-                        ", ".join(f"{q}/{k}" for q, k, _ in QK_PROJECTIONS[:-1]) + ", fused c_attn")
+            log.warning(
+                "forensics: precursors: the attention-logit bound is not measured on this model: its blocks "
+                "have no query / key projections under a known name (%s)",
+                ", ".join(f"{q}/{k}" for q, k, _ in QK_PROJECTIONS[:-1]) + ", fused c_attn",
+            )
         return found
 
     @property
@@ -387,7 +409,7 @@ class StepStatistics:
                 bound = self._max_over(self._qk_parts, -1).view(-1, 2).float()
                 parts.append(bound[:, 0] * bound[:, 1] / math.sqrt(self._head_dim))
             else:
-                parts.append(self._neg_inf[:len(self._attention_blocks)])
+                parts.append(self._neg_inf[: len(self._attention_blocks)])
         if self._has_output:
             parts.append(self._max_over(self._logits, 1))
         grads = [_local(p.grad) for p in self._params]  # this rank's shards of sharded parameters
@@ -395,8 +417,11 @@ class StepStatistics:
             weights = [_local(p) for p in self._params]
             updates, floors = self._optimizer_updates(weights, grads)
             grad, weight, update = self._block_norms(grads, weights, norms=updates)
-            parts += [self._grad_norms(grad, grads), torch.where(update > 0, update / weight, self._neg_inf[:n]),
-                      self._block_floor(floors)]
+            parts += [
+                self._grad_norms(grad, grads),
+                torch.where(update > 0, update / weight, self._neg_inf[:n]),
+                self._block_floor(floors),
+            ]
         else:
             parts.append(self._grad_norms(self._block_norms(grads)[0], grads))
         return torch.cat([p.float().reshape(-1) for p in parts]) if parts else self._neg_inf[:0]
@@ -439,19 +464,22 @@ class StepStatistics:
         if not missing:
             return norms
         if missing not in self._unmeasured:
-            self._unmeasured[missing] = torch.tensor([i in missing for i in range(len(self.blocks))],
-                                                     device=self.device)
-        return torch.where(self._unmeasured[missing], self._neg_inf[:len(self.blocks)], norms)
+            self._unmeasured[missing] = torch.tensor(
+                [i in missing for i in range(len(self.blocks))], device=self.device
+            )
+        return torch.where(self._unmeasured[missing], self._neg_inf[: len(self.blocks)], norms)
 
     def _block_floor(self, floors: list[torch.Tensor]) -> torch.Tensor:
         """Per block, the smallest Adam second moment from each parameter's -sqrt(min v); -inf where none."""
         n = len(self.blocks)
         floor = torch.full((n,), -math.inf, device=self.device).scatter_reduce_(
-            0, self._owner, torch.stack(floors).float(), "amax")
+            0, self._owner, torch.stack(floors).float(), "amax"
+        )
         return torch.where(floor > -math.inf, floor.square(), self._neg_inf[:n])
 
-    def _optimizer_updates(self, weights: list[torch.Tensor], grads: list[torch.Tensor | None]
-                           ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _optimizer_updates(
+        self, weights: list[torch.Tensor], grads: list[torch.Tensor | None]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per parameter (`weights` and `grads`: this rank's parts, in `_params` order): ||lr x update|| of the update
         the optimizer state points to, and -sqrt of its smallest Adam second moment (exp_avg_sq; -inf: none). Adam's
         update is the bias-corrected m / (sqrt(v) + eps) (weight decay left out), SGD's the momentum buffer (else the
@@ -486,8 +514,10 @@ class StepStatistics:
                 thirdparty.foreach_reciprocal_(d)
                 thirdparty.foreach_mul_(d, [_local(s["exp_avg"]) for s in states])  # -m / (sqrt(v) + eps sqrt(bc2))
             elif all("momentum_buffer" in s for s in states):
-                moments = [_local(s["momentum_buffer"]) if s["momentum_buffer"] is not None else grads[i]
-                           for s, i in zip(states, indices)]
+                moments = [
+                    _local(s["momentum_buffer"]) if s["momentum_buffer"] is not None else grads[i]
+                    for s, i in zip(states, indices)
+                ]
                 if any(t is None for t in moments):
                     continue
                 d = [t for t in moments if t is not None]
@@ -500,9 +530,12 @@ class StepStatistics:
                 updates[i] = v
         if subsets and all(u is self._zero for u in updates) and not self._warned_optimizer:
             self._warned_optimizer = True
-            log.warning("forensics: precursors: the update/weight ratio and the Adam second-moment floor are not "
-                        "measured with %s: its state has neither Adam's exp_avg / exp_avg_sq nor SGD's "
-                        "momentum_buffer", type(self.optimizer).__name__)
+            log.warning(
+                "forensics: precursors: the update/weight ratio and the Adam second-moment floor are not "
+                "measured with %s: its state has neither Adam's exp_avg / exp_avg_sq nor SGD's "
+                "momentum_buffer",
+                type(self.optimizer).__name__,
+            )
         return updates, floors
 
 
@@ -522,8 +555,7 @@ def _adam_scalars(group: dict, step: Any) -> tuple[Any, Any]:
     eps, lr = group.get("eps", 1e-8), group.get("lr", 0.0)
     step, lr = _on_host(step), _on_host(lr)
     if isinstance(step, torch.Tensor):
-        root_bc2 = (1 - beta2 ** step).sqrt()
-        return eps * root_bc2, lr * root_bc2 / (1 - beta1 ** step)
-    root_bc2 = math.sqrt(1 - beta2 ** step)
-    return eps * root_bc2, lr * root_bc2 / (1 - beta1 ** step)
-
+        root_bc2 = (1 - beta2**step).sqrt()
+        return eps * root_bc2, lr * root_bc2 / (1 - beta1**step)
+    root_bc2 = math.sqrt(1 - beta2**step)
+    return eps * root_bc2, lr * root_bc2 / (1 - beta1**step)

@@ -1,2 +1,1 @@
-"""Stage 6 of capture: a step that raised instead of finishing: where it raised, and its dump.
-"""
+"""Stage 6 of capture: a step that raised instead of finishing: where it raised, and its dump."""

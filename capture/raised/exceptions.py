@@ -57,9 +57,16 @@ def exception_section(exc: BaseException, during: Phase, batches: list[Any]) -> 
 
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NOT_USER_CODE = tuple(p + os.sep for p in (
-    sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
-    os.path.dirname(os.path.abspath(torch.__file__)), *(os.path.join(_ROOT, pkg) for pkg in ("capture", "forensics"))))
+NOT_USER_CODE = tuple(
+    p + os.sep
+    for p in (
+        sysconfig.get_paths()["stdlib"],
+        sysconfig.get_paths()["purelib"],
+        sysconfig.get_paths()["platlib"],
+        os.path.dirname(os.path.abspath(torch.__file__)),
+        *(os.path.join(_ROOT, pkg) for pkg in ("capture", "forensics")),
+    )
+)
 
 
 def user_frame(frames: list[traceback.FrameSummary]) -> dict | None:
@@ -89,18 +96,25 @@ def memory_picture(batches: list[Any]) -> dict:
     try:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             device = torch.cuda.current_device()
-            picture.update(device=device, allocated=torch.cuda.memory_allocated(device),
-                           reserved=torch.cuda.memory_reserved(device),
-                           max_allocated=torch.cuda.max_memory_allocated(device),
-                           total=torch.cuda.get_device_properties(device).total_memory)
+            picture.update(
+                device=device,
+                allocated=torch.cuda.memory_allocated(device),
+                reserved=torch.cuda.memory_reserved(device),
+                max_allocated=torch.cuda.max_memory_allocated(device),
+                total=torch.cuda.get_device_properties(device).total_memory,
+            )
     except Exception:  # noqa: BLE001 - a broken context: the counters are a bonus
         pass
     picture["host"] = {"rss": proc_bytes("/proc/self/status", "VmRSS:"), "available": available_host_memory()}
     for index, batch in enumerate(batches):
         tensors = list(tensor_leaves(batch))
-        picture["micro_batches"].append({
-            "index": index, "bytes": sum(t.numel() * t.element_size() for _, t in tensors),
-            "shapes": {path or "batch": list(t.shape) for path, t in tensors[:32]}})
+        picture["micro_batches"].append(
+            {
+                "index": index,
+                "bytes": sum(t.numel() * t.element_size() for _, t in tensors),
+                "shapes": {path or "batch": list(t.shape) for path, t in tensors[:32]},
+            }
+        )
     return picture
 
 
@@ -116,9 +130,16 @@ def first_sight(exc: BaseException) -> bool:
     return True
 
 
-def raised_incident(exc: BaseException, current: StepRecord | None, *, step: int, last_step: StepRecord | None,
-                    stopped: TrainingFaultError | None, optimizer_steps: OptimizerSteps, state: StateSource
-                    ) -> Incident | None:
+def raised_incident(
+    exc: BaseException,
+    current: StepRecord | None,
+    *,
+    step: int,
+    last_step: StepRecord | None,
+    stopped: TrainingFaultError | None,
+    optimizer_steps: OptimizerSteps,
+    state: StateSource,
+) -> Incident | None:
     """The Incident of the step that raised `exc` (Guard.record_exception dumps it), or None when there is nothing
     to dump. The step is `current`, the step in progress (number `step`), or — raised after check(), `current`
     None — the step last checked (`last_step`), or the next one's pre-step state when the update had finished (the
@@ -128,37 +149,59 @@ def raised_incident(exc: BaseException, current: StepRecord | None, *, step: int
     if not first_sight(exc):
         return None  # already dumped by check(), or by an outer capture_errors() / the excepthook
     if current is None and stopped is not None:
-        log.warning("forensics: %s raised after the Guard stopped the job at step %d (TrainingFaultError): not a "
-                    "step of the training loop, not dumped (that step's dump: %s)", type(exc).__name__,
-                    step - 1, stopped.dump_path or stopped.dump_error)
+        log.warning(
+            "forensics: %s raised after the Guard stopped the job at step %d (TrainingFaultError): not a "
+            "step of the training loop, not dumped (that step's dump: %s)",
+            type(exc).__name__,
+            step - 1,
+            stopped.dump_path or stopped.dump_error,
+        )
         return None
     where = optimizer_steps.after_check() if current is None else None
     record = current if current is not None else last_step
     if record is None or not record.batches:
-        log.warning("forensics: %s raised outside a recorded step (%s): nothing to dump. To have such code dumped "
-                    "(evaluation, a data check), record its batch and wrap it: `with guard.capture_errors(): "
-                    "guard.record_batch(batch); ...` — the step is then dumped where it raises", type(exc).__name__,
-                    "before the first record_batch" if last_step is None else "the steps so far recorded no batch")
+        log.warning(
+            "forensics: %s raised outside a recorded step (%s): nothing to dump. To have such code dumped "
+            "(evaluation, a data check), record its batch and wrap it: `with guard.capture_errors(): "
+            "guard.record_batch(batch); ...` — the step is then dumped where it raises",
+            type(exc).__name__,
+            "before the first record_batch" if last_step is None else "the steps so far recorded no batch",
+        )
         return None
     multi_rank = state.ranks.multi_rank
     if state.is_collective and multi_rank:
-        log.error("forensics: step %d raised %s on rank %d; its ZeRO-sharded state cannot be gathered by one "
-                  "rank alone, so it is not dumped (the micro-batches are in the traceback's frames)",
-                  step, type(exc).__name__, state.ranks.rank)
+        log.error(
+            "forensics: step %d raised %s on rank %d; its ZeRO-sharded state cannot be gathered by one "
+            "rank alone, so it is not dumped (the micro-batches are in the traceback's frames)",
+            step,
+            type(exc).__name__,
+            state.ranks.rank,
+        )
         return None
     if where is not None and where.state_holds is StateHolds.AFTER_UPDATE:
         state.buffers.take_before_forward()  # the next step's pre-step buffers are the ones now
-    incident = step_incident(exc, record, step if current is not None else step - 1, where, multi_rank,
-                             record.divisor(state.config.detection.loss_divisor))
+    incident = step_incident(
+        exc,
+        record,
+        step if current is not None else step - 1,
+        where,
+        multi_rank,
+        record.divisor(state.config.detection.loss_divisor),
+    )
     if incident.trigger.kind is TriggerKind.EXCEPTION and last_step is not None:
         incident.accumulation = max(len(incident.record.batches), len(last_step.batches))
-    log.error("forensics: step %d rank %d raised %s; dumping the step", incident.step, state.ranks.rank,
-              incident.trigger.message)
+    log.error(
+        "forensics: step %d rank %d raised %s; dumping the step",
+        incident.step,
+        state.ranks.rank,
+        incident.trigger.message,
+    )
     return incident
 
 
-def step_incident(exc: BaseException, record: StepRecord, step: int, after_check: AfterCheck | None,
-                  multi_rank: bool, divisor: float) -> Incident:
+def step_incident(
+    exc: BaseException, record: StepRecord, step: int, after_check: AfterCheck | None, multi_rank: bool, divisor: float
+) -> Incident:
     """The Incident of a step that raised `exc`: where (forward while micro-batches still lack their loss,
     backward; after check(), `after_check`: the optimizer update or between steps), the `exception` section, and
     a trigger that is not this rank's own when it only saw another rank stop. Raised between steps after the
@@ -176,11 +219,22 @@ def step_incident(exc: BaseException, record: StepRecord, step: int, after_check
     section["state_holds"] = holds.value
     index = len(record.batches) - 1 if during is Phase.FORWARD else None
     if multi_rank and section["peer_failure"]:  # this rank only saw another rank stop
-        trigger = Trigger(TriggerKind.EXCEPTION, math.nan, None, index, f"another rank stopped: a collective "
-                          f"failed {during_words(during)} ({section['type']})", local=False)
+        trigger = Trigger(
+            TriggerKind.EXCEPTION,
+            math.nan,
+            None,
+            index,
+            f"another rank stopped: a collective failed {during_words(during)} ({section['type']})",
+            local=False,
+        )
     else:
-        trigger = Trigger(TriggerKind.EXCEPTION, math.nan, None, index,
-                          f"{section['type']} {during_words(during)}: {section['message'][:300]}")
+        trigger = Trigger(
+            TriggerKind.EXCEPTION,
+            math.nan,
+            None,
+            index,
+            f"{section['type']} {during_words(during)}: {section['message'][:300]}",
+        )
     try:
         host_losses, _ = host_numbers(list(record.losses))
     except Exception:  # noqa: BLE001 - a broken device: the losses are a bonus
@@ -189,8 +243,15 @@ def step_incident(exc: BaseException, record: StepRecord, step: int, after_check
     return Incident(trigger, step, record, losses, None, divisor, Policy.RAISE, exception=section)
 
 
-PEER_FAILURE_WORDS = ("Connection closed by peer", "Connection reset by peer", "remote worker", "NCCL error",
-                      "ProcessGroup", "gloo", "Watchdog caught collective operation timeout")
+PEER_FAILURE_WORDS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote worker",
+    "NCCL error",
+    "ProcessGroup",
+    "gloo",
+    "Watchdog caught collective operation timeout",
+)
 
 
 def peer_failure(exc: BaseException) -> bool:
@@ -201,8 +262,9 @@ def peer_failure(exc: BaseException) -> bool:
 
 def _is_oom(exc: BaseException) -> bool:
     oom: Any = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", ())
-    return isinstance(exc, oom) or (isinstance(exc, (RuntimeError, MemoryError))
-                                    and is_out_of_memory(type(exc).__name__, _safe_str(exc)))
+    return isinstance(exc, oom) or (
+        isinstance(exc, (RuntimeError, MemoryError)) and is_out_of_memory(type(exc).__name__, _safe_str(exc))
+    )
 
 
 def is_cuda_error(exc: BaseException) -> bool:
@@ -254,9 +316,11 @@ def watch(recorder: RecordsExceptions) -> None:
     for every Guard of the process, chained to the previous one, holding them weakly (a Guard that is dropped is not
     kept alive)."""
     if nccl_watchdog_aborts_on_cuda_errors():
-        log.warning("forensics: NCCL's watchdog aborts this process on a CUDA error (a device-side assert), which can "
-                    "end the rank before its dump is written; to let the dump finish and the job fail with its own "
-                    "exception, set TORCH_NCCL_RETHROW_CUDA_ERRORS=0 before init_process_group (docs/INTEGRATIONS.md)")
+        log.warning(
+            "forensics: NCCL's watchdog aborts this process on a CUDA error (a device-side assert), which can "
+            "end the rank before its dump is written; to let the dump finish and the job fail with its own "
+            "exception, set TORCH_NCCL_RETHROW_CUDA_ERRORS=0 before init_process_group (docs/INTEGRATIONS.md)"
+        )
     if sys.excepthook is not _excepthook:
         _PREVIOUS[:] = [sys.excepthook]
         sys.excepthook = _excepthook

@@ -54,8 +54,10 @@ class OptimizerSteps:
         self.why_unknown: str | None = None
         target = torch_optimizer(optimizer)
         if target is None:
-            self.why_unknown = (f"{type(optimizer).__name__} is not (and does not wrap) a torch.optim.Optimizer with "
-                                "step hooks (torch >= 2.0)")
+            self.why_unknown = (
+                f"{type(optimizer).__name__} is not (and does not wrap) a torch.optim.Optimizer with "
+                "step hooks (torch >= 2.0)"
+            )
             log.info("forensics: %s; an exception after check() is recorded as during the optimizer", self.why_unknown)
             return
         try:

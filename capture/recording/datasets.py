@@ -26,6 +26,8 @@ class IndexedDataset(Dataset):
     def __getitem__(self, index: int) -> dict:
         sample = self.dataset[index]
         if not isinstance(sample, dict):
-            raise TypeError(f"IndexedDataset needs dict samples to attach '{self.key}'; got {type(sample).__name__}. "
-                            "Pass sample_ids= to Guard.record_batch instead.")
+            raise TypeError(
+                f"IndexedDataset needs dict samples to attach '{self.key}'; got {type(sample).__name__}. "
+                "Pass sample_ids= to Guard.record_batch instead."
+            )
         return {**sample, self.key: index}

@@ -17,11 +17,28 @@ class History:
     def __init__(self, capacity: int):
         self.capacity = capacity
         self._rows: deque[tuple] = deque(maxlen=capacity)
-        self._summary: dict[str, Any] = {"steps": 0, "first_step": None, "first_losses": [], "first_grad_norms": [],
-                         "min_loss": None, "min_loss_step": None, "clipped_steps": 0, "skipped_steps": 0}
+        self._summary: dict[str, Any] = {
+            "steps": 0,
+            "first_step": None,
+            "first_losses": [],
+            "first_grad_norms": [],
+            "min_loss": None,
+            "min_loss_step": None,
+            "clipped_steps": 0,
+            "skipped_steps": 0,
+        }
 
-    def append(self, step: int, loss: float | None, grad_norm: float | None, lr: float | None,
-               loss_scale: float | None, clipped: bool | None, skipped: bool, suppressed: str | None = None) -> None:
+    def append(
+        self,
+        step: int,
+        loss: float | None,
+        grad_norm: float | None,
+        lr: float | None,
+        loss_scale: float | None,
+        clipped: bool | None,
+        skipped: bool,
+        suppressed: str | None = None,
+    ) -> None:
         """`suppressed`: the trigger kind warm-up kept from firing at this step (None: none)."""
         self._rows.append((step, loss, grad_norm, lr, loss_scale, clipped, skipped, suppressed))
         summary = self._summary
@@ -40,8 +57,11 @@ class History:
 
     def to_dict(self) -> dict:
         columns = list(zip(*self._rows)) if self._rows else [()] * len(FIELDS)
-        return {"capacity": self.capacity, **{name: list(col) for name, col in zip(FIELDS, columns)},
-                "summary": {k: list(v) if isinstance(v, list) else v for k, v in self._summary.items()}}
+        return {
+            "capacity": self.capacity,
+            **{name: list(col) for name, col in zip(FIELDS, columns)},
+            "summary": {k: list(v) if isinstance(v, list) else v for k, v in self._summary.items()},
+        }
 
     def __len__(self) -> int:
         return len(self._rows)

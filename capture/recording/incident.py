@@ -97,12 +97,16 @@ def json_ids(ids: Any) -> list | None:
     try:
         if isinstance(ids, torch.Tensor):
             return ids.detach().cpu().reshape(-1).tolist()
-        values = list(ids) if isinstance(ids, (list, tuple)) else [ids] if isinstance(ids, (str, int, float)) \
-            else list(ids)
+        values = (
+            list(ids) if isinstance(ids, (list, tuple)) else [ids] if isinstance(ids, (str, int, float)) else list(ids)
+        )
         return [_json_id(i.item() if isinstance(i, torch.Tensor) and i.numel() == 1 else i) for i in values]
     except Exception as exc:  # noqa: BLE001 - an ID container whose iteration or conversion raises
-        log.warning("forensics: the sample IDs of a micro-batch could not be read (%s: %s); stored as one repr",
-                    type(exc).__name__, exc)
+        log.warning(
+            "forensics: the sample IDs of a micro-batch could not be read (%s: %s); stored as one repr",
+            type(exc).__name__,
+            exc,
+        )
         return [_short_repr(ids)]
 
 

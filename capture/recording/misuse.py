@@ -49,24 +49,33 @@ class FirstStepCheck:
 
     def _look(self, record: StepRecord) -> None:
         if not record.batches:
-            log.warning("forensics: check() was called without guard.record_batch(batch): a fault would be dumped "
-                        "with no micro-batch, and there would be nothing to replay. Fix: call "
-                        "guard.record_batch(batch) once per micro-batch, after loading it and before its forward "
-                        "(README: the four calls)")
+            log.warning(
+                "forensics: check() was called without guard.record_batch(batch): a fault would be dumped "
+                "with no micro-batch, and there would be nothing to replay. Fix: call "
+                "guard.record_batch(batch) once per micro-batch, after loading it and before its forward "
+                "(README: the four calls)"
+            )
             return
         missing = [index for index, ids in enumerate(record.sample_ids) if ids is None]
         if missing:
             why = unreadable_ids(record.batches[missing[0]], self.sample_id_key)
-            log.warning("forensics: the Guard cannot read sample IDs from %d of the step's %d micro-batch(es) (%s): a "
-                        "dump would name samples by their position in the batch ('step5/rank0/mb0/2'), which no "
-                        "blocklist can use. Fix: guard.record_batch(batch, sample_ids=ids) with your dataset's IDs, "
-                        "or put them under the batch's %r key (GuardConfig.recording.sample_id_key)",
-                        len(missing), len(record.batches), why, self.sample_id_key)
+            log.warning(
+                "forensics: the Guard cannot read sample IDs from %d of the step's %d micro-batch(es) (%s): a "
+                "dump would name samples by their position in the batch ('step5/rank0/mb0/2'), which no "
+                "blocklist can use. Fix: guard.record_batch(batch, sample_ids=ids) with your dataset's IDs, "
+                "or put them under the batch's %r key (GuardConfig.recording.sample_id_key)",
+                len(missing),
+                len(record.batches),
+                why,
+                self.sample_id_key,
+            )
         if not record.losses:
-            log.warning("forensics: no loss was recorded at the first step: a NaN loss goes unseen (only the gradient "
-                        "norm is watched) and the dump holds no loss to compare a replay with. Fix: call "
-                        "guard.record_loss(loss) once per micro-batch, with the loss before dividing it by the "
-                        "accumulation steps")
+            log.warning(
+                "forensics: no loss was recorded at the first step: a NaN loss goes unseen (only the gradient "
+                "norm is watched) and the dump holds no loss to compare a replay with. Fix: call "
+                "guard.record_loss(loss) once per micro-batch, with the loss before dividing it by the "
+                "accumulation steps"
+            )
 
 
 GRADIENT_LOOKS = 2  # the first checks whose parameters' .grad are looked at: a loop that checks before backward
@@ -95,10 +104,13 @@ class LoopOrder:
             params = [p for p in self.model.parameters() if p.requires_grad]
             if params and all(p.grad is None for p in params) and "no_gradients" not in self.said:
                 self.said.add("no_gradients")
-                log.warning("forensics: step %d: check() found no gradients (every parameter's .grad is None): it runs "
-                            "before backward(), so it judges none of the step's gradients and a dump records no grad "
-                            "norm. Fix: call guard.check() after loss.backward() (and scaler.unscale_ / clipping), "
-                            "right before optimizer.step(). Logged once", step)
+                log.warning(
+                    "forensics: step %d: check() found no gradients (every parameter's .grad is None): it runs "
+                    "before backward(), so it judges none of the step's gradients and a dump records no grad "
+                    "norm. Fix: call guard.check() after loss.backward() (and scaler.unscale_ / clipping), "
+                    "right before optimizer.step(). Logged once",
+                    step,
+                )
         except Exception:  # advice must never cost the job
             log.debug("forensics: the gradient look failed", exc_info=True)
 
@@ -110,8 +122,11 @@ class LoopOrder:
             return False
         if "repeated" not in self.said:
             self.said.add("repeated")
-            log.warning("forensics: check() was called again for step %d with no batch, loss or optimizer step since the "
-                        "last call: the repeat is ignored (it would count a step that did not happen and shift every "
-                        "step number). Fix: call guard.check() once per optimizer step, between backward and "
-                        "optimizer.step(). Logged once", step)
+            log.warning(
+                "forensics: check() was called again for step %d with no batch, loss or optimizer step since the "
+                "last call: the repeat is ignored (it would count a step that did not happen and shift every "
+                "step number). Fix: call guard.check() once per optimizer step, between backward and "
+                "optimizer.step(). Logged once",
+                step,
+            )
         return True

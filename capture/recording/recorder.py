@@ -28,8 +28,11 @@ def loss_value(loss: Any) -> torch.Tensor | float | None:
             return loss.detach()
         return float(loss)
     except Exception as exc:  # noqa: BLE001 - capture must never break the job
-        log.warning("forensics: record_loss got %s, which does not convert to a number (%s); ignored",
-                    type(loss).__name__, type(exc).__name__)
+        log.warning(
+            "forensics: record_loss got %s, which does not convert to a number (%s); ignored",
+            type(loss).__name__,
+            type(exc).__name__,
+        )
         return None
 
 

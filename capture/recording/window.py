@@ -78,9 +78,19 @@ class FlightRecorder:
                 meta, parts = state.to_parts(f"s{entry.step}/mb{index}")
                 rng_meta.append(meta)
                 tensors.update(parts)
-            rows.append({"step": entry.step, "sample_ids": [json_ids(ids) for ids in entry.sample_ids],
-                         "rng": rng_meta, "lr": entry.lr, "loss_scale": entry.loss_scale, "divisor": entry.divisor,
-                         "loss": entry.loss, "grad_norm": entry.grad_norm, "clipped": entry.clipped})
+            rows.append(
+                {
+                    "step": entry.step,
+                    "sample_ids": [json_ids(ids) for ids in entry.sample_ids],
+                    "rng": rng_meta,
+                    "lr": entry.lr,
+                    "loss_scale": entry.loss_scale,
+                    "divisor": entry.divisor,
+                    "loss": entry.loss,
+                    "grad_norm": entry.grad_norm,
+                    "clipped": entry.clipped,
+                }
+            )
         return {**files, spec.WINDOW_JSON: jsonio.dumps({"steps": rows}), spec.WINDOW_RNG: safetensors_bytes(tensors)}
 
     def _precursor_file(self, up_to_step: int) -> dict[str, bytes]:
@@ -88,8 +98,12 @@ class FlightRecorder:
         if self._precursor_meta is None:
             return {}
         rows = [(s, v) for s, v in self._precursor_rows if s <= up_to_step]
-        table = {**self._precursor_meta, "steps": [s for s, _ in rows], "values": [v for _, v in rows],
-                 "firings": [f for f in self._precursor_firings if f["step"] <= up_to_step]}
+        table = {
+            **self._precursor_meta,
+            "steps": [s for s, _ in rows],
+            "values": [v for _, v in rows],
+            "firings": [f for f in self._precursor_firings if f["step"] <= up_to_step],
+        }
         return {spec.PRECURSORS: jsonio.dumps(table)}
 
     def steps_before(self, step: int) -> list[int]:

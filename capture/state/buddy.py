@@ -81,9 +81,15 @@ def exchange(shards: dict[str, dict[str, LocalShard]], rank: int, world_size: in
         try:
             received.append(_exchange_with(shards, to, source))
         except Exception as exc:  # noqa: BLE001 - the copies are a safeguard: the dump goes on without them
-            log.error("forensics: the buddy copy exchange (send to rank %d, receive from rank %d) failed: %s: %s; "
-                      "this rank's dump is written without rank %d's shards", to, source, type(exc).__name__,
-                      str(exc)[:300], source)
+            log.error(
+                "forensics: the buddy copy exchange (send to rank %d, receive from rank %d) failed: %s: %s; "
+                "this rank's dump is written without rank %d's shards",
+                to,
+                source,
+                type(exc).__name__,
+                str(exc)[:300],
+                source,
+            )
             break
     return received
 
@@ -91,8 +97,20 @@ def exchange(shards: dict[str, dict[str, LocalShard]], rank: int, world_size: in
 def _exchange_with(shards: dict[str, dict[str, LocalShard]], to: int, source: int) -> ShardCopies:
     device = _comm_device()
     outgoing = [(file, name, shard) for file, rows in shards.items() for name, shard in rows.items()]
-    header = json.dumps([[file, name, list(s.global_shape), list(s.offsets), list(s.tensor.shape),
-                          dtype_name(s.tensor.dtype), s.flat] for file, name, s in outgoing]).encode()
+    header = json.dumps(
+        [
+            [
+                file,
+                name,
+                list(s.global_shape),
+                list(s.offsets),
+                list(s.tensor.shape),
+                dtype_name(s.tensor.dtype),
+                s.flat,
+            ]
+            for file, name, s in outgoing
+        ]
+    ).encode()
     length = torch.tensor([len(header)], dtype=torch.int64, device=device)
     their_length = torch.zeros(1, dtype=torch.int64, device=device)
     _swap([length], [their_length], to, source)
@@ -106,8 +124,10 @@ def _exchange_with(shards: dict[str, dict[str, LocalShard]], to: int, source: in
     for index in range(max(len(sends), len(receives))):
         out = [_byte_view(outgoing[i][2].tensor, device) for i in (sends[index] if index < len(sends) else [])]
         mine = receives[index] if index < len(receives) else []
-        into = [torch.empty(math.prod(incoming[i][4]) * spec.ITEM_SIZE[incoming[i][5]], dtype=torch.uint8,
-                            device=device) for i in mine]
+        into = [
+            torch.empty(math.prod(incoming[i][4]) * spec.ITEM_SIZE[incoming[i][5]], dtype=torch.uint8, device=device)
+            for i in mine
+        ]
         _swap(out, into, to, source)
         for i, data in zip(mine, into):
             file, name, global_shape, offsets, shape, dtype, flat = incoming[i]

@@ -81,8 +81,12 @@ class PreForwardBuffers:
         try:
             restored = self.restore()
             if restored:
-                log.warning("forensics: step %d skipped; %d buffer(s) its forward had updated (e.g. BatchNorm running "
-                            "statistics) are back to their values before the step", step, restored)
+                log.warning(
+                    "forensics: step %d skipped; %d buffer(s) its forward had updated (e.g. BatchNorm running "
+                    "statistics) are back to their values before the step",
+                    step,
+                    restored,
+                )
         except Exception:
             log.exception("forensics: restoring the model's buffers after a skipped step failed")
 
@@ -104,8 +108,11 @@ class PreForwardBuffers:
 
     def _turn_off(self, why: str) -> None:
         self.off = True
-        log.warning("forensics: %s; dumps hold the buffers (e.g. BatchNorm running statistics) as check() sees "
-                    "them, after the step's forward, and a skipped step keeps their update", why)
+        log.warning(
+            "forensics: %s; dumps hold the buffers (e.g. BatchNorm running statistics) as check() sees "
+            "them, after the step's forward, and a skipped step keeps their update",
+            why,
+        )
 
 
 def _copy_all(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:

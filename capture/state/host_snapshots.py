@@ -86,9 +86,16 @@ class HostSnapshots:
         model = {name: copy(f"model/{name}", t) for name, t in state["model"].items()}
         optimizer = state.get("optimizer")
         if optimizer is not None:
-            optimizer = {**optimizer, "state": {
-                param: {k: copy(f"optimizer/{param}/{k}", v) if isinstance(v, torch.Tensor) else v
-                        for k, v in values.items()} for param, values in optimizer["state"].items()}}
+            optimizer = {
+                **optimizer,
+                "state": {
+                    param: {
+                        k: copy(f"optimizer/{param}/{k}", v) if isinstance(v, torch.Tensor) else v
+                        for k, v in values.items()
+                    }
+                    for param, values in optimizer["state"].items()
+                },
+            }
         for key in set(slot.buffers) - set(copies):
             del slot.buffers[key]  # a tensor that no longer exists (a parameter group removed)
         slot.landed = DeviceFence(devices)
@@ -112,8 +119,14 @@ class HostSnapshots:
         (forensics.device_sync.quarantine: freeing one would abort the process)."""
         if not device_usable:
             quarantine(slot.buffers for slot in self._slots)
-        held = [s for s in self._slots if s.step is not None and s.step >= first_step and not s.lent.is_set()
-                and (device_usable or s.landed.settled)]
+        held = [
+            s
+            for s in self._slots
+            if s.step is not None
+            and s.step >= first_step
+            and not s.lent.is_set()
+            and (device_usable or s.landed.settled)
+        ]
         if not held:
             return None, lambda: None
         slot = min(held, key=lambda s: s.step or 0)  # every held slot has a step
@@ -133,12 +146,18 @@ class HostSnapshots:
         need = self.count * state_bytes(state)
         available = available_host_memory()
         if available is not None and need > MAX_SHARE_OF_AVAILABLE * available:
-            self.turn_off(f"{self.count} snapshots of this rank's state need {need / 2**20:,.1f} MiB of host memory, "
-                          f"more than half of the {available / 2**20:,.1f} MiB available; lower "
-                          "RecordConfig.snapshot_count or pass a checkpoint of your own to `forensics replay --from`")
+            self.turn_off(
+                f"{self.count} snapshots of this rank's state need {need / 2**20:,.1f} MiB of host memory, "
+                f"more than half of the {available / 2**20:,.1f} MiB available; lower "
+                "RecordConfig.snapshot_count or pass a checkpoint of your own to `forensics replay --from`"
+            )
             return False
-        log.info("forensics: host snapshots every %d steps hold %.1f MiB (%d x the state)", self.every,
-                 need / 2**20, self.count)
+        log.info(
+            "forensics: host snapshots every %d steps hold %.1f MiB (%d x the state)",
+            self.every,
+            need / 2**20,
+            self.count,
+        )
         return True
 
 

@@ -83,12 +83,20 @@ def fsdp_units(model: torch.nn.Module) -> list[dict]:
             policy = fsdp_mixed_precision(module)
             if policy is None:
                 continue
-            units.append({"module": name, "param_dtype": dtype(policy.param_dtype),
-                          "reduce_dtype": dtype(policy.reduce_dtype), "output_dtype": dtype(policy.output_dtype),
-                          "cast_forward_inputs": bool(policy.cast_forward_inputs)})
+            units.append(
+                {
+                    "module": name,
+                    "param_dtype": dtype(policy.param_dtype),
+                    "reduce_dtype": dtype(policy.reduce_dtype),
+                    "output_dtype": dtype(policy.output_dtype),
+                    "cast_forward_inputs": bool(policy.cast_forward_inputs),
+                }
+            )
     except Exception:  # a torch whose FSDP2 internals differ
-        log.warning("forensics: could not read FSDP2's mixed-precision policies; replay will compute in the "
-                    "parameters' dtype", exc_info=True)
+        log.warning(
+            "forensics: could not read FSDP2's mixed-precision policies; replay will compute in the parameters' dtype",
+            exc_info=True,
+        )
         return []
     return units
 
@@ -131,8 +139,12 @@ def local_shard(tensor: Any, replicas: int = 1) -> LocalShard | None:
     shape, offsets = dtensor_local_box(tensor)
     if tuple(shape) != tuple(local.shape):
         raise RuntimeError(f"DTensor local shard is {tuple(local.shape)}, its placements say {tuple(shape)}")
-    return LocalShard(local.contiguous(), tuple(tensor.shape), tuple(int(o) for o in offsets),
-                      holders=min(_replica_count(tensor), replicas))
+    return LocalShard(
+        local.contiguous(),
+        tuple(tensor.shape),
+        tuple(int(o) for o in offsets),
+        holders=min(_replica_count(tensor), replicas),
+    )
 
 
 def shard_grad_norm(grads: list[Any]) -> torch.Tensor:
@@ -159,8 +171,9 @@ def shard_grad_norm(grads: list[Any]) -> torch.Tensor:
 def host_norm(value: Any) -> Any:
     """A grad norm the loop passed (a DTensor from clip_grad_norm_ on DTensor gradients) as a plain tensor."""
     if is_dtensor(value):
-        return value.to_local() if all(type(p).__name__ == "Replicate" for p in value.placements) \
-            else value.full_tensor()
+        return (
+            value.to_local() if all(type(p).__name__ == "Replicate" for p in value.placements) else value.full_tensor()
+        )
     return value
 
 
@@ -172,8 +185,9 @@ def state_bytes(state: dict) -> int:
     return total
 
 
-def choose_layout(config_layout: StateLayout, world_size: int, dtensors: bool, total_bytes: int,
-                  full_max_bytes: int) -> StateLayout:
+def choose_layout(
+    config_layout: StateLayout, world_size: int, dtensors: bool, total_bytes: int, full_max_bytes: int
+) -> StateLayout:
     """The layout this dump uses: identical on every rank (it depends on what every rank knows alike)."""
     if world_size <= 1:
         return StateLayout.FULL
@@ -209,8 +223,9 @@ class Assignment:
         return rank in self.writers[name]
 
 
-def shard_state(state: dict, rank: int, world_size: int, replicas: int,
-                copy: Callable[[torch.Tensor], torch.Tensor]) -> tuple[dict, dict]:
+def shard_state(
+    state: dict, rank: int, world_size: int, replicas: int, copy: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[dict, dict]:
     """This rank's part of a full-form state (`{"model": {name: tensor}, "optimizer": {...}}`, DTensors as
     they are), and the table of the complete state (`layout.tensors`).
 
@@ -221,10 +236,16 @@ def shard_state(state: dict, rank: int, world_size: int, replicas: int,
     optimizer = state.get("optimizer")
     entries = {}
     if optimizer is not None:
-        entries = {f"state/{param}/{key}": _gathered(value) for param, values in optimizer["state"].items()
-                   for key, value in values.items() if isinstance(value, (torch.Tensor, LocalShard))}
-    table = {spec.MODEL: {n: _row(t) for n, t in model_state.items()},
-             spec.OPTIMIZER_TENSORS: {k: _row(t) for k, t in entries.items()}}
+        entries = {
+            f"state/{param}/{key}": _gathered(value)
+            for param, values in optimizer["state"].items()
+            for key, value in values.items()
+            if isinstance(value, (torch.Tensor, LocalShard))
+        }
+    table = {
+        spec.MODEL: {n: _row(t) for n, t in model_state.items()},
+        spec.OPTIMIZER_TENSORS: {k: _row(t) for k, t in entries.items()},
+    }
     plain = {f"{spec.MODEL}/{n}": tensor_bytes(t) for n, t in model_state.items() if _replicated(t)}
     plain.update({f"{spec.OPTIMIZER_TENSORS}/{k}": tensor_bytes(t) for k, t in entries.items() if _replicated(t)})
     assignment = Assignment(plain, world_size, replicas, ranks_per_node(world_size))
@@ -259,6 +280,7 @@ def shard_state(state: dict, rank: int, world_size: int, replicas: int,
 
 def full_state(state: dict, copy: Callable[[torch.Tensor], torch.Tensor]) -> dict:
     """The whole state on this rank (the full layout): every DTensor gathered (a collective on every rank)."""
+
     def whole(value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
@@ -266,8 +288,12 @@ def full_state(state: dict, copy: Callable[[torch.Tensor], torch.Tensor]) -> dic
 
     optimizer = state.get("optimizer")
     if optimizer is not None:
-        optimizer = {**optimizer, "state": {param: {key: whole(v) for key, v in values.items()}
-                                            for param, values in optimizer["state"].items()}}
+        optimizer = {
+            **optimizer,
+            "state": {
+                param: {key: whole(v) for key, v in values.items()} for param, values in optimizer["state"].items()
+            },
+        }
     return {"model": {name: whole(t) for name, t in state["model"].items()}, "optimizer": optimizer}
 
 

@@ -78,7 +78,9 @@ def model_state(model: torch.nn.Module, copy: Callable[[torch.Tensor], Any]) -> 
     return {name: copy(t) for name, t in model.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)}
 
 
-def optimizer_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module, copy: Callable[[torch.Tensor], Any]) -> dict:
+def optimizer_state(
+    optimizer: torch.optim.Optimizer, model: torch.nn.Module, copy: Callable[[torch.Tensor], Any]
+) -> dict:
     """Optimizer hyper-parameters and state keyed by parameter name (docs/DUMP_FORMAT.md)."""
     names, state = parameter_names(model), {}
     for group_index, group in enumerate(optimizer.param_groups):
@@ -86,8 +88,9 @@ def optimizer_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module, co
             entries = optimizer.state.get(param)
             if entries:
                 name = names.get(id(param), f"<unnamed group {group_index} param {param_index}>")
-                state[name] = {k: copy(v) if isinstance(v, torch.Tensor) else to_jsonable(v)
-                               for k, v in entries.items()}
+                state[name] = {
+                    k: copy(v) if isinstance(v, torch.Tensor) else to_jsonable(v) for k, v in entries.items()
+                }
     return {**optimizer_hyper(optimizer, model), "state": state}
 
 

@@ -79,8 +79,16 @@ class StateSource:
     """True when grad_norm() is the norm of this rank's shard only (ZeRO, DTensor models): the agreement all-reduce
     assembles the global norm. A norm the loop passes to check() is the global one."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: Any, scheduler: Any, scaler: Any, config: GuardConfig,
-                 ranks: Ranks, loss_fn: Callable | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: Any,
+        scheduler: Any,
+        scaler: Any,
+        config: GuardConfig,
+        ranks: Ranks,
+        loss_fn: Callable | None = None,
+    ):
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.config, self.ranks, self.loss_fn = config, ranks, loss_fn
         self.buffers = PreForwardBuffers(model)
@@ -121,8 +129,9 @@ class StateSource:
         full_form = self.references()
         self.layout_used = self._layout(full_form)
         if self.layout_used is StateLayout.SHARDED:
-            state, table = sharding.shard_state(full_form, self.ranks.rank, self.ranks.world_size,
-                                                self.config.dumping.shard_replicas, copy)
+            state, table = sharding.shard_state(
+                full_form, self.ranks.rank, self.ranks.world_size, self.config.dumping.shard_replicas, copy
+            )
             return {**state, "layout": table}
         return sharding.full_state(full_form, copy)
 
@@ -141,8 +150,13 @@ class StateSource:
 
     def _layout(self, full_form: dict) -> StateLayout:
         dumping, ranks = self.config.dumping, self.ranks
-        return sharding.choose_layout(StateLayout(dumping.state_layout), ranks.world_size if ranks.multi_rank else 1, self.dtensors,
-                                      sharding.state_bytes(full_form), dumping.full_state_max_bytes)
+        return sharding.choose_layout(
+            StateLayout(dumping.state_layout),
+            ranks.world_size if ranks.multi_rank else 1,
+            self.dtensors,
+            sharding.state_bytes(full_form),
+            dumping.full_state_max_bytes,
+        )
 
     @property
     def is_collective(self) -> bool:
@@ -169,8 +183,12 @@ class StateSource:
             return {**self.integration, "world_size": self.ranks.world_size, "state": self.words()}
         if not self.ranks.multi_rank:
             return None
-        return {"framework": "torch", "world_size": self.ranks.world_size, "dtensor": self.dtensors,
-                "state": self.words()}
+        return {
+            "framework": "torch",
+            "world_size": self.ranks.world_size,
+            "dtensor": self.dtensors,
+            "state": self.words(),
+        }
 
     def words(self) -> str:
         """How the last dump's state was written, in words (the `distributed.state` field)."""
@@ -187,8 +205,10 @@ class DTensorState(StateSource):
         super().__init__(*args, **kwargs)
         self.fsdp_units = sharding.fsdp_units(self.model)
         if self.config.dumping.recheck:  # the Guard takes this config
-            log.warning("forensics: recheck is off for a DTensor (FSDP2 / tensor-parallel) model: a forward on the "
-                        "ranks that saw the fault alone would wait forever for the others")
+            log.warning(
+                "forensics: recheck is off for a DTensor (FSDP2 / tensor-parallel) model: a forward on the "
+                "ranks that saw the fault alone would wait forever for the others"
+            )
             self.config = self.config.replace(recheck=False)
 
     def _norm_of(self, grads: list[torch.Tensor]) -> torch.Tensor | float | None:

@@ -15,5 +15,11 @@ __all__ = ["SCENARIOS", "SCENARIO_NAMES", "DEFAULT_SCENARIO", "run_demo"]
 SCENARIO_NAMES = ("bad_sample", "log_zero", "fp16_overflow", "adam_eps_zero", "pair", "sdc", "dropout_mask", "spike")
 """The scenarios' names, for the CLI's help without importing torch (tests check they match SCENARIOS)."""
 
-__getattr__ = lazy_exports(__name__, {"SCENARIOS": "forensics.demo.scenarios",
-                                      "DEFAULT_SCENARIO": "forensics.demo.scenarios", "run_demo": "forensics.demo.run"})
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "SCENARIOS": "forensics.demo.scenarios",
+        "DEFAULT_SCENARIO": "forensics.demo.scenarios",
+        "run_demo": "forensics.demo.run",
+    },
+)

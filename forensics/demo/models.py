@@ -32,8 +32,16 @@ def gpt2_config(**overrides: Any):
     """A tiny GPT-2 config: 2 layers, width 32, 2 heads, 64-token vocabulary, 32 positions."""
     from transformers import GPT2Config
 
-    values = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0,
-                  eos_token_id=0, attn_implementation="eager")
+    values = dict(
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=64,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="eager",
+    )
     values.update(overrides)
     return GPT2Config(**values)
 
@@ -42,9 +50,19 @@ def llama_config(**overrides: Any):
     """A tiny Llama config: 2 layers, width 32, 2 heads (2 KV heads), 64-token vocabulary."""
     from transformers import LlamaConfig
 
-    values = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                  num_key_value_heads=2, vocab_size=64, max_position_embeddings=32, bos_token_id=0,
-                  eos_token_id=0, pad_token_id=0, attn_implementation="eager")
+    values = dict(
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=32,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        attn_implementation="eager",
+    )
     values.update(overrides)
     return LlamaConfig(**values)
 
@@ -163,8 +181,9 @@ class GatedLM(nn.Module):
         return result
 
 
-def gated_lm(n_gates: int = 4, gate_dropout: float = 0.5, aux_weight: float = 0.01,
-             config: dict | None = None) -> GatedLM:
+def gated_lm(
+    n_gates: int = 4, gate_dropout: float = 0.5, aux_weight: float = 0.01, config: dict | None = None
+) -> GatedLM:
     """Factory of GatedLM; `config` overrides `gpt2_config()` fields."""
     return GatedLM(n_gates, gate_dropout, aux_weight, dict(config or {}))
 
@@ -180,4 +199,3 @@ def quality_weighted_loss(model: nn.Module, batch: dict) -> torch.Tensor:
     logits = model(input_ids=input_ids).logits[:, :-1]
     nll = F.cross_entropy(logits.transpose(1, 2).float(), input_ids[:, 1:], reduction="none").mean(dim=1)
     return (nll - torch.log(batch["quality"])).mean()
-

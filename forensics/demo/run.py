@@ -30,12 +30,17 @@ def get_scenario(name: str) -> Scenario:
     try:
         return SCENARIOS[name]
     except KeyError:
-        raise UnknownScenarioError(f"there is no demo scenario {name!r}; choose one of: "
-                                   f"{', '.join(SCENARIOS)}") from None
+        raise UnknownScenarioError(
+            f"there is no demo scenario {name!r}; choose one of: {', '.join(SCENARIOS)}"
+        ) from None
 
 
-def run_demo(scenario: str = DEFAULT_SCENARIO, out_dir: str | Path = "forensics-demo", device: str | None = None,
-             echo: Echo = print) -> tuple[dict, Path]:
+def run_demo(
+    scenario: str = DEFAULT_SCENARIO,
+    out_dir: str | Path = "forensics-demo",
+    device: str | None = None,
+    echo: Echo = print,
+) -> tuple[dict, Path]:
     """Runs one planted-fault scenario end to end: train -> automatic capture -> replay -> report.
 
     Args:
@@ -109,10 +114,12 @@ def _verdict_text(report: dict, files: dict) -> str:
         from forensics.report import render_verdict_text
     except ImportError:
         verdict, culprit = report.get("verdict") or {}, report.get("culprit") or {}
-        lines = [f"Verdict: {verdict.get('kind')} — {verdict.get('headline')}",
-                 f"Samples: {[s.get('sample_id') for s in culprit.get('samples') or []]}",
-                 f"Where: module {culprit.get('module')}, op {culprit.get('op')}, phase {culprit.get('phase')}, "
-                 f"parameter {culprit.get('parameter')}"]
+        lines = [
+            f"Verdict: {verdict.get('kind')} — {verdict.get('headline')}",
+            f"Samples: {[s.get('sample_id') for s in culprit.get('samples') or []]}",
+            f"Where: module {culprit.get('module')}, op {culprit.get('op')}, phase {culprit.get('phase')}, "
+            f"parameter {culprit.get('parameter')}",
+        ]
         lines += [f"Report: {path}" for path in files.values()]
         return "\n".join(lines)
     return render_verdict_text(report, files=files)

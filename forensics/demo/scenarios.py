@@ -88,8 +88,9 @@ class Scenario:
     """A few sentences, in plain words, of what goes wrong in this run."""
     run: Callable[[Path, torch.device, Echo], Captured]
 
-    def capture(self, out_dir: str | Path, device: str | torch.device | None = None,
-                echo: Echo | None = None) -> Captured:
+    def capture(
+        self, out_dir: str | Path, device: str | torch.device | None = None, echo: Echo | None = None
+    ) -> Captured:
         """Runs the training until the Guard captures the planted fault.
 
         Args:
@@ -132,8 +133,10 @@ def make_steps(n_steps: int, seed: int, make_record: Callable[[torch.Generator],
     """n_steps x GRAD_ACCUM micro-batches x MICRO_BATCH records, each with its "sample_ids" entry."""
     gen = torch.Generator().manual_seed(seed)
     ids = iter(sample_ids(seed, n_steps * GRAD_ACCUM * MICRO_BATCH))
-    return [[[{**make_record(gen), "sample_ids": next(ids)} for _ in range(MICRO_BATCH)]
-             for _ in range(GRAD_ACCUM)] for _ in range(n_steps)]
+    return [
+        [[{**make_record(gen), "sample_ids": next(ids)} for _ in range(MICRO_BATCH)] for _ in range(GRAD_ACCUM)]
+        for _ in range(n_steps)
+    ]
 
 
 def seed_everything(seed: int) -> None:
@@ -181,7 +184,7 @@ def train(run: Run, device: torch.device, echo: Echo) -> tuple[list[Path], str, 
     optimizer = torch.optim.AdamW(model.parameters(), lr=run.lr, eps=run.eps, weight_decay=0.01)
     scheduler = get_linear_schedule_with_warmup(optimizer, run.warmup, len(run.steps))
     amp = run.autocast is not None
-    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 12, enabled=run.autocast == torch.float16)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**12, enabled=run.autocast == torch.float16)
     guard = Guard(model, optimizer, scheduler, scaler, config=run.config)  # forensics
     message, losses = "", []
     try:
@@ -205,8 +208,10 @@ def train(run: Run, device: torch.device, echo: Echo) -> tuple[list[Path], str, 
             scheduler.step()
             optimizer.zero_grad()
             losses.append(step_loss)
-            echo(f"  step {step:2d}   loss {step_loss:10.4g}   grad norm {float(grad_norm):9.4g}   "
-                 f"lr {scheduler.get_last_lr()[0]:.2e}")
+            echo(
+                f"  step {step:2d}   loss {step_loss:10.4g}   grad norm {float(grad_norm):9.4g}   "
+                f"lr {scheduler.get_last_lr()[0]:.2e}"
+            )
     except TrainingFaultError as fault:  # forensics: the Guard wrote the dump and stopped the run
         message = str(fault)
         echo(f"  training stopped: {fault}")
@@ -225,8 +230,9 @@ def _step_of(path: Path) -> int:
 def _finish(run: Run, device: torch.device, echo: Echo, expected: Expected) -> Captured:
     dumps, message, losses = train(run, device, echo)
     if not dumps:
-        raise ScenarioError(f"scenario {run.name!r}: the planted fault did not produce a dump "
-                            f"({message or 'nothing triggered'})")
+        raise ScenarioError(
+            f"scenario {run.name!r}: the planted fault did not produce a dump ({message or 'nothing triggered'})"
+        )
     return Captured(dump_path=dumps[0], expected=expected, step=_step_of(dumps[0]), message=message, losses=losses)
 
 
@@ -250,8 +256,12 @@ def free_run_id(dump_dir: Path, base: str) -> str:
 def _recipe_of(factory: str, factory_kwargs: dict) -> dict:
     """GuardConfig.dumping.recipe naming a demo model factory, so replay rebuilds it without --trust, and the built-in
     loss `model(**batch).loss` that the demo's models answer (named, so the Guard does not doubt it)."""
-    return {"factory": f"{models.MODULE}:{factory}", "factory_kwargs": factory_kwargs,
-            "loss": "forensics.recipes:default_loss", "loss_kwargs": {"ignore_keys": ["sample_ids"]}}
+    return {
+        "factory": f"{models.MODULE}:{factory}",
+        "factory_kwargs": factory_kwargs,
+        "loss": "forensics.recipes:default_loss",
+        "loss_kwargs": {"ignore_keys": ["sample_ids"]},
+    }
 
 
 # -- (a) bad_sample: a corrupted feature record --------------------------------------------------
@@ -269,10 +279,19 @@ def _bad_sample_scenario(out_dir: Path, device: torch.device, echo: Echo) -> Cap
     steps = make_steps(10, seed=3, make_record=record)
     bad = steps[6][1][2]  # a record whose features were mis-decoded: three tokens hold ~1e38
     bad["inputs_embeds"][5:8] = (torch.rand(3, n_embd, generator=torch.Generator().manual_seed(2)) * 2 - 1) * 1e38
-    run = Run("bad_sample", name_default_loss(GPT2LMHeadModel(models.gpt2_config(n_embd=n_embd))), steps, hf_loss,
-              _config(out_dir, "bad_sample"))
-    return _finish(run, device, echo, Expected("bad_sample", (bad["sample_ids"],), module="transformer.h.0.ln_1",
-                                                phase=Phase.FORWARD))
+    run = Run(
+        "bad_sample",
+        name_default_loss(GPT2LMHeadModel(models.gpt2_config(n_embd=n_embd))),
+        steps,
+        hf_loss,
+        _config(out_dir, "bad_sample"),
+    )
+    return _finish(
+        run,
+        device,
+        echo,
+        Expected("bad_sample", (bad["sample_ids"],), module="transformer.h.0.ln_1", phase=Phase.FORWARD),
+    )
 
 
 # -- (b) log(0) in a custom loss ------------------------------------------------------------------
@@ -287,8 +306,11 @@ def _log_zero(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
     steps = make_steps(10, seed=4, make_record=record)
     bad = steps[5][0][1]
     bad["quality"] = torch.tensor(0.0)  # the quality filter "rejected" it with weight 0 instead of dropping it
-    config = _config(out_dir, "log_zero", dumping=DumpConfig(recipe={"loss": f"{models.MODULE}:quality_weighted_loss",
-                                                                 "loss_kwargs": {}}))
+    config = _config(
+        out_dir,
+        "log_zero",
+        dumping=DumpConfig(recipe={"loss": f"{models.MODULE}:quality_weighted_loss", "loss_kwargs": {}}),
+    )
     model = name_default_loss(GPT2LMHeadModel(models.gpt2_config()))
     run = Run("log_zero", model, steps, models.quality_weighted_loss, config)
     return _finish(run, device, echo, Expected("bad_sample", (bad["sample_ids"],), op="aten::log", phase=Phase.FORWARD))
@@ -311,8 +333,12 @@ def _fp16_overflow(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
     model = models.adapter_lm(**kwargs)
     config = _config(out_dir, "fp16_overflow", dumping=DumpConfig(recipe=_recipe_of("adapter_lm", kwargs)))
     run = Run("fp16_overflow", model, steps, hf_loss, config, autocast=torch.float16)
-    return _finish(run, device, echo, Expected("numerical_precision", (bad["sample_ids"],), module="adapter",
-                                                op="aten::mul", phase=Phase.FORWARD))
+    return _finish(
+        run,
+        device,
+        echo,
+        Expected("numerical_precision", (bad["sample_ids"],), module="adapter", op="aten::mul", phase=Phase.FORWARD),
+    )
 
 
 # -- (d) Adam with eps=0 on a parameter whose gradient is zero ---------------------------------------
@@ -334,9 +360,19 @@ def _adam_eps_zero(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
     steps = make_steps(8, seed=6, make_record=lambda gen: {"input_ids": (ids := token_record(gen)), "labels": ids})
     config = _config(out_dir, "adam_eps_zero", detection=DetectionConfig(verify_update=True))
     run = Run("adam_eps_zero", model, steps, hf_loss, config, eps=0.0, before_step=before_step)
-    return _finish(run, device, echo, Expected("optimizer_update", (), parameter="transformer.wpe.weight",
-                                                phase=Phase.OPTIMIZER, trigger=TriggerKind.NONFINITE_PARAM,
-                                                optimizer_state_words=("exp_avg_sq", "eps")))
+    return _finish(
+        run,
+        device,
+        echo,
+        Expected(
+            "optimizer_update",
+            (),
+            parameter="transformer.wpe.weight",
+            phase=Phase.OPTIMIZER,
+            trigger=TriggerKind.NONFINITE_PARAM,
+            optimizer_state_words=("exp_avg_sq", "eps"),
+        ),
+    )
 
 
 # -- (e) two samples that fail only together (batch statistics) ----------------------------------
@@ -359,8 +395,12 @@ def _pair(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
     kwargs: dict[str, Any] = {"n_channels": n_channels, "hidden": 32, "n_classes": 4}
     config = _config(out_dir, "pair", dumping=DumpConfig(recipe=_recipe_of("sensor_classifier", kwargs)))
     run = Run("pair", models.sensor_classifier(**kwargs), steps, dict_loss, config)
-    return _finish(run, device, echo, Expected("bad_sample", (first["sample_ids"], second["sample_ids"]),
-                                                module="bn", phase=Phase.FORWARD))
+    return _finish(
+        run,
+        device,
+        echo,
+        Expected("bad_sample", (first["sample_ids"], second["sample_ids"]), module="bn", phase=Phase.FORWARD),
+    )
 
 
 # -- (f) silent data corruption: a NaN injected once, inside the job only -----------------------------
@@ -387,7 +427,9 @@ def _sdc(out_dir: Path, device: torch.device, echo: Echo) -> Captured:
         state["step"] = step
 
     steps = make_steps(8, seed=8, make_record=lambda gen: {"input_ids": (ids := token_record(gen)), "labels": ids})
-    run = Run("sdc", model, steps, hf_loss, _config(out_dir, "sdc", dumping=DumpConfig(recheck=True)), before_step=before_step)
+    run = Run(
+        "sdc", model, steps, hf_loss, _config(out_dir, "sdc", dumping=DumpConfig(recheck=True)), before_step=before_step
+    )
     return _finish(run, device, echo, Expected("not_reproduced", (), reproduced=False))
 
 
@@ -414,47 +456,87 @@ def _spike_scenario(out_dir: Path, device: torch.device, echo: Echo) -> Captured
     steps = make_steps(12, seed=10, make_record=record)
     bad = steps[8][0][2]
     bad["labels"] = bad["labels"] * 100.0  # its target was exported in percent, not as a fraction
-    model = GPT2ForSequenceClassification(models.gpt2_config(num_labels=1, problem_type="regression",
-                                                             pad_token_id=0))
-    config = _config(out_dir, "spike", detection=DetectionConfig(loss_spike=SpikeConfig(window=16, warmup=4),
-                                                          grad_norm_spike=SpikeConfig(enabled=False)))
+    model = GPT2ForSequenceClassification(models.gpt2_config(num_labels=1, problem_type="regression", pad_token_id=0))
+    config = _config(
+        out_dir,
+        "spike",
+        detection=DetectionConfig(
+            loss_spike=SpikeConfig(window=16, warmup=4), grad_norm_spike=SpikeConfig(enabled=False)
+        ),
+    )
     run = Run("spike", model, steps, hf_loss, config)
-    return _finish(run, device, echo, Expected("bad_sample", (bad["sample_ids"],), trigger=TriggerKind.LOSS_SPIKE,
-                                                top_sample=bad["sample_ids"]))
+    return _finish(
+        run,
+        device,
+        echo,
+        Expected("bad_sample", (bad["sample_ids"],), trigger=TriggerKind.LOSS_SPIKE, top_sample=bad["sample_ids"]),
+    )
 
 
-SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
-    Scenario("bad_sample", "one corrupted input record (values ~1e38) turns the loss NaN",
-             "A GPT-2 trains on features precomputed by a frozen encoder. One record was mis-decoded: "
-             "three of its tokens hold values around 1e38. Its first LayerNorm overflows and the loss "
-             "goes NaN.", _bad_sample_scenario),
-    Scenario("log_zero", "a custom loss takes log(0) for one sample whose data-quality weight is 0",
-             "The loss weights each sample by a data-quality score in log space (nll - log w). One "
-             "record was rejected by the quality filter with weight 0 instead of being dropped.",
-             _log_zero),
-    Scenario("fp16_overflow", "activations overflow float16 under autocast; fp32 is fine",
-             "Features pass a SwiGLU adapter into a small Llama, trained with float16 autocast. One "
-             "record was exported without normalisation (values of a few hundred): the adapter's "
-             "products exceed float16's 65504.", _fp16_overflow),
-    Scenario("adam_eps_zero", "AdamW with eps=0 divides 0 by 0 for parameters with zero gradient",
-             "AdamW runs with eps=0. When the position embeddings are unfrozen, the rows beyond the "
-             "sequence length get exactly zero gradient, and Adam's update 0 / sqrt(0) is NaN.",
-             _adam_eps_zero),
-    Scenario("pair", "two samples that fail only together in one micro-batch (batch statistics)",
-             "A sensor classifier that standardises each channel with the micro-batch's statistics. Two records "
-             "carry a 0.75 x FLT_MAX sentinel; each alone is harmless, but together in one micro-batch their sum "
-             "overflows the channel mean and the forward pass turns NaN.", _pair),
-    Scenario("sdc", "one activation flips to NaN once, in the job only (simulated silent data corruption)",
-             "A forward hook stands in for a faulty GPU: at one step it flips one activation to NaN. "
-             "Replaying the same step on healthy hardware does not fail.", _sdc),
-    Scenario("dropout_mask", "a NaN that needs one particular dropout mask (reproduced only with the dump's RNG)",
-             "A regulariser takes -log(sum of the gates kept by gate dropout). With four gates, a "
-             "mask that drops all of them happens now and then: log(0).", _dropout_mask),
-    Scenario("spike", "a finite loss spike caused by one mislabelled sample (training continues)",
-             "A GPT-2 regression head; one record's target was exported in percent instead of a "
-             "fraction. The loss jumps 100-fold; the Guard dumps the step and training goes on.",
-             _spike_scenario),
-]}
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in [
+        Scenario(
+            "bad_sample",
+            "one corrupted input record (values ~1e38) turns the loss NaN",
+            "A GPT-2 trains on features precomputed by a frozen encoder. One record was mis-decoded: "
+            "three of its tokens hold values around 1e38. Its first LayerNorm overflows and the loss "
+            "goes NaN.",
+            _bad_sample_scenario,
+        ),
+        Scenario(
+            "log_zero",
+            "a custom loss takes log(0) for one sample whose data-quality weight is 0",
+            "The loss weights each sample by a data-quality score in log space (nll - log w). One "
+            "record was rejected by the quality filter with weight 0 instead of being dropped.",
+            _log_zero,
+        ),
+        Scenario(
+            "fp16_overflow",
+            "activations overflow float16 under autocast; fp32 is fine",
+            "Features pass a SwiGLU adapter into a small Llama, trained with float16 autocast. One "
+            "record was exported without normalisation (values of a few hundred): the adapter's "
+            "products exceed float16's 65504.",
+            _fp16_overflow,
+        ),
+        Scenario(
+            "adam_eps_zero",
+            "AdamW with eps=0 divides 0 by 0 for parameters with zero gradient",
+            "AdamW runs with eps=0. When the position embeddings are unfrozen, the rows beyond the "
+            "sequence length get exactly zero gradient, and Adam's update 0 / sqrt(0) is NaN.",
+            _adam_eps_zero,
+        ),
+        Scenario(
+            "pair",
+            "two samples that fail only together in one micro-batch (batch statistics)",
+            "A sensor classifier that standardises each channel with the micro-batch's statistics. Two records "
+            "carry a 0.75 x FLT_MAX sentinel; each alone is harmless, but together in one micro-batch their sum "
+            "overflows the channel mean and the forward pass turns NaN.",
+            _pair,
+        ),
+        Scenario(
+            "sdc",
+            "one activation flips to NaN once, in the job only (simulated silent data corruption)",
+            "A forward hook stands in for a faulty GPU: at one step it flips one activation to NaN. "
+            "Replaying the same step on healthy hardware does not fail.",
+            _sdc,
+        ),
+        Scenario(
+            "dropout_mask",
+            "a NaN that needs one particular dropout mask (reproduced only with the dump's RNG)",
+            "A regulariser takes -log(sum of the gates kept by gate dropout). With four gates, a "
+            "mask that drops all of them happens now and then: log(0).",
+            _dropout_mask,
+        ),
+        Scenario(
+            "spike",
+            "a finite loss spike caused by one mislabelled sample (training continues)",
+            "A GPT-2 regression head; one record's target was exported in percent instead of a "
+            "fraction. The loss jumps 100-fold; the Guard dumps the step and training goes on.",
+            _spike_scenario,
+        ),
+    ]
+}
 
 DEFAULT_SCENARIO = "bad_sample"
 

@@ -8,10 +8,15 @@ from __future__ import annotations
 from forensics.lazy import lazy_exports
 
 _EXPORTS = {
-    "Dump": "forensics.format.reader", "open_dump": "forensics.format.reader", "open_step": "forensics.format.reader",
-    "DumpContent": "forensics.format.writer", "write_dump": "forensics.format.writer",
-    "Problem": "forensics.format.verify", "VerifyResult": "forensics.format.verify",
-    "verify_dump": "forensics.format.verify", "pack_dump": "forensics.format.pack",
+    "Dump": "forensics.format.reader",
+    "open_dump": "forensics.format.reader",
+    "open_step": "forensics.format.reader",
+    "DumpContent": "forensics.format.writer",
+    "write_dump": "forensics.format.writer",
+    "Problem": "forensics.format.verify",
+    "VerifyResult": "forensics.format.verify",
+    "verify_dump": "forensics.format.verify",
+    "pack_dump": "forensics.format.pack",
     "Unreplayable": "forensics.format.batch_tree",
 }
 

@@ -36,8 +36,10 @@ class _CappedStream:
         data: bytes = self.stream.read(size if size >= 0 else self.cap + 1 - self.seen)
         self.seen += len(data)
         if self.seen > self.cap:
-            raise DumpCorruptError(f"the archive unpacks to more than {self.cap} bytes (headers included); "
-                                   "refusing to unpack (raise --max-unpacked-gb / --max-unpack-ratio if it is genuine)")
+            raise DumpCorruptError(
+                f"the archive unpacks to more than {self.cap} bytes (headers included); "
+                "refusing to unpack (raise --max-unpacked-gb / --max-unpack-ratio if it is genuine)"
+            )
         return data
 
 
@@ -48,24 +50,30 @@ def _dump_members(tar: tarfile.TarFile, limits: ArchiveLimits, archive_bytes: in
         name = member.name[:200]
         members += 1
         if members > limits.max_members:
-            raise DumpCorruptError(f"the archive has more than {limits.max_members} members; refusing to unpack "
-                                   "(raise the limit with --max-members if it is genuine)")
+            raise DumpCorruptError(
+                f"the archive has more than {limits.max_members} members; refusing to unpack "
+                "(raise the limit with --max-members if it is genuine)"
+            )
         if len(member.name) > limits.max_path_chars or member.name.count("/") >= limits.max_depth:
-            raise DumpCorruptError(f"archive member {name!r} has a path longer or deeper than a dump's "
-                                   f"({limits.max_path_chars} characters, {limits.max_depth} levels); refusing to unpack")
+            raise DumpCorruptError(
+                f"archive member {name!r} has a path longer or deeper than a dump's "
+                f"({limits.max_path_chars} characters, {limits.max_depth} levels); refusing to unpack"
+            )
         if member.name.startswith("/"):  # the data filter would strip the "/" and extract it inside: refuse
-            raise DumpCorruptError(f"archive member {name!r} escapes the archive (absolute path); "
-                                   "refusing to unpack")
+            raise DumpCorruptError(f"archive member {name!r} escapes the archive (absolute path); refusing to unpack")
         if not (member.isfile() or member.isdir()):
             raise DumpCorruptError(f"archive member {name!r} is a link or device; refusing to unpack")
         if member.mode & (stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX):
-            raise DumpCorruptError(f"archive member {name!r} has mode {member.mode:o} (setuid, setgid or sticky), "
-                                   "which no file of a dump has; refusing to unpack")
+            raise DumpCorruptError(
+                f"archive member {name!r} has mode {member.mode:o} (setuid, setgid or sticky), "
+                "which no file of a dump has; refusing to unpack"
+            )
         total += member.size
         if total > allowed:
             raise DumpCorruptError(
                 f"the archive unpacks to more than {allowed} bytes ({archive_bytes} packed); refusing to unpack "
-                "(raise --max-unpacked-gb / --max-unpack-ratio if it is genuine)")
+                "(raise --max-unpacked-gb / --max-unpack-ratio if it is genuine)"
+            )
         yield member
 
 
@@ -77,8 +85,10 @@ def unpack_archive(path: Path, limits: ArchiveLimits | None = None) -> tuple[Pat
         DumpCorruptError: a member escapes, is a link or device, or a limit is exceeded (nothing is left behind).
     """
     if not hasattr(tarfile, "data_filter"):
-        raise DumpCorruptError(f"reading {path} needs tarfile's data filter (Python >= 3.10.12 / 3.11.4 / 3.12); "
-                               "upgrade Python, or unpack the archive by hand and pass the directory")
+        raise DumpCorruptError(
+            f"reading {path} needs tarfile's data filter (Python >= 3.10.12 / 3.11.4 / 3.12); "
+            "upgrade Python, or unpack the archive by hand and pass the directory"
+        )
     holder = tempfile.TemporaryDirectory(prefix="forensics-")
     root = Path(holder.name)
     try:
@@ -92,8 +102,9 @@ def unpack_archive(path: Path, limits: ArchiveLimits | None = None) -> tuple[Pat
                         tar.extract(member, root, set_attrs=False, filter="data")
     except tarfile.FilterError as exc:
         holder.cleanup()
-        raise DumpCorruptError(f"archive member {exc.tarinfo.name!r} escapes the archive ({exc}); "
-                               "refusing to unpack") from exc
+        raise DumpCorruptError(
+            f"archive member {exc.tarinfo.name!r} escapes the archive ({exc}); refusing to unpack"
+        ) from exc
     except (tarfile.TarError, zstandard.ZstdError, EOFError, OSError, MemoryError, RecursionError) as exc:
         holder.cleanup()
         size = path.stat().st_size if path.exists() else 0

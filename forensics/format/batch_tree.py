@@ -134,7 +134,7 @@ def decode_tree(skeleton: Any, tensors: dict[str, torch.Tensor], path: str = "ba
     """Rebuilds the batch; raises DumpCorruptError on a skeleton that does not match the spec."""
     if not isinstance(skeleton, dict) or len(skeleton) != 1:
         raise DumpCorruptError(f"batch skeleton node at {path} is malformed")
-    (kind, payload), = skeleton.items()
+    ((kind, payload),) = skeleton.items()
     if kind == "tensor":
         if not isinstance(payload, str) or payload not in tensors:
             raise DumpCorruptError(f"batch skeleton at {path} names missing tensor {str(payload)[:120]!r}")

@@ -27,8 +27,10 @@ def digest_of_chunks(chunks: list[str]) -> str:
 def chunk_digests(data: bytes | memoryview, chunk_size: int) -> list[str]:
     """The sha256 of each `chunk_size` chunk of `data` (the last may be short)."""
     view = memoryview(data).cast("B")
-    return [hashlib.sha256(view[start:start + chunk_size]).hexdigest()
-            for start in range(0, max(len(view), 1), chunk_size)]
+    return [
+        hashlib.sha256(view[start : start + chunk_size]).hexdigest()
+        for start in range(0, max(len(view), 1), chunk_size)
+    ]
 
 
 _POOL: ThreadPoolExecutor | None = None

@@ -15,8 +15,23 @@ from dataclasses import dataclass
 from forensics.errors import DumpCorruptError
 from forensics.format.jsonio import parse_json, refusal
 
-ITEM_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-              "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+ITEM_SIZES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
+}
 """Bytes per element of every dtype code a forensics dump may store (forensics.format.tensors maps them to torch)."""
 
 
@@ -63,20 +78,28 @@ def parse_entries(header: object, start: int, size: int, name: str) -> dict[str,
             numel = 1
             for n in shape:
                 numel *= n
-            ok = code in ITEM_SIZES and all(_count(n) for n in (*shape, begin, end)) and \
-                0 <= begin <= end <= size - start and end - begin == numel * ITEM_SIZES[code]
+            ok = (
+                code in ITEM_SIZES
+                and all(_count(n) for n in (*shape, begin, end))
+                and 0 <= begin <= end <= size - start
+                and end - begin == numel * ITEM_SIZES[code]
+            )
         except (KeyError, TypeError, ValueError, AttributeError):
             ok = False
         if not ok:
-            raise DumpCorruptError(f"{name}: safetensors entry {str(key)[:120]!r} has a malformed dtype, "
-                                   "shape or byte range", name)
+            raise DumpCorruptError(
+                f"{name}: safetensors entry {str(key)[:120]!r} has a malformed dtype, shape or byte range", name
+            )
         entries[key] = Entry(code, shape, start + begin, end - begin)
         spans.append((begin, end, key))
     spans.sort()
     for (_, a_end, a_key), (b_begin, _, b_key) in zip(spans, spans[1:]):
         if a_end > b_begin:
-            raise DumpCorruptError(f"{name}: safetensors entries {str(a_key)[:80]!r} and {str(b_key)[:80]!r} overlap "
-                                   "(their data_offsets share bytes)", name)
+            raise DumpCorruptError(
+                f"{name}: safetensors entries {str(a_key)[:80]!r} and {str(b_key)[:80]!r} overlap "
+                "(their data_offsets share bytes)",
+                name,
+            )
     return entries
 
 

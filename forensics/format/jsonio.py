@@ -14,8 +14,9 @@ _FLOAT_TAG = "__float__"
 UNSERIALIZABLE_TAG = "__unserializable__"
 
 
-def json_tree(obj: Any, nonfinite: Callable[[float], Any], unknown: Callable[[Any], Any],
-              _seen: set[int] | None = None) -> Any:
+def json_tree(
+    obj: Any, nonfinite: Callable[[float], Any], unknown: Callable[[Any], Any], _seen: set[int] | None = None
+) -> Any:
     """The one JSON walker of forensics: `obj` as dict / list / str / int / float / bool / None.
 
     Tuples, sets and lists become lists (sets sorted by repr); dict keys strings; Enums their value;
@@ -40,8 +41,12 @@ def json_tree(obj: Any, nonfinite: Callable[[float], Any], unknown: Callable[[An
         seen.add(id(obj))
         try:
             if isinstance(obj, dict):
-                return {(k if isinstance(k, str) else str(json_tree(k, nonfinite, unknown, seen))):
-                        json_tree(v, nonfinite, unknown, seen) for k, v in obj.items()}
+                return {
+                    (k if isinstance(k, str) else str(json_tree(k, nonfinite, unknown, seen))): json_tree(
+                        v, nonfinite, unknown, seen
+                    )
+                    for k, v in obj.items()
+                }
             items = sorted(obj, key=repr) if isinstance(obj, (set, frozenset)) else obj
             return [json_tree(v, nonfinite, unknown, seen) for v in items]
         finally:
@@ -130,8 +135,9 @@ def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _constant(name: str) -> Any:
-    raise JSONRefused(f"holds a bare {name}, which is not JSON (a dump writes a non-finite number as "
-                      f'{{"{_FLOAT_TAG}": "inf"}})')
+    raise JSONRefused(
+        f'holds a bare {name}, which is not JSON (a dump writes a non-finite number as {{"{_FLOAT_TAG}": "inf"}})'
+    )
 
 
 TOO_DEEP = f"is nested too deep (more than {MAX_JSON_DEPTH} levels; a dump's JSON is a handful of levels deep)"
@@ -142,7 +148,9 @@ def parse_json(data: bytes | bytearray) -> Any:
     MAX_JSON_NUMBER_DIGITS digits, no key twice in an object, no bare NaN / Infinity. Raises JSONRefused for those,
     ValueError for text that is not JSON (never RecursionError or MemoryError); `refusal` words either."""
     try:
-        parsed = json.loads(data.decode("utf-8"), parse_int=_bounded_int, object_pairs_hook=_object, parse_constant=_constant)
+        parsed = json.loads(
+            data.decode("utf-8"), parse_int=_bounded_int, object_pairs_hook=_object, parse_constant=_constant
+        )
     except RecursionError:  # the C parser's own guard against deep nesting
         raise JSONRefused(TOO_DEEP) from None
     level = [(parsed, 1)]  # the depth, measured without recursion

@@ -88,8 +88,10 @@ def _status(key: str) -> int | None:
 
 def _cgroup_room() -> int | None:
     """The memory cgroup's limit less its usage (v2 or v1 files at the usual mount; None: no limit or unknown)."""
-    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+    for limit, usage in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
         try:
             with open(limit) as a, open(usage) as b:
                 cap, used = a.read().strip(), int(b.read().strip())

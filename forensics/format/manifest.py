@@ -25,9 +25,21 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]*")
 SHA256 = re.compile(r"[0-9a-f]{64}")
 MAX_STEP = 1 << 62
 OPTIONAL_SECTIONS: dict[str, type] = {
-    "loss": dict, "precision": dict, "recipe": dict, "determinism": dict, "environment": dict, "recheck": dict,
-    "distributed": dict, "exception": dict, "layout": dict, "window": dict, "data_recipe": dict, "snapshot": dict,
-    "state_missing": str, "missing_ranks": list, "dump_budget": dict,
+    "loss": dict,
+    "precision": dict,
+    "recipe": dict,
+    "determinism": dict,
+    "environment": dict,
+    "recheck": dict,
+    "distributed": dict,
+    "exception": dict,
+    "layout": dict,
+    "window": dict,
+    "data_recipe": dict,
+    "snapshot": dict,
+    "state_missing": str,
+    "missing_ranks": list,
+    "dump_budget": dict,
 }
 """Top-level sections a writer omits when it has nothing to say: when present, each has this JSON type."""
 _TYPE_WORDS: dict[type, str] = {dict: "an object", str: "a string", list: "a list"}
@@ -43,8 +55,7 @@ class _Checker:
         self.where = where
 
     def fail(self, field: str, what: str) -> DumpCorruptError:
-        return DumpCorruptError(f"{self.where}: '{field}' {what}; the manifest was edited or damaged",
-                                spec.MANIFEST)
+        return DumpCorruptError(f"{self.where}: '{field}' {what}; the manifest was edited or damaged", spec.MANIFEST)
 
     def integer(self, value: Any, field: str, low: int = 0, high: int = MAX_STEP, optional: bool = False) -> None:
         if value is None and optional:
@@ -64,8 +75,9 @@ class _Checker:
             names = " or ".join(t.__name__ for t in _tuple(types))
             raise self.fail(field, f"must be {names}{' or null' if optional else ''}, got {_short(value)}")
 
-    def each(self, values: Any, field: str, check: Callable[[Any, str], None], limit: int,
-             optional: bool = True) -> None:
+    def each(
+        self, values: Any, field: str, check: Callable[[Any, str], None], limit: int, optional: bool = True
+    ) -> None:
         if values is None and optional:
             return
         if not isinstance(values, list):
@@ -81,8 +93,11 @@ def check_manifest(manifest: dict, where: str) -> None:
     required keys are checked by the caller)."""
     c = _Checker(where)
     if not safe_name(manifest["run_id"]):
-        raise c.fail("run_id", f"must be a plain name ({NAME_PATTERN.pattern}, at most {MAX_NAME_CHARS} "
-                               f"characters), got {_short(manifest['run_id'])}")
+        raise c.fail(
+            "run_id",
+            f"must be a plain name ({NAME_PATTERN.pattern}, at most {MAX_NAME_CHARS} "
+            f"characters), got {_short(manifest['run_id'])}",
+        )
     c.integer(manifest["step"], "step")
     c.integer(manifest["world_size"], "world_size", 1, MAX_WORLD_SIZE)
     c.integer(manifest["rank"], "rank", 0, manifest["world_size"] - 1)
@@ -91,8 +106,11 @@ def check_manifest(manifest: dict, where: str) -> None:
     c.kind(manifest["created_at"], "created_at", str, optional=False)
     for key, expected in OPTIONAL_SECTIONS.items():
         if key in manifest and not isinstance(manifest[key], expected):
-            raise c.fail(key, f"must be {_TYPE_WORDS[expected]} when present (a writer leaves out a section it has "
-                              f"nothing for), got {_short(manifest[key])}")
+            raise c.fail(
+                key,
+                f"must be {_TYPE_WORDS[expected]} when present (a writer leaves out a section it has "
+                f"nothing for), got {_short(manifest[key])}",
+            )
     batches = manifest["micro_batches"]
     c.each(batches, "micro_batches", lambda b, f: _micro_batch(c, b, f), MAX_MICRO_BATCHES, optional=False)
     _trigger(c, manifest["trigger"], len(batches))
@@ -108,8 +126,9 @@ def check_manifest(manifest: dict, where: str) -> None:
     _check_window(c, manifest.get("window"), manifest.get("data_recipe"))
     _snapshot(c, manifest.get("snapshot"), manifest["step"])
     c.kind(manifest.get("state_missing"), "state_missing", str)
-    c.each(manifest.get("missing_ranks"), "missing_ranks",
-           lambda r, f: c.integer(r, f, 0, MAX_WORLD_SIZE), MAX_WORLD_SIZE)
+    c.each(
+        manifest.get("missing_ranks"), "missing_ranks", lambda r, f: c.integer(r, f, 0, MAX_WORLD_SIZE), MAX_WORLD_SIZE
+    )
     _files(c, manifest["files"], manifest["format_version"])
 
 
@@ -127,9 +146,12 @@ def _trigger(c: _Checker, trigger: Any, num_micro_batches: int) -> None:
     c.kind(trigger, "trigger", dict, optional=False)
     kind = trigger.get("kind")
     if kind is not None and kind not in TriggerKind.values():
-        raise c.fail("trigger.kind", f"is {_short(kind)}, which is none of the kinds this forensics knows "
-                                     f"({', '.join(TriggerKind.values())}); if a newer forensics wrote the dump, "
-                                     "upgrade (pip install -U forensics)")
+        raise c.fail(
+            "trigger.kind",
+            f"is {_short(kind)}, which is none of the kinds this forensics knows "
+            f"({', '.join(TriggerKind.values())}); if a newer forensics wrote the dump, "
+            "upgrade (pip install -U forensics)",
+        )
     c.number(trigger.get("value"), "trigger.value")
     c.number(trigger.get("threshold"), "trigger.threshold")
     c.integer(trigger.get("micro_batch"), "trigger.micro_batch", 0, max(num_micro_batches - 1, 0), optional=True)
@@ -173,7 +195,9 @@ def _check_precision(c: _Checker, precision: Any) -> None:
             raise c.fail(f"{field}.module", "is longer than 4096 characters")
         for key in ("param_dtype", "reduce_dtype", "output_dtype"):
             if unit.get(key) is not None and unit.get(key) not in FLOAT_DTYPES:
-                raise c.fail(f"{field}.{key}", f"must be null or one of {list(FLOAT_DTYPES)}, got {_short(unit.get(key))}")
+                raise c.fail(
+                    f"{field}.{key}", f"must be null or one of {list(FLOAT_DTYPES)}, got {_short(unit.get(key))}"
+                )
         c.kind(unit.get("cast_forward_inputs"), f"{field}.cast_forward_inputs", bool)
 
 
@@ -254,8 +278,11 @@ def _layout(c: _Checker, layout: Any, version: int) -> None:
     if layout.get("kind") != spec.SHARDED:
         raise c.fail("layout.kind", f"must be {spec.SHARDED!r}, got {_short(layout.get('kind'))}")
     if version < spec.SHARDED_VERSION:
-        raise c.fail("layout", f"(a sharded state) needs format_version {spec.SHARDED_VERSION} or later, but the "
-                               f"manifest says format_version {version}")
+        raise c.fail(
+            "layout",
+            f"(a sharded state) needs format_version {spec.SHARDED_VERSION} or later, but the "
+            f"manifest says format_version {version}",
+        )
     for section in ("tensors", "shards"):
         value = layout.get(section)
         c.kind(value, f"layout.{section}", dict, optional=False)
@@ -270,8 +297,11 @@ def _layout(c: _Checker, layout: Any, version: int) -> None:
     for stored, entry in (copies or {}).items():
         field = f"layout.copies[{_short(stored)}]"
         if not safe_name(stored) or stored in spec.SHARDED_FILES:
-            raise c.fail("layout.copies", f"names {_short(stored)}, which is not a plain file name inside the dump "
-                                          "apart from its own state files")
+            raise c.fail(
+                "layout.copies",
+                f"names {_short(stored)}, which is not a plain file name inside the dump "
+                "apart from its own state files",
+            )
         c.kind(entry, field, dict, optional=False)
         if entry.get("of") not in spec.SHARDED_FILES:
             raise c.fail(f"{field}.of", f"must be one of {list(spec.SHARDED_FILES)}, got {_short(entry.get('of'))}")
@@ -304,20 +334,30 @@ def _files(c: _Checker, files: Any, version: int) -> None:
     for name, entry in files.items():
         if not safe_name(name) or name == spec.MANIFEST:
             raise c.fail("files", f"lists {_short(name)}, which is not a plain file name inside the dump")
-        if not (isinstance(entry, dict) and isinstance(entry.get("size"), int) and not isinstance(entry["size"], bool)
-                and 0 <= entry["size"] < 1 << 50 and isinstance(entry.get("sha256"), str)
-                and SHA256.fullmatch(entry["sha256"])):
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("size"), int)
+            and not isinstance(entry["size"], bool)
+            and 0 <= entry["size"] < 1 << 50
+            and isinstance(entry.get("sha256"), str)
+            and SHA256.fullmatch(entry["sha256"])
+        ):
             raise c.fail(f"files.{name}", 'must be {"size": int >= 0, "sha256": 64 lowercase hex digits}')
         if "chunks" in entry or "chunk_size" in entry:
             chunk_size, chunks = entry.get("chunk_size"), entry.get("chunks")
             c.integer(chunk_size, f"files.{name}.chunk_size", 1 << 20, 1 << 32)
             expected = -(-entry["size"] // chunk_size)
-            if not isinstance(chunks, list) or len(chunks) != expected or \
-                    not all(isinstance(d, str) and SHA256.fullmatch(d) for d in chunks):
+            if (
+                not isinstance(chunks, list)
+                or len(chunks) != expected
+                or not all(isinstance(d, str) and SHA256.fullmatch(d) for d in chunks)
+            ):
                 raise c.fail(f"files.{name}.chunks", f"must list {expected} sha256 digests, one per chunk")
             if version >= spec.CHUNK_DIGEST_VERSION and entry["sha256"] != digest_of_chunks(chunks):
-                raise c.fail(f"files.{name}.sha256", "must be the sha256 of the file's chunk digests (format version "
-                                                     f"{spec.CHUNK_DIGEST_VERSION})")
+                raise c.fail(
+                    f"files.{name}.sha256",
+                    f"must be the sha256 of the file's chunk digests (format version {spec.CHUNK_DIGEST_VERSION})",
+                )
 
 
 def _tuple(types: type | tuple) -> tuple:

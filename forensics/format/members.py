@@ -63,8 +63,10 @@ def declared_size(head: bytes, path: Path, name: str) -> int | None:
     if declared == zstandard.CONTENTSIZE_UNKNOWN:
         return None
     if declared > limit:
-        raise DumpCorruptError(f"{path} declares {declared} decompressed bytes, more than the {limit} such a file "
-                               "may hold; refusing it", name)
+        raise DumpCorruptError(
+            f"{path} declares {declared} decompressed bytes, more than the {limit} such a file may hold; refusing it",
+            name,
+        )
     return declared
 
 
@@ -97,7 +99,7 @@ class _Frame:
         """Decompresses `count` bytes into a small reused buffer (verify keeps nothing); returns how many came."""
         scratch, got = memoryview(bytearray(min(HASH_CHUNK, max(count, 1)))), 0
         while got < count:
-            n = self.read_into(scratch[:min(len(scratch), count - got)])
+            n = self.read_into(scratch[: min(len(scratch), count - got)])
             if not n:
                 break
             got += n
@@ -158,8 +160,10 @@ def read_tensor_member(path: Path, name: str, keep: bool = True) -> tuple[torch.
         buffer = None
         room = memory_room() if keep else None
         if room is not None and total > room:
-            raise frame.fail(f"would decompress to {total} bytes, more than this host can hold now ({room} bytes: its "
-                             "available memory and this process's limits); read it on a host with more memory")
+            raise frame.fail(
+                f"would decompress to {total} bytes, more than this host can hold now ({room} bytes: its "
+                "available memory and this process's limits); read it on a host with more memory"
+            )
         if keep:
             import torch
 

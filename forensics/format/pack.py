@@ -28,12 +28,16 @@ def pack_dump(path: str | Path, output: str | Path | None = None, *, rank_part: 
     if not source.is_dir() or source.is_symlink():
         raise NotADumpError(f"{source} is not a dump directory; pack takes a rank or step directory")
     if not rank_part and is_rank_dump(source) and Dump(source).sharded:
-        raise NotADumpError(f"{source} is one rank's part of a sharded dump: alone it cannot be replayed. Pack its "
-                            f"step directory ({source.parent}) instead")
+        raise NotADumpError(
+            f"{source} is one rank's part of a sharded dump: alone it cannot be replayed. Pack its "
+            f"step directory ({source.parent}) instead"
+        )
     result = verify_dump(source, whole_state=not rank_part)  # refuses what a reader would: links, changed files
     if not result.ok:
-        raise DumpCorruptError(f"{source} failed verification, so it is not packed: {result.problems[0]}"
-                               + (f" (and {len(result.problems) - 1} more problems)" if len(result.problems) > 1 else ""))
+        raise DumpCorruptError(
+            f"{source} failed verification, so it is not packed: {result.problems[0]}"
+            + (f" (and {len(result.problems) - 1} more problems)" if len(result.problems) > 1 else "")
+        )
     target = Path(output) if output else source.with_name(source.name + spec.ARCHIVE_SUFFIX)
     top = PurePosixPath(source.name)
     with atomic_file(target, binary=True) as raw:

@@ -12,8 +12,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from forensics.errors import (DumpCorruptError, DumpNotFoundError, NotADumpError,
-                              UnsupportedVersionError, cut_text)
+from forensics.errors import DumpCorruptError, DumpNotFoundError, NotADumpError, UnsupportedVersionError, cut_text
 from forensics.format import jsonio, spec
 from forensics.format.archive import unpack_archive
 from forensics.format.digest import chunk_digests
@@ -30,12 +29,15 @@ if TYPE_CHECKING:  # torch is imported only when tensors are read: inspect and v
     from forensics.format.shards import ShardedState
     from forensics.rng import RngState
 
+
 def read_manifest(directory: Path) -> dict:
     """Parses manifest.json of a rank dump directory and checks it against the schema (forensics.format.manifest)."""
     path = directory / spec.MANIFEST
     if not path.is_file() or path.is_symlink():
-        raise NotADumpError(f"{directory} is not a complete dump: it has no {spec.MANIFEST} "
-                            "(the writer may have died before finishing; nothing there can be trusted)")
+        raise NotADumpError(
+            f"{directory} is not a complete dump: it has no {spec.MANIFEST} "
+            "(the writer may have died before finishing; nothing there can be trusted)"
+        )
     size = path.stat().st_size
     if size > MAX_JSON_FILE:
         raise DumpCorruptError(f"{path} is {size} bytes; a manifest is at most {MAX_JSON_FILE}", spec.MANIFEST)
@@ -44,16 +46,17 @@ def read_manifest(directory: Path) -> dict:
     except ValueError as exc:  # also UnicodeDecodeError, JSONDecodeError, depth, number and duplicate-key limits
         raise DumpCorruptError(f"{path} {jsonio.refusal(exc)}", spec.MANIFEST) from exc
     if not isinstance(manifest, dict) or manifest.get("format") != spec.FORMAT_NAME:
-        raise DumpCorruptError(f"{path} is not a forensics manifest (format != {spec.FORMAT_NAME!r})",
-                               spec.MANIFEST)
+        raise DumpCorruptError(f"{path} is not a forensics manifest (format != {spec.FORMAT_NAME!r})", spec.MANIFEST)
     version = manifest.get("format_version")
     if not isinstance(version, int) or isinstance(version, bool):
-        raise DumpCorruptError(f"{path}: format_version must be an integer, got {cut_text(repr(version))}",
-                               spec.MANIFEST)
+        raise DumpCorruptError(
+            f"{path}: format_version must be an integer, got {cut_text(repr(version))}", spec.MANIFEST
+        )
     if version > spec.FORMAT_VERSION:
         raise UnsupportedVersionError(
             f"{directory} is dump format version {version}, but this forensics reads up to version "
-            f"{spec.FORMAT_VERSION}. Upgrade forensics (pip install -U forensics) to read it.")
+            f"{spec.FORMAT_VERSION}. Upgrade forensics (pip install -U forensics) to read it."
+        )
     if version < 1:
         raise DumpCorruptError(f"{path}: format_version {version} does not exist", spec.MANIFEST)
     missing = [key for key in spec.REQUIRED_MANIFEST_KEYS if key not in manifest]
@@ -74,15 +77,17 @@ class ChunkVerifier:
     handed on before the chunk holding it is verified; the file is hashed at multi-core speed while it is read.
     """
 
-    def __init__(self, path: Path, name: str, size: int, chunk_size: int, digests: list[str],
-                 workers: int | None = None):
+    def __init__(
+        self, path: Path, name: str, size: int, chunk_size: int, digests: list[str], workers: int | None = None
+    ):
         from concurrent.futures import ThreadPoolExecutor
 
         if chunk_size <= 0 or len(digests) != max(1, -(-size // chunk_size)):
             raise DumpCorruptError(f"{path}: the manifest's chunk digests do not cover the file", name)
         self.path, self.name, self.size, self.chunk_size, self.digests = path, name, size, chunk_size, digests
-        self._pool = ThreadPoolExecutor(max_workers=workers or min(32, os.cpu_count() or 1),
-                                        thread_name_prefix="forensics-verify")
+        self._pool = ThreadPoolExecutor(
+            max_workers=workers or min(32, os.cpu_count() or 1), thread_name_prefix="forensics-verify"
+        )
         self._matched, self._count_lock = 0, threading.Lock()
         self._chunks = [self._pool.submit(self._check, index) for index in range(len(digests))]
         self._pool.shutdown(wait=False)
@@ -109,8 +114,11 @@ class ChunkVerifier:
         for index in range(first, min(last, len(self._chunks) - 1) + 1):
             if not self._chunks[index].result():
                 self.close()
-                raise DumpCorruptError(f"{self.path} does not match its sha256 in the manifest (chunk {index}): the "
-                                       "file was changed or corrupted", self.name)
+                raise DumpCorruptError(
+                    f"{self.path} does not match its sha256 in the manifest (chunk {index}): the "
+                    "file was changed or corrupted",
+                    self.name,
+                )
 
     def wait_all(self) -> None:
         self.wait(0, self.size)
@@ -137,9 +145,12 @@ def _check_rank_name(directory: Path, manifest: dict) -> None:
     would be replayed, verified and counted twice while rank R's is lost."""
     named = spec.rank_of_dir_name(directory.name)
     if named is not None and named != manifest["rank"]:
-        raise DumpCorruptError(f"{directory} is named for rank {named}, but its manifest says rank {manifest['rank']}"
-                               f" (whose own directory is {spec.rank_dir_name(manifest['rank'])}): a rank dump was "
-                               f"copied or renamed, and rank {named}'s dump is not there", spec.MANIFEST)
+        raise DumpCorruptError(
+            f"{directory} is named for rank {named}, but its manifest says rank {manifest['rank']}"
+            f" (whose own directory is {spec.rank_dir_name(manifest['rank'])}): a rank dump was "
+            f"copied or renamed, and rank {named}'s dump is not there",
+            spec.MANIFEST,
+        )
 
 
 def is_rank_dump(path: Path) -> bool:
@@ -187,8 +198,10 @@ class Dump:
     step = property(lambda self: int(self.manifest["step"]))
     rank = property(lambda self: int(self.manifest["rank"]))
     world_size = property(lambda self: int(self.manifest["world_size"]))
-    trigger = property(lambda self: Trigger.from_dict(self.manifest["trigger"]),
-                       doc="What fired (forensics.trigger.Trigger), read from the checked manifest.")
+    trigger = property(
+        lambda self: Trigger.from_dict(self.manifest["trigger"]),
+        doc="What fired (forensics.trigger.Trigger), read from the checked manifest.",
+    )
     recipe = property(lambda self: self.manifest.get("recipe") or {})
     precision = property(lambda self: self.manifest.get("precision") or {})
     micro_batches_meta = property(lambda self: self.manifest["micro_batches"])
@@ -212,14 +225,19 @@ class Dump:
         except FileNotFoundError:
             raise DumpCorruptError(f"{path} is missing (listed in the manifest)", name) from None
         if not stat.S_ISREG(info.st_mode):
-            raise DumpCorruptError(f"{path} is not a regular file (a link, directory or device); a dump holds "
-                                   "only plain files", name)
+            raise DumpCorruptError(
+                f"{path} is not a regular file (a link, directory or device); a dump holds only plain files", name
+            )
         if info.st_size != entry["size"]:
-            raise DumpCorruptError(f"{path} is {info.st_size} bytes but the manifest says {entry['size']}: "
-                                   "the file is truncated or was changed", name)
+            raise DumpCorruptError(
+                f"{path} is {info.st_size} bytes but the manifest says {entry['size']}: "
+                "the file is truncated or was changed",
+                name,
+            )
         if name.endswith(".json") and info.st_size > MAX_JSON_FILE:  # refused before a byte is hashed
-            raise DumpCorruptError(f"{path} is {info.st_size} bytes, more than the {MAX_JSON_FILE} a JSON file may "
-                                   "have", name)
+            raise DumpCorruptError(
+                f"{path} is {info.st_size} bytes, more than the {MAX_JSON_FILE} a JSON file may have", name
+            )
         return path, entry["size"], entry["sha256"]
 
     def check_listed(self, name: str) -> None:
@@ -249,8 +267,9 @@ class Dump:
                     seen += len(chunk)
             ok = seen == size and digest.hexdigest() == sha256
         if not ok:
-            raise DumpCorruptError(f"{path} does not match its sha256 in the manifest: the file was changed "
-                                   "or corrupted", name)
+            raise DumpCorruptError(
+                f"{path} does not match its sha256 in the manifest: the file was changed or corrupted", name
+            )
         self._verified.add(name)
         return path
 
@@ -297,8 +316,9 @@ class Dump:
         else:
             matches = hashlib.sha256(data).hexdigest() == sha256
         if len(data) != size or not matches:
-            raise DumpCorruptError(f"{path} does not match its sha256 in the manifest: the file was changed "
-                                   "or corrupted", name)
+            raise DumpCorruptError(
+                f"{path} does not match its sha256 in the manifest: the file was changed or corrupted", name
+            )
         self._verified.add(name)
         return data
 
@@ -346,8 +366,9 @@ class Dump:
         problems = []
         for name in self.manifest["files"]:
             path = self.path / name
-            if not stat.S_ISREG(_lstat_mode(path)) or not (name.endswith(".safetensors") or
-                                                           name.endswith(spec.ZSTD_SUFFIX)):
+            if not stat.S_ISREG(_lstat_mode(path)) or not (
+                name.endswith(".safetensors") or name.endswith(spec.ZSTD_SUFFIX)
+            ):
                 continue
             try:
                 if name.endswith(spec.ZSTD_SUFFIX):
@@ -422,8 +443,12 @@ class Dump:
         """The weights of the pre-step state (or of `files`: spec.SNAPSHOT_STATE), all at once."""
         return dict(self.iter_model_tensors(files=files)) if self._sharded_state(files) else self._tensors(files.model)
 
-    def iter_model_tensors(self, device: str | "torch.device" = "cpu", files: spec.StateFiles = spec.PRE_STEP_STATE,
-                           names: "set[str] | None" = None) -> Iterator[tuple[str, "torch.Tensor"]]:
+    def iter_model_tensors(
+        self,
+        device: str | "torch.device" = "cpu",
+        files: spec.StateFiles = spec.PRE_STEP_STATE,
+        names: "set[str] | None" = None,
+    ) -> Iterator[tuple[str, "torch.Tensor"]]:
         """The pre-step weights one tensor at a time (only `names`, when given), read with pread straight onto
         `device` in file order, each handed on once the chunks holding it are verified: the host never holds the
         whole state. A sharded dump assembles each tensor from the rank dumps that hold its parts."""
@@ -442,22 +467,37 @@ class Dump:
             return None
         meta = self._json_object(files.optimizer_json, ("class", "param_groups"))
         raw_state = meta.get("state") or {}
-        if not isinstance(raw_state, dict) or not all(isinstance(v, dict) for v in raw_state.values()) \
-                or not isinstance(meta["class"], str) or not isinstance(meta["param_groups"], list) \
-                or not all(isinstance(g, dict) and isinstance(g.get("params", []), list)
-                           and all(isinstance(p, str) for p in g.get("params", [])) for g in meta["param_groups"]):
-            raise DumpCorruptError(f"{self.path / files.optimizer_json} does not have the documented layout "
-                                   "(class: str, param_groups: [{..., params: [...]}], state: {name: {...}})",
-                                   files.optimizer_json)
+        if (
+            not isinstance(raw_state, dict)
+            or not all(isinstance(v, dict) for v in raw_state.values())
+            or not isinstance(meta["class"], str)
+            or not isinstance(meta["param_groups"], list)
+            or not all(
+                isinstance(g, dict)
+                and isinstance(g.get("params", []), list)
+                and all(isinstance(p, str) for p in g.get("params", []))
+                for g in meta["param_groups"]
+            )
+        ):
+            raise DumpCorruptError(
+                f"{self.path / files.optimizer_json} does not have the documented layout "
+                "(class: str, param_groups: [{..., params: [...]}], state: {name: {...}})",
+                files.optimizer_json,
+            )
         for index, group in enumerate(meta["param_groups"]):
             lr = group.get("lr", 0.0)
             if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 <= lr < float("inf"):
-                raise DumpCorruptError(f"{self.path / files.optimizer_json}: param group {index}'s learning rate is "
-                                       f"{cut_text(repr(lr), 60)}, not a finite number >= 0: the file was edited (or the "
-                                       "job's scheduler made it so, which is then the cause to fix)",
-                                       files.optimizer_json)
-        return {"class": meta["class"], "param_groups": meta["param_groups"],
-                "state": {name: dict(values) for name, values in raw_state.items()}}
+                raise DumpCorruptError(
+                    f"{self.path / files.optimizer_json}: param group {index}'s learning rate is "
+                    f"{cut_text(repr(lr), 60)}, not a finite number >= 0: the file was edited (or the "
+                    "job's scheduler made it so, which is then the cause to fix)",
+                    files.optimizer_json,
+                )
+        return {
+            "class": meta["class"],
+            "param_groups": meta["param_groups"],
+            "state": {name: dict(values) for name, values in raw_state.items()},
+        }
 
     def _optimizer_index(self, files: spec.StateFiles) -> dict[str, dict[str, tuple[str, list[int]]]]:
         """{param name: {state key: (tensor key in optimizer.safetensors, shape)}}, from the verified file's
@@ -484,11 +524,14 @@ class Dump:
 
     def optimizer_shapes(self, files: spec.StateFiles = spec.PRE_STEP_STATE) -> dict[str, dict[str, list[int]]]:
         """{param name: {state key: shape}} of the optimizer's tensor state, without reading any tensor."""
-        return {name: {k: shape for k, (_, shape) in entries.items()}
-                for name, entries in self._optimizer_index(files).items()}
+        return {
+            name: {k: shape for k, (_, shape) in entries.items()}
+            for name, entries in self._optimizer_index(files).items()
+        }
 
-    def optimizer_tensors(self, name: str, device: str | "torch.device" = "cpu",
-                          files: spec.StateFiles = spec.PRE_STEP_STATE) -> dict[str, "torch.Tensor"]:
+    def optimizer_tensors(
+        self, name: str, device: str | "torch.device" = "cpu", files: spec.StateFiles = spec.PRE_STEP_STATE
+    ) -> dict[str, "torch.Tensor"]:
         """The tensor state of ONE parameter (`{"exp_avg": ..., ...}`), read with pread (or
         assembled from a sharded dump's ranks) onto `device`: replay holds one parameter's state at a time."""
         entries = self._optimizer_index(files).get(name, {})
@@ -530,10 +573,16 @@ class Dump:
     @cached_property
     def _rng(self) -> tuple[list, dict[str, torch.Tensor]]:
         meta = self._json_object(spec.RNG_JSON, ("micro_batches",))["micro_batches"]
-        if not isinstance(meta, list) or len(meta) != self.num_micro_batches or \
-                not all(isinstance(m, dict) for m in meta):
-            raise DumpCorruptError(f"{self.path / spec.RNG_JSON}: 'micro_batches' must list one object per "
-                                   f"micro-batch ({self.num_micro_batches})", spec.RNG_JSON)
+        if (
+            not isinstance(meta, list)
+            or len(meta) != self.num_micro_batches
+            or not all(isinstance(m, dict) for m in meta)
+        ):
+            raise DumpCorruptError(
+                f"{self.path / spec.RNG_JSON}: 'micro_batches' must list one object per "
+                f"micro-batch ({self.num_micro_batches})",
+                spec.RNG_JSON,
+            )
         return meta, self._tensors(spec.RNG_TENSORS)
 
     def rng_state(self, index: int) -> "RngState":
@@ -543,8 +592,11 @@ class Dump:
         try:
             return RngState.from_parts(meta[index], tensors, f"mb{index}")
         except (KeyError, TypeError, ValueError, IndexError, RuntimeError, OverflowError) as exc:
-            raise DumpCorruptError(f"{self.path / spec.RNG_JSON}: the RNG state of micro-batch {index + 1} is "
-                                   f"malformed ({type(exc).__name__}: {cut_text(exc, 120)})", spec.RNG_JSON) from exc
+            raise DumpCorruptError(
+                f"{self.path / spec.RNG_JSON}: the RNG state of micro-batch {index + 1} is "
+                f"malformed ({type(exc).__name__}: {cut_text(exc, 120)})",
+                spec.RNG_JSON,
+            ) from exc
 
     def micro_batch(self, index: int) -> Any:
         if not 0 <= index < self.num_micro_batches:
@@ -582,8 +634,11 @@ class Dump:
                 states = [RngState.from_parts(meta, tensors, f"s{step}/mb{i}") for i, meta in enumerate(rngs)]
                 out.append({**row, "step": step, "sample_ids": ids, "rng": states})
         except (KeyError, TypeError, ValueError, IndexError, RuntimeError, OverflowError) as exc:
-            raise DumpCorruptError(f"{self.path / spec.WINDOW_JSON} does not have the documented layout "
-                                   f"({type(exc).__name__}: {cut_text(exc, 120)})", spec.WINDOW_JSON) from exc
+            raise DumpCorruptError(
+                f"{self.path / spec.WINDOW_JSON} does not have the documented layout "
+                f"({type(exc).__name__}: {cut_text(exc, 120)})",
+                spec.WINDOW_JSON,
+            ) from exc
         return out
 
     def precursors(self) -> dict | None:
@@ -596,8 +651,10 @@ class Dump:
         try:
             return checked_precursors(self._json_object(spec.PRECURSORS, ("columns", "steps", "values")))
         except ValueError as exc:
-            raise DumpCorruptError(f"{self.path / spec.PRECURSORS} does not have the documented layout "
-                                   f"({cut_text(exc, 160)})", spec.PRECURSORS) from exc
+            raise DumpCorruptError(
+                f"{self.path / spec.PRECURSORS} does not have the documented layout ({cut_text(exc, 160)})",
+                spec.PRECURSORS,
+            ) from exc
 
     def history(self) -> dict:
         """The loss history (docs/DUMP_FORMAT.md `history.json`), every value checked (forensics/format/records.py)."""
@@ -623,8 +680,12 @@ def resolve(path: str | Path, limits: ArchiveLimits | None = None) -> tuple[Path
     return path, None
 
 
-def open_dump(path: str | Path, rank: int | None = None, limits: ArchiveLimits | None = None,
-              shard_dirs: Sequence[str | Path] = ()) -> Dump:
+def open_dump(
+    path: str | Path,
+    rank: int | None = None,
+    limits: ArchiveLimits | None = None,
+    shard_dirs: Sequence[str | Path] = (),
+) -> Dump:
     """Opens a rank dump, a step directory (choose `rank`), or a packed `.tar.zst` of either.
 
     Args:
@@ -654,8 +715,9 @@ def open_dump(path: str | Path, rank: int | None = None, limits: ArchiveLimits |
     return dump
 
 
-def _rank_elsewhere(path: str | Path, rank: int | None, limits: ArchiveLimits | None,
-                    shard_dirs: list[Path]) -> tuple[Dump, Path] | None:
+def _rank_elsewhere(
+    path: str | Path, rank: int | None, limits: ArchiveLimits | None, shard_dirs: list[Path]
+) -> tuple[Dump, Path] | None:
     """`rank`'s dump in another node's directory (`shard_dirs`), for a step directory that lacks it, and the
     step directory the user named."""
     if rank is None or not shard_dirs:
@@ -679,10 +741,14 @@ def _choose_dump(path: str | Path, rank: int | None, limits: ArchiveLimits | Non
     if not complete:
         steps = sorted(p.name for p in directory.glob("step-*"))
         if steps:
-            raise NotADumpError(f"{directory} is a run directory holding dumps for {', '.join(steps)}; pass one of them")
+            raise NotADumpError(
+                f"{directory} is a run directory holding dumps for {', '.join(steps)}; pass one of them"
+            )
         if ranks:
-            raise NotADumpError(f"{directory} holds no complete rank dump ({len(ranks)} without a manifest: "
-                                "the writer died before finishing)")
+            raise NotADumpError(
+                f"{directory} holds no complete rank dump ({len(ranks)} without a manifest: "
+                "the writer died before finishing)"
+            )
         raise NotADumpError(f"{directory} is not a forensics dump (no {spec.MANIFEST}, no rank-* directories)")
     dumps = [Dump(r, holder) for r in complete]
     if rank is not None:
@@ -723,6 +789,8 @@ def _check_same_step(dumps: list[Dump]) -> None:
             values.setdefault(dump.manifest[field], []).append(dump.rank)
         if len(values) > 1:
             shown = "; ".join(f"{field} {value!r} in rank(s) {ranks}" for value, ranks in list(values.items())[:4])
-            raise DumpCorruptError(f"{dumps[0].path.parent}: its rank dumps are not of one step ({shown}): a rank "
-                                   "dump was copied in from another run or step; pass the rank directory you mean",
-                                   spec.MANIFEST)
+            raise DumpCorruptError(
+                f"{dumps[0].path.parent}: its rank dumps are not of one step ({shown}): a rank "
+                "dump was copied in from another run or step; pass the rank directory you mean",
+                spec.MANIFEST,
+            )

@@ -43,8 +43,11 @@ def checked_precursors(table: dict) -> dict:
     statistic. Raises ValueError naming the first bad value."""
     columns = []
     for j, column in enumerate(_list(table.get("columns"), "columns")):
-        if not isinstance(column, dict) or not isinstance(column.get("layer"), str) \
-                or not isinstance(column.get("statistic"), str):
+        if (
+            not isinstance(column, dict)
+            or not isinstance(column.get("layer"), str)
+            or not isinstance(column.get("statistic"), str)
+        ):
             raise ValueError(f"column {j} must be {{'layer': str, 'statistic': str}}")
         row = {"layer": column["layer"], "statistic": column["statistic"]}
         if isinstance(column.get("dtype"), str):
@@ -65,8 +68,11 @@ def checked_precursors(table: dict) -> dict:
     firings = [_firing(f, i) for i, f in enumerate(_list(table.get("firings") or [], "firings"))]
     raw = table.get("config")
     raw = raw if isinstance(raw, dict) else {}
-    config = {k: _value(v, f"config.{k}", integer=isinstance(v, int)) for k, v in raw.items()
-              if v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))}  # the settings: numbers
+    config = {
+        k: _value(v, f"config.{k}", integer=isinstance(v, int))
+        for k, v in raw.items()
+        if v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+    }  # the settings: numbers
     return {"columns": columns, "steps": steps, "values": rows, "firings": firings, "config": config}
 
 
@@ -78,8 +84,12 @@ def _firing(firing: Any, index: int) -> dict:
         raise ValueError(f"firing {index} lacks {', '.join(repr(k) for k in missing)}")
     if not isinstance(firing["layer"], str) or not isinstance(firing["statistic"], str):
         raise ValueError(f"firing {index}: 'layer' and 'statistic' must be strings")
-    out = {"step": _int(firing["step"], f"firings[{index}].step"), "layer": firing["layer"],
-           "statistic": firing["statistic"], "dumped": firing.get("dumped") is True}
+    out = {
+        "step": _int(firing["step"], f"firings[{index}].step"),
+        "layer": firing["layer"],
+        "statistic": firing["statistic"],
+        "dumped": firing.get("dumped") is True,
+    }
     for key in ("value", "baseline", "z"):
         out[key] = _float(firing.get(key), f"firings[{index}].{key}")
     started = firing.get("started")

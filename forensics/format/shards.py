@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 Dump = Any  # forensics.format.reader.Dump (which imports this module): a rank dump with .manifest, .path, .rank
 
+
 @dataclass(frozen=True)
 class LocalShard:
     """This rank's part of a tensor: `tensor` is the box starting at `offsets` of a tensor of `global_shape`.
@@ -65,8 +66,11 @@ def table_entry(shape, dtype: "torch.dtype") -> dict:
 def shard_entry(value: Any) -> tuple[Any, dict]:
     """(the tensor to store, its `layout.shards` entry) for a state value (a tensor, or a LocalShard)."""
     if isinstance(value, LocalShard):
-        return value.tensor, {"offsets": [int(o) for o in value.offsets],
-                              "shape": [int(n) for n in value.tensor.shape], "flat": value.flat}
+        return value.tensor, {
+            "offsets": [int(o) for o in value.offsets],
+            "shape": [int(n) for n in value.tensor.shape],
+            "flat": value.flat,
+        }
     return value, {"offsets": [0] * value.dim(), "shape": [int(n) for n in value.shape], "flat": False}
 
 
@@ -111,10 +115,15 @@ class ShardIndex:
                 if dump.manifest[field] != first.manifest[field]:
                     raise DumpCorruptError(
                         f"{dump.path} is not a shard of the same dump as {first.path}: its {field} is "
-                        f"{dump.manifest[field]!r}, not {first.manifest[field]!r}", spec.MANIFEST)
+                        f"{dump.manifest[field]!r}, not {first.manifest[field]!r}",
+                        spec.MANIFEST,
+                    )
             if (dump.manifest.get("layout") or {}).get("tensors") != self.layout["tensors"]:
-                raise DumpCorruptError(f"{dump.path} describes a different state (layout.tensors) than "
-                                       f"{first.path}: they are not ranks of one dump", spec.MANIFEST)
+                raise DumpCorruptError(
+                    f"{dump.path} describes a different state (layout.tensors) than "
+                    f"{first.path}: they are not ranks of one dump",
+                    spec.MANIFEST,
+                )
         self.pieces: dict[tuple[str, str], list[Piece]] = {}
         for dump in dumps:  # every rank's own shards first: a copy serves only where they leave a gap
             for file, shards in (dump.manifest["layout"].get("shards") or {}).items():
@@ -130,15 +139,19 @@ class ShardIndex:
         for name, entry in shards.items():
             row = self.layout["tensors"].get(file, {}).get(name)
             if row is None:
-                raise DumpCorruptError(f"{dump.path / spec.MANIFEST}: shard {_quoted(name)} of {file} is not "
-                                       "in layout.tensors", spec.MANIFEST)
+                raise DumpCorruptError(
+                    f"{dump.path / spec.MANIFEST}: shard {_quoted(name)} of {file} is not in layout.tensors",
+                    spec.MANIFEST,
+                )
             piece = Piece(dump, tuple(entry["offsets"]), tuple(entry["shape"]), bool(entry["flat"]), stored)
             declared += piece.numel * spec.ITEM_SIZE[row["dtype"]]
             self.pieces.setdefault((file, name), []).append(piece)
         files = dump.manifest["files"]
         if shards and (stored not in files or declared > files[stored]["size"]):
-            raise DumpCorruptError(f"{dump.path / spec.MANIFEST}: the shards listed for {_quoted(stored)} do not fit "
-                                   "that file", spec.MANIFEST)
+            raise DumpCorruptError(
+                f"{dump.path / spec.MANIFEST}: the shards listed for {_quoted(stored)} do not fit that file",
+                spec.MANIFEST,
+            )
 
     def names(self, file: str) -> list[str]:
         return list(self.layout["tensors"].get(file, {}))
@@ -162,17 +175,25 @@ class ShardIndex:
             raise DumpCorruptError(f"the shards of {_quoted(name)} mix flat and box layouts", spec.MANIFEST)
         bounds = (numel,) if pieces and pieces[0].flat else shape
         for piece in pieces:
-            if len(piece.offsets) != len(bounds) or len(piece.shape) != len(bounds) or any(
-                    o < 0 or o + s > n for o, s, n in zip(piece.offsets, piece.shape, bounds)):
-                raise DumpCorruptError(f"{piece.dump.path}: a shard of {_quoted(name)} lies outside its tensor of "
-                                       f"shape {list(shape)}", spec.MANIFEST)
+            if (
+                len(piece.offsets) != len(bounds)
+                or len(piece.shape) != len(bounds)
+                or any(o < 0 or o + s > n for o, s, n in zip(piece.offsets, piece.shape, bounds))
+            ):
+                raise DumpCorruptError(
+                    f"{piece.dump.path}: a shard of {_quoted(name)} lies outside its tensor of shape {list(shape)}",
+                    spec.MANIFEST,
+                )
         for i, piece in enumerate(pieces):  # sweep along the first dimension: near-linear for real shardings
-            for other in pieces[i + 1:]:
+            for other in pieces[i + 1 :]:
                 if bounds and other.offsets[0] >= piece.offsets[0] + piece.shape[0]:
                     break
                 if piece.numel and other.numel and _overlap(piece, other):
-                    raise DumpCorruptError(f"{piece.dump.path} and {other.dump.path} hold overlapping, different "
-                                           f"shards of {_quoted(name)}", spec.MANIFEST)
+                    raise DumpCorruptError(
+                        f"{piece.dump.path} and {other.dump.path} hold overlapping, different "
+                        f"shards of {_quoted(name)}",
+                        spec.MANIFEST,
+                    )
         return pieces, numel - sum(p.numel for p in pieces)
 
     def missing(self) -> dict[str, list[str]]:
@@ -198,7 +219,10 @@ class ShardIndex:
             f"({shown}). Rank dumps found: {present}; missing: {absent or 'none'}. Each rank wrote only its own "
             "shards: copy the missing rank-* directories (from the other nodes' dump_dir) next to these, or "
             "name their directories with --shards DIR. If those ranks died while writing, the state cannot be "
-            "rebuilt from this dump (DumpConfig(shard_replicas=2) writes every part on two ranks).", names, absent)
+            "rebuilt from this dump (DumpConfig(shard_replicas=2) writes every part on two ranks).",
+            names,
+            absent,
+        )
 
 
 class ShardedState:
@@ -214,8 +238,9 @@ class ShardedState:
         row = self.index.row(file, name)
         pieces, gap = self.index.tiling(file, name)
         if gap:
-            raise DumpIncompleteError(f"{_quoted(name)} of {file} is missing {gap} elements (a rank dump is "
-                                      "missing)", [name], [])
+            raise DumpIncompleteError(
+                f"{_quoted(name)} of {file} is missing {gap} elements (a rank dump is missing)", [name], []
+            )
         out = torch.empty(row["shape"], dtype=getattr(torch, row["dtype"]), device=device)
         flat_out = out.view(-1) if pieces and pieces[0].flat else None
         for piece in pieces:
@@ -223,17 +248,21 @@ class ShardedState:
                 continue
             data = piece.dump.tensor_file(piece.stored).read(name, device)
             if tuple(data.shape) != piece.shape or data.dtype != out.dtype:
-                raise DumpCorruptError(f"{piece.dump.path / piece.stored}: shard {_quoted(name)} is "
-                                       f"{list(data.shape)} {data.dtype}, the manifest says {list(piece.shape)} "
-                                       f"{out.dtype}", piece.stored)
+                raise DumpCorruptError(
+                    f"{piece.dump.path / piece.stored}: shard {_quoted(name)} is "
+                    f"{list(data.shape)} {data.dtype}, the manifest says {list(piece.shape)} "
+                    f"{out.dtype}",
+                    piece.stored,
+                )
             if flat_out is not None:
-                flat_out[piece.offsets[0]:piece.offsets[0] + piece.numel].copy_(data.reshape(-1))
+                flat_out[piece.offsets[0] : piece.offsets[0] + piece.numel].copy_(data.reshape(-1))
             else:
                 out[tuple(slice(o, o + s) for o, s in zip(piece.offsets, piece.shape))].copy_(data)
         return out
 
-    def iter_tensors(self, file: str, device: str = "cpu", names: "set[str] | None" = None
-                     ) -> Iterator[tuple[str, "torch.Tensor"]]:
+    def iter_tensors(
+        self, file: str, device: str = "cpu", names: "set[str] | None" = None
+    ) -> Iterator[tuple[str, "torch.Tensor"]]:
         for name in self.index.names(file):
             if names is None or name in names:
                 yield name, self.tensor(file, name, device)
@@ -242,4 +271,4 @@ class ShardedState:
 def _quoted(name: object, limit: int = 120) -> str:
     """A name from a dump, safe to print: repr-quoted (no escape sequences reach the terminal) and cut."""
     text = repr(str(name))
-    return text if len(text) <= limit else text[:limit - 4] + "...'"
+    return text if len(text) <= limit else text[: limit - 4] + "...'"

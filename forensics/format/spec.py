@@ -18,6 +18,7 @@ def version_needed(sharded: bool, chunked: bool) -> int:
     """The format version a dump must declare: the sharded layout needs 2, a file with chunk digests 3."""
     return CHUNK_DIGEST_VERSION if chunked else SHARDED_VERSION if sharded else FULL_STATE_VERSION
 
+
 MANIFEST = "manifest.json"
 MODEL = "model.safetensors"
 OPTIMIZER_TENSORS = "optimizer.safetensors"
@@ -67,15 +68,39 @@ def copy_file_name(of: str, source_rank: int) -> str:
     """Where a rank stores its copy of another rank's shards of `of` (a SHARDED_FILES name): manifest
     `layout.copies` (GuardConfig.dumping.shard_replicas). Readers take the names from the manifest, never from here."""
     return f"copy-{source_rank:05d}-{of}"
-ITEM_SIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
-             "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint16": 2, "uint32": 4,
-             "uint64": 8}
+
+
+ITEM_SIZE = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
+}
 """Bytes per element of every dtype a sharded layout's table may name."""
 DTYPES = tuple(ITEM_SIZE)
 
 REQUIRED_MANIFEST_KEYS = (
-    "format", "format_version", "created_at", "run_id", "trigger", "step", "rank", "world_size",
-    "micro_batches", "files",
+    "format",
+    "format_version",
+    "created_at",
+    "run_id",
+    "trigger",
+    "step",
+    "rank",
+    "world_size",
+    "micro_batches",
+    "files",
 )
 CHUNK_BYTES = 4 * 1024 * 1024
 """Files above this size carry per-chunk sha256s (manifest files[name].chunks; chunk_size says the size, so

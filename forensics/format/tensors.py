@@ -20,12 +20,24 @@ from forensics.format.spec import MAX_SAFETENSORS_HEADER
 from forensics.unfilled import unfilled
 
 _DTYPE_NAMES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
 }
-for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
-                     ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
+for _name, _code in (
+    ("float8_e4m3fn", "F8_E4M3"),
+    ("float8_e5m2", "F8_E5M2"),
+    ("uint16", "U16"),
+    ("uint32", "U32"),
+    ("uint64", "U64"),
+):
     if hasattr(torch, _name):
         _DTYPE_NAMES[getattr(torch, _name)] = _code
 
@@ -53,8 +65,11 @@ def write_safetensors(out, tensors: dict[str, torch.Tensor], metadata: dict[str,
         if tensor.dtype not in _DTYPE_NAMES:
             raise TypeError(f"tensor {key!r} has dtype {tensor.dtype}, which safetensors cannot store")
         nbytes = tensor.numel() * tensor.element_size()
-        header[key] = {"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
-                       "data_offsets": [offset, offset + nbytes]}
+        header[key] = {
+            "dtype": _DTYPE_NAMES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
     encoded += b" " * (-len(encoded) % 8)  # align the data section to 8 bytes
@@ -134,9 +149,12 @@ def load_safetensors_bytes(data: bytes | bytearray, name: str) -> dict[str, torc
     checked as SafetensorsFile checks it (forensics.format.header)."""
     check_header(data, name)
     (length,) = struct.unpack("<Q", bytes(data[:8]))
-    entries = parse_header(bytes(data[8:8 + length]), 8 + length, len(data), name)
-    buffer = torch.frombuffer(bytearray(data) if isinstance(data, bytes) else data, dtype=torch.uint8) if len(data) \
+    entries = parse_header(bytes(data[8 : 8 + length]), 8 + length, len(data), name)
+    buffer = (
+        torch.frombuffer(bytearray(data) if isinstance(data, bytes) else data, dtype=torch.uint8)
+        if len(data)
         else torch.empty(0, dtype=torch.uint8)
+    )
     return tensors_in(buffer, entries, name)
 
 
@@ -148,7 +166,7 @@ def tensors_in(buffer: torch.Tensor, entries: dict[str, Entry], name: str) -> di
         if nbytes == 0:
             tensors[key] = torch.empty(shape, dtype=dtype)
             continue
-        raw = buffer[offset:offset + nbytes]
+        raw = buffer[offset : offset + nbytes]
         if offset % raw.new_empty((), dtype=dtype).element_size():
             raw = raw.clone()  # an unaligned entry (not from forensics's writer): its own aligned copy
         tensors[key] = raw.view(dtype).reshape(shape)
@@ -160,8 +178,11 @@ def torch_entries(entries: dict[str, Entry], name: str) -> dict[str, tuple[torch
     out = {}
     for key, entry in entries.items():
         if entry.dtype not in _DTYPES_BY_CODE:
-            raise DumpCorruptError(f"{name}: tensor {str(key)[:120]!r} has dtype {entry.dtype}, which this torch "
-                                   f"({torch.__version__}) cannot hold", name)
+            raise DumpCorruptError(
+                f"{name}: tensor {str(key)[:120]!r} has dtype {entry.dtype}, which this torch "
+                f"({torch.__version__}) cannot hold",
+                name,
+            )
         out[key] = (_DTYPES_BY_CODE[entry.dtype], list(entry.shape), entry.offset, entry.nbytes)
     return out
 

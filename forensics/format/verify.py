@@ -83,15 +83,19 @@ def _optional_part(dump: Dump, name: str) -> tuple[tuple[str, ...], str] | None:
     if name in FLIGHT_RECORDER:
         return FLIGHT_RECORDER, "the flight recorder (the steps before this one): the window replay is skipped"
     if name in spec.SNAPSHOT_STATE:
-        return tuple(spec.SNAPSHOT_STATE), ("the Guard's host snapshot of an earlier step: the window replay from it "
-                                            "is skipped")
+        return tuple(spec.SNAPSHOT_STATE), (
+            "the Guard's host snapshot of an earlier step: the window replay from it is skipped"
+        )
     if name == spec.MAIN_SCRIPT:
-        return (name,), ("the training script's source: a loss or model factory defined in it is named with --loss / "
-                         "--factory instead")
+        return (name,), (
+            "the training script's source: a loss or model factory defined in it is named with --loss / "
+            "--factory instead"
+        )
     copy = ((dump.manifest.get("layout") or {}).get("copies") or {}).get(name)
     if copy is not None:
-        return (name,), (f"the buddy copy of rank {copy['rank']}'s shards: it is used only where that rank's own "
-                         "dump is missing")
+        return (name,), (
+            f"the buddy copy of rank {copy['rank']}'s shards: it is used only where that rank's own dump is missing"
+        )
     return None
 
 
@@ -109,8 +113,7 @@ def set_aside_damaged(dump: Dump) -> list[Damage]:
         DumpCorruptError: an essential file is damaged, missing or not a regular file (naming it).
     """
     damaged = []
-    dump.start_verifying(name for name in dump.manifest["files"] if name not in dump.set_aside
-                         and not _read_late(name))
+    dump.start_verifying(name for name in dump.manifest["files"] if name not in dump.set_aside and not _read_late(name))
     for name in dump.manifest["files"]:
         if name in dump.set_aside:
             continue
@@ -167,14 +170,25 @@ def _check_shards(dumps: list[Dump]) -> list[Problem]:
         return [Problem(str(dumps[0].path.parent), str(exc))]
     problems = []
     for file, names in gaps.items():
-        shown = ", ".join(repr(n)[:120] for n in names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
-        problems.append(Problem(file, f"{len(names)} tensors have parts no rank dump holds (a rank dump is missing "
-                                      f"or died while writing): {shown}"))
+        shown = ", ".join(repr(n)[:120] for n in names[:20]) + (
+            f" and {len(names) - 20} more" if len(names) > 20 else ""
+        )
+        problems.append(
+            Problem(
+                file,
+                f"{len(names)} tensors have parts no rank dump holds (a rank dump is missing "
+                f"or died while writing): {shown}",
+            )
+        )
     return problems
 
 
-def verify_dump(path: str | Path, limits: ArchiveLimits | None = None,
-                shard_dirs: Sequence[str | Path] = (), whole_state: bool = True) -> VerifyResult:
+def verify_dump(
+    path: str | Path,
+    limits: ArchiveLimits | None = None,
+    shard_dirs: Sequence[str | Path] = (),
+    whole_state: bool = True,
+) -> VerifyResult:
     """Checks a rank dump, a step directory or an archive (and, for a sharded dump, that the rank dumps found
     hold the complete state; `shard_dirs`: other nodes' directories of the same step; `whole_state=False`:
     only the files of the dumps under `path`). Raises DumpError when it cannot even be opened."""
@@ -188,9 +202,14 @@ def verify_dump(path: str | Path, limits: ArchiveLimits | None = None,
     for dump in dumps:
         problems.extend(_check_rank(dump))
     gaps = _check_shards(dumps) if whole_state else []
-    covered = "; the state is complete without it (other ranks also wrote its part): replay another rank" \
-        if whole_state and not gaps else ""
+    covered = (
+        "; the state is complete without it (other ranks also wrote its part): replay another rank"
+        if whole_state and not gaps
+        else ""
+    )
     for rank in missing:
-        problems.append(Problem(f"rank-{rank:05d}", f"rank dump is missing (that rank did not finish writing){covered}"))
+        problems.append(
+            Problem(f"rank-{rank:05d}", f"rank dump is missing (that rank did not finish writing){covered}")
+        )
     problems.extend(gaps)
     return VerifyResult(dumps, missing, problems, state_whole=whole_state and not gaps)

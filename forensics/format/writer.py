@@ -134,8 +134,12 @@ def _write_contents(target: _DumpDir, content: DumpContent) -> list[list[dict]]:
     for index, batch in enumerate(content.micro_batches):
         encoded = encode_tree(batch)
         for leaf in encoded.unreplayable:
-            log.warning("forensics: micro-batch %d leaf %s of type %s cannot be stored; it is recorded as "
-                        "unreplayable", index + 1, leaf["path"], leaf["type"])  # words count from 1
+            log.warning(
+                "forensics: micro-batch %d leaf %s of type %s cannot be stored; it is recorded as unreplayable",
+                index + 1,
+                leaf["path"],
+                leaf["type"],
+            )  # words count from 1
         unreplayable.append(encoded.unreplayable)
         target.write_bytes(spec.batch_tensors_name(index), _tensor_member(compressor, encoded.tensors, index))
         target.write_bytes(spec.batch_json_name(index), compressor.compress(jsonio.dumps(encoded.skeleton)))
@@ -160,8 +164,10 @@ def _write_state(target: _DumpDir, files: spec.StateFiles, model: dict[str, Any]
     """One model + optimizer state; the two big files go to disk concurrently (each hashes while it writes)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    big = sum(t.numel() * t.element_size() for t in map(lambda v: shard_entry(v)[0], model.values())) \
+    big = (
+        sum(t.numel() * t.element_size() for t in map(lambda v: shard_entry(v)[0], model.values()))
         >= CONCURRENT_WRITE_MIN
+    )
     with ThreadPoolExecutor(max_workers=2 if big else 1, thread_name_prefix="forensics-write") as pool:
         run = functools.partial(threads.submit, pool) if big else (lambda fn, *args: threads.Done(fn(*args)))
         jobs = [run(target.write_tensors, files.model, model)]
@@ -178,15 +184,21 @@ def _write_copies(target: _DumpDir, copies: list[ShardCopies]) -> dict:
     manifest's `layout.copies`."""
     from concurrent.futures import ThreadPoolExecutor
 
-    files = [(spec.copy_file_name(file, received.source_rank), file, received.source_rank, shards)
-             for received in copies for file, shards in received.files.items()]
-    big = sum(s.tensor.numel() * s.tensor.element_size() for *_, shards in files for s in shards.values()) \
+    files = [
+        (spec.copy_file_name(file, received.source_rank), file, received.source_rank, shards)
+        for received in copies
+        for file, shards in received.files.items()
+    ]
+    big = (
+        sum(s.tensor.numel() * s.tensor.element_size() for *_, shards in files for s in shards.values())
         >= CONCURRENT_WRITE_MIN
+    )
     with ThreadPoolExecutor(max_workers=2 if big else 1, thread_name_prefix="forensics-write") as pool:
         for job in [threads.submit(pool, target.write_tensors, stored, shards) for stored, _, _, shards in files]:
             job.result()
-    return {stored: {"of": file, "rank": source, "shards": target.shards.pop(stored)}
-            for stored, file, source, _ in files}
+    return {
+        stored: {"of": file, "rank": source, "shards": target.shards.pop(stored)} for stored, file, source, _ in files
+    }
 
 
 def dump_path(root: Path, run_id: str, step: int, rank: int) -> Path:
@@ -221,17 +233,23 @@ def _write_dump(content: DumpContent, root: Path) -> Path:
         for meta, leaves in zip(manifest.get("micro_batches", []), unreplayable):
             meta["unreplayable"] = leaves
         if content.layout is not None:
-            manifest["layout"] = {"kind": spec.SHARDED, "tensors": content.layout,
-                                  "shards": {file: target.shards[file] for file in content.layout if file in target.shards}}
+            manifest["layout"] = {
+                "kind": spec.SHARDED,
+                "tensors": content.layout,
+                "shards": {file: target.shards[file] for file in content.layout if file in target.shards},
+            }
             if content.copies:
                 manifest["layout"]["copies"] = _write_copies(target, content.copies)
-        manifest.update({
-            "format": spec.FORMAT_NAME,
-            "format_version": spec.version_needed(sharded=content.layout is not None,
-                                                  chunked=any("chunks" in e for e in target.files.values())),
-            "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "files": target.files,
-        })
+        manifest.update(
+            {
+                "format": spec.FORMAT_NAME,
+                "format_version": spec.version_needed(
+                    sharded=content.layout is not None, chunked=any("chunks" in e for e in target.files.values())
+                ),
+                "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "files": target.files,
+            }
+        )
         manifest = {"format": manifest.pop("format"), "format_version": manifest.pop("format_version"), **manifest}
         with open(tmp / spec.MANIFEST, "wb") as handle:
             handle.write(jsonio.dumps(manifest))
@@ -302,8 +320,10 @@ def _clean_once(root: Path) -> None:
 
 def _explain(exc: Exception, final: Path) -> str:
     if isinstance(exc, FileExistsError) and final.is_dir():
-        return (f"no dump written: {final} already exists: a dump of this run, step and rank (a rerun with the "
-                "same run_id?). Give the run a new GuardConfig.run_id or move the old dump away.")
+        return (
+            f"no dump written: {final} already exists: a dump of this run, step and rank (a rerun with the "
+            "same run_id?). Give the run a new GuardConfig.run_id or move the old dump away."
+        )
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return f"no dump written to {final}: the disk is full ({exc}). Free space or set dump_dir elsewhere."
     if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST):

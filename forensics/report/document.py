@@ -12,28 +12,39 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Union
 
 from forensics.report.render_text import (
-    bisection_phrase, culprit_sentence, history_sentence, is_nonfinite, location_sentence,
-    per_sample_sentence, precision_sentence, reproduction_sentence, rng_sentence, timing_sentence,
-    top_rows, trigger_sentence, where_sentence,
+    bisection_phrase,
+    culprit_sentence,
+    history_sentence,
+    is_nonfinite,
+    location_sentence,
+    per_sample_sentence,
+    precision_sentence,
+    reproduction_sentence,
+    rng_sentence,
+    timing_sentence,
+    top_rows,
+    trigger_sentence,
+    where_sentence,
 )
 from forensics.kinds import HistoryPattern
-from forensics.report.tree import (CaptureEnv, ExceptionBlock, Following, Precursor, Report, Repro, Window,
-                                   parse_report)
+from forensics.report.tree import CaptureEnv, ExceptionBlock, Following, Precursor, Report, Repro, Window, parse_report
 from forensics.report.wording import clean, fmt_num, mb_number, mb_phrase, verdict_label
 from forensics.trigger import detail_words
 
 log = logging.getLogger(__name__)
 
-TOP_N = 20            # rows in the per-sample and per-layer tables
-HISTORY_ROWS = 12     # most recent history steps shown as a table
+TOP_N = 20  # rows in the per-sample and per-layer tables
+HISTORY_ROWS = 12  # most recent history steps shown as a table
 MAX_CELL_CHARS = 160  # a sample id longer than this is cut in tables (report.json keeps it whole)
 
 
 # ---- a tiny document model: both Markdown and HTML render these, escaping every string ----
 
+
 @dataclass
 class Code:
     """Inline literal text (module names, sample ids): shown verbatim, never interpreted."""
+
     text: str
 
 
@@ -70,6 +81,7 @@ class CodeBlock:
 @dataclass
 class Plot:
     """A placeholder where report.html puts a plot (Markdown skips it)."""
+
     name: str
 
 
@@ -115,19 +127,36 @@ def build_sections(report: Mapping | Report) -> list[Section]:
     Each optional section says "not run" when the report has no data for it.
     """
     r = parse_report(report)
-    builders = (_summary, *((_precursor,) if r.precursor else ()), *((_repro,) if r.repro else ()),
-                _where, _reproduction, _culprit,
-                *((_exception,) if r.exception else ()),
-                *((_window,) if r.window else ()),
-                _remedies, _precision, _bisection, _per_sample, _per_layer, _history, _environment, _timings)
+    builders = (
+        _summary,
+        *((_precursor,) if r.precursor else ()),
+        *((_repro,) if r.repro else ()),
+        _where,
+        _reproduction,
+        _culprit,
+        *((_exception,) if r.exception else ()),
+        *((_window,) if r.window else ()),
+        _remedies,
+        _precision,
+        _bisection,
+        _per_sample,
+        _per_layer,
+        _history,
+        _environment,
+        _timings,
+    )
     out = []
     for build in builders:
         try:
             out.append(build(r))
         except Exception:  # one malformed optional section must not lose the whole report
             log.warning("could not render report section %s", build.__name__, exc_info=True)
-            out.append(Section(build.__name__.strip("_").replace("_", " ").capitalize(),
-                               [Para(["This section could not be rendered; see report.json."])]))
+            out.append(
+                Section(
+                    build.__name__.strip("_").replace("_", " ").capitalize(),
+                    [Para(["This section could not be rendered; see report.json."])],
+                )
+            )
     return out
 
 
@@ -142,7 +171,7 @@ def prose(text: Any) -> list[Inline]:
     text = str(text)
     for match in _CODE_SPAN.finditer(text):
         if match.start() > last:
-            parts.append(text[last:match.start()])
+            parts.append(text[last : match.start()])
         parts.append(Code(match.group(1)))
         last = match.end()
     if last < len(text):
@@ -153,8 +182,7 @@ def prose(text: Any) -> list[Inline]:
 def _summary(r: Report) -> Section:
     verdict = r.verdict
     kind = verdict.kind or "unknown"
-    blocks: list[Block] = [Para([Strong(f"Verdict: {verdict_label(kind)}."), " ",
-                                 *prose(verdict.headline or "")])]
+    blocks: list[Block] = [Para([Strong(f"Verdict: {verdict_label(kind)}."), " ", *prose(verdict.headline or "")])]
     facts = [where_sentence(r) + " " + trigger_sentence(r), reproduction_sentence(r)]
     for make in (rng_sentence, location_sentence, culprit_sentence, precision_sentence, history_sentence):
         sentence = make(r)
@@ -196,8 +224,11 @@ def untold(explanation: str, facts: list[str]) -> str:
     reproduction, random state, location, culprit, precision, loss history): the verdict box says each thing once."""
     told = {_topic(f) for f in facts} - {None}
     said = " ".join(" ".join(f.split()) for f in facts)
-    kept = [_unsaid_clauses(" ".join(s.split()), said) for s in _SENTENCE_END.split(explanation)
-            if s.strip() and _topic(s) not in told and " ".join(s.split()) not in said]
+    kept = [
+        _unsaid_clauses(" ".join(s.split()), said)
+        for s in _SENTENCE_END.split(explanation)
+        if s.strip() and _topic(s) not in told and " ".join(s.split()) not in said
+    ]
     return " ".join(s for s in kept if s)
 
 
@@ -229,8 +260,7 @@ def _where(r: Report) -> Section:
         ("Trigger", _code_or_na(trig.kind)),
         ("Value", fmt_num(trig.value)),
         ("Threshold", fmt_num(trig.threshold)),
-        ("Micro-batch", mb_phrase(trig.micro_batch, dump.num_micro_batches)
-         if trig.micro_batch is not None else "n/a"),
+        ("Micro-batch", mb_phrase(trig.micro_batch, dump.num_micro_batches) if trig.micro_batch is not None else "n/a"),
         ("Detail", detail_words(trig.detail, trig.micro_batch) or "n/a"),
         ("Report created", r.created_at or "n/a"),
     ]
@@ -249,17 +279,27 @@ def _reproduction(r: Report) -> Section:
             same = "n/a" if a is None or b is None else _yes_no(fmt_num(a, 17) == fmt_num(b, 17))
             rows.append([mb_number(i), fmt_num(a, 8), fmt_num(b, 8), same])
         compared = fid.grad_norm_compared is not False
-        rows.append(["grad norm", fmt_num(fid.recorded_grad_norm, 8),
-                     fmt_num(fid.replayed_grad_norm, 8), "" if compared else "not compared"])
+        rows.append(
+            [
+                "grad norm",
+                fmt_num(fid.recorded_grad_norm, 8),
+                fmt_num(fid.replayed_grad_norm, 8),
+                "" if compared else "not compared",
+            ]
+        )
         blocks.append(Table(["micro-batch", "recorded loss", "replayed loss", "equal"], rows))
-    blocks.append(_kv_table([
-        ("Reproduced", _yes_no(r.reproduced)),
-        ("Comparison", fid.mode or "n/a"),
-        ("Tolerance", fmt_num(fid.tolerance)),
-        ("Attempts", fmt_num(fid.attempts)),
-        ("Max abs diff", fmt_num(fid.max_abs_diff)),
-        ("Bitwise equal", _yes_no(fid.bitwise_equal)),
-    ]))
+    blocks.append(
+        _kv_table(
+            [
+                ("Reproduced", _yes_no(r.reproduced)),
+                ("Comparison", fid.mode or "n/a"),
+                ("Tolerance", fmt_num(fid.tolerance)),
+                ("Attempts", fmt_num(fid.attempts)),
+                ("Max abs diff", fmt_num(fid.max_abs_diff)),
+                ("Bitwise equal", _yes_no(fid.bitwise_equal)),
+            ]
+        )
+    )
     rng = rng_sentence(r)
     if rng:
         blocks.append(Para([rng]))
@@ -273,24 +313,30 @@ def _culprit(r: Report) -> Section:
     if sentence:
         blocks.append(Para([sentence]))
     if c.samples:
-        rows: list[list[Inline]] = [[_sid(s.sample_id), mb_number(s.micro_batch), fmt_num(s.index), fmt_num(s.rank),
-                 s.description or ""] for s in c.samples]
+        rows: list[list[Inline]] = [
+            [_sid(s.sample_id), mb_number(s.micro_batch), fmt_num(s.index), fmt_num(s.rank), s.description or ""]
+            for s in c.samples
+        ]
         blocks.append(Table(["sample id", "micro-batch", "index (0-based)", "rank", "description"], rows))
     elif not sentence:
         blocks.append(Para(["No culprit sample was identified."]))
     loc = location_sentence(r)
     if loc:
         blocks.append(Para([loc]))
-    blocks.append(_kv_table([
-        ("Module", _code_or_na(c.module)),
-        ("Op", _code_or_na(c.op)),
-        ("Phase", c.phase or "n/a"),
-        ("Parameter", _code_or_na(c.parameter)),
-        ("Optimizer state", _code_or_na(c.optimizer_state)),
-        ("Input abs-max", fmt_num(c.stats.inputs_absmax)),
-        ("Output abs-max", fmt_num(c.stats.outputs_absmax)),
-        ("Weight abs-max", fmt_num(c.stats.params_absmax)),
-    ]))
+    blocks.append(
+        _kv_table(
+            [
+                ("Module", _code_or_na(c.module)),
+                ("Op", _code_or_na(c.op)),
+                ("Phase", c.phase or "n/a"),
+                ("Parameter", _code_or_na(c.parameter)),
+                ("Optimizer state", _code_or_na(c.optimizer_state)),
+                ("Input abs-max", fmt_num(c.stats.inputs_absmax)),
+                ("Output abs-max", fmt_num(c.stats.outputs_absmax)),
+                ("Weight abs-max", fmt_num(c.stats.params_absmax)),
+            ]
+        )
+    )
     if c.traceback:
         blocks.append(Para(["Forward traceback of the op (anomaly mode):"]))
         blocks.append(CodeBlock(str(c.traceback)))
@@ -300,19 +346,36 @@ def _culprit(r: Report) -> Section:
 def _exception(r: Report) -> Section:
     """A step that raised: what, where, the values that made it raise, the memory picture, the traceback."""
     exc = r.exception or ExceptionBlock.parse({})  # the section is built only for a report that has one
-    rows: list[tuple[str, Inline]] = [("Exception", _code_or_na(exc.type)), ("Message", clean(exc.message or "n/a", 300)),
-            ("Raised during", clean(exc.during or "n/a")), ("Module", _code_or_na(exc.module)),
-            ("Op", _code_or_na(exc.op)), ("Data", clean(exc.detail or "n/a", 300))]
+    rows: list[tuple[str, Inline]] = [
+        ("Exception", _code_or_na(exc.type)),
+        ("Message", clean(exc.message or "n/a", 300)),
+        ("Raised during", clean(exc.during or "n/a")),
+        ("Module", _code_or_na(exc.module)),
+        ("Op", _code_or_na(exc.op)),
+        ("Data", clean(exc.detail or "n/a", 300)),
+    ]
     blocks: list[Block] = [_kv_table(rows)]
     if exc.bad_values:
-        blocks.append(Table(["value", "limit", "sample", "position"],
-                            [[fmt_num(b.value), fmt_num(b.limit), _sid(b.sample_id), clean(b.position)]
-                             for b in exc.bad_values[:TOP_N]]))
+        blocks.append(
+            Table(
+                ["value", "limit", "sample", "position"],
+                [
+                    [fmt_num(b.value), fmt_num(b.limit), _sid(b.sample_id), clean(b.position)]
+                    for b in exc.bad_values[:TOP_N]
+                ],
+            )
+        )
     memory = exc.memory
     if memory is not None:
         sizes: list[list[Inline]] = [[mb_number(m.index), fmt_num(m.bytes)] for m in memory.micro_batches]
-        blocks.append(Para([f"Memory when it raised: allocated {fmt_num(memory.allocated)} B, reserved "
-                            f"{fmt_num(memory.reserved)} B of {fmt_num(memory.total)} B."]))
+        blocks.append(
+            Para(
+                [
+                    f"Memory when it raised: allocated {fmt_num(memory.allocated)} B, reserved "
+                    f"{fmt_num(memory.reserved)} B of {fmt_num(memory.total)} B."
+                ]
+            )
+        )
         if sizes:
             blocks.append(Table(["micro-batch", "bytes of its tensors"], sizes))
     if exc.traceback:
@@ -329,11 +392,19 @@ def _precision(r: Report) -> Section:
     prec = r.precision
     if prec is None:
         return Section("Precision triage", [Para(["Not run."])], "precision")
-    return Section("Precision triage", [
-        Para([precision_sentence(r) or ""]),
-        _kv_table([("Autocast dtype", _code_or_na(prec.autocast_dtype)),
-                   ("Still non-finite in fp32", _yes_no(prec.fp32_reproduces))]),
-    ], "precision")
+    return Section(
+        "Precision triage",
+        [
+            Para([precision_sentence(r) or ""]),
+            _kv_table(
+                [
+                    ("Autocast dtype", _code_or_na(prec.autocast_dtype)),
+                    ("Still non-finite in fp32", _yes_no(prec.fp32_reproduces)),
+                ]
+            ),
+        ],
+        "precision",
+    )
 
 
 def _remedies(r: Report) -> Section:
@@ -343,16 +414,43 @@ def _remedies(r: Report) -> Section:
     rows: list[list[Inline]] = []
     for row in block.tested:
         verdict = {True: "healthy", False: "not enough", None: "not tried"}.get(row.healthy, "n/a")
-        rows.append([str(row.words), verdict, fmt_num(row.step_loss), fmt_num(row.grad_norm),
-                     _yes_no(row.weights_finite), fmt_num(row.relative_change),
-                     _following(row.following),
-                     str(row.change) + (f" — {row.note}" if row.note else "")])
-    return Section("Remedies tried", [
-        Para([f"Each change re-runs the step and applies its update; {block.criteria or ''}. "
-              f"Following steps: {block.following_steps or 'n/a'}."]),
-        Table(["remedy", "result", "step loss", "grad norm", "weights finite", "update / weights", "following steps",
-               "change"], rows),
-    ], "remedies")
+        rows.append(
+            [
+                str(row.words),
+                verdict,
+                fmt_num(row.step_loss),
+                fmt_num(row.grad_norm),
+                _yes_no(row.weights_finite),
+                fmt_num(row.relative_change),
+                _following(row.following),
+                str(row.change) + (f" — {row.note}" if row.note else ""),
+            ]
+        )
+    return Section(
+        "Remedies tried",
+        [
+            Para(
+                [
+                    f"Each change re-runs the step and applies its update; {block.criteria or ''}. "
+                    f"Following steps: {block.following_steps or 'n/a'}."
+                ]
+            ),
+            Table(
+                [
+                    "remedy",
+                    "result",
+                    "step loss",
+                    "grad norm",
+                    "weights finite",
+                    "update / weights",
+                    "following steps",
+                    "change",
+                ],
+                rows,
+            ),
+        ],
+        "remedies",
+    )
 
 
 def _following(following: Following | None) -> str:
@@ -369,12 +467,19 @@ def _bisection(r: Report) -> Section:
     if bis is None:
         return Section("Bisection", [Para(["Not run."])], "bisection")
     phrase = bisection_phrase(bis)
-    blocks: list[Block] = [Para([f"Culprit set of {fmt_num(bis.culprit_size)} sample(s) "
-                                 + (phrase or "") + "."])] if phrase else []
-    blocks.append(_kv_table([("Replays run", fmt_num(bis.runs)),
-                             ("Candidate samples", fmt_num(bis.candidates)),
-                             ("Culprit set size", fmt_num(bis.culprit_size)),
-                             ("Budget (2·log2 n + 4)", fmt_num(bis.budget))]))
+    blocks: list[Block] = (
+        [Para([f"Culprit set of {fmt_num(bis.culprit_size)} sample(s) " + (phrase or "") + "."])] if phrase else []
+    )
+    blocks.append(
+        _kv_table(
+            [
+                ("Replays run", fmt_num(bis.runs)),
+                ("Candidate samples", fmt_num(bis.candidates)),
+                ("Culprit set size", fmt_num(bis.culprit_size)),
+                ("Budget (2·log2 n + 4)", fmt_num(bis.budget)),
+            ]
+        )
+    )
     return Section("Bisection", blocks, "bisection")
 
 
@@ -384,21 +489,29 @@ def _per_sample(r: Report) -> Section:
         return Section("Per-sample losses", [Para(["Not run."])], "per-sample")
     culprits = r.culprit.ids()
     top = top_rows(rows, lambda row: row.loss, TOP_N)
-    table = Table(["#", "sample id", "micro-batch", "index (0-based)", "loss", "grad norm", "finite", "culprit"],
-                  [], [])
+    table = Table(
+        ["#", "sample id", "micro-batch", "index (0-based)", "loss", "grad norm", "finite", "culprit"], [], []
+    )
     for i, row in enumerate(top, 1):
         is_culprit = row.sample_id in culprits
         finite = row.finite
         if finite is None:
             finite = not (is_nonfinite(row.loss) or is_nonfinite(row.grad_norm))
-        table.rows.append([str(i), _sid(row.sample_id), mb_number(row.micro_batch),
-                           fmt_num(row.index), fmt_num(row.loss),
-                           fmt_num(row.grad_norm), _yes_no(finite),
-                           Strong("culprit") if is_culprit else ""])
+        table.rows.append(
+            [
+                str(i),
+                _sid(row.sample_id),
+                mb_number(row.micro_batch),
+                fmt_num(row.index),
+                fmt_num(row.loss),
+                fmt_num(row.grad_norm),
+                _yes_no(finite),
+                Strong("culprit") if is_culprit else "",
+            ]
+        )
         table.highlight.append(is_culprit)
     title = f"Per-sample losses (top {len(top)} of {len(rows)} by loss)"
-    return Section(title, [Para([per_sample_sentence(r) or ""]), Plot("per_sample"), table],
-                   "per-sample")
+    return Section(title, [Para([per_sample_sentence(r) or ""]), Plot("per_sample"), table], "per-sample")
 
 
 def _precursor(r: Report) -> Section:
@@ -407,15 +520,31 @@ def _precursor(r: Report) -> Section:
     fired = block.fired
     blocks: list[Block] = []
     if fired:
-        blocks.append(Para(["In the job, ", Code(clean(fired.statistic, MAX_CELL_CHARS)), " of ",
-                            Code(clean(fired.layer, MAX_CELL_CHARS)), f" fired at step {fmt_num(fired.step)}"
-                            f" (started at step {fmt_num(fired.started)})."]))
+        blocks.append(
+            Para(
+                [
+                    "In the job, ",
+                    Code(clean(fired.statistic, MAX_CELL_CHARS)),
+                    " of ",
+                    Code(clean(fired.layer, MAX_CELL_CHARS)),
+                    f" fired at step {fmt_num(fired.step)} (started at step {fmt_num(fired.started)}).",
+                ]
+            )
+        )
     blocks.append(Plot("precursor"))
     table = Table(["#", "layer", "statistic", "started at step", "baseline", "at the dump", "growth"], [], [])
     for i, row in enumerate(block.ranking, 1):
-        table.rows.append([str(i), _code_or_na(row.layer), clean(row.words or row.statistic),
-                           fmt_num(row.started), fmt_num(row.baseline), fmt_num(row.last),
-                           f"{fmt_num(row.growth, 3)}x"])
+        table.rows.append(
+            [
+                str(i),
+                _code_or_na(row.layer),
+                clean(row.words or row.statistic),
+                fmt_num(row.started),
+                fmt_num(row.baseline),
+                fmt_num(row.last),
+                f"{fmt_num(row.growth, 3)}x",
+            ]
+        )
         table.highlight.append(i == 1)
     blocks.append(table if block.ranking else Para(["No statistic shows a sustained growth in the recorded window."]))
     title = f"Precursors ({fmt_num(block.ranked)} of {fmt_num(block.columns)} statistics grew)"
@@ -426,11 +555,12 @@ def _repro(r: Report) -> Section:
     """`forensics repro`: where the standalone scripts are."""
     block = r.repro or Repro.parse({})  # the section is built only for a report that has one
     files = block.files if isinstance(block.files, dict) else {}
-    rows: list[tuple[str, Inline]] = [("Directory", _code_or_na(block.directory)),
-                                      ("Op", _code_or_na(block.op))]
+    rows: list[tuple[str, Inline]] = [("Directory", _code_or_na(block.directory)), ("Op", _code_or_na(block.op))]
     rows += [(clean(key), _code_or_na(path)) for key, path in files.items()]
-    text = ("Standalone reproduction: each script fails with an AssertionError while the bug is there "
-            "(op_repro.py needs only torch; model_repro.py needs the model code).")
+    text = (
+        "Standalone reproduction: each script fails with an AssertionError while the bug is there "
+        "(op_repro.py needs only torch; model_repro.py needs the model code)."
+    )
     return Section("Standalone reproduction", [Para([text]), _kv_table(rows)], "repro")
 
 
@@ -443,8 +573,15 @@ def _per_layer(r: Report) -> Section:
     table = Table(["#", "module", "grad norm", "output abs-max", ""], [], [])
     for i, row in enumerate(top, 1):
         hit = module is not None and row.module == module
-        table.rows.append([str(i), _code_or_na(row.module), fmt_num(row.grad_norm),
-                           fmt_num(row.output_absmax), Strong("culprit module") if hit else ""])
+        table.rows.append(
+            [
+                str(i),
+                _code_or_na(row.module),
+                fmt_num(row.grad_norm),
+                fmt_num(row.output_absmax),
+                Strong("culprit module") if hit else "",
+            ]
+        )
         table.highlight.append(hit)
     title = f"Per-layer gradients (top {len(top)} of {len(rows)} by grad norm)"
     return Section(title, [Plot("per_layer"), table], "per-layer")
@@ -456,19 +593,49 @@ def _window(r: Report) -> Section:
     window = r.window or Window.parse({})  # the section is built only for a report that has one
     steps = window.steps
     broke = window.broke_at
-    intro = (f"Re-executed steps {fmt_num(window.from_step)} to {fmt_num(steps[-1].step)} from "
-             f"{window.checkpoint or 'the checkpoint'}; "
-             + (f"step {fmt_num(broke)} broke the run: {window.why}." if broke is not None
-                else "no step before the dumped one broke the weights.")) if steps else \
-        "The window replay re-executed no step."
-    rows: list[list[Inline]] = [[fmt_num(s.step), fmt_num(s.recorded_loss), fmt_num(s.replayed_loss),
-             fmt_num(s.recorded_grad_norm), fmt_num(s.replayed_grad_norm),
-             _yes_no(s.weights_finite), fmt_num(s.relative_change), s.broke or ""]
-            for s in steps[-HISTORY_ROWS:]]
+    intro = (
+        (
+            f"Re-executed steps {fmt_num(window.from_step)} to {fmt_num(steps[-1].step)} from "
+            f"{window.checkpoint or 'the checkpoint'}; "
+            + (
+                f"step {fmt_num(broke)} broke the run: {window.why}."
+                if broke is not None
+                else "no step before the dumped one broke the weights."
+            )
+        )
+        if steps
+        else "The window replay re-executed no step."
+    )
+    rows: list[list[Inline]] = [
+        [
+            fmt_num(s.step),
+            fmt_num(s.recorded_loss),
+            fmt_num(s.replayed_loss),
+            fmt_num(s.recorded_grad_norm),
+            fmt_num(s.replayed_grad_norm),
+            _yes_no(s.weights_finite),
+            fmt_num(s.relative_change),
+            s.broke or "",
+        ]
+        for s in steps[-HISTORY_ROWS:]
+    ]
     blocks: list[Block] = [Para(prose(intro))]
     if rows:
-        blocks.append(Table(["step", "recorded loss", "replayed loss", "recorded grad norm", "replayed grad norm",
-                             "weights finite", "update / weights", "broke the run"], rows))
+        blocks.append(
+            Table(
+                [
+                    "step",
+                    "recorded loss",
+                    "replayed loss",
+                    "recorded grad norm",
+                    "replayed grad norm",
+                    "weights finite",
+                    "update / weights",
+                    "broke the run",
+                ],
+                rows,
+            )
+        )
     return Section("Window replay", blocks, "window")
 
 
@@ -485,8 +652,10 @@ def _history(r: Report) -> Section:
     blocks.append(Plot("history"))
     loss, gn = hist.loss or [], hist.grad_norm or []
     first = max(0, len(steps) - HISTORY_ROWS)
-    rows: list[list[Inline]] = [[fmt_num(steps[i]), fmt_num(loss[i] if i < len(loss) else None),
-             fmt_num(gn[i] if i < len(gn) else None)] for i in range(first, len(steps))]
+    rows: list[list[Inline]] = [
+        [fmt_num(steps[i]), fmt_num(loss[i] if i < len(loss) else None), fmt_num(gn[i] if i < len(gn) else None)]
+        for i in range(first, len(steps))
+    ]
     note = f"Last {len(rows)} of {len(steps)} recorded steps (all of them are in report.json)."
     blocks.extend([Para([note]), Table(["step", "loss", "grad norm"], rows)])
     pattern = r.history_pattern
@@ -499,8 +668,10 @@ def _gpus(capture: CaptureEnv) -> str | None:
     gpus = capture.gpus
     if not isinstance(gpus, list) or not gpus:
         return None
-    names = [str(g.get("name")) + (f" ({g['sm_count']} SMs)" if g.get("sm_count") else "")
-             if isinstance(g, dict) else str(g) for g in gpus]
+    names = [
+        str(g.get("name")) + (f" ({g['sm_count']} SMs)" if g.get("sm_count") else "") if isinstance(g, dict) else str(g)
+        for g in gpus
+    ]
     distinct = sorted(set(names))
     return ", ".join(f"{n} ×{names.count(n)}" if names.count(n) > 1 else n for n in distinct)
 
@@ -536,7 +707,11 @@ def _timings(r: Report) -> Section:
     t = r.timings
     if t is None:
         return Section("Timings", [Para(["Not recorded."])], "timings")
-    return Section("Timings", [Para([timing_sentence(r) or ""]),
-                               _kv_table([("Total (s)", fmt_num(t.total_s)),
-                                          ("Forward/backward passes", fmt_num(t.passes))])],
-                   "timings")
+    return Section(
+        "Timings",
+        [
+            Para([timing_sentence(r) or ""]),
+            _kv_table([("Total (s)", fmt_num(t.total_s)), ("Forward/backward passes", fmt_num(t.passes))]),
+        ],
+        "timings",
+    )

@@ -29,20 +29,50 @@ def schema_for(kind: VerdictKind | str) -> str:
     """The schema string of a report with this verdict: the major that introduced the kind."""
     return f"forensics-report/{VerdictKind(kind).schema_major}"
 
+
 # Top-level keys in the order docs/REPORT_FORMAT.md lists them; report.json keeps this order.
 SCHEMA_KEYS = (
-    "schema", "created_at", "dump", "trigger", "environment", "reproduced", "fidelity", "rng",
-    "verdict", "culprit", "precision", "bisection", "per_sample", "per_layer", "history",
-    "history_pattern", "timings", "exception", "weights",
+    "schema",
+    "created_at",
+    "dump",
+    "trigger",
+    "environment",
+    "reproduced",
+    "fidelity",
+    "rng",
+    "verdict",
+    "culprit",
+    "precision",
+    "bisection",
+    "per_sample",
+    "per_layer",
+    "history",
+    "history_pattern",
+    "timings",
+    "exception",
+    "weights",
 )
 REQUIRED_KEYS = (
-    "schema", "created_at", "dump", "trigger", "environment", "reproduced", "fidelity",
-    "verdict", "culprit",
+    "schema",
+    "created_at",
+    "dump",
+    "trigger",
+    "environment",
+    "reproduced",
+    "fidelity",
+    "verdict",
+    "culprit",
 )
 # Optional sections: absent or null when that analysis was not run. Value: the JSON type if present.
 _OPTIONAL_TYPES = {
-    "rng": dict, "precision": dict, "bisection": dict, "per_sample": list, "per_layer": list,
-    "history": dict, "history_pattern": str, "timings": dict,
+    "rng": dict,
+    "precision": dict,
+    "bisection": dict,
+    "per_sample": list,
+    "per_layer": list,
+    "history": dict,
+    "history_pattern": str,
+    "timings": dict,
 }
 
 _NONFINITE_STRINGS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -58,8 +88,9 @@ def _type_name(value: Any) -> str:
 
 def _require(d: dict, key: str, types: type | tuple, where: str) -> Any:
     if key not in d:
-        raise ReportError(f"report is missing '{where}{key}'; it is required by schema {SCHEMA} "
-                          "(see docs/REPORT_FORMAT.md)")
+        raise ReportError(
+            f"report is missing '{where}{key}'; it is required by schema {SCHEMA} (see docs/REPORT_FORMAT.md)"
+        )
     value = d[key]
     # bool is an int subclass: an int field must not accept true/false.
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in _as_tuple(types)):
@@ -93,8 +124,10 @@ def check_schema(schema: Any) -> int:
         raise ReportError(f"not a forensics report: schema is {schema!r}, expected {SCHEMA!r}")
     major = int(m.group(1))
     if major > SCHEMA_MAJOR:
-        raise ReportError(f"report uses schema forensics-report/{major}, newer than "
-                          f"forensics-report/{SCHEMA_MAJOR} that this forensics reads; upgrade forensics to read it")
+        raise ReportError(
+            f"report uses schema forensics-report/{major}, newer than "
+            f"forensics-report/{SCHEMA_MAJOR} that this forensics reads; upgrade forensics to read it"
+        )
     if major < 1:
         raise ReportError(f"report schema {schema!r} is not a known version; expected {SCHEMA!r}")
     return major
@@ -149,8 +182,7 @@ def validate_report(d: Any) -> dict:
     for key, typ in _OPTIONAL_TYPES.items():
         value = d.get(key)
         if value is not None and not isinstance(value, typ):
-            raise ReportError(f"report field '{key}' must be {typ.__name__} or null, "
-                              f"got {_type_name(value)}")
+            raise ReportError(f"report field '{key}' must be {typ.__name__} or null, got {_type_name(value)}")
     for key in ("per_sample", "per_layer"):
         for i, row in enumerate(d.get(key) or []):
             if not isinstance(row, dict):

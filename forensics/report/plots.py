@@ -19,8 +19,8 @@ from forensics.report.tree import LayerRow, Report, parse_report
 log = logging.getLogger(__name__)
 
 TOP_LAYERS = 20
-MAX_SAMPLES = 64      # bars in the per-sample chart; more samples -> the highest losses only
-LABEL_CHARS = 28      # tick labels are cut to this many characters
+MAX_SAMPLES = 64  # bars in the per-sample chart; more samples -> the highest losses only
+LABEL_CHARS = 28  # tick labels are cut to this many characters
 DPI = 100
 RED, BLUE, ORANGE, GREY = "#c0392b", "#2e86c1", "#e67e22", "#7f8c8d"
 
@@ -93,8 +93,16 @@ def _plot_series(ax, steps: list, values: list, name: str, color: str, trigger_s
     top = blended_transform_factory(ax.transData, ax.transAxes)
     for s, word in bad:  # non-finite values: a red marker at the top of the axes, labelled
         ax.plot([s], [0.96], marker="v", color=RED, markersize=9, transform=top, clip_on=False)
-        ax.annotate(word, (s, 0.96), xycoords=top, xytext=(0, -14), textcoords="offset points",
-                    ha="center", fontsize=8, color=RED)
+        ax.annotate(
+            word,
+            (s, 0.96),
+            xycoords=top,
+            xytext=(0, -14),
+            textcoords="offset points",
+            ha="center",
+            fontsize=8,
+            color=RED,
+        )
     if as_float(trigger_step) is not None:
         ax.axvline(trigger_step, color=RED, linestyle="--", linewidth=1, label=f"trigger (step {trigger_step})")
     ax.set_ylabel(name + (" (log)" if ax.get_yscale() == "log" else ""))
@@ -162,8 +170,9 @@ def plot_per_layer(report: Mapping | Report) -> bytes | None:
     ypos = list(range(len(rows)))
     drew_log = False
     bars: tuple[tuple[float, Callable[[LayerRow], Any], str, str], ...] = (
-        (h / 2, lambda row: row.grad_norm, ORANGE, "grad norm"), (-h / 2, lambda row: row.output_absmax, BLUE,
-                                                                  "output abs-max"))
+        (h / 2, lambda row: row.grad_norm, ORANGE, "grad norm"),
+        (-h / 2, lambda row: row.output_absmax, BLUE, "output abs-max"),
+    )
     for offset, value, color, name in bars:
         lengths, bad = _bar_values([value(row) for row in rows])
         if not any(lengths):
@@ -172,8 +181,9 @@ def plot_per_layer(report: Mapping | Report) -> bytes | None:
         ax.barh([y + offset for y in ypos], lengths, height=h, color=colors, label=name)
         for y, length, b, row in zip(ypos, lengths, bad, rows):
             if b:
-                ax.text(length, y + offset, " " + _nonfinite_word(as_float(value(row))),
-                        va="center", fontsize=7, color=RED)
+                ax.text(
+                    length, y + offset, " " + _nonfinite_word(as_float(value(row))), va="center", fontsize=7, color=RED
+                )
         drew_log = drew_log or all(v > 0 for v in lengths)
     if drew_log:
         _log_axis(ax.xaxis, ax.set_xscale)
@@ -220,8 +230,7 @@ def plot_per_sample(report: Mapping | Report) -> bytes | None:
     if use_log:
         _log_axis(ax.yaxis, ax.set_yscale)
     ax.set_xticks(range(len(rows)))
-    labels = ax.set_xticklabels([_label(row.sample_id) for row in rows], rotation=60,
-                                ha="right", fontsize=7)
+    labels = ax.set_xticklabels([_label(row.sample_id) for row in rows], rotation=60, ha="right", fontsize=7)
     for lab, row in zip(labels, rows):
         if row.sample_id in culprits:
             lab.set_color(RED)

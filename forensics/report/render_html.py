@@ -16,7 +16,17 @@ from forensics.kinds import VerdictKind
 from forensics.report.model import SCHEMA
 from forensics.report.plots import PLOTS, matplotlib_available, render_plots
 from forensics.report.document import (
-    Block, Bullets, Code, CodeBlock, Inline, Para, Plot, Section, Strong, Table, build_sections,
+    Block,
+    Bullets,
+    Code,
+    CodeBlock,
+    Inline,
+    Para,
+    Plot,
+    Section,
+    Strong,
+    Table,
+    build_sections,
 )
 from forensics.report.tree import Report, parse_report
 from forensics.report.wording import clean, fmt_num, verdict_label
@@ -43,7 +53,6 @@ pre{background:#f8f9f9;border:1px solid #d5d8dc;padding:.8em;overflow-x:auto;whi
 img.plot{max-width:100%;border:1px solid #eaeded;margin:.6em 0}
 .note{color:#7f8c8d;font-size:.9em} nav a{margin-right:.8em}
 """
-
 
 
 def verdict_css_class(kind: object) -> str:
@@ -80,8 +89,10 @@ def _block(block: Block, plots: Mapping[str, bytes], plots_note: str | None) -> 
         body = []
         for i, row in enumerate(block.rows):
             hit = i < len(block.highlight) and block.highlight[i]
-            cells = "".join((f"<th>{_inline(c)}</th>" if not any(block.header) and j == 0
-                             else f"<td>{_inline(c)}</td>") for j, c in enumerate(row))
+            cells = "".join(
+                (f"<th>{_inline(c)}</th>" if not any(block.header) and j == 0 else f"<td>{_inline(c)}</td>")
+                for j, c in enumerate(row)
+            )
             tr = '<tr class="hit">' if hit else "<tr>"
             body.append(f"{tr}{cells}</tr>")
         return f"<table>{head}<tbody>{''.join(body)}</tbody></table>"
@@ -113,8 +124,10 @@ def _verdict_box(sec: Section) -> str:
     first, rest = sec.blocks[0], sec.blocks[1:]
     out = []
     if isinstance(first, Para) and first.parts and isinstance(first.parts[0], Strong):
-        out.append(f'<div class="kind">{escape(clean(first.parts[0].text))}</div>'
-                   f'<div class="headline">{_inline(first.parts[1:])}</div>')
+        out.append(
+            f'<div class="kind">{escape(clean(first.parts[0].text))}</div>'
+            f'<div class="headline">{_inline(first.parts[1:])}</div>'
+        )
     else:
         out.append(_block(first, {}, None))
     out.extend(_block(b, {}, None) for b in rest)
@@ -142,35 +155,44 @@ def render_html(report: Mapping | Report, *, plots: bool = True) -> str:
     if not plots:
         note = "Plots were not requested."
     elif not images and _has_plot_data(r):
-        note = ("Plots are missing: matplotlib is not installed (pip install matplotlib)."
-                if not matplotlib_available() else "Plots could not be drawn; see the log.")
+        note = (
+            "Plots are missing: matplotlib is not installed (pip install matplotlib)."
+            if not matplotlib_available()
+            else "Plots could not be drawn; see the log."
+        )
     else:
         note = None
 
     kind = r.verdict.kind or ""
     title = f"Forensics report: step {fmt_num(r.dump.step)}, rank {fmt_num(r.dump.rank)}"
     sections = build_sections(r)
-    nav = " ".join(f'<a href="#{escape(s.anchor)}">{escape(s.title.split(" (")[0])}</a>'
-                   for s in sections if s.anchor)
-    body = [f"<h1>{escape(title)}</h1>",
-            f'<p class="note">{escape(verdict_label(kind))} · '
-            f'created {escape(clean(r.created_at or "n/a"))}</p>',
-            f"<nav>{nav}</nav>"]
+    nav = " ".join(f'<a href="#{escape(s.anchor)}">{escape(s.title.split(" (")[0])}</a>' for s in sections if s.anchor)
+    body = [
+        f"<h1>{escape(title)}</h1>",
+        f'<p class="note">{escape(verdict_label(kind))} · created {escape(clean(r.created_at or "n/a"))}</p>',
+        f"<nav>{nav}</nav>",
+    ]
     if note and not images:
         body.append(f'<p class="note">{escape(note)}</p>')
     for sec in sections:
         html_sec = _section(sec, images, note if images else None)
         if sec.anchor == "verdict":
-            html_sec = html_sec.replace("<section id=\"verdict\">",
-                                        f'<section id="verdict" class="verdict {verdict_css_class(kind)}">', 1)
+            html_sec = html_sec.replace(
+                '<section id="verdict">', f'<section id="verdict" class="verdict {verdict_css_class(kind)}">', 1
+            )
         body.append(html_sec)
-    body.append(f'<p class="note">Schema {escape(clean(r.schema or SCHEMA))}. '
-                "This page is self-contained: it loads nothing from the network.</p>")
-    return ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
-            f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">\n'
-            '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
-            f"<title>{escape(title)}</title>\n<style>{_CSS}</style>\n</head>\n<body>\n"
-            + "\n".join(body) + "\n</body>\n</html>\n")
+    body.append(
+        f'<p class="note">Schema {escape(clean(r.schema or SCHEMA))}. '
+        "This page is self-contained: it loads nothing from the network.</p>"
+    )
+    return (
+        '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+        f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">\n'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+        f"<title>{escape(title)}</title>\n<style>{_CSS}</style>\n</head>\n<body>\n"
+        + "\n".join(body)
+        + "\n</body>\n</html>\n"
+    )
 
 
 def _has_plot_data(r: Report) -> bool:

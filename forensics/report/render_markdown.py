@@ -73,8 +73,10 @@ def _md_block(block: Block) -> str:
         return "\n".join(f"- {_md_inline(item)}" for item in block.items)
     if isinstance(block, Table):
         header = block.header if any(block.header) else ["field", "value"]
-        lines = ["| " + " | ".join(md_text(h, line_start=False) for h in header) + " |",
-                 "|" + "|".join("---" for _ in header) + "|"]
+        lines = [
+            "| " + " | ".join(md_text(h, line_start=False) for h in header) + " |",
+            "|" + "|".join("---" for _ in header) + "|",
+        ]
         for row in block.rows:
             lines.append("| " + " | ".join(_md_inline(c, in_table=True) for c in row) + " |")
         return "\n".join(lines)
@@ -106,6 +108,5 @@ def render_markdown(report: Mapping | Report) -> str:
     for sec in build_sections(r):
         out.append(f"## {md_text(sec.title)}")
         out.extend(s for s in (_md_block(b) for b in sec.blocks) if s)
-    out.append(f"_Schema {md_text(r.schema or SCHEMA)}; "
-               f"created {md_text(r.created_at or 'n/a')} by forensics._")
+    out.append(f"_Schema {md_text(r.schema or SCHEMA)}; created {md_text(r.created_at or 'n/a')} by forensics._")
     return "\n\n".join(out) + "\n"

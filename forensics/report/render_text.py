@@ -11,11 +11,21 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 from forensics.report.model import as_float
 from forensics.kinds import FidelityMode, Phase, TriggerKind
 from forensics.report.tree import Bisection, Report, Timings, parse_report
-from forensics.report.wording import (MAX_LISTED_SAMPLES, clean, fmt_id, fmt_list, fmt_num, mb_number, mb_phrase,
-                                      pattern_words, verdict_label)
+from forensics.report.wording import (
+    MAX_LISTED_SAMPLES,
+    clean,
+    fmt_id,
+    fmt_list,
+    fmt_num,
+    mb_number,
+    mb_phrase,
+    pattern_words,
+    verdict_label,
+)
 from forensics.trigger import detail_words
 
 log = logging.getLogger(__name__)
+
 
 def is_nonfinite(value: Any) -> bool:
     x = as_float(value)
@@ -27,6 +37,7 @@ Row = TypeVar("Row")
 
 def top_rows(rows: Sequence[Row], value: Callable[[Row], Any], n: int = 20) -> list[Row]:
     """The `n` rows with the largest `value(row)`: non-finite first, then largest finite, then null."""
+
     def order(row: Row) -> tuple:
         x = as_float(value(row))
         if x is None:
@@ -45,6 +56,7 @@ def culprit_ids(report: Mapping | Report) -> list:
 
 # ---- sentences shared by the text, Markdown and HTML renderers (plain words, no markup) ----
 
+
 def where_sentence(report: Mapping | Report) -> str:
     """'Step 41217, rank 3 of 8, micro-batch 2 of 4.'"""
     r = parse_report(report)
@@ -59,8 +71,9 @@ def where_sentence(report: Mapping | Report) -> str:
         mb = mbs[0]
     n = dump.num_micro_batches
     if len(mbs) > 1:
-        parts.append("micro-batches " + ", ".join(mb_number(m) for m in mbs)
-                     + (f" of {n}" if isinstance(n, int) else ""))
+        parts.append(
+            "micro-batches " + ", ".join(mb_number(m) for m in mbs) + (f" of {n}" if isinstance(n, int) else "")
+        )
     elif mb is not None:
         parts.append(mb_phrase(mb, n))
     text = ", ".join(parts) + "."
@@ -107,8 +120,10 @@ def reproduction_sentence(report: Mapping | Report) -> str:
     if r.reproduced:
         compared = any(v is not None for v in fid.recorded_losses or []) or fid.grad_norm_compared
         if not compared and fid.recorded_losses is not None:
-            return (f"Reproduced {on}" + (f", {att}" if att else "") + ": it raised where the job did, before any "
-                    "loss the job recorded, so there is no value to compare bit for bit.")
+            return (
+                f"Reproduced {on}" + (f", {att}" if att else "") + ": it raised where the job did, before any "
+                "loss the job recorded, so there is no value to compare bit for bit."
+            )
         if fid.bitwise_equal or (fid.mode == FidelityMode.BITWISE and fid.bitwise_equal is not False):
             how = FidelityMode.BITWISE.value  # the mode's name is the word
         elif fid.mode == FidelityMode.TOLERANCE:
@@ -141,8 +156,10 @@ def rng_sentence(report: Mapping | Report) -> str | None:
     seeds = rng.seeds or []
     n = f"{len(seeds)} other seed{'s' if len(seeds) != 1 else ''}"
     if rng.rng_dependent:
-        return (f"Random state: the failure needs the dump's RNG — re-run from {n} without it, the step "
-                "is healthy (a dropout mask or another random op makes it).")
+        return (
+            f"Random state: the failure needs the dump's RNG — re-run from {n} without it, the step "
+            "is healthy (a dropout mask or another random op makes it)."
+        )
     if rng.rng_dependent is False:
         return f"Random state: the step fails from {n} too; the RNG is not the cause."
     return None
@@ -172,16 +189,24 @@ def location_sentence(report: Mapping | Report) -> str | None:
     if op:
         text += f" ({clean(op)})"
     stats = c.stats
-    facts = [f"{label} holds NaN" if fmt_num(value) == "nan" else f"{label} abs-max {fmt_num(value, 3)}"
-             for value, label in ((stats.inputs_absmax, "input"), (stats.outputs_absmax, "output"),
-                                  (stats.params_absmax, "weight"))
-             if value is not None]
+    facts = [
+        f"{label} holds NaN" if fmt_num(value) == "nan" else f"{label} abs-max {fmt_num(value, 3)}"
+        for value, label in (
+            (stats.inputs_absmax, "input"),
+            (stats.outputs_absmax, "output"),
+            (stats.params_absmax, "weight"),
+        )
+        if value is not None
+    ]
     if facts:
         text += ": " + ", ".join(facts)
     text += "."
     if param:
-        text += (f" First parameter with a non-finite gradient: {clean(param)}." if phase == Phase.BACKWARD else
-                 f" Non-finite parameter feeding it: {clean(param)}.")
+        text += (
+            f" First parameter with a non-finite gradient: {clean(param)}."
+            if phase == Phase.BACKWARD
+            else f" Non-finite parameter feeding it: {clean(param)}."
+        )
     if opt_state:
         text += f" Optimizer state: {clean(opt_state)}."
     return text
@@ -201,18 +226,26 @@ def culprit_sentence(report: Mapping | Report) -> str | None:
     if not samples:
         if bis.unblamed_group:
             test = "whose removal ends the spike" if bis.test == "removal" else "that fails"
-            return (f"No culprit sample: the smallest set {test} is {fmt_num(bis.unblamed_group)} of the "
-                    f"{fmt_num(bis.candidates)} samples ({runs} replays), too large a share "
-                    "of the step to blame any of them; no blocklist is written.")
+            return (
+                f"No culprit sample: the smallest set {test} is {fmt_num(bis.unblamed_group)} of the "
+                f"{fmt_num(bis.candidates)} samples ({runs} replays), too large a share "
+                "of the step to blame any of them; no blocklist is written."
+            )
         if bis.culprit_size:  # found, then not blamed (the rest of the step at the same edge, a diverged run)
-            return (f"No sample is blamed: bisecting {bis.candidates} samples ({runs} replays) isolated "
-                    f"{fmt_num(bis.culprit_size)}, but the verdict finds the state at fault, not their data.")
+            return (
+                f"No sample is blamed: bisecting {bis.candidates} samples ({runs} replays) isolated "
+                f"{fmt_num(bis.culprit_size)}, but the verdict finds the state at fault, not their data."
+            )
         if bis.candidates and bis.all_subsets_fail:
-            return (f"No culprit sample: every subset of the {bis.candidates} samples bisection tried ({runs} replays) "
-                    "fails on its own, down to single samples: the state, not the data.")
+            return (
+                f"No culprit sample: every subset of the {bis.candidates} samples bisection tried ({runs} replays) "
+                "fails on its own, down to single samples: the state, not the data."
+            )
         if bis.candidates:
-            return (f"No culprit sample: bisecting {bis.candidates} samples "
-                    f"({runs} replays) found no subset that fails on its own.")
+            return (
+                f"No culprit sample: bisecting {bis.candidates} samples "
+                f"({runs} replays) found no subset that fails on its own."
+            )
         return None
 
     def one(s) -> str:
@@ -237,8 +270,9 @@ def culprit_sentence(report: Mapping | Report) -> str | None:
     if len(samples) == 1 and described:
         text += f" Its data: {clean(described[0].description, 200)}."
     elif described:
-        text += " Their data: " + "; ".join(f"{fmt_id(s.sample_id)}: {clean(s.description, 200)}"
-                                             for s in described) + "."
+        text += (
+            " Their data: " + "; ".join(f"{fmt_id(s.sample_id)}: {clean(s.description, 200)}" for s in described) + "."
+        )
     return text
 
 
@@ -263,8 +297,15 @@ def precision_sentence(report: Mapping | Report) -> str | None:
     has_samples = bool(r.culprit.ids()) and bool(evidence.get("bad_data", True))  # bad data, not a trigger
     code = prec.code_dtypes if isinstance(prec.code_dtypes, dict) else {}
     low_code = next((k for k in ("float16", "bfloat16") if code.get(k)), None)
-    under = f"autocast {clean(dtype)}" if dtype else f"FSDP2 mixed precision ({clean(fsdp)} compute)" if fsdp \
-        else f"{low_code} (the job's own code)" if low_code else "the job's precision"
+    under = (
+        f"autocast {clean(dtype)}"
+        if dtype
+        else f"FSDP2 mixed precision ({clean(fsdp)} compute)"
+        if fsdp
+        else f"{low_code} (the job's own code)"
+        if low_code
+        else "the job's precision"
+    )
     spike = TriggerKind.parse(r.trigger.kind, TriggerKind.NONFINITE_LOSS).spike
     ran = prec.fp32_ran if isinstance(prec.fp32_ran, dict) else None
     checked = f" (checked: {_ran_words(ran)})" if ran else ""
@@ -288,7 +329,9 @@ def _ran_words(ran: dict) -> str:
     ops_value = ran.get("ops")
     ops: dict = ops_value if isinstance(ops_value, dict) else {}
     low = ", ".join(f"{fmt_num(n)} in {clean(k, 20)}" for k, n in sorted(ops.items()) if k in ("float16", "bfloat16"))
-    text = f"{fmt_num(ops.get('float32', 0))} ops in float32, " + (f"but {low}" if low else "none in float16 or bfloat16")
+    text = f"{fmt_num(ops.get('float32', 0))} ops in float32, " + (
+        f"but {low}" if low else "none in float16 or bfloat16"
+    )
     if ran.get("held_autocasts"):
         text += f"; the code's own autocast held off {fmt_num(ran['held_autocasts'])} time(s)"
     return text
@@ -317,7 +360,9 @@ def precursor_story_sentence(report: Mapping | Report) -> str | None:
     block = parse_report(report).precursor_history
     if not isinstance(block, dict) or not block.get("sentence"):
         return None
-    before = f"Before it, {clean(str(block['sentence']), 400)}" if block.get("lead") else clean(str(block["sentence"]), 400)
+    before = (
+        f"Before it, {clean(str(block['sentence']), 400)}" if block.get("lead") else clean(str(block["sentence"]), 400)
+    )
     return before.rstrip(".") + "."
 
 
@@ -343,8 +388,7 @@ def per_sample_sentence(report: Mapping | Report) -> str | None:
     if not rows:
         return None
     raised = [r for r in rows if r.error]
-    bad = [r for r in rows if not r.error and (r.finite is False or is_nonfinite(r.loss)
-                                                or is_nonfinite(r.grad_norm))]
+    bad = [r for r in rows if not r.error and (r.finite is False or is_nonfinite(r.loss) or is_nonfinite(r.grad_norm))]
     text = f"Per-sample replay: {len(bad)} of {len(rows)} samples non-finite"
     culprits = parse_report(report).culprit.samples
     if bad and (not culprits or all(s.trigger for s in culprits)):
@@ -367,7 +411,8 @@ def timing_sentence(report: Mapping | Report) -> str | None:
         return None
     passes = t.passes
     return f"Replay took {fmt_num(t.total_s, 3)} s" + (
-        f" ({passes} forward/backward passes)." if passes is not None else ".")
+        f" ({passes} forward/backward passes)." if passes is not None else "."
+    )
 
 
 def render_verdict_text(report: Mapping | Report, files: Mapping[str, Any] | None = None) -> str:
@@ -393,8 +438,16 @@ def render_verdict_text(report: Mapping | Report, files: Mapping[str, Any] | Non
     lines = [f"Verdict: {label} — {clean(verdict.headline or '(no headline)', 400)}"]
     lines.append(f"{where_sentence(r)} {trigger_sentence(r)}")
     lines.append(reproduction_sentence(r))
-    for make in (rng_sentence, location_sentence, culprit_sentence, evidence_sentence, per_sample_sentence,
-                 precision_sentence, history_sentence, precursor_story_sentence):
+    for make in (
+        rng_sentence,
+        location_sentence,
+        culprit_sentence,
+        evidence_sentence,
+        per_sample_sentence,
+        precision_sentence,
+        history_sentence,
+        precursor_story_sentence,
+    ):
         try:
             sentence = make(r)
         except Exception:  # a malformed optional section must not hide the verdict
@@ -422,8 +475,7 @@ def _files_lines(files: Mapping[str, Any] | None) -> list[str]:
     lines = []
     main = files.get("md") or files.get("html") or files.get("json")
     if main is not None:
-        others = [os.path.basename(str(files[k])) for k in ("html", "json")
-                  if k in files and files[k] is not main]
+        others = [os.path.basename(str(files[k])) for k in ("html", "json") if k in files and files[k] is not main]
         lines.append(f"Report: {clean(str(main))}" + (f" (also {', '.join(others)})" if others else ""))
     if files.get("blocklist") is not None:
         lines.append(f"Blocklist of culprit samples: {clean(str(files['blocklist']))}")

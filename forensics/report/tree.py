@@ -34,8 +34,9 @@ N = TypeVar("N", bound="Node")
 
 def _node(cls: type[Node], always: bool = False) -> Any:
     """A field holding a block: `always` ones read as an empty block when absent (the renderers' "n/a")."""
-    return field(default_factory=(lambda: cls.parse({})) if always else (lambda: None),
-                 metadata={"node": cls, "always": always})
+    return field(
+        default_factory=(lambda: cls.parse({})) if always else (lambda: None), metadata={"node": cls, "always": always}
+    )
 
 
 def _rows(cls: type) -> Any:
@@ -126,6 +127,7 @@ def _json(value: Any) -> Any:
 
 
 # -- the blocks, in the order of docs/REPORT_FORMAT.md -------------------------------------------------------------
+
 
 @dataclass
 class Damage(Node):

@@ -69,6 +69,7 @@ def fmt_list(values: Iterable[Any], limit: int = 8) -> str:
 
 # ---- micro-batch numbers: 0-based in JSON, 1-based in every sentence a person reads ----
 
+
 def mb_number(index: Any) -> str:
     """A 0-based micro-batch index as people count it: 1 -> '2' (as in 'micro-batch 2 of 4')."""
     if isinstance(index, int) and not isinstance(index, bool):
@@ -80,7 +81,6 @@ def mb_phrase(index: Any, total: Any = None) -> str:
     """'micro-batch 2 of 4' for index 1 of a 4-micro-batch step ('micro-batch 2' without a total)."""
     of = f" of {total}" if isinstance(total, int) and not isinstance(total, bool) and total > 0 else ""
     return f"micro-batch {mb_number(index)}{of}"
-
 
 
 def fmt_size(num: int) -> str:

@@ -31,8 +31,9 @@ def report_json_text(report: Mapping | Report) -> str:
     return json.dumps(ordered, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
 
 
-def write_report_files(report: Mapping | Report, out_dir: str | os.PathLike, *, html: bool = True,
-                       plots: bool = True) -> dict[str, Path]:
+def write_report_files(
+    report: Mapping | Report, out_dir: str | os.PathLike, *, html: bool = True, plots: bool = True
+) -> dict[str, Path]:
     """Validate the report and write report.json, report.md and report.html into `out_dir`.
 
     The report is first made JSON-safe (non-finite floats -> "nan"/"inf"/"-inf") and validated, so
@@ -58,8 +59,10 @@ def write_report_files(report: Mapping | Report, out_dir: str | os.PathLike, *, 
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ReportError(f"cannot create the report directory {out}: {e}") from e
-    files = {"json": atomic_write_text(out / REPORT_FILES["json"], text),
-             "md": atomic_write_text(out / REPORT_FILES["md"], render_markdown(safe))}
+    files = {
+        "json": atomic_write_text(out / REPORT_FILES["json"], text),
+        "md": atomic_write_text(out / REPORT_FILES["md"], render_markdown(safe)),
+    }
     if html:
         files["html"] = atomic_write_text(out / REPORT_FILES["html"], render_html(safe, plots=plots))
     log.info("wrote %s", ", ".join(str(p) for p in files.values()))
@@ -74,8 +77,11 @@ def blocklist_ids(report: Mapping | Report) -> list:
         return []
     positional = {json.dumps(s.sample_id, default=repr) for s in culprit.samples if s.positional}
     if positional:
-        log.warning("%d culprit sample(s) have made-up positional IDs and are left out of the blocklist (the job "
-                    "recorded no sample IDs for their micro-batch)", len(positional))
+        log.warning(
+            "%d culprit sample(s) have made-up positional IDs and are left out of the blocklist (the job "
+            "recorded no sample IDs for their micro-batch)",
+            len(positional),
+        )
     return [sid for sid in culprit.ids() if json.dumps(sid, default=repr) not in positional]
 
 
@@ -103,8 +109,10 @@ def write_blocklist(report: Mapping | Report, path: str | os.PathLike, *, append
                 try:
                     ids.append(json.loads(line))
                 except json.JSONDecodeError as e:
-                    raise ReportError(f"{path}:{n} is not a JSON value ({e}); fix or remove the "
-                                      "line, or write a new blocklist without append") from e
+                    raise ReportError(
+                        f"{path}:{n} is not a JSON value ({e}); fix or remove the "
+                        "line, or write a new blocklist without append"
+                    ) from e
     for sid in blocklist_ids(to_json_safe(report.as_dict() if isinstance(report, Report) else dict(report))):
         if sid not in ids:
             ids.append(sid)

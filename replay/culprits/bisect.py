@@ -67,8 +67,7 @@ class _BudgetSpent(Exception):
     pass
 
 
-def ddmin(candidates: Sequence[T], fails: Callable[[list[T]], bool], *,
-          max_runs: int | None = None) -> BisectResult[T]:
+def ddmin(candidates: Sequence[T], fails: Callable[[list[T]], bool], *, max_runs: int | None = None) -> BisectResult[T]:
     """A 1-minimal subset of `candidates` for which `fails` is true.
 
     Args:
@@ -102,8 +101,9 @@ def ddmin(candidates: Sequence[T], fails: Callable[[list[T]], bool], *,
         outcome = bool(fails([items[p] for p in positions]))
         failed_runs += outcome
         memo[key] = outcome
-        log.debug("bisect run %d: %d of %d samples -> %s", runs, len(positions), len(items),
-                  "fails" if outcome else "passes")
+        log.debug(
+            "bisect run %d: %d of %d samples -> %s", runs, len(positions), len(items), "fails" if outcome else "passes"
+        )
         return outcome
 
     current = list(range(len(items)))
@@ -114,7 +114,7 @@ def ddmin(candidates: Sequence[T], fails: Callable[[list[T]], bool], *,
         while len(current) >= 2:
             parts = _split(current, n)
             if first_split:
-                outcomes = [test(p) for p in parts]   # both halves, so all_failed means something
+                outcomes = [test(p) for p in parts]  # both halves, so all_failed means something
                 first_split = False
                 failing = next((p for p, o in zip(parts, outcomes) if o), None)
             else:
@@ -123,8 +123,7 @@ def ddmin(candidates: Sequence[T], fails: Callable[[list[T]], bool], *,
                 current, n = failing, 2
                 continue
             if n > 2:  # with two parts the complements are the parts themselves
-                complements = ([q for q in current if q not in excluded]
-                               for excluded in (set(p) for p in parts))
+                complements = ([q for q in current if q not in excluded] for excluded in (set(p) for p in parts))
                 complement = next((c for c in complements if test(c)), None)
                 if complement is not None:
                     current, n = complement, max(n - 1, 2)
@@ -134,10 +133,13 @@ def ddmin(candidates: Sequence[T], fails: Callable[[list[T]], bool], *,
             n = min(len(current), 2 * n)
     except _BudgetSpent:
         minimal = False
-        log.warning("bisection stopped after %d runs (max_runs); the culprit set of %d may not be minimal",
-                    runs, len(current))
+        log.warning(
+            "bisection stopped after %d runs (max_runs); the culprit set of %d may not be minimal", runs, len(current)
+        )
     culprits = [items[p] for p in sorted(current)]
-    log.info("bisection: %d culprit(s) among %d candidates in %d runs (budget %d)",
-             len(culprits), len(items), runs, budget)
-    return BisectResult(culprits=culprits, runs=runs, budget=budget,
-                        all_failed=runs > 0 and failed_runs == runs, minimal=minimal)
+    log.info(
+        "bisection: %d culprit(s) among %d candidates in %d runs (budget %d)", len(culprits), len(items), runs, budget
+    )
+    return BisectResult(
+        culprits=culprits, runs=runs, budget=budget, all_failed=runs > 0 and failed_runs == runs, minimal=minimal
+    )

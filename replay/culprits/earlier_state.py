@@ -56,8 +56,14 @@ def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def feed_earlier_state(runner: StepRunner, earlier: EarlierState, culprits: list[SampleRef], kind: TriggerKind,
-                       evidence: RecordEvidence, dumped_step: int | None) -> None:
+def feed_earlier_state(
+    runner: StepRunner,
+    earlier: EarlierState,
+    culprits: list[SampleRef],
+    kind: TriggerKind,
+    evidence: RecordEvidence,
+    dumped_step: int | None,
+) -> None:
     """Replays the culprits and up to MAX_OTHERS other samples of the step on `earlier`, and writes the outcome into
     `evidence` (its sentence; an EARLIER_STATE entry when a culprit still fails). Never raises."""
     session = runner.session
@@ -73,8 +79,9 @@ def feed_earlier_state(runner: StepRunner, earlier: EarlierState, culprits: list
     by_ref = {(r["micro_batch"], r["index"]): r for r in rows}
     culprit_rows = [by_ref[(c.micro_batch, c.index)] for c in culprits if (c.micro_batch, c.index) in by_ref]
     other_values = [v for o in others if _finite(v := _number(by_ref.get((o.micro_batch, o.index), {}), kind))]
-    ago = f", {dumped_step - earlier.step} steps earlier" if earlier.step is not None and dumped_step is not None \
-        else ""
+    ago = (
+        f", {dumped_step - earlier.step} steps earlier" if earlier.step is not None and dumped_step is not None else ""
+    )
     where = f"{earlier.source}{ago}"
     still = []
     for row in culprit_rows:
@@ -87,12 +94,19 @@ def feed_earlier_state(runner: StepRunner, earlier: EarlierState, culprits: list
         if failed:
             still.append((row, value))
     measure = "loss" if kind is TriggerKind.LOSS_SPIKE else "gradient norm"
-    spread = f" against {fmt_num(min(other_values), 3)}-{fmt_num(max(other_values), 3)} for the other " \
-             f"{len(other_values)} samples" if other_values else ""
+    spread = (
+        f" against {fmt_num(min(other_values), 3)}-{fmt_num(max(other_values), 3)} for the other "
+        f"{len(other_values)} samples"
+        if other_values
+        else ""
+    )
     if still:
         row, value = still[0]
-        what = "still makes its loss or gradients non-finite" if not kind.spike else \
-            f"still stands out there (its {measure} {fmt_num(value, 3)}{spread})"
+        what = (
+            "still makes its loss or gradients non-finite"
+            if not kind.spike
+            else f"still stands out there (its {measure} {fmt_num(value, 3)}{spread})"
+        )
         words = f"fed to {where}, it {what}: the record hurts an earlier state too"
         evidence.against.append(Evidence(EvidenceKind.EARLIER_STATE, row["sample_id"], words))
         evidence.earlier = f"Fed to {where}, sample {fmt_id(row['sample_id'], 80)} {what} → the data, not the state."
@@ -100,8 +114,7 @@ def feed_earlier_state(runner: StepRunner, earlier: EarlierState, culprits: list
         sample = fmt_id(culprits[0].sample_id, 80) if culprits else "the culprit"
         values = [_number(r, kind) for r in culprit_rows]
         own = f" (its {measure} {fmt_num(values[0], 3)}{spread})" if values and _finite(values[0]) else ""
-        evidence.earlier = (f"Fed to {where}, sample {sample} is healthy{own} → the state, not the data "
-                            "(PaLM's test).")
+        evidence.earlier = f"Fed to {where}, sample {sample} is healthy{own} → the state, not the data (PaLM's test)."
 
 
 def _rows_on(runner: StepRunner, earlier: EarlierState, refs: list[SampleRef]) -> list[dict]:
@@ -123,8 +136,12 @@ def _rows_on(runner: StepRunner, earlier: EarlierState, refs: list[SampleRef]) -
     before_each: Callable[[SampleRef], None] = lambda ref: runner.restore_rng(ref.micro_batch)  # noqa: E731
     try:
         with runner.job_precision():
-            return [dict(r) for r in per_sample_stats(model, refs, run_one, before_each=before_each,
-                                                      batches=session.micro_batches, loss_fn=loss_fn)]
+            return [
+                dict(r)
+                for r in per_sample_stats(
+                    model, refs, run_one, before_each=before_each, batches=session.micro_batches, loss_fn=loss_fn
+                )
+            ]
     finally:
         runner.reset()
 

@@ -68,9 +68,12 @@ class RecordEvidence:
         return bool(self.against)
 
     def as_dict(self) -> dict:
-        return {"bad_data": self.bad_data,
-                "against": [{"kind": e.kind.value, "sample_id": e.sample_id, "words": e.words} for e in self.against],
-                "ordinary": self.ordinary, "earlier_state": self.earlier}
+        return {
+            "bad_data": self.bad_data,
+            "against": [{"kind": e.kind.value, "sample_id": e.sample_id, "words": e.words} for e in self.against],
+            "ordinary": self.ordinary,
+            "earlier_state": self.earlier,
+        }
 
 
 def _range(values: Sequence[float]) -> str:
@@ -92,9 +95,16 @@ def loss_outlier(loss: Any, others: Sequence[float]) -> bool:
     return loss >= LOSS_OUTLIER_RATIO * median and loss - median > LOSS_OUTLIER_MADS * floor
 
 
-def weigh(culprits: list[SampleRef], rows: list[dict], facts: dict[SampleRef, list[SampleFact]], *,
-          nonfinite_trigger: bool, full_precision: bool, isolated: bool,
-          others_far: Callable[[], bool] = lambda: True) -> RecordEvidence:
+def weigh(
+    culprits: list[SampleRef],
+    rows: list[dict],
+    facts: dict[SampleRef, list[SampleFact]],
+    *,
+    nonfinite_trigger: bool,
+    full_precision: bool,
+    isolated: bool,
+    others_far: Callable[[], bool] = lambda: True,
+) -> RecordEvidence:
     """The evidence about the culprits' records from what the replay measured.
 
     Args:
@@ -123,17 +133,32 @@ def weigh(culprits: list[SampleRef], rows: list[dict], facts: dict[SampleRef, li
         row = by_ref.get((ref.micro_batch, ref.index)) or {}
         loss, norm = row.get("loss"), row.get("grad_norm")
         if loss_outlier(loss, other_losses):
-            evidence.against.append(Evidence(
-                EvidenceKind.LOSS_OUTLIER, ref.sample_id,
-                f"its loss replayed alone is {fmt_num(loss, 4)}, against {_range(other_losses)} for the other "
-                f"{len(other_losses)} samples (median {fmt_num(statistics.median(other_losses), 4)})"))
-        elif (nonfinite_trigger and full_precision and isolated and row and not _finite(loss)
-              and all_others_finite and others_far()):
-            evidence.against.append(Evidence(
-                EvidenceKind.NONFINITE_ALONE, ref.sample_id,
-                f"on its own it makes the loss non-finite in float32 too, while each of the other "
-                f"{len(other_losses)} samples alone gives a finite loss ({_range(other_losses)}) and the step "
-                "without it stays far from float32's limit"))
+            evidence.against.append(
+                Evidence(
+                    EvidenceKind.LOSS_OUTLIER,
+                    ref.sample_id,
+                    f"its loss replayed alone is {fmt_num(loss, 4)}, against {_range(other_losses)} for the other "
+                    f"{len(other_losses)} samples (median {fmt_num(statistics.median(other_losses), 4)})",
+                )
+            )
+        elif (
+            nonfinite_trigger
+            and full_precision
+            and isolated
+            and row
+            and not _finite(loss)
+            and all_others_finite
+            and others_far()
+        ):
+            evidence.against.append(
+                Evidence(
+                    EvidenceKind.NONFINITE_ALONE,
+                    ref.sample_id,
+                    f"on its own it makes the loss non-finite in float32 too, while each of the other "
+                    f"{len(other_losses)} samples alone gives a finite loss ({_range(other_losses)}) and the step "
+                    "without it stays far from float32's limit",
+                )
+            )
         if _finite(loss) and other_losses:
             part = f"its loss {fmt_num(loss, 4)} against {_range(other_losses)} for the other {len(other_losses)}"
             if _finite(norm) and other_norms:

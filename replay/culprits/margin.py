@@ -38,9 +38,11 @@ class MarginBlock(TypedDict):
     """share >= HEADROOM: the state, not the samples, brings the step to the overflow."""
 
 
-_UNWRITTEN = {getattr(torch.ops.aten, name) for name in
-              ("empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "empty_permuted", "resize_")
-              if hasattr(torch.ops.aten, name)}
+_UNWRITTEN = {
+    getattr(torch.ops.aten, name)
+    for name in ("empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "empty_permuted", "resize_")
+    if hasattr(torch.ops.aten, name)
+}
 """Ops whose output holds no computed value (allocations): measuring them read stale memory (a flaky verdict)."""
 
 
@@ -122,8 +124,14 @@ def others_margin(runner: StepRunner, culprits: list[SampleRef]) -> MarginBlock 
     if not math.isfinite(largest):
         return None
     share = largest / FP16_MAX
-    return {"dtype": "float16", "others_absmax": largest, "limit": FP16_MAX, "share": share,
-            "samples_excluded": len(culprits), "at_the_edge": share >= HEADROOM}
+    return {
+        "dtype": "float16",
+        "others_absmax": largest,
+        "limit": FP16_MAX,
+        "share": share,
+        "samples_excluded": len(culprits),
+        "at_the_edge": share >= HEADROOM,
+    }
 
 
 __all__ = ["FAR_FROM_LIMIT", "MarginBlock", "others_margin", "others_share"]

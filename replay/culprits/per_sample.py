@@ -68,15 +68,23 @@ def _total_norm(tensors: list[torch.Tensor]) -> float | None:
 def _scalar_loss(loss: Any, ref: Any) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise PerSampleError(f"run_one({ref!r}) returned {shape}, not a scalar loss tensor; "
-                             "reduce the loss of the one-sample batch to a single number")
+        raise PerSampleError(
+            f"run_one({ref!r}) returned {shape}, not a scalar loss tensor; "
+            "reduce the loss of the one-sample batch to a single number"
+        )
     return loss.reshape(())
 
 
 def _sample_row(ref: Any, loss: float | None, grad_norm: float | None) -> SampleRow:
     finite = loss is not None and math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))
-    return {"sample_id": ref.sample_id, "micro_batch": ref.micro_batch, "index": ref.index,
-            "loss": loss, "grad_norm": grad_norm, "finite": finite}
+    return {
+        "sample_id": ref.sample_id,
+        "micro_batch": ref.micro_batch,
+        "index": ref.index,
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "finite": finite,
+    }
 
 
 class _Wrapper(torch.nn.Module):
@@ -117,11 +125,11 @@ def _vmap_stats(model: torch.nn.Module, loss_fn: Callable, batch: Any) -> tuple[
 
     with warnings.catch_warnings():  # ops without a batching rule still work, just slower: not news
         warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet")
-        grads, losses = vmap(grad_and_value(one_sample_loss), in_dims=(None, 0),
-                             randomness="error")(params, leaves)
+        grads, losses = vmap(grad_and_value(one_sample_loss), in_dims=(None, 0), randomness="error")(params, leaves)
     if grads:
-        per_param = torch.stack([torch.linalg.vector_norm(g.flatten(1), dim=1, dtype=torch.float64)
-                                 for g in grads.values()])
+        per_param = torch.stack(
+            [torch.linalg.vector_norm(g.flatten(1), dim=1, dtype=torch.float64) for g in grads.values()]
+        )
         norms: list[float | None] = torch.linalg.vector_norm(per_param, dim=0).tolist()
     else:
         norms = [None] * len(losses)
@@ -131,18 +139,26 @@ def _vmap_stats(model: torch.nn.Module, loss_fn: Callable, batch: Any) -> tuple[
 def _can_vectorise(model: torch.nn.Module, n: int, max_bytes: int) -> bool:
     need = n * sum(p.numel() * p.element_size() for _, p in _trainable(model))
     if need > max_bytes:
-        log.info("per-sample gradients of %d samples need %.1f MiB (> %.1f MiB); one sample at a time",
-                 n, need / 2**20, max_bytes / 2**20)
+        log.info(
+            "per-sample gradients of %d samples need %.1f MiB (> %.1f MiB); one sample at a time",
+            n,
+            need / 2**20,
+            max_bytes / 2**20,
+        )
         return False
     return True
 
 
-def per_sample_stats(model: torch.nn.Module, sample_refs: Sequence[Any],
-                     run_one: Callable[[Any], torch.Tensor], *,
-                     before_each: Callable[[Any], None] | None = None,
-                     batches: Mapping[int, Any] | Sequence[Any] | None = None,
-                     loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
-                     max_vmap_bytes: int = DEFAULT_MAX_VMAP_BYTES) -> list[SampleRow]:
+def per_sample_stats(
+    model: torch.nn.Module,
+    sample_refs: Sequence[Any],
+    run_one: Callable[[Any], torch.Tensor],
+    *,
+    before_each: Callable[[Any], None] | None = None,
+    batches: Mapping[int, Any] | Sequence[Any] | None = None,
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
+    max_vmap_bytes: int = DEFAULT_MAX_VMAP_BYTES,
+) -> list[SampleRow]:
     """Loss and gradient norm of each sample on its own, in the order of `sample_refs`.
 
     Args:
@@ -205,16 +221,18 @@ def _vectorised_rows(model, refs, batches, loss_fn, before_each, max_bytes) -> d
         try:
             losses, norms = _vmap_stats(model, loss_fn, batch)
         except Exception as exc:  # noqa: BLE001 - anything vmap cannot do means: use the loop
-            log.info("vectorised per-sample gradients not possible (%s: %s); one sample at a time",
-                     type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            log.info(
+                "vectorised per-sample gradients not possible (%s: %s); one sample at a time",
+                type(exc).__name__,
+                str(exc).splitlines()[0] if str(exc) else "",
+            )
             return rows
         for p, loss, norm in zip(positions, losses, norms):
             rows[p] = _sample_row(refs[p], loss, norm)
     return rows
 
 
-def _loop_row(params: list[torch.nn.Parameter], ref: Any, run_one: Callable,
-              before_each: Callable | None) -> SampleRow:
+def _loop_row(params: list[torch.nn.Parameter], ref: Any, run_one: Callable, before_each: Callable | None) -> SampleRow:
     for p in params:
         p.grad = None
     if before_each is not None:
@@ -230,8 +248,14 @@ def _loop_row(params: list[torch.nn.Parameter], ref: Any, run_one: Callable,
         raise
     except (RuntimeError, IndexError, ValueError, ArithmeticError) as exc:  # e.g. a token id out of
         # the vocabulary: that sample is bad, the others still get their row
-        log.warning("sample %r (micro-batch %s, index %s) raised %s: %s", ref.sample_id, ref.micro_batch,
-                    ref.index, type(exc).__name__, exc)
+        log.warning(
+            "sample %r (micro-batch %s, index %s) raised %s: %s",
+            ref.sample_id,
+            ref.micro_batch,
+            ref.index,
+            type(exc).__name__,
+            exc,
+        )
         row = _sample_row(ref, None, None)
         row["error"] = f"{type(exc).__name__}: {exc}"
         return row
@@ -248,6 +272,7 @@ def rank_by_loss(rows: Sequence[SampleRow]) -> list[SampleRow]:
         ...     {"sample_id": "c", "loss": 5.0, "grad_norm": 1.0, "finite": True}])]
         ['b', 'c', 'a']
     """
+
     def key(item: tuple[int, SampleRow]) -> tuple:
         pos, row = item
         loss = row.get("loss")

@@ -88,9 +88,14 @@ def sample_facts(batch: Any, index: int, exclude: list[int] | tuple[int, ...] = 
             facts.extend(_labels(path, shown, tensor))
         elif name in MASK_FIELDS and not tensor.is_floating_point():
             if not bool(tensor.bool().any()):
-                facts.append(SampleFact(SampleFactKind.NO_ATTENTION, path,
-                                        f"its {shown} is all zeros: it has no token, so a mean over its tokens is 0/0 "
-                                        "and attention masks every score"))
+                facts.append(
+                    SampleFact(
+                        SampleFactKind.NO_ATTENTION,
+                        path,
+                        f"its {shown} is all zeros: it has no token, so a mean over its tokens is 0/0 "
+                        "and attention masks every score",
+                    )
+                )
         elif tensor.is_floating_point():
             facts.extend(_floats(path, shown, tensor, others.get(path)))
         elif tensor.dtype != torch.bool and name not in LABEL_FIELDS:
@@ -112,8 +117,11 @@ def nonfinite_in_field(micro_batch: Any, refs: list[SampleRef], field: str) -> l
 
 def too_long(tokens: int, limit: int) -> SampleFact:
     """A sample longer than the model's context (found by replay/culprits/sizes.py from its attention mask)."""
-    return SampleFact(SampleFactKind.TOO_LONG, "attention_mask",
-                      f"it is {tokens:,} tokens long, beyond the model's {limit:,} positions")
+    return SampleFact(
+        SampleFactKind.TOO_LONG,
+        "attention_mask",
+        f"it is {tokens:,} tokens long, beyond the model's {limit:,} positions",
+    )
 
 
 def describe(facts: list[SampleFact]) -> str | None:
@@ -129,13 +137,23 @@ def _others(batch: Any, index: int, exclude: list[int] | tuple[int, ...] = ()) -
 def _labels(path: str, shown: str, labels: torch.Tensor) -> list[SampleFact]:
     kept = labels != IGNORE_INDEX
     if not bool(kept.any()):
-        return [SampleFact(SampleFactKind.LABELS_MASKED, path,
-                           f"every one of its {labels.numel():,} {shown} is {IGNORE_INDEX} (ignored): a mean loss "
-                           "over zero tokens is 0/0 = NaN")]
+        return [
+            SampleFact(
+                SampleFactKind.LABELS_MASKED,
+                path,
+                f"every one of its {labels.numel():,} {shown} is {IGNORE_INDEX} (ignored): a mean loss "
+                "over zero tokens is 0/0 = NaN",
+            )
+        ]
     if labels.dim() >= 2 and labels.shape[-1] > 1 and not bool(kept[..., 1:].any()):
-        return [SampleFact(SampleFactKind.LABELS_MASKED, path,
-                           f"only the first of its {labels.shape[-1]:,} {shown} is not {IGNORE_INDEX}, and a "
-                           "causal LM's shifted loss drops the first: a mean over zero tokens is 0/0 = NaN")]
+        return [
+            SampleFact(
+                SampleFactKind.LABELS_MASKED,
+                path,
+                f"only the first of its {labels.shape[-1]:,} {shown} is not {IGNORE_INDEX}, and a "
+                "causal LM's shifted loss drops the first: a mean over zero tokens is 0/0 = NaN",
+            )
+        ]
     return []
 
 
@@ -156,14 +174,22 @@ def _repeats(path: str, shown: str, tokens: torch.Tensor, others: torch.Tensor |
     own = repeated_share(tokens)
     if own is None or own < REPEAT_SHARE or others is None or not others.numel() or others.dim() < 1:
         return []
-    shares = [repeated_share(row) for row in others.reshape(others.shape[0], -1)] if others.dim() >= 2 \
+    shares = (
+        [repeated_share(row) for row in others.reshape(others.shape[0], -1)]
+        if others.dim() >= 2
         else [repeated_share(others)]
+    )
     known = [v for v in shares if v is not None]
     if not known or own < max(known) + REPEAT_MARGIN:
         return []
-    return [SampleFact(SampleFactKind.REPEATED_NGRAMS, path,
-                       f"{own:.0%} of its {shown} n-grams repeat one it already had, against at most "
-                       f"{max(known):.0%} in the other samples (long repeated sequences)")]
+    return [
+        SampleFact(
+            SampleFactKind.REPEATED_NGRAMS,
+            path,
+            f"{own:.0%} of its {shown} n-grams repeat one it already had, against at most "
+            f"{max(known):.0%} in the other samples (long repeated sequences)",
+        )
+    ]
 
 
 def _floats(path: str, shown: str, values: torch.Tensor, others: torch.Tensor | None) -> list[SampleFact]:
@@ -173,18 +199,27 @@ def _floats(path: str, shown: str, values: torch.Tensor, others: torch.Tensor | 
         nan = int(torch.isnan(values).sum())
         inf = int((~finite).sum()) - nan
         parts = [f"{n:,} {word}" for n, word in ((nan, "NaN"), (inf, "Inf")) if n]
-        return [SampleFact(SampleFactKind.NONFINITE_VALUES, path,
-                           f"its {shown} holds {' and '.join(parts)} (of {values.numel():,} values)")]
+        return [
+            SampleFact(
+                SampleFactKind.NONFINITE_VALUES,
+                path,
+                f"its {shown} holds {' and '.join(parts)} (of {values.numel():,} values)",
+            )
+        ]
     if others is None or not others.numel():
         return []
     other = others.detach().float()
     other_max = float(other[torch.isfinite(other)].abs().max()) if bool(torch.isfinite(other).any()) else 0.0
     own_max = float(values.abs().max())
     if other_max > 0 and own_max >= OUTLIER_RATIO * other_max:
-        return [SampleFact(SampleFactKind.EXTREME_VALUES, path,
-                           f"its {shown} reaches {own_max:.3g}, {own_max / other_max:.3g}x the other samples' "
-                           f"largest ({other_max:.3g})")]
+        return [
+            SampleFact(
+                SampleFactKind.EXTREME_VALUES,
+                path,
+                f"its {shown} reaches {own_max:.3g}, {own_max / other_max:.3g}x the other samples' "
+                f"largest ({other_max:.3g})",
+            )
+        ]
     if own_max == 0 and other_max > 0:
-        return [SampleFact(SampleFactKind.ALL_ZERO, path,
-                           f"its {shown} is all zeros (the other samples' are not)")]
+        return [SampleFact(SampleFactKind.ALL_ZERO, path, f"its {shown} is all zeros (the other samples' are not)")]
     return []

@@ -32,8 +32,12 @@ class SampleSize:
     tokens: int
 
     def as_dict(self) -> dict:
-        return {"sample_id": self.ref.sample_id, "micro_batch": self.ref.micro_batch, "index": self.ref.index,
-                "tokens": self.tokens}
+        return {
+            "sample_id": self.ref.sample_id,
+            "micro_batch": self.ref.micro_batch,
+            "index": self.ref.index,
+            "tokens": self.tokens,
+        }
 
 
 def sample_sizes(micro_batches: list[Any], refs: list[SampleRef]) -> tuple[list[SampleSize], str | None]:
@@ -84,8 +88,13 @@ class SizeSummary:
     outlier_factor: float = OUTLIER_FACTOR
 
     def as_dict(self) -> dict:
-        return {"measure": self.measure, "median": self.median, "largest": [s.as_dict() for s in self.largest],
-                "outliers": [s.as_dict() for s in self.outliers], "outlier_factor": self.outlier_factor}
+        return {
+            "measure": self.measure,
+            "median": self.median,
+            "largest": [s.as_dict() for s in self.largest],
+            "outliers": [s.as_dict() for s in self.outliers],
+            "outlier_factor": self.outlier_factor,
+        }
 
 
 def size_summary(micro_batches: list[Any], refs: list[SampleRef]) -> SizeSummary | None:

@@ -38,34 +38,61 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
     if findings.kind is TriggerKind.NONFINITE_PARAM and findings.optimizer is not None:
         fidelity["optimizer_reproduced"] = True
     verdict = decide_verdict(verdict_facts(findings, session, dump_info, culprit))
-    if verdict["kind"] != VerdictKind.EXCEPTION.value and findings.evidence is not None \
-            and not findings.evidence.bad_data:
+    if (
+        verdict["kind"] != VerdictKind.EXCEPTION.value
+        and findings.evidence is not None
+        and not findings.evidence.bad_data
+    ):
         for sample in culprit.samples:  # named as the first to cross, not as bad data: no blocklist lists them
             sample.trigger = True
     if findings.remedies:  # a tested fix comes before what is only suggested
         diverged = bool(findings.history.diverged) or findings.history.pattern is HistoryPattern.DIVERGED
         blames = verdict["kind"] in (VerdictKind.BAD_SAMPLE.value, VerdictKind.EXCEPTION.value) or (
-            verdict["kind"] == VerdictKind.NUMERICAL_PRECISION.value and findings.evidence is not None
-            and findings.evidence.bad_data)
-        first, last = tested_suggestions(findings.remedies, diverged=diverged, blames_data=blames,
-                                         trigger=verdict["kind"] == VerdictKind.TRIGGER_SAMPLE.value)
+            verdict["kind"] == VerdictKind.NUMERICAL_PRECISION.value
+            and findings.evidence is not None
+            and findings.evidence.bad_data
+        )
+        first, last = tested_suggestions(
+            findings.remedies,
+            diverged=diverged,
+            blames_data=blames,
+            trigger=verdict["kind"] == VerdictKind.TRIGGER_SAMPLE.value,
+        )
         verdict["suggestions"] = list(dict.fromkeys(first + verdict["suggestions"] + last))
     if findings.margin is not None and findings.margin["at_the_edge"]:
-        verdict["explanation"] = ((verdict.get("explanation") or "") + (
-            f" Without the {findings.margin['samples_excluded']} sample(s) bisection isolated, the rest of the step "
-            f"still reaches {100 * findings.margin['share']:.0f} % of fp16's max (65,504): the model's state is at "
-            "the edge of fp16, and whichever sample crosses first is not to blame.")).strip()
+        verdict["explanation"] = (
+            (verdict.get("explanation") or "")
+            + (
+                f" Without the {findings.margin['samples_excluded']} sample(s) bisection isolated, the rest of the step "
+                f"still reaches {100 * findings.margin['share']:.0f} % of fp16's max (65,504): the model's state is at "
+                "the edge of fp16, and whichever sample crosses first is not to blame."
+            )
+        ).strip()
     trigger = findings.trigger
     history = findings.history
     report: dict[str, Any] = {
         "schema": schema_for(verdict["kind"]),
         "created_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "dump": {"num_micro_batches": max(len(session.micro_batches), session.step_micro_batches),
-                 **(dump_info or {"path": None, "run_id": None, "step": 0, "rank": rank,
-                                  "world_size": session.world_size, "missing_ranks": []})},
+        "dump": {
+            "num_micro_batches": max(len(session.micro_batches), session.step_micro_batches),
+            **(
+                dump_info
+                or {
+                    "path": None,
+                    "run_id": None,
+                    "step": 0,
+                    "rank": rank,
+                    "world_size": session.world_size,
+                    "missing_ranks": [],
+                }
+            ),
+        },
         "trigger": TriggerBlock.of(trigger).as_dict(),
-        "environment": {"capture": session.capture_environment, "replay": replay_environment(session.device),
-                        "warnings": list(session.warnings)},
+        "environment": {
+            "capture": session.capture_environment,
+            "replay": replay_environment(session.device),
+            "warnings": list(session.warnings),
+        },
         "reproduced": findings.reproduced,
         "fidelity": fidelity,
         "rng": findings.rng,
@@ -99,9 +126,12 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
 def _weights_block(findings: Findings) -> dict:
     """The report's `weights` block: the parameters non-finite before the step, and who meets them."""
     failing, checked = _per_sample_failures(findings)
-    return {"parameters": [c.as_dict() for c in findings.corrupted],
-            "touching": {name: [r.sample_id for r in refs] for name, refs in (findings.touching or {}).items()},
-            "samples_failing": failing, "samples_checked": checked}
+    return {
+        "parameters": [c.as_dict() for c in findings.corrupted],
+        "touching": {name: [r.sample_id for r in refs] for name, refs in (findings.touching or {}).items()},
+        "samples_failing": failing,
+        "samples_checked": checked,
+    }
 
 
 def _per_sample_failures(findings: Findings) -> tuple[list, int]:
@@ -113,11 +143,20 @@ def _exception_block(findings: Findings, session: ReplaySession) -> dict:
     """The report's `exception` block: what the job raised, and where the replay raised it."""
     recorded = session.exception or {}
     found = findings.exception
-    return {"type": recorded.get("type"), "message": recorded.get("message"), "during": recorded.get("during"),
-            "replayed_type": found.type if found else None, "module": found.module if found else None,
-            "op": found.op if found else None, "micro_batch": found.micro_batch if found else None,
-            "detail": found.detail if found else None, "bad_values": found.bad_values if found else [],
-            "memory": recorded.get("memory"), "sizes": findings.sizes.as_dict() if findings.sizes is not None else None, "traceback": recorded.get("traceback")}
+    return {
+        "type": recorded.get("type"),
+        "message": recorded.get("message"),
+        "during": recorded.get("during"),
+        "replayed_type": found.type if found else None,
+        "module": found.module if found else None,
+        "op": found.op if found else None,
+        "micro_batch": found.micro_batch if found else None,
+        "detail": found.detail if found else None,
+        "bad_values": found.bad_values if found else [],
+        "memory": recorded.get("memory"),
+        "sizes": findings.sizes.as_dict() if findings.sizes is not None else None,
+        "traceback": recorded.get("traceback"),
+    }
 
 
 def culprit_block(findings: Findings, rank: int, positional: frozenset[int] = frozenset()) -> Culprit:
@@ -132,20 +171,42 @@ def culprit_block(findings: Findings, rank: int, positional: frozenset[int] = fr
         if ref in findings.sample_facts:
             sample["description"] = describe(findings.sample_facts[ref])
         samples.append(sample)
-    block: dict[str, Any] = {"samples": samples,
-             "module": None, "op": None, "phase": None, "parameter": None, "optimizer_state": None,
-             "stats": {"inputs_absmax": None, "outputs_absmax": None, "params_absmax": None},
-             "traceback": None}
+    block: dict[str, Any] = {
+        "samples": samples,
+        "module": None,
+        "op": None,
+        "phase": None,
+        "parameter": None,
+        "optimizer_state": None,
+        "stats": {"inputs_absmax": None, "outputs_absmax": None, "params_absmax": None},
+        "traceback": None,
+    }
     if forward is not None:
-        from_data = (forward.module or "").startswith(INPUT_MODULE + ".")  # a batch field, named in `module`, not a parameter
-        block.update(module=forward.module, op=forward.op, phase=Phase.FORWARD, stats=dict(forward.stats),
-                     parameter=forward.nonfinite_inputs[0] if forward.nonfinite_inputs and not from_data else None)
+        from_data = (forward.module or "").startswith(
+            INPUT_MODULE + "."
+        )  # a batch field, named in `module`, not a parameter
+        block.update(
+            module=forward.module,
+            op=forward.op,
+            phase=Phase.FORWARD,
+            stats=dict(forward.stats),
+            parameter=forward.nonfinite_inputs[0] if forward.nonfinite_inputs and not from_data else None,
+        )
     elif backward is not None:
-        block.update(module=backward.module, op=backward.op, phase=Phase.BACKWARD, parameter=backward.parameter,
-                     traceback=backward.traceback)
+        block.update(
+            module=backward.module,
+            op=backward.op,
+            phase=Phase.BACKWARD,
+            parameter=backward.parameter,
+            traceback=backward.traceback,
+        )
     elif optimizer is not None:
-        block.update(phase=Phase.OPTIMIZER, parameter=optimizer.parameter, optimizer_state=optimizer.optimizer_state,
-                     module=optimizer.parameter.rpartition(".")[0] or ROOT_MODULE if optimizer.parameter else None)
+        block.update(
+            phase=Phase.OPTIMIZER,
+            parameter=optimizer.parameter,
+            optimizer_state=optimizer.optimizer_state,
+            module=optimizer.parameter.rpartition(".")[0] or ROOT_MODULE if optimizer.parameter else None,
+        )
     if findings.exception is not None:
         block.update(module=findings.exception.module, op=findings.exception.op, phase=findings.exception.phase)
     if findings.weights_nonfinite:  # the weights themselves: name the first broken one
@@ -165,13 +226,13 @@ def _unit_words(findings: Findings, session: ReplaySession) -> str | None:
         return None
     trigger, result = findings.trigger, findings.reproduction.result
     what = trigger.kind.replayed.words if trigger.kind.replayed is not None else "loss"
-    unit = explaining_factor(trigger.value, result.replayed_value(trigger.kind, trigger.micro_batch),
-                             recorded_factors(session))
+    unit = explaining_factor(
+        trigger.value, result.replayed_value(trigger.kind, trigger.micro_batch), recorded_factors(session)
+    )
     return unit.words(what) if unit is not None else None
 
 
-def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | None,
-                  culprit: Culprit) -> VerdictFacts:
+def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | None, culprit: Culprit) -> VerdictFacts:
     """What the verdict rules (replay/judge/verdict.py) decide on, read from the typed findings."""
     kind, trigger, result = findings.kind, findings.trigger, findings.reproduction.result
     micro_batch = trigger.micro_batch
@@ -185,38 +246,54 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
     return VerdictFacts(
         remedies=remedies,
         culprits_each_fail_alone=findings.bisection.independent_groups > 1,
-        trigger_kind=kind, reproduced=findings.reproduced, trigger_local=trigger.local,
-        step=(dump_info or {}).get("step"), rank=(dump_info or {}).get("rank"),
-        micro_batch=micro_batch, num_micro_batches=max(len(session.micro_batches), session.step_micro_batches),
-        trigger_value=trigger.value, threshold=findings.threshold,
+        trigger_kind=kind,
+        reproduced=findings.reproduced,
+        trigger_local=trigger.local,
+        step=(dump_info or {}).get("step"),
+        rank=(dump_info or {}).get("rank"),
+        micro_batch=micro_batch,
+        num_micro_batches=max(len(session.micro_batches), session.step_micro_batches),
+        trigger_value=trigger.value,
+        threshold=findings.threshold,
         replayed_value=result.replayed_value(kind, trigger.micro_batch),
         unit_factor=_unit_words(findings, session),
-        bitwise=findings.reproduction.fidelity.get("bitwise_equal"), replay_device=str(session.device),
+        bitwise=findings.reproduction.fidelity.get("bitwise_equal"),
+        replay_device=str(session.device),
         environment_warnings=list(session.warnings),
-        phase=Phase.parse(culprit.phase) if culprit.phase else None, module=culprit.module, op=culprit.op,
-        parameter=culprit.parameter, optimizer_state=culprit.optimizer_state,
+        phase=Phase.parse(culprit.phase) if culprit.phase else None,
+        module=culprit.module,
+        op=culprit.op,
+        parameter=culprit.parameter,
+        optimizer_state=culprit.optimizer_state,
         optimizer_class=findings.optimizer.optimizer_class if findings.optimizer is not None else None,
-        inputs_absmax=culprit.stats.inputs_absmax, outputs_absmax=culprit.stats.outputs_absmax,
+        inputs_absmax=culprit.stats.inputs_absmax,
+        outputs_absmax=culprit.stats.outputs_absmax,
         culprit_samples=[r.sample_id for r in findings.culprits],
         culprit_facts=[fact for r in findings.culprits for fact in findings.sample_facts.get(r, [])],
-        culprit_subset_size=len(findings.culprits), candidates=len(session.sample_refs),
-        bisect_runs=findings.bisection.runs, all_subsets_fail=findings.bisection.all_failed,
+        culprit_subset_size=len(findings.culprits),
+        candidates=len(session.sample_refs),
+        bisect_runs=findings.bisection.runs,
+        all_subsets_fail=findings.bisection.all_failed,
         weights_nonfinite_at_start=bool(findings.weights_nonfinite),
         fp32_reproduces=precision.get("fp32_reproduces"),
         autocast_dtype=precision.get("autocast_dtype") or _code_low_dtype(precision),
         param_dtype=str(session.param_dtype).removeprefix("torch."),
-        history_pattern=findings.history.pattern, history_signals=list(findings.history.signals),
+        history_pattern=findings.history.pattern,
+        history_signals=list(findings.history.signals),
         per_sample_top=cast("list[dict]", rank_by_loss(findings.per_sample)[:3]) if findings.per_sample else [],
-        rng_dependent=rng.get("rng_dependent"), rng_seeds_tried=len(rng.get("seeds") or []),
+        rng_dependent=rng.get("rng_dependent"),
+        rng_seeds_tried=len(rng.get("seeds") or []),
         data_kind=_data_kind(session, findings),
         run_diverged=findings.history.diverged,
         corrupted_weights=[c.as_dict() for c in findings.corrupted],
         touching_samples=sorted({r.sample_id for refs in (findings.touching or {}).values() for r in refs}, key=str)
-        if findings.touching is not None else None,
+        if findings.touching is not None
+        else None,
         samples_failing=_per_sample_failures(findings)[0] if findings.per_sample else None,
         samples_checked=_per_sample_failures(findings)[1],
-        exception_type=findings.exception.type if findings.exception else
-        (findings.reproduction.result.raised or {}).get("type"),
+        exception_type=findings.exception.type
+        if findings.exception
+        else (findings.reproduction.result.raised or {}).get("type"),
         exception_message=findings.exception.message if findings.exception else None,
         exception_detail=findings.exception.detail if findings.exception else None,
         out_of_memory=findings.sizes is not None,
@@ -233,7 +310,8 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
         fp32_unverified=bool(precision.get("fp32_ran")) and not precision["fp32_ran"].get("verified"),
         grad_norm_overflow=findings.norm_overflow,
         ids_are_positional=any(s.positional for s in culprit.samples)
-        or any(o.ref.micro_batch in session.positional_ids for o in (sizes.outliers if sizes is not None else ())))
+        or any(o.ref.micro_batch in session.positional_ids for o in (sizes.outliers if sizes is not None else ())),
+    )
 
 
 def _code_low_dtype(precision: dict) -> str | None:
@@ -246,8 +324,9 @@ def _code_low_dtype(precision: dict) -> str | None:
 def _fp32_count(precision: dict) -> Fp32Count:
     """The precision block's `fp32_ran`, back as the count it was made from (for its words)."""
     ran = precision.get("fp32_ran") or {}
-    return Fp32Count(Counter(ran.get("ops") or {}), int(ran.get("held_casts") or 0),
-                     int(ran.get("held_autocasts") or 0))
+    return Fp32Count(
+        Counter(ran.get("ops") or {}), int(ran.get("held_casts") or 0), int(ran.get("held_autocasts") or 0)
+    )
 
 
 def _lr(session: ReplaySession) -> float | None:
@@ -273,4 +352,3 @@ def batch_data_kind(batch: Any) -> str | None:
     if any(t.is_floating_point() for _, t in leaves):
         return "float"
     return "tokens" if integers else None
-

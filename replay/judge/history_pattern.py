@@ -43,18 +43,18 @@ from forensics.report.wording import fmt_num
 log = logging.getLogger(__name__)
 
 
-DIVERGED_FACTOR = 3.0   # a loss this many times the run's start, held for a while, is a diverged run
-UNIFORM_FACTOR = 1.5    # ... or this many times the loss of a uniform guess over the vocabulary
-DIVERGED_FOR = 8        # ... for at least this many recorded steps before the trigger (diverged_long_ago)
-MIN_POINTS = 4          # fewer finite losses than this tell nothing about a trend
-WINDOW = 64             # the crash is explained by the recent past, not by warm-up long ago
-GROWTH_FACTOR = 4.0     # sustained growth must at least quadruple the loss
-MAX_STEP_SHARE = 0.7    # ... with no single step making most of it (that would be a jump)
-JUMP_FACTOR = 2.0       # a jump at least doubles the loss in one step
-JUMP_VS_NOISE = 10.0    # ... and is ten times the usual step size
-JUMP_RECENT = 3         # ... and is one of the last 3 steps before the trigger
-SWING_MIN = math.log(1.25)   # oscillation swings of at least 25%
-NOISE_FLOOR = 1e-3      # median step size never counts as smaller than 0.1%
+DIVERGED_FACTOR = 3.0  # a loss this many times the run's start, held for a while, is a diverged run
+UNIFORM_FACTOR = 1.5  # ... or this many times the loss of a uniform guess over the vocabulary
+DIVERGED_FOR = 8  # ... for at least this many recorded steps before the trigger (diverged_long_ago)
+MIN_POINTS = 4  # fewer finite losses than this tell nothing about a trend
+WINDOW = 64  # the crash is explained by the recent past, not by warm-up long ago
+GROWTH_FACTOR = 4.0  # sustained growth must at least quadruple the loss
+MAX_STEP_SHARE = 0.7  # ... with no single step making most of it (that would be a jump)
+JUMP_FACTOR = 2.0  # a jump at least doubles the loss in one step
+JUMP_VS_NOISE = 10.0  # ... and is ten times the usual step size
+JUMP_RECENT = 3  # ... and is one of the last 3 steps before the trigger
+SWING_MIN = math.log(1.25)  # oscillation swings of at least 25%
+NOISE_FLOOR = 1e-3  # median step size never counts as smaller than 0.1%
 
 
 def _finite_values(values: Sequence[Any]) -> list[float]:
@@ -105,8 +105,7 @@ def _is_exponential(steps: list[float]) -> bool:
         tail = steps[-k:]
         ups = [s for s in tail if s > 0]
         growth = sum(tail)
-        if (len(ups) >= 0.75 * k and growth >= math.log(GROWTH_FACTOR)
-                and max(ups) <= MAX_STEP_SHARE * sum(ups)):
+        if len(ups) >= 0.75 * k and growth >= math.log(GROWTH_FACTOR) and max(ups) <= MAX_STEP_SHARE * sum(ups):
             return True
     return False
 
@@ -114,8 +113,8 @@ def _is_exponential(steps: list[float]) -> bool:
 def _is_sudden_jump(steps: list[float], noise: float) -> bool:
     start = max(len(steps) - JUMP_RECENT, 0)
     j = max(range(start, len(steps)), key=lambda i: steps[i])
-    before = [abs(s) for s in steps[max(j - 6, 0):j]]
-    scale = max(noise, median(before)) if before else noise   # must stand out of recent swings too
+    before = [abs(s) for s in steps[max(j - 6, 0) : j]]
+    scale = max(noise, median(before)) if before else noise  # must stand out of recent swings too
     return steps[j] >= math.log(JUMP_FACTOR) and steps[j] >= JUMP_VS_NOISE * scale
 
 
@@ -130,14 +129,18 @@ def _is_oscillating(steps: list[float]) -> bool:
     first, second = swings[:half], swings[-half:]
     earlier = [abs(s) for s in steps[:-run]]
     baseline = median(earlier) if len(earlier) >= 3 else 0.0
-    return (max(swings) >= SWING_MIN
-            and sum(second) / half >= 1.5 * sum(first) / half
-            and swings[-1] >= 2 * swings[0]
-            and sum(second) / half >= 3 * baseline and swings[-1] >= 5 * baseline)
+    return (
+        max(swings) >= SWING_MIN
+        and sum(second) / half >= 1.5 * sum(first) / half
+        and swings[-1] >= 2 * swings[0]
+        and sum(second) / half >= 3 * baseline
+        and swings[-1] >= 5 * baseline
+    )
 
 
-def classify_history(losses: Sequence[float | None], first_losses: Sequence[float | None] = (),
-                     uniform_loss: float | None = None) -> HistoryPattern:
+def classify_history(
+    losses: Sequence[float | None], first_losses: Sequence[float | None] = (), uniform_loss: float | None = None
+) -> HistoryPattern:
     """Name the shape of the loss curve before the trigger (a forensics.kinds.HistoryPattern).
 
     Args:
@@ -174,11 +177,11 @@ def classify_history(losses: Sequence[float | None], first_losses: Sequence[floa
 
 # --- other signals from the field notes -------------------------------------------------------
 
-CLIP_FRACTION = 0.01    # clipping on more than ~1% of steps is a warning, not a fix
-LOW_GRAD_NORM = 0.1     # a grad norm long below this means the model is not learning
-LOW_GRAD_STEPS = 20     # "long": this many recorded steps in a row
-OVERFLOW_REPEATS = 3    # loss-scale overflows that keep coming back
-MIN_LOSS_SCALE = 1.0    # GradScaler has no floor; DeepSpeed's min_loss_scale defaults to 1
+CLIP_FRACTION = 0.01  # clipping on more than ~1% of steps is a warning, not a fix
+LOW_GRAD_NORM = 0.1  # a grad norm long below this means the model is not learning
+LOW_GRAD_STEPS = 20  # "long": this many recorded steps in a row
+OVERFLOW_REPEATS = 3  # loss-scale overflows that keep coming back
+MIN_LOSS_SCALE = 1.0  # GradScaler has no floor; DeepSpeed's min_loss_scale defaults to 1
 
 
 def _column(history: dict, key: str, n: int) -> list:
@@ -207,9 +210,11 @@ def history_signals(history: dict) -> list[str]:
     clipped = [c for c in _column(history, "clipped", n) if c is not None]
     hits = sum(bool(c) for c in clipped)
     if clipped and hits / len(clipped) > CLIP_FRACTION:
-        signals.append(f"Gradient clipping fired on {hits} of {len(clipped)} recorded steps "
-                       f"({100 * hits / len(clipped):.0f}%): clipping hides an optimiser or data problem "
-                       "rather than fixing it; look at the learning rate and the data.")
+        signals.append(
+            f"Gradient clipping fired on {hits} of {len(clipped)} recorded steps "
+            f"({100 * hits / len(clipped):.0f}%): clipping hides an optimiser or data problem "
+            "rather than fixing it; look at the learning rate and the data."
+        )
 
     grads: list[tuple[Any, float]] = []
     for s, raw in zip(steps, _column(history, "grad_norm", n)):
@@ -222,13 +227,17 @@ def history_signals(history: dict) -> list[str]:
             break
         run += 1
     if run >= LOW_GRAD_STEPS and any(g > 0 for _, g in grads[-run:]):
-        signals.append(f"Gradient norm stayed below {LOW_GRAD_NORM} for the last {run} recorded steps: "
-                       "the model is barely learning (vanishing gradients, too low a learning rate, "
-                       "or a loss-scale problem).")
+        signals.append(
+            f"Gradient norm stayed below {LOW_GRAD_NORM} for the last {run} recorded steps: "
+            "the model is barely learning (vanishing gradients, too low a learning rate, "
+            "or a loss-scale problem)."
+        )
     for (_, before), (step, now) in reversed(list(zip(grads, grads[1:]))):
         if now == 0.0 and before > 0.0:
-            signals.append(f"Gradient norm dropped to exactly 0 at step {step} (it was {fmt_num(before, 3)} the "
-                           "step before): dead units, or fp16 gradients underflowing because of the loss scale.")
+            signals.append(
+                f"Gradient norm dropped to exactly 0 at step {step} (it was {fmt_num(before, 3)} the "
+                "step before): dead units, or fp16 gradients underflowing because of the loss scale."
+            )
             break
 
     scales = [(s, lenient_float(v)) for s, v in zip(steps, _column(history, "loss_scale", n))]
@@ -238,21 +247,25 @@ def history_signals(history: dict) -> list[str]:
     overflow_steps.update(s for (_, a), (s, b) in zip(known, known[1:]) if b < a)
     if len(overflow_steps) >= OVERFLOW_REPEATS and known:
         first, last = known[0][1], known[-1][1]
-        text = (f"The fp16 loss scale overflowed on {len(overflow_steps)} recorded steps "
-                f"(scale {fmt_num(first, 3)} -> {fmt_num(last, 3)})")
+        text = (
+            f"The fp16 loss scale overflowed on {len(overflow_steps)} recorded steps "
+            f"(scale {fmt_num(first, 3)} -> {fmt_num(last, 3)})"
+        )
         if last <= MIN_LOSS_SCALE:
-            text += (f" and collapsed to the minimum (<= {fmt_num(MIN_LOSS_SCALE, 3)}): fp16 overflows on every step; "
-                     "switch to bf16 or find the activation that overflows.")
+            text += (
+                f" and collapsed to the minimum (<= {fmt_num(MIN_LOSS_SCALE, 3)}): fp16 overflows on every step; "
+                "switch to bf16 or find the activation that overflows."
+            )
         else:
-            text += (": steps are being skipped; if it keeps falling, switch to bf16 or find the "
-                     "activation that overflows.")
+            text += (
+                ": steps are being skipped; if it keeps falling, switch to bf16 or find the activation that overflows."
+            )
         signals.append(text)
     elif len(overflow_steps) >= OVERFLOW_REPEATS:
-        signals.append(f"{len(overflow_steps)} recorded steps were skipped (loss-scale overflow): "
-                       "fp16 overflow keeps repeating.")
+        signals.append(
+            f"{len(overflow_steps)} recorded steps were skipped (loss-scale overflow): fp16 overflow keeps repeating."
+        )
     return signals
-
-
 
 
 def diverged_long_ago(history: dict, uniform_loss: float | None = None) -> str | None:
@@ -265,7 +278,7 @@ def diverged_long_ago(history: dict, uniform_loss: float | None = None) -> str |
     """
     first = _first_losses(history)
     losses = [lenient_float(v) for v in (history.get("loss") or [])][:-1]  # the last entry is the dumped step
-    steps = list(history.get("step") or [])[:len(losses)]
+    steps = list(history.get("step") or [])[: len(losses)]
     recent = [(s, v) for s, v in zip(steps, losses) if v is not None and math.isfinite(v)]
     if not first or len(recent) < DIVERGED_FOR:
         return None
@@ -275,11 +288,16 @@ def diverged_long_ago(history: dict, uniform_loss: float | None = None) -> str |
         return None
     since = above[0][0]
     low, high = min(v for _, v in recent), max(v for _, v in recent)
-    bound = (f", above the {fmt_num(uniform_loss, 3)} of a uniform guess over the vocabulary"
-             if uniform_loss is not None and median(v for _, v in recent) > uniform_loss else "")
-    return (f"The run had diverged long before this step: its loss started at {fmt_num(first[0], 3)} and has been "
-            f"{fmt_num(low, 3)}-{fmt_num(high, 3)} since step {since}{bound}, so this step's numbers are a symptom "
-            "of that run, not of one sample.")
+    bound = (
+        f", above the {fmt_num(uniform_loss, 3)} of a uniform guess over the vocabulary"
+        if uniform_loss is not None and median(v for _, v in recent) > uniform_loss
+        else ""
+    )
+    return (
+        f"The run had diverged long before this step: its loss started at {fmt_num(first[0], 3)} and has been "
+        f"{fmt_num(low, 3)}-{fmt_num(high, 3)} since step {since}{bound}, so this step's numbers are a symptom "
+        "of that run, not of one sample."
+    )
 
 
 def _first_losses(history: dict) -> list[float]:
@@ -335,22 +353,34 @@ def read_history(history: dict | None, step: int | None, uniform_loss: float | N
         later = [(s, v) for s, v in zip(steps[at:], losses[at:]) if v is not None][:4]
         path = ", ".join(f"{fmt_num(v, 3)} (step {s})" for s, v in later)
         at_loss = losses[at]  # not None: the onset is a recorded loss
-        why = ("non-finite" if at_loss is not None and not math.isfinite(at_loss) else
-               f"above {fmt_num(UNIFORM_FACTOR, 2)} x the {fmt_num(uniform_loss, 3)} of a uniform guess over the "
-               "vocabulary" if uniform_loss is not None and limit < DIVERGED_FACTOR * min(first[:3])
-               else f"over {fmt_num(DIVERGED_FACTOR, 2)} x its start")
-        sentences.append(f"What the history shows: the loss started at {fmt_num(min(first[:3]), 3)} and left it at "
-                         f"step {onset} ({why}): {path}.")
+        why = (
+            "non-finite"
+            if at_loss is not None and not math.isfinite(at_loss)
+            else f"above {fmt_num(UNIFORM_FACTOR, 2)} x the {fmt_num(uniform_loss, 3)} of a uniform guess over the "
+            "vocabulary"
+            if uniform_loss is not None and limit < DIVERGED_FACTOR * min(first[:3])
+            else f"over {fmt_num(DIVERGED_FACTOR, 2)} x its start"
+        )
+        sentences.append(
+            f"What the history shows: the loss started at {fmt_num(min(first[:3]), 3)} and left it at "
+            f"step {onset} ({why}): {path}."
+        )
     lr_words = _lr_words(steps, rates, onset if onset is not None else step)
     if lr_words:
         sentences.append(lr_words)
     known = [bool(c) for i, c in enumerate(clipped) if c is not None and i in set(healthy)]
     if typical is not None:
-        clip = (f"clipping fired on {sum(known)} of those {len(known)} steps" if known else
-                "clipping: not recorded (GuardConfig(detection=DetectionConfig(max_grad_norm=...)) tells the Guard the "
-                "loop's threshold)")
-        steps_words = f"median of {len(good_norms)} healthy recorded steps" if len(good_norms) > 1 else \
-            "the one healthy recorded step"
+        clip = (
+            f"clipping fired on {sum(known)} of those {len(known)} steps"
+            if known
+            else "clipping: not recorded (GuardConfig(detection=DetectionConfig(max_grad_norm=...)) tells the Guard the "
+            "loop's threshold)"
+        )
+        steps_words = (
+            f"median of {len(good_norms)} healthy recorded steps"
+            if len(good_norms) > 1
+            else "the one healthy recorded step"
+        )
         sentences.append(f"Before that, the gradient norm was {fmt_num(typical, 3)} ({steps_words}); {clip}.")
     return HistoryReading(onset, typical, len(good_norms), sentences)
 
@@ -396,13 +426,18 @@ def _lr_words(steps: list[int], rates: list[float | None], at: int | None) -> st
         return text + f", constant since step {known[0][0]} (no warm-up in the recorded steps)."
     rising = known[flat][1] > known[flat - 1][1]
     start = flat - 1
-    while start > 0 and not same(known[start - 1][1], known[start][1]) \
-            and (known[start][1] > known[start - 1][1]) == rising:
+    while (
+        start > 0
+        and not same(known[start - 1][1], known[start][1])
+        and (known[start][1] > known[start - 1][1]) == rising
+    ):
         start -= 1
     s0, r0 = known[start]
     if flat < len(known) - 1:
-        return text + (f", constant since step {known[flat][0]}, after {'rising' if rising else 'falling'} from "
-                       f"{fmt_num(r0, 3)} at step {s0}.")
+        return text + (
+            f", constant since step {known[flat][0]}, after {'rising' if rising else 'falling'} from "
+            f"{fmt_num(r0, 3)} at step {s0}."
+        )
     if rising:
         return text + f", still rising (warm-up) from {fmt_num(r0, 3)} at step {s0}."
     return text + f", falling since step {s0} (from {fmt_num(r0, 3)})."

@@ -46,12 +46,21 @@ class PrecisionBlock(_PrecisionFacts, total=False):
 def uses_low_precision(runner: StepRunner) -> bool:
     """True when the job ran anything below fp32: autocast, FSDP2 mixed precision, half weights, or a GradScaler."""
     session = runner.session
-    return session.autocast_dtype is not None or session.fsdp_dtype is not None or session.param_dtype in _LOW \
+    return (
+        session.autocast_dtype is not None
+        or session.fsdp_dtype is not None
+        or session.param_dtype in _LOW
         or session.scaler_enabled
+    )
 
 
-def fp32_check(runner: StepRunner, samples: list[SampleRef] | None = None, *, kind: TriggerKind | str | None = None,
-               threshold: float | None = None) -> PrecisionBlock:
+def fp32_check(
+    runner: StepRunner,
+    samples: list[SampleRef] | None = None,
+    *,
+    kind: TriggerKind | str | None = None,
+    threshold: float | None = None,
+) -> PrecisionBlock:
     """Re-runs the step (or `samples`) in fp32 and says whether the trigger still fires.
 
     Args:
@@ -72,10 +81,12 @@ def fp32_check(runner: StepRunner, samples: list[SampleRef] | None = None, *, ki
     if threshold is None and trigger.threshold is not None:
         threshold = trigger.threshold
     dtype = session.autocast_dtype
-    block: PrecisionBlock = {"autocast_dtype": str(dtype).removeprefix("torch.") if dtype is not None else None,
-             "fp32_reproduces": None,
-             "param_dtype": str(session.param_dtype).removeprefix("torch."),
-             "grad_scaler": session.scaler_enabled}
+    block: PrecisionBlock = {
+        "autocast_dtype": str(dtype).removeprefix("torch.") if dtype is not None else None,
+        "fp32_reproduces": None,
+        "param_dtype": str(session.param_dtype).removeprefix("torch."),
+        "grad_scaler": session.scaler_enabled,
+    }
     if session.fsdp_dtype is not None:
         block["fsdp_param_dtype"] = str(session.fsdp_dtype).removeprefix("torch.")
     if kind is TriggerKind.NONFINITE_PARAM:
@@ -92,9 +103,14 @@ def fp32_check(runner: StepRunner, samples: list[SampleRef] | None = None, *, ki
         logger.warning("the fp32 re-run did not run in float32 (%s): no conclusion drawn from it", ran_words(count))
         return block
     block["fp32_reproduces"] = result.trigger_reproduced(kind, threshold)
-    logger.info("fp32 re-run: %s %s (losses %s, grad norm %s; %s)", kind,
-                "still fires" if block["fp32_reproduces"] else "vanishes", result.losses, result.grad_norm,
-                ran_words(count))
+    logger.info(
+        "fp32 re-run: %s %s (losses %s, grad norm %s; %s)",
+        kind,
+        "still fires" if block["fp32_reproduces"] else "vanishes",
+        result.losses,
+        result.grad_norm,
+        ran_words(count),
+    )
     return block
 
 

@@ -32,11 +32,13 @@ from forensics.trend import RobustTrend
 from replay.judge.findings import HistoryFinding
 from replay.load.environment import replay_environment
 
-REPORT_Z = 3.0         # robust z that counts as 'left the baseline' when looking for where a growth started
-MAX_RANKED = 12        # rows of the ranking in the report
-PLOTTED = 6            # series kept in the report for the plot
-GENERAL_FIXES = ("lower the peak learning rate or lengthen the warm-up: several layers' statistics grow together "
-                 "when the step size outruns the curvature",)
+REPORT_Z = 3.0  # robust z that counts as 'left the baseline' when looking for where a growth started
+MAX_RANKED = 12  # rows of the ranking in the report
+PLOTTED = 6  # series kept in the report for the plot
+GENERAL_FIXES = (
+    "lower the peak learning rate or lengthen the warm-up: several layers' statistics grow together "
+    "when the step size outruns the curvature",
+)
 
 
 def rank_growth(table: dict) -> list[dict]:
@@ -64,8 +66,17 @@ def rank_growth(table: dict) -> list[dict]:
         ratio = last / found.baseline if stat.rising else found.baseline / max(last, 1e-38)
         if found.baseline <= 0 or ratio < growth:
             continue  # it came back: not growing at the dumped step
-        rows.append({"layer": column["layer"], "statistic": stat.value, "words": stat.words,
-                     "started": found.started, "baseline": found.baseline, "last": last, "growth": ratio})
+        rows.append(
+            {
+                "layer": column["layer"],
+                "statistic": stat.value,
+                "words": stat.words,
+                "started": found.started,
+                "baseline": found.baseline,
+                "last": last,
+                "growth": ratio,
+            }
+        )
     rows.sort(key=lambda r: (r["started"], -math.log(max(r["growth"], 1e-300))))
     return rows
 
@@ -76,8 +87,14 @@ def precursor_report(dump: Any, dump_info: dict, history: HistoryFinding, starte
     ranking = rank_growth(table)
     # the firing this dump was made for: read at this step, or (a state sharded over the ranks, dumped by every rank
     # together) at the step before
-    fired = next((f for f in reversed(table["firings"]) if f.get("dumped") and isinstance(f.get("step"), int)
-                  and dump.step - 1 <= f["step"] <= dump.step), None)
+    fired = next(
+        (
+            f
+            for f in reversed(table["firings"])
+            if f.get("dumped") and isinstance(f.get("step"), int) and dump.step - 1 <= f["step"] <= dump.step
+        ),
+        None,
+    )
     trigger = dataclasses.replace(dump.trigger, kind=TriggerKind.PRECURSOR, micro_batch=None)
     verdict = _precursor_verdict(dump.step, ranking, fired, len(table["columns"]), local=trigger.local)
     near = _limit_headline(dump.step, fired, table)
@@ -89,20 +106,38 @@ def precursor_report(dump: Any, dump_info: dict, history: HistoryFinding, starte
         "created_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "dump": {**dump_info},
         "trigger": TriggerBlock.of(trigger).as_dict(),
-        "environment": {"capture": dump.manifest.get("environment") or {},
-                        "replay": replay_environment(torch.device("cpu")), "warnings": []},
+        "environment": {
+            "capture": dump.manifest.get("environment") or {},
+            "replay": replay_environment(torch.device("cpu")),
+            "warnings": [],
+        },
         "reproduced": False,
-        "fidelity": {"mode": FidelityMode.NOT_REPLAYED.value, "reason": "a precursor dump holds a healthy step: the report is built "
-                                                       "from the statistics the job recorded"},
+        "fidelity": {
+            "mode": FidelityMode.NOT_REPLAYED.value,
+            "reason": "a precursor dump holds a healthy step: the report is built from the statistics the job recorded",
+        },
         "verdict": verdict,
-        "culprit": {"samples": [], "module": lead.get("layer"), "op": None, "phase": None, "parameter": None,
-                    "optimizer_state": None, "stats": {"inputs_absmax": None, "outputs_absmax": None,
-                                                       "params_absmax": None}, "traceback": None},
+        "culprit": {
+            "samples": [],
+            "module": lead.get("layer"),
+            "op": None,
+            "phase": None,
+            "parameter": None,
+            "optimizer_state": None,
+            "stats": {"inputs_absmax": None, "outputs_absmax": None, "params_absmax": None},
+            "traceback": None,
+        },
         "history": history.block,
         "history_pattern": history.pattern.value,
-        "precursor": {"fired": fired, "ranking": ranking[:MAX_RANKED], "ranked": len(ranking),
-                      "columns": len(table["columns"]), "steps": table["steps"],
-                      "series": _series(table, ranking[:PLOTTED]), "config": table["config"]},
+        "precursor": {
+            "fired": fired,
+            "ranking": ranking[:MAX_RANKED],
+            "ranked": len(ranking),
+            "columns": len(table["columns"]),
+            "steps": table["steps"],
+            "series": _series(table, ranking[:PLOTTED]),
+            "config": table["config"],
+        },
         "timings": {"total_s": round(time.monotonic() - started, 3), "passes": 0},
     }
     return parse_report(to_json_safe(report))
@@ -115,11 +150,15 @@ def _limit_headline(step: int, fired: dict | None, table: dict) -> str | None:
     stat = _statistic((fired or {}).get("statistic"))
     if fired is None or rule is PrecursorRule.GROWTH or stat is None:
         return None
-    column: dict = next((c for c in table["columns"] if c.get("layer") == fired.get("layer")
-                   and c.get("statistic") == stat.value), {})
+    column: dict = next(
+        (c for c in table["columns"] if c.get("layer") == fired.get("layer") and c.get("statistic") == stat.value), {}
+    )
     head = (table.get("config") or {}).get("head_dim")
-    limit = limit_of(stat, column.get("dtype") if isinstance(column.get("dtype"), str) else None,
-                     head if isinstance(head, int) and not isinstance(head, bool) else None)
+    limit = limit_of(
+        stat,
+        column.get("dtype") if isinstance(column.get("dtype"), str) else None,
+        head if isinstance(head, int) and not isinstance(head, bool) else None,
+    )
     if limit is None:
         return None
     what = f"the {stat.words} of `{fired['layer']}`"
@@ -127,11 +166,15 @@ def _limit_headline(step: int, fired: dict | None, table: dict) -> str | None:
     if rule is PrecursorRule.NONFINITE or not isinstance(value, (int, float)):
         return f"Instability ahead at step {step}: {what} overflowed ({limit.words}) while the loss was still finite."
     if rule is PrecursorRule.HEADROOM:
-        return (f"Instability ahead at step {step}: {what} reached {fmt_num(value)}, {percent_of(value, limit.value)} "
-                f"of {limit.words}.")
-    return (f"Instability ahead at step {step}: {what} is climbing steadily toward {limit.words}: "
-            f"{fmt_num(value)} ({percent_of(value, limit.value)}), on course to reach it within "
-            f"{HORIZON} steps.")
+        return (
+            f"Instability ahead at step {step}: {what} reached {fmt_num(value)}, {percent_of(value, limit.value)} "
+            f"of {limit.words}."
+        )
+    return (
+        f"Instability ahead at step {step}: {what} is climbing steadily toward {limit.words}: "
+        f"{fmt_num(value)} ({percent_of(value, limit.value)}), on course to reach it within "
+        f"{HORIZON} steps."
+    )
 
 
 def _series(table: dict, rows: list[dict]) -> list[dict]:
@@ -139,44 +182,70 @@ def _series(table: dict, rows: list[dict]) -> list[dict]:
     out = []
     for row in rows:
         j = index[(row["layer"], row["statistic"])]
-        out.append({"layer": row["layer"], "statistic": row["statistic"], "started": row["started"],
-                    "baseline": row["baseline"], "values": [values[j] for values in table["values"]]})
+        out.append(
+            {
+                "layer": row["layer"],
+                "statistic": row["statistic"],
+                "started": row["started"],
+                "baseline": row["baseline"],
+                "values": [values[j] for values in table["values"]],
+            }
+        )
     return out
 
 
 def _precursor_verdict(step: int, ranking: list[dict], fired: dict | None, columns: int, local: bool = True) -> dict:
     kind = VerdictKind.INSTABILITY_AHEAD
     if not ranking and not local:  # dumped because another rank's statistics grew (a sharded state: all ranks dump)
-        headline = (f"Instability ahead at step {step}, seen by another rank: this rank's statistics did not leave "
-                    "their baseline. Replay the rank that saw it (`forensics replay` of the step directory picks the "
-                    "rank whose trigger is local).")
-        explanation = ("Every rank dumped this step together because one rank's per-layer statistics kept growing; "
-                       "each rank measures its own micro-batches and parameter shards.")
-        return {"kind": kind.value, "headline": headline, "explanation": explanation,
-                "suggestions": list(GENERAL_FIXES)}
+        headline = (
+            f"Instability ahead at step {step}, seen by another rank: this rank's statistics did not leave "
+            "their baseline. Replay the rank that saw it (`forensics replay` of the step directory picks the "
+            "rank whose trigger is local)."
+        )
+        explanation = (
+            "Every rank dumped this step together because one rank's per-layer statistics kept growing; "
+            "each rank measures its own micro-batches and parameter shards."
+        )
+        return {
+            "kind": kind.value,
+            "headline": headline,
+            "explanation": explanation,
+            "suggestions": list(GENERAL_FIXES),
+        }
     if ranking:
         first = ranking[0]
         stat = PrecursorStatistic(first["statistic"])
         direction = "grow" if stat.rising else "fall"
-        headline = (f"Instability ahead at step {step}: the {stat.words} of `{first['layer']}` started to {direction} "
-                    f"first, at step {first['started']} ({fmt_num(first['baseline'])} -> {fmt_num(first['last'])}, "
-                    f"{fmt_num(first['growth'], 3)}x).")
+        headline = (
+            f"Instability ahead at step {step}: the {stat.words} of `{first['layer']}` started to {direction} "
+            f"first, at step {first['started']} ({fmt_num(first['baseline'])} -> {fmt_num(first['last'])}, "
+            f"{fmt_num(first['growth'], 3)}x)."
+        )
         others = [f"{r['words']} of `{r['layer']}` (from step {r['started']})" for r in ranking[1:4]]
-        explanation = (f"{len(ranking)} of {columns} per-layer statistics left their baseline and stayed out"
-                       + (f"; next: {'; '.join(others)}" if others else "") + ". The job was still healthy when this "
-                       "was dumped: nothing was replayed. The dump holds the step's pre-step state, so `forensics "
-                       "replay` of a later crash dump and this one can be compared.")
+        explanation = (
+            f"{len(ranking)} of {columns} per-layer statistics left their baseline and stayed out"
+            + (f"; next: {'; '.join(others)}" if others else "")
+            + ". The job was still healthy when this "
+            "was dumped: nothing was replayed. The dump holds the step's pre-step state, so `forensics "
+            "replay` of a later crash dump and this one can be compared."
+        )
     else:
         what = f"the {fired['statistic']} of `{fired['layer']}`" if fired else "a per-layer statistic"
-        headline = f"Instability ahead at step {step}: {what} grew in the job, but the recorded window is too short " \
-                   "to tell which started first."
+        headline = (
+            f"Instability ahead at step {step}: {what} grew in the job, but the recorded window is too short "
+            "to tell which started first."
+        )
         explanation = "The statistics in the dump do not show a sustained growth from a baseline."
     fixes = [PrecursorStatistic(r["statistic"]).usual_fix for r in ranking[:4]]
     fired_stat = _statistic(fired.get("statistic")) if fired else None
     if fired and not ranking and fired_stat is not None:
         fixes.append(fired_stat.usual_fix)
-    return {"kind": kind.value, "headline": headline, "explanation": explanation,
-            "suggestions": list(dict.fromkeys(fixes + list(GENERAL_FIXES)))}
+    return {
+        "kind": kind.value,
+        "headline": headline,
+        "explanation": explanation,
+        "suggestions": list(dict.fromkeys(fixes + list(GENERAL_FIXES))),
+    }
 
 
 def _statistic(value: Any) -> PrecursorStatistic | None:
@@ -191,13 +260,16 @@ def _int(value: Any, default: int) -> int:
 
 
 def _float(value: Any, default: float) -> float:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and \
-        math.isfinite(value) and value > 1 else default
+    return (
+        float(value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 1
+        else default
+    )
 
 
 # -- the crash dump of a job with precursors on: what its statistics did before, and the run's earlier dumps ----------
-HISTORY_SPAN = 80      # steps before the crash the growth sentence looks back over
-MAX_EARLIER = 8        # earlier dumps of the run named in the report
+HISTORY_SPAN = 80  # steps before the crash the growth sentence looks back over
+MAX_EARLIER = 8  # earlier dumps of the run named in the report
 _STEP_DIR = re.compile(r"step-([0-9]{1,12})")  # fullmatch: `$` would accept a name ending in a newline
 
 
@@ -214,8 +286,11 @@ def crash_history(dump: Any) -> dict | None:
     if not table or not table["steps"]:
         return None
     lead = _closest_to_limit(table) or _first_grown(table)
-    fired = [{k: f.get(k) for k in ("step", "layer", "statistic", "rule", "dumped")}
-             for f in table["firings"] if isinstance(f.get("step"), int)][-MAX_RANKED:]
+    fired = [
+        {k: f.get(k) for k in ("step", "layer", "statistic", "rule", "dumped")}
+        for f in table["firings"]
+        if isinstance(f.get("step"), int)
+    ][-MAX_RANKED:]
     earlier = earlier_dumps(dump)
     sentence = lead["sentence"] if lead else None
     if earlier:
@@ -225,8 +300,11 @@ def crash_history(dump: Any) -> dict | None:
 
 
 def _series_of(table: dict, j: int, since: int) -> list[tuple[int, float]]:
-    return [(s, row[j]) for s, row in zip(table["steps"], table["values"])
-            if s >= since and isinstance(row[j], (int, float)) and math.isfinite(row[j]) and row[j] > 0]
+    return [
+        (s, row[j])
+        for s, row in zip(table["steps"], table["values"])
+        if s >= since and isinstance(row[j], (int, float)) and math.isfinite(row[j]) and row[j] > 0
+    ]
 
 
 def _closest_to_limit(table: dict) -> dict | None:
@@ -247,10 +325,21 @@ def _closest_to_limit(table: dict) -> dict | None:
         if best is None or share > best["share"]:
             known = limit_of(stat, column.get("dtype") if isinstance(column.get("dtype"), str) else None, head)
             words = known.words if known is not None else "its dtype's limit"  # never the dump's own text
-            best = {"layer": column["layer"], "statistic": stat.value, "first": v0, "last": v1, "growth": v1 / v0,
-                    "span": s1 - s0, "share": share, "limit": float(limit), "dtype": column.get("dtype"),
-                    "sentence": (f"the {stat.words} of `{column['layer']}` grew {fmt_num(v1 / v0, 2)}x over the "
-                                 f"{s1 - s0} steps before, to {percent_of(v1, limit)} of {words}")}
+            best = {
+                "layer": column["layer"],
+                "statistic": stat.value,
+                "first": v0,
+                "last": v1,
+                "growth": v1 / v0,
+                "span": s1 - s0,
+                "share": share,
+                "limit": float(limit),
+                "dtype": column.get("dtype"),
+                "sentence": (
+                    f"the {stat.words} of `{column['layer']}` grew {fmt_num(v1 / v0, 2)}x over the "
+                    f"{s1 - s0} steps before, to {percent_of(v1, limit)} of {words}"
+                ),
+            }
     return best
 
 
@@ -260,10 +349,21 @@ def _first_grown(table: dict) -> dict | None:
         return None
     r = ranking[0]
     direction = "grew" if PrecursorStatistic(r["statistic"]).rising else "fell"
-    return {"layer": r["layer"], "statistic": r["statistic"], "first": r["baseline"], "last": r["last"],
-            "growth": r["growth"], "span": None, "share": None, "limit": None, "dtype": None,
-            "sentence": (f"the {r['words']} of `{r['layer']}` {direction} first, from step {r['started']} "
-                         f"({fmt_num(r['baseline'])} -> {fmt_num(r['last'])}, {fmt_num(r['growth'], 3)}x)")}
+    return {
+        "layer": r["layer"],
+        "statistic": r["statistic"],
+        "first": r["baseline"],
+        "last": r["last"],
+        "growth": r["growth"],
+        "span": None,
+        "share": None,
+        "limit": None,
+        "dtype": None,
+        "sentence": (
+            f"the {r['words']} of `{r['layer']}` {direction} first, from step {r['started']} "
+            f"({fmt_num(r['baseline'])} -> {fmt_num(r['last'])}, {fmt_num(r['growth'], 3)}x)"
+        ),
+    }
 
 
 def earlier_dumps(dump: Any) -> list[dict]:
@@ -287,8 +387,15 @@ def earlier_dumps(dump: Any) -> list[dict]:
             continue
         rank = entry / here.name
         try:
-            manifest = read_manifest(rank if rank.is_dir() and not rank.is_symlink() else next(
-                p for p in sorted(entry.iterdir()) if p.name.startswith("rank-") and p.is_dir() and not p.is_symlink()))
+            manifest = read_manifest(
+                rank
+                if rank.is_dir() and not rank.is_symlink()
+                else next(
+                    p
+                    for p in sorted(entry.iterdir())
+                    if p.name.startswith("rank-") and p.is_dir() and not p.is_symlink()
+                )
+            )
         except Exception:  # noqa: BLE001 - a damaged or partial neighbour is simply not named
             continue
         if manifest.get("run_id") != run_id:
@@ -313,7 +420,8 @@ def add_crash_history(report: Report, dump: Any) -> None:
             return
         block = {"sentence": None, "lead": None, "fired": [], "earlier_dumps": earlier}
         block["sentence"] = "Earlier dumps of this run: " + ", ".join(
-            f"step {d['step']} ({d['trigger']})" for d in earlier)
+            f"step {d['step']} ({d['trigger']})" for d in earlier
+        )
     report.precursor_history = block
     if not block["sentence"]:  # nothing grew and no earlier dump: the table is in the report, nothing to say
         return

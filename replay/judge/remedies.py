@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 SAFE_EPS = 1e-8
 LR_FACTOR = 0.1
-LOSS_SCALE_FACTOR = 2.0 ** -8
+LOSS_SCALE_FACTOR = 2.0**-8
 
 
 class _Following(TypedDict):
@@ -102,14 +102,24 @@ class RemedyResult:
     {"skip": true} or {} (as recorded)."""
 
     def as_dict(self) -> RemedyRow:
-        return {"kind": self.kind.value, "words": self.kind.words, "change": self.change, "healthy": self.healthy,
-                "step_loss": self.step_loss, "grad_norm": self.grad_norm, "weights_finite": self.weights_finite,
-                "relative_change": self.relative_change, "worst_parameter": self.worst_parameter,
-                "note": self.note, "setting": self.setting}
+        return {
+            "kind": self.kind.value,
+            "words": self.kind.words,
+            "change": self.change,
+            "healthy": self.healthy,
+            "step_loss": self.step_loss,
+            "grad_norm": self.grad_norm,
+            "weights_finite": self.weights_finite,
+            "relative_change": self.relative_change,
+            "worst_parameter": self.worst_parameter,
+            "note": self.note,
+            "setting": self.setting,
+        }
 
 
-def try_remedies(runner: StepRunner, culprits: list[SampleRef], clip_at: float | None,
-                 culprit_module: str | None = None) -> RemediesBlock | None:
+def try_remedies(
+    runner: StepRunner, culprits: list[SampleRef], clip_at: float | None, culprit_module: str | None = None
+) -> RemediesBlock | None:
     """The report's `remedies` block: every applicable remedy tried on the step, ranked (module docstring).
     `clip_at`: the healthy steps' gradient norm (replay.judge.history_pattern.read_history: from before the loss left
     its start, never a diverged step's), the clipping threshold tried; None: clipping is not tried.
@@ -126,38 +136,66 @@ def try_remedies(runner: StepRunner, culprits: list[SampleRef], clip_at: float |
             results.append(_evaluate(runner, RemedyKind.DROP_SAMPLES, f"leave out samples {ids}", samples=keep))
     eps = hyper.get("eps")
     if isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps < SAFE_EPS:
-        results.append(_evaluate(runner, RemedyKind.ADAM_EPS, f"eps={SAFE_EPS:g} in the optimizer (was {eps:g})",
-                                 hyper={"eps": SAFE_EPS}))
+        results.append(
+            _evaluate(
+                runner, RemedyKind.ADAM_EPS, f"eps={SAFE_EPS:g} in the optimizer (was {eps:g})", hyper={"eps": SAFE_EPS}
+            )
+        )
     if uses_low_precision(runner):
-        where = f"keep `{culprit_module}` in fp32 (torch.autocast(..., enabled=False) around its call, its input cast "\
-            "to float32), or " if culprit_module and "<" not in culprit_module else ""  # <input>.x is data, no module
-        results.append(_evaluate(runner, RemedyKind.FP32, f"{where}train without autocast / loss scaling",
-                                 fp32=True))
+        where = (
+            f"keep `{culprit_module}` in fp32 (torch.autocast(..., enabled=False) around its call, its input cast "
+            "to float32), or "
+            if culprit_module and "<" not in culprit_module
+            else ""
+        )  # <input>.x is data, no module
+        results.append(_evaluate(runner, RemedyKind.FP32, f"{where}train without autocast / loss scaling", fp32=True))
     if session.loss_scale is not None:
         scale = session.loss_scale
-        results.append(_evaluate(runner, RemedyKind.LOSS_SCALE,
-                                 f"GradScaler(init_scale={scale * LOSS_SCALE_FACTOR:g}) (the step ran at {scale:g})",
-                                 loss_scale=scale * LOSS_SCALE_FACTOR))
+        results.append(
+            _evaluate(
+                runner,
+                RemedyKind.LOSS_SCALE,
+                f"GradScaler(init_scale={scale * LOSS_SCALE_FACTOR:g}) (the step ran at {scale:g})",
+                loss_scale=scale * LOSS_SCALE_FACTOR,
+            )
+        )
     if clip_at is not None:
-        results.append(_evaluate(runner, RemedyKind.CLIP_GRAD,
-                                 f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm={clip_at:.3g}) "
-                                 "(the median grad norm of the healthy recorded steps)", clip=clip_at))
+        results.append(
+            _evaluate(
+                runner,
+                RemedyKind.CLIP_GRAD,
+                f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm={clip_at:.3g}) "
+                "(the median grad norm of the healthy recorded steps)",
+                clip=clip_at,
+            )
+        )
     lr = hyper.get("lr")
     if isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0:
-        results.append(_evaluate(runner, RemedyKind.LOWER_LR, f"lr={lr * LR_FACTOR:g} (was {lr:g})",
-                                 hyper={"lr": lr * LR_FACTOR}))
+        results.append(
+            _evaluate(runner, RemedyKind.LOWER_LR, f"lr={lr * LR_FACTOR:g} (was {lr:g})", hyper={"lr": lr * LR_FACTOR})
+        )
     results.append(_skip(runner))
     ranked = sorted(results, key=lambda r: (r.healthy is not True, r.kind.rank))
-    return {"tested": [r.as_dict() for r in ranked],
-            "criteria": f"healthy = finite loss and gradients, every weight finite after the update, and the "
-                        f"update smaller than {WRECK_RATIO:.0%} of the weights' norm",
-            "following_steps": "not tested: the dump holds this step only (a window replay, with --from or the "
-                               "Guard's host snapshot, carries each fix over the recorded steps after it)"}
+    return {
+        "tested": [r.as_dict() for r in ranked],
+        "criteria": f"healthy = finite loss and gradients, every weight finite after the update, and the "
+        f"update smaller than {WRECK_RATIO:.0%} of the weights' norm",
+        "following_steps": "not tested: the dump holds this step only (a window replay, with --from or the "
+        "Guard's host snapshot, carries each fix over the recorded steps after it)",
+    }
 
 
-def _evaluate(runner: StepRunner, kind: RemedyKind, change: str, *, samples: list[SampleRef] | None = None,
-              hyper: dict | None = None, fp32: bool = False, clip: float | None = None,
-              loss_scale: float | None = None) -> RemedyResult:
+def _evaluate(
+    runner: StepRunner,
+    kind: RemedyKind,
+    change: str,
+    *,
+    samples: list[SampleRef] | None = None,
+    hyper: dict | None = None,
+    fp32: bool = False,
+    clip: float | None = None,
+    loss_scale: float | None = None,
+) -> RemedyResult:
     """Runs the step with one change, applies the update, measures it (never raises: a remedy that cannot be
     tried is reported as such)."""
     result = RemedyResult(kind, change, None)
@@ -177,8 +215,11 @@ def _evaluate(runner: StepRunner, kind: RemedyKind, change: str, *, samples: lis
         result.grad_norm = run.grad_norm
         if not (run.loss_finite and run.grads_finite) or run.norm_overflow:
             result.healthy, result.weights_finite = False, None
-            result.note = ("the gradients' norm overflows before any update" if run.norm_overflow else
-                           "the loss or the gradients are non-finite before any update")
+            result.note = (
+                "the gradients' norm overflows before any update"
+                if run.norm_overflow
+                else "the loss or the gradients are non-finite before any update"
+            )
             return result
         if clip is not None:
             runner.clip_gradients(clip)
@@ -195,8 +236,9 @@ def _evaluate(runner: StepRunner, kind: RemedyKind, change: str, *, samples: lis
         result.weights_finite, result.relative_change, result.worst_parameter = finite, moved_by, worst_name
         result.healthy = finite and moved_by <= WRECK_RATIO
         if finite and moved_by > WRECK_RATIO:
-            result.note = (f"the update moves the weights by {moved_by:.0%} of their norm in one step "
-                           f"(most: `{worst_name}`)")
+            result.note = (
+                f"the update moves the weights by {moved_by:.0%} of their norm in one step (most: `{worst_name}`)"
+            )
         return result
     except Exception as exc:  # noqa: BLE001 - one remedy that cannot run must not lose the others
         logger.warning("remedy %s could not be tried: %s: %s", kind.value, type(exc).__name__, exc)
@@ -209,10 +251,16 @@ def _evaluate(runner: StepRunner, kind: RemedyKind, change: str, *, samples: lis
 def _skip(runner: StepRunner) -> RemedyResult:
     """Skipping the step keeps the pre-step weights: healthy exactly when they are finite; the data stays."""
     bad = runner.nonfinite_params
-    return RemedyResult(RemedyKind.SKIP_STEP, "GuardConfig(detection=DetectionConfig(on_nonfinite='skip' / on_spike='skip')) (check() returns "
-                        "False; do not call optimizer.step())", healthy=not bad, weights_finite=not bad,
-                        relative_change=0.0, setting={"skip": True},
-                        note="hides the cause: the same data or state fails again when it comes back")
+    return RemedyResult(
+        RemedyKind.SKIP_STEP,
+        "GuardConfig(detection=DetectionConfig(on_nonfinite='skip' / on_spike='skip')) (check() returns "
+        "False; do not call optimizer.step())",
+        healthy=not bad,
+        weights_finite=not bad,
+        relative_change=0.0,
+        setting={"skip": True},
+        note="hides the cause: the same data or state fails again when it comes back",
+    )
 
 
 @contextlib.contextmanager
@@ -234,8 +282,13 @@ def _first_group(snapshot: Any) -> dict:
     return {k: v for k, v in (snapshot.param_groups[0] if snapshot.param_groups else {}).items() if k != "params"}
 
 
-def tested_suggestions(block: RemediesBlock | None, limit: int = 3, diverged: bool = False,
-                       blames_data: bool = False, trigger: bool = False) -> tuple[list[str], list[str]]:
+def tested_suggestions(
+    block: RemediesBlock | None,
+    limit: int = 3,
+    diverged: bool = False,
+    blames_data: bool = False,
+    trigger: bool = False,
+) -> tuple[list[str], list[str]]:
     """What the remedies showed, with their numbers: (lines that go before the verdict's own suggestions,
     lines that go after them). A fix that worked leads; skipping the step only hides the cause, so when it
     is the only thing that worked it is said last. `diverged`: the loss sits far above where the run started,
@@ -246,32 +299,44 @@ def tested_suggestions(block: RemediesBlock | None, limit: int = 3, diverged: bo
     healthy = [r for r in rows if r.get("healthy") is True]
     if diverged and any(r["kind"] == RemedyKind.AS_RECORDED.value for r in healthy):
         row = next(r for r in healthy if r["kind"] == RemedyKind.AS_RECORDED.value)
-        return [], [f"This step's own update is not what breaks the run (it changes the weights by "
-                    f"{_percent(row.get('relative_change'))} of their norm): the run had already diverged, so "
-                    "skipping or clipping this step does not bring it back."]
+        return [], [
+            f"This step's own update is not what breaks the run (it changes the weights by "
+            f"{_percent(row.get('relative_change'))} of their norm): the run had already diverged, so "
+            "skipping or clipping this step does not bring it back."
+        ]
     if any(r["kind"] == RemedyKind.AS_RECORDED.value for r in healthy):
         row = next(r for r in healthy if r["kind"] == RemedyKind.AS_RECORDED.value)
-        harmless = (f"replayed as recorded, the step's update leaves every weight finite and changes the weights by "
-                    f"{_percent(row.get('relative_change'))} of their norm")
+        harmless = (
+            f"replayed as recorded, the step's update leaves every weight finite and changes the weights by "
+            f"{_percent(row.get('relative_change'))} of their norm"
+        )
         if blames_data:  # the job survived this step; the record is still worth removing (said once, below)
-            return [], [f"The job survives this step ({harmless}): no restart is needed for it; filtering the record "
-                        "keeps it from coming back."]
+            return [], [
+                f"The job survives this step ({harmless}): no restart is needed for it; filtering the record "
+                "keeps it from coming back."
+            ]
         if trigger:  # the step is harmless, the state that made an ordinary sample cross is not
-            return [], [f"This step itself is harmless ({harmless}), but the state that made an ordinary sample "
-                        "cross is still there: expect more such steps."]
+            return [], [
+                f"This step itself is harmless ({harmless}), but the state that made an ordinary sample "
+                "cross is still there: expect more such steps."
+            ]
         return [f"No action needed: {harmless}."], []
     fixes = [r for r in healthy if r["kind"] != RemedyKind.SKIP_STEP.value]
-    first = [f"Tested fix ({row['words']}): {row['change']} — the step is then healthy (step loss "
-             f"{_number(row.get('step_loss'))}, grad norm {_number(row.get('grad_norm'))}, weights change by "
-             f"{_percent(row.get('relative_change'))}){_following_words(row.get('following'))}."
-             for row in fixes[:limit]]
+    first = [
+        f"Tested fix ({row['words']}): {row['change']} — the step is then healthy (step loss "
+        f"{_number(row.get('step_loss'))}, grad norm {_number(row.get('grad_norm'))}, weights change by "
+        f"{_percent(row.get('relative_change'))}){_following_words(row.get('following'))}."
+        for row in fixes[:limit]
+    ]
     last = []
     failed = [r["words"] for r in rows if r.get("healthy") is False and r["kind"] != RemedyKind.AS_RECORDED.value]
     if failed:
         last.append(f"Tested and not enough on its own: {', '.join(failed)} (report section Remedies).")
     if not fixes and any(r["kind"] == RemedyKind.SKIP_STEP.value for r in healthy):
-        last.append("Tested: of the changes tried, only skipping the step keeps the weights healthy — it hides the "
-                    "cause, which comes back with the same data or state.")
+        last.append(
+            "Tested: of the changes tried, only skipping the step keeps the weights healthy — it hides the "
+            "cause, which comes back with the same data or state."
+        )
     return first, last
 
 
@@ -282,8 +347,10 @@ def _following_words(following: Following | None) -> str:
     if following.get("healthy"):
         steps = following.get("steps") or []
         return f", and so are the next {len(steps)} recorded steps ({', '.join(map(str, steps))})" if steps else ""
-    return (f", but it only postpones the failure: step {following.get('first_unhealthy')} breaks again "
-            f"({following.get('why')})")
+    return (
+        f", but it only postpones the failure: step {following.get('first_unhealthy')} breaks again "
+        f"({following.get('why')})"
+    )
 
 
 def _number(value: Any) -> str:

@@ -42,11 +42,17 @@ def follow_remedies(block: RemediesBlock, runner: StepRunner, followup: Followup
         finally:
             runner.weights_changed()  # the fix was carried over by stepping the model itself
             runner.reset()
-    block["tested"].sort(key=lambda r: (r.get("healthy") is not True,
-                                        dict(r.get("following") or {}).get("healthy") is False,
-                                        RemedyKind(r["kind"]).rank))
-    block["following_steps"] = (f"each change that made step {followup.row['step']} healthy was kept for the "
-                                f"recorded steps after it ({', '.join(map(str, steps))}) and they were re-executed")
+    block["tested"].sort(
+        key=lambda r: (
+            r.get("healthy") is not True,
+            dict(r.get("following") or {}).get("healthy") is False,
+            RemedyKind(r["kind"]).rank,
+        )
+    )
+    block["following_steps"] = (
+        f"each change that made step {followup.row['step']} healthy was kept for the "
+        f"recorded steps after it ({', '.join(map(str, steps))}) and they were re-executed"
+    )
 
 
 def _follow(row: RemedyRow, runner: StepRunner, followup: Followup) -> Following:
@@ -64,8 +70,9 @@ def _follow(row: RemedyRow, runner: StepRunner, followup: Followup) -> Following
         raise ReplayError("the dump holds no optimizer to carry the fix over the following steps")
     hyper = dict(setting.get("hyper") or {})
     broken_lr = followup.row.get("lr")
-    lr_factor = hyper.pop("lr") / broken_lr if "lr" in hyper and isinstance(broken_lr, (int, float)) and broken_lr \
-        else 1.0
+    lr_factor = (
+        hyper.pop("lr") / broken_lr if "lr" in hyper and isinstance(broken_lr, (int, float)) and broken_lr else 1.0
+    )
     for group in optimizer.param_groups:
         group.update(hyper)
     clip = setting.get("clip", followup.max_norm)
@@ -74,16 +81,26 @@ def _follow(row: RemedyRow, runner: StepRunner, followup: Followup) -> Following
         _set_lr_scaled(optimizer, followup.row, lr_factor)
         outcome, _ = run_step(model, optimizer, session, batches, {**followup.row, "rng": rng}, clip, fp32)
         if outcome.broke:
-            return {"tested": True, "healthy": False, "steps": [], "first_unhealthy": followup.row["step"],
-                    "why": outcome.broke}
+            return {
+                "tested": True,
+                "healthy": False,
+                "steps": [],
+                "first_unhealthy": followup.row["step"],
+                "why": outcome.broke,
+            }
     done = []
     for step_row, batches in followup.steps:
         _set_lr_scaled(optimizer, step_row, lr_factor)
         outcome, _ = run_step(model, optimizer, session, batches, step_row, clip, fp32)
         done.append(step_row["step"])
         if outcome.broke:
-            return {"tested": True, "healthy": False, "steps": done, "first_unhealthy": step_row["step"],
-                    "why": outcome.broke}
+            return {
+                "tested": True,
+                "healthy": False,
+                "steps": done,
+                "first_unhealthy": step_row["step"],
+                "why": outcome.broke,
+            }
     return {"tested": True, "healthy": True, "steps": done, "first_unhealthy": None, "why": None}
 
 

@@ -29,10 +29,20 @@ triage order (where, reproduction, culprit, precision, history); suggestions are
 from __future__ import annotations
 
 from forensics.kinds import HistoryPattern, Phase, TriggerKind
-from replay.judge.verdict_data import (bad_sample, exception_verdict, numerical_precision, trigger_sample)
+from replay.judge.verdict_data import bad_sample, exception_verdict, numerical_precision, trigger_sample
 from replay.judge.verdict_facts import VerdictFacts, has_culprit, low_precision, whole_batch
-from replay.judge.verdict_state import (diverged, diverging, inherited, model_state, norm_overflow, not_reproduced,
-                                        optimizer_update, spike, update_too_large)
+from replay.judge.verdict_state import (
+    diverged,
+    diverging,
+    inherited,
+    model_state,
+    norm_overflow,
+    not_reproduced,
+    optimizer_update,
+    spike,
+    update_too_large,
+)
+
 
 def decide_verdict(facts: VerdictFacts) -> dict:
     """The report's `verdict` section from the replay's findings (rules in the module docstring).
@@ -71,16 +81,17 @@ def decide_verdict(facts: VerdictFacts) -> dict:
         return numerical_precision(f)
     if has_culprit(f) and f.record_evidence:
         return bad_sample(f)
-    if not f.spike and not whole_batch(f) and (f.run_diverged or f.history_pattern in (
-            HistoryPattern.EXPONENTIAL_GROWTH, HistoryPattern.DIVERGED)):
+    if (
+        not f.spike
+        and not whole_batch(f)
+        and (f.run_diverged or f.history_pattern in (HistoryPattern.EXPONENTIAL_GROWTH, HistoryPattern.DIVERGED))
+    ):
         return diverging(f)  # a NaN at the end of a loss that grew for steps: the learning rate, whoever crossed
     if has_culprit(f):
         return trigger_sample(f)
     if f.spike:
         return spike(f)
     return model_state(f)
-
-
 
 
 __all__ = ["VerdictFacts", "decide_verdict"]

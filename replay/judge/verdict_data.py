@@ -4,10 +4,29 @@ with or without data, a step that raises, a sample too large for memory."""
 from __future__ import annotations
 
 from forensics.kinds import VerdictKind
-from replay.judge.verdict_facts import (INPUT_PREFIX, MAX_NAMED_SAMPLES, VerdictFacts, blames_data, has_culprit,
-                                        low_precision, what)
-from replay.judge.verdict_words import (data_hint, filter_oversized, listed, op_hints, pattern_hints, quoted_id,
-                                        samples_phrase, size_words, state_hints, verdict_dict, where_step, where_value)
+from replay.judge.verdict_facts import (
+    INPUT_PREFIX,
+    MAX_NAMED_SAMPLES,
+    VerdictFacts,
+    blames_data,
+    has_culprit,
+    low_precision,
+    what,
+)
+from replay.judge.verdict_words import (
+    data_hint,
+    filter_oversized,
+    listed,
+    op_hints,
+    pattern_hints,
+    quoted_id,
+    samples_phrase,
+    size_words,
+    state_hints,
+    verdict_dict,
+    where_step,
+    where_value,
+)
 
 
 def numerical_precision(f: VerdictFacts) -> dict:
@@ -18,27 +37,36 @@ def numerical_precision(f: VerdictFacts) -> dict:
     where = ("," if not with_data and where_value(f) else "") + where_value(f)
     fails, fine = ("spikes", "it does not") if f.spike else ("goes non-finite", "it is finite")
     every = " with every sample on its own" if f.all_subsets_fail and not with_data else ""
-    headline = (f"{at[0].upper() + at[1:]} {fails} only in {dtype}{who}{every}{where}; "
-                f"in fp32 {fine}" + (": precision + data." if with_data else "."))
+    headline = f"{at[0].upper() + at[1:]} {fails} only in {dtype}{who}{every}{where}; in fp32 {fine}" + (
+        ": precision + data." if with_data else "."
+    )
     suggestions = []
     if with_data:
         ids = ", ".join(quoted_id(s) for s in f.culprit_samples[:MAX_NAMED_SAMPLES])
-        suggestions.append(f"Filter {ids} from the data{listed(f, 'the culprits')}: "
-                           f"{'it pushes' if len(f.culprit_samples) == 1 else 'they push'} the activations "
-                           f"out of {dtype}'s range.")
+        suggestions.append(
+            f"Filter {ids} from the data{listed(f, 'the culprits')}: "
+            f"{'it pushes' if len(f.culprit_samples) == 1 else 'they push'} the activations "
+            f"out of {dtype}'s range."
+        )
     if has_culprit(f) and not with_data:
-        suggestions.append(f"Do not filter {quoted_id(f.culprit_samples[0])}: nothing marks its record as bad; it is only the "
-                           "first sample to cross on a state at the edge of the format, and the next one like it "
-                           "would cross too.")
+        suggestions.append(
+            f"Do not filter {quoted_id(f.culprit_samples[0])}: nothing marks its record as bad; it is only the "
+            "first sample to cross on a state at the edge of the format, and the next one like it "
+            "would cross too."
+        )
     if dtype == "float16":
-        suggestions.append("Switch autocast from float16 to bfloat16: same speed on Ampere and newer, "
-                           "fp32's range, no overflow at 65504; keep dynamic loss scaling while on fp16.")
+        suggestions.append(
+            "Switch autocast from float16 to bfloat16: same speed on Ampere and newer, "
+            "fp32's range, no overflow at 65504; keep dynamic loss scaling while on fp16."
+        )
     elif with_data:
         suggestions.append("Keep bfloat16: the sample is the trigger, not the format.")
     else:
         target = f"`{f.module}`" if f.module else "the failing module"
-        suggestions.append(f"Keep bfloat16 but run {target} in fp32: wrap it in torch.autocast(..., "
-                           "enabled=False) and cast its input to float32.")
+        suggestions.append(
+            f"Keep bfloat16 but run {target} in fp32: wrap it in torch.autocast(..., "
+            "enabled=False) and cast its input to float32."
+        )
     return verdict_dict(VerdictKind.NUMERICAL_PRECISION, headline, f, suggestions + op_hints(f) + pattern_hints(f))
 
 
@@ -57,31 +85,44 @@ def exception_verdict(f: VerdictFacts) -> dict:
         verb = "make" if (f.culprit_subset_size or 0) > 1 else "makes"
         headline = f"{subject} {verb} {where_step(f)} raise {what}{phase}{where}{detail}."
     elif f.all_subsets_fail or f.candidates > 1:
-        headline = f"{where_step(f)[0].upper()}{where_step(f)[1:]} raises {what}{phase}{where} whatever the samples{detail}."
+        headline = (
+            f"{where_step(f)[0].upper()}{where_step(f)[1:]} raises {what}{phase}{where} whatever the samples{detail}."
+        )
     else:
         headline = f"{where_step(f)[0].upper()}{where_step(f)[1:]} raises {what}{phase}{where}{detail}."
-    reading = f"The replay raised {what} where the job did" + (f" ('{f.exception_message[:200]}')." if
-                                                             f.exception_message else ".")
+    reading = f"The replay raised {what} where the job did" + (
+        f" ('{f.exception_message[:200]}')." if f.exception_message else "."
+    )
     suggestions = []
     if has_culprit(f):
         ids = ", ".join(quoted_id(s) for s in f.culprit_samples[:MAX_NAMED_SAMPLES])
-        suggestions.append(f"Filter {ids} from the training data{listed(f, 'the culprits')} and fix the "
-                           "record: the rest of the step runs.")
+        suggestions.append(
+            f"Filter {ids} from the training data{listed(f, 'the culprits')} and fix the "
+            "record: the rest of the step runs."
+        )
         if f.culprit_facts:
             suggestions.append(data_hint(f))
     if f.exception_detail and ("token id" in f.exception_detail or "index" in f.exception_detail):
-        suggestions.append("An id at or above the embedding's size: check that the tokenizer and the model agree on "
-                           "the vocabulary size (added special tokens need model.resize_token_embeddings), and that "
-                           "the data was tokenized with this tokenizer.")
+        suggestions.append(
+            "An id at or above the embedding's size: check that the tokenizer and the model agree on "
+            "the vocabulary size (added special tokens need model.resize_token_embeddings), and that "
+            "the data was tokenized with this tokenizer."
+        )
     if f.exception_detail and "label" in f.exception_detail:
-        suggestions.append("A label outside the classes: check the label mapping and the number of classes of the "
-                           "head; use -100 for positions to ignore.")
+        suggestions.append(
+            "A label outside the classes: check the label mapping and the number of classes of the "
+            "head; use -100 for positions to ignore."
+        )
     if f.exception_type in ("OutOfMemoryError", "MemoryError"):
-        suggestions.append("Cap the sequence length (or the tokens per micro-batch) so one long sample cannot take "
-                           "the memory of a whole batch.")
+        suggestions.append(
+            "Cap the sequence length (or the tokens per micro-batch) so one long sample cannot take "
+            "the memory of a whole batch."
+        )
     if not has_culprit(f):
-        suggestions.append("Every subset of samples raises: the model code or its configuration is at fault, not "
-                           "one record; the traceback in report.json shows where.")
+        suggestions.append(
+            "Every subset of samples raises: the model code or its configuration is at fault, not "
+            "one record; the traceback in report.json shows where."
+        )
     return verdict_dict(VerdictKind.EXCEPTION, headline, f, suggestions, reading)
 
 
@@ -89,12 +130,16 @@ def oversized(f: VerdictFacts, phase: str, where: str) -> dict:
     """Out of memory with a sample far larger than the others: that sample, by its size."""
     top = f.size_outliers[0]
     headline = f"{size_words(f)} makes {where_step(f)} run out of memory{phase}{where}."
-    reading = (f"Micro-batch {top['micro_batch'] + 1} is padded to its longest sample, so every sample in it "
-               "costs that much memory (attention grows with the square of the length): bisection cannot tell "
-               "them apart, the size does.")
-    suggestions = [f"{filter_oversized(f)} and resume from the last checkpoint.",
-                   "Cap the sequence length (truncate in the collate function or the tokenizer's max_length), or "
-                   "batch by length so one long sample cannot set the size of a whole micro-batch."]
+    reading = (
+        f"Micro-batch {top['micro_batch'] + 1} is padded to its longest sample, so every sample in it "
+        "costs that much memory (attention grows with the square of the length): bisection cannot tell "
+        "them apart, the size does."
+    )
+    suggestions = [
+        f"{filter_oversized(f)} and resume from the last checkpoint.",
+        "Cap the sequence length (truncate in the collate function or the tokenizer's max_length), or "
+        "batch by length so one long sample cannot set the size of a whole micro-batch.",
+    ]
     return verdict_dict(VerdictKind.EXCEPTION, headline, f, suggestions, reading)
 
 
@@ -104,22 +149,31 @@ def bad_sample(f: VerdictFacts) -> dict:
         headline = headline.replace(" makes ", " make ", 1)
     reading = None
     if f.bisect_runs is None and f.module and f.module.startswith(INPUT_PREFIX) and f.candidates > 1:
-        reading = (f"Named from the data, without bisection: of the {f.candidates} samples, only "
-                   f"{'this one holds' if len(f.culprit_samples) == 1 else 'these hold'} NaN/Inf in "
-                   f"`{f.module[len(INPUT_PREFIX):]}`.")
+        reading = (
+            f"Named from the data, without bisection: of the {f.candidates} samples, only "
+            f"{'this one holds' if len(f.culprit_samples) == 1 else 'these hold'} NaN/Inf in "
+            f"`{f.module[len(INPUT_PREFIX) :]}`."
+        )
     elif f.candidates == 1:
-        reading = ("The micro-batch held only this sample, so bisection could not tell it apart from the "
-                   "model state; replay another sample with these weights to be sure.")
+        reading = (
+            "The micro-batch held only this sample, so bisection could not tell it apart from the "
+            "model state; replay another sample with these weights to be sure."
+        )
     ids = ", ".join(quoted_id(s) for s in f.culprit_samples[:MAX_NAMED_SAMPLES])
-    suggestions = [f"Filter {ids} from the training data{listed(f, 'the culprits')} and resume "
-                   "from the last checkpoint before "
-                   f"{f'step {f.step}' if f.step is not None else 'the failing step'} with the same RNG and "
-                   "data position.",
-                   data_hint(f)]
+    suggestions = [
+        f"Filter {ids} from the training data{listed(f, 'the culprits')} and resume "
+        "from the last checkpoint before "
+        f"{f'step {f.step}' if f.step is not None else 'the failing step'} with the same RNG and "
+        "data position.",
+        data_hint(f),
+    ]
     if (f.culprit_subset_size or 0) > 1 and not f.culprits_each_fail_alone:
-        suggestions.insert(1, "These samples fail only together: look for a computation they share across "
-                              "the batch (normalisation statistics, a loss averaged over all tokens, a sum "
-                              "that overflows); keep them out of one batch or fix that computation.")
+        suggestions.insert(
+            1,
+            "These samples fail only together: look for a computation they share across "
+            "the batch (normalisation statistics, a loss averaged over all tokens, a sum "
+            "that overflows); keep them out of one batch or fix that computation.",
+        )
     hints = op_hints(f)
     if low_precision(f) == "float16" and not any("bfloat16" in h for h in hints):
         hints.append("The job runs in float16: bfloat16 has fp32's range and tolerates outliers better.")
@@ -131,18 +185,24 @@ def trigger_sample(f: VerdictFacts) -> dict:
     not take them (replay/culprits/evidence.py)."""
     phrase = samples_phrase(f)
     verb = "are" if (f.culprit_subset_size or 0) > 1 else "is"
-    headline = (f"{phrase.rstrip(',')} {verb} the first to make {what(f)} at {where_step(f)}{where_value(f)}, but "
-                "nothing marks the record as bad: the model's state is what fails, and no sample is to blame.")
-    reading = ("On a state at the edge, the first sample to cross is whichever comes: filtering it only moves the "
-               "failure to the next sample like it.")
+    headline = (
+        f"{phrase.rstrip(',')} {verb} the first to make {what(f)} at {where_step(f)}{where_value(f)}, but "
+        "nothing marks the record as bad: the model's state is what fails, and no sample is to blame."
+    )
+    reading = (
+        "On a state at the edge, the first sample to cross is whichever comes: filtering it only moves the "
+        "failure to the next sample like it."
+    )
     ids = ", ".join(quoted_id(s) for s in f.culprit_samples[:MAX_NAMED_SAMPLES])
-    suggestions = [f"Do not filter {ids}: no blocklist is written. Its loss and data are like the other samples'; "
-                   "a large gradient on an ordinary record is what a sharpened state gives."]
+    suggestions = [
+        f"Do not filter {ids}: no blocklist is written. Its loss and data are like the other samples'; "
+        "a large gradient on an ordinary record is what a sharpened state gives."
+    ]
     suggestions += state_hints(f)
     if not f.earlier_state:
-        suggestions.append("To be sure, replay it with an earlier state: GuardConfig(recording=RecordConfig("
-                           "snapshot_every=K)) keeps one in every dump, or pass --from CHECKPOINT --trust; the replay "
-                           "then feeds this micro-batch to it (a bad record fails there too, a trigger does not).")
+        suggestions.append(
+            "To be sure, replay it with an earlier state: GuardConfig(recording=RecordConfig("
+            "snapshot_every=K)) keeps one in every dump, or pass --from CHECKPOINT --trust; the replay "
+            "then feeds this micro-batch to it (a bad record fails there too, a trigger does not)."
+        )
     return verdict_dict(VerdictKind.TRIGGER_SAMPLE, headline, f, suggestions + op_hints(f), reading)
-
-

@@ -9,11 +9,18 @@ from typing import Any
 from forensics.kinds import HistoryPattern, Phase, TriggerKind
 from replay.culprits.sample_facts import SampleFact
 
-LOW_PRECISION = {"float16": "float16", "half": "float16", "torch.float16": "float16", "fp16": "float16",
-                 "bfloat16": "bfloat16", "torch.bfloat16": "bfloat16", "bf16": "bfloat16"}
-MAX_NAMED_SAMPLES = 3   # headlines name at most this many culprit samples
-MAX_ID_CHARS = 80       # longer sample ids are cut in the headline (report.json keeps them whole)
-PROSE_DIGITS = 6        # significant digits of numbers in verdict prose
+LOW_PRECISION = {
+    "float16": "float16",
+    "half": "float16",
+    "torch.float16": "float16",
+    "fp16": "float16",
+    "bfloat16": "bfloat16",
+    "torch.bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+}
+MAX_NAMED_SAMPLES = 3  # headlines name at most this many culprit samples
+MAX_ID_CHARS = 80  # longer sample ids are cut in the headline (report.json keeps them whole)
+PROSE_DIGITS = 6  # significant digits of numbers in verdict prose
 # replay.localize.forward_backward.INPUT_MODULE + ".": a batch field that was non-finite itself
 INPUT_PREFIX = "<input>."
 
@@ -184,6 +191,16 @@ def what(f: VerdictFacts) -> str:
     return f.trigger_kind.what_fails
 
 
-
-
-__all__ = ['INPUT_PREFIX', 'LOW_PRECISION', 'MAX_ID_CHARS', 'MAX_NAMED_SAMPLES', 'PROSE_DIGITS', 'VerdictFacts', 'blames_data', 'has_culprit', 'low_precision', 'what', 'whole_batch']
+__all__ = [
+    "INPUT_PREFIX",
+    "LOW_PRECISION",
+    "MAX_ID_CHARS",
+    "MAX_NAMED_SAMPLES",
+    "PROSE_DIGITS",
+    "VerdictFacts",
+    "blames_data",
+    "has_culprit",
+    "low_precision",
+    "what",
+    "whole_batch",
+]

@@ -9,8 +9,16 @@ from typing import Any
 
 from forensics.kinds import HistoryPattern, Phase, SampleFactKind, VerdictKind
 from forensics.report.wording import fmt_id, fmt_num, mb_number
-from replay.judge.verdict_facts import (INPUT_PREFIX, MAX_ID_CHARS, MAX_NAMED_SAMPLES, PROSE_DIGITS, VerdictFacts,
-                                        blames_data, has_culprit, low_precision)
+from replay.judge.verdict_facts import (
+    INPUT_PREFIX,
+    MAX_ID_CHARS,
+    MAX_NAMED_SAMPLES,
+    PROSE_DIGITS,
+    VerdictFacts,
+    blames_data,
+    has_culprit,
+    low_precision,
+)
 
 log = logging.getLogger(__name__)
 
@@ -33,14 +41,16 @@ def no_blocklist(f: VerdictFacts) -> list[str]:
     named = f.culprit_samples or [o.get("sample_id") for o in f.size_outliers]
     if not (f.ids_are_positional and named):
         return []
-    return [f"No blocklist entry for {quoted_id(named[0])}: the job recorded no sample IDs for its micro-batch, so the "
-            "replay names samples by their position in the batch, which does not identify a record of the dataset. "
-            "Record real IDs (guard.record_batch(batch, sample_ids=ids), or a 'sample_ids' key in dict batches) to "
-            "get a blocklist."]
+    return [
+        f"No blocklist entry for {quoted_id(named[0])}: the job recorded no sample IDs for its micro-batch, so the "
+        "replay names samples by their position in the batch, which does not identify a record of the dataset. "
+        "Record real IDs (guard.record_batch(batch, sample_ids=ids), or a 'sample_ids' key in dict batches) to "
+        "get a blocklist."
+    ]
 
 
 def samples_phrase(f: VerdictFacts, lower: bool = False) -> str:
-    """"Sample 'x' alone" / "Samples 'a' and 'b' together (neither alone)" / "3 samples together (...)"."""
+    """ "Sample 'x' alone" / "Samples 'a' and 'b' together (neither alone)" / "3 samples together (...)"."""
     ids = [quoted_id(s) for s in f.culprit_samples[:MAX_NAMED_SAMPLES]]
     n = f.culprit_subset_size or len(f.culprit_samples)
     if n == 1:
@@ -87,10 +97,13 @@ def evidence_sentences(f: VerdictFacts) -> list[str]:
     if f.rank is not None:
         where.append(f"rank {f.rank}")
     if f.micro_batch is not None:
-        where.append(f"micro-batch {mb_number(f.micro_batch)}" + (f" of {f.num_micro_batches}" if f.num_micro_batches else ""))
+        where.append(
+            f"micro-batch {mb_number(f.micro_batch)}" + (f" of {f.num_micro_batches}" if f.num_micro_batches else "")
+        )
     trigger = f.trigger_kind.words
-    numbers = ([num(f.trigger_value)] if f.trigger_value is not None else []) + \
-        ([f"threshold {num(f.threshold)}"] if f.threshold is not None else [])
+    numbers = ([num(f.trigger_value)] if f.trigger_value is not None else []) + (
+        [f"threshold {num(f.threshold)}"] if f.threshold is not None else []
+    )
     if numbers:
         trigger += f" ({', '.join(numbers)})"
     out.append(", ".join(where) + f": {trigger}.")
@@ -105,15 +118,25 @@ def evidence_sentences(f: VerdictFacts) -> list[str]:
                 stats.append(f"{label} holds NaN" if math.isnan(value) else f"{label} abs-max {num(value)}")
         if f.parameter and f.phase in (Phase.BACKWARD, Phase.OPTIMIZER):
             stats.append(f"parameter `{f.parameter}`")
-        located = where_value(f, stats) if (f.module or (f.phase is not None and f.phase.is_pass)) \
+        located = (
+            where_value(f, stats)
+            if (f.module or (f.phase is not None and f.phase.is_pass))
             else f" in the {f.phase} step" + (f" ({'; '.join(stats)})" if stats else "")
+        )
         if f.module and f.module.startswith(INPUT_PREFIX):
-            field = f.module[len(INPUT_PREFIX):]
+            field = f.module[len(INPUT_PREFIX) :]
             value = f.inputs_absmax
-            held = "NaN" if value is not None and math.isnan(value) else "Inf" if value is not None and \
-                math.isinf(value) else "NaN/Inf"
-            out.append(f"The batch's own `{field}` already holds {held} before any layer runs: the data is the "
-                       "source, not a module.")
+            held = (
+                "NaN"
+                if value is not None and math.isnan(value)
+                else "Inf"
+                if value is not None and math.isinf(value)
+                else "NaN/Inf"
+            )
+            out.append(
+                f"The batch's own `{field}` already holds {held} before any layer runs: the data is the "
+                "source, not a module."
+            )
         else:
             out.append(f"The first non-finite value appears{located}.")
     if has_culprit(f):
@@ -129,15 +152,19 @@ def evidence_sentences(f: VerdictFacts) -> list[str]:
             out.append(f.earlier_state)
     elif f.unblamed_group and f.bisect_runs is not None:
         test = "whose removal ends the spike" if f.spike else "that fails"
-        out.append(f"Bisecting {f.candidates} samples ({f.bisect_runs} replays): the smallest set {test} is "
-                   f"{f.unblamed_group} of the {f.candidates} samples, too large a share of the step to blame any "
-                   "of them.")
+        out.append(
+            f"Bisecting {f.candidates} samples ({f.bisect_runs} replays): the smallest set {test} is "
+            f"{f.unblamed_group} of the {f.candidates} samples, too large a share of the step to blame any "
+            "of them."
+        )
     elif f.candidates > 1 and f.bisect_runs is not None:
         out.append(f"Bisecting {f.candidates} samples ({f.bisect_runs} replays) found no smaller subset that fails.")
     if f.rng_dependent:
         seeds = f"{f.rng_seeds_tried} other seed{'s' if f.rng_seeds_tried != 1 else ''}"
-        out.append(f"Re-run from {seeds} instead of the recorded RNG, the step is healthy: the failure "
-                   "depends on the random state (a dropout mask or another random op).")
+        out.append(
+            f"Re-run from {seeds} instead of the recorded RNG, the step is healthy: the failure "
+            "depends on the random state (a dropout mask or another random op)."
+        )
     elif f.rng_dependent is False and f.rng_seeds_tried:
         out.append(f"It fails from {f.rng_seeds_tried} other seeds too, so the random state is not the cause.")
     low = low_precision(f)
@@ -163,8 +190,18 @@ def history_sentences(f: VerdictFacts) -> list[str]:
 
 LOG_OPS = {"log", "log2", "log10", "log1p", "xlogy"}
 DIV_OPS = {"div", "true_divide", "reciprocal", "floor_divide"}
-NORM_OPS = {"sqrt", "rsqrt", "native_layer_norm", "layer_norm", "rms_norm", "_fused_rms_norm", "native_batch_norm",
-             "batch_norm", "group_norm", "native_group_norm"}
+NORM_OPS = {
+    "sqrt",
+    "rsqrt",
+    "native_layer_norm",
+    "layer_norm",
+    "rms_norm",
+    "_fused_rms_norm",
+    "native_batch_norm",
+    "batch_norm",
+    "group_norm",
+    "native_group_norm",
+}
 MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear"}
 
 
@@ -178,47 +215,67 @@ def op_hints(f: VerdictFacts) -> list[str]:
     parts = (f.module or "").lower().split(".")
     hints = []
     if op in LOG_OPS:
-        hints.append("Guard the log: clamp its input away from 0 (x.clamp_min(1e-6)) or use log_softmax / "
-                     "cross_entropy on logits instead of log(softmax).")
+        hints.append(
+            "Guard the log: clamp its input away from 0 (x.clamp_min(1e-6)) or use log_softmax / "
+            "cross_entropy on logits instead of log(softmax)."
+        )
     if op in DIV_OPS:
-        hints.append("Guard the division: a denominator of 0 (e.g. a mean over zero unmasked tokens) "
-                     "gives 0/0; clamp it or skip samples with nothing to average.")
+        hints.append(
+            "Guard the division: a denominator of 0 (e.g. a mean over zero unmasked tokens) "
+            "gives 0/0; clamp it or skip samples with nothing to average."
+        )
     if "softmax" in op:
-        hints.append("A fully masked row (all -inf) makes softmax NaN: make sure every row keeps at "
-                     "least one unmasked position.")
+        hints.append(
+            "A fully masked row (all -inf) makes softmax NaN: make sure every row keeps at least one unmasked position."
+        )
     if op == "exp":
-        hints.append("exp overflows above ~88 in fp32 (~11 in fp16): subtract the maximum first "
-                     "(logsumexp / softmax do this for you).")
+        hints.append(
+            "exp overflows above ~88 in fp32 (~11 in fp16): subtract the maximum first "
+            "(logsumexp / softmax do this for you)."
+        )
     if op in NORM_OPS or any("norm" in p or p.startswith("ln") for p in parts if p):
         huge = f.inputs_absmax is not None and (not math.isfinite(f.inputs_absmax) or f.inputs_absmax > 1e18)
         if huge:  # the square of the input overflows the variance: eps is not the problem
-            hints.append("The normalisation's input is enormous (its square overflows the variance): find "
-                         "where such values enter (the sample's features, an unscaled input, a residual "
-                         "stream that grows every layer) rather than changing eps.")
+            hints.append(
+                "The normalisation's input is enormous (its square overflows the variance): find "
+                "where such values enter (the sample's features, an unscaled input, a residual "
+                "stream that grows every layer) rather than changing eps."
+            )
         else:
-            hints.append("Raise the normalisation eps (1e-5 or 1e-6 rather than 1e-8 or 0): a near-zero "
-                         "hidden vector divides by ~0.")
+            hints.append(
+                "Raise the normalisation eps (1e-5 or 1e-6 rather than 1e-8 or 0): a near-zero "
+                "hidden vector divides by ~0."
+            )
     if op in MATMUL_OPS and low_precision(f) == "float16":
-        hints.append("A matmul output above 65504 overflows float16: bfloat16 keeps fp32's range, or "
-                     "scale the activations down (e.g. a norm before this layer).")
+        hints.append(
+            "A matmul output above 65504 overflows float16: bfloat16 keeps fp32's range, or "
+            "scale the activations down (e.g. a norm before this layer)."
+        )
     return hints
 
 
 def pattern_hints(f: VerdictFacts) -> list[str]:
     if f.history_pattern is HistoryPattern.EXPONENTIAL_GROWTH:
-        return ["The loss grew exponentially before the failure: lower the learning rate or lengthen "
-                "warm-up, and check that the loss is divided by the number of accumulation steps."]
+        return [
+            "The loss grew exponentially before the failure: lower the learning rate or lengthen "
+            "warm-up, and check that the loss is divided by the number of accumulation steps."
+        ]
     if f.history_pattern is HistoryPattern.DIVERGED:
-        return ["The loss sits far above where the run started: lower the learning rate (or lengthen the "
-                "warm-up) and restart from a checkpoint taken before the loss left its start."]
+        return [
+            "The loss sits far above where the run started: lower the learning rate (or lengthen the "
+            "warm-up) and restart from a checkpoint taken before the loss left its start."
+        ]
     if f.history_pattern is HistoryPattern.OSCILLATING_DIVERGENCE:
-        return ["The loss oscillated with growing swings: check the optimizer state (Adam's exp_avg / "
-                "exp_avg_sq, e.g. after a resume) for corruption, and the batch distribution for a shift."]
+        return [
+            "The loss oscillated with growing swings: check the optimizer state (Adam's exp_avg / "
+            "exp_avg_sq, e.g. after a resume) for corruption, and the batch distribution for a shift."
+        ]
     return []
 
 
-def verdict_dict(kind: VerdictKind, headline: str, f: VerdictFacts, suggestions: list[str],
-            reading: str | None = None) -> dict:
+def verdict_dict(
+    kind: VerdictKind, headline: str, f: VerdictFacts, suggestions: list[str], reading: str | None = None
+) -> dict:
     evidence = evidence_sentences(f) + ([reading] if reading else []) + history_sentences(f)
     unique = list(dict.fromkeys(s for s in suggestions + no_blocklist(f) if s))
     log.info("verdict %s: %s", kind, headline)
@@ -226,29 +283,33 @@ def verdict_dict(kind: VerdictKind, headline: str, f: VerdictFacts, suggestions:
 
 
 RECORD_HINTS = {
-    "tokens": ("Look at the record behind it: empty or zero-length, control characters only, very long strings "
-               "without spaces (base64, binary), mis-encoded text, every label masked (-100)."),
-    "float": ("Look at the record behind it: NaN/Inf or extreme values in its features (see the input abs-max), "
-              "all-zero or constant rows, values in the wrong units or unscaled, a corrupted or truncated file."),
+    "tokens": (
+        "Look at the record behind it: empty or zero-length, control characters only, very long strings "
+        "without spaces (base64, binary), mis-encoded text, every label masked (-100)."
+    ),
+    "float": (
+        "Look at the record behind it: NaN/Inf or extreme values in its features (see the input abs-max), "
+        "all-zero or constant rows, values in the wrong units or unscaled, a corrupted or truncated file."
+    ),
 }
 
 
 FACT_FIXES = {
     SampleFactKind.TOO_LONG: "truncate samples to the model's context length (the tokenizer's max_length or the "
-                             "collate function), or drop them; raising max_position_embeddings needs the new "
-                             "positions trained.",
+    "collate function), or drop them; raising max_position_embeddings needs the new "
+    "positions trained.",
     SampleFactKind.LABELS_MASKED: "drop samples with no supervised token before batching (a prompt truncated past "
-                                  "its answer, an empty completion), or divide the summed loss by max(number of "
-                                  "label tokens, 1).",
+    "its answer, an empty completion), or divide the summed loss by max(number of "
+    "label tokens, 1).",
     SampleFactKind.NO_ATTENTION: "drop samples left with zero tokens (by truncation or filtering) before batching.",
     SampleFactKind.NONFINITE_VALUES: "fix the preprocessing that produced them (a division by zero, log of 0, a "
-                                     "corrupted or truncated file) or drop the record.",
+    "corrupted or truncated file) or drop the record.",
     SampleFactKind.EXTREME_VALUES: "check this field's units and scaling in preprocessing (normalise or clip it), "
-                                   "or drop the record.",
+    "or drop the record.",
     SampleFactKind.ALL_ZERO: "check why the record is all zeros (a failed read, missing values filled with 0) and fix "
-                             "or drop it.",
+    "or drop it.",
     SampleFactKind.REPEATED_NGRAMS: "deduplicate or filter documents dominated by repeated n-grams (OLMo 2 removed "
-                                    "such spans, and their spikes with them).",
+    "such spans, and their spikes with them).",
 }
 DIVISION_FIX = "drop such records, or guard the division (clamp the sum or norm to at least eps)."
 
@@ -268,26 +329,31 @@ def state_hints(f: VerdictFacts) -> list[str]:
     """Fixes that act on the state a trigger met: learning rate, warm-up, logit growth, the format, skipping."""
     hints = pattern_hints(f)
     lr = f" (it was {num(f.lr)})" if f.lr is not None else ""
-    hints.append(f"Act on the state: lower the learning rate{lr} or lengthen the warm-up, and restart from a checkpoint "
-                 "taken well before this step (PaLM restarted ~100 steps earlier and skipped 200-500 batches).")
+    hints.append(
+        f"Act on the state: lower the learning rate{lr} or lengthen the warm-up, and restart from a checkpoint "
+        "taken well before this step (PaLM restarted ~100 steps earlier and skipped 200-500 batches)."
+    )
     if "attn" in (f.module or "").lower() or "attention" in (f.module or "").lower() or "softmax" in (f.op or ""):
         hints.append("The attention logits grew until they crossed: QK-norm (or QK-clip) holds them.")
     else:
         hints.append("If attention or output logits keep growing, QK-norm and a z-loss hold them.")
     if low_precision(f) == "float16" and f.fp32_reproduces is not True:  # still failing in fp32: the range is not it
         hints.append("bfloat16 has fp32's range: the same state does not overflow it.")
-    hints.append("To ride it out without restarting, skip such steps: DetectionConfig(on_spike='skip') / "
-                 "on_nonfinite='skip', or a skip-step optimizer (OLMo-core, Levanter).")
+    hints.append(
+        "To ride it out without restarting, skip such steps: DetectionConfig(on_spike='skip') / "
+        "on_nonfinite='skip', or a skip-step optimizer (OLMo-core, Levanter)."
+    )
     return hints
-
-
 
 
 def size_words(f: VerdictFacts) -> str:
     """'sample doc-7 (100,000 tokens, 6250x the step's median of 16)' for the largest outlier (+ how many more)."""
     top = f.size_outliers[0]
-    ratio = f" ({top['tokens']:,} tokens, {top['tokens'] / f.median_size:,.0f}x the step's median of " \
-            f"{f.median_size:,.0f})" if f.median_size else f" ({top['tokens']:,} tokens)"
+    ratio = (
+        f" ({top['tokens']:,} tokens, {top['tokens'] / f.median_size:,.0f}x the step's median of {f.median_size:,.0f})"
+        if f.median_size
+        else f" ({top['tokens']:,} tokens)"
+    )
     more = f" and {len(f.size_outliers) - 1} more sample(s) that size" if len(f.size_outliers) > 1 else ""
     return f"Sample {quoted_id(top['sample_id'])}{ratio}{more}"
 
@@ -298,4 +364,29 @@ def filter_oversized(f: VerdictFacts) -> str:
     return f"Filter or truncate {ids}{listed(f, 'them' if len(f.size_outliers) > 1 else 'it')}"
 
 
-__all__ = ['filter_oversized', 'size_words', 'DIVISION_FIX', 'DIV_OPS', 'FACT_FIXES', 'LOG_OPS', 'MATMUL_OPS', 'NORM_OPS', 'RECORD_HINTS', 'data_hint', 'evidence_sentences', 'history_sentences', 'listed', 'no_blocklist', 'num', 'op_base', 'op_hints', 'pattern_hints', 'quoted_id', 'samples_phrase', 'state_hints', 'verdict_dict', 'where_step', 'where_value']
+__all__ = [
+    "filter_oversized",
+    "size_words",
+    "DIVISION_FIX",
+    "DIV_OPS",
+    "FACT_FIXES",
+    "LOG_OPS",
+    "MATMUL_OPS",
+    "NORM_OPS",
+    "RECORD_HINTS",
+    "data_hint",
+    "evidence_sentences",
+    "history_sentences",
+    "listed",
+    "no_blocklist",
+    "num",
+    "op_base",
+    "op_hints",
+    "pattern_hints",
+    "quoted_id",
+    "samples_phrase",
+    "state_hints",
+    "verdict_dict",
+    "where_step",
+    "where_value",
+]

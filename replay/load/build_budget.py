@@ -30,12 +30,29 @@ SLACK_PARAMETERS = 16
 """Parameters a build may register beyond the tensors the dump's weights hold (plus SLACK_SHARE of them): the weights
 hold every parameter (tied ones under each name) and persistent buffer, so a model needs none; a few spare."""
 
-_FACTORIES = frozenset({
-    torch.empty, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn, torch.randint, torch.randperm,
-    torch.arange, torch.eye, torch.empty_strided, torch.linspace, torch.logspace, torch.normal,
-    torch.Tensor.new_empty, torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_full,
-    torch.Tensor.new_empty_strided,
-})
+_FACTORIES = frozenset(
+    {
+        torch.empty,
+        torch.zeros,
+        torch.ones,
+        torch.full,
+        torch.rand,
+        torch.randn,
+        torch.randint,
+        torch.randperm,
+        torch.arange,
+        torch.eye,
+        torch.empty_strided,
+        torch.linspace,
+        torch.logspace,
+        torch.normal,
+        torch.Tensor.new_empty,
+        torch.Tensor.new_zeros,
+        torch.Tensor.new_ones,
+        torch.Tensor.new_full,
+        torch.Tensor.new_empty_strided,
+    }
+)
 """Functions that allocate a tensor whose size comes from their arguments (a `*_like` or `torch.tensor` is bounded by
 what exists already)."""
 
@@ -90,7 +107,8 @@ class BuildBudget(TorchFunctionMode):
             f"the model {self.what} is larger than the weights the dump holds: the build was stopped after it "
             f"created {built}, and the dump's weights hold {held}. A size in the recipe (its factory_kwargs, e.g. "
             "a config's number of layers or width) does not match the dump: it was edited, or --factory / "
-            "--factory-kwargs name another model")
+            "--factory-kwargs name another model"
+        )
 
 
 def _elements(func: Any, args: tuple, kwargs: dict) -> int:

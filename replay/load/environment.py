@@ -43,7 +43,7 @@ def to_device(tree: Any, device: torch.device) -> Any:
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
-    """"cuda:0" / "cpu" / None (CUDA when present, else CPU). A missing GPU is a clear ReplayError."""
+    """ "cuda:0" / "cpu" / None (CUDA when present, else CPU). A missing GPU is a clear ReplayError."""
     if device is None:
         return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     try:
@@ -52,12 +52,16 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         raise ReplayError(f"{device!r} is not a device; pass e.g. --device cuda:0 or --device cpu") from exc
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ReplayError(f"device {device} was requested but this machine has no usable CUDA GPU "
-                              "(torch.cuda.is_available() is False); pass --device cpu to replay on the CPU")
+            raise ReplayError(
+                f"device {device} was requested but this machine has no usable CUDA GPU "
+                "(torch.cuda.is_available() is False); pass --device cpu to replay on the CPU"
+            )
         index = device.index or 0
         if index >= torch.cuda.device_count():
-            raise ReplayError(f"device {device} was requested but only {torch.cuda.device_count()} GPU(s) "
-                              "are visible; pass --device cuda:0")
+            raise ReplayError(
+                f"device {device} was requested but only {torch.cuda.device_count()} GPU(s) "
+                "are visible; pass --device cuda:0"
+            )
         device = torch.device("cuda", index)
     elif device.type != "cpu":
         raise ReplayError(f"replay runs on 'cpu' or 'cuda:N', not {device}")
@@ -83,9 +87,14 @@ def deterministic_mode(determinism: dict | None = None) -> Iterator[None]:
     recorded allow_tf32 flags (they change results, so the replay must match the job).
     """
     determinism = determinism or {}
-    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
-             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+    )
     env_was = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     try:
         if env_was is None:
@@ -100,8 +109,12 @@ def deterministic_mode(determinism: dict | None = None) -> Iterator[None]:
         yield
     finally:
         _deterministic_algorithms(saved[0], warn_only=saved[1])
-        (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
-         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) = saved[2:]
+        (
+            torch.backends.cudnn.deterministic,
+            torch.backends.cudnn.benchmark,
+            torch.backends.cuda.matmul.allow_tf32,
+            torch.backends.cudnn.allow_tf32,
+        ) = saved[2:]
         if env_was is None:
             os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
 
@@ -130,14 +143,23 @@ def environment_warnings(capture_env: dict | None, device: torch.device) -> list
                 warnings.append(f"GPU differs: captured on {captured_gpu['name']}, replaying on {props.name}")
             sm = captured_gpu.get("sm_count")
             if sm is not None and sm != props.multi_processor_count:
-                warnings.append(f"SM count differs: captured with {sm}, replaying with "
-                                f"{props.multi_processor_count} (kernels may split work differently)")
+                warnings.append(
+                    f"SM count differs: captured with {sm}, replaying with "
+                    f"{props.multi_processor_count} (kernels may split work differently)"
+                )
     elif captured_gpu is not None:
-        warnings.append(f"captured on GPU {captured_gpu.get('name')}, replaying on the CPU: "
-                        "results cannot be bitwise identical")
+        warnings.append(
+            f"captured on GPU {captured_gpu.get('name')}, replaying on the CPU: results cannot be bitwise identical"
+        )
     return warnings
 
 
-
-__all__ = ["dtype_from_name", "to_device", "resolve_device", "deterministic_mode", "replay_environment",
-           "environment_warnings", "CUBLAS_WORKSPACE"]
+__all__ = [
+    "dtype_from_name",
+    "to_device",
+    "resolve_device",
+    "deterministic_mode",
+    "replay_environment",
+    "environment_warnings",
+    "CUBLAS_WORKSPACE",
+]

@@ -44,12 +44,20 @@ class FsdpUnit:
 
 def parse_units(rows: Any) -> list[FsdpUnit]:
     """The manifest's `precision.fsdp` (checked by forensics/format/manifest.py) as FsdpUnits."""
+
     def dtype(name: Any) -> torch.dtype | None:
         return dtype_from_name(name) if name else None
 
-    return [FsdpUnit(str(row["module"]), dtype(row.get("param_dtype")), dtype(row.get("reduce_dtype")),
-                     dtype(row.get("output_dtype")), bool(row.get("cast_forward_inputs", True)))
-            for row in rows or []]
+    return [
+        FsdpUnit(
+            str(row["module"]),
+            dtype(row.get("param_dtype")),
+            dtype(row.get("reduce_dtype")),
+            dtype(row.get("output_dtype")),
+            bool(row.get("cast_forward_inputs", True)),
+        )
+        for row in rows or []
+    ]
 
 
 def compute_dtype(units: list[FsdpUnit]) -> torch.dtype | None:
@@ -73,8 +81,9 @@ def parameter_units(model: torch.nn.Module, units: list[FsdpUnit]) -> dict[int, 
 
 
 @contextlib.contextmanager
-def fsdp_compute(model: torch.nn.Module, units: list[FsdpUnit], skip: set[int] | frozenset[int] = frozenset()
-                 ) -> Iterator[None]:
+def fsdp_compute(
+    model: torch.nn.Module, units: list[FsdpUnit], skip: set[int] | frozenset[int] = frozenset()
+) -> Iterator[None]:
     """Within: the model computes as the job's FSDP2 units did; on exit, parameters and gradients in the
     parameters' own dtype again. `skip`: ids of parameters cast by the caller (a streamed replay's blocks, cast as
     they are materialised: replay/run/streamed_runner.py)."""
@@ -85,14 +94,21 @@ def fsdp_compute(model: torch.nn.Module, units: list[FsdpUnit], skip: set[int] |
     try:
         for param in model.parameters():
             unit = owner.get(id(param)) if id(param) not in skip else None
-            if unit is not None and unit.param_dtype is not None and param.is_floating_point() \
-                    and param.dtype != unit.param_dtype:
+            if (
+                unit is not None
+                and unit.param_dtype is not None
+                and param.is_floating_point()
+                and param.dtype != unit.param_dtype
+            ):
                 cast.append((param, param.data, unit))
                 param.data = param.data.to(unit.param_dtype)
         for module, unit in known:
             if unit.cast_forward_inputs and unit.param_dtype is not None:
-                hooks.append(module.register_forward_pre_hook(functools.partial(_cast_inputs, unit.param_dtype),
-                                                              with_kwargs=True))
+                hooks.append(
+                    module.register_forward_pre_hook(
+                        functools.partial(_cast_inputs, unit.param_dtype), with_kwargs=True
+                    )
+                )
             if unit.output_dtype is not None:
                 hooks.append(module.register_forward_hook(functools.partial(_cast_output, unit.output_dtype)))
         yield

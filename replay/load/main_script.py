@@ -29,13 +29,33 @@ from typing import Any
 from forensics.errors import RecipeError
 from forensics.report.wording import clean
 
-TRUST_NOTE = ("its imports, decorators, default values and class bodies can run any code: trust the dump as you "
-              "would the script")
+TRUST_NOTE = (
+    "its imports, decorators, default values and class bodies can run any code: trust the dump as you would the script"
+)
 """What defining a function from the recorded script runs, in the words the --trust refusal uses."""
 MODULE_NAME = "forensics_training_script"  # __name__ of the module the script's definitions run in
-STATIC_EXPRESSIONS = (ast.Constant, ast.Name, ast.Attribute, ast.Tuple, ast.List, ast.Set, ast.Dict, ast.UnaryOp,
-                      ast.BinOp, ast.BoolOp, ast.Compare, ast.Subscript, ast.Slice, ast.Load, ast.operator,
-                      ast.unaryop, ast.boolop, ast.cmpop, ast.JoinedStr, ast.FormattedValue)
+STATIC_EXPRESSIONS = (
+    ast.Constant,
+    ast.Name,
+    ast.Attribute,
+    ast.Tuple,
+    ast.List,
+    ast.Set,
+    ast.Dict,
+    ast.UnaryOp,
+    ast.BinOp,
+    ast.BoolOp,
+    ast.Compare,
+    ast.Subscript,
+    ast.Slice,
+    ast.Load,
+    ast.operator,
+    ast.unaryop,
+    ast.boolop,
+    ast.cmpop,
+    ast.JoinedStr,
+    ast.FormattedValue,
+)
 
 
 def _static(node: ast.AST | None) -> bool:
@@ -95,8 +115,9 @@ def _needed(definitions: Mapping[str, ast.stmt], start: str) -> set[str]:
             continue
         seen.add(name)
         nodes = list(ast.walk(definitions[name]))
-        local = {n.arg for n in nodes if isinstance(n, ast.arg)} | \
-                {n.id for n in nodes if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        local = {n.arg for n in nodes if isinstance(n, ast.arg)} | {
+            n.id for n in nodes if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+        }
         for sub in nodes:
             if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Load) and sub.id not in local:
                 needed.add(sub.id)
@@ -108,15 +129,26 @@ def _refusal(names: list[str], unrecorded: dict[str, str], script: str) -> str:
     shown = []
     for name in names[:8]:
         kind = unrecorded.get(name)
-        shown.append(f"`{clean(name, 60)}` (a {clean(kind, 60)}: not a JSON value, so the dump holds none)" if kind
-                     else f"`{clean(name, 60)}`")
-    return (f"{', '.join(shown)}, which {script} sets in top-level code that replay does not run (calls, loops, "
-            "`if` blocks, exec'd files) and the dump recorded no value of")
+        shown.append(
+            f"`{clean(name, 60)}` (a {clean(kind, 60)}: not a JSON value, so the dump holds none)"
+            if kind
+            else f"`{clean(name, 60)}`"
+        )
+    return (
+        f"{', '.join(shown)}, which {script} sets in top-level code that replay does not run (calls, loops, "
+        "`if` blocks, exec'd files) and the dump recorded no value of"
+    )
 
 
-def define_from_script(source: bytes, qualname: str, script_name: str, what: str, flag: str,
-                       recorded: dict[str, Any] | None = None,
-                       unrecorded: dict[str, str] | None = None) -> tuple[Any, list[str]]:
+def define_from_script(
+    source: bytes,
+    qualname: str,
+    script_name: str,
+    what: str,
+    flag: str,
+    recorded: dict[str, Any] | None = None,
+    unrecorded: dict[str, str] | None = None,
+) -> tuple[Any, list[str]]:
     """The object `qualname` of the script, defined by running only its definitions (see the module docstring).
 
     Args:
@@ -133,19 +165,24 @@ def define_from_script(source: bytes, qualname: str, script_name: str, what: str
     try:  # bytes: Python's own rules for a BOM and a coding line (PEP 263)
         tree = ast.parse(source, filename=script_name)
     except (SyntaxError, UnicodeDecodeError, ValueError) as exc:
-        raise RecipeError(f"the training script {script} recorded in the dump does not parse ({type(exc).__name__}); "
-                          f"{instead}") from exc
+        raise RecipeError(
+            f"the training script {script} recorded in the dump does not parse ({type(exc).__name__}); {instead}"
+        ) from exc
     except (RecursionError, MemoryError):  # the parser's own guards against deep nesting
-        raise RecipeError(f"the training script {script} recorded in the dump is nested too deep to parse; "
-                          f"{instead}") from None
+        raise RecipeError(
+            f"the training script {script} recorded in the dump is nested too deep to parse; {instead}"
+        ) from None
     kept = [node for node in tree.body if defines_only(node)]
     left_out = [node for node in tree.body if not defines_only(node)]  # the main guard too: it may set a global
     top = qualname.split(".")[0]
-    definitions = {node.name: node for node in kept
-                   if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    definitions = {
+        node.name: node for node in kept if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+    }
     if top not in definitions:
-        raise RecipeError(f"the training script {script} recorded in the dump defines no function `{shown}` at its top "
-                          f"level; {instead}")
+        raise RecipeError(
+            f"the training script {script} recorded in the dump defines no function `{shown}` at its top "
+            f"level; {instead}"
+        )
     recorded, unrecorded = dict(recorded or {}), dict(unrecorded or {})
     needed = _needed(definitions, top)
     missing = sorted((needed & _bound(left_out)) - _bound(kept) - set(recorded))
@@ -165,12 +202,16 @@ def define_from_script(source: bytes, qualname: str, script_name: str, what: str
             exec(compile(ast.Module(body=[node], type_ignores=[]), module.__file__, "exec"), module.__dict__)  # noqa: S102
         except NameError:
             if not isinstance(node, (ast.Assign, ast.AnnAssign)):
-                raise RecipeError(f"defining `{shown}` from the training script {script} needs a name its top-level "
-                                  f"code sets at line {node.lineno}; {instead}") from None
+                raise RecipeError(
+                    f"defining `{shown}` from the training script {script} needs a name its top-level "
+                    f"code sets at line {node.lineno}; {instead}"
+                ) from None
             skipped |= _bound([node])  # `tokens_per_iter = batch * ddp_world_size`: ddp_world_size unknown here
         except Exception as exc:  # the script's imports or definitions failing here is the user's to fix
-            raise RecipeError(f"defining `{shown}` from the training script {script} raised {type(exc).__name__}: "
-                              f"{clean(str(exc), 300)}; {instead}") from exc
+            raise RecipeError(
+                f"defining `{shown}` from the training script {script} raised {type(exc).__name__}: "
+                f"{clean(str(exc), 300)}; {instead}"
+            ) from exc
     module.__dict__.update(recorded)  # the job's values win over the script's defaults (a configurator changed them)
     unset = sorted((needed & skipped) - set(module.__dict__))
     if unset:
@@ -203,33 +244,68 @@ def _plain(value: Any) -> bool:
     return False
 
 
-_BINARY: dict[type, Callable[[Any, Any], Any]] = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
-           ast.Div: lambda a, b: a / b, ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b,
-           ast.Pow: lambda a, b: a ** b, ast.LShift: lambda a, b: a << b, ast.RShift: lambda a, b: a >> b,
-           ast.BitOr: lambda a, b: a | b, ast.BitAnd: lambda a, b: a & b, ast.BitXor: lambda a, b: a ^ b}
-_UNARY: dict[type, Callable[[Any], Any]] = {ast.UAdd: lambda a: +a, ast.USub: lambda a: -a, ast.Not: lambda a: not a, ast.Invert: lambda a: ~a}
-_COMPARE: dict[type, Callable[[Any, Any], bool]] = {ast.Eq: lambda a, b: a == b, ast.NotEq: lambda a, b: a != b, ast.Lt: lambda a, b: a < b,
-            ast.LtE: lambda a, b: a <= b, ast.Gt: lambda a, b: a > b, ast.GtE: lambda a, b: a >= b,
-            ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b, ast.Is: lambda a, b: a is b,
-            ast.IsNot: lambda a, b: a is not b}
+_BINARY: dict[type, Callable[[Any, Any], Any]] = {
+    ast.Add: lambda a, b: a + b,
+    ast.Sub: lambda a, b: a - b,
+    ast.Mult: lambda a, b: a * b,
+    ast.Div: lambda a, b: a / b,
+    ast.FloorDiv: lambda a, b: a // b,
+    ast.Mod: lambda a, b: a % b,
+    ast.Pow: lambda a, b: a**b,
+    ast.LShift: lambda a, b: a << b,
+    ast.RShift: lambda a, b: a >> b,
+    ast.BitOr: lambda a, b: a | b,
+    ast.BitAnd: lambda a, b: a & b,
+    ast.BitXor: lambda a, b: a ^ b,
+}
+_UNARY: dict[type, Callable[[Any], Any]] = {
+    ast.UAdd: lambda a: +a,
+    ast.USub: lambda a: -a,
+    ast.Not: lambda a: not a,
+    ast.Invert: lambda a: ~a,
+}
+_COMPARE: dict[type, Callable[[Any, Any], bool]] = {
+    ast.Eq: lambda a, b: a == b,
+    ast.NotEq: lambda a, b: a != b,
+    ast.Lt: lambda a, b: a < b,
+    ast.LtE: lambda a, b: a <= b,
+    ast.Gt: lambda a, b: a > b,
+    ast.GtE: lambda a, b: a >= b,
+    ast.In: lambda a, b: a in b,
+    ast.NotIn: lambda a, b: a not in b,
+    ast.Is: lambda a, b: a is b,
+    ast.IsNot: lambda a, b: a is not b,
+}
 
 
 def _bounded(value: Any) -> Any:
-    if isinstance(value, int) and value.bit_length() > MAX_BITS or \
-            isinstance(value, (str, bytes, tuple, list)) and len(value) > MAX_ITEMS:
+    if (
+        isinstance(value, int)
+        and value.bit_length() > MAX_BITS
+        or isinstance(value, (str, bytes, tuple, list))
+        and len(value) > MAX_ITEMS
+    ):
         raise NotLiteral("too large")
     return value
 
 
 def _binary(op: ast.operator, a: Any, b: Any) -> Any:
     """`a op b` on plain values, refused before it computes something huge (2 ** 10 ** 10, "x" * 10 ** 12)."""
-    if isinstance(op, ast.Pow) and isinstance(a, int) and isinstance(b, int) and abs(a) > 1 and \
-            b * max(abs(a).bit_length(), 1) > MAX_BITS:
+    if (
+        isinstance(op, ast.Pow)
+        and isinstance(a, int)
+        and isinstance(b, int)
+        and abs(a) > 1
+        and b * max(abs(a).bit_length(), 1) > MAX_BITS
+    ):
         raise NotLiteral("too large")
     if isinstance(op, ast.LShift) and isinstance(b, int) and b > MAX_BITS:
         raise NotLiteral("too large")
-    if isinstance(op, ast.Mult) and any(isinstance(x, (str, bytes, tuple, list)) for x in (a, b)) and \
-            any(isinstance(x, int) and x * len(y) > MAX_ITEMS for x, y in ((a, b), (b, a)) if hasattr(y, "__len__")):
+    if (
+        isinstance(op, ast.Mult)
+        and any(isinstance(x, (str, bytes, tuple, list)) for x in (a, b))
+        and any(isinstance(x, int) and x * len(y) > MAX_ITEMS for x, y in ((a, b), (b, a)) if hasattr(y, "__len__"))
+    ):
         raise NotLiteral("too large")
     return _bounded(_BINARY[type(op)](a, b))
 
@@ -239,6 +315,7 @@ def literal_value(node: ast.expr, names: Mapping[str, Any]) -> Any:
     its imports: literals and containers of them; names (of `names`) and module attributes (read from the module's
     own dict: no __getattr__, no descriptor) holding plain values; arithmetic, comparisons, `and` / `or`, subscripts
     and f-strings (without format specs) on plain values. Raises NotLiteral for anything else."""
+
     def value(n: ast.expr) -> Any:
         if isinstance(n, ast.Constant):
             return n.value
@@ -293,8 +370,16 @@ def literal_value(node: ast.expr, names: Mapping[str, Any]) -> Any:
 
     try:
         result = value(node)
-    except (NotLiteral, ArithmeticError, TypeError, ValueError, KeyError, IndexError, RecursionError,
-            MemoryError) as exc:
+    except (
+        NotLiteral,
+        ArithmeticError,
+        TypeError,
+        ValueError,
+        KeyError,
+        IndexError,
+        RecursionError,
+        MemoryError,
+    ) as exc:
         raise NotLiteral(str(exc)[:60]) from None
     if not _plain(result):
         raise NotLiteral("not a plain value")
@@ -336,8 +421,8 @@ def _bind(target: ast.expr, value: Any, out: dict[str, Any]) -> None:
     for t, v in zip(target.elts[:at], value[:at]):
         _bind(t, v, out)
     star = target.elts[at]
-    _bind(star.value if isinstance(star, ast.Starred) else star, list(value[at:len(value) - after]), out)
-    for t, v in zip(target.elts[at + 1:], value[len(value) - after:]):
+    _bind(star.value if isinstance(star, ast.Starred) else star, list(value[at : len(value) - after]), out)
+    for t, v in zip(target.elts[at + 1 :], value[len(value) - after :]):
         _bind(t, v, out)
 
 
@@ -347,5 +432,7 @@ def move_instruction(qualname: str, script_name: str, flag: str) -> str:
     shown, script = clean(qualname, 100), clean(script_name, 100)
     stem = script_name.removesuffix(".py") if script_name.endswith(".py") else "training"
     module = ("".join(ch if ch.isalnum() or ch == "_" else "_" for ch in stem) or "training") + "_lib"
-    return (f"move `{shown}` (and what it uses) from {script} into a module, e.g. {module}.py beside it, and replay "
-            f"with {flag} {module}:{shown} --path DIR_OF_THAT_MODULE")
+    return (
+        f"move `{shown}` (and what it uses) from {script} into a module, e.g. {module}.py beside it, and replay "
+        f"with {flag} {module}:{shown} --path DIR_OF_THAT_MODULE"
+    )

@@ -133,8 +133,12 @@ class OptimizerSnapshot:
     def class_path(self) -> str:
         return f"{self.cls.__module__}.{self.cls.__qualname__}"
 
-    def build(self, model: torch.nn.Module | Mapping[str, torch.nn.Parameter], names: list[str] | None = None,
-              hyper: dict[str, Any] | None = None) -> torch.optim.Optimizer:
+    def build(
+        self,
+        model: torch.nn.Module | Mapping[str, torch.nn.Parameter],
+        names: list[str] | None = None,
+        hyper: dict[str, Any] | None = None,
+    ) -> torch.optim.Optimizer:
         """`model`: the module whose parameters the optimizer steps, or {name: parameter} (stand-ins of the
         module's parameters: replay.localize.update steps copies). `hyper`: hyper-parameters to change in every
         group (a counterfactual: {"lr": ...}, {"eps": 1e-8})."""
@@ -152,8 +156,10 @@ class OptimizerSnapshot:
             for name in members:
                 if name in self.state:  # a dump's state is read afresh for each build: no copy needed
                     fresh = isinstance(self._raw, DumpOptimizerState)
-                    saved_state[index] = {k: (v.clone() if isinstance(v, torch.Tensor) and not fresh else v)
-                                          for k, v in self.state[name].items()}
+                    saved_state[index] = {
+                        k: (v.clone() if isinstance(v, torch.Tensor) and not fresh else v)
+                        for k, v in self.state[name].items()
+                    }
                 ids.append(index)
                 index += 1
             saved_groups.append({**settings, "params": ids})
@@ -167,8 +173,9 @@ class OptimizerSnapshot:
         except TypeError:  # optimizers whose constructor insists on an explicit lr
             return self.cls(groups, lr=groups[0].get("lr", 1e-3))
         except RuntimeError as exc:  # e.g. fused=True recorded on CUDA, replaying on CPU
-            logger.warning("rebuilding %s as recorded failed (%s); retrying without fused/foreach",
-                           self.class_path, exc)
+            logger.warning(
+                "rebuilding %s as recorded failed (%s); retrying without fused/foreach", self.class_path, exc
+            )
             for group in groups + saved_groups:
                 group.pop("fused", None)
                 group.pop("foreach", None)
@@ -184,19 +191,30 @@ class OptimizerSnapshot:
             ValueError / TypeError / RuntimeError: what is wrong.
         """
         named = dict(model.named_parameters())
-        shapes = self._raw.shapes() if isinstance(self._raw, DumpOptimizerState) else {
-            name: {k: list(v.shape) for k, v in entries.items() if isinstance(v, torch.Tensor)}
-            for name, entries in self._raw.items()}
+        shapes = (
+            self._raw.shapes()
+            if isinstance(self._raw, DumpOptimizerState)
+            else {
+                name: {k: list(v.shape) for k, v in entries.items() if isinstance(v, torch.Tensor)}
+                for name, entries in self._raw.items()
+            }
+        )
         for name, entries in shapes.items():
             param = named.get(name)
             if param is None:
                 continue
             for key, shape in entries.items():
                 if key != MASTER_KEY and len(shape) > 0 and tuple(shape) != tuple(param.shape):
-                    raise ValueError(f"optimizer state {key} of {name} has shape {tuple(shape)}, the "
-                                     f"parameter {tuple(param.shape)}")
-        groups = [{**{k: _hyper_value(v) for k, v in group.items() if k not in ("params", "param_names")},
-                   "params": [torch.nn.Parameter(torch.zeros(1))]} for group in self.param_groups]
+                    raise ValueError(
+                        f"optimizer state {key} of {name} has shape {tuple(shape)}, the parameter {tuple(param.shape)}"
+                    )
+        groups = [
+            {
+                **{k: _hyper_value(v) for k, v in group.items() if k not in ("params", "param_names")},
+                "params": [torch.nn.Parameter(torch.zeros(1))],
+            }
+            for group in self.param_groups
+        ]
         self._construct(groups, [dict(g) for g in groups])
 
     @classmethod
@@ -212,8 +230,10 @@ class OptimizerSnapshot:
                     raise ReplayError("the optimizer holds a parameter that is not in the model")
                 group_names.append(names[id(p)])
                 if p in optimizer.state and optimizer.state[p]:
-                    state[names[id(p)]] = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
-                                           for k, v in optimizer.state[p].items()}
+                    state[names[id(p)]] = {
+                        k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                        for k, v in optimizer.state[p].items()
+                    }
             groups.append({**hyper, "params": group_names})
         return cls(type(optimizer), groups, state)
 
@@ -238,7 +258,6 @@ class OptimizerSnapshot:
 def _hyper_value(value: Any) -> Any:
     # JSON turns tuples (Adam's betas) into lists; optimizers expect tuples.
     return tuple(value) if isinstance(value, list) else value
-
 
 
 __all__ = ["DumpOptimizerState", "OptimizerSnapshot", "MASTER_KEY"]

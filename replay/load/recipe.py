@@ -75,8 +75,12 @@ def _append_to_sys_path(job_dirs: tuple[str, ...] | list[str]) -> None:
             sys.path.append(entry)
 
 
-def import_object(path: str, what: str = "recipe", sys_path: tuple[str, ...] | list[str] = (),
-                  job_dirs: tuple[str, ...] | list[str] = ()) -> Any:
+def import_object(
+    path: str,
+    what: str = "recipe",
+    sys_path: tuple[str, ...] | list[str] = (),
+    job_dirs: tuple[str, ...] | list[str] = (),
+) -> Any:
     """Imports `module:attr.sub` (no consent check: call only for paths the user agreed to). `sys_path` goes in
     front of sys.path; `job_dirs` (directories the dump names: pass them only with trust) at its end."""
     module_name, attr = _split_path(path, what)
@@ -87,8 +91,10 @@ def import_object(path: str, what: str = "recipe", sys_path: tuple[str, ...] | l
         for part in attr.split("."):
             obj = getattr(obj, part)
     except Exception as exc:  # any import-time failure of user code is a recipe problem
-        raise RecipeError(f"cannot import the {what} {clean(path, 200)!r}: {type(exc).__name__}: {clean(str(exc), 300)}. "
-                          "Check the path, or pass --path DIR (sys_path=) so Python can find the module") from exc
+        raise RecipeError(
+            f"cannot import the {what} {clean(path, 200)!r}: {type(exc).__name__}: {clean(str(exc), 300)}. "
+            "Check the path, or pass --path DIR (sys_path=) so Python can find the module"
+        ) from exc
     if not callable(obj):
         raise RecipeError(f"the {what} {clean(path, 200)!r} is not callable")
     return obj
@@ -116,9 +122,11 @@ def import_named(path: str, what: str, sys_path: tuple[str, ...] | list[str], re
         found = _where_recorded(path, recorded_dirs)
         if found is None or found in sys_path:
             raise
-        raise RecipeError(f"{exc}. The job ran from {clean(found, 200)}, which holds it: pass --path "
-                          f"{clean(found, 200)} if you trust the code there (forensics does not import from a "
-                          "directory the dump names unless you pass --trust)") from exc.__cause__
+        raise RecipeError(
+            f"{exc}. The job ran from {clean(found, 200)}, which holds it: pass --path "
+            f"{clean(found, 200)} if you trust the code there (forensics does not import from a "
+            "directory the dump names unless you pass --trust)"
+        ) from exc.__cause__
 
 
 @dataclass
@@ -141,17 +149,20 @@ def _from_main(path: str, what: str, trust: bool, script: TrainingScript, flag: 
     shown, name = clean(qualname, 100), clean(script.name, 100)
     move = move_instruction(qualname, script.name, flag)
     if script.source is None:
-        raise RecipeError(f"the dump's {what} `{shown}` was defined in the job's training script (__main__), and the "
-                          "dump holds no copy of that script; forensics does not import the script (that would run all of its "
-                          "top-level code). "
-                          f"To replay, {move}.")
+        raise RecipeError(
+            f"the dump's {what} `{shown}` was defined in the job's training script (__main__), and the "
+            "dump holds no copy of that script; forensics does not import the script (that would run all of its "
+            "top-level code). "
+            f"To replay, {move}."
+        )
     if not trust:
-        raise RecipeError(f"the dump's {what} `{shown}` is defined in the training script {name}, whose source the "
-                          "dump holds; it was NOT run. Pass --trust to define it from that source (only the script's "
-                          f"imports, definitions and constants run, never its training code; {TRUST_NOTE}), or "
-                          f"{move}.")
-    obj, used = define_from_script(script.source, qualname, script.name, what, flag, script.globals,
-                                   script.unrecorded)
+        raise RecipeError(
+            f"the dump's {what} `{shown}` is defined in the training script {name}, whose source the "
+            "dump holds; it was NOT run. Pass --trust to define it from that source (only the script's "
+            f"imports, definitions and constants run, never its training code; {TRUST_NOTE}), or "
+            f"{move}."
+        )
+    obj, used = define_from_script(script.source, qualname, script.name, what, flag, script.globals, script.unrecorded)
     script.used.extend(name for name in used if name not in script.used)
     return obj
 
@@ -172,7 +183,8 @@ def _consented(path: str, what: str, trust: bool, sys_path, script: TrainingScri
     raise RecipeError(
         f"the dump asks to import the {what} {path!r}, which is not forensics' own code; it was NOT "
         f"imported. If you trust this dump and that code, pass --trust (trust=True), or name the code "
-        f"yourself with {flag} module:fn (e.g. {flag} {path}).")
+        f"yourself with {flag} module:fn (e.g. {flag} {path})."
+    )
 
 
 @dataclass
@@ -218,8 +230,12 @@ def job_paths(environment: dict | None, dump_dir: str | os.PathLike | None = Non
         if not (isinstance(path, str) and "\x00" not in path and os.path.isabs(path)):
             continue
         real = os.path.realpath(path)
-        if (not os.path.isdir(real) or any(_inside(p, d) for p in (os.path.normpath(path), real) for d in SYSTEM_DIRS)
-                or (own is not None and _inside(real, own)) or real in found):
+        if (
+            not os.path.isdir(real)
+            or any(_inside(p, d) for p in (os.path.normpath(path), real) for d in SYSTEM_DIRS)
+            or (own is not None and _inside(real, own))
+            or real in found
+        ):
             continue
         found.append(real)
     return found
@@ -227,15 +243,26 @@ def job_paths(environment: dict | None, dump_dir: str | os.PathLike | None = Non
 
 def recorded_dirs_note(job_dirs: list[str] | tuple[str, ...]) -> str:
     """What --trust adds to the imports, in the words the report and the consent text use."""
-    return ("with --trust, modules not found in the standard library or the installed packages are imported from the "
-            "job's directories recorded in the dump: " + ", ".join(clean(d, 200) for d in job_dirs)
-            + " (after everything else on sys.path)")
+    return (
+        "with --trust, modules not found in the standard library or the installed packages are imported from the "
+        "job's directories recorded in the dump: "
+        + ", ".join(clean(d, 200) for d in job_dirs)
+        + " (after everything else on sys.path)"
+    )
 
 
-def resolve_recipe(recipe: dict | None, *, trust: bool = False, factory: str | None = None,
-                   loss: str | None = None, sys_path: tuple[str, ...] | list[str] = (),
-                   script: TrainingScript | None = None, factory_kwargs: dict | None = None,
-                   loss_kwargs: dict | None = None, job_dirs: list[str] | tuple[str, ...] = ()) -> ResolvedRecipe:
+def resolve_recipe(
+    recipe: dict | None,
+    *,
+    trust: bool = False,
+    factory: str | None = None,
+    loss: str | None = None,
+    sys_path: tuple[str, ...] | list[str] = (),
+    script: TrainingScript | None = None,
+    factory_kwargs: dict | None = None,
+    loss_kwargs: dict | None = None,
+    job_dirs: list[str] | tuple[str, ...] = (),
+) -> ResolvedRecipe:
     """Picks the model factory and loss function, importing only what the user consented to.
 
     Args:
@@ -262,24 +289,35 @@ def resolve_recipe(recipe: dict | None, *, trust: bool = False, factory: str | N
         notes.append(recorded_dirs_note(consented_dirs))
     factory_path = factory or recipe.get("factory")
     if not factory_path:
-        raise RecipeError("the dump has no model recipe; pass --factory module:fn, a function that "
-                          "returns the model (weights are loaded from the dump afterwards)")
+        raise RecipeError(
+            "the dump has no model recipe; pass --factory module:fn, a function that "
+            "returns the model (weights are loaded from the dump afterwards)"
+        )
     if factory and factory.startswith(MAIN_PREFIX):  # a function of the training script the dump holds: defined from
         factory_fn = _consented(factory, "model factory", trust, sys_path, script, consented_dirs)  # it, with trust
     elif factory:
-        factory_fn = (import_object(factory, "model factory", sys_path, consented_dirs) if trust
-                      else import_named(factory, "model factory", sys_path, recorded_dirs))
+        factory_fn = (
+            import_object(factory, "model factory", sys_path, consented_dirs)
+            if trust
+            else import_named(factory, "model factory", sys_path, recorded_dirs)
+        )
     else:
         factory_fn = _consented(factory_path, "model factory", trust, sys_path, script, consented_dirs)
     loss_path = loss or recipe.get("loss") or DEFAULT_LOSS_PATH
     if not loss and "loss" in recipe and not recipe.get("loss"):
-        logger.warning("the job's loss function could not be named in the dump (a lambda or closure?); "
-                       "replaying with %s. Pass --loss module:fn to use the job's own.", DEFAULT_LOSS_PATH)
+        logger.warning(
+            "the job's loss function could not be named in the dump (a lambda or closure?); "
+            "replaying with %s. Pass --loss module:fn to use the job's own.",
+            DEFAULT_LOSS_PATH,
+        )
     if loss and loss.startswith(MAIN_PREFIX):
         loss_callable = _consented(loss, "loss function", trust, sys_path, script, consented_dirs)
     elif loss:
-        loss_callable = (import_object(loss, "loss function", sys_path, consented_dirs) if trust
-                         else import_named(loss, "loss function", sys_path, recorded_dirs))
+        loss_callable = (
+            import_object(loss, "loss function", sys_path, consented_dirs)
+            if trust
+            else import_named(loss, "loss function", sys_path, recorded_dirs)
+        )
     else:
         loss_callable = _consented(loss_path, "loss function", trust, sys_path, script, consented_dirs)
     loss_kw = _kwargs(recipe.get("loss"), loss, recipe.get("loss_kwargs"), loss_kwargs)
@@ -287,8 +325,10 @@ def resolve_recipe(recipe: dict | None, *, trust: bool = False, factory: str | N
     kwargs = _kwargs(recipe.get("factory"), factory, recipe.get("factory_kwargs"), factory_kwargs)
     if script.used:
         values = ", ".join(f"{name}={clean(repr(script.globals[name]), 60)}" for name in script.used[:12])
-        notes.append(f"defined from {clean(script.name, 100)} with the values the job's top-level code gave its "
-                     f"globals (recorded in the dump): {values}")
+        notes.append(
+            f"defined from {clean(script.name, 100)} with the values the job's top-level code gave its "
+            f"globals (recorded in the dump): {values}"
+        )
     return ResolvedRecipe(factory_fn, kwargs, loss_fn, factory_path, loss_path, notes)
 
 
@@ -298,14 +338,27 @@ def optimizer_class(path: str, trust: bool) -> type:
     if not module_name:
         raise RecipeError(f"optimizer class {path!r} is not a dotted path")
     if not (path.startswith(TRUSTED_OPTIMIZER_PREFIX) or trust):
-        raise RecipeError(f"the dump's optimizer is {path!r}, which is not a torch.optim class; it was NOT "
-                          "imported. Pass --trust to import it (or replay without optimizer state).")
+        raise RecipeError(
+            f"the dump's optimizer is {path!r}, which is not a torch.optim class; it was NOT "
+            "imported. Pass --trust to import it (or replay without optimizer state)."
+        )
     cls = import_object(f"{module_name}:{name}", "optimizer class")
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise RecipeError(f"{path!r} is not a torch.optim.Optimizer subclass")
     return cls
 
 
-
-__all__ = ["ResolvedRecipe", "TrainingScript", "job_paths", "recorded_dirs_note", "import_named", "resolve_recipe", "is_builtin", "import_object", "optimizer_class", "LossFn",
-           "DEFAULT_LOSS_PATH", "TRUSTED_OPTIMIZER_PREFIX"]
+__all__ = [
+    "ResolvedRecipe",
+    "TrainingScript",
+    "job_paths",
+    "recorded_dirs_note",
+    "import_named",
+    "resolve_recipe",
+    "is_builtin",
+    "import_object",
+    "optimizer_class",
+    "LossFn",
+    "DEFAULT_LOSS_PATH",
+    "TRUSTED_OPTIMIZER_PREFIX",
+]

@@ -48,6 +48,7 @@ class SampleRef:
     index: int
     sample_id: Any = field(default=None, compare=False)
 
+
 log = logging.getLogger(__name__)
 
 _PLAIN = (str, int, float, bool, type(None))
@@ -168,7 +169,5 @@ def select_samples(batch: Any, indices: Iterable[int]) -> Any:
     size = batch_size(batch)
     bad = [i for i in indices if i < 0 or i >= size]
     if bad:
-        raise SampleSelectionError(
-            f"sample indices {bad} are out of range for a batch of {size}; use 0..{size - 1}"
-        )
+        raise SampleSelectionError(f"sample indices {bad} are out of range for a batch of {size}; use 0..{size - 1}")
     return _select(batch, size, indices)

@@ -148,8 +148,10 @@ def _check_no_unreplayable(batch: Any, index: int, warnings: list[str]) -> Any:
             kept = {}
             for k, v in node.items():
                 if isinstance(v, Unreplayable):
-                    warnings.append(f"micro-batch {index + 1}: field {v.path} ({v.type_name}) was not stored "
-                                    "in the dump and is left out of the replayed batch")
+                    warnings.append(
+                        f"micro-batch {index + 1}: field {v.path} ({v.type_name}) was not stored "
+                        "in the dump and is left out of the replayed batch"
+                    )
                     continue
                 kept[k] = walk(v)
             return kept
@@ -171,17 +173,28 @@ def training_script(dump: Any) -> TrainingScript:
     described = (dump.recipe or {}).get("script") or {}
     if not described or not dump.has_file(spec.MAIN_SCRIPT):
         return TrainingScript()
-    return TrainingScript(str(described.get("name") or "the training script"),
-                          dump.read_file(spec.MAIN_SCRIPT, spec.MAX_MAIN_SCRIPT),
-                          dict(described.get("globals") or {}), dict(described.get("unrecorded") or {}))
+    return TrainingScript(
+        str(described.get("name") or "the training script"),
+        dump.read_file(spec.MAIN_SCRIPT, spec.MAX_MAIN_SCRIPT),
+        dict(described.get("globals") or {}),
+        dict(described.get("unrecorded") or {}),
+    )
 
 
 @gc_paused()  # the model's libraries import and its state loads: forensics.gc_pause
-def load_session(dump: Any, *, device: str | torch.device | None = None, trust: bool = False,
-                 factory: str | None = None, loss: str | None = None,
-                 sys_path: tuple[str, ...] | list[str] = (), weights: bool = True,
-                 memory_budget: int | None = None, factory_kwargs: dict | None = None,
-                 loss_kwargs: dict | None = None) -> ReplaySession:
+def load_session(
+    dump: Any,
+    *,
+    device: str | torch.device | None = None,
+    trust: bool = False,
+    factory: str | None = None,
+    loss: str | None = None,
+    sys_path: tuple[str, ...] | list[str] = (),
+    weights: bool = True,
+    memory_budget: int | None = None,
+    factory_kwargs: dict | None = None,
+    loss_kwargs: dict | None = None,
+) -> ReplaySession:
     """Rebuilds model, optimizer, loss and micro-batches of a dump's failing step.
 
     Args:
@@ -207,13 +220,23 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
     device = resolve_device(device)
     manifest = dump.manifest
     if dump.state_missing and weights:
-        raise DumpError(f"the dump holds no pre-step state ({dump.state_missing}). It names the step's samples "
-                        "(`forensics inspect`); to replay the step, re-execute up to it from an earlier state: the "
-                        "Guard's host snapshot in the dump (GuardConfig.recording.snapshot_every, with a data recipe; pass "
-                        "--trust) or --from CHECKPOINT --trust")
-    recipe = resolve_recipe(dump.recipe, trust=trust, factory=factory, loss=loss, sys_path=sys_path,
-                            script=training_script(dump), factory_kwargs=factory_kwargs, loss_kwargs=loss_kwargs,
-                            job_dirs=job_paths(manifest.get("environment"), dump.path))
+        raise DumpError(
+            f"the dump holds no pre-step state ({dump.state_missing}). It names the step's samples "
+            "(`forensics inspect`); to replay the step, re-execute up to it from an earlier state: the "
+            "Guard's host snapshot in the dump (GuardConfig.recording.snapshot_every, with a data recipe; pass "
+            "--trust) or --from CHECKPOINT --trust"
+        )
+    recipe = resolve_recipe(
+        dump.recipe,
+        trust=trust,
+        factory=factory,
+        loss=loss,
+        sys_path=sys_path,
+        script=training_script(dump),
+        factory_kwargs=factory_kwargs,
+        loss_kwargs=loss_kwargs,
+        job_dirs=job_paths(manifest.get("environment"), dump.path),
+    )
     precision = dump.precision or {}
     env_warnings = environment_warnings(manifest.get("environment"), device)
     warnings = list(env_warnings) + recipe.notes
@@ -239,12 +262,16 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
     if opt_meta is not None:
         cls = optimizer_class(opt_meta["class"], trust)
         try:
-            snapshot = OptimizerSnapshot(cls, [dict(g) for g in opt_meta["param_groups"]],
-                                         DumpOptimizerState(dump, opt_meta["state"], device))
+            snapshot = OptimizerSnapshot(
+                cls, [dict(g) for g in opt_meta["param_groups"]], DumpOptimizerState(dump, opt_meta["state"], device)
+            )
             snapshot.check(model)  # fail now, with a clear error, if state and model do not match
         except (TypeError, ValueError, KeyError, IndexError, RuntimeError, OverflowError) as exc:
-            raise DumpCorruptError(f"the dump's optimizer state does not rebuild a {cls.__name__} for this model "
-                                   f"({type(exc).__name__}: {str(exc)[:200]})", "optimizer.json") from exc
+            raise DumpCorruptError(
+                f"the dump's optimizer state does not rebuild a {cls.__name__} for this model "
+                f"({type(exc).__name__}: {str(exc)[:200]})",
+                "optimizer.json",
+            ) from exc
 
     batches, ids, rngs, losses = [], [], [], []
     for i in range(dump.num_micro_batches):
@@ -261,24 +288,43 @@ def load_session(dump: Any, *, device: str | torch.device | None = None, trust: 
     if scaler is None and (precision.get("grad_scaler") or {}).get("enabled"):
         scaler = dict(precision["grad_scaler"])
     return ReplaySession(
-        model=model, loss_fn=recipe.loss_fn, micro_batches=batches, device=device, sample_ids=ids,
-        rng_states=rngs, loss_divisor=float(divisor), step_micro_batches=step_micro_batches(manifest), optimizer=snapshot, autocast=autocast,
-        scaler_state=scaler, scheduler_state=dump.scheduler_state(), recorded_losses=losses,
-        recorded_grad_norm=loss_meta.get("grad_norm"), trigger=dump.trigger, param_dtype=param_dtype,
+        model=model,
+        loss_fn=recipe.loss_fn,
+        micro_batches=batches,
+        device=device,
+        sample_ids=ids,
+        rng_states=rngs,
+        loss_divisor=float(divisor),
+        step_micro_batches=step_micro_batches(manifest),
+        optimizer=snapshot,
+        autocast=autocast,
+        scaler_state=scaler,
+        scheduler_state=dump.scheduler_state(),
+        recorded_losses=losses,
+        recorded_grad_norm=loss_meta.get("grad_norm"),
+        trigger=dump.trigger,
+        param_dtype=param_dtype,
         exception=manifest.get("exception") if isinstance(manifest.get("exception"), dict) else None,
-        warnings=warnings, source_cuda_device=manifest.get("local_rank"),
+        warnings=warnings,
+        source_cuda_device=manifest.get("local_rank"),
         expect_bitwise=_expect_bitwise(env_warnings, device, manifest.get("determinism") or {}),
         capture_environment=dict(manifest.get("environment") or {}),
         pre_step_weights=lambda names=None: dump.iter_model_tensors(device, names=names),
         loaded_weights=weight_fingerprints(model) if weights else None,
         world_size=int(getattr(dump, "world_size", None) or manifest.get("world_size") or 1),
-        fsdp_units=parse_units(precision.get("fsdp")), stream=plan,
-        positional_ids=frozenset(i for i, meta in enumerate(dump.micro_batches_meta)
-                                 if meta.get("ids_are_positional") or not meta.get("sample_ids")))
+        fsdp_units=parse_units(precision.get("fsdp")),
+        stream=plan,
+        positional_ids=frozenset(
+            i
+            for i, meta in enumerate(dump.micro_batches_meta)
+            if meta.get("ids_are_positional") or not meta.get("sample_ids")
+        ),
+    )
 
 
-def _weights(dump: Any, device: torch.device, plan: StreamPlan | None,
-             model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def _weights(
+    dump: Any, device: torch.device, plan: StreamPlan | None, model: torch.nn.Module
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The dump's weights onto `device`; a streamed model's blocks left at rest (replay/load/stream_plan.py)."""
     tensors = dump.iter_model_tensors(device)
     return tensors if plan is None else keep_blocks_at_rest(tensors, plan, model)
@@ -287,8 +333,10 @@ def _weights(dump: Any, device: torch.device, plan: StreamPlan | None,
 def weight_fingerprints(model: torch.nn.Module) -> dict[str, tuple]:
     """{parameter name (tied ones under each name): what changes when its values may have: its storage, dtype,
     shape and in-place version counter}."""
-    return {name: (p.data_ptr(), p.dtype, tuple(p.shape), tensor_version(p))
-            for name, p in model.named_parameters(remove_duplicate=False)}
+    return {
+        name: (p.data_ptr(), p.dtype, tuple(p.shape), tensor_version(p))
+        for name, p in model.named_parameters(remove_duplicate=False)
+    }
 
 
 def _expect_bitwise(env_warnings: list[str], device: torch.device, determinism: dict) -> bool:
@@ -344,6 +392,7 @@ def build_model(recipe: Any, on_meta: bool = True, held: WeightsHeld | None = No
     factory that cannot build that way is called again normally (and `on_meta=False` builds normally). With `held`
     (what the dump's weights hold), the build stops with BuildTooLargeError as soon as it creates more
     (replay/load/build_budget.py)."""
+
     def call() -> torch.nn.Module:
         try:
             with build_budget(held, f"that {recipe.factory_path!r} builds"):
@@ -351,11 +400,11 @@ def build_model(recipe: Any, on_meta: bool = True, held: WeightsHeld | None = No
         except BuildTooLargeError:
             raise
         except Exception as exc:  # user / recipe code
-            raise RecipeError(f"the model factory {recipe.factory_path!r} failed: {type(exc).__name__}: {exc}") \
-                from exc
+            raise RecipeError(f"the model factory {recipe.factory_path!r} failed: {type(exc).__name__}: {exc}") from exc
         if not isinstance(model, torch.nn.Module):
-            raise RecipeError(f"the model factory {recipe.factory_path!r} returned {type(model).__name__}, "
-                              "not a torch.nn.Module")
+            raise RecipeError(
+                f"the model factory {recipe.factory_path!r} returned {type(model).__name__}, not a torch.nn.Module"
+            )
         return model
 
     if not on_meta:
@@ -370,8 +419,9 @@ def build_model(recipe: Any, on_meta: bool = True, held: WeightsHeld | None = No
         return call()
 
 
-def stream_weights(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Tensor]], device: torch.device,
-                   warnings: list[str]) -> torch.nn.Module:
+def stream_weights(
+    model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Tensor]], device: torch.device, warnings: list[str]
+) -> torch.nn.Module:
     """Puts the dump's tensors into the model one at a time, already on `device`, keeping their dtypes and
     the model's tied parameters tied; every parameter must come from the dump.
 
@@ -411,8 +461,10 @@ def stream_weights(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Te
             unexpected.append(key)
     missing = [name for name in aliases if name not in loaded]
     if missing:
-        raise RecipeError(f"the dump has no weights for parameters {missing[:5]}"
-                          f"{' ...' if len(missing) > 5 else ''}: the recipe built a different model")
+        raise RecipeError(
+            f"the dump has no weights for parameters {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''}: the recipe built a different model"
+        )
     if any(t.is_meta for t in model.buffers()):
         raise MetaBuffersError("a buffer not in the dump was computed from meta parameters")
     model.to(device)  # the buffers the dump does not hold (non-persistent ones) follow the weights (a streamed
@@ -441,12 +493,16 @@ def _check_fits(key: str, tensor: torch.Tensor, old: torch.Tensor, what: str) ->
         RecipeError: naming the tensor, what the dump holds and what the model has.
     """
     if tuple(old.shape) != tuple(tensor.shape):
-        raise RecipeError(f"the weights in the dump do not fit the model the recipe built: {what} {key} is "
-                          f"{tuple(tensor.shape)} in the dump, {tuple(old.shape)} in the model")
+        raise RecipeError(
+            f"the weights in the dump do not fit the model the recipe built: {what} {key} is "
+            f"{tuple(tensor.shape)} in the dump, {tuple(old.shape)} in the model"
+        )
     if _dtype_family(tensor.dtype) != _dtype_family(old.dtype):
-        raise RecipeError(f"the dtype of tensor {key} in the dump ({str(tensor.dtype).removeprefix('torch.')}) does "
-                          f"not match the model's {what} ({str(old.dtype).removeprefix('torch.')}): the dump was "
-                          "changed, or the recipe builds another model than the job's")
+        raise RecipeError(
+            f"the dtype of tensor {key} in the dump ({str(tensor.dtype).removeprefix('torch.')}) does "
+            f"not match the model's {what} ({str(old.dtype).removeprefix('torch.')}): the dump was "
+            "changed, or the recipe builds another model than the job's"
+        )
 
 
 def _persistent(model: torch.nn.Module, name: str) -> bool:
@@ -454,13 +510,23 @@ def _persistent(model: torch.nn.Module, name: str) -> bool:
     return is_persistent_buffer(model.get_submodule(owner), attr)
 
 
-def session_from_objects(model: torch.nn.Module, micro_batches: list[Any], loss_fn: LossFn | None = None,
-                         optimizer: torch.optim.Optimizer | None = None, *, sample_ids: list[list] | None = None,
-                         rng_states: list | None = None, loss_divisor: float | None = None,
-                         autocast: dict | None = None, scaler_state: dict | None = None,
-                         device: str | torch.device | None = "cpu", trigger: Trigger | Mapping | None = None,
-                         recorded_losses: list | None = None, recorded_grad_norm: float | None = None,
-                         sample_id_key: str | None = "sample_ids") -> ReplaySession:
+def session_from_objects(
+    model: torch.nn.Module,
+    micro_batches: list[Any],
+    loss_fn: LossFn | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    sample_ids: list[list] | None = None,
+    rng_states: list | None = None,
+    loss_divisor: float | None = None,
+    autocast: dict | None = None,
+    scaler_state: dict | None = None,
+    device: str | torch.device | None = "cpu",
+    trigger: Trigger | Mapping | None = None,
+    recorded_losses: list | None = None,
+    recorded_grad_norm: float | None = None,
+    sample_id_key: str | None = "sample_ids",
+) -> ReplaySession:
     """A ReplaySession from live objects (no dump): for tests and in-process replays.
 
     The model's current weights and the optimizer's current state are the "pre-step" state.
@@ -484,14 +550,21 @@ def session_from_objects(model: torch.nn.Module, micro_batches: list[Any], loss_
         rng_states = [state] * len(batches)
     first = next((p for p in model.parameters() if p.is_floating_point()), None)
     return ReplaySession(
-        model=model, loss_fn=loss_fn, micro_batches=batches, device=device, sample_ids=sample_ids,
-        rng_states=list(rng_states), loss_divisor=float(loss_divisor or len(batches)),
+        model=model,
+        loss_fn=loss_fn,
+        micro_batches=batches,
+        device=device,
+        sample_ids=sample_ids,
+        rng_states=list(rng_states),
+        loss_divisor=float(loss_divisor or len(batches)),
         optimizer=OptimizerSnapshot.from_live(optimizer, model) if optimizer is not None else None,
         autocast=dict(autocast or {"enabled": False, "device_type": None, "dtype": None}),
-        scaler_state=scaler_state, recorded_losses=list(recorded_losses or [None] * len(batches)),
+        scaler_state=scaler_state,
+        recorded_losses=list(recorded_losses or [None] * len(batches)),
         recorded_grad_norm=recorded_grad_norm,
         trigger=trigger if isinstance(trigger, Trigger) else Trigger.from_dict(trigger),
-        param_dtype=first.dtype if first is not None else torch.float32)
+        param_dtype=first.dtype if first is not None else torch.float32,
+    )
 
 
 def _ids_of(batch: Any, index: int, key: str | None) -> list:

@@ -32,6 +32,7 @@ ACTIVATION_SHARE = 0.25
 """Share of the budget left for activations, the saved block inputs and the allocator's slack."""
 MIN_RESIDENT_BLOCKS = 1
 
+
 @dataclass(frozen=True)
 class Block:
     """One streamed block: a child of the model's largest nn.ModuleList."""
@@ -96,31 +97,47 @@ class StreamPlan:
 
     def as_dict(self) -> dict:
         """The report's `stream` block."""
-        return {"budget_bytes": self.budget, "reason": self.reason, "state_bytes": self.state_bytes,
-                "resident_bytes": self.resident_bytes, "blocks": len(self.blocks), "block_bytes": self.block_bytes,
-                "blocks_resident": self.resident_blocks, "block_bytes_materialised": self.materialised_bytes,
-                "blocks_resident_fp32": self.fp32_blocks, "read_ahead": self.read_ahead,
-                "read_seconds": self.read_seconds}
+        return {
+            "budget_bytes": self.budget,
+            "reason": self.reason,
+            "state_bytes": self.state_bytes,
+            "resident_bytes": self.resident_bytes,
+            "blocks": len(self.blocks),
+            "block_bytes": self.block_bytes,
+            "blocks_resident": self.resident_blocks,
+            "block_bytes_materialised": self.materialised_bytes,
+            "blocks_resident_fp32": self.fp32_blocks,
+            "read_ahead": self.read_ahead,
+            "read_seconds": self.read_seconds,
+        }
 
     def describe(self, expected_passes: int | None = None, micro_batches: int = 1) -> list[str]:
         """The plan in words, one line each."""
-        materialised = f" ({words(self.materialised_bytes)} each as the step computes)" \
-            if self.materialised_bytes != self.block_bytes else ""
-        lines = [f"streamed replay: {self.reason}",
-                 f"  state {words(self.state_bytes)}; budget {words(self.budget)}; resident outside the blocks "
-                 f"{words(self.resident_bytes)}",
-                 f"  {len(self.blocks)} blocks of up to {words(self.block_bytes)} in the dump{materialised}; at most "
-                 f"{self.resident_blocks} materialised at once, kept from pass to pass "
-                 f"({'the next one read ahead' if self.read_ahead else 'no read-ahead'}; fp32 re-run: "
-                 f"{self.fp32_blocks})"]
+        materialised = (
+            f" ({words(self.materialised_bytes)} each as the step computes)"
+            if self.materialised_bytes != self.block_bytes
+            else ""
+        )
+        lines = [
+            f"streamed replay: {self.reason}",
+            f"  state {words(self.state_bytes)}; budget {words(self.budget)}; resident outside the blocks "
+            f"{words(self.resident_bytes)}",
+            f"  {len(self.blocks)} blocks of up to {words(self.block_bytes)} in the dump{materialised}; at most "
+            f"{self.resident_blocks} materialised at once, kept from pass to pass "
+            f"({'the next one read ahead' if self.read_ahead else 'no read-ahead'}; fp32 re-run: "
+            f"{self.fp32_blocks})",
+        ]
         if expected_passes is not None:
             reads = self.expected_reads(expected_passes, micro_batches)
             per = ""
             if self.read_seconds is not None and self.blocks:
-                per = f", up to {reads * self.read_seconds / len(self.blocks):.0f} s of reads (the load read the " \
-                      f"blocks in {self.read_seconds:.1f} s)"
-            lines.append(f"  expected about {expected_passes} passes over the step, up to about {reads} block "
-                         f"reads{per}")
+                per = (
+                    f", up to {reads * self.read_seconds / len(self.blocks):.0f} s of reads (the load read the "
+                    f"blocks in {self.read_seconds:.1f} s)"
+                )
+            lines.append(
+                f"  expected about {expected_passes} passes over the step, up to about {reads} block reads{per}"
+            )
         return lines
 
     def expected_reads(self, passes: int, micro_batches: int = 1) -> int:
@@ -133,6 +150,7 @@ class StreamPlan:
         if k >= n:
             return n + fp32
         return n + fp32 + (passes * max(1, micro_batches) * 2 - 1) * (n - k)
+
 
 def streamable_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """The children of the model's nn.ModuleList holding the most parameters (a transformer's layers).
@@ -148,12 +166,17 @@ def streamable_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module
         if count > best_count:
             best, best_count = name, count
     if best is None:
-        raise ReplayError("this model cannot be streamed: it has no nn.ModuleList of at least two blocks with "
-                          "parameters (streaming keeps the blocks in the dump). Replay it without --memory-budget, on "
-                          "a device it fits")
+        raise ReplayError(
+            "this model cannot be streamed: it has no nn.ModuleList of at least two blocks with "
+            "parameters (streaming keeps the blocks in the dump). Replay it without --memory-budget, on "
+            "a device it fits"
+        )
     modules = cast(torch.nn.ModuleList, model.get_submodule(best))  # the nn.ModuleList found above
-    return [(f"{best}.{i}" if best else str(i), child) for i, child in enumerate(modules)
-            if any(True for _ in child.parameters())]
+    return [
+        (f"{best}.{i}" if best else str(i), child)
+        for i, child in enumerate(modules)
+        if any(True for _ in child.parameters())
+    ]
 
 
 def plan_streaming(model: torch.nn.Module, device: torch.device, budget: int | None) -> StreamPlan | None:
@@ -174,11 +197,17 @@ def plan_streaming(model: torch.nn.Module, device: torch.device, budget: int | N
     need = STATE_FACTOR * state / (1 - ACTIVATION_SHARE)
     if need <= budget:
         return None
-    reason = reason or f"the state ({words(state)}: about {words(need)} with gradients and activations) does not " \
-                       f"fit the budget of {words(budget)}"
+    reason = (
+        reason
+        or f"the state ({words(state)}: about {words(need)} with gradients and activations) does not "
+        f"fit the budget of {words(budget)}"
+    )
     found = streamable_blocks(model)
-    outside = {id(p) for name, p in model.named_parameters(remove_duplicate=False)
-               if not any(name.startswith(b + ".") for b, _ in found)}
+    outside = {
+        id(p)
+        for name, p in model.named_parameters(remove_duplicate=False)
+        if not any(name.startswith(b + ".") for b, _ in found)
+    }
     blocks = []
     for name, module in found:
         params = tuple(f"{name}.{n}" for n, p in module.named_parameters() if id(p) not in outside)
@@ -186,8 +215,9 @@ def plan_streaming(model: torch.nn.Module, device: torch.device, budget: int | N
     streamed = {id(model.get_parameter(n)) for b in blocks for n in b.params}
     resident = state - sum(tensor_bytes(p) for p in model.parameters() if id(p) in streamed)
     plan = StreamPlan(budget=budget, reason=reason, blocks=blocks, resident_bytes=resident, state_bytes=state)
-    plan.fp32_bytes = max(_block_bytes(model, b, lambda p: torch.float32 if p.is_floating_point() else p.dtype)
-                          for b in blocks)
+    plan.fp32_bytes = max(
+        _block_bytes(model, b, lambda p: torch.float32 if p.is_floating_point() else p.dtype) for b in blocks
+    )
     fit_blocks(plan)
     return plan
 
@@ -209,10 +239,12 @@ def fit_blocks(plan: StreamPlan) -> None:
     count = min(plan.blocks_fitting(plan.materialised_bytes), len(plan.blocks))
     if count < MIN_RESIDENT_BLOCKS or plan.fp32_blocks < MIN_RESIDENT_BLOCKS:
         least = (STATE_FACTOR * (plan.resident_bytes + fp32)) / (1 - ACTIVATION_SHARE)
-        raise ReplayError(f"a budget of {words(plan.budget)} cannot replay this model even streamed: the part outside "
-                          f"its blocks needs {words(plan.resident_bytes)} and one block {words(fp32)}, "
-                          f"with their gradients and room for activations at least {words(least)}; give "
-                          f"--memory-budget {_rounded_up(least)} or more")
+        raise ReplayError(
+            f"a budget of {words(plan.budget)} cannot replay this model even streamed: the part outside "
+            f"its blocks needs {words(plan.resident_bytes)} and one block {words(fp32)}, "
+            f"with their gradients and room for activations at least {words(least)}; give "
+            f"--memory-budget {_rounded_up(least)} or more"
+        )
     plan.resident_blocks = count
     plan.read_ahead = plan.resident_blocks >= 2
 
@@ -231,8 +263,9 @@ def at_rest(tensor: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=tensor.dtype, device=tensor.device).expand(tensor.shape)
 
 
-def keep_blocks_at_rest(tensors: Iterator[tuple[str, torch.Tensor]], plan: StreamPlan,
-                        model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def keep_blocks_at_rest(
+    tensors: Iterator[tuple[str, torch.Tensor]], plan: StreamPlan, model: torch.nn.Module
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The dump's tensor stream with every block parameter replaced by its placeholder once read (its dtype, bytes
     and finiteness noted in `plan`); the time the blocks' reads took goes to `plan.read_seconds`."""
     first_name: dict[int, str] = {}
@@ -289,12 +322,23 @@ def settle(plan: StreamPlan, model: torch.nn.Module, units: list[FsdpUnit] | Non
         return param.dtype
 
     if plan.blocks:
-        plan.fp32_bytes = max(_block_bytes(model, b, lambda p: torch.float32 if p.is_floating_point() else p.dtype)
-                              for b in plan.blocks)
+        plan.fp32_bytes = max(
+            _block_bytes(model, b, lambda p: torch.float32 if p.is_floating_point() else p.dtype) for b in plan.blocks
+        )
         computed = max(_block_bytes(model, b, computes_in) for b in plan.blocks)
         plan.compute_bytes = computed if computed != plan.block_bytes else None
     fit_blocks(plan)
 
 
-__all__ = ["StreamPlan", "Block", "plan_streaming", "keep_blocks_at_rest", "streamable_blocks", "fit_blocks",
-           "at_rest", "settle", "STATE_FACTOR", "ACTIVATION_SHARE"]
+__all__ = [
+    "StreamPlan",
+    "Block",
+    "plan_streaming",
+    "keep_blocks_at_rest",
+    "streamable_blocks",
+    "fit_blocks",
+    "at_rest",
+    "settle",
+    "STATE_FACTOR",
+    "ACTIVATION_SHARE",
+]

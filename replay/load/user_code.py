@@ -45,8 +45,11 @@ but not the standard library (forensics itself, transformers, the user's package
 
 def _library(filename: str) -> bool:
     """A frame of library code: the standard library, torch, numpy, safetensors, zstandard (or generated code)."""
-    return filename.startswith("<") or filename.startswith(LIBRARIES) or \
-        (filename.startswith(_STDLIB) and not filename.startswith(_SITE))
+    return (
+        filename.startswith("<")
+        or filename.startswith(LIBRARIES)
+        or (filename.startswith(_STDLIB) and not filename.startswith(_SITE))
+    )
 
 
 def _module_file(module: str) -> str | None:
@@ -86,8 +89,9 @@ def _built_in_model_raised(exc: BaseException) -> bool:
     the libraries and forensics' own machinery), the default loss passed over (it only calls the model, which may be
     the user's), is in a demo model; or the default loss itself raised with nothing of the user's below it."""
     default_loss = _module_file(DEFAULT_LOSS.partition(":")[0])
-    model_code = [f for f in _frames(exc.__traceback__)
-                  if not _library(f) and (f in RECIPE_FILES or not f.startswith(OURS))]
+    model_code = [
+        f for f in _frames(exc.__traceback__) if not _library(f) and (f in RECIPE_FILES or not f.startswith(OURS))
+    ]
     owners = [f for f in model_code if f != default_loss]
     return owners[0] in RECIPE_FILES if owners else bool(model_code)
 
@@ -109,10 +113,16 @@ def as_user_error(exc: Exception, doing: str, built_in_recipe: bool = False) -> 
         return exc
     what = str(exc)[:300].rstrip(".")
     if built_in_recipe or _built_in_model_raised(exc):
-        return UserCodeError(f"the model the dump's recipe names (built into forensics) raised {type(exc).__name__} "
-                             f"on the dump's data while {doing}: {what}. The data does not fit that model (a tensor of "
-                             "another shape, type or range than it takes): the dump was changed after it was written, or its "
-                             "recipe is not the job's; pass --factory / --loss that accept this data", "")
+        return UserCodeError(
+            f"the model the dump's recipe names (built into forensics) raised {type(exc).__name__} "
+            f"on the dump's data while {doing}: {what}. The data does not fit that model (a tensor of "
+            "another shape, type or range than it takes): the dump was changed after it was written, or its "
+            "recipe is not the job's; pass --factory / --loss that accept this data",
+            "",
+        )
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return UserCodeError(f"your code raised {type(exc).__name__} while {doing}: {what}. The traceback printed above "
-                         "is from your model / loss code; fix it, or pass --factory / --loss that accept this data", text)
+    return UserCodeError(
+        f"your code raised {type(exc).__name__} while {doing}: {what}. The traceback printed above "
+        "is from your model / loss code; fix it, or pass --factory / --loss that accept this data",
+        text,
+    )

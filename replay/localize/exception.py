@@ -57,8 +57,12 @@ class _RaisingOp(TorchDispatchMode):
             return func(*args, **kwargs)
         except Exception:
             if self.found is None:
-                self.found = {"op": f"aten::{op_schema(func).name.split('::')[-1]}", "module": self.tracker.current,
-                              "args": args, "call": (func, args, kwargs)}
+                self.found = {
+                    "op": f"aten::{op_schema(func).name.split('::')[-1]}",
+                    "module": self.tracker.current,
+                    "args": args,
+                    "call": (func, args, kwargs),
+                }
             raise
 
 
@@ -67,6 +71,7 @@ def localize_exception(runner: StepRunner, samples: list[SampleRef] | None = Non
     session = runner.session
     state: dict[str, Any] = {}
     with ModuleTracker(runner.model) as tracker:
+
         def forward_context(index: int):
             state["micro_batch"] = index
             mode = _RaisingOp(tracker)
@@ -85,28 +90,44 @@ def localize_exception(runner: StepRunner, samples: list[SampleRef] | None = Non
     detail, context = None, None
     if bad and bad[0]["what"] == "position":
         context = bad[0]["limit"]
-        detail = (f"position {bad[0]['value']} \u2265 the model's {context} positions (its context length): the "
-                  f"micro-batch is {bad[0]['length']} tokens long")
+        detail = (
+            f"position {bad[0]['value']} \u2265 the model's {context} positions (its context length): the "
+            f"micro-batch is {bad[0]['length']} tokens long"
+        )
     elif bad:
         first = bad[0]
         bound = {"token id": "vocabulary size", "label": "number of classes"}.get(first["what"], "size")
-        value = (f"{first['what']} {first['value']} < 0" if first["value"] < 0 else
-                 f"{first['what']} {first['value']} \u2265 {bound} {first['limit']}")
+        value = (
+            f"{first['what']} {first['value']} < 0"
+            if first["value"] < 0
+            else f"{first['what']} {first['value']} \u2265 {bound} {first['limit']}"
+        )
         detail = f"{value} at position {first['position']}"
         if len(bad) > 1:
             detail += f" ({len(bad)} such values in this micro-batch)"
-    return ExceptionFinding(type=raised["type"], message=raised["message"],
-                            module=found["module"] if found else None, op=found["op"] if found else None,
-                            micro_batch=index, phase=Phase.BACKWARD if raised["phase"] == Phase.BACKWARD else Phase.FORWARD,
-                            detail=detail, bad_values=bad, context_limit=context,
-                            op_call=found.get("call") if found else None)
+    return ExceptionFinding(
+        type=raised["type"],
+        message=raised["message"],
+        module=found["module"] if found else None,
+        op=found["op"] if found else None,
+        micro_batch=index,
+        phase=Phase.BACKWARD if raised["phase"] == Phase.BACKWARD else Phase.FORWARD,
+        detail=detail,
+        bad_values=bad,
+        context_limit=context,
+        op_call=found.get("call") if found else None,
+    )
 
 
 def _positions(indices: Any) -> bool:
     """Index values that count 0, 1, 2, ... along the last dimension in every row: position ids (a position
     embedding), not token ids."""
-    if not isinstance(indices, torch.Tensor) or indices.is_floating_point() or indices.dim() < 1 \
-            or indices.shape[-1] < 2:
+    if (
+        not isinstance(indices, torch.Tensor)
+        or indices.is_floating_point()
+        or indices.dim() < 1
+        or indices.shape[-1] < 2
+    ):
         return False
     rows = indices.reshape(-1, indices.shape[-1])
     steps = torch.arange(rows.shape[-1], device=rows.device, dtype=rows.dtype)
@@ -140,9 +161,18 @@ def _out_of_range(found: dict, sample_ids: list, rows: list[int], micro_batch: i
             last = indices.reshape(-1, indices.shape[-1])[0]
             over = (last >= limit).nonzero().reshape(-1).tolist()
             if over:
-                out.append({"what": what, "value": int(last[over[0]]), "limit": int(limit), "sample_id": None,
-                            "micro_batch": micro_batch, "index": None, "position": over[0],
-                            "length": int(indices.shape[-1])})
+                out.append(
+                    {
+                        "what": what,
+                        "value": int(last[over[0]]),
+                        "limit": int(limit),
+                        "sample_id": None,
+                        "micro_batch": micro_batch,
+                        "index": None,
+                        "position": over[0],
+                        "length": int(indices.shape[-1]),
+                    }
+                )
             continue
         mask = (indices < 0) | (indices >= limit)
         if what == "label":
@@ -151,8 +181,15 @@ def _out_of_range(found: dict, sample_ids: list, rows: list[int], micro_batch: i
         for position in positions:
             row = position[0] if batch_dim == 0 and indices.dim() > 1 else None
             sample = sample_ids[row] if row is not None and row < len(sample_ids) else None
-            out.append({"what": what, "value": int(indices[tuple(position)]), "limit": int(limit),
-                        "sample_id": sample, "micro_batch": micro_batch,
-                        "index": rows[row] if row is not None and row < len(rows) else None,
-                        "position": position[1] if row is not None and len(position) > 1 else position})
+            out.append(
+                {
+                    "what": what,
+                    "value": int(indices[tuple(position)]),
+                    "limit": int(limit),
+                    "sample_id": sample,
+                    "micro_batch": micro_batch,
+                    "index": rows[row] if row is not None and row < len(rows) else None,
+                    "position": position[1] if row is not None and len(position) > 1 else position,
+                }
+            )
     return out

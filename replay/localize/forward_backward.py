@@ -40,27 +40,64 @@ _TAG = "forensics_module"
 
 # ATen ops that legitimately make -inf: attention masks (masked_fill(mask, -inf), where(mask, x, -inf),
 # full(..., -inf)) and constants. Other ops producing -inf (aten::log of 0) are flagged.
-MASK_OPS = frozenset({
-    "aten::masked_fill", "aten::masked_fill_", "aten::where", "aten::full", "aten::full_like", "aten::new_full",
-    "aten::fill", "aten::fill_", "aten::scalar_tensor", "aten::lift_fresh", "aten::lift_fresh_copy",
-    "aten::index_put", "aten::index_put_", "aten::masked_scatter", "aten::masked_scatter_",
-})
+MASK_OPS = frozenset(
+    {
+        "aten::masked_fill",
+        "aten::masked_fill_",
+        "aten::where",
+        "aten::full",
+        "aten::full_like",
+        "aten::new_full",
+        "aten::fill",
+        "aten::fill_",
+        "aten::scalar_tensor",
+        "aten::lift_fresh",
+        "aten::lift_fresh_copy",
+        "aten::index_put",
+        "aten::index_put_",
+        "aten::masked_scatter",
+        "aten::masked_scatter_",
+    }
+)
 
 
 # ATen ops whose output is uninitialised memory (may hold any bit pattern, NaN included) until written.
-UNINITIALISED_OPS = frozenset({
-    "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided",
-    "aten::empty_permuted", "aten::resize_", "aten::set_",
-})
+UNINITIALISED_OPS = frozenset(
+    {
+        "aten::empty",
+        "aten::empty_like",
+        "aten::empty_strided",
+        "aten::new_empty",
+        "aten::new_empty_strided",
+        "aten::empty_permuted",
+        "aten::resize_",
+        "aten::set_",
+    }
+)
 # Ops that only move or re-view data: they pass NaN/Inf along, never make it. A non-finite weight
 # reaching the first real computation through them is reported at that computation.
-COPY_OPS = frozenset({
-    "aten::_to_copy", "aten::clone", "aten::copy_", "aten::detach", "aten::contiguous", "aten::to",
-    "aten::_unsafe_view", "aten::alias", "aten::lift_fresh_copy",
-})
+COPY_OPS = frozenset(
+    {
+        "aten::_to_copy",
+        "aten::clone",
+        "aten::copy_",
+        "aten::detach",
+        "aten::contiguous",
+        "aten::to",
+        "aten::_unsafe_view",
+        "aten::alias",
+        "aten::lift_fresh_copy",
+    }
+)
 # Frames of these files are plumbing (module call machinery, this package) and are cut from tracebacks.
-_PLUMBING = ("torch/nn/modules/module.py", "replay/localize/forward_backward.py", "replay/localize/update.py",
-             "replay/run/execute.py", "torch/utils/_python_dispatch.py", "torch/overrides.py")
+_PLUMBING = (
+    "torch/nn/modules/module.py",
+    "replay/localize/forward_backward.py",
+    "replay/localize/update.py",
+    "replay/run/execute.py",
+    "torch/utils/_python_dispatch.py",
+    "torch/overrides.py",
+)
 
 
 def module_label(name: str) -> str:
@@ -109,8 +146,9 @@ class ModuleTracker:
     before their parents). Use as a context manager; hooks are removed on exit.
     """
 
-    def __init__(self, model: torch.nn.Module,
-                 on_exit: Callable[[str, torch.nn.Module, tuple, dict, Any], None] | None = None):
+    def __init__(
+        self, model: torch.nn.Module, on_exit: Callable[[str, torch.nn.Module, tuple, dict, Any], None] | None = None
+    ):
         self.model = model
         self.stack: list[str] = []
         self.on_exit = on_exit
@@ -135,6 +173,7 @@ class ModuleTracker:
     def _pre(self, name: str):
         def hook(module, args):
             self.stack.append(name)
+
         return hook
 
     def _post(self, name: str):
@@ -143,6 +182,7 @@ class ModuleTracker:
                 self.stack.pop()
             if self.on_exit is not None:
                 self.on_exit(name, module, args, kwargs, output)
+
         return hook
 
 
@@ -166,8 +206,7 @@ class ForwardFinding:
     """Parameters (by name) among the op's inputs that were already non-finite."""
     first_nonfinite_module: str | None = None
     """First module, in completion order, whose output held NaN/Inf."""
-    stats: dict = field(default_factory=lambda: {"inputs_absmax": None, "outputs_absmax": None,
-                                                 "params_absmax": None})
+    stats: dict = field(default_factory=lambda: {"inputs_absmax": None, "outputs_absmax": None, "params_absmax": None})
     op_stats: dict = field(default_factory=dict)
     output_kinds: list[str] = field(default_factory=list)
     phase: Phase = Phase.FORWARD
@@ -179,8 +218,9 @@ class ForwardFinding:
 class _NonFiniteOpChecker(TorchDispatchMode):
     """Names the first ATen op whose output holds NaN/Inf (with the module running it)."""
 
-    def __init__(self, tracker: ModuleTracker, allow_neg_inf_masks: bool, param_names: dict[int, str],
-                 keep_inputs: bool = False):
+    def __init__(
+        self, tracker: ModuleTracker, allow_neg_inf_masks: bool, param_names: dict[int, str], keep_inputs: bool = False
+    ):
         super().__init__()
         self.keep_inputs = keep_inputs
         self.tracker = tracker
@@ -230,8 +270,12 @@ class _NonFiniteOpChecker(TorchDispatchMode):
             return out
         bad_params = sorted({o for o in origins if o is not None})
         self.found = {
-            "op": name, "module": self.tracker.current, "micro_batch": self.micro_batch,
-            "inputs_finite": not in_kinds, "nonfinite_inputs": bad_params, "output_kinds": sorted(out_kinds),
+            "op": name,
+            "module": self.tracker.current,
+            "micro_batch": self.micro_batch,
+            "inputs_finite": not in_kinds,
+            "nonfinite_inputs": bad_params,
+            "output_kinds": sorted(out_kinds),
             "op_stats": {"inputs_absmax": _largest_abs(inputs), "outputs_absmax": _largest_abs(outputs)},
         }
         if self.keep_inputs:
@@ -241,15 +285,21 @@ class _NonFiniteOpChecker(TorchDispatchMode):
 
 def _copy_call(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """An op's arguments with every tensor detached and copied (what went in, whatever the op does to it)."""
+
     def copy(value: Any) -> Any:
         return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
     return tree_map(copy, args), tree_map(copy, kwargs)
 
 
-def localize_forward(runner: StepRunner, samples: list[SampleRef] | None = None, *,
-                     allow_neg_inf_masks: bool = True, fp32: bool = False,
-                     keep_op_inputs: bool = False) -> ForwardFinding | None:
+def localize_forward(
+    runner: StepRunner,
+    samples: list[SampleRef] | None = None,
+    *,
+    allow_neg_inf_masks: bool = True,
+    fp32: bool = False,
+    keep_op_inputs: bool = False,
+) -> ForwardFinding | None:
     """Re-runs the forward (no backward) and names where NaN/Inf first appears.
 
     Args:
@@ -311,21 +361,39 @@ def localize_forward(runner: StepRunner, samples: list[SampleRef] | None = None,
     op = found_ops[0] if found_ops else None
     if op is None and "name" not in first_bad_module:
         if not result.loss_finite:
-            logger.warning("the loss is non-finite but no op or module output was: the loss function's "
-                           "result itself is odd (%s)", result.losses)
+            logger.warning(
+                "the loss is non-finite but no op or module output was: the loss function's result itself is odd (%s)",
+                result.losses,
+            )
             return ForwardFinding(module=LOSS_MODULE, op=None, micro_batch=None, op_inputs_finite=None)
         return None
     if op is not None:
         module = op["module"]
-        stats = module_stats.get(module) or {"inputs_absmax": op["op_stats"]["inputs_absmax"],
-                                             "outputs_absmax": op["op_stats"]["outputs_absmax"],
-                                             "params_absmax": None}
-        return ForwardFinding(module=module, op=op["op"], micro_batch=op["micro_batch"],
-                              op_inputs_finite=op["inputs_finite"], nonfinite_inputs=op["nonfinite_inputs"],
-                              first_nonfinite_module=first_bad_module.get("name"), stats=stats,
-                              op_stats=op["op_stats"], output_kinds=op["output_kinds"], op_call=op.get("call"))
-    return ForwardFinding(module=first_bad_module["name"], op=None, micro_batch=None, op_inputs_finite=None,
-                          first_nonfinite_module=first_bad_module["name"], stats=first_bad_module["stats"])
+        stats = module_stats.get(module) or {
+            "inputs_absmax": op["op_stats"]["inputs_absmax"],
+            "outputs_absmax": op["op_stats"]["outputs_absmax"],
+            "params_absmax": None,
+        }
+        return ForwardFinding(
+            module=module,
+            op=op["op"],
+            micro_batch=op["micro_batch"],
+            op_inputs_finite=op["inputs_finite"],
+            nonfinite_inputs=op["nonfinite_inputs"],
+            first_nonfinite_module=first_bad_module.get("name"),
+            stats=stats,
+            op_stats=op["op_stats"],
+            output_kinds=op["output_kinds"],
+            op_call=op.get("call"),
+        )
+    return ForwardFinding(
+        module=first_bad_module["name"],
+        op=None,
+        micro_batch=None,
+        op_inputs_finite=None,
+        first_nonfinite_module=first_bad_module["name"],
+        stats=first_bad_module["stats"],
+    )
 
 
 def _nonfinite_batch_input(runner: StepRunner, samples: list[SampleRef] | None) -> ForwardFinding | None:
@@ -346,18 +414,29 @@ def _nonfinite_batch_input(runner: StepRunner, samples: list[SampleRef] | None) 
             if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()):
                 field = path or "batch"
                 value = tensor.detach().float()
-                return ForwardFinding(module=f"{INPUT_MODULE}.{field}", op=None, micro_batch=index,
-                                      op_inputs_finite=False, nonfinite_inputs=[field],
-                                      first_nonfinite_module=None,
-                                      stats={"inputs_absmax": _largest_abs([value]),  # nan when it holds NaN
-                                             "outputs_absmax": None, "params_absmax": None})
+                return ForwardFinding(
+                    module=f"{INPUT_MODULE}.{field}",
+                    op=None,
+                    micro_batch=index,
+                    op_inputs_finite=False,
+                    nonfinite_inputs=[field],
+                    first_nonfinite_module=None,
+                    stats={
+                        "inputs_absmax": _largest_abs([value]),  # nan when it holds NaN
+                        "outputs_absmax": None,
+                        "params_absmax": None,
+                    },
+                )
     return None
 
 
 def _module_stats(module: torch.nn.Module, args: tuple, kwargs: dict, outputs: list[torch.Tensor]) -> dict:
     params: list[torch.Tensor] = [p for p in module.parameters() if p.is_floating_point() and p.numel()]
-    return {"inputs_absmax": _largest_abs(float_tensors((args, kwargs))), "outputs_absmax": _largest_abs(outputs),
-            "params_absmax": _largest_abs(params)}
+    return {
+        "inputs_absmax": _largest_abs(float_tensors((args, kwargs))),
+        "outputs_absmax": _largest_abs(outputs),
+        "params_absmax": _largest_abs(params),
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -388,7 +467,7 @@ def _camel_to_snake(name: str) -> str:
 
 
 def node_to_op(node_name: str) -> str | None:
-    """"SqrtBackward0" -> "aten::sqrt"; "NativeLayerNormBackward0" -> "aten::native_layer_norm"."""
+    """ "SqrtBackward0" -> "aten::sqrt"; "NativeLayerNormBackward0" -> "aten::native_layer_norm"."""
     match = re.match(r"^(?:torch::autograd::)?([A-Za-z0-9]+?)Backward\d*$", node_name)
     return f"aten::{_camel_to_snake(match.group(1))}" if match else None
 
@@ -454,8 +533,9 @@ def _recomputing(tracker: ModuleTracker, block: str) -> Iterator[None]:
             tracker.stack.pop()
 
 
-def localize_backward(runner: StepRunner, samples: list[SampleRef] | None = None, *,
-                      fp32: bool = False, anomaly: bool = True) -> BackwardFinding | None:
+def localize_backward(
+    runner: StepRunner, samples: list[SampleRef] | None = None, *, fp32: bool = False, anomaly: bool = True
+) -> BackwardFinding | None:
     """Re-runs forward + backward with node tagging, node/parameter hooks and anomaly mode.
 
     Anomaly mode runs with check_nan=False: it records every op's forward traceback but does not abort
@@ -472,6 +552,7 @@ def localize_backward(runner: StepRunner, samples: list[SampleRef] | None = None
         def hook(grad):
             if state["param"] is None and grad is not None and not bool(torch.isfinite(grad).all()):
                 state["param"] = name
+
         return hook
 
     def node_hook(node):
@@ -486,8 +567,13 @@ def localize_backward(runner: StepRunner, samples: list[SampleRef] | None = None
                 return  # propagated, not made here
             meta = node.metadata
             trace = meta.get("traceback_")
-            state["node"] = {"name": node.name(), "module": meta.get(_TAG), "traceback": _clean_traceback(trace),
-                             "micro_batch": state["micro_batch"]}
+            state["node"] = {
+                "name": node.name(),
+                "module": meta.get(_TAG),
+                "traceback": _clean_traceback(trace),
+                "micro_batch": state["micro_batch"],
+            }
+
         return hook
 
     def watch(roots: list[Any], label: str) -> None:
@@ -503,6 +589,7 @@ def localize_backward(runner: StepRunner, samples: list[SampleRef] | None = None
             watch([loss.grad_fn], LOSS_MODULE)
 
     with ModuleTracker(model) as tracker:
+
         @contextlib.contextmanager
         def forward_context(index: int) -> Iterator[None]:
             with _GraphTagger(tracker):
@@ -512,11 +599,18 @@ def localize_backward(runner: StepRunner, samples: list[SampleRef] | None = None
         streamer = getattr(runner, "streamer", None)  # a streamed replay: each block's graph exists only while its
         if streamer is not None:  # recomputation's backward runs (replay/run/streamed_runner.py); watch it there
             streamer.recompute_context = lambda index: _recomputing(tracker, streamer.plan.blocks[index].name)
-            streamer.after_recompute = lambda outputs: watch([t.grad_fn for t in outputs if t.grad_fn is not None],
-                                                             LOSS_MODULE)
+            streamer.after_recompute = lambda outputs: watch(
+                [t.grad_fn for t in outputs if t.grad_fn is not None], LOSS_MODULE
+            )
         try:
-            result = runner.run(samples, fp32=fp32, anomaly=anomaly, anomaly_check_nan=False,
-                                forward_context=forward_context, on_loss=on_loss)
+            result = runner.run(
+                samples,
+                fp32=fp32,
+                anomaly=anomaly,
+                anomaly_check_nan=False,
+                forward_context=forward_context,
+                on_loss=on_loss,
+            )
         finally:
             if streamer is not None:
                 streamer.recompute_context = streamer.after_recompute = None
@@ -531,10 +625,26 @@ def localize_backward(runner: StepRunner, samples: list[SampleRef] | None = None
     return BackwardFinding(
         parameter=state["param"],
         first_parameter_in_order=result.nonfinite_grad_params[0] if result.nonfinite_grad_params else None,
-        module=node.get("module"), op=node_to_op(node["name"]) if node.get("name") else None,
-        backward_node=node.get("name"), traceback=traceback, anomaly_error=result.error,
-        micro_batch=node.get("micro_batch"))
+        module=node.get("module"),
+        op=node_to_op(node["name"]) if node.get("name") else None,
+        backward_node=node.get("name"),
+        traceback=traceback,
+        anomaly_error=result.error,
+        micro_batch=node.get("micro_batch"),
+    )
 
 
-__all__ = ["ForwardFinding", "BackwardFinding", "ModuleTracker", "localize_forward", "localize_backward",
-           "node_to_op", "float_tensors", "module_label", "LOSS_MODULE", "ROOT_MODULE", "INPUT_MODULE", "MASK_OPS"]
+__all__ = [
+    "ForwardFinding",
+    "BackwardFinding",
+    "ModuleTracker",
+    "localize_forward",
+    "localize_backward",
+    "node_to_op",
+    "float_tensors",
+    "module_label",
+    "LOSS_MODULE",
+    "ROOT_MODULE",
+    "INPUT_MODULE",
+    "MASK_OPS",
+]

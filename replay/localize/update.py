@@ -60,18 +60,31 @@ def localize_optimizer(runner: StepRunner, samples: list[SampleRef] | None = Non
             for step in step_each_parameter(runner.model, snapshot, runner=runner):
                 if step.broke:
                     broken.append(step.name)
-                    explanations[step.name] = explain_update(step.name, step.param.grad, step.pre_state(),
-                                                             dict(step.optimizer.state.get(step.param, {})),
-                                                             snapshot.hyper_of(step.name))
+                    explanations[step.name] = explain_update(
+                        step.name,
+                        step.param.grad,
+                        step.pre_state(),
+                        dict(step.optimizer.state.get(step.param, {})),
+                        snapshot.hyper_of(step.name),
+                    )
         except Exception as exc:  # noqa: BLE001 - e.g. LBFGS wants a closure; the check is an extra
-            logger.warning("could not step a copy of %s on the replayed gradients (%s: %s); skipping the "
-                           "optimizer check", snapshot.class_path, type(exc).__name__, exc)
+            logger.warning(
+                "could not step a copy of %s on the replayed gradients (%s: %s); skipping the optimizer check",
+                snapshot.class_path,
+                type(exc).__name__,
+                exc,
+            )
             return None
         if not broken:
             return None
         first = broken[0]
-        return OptimizerFinding(parameters=broken, parameter=first, optimizer_state=explanations[first],
-                                explanations=explanations, optimizer_class=snapshot.class_path)
+        return OptimizerFinding(
+            parameters=broken,
+            parameter=first,
+            optimizer_state=explanations[first],
+            explanations=explanations,
+            optimizer_class=snapshot.class_path,
+        )
     finally:
         runner.reset()
 
@@ -104,8 +117,9 @@ class ParameterStep:
         return relative_change(self.moved_sq, self.size_sq)
 
 
-def step_each_parameter(model: torch.nn.Module, snapshot: Any, hyper: dict | None = None, *,
-                        runner: StepRunner | None = None) -> Iterator[ParameterStep]:
+def step_each_parameter(
+    model: torch.nn.Module, snapshot: Any, hyper: dict | None = None, *, runner: StepRunner | None = None
+) -> Iterator[ParameterStep]:
     """Steps a fresh copy of the pre-step optimizer (with `hyper` changed, if given) on the model's current
     gradients, one parameter at a time, so only one parameter's optimizer state is in memory at a time (and the
     next one's, read ahead). Elementwise and per-tensor optimizers (Adam, AdamW, SGD, Adagrad, ...) update each
@@ -117,7 +131,8 @@ def step_each_parameter(model: torch.nn.Module, snapshot: Any, hyper: dict | Non
     if runner is None:
         names = [name for name, param in model.named_parameters() if param.grad is not None]
         pairs: Iterator[tuple[str, torch.nn.Parameter]] = (
-            (n, p) for n, p in model.named_parameters() if p.grad is not None)
+            (n, p) for n, p in model.named_parameters() if p.grad is not None
+        )
     else:
         names, pairs = runner.gradient_names(), runner.gradients()
     order = [name for name in names if name in stepped]
@@ -157,8 +172,9 @@ def _has_bad(value: Any) -> bool:
 
 def explain_update(name: str, grad: torch.Tensor | None, pre: dict, post: dict, hyper: dict) -> str:
     """Says in words why an optimizer update made parameter `name` non-finite."""
-    bad_hyper = [k for k, v in hyper.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-                 and not math.isfinite(v)]
+    bad_hyper = [
+        k for k, v in hyper.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isfinite(v)
+    ]
     if bad_hyper:
         return f"hyper-parameter {bad_hyper[0]} is {hyper[bad_hyper[0]]}"
     bad_pre = [k for k, v in pre.items() if _has_bad(v)]
@@ -168,16 +184,20 @@ def explain_update(name: str, grad: torch.Tensor | None, pre: dict, post: dict, 
     sq = post.get("exp_avg_sq")
     if isinstance(sq, torch.Tensor) and eps is not None and float(eps) == 0.0 and bool((sq == 0).any()):
         zeros = int((sq == 0).sum())
-        return (f"exp_avg_sq is 0 and eps is 0: 0/0 ({zeros} of {sq.numel()} entries of exp_avg_sq are 0, "
-                "e.g. where the gradient is 0); set eps > 0 (e.g. 1e-8)")
+        return (
+            f"exp_avg_sq is 0 and eps is 0: 0/0 ({zeros} of {sq.numel()} entries of exp_avg_sq are 0, "
+            "e.g. where the gradient is 0); set eps > 0 (e.g. 1e-8)"
+        )
     bad_post = [k for k, v in post.items() if _has_bad(v)]
     if bad_post:
         return f"{bad_post[0]} became non-finite during the step (overflow in the optimizer state)"
     if isinstance(sq, torch.Tensor) and eps is not None and float(eps) == 0.0:
         return "eps is 0: the update divides by sqrt(exp_avg_sq) with no floor; a tiny exp_avg_sq overflows it"
     lr = hyper.get("lr")
-    return (f"the update overflowed the parameter (lr={lr}, weight_decay={hyper.get('weight_decay')}); "
-            "look at the learning rate and the size of the gradient")
+    return (
+        f"the update overflowed the parameter (lr={lr}, weight_decay={hyper.get('weight_decay')}); "
+        "look at the learning rate and the size of the gradient"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,8 +212,9 @@ class LayerRow(TypedDict):
     output_absmax: float | None
 
 
-def per_layer_stats(runner: StepRunner, samples: list[SampleRef] | None = None, *,
-                    fp32: bool = False) -> list[LayerRow]:
+def per_layer_stats(
+    runner: StepRunner, samples: list[SampleRef] | None = None, *, fp32: bool = False
+) -> list[LayerRow]:
     """Gradient norm and output abs-max per module (leaf modules and modules owning parameters).
 
     Returns:
@@ -201,8 +222,11 @@ def per_layer_stats(runner: StepRunner, samples: list[SampleRef] | None = None, 
         order; grad_norm covers the module's own parameters (not its children's).
     """
     model = runner.model
-    modules = {name: m for name, m in model.named_modules()
-               if not any(True for _ in m.children()) or any(True for _ in m.parameters(recurse=False))}
+    modules = {
+        name: m
+        for name, m in model.named_modules()
+        if not any(True for _ in m.children()) or any(True for _ in m.parameters(recurse=False))
+    }
     absmax: dict[str, torch.Tensor] = {}
 
     def on_exit(name, module, args, kwargs, output):
@@ -224,8 +248,13 @@ def per_layer_stats(runner: StepRunner, samples: list[SampleRef] | None = None, 
             norms = runner.own_grad_norms(module)
             norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else None
             value = absmax.get(name)
-            rows.append({"module": module_label(name), "grad_norm": norm,
-                         "output_absmax": float(value) if value is not None else None})
+            rows.append(
+                {
+                    "module": module_label(name),
+                    "grad_norm": norm,
+                    "output_absmax": float(value) if value is not None else None,
+                }
+            )
     finally:
         runner.reset()
     return rows

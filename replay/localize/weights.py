@@ -41,9 +41,15 @@ class CorruptedWeight:
 
     def as_dict(self) -> dict:
         entry: dict[str, Any] = {
-            "name": self.name, "shape": list(self.shape), "module_type": self.module_type,
-            "bad_elements": self.bad_elements, "elements": self.elements, "nan": self.nan, "pos_inf": self.pos_inf,
-            "neg_inf": self.neg_inf}
+            "name": self.name,
+            "shape": list(self.shape),
+            "module_type": self.module_type,
+            "bad_elements": self.bad_elements,
+            "elements": self.elements,
+            "nan": self.nan,
+            "pos_inf": self.pos_inf,
+            "neg_inf": self.neg_inf,
+        }
         if self.slice_kind is not None:
             entry.update(slice_kind=self.slice_kind, bad_rows=list(self.bad_rows), bad_row_count=self.bad_row_count)
         return entry
@@ -63,12 +69,24 @@ def corrupted_weights(runner: StepRunner) -> list[CorruptedWeight]:
         slices: dict[str, Any] = {}
         if values.dim() >= 1:
             rows = bad.reshape(values.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
-            slices = {"slice_kind": _slice_kind(owner, values.dim()), "bad_rows": tuple(rows[:MAX_LISTED]),
-                      "bad_row_count": len(rows)}
-        out.append(CorruptedWeight(
-            name=name, shape=tuple(values.shape), module_type=type(owner).__name__ if owner is not None else None,
-            bad_elements=int(bad.sum()), elements=values.numel(), nan=int(torch.isnan(values).sum()),
-            pos_inf=int((values == float("inf")).sum()), neg_inf=int((values == float("-inf")).sum()), **slices))
+            slices = {
+                "slice_kind": _slice_kind(owner, values.dim()),
+                "bad_rows": tuple(rows[:MAX_LISTED]),
+                "bad_row_count": len(rows),
+            }
+        out.append(
+            CorruptedWeight(
+                name=name,
+                shape=tuple(values.shape),
+                module_type=type(owner).__name__ if owner is not None else None,
+                bad_elements=int(bad.sum()),
+                elements=values.numel(),
+                nan=int(torch.isnan(values).sum()),
+                pos_inf=int((values == float("inf")).sum()),
+                neg_inf=int((values == float("-inf")).sum()),
+                **slices,
+            )
+        )
     return out
 
 
@@ -82,8 +100,9 @@ def _slice_kind(owner: Any, dims: int) -> str:
     return "rows (dim 0)"
 
 
-def samples_touching_embeddings(runner: StepRunner,
-                                corrupted: list[CorruptedWeight]) -> dict[str, list[SampleRef]] | None:
+def samples_touching_embeddings(
+    runner: StepRunner, corrupted: list[CorruptedWeight]
+) -> dict[str, list[SampleRef]] | None:
     """For each corrupted embedding weight: the samples whose input ids hold one of its bad rows. None when
     no corrupted parameter belongs to an embedding."""
     model = runner.model
@@ -99,17 +118,22 @@ def samples_touching_embeddings(runner: StepRunner,
     state = {"micro_batch": 0}
     handles = []
     for name, (owner, rows) in targets.items():
+
         def hook(module, args, name=name, rows=rows):
             ids = args[0] if args else None
             if not isinstance(ids, torch.Tensor) or ids.dim() < 1:
                 return
             weight = module.weight
-            bad_ids = (~torch.isfinite(weight.detach()).reshape(weight.shape[0], -1).all(dim=1)).nonzero().flatten() \
-                if rows is None else torch.tensor(rows, device=ids.device)
+            bad_ids = (
+                (~torch.isfinite(weight.detach()).reshape(weight.shape[0], -1).all(dim=1)).nonzero().flatten()
+                if rows is None
+                else torch.tensor(rows, device=ids.device)
+            )
             hit = torch.isin(ids, bad_ids.to(ids.device))
             hit = hit.reshape(hit.shape[0], -1).any(dim=1) if hit.dim() > 1 else hit
             for row in hit.nonzero().flatten().tolist():
                 seen[name].add(SampleRef(state["micro_batch"], row))
+
         handles.append(owner.register_forward_pre_hook(hook))
 
     def forward_context(index: int):
@@ -122,5 +146,7 @@ def samples_touching_embeddings(runner: StepRunner,
         for handle in handles:
             handle.remove()
     refs = {(r.micro_batch, r.index): r for r in runner.session.sample_refs}
-    return {name: sorted((refs.get((r.micro_batch, r.index), r) for r in found), key=lambda r: (r.micro_batch, r.index))
-            for name, found in seen.items()}
+    return {
+        name: sorted((refs.get((r.micro_batch, r.index), r) for r in found), key=lambda r: (r.micro_batch, r.index))
+        for name, found in seen.items()
+    }

@@ -76,6 +76,7 @@ class StepResult:
         if self.grad_norm is None or not self.micro_batches_run:
             return self.grad_norm
         return self.grad_norm * self.micro_batches_total / self.micro_batches_run
+
     error: str | None = None
     """With anomaly=True: the RuntimeError autograd anomaly mode raised (else None)."""
     raised: dict | None = None
@@ -132,8 +133,11 @@ class StepResult:
         """The replayed counterpart of the trigger's recorded value (None: the kind has none)."""
         if kind.replayed is ReplayedQuantity.GRAD_NORM:
             return self.grad_norm
-        if kind.replayed is ReplayedQuantity.MICRO_BATCH_LOSS and isinstance(micro_batch, int) \
-                and micro_batch < len(self.losses):
+        if (
+            kind.replayed is ReplayedQuantity.MICRO_BATCH_LOSS
+            and isinstance(micro_batch, int)
+            and micro_batch < len(self.losses)
+        ):
             return self.losses[micro_batch]
         if kind.replayed in (ReplayedQuantity.MICRO_BATCH_LOSS, ReplayedQuantity.STEP_LOSS):
             return self.step_loss
@@ -144,8 +148,14 @@ def raised_info(exc: BaseException, micro_batch: int, phase: Phase) -> dict:
     """What a replayed step raised: type, message, and the innermost frame (the place compared with the job's)."""
     frames = traceback.extract_tb(exc.__traceback__)
     last = frames[-1] if frames else None
-    return {"type": type(exc).__name__, "message": str(exc)[:2000], "micro_batch": micro_batch, "phase": Phase(phase).value,
-            "file": os.path.basename(last.filename) if last else None, "function": last.name if last else None}
+    return {
+        "type": type(exc).__name__,
+        "message": str(exc)[:2000],
+        "micro_batch": micro_batch,
+        "phase": Phase(phase).value,
+        "file": os.path.basename(last.filename) if last else None,
+        "function": last.name if last else None,
+    }
 
 
 def same_exception(raised: dict, recorded: dict | None) -> bool:
@@ -156,15 +166,18 @@ def same_exception(raised: dict, recorded: dict | None) -> bool:
     the CPU's own error, and CUDA reports its asserts late, at a later op."""
     if not recorded:
         return False
-    if is_out_of_memory(recorded.get("type"), recorded.get("message")) \
-            and is_out_of_memory(raised.get("type"), raised.get("message")):
+    if is_out_of_memory(recorded.get("type"), recorded.get("message")) and is_out_of_memory(
+        raised.get("type"), raised.get("message")
+    ):
         return True
     if recorded.get("cuda_error") and _no_later_than(raised.get("phase"), recorded.get("during")):
         return True  # a device-side assert replayed elsewhere raises that device's own error (CPU: IndexError)
     frames = recorded.get("frames") or []
     last = frames[-1] if frames and isinstance(frames[-1], dict) else {}
-    same_place = not last or (raised.get("function") == last.get("function")
-                              and raised.get("file") == os.path.basename(str(last.get("file") or "")))
+    same_place = not last or (
+        raised.get("function") == last.get("function")
+        and raised.get("file") == os.path.basename(str(last.get("file") or ""))
+    )
     return raised.get("type") == recorded.get("type") and same_place
 
 
@@ -187,8 +200,10 @@ def any_nonfinite(tensors: Iterable[torch.Tensor]) -> list[bool]:
     if not tensors:
         return []
     sums = torch.stack([_finite_sum(t) for t in tensors])
-    return [bool(suspect) and not bool(torch.isfinite(t).all())
-            for t, suspect in zip(tensors, (~torch.isfinite(sums)).tolist())]
+    return [
+        bool(suspect) and not bool(torch.isfinite(t).all())
+        for t, suspect in zip(tensors, (~torch.isfinite(sums)).tolist())
+    ]
 
 
 def _finite_sum(tensor: torch.Tensor) -> torch.Tensor:
@@ -229,15 +244,20 @@ class StepRunner:
         self.model = session.model
         state_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
         crowded = _copy_would_crowd_gpu(state_bytes, session.device)
-        self._reload = session.pre_step_weights if session.pre_step_weights is not None and (
-            crowded or state_bytes > RELOAD_MIN_BYTES) else None
+        self._reload = (
+            session.pre_step_weights
+            if session.pre_step_weights is not None and (crowded or state_bytes > RELOAD_MIN_BYTES)
+            else None
+        )
         """Large model replayed from a dump: every reset re-reads the pre-step weights from the dump (pread)
         (page cache, disk speed) instead of keeping a second copy of the model in memory."""
         self._initial: dict[str, torch.Tensor] | None = None
         if self._reload is None:
             where = torch.device("cpu") if (crowded if keep_initial_on_cpu is None else keep_initial_on_cpu) else None
-            self._initial = {k: (v.detach().to(where, copy=True) if where else v.detach().clone())
-                             for k, v in self.model.state_dict().items()}
+            self._initial = {
+                k: (v.detach().to(where, copy=True) if where else v.detach().clone())
+                for k, v in self.model.state_dict().items()
+            }
         self.param_names = [n for n, _ in self.model.named_parameters()]
         self._dtypes = {n: t.dtype for n, t in self._live_tensors()}
         flags = any_nonfinite(p.detach() for _, p in self.model.named_parameters())
@@ -307,8 +327,9 @@ class StepRunner:
 
     def own_grad_norms(self, module: torch.nn.Module) -> list[torch.Tensor]:
         """The fp32 gradient norm of each of `module`'s own parameters (not its children's) holding one."""
-        return [torch.linalg.vector_norm(p.grad.float()) for p in module.parameters(recurse=False)
-                if p.grad is not None]
+        return [
+            torch.linalg.vector_norm(p.grad.float()) for p in module.parameters(recurse=False) if p.grad is not None
+        ]
 
     def keeping_gradients(self) -> ContextManager:
         """Within: run(keep_grads=True) keeps the gradients themselves for `gradients()` (a streamed runner otherwise
@@ -335,8 +356,9 @@ class StepRunner:
             return torch.autocast(device_type=device_type, dtype=dtype)
         except RuntimeError as exc:  # e.g. a dtype this device's autocast does not support
             if not self._warned_autocast:
-                self.session.warnings.append(f"autocast({device_type}, {dtype}) is not available here ({exc}); "
-                                             "replaying with bfloat16 autocast")
+                self.session.warnings.append(
+                    f"autocast({device_type}, {dtype}) is not available here ({exc}); replaying with bfloat16 autocast"
+                )
                 self._warned_autocast = True
             return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
 
@@ -356,8 +378,9 @@ class StepRunner:
             return
         device = self.session.device
         if device.type == "cuda" and self.session.source_cuda_device is not None:
-            restore_rng(states[index], source_device=int(self.session.source_cuda_device),
-                        target_device=device.index or 0)
+            restore_rng(
+                states[index], source_device=int(self.session.source_cuda_device), target_device=device.index or 0
+            )
         else:
             restore_rng(states[index])
 
@@ -378,14 +401,23 @@ class StepRunner:
         self.session.warnings.append(
             f"some subsets of the samples cannot run without the rest of their micro-batch ({raised['type']}: "
             f"{str(raised['message'])[:160]}; e.g. BatchNorm needs more than one sample): those runs count as "
-            "healthy in bisection and show no loss in the per-sample table")
+            "healthy in bisection and show no loss in the per-sample table"
+        )
 
     # -- running -------------------------------------------------------------------------------
-    def run(self, samples: list[SampleRef] | None = None, *, fp32: bool = False, anomaly: bool = False,
-            restore_rng: bool = True, backward: bool = True,
-            forward_context: Callable[[int], ContextManager] | None = None,
-            on_loss: Callable[[int, torch.Tensor], None] | None = None,
-            keep_grads: bool = False, anomaly_check_nan: bool = True) -> StepResult:
+    def run(
+        self,
+        samples: list[SampleRef] | None = None,
+        *,
+        fp32: bool = False,
+        anomaly: bool = False,
+        restore_rng: bool = True,
+        backward: bool = True,
+        forward_context: Callable[[int], ContextManager] | None = None,
+        on_loss: Callable[[int, torch.Tensor], None] | None = None,
+        keep_grads: bool = False,
+        anomaly_check_nan: bool = True,
+    ) -> StepResult:
         """Runs the step once from the pre-step weights.
 
         Args:
@@ -425,7 +457,8 @@ class StepRunner:
             fp32=fp32,
             samples=list(samples) if samples is not None else None,
             step_loss=sum(v for v in losses if v is not None) / session.loss_divisor if losses else None,
-            micro_batches_run=sum(v is not None for v in losses), micro_batches_total=len(session.micro_batches),
+            micro_batches_run=sum(v is not None for v in losses),
+            micro_batches_total=len(session.micro_batches),
             error=done.error,
             anomaly_warnings=done.anomaly_text,
             raised=done.raised,
@@ -447,6 +480,7 @@ class StepRunner:
         """One forward of the step (or `samples`) with each micro-batch's forward under `mode` (a dispatch mode that
         measures); False, with `what` could not be measured logged, when the run raised. A measurement never stops the
         replay."""
+
         @contextlib.contextmanager
         def measured(_micro_batch: int) -> Iterator[None]:
             with mode:
@@ -470,8 +504,9 @@ class StepRunner:
                 if tensor.is_floating_point() and tensor.dtype != torch.float32:
                     tensor.data = tensor.data.to(torch.float32)
 
-    def _run_micro_batches(self, selected: dict[int, list[int]] | None, scale: torch.Tensor | None,
-                           options: _PassOptions) -> _PassOutcome:
+    def _run_micro_batches(
+        self, selected: dict[int, list[int]] | None, scale: torch.Tensor | None, options: _PassOptions
+    ) -> _PassOutcome:
         """Forward (and backward) of each micro-batch in order, under anomaly mode / the FSDP2 compute dtypes when
         asked; stops at the first exception of a step that raised (or of a subset the model cannot run alone)."""
         session = self.session
@@ -490,15 +525,19 @@ class StepRunner:
                     if not self._run_micro_batch(i, None if selected is None else selected[i], scale, options, done):
                         break
         finally:
-            done.anomaly_text = [str(w.message) for w in caught if "anomaly" in str(w.message).lower()
-                                 or "Traceback of forward call" in str(w.message)]
+            done.anomaly_text = [
+                str(w.message)
+                for w in caught
+                if "anomaly" in str(w.message).lower() or "Traceback of forward call" in str(w.message)
+            ]
             for w in caught:  # re-emit what was not ours to swallow
                 if str(w.message) not in done.anomaly_text:
                     logger.debug("warning during replay: %s", w.message)
         return done
 
-    def _run_micro_batch(self, i: int, indices: list[int] | None, scale: torch.Tensor | None,
-                         options: _PassOptions, done: _PassOutcome) -> bool:
+    def _run_micro_batch(
+        self, i: int, indices: list[int] | None, scale: torch.Tensor | None, options: _PassOptions, done: _PassOutcome
+    ) -> bool:
         """Micro-batch `i` (only `indices`, when given): its loss appended to `done`; False when the pass stops here
         (anomaly mode's error in backward, or an exception recorded in `done.raised`)."""
         session, model = self.session, self.model
@@ -511,8 +550,10 @@ class StepRunner:
             with extra, self.autocast_context(options.fp32):
                 loss = session.loss_fn(model, batch)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise ReplayError(f"the loss function returned {type(loss).__name__} "
-                                  f"{getattr(loss, 'shape', '')}, not a scalar tensor")
+                raise ReplayError(
+                    f"the loss function returned {type(loss).__name__} "
+                    f"{getattr(loss, 'shape', '')}, not a scalar tensor"
+                )
             done.losses.append(float(loss.detach().float().reshape(())))
             if options.on_loss is not None:
                 options.on_loss(i, loss)
@@ -647,16 +688,22 @@ def reproduce(runner: StepRunner, max_attempts: int = 3, tolerance: float = DEFA
     # shards); one rank replayed alone cannot produce it, so only the losses are compared.
     norm_reason = None
     if session.world_size > 1:
-        norm_reason = (f"the recorded grad norm covers all {session.world_size} ranks' gradients; a one-rank "
-                       "replay computes this rank's only, so fidelity compares the per-micro-batch losses")
+        norm_reason = (
+            f"the recorded grad norm covers all {session.world_size} ranks' gradients; a one-rank "
+            "replay computes this rank's only, so fidelity compares the per-micro-batch losses"
+        )
     unit = explaining_factor(recorded_norm, result.grad_norm, recorded_factors(session))
     if norm_reason is None and unit is not None:
-        norm_reason = (f"{unit.words()}: the job measured it in other units, so fidelity compares the per-micro-batch "
-                       "losses")
+        norm_reason = (
+            f"{unit.words()}: the job measured it in other units, so fidelity compares the per-micro-batch losses"
+        )
     norm_compared = recorded_norm is not None and norm_reason is None
     compared = any(a is not None for a in recorded) or norm_compared
-    bitwise = compared and all(_same(a, b) for a, b in zip(recorded, replayed) if a is not None) and \
-        (not norm_compared or _same(recorded_norm, result.grad_norm))
+    bitwise = (
+        compared
+        and all(_same(a, b) for a, b in zip(recorded, replayed) if a is not None)
+        and (not norm_compared or _same(recorded_norm, result.grad_norm))
+    )
     mode = FidelityMode.BITWISE if session.expect_bitwise else FidelityMode.TOLERANCE
     fidelity = {
         "mode": mode.value,
@@ -669,19 +716,23 @@ def reproduce(runner: StepRunner, max_attempts: int = 3, tolerance: float = DEFA
         "replayed_grad_norm": result.grad_norm,
         "bitwise_equal": bitwise,
         "grad_norm_compared": norm_compared,
-        "grad_norm_reason": norm_reason if norm_reason is not None
+        "grad_norm_reason": norm_reason
+        if norm_reason is not None
         else (None if norm_compared else "the job recorded no grad norm"),
     }
     if mode is FidelityMode.TOLERANCE:
-        fidelity["within_tolerance"] = all(_close(a, b, tolerance) for a, b in zip(recorded, replayed)
-                                           if a is not None)
+        fidelity["within_tolerance"] = all(_close(a, b, tolerance) for a, b in zip(recorded, replayed) if a is not None)
     if not reproduced:
-        logger.warning("the %s trigger did not reproduce in %d attempt(s); recorded losses %s, replayed %s",
-                       kind, attempts, recorded, replayed)
+        logger.warning(
+            "the %s trigger did not reproduce in %d attempt(s); recorded losses %s, replayed %s",
+            kind,
+            attempts,
+            recorded,
+            replayed,
+        )
     elif mode is FidelityMode.BITWISE and not bitwise and any(a is not None for a in recorded):
         logger.warning("reproduced, but not bitwise: recorded %s, replayed %s", recorded, replayed)
     return Reproduction(reproduced=reproduced, result=result, fidelity=fidelity, attempts=attempts)
 
 
-__all__ = ["SampleRef", "StepResult", "StepRunner", "Reproduction", "reproduce", "any_nonfinite",
-           "DEFAULT_TOLERANCE"]
+__all__ = ["SampleRef", "StepResult", "StepRunner", "Reproduction", "reproduce", "any_nonfinite", "DEFAULT_TOLERANCE"]

@@ -28,11 +28,27 @@ from forensics.thirdparty import TorchDispatchMode, tree_leaves
 
 LOW = (torch.float16, torch.bfloat16)
 COMPUTE_OPS = frozenset(
-    name for name in ("mm", "addmm", "bmm", "baddbmm", "addbmm", "convolution", "_convolution", "cudnn_convolution",
-                      "mkldnn_convolution", "_scaled_dot_product_flash_attention",
-                      "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-                      "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward",
-                      "_efficient_attention_forward", "_scaled_mm") if hasattr(torch.ops.aten, name))
+    name
+    for name in (
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "addbmm",
+        "convolution",
+        "_convolution",
+        "cudnn_convolution",
+        "mkldnn_convolution",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_flash_attention_forward",
+        "_efficient_attention_forward",
+        "_scaled_mm",
+    )
+    if hasattr(torch.ops.aten, name)
+)
 """The ops whose output dtype says what precision a pass computed in (matrix products, convolutions, attention)."""
 
 
@@ -57,8 +73,12 @@ class Fp32Count:
         return sum(self.ops.values()) > 0 and self.low_ops == 0
 
     def as_dict(self) -> dict:
-        return {"ops": dict(sorted(self.ops.items())), "held_casts": self.held_casts,
-                "held_autocasts": self.held_autocasts, "verified": self.verified}
+        return {
+            "ops": dict(sorted(self.ops.items())),
+            "held_casts": self.held_casts,
+            "held_autocasts": self.held_autocasts,
+            "verified": self.verified,
+        }
 
 
 class _HoldToFp32(TorchDispatchMode):

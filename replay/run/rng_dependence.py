@@ -47,8 +47,9 @@ def _seed_everything(seed: int) -> None:
     np.random.seed(seed % 2**32)
 
 
-def check_rng_dependence(runner: StepRunner, kind: str, threshold: float | None = None,
-                         seeds: tuple[int, ...] = DEFAULT_SEEDS) -> RngBlock:
+def check_rng_dependence(
+    runner: StepRunner, kind: str, threshold: float | None = None, seeds: tuple[int, ...] = DEFAULT_SEEDS
+) -> RngBlock:
     """Re-runs the whole step from other seeds (recorded RNG not restored) and says whether it still fails.
 
     Args:

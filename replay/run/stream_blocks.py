@@ -39,8 +39,13 @@ _FORWARD = torch.nn.Linear.forward.__name__  # the method nn.Module.__call__ run
 class BlockStreamer:
     """Materialises the streamed blocks' weights from the dump on demand, at most `plan.resident_blocks` at once."""
 
-    def __init__(self, model: torch.nn.Module, plan: StreamPlan, read: Callable[..., Iterator[tuple[str, torch.Tensor]]],
-                 device: torch.device):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        plan: StreamPlan,
+        read: Callable[..., Iterator[tuple[str, torch.Tensor]]],
+        device: torch.device,
+    ):
         self.model, self.plan, self.device = model, plan, device
         self.modules = [model.get_submodule(b.name) for b in plan.blocks]
         self.params = {n: model.get_parameter(n) for b in plan.blocks for n in b.params}
@@ -115,8 +120,10 @@ class BlockStreamer:
         """K from the bytes block `index` takes in the dtypes `key` (the dtypes change between passes: fp32 re-run)."""
         size = self._sizes.get(key)
         if size is None:
-            size = sum(self.rest[n].numel() * torch.empty((), dtype=d).element_size()
-                       for n, d in zip(self.plan.blocks[index].params, key))
+            size = sum(
+                self.rest[n].numel() * torch.empty((), dtype=d).element_size()
+                for n, d in zip(self.plan.blocks[index].params, key)
+            )
             self._sizes[key] = size
         capacity = self.plan.blocks_fitting(size) if self.plan.room > 0 else self.plan.resident_blocks
         self.capacity = max(1, capacity)
@@ -166,8 +173,11 @@ class BlockStreamer:
         for name in self.plan.blocks[index].params:
             tensor = tensors.get(name)
             if tensor is None or tuple(tensor.shape) != tuple(self.rest[name].shape):
-                raise DumpCorruptError(f"the dump's weight {name!r} changed while it was replayed (missing or another "
-                                       "shape on a second read)", "model.safetensors")
+                raise DumpCorruptError(
+                    f"the dump's weight {name!r} changed while it was replayed (missing or another "
+                    "shape on a second read)",
+                    "model.safetensors",
+                )
 
     def _read_ahead(self, index: int) -> None:
         if not self.plan.read_ahead:
@@ -368,7 +378,7 @@ class GradStore:
             self.pinned_bytes += size
         start = slab[1]
         slab[1] += span
-        return slab[0][start:start + nbytes].view(like.dtype).view(like.shape)
+        return slab[0][start : start + nbytes].view(like.dtype).view(like.shape)
 
     def _pinned_slab(self, size: int) -> torch.Tensor:
         """`size` bytes of page-locked memory: ordinary memory faulted in by torch's threads, then registered with
@@ -445,8 +455,9 @@ class _BlockCall:
         leaves, spec = tree_flatten((args, kwargs))
         positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         box: dict[str, Any] = {}
-        outputs = _StreamedBlock.apply(self, box, (leaves, spec, positions), self.streamer.anchor,
-                                       *[leaves[i] for i in positions])
+        outputs = _StreamedBlock.apply(
+            self, box, (leaves, spec, positions), self.streamer.anchor, *[leaves[i] for i in positions]
+        )
         out_leaves = list(box["leaves"])
         for position, tensor in zip(box["positions"], outputs):
             out_leaves[position] = tensor
@@ -497,15 +508,20 @@ class _StreamedBlock(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):
         call, streamer = ctx.call, ctx.call.streamer
         needs = ctx.needs_input_grad[4:]
-        inputs = [t.detach().requires_grad_(need) if need else t.detach()
-                  for t, need in zip(ctx.saved_tensors, needs)]
+        inputs = [t.detach().requires_grad_(need) if need else t.detach() for t, need in zip(ctx.saved_tensors, needs)]
         devices = [streamer.device.index or 0] if ctx.cuda_rng is not None else []
         enabled, dtype = ctx.autocast
         streamer.direction = -1
-        autocast = torch.autocast(ctx.device_type, dtype=dtype, enabled=enabled) if dtype is not None \
+        autocast = (
+            torch.autocast(ctx.device_type, dtype=dtype, enabled=enabled)
+            if dtype is not None
             else contextlib.nullcontext()
-        watch = streamer.recompute_context(call.index) if streamer.recompute_context is not None \
+        )
+        watch = (
+            streamer.recompute_context(call.index)
+            if streamer.recompute_context is not None
             else contextlib.nullcontext()
+        )
         with torch.random.fork_rng(devices=devices), torch.enable_grad(), autocast, watch:
             torch.set_rng_state(ctx.cpu_rng)
             if ctx.cuda_rng is not None:

@@ -178,8 +178,9 @@ class StreamedStepRunner(StepRunner):
 
     def gradient_names(self) -> list[str]:
         kept = self.streamer.grads.kept
-        return [n for n, p in self.model.named_parameters()
-                if ((n in kept) if n in self._streamed else p.grad is not None)]
+        return [
+            n for n, p in self.model.named_parameters() if ((n in kept) if n in self._streamed else p.grad is not None)
+        ]
 
     def gradients(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """Each parameter holding a gradient, its block materialised and its kept gradient on the device while the
@@ -225,24 +226,45 @@ class StreamedStepRunner(StepRunner):
             loss = result.losses[ref.micro_batch] if ref.micro_batch < len(result.losses) else None
             norm = None if result.grad_norm is None else result.grad_norm * self.session.loss_divisor
             if result.raised is not None:
-                rows.append({"sample_id": ref.sample_id, "micro_batch": ref.micro_batch, "index": ref.index,
-                             "loss": None, "grad_norm": None, "finite": False,
-                             "error": f"{result.raised['type']}: {result.raised['message']}"})
+                rows.append(
+                    {
+                        "sample_id": ref.sample_id,
+                        "micro_batch": ref.micro_batch,
+                        "index": ref.index,
+                        "loss": None,
+                        "grad_norm": None,
+                        "finite": False,
+                        "error": f"{result.raised['type']}: {result.raised['message']}",
+                    }
+                )
                 continue
             finite = loss is not None and math.isfinite(loss) and (norm is None or math.isfinite(norm))
-            rows.append({"sample_id": ref.sample_id, "micro_batch": ref.micro_batch, "index": ref.index,
-                         "loss": loss, "grad_norm": norm, "finite": finite})
+            rows.append(
+                {
+                    "sample_id": ref.sample_id,
+                    "micro_batch": ref.micro_batch,
+                    "index": ref.index,
+                    "loss": loss,
+                    "grad_norm": norm,
+                    "finite": finite,
+                }
+            )
         self.reset()
         return rows
 
     def stream_report(self) -> dict:
         """The report's `stream` block: the plan and what the replay did with it."""
-        return {**self.plan.as_dict(), "peak_blocks_materialised": self.streamer.peak,
-                "block_reads": self.streamer.reader.reads, "read_ahead_used": self.streamer.reader.hits,
-                "blocks_cast_not_read": self.streamer.casts, "evicted_for_memory": self.streamer.memory_evictions,
-                "gradient_host_bytes": self.streamer.grads.host_bytes,
-                "gradient_pinned_bytes": self.streamer.grads.pinned_bytes,
-                "gradient_host_alloc_seconds": round(self.streamer.grads.alloc_seconds, 3)}
+        return {
+            **self.plan.as_dict(),
+            "peak_blocks_materialised": self.streamer.peak,
+            "block_reads": self.streamer.reader.reads,
+            "read_ahead_used": self.streamer.reader.hits,
+            "blocks_cast_not_read": self.streamer.casts,
+            "evicted_for_memory": self.streamer.memory_evictions,
+            "gradient_host_bytes": self.streamer.grads.host_bytes,
+            "gradient_pinned_bytes": self.streamer.grads.pinned_bytes,
+            "gradient_host_alloc_seconds": round(self.streamer.grads.alloc_seconds, 3),
+        }
 
 
 def runner_for(session: ReplaySession) -> StepRunner:
@@ -250,15 +272,27 @@ def runner_for(session: ReplaySession) -> StepRunner:
     return StreamedStepRunner(session) if session.stream is not None else StepRunner(session)
 
 
-def expected_passes(session: ReplaySession, *, bisect: bool = True, rng_check: bool = True, fp32_check: bool = True,
-                    remedies: bool = True) -> int:
+def expected_passes(
+    session: ReplaySession,
+    *,
+    bisect: bool = True,
+    rng_check: bool = True,
+    fp32_check: bool = True,
+    remedies: bool = True,
+) -> int:
     """About how many passes a replay of this session takes: reproduce, localise and per-layer statistics (3), other
     seeds (3), bisection (about 2 log2(samples) + 2), the fp32 re-run, the per-sample rows, the remedies (about 7).
     The plan's estimate: a step that does not reproduce stops earlier, one whose samples fail only together bisects
     longer."""
     samples = max(1, len(session.sample_refs))
-    return (3 + 3 * rng_check + (2 * samples.bit_length() + 2) * bisect + fp32_check
-            + min(samples, STREAMED_PER_SAMPLE) + 7 * remedies)
+    return (
+        3
+        + 3 * rng_check
+        + (2 * samples.bit_length() + 2) * bisect
+        + fp32_check
+        + min(samples, STREAMED_PER_SAMPLE)
+        + 7 * remedies
+    )
 
 
 __all__ = ["StreamedStepRunner", "expected_passes", "runner_for", "STREAMED_PER_SAMPLE"]

@@ -48,8 +48,9 @@ def recorded_factors(session: ReplaySession) -> list[tuple[str, float]]:
     return factors
 
 
-def explaining_factor(recorded: float | None, replayed: float | None,
-                      factors: list[tuple[str, float]]) -> UnitFactor | None:
+def explaining_factor(
+    recorded: float | None, replayed: float | None, factors: list[tuple[str, float]]
+) -> UnitFactor | None:
     """The recorded factor that recorded / replayed equals (or its inverse), within TOLERANCE; None when none does
     or either number is missing, zero or non-finite."""
     if not _positive(recorded) or not _positive(replayed):
@@ -98,12 +99,17 @@ def to_replay_units(session: ReplaySession, replayed_norm: float | None) -> bool
         return False
     divide = unit.value
     session.trigger = replace(
-        trigger, value=value / divide, threshold=trigger.threshold / divide if trigger.threshold else None,
-        detail=f"{trigger.detail} (recorded on scaled gradients; / loss scale {divide:g} here)")
+        trigger,
+        value=value / divide,
+        threshold=trigger.threshold / divide if trigger.threshold else None,
+        detail=f"{trigger.detail} (recorded on scaled gradients; / loss scale {divide:g} here)",
+    )
     if session.recorded_grad_norm is not None:
         session.recorded_grad_norm = session.recorded_grad_norm / divide
     session.grad_norms_scaled = True
-    session.warnings.append(f"the recorded grad norm {trigger.value:.4g} was measured on gradients still scaled by "
-                            f"the GradScaler ({unit.words()}); replay compares unscaled values: recorded value and "
-                            "threshold are divided by the loss scale")
+    session.warnings.append(
+        f"the recorded grad norm {trigger.value:.4g} was measured on gradients still scaled by "
+        f"the GradScaler ({unit.words()}); replay compares unscaled values: recorded value and "
+        "threshold are divided by the loss scale"
+    )
     return True

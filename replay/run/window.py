@@ -94,8 +94,13 @@ def dump_snapshot(dump: Any, enabled: bool, trust: bool) -> tuple[Checkpoint | N
     if not trust:
         return None, SnapshotUnused(step, no_data_recipe=False)
     files = spec.SNAPSHOT_STATE
-    return Checkpoint(dump.model_state(files), dump.optimizer_state(files), True, step,
-                      f"the Guard's host snapshot of step {step} (in the dump)"), None
+    return Checkpoint(
+        dump.model_state(files),
+        dump.optimizer_state(files),
+        True,
+        step,
+        f"the Guard's host snapshot of step {step} (in the dump)",
+    ), None
 
 
 def _safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -108,28 +113,38 @@ def _torch_load(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # an unpickler refusal or a damaged file: the user's input
-        raise DumpError(f"cannot read {path} as a weights-only torch.save file ({type(exc).__name__}: "
-                        f"{str(exc)[:200]}); forensics never unpickles code: save tensors and plain containers, "
-                        "or a safetensors file") from exc
+        raise DumpError(
+            f"cannot read {path} as a weights-only torch.save file ({type(exc).__name__}: "
+            f"{str(exc)[:200]}); forensics never unpickles code: save tensors and plain containers, "
+            "or a safetensors file"
+        ) from exc
 
 
 def _torch_file(path: Path) -> Checkpoint:
     data = _torch_load(path)
     if isinstance(data, dict) and isinstance(data.get("model"), dict):
         step = data.get("step")
-        return Checkpoint(dict(data["model"]), data.get("optimizer"), False,
-                          int(step) if isinstance(step, int) else None, f"torch.save file {path}")
+        return Checkpoint(
+            dict(data["model"]),
+            data.get("optimizer"),
+            False,
+            int(step) if isinstance(step, int) else None,
+            f"torch.save file {path}",
+        )
     if isinstance(data, dict) and all(isinstance(v, torch.Tensor) for v in data.values()):
         return Checkpoint(dict(data), None, False, None, f"torch.save file {path}")
     raise DumpError(f"{path} holds neither a state dict nor {{'model': state_dict, 'optimizer': ...}}")
 
 
 def _hf_directory(path: Path) -> Checkpoint:
-    weights = next((path / n for n in ("model.safetensors", "pytorch_model.bin", "model.pt") if (path / n).is_file()),
-                   None)
+    weights = next(
+        (path / n for n in ("model.safetensors", "pytorch_model.bin", "model.pt") if (path / n).is_file()), None
+    )
     if weights is None:
-        raise DumpError(f"{path} is not a checkpoint directory forensics reads: no model.safetensors, "
-                        "pytorch_model.bin or model.pt (nor a forensics dump)")
+        raise DumpError(
+            f"{path} is not a checkpoint directory forensics reads: no model.safetensors, "
+            "pytorch_model.bin or model.pt (nor a forensics dump)"
+        )
     model = _safetensors(weights) if weights.suffix == ".safetensors" else _torch_load(weights)
     optimizer = next((path / n for n in ("optimizer.pt", "optimizer.bin") if (path / n).is_file()), None)
     step = None
@@ -139,8 +154,9 @@ def _hf_directory(path: Path) -> Checkpoint:
             step = int(json.loads(state.read_text())["global_step"])
         except (ValueError, KeyError, TypeError):
             step = None
-    return Checkpoint(dict(model), _torch_load(optimizer) if optimizer else None, False, step,
-                      f"checkpoint directory {path}")
+    return Checkpoint(
+        dict(model), _torch_load(optimizer) if optimizer else None, False, step, f"checkpoint directory {path}"
+    )
 
 
 @dataclass
@@ -152,24 +168,34 @@ class DataRecipe:
         try:
             return self.collate([self.dataset[i] for i in ids])
         except Exception as exc:  # the user's dataset on recorded ids
-            raise RecipeError(f"the data recipe could not rebuild a micro-batch from sample ids {ids[:8]}: "
-                              f"{type(exc).__name__}: {str(exc)[:200]}") from exc
+            raise RecipeError(
+                f"the data recipe could not rebuild a micro-batch from sample ids {ids[:8]}: "
+                f"{type(exc).__name__}: {str(exc)[:200]}"
+            ) from exc
 
 
-def data_recipe(recipe: dict | None, trust: bool, sys_path: list[str],
-                job_dirs: tuple[str, ...] | list[str] = ()) -> DataRecipe:
+def data_recipe(
+    recipe: dict | None, trust: bool, sys_path: list[str], job_dirs: tuple[str, ...] | list[str] = ()
+) -> DataRecipe:
     """The dump's data recipe (trust only); `sys_path` (--path) in front of sys.path, `job_dirs` (the job's recorded
     directories) at its end (replay.load.recipe)."""
     if not recipe:
-        raise RecipeError("the dump has no data recipe, so the recorded steps' micro-batches cannot be rebuilt: "
-                          "set GuardConfig(dumping=DumpConfig(data_recipe={'dataset': 'pkg.mod:make_dataset', ...})) in the job")
+        raise RecipeError(
+            "the dump has no data recipe, so the recorded steps' micro-batches cannot be rebuilt: "
+            "set GuardConfig(dumping=DumpConfig(data_recipe={'dataset': 'pkg.mod:make_dataset', ...})) in the job"
+        )
     if not trust:
-        raise RecipeError(f"the dump's data recipe imports {recipe.get('dataset')!r}"
-                          + (f" and {recipe.get('collate')!r}" if recipe.get("collate") else "")
-                          + "; pass --trust to allow it (it runs that code)")
+        raise RecipeError(
+            f"the dump's data recipe imports {recipe.get('dataset')!r}"
+            + (f" and {recipe.get('collate')!r}" if recipe.get("collate") else "")
+            + "; pass --trust to allow it (it runs that code)"
+        )
     make = import_object(recipe["dataset"], "data recipe", sys_path, job_dirs)
-    collate = import_object(recipe["collate"], "collate function", sys_path, job_dirs) if recipe.get("collate") \
+    collate = (
+        import_object(recipe["collate"], "collate function", sys_path, job_dirs)
+        if recipe.get("collate")
         else torch.utils.data.default_collate
+    )
     return DataRecipe(make(**(recipe.get("dataset_kwargs") or {})), collate)
 
 
@@ -191,9 +217,15 @@ class StepOutcome:
         return {k: v for k, v in self.__dict__.items() if k != "raised"}
 
 
-def replay_window(session: ReplaySession, dump: Any, checkpoint: Checkpoint, start: int, data: DataRecipe,
-                  progress: Callable[[str], None], through_dumped: bool = False
-                  ) -> tuple[list[StepOutcome], ReplaySession | None]:
+def replay_window(
+    session: ReplaySession,
+    dump: Any,
+    checkpoint: Checkpoint,
+    start: int,
+    data: DataRecipe,
+    progress: Callable[[str], None],
+    through_dumped: bool = False,
+) -> tuple[list[StepOutcome], ReplaySession | None]:
     """Re-executes steps start .. dump.step - 1 from the checkpoint (.. dump.step itself with `through_dumped`: a
     dump without pre-step state, whose step is rebuilt from its sample IDs). Returns each step's outcome and, for
     the step that broke the run (the last outcome, with `broke` set), a ReplaySession of that step from its
@@ -206,9 +238,11 @@ def replay_window(session: ReplaySession, dump: Any, checkpoint: Checkpoint, sta
     missing = [s for s in needed if s not in rows]
     if missing:
         held = f"steps {min(rows)}..{max(rows)}" if rows else "no steps"
-        raise DumpError(f"the dump's flight recorder holds {held}; replaying from step {start} needs steps "
-                        f"{missing[:5]}{' ...' if len(missing) > 5 else ''}. Use a checkpoint taken later, or "
-                        "raise GuardConfig.recording.window_steps")
+        raise DumpError(
+            f"the dump's flight recorder holds {held}; replaying from step {start} needs steps "
+            f"{missing[:5]}{' ...' if len(missing) > 5 else ''}. Use a checkpoint taken later, or "
+            "raise GuardConfig.recording.window_steps"
+        )
     model = session.model
     _load_weights(model, checkpoint)
     optimizer = _optimizer(session, checkpoint)
@@ -227,10 +261,20 @@ def replay_window(session: ReplaySession, dump: Any, checkpoint: Checkpoint, sta
             model.load_state_dict(pre_model)
             optimizer.load_state_dict(pre_optimizer)
             set_lr(optimizer, row.get("lr"))  # load_state_dict put back the lr of before this step's set_lr
-            broken = _step_session(session, model, optimizer, batches, row, outcome, outcomes, grads_ok,
-                                   dump.trigger if step == dump.step else None)
-            broken.followup = Followup(row, data, max_norm, pre_model,
-                                       _following_steps(dump, rows, step, data, session.device))
+            broken = _step_session(
+                session,
+                model,
+                optimizer,
+                batches,
+                row,
+                outcome,
+                outcomes,
+                grads_ok,
+                dump.trigger if step == dump.step else None,
+            )
+            broken.followup = Followup(
+                row, data, max_norm, pre_model, _following_steps(dump, rows, step, data, session.device)
+            )
             return outcomes, broken
     return outcomes, None
 
@@ -241,9 +285,15 @@ def dumped_row(dump: Any) -> dict:
     steps, rates = history.get("step") or [], history.get("lr") or []
     lr = rates[-1] if steps and steps[-1] == dump.step and len(rates) == len(steps) else None
     loss = dump.manifest.get("loss") or {}
-    return {"step": dump.step, "sample_ids": [dump.sample_ids(i) or None for i in range(dump.num_micro_batches)],
-            "rng": [dump.rng_state(i) for i in range(dump.num_micro_batches)], "lr": lr,
-            "divisor": loss.get("divisor"), "loss": loss.get("step_loss"), "grad_norm": loss.get("grad_norm")}
+    return {
+        "step": dump.step,
+        "sample_ids": [dump.sample_ids(i) or None for i in range(dump.num_micro_batches)],
+        "rng": [dump.rng_state(i) for i in range(dump.num_micro_batches)],
+        "lr": lr,
+        "divisor": loss.get("divisor"),
+        "loss": loss.get("step_loss"),
+        "grad_norm": loss.get("grad_norm"),
+    }
 
 
 FOLLOWING_STEPS = 3
@@ -264,8 +314,9 @@ class Followup:
     """The next recorded steps (at most FOLLOWING_STEPS, the dumped step included): (row, micro-batches)."""
 
 
-def _following_steps(dump: Any, rows: dict[int, dict], broke: int, data: DataRecipe, device: torch.device
-               ) -> list[tuple[dict, list]]:
+def _following_steps(
+    dump: Any, rows: dict[int, dict], broke: int, data: DataRecipe, device: torch.device
+) -> list[tuple[dict, list]]:
     """Up to FOLLOWING_STEPS steps after `broke`: from the flight recorder, then the dumped step itself (its
     micro-batches and RNG are in the dump; its lr is the history's last)."""
     out = []
@@ -279,13 +330,22 @@ def _following_steps(dump: Any, rows: dict[int, dict], broke: int, data: DataRec
 def _ids(row: dict, step: int) -> list[list]:
     ids = row["sample_ids"]
     if any(i is None for i in ids):
-        raise DumpError(f"step {step} of the flight recorder has micro-batches without sample IDs (the loop passed "
-                        "none and the batch had no 'sample_ids' field): its data cannot be rebuilt")
+        raise DumpError(
+            f"step {step} of the flight recorder has micro-batches without sample IDs (the loop passed "
+            "none and the batch had no 'sample_ids' field): its data cannot be rebuilt"
+        )
     return ids
 
 
-def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, session: ReplaySession, batches: list,
-             row: dict, max_norm: float | None, fp32: bool = False) -> tuple[StepOutcome, bool]:
+def run_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    session: ReplaySession,
+    batches: list,
+    row: dict,
+    max_norm: float | None,
+    fp32: bool = False,
+) -> tuple[StepOutcome, bool]:
     """One recorded step: forward / backward of each micro-batch with its RNG, clipping, the update; the outcome
     says whether (and why) it broke the run, and the flag whether the gradients were finite."""
     model.train()
@@ -294,10 +354,12 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, session: 
     dtype = None if fp32 else session.autocast_dtype
     try:
         for batch, rng in zip(batches, row["rng"]):
-            restore_rng(rng, session.source_cuda_device,
-                        session.device.index if session.device.type == "cuda" else None)
-            autocast = torch.autocast(session.device.type, dtype=dtype) if dtype is not None \
-                else contextlib.nullcontext()
+            restore_rng(
+                rng, session.source_cuda_device, session.device.index if session.device.type == "cuda" else None
+            )
+            autocast = (
+                torch.autocast(session.device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+            )
             with autocast:
                 loss = session.loss_fn(model, batch)
             losses.append(float(loss.detach()))
@@ -333,13 +395,25 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, session: 
 def _raised(exc: BaseException) -> dict:
     """A step that raised during a window replay, in the manifest's `exception` form (what its replay compares)."""
     frames = traceback.extract_tb(exc.__traceback__)[-40:]
-    return {"type": type(exc).__name__, "message": str(exc)[:4000], "during": Phase.FORWARD.value,
-            "frames": [{"file": f.filename, "line": f.lineno, "function": f.name} for f in frames]}
+    return {
+        "type": type(exc).__name__,
+        "message": str(exc)[:4000],
+        "during": Phase.FORWARD.value,
+        "frames": [{"file": f.filename, "line": f.lineno, "function": f.name} for f in frames],
+    }
 
 
-def _step_session(session: ReplaySession, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list,
-                  row: dict, outcome: StepOutcome, outcomes: list[StepOutcome], grads_ok: bool,
-                  dumped_trigger: Trigger | None = None) -> ReplaySession:
+def _step_session(
+    session: ReplaySession,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: list,
+    row: dict,
+    outcome: StepOutcome,
+    outcomes: list[StepOutcome],
+    grads_ok: bool,
+    dumped_trigger: Trigger | None = None,
+) -> ReplaySession:
     """A ReplaySession of the step that broke the run (or of the dumped step, with its own `dumped_trigger`), from
     its pre-step state (model and optimizer as they were)."""
     exception = None
@@ -350,23 +424,39 @@ def _step_session(session: ReplaySession, model: torch.nn.Module, optimizer: tor
         trigger = Trigger(TriggerKind.EXCEPTION)
         exception = outcome.raised
     elif not grads_ok:
-        trigger = Trigger(TriggerKind.NONFINITE_LOSS if not math.isfinite(outcome.replayed_loss or math.nan)
-                          else TriggerKind.NONFINITE_GRAD, outcome.replayed_loss)
+        trigger = Trigger(
+            TriggerKind.NONFINITE_LOSS
+            if not math.isfinite(outcome.replayed_loss or math.nan)
+            else TriggerKind.NONFINITE_GRAD,
+            outcome.replayed_loss,
+        )
     elif not outcome.weights_finite:
         trigger = Trigger(TriggerKind.NONFINITE_PARAM, math.nan)
     else:
         earlier = sorted(o.replayed_grad_norm for o in outcomes[:-1] if o.replayed_grad_norm is not None)
         typical = earlier[len(earlier) // 2] if earlier else (outcome.replayed_grad_norm or 1.0) / 10
-        trigger = Trigger(TriggerKind.GRAD_NORM_SPIKE, outcome.replayed_grad_norm, 3 * typical,
-                          update_change=outcome.relative_change if outcome.broke else None)
+        trigger = Trigger(
+            TriggerKind.GRAD_NORM_SPIKE,
+            outcome.replayed_grad_norm,
+            3 * typical,
+            update_change=outcome.relative_change if outcome.broke else None,
+        )
     if outcome.broke:
         trigger = dataclasses.replace(trigger, detail=f"window replay: step {outcome.step}: {outcome.broke}")
-    step_session = session_from_objects(model, batches, session.loss_fn, optimizer, device=session.device,
-                                        sample_ids=[list(ids) for ids in row["sample_ids"]], rng_states=row["rng"],
-                                        loss_divisor=float(row.get("divisor") or len(batches)),
-                                        autocast=session.autocast, trigger=trigger,
-                                        recorded_losses=[None] * len(batches),
-                                        recorded_grad_norm=outcome.recorded_grad_norm)
+    step_session = session_from_objects(
+        model,
+        batches,
+        session.loss_fn,
+        optimizer,
+        device=session.device,
+        sample_ids=[list(ids) for ids in row["sample_ids"]],
+        rng_states=row["rng"],
+        loss_divisor=float(row.get("divisor") or len(batches)),
+        autocast=session.autocast,
+        trigger=trigger,
+        recorded_losses=[None] * len(batches),
+        recorded_grad_norm=outcome.recorded_grad_norm,
+    )
     step_session.capture_environment = session.capture_environment
     step_session.warnings = list(session.warnings)
     step_session.exception = exception
@@ -377,14 +467,17 @@ def _load_weights(model: torch.nn.Module, checkpoint: Checkpoint) -> None:
     state = model.state_dict()
     missing = [n for n, _ in model.named_parameters() if n not in checkpoint.model]
     if missing:
-        raise RecipeError(f"the checkpoint ({checkpoint.source}) has no weights for {missing[:5]}: it is not a "
-                          "checkpoint of this model")
+        raise RecipeError(
+            f"the checkpoint ({checkpoint.source}) has no weights for {missing[:5]}: it is not a "
+            "checkpoint of this model"
+        )
     with torch.no_grad():
         for name, tensor in checkpoint.model.items():
             if name in state:
                 if tuple(state[name].shape) != tuple(tensor.shape):
-                    raise RecipeError(f"the checkpoint's {name} is {tuple(tensor.shape)}, the model's "
-                                      f"{tuple(state[name].shape)}")
+                    raise RecipeError(
+                        f"the checkpoint's {name} is {tuple(tensor.shape)}, the model's {tuple(state[name].shape)}"
+                    )
                 state[name].copy_(tensor)
 
 
@@ -397,17 +490,23 @@ def _optimizer(session: ReplaySession, checkpoint: Checkpoint) -> torch.optim.Op
     if snapshot is None:
         raise ReplayError("the dump holds no optimizer state, so the recorded updates cannot be re-applied")
     if checkpoint.optimizer is not None and checkpoint.by_name:
-        return OptimizerSnapshot(snapshot.cls, snapshot.param_groups, checkpoint.optimizer["state"]).build(session.model)
+        return OptimizerSnapshot(snapshot.cls, snapshot.param_groups, checkpoint.optimizer["state"]).build(
+            session.model
+        )
     optimizer = OptimizerSnapshot(snapshot.cls, snapshot.param_groups, {}).build(session.model)
     if checkpoint.optimizer is None:
-        session.warnings.append("the checkpoint holds no optimizer state: the window replay starts the optimizer "
-                                "afresh (Adam moments at zero), so its trajectory only approximates the job's")
+        session.warnings.append(
+            "the checkpoint holds no optimizer state: the window replay starts the optimizer "
+            "afresh (Adam moments at zero), so its trajectory only approximates the job's"
+        )
         return optimizer
     try:
         optimizer.load_state_dict(checkpoint.optimizer)
     except Exception as exc:  # a state dict of another optimizer layout
-        raise RecipeError(f"the checkpoint's optimizer state does not fit a {snapshot.class_path} over this model "
-                          f"({type(exc).__name__}: {str(exc)[:200]})") from exc
+        raise RecipeError(
+            f"the checkpoint's optimizer state does not fit a {snapshot.class_path} over this model "
+            f"({type(exc).__name__}: {str(exc)[:200]})"
+        ) from exc
     return optimizer
 
 
@@ -423,7 +522,12 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: Any) -> None:
 
 def window_block(outcomes: list[StepOutcome], start: int, dumped_step: int, checkpoint: Checkpoint) -> dict:
     broke = outcomes[-1] if outcomes and outcomes[-1].broke else None
-    return {"checkpoint": checkpoint.source, "from_step": start, "dumped_step": dumped_step,
-            "broke_at": broke.step if broke else None, "why": broke.broke if broke else None,
-            "steps_before_crash": dumped_step - broke.step if broke else None,
-            "steps": [o.as_dict() for o in outcomes]}
+    return {
+        "checkpoint": checkpoint.source,
+        "from_step": start,
+        "dumped_step": dumped_step,
+        "broke_at": broke.step if broke else None,
+        "why": broke.broke if broke else None,
+        "steps_before_crash": dumped_step - broke.step if broke else None,
+        "steps": [o.as_dict() for o in outcomes],
+    }

@@ -22,8 +22,11 @@ from scripts.bench.common import machine, median, timed
 def cnn(blocks: int, width: int) -> torch.nn.Module:
     layers = [torch.nn.Conv2d(3, width, 3, padding=1), torch.nn.BatchNorm2d(width), torch.nn.ReLU()]
     for _ in range(blocks):
-        layers += [torch.nn.Conv2d(width, width, 3, padding=1, bias=False), torch.nn.BatchNorm2d(width),
-                   torch.nn.ReLU()]
+        layers += [
+            torch.nn.Conv2d(width, width, 3, padding=1, bias=False),
+            torch.nn.BatchNorm2d(width),
+            torch.nn.ReLU(),
+        ]
     layers += [torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(width, 10)]
     return torch.nn.Sequential(*layers)
 
@@ -38,10 +41,16 @@ def main() -> None:
     torch.manual_seed(0)
     model = cnn(blocks, width).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=tempfile.mkdtemp(),
-                                                       detection=DetectionConfig(on_nonfinite="continue")))
-    data = {"image": torch.randn(batch, 3, side, side, device=device),
-            "label": torch.randint(0, 10, (batch,), device=device), "sample_ids": list(range(batch))}
+    guard = Guard(
+        model,
+        optimizer,
+        config=GuardConfig(dump_dir=tempfile.mkdtemp(), detection=DetectionConfig(on_nonfinite="continue")),
+    )
+    data = {
+        "image": torch.randn(batch, 3, side, side, device=device),
+        "label": torch.randint(0, 10, (batch,), device=device),
+        "sample_ids": list(range(batch)),
+    }
 
     def steps() -> None:
         for _ in range(args.steps):
@@ -69,13 +78,21 @@ def main() -> None:
     plain = median([timed(lambda: flat.copy_(source), device) for _ in range(50)])
     guard.close()
     step = {mode: median(values) for mode, values in times.items()}
-    print(json.dumps({
-        "machine": machine(), "buffers": len(live), "buffer_bytes": nbytes,
-        "step_ms": {mode: round(1e3 * t, 3) for mode, t in step.items()},
-        "step_ratio_copied_over_not": round(step["buffers copied"] / step["buffers not copied"], 4),
-        "copy_ms": round(1e3 * take, 4), "one_plain_copy_of_the_same_bytes_ms": round(1e3 * plain, 4),
-        "copy_share_of_step": round(take / step["buffers not copied"], 5),
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "machine": machine(),
+                "buffers": len(live),
+                "buffer_bytes": nbytes,
+                "step_ms": {mode: round(1e3 * t, 3) for mode, t in step.items()},
+                "step_ratio_copied_over_not": round(step["buffers copied"] / step["buffers not copied"], 4),
+                "copy_ms": round(1e3 * take, 4),
+                "one_plain_copy_of_the_same_bytes_ms": round(1e3 * plain, 4),
+                "copy_share_of_step": round(take / step["buffers not copied"], 5),
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -39,27 +39,50 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--config", choices=("short", "nanogpt", "fsdp2", "host"), default="short",
-                        help="short: the modes below on 2 x 4 x 1024 tokens; nanogpt / fsdp2: issue 32's two steps; "
-                             "host: the host time a guarded step adds on the CPU (12 x Linear(256))")
+    parser.add_argument(
+        "--config",
+        choices=("short", "nanogpt", "fsdp2", "host"),
+        default="short",
+        help="short: the modes below on 2 x 4 x 1024 tokens; nanogpt / fsdp2: issue 32's two steps; "
+        "host: the host time a guarded step adds on the CPU (12 x Linear(256))",
+    )
     parser.add_argument("--micro", type=int, default=1, help="host: micro-batches per step")
     parser.add_argument("--tiny", action="store_true", help="a CPU-sized model (checks that the script runs)")
     parser.add_argument("--no-compile", action="store_true", help="nanogpt without torch.compile")
-    parser.add_argument("--profile", type=int, default=0, help="nanogpt / fsdp2: then trace this many steps of each "
-                                                                 "mode with torch.profiler (host and device time)")
-    parser.add_argument("--modes", default="", help="nanogpt / fsdp2: only these modes, comma-separated (plain always "
-                                                    "runs): plain, synced, guarded, synchronous, precursors")
-    parser.add_argument("--pin", action="store_true", help="nanogpt / fsdp2: each local rank on its own share of the "
-                                                           "host's cores")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="nanogpt / fsdp2: then trace this many steps of each mode with torch.profiler (host and device time)",
+    )
+    parser.add_argument(
+        "--modes",
+        default="",
+        help="nanogpt / fsdp2: only these modes, comma-separated (plain always "
+        "runs): plain, synced, guarded, synchronous, precursors",
+    )
+    parser.add_argument(
+        "--pin", action="store_true", help="nanogpt / fsdp2: each local rank on its own share of the host's cores"
+    )
     args = parser.parse_args()
     if args.config == "host":
         from scripts.bench.step_ratios import host_cost
+
         host_cost(15 if args.rounds == 6 else args.rounds, 20 if args.steps == 10 else args.steps, args.micro)
         return
     if args.config != "short":
         from scripts.bench.step_ratios import run_config
-        run_config(args.config, args.rounds, args.steps, tiny=args.tiny, compile_model=not args.no_compile,
-                   only=tuple(m for m in args.modes.split(",") if m), profile=args.profile, pin=args.pin)
+
+        run_config(
+            args.config,
+            args.rounds,
+            args.steps,
+            tiny=args.tiny,
+            compile_model=not args.no_compile,
+            only=tuple(m for m in args.modes.split(",") if m),
+            profile=args.profile,
+            pin=args.pin,
+        )
         return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     size, batch, seq = ("small", 4, 1024) if device == "cuda" else ("tiny", 4, 128)
@@ -69,15 +92,22 @@ def main() -> None:
     vocab = model.config.vocab_size
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     dtype = torch.bfloat16
-    data = [{"input_ids": torch.randint(0, vocab, (batch, seq), device=device),
-             "sample_ids": list(range(i * batch, (i + 1) * batch))} for i in range(micro)]
+    data = [
+        {
+            "input_ids": torch.randint(0, vocab, (batch, seq), device=device),
+            "sample_ids": list(range(i * batch, (i + 1) * batch)),
+        }
+        for i in range(micro)
+    ]
     for b in data:
         b["labels"] = b["input_ids"]
     guard = Guard(model, optimizer, config=GuardConfig(dump_dir=tempfile.mkdtemp()))
-    synchronous = Guard(model, optimizer, config=GuardConfig(dump_dir=tempfile.mkdtemp(),
-                                                             detection=DetectionConfig(sync_free=False)))
-    no_window = Guard(model, optimizer, config=GuardConfig(dump_dir=tempfile.mkdtemp(),
-                                                           recording=RecordConfig(window_steps=0)))
+    synchronous = Guard(
+        model, optimizer, config=GuardConfig(dump_dir=tempfile.mkdtemp(), detection=DetectionConfig(sync_free=False))
+    )
+    no_window = Guard(
+        model, optimizer, config=GuardConfig(dump_dir=tempfile.mkdtemp(), recording=RecordConfig(window_steps=0))
+    )
 
     def step(mode: str) -> None:
         guarded = mode in ("guarded", "guarded_synchronous", "guarded_no_window")
@@ -122,8 +152,10 @@ def main() -> None:
     print(f"{args.rounds} interleaved rounds of {args.steps} steps, medians of step time:")
     print(f"flight recorder: {len(guard.window)} steps held, {window_bytes(guard)} bytes of host memory")
     for mode in modes:
-        print(f"  {mode:<17} {med[mode] * 1e3:8.2f} ms  ratio vs plain {med[mode] / med['plain']:.4f}  "
-              f"vs logged {med[mode] / med['logged']:.4f}" + (f"  syncs/step {syncs[mode]}" if syncs else ""))
+        print(
+            f"  {mode:<17} {med[mode] * 1e3:8.2f} ms  ratio vs plain {med[mode] / med['plain']:.4f}  "
+            f"vs logged {med[mode] / med['logged']:.4f}" + (f"  syncs/step {syncs[mode]}" if syncs else "")
+        )
 
 
 def window_bytes(guard: Guard) -> int:

@@ -49,13 +49,22 @@ def main() -> None:
     parser.add_argument("--json", help="also write the medians here")
     args = parser.parse_args()
     cli = [sys.executable, "-m", "forensics.cli"]
-    commands = {"python -c pass": [sys.executable, "-c", "pass"],
-                "python -c 'import torch'": [sys.executable, "-c", "import torch"],
-                "forensics inspect": [*cli, "inspect", args.dump],
-                "forensics verify": [*cli, "verify", args.dump],
-                "forensics list": [*cli, "list", args.dump],
-                "forensics replay: first replayed step": [*cli, "replay", args.dump, "--device", args.device,
-                                                          "-o", "/dev/null/none"]}
+    commands = {
+        "python -c pass": [sys.executable, "-c", "pass"],
+        "python -c 'import torch'": [sys.executable, "-c", "import torch"],
+        "forensics inspect": [*cli, "inspect", args.dump],
+        "forensics verify": [*cli, "verify", args.dump],
+        "forensics list": [*cli, "list", args.dump],
+        "forensics replay: first replayed step": [
+            *cli,
+            "replay",
+            args.dump,
+            "--device",
+            args.device,
+            "-o",
+            "/dev/null/none",
+        ],
+    }
     times: dict[str, list[float]] = {name: [] for name in commands}
     for _ in range(args.runs):
         for name, cmd in commands.items():
@@ -66,8 +75,12 @@ def main() -> None:
         print(f"| {name} | {median:.3f} s | {median / base:.1f}x | {median - torch_s:+.2f} s |")
     from scripts.bench.common import machine
 
-    summary = {"machine": machine(), "runs": args.runs, "seconds": {k: round(v, 3) for k, v in medians.items()},
-               "first_step_after_import_torch_s": round(medians["forensics replay: first replayed step"] - torch_s, 3)}
+    summary = {
+        "machine": machine(),
+        "runs": args.runs,
+        "seconds": {k: round(v, 3) for k, v in medians.items()},
+        "first_step_after_import_torch_s": round(medians["forensics replay: first replayed step"] - torch_s, 3),
+    }
     print(json.dumps(summary))
     if args.json:
         with open(args.json, "w") as handle:

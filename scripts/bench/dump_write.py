@@ -60,8 +60,11 @@ def main() -> None:
     parser.add_argument("--dir", default=tempfile.gettempdir())
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--params", type=int, default=125, help="millions of parameters (125 -> ~1.5 GB)")
-    parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu",
-                        help="where the state lives (cuda:N on a GPU machine)")
+    parser.add_argument(
+        "--device",
+        default="cuda:0" if torch.cuda.is_available() else "cpu",
+        help="where the state lives (cuda:N on a GPU machine)",
+    )
     parser.add_argument("--busy", type=int, default=0, help="processes that keep a core busy each meanwhile")
     parser.add_argument("--json", help="also write the results as JSON to this file")
     args = parser.parse_args()
@@ -82,9 +85,11 @@ def run(args: argparse.Namespace) -> None:
     model, optimizer, width = build(args.params, device)
     state_bytes = sum(p.numel() * 4 * 3 for p in model.parameters())
     work = tempfile.mkdtemp(dir=args.dir, prefix="fx-bench-")
-    host_state = [t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
-                  for p in model.parameters()
-                  for t in (p, optimizer.state[p]["exp_avg"], optimizer.state[p]["exp_avg_sq"])]
+    host_state = [
+        t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+        for p in model.parameters()
+        for t in (p, optimizer.state[p]["exp_avg"], optimizer.state[p]["exp_avg_sq"])
+    ]
 
     def raw_write():  # the state's own bytes, already in host memory, one os.write per tensor
         path = os.path.join(work, "raw.bin")
@@ -104,8 +109,11 @@ def run(args: argparse.Namespace) -> None:
     def dd_write():  # dd of the same size rounded up to whole 64 MiB blocks (its time is scaled back below)
         path = os.path.join(work, "dd.bin")
         removals.append(path)
-        subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=64M", f"count={blocks}", "conv=fsync"],
-                       check=True, capture_output=True)
+        subprocess.run(
+            ["dd", "if=/dev/zero", f"of={path}", "bs=64M", f"count={blocks}", "conv=fsync"],
+            check=True,
+            capture_output=True,
+        )
 
     def torch_save():
         path = os.path.join(work, "state.pt")
@@ -119,15 +127,27 @@ def run(args: argparse.Namespace) -> None:
 
     def forensics_dump():
         state = guard.state.collect(__import__("capture.state.snapshot", fromlist=["HostCopy"]).HostCopy(enabled=False))
-        content = DumpContent(manifest={"run_id": "bench", "step": 0, "rank": 0, "world_size": 1, "trigger": {},
-                                        "micro_batches": []},
-                              model=state["model"], optimizer=state["optimizer"], rng=[capture_rng()],
-                              micro_batches=[], history={})
+        content = DumpContent(
+            manifest={"run_id": "bench", "step": 0, "rank": 0, "world_size": 1, "trigger": {}, "micro_batches": []},
+            model=state["model"],
+            optimizer=state["optimizer"],
+            rng=[capture_rng()],
+            micro_batches=[],
+            history={},
+        )
         removals.append(write_dump(content, work).parent.parent)
 
-    check_guard = Guard(model, optimizer, config=GuardConfig(dump_dir=work, run_id="check",
-                                                             detection=DetectionConfig(on_nonfinite="continue"),
-                                                             dumping=DumpConfig(max_dumps=1 << 20)), loss_fn=mlp_loss)
+    check_guard = Guard(
+        model,
+        optimizer,
+        config=GuardConfig(
+            dump_dir=work,
+            run_id="check",
+            detection=DetectionConfig(on_nonfinite="continue"),
+            dumping=DumpConfig(max_dumps=1 << 20),
+        ),
+        loss_fn=mlp_loss,
+    )
     x = torch.randn(2, width, device=device)
     guarded_steps = iter(range(1 << 20))
 
@@ -144,7 +164,7 @@ def run(args: argparse.Namespace) -> None:
     removals: list = []  # what a writer wrote, removed after its timing (deleting 1.5 GB is no part of a write)
     order = list(writers)
     for round_index in range(args.rounds):  # the order rotates: no writer always follows the same one
-        for name in order[round_index % len(order):] + order[:round_index % len(order)]:
+        for name in order[round_index % len(order) :] + order[: round_index % len(order)]:
             fn = writers[name]
             start = time.perf_counter()
             fn()
@@ -155,9 +175,15 @@ def run(args: argparse.Namespace) -> None:
             os.sync()  # the removal's journal commit (and discards, on a file system mounted with them) done
 
     # Training stall of a spike dump written in the background (continue policy).
-    stall_guard = Guard(model, optimizer, config=GuardConfig(
-        dump_dir=work, run_id="stall",
-        detection=DetectionConfig(loss_spike=SpikeConfig(window=8, warmup=4, min_ratio=1.5))))
+    stall_guard = Guard(
+        model,
+        optimizer,
+        config=GuardConfig(
+            dump_dir=work,
+            run_id="stall",
+            detection=DetectionConfig(loss_spike=SpikeConfig(window=8, warmup=4, min_ratio=1.5)),
+        ),
+    )
     x = torch.randn(4, width, device=device)
     for value in (1.0, 1.0, 1.0, 1.0, 1.0):
         stall_guard.record_batch({"x": x, "sample_ids": [0, 1, 2, 3]})
@@ -178,7 +204,11 @@ def run(args: argparse.Namespace) -> None:
     if "dd" in times:
         times["dd"] *= state_bytes / (blocks * (64 << 20))
     summary = {
-        "machine": machine(), "device": device, "dir": args.dir, "state_gb": round(gb, 3), "rounds": args.rounds,
+        "machine": machine(),
+        "device": device,
+        "dir": args.dir,
+        "state_gb": round(gb, 3),
+        "rounds": args.rounds,
         "seconds": {name: round(t, 3) for name, t in times.items()},
         "gb_s": {name: round(gb / t, 3) for name, t in times.items()},
         "stall_vs_raw": round(times["forensics"] / times["raw"], 3),
@@ -191,20 +221,27 @@ def run(args: argparse.Namespace) -> None:
         "stall_vs_dd": round(times["forensics"] / times["dd"], 3) if "dd" in times else None,
         "forensics_vs_torch_save": round(times["torch.save"] / times["forensics"], 3),
         "sha256_gb_s": sha256_speeds(),
-        "spike_stall_s": round(stall, 4), "spike_background_write_s": round(background, 3),
+        "spike_stall_s": round(stall, 4),
+        "spike_background_write_s": round(background, 3),
         "spike_dumps_written": len(stall_guard.dumps),
     }
     print(f"machine: {summary['machine']}; target dir {args.dir}")
     print(f"state: {gb:.2f} GB (fp32 weights + Adam exp_avg + exp_avg_sq), on {device}; medians of {args.rounds}")
     for name, t in times.items():
         print(f"  {name:<11} {t:7.2f} s  {gb / t:6.2f} GB/s")
-    print(f"dump stall / raw write of the same bytes: {summary['stall_vs_raw']:.2f} (dd: {summary['stall_vs_dd']}); "
-          f"forensics vs torch.save: {summary['forensics_vs_torch_save']:.2f}x faster")
+    print(
+        f"dump stall / raw write of the same bytes: {summary['stall_vs_raw']:.2f} (dd: {summary['stall_vs_dd']}); "
+        f"forensics vs torch.save: {summary['forensics_vs_torch_save']:.2f}x faster"
+    )
     print(f"dump / raw per round: {summary['stall_vs_raw_per_round']}; load average {summary['load_average']}")
-    print(f"Guard check() that dumps / raw: {summary['check_vs_raw']:.2f} (dd: {summary['check_vs_dd']}); per round "
-          f"{summary['check_vs_raw_per_round']}; {args.busy} busy processes beside the writer")
-    print(f"spike dump training stall: {stall:.3f} s; background write finished {background:.2f} s later; "
-          f"dumps written: {len(stall_guard.dumps)}")
+    print(
+        f"Guard check() that dumps / raw: {summary['check_vs_raw']:.2f} (dd: {summary['check_vs_dd']}); per round "
+        f"{summary['check_vs_raw_per_round']}; {args.busy} busy processes beside the writer"
+    )
+    print(
+        f"spike dump training stall: {stall:.3f} s; background write finished {background:.2f} s later; "
+        f"dumps written: {len(stall_guard.dumps)}"
+    )
     print(json.dumps(summary))
     if args.json:
         with open(args.json, "w") as handle:
@@ -219,7 +256,7 @@ def mlp_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
 def sha256_speeds() -> dict[str, float]:
     """GB/s of sha256 over 512 MiB on one core and in 4 MiB pieces on every core (what the writer can reach)."""
     data = memoryview(os.urandom(1 << 20) * 512)
-    pieces = [data[i:i + (4 << 20)] for i in range(0, len(data), 4 << 20)]
+    pieces = [data[i : i + (4 << 20)] for i in range(0, len(data), 4 << 20)]
     start = time.perf_counter()
     hashlib.sha256(data).digest()
     one = time.perf_counter() - start

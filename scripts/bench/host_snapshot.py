@@ -34,9 +34,17 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     data = {"input_ids": torch.randint(0, model.config.vocab_size, (batch, seq), device=device)}
     data["labels"] = data["input_ids"]
-    guards = {name: Guard(model, optimizer, config=GuardConfig(dump_dir=tempfile.mkdtemp(), recording=RecordConfig(
-        snapshot_every=every, window_steps=max(32, 2 * every), capture_exceptions=False)))
-        for name, every in (("no snapshots", 0), (f"snapshot every {args.every}", args.every))}
+    guards = {
+        name: Guard(
+            model,
+            optimizer,
+            config=GuardConfig(
+                dump_dir=tempfile.mkdtemp(),
+                recording=RecordConfig(snapshot_every=every, window_steps=max(32, 2 * every), capture_exceptions=False),
+            ),
+        )
+        for name, every in (("no snapshots", 0), (f"snapshot every {args.every}", args.every))
+    }
 
     def step(guard: Guard) -> None:
         guard.record_batch(data)
@@ -59,8 +67,9 @@ def main() -> None:
     state = guards["no snapshots"].state.references()
     nbytes = state_bytes(state)
     stalls, copies = [], []
-    flat = [t for t in state["model"].values()] + [v for entries in state["optimizer"]["state"].values()
-                                                   for v in entries.values() if isinstance(v, torch.Tensor)]
+    flat = [t for t in state["model"].values()] + [
+        v for entries in state["optimizer"]["state"].values() for v in entries.values() if isinstance(v, torch.Tensor)
+    ]
     targets = [torch.empty(t.shape, dtype=t.dtype, pin_memory=device == "cuda") for t in flat]
     for _ in range(5):
         sync(device)
@@ -73,10 +82,14 @@ def main() -> None:
     print(f"model {size}: state {nbytes / 2**20:.0f} MiB (weights + AdamW moments); {batch} x {seq} tokens per step")
     for name, values in times.items():
         print(f"  {name:<22} {median(values) * 1e3:8.1f} ms/step  ratio {median(values) / base:.3f}")
-    print(f"  one snapshot: loop stall {median(stalls) * 1e3:.1f} ms; plain copy of the same bytes into host "
-          f"memory {median(copies) * 1e3:.1f} ms ({nbytes / median(copies) / 1e9:.2f} GB/s); ratio "
-          f"{median(stalls) / median(copies):.2f}")
-    print(f"  host memory held: {snapshots.bytes_held / 2**20:.0f} MiB = {snapshots.bytes_held / nbytes:.1f} x the state")
+    print(
+        f"  one snapshot: loop stall {median(stalls) * 1e3:.1f} ms; plain copy of the same bytes into host "
+        f"memory {median(copies) * 1e3:.1f} ms ({nbytes / median(copies) / 1e9:.2f} GB/s); ratio "
+        f"{median(stalls) / median(copies):.2f}"
+    )
+    print(
+        f"  host memory held: {snapshots.bytes_held / 2**20:.0f} MiB = {snapshots.bytes_held / nbytes:.1f} x the state"
+    )
 
 
 if __name__ == "__main__":

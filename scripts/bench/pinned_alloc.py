@@ -57,8 +57,12 @@ def main() -> None:
             t.zero_()
             keep.append(t)
 
-    for name, fn in (("torch pin_memory=True", pinned_torch), ("zero_ + cudaHostRegister", registered),
-                     ("pin_memory=True on 8 threads", pinned_threads), ("ordinary memory, zero_ (faulted)", faulted)):
+    for name, fn in (
+        ("torch pin_memory=True", pinned_torch),
+        ("zero_ + cudaHostRegister", registered),
+        ("pin_memory=True on 8 threads", pinned_threads),
+        ("ordinary memory, zero_ (faulted)", faulted),
+    ):
         seconds = timed(fn)
         print(f"{name:36s} {n} GiB in {seconds:6.2f} s: {n / seconds:6.2f} GiB/s", flush=True)
         if name.startswith("ordinary"):

@@ -35,9 +35,12 @@ from capture import DetectionConfig, Guard, GuardConfig, PrecursorConfig
 from forensics.thirdparty import TorchDispatchMode
 from scripts.bench.common import gpt2, machine, median, sync
 
-MODES = {"guarded": None, "precursors": PrecursorConfig(),
-         "precursors_no_optimizer": PrecursorConfig(optimizer=False),
-         "precursors_no_attention": PrecursorConfig(attention=False)}
+MODES = {
+    "guarded": None,
+    "precursors": PrecursorConfig(),
+    "precursors_no_optimizer": PrecursorConfig(optimizer=False),
+    "precursors_no_attention": PrecursorConfig(attention=False),
+}
 
 
 class CountOps(TorchDispatchMode):
@@ -71,8 +74,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--micro", type=int, default=2, help="micro-batches per step")
     parser.add_argument("--batch", type=int, default=4, help="sequences per micro-batch")
-    parser.add_argument("--modes", choices=("all", "precursors"), default="all",
-                        help="precursors: guarded and the default monitor only (a long step)")
+    parser.add_argument(
+        "--modes",
+        choices=("all", "precursors"),
+        default="all",
+        help="precursors: guarded and the default monitor only (a long step)",
+    )
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -83,8 +90,13 @@ def main() -> None:
     model = gpt2(size, device)
     vocab = model.config.vocab_size
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
-    data = [{"input_ids": torch.randint(0, vocab, (batch, seq), device=device),
-             "sample_ids": list(range(i * batch, (i + 1) * batch))} for i in range(micro)]
+    data = [
+        {
+            "input_ids": torch.randint(0, vocab, (batch, seq), device=device),
+            "sample_ids": list(range(i * batch, (i + 1) * batch)),
+        }
+        for i in range(micro)
+    ]
 
     def step(guard: Guard) -> None:
         for b in data:
@@ -99,8 +111,13 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
 
     def fresh(precursors: PrecursorConfig | None) -> Guard:
-        return Guard(model, optimizer, config=GuardConfig(dump_dir=tempfile.mkdtemp(), precursors=precursors,
-                                                          detection=DetectionConfig(on_nonfinite="continue")))
+        return Guard(
+            model,
+            optimizer,
+            config=GuardConfig(
+                dump_dir=tempfile.mkdtemp(), precursors=precursors, detection=DetectionConfig(on_nonfinite="continue")
+            ),
+        )
 
     # (mode, kind of step) -> step times in seconds
     times: dict[tuple[str, str], list[float]] = {(mode, kind): [] for mode in modes for kind in KINDS}
@@ -128,26 +145,35 @@ def main() -> None:
         guard.close()
     base = median(times["guarded", UNSAMPLED])
     print(f"machine: {machine()}")
-    print(f"model: GPT-2 {size}, {micro} x {batch} x {seq} tokens per step, {args.rounds} rounds x {args.steps} "
-          f"steps, every={every}")
+    print(
+        f"model: GPT-2 {size}, {micro} x {batch} x {seq} tokens per step, {args.rounds} rounds x {args.steps} "
+        f"steps, every={every}"
+    )
     print(f"guarded step: {base * 1e3:.2f} ms (median of {len(times['guarded', UNSAMPLED])})")
-    print(f"{'mode':<26} {'unsampled':>10} {'sampled (cost)':>22} {'reading (cost)':>22} {'amortised':>10} "
-          f"{'unsampled - guarded':>20} {'extra ops':>10}")
+    print(
+        f"{'mode':<26} {'unsampled':>10} {'sampled (cost)':>22} {'reading (cost)':>22} {'amortised':>10} "
+        f"{'unsampled - guarded':>20} {'extra ops':>10}"
+    )
     for mode in list(modes)[1:]:
         plain, sampled, reading = (median(times[mode, kind]) for kind in KINDS)
         amortised = (max(sampled - plain, 0) + max(reading - plain, 0)) / every / base
-        print(f"{mode:<26} {plain * 1e3:7.2f} ms {sampled * 1e3:8.2f} ms ({(sampled - plain) * 1e3:5.2f} ms) "
-              f"{reading * 1e3:8.2f} ms ({(reading - plain) * 1e3:5.2f} ms) {100 * amortised:9.2f}% "
-              f"{100 * (plain - base) / base:+19.2f}% {ops[mode] - ops['guarded']:10.1f}")
+        print(
+            f"{mode:<26} {plain * 1e3:7.2f} ms {sampled * 1e3:8.2f} ms ({(sampled - plain) * 1e3:5.2f} ms) "
+            f"{reading * 1e3:8.2f} ms ({(reading - plain) * 1e3:5.2f} ms) {100 * amortised:9.2f}% "
+            f"{100 * (plain - base) / base:+19.2f}% {ops[mode] - ops['guarded']:10.1f}"
+        )
     if args.profile:
-        profiled = {mode: device_time_per_op(lambda g: [step(g) for _ in range(every)], fresh(config), device, every)
-                    for mode, config in (("guarded", None), ("sampled", PrecursorConfig(every=1)))}
+        profiled = {
+            mode: device_time_per_op(lambda g: [step(g) for _ in range(every)], fresh(config), device, every)
+            for mode, config in (("guarded", None), ("sampled", PrecursorConfig(every=1)))
+        }
         print_profile_difference(*profiled.values())
 
 
 def device_time_per_op(run, guard: Guard, device: str, steps: int) -> dict[str, tuple[float, float, float]]:
     """{operator: (calls, device microseconds, CPU microseconds) per step} of `run(guard)` under torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
+
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     run(guard)  # warm
     with profile(activities=activities) as prof:
@@ -169,10 +195,17 @@ def print_profile_difference(base: dict, other: dict) -> None:
     zero = (0.0, 0.0, 0.0)
     for column, label in ((1, "device"), (2, "CPU (operators' own)")):
         totals = [sum(v[column] for v in table.values()) / 1e3 for table in (base, other)]
-        print(f"profile: {label} time per step {totals[0]:.2f} ms guarded, {totals[1]:.2f} ms sampled "
-              f"({totals[1] - totals[0]:+.2f} ms)")
-    grown = sorted(((max(other.get(k, zero)[1] - base.get(k, zero)[1], other.get(k, zero)[2] - base.get(k, zero)[2]),
-                     k) for k in set(base) | set(other)), reverse=True)
+        print(
+            f"profile: {label} time per step {totals[0]:.2f} ms guarded, {totals[1]:.2f} ms sampled "
+            f"({totals[1] - totals[0]:+.2f} ms)"
+        )
+    grown = sorted(
+        (
+            (max(other.get(k, zero)[1] - base.get(k, zero)[1], other.get(k, zero)[2] - base.get(k, zero)[2]), k)
+            for k in set(base) | set(other)
+        ),
+        reverse=True,
+    )
     print(f"{'operator':<44} {'extra device us':>15} {'extra CPU us':>12} {'extra calls':>11}")
     for _, key in grown[:20]:
         calls, device_us, cpu_us = (other.get(key, zero)[i] - base.get(key, zero)[i] for i in range(3))

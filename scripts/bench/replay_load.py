@@ -27,7 +27,9 @@ def peak_rss_gb():  # VmHWM: this process's own peak (ru_maxrss would carry the 
             return int(line.split()[1]) / 2**20
 """
 
-LOAD = PEAK + """
+LOAD = (
+    PEAK
+    + """
 import json, sys, time
 from forensics.format import open_dump
 from replay.load.session import load_session
@@ -36,8 +38,11 @@ start = time.perf_counter()
 session = load_session(open_dump(sys.argv[1]), device=sys.argv[2])
 print(json.dumps({"seconds": time.perf_counter() - start, "peak_rss_gb": peak_rss_gb()}))
 """
+)
 
-REPLAY = PEAK + """
+REPLAY = (
+    PEAK
+    + """
 import json, sys, time
 from replay.engine import ReplayOptions, run_replay
 import transformers.models.llama.modeling_llama
@@ -47,6 +52,7 @@ print(json.dumps({"seconds": time.perf_counter() - start, "peak_rss_gb": peak_rs
                   "verdict": report["verdict"]["kind"], "optimizer_checked": report.get("optimizer") is not None
                   or "optimizer" in json.dumps(report.get("stages", []))}))
 """
+)
 
 
 def write(directory: Path, hidden: int, layers: int) -> Path:
@@ -55,14 +61,23 @@ def write(directory: Path, hidden: int, layers: int) -> Path:
 
     from capture import DetectionConfig, Guard, GuardConfig
 
-    config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 8 // 3, num_hidden_layers=layers,
-                                      num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 64),
-                                      vocab_size=32000, max_position_embeddings=256)
+    config = transformers.LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=hidden * 8 // 3,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 64),
+        vocab_size=32000,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(directory), run_id="bench",
-                                                       detection=DetectionConfig(on_nonfinite="skip")))
+    guard = Guard(
+        model,
+        optimizer,
+        config=GuardConfig(dump_dir=str(directory), run_id="bench", detection=DetectionConfig(on_nonfinite="skip")),
+    )
     ids = torch.randint(0, 32000, (2, 64))
     guard.record_batch({"input_ids": ids, "labels": ids, "sample_ids": ["a", "b"]})
     loss = model(input_ids=ids, labels=ids).loss
@@ -92,19 +107,29 @@ def main() -> None:
     cat_s = time.perf_counter() - start
     results = {}
     for name, script in (("load", LOAD), ("replay", REPLAY)):
-        done = subprocess.run([sys.executable, "-c", script, str(dump), args.device], capture_output=True,
-                              text=True, check=True)
+        done = subprocess.run(
+            [sys.executable, "-c", script, str(dump), args.device], capture_output=True, text=True, check=True
+        )
         results[name] = json.loads(done.stdout.strip().splitlines()[-1])
     gb = size / 2**30
     load, replay = results["load"], results["replay"]
-    print(json.dumps({"dump_gb": round(gb, 3), "cat_warm_gb_s": round(gb / cat_s, 2),
-                      "load_s": round(load["seconds"], 2), "load_gb_s": round(gb / load["seconds"], 3),
-                      "load_vs_cat": round(cat_s / load["seconds"], 3),
-                      "load_peak_rss_gb": round(load["peak_rss_gb"], 2),
-                      "replay_s": round(replay["seconds"], 2), "replay_verdict": replay["verdict"],
-                      "replay_peak_rss_gb": round(replay["peak_rss_gb"], 2),
-                      "replay_rss_vs_dump": round(replay["peak_rss_gb"] / gb, 2),
-                      "goal_rss_gb": round(0.25 * gb + 2, 2)}))
+    print(
+        json.dumps(
+            {
+                "dump_gb": round(gb, 3),
+                "cat_warm_gb_s": round(gb / cat_s, 2),
+                "load_s": round(load["seconds"], 2),
+                "load_gb_s": round(gb / load["seconds"], 3),
+                "load_vs_cat": round(cat_s / load["seconds"], 3),
+                "load_peak_rss_gb": round(load["peak_rss_gb"], 2),
+                "replay_s": round(replay["seconds"], 2),
+                "replay_verdict": replay["verdict"],
+                "replay_peak_rss_gb": round(replay["peak_rss_gb"], 2),
+                "replay_rss_vs_dump": round(replay["peak_rss_gb"] / gb, 2),
+                "goal_rss_gb": round(0.25 * gb + 2, 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

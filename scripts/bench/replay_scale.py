@@ -98,10 +98,15 @@ def write_dump(args, directory: Path) -> tuple[Path, float]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     heads = max(1, args.hidden // 128)
-    config = transformers.LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate or args.hidden * 8 // 3,
-                                      num_hidden_layers=args.layers, num_attention_heads=heads,
-                                      num_key_value_heads=heads, vocab_size=args.vocab,
-                                      max_position_embeddings=max(args.seq, 256))
+    config = transformers.LlamaConfig(
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate or args.hidden * 8 // 3,
+        num_hidden_layers=args.layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        vocab_size=args.vocab,
+        max_position_embeddings=max(args.seq, 256),
+    )
     torch.manual_seed(0)
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
@@ -126,9 +131,11 @@ def write_dump(args, directory: Path) -> tuple[Path, float]:
         embeds = torch.randn(per, args.seq, args.hidden, generator=generator) * 0.02
         if m == args.micro - 1:
             embeds[per - 1, args.seq // 2] = float("inf")  # one sample's corrupted feature
-        batch = {"inputs_embeds": embeds.to(device),
-                 "labels": torch.randint(0, args.vocab, (per, args.seq), generator=generator).to(device),
-                 "sample_ids": [f"rec-{m * per + i:05d}" for i in range(per)]}
+        batch = {
+            "inputs_embeds": embeds.to(device),
+            "labels": torch.randint(0, args.vocab, (per, args.seq), generator=generator).to(device),
+            "sample_ids": [f"rec-{m * per + i:05d}" for i in range(per)],
+        }
         guard.record_batch(batch)
         loss = model(inputs_embeds=batch["inputs_embeds"], labels=batch["labels"]).loss
         guard.record_loss(loss)
@@ -155,7 +162,7 @@ def raw_write(directory: Path, nbytes: int, name: str = "raw.bin") -> float:
     try:
         left = nbytes
         while left:
-            left -= os.write(fd, buffer[:min(left, len(buffer))])
+            left -= os.write(fd, buffer[: min(left, len(buffer))])
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -183,10 +190,12 @@ def cat_warm(files: list[Path]) -> float:
 
 
 def probe(mode: str, dump: Path, device: str, rank: int | None) -> dict:
-    done = subprocess.run([sys.executable, "-c", PROBE, mode, str(dump), device, "-" if rank is None else str(rank)],
-                          capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(),
-                                                                                      os.environ.get("PYTHONPATH")]))})
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, mode, str(dump), device, "-" if rank is None else str(rank)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))},
+    )
     if done.returncode != 0:
         raise SystemExit(f"{mode} failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -197,8 +206,11 @@ def main() -> None:
     parser.add_argument("--dump", help="replay this dump instead of writing one")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the dump is written")
     parser.add_argument("--device", default="cpu", help="cpu, cuda:N")
-    parser.add_argument("--rank", type=int, help="with --dump of a step directory: the rank to replay (default: the "
-                                                 "one the replay picks)")
+    parser.add_argument(
+        "--rank",
+        type=int,
+        help="with --dump of a step directory: the rank to replay (default: the one the replay picks)",
+    )
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--intermediate", type=int, default=0, help="default 8/3 x hidden")
@@ -206,9 +218,13 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4, help="samples per micro-batch")
     parser.add_argument("--micro", type=int, default=2, help="micro-batches in the step")
-    parser.add_argument("--raw-only", type=float, metavar="GB",
-                        help="only time --ranks raw writers of this many GB each at once (the baseline of a "
-                             "multi-GPU job's dump stall, measured beside it)")
+    parser.add_argument(
+        "--raw-only",
+        type=float,
+        metavar="GB",
+        help="only time --ranks raw writers of this many GB each at once (the baseline of a "
+        "multi-GPU job's dump stall, measured beside it)",
+    )
     parser.add_argument("--ranks", type=int, default=1, help="with --raw-only: writers at once")
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args()
@@ -227,9 +243,10 @@ def main() -> None:
     else:
         work = Path(tempfile.mkdtemp(dir=args.dir, prefix="fx-scale-"))
         dump, stall = write_dump(args, work)
-        result.update(shape={k: getattr(args, k) for k in ("hidden", "layers", "intermediate", "vocab", "seq",
-                                                           "batch", "micro")},
-                      write_stall_s=round(stall, 3))
+        result.update(
+            shape={k: getattr(args, k) for k in ("hidden", "layers", "intermediate", "vocab", "seq", "batch", "micro")},
+            write_stall_s=round(stall, 3),
+        )
     files = [p for p in (dump.rglob("*") if dump.is_dir() else [dump]) if p.is_file()]
     nbytes = sum(p.stat().st_size for p in files)
     result["dump_gb"] = round(nbytes / 1e9, 3)
@@ -241,17 +258,25 @@ def main() -> None:
     one_pass = probe("pass", dump, args.device, args.rank)
     floor = cat + replay["passes"] * one_pass["one_pass_s"]
     result.update(
-        cat_warm_s=round(cat, 3), cat_gb_s=round(nbytes / 1e9 / cat, 3),
+        cat_warm_s=round(cat, 3),
+        cat_gb_s=round(nbytes / 1e9 / cat, 3),
         load_s=round(replay["load_s"], 3) if replay["load_s"] else None,
         load_vs_cat=round(cat / replay["load_s"], 3) if replay["load_s"] else None,
-        passes=replay["passes"], one_pass_s=round(one_pass["one_pass_s"], 4),
-        replay_to_verdict_s=round(replay["replay_s"], 3), floor_s=round(floor, 3),
-        replay_vs_floor=round(replay["replay_s"] / floor, 3), verdict=replay["verdict"], culprits=replay["culprits"],
+        passes=replay["passes"],
+        one_pass_s=round(one_pass["one_pass_s"], 4),
+        replay_to_verdict_s=round(replay["replay_s"], 3),
+        floor_s=round(floor, 3),
+        replay_vs_floor=round(replay["replay_s"] / floor, 3),
+        verdict=replay["verdict"],
+        culprits=replay["culprits"],
         gpu_peak_gb=replay["gpu_peak_gb"] and round(replay["gpu_peak_gb"], 2),
         stage_gpu_peak_gb=replay.get("stage_gpu_peak_gb"),
         gpu_total_gb=round(torch.cuda.get_device_properties(torch.device(args.device)).total_memory / 2**30, 1)
-        if args.device.startswith("cuda") else None,
-        replay_peak_rss_gb=round(replay["peak_rss_gb"], 2), stages=replay["stages"])
+        if args.device.startswith("cuda")
+        else None,
+        replay_peak_rss_gb=round(replay["peak_rss_gb"], 2),
+        stages=replay["stages"],
+    )
     print(json.dumps(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

@@ -52,12 +52,16 @@ print("RESULT " + json.dumps(out))
 
 
 def run_one(dump: str, device: str, rank: str, budget: str, remedies: bool, rng: bool) -> dict:
-    proc = subprocess.run([sys.executable, "-c", PROBE, dump, device, rank, budget, "1" if remedies else "0",
-                           "1" if rng else "0"], capture_output=True, text=True, env=dict(os.environ))
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, dump, device, rank, budget, "1" if remedies else "0", "1" if rng else "0"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+    )
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
         return {"budget": budget, "error": (proc.stderr or proc.stdout)[-3000:]}
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def stage_times(row: dict) -> dict[str, float]:
@@ -89,8 +93,10 @@ def _host(stream: dict) -> str:
     """Gradient bytes held on the host and the time making those buffers (replay/run/stream_blocks.GradStore)."""
     if "gradient_host_bytes" not in stream:
         return "-"
-    return (f"{stream['gradient_host_bytes'] / 2**30:.1f} ({stream['gradient_pinned_bytes'] / 2**30:.1f}), "
-            f"{stream['gradient_host_alloc_seconds']:.2f}")
+    return (
+        f"{stream['gradient_host_bytes'] / 2**30:.1f} ({stream['gradient_pinned_bytes'] / 2**30:.1f}), "
+        f"{stream['gradient_host_alloc_seconds']:.2f}"
+    )
 
 
 def main() -> int:
@@ -112,9 +118,11 @@ def main() -> int:
             continue
         for at, message in row["stages"]:
             print(f"  [{budget} +{at:7.2f}s] {message}", flush=True)
-    print("\n| budget | GPU peak (GiB) | replay to verdict (s) | passes | blocks at once (K) / of | block reads | "
-          "read ahead used | cast, not read | evicted for memory | gradients off the device: host GiB (pinned), s making "
-          "buffers | verdict | culprits |")
+    print(
+        "\n| budget | GPU peak (GiB) | replay to verdict (s) | passes | blocks at once (K) / of | block reads | "
+        "read ahead used | cast, not read | evicted for memory | gradients off the device: host GiB (pinned), s making "
+        "buffers | verdict | culprits |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         if "error" in row:
@@ -122,19 +130,26 @@ def main() -> int:
             continue
         stream = row.get("stream") or {}
         k = f"{stream.get('blocks_resident')} / {stream.get('blocks')}" if stream else "all"
-        print(f"| {row['budget']} | {row['gpu_peak_gib']} | {row['replay_s']} | {row['passes']} | {k} | "
-              f"{stream.get('block_reads', '-')} | {stream.get('read_ahead_used', '-')} | "
-              f"{stream.get('blocks_cast_not_read', '-')} | {stream.get('evicted_for_memory', '-')} | {_host(stream)} | "
-              f"{row['verdict']} | "
-              f"{row['culprits']} |")
+        print(
+            f"| {row['budget']} | {row['gpu_peak_gib']} | {row['replay_s']} | {row['passes']} | {k} | "
+            f"{stream.get('block_reads', '-')} | {stream.get('read_ahead_used', '-')} | "
+            f"{stream.get('blocks_cast_not_read', '-')} | {stream.get('evicted_for_memory', '-')} | {_host(stream)} | "
+            f"{row['verdict']} | "
+            f"{row['culprits']} |"
+        )
     good = [r for r in rows if "error" not in r]
-    same = bool(good) and len(good) == len(rows) and all(
-        (r["verdict"], r["culprits"]) == (good[0]["verdict"], good[0]["culprits"]) for r in good)
+    same = (
+        bool(good)
+        and len(good) == len(rows)
+        and all((r["verdict"], r["culprits"]) == (good[0]["verdict"], good[0]["culprits"]) for r in good)
+    )
     base = good[0]["replay_s"] if good and good[0]["budget"] == "none" else None
     for row in good[1:]:
         if base:
-            print(f"{row['budget']}: {row['replay_s'] / base:.2f} x the unconstrained replay's time "
-                  f"(goal <= 3), peak {row['gpu_peak_gib']} GiB")
+            print(
+                f"{row['budget']}: {row['replay_s'] / base:.2f} x the unconstrained replay's time "
+                f"(goal <= 3), peak {row['gpu_peak_gib']} GiB"
+            )
     print(f"same verdict and culprits in every row: {same}")
     print_stage_times(good)
     if args.json:

@@ -39,8 +39,13 @@ def main() -> None:
             embeds = torch.randn(per, seq, width, device=device) * 0.02
             if poison and CULPRIT in ids:
                 embeds[ids.index(CULPRIT), seq // 2] = float("inf")  # a corrupted feature (e.g. log of 0 upstream)
-            out.append({"inputs_embeds": embeds, "labels": torch.randint(0, vocab, (per, seq), device=device),
-                        "sample_ids": [f"shard-{step:04d}/rec-{i:05d}" for i in ids]})
+            out.append(
+                {
+                    "inputs_embeds": embeds,
+                    "labels": torch.randint(0, vocab, (per, seq), device=device),
+                    "sample_ids": [f"shard-{step:04d}/rec-{i:05d}" for i in ids],
+                }
+            )
         return out
 
     def train_step(data: list[dict]) -> None:
@@ -85,19 +90,26 @@ def main() -> None:
 
     start = time.perf_counter()
     stages: list[tuple[float, str]] = []
-    report = run_replay(dump, ReplayOptions(device=device),
-                        progress=lambda s: stages.append((time.perf_counter() - start, s)))
+    report = run_replay(
+        dump, ReplayOptions(device=device), progress=lambda s: stages.append((time.perf_counter() - start, s))
+    )
     sync(device)
     total = time.perf_counter() - start
     loaded = next((t for t, s in stages if "reproduc" in s.lower()), None)
     culprit = report["culprit"]
     print(f"machine: {machine()}")
-    print(f"step: GPT-2 {size}, {MICRO} micro-batches x {per} samples x {seq} positions, bf16 autocast; culprit {CULPRIT}")
+    print(
+        f"step: GPT-2 {size}, {MICRO} micro-batches x {per} samples x {seq} positions, bf16 autocast; culprit {CULPRIT}"
+    )
     print(f"plain step (fwd+bwd) {plain:.3f} s; under detect_anomaly {anomaly:.3f} s ({anomaly / plain:.2f}x)")
-    print(f"replay: {total:.2f} s to verdict in all; model load + construction until reproduction starts: "
-          f"{loaded if loaded is not None else float('nan'):.2f} s")
-    print(f"verdict {report['verdict']['kind']}: samples {[s['sample_id'] for s in culprit['samples']]}, "
-          f"module {culprit.get('module')}, op {culprit.get('op')}, phase {culprit.get('phase')}")
+    print(
+        f"replay: {total:.2f} s to verdict in all; model load + construction until reproduction starts: "
+        f"{loaded if loaded is not None else float('nan'):.2f} s"
+    )
+    print(
+        f"verdict {report['verdict']['kind']}: samples {[s['sample_id'] for s in culprit['samples']]}, "
+        f"module {culprit.get('module')}, op {culprit.get('op')}, phase {culprit.get('phase')}"
+    )
     print(f"bisection: {report.get('bisection')}; passes {report.get('timings')}")
     for t, s in stages:
         print(f"  {t:7.2f} s  {s}")

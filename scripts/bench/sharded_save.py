@@ -50,9 +50,15 @@ def build(hidden: int, layers: int):
 
     torch.manual_seed(0)
     heads = max(1, hidden // 64)
-    config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 8 // 3, num_hidden_layers=layers,
-                                      num_attention_heads=heads, num_key_value_heads=heads, vocab_size=32000,
-                                      max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=hidden * 8 // 3,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        vocab_size=32000,
+        max_position_embeddings=64,
+    )
     model = transformers.LlamaForCausalLM(config)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model.model.layers:
@@ -69,9 +75,16 @@ def build(hidden: int, layers: int):
 def forensics_save(model, optimizer, ids, root: Path, layout: str, replicas: int = 1) -> tuple[float, int]:
     from capture import DetectionConfig, DumpConfig, Guard, GuardConfig
 
-    guard = Guard(model, optimizer, config=GuardConfig(
-        dump_dir=str(root), run_id=f"{layout}-{replicas}", detection=DetectionConfig(on_nonfinite="continue"),
-        dumping=DumpConfig(state_layout=layout, background_write=False, shard_replicas=replicas)))
+    guard = Guard(
+        model,
+        optimizer,
+        config=GuardConfig(
+            dump_dir=str(root),
+            run_id=f"{layout}-{replicas}",
+            detection=DetectionConfig(on_nonfinite="continue"),
+            dumping=DumpConfig(state_layout=layout, background_write=False, shard_replicas=replicas),
+        ),
+    )
     guard.record_batch({"input_ids": ids, "labels": ids})
     guard.record_loss(float("nan"))
     start = time.perf_counter()
@@ -96,8 +109,9 @@ def exchange_only(model, optimizer) -> dict:
     copies = buddy.exchange(shards, dist.get_rank(), dist.get_world_size(), 2)
     seconds = time.perf_counter() - start
     guard.close()
-    received = sum(s.tensor.numel() * s.tensor.element_size() for c in copies for rows in c.files.values()
-                   for s in rows.values())
+    received = sum(
+        s.tensor.numel() * s.tensor.element_size() for c in copies for rows in c.files.values() for s in rows.values()
+    )
     return {"seconds": seconds, "bytes": sent, "received": received}
 
 
@@ -162,8 +176,9 @@ def main() -> None:
                 summary[f"{name}: slowest rank s"] = round(max(r[name]["seconds"] for r in gathered), 3)
         exchange = gathered[0]["exchange"]
         summary["buddy exchange: slowest rank s"] = round(max(r["exchange"]["seconds"] for r in gathered), 3)
-        summary["buddy exchange: GB/s per rank"] = round(exchange["bytes"] / 1e9 / max(
-            r["exchange"]["seconds"] for r in gathered), 3)
+        summary["buddy exchange: GB/s per rank"] = round(
+            exchange["bytes"] / 1e9 / max(r["exchange"]["seconds"] for r in gathered), 3
+        )
         print(json.dumps(summary, indent=1))
     dist.barrier()
     dist.destroy_process_group()

@@ -36,10 +36,22 @@ MODES = ("plain", "synced", "guarded", "synchronous", "precursors")
 sync: what any exact check before the step costs); guarded: the default GuardConfig (with a fused optimizer in one
 process or several: the sync-free check); synchronous: DetectionConfig(sync_free=False), the check that reads the step
 before optimizer.step(); precursors: with PrecursorConfig() (which keeps the synchronous check)."""
-LLAMA_1B47 = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=26, num_attention_heads=16,
-                  num_key_value_heads=16, vocab_size=32000)  # 1.467 B parameters
-LLAMA_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=4, vocab_size=512)
+LLAMA_1B47 = dict(
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=26,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    vocab_size=32000,
+)  # 1.467 B parameters
+LLAMA_TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    vocab_size=512,
+)
 
 
 class Timed:
@@ -70,8 +82,11 @@ def nanogpt(tiny: bool, device: torch.device, compile_model: bool):
     """GPT-2 small as nanoGPT pre-trains it (dropout 0), 4 micro-batches x 12 x 1024 tokens; or a tiny stand-in."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    size = dict(n_layer=2, n_embd=64, n_head=2, n_positions=64, vocab_size=512) if tiny else \
-        dict(n_layer=12, n_embd=768, n_head=12, n_positions=1024, vocab_size=50304)  # nanoGPT's padded vocabulary
+    size = (
+        dict(n_layer=2, n_embd=64, n_head=2, n_positions=64, vocab_size=512)
+        if tiny
+        else dict(n_layer=12, n_embd=768, n_head=12, n_positions=1024, vocab_size=50304)
+    )  # nanoGPT's padded vocabulary
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(**size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).to(device)
     micro, batch, seq = (4, 2, 64) if tiny else (4, 12, 1024)
@@ -86,9 +101,11 @@ def nanogpt(tiny: bool, device: torch.device, compile_model: bool):
         with torch.autocast(device.type, dtype=torch.bfloat16):
             return m(input_ids=ids, labels=ids).loss
 
-    words = (f"GPT-2 {'tiny' if tiny else 'small (124M)'}, {'torch.compile, ' if compile_model else ''}bf16 autocast, "
-             f"{micro} micro-batches x {batch} x {seq} tokens, AdamW{' (fused)' if device.type == 'cuda' else ''}, "
-             "clip_grad_norm_, check(grad_norm=...)")
+    words = (
+        f"GPT-2 {'tiny' if tiny else 'small (124M)'}, {'torch.compile, ' if compile_model else ''}bf16 autocast, "
+        f"{micro} micro-batches x {batch} x {seq} tokens, AdamW{' (fused)' if device.type == 'cuda' else ''}, "
+        "clip_grad_norm_, check(grad_norm=...)"
+    )
     return make, data, loss_of, words
 
 
@@ -117,14 +134,24 @@ def fsdp2_llama(tiny: bool, device: torch.device):
         return m(input_ids=ids, labels=ids).loss
 
     params = sum(p.numel() for p in transformers.LlamaForCausalLM(config).parameters()) if tiny else 1_467_000_000
-    words = (f"FSDP2 bf16 Llama {params / 1e9:.3g} B, {torch.distributed.get_world_size()} ranks, {micro} micro-batches x "
-             f"{batch} x {seq} tokens per rank, AdamW{' (fused)' if device.type == 'cuda' else ''}, clip_grad_norm_, "
-             "check(grad_norm=...)")
+    words = (
+        f"FSDP2 bf16 Llama {params / 1e9:.3g} B, {torch.distributed.get_world_size()} ranks, {micro} micro-batches x "
+        f"{batch} x {seq} tokens per rank, AdamW{' (fused)' if device.type == 'cuda' else ''}, clip_grad_norm_, "
+        "check(grad_norm=...)"
+    )
     return make, data, loss_of, words
 
 
-def run_config(config: str, rounds: int, steps: int, tiny: bool = False, compile_model: bool = True,
-               only: tuple[str, ...] = (), profile: int = 0, pin: bool = False) -> None:
+def run_config(
+    config: str,
+    rounds: int,
+    steps: int,
+    tiny: bool = False,
+    compile_model: bool = True,
+    only: tuple[str, ...] = (),
+    profile: int = 0,
+    pin: bool = False,
+) -> None:
     """Times the configuration's modes (MODES; `only`: those of them, plain always included); `profile`: then traces
     that many more steps of each mode with torch.profiler and prints (rank 0) where the host and the device spent them;
     `pin`: each local rank runs on its own share of the host's cores (as numactl / a launcher's CPU binding does)."""
@@ -135,7 +162,7 @@ def run_config(config: str, rounds: int, steps: int, tiny: bool = False, compile
     if pin:
         cores = sorted(os.sched_getaffinity(0))
         share = max(1, len(cores) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-        os.sched_setaffinity(0, cores[local * share:(local + 1) * share] or cores)
+        os.sched_setaffinity(0, cores[local * share : (local + 1) * share] or cores)
     device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -145,9 +172,20 @@ def run_config(config: str, rounds: int, steps: int, tiny: bool = False, compile
     modes = tuple(m for m in MODES if not only or m in only or m == "plain")
     for mode in modes:
         model, optimizer = make()
-        guard = None if mode in ("plain", "synced") else Guard(model, optimizer, config=GuardConfig(
-            dump_dir=dump_dir, run_id=mode, detection=DetectionConfig(sync_free=False if mode == "synchronous" else None),
-            precursors=PrecursorConfig() if mode == "precursors" else None))
+        guard = (
+            None
+            if mode in ("plain", "synced")
+            else Guard(
+                model,
+                optimizer,
+                config=GuardConfig(
+                    dump_dir=dump_dir,
+                    run_id=mode,
+                    detection=DetectionConfig(sync_free=False if mode == "synchronous" else None),
+                    precursors=PrecursorConfig() if mode == "precursors" else None,
+                ),
+            )
+        )
         runs[mode] = (model, optimizer, Timed(guard) if guard is not None else None)
 
     def step(mode: str) -> None:
@@ -176,7 +214,7 @@ def run_config(config: str, rounds: int, steps: int, tiny: bool = False, compile
     times: dict[str, list[float]] = {mode: [] for mode in modes}
     host: dict[str, list[float]] = {mode: [] for mode in modes}
     for index in range(rounds):
-        for mode in modes[index % len(modes):] + modes[:index % len(modes)]:
+        for mode in modes[index % len(modes) :] + modes[: index % len(modes)]:
             timed = runs[mode][2]
             before = timed.seconds if timed else 0.0
             sync(str(device))
@@ -212,9 +250,13 @@ def run_config(config: str, rounds: int, steps: int, tiny: bool = False, compile
             timed = runs[mode][2]
             if timed is not None:
                 total = rounds * steps + 40 if not tiny else rounds * steps + 34  # the warm-up's steps too
-                print(f"{mode}: inside the Guard per step (wall / on the thread's CPU), " + ", ".join(
-                    f"{name} {seconds / total * 1e6:.0f} / {timed.on_cpu[name] / total * 1e6:.0f} us"
-                    for name, seconds in timed.by_method.items()))
+                print(
+                    f"{mode}: inside the Guard per step (wall / on the thread's CPU), "
+                    + ", ".join(
+                        f"{name} {seconds / total * 1e6:.0f} / {timed.on_cpu[name] / total * 1e6:.0f} us"
+                        for name, seconds in timed.by_method.items()
+                    )
+                )
         if traces:
             print(profile_report(traces, profile))
         for mode, text in inside.items():
@@ -258,19 +300,25 @@ def profile_report(traces: dict[str, Trace], steps: int) -> str:
     lines = [f"--- torch.profiler, {steps} steps of each mode (per step; host = operators' self time)"]
     for mode, t in traces.items():
         calls, host = sum(c for c, _ in t.ops.values()), sum(h for _, h in t.ops.values())
-        lines.append(f"{mode:<12} wall {t.wall * 1e3:8.1f} ms  kernels {t.busy * 1e3:8.1f} ms  host "
-                     f"{host / 1e3:8.1f} ms in {calls:8.0f} operator calls")
+        lines.append(
+            f"{mode:<12} wall {t.wall * 1e3:8.1f} ms  kernels {t.busy * 1e3:8.1f} ms  host "
+            f"{host / 1e3:8.1f} ms in {calls:8.0f} operator calls"
+        )
     plain = traces["plain"].ops
     for mode, t in traces.items():
         if mode == "plain":
             continue
-        grown = sorted(((h - plain.get(k, (0.0, 0.0))[1], c - plain.get(k, (0.0, 0.0))[0], k)
-                        for k, (c, h) in t.ops.items()), reverse=True)
+        grown = sorted(
+            ((h - plain.get(k, (0.0, 0.0))[1], c - plain.get(k, (0.0, 0.0))[0], k) for k, (c, h) in t.ops.items()),
+            reverse=True,
+        )
         lines.append(f"{mode} vs plain, operators with the most added host time (us per step, calls per step):")
         lines += [f"  {dh:+9.1f} us {dc:+7.1f} calls  {key[:90]}" for dh, dc, key in grown[:15]]
         more = sorted(((c - plain.get(k, (0.0, 0.0))[0], k) for k, (c, h) in t.ops.items()), reverse=True)
-        lines.append(f"{mode} vs plain, operators with the most added calls: " + ", ".join(
-            f"{key[:50]} {dc:+.1f}" for dc, key in more[:10] if dc > 0))
+        lines.append(
+            f"{mode} vs plain, operators with the most added calls: "
+            + ", ".join(f"{key[:50]} {dc:+.1f}" for dc, key in more[:10] if dc > 0)
+        )
     return "\n".join(lines)
 
 
@@ -279,26 +327,36 @@ def report(config: str, words: str, device: torch.device, rounds: int, steps: in
     spread = (max(plain) - min(plain)) / median(plain)
     print(f"machine: {machine()}")
     print(f"config {config}: {words}; device {device}")
-    print(f"{rounds} interleaved rounds x {steps} steps per mode (order rotating); plain step spread between rounds "
-          f"{100 * spread:.1f} %")
+    print(
+        f"{rounds} interleaved rounds x {steps} steps per mode (order rotating); plain step spread between rounds "
+        f"{100 * spread:.1f} %"
+    )
     intervals: list[str] = []
-    print(f"{'mode':<12} {'step (median)':>14} {'ratio vs plain':>15} {'quartiles':>13} {'in Guard calls':>15}  "
-          "per-round ratios")
+    print(
+        f"{'mode':<12} {'step (median)':>14} {'ratio vs plain':>15} {'quartiles':>13} {'in Guard calls':>15}  "
+        "per-round ratios"
+    )
     for mode in times:
         ratios = sorted(t / p for t, p in zip(times[mode], plain))
         quartiles = f"{ratios[len(ratios) // 4]:.3f}-{ratios[(3 * len(ratios)) // 4]:.3f}"
         if mode != "plain":
             low, high = median_interval(ratios)
             intervals.append(f"{mode} {median(ratios):.4f} (95 % interval of the median {low:.4f}-{high:.4f})")
-        print(f"{mode:<12} {median(times[mode]) * 1e3:11.2f} ms {median(ratios):15.4f} {quartiles:>13} "
-              f"{median(host[mode]) * 1e6:12.0f} us  "
-              f"{' '.join(f'{t / p:.3f}' for t, p in zip(times[mode], plain))}")
-    print("ratio vs plain, median of paired rounds, with a bootstrap interval (2,000 resamples of the rounds): "
-          + "; ".join(intervals))
+        print(
+            f"{mode:<12} {median(times[mode]) * 1e3:11.2f} ms {median(ratios):15.4f} {quartiles:>13} "
+            f"{median(host[mode]) * 1e6:12.0f} us  "
+            f"{' '.join(f'{t / p:.3f}' for t, p in zip(times[mode], plain))}"
+        )
+    print(
+        "ratio vs plain, median of paired rounds, with a bootstrap interval (2,000 resamples of the rounds): "
+        + "; ".join(intervals)
+    )
     if "precursors" in times and "guarded" in times:
         on_top = [(pc - g) / p for pc, g, p in zip(times["precursors"], times["guarded"], plain)]
-        print(f"precursors on top of guarded (PrecursorConfig() defaults, every 8th step sampled): "
-              f"{100 * median(on_top):+.2f} % of a plain step (median of rounds)")
+        print(
+            f"precursors on top of guarded (PrecursorConfig() defaults, every 8th step sampled): "
+            f"{100 * median(on_top):+.2f} % of a plain step (median of rounds)"
+        )
 
 
 def median_interval(values: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -319,8 +377,16 @@ def host_cost(rounds: int, steps: int, micro: int) -> None:
     for mode in ("plain", "guarded"):
         model = copy.deepcopy(base)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        guard = Guard(model, optimizer, config=GuardConfig(dump_dir=tempfile.mkdtemp(prefix="fx-host-")),
-                      loss_fn=squared_output) if mode == "guarded" else None
+        guard = (
+            Guard(
+                model,
+                optimizer,
+                config=GuardConfig(dump_dir=tempfile.mkdtemp(prefix="fx-host-")),
+                loss_fn=squared_output,
+            )
+            if mode == "guarded"
+            else None
+        )
         runs[mode] = (model, optimizer, Timed(guard) if guard is not None else None)
 
     def step(mode: str) -> None:
@@ -343,7 +409,7 @@ def host_cost(rounds: int, steps: int, micro: int) -> None:
     times: dict[str, list[float]] = {"plain": [], "guarded": []}
     inside: list[float] = []
     for index in range(rounds):
-        for mode in (("plain", "guarded") if index % 2 == 0 else ("guarded", "plain")):
+        for mode in ("plain", "guarded") if index % 2 == 0 else ("guarded", "plain"):
             timed = runs[mode][2]
             before = timed.seconds if timed else 0.0
             start = time.perf_counter()
@@ -354,10 +420,14 @@ def host_cost(rounds: int, steps: int, micro: int) -> None:
                 inside.append((timed.seconds - before) / steps)
     added = [g - p for g, p in zip(times["guarded"], times["plain"])]
     print(f"machine: {machine()}; load average {os.getloadavg()[0]:.1f}")
-    print(f"12 x Linear(256), AdamW, {micro} micro-batch(es) of 8, one thread; {rounds} interleaved rounds x {steps} steps")
-    print(f"plain {median(times['plain']) * 1e6:.0f} us, guarded {median(times['guarded']) * 1e6:.0f} us per step; "
-          f"added (median of paired rounds) {median(added) * 1e6:.0f} us; inside the Guard's calls "
-          f"{median(inside) * 1e6:.0f} us per step")
+    print(
+        f"12 x Linear(256), AdamW, {micro} micro-batch(es) of 8, one thread; {rounds} interleaved rounds x {steps} steps"
+    )
+    print(
+        f"plain {median(times['plain']) * 1e6:.0f} us, guarded {median(times['guarded']) * 1e6:.0f} us per step; "
+        f"added (median of paired rounds) {median(added) * 1e6:.0f} us; inside the Guard's calls "
+        f"{median(inside) * 1e6:.0f} us per step"
+    )
 
 
 def squared_output(model: torch.nn.Module, batch: dict) -> torch.Tensor:

@@ -28,9 +28,18 @@ def tiny_gpt2(seed: int = 0):
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.GPT2Config(n_layer=2, n_embd=EMBD, n_head=2, vocab_size=VOCAB, n_positions=32,
-                                     bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
-                                     attn_pdrop=0.0)
+    config = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=EMBD,
+        n_head=2,
+        vocab_size=VOCAB,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return transformers.GPT2LMHeadModel(config)
 
 
@@ -51,9 +60,17 @@ def tiny_model(arch: str = "gpt2", seed: int = 0, size: str = "tiny", device: to
 
     torch.manual_seed(seed)
     hidden, intermediate, layers, heads, vocab = SIZES[size]
-    config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                                      num_attention_heads=heads, num_key_value_heads=heads, vocab_size=vocab,
-                                      max_position_embeddings=32, bos_token_id=0, eos_token_id=0)
+    config = transformers.LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        vocab_size=vocab,
+        max_position_embeddings=32,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     with torch.device(device or "cpu"):
         return transformers.LlamaForCausalLM(config)
 
@@ -70,11 +87,23 @@ class EmbedsDataset(torch.utils.data.Dataset):
     loss: the stand-in for a corrupt record in a real corpus.
     """
 
-    def __init__(self, n: int, poison: int | None = None, seed: int = 1, poison_value: float = 1e38,
-                 width: int = EMBD, vocab: int = VOCAB):
+    def __init__(
+        self,
+        n: int,
+        poison: int | None = None,
+        seed: int = 1,
+        poison_value: float = 1e38,
+        width: int = EMBD,
+        vocab: int = VOCAB,
+    ):
         generator = torch.Generator().manual_seed(seed)
-        self.items = [{"inputs_embeds": torch.randn(SEQ, width, generator=generator),
-                       "labels": torch.randint(0, vocab, (SEQ,), generator=generator)} for _ in range(n)]
+        self.items = [
+            {
+                "inputs_embeds": torch.randn(SEQ, width, generator=generator),
+                "labels": torch.randint(0, vocab, (SEQ,), generator=generator),
+            }
+            for _ in range(n)
+        ]
         if poison is not None and poison >= 0:
             self.items[poison]["inputs_embeds"][0, 0] = poison_value
 
@@ -92,25 +121,49 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=6, help="optimizer steps to train")
     p.add_argument("--micro-batch", type=int, default=2, help="samples per micro-batch (per rank)")
     p.add_argument("--accum", type=int, default=2, help="micro-batches per optimizer step")
-    p.add_argument("--poison", type=int, default=29,
-                   help="dataset index of the corrupt sample (-1: none). With 2 ranks and the defaults, "
-                        "29 is read by rank 1 in step 3, micro-batch 1")
+    p.add_argument(
+        "--poison",
+        type=int,
+        default=29,
+        help="dataset index of the corrupt sample (-1: none). With 2 ranks and the defaults, "
+        "29 is read by rank 1 in step 3, micro-batch 1",
+    )
     p.add_argument("--model", default="gpt2", choices=("gpt2", "llama"), help="the tiny model to train")
     p.add_argument("--size", default="tiny", choices=tuple(SIZES), help="Llama size (--model llama)")
-    p.add_argument("--poison-value", type=float, default=1e38,
-                   help="value planted in the corrupt sample (RMSNorm maps 1e38 to 0: use inf for llama)")
-    p.add_argument("--policy", default="raise", choices=("raise", "skip", "continue"),
-                   help="what the Guard does on a NaN/Inf step")
+    p.add_argument(
+        "--poison-value",
+        type=float,
+        default=1e38,
+        help="value planted in the corrupt sample (RMSNorm maps 1e38 to 0: use inf for llama)",
+    )
+    p.add_argument(
+        "--policy", default="raise", choices=("raise", "skip", "continue"), help="what the Guard does on a NaN/Inf step"
+    )
     p.add_argument("--max-dumps", type=int, default=3, help="DumpConfig.max_dumps")
-    p.add_argument("--initial-scale-power", type=int, default=16,
-                   help="fp16: the loss scale starts at 2**this (40 makes the first steps overflow)")
-    p.add_argument("--layout", default="auto", choices=("auto", "full", "sharded"),
-                   help="DumpConfig.state_layout: how the ranks write the state")
+    p.add_argument(
+        "--initial-scale-power",
+        type=int,
+        default=16,
+        help="fp16: the loss scale starts at 2**this (40 makes the first steps overflow)",
+    )
+    p.add_argument(
+        "--layout",
+        default="auto",
+        choices=("auto", "full", "sharded"),
+        help="DumpConfig.state_layout: how the ranks write the state",
+    )
     p.add_argument("--replicas", type=int, default=1, help="DumpConfig.shard_replicas (sharded layout)")
-    p.add_argument("--fused", action="store_true",
-                   help="AdamW(fused=True): the default GuardConfig then checks without a sync (judged one step late)")
-    p.add_argument("--min-loss-scale", type=float, default=1.0,
-                   help="fp16: an overflow at this loss scale or below is a fault, not a normal skip")
+    p.add_argument(
+        "--fused",
+        action="store_true",
+        help="AdamW(fused=True): the default GuardConfig then checks without a sync (judged one step late)",
+    )
+    p.add_argument(
+        "--min-loss-scale",
+        type=float,
+        default=1.0,
+        help="fp16: an overflow at this loss scale or below is a fault, not a normal skip",
+    )
     return p
 
 

@@ -32,13 +32,22 @@ def main() -> None:
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=_common.LR, fused=args.fused)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _common.warmup)
-    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** args.initial_scale_power, enabled=args.fp16)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**args.initial_scale_power, enabled=args.fp16)
     # --- forensics: one line to create the guard (pass the DDP wrapper or the model) ---
-    guard = DistributedGuard(ddp, optimizer, scheduler, scaler, config=GuardConfig(
-        dump_dir=args.dump_dir, run_id=args.run_id,
-        detection=DetectionConfig(on_nonfinite=args.policy, max_grad_norm=_common.CLIP,
-                                  min_loss_scale=args.min_loss_scale),
-        dumping=DumpConfig(max_dumps=args.max_dumps, state_layout=args.layout, shard_replicas=args.replicas)))
+    guard = DistributedGuard(
+        ddp,
+        optimizer,
+        scheduler,
+        scaler,
+        config=GuardConfig(
+            dump_dir=args.dump_dir,
+            run_id=args.run_id,
+            detection=DetectionConfig(
+                on_nonfinite=args.policy, max_grad_norm=_common.CLIP, min_loss_scale=args.min_loss_scale
+            ),
+            dumping=DumpConfig(max_dumps=args.max_dumps, state_layout=args.layout, shard_replicas=args.replicas),
+        ),
+    )
 
     samples = world * args.steps * args.accum * args.micro_batch
     dataset = IndexedDataset(_common.EmbedsDataset(samples, poison=args.poison))  # adds batch["sample_ids"]
@@ -48,17 +57,17 @@ def main() -> None:
         for _step in range(args.steps):
             for index in range(args.accum):
                 batch = {k: v.to(device) for k, v in next(batches).items()}
-                guard.record_batch(batch)                                    # forensics
+                guard.record_batch(batch)  # forensics
                 sync = contextlib.nullcontext() if index == args.accum - 1 else ddp.no_sync()
                 with sync:
                     with torch.autocast(device.type, dtype=torch.float16, enabled=args.fp16):
                         loss = ddp(inputs_embeds=batch["inputs_embeds"], labels=batch["labels"]).loss
-                        guard.record_loss(loss)                              # forensics
+                        guard.record_loss(loss)  # forensics
                     scaler.scale(loss / args.accum).backward()
             scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), _common.CLIP)
             timer.restart()
-            if guard.check(grad_norm=grad_norm):                             # forensics
+            if guard.check(grad_norm=grad_norm):  # forensics
                 scaler.step(optimizer)  # the plain optimizer.step() without --fp16
             scaler.update()
             scheduler.step()

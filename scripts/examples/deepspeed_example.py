@@ -35,8 +35,12 @@ def ds_config(args) -> dict:
     if args.precision == "bf16":
         config["bf16"] = {"enabled": True}
     elif args.precision == "fp16":
-        config["fp16"] = {"enabled": True, "initial_scale_power": args.initial_scale_power,
-                          "min_loss_scale": args.min_loss_scale, "hysteresis": 1}
+        config["fp16"] = {
+            "enabled": True,
+            "initial_scale_power": args.initial_scale_power,
+            "min_loss_scale": args.min_loss_scale,
+            "hysteresis": 1,
+        }
     return config
 
 
@@ -51,12 +55,21 @@ def main() -> None:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     model = _common.tiny_model(args.model)
     engine, _, _, _ = deepspeed.initialize(
-        model=model, config=ds_config(args), model_parameters=model.parameters(),
-        lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, _common.warmup))
+        model=model,
+        config=ds_config(args),
+        model_parameters=model.parameters(),
+        lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, _common.warmup),
+    )
     # --- forensics: one line to create the guard ---
-    guard = DeepSpeedGuard(engine, config=GuardConfig(
-        dump_dir=args.dump_dir, run_id=args.run_id, detection=DetectionConfig(on_nonfinite=args.policy),
-        dumping=DumpConfig(max_dumps=args.max_dumps, state_layout=args.layout, shard_replicas=args.replicas)))
+    guard = DeepSpeedGuard(
+        engine,
+        config=GuardConfig(
+            dump_dir=args.dump_dir,
+            run_id=args.run_id,
+            detection=DetectionConfig(on_nonfinite=args.policy),
+            dumping=DumpConfig(max_dumps=args.max_dumps, state_layout=args.layout, shard_replicas=args.replicas),
+        ),
+    )
     dtype = next(engine.module.parameters()).dtype
 
     samples = world * args.steps * args.accum * args.micro_batch
@@ -65,19 +78,23 @@ def main() -> None:
     timer = _common.Timer()
     try:
         for batch in loader:
-            batch = {"inputs_embeds": batch["inputs_embeds"].to(engine.device, dtype),
-                     "labels": batch["labels"].to(engine.device), "sample_ids": batch["sample_ids"]}
-            guard.record_batch(batch)                                        # forensics
+            batch = {
+                "inputs_embeds": batch["inputs_embeds"].to(engine.device, dtype),
+                "labels": batch["labels"].to(engine.device),
+                "sample_ids": batch["sample_ids"],
+            }
+            guard.record_batch(batch)  # forensics
             loss = engine(inputs_embeds=batch["inputs_embeds"], labels=batch["labels"]).loss
-            guard.record_loss(loss)                                          # forensics
+            guard.record_loss(loss)  # forensics
             engine.backward(loss)
             timer = _common.Timer()
-            guard.check()                                                    # forensics (no-op off the boundary)
+            guard.check()  # forensics (no-op off the boundary)
             engine.step()
         _common.report(rank, fault=None, dumps=guard.dumps, history=guard.history.to_dict())
     except TrainingFaultError as fault:
-        _common.report(rank, fault=fault.trigger, dump=fault.dump_path, dump_seconds=timer(),
-                       dump_error=fault.dump_error)
+        _common.report(
+            rank, fault=fault.trigger, dump=fault.dump_path, dump_seconds=timer(), dump_error=fault.dump_error
+        )
     finally:
         guard.close()
 

@@ -24,8 +24,12 @@ from capture import DetectionConfig, DumpConfig, Guard, GuardConfig, IndexedData
 
 def main() -> None:
     parser = _common.parser(__doc__)
-    parser.add_argument("--mesh", default="fsdp", choices=("fsdp", "hsdp"),
-                        help="fsdp: shard over every rank; hsdp: 2 replica groups, sharded within each")
+    parser.add_argument(
+        "--mesh",
+        default="fsdp",
+        choices=("fsdp", "hsdp"),
+        help="fsdp: shard over every rank; hsdp: 2 replica groups, sharded within each",
+    )
     parser.add_argument("--bf16", action="store_true", help="FSDP2 mixed precision: bf16 compute, fp32 reduce")
     args = parser.parse_args()
     rank, world, device = _common.init_distributed()
@@ -35,8 +39,11 @@ def main() -> None:
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
 
     model = _common.tiny_model(args.model, size=args.size, device=device)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 \
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if args.bf16
         else MixedPrecisionPolicy()
+    )
     blocks = model.transformer.h if args.model == "gpt2" else model.model.layers
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
@@ -44,28 +51,42 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=_common.LR, fused=args.fused)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _common.warmup)
     # --- forensics: one line to create the guard ---
-    guard = Guard(model, optimizer, scheduler, config=GuardConfig(
-        dump_dir=args.dump_dir, run_id=args.run_id,
-        detection=DetectionConfig(on_nonfinite=args.policy, max_grad_norm=_common.CLIP),
-        dumping=DumpConfig(max_dumps=args.max_dumps, state_layout=args.layout, shard_replicas=args.replicas)))
+    guard = Guard(
+        model,
+        optimizer,
+        scheduler,
+        config=GuardConfig(
+            dump_dir=args.dump_dir,
+            run_id=args.run_id,
+            detection=DetectionConfig(on_nonfinite=args.policy, max_grad_norm=_common.CLIP),
+            dumping=DumpConfig(max_dumps=args.max_dumps, state_layout=args.layout, shard_replicas=args.replicas),
+        ),
+    )
 
     samples = world * args.steps * args.accum * args.micro_batch
-    dataset = IndexedDataset(_common.EmbedsDataset(samples, poison=args.poison, poison_value=args.poison_value,
-                                                   width=model.config.hidden_size, vocab=model.config.vocab_size))
+    dataset = IndexedDataset(
+        _common.EmbedsDataset(
+            samples,
+            poison=args.poison,
+            poison_value=args.poison_value,
+            width=model.config.hidden_size,
+            vocab=model.config.vocab_size,
+        )
+    )
     loader = DataLoader(dataset, batch_size=args.micro_batch, sampler=DistributedSampler(dataset, shuffle=False))
     batches = iter(loader)
     with _common.reported(rank, guard) as timer:  # one report line per rank; the Guard closed
         for _step in range(args.steps):
             for index in range(args.accum):
                 batch = {k: v.to(device) for k, v in next(batches).items()}
-                guard.record_batch(batch)                                    # forensics
+                guard.record_batch(batch)  # forensics
                 model.set_requires_gradient_sync(index == args.accum - 1)
                 loss = model(inputs_embeds=batch["inputs_embeds"], labels=batch["labels"]).loss
-                guard.record_loss(loss)                                      # forensics
+                guard.record_loss(loss)  # forensics
                 (loss / args.accum).backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), _common.CLIP)
             timer.restart()
-            if guard.check(grad_norm=grad_norm):                             # forensics
+            if guard.check(grad_norm=grad_norm):  # forensics
                 optimizer.step()
             scheduler.step()
             optimizer.zero_grad()

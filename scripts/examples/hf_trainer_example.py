@@ -25,8 +25,13 @@ from forensics.errors import TrainingFaultError
 def main() -> None:
     parser = _common.parser(__doc__)
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision")
-    parser.add_argument("--deepspeed-stage", type=int, default=None, choices=(0, 1, 2, 3),
-                        help="run the Trainer with DeepSpeed at this ZeRO stage (launch with torchrun)")
+    parser.add_argument(
+        "--deepspeed-stage",
+        type=int,
+        default=None,
+        choices=(0, 1, 2, 3),
+        help="run the Trainer with DeepSpeed at this ZeRO stage (launch with torchrun)",
+    )
     parser.add_argument("--sequential", action="store_true", help="read samples in order (no shuffling)")
     parser.set_defaults(poison=13)
     args = parser.parse_args()
@@ -37,21 +42,36 @@ def main() -> None:
     dataset = IndexedDataset(_common.EmbedsDataset(samples, poison=args.poison))  # items carry "sample_ids"
     with tempfile.TemporaryDirectory() as output_dir:
         training_args = TrainingArguments(
-            output_dir=output_dir, max_steps=args.steps, per_device_train_batch_size=args.micro_batch,
-            gradient_accumulation_steps=args.accum, learning_rate=_common.LR, max_grad_norm=_common.CLIP,
-            warmup_steps=3, lr_scheduler_type="constant_with_warmup", report_to=[], save_strategy="no",
-            logging_steps=1000, use_cpu=not torch.cuda.is_available(), bf16=args.bf16, seed=0,
+            output_dir=output_dir,
+            max_steps=args.steps,
+            per_device_train_batch_size=args.micro_batch,
+            gradient_accumulation_steps=args.accum,
+            learning_rate=_common.LR,
+            max_grad_norm=_common.CLIP,
+            warmup_steps=3,
+            lr_scheduler_type="constant_with_warmup",
+            report_to=[],
+            save_strategy="no",
+            logging_steps=1000,
+            use_cpu=not torch.cuda.is_available(),
+            bf16=args.bf16,
+            seed=0,
             remove_unused_columns=False,  # keep "sample_ids": the callback takes it out before the forward
             train_sampling_strategy="sequential" if args.sequential else "random",
-            deepspeed=None if args.deepspeed_stage is None else {
-                "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                "gradient_clipping": "auto", "zero_optimization": {"stage": args.deepspeed_stage}},
+            deepspeed=None
+            if args.deepspeed_stage is None
+            else {
+                "train_micro_batch_size_per_gpu": "auto",
+                "gradient_accumulation_steps": "auto",
+                "gradient_clipping": "auto",
+                "zero_optimization": {"stage": args.deepspeed_stage},
+            },
         )
         # --- forensics: one callback ---
-        callback = ForensicsTrainerCallback(GuardConfig(dump_dir=args.dump_dir, run_id=args.run_id,
-                                                        detection=DetectionConfig(on_nonfinite=args.policy)))
-        trainer = Trainer(model=_common.tiny_gpt2(), args=training_args, train_dataset=dataset,
-                          callbacks=[callback])
+        callback = ForensicsTrainerCallback(
+            GuardConfig(dump_dir=args.dump_dir, run_id=args.run_id, detection=DetectionConfig(on_nonfinite=args.policy))
+        )
+        trainer = Trainer(model=_common.tiny_gpt2(), args=training_args, train_dataset=dataset, callbacks=[callback])
         rank = training_args.process_index
         try:
             trainer.train()

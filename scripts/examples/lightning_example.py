@@ -30,16 +30,32 @@ def main() -> None:
         import lightning.pytorch as pl
 
     samples = args.steps * args.accum * args.micro_batch
-    loader = DataLoader(IndexedDataset(_common.EmbedsDataset(samples, poison=args.poison)),
-                        batch_size=args.micro_batch, shuffle=False)
+    loader = DataLoader(
+        IndexedDataset(_common.EmbedsDataset(samples, poison=args.poison)), batch_size=args.micro_batch, shuffle=False
+    )
     # --- forensics: one callback (the recipe tells replay how to rebuild this LightningModule) ---
-    callback = ForensicsLightningCallback(GuardConfig(
-        dump_dir=args.dump_dir, run_id=args.run_id, detection=DetectionConfig(on_nonfinite=args.policy),
-        dumping=DumpConfig(recipe={"factory": "_common:lit_gpt2", "factory_kwargs": {"fused": args.fused}})))
-    trainer = pl.Trainer(max_steps=args.steps, accumulate_grad_batches=args.accum, gradient_clip_val=_common.CLIP,
-                         precision=args.precision, accelerator="gpu" if torch.cuda.is_available() else "cpu",
-                         devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[callback])
+    callback = ForensicsLightningCallback(
+        GuardConfig(
+            dump_dir=args.dump_dir,
+            run_id=args.run_id,
+            detection=DetectionConfig(on_nonfinite=args.policy),
+            dumping=DumpConfig(recipe={"factory": "_common:lit_gpt2", "factory_kwargs": {"fused": args.fused}}),
+        )
+    )
+    trainer = pl.Trainer(
+        max_steps=args.steps,
+        accumulate_grad_batches=args.accum,
+        gradient_clip_val=_common.CLIP,
+        precision=args.precision,
+        accelerator="gpu" if torch.cuda.is_available() else "cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[callback],
+    )
     try:
         trainer.fit(_common.lit_gpt2(fused=args.fused), loader)
         _common.report(trainer.global_rank, fault=None, dumps=callback.guard.dumps)

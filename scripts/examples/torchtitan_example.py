@@ -30,8 +30,11 @@ def build_model(seed: int = 0) -> torch.nn.Module:
     from torchtitan.models.llama3.model.model import Transformer
 
     torch.manual_seed(seed)
-    model = Transformer(TransformerModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB,
-                                             max_seq_len=SEQ, use_flex_attn=False))
+    model = Transformer(
+        TransformerModelArgs(
+            dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=SEQ, use_flex_attn=False
+        )
+    )
     model.init_weights()
     return model
 
@@ -39,8 +42,9 @@ def build_model(seed: int = 0) -> torch.nn.Module:
 def masked_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     """Next-token cross-entropy weighted per token (the job's loss; replay imports it by name)."""
     logits = model(batch["tokens"])
-    per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(),
-                                                  reduction="none")
+    per_token = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1).float(), batch["labels"].flatten(), reduction="none"
+    )
     weights = batch["weights"].flatten()
     return (per_token * weights).sum() / weights.sum()
 
@@ -73,12 +77,22 @@ def main() -> None:
     apply_fsdp(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, pp_enabled=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=_common.LR)
     # --- forensics: one line to create the guard (the recipe names this file's model factory and loss) ---
-    guard = Guard(model, optimizer, loss_fn=masked_loss, config=GuardConfig(
-        dump_dir=args.dump_dir, run_id=args.run_id,
-        detection=DetectionConfig(on_nonfinite=args.policy, max_grad_norm=_common.CLIP),
-        dumping=DumpConfig(max_dumps=args.max_dumps, state_layout=args.layout, shard_replicas=args.replicas,
-                           recipe={"factory": "torchtitan_example:build_model",
-                                   "loss": "torchtitan_example:masked_loss"})))
+    guard = Guard(
+        model,
+        optimizer,
+        loss_fn=masked_loss,
+        config=GuardConfig(
+            dump_dir=args.dump_dir,
+            run_id=args.run_id,
+            detection=DetectionConfig(on_nonfinite=args.policy, max_grad_norm=_common.CLIP),
+            dumping=DumpConfig(
+                max_dumps=args.max_dumps,
+                state_layout=args.layout,
+                shard_replicas=args.replicas,
+                recipe={"factory": "torchtitan_example:build_model", "loss": "torchtitan_example:masked_loss"},
+            ),
+        ),
+    )
 
     samples = world * args.steps * args.accum * args.micro_batch
     dataset = IndexedDataset(WeightedTokens(samples, poison=args.poison))
@@ -88,14 +102,14 @@ def main() -> None:
         for _step in range(args.steps):
             for index in range(args.accum):
                 batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in next(batches).items()}
-                guard.record_batch(batch)                                    # forensics
+                guard.record_batch(batch)  # forensics
                 model.set_requires_gradient_sync(index == args.accum - 1)
                 loss = masked_loss(model, batch)
-                guard.record_loss(loss)                                      # forensics
+                guard.record_loss(loss)  # forensics
                 (loss / args.accum).backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), _common.CLIP)
             timer.restart()
-            if guard.check(grad_norm=grad_norm):                             # forensics
+            if guard.check(grad_norm=grad_norm):  # forensics
                 optimizer.step()
             optimizer.zero_grad()
 

@@ -45,8 +45,12 @@ def local_shards(engine) -> dict[str, torch.Tensor]:
     out = {}
     for index, flat in enumerate(flats):
         out[f"fp32/{index}"] = flat.detach().to("cpu")
-        out.update(_flat_state(f"state/{index}", {k: v for k, v in basic.state[flat].items()
-                                                  if isinstance(v, torch.Tensor) and v.dim() > 0}))
+        out.update(
+            _flat_state(
+                f"state/{index}",
+                {k: v for k, v in basic.state[flat].items() if isinstance(v, torch.Tensor) and v.dim() > 0},
+            )
+        )
     if engine.zero_optimization_stage() == 3:
         for name, param in engine.module.named_parameters():
             out[f"lp/{name}"] = param.ds_tensor.detach().to("cpu")
@@ -70,13 +74,20 @@ def main() -> None:
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     rank = torch.distributed.get_rank()
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-              "zero_optimization": {"stage": args.zero_stage}, "steps_per_print": 10_000}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "zero_optimization": {"stage": args.zero_stage},
+        "steps_per_print": 10_000,
+    }
     if args.bf16:
         config["bf16"] = {"enabled": True}
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=args.layers, n_embd=args.width, n_head=max(1, args.width // 64), vocab_size=8192, n_positions=64))
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            n_layer=args.layers, n_embd=args.width, n_head=max(1, args.width // 64), vocab_size=8192, n_positions=64
+        )
+    )
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     ids = torch.randint(0, 8192, (1, 32), device=engine.device)
     engine.backward(engine(input_ids=ids, labels=ids).loss)
@@ -100,11 +111,18 @@ def main() -> None:
     copy_s = time.perf_counter() - start
     write_shard_s, shard_bytes = _write(os.path.join(root, f"shard-rank{rank}.safetensors"), shards)
     params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters())
-    print(json.dumps({"rank": rank, "zero_stage": args.zero_stage, "params": params,
-                      "gather": {"collect_s": round(gather_s, 3), "write_s": round(write_full_s, 3),
-                                 "bytes": full_bytes},
-                      "shards": {"collect_s": round(copy_s, 3), "write_s": round(write_shard_s, 3),
-                                 "bytes": shard_bytes}}), flush=True)
+    print(
+        json.dumps(
+            {
+                "rank": rank,
+                "zero_stage": args.zero_stage,
+                "params": params,
+                "gather": {"collect_s": round(gather_s, 3), "write_s": round(write_full_s, 3), "bytes": full_bytes},
+                "shards": {"collect_s": round(copy_s, 3), "write_s": round(write_shard_s, 3), "bytes": shard_bytes},
+            }
+        ),
+        flush=True,
+    )
     guard.close()
 
 

@@ -35,17 +35,36 @@ def main() -> int:
     for name, entry in sorted(index["dumps"].items()):
         out = args.out / name.removesuffix(".tar.zst")
         started = time.monotonic()
-        result = CliRunner().invoke(forensics, ["replay", str(DATA / name), "--device", args.device, "--trust",
-                                                "--path", str(REPO), "--no-rng-check", "-o", str(out)])
+        result = CliRunner().invoke(
+            forensics,
+            [
+                "replay",
+                str(DATA / name),
+                "--device",
+                args.device,
+                "--trust",
+                "--path",
+                str(REPO),
+                "--no-rng-check",
+                "-o",
+                str(out),
+            ],
+        )
         report_path = out / "report.json"
         if not report_path.exists():
             problems.append(f"{name}: no report (exit {result.exit_code}): {result.output[-400:]}")
             continue
         report = json.loads(report_path.read_text())
         kind = report["verdict"]["kind"]
-        rows[name] = {"kind": kind, "headline": report["verdict"]["headline"], "exit_code": result.exit_code,
-                      "blocklist": (out / "blocklist.jsonl").exists(), "seconds": round(time.monotonic() - started, 1),
-                      "precision": report.get("precision"), "evidence": report.get("evidence")}
+        rows[name] = {
+            "kind": kind,
+            "headline": report["verdict"]["headline"],
+            "exit_code": result.exit_code,
+            "blocklist": (out / "blocklist.jsonl").exists(),
+            "seconds": round(time.monotonic() - started, 1),
+            "precision": report.get("precision"),
+            "evidence": report.get("evidence"),
+        }
         print(f"{name:60s} {kind:22s} (recorded {entry['gpu_verdict']}) {rows[name]['seconds']} s", flush=True)
         if kind in ("bad_sample", "exception") or rows[name]["blocklist"]:
             problems.append(f"{name}: blames data: {report['verdict']['headline']}")
@@ -54,8 +73,9 @@ def main() -> int:
         elif kind != entry["gpu_verdict"]:
             problems.append(f"{name}: {kind} here, {entry['gpu_verdict']} recorded")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "replayed.json").write_text(json.dumps({"device": args.device, "rows": rows, "problems": problems},
-                                                       indent=1))
+    (args.out / "replayed.json").write_text(
+        json.dumps({"device": args.device, "rows": rows, "problems": problems}, indent=1)
+    )
     if args.write:
         (DATA / "verdicts.json").write_text(json.dumps(index, indent=1))
     for problem in problems:

@@ -62,8 +62,9 @@ def main(dump_dir: str, how: str, signals: list[signal.Signals]) -> None:
     elif nan_last:
         config = GuardConfig(dump_dir=dump_dir, run_id="ending")
     else:
-        config = GuardConfig(dump_dir=dump_dir, run_id="ending", detection=DetectionConfig(loss_spike=SpikeConfig(
-            window=8, warmup=4)))
+        config = GuardConfig(
+            dump_dir=dump_dir, run_id="ending", detection=DetectionConfig(loss_spike=SpikeConfig(window=8, warmup=4))
+        )
     ready = threading.Event()
     if signals:
         send_during_the_write(signals, ready)
@@ -93,5 +94,8 @@ def main(dump_dir: str, how: str, signals: list[signal.Signals]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], [signal.Signals["SIG" + s] for s in sys.argv[3].split(",")] if len(sys.argv) > 3
-         else [])
+    main(
+        sys.argv[1],
+        sys.argv[2],
+        [signal.Signals["SIG" + s] for s in sys.argv[3].split(",")] if len(sys.argv) > 3 else [],
+    )

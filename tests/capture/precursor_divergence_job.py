@@ -48,9 +48,16 @@ def train(dump_dir, lr: float, steps: int = STEPS, device: str = "cpu") -> tuple
     model = gpt2().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     off = SpikeConfig(enabled=False)
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(dump_dir), run_id="diverging",
-                                                       precursors=PrecursorConfig(),
-                                                       detection=DetectionConfig(loss_spike=off, grad_norm_spike=off)))
+    guard = Guard(
+        model,
+        optimizer,
+        config=GuardConfig(
+            dump_dir=str(dump_dir),
+            run_id="diverging",
+            precursors=PrecursorConfig(),
+            detection=DetectionConfig(loss_spike=off, grad_norm_spike=off),
+        ),
+    )
     nonfinite_at = None
     try:
         for step, batch in enumerate(batches(steps)):
@@ -88,12 +95,21 @@ def main() -> int:
         report = run_replay(precursor[0], ReplayOptions(device=args.device))
         first = (report.get("precursor") or {}).get("ranking", [{}])[0]
         step = open_dump(precursor[0]).step
-        result.update(precursor_step=step, ahead=None if nonfinite_at is None else nonfinite_at - step,
-                      layer=first.get("layer"), statistic=first.get("statistic"), started=first.get("started"),
-                      verdict=report["verdict"]["kind"])
+        result.update(
+            precursor_step=step,
+            ahead=None if nonfinite_at is None else nonfinite_at - step,
+            layer=first.get("layer"),
+            statistic=first.get("statistic"),
+            started=first.get("started"),
+            verdict=report["verdict"]["kind"],
+        )
     print(json.dumps(result))
-    ok = bool(precursor) and nonfinite_at is not None and result["ahead"] >= AHEAD \
+    ok = (
+        bool(precursor)
+        and nonfinite_at is not None
+        and result["ahead"] >= AHEAD
         and str(result.get("layer")).startswith("transformer.h.")
+    )
     return 0 if ok else 1
 
 

@@ -35,8 +35,13 @@ def train_until_the_index_error(tmp_path, optimizer_kwargs: dict, use_scaler: bo
     model = torch.nn.Sequential(torch.nn.Linear(WIDTH, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, **optimizer_kwargs)
     scaler = torch.amp.GradScaler("cpu") if use_scaler else None
-    guard = Guard(model, optimizer, scaler=scaler, loss_fn=loss_fn,
-                  config=GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="between"))
+    guard = Guard(
+        model,
+        optimizer,
+        scaler=scaler,
+        loss_fn=loss_fn,
+        config=GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="between"),
+    )
     data = torch.randn(SAMPLES, WIDTH, generator=torch.Generator().manual_seed(1))
     order = list(range(SAMPLES))
     weights_after_step_4 = None
@@ -60,9 +65,11 @@ def train_until_the_index_error(tmp_path, optimizer_kwargs: dict, use_scaler: bo
     return guard, weights_after_step_4
 
 
-@pytest.mark.parametrize("optimizer_kwargs, use_scaler", [({}, False), ({"fused": True}, False),
-                                                          ({"foreach": True}, True)],
-                         ids=["adamw", "fused-adamw", "foreach-adamw+gradscaler"])
+@pytest.mark.parametrize(
+    "optimizer_kwargs, use_scaler",
+    [({}, False), ({"fused": True}, False), ({"foreach": True}, True)],
+    ids=["adamw", "fused-adamw", "foreach-adamw+gradscaler"],
+)
 def test_an_index_error_in_batch_building_after_the_update_is_between_steps(tmp_path, optimizer_kwargs, use_scaler):
     guard, updated = train_until_the_index_error(tmp_path, optimizer_kwargs, use_scaler)
     assert len(guard.dumps) == 1
@@ -126,7 +133,9 @@ def test_an_exception_after_the_guard_stopped_the_job_is_not_claimed_as_a_step(t
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(WIDTH, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    guard = Guard(model, optimizer, loss_fn=loss_fn, config=GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="after"))
+    guard = Guard(
+        model, optimizer, loss_fn=loss_fn, config=GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="after")
+    )
     data = torch.randn(SAMPLES, WIDTH, generator=torch.Generator().manual_seed(1))
     with pytest.raises(FileNotFoundError):
         try:
@@ -157,15 +166,21 @@ def test_an_exception_before_the_first_recorded_step_says_how_to_guard_it_or_is_
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(WIDTH, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    guard = Guard(model, optimizer, loss_fn=loss_fn, config=GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="eval"))
+    guard = Guard(
+        model, optimizer, loss_fn=loss_fn, config=GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="eval")
+    )
     wrong = {"x": torch.randn(4, WIDTH + 1), "y": torch.zeros(4, 1), "sample_ids": [f"eval-{i}" for i in range(4)]}
     with pytest.raises(RuntimeError):
         with guard.capture_errors():
             loss_fn(model, wrong)  # evaluation, no batch recorded
     assert guard.dumps == []
     hint = [r.getMessage() for r in caplog.records if "outside a recorded step" in r.getMessage()]
-    assert len(hint) == 1 and "before the first record_batch" in hint[0] and "guard.capture_errors()" in hint[0] \
+    assert (
+        len(hint) == 1
+        and "before the first record_batch" in hint[0]
+        and "guard.capture_errors()" in hint[0]
         and "record_batch" in hint[0]
+    )
     with pytest.raises(RuntimeError):
         with guard.capture_errors():
             guard.record_batch(wrong)

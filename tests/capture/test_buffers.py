@@ -13,8 +13,14 @@ from forensics_test_helpers import bitwise_equal  # tests/helpers.py
 
 def _net() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
-                               torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(4, 3))
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3),
+        torch.nn.BatchNorm2d(4),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(4, 3),
+    )
 
 
 def _batches() -> list[dict]:
@@ -24,8 +30,13 @@ def _batches() -> list[dict]:
         x = torch.randn(6, 3, 8, 8, generator=g)
         if step == 2:
             x[4, 1, 3, 3] = float("inf")  # one pixel: BatchNorm's batch statistics turn every sample NaN
-        batches.append({"image": x, "label": torch.randint(0, 3, (6,), generator=g),
-                        "sample_ids": [f"img-{step}-{i}" for i in range(6)]})
+        batches.append(
+            {
+                "image": x,
+                "label": torch.randint(0, 3, (6,), generator=g),
+                "sample_ids": [f"img-{step}-{i}" for i in range(6)],
+            }
+        )
     return batches
 
 
@@ -47,8 +58,11 @@ def _train(model, optimizer, batches, guard=None, seen=None):
 def test_a_skipped_step_leaves_batchnorm_statistics_as_if_it_never_ran_and_the_dump_holds_them(tmp_path):
     model = _net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="bn",
-                                                       detection=DetectionConfig(on_nonfinite="skip")))
+    guard = Guard(
+        model,
+        optimizer,
+        config=GuardConfig(dump_dir=str(tmp_path), run_id="bn", detection=DetectionConfig(on_nonfinite="skip")),
+    )
     before = {}
     _train(model, optimizer, _batches(), guard, before)
     guard.close()

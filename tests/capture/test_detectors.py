@@ -66,16 +66,25 @@ def test_disabled_detector_never_fires():
     assert d.threshold() is None and d.observe(1e9) is None
 
 
-@pytest.mark.parametrize("kwargs", [{"window": 3, "warmup": 3}, {"window": 8, "warmup": 9}, {"warmup": 2},
-                                    {"mad_factor": 0}, {"min_ratio": 0.5}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"window": 3, "warmup": 3}, {"window": 8, "warmup": 9}, {"warmup": 2}, {"mad_factor": 0}, {"min_ratio": 0.5}],
+)
 def test_spike_config_validation(kwargs):
     with pytest.raises(ValueError, match="SpikeConfig"):
         SpikeConfig(**kwargs)
 
 
-@pytest.mark.parametrize("group, kwargs", [(DetectionConfig, {"on_nonfinite": "ignore"}),
-                                           (DetectionConfig, {"on_spike": "stop"}), (DumpConfig, {"max_dumps": -1}),
-                                           (DumpConfig, {"min_spike_gap": -1}), (RecordConfig, {"history_size": 0})])
+@pytest.mark.parametrize(
+    "group, kwargs",
+    [
+        (DetectionConfig, {"on_nonfinite": "ignore"}),
+        (DetectionConfig, {"on_spike": "stop"}),
+        (DumpConfig, {"max_dumps": -1}),
+        (DumpConfig, {"min_spike_gap": -1}),
+        (RecordConfig, {"history_size": 0}),
+    ],
+)
 def test_guard_config_validation(group, kwargs):
     with pytest.raises(ValueError, match=group.__name__):
         group(**kwargs)
@@ -83,16 +92,23 @@ def test_guard_config_validation(group, kwargs):
 
 def test_guard_config_defaults_raise_on_nonfinite_and_continue_on_spikes():
     config = GuardConfig()
-    assert (config.detection.on_nonfinite, config.detection.on_spike, config.dumping.max_dumps) == \
-        ("raise", "continue", 3)
+    assert (config.detection.on_nonfinite, config.detection.on_spike, config.dumping.max_dumps) == (
+        "raise",
+        "continue",
+        3,
+    )
 
 
 def test_the_flat_spelling_still_works_for_one_release_and_says_what_to_write():
-    with pytest.warns(FutureWarning, match=r"GuardConfig\(detection=DetectionConfig\(on_nonfinite=\.\.\.\), "
-                                           r"dumping=DumpConfig\(max_dumps=\.\.\.\)\)"):
+    with pytest.warns(
+        FutureWarning,
+        match=r"GuardConfig\(detection=DetectionConfig\(on_nonfinite=\.\.\.\), "
+        r"dumping=DumpConfig\(max_dumps=\.\.\.\)\)",
+    ):
         config = GuardConfig(dump_dir="d", on_nonfinite="skip", max_dumps=5)
-    assert config == GuardConfig(dump_dir="d", detection=DetectionConfig(on_nonfinite="skip"),
-                                 dumping=DumpConfig(max_dumps=5))
+    assert config == GuardConfig(
+        dump_dir="d", detection=DetectionConfig(on_nonfinite="skip"), dumping=DumpConfig(max_dumps=5)
+    )
     with pytest.warns(FutureWarning, match="GuardConfig.detection.loss_divisor"):
         config.loss_divisor = 2.0
     assert config.detection.loss_divisor == 2.0
@@ -136,8 +152,7 @@ def test_history_keeps_non_finite_values_for_the_dump():
 
 def test_indexed_dataset_attaches_dataset_indices_as_sample_ids():
     data = [{"x": torch.tensor([float(i)])} for i in range(5)]
-    loader = DataLoader(IndexedDataset(data), batch_size=2, shuffle=True,
-                        generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(IndexedDataset(data), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(0))
     seen = []
     for batch in loader:
         assert torch.equal(batch["x"].reshape(-1), batch["sample_ids"].float())
@@ -160,8 +175,11 @@ def test_the_kept_sorted_window_gives_the_thresholds_of_a_full_recomputation():
         return max(robust, median * config.min_ratio) if median > 0 else robust
 
     rng = random.Random(0)
-    for window, draw in ((8, lambda: rng.gauss(2, 0.3)), (9, lambda: float(rng.randint(-2, 3))),
-                         (16, lambda: rng.choice([1.0, 1.1, 50.0, -3.0, 1e-30]))):
+    for window, draw in (
+        (8, lambda: rng.gauss(2, 0.3)),
+        (9, lambda: float(rng.randint(-2, 3))),
+        (16, lambda: rng.choice([1.0, 1.1, 50.0, -3.0, 1e-30])),
+    ):
         d = detector(window=window, warmup=4, min_ratio=1.5)
         values: list[float] = []
         for _ in range(200):
@@ -178,8 +196,13 @@ def test_a_loss_spike_on_a_grad_scaler_overflow_step_fires_and_its_norm_is_never
     from capture.detection.detectors import StepDetectors
     from forensics.kinds import TriggerKind
 
-    detectors = StepDetectors(GuardConfig(detection=DetectionConfig(loss_spike=SpikeConfig(window=8, warmup=4),
-                                                                    grad_norm_spike=SpikeConfig(window=8, warmup=4))))
+    detectors = StepDetectors(
+        GuardConfig(
+            detection=DetectionConfig(
+                loss_spike=SpikeConfig(window=8, warmup=4), grad_norm_spike=SpikeConfig(window=8, warmup=4)
+            )
+        )
+    )
     for value in (1.0, 1.1, 0.9, 1.0, 1.05):
         assert detectors.detect([value], 2.0, value, 65536.0) is None
     norms_before = list(detectors.grad_norm._window)

@@ -22,8 +22,13 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("how", ["exit", "sigterm"])
 def test_a_dump_in_flight_when_the_job_ends_is_written(tmp_path, how):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("exit_job.py")), str(tmp_path), how],
-                          env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("exit_job.py")), str(tmp_path), how],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     expected = -signal.SIGTERM if how == "sigterm" else 0
     assert done.returncode == expected, done.stderr[-3000:]
     steps = list((tmp_path / "ending").iterdir())
@@ -38,25 +43,42 @@ def test_a_failed_last_step_the_sync_free_check_had_not_judged_is_dumped_at_exit
     and the script just ends (no guard.close()). The interpreter's exit judges it: the dump is written and the error
     is logged (the job still exits 0: it ended by itself, the update was skipped)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("exit_job.py")), str(tmp_path), "nan_last"],
-                          env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("exit_job.py")), str(tmp_path), "nan_last"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     dump = tmp_path / "ending" / "step-000000007" / "rank-00000"
     assert verify_dump(dump).ok and open_dump(dump).trigger.kind.value == "nonfinite_loss", done.stderr[-3000:]
     assert "step 7: loss of micro-batch 1 is nan" in done.stderr and "one step late" in done.stderr
 
 
-@pytest.mark.parametrize("how, signals, ends_by", [
-    ("flush_sigterm", "TERM,TERM", signal.SIGTERM),  # a scheduler's SIGTERM repeated 0.2 s later
-    ("flush_exit", "TERM,INT", signal.SIGTERM),  # SIGTERM then Ctrl-C while the exit waits for the spike dump
-    ("sync_nan", "INT", signal.SIGINT),  # Ctrl-C during the synchronous write of a NaN step: KeyboardInterrupt after
-    pytest.param("flush_sigterm", "TERM,INT,INT", signal.SIGTERM, marks=pytest.mark.slow),
-    pytest.param("sync_nan", "TERM,TERM", signal.SIGTERM, marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "how, signals, ends_by",
+    [
+        ("flush_sigterm", "TERM,TERM", signal.SIGTERM),  # a scheduler's SIGTERM repeated 0.2 s later
+        ("flush_exit", "TERM,INT", signal.SIGTERM),  # SIGTERM then Ctrl-C while the exit waits for the spike dump
+        (
+            "sync_nan",
+            "INT",
+            signal.SIGINT,
+        ),  # Ctrl-C during the synchronous write of a NaN step: KeyboardInterrupt after
+        pytest.param("flush_sigterm", "TERM,INT,INT", signal.SIGTERM, marks=pytest.mark.slow),
+        pytest.param("sync_nan", "TERM,TERM", signal.SIGTERM, marks=pytest.mark.slow),
+    ],
+)
 def test_signals_during_a_dump_write_wait_for_it_then_end_the_job(tmp_path, how, signals, ends_by):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("exit_job.py")), str(tmp_path), how, signals],
-                          env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("exit_job.py")), str(tmp_path), how, signals],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == -ends_by, (done.returncode, done.stderr[-3000:])
     step = tmp_path / "ending" / "step-000000007"
     assert [p.name for p in step.iterdir()] == ["rank-00000"], done.stderr[-3000:]  # no .tmp-* beside it

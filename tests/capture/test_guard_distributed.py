@@ -14,7 +14,7 @@ from forensics_test_helpers import fork_server
 
 from forensics.format import open_dump, open_step, verify_dump
 
-WORKER = textwrap.dedent('''
+WORKER = textwrap.dedent("""
     import json, os, sys
     import torch
     import torch.distributed as dist
@@ -85,7 +85,7 @@ WORKER = textwrap.dedent('''
                                    for scenario in ("nan", "overflow", "spike", "cap", "replace")}), flush=True)
     dist.barrier()
     os._exit(0)  # no gloo teardown: under load it can abort (SIGABRT) a rank whose peer closed first
-''')
+""")
 
 
 LAUNCH_TIMEOUT = 420  # seconds: about 25 s alone; a 2-core machine shared with other jobs is many times slower
@@ -100,11 +100,23 @@ def two_ranks(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
     script.write_text(WORKER)
     root = Path(__file__).resolve().parents[2]
     server = fork_server()
-    env = {**os.environ, "FORENSICS_TEST_STORE": str(tmp_path / "store"), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "FORENSICS_TEST_STORE": str(tmp_path / "store"),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
     try:
-        done = server.shared(root).run(script, [tmp_path / "dumps"], cwd=str(tmp_path), env=env, nproc=2,
-                                       distributed=True, out_dir=tmp_path / "output", timeout=LAUNCH_TIMEOUT)
+        done = server.shared(root).run(
+            script,
+            [tmp_path / "dumps"],
+            cwd=str(tmp_path),
+            env=env,
+            nproc=2,
+            distributed=True,
+            out_dir=tmp_path / "output",
+            timeout=LAUNCH_TIMEOUT,
+        )
     except server.Timeout as hung:
         pytest.fail(f"the two-rank run did not finish in {LAUNCH_TIMEOUT} s\n{hung.stderr[-3000:]}")
     # judged by each rank's report (printed after all its work), not by the exit code of gloo's teardown

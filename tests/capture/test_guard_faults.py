@@ -80,18 +80,27 @@ def test_failed_dumps_do_not_use_up_the_cap(helpers, gpt2, unwritable, tmp_path)
     assert len(guard.dumps) == 1 and open_dump(guard.dumps[0]).step == 2
 
 
-def test_unserialisable_batch_leaves_are_named_in_the_manifest_and_the_dump_is_still_written(helpers, gpt2, tmp_path, caplog):
+def test_unserialisable_batch_leaves_are_named_in_the_manifest_and_the_dump_is_still_written(
+    helpers, gpt2, tmp_path, caplog
+):
     extra = {"image": helpers.OpaqueImage(), "handle": object(), "note": "kept"}
     model, optimizer, guard = _guard(gpt2, tmp_path, "skip")
-    loop = helpers.TrainLoop(model, optimizer, guard, snapshot=False,
-                             loss_fn=helpers.default_loss_fn(("sample_ids", "image", "handle", "note")))
+    loop = helpers.TrainLoop(
+        model,
+        optimizer,
+        guard,
+        snapshot=False,
+        loss_fn=helpers.default_loss_fn(("sample_ids", "image", "handle", "note")),
+    )
     loop.run(_steps(helpers, extra=extra))
     guard.close()
     [path] = guard.dumps
     assert verify_dump(path).ok
     dump = open_dump(path)
-    expected = [{"path": "batch['image']", "type": "forensics_test_helpers.OpaqueImage"},
-                {"path": "batch['handle']", "type": "builtins.object"}]
+    expected = [
+        {"path": "batch['image']", "type": "forensics_test_helpers.OpaqueImage"},
+        {"path": "batch['handle']", "type": "builtins.object"},
+    ]
     assert [meta["unreplayable"] for meta in dump.micro_batches_meta] == [expected, expected]
     batch = dump.micro_batch(0)
     assert batch["image"] == Unreplayable("forensics_test_helpers.OpaqueImage", "batch['image']")

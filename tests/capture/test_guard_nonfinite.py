@@ -15,9 +15,9 @@ from forensics.format import open_dump, verify_dump
 from forensics.recipes import default_loss, huggingface_model
 from forensics.rng import restore_rng
 
-ACCUM = 2          # micro-batches per optimizer step
-MICRO = 2          # samples per micro-batch
-POISON = 13        # dataset index of the bad sample: step 3, micro-batch 0 (samples 12, 13)
+ACCUM = 2  # micro-batches per optimizer step
+MICRO = 2  # samples per micro-batch
+POISON = 13  # dataset index of the bad sample: step 3, micro-batch 0 (samples 12, 13)
 BAD_STEP, BAD_MB = POISON // (ACCUM * MICRO), (POISON // MICRO) % ACCUM
 STEPS = 6
 
@@ -28,10 +28,11 @@ def _setup(helpers, gpt2, tmp_path, policy, scaler=None, **config_changes):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
     config = GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="run", detection=DetectionConfig(on_nonfinite=policy))
     guard = Guard(model, optimizer, scheduler, scaler, config=config.replace(**config_changes))
-    loader = DataLoader(IndexedDataset(helpers.EmbedsDataset(STEPS * ACCUM * MICRO, poison=[POISON])),
-                        batch_size=MICRO, shuffle=False)
+    loader = DataLoader(
+        IndexedDataset(helpers.EmbedsDataset(STEPS * ACCUM * MICRO, poison=[POISON])), batch_size=MICRO, shuffle=False
+    )
     batches = list(loader)
-    steps = [batches[i:i + ACCUM] for i in range(0, len(batches), ACCUM)]
+    steps = [batches[i : i + ACCUM] for i in range(0, len(batches), ACCUM)]
     return model, optimizer, scheduler, guard, steps
 
 
@@ -111,8 +112,9 @@ def test_skip_policy_leaves_the_parameters_and_optimizer_untouched(helpers, gpt2
         assert after.optimizer_state["state"][index]["step"] == entries["step"] == BAD_STEP
     final = dict(model.named_parameters())
     assert all(torch.isfinite(p).all() for p in final.values())
-    assert not helpers.bitwise_equal(final["transformer.wte.weight"].detach(),
-                                     before.model_state["transformer.wte.weight"])  # training went on
+    assert not helpers.bitwise_equal(
+        final["transformer.wte.weight"].detach(), before.model_state["transformer.wte.weight"]
+    )  # training went on
     assert len(guard.dumps) == 1
 
 
@@ -142,7 +144,7 @@ def test_continue_policy_dumps_and_goes_on_up_to_the_cap(helpers, gpt2, tmp_path
 
 
 def test_gradient_accumulation_with_autocast_and_grad_scaler(helpers, gpt2, tmp_path):
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     model, optimizer, scheduler, guard, steps = _setup(helpers, gpt2, tmp_path, "skip", scaler=scaler)
     loop = helpers.TrainLoop(model, optimizer, guard, scheduler, scaler=scaler, autocast_dtype=torch.bfloat16)
     loop.run(steps)
@@ -167,10 +169,17 @@ def test_grad_scaler_overflow_is_not_a_fault_until_the_scale_collapses(helpers, 
     # float16 autocast with a 2**30 loss scale: backward overflows, the scaler skips the step and halves
     # the scale. That is the scaler doing its job, not a fault, until the scale reaches min_loss_scale.
     def run(directory, **config):
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 30)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**30)
         model, optimizer, scheduler, guard, steps = _setup(helpers, gpt2, directory, "raise", scaler=scaler, **config)
-        loop = helpers.TrainLoop(model, optimizer, guard, None, scaler=scaler, snapshot=False,  # every step is skipped
-                                 autocast_dtype=torch.float16)
+        loop = helpers.TrainLoop(
+            model,
+            optimizer,
+            guard,
+            None,
+            scaler=scaler,
+            snapshot=False,  # every step is skipped
+            autocast_dtype=torch.float16,
+        )
         return guard, loop, steps
 
     guard, loop, steps = run(tmp_path / "a")
@@ -178,14 +187,14 @@ def test_grad_scaler_overflow_is_not_a_fault_until_the_scale_collapses(helpers, 
     history = guard.history.to_dict()
     assert guard.dumps == [] and [log.decision for log in loop.logs] == [True, True]
     assert history["skipped"] == [True, True]  # the scaler's own overflow skips are recorded, not dumped
-    assert history["loss_scale"] == [2.0 ** 30, 2.0 ** 29] and not math.isfinite(history["grad_norm"][0])
+    assert history["loss_scale"] == [2.0**30, 2.0**29] and not math.isfinite(history["grad_norm"][0])
 
-    guard, loop, steps = run(tmp_path / "b", min_loss_scale=2.0 ** 29)
+    guard, loop, steps = run(tmp_path / "b", min_loss_scale=2.0**29)
     with pytest.raises(TrainingFaultError, match="loss scale has collapsed") as info:
         loop.run(steps[:2])
     assert info.value.trigger["kind"] == "nonfinite_grad" and len(loop.logs) == 2
     dump = open_dump(info.value.dump_path)
-    assert dump.step == 1 and dump.scaler_state()["scale"] == 2.0 ** 29
+    assert dump.step == 1 and dump.scaler_state()["scale"] == 2.0**29
     assert dump.precision["autocast"] == {"enabled": True, "device_type": "cpu", "dtype": "float16"}
 
 
@@ -194,8 +203,11 @@ def test_verify_update_dumps_the_pre_step_state_of_an_update_that_makes_weights_
     # update is 0 / (sqrt(0) + 0) = NaN although every loss and gradient is finite
     model = gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=0.0)
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="u",
-                                                       detection=DetectionConfig(verify_update=True)))
+    guard = Guard(
+        model,
+        optimizer,
+        config=GuardConfig(dump_dir=str(tmp_path), run_id="u", detection=DetectionConfig(verify_update=True)),
+    )
     data = helpers.EmbedsDataset(4)
     loop = helpers.TrainLoop(model, optimizer, guard)
     with pytest.raises(TrainingFaultError, match="transformer.wpe.weight non-finite") as info:
@@ -215,8 +227,9 @@ def test_verify_update_dumps_the_pre_step_state_of_an_update_that_makes_weights_
 def test_recheck_recomputes_the_failing_micro_batch_and_leaves_the_job_untouched(helpers, gpt2, tmp_path):
     runs = {}
     for recheck in (True, False):
-        model, optimizer, scheduler, guard, steps = _setup(helpers, gpt2, tmp_path / str(recheck), "skip",
-                                                           recheck=recheck)
+        model, optimizer, scheduler, guard, steps = _setup(
+            helpers, gpt2, tmp_path / str(recheck), "skip", recheck=recheck
+        )
         loop = helpers.TrainLoop(model, optimizer, guard, scheduler, snapshot=False, draw=True)
         loop.run(steps)
         guard.close()

@@ -25,8 +25,11 @@ def _loop(tmp_path, losses, sample_ids=None, policy="raise"):
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="odd",
-                                                       detection=DetectionConfig(on_nonfinite=policy)))
+    guard = Guard(
+        model,
+        optimizer,
+        config=GuardConfig(dump_dir=str(tmp_path), run_id="odd", detection=DetectionConfig(on_nonfinite=policy)),
+    )
     decisions = []
     for _step, extra in enumerate(losses):
         x = torch.randn(4, 3)
@@ -43,7 +46,7 @@ def _loop(tmp_path, losses, sample_ids=None, policy="raise"):
 
 def test_odd_loss_values_never_raise_and_never_trigger(tmp_path, caplog):
     caplog.set_level(logging.WARNING)
-    guard, decisions = _loop(tmp_path, [None, 10 ** 400, -10 ** 400, NoFloat(), torch.empty(0), "x", object(), None])
+    guard, decisions = _loop(tmp_path, [None, 10**400, -(10**400), NoFloat(), torch.empty(0), "x", object(), None])
     assert decisions == [True] * 8 and guard.dumps == [] and guard.dump_errors == []
     assert "does not convert" in caplog.text and "empty tensor" in caplog.text
 
@@ -54,16 +57,20 @@ def test_odd_sample_ids_are_stored_as_their_repr_and_the_dump_is_written(tmp_pat
     assert len(guard.dumps) == 1, guard.dump_errors
     ids = open_dump(guard.dumps[0]).sample_ids(0)
     assert len(ids) == 1 and "IdsThatRaise" in ids[0]
-    guard, _ = _loop(tmp_path / "b", [None, float("nan")], sample_ids=[object(), 2 ** 70, "ok", float("inf")],
-                     policy="continue")
+    guard, _ = _loop(
+        tmp_path / "b", [None, float("nan")], sample_ids=[object(), 2**70, "ok", float("inf")], policy="continue"
+    )
     ids = open_dump(guard.dumps[0]).sample_ids(0)
-    assert ids[2] == "ok" and "object" in ids[0] and ids[1] == str(2 ** 70) and ids[3] == "inf"
+    assert ids[2] == "ok" and "object" in ids[0] and ids[1] == str(2**70) and ids[3] == "inf"
 
 
 def test_an_out_of_memory_error_records_the_memory_picture_of_each_micro_batch():
     from capture.raised.exceptions import exception_section
 
-    batches = [{"input_ids": torch.zeros(4, 128, dtype=torch.long)}, {"input_ids": torch.zeros(4, 4096, dtype=torch.long)}]
+    batches = [
+        {"input_ids": torch.zeros(4, 128, dtype=torch.long)},
+        {"input_ids": torch.zeros(4, 4096, dtype=torch.long)},
+    ]
     oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
     try:
         raise oom("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -72,8 +79,12 @@ def test_an_out_of_memory_error_records_the_memory_picture_of_each_micro_batch()
     assert section["type"] == "OutOfMemoryError" and section["during"] == "forward"
     sizes = [m["bytes"] for m in section["memory"]["micro_batches"]]
     assert sizes == [4 * 128 * 8, 4 * 4096 * 8] and section["memory"]["micro_batches"][1]["shapes"] == {
-        "input_ids": [4, 4096]}
-    assert section["frames"][-1]["function"] == "test_an_out_of_memory_error_records_the_memory_picture_of_each_micro_batch"
+        "input_ids": [4, 4096]
+    }
+    assert (
+        section["frames"][-1]["function"]
+        == "test_an_out_of_memory_error_records_the_memory_picture_of_each_micro_batch"
+    )
 
 
 def test_the_excepthook_holds_guards_weakly_and_goes_when_the_last_is_closed():

@@ -36,8 +36,12 @@ def run(helpers, gpt2, tmp_path, spike_steps, total, fused=False, **config):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
     config.setdefault("loss_spike", SpikeConfig(window=16, warmup=8))
-    guard = Guard(model, optimizer, scheduler,
-                  config=GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="spiky").replace(**config))
+    guard = Guard(
+        model,
+        optimizer,
+        scheduler,
+        config=GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="spiky").replace(**config),
+    )
     loop = helpers.TrainLoop(model, optimizer, guard, scheduler)
     loop.run([[micro_batch(step, i, step in spike_steps) for i in range(2)] for step in range(total)])
     guard.close()
@@ -45,8 +49,9 @@ def run(helpers, gpt2, tmp_path, spike_steps, total, fused=False, **config):
 
 
 @FUSED
-def test_spike_under_continue_policy_writes_a_dump_in_the_background_and_training_goes_on(helpers, gpt2, tmp_path,
-                                                                                         fused, caplog):
+def test_spike_under_continue_policy_writes_a_dump_in_the_background_and_training_goes_on(
+    helpers, gpt2, tmp_path, fused, caplog
+):
     caplog.set_level("WARNING", logger="capture")
     guard, loop = run(helpers, gpt2, tmp_path, spike_steps={WARM}, total=WARM + 3, fused=fused)
     # sync-free: said once, at the first check, with the setting that applies every update (issue 42 item 2) ...
@@ -56,8 +61,9 @@ def test_spike_under_continue_policy_writes_a_dump_in_the_background_and_trainin
         assert "up to 3 spike steps per run" in notices[0] and "DetectionConfig(sync_free=False)" in notices[0]
         assert caplog.records[0].getMessage() == notices[0]  # before any step was judged
     # ... and the held-back step, in one line when it is judged
-    held = [r.getMessage() for r in caplog.records if f"step {WARM} " in r.getMessage() and "held back" in
-            r.getMessage()]
+    held = [
+        r.getMessage() for r in caplog.records if f"step {WARM} " in r.getMessage() and "held back" in r.getMessage()
+    ]
     assert len(held) == int(fused)
     assert all(log.decision for log in loop.logs)  # continue: check() let every optimizer step run
     held = helpers.trees_equal(loop.logs[WARM + 1].model_state, loop.logs[WARM].model_state)
@@ -81,7 +87,7 @@ def test_spike_under_continue_policy_writes_a_dump_in_the_background_and_trainin
             assert helpers.bitwise_equal(dump.optimizer_state()["state"][name][key], value), (name, key)
     losses = dump.history()["loss"]
     assert len(losses) == WARM + 1 and losses[-1] == dump.trigger.value
-    assert dump.trigger.value > 20 * sorted(losses[WARM - 8:WARM])[4]
+    assert dump.trigger.value > 20 * sorted(losses[WARM - 8 : WARM])[4]
     assert guard.history.to_dict()["skipped"] == [fused and s == WARM for s in range(WARM + 3)]
 
 
@@ -95,8 +101,9 @@ def sized_micro_batch(step: int, index: int, wrong: int) -> dict:
 
 
 @FUSED
-def test_spike_dumps_keep_the_first_and_the_largest_and_the_crash_keeps_its_own_place(helpers, gpt2, tmp_path,
-                                                                                         caplog, fused):
+def test_spike_dumps_keep_the_first_and_the_largest_and_the_crash_keeps_its_own_place(
+    helpers, gpt2, tmp_path, caplog, fused
+):
     """max_spike_dumps=2: the first spike stays; a larger later one replaces the smaller second one on disk (its
     step directory gone); smaller ones are counted, logged once, and written into the crash dump's manifest; the NaN
     at the end still gets its dump (max_dumps=1 is the crash's own)."""
@@ -105,10 +112,16 @@ def test_spike_dumps_keep_the_first_and_the_largest_and_the_crash_keeps_its_own_
     nan_step = WARM + 12
     model = gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
-    guard = Guard(model, optimizer, config=GuardConfig(
-        dump_dir=str(tmp_path / "dumps"), run_id="spiky",
-        detection=DetectionConfig(loss_spike=SpikeConfig(window=16, warmup=8)),
-        dumping=DumpConfig(max_dumps=1, max_spike_dumps=2, min_spike_gap=0)))
+    guard = Guard(
+        model,
+        optimizer,
+        config=GuardConfig(
+            dump_dir=str(tmp_path / "dumps"),
+            run_id="spiky",
+            detection=DetectionConfig(loss_spike=SpikeConfig(window=16, warmup=8)),
+            dumping=DumpConfig(max_dumps=1, max_spike_dumps=2, min_spike_gap=0),
+        ),
+    )
     base = helpers.default_loss_fn(("sample_ids", "factor"))
     loop = helpers.TrainLoop(model, optimizer, guard, loss_fn=lambda m, b: base(m, b) * b.get("factor", 1.0))
     steps = [[sized_micro_batch(step, i, sizes.get(step, 0)) for i in range(2)] for step in range(nan_step + 1)]
@@ -134,12 +147,14 @@ def test_spike_dumps_keep_the_first_and_the_largest_and_the_crash_keeps_its_own_
 def test_spikes_closer_than_min_spike_gap_are_counted_and_logged_once(helpers, gpt2, tmp_path, caplog, fused):
     spikes = set(range(WARM, WARM + 5))
     caplog.set_level("WARNING", logger="capture")
-    guard, loop = run(helpers, gpt2, tmp_path, spike_steps=spikes, total=WARM + 6, fused=fused, max_spike_dumps=10,
-                      min_spike_gap=3)
+    guard, loop = run(
+        helpers, gpt2, tmp_path, spike_steps=spikes, total=WARM + 6, fused=fused, max_spike_dumps=10, min_spike_gap=3
+    )
     assert sorted(open_dump(p).step for p in guard.dumps) == [WARM, WARM + 3]
     # sync-free: only the two dumped spikes were held on the device; the counted ones were applied
-    assert [s for s, skipped in enumerate(guard.history.to_dict()["skipped"]) if skipped] == \
-        ([WARM, WARM + 3] if fused else [])
+    assert [s for s, skipped in enumerate(guard.history.to_dict()["skipped"]) if skipped] == (
+        [WARM, WARM + 3] if fused else []
+    )
     refused = [r.getMessage() for r in caplog.records if "not dumped" in r.getMessage()]
     assert len(refused) == 2  # the first refusal with its reason, then one line with the count at close()
     assert "min_spike_gap" in refused[0] and "more trigger(s)" in refused[1] and "min_spike_gap" in refused[1]
@@ -173,8 +188,7 @@ def test_an_early_spike_is_logged_once_and_marked_in_the_history(tmp_path, caplo
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="early"),
-                  loss_fn=None)
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="early"), loss_fn=None)
     for step in range(32):
         x = torch.randn(16, 4)
         y = torch.full((16, 1), 2.0) + (2500.0 if step == 30 else 0.0)
@@ -210,10 +224,17 @@ def test_fp16_a_loss_spike_on_a_step_whose_gradients_overflow_is_dumped(tmp_path
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu", growth_interval=10 ** 6)
-    guard = Guard(model, optimizer, scaler=scaler, config=GuardConfig(
-        dump_dir=str(tmp_path / "dumps"), run_id="fp16",
-        detection=DetectionConfig(loss_spike=SpikeConfig(window=16, warmup=8))))
+    scaler = torch.amp.GradScaler("cpu", growth_interval=10**6)
+    guard = Guard(
+        model,
+        optimizer,
+        scaler=scaler,
+        config=GuardConfig(
+            dump_dir=str(tmp_path / "dumps"),
+            run_id="fp16",
+            detection=DetectionConfig(loss_spike=SpikeConfig(window=16, warmup=8)),
+        ),
+    )
     data = torch.Generator().manual_seed(1)
     spike = 12
     for step in range(spike + 2):

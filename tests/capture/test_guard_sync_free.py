@@ -19,7 +19,6 @@ from forensics.format import open_dump, verify_dump
 from forensics_test_helpers import ScalarReads, Watched
 
 
-
 ACCUM, MICRO, POISON = 2, 2, 9  # sample 9: step 2 (lr still warming up), micro-batch 0
 BAD_STEP, BAD_MB, STEPS = 2, 0, 6
 
@@ -28,12 +27,21 @@ def _setup(helpers, gpt2, tmp_path, policy, fused=True):
     model = gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
-    guard = Guard(model, optimizer, scheduler, config=GuardConfig(
-        dump_dir=str(tmp_path / "dumps"), run_id="run", detection=DetectionConfig(on_nonfinite=policy, sync_free=True)))
-    loader = DataLoader(IndexedDataset(helpers.EmbedsDataset(STEPS * ACCUM * MICRO, poison=[POISON])),
-                        batch_size=MICRO, shuffle=False)
+    guard = Guard(
+        model,
+        optimizer,
+        scheduler,
+        config=GuardConfig(
+            dump_dir=str(tmp_path / "dumps"),
+            run_id="run",
+            detection=DetectionConfig(on_nonfinite=policy, sync_free=True),
+        ),
+    )
+    loader = DataLoader(
+        IndexedDataset(helpers.EmbedsDataset(STEPS * ACCUM * MICRO, poison=[POISON])), batch_size=MICRO, shuffle=False
+    )
     batches = list(loader)
-    return model, optimizer, scheduler, guard, [batches[i:i + ACCUM] for i in range(0, len(batches), ACCUM)]
+    return model, optimizer, scheduler, guard, [batches[i : i + ACCUM] for i in range(0, len(batches), ACCUM)]
 
 
 def test_poisoned_step_is_skipped_on_device_and_dumped_with_its_pre_step_state(helpers, gpt2, tmp_path):
@@ -68,7 +76,7 @@ def test_poisoned_step_is_skipped_on_device_and_dumped_with_its_pre_step_state(h
 def test_raise_policy_raises_at_the_next_check_naming_the_bad_step(helpers, gpt2, tmp_path):
     model, optimizer, scheduler, guard, steps = _setup(helpers, gpt2, tmp_path, "raise")
     loop = helpers.TrainLoop(model, optimizer, guard, scheduler, snapshot=False)
-    loop.run(steps[:BAD_STEP + 1])  # the bad step itself passes: its update is skipped on the device
+    loop.run(steps[: BAD_STEP + 1])  # the bad step itself passes: its update is skipped on the device
     with pytest.raises(TrainingFaultError, match=f"step {BAD_STEP}: .*one step late") as caught:
         loop.step(steps[BAD_STEP + 1])
     guard.close()
@@ -78,7 +86,7 @@ def test_raise_policy_raises_at_the_next_check_naming_the_bad_step(helpers, gpt2
 def test_last_step_is_judged_by_close(helpers, gpt2, tmp_path):
     model, optimizer, scheduler, guard, steps = _setup(helpers, gpt2, tmp_path, "raise")
     loop = helpers.TrainLoop(model, optimizer, guard, scheduler, snapshot=False)
-    loop.run(steps[:BAD_STEP + 1])
+    loop.run(steps[: BAD_STEP + 1])
     with pytest.raises(TrainingFaultError, match=f"step {BAD_STEP}:"):
         guard.close()
     assert len(guard.dumps) == 1 and not hasattr(optimizer, "found_inf")
@@ -88,8 +96,11 @@ def test_last_step_is_judged_by_close(helpers, gpt2, tmp_path):
 def test_healthy_steps_read_nothing_from_the_device_inside_check(helpers, gpt2, tmp_path, asked):
     model = gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="s",
-                                                       detection=DetectionConfig(sync_free=asked)))
+    guard = Guard(
+        model,
+        optimizer,
+        config=GuardConfig(dump_dir=str(tmp_path), run_id="s", detection=DetectionConfig(sync_free=asked)),
+    )
     data = helpers.EmbedsDataset(16)
     reads = []
     for step in range(4):
@@ -160,14 +171,18 @@ class Normed(torch.nn.Module):
         return self.norm(self.linear(x))
 
 
-@pytest.mark.parametrize("setting, expected_reads", [
-    ({}, 0),
-    ({"fused": False}, 1),
-    ({"batch_norm": True}, 1),
-    ({"detection": DetectionConfig(on_nonfinite="continue")}, 1),
-    ({"recording": RecordConfig(snapshot_every=2, window_steps=4)}, 1),
-    ({"dumping": DumpConfig(recheck=True)}, 1),
-], ids=["fused", "for_each", "batch_norm", "continue", "snapshots", "recheck"])
+@pytest.mark.parametrize(
+    "setting, expected_reads",
+    [
+        ({}, 0),
+        ({"fused": False}, 1),
+        ({"batch_norm": True}, 1),
+        ({"detection": DetectionConfig(on_nonfinite="continue")}, 1),
+        ({"recording": RecordConfig(snapshot_every=2, window_steps=4)}, 1),
+        ({"dumping": DumpConfig(recheck=True)}, 1),
+    ],
+    ids=["fused", "for_each", "batch_norm", "continue", "snapshots", "recheck"],
+)
 def test_the_default_runs_sync_free_only_where_nothing_else_changes(tmp_path, caplog, setting, expected_reads):
     """Default DetectionConfig.sync_free (None): sync-free for a fused optimizer; the synchronous check, one read in
     check() and no warning, where the sync-free check would skip a 'continue' update, miss a BatchNorm's pre-step
@@ -177,8 +192,12 @@ def test_the_default_runs_sync_free_only_where_nothing_else_changes(tmp_path, ca
     torch.manual_seed(0)
     model = Normed() if batch_norm else torch.nn.Linear(8, 8)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="d", **setting),
-                  loss_fn=lambda m, b: m(b["x"]).pow(2).mean())
+    guard = Guard(
+        model,
+        optimizer,
+        config=GuardConfig(dump_dir=str(tmp_path), run_id="d", **setting),
+        loss_fn=lambda m, b: m(b["x"]).pow(2).mean(),
+    )
     with caplog.at_level(logging.WARNING):
         reads = reads_inside_checks(model, optimizer, guard, 3)
         guard.close()
@@ -195,20 +214,25 @@ def test_a_failed_step_still_waiting_for_its_judgment_is_dumped_when_the_next_st
     model = gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="run"))
-    loader = DataLoader(IndexedDataset(helpers.EmbedsDataset(STEPS * ACCUM * MICRO, poison=[POISON])),
-                        batch_size=MICRO, shuffle=False)
+    loader = DataLoader(
+        IndexedDataset(helpers.EmbedsDataset(STEPS * ACCUM * MICRO, poison=[POISON])), batch_size=MICRO, shuffle=False
+    )
     batches = list(loader)
     loop = helpers.TrainLoop(model, optimizer, guard)
-    loop.run([batches[i:i + ACCUM] for i in range(0, (BAD_STEP + 1) * ACCUM, ACCUM)])
+    loop.run([batches[i : i + ACCUM] for i in range(0, (BAD_STEP + 1) * ACCUM, ACCUM)])
 
     def raises(model, batch):
         raise RuntimeError("the data loader returned a corrupt batch")
+
     loop.loss_fn = raises
     with pytest.raises(RuntimeError, match="corrupt batch"), guard.capture_errors():
-        loop.step(batches[(BAD_STEP + 1) * ACCUM:(BAD_STEP + 2) * ACCUM])
+        loop.step(batches[(BAD_STEP + 1) * ACCUM : (BAD_STEP + 2) * ACCUM])
     guard.close()
     dumps = [open_dump(p) for p in guard.dumps]
-    assert [(d.step, d.trigger.kind.value) for d in dumps] == [(BAD_STEP, "nonfinite_loss"), (BAD_STEP + 1, "exception")]
+    assert [(d.step, d.trigger.kind.value) for d in dumps] == [
+        (BAD_STEP, "nonfinite_loss"),
+        (BAD_STEP + 1, "exception"),
+    ]
     helpers.assert_dump_holds_pre_step_state(dumps[0], loop.logs[BAD_STEP], model, optimizer)
 
 
@@ -219,7 +243,7 @@ def test_a_grad_scaler_the_guard_was_not_given_turns_the_check_synchronous_and_t
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="gs"))
     with caplog.at_level(logging.WARNING):
         reads = reads_inside_checks(model, optimizer, guard, 4, scaler)

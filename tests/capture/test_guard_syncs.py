@@ -71,8 +71,9 @@ def test_guard_computed_grad_norm_adds_no_host_read(helpers, gpt2, tmp_path):
 def test_the_precursor_statistics_travel_with_the_one_read(helpers, gpt2, tmp_path):
     """Sampled steps (0 and 2) and the others alike: one read of the step's numbers, nothing else read; the
     sampled steps' statistics arrive with it."""
-    per_step, guard = _train_steps(helpers, gpt2, tmp_path, steps=4, pass_grad_norm=True,
-                                   precursors=PrecursorConfig(every=2))
+    per_step, guard = _train_steps(
+        helpers, gpt2, tmp_path, steps=4, pass_grad_norm=True, precursors=PrecursorConfig(every=2)
+    )
     assert per_step == [(True, ["tolist"], 0)] * 4
     rows = dict(guard.window._precursor_rows)
     assert sorted(rows) == [0, 2] and all(v is not None for v in rows[2])

@@ -51,9 +51,13 @@ def test_a_slow_climb_fires_the_trend_ahead_of_the_limit_and_headroom_at_half():
     reaches = math.log(FP16_MAX / 2000) / 0.012
     assert rule is PrecursorRule.TREND and left <= HORIZON and reaches - first_step >= 100
     assert any(r is PrecursorRule.HEADROOM for _, r, _ in fired)
-    said = headroom.describe_alarm(headroom.Alarm(PrecursorRule.TREND, 51500.0, limit, 20, 2.6, 80), "the bound of `h.0`")
-    assert said == ("the bound of `h.0` grew 2.6x over the last 80 steps to 5.15e+04 (79 % of fp16's max (65,504)); "
-                    "at that rate it reaches the limit in ~20 steps")
+    said = headroom.describe_alarm(
+        headroom.Alarm(PrecursorRule.TREND, 51500.0, limit, 20, 2.6, 80), "the bound of `h.0`"
+    )
+    assert said == (
+        "the bound of `h.0` grew 2.6x over the last 80 steps to 5.15e+04 (79 % of fp16's max (65,504)); "
+        "at that rate it reaches the limit in ~20 steps"
+    )
 
 
 def test_a_healthy_series_never_fires_and_an_overflow_on_a_healthy_step_fires_at_once():
@@ -115,8 +119,11 @@ def test_the_dtype_of_each_forward_statistic_is_recorded_under_autocast(tmp_path
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(gpt2_config(n_layer=2, n_embd=32, n_head=2))
-    guard = Guard(model, torch.optim.AdamW(model.parameters()),
-                  config=GuardConfig(dump_dir=str(tmp_path), precursors=PrecursorConfig(every=1)))
+    guard = Guard(
+        model,
+        torch.optim.AdamW(model.parameters()),
+        config=GuardConfig(dump_dir=str(tmp_path), precursors=PrecursorConfig(every=1)),
+    )
     ids = torch.randint(0, 60, (2, 8))
     for _ in range(2):
         guard.record_batch({"input_ids": ids})

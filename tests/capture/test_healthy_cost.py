@@ -88,6 +88,7 @@ def counted(cost: Cost, what: str, call, *args, **kwargs):
         finally:
             cost.peak_kb = max(cost.peak_kb, (tracemalloc.get_traced_memory()[1] - before) / 1024)
     if what == "Python calls":
+
         def profile(frame, event, arg):
             if event == "call":
                 code = frame.f_code
@@ -161,18 +162,25 @@ def over_budget(costs: dict[str, Cost], steps: int, check: str) -> list[str]:
         ops, reads = sum(cost.ops.values()) / steps, len(cost.host_reads) / steps
         calls = sum(cost.python.values()) / steps
         if ops > budget.ops:
-            grown.append(f"{name}: {ops:g} operators per step, budget {budget.ops}: {dict(cost.ops)} over {steps} "
-                         "steps")
+            grown.append(
+                f"{name}: {ops:g} operators per step, budget {budget.ops}: {dict(cost.ops)} over {steps} steps"
+            )
         if reads > budget.host_reads:
-            grown.append(f"{name}: {reads:g} host reads of the loop's tensors per step, budget {budget.host_reads} "
-                         f"(each one a device sync on a GPU): {dict(Counter(cost.host_reads))} over {steps} steps")
+            grown.append(
+                f"{name}: {reads:g} host reads of the loop's tensors per step, budget {budget.host_reads} "
+                f"(each one a device sync on a GPU): {dict(Counter(cost.host_reads))} over {steps} steps"
+            )
         if cost.scalar_reads / steps > budget.scalar_reads:
-            grown.append(f"{name}: {cost.scalar_reads / steps:g} aten::_local_scalar_dense per step (.item(), float(), "
-                         f"bool() of a tensor: a device sync each on a GPU), budget {budget.scalar_reads}")
+            grown.append(
+                f"{name}: {cost.scalar_reads / steps:g} aten::_local_scalar_dense per step (.item(), float(), "
+                f"bool() of a tensor: a device sync each on a GPU), budget {budget.scalar_reads}"
+            )
         if calls > budget.python_calls * PYTHON_MARGIN:
             top = ", ".join(f"{where} x{count / steps:g}" for where, count in cost.python.most_common(8))
-            grown.append(f"{name}: {calls:g} Python calls per step, budget {budget.python_calls} "
-                         f"(+{PYTHON_MARGIN - 1:.0%}); most called: {top}")
+            grown.append(
+                f"{name}: {calls:g} Python calls per step, budget {budget.python_calls} "
+                f"(+{PYTHON_MARGIN - 1:.0%}); most called: {top}"
+            )
         if cost.peak_kb > budget.peak_kb:
             grown.append(f"{name}: holds {cost.peak_kb:.1f} KB of Python heap at its peak, budget {budget.peak_kb} KB")
     return grown

@@ -24,9 +24,14 @@ def _adam_job(steps: int, config: GuardConfig, seen: dict | None = None) -> Guar
         loss.backward()
         assert guard.check()
         if seen is not None:  # what the job's state is right before this step's update
-            seen[step] = {"model": {k: v.clone() for k, v in model.state_dict().items()},
-                          "optimizer": {name: {k: v.clone() for k, v in optimizer.state[p].items()}
-                                        for name, p in model.named_parameters() if p in optimizer.state}}
+            seen[step] = {
+                "model": {k: v.clone() for k, v in model.state_dict().items()},
+                "optimizer": {
+                    name: {k: v.clone() for k, v in optimizer.state[p].items()}
+                    for name, p in model.named_parameters()
+                    if p in optimizer.state
+                },
+            }
         optimizer.step()
         optimizer.zero_grad()
     return guard
@@ -34,9 +39,11 @@ def _adam_job(steps: int, config: GuardConfig, seen: dict | None = None) -> Guar
 
 def test_snapshots_are_bitwise_the_pre_step_state_and_rotate(tmp_path):
     seen: dict = {}
-    guard = _adam_job(7, GuardConfig(dump_dir=str(tmp_path),
-                                     recording=RecordConfig(snapshot_every=2, snapshot_count=2, window_steps=8)),
-                      seen)
+    guard = _adam_job(
+        7,
+        GuardConfig(dump_dir=str(tmp_path), recording=RecordConfig(snapshot_every=2, snapshot_count=2, window_steps=8)),
+        seen,
+    )
     held, release = guard.snapshots.lend_oldest(first_step=0)
     assert held["step"] == 4  # taken at 0, 2, 4, 6; two kept: 4 and 6
     expected = seen[4]
@@ -52,8 +59,10 @@ def test_snapshots_are_bitwise_the_pre_step_state_and_rotate(tmp_path):
 
 
 def test_a_slot_lent_to_a_dump_writer_is_not_overwritten(tmp_path):
-    guard = _adam_job(5, GuardConfig(dump_dir=str(tmp_path),
-                                     recording=RecordConfig(snapshot_every=2, snapshot_count=2, window_steps=8)))
+    guard = _adam_job(
+        5,
+        GuardConfig(dump_dir=str(tmp_path), recording=RecordConfig(snapshot_every=2, snapshot_count=2, window_steps=8)),
+    )
     held, release = guard.snapshots.lend_oldest(first_step=0)  # step 2 (slots hold 2 and 4)
     kept = {k: v.clone() for k, v in held["model"].items()}
     model, optimizer = guard.model, guard.optimizer
@@ -71,12 +80,14 @@ def test_a_slot_lent_to_a_dump_writer_is_not_overwritten(tmp_path):
     guard.close()
 
 
-def test_a_snapshot_larger_than_half_the_available_memory_is_refused_and_training_goes_on(tmp_path, monkeypatch,
-                                                                                           caplog):
+def test_a_snapshot_larger_than_half_the_available_memory_is_refused_and_training_goes_on(
+    tmp_path, monkeypatch, caplog
+):
     monkeypatch.setattr(host_snapshots, "available_host_memory", lambda: 1000)  # bytes: this machine "has" 1 KB
     with caplog.at_level(logging.WARNING, logger="capture.state.host_snapshots"):
-        guard = _adam_job(4, GuardConfig(dump_dir=str(tmp_path),
-                                         recording=RecordConfig(snapshot_every=1, snapshot_count=2)))
+        guard = _adam_job(
+            4, GuardConfig(dump_dir=str(tmp_path), recording=RecordConfig(snapshot_every=1, snapshot_count=2))
+        )
     assert guard.snapshots.bytes_held == 0 and "snapshot_count" in guard.snapshots.off_because
     assert sum("host snapshots" in r.message for r in caplog.records) == 1  # said once
     assert guard.snapshots.lend_oldest(0)[0] is None and guard.step == 4

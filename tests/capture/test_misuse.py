@@ -16,7 +16,7 @@ from capture import DetectionConfig, DumpConfig, Guard, GuardConfig
 from forensics.cli import main
 from forensics.errors import TrainingFaultError
 
-USER_MODULE = textwrap.dedent('''
+USER_MODULE = textwrap.dedent("""
     import torch
 
     def build():
@@ -26,7 +26,7 @@ USER_MODULE = textwrap.dedent('''
     def tuple_mse(model, batch):
         x, y = batch
         return torch.nn.functional.mse_loss(model(x), y)
-''')
+""")
 
 
 @pytest.fixture
@@ -40,14 +40,22 @@ def user_module(tmp_path, monkeypatch):
     sys.modules.pop("misuse_user", None)
 
 
-def train(module, tmp_path, *, record_batch=True, record_loss=True, batch_form="tuple", steps=5, bad_step=None,
-          policy="skip"):
+def train(
+    module, tmp_path, *, record_batch=True, record_loss=True, batch_form="tuple", steps=5, bad_step=None, policy="skip"
+):
     model = module.build()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    guard = Guard(model, optimizer, loss_fn=module.tuple_mse,
-                  config=GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="misuse",
-                                     detection=DetectionConfig(on_nonfinite=policy),
-                                     dumping=DumpConfig(recipe={"factory": "misuse_user:build"})))
+    guard = Guard(
+        model,
+        optimizer,
+        loss_fn=module.tuple_mse,
+        config=GuardConfig(
+            dump_dir=str(tmp_path / "dumps"),
+            run_id="misuse",
+            detection=DetectionConfig(on_nonfinite=policy),
+            dumping=DumpConfig(recipe={"factory": "misuse_user:build"}),
+        ),
+    )
     data = torch.Generator().manual_seed(0)
     for step in range(steps):
         x, y = torch.randn(4, 3, generator=data), torch.randn(4, 1, generator=data)
@@ -105,8 +113,12 @@ def test_a_loop_used_right_gets_no_usage_warning(tmp_path, caplog):
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    guard = Guard(model, optimizer, loss_fn=lambda m, b: m(b["x"]).pow(2).mean(),
-                  config=GuardConfig(dump_dir=str(tmp_path), dumping=DumpConfig(recipe={"factory": "x:y"})))
+    guard = Guard(
+        model,
+        optimizer,
+        loss_fn=lambda m, b: m(b["x"]).pow(2).mean(),
+        config=GuardConfig(dump_dir=str(tmp_path), dumping=DumpConfig(recipe={"factory": "x:y"})),
+    )
     for step in range(3):
         batch = {"x": torch.randn(2, 3), "sample_ids": [f"a{step}", f"b{step}"]}
         guard.record_batch(batch)
@@ -138,8 +150,21 @@ def test_positional_ids_never_reach_the_blocklist_and_the_report_says_why(user_m
     manifest = json.loads((guard.dumps[0] / "manifest.json").read_text())
     assert manifest["micro_batches"][0]["ids_are_positional"] is True
     out = tmp_path / "report"
-    result = CliRunner().invoke(main, ["replay", str(guard.dumps[0]), "--device", "cpu", "--trust", "--no-rng-check",
-                                       "--path", str(tmp_path), "-o", str(out)])
+    result = CliRunner().invoke(
+        main,
+        [
+            "replay",
+            str(guard.dumps[0]),
+            "--device",
+            "cpu",
+            "--trust",
+            "--no-rng-check",
+            "--path",
+            str(tmp_path),
+            "-o",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, (result.stdout, result.stderr, result.exception)
     report = json.loads((out / "report.json").read_text())
     samples = report["culprit"]["samples"]
@@ -148,8 +173,23 @@ def test_positional_ids_never_reach_the_blocklist_and_the_report_says_why(user_m
     suggestions = " ".join(report["verdict"]["suggestions"])
     assert "No blocklist entry for 'step3/rank0/mb0/2'" in suggestions and "blocklist.jsonl lists" not in suggestions
     explicit = tmp_path / "mine.jsonl"  # asked for by name: written, without the made-up ID
-    result = CliRunner().invoke(main, ["replay", str(guard.dumps[0]), "--device", "cpu", "--trust", "--no-rng-check",
-                                       "--path", str(tmp_path), "-o", str(out), "--blocklist", str(explicit)])
+    result = CliRunner().invoke(
+        main,
+        [
+            "replay",
+            str(guard.dumps[0]),
+            "--device",
+            "cpu",
+            "--trust",
+            "--no-rng-check",
+            "--path",
+            str(tmp_path),
+            "-o",
+            str(out),
+            "--blocklist",
+            str(explicit),
+        ],
+    )
     assert result.exit_code == 0 and explicit.read_text() == ""
 
 
@@ -158,8 +198,13 @@ def _loop(tmp_path, order: str, steps: int = 5, scaler=None, fused: bool = False
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=fused)
-    guard = Guard(model, optimizer, scaler=scaler, loss_fn=lambda m, b: m(b["x"]).pow(2).mean(),
-                  config=GuardConfig(dump_dir=str(tmp_path), dumping=DumpConfig(recipe={"factory": "x:y"})))
+    guard = Guard(
+        model,
+        optimizer,
+        scaler=scaler,
+        loss_fn=lambda m, b: m(b["x"]).pow(2).mean(),
+        config=GuardConfig(dump_dir=str(tmp_path), dumping=DumpConfig(recipe={"factory": "x:y"})),
+    )
     data = torch.Generator().manual_seed(0)
     for step in range(steps):
         batch = {"x": torch.randn(4, 3, generator=data), "sample_ids": [f"{step}-{i}" for i in range(4)]}
@@ -217,9 +262,14 @@ def test_a_grad_norm_of_still_scaled_gradients_is_unscaled_and_said_once(tmp_pat
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
-    guard = Guard(model, optimizer, scaler=scaler, loss_fn=lambda m, b: m(b["x"]).pow(2).mean(),
-                  config=GuardConfig(dump_dir=str(tmp_path), dumping=DumpConfig(recipe={"factory": "x:y"})))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    guard = Guard(
+        model,
+        optimizer,
+        scaler=scaler,
+        loss_fn=lambda m, b: m(b["x"]).pow(2).mean(),
+        config=GuardConfig(dump_dir=str(tmp_path), dumping=DumpConfig(recipe={"factory": "x:y"})),
+    )
     data = torch.Generator().manual_seed(0)
     unscaled = []
     for step in range(4):
@@ -228,8 +278,11 @@ def test_a_grad_norm_of_still_scaled_gradients_is_unscaled_and_said_once(tmp_pat
         loss = model(batch["x"]).pow(2).mean()
         guard.record_loss(loss)
         scaler.scale(loss).backward()
-        unscaled.append(float(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()]))
-                              / scaler.get_scale()))
+        unscaled.append(
+            float(
+                torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()])) / scaler.get_scale()
+            )
+        )
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # before scaler.unscale_: scaled
         if guard.check(grad_norm=grad_norm):
             scaler.step(optimizer)
@@ -254,11 +307,19 @@ def test_a_grad_norm_taken_before_unscale_and_passed_after_it_is_found_out_when_
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_interval=10 ** 6)
-    guard = Guard(model, optimizer, scaler=scaler, loss_fn=lambda m, b: m(b["x"]).pow(2).mean(),
-                  config=GuardConfig(dump_dir=str(tmp_path), run_id="late",
-                                     detection=DetectionConfig(loss_spike=SpikeConfig(window=8, warmup=4)),
-                                     dumping=DumpConfig(recipe={"factory": "x:y"})))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=10**6)
+    guard = Guard(
+        model,
+        optimizer,
+        scaler=scaler,
+        loss_fn=lambda m, b: m(b["x"]).pow(2).mean(),
+        config=GuardConfig(
+            dump_dir=str(tmp_path),
+            run_id="late",
+            detection=DetectionConfig(loss_spike=SpikeConfig(window=8, warmup=4)),
+            dumping=DumpConfig(recipe={"factory": "x:y"}),
+        ),
+    )
     data = torch.Generator().manual_seed(0)
     spike = 6
     for step in range(spike + 1):
@@ -279,6 +340,6 @@ def test_a_grad_norm_taken_before_unscale_and_passed_after_it_is_found_out_when_
     [path] = guard.dumps
     loss_block = open_dump(path).manifest["loss"]
     assert loss_block["grad_norm"] == pytest.approx(unscaled, rel=1e-5)
-    assert loss_block["grad_norm_unscaled_by"] == 2.0 ** 16
+    assert loss_block["grad_norm_unscaled_by"] == 2.0**16
     said = warnings_about(caplog, "taken before scaler.unscale_(optimizer)")
     assert len(said) == 1 and f"step {spike}" in said[0]

@@ -21,7 +21,7 @@ from forensics.errors import TrainingFaultError
 from forensics.format import open_dump
 
 MAX_STEPS = 220  # seeded, it goes non-finite near step 130 on the dev box; the cap leaves room for other machines
-SCALE = 2.0 ** 16
+SCALE = 2.0**16
 
 
 def _batches():
@@ -38,8 +38,20 @@ def _train(config: GuardConfig, stop_at_first_spike: bool = False):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, resid_pdrop=0,
-                                       embd_pdrop=0, attn_pdrop=0, bos_token_id=0, eos_token_id=0))
+    model = GPT2LMHeadModel(
+        GPT2Config(
+            n_layer=2,
+            n_embd=32,
+            n_head=2,
+            vocab_size=64,
+            n_positions=32,
+            resid_pdrop=0,
+            embd_pdrop=0,
+            attn_pdrop=0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
     guard = Guard(model, optimizer, scaler=scaler, config=config)
@@ -95,8 +107,10 @@ def test_a_spike_dump_under_a_grad_scaler_replays_as_reproduced(run, tmp_path):
     guard, _, _ = run
     spike = next(p for p in guard.dumps if open_dump(p).trigger.kind in ("loss_spike", "grad_norm_spike"))
     out = tmp_path / "report"
-    result = CliRunner().invoke(main, ["replay", str(spike), "--device", "cpu", "--no-rng-check", "--no-bisect",
-                                       "--no-remedies", "-o", str(out)])
+    result = CliRunner().invoke(
+        main,
+        ["replay", str(spike), "--device", "cpu", "--no-rng-check", "--no-bisect", "--no-remedies", "-o", str(out)],
+    )
     assert result.exit_code in (0, 4), (result.output, result.exception)  # 3 would be "not reproduced"
     report = json.loads((out / "report.json").read_text())
     assert report["reproduced"] is True and "DCGM" not in result.output
@@ -113,8 +127,9 @@ def test_a_spike_dump_whose_grad_norms_were_scaled_replays_in_unscaled_units(run
     dump = tmp_path / "scaled" / "step-1" / "rank-00000"
     shutil.copytree(source, dump)
     history = json.loads((dump / "history.json").read_text())
-    history["grad_norm"] = [n * s if n is not None and s else n for n, s in zip(history["grad_norm"],
-                                                                                history["loss_scale"])]
+    history["grad_norm"] = [
+        n * s if n is not None and s else n for n, s in zip(history["grad_norm"], history["loss_scale"])
+    ]
     helpers.resign(dump, "history.json", json.dumps(history).encode())
 
     def scaled(manifest):
@@ -122,10 +137,12 @@ def test_a_spike_dump_whose_grad_norms_were_scaled_replays_in_unscaled_units(run
         manifest["loss"]["grad_norm"] *= scale
         manifest["trigger"]["value"] *= scale
         manifest["trigger"]["threshold"] *= scale
+
     helpers.edit_manifest(dump, scaled)
     out = tmp_path / "report"
-    result = CliRunner().invoke(main, ["replay", str(dump), "--device", "cpu", "--no-rng-check", "--no-bisect",
-                                       "-o", str(out)])
+    result = CliRunner().invoke(
+        main, ["replay", str(dump), "--device", "cpu", "--no-rng-check", "--no-bisect", "-o", str(out)]
+    )
     assert result.exit_code in (0, 4), (result.output, result.exception)
     report = json.loads((out / "report.json").read_text())
     assert report["reproduced"] is True and "DCGM" not in result.output
@@ -142,8 +159,9 @@ def test_no_dump_of_the_natural_run_blames_its_data(run, tmp_path):
     assert guard.dumps
     for index, dump in enumerate(guard.dumps):
         out = tmp_path / f"report-{index}"
-        result = CliRunner().invoke(main, ["replay", str(dump), "--device", "cpu", "--no-rng-check", "--no-remedies",
-                                           "-o", str(out)])
+        result = CliRunner().invoke(
+            main, ["replay", str(dump), "--device", "cpu", "--no-rng-check", "--no-remedies", "-o", str(out)]
+        )
         report = json.loads((out / "report.json").read_text())
         verdict = report["verdict"]
         assert result.exit_code in (0, 4), (result.output, result.exception)
@@ -158,13 +176,16 @@ def test_with_the_guards_host_snapshot_the_spike_is_fed_to_an_earlier_state(tmp_
     dump; the replay feeds the sample bisection isolated to it and says what happened there (healthy: the state)."""
     from capture import RecordConfig
 
-    guard, _ = _train(GuardConfig(dump_dir=str(tmp_path), run_id="snap", recording=RecordConfig(snapshot_every=16)),
-                      stop_at_first_spike=True)
+    guard, _ = _train(
+        GuardConfig(dump_dir=str(tmp_path), run_id="snap", recording=RecordConfig(snapshot_every=16)),
+        stop_at_first_spike=True,
+    )
     spike = next(p for p in guard.dumps if open_dump(p).trigger.kind.spike)
     assert open_dump(spike).snapshot_step is not None
     out = tmp_path / "report"
-    result = CliRunner().invoke(main, ["replay", str(spike), "--device", "cpu", "--no-rng-check", "--no-remedies",
-                                       "-o", str(out)])
+    result = CliRunner().invoke(
+        main, ["replay", str(spike), "--device", "cpu", "--no-rng-check", "--no-remedies", "-o", str(out)]
+    )
     report = json.loads((out / "report.json").read_text())
     assert result.exit_code in (0, 4), (result.output, result.exception)
     assert report["verdict"]["kind"] not in ("bad_sample", "exception"), report["verdict"]["headline"]

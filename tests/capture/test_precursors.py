@@ -25,6 +25,7 @@ from replay.engine import ReplayOptions, run_replay
 _job = load_test_module("forensics_precursor_divergence_job", Path(__file__).with_name("precursor_divergence_job.py"))
 AHEAD, batches, gpt2, train = _job.AHEAD, _job.batches, _job.gpt2, _job.train
 
+
 @pytest.fixture(scope="module")
 def diverged(tmp_path_factory):
     return train(tmp_path_factory.mktemp("precursor"), lr=1.0)
@@ -38,8 +39,10 @@ def onset(steps: list, series: list, rising: bool, baseline: range, factor: floa
         return None
     median = first[len(first) // 2]
     beyond = [v is not None and (v >= factor * median if rising else v <= median / factor) for v in series]
-    return next((steps[i] for i in range(len(series) - hold + 1)
-                 if steps[i] >= baseline.stop and all(beyond[i:i + hold])), None)
+    return next(
+        (steps[i] for i in range(len(series) - hold + 1) if steps[i] >= baseline.stop and all(beyond[i : i + hold])),
+        None,
+    )
 
 
 def test_a_provoked_divergence_is_dumped_as_a_precursor_ten_steps_ahead_naming_the_first_layer(diverged):
@@ -129,12 +132,14 @@ def test_blocks_and_attention_projections_are_found_generically():
 def test_blocks_in_a_sequential_and_a_head_of_a_plain_model_are_found():
     """Not a Hugging Face model: blocks in an nn.Sequential (as a ViT keeps them), the output projection a direct
     child named `head`; nn.MultiheadAttention has no separate q / k projections, so no attention bound."""
+
     class Plain(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.embed = torch.nn.Linear(4, 16)
-            self.blocks = torch.nn.Sequential(*[torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
-                                                for _ in range(3)])
+            self.blocks = torch.nn.Sequential(
+                *[torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True) for _ in range(3)]
+            )
             self.head = torch.nn.Linear(16, 10)
 
     model = Plain()
@@ -156,18 +161,26 @@ def test_a_torchtitan_llama_is_watched_block_by_block():
     from torchtitan.models.llama3.model.model import Transformer
 
     torch.manual_seed(0)
-    model = Transformer(TransformerModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128,
-                                             max_seq_len=16, use_flex_attn=False))
+    model = Transformer(
+        TransformerModelArgs(
+            dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=16, use_flex_attn=False
+        )
+    )
     model.init_weights()
-    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.01),
-                  config=GuardConfig(precursors=PrecursorConfig(every=1, optimizer=False)))
+    guard = Guard(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        config=GuardConfig(precursors=PrecursorConfig(every=1, optimizer=False)),
+    )
     seen = {}
     keep = lambda key: lambda m, a, out: seen.__setitem__(key, out.detach())  # noqa: E731
     handles = [model.output.register_forward_hook(keep("logits"))]
     for name, layer in model.layers.items():
-        handles += [layer.register_forward_hook(keep(name)),
-                    layer.attention.wq.register_forward_hook(keep((name, "q"))),
-                    layer.attention.wk.register_forward_hook(keep((name, "k")))]
+        handles += [
+            layer.register_forward_hook(keep(name)),
+            layer.attention.wq.register_forward_hook(keep((name, "q"))),
+            layer.attention.wk.register_forward_hook(keep((name, "k"))),
+        ]
     tokens = torch.randint(0, 128, (3, 16))
     for step in range(2):  # the row of step 0 is read at step 1's check()
         guard.record_batch({"tokens": tokens}, sample_ids=[0, 1, 2])
@@ -181,10 +194,12 @@ def test_a_torchtitan_llama_is_watched_block_by_block():
                 out, q, k = seen[name], seen[name, "q"], seen[name, "k"]
                 heads = [t.unflatten(-1, (-1, 16)).norm(dim=-1).max() for t in (q, k)]  # head_dim 16
                 grads = [p.grad for p in model.layers[name].parameters() if p.dim() >= 2]
-                expected |= {(f"layers.{name}", stat.BLOCK_RMS): float(out.pow(2).mean().sqrt()),
-                             (f"layers.{name}", stat.BLOCK_ABSMAX): float(out.abs().max()),
-                             (f"layers.{name}", stat.ATTENTION_LOGIT): float(heads[0] * heads[1]) / 4.0,
-                             (f"layers.{name}", stat.GRAD_NORM): math.sqrt(sum(float(g.pow(2).sum()) for g in grads))}
+                expected |= {
+                    (f"layers.{name}", stat.BLOCK_RMS): float(out.pow(2).mean().sqrt()),
+                    (f"layers.{name}", stat.BLOCK_ABSMAX): float(out.abs().max()),
+                    (f"layers.{name}", stat.ATTENTION_LOGIT): float(heads[0] * heads[1]) / 4.0,
+                    (f"layers.{name}", stat.GRAD_NORM): math.sqrt(sum(float(g.pow(2).sum()) for g in grads)),
+                }
         assert guard.check()
         guard.optimizer.step()
         guard.optimizer.zero_grad()
@@ -199,6 +214,7 @@ def test_a_torchtitan_llama_is_watched_block_by_block():
 def test_a_torch_compiled_model_gives_the_rows_of_the_eager_model():
     """Under torch.compile the hooks run inside the traced forward (their flag is a guard: sampled and other steps
     are two graphs); the rows equal the eager model's. (aot_eager: the compiler's tracing without a C compiler.)"""
+
     def rows(compiled: bool) -> dict[int, list]:
         model = gpt2()
         model.eval()  # no dropout: the same numbers in both runs
@@ -212,8 +228,11 @@ def test_a_torch_compiled_model_gives_the_rows_of_the_eager_model():
     eager, compiled = rows(False), rows(True)
     assert sorted(eager) == sorted(compiled) == [0, 2]  # the row of step 4 is read at step 5's check()
     for step, values in eager.items():
-        assert all(value is not None for column, value in values.items()
-                   if column[1] not in (PrecursorStatistic.UPDATE_RATIO, PrecursorStatistic.ADAM_V_FLOOR)), step
+        assert all(
+            value is not None
+            for column, value in values.items()
+            if column[1] not in (PrecursorStatistic.UPDATE_RATIO, PrecursorStatistic.ADAM_V_FLOOR)
+        ), step
         for column, value in values.items():
             expected = None if value is None else pytest.approx(value, rel=1e-4)
             assert compiled[step][column] == expected, (step, column)
@@ -247,7 +266,7 @@ def test_gradient_norms_under_a_grad_scaler_are_the_true_ones(unscaled):
     `scaler.unscale_` first; the scale doubles here at every step, which must not read as a gradient that grows."""
     model = gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
     guard = Guard(model, optimizer, scaler=scaler, config=GuardConfig(precursors=PrecursorConfig(every=1)))
     expected = {}
     for step, batch in enumerate(batches(4)):
@@ -258,13 +277,14 @@ def test_gradient_norms_under_a_grad_scaler_are_the_true_ones(unscaled):
         if unscaled:
             scaler.unscale_(optimizer)
         divisor = 1.0 if unscaled else scaler.get_scale()
-        expected[step] = math.sqrt(sum(float((p.grad / divisor).pow(2).sum())
-                                       for p in model.transformer.h[1].parameters() if p.dim() >= 2))
+        expected[step] = math.sqrt(
+            sum(float((p.grad / divisor).pow(2).sum()) for p in model.transformer.h[1].parameters() if p.dim() >= 2)
+        )
         assert guard.check()
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad()
-    assert scaler.get_scale() == 2.0 ** 14  # doubled at every step
+    assert scaler.get_scale() == 2.0**14  # doubled at every step
     rows = rows_after_close(guard)
     for step in (0, 1, 2):
         assert rows[step][("transformer.h.1", PrecursorStatistic.GRAD_NORM)] == pytest.approx(expected[step], rel=1e-4)
@@ -297,8 +317,11 @@ def test_every_block_is_measured_under_activation_checkpointing(reentrant):
     recomputed from the last block backwards): every block's statistics are still those of the step's forward."""
     model = gpt2()
     model.train()
-    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.0),
-                  config=GuardConfig(precursors=PrecursorConfig(every=1, optimizer=False)))
+    guard = Guard(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        config=GuardConfig(precursors=PrecursorConfig(every=1, optimizer=False)),
+    )
     batch = next(iter(batches(1)))
     for checkpointed in (False, True):
         if checkpointed:
@@ -333,12 +356,19 @@ def test_the_attention_bound_of_a_grouped_query_llama_is_max_q_norm_times_max_k_
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(llama_config(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2))
-    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                  config=GuardConfig(precursors=PrecursorConfig(every=1, optimizer=False)))
+    guard = Guard(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        config=GuardConfig(precursors=PrecursorConfig(every=1, optimizer=False)),
+    )
     outputs = {}
-    handles = [getattr(layer.self_attn, name).register_forward_hook(
-        lambda m, a, out, key=(index, name): outputs.__setitem__(key, out.detach()))
-        for index, layer in enumerate(model.model.layers) for name in ("q_proj", "k_proj")]
+    handles = [
+        getattr(layer.self_attn, name).register_forward_hook(
+            lambda m, a, out, key=(index, name): outputs.__setitem__(key, out.detach())
+        )
+        for index, layer in enumerate(model.model.layers)
+        for name in ("q_proj", "k_proj")
+    ]
     input_ids = torch.randint(1, 64, (3, 10))
     for step in range(2):  # the row of step 0 is read at step 1's check()
         guard.record_batch({"input_ids": input_ids}, sample_ids=[0, 1, 2])
@@ -347,8 +377,9 @@ def test_the_attention_bound_of_a_grouped_query_llama_is_max_q_norm_times_max_k_
         loss.backward()
         if step == 0:
             heads = {key: t.unflatten(-1, (-1, 8)).norm(dim=-1).max() for key, t in outputs.items()}  # head_dim 8
-            expected = {index: float(heads[index, "q_proj"] * heads[index, "k_proj"]) / math.sqrt(8)
-                        for index in range(3)}
+            expected = {
+                index: float(heads[index, "q_proj"] * heads[index, "k_proj"]) / math.sqrt(8) for index in range(3)
+            }
         assert guard.check()
         guard.optimizer.zero_grad()
     values = rows_after_close(guard, handles)[0]
@@ -358,8 +389,9 @@ def test_the_attention_bound_of_a_grouped_query_llama_is_max_q_norm_times_max_k_
         assert got == pytest.approx(expected[index], rel=1e-5), index
 
 
-@pytest.mark.parametrize("bad", [dict(window=2), dict(sustained=0), dict(min_growth=1.0), dict(history=3),
-                                 dict(every=0)])
+@pytest.mark.parametrize(
+    "bad", [dict(window=2), dict(sustained=0), dict(min_growth=1.0), dict(history=3), dict(every=0)]
+)
 def test_config_is_validated(bad):
     with pytest.raises(ValueError, match="PrecursorConfig"):
         PrecursorConfig(**bad)
@@ -373,17 +405,33 @@ def test_a_sampled_row_holds_the_statistics_computed_directly_and_other_steps_no
     if part_elements is not None:
         monkeypatch.setattr(precursor_stats, "PART_ELEMENTS", part_elements)
     model = gpt2()
-    optimizer = torch.optim.AdamW([{"params": [p for n, p in model.named_parameters() if n.endswith("bias")],
-                                    "weight_decay": 0.0, "lr": 3e-3},
-                                   {"params": [p for n, p in model.named_parameters() if not n.endswith("bias")],
-                                    "lr": 1e-3, "betas": (0.8, 0.99)}])
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "weight_decay": 0.0, "lr": 3e-3},
+            {
+                "params": [p for n, p in model.named_parameters() if not n.endswith("bias")],
+                "lr": 1e-3,
+                "betas": (0.8, 0.99),
+            },
+        ]
+    )
     guard = Guard(model, optimizer, config=GuardConfig(precursors=PrecursorConfig(every=3)))
     blocks = dict(find_blocks(model))
     outputs = {}
-    handles = [block.register_forward_hook(lambda m, a, out, name=name: outputs.__setitem__(
-        name, (out if isinstance(out, torch.Tensor) else out[0]).detach())) for name, block in blocks.items()]
-    handles += [block.attn.c_attn.register_forward_hook(lambda m, a, out, name=name: outputs.__setitem__(
-        (name, "qkv"), out.detach())) for name, block in blocks.items()]
+    handles = [
+        block.register_forward_hook(
+            lambda m, a, out, name=name: outputs.__setitem__(
+                name, (out if isinstance(out, torch.Tensor) else out[0]).detach()
+            )
+        )
+        for name, block in blocks.items()
+    ]
+    handles += [
+        block.attn.c_attn.register_forward_hook(
+            lambda m, a, out, name=name: outputs.__setitem__((name, "qkv"), out.detach())
+        )
+        for name, block in blocks.items()
+    ]
     handles.append(model.lm_head.register_forward_hook(lambda m, a, out: outputs.__setitem__("logits", out.detach())))
     expected = {}
     for step, batch in enumerate(batches(8)):  # the row of step 6 is read at step 7
@@ -414,16 +462,22 @@ def test_the_forward_statistics_of_a_step_with_several_micro_batches_are_its_fir
     blocks = dict(find_blocks(model))
     first_block, last = list(blocks)[0], list(blocks)[-1]
     seen = []  # per forward: [last block's output abs-max, logits abs-max]
-    handles = [blocks[last].register_forward_hook(lambda m, a, out: seen.append(
-        [float((out if isinstance(out, torch.Tensor) else out[0]).detach().abs().max())])),
-               model.lm_head.register_forward_hook(lambda m, a, out: seen[-1].append(float(out.detach().abs().max())))]
+    handles = [
+        blocks[last].register_forward_hook(
+            lambda m, a, out: seen.append(
+                [float((out if isinstance(out, torch.Tensor) else out[0]).detach().abs().max())]
+            )
+        ),
+        model.lm_head.register_forward_hook(lambda m, a, out: seen[-1].append(float(out.detach().abs().max()))),
+    ]
     expected = {}
     for step in range(3):  # the row of step 1 is read at step 2's check()
         seen.clear()
         for index, (batch, scale) in enumerate(zip(batches(2), (1.0, 50.0))):  # the second far larger
             guard.record_batch(batch, sample_ids=[f"{index}-{i}" for i in range(len(batch["input_ids"]))])
-            loss = model(inputs_embeds=model.transformer.wte(batch["input_ids"]) * scale,
-                         labels=batch["input_ids"]).loss
+            loss = model(
+                inputs_embeds=model.transformer.wte(batch["input_ids"]) * scale, labels=batch["input_ids"]
+            ).loss
             guard.record_loss(loss)
             loss.backward()
         grads = [p.grad for p in blocks[first_block].parameters() if p.dim() >= 2]
@@ -462,8 +516,9 @@ def _direct_statistics(blocks, outputs, optimizer) -> dict:
         for p in params:
             state, group = optimizer.state[p], groups[id(p)]
             (beta1, beta2), n = group["betas"], float(state["step"])
-            update = (state["exp_avg"] / (1 - beta1 ** n)) / ((state["exp_avg_sq"] / (1 - beta2 ** n)).sqrt()
-                                                             + group["eps"])
+            update = (state["exp_avg"] / (1 - beta1**n)) / (
+                (state["exp_avg_sq"] / (1 - beta2**n)).sqrt() + group["eps"]
+            )
             squares += float((group["lr"] * update).pow(2).sum())
             floor = min(floor, float(state["exp_avg_sq"].min()))
         out[(name, stat.UPDATE_RATIO)] = math.sqrt(squares) / weights
@@ -478,8 +533,7 @@ class PackedBlocks(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = torch.nn.Embedding(16, 8)
-        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
-                                          for _ in range(2))
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(2))
 
     def forward(self, sequences: list[torch.Tensor]) -> torch.Tensor:
         hidden = torch.nested.as_nested_tensor([self.embed(s) for s in sequences], layout=torch.jagged)
@@ -492,8 +546,11 @@ def test_a_statistic_that_fails_on_a_block_output_never_stops_the_training_step(
     torch.manual_seed(0)
     model = PackedBlocks()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="packed",
-                                                       precursors=PrecursorConfig(every=1)))
+    guard = Guard(
+        model,
+        optimizer,
+        config=GuardConfig(dump_dir=str(tmp_path), run_id="packed", precursors=PrecursorConfig(every=1)),
+    )
     try:
         for step in range(3):
             sequences = [torch.randint(0, 16, (n,)) for n in (3, 5)]

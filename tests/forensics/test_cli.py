@@ -20,7 +20,8 @@ def invoke(args: list[str], exit_code: int):
     result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=True)
     assert result.exit_code == exit_code, (
         f"forensics {' '.join(map(str, args))} exited {result.exit_code}, expected {exit_code}\n"
-        f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}\n--- exception\n{result.exception!r}")
+        f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}\n--- exception\n{result.exception!r}"
+    )
     return result
 
 
@@ -28,17 +29,36 @@ def invoke(args: list[str], exit_code: int):
 def dumps(tmp_path_factory) -> dict[str, Path]:
     """Three real captures whose replays end in the three replay exit codes."""
     root = tmp_path_factory.mktemp("cli")
-    return {name: SCENARIOS[name].capture(root / name, device="cpu").dump_path
-            for name in ("bad_sample", "sdc", "dropout_mask")}
+    return {
+        name: SCENARIOS[name].capture(root / name, device="cpu").dump_path
+        for name in ("bad_sample", "sdc", "dropout_mask")
+    }
 
 
-@pytest.mark.parametrize("scenario, verdict", [("bad_sample", VerdictKind.BAD_SAMPLE),
-                                               ("sdc", VerdictKind.NOT_REPRODUCED),
-                                               ("dropout_mask", VerdictKind.MODEL_STATE)])
+@pytest.mark.parametrize(
+    "scenario, verdict",
+    [
+        ("bad_sample", VerdictKind.BAD_SAMPLE),
+        ("sdc", VerdictKind.NOT_REPRODUCED),
+        ("dropout_mask", VerdictKind.MODEL_STATE),
+    ],
+)
 def test_replay_exits_with_its_verdict_kinds_code(dumps, tmp_path, scenario, verdict):
     out = tmp_path / "report"
-    result = invoke(["replay", dumps[scenario], "--device", "cpu", "--no-rng-check", "-o", out,
-                     "--blocklist", tmp_path / "blocklist.jsonl"], exit_code=verdict.exit_code)
+    result = invoke(
+        [
+            "replay",
+            dumps[scenario],
+            "--device",
+            "cpu",
+            "--no-rng-check",
+            "-o",
+            out,
+            "--blocklist",
+            tmp_path / "blocklist.jsonl",
+        ],
+        exit_code=verdict.exit_code,
+    )
     assert f"Verdict: {verdict.label}" in result.stdout
     assert json.loads((out / "report.json").read_text())["verdict"]["kind"] == verdict.value
     assert (out / "report.md").is_file() and (out / "report.html").is_file()
@@ -96,8 +116,9 @@ def test_tampered_dump_fails_verification_with_exit_2(dumps, tmp_path):
 
 def test_untrusted_or_unimportable_recipe_and_missing_gpu_exit_2(dumps):
     dump = dumps["bad_sample"]
-    result = invoke(["replay", dump, "--device", "cpu", "--factory", "no_such_module_xyz:build"],
-                    exit_code=ExitCode.BAD_INPUT)
+    result = invoke(
+        ["replay", dump, "--device", "cpu", "--factory", "no_such_module_xyz:build"], exit_code=ExitCode.BAD_INPUT
+    )
     assert "no_such_module_xyz" in result.stderr
     import torch
 
@@ -112,8 +133,9 @@ def test_unwritable_report_or_blocklist_path_exits_2_not_1(dumps, tmp_path):
     common = ["replay", dump, "--device", "cpu", "--no-rng-check", "--no-bisect"]
     result = invoke([*common, "-o", a_file / "report"], exit_code=ExitCode.BAD_INPUT)
     assert "Error:" in result.stderr and "Traceback" not in result.stderr
-    result = invoke([*common, "-o", tmp_path / "out", "--blocklist", a_file / "blocklist.jsonl"],
-                    exit_code=ExitCode.BAD_INPUT)
+    result = invoke(
+        [*common, "-o", tmp_path / "out", "--blocklist", a_file / "blocklist.jsonl"], exit_code=ExitCode.BAD_INPUT
+    )
     assert "Error:" in result.stderr
     invoke(["pack", dump, "-o", a_file / "x.tar.zst"], exit_code=ExitCode.BAD_INPUT)
 
@@ -136,8 +158,12 @@ def test_an_unwritable_output_is_refused_before_the_dump_is_read(tmp_path, monke
 def test_factory_kwargs_must_be_a_json_object(tmp_path):
     result = invoke(["replay", tmp_path, "--factory-kwargs", "[1, 2]"], exit_code=ExitCode.BAD_INPUT)
     assert "must be a JSON object" in result.stderr
-    assert "is not JSON" in invoke(["repro", tmp_path, "-o", tmp_path / "r", "--loss-kwargs", "{width"],
-                                   exit_code=ExitCode.BAD_INPUT).stderr
+    assert (
+        "is not JSON"
+        in invoke(
+            ["repro", tmp_path, "-o", tmp_path / "r", "--loss-kwargs", "{width"], exit_code=ExitCode.BAD_INPUT
+        ).stderr
+    )
 
 
 def test_a_bug_in_forensics_exits_1(dumps, monkeypatch):
@@ -154,8 +180,11 @@ def test_list_shows_every_dump_whether_replayed_and_the_unfinished_ones(dumps, t
 
     root = tmp_path / "dumps"
     for name, path in dumps.items():
-        shutil.copytree(path.parent, root / f"demo-{name}" / path.parent.name,  # not the other tests' replays
-                        ignore=shutil.ignore_patterns("replays.jsonl", "report-rank*"))
+        shutil.copytree(
+            path.parent,
+            root / f"demo-{name}" / path.parent.name,  # not the other tests' replays
+            ignore=shutil.ignore_patterns("replays.jsonl", "report-rank*"),
+        )
     stale = root / "demo-sdc" / "step-000000099" / ".tmp-rank-00000-0123abcd"
     stale.mkdir(parents=True)
     import os
@@ -230,8 +259,9 @@ def test_ctrl_c_exits_130_with_one_line_and_no_half_written_report(dumps, tmp_pa
     monkeypatch.setattr(write, "render_markdown", _interrupted_while(write.render_markdown, swallowed))
     out = tmp_path / "report"
     before = signal.getsignal(signal.SIGINT)
-    result = invoke(["replay", dumps["bad_sample"], "--device", "cpu", "--no-rng-check", "-o", out],
-                    exit_code=ExitCode.INTERRUPTED)
+    result = invoke(
+        ["replay", dumps["bad_sample"], "--device", "cpu", "--no-rng-check", "-o", out], exit_code=ExitCode.INTERRUPTED
+    )
     assert result.stderr.strip().splitlines()[-1] == "interrupted" and "Aborted" not in result.output
     assert "Traceback" not in result.output and result.exception is None or isinstance(result.exception, SystemExit)
     assert signal.getsignal(signal.SIGINT) is before  # the command's handler is gone

@@ -17,8 +17,10 @@ from torch import nn
 from capture import DetectionConfig, DumpConfig, Guard, GuardConfig, RecordConfig, SpikeConfig
 from forensics.format import open_dump, verify_dump
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                                reason="needs two CUDA devices (the job runs on cuda:1)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="needs two CUDA devices (the job runs on cuda:1)",
+)
 
 WIDTH = 4096  # a 4096 x 4096 fp32 weight is 64 MiB (one staging chunk); LayerNorm vectors of 16 KiB between them
 DUMPS = 20
@@ -41,8 +43,10 @@ class Mixed(nn.Module):
 def _host_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     names = {id(p): n for n, p in model.named_parameters()}
     weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    moments = {names[id(p)]: {k: v.detach().cpu().clone() for k, v in s.items() if torch.is_tensor(v)}
-               for p, s in optimizer.state.items()}
+    moments = {
+        names[id(p)]: {k: v.detach().cpu().clone() for k, v in s.items() if torch.is_tensor(v)}
+        for p, s in optimizer.state.items()
+    }
     return weights, moments
 
 
@@ -53,8 +57,10 @@ def _assert_dump_holds(path, weights: dict, moments: dict, device: str = "cpu") 
         assert str(tensor.device) == device
         expected = weights[name].to(device)
         assert tensor.dtype == expected.dtype and tensor.shape == expected.shape, name
-        assert torch.equal(tensor, expected), f"{path}: {name} differs from the job's tensor " \
+        assert torch.equal(tensor, expected), (
+            f"{path}: {name} differs from the job's tensor "
             f"({int((tensor != expected).sum())} of {tensor.numel()} elements)"
+        )
         seen += 1
     assert seen == len(weights)
     for name, state in moments.items():
@@ -69,10 +75,17 @@ def test_twenty_dumps_from_cuda1_match_the_job_element_by_element_and_read_back_
     torch.manual_seed(0)
     model = Mixed().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="cuda1",
-                                                       detection=DetectionConfig(on_nonfinite="skip"),
-                                                       dumping=DumpConfig(max_dumps=DUMPS + 1),
-                                                       recording=RecordConfig(capture_exceptions=False)))
+    guard = Guard(
+        model,
+        optimizer,
+        config=GuardConfig(
+            dump_dir=str(tmp_path),
+            run_id="cuda1",
+            detection=DetectionConfig(on_nonfinite="skip"),
+            dumping=DumpConfig(max_dumps=DUMPS + 1),
+            recording=RecordConfig(capture_exceptions=False),
+        ),
+    )
     checked = 0
     for step in range(DUMPS + 2):
         x = torch.randn(8, WIDTH, device=device)
@@ -106,10 +119,17 @@ def test_background_spike_dumps_from_cuda1_hold_the_pre_step_state(tmp_path):
     model = Mixed(blocks=2).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     spikes = {12, 16}
-    guard = Guard(model, optimizer, config=GuardConfig(
-        dump_dir=str(tmp_path), run_id="spikes",
-        detection=DetectionConfig(loss_spike=SpikeConfig(warmup=4), grad_norm_spike=SpikeConfig(enabled=False)),
-        dumping=DumpConfig(min_spike_gap=1, max_dumps=4), recording=RecordConfig(capture_exceptions=False)))
+    guard = Guard(
+        model,
+        optimizer,
+        config=GuardConfig(
+            dump_dir=str(tmp_path),
+            run_id="spikes",
+            detection=DetectionConfig(loss_spike=SpikeConfig(warmup=4), grad_norm_spike=SpikeConfig(enabled=False)),
+            dumping=DumpConfig(min_spike_gap=1, max_dumps=4),
+            recording=RecordConfig(capture_exceptions=False),
+        ),
+    )
     expected = {}
     for step in range(20):
         x = torch.randn(8, WIDTH, device=device)

@@ -52,8 +52,16 @@ def test_unknown_scenario_names_the_valid_ones(tmp_path):
 
 
 def test_catalogue_has_one_line_descriptions():
-    assert set(SCENARIOS) == {"bad_sample", "log_zero", "fp16_overflow", "adam_eps_zero", "pair", "sdc",
-                              "dropout_mask", "spike"}
+    assert set(SCENARIOS) == {
+        "bad_sample",
+        "log_zero",
+        "fp16_overflow",
+        "adam_eps_zero",
+        "pair",
+        "sdc",
+        "dropout_mask",
+        "spike",
+    }
     for name, scenario in SCENARIOS.items():
         assert scenario.name == name
         assert scenario.description and "\n" not in scenario.description and len(scenario.description) < 100

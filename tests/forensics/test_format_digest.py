@@ -21,9 +21,13 @@ def expected_entry(data: bytes, chunk: int = CHUNK) -> dict:
     """What docs/DUMP_FORMAT.md "Checksums" says a version-3 manifest lists for a file holding `data`."""
     if len(data) <= chunk:
         return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    digests = [hashlib.sha256(data[i:i + chunk]).digest() for i in range(0, len(data), chunk)]
-    return {"size": len(data), "sha256": hashlib.sha256(b"".join(digests)).hexdigest(),
-            "chunk_size": chunk, "chunks": [d.hex() for d in digests]}
+    digests = [hashlib.sha256(data[i : i + chunk]).digest() for i in range(0, len(data), chunk)]
+    return {
+        "size": len(data),
+        "sha256": hashlib.sha256(b"".join(digests)).hexdigest(),
+        "chunk_size": chunk,
+        "chunks": [d.hex() for d in digests],
+    }
 
 
 def written_entry(data: bytes, cuts: list[int], chunk: int = CHUNK) -> tuple[dict, bytes]:
@@ -37,18 +41,26 @@ def written_entry(data: bytes, cuts: list[int], chunk: int = CHUNK) -> tuple[dic
     return entry, out.getvalue()
 
 
-@pytest.mark.parametrize("size, cuts", [
-    (0, []),
-    (1000, [1, 999]),
-    (CHUNK, []),  # exactly one chunk: the plain sha256 of the bytes
-    (CHUNK + 1, []),
-    (3 * CHUNK + 12345, []),  # one large write cut at the chunk boundaries, hashed in parallel
-    (3 * CHUNK + 12345, [7, CHUNK - 3, CHUNK + (1 << 20) + 5, 2 * CHUNK, 2 * CHUNK + 1]),  # pieces that straddle
-    (2 * CHUNK + 99, list(range(100_000, 2 * CHUNK, 700_001))),  # small writes only (hashed inline)
-])
+@pytest.mark.parametrize(
+    "size, cuts",
+    [
+        (0, []),
+        (1000, [1, 999]),
+        (CHUNK, []),  # exactly one chunk: the plain sha256 of the bytes
+        (CHUNK + 1, []),
+        (3 * CHUNK + 12345, []),  # one large write cut at the chunk boundaries, hashed in parallel
+        (3 * CHUNK + 12345, [7, CHUNK - 3, CHUNK + (1 << 20) + 5, 2 * CHUNK, 2 * CHUNK + 1]),  # pieces that straddle
+        (2 * CHUNK + 99, list(range(100_000, 2 * CHUNK, 700_001))),  # small writes only (hashed inline)
+    ],
+)
 def test_the_digests_are_the_ones_the_spec_defines_however_the_bytes_arrive(size, cuts):
-    data = bytes((i * 7 + i // 4099) & 0xFF for i in range(size)) if size < 4096 else \
-        torch.randint(0, 256, (size,), generator=torch.Generator().manual_seed(size), dtype=torch.uint8).numpy().tobytes()
+    data = (
+        bytes((i * 7 + i // 4099) & 0xFF for i in range(size))
+        if size < 4096
+        else torch.randint(0, 256, (size,), generator=torch.Generator().manual_seed(size), dtype=torch.uint8)
+        .numpy()
+        .tobytes()
+    )
     entry, on_disk = written_entry(data, cuts)
     assert on_disk == data
     assert entry == expected_entry(data)

@@ -19,17 +19,29 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from forensics.errors import (DumpCorruptError, DumpError, DumpNotFoundError, NotADumpError,
-                              UnsupportedVersionError)
+from forensics.errors import DumpCorruptError, DumpError, DumpNotFoundError, NotADumpError, UnsupportedVersionError
 from forensics.format import spec
 from forensics.format import open_dump, open_step, pack_dump, verify_dump, write_dump
 from forensics.format.tensors import load_safetensors_bytes
 
 ARCHIVE = ".tar.zst"
 # Every file of the synthetic dump (tests/helpers.py); test_the_pristine_dump_is_clean checks the list.
-FILES = ["batch-000.json.zst", "batch-000.safetensors.zst", "batch-001.json.zst", "batch-001.safetensors.zst",
-         "batch-002.json.zst", "batch-002.safetensors.zst", "history.json", "model.safetensors", "optimizer.json",
-         "optimizer.safetensors", "rng.json", "rng.safetensors", "scaler.json", "scheduler.json"]
+FILES = [
+    "batch-000.json.zst",
+    "batch-000.safetensors.zst",
+    "batch-001.json.zst",
+    "batch-001.safetensors.zst",
+    "batch-002.json.zst",
+    "batch-002.safetensors.zst",
+    "history.json",
+    "model.safetensors",
+    "optimizer.json",
+    "optimizer.safetensors",
+    "rng.json",
+    "rng.safetensors",
+    "scaler.json",
+    "scheduler.json",
+]
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +87,10 @@ def rewrite_manifest(dump_dir, edit) -> None:
 def relist(dump_dir, name: str) -> None:
     """Makes the manifest agree with the (tampered) bytes of `name`, as a careful attacker would."""
     data = (dump_dir / name).read_bytes()
-    rewrite_manifest(dump_dir, lambda m: m["files"].__setitem__(
-        name, {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}))
+    rewrite_manifest(
+        dump_dir,
+        lambda m: m["files"].__setitem__(name, {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}),
+    )
 
 
 def problems_for(dump_dir, name: str) -> list[str]:
@@ -169,20 +183,29 @@ def test_manifest_missing_a_required_key_is_corrupt(dump_dir):
         open_dump(dump_dir)
 
 
-@pytest.mark.parametrize("edit, what", [
-    (lambda m: m["files"].__setitem__("model.safetensors", "abc"), "model.safetensors"),
-    (lambda m: m["files"]["model.safetensors"].__setitem__("size", "12"), "model.safetensors"),
-    (lambda m: m.__setitem__("micro_batches", "x"), "micro_batches"),
-    (lambda m: m["micro_batches"].__setitem__(0, 5), "micro_batches"),
-    (lambda m: m.__setitem__("step", "seven"), "step"),
-    (lambda m: m.__setitem__("rank", None), "rank"),
-    (lambda m: m.__setitem__("world_size", True), "world_size"),
-    (lambda m: m.__setitem__("trigger", "nan"), "trigger"),
-    (lambda m: m.__setitem__("exception", {"type": "IndexError", "during": "lunch"}), "exception.during"),
-    (lambda m: m.__setitem__("exception", {"type": "IndexError", "state_holds": "../x"}), "exception.state_holds"),
-    (lambda m: m.__setitem__("exception", {"type": "E", "user_frame": {"line": "ten"}}), "exception.user_frame.line"),
-    (lambda m: m.__setitem__("recipe", {"loss": "__main__:f", "script": {"file": "../train.py"}}), "recipe.script.file"),
-])
+@pytest.mark.parametrize(
+    "edit, what",
+    [
+        (lambda m: m["files"].__setitem__("model.safetensors", "abc"), "model.safetensors"),
+        (lambda m: m["files"]["model.safetensors"].__setitem__("size", "12"), "model.safetensors"),
+        (lambda m: m.__setitem__("micro_batches", "x"), "micro_batches"),
+        (lambda m: m["micro_batches"].__setitem__(0, 5), "micro_batches"),
+        (lambda m: m.__setitem__("step", "seven"), "step"),
+        (lambda m: m.__setitem__("rank", None), "rank"),
+        (lambda m: m.__setitem__("world_size", True), "world_size"),
+        (lambda m: m.__setitem__("trigger", "nan"), "trigger"),
+        (lambda m: m.__setitem__("exception", {"type": "IndexError", "during": "lunch"}), "exception.during"),
+        (lambda m: m.__setitem__("exception", {"type": "IndexError", "state_holds": "../x"}), "exception.state_holds"),
+        (
+            lambda m: m.__setitem__("exception", {"type": "E", "user_frame": {"line": "ten"}}),
+            "exception.user_frame.line",
+        ),
+        (
+            lambda m: m.__setitem__("recipe", {"loss": "__main__:f", "script": {"file": "../train.py"}}),
+            "recipe.script.file",
+        ),
+    ],
+)
 def test_manifest_with_wrong_types_is_corrupt_not_a_crash(helpers, dump_dir, edit, what):
     rewrite_manifest(dump_dir, edit)
     with pytest.raises(DumpCorruptError, match=what):
@@ -194,8 +217,10 @@ def test_manifest_cannot_make_the_reader_open_files_outside_the_dump(dump_dir, n
     outside = dump_dir.parent / "outside.txt"
     outside.write_text("secret")
     data = outside.read_bytes()
-    rewrite_manifest(dump_dir, lambda m: m["files"].__setitem__(
-        name, {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}))
+    rewrite_manifest(
+        dump_dir,
+        lambda m: m["files"].__setitem__(name, {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}),
+    )
     with pytest.raises(DumpCorruptError, match="manifest.json"):
         verify_dump(dump_dir)
 
@@ -230,6 +255,7 @@ def test_nonexistent_path(tmp_path):
 
 # -- safetensors headers ------------------------------------------------------------------------
 
+
 def test_safetensors_header_longer_than_the_file_is_refused():
     blob = struct.pack("<Q", 10_000) + b'{"a": 1}'
     with pytest.raises(DumpCorruptError, match="header of 10000 bytes"):
@@ -241,12 +267,17 @@ def test_safetensors_header_longer_than_the_file_is_refused():
         load_safetensors_bytes(huge, "x.safetensors")
 
 
-@pytest.mark.parametrize("blob", [
-    struct.pack("<Q", 8) + b"not json",
-    struct.pack("<Q", 48) + json.dumps({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode().ljust(48),
-    struct.pack("<Q", 56) + json.dumps({"a": {"dtype": "XX", "shape": [1], "data_offsets": [0, 4]}}).encode().ljust(56)
-    + b"\x00" * 4,
-])
+@pytest.mark.parametrize(
+    "blob",
+    [
+        struct.pack("<Q", 8) + b"not json",
+        struct.pack("<Q", 48)
+        + json.dumps({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode().ljust(48),
+        struct.pack("<Q", 56)
+        + json.dumps({"a": {"dtype": "XX", "shape": [1], "data_offsets": [0, 4]}}).encode().ljust(56)
+        + b"\x00" * 4,
+    ],
+)
 def test_malformed_safetensors_inside_a_checksummed_file_is_corrupt(dump_dir, blob):
     (dump_dir / "model.safetensors").write_bytes(blob)
     relist(dump_dir, "model.safetensors")
@@ -259,15 +290,24 @@ def test_malformed_zstd_and_skeleton_inside_checksummed_files_are_corrupt(dump_d
     relist(dump_dir, "batch-000.json.zst")
     with pytest.raises(DumpCorruptError, match="batch-000.json.zst"):
         open_dump(dump_dir).micro_batch(0)
-    bad_skeletons = [{"dict": [["a", {"tensor": "t99"}]]}, {"weird": 1}, {"dict": "x"}, [1, 2], {"list": [{"dict": [[1]]}]}]
+    bad_skeletons = [
+        {"dict": [["a", {"tensor": "t99"}]]},
+        {"weird": 1},
+        {"dict": "x"},
+        [1, 2],
+        {"list": [{"dict": [[1]]}]},
+    ]
     for skeleton in bad_skeletons:
-        (dump_dir / "batch-001.json.zst").write_bytes(zstandard.ZstdCompressor().compress(json.dumps(skeleton).encode()))
+        (dump_dir / "batch-001.json.zst").write_bytes(
+            zstandard.ZstdCompressor().compress(json.dumps(skeleton).encode())
+        )
         relist(dump_dir, "batch-001.json.zst")
         with pytest.raises(DumpCorruptError, match="batch"):
             open_dump(dump_dir).micro_batch(1)
 
 
 # -- archives -----------------------------------------------------------------------------------
+
 
 def test_pack_round_trips_a_rank_dump_and_a_step_dump(helpers, dump_dir):
     before = helpers.read_everything(dump_dir)
@@ -319,19 +359,27 @@ def _archive(tmp_path, members) -> os.PathLike:
     return path
 
 
-@pytest.mark.parametrize("member, why", [
-    ({"name": "rank-00000/../../escaped.txt"}, "escapes"),
-    ({"name": "../escaped.txt"}, "escapes"),
-    ({"name": "/tmp/escaped-absolute.txt"}, "escapes"),
-    ({"name": "rank-00000/link", "type": tarfile.SYMTYPE, "linkname": "/etc/passwd"}, "link"),
-    ({"name": "rank-00000/hard", "type": tarfile.LNKTYPE, "linkname": "rank-00000/manifest.json"}, "link"),
-    ({"name": "rank-00000/fifo", "type": tarfile.FIFOTYPE}, "link or device"),
-])
+@pytest.mark.parametrize(
+    "member, why",
+    [
+        ({"name": "rank-00000/../../escaped.txt"}, "escapes"),
+        ({"name": "../escaped.txt"}, "escapes"),
+        ({"name": "/tmp/escaped-absolute.txt"}, "escapes"),
+        ({"name": "rank-00000/link", "type": tarfile.SYMTYPE, "linkname": "/etc/passwd"}, "link"),
+        ({"name": "rank-00000/hard", "type": tarfile.LNKTYPE, "linkname": "rank-00000/manifest.json"}, "link"),
+        ({"name": "rank-00000/fifo", "type": tarfile.FIFOTYPE}, "link or device"),
+    ],
+)
 def test_hostile_archive_members_are_refused_and_nothing_escapes(tmp_path, member, why):
     is_file = member.get("type", tarfile.REGTYPE) == tarfile.REGTYPE
-    path = _archive(tmp_path, [({"name": "rank-00000", "type": tarfile.DIRTYPE}, None),
-                               ({"name": "rank-00000/manifest.json"}, b"{}"),
-                               (dict(member), b"evil" if is_file else None)])
+    path = _archive(
+        tmp_path,
+        [
+            ({"name": "rank-00000", "type": tarfile.DIRTYPE}, None),
+            ({"name": "rank-00000/manifest.json"}, b"{}"),
+            (dict(member), b"evil" if is_file else None),
+        ],
+    )
     with pytest.raises(DumpCorruptError, match=why):
         open_dump(path)
     assert not (Path(tempfile.gettempdir()) / "escaped.txt").exists()
@@ -339,7 +387,9 @@ def test_hostile_archive_members_are_refused_and_nothing_escapes(tmp_path, membe
 
 
 def test_archive_with_two_top_directories_or_garbage_is_not_a_dump(tmp_path):
-    path = _archive(tmp_path, [({"name": "a", "type": tarfile.DIRTYPE}, None), ({"name": "b", "type": tarfile.DIRTYPE}, None)])
+    path = _archive(
+        tmp_path, [({"name": "a", "type": tarfile.DIRTYPE}, None), ({"name": "b", "type": tarfile.DIRTYPE}, None)]
+    )
     with pytest.raises(NotADumpError, match="one dump directory"):
         open_dump(path)
     garbage = tmp_path / "garbage.tar.zst"

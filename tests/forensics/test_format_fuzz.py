@@ -65,8 +65,20 @@ def test_every_file_fuzzed_by_byte_flips_and_truncation(helpers, pristine, tmp_p
 
 RE_SIGNED_TRIALS = 60
 DTYPES = [torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float64, torch.uint8, torch.bool]
-SKELETON_NODES = [{"value": 5}, {"tensor": "missing"}, {"list": 5}, {"dict": [[1, {"value": 2}]]}, {"tuple": []},
-                  {"unreplayable": 7}, {}, [], None, "x", {"dict": [["k"]]}, {"tensor": 3}]
+SKELETON_NODES = [
+    {"value": 5},
+    {"tensor": "missing"},
+    {"list": 5},
+    {"dict": [[1, {"value": 2}]]},
+    {"tuple": []},
+    {"unreplayable": 7},
+    {},
+    [],
+    None,
+    "x",
+    {"dict": [["k"]]},
+    {"tensor": 3},
+]
 
 
 def _skeleton(helpers, rng: random.Random, dump_dir) -> None:
@@ -80,7 +92,7 @@ def _skeleton(helpers, rng: random.Random, dump_dir) -> None:
     while stack:
         node = stack.pop()
         children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
-        for index, child in (node.items() if isinstance(node, dict) else enumerate(children)):
+        for index, child in node.items() if isinstance(node, dict) else enumerate(children):
             nodes.append((node, index))
             stack.append(child)
     parent, key = rng.choice(nodes)

@@ -69,7 +69,7 @@ def test_model_safetensors_is_byte_compatible_with_the_safetensors_library(helpe
 
     data = (dump_dir / "model.safetensors").read_bytes()
     (header_len,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + header_len])
+    header = json.loads(data[8 : 8 + header_len])
     assert (8 + header_len) % 8 == 0  # data section aligned
     assert header["w"]["dtype"] == "F32" and header["bf"]["dtype"] == "BF16" and header["mask"]["dtype"] == "BOOL"
     theirs = load(data)
@@ -79,7 +79,9 @@ def test_model_safetensors_is_byte_compatible_with_the_safetensors_library(helpe
     # and the reader takes what the safetensors library writes
     blob = save({"a": torch.arange(6, dtype=torch.int32).reshape(2, 3), "b": torch.ones(2, dtype=torch.bfloat16)})
     ours = load_safetensors_bytes(blob, "x.safetensors")
-    assert torch.equal(ours["a"], torch.arange(6, dtype=torch.int32).reshape(2, 3)) and ours["b"].dtype == torch.bfloat16
+    assert (
+        torch.equal(ours["a"], torch.arange(6, dtype=torch.int32).reshape(2, 3)) and ours["b"].dtype == torch.bfloat16
+    )
 
 
 def test_empty_tensor_dict_is_a_valid_safetensors_file():
@@ -116,7 +118,8 @@ def test_batches_round_trip_with_container_types_values_and_unreplayable_leaves(
     assert third["obj"] == Unreplayable("builtins.object", "batch['obj']")
     assert dump.micro_batches_meta[2]["unreplayable"] == [
         {"path": "batch['image']", "type": "forensics_test_helpers.OpaqueImage"},
-        {"path": "batch['obj']", "type": "builtins.object"}]
+        {"path": "batch['obj']", "type": "builtins.object"},
+    ]
     assert [dump.sample_ids(i) for i in range(3)] == [["doc-1", "doc-2"], [0, 1, 2], ["t0"]]
     with pytest.raises(IndexError):
         dump.micro_batch(3)
@@ -125,7 +128,9 @@ def test_batches_round_trip_with_container_types_values_and_unreplayable_leaves(
 def test_batch_files_are_zstd_frames_of_safetensors_and_of_the_json_skeleton(dump_dir):
     skeleton = json.loads(zstandard.ZstdDecompressor().decompress((dump_dir / "batch-000.json.zst").read_bytes()))
     keys = dict(skeleton["dict"])
-    assert keys["input_ids"] == {"tensor": "t0"} and keys["sample_ids"] == {"list": [{"value": "doc-1"}, {"value": "doc-2"}]}
+    assert keys["input_ids"] == {"tensor": "t0"} and keys["sample_ids"] == {
+        "list": [{"value": "doc-1"}, {"value": "doc-2"}]
+    }
     assert dict(keys["meta"]["dict"])["pair"] == {"tuple": [{"value": 1.5}, {"value": {"__float__": "nan"}}]}
     tensors = zstandard.ZstdDecompressor().decompress((dump_dir / "batch-000.safetensors.zst").read_bytes())
     assert sorted(load_safetensors_bytes(tensors, "b")) == ["t0", "t1"]
@@ -140,7 +145,9 @@ def test_rng_history_scheduler_and_scaler_round_trip(written):
         assert got.numpy[0] == state.numpy[0] and (got.numpy[1] == state.numpy[1]).all()
         assert tuple(got.numpy[2:]) == tuple(state.numpy[2:])
     history = dump.history()
-    assert history["step"] == [5, 6, 7] and math.isnan(history["loss"][2]) and history["grad_norm"][1:] == [None, math.inf]
+    assert (
+        history["step"] == [5, 6, 7] and math.isnan(history["loss"][2]) and history["grad_norm"][1:] == [None, math.inf]
+    )
     assert dump.scheduler_state()["state"]["last_epoch"] == 7
     assert dump.scaler_state()["scale"] == 65536.0
 
@@ -183,7 +190,9 @@ def test_writer_failure_mid_write_leaves_no_dump_no_temp_dir_and_no_empty_step_d
 
 
 def test_file_and_directory_names_follow_the_spec():
-    assert spec.batch_tensors_name(3) == "batch-003.safetensors.zst" and spec.batch_json_name(12) == "batch-012.json.zst"
+    assert (
+        spec.batch_tensors_name(3) == "batch-003.safetensors.zst" and spec.batch_json_name(12) == "batch-012.json.zst"
+    )
     assert spec.step_dir_name(41217) == "step-000041217" and spec.rank_dir_name(3) == "rank-00003"
 
 
@@ -192,8 +201,12 @@ def test_tensors_read_in_pieces_by_several_threads_round_trip_bitwise(monkeypatc
 
     monkeypatch.setattr(tensor_io, "READ_PIECE_MIN", 1000)  # pieces at odd byte boundaries, several per tensor
     monkeypatch.setattr(tensor_io, "READ_THREADS", 3)
-    source = {"odd": torch.randn(1237, 3), "bf16": torch.randn(5001).to(torch.bfloat16), "small": torch.arange(7),
-              "empty": torch.empty(0)}
+    source = {
+        "odd": torch.randn(1237, 3),
+        "bf16": torch.randn(5001).to(torch.bfloat16),
+        "small": torch.arange(7),
+        "empty": torch.empty(0),
+    }
     path = tmp_path / "t.safetensors"
     with open(path, "wb") as out:
         tensor_io.write_safetensors(out, source)

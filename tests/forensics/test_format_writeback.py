@@ -17,12 +17,15 @@ def writeback_threads() -> list[threading.Thread]:
 
 def test_a_file_written_with_early_writeback_holds_exactly_the_bytes_written(tmp_path, monkeypatch):
     monkeypatch.setattr(writeback, "FLUSH_EVERY", 1 << 20)  # many fdatasyncs while the file grows
-    data = torch.randint(0, 256, (9 * (1 << 20) + 4321,), generator=torch.Generator().manual_seed(1),
-                         dtype=torch.uint8).numpy().tobytes()
+    data = (
+        torch.randint(0, 256, (9 * (1 << 20) + 4321,), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
+        .numpy()
+        .tobytes()
+    )
     with open(tmp_path / "file", "wb", buffering=1 << 16) as handle:
         with EarlyWriteback(handle) as out:
             for start in range(0, len(data), 700_001):
-                out.write(data[start:start + 700_001])
+                out.write(data[start : start + 700_001])
             assert writeback_threads()  # it is flushing while the file is written
         handle.flush()
     assert (tmp_path / "file").read_bytes() == data

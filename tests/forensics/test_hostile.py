@@ -51,8 +51,12 @@ def run(args: list, cwd: Path | None = None):
 
 
 def assert_exit(result, code: int) -> None:
-    assert result.exit_code == code, (result.exit_code, result.stdout[-2000:], result.stderr[-2000:],
-                                      repr(result.exception))
+    assert result.exit_code == code, (
+        result.exit_code,
+        result.stdout[-2000:],
+        result.stderr[-2000:],
+        repr(result.exception),
+    )
     if code == ExitCode.BAD_INPUT:
         assert result.stderr.startswith("Error:") or "Error:" in result.stderr
 
@@ -117,7 +121,7 @@ def zstd_bomb(prefix: bytes, size: int, declare: bool = True, fill: bytes = b"\0
     out = bytearray((0xFD2FB528).to_bytes(4, "little"))
     out += bytes([0xC0 if declare else 0x00, 0x38])  # an 8-byte content size (or none); window 2**17
     out += size.to_bytes(8, "little") if declare else b""
-    blocks = [(0, prefix[i:i + ZSTD_BLOCK]) for i in range(0, len(prefix), ZSTD_BLOCK)]
+    blocks = [(0, prefix[i : i + ZSTD_BLOCK]) for i in range(0, len(prefix), ZSTD_BLOCK)]
     left = size - len(prefix) - len(suffix)
     while left:
         blocks.append((1, min(left, ZSTD_BLOCK)))
@@ -128,6 +132,8 @@ def zstd_bomb(prefix: bytes, size: int, declare: bool = True, fill: bytes = b"\0
         out += ((index == len(blocks) - 1) | kind << 1 | n << 3).to_bytes(3, "little")
         out += body if kind == 0 else fill
     return bytes(out)
+
+
 """The address space a child may map (RLIMIT_AS): a bomb inflated whole fails with MemoryError instead of passing."""
 
 
@@ -137,8 +143,14 @@ def run_children(commands: list[list], cwd: Path | None = None, memory_limit: in
     process's peak RSS over all of them."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     args = json.dumps([[str(a) for a in command] for command in commands])
-    done = subprocess.run([sys.executable, "-c", CHILD, str(memory_limit), args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, str(memory_limit), args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     stderr, _, peak = done.stderr.rpartition("PEAK_RSS_KIB ")
     assert done.returncode == 0 and peak, done.stderr[-3000:]
     rss = int(peak.split()[0]) * 1024
@@ -197,6 +209,7 @@ def make_fifo():
 
 # -- names from a dump never become paths or raw terminal output -------------------------------
 
+
 @pytest.mark.parametrize("run_id", ["/abs/path/ESCAPED", "../../..", "../escaped", "x" * 300, "a\x1b]0;pwned\x07"])
 def test_a_hostile_run_id_is_refused_and_nothing_is_written(dump, tmp_path, run_id):
     edit_manifest(dump, lambda m: m.__setitem__("run_id", run_id))
@@ -220,19 +233,34 @@ def test_a_hostile_run_id_in_a_packed_archive_is_refused(dump, tmp_path):
 
 # -- wrong types and sizes in the manifest ---------------------------------------------------
 
-@pytest.mark.parametrize("path, value", [
-    (("recipe",), "x"), (("environment",), [1]), (("precision",), "x"), (("determinism",), "x"),
-    (("loss",), 5), (("missing_ranks",), 5), (("micro_batches", 0, "sample_ids"), 5),
-    (("world_size",), 2 ** 31), (("rank",), 3), (("trigger",), "nan"), (("trigger", "micro_batch"), 9),
-    (("files", "model.safetensors", "size"), "big"), (("micro_batches",), [{}] * 5000),
-    (("precision", "autocast", "dtype"), 16), (("loss", "divisor"), 0),
-])
+
+@pytest.mark.parametrize(
+    "path, value",
+    [
+        (("recipe",), "x"),
+        (("environment",), [1]),
+        (("precision",), "x"),
+        (("determinism",), "x"),
+        (("loss",), 5),
+        (("missing_ranks",), 5),
+        (("micro_batches", 0, "sample_ids"), 5),
+        (("world_size",), 2**31),
+        (("rank",), 3),
+        (("trigger",), "nan"),
+        (("trigger", "micro_batch"), 9),
+        (("files", "model.safetensors", "size"), "big"),
+        (("micro_batches",), [{}] * 5000),
+        (("precision", "autocast", "dtype"), 16),
+        (("loss", "divisor"), 0),
+    ],
+)
 def test_wrong_manifest_field_types_exit_2_naming_the_field(dump, path, value):
     def edit(manifest):
         node = manifest
         for key in path[:-1]:
             node = node[key]
         node[path[-1]] = value
+
     edit_manifest(dump, edit)
     result = run(["inspect", dump])
     assert_exit(result, ExitCode.BAD_INPUT)
@@ -259,11 +287,18 @@ def test_no_micro_batches_is_bad_input_not_suspected_hardware(dump):
 
 # -- re-signed files: the checksum passes, the parser must still refuse --------------------------
 
-@pytest.mark.parametrize("name, data", [
-    ("history.json", b"[1]"), ("rng.json", b"[1]"), ("rng.json", b'{"micro_batches": [1, 2]}'),
-    ("optimizer.json", b'{"param_groups": []}'), ("scheduler.json", b"5"),
-    ("history.json", b'{"loss": 5}'),
-])
+
+@pytest.mark.parametrize(
+    "name, data",
+    [
+        ("history.json", b"[1]"),
+        ("rng.json", b"[1]"),
+        ("rng.json", b'{"micro_batches": [1, 2]}'),
+        ("optimizer.json", b'{"param_groups": []}'),
+        ("scheduler.json", b"5"),
+        ("history.json", b'{"loss": 5}'),
+    ],
+)
 def test_re_signed_json_files_of_the_wrong_shape_exit_2(dump, name, data):
     resign(dump, name, data)
     assert_exit(run(["replay", dump, *REPLAY]), ExitCode.BAD_INPUT)
@@ -304,6 +339,7 @@ def test_a_huge_sparse_json_file_is_refused_by_its_size_before_it_is_read(dump):
 
 # -- links and archives ------------------------------------------------------------------------
 
+
 def test_a_link_out_of_a_directory_dump_is_refused_by_verify_replay_and_pack(dump, tmp_path):
     (dump / "history.json").unlink()
     (dump / "history.json").symlink_to("/etc/passwd")
@@ -333,11 +369,14 @@ def _archive(path: Path, members: dict[str, bytes | None], pax_size: int = 0) ->
     return path
 
 
-@pytest.mark.parametrize("members, why", [
-    ({f"d/{i}": b"" for i in range(300)}, "members"),
-    ({"d/" + "/".join(["x"] * 40) + "/f": b"x"}, "deeper"),
-    ({"d/big": b"\0" * (3 << 20)}, "unpacks to more than"),
-])
+@pytest.mark.parametrize(
+    "members, why",
+    [
+        ({f"d/{i}": b"" for i in range(300)}, "members"),
+        ({"d/" + "/".join(["x"] * 40) + "/f": b"x"}, "deeper"),
+        ({"d/big": b"\0" * (3 << 20)}, "unpacks to more than"),
+    ],
+)
 def test_archive_limits_are_enforced_before_writing(tmp_path, members, why, monkeypatch):
     archive = _archive(tmp_path / "a.tar.zst", members)
     flags = ["--max-members", "100", "--max-unpacked-gb", "0.001"]
@@ -357,13 +396,15 @@ def test_a_user_can_raise_the_archive_limits(dump, tmp_path):
 
 # -- the user's code raising on the dump's data is theirs (exit 2, their traceback) -----------------
 
+
 def test_the_users_loss_raising_on_dump_data_exits_2_with_their_traceback(dump, tmp_path):
     (tmp_path / "userpkg_loss.py").write_text(
         "def strict_loss(model, batch):\n"
         "    labels = next(v for v in batch.values() if hasattr(v, 'max'))\n"
         "    if int(labels.max()) >= 2:\n"
         "        raise IndexError(f'label {int(labels.max())} is out of range for my 2-class head')\n"
-        "    return model(labels).logits.mean()\n")
+        "    return model(labels).logits.mean()\n"
+    )
     result = run(["replay", dump, *REPLAY, "--loss", "userpkg_loss:strict_loss", "--path", tmp_path])
     assert_exit(result, ExitCode.BAD_INPUT)
     assert "IndexError" in result.stderr and "userpkg_loss.py" in result.stderr
@@ -371,6 +412,7 @@ def test_the_users_loss_raising_on_dump_data_exits_2_with_their_traceback(dump, 
 
 
 # -- the last eight of the adversarial run (issue 23): exit 2 with a sentence, at most 1 GiB ----------------
+
 
 @pytest.fixture(scope="module")
 def skeleton_bomb() -> bytes:
@@ -389,10 +431,13 @@ def test_a_skeleton_that_hides_its_size_is_capped_while_streaming(dump, tmp_path
         assert "batch-000.json.zst decompresses to more than 67108864 bytes" in result.stderr + result.stdout
 
 
-@pytest.mark.parametrize("edit, field", [
-    (lambda m: m.__setitem__("environment", None), "'environment' must be an object"),
-    (lambda m: m["trigger"].__setitem__("kind", "bogus"), "'trigger.kind' is 'bogus'"),
-])
+@pytest.mark.parametrize(
+    "edit, field",
+    [
+        (lambda m: m.__setitem__("environment", None), "'environment' must be an object"),
+        (lambda m: m["trigger"].__setitem__("kind", "bogus"), "'trigger.kind' is 'bogus'"),
+    ],
+)
 def test_a_null_section_or_an_unknown_trigger_kind_is_refused_by_inspect_and_replay(dump, tmp_path, edit, field):
     edit_manifest(dump, edit)
     assert_exit(run(["inspect", dump]), ExitCode.BAD_INPUT)
@@ -412,8 +457,9 @@ def test_a_weight_re_typed_to_int32_is_refused_naming_it(dump, tmp_path):
     assert_exit(run(["verify", dump]), ExitCode.OK)  # the checksums pass: only the model can tell
     result = run(["replay", dump, *REPLAY, "-o", tmp_path / "report"])
     assert_exit(result, ExitCode.BAD_INPUT)
-    assert f"the dtype of tensor {key} in the dump (int32) does not match the model's parameter (float32)" in \
-        result.stderr
+    assert (
+        f"the dtype of tensor {key} in the dump (int32) does not match the model's parameter (float32)" in result.stderr
+    )
 
 
 @pytest.fixture(scope="module")
@@ -456,8 +502,15 @@ def _damage(dump: Path, name: str, how: str, make_fifo=None) -> None:
         make_fifo(path)  # opened for reading, it would block until a writer came
 
 
-@pytest.mark.parametrize("name, how", [("window.json", "flipped"), ("window-rng.safetensors", "truncated"),
-                                       ("window-rng.safetensors", "deleted"), ("window-rng.safetensors", "fifo")])
+@pytest.mark.parametrize(
+    "name, how",
+    [
+        ("window.json", "flipped"),
+        ("window-rng.safetensors", "truncated"),
+        ("window-rng.safetensors", "deleted"),
+        ("window-rng.safetensors", "fifo"),
+    ],
+)
 def test_a_damaged_flight_recorder_is_named_in_the_report_and_left_out(dump, tmp_path, name, how, make_fifo):
     _damage(dump, name, how, make_fifo)
     result = run(["replay", dump, *REPLAY, "--json", "-o", tmp_path / "report"])
@@ -468,8 +521,9 @@ def test_a_damaged_flight_recorder_is_named_in_the_report_and_left_out(dump, tmp
     assert "The dump is damaged" in text and name in text and "flight recorder" in text
 
 
-@pytest.mark.parametrize("name, how", [("scheduler.json", "flipped"), ("history.json", "fifo"),
-                                       ("rng.safetensors", "truncated")])
+@pytest.mark.parametrize(
+    "name, how", [("scheduler.json", "flipped"), ("history.json", "fifo"), ("rng.safetensors", "truncated")]
+)
 def test_a_damaged_essential_file_ends_the_replay_naming_it(dump, tmp_path, name, how, make_fifo):
     _damage(dump, name, how, make_fifo)
     result = run(["replay", dump, *REPLAY, "-o", tmp_path / "report"])
@@ -505,8 +559,24 @@ def test_a_report_is_never_written_into_the_dump(dump, tmp_path):
 
 # -- the fuzz: seeded re-signed mutations ---------------------------------------------------------
 
-HOSTILE_VALUES = [5, -1, "x", [1], {}, None, True, 2 ** 63, 1e308, "../../escaped", "/abs/ESCAPED",
-                  "\x1b]0;pwned\x07", [[[[]]]], {"__float__": "zzz"}, "", 0]
+HOSTILE_VALUES = [
+    5,
+    -1,
+    "x",
+    [1],
+    {},
+    None,
+    True,
+    2**63,
+    1e308,
+    "../../escaped",
+    "/abs/ESCAPED",
+    "\x1b]0;pwned\x07",
+    [[[[]]]],
+    {"__float__": "zzz"},
+    "",
+    0,
+]
 
 
 def _mutate_json(rng: random.Random, node):
@@ -515,7 +585,9 @@ def _mutate_json(rng: random.Random, node):
     stack = [node]
     while stack:
         current = stack.pop()
-        items = current.items() if isinstance(current, dict) else enumerate(current) if isinstance(current, list) else ()
+        items = (
+            current.items() if isinstance(current, dict) else enumerate(current) if isinstance(current, list) else ()
+        )
         for key, child in items:
             containers.append((current, key, child))
             stack.append(child)
@@ -608,8 +680,14 @@ def test_fuzz_re_signed_mutants_give_exit_0_or_2_never_1(pristine, tmp_path, cap
             allowed = (0, 2, 3, 4) if verb[0] == "replay" else (0, 2)
             if target != dump:
                 allowed = (2,)  # a rank dump under another rank's name is never read as that rank
-            assert result.exit_code in allowed, (trial, name, verb[0], result.exit_code, result.stderr[-1500:],
-                                                 repr(result.exception))
+            assert result.exit_code in allowed, (
+                trial,
+                name,
+                verb[0],
+                result.exit_code,
+                result.stderr[-1500:],
+                repr(result.exception),
+            )
             seen.setdefault(name, {}).setdefault(result.exit_code, 0)
             seen[name][result.exit_code] += 1
         shutil.rmtree(tmp_path / f"m{trial}")
@@ -622,6 +700,7 @@ def test_fuzz_re_signed_mutants_give_exit_0_or_2_never_1(pristine, tmp_path, cap
 
 
 # -- unfinished dumps of killed writers are cleaned safely -------------------------------------------
+
 
 def test_stale_temporaries_of_dead_writers_are_removed_at_the_next_dump(tmp_path, helpers):
     import subprocess
@@ -670,6 +749,7 @@ def test_an_archive_whose_pax_header_claims_gigabytes_is_refused_within_bounded_
 
 
 # -- what replay writes beside a dump: report-rank<R>/ and replays.jsonl in the step directory -------------
+
 
 @pytest.mark.parametrize("into", ["rank", "outside"])
 def test_a_report_rank_link_in_the_step_directory_is_not_followed(dump, tmp_path, into):
@@ -728,21 +808,29 @@ def chunked_dump(tmp_path_factory) -> Path:
     from forensics.errors import TrainingFaultError
 
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=128, n_head=2, vocab_size=16384,
-                                                                 n_positions=16))
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=1, n_embd=128, n_head=2, vocab_size=16384, n_positions=16)
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     root = tmp_path_factory.mktemp("chunked")
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(root), run_id="big",
-                                                       recording=RecordConfig(capture_exceptions=False)))
+    guard = Guard(
+        model,
+        optimizer,
+        config=GuardConfig(dump_dir=str(root), run_id="big", recording=RecordConfig(capture_exceptions=False)),
+    )
     with pytest.raises(TrainingFaultError):
         for step in range(4):
             embeds = torch.randn(2, 8, 128)
             if step == 3:
                 embeds[1, 2, 5] = float("inf")
-            batch = {"inputs_embeds": embeds, "labels": torch.randint(0, 16384, (2, 8)),
-                     "sample_ids": [f"s{step}-0", f"s{step}-1"]}
-            guarded_step(guard, optimizer, batch,
-                         lambda b: model(inputs_embeds=b["inputs_embeds"], labels=b["labels"]).loss)
+            batch = {
+                "inputs_embeds": embeds,
+                "labels": torch.randint(0, 16384, (2, 8)),
+                "sample_ids": [f"s{step}-0", f"s{step}-1"],
+            }
+            guarded_step(
+                guard, optimizer, batch, lambda b: model(inputs_embeds=b["inputs_embeds"], labels=b["labels"]).loss
+            )
     guard.close()
     return guard.dumps[0]
 
@@ -764,6 +852,7 @@ def test_a_flipped_byte_in_a_streamed_state_file_ends_the_replay_naming_it(chunk
 
 
 # -- round 4 (issue 33): a tensor-file bomb, keys twice, overlapping offsets, the last rough edges ---------------
+
 
 def _zstd_of(data: bytes) -> bytes:
     """A zstd frame of `data` that does not declare its size."""
@@ -788,21 +877,26 @@ def tensor_bombs() -> dict[str, bytes]:
     size = 5 * GiB
     head = _safetensors_head({"x": {"dtype": "U8", "shape": [size - 8 - 80], "data_offsets": [0, size - 8 - 80]}})
     assert len(head) == 88
-    bombs = {"zeros": zstd_bomb(b"", size), "valid header": zstd_bomb(head, size),
-             "no declared size": zstd_bomb(head, size, declare=False)}
+    bombs = {
+        "zeros": zstd_bomb(b"", size),
+        "valid header": zstd_bomb(head, size),
+        "no declared size": zstd_bomb(head, size, declare=False),
+    }
     assert all(len(bomb) < 200_000 for bomb in bombs.values()), {k: len(v) for k, v in bombs.items()}
     return bombs
 
 
-def test_a_batch_file_bomb_is_refused_by_every_command_before_it_is_inflated(pristine, tmp_path, tensor_bombs,
-                                                                              skeleton_bomb):
+def test_a_batch_file_bomb_is_refused_by_every_command_before_it_is_inflated(
+    pristine, tmp_path, tensor_bombs, skeleton_bomb
+):
     """Each bomb (~100-160 KB declaring or holding 3 or 5 GiB) in one child process limited to 4 GiB of address
     space whose peak RSS stays under 1 GiB (the tensor bomb took 3.6 GB, then a MemoryError traceback): the skeleton
     and the headerless frame of zeros are refused by inspect, verify and replay with one line naming the file; the
     well-formed 5 GiB all-zero tensors are intact to inspect and verify (streamed through a small buffer) and
     replay refuses them before allocating: more than this host can hold."""
-    bombs = [("batch-000.json.zst", "skeleton", skeleton_bomb)] + \
-        [("batch-000.safetensors.zst", kind, bomb) for kind, bomb in tensor_bombs.items()]
+    bombs = [("batch-000.json.zst", "skeleton", skeleton_bomb)] + [
+        ("batch-000.safetensors.zst", kind, bomb) for kind, bomb in tensor_bombs.items()
+    ]
     commands = []
     for index, (name, _, bomb) in enumerate(bombs):
         dump = tmp_path / f"d{index}" / "run" / "step-000000006" / "rank-00000"
@@ -810,12 +904,13 @@ def test_a_batch_file_bomb_is_refused_by_every_command_before_it_is_inflated(pri
         resign(dump, name, bomb)
         commands += [["inspect", dump], ["verify", dump], ["replay", dump, *REPLAY, "-o", tmp_path / f"r{index}"]]
     results = run_children(commands)
-    for (name, kind, _), three in zip(bombs, (results[i:i + 3] for i in range(0, len(results), 3))):
+    for (name, kind, _), three in zip(bombs, (results[i : i + 3] for i in range(0, len(results), 3))):
         if kind in ("valid header", "no declared size"):
             inspect, verify, replay = three
             assert inspect.code == verify.code == ExitCode.OK, (inspect.stderr[-2000:], verify.stderr[-2000:])
-            assert_refused_within_a_gib(replay, name, f"would decompress to {5 * GiB} bytes, more than this host can "
-                                                      "hold now")
+            assert_refused_within_a_gib(
+                replay, name, f"would decompress to {5 * GiB} bytes, more than this host can hold now"
+            )
             continue
         for result in three:
             assert_refused_within_a_gib(result, name)
@@ -874,10 +969,10 @@ def _overlapping(dump: Path) -> tuple[str, str]:
     """model.safetensors re-signed with its second tensor's byte range moved 4 bytes into the first's."""
     blob = (dump / "model.safetensors").read_bytes()
     length = int.from_bytes(blob[:8], "little")
-    header = json.loads(blob[8:8 + length])
+    header = json.loads(blob[8 : 8 + length])
     first, second = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])[:2]
     header[second]["data_offsets"] = [o - 4 for o in header[second]["data_offsets"]]
-    resign(dump, "model.safetensors", _safetensors_head(header) + blob[8 + length:])
+    resign(dump, "model.safetensors", _safetensors_head(header) + blob[8 + length :])
     return first, second
 
 
@@ -913,8 +1008,11 @@ def test_a_sharded_layout_in_a_version_1_manifest_names_the_version(dump):
     edit_manifest(dump, lambda m: m.update(format_version=1, layout={"kind": "sharded", "tensors": {}, "shards": {}}))
     result = run(["inspect", dump])
     assert_exit(result, ExitCode.BAD_INPUT)
-    assert "'layout' (a sharded state) needs format_version 2 or later, but the manifest says format_version 1" \
-        in result.stderr and "got 'sharded'" not in result.stderr
+    assert (
+        "'layout' (a sharded state) needs format_version 2 or later, but the manifest says format_version 1"
+        in result.stderr
+        and "got 'sharded'" not in result.stderr
+    )
 
 
 def test_a_skeleton_nested_10000_deep_is_called_too_deep_not_invalid(dump, tmp_path):

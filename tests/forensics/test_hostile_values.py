@@ -26,8 +26,12 @@ def run(args: list):
 
 
 def assert_exit(result, code: int) -> None:
-    assert result.exit_code == code, (result.exit_code, result.stdout[-2000:], result.stderr[-2000:],
-                                      repr(result.exception))
+    assert result.exit_code == code, (
+        result.exit_code,
+        result.stdout[-2000:],
+        result.stderr[-2000:],
+        repr(result.exception),
+    )
     if code == ExitCode.BAD_INPUT:  # one line saying why, after the progress lines
         lines = result.stderr.strip().splitlines()
         assert lines[-1].startswith("Error:") and sum(line.startswith("Error:") for line in lines) == 1, result.stderr
@@ -49,11 +53,24 @@ def dump(pristine, tmp_path) -> Path:
 
 def flat_table(steps: int = 12, **overrides) -> dict:
     """precursors.json of a job whose statistics stayed flat (nothing grew), as the monitor writes it."""
-    table = {"columns": [{"layer": "transformer.h.0", "statistic": "block_absmax"},
-                         {"layer": "transformer.h.1", "statistic": "block_absmax"}],
-             "steps": list(range(steps)), "values": [[1.0 + 0.01 * (s % 3), 2.0] for s in range(steps)],
-             "firings": [], "config": {"every": 1, "window": 4, "warmup": 4, "sustained": 2, "z_threshold": 6.0,
-                                       "min_growth": 2.0, "head_dim": None}}
+    table = {
+        "columns": [
+            {"layer": "transformer.h.0", "statistic": "block_absmax"},
+            {"layer": "transformer.h.1", "statistic": "block_absmax"},
+        ],
+        "steps": list(range(steps)),
+        "values": [[1.0 + 0.01 * (s % 3), 2.0] for s in range(steps)],
+        "firings": [],
+        "config": {
+            "every": 1,
+            "window": 4,
+            "warmup": 4,
+            "sustained": 2,
+            "z_threshold": 6.0,
+            "min_growth": 2.0,
+            "head_dim": None,
+        },
+    }
     table.update(overrides)
     return table
 
@@ -106,11 +123,14 @@ def test_a_micro_batch_with_a_large_all_zero_tensor_is_written_and_read_back(tmp
 
 
 # -- item 4: every size a dump asks the replay to build is held to what the dump holds -------------------------------
-@pytest.mark.parametrize("key, value, built", [
-    ("n_layer", 1_000_000, "parameters"),  # 3.5 GB and minutes before the fix (a million GPT-2 blocks)
-    ("n_embd", 100_000, "elements of tensors"),  # one block's attention weights alone: 3e10 elements
-    ("n_positions", 100_000_000, "elements of tensors"),  # the position embedding
-])
+@pytest.mark.parametrize(
+    "key, value, built",
+    [
+        ("n_layer", 1_000_000, "parameters"),  # 3.5 GB and minutes before the fix (a million GPT-2 blocks)
+        ("n_embd", 100_000, "elements of tensors"),  # one block's attention weights alone: 3e10 elements
+        ("n_positions", 100_000_000, "elements of tensors"),  # the position embedding
+    ],
+)
 def test_a_recipe_size_edited_far_beyond_the_dumps_weights_stops_the_build_early(dump, tmp_path, key, value, built):
     """A built-in recipe (no --trust): the build stops as soon as it creates more than the dump's weights hold, with
     one line naming both sizes. It stops early: that is what keeps it cheap (no timing asserted)."""
@@ -131,7 +151,8 @@ def test_the_unedited_recipe_builds_within_the_dumps_weights(dump, tmp_path):
     held = weights_held(opened)
     model = build_model(resolve_recipe(opened.recipe), held=held)
     assert held.tensors == len(model.state_dict()) and held.elements == sum(
-        t.numel() for t in model.state_dict().values())
+        t.numel() for t in model.state_dict().values()
+    )
 
 
 # -- item 6: hostile values are refused at the loader, once -----------------------------------------------------------
@@ -139,9 +160,19 @@ HUGE = int("1" + "0" * 399)  # 400 digits: valid JSON, within the parser's digit
 
 
 def as_precursor_dump(dump: Path) -> None:
-    edit_manifest(dump, lambda m: m.__setitem__("trigger", {
-        "kind": "precursor", "value": 4.0, "threshold": 2.0, "micro_batch": None,
-        "detail": "block_absmax of transformer.h.1 has stayed above its baseline"}))
+    edit_manifest(
+        dump,
+        lambda m: m.__setitem__(
+            "trigger",
+            {
+                "kind": "precursor",
+                "value": 4.0,
+                "threshold": 2.0,
+                "micro_batch": None,
+                "detail": "block_absmax of transformer.h.1 has stayed above its baseline",
+            },
+        ),
+    )
 
 
 def growing_table() -> dict:
@@ -149,8 +180,19 @@ def growing_table() -> dict:
     table = flat_table(steps=24)
     for s, row in enumerate(table["values"]):
         row[1] = 2.0 if s < 8 else 2.0 * 1.5 ** (s - 7)
-    table["firings"] = [{"layer": "transformer.h.1", "statistic": "block_absmax", "step": 5, "started": 2,
-                         "value": 9.0, "baseline": 2.0, "z": 8.0, "rule": "growth", "dumped": True}]
+    table["firings"] = [
+        {
+            "layer": "transformer.h.1",
+            "statistic": "block_absmax",
+            "step": 5,
+            "started": 2,
+            "value": 9.0,
+            "baseline": 2.0,
+            "z": 8.0,
+            "rule": "growth",
+            "dumped": True,
+        }
+    ]
     return table
 
 
@@ -169,13 +211,16 @@ def _without_statistic(table: dict) -> dict:
     return table
 
 
-@pytest.mark.parametrize("edit, words", [
-    (lambda t: t["values"][20].__setitem__(1, HUGE), "values[20][1] is out of range (400 digits)"),
-    (lambda t: t["columns"][1].__setitem__("limit", HUGE), "columns[1].limit is out of range"),
-    (lambda t: t["config"].__setitem__("min_growth", HUGE), "config.min_growth must be an integer within int64"),
-    (lambda t: t["steps"].__setitem__(0, HUGE), "steps[0] must be an integer within int64"),
-    (_without_statistic, "firing 0 lacks 'statistic'"),
-])
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (lambda t: t["values"][20].__setitem__(1, HUGE), "values[20][1] is out of range (400 digits)"),
+        (lambda t: t["columns"][1].__setitem__("limit", HUGE), "columns[1].limit is out of range"),
+        (lambda t: t["config"].__setitem__("min_growth", HUGE), "config.min_growth must be an integer within int64"),
+        (lambda t: t["steps"].__setitem__(0, HUGE), "steps[0] must be an integer within int64"),
+        (_without_statistic, "firing 0 lacks 'statistic'"),
+    ],
+)
 def test_a_hostile_value_in_precursors_json_exits_2_naming_it(dump, tmp_path, edit, words):
     as_precursor_dump(dump)
     table = growing_table()
@@ -196,12 +241,15 @@ def test_a_400_digit_number_in_history_json_exits_2_naming_it(dump, tmp_path):
         assert "history.json" in result.stderr and "is out of range (400 digits)" in result.stderr
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--memory-budget", f"{HUGE}GiB"], "is larger than any machine's memory"),
-    (["--max-unpacked-gb", "inf"], "--max-unpacked-gb"),
-    (["--max-unpacked-gb", "nan"], "nan is not a number"),
-    (["--max-unpack-ratio", "nan"], "nan is not a number"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--memory-budget", f"{HUGE}GiB"], "is larger than any machine's memory"),
+        (["--max-unpacked-gb", "inf"], "--max-unpacked-gb"),
+        (["--max-unpacked-gb", "nan"], "nan is not a number"),
+        (["--max-unpack-ratio", "nan"], "nan is not a number"),
+    ],
+)
 def test_a_size_option_beyond_any_machine_or_not_a_number_exits_2(dump, tmp_path, args, words):
     result = run(["replay", dump, "-o", tmp_path / "out", *REPLAY, *args])
     assert_exit(result, ExitCode.BAD_INPUT)

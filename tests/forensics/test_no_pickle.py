@@ -44,12 +44,20 @@ def test_reading_a_real_guard_dump_never_unpickles(helpers, gpt2, tmp_path, monk
     model = gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
-    guard = Guard(model, optimizer, scheduler, config=GuardConfig(dump_dir=str(tmp_path), run_id="np",
-                                                                  detection=DetectionConfig(on_nonfinite="skip")))
+    guard = Guard(
+        model,
+        optimizer,
+        scheduler,
+        config=GuardConfig(dump_dir=str(tmp_path), run_id="np", detection=DetectionConfig(on_nonfinite="skip")),
+    )
     data = helpers.EmbedsDataset(4, poison=[3])
     loop = helpers.TrainLoop(model, optimizer, guard, scheduler, snapshot=False)
-    loop.run([[helpers.collate(data, [0]), helpers.collate(data, [1])],
-              [helpers.collate(data, [2]), helpers.collate(data, [3])]])
+    loop.run(
+        [
+            [helpers.collate(data, [0]), helpers.collate(data, [1])],
+            [helpers.collate(data, [2]), helpers.collate(data, [3])],
+        ]
+    )
     guard.close()
     [dump_dir] = guard.dumps
     for name in ("load", "loads", "Unpickler"):

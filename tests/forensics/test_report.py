@@ -15,8 +15,16 @@ import torch
 
 from forensics.errors import ForensicsError
 from forensics.report import (
-    VERDICT_KINDS, ReportError, load_report, render_html, render_markdown, render_verdict_text,
-    to_json_safe, validate_report, write_blocklist, write_report_files,
+    VERDICT_KINDS,
+    ReportError,
+    load_report,
+    render_html,
+    render_markdown,
+    render_verdict_text,
+    to_json_safe,
+    validate_report,
+    write_blocklist,
+    write_report_files,
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -46,11 +54,18 @@ def _assert_self_contained(html: str) -> None:
 
 # ---- one test per verdict kind: what the user reads first ----
 
+
 def test_bad_sample_text_names_sample_module_op_and_evidence():
     report = make_report("bad_sample")
-    text = render_verdict_text(report, files={"md": "out/report.md", "html": "out/report.html",
-                                              "json": "out/report.json",
-                                              "blocklist": "out/blocklist.jsonl"})
+    text = render_verdict_text(
+        report,
+        files={
+            "md": "out/report.md",
+            "html": "out/report.html",
+            "json": "out/report.json",
+            "blocklist": "out/blocklist.jsonl",
+        },
+    )
     assert text.startswith("Verdict: bad sample — ")
     assert "'shard-0192/rec-55415'" in text
     assert "transformer.h.1.mlp.c_fc" in text and "aten::addmm" in text and "forward pass" in text
@@ -112,21 +127,32 @@ def test_every_kind_validates_and_renders(kind, tmp_path):
     text = render_verdict_text(loaded)
     assert report["verdict"]["headline"] in text
     md = files["md"].read_text(encoding="utf-8")
-    for heading in ("## Verdict", "## Where it happened", "## Reproduction", "## Culprit",
-                    "## Precision triage", "## Bisection", "## Per-sample", "## Per-layer",
-                    "## Loss history", "## Environment", "## Timings"):
+    for heading in (
+        "## Verdict",
+        "## Where it happened",
+        "## Reproduction",
+        "## Culprit",
+        "## Precision triage",
+        "## Bisection",
+        "## Per-sample",
+        "## Per-layer",
+        "## Loss history",
+        "## Environment",
+        "## Timings",
+    ):
         assert heading in md
     _assert_self_contained(files["html"].read_text(encoding="utf-8"))
 
 
 # ---- Markdown tables ----
 
+
 def test_markdown_tables_hold_top_20_with_culprit_first():
     ids = [f"doc-{i}" for i in range(50)]
     report = make_report("bad_sample", sample_ids=ids, culprits=["doc-37"])
-    report["per_layer"] = [{"module": f"blocks.{i}.mlp", "grad_norm": float(i), "output_absmax": 1.0}
-                           for i in range(30)] + [{"module": "blocks.7.attn", "grad_norm": math.inf,
-                                                   "output_absmax": math.nan}]
+    report["per_layer"] = [
+        {"module": f"blocks.{i}.mlp", "grad_norm": float(i), "output_absmax": 1.0} for i in range(30)
+    ] + [{"module": "blocks.7.attn", "grad_norm": math.inf, "output_absmax": math.nan}]
     report["culprit"]["module"] = "blocks.7.attn"
     md = render_markdown(report)
     samples = _md_table(md, "Per-sample losses")
@@ -171,6 +197,7 @@ def test_markdown_traceback_is_a_code_block():
 
 # ---- HTML ----
 
+
 def test_html_is_one_self_contained_file_with_plots(tmp_path):
     files = write_report_files(make_report("bad_sample"), tmp_path)
     html = files["html"].read_text(encoding="utf-8")
@@ -209,14 +236,24 @@ def test_html_without_matplotlib_says_so(monkeypatch):
 
 # ---- report.json ----
 
+
 def test_json_round_trips_with_nonfinite_as_strings(tmp_path):
     report = make_report("bad_sample")
     files = write_report_files(report, tmp_path)
     raw = files["json"].read_text(encoding="utf-8")
     assert "NaN" not in raw and "Infinity" not in raw
     data = json.loads(raw, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
-    assert list(data)[:9] == ["schema", "created_at", "dump", "trigger", "environment", "reproduced",
-                              "fidelity", "verdict", "culprit"]
+    assert list(data)[:9] == [
+        "schema",
+        "created_at",
+        "dump",
+        "trigger",
+        "environment",
+        "reproduced",
+        "fidelity",
+        "verdict",
+        "culprit",
+    ]
     assert data["trigger"]["value"] == "nan"
     assert data["culprit"]["stats"]["outputs_absmax"] == "inf"
     assert data["history"]["grad_norm"][-1] == "inf"
@@ -233,11 +270,19 @@ def test_to_json_safe_converts_torch_numpy_and_unknown_values():
     loop: list = []
     loop.append(loop)
     value = {
-        "t_nan": torch.tensor(float("nan")), "t_int": torch.tensor(7), "t_bool": torch.tensor(True),
-        "t_bf16": torch.tensor(-float("inf"), dtype=torch.bfloat16), "t_big": torch.zeros(3),
-        "np_inf": np.float32("inf"), "np_int": np.int64(5), "np_arr1": np.array([2.5]),
-        "tuple": (1, 2.0, (math.nan,)), "path": Path("/tmp/x"), 3: "int key",
-        "obj": Opaque(), "loop": loop,
+        "t_nan": torch.tensor(float("nan")),
+        "t_int": torch.tensor(7),
+        "t_bool": torch.tensor(True),
+        "t_bf16": torch.tensor(-float("inf"), dtype=torch.bfloat16),
+        "t_big": torch.zeros(3),
+        "np_inf": np.float32("inf"),
+        "np_int": np.int64(5),
+        "np_arr1": np.array([2.5]),
+        "tuple": (1, 2.0, (math.nan,)),
+        "path": Path("/tmp/x"),
+        3: "int key",
+        "obj": Opaque(),
+        "loop": loop,
     }
     safe = to_json_safe(value)
     json.dumps(safe, allow_nan=False)
@@ -252,8 +297,9 @@ def test_to_json_safe_converts_torch_numpy_and_unknown_values():
 def test_report_from_a_real_gpt2_backward_renders(tmp_path):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+    )
     names = {n for n, _ in model.named_modules()}
     assert set(GPT2_MODULES) <= names  # the factory's module names are the real ones
     ids = torch.randint(0, 64, (2, 8))
@@ -276,6 +322,7 @@ def test_report_from_a_real_gpt2_backward_renders(tmp_path):
 
 # ---- validation and loading ----
 
+
 def test_a_schema_1_report_cannot_carry_a_verdict_kind_added_in_schema_2():
     report = to_json_safe(make_report("exception"))
     report["schema"] = "forensics-report/1"
@@ -293,17 +340,20 @@ def test_validate_rejects_newer_schema_naming_both_versions():
     assert issubclass(ReportError, ForensicsError)
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda r: r.update(schema="forensics-dump"), "not a forensics report"),
-    (lambda r: r.pop("schema"), "no 'schema' key"),
-    (lambda r: r.pop("verdict"), "missing 'verdict'"),
-    (lambda r: r["dump"].pop("step"), "missing 'dump.step'"),
-    (lambda r: r["dump"].update(rank=True), "'dump.rank' must be int"),
-    (lambda r: r["verdict"].update(kind="gremlins"), "unknown verdict.kind 'gremlins'"),
-    (lambda r: r["culprit"].update(samples=[{"index": 1}]), r"culprit.samples\[0\]"),
-    (lambda r: r.update(per_sample={"a": 1}), "'per_sample' must be list or null"),
-    (lambda r: r.update(reproduced="yes"), "'reproduced' must be bool"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda r: r.update(schema="forensics-dump"), "not a forensics report"),
+        (lambda r: r.pop("schema"), "no 'schema' key"),
+        (lambda r: r.pop("verdict"), "missing 'verdict'"),
+        (lambda r: r["dump"].pop("step"), "missing 'dump.step'"),
+        (lambda r: r["dump"].update(rank=True), "'dump.rank' must be int"),
+        (lambda r: r["verdict"].update(kind="gremlins"), "unknown verdict.kind 'gremlins'"),
+        (lambda r: r["culprit"].update(samples=[{"index": 1}]), r"culprit.samples\[0\]"),
+        (lambda r: r.update(per_sample={"a": 1}), "'per_sample' must be list or null"),
+        (lambda r: r.update(reproduced="yes"), "'reproduced' must be bool"),
+    ],
+)
 def test_validate_names_the_bad_field_and_nothing_is_written(mutate, message, tmp_path):
     report = make_report("bad_sample")
     mutate(report)
@@ -316,8 +366,7 @@ def test_validate_names_the_bad_field_and_nothing_is_written(mutate, message, tm
 
 def test_validate_accepts_missing_optional_sections_and_unknown_keys(tmp_path):
     report = to_json_safe(make_report("model_state"))
-    for key in ("precision", "bisection", "per_sample", "per_layer", "history", "history_pattern",
-                "timings"):
+    for key in ("precision", "bisection", "per_sample", "per_layer", "history", "history_pattern", "timings"):
         report.pop(key)
     report["added_by_a_newer_writer"] = {"x": 1}
     assert validate_report(report) is report
@@ -348,6 +397,7 @@ def test_writes_leave_no_temporary_files_and_overwrite(tmp_path):
 
 # ---- blocklist ----
 
+
 def test_blocklist_lines_are_json_values_equal_to_culprit_ids(tmp_path):
     culprits = ["shard-1/rec-2", 17, ["shard", 3], "line\nbreak \u2028 sep", XSS, "shard-1/rec-2"]
     ids = culprits[:5] + ["fine"]
@@ -368,6 +418,7 @@ def test_blocklist_without_culprits_is_empty(tmp_path):
 
 # ---- terminal safety ----
 
+
 def test_text_escapes_control_characters_and_cuts_long_ids():
     evil = "rec-1\x1b[2J\x1b[31mred\r\n\u202eevil"
     long_id = "x" * 5000
@@ -380,6 +431,7 @@ def test_text_escapes_control_characters_and_cuts_long_ids():
 
 
 # ---- micro-batches: 0-based in JSON, counted from 1 in everything a person reads ----
+
 
 def test_prose_counts_micro_batches_from_one_and_json_keeps_the_index():
     report = make_report("bad_sample")  # trigger.micro_batch == 1 of 2, detail "loss of micro-batch 1 is nan"
@@ -397,8 +449,12 @@ def test_trigger_detail_already_one_based_is_left_alone():
     from forensics.report.render_text import mb_phrase
     from forensics.trigger import trigger_detail
 
-    assert trigger_detail({"micro_batch": 0, "detail": "loss of micro-batch 0 is nan"}) == "loss of micro-batch 1 is nan"
-    assert trigger_detail({"micro_batch": 0, "detail": "loss of micro-batch 1 is nan"}) == "loss of micro-batch 1 is nan"
+    assert (
+        trigger_detail({"micro_batch": 0, "detail": "loss of micro-batch 0 is nan"}) == "loss of micro-batch 1 is nan"
+    )
+    assert (
+        trigger_detail({"micro_batch": 0, "detail": "loss of micro-batch 1 is nan"}) == "loss of micro-batch 1 is nan"
+    )
     assert mb_phrase(1, 2) == "micro-batch 2 of 2" and mb_phrase(0) == "micro-batch 1"
 
 
@@ -406,14 +462,32 @@ def test_inspect_summary_counts_micro_batches_from_one():
     from forensics.summary import render_summary
 
     summary = {
-        "path": "d", "run_id": "r", "step": 7, "rank": 0, "world_size": 1, "missing_ranks": [],
-        "trigger": {"kind": "nonfinite_loss", "value": math.inf, "threshold": None, "micro_batch": 1,
-                    "detail": "loss of micro-batch 1 is inf"},
-        "micro_batches": [{"index": 0, "sample_ids": ["a"], "loss": 1.5, "unreplayable": []},
-                          {"index": 1, "sample_ids": ["b"], "loss": math.inf, "unreplayable": []}],
-        "precision": {}, "recipe": {}, "recheck": None, "total_bytes": 10, "files": {}, "environment": {},
+        "path": "d",
+        "run_id": "r",
+        "step": 7,
+        "rank": 0,
+        "world_size": 1,
+        "missing_ranks": [],
+        "trigger": {
+            "kind": "nonfinite_loss",
+            "value": math.inf,
+            "threshold": None,
+            "micro_batch": 1,
+            "detail": "loss of micro-batch 1 is inf",
+        },
+        "micro_batches": [
+            {"index": 0, "sample_ids": ["a"], "loss": 1.5, "unreplayable": []},
+            {"index": 1, "sample_ids": ["b"], "loss": math.inf, "unreplayable": []},
+        ],
+        "precision": {},
+        "recipe": {},
+        "recheck": None,
+        "total_bytes": 10,
+        "files": {},
+        "environment": {},
         "history_tail": {"step": [], "loss": [], "grad_norm": [], "lr": []},
-        "format_version": 1, "created_at": "now",
+        "format_version": 1,
+        "created_at": "now",
     }
     text = render_summary(summary)
     assert "micro-batch 2 of 2" in text and "loss of micro-batch 2 is inf" in text
@@ -427,8 +501,10 @@ def test_rng_block_is_optional_and_rendered():
     report["rng"] = {"checked": True, "seeds": [1234], "failed": [False], "rng_dependent": True}
     validate_report(report)
     assert "Random state: the failure needs the dump's RNG" in render_verdict_text(report)
-    assert list(json.loads(report_json_text(report))).index("rng") == \
-        list(json.loads(report_json_text(report))).index("fidelity") + 1
+    assert (
+        list(json.loads(report_json_text(report))).index("rng")
+        == list(json.loads(report_json_text(report))).index("fidelity") + 1
+    )
 
 
 def test_names_in_backticks_render_as_code_not_as_escaped_backticks():
@@ -451,16 +527,26 @@ def test_no_per_layer_plot_when_every_value_is_non_finite():
     assert plot_per_layer(report) is not None
 
 
-@pytest.mark.parametrize("phase, words", [
-    ("forward", "Non-finite parameter feeding it: transformer.h.0.mlp.c_fc.weight."),
-    ("backward", "First parameter with a non-finite gradient: transformer.h.0.mlp.c_fc.weight."),
-])
+@pytest.mark.parametrize(
+    "phase, words",
+    [
+        ("forward", "Non-finite parameter feeding it: transformer.h.0.mlp.c_fc.weight."),
+        ("backward", "First parameter with a non-finite gradient: transformer.h.0.mlp.c_fc.weight."),
+    ],
+)
 def test_the_parameter_is_described_by_the_phase_that_named_it(phase, words):
     from forensics.report.render_text import location_sentence
 
-    report = {"trigger": {"kind": "nonfinite_loss"}, "culprit": {
-        "module": "transformer.h.0.mlp.c_fc", "op": "aten::addmm", "phase": phase,
-        "parameter": "transformer.h.0.mlp.c_fc.weight", "stats": {}}}
+    report = {
+        "trigger": {"kind": "nonfinite_loss"},
+        "culprit": {
+            "module": "transformer.h.0.mlp.c_fc",
+            "op": "aten::addmm",
+            "phase": phase,
+            "parameter": "transformer.h.0.mlp.c_fc.weight",
+            "stats": {},
+        },
+    }
     text = location_sentence(report)
     assert words in text and text.count("parameter") == 1
 
@@ -468,13 +554,27 @@ def test_the_parameter_is_described_by_the_phase_that_named_it(phase, words):
 def test_a_window_replay_is_a_step_by_step_table_in_markdown_and_html():
     """The window replay's steps are in report.md and report.html, not only in report.json."""
     report = make_report("bad_sample")
-    report["window"] = {"checkpoint": "the dump's host snapshot", "from_step": 4, "dumped_step": 7, "broke_at": 6,
-                        "why": "its update made transformer.wte.weight non-finite", "steps_before_crash": 1,
-                        "steps": [{"step": s, "recorded_loss": 2.0 + s, "replayed_loss": 2.0 + s,
-                                   "recorded_grad_norm": 1.0, "replayed_grad_norm": 1.0, "weights_finite": s < 6,
-                                   "relative_change": 0.01,
-                                   "broke": "its update made transformer.wte.weight non-finite" if s == 6 else None}
-                                  for s in (4, 5, 6)]}
+    report["window"] = {
+        "checkpoint": "the dump's host snapshot",
+        "from_step": 4,
+        "dumped_step": 7,
+        "broke_at": 6,
+        "why": "its update made transformer.wte.weight non-finite",
+        "steps_before_crash": 1,
+        "steps": [
+            {
+                "step": s,
+                "recorded_loss": 2.0 + s,
+                "replayed_loss": 2.0 + s,
+                "recorded_grad_norm": 1.0,
+                "replayed_grad_norm": 1.0,
+                "weights_finite": s < 6,
+                "relative_change": 0.01,
+                "broke": "its update made transformer.wte.weight non-finite" if s == 6 else None,
+            }
+            for s in (4, 5, 6)
+        ],
+    }
     rows = _md_table(render_markdown(report), "Window replay")
     assert [r[0] for r in rows] == ["4", "5", "6"] and rows[2][5] == "no" and "non-finite" in rows[2][7]
     assert "Window replay" in render_html(report) and "step 6 broke the run" in render_markdown(report)
@@ -484,8 +584,11 @@ def test_a_window_replay_is_a_step_by_step_table_in_markdown_and_html():
 def test_no_failing_value_no_outlier_words(trigger):
     """'the failing step is an outlier' only where a value failed: a step that raised, or a precursor of a healthy
     step, has none (issue 31)."""
-    report = make_report("exception" if trigger == "exception" else "instability_ahead", history_pattern="stable",
-                         trigger={"kind": trigger, "value": None, "micro_batch": None, "detail": "raised"})
+    report = make_report(
+        "exception" if trigger == "exception" else "instability_ahead",
+        history_pattern="stable",
+        trigger={"kind": trigger, "value": None, "micro_batch": None, "detail": "raised"},
+    )
     text = render_verdict_text(report)
     assert "stable until the failure" in text and "outlier" not in text
     assert "outlier" in render_verdict_text(make_report("bad_sample", history_pattern="stable"))
@@ -498,7 +601,13 @@ def test_a_bisection_where_every_subset_fails_is_not_called_one_that_found_none(
 
     report = to_json_safe(make_report("model_state"))
     report["culprit"]["samples"] = []
-    report["bisection"] = {"runs": 5, "candidates": 16, "culprit_size": 0, "budget": 12, "test": "isolation",
-                           "all_subsets_fail": True}
+    report["bisection"] = {
+        "runs": 5,
+        "candidates": 16,
+        "culprit_size": 0,
+        "budget": 12,
+        "test": "isolation",
+        "all_subsets_fail": True,
+    }
     sentence = culprit_sentence(report)
     assert "fails on its own, down to single samples" in sentence and "found no subset" not in sentence

@@ -76,11 +76,25 @@ def test_parsing_never_raises_on_junk():
 
 def test_the_trigger_block_has_one_builder_and_the_trigger_reads_junk_as_missing():
     trigger = Trigger(TriggerKind.LOSS_SPIKE, 87234.5, 20.0, 0, "loss of micro-batch 0 is 8.7e4", local=False)
-    assert TriggerBlock.of(trigger).as_dict() == {"kind": "loss_spike", "value": 87234.5, "threshold": 20.0,
-                                                  "micro_batch": 0, "detail": "loss of micro-batch 0 is 8.7e4"}
+    assert TriggerBlock.of(trigger).as_dict() == {
+        "kind": "loss_spike",
+        "value": 87234.5,
+        "threshold": 20.0,
+        "micro_batch": 0,
+        "detail": "loss of micro-batch 0 is 8.7e4",
+    }
     assert trigger.message == "loss of micro-batch 1 is 8.7e4"
-    odd = Trigger.from_dict({"kind": "nonfinite_grad", "value": "1e999x", "threshold": [1], "micro_batch": True,
-                             "detail": None, "local": "no", "update_change": 10 ** 400})
+    odd = Trigger.from_dict(
+        {
+            "kind": "nonfinite_grad",
+            "value": "1e999x",
+            "threshold": [1],
+            "micro_batch": True,
+            "detail": None,
+            "local": "no",
+            "update_change": 10**400,
+        }
+    )
     assert odd == Trigger(TriggerKind.NONFINITE_GRAD, None, None, None, "", True, None)
     assert Trigger.from_dict(["not", "a", "mapping"]).kind is TriggerKind.NONFINITE_LOSS
     with pytest.raises(ValueError, match="unknown TriggerKind"):
@@ -96,4 +110,3 @@ def test_dump_trigger_is_typed_and_dict_reads_still_work_deprecated(helpers, tmp
         assert dump.trigger["kind"] == dump.trigger.kind
     with pytest.warns(DeprecationWarning, match=r"Dump\.trigger is a forensics\.trigger\.Trigger: read its attributes"):
         assert dump.trigger.get("local") is dump.trigger.local
-

@@ -87,8 +87,13 @@ def test_restore_with_device_mapping_restores_the_cpu_generators_without_cuda():
 
 
 def _equal_states(a: RngState, b: RngState) -> bool:
-    return (a.python == b.python and torch.equal(a.torch_cpu, b.torch_cpu) and a.numpy[0] == b.numpy[0]
-            and np.array_equal(a.numpy[1], b.numpy[1]) and a.numpy[2:] == b.numpy[2:])
+    return (
+        a.python == b.python
+        and torch.equal(a.torch_cpu, b.torch_cpu)
+        and a.numpy[0] == b.numpy[0]
+        and np.array_equal(a.numpy[1], b.numpy[1])
+        and a.numpy[2:] == b.numpy[2:]
+    )
 
 
 def test_the_hot_path_capture_shares_unchanged_states_and_equals_a_full_capture_after_any_draw():
@@ -100,8 +105,14 @@ def test_the_hot_path_capture_shares_unchanged_states_and_equals_a_full_capture_
     np.random.seed(1)
     first, second = capture(), capture()
     assert second.python is first.python and second.numpy is first.numpy  # nothing drew: shared, not copied
-    draws = [lambda: random.random(), lambda: random.gauss(0, 1), lambda: np.random.rand(),
-             lambda: np.random.standard_normal(), lambda: torch.rand(1), lambda: None]
+    draws = [
+        lambda: random.random(),
+        lambda: random.gauss(0, 1),
+        lambda: np.random.rand(),
+        lambda: np.random.standard_normal(),
+        lambda: torch.rand(1),
+        lambda: None,
+    ]
     for draw in draws * 3:  # a cached Gaussian made, then consumed (no raw change), for each generator
         draw()
         assert _equal_states(capture(), capture_rng()), draw

@@ -32,8 +32,9 @@ def _write_ranks(root, world: int, replicas: int = 1) -> tuple[list, dict]:
     paths, originals = [], None
     for rank in range(world):
         content, originals = synthetic_content(rank=rank, world_size=world)
-        state, table = shard_state({"model": content.model, "optimizer": content.optimizer}, rank, world, replicas,
-                                   _identity)
+        state, table = shard_state(
+            {"model": content.model, "optimizer": content.optimizer}, rank, world, replicas, _identity
+        )
         content.model, content.optimizer, content.layout = state["model"], state["optimizer"], table
         paths.append(write_dump(content, root))
     return paths, originals
@@ -57,14 +58,17 @@ def _shard_bytes(paths) -> int:
         manifest = json.loads((path / "manifest.json").read_text())
         for file, shards in manifest["layout"]["shards"].items():
             rows = manifest["layout"]["tensors"][file]
-            total += sum(math.prod(s["shape"]) * torch.tensor([], dtype=getattr(torch, rows[n]["dtype"])).element_size()
-                         for n, s in shards.items())
+            total += sum(
+                math.prod(s["shape"]) * torch.tensor([], dtype=getattr(torch, rows[n]["dtype"])).element_size()
+                for n, s in shards.items()
+            )
     return total
 
 
 def _one_copy_bytes(originals) -> int:
-    tensors = list(originals["model"].values()) + [v for e in originals["optimizer"]["state"].values()
-                                                   for v in e.values() if isinstance(v, torch.Tensor)]
+    tensors = list(originals["model"].values()) + [
+        v for e in originals["optimizer"]["state"].values() for v in e.values() if isinstance(v, torch.Tensor)
+    ]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -105,7 +109,9 @@ def test_with_two_replicas_a_lost_rank_loses_nothing(tmp_path):
     shutil.rmtree(paths[1])
     _assert_state_equals(open_dump(paths[0]), originals)
     result = verify_dump(paths[0].parent)
-    assert [str(p) for p in result.problems] == ["rank-00001: rank dump is missing (that rank did not finish writing)" + COMPLETE]
+    assert [str(p) for p in result.problems] == [
+        "rank-00001: rank dump is missing (that rank did not finish writing)" + COMPLETE
+    ]
 
 
 def test_ranks_on_two_nodes_are_joined_with_shard_dirs(tmp_path):
@@ -128,21 +134,25 @@ def _box_dumps(root, shards_per_rank, copies: bool = False):
 
     def shard(offsets, shape, flat):
         if flat:
-            data = full.reshape(-1)[offsets[0]:offsets[0] + shape[0]].clone()
+            data = full.reshape(-1)[offsets[0] : offsets[0] + shape[0]].clone()
         else:  # a box past the tensor's edge (a lying writer) is padded with zeros to its claimed shape
             data = torch.zeros(shape)
-            part = full[offsets[0]:offsets[0] + shape[0], offsets[1]:offsets[1] + shape[1]]
-            data[:part.shape[0], :part.shape[1]] = part
+            part = full[offsets[0] : offsets[0] + shape[0], offsets[1] : offsets[1] + shape[1]]
+            data[: part.shape[0], : part.shape[1]] = part
         return LocalShard(data, (4, 6), offsets, flat)
 
     paths = []
     for rank, (box,) in enumerate(shards_per_rank):  # one box of "grid" per rank
         content, _ = synthetic_content(rank=rank, world_size=2)
         content.model, content.optimizer = {"grid": shard(*box)}, None
-        content.layout = {"model.safetensors": {"grid": table_entry((4, 6), torch.float32)},
-                          "optimizer.safetensors": {}}
+        content.layout = {
+            "model.safetensors": {"grid": table_entry((4, 6), torch.float32)},
+            "optimizer.safetensors": {},
+        }
         if copies:
-            content.copies = [ShardCopies(1 - rank, {"model.safetensors": {"grid": shard(*shards_per_rank[1 - rank][0])}})]
+            content.copies = [
+                ShardCopies(1 - rank, {"model.safetensors": {"grid": shard(*shards_per_rank[1 - rank][0])}})
+            ]
         paths.append(write_dump(content, root))
     return paths, full
 
@@ -153,8 +163,13 @@ ROWS = [[((0, 0), (3, 6), False)], [((3, 0), (1, 6), False)]]
 def test_a_buddy_copy_serves_where_its_owner_is_missing_and_only_there(tmp_path):
     paths, full = _box_dumps(tmp_path, ROWS, copies=True)
     manifest = json.loads((paths[1] / "manifest.json").read_text())
-    assert manifest["layout"]["copies"] == {"copy-00000-model.safetensors": {
-        "of": "model.safetensors", "rank": 0, "shards": {"grid": {"offsets": [0, 0], "shape": [3, 6], "flat": False}}}}
+    assert manifest["layout"]["copies"] == {
+        "copy-00000-model.safetensors": {
+            "of": "model.safetensors",
+            "rank": 0,
+            "shards": {"grid": {"offsets": [0, 0], "shape": [3, 6], "flat": False}},
+        }
+    }
     assert verify_dump(paths[0].parent).ok  # copies are listed, hashed files like any other
     shown = CliRunner().invoke(main, ["inspect", str(paths[1])])
     assert "buddy copies: the parts of rank(s) 0 too" in shown.output, shown.output
@@ -166,18 +181,22 @@ def test_a_buddy_copy_serves_where_its_owner_is_missing_and_only_there(tmp_path)
     shutil.rmtree(paths[1])
     assert bitwise_equal(open_dump(paths[0]).model_state()["grid"], full)
     assert [str(p) for p in verify_dump(paths[0].parent).problems] == [
-        "rank-00001: rank dump is missing (that rank did not finish writing)" + COMPLETE]
+        "rank-00001: rank dump is missing (that rank did not finish writing)" + COMPLETE
+    ]
     verified = CliRunner().invoke(main, ["verify", str(paths[0].parent)])
     assert verified.exit_code == 2 and "but its state is whole: replay rank(s) [0]" in verified.output
 
 
-@pytest.mark.parametrize("edit, words", [
-    (lambda c: c.update(of="rng.safetensors"), "layout.copies"),
-    (lambda c: c.update(rank=-1), "rank"),
-    (lambda c: c["shards"]["grid"].update(shape=[4000, 6]), "do not fit"),
-    (lambda c: c["shards"].update(ghost={"offsets": [0], "shape": [1], "flat": True}), "not in layout.tensors"),
-    (lambda c: c["shards"]["grid"].update(offsets=[1, 0]), "overlapping"),
-])
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (lambda c: c.update(of="rng.safetensors"), "layout.copies"),
+        (lambda c: c.update(rank=-1), "rank"),
+        (lambda c: c["shards"]["grid"].update(shape=[4000, 6]), "do not fit"),
+        (lambda c: c["shards"].update(ghost={"offsets": [0], "shape": [1], "flat": True}), "not in layout.tensors"),
+        (lambda c: c["shards"]["grid"].update(offsets=[1, 0]), "overlapping"),
+    ],
+)
 def test_a_lying_copy_is_refused_before_anything_is_allocated(tmp_path, edit, words):
     paths, _ = _box_dumps(tmp_path, ROWS, copies=True)
     shutil.rmtree(paths[0])
@@ -189,37 +208,47 @@ def test_a_lying_copy_is_refused_before_anything_is_allocated(tmp_path, edit, wo
 @pytest.mark.parametrize("stored", ["../rank-00000/model.safetensors", "model.safetensors"])
 def test_a_copy_outside_the_dump_or_in_its_own_state_file_is_refused(tmp_path, stored):
     paths, _ = _box_dumps(tmp_path, ROWS, copies=True)
-    _edit_manifest(paths[1], lambda m: m["layout"].update(
-        copies={stored: m["layout"]["copies"]["copy-00000-model.safetensors"]}))
+    _edit_manifest(
+        paths[1], lambda m: m["layout"].update(copies={stored: m["layout"]["copies"]["copy-00000-model.safetensors"]})
+    )
     with pytest.raises(DumpCorruptError, match="not a plain file name"):
         open_dump(paths[1]).model_state()
 
 
-@pytest.mark.parametrize("world, per_node, count, expected", [
-    (8, 4, 1, [4]),        # two nodes: the buddy is on the other node
-    (16, 4, 2, [4, 8]),    # copies on two other nodes
-    (4, 4, 1, [1]),        # one node: the next rank
-    (4, 2, 3, [2, 1, 3]),  # more copies than nodes: other nodes first, then neighbours; never itself
-    (3, 3, 5, [1, 2]),     # never more buddies than other ranks
-])
+@pytest.mark.parametrize(
+    "world, per_node, count, expected",
+    [
+        (8, 4, 1, [4]),  # two nodes: the buddy is on the other node
+        (16, 4, 2, [4, 8]),  # copies on two other nodes
+        (4, 4, 1, [1]),  # one node: the next rank
+        (4, 2, 3, [2, 1, 3]),  # more copies than nodes: other nodes first, then neighbours; never itself
+        (3, 3, 5, [1, 2]),  # never more buddies than other ranks
+    ],
+)
 def test_buddies_sit_on_other_nodes_first(world, per_node, count, expected):
     assert buddy_offsets(world, per_node, count) == expected
 
 
-@pytest.mark.parametrize("boxes", [
-    [[((0, 0), (4, 4), False)], [((0, 4), (4, 2), False)]],  # column shards (tensor parallel, Shard(1))
-    [[((0, 0), (3, 6), False)], [((3, 0), (1, 6), False)]],  # uneven row shards (FSDP2's Shard(0))
-    [[((0,), (10,), True)], [((10,), (14,), True)]],          # flat partitions (ZeRO)
-])
+@pytest.mark.parametrize(
+    "boxes",
+    [
+        [[((0, 0), (4, 4), False)], [((0, 4), (4, 2), False)]],  # column shards (tensor parallel, Shard(1))
+        [[((0, 0), (3, 6), False)], [((3, 0), (1, 6), False)]],  # uneven row shards (FSDP2's Shard(0))
+        [[((0,), (10,), True)], [((10,), (14,), True)]],  # flat partitions (ZeRO)
+    ],
+)
 def test_boxes_of_a_tensor_are_assembled_in_place(tmp_path, boxes):
     paths, full = _box_dumps(tmp_path, boxes)
     assert bitwise_equal(open_dump(paths[0]).model_state()["grid"], full)
 
 
-@pytest.mark.parametrize("boxes, words", [
-    ([[((0, 0), (3, 6), False)], [((2, 0), (2, 6), False)]], "overlapping"),
-    ([[((0, 0), (4, 4), False)], [((0, 4), (4, 4), False)]], "outside"),
-])
+@pytest.mark.parametrize(
+    "boxes, words",
+    [
+        ([[((0, 0), (3, 6), False)], [((2, 0), (2, 6), False)]], "overlapping"),
+        ([[((0, 0), (4, 4), False)], [((0, 4), (4, 4), False)]], "outside"),
+    ],
+)
 def test_shards_that_overlap_or_overflow_are_refused(tmp_path, boxes, words):
     paths, _ = _box_dumps(tmp_path, boxes)
     with pytest.raises(DumpCorruptError, match=words):
@@ -233,15 +262,22 @@ def _edit_manifest(path, edit) -> None:
     (path / "manifest.json").write_text(json.dumps(manifest))
 
 
-@pytest.mark.parametrize("edit, words", [
-    (lambda m: m.update(format_version=1), "needs format_version 2 or later"),
-    (lambda m: m["layout"]["tensors"]["model.safetensors"].update(grid={"shape": [1 << 40, 1 << 40],
-                                                                       "dtype": "float32"}), "different state"),
-    (lambda m: m["layout"]["shards"]["model.safetensors"]["grid"].update(shape=[4000, 6]), "do not fit"),
-    (lambda m: m["layout"].update(kind="striped"), "layout.kind"),
-    (lambda m: m["layout"]["tensors"].update({"../../etc/passwd": {}}), "only"),
-    (lambda m: m.update(run_id="another-run"), "not a shard of the same dump"),
-])
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (lambda m: m.update(format_version=1), "needs format_version 2 or later"),
+        (
+            lambda m: m["layout"]["tensors"]["model.safetensors"].update(
+                grid={"shape": [1 << 40, 1 << 40], "dtype": "float32"}
+            ),
+            "different state",
+        ),
+        (lambda m: m["layout"]["shards"]["model.safetensors"]["grid"].update(shape=[4000, 6]), "do not fit"),
+        (lambda m: m["layout"].update(kind="striped"), "layout.kind"),
+        (lambda m: m["layout"]["tensors"].update({"../../etc/passwd": {}}), "only"),
+        (lambda m: m.update(run_id="another-run"), "not a shard of the same dump"),
+    ],
+)
 def test_a_lying_layout_is_refused_before_anything_is_allocated(tmp_path, edit, words):
     paths, _ = _box_dumps(tmp_path, [[((0, 0), (2, 6), False)], [((2, 0), (2, 6), False)]])
     _edit_manifest(paths[0], edit)
@@ -252,8 +288,12 @@ def test_a_lying_layout_is_refused_before_anything_is_allocated(tmp_path, edit, 
 def test_a_huge_declared_tensor_without_data_is_missing_not_allocated(tmp_path):
     paths, _ = _box_dumps(tmp_path, [[((0, 0), (2, 6), False)], [((2, 0), (2, 6), False)]])
     for path in paths:
-        _edit_manifest(path, lambda m: m["layout"]["tensors"]["model.safetensors"].update(
-            huge={"shape": [1 << 40, 1 << 40], "dtype": "float32"}))
+        _edit_manifest(
+            path,
+            lambda m: m["layout"]["tensors"]["model.safetensors"].update(
+                huge={"shape": [1 << 40, 1 << 40], "dtype": "float32"}
+            ),
+        )
     with pytest.raises(DumpIncompleteError, match="'huge'"):
         open_dump(paths[0]).model_state()
 
@@ -283,8 +323,25 @@ def test_pack_takes_the_whole_step_of_a_sharded_dump_and_inspect_says_it_is_shar
     assert shown.exit_code == 0 and "state: sharded" in shown.output, shown.output
 
 
-FUZZ_VALUES = [5, -1, 0, "x", [1], [0, 0], [1 << 40, 1], {}, None, True, 2 ** 63, 1e308, "../../escaped",
-               "model.safetensors", "copy-00000-model.safetensors", "\x1b]0;pwned\x07", [[[[]]]]]
+FUZZ_VALUES = [
+    5,
+    -1,
+    0,
+    "x",
+    [1],
+    [0, 0],
+    [1 << 40, 1],
+    {},
+    None,
+    True,
+    2**63,
+    1e308,
+    "../../escaped",
+    "model.safetensors",
+    "copy-00000-model.safetensors",
+    "\x1b]0;pwned\x07",
+    [[[[]]]],
+]
 
 
 def test_fuzzed_sharded_layouts_give_dump_errors_never_a_crash_or_a_huge_allocation(tmp_path):
@@ -310,7 +367,7 @@ def test_fuzzed_sharded_layouts_give_dump_errors_never_a_crash_or_a_huge_allocat
             nodes, stack = [], [manifest["layout"]]
             while stack:
                 node = stack.pop()
-                for key, child in (node.items() if isinstance(node, dict) else enumerate(node)):
+                for key, child in node.items() if isinstance(node, dict) else enumerate(node):
                     nodes.append((node, key))
                     if isinstance(child, (dict, list)):
                         stack.append(child)

@@ -103,8 +103,10 @@ def test_op_schema_names_the_aten_op_its_mutability_and_aliasing():
     with Schemas() as mode:
         torch.mm(a, b)
         a.add_(b)
-    mm, add_ = mode.seen["aten::mm"], mode.seen["aten::add_.Tensor" if "aten::add_.Tensor" in mode.seen
-                                                  else "aten::add_"]
+    mm, add_ = (
+        mode.seen["aten::mm"],
+        mode.seen["aten::add_.Tensor" if "aten::add_.Tensor" in mode.seen else "aten::add_"],
+    )
     assert not mm.is_mutable and all(r.alias_info is None for r in mm.returns)
     assert add_.is_mutable and any(r.alias_info is not None for r in add_.returns)
 
@@ -132,6 +134,7 @@ def test_only_a_fused_optimizer_honours_found_inf():
 
         def __getattr__(self, name):
             return getattr(self.inner, name)
+
     wrapped = Wrapper(torch.optim.AdamW(params, fused=True))
     assert wrapped._step_supports_amp_scaling and not thirdparty.optimizer_honours_found_inf(wrapped)
 
@@ -190,8 +193,12 @@ def test_fsdp_mixed_precision_is_the_policy_fully_shard_was_given(one_rank_group
     fully_shard(model[0], mp_policy=policy)
     fully_shard(model)
     inner = thirdparty.fsdp_mixed_precision(model[0])
-    assert (inner.param_dtype, inner.reduce_dtype, inner.output_dtype, inner.cast_forward_inputs) == \
-        (torch.bfloat16, torch.float32, None, True)
+    assert (inner.param_dtype, inner.reduce_dtype, inner.output_dtype, inner.cast_forward_inputs) == (
+        torch.bfloat16,
+        torch.float32,
+        None,
+        True,
+    )
     assert thirdparty.fsdp_mixed_precision(model).param_dtype is None  # the root's own default policy
 
 
@@ -212,8 +219,17 @@ def test_zero_fragment_is_deepspeeds_link_from_a_parameter_to_its_fp32_partition
     first, second = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(6))
     assert not thirdparty.zero_linked(first) and thirdparty.zero_fragment(first) is None
     flat = torch.arange(6, dtype=torch.float32)  # this rank's partition: elements 4..9 of the flat params
-    link_hp_params([first, second], flat, gradient_dict={0: [None, None]}, offload_gradient_dict={},
-                   use_offload=False, param_group_index=0, partition_start=4, partition_size=6, dp_group="group")
+    link_hp_params(
+        [first, second],
+        flat,
+        gradient_dict={0: [None, None]},
+        offload_gradient_dict={},
+        use_offload=False,
+        param_group_index=0,
+        partition_start=4,
+        partition_size=6,
+        dp_group="group",
+    )
     assert thirdparty.zero_linked(first) and thirdparty.zero_fragment(first) is None  # none of it on this rank
     fragment = thirdparty.zero_fragment(second)
     assert (fragment.lp_fragment_address.start, fragment.lp_fragment_address.numel) == (0, 6)
@@ -270,8 +286,9 @@ def test_deepspeeds_zero_internals_are_where_the_adapters_read_them(tmp_path):
         port = str(s.getsockname()[1])
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", ZERO_INTERNALS, port], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", ZERO_INTERNALS, port], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     line = next((text for text in done.stdout.splitlines() if text.startswith("RESULT ")), None)
     assert line is not None, done.stdout[-3000:] + done.stderr[-3000:]
     found = {int(k): v for k, v in json.loads(line.removeprefix("RESULT ")).items()}

@@ -22,8 +22,12 @@ class Strict(dict):
 
 
 def test_named_tuples_and_dict_subclasses_keep_their_type_and_every_tensor_is_mapped():
-    batch = Batch(pair=Pair(torch.ones(2), torch.zeros(2, dtype=torch.long)), ids=["a", "b"],
-                  extra=OrderedDict(w=torch.ones(1)), meta=(1, "x"))
+    batch = Batch(
+        pair=Pair(torch.ones(2), torch.zeros(2, dtype=torch.long)),
+        ids=["a", "b"],
+        extra=OrderedDict(w=torch.ones(1)),
+        meta=(1, "x"),
+    )
     out = map_tensors(batch, lambda t: t.double() if t.is_floating_point() else t)
     assert type(out) is Batch and type(out["pair"]) is Pair and type(out["extra"]) is OrderedDict
     assert out["pair"].inputs.dtype == torch.float64 and out["pair"].targets.dtype == torch.long
@@ -39,6 +43,9 @@ def test_a_container_that_cannot_be_rebuilt_falls_back_to_a_plain_one_with_the_d
 
 def test_whole_treats_a_container_as_one_leaf():
     tree = {"ids": ["a", "b", "c"], "x": [torch.ones(1)]}
-    out = map_tree(tree, lambda v: v[::-1] if isinstance(v, list) else v,
-                   whole=lambda v: isinstance(v, list) and all(isinstance(i, str) for i in v))
+    out = map_tree(
+        tree,
+        lambda v: v[::-1] if isinstance(v, list) else v,
+        whole=lambda v: isinstance(v, list) and all(isinstance(i, str) for i in v),
+    )
     assert out["ids"] == ["c", "b", "a"] and torch.equal(out["x"][0], torch.ones(1))

@@ -29,8 +29,12 @@ def _crash(tmp_path, **config_changes) -> Guard:
         x = torch.randn(4, 3)
         if step == 2:
             x[1, 0] = float("nan")
-        guarded_step(guard, optimizer, {"x": x, "sample_ids": [f"s{step}-{i}" for i in range(4)]},
-                     lambda batch: model(batch["x"]).pow(2).mean())
+        guarded_step(
+            guard,
+            optimizer,
+            {"x": x, "sample_ids": [f"s{step}-{i}" for i in range(4)]},
+            lambda batch: model(batch["x"]).pow(2).mean(),
+        )
     guard.close()
     assert len(guard.dumps) == 1
     return guard
@@ -86,8 +90,20 @@ def test_mlflow_local_store_receives_the_dump_and_the_cli_sends_the_report(tmp_p
 
     dump = SCENARIOS["bad_sample"].capture(tmp_path / "demo", device="cpu").dump_path
     monkeypatch.setenv("MLFLOW_RUN_ID", run.info.run_id)
-    result = CliRunner().invoke(main, ["replay", str(dump), "--device", "cpu", "--upload", "mlflow",
-                                       "-o", str(tmp_path / "report"), "--no-rng-check"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "replay",
+            str(dump),
+            "--device",
+            "cpu",
+            "--upload",
+            "mlflow",
+            "-o",
+            str(tmp_path / "report"),
+            "--no-rng-check",
+        ],
+    )
     assert result.exit_code == 0, (result.stdout, result.stderr, result.exception)
     sent = artifacts / "forensics" / "demo-bad_sample-step6-rank0-report"
     assert {p.name for p in sent.iterdir()} >= {"report.json", "report.md", "report.html", "blocklist.jsonl"}

@@ -43,6 +43,7 @@ def main() -> None:
         def write_slowly(out, tensors, *rest, **kwargs):
             held = signal.getsignal(signal.SIGTERM)  # the Guard's: it holds SIGTERM back while the dump is written
             if callable(held) and not terminated:
+
                 def note(signum, frame):
                     terminated.append(signum)
                     held(signum, frame)

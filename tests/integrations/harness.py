@@ -84,8 +84,15 @@ class Launch:
 def _env(extra: dict | None) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.update({"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false",
-                "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""})
+    env.update(
+        {
+            "OMP_NUM_THREADS": "1",
+            "DS_ACCELERATOR": "cpu",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",
+            "CUDA_VISIBLE_DEVICES": "",
+        }
+    )
     env.update(extra or {})
     return env
 
@@ -101,8 +108,16 @@ def _fork_server():
     return fork_server()
 
 
-def launch_script(path: str, args: list[str], *, nproc: int = WORLD, env: dict | None = None,
-                  timeout: int = LAUNCH_TIMEOUT, runner: list[str] | None = None, torchrun: bool = False) -> Launch:
+def launch_script(
+    path: str,
+    args: list[str],
+    *,
+    nproc: int = WORLD,
+    env: dict | None = None,
+    timeout: int = LAUNCH_TIMEOUT,
+    runner: list[str] | None = None,
+    torchrun: bool = False,
+) -> Launch:
     """Runs the script at `path` on `nproc` ranks: processes forked from tests/fork_server.py with torchrun's
     environment and failure handling (torch imported once per session), or under torchrun itself (`torchrun=True`:
     for what torchrun does, its SIGTERM to the surviving ranks), or under `runner` (e.g. [python]: one process).
@@ -114,8 +129,17 @@ def launch_script(path: str, args: list[str], *, nproc: int = WORLD, env: dict |
     if runner is None and not torchrun:
         server, out_dir = _fork_server(), Path(tempfile.mkdtemp(prefix="forensics-launch-"))
         try:
-            done = server.shared(REPO).run(path, args, cwd=str(REPO), env=_env(env), nproc=nproc, distributed=True,
-                                           timeout=timeout, out_dir=out_dir, preload=preload)
+            done = server.shared(REPO).run(
+                path,
+                args,
+                cwd=str(REPO),
+                env=_env(env),
+                nproc=nproc,
+                distributed=True,
+                timeout=timeout,
+                out_dir=out_dir,
+                preload=preload,
+            )
         except server.Timeout as hung:
             pytest.fail(f"{path} hung: no exit within {timeout} s\n{hung.stdout[-3000:]}\n{hung.stderr[-3000:]}")
         finally:
@@ -124,8 +148,9 @@ def launch_script(path: str, args: list[str], *, nproc: int = WORLD, env: dict |
     if runner is None:
         runner = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     try:
-        done = subprocess.run([*runner, path, *args], cwd=str(REPO), env=_env(env),
-                              capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(
+            [*runner, path, *args], cwd=str(REPO), env=_env(env), capture_output=True, text=True, timeout=timeout
+        )
     except subprocess.TimeoutExpired as exc:
         out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         err = (exc.stderr or b"").decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
@@ -147,7 +172,7 @@ def rank_samples(rank: int, world: int = WORLD) -> list[list[int]]:
     """The micro-batches (dataset indices) a DistributedSampler(shuffle=False) gives `rank`."""
     total = world * STEPS * ACCUM * MICRO
     indices = list(range(rank, total, world))
-    return [indices[i:i + MICRO] for i in range(0, len(indices), MICRO)]
+    return [indices[i : i + MICRO] for i in range(0, len(indices), MICRO)]
 
 
 def reference_state() -> dict:
@@ -161,10 +186,12 @@ def reference_state() -> dict:
     per_rank = [rank_samples(rank) for rank in range(WORLD)]
     for step in range(BAD_STEP):
         for rank in range(WORLD):
-            for index in per_rank[rank][step * ACCUM:(step + 1) * ACCUM]:
+            for index in per_rank[rank][step * ACCUM : (step + 1) * ACCUM]:
                 items = [dataset[i] for i in index]
-                loss = model(inputs_embeds=torch.stack([it["inputs_embeds"] for it in items]),
-                             labels=torch.stack([it["labels"] for it in items])).loss
+                loss = model(
+                    inputs_embeds=torch.stack([it["inputs_embeds"] for it in items]),
+                    labels=torch.stack([it["labels"] for it in items]),
+                ).loss
                 (loss / (ACCUM * WORLD)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), common.CLIP)
         optimizer.step()
@@ -172,8 +199,11 @@ def reference_state() -> dict:
         optimizer.zero_grad()
     names = {id(p): n for n, p in model.named_parameters()}
     state = {names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()}
-    return {"model": {k: v.clone() for k, v in model.state_dict().items()}, "optimizer": state,
-            "lr": optimizer.param_groups[0]["lr"]}
+    return {
+        "model": {k: v.clone() for k, v in model.state_dict().items()},
+        "optimizer": state,
+        "lr": optimizer.param_groups[0]["lr"],
+    }
 
 
 # -- checks shared by the multi-rank tests ------------------------------------------------------------
@@ -192,7 +222,7 @@ def check_step_dump(step_dir, reference, *, atol: float = 1e-5, weight_dtype=tor
     assert sorted(dumps) == [0, 1]
     for rank, dump in dumps.items():
         assert dump.step == BAD_STEP and dump.world_size == 2
-        expected_ids = rank_samples(rank)[BAD_STEP * ACCUM:(BAD_STEP + 1) * ACCUM]
+        expected_ids = rank_samples(rank)[BAD_STEP * ACCUM : (BAD_STEP + 1) * ACCUM]
         assert [dump.sample_ids(i) for i in range(dump.num_micro_batches)] == expected_ids
     assert dumps[1].trigger.kind == "nonfinite_loss" and dumps[1].trigger.micro_batch == BAD_MB
     assert dumps[1].trigger.local is True and dumps[0].trigger.local is False
@@ -254,6 +284,11 @@ def state_bytes(step_dir) -> tuple[int, int, list[int]]:
         assert one_copy in (None, copy)
         one_copy = copy
         tables = [*layout["shards"].items(), *((c["of"], c["shards"]) for c in layout.get("copies", {}).values())]
-        per_rank.append(sum(math.prod(s["shape"]) * spec.ITEM_SIZE[rows[f][n]["dtype"]]
-                            for f, shards in tables for n, s in shards.items()))
+        per_rank.append(
+            sum(
+                math.prod(s["shape"]) * spec.ITEM_SIZE[rows[f][n]["dtype"]]
+                for f, shards in tables
+                for n, s in shards.items()
+            )
+        )
     return sum(per_rank), one_copy, per_rank

@@ -40,8 +40,14 @@ def sharded_gpt2(world: int, device: torch.device) -> torch.nn.Module:
     return model
 
 
-def train_step(guard: Guard, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor,
-               sample_ids: list, before_check=lambda: None) -> None:
+def train_step(
+    guard: Guard,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    ids: torch.Tensor,
+    sample_ids: list,
+    before_check=lambda: None,
+) -> None:
     """One guarded step of one micro-batch; `before_check` runs between backward and check()."""
     guard.record_batch({"input_ids": ids}, sample_ids=sample_ids)
     loss = model(input_ids=ids, labels=ids).loss
@@ -68,27 +74,44 @@ def measure(rank: int, world: int, device: torch.device) -> dict:
 
     for step in range(3):
         ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=generator).to(device)
-        train_step(guard, model, optimizer, ids, [2 * rank, 2 * rank + 1],
-                   shard_norms if step == 1 else lambda: None)
+        train_step(guard, model, optimizer, ids, [2 * rank, 2 * rank + 1], shard_norms if step == 1 else lambda: None)
     monitor = guard.precursors
     guard.close()
     rows = dict(guard.window._precursor_rows)
-    measured = {layer: value for (layer, stat), value in zip(monitor.columns, rows.get(1, []))
-                if stat is PrecursorStatistic.GRAD_NORM}
-    ratios = [value for (layer, stat), value in zip(monitor.columns, rows.get(1, []))
-              if stat is PrecursorStatistic.UPDATE_RATIO]
-    return {"sampling": monitor.every == 1, "rows": sorted(rows), "grad_norm": measured, "direct": direct,
-            "update_ratios": ratios}
+    measured = {
+        layer: value
+        for (layer, stat), value in zip(monitor.columns, rows.get(1, []))
+        if stat is PrecursorStatistic.GRAD_NORM
+    }
+    ratios = [
+        value
+        for (layer, stat), value in zip(monitor.columns, rows.get(1, []))
+        if stat is PrecursorStatistic.UPDATE_RATIO
+    ]
+    return {
+        "sampling": monitor.every == 1,
+        "rows": sorted(rows),
+        "grad_norm": measured,
+        "direct": direct,
+        "update_ratios": ratios,
+    }
 
 
 def grow(rank: int, world: int, device: torch.device, dump_dir: str, monitor: bool) -> dict:
     model = sharded_gpt2(world, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     off = SpikeConfig(enabled=False)
-    guard = Guard(model, optimizer, config=GuardConfig(
-        dump_dir=dump_dir, run_id="grow", detection=DetectionConfig(loss_spike=off, grad_norm_spike=off),
-        dumping=DumpConfig(state_layout="sharded"),
-        precursors=PrecursorConfig(every=1, warmup=4, attention=False, optimizer=False) if monitor else None))
+    guard = Guard(
+        model,
+        optimizer,
+        config=GuardConfig(
+            dump_dir=dump_dir,
+            run_id="grow",
+            detection=DetectionConfig(loss_spike=off, grad_norm_spike=off),
+            dumping=DumpConfig(state_layout="sharded"),
+            precursors=PrecursorConfig(every=1, warmup=4, attention=False, optimizer=False) if monitor else None,
+        ),
+    )
     scale = [1.0]
     model.transformer.wte.register_forward_hook(lambda module, args, out: out * scale[0])
     generator = torch.Generator().manual_seed(rank)
@@ -97,15 +120,21 @@ def grow(rank: int, world: int, device: torch.device, dump_dir: str, monitor: bo
         ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=generator).to(device)
         train_step(guard, model, optimizer, ids, [f"{rank}-{step}-0", f"{rank}-{step}-1"])
     guard.close()
-    return {"dumps": [str(p) for p in guard.dumps], "errors": guard.dump_errors,
-            "fired": [f.step for f in guard.precursors.firings] if guard.precursors is not None else []}
+    return {
+        "dumps": [str(p) for p in guard.dumps],
+        "errors": guard.dump_errors,
+        "fired": [f.step for f in guard.precursors.firings] if guard.precursors is not None else [],
+    }
 
 
 def main() -> None:
     rank, world, device = _common.init_distributed()  # NCCL on GPUs, else gloo
     mode = sys.argv[1]
-    report = measure(rank, world, device) if mode == "measure" else \
-        grow(rank, world, device, sys.argv[2], monitor=rank != 0 or mode != "grow-without-rank-0")
+    report = (
+        measure(rank, world, device)
+        if mode == "measure"
+        else grow(rank, world, device, sys.argv[2], monitor=rank != 0 or mode != "grow-without-rank-0")
+    )
     print("forensics-example " + json.dumps({"rank": rank, **report}), flush=True)
     dist.destroy_process_group()
 

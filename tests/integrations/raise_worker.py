@@ -24,8 +24,16 @@ BAD_STEP, BAD_MB, BAD_ROW = 2, 1, 3
 
 def build(vocab: int = 64):
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=vocab, n_positions=16,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = transformers.GPT2Config(
+        n_layer=1,
+        n_embd=16,
+        n_head=2,
+        vocab_size=vocab,
+        n_positions=16,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return transformers.GPT2LMHeadModel(config)
 
 
@@ -46,8 +54,11 @@ def main() -> None:
     else:
         ddp = DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-    guard = Guard(ddp, optimizer, config=GuardConfig(dump_dir=dump_dir, run_id="raise",
-                                                     dumping=DumpConfig(background_write=False)))
+    guard = Guard(
+        ddp,
+        optimizer,
+        config=GuardConfig(dump_dir=dump_dir, run_id="raise", dumping=DumpConfig(background_write=False)),
+    )
     data = torch.Generator().manual_seed(rank)
     for step in range(4):
         for mb in range(2):

@@ -41,10 +41,14 @@ def main() -> None:
     model = torch.nn.Linear(4, 1)
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, fused=kind == "fused")
-    config = GuardConfig(dump_dir=dump_dir, run_id=kind,
-                         detection=DetectionConfig(loss_spike=SpikeConfig(window=8, warmup=4),
-                                                   grad_norm_spike=SpikeConfig(enabled=False)),
-                         dumping=DumpConfig(background_write=False))
+    config = GuardConfig(
+        dump_dir=dump_dir,
+        run_id=kind,
+        detection=DetectionConfig(
+            loss_spike=SpikeConfig(window=8, warmup=4), grad_norm_spike=SpikeConfig(enabled=False)
+        ),
+        dumping=DumpConfig(background_write=False),
+    )
     guard = (DistributedGuard if kind == "distributed" else Guard)(ddp, optimizer, config=config)
     data = torch.Generator().manual_seed(rank)
     check_ops = None
@@ -68,8 +72,11 @@ def main() -> None:
             held = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
         optimizer.zero_grad()
     guard.close()
-    sys.stdout.write("forensics-example " + json.dumps({"rank": rank, "dumps": [str(p) for p in guard.dumps],
-                                                        "held": held, "check_ops": check_ops}) + "\n")
+    sys.stdout.write(
+        "forensics-example "
+        + json.dumps({"rank": rank, "dumps": [str(p) for p in guard.dumps], "held": held, "check_ops": check_ops})
+        + "\n"
+    )
     sys.stdout.flush()
     torch.distributed.barrier()
     os._exit(0)  # no gloo teardown: under load it can abort a rank whose peer closed first

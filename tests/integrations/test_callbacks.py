@@ -54,10 +54,20 @@ def test_hf_trainer_that_drops_the_sample_ids_says_so_loudly(harness, tmp_path, 
     caplog.set_level(logging.WARNING)
     common = harness.load_common()
     dataset = IndexedDataset(common.EmbedsDataset(STEPS * ACCUM * MICRO, poison=POISON))
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=STEPS, per_device_train_batch_size=MICRO,
-                             gradient_accumulation_steps=ACCUM, learning_rate=common.LR, report_to=[],
-                             save_strategy="no", logging_steps=1000, use_cpu=True, seed=0,
-                             train_sampling_strategy="sequential", disable_tqdm=True)  # remove_unused_columns=True
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=STEPS,
+        per_device_train_batch_size=MICRO,
+        gradient_accumulation_steps=ACCUM,
+        learning_rate=common.LR,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1000,
+        use_cpu=True,
+        seed=0,
+        train_sampling_strategy="sequential",
+        disable_tqdm=True,
+    )  # remove_unused_columns=True
     callback = ForensicsTrainerCallback(GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="hfdrop"))
     trainer = Trainer(model=common.tiny_gpt2(), args=args, train_dataset=dataset, callbacks=[callback])
     with pytest.raises(TrainingFaultError) as fault:
@@ -78,11 +88,22 @@ def test_hf_trainer_callback_dumps_the_step_with_the_corrupt_sample(harness, tmp
 
     common = harness.load_common()
     dataset = IndexedDataset(common.EmbedsDataset(STEPS * ACCUM * MICRO, poison=POISON))
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=STEPS, per_device_train_batch_size=MICRO,
-                             gradient_accumulation_steps=ACCUM, learning_rate=common.LR, max_grad_norm=common.CLIP,
-                             report_to=[], save_strategy="no", logging_steps=1000, use_cpu=True, seed=0,
-                             remove_unused_columns=False, train_sampling_strategy="sequential",
-                             disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=STEPS,
+        per_device_train_batch_size=MICRO,
+        gradient_accumulation_steps=ACCUM,
+        learning_rate=common.LR,
+        max_grad_norm=common.CLIP,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1000,
+        use_cpu=True,
+        seed=0,
+        remove_unused_columns=False,
+        train_sampling_strategy="sequential",
+        disable_tqdm=True,
+    )
     callback = ForensicsTrainerCallback(GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="hf"))
     trainer = Trainer(model=common.tiny_gpt2(), args=args, train_dataset=dataset, callbacks=[callback])
     with pytest.raises(TrainingFaultError) as fault:
@@ -118,13 +139,24 @@ def test_lightning_callback_dumps_the_step_with_the_corrupt_sample(harness, tmp_
     from capture.integrations.lightning import training_step_loss
 
     common = harness.load_common()
-    loader = DataLoader(IndexedDataset(common.EmbedsDataset(STEPS * ACCUM * MICRO, poison=POISON)),
-                        batch_size=MICRO, shuffle=False)
+    loader = DataLoader(
+        IndexedDataset(common.EmbedsDataset(STEPS * ACCUM * MICRO, poison=POISON)), batch_size=MICRO, shuffle=False
+    )
     callback = ForensicsLightningCallback(GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="lit"))
-    trainer = pl.Trainer(max_steps=STEPS, accumulate_grad_batches=ACCUM, gradient_clip_val=common.CLIP,
-                         accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         callbacks=[callback], default_root_dir=str(tmp_path))
+    trainer = pl.Trainer(
+        max_steps=STEPS,
+        accumulate_grad_batches=ACCUM,
+        gradient_clip_val=common.CLIP,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[callback],
+        default_root_dir=str(tmp_path),
+    )
     module = common.lit_gpt2(fused=fused)
     with pytest.raises(TrainingFaultError) as fault:
         trainer.fit(module, loader)
@@ -148,10 +180,13 @@ def test_hf_trainer_deepspeed_dump_matches_the_plain_trainer_dump(harness, tmp_p
     decay) dumps the same step with the same state as the plain Trainer, gathered from the ZeRO shards."""
     harness.requires("transformers", "accelerate", "deepspeed")
     runs = {}
-    for name, extra, runner in (("plain", [], [harness.sys.executable]),
-                                ("zero2", ["--deepspeed-stage", "2"], None)):
-        result = harness.launch("hf_trainer_example.py", ["--dump-dir", str(tmp_path / name), "--run-id", name,
-                                                          "--sequential", *extra], nproc=1, runner=runner)
+    for name, extra, runner in (("plain", [], [harness.sys.executable]), ("zero2", ["--deepspeed-stage", "2"], None)):
+        result = harness.launch(
+            "hf_trainer_example.py",
+            ["--dump-dir", str(tmp_path / name), "--run-id", name, "--sequential", *extra],
+            nproc=1,
+            runner=runner,
+        )
         assert 0 in result.reports and result.reports[0]["dump"], result.explain()
         runs[name] = open_dump(result.reports[0]["dump"])
     plain, zero2 = runs["plain"], runs["zero2"]
@@ -183,13 +218,25 @@ def test_lightning_fused_adamw_under_mixed_precision_clips_and_dumps(harness, tm
     from capture.integrations import ForensicsLightningCallback
 
     common = harness.load_common()
-    loader = DataLoader(IndexedDataset(common.EmbedsDataset(STEPS * ACCUM * MICRO, poison=POISON)),
-                        batch_size=MICRO, shuffle=False)
+    loader = DataLoader(
+        IndexedDataset(common.EmbedsDataset(STEPS * ACCUM * MICRO, poison=POISON)), batch_size=MICRO, shuffle=False
+    )
     callback = ForensicsLightningCallback(GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="litf"))
-    trainer = pl.Trainer(max_steps=STEPS, accumulate_grad_batches=ACCUM, gradient_clip_val=common.CLIP,
-                         precision="bf16-mixed", accelerator="cpu", devices=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, callbacks=[callback], default_root_dir=str(tmp_path))
+    trainer = pl.Trainer(
+        max_steps=STEPS,
+        accumulate_grad_batches=ACCUM,
+        gradient_clip_val=common.CLIP,
+        precision="bf16-mixed",
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[callback],
+        default_root_dir=str(tmp_path),
+    )
     with pytest.raises(TrainingFaultError) as fault:
         trainer.fit(common.lit_gpt2(fused=True), loader)
     assert "one step late" in fault.value.fired.detail

@@ -17,7 +17,6 @@ from forensics.format import open_dump, verify_dump
 SYNC_FREE_MULTI_RANK_OPS = 39  # measured on torch 2.13 CPU; the check of 5502fa6: 57
 
 
-
 @pytest.mark.slow  # Accelerate (DDP underneath) and DDP fp16 prove both ranks dumping
 def test_ddp_both_ranks_dump_the_same_step_with_full_state(harness, tmp_path, reference):
     harness.requires("transformers")
@@ -30,12 +29,28 @@ def test_ddp_fp16_scaler_skips_are_history_until_the_loss_scale_collapses(harnes
     """GradScaler overflow-and-skip steps trigger nothing (on any rank); a NaN loss does, and so does an
     overflow once the scale is down to min_loss_scale. The 'continue' policy keeps training between."""
     harness.requires("transformers")
-    dump_dir, min_scale = tmp_path / "dumps", 2.0 ** 33
-    result = harness.launch("ddp_example.py", ["--dump-dir", str(dump_dir), "--run-id", "fp16", "--fp16",
-                                               "--initial-scale-power", "40", "--min-loss-scale", str(min_scale),
-                                               "--policy", "continue", "--steps", "8"])
-    assert sorted(result.reports) == [0, 1] and all(r["fault"] is None for r in result.reports.values()), \
+    dump_dir, min_scale = tmp_path / "dumps", 2.0**33
+    result = harness.launch(
+        "ddp_example.py",
+        [
+            "--dump-dir",
+            str(dump_dir),
+            "--run-id",
+            "fp16",
+            "--fp16",
+            "--initial-scale-power",
+            "40",
+            "--min-loss-scale",
+            str(min_scale),
+            "--policy",
+            "continue",
+            "--steps",
+            "8",
+        ],
+    )
+    assert sorted(result.reports) == [0, 1] and all(r["fault"] is None for r in result.reports.values()), (
         result.explain()
+    )
     run = dump_dir / "fp16"
     assert sorted(p.name for p in run.iterdir()) == ["step-000000003", "step-000000007"]
     nan_step = {d.rank: d for d in verify_dump(run / "step-000000003").dumps}
@@ -76,8 +91,9 @@ def test_deepspeed_zero2_ranks_write_their_partitions_once(harness, tmp_path, re
 @pytest.mark.xdist_group("deepspeed")  # one worker's fork server imports DeepSpeed once for both ZeRO jobs
 def test_deepspeed_zero3_bf16_writes_partitioned_weights_and_fp32_masters_once(harness, tmp_path, reference):
     harness.requires("transformers", "deepspeed")
-    step_dir, result = harness.run_example(tmp_path, "deepspeed_example.py", "z3", "--zero-stage", "3",
-                            "--precision", "bf16")
+    step_dir, result = harness.run_example(
+        tmp_path, "deepspeed_example.py", "z3", "--zero-stage", "3", "--precision", "bf16"
+    )
     dumps = harness.check_step_dump(step_dir, reference, atol=2e-2, weight_dtype=torch.bfloat16)
     for rank, dump in dumps.items():
         assert dump.manifest["distributed"]["zero_stage"] == 3
@@ -99,10 +115,12 @@ def test_a_rank_killed_while_writing_its_dump_does_not_hang_or_spoil_the_others(
     example = str(harness.EXAMPLES / "deepspeed_example.py")
     worker = str(harness.REPO / "tests" / "integrations" / "die_in_write.py")
     started = time.monotonic()
-    result = harness.launch_script(worker, [example, "--zero-stage", "2", "--dump-dir", str(dump_dir),
-                                            "--run-id", "killed", "--layout", "full"],
-                                    env={"FORENSICS_TEST_DIE_RANK": "1", "FORENSICS_TEST_SLOW_RANK": "0"},
-                                    torchrun=True)  # torchrun's own SIGTERM to the survivor, as users run it
+    result = harness.launch_script(
+        worker,
+        [example, "--zero-stage", "2", "--dump-dir", str(dump_dir), "--run-id", "killed", "--layout", "full"],
+        env={"FORENSICS_TEST_DIE_RANK": "1", "FORENSICS_TEST_SLOW_RANK": "0"},
+        torchrun=True,
+    )  # torchrun's own SIGTERM to the survivor, as users run it
     elapsed = time.monotonic() - started
     assert result.returncode != 0, result.explain()  # torchrun reports the dead rank
     # rank 0 was sent SIGTERM while it wrote (slowly): it finished its dump first
@@ -128,8 +146,9 @@ def test_accelerate_deepspeed_plugin_checks_inside_engine_step(harness, tmp_path
     """Under Accelerate's DeepSpeed plugin `accelerator.backward` runs `engine.step()` itself: the guard
     checks from inside that call, before the step, and the loop's own check() calls do nothing."""
     harness.requires("transformers", "accelerate", "deepspeed")
-    step_dir, _ = harness.run_example(tmp_path, "accelerate_example.py", "accds", "--deepspeed-stage", "3",
-                                      "--layout", "full")
+    step_dir, _ = harness.run_example(
+        tmp_path, "accelerate_example.py", "accds", "--deepspeed-stage", "3", "--layout", "full"
+    )
     dumps = harness.check_step_dump(step_dir, reference)
     for dump in dumps.values():
         # the full layout: ZeRO-3 partitions gathered, each rank dump whole (format version 1, replayable alone)
@@ -163,4 +182,5 @@ def test_a_loss_spike_on_one_rank_is_dumped_by_every_rank(harness, tmp_path, kin
         ops = {rank: report["check_ops"] for rank, report in result.reports.items()}
         assert max(ops.values()) <= SYNC_FREE_MULTI_RANK_OPS, (
             f"the sync-free check dispatches {ops} operators per healthy step on each rank, budget "
-            f"{SYNC_FREE_MULTI_RANK_OPS} (its grad norm computed by the Guard, 2 ranks, gloo)")
+            f"{SYNC_FREE_MULTI_RANK_OPS} (its grad norm computed by the Guard, 2 ranks, gloo)"
+        )

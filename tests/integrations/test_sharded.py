@@ -39,8 +39,9 @@ def test_fsdp2_ranks_write_their_shards_once_and_replay_names_the_sample(harness
     harness.replay_names_sample_and_layer(step_dir)
 
 
-def test_fsdp2_with_a_fused_optimizer_checks_without_a_sync_and_dumps_the_same_pre_step_state(harness, tmp_path,
-                                                                                               reference):
+def test_fsdp2_with_a_fused_optimizer_checks_without_a_sync_and_dumps_the_same_pre_step_state(
+    harness, tmp_path, reference
+):
     """AdamW(fused=True) under FSDP2, default GuardConfig: the ranks agree on each step with an all-reduce no rank
     waits for, the fused step skips the NaN step on the device on every rank (a DTensor optimizer given GradScaler's
     found_inf), and at the next check every rank dumps its shards of the same exact pre-step state."""
@@ -64,8 +65,9 @@ def test_an_fsdp2_bf16_job_is_replayed_in_its_own_precision_bit_for_bit(harness,
     assert {(u["param_dtype"], u["reduce_dtype"]) for u in units} == {("bfloat16", "float32")}
     from replay import engine
 
-    report = engine.run_replay(str(step_dir), engine.ReplayOptions(device="cpu", rank=1, rng_check=False,
-                                                                   remedies=False))
+    report = engine.run_replay(
+        str(step_dir), engine.ReplayOptions(device="cpu", rank=1, rng_check=False, remedies=False)
+    )
     assert report["reproduced"] is True and report["fidelity"]["bitwise_equal"] is True, report["fidelity"]
     assert report["precision"]["fsdp_param_dtype"] == "bfloat16" and report["precision"]["fp32_reproduces"] is True
     assert [s["sample_id"] for s in report["culprit"]["samples"]] == [harness.POISON]
@@ -101,8 +103,9 @@ def test_hsdp_on_four_ranks_writes_one_replica_group(harness, tmp_path):
     """A 2 x 2 mesh (replicate x shard): the replicas do not both write; rank 1 (step 1 with four ranks) replays."""
     harness.requires("transformers")
     dump_dir = tmp_path / "dumps"
-    result = harness.launch("fsdp2_example.py", ["--dump-dir", str(dump_dir), "--run-id", "hsdp", "--mesh", "hsdp"],
-                            nproc=4)
+    result = harness.launch(
+        "fsdp2_example.py", ["--dump-dir", str(dump_dir), "--run-id", "hsdp", "--mesh", "hsdp"], nproc=4
+    )
     assert sorted(result.reports) == [0, 1, 2, 3], result.explain()
     step_dir = dump_dir / "hsdp" / "step-000000001"  # DistributedSampler: sample 29 -> rank 1, step 1, mb 1
     assert verify_dump(step_dir).ok
@@ -134,12 +137,33 @@ def _two_nodes(harness, tmp_path, per_node: int, *extra: str) -> list[str]:
 def _launch_two_nodes(harness, tmp_path, per_node: int, port: int, extra: tuple[str, ...]) -> list[str]:
     procs = []
     for node in (0, 1):
-        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
-                   f"--nproc_per_node={per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-                   "--rdzv-id=forensics-two-nodes", str(harness.EXAMPLES / "fsdp2_example.py"),
-                   "--dump-dir", str(tmp_path / f"node{node}"), "--run-id", "nodes", *extra]
-        procs.append(subprocess.Popen(command, cwd=str(harness.REPO), env=harness._env(None), text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            f"--node_rank={node}",
+            f"--nproc_per_node={per_node}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=forensics-two-nodes",
+            str(harness.EXAMPLES / "fsdp2_example.py"),
+            "--dump-dir",
+            str(tmp_path / f"node{node}"),
+            "--run-id",
+            "nodes",
+            *extra,
+        ]
+        procs.append(
+            subprocess.Popen(
+                command,
+                cwd=str(harness.REPO),
+                env=harness._env(None),
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+        )
     outputs = []
     for proc in procs:
         try:
@@ -165,10 +189,24 @@ def test_two_nodes_write_node_local_dumps_that_replay_together(harness, tmp_path
     assert alone.exit_code == 2 and "--shards" in alone.output, alone.output
     assert not verify_dump(node0).ok
     assert verify_dump(node0, shard_dirs=[tmp_path / "node1"]).ok
-    out = CliRunner().invoke(main, ["replay", str(node0), "--device", "cpu", "--rank", "1", "--shards",
-                                    str(tmp_path / "node1"), "--json", "-o", str(tmp_path / "report")])
+    out = CliRunner().invoke(
+        main,
+        [
+            "replay",
+            str(node0),
+            "--device",
+            "cpu",
+            "--rank",
+            "1",
+            "--shards",
+            str(tmp_path / "node1"),
+            "--json",
+            "-o",
+            str(tmp_path / "report"),
+        ],
+    )
     assert out.exit_code == 0, out.output
-    report = json.loads(out.output[out.output.index("{"):])
+    report = json.loads(out.output[out.output.index("{") :])
     assert [s["sample_id"] for s in report["culprit"]["samples"]] == [harness.POISON]
 
 
@@ -188,11 +226,13 @@ def test_with_two_replicas_one_node_replays_alone_when_the_other_node_is_lost(ha
     check = verify_dump(node0)
     assert check.missing_ranks == [2, 3]
     assert [str(p) for p in check.problems] == [
-        f"rank-{r:05d}: rank dump is missing (that rank did not finish writing)" + COMPLETE for r in (2, 3)]
-    out = CliRunner().invoke(main, ["replay", str(node0), "--device", "cpu", "--rank", "1", "--json",
-                                    "-o", str(tmp_path / "report")])
+        f"rank-{r:05d}: rank dump is missing (that rank did not finish writing)" + COMPLETE for r in (2, 3)
+    ]
+    out = CliRunner().invoke(
+        main, ["replay", str(node0), "--device", "cpu", "--rank", "1", "--json", "-o", str(tmp_path / "report")]
+    )
     assert out.exit_code == 0, out.output
-    report = json.loads(out.output[out.output.index("{"):])
+    report = json.loads(out.output[out.output.index("{") :])
     assert [s["sample_id"] for s in report["culprit"]["samples"]] == [harness.POISON]
 
 
@@ -200,8 +240,11 @@ def test_a_rank_killed_mid_write_leaves_a_dump_that_names_its_missing_shards(har
     harness.requires("transformers")
     dump_dir = tmp_path / "dumps"
     worker = str(harness.REPO / "tests" / "integrations" / "die_in_write.py")
-    result = harness.launch_script(worker, [str(harness.EXAMPLES / "fsdp2_example.py"), "--dump-dir", str(dump_dir),
-                                            "--run-id", "killed"], env={"FORENSICS_TEST_DIE_RANK": "1"})
+    result = harness.launch_script(
+        worker,
+        [str(harness.EXAMPLES / "fsdp2_example.py"), "--dump-dir", str(dump_dir), "--run-id", "killed"],
+        env={"FORENSICS_TEST_DIE_RANK": "1"},
+    )
     assert result.returncode != 0, result.explain()
     step_dir = dump_dir / "killed" / f"step-{harness.BAD_STEP:09d}"
     check = verify_dump(step_dir)
@@ -221,8 +264,9 @@ def test_fsdp_over_tensor_parallel_2d_mesh_dumps_exactly_the_gathered_state(harn
 
     from forensics_test_helpers import bitwise_equal  # tests/helpers.py
 
-    result = harness.launch_script(str(harness.REPO / "tests" / "integrations" / "tp_worker.py"), [str(tmp_path)],
-                                   nproc=4)
+    result = harness.launch_script(
+        str(harness.REPO / "tests" / "integrations" / "tp_worker.py"), [str(tmp_path)], nproc=4
+    )
     assert sorted(result.reports) == [0, 1, 2, 3], result.explain()
     step_dir = tmp_path / "tp" / "step-000000001"
     check = verify_dump(step_dir)
@@ -249,7 +293,8 @@ def test_with_two_replicas_the_ranks_survive_the_loss_of_one_dump(harness, tmp_p
     shutil.rmtree(step_dir / "rank-00000")
     check = verify_dump(step_dir)
     assert [str(p) for p in check.problems] == [
-        "rank-00000: rank dump is missing (that rank did not finish writing)" + COMPLETE]
+        "rank-00000: rank dump is missing (that rank did not finish writing)" + COMPLETE
+    ]
     harness.replay_names_sample_and_layer(step_dir)
 
 
@@ -260,21 +305,33 @@ def test_with_two_replicas_fsdp2_shards_survive_a_rank_that_dies_mid_write(harne
     harness.requires("transformers")
     dump_dir = tmp_path / "dumps"
     worker = str(harness.REPO / "tests" / "integrations" / "die_in_write.py")
-    result = harness.launch_script(worker, [str(harness.EXAMPLES / "fsdp2_example.py"), "--dump-dir", str(dump_dir),
-                                            "--run-id", "buddy", "--replicas", "2"],
-                                   env={"FORENSICS_TEST_DIE_RANK": "0"})
+    result = harness.launch_script(
+        worker,
+        [
+            str(harness.EXAMPLES / "fsdp2_example.py"),
+            "--dump-dir",
+            str(dump_dir),
+            "--run-id",
+            "buddy",
+            "--replicas",
+            "2",
+        ],
+        env={"FORENSICS_TEST_DIE_RANK": "0"},
+    )
     assert result.returncode != 0, result.explain()
     step_dir = dump_dir / "buddy" / f"step-{harness.BAD_STEP:09d}"
     assert [p.name for p in step_dir.iterdir() if p.name.startswith(".tmp-rank-00000")], "rank 0 died mid-write"
     check = verify_dump(step_dir)
     assert check.missing_ranks == [0]
     assert [str(p) for p in check.problems] == [
-        "rank-00000: rank dump is missing (that rank did not finish writing)" + COMPLETE]
+        "rank-00000: rank dump is missing (that rank did not finish writing)" + COMPLETE
+    ]
     survivor = open_dump(step_dir)
     copies = survivor.manifest["layout"]["copies"]
     assert {name: (c["of"], c["rank"]) for name, c in copies.items()} == {
         "copy-00000-model.safetensors": ("model.safetensors", 0),
-        "copy-00000-optimizer.safetensors": ("optimizer.safetensors", 0)}
+        "copy-00000-optimizer.safetensors": ("optimizer.safetensors", 0),
+    }
     weights, optimizer = survivor.model_state(), survivor.optimizer_state()["state"]
     assert sorted(weights) == sorted(reference["model"])
     for name, expected in reference["model"].items():
@@ -290,8 +347,9 @@ def test_with_two_replicas_zero2_partitions_survive_the_loss_of_a_rank_dump(harn
     """ZeRO-2 with DumpConfig(shard_replicas=2): the flat optimizer partitions are copied to the buddy rank (the
     replicated weights are written by both ranks); with rank 0's dump gone, rank 1's holds the whole state."""
     harness.requires("transformers", "deepspeed")
-    step_dir, _ = harness.run_example(tmp_path, "deepspeed_example.py", "z2buddy", "--zero-stage", "2",
-                                      "--replicas", "2")
+    step_dir, _ = harness.run_example(
+        tmp_path, "deepspeed_example.py", "z2buddy", "--zero-stage", "2", "--replicas", "2"
+    )
     written, one_copy, _ = harness.state_bytes(step_dir)
     assert written == 2 * one_copy, (written, one_copy)  # every byte of the state on exactly two ranks
     shutil.rmtree(step_dir / "rank-00000")
@@ -318,8 +376,10 @@ def test_a_torchtitan_job_guarded_with_one_line_names_the_corrupt_record(harness
 
     from replay import engine
 
-    report = engine.run_replay(str(step_dir), engine.ReplayOptions(device="cpu", rank=1, trust=True, rng_check=False,
-                                                                   sys_path=[str(harness.EXAMPLES)]))
+    report = engine.run_replay(
+        str(step_dir),
+        engine.ReplayOptions(device="cpu", rank=1, trust=True, rng_check=False, sys_path=[str(harness.EXAMPLES)]),
+    )
     assert report["verdict"]["kind"] == "bad_sample"
     assert [(s["sample_id"], s["rank"]) for s in report["culprit"]["samples"]] == [(harness.POISON, 1)]
     assert report["culprit"]["module"] == "<input>.weights"
@@ -334,8 +394,9 @@ def test_the_precursor_monitor_measures_the_local_shards_under_fsdp2(harness):
     turning itself off at the first sampled step; each block's gradient-norm column equals the norm of its local
     gradient shards, and the update ratios are measured."""
     harness.requires("transformers")
-    result = harness.launch_script(str(harness.REPO / "tests" / "integrations" / "precursor_fsdp_worker.py"),
-                                   ["measure"])
+    result = harness.launch_script(
+        str(harness.REPO / "tests" / "integrations" / "precursor_fsdp_worker.py"), ["measure"]
+    )
     assert sorted(result.reports) == [0, 1], result.explain()
     for report in result.reports.values():
         assert report["sampling"] and report["rows"] == [0, 1], report
@@ -350,8 +411,9 @@ def _every_rank_dumped_step_11(harness, tmp_path, mode: str):
     """Runs precursor_fsdp_worker.py in `mode` on 2 ranks; each rank must have dumped step 11 (and nothing else)
     into a step directory that verifies. Returns (the launch, the step directory)."""
     harness.requires("transformers")
-    result = harness.launch_script(str(harness.REPO / "tests" / "integrations" / "precursor_fsdp_worker.py"),
-                                   [mode, str(tmp_path)])
+    result = harness.launch_script(
+        str(harness.REPO / "tests" / "integrations" / "precursor_fsdp_worker.py"), [mode, str(tmp_path)]
+    )
     assert sorted(result.reports) == [0, 1], result.explain()
     step_dir = tmp_path / "grow" / "step-000000011"
     for rank in (0, 1):

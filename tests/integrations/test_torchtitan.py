@@ -48,8 +48,10 @@ def test_torchtitans_trainer_guarded_by_its_config_dumps_and_replay_names_the_re
     from forensics.cli import main  # `forensics replay DUMP --rank 1`, in-process; no --trust: built-in recipes
 
     out = tmp_path / "replay"
-    replayed = CliRunner().invoke(main, ["replay", str(step_dir), "--rank", "1", "--device", "cpu", "-o", str(out),
-                                         "--no-remedies", "--no-rng-check"])  # what names the sample, no more
+    replayed = CliRunner().invoke(
+        main,
+        ["replay", str(step_dir), "--rank", "1", "--device", "cpu", "-o", str(out), "--no-remedies", "--no-rng-check"],
+    )  # what names the sample, no more
     assert replayed.exit_code == 0, (replayed.output, replayed.exception)
     assert "Sample 'dp1:5'" in replayed.output, replayed.output
     report = json.loads((out / "report.json").read_text())
@@ -66,11 +68,24 @@ def test_one_rank_torchtitan_amp_and_fused_adamw_dumps_one_step_late_and_names_t
     gives the sync-free check (the step skipped on the device, judged at the next check). What the GPU acceptance
     run does on one GPU (scripts/gpu_acceptance.sh, integ_torchtitan)."""
     harness.requires("torchtitan")
-    result = harness.launch_script(str(TRAIN), [
-        "--job.config_file", str(JOB), "--job.dump_folder", str(tmp_path), "--training.global_batch_size", "2",
-        "--optimizer.implementation", "fused"], nproc=1, env={"TITAN_POISON_RANK": "0"})
-    assert "step 3: loss of micro-batch 2 is nan (sync-free check: judged one step late" in result.output, \
+    result = harness.launch_script(
+        str(TRAIN),
+        [
+            "--job.config_file",
+            str(JOB),
+            "--job.dump_folder",
+            str(tmp_path),
+            "--training.global_batch_size",
+            "2",
+            "--optimizer.implementation",
+            "fused",
+        ],
+        nproc=1,
+        env={"TITAN_POISON_RANK": "0"},
+    )
+    assert "step 3: loss of micro-batch 2 is nan (sync-free check: judged one step late" in result.output, (
         result.explain()
+    )
     step_dir = tmp_path / "forensics" / "titan" / f"step-{BAD_STEP:09d}"
     from replay import engine
 
@@ -89,8 +104,18 @@ def test_the_forensics_section_of_torchtitans_config_sets_the_guard(capsys):
     from capture.integrations.torchtitan import guard_config
     from forensics.kinds import Policy
 
-    config = ConfigManager().parse_args(["--job.config_file", str(JOB), "--job.dump_folder", "/job/out",
-                                         "--forensics.on_nonfinite", "skip", "--training.max_norm", "0.5"])
+    config = ConfigManager().parse_args(
+        [
+            "--job.config_file",
+            str(JOB),
+            "--job.dump_folder",
+            "/job/out",
+            "--forensics.on_nonfinite",
+            "skip",
+            "--training.max_norm",
+            "0.5",
+        ]
+    )
     assert config.forensics.enable is True and config.forensics.run_id == "titan"
     guard = guard_config(config, None)
     assert guard.detection.on_nonfinite is Policy.SKIP and guard.detection.max_grad_norm == 0.5
@@ -106,8 +131,11 @@ def test_skip_drops_the_bad_steps_gradients_and_torchtitan_trains_on(harness, tm
     """'skip': torchtitan trains on past the dumped step. The dataset names its records itself (a `sample_ids` field
     of the input dict): the dump holds those IDs, and the model never saw the field (it takes no such argument)."""
     harness.requires("torchtitan")
-    result = harness.launch_script(str(TRAIN), ["--job.config_file", str(JOB), "--job.dump_folder", str(tmp_path),
-                                                "--forensics.on_nonfinite", "skip"], env={"TITAN_SAMPLE_IDS": "1"})
+    result = harness.launch_script(
+        str(TRAIN),
+        ["--job.config_file", str(JOB), "--job.dump_folder", str(tmp_path), "--forensics.on_nonfinite", "skip"],
+        env={"TITAN_SAMPLE_IDS": "1"},
+    )
     assert result.returncode == 0, result.explain()
     assert "step 3 rank 1: loss of micro-batch 2 is nan (policy: skip)" in result.output
     assert result.output.count("Training completed") == 2  # both ranks ran step 4

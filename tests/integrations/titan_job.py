@@ -55,8 +55,9 @@ def build_token_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_conf
 
     local = job_config.training.local_batch_size
     count = job_config.training.steps * local * 64  # more than the run reads
-    return ParallelAwareDataloader(TokenRecords(dp_rank, count), dp_rank=dp_rank, dp_world_size=dp_world_size,
-                                   batch_size=local)
+    return ParallelAwareDataloader(
+        TokenRecords(dp_rank, count), dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=local
+    )
 
 
 def _register() -> None:
@@ -64,8 +65,12 @@ def _register() -> None:
     from torchtitan.protocols.train_spec import _extra_train_specs, register_train_spec
 
     if "titan_tokens" not in _extra_train_specs:
-        spec = dataclasses.replace(get_train_spec(), build_dataloader_fn=build_token_dataloader,
-                                   build_tokenizer_fn=None, build_validator_fn=None)
+        spec = dataclasses.replace(
+            get_train_spec(),
+            build_dataloader_fn=build_token_dataloader,
+            build_tokenizer_fn=None,
+            build_validator_fn=None,
+        )
         register_train_spec("titan_tokens", spec)
 
 

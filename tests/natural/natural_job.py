@@ -55,32 +55,60 @@ VOCAB, SEQ, BATCH = 64, 17, 8
 @dataclass(frozen=True)
 class Scenario:
     name: str
-    optimizer: str            # "adamw" | "sgd"
+    optimizer: str  # "adamw" | "sgd"
     lr: float
-    steps: int                # the run is cut here if it has not diverged (the test then fails: it must diverge)
+    steps: int  # the run is cut here if it has not diverged (the test then fails: it must diverge)
     autocast: str | None = None  # "float16" | "bfloat16" | None
     scaler: bool = False
     model: dict = field(default_factory=dict)
-    lr_growth: float = 0.0    # per step: lr x (1 + lr_growth x step), a schedule that never decays
-    data: str = "sequences"   # "sequences" | "mixed"
-    verdicts: tuple = ()      # the verdict kinds its crash dump's replay may give
+    lr_growth: float = 0.0  # per step: lr x (1 + lr_growth x step), a schedule that never decays
+    data: str = "sequences"  # "sequences" | "mixed"
+    verdicts: tuple = ()  # the verdict kinds its crash dump's replay may give
     precursor_lead: bool = True  # whether a precursor must come >= AHEAD steps before the crash (physics allows)
     lead_statistics: tuple = ()  # the statistics a leading precursor may name ((): any)
 
 
-SCENARIOS = {s.name: s for s in (
-    Scenario("attention_fp16", "adamw", 0.1, 320, autocast="float16", scaler=True,
-             verdicts=("numerical_precision",), lead_statistics=("attention_logit_bound",)),
-    # no final norm (QK-norm holds the attention), a learning rate that keeps rising: the residual stream and with it
-    # the output logits grow until they overflow fp16 in the output projection. The last growth is geometric over a
-    # few steps (the precursor came 6 steps ahead, on the update/weight ratio): no lead is promised
-    Scenario("output_logits", "sgd", 0.05, 420, autocast="float16", scaler=True, lr_growth=0.03,
-             model={"final_norm": False, "qk_norm": True}, verdicts=("numerical_precision",), precursor_lead=False),
-    # dies within ~70 steps: inside the precursor monitor's 64-step warm-up, so no lead is promised
-    Scenario("lr_too_high", "sgd", 1.0, 240, verdicts=("optimizer_update", "model_state"), precursor_lead=False),
-    Scenario("spiky_late", "sgd", 0.1, 1000, lr_growth=0.03, data="mixed",
-             verdicts=("optimizer_update", "model_state", "numerical_precision")),
-)}
+SCENARIOS = {
+    s.name: s
+    for s in (
+        Scenario(
+            "attention_fp16",
+            "adamw",
+            0.1,
+            320,
+            autocast="float16",
+            scaler=True,
+            verdicts=("numerical_precision",),
+            lead_statistics=("attention_logit_bound",),
+        ),
+        # no final norm (QK-norm holds the attention), a learning rate that keeps rising: the residual stream and with it
+        # the output logits grow until they overflow fp16 in the output projection. The last growth is geometric over a
+        # few steps (the precursor came 6 steps ahead, on the update/weight ratio): no lead is promised
+        Scenario(
+            "output_logits",
+            "sgd",
+            0.05,
+            420,
+            autocast="float16",
+            scaler=True,
+            lr_growth=0.03,
+            model={"final_norm": False, "qk_norm": True},
+            verdicts=("numerical_precision",),
+            precursor_lead=False,
+        ),
+        # dies within ~70 steps: inside the precursor monitor's 64-step warm-up, so no lead is promised
+        Scenario("lr_too_high", "sgd", 1.0, 240, verdicts=("optimizer_update", "model_state"), precursor_lead=False),
+        Scenario(
+            "spiky_late",
+            "sgd",
+            0.1,
+            1000,
+            lr_growth=0.03,
+            data="mixed",
+            verdicts=("optimizer_update", "model_state", "numerical_precision"),
+        ),
+    )
+}
 
 
 def batches(kind: str, seed: int = 1):
@@ -109,8 +137,9 @@ def recipe(scenario: Scenario) -> dict:
     return {"factory": "natural_models:build", "factory_kwargs": dict(scenario.model), "loss": "natural_models:lm_loss"}
 
 
-def train(scenario: Scenario, dump_dir, device: str = "cpu", precursors: bool = False, seed: int = 0,
-          fused: bool = False) -> Run:
+def train(
+    scenario: Scenario, dump_dir, device: str = "cpu", precursors: bool = False, seed: int = 0, fused: bool = False
+) -> Run:
     """Trains the scenario under the default GuardConfig (PrecursorConfig() added with `precursors`); returns the
     closed Guard, the first step whose loss or gradients were non-finite, and its dumps. `fused`: the fused optimizer,
     with which the default configuration runs the sync-free check (unless a GradScaler or the precursors keep the
@@ -124,9 +153,12 @@ def train(scenario: Scenario, dump_dir, device: str = "cpu", precursors: bool = 
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 + scenario.lr_growth * s)
     dtype = getattr(torch, scenario.autocast) if scenario.autocast else None
     scaler = torch.amp.GradScaler(torch.device(device).type) if scenario.scaler else None
-    config = GuardConfig(dump_dir=str(dump_dir), run_id=f"natural-{scenario.name}",
-                         precursors=PrecursorConfig() if precursors else None,
-                         dumping=DumpConfig(recipe=recipe(scenario)))
+    config = GuardConfig(
+        dump_dir=str(dump_dir),
+        run_id=f"natural-{scenario.name}",
+        precursors=PrecursorConfig() if precursors else None,
+        dumping=DumpConfig(recipe=recipe(scenario)),
+    )
     guard = Guard(model, optimizer, schedule, scaler, config=config, loss_fn=lm_loss)
     nonfinite_at = None
     try:
@@ -162,28 +194,46 @@ def summarize(scenario: Scenario, run: Run, device: str = "cpu", replay: bool = 
     from forensics.kinds import TriggerKind
 
     triggers = [(p, open_dump(p)) for p in run.dumps]
-    crash = next(((p, d) for p, d in reversed(triggers) if d.trigger.kind in (
-        TriggerKind.NONFINITE_LOSS, TriggerKind.NONFINITE_GRAD, TriggerKind.NONFINITE_PARAM)), None)
+    crash = next(
+        (
+            (p, d)
+            for p, d in reversed(triggers)
+            if d.trigger.kind in (TriggerKind.NONFINITE_LOSS, TriggerKind.NONFINITE_GRAD, TriggerKind.NONFINITE_PARAM)
+        ),
+        None,
+    )
     precursor = next(((p, d) for p, d in triggers if d.trigger.kind == TriggerKind.PRECURSOR), None)
-    out = {"scenario": scenario.name, "device": device, "nonfinite_at": run.nonfinite_at,
-           "dumps": [f"{d.step}:{d.trigger.kind}" for _, d in triggers], "crash_step": None}
+    out = {
+        "scenario": scenario.name,
+        "device": device,
+        "nonfinite_at": run.nonfinite_at,
+        "dumps": [f"{d.step}:{d.trigger.kind}" for _, d in triggers],
+        "crash_step": None,
+    }
     if crash is not None:
         out["crash_step"] = crash[1].step
         out["crash_kind"] = crash[1].trigger.kind
     if precursor is not None:
         table = precursor[1].precursors() or {}
         fired = next((f for f in reversed(table.get("firings") or []) if f.get("dumped")), {})
-        out.update(precursor_step=precursor[1].step, precursor_layer=fired.get("layer"),
-                   precursor_statistic=fired.get("statistic"), precursor_rule=fired.get("rule"))
+        out.update(
+            precursor_step=precursor[1].step,
+            precursor_layer=fired.get("layer"),
+            precursor_statistic=fired.get("statistic"),
+            precursor_rule=fired.get("rule"),
+        )
         if crash is not None:
             out["ahead"] = crash[1].step - precursor[1].step
     if replay and crash is not None:
         from replay.engine import ReplayOptions, run_replay
 
         report = run_replay(crash[0], ReplayOptions(device=device, trust=True, sys_path=[str(HERE)]))
-        out.update(verdict=report["verdict"]["kind"], headline=report["verdict"]["headline"],
-                   samples=[s.get("sample_id") for s in report["culprit"]["samples"]],
-                   precursor_history=(report.get("precursor_history") or {}).get("sentence"))
+        out.update(
+            verdict=report["verdict"]["kind"],
+            headline=report["verdict"]["headline"],
+            samples=[s.get("sample_id") for s in report["culprit"]["samples"]],
+            precursor_history=(report.get("precursor_history") or {}).get("sentence"),
+        )
     return out
 
 

@@ -23,8 +23,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = (p(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            p(x).view(b, t, self.heads, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
         if self.qk_norm:  # queries and keys of unit RMS per head: the logits stay bounded
             q, k = (nn.functional.rms_norm(t, (self.head_dim,)) for t in (q, k))
         logits = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)  # without QK-norm nothing holds them
@@ -46,8 +47,16 @@ class Block(nn.Module):
 
 
 class TinyLM(nn.Module):
-    def __init__(self, vocab: int = 64, width: int = 32, heads: int = 2, layers: int = 2, seq_len: int = 16,
-                 final_norm: bool = True, qk_norm: bool = False):
+    def __init__(
+        self,
+        vocab: int = 64,
+        width: int = 32,
+        heads: int = 2,
+        layers: int = 2,
+        seq_len: int = 16,
+        final_norm: bool = True,
+        qk_norm: bool = False,
+    ):
         super().__init__()
         self.embed, self.pos = nn.Embedding(vocab, width), nn.Embedding(seq_len, width)
         self.layers = nn.ModuleList(Block(width, heads, qk_norm) for _ in range(layers))

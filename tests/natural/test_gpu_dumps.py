@@ -39,8 +39,21 @@ CASES = [pytest.param(name, marks=() if name in DEFAULT else pytest.mark.slow) f
 def test_a_natural_gpu_dump_blames_no_data_and_gets_its_gpu_verdict_on_the_cpu(name, tmp_path):
     entry = INDEX[name]
     out = tmp_path / "report"
-    result = CliRunner().invoke(main, ["replay", str(DATA / name), "--device", "cpu", "--trust", "--path", str(REPO),
-                                       "--no-rng-check", "-o", str(out)])
+    result = CliRunner().invoke(
+        main,
+        [
+            "replay",
+            str(DATA / name),
+            "--device",
+            "cpu",
+            "--trust",
+            "--path",
+            str(REPO),
+            "--no-rng-check",
+            "-o",
+            str(out),
+        ],
+    )
     assert (out / "report.json").exists(), (result.output, result.exception)
     report = json.loads((out / "report.json").read_text())
     verdict = report["verdict"]
@@ -50,5 +63,6 @@ def test_a_natural_gpu_dump_blames_no_data_and_gets_its_gpu_verdict_on_the_cpu(n
     assert not any(s.startswith("Filter") for s in verdict["suggestions"]), verdict["suggestions"]
     assert (report.get("evidence") or {}).get("bad_data") in (None, False)
     assert verdict["kind"] == entry["gpu_verdict"], verdict["headline"]  # the same dump, the same verdict
-    assert result.exit_code == (4 if verdict["kind"] in ("trigger_sample", "model_state", "spike_no_single_cause")
-                                else 0), result.output
+    assert result.exit_code == (
+        4 if verdict["kind"] in ("trigger_sample", "model_state", "spike_no_single_cause") else 0
+    ), result.output

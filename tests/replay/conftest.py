@@ -26,9 +26,19 @@ transformers.logging.set_verbosity_error()
 
 def build_gpt2(seed: int = 0, dropout: float = 0.1, tie: bool = False) -> transformers.GPT2LMHeadModel:
     torch.manual_seed(seed)
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
-                                  bos_token_id=0, eos_token_id=0, tie_word_embeddings=tie,
-                                  resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+    cfg = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=VOCAB,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=0,
+        tie_word_embeddings=tie,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+    )
     return transformers.GPT2LMHeadModel(cfg)
 
 
@@ -37,8 +47,7 @@ def build_batches(n_micro: int = 2, batch: int = 4, seq: int = 8, poison: bool =
     batches = []
     for mb in range(n_micro):
         ids = torch.randint(1, POISON_TOKEN, (batch, seq), generator=g)  # never the poison token
-        batches.append({"input_ids": ids, "labels": ids.clone(),
-                        "sample_ids": [f"doc-{mb}-{i}" for i in range(batch)]})
+        batches.append({"input_ids": ids, "labels": ids.clone(), "sample_ids": [f"doc-{mb}-{i}" for i in range(batch)]})
     if poison:
         mb, i = POISONED
         batches[mb]["input_ids"][i, 3] = POISON_TOKEN
@@ -66,8 +75,13 @@ class Recorded:
     grad_norm: float | None = None
 
 
-def record_step(model: torch.nn.Module, batches: list, loss_fn: Callable, divisor: float | None = None,
-                autocast_dtype: torch.dtype | None = None) -> Recorded:
+def record_step(
+    model: torch.nn.Module,
+    batches: list,
+    loss_fn: Callable,
+    divisor: float | None = None,
+    autocast_dtype: torch.dtype | None = None,
+) -> Recorded:
     """Runs one training step like a job (RNG captured before each forward), leaves weights untouched."""
     divisor = divisor or len(batches)
     rec = Recorded()
@@ -83,23 +97,43 @@ def record_step(model: torch.nn.Module, batches: list, loss_fn: Callable, diviso
     return rec
 
 
-def make_session(model, batches, loss_fn=hf_loss, optimizer=None, trigger=None, record: bool = True,
-                 autocast_dtype: torch.dtype | None = None, **kwargs):
+def make_session(
+    model,
+    batches,
+    loss_fn=hf_loss,
+    optimizer=None,
+    trigger=None,
+    record: bool = True,
+    autocast_dtype: torch.dtype | None = None,
+    **kwargs,
+):
     """A ReplaySession of live objects; with record=True the step is first run 'in the job'."""
-    autocast = {"enabled": autocast_dtype is not None, "device_type": "cpu",
-                "dtype": str(autocast_dtype).removeprefix("torch.") if autocast_dtype else None}
+    autocast = {
+        "enabled": autocast_dtype is not None,
+        "device_type": "cpu",
+        "dtype": str(autocast_dtype).removeprefix("torch.") if autocast_dtype else None,
+    }
     extra = {}
     if record:
         rec = record_step(model, batches, loss_fn, autocast_dtype=autocast_dtype)
         extra = {"rng_states": rec.rng_states, "recorded_losses": rec.losses, "recorded_grad_norm": rec.grad_norm}
     extra.update(kwargs)
-    return session_from_objects(model, batches, loss_fn=loss_fn, optimizer=optimizer, trigger=trigger,
-                                autocast=autocast, **extra)
+    return session_from_objects(
+        model, batches, loss_fn=loss_fn, optimizer=optimizer, trigger=trigger, autocast=autocast, **extra
+    )
 
 
 @pytest.fixture
 def kit():
     """This module's helpers: build_gpt2, build_batches, hf_loss, log_zero_loss, record_step, make_session."""
-    return SimpleNamespace(build_gpt2=build_gpt2, build_batches=build_batches, hf_loss=hf_loss,
-                           log_zero_loss=log_zero_loss, record_step=record_step, make_session=make_session,
-                           POISON_TOKEN=POISON_TOKEN, POISONED=POISONED, VOCAB=VOCAB)
+    return SimpleNamespace(
+        build_gpt2=build_gpt2,
+        build_batches=build_batches,
+        hf_loss=hf_loss,
+        log_zero_loss=log_zero_loss,
+        record_step=record_step,
+        make_session=make_session,
+        POISON_TOKEN=POISON_TOKEN,
+        POISONED=POISONED,
+        VOCAB=VOCAB,
+    )

@@ -35,9 +35,18 @@ def main(dump_dir: str) -> None:
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=token_job.VOCAB, n_positions=16)
     model = transformers.GPT2LMHeadModel(config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    guard = Guard(model, optimizer, config=GuardConfig(
-        dump_dir=dump_dir, run_id="assert", recording=RecordConfig(snapshot_every=2, window_steps=8),
-        dumping=DumpConfig(data_recipe={"dataset": "token_job:make_dataset", "dataset_kwargs": {"n": 96, "bad": bad}})))
+    guard = Guard(
+        model,
+        optimizer,
+        config=GuardConfig(
+            dump_dir=dump_dir,
+            run_id="assert",
+            recording=RecordConfig(snapshot_every=2, window_steps=8),
+            dumping=DumpConfig(
+                data_recipe={"dataset": "token_job:make_dataset", "dataset_kwargs": {"n": 96, "bad": bad}}
+            ),
+        ),
+    )
     loader = iter(torch.utils.data.DataLoader(token_job.make_dataset(96, bad), batch_size=4))
     for step in range(10):
         print(f"forensics-job: rank {rank} step {step} t={time.time():.3f}", flush=True)

@@ -19,8 +19,15 @@ LONG = 100_000
 
 def tiny_llama() -> transformers.LlamaForCausalLM:
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=1 << 20)
+    config = transformers.LlamaConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=1 << 20,
+    )
     config._attn_implementation = "eager"
     return transformers.LlamaForCausalLM(config)
 
@@ -31,7 +38,7 @@ def collate(rows: list[torch.Tensor]) -> dict:
     ids = torch.zeros(len(rows), n, dtype=torch.long)
     mask = torch.zeros(len(rows), n, dtype=torch.long)
     for i, row in enumerate(rows):
-        ids[i, :len(row)], mask[i, :len(row)] = row, 1
+        ids[i, : len(row)], mask[i, : len(row)] = row, 1
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
@@ -46,8 +53,10 @@ def main(dump_dir: str, device: str = "cpu") -> None:
                 sizes = [int(torch.randint(8, 24, (1,), generator=lengths)) for _ in range(4)]
                 if step == 2 and mb == 1:
                     sizes[1] = LONG
-                batch = {k: v.to(device) for k, v in
-                         collate([torch.randint(0, 64, (n,), generator=lengths) for n in sizes]).items()}
+                batch = {
+                    k: v.to(device)
+                    for k, v in collate([torch.randint(0, 64, (n,), generator=lengths) for n in sizes]).items()
+                }
                 guard.record_batch(batch, sample_ids=[f"doc-{step}-{mb}-{i}" for i in range(4)])
                 loss = model(**batch).loss
                 guard.record_loss(loss)

@@ -23,9 +23,17 @@ def _loss(model, batch):
 def test_subsets_a_batchnorm_model_cannot_run_alone_do_not_end_the_replay(tmp_path):
     model = _build()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    guard = Guard(model, optimizer, loss_fn=_loss, config=GuardConfig(
-        dump_dir=str(tmp_path), run_id="bn", detection=DetectionConfig(on_nonfinite="skip"),
-        dumping=DumpConfig(recipe={"factory": f"{__name__}:_build", "loss": f"{__name__}:_loss"})))
+    guard = Guard(
+        model,
+        optimizer,
+        loss_fn=_loss,
+        config=GuardConfig(
+            dump_dir=str(tmp_path),
+            run_id="bn",
+            detection=DetectionConfig(on_nonfinite="skip"),
+            dumping=DumpConfig(recipe={"factory": f"{__name__}:_build", "loss": f"{__name__}:_loss"}),
+        ),
+    )
     g = torch.Generator().manual_seed(2)
     for step in range(3):
         for mb in range(2):
@@ -50,7 +58,8 @@ def test_subsets_a_batchnorm_model_cannot_run_alone_do_not_end_the_replay(tmp_pa
     described = {s["sample_id"]: s.get("description") for s in report["culprit"]["samples"]}
     assert described["r2-1-1"] == "its x holds 1 Inf (of 6 values)"
     assert any("cannot run without the rest of their micro-batch" in w for w in report["environment"]["warnings"])
-    out = CliRunner().invoke(main, ["replay", str(dump), "--device", "cpu", "--trust", "--no-rng-check",
-                                    "-o", str(tmp_path / "report")])
+    out = CliRunner().invoke(
+        main, ["replay", str(dump), "--device", "cpu", "--trust", "--no-rng-check", "-o", str(tmp_path / "report")]
+    )
     assert out.exit_code == 0, out.output
     assert "4 raised when run alone (ValueError)" in out.output

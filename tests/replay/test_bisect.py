@@ -133,7 +133,7 @@ def test_is_one_minimal_for_random_non_monotone_predicates():
         pred = CountingPredicate(fails)
         result = ddmin(list(range(n)), pred)
         culprits = result.culprits
-        assert len(culprits) == n or fails(culprits)   # the full set is assumed to fail
+        assert len(culprits) == n or fails(culprits)  # the full set is assumed to fail
         for c in culprits:
             rest = [x for x in culprits if x != c]
             assert not rest or not fails(rest), (trial, culprits, c)

@@ -20,9 +20,16 @@ BAD_TOKEN, BAD_STEP = 99, 4
 
 def tiny_llama():
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=32,
-                                      tie_word_embeddings=False)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
     return transformers.LlamaForCausalLM(config)
 
 
@@ -31,17 +38,21 @@ def _train(tmp_path, **config_changes):
     with torch.no_grad():
         model.model.embed_tokens.weight[BAD_TOKEN] = float("inf")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    config = GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="row99",
-                         detection=DetectionConfig(on_nonfinite="skip"))
+    config = GuardConfig(
+        dump_dir=str(tmp_path / "dumps"), run_id="row99", detection=DetectionConfig(on_nonfinite="skip")
+    )
     guard = Guard(model, optimizer, config=config.replace(**config_changes))
     data = torch.Generator().manual_seed(0)
     for step in range(BAD_STEP + 1):
         ids = torch.randint(0, 64, (8, 12), generator=data)  # token 99 never appears ...
         if step == BAD_STEP:
             ids[5, 7] = BAD_TOKEN  # ... except in one sample of step 4
-        guarded_step(guard, optimizer, {"input_ids": ids, "labels": ids,
-                                        "sample_ids": [f"doc-{step}-{i}" for i in range(8)]},
-                     lambda batch: model(input_ids=batch["input_ids"], labels=batch["labels"]).loss)
+        guarded_step(
+            guard,
+            optimizer,
+            {"input_ids": ids, "labels": ids, "sample_ids": [f"doc-{step}-{i}" for i in range(8)]},
+            lambda batch: model(input_ids=batch["input_ids"], labels=batch["labels"]).loss,
+        )
     guard.close()
     return guard
 
@@ -50,8 +61,9 @@ def test_a_broken_embedding_row_is_named_with_its_token_and_the_only_sample_that
     guard = _train(tmp_path)
     assert len(guard.dumps) == 1
     out = tmp_path / "report"
-    result = CliRunner().invoke(main, ["replay", str(guard.dumps[0]), "--device", "cpu", "--no-rng-check",
-                                       "-o", str(out)])
+    result = CliRunner().invoke(
+        main, ["replay", str(guard.dumps[0]), "--device", "cpu", "--no-rng-check", "-o", str(out)]
+    )
     assert result.exit_code == 4, (result.stdout, result.stderr, result.exception)
     report = json.loads((out / "report.json").read_text())
     assert report["verdict"]["kind"] == "model_state"

@@ -27,8 +27,9 @@ def _env() -> dict:
 
 
 def test_device_side_assert_dumps_the_host_side_and_replays_to_the_sample_and_token(tmp_path):
-    job = subprocess.run([sys.executable, str(JOB), str(tmp_path / "dumps")], capture_output=True, text=True,
-                         env=_env(), timeout=300)
+    job = subprocess.run(
+        [sys.executable, str(JOB), str(tmp_path / "dumps")], capture_output=True, text=True, env=_env(), timeout=300
+    )
     assert job.returncode == 1, (job.returncode, job.stderr[-3000:])  # the job's own error; not 134 (abort)
     assert "terminate called" not in job.stderr and "device-side assert" in job.stderr, job.stderr[-3000:]
     (path,) = sorted((tmp_path / "dumps" / "assert").glob("step-*/rank-*"))
@@ -38,9 +39,26 @@ def test_device_side_assert_dumps_the_host_side_and_replays_to_the_sample_and_to
     assert dump.sample_ids(1) == [BAD - 2, BAD - 1, BAD, BAD + 1] and verify_dump(path).ok
 
     out = tmp_path / "report"
-    replay = subprocess.run([sys.executable, "-m", "forensics.cli", "replay", str(path), "--trust", "--path",
-                             str(REPO / "tests" / "replay"), "--device", "cuda:0", "-o", str(out)],
-                            capture_output=True, text=True, env=_env(), timeout=600)
+    replay = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "forensics.cli",
+            "replay",
+            str(path),
+            "--trust",
+            "--path",
+            str(REPO / "tests" / "replay"),
+            "--device",
+            "cuda:0",
+            "-o",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=600,
+    )
     assert replay.returncode == 0, replay.stdout[-3000:] + replay.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert report["verdict"]["kind"] == "exception" and report["reproduced"] is True
@@ -51,15 +69,25 @@ def test_device_side_assert_dumps_the_host_side_and_replays_to_the_sample_and_to
 def test_a_real_cuda_out_of_memory_from_one_long_sample_names_it_by_its_size(tmp_path):
     """One 100,000-token sample in a dynamically padded micro-batch on cuda:0: its eager attention needs hundreds
     of GB, so the allocation fails on any GPU. The dump carries the memory picture; replay names the sample by size."""
-    job = subprocess.run([sys.executable, str(REPO / "tests" / "replay" / "oom_job.py"), str(tmp_path / "dumps"),
-                          "cuda:0"], capture_output=True, text=True, env=_env(), timeout=300)
+    job = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "replay" / "oom_job.py"), str(tmp_path / "dumps"), "cuda:0"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+    )
     assert job.returncode == 1 and "OutOfMemoryError" in job.stderr, job.stderr[-3000:]
     path = tmp_path / "dumps" / "oom" / "step-000000002"
     dump = open_dump(path)
     assert dump.manifest["exception"]["memory"]["micro_batches"][1]["shapes"]["input_ids"] == [4, 100_000]
     out = tmp_path / "report"
-    replay = subprocess.run([sys.executable, "-m", "forensics.cli", "replay", str(path), "--device", "cuda:0",
-                             "-o", str(out)], capture_output=True, text=True, env=_env(), timeout=600)
+    replay = subprocess.run(
+        [sys.executable, "-m", "forensics.cli", "replay", str(path), "--device", "cuda:0", "-o", str(out)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=600,
+    )
     assert replay.returncode == 0, replay.stdout[-3000:] + replay.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert report["verdict"]["kind"] == "exception"

@@ -18,7 +18,7 @@ from capture.state.recipe import build_recipe
 from forensics.cli import main
 from forensics.recipes import DEFAULT_LOSS, HUGGINGFACE_FACTORY
 
-USER_MODULE = textwrap.dedent('''
+USER_MODULE = textwrap.dedent("""
     import torch
 
     class TinyRegressor(torch.nn.Module):
@@ -34,7 +34,7 @@ USER_MODULE = textwrap.dedent('''
 
     def mse(model, batch):
         return torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
-''')
+""")
 
 
 @pytest.fixture
@@ -52,15 +52,27 @@ def _train(module, tmp_path, loss_fn=None, recipe=None):
     torch.manual_seed(0)
     model = module.build()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="reg",
-                                                       detection=DetectionConfig(on_nonfinite="skip"),
-                                                       dumping=DumpConfig(recipe=recipe)), loss_fn=loss_fn)
+    guard = Guard(
+        model,
+        optimizer,
+        config=GuardConfig(
+            dump_dir=str(tmp_path / "dumps"),
+            run_id="reg",
+            detection=DetectionConfig(on_nonfinite="skip"),
+            dumping=DumpConfig(recipe=recipe),
+        ),
+        loss_fn=loss_fn,
+    )
     for step in range(4):
         x, y = torch.randn(8, 3), torch.randn(8, 1)
         if step == 2:
             x[5] = float("inf")
-        guarded_step(guard, optimizer, {"x": x, "y": y, "sample_ids": [f"row-{step * 8 + i}" for i in range(8)]},
-                     lambda batch: module.mse(model, batch))
+        guarded_step(
+            guard,
+            optimizer,
+            {"x": x, "y": y, "sample_ids": [f"row-{step * 8 + i}" for i in range(8)]},
+            lambda batch: module.mse(model, batch),
+        )
     guard.close()
     assert len(guard.dumps) == 1
     return guard.dumps[0]
@@ -70,8 +82,9 @@ def test_capture_warns_when_the_default_loss_cannot_serve_a_custom_model(user_mo
     caplog.set_level(logging.WARNING)
     dump = _train(user_module, tmp_path, recipe={"factory": "tinyreg_user:build"})
     assert "not a Hugging Face model" in caplog.text and "loss_fn" in caplog.text
-    result = CliRunner().invoke(main, ["replay", str(dump), "--device", "cpu", "--trust", "--path", str(tmp_path),
-                                       "-o", str(tmp_path / "r")])
+    result = CliRunner().invoke(
+        main, ["replay", str(dump), "--device", "cpu", "--trust", "--path", str(tmp_path), "-o", str(tmp_path / "r")]
+    )
     assert result.exit_code == 2, (result.stdout, result.stderr, result.exception)
     assert "--loss" in result.stderr and "Traceback" not in result.stderr
 
@@ -80,8 +93,21 @@ def test_a_recorded_loss_fn_replays_the_custom_model_to_the_sample(user_module, 
     caplog.set_level(logging.WARNING)
     dump = _train(user_module, tmp_path, loss_fn=user_module.mse, recipe={"factory": "tinyreg_user:build"})
     assert "not a Hugging Face model" not in caplog.text
-    result = CliRunner().invoke(main, ["replay", str(dump), "--device", "cpu", "--trust", "--path", str(tmp_path),
-                                       "-o", str(tmp_path / "r"), "--no-rng-check"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "replay",
+            str(dump),
+            "--device",
+            "cpu",
+            "--trust",
+            "--path",
+            str(tmp_path),
+            "-o",
+            str(tmp_path / "r"),
+            "--no-rng-check",
+        ],
+    )
     assert result.exit_code == 0, (result.stdout, result.stderr, result.exception)
     assert "'row-21'" in result.stdout
 
@@ -92,8 +118,21 @@ def test_a_loss_override_replaces_the_default_losss_kwargs(user_module, tmp_path
 
     recipe = open_dump(dump).recipe
     assert recipe["loss"] == "tinyreg_user:mse" and recipe["loss_kwargs"] == {} and recipe["source"] == "user"
-    result = CliRunner().invoke(main, ["replay", str(dump), "--device", "cpu", "--trust", "--path", str(tmp_path),
-                                       "-o", str(tmp_path / "r"), "--no-rng-check"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "replay",
+            str(dump),
+            "--device",
+            "cpu",
+            "--trust",
+            "--path",
+            str(tmp_path),
+            "-o",
+            str(tmp_path / "r"),
+            "--no-rng-check",
+        ],
+    )
     assert result.exit_code == 0, (result.stdout, result.stderr, result.exception)
 
 

@@ -16,7 +16,7 @@ from capture import DumpConfig, Guard, GuardConfig
 from forensics.cli import main
 from forensics.errors import TrainingFaultError
 
-MODEL = '''
+MODEL = """
 import torch
 
 
@@ -26,7 +26,7 @@ def build():
 
 def loss_fn(model, batch):
     return torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +41,14 @@ def diverged(tmp_path_factory):
     torch.manual_seed(0)
     model = job.build()
     optimizer = torch.optim.AdamW(model.parameters(), lr=300.0, fused=True)  # nothing planted: only the lr
-    guard = Guard(model, optimizer, loss_fn=job.loss_fn, config=GuardConfig(
-        dump_dir=str(root / "dumps"), run_id="lr", dumping=DumpConfig(recipe={"factory": "diverging_model:build"})))
+    guard = Guard(
+        model,
+        optimizer,
+        loss_fn=job.loss_fn,
+        config=GuardConfig(
+            dump_dir=str(root / "dumps"), run_id="lr", dumping=DumpConfig(recipe={"factory": "diverging_model:build"})
+        ),
+    )
     gen = torch.Generator().manual_seed(1)
     with pytest.raises(TrainingFaultError) as err:
         for step in range(200):
@@ -63,9 +69,24 @@ def diverged(tmp_path_factory):
 def test_a_norm_that_overflows_replays_as_a_diverged_state_with_the_learning_rate_advice(diverged):
     root, dump = diverged
     out = root / "report"
-    result = CliRunner().invoke(main, ["replay", str(dump), "--device", "cpu", "--path", str(root), "--no-rng-check",
-                                       "--factory", "diverging_model:build", "--loss", "diverging_model:loss_fn",
-                                       "-o", str(out)])
+    result = CliRunner().invoke(
+        main,
+        [
+            "replay",
+            str(dump),
+            "--device",
+            "cpu",
+            "--path",
+            str(root),
+            "--no-rng-check",
+            "--factory",
+            "diverging_model:build",
+            "--loss",
+            "diverging_model:loss_fn",
+            "-o",
+            str(out),
+        ],
+    )
     sys.modules.pop("diverging_model", None)
     assert (out / "report.json").exists(), (result.output, result.exception)
     report = json.loads((out / "report.json").read_text())

@@ -22,9 +22,13 @@ def embeds_steps(n_steps: int, poison_last: bool, batch: int = 4, seq: int = 8, 
     for s in range(n_steps):
         mbs = []
         for m in range(micro):
-            mbs.append({"inputs_embeds": torch.randn(batch, seq, 32, generator=g),
-                        "labels": torch.randint(0, 64, (batch, seq), generator=g),
-                        "sample_ids": [f"s{s}-m{m}-{i}" for i in range(batch)]})
+            mbs.append(
+                {
+                    "inputs_embeds": torch.randn(batch, seq, 32, generator=g),
+                    "labels": torch.randint(0, 64, (batch, seq), generator=g),
+                    "sample_ids": [f"s{s}-m{m}-{i}" for i in range(batch)],
+                }
+            )
         steps.append(mbs)
     if poison_last:
         m, i = POISONED
@@ -59,9 +63,15 @@ def test_guard_dump_replays_to_the_poisoned_sample(tmp_path, helpers, kit):
     assert fidelity["mode"] == "bitwise" and fidelity["bitwise_equal"] is True  # dropout RNG restored
     assert fidelity["replayed_losses"][0] == fidelity["recorded_losses"][0]
     assert report["verdict"]["kind"] == "bad_sample"
-    assert report["culprit"]["samples"] == [{"sample_id": "s3-m1-2", "micro_batch": 1, "index": 2, "rank": 0,
-                                             "description": "its inputs_embeds reaches 1e+38, 3.12e+37x the other "
-                                                            "samples' largest (3.2)"}]
+    assert report["culprit"]["samples"] == [
+        {
+            "sample_id": "s3-m1-2",
+            "micro_batch": 1,
+            "index": 2,
+            "rank": 0,
+            "description": "its inputs_embeds reaches 1e+38, 3.12e+37x the other samples' largest (3.2)",
+        }
+    ]
     assert report["culprit"]["phase"] == "forward"
     assert report["culprit"]["module"] == "transformer.h.0.ln_1"
     assert report["culprit"]["op"] == "aten::native_layer_norm"
@@ -72,8 +82,12 @@ def test_guard_dump_replays_to_the_poisoned_sample(tmp_path, helpers, kit):
 
 
 def test_dump_naming_foreign_code_needs_consent(tmp_path, helpers, kit):
-    dump_path = crash_and_dump(tmp_path, helpers, kit,
-                               {"dumping": DumpConfig(recipe={"factory": "not_ours.models:build", "factory_kwargs": {}})})
+    dump_path = crash_and_dump(
+        tmp_path,
+        helpers,
+        kit,
+        {"dumping": DumpConfig(recipe={"factory": "not_ours.models:build", "factory_kwargs": {}})},
+    )
     with pytest.raises(RecipeError) as err:
         run_replay(dump_path, ReplayOptions(device="cpu"))
     assert "not_ours.models:build" in str(err.value) and "--trust" in str(err.value)

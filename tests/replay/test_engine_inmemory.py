@@ -9,17 +9,24 @@ import torch
 from forensics.report.model import validate_report
 from replay.engine import ReplayOptions, run_session
 
-NAN_LOSS = {"kind": "nonfinite_loss", "value": float("nan"), "threshold": None, "micro_batch": 1,
-            "detail": "loss of micro-batch 1 is nan"}
+NAN_LOSS = {
+    "kind": "nonfinite_loss",
+    "value": float("nan"),
+    "threshold": None,
+    "micro_batch": 1,
+    "detail": "loss of micro-batch 1 is nan",
+}
 
 
 def replay(session, **options):
     stages = []
-    report = run_session(session, ReplayOptions(**options), progress=stages.append,
-                         dump_info={"path": "memory", "run_id": "test", "step": 7, "rank": 0, "world_size": 1,
-                                    "missing_ranks": []},
-                         history={"step": [4, 5, 6, 7], "loss": [4.2, 4.1, 4.15, float("inf")],
-                                  "grad_norm": [1.0, 1.1, 0.9, None]})
+    report = run_session(
+        session,
+        ReplayOptions(**options),
+        progress=stages.append,
+        dump_info={"path": "memory", "run_id": "test", "step": 7, "rank": 0, "world_size": 1, "missing_ranks": []},
+        history={"step": [4, 5, 6, 7], "loss": [4.2, 4.1, 4.15, float("inf")], "grad_norm": [1.0, 1.1, 0.9, None]},
+    )
     validate_report(report)
     json.dumps(report, allow_nan=False)  # JSON-safe: non-finite floats are strings
     assert stages and report["timings"]["passes"] > 0
@@ -34,8 +41,11 @@ def test_bad_sample_with_log_zero_in_the_loss(kit):
     assert report["reproduced"] is True and report["fidelity"]["bitwise_equal"] is True
     assert report["verdict"]["kind"] == "bad_sample"
     assert report["culprit"]["samples"] == [{"sample_id": "doc-1-2", "micro_batch": 1, "index": 2, "rank": 0}]
-    assert (report["culprit"]["module"], report["culprit"]["op"], report["culprit"]["phase"]) == \
-        ("<loss>", "aten::log", "forward")
+    assert (report["culprit"]["module"], report["culprit"]["op"], report["culprit"]["phase"]) == (
+        "<loss>",
+        "aten::log",
+        "forward",
+    )
     assert report["bisection"]["runs"] <= report["bisection"]["budget"]
     assert report["bisection"]["candidates"] == 8
     assert "doc-1-2" in report["verdict"]["headline"]
@@ -69,8 +79,13 @@ def test_fp16_overflow_of_one_sample_is_numerical_precision(kit):
 def test_adam_eps_zero_update_is_optimizer_update(kit):
     model = kit.build_gpt2()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, eps=0.0)
-    trigger = {"kind": "nonfinite_param", "value": float("nan"), "threshold": None, "micro_batch": None,
-               "detail": "the optimizer update made a parameter non-finite"}
+    trigger = {
+        "kind": "nonfinite_param",
+        "value": float("nan"),
+        "threshold": None,
+        "micro_batch": None,
+        "detail": "the optimizer update made a parameter non-finite",
+    }
     session = kit.make_session(model, kit.build_batches(poison=False), optimizer=optimizer, trigger=trigger)
 
     report = replay(session)
@@ -126,8 +141,13 @@ class WhereSqrt(torch.nn.Module):
 def test_nan_gradients_for_every_sample_point_at_the_module_not_the_data(kit):
     model = kit.build_gpt2()
     model.transformer.h[1].mlp.act = WhereSqrt()
-    trigger = {"kind": "nonfinite_grad", "value": float("nan"), "threshold": None, "micro_batch": None,
-               "detail": "gradient norm is nan with a finite loss"}
+    trigger = {
+        "kind": "nonfinite_grad",
+        "value": float("nan"),
+        "threshold": None,
+        "micro_batch": None,
+        "detail": "gradient norm is nan with a finite loss",
+    }
     session = kit.make_session(model, kit.build_batches(poison=False), trigger=trigger)
 
     report = replay(session)
@@ -151,9 +171,14 @@ def test_options_switch_stages_off(kit, bisect):
 
 def embeds_batches(culprit_scale: float | None):
     g = torch.Generator().manual_seed(3)
-    batches = [{"inputs_embeds": torch.randn(4, 8, 32, generator=g),
-                "labels": torch.randint(0, 64, (4, 8), generator=g),
-                "sample_ids": [f"m{m}-{i}" for i in range(4)]} for m in range(2)]
+    batches = [
+        {
+            "inputs_embeds": torch.randn(4, 8, 32, generator=g),
+            "labels": torch.randint(0, 64, (4, 8), generator=g),
+            "sample_ids": [f"m{m}-{i}" for i in range(4)],
+        }
+        for m in range(2)
+    ]
     if culprit_scale is not None:
         batches[1]["inputs_embeds"][2] *= culprit_scale
     return batches
@@ -169,8 +194,9 @@ def test_loss_spike_culprit_is_the_sample_whose_removal_ends_it(kit):
     from replay.run.execute import StepRunner
 
     model = kit.build_gpt2()
-    healthy = StepRunner(kit.make_session(model, embeds_batches(None), loss_fn=activation_penalty_loss,
-                                          record=False)).run(backward=False)
+    healthy = StepRunner(
+        kit.make_session(model, embeds_batches(None), loss_fn=activation_penalty_loss, record=False)
+    ).run(backward=False)
     threshold = 1.5 * healthy.step_loss  # what the Guard's detector would have learnt from healthy steps
     trigger = {"kind": "loss_spike", "value": None, "threshold": threshold, "micro_batch": 1, "detail": "spike"}
     session = kit.make_session(model, embeds_batches(50.0), loss_fn=activation_penalty_loss, trigger=trigger)

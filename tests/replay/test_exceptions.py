@@ -25,8 +25,16 @@ REPO = Path(__file__).resolve().parents[2]
 
 def tiny_gpt2(vocab: int = 64):
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=vocab, n_positions=16,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = transformers.GPT2Config(
+        n_layer=1,
+        n_embd=16,
+        n_head=2,
+        vocab_size=vocab,
+        n_positions=16,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return transformers.GPT2LMHeadModel(config)
 
 
@@ -48,8 +56,9 @@ def test_out_of_range_token_ids_dumped_and_replayed_to_the_sample_and_the_value(
                     ids = torch.randint(0, 64, (4, 8), generator=data)
                     if step == 4 and mb == bad_mb:
                         ids[2, 6] = 300
-                    guard.record_batch({"input_ids": ids, "labels": ids,
-                                        "sample_ids": [f"doc-{step}-{mb}-{i}" for i in range(4)]})
+                    guard.record_batch(
+                        {"input_ids": ids, "labels": ids, "sample_ids": [f"doc-{step}-{mb}-{i}" for i in range(4)]}
+                    )
                     loss = model(input_ids=ids, labels=ids).loss
                     guard.record_loss(loss)
                     (loss / 2).backward()
@@ -94,8 +103,14 @@ def test_a_sample_longer_than_the_context_is_named_though_padding_makes_every_su
                     ids[i, :n] = torch.randint(1, 64, (n,), generator=data)
                     mask[i, :n] = 1
                 labels = ids.masked_fill(mask == 0, -100)
-                guard.record_batch({"input_ids": ids, "attention_mask": mask, "labels": labels,
-                                    "sample_ids": [f"doc-{step}-{i}" for i in range(4)]})
+                guard.record_batch(
+                    {
+                        "input_ids": ids,
+                        "attention_mask": mask,
+                        "labels": labels,
+                        "sample_ids": [f"doc-{step}-{i}" for i in range(4)],
+                    }
+                )
                 loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
                 guard.record_loss(loss)
                 loss.backward()
@@ -111,13 +126,15 @@ def test_a_sample_longer_than_the_context_is_named_though_padding_makes_every_su
     assert culprit["sample_id"] == "doc-2-1"
     assert culprit["description"] == "it is 24 tokens long, beyond the model's 16 positions"
     assert report["culprit"]["module"] == "transformer.wpe"
-    assert ("position 16 \u2265 the model's 16 positions (its context length): the micro-batch is 24 tokens long"
-            in report["verdict"]["headline"])
+    assert (
+        "position 16 \u2265 the model's 16 positions (its context length): the micro-batch is 24 tokens long"
+        in report["verdict"]["headline"]
+    )
     assert not any("vocabulary" in s for s in report["verdict"]["suggestions"])  # not a tokenizer mismatch
     assert "there is no value to compare bit for bit" in result.output
 
 
-LABEL_MODEL = textwrap.dedent('''
+LABEL_MODEL = textwrap.dedent("""
     import torch
 
     def build():
@@ -126,9 +143,9 @@ LABEL_MODEL = textwrap.dedent('''
 
     def xent(model, batch):
         return torch.nn.functional.cross_entropy(model(batch["x"]), batch["y"])
-''')
+""")
 
-LABEL_JOB = textwrap.dedent('''
+LABEL_JOB = textwrap.dedent("""
     import sys, torch
     from capture import DumpConfig, Guard, GuardConfig
     from labelmodel import build, xent
@@ -150,7 +167,7 @@ LABEL_JOB = textwrap.dedent('''
         if guard.check():
             optimizer.step()
         optimizer.zero_grad()
-''')
+""")
 
 
 def test_an_uncaught_exception_is_dumped_by_the_excepthook_and_replays_to_the_label(tmp_path):
@@ -159,8 +176,18 @@ def test_an_uncaught_exception_is_dumped_by_the_excepthook_and_replays_to_the_la
     env = {"PYTHONPATH": f"{REPO}:{tmp_path}", "PATH": "/usr/bin:/bin"}
     # `python labeljob.py`: a process of its own (forked from the session's server), its uncaught exception reaching
     # sys.excepthook as the interpreter's top level hands it over
-    done = fork_server().shared(REPO).run(tmp_path / "labeljob.py", [tmp_path / "dumps"], cwd=str(tmp_path), env=env,
-                                          out_dir=tmp_path / "output", timeout=300)
+    done = (
+        fork_server()
+        .shared(REPO)
+        .run(
+            tmp_path / "labeljob.py",
+            [tmp_path / "dumps"],
+            cwd=str(tmp_path),
+            env=env,
+            out_dir=tmp_path / "output",
+            timeout=300,
+        )
+    )
     assert done.returncode == 1 and "IndexError" in done.stderr and "Target 12 is out of bounds" in done.stderr
     step = tmp_path / "dumps" / "labels" / "step-000000003"
     assert step.is_dir(), done.stderr[-3000:]
@@ -176,8 +203,15 @@ def test_a_malformed_record_shape_error_names_the_module_whatever_the_samples(tm
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="shape",
-                                                       dumping=DumpConfig(recipe={"factory": "torch.nn:Identity"})))
+    guard = Guard(
+        model,
+        optimizer,
+        config=GuardConfig(
+            dump_dir=str(tmp_path / "dumps"),
+            run_id="shape",
+            dumping=DumpConfig(recipe={"factory": "torch.nn:Identity"}),
+        ),
+    )
     with pytest.raises(RuntimeError):
         for step in range(3):
             with guard.capture_errors():
@@ -194,10 +228,22 @@ def test_a_malformed_record_shape_error_names_the_module_whatever_the_samples(tm
 
 
 def test_an_exception_on_one_rank_of_two_does_not_hang_and_its_dump_replays(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(REPO / "tests" / "integrations" / "raise_worker.py"), str(tmp_path / "dumps")],
-                          cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=420)  # 420 s: slow under load, not hung
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(REPO / "tests" / "integrations" / "raise_worker.py"),
+            str(tmp_path / "dumps"),
+        ],
+        cwd=REPO,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )  # 420 s: slow under load, not hung
     assert done.returncode != 0
     rank1 = tmp_path / "dumps" / "raise" / "step-000000002" / "rank-00001"
     assert rank1.is_dir(), done.stdout[-2000:] + done.stderr[-4000:]
@@ -218,13 +264,28 @@ def test_an_exception_on_one_rank_of_two_does_not_hang_and_its_dump_replays(tmp_
 def test_ranks_of_an_fsdp2_job_that_raise_mid_forward_write_a_complete_sharded_dump(tmp_path):
     """FSDP2: both ranks raise in the embedding's forward (root parameters gathered at that moment); each writes
     its own shards with no collective, and the step dump replays to the bad record."""
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(REPO / "tests" / "integrations" / "raise_worker.py"), str(tmp_path / "dumps"), "fsdp2"],
-                          cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=420)  # 420 s: slow under load, not hung
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(REPO / "tests" / "integrations" / "raise_worker.py"),
+            str(tmp_path / "dumps"),
+            "fsdp2",
+        ],
+        cwd=REPO,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )  # 420 s: slow under load, not hung
     assert done.returncode != 0
     step = tmp_path / "dumps" / "raise" / "step-000000002"
-    assert sorted(p.name for p in step.iterdir()) == ["rank-00000", "rank-00001"], done.stdout[-2000:] + done.stderr[-4000:]
+    assert sorted(p.name for p in step.iterdir()) == ["rank-00000", "rank-00001"], (
+        done.stdout[-2000:] + done.stderr[-4000:]
+    )
     dumps = verify_dump(step)
     assert dumps.ok, [str(p) for p in dumps.problems]
     assert all(d.sharded and d.manifest["exception"]["type"] == "IndexError" for d in dumps.dumps)
@@ -245,9 +306,18 @@ def _capped(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     """`python ARGS` (a script, or `--cli` and the forensics CLI's arguments) capped at MEMORY_CAP bytes of address
     space: a process of its own, forked from the test session's server (tests/replay/capped.py)."""
     env = {**__import__("os").environ, "PYTHONPATH": str(REPO)}
-    done = fork_server().shared(REPO).run(REPO / "tests" / "replay" / "capped.py", [MEMORY_CAP, *args], cwd=str(cwd),
-                                          env=env, out_dir=cwd / f"output-{Path(args[0]).stem.strip('-')}",
-                                          timeout=300)
+    done = (
+        fork_server()
+        .shared(REPO)
+        .run(
+            REPO / "tests" / "replay" / "capped.py",
+            [MEMORY_CAP, *args],
+            cwd=str(cwd),
+            env=env,
+            out_dir=cwd / f"output-{Path(args[0]).stem.strip('-')}",
+            timeout=300,
+        )
+    )
     return subprocess.CompletedProcess(args, done.returncode, done.stdout, done.stderr)
 
 
@@ -265,8 +335,9 @@ def test_out_of_memory_from_one_long_sample_names_it_by_its_size(tmp_path):
     assert recorded["memory"]["host"]["rss"] > 0
 
     out = tmp_path / "report"
-    replayed = _capped(["--cli", "replay", str(dump.path),
-                        "--device", "cpu", "--no-rng-check", "--trust", "-o", str(out)], tmp_path)
+    replayed = _capped(
+        ["--cli", "replay", str(dump.path), "--device", "cpu", "--no-rng-check", "--trust", "-o", str(out)], tmp_path
+    )
     assert replayed.returncode == 0, replayed.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert report["verdict"]["kind"] == "exception" and report["reproduced"] is True
@@ -294,9 +365,18 @@ def test_a_cuda_error_leaves_what_the_host_holds_and_replays_from_the_host_snaps
     bad = (5 * 2 + 1) * 4 + 2  # step 5, micro-batch 1, row 2
     model = tiny_gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    guard = Guard(model, optimizer, config=GuardConfig(
-        dump_dir=str(tmp_path / "dumps"), run_id="cuda", recording=RecordConfig(snapshot_every=2, window_steps=8),
-        dumping=DumpConfig(data_recipe={"dataset": "token_job:make_dataset", "dataset_kwargs": {"n": 96, "bad": bad}})))
+    guard = Guard(
+        model,
+        optimizer,
+        config=GuardConfig(
+            dump_dir=str(tmp_path / "dumps"),
+            run_id="cuda",
+            recording=RecordConfig(snapshot_every=2, window_steps=8),
+            dumping=DumpConfig(
+                data_recipe={"dataset": "token_job:make_dataset", "dataset_kwargs": {"n": 96, "bad": bad}}
+            ),
+        ),
+    )
     loader = iter(torch.utils.data.DataLoader(token_job.make_dataset(96, bad), batch_size=4))
     with pytest.raises(RuntimeError, match="device-side assert"):
         for _step in range(8):
@@ -307,8 +387,10 @@ def test_a_cuda_error_leaves_what_the_host_holds_and_replays_from_the_host_snaps
                     try:
                         loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
                     except IndexError as exc:  # what the same forward raises on a GPU
-                        raise RuntimeError("CUDA error: device-side assert triggered\nCUDA kernel errors might be "
-                                           "asynchronously reported at some other API call") from exc
+                        raise RuntimeError(
+                            "CUDA error: device-side assert triggered\nCUDA kernel errors might be "
+                            "asynchronously reported at some other API call"
+                        ) from exc
                     guard.record_loss(loss)
                     (loss / 2).backward()
                 if guard.check():

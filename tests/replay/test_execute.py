@@ -66,8 +66,9 @@ def test_loss_scale_is_applied_and_removed_like_grad_scaler(kit):
     model = kit.build_gpt2(dropout=0.0)
     batches = kit.build_batches(poison=False)
     plain = StepRunner(kit.make_session(model, batches, record=False)).run()
-    scaled = StepRunner(kit.make_session(model, batches, record=False,
-                                     scaler_state={"scale": 1024.0, "growth_factor": 2.0})).run()
+    scaled = StepRunner(
+        kit.make_session(model, batches, record=False, scaler_state={"scale": 1024.0, "growth_factor": 2.0})
+    ).run()
     # a power-of-two scale multiplies and divides exactly: the gradients are bitwise the same
     assert scaled.grad_norm == plain.grad_norm and scaled.losses == plain.losses
 
@@ -85,25 +86,45 @@ def test_fp32_run_puts_every_tensor_back_in_its_own_dtype(kit):
 
 
 def test_trigger_semantics(kit):
-    r = StepResult(losses=[1.0, 3.0], grad_norm=5.0, loss_finite=True, grads_finite=True, params_finite=True,
-                   step_loss=2.0, micro_batches_run=2, micro_batches_total=2)
+    r = StepResult(
+        losses=[1.0, 3.0],
+        grad_norm=5.0,
+        loss_finite=True,
+        grads_finite=True,
+        params_finite=True,
+        step_loss=2.0,
+        micro_batches_run=2,
+        micro_batches_total=2,
+    )
     assert not r.trigger_reproduced("nonfinite_loss")
     assert r.trigger_reproduced("loss_spike", 1.5) and not r.trigger_reproduced("loss_spike", 2.5)
     assert r.trigger_reproduced("grad_norm_spike", 4.0) and not r.trigger_reproduced("grad_norm_spike", 6.0)
     # a run of one micro-batch of two stands for a step twice its (divisor-diluted) size
-    half = StepResult(losses=[None, 3.0], grad_norm=2.5, loss_finite=True, grads_finite=True, params_finite=True,
-                      step_loss=1.5, micro_batches_run=1, micro_batches_total=2)
+    half = StepResult(
+        losses=[None, 3.0],
+        grad_norm=2.5,
+        loss_finite=True,
+        grads_finite=True,
+        params_finite=True,
+        step_loss=1.5,
+        micro_batches_run=1,
+        micro_batches_total=2,
+    )
     assert half.comparable_loss == 3.0 and half.comparable_grad_norm == 5.0
     assert half.trigger_reproduced("loss_spike", 2.5) and half.trigger_reproduced("grad_norm_spike", 4.0)
-    bad = StepResult(losses=[float("nan")], grad_norm=float("nan"), loss_finite=False, grads_finite=False,
-                     params_finite=False)
+    bad = StepResult(
+        losses=[float("nan")], grad_norm=float("nan"), loss_finite=False, grads_finite=False, params_finite=False
+    )
     assert all(bad.trigger_reproduced(k) for k in ("nonfinite_loss", "nonfinite_grad", "nonfinite_param"))
 
 
 def test_not_reproduced_reports_the_numbers(kit):
     model = kit.build_gpt2()
-    session = kit.make_session(model, kit.build_batches(poison=False),
-                           trigger={"kind": "nonfinite_loss", "value": float("nan"), "micro_batch": 1})
+    session = kit.make_session(
+        model,
+        kit.build_batches(poison=False),
+        trigger={"kind": "nonfinite_loss", "value": float("nan"), "micro_batch": 1},
+    )
     rep = reproduce(StepRunner(session), max_attempts=3)
     assert rep.reproduced is False
     assert rep.attempts == 1  # CPU is deterministic: a second try would give the same numbers
@@ -127,9 +148,11 @@ def test_multi_rank_dump_compares_losses_only(kit):
     from forensics.report import render_verdict_text
     from replay.engine import ReplayOptions, run_session
 
-    session = kit.make_session(kit.build_gpt2(dropout=0.0), kit.build_batches(poison=False),
-                               trigger={"kind": "nonfinite_loss", "value": None, "threshold": None,
-                                        "micro_batch": None})
+    session = kit.make_session(
+        kit.build_gpt2(dropout=0.0),
+        kit.build_batches(poison=False),
+        trigger={"kind": "nonfinite_loss", "value": None, "threshold": None, "micro_batch": None},
+    )
     session.recorded_grad_norm = session.recorded_grad_norm * 0.7  # another value (not x a recorded factor)
     alone = reproduce(StepRunner(session)).fidelity
     assert alone["bitwise_equal"] is False and alone["grad_norm_compared"] is True
@@ -140,11 +163,11 @@ def test_multi_rank_dump_compares_losses_only(kit):
     assert fidelity["grad_norm_compared"] is False and "2 ranks" in fidelity["grad_norm_reason"]
     assert fidelity["recorded_grad_norm"] != fidelity["replayed_grad_norm"]
 
-    poisoned = kit.make_session(kit.build_gpt2(dropout=0.0), kit.build_batches(poison=True),
-                                loss_fn=kit.log_zero_loss)
+    poisoned = kit.make_session(kit.build_gpt2(dropout=0.0), kit.build_batches(poison=True), loss_fn=kit.log_zero_loss)
     poisoned.recorded_grad_norm, poisoned.world_size = 3.0, 4  # finite all-rank norm, NaN on this rank
-    report = run_session(poisoned, ReplayOptions(device="cpu", bisect=False, fp32_check=False,
-                                                 rng_check=False, max_per_sample=0))
+    report = run_session(
+        poisoned, ReplayOptions(device="cpu", bisect=False, fp32_check=False, rng_check=False, max_per_sample=0)
+    )
     assert report["reproduced"] is True and report["fidelity"]["bitwise_equal"] is True
     assert report["dump"]["world_size"] == 4
     assert "Grad norm not compared: the recorded grad norm covers all 4 ranks" in render_verdict_text(report)

@@ -38,14 +38,37 @@ class Net(torch.nn.Module):
 
 
 def _units(**root) -> list[FsdpUnit]:
-    rows = [{"module": "", "param_dtype": "bfloat16", "reduce_dtype": "float32", "output_dtype": None,
-             "cast_forward_inputs": True, **root},
-            {"module": "blocks.0", "param_dtype": "bfloat16", "reduce_dtype": "float32", "output_dtype": None,
-             "cast_forward_inputs": True},
-            {"module": "blocks.1", "param_dtype": "float32", "reduce_dtype": "float32", "output_dtype": "float32",
-             "cast_forward_inputs": True},  # a unit kept in fp32 (a norm, a router)
-            {"module": "no.such.module", "param_dtype": "float16", "reduce_dtype": None, "output_dtype": None,
-             "cast_forward_inputs": True}]
+    rows = [
+        {
+            "module": "",
+            "param_dtype": "bfloat16",
+            "reduce_dtype": "float32",
+            "output_dtype": None,
+            "cast_forward_inputs": True,
+            **root,
+        },
+        {
+            "module": "blocks.0",
+            "param_dtype": "bfloat16",
+            "reduce_dtype": "float32",
+            "output_dtype": None,
+            "cast_forward_inputs": True,
+        },
+        {
+            "module": "blocks.1",
+            "param_dtype": "float32",
+            "reduce_dtype": "float32",
+            "output_dtype": "float32",
+            "cast_forward_inputs": True,
+        },  # a unit kept in fp32 (a norm, a router)
+        {
+            "module": "no.such.module",
+            "param_dtype": "float16",
+            "reduce_dtype": None,
+            "output_dtype": None,
+            "cast_forward_inputs": True,
+        },
+    ]
     return parse_units(rows)
 
 
@@ -77,12 +100,15 @@ def test_the_parameters_come_back_when_the_step_raises():
     assert not net.blocks[0]._forward_pre_hooks
 
 
-@pytest.mark.parametrize("unit, field", [
-    ({"module": 3}, "precision.fsdp[0].module"),
-    ({"module": "", "param_dtype": "int8"}, "precision.fsdp[0].param_dtype"),
-    ({"module": "", "cast_forward_inputs": "yes"}, "precision.fsdp[0].cast_forward_inputs"),
-    ("not a unit", "precision.fsdp[0]"),
-])
+@pytest.mark.parametrize(
+    "unit, field",
+    [
+        ({"module": 3}, "precision.fsdp[0].module"),
+        ({"module": "", "param_dtype": "int8"}, "precision.fsdp[0].param_dtype"),
+        ({"module": "", "cast_forward_inputs": "yes"}, "precision.fsdp[0].cast_forward_inputs"),
+        ("not a unit", "precision.fsdp[0]"),
+    ],
+)
 def test_a_malformed_fsdp_policy_in_the_manifest_exits_2_naming_the_field(helpers, tmp_path, unit, field):
     path = helpers.write_synthetic_dump(tmp_path)
     manifest = json.loads((path / "manifest.json").read_text())
@@ -114,8 +140,12 @@ def test_the_fp32_rerun_leaves_a_complex_rotary_buffer_complex():
     torch.manual_seed(0)
     model = Rotary()
     table = model.freqs_cis.clone()
-    session = session_from_objects(model, [{"x": torch.randn(2, 4)}], loss_fn=lambda m, b: m(b["x"]),
-                                   autocast={"enabled": True, "device_type": "cpu", "dtype": "bfloat16"})
+    session = session_from_objects(
+        model,
+        [{"x": torch.randn(2, 4)}],
+        loss_fn=lambda m, b: m(b["x"]),
+        autocast={"enabled": True, "device_type": "cpu", "dtype": "bfloat16"},
+    )
     runner = StepRunner(session)
     first = runner.run().losses
     runner.run(fp32=True)

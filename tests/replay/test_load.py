@@ -11,7 +11,7 @@ from replay.load.environment import deterministic_mode, environment_warnings, re
 from replay.load.optimizer_state import MASTER_KEY, OptimizerSnapshot
 from replay.load.recipe import optimizer_class, resolve_recipe
 
-EVIL = '''
+EVIL = """
 import pathlib
 pathlib.Path({marker!r}).write_text("imported")
 
@@ -21,7 +21,7 @@ def build(**kwargs):
 
 def loss(model, batch):
     return model(batch).sum()
-'''
+"""
 
 
 @pytest.fixture
@@ -74,9 +74,12 @@ def test_trust_or_user_named_factory_imports(evil_module):
 
 def test_builtin_recipe_needs_no_trust(kit):
     config = kit.build_gpt2().config.to_dict()
-    recipe = {"factory": "forensics.recipes:huggingface_model",
-              "factory_kwargs": {"architecture": "GPT2LMHeadModel", "config": config},
-              "loss": "forensics.recipes:default_loss", "loss_kwargs": {"ignore_keys": ["sample_ids"]}}
+    recipe = {
+        "factory": "forensics.recipes:huggingface_model",
+        "factory_kwargs": {"architecture": "GPT2LMHeadModel", "config": config},
+        "loss": "forensics.recipes:default_loss",
+        "loss_kwargs": {"ignore_keys": ["sample_ids"]},
+    }
 
     resolved = resolve_recipe(recipe)
 
@@ -139,8 +142,9 @@ def test_deterministic_mode_is_restored():
 
 
 def test_environment_warnings_name_what_differs():
-    warnings = environment_warnings({"torch": "2.0.0", "gpus": [{"name": "NVIDIA H100", "sm_count": 132}]},
-                                    torch.device("cpu"))
+    warnings = environment_warnings(
+        {"torch": "2.0.0", "gpus": [{"name": "NVIDIA H100", "sm_count": 132}]}, torch.device("cpu")
+    )
     assert any("torch differs" in w and "2.0.0" in w for w in warnings)
     assert any("NVIDIA H100" in w and "CPU" in w for w in warnings)
     assert environment_warnings({"torch": torch.__version__, "gpus": []}, torch.device("cpu")) == []
@@ -150,11 +154,20 @@ def test_deepspeed_fp32_master_is_set_aside_and_a_bf16_model_gets_a_working_opti
     """A DeepSpeed bf16 dump carries `fp32_master` per parameter: it never reaches the torch optimizer."""
     model = torch.nn.Linear(3, 2).to(torch.bfloat16)
     names = [n for n, _ in model.named_parameters()]
-    state = {n: {"step": torch.tensor(4.0), "exp_avg": torch.full(p.shape, 0.1),
-                 "exp_avg_sq": torch.full(p.shape, 0.01), MASTER_KEY: p.detach().float() + 1e-3}
-             for n, p in model.named_parameters()}
-    snapshot = OptimizerSnapshot(torch.optim.AdamW, [{"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8,
-                                                      "weight_decay": 0.0, "params": names}], state)
+    state = {
+        n: {
+            "step": torch.tensor(4.0),
+            "exp_avg": torch.full(p.shape, 0.1),
+            "exp_avg_sq": torch.full(p.shape, 0.01),
+            MASTER_KEY: p.detach().float() + 1e-3,
+        }
+        for n, p in model.named_parameters()
+    }
+    snapshot = OptimizerSnapshot(
+        torch.optim.AdamW,
+        [{"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "params": names}],
+        state,
+    )
     assert sorted(snapshot.masters) == sorted(names)
     assert snapshot.masters["weight"].dtype == torch.float32
     assert all(MASTER_KEY not in entries for entries in snapshot.state.values())
@@ -170,8 +183,11 @@ def _nan_step_dump(tmp_path, model) -> str:
     from capture import DetectionConfig, Guard, GuardConfig
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="nan",
-                                                       detection=DetectionConfig(on_nonfinite="skip")))
+    guard = Guard(
+        model,
+        optimizer,
+        config=GuardConfig(dump_dir=str(tmp_path), run_id="nan", detection=DetectionConfig(on_nonfinite="skip")),
+    )
     ids = torch.randint(0, 64, (2, 8))
     guard.record_batch({"input_ids": ids, "labels": ids, "sample_ids": ["a", "b"]})
     loss = model(input_ids=ids, labels=ids).loss * float("nan")
@@ -220,9 +236,12 @@ def test_a_buffer_derived_from_a_parameter_at_init_falls_back_to_a_normal_build(
 
     model = _DerivedBuffer()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="derived",
-                                                       detection=DetectionConfig(on_nonfinite="skip")),
-                  loss_fn=_derived_loss)
+    guard = Guard(
+        model,
+        optimizer,
+        config=GuardConfig(dump_dir=str(tmp_path), run_id="derived", detection=DetectionConfig(on_nonfinite="skip")),
+        loss_fn=_derived_loss,
+    )
     x = torch.tensor([1.0, float("nan"), 2.0])
     guard.record_batch({"x": x.unsqueeze(0)}, sample_ids=["only"])
     loss = _derived_loss(model, {"x": x.unsqueeze(0)})
@@ -230,8 +249,12 @@ def test_a_buffer_derived_from_a_parameter_at_init_falls_back_to_a_normal_build(
     loss.backward()
     guard.check()
     guard.close()
-    session = load_session(open_dump(guard.dumps[0]), device="cpu", factory=f"{__name__}:build_derived_buffer",
-                           loss=f"{__name__}:_derived_loss")
+    session = load_session(
+        open_dump(guard.dumps[0]),
+        device="cpu",
+        factory=f"{__name__}:build_derived_buffer",
+        loss=f"{__name__}:_derived_loss",
+    )
     assert not session.model.scale.is_meta and torch.equal(session.model.scale, torch.full((3,), 2.0))
 
 

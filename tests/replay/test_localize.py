@@ -34,8 +34,9 @@ def test_forward_names_the_embedding_whose_weight_row_is_inf(kit):
 
 
 def test_forward_names_aten_log_in_a_custom_loss(kit):
-    runner = StepRunner(kit.make_session(kit.build_gpt2(), kit.build_batches(), loss_fn=kit.log_zero_loss,
-                                         record=False))
+    runner = StepRunner(
+        kit.make_session(kit.build_gpt2(), kit.build_batches(), loss_fn=kit.log_zero_loss, record=False)
+    )
 
     finding = localize_forward(runner)
 
@@ -54,8 +55,9 @@ def masked_softmax_loss(model, batch):
 
 
 def test_neg_inf_from_mask_ops_is_allowed_unless_asked(kit):
-    runner = StepRunner(kit.make_session(kit.build_gpt2(), kit.build_batches(poison=False),
-                                         loss_fn=masked_softmax_loss, record=False))
+    runner = StepRunner(
+        kit.make_session(kit.build_gpt2(), kit.build_batches(poison=False), loss_fn=masked_softmax_loss, record=False)
+    )
     assert runner.run(backward=False).loss_finite
     assert localize_forward(runner) is None
     strict = localize_forward(runner, allow_neg_inf_masks=False)
@@ -135,8 +137,15 @@ class HalfScale(torch.nn.Module):
 def test_fp16_overflow_is_localised_and_vanishes_in_fp32(kit):
     model = poisoned_embedding_model(kit, 100.0)  # finite, but 100 * 1e3 > 65504
     model.transformer.wte = torch.nn.Sequential(model.transformer.wte, HalfScale())
-    runner = StepRunner(kit.make_session(model, kit.build_batches(), autocast_dtype=torch.float16, record=False,
-                                         trigger={"kind": "nonfinite_loss", "micro_batch": 1}))
+    runner = StepRunner(
+        kit.make_session(
+            model,
+            kit.build_batches(),
+            autocast_dtype=torch.float16,
+            record=False,
+            trigger={"kind": "nonfinite_loss", "micro_batch": 1},
+        )
+    )
     assert not runner.run().loss_finite
 
     finding = localize_forward(runner)
@@ -147,8 +156,12 @@ def test_fp16_overflow_is_localised_and_vanishes_in_fp32(kit):
     culprit = [SampleRef(*kit.POISONED)]
     block = fp32_check(runner, culprit)
     ran = block.pop("fp32_ran")
-    assert block == {"autocast_dtype": "float16", "fp32_reproduces": False, "param_dtype": "float32",
-                     "grad_scaler": False}
+    assert block == {
+        "autocast_dtype": "float16",
+        "fp32_reproduces": False,
+        "param_dtype": "float32",
+        "grad_scaler": False,
+    }
     assert ran["verified"] and ran["ops"]["float32"] > 0 and set(ran["ops"]) == {"float32"}  # it ran as it says
     assert runner.run(culprit).trigger_reproduced("nonfinite_loss")  # still fails under fp16
 
@@ -159,8 +172,14 @@ def test_a_batch_input_that_is_already_non_finite_is_named_as_the_source(kit):
     from replay.run.execute import StepRunner
 
     model = kit.build_gpt2()
-    batches = [{"inputs_embeds": model.transformer.wte(b["input_ids"]).detach(), "labels": b["labels"],
-                "sample_ids": b["sample_ids"]} for b in kit.build_batches(poison=False)]
+    batches = [
+        {
+            "inputs_embeds": model.transformer.wte(b["input_ids"]).detach(),
+            "labels": b["labels"],
+            "sample_ids": b["sample_ids"],
+        }
+        for b in kit.build_batches(poison=False)
+    ]
     batches[1]["inputs_embeds"][2, 3, 0] = float("nan")
 
     def embeds_loss(m, batch):

@@ -80,8 +80,7 @@ def test_the_dump_holds_the_script_and_names_it(script_dump):
     manifest = json.loads((script_dump / "manifest.json").read_text())
     recipe = manifest["recipe"]
     assert recipe["loss"] == "__main__:lm_loss" and recipe["factory"] == "__main__:build"
-    assert recipe["script"] == {"file": "main_script.py", "name": "train.py", "globals": {"WIDTH": 3},
-                                "unrecorded": {}}
+    assert recipe["script"] == {"file": "main_script.py", "name": "train.py", "globals": {"WIDTH": 3}, "unrecorded": {}}
     assert (script_dump / "main_script.py").read_text() == SCRIPT
 
 
@@ -89,8 +88,9 @@ def test_replay_with_trust_defines_the_functions_without_training_again(script_d
     monkeypatch.chdir(tmp_path)  # a training run re-executed here would write ./dumps and print TRAINING
     before = dumps_under(tmp_path) + dumps_under(script_dump.parents[2])
     out = tmp_path / "report"
-    result = CliRunner().invoke(main, ["replay", str(script_dump), "--device", "cpu", "--trust", "--no-rng-check",
-                                       "-o", str(out)])
+    result = CliRunner().invoke(
+        main, ["replay", str(script_dump), "--device", "cpu", "--trust", "--no-rng-check", "-o", str(out)]
+    )
     assert result.exit_code == 0, (result.stdout, result.stderr, result.exception)
     assert "TRAINING" not in result.stdout + result.stderr
     assert dumps_under(tmp_path) + dumps_under(script_dump.parents[2]) == before
@@ -110,14 +110,14 @@ def test_without_trust_it_exits_2_and_says_exactly_what_to_pass(script_dump, tmp
 
 
 def test_a_function_that_needs_what_the_training_code_computes_is_refused_with_what_to_pass():
-    source = textwrap.dedent('''
+    source = textwrap.dedent("""
         import torch
         criterion = torch.nn.MSELoss()          # a call at top level: not run at replay
         def lm_loss(model, batch):
             return criterion(model(batch["x"]), batch["y"])
         for epoch in range(100):
             print("TRAINING")
-    ''').encode()
+    """).encode()
     with pytest.raises(RecipeError) as refused:
         define_from_script(source, "lm_loss", "train.py", "loss function", "--loss")
     message = str(refused.value)
@@ -126,7 +126,7 @@ def test_a_function_that_needs_what_the_training_code_computes_is_refused_with_w
 
 
 def test_definitions_run_and_the_main_guard_and_top_level_calls_do_not(capsys):
-    source = textwrap.dedent('''
+    source = textwrap.dedent("""
         import math
         SCALE = 2 * math.pi
         try:
@@ -140,7 +140,7 @@ def test_definitions_run_and_the_main_guard_and_top_level_calls_do_not(capsys):
         print("TRAINING at top level")
         if __name__ == "__main__":
             print("TRAINING in the guard")
-    ''').encode()
+    """).encode()
     loss, _ = define_from_script(source, "lm_loss", "train.py", "loss function", "--loss")
     assert loss(None, 1.0) == pytest.approx(6.283185307)
     assert "TRAINING" not in capsys.readouterr().out
@@ -153,7 +153,7 @@ def test_top_level_assignments_into_modules_are_not_run(monkeypatch):
 
     monkeypatch.delenv("FORENSICS_SCRIPT_MARK", raising=False)
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
-    source = textwrap.dedent('''
+    source = textwrap.dedent("""
         import os
         import torch
         os.environ["FORENSICS_SCRIPT_MARK"] = "set by the script"
@@ -161,7 +161,7 @@ def test_top_level_assignments_into_modules_are_not_run(monkeypatch):
         SCALE, (LOW, HIGH) = 2, (0, 1)
         def lm_loss(model, batch):
             return batch * SCALE + HIGH
-    ''').encode()
+    """).encode()
     loss, _ = define_from_script(source, "lm_loss", "train.py", "loss function", "--loss")
     assert loss(None, 1) == 3
     assert "FORENSICS_SCRIPT_MARK" not in os.environ and torch.backends.cudnn.benchmark is False
@@ -179,8 +179,9 @@ def test_the_trust_message_says_that_definitions_can_run_code(script_dump, tmp_p
 LOSS = b"def lm_loss(model, batch):\n    return batch * SCALE\nSCALE = 3\n"
 
 
-@pytest.mark.parametrize("head", [b"\xef\xbb\xbf", b"# -*- coding: latin-1 -*-\n# caf\xe9\n"],
-                         ids=["utf-8 BOM", "latin-1 coding line"])
+@pytest.mark.parametrize(
+    "head", [b"\xef\xbb\xbf", b"# -*- coding: latin-1 -*-\n# caf\xe9\n"], ids=["utf-8 BOM", "latin-1 coding line"]
+)
 def test_a_valid_script_with_a_bom_or_a_coding_line_is_defined(head):
     loss, _ = define_from_script(head + LOSS, "lm_loss", "train.py", "loss function", "--loss")
     assert loss(None, 2) == 6
@@ -196,7 +197,7 @@ def test_constant_assignments_are_evaluated_never_run(monkeypatch):
     """An operator or a format of an object whose class the script defines would run the script's code: such an
     assignment is skipped, while plain arithmetic, module constants and f-strings of plain values are evaluated."""
     monkeypatch.delenv("FORENSICS_OPERATOR_RAN", raising=False)
-    source = textwrap.dedent('''
+    source = textwrap.dedent("""
         import math
         import os
         class Meta(type):
@@ -218,14 +219,15 @@ def test_constant_assignments_are_evaluated_never_run(monkeypatch):
         LOW, (MID, *HIGH) = -1, (0, 1, 2)
         def lm_loss(model, batch):
             return batch * SCALE, LABEL, HIGH
-    ''').encode()
+    """).encode()
     loss, _ = define_from_script(source, "lm_loss", "train.py", "loss function", "--loss")
     assert loss(None, 1.0) == (pytest.approx(6.283185307), "run-3", [1, 2])
     assert "FORENSICS_OPERATOR_RAN" not in os.environ
 
 
-NO_RECIPE = re.sub(r',\s*dumping=DumpConfig\(recipe=\{"factory": "__main__:build"\}\)', "", SCRIPT) \
-    .replace('run_id="script"', 'run_id="norecipe"')
+NO_RECIPE = re.sub(r',\s*dumping=DumpConfig\(recipe=\{"factory": "__main__:build"\}\)', "", SCRIPT).replace(
+    'run_id="script"', 'run_id="norecipe"'
+)
 
 
 def test_a_job_without_a_factory_is_told_at_once_and_the_replay_line_and_main_factory_work(tmp_path, monkeypatch):
@@ -242,19 +244,32 @@ def test_a_job_without_a_factory_is_told_at_once_and_the_replay_line_and_main_fa
     needs = [line for line in ran.stderr.splitlines() if "a replay of this job's dumps will need" in line]
     assert len(needs) == 1 and "a model factory" in needs[0] and "--trust" in needs[0]
     assert "--factory __main__:FUNCTION --trust" in needs[0]  # the script is a file: a function of it can be named
-    assert ran.stderr.index(needs[0]) < ran.stderr.index("TRAINING step 0") if "TRAINING step 0" in ran.stderr \
-        else True
+    assert ran.stderr.index(needs[0]) < ran.stderr.index("TRAINING step 0") if "TRAINING step 0" in ran.stderr else True
     [dump] = sorted((job / "dumps").glob("norecipe/step-*/rank-*"))
     said = [line for line in ran.stderr.splitlines() if "replay it with:" in line]
     assert said and said[0].endswith(f"forensics replay {dump.relative_to(job)} --trust --factory MODULE:FUNCTION")
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "report"
-    result = CliRunner().invoke(main, ["replay", str(dump), "--device", "cpu", "--factory", "__main__:build",
-                                       "--trust", "--no-rng-check", "-o", str(out)])
+    result = CliRunner().invoke(
+        main,
+        [
+            "replay",
+            str(dump),
+            "--device",
+            "cpu",
+            "--factory",
+            "__main__:build",
+            "--trust",
+            "--no-rng-check",
+            "-o",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, (result.stdout, result.stderr, result.exception)
     assert "TRAINING" not in result.stdout + result.stderr
     report = json.loads((out / "report.json").read_text())
     assert [s["sample_id"] for s in report["culprit"]["samples"]] == ["rec-3-1"]
-    refused = CliRunner().invoke(main, ["replay", str(dump), "--device", "cpu", "--factory", "__main__:build",
-                                        "-o", str(tmp_path / "r2")])
+    refused = CliRunner().invoke(
+        main, ["replay", str(dump), "--device", "cpu", "--factory", "__main__:build", "-o", str(tmp_path / "r2")]
+    )
     assert refused.exit_code == 2 and "Pass --trust" in refused.stderr

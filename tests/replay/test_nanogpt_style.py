@@ -57,14 +57,14 @@ MODEL = textwrap.dedent('''
             return logits, loss
 ''')
 
-CONFIGURATOR = textwrap.dedent('''
+CONFIGURATOR = textwrap.dedent("""
     # nanoGPT's "Poor Man's Configurator": exec'd by train.py, it overrides the globals from --key=value
     import sys
     from ast import literal_eval
     for arg in sys.argv[1:]:
         key, val = arg[2:].split('=')
         globals()[key] = literal_eval(val)
-''')
+""")
 
 TRAIN = textwrap.dedent(f'''
     """Trains a tiny GPT the nanoGPT way: all at top level."""
@@ -126,13 +126,23 @@ TRAIN = textwrap.dedent(f'''
 @pytest.fixture(scope="module")
 def nano_dump(tmp_path_factory) -> Path:
     job = tmp_path_factory.mktemp("nanogpt")
-    for name, text in (("train.py", TRAIN), ("model.py", MODEL), ("configurator.py", CONFIGURATOR),
-                       ("meta.txt", str(VOCAB))):
+    for name, text in (
+        ("train.py", TRAIN),
+        ("model.py", MODEL),
+        ("configurator.py", CONFIGURATOR),
+        ("meta.txt", str(VOCAB)),
+    ):
         (job / name).write_text(text)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
-    ran = subprocess.run([sys.executable, "train.py", "--n_layer=2", "--n_embd=16"], cwd=job, env=env,
-                         capture_output=True, text=True, timeout=120)
+    ran = subprocess.run(
+        [sys.executable, "train.py", "--n_layer=2", "--n_embd=16"],
+        cwd=job,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert ran.returncode != 0 and "IndexError" in ran.stderr, ran.stderr[-3000:]  # the job fails as it would
     dumps = sorted((job / "out" / "dumps").glob("nano/step-*/rank-*"))
     assert len(dumps) == 1, ran.stderr[-3000:]
@@ -152,8 +162,20 @@ def test_trust_alone_replays_it_from_another_directory(nano_dump, tmp_path, monk
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))  # the job's directory goes on it for this test only
     try:
-        result = CliRunner().invoke(main, ["replay", str(nano_dump), "--trust", "--device", "cpu", "--no-rng-check",
-                                           "--no-remedies", "-o", str(tmp_path / "report")])
+        result = CliRunner().invoke(
+            main,
+            [
+                "replay",
+                str(nano_dump),
+                "--trust",
+                "--device",
+                "cpu",
+                "--no-rng-check",
+                "--no-remedies",
+                "-o",
+                str(tmp_path / "report"),
+            ],
+        )
     finally:
         sys.modules.pop("model", None)
     assert result.exit_code == 0, (result.stdout, result.stderr, result.exception)
@@ -166,14 +188,14 @@ def test_trust_alone_replays_it_from_another_directory(nano_dump, tmp_path, monk
 
 
 def test_a_global_the_dump_could_not_hold_is_refused_with_what_to_do_and_no_false_reason():
-    source = textwrap.dedent('''
+    source = textwrap.dedent("""
         import torch
         def lm_loss(model, batch):
             return criterion(model(batch["x"]), batch["y"])
         if __name__ == "__main__":
             criterion = torch.nn.MSELoss()
             print("TRAINING")
-    ''').encode()
+    """).encode()
     with pytest.raises(RecipeError) as refused:
         define_from_script(source, "lm_loss", "train.py", "loss function", "--loss", {}, {"criterion": "MSELoss"})
     message = str(refused.value)
@@ -210,11 +232,18 @@ def test_its_repro_scripts_reproduce_the_raising_op_and_sample_from_any_director
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {"PATH": "/usr/bin:/bin", "HOME": str(elsewhere), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    ran = subprocess.run([sys.executable, "-c", RUN_BOTH, str(out / "op_repro.py"), str(out / "model_repro.py")],
-                         cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120)
+    ran = subprocess.run(
+        [sys.executable, "-c", RUN_BOTH, str(out / "op_repro.py"), str(out / "model_repro.py")],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "op_repro.py: AssertionError: aten::embedding raised IndexError" in ran.stdout, ran.stdout + ran.stderr
-    assert "model_repro.py: AssertionError: sample(s) ['doc-3-2'] make the step raise IndexError" in ran.stdout, \
+    assert "model_repro.py: AssertionError: sample(s) ['doc-3-2'] make the step raise IndexError" in ran.stdout, (
         ran.stdout + ran.stderr
+    )
 
 
 RUN_BOTH = """

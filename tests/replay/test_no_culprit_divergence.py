@@ -37,10 +37,21 @@ def train_sgd_lr50(job, tmp_path: Path, warmup: bool) -> Path:
     model = job.make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=50.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, 3.0 ** (t - 8)) if warmup else 1.0)
-    guard = Guard(model, optimizer, scheduler, loss_fn=job.mse_loss, config=GuardConfig(
-        dump_dir=str(tmp_path / "dumps"), run_id="lr50", recording=RecordConfig(snapshot_every=2, window_steps=16),
-        dumping=DumpConfig(recipe={"factory": "window_job:make_model"},
-                           data_recipe={"dataset": "window_job:make_dataset", "dataset_kwargs": {"n": 400}})))
+    guard = Guard(
+        model,
+        optimizer,
+        scheduler,
+        loss_fn=job.mse_loss,
+        config=GuardConfig(
+            dump_dir=str(tmp_path / "dumps"),
+            run_id="lr50",
+            recording=RecordConfig(snapshot_every=2, window_steps=16),
+            dumping=DumpConfig(
+                recipe={"factory": "window_job:make_model"},
+                data_recipe={"dataset": "window_job:make_dataset", "dataset_kwargs": {"n": 400}},
+            ),
+        ),
+    )
     batches = iter(DataLoader(job.make_dataset(400), batch_size=8))
     with pytest.raises(TrainingFaultError) as fault:
         for _ in range(40):
@@ -53,8 +64,9 @@ def train_sgd_lr50(job, tmp_path: Path, warmup: bool) -> Path:
 def test_sgd_at_lr_50_on_clean_data_blames_the_learning_rate_not_the_samples(job, tmp_path, warmup):
     dump = train_sgd_lr50(job, tmp_path, warmup)
     out = tmp_path / "report"
-    result = CliRunner().invoke(main, ["replay", str(dump), "--device", "cpu", "--trust", "--path", str(HERE),
-                                       "-o", str(out), "--no-rng-check"])
+    result = CliRunner().invoke(
+        main, ["replay", str(dump), "--device", "cpu", "--trust", "--path", str(HERE), "-o", str(out), "--no-rng-check"]
+    )
     assert result.exit_code == 4, (result.output, result.exception)
     report = json.loads((out / "report.json").read_text())
     verdict = report["verdict"]
@@ -64,8 +76,11 @@ def test_sgd_at_lr_50_on_clean_data_blames_the_learning_rate_not_the_samples(job
     assert "learning rate is too high" in verdict["headline"] and "no sample is to blame" in verdict["headline"]
     broke = report["window"]["broke_at"]
     assert report["window"]["from_step"] == broke  # the break is at the window's first step ...
-    healthy = [g for s, g, loss in zip(report["history"]["step"], report["history"]["grad_norm"],
-                                       report["history"]["loss"]) if isinstance(loss, float) and loss < 3]
+    healthy = [
+        g
+        for s, g, loss in zip(report["history"]["step"], report["history"]["grad_norm"], report["history"]["loss"])
+        if isinstance(loss, float) and loss < 3
+    ]
     clip = {r["kind"]: r for r in report["remedies"]["tested"]}["clip_grad"]
     assert clip["setting"]["clip"] <= max(healthy)  # clipping tried at a healthy step's norm, not a diverged one
     shows = " ".join(report["history"]["shows"])
@@ -90,14 +105,31 @@ def test_a_gpt2_at_lr_0_3_far_above_the_uniform_guess_is_neither_stable_nor_need
     dumped: the run diverged, its history is not "stable" and the advice is never "no action needed"."""
     torch.manual_seed(0)
     vocab = 64
-    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=vocab, n_positions=32,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=64,
+        n_head=2,
+        vocab_size=vocab,
+        n_positions=32,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     model = transformers.GPT2LMHeadModel(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.3)
-    guard = Guard(model, optimizer, config=GuardConfig(
-        dump_dir=str(tmp_path / "dumps"), run_id="gpt", dumping=DumpConfig(max_dumps=1),
-        detection=DetectionConfig(loss_spike=SpikeConfig(enabled=False),
-                                  grad_norm_spike=SpikeConfig(warmup=16, mad_factor=3.0, min_ratio=1.5))))
+    guard = Guard(
+        model,
+        optimizer,
+        config=GuardConfig(
+            dump_dir=str(tmp_path / "dumps"),
+            run_id="gpt",
+            dumping=DumpConfig(max_dumps=1),
+            detection=DetectionConfig(
+                loss_spike=SpikeConfig(enabled=False),
+                grad_norm_spike=SpikeConfig(warmup=16, mad_factor=3.0, min_ratio=1.5),
+            ),
+        ),
+    )
     data = torch.Generator().manual_seed(1)
     for step in range(80):
         ids = torch.randint(0, vocab, (8, 16), generator=data)
@@ -116,8 +148,9 @@ def test_a_gpt2_at_lr_0_3_far_above_the_uniform_guess_is_neither_stable_nor_need
     assert sorted(recent)[len(recent) // 2] > 1.5 * math.log(vocab)  # far above a uniform guess
 
     out = tmp_path / "report"
-    result = CliRunner().invoke(main, ["replay", str(guard.dumps[0]), "--device", "cpu", "--no-rng-check",
-                                       "-o", str(out)])
+    result = CliRunner().invoke(
+        main, ["replay", str(guard.dumps[0]), "--device", "cpu", "--no-rng-check", "-o", str(out)]
+    )
     assert result.exit_code == 4, (result.output, result.exception)
     report = json.loads((out / "report.json").read_text())
     assert report["history_pattern"] == "diverged" and "stable" not in result.output
@@ -133,9 +166,16 @@ def test_a_nan_in_one_samples_input_is_that_sample_with_or_without_bisection(job
     that sample, whether or not --no-bisect is passed; the input is said to hold NaN (not 'abs-max inf')."""
     model = job.make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    guard = Guard(model, optimizer, loss_fn=job.mse_loss, config=GuardConfig(
-        dump_dir=str(tmp_path / "dumps"), run_id="nan",
-        dumping=DumpConfig(recipe={"factory": "window_job:make_model"})))
+    guard = Guard(
+        model,
+        optimizer,
+        loss_fn=job.mse_loss,
+        config=GuardConfig(
+            dump_dir=str(tmp_path / "dumps"),
+            run_id="nan",
+            dumping=DumpConfig(recipe={"factory": "window_job:make_model"}),
+        ),
+    )
     dataset = job.make_dataset(64)
     dataset.dataset.x[22, 3] = float("nan")  # step 5, row 2
     with pytest.raises(TrainingFaultError) as fault:
@@ -143,8 +183,19 @@ def test_a_nan_in_one_samples_input_is_that_sample_with_or_without_bisection(job
             guarded_step(guard, optimizer, batch, lambda b: job.mse_loss(model, b))
     guard.close()
     out = tmp_path / "report"
-    args = ["replay", str(fault.value.dump_path), "--device", "cpu", "--trust", "--path", str(HERE), "-o", str(out),
-            "--no-rng-check", *([] if bisect else ["--no-bisect"])]
+    args = [
+        "replay",
+        str(fault.value.dump_path),
+        "--device",
+        "cpu",
+        "--trust",
+        "--path",
+        str(HERE),
+        "-o",
+        str(out),
+        "--no-rng-check",
+        *([] if bisect else ["--no-bisect"]),
+    ]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, (result.output, result.exception)
     report = json.loads((out / "report.json").read_text())

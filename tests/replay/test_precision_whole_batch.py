@@ -27,17 +27,27 @@ def test_every_sample_overflowing_float16_is_numerical_precision_with_a_measured
     torch.manual_seed(0)
     model = models.adapter_lm(**KWARGS)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
-    guard = Guard(model, optimizer, scaler=scaler, config=GuardConfig(
-        dump_dir=str(tmp_path / "dumps"), run_id="raw",
-        dumping=DumpConfig(recipe={"factory": f"{models.MODULE}:adapter_lm", "factory_kwargs": KWARGS})))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    guard = Guard(
+        model,
+        optimizer,
+        scaler=scaler,
+        config=GuardConfig(
+            dump_dir=str(tmp_path / "dumps"),
+            run_id="raw",
+            dumping=DumpConfig(recipe={"factory": f"{models.MODULE}:adapter_lm", "factory_kwargs": KWARGS}),
+        ),
+    )
     gen = torch.Generator().manual_seed(1)
     projection = torch.randn(FEATURES, VOCAB, generator=torch.Generator().manual_seed(2))
     try:
         for step in range(BAD_STEP + 1):
             features = torch.randn(4, SEQ, FEATURES, generator=gen) * (300.0 if step == BAD_STEP else 1.0)
-            batch = {"features": features, "labels": (features @ projection).argmax(-1),
-                     "sample_ids": [f"s{step}-{i}" for i in range(4)]}
+            batch = {
+                "features": features,
+                "labels": (features @ projection).argmax(-1),
+                "sample_ids": [f"s{step}-{i}" for i in range(4)],
+            }
             guard.record_batch(batch)
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = hf_loss(model, batch)

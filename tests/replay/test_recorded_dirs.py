@@ -51,8 +51,11 @@ def crash_dump(tmp_path_factory):
     from forensics.errors import TrainingFaultError
 
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16, bos_token_id=0, eos_token_id=0))
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16, bos_token_id=0, eos_token_id=0
+        )
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     root = tmp_path_factory.mktemp("recorded_dirs")
     guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(root), run_id="dirs"))
@@ -115,8 +118,9 @@ def test_directories_of_the_kernel_or_inside_the_dump_are_never_used(tmp_path):
     assert job_paths({"cwd": str(link)}, dump) == [str(tmp_path / "run")]  # resolved: the run dir holds the dump
 
 
-def test_a_dump_pointing_at_the_replays_directory_runs_nothing_planted_there(crash_dump, tmp_path, restore_sys_path,
-                                                                                monkeypatch):
+def test_a_dump_pointing_at_the_replays_directory_runs_nothing_planted_there(
+    crash_dump, tmp_path, restore_sys_path, monkeypatch
+):
     """The attack: planted stdlib names in the directory the user replays from, the dump naming /proc/self/cwd (that
     directory) and a script_dir holding more; the user passes forensics' own loss (what the refusal recommends)."""
     elsewhere = tmp_path / "elsewhere"
@@ -126,8 +130,20 @@ def test_a_dump_pointing_at_the_replays_directory_runs_nothing_planted_there(cra
     monkeypatch.chdir(tmp_path)
     for name in PLANTED:
         monkeypatch.delitem(sys.modules, name, raising=False)  # imported afresh wherever the replay needs them
-    result = CliRunner().invoke(main, ["replay", str(crash_dump), "--device", "cpu", "--loss",
-                                       "forensics.recipes:default_loss", "--no-remedies", "-o", str(tmp_path / "r")])
+    result = CliRunner().invoke(
+        main,
+        [
+            "replay",
+            str(crash_dump),
+            "--device",
+            "cpu",
+            "--loss",
+            "forensics.recipes:default_loss",
+            "--no-remedies",
+            "-o",
+            str(tmp_path / "r"),
+        ],
+    )
     assert result.exit_code in (0, 3, 4), (result.stdout, result.stderr, result.exception)
     assert [p.name for m in markers for p in m.iterdir()] == []
     assert str(elsewhere) not in sys.path and str(tmp_path) not in sys.path
@@ -139,10 +155,27 @@ def test_with_trust_a_planted_standard_module_still_loses_to_the_real_one(crash_
     job.mkdir()
     markers = plant(job)
     edit_manifest(crash_dump, lambda m: m["environment"].update(cwd=str(job), script_dir=str(job)))
-    ran = subprocess.run([sys.executable, "-P", "-c", "from forensics.cli import main; main()", "replay",
-                          str(crash_dump), "--trust", "--device", "cpu", "--no-remedies", "-o", str(tmp_path / "r")],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    ran = subprocess.run(
+        [
+            sys.executable,
+            "-P",
+            "-c",
+            "from forensics.cli import main; main()",
+            "replay",
+            str(crash_dump),
+            "--trust",
+            "--device",
+            "cpu",
+            "--no-remedies",
+            "-o",
+            str(tmp_path / "r"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert ran.returncode in (0, 3, 4), ran.stderr[-3000:]
     assert sorted(p.name for p in markers.iterdir()) == [], ran.stderr[-2000:]
     assert str(job) in ran.stdout + (tmp_path / "r" / "report.md").read_text()  # the report says where it looked
@@ -156,15 +189,20 @@ def test_inspect_shows_the_recorded_directories(crash_dump):
     assert "\x1b" not in result.output  # printed escaped, never raw
 
 
-@pytest.mark.parametrize("factory_kwargs, field", [
-    ({"attn_implementation": "kernels-community/flash-attn"}, "attn_implementation"),
-    ({"config": {"_attn_implementation": "org/repo:kernel"}}, "config._attn_implementation"),
-    ({"config": {"text_config": {"attn_implementation": "paged|org/repo"}}}, "config.text_config"),
-    ({"config": {"auto_map": {"AutoModel": "modeling_evil.Evil"}}}, "config.auto_map"),
-])
+@pytest.mark.parametrize(
+    "factory_kwargs, field",
+    [
+        ({"attn_implementation": "kernels-community/flash-attn"}, "attn_implementation"),
+        ({"config": {"_attn_implementation": "org/repo:kernel"}}, "config._attn_implementation"),
+        ({"config": {"text_config": {"attn_implementation": "paged|org/repo"}}}, "config.text_config"),
+        ({"config": {"auto_map": {"AutoModel": "modeling_evil.Evil"}}}, "config.auto_map"),
+    ],
+)
 def test_a_recorded_hugging_face_setting_cannot_load_code_from_elsewhere(factory_kwargs, field):
-    kwargs = {"architecture": "GPT2LMHeadModel", "config": {"model_type": "gpt2", "n_layer": 1, "n_embd": 8,
-                                                            "n_head": 2, "vocab_size": 16}}
+    kwargs = {
+        "architecture": "GPT2LMHeadModel",
+        "config": {"model_type": "gpt2", "n_layer": 1, "n_embd": 8, "n_head": 2, "vocab_size": 16},
+    }
     kwargs["config"].update(factory_kwargs.get("config", {}))
     kwargs.update({k: v for k, v in factory_kwargs.items() if k != "config"})
     with pytest.raises(RecipeError) as err:
@@ -173,8 +211,9 @@ def test_a_recorded_hugging_face_setting_cannot_load_code_from_elsewhere(factory
 
 
 def test_the_cli_refuses_such_a_dump_in_one_line(crash_dump, tmp_path):
-    edit_manifest(crash_dump, lambda m: m["recipe"]["factory_kwargs"].update(
-        attn_implementation="kernels-community/flash-attn"))
+    edit_manifest(
+        crash_dump, lambda m: m["recipe"]["factory_kwargs"].update(attn_implementation="kernels-community/flash-attn")
+    )
     result = CliRunner().invoke(main, ["replay", str(crash_dump), "--device", "cpu", "-o", str(tmp_path / "r")])
     assert result.exit_code == 2, (result.stdout, result.stderr, result.exception)
     assert "Hub" in result.stderr and "Traceback" not in result.stderr

@@ -8,15 +8,23 @@ import torch
 from replay.engine import ReplayOptions, run_session
 from replay.run.execute import StepRunner
 
-NAN_LOSS = {"kind": "nonfinite_loss", "value": float("nan"), "threshold": None, "micro_batch": 1,
-            "detail": "loss of micro-batch 1 is nan"}
+NAN_LOSS = {
+    "kind": "nonfinite_loss",
+    "value": float("nan"),
+    "threshold": None,
+    "micro_batch": 1,
+    "detail": "loss of micro-batch 1 is nan",
+}
 HISTORY = {"step": [4, 5, 6, 7], "loss": [4.2, 4.1, 4.15, float("inf")], "grad_norm": [1.0, 1.1, 0.9, None]}
 
 
 def replay(session) -> dict:
-    report = run_session(session, ReplayOptions(rng_check=False),
-                         dump_info={"path": "memory", "run_id": "test", "step": 7, "rank": 0, "world_size": 1,
-                                    "missing_ranks": []}, history=HISTORY)
+    report = run_session(
+        session,
+        ReplayOptions(rng_check=False),
+        dump_info={"path": "memory", "run_id": "test", "step": 7, "rank": 0, "world_size": 1, "missing_ranks": []},
+        history=HISTORY,
+    )
     return report
 
 
@@ -26,8 +34,13 @@ def rows(report) -> dict:
 
 def test_a_bad_sample_is_fixed_by_dropping_it_not_by_a_lower_lr_or_clipping(kit):
     model = kit.build_gpt2()
-    session = kit.make_session(model, kit.build_batches(), loss_fn=kit.log_zero_loss, trigger=NAN_LOSS,
-                               optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    session = kit.make_session(
+        model,
+        kit.build_batches(),
+        loss_fn=kit.log_zero_loss,
+        trigger=NAN_LOSS,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+    )
     report = replay(session)
 
     tested = rows(report)
@@ -46,13 +59,20 @@ def test_a_bad_sample_is_fixed_by_dropping_it_not_by_a_lower_lr_or_clipping(kit)
 def test_adam_eps_zero_is_fixed_by_a_non_zero_eps_and_not_by_a_lower_lr(kit):
     model = kit.build_gpt2()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, eps=0.0)
-    trigger = {"kind": "nonfinite_param", "value": float("nan"), "threshold": None, "micro_batch": None,
-               "detail": "the optimizer update made a parameter non-finite"}
+    trigger = {
+        "kind": "nonfinite_param",
+        "value": float("nan"),
+        "threshold": None,
+        "micro_batch": None,
+        "detail": "the optimizer update made a parameter non-finite",
+    }
     report = replay(kit.make_session(model, kit.build_batches(poison=False), optimizer=optimizer, trigger=trigger))
 
     tested = rows(report)
     assert report["verdict"]["kind"] == "optimizer_update"
-    assert tested["adam_eps"]["healthy"] is True and tested["adam_eps"]["change"] == "eps=1e-08 in the optimizer (was 0)"
+    assert (
+        tested["adam_eps"]["healthy"] is True and tested["adam_eps"]["change"] == "eps=1e-08 in the optimizer (was 0)"
+    )
     assert tested["as_recorded"]["healthy"] is False and tested["as_recorded"]["weights_finite"] is False
     assert tested["lower_lr"]["healthy"] is False  # 0/0 stays NaN at any learning rate
     assert report["verdict"]["suggestions"][0].startswith("Tested fix (a non-zero Adam eps): eps=1e-08")
@@ -62,8 +82,14 @@ def test_adam_eps_zero_is_fixed_by_a_non_zero_eps_and_not_by_a_lower_lr(kit):
 
 def embeds_batches(culprit_scale: float | None):
     g = torch.Generator().manual_seed(3)
-    batches = [{"inputs_embeds": torch.randn(4, 8, 32, generator=g), "labels": torch.randint(0, 64, (4, 8), generator=g),
-                "sample_ids": [f"m{m}-{i}" for i in range(4)]} for m in range(2)]
+    batches = [
+        {
+            "inputs_embeds": torch.randn(4, 8, 32, generator=g),
+            "labels": torch.randint(0, 64, (4, 8), generator=g),
+            "sample_ids": [f"m{m}-{i}" for i in range(4)],
+        }
+        for m in range(2)
+    ]
     if culprit_scale is not None:
         batches[1]["inputs_embeds"][2] *= culprit_scale
     return batches
@@ -77,9 +103,15 @@ def penalty_loss(model, batch):
 
 def spike_session(kit, model, optimizer):
     healthy = StepRunner(kit.make_session(model, embeds_batches(None), loss_fn=penalty_loss, record=False)).run(
-        backward=False)
-    trigger = {"kind": "loss_spike", "value": None, "threshold": 1.5 * healthy.step_loss, "micro_batch": 1,
-               "detail": "spike"}
+        backward=False
+    )
+    trigger = {
+        "kind": "loss_spike",
+        "value": None,
+        "threshold": 1.5 * healthy.step_loss,
+        "micro_batch": 1,
+        "detail": "spike",
+    }
     return kit.make_session(model, embeds_batches(50.0), loss_fn=penalty_loss, trigger=trigger, optimizer=optimizer)
 
 
@@ -92,7 +124,9 @@ def test_a_harmless_spike_needs_no_action(kit):
     assert tested["as_recorded"]["healthy"] is True and tested["as_recorded"]["relative_change"] < 0.05
     assert report["remedies"]["tested"][0]["kind"] == "as_recorded"
     suggestions = report["verdict"]["suggestions"]
-    if report["verdict"]["kind"] == "bad_sample":  # a harmless step, but a bad record: never "no action" beside "filter"
+    if (
+        report["verdict"]["kind"] == "bad_sample"
+    ):  # a harmless step, but a bad record: never "no action" beside "filter"
         assert suggestions[0].startswith("Filter") and not any(s.startswith("No action needed") for s in suggestions)
         assert any(s.startswith("The job survives this step (replayed as recorded") for s in suggestions)
     else:
@@ -130,8 +164,13 @@ def test_an_fp16_overflow_is_fixed_by_fp32(kit):
     with torch.no_grad():
         model.transformer.wte.weight[kit.POISON_TOKEN] = 100.0
     model.transformer.wte = torch.nn.Sequential(model.transformer.wte, HalfScale())
-    session = kit.make_session(model, kit.build_batches(), autocast_dtype=torch.float16, trigger=NAN_LOSS,
-                               optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    session = kit.make_session(
+        model,
+        kit.build_batches(),
+        autocast_dtype=torch.float16,
+        trigger=NAN_LOSS,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+    )
     report = replay(session)
 
     tested = rows(report)

@@ -18,8 +18,11 @@ from forensics.report import write_report_files
 from replay.engine import ReplayOptions, run_replay
 
 # scenario -> (the op its first non-finite value comes from, the non-finite kind that op makes)
-OPS = {"bad_sample": ("aten::native_layer_norm", "nan"), "log_zero": ("aten::log", "-inf"),
-       "fp16_overflow": ("aten::mul", "inf")}
+OPS = {
+    "bad_sample": ("aten::native_layer_norm", "nan"),
+    "log_zero": ("aten::log", "-inf"),
+    "fp16_overflow": ("aten::mul", "inf"),
+}
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -51,10 +54,13 @@ def repros(tmp_path_factory):
     for name in OPS:
         captured = SCENARIOS[name].capture(root / name, device="cpu")
         report_dir = root / name / "report"
-        write_report_files(run_replay(captured.dump_path, ReplayOptions(device="cpu", bisect=False, remedies=False,
-                                                                        rng_check=False)), report_dir)
-        result = CliRunner().invoke(main, ["repro", str(captured.dump_path), "-o", str(root / name / "repro"),
-                                           "--report", str(report_dir)])
+        write_report_files(
+            run_replay(captured.dump_path, ReplayOptions(device="cpu", bisect=False, remedies=False, rng_check=False)),
+            report_dir,
+        )
+        result = CliRunner().invoke(
+            main, ["repro", str(captured.dump_path), "-o", str(root / name / "repro"), "--report", str(report_dir)]
+        )
         assert result.exit_code == 0, (result.output, result.exception)
         out[name] = (captured, root / name / "repro", report_dir)
     return out
@@ -146,9 +152,14 @@ def test_a_copied_model_script_finds_its_dump_and_a_missing_dump_is_one_line_exi
     assert lost.returncode == 3, lost.stderr
     assert lost.stderr.strip().count("\n") == 0 and "pass --dump PATH" in lost.stderr and "Traceback" not in lost.stderr
     server = fork_server().shared(REPO)
-    named = server.run(copied / "model_repro.py", ["--dump", str(captured.dump_path)], cwd=str(tmp_path),
-                       env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(REPO)},
-                       out_dir=tmp_path / "output2", timeout=300)
+    named = server.run(
+        copied / "model_repro.py",
+        ["--dump", str(captured.dump_path)],
+        cwd=str(tmp_path),
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(REPO)},
+        out_dir=tmp_path / "output2",
+        timeout=300,
+    )
     assert named.returncode == 1 and "AssertionError" in named.stderr, named.stderr
 
 

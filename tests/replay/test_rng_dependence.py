@@ -20,8 +20,7 @@ from replay.run.rng_dependence import DEFAULT_SEEDS, check_rng_dependence
 @pytest.fixture(scope="module")
 def dumps(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("rng")
-    return {name: SCENARIOS[name].capture(root / name, device="cpu").dump_path
-            for name in ("dropout_mask", "log_zero")}
+    return {name: SCENARIOS[name].capture(root / name, device="cpu").dump_path for name in ("dropout_mask", "log_zero")}
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +62,12 @@ def test_micro_batch_is_counted_from_one_in_words_and_from_zero_in_json(dropout_
 
 def test_a_data_failure_fails_from_every_seed_and_keeps_its_verdict(dumps):
     report = run_replay(dumps["log_zero"], ReplayOptions(device="cpu"))
-    assert report["rng"] == {"checked": True, "seeds": list(DEFAULT_SEEDS), "failed": [True] * len(DEFAULT_SEEDS),
-                             "rng_dependent": False}
+    assert report["rng"] == {
+        "checked": True,
+        "seeds": list(DEFAULT_SEEDS),
+        "failed": [True] * len(DEFAULT_SEEDS),
+        "rng_dependent": False,
+    }
     assert report["verdict"]["kind"] == "bad_sample"
     assert "random state is not the cause" in report["verdict"]["explanation"]
 

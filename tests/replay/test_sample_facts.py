@@ -15,8 +15,12 @@ from replay.run.execute import SampleRef
 def _text_batch(n: int = 3, seq: int = 6) -> dict:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, 50, (n, seq), generator=g)
-    return {"input_ids": ids, "attention_mask": torch.ones(n, seq, dtype=torch.long), "labels": ids.clone(),
-            "sample_ids": [f"s{i}" for i in range(n)]}
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones(n, seq, dtype=torch.long),
+        "labels": ids.clone(),
+        "sample_ids": [f"s{i}" for i in range(n)],
+    }
 
 
 def _kinds(batch, index) -> list[SampleFactKind]:
@@ -73,8 +77,11 @@ def test_a_micro_batch_with_every_label_masked_is_named_in_the_verdict(helpers, 
 
     model = helpers.make_gpt2(dropout=0.0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="sft",
-                                                       detection=DetectionConfig(on_nonfinite="skip")))
+    guard = Guard(
+        model,
+        optimizer,
+        config=GuardConfig(dump_dir=str(tmp_path), run_id="sft", detection=DetectionConfig(on_nonfinite="skip")),
+    )
     g = torch.Generator().manual_seed(3)
     for step in range(3):
         for mb in range(4):
@@ -95,8 +102,10 @@ def test_a_micro_batch_with_every_label_masked_is_named_in_the_verdict(helpers, 
     [culprit] = report["culprit"]["samples"]
     assert culprit["sample_id"] == "doc-1-2"
     assert culprit["description"].startswith("every one of its 8 labels is -100 (ignored)")
-    assert any(s.startswith("'doc-1-2': every one of its 8 labels is -100") and "no supervised token" in s
-               for s in report["verdict"]["suggestions"]), report["verdict"]["suggestions"]
+    assert any(
+        s.startswith("'doc-1-2': every one of its 8 labels is -100") and "no supervised token" in s
+        for s in report["verdict"]["suggestions"]
+    ), report["verdict"]["suggestions"]
 
 
 def test_a_feature_100x_the_others_is_named_first_and_a_zero_target_claims_no_division():
@@ -112,23 +121,48 @@ def test_a_feature_100x_the_others_is_named_first_and_a_zero_target_claims_no_di
     assert [f.kind for f in facts] == [SampleFactKind.EXTREME_VALUES, SampleFactKind.ALL_ZERO]
     assert facts[0].field == "x" and "reaches 1e+03" in facts[0].words
     assert not any("divide" in f.words for f in facts)
-    verdict = decide_verdict(VerdictFacts("nonfinite_loss", True, step=5, culprit_samples=[13], candidates=4,
-                                          culprit_facts=facts, phase="forward", module="<loss>", op="aten::mse_loss"))
+    verdict = decide_verdict(
+        VerdictFacts(
+            "nonfinite_loss",
+            True,
+            step=5,
+            culprit_samples=[13],
+            candidates=4,
+            culprit_facts=facts,
+            phase="forward",
+            module="<loss>",
+            op="aten::mse_loss",
+        )
+    )
     assert verdict["suggestions"][1].startswith("13: its x reaches 1e+03")
     assert not any("divide" in s for s in verdict["suggestions"])
     # where the op that failed does divide, the all-zero field is tied to it
-    divided = decide_verdict(VerdictFacts("nonfinite_loss", True, step=5, culprit_samples=[13], candidates=4,
-                                          culprit_facts=facts[1:], phase="forward", module="<loss>", op="aten::div"))
+    divided = decide_verdict(
+        VerdictFacts(
+            "nonfinite_loss",
+            True,
+            step=5,
+            culprit_samples=[13],
+            candidates=4,
+            culprit_facts=facts[1:],
+            phase="forward",
+            module="<loss>",
+            op="aten::div",
+        )
+    )
     assert "aten::div divides by its sum or norm" in divided["suggestions"][1]
 
 
-@pytest.mark.parametrize("batch, kind", [
-    ({"x": torch.randn(8, 4), "y": torch.randint(0, 3, (8,))}, "float"),  # features and class labels
-    ({"inputs_embeds": torch.randn(2, 8, 16), "labels": torch.randint(0, 64, (2, 8))}, "float"),
-    ({"pixels": torch.randn(2, 3, 4, 4)}, "float"),
-    ({"input_ids": torch.randint(0, 64, (2, 8)), "labels": torch.randint(0, 64, (2, 8))}, "tokens"),
-    ([torch.randint(0, 64, (2, 8)), torch.randn(2, 8)], "tokens"),
-])
+@pytest.mark.parametrize(
+    "batch, kind",
+    [
+        ({"x": torch.randn(8, 4), "y": torch.randint(0, 3, (8,))}, "float"),  # features and class labels
+        ({"inputs_embeds": torch.randn(2, 8, 16), "labels": torch.randint(0, 64, (2, 8))}, "float"),
+        ({"pixels": torch.randn(2, 3, 4, 4)}, "float"),
+        ({"input_ids": torch.randint(0, 64, (2, 8)), "labels": torch.randint(0, 64, (2, 8))}, "tokens"),
+        ([torch.randint(0, 64, (2, 8)), torch.randn(2, 8)], "tokens"),
+    ],
+)
 def test_text_advice_is_for_token_batches_only(batch, kind):
     """Issue 42 item 10: a batch of tensors (features with integer class labels, embeddings) is not text: its records
     get the numeric hint, never 'base64, control characters'."""

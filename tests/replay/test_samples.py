@@ -7,15 +7,18 @@ import torch
 import transformers
 
 from forensics.errors import ForensicsError
-from replay.load.samples import (BatchSizeError, SampleSelectionError, batch_size,
-                            select_samples)
+from replay.load.samples import BatchSizeError, SampleSelectionError, batch_size, select_samples
 
 
 def hf_batch(b=4, t=6):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 64, (b, t), generator=g)
-    return {"input_ids": ids, "attention_mask": torch.ones(b, t, dtype=torch.long), "labels": ids.clone(),
-            "sample_ids": [f"s{i}" for i in range(b)]}
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones(b, t, dtype=torch.long),
+        "labels": ids.clone(),
+        "sample_ids": [f"s{i}" for i in range(b)],
+    }
 
 
 def test_hf_batch_slices_every_per_sample_leaf_in_the_order_asked():
@@ -41,21 +44,27 @@ def test_sliced_batch_gives_the_same_per_sample_loss_in_a_real_gpt2():
 
 
 def test_other_leaves_are_kept_as_they_are():
-    pos = torch.arange(6).unsqueeze(0)          # (1, T): broadcast, not per sample
+    pos = torch.arange(6).unsqueeze(0)  # (1, T): broadcast, not per sample
     scalar = torch.tensor(0.5)
-    batch = {"x": torch.randn(3, 6), "position_ids": pos, "temperature": scalar, "split": "train",
-             "n": 7, "vocab": ["a", "b"], "meta": None}
+    batch = {
+        "x": torch.randn(3, 6),
+        "position_ids": pos,
+        "temperature": scalar,
+        "split": "train",
+        "n": 7,
+        "vocab": ["a", "b"],
+        "meta": None,
+    }
     sub = select_samples(batch, [0, 2])
     assert sub["x"].shape == (2, 6)
     assert sub["position_ids"] is pos and sub["temperature"] is scalar
     assert sub["split"] == "train" and sub["n"] == 7 and sub["meta"] is None
-    assert sub["vocab"] == ["a", "b"]               # a list of another length is not per sample
+    assert sub["vocab"] == ["a", "b"]  # a list of another length is not per sample
 
 
 def test_nested_tuples_lists_and_named_tuples_keep_their_types():
     Pair = namedtuple("Pair", "inputs targets")
-    batch = [Pair(torch.arange(5).float(), torch.arange(5) * 10), {"ids": (1, 2, 3, 4, 5)},
-             (torch.zeros(5, 2), "tag")]
+    batch = [Pair(torch.arange(5).float(), torch.arange(5) * 10), {"ids": (1, 2, 3, 4, 5)}, (torch.zeros(5, 2), "tag")]
     assert batch_size(batch) == 5
     sub = select_samples(batch, [4, 0])
     assert isinstance(sub, list) and isinstance(sub[0], Pair)

@@ -78,8 +78,9 @@ def test_replay_names_the_planted_fault(name, captured, reports):
     for word in expected.optimizer_state_words:
         assert word in (culprit["optimizer_state"] or "")
     if expected.top_sample is not None:
-        ranked = sorted((r for r in report["per_sample"] if isinstance(r["loss"], float)),
-                        key=lambda r: r["loss"], reverse=True)
+        ranked = sorted(
+            (r for r in report["per_sample"] if isinstance(r["loss"], float)), key=lambda r: r["loss"], reverse=True
+        )
         assert ranked[0]["sample_id"] == expected.top_sample
 
 
@@ -90,8 +91,9 @@ def test_reproduced_cpu_step_replays_the_recorded_losses_bitwise(name, captured,
     assert report["reproduced"] and fidelity["mode"] == "bitwise"
     recorded = open_dump(captured[name].dump_path).manifest["loss"]["per_micro_batch"]
     assert [_bits(v) for v in fidelity["replayed_losses"]] == [_bits(v) for v in fidelity["recorded_losses"]]
-    assert [_bits(v) for v in fidelity["recorded_losses"]] == \
-        [_bits(v if math.isfinite(v) else str(v)) for v in recorded]
+    assert [_bits(v) for v in fidelity["recorded_losses"]] == [
+        _bits(v if math.isfinite(v) else str(v)) for v in recorded
+    ]
     assert fidelity["bitwise_equal"] is True
 
 

@@ -16,29 +16,48 @@ TINY = 170_000  # bytes: the tiny GPT-2 holds 0.11 MB of state; the embeddings a
 
 def _same_report(normal: dict, streamed: dict, helpers) -> None:
     key = helpers.written
-    for path in (("verdict", "kind"), ("dump", "step"), ("reproduced",), ("culprit", "module"), ("culprit", "phase"),
-                 ("culprit", "op")):
+    for path in (
+        ("verdict", "kind"),
+        ("dump", "step"),
+        ("reproduced",),
+        ("culprit", "module"),
+        ("culprit", "phase"),
+        ("culprit", "op"),
+    ):
         assert key(streamed, *path) == key(normal, *path), path
     if key(normal, "precision") is None:  # the fp32 re-run was off
         assert key(streamed, "precision") is None
     else:
         assert key(streamed, "precision", "fp32_reproduces") == key(normal, "precision", "fp32_reproduces")
-    assert [s["sample_id"] for s in key(streamed, "culprit", "samples")] == \
-        [s["sample_id"] for s in key(normal, "culprit", "samples")]
+    assert [s["sample_id"] for s in key(streamed, "culprit", "samples")] == [
+        s["sample_id"] for s in key(normal, "culprit", "samples")
+    ]
 
 
 def _gpt2_dump(tmp_path, helpers, kit, layers: int = 2):
     import transformers
 
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=layers, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0))
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            n_layer=layers, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0
+        )
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path), run_id="stream"))
     loop = helpers.TrainLoop(model, optimizer, guard, snapshot=False)
     g = torch.Generator().manual_seed(3)
-    steps = [[{"inputs_embeds": torch.randn(4, 8, 32, generator=g), "labels": torch.randint(0, 64, (4, 8), generator=g),
-               "sample_ids": [f"s{s}-m{m}-{i}" for i in range(4)]} for m in range(2)] for s in range(3)]
+    steps = [
+        [
+            {
+                "inputs_embeds": torch.randn(4, 8, 32, generator=g),
+                "labels": torch.randint(0, 64, (4, 8), generator=g),
+                "sample_ids": [f"s{s}-m{m}-{i}" for i in range(4)],
+            }
+            for m in range(2)
+        ]
+        for s in range(3)
+    ]
     steps[-1][1]["inputs_embeds"][2, 0, 0] = 1e38  # LayerNorm squares it: the forward goes non-finite
     with pytest.raises(TrainingFaultError) as err:
         loop.run(steps)
@@ -50,7 +69,9 @@ def test_bad_sample_dump_streamed_gives_the_same_report(tmp_path, helpers, kit):
     dump = _gpt2_dump(tmp_path, helpers, kit)
     normal = run_replay(dump, ReplayOptions(device="cpu", max_per_sample=3))
     stages = []
-    streamed = run_replay(dump, ReplayOptions(device="cpu", memory_budget=TINY, max_per_sample=3), progress=stages.append)
+    streamed = run_replay(
+        dump, ReplayOptions(device="cpu", memory_budget=TINY, max_per_sample=3), progress=stages.append
+    )
     _same_report(normal, streamed, helpers)
     assert streamed["culprit"]["module"] == "transformer.h.0.ln_1"
     assert "stream" not in normal and streamed["stream"]["blocks"] == 2
@@ -69,14 +90,17 @@ def test_no_more_blocks_materialised_than_the_plan_allows(tmp_path, helpers, kit
 
     def counting(self, index):
         acquire(self, index)
-        live = sum(1 for b in self.plan.blocks
-                   if all(self.params[n].stride() != self.rest[n].stride() or self.params[n].numel() <= 1
-                          for n in b.params))
+        live = sum(
+            1
+            for b in self.plan.blocks
+            if all(self.params[n].stride() != self.rest[n].stride() or self.params[n].numel() <= 1 for n in b.params)
+        )
         seen.append((live + (self.reader.pending is not None), self.capacity))
 
     monkeypatch.setattr(BlockStreamer, "acquire", counting)
-    report = run_replay(dump, ReplayOptions(device="cpu", memory_budget=330_000, remedies=False, rng_check=False,
-                                            max_per_sample=1))
+    report = run_replay(
+        dump, ReplayOptions(device="cpu", memory_budget=330_000, remedies=False, rng_check=False, max_per_sample=1)
+    )
     assert report["verdict"]["kind"] == "bad_sample"
     assert seen and all(live <= capacity for live, capacity in seen)
     capacity = seen[0][1]
@@ -124,10 +148,14 @@ def test_a_budget_too_small_or_unreadable_is_a_clear_error(tmp_path, helpers, ki
 
     from forensics.cli import main
 
-    for flag, size, said in (("--memory-budget", "lots", "not a size"), ("--memory-budget", "10KB", "--memory-budget 1"),
-                             ("--gpu-memory", "10KB", "--memory-budget 1")):  # exit 2, saying what to give instead
-        result = CliRunner().invoke(main, ["replay", str(dump), "--device", "cpu", flag, size,
-                                           "-o", str(tmp_path / "report")])
+    for flag, size, said in (
+        ("--memory-budget", "lots", "not a size"),
+        ("--memory-budget", "10KB", "--memory-budget 1"),
+        ("--gpu-memory", "10KB", "--memory-budget 1"),
+    ):  # exit 2, saying what to give instead
+        result = CliRunner().invoke(
+            main, ["replay", str(dump), "--device", "cpu", flag, size, "-o", str(tmp_path / "report")]
+        )
         assert result.exit_code == 2 and said in result.output, result.output
 
 
@@ -159,15 +187,27 @@ def test_backward_localisation_streamed_names_the_op_inside_the_block(tmp_path, 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(tmp_path / "dumps"), run_id="sqrt"))
     g = torch.Generator().manual_seed(3)
-    steps = [[{"input_ids": torch.randint(0, 64, (2, 8), generator=g), "sample_ids": [f"m{m}-{i}" for i in range(2)]}
-              for m in range(2)]]
+    steps = [
+        [
+            {"input_ids": torch.randint(0, 64, (2, 8), generator=g), "sample_ids": [f"m{m}-{i}" for i in range(2)]}
+            for m in range(2)
+        ]
+    ]
     for batch in steps[0]:
         batch["labels"] = batch["input_ids"].clone()
     with pytest.raises(TrainingFaultError) as err:
         helpers.TrainLoop(model, optimizer, guard, snapshot=False).run(steps)
     guard.close()
-    options = dict(device="cpu", factory="where_sqrt_model:build", sys_path=[str(tmp_path)], remedies=False,
-                   bisect=False, rng_check=False, fp32_check=False, max_per_sample=1)
+    options = dict(
+        device="cpu",
+        factory="where_sqrt_model:build",
+        sys_path=[str(tmp_path)],
+        remedies=False,
+        bisect=False,
+        rng_check=False,
+        fp32_check=False,
+        max_per_sample=1,
+    )
     normal = run_replay(err.value.dump_path, ReplayOptions(**options))
     streamed = run_replay(err.value.dump_path, ReplayOptions(**options, memory_budget=TINY))
     assert normal["culprit"]["phase"] == "backward" and normal["culprit"]["module"] == "transformer.h.1.mlp.act"

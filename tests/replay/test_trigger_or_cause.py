@@ -48,14 +48,21 @@ def loss_fn_in_fp16(model, batch):
 def batches(n: int = 16, scale: float = 1.0, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 8, generator=g) * scale
-    return [{"x": x[:8], "y": torch.zeros(8, 8), "sample_ids": [f"s{i}" for i in range(8)]},
-            {"x": x[8:], "y": torch.zeros(8, 8), "sample_ids": [f"s{i}" for i in range(8, 16)]}]
+    return [
+        {"x": x[:8], "y": torch.zeros(8, 8), "sample_ids": [f"s{i}" for i in range(8)]},
+        {"x": x[8:], "y": torch.zeros(8, 8), "sample_ids": [f"s{i}" for i in range(8, 16)]},
+    ]
 
 
 def session(model, data, fn=loss_fn, autocast=None, trigger=None):
-    return session_from_objects(model, data, loss_fn=fn, device="cpu",
-                                autocast={"enabled": autocast is not None, "device_type": "cpu", "dtype": autocast},
-                                trigger=trigger or {"kind": "nonfinite_loss", "micro_batch": 0})
+    return session_from_objects(
+        model,
+        data,
+        loss_fn=fn,
+        device="cpu",
+        autocast={"enabled": autocast is not None, "device_type": "cpu", "dtype": autocast},
+        trigger=trigger or {"kind": "nonfinite_loss", "micro_batch": 0},
+    )
 
 
 @pytest.mark.parametrize("recorded", ["float16", None])
@@ -117,8 +124,9 @@ def test_an_ordinary_sample_crossing_first_on_a_state_at_the_edge_is_a_trigger_n
 def test_fed_to_an_earlier_state_the_trigger_is_healthy_and_the_report_says_so():
     model, data, crossing = edge_state()
     earlier = EarlierState({"w": torch.ones(8), "mix.weight": torch.eye(8)}, step=40, source="a checkpoint")
-    report = run_session(session(model, data, fn=peak_loss), OPTIONS, dump_info={"step": 104, "rank": 0},
-                         earlier=earlier)
+    report = run_session(
+        session(model, data, fn=peak_loss), OPTIONS, dump_info={"step": 104, "rank": 0}, earlier=earlier
+    )
     assert report["verdict"]["kind"] == "trigger_sample"
     said = report["evidence"]["earlier_state"]
     assert said.startswith("Fed to a checkpoint, 64 steps earlier") and "is healthy" in said and "the state" in said
@@ -145,22 +153,28 @@ def test_a_sample_that_alone_goes_non_finite_far_from_the_limit_is_bad_data():
 
     def log_loss(model, batch):
         out = model.mix(batch["x"] * model.w)
-        return (torch.log(batch["y"] + 1.0) + out ** 2).mean()  # log(0) = -inf for s5 only
+        return (torch.log(batch["y"] + 1.0) + out**2).mean()  # log(0) = -inf for s5 only
 
     report = run_session(session(Scaled(1.0), data, fn=log_loss), OPTIONS)
     assert report["verdict"]["kind"] == "bad_sample", report["verdict"]["headline"]
     assert [s["sample_id"] for s in report["culprit"]["samples"]] == ["s5"]
-    assert [e["kind"] for e in report["evidence"]["against"]] in (["nonfinite_alone"], ["record_data"],
-                                                                  ["record_data", "nonfinite_alone"])
+    assert [e["kind"] for e in report["evidence"]["against"]] in (
+        ["nonfinite_alone"],
+        ["record_data"],
+        ["record_data", "nonfinite_alone"],
+    )
 
 
-@pytest.mark.parametrize("loss, others, outlier", [
-    (4.198, [4.10, 4.12, 4.15, 4.17, 4.2, 4.24], False),  # issue 41's trigger: ordinary loss
-    (9.7, [4.10, 4.12, 4.15, 4.17, 4.2, 4.24], True),     # a mislabeled target
-    (4.5, [0.5, 1.0, 4.4, 2.0, 3.0], False),               # spread losses: the largest is not an outlier
-    (math.inf, [4.1, 4.2, 4.3], False),                     # a non-finite loss is not a loss outlier
-    (9.0, [4.1, 4.2], False),                               # too few others to tell
-])
+@pytest.mark.parametrize(
+    "loss, others, outlier",
+    [
+        (4.198, [4.10, 4.12, 4.15, 4.17, 4.2, 4.24], False),  # issue 41's trigger: ordinary loss
+        (9.7, [4.10, 4.12, 4.15, 4.17, 4.2, 4.24], True),  # a mislabeled target
+        (4.5, [0.5, 1.0, 4.4, 2.0, 3.0], False),  # spread losses: the largest is not an outlier
+        (math.inf, [4.1, 4.2, 4.3], False),  # a non-finite loss is not a loss outlier
+        (9.0, [4.1, 4.2], False),  # too few others to tell
+    ],
+)
 def test_the_loss_outlier_rule(loss, others, outlier):
     assert loss_outlier(loss, others) is outlier
 

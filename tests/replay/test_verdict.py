@@ -16,9 +16,19 @@ EVIDENCE = ["its loss replayed alone is 9.7, against 4.1-4.2 for the other 31 sa
 def facts(**kw):
     """Facts of a reproduced step; culprits come with evidence against their record unless the test says otherwise
     (the bad-data wording); test_trigger_* below give none."""
-    base = dict(trigger_kind="nonfinite_loss", reproduced=True, step=41217, rank=3, micro_batch=1,
-                num_micro_batches=4, trigger_value=NAN, bitwise=True, replay_device="cuda:0",
-                candidates=32, bisect_runs=6)
+    base = dict(
+        trigger_kind="nonfinite_loss",
+        reproduced=True,
+        step=41217,
+        rank=3,
+        micro_batch=1,
+        num_micro_batches=4,
+        trigger_value=NAN,
+        bitwise=True,
+        replay_device="cuda:0",
+        candidates=32,
+        bisect_runs=6,
+    )
     if kw.get("culprit_samples"):
         base["record_evidence"] = EVIDENCE
     base.update(kw)
@@ -35,9 +45,18 @@ def check_shape(v):
 
 
 def test_bad_sample_names_the_sample_the_layer_and_the_search():
-    v = check_shape(decide_verdict(facts(culprit_samples=["shard-0192/rec-55411"], phase="forward",
-                                         module="model.layers.17.mlp.down_proj", op="aten::mm",
-                                         inputs_absmax=3.1e38, history_pattern="sudden_jump")))
+    v = check_shape(
+        decide_verdict(
+            facts(
+                culprit_samples=["shard-0192/rec-55411"],
+                phase="forward",
+                module="model.layers.17.mlp.down_proj",
+                op="aten::mm",
+                inputs_absmax=3.1e38,
+                history_pattern="sudden_jump",
+            )
+        )
+    )
     assert v["kind"] == "bad_sample"
     assert v["headline"].startswith("Sample 'shard-0192/rec-55411' alone makes the loss non-finite at step 41217")
     assert "(rank 3, micro-batch 2 of 4)" in v["headline"]
@@ -62,15 +81,35 @@ def test_the_only_sample_of_a_batch_is_blamed_with_a_caveat():
 
 
 def test_numerical_precision_alone_and_with_data():
-    v = check_shape(decide_verdict(facts(fp32_reproduces=False, autocast_dtype="float16", phase="forward",
-                                         module="h.0.mlp", op="aten::mm", candidates=0, bisect_runs=None)))
+    v = check_shape(
+        decide_verdict(
+            facts(
+                fp32_reproduces=False,
+                autocast_dtype="float16",
+                phase="forward",
+                module="h.0.mlp",
+                op="aten::mm",
+                candidates=0,
+                bisect_runs=None,
+            )
+        )
+    )
     assert v["kind"] == "numerical_precision"
     assert "only in float16" in v["headline"] and "in fp32 it is finite" in v["headline"]
     assert "precision + data" not in v["headline"]
     assert any("bfloat16" in s and "float16" in s for s in v["suggestions"])
 
-    v = check_shape(decide_verdict(facts(fp32_reproduces=False, autocast_dtype="bfloat16",
-                                         culprit_samples=["rec-9"], phase="forward", module="h.1.mlp")))
+    v = check_shape(
+        decide_verdict(
+            facts(
+                fp32_reproduces=False,
+                autocast_dtype="bfloat16",
+                culprit_samples=["rec-9"],
+                phase="forward",
+                module="h.1.mlp",
+            )
+        )
+    )
     assert v["kind"] == "numerical_precision"
     assert "only with sample 'rec-9'" in v["headline"] and "precision + data" in v["headline"]
     assert "precision + data" in v["explanation"]
@@ -83,14 +122,23 @@ def test_precision_needs_low_precision_and_an_fp32_rerun():
         v = decide_verdict(facts(fp32_reproduces=fp32, autocast_dtype=dtype, culprit_samples=["a"]))
         assert v["kind"] == "bad_sample"
     v = decide_verdict(facts(fp32_reproduces=False, param_dtype="torch.bfloat16", culprit_samples=["a"]))
-    assert v["kind"] == "numerical_precision"        # pure-bf16 training, no autocast
+    assert v["kind"] == "numerical_precision"  # pure-bf16 training, no autocast
 
 
 def test_optimizer_update_names_the_parameter_and_the_state_and_suggests_eps():
-    v = check_shape(decide_verdict(facts(phase="optimizer", parameter="transformer.h.0.attn.c_attn.weight",
-                                         optimizer_state="exp_avg_sq == 0 with eps == 0",
-                                         optimizer_class="torch.optim.adamw.AdamW",
-                                         culprit_samples=["x"], fp32_reproduces=False, autocast_dtype="float16")))
+    v = check_shape(
+        decide_verdict(
+            facts(
+                phase="optimizer",
+                parameter="transformer.h.0.attn.c_attn.weight",
+                optimizer_state="exp_avg_sq == 0 with eps == 0",
+                optimizer_class="torch.optim.adamw.AdamW",
+                culprit_samples=["x"],
+                fp32_reproduces=False,
+                autocast_dtype="float16",
+            )
+        )
+    )
     assert v["kind"] == "optimizer_update"
     assert "AdamW update made `transformer.h.0.attn.c_attn.weight` non-finite" in v["headline"]
     assert "(exp_avg_sq == 0 with eps == 0)" in v["headline"]
@@ -98,8 +146,11 @@ def test_optimizer_update_names_the_parameter_and_the_state_and_suggests_eps():
 
 
 def test_model_state_when_weights_are_broken_or_every_sample_fails():
-    v = check_shape(decide_verdict(facts(weights_nonfinite_at_start=True, parameter="lm_head.weight",
-                                         phase="optimizer", culprit_samples=["a"])))
+    v = check_shape(
+        decide_verdict(
+            facts(weights_nonfinite_at_start=True, parameter="lm_head.weight", phase="optimizer", culprit_samples=["a"])
+        )
+    )
     assert v["kind"] == "model_state"
     assert "already non-finite before step 41217 (rank 3), first in `lm_head.weight`" in v["headline"]
     assert any("last checkpoint with finite weights" in s for s in v["suggestions"])
@@ -115,8 +166,17 @@ def test_no_subset_smaller_than_the_batch_is_model_state_for_nan_and_no_cause_fo
     assert "Culprit:" not in v["explanation"]
     assert any("lower the learning rate" in s for s in v["suggestions"])
 
-    v = check_shape(decide_verdict(facts(trigger_kind="loss_spike", trigger_value=87234.5, threshold=100.0,
-                                         culprit_samples=everyone, candidates=8)))
+    v = check_shape(
+        decide_verdict(
+            facts(
+                trigger_kind="loss_spike",
+                trigger_value=87234.5,
+                threshold=100.0,
+                culprit_samples=everyone,
+                candidates=8,
+            )
+        )
+    )
     assert v["kind"] == "spike_no_single_cause"
 
 
@@ -127,40 +187,72 @@ def test_no_bisection_and_no_other_finding_is_model_state_without_claiming_a_who
 
 
 def test_spike_without_culprit_reports_value_threshold_and_top_samples():
-    top = [{"sample_id": "a", "loss": 9.1, "grad_norm": 3.0, "finite": True},
-           {"sample_id": 7, "loss": 8.0, "grad_norm": 2.0, "finite": True}]
-    v = check_shape(decide_verdict(facts(trigger_kind="loss_spike", trigger_value=87234.5, threshold=100.0,
-                                         micro_batch=None, per_sample_top=top, bisect_runs=None,
-                                         history_pattern="exponential_growth")))
+    top = [
+        {"sample_id": "a", "loss": 9.1, "grad_norm": 3.0, "finite": True},
+        {"sample_id": 7, "loss": 8.0, "grad_norm": 2.0, "finite": True},
+    ]
+    v = check_shape(
+        decide_verdict(
+            facts(
+                trigger_kind="loss_spike",
+                trigger_value=87234.5,
+                threshold=100.0,
+                micro_batch=None,
+                per_sample_top=top,
+                bisect_runs=None,
+                history_pattern="exponential_growth",
+            )
+        )
+    )
     assert v["kind"] == "spike_no_single_cause"
-    assert v["headline"] == ("The loss spike to 87234.5 (threshold 100) at step 41217 (rank 3) is reproduced, "
-                             "but no single sample, layer or update explains it.")
+    assert v["headline"] == (
+        "The loss spike to 87234.5 (threshold 100) at step 41217 (rank 3) is reproduced, "
+        "but no single sample, layer or update explains it."
+    )
     assert "'a' (loss 9.1), 7 (loss 8)" in v["explanation"]
     assert v["suggestions"][0].startswith("The loss grew exponentially")
 
 
 def test_spike_with_a_dominant_sample_is_bad_sample():
-    v = decide_verdict(facts(trigger_kind="loss_spike", trigger_value=87234.5, threshold=100.0,
-                             culprit_samples=["rec-1"]))
+    v = decide_verdict(
+        facts(trigger_kind="loss_spike", trigger_value=87234.5, threshold=100.0, culprit_samples=["rec-1"])
+    )
     assert v["kind"] == "bad_sample" and "makes the loss spike" in v["headline"]
 
 
 def test_not_reproduced_wins_over_everything_and_gives_the_numbers():
-    v = check_shape(decide_verdict(facts(trigger_kind="nonfinite_grad", reproduced=False, trigger_value=math.inf,
-                                         replayed_value=1.23, replay_device="cpu", culprit_samples=["a"],
-                                         weights_nonfinite_at_start=True,
-                                         environment_warnings=["captured on NVIDIA H100, replayed on CPU"])))
+    v = check_shape(
+        decide_verdict(
+            facts(
+                trigger_kind="nonfinite_grad",
+                reproduced=False,
+                trigger_value=math.inf,
+                replayed_value=1.23,
+                replay_device="cpu",
+                culprit_samples=["a"],
+                weights_nonfinite_at_start=True,
+                environment_warnings=["captured on NVIDIA H100, replayed on CPU"],
+            )
+        )
+    )
     assert v["kind"] == "not_reproduced"
-    assert v["headline"] == ("The replay on cpu did not reproduce the non-finite gradient of step 41217 "
-                             "(rank 3, micro-batch 2 of 4): recorded inf, replayed 1.23.")
+    assert v["headline"] == (
+        "The replay on cpu did not reproduce the non-finite gradient of step 41217 "
+        "(rank 3, micro-batch 2 of 4): recorded inf, replayed 1.23."
+    )
     assert "captured on NVIDIA H100, replayed on CPU" in v["explanation"]
     assert any("silent data corruption" in s and "rank 3" in s for s in v["suggestions"])
     assert any("use_deterministic_algorithms" in s for s in v["suggestions"])
 
 
 def test_history_signals_and_oscillation_reach_the_user():
-    v = decide_verdict(facts(culprit_samples=["a"], history_pattern="oscillating_divergence",
-                             history_signals=["Gradient clipping fired on 12 of 200 recorded steps (6%)."]))
+    v = decide_verdict(
+        facts(
+            culprit_samples=["a"],
+            history_pattern="oscillating_divergence",
+            history_signals=["Gradient clipping fired on 12 of 200 recorded steps (6%)."],
+        )
+    )
     assert "oscillating divergence" in v["explanation"]
     assert v["explanation"].endswith("Gradient clipping fired on 12 of 200 recorded steps (6%).")
     assert any("optimizer state" in s for s in v["suggestions"])
@@ -171,16 +263,26 @@ def test_op_hints_follow_the_failing_op():
     assert any("Guard the log" in s for s in v["suggestions"])
     v = decide_verdict(facts(culprit_samples=["a"], phase="forward", module="model.norm", op="aten::rsqrt"))
     assert any("eps" in s for s in v["suggestions"])
-    v = decide_verdict(facts(culprit_samples=["a"], phase="backward", module="transformer.h.0.ln_1",
-                             op="aten::native_layer_norm"))
+    v = decide_verdict(
+        facts(culprit_samples=["a"], phase="backward", module="transformer.h.0.ln_1", op="aten::native_layer_norm")
+    )
     assert any("eps" in s for s in v["suggestions"])
     v = decide_verdict(facts(culprit_samples=["a"], phase="forward", module="loss", op="aten::div.Tensor"))
     assert any("Guard the division" in s for s in v["suggestions"])
-    v = decide_verdict(facts(culprit_samples=["a"], phase="forward", module="h.1.mlp.c_proj", op="aten::addmm",
-                             autocast_dtype="float16", fp32_reproduces=True))
+    v = decide_verdict(
+        facts(
+            culprit_samples=["a"],
+            phase="forward",
+            module="h.1.mlp.c_proj",
+            op="aten::addmm",
+            autocast_dtype="float16",
+            fp32_reproduces=True,
+        )
+    )
     assert [s for s in v["suggestions"] if "bfloat16" in s] == [
         "A matmul output above 65504 overflows float16: bfloat16 keeps fp32's range, or scale the activations "
-        "down (e.g. a norm before this layer)."]
+        "down (e.g. a norm before this layer)."
+    ]
     assert not any("Guard" in s or "Raise the normalisation eps" in s for s in v["suggestions"])
     v = decide_verdict(facts(culprit_samples=["a"], step=None, autocast_dtype="float16", fp32_reproduces=True))
     assert "before the failing step with the same RNG" in v["suggestions"][0]
@@ -188,8 +290,9 @@ def test_op_hints_follow_the_failing_op():
 
 
 def test_precision_with_a_whole_batch_culprit_is_not_precision_plus_data():
-    v = decide_verdict(facts(fp32_reproduces=False, autocast_dtype="float16", candidates=4,
-                             culprit_samples=["a", "b", "c", "d"]))
+    v = decide_verdict(
+        facts(fp32_reproduces=False, autocast_dtype="float16", candidates=4, culprit_samples=["a", "b", "c", "d"])
+    )
     assert v["kind"] == "numerical_precision"
     assert "precision + data" not in v["headline"] + v["explanation"]
 
@@ -213,8 +316,9 @@ def test_facts_are_validated():
 
 
 def test_a_rank_that_only_inherited_the_fault_points_to_the_other_rank():
-    verdict = decide_verdict(VerdictFacts(trigger_kind="nonfinite_grad", reproduced=False, trigger_local=False,
-                                          step=3, rank=0))
+    verdict = decide_verdict(
+        VerdictFacts(trigger_kind="nonfinite_grad", reproduced=False, trigger_local=False, step=3, rank=0)
+    )
     assert verdict["kind"] == "not_reproduced"
     assert "another rank" in verdict["headline"] and "Rank 0" in verdict["headline"]
     assert "hardware" not in verdict["headline"]
@@ -222,8 +326,16 @@ def test_a_rank_that_only_inherited_the_fault_points_to_the_other_rank():
 
 
 def test_the_record_hint_fits_the_kind_of_data():
-    common = dict(reproduced=True, step=3, culprit_samples=["row-7"], candidates=8, bisect_runs=5, phase="forward",
-                  module="net.0", record_evidence=EVIDENCE)
+    common = dict(
+        reproduced=True,
+        step=3,
+        culprit_samples=["row-7"],
+        candidates=8,
+        bisect_runs=5,
+        phase="forward",
+        module="net.0",
+        record_evidence=EVIDENCE,
+    )
     floats = decide_verdict(VerdictFacts("nonfinite_loss", data_kind="float", **common))
     tokens = decide_verdict(VerdictFacts("nonfinite_loss", data_kind="tokens", **common))
     assert floats["kind"] == tokens["kind"] == "bad_sample"
@@ -233,8 +345,18 @@ def test_the_record_hint_fits_the_kind_of_data():
 
 def test_out_of_memory_that_a_larger_replay_device_does_not_reproduce_still_names_the_long_sample():
     big = {"sample_id": "doc-9", "micro_batch": 1, "index": 2, "tokens": 65536}
-    v = check_shape(decide_verdict(facts(trigger_kind="exception", reproduced=False, out_of_memory=True,
-                                         size_outliers=[big], median_size=512.0, replay_device="cuda:0")))
+    v = check_shape(
+        decide_verdict(
+            facts(
+                trigger_kind="exception",
+                reproduced=False,
+                out_of_memory=True,
+                size_outliers=[big],
+                median_size=512.0,
+                replay_device="cuda:0",
+            )
+        )
+    )
     assert v["kind"] == "not_reproduced"
     assert "Sample 'doc-9' (65,536 tokens, 128x the step's median of 512): the likely cause" in v["explanation"]
     assert v["suggestions"][0].startswith("Filter or truncate 'doc-9' (blocklist.jsonl lists it), and cap")
@@ -243,20 +365,32 @@ def test_out_of_memory_that_a_larger_replay_device_does_not_reproduce_still_name
     assert alone["suggestions"][0].startswith("Lower the micro-batch size")  # no outlier: the step as a whole
 
 
-@pytest.mark.parametrize("extra", [
-    dict(culprit_samples=["step5/rank0/mb1/2"], phase="forward", module="model.fc", op="aten::mm"),  # bad_sample
-    dict(culprit_samples=["step5/rank0/mb1/2"], trigger_kind="exception", exception_type="IndexError"),
-    dict(culprit_samples=["step5/rank0/mb1/2"], fp32_reproduces=False, autocast_dtype="float16"),  # precision
-    dict(trigger_kind="exception", reproduced=False, out_of_memory=True, median_size=512.0,
-         size_outliers=[{"sample_id": "step5/rank0/mb1/2", "micro_batch": 1, "index": 2, "tokens": 65536}]),
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(culprit_samples=["step5/rank0/mb1/2"], phase="forward", module="model.fc", op="aten::mm"),  # bad_sample
+        dict(culprit_samples=["step5/rank0/mb1/2"], trigger_kind="exception", exception_type="IndexError"),
+        dict(culprit_samples=["step5/rank0/mb1/2"], fp32_reproduces=False, autocast_dtype="float16"),  # precision
+        dict(
+            trigger_kind="exception",
+            reproduced=False,
+            out_of_memory=True,
+            median_size=512.0,
+            size_outliers=[{"sample_id": "step5/rank0/mb1/2", "micro_batch": 1, "index": 2, "tokens": 65536}],
+        ),
+    ],
+)
 def test_positional_ids_are_never_promised_a_blocklist_and_the_verdict_says_how_to_record_ids(extra):
     named = check_shape(decide_verdict(facts(**extra)))
     positional = check_shape(decide_verdict(facts(ids_are_positional=True, **extra)))
     assert any("blocklist.jsonl lists" in s for s in named["suggestions"])
     assert not any("blocklist.jsonl lists" in s for s in positional["suggestions"])
-    assert positional["suggestions"][-1].startswith("No blocklist entry for 'step5/rank0/mb1/2': the job recorded no "
-                                                    "sample IDs") and "sample_ids=ids" in positional["suggestions"][-1]
+    assert (
+        positional["suggestions"][-1].startswith(
+            "No blocklist entry for 'step5/rank0/mb1/2': the job recorded no sample IDs"
+        )
+        and "sample_ids=ids" in positional["suggestions"][-1]
+    )
     assert not any(s.startswith("No blocklist entry") for s in named["suggestions"])
     assert positional["kind"] == named["kind"]
 
@@ -274,17 +408,34 @@ def test_spike_advice_for_numeric_features_speaks_of_their_scale_not_of_text():
 def test_every_sample_failing_alone_but_finite_in_fp32_is_precision_not_model_state():
     v = check_shape(decide_verdict(facts(all_subsets_fail=True, fp32_reproduces=False, autocast_dtype="float16")))
     assert v["kind"] == "numerical_precision" and "with every sample on its own" in v["headline"]
-    v = check_shape(decide_verdict(facts(trigger_kind="grad_norm_spike", trigger_value=9.0, threshold=3.0,
-                                         fp32_reproduces=False, autocast_dtype="float16")))
+    v = check_shape(
+        decide_verdict(
+            facts(
+                trigger_kind="grad_norm_spike",
+                trigger_value=9.0,
+                threshold=3.0,
+                fp32_reproduces=False,
+                autocast_dtype="float16",
+            )
+        )
+    )
     assert v["kind"] == "numerical_precision" and "spikes only in float16" in v["headline"]
     assert "In fp32 the step does not spike" in v["explanation"]
 
 
 def test_not_reproduced_by_a_recorded_factor_names_it_and_never_suspects_the_hardware():
-    v = check_shape(decide_verdict(facts(trigger_kind="grad_norm_spike", reproduced=False, trigger_value=7.288e4,
-                                         threshold=2e4, replayed_value=1.112,
-                                         unit_factor="the recorded grad norm is the replayed one times the loss "
-                                                     "scale (65536)")))
+    v = check_shape(
+        decide_verdict(
+            facts(
+                trigger_kind="grad_norm_spike",
+                reproduced=False,
+                trigger_value=7.288e4,
+                threshold=2e4,
+                replayed_value=1.112,
+                unit_factor="the recorded grad norm is the replayed one times the loss scale (65536)",
+            )
+        )
+    )
     assert v["kind"] == "not_reproduced"
     text = " ".join([v["headline"], v["explanation"], *v["suggestions"]])
     assert "loss scale (65536)" in text and "scaler.unscale_" in text
@@ -294,12 +445,24 @@ def test_not_reproduced_by_a_recorded_factor_names_it_and_never_suspects_the_har
 ORDINARY = "its loss 4.198 against 4.10-4.24 for the other 15; its gradient norm 17.7 against 0.24-0.8"
 
 
-@pytest.mark.parametrize("trigger_kind, value", [("grad_norm_spike", 17.7), ("loss_spike", 9.0),
-                                                 ("nonfinite_loss", NAN)])
+@pytest.mark.parametrize(
+    "trigger_kind, value", [("grad_norm_spike", 17.7), ("loss_spike", 9.0), ("nonfinite_loss", NAN)]
+)
 def test_trigger_a_culprit_without_evidence_is_named_as_the_first_to_cross_and_never_to_filter(trigger_kind, value):
-    v = check_shape(decide_verdict(facts(trigger_kind=trigger_kind, trigger_value=value, threshold=3.0,
-                                         culprit_samples=["s138-i4"], record_evidence=[], ordinary_record=ORDINARY,
-                                         lr=0.03, history_pattern="sudden_jump")))
+    v = check_shape(
+        decide_verdict(
+            facts(
+                trigger_kind=trigger_kind,
+                trigger_value=value,
+                threshold=3.0,
+                culprit_samples=["s138-i4"],
+                record_evidence=[],
+                ordinary_record=ORDINARY,
+                lr=0.03,
+                history_pattern="sudden_jump",
+            )
+        )
+    )
     assert v["kind"] == "trigger_sample"
     assert "'s138-i4'" in v["headline"] and "no sample is to blame" in v["headline"]
     text = " ".join([v["headline"], v["explanation"], *v["suggestions"]])
@@ -317,10 +480,17 @@ def test_trigger_with_evidence_is_bad_sample_and_shows_the_evidence():
 
 
 def test_precision_with_a_trigger_sample_names_no_data_and_says_not_to_filter():
-    v = check_shape(decide_verdict(facts(culprit_samples=["s1017-i3"], record_evidence=[], fp32_reproduces=False,
-                                         autocast_dtype="float16", fp32_ran="214 ops in float32, none in float16 or "
-                                                                           "bfloat16 (the code's own autocast held off "
-                                                                           "2 time(s))")))
+    v = check_shape(
+        decide_verdict(
+            facts(
+                culprit_samples=["s1017-i3"],
+                record_evidence=[],
+                fp32_reproduces=False,
+                autocast_dtype="float16",
+                fp32_ran="214 ops in float32, none in float16 or bfloat16 (the code's own autocast held off 2 time(s))",
+            )
+        )
+    )
     assert v["kind"] == "numerical_precision"
     assert "precision + data" not in v["headline"] + v["explanation"]
     assert "checked: 214 ops in float32" in v["explanation"]
@@ -329,15 +499,32 @@ def test_precision_with_a_trigger_sample_names_no_data_and_says_not_to_filter():
 
 
 def test_an_fp32_rerun_that_did_not_run_in_fp32_draws_no_conclusion():
-    v = check_shape(decide_verdict(facts(culprit_samples=["x"], fp32_reproduces=None, fp32_unverified=True,
-                                         autocast_dtype="float16", fp32_ran="0 ops in float32, but 12 in float16")))
+    v = check_shape(
+        decide_verdict(
+            facts(
+                culprit_samples=["x"],
+                fp32_reproduces=None,
+                fp32_unverified=True,
+                autocast_dtype="float16",
+                fp32_ran="0 ops in float32, but 12 in float16",
+            )
+        )
+    )
     assert "could not be held to float32" in v["explanation"] and "no conclusion" in v["explanation"]
     assert "fails in fp32 too" not in v["explanation"] and "In fp32" not in v["explanation"]
 
 
 def test_a_norm_that_overflows_with_finite_gradients_is_the_diverged_state_not_the_hardware():
-    v = check_shape(decide_verdict(facts(trigger_kind="nonfinite_grad", trigger_value=math.inf,
-                                         grad_norm_overflow=3.2e20, history_pattern="exponential_growth")))
+    v = check_shape(
+        decide_verdict(
+            facts(
+                trigger_kind="nonfinite_grad",
+                trigger_value=math.inf,
+                grad_norm_overflow=3.2e20,
+                history_pattern="exponential_growth",
+            )
+        )
+    )
     assert v["kind"] == "model_state"
     text = " ".join([v["headline"], v["explanation"], *v["suggestions"]])
     assert "overflows float32" in v["headline"] and "3.2e+20" in v["headline"]
@@ -345,9 +532,20 @@ def test_a_norm_that_overflows_with_finite_gradients_is_the_diverged_state_not_t
 
 
 def test_a_nan_at_the_end_of_exponential_growth_is_the_divergence_whoever_crossed_first():
-    v = check_shape(decide_verdict(facts(trigger_kind="nonfinite_grad", culprit_samples=["s9-i1"], record_evidence=[],
-                                         history_pattern="exponential_growth", lr=300.0, phase="backward",
-                                         module="transformer.h.1.ln_1", op="aten::native_layer_norm_backward")))
+    v = check_shape(
+        decide_verdict(
+            facts(
+                trigger_kind="nonfinite_grad",
+                culprit_samples=["s9-i1"],
+                record_evidence=[],
+                history_pattern="exponential_growth",
+                lr=300.0,
+                phase="backward",
+                module="transformer.h.1.ln_1",
+                op="aten::native_layer_norm_backward",
+            )
+        )
+    )
     assert v["kind"] == "model_state"
     assert v["headline"].startswith("The run diverged at a learning rate of 300")
     text = " ".join([v["headline"], v["explanation"], *v["suggestions"]])
