@@ -18,23 +18,23 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from capture.state.run_id import default_run_id
-from capture.state.unwrap import unwrap_model
-from capture.detection.step import StepCheck
-from capture.detection.update import UpdateCheck
-from capture.config import GuardConfig
-from capture.dumping.budget import DumpBudget
-from capture.dumping.dumper import Dumper
-from capture.precursors import monitor
-from capture.raised import exceptions
-from capture.raised.optimizer_steps import OptimizerSteps
-from capture.recording.history import History
-from capture.recording.incident import Incident, StepRecord
-from capture.recording.misuse import FirstStepCheck, LoopOrder
-from capture.recording.recorder import StepRecorder, loss_value
-from capture.recording.window import FlightRecorder
-from capture.state.host_snapshots import HostSnapshots
-from capture.state.source import Ranks, StateSource, state_source
+from forensics.capture.state.run_id import default_run_id
+from forensics.capture.state.unwrap import unwrap_model
+from forensics.capture.detection.step import StepCheck
+from forensics.capture.detection.update import UpdateCheck
+from forensics.capture.config import GuardConfig
+from forensics.capture.dumping.budget import DumpBudget
+from forensics.capture.dumping.dumper import Dumper
+from forensics.capture.precursors import monitor
+from forensics.capture.raised import exceptions
+from forensics.capture.raised.optimizer_steps import OptimizerSteps
+from forensics.capture.recording.history import History
+from forensics.capture.recording.incident import Incident, StepRecord
+from forensics.capture.recording.misuse import FirstStepCheck, LoopOrder
+from forensics.capture.recording.recorder import StepRecorder, loss_value
+from forensics.capture.recording.window import FlightRecorder
+from forensics.capture.state.host_snapshots import HostSnapshots
+from forensics.capture.state.source import Ranks, StateSource, state_source
 from forensics.errors import TrainingFaultError
 from forensics.kinds import Policy
 

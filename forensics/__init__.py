@@ -2,9 +2,9 @@
 
 Public API (everything else is internal):
     Guard, GuardConfig (DetectionConfig, DumpConfig, RecordConfig, PrecursorConfig, SpikeConfig),
-    IndexedDataset                                    -- in-job capture (package `capture`)
+    IndexedDataset                                    -- in-job capture (forensics.capture)
     open_dump, verify_dump, pack_dump                 -- reading dumps (never unpickles)
-    replay_dump                                       -- offline replay -> report dict (package `replay`)
+    replay_dump                                       -- offline replay -> report dict (forensics.replay)
     ForensicsError and subclasses                     -- one error hierarchy
 
 The top of this package (this API, cli, demo/, summary and catalog for `inspect` / `list`) calls into the core that
@@ -52,7 +52,7 @@ __all__ = [
     "verify_dump",
 ]
 
-# Lazy so that `import forensics` in a job does not import replay, and the CLI starts fast.
+# Lazy so that `import forensics` in a job does not import forensics.replay, and the CLI starts fast.
 __getattr__ = lazy_exports(
     __name__,
     {
@@ -67,9 +67,9 @@ __getattr__ = lazy_exports(
                 "PrecursorConfig",
                 "IndexedDataset",
             ),
-            "capture",
+            "forensics.capture",
         ),
         **dict.fromkeys(("open_dump", "pack_dump", "verify_dump"), "forensics.format"),
-        "replay_dump": "replay.engine:run_replay",
+        "replay_dump": "forensics.replay.engine:run_replay",
     },
 )

@@ -560,7 +560,7 @@ def replay(
         from forensics.catalog import default_report_dir, note_report
         from forensics.report import render_verdict_text, write_blocklist, write_report_files
         from forensics.report.write import BLOCKLIST_NAME, blocklist_ids
-        from replay.engine import ReplayOptions, run_replay
+        from forensics.replay.engine import ReplayOptions, run_replay
 
     outputs = {"-o": out or Path("forensics_reports"), **({"--blocklist": blocklist} if blocklist else {})}
     _refuse_writing_into(dump, outputs)
@@ -632,7 +632,7 @@ def repro(
     """Write a standalone reproduction of DUMP's failure into OUT: op_repro.py (the first non-finite op on its
     exact, shrunk inputs; needs only torch) and model_repro.py (the culprit sample through the dumped weights;
     needs the model code). Each fails with an AssertionError while the bug is there."""
-    from replay.repro import link_report, write_repro
+    from forensics.replay.repro import link_report, write_repro
 
     _refuse_writing_into(dump, {"-o": out})
     _refuse_unwritable({"-o": out})

@@ -65,3 +65,15 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def our_code_directories() -> tuple[str, ...]:
+    """The directories forensics' own code is loaded from, each ending in a separator: the package, and the folders
+    its links forensics/capture and forensics/replay lead to in a source checkout (a traceback names either)."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    found = [package]
+    for side in ("capture", "replay"):
+        real = os.path.realpath(os.path.join(package, side))
+        if real not in found and not real.startswith(package + os.sep):
+            found.append(real)
+    return tuple(d + os.sep for d in found)

@@ -1,5 +1,5 @@
 """Lazy package exports: a package's public names imported from their modules on first use (PEP 562), so
-importing the package stays light (`import capture` never imports a framework; `forensics inspect` never torch)."""
+importing the package stays light (`import forensics.capture` never imports a framework; `forensics inspect` never torch)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ def lazy_exports(package: str, exports: dict[str, str]) -> Callable[[str], Any]:
     ("pkg.mod"), or to "pkg.mod:other" when the module calls it something else.
 
     Example:
-        >>> __getattr__ = lazy_exports(__name__, {"run_replay": "replay.engine"})  # doctest: +SKIP
+        >>> __getattr__ = lazy_exports(__name__, {"run_replay": "forensics.replay.engine"})  # doctest: +SKIP
     """
 
     def __getattr__(name: str) -> Any:

@@ -257,7 +257,7 @@ def torchtitan_recipe(model: torch.nn.Module, model_args: Any) -> dict | None:
 def torchtitan_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     """The loss of torchtitan's trainer for one recorded micro-batch: `cross_entropy_loss(model(input, **extra),
     labels)`, torchtitan's own (before its division by the accumulation count). The batch is what
-    capture.integrations.torchtitan records: torchtitan's input dict plus `labels`."""
+    forensics.capture.integrations.torchtitan records: torchtitan's input dict plus `labels`."""
     from torchtitan.components.loss import cross_entropy_loss
 
     from forensics.format.batch_tree import Unreplayable

@@ -26,28 +26,28 @@ from forensics.format.limits import ArchiveLimits
 from forensics.kinds import Phase, TriggerKind
 from forensics.report.model import to_json_safe
 from forensics.report.tree import Report, Window
-from replay.culprits.earlier_state import EarlierState, feed_earlier_state
-from replay.culprits.margin import others_margin
-from replay.culprits.sample_facts import describe_samples, nonfinite_in_field, too_long
-from replay.culprits.sizes import longer_than, outlier_refs, size_summary
-from replay.judge.assemble import assemble_report
-from replay.judge.between_steps import between_steps_report, raised_between_steps
-from replay.run.units import unscaled_history
-from replay.judge.precision import fp32_check, uses_low_precision
-from replay.judge.precursor import add_crash_history, precursor_report
-from replay.judge.remedies import try_remedies
-from replay.judge.remedy_followup import follow_remedies
-from replay.judge.window_words import say_broke_before, say_window_start, snapshot_suggestion
-from replay.load.environment import deterministic_mode
-from replay.load.recipe import job_paths
-from replay.load.session import ReplaySession, load_session, step_micro_batches
-from replay.load.user_code import as_user_error, recipe_is_built_in
-from replay.localize.exception import localize_exception
-from replay.localize.update import per_layer_stats
-from replay.localize.weights import corrupted_weights, samples_touching_embeddings
-from replay.run.execute import StepRunner
-from replay.run.streamed_runner import StreamedStepRunner, expected_passes, runner_for
-from replay.stages import (
+from forensics.replay.culprits.earlier_state import EarlierState, feed_earlier_state
+from forensics.replay.culprits.margin import others_margin
+from forensics.replay.culprits.sample_facts import describe_samples, nonfinite_in_field, too_long
+from forensics.replay.culprits.sizes import longer_than, outlier_refs, size_summary
+from forensics.replay.judge.assemble import assemble_report
+from forensics.replay.judge.between_steps import between_steps_report, raised_between_steps
+from forensics.replay.run.units import unscaled_history
+from forensics.replay.judge.precision import fp32_check, uses_low_precision
+from forensics.replay.judge.precursor import add_crash_history, precursor_report
+from forensics.replay.judge.remedies import try_remedies
+from forensics.replay.judge.remedy_followup import follow_remedies
+from forensics.replay.judge.window_words import say_broke_before, say_window_start, snapshot_suggestion
+from forensics.replay.load.environment import deterministic_mode
+from forensics.replay.load.recipe import job_paths
+from forensics.replay.load.session import ReplaySession, load_session, step_micro_batches
+from forensics.replay.load.user_code import as_user_error, recipe_is_built_in
+from forensics.replay.localize.exception import localize_exception
+from forensics.replay.localize.update import per_layer_stats
+from forensics.replay.localize.weights import corrupted_weights, samples_touching_embeddings
+from forensics.replay.run.execute import StepRunner
+from forensics.replay.run.streamed_runner import StreamedStepRunner, expected_passes, runner_for
+from forensics.replay.stages import (
     CONFIRM_ROUNDS,
     Progress,
     stage,
@@ -61,7 +61,14 @@ from replay.stages import (
     uniform_loss,
     history_finding,
 )
-from replay.run.window import Checkpoint, data_recipe, dump_snapshot, load_checkpoint, replay_window, window_block
+from forensics.replay.run.window import (
+    Checkpoint,
+    data_recipe,
+    dump_snapshot,
+    load_checkpoint,
+    replay_window,
+    window_block,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +87,7 @@ class ReplayOptions:
     """"module:fn" with (model, batch) -> loss, instead of the dump's (CLI --loss)."""
     sys_path: list[str] = field(default_factory=list)
     """Directories put in front of sys.path for the imports above (CLI --path); with `trust`, the job's script and
-    working directories recorded in the dump go at the end of sys.path (replay.load.recipe.job_paths)."""
+    working directories recorded in the dump go at the end of sys.path (forensics.replay.load.recipe.job_paths)."""
     factory_kwargs: dict | None = None
     """Keyword arguments for the factory instead of the recorded ones (CLI --factory-kwargs); None: recorded."""
     loss_kwargs: dict | None = None

@@ -45,13 +45,13 @@ from forensics.format.tensors import safetensors_bytes
 from forensics.kinds import Phase, TriggerKind
 from forensics.fsio import atomic_file, atomic_write_text
 from forensics.thirdparty import op_schema, tree_flatten, tree_map
-from replay.load.samples import SampleRef
-from replay.load.session import load_session
-from replay.judge.history_pattern import diverged_long_ago, read_history
-from replay.localize.exception import localize_exception
-from replay.localize.forward_backward import localize_forward
-from replay.run.execute import StepRunner
-from replay.run.streamed_runner import runner_for
+from forensics.replay.load.samples import SampleRef
+from forensics.replay.load.session import load_session
+from forensics.replay.judge.history_pattern import diverged_long_ago, read_history
+from forensics.replay.localize.exception import localize_exception
+from forensics.replay.localize.forward_backward import localize_forward
+from forensics.replay.run.execute import StepRunner
+from forensics.replay.run.streamed_runner import runner_for
 
 log = logging.getLogger(__name__)
 
@@ -565,9 +565,9 @@ import torch
 
 from forensics.errors import DumpNotFoundError, ForensicsError
 from forensics.format import open_dump
-from replay.load.samples import select_samples
-from replay.load.session import load_session
-from replay.run.streamed_runner import runner_for
+from forensics.replay.load.samples import select_samples
+from forensics.replay.load.session import load_session
+from forensics.replay.run.streamed_runner import runner_for
 
 HERE = Path(__file__).resolve().parent
 CANNOT_RUN, NO_DUMP = 2, 3  # exit codes (1 is the reproduced failure's AssertionError)

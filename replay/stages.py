@@ -11,20 +11,20 @@ from typing import Any, Callable, cast
 import torch
 
 from forensics.kinds import HistoryPattern, Phase, TriggerKind
-from replay.culprits.bisect import bisect_budget, ddmin
-from replay.culprits.evidence import RecordEvidence, weigh
-from replay.culprits.margin import FAR_FROM_LIMIT, others_share
-from replay.culprits.per_sample import SampleRow, per_sample_stats
-from replay.judge.findings import Bisection, Findings, HistoryFinding
-from replay.judge.history_pattern import classify_history, diverged_long_ago, history_signals, read_history
-from replay.load.samples import select_samples
-from replay.load.session import ReplaySession
-from replay.localize.exception import localize_exception
-from replay.localize.forward_backward import INPUT_MODULE, localize_backward, localize_forward
-from replay.localize.update import localize_optimizer
-from replay.run.execute import SampleRef, StepRunner, reproduce
-from replay.run.rng_dependence import check_rng_dependence
-from replay.run.streamed_runner import STREAMED_PER_SAMPLE, StreamedStepRunner
+from forensics.replay.culprits.bisect import bisect_budget, ddmin
+from forensics.replay.culprits.evidence import RecordEvidence, weigh
+from forensics.replay.culprits.margin import FAR_FROM_LIMIT, others_share
+from forensics.replay.culprits.per_sample import SampleRow, per_sample_stats
+from forensics.replay.judge.findings import Bisection, Findings, HistoryFinding
+from forensics.replay.judge.history_pattern import classify_history, diverged_long_ago, history_signals, read_history
+from forensics.replay.load.samples import select_samples
+from forensics.replay.load.session import ReplaySession
+from forensics.replay.localize.exception import localize_exception
+from forensics.replay.localize.forward_backward import INPUT_MODULE, localize_backward, localize_forward
+from forensics.replay.localize.update import localize_optimizer
+from forensics.replay.run.execute import SampleRef, StepRunner, reproduce
+from forensics.replay.run.rng_dependence import check_rng_dependence
+from forensics.replay.run.streamed_runner import STREAMED_PER_SAMPLE, StreamedStepRunner
 
 logger = logging.getLogger(__name__)
 

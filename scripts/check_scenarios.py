@@ -11,7 +11,7 @@ import tempfile
 import time
 
 from forensics.demo.scenarios import SCENARIOS
-from replay.engine import ReplayOptions, run_replay
+from forensics.replay.engine import ReplayOptions, run_replay
 
 
 def compare(report: dict, expected) -> list[str]:

@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-from capture import Guard, GuardConfig
+from forensics.capture import Guard, GuardConfig
 from forensics.errors import TrainingFaultError
 from forensics.format import open_dump
 

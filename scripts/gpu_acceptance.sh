@@ -142,7 +142,7 @@ wanted integ_lightning_fused16_replay && names_sample lightning_fp16_fused "$out
 # default fused AdamW (the sync-free check: step 3 skipped on the device, dumped one step late); record 5 of the
 # stream has every label masked. The replay on cuda:0 names it.
 step integ_torchtitan 1 env CUDA_VISIBLE_DEVICES=0 TITAN_POISON_RANK=0 timeout 300 torchrun --nproc_per_node=1 \
-  -m capture.integrations.torchtitan --job.config_file tests/integrations/titan_job.toml --job.dump_folder $d/titan \
+  -m forensics.capture.integrations.torchtitan --job.config_file tests/integrations/titan_job.toml --job.dump_folder $d/titan \
   --training.global_batch_size 2 --optimizer.implementation fused
 wanted integ_torchtitan && must_say integ_torchtitan "TrainingFaultError: step 3: loss of micro-batch 2 is nan"
 wanted integ_torchtitan && must_say integ_torchtitan "one step late"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from capture import Guard, GuardConfig
+from forensics.capture import Guard, GuardConfig
 from forensics.errors import TrainingFaultError
 from forensics.format import open_dump
 

@@ -292,7 +292,7 @@ class ForkServer:
                 pipe.close()
 
 
-PRELOAD = ["torch", "transformers:GPT2LMHeadModel", "capture", "forensics", "_common", "accelerate"]
+PRELOAD = ["torch", "transformers:GPT2LMHeadModel", "forensics.capture", "forensics", "_common", "accelerate"]
 """What the shared server imports first: what nearly every test script and example imports (and `_common`, the
 examples' helpers, and Accelerate, for the Accelerate jobs and the Trainer's). DeepSpeed (about 12 s of CPU: it
 imports MLflow, and its ZeRO optimizer check inductor) and torchtitan (12 s: datasets, inductor) come with the first

@@ -24,7 +24,7 @@ PRELUDE = """
 import os, sys, torch
 sys.path.insert(0, {examples!r})
 import _common as common
-from capture import IndexedDataset
+from forensics.capture import IndexedDataset
 from torch.utils.data import default_collate
 torch.manual_seed(0)
 device = "cpu"

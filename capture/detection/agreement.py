@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from capture.state.run_id import collective_device
+from forensics.capture.state.run_id import collective_device
 
 log = logging.getLogger(__name__)
 

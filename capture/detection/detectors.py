@@ -8,8 +8,8 @@ import bisect
 import math
 from collections import deque
 
-from capture.detection.agreement import Agreement
-from capture.config import GuardConfig, SpikeConfig
+from forensics.capture.detection.agreement import Agreement
+from forensics.capture.config import GuardConfig, SpikeConfig
 from forensics.kinds import TriggerKind
 from forensics.trigger import Trigger
 

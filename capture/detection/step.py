@@ -9,16 +9,16 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Iterable, Iterator
 
-from capture.detection.detectors import StepDetectors
-from capture.detection.sync import SyncCheck
-from capture.detection.sync_free import SyncFree
-from capture.config import GuardConfig
-from capture.precursors.monitor import PrecursorMonitor
-from capture.recording.history import History
-from capture.recording.incident import Incident, StepRecord
-from capture.recording.window import FlightRecorder
-from capture.state.host_snapshots import HostSnapshots
-from capture.state.source import StateSource
+from forensics.capture.detection.detectors import StepDetectors
+from forensics.capture.detection.sync import SyncCheck
+from forensics.capture.detection.sync_free import SyncFree
+from forensics.capture.config import GuardConfig
+from forensics.capture.precursors.monitor import PrecursorMonitor
+from forensics.capture.recording.history import History
+from forensics.capture.recording.incident import Incident, StepRecord
+from forensics.capture.recording.window import FlightRecorder
+from forensics.capture.state.host_snapshots import HostSnapshots
+from forensics.capture.state.source import StateSource
 from forensics.errors import TrainingFaultError
 
 log = logging.getLogger(__name__)

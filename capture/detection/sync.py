@@ -14,17 +14,17 @@ from typing import Any, cast
 
 import torch
 
-from capture.detection.agreement import Agreement, agree
-from capture.detection.detectors import StepDetectors, clipped
-from capture.config import GuardConfig
-from capture.precursors import monitor
-from capture.precursors.monitor import PrecursorMonitor
-from capture.recording.history import History
-from capture.recording.incident import Incident, StepRecord
-from capture.recording.window import FlightRecorder, WindowStep
-from capture.state import sharding, snapshot
-from capture.state.host_snapshots import HostSnapshots
-from capture.state.source import StateSource
+from forensics.capture.detection.agreement import Agreement, agree
+from forensics.capture.detection.detectors import StepDetectors, clipped
+from forensics.capture.config import GuardConfig
+from forensics.capture.precursors import monitor
+from forensics.capture.precursors.monitor import PrecursorMonitor
+from forensics.capture.recording.history import History
+from forensics.capture.recording.incident import Incident, StepRecord
+from forensics.capture.recording.window import FlightRecorder, WindowStep
+from forensics.capture.state import sharding, snapshot
+from forensics.capture.state.host_snapshots import HostSnapshots
+from forensics.capture.state.source import StateSource
 from forensics.kinds import Policy, TriggerKind
 from forensics import thirdparty
 from forensics.thirdparty import grad_scaler_scale

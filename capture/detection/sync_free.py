@@ -36,15 +36,15 @@ from typing import Any, Callable, cast
 
 import torch
 
-from capture.detection.agreement import Agreement, agreed_on_device, device_scalar, launch, settle
-from capture.state.run_id import collective_device
-from capture.detection.detectors import StepDetectors, clipped
-from capture.config import GuardConfig
-from capture.recording.history import History
-from capture.recording.incident import Incident, Undumpable, StepRecord
-from capture.recording.window import FlightRecorder, WindowStep
-from capture.state import sharding, snapshot
-from capture.state.source import StateSource
+from forensics.capture.detection.agreement import Agreement, agreed_on_device, device_scalar, launch, settle
+from forensics.capture.state.run_id import collective_device
+from forensics.capture.detection.detectors import StepDetectors, clipped
+from forensics.capture.config import GuardConfig
+from forensics.capture.recording.history import History
+from forensics.capture.recording.incident import Incident, Undumpable, StepRecord
+from forensics.capture.recording.window import FlightRecorder, WindowStep
+from forensics.capture.state import sharding, snapshot
+from forensics.capture.state.source import StateSource
 from forensics.device_sync import DeviceFence, quarantine
 from forensics.kinds import Policy, TriggerKind
 from forensics.thirdparty import optimizer_honours_found_inf

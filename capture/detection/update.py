@@ -9,11 +9,11 @@ from typing import Any, Callable
 
 import torch
 
-from capture.config import GuardConfig
-from capture.recording.history import History
-from capture.recording.incident import Incident, StepRecord
-from capture.state import snapshot
-from capture.state.source import StateSource
+from forensics.capture.config import GuardConfig
+from forensics.capture.recording.history import History
+from forensics.capture.recording.incident import Incident, StepRecord
+from forensics.capture.state import snapshot
+from forensics.capture.state.source import StateSource
 from forensics.kinds import TriggerKind
 from forensics.trigger import Trigger
 

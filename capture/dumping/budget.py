@@ -29,7 +29,7 @@ import math
 import threading
 from dataclasses import dataclass, field
 
-from capture.config import GuardConfig
+from forensics.capture.config import GuardConfig
 from forensics.kinds import TriggerKind
 
 log = logging.getLogger(__name__)

@@ -18,20 +18,20 @@ from typing import Any, Callable
 
 import torch
 
-from capture.config import GuardConfig
-from capture.dumping import environment
-from capture.dumping.budget import Admission, DumpBudget, spike_size
-from capture.dumping.main_script import MainScript
-from capture.dumping.signals import deferred_termination
-from capture.dumping.uploads import send_dump
-from capture.dumping.writer_thread import BackgroundWriter
-from capture.recording.history import History
-from capture.recording.incident import Incident, json_ids, leading_dim
-from capture.recording.window import FlightRecorder
-from capture.state import buddy, snapshot
-from capture.state.host_snapshots import HostSnapshots
-from capture.state.recipe import replay_needs
-from capture.state.source import StateSource
+from forensics.capture.config import GuardConfig
+from forensics.capture.dumping import environment
+from forensics.capture.dumping.budget import Admission, DumpBudget, spike_size
+from forensics.capture.dumping.main_script import MainScript
+from forensics.capture.dumping.signals import deferred_termination
+from forensics.capture.dumping.uploads import send_dump
+from forensics.capture.dumping.writer_thread import BackgroundWriter
+from forensics.capture.recording.history import History
+from forensics.capture.recording.incident import Incident, json_ids, leading_dim
+from forensics.capture.recording.window import FlightRecorder
+from forensics.capture.state import buddy, snapshot
+from forensics.capture.state.host_snapshots import HostSnapshots
+from forensics.capture.state.recipe import replay_needs
+from forensics.capture.state.source import StateSource
 from forensics.errors import CaptureError
 from forensics.format.batch_tree import map_tensors
 from forensics.format.writer import DumpContent, dump_path, remove_rank_dump, write_dump

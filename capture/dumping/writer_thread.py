@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
-from capture.dumping.signals import deferred_termination, hand_on
+from forensics.capture.dumping.signals import deferred_termination, hand_on
 from forensics.errors import CaptureError
 from forensics.format.writer import DumpContent, dump_path, write_dump
 

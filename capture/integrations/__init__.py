@@ -1,14 +1,14 @@
 """Framework adapters for the Guard: DDP, Accelerate, DeepSpeed, Hugging Face Trainer, Lightning, torchtitan.
 
-Each lives in its own module and is imported only when its name is first used, so `import capture`
+Each lives in its own module and is imported only when its name is first used, so `import forensics.capture`
 never imports accelerate, deepspeed, transformers, lightning or torchtitan.
 
-    from capture.integrations import DistributedGuard             # torch DDP (torchrun)
-    from capture.integrations import AccelerateGuard              # accelerate.Accelerator
-    from capture.integrations import DeepSpeedGuard               # deepspeed engines, ZeRO 0-3
-    from capture.integrations import ForensicsTrainerCallback     # transformers.Trainer
-    from capture.integrations import ForensicsLightningCallback   # pytorch_lightning / lightning
-    from capture.integrations import ForensicsTrainer             # torchtitan's Trainer (config: [forensics])
+    from forensics.capture.integrations import DistributedGuard             # torch DDP (torchrun)
+    from forensics.capture.integrations import AccelerateGuard              # accelerate.Accelerator
+    from forensics.capture.integrations import DeepSpeedGuard               # deepspeed engines, ZeRO 0-3
+    from forensics.capture.integrations import ForensicsTrainerCallback     # transformers.Trainer
+    from forensics.capture.integrations import ForensicsLightningCallback   # pytorch_lightning / lightning
+    from forensics.capture.integrations import ForensicsTrainer             # torchtitan's Trainer (config: [forensics])
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from __future__ import annotations
 from forensics.lazy import lazy_exports
 
 _EXPORTS = {
-    "DistributedGuard": "capture.integrations.ddp",
-    "AccelerateGuard": "capture.integrations.accelerate",
-    "DeepSpeedGuard": "capture.integrations.deepspeed",
-    "ForensicsTrainerCallback": "capture.integrations.hf_trainer",
-    "ForensicsLightningCallback": "capture.integrations.lightning",
-    "ForensicsTrainer": "capture.integrations.torchtitan",
+    "DistributedGuard": "forensics.capture.integrations.ddp",
+    "AccelerateGuard": "forensics.capture.integrations.accelerate",
+    "DeepSpeedGuard": "forensics.capture.integrations.deepspeed",
+    "ForensicsTrainerCallback": "forensics.capture.integrations.hf_trainer",
+    "ForensicsLightningCallback": "forensics.capture.integrations.lightning",
+    "ForensicsTrainer": "forensics.capture.integrations.torchtitan",
 }
 
 __all__ = list(sorted(_EXPORTS))  # a list literal's type for linters

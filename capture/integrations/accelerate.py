@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from capture.config import GuardConfig
-from capture.integrations.ddp import DistributedGuard
-from capture.integrations.deepspeed import DeepSpeedGuard
+from forensics.capture.config import GuardConfig
+from forensics.capture.integrations.ddp import DistributedGuard
+from forensics.capture.integrations.deepspeed import DeepSpeedGuard
 
 log = logging.getLogger(__name__)
 

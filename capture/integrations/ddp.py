@@ -15,12 +15,12 @@ from typing import Any, Callable
 
 import torch
 
-from capture.detection.agreement import Agreement
-from capture.state.unwrap import unwrap_model
-from capture.dumping.signals import deferred_termination
-from capture.config import GuardConfig
-from capture.guard import Guard
-from capture.state.source import StateSource, state_source
+from forensics.capture.detection.agreement import Agreement
+from forensics.capture.state.unwrap import unwrap_model
+from forensics.capture.dumping.signals import deferred_termination
+from forensics.capture.config import GuardConfig
+from forensics.capture.guard import Guard
+from forensics.capture.state.source import StateSource, state_source
 
 __all__ = ["Agreement", "DistributedGuard", "deferred_termination", "unwrap_model"]
 

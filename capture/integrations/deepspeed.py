@@ -20,11 +20,11 @@ from typing import Any, Callable
 
 import torch
 
-from capture.config import GuardConfig
-from capture.integrations.ddp import DistributedGuard
-from capture.state import sharding, snapshot
-from capture.state.snapshot import HostCopy  # `snapshot` is also a method name in the class below
-from capture.state.source import StateSource
+from forensics.capture.config import GuardConfig
+from forensics.capture.integrations.ddp import DistributedGuard
+from forensics.capture.state import sharding, snapshot
+from forensics.capture.state.snapshot import HostCopy  # `snapshot` is also a method name in the class below
+from forensics.capture.state.source import StateSource
 from forensics.errors import CaptureError
 from forensics.format.shards import LocalShard
 from forensics.kinds import Policy, StateLayout
@@ -435,7 +435,7 @@ class DeepSpeedGuard(DistributedGuard):
         self._in_step_hook = False
         self._unhook_step = thirdparty.call_before(engine, "step", self._check_in_step) if hook_step else None
 
-    # -- adapter hooks (capture.guard.Guard) ---------------------------------------------------
+    # -- adapter hooks (forensics.capture.guard.Guard) ---------------------------------------------------
     def at_step_boundary(self) -> bool:
         """At DeepSpeed's accumulation boundary; when hooked into engine.step(), only from inside that call."""
         if self._unhook_step is not None and not self._in_step_hook:

@@ -11,7 +11,7 @@ How the Trainer's step is observed without changing it:
 - the check: `on_pre_optimizer_step`, after clipping, before `optimizer.step()`. The 'skip' policy
   drops the step's gradients there, so `optimizer.step()` changes nothing.
 Sample IDs reach the model only if the Trainer keeps the column: use `remove_unused_columns=False` and a
-dataset whose items carry `GuardConfig.recording.sample_id_key` (e.g. `capture.IndexedDataset`).
+dataset whose items carry `GuardConfig.recording.sample_id_key` (e.g. `forensics.capture.IndexedDataset`).
 In the Trainer's DeepSpeed mode `accelerator.backward` runs `engine.step()`, before
 `on_pre_optimizer_step`: the guard is then a DeepSpeedGuard that checks from inside `engine.step()`.
 """
@@ -24,8 +24,8 @@ from typing import Any, Callable
 import torch
 from transformers import TrainerCallback
 
-from capture.config import GuardConfig
-from capture.integrations.ddp import DistributedGuard
+from forensics.capture.config import GuardConfig
+from forensics.capture.integrations.ddp import DistributedGuard
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class ForensicsTrainerCallback(TrainerCallback):
                     "not guarded (use DeepSpeedGuard in a custom loop)"
                 )
                 return
-            from capture.integrations.deepspeed import DeepSpeedGuard
+            from forensics.capture.integrations.deepspeed import DeepSpeedGuard
 
             # The Trainer's accelerator.backward() calls engine.step(): check from inside that call.
             self.guard = DeepSpeedGuard(engine, config=config, loss_fn=self.loss_fn, hook_step=True)

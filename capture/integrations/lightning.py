@@ -20,8 +20,8 @@ from typing import Any, Callable
 
 import torch
 
-from capture.config import GuardConfig
-from capture.integrations.ddp import DistributedGuard
+from forensics.capture.config import GuardConfig
+from forensics.capture.integrations.ddp import DistributedGuard
 
 try:  # the standalone package first: a callback must subclass the Callback of the Trainer in use
     from pytorch_lightning import Callback

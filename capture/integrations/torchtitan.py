@@ -2,12 +2,12 @@
 
     # job.toml (torchtitan 0.2.0)
     [job]
-    custom_config_module = "capture.integrations.torchtitan"   # adds the [forensics] section to JobConfig
+    custom_config_module = "forensics.capture.integrations.torchtitan"   # adds the [forensics] section to JobConfig
     [forensics]
     enable = true                                              # everything else has a default
 
-    # launch this module instead of torchtitan.train (run_train.sh: TRAIN_FILE=capture.integrations.torchtitan)
-    torchrun --nproc_per_node=8 -m capture.integrations.torchtitan --job.config_file job.toml
+    # launch this module instead of torchtitan.train (run_train.sh: TRAIN_FILE=forensics.capture.integrations.torchtitan)
+    torchrun --nproc_per_node=8 -m forensics.capture.integrations.torchtitan --job.config_file job.toml
 
 `ForensicsTrainer` is torchtitan's `Trainer` with `__init__`, `forward_backward_step`, `train_step` and `close`
 extended (each calls torchtitan's own), never its loop copied; with `enable = false` (the default) it is
@@ -42,8 +42,8 @@ from typing import Any
 import torch
 from torchtitan.train import Trainer
 
-from capture.config import DetectionConfig, DumpConfig, GuardConfig, RecordConfig
-from capture.integrations.ddp import DistributedGuard
+from forensics.capture.config import DetectionConfig, DumpConfig, GuardConfig, RecordConfig
+from forensics.capture.integrations.ddp import DistributedGuard
 from forensics.kinds import Policy
 from forensics.recipes import torchtitan_loss, torchtitan_recipe
 
@@ -85,7 +85,7 @@ class Forensics:
 
 @dataclass
 class JobConfig:
-    """What `job.custom_config_module = "capture.integrations.torchtitan"` adds to torchtitan's JobConfig."""
+    """What `job.custom_config_module = "forensics.capture.integrations.torchtitan"` adds to torchtitan's JobConfig."""
 
     forensics: Forensics = field(default_factory=Forensics)
 
@@ -245,8 +245,8 @@ def main(args: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    # Run as `-m capture.integrations.torchtitan`: the classes the config names are the package module's, not
+    # Run as `-m forensics.capture.integrations.torchtitan`: the classes the config names are the package module's, not
     # __main__'s copies.
-    from capture.integrations.torchtitan import main as package_main
+    from forensics.capture.integrations.torchtitan import main as package_main
 
     package_main()

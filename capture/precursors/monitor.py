@@ -47,12 +47,12 @@ from typing import Any, Callable
 
 import torch
 
-from capture.config import PrecursorConfig
-from capture.precursors.statistics import StepStatistics
-from capture.recording.history import History
-from capture.recording.incident import Incident, StepRecord, Trigger
-from capture.recording.window import FlightRecorder
-from capture.state.source import StateSource
+from forensics.capture.config import PrecursorConfig
+from forensics.capture.precursors.statistics import StepStatistics
+from forensics.capture.recording.history import History
+from forensics.capture.recording.incident import Incident, StepRecord, Trigger
+from forensics.capture.recording.window import FlightRecorder
+from forensics.capture.state.source import StateSource
 from forensics import headroom
 from forensics.headroom import LimitWatch
 from forensics.kinds import Policy, PrecursorRule, PrecursorStatistic, TriggerKind

@@ -33,7 +33,7 @@ from typing import Any, Iterator, cast, overload
 
 import torch
 
-from capture.state.sharding import is_dtensor
+from forensics.capture.state.sharding import is_dtensor
 from forensics import thirdparty
 from forensics.kinds import PrecursorStatistic
 

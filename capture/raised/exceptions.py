@@ -19,11 +19,12 @@ from typing import Any, Protocol
 
 import torch
 
-from capture.detection.sync import host_numbers
-from capture.raised.optimizer_steps import AfterCheck, OptimizerSteps
-from capture.recording.incident import Incident, StepRecord
-from capture.state.host_snapshots import available_host_memory, proc_bytes
-from capture.state.source import StateSource
+from forensics.capture.detection.sync import host_numbers
+from forensics.fsio import our_code_directories
+from forensics.capture.raised.optimizer_steps import AfterCheck, OptimizerSteps
+from forensics.capture.recording.incident import Incident, StepRecord
+from forensics.capture.state.host_snapshots import available_host_memory, proc_bytes
+from forensics.capture.state.source import StateSource
 from forensics.errors import TrainingFaultError, is_out_of_memory
 from forensics.format.batch_tree import tensor_leaves
 from forensics.kinds import Phase, Policy, StateHolds, TriggerKind
@@ -56,7 +57,6 @@ def exception_section(exc: BaseException, during: Phase, batches: list[Any]) -> 
     return section
 
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOT_USER_CODE = tuple(
     p + os.sep
     for p in (
@@ -64,7 +64,7 @@ NOT_USER_CODE = tuple(
         sysconfig.get_paths()["purelib"],
         sysconfig.get_paths()["platlib"],
         os.path.dirname(os.path.abspath(torch.__file__)),
-        *(os.path.join(_ROOT, pkg) for pkg in ("capture", "forensics")),
+        *(d.rstrip(os.sep) for d in our_code_directories()),
     )
 )
 

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from capture.recording.incident import StepRecord
+from forensics.capture.recording.incident import StepRecord
 
 log = logging.getLogger(__name__)
 

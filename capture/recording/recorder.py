@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from capture.recording.incident import StepRecord
+from forensics.capture.recording.incident import StepRecord
 from forensics.format.limits import MAX_MICRO_BATCHES
 from forensics.rng import RngCapture
 

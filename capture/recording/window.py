@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from capture.recording.incident import json_ids
+from forensics.capture.recording.incident import json_ids
 from forensics.format import jsonio, spec
 from forensics.format.tensors import safetensors_bytes
 from forensics.rng import RngState

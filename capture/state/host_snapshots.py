@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from capture.state.sharding import state_bytes
+from forensics.capture.state.sharding import state_bytes
 from forensics.device_sync import DeviceFence, on_device_of, quarantine
 from forensics.format.tensors import tensor_bytes
 

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from capture.state.source import distributed
+from forensics.capture.state.source import distributed
 
 
 def collective_device() -> torch.device:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypeGuard
 
 import torch
 
-from capture.state.buddy import buddy_offsets, ranks_per_node
+from forensics.capture.state.buddy import buddy_offsets, ranks_per_node
 from forensics.format import spec
 from forensics.format.shards import LocalShard, table_entry
 from forensics.format.tensors import tensor_bytes

@@ -23,10 +23,10 @@ from typing import Any, Callable
 
 import torch
 
-from capture.config import GuardConfig
-from capture.state import sharding, snapshot
-from capture.state.buffers import PreForwardBuffers
-from capture.state.recipe import build_recipe
+from forensics.capture.config import GuardConfig
+from forensics.capture.state import sharding, snapshot
+from forensics.capture.state.buffers import PreForwardBuffers
+from forensics.capture.state.recipe import build_recipe
 from forensics import thirdparty
 from forensics.grad_norm import total_grad_norm
 from forensics.kinds import StateLayout

@@ -76,7 +76,7 @@ def run_demo(
     echo("")
     echo(f"3. Replaying the dump offline on {device} (what `forensics replay {captured.dump_path}` does) ...")
 
-    from replay.engine import ReplayOptions, run_replay
+    from forensics.replay.engine import ReplayOptions, run_replay
 
     report = run_replay(captured.dump_path, ReplayOptions(device=device), progress=lambda m: echo(f"   - {m}"))
     report_dir = out_dir / "reports" / captured.dump_path.parent.parent.name

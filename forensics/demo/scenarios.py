@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from capture import DetectionConfig, DumpConfig, Guard, GuardConfig, SpikeConfig
+from forensics.capture import DetectionConfig, DumpConfig, Guard, GuardConfig, SpikeConfig
 from forensics.demo import models
 from forensics.errors import ForensicsError, TrainingFaultError
 from forensics.format.batch_tree import map_tensors

@@ -25,10 +25,10 @@ import torch
 
 from forensics.kinds import EvidenceKind, TriggerKind
 from forensics.report.wording import fmt_id, fmt_num
-from replay.culprits.evidence import Evidence, RecordEvidence
-from replay.culprits.per_sample import per_sample_stats
-from replay.load.samples import select_samples
-from replay.run.execute import SampleRef, StepRunner
+from forensics.replay.culprits.evidence import Evidence, RecordEvidence
+from forensics.replay.culprits.per_sample import per_sample_stats
+from forensics.replay.load.samples import select_samples
+from forensics.replay.run.execute import SampleRef, StepRunner
 
 logger = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ from typing import Any, Callable, Sequence
 
 from forensics.kinds import EvidenceKind
 from forensics.report.wording import fmt_num
-from replay.culprits.sample_facts import SampleFact
-from replay.run.execute import SampleRef
+from forensics.replay.culprits.sample_facts import SampleFact
+from forensics.replay.run.execute import SampleRef
 
 LOSS_OUTLIER_RATIO = 2.0
 """A culprit's loss must be at least this many times the other samples' median: a mislabeled or garbage target gives
@@ -116,7 +116,7 @@ def weigh(
             fp32 re-run checked to have run in float32 (replay/judge/precision.py).
         isolated: bisection's test was isolation (the culprits fail on their own), not removal.
         others_far: whether the step without the culprits stays far from its dtypes' limits (asked only when it
-            decides: replay.culprits.margin.others_share); a sample that alone goes non-finite counts against its
+            decides: forensics.replay.culprits.margin.others_share); a sample that alone goes non-finite counts against its
             record only then — on a state where everyone is near the limit, it only crossed first.
     """
     evidence = RecordEvidence()

@@ -19,7 +19,7 @@ import torch
 
 from forensics.headroom import FP16_MAX, HEADROOM
 from forensics.thirdparty import TorchDispatchMode, tree_leaves
-from replay.run.execute import SampleRef, StepRunner
+from forensics.replay.run.execute import SampleRef, StepRunner
 
 logger = logging.getLogger(__name__)
 

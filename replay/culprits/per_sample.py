@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping, Sequence, TypedDict
 import torch
 
 from forensics.errors import ReplayError
-from replay.load.samples import map_sample_tensors, select_samples
+from forensics.replay.load.samples import map_sample_tensors, select_samples
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ def per_sample_stats(
 
     Args:
         model: the live model, in the mode (train / eval) the step ran in.
-        sample_refs: objects with `.micro_batch`, `.index`, `.sample_id` (`replay.run.execute.SampleRef`).
+        sample_refs: objects with `.micro_batch`, `.index`, `.sample_id` (`forensics.replay.run.execute.SampleRef`).
         run_one: `run_one(ref)` runs the forward of the one-sample batch `ref` (e.g.
             `loss_fn(model, select_samples(batches[ref.micro_batch], [ref.index]))` under the
             step's autocast) and returns its scalar loss; it must not call backward.

@@ -25,9 +25,9 @@ import torch
 
 from forensics.kinds import SampleFactKind
 from forensics.report.wording import clean
-from replay.run.execute import SampleRef
+from forensics.replay.run.execute import SampleRef
 from forensics.format.batch_tree import tensor_leaves
-from replay.load.samples import batch_size, select_samples
+from forensics.replay.load.samples import batch_size, select_samples
 
 log = logging.getLogger(__name__)
 

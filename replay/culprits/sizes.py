@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from replay.run.execute import SampleRef
+from forensics.replay.run.execute import SampleRef
 
 OUTLIER_FACTOR = 4.0
 """A sample at least this many times the step's median size is an outlier (dynamic padding then makes its whole

@@ -16,17 +16,17 @@ from forensics.format.batch_tree import tensor_leaves
 from forensics.kinds import HistoryPattern, Phase, TriggerKind, VerdictKind
 from forensics.report.model import schema_for, to_json_safe
 from forensics.report.tree import Culprit, Report, TriggerBlock, parse_report
-from replay.culprits.per_sample import rank_by_loss
-from replay.culprits.sample_facts import describe
-from replay.judge.findings import Findings
-from replay.judge.remedies import tested_suggestions
-from replay.judge.verdict import VerdictFacts, decide_verdict
-from replay.load.environment import replay_environment
-from replay.load.session import ReplaySession
-from replay.localize.forward_backward import INPUT_MODULE, ROOT_MODULE
-from replay.run.execute import StepRunner
-from replay.run.fp32 import Fp32Count, ran_words
-from replay.run.units import explaining_factor, recorded_factors
+from forensics.replay.culprits.per_sample import rank_by_loss
+from forensics.replay.culprits.sample_facts import describe
+from forensics.replay.judge.findings import Findings
+from forensics.replay.judge.remedies import tested_suggestions
+from forensics.replay.judge.verdict import VerdictFacts, decide_verdict
+from forensics.replay.load.environment import replay_environment
+from forensics.replay.load.session import ReplaySession
+from forensics.replay.localize.forward_backward import INPUT_MODULE, ROOT_MODULE
+from forensics.replay.run.execute import StepRunner
+from forensics.replay.run.fp32 import Fp32Count, ran_words
+from forensics.replay.run.units import explaining_factor, recorded_factors
 
 
 def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | None, started: float) -> Report:

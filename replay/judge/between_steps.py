@@ -19,8 +19,8 @@ from forensics.report.model import schema_for, to_json_safe
 from forensics.report.tree import Report, TriggerBlock, parse_report
 from forensics.trigger import Trigger
 from forensics.report.wording import clean, fmt_id
-from replay.judge.findings import HistoryFinding
-from replay.load.environment import replay_environment
+from forensics.replay.judge.findings import HistoryFinding
+from forensics.replay.load.environment import replay_environment
 
 MAX_NAMED = 8  # sample ids named in the explanation (report.json's exception block keeps up to MAX_LISTED)
 MAX_LISTED = 256

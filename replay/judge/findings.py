@@ -14,20 +14,20 @@ from dataclasses import dataclass, field
 
 from forensics.kinds import HistoryPattern, Phase, TriggerKind
 from forensics.trigger import Trigger
-from replay.culprits.evidence import RecordEvidence
-from replay.culprits.margin import MarginBlock
-from replay.culprits.per_sample import SampleRow
-from replay.culprits.sample_facts import SampleFact
-from replay.culprits.sizes import SizeSummary
-from replay.judge.history_pattern import HistoryReading, read_history
-from replay.judge.precision import PrecisionBlock
-from replay.judge.remedies import RemediesBlock
-from replay.localize.exception import ExceptionFinding
-from replay.localize.forward_backward import BackwardFinding, ForwardFinding
-from replay.localize.update import LayerRow, OptimizerFinding
-from replay.localize.weights import CorruptedWeight
-from replay.run.execute import Reproduction, SampleRef
-from replay.run.rng_dependence import RngBlock
+from forensics.replay.culprits.evidence import RecordEvidence
+from forensics.replay.culprits.margin import MarginBlock
+from forensics.replay.culprits.per_sample import SampleRow
+from forensics.replay.culprits.sample_facts import SampleFact
+from forensics.replay.culprits.sizes import SizeSummary
+from forensics.replay.judge.history_pattern import HistoryReading, read_history
+from forensics.replay.judge.precision import PrecisionBlock
+from forensics.replay.judge.remedies import RemediesBlock
+from forensics.replay.localize.exception import ExceptionFinding
+from forensics.replay.localize.forward_backward import BackwardFinding, ForwardFinding
+from forensics.replay.localize.update import LayerRow, OptimizerFinding
+from forensics.replay.localize.weights import CorruptedWeight
+from forensics.replay.run.execute import Reproduction, SampleRef
+from forensics.replay.run.rng_dependence import RngBlock
 
 
 @dataclass
@@ -104,7 +104,7 @@ class Findings:
     evidence: RecordEvidence | None = None
     """Whether the culprits' records are bad data or triggers (replay/culprits/evidence.py); None: no culprit."""
     norm_overflow: float | None = None
-    """Every gradient finite but their norm not: the largest |gradient| (replay.run.execute.StepResult.norm_overflow)."""
+    """Every gradient finite but their norm not: the largest |gradient| (forensics.replay.run.execute.StepResult.norm_overflow)."""
     sample_facts: dict[SampleRef, list[SampleFact]] = field(default_factory=dict)
     """What is odd in each culprit's own data (replay/culprits/sample_facts.py): the report's sample `description`."""
 

@@ -18,8 +18,8 @@ from typing import Any, TypedDict
 import torch
 
 from forensics.kinds import TriggerKind
-from replay.run.execute import SampleRef, StepRunner
-from replay.run.fp32 import CountDtypes, ran_words
+from forensics.replay.run.execute import SampleRef, StepRunner
+from forensics.replay.run.fp32 import CountDtypes, ran_words
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class PrecisionBlock(_PrecisionFacts, total=False):
 
     fsdp_param_dtype: str
     fp32_ran: dict[str, Any]
-    """What the fp32 pass ran (replay.run.fp32.Fp32Count.as_dict): compute ops by dtype, casts and autocasts held."""
+    """What the fp32 pass ran (forensics.replay.run.fp32.Fp32Count.as_dict): compute ops by dtype, casts and autocasts held."""
     code_dtypes: dict[str, int]
     """A job that recorded no low precision: the compute ops of one forward in its own precision, by dtype."""
 

@@ -29,8 +29,8 @@ from forensics.report.tree import Report, TriggerBlock, parse_report
 from forensics.trigger import Trigger
 from forensics.report.wording import fmt_num
 from forensics.trend import RobustTrend
-from replay.judge.findings import HistoryFinding
-from replay.load.environment import replay_environment
+from forensics.replay.judge.findings import HistoryFinding
+from forensics.replay.load.environment import replay_environment
 
 REPORT_Z = 3.0  # robust z that counts as 'left the baseline' when looking for where a growth started
 MAX_RANKED = 12  # rows of the ranking in the report

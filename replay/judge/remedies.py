@@ -25,11 +25,11 @@ from typing import Any, Iterator, TypedDict
 
 
 from forensics.kinds import RemedyKind
-from replay.judge.precision import uses_low_precision
-from replay.localize.update import step_each_parameter
-from replay.run.execute import SampleRef, StepRunner, any_nonfinite
-from replay.run.fp32 import ran_words
-from replay.run.update_size import WRECK_RATIO, relative_change
+from forensics.replay.judge.precision import uses_low_precision
+from forensics.replay.localize.update import step_each_parameter
+from forensics.replay.run.execute import SampleRef, StepRunner, any_nonfinite
+from forensics.replay.run.fp32 import ran_words
+from forensics.replay.run.update_size import WRECK_RATIO, relative_change
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def try_remedies(
     runner: StepRunner, culprits: list[SampleRef], clip_at: float | None, culprit_module: str | None = None
 ) -> RemediesBlock | None:
     """The report's `remedies` block: every applicable remedy tried on the step, ranked (module docstring).
-    `clip_at`: the healthy steps' gradient norm (replay.judge.history_pattern.read_history: from before the loss left
+    `clip_at`: the healthy steps' gradient norm (forensics.replay.judge.history_pattern.read_history: from before the loss left
     its start, never a diverged step's), the clipping threshold tried; None: clipping is not tried.
     None when the session has no optimizer state (no update to apply)."""
     session = runner.session

@@ -1,12 +1,12 @@
 """Remedies over the following steps: in a window replay, each fix that made the broken step healthy is kept for
-the next recorded steps (replay.run.window.FOLLOWING_STEPS, the dumped step included), which are re-executed with
+the next recorded steps (forensics.replay.run.window.FOLLOWING_STEPS, the dumped step included), which are re-executed with
 their recorded data, RNG and learning rate. A fix that only postpones the failure shows it here.
 
 What "kept" means per remedy (replay/judge/remedies.py's `setting`): dropped samples stay out of the broken step (they
 do not come back in the steps after it); a hyper-parameter change (Adam eps, a lower learning rate: the same
 factor on each step's recorded lr) and fp32 / a clipping norm hold for every following step; skipping applies
 to the broken step only. A lower loss scale is not carried: the window replay runs without a loss scaler.
-A following step is healthy under the same criteria as the broken one (replay.judge.remedies.WRECK_RATIO).
+A following step is healthy under the same criteria as the broken one (forensics.replay.judge.remedies.WRECK_RATIO).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import torch
 
 from forensics.errors import ReplayError
 from forensics.kinds import RemedyKind
-from replay.judge.remedies import Following, RemediesBlock, RemedyRow
-from replay.run.execute import StepRunner
-from replay.run.window import Followup, run_step, set_lr, to_device
+from forensics.replay.judge.remedies import Following, RemediesBlock, RemedyRow
+from forensics.replay.run.execute import StepRunner
+from forensics.replay.run.window import Followup, run_step, set_lr, to_device
 
 logger = logging.getLogger(__name__)
 

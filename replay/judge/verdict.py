@@ -29,9 +29,9 @@ triage order (where, reproduction, culprit, precision, history); suggestions are
 from __future__ import annotations
 
 from forensics.kinds import HistoryPattern, Phase, TriggerKind
-from replay.judge.verdict_data import bad_sample, exception_verdict, numerical_precision, trigger_sample
-from replay.judge.verdict_facts import VerdictFacts, has_culprit, low_precision, whole_batch
-from replay.judge.verdict_state import (
+from forensics.replay.judge.verdict_data import bad_sample, exception_verdict, numerical_precision, trigger_sample
+from forensics.replay.judge.verdict_facts import VerdictFacts, has_culprit, low_precision, whole_batch
+from forensics.replay.judge.verdict_state import (
     diverged,
     diverging,
     inherited,

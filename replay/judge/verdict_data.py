@@ -4,7 +4,7 @@ with or without data, a step that raises, a sample too large for memory."""
 from __future__ import annotations
 
 from forensics.kinds import VerdictKind
-from replay.judge.verdict_facts import (
+from forensics.replay.judge.verdict_facts import (
     INPUT_PREFIX,
     MAX_NAMED_SAMPLES,
     VerdictFacts,
@@ -13,7 +13,7 @@ from replay.judge.verdict_facts import (
     low_precision,
     what,
 )
-from replay.judge.verdict_words import (
+from forensics.replay.judge.verdict_words import (
     data_hint,
     filter_oversized,
     listed,

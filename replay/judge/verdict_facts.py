@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from forensics.kinds import HistoryPattern, Phase, TriggerKind
-from replay.culprits.sample_facts import SampleFact
+from forensics.replay.culprits.sample_facts import SampleFact
 
 LOW_PRECISION = {
     "float16": "float16",
@@ -21,7 +21,7 @@ LOW_PRECISION = {
 MAX_NAMED_SAMPLES = 3  # headlines name at most this many culprit samples
 MAX_ID_CHARS = 80  # longer sample ids are cut in the headline (report.json keeps them whole)
 PROSE_DIGITS = 6  # significant digits of numbers in verdict prose
-# replay.localize.forward_backward.INPUT_MODULE + ".": a batch field that was non-finite itself
+# forensics.replay.localize.forward_backward.INPUT_MODULE + ".": a batch field that was non-finite itself
 INPUT_PREFIX = "<input>."
 
 
@@ -108,7 +108,7 @@ class VerdictFacts:
     """Samples whose own replay is non-finite (per-sample table); None: not measured."""
     samples_checked: int = 0
     run_diverged: str | None = None
-    """A sentence when the run was far off long before this step (replay.judge.history_pattern.diverged_long_ago):
+    """A sentence when the run was far off long before this step (forensics.replay.judge.history_pattern.diverged_long_ago):
     then a spike is that run's symptom, and no sample is blamed for it."""
     data_kind: str | None = None
     """'tokens' when the culprit's micro-batch holds integer tensors (token ids, labels), 'float' when it holds
@@ -118,17 +118,17 @@ class VerdictFacts:
     out_of_memory: bool = False
     """The job's exception is running out of memory (GPU or host): sizes were measured (report exception.sizes)."""
     size_outliers: list[dict] = field(default_factory=list)
-    """Out of memory: samples at least replay.culprits.sizes.OUTLIER_FACTOR x the step's median size, largest first."""
+    """Out of memory: samples at least forensics.replay.culprits.sizes.OUTLIER_FACTOR x the step's median size, largest first."""
     median_size: float | None = None
     unblamed_group: int = 0
     """The smallest failing set bisection found when it was too large a share of the step to blame (the whole
-    step or most of it: replay.stages.MAX_CULPRIT_SHARE); 0 otherwise. No sample is named then."""
+    step or most of it: forensics.replay.stages.MAX_CULPRIT_SHARE); 0 otherwise. No sample is named then."""
     history_reading: list[str] = field(default_factory=list)
-    """What the history shows before the loss left its start (replay.judge.history_pattern.read_history): where it
+    """What the history shows before the loss left its start (forensics.replay.judge.history_pattern.read_history): where it
     left, the learning rate then, clipping, the healthy steps' grad norm. Empty when the loss never left it."""
     update_change: float | None = None
     """Window replay: how far this step's own update moved the weights (|update| / |weights|), set only when that
-    is what broke the run (more than replay.judge.remedies.WRECK_RATIO with finite gradients and weights)."""
+    is what broke the run (more than forensics.replay.judge.remedies.WRECK_RATIO with finite gradients and weights)."""
     lr: float | None = None
     """The step's learning rate (the optimizer's first parameter group)."""
     record_evidence: list[str] = field(default_factory=list)
@@ -138,7 +138,7 @@ class VerdictFacts:
     earlier_state: str | None = None
     """The earlier-state ablation in one sentence (replay/culprits/earlier_state.py); None: no earlier state."""
     fp32_ran: str | None = None
-    """What the fp32 re-run ran, in words (replay.run.fp32.ran_words); None: no fp32 re-run."""
+    """What the fp32 re-run ran, in words (forensics.replay.run.fp32.ran_words); None: no fp32 re-run."""
     fp32_unverified: bool = False
     """The fp32 re-run could not be held to float32 (a compute op still ran below it): no conclusion from it."""
     grad_norm_overflow: float | None = None

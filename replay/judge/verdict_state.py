@@ -4,8 +4,8 @@ diverged run, a spike without a single cause, a replay that did not reproduce.""
 from __future__ import annotations
 
 from forensics.kinds import HistoryPattern, RemedyKind, TriggerKind, VerdictKind
-from replay.judge.verdict_facts import MAX_NAMED_SAMPLES, VerdictFacts, has_culprit, what, whole_batch
-from replay.judge.verdict_words import (
+from forensics.replay.judge.verdict_facts import MAX_NAMED_SAMPLES, VerdictFacts, has_culprit, what, whole_batch
+from forensics.replay.judge.verdict_words import (
     DIV_OPS,
     LOG_OPS,
     filter_oversized,

@@ -9,7 +9,7 @@ from typing import Any
 
 from forensics.kinds import HistoryPattern, Phase, SampleFactKind, VerdictKind
 from forensics.report.wording import fmt_id, fmt_num, mb_number
-from replay.judge.verdict_facts import (
+from forensics.replay.judge.verdict_facts import (
     INPUT_PREFIX,
     MAX_ID_CHARS,
     MAX_NAMED_SAMPLES,

@@ -4,7 +4,7 @@ break at the window's first step, which the replay could not look behind, and a 
 from __future__ import annotations
 
 from forensics.report.tree import Verdict
-from replay.run.window import SnapshotUnused
+from forensics.replay.run.window import SnapshotUnused
 
 
 def snapshot_suggestion(unused: SnapshotUnused) -> str:

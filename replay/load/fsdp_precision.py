@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import torch
 
 from forensics.format.batch_tree import map_tensors
-from replay.load.environment import dtype_from_name
+from forensics.replay.load.environment import dtype_from_name
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ state (docs/INTEGRATIONS.md). It is not optimizer state a torch optimizer knows:
 `OptimizerSnapshot.masters` and never handed to `load_state_dict` (which would cast it to the
 parameter's dtype and carry it along unused). The replay model keeps the dtype the job's forward used
 (the dump's weights, e.g. bf16, and the recipe's `dtype`), so forward and backward match the job; the
-optimizer check (`replay.localize.update.localize_optimizer`) steps that model's dtype, an
+optimizer check (`forensics.replay.localize.update.localize_optimizer`) steps that model's dtype, an
 approximation of DeepSpeed's fp32 master update.
 """
 
@@ -140,7 +140,7 @@ class OptimizerSnapshot:
         hyper: dict[str, Any] | None = None,
     ) -> torch.optim.Optimizer:
         """`model`: the module whose parameters the optimizer steps, or {name: parameter} (stand-ins of the
-        module's parameters: replay.localize.update steps copies). `hyper`: hyper-parameters to change in every
+        module's parameters: forensics.replay.localize.update steps copies). `hyper`: hyper-parameters to change in every
         group (a counterfactual: {"lr": ...}, {"eps": 1e-8})."""
         named = dict(model.named_parameters()) if isinstance(model, torch.nn.Module) else dict(model)
         wanted = set(named) if names is None else set(names)

@@ -40,7 +40,7 @@ import torch
 from forensics.errors import RecipeError
 from forensics.recipes import is_builtin
 from forensics.report.wording import clean
-from replay.load.main_script import TRUST_NOTE, define_from_script, move_instruction
+from forensics.replay.load.main_script import TRUST_NOTE, define_from_script, move_instruction
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +51,20 @@ TRUSTED_OPTIMIZER_PREFIX = "torch.optim."
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
 
+LEGACY_ROOTS = ("capture.", "replay.")
+"""Before one import root, forensics' two sides were the top-level packages `capture` and `replay`: a dump written then
+may name `capture.integrations.lightning:training_step_loss`, which is forensics.capture.integrations... now."""
+
+
+def current_path(path: str) -> str:
+    """`path` with a module name of forensics' own written before one import root moved under `forensics.`."""
+    return f"forensics.{path}" if isinstance(path, str) and path.startswith(LEGACY_ROOTS) else path
+
+
 def _split_path(path: str, what: str) -> tuple[str, str]:
     if not isinstance(path, str) or ":" not in path:
         raise RecipeError(f"the {what} {path!r} is not of the form 'package.module:function'")
-    module, _, attr = path.partition(":")
+    module, _, attr = current_path(path).partition(":")
     if not module or not attr:
         raise RecipeError(f"the {what} {path!r} is not of the form 'package.module:function'")
     return module, attr

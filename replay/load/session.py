@@ -21,13 +21,13 @@ from forensics.kinds import TriggerKind
 from forensics.thirdparty import is_persistent_buffer, own_buffers, put_buffer, put_parameter, tensor_version
 from forensics.trigger import Trigger
 from forensics.unfilled import unfilled
-from replay.load.build_budget import BuildTooLargeError, WeightsHeld, build_budget, weights_held
-from replay.load.environment import dtype_from_name, environment_warnings, resolve_device, to_device
-from replay.load.fsdp_precision import FsdpUnit, compute_dtype, parse_units
-from replay.load.optimizer_state import DumpOptimizerState, OptimizerSnapshot
-from replay.load.recipe import LossFn, TrainingScript, job_paths, optimizer_class, resolve_recipe
-from replay.load.samples import SampleRef
-from replay.load.stream_plan import StreamPlan, keep_blocks_at_rest, plan_streaming, settle
+from forensics.replay.load.build_budget import BuildTooLargeError, WeightsHeld, build_budget, weights_held
+from forensics.replay.load.environment import dtype_from_name, environment_warnings, resolve_device, to_device
+from forensics.replay.load.fsdp_precision import FsdpUnit, compute_dtype, parse_units
+from forensics.replay.load.optimizer_state import DumpOptimizerState, OptimizerSnapshot
+from forensics.replay.load.recipe import LossFn, TrainingScript, job_paths, optimizer_class, resolve_recipe
+from forensics.replay.load.samples import SampleRef
+from forensics.replay.load.stream_plan import StreamPlan, keep_blocks_at_rest, plan_streaming, settle
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +75,12 @@ class ReplaySession:
     capture_environment: dict = field(default_factory=dict)
     pre_step_weights: Callable[..., Iterator[tuple[str, torch.Tensor]]] | None = None
     """Re-reads the pre-step weights from the dump (pread, tensor by tensor, onto `device`; `names=`: only those):
-    a large model is reset from the dump instead of from a copy held in memory (replay.run.execute.StepRunner)."""
+    a large model is reset from the dump instead of from a copy held in memory (forensics.replay.run.execute.StepRunner)."""
     loaded_weights: dict[str, tuple] | None = None
     """Each parameter's weight_fingerprints() right after pre_step_weights put it in place: a weight whose
     fingerprint is still this one holds the dump's pre-step values (StepRunner re-reads only the others)."""
     followup: Any = None
-    """Window replay: the recorded steps after this one (replay.run.window.Followup), over which the remedies are
+    """Window replay: the recorded steps after this one (forensics.replay.run.window.Followup), over which the remedies are
     carried (replay/judge/remedy_followup.py); None otherwise."""
     positional_ids: frozenset[int] = frozenset()
     """Micro-batches whose sample IDs are positions in the batch, made up because the job recorded none: a
@@ -201,7 +201,7 @@ def load_session(
         dump: a forensics.format.Dump (open_dump(path, rank=...)).
         device: "cuda:0", "cpu" or None (CUDA when present).
         trust / factory / loss / sys_path: consent for imports (see resolve_recipe); with it, the job's script and
-            working directories follow `sys_path` (replay.load.recipe.job_paths).
+            working directories follow `sys_path` (forensics.replay.load.recipe.job_paths).
         factory_kwargs / loss_kwargs: instead of the recorded ones (None: the recorded ones).
         weights: False for a window replay of a dump without pre-step state (`state_missing`): the model is built
             with its own init and no state or batch is read (the checkpoint and the data recipe supply them).
@@ -349,7 +349,7 @@ def _expect_bitwise(env_warnings: list[str], device: torch.device, determinism: 
 
 def _positional_ids(batch: Any, step: int, index: int) -> list[str]:
     """Ids for a micro-batch recorded without any: its positions (so bisection still covers it)."""
-    from replay.load.samples import BatchSizeError, batch_size
+    from forensics.replay.load.samples import BatchSizeError, batch_size
 
     try:
         size = batch_size(batch)
@@ -571,7 +571,7 @@ def _ids_of(batch: Any, index: int, key: str | None) -> list:
     if key and isinstance(batch, dict) and key in batch:
         value = batch[key]
         return value.tolist() if isinstance(value, torch.Tensor) else list(value)
-    from replay.load.samples import BatchSizeError, batch_size
+    from forensics.replay.load.samples import BatchSizeError, batch_size
 
     try:
         return [f"mb{index}/{j}" for j in range(batch_size(batch))]

@@ -23,7 +23,7 @@ import torch
 from forensics.errors import ReplayError
 from forensics.format.tensors import tensor_bytes
 from forensics.sizes import words
-from replay.load.fsdp_precision import FsdpUnit, parameter_units
+from forensics.replay.load.fsdp_precision import FsdpUnit, parameter_units
 
 STATE_FACTOR = 2
 """A normal replay holds every weight and its gradient on the device at once (the 7B FSDP2 replay: 27 GB of

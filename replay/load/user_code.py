@@ -24,10 +24,11 @@ from typing import Any
 import torch
 
 from forensics.errors import ForensicsError, UserCodeError
+from forensics.fsio import our_code_directories
 from forensics.recipes import BUILTIN_RECIPES, DEFAULT_LOSS, is_builtin
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # replay/load/ -> the repository
-OURS = tuple(os.path.join(_ROOT, package) + os.sep for package in ("forensics", "capture", "replay"))
+OURS = our_code_directories()
+"""Where forensics' own code lies: a frame there is not the user's."""
 _LIBRARIES = [os.path.dirname(torch.__file__)]
 for _name in ("numpy", "safetensors", "zstandard"):
     try:

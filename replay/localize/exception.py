@@ -17,8 +17,8 @@ import torch
 
 from forensics.kinds import Phase
 from forensics.thirdparty import TorchDispatchMode, op_schema
-from replay.localize.forward_backward import ModuleTracker
-from replay.run.execute import SampleRef, StepRunner
+from forensics.replay.localize.forward_backward import ModuleTracker
+from forensics.replay.run.execute import SampleRef, StepRunner
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from forensics.kinds import Phase
 from forensics.thirdparty import TorchDispatchMode, op_schema, tree_flatten, tree_map
-from replay.run.execute import SampleRef, StepRunner, any_nonfinite
+from forensics.replay.run.execute import SampleRef, StepRunner, any_nonfinite
 
 logger = logging.getLogger(__name__)
 
@@ -400,7 +400,7 @@ def _nonfinite_batch_input(runner: StepRunner, samples: list[SampleRef] | None) 
     """The batch's own float data holding NaN/Inf (an `inputs_embeds` already broken): then the input is the
     source, not the first module that passes it on. Named by its field path, e.g. `<input>.inputs_embeds`."""
     from forensics.format.batch_tree import tensor_leaves
-    from replay.load.samples import select_samples
+    from forensics.replay.load.samples import select_samples
 
     session = runner.session
     chosen = None if samples is None else {(r.micro_batch, r.index) for r in samples}

@@ -18,9 +18,9 @@ from typing import Any, Iterator, TypedDict
 import torch
 
 from forensics.kinds import Phase
-from replay.localize.forward_backward import ModuleTracker, float_tensors, module_label
-from replay.run.execute import SampleRef, StepRunner, any_nonfinite
-from replay.run.update_size import relative_change
+from forensics.replay.localize.forward_backward import ModuleTracker, float_tensors, module_label
+from forensics.replay.run.execute import SampleRef, StepRunner, any_nonfinite
+from forensics.replay.run.update_size import relative_change
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from replay.run.execute import SampleRef, StepRunner
+from forensics.replay.run.execute import SampleRef, StepRunner
 
 MAX_LISTED = 20  # slices named per parameter (the count covers all of them)
 

@@ -23,11 +23,11 @@ from forensics.errors import ForensicsError, ReplayError, is_out_of_memory
 from forensics.format.jsonio import lenient_float
 from forensics.grad_norm import total_grad_norm
 from forensics.kinds import FidelityMode, Phase, ReplayedQuantity, TriggerKind
-from replay.load.fsdp_precision import fsdp_compute
-from replay.load.samples import SampleRef
-from replay.load.session import ReplaySession, weight_fingerprints
-from replay.run.fp32 import Fp32Count, held_to_fp32
-from replay.run.units import explaining_factor, recorded_factors, to_replay_units
+from forensics.replay.load.fsdp_precision import fsdp_compute
+from forensics.replay.load.samples import SampleRef
+from forensics.replay.load.session import ReplaySession, weight_fingerprints
+from forensics.replay.run.fp32 import Fp32Count, held_to_fp32
+from forensics.replay.run.units import explaining_factor, recorded_factors, to_replay_units
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class StepResult:
         loss_spike: a loss is non-finite, or the step loss (sum / divisor, as the Guard computes it;
         for a run that skipped micro-batches, `comparable_loss`) is above `threshold`. grad_norm_spike: the
         grad norm is above `threshold` (or non-finite). nonfinite_param: the pre-step weights hold
-        NaN/Inf (an update that breaks them is checked by replay.localize.update.localize_optimizer).
+        NaN/Inf (an update that breaks them is checked by forensics.replay.localize.update.localize_optimizer).
         """
         try:
             trigger = TriggerKind.parse(kind)
@@ -233,7 +233,7 @@ class StepRunner:
     """Re-executes the session's step as often as asked, always from the pre-step weights.
 
     Args:
-        session: what replay.load.session built.
+        session: what forensics.replay.load.session built.
         keep_initial_on_cpu: keep the pre-step state_dict copy on the CPU (saves GPU memory for big
             models; each reset then copies host -> device). None: on the CPU when a device copy would
             take more than half of the GPU's free memory.
@@ -264,7 +264,7 @@ class StepRunner:
         self.nonfinite_params = [n for n, bad in zip(self.param_names, flags) if bad]
         self.passes = 0
         self._untouched: dict[str, tuple] | None = session.loaded_weights if self._reload is not None else None
-        """Large model reset from the dump: each parameter's fingerprint (replay.load.session.weight_fingerprints)
+        """Large model reset from the dump: each parameter's fingerprint (forensics.replay.load.session.weight_fingerprints)
         as the load or the last reset() left it, by name; None: reload everything (weights_changed())."""
         self._warned_autocast = False
         self.fp32_count = Fp32Count()
@@ -307,7 +307,7 @@ class StepRunner:
         statistics) and each parameter unless it is provably as the load or the last reset left it (a 7B model's
         weights are 27 GB to re-read otherwise): its storage, dtype, shape and in-place version counter are
         unchanged. Passes, their gradients and the optimizer checks (which step copies of the parameters:
-        replay.localize.update.step_each_parameter) leave the weights alone; an fp32 pass's casts change the
+        forensics.replay.localize.update.step_each_parameter) leave the weights alone; an fp32 pass's casts change the
         storage; code that steps the model itself calls weights_changed()."""
         untouched, now = self._untouched or {}, weight_fingerprints(self.model)
         return {name for name in live if name not in now or untouched.get(name) != now[name]}  # buffers: not in now
@@ -389,7 +389,7 @@ class StepRunner:
         batch = self.session.micro_batches[micro_batch]
         if indices is None:
             return batch
-        from replay.load.samples import select_samples
+        from forensics.replay.load.samples import select_samples
 
         return select_samples(batch, indices)
 

@@ -16,7 +16,7 @@ import torch
 
 from forensics.kinds import TriggerKind
 from forensics.rng import capture_rng, restore_rng
-from replay.run.execute import StepRunner
+from forensics.replay.run.execute import StepRunner
 
 logger = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ import torch
 
 from forensics.errors import DumpCorruptError
 from forensics.thirdparty import foreach_norm, tree_flatten, tree_unflatten
-from replay.load.stream_plan import ACTIVATION_SHARE, StreamPlan, at_rest
-from replay.run.execute import any_nonfinite
-from replay.run.read_ahead import BlockReader
+from forensics.replay.load.stream_plan import ACTIVATION_SHARE, StreamPlan, at_rest
+from forensics.replay.run.execute import any_nonfinite
+from forensics.replay.run.read_ahead import BlockReader
 
 _FORWARD = torch.nn.Linear.forward.__name__  # the method nn.Module.__call__ runs, overridden per block instance
 

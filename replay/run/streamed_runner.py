@@ -24,11 +24,11 @@ import torch
 from forensics.errors import ReplayError
 from forensics.grad_norm import total_grad_norm
 from forensics.thirdparty import foreach_norm
-from replay.load.fsdp_precision import fsdp_compute, parameter_units
-from replay.load.samples import SampleRef
-from replay.load.session import ReplaySession
-from replay.run.execute import StepRunner, any_nonfinite
-from replay.run.stream_blocks import BlockStreamer
+from forensics.replay.load.fsdp_precision import fsdp_compute, parameter_units
+from forensics.replay.load.samples import SampleRef
+from forensics.replay.load.session import ReplaySession
+from forensics.replay.run.execute import StepRunner, any_nonfinite
+from forensics.replay.run.stream_blocks import BlockStreamer
 
 STREAMED_PER_SAMPLE = 8
 """Streamed, each per-sample row is a pass over the whole model: culprits and at most this many rows."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeGuard
 
 from forensics.kinds import ReplayedQuantity
-from replay.load.session import ReplaySession
+from forensics.replay.load.session import ReplaySession
 
 TOLERANCE = 0.1
 """Relative distance of the ratio from the factor still read as that factor (a replay on other kernels moves the

@@ -9,7 +9,7 @@ safetensors file or a `torch.save` file — the last loaded with `weights_only=T
 runs). Each step is re-executed with its recorded RNG and learning rate and compared with the recorded
 history; after each update the weights are checked. The first step whose gradients are non-finite, whose
 update makes a weight non-finite, or whose update moves the weights by more than
-replay.run.update_size.WRECK_RATIO of their norm is the step that broke the run: it is analysed like a dump of
+forensics.replay.run.update_size.WRECK_RATIO of their norm is the step that broke the run: it is analysed like a dump of
 that step (localisation, bisection, fp32 triage, remedies) and the report gets a `window` block.
 """
 
@@ -34,10 +34,10 @@ from forensics.grad_norm import total_grad_norm
 from forensics.kinds import Phase, TriggerKind
 from forensics.rng import restore_rng
 from forensics.trigger import Trigger
-from replay.load.recipe import import_object
-from replay.load.session import ReplaySession, session_from_objects, to_device
-from replay.run.update_size import WRECK_RATIO, relative_change
-from replay.run.execute import any_nonfinite
+from forensics.replay.load.recipe import import_object
+from forensics.replay.load.session import ReplaySession, session_from_objects, to_device
+from forensics.replay.run.update_size import WRECK_RATIO, relative_change
+from forensics.replay.run.execute import any_nonfinite
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ def data_recipe(
     recipe: dict | None, trust: bool, sys_path: list[str], job_dirs: tuple[str, ...] | list[str] = ()
 ) -> DataRecipe:
     """The dump's data recipe (trust only); `sys_path` (--path) in front of sys.path, `job_dirs` (the job's recorded
-    directories) at its end (replay.load.recipe)."""
+    directories) at its end (forensics.replay.load.recipe)."""
     if not recipe:
         raise RecipeError(
             "the dump has no data recipe, so the recorded steps' micro-batches cannot be rebuilt: "
@@ -484,7 +484,7 @@ def _load_weights(model: torch.nn.Module, checkpoint: Checkpoint) -> None:
 def _optimizer(session: ReplaySession, checkpoint: Checkpoint) -> torch.optim.Optimizer:
     """The dump's optimizer class and hyper-parameters, with the checkpoint's state (fresh state, with a warning,
     when the checkpoint holds none)."""
-    from replay.load.optimizer_state import OptimizerSnapshot
+    from forensics.replay.load.optimizer_state import OptimizerSnapshot
 
     snapshot = session.optimizer
     if snapshot is None:

@@ -15,7 +15,7 @@ import tempfile
 
 import torch
 
-from capture import DetectionConfig, Guard, GuardConfig
+from forensics.capture import DetectionConfig, Guard, GuardConfig
 from scripts.bench.common import machine, median, timed
 
 

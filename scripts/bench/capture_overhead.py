@@ -31,7 +31,7 @@ import warnings
 
 import torch
 
-from capture import DetectionConfig, Guard, GuardConfig, RecordConfig
+from forensics.capture import DetectionConfig, Guard, GuardConfig, RecordConfig
 from scripts.bench.common import gpt2, machine, median, sync, timed
 
 

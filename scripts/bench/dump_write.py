@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from capture import DetectionConfig, DumpConfig, Guard, GuardConfig, SpikeConfig
+from forensics.capture import DetectionConfig, DumpConfig, Guard, GuardConfig, SpikeConfig
 from forensics.format.writer import DumpContent, write_dump
 from forensics.rng import capture_rng
 from scripts.bench.common import machine, median
@@ -126,7 +126,9 @@ def run(args: argparse.Namespace) -> None:
     guard = Guard(model, optimizer, config=GuardConfig(dump_dir=work, run_id="bench"))
 
     def forensics_dump():
-        state = guard.state.collect(__import__("capture.state.snapshot", fromlist=["HostCopy"]).HostCopy(enabled=False))
+        state = guard.state.collect(
+            __import__("forensics.capture.state.snapshot", fromlist=["HostCopy"]).HostCopy(enabled=False)
+        )
         content = DumpContent(
             manifest={"run_id": "bench", "step": 0, "rank": 0, "world_size": 1, "trigger": {}, "micro_batches": []},
             model=state["model"],

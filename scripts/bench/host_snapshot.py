@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from capture import Guard, GuardConfig, RecordConfig
-from capture.state.sharding import state_bytes
+from forensics.capture import Guard, GuardConfig, RecordConfig
+from forensics.capture.state.sharding import state_bytes
 from scripts.bench.common import gpt2, machine, median, sync, timed
 
 

@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from capture import DetectionConfig, Guard, GuardConfig, PrecursorConfig
+from forensics.capture import DetectionConfig, Guard, GuardConfig, PrecursorConfig
 from forensics.thirdparty import TorchDispatchMode
 from scripts.bench.common import gpt2, machine, median, sync
 

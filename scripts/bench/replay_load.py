@@ -32,7 +32,7 @@ LOAD = (
     + """
 import json, sys, time
 from forensics.format import open_dump
-from replay.load.session import load_session
+from forensics.replay.load.session import load_session
 import transformers.models.llama.modeling_llama  # a fixed import cost (~5 s here), not loading: outside the timer
 start = time.perf_counter()
 session = load_session(open_dump(sys.argv[1]), device=sys.argv[2])
@@ -44,7 +44,7 @@ REPLAY = (
     PEAK
     + """
 import json, sys, time
-from replay.engine import ReplayOptions, run_replay
+from forensics.replay.engine import ReplayOptions, run_replay
 import transformers.models.llama.modeling_llama
 start = time.perf_counter()
 report = run_replay(sys.argv[1], ReplayOptions(device=sys.argv[2], rng_check=False))
@@ -59,7 +59,7 @@ def write(directory: Path, hidden: int, layers: int) -> Path:
     import torch
     import transformers
 
-    from capture import DetectionConfig, Guard, GuardConfig
+    from forensics.capture import DetectionConfig, Guard, GuardConfig
 
     config = transformers.LlamaConfig(
         hidden_size=hidden,

@@ -34,9 +34,9 @@ def peak_rss_gb():  # VmHWM: this process's own peak
             return int(line.split()[1]) / 2**20  # kB
 import torch
 import transformers.models.llama.modeling_llama  # a fixed import cost, outside the timers
-from replay.engine import ReplayOptions, run_replay
-from replay.load.session import load_session
-from replay.run.execute import StepRunner
+from forensics.replay.engine import ReplayOptions, run_replay
+from forensics.replay.load.session import load_session
+from forensics.replay.run.execute import StepRunner
 from forensics.format import open_dump
 mode, dump, device, rank = sys.argv[1:5]
 rank = int(rank) if rank != "-" else None
@@ -91,7 +91,7 @@ def write_dump(args, directory: Path) -> tuple[Path, float]:
     import torch
     import transformers
 
-    from capture import Guard, GuardConfig
+    from forensics.capture import Guard, GuardConfig
     from forensics.errors import TrainingFaultError
 
     device = torch.device(args.device)

@@ -24,7 +24,7 @@ PROBE = r"""
 import json, sys, time
 import torch
 import transformers.models.llama.modeling_llama  # a fixed import cost, outside the timers
-from replay.engine import ReplayOptions, run_replay
+from forensics.replay.engine import ReplayOptions, run_replay
 from forensics.sizes import parse_bytes
 dump, device, rank, budget, remedies, rng = sys.argv[1:7]
 cuda = device.startswith("cuda")

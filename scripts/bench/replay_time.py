@@ -13,9 +13,9 @@ import time
 
 import torch
 
-from capture import Guard, GuardConfig
+from forensics.capture import Guard, GuardConfig
 from forensics.errors import TrainingFaultError
-from replay.engine import ReplayOptions, run_replay
+from forensics.replay.engine import ReplayOptions, run_replay
 from scripts.bench.common import gpt2, machine, sync, timed
 
 SAMPLES, MICRO = 32, 4

@@ -73,7 +73,7 @@ def build(hidden: int, layers: int):
 
 
 def forensics_save(model, optimizer, ids, root: Path, layout: str, replicas: int = 1) -> tuple[float, int]:
-    from capture import DetectionConfig, DumpConfig, Guard, GuardConfig
+    from forensics.capture import DetectionConfig, DumpConfig, Guard, GuardConfig
 
     guard = Guard(
         model,
@@ -97,8 +97,8 @@ def forensics_save(model, optimizer, ids, root: Path, layout: str, replicas: int
 
 def exchange_only(model, optimizer) -> dict:
     """The buddy exchange of shard_replicas=2 alone, on the state the Guard collects."""
-    from capture import DumpConfig, Guard, GuardConfig
-    from capture.state import buddy, snapshot
+    from forensics.capture import DumpConfig, Guard, GuardConfig
+    from forensics.capture.state import buddy, snapshot
 
     guard = Guard(model, optimizer, config=GuardConfig(dumping=DumpConfig(state_layout="sharded", shard_replicas=2)))
     state = guard.state.collect(snapshot.HostCopy(enabled=False))

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from capture import DetectionConfig, Guard, GuardConfig, PrecursorConfig
+from forensics.capture import DetectionConfig, Guard, GuardConfig, PrecursorConfig
 from scripts.bench.common import machine, median, sync
 
 MODES = ("plain", "synced", "guarded", "synchronous", "precursors")

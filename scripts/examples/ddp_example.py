@@ -18,8 +18,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 import _common
-from capture import DetectionConfig, DumpConfig, GuardConfig, IndexedDataset
-from capture.integrations import DistributedGuard
+from forensics.capture import DetectionConfig, DumpConfig, GuardConfig, IndexedDataset
+from forensics.capture.integrations import DistributedGuard
 
 
 def main() -> None:

@@ -18,8 +18,8 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 import _common
-from capture import DetectionConfig, DumpConfig, GuardConfig, IndexedDataset
-from capture.integrations import DeepSpeedGuard
+from forensics.capture import DetectionConfig, DumpConfig, GuardConfig, IndexedDataset
+from forensics.capture.integrations import DeepSpeedGuard
 from forensics.errors import TrainingFaultError
 
 

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader, DistributedSampler
 
 import _common
-from capture import DetectionConfig, DumpConfig, Guard, GuardConfig, IndexedDataset
+from forensics.capture import DetectionConfig, DumpConfig, Guard, GuardConfig, IndexedDataset
 
 
 def main() -> None:

@@ -17,8 +17,8 @@ import tempfile
 import torch
 
 import _common
-from capture import DetectionConfig, GuardConfig, IndexedDataset
-from capture.integrations import ForensicsTrainerCallback
+from forensics.capture import DetectionConfig, GuardConfig, IndexedDataset
+from forensics.capture.integrations import ForensicsTrainerCallback
 from forensics.errors import TrainingFaultError
 
 

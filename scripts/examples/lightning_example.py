@@ -14,8 +14,8 @@ import torch
 from torch.utils.data import DataLoader
 
 import _common
-from capture import DetectionConfig, DumpConfig, GuardConfig, IndexedDataset
-from capture.integrations import ForensicsLightningCallback
+from forensics.capture import DetectionConfig, DumpConfig, GuardConfig, IndexedDataset
+from forensics.capture.integrations import ForensicsLightningCallback
 from forensics.errors import TrainingFaultError
 
 

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader, DistributedSampler
 
 import _common
-from capture import DetectionConfig, DumpConfig, Guard, GuardConfig, IndexedDataset
+from forensics.capture import DetectionConfig, DumpConfig, Guard, GuardConfig, IndexedDataset
 
 VOCAB, SEQ = 128, 16
 

@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from capture import GuardConfig
-from capture.state import snapshot
+from forensics.capture import GuardConfig
+from forensics.capture.state import snapshot
 from forensics.format.tensors import write_safetensors
 
 
@@ -63,7 +63,7 @@ def main() -> None:
     import deepspeed
     import transformers
 
-    from capture.integrations import DeepSpeedGuard
+    from forensics.capture.integrations import DeepSpeedGuard
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--zero-stage", type=int, default=2, choices=(1, 2, 3))

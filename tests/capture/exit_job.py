@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from capture import DetectionConfig, Guard, GuardConfig, SpikeConfig
+from forensics.capture import DetectionConfig, Guard, GuardConfig, SpikeConfig
 from forensics.format import writer
 
 WIDTH = 2048  # 16 MiB of weights (+ 32 MiB of Adam state): written with the thread pool, long enough to be in flight

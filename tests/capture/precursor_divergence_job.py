@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from capture import DetectionConfig, Guard, GuardConfig, PrecursorConfig, SpikeConfig
+from forensics.capture import DetectionConfig, Guard, GuardConfig, PrecursorConfig, SpikeConfig
 from forensics.errors import TrainingFaultError
 
 STEPS = 260  # the run at lr 1.0 goes non-finite between steps ~90 and ~150 depending on the machine's rounding (seeded,
@@ -86,7 +86,7 @@ def main() -> int:
     args = parser.parse_args()
     from forensics.format import open_dump
     from forensics.kinds import TriggerKind
-    from replay.engine import ReplayOptions, run_replay
+    from forensics.replay.engine import ReplayOptions, run_replay
 
     guard, nonfinite_at = train(args.out, lr=1.0, device=args.device)
     precursor = [p for p in guard.dumps if open_dump(p).trigger.kind == TriggerKind.PRECURSOR]

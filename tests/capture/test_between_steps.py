@@ -12,8 +12,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from capture import Guard, GuardConfig
-from capture.raised.optimizer_steps import OptimizerSteps, torch_optimizer
+from forensics.capture import Guard, GuardConfig
+from forensics.capture.raised.optimizer_steps import OptimizerSteps, torch_optimizer
 from forensics.cli import main
 from forensics.format import open_dump, verify_dump
 
@@ -108,7 +108,7 @@ def test_an_optimizer_without_step_hooks_is_said_once_and_labelled_as_before(cap
         def step(self):
             pass
 
-    caplog.set_level("INFO", logger="capture.raised.optimizer_steps")
+    caplog.set_level("INFO", logger="forensics.capture.raised.optimizer_steps")
     steps = OptimizerSteps(Handmade(), lambda handle: None)
     assert not steps.known and "not (and does not wrap) a torch.optim.Optimizer" in caplog.text
     assert steps.after_check().state_holds == "maybe_partial"

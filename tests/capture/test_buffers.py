@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from capture import DetectionConfig, Guard, GuardConfig
-from capture.state.buffers import PreForwardBuffers
+from forensics.capture import DetectionConfig, Guard, GuardConfig
+from forensics.capture.state.buffers import PreForwardBuffers
 from forensics.format import open_dump
 from forensics_test_helpers import bitwise_equal  # tests/helpers.py
 
@@ -88,7 +88,7 @@ def test_only_persistent_buffers_are_copied_and_a_huge_set_turns_itself_off(monk
     buffers = PreForwardBuffers(model)
     buffers.take()
     assert sorted(buffers.before()) == ["1.num_batches_tracked", "1.running_mean", "1.running_var"]
-    monkeypatch.setattr("capture.state.buffers.MAX_BYTES", 8)
+    monkeypatch.setattr("forensics.capture.state.buffers.MAX_BYTES", 8)
     big = PreForwardBuffers(_net())
     big.take()
     assert big.off and big.before() == {} and big.restore() == 0

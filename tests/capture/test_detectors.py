@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from capture import DetectionConfig, DumpConfig, GuardConfig, IndexedDataset, RecordConfig, SpikeConfig
-from capture.detection.detectors import MAD_TO_SIGMA, SpikeDetector
-from capture.recording.history import FIELDS, History
+from forensics.capture import DetectionConfig, DumpConfig, GuardConfig, IndexedDataset, RecordConfig, SpikeConfig
+from forensics.capture.detection.detectors import MAD_TO_SIGMA, SpikeDetector
+from forensics.capture.recording.history import FIELDS, History
 
 
 def detector(values=(), **config) -> SpikeDetector:
@@ -193,7 +193,7 @@ def test_the_kept_sorted_window_gives_the_thresholds_of_a_full_recomputation():
 def test_a_loss_spike_on_a_grad_scaler_overflow_step_fires_and_its_norm_is_never_observed():
     """fp16 (issue 42 item 3): a step whose gradients overflow (the GradScaler skips it) still has a real loss, judged
     for a spike; its non-finite norm is no measurement and never enters the grad-norm window."""
-    from capture.detection.detectors import StepDetectors
+    from forensics.capture.detection.detectors import StepDetectors
     from forensics.kinds import TriggerKind
 
     detectors = StepDetectors(

@@ -95,7 +95,7 @@ def test_a_flush_whose_dump_fails_for_want_of_space_does_not_say_it_was_written(
     import resource
     import threading
 
-    from capture.dumping.writer_thread import BackgroundWriter
+    from forensics.capture.dumping.writer_thread import BackgroundWriter
 
     content, _ = helpers.synthetic_content()
     copied = threading.Event()
@@ -107,7 +107,7 @@ def test_a_flush_whose_dump_fails_for_want_of_space_does_not_say_it_was_written(
     try:
         writer.submit(content, str(tmp_path), lambda path: None, errors.append)
         threading.Timer(0.2, copied.set).start()
-        with caplog.at_level(logging.WARNING, logger="capture.dumping.writer_thread"):
+        with caplog.at_level(logging.WARNING, logger="forensics.capture.dumping.writer_thread"):
             writer.finish("the job is exiting")
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))

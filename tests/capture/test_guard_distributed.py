@@ -19,7 +19,7 @@ WORKER = textwrap.dedent("""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
-    from capture import DetectionConfig, DumpConfig, Guard, GuardConfig, SpikeConfig
+    from forensics.capture import DetectionConfig, DumpConfig, Guard, GuardConfig, SpikeConfig
 
     torch.set_num_threads(1)
     # a file store, not a TCP port: no port another job on the machine can take between choosing and binding it

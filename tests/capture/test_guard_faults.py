@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from capture import DetectionConfig, Guard, GuardConfig
+from forensics.capture import DetectionConfig, Guard, GuardConfig
 from forensics.errors import TrainingFaultError
 from forensics.format import Unreplayable, open_dump, verify_dump
 

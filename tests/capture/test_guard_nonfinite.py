@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from capture import DetectionConfig, Guard, GuardConfig, IndexedDataset
+from forensics.capture import DetectionConfig, Guard, GuardConfig, IndexedDataset
 from forensics.errors import TrainingFaultError
 from forensics.format import open_dump, verify_dump
 from forensics.recipes import default_loss, huggingface_model

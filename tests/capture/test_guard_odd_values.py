@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from capture import DetectionConfig, Guard, GuardConfig
+from forensics.capture import DetectionConfig, Guard, GuardConfig
 from forensics.format import open_dump
 
 
@@ -65,7 +65,7 @@ def test_odd_sample_ids_are_stored_as_their_repr_and_the_dump_is_written(tmp_pat
 
 
 def test_an_out_of_memory_error_records_the_memory_picture_of_each_micro_batch():
-    from capture.raised.exceptions import exception_section
+    from forensics.capture.raised.exceptions import exception_section
 
     batches = [
         {"input_ids": torch.zeros(4, 128, dtype=torch.long)},
@@ -91,7 +91,7 @@ def test_the_excepthook_holds_guards_weakly_and_goes_when_the_last_is_closed():
     import gc
     import sys
 
-    from capture.raised import exceptions
+    from forensics.capture.raised import exceptions
 
     before = sys.excepthook
     models = [torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)]

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from capture import DetectionConfig, DumpConfig, Guard, GuardConfig, SpikeConfig
+from forensics.capture import DetectionConfig, DumpConfig, Guard, GuardConfig, SpikeConfig
 from forensics.errors import TrainingFaultError
 from forensics.format import open_dump, verify_dump
 
@@ -182,7 +182,7 @@ def test_an_early_spike_is_logged_once_and_marked_in_the_history(tmp_path, caplo
     but one warning that says how to catch it, and the step is marked in the history."""
     import logging
 
-    from capture import Guard, GuardConfig
+    from forensics.capture import Guard, GuardConfig
 
     caplog.set_level(logging.WARNING)
     torch.manual_seed(0)
@@ -208,8 +208,8 @@ def test_an_early_spike_is_logged_once_and_marked_in_the_history(tmp_path, caplo
 
 
 def test_a_jump_at_step_1_is_noted_before_there_is_a_median():
-    from capture.detection.detectors import SpikeDetector
-    from capture.config import SpikeConfig
+    from forensics.capture.detection.detectors import SpikeDetector
+    from forensics.capture.config import SpikeConfig
 
     detector = SpikeDetector(SpikeConfig())
     assert detector.observe(4.9) is None and detector.suppressed is None

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from capture import DetectionConfig, DumpConfig, Guard, GuardConfig, IndexedDataset, RecordConfig
+from forensics.capture import DetectionConfig, DumpConfig, Guard, GuardConfig, IndexedDataset, RecordConfig
 from forensics.errors import TrainingFaultError
 from forensics.format import open_dump, verify_dump
 from forensics_test_helpers import ScalarReads, Watched
@@ -127,10 +127,10 @@ def test_healthy_steps_read_nothing_from_the_device_inside_check(helpers, gpt2, 
 def test_unsupported_optimizer_falls_back_to_the_synchronous_check(helpers, gpt2, tmp_path, caplog):
     model, optimizer, scheduler, guard, steps = _setup(helpers, gpt2, tmp_path, "skip", fused=False)
     loop = helpers.TrainLoop(model, optimizer, guard, scheduler, snapshot=False)
-    with caplog.at_level(logging.WARNING, logger="capture.detection.sync_free"):
+    with caplog.at_level(logging.WARNING, logger="forensics.capture.detection.sync_free"):
         loop.run(steps)
     guard.close()
-    warnings = [r for r in caplog.records if r.name == "capture.detection.sync_free"]
+    warnings = [r for r in caplog.records if r.name == "forensics.capture.detection.sync_free"]
     assert len(warnings) == 1 and "does not honour found_inf" in warnings[0].getMessage()
     assert [log.decision for log in loop.logs] == [s != BAD_STEP for s in range(STEPS)]  # the host decided
     assert [open_dump(p).step for p in guard.dumps] == [BAD_STEP]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from capture import Guard, GuardConfig, PrecursorConfig
+from forensics.capture import Guard, GuardConfig, PrecursorConfig
 from forensics_test_helpers import ScalarReads, Watched
 
 

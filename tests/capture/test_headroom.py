@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from capture import Guard, GuardConfig, PrecursorConfig
+from forensics.capture import Guard, GuardConfig, PrecursorConfig
 from forensics import headroom
 from forensics.headroom import FP16_MAX, HORIZON, LimitWatch, forecast, limit_of, theil_sen
 from forensics.kinds import PrecursorRule, PrecursorStatistic as S
@@ -93,7 +93,7 @@ class _Model(torch.nn.Module):
 
 def test_a_statistic_that_cannot_be_measured_is_named_once_in_plain_words(caplog):
     model = _Model()  # query / key projections, but no head size anywhere
-    with caplog.at_level(logging.WARNING, logger="capture.precursors.statistics"):
+    with caplog.at_level(logging.WARNING, logger="forensics.capture.precursors.statistics"):
         guard = Guard(model, torch.optim.Adagrad(model.parameters()), config=GuardConfig(precursors=PrecursorConfig()))
     said = [r.getMessage() for r in caplog.records]
     assert any("attention-logit bound is not measured for layers.0, layers.1: no head size found" in m for m in said)
@@ -146,7 +146,7 @@ def test_a_crash_dump_names_the_runs_earlier_dumps_from_the_listing_only(helpers
     """replay/judge/precursor.earlier_dumps: sibling step directories of the same run id, newest first; another run's
     dump, a symlinked step directory and a directory that is not a step are left out."""
     from forensics.format import open_dump
-    from replay.judge.precursor import earlier_dumps
+    from forensics.replay.judge.precursor import earlier_dumps
 
     for step in (3, 5):
         helpers.write_synthetic_dump(tmp_path, step=step)

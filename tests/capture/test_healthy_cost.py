@@ -21,7 +21,7 @@ import numpy
 import pytest
 import torch
 
-from capture import Guard, GuardConfig
+from forensics.capture import Guard, GuardConfig
 from forensics.thirdparty import TorchDispatchMode
 from forensics_test_helpers import Watched
 

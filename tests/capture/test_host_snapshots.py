@@ -7,8 +7,8 @@ import logging
 
 import torch
 
-from capture import Guard, GuardConfig, RecordConfig
-from capture.state import host_snapshots
+from forensics.capture import Guard, GuardConfig, RecordConfig
+from forensics.capture.state import host_snapshots
 
 
 def _adam_job(steps: int, config: GuardConfig, seen: dict | None = None) -> Guard:
@@ -84,7 +84,7 @@ def test_a_snapshot_larger_than_half_the_available_memory_is_refused_and_trainin
     tmp_path, monkeypatch, caplog
 ):
     monkeypatch.setattr(host_snapshots, "available_host_memory", lambda: 1000)  # bytes: this machine "has" 1 KB
-    with caplog.at_level(logging.WARNING, logger="capture.state.host_snapshots"):
+    with caplog.at_level(logging.WARNING, logger="forensics.capture.state.host_snapshots"):
         guard = _adam_job(
             4, GuardConfig(dump_dir=str(tmp_path), recording=RecordConfig(snapshot_every=1, snapshot_count=2))
         )

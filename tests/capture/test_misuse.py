@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from capture import DetectionConfig, DumpConfig, Guard, GuardConfig
+from forensics.capture import DetectionConfig, DumpConfig, Guard, GuardConfig
 from forensics.cli import main
 from forensics.errors import TrainingFaultError
 
@@ -128,7 +128,7 @@ def test_a_loop_used_right_gets_no_usage_warning(tmp_path, caplog):
         guard.check()
         optimizer.step()
         optimizer.zero_grad()
-    assert not [r for r in caplog.records if "capture.recording.misuse" in r.name]
+    assert not [r for r in caplog.records if "forensics.capture.recording.misuse" in r.name]
 
 
 def test_without_record_batch_a_nan_loss_is_still_seen(user_module, tmp_path):
@@ -300,7 +300,7 @@ def test_a_grad_norm_taken_before_unscale_and_passed_after_it_is_found_out_when_
     (the gradients are unscaled by then: nothing to see on a healthy step without a device read). When a step is
     dumped (here a loss spike), the Guard compares it with the gradients' own norm, says so once, and the dump
     records the unscaled norm."""
-    from capture import DetectionConfig, SpikeConfig
+    from forensics.capture import DetectionConfig, SpikeConfig
     from forensics.format import open_dump
 
     caplog.set_level(logging.WARNING, logger="capture")

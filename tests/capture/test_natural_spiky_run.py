@@ -15,7 +15,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from capture import Guard, GuardConfig
+from forensics.capture import Guard, GuardConfig
 from forensics.cli import main
 from forensics.errors import TrainingFaultError
 from forensics.format import open_dump
@@ -174,7 +174,7 @@ def test_no_dump_of_the_natural_run_blames_its_data(run, tmp_path):
 def test_with_the_guards_host_snapshot_the_spike_is_fed_to_an_earlier_state(tmp_path):
     """PaLM's test on a natural spike: the same run with RecordConfig(snapshot_every=16) keeps an earlier state in each
     dump; the replay feeds the sample bisection isolated to it and says what happened there (healthy: the state)."""
-    from capture import RecordConfig
+    from forensics.capture import RecordConfig
 
     guard, _ = _train(
         GuardConfig(dump_dir=str(tmp_path), run_id="snap", recording=RecordConfig(snapshot_every=16)),

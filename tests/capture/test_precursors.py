@@ -13,14 +13,14 @@ import pytest
 import torch
 from forensics_test_helpers import load_test_module
 
-from capture import Guard, GuardConfig, PrecursorConfig
-from capture.precursors import statistics as precursor_stats
-from capture.precursors.statistics import find_blocks
+from forensics.capture import Guard, GuardConfig, PrecursorConfig
+from forensics.capture.precursors import statistics as precursor_stats
+from forensics.capture.precursors.statistics import find_blocks
 from forensics.format import open_dump, verify_dump
 from forensics.kinds import PrecursorStatistic, TriggerKind, VerdictKind
 from forensics.report import render_markdown
 from forensics.report.plots import plot_precursors
-from replay.engine import ReplayOptions, run_replay
+from forensics.replay.engine import ReplayOptions, run_replay
 
 _job = load_test_module("forensics_precursor_divergence_job", Path(__file__).with_name("precursor_divergence_job.py"))
 AHEAD, batches, gpt2, train = _job.AHEAD, _job.batches, _job.gpt2, _job.train

@@ -144,12 +144,12 @@ def test_unwritable_report_or_blocklist_path_exits_2_not_1(dumps, tmp_path):
 def test_an_unwritable_output_is_refused_before_the_dump_is_read(tmp_path, monkeypatch, command):
     """`-o /proc/forbidden` fails at once with exit 2 — not after a whole replay (issue 31). The dump here does not
     even exist: the output is what is checked first."""
-    import replay.engine
+    import forensics.replay.engine
 
     def never(*args, **kwargs):
         raise AssertionError("the replay ran before its output was checked")
 
-    monkeypatch.setattr(replay.engine, "run_replay", never)
+    monkeypatch.setattr(forensics.replay.engine, "run_replay", never)
     result = invoke([command, tmp_path / "no_such_dump", "-o", "/proc/forbidden/report"], exit_code=ExitCode.BAD_INPUT)
     assert "-o /proc/forbidden/report cannot be written" in result.stderr and "no_such_dump" not in result.stderr
     assert not Path("/proc/forbidden").exists()

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from capture import DetectionConfig, DumpConfig, Guard, GuardConfig, RecordConfig, SpikeConfig
+from forensics.capture import DetectionConfig, DumpConfig, Guard, GuardConfig, RecordConfig, SpikeConfig
 from forensics.format import open_dump, verify_dump
 
 pytestmark = pytest.mark.skipif(

@@ -804,7 +804,7 @@ def chunked_dump(tmp_path_factory) -> Path:
     import torch
     import transformers
 
-    from capture import Guard, GuardConfig, RecordConfig
+    from forensics.capture import Guard, GuardConfig, RecordConfig
     from forensics.errors import TrainingFaultError
 
     torch.manual_seed(0)

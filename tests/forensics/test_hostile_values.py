@@ -91,7 +91,7 @@ def test_a_crash_dump_whose_statistics_did_not_grow_and_no_earlier_dump_is_repor
 
 def test_a_sibling_step_directory_whose_name_ends_in_a_newline_is_not_an_earlier_dump(dump):
     from forensics.format import open_dump
-    from replay.judge.precursor import earlier_dumps
+    from forensics.replay.judge.precursor import earlier_dumps
 
     run_dir = dump.parent.parent
     shutil.copytree(dump.parent, run_dir / "step-000000003\n")
@@ -143,9 +143,9 @@ def test_a_recipe_size_edited_far_beyond_the_dumps_weights_stops_the_build_early
 
 def test_the_unedited_recipe_builds_within_the_dumps_weights(dump, tmp_path):
     from forensics.format import open_dump
-    from replay.load.build_budget import weights_held
-    from replay.load.recipe import resolve_recipe
-    from replay.load.session import build_model
+    from forensics.replay.load.build_budget import weights_held
+    from forensics.replay.load.recipe import resolve_recipe
+    from forensics.replay.load.session import build_model
 
     opened = open_dump(dump)
     held = weights_held(opened)

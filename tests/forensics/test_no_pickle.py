@@ -39,7 +39,7 @@ def test_reading_a_dump_and_its_archives_never_unpickles(helpers, tmp_path, no_p
 
 
 def test_reading_a_real_guard_dump_never_unpickles(helpers, gpt2, tmp_path, monkeypatch):
-    from capture import DetectionConfig, Guard, GuardConfig
+    from forensics.capture import DetectionConfig, Guard, GuardConfig
 
     model = gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

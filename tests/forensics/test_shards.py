@@ -11,8 +11,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from capture.state.buddy import buddy_offsets
-from capture.state.sharding import Assignment, shard_state
+from forensics.capture.state.buddy import buddy_offsets
+from forensics.capture.state.sharding import Assignment, shard_state
 from forensics.cli import main
 from forensics.errors import DumpCorruptError, DumpIncompleteError
 from forensics.format import open_dump, verify_dump, write_dump

@@ -14,7 +14,7 @@ import torch
 from click.testing import CliRunner
 from forensics_test_helpers import guarded_step
 
-from capture import DetectionConfig, DumpConfig, Guard, GuardConfig
+from forensics.capture import DetectionConfig, DumpConfig, Guard, GuardConfig
 from forensics.cli import main
 
 

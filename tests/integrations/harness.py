@@ -263,7 +263,7 @@ def run_example(tmp_path, script: str, run_id: str, *extra):
 
 def replay_names_sample_and_layer(step_dir) -> None:
     """A one-process replay of rank 1's dump names the corrupt sample and the layer where NaN appears."""
-    from replay import engine  # a broken import fails the test; it is never a skip
+    from forensics.replay import engine  # a broken import fails the test; it is never a skip
 
     report = engine.run_replay(str(step_dir), engine.ReplayOptions(device="cpu", rank=1))
     culprit = report["culprit"]

@@ -26,8 +26,8 @@ from torch.distributed.fsdp import fully_shard
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "examples"))
 import _common
 
-from capture import DetectionConfig, DumpConfig, Guard, GuardConfig, PrecursorConfig, SpikeConfig
-from capture.precursors.statistics import find_blocks
+from forensics.capture import DetectionConfig, DumpConfig, Guard, GuardConfig, PrecursorConfig, SpikeConfig
+from forensics.capture.precursors.statistics import find_blocks
 from forensics.kinds import PrecursorStatistic
 
 

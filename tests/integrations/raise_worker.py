@@ -17,7 +17,7 @@ import torch
 import transformers
 from torch.nn.parallel import DistributedDataParallel
 
-from capture import DumpConfig, Guard, GuardConfig
+from forensics.capture import DumpConfig, Guard, GuardConfig
 
 BAD_STEP, BAD_MB, BAD_ROW = 2, 1, 3
 

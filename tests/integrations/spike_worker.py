@@ -15,8 +15,8 @@ import sys
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from capture import DetectionConfig, DumpConfig, Guard, GuardConfig, SpikeConfig
-from capture.integrations import DistributedGuard
+from forensics.capture import DetectionConfig, DumpConfig, Guard, GuardConfig, SpikeConfig
+from forensics.capture.integrations import DistributedGuard
 from forensics.thirdparty import TorchDispatchMode
 
 SPIKE_STEP = 8

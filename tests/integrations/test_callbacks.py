@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from capture import GuardConfig, IndexedDataset
+from forensics.capture import GuardConfig, IndexedDataset
 from forensics.errors import TrainingFaultError
 from forensics.format import open_dump, verify_dump
 from forensics.recipes import default_loss
@@ -49,7 +49,7 @@ def test_hf_trainer_that_drops_the_sample_ids_says_so_loudly(harness, tmp_path, 
 
     from transformers import Trainer, TrainingArguments
 
-    from capture.integrations import ForensicsTrainerCallback
+    from forensics.capture.integrations import ForensicsTrainerCallback
 
     caplog.set_level(logging.WARNING)
     common = harness.load_common()
@@ -84,7 +84,7 @@ def test_hf_trainer_callback_dumps_the_step_with_the_corrupt_sample(harness, tmp
     harness.requires("transformers", "accelerate")
     from transformers import Trainer, TrainingArguments
 
-    from capture.integrations import ForensicsTrainerCallback
+    from forensics.capture.integrations import ForensicsTrainerCallback
 
     common = harness.load_common()
     dataset = IndexedDataset(common.EmbedsDataset(STEPS * ACCUM * MICRO, poison=POISON))
@@ -135,8 +135,8 @@ def test_lightning_callback_dumps_the_step_with_the_corrupt_sample(harness, tmp_
         import pytorch_lightning as pl
     except ImportError:
         pl = pytest.importorskip("lightning.pytorch")
-    from capture.integrations import ForensicsLightningCallback
-    from capture.integrations.lightning import training_step_loss
+    from forensics.capture.integrations import ForensicsLightningCallback
+    from forensics.capture.integrations.lightning import training_step_loss
 
     common = harness.load_common()
     loader = DataLoader(
@@ -166,7 +166,7 @@ def test_lightning_callback_dumps_the_step_with_the_corrupt_sample(harness, tmp_
     _assert_pre_step_state(dump, module, trainer.optimizers[0])
     assert "training_step" not in vars(module)  # the callback's wrapper is gone after the fit
     assert dump.manifest["loss"]["divisor"] == ACCUM
-    assert dump.recipe["loss"] == "capture.integrations.lightning:training_step_loss"
+    assert dump.recipe["loss"] == "forensics.capture.integrations.lightning:training_step_loss"
     healthy = 1 - BAD_MB
     with torch.no_grad():  # the loss as training_step returned it, before Lightning divided it
         recomputed = training_step_loss(module, dump.micro_batch(healthy))
@@ -215,7 +215,7 @@ def test_lightning_fused_adamw_under_mixed_precision_clips_and_dumps(harness, tm
         import pytorch_lightning as pl
     except ImportError:
         pl = pytest.importorskip("lightning.pytorch")
-    from capture.integrations import ForensicsLightningCallback
+    from forensics.capture.integrations import ForensicsLightningCallback
 
     common = harness.load_common()
     loader = DataLoader(

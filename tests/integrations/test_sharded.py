@@ -63,7 +63,7 @@ def test_an_fsdp2_bf16_job_is_replayed_in_its_own_precision_bit_for_bit(harness,
     units = manifest["precision"]["fsdp"]
     assert [u["module"] for u in units] == ["", "transformer.h.0", "transformer.h.1"]
     assert {(u["param_dtype"], u["reduce_dtype"]) for u in units} == {("bfloat16", "float32")}
-    from replay import engine
+    from forensics.replay import engine
 
     report = engine.run_replay(
         str(step_dir), engine.ReplayOptions(device="cpu", rank=1, rng_check=False, remedies=False)
@@ -74,9 +74,9 @@ def test_an_fsdp2_bf16_job_is_replayed_in_its_own_precision_bit_for_bit(harness,
 
     # the per-sample rows too run each sample in the units' bf16 (not in the fp32 weights'), and the weights come back
     from forensics.format import open_dump
-    from replay import stages
-    from replay.load.session import load_session
-    from replay.run.execute import StepRunner
+    from forensics.replay import stages
+    from forensics.replay.load.session import load_session
+    from forensics.replay.run.execute import StepRunner
 
     session = load_session(open_dump(str(step_dir), rank=1), device="cpu")
     runner, seen = StepRunner(session), []
@@ -112,7 +112,7 @@ def test_hsdp_on_four_ranks_writes_one_replica_group(harness, tmp_path):
     written, one_copy, per_rank = harness.state_bytes(step_dir)
     assert written <= 1.05 * one_copy, (written, one_copy)
     assert max(per_rank) < 0.6 * one_copy, per_rank
-    from replay import engine
+    from forensics.replay import engine
 
     report = engine.run_replay(str(step_dir), engine.ReplayOptions(device="cpu", rank=1))
     assert [s["sample_id"] for s in report["culprit"]["samples"]] == [harness.POISON]
@@ -374,7 +374,7 @@ def test_a_torchtitan_job_guarded_with_one_line_names_the_corrupt_record(harness
     written, one_copy, per_rank = harness.state_bytes(step_dir)
     assert written <= 1.05 * one_copy and max(per_rank) < 0.75 * one_copy, (written, one_copy, per_rank)
 
-    from replay import engine
+    from forensics.replay import engine
 
     report = engine.run_replay(
         str(step_dir),

@@ -87,7 +87,7 @@ def test_one_rank_torchtitan_amp_and_fused_adamw_dumps_one_step_late_and_names_t
         result.explain()
     )
     step_dir = tmp_path / "forensics" / "titan" / f"step-{BAD_STEP:09d}"
-    from replay import engine
+    from forensics.replay import engine
 
     report = engine.run_replay(str(step_dir), engine.ReplayOptions(device="cpu", remedies=False, rng_check=False))
     assert [(s["sample_id"], s["rank"]) for s in report["culprit"]["samples"]] == [("dp0:5", 0)]
@@ -101,7 +101,7 @@ def test_the_forensics_section_of_torchtitans_config_sets_the_guard(capsys):
     pytest.importorskip("torchtitan")
     from torchtitan.config import ConfigManager
 
-    from capture.integrations.torchtitan import guard_config
+    from forensics.capture.integrations.torchtitan import guard_config
     from forensics.kinds import Policy
 
     config = ConfigManager().parse_args(

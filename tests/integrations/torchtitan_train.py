@@ -1,6 +1,6 @@
-"""Runs torchtitan's trainer as `torchrun -m capture.integrations.torchtitan` does, from a script path (the fork
+"""Runs torchtitan's trainer as `torchrun -m forensics.capture.integrations.torchtitan` does, from a script path (the fork
 server of the tests starts scripts: tests/fork_server.py)."""
 
-from capture.integrations.torchtitan import main
+from forensics.capture.integrations.torchtitan import main
 
 main()

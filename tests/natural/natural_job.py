@@ -45,7 +45,7 @@ if str(HERE) not in sys.path:
 
 from natural_models import build, lm_loss  # noqa: E402
 
-from capture import DumpConfig, Guard, GuardConfig, PrecursorConfig  # noqa: E402
+from forensics.capture import DumpConfig, Guard, GuardConfig, PrecursorConfig  # noqa: E402
 from forensics.errors import TrainingFaultError  # noqa: E402
 
 AHEAD = 10  # the promise: a precursor at least this many steps before the non-finite step
@@ -225,7 +225,7 @@ def summarize(scenario: Scenario, run: Run, device: str = "cpu", replay: bool = 
         if crash is not None:
             out["ahead"] = crash[1].step - precursor[1].step
     if replay and crash is not None:
-        from replay.engine import ReplayOptions, run_replay
+        from forensics.replay.engine import ReplayOptions, run_replay
 
         report = run_replay(crash[0], ReplayOptions(device=device, trust=True, sys_path=[str(HERE)]))
         out.update(

@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from forensics.rng import capture_rng
-from replay.load.session import session_from_objects
+from forensics.replay.load.session import session_from_objects
 
 VOCAB = 64
 POISON_TOKEN = 63  # used by exactly one sample (micro-batch 1, index 2)

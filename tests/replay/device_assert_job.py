@@ -18,7 +18,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import token_job  # (the data recipe names it: replay imports it with --path tests/replay)
 
-from capture import DumpConfig, Guard, GuardConfig, RecordConfig
+from forensics.capture import DumpConfig, Guard, GuardConfig, RecordConfig
 
 BAD_STEP, BAD_MB, BAD_ROW = 5, 1, 2
 

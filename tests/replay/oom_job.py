@@ -12,7 +12,7 @@ import sys
 import torch
 import transformers
 
-from capture import Guard, GuardConfig
+from forensics.capture import Guard, GuardConfig
 
 LONG = 100_000
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from click.testing import CliRunner
 
-from capture import DetectionConfig, DumpConfig, Guard, GuardConfig
+from forensics.capture import DetectionConfig, DumpConfig, Guard, GuardConfig
 from forensics.cli import main
-from replay.engine import ReplayOptions, run_replay
+from forensics.replay.engine import ReplayOptions, run_replay
 
 
 def _build() -> torch.nn.Module:

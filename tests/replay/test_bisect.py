@@ -5,8 +5,8 @@ import random
 
 import torch
 
-from replay.culprits.bisect import ddmin
-from replay.load.samples import select_samples
+from forensics.replay.culprits.bisect import ddmin
+from forensics.replay.load.samples import select_samples
 
 
 class CountingPredicate:

@@ -12,7 +12,7 @@ import transformers
 from click.testing import CliRunner
 from forensics_test_helpers import guarded_step
 
-from capture import DetectionConfig, Guard, GuardConfig
+from forensics.capture import DetectionConfig, Guard, GuardConfig
 from forensics.cli import main
 
 BAD_TOKEN, BAD_STEP = 99, 4

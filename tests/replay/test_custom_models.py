@@ -13,8 +13,8 @@ import torch
 from click.testing import CliRunner
 from forensics_test_helpers import guarded_step
 
-from capture import DetectionConfig, DumpConfig, Guard, GuardConfig
-from capture.state.recipe import build_recipe
+from forensics.capture import DetectionConfig, DumpConfig, Guard, GuardConfig
+from forensics.capture.state.recipe import build_recipe
 from forensics.cli import main
 from forensics.recipes import DEFAULT_LOSS, HUGGINGFACE_FACTORY
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from capture import DumpConfig, Guard, GuardConfig
+from forensics.capture import DumpConfig, Guard, GuardConfig
 from forensics.cli import main
 from forensics.errors import TrainingFaultError
 

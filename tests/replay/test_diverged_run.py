@@ -11,7 +11,7 @@ import transformers
 from click.testing import CliRunner
 from forensics_test_helpers import guarded_step
 
-from capture import DetectionConfig, DumpConfig, Guard, GuardConfig, SpikeConfig
+from forensics.capture import DetectionConfig, DumpConfig, Guard, GuardConfig, SpikeConfig
 from forensics.cli import main
 
 

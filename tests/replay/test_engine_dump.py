@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
-from capture import DumpConfig, Guard, GuardConfig
+from forensics.capture import DumpConfig, Guard, GuardConfig
 from forensics.errors import DumpError, RecipeError, TrainingFaultError
 from forensics.report.model import validate_report
-from replay.engine import ReplayOptions, run_replay
+from forensics.replay.engine import ReplayOptions, run_replay
 
 POISONED = (1, 2)  # micro-batch, index
 
@@ -110,7 +110,7 @@ def test_bf16_autocast_dump_replays_bitwise_and_fp32_still_fails(tmp_path, helpe
 def test_a_large_model_is_reset_from_the_dump_with_the_same_result(tmp_path, helpers, kit, monkeypatch):
     """Above RELOAD_MIN_BYTES the StepRunner keeps no copy of the weights: each reset re-reads them from the
     dump. Lowered to 0 here, the replay must give the same numbers and the same culprit, bit for bit."""
-    from replay.run import execute
+    from forensics.replay.run import execute
 
     dump_path = crash_and_dump(tmp_path, helpers, kit)
     copied = run_replay(dump_path, ReplayOptions(device="cpu"))
@@ -142,9 +142,9 @@ def test_a_reset_from_the_dump_rereads_only_what_a_pass_may_have_changed(tmp_pat
     seen by the version counters; a write through `.data` (no version bump) by code that says so
     (weights_changed): every weight is read again."""
     from forensics.format import open_dump
-    from replay.load.session import load_session
-    from replay.localize.update import step_each_parameter
-    from replay.run import execute
+    from forensics.replay.load.session import load_session
+    from forensics.replay.localize.update import step_each_parameter
+    from forensics.replay.run import execute
 
     monkeypatch.setattr(execute, "RELOAD_MIN_BYTES", 0)
     session = load_session(open_dump(crash_and_dump(tmp_path, helpers, kit)), device="cpu")

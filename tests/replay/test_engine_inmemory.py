@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from forensics.report.model import validate_report
-from replay.engine import ReplayOptions, run_session
+from forensics.replay.engine import ReplayOptions, run_session
 
 NAN_LOSS = {
     "kind": "nonfinite_loss",
@@ -191,7 +191,7 @@ def activation_penalty_loss(model, batch):
 
 
 def test_loss_spike_culprit_is_the_sample_whose_removal_ends_it(kit):
-    from replay.run.execute import StepRunner
+    from forensics.replay.run.execute import StepRunner
 
     model = kit.build_gpt2()
     healthy = StepRunner(
@@ -225,7 +225,7 @@ def test_two_independent_bad_samples_are_both_named(kit):
 def test_fp16_margin_reads_only_computed_values():
     """An allocation's output is stale memory, not a value the step computed: the margin (and so the verdict) must not
     read it (it made test_fp16_overflow_of_one_sample_is_numerical_precision flaky: empty_like held up to 52,736)."""
-    from replay.culprits.margin import _LargestHalf
+    from forensics.replay.culprits.margin import _LargestHalf
 
     mode = _LargestHalf()
     with mode:

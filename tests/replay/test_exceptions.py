@@ -16,7 +16,7 @@ import transformers
 from click.testing import CliRunner
 from forensics_test_helpers import fork_server
 
-from capture import DumpConfig, Guard, GuardConfig, RecordConfig
+from forensics.capture import DumpConfig, Guard, GuardConfig, RecordConfig
 from forensics.cli import main
 from forensics.format import open_dump, verify_dump
 
@@ -147,7 +147,7 @@ LABEL_MODEL = textwrap.dedent("""
 
 LABEL_JOB = textwrap.dedent("""
     import sys, torch
-    from capture import DumpConfig, Guard, GuardConfig
+    from forensics.capture import DumpConfig, Guard, GuardConfig
     from labelmodel import build, xent
 
     model = build()
@@ -419,7 +419,7 @@ def test_a_cuda_error_reported_later_than_its_op_is_the_same_failure_replayed_ea
     """Without CUDA_LAUNCH_BLOCKING a forward's bad index surfaces at a later call (seen on an H100: the embedding's
     assert was reported in the backward). Replayed on the CPU it raises in the forward: the same failure. One raised
     after the recorded phase is not."""
-    from replay.run.execute import same_exception
+    from forensics.replay.run.execute import same_exception
 
     recorded = {"type": "AcceleratorError", "cuda_error": True, "during": "backward", "frames": []}
     assert same_exception({"type": "IndexError", "phase": "forward"}, recorded)

@@ -6,8 +6,8 @@ import math
 import torch
 
 from forensics.rng import restore_rng
-from replay.load.samples import select_samples
-from replay.run.execute import SampleRef, StepResult, StepRunner, reproduce
+from forensics.replay.load.samples import select_samples
+from forensics.replay.run.execute import SampleRef, StepResult, StepRunner, reproduce
 
 
 def test_restored_rng_reproduces_dropout_dependent_step_bitwise(kit):
@@ -146,7 +146,7 @@ def test_poisoned_step_reproduces_nonfinite_loss(kit):
 def test_multi_rank_dump_compares_losses_only(kit):
     """The job's grad norm covers every rank; one rank replayed alone is judged on its losses."""
     from forensics.report import render_verdict_text
-    from replay.engine import ReplayOptions, run_session
+    from forensics.replay.engine import ReplayOptions, run_session
 
     session = kit.make_session(
         kit.build_gpt2(dropout=0.0),
@@ -174,7 +174,7 @@ def test_multi_rank_dump_compares_losses_only(kit):
 
 
 def test_any_nonfinite_is_exact_where_a_sum_overflows_or_cancels():
-    from replay.run.execute import any_nonfinite
+    from forensics.replay.run.execute import any_nonfinite
 
     cases = {
         "finite values whose fp32 sum overflows": (torch.full((10,), 3e38), False),

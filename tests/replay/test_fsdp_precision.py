@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 
 from forensics.cli import main
-from replay.load.fsdp_precision import FsdpUnit, compute_dtype, fsdp_compute, parse_units
+from forensics.replay.load.fsdp_precision import FsdpUnit, compute_dtype, fsdp_compute, parse_units
 
 
 class Block(torch.nn.Module):
@@ -134,8 +134,8 @@ class Rotary(torch.nn.Module):
 def test_the_fp32_rerun_leaves_a_complex_rotary_buffer_complex():
     """The precision triage re-runs the step in fp32; a complex buffer must not be cast to real on the way (its
     imaginary part, the rotary sines, would be gone for every later replay of the step)."""
-    from replay.load.session import session_from_objects
-    from replay.run.execute import StepRunner
+    from forensics.replay.load.session import session_from_objects
+    from forensics.replay.run.execute import StepRunner
 
     torch.manual_seed(0)
     model = Rotary()

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from forensics.kinds import HistoryPattern
-from replay.judge.history_pattern import classify_history, history_signals
+from forensics.replay.judge.history_pattern import classify_history, history_signals
 
 NAN = float("nan")
 FIELD_NOTES = {
@@ -121,7 +121,7 @@ def test_fp16_loss_scale_overflows_down_to_the_minimum():
 
 
 def test_diverged_long_ago_only_when_the_run_left_its_first_losses_for_a_while():
-    from replay.judge.history_pattern import diverged_long_ago
+    from forensics.replay.judge.history_pattern import diverged_long_ago
 
     healthy = {
         "step": list(range(40)),
@@ -141,7 +141,7 @@ def test_diverged_long_ago_only_when_the_run_left_its_first_losses_for_a_while()
 
 def test_a_sudden_failure_at_the_analysed_step_is_not_told_as_the_loss_leaving_its_start():
     """The history's 'left its start' sentence is about what came before the failure, not the failure itself."""
-    from replay.judge.history_pattern import read_history
+    from forensics.replay.judge.history_pattern import read_history
 
     history = {
         "step": list(range(7)),
@@ -166,7 +166,7 @@ def test_a_sudden_failure_at_the_analysed_step_is_not_told_as_the_loss_leaving_i
 def test_the_learning_rate_words_follow_the_recorded_schedule(lr, words):
     """'still rising (warm-up)' only while the LR rises at the failure, never for one that fell or stayed flat since
     (issue 31: the demo's schedule had been falling since step 3)."""
-    from replay.judge.history_pattern import read_history
+    from forensics.replay.judge.history_pattern import read_history
 
     history = {"step": list(range(7)), "loss": [2.0] * 6 + [float("nan")], "grad_norm": [0.5] * 7, "lr": lr}
     said = " ".join(read_history(history, 6).sentences)
@@ -176,7 +176,7 @@ def test_the_learning_rate_words_follow_the_recorded_schedule(lr, words):
 def test_a_one_step_spike_before_the_failure_is_not_the_loss_leaving_its_start():
     """Issue 42 item 10: a loss that spiked once at step 3 and came back, or a first loss that fell, did not 'leave
     its start'; the history tells only a departure that lasted up to the analysed step."""
-    from replay.judge.history_pattern import read_history
+    from forensics.replay.judge.history_pattern import read_history
 
     spiky = {
         "step": list(range(9)),

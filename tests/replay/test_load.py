@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from forensics.errors import RecipeError, ReplayError
-from replay.load.environment import deterministic_mode, environment_warnings, resolve_device
-from replay.load.optimizer_state import MASTER_KEY, OptimizerSnapshot
-from replay.load.recipe import optimizer_class, resolve_recipe
+from forensics.replay.load.environment import deterministic_mode, environment_warnings, resolve_device
+from forensics.replay.load.optimizer_state import MASTER_KEY, OptimizerSnapshot
+from forensics.replay.load.recipe import optimizer_class, resolve_recipe
 
 EVIL = """
 import pathlib
@@ -180,7 +180,7 @@ def test_deepspeed_fp32_master_is_set_aside_and_a_bf16_model_gets_a_working_opti
 
 def _nan_step_dump(tmp_path, model) -> str:
     """The Guard's dump of one AdamW step of a GPT-2 whose loss is NaN."""
-    from capture import DetectionConfig, Guard, GuardConfig
+    from forensics.capture import DetectionConfig, Guard, GuardConfig
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     guard = Guard(
@@ -202,7 +202,7 @@ def test_the_model_is_built_on_meta_and_streamed_with_tied_weights_kept_tied(tmp
     """The replay builds parameters on the meta device (no random init) and streams the dump's tensors into
     them: GPT-2's tied lm_head / wte stay one parameter, and every weight equals the job's bit for bit."""
     from forensics.format import open_dump
-    from replay.load.session import load_session
+    from forensics.replay.load.session import load_session
 
     model = helpers.make_gpt2(dropout=0.0)
     session = load_session(open_dump(_nan_step_dump(tmp_path, model)), device="cpu")
@@ -230,9 +230,9 @@ def build_derived_buffer():
 
 
 def test_a_buffer_derived_from_a_parameter_at_init_falls_back_to_a_normal_build(tmp_path):
-    from capture import DetectionConfig, Guard, GuardConfig
+    from forensics.capture import DetectionConfig, Guard, GuardConfig
     from forensics.format import open_dump
-    from replay.load.session import load_session
+    from forensics.replay.load.session import load_session
 
     model = _DerivedBuffer()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -269,7 +269,7 @@ def test_loading_runs_no_garbage_collection_and_gives_the_collector_back_as_it_w
     import gc
 
     from forensics.format import open_dump
-    from replay.load.session import load_session
+    from forensics.replay.load.session import load_session
 
     dump = open_dump(_nan_step_dump(tmp_path, helpers.make_gpt2(dropout=0.0)))
     collections = []

@@ -8,10 +8,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from replay.judge.precision import fp32_check
-from replay.localize.forward_backward import LOSS_MODULE, MASK_OPS, localize_backward, localize_forward, node_to_op
-from replay.localize.update import localize_optimizer, per_layer_stats
-from replay.run.execute import SampleRef, StepRunner
+from forensics.replay.judge.precision import fp32_check
+from forensics.replay.localize.forward_backward import (
+    LOSS_MODULE,
+    MASK_OPS,
+    localize_backward,
+    localize_forward,
+    node_to_op,
+)
+from forensics.replay.localize.update import localize_optimizer, per_layer_stats
+from forensics.replay.run.execute import SampleRef, StepRunner
 
 
 def poisoned_embedding_model(kit, value=float("inf")):
@@ -168,8 +174,8 @@ def test_fp16_overflow_is_localised_and_vanishes_in_fp32(kit):
 
 def test_a_batch_input_that_is_already_non_finite_is_named_as_the_source(kit):
     """A NaN already in `inputs_embeds` is the data's fault: it is named, not the first module it reaches."""
-    from replay.localize.forward_backward import INPUT_MODULE, localize_forward
-    from replay.run.execute import StepRunner
+    from forensics.replay.localize.forward_backward import INPUT_MODULE, localize_forward
+    from forensics.replay.run.execute import StepRunner
 
     model = kit.build_gpt2()
     batches = [

@@ -18,14 +18,14 @@ from click.testing import CliRunner
 
 from forensics.cli import main
 from forensics.errors import RecipeError
-from replay.load.main_script import define_from_script
+from forensics.replay.load.main_script import define_from_script
 
 REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent('''
     """A training script as people write them: everything at top level, no `if __name__ == "__main__":`."""
     import torch
-    from capture import DetectionConfig, DumpConfig, Guard, GuardConfig
+    from forensics.capture import DetectionConfig, DumpConfig, Guard, GuardConfig
 
     WIDTH = 3
 

@@ -17,8 +17,8 @@ from click.testing import CliRunner
 
 from forensics.cli import main
 from forensics.errors import RecipeError
-from replay.load.main_script import define_from_script
-from replay.load.recipe import resolve_recipe
+from forensics.replay.load.main_script import define_from_script
+from forensics.replay.load.recipe import resolve_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB, BAD_ID = 65, 70  # meta.txt's vocabulary (what nanoGPT reads from meta.pkl); a corrupt token id past it
@@ -71,7 +71,7 @@ TRAIN = textwrap.dedent(f'''
     import os
     import torch
     from model import GPTConfig, GPT
-    from capture import DumpConfig, Guard, GuardConfig
+    from forensics.capture import DumpConfig, Guard, GuardConfig
 
     n_layer = 12
     n_embd = 768

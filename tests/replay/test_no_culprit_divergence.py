@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from torch.utils.data import DataLoader
 from forensics_test_helpers import guarded_step
 
-from capture import DetectionConfig, DumpConfig, Guard, GuardConfig, RecordConfig, SpikeConfig
+from forensics.capture import DetectionConfig, DumpConfig, Guard, GuardConfig, RecordConfig, SpikeConfig
 from forensics.cli import main
 from forensics.errors import TrainingFaultError
 
@@ -92,7 +92,7 @@ def test_sgd_at_lr_50_on_clean_data_blames_the_learning_rate_not_the_samples(job
         assert broke == 0 and "run's first recorded step" in verdict["explanation"]
         assert "constant" in shows
         # its standalone repro blames no sample either: the whole micro-batch, and why (issue 31)
-        from replay.repro import write_repro
+        from forensics.replay.repro import write_repro
 
         repro = write_repro(dump, tmp_path / "repro", device="cpu", trust=True, sys_path=[str(HERE)])
         spec = json.loads((tmp_path / "repro" / "model.json").read_text())

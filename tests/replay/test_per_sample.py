@@ -8,12 +8,12 @@ import pytest
 import torch
 import transformers
 
-from replay.culprits.per_sample import PerSampleError, per_sample_stats, rank_by_loss
-from replay.load.samples import select_samples
+from forensics.replay.culprits.per_sample import PerSampleError, per_sample_stats, rank_by_loss
+from forensics.replay.load.samples import select_samples
 
 
 @dataclass(frozen=True)
-class Ref:  # the shape of replay.run.execute.SampleRef
+class Ref:  # the shape of forensics.replay.run.execute.SampleRef
     micro_batch: int
     index: int
     sample_id: Any

@@ -13,7 +13,7 @@ import json
 import torch
 from click.testing import CliRunner
 
-from capture import DumpConfig, Guard, GuardConfig
+from forensics.capture import DumpConfig, Guard, GuardConfig
 from forensics.cli import main
 from forensics.demo import models
 from forensics.demo.scenarios import hf_loss

@@ -20,7 +20,7 @@ from forensics_test_helpers import edit_manifest
 from forensics.cli import main
 from forensics.errors import RecipeError
 from forensics.recipes import huggingface_model
-from replay.load.recipe import job_paths, resolve_recipe
+from forensics.replay.load.recipe import job_paths, resolve_recipe
 
 # Standard-library modules a replay imports lazily after the recipe is resolved (seen in the attack round); each
 # planted copy leaves a marker file named after itself when it runs.
@@ -47,7 +47,7 @@ def crash_dump(tmp_path_factory):
     import torch
     import transformers
 
-    from capture import Guard, GuardConfig
+    from forensics.capture import Guard, GuardConfig
     from forensics.errors import TrainingFaultError
 
     torch.manual_seed(0)

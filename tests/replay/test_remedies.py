@@ -5,8 +5,8 @@ import math
 
 import torch
 
-from replay.engine import ReplayOptions, run_session
-from replay.run.execute import StepRunner
+from forensics.replay.engine import ReplayOptions, run_session
+from forensics.replay.run.execute import StepRunner
 
 NAN_LOSS = {
     "kind": "nonfinite_loss",

@@ -15,7 +15,7 @@ from forensics_test_helpers import fork_server
 from forensics.cli import main
 from forensics.demo.scenarios import SCENARIOS
 from forensics.report import write_report_files
-from replay.engine import ReplayOptions, run_replay
+from forensics.replay.engine import ReplayOptions, run_replay
 
 # scenario -> (the op its first non-finite value comes from, the non-finite kind that op makes)
 OPS = {
@@ -117,11 +117,11 @@ def test_the_model_script_asks_no_more_trust_than_repro_was_given(repros):
 
 
 def test_op_inputs_over_the_size_cap_are_not_written(repros, tmp_path, monkeypatch):
-    import replay.repro
-    from replay.repro import write_repro
+    import forensics.replay.repro
+    from forensics.replay.repro import write_repro
 
     captured, _, _ = repros["log_zero"]
-    monkeypatch.setattr(replay.repro, "MAX_OP_INPUT_BYTES", 1)
+    monkeypatch.setattr(forensics.replay.repro, "MAX_OP_INPUT_BYTES", 1)
     result = write_repro(captured.dump_path, tmp_path / "repro", device="cpu")
     assert not (tmp_path / "repro" / "op_inputs.safetensors").exists() and "op_script" not in result.files
     assert any("over the 1 bytes" in note for note in result.notes) and "model_script" in result.files

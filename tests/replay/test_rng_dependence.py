@@ -11,10 +11,10 @@ import torch
 from forensics.demo.scenarios import SCENARIOS
 from forensics.format import open_dump
 from forensics.report import render_markdown, render_verdict_text, validate_report
-from replay.engine import ReplayOptions, run_replay
-from replay.load.session import load_session
-from replay.run.execute import StepRunner
-from replay.run.rng_dependence import DEFAULT_SEEDS, check_rng_dependence
+from forensics.replay.engine import ReplayOptions, run_replay
+from forensics.replay.load.session import load_session
+from forensics.replay.run.execute import StepRunner
+from forensics.replay.run.rng_dependence import DEFAULT_SEEDS, check_rng_dependence
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from forensics.kinds import SampleFactKind
-from replay.culprits.sample_facts import describe, describe_samples, sample_facts
-from replay.run.execute import SampleRef
+from forensics.replay.culprits.sample_facts import describe, describe_samples, sample_facts
+from forensics.replay.run.execute import SampleRef
 
 
 def _text_batch(n: int = 3, seq: int = 6) -> dict:
@@ -72,8 +72,8 @@ def test_a_hostile_field_name_is_printed_clean_and_an_unreadable_batch_gives_no_
 def test_a_micro_batch_with_every_label_masked_is_named_in_the_verdict(helpers, tmp_path):
     """Supervised fine-tuning with one sample per micro-batch: a sample whose prompt was truncated past its answer
     has every label -100, so Hugging Face's mean cross-entropy is 0/0 = NaN for its micro-batch."""
-    from capture import DetectionConfig, Guard, GuardConfig
-    from replay import engine
+    from forensics.capture import DetectionConfig, Guard, GuardConfig
+    from forensics.replay import engine
 
     model = helpers.make_gpt2(dropout=0.0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -111,7 +111,7 @@ def test_a_micro_batch_with_every_label_masked_is_named_in_the_verdict(helpers, 
 def test_a_feature_100x_the_others_is_named_first_and_a_zero_target_claims_no_division():
     """Issue 22, item 2: x = 1000 against ~3 in the other samples, and the same sample's target all zeros, under an
     MSE loss: the 1000 is named first, and nothing says a division by zero happens (MSE divides by nothing)."""
-    from replay.judge.verdict import VerdictFacts, decide_verdict
+    from forensics.replay.judge.verdict import VerdictFacts, decide_verdict
 
     g = torch.Generator().manual_seed(0)
     batch = {"x": torch.randn(4, 6, generator=g).clamp(-3, 3), "y": torch.rand(4, 2, generator=g) + 0.5}
@@ -166,6 +166,6 @@ def test_a_feature_100x_the_others_is_named_first_and_a_zero_target_claims_no_di
 def test_text_advice_is_for_token_batches_only(batch, kind):
     """Issue 42 item 10: a batch of tensors (features with integer class labels, embeddings) is not text: its records
     get the numeric hint, never 'base64, control characters'."""
-    from replay.judge.assemble import batch_data_kind
+    from forensics.replay.judge.assemble import batch_data_kind
 
     assert batch_data_kind(batch) == kind

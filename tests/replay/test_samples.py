@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from forensics.errors import ForensicsError
-from replay.load.samples import BatchSizeError, SampleSelectionError, batch_size, select_samples
+from forensics.replay.load.samples import BatchSizeError, SampleSelectionError, batch_size, select_samples
 
 
 def hf_batch(b=4, t=6):

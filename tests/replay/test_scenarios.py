@@ -14,9 +14,9 @@ import torch
 from forensics.demo.scenarios import SCENARIOS, Captured
 from forensics.format import open_dump
 from forensics.kinds import TriggerKind
-from replay.engine import ReplayOptions, run_replay
-from replay.load.session import load_session
-from replay.run.execute import StepRunner
+from forensics.replay.engine import ReplayOptions, run_replay
+from forensics.replay.load.session import load_session
+from forensics.replay.run.execute import StepRunner
 
 
 class _Warnings(logging.Handler):

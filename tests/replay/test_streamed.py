@@ -4,12 +4,12 @@ more blocks materialised at once than the plan allows (replay/load/stream_plan.p
 import pytest
 import torch
 
-from capture import Guard, GuardConfig
+from forensics.capture import Guard, GuardConfig
 from forensics.errors import ReplayError, TrainingFaultError
 from forensics.demo.scenarios import SCENARIOS
-from replay.engine import ReplayOptions, run_replay
+from forensics.replay.engine import ReplayOptions, run_replay
 from forensics.sizes import parse_bytes
-from replay.run.stream_blocks import BlockStreamer
+from forensics.replay.run.stream_blocks import BlockStreamer
 
 TINY = 170_000  # bytes: the tiny GPT-2 holds 0.11 MB of state; the embeddings and one block fit, two do not
 
@@ -217,7 +217,7 @@ def test_backward_localisation_streamed_names_the_op_inside_the_block(tmp_path, 
 
 
 def test_gradients_off_the_device_round_trip_through_mapped_files(tmp_path):
-    from replay.run.stream_blocks import GradStore
+    from forensics.replay.run.stream_blocks import GradStore
 
     store = GradStore(str(tmp_path))
     big, small = torch.randn(1 << 19), torch.randn(7)  # 2 MiB: a mapped file; 28 bytes: ordinary memory

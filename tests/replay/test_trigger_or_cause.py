@@ -12,12 +12,12 @@ import math
 import pytest
 import torch
 
-from replay.culprits.earlier_state import EarlierState
-from replay.culprits.evidence import loss_outlier
-from replay.engine import ReplayOptions, run_session
-from replay.judge.precision import fp32_check
-from replay.load.session import session_from_objects
-from replay.run.execute import StepRunner
+from forensics.replay.culprits.earlier_state import EarlierState
+from forensics.replay.culprits.evidence import loss_outlier
+from forensics.replay.engine import ReplayOptions, run_session
+from forensics.replay.judge.precision import fp32_check
+from forensics.replay.load.session import session_from_objects
+from forensics.replay.run.execute import StepRunner
 
 OPTIONS = ReplayOptions(device="cpu", rng_check=False, remedies=False)
 

@@ -1,6 +1,6 @@
 """replay/run/units.py: a recorded number that is the replayed one times a recorded factor."""
 
-from replay.run.units import explaining_factor
+from forensics.replay.run.units import explaining_factor
 
 
 def test_the_loss_scale_explains_a_ratio_and_nothing_explains_a_real_difference():

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from forensics.report import VERDICT_KINDS
-from replay.judge.verdict import VerdictFacts, decide_verdict
+from forensics.replay.judge.verdict import VerdictFacts, decide_verdict
 
 NAN = float("nan")
 
@@ -396,7 +396,7 @@ def test_positional_ids_are_never_promised_a_blocklist_and_the_verdict_says_how_
 
 
 def test_spike_advice_for_numeric_features_speaks_of_their_scale_not_of_text():
-    from replay.judge.verdict import VerdictFacts, decide_verdict
+    from forensics.replay.judge.verdict import VerdictFacts, decide_verdict
 
     common = dict(trigger_kind="loss_spike", reproduced=True, trigger_value=50.0, threshold=3.0)
     numeric = " ".join(decide_verdict(VerdictFacts(**common, data_kind="float"))["suggestions"])

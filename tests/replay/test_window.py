@@ -12,11 +12,11 @@ import torch
 from click.testing import CliRunner
 from torch.utils.data import DataLoader
 
-from capture import DumpConfig, Guard, GuardConfig, RecordConfig
+from forensics.capture import DumpConfig, Guard, GuardConfig, RecordConfig
 from forensics.cli import main, replay_exit_code
 from forensics.errors import TrainingFaultError
 from forensics.format import open_dump, spec
-from replay.engine import ReplayOptions, run_replay
+from forensics.replay.engine import ReplayOptions, run_replay
 
 HERE = Path(__file__).resolve().parent
 POISON = 21  # batch size 2, 2 micro-batches: step 5, micro-batch 0, row 1

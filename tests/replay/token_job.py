@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from capture import IndexedDataset
+from forensics.capture import IndexedDataset
 
 VOCAB, LENGTH = 64, 8
 

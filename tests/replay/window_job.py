@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from capture import IndexedDataset
+from forensics.capture import IndexedDataset
 
 IN, HIDDEN, OUT = 8, 16, 4
 
