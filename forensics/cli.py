@@ -560,7 +560,7 @@ def replay(
         from forensics.catalog import default_report_dir, note_report
         from forensics.report import render_verdict_text, write_blocklist, write_report_files
         from forensics.report.write import BLOCKLIST_NAME, blocklist_ids
-        from forensics.replay.engine import ReplayOptions, run_replay
+        from forensics.replay.engine import ReplayOptions, replay_report
 
     outputs = {"-o": out or Path("forensics_reports"), **({"--blocklist": blocklist} if blocklist else {})}
     _refuse_writing_into(dump, outputs)
@@ -589,7 +589,7 @@ def replay(
                 memory_budget=memory_budget,
                 shard_dirs=[str(d) for d in shard_dirs],
             )
-            report = parse_report(run_replay(dump, options, progress=_progress))
+            report = replay_report(dump, options, progress=_progress)
             rank = report.dump.rank or 0  # a replayed dump names its rank
             target = out or default_report_dir(report.dump.path, rank) or _report_dir(report)
             if all_ranks and out:

@@ -142,7 +142,7 @@ class ReplayOptions:
 
 
 def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress: Progress | None = None) -> dict:
-    """Replays a dump's failing step and returns the report dict.
+    """Replays a dump's failing step and returns the report dict (replay_report's tree as report.json holds it).
 
     Args:
         dump_or_path: a forensics.format.Dump, or a path (rank dir, step dir, .tar.zst).
@@ -159,6 +159,12 @@ def run_replay(dump_or_path: Any, options: ReplayOptions | None = None, progress
         >>> report["verdict"]["kind"], report["culprit"]["samples"]  # doctest: +SKIP
         ('bad_sample', [{'sample_id': 'doc-17', 'micro_batch': 1, 'index': 2, 'rank': 0}])
     """
+    return replay_report(dump_or_path, options, progress).as_dict()
+
+
+def replay_report(dump_or_path: Any, options: ReplayOptions | None = None, progress: Progress | None = None) -> Report:
+    """run_replay's report as the tree (forensics/report/tree.py) the renderers and writers read: the CLI writes it
+    without turning it into a dict and parsing it back."""
     options = options or ReplayOptions()
     started = time.monotonic()
     if hasattr(dump_or_path, "manifest"):
@@ -268,12 +274,12 @@ def _load(dump: Any, options: ReplayOptions, weights: bool = True) -> ReplaySess
     )
 
 
-def _checked(dump: Any, report: Report) -> dict:
-    """`report`'s dict, once every file of the dump has matched its digests: the state's large files were verified
+def _checked(dump: Any, report: Report) -> Report:
+    """`report`, once every file of the dump has matched its digests: the state's large files were verified
     in the background while they streamed (forensics.format.verify.set_aside_damaged); the parts replay never read
     are waited for here. A damage found now raises DumpCorruptError: the findings would rest on it."""
     finish_verifying(dump)
-    return report.as_dict()
+    return report
 
 
 def _off_the_gpu_after_a_cuda_error(dump: Any, options: "ReplayOptions", progress: Progress | None) -> "ReplayOptions":
@@ -526,4 +532,4 @@ def _stages(
     return assemble_report(findings, runner, dump_info, started)
 
 
-__all__ = ["ReplayOptions", "run_replay", "run_session", "CONFIRM_ROUNDS"]
+__all__ = ["ReplayOptions", "replay_report", "run_replay", "run_session", "CONFIRM_ROUNDS"]
