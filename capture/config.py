@@ -128,44 +128,12 @@ class DetectionConfig:
     """With a GradScaler, non-finite gradients are normal overflow skips; they trigger only once the
     loss scale has fallen to this value."""
     sync_free: bool | None = None
-    """No device->host sync inside check(). None (default): wherever the dumps stay exact (below); True: asked for
-    (one warning where it cannot run); False: never (check() reads the step's numbers before optimizer.step()).
-
-    How: for optimizers whose step() honours GradScaler's `found_inf` attribute (fused Adam / AdamW / SGD /
-    Adagrad, e.g. AdamW(fused=True)), check() sets `optimizer.found_inf` to a device flag, "a loss or the grad norm
-    is non-finite, or this step is a spike the Guard will dump (or skip / raise on)", so the plain optimizer.step()
-    skips that update on the device, and check() returns True; the step's numbers reach the host asynchronously and
-    are judged at the NEXT check() (or flush() / close(), an uncaught exception, the interpreter's exit). A skipped
-    step's state at that moment IS its pre-step state: it is dumped exactly, one step late. The spike thresholds
-    and the dump budget are known before the step, so the device skips exactly the spikes the synchronous check
-    would dump; under 'continue' such a spike's update is the one thing lost (like a GradScaler overflow step), and
-    spikes that are not dumped (min_spike_gap, max_spike_dumps) are applied and counted as always.
-    'raise' raises at the next check(). Under torchrun the ranks' agreement all-reduce is queued on the device and
-    the flag is computed from the agreed numbers, so every rank skips (and dumps) the same step.
-
-    The default (None) runs sync-free only where nothing else changes: a fused optimizer (in one process, or on
-    ranks whose process group runs on the parameters' device: NCCL with CUDA, gloo with CPU), no enabled
-    GradScaler, on_nonfinite 'raise' or 'skip' (under 'continue' a non-finite update is applied), no precursors,
-    host snapshots, in-job recheck or verify_update, and a model without persistent buffers its forward may update
-    (BatchNorm statistics would have seen the next step's forward). Elsewhere it is the synchronous check, silently.
-    True also runs with those (precursors off; buffers as after the next step's forward; 'continue' skips
-    non-finite updates) and falls back, with one warning, only for an optimizer without found_inf support, an
-    enabled GradScaler, verify_update, or ranks whose collectives run on another device than the parameters.
-    Either way the micro-batches are kept by reference one step longer (a loader must not reuse its tensors).
-    On CPU it works the same (and saves nothing).
-
-    Held-back spikes, and why that is the default (issue 42). Under on_spike='continue' the one thing the sync-free
-    check changes in training is that a spike the Guard dumps is not applied: check() returned True, the framework
-    goes on, and that one batch is not trained on. For a diagnostic tool this is the better default: a spike dump is
-    worth having only if it replays exactly, which needs the pre-step state, and the alternatives are worse. Reading
-    every step on the host (sync_free=False) costs every step of every run (1.3 % of nanoGPT's step on 2 x H200,
-    against 0.06 % sync-free: README cost table) to save a handful of batches; applying the spike before judging it
-    leaves no pre-step state to dump. What it costs training is bounded and small: up to max_spike_dumps steps per
-    run (then only a spike larger than those kept), never two within min_spike_gap steps — fewer batches than an
-    fp16 GradScaler drops, and what large runs do on purpose (PaLM skipped 200-500 batches around each spike;
-    skip-step optimizers skip spike steps). It is said where the user looks: once in the log at the first check
-    (with this setting to turn it off), in one log line at each held step (judged one step later), in the history
-    (`skipped`), and in README / docs/INTEGRATIONS.md per framework. sync_free=False applies every update."""
+    """No device->host sync inside check(). None (default): where the dumps stay exact (a fused optimizer, no enabled
+    GradScaler, no precursors / host snapshots / verify_update, no buffers the forward updates; elsewhere the
+    synchronous check, silently); True: asked for (one warning where it cannot run); False: never. The step is judged
+    at the next check(); a NaN step and a spike the Guard dumps are skipped on the device (held back: that batch is
+    not trained on, at most max_spike_dumps per run) so their exact pre-step state is dumped. How it works and why
+    holding a dumped spike back is the default: docs/GUIDE.md "The sync-free check"."""
     verify_update: bool = False
     """Debug mode: copy the state before every optimizer step and check the parameters after it, so an
     update that makes weights non-finite (e.g. Adam eps=0) is dumped with its pre-step state. Costs a
