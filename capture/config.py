@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from forensics.kinds import Policy, StateLayout, Tracker, TriggerKind
+from forensics.core.kinds import Policy, StateLayout, Tracker, TriggerKind
 
 
 @dataclass
@@ -209,7 +209,7 @@ class DumpConfig:
     exception in it is logged, never raised into the job."""
     upload: tuple[str, ...] = ()
     """Trackers that receive each dump, packed (.tar.zst next to it): "wandb", "mlflow", "tensorboard"
-    (forensics/uploads.py; the job's open run; optional extras). A failed upload is logged only."""
+    (forensics/core/uploads.py; the job's open run; optional extras). A failed upload is logged only."""
     tensorboard_dir: str | None = None
     """TensorBoard log directory for upload=("tensorboard",)."""
 

@@ -35,8 +35,8 @@ from forensics.capture.recording.recorder import StepRecorder, loss_value
 from forensics.capture.recording.window import FlightRecorder
 from forensics.capture.state.host_snapshots import HostSnapshots
 from forensics.capture.state.source import Ranks, StateSource, state_source
-from forensics.errors import TrainingFaultError
-from forensics.kinds import Policy
+from forensics.core.errors import TrainingFaultError
+from forensics.core.kinds import Policy
 
 log = logging.getLogger(__name__)
 

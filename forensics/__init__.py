@@ -13,7 +13,7 @@ capture and replay share (format/, report/, kinds, errors, trigger, rng, recipes
 
 from __future__ import annotations
 
-from forensics.errors import (
+from forensics.core.errors import (
     CaptureError,
     DumpCorruptError,
     DumpError,
@@ -25,7 +25,7 @@ from forensics.errors import (
     TrainingFaultError,
     UnsupportedVersionError,
 )
-from forensics.lazy import lazy_exports
+from forensics.core.lazy import lazy_exports
 
 __all__ = [
     "CaptureError",

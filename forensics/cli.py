@@ -1,5 +1,5 @@
 """The `forensics` command line: inspect, verify, pack, replay, demo. Each command parses, calls one
-library function and maps the outcome to an exit code (forensics.kinds.ExitCode, the one table: a
+library function and maps the outcome to an exit code (forensics.core.kinds.ExitCode, the one table: a
 replay exits with its verdict kind's code; bad input, code or environment is 2; 1 only for bugs; Ctrl-C is 130, with one
 line, whatever the command was doing: the files it writes are each written whole or not at all)."""
 
@@ -17,17 +17,17 @@ from typing import Mapping
 import click
 
 from forensics.demo import SCENARIO_NAMES
-from forensics.catalog import REPORTS_DIR
-from forensics.errors import ForensicsError
+from forensics.commands.catalog import REPORTS_DIR
+from forensics.core.errors import ForensicsError
 from forensics.format.limits import ArchiveLimits
 from forensics.format.manifest import safe_name
-from forensics.kinds import ExitCode, Tracker, VerdictKind
+from forensics.core.kinds import ExitCode, Tracker, VerdictKind
 from forensics.report.tree import Report, parse_report
 from forensics.report.wording import clean
 
 
 def replay_exit_code(report: Mapping | Report) -> int:
-    """The exit code of a replay: its verdict kind's (forensics.kinds.VerdictKind.exit_code)."""
+    """The exit code of a replay: its verdict kind's (forensics.core.kinds.VerdictKind.exit_code)."""
     kind = parse_report(report).verdict.kind
     try:
         return int(VerdictKind(kind).exit_code)
@@ -43,7 +43,7 @@ class BadInput(click.ClickException):
 
 def _fail(exc: Exception) -> BadInput:
     user_traceback = getattr(exc, "user_traceback", None)
-    if user_traceback:  # forensics.errors.UserCodeError: their traceback, as they would see it themselves
+    if user_traceback:  # forensics.core.errors.UserCodeError: their traceback, as they would see it themselves
         click.echo(user_traceback, err=True)
     if isinstance(exc, OSError):
         where = f" ({exc.filename})" if exc.filename else ""
@@ -165,7 +165,7 @@ def _limits(max_unpacked_gb: float, max_unpack_ratio: float, max_members: int) -
 
 def _refuse_writing_into(dump: Path, outputs: dict[str, Path]) -> None:
     """A report or blocklist inside a rank dump (links resolved) would change it: it would then fail `verify`. A step
-    directory's own level (beside its rank directories) is where reports go by default (forensics.catalog)."""
+    directory's own level (beside its rank directories) is where reports go by default (forensics.commands.catalog)."""
     from forensics.format import spec
 
     root = (dump.parent if dump.name == spec.MANIFEST else dump).resolve()
@@ -281,7 +281,7 @@ def main() -> None:
 def inspect(dump: Path, rank: int | None, as_json: bool, **limits) -> None:
     """Summarise a dump: trigger, step, rank, samples, history, sizes, environment. Reads no weights."""
     from forensics.format import open_dump, open_step
-    from forensics.summary import dump_summary, render_damage, render_summary
+    from forensics.commands.summary import dump_summary, render_damage, render_summary
 
     try:
         chosen = open_dump(dump, rank=rank, limits=_limits(**limits))
@@ -369,7 +369,7 @@ def pack(dump: Path, output: Path | None) -> None:
 def list_command(directory: Path, check: bool, reports: Path, clean_stale: bool, as_json: bool) -> None:
     """List every dump under DIRECTORY (default ./forensics_dumps): run, step, trigger, ranks, size, verified,
     replayed; and unfinished dumps left by killed writers."""
-    from forensics.catalog import list_dumps
+    from forensics.commands.catalog import list_dumps
     from forensics.format.stale import remove_stale_temporaries
     from forensics.report.wording import fmt_size
 
@@ -406,7 +406,7 @@ def list_command(directory: Path, check: bool, reports: Path, clean_stale: bool,
 
 
 def _upload_report(tracker: str, report: Report, files: dict, tensorboard_dir: Path | None) -> str:
-    from forensics.uploads import upload
+    from forensics.core.uploads import upload
 
     d, verdict = report.dump, report.verdict
     run = d.run_id if safe_name(d.run_id) else "run"
@@ -430,7 +430,7 @@ def _upload_report(tracker: str, report: Report, files: dict, tensorboard_dir: P
 
 def _size(ctx: click.Context, param: click.Parameter, text: str | None) -> int | None:
     """--memory-budget's SIZE in bytes (None: not given)."""
-    from forensics.sizes import parse_bytes
+    from forensics.core.sizes import parse_bytes
 
     if text is None:
         return None
@@ -553,11 +553,11 @@ def replay(
     **limits,
 ) -> None:
     """Replay the failing step of DUMP offline, localise it, bisect the samples, print the verdict."""
-    from forensics.gc_pause import gc_paused
+    from forensics.core.gc_pause import gc_paused
 
-    with gc_paused():  # torch imports here: forensics.gc_pause
+    with gc_paused():  # torch imports here: forensics.core.gc_pause
         from forensics.format import open_step
-        from forensics.catalog import default_report_dir, note_report
+        from forensics.commands.catalog import default_report_dir, note_report
         from forensics.report import render_verdict_text, write_blocklist, write_report_files
         from forensics.report.write import BLOCKLIST_NAME, blocklist_ids
         from forensics.replay.engine import ReplayOptions, replay_report

@@ -11,8 +11,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from forensics import thirdparty
-from forensics.errors import RecipeError
+from forensics.core import thirdparty
+from forensics.core.errors import RecipeError
 from forensics.report.wording import clean
 
 BUILTIN_PREFIX = "forensics.recipes:"

@@ -20,7 +20,7 @@ no trust.
 
 from __future__ import annotations
 
-from forensics.lazy import lazy_exports
+from forensics.core.lazy import lazy_exports
 
 _EXPORTS = {
     "run_replay": "forensics.replay.engine",

@@ -19,11 +19,11 @@ from typing import Any, Callable
 
 import torch
 
-from forensics.errors import DumpError, ReplayError, is_out_of_memory
+from forensics.core.errors import DumpError, ReplayError, is_out_of_memory
 from forensics.format import open_dump, open_step, spec
 from forensics.format.verify import finish_verifying, set_aside_damaged, verify_the_rest
 from forensics.format.limits import ArchiveLimits
-from forensics.kinds import Phase, TriggerKind
+from forensics.core.kinds import Phase, TriggerKind
 from forensics.report.model import to_json_safe
 from forensics.report.tree import Report, Window
 from forensics.replay.culprits.earlier_state import EarlierState, feed_earlier_state

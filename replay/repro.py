@@ -39,12 +39,12 @@ from typing import Any
 
 import torch
 
-from forensics.errors import ReplayError
+from forensics.core.errors import ReplayError
 from forensics.format import open_dump
 from forensics.format.tensors import safetensors_bytes
-from forensics.kinds import Phase, TriggerKind
-from forensics.fsio import atomic_file, atomic_write_text
-from forensics.thirdparty import op_schema, tree_flatten, tree_map
+from forensics.core.kinds import Phase, TriggerKind
+from forensics.core.fsio import atomic_file, atomic_write_text
+from forensics.core.thirdparty import op_schema, tree_flatten, tree_map
 from forensics.replay.load.samples import SampleRef
 from forensics.replay.load.session import load_session
 from forensics.replay.judge.history_pattern import diverged_long_ago, read_history
@@ -563,7 +563,7 @@ from pathlib import Path
 
 import torch
 
-from forensics.errors import DumpNotFoundError, ForensicsError
+from forensics.core.errors import DumpNotFoundError, ForensicsError
 from forensics.format import open_dump
 from forensics.replay.load.samples import select_samples
 from forensics.replay.load.session import load_session

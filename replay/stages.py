@@ -10,7 +10,7 @@ from typing import Any, Callable, cast
 
 import torch
 
-from forensics.kinds import HistoryPattern, Phase, TriggerKind
+from forensics.core.kinds import HistoryPattern, Phase, TriggerKind
 from forensics.replay.culprits.bisect import bisect_budget, ddmin
 from forensics.replay.culprits.evidence import RecordEvidence, weigh
 from forensics.replay.culprits.margin import FAR_FROM_LIMIT, others_share

@@ -20,7 +20,7 @@ import warnings
 import torch
 
 from forensics.capture import Guard, GuardConfig
-from forensics.errors import TrainingFaultError
+from forensics.core.errors import TrainingFaultError
 from forensics.format import open_dump
 
 SEQ, WARM = 16, 40  # the spike comes after the default 32-step warm-up of the loss detector

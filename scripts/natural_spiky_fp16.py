@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from forensics.capture import Guard, GuardConfig
-from forensics.errors import TrainingFaultError
+from forensics.core.errors import TrainingFaultError
 from forensics.format import open_dump
 
 SCALE = 2.0**16

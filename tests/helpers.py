@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from forensics.thirdparty import TorchDispatchMode
+from forensics.core.thirdparty import TorchDispatchMode
 
 VOCAB, EMBD, POSITIONS = 64, 32, 32
 
@@ -252,7 +252,7 @@ class OpaqueImage:
 def synthetic_content(step: int = 7, rank: int = 0, world_size: int = 1, run_id: str = "run-test"):
     """A DumpContent exercising every encoding of docs/DUMP_FORMAT.md; returns (content, originals)."""
     from forensics.format import DumpContent
-    from forensics.rng import capture_rng
+    from forensics.core.rng import capture_rng
 
     g = torch.Generator().manual_seed(step)
     tied = torch.randn(5, 3, generator=g)

@@ -3,7 +3,7 @@
 Every import counts — module level, inside functions, under TYPE_CHECKING — because a cycle kept apart
 only by a deferred import is still a cycle to whoever reads the code.
 
-    top:    forensics (the public API), forensics.cli, forensics.demo.*, forensics.summary, forensics.catalog
+    top:    forensics (the public API), forensics.cli, forensics.demo.*, forensics.commands.summary, forensics.commands.catalog
     middle: capture.*  (runs in the job)      replay.*  (runs offline, one sub-package per stage)
     core:   forensics.* except the above (format, rng, errors, kinds, report, recipes ...)
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("forensics", "capture", "replay")
-TOP = ("forensics", "forensics.cli", "forensics.demo", "forensics.summary", "forensics.catalog")
+TOP = ("forensics", "forensics.cli", "forensics.demo", "forensics.commands")
 
 
 def _modules() -> dict[str, Path]:
@@ -250,9 +250,9 @@ def test_the_forensics_tree_in_the_architecture_doc_names_each_module_and_its_la
         )
 
 
-# -- named kinds instead of strings (forensics/kinds.py) ------------------------------------------
+# -- named kinds instead of strings (forensics/core/kinds.py) ------------------------------------------
 KIND_HOMES = {
-    "forensics/kinds.py",
+    "forensics/core/kinds.py",
     "forensics/format/spec.py",
     "forensics/format/reader.py",
     "forensics/format/writer.py",
@@ -265,7 +265,7 @@ def _kind_literals() -> set[str]:
     """The values of the kinds code branches on: trigger kinds, phases, state layouts, policies, fidelity modes,
     replayed quantities and trackers. 'exception', 'optimizer', 'precursor' and 'grad_norm' are left out: they are also
     the names of manifest / report sections, columns and state keys, spelt out in lists of names too."""
-    from forensics.kinds import FidelityMode, Phase, Policy, ReplayedQuantity, StateLayout, Tracker, TriggerKind
+    from forensics.core.kinds import FidelityMode, Phase, Policy, ReplayedQuantity, StateLayout, Tracker, TriggerKind
 
     values = {
         k.value
@@ -314,13 +314,13 @@ def test_no_kind_string_outside_the_kinds_module_and_the_format():
         for node in ast.walk(tree):
             if isinstance(node, ast.Constant) and node.value in literals and id(node) not in skipped:
                 found.append(f"{relative}:{node.lineno}: {node.value!r}")
-    assert not found, "use the kind (forensics/kinds.py), not its string:\n" + "\n".join(found)
+    assert not found, "use the kind (forensics/core/kinds.py), not its string:\n" + "\n".join(found)
 
 
 def test_the_architecture_kinds_table_lists_every_kind_and_member():
     import enum
 
-    from forensics import kinds
+    from forensics.core import kinds
 
     table = {}
     for line in (ROOT / "docs" / "ARCHITECTURE.md").read_text().splitlines():

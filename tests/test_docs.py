@@ -117,7 +117,7 @@ def test_snippet_runs_as_written_and_dumps_the_corrupt_step(document, index, tmp
         prelude += "module = common.lit_gpt2()\n"
     script = (
         prelude
-        + "\nfrom forensics.errors import TrainingFaultError\ntry:\n"
+        + "\nfrom forensics.core.errors import TrainingFaultError\ntry:\n"
         + "\n".join("    " + line for line in code.splitlines())
         + "\nexcept TrainingFaultError as fault:\n    print('DUMP', fault.dump_path)\n"
     )

@@ -10,8 +10,8 @@ from collections import deque
 
 from forensics.capture.detection.agreement import Agreement
 from forensics.capture.config import GuardConfig, SpikeConfig
-from forensics.kinds import TriggerKind
-from forensics.trigger import Trigger
+from forensics.core.kinds import TriggerKind
+from forensics.core.trigger import Trigger
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class StepDetectors:
     (a GradScaler's ordinary overflow excepted until the scale collapses), then loss and grad-norm spikes (on a
     GradScaler overflow step, the loss alone: its grad norm is not a measurement).
 
-    Adding a trigger kind: a member of forensics.kinds.TriggerKind, and its test here.
+    Adding a trigger kind: a member of forensics.core.kinds.TriggerKind, and its test here.
     """
 
     def __init__(self, config: GuardConfig):

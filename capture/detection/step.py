@@ -19,7 +19,7 @@ from forensics.capture.recording.incident import Incident, StepRecord
 from forensics.capture.recording.window import FlightRecorder
 from forensics.capture.state.host_snapshots import HostSnapshots
 from forensics.capture.state.source import StateSource
-from forensics.errors import TrainingFaultError
+from forensics.core.errors import TrainingFaultError
 
 log = logging.getLogger(__name__)
 

@@ -25,10 +25,10 @@ from forensics.capture.recording.window import FlightRecorder, WindowStep
 from forensics.capture.state import sharding, snapshot
 from forensics.capture.state.host_snapshots import HostSnapshots
 from forensics.capture.state.source import StateSource
-from forensics.kinds import Policy, TriggerKind
-from forensics import thirdparty
-from forensics.thirdparty import grad_scaler_scale
-from forensics.trigger import Trigger
+from forensics.core.kinds import Policy, TriggerKind
+from forensics.core import thirdparty
+from forensics.core.thirdparty import grad_scaler_scale
+from forensics.core.trigger import Trigger
 
 log = logging.getLogger(__name__)
 

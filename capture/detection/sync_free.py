@@ -45,10 +45,10 @@ from forensics.capture.recording.incident import Incident, Undumpable, StepRecor
 from forensics.capture.recording.window import FlightRecorder, WindowStep
 from forensics.capture.state import sharding, snapshot
 from forensics.capture.state.source import StateSource
-from forensics.device_sync import DeviceFence, quarantine
-from forensics.kinds import Policy, TriggerKind
-from forensics.thirdparty import optimizer_honours_found_inf
-from forensics.trigger import Trigger
+from forensics.core.device_sync import DeviceFence, quarantine
+from forensics.core.kinds import Policy, TriggerKind
+from forensics.core.thirdparty import optimizer_honours_found_inf
+from forensics.core.trigger import Trigger
 
 log = logging.getLogger(__name__)
 
@@ -312,7 +312,7 @@ class SyncFree:
 
     def quarantine(self) -> None:
         """A CUDA error poisoned the context: the pending step's pinned buffer is never freed (see
-        forensics.device_sync.quarantine) and the step is not judged (its values can no longer be read)."""
+        forensics.core.device_sync.quarantine) and the step is not judged (its values can no longer be read)."""
         if self.pending is not None:
             quarantine([self.pending.buffer])
             self.pending = None

@@ -14,8 +14,8 @@ from forensics.capture.recording.history import History
 from forensics.capture.recording.incident import Incident, StepRecord
 from forensics.capture.state import snapshot
 from forensics.capture.state.source import StateSource
-from forensics.kinds import TriggerKind
-from forensics.trigger import Trigger
+from forensics.core.kinds import TriggerKind
+from forensics.core.trigger import Trigger
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ import threading
 from dataclasses import dataclass, field
 
 from forensics.capture.config import GuardConfig
-from forensics.kinds import TriggerKind
+from forensics.core.kinds import TriggerKind
 
 log = logging.getLogger(__name__)
 

@@ -32,13 +32,13 @@ from forensics.capture.state import buddy, snapshot
 from forensics.capture.state.host_snapshots import HostSnapshots
 from forensics.capture.state.recipe import replay_needs
 from forensics.capture.state.source import StateSource
-from forensics.errors import CaptureError
+from forensics.core.errors import CaptureError
 from forensics.format.batch_tree import map_tensors
 from forensics.format.writer import DumpContent, dump_path, remove_rank_dump, write_dump
-from forensics.kinds import Policy, TriggerKind
+from forensics.core.kinds import Policy, TriggerKind
 from forensics.recipes import default_loss
-from forensics.rng import capture_rng, restore_rng
-from forensics.trigger import Trigger
+from forensics.core.rng import capture_rng, restore_rng
+from forensics.core.trigger import Trigger
 
 log = logging.getLogger(__name__)
 

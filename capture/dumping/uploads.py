@@ -1,4 +1,4 @@
-"""After a dump is written: pack it and send it to the trackers GuardConfig.dumping.upload names (forensics/uploads.py).
+"""After a dump is written: pack it and send it to the trackers GuardConfig.dumping.upload names (forensics/core/uploads.py).
 Never raises: a failed upload is logged, the dump stays on disk."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 from forensics.format import spec
 from forensics.format.pack import pack_dump
 from forensics.format.reader import open_dump
-from forensics.uploads import upload
+from forensics.core.uploads import upload
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from forensics.capture.dumping.signals import deferred_termination, hand_on
-from forensics.errors import CaptureError
+from forensics.core.errors import CaptureError
 from forensics.format.writer import DumpContent, dump_path, write_dump
 
 log = logging.getLogger(__name__)

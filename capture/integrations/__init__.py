@@ -13,7 +13,7 @@ never imports accelerate, deepspeed, transformers, lightning or torchtitan.
 
 from __future__ import annotations
 
-from forensics.lazy import lazy_exports
+from forensics.core.lazy import lazy_exports
 
 _EXPORTS = {
     "DistributedGuard": "forensics.capture.integrations.ddp",

@@ -25,12 +25,12 @@ from forensics.capture.integrations.ddp import DistributedGuard
 from forensics.capture.state import sharding, snapshot
 from forensics.capture.state.snapshot import HostCopy  # `snapshot` is also a method name in the class below
 from forensics.capture.state.source import StateSource
-from forensics.errors import CaptureError
+from forensics.core.errors import CaptureError
 from forensics.format.shards import LocalShard
-from forensics.kinds import Policy, StateLayout
+from forensics.core.kinds import Policy, StateLayout
 from forensics.recipes import HUGGINGFACE_FACTORY
-from forensics import thirdparty
-from forensics.thirdparty import zero_dp_group, zero_fragment, zero_linked
+from forensics.core import thirdparty
+from forensics.core.thirdparty import zero_dp_group, zero_fragment, zero_linked
 
 log = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ from torchtitan.train import Trainer
 
 from forensics.capture.config import DetectionConfig, DumpConfig, GuardConfig, RecordConfig
 from forensics.capture.integrations.ddp import DistributedGuard
-from forensics.kinds import Policy
+from forensics.core.kinds import Policy
 from forensics.recipes import torchtitan_loss, torchtitan_recipe
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ Large runs announce their spikes: attention logits and output logits drift up (W
 gradient norm or update/weight ratio grows for tens of steps, Adam's second moment vanishes so that updates jump
 (Molybog et al. 2023). The monitor measures, for each repeated block of the model (found generically:
 `find_blocks`, the largest ModuleList / ModuleDict / Sequential of one class), on every `PrecursorConfig.every`-th step
-(forensics.kinds.PrecursorStatistic; capture/precursors/statistics.py computes them):
+(forensics.core.kinds.PrecursorStatistic; capture/precursors/statistics.py computes them):
 
 * block output RMS and abs-max (a forward hook on the block; the forward statistics are of the sampled step's
   first micro-batch);
@@ -33,7 +33,7 @@ device->host transfer (capture/detection/sync.py; with several ranks, one small 
 done long since). A statistic is thus judged, and a precursor dumped, one step after the sampled step. On the other
 steps the hooks return after one flag check. `RobustTrend` judges each statistic on the host over the sampled steps:
 its log against the running median of the recent healthy values, in robust standard deviations (1.4826 x MAD),
-sustained for a few sampled steps (forensics/trend.py, which replay uses to rank them too). When one fires, the
+sustained for a few sampled steps (forensics/core/trend.py, which replay uses to rank them too). When one fires, the
 Guard dumps the step (TriggerKind.PRECURSOR, policy 'continue') and the job goes on; the statistics of the last
 `history` sampled steps travel in the dump as `precursors.json` (capture/recording/window.py).
 """
@@ -53,10 +53,10 @@ from forensics.capture.recording.history import History
 from forensics.capture.recording.incident import Incident, StepRecord, Trigger
 from forensics.capture.recording.window import FlightRecorder
 from forensics.capture.state.source import StateSource
-from forensics import headroom
-from forensics.headroom import LimitWatch
-from forensics.kinds import Policy, PrecursorRule, PrecursorStatistic, TriggerKind
-from forensics.trend import TINY, RobustTrend
+from forensics.core import headroom
+from forensics.core.headroom import LimitWatch
+from forensics.core.kinds import Policy, PrecursorRule, PrecursorStatistic, TriggerKind
+from forensics.core.trend import TINY, RobustTrend
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class Firing:
     """The median of the healthy values before it."""
     z: float
     rule: PrecursorRule = PrecursorRule.GROWTH
-    """Which rule fired: the relative growth (above), or the dtype's limit (forensics/headroom.py: then `baseline`
+    """Which rule fired: the relative growth (above), or the dtype's limit (forensics/core/headroom.py: then `baseline`
     is the threshold it crossed and `words` says how close to the limit it is)."""
     words: str = ""
 
@@ -137,7 +137,7 @@ class PrecursorMonitor:
         ]
         self.limits: dict[int, LimitWatch] = {}
         """Per column measured in a low-precision dtype (known from the first sampled step): its headroom and
-        trend against that dtype's limit (forensics/headroom.py)."""
+        trend against that dtype's limit (forensics/core/headroom.py)."""
         self._limit_fired: set[tuple[int, PrecursorRule]] = set()  # each column's limit rules fire once per run
         self._unhealthy: set[int] = set()
         """Recent steps the Guard did not find healthy (their statistics' overflow is that step's own incident)."""
@@ -216,7 +216,7 @@ class PrecursorMonitor:
         self._pending = fired
 
     def _judge_limits(self, step: int, values: list[float | None]) -> list[Firing]:
-        """The headroom / trend / non-finite rules (forensics/headroom.py) of the columns measured in a
+        """The headroom / trend / non-finite rules (forensics/core/headroom.py) of the columns measured in a
         low-precision dtype; a column's watch starts once a sampled step has shown its dtype."""
         fired = []
         healthy = step not in self._unhealthy

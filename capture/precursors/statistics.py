@@ -34,8 +34,8 @@ from typing import Any, Iterator, cast, overload
 import torch
 
 from forensics.capture.state.sharding import is_dtensor
-from forensics import thirdparty
-from forensics.kinds import PrecursorStatistic
+from forensics.core import thirdparty
+from forensics.core.kinds import PrecursorStatistic
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +234,7 @@ class StepStatistics:
         self._outputs: list[torch.Tensor | None] = [None] * n
         self.dtypes: dict[tuple[str, PrecursorStatistic], torch.dtype] = {}
         """The dtype each forward statistic was measured in (block output, query projection output under autocast,
-        logits), as the sampled steps' hooks saw it: what forensics/headroom.py judges its limit by."""
+        logits), as the sampled steps' hooks saw it: what forensics/core/headroom.py judges its limit by."""
         self._qk: list[torch.Tensor | None] = [None] * (2 * len(self._attention_blocks))
         # the forward statistics of a sampled step come from its first micro-batch with gradients (the others are
         # not measured: on a GPU each measurement is launches on the step's critical path, and one micro-batch in

@@ -20,15 +20,15 @@ from typing import Any, Protocol
 import torch
 
 from forensics.capture.detection.sync import host_numbers
-from forensics.fsio import our_code_directories
+from forensics.core.fsio import our_code_directories
 from forensics.capture.raised.optimizer_steps import AfterCheck, OptimizerSteps
 from forensics.capture.recording.incident import Incident, StepRecord
 from forensics.capture.state.host_snapshots import available_host_memory, proc_bytes
 from forensics.capture.state.source import StateSource
-from forensics.errors import TrainingFaultError, is_out_of_memory
+from forensics.core.errors import TrainingFaultError, is_out_of_memory
 from forensics.format.batch_tree import tensor_leaves
-from forensics.kinds import Phase, Policy, StateHolds, TriggerKind
-from forensics.trigger import Trigger
+from forensics.core.kinds import Phase, Policy, StateHolds, TriggerKind
+from forensics.core.trigger import Trigger
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from forensics.kinds import Phase, StateHolds
+from forensics.core.kinds import Phase, StateHolds
 
 log = logging.getLogger(__name__)
 

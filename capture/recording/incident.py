@@ -1,7 +1,7 @@
 """The values that travel through the Guard's dump path: the step being recorded, what fired, and the Incident.
 
 `StepRecord` is what the Guard keeps of the step in progress (references only). A detector turns the
-step's numbers into a `Trigger` (forensics/trigger.py, the record replay reads back). An `Incident` is everything the dump path needs about one trigger —
+step's numbers into a `Trigger` (forensics/core/trigger.py, the record replay reads back). An `Incident` is everything the dump path needs about one trigger —
 the step number, its record, the losses and grad norm read on the host, the policy — so no stage reads
 it back from the Guard's mutable fields (the sync-free mode judges a step one check later, and
 verify_update one optimizer step later: each builds its Incident with the right step and state).
@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from forensics.format.batch_tree import tensor_leaves
-from forensics.kinds import Policy
-from forensics.rng import RngState
-from forensics.trigger import Trigger
+from forensics.core.kinds import Policy
+from forensics.core.rng import RngState
+from forensics.core.trigger import Trigger
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import torch
 
 from forensics.capture.recording.incident import StepRecord
 from forensics.format.limits import MAX_MICRO_BATCHES
-from forensics.rng import RngCapture
+from forensics.core.rng import RngCapture
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from typing import Any
 from forensics.capture.recording.incident import json_ids
 from forensics.format import jsonio, spec
 from forensics.format.tensors import safetensors_bytes
-from forensics.rng import RngState
+from forensics.core.rng import RngState
 
 
 MAX_FIRINGS = 32  # precursor firings kept (the newest): a long unstable run must not grow the dump

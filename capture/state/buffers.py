@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from forensics.thirdparty import foreach_copy, is_persistent_buffer, own_buffers
+from forensics.core.thirdparty import foreach_copy, is_persistent_buffer, own_buffers
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from forensics.capture.state.sharding import state_bytes
-from forensics.device_sync import DeviceFence, on_device_of, quarantine
+from forensics.core.device_sync import DeviceFence, on_device_of, quarantine
 from forensics.format.tensors import tensor_bytes
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class HostSnapshots:
 
         With `device_usable=False` (a CUDA error poisoned the context) only a slot whose copies were seen complete
         before the fault is lent, nothing on the device is touched, and every pinned buffer is quarantined
-        (forensics.device_sync.quarantine: freeing one would abort the process)."""
+        (forensics.core.device_sync.quarantine: freeing one would abort the process)."""
         if not device_usable:
             quarantine(slot.buffers for slot in self._slots)
         held = [

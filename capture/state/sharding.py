@@ -26,9 +26,9 @@ from forensics.capture.state.buddy import buddy_offsets, ranks_per_node
 from forensics.format import spec
 from forensics.format.shards import LocalShard, table_entry
 from forensics.format.tensors import tensor_bytes
-from forensics.grad_norm import total_grad_norm
-from forensics.kinds import StateLayout
-from forensics.thirdparty import dtensor_local_box, fsdp_mixed_precision
+from forensics.core.grad_norm import total_grad_norm
+from forensics.core.kinds import StateLayout
+from forensics.core.thirdparty import dtensor_local_box, fsdp_mixed_precision
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor

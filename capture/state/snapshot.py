@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 import torch
 
-from forensics.device_sync import DeviceFence, on_device_of
+from forensics.core.device_sync import DeviceFence, on_device_of
 from forensics.format.jsonio import to_jsonable
 from forensics.format.batch_tree import map_tensors
 
@@ -17,7 +17,7 @@ class HostCopy:
     CUDA tensors are cloned on the device (stream-ordered before the optimizer step, so the copies hold
     pre-step values; ~1 ms per GB) and the writer thread moves them to the host. When the device has no
     room for the clones, they go to pinned host buffers with non-blocking copies instead. `finish()` fences the
-    current stream of every device a tensor came from (forensics.device_sync), so `wait()` holds for a model
+    current stream of every device a tensor came from (forensics.core.device_sync), so `wait()` holds for a model
     spread over several GPUs and for a writer on another thread.
     """
 

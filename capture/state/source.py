@@ -27,9 +27,9 @@ from forensics.capture.config import GuardConfig
 from forensics.capture.state import sharding, snapshot
 from forensics.capture.state.buffers import PreForwardBuffers
 from forensics.capture.state.recipe import build_recipe
-from forensics import thirdparty
-from forensics.grad_norm import total_grad_norm
-from forensics.kinds import StateLayout
+from forensics.core import thirdparty
+from forensics.core.grad_norm import total_grad_norm
+from forensics.core.kinds import StateLayout
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from forensics.thirdparty import compiled_original
+from forensics.core.thirdparty import compiled_original
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:

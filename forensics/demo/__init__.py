@@ -8,7 +8,7 @@ transformers.
 
 from __future__ import annotations
 
-from forensics.lazy import lazy_exports
+from forensics.core.lazy import lazy_exports
 
 __all__ = ["SCENARIOS", "SCENARIO_NAMES", "DEFAULT_SCENARIO", "run_demo"]
 

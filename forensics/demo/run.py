@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from forensics.demo.scenarios import DEFAULT_SCENARIO, SCENARIOS, Scenario
-from forensics.errors import ForensicsError
+from forensics.core.errors import ForensicsError
 
 log = logging.getLogger(__name__)
 

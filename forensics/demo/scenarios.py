@@ -22,9 +22,9 @@ import torch
 
 from forensics.capture import DetectionConfig, DumpConfig, Guard, GuardConfig, SpikeConfig
 from forensics.demo import models
-from forensics.errors import ForensicsError, TrainingFaultError
+from forensics.core.errors import ForensicsError, TrainingFaultError
 from forensics.format.batch_tree import map_tensors
-from forensics.kinds import Phase, TriggerKind
+from forensics.core.kinds import Phase, TriggerKind
 from forensics.recipes import name_default_loss
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ Names load on first use, so `forensics inspect` / `verify` never import torch fo
 
 from __future__ import annotations
 
-from forensics.lazy import lazy_exports
+from forensics.core.lazy import lazy_exports
 
 _EXPORTS = {
     "Dump": "forensics.format.reader",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import zstandard
 
-from forensics.errors import DumpCorruptError, NotADumpError
+from forensics.core.errors import DumpCorruptError, NotADumpError
 from forensics.format import spec
 from forensics.format.limits import GiB, ArchiveLimits
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from forensics.errors import DumpCorruptError
+from forensics.core.errors import DumpCorruptError
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import os
 import struct
 from dataclasses import dataclass
 
-from forensics.errors import DumpCorruptError
+from forensics.core.errors import DumpCorruptError
 from forensics.format.jsonio import parse_json, refusal
 
 ITEM_SIZES = {

@@ -14,11 +14,11 @@ import math
 import re
 from typing import Any, Callable
 
-from forensics.errors import DumpCorruptError
+from forensics.core.errors import DumpCorruptError
 from forensics.format import spec
 from forensics.format.digest import digest_of_chunks
 from forensics.format.limits import MAX_MICRO_BATCHES, MAX_NAME_CHARS, MAX_WORLD_SIZE
-from forensics.kinds import Phase, StateHolds, TriggerKind
+from forensics.core.kinds import Phase, StateHolds, TriggerKind
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]*")
 """A run id or a file name: letters, digits, `_ . + -`, not starting with a dot (no '..', no '/')."""

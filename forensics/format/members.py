@@ -21,7 +21,7 @@ from typing import IO, TYPE_CHECKING, Literal, overload
 
 import zstandard
 
-from forensics.errors import DumpCorruptError, cut_text
+from forensics.core.errors import DumpCorruptError, cut_text
 from forensics.format import spec
 from forensics.format.header import Entry, data_end, parse_header
 from forensics.format.limits import HASH_CHUNK, MAX_DECOMPRESSED, MAX_JSON_FILE, memory_room
@@ -167,7 +167,7 @@ def read_tensor_member(path: Path, name: str, keep: bool = True) -> tuple[torch.
         if keep:
             import torch
 
-            from forensics.unfilled import unfilled
+            from forensics.core.unfilled import unfilled
 
             with unfilled():  # every byte is overwritten below
                 buffer = torch.empty(total, dtype=torch.uint8)

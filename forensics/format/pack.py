@@ -7,11 +7,11 @@ from pathlib import Path, PurePosixPath
 
 import zstandard
 
-from forensics.errors import DumpCorruptError, NotADumpError
+from forensics.core.errors import DumpCorruptError, NotADumpError
 from forensics.format import spec
 from forensics.format.reader import Dump, is_rank_dump
 from forensics.format.verify import verify_dump
-from forensics.fsio import atomic_file
+from forensics.core.fsio import atomic_file
 
 
 def pack_dump(path: str | Path, output: str | Path | None = None, *, rank_part: bool = False) -> Path:

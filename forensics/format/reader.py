@@ -12,7 +12,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from forensics.errors import DumpCorruptError, DumpNotFoundError, NotADumpError, UnsupportedVersionError, cut_text
+from forensics.core.errors import DumpCorruptError, DumpNotFoundError, NotADumpError, UnsupportedVersionError, cut_text
 from forensics.format import jsonio, spec
 from forensics.format.archive import unpack_archive
 from forensics.format.digest import chunk_digests
@@ -21,13 +21,13 @@ from forensics.format.limits import HASH_CHUNK, MAX_JSON_FILE, ArchiveLimits
 from forensics.format.members import check_member, check_member_header, read_json_member, read_tensor_member
 from forensics.format.manifest import check_manifest
 from forensics.format.records import checked_history, checked_precursors
-from forensics.trigger import Trigger
+from forensics.core.trigger import Trigger
 
 if TYPE_CHECKING:  # torch is imported only when tensors are read: inspect and verify start fast
     import torch
 
     from forensics.format.shards import ShardedState
-    from forensics.rng import RngState
+    from forensics.core.rng import RngState
 
 
 def read_manifest(directory: Path) -> dict:
@@ -200,7 +200,7 @@ class Dump:
     world_size = property(lambda self: int(self.manifest["world_size"]))
     trigger = property(
         lambda self: Trigger.from_dict(self.manifest["trigger"]),
-        doc="What fired (forensics.trigger.Trigger), read from the checked manifest.",
+        doc="What fired (forensics.core.trigger.Trigger), read from the checked manifest.",
     )
     recipe = property(lambda self: self.manifest.get("recipe") or {})
     precision = property(lambda self: self.manifest.get("precision") or {})
@@ -586,7 +586,7 @@ class Dump:
         return meta, self._tensors(spec.RNG_TENSORS)
 
     def rng_state(self, index: int) -> "RngState":
-        from forensics.rng import RngState
+        from forensics.core.rng import RngState
 
         meta, tensors = self._rng
         try:
@@ -618,7 +618,7 @@ class Dump:
         """The flight recorder (docs/DUMP_FORMAT.md): per recorded step before this one, oldest first,
         `{"step", "sample_ids": [per micro-batch], "rng": [RngState per micro-batch], "lr", "loss_scale",
         "divisor", "loss", "grad_norm", "clipped"}`; [] when the dump has none."""
-        from forensics.rng import RngState
+        from forensics.core.rng import RngState
 
         if not self.has_file(spec.WINDOW_JSON):
             return []

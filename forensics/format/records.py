@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from forensics.errors import cut_text
+from forensics.core.errors import cut_text
 
 MAX_INT = (1 << 63) - 1
 """Steps, counts and sizes are int64 in the job; anything beyond is not a value the Guard wrote."""

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
-from forensics.errors import DumpCorruptError, DumpIncompleteError
+from forensics.core.errors import DumpCorruptError, DumpIncompleteError
 from forensics.format import spec
 
 if TYPE_CHECKING:

@@ -13,11 +13,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from forensics.device_sync import DeviceFence, on_device_of
-from forensics.errors import DumpCorruptError
+from forensics.core.device_sync import DeviceFence, on_device_of
+from forensics.core.errors import DumpCorruptError
 from forensics.format.header import Entry, parse_header
 from forensics.format.spec import MAX_SAFETENSORS_HEADER
-from forensics.unfilled import unfilled
+from forensics.core.unfilled import unfilled
 
 _DTYPE_NAMES = {
     torch.float64: "F64",
@@ -86,7 +86,7 @@ def _host_bytes(tensors: list[torch.Tensor]):
     """Yields the bytes of each tensor in order. CUDA tensors go through two reused pinned buffers:
     chunk k+1 copies off the device while chunk k is written, and no fresh host pages are touched.
 
-    Safe on any thread and for tensors on any mix of devices (forensics.device_sync): each copy runs with its
+    Safe on any thread and for tensors on any mix of devices (forensics.core.device_sync): each copy runs with its
     tensor's device current, and its completion event is recorded on the stream that did the copy, so a chunk
     is handed on only once its bytes have landed (a writer thread's current device is 0 whatever the job chose:
     an event recorded there waits for nothing, and the stale bytes of the buffer's last use were written)."""

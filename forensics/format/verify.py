@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from forensics.errors import DumpError
+from forensics.core.errors import DumpError
 from forensics.format import spec
 from forensics.format.limits import ArchiveLimits
 from forensics.format.reader import Dump, open_step

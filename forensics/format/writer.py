@@ -15,8 +15,8 @@ from typing import Any, Callable
 import torch
 import zstandard
 
-from forensics.errors import CaptureError
-from forensics.fsio import fsync_dir
+from forensics.core.errors import CaptureError
+from forensics.core.fsio import fsync_dir
 from forensics.format import jsonio, spec, threads
 from forensics.format.shards import LocalShard, ShardCopies, shard_entry
 from forensics.format.stale import remove_stale_temporaries, temporary_name
@@ -25,7 +25,7 @@ from forensics.format.members import tensor_member_problem
 from forensics.format.tensors import safetensors_bytes, write_safetensors
 from forensics.format.batch_tree import encode_tree
 from forensics.format.writeback import EarlyWriteback
-from forensics.rng import RngState
+from forensics.core.rng import RngState
 
 log = logging.getLogger(__name__)
 

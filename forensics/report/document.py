@@ -26,10 +26,10 @@ from forensics.report.render_text import (
     trigger_sentence,
     where_sentence,
 )
-from forensics.kinds import HistoryPattern
+from forensics.core.kinds import HistoryPattern
 from forensics.report.tree import CaptureEnv, ExceptionBlock, Following, Precursor, Report, Repro, Window, parse_report
 from forensics.report.wording import clean, fmt_num, mb_number, mb_phrase, verdict_label
-from forensics.trigger import detail_words
+from forensics.core.trigger import detail_words
 
 log = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from forensics.errors import ForensicsError
+from forensics.core.errors import ForensicsError
 from forensics.format.jsonio import json_tree
-from forensics.kinds import VerdictKind
+from forensics.core.kinds import VerdictKind
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import logging
 from html import escape
 from typing import Mapping
 
-from forensics.kinds import VerdictKind
+from forensics.core.kinds import VerdictKind
 from forensics.report.model import SCHEMA
 from forensics.report.plots import PLOTS, matplotlib_available, render_plots
 from forensics.report.document import (

@@ -9,7 +9,7 @@ import os
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 from forensics.report.model import as_float
-from forensics.kinds import FidelityMode, Phase, TriggerKind
+from forensics.core.kinds import FidelityMode, Phase, TriggerKind
 from forensics.report.tree import Bisection, Report, Timings, parse_report
 from forensics.report.wording import (
     MAX_LISTED_SAMPLES,
@@ -22,7 +22,7 @@ from forensics.report.wording import (
     pattern_words,
     verdict_label,
 )
-from forensics.trigger import detail_words
+from forensics.core.trigger import detail_words
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ absent stays absent.
 
 Numbers stay as the JSON holds them (a float, or "nan" / "inf" / "-inf": forensics.report.as_float decodes
 them); kinds stay strings (an older or newer report may hold one this forensics does not know: compare with the
-kinds of forensics.kinds, which are str Enums).
+kinds of forensics.core.kinds, which are str Enums).
 
     Report ─ dump: DumpInfo (damaged: [Damage])     ─ trigger: TriggerBlock (TriggerBlock.of(Trigger))
            ─ environment: Environment (capture: CaptureEnv, replay: ReplayEnv)    ─ fidelity: Fidelity
@@ -27,7 +27,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping, TypeVar
 
-from forensics.trigger import Trigger
+from forensics.core.trigger import Trigger
 
 N = TypeVar("N", bound="Node")
 
@@ -200,7 +200,7 @@ class Environment(Node):
 
 @dataclass
 class Fidelity(Node):
-    """`fidelity`: how closely the replay matched the recorded step (`mode`: forensics.kinds.FidelityMode)."""
+    """`fidelity`: how closely the replay matched the recorded step (`mode`: forensics.core.kinds.FidelityMode)."""
 
     mode: str | None = None
     tolerance: Any = None

@@ -11,7 +11,7 @@ import math
 import unicodedata
 from typing import Any, Iterable
 
-from forensics.kinds import HistoryPattern, VerdictKind
+from forensics.core.kinds import HistoryPattern, VerdictKind
 from forensics.report.model import as_float
 
 MAX_ID_CHARS = 120  # longer sample ids are cut on screen (report.json keeps them whole)

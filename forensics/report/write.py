@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from forensics.fsio import atomic_write_text
+from forensics.core.fsio import atomic_write_text
 from forensics.report.model import SCHEMA_KEYS, ReportError, to_json_safe, validate_report
 from forensics.report.render_html import render_html
 from forensics.report.render_markdown import render_markdown

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from forensics.kinds import EvidenceKind, TriggerKind
+from forensics.core.kinds import EvidenceKind, TriggerKind
 from forensics.report.wording import fmt_id, fmt_num
 from forensics.replay.culprits.evidence import Evidence, RecordEvidence
 from forensics.replay.culprits.per_sample import per_sample_stats
@@ -148,7 +148,7 @@ def _rows_on(runner: StepRunner, earlier: EarlierState, refs: list[SampleRef]) -
 
 def _put_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
     """The earlier weights into the model, in its dtypes and on its device (every parameter must be there)."""
-    from forensics.errors import RecipeError
+    from forensics.core.errors import RecipeError
 
     params = dict(model.named_parameters())
     missing = [n for n in params if n not in weights]

@@ -27,7 +27,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from forensics.kinds import EvidenceKind
+from forensics.core.kinds import EvidenceKind
 from forensics.report.wording import fmt_num
 from forensics.replay.culprits.sample_facts import SampleFact
 from forensics.replay.run.execute import SampleRef

@@ -5,7 +5,7 @@ fp16 (attention or output logits climbing for hundreds of steps), that is whiche
 the next step, another one would. Blaming it sends the user to filter a harmless sample. So when the step fails only
 in fp16 with some samples, the step is run again, forward only and in its recorded precision, *without* them, and
 the largest finite value any fp16 op produces is measured (a dispatch mode: every op, not only module outputs,
-since the overflow is usually inside one — q @ k.T in an attention). When the others reach forensics.headroom.HEADROOM
+since the overflow is usually inside one — q @ k.T in an attention). When the others reach forensics.core.headroom.HEADROOM
 (half) of fp16's largest value too, the samples are not culprits: the state is (report `margin`).
 """
 
@@ -17,8 +17,8 @@ from typing import TypedDict
 
 import torch
 
-from forensics.headroom import FP16_MAX, HEADROOM
-from forensics.thirdparty import TorchDispatchMode, tree_leaves
+from forensics.core.headroom import FP16_MAX, HEADROOM
+from forensics.core.thirdparty import TorchDispatchMode, tree_leaves
 from forensics.replay.run.execute import SampleRef, StepRunner
 
 logger = logging.getLogger(__name__)

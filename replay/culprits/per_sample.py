@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping, Sequence, TypedDict
 
 import torch
 
-from forensics.errors import ReplayError
+from forensics.core.errors import ReplayError
 from forensics.replay.load.samples import map_sample_tensors, select_samples
 
 log = logging.getLogger(__name__)

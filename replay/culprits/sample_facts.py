@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from forensics.kinds import SampleFactKind
+from forensics.core.kinds import SampleFactKind
 from forensics.report.wording import clean
 from forensics.replay.run.execute import SampleRef
 from forensics.format.batch_tree import tensor_leaves

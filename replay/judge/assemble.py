@@ -13,7 +13,7 @@ import torch
 
 from forensics.format.jsonio import lenient_float
 from forensics.format.batch_tree import tensor_leaves
-from forensics.kinds import HistoryPattern, Phase, TriggerKind, VerdictKind
+from forensics.core.kinds import HistoryPattern, Phase, TriggerKind, VerdictKind
 from forensics.report.model import schema_for, to_json_safe
 from forensics.report.tree import Culprit, Report, TriggerBlock, parse_report
 from forensics.replay.culprits.per_sample import rank_by_loss

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from forensics.kinds import FidelityMode, Phase, StateHolds, TriggerKind, VerdictKind
+from forensics.core.kinds import FidelityMode, Phase, StateHolds, TriggerKind, VerdictKind
 from forensics.report.model import schema_for, to_json_safe
 from forensics.report.tree import Report, TriggerBlock, parse_report
-from forensics.trigger import Trigger
+from forensics.core.trigger import Trigger
 from forensics.report.wording import clean, fmt_id
 from forensics.replay.judge.findings import HistoryFinding
 from forensics.replay.load.environment import replay_environment

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from forensics.kinds import HistoryPattern, Phase, TriggerKind
-from forensics.trigger import Trigger
+from forensics.core.kinds import HistoryPattern, Phase, TriggerKind
+from forensics.core.trigger import Trigger
 from forensics.replay.culprits.evidence import RecordEvidence
 from forensics.replay.culprits.margin import MarginBlock
 from forensics.replay.culprits.per_sample import SampleRow

@@ -37,7 +37,7 @@ from statistics import median
 from typing import Any, Sequence
 
 from forensics.format.jsonio import lenient_float
-from forensics.kinds import HistoryPattern
+from forensics.core.kinds import HistoryPattern
 from forensics.report.wording import fmt_num
 
 log = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ def _is_oscillating(steps: list[float]) -> bool:
 def classify_history(
     losses: Sequence[float | None], first_losses: Sequence[float | None] = (), uniform_loss: float | None = None
 ) -> HistoryPattern:
-    """Name the shape of the loss curve before the trigger (a forensics.kinds.HistoryPattern).
+    """Name the shape of the loss curve before the trigger (a forensics.core.kinds.HistoryPattern).
 
     Args:
         losses: recorded losses, oldest first; None / NaN / inf entries (the trigger itself,

@@ -17,7 +17,7 @@ from typing import Any, TypedDict
 
 import torch
 
-from forensics.kinds import TriggerKind
+from forensics.core.kinds import TriggerKind
 from forensics.replay.run.execute import SampleRef, StepRunner
 from forensics.replay.run.fp32 import CountDtypes, ran_words
 

@@ -2,7 +2,7 @@
 
 A precursor dump (trigger `precursor`, capture/precursors/monitor.py) holds a healthy step: nothing to reproduce.
 Its report is built from the statistics the job recorded (`precursors.json`): each (layer, statistic) series is
-walked with the same robust trend rule as in the job (forensics/trend.py) but with a lower bar (REPORT_Z, the
+walked with the same robust trend rule as in the job (forensics/core/trend.py) but with a lower bar (REPORT_Z, the
 square root of the job's growth), so the step each one *started* to leave its baseline is found; the series are
 ranked by that step (earliest first), then by how far they have grown. The verdict (`instability_ahead`) names the
 first, the report's `precursor` block lists the ranking and the series of the leading ones (plotted in
@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 
-from forensics.headroom import HORIZON, limit_of, percent_of
-from forensics.kinds import FidelityMode, PrecursorRule, PrecursorStatistic, TriggerKind, VerdictKind
+from forensics.core.headroom import HORIZON, limit_of, percent_of
+from forensics.core.kinds import FidelityMode, PrecursorRule, PrecursorStatistic, TriggerKind, VerdictKind
 from forensics.report.model import schema_for, to_json_safe
 from forensics.report.tree import Report, TriggerBlock, parse_report
-from forensics.trigger import Trigger
+from forensics.core.trigger import Trigger
 from forensics.report.wording import fmt_num
-from forensics.trend import RobustTrend
+from forensics.core.trend import RobustTrend
 from forensics.replay.judge.findings import HistoryFinding
 from forensics.replay.load.environment import replay_environment
 
@@ -308,7 +308,7 @@ def _series_of(table: dict, j: int, since: int) -> list[tuple[int, float]]:
 
 
 def _closest_to_limit(table: dict) -> dict | None:
-    """The statistic measured in a low-precision dtype that came closest to its limit (forensics/headroom.py)."""
+    """The statistic measured in a low-precision dtype that came closest to its limit (forensics/core/headroom.py)."""
     since = table["steps"][-1] - HISTORY_SPAN
     head = (table.get("config") or {}).get("head_dim")
     head = head if isinstance(head, int) and not isinstance(head, bool) else None

@@ -1,6 +1,6 @@
 """Counterfactual fixes: re-run the failing step under each remedy that applies and say which make it healthy.
 
-Each remedy (forensics.kinds.RemedyKind) changes one thing — drop the culprit samples, a non-zero Adam eps,
+Each remedy (forensics.core.kinds.RemedyKind) changes one thing — drop the culprit samples, a non-zero Adam eps,
 fp32, a lower loss scale, a lower clipping norm, a 10x lower learning rate, skipping the step — re-runs the
 step from the pre-step state, applies the update with a fresh copy of the pre-step optimizer (one parameter
 at a time) and measures: the step loss, the gradient norm, whether every weight is finite after the update,
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, TypedDict
 
 
-from forensics.kinds import RemedyKind
+from forensics.core.kinds import RemedyKind
 from forensics.replay.judge.precision import uses_low_precision
 from forensics.replay.localize.update import step_each_parameter
 from forensics.replay.run.execute import SampleRef, StepRunner, any_nonfinite

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from forensics.errors import ReplayError
-from forensics.kinds import RemedyKind
+from forensics.core.errors import ReplayError
+from forensics.core.kinds import RemedyKind
 from forensics.replay.judge.remedies import Following, RemediesBlock, RemedyRow
 from forensics.replay.run.execute import StepRunner
 from forensics.replay.run.window import Followup, run_step, set_lr, to_device

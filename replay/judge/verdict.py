@@ -28,7 +28,7 @@ triage order (where, reproduction, culprit, precision, history); suggestions are
 
 from __future__ import annotations
 
-from forensics.kinds import HistoryPattern, Phase, TriggerKind
+from forensics.core.kinds import HistoryPattern, Phase, TriggerKind
 from forensics.replay.judge.verdict_data import bad_sample, exception_verdict, numerical_precision, trigger_sample
 from forensics.replay.judge.verdict_facts import VerdictFacts, has_culprit, low_precision, whole_batch
 from forensics.replay.judge.verdict_state import (
@@ -50,7 +50,7 @@ def decide_verdict(facts: VerdictFacts) -> dict:
     Args:
         facts: what the replay established.
     Returns:
-        `{"kind", "headline", "explanation", "suggestions"}` with kind a forensics.kinds.VerdictKind value.
+        `{"kind", "headline", "explanation", "suggestions"}` with kind a forensics.core.kinds.VerdictKind value.
     Example:
         >>> v = decide_verdict(VerdictFacts("nonfinite_loss", True, step=41217, rank=3,
         ...                                 culprit_samples=["shard-0192/rec-55411"], candidates=32,

@@ -3,7 +3,7 @@ with or without data, a step that raises, a sample too large for memory."""
 
 from __future__ import annotations
 
-from forensics.kinds import VerdictKind
+from forensics.core.kinds import VerdictKind
 from forensics.replay.judge.verdict_facts import (
     INPUT_PREFIX,
     MAX_NAMED_SAMPLES,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from forensics.kinds import HistoryPattern, Phase, TriggerKind
+from forensics.core.kinds import HistoryPattern, Phase, TriggerKind
 from forensics.replay.culprits.sample_facts import SampleFact
 
 LOW_PRECISION = {

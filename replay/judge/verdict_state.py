@@ -3,7 +3,7 @@ diverged run, a spike without a single cause, a replay that did not reproduce.""
 
 from __future__ import annotations
 
-from forensics.kinds import HistoryPattern, RemedyKind, TriggerKind, VerdictKind
+from forensics.core.kinds import HistoryPattern, RemedyKind, TriggerKind, VerdictKind
 from forensics.replay.judge.verdict_facts import MAX_NAMED_SAMPLES, VerdictFacts, has_culprit, what, whole_batch
 from forensics.replay.judge.verdict_words import (
     DIV_OPS,

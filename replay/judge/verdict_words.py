@@ -7,7 +7,7 @@ import logging
 import math
 from typing import Any
 
-from forensics.kinds import HistoryPattern, Phase, SampleFactKind, VerdictKind
+from forensics.core.kinds import HistoryPattern, Phase, SampleFactKind, VerdictKind
 from forensics.report.wording import fmt_id, fmt_num, mb_number
 from forensics.replay.judge.verdict_facts import (
     INPUT_PREFIX,

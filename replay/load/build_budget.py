@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-from forensics.errors import RecipeError
+from forensics.core.errors import RecipeError
 
 SLACK_ELEMENTS = 64 << 20
 """Elements a build may create beyond the dump's weights: non-persistent buffers (a GPT-2 causal mask of 1024 x 1024

@@ -15,9 +15,9 @@ from typing import Any, Iterator
 
 import torch
 
-from forensics.errors import ReplayError
+from forensics.core.errors import ReplayError
 from forensics.format.batch_tree import map_tensors
-from forensics.thirdparty import deterministic_setter
+from forensics.core.thirdparty import deterministic_setter
 
 logger = logging.getLogger(__name__)
 

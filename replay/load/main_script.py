@@ -26,7 +26,7 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from forensics.errors import RecipeError
+from forensics.core.errors import RecipeError
 from forensics.report.wording import clean
 
 TRUST_NOTE = (

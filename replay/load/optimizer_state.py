@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from forensics.errors import ReplayError
+from forensics.core.errors import ReplayError
 
 logger = logging.getLogger(__name__)
 

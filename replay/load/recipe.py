@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import torch
 
-from forensics.errors import RecipeError
+from forensics.core.errors import RecipeError
 from forensics.recipes import is_builtin
 from forensics.report.wording import clean
 from forensics.replay.load.main_script import TRUST_NOTE, define_from_script, move_instruction

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from forensics.errors import ReplayError
+from forensics.core.errors import ReplayError
 from forensics.format.batch_tree import map_tensors, map_tree, rebuild
 
 

@@ -14,13 +14,13 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from forensics.errors import DumpCorruptError, DumpError, RecipeError
+from forensics.core.errors import DumpCorruptError, DumpError, RecipeError
 from forensics.format import spec
-from forensics.gc_pause import gc_paused
-from forensics.kinds import TriggerKind
-from forensics.thirdparty import is_persistent_buffer, own_buffers, put_buffer, put_parameter, tensor_version
-from forensics.trigger import Trigger
-from forensics.unfilled import unfilled
+from forensics.core.gc_pause import gc_paused
+from forensics.core.kinds import TriggerKind
+from forensics.core.thirdparty import is_persistent_buffer, own_buffers, put_buffer, put_parameter, tensor_version
+from forensics.core.trigger import Trigger
+from forensics.core.unfilled import unfilled
 from forensics.replay.load.build_budget import BuildTooLargeError, WeightsHeld, build_budget, weights_held
 from forensics.replay.load.environment import dtype_from_name, environment_warnings, resolve_device, to_device
 from forensics.replay.load.fsdp_precision import FsdpUnit, compute_dtype, parse_units
@@ -49,7 +49,7 @@ class ReplaySession:
     sample_ids: list[list[Any]] = field(default_factory=list)
     """Per micro-batch, one JSON value per sample (dim 0 of the batch)."""
     rng_states: list[Any] = field(default_factory=list)
-    """Per micro-batch, a forensics.rng.RngState captured right before its forward (or None)."""
+    """Per micro-batch, a forensics.core.rng.RngState captured right before its forward (or None)."""
     loss_divisor: float = 1.0
     """The step's objective is sum(micro-batch losses) / loss_divisor (gradient accumulation)."""
     optimizer: OptimizerSnapshot | None = None
@@ -181,7 +181,7 @@ def training_script(dump: Any) -> TrainingScript:
     )
 
 
-@gc_paused()  # the model's libraries import and its state loads: forensics.gc_pause
+@gc_paused()  # the model's libraries import and its state loads: forensics.core.gc_pause
 def load_session(
     dump: Any,
     *,
@@ -532,10 +532,10 @@ def session_from_objects(
     The model's current weights and the optimizer's current state are the "pre-step" state.
     `sample_ids` default: batch[sample_id_key] when present, else "mb<i>/<j>".
     `rng_states` default: captured now for every micro-batch (same state for all).
-    `trigger`: a forensics.trigger.Trigger or its dict form (default: a non-finite loss).
+    `trigger`: a forensics.core.trigger.Trigger or its dict form (default: a non-finite loss).
     """
     from forensics.recipes import default_loss
-    from forensics.rng import capture_rng
+    from forensics.core.rng import capture_rng
 
     device = resolve_device(device)
     model = model.to(device)

@@ -20,9 +20,9 @@ from typing import Iterator, cast
 
 import torch
 
-from forensics.errors import ReplayError
+from forensics.core.errors import ReplayError
 from forensics.format.tensors import tensor_bytes
-from forensics.sizes import words
+from forensics.core.sizes import words
 from forensics.replay.load.fsdp_precision import FsdpUnit, parameter_units
 
 STATE_FACTOR = 2

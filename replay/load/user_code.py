@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from forensics.errors import ForensicsError, UserCodeError
-from forensics.fsio import our_code_directories
+from forensics.core.errors import ForensicsError, UserCodeError
+from forensics.core.fsio import our_code_directories
 from forensics.recipes import BUILTIN_RECIPES, DEFAULT_LOSS, is_builtin
 
 OURS = our_code_directories()

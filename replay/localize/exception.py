@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from forensics.kinds import Phase
-from forensics.thirdparty import TorchDispatchMode, op_schema
+from forensics.core.kinds import Phase
+from forensics.core.thirdparty import TorchDispatchMode, op_schema
 from forensics.replay.localize.forward_backward import ModuleTracker
 from forensics.replay.run.execute import SampleRef, StepRunner
 

@@ -27,8 +27,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-from forensics.kinds import Phase
-from forensics.thirdparty import TorchDispatchMode, op_schema, tree_flatten, tree_map
+from forensics.core.kinds import Phase
+from forensics.core.thirdparty import TorchDispatchMode, op_schema, tree_flatten, tree_map
 from forensics.replay.run.execute import SampleRef, StepRunner, any_nonfinite
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from typing import Any, Iterator, TypedDict
 
 import torch
 
-from forensics.kinds import Phase
+from forensics.core.kinds import Phase
 from forensics.replay.localize.forward_backward import ModuleTracker, float_tensors, module_label
 from forensics.replay.run.execute import SampleRef, StepRunner, any_nonfinite
 from forensics.replay.run.update_size import relative_change

@@ -19,10 +19,10 @@ from typing import Any, Callable, ContextManager, Iterable, Iterator, TypeGuard
 
 import torch
 
-from forensics.errors import ForensicsError, ReplayError, is_out_of_memory
+from forensics.core.errors import ForensicsError, ReplayError, is_out_of_memory
 from forensics.format.jsonio import lenient_float
-from forensics.grad_norm import total_grad_norm
-from forensics.kinds import FidelityMode, Phase, ReplayedQuantity, TriggerKind
+from forensics.core.grad_norm import total_grad_norm
+from forensics.core.kinds import FidelityMode, Phase, ReplayedQuantity, TriggerKind
 from forensics.replay.load.fsdp_precision import fsdp_compute
 from forensics.replay.load.samples import SampleRef
 from forensics.replay.load.session import ReplaySession, weight_fingerprints
@@ -371,7 +371,7 @@ class StepRunner:
 
     def restore_rng(self, index: int) -> None:
         """Puts back the RNG state recorded right before micro-batch `index`'s forward."""
-        from forensics.rng import restore_rng
+        from forensics.core.rng import restore_rng
 
         states = self.session.rng_states
         if index >= len(states) or states[index] is None:

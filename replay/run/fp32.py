@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 import torch
 
-from forensics.thirdparty import TorchDispatchMode, tree_leaves
+from forensics.core.thirdparty import TorchDispatchMode, tree_leaves
 
 LOW = (torch.float16, torch.bfloat16)
 COMPUTE_OPS = frozenset(

@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from forensics.errors import DumpCorruptError
+from forensics.core.errors import DumpCorruptError
 
 
 class BlockReader:

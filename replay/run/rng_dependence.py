@@ -14,8 +14,8 @@ from typing import TypedDict
 
 import torch
 
-from forensics.kinds import TriggerKind
-from forensics.rng import capture_rng, restore_rng
+from forensics.core.kinds import TriggerKind
+from forensics.core.rng import capture_rng, restore_rng
 from forensics.replay.run.execute import StepRunner
 
 logger = logging.getLogger(__name__)

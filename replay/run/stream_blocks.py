@@ -27,8 +27,8 @@ from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
-from forensics.errors import DumpCorruptError
-from forensics.thirdparty import foreach_norm, tree_flatten, tree_unflatten
+from forensics.core.errors import DumpCorruptError
+from forensics.core.thirdparty import foreach_norm, tree_flatten, tree_unflatten
 from forensics.replay.load.stream_plan import ACTIVATION_SHARE, StreamPlan, at_rest
 from forensics.replay.run.execute import any_nonfinite
 from forensics.replay.run.read_ahead import BlockReader

@@ -21,9 +21,9 @@ from typing import Any, ContextManager, Iterator
 
 import torch
 
-from forensics.errors import ReplayError
-from forensics.grad_norm import total_grad_norm
-from forensics.thirdparty import foreach_norm
+from forensics.core.errors import ReplayError
+from forensics.core.grad_norm import total_grad_norm
+from forensics.core.thirdparty import foreach_norm
 from forensics.replay.load.fsdp_precision import fsdp_compute, parameter_units
 from forensics.replay.load.samples import SampleRef
 from forensics.replay.load.session import ReplaySession

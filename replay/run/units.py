@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, TypeGuard
 
-from forensics.kinds import ReplayedQuantity
+from forensics.core.kinds import ReplayedQuantity
 from forensics.replay.load.session import ReplaySession
 
 TOLERANCE = 0.1

@@ -28,12 +28,12 @@ from typing import Any, Callable
 
 import torch
 
-from forensics.errors import DumpError, RecipeError, ReplayError
+from forensics.core.errors import DumpError, RecipeError, ReplayError
 from forensics.format import spec
-from forensics.grad_norm import total_grad_norm
-from forensics.kinds import Phase, TriggerKind
-from forensics.rng import restore_rng
-from forensics.trigger import Trigger
+from forensics.core.grad_norm import total_grad_norm
+from forensics.core.kinds import Phase, TriggerKind
+from forensics.core.rng import restore_rng
+from forensics.core.trigger import Trigger
 from forensics.replay.load.recipe import import_object
 from forensics.replay.load.session import ReplaySession, session_from_objects, to_device
 from forensics.replay.run.update_size import WRECK_RATIO, relative_change

@@ -32,7 +32,7 @@ import torch
 
 from forensics.capture import DetectionConfig, DumpConfig, Guard, GuardConfig, SpikeConfig
 from forensics.format.writer import DumpContent, write_dump
-from forensics.rng import capture_rng
+from forensics.core.rng import capture_rng
 from scripts.bench.common import machine, median
 
 

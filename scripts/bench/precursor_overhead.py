@@ -32,7 +32,7 @@ import time
 import torch
 
 from forensics.capture import DetectionConfig, Guard, GuardConfig, PrecursorConfig
-from forensics.thirdparty import TorchDispatchMode
+from forensics.core.thirdparty import TorchDispatchMode
 from scripts.bench.common import gpt2, machine, median, sync
 
 MODES = {

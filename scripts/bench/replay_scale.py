@@ -92,7 +92,7 @@ def write_dump(args, directory: Path) -> tuple[Path, float]:
     import transformers
 
     from forensics.capture import Guard, GuardConfig
-    from forensics.errors import TrainingFaultError
+    from forensics.core.errors import TrainingFaultError
 
     device = torch.device(args.device)
     if device.type == "cuda":

@@ -25,7 +25,7 @@ import json, sys, time
 import torch
 import transformers.models.llama.modeling_llama  # a fixed import cost, outside the timers
 from forensics.replay.engine import ReplayOptions, run_replay
-from forensics.sizes import parse_bytes
+from forensics.core.sizes import parse_bytes
 dump, device, rank, budget, remedies, rng = sys.argv[1:7]
 cuda = device.startswith("cuda")
 limit = None if budget == "none" else parse_bytes(budget)

@@ -14,7 +14,7 @@ import time
 import torch
 
 from forensics.capture import Guard, GuardConfig
-from forensics.errors import TrainingFaultError
+from forensics.core.errors import TrainingFaultError
 from forensics.replay.engine import ReplayOptions, run_replay
 from scripts.bench.common import gpt2, machine, sync, timed
 

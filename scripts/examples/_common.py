@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from forensics.errors import TrainingFaultError
+from forensics.core.errors import TrainingFaultError
 
 EMBD, VOCAB, SEQ = 32, 64, 16
 

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 import _common
 from forensics.capture import DetectionConfig, DumpConfig, GuardConfig, IndexedDataset
 from forensics.capture.integrations import AccelerateGuard
-from forensics.errors import TrainingFaultError
+from forensics.core.errors import TrainingFaultError
 
 
 def main() -> None:

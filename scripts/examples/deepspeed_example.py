@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 import _common
 from forensics.capture import DetectionConfig, DumpConfig, GuardConfig, IndexedDataset
 from forensics.capture.integrations import DeepSpeedGuard
-from forensics.errors import TrainingFaultError
+from forensics.core.errors import TrainingFaultError
 
 
 def ds_config(args) -> dict:

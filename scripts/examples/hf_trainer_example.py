@@ -19,7 +19,7 @@ import torch
 import _common
 from forensics.capture import DetectionConfig, GuardConfig, IndexedDataset
 from forensics.capture.integrations import ForensicsTrainerCallback
-from forensics.errors import TrainingFaultError
+from forensics.core.errors import TrainingFaultError
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 import _common
 from forensics.capture import DetectionConfig, DumpConfig, GuardConfig, IndexedDataset
 from forensics.capture.integrations import ForensicsLightningCallback
-from forensics.errors import TrainingFaultError
+from forensics.core.errors import TrainingFaultError
 
 
 def main() -> None:

@@ -55,7 +55,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from forensics.capture import DumpConfig, Guard, GuardConfig  # noqa: E402
-from forensics.errors import TrainingFaultError  # noqa: E402
+from forensics.core.errors import TrainingFaultError  # noqa: E402
 from forensics.format import pack_dump  # noqa: E402
 from scripts.natural_gpu import models  # noqa: E402
 

@@ -19,7 +19,7 @@ import sys
 import torch
 
 from forensics.capture import DetectionConfig, Guard, GuardConfig, PrecursorConfig, SpikeConfig
-from forensics.errors import TrainingFaultError
+from forensics.core.errors import TrainingFaultError
 
 STEPS = 260  # the run at lr 1.0 goes non-finite between steps ~90 and ~150 depending on the machine's rounding (seeded,
 # one CPU thread: ~115 where it was written, 90 on another 2-core box); it stops at its crash, so the cap costs nothing
@@ -85,7 +85,7 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     from forensics.format import open_dump
-    from forensics.kinds import TriggerKind
+    from forensics.core.kinds import TriggerKind
     from forensics.replay.engine import ReplayOptions, run_replay
 
     guard, nonfinite_at = train(args.out, lr=1.0, device=args.device)

@@ -127,7 +127,7 @@ def test_wrapped_optimizers_are_hooked_on_the_torch_optimizer_inside():
 def test_an_exception_after_the_guard_stopped_the_job_is_not_claimed_as_a_step(tmp_path, caplog):
     """Issue 30, item 6: the loop ends with TrainingFaultError (a NaN loss at step 3); code after the loop raises
     FileNotFoundError. The Guard does not dump or describe it as 'step N raised ... between steps'."""
-    from forensics.errors import TrainingFaultError
+    from forensics.core.errors import TrainingFaultError
 
     caplog.set_level("WARNING", logger="capture")
     torch.manual_seed(0)

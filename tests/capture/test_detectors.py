@@ -194,7 +194,7 @@ def test_a_loss_spike_on_a_grad_scaler_overflow_step_fires_and_its_norm_is_never
     """fp16 (issue 42 item 3): a step whose gradients overflow (the GradScaler skips it) still has a real loss, judged
     for a spike; its non-finite norm is no measurement and never enters the grad-norm window."""
     from forensics.capture.detection.detectors import StepDetectors
-    from forensics.kinds import TriggerKind
+    from forensics.core.kinds import TriggerKind
 
     detectors = StepDetectors(
         GuardConfig(

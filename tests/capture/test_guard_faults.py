@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from forensics.capture import DetectionConfig, Guard, GuardConfig
-from forensics.errors import TrainingFaultError
+from forensics.core.errors import TrainingFaultError
 from forensics.format import Unreplayable, open_dump, verify_dump
 
 POISON = 5  # sample 5: step 1, micro-batch 0 (micro-batches of 2 samples, 2 per step)

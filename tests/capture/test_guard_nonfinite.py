@@ -10,10 +10,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from forensics.capture import DetectionConfig, Guard, GuardConfig, IndexedDataset
-from forensics.errors import TrainingFaultError
+from forensics.core.errors import TrainingFaultError
 from forensics.format import open_dump, verify_dump
 from forensics.recipes import default_loss, huggingface_model
-from forensics.rng import restore_rng
+from forensics.core.rng import restore_rng
 
 ACCUM = 2  # micro-batches per optimizer step
 MICRO = 2  # samples per micro-batch

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from forensics.capture import DetectionConfig, DumpConfig, Guard, GuardConfig, SpikeConfig
-from forensics.errors import TrainingFaultError
+from forensics.core.errors import TrainingFaultError
 from forensics.format import open_dump, verify_dump
 
 SEQ = torch.arange(8)

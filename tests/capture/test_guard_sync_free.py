@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from forensics.capture import DetectionConfig, DumpConfig, Guard, GuardConfig, IndexedDataset, RecordConfig
-from forensics.errors import TrainingFaultError
+from forensics.core.errors import TrainingFaultError
 from forensics.format import open_dump, verify_dump
 from forensics_test_helpers import ScalarReads, Watched
 

@@ -1,4 +1,4 @@
-"""The precursor rules that see a slow climb to a dtype's hard limit (forensics/headroom.py): headroom, trend and
+"""The precursor rules that see a slow climb to a dtype's hard limit (forensics/core/headroom.py): headroom, trend and
 overflow on a healthy step, the limits per dtype, and a healthy series that never fires. Also: the monitor records the
 dtype each statistic was measured in and says once, in plain words, what it cannot measure."""
 
@@ -10,9 +10,9 @@ import math
 import torch
 
 from forensics.capture import Guard, GuardConfig, PrecursorConfig
-from forensics import headroom
-from forensics.headroom import FP16_MAX, HORIZON, LimitWatch, forecast, limit_of, theil_sen
-from forensics.kinds import PrecursorRule, PrecursorStatistic as S
+from forensics.core import headroom
+from forensics.core.headroom import FP16_MAX, HORIZON, LimitWatch, forecast, limit_of, theil_sen
+from forensics.core.kinds import PrecursorRule, PrecursorStatistic as S
 
 
 def test_limits_per_dtype_and_statistic():

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from forensics.capture import Guard, GuardConfig
-from forensics.thirdparty import TorchDispatchMode
+from forensics.core.thirdparty import TorchDispatchMode
 from forensics_test_helpers import Watched
 
 MICRO_BATCHES = 2

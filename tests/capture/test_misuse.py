@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from forensics.capture import DetectionConfig, DumpConfig, Guard, GuardConfig
 from forensics.cli import main
-from forensics.errors import TrainingFaultError
+from forensics.core.errors import TrainingFaultError
 
 USER_MODULE = textwrap.dedent("""
     import torch

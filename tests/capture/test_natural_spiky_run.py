@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from forensics.capture import Guard, GuardConfig
 from forensics.cli import main
-from forensics.errors import TrainingFaultError
+from forensics.core.errors import TrainingFaultError
 from forensics.format import open_dump
 
 MAX_STEPS = 220  # seeded, it goes non-finite near step 130 on the dev box; the cap leaves room for other machines

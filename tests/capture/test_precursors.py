@@ -17,7 +17,7 @@ from forensics.capture import Guard, GuardConfig, PrecursorConfig
 from forensics.capture.precursors import statistics as precursor_stats
 from forensics.capture.precursors.statistics import find_blocks
 from forensics.format import open_dump, verify_dump
-from forensics.kinds import PrecursorStatistic, TriggerKind, VerdictKind
+from forensics.core.kinds import PrecursorStatistic, TriggerKind, VerdictKind
 from forensics.report import render_markdown
 from forensics.report.plots import plot_precursors
 from forensics.replay.engine import ReplayOptions, run_replay

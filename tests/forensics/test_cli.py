@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import forensics.summary
+import forensics.commands.summary
 from forensics.cli import main
 from forensics.demo.scenarios import SCENARIOS
-from forensics.kinds import ExitCode, VerdictKind
+from forensics.core.kinds import ExitCode, VerdictKind
 
 
 def invoke(args: list[str], exit_code: int):
@@ -170,7 +170,7 @@ def test_a_bug_in_forensics_exits_1(dumps, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(forensics.summary, "dump_summary", broken)  # our own code, not torch or the disk
+    monkeypatch.setattr(forensics.commands.summary, "dump_summary", broken)  # our own code, not torch or the disk
     result = invoke(["inspect", dumps["bad_sample"]], exit_code=ExitCode.INTERNAL)
     assert isinstance(result.exception, RuntimeError)
 

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from forensics.errors import DumpCorruptError
+from forensics.core.errors import DumpCorruptError
 from forensics.format import open_dump, spec, verify_dump, write_dump
 from forensics.format.digest import HashingWriter
 

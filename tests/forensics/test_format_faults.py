@@ -1,6 +1,6 @@
 """Bad input: truncated, flipped, deleted, extra, unknown-version and half-written dumps, hostile archives.
 
-Every fault must surface as a forensics.errors.DumpError subclass whose message names the file at fault,
+Every fault must surface as a forensics.core.errors.DumpError subclass whose message names the file at fault,
 and verify_dump must list the file; a directory without manifest.json is never a dump.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from forensics.errors import DumpCorruptError, DumpError, DumpNotFoundError, NotADumpError, UnsupportedVersionError
+from forensics.core.errors import DumpCorruptError, DumpError, DumpNotFoundError, NotADumpError, UnsupportedVersionError
 from forensics.format import spec
 from forensics.format import open_dump, open_step, pack_dump, verify_dump, write_dump
 from forensics.format.tensors import load_safetensors_bytes

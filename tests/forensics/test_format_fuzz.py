@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from forensics.errors import DumpError
+from forensics.core.errors import DumpError
 from forensics.format import write_dump
 
 FLIPS_PER_FILE = 12

@@ -11,7 +11,7 @@ import pytest
 import torch
 import zstandard
 
-from forensics.errors import CaptureError, NotADumpError
+from forensics.core.errors import CaptureError, NotADumpError
 from forensics.format import Unreplayable, open_dump, open_step, verify_dump, write_dump
 from forensics.format import spec
 from forensics.format.tensors import load_safetensors_bytes, safetensors_bytes
@@ -225,7 +225,7 @@ def test_reads_under_deterministic_algorithms_skip_the_fill_and_restore_the_sett
     import torch.utils.deterministic
 
     from forensics.format import tensors as tensor_io
-    from forensics.unfilled import unfilled
+    from forensics.core.unfilled import unfilled
 
     source = {f"t{i}": torch.randn(3000) for i in range(8)}
     path = tmp_path / "t.safetensors"

@@ -32,7 +32,7 @@ from forensics_test_helpers import guarded_step
 import forensics.format.members as members
 from forensics.cli import main
 from forensics.demo.scenarios import SCENARIOS
-from forensics.kinds import ExitCode
+from forensics.core.kinds import ExitCode
 from forensics_test_helpers import edit_manifest, read_member, resign, resign_member, retype_tensor
 
 REPLAY = ["--device", "cpu", "--no-bisect", "--no-rng-check"]
@@ -805,7 +805,7 @@ def chunked_dump(tmp_path_factory) -> Path:
     import transformers
 
     from forensics.capture import Guard, GuardConfig, RecordConfig
-    from forensics.errors import TrainingFaultError
+    from forensics.core.errors import TrainingFaultError
 
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(
@@ -1067,7 +1067,7 @@ def test_a_dump_that_fails_for_want_of_space_leaves_no_empty_step_directory(tmp_
     """The file-size limit makes the write fail as a full disk does (EFBIG for ENOSPC: the same path out)."""
     import signal
 
-    from forensics.errors import CaptureError
+    from forensics.core.errors import CaptureError
 
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

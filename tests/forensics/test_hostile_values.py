@@ -15,7 +15,7 @@ from forensics_test_helpers import edit_manifest, resign
 from forensics.cli import main
 from forensics.demo.scenarios import SCENARIOS
 from forensics.format import spec
-from forensics.kinds import ExitCode
+from forensics.core.kinds import ExitCode
 
 REPLAY = ["--device", "cpu", "--no-bisect", "--no-rng-check"]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from forensics.kinds import ExitCode, HistoryPattern, Phase, Policy, TriggerKind, VerdictKind
+from forensics.core.kinds import ExitCode, HistoryPattern, Phase, Policy, TriggerKind, VerdictKind
 from forensics.report import VERDICT_KINDS, render_html, render_markdown, render_verdict_text
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from forensics.errors import ForensicsError
+from forensics.core.errors import ForensicsError
 from forensics.report import (
     VERDICT_KINDS,
     ReportError,
@@ -447,7 +447,7 @@ def test_prose_counts_micro_batches_from_one_and_json_keeps_the_index():
 
 def test_trigger_detail_already_one_based_is_left_alone():
     from forensics.report.render_text import mb_phrase
-    from forensics.trigger import trigger_detail
+    from forensics.core.trigger import trigger_detail
 
     assert (
         trigger_detail({"micro_batch": 0, "detail": "loss of micro-batch 0 is nan"}) == "loss of micro-batch 1 is nan"
@@ -459,7 +459,7 @@ def test_trigger_detail_already_one_based_is_left_alone():
 
 
 def test_inspect_summary_counts_micro_batches_from_one():
-    from forensics.summary import render_summary
+    from forensics.commands.summary import render_summary
 
     summary = {
         "path": "d",

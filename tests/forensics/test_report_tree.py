@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from forensics.kinds import TriggerKind, VerdictKind
+from forensics.core.kinds import TriggerKind, VerdictKind
 from forensics.report import to_json_safe
 from forensics.report.tree import Report, TriggerBlock, parse_report
 from forensics.report.write import report_json_text
-from forensics.trigger import Trigger
+from forensics.core.trigger import Trigger
 
 sys.path.insert(0, str(Path(__file__).parent))
 from report_factory import make_report
@@ -106,7 +106,7 @@ def test_dump_trigger_is_typed_and_dict_reads_still_work_deprecated(helpers, tmp
 
     dump = open_dump(helpers.write_synthetic_dump(tmp_path))
     assert isinstance(dump.trigger, Trigger) and dump.trigger.kind in TriggerKind
-    with pytest.warns(DeprecationWarning, match=r"Dump\.trigger is a forensics\.trigger\.Trigger: read trigger\.kind"):
+    with pytest.warns(DeprecationWarning, match=r"Dump\.trigger is a forensics\.core\.trigger\.Trigger: read trigger\.kind"):
         assert dump.trigger["kind"] == dump.trigger.kind
-    with pytest.warns(DeprecationWarning, match=r"Dump\.trigger is a forensics\.trigger\.Trigger: read its attributes"):
+    with pytest.warns(DeprecationWarning, match=r"Dump\.trigger is a forensics\.core\.trigger\.Trigger: read its attributes"):
         assert dump.trigger.get("local") is dump.trigger.local

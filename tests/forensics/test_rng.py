@@ -1,4 +1,4 @@
-"""forensics.rng: capture / restore of python, numpy and torch CPU RNGs, and their split into dump parts."""
+"""forensics.core.rng: capture / restore of python, numpy and torch CPU RNGs, and their split into dump parts."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from forensics.rng import RngCapture, RngState, capture_rng, cuda_rng_targets, restore_rng
+from forensics.core.rng import RngCapture, RngState, capture_rng, cuda_rng_targets, restore_rng
 
 
 def _draw() -> tuple:

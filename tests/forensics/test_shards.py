@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from forensics.capture.state.buddy import buddy_offsets
 from forensics.capture.state.sharding import Assignment, shard_state
 from forensics.cli import main
-from forensics.errors import DumpCorruptError, DumpIncompleteError
+from forensics.core.errors import DumpCorruptError, DumpIncompleteError
 from forensics.format import open_dump, verify_dump, write_dump
 from forensics.format.shards import LocalShard, ShardCopies, table_entry
 from forensics_test_helpers import bitwise_equal, synthetic_content  # tests/helpers.py (tests/conftest.py)
@@ -350,7 +350,7 @@ def test_fuzzed_sharded_layouts_give_dump_errors_never_a_crash_or_a_huge_allocat
     import random
     import resource
 
-    from forensics.errors import DumpError
+    from forensics.core.errors import DumpError
 
     rng = random.Random(20261126)
     pristine, _ = _box_dumps(tmp_path / "pristine", ROWS, copies=True)

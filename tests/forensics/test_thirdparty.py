@@ -1,4 +1,4 @@
-"""forensics/thirdparty.py against the installed torch, DeepSpeed and transformers: each adapter reads a private
+"""forensics/core/thirdparty.py against the installed torch, DeepSpeed and transformers: each adapter reads a private
 member of theirs, and each test here fails loudly when that member moves or changes meaning."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from forensics import thirdparty
+from forensics.core import thirdparty
 
 
 class WithMask(torch.nn.Module):
@@ -243,7 +243,7 @@ import json, os, sys
 os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK="0", RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                   MASTER_PORT=sys.argv[1])
 import torch, deepspeed
-from forensics import thirdparty
+from forensics.core import thirdparty
 out = {}
 for stage in (0, 2, 3):  # ZeRO-0 bf16: DeepSpeed's unfused fp16 wrapper; 2: flat partitions; 3: partitioned params
     torch.manual_seed(0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from forensics.errors import RecipeError
+from forensics.core.errors import RecipeError
 from forensics.recipes import TORCHTITAN_FACTORY, TORCHTITAN_LOSS, is_builtin, torchtitan_model
 
 

@@ -28,7 +28,7 @@ import _common
 
 from forensics.capture import DetectionConfig, DumpConfig, Guard, GuardConfig, PrecursorConfig, SpikeConfig
 from forensics.capture.precursors.statistics import find_blocks
-from forensics.kinds import PrecursorStatistic
+from forensics.core.kinds import PrecursorStatistic
 
 
 def sharded_gpt2(world: int, device: torch.device) -> torch.nn.Module:

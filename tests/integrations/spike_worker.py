@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from forensics.capture import DetectionConfig, DumpConfig, Guard, GuardConfig, SpikeConfig
 from forensics.capture.integrations import DistributedGuard
-from forensics.thirdparty import TorchDispatchMode
+from forensics.core.thirdparty import TorchDispatchMode
 
 SPIKE_STEP = 8
 COUNTED_STEP = 6  # healthy, after the detector's warm-up: the operators its check() dispatches are reported

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from forensics.capture import GuardConfig, IndexedDataset
-from forensics.errors import TrainingFaultError
+from forensics.core.errors import TrainingFaultError
 from forensics.format import open_dump, verify_dump
 from forensics.recipes import default_loss
 

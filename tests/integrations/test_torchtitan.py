@@ -102,7 +102,7 @@ def test_the_forensics_section_of_torchtitans_config_sets_the_guard(capsys):
     from torchtitan.config import ConfigManager
 
     from forensics.capture.integrations.torchtitan import guard_config
-    from forensics.kinds import Policy
+    from forensics.core.kinds import Policy
 
     config = ConfigManager().parse_args(
         [

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from forensics.capture import Guard, GuardConfig
-from forensics.errors import TrainingFaultError
+from forensics.core.errors import TrainingFaultError
 
 
 class MLP(torch.nn.Module):

@@ -46,7 +46,7 @@ if str(HERE) not in sys.path:
 from natural_models import build, lm_loss  # noqa: E402
 
 from forensics.capture import DumpConfig, Guard, GuardConfig, PrecursorConfig  # noqa: E402
-from forensics.errors import TrainingFaultError  # noqa: E402
+from forensics.core.errors import TrainingFaultError  # noqa: E402
 
 AHEAD = 10  # the issue's promise: a precursor at least this many steps before the non-finite step
 VOCAB, SEQ, BATCH = 64, 17, 8
@@ -191,7 +191,7 @@ def summarize(scenario: Scenario, run: Run, device: str = "cpu", replay: bool = 
     """What a user checks after the run: the crash dump, its verdict after replay, the samples it blames, the
     precursor's lead (JSON-safe)."""
     from forensics.format import open_dump
-    from forensics.kinds import TriggerKind
+    from forensics.core.kinds import TriggerKind
 
     triggers = [(p, open_dump(p)) for p in run.dumps]
     crash = next(

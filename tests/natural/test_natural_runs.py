@@ -15,7 +15,7 @@ import torch
 from forensics_test_helpers import load_test_module
 
 from forensics.format import open_dump
-from forensics.kinds import TriggerKind, VerdictKind
+from forensics.core.kinds import TriggerKind, VerdictKind
 
 _job = load_test_module("forensics_natural_job", Path(__file__).with_name("natural_job.py"))
 SCENARIOS, AHEAD = _job.SCENARIOS, _job.AHEAD

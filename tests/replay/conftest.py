@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from forensics.rng import capture_rng
+from forensics.core.rng import capture_rng
 from forensics.replay.load.session import session_from_objects
 
 VOCAB = 64

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from forensics.capture import DumpConfig, Guard, GuardConfig
-from forensics.errors import DumpError, RecipeError, TrainingFaultError
+from forensics.core.errors import DumpError, RecipeError, TrainingFaultError
 from forensics.report.model import validate_report
 from forensics.replay.engine import ReplayOptions, run_replay
 

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from forensics.rng import restore_rng
+from forensics.core.rng import restore_rng
 from forensics.replay.load.samples import select_samples
 from forensics.replay.run.execute import SampleRef, StepResult, StepRunner, reproduce
 

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from forensics.kinds import HistoryPattern
+from forensics.core.kinds import HistoryPattern
 from forensics.replay.judge.history_pattern import classify_history, history_signals
 
 NAN = float("nan")

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from forensics.errors import RecipeError, ReplayError
+from forensics.core.errors import RecipeError, ReplayError
 from forensics.replay.load.environment import deterministic_mode, environment_warnings, resolve_device
 from forensics.replay.load.optimizer_state import MASTER_KEY, OptimizerSnapshot
 from forensics.replay.load.recipe import optimizer_class, resolve_recipe
@@ -264,7 +264,7 @@ def _derived_loss(model, batch):
 
 def test_loading_runs_no_garbage_collection_and_gives_the_collector_back_as_it_was(tmp_path, helpers):
     """A replay's start (the model's libraries import, the dump's state loads) runs with the cyclic garbage
-    collector paused (forensics.gc_pause): no collection walks the new objects again and again. Afterwards the
+    collector paused (forensics.core.gc_pause): no collection walks the new objects again and again. Afterwards the
     collector is on again; a caller that had turned it off finds it off; a load that fails gives it back too."""
     import gc
 

@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from forensics.cli import main
-from forensics.errors import RecipeError
+from forensics.core.errors import RecipeError
 from forensics.replay.load.main_script import define_from_script
 
 REPO = Path(__file__).resolve().parents[2]

@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from forensics.cli import main
-from forensics.errors import RecipeError
+from forensics.core.errors import RecipeError
 from forensics.replay.load.main_script import define_from_script
 from forensics.replay.load.recipe import resolve_recipe
 

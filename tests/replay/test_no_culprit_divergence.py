@@ -18,7 +18,7 @@ from forensics_test_helpers import guarded_step
 
 from forensics.capture import DetectionConfig, DumpConfig, Guard, GuardConfig, RecordConfig, SpikeConfig
 from forensics.cli import main
-from forensics.errors import TrainingFaultError
+from forensics.core.errors import TrainingFaultError
 
 HERE = Path(__file__).resolve().parent
 

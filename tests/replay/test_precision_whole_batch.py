@@ -17,7 +17,7 @@ from forensics.capture import DumpConfig, Guard, GuardConfig
 from forensics.cli import main
 from forensics.demo import models
 from forensics.demo.scenarios import hf_loss
-from forensics.errors import TrainingFaultError
+from forensics.core.errors import TrainingFaultError
 
 FEATURES, SEQ, VOCAB, BAD_STEP = 16, 16, 64, 4
 KWARGS = {"n_features": FEATURES, "adapter_hidden": 64, "config": {}}

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from forensics_test_helpers import edit_manifest
 
 from forensics.cli import main
-from forensics.errors import RecipeError
+from forensics.core.errors import RecipeError
 from forensics.recipes import huggingface_model
 from forensics.replay.load.recipe import job_paths, resolve_recipe
 
@@ -48,7 +48,7 @@ def crash_dump(tmp_path_factory):
     import transformers
 
     from forensics.capture import Guard, GuardConfig
-    from forensics.errors import TrainingFaultError
+    from forensics.core.errors import TrainingFaultError
 
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(

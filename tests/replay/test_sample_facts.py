@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from forensics.kinds import SampleFactKind
+from forensics.core.kinds import SampleFactKind
 from forensics.replay.culprits.sample_facts import describe, describe_samples, sample_facts
 from forensics.replay.run.execute import SampleRef
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from forensics.errors import ForensicsError
+from forensics.core.errors import ForensicsError
 from forensics.replay.load.samples import BatchSizeError, SampleSelectionError, batch_size, select_samples
 
 

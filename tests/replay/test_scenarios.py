@@ -13,7 +13,7 @@ import torch
 
 from forensics.demo.scenarios import SCENARIOS, Captured
 from forensics.format import open_dump
-from forensics.kinds import TriggerKind
+from forensics.core.kinds import TriggerKind
 from forensics.replay.engine import ReplayOptions, run_replay
 from forensics.replay.load.session import load_session
 from forensics.replay.run.execute import StepRunner

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from forensics.capture import Guard, GuardConfig
-from forensics.errors import ReplayError, TrainingFaultError
+from forensics.core.errors import ReplayError, TrainingFaultError
 from forensics.demo.scenarios import SCENARIOS
 from forensics.replay.engine import ReplayOptions, run_replay
-from forensics.sizes import parse_bytes
+from forensics.core.sizes import parse_bytes
 from forensics.replay.run.stream_blocks import BlockStreamer
 
 TINY = 170_000  # bytes: the tiny GPT-2 holds 0.11 MB of state; the embeddings and one block fit, two do not

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from forensics.capture import DumpConfig, Guard, GuardConfig, RecordConfig
 from forensics.cli import main, replay_exit_code
-from forensics.errors import TrainingFaultError
+from forensics.core.errors import TrainingFaultError
 from forensics.format import open_dump, spec
 from forensics.replay.engine import ReplayOptions, run_replay
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from forensics.format.jsonio import lenient_float
-from forensics.kinds import TriggerKind
+from forensics.core.kinds import TriggerKind
 
 DETAIL_MICRO_BATCH = re.compile(r"\bmicro-batch (\d+)\b")
 
@@ -57,7 +57,7 @@ class Trigger:
     def __getitem__(self, key: str) -> Any:
         """The stored form's `key` (`dump.trigger["kind"]`), as when Dump.trigger was a dict. Deprecated."""
         warnings.warn(
-            "Dump.trigger is a forensics.trigger.Trigger: read trigger.kind, trigger.value ... instead of "
+            "Dump.trigger is a forensics.core.trigger.Trigger: read trigger.kind, trigger.value ... instead of "
             "trigger['kind']",
             DeprecationWarning,
             stacklevel=2,
@@ -67,7 +67,7 @@ class Trigger:
     def get(self, key: str, default: Any = None) -> Any:
         """The stored form's `key`, or `default` (dict-era spelling; deprecated like `trigger[key]`)."""
         warnings.warn(
-            "Dump.trigger is a forensics.trigger.Trigger: read its attributes instead of trigger.get(key)",
+            "Dump.trigger is a forensics.core.trigger.Trigger: read its attributes instead of trigger.get(key)",
             DeprecationWarning,
             stacklevel=2,
         )

@@ -272,11 +272,11 @@ class PrecursorRule(_Kind):
     """Which rule made a precursor statistic fire (capture/precursors/monitor.py; `precursors.json` firings' `rule`)."""
 
     GROWTH = "growth"
-    """It grew fast against its own recent median (forensics/trend.py)."""
+    """It grew fast against its own recent median (forensics/core/trend.py)."""
     HEADROOM = "headroom"
-    """It passed half of its dtype's limit (forensics/headroom.py)."""
+    """It passed half of its dtype's limit (forensics/core/headroom.py)."""
     TREND = "trend"
-    """Its steady log-linear growth reaches its dtype's limit within a short horizon (forensics/headroom.py)."""
+    """Its steady log-linear growth reaches its dtype's limit within a short horizon (forensics/core/headroom.py)."""
     NONFINITE = "nonfinite"
     """It overflowed on a step whose loss was still finite."""
 

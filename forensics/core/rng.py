@@ -8,7 +8,7 @@ from typing import Any, cast
 
 import torch
 
-from forensics import thirdparty
+from forensics.core import thirdparty
 
 try:  # numpy is optional for the job; its RNG is captured when it is importable
     import numpy as np
@@ -100,7 +100,7 @@ def capture_rng() -> RngState:
 class RngCapture:
     """`capture_rng` for a hot path (the Guard's record_batch, once per micro-batch): the Python and numpy states,
     ~30 and ~150 us to copy on a CPU, are copied only when their generator drew since the last capture, told by a
-    compare of its raw bytes (forensics/thirdparty.py: ~2 us); otherwise the last capture's are shared (they are
+    compare of its raw bytes (forensics/core/thirdparty.py: ~2 us); otherwise the last capture's are shared (they are
     never changed in place). Exact: a generator whose raw bytes cannot be read, or that holds a cached Gaussian
     (numpy's legacy `has_gauss`, which a draw can consume without touching the raw bytes), is copied every time;
     Python's `gauss_next` is compared as well. The torch states (a few bytes, ~2 us) are taken every time."""

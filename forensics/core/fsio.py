@@ -70,7 +70,7 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
 def our_code_directories() -> tuple[str, ...]:
     """The directories forensics' own code is loaded from, each ending in a separator: the package, and the folders
     its links forensics/capture and forensics/replay lead to in a source checkout (a traceback names either)."""
-    package = os.path.dirname(os.path.abspath(__file__))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # forensics/core/ -> forensics/
     found = [package]
     for side in ("capture", "replay"):
         real = os.path.realpath(os.path.join(package, side))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from forensics.errors import cut_text
+from forensics.core.errors import cut_text
 
 _UNITS = {
     "": 1,

@@ -22,7 +22,7 @@ import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from forensics.errors import DumpError
+from forensics.core.errors import DumpError
 from forensics.format import spec
 from forensics.format.manifest import safe_name
 from forensics.format.reader import open_step

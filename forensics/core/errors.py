@@ -61,7 +61,7 @@ class TrainingFaultError(ForensicsError, FloatingPointError):
     """Raised in the training job under the `raise` policy when a step goes non-finite.
 
     Attributes:
-        fired: what fired, typed (forensics.trigger.Trigger: kind, value, threshold, micro_batch, detail, local).
+        fired: what fired, typed (forensics.core.trigger.Trigger: kind, value, threshold, micro_batch, detail, local).
         trigger: the same as a dict (kind, value, threshold, micro_batch, detail, local), as the dump stores it.
         dump_path: where the dump was written, or None.
         dump_error: why no dump was written, or None.

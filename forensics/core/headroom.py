@@ -1,6 +1,6 @@
 """How close a statistic measured in a low-precision dtype is to that dtype's hard limit, and when it gets there.
 
-The relative rule of forensics/trend.py sees a statistic that grows fast against its recent past; a slow, steady
+The relative rule of forensics/core/trend.py sees a statistic that grows fast against its recent past; a slow, steady
 climb toward a dtype's limit (the attention-logit bound of a block rising 2.6x over 80 steps in fp16 autocast, each
 sample under 2x its 32-step median) passes it. Two more rules judge the statistics whose overflow breaks the step
 (block output abs-max, attention-logit bound, output-logit abs-max), from the dtype they were measured in:
@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from forensics.kinds import PrecursorRule, PrecursorStatistic
+from forensics.core.kinds import PrecursorRule, PrecursorStatistic
 
 FP16_MAX = 65504.0
 BF16_LOGIT_LIMIT = 256.0

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from forensics.format.reader import Dump
-from forensics.kinds import StateLayout
+from forensics.core.kinds import StateLayout
 from forensics.report.tree import CaptureEnv, Node, TriggerBlock, _node, _rows
 from forensics.report.wording import clean, fmt_num, fmt_size, mb_phrase
-from forensics.trigger import detail_words
+from forensics.core.trigger import detail_words
 
 HISTORY_AROUND_TRIGGER = 12  # steps of history shown before the trigger
 

@@ -19,8 +19,8 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from forensics.errors import ForensicsError
-from forensics.kinds import Tracker
+from forensics.core.errors import ForensicsError
+from forensics.core.kinds import Tracker
 
 TRACKERS = Tracker.values()
 
