@@ -106,7 +106,11 @@ def test_dump_trigger_is_typed_and_dict_reads_still_work_deprecated(helpers, tmp
 
     dump = open_dump(helpers.write_synthetic_dump(tmp_path))
     assert isinstance(dump.trigger, Trigger) and dump.trigger.kind in TriggerKind
-    with pytest.warns(DeprecationWarning, match=r"Dump\.trigger is a forensics\.core\.trigger\.Trigger: read trigger\.kind"):
+    with pytest.warns(
+        DeprecationWarning, match=r"Dump\.trigger is a forensics\.core\.trigger\.Trigger: read trigger\.kind"
+    ):
         assert dump.trigger["kind"] == dump.trigger.kind
-    with pytest.warns(DeprecationWarning, match=r"Dump\.trigger is a forensics\.core\.trigger\.Trigger: read its attributes"):
+    with pytest.warns(
+        DeprecationWarning, match=r"Dump\.trigger is a forensics\.core\.trigger\.Trigger: read its attributes"
+    ):
         assert dump.trigger.get("local") is dump.trigger.local
