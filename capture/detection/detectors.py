@@ -116,6 +116,20 @@ def median_deviation(values: list[float], median: float) -> float:
     return found[0] if n % 2 else (found[0] + found[1]) / 2
 
 
+def _another_ranks(norm: float | None, agreed: Agreement) -> Trigger | None:
+    """The trigger of a rank whose own step is healthy while another rank saw a fault (every rank dumps the step)."""
+    if not agreed.fault:
+        return None
+    return Trigger(
+        TriggerKind.NONFINITE_GRAD,
+        norm,
+        None,
+        None,
+        "another rank saw a non-finite loss or gradient at this step",
+        local=False,
+    )
+
+
 class StepDetectors:
     """Turns one step's host numbers into a Trigger (or None): non-finite loss, non-finite gradients
     (a GradScaler's ordinary overflow excepted until the scale collapses), then loss and grad-norm spikes (on a
@@ -141,7 +155,8 @@ class StepDetectors:
         agreed: Agreement | None = None,
     ) -> Trigger | None:
         """This rank's trigger, if any. With several ranks (`agreed`), the spike detectors see the values
-        agreed across ranks, so their windows, and so their verdicts, are identical on every rank."""
+        agreed across ranks, so their windows, and so their verdicts, are identical on every rank; a rank whose own
+        step is healthy while another saw a fault gets that rank's trigger (local=False)."""
         self.suppressed = []
         for index, value in enumerate(losses):
             if not math.isfinite(value):
@@ -151,7 +166,7 @@ class StepDetectors:
         overflow = False
         if norm is not None and not math.isfinite(norm):  # None: no gradients to measure, not a fault
             if agreed is not None and agreed.loss_fault:
-                return None  # another rank's non-finite loss reached these gradients through their all-reduce
+                return _another_ranks(norm, agreed)  # its non-finite loss reached these gradients (the all-reduce)
             if loss_scale is None:
                 return Trigger(
                     TriggerKind.NONFINITE_GRAD,
@@ -176,7 +191,7 @@ class StepDetectors:
         own_loss, own_norm, where = step_loss, norm, ""
         if agreed is not None:
             if agreed.fault:
-                return None  # another rank's fault (the caller adds that trigger); the spike windows stay as they are
+                return _another_ranks(norm, agreed)  # the spike windows stay as they are
             step_loss, norm, where = agreed.step_loss, agreed.grad_norm, " (agreed across ranks)"
         if overflow:
             norm = own_norm = None

@@ -25,10 +25,9 @@ from forensics.capture.recording.window import FlightRecorder, WindowStep
 from forensics.capture.state import sharding, snapshot
 from forensics.capture.state.host_snapshots import HostSnapshots
 from forensics.capture.state.source import StateSource
-from forensics.core.kinds import Policy, TriggerKind
+from forensics.core.kinds import Policy
 from forensics.core import thirdparty
 from forensics.core.thirdparty import grad_scaler_scale
-from forensics.core.trigger import Trigger
 
 log = logging.getLogger(__name__)
 
@@ -70,15 +69,6 @@ class SyncCheck:
         step_loss = sum(losses) / divisor if losses else None
         scaler_overflow = loss_scale is not None and norm is not None and not math.isfinite(norm)
         trigger = self.detectors.detect(losses, norm, step_loss, loss_scale, agreed)
-        if trigger is None and agreed is not None and agreed.fault:
-            trigger = Trigger(
-                TriggerKind.NONFINITE_GRAD,
-                norm,
-                None,
-                None,
-                "another rank saw a non-finite loss or gradient at this step",
-                local=False,
-            )
         policy = config.policy_for(trigger.kind) if trigger is not None else None
         # every rank of a sharded state dumps a precursor together (or none does), with a monitor of its own or not
         agreed_precursor = monitor.agreed_trigger(self.precursors, agreed, other=trigger is not None)

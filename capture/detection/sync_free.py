@@ -46,9 +46,8 @@ from forensics.capture.recording.window import FlightRecorder, WindowStep
 from forensics.capture.state import sharding, snapshot
 from forensics.capture.state.source import StateSource
 from forensics.core.device_sync import DeviceFence, quarantine
-from forensics.core.kinds import Policy, TriggerKind
+from forensics.core.kinds import Policy
 from forensics.core.thirdparty import optimizer_honours_found_inf
-from forensics.core.trigger import Trigger
 
 log = logging.getLogger(__name__)
 
@@ -353,15 +352,6 @@ class SyncFree:
     ) -> Incident | None:
         detection = self.config.detection
         trigger = self.detectors.detect(losses, norm, step_loss, None, agreed)
-        if trigger is None and agreed is not None and agreed.fault:
-            trigger = Trigger(
-                TriggerKind.NONFINITE_GRAD,
-                norm,
-                None,
-                None,
-                "another rank saw a non-finite loss or gradient at this step",
-                local=False,
-            )
         was_clipped = clipped(norm, detection.max_grad_norm)
         self.history.append(
             pending.step,
