@@ -92,7 +92,9 @@ def fp32_check(
     if kind is TriggerKind.NONFINITE_PARAM:
         return block
     if not uses_low_precision(runner):
-        seen = code_dtypes(runner, samples)
+        if runner.session.stream is not None:  # one more streamed pass over the whole model: not for a guess
+            return block
+        seen = code_dtypes(runner, samples)  # one forward of a model that fits: what the code computes in
         if not any(dtype in ("float16", "bfloat16") for dtype in seen):
             return block
         block["code_dtypes"] = seen  # the user's code computes below fp32 where the dump says nothing of it
