@@ -8,6 +8,7 @@ import math
 import os
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
+from forensics.report.wording import fp32_ran_words
 from forensics.report.model import as_float
 from forensics.core.kinds import FidelityMode, Phase, TriggerKind
 from forensics.report.tree import Bisection, Report, Timings, parse_report
@@ -308,7 +309,7 @@ def precision_sentence(report: Mapping | Report) -> str | None:
     )
     spike = TriggerKind.parse(r.trigger.kind, TriggerKind.NONFINITE_LOSS).spike
     ran = prec.fp32_ran if isinstance(prec.fp32_ran, dict) else None
-    checked = f" (checked: {_ran_words(ran)})" if ran else ""
+    checked = f" (checked: {fp32_ran_words(ran)})" if ran else ""
     if ran is not None and not ran.get("verified"):
         return f"Ran under {under}; the fp32 re-run could not be held to float32{checked}: no conclusion drawn."
     if fp32 is False:
@@ -322,19 +323,6 @@ def precision_sentence(report: Mapping | Report) -> str | None:
     if not dtype and not fsdp:
         return "The job ran in full precision (no autocast); no fp32 re-run needed."
     return f"Ran under {under}; fp32 re-run not performed."
-
-
-def _ran_words(ran: dict) -> str:
-    """'214 ops in float32, none in float16 or bfloat16' from a precision block's `fp32_ran`."""
-    ops_value = ran.get("ops")
-    ops: dict = ops_value if isinstance(ops_value, dict) else {}
-    low = ", ".join(f"{fmt_num(n)} in {clean(k, 20)}" for k, n in sorted(ops.items()) if k in ("float16", "bfloat16"))
-    text = f"{fmt_num(ops.get('float32', 0))} ops in float32, " + (
-        f"but {low}" if low else "none in float16 or bfloat16"
-    )
-    if ran.get("held_autocasts"):
-        text += f"; the code's own autocast held off {fmt_num(ran['held_autocasts'])} time(s)"
-    return text
 
 
 def evidence_sentence(report: Mapping | Report) -> str | None:

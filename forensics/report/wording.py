@@ -109,3 +109,22 @@ def pattern_words(pattern: Any, trigger: Any = None) -> tuple[str, str]:
     except ValueError:
         return clean(pattern).replace("_", " "), ""
     return found.words, found.cause_for(trigger)
+
+
+def fp32_ran_words(ran: Any) -> str:
+    """What an fp32 re-run ran, from a precision block's `fp32_ran`: '214 ops in float32, none in float16 or bfloat16
+    (the code's own autocast held off 2 time(s))'."""
+    ran = ran if isinstance(ran, dict) else {}
+    ops = ran.get("ops") if isinstance(ran.get("ops"), dict) else {}
+    if not sum(n for n in ops.values() if isinstance(n, int)):
+        return "no matrix product, convolution or attention ran, so the pass's precision could not be checked"
+    low = ", ".join(f"{fmt_num(n)} in {clean(k, 20)}" for k, n in sorted(ops.items()) if k in ("float16", "bfloat16"))
+    held = []
+    if ran.get("held_autocasts"):
+        held.append(f"the code's own autocast held off {fmt_num(ran['held_autocasts'])} time(s)")
+    if ran.get("held_casts"):
+        held.append(f"{fmt_num(ran['held_casts'])} cast(s) to float16 / bfloat16 made in float32")
+    text = f"{fmt_num(ops.get('float32', 0))} ops in float32, " + (
+        f"but {low}" if low else "none in float16 or bfloat16"
+    )
+    return text + (f" ({'; '.join(held)})" if held else "")

@@ -5,12 +5,12 @@ Writing the report to disk is forensics.report's job."""
 from __future__ import annotations
 
 import time
-from collections import Counter
 from datetime import datetime, timezone
 from typing import Any, cast
 
 import torch
 
+from forensics.report.wording import fp32_ran_words
 from forensics.format.jsonio import lenient_float
 from forensics.format.batch_tree import tensor_leaves
 from forensics.core.kinds import HistoryPattern, Phase, TriggerKind, VerdictKind
@@ -25,7 +25,6 @@ from forensics.replay.load.environment import replay_environment
 from forensics.replay.load.session import ReplaySession
 from forensics.replay.localize.forward_backward import INPUT_MODULE, ROOT_MODULE
 from forensics.replay.run.execute import StepRunner
-from forensics.replay.run.fp32 import Fp32Count, ran_words
 from forensics.replay.run.units import explaining_factor, recorded_factors
 
 
@@ -306,7 +305,7 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
         record_evidence=[e.words for e in findings.evidence.against] if findings.evidence is not None else [],
         ordinary_record=findings.evidence.ordinary if findings.evidence is not None else None,
         earlier_state=findings.evidence.earlier if findings.evidence is not None else None,
-        fp32_ran=ran_words(_fp32_count(precision)) if precision.get("fp32_ran") else None,
+        fp32_ran=fp32_ran_words(precision["fp32_ran"]) if precision.get("fp32_ran") else None,
         fp32_unverified=bool(precision.get("fp32_ran")) and not precision["fp32_ran"].get("verified"),
         grad_norm_overflow=findings.norm_overflow,
         ids_are_positional=any(s.positional for s in culprit.samples)
@@ -319,14 +318,6 @@ def _code_low_dtype(precision: dict) -> str | None:
     the low dtype it used most (replay/judge/precision.py `code_dtypes`)."""
     seen = {k: v for k, v in (precision.get("code_dtypes") or {}).items() if k in ("float16", "bfloat16")}
     return max(seen, key=seen.__getitem__) if seen else None
-
-
-def _fp32_count(precision: dict) -> Fp32Count:
-    """The precision block's `fp32_ran`, back as the count it was made from (for its words)."""
-    ran = precision.get("fp32_ran") or {}
-    return Fp32Count(
-        Counter(ran.get("ops") or {}), int(ran.get("held_casts") or 0), int(ran.get("held_autocasts") or 0)
-    )
 
 
 def _lr(session: ReplaySession) -> float | None:

@@ -17,9 +17,10 @@ from typing import Any, TypedDict
 
 import torch
 
+from forensics.report.wording import fp32_ran_words
 from forensics.core.kinds import TriggerKind
 from forensics.replay.run.execute import SampleRef, StepRunner
-from forensics.replay.run.fp32 import CountDtypes, ran_words
+from forensics.replay.run.fp32 import CountDtypes
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,9 @@ def fp32_check(
     count = runner.fp32_count
     block["fp32_ran"] = count.as_dict()
     if not count.verified:
-        logger.warning("the fp32 re-run did not run in float32 (%s): no conclusion drawn from it", ran_words(count))
+        logger.warning(
+            "the fp32 re-run did not run in float32 (%s): no conclusion drawn from it", fp32_ran_words(count.as_dict())
+        )
         return block
     block["fp32_reproduces"] = result.trigger_reproduced(kind, threshold)
     logger.info(
@@ -111,7 +114,7 @@ def fp32_check(
         "still fires" if block["fp32_reproduces"] else "vanishes",
         result.losses,
         result.grad_norm,
-        ran_words(count),
+        fp32_ran_words(count.as_dict()),
     )
     return block
 

@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, TypedDict
 
 
+from forensics.report.wording import fp32_ran_words
 from forensics.core.kinds import RemedyKind
 from forensics.replay.judge.precision import uses_low_precision
 from forensics.replay.localize.update import step_each_parameter
 from forensics.replay.run.execute import SampleRef, StepRunner, any_nonfinite
-from forensics.replay.run.fp32 import ran_words
 from forensics.replay.run.update_size import WRECK_RATIO, relative_change
 
 logger = logging.getLogger(__name__)
@@ -209,7 +209,7 @@ def _evaluate(
         with _scale(runner, loss_scale), runner.keeping_gradients():
             run = runner.run(samples, fp32=fp32, keep_grads=True)
         if fp32 and not runner.fp32_count.verified:  # the user's code kept computing below fp32: no conclusion
-            result.note = f"could not be held to float32 ({ran_words(runner.fp32_count)})"
+            result.note = f"could not be held to float32 ({fp32_ran_words(runner.fp32_count.as_dict())})"
             return result
         result.step_loss = run.comparable_loss if samples is not None else run.step_loss
         result.grad_norm = run.grad_norm

@@ -138,7 +138,7 @@ class VerdictFacts:
     earlier_state: str | None = None
     """The earlier-state ablation in one sentence (replay/culprits/earlier_state.py); None: no earlier state."""
     fp32_ran: str | None = None
-    """What the fp32 re-run ran, in words (forensics.replay.run.fp32.ran_words); None: no fp32 re-run."""
+    """What the fp32 re-run ran, in words (forensics.report.wording.fp32_ran_words); None: no fp32 re-run."""
     fp32_unverified: bool = False
     """The fp32 re-run could not be held to float32 (a compute op still ran below it): no conclusion from it."""
     grad_norm_overflow: float | None = None

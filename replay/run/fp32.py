@@ -150,20 +150,4 @@ def held_to_fp32(count: Fp32Count) -> Iterator[Fp32Count]:
             yield count
 
 
-def ran_words(count: Fp32Count) -> str:
-    """'214 ops in float32, none in float16 or bfloat16 (the code's own autocast held off 2 times)'."""
-    total = sum(count.ops.values())
-    if not total:
-        return "no matrix product, convolution or attention ran, so the pass's precision could not be checked"
-    f32 = count.ops.get("float32", 0)
-    low = ", ".join(f"{n} in {dtype}" for dtype, n in sorted(count.ops.items()) if dtype in ("float16", "bfloat16"))
-    held = []
-    if count.held_autocasts:
-        held.append(f"the code's own autocast held off {count.held_autocasts} time(s)")
-    if count.held_casts:
-        held.append(f"{count.held_casts} cast(s) to float16 / bfloat16 made in float32")
-    text = f"{f32} ops in float32, " + (f"but {low}" if low else "none in float16 or bfloat16")
-    return text + (f" ({'; '.join(held)})" if held else "")
-
-
-__all__ = ["CountDtypes", "Fp32Count", "held_to_fp32", "ran_words"]
+__all__ = ["CountDtypes", "Fp32Count", "held_to_fp32"]
