@@ -7,9 +7,9 @@ import dataclasses
 import math
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
+from forensics.format.location import Location
 from forensics.core.kinds import Policy, StateLayout, Tracker, TriggerKind
 
 
@@ -204,9 +204,10 @@ class DumpConfig:
     to shard_replicas - 1 buddy ranks, on other nodes first, before any rank writes (capture/state/buddy.py; only in
     dumps every rank makes — a step that raised on one rank is written without copies). 2 doubles the state's
     bytes on disk. Default 1: one copy."""
-    on_dump: Callable[[Path], None] | None = None
-    """Called with the rank dump's directory after each dump is written (in the thread that wrote it); an
-    exception in it is logged, never raised into the job."""
+    on_dump: Callable[[Location], None] | None = None
+    """Called with the rank dump's directory (a pathlib.Path, or a forensics.format.location.RemotePath when
+    dump_dir is a URL) after each dump is written (in the thread that wrote it); an exception in it is logged, never
+    raised into the job."""
     upload: tuple[str, ...] = ()
     """Trackers that receive each dump, packed (.tar.zst next to it): "wandb", "mlflow", "tensorboard"
     (forensics/core/uploads.py; the job's open run; optional extras). A failed upload is logged only."""
@@ -308,7 +309,9 @@ class GuardConfig:
     """
 
     dump_dir: str = "forensics_dumps"
-    """Where dumps go: <dump_dir>/<run_id>/step-<step>/rank-<rank>/."""
+    """Where dumps go: <dump_dir>/<run_id>/step-<step>/rank-<rank>/. A directory, or an fsspec URL (s3://bucket/dumps,
+    gs://..., az://...: each rank streams its files there, manifest last; `pip install 'forensics[s3]'`;
+    credentials from the environment or an instance role, never in the URL). docs/GUIDE.md, "Object storage"."""
     run_id: str | None = None
     """Names the run's dump folder; default: $FORENSICS_RUN_ID, $TORCHELASTIC_RUN_ID, or a timestamp."""
     detection: DetectionConfig = field(default_factory=DetectionConfig)

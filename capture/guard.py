@@ -13,11 +13,11 @@ import contextlib
 import functools
 import logging
 import weakref
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 
+from forensics.format.location import Location
 from forensics.capture.state.run_id import default_run_id
 from forensics.capture.state.unwrap import unwrap_model
 from forensics.capture.detection.step import StepCheck
@@ -121,7 +121,7 @@ class Guard:
             budget,
             on_device_lost=self.checks.device_lost,
         )
-        self.dumps: list[Path] = self.dumper.dumps  # written so far (a background write once it is complete)
+        self.dumps: list[Location] = self.dumper.dumps  # written so far (a background write once it is complete)
         self.dump_errors: list[str] = self.dumper.errors  # why a dump was not written, one per failed attempt
         self.recorder = StepRecorder(config.recording.sample_id_key, self.buffers.take_before_forward)
         self.add_hook(model.register_forward_pre_hook(self.recorder.note_autocast))
@@ -272,7 +272,7 @@ class Guard:
             self.record_exception(exc)
             raise
 
-    def record_exception(self, exc: BaseException) -> Path | None:
+    def record_exception(self, exc: BaseException) -> Location | None:
         """Dumps the step in progress because it raised `exc` (capture_errors(), the excepthook, Lightning's callback).
         Never raises; returns the dump's path, or None. Raised after check(), the optimizer's step hooks tell where:
         inside the update (`state_may_be_partial`) or after it, between steps (capture/raised/exceptions.py)."""

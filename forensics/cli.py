@@ -18,7 +18,8 @@ import click
 
 from forensics.demo import SCENARIO_NAMES
 from forensics.commands.catalog import REPORTS_DIR
-from forensics.core.errors import ForensicsError
+from forensics.core.errors import ForensicsError, StorageError
+from forensics.format.location import Location, RemotePath
 from forensics.format.limits import ArchiveLimits
 from forensics.format.manifest import safe_name
 from forensics.core.kinds import ExitCode, Tracker, VerdictKind
@@ -86,13 +87,30 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
     return value
 
 
+class LocationType(click.ParamType):
+    """A dump, or a directory of dumps: a local path or an fsspec URL (s3://bucket/run/step-000000042)."""
+
+    name = "PATH|URL"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> Location:
+        from forensics.format.location import as_location
+
+        try:
+            return as_location(value if isinstance(value, (str, Path, RemotePath)) else str(value))
+        except StorageError as exc:
+            self.fail(clean(str(exc)), param, ctx)
+
+
+LOCATION = LocationType()
+
+
 def shards_option(command):
     """--shards DIR: other nodes' directories holding rank dumps of a sharded dump's step."""
     return click.option(
         "--shards",
         "shard_dirs",
         multiple=True,
-        type=click.Path(path_type=Path),
+        type=LOCATION,
         help="Sharded dump written on several nodes: another node's dump_dir (or run / step "
         "directory) holding the other ranks' dumps of this step. Repeatable.",
     )(command)
@@ -163,11 +181,13 @@ def _limits(max_unpacked_gb: float, max_unpack_ratio: float, max_members: int) -
     )
 
 
-def _refuse_writing_into(dump: Path, outputs: dict[str, Path]) -> None:
+def _refuse_writing_into(dump: Location, outputs: dict[str, Path]) -> None:
     """A report or blocklist inside a rank dump (links resolved) would change it: it would then fail `verify`. A step
     directory's own level (beside its rank directories) is where reports go by default (forensics.commands.catalog)."""
     from forensics.format import spec
 
+    if isinstance(dump, RemotePath):  # outputs are local paths: none can be inside a dump in object storage
+        return
     root = (dump.parent if dump.name == spec.MANIFEST else dump).resolve()
     ranks = (
         [root]
@@ -274,11 +294,11 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("dump", type=click.Path(path_type=Path))
+@click.argument("dump", type=LOCATION)
 @click.option("--rank", type=int, default=None, help="Rank to show, for a step directory of several ranks.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @archive_options
-def inspect(dump: Path, rank: int | None, as_json: bool, **limits) -> None:
+def inspect(dump: Location, rank: int | None, as_json: bool, **limits) -> None:
     """Summarise a dump: trigger, step, rank, samples, history, sizes, environment. Reads no weights."""
     from forensics.format import open_dump, open_step
     from forensics.commands.summary import dump_summary, render_damage, render_summary
@@ -304,10 +324,10 @@ def inspect(dump: Path, rank: int | None, as_json: bool, **limits) -> None:
 
 
 @main.command()
-@click.argument("dump", type=click.Path(path_type=Path))
+@click.argument("dump", type=LOCATION)
 @archive_options
 @shards_option
-def verify(dump: Path, shard_dirs: tuple[Path, ...], **limits) -> None:
+def verify(dump: Location, shard_dirs: tuple[Location, ...], **limits) -> None:
     """Check a dump's integrity (every file's size and sha256, all ranks present; a sharded dump: every part of
     the state present); names the bad file and the missing tensors."""
     from forensics.format import verify_dump
@@ -333,7 +353,7 @@ def verify(dump: Path, shard_dirs: tuple[Path, ...], **limits) -> None:
 
 
 @main.command()
-@click.argument("dump", type=click.Path(path_type=Path))
+@click.argument("dump", type=LOCATION)
 @click.option(
     "-o",
     "--output",
@@ -341,7 +361,7 @@ def verify(dump: Path, shard_dirs: tuple[Path, ...], **limits) -> None:
     default=None,
     help="Archive path (default: DUMP.tar.zst next to it).",
 )
-def pack(dump: Path, output: Path | None) -> None:
+def pack(dump: Location, output: Path | None) -> None:
     """Pack a dump directory into one .tar.zst to attach to job artifacts (every command reads it)."""
     from forensics.format import pack_dump
 
@@ -353,9 +373,7 @@ def pack(dump: Path, output: Path | None) -> None:
 
 
 @main.command(name="list")
-@click.argument(
-    "directory", type=click.Path(path_type=Path, exists=True, file_okay=False), default=Path("forensics_dumps")
-)
+@click.argument("directory", type=LOCATION, default="forensics_dumps")
 @click.option("--verify", "check", is_flag=True, help="Also check every file's size and sha256 (reads everything).")
 @click.option(
     "--reports",
@@ -366,15 +384,20 @@ def pack(dump: Path, output: Path | None) -> None:
 )
 @click.option("--clean-stale", is_flag=True, help="Remove the unfinished .tmp-* dumps of writers that are gone.")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
-def list_command(directory: Path, check: bool, reports: Path, clean_stale: bool, as_json: bool) -> None:
+def list_command(directory: Location, check: bool, reports: Path, clean_stale: bool, as_json: bool) -> None:
     """List every dump under DIRECTORY (default ./forensics_dumps): run, step, trigger, ranks, size, verified,
     replayed; and unfinished dumps left by killed writers."""
     from forensics.commands.catalog import list_dumps
     from forensics.format.stale import remove_stale_temporaries
     from forensics.report.wording import fmt_size
 
-    rows, stale = list_dumps(directory, verify=check, reports=reports)
-    if clean_stale:
+    if not isinstance(directory, RemotePath) and not directory.is_dir():
+        raise BadInput(clean(f"{directory} is not a directory: pass the Guard's dump_dir (or a URL, s3://...)"))
+    try:
+        rows, stale = list_dumps(directory, verify=check, reports=reports)
+    except (ForensicsError, OSError) as exc:
+        raise _fail(exc) from exc
+    if clean_stale and not isinstance(directory, RemotePath):
         removed = remove_stale_temporaries(directory)
         stale = [p for p in stale if p not in removed]
         for path in removed:
@@ -446,7 +469,7 @@ def _progress(stage: str) -> None:
 
 
 @main.command()
-@click.argument("dump", type=click.Path(path_type=Path))
+@click.argument("dump", type=LOCATION)
 @click.option("--device", default=None, help="cuda:0, cpu, ... (default: CUDA when present).")
 @click.option("--rank", type=int, default=None, help="Which rank of a multi-rank step dump to replay.")
 @click.option("--all-ranks", is_flag=True, help="Replay every rank present, one after another.")
@@ -614,7 +637,7 @@ def replay(
 
 
 @main.command()
-@click.argument("dump", type=click.Path(path_type=Path))
+@click.argument("dump", type=LOCATION)
 @click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="Directory for the scripts.")
 @click.option("--device", default="cpu", show_default=True, help="cuda:0, cpu, ...: where the step is re-run.")
 @click.option("--rank", type=int, default=None, help="Which rank of a multi-rank step dump.")

@@ -14,7 +14,6 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -23,6 +22,7 @@ from forensics.core.errors import DumpError, ReplayError, is_out_of_memory
 from forensics.format import open_dump, open_step, spec
 from forensics.format.verify import finish_verifying, set_aside_damaged, verify_the_rest
 from forensics.format.limits import ArchiveLimits
+from forensics.format.location import as_location
 from forensics.core.kinds import Phase, TriggerKind
 from forensics.report.model import to_json_safe
 from forensics.report.tree import Report, Window
@@ -176,7 +176,7 @@ def replay_report(dump_or_path: Any, options: ReplayOptions | None = None, progr
     stage(progress, "verifying every file the dump lists")
     damaged = set_aside_damaged(dump)  # a damaged essential file ends the replay here (DumpCorruptError)
     missing = list(dump.manifest.get("missing_ranks") or [])
-    if not hasattr(dump_or_path, "manifest") and Path(path).is_dir():
+    if not hasattr(dump_or_path, "manifest") and as_location(path).is_dir():
         with contextlib.suppress(Exception):  # a rank directory alone: nothing more to learn
             missing = sorted(set(missing) | set(open_step(path, options.archive_limits)[1]))
     if dump.sharded:  # the ranks beside it and in --shards directories all count

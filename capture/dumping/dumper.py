@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -34,6 +33,7 @@ from forensics.capture.state.recipe import replay_needs
 from forensics.capture.state.source import StateSource
 from forensics.core.errors import CaptureError
 from forensics.format.batch_tree import map_tensors
+from forensics.format.location import Location
 from forensics.format.writer import DumpContent, dump_path, remove_rank_dump, write_dump
 from forensics.core.kinds import Policy, TriggerKind
 from forensics.recipes import default_loss
@@ -80,7 +80,7 @@ class Dumper:
         if needs and state.ranks.rank == 0:  # said now, at the start of the job, not when a dump is made
             log.warning("forensics: %s", needs)
         environment.environment()  # versions, git commit: read now, not while a fault is being dumped
-        self.dumps: list[Path] = []
+        self.dumps: list[Location] = []
         self.errors: list[str] = []
         self.budget = budget
         """The run's dump budgets (capture/dumping/budget.py): a place is taken when a dump starts (background writes land
@@ -107,7 +107,7 @@ class Dumper:
         size = spike_size(trigger.value, trigger.threshold) if trigger.kind.spike else None
         self.budget.not_dumped.note(trigger.kind, step, why, reason, trigger.message, size)
 
-    def dump(self, incident: Incident, admission: Admission | None = None) -> tuple[Path | None, str | None]:
+    def dump(self, incident: Incident, admission: Admission | None = None) -> tuple[Location | None, str | None]:
         """Dumps the incident unless its budget says no (`admission`: admit()'s answer, asked now when None).
         Returns (path, None) or (None, why there is no dump)."""
         admission = self.admit(incident) if admission is None else admission
@@ -127,7 +127,7 @@ class Dumper:
         self._writer.join(timeout)
         self.budget.not_dumped.flush()
 
-    def _write(self, incident: Incident, admission: Admission, background: bool) -> tuple[Path | None, str | None]:
+    def _write(self, incident: Incident, admission: Admission, background: bool) -> tuple[Location | None, str | None]:
         kind = incident.trigger.kind
         written = functools.partial(self._written, admission=admission)
         failed = functools.partial(self._failed, kind=kind, admission=admission)
@@ -157,7 +157,7 @@ class Dumper:
         written(path)
         return path, None
 
-    def _written(self, path: Path, admission: Admission | None = None) -> None:
+    def _written(self, path: Location, admission: Admission | None = None) -> None:
         config = self.config
         self.dumps.append(path)
         log.warning("forensics: dump written to %s — replay it with: %s", path, self.needs.command(path))
@@ -177,11 +177,11 @@ class Dumper:
         self.errors.append(message)
         log.error("forensics: %s", message)
 
-    def _remove_spike_dump(self, step: int, larger: Path) -> None:
+    def _remove_spike_dump(self, step: int, larger: Location) -> None:
         """Deletes this rank's spike dump of `step`, replaced by the larger one at `larger`, with its packed archive,
         and the step directory once no rank's dump is left in it. After the writes queued before it (the
         old dump may still be in the background writer's queue). Never raises."""
-        old = dump_path(Path(self.config.dump_dir), self.run_id, step, self.state.ranks.rank)
+        old = dump_path(self.config.dump_dir, self.run_id, step, self.state.ranks.rank)
 
         def remove() -> None:
             try:

@@ -4,9 +4,11 @@ Never raises: a failed upload is logged, the dump stays on disk."""
 from __future__ import annotations
 
 import logging
+import tempfile
 from pathlib import Path
 
 from forensics.format import spec
+from forensics.format.location import Location, RemotePath
 from forensics.format.pack import pack_dump
 from forensics.format.reader import open_dump
 from forensics.core.uploads import upload
@@ -14,12 +16,20 @@ from forensics.core.uploads import upload
 log = logging.getLogger(__name__)
 
 
-def send_dump(path: Path, trackers: tuple[str, ...], tensorboard_dir: str | None) -> list[str]:
+def _archive_path(path: Location) -> Path:
+    """Beside a dump on disk; for one in object storage, in this machine's temporary directory (the tracker keeps
+    the copy)."""
+    if isinstance(path, RemotePath):
+        return Path(tempfile.mkdtemp(prefix="forensics-upload-")) / (path.name + spec.ARCHIVE_SUFFIX)
+    return path.with_name(path.name + spec.ARCHIVE_SUFFIX)
+
+
+def send_dump(path: Location, trackers: tuple[str, ...], tensorboard_dir: str | None) -> list[str]:
     """Packs the rank dump at `path` into `<path>.tar.zst` and uploads it; returns where it went."""
     sent: list[str] = []
     try:
         dump = open_dump(path)
-        archive = pack_dump(path, path.with_name(path.name + spec.ARCHIVE_SUFFIX), rank_part=True)
+        archive = pack_dump(path, _archive_path(path), rank_part=True)
         name = f"{dump.manifest['run_id']}-step{dump.step}-rank{dump.rank}"
         summary = {
             "run_id": dump.manifest["run_id"],

@@ -15,11 +15,11 @@ import logging
 import queue
 import signal
 import threading
-from pathlib import Path
 from typing import Any, Callable
 
 from forensics.capture.dumping.signals import deferred_termination, hand_on
 from forensics.core.errors import CaptureError
+from forensics.format.location import Location
 from forensics.format.writer import DumpContent, dump_path, write_dump
 
 log = logging.getLogger(__name__)
@@ -49,15 +49,15 @@ class BackgroundWriter:
             return self._pending
 
     def submit(
-        self, content: DumpContent, root: str, on_done: Callable[[Path], None], on_error: Callable[[str], None]
-    ) -> Path:
+        self, content: DumpContent, root: str, on_done: Callable[[Location], None], on_error: Callable[[str], None]
+    ) -> Location:
         """Queues `content`; returns where the dump will appear once written."""
         self._start()
         with self._lock:
             self._pending += 1
         self._queue.put(("write", (content, root, on_done, on_error)))
         m = content.manifest
-        return dump_path(Path(root), m["run_id"], m["step"], m["rank"])
+        return dump_path(root, m["run_id"], m["step"], m["rank"])
 
     def after_queued(self, fn: Callable[[], None]) -> None:
         """Runs `fn` once every write queued so far is done (now, when none is)."""

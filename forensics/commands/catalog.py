@@ -19,11 +19,13 @@ import json
 import logging
 import os
 import stat
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from forensics.core.errors import DumpError
 from forensics.format import spec
+from forensics.format.location import Location, RemotePath, as_location, is_url
 from forensics.format.manifest import safe_name
 from forensics.format.reader import open_step
 from forensics.format.stale import stale_temporaries
@@ -62,12 +64,13 @@ class Listed:
 
 
 def list_dumps(
-    root: str | os.PathLike, *, verify: bool = False, reports: str | os.PathLike = REPORTS_DIR
+    root: str | os.PathLike | Location, *, verify: bool = False, reports: str | os.PathLike = REPORTS_DIR
 ) -> tuple[list[Listed], list[Path]]:
     """Lists the step dumps under `root` (a dump directory, a run directory or a step directory).
 
     Args:
-        root: where the Guard writes (`GuardConfig.dump_dir`), or one run / step directory in it.
+        root: where the Guard writes (`GuardConfig.dump_dir`: a directory or an fsspec URL), or one run / step
+            directory in it. In object storage, one recursive listing finds every manifest.
         verify: also check every file's size and sha256 (reads everything).
         reports: where `forensics replay` wrote reports (its default), to tell replayed dumps.
     Returns:
@@ -75,15 +78,18 @@ def list_dumps(
     """
     from forensics.format.verify import verify_dump
 
-    root = Path(root)
-    manifests = [root / spec.MANIFEST] if (root / spec.MANIFEST).is_file() else root.rglob(spec.MANIFEST)
+    root = as_location(root)
+    manifests: Iterable[Location] = (
+        [root / spec.MANIFEST] if (root / spec.MANIFEST).is_file() else root.rglob(spec.MANIFEST)
+    )
     steps = sorted(
         {
             m.parent.parent
             if m.parent.name.startswith("rank-") and m.parent.parent.name.startswith("step-")
             else m.parent
             for m in manifests
-        }
+        },
+        key=str,
     )
     rows = []
     for step_dir in steps:
@@ -107,13 +113,13 @@ def list_dumps(
         row.report = _report_for(Path(reports), row.run_id, row.step, row.ranks, step_dir_of(step_dir))
         rows.append(row)
     rows.sort(key=lambda r: (r.run_id or "", r.step if r.step is not None else -1, r.path))
-    return rows, stale_temporaries(root)
+    return rows, [] if isinstance(root, RemotePath) else stale_temporaries(root)  # a store has no temporaries
 
 
-def step_dir_of(dump_path: str | os.PathLike | None) -> Path | None:
+def step_dir_of(dump_path: str | os.PathLike | Location | None) -> Path | None:
     """The step directory (holding rank-* directories) of a replayed dump path, or None (an archive, a lone rank
-    directory, a path that is gone)."""
-    if not dump_path:
+    directory, a path that is gone, a dump in object storage: its reports go under ./forensics_reports/)."""
+    if not dump_path or isinstance(dump_path, RemotePath) or is_url(str(dump_path)):
         return None
     path = Path(dump_path)
     if path.is_dir() and any(path.glob("rank-*")):
@@ -123,7 +129,7 @@ def step_dir_of(dump_path: str | os.PathLike | None) -> Path | None:
     return None
 
 
-def default_report_dir(dump_path: str | os.PathLike | None, rank: int) -> Path | None:
+def default_report_dir(dump_path: str | os.PathLike | Location | None, rank: int) -> Path | None:
     """`<step dir>/report-rank<R>` when the dump is a step / rank directory (None: the caller's fallback). A
     `report-rank<R>` already there that is not a plain directory (a link a crafted step directory holds, into its
     rank dump or anywhere else) is never written through: None."""
@@ -137,7 +143,7 @@ def default_report_dir(dump_path: str | os.PathLike | None, rank: int) -> Path |
     return target
 
 
-def note_report(dump_path: str | os.PathLike | None, rank: int, report_json: str | os.PathLike) -> None:
+def note_report(dump_path: str | os.PathLike | Location | None, rank: int, report_json: str | os.PathLike) -> None:
     """Appends where the report of this replay went to the step directory's REPLAYS_NOTE (best effort: a dump that
     cannot be written is only logged)."""
     step_dir = step_dir_of(dump_path)

@@ -41,6 +41,11 @@ class DumpIncompleteError(DumpError):
         self.missing_ranks = missing_ranks
 
 
+class StorageError(DumpError):
+    """A dump location in object storage cannot be used: its filesystem package is missing, the URL carries a
+    secret, or the store refused (no credentials, an unreachable endpoint)."""
+
+
 class UnsupportedVersionError(DumpError):
     """The dump was written by a newer format version than this reader implements."""
 

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 
+from forensics.format.location import Location
 from forensics.capture import DetectionConfig, DumpConfig, Guard, GuardConfig, SpikeConfig
 from forensics.demo import models
 from forensics.core.errors import ForensicsError, TrainingFaultError
@@ -220,11 +221,11 @@ def train(run: Run, device: torch.device, echo: Echo) -> tuple[list[Path], str, 
     if not message and guard.dumps:
         message = f"the Guard wrote a dump at step {_step_of(guard.dumps[0])} and training went on"
         echo(f"  {message}: {guard.dumps[0]}")
-    return list(guard.dumps), message, losses
+    return [Path(str(path)) for path in guard.dumps], message, losses  # the demo writes to a local directory
 
 
-def _step_of(path: Path) -> int:
-    return int(Path(path).parent.name.removeprefix("step-"))
+def _step_of(path: Location) -> int:
+    return int(path.parent.name.removeprefix("step-"))
 
 
 def _finish(run: Run, device: torch.device, echo: Echo, expected: Expected) -> Captured:

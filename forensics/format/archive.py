@@ -19,6 +19,7 @@ import zstandard
 from forensics.core.errors import DumpCorruptError, NotADumpError
 from forensics.format import spec
 from forensics.format.limits import GiB, ArchiveLimits
+from forensics.format.location import Location, file_size, open_read
 
 
 def _allowed_bytes(limits: ArchiveLimits, archive_bytes: int) -> int:
@@ -77,7 +78,9 @@ def _dump_members(tar: tarfile.TarFile, limits: ArchiveLimits, archive_bytes: in
         yield member
 
 
-def unpack_archive(path: Path, limits: ArchiveLimits | None = None) -> tuple[Path, tempfile.TemporaryDirectory[str]]:
+def unpack_archive(
+    path: Location, limits: ArchiveLimits | None = None
+) -> tuple[Path, tempfile.TemporaryDirectory[str]]:
     """Unpacks into a temporary directory, within `limits` (checked on each member's header, before its
     bytes are written); returns the dump directory and the holder keeping it alive.
 
@@ -92,10 +95,10 @@ def unpack_archive(path: Path, limits: ArchiveLimits | None = None) -> tuple[Pat
     holder = tempfile.TemporaryDirectory(prefix="forensics-")
     root = Path(holder.name)
     try:
-        with open(path, "rb") as raw:
+        with open_read(path) as raw:
             with zstandard.ZstdDecompressor().stream_reader(raw) as stream:
                 limits = limits or ArchiveLimits()
-                packed = path.stat().st_size
+                packed = file_size(path)
                 capped = _CappedStream(stream, _allowed_bytes(limits, packed) + limits.max_members * 1024 + GiB // 64)
                 with tarfile.open(fileobj=capped, mode="r|") as tar:  # type: ignore[call-overload]  # typeshed wants write/seek of a stream that is only read
                     for member in _dump_members(tar, limits, packed):
@@ -107,7 +110,7 @@ def unpack_archive(path: Path, limits: ArchiveLimits | None = None) -> tuple[Pat
         ) from exc
     except (tarfile.TarError, zstandard.ZstdError, EOFError, OSError, MemoryError, RecursionError) as exc:
         holder.cleanup()
-        size = path.stat().st_size if path.exists() else 0
+        size = file_size(path) if path.exists() else 0
         if isinstance(exc, EOFError) or "empty file" in str(exc) or "unexpected end" in str(exc):
             reason = f"it ends before the archive does: the file is truncated ({size} bytes), or not a dump archive"
         else:

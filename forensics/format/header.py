@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from forensics.core.errors import DumpCorruptError
 from forensics.format.jsonio import parse_json, refusal
+from forensics.format.location import Location, as_location, file_size, open_read
 
 ITEM_SIZES = {
     "F64": 8,
@@ -113,7 +114,7 @@ def data_end(entries: dict[str, Entry], start: int) -> int:
     return max([start, *(entry.offset + entry.nbytes for entry in entries.values())])
 
 
-def read_entries(path: str | os.PathLike[str], name: str) -> dict[str, Entry]:
+def read_entries(path: str | os.PathLike[str] | Location, name: str) -> dict[str, Entry]:
     """The checked entries of a safetensors file on disk (its header only is read: `verify`, `inspect`).
 
     Raises:
@@ -121,8 +122,8 @@ def read_entries(path: str | os.PathLike[str], name: str) -> dict[str, Entry]:
     """
     from forensics.format.spec import MAX_SAFETENSORS_HEADER
 
-    with open(path, "rb") as handle:
-        size = os.fstat(handle.fileno()).st_size
+    with open_read(as_location(path)) as handle:
+        size = file_size(as_location(path))
         head = handle.read(8)
         (length,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)
         if length is None or length > MAX_SAFETENSORS_HEADER or 8 + length > size:

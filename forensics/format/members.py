@@ -16,7 +16,6 @@ rules for replay, verify and inspect.
 from __future__ import annotations
 
 import struct
-from pathlib import Path
 from typing import IO, TYPE_CHECKING, Literal, overload
 
 import zstandard
@@ -25,6 +24,7 @@ from forensics.core.errors import DumpCorruptError, cut_text
 from forensics.format import spec
 from forensics.format.header import Entry, data_end, parse_header
 from forensics.format.limits import HASH_CHUNK, MAX_DECOMPRESSED, MAX_JSON_FILE, memory_room
+from forensics.format.location import Location, open_read
 
 if TYPE_CHECKING:
     import torch
@@ -49,7 +49,7 @@ def tensor_member_problem(total: int, declared: int | None) -> str | None:
     return None
 
 
-def declared_size(head: bytes, path: Path, name: str) -> int | None:
+def declared_size(head: bytes, path: Location, name: str) -> int | None:
     """The decompressed size a zstd frame header declares (None: it does not say), refused above the cap for `name`.
 
     Raises:
@@ -73,7 +73,7 @@ def declared_size(head: bytes, path: Path, name: str) -> int | None:
 class _Frame:
     """One member being decompressed: the declared size checked before a byte is inflated, then read into views."""
 
-    def __init__(self, raw: IO[bytes], path: Path, name: str):
+    def __init__(self, raw: IO[bytes], path: Location, name: str):
         self.path, self.name = path, name
         self.declared = declared_size(raw.read(ZSTD_FRAME_HEADER_MAX), path, name)
         raw.seek(0)
@@ -109,7 +109,7 @@ class _Frame:
         return self.read_into(memoryview(bytearray(1))) == 0
 
 
-def read_json_member(path: Path, name: str) -> bytes | bytearray:
+def read_json_member(path: Location, name: str) -> bytes | bytearray:
     """A JSON member's bytes: into one buffer of its declared size (at most MAX_JSON_FILE), or, for a frame that does
     not declare its size, in pieces refused as soon as they pass MAX_JSON_FILE.
 
@@ -117,7 +117,7 @@ def read_json_member(path: Path, name: str) -> bytes | bytearray:
         DumpCorruptError: not zstd, more than it may hold, or not what its frame declares.
     """
     limit = decompressed_limit(name)
-    with open(path, "rb") as raw:
+    with open_read(path) as raw:
         frame = _Frame(raw, path, name)
         if frame.declared is not None:
             out = bytearray(frame.declared)
@@ -139,12 +139,14 @@ def read_json_member(path: Path, name: str) -> bytes | bytearray:
 
 
 @overload
-def read_tensor_member(path: Path, name: str, keep: Literal[True] = True) -> tuple[torch.Tensor, dict[str, Entry]]: ...
+def read_tensor_member(
+    path: Location, name: str, keep: Literal[True] = True
+) -> tuple[torch.Tensor, dict[str, Entry]]: ...
 @overload
-def read_tensor_member(path: Path, name: str, keep: bool) -> tuple[torch.Tensor | None, dict[str, Entry]]: ...
+def read_tensor_member(path: Location, name: str, keep: bool) -> tuple[torch.Tensor | None, dict[str, Entry]]: ...
 
 
-def read_tensor_member(path: Path, name: str, keep: bool = True) -> tuple[torch.Tensor | None, dict[str, Entry]]:
+def read_tensor_member(path: Location, name: str, keep: bool = True) -> tuple[torch.Tensor | None, dict[str, Entry]]:
     """A safetensors member: the whole file as one uint8 tensor (None with `keep=False`: streamed and counted, for
     `verify`) and its header's checked entries. Its safetensors header is decompressed and checked first; the
     destination is allocated only for the size that header accounts for, once it matches what the frame declares
@@ -153,7 +155,7 @@ def read_tensor_member(path: Path, name: str, keep: bool = True) -> tuple[torch.
     Raises:
         DumpCorruptError: naming the file and what it claims against what it may hold.
     """
-    with open(path, "rb") as raw:
+    with open_read(path) as raw:
         frame = _Frame(raw, path, name)
         head, header, entries, total = _tensor_header(frame)
         start = 8 + len(header)
@@ -204,16 +206,16 @@ def _tensor_header(frame: _Frame) -> tuple[bytearray, bytearray, dict[str, Entry
     return head, header, entries, total
 
 
-def check_member_header(path: Path, name: str) -> None:
+def check_member_header(path: Location, name: str) -> None:
     """`inspect`: a zstd member's frame header within its cap and, for tensors, its safetensors header checked
     against it (only the headers are decompressed; the file is not hashed)."""
-    with open(path, "rb") as raw:
+    with open_read(path) as raw:
         frame = _Frame(raw, path, name)
         if not name.endswith(spec.JSON_ZSTD_SUFFIX):
             _tensor_header(frame)
 
 
-def check_member(path: Path, name: str) -> None:
+def check_member(path: Location, name: str) -> None:
     """`verify`: a zstd member decompresses as replay would read it (tensors: the header's entries and sizes; JSON: within its cap and parseable as a dump's JSON), keeping no tensor data."""
     if name.endswith(spec.JSON_ZSTD_SUFFIX):
         from forensics.format import jsonio

@@ -12,10 +12,12 @@ from forensics.format import spec
 from forensics.format.reader import Dump, is_rank_dump
 from forensics.format.verify import verify_dump
 from forensics.core.fsio import atomic_file
+from forensics.format.location import Location, RemotePath, as_location, file_size, open_read
 
 
-def pack_dump(path: str | Path, output: str | Path | None = None, *, rank_part: bool = False) -> Path:
-    """Packs a dump directory (rank or step) into one `.tar.zst`; returns the archive path.
+def pack_dump(path: str | Path | Location, output: str | Path | None = None, *, rank_part: bool = False) -> Path:
+    """Packs a dump directory (rank or step; on disk or at an fsspec URL) into one `.tar.zst`; returns the archive
+    path (beside the dump; for a dump in object storage, in the current directory unless `output` says where).
 
     One rank of a sharded dump is refused (alone it replays nothing) unless `rank_part` (a rank uploading its
     own part: the tracker then holds every rank's archive).
@@ -24,7 +26,7 @@ def pack_dump(path: str | Path, output: str | Path | None = None, *, rank_part: 
         >>> pack_dump("crash_dumps/run/step-000000042")  # doctest: +SKIP
         PosixPath('crash_dumps/run/step-000000042.tar.zst')
     """
-    source = Path(path)
+    source = as_location(path)
     if not source.is_dir() or source.is_symlink():
         raise NotADumpError(f"{source} is not a dump directory; pack takes a rank or step directory")
     if not rank_part and is_rank_dump(source) and Dump(source).sharded:
@@ -38,16 +40,38 @@ def pack_dump(path: str | Path, output: str | Path | None = None, *, rank_part: 
             f"{source} failed verification, so it is not packed: {result.problems[0]}"
             + (f" (and {len(result.problems) - 1} more problems)" if len(result.problems) > 1 else "")
         )
-    target = Path(output) if output else source.with_name(source.name + spec.ARCHIVE_SUFFIX)
+    if output:
+        target = Path(output)
+    elif isinstance(source, RemotePath):
+        target = Path(source.name + spec.ARCHIVE_SUFFIX)
+    else:
+        target = source.with_name(source.name + spec.ARCHIVE_SUFFIX)
     top = PurePosixPath(source.name)
     with atomic_file(target, binary=True) as raw:
         with zstandard.ZstdCompressor(level=3).stream_writer(raw, closefd=False) as compressed:
             with tarfile.open(fileobj=compressed, mode="w|") as tar:
                 for dump in result.dumps:  # each rank dump: its directory, manifest and listed files only
-                    inside = dump.path.relative_to(source).as_posix()
+                    inside = _inside(dump.path, source)
                     base = top / inside if inside != "." else top
                     if inside != ".":
-                        tar.add(dump.path, arcname=str(base), recursive=False)
+                        tar.addfile(_entry(str(base), tarfile.DIRTYPE))
                     for name in [spec.MANIFEST, *sorted(dump.manifest["files"])]:
-                        tar.add(dump.path / name, arcname=str(base / name), recursive=False)
+                        with open_read(dump.path / name) as handle:
+                            tar.addfile(_entry(str(base / name), tarfile.REGTYPE, file_size(dump.path / name)), handle)
     return target
+
+
+def _inside(path: Location, source: Location) -> str:
+    if isinstance(path, RemotePath) and isinstance(source, RemotePath):
+        return path.relative_to(source).as_posix()
+    if isinstance(path, Path) and isinstance(source, Path):
+        return path.relative_to(source).as_posix()
+    raise ValueError(f"{path} is not inside {source}")
+
+
+def _entry(name: str, kind: bytes, size: int = 0) -> tarfile.TarInfo:
+    """A member as `pack` writes it: a plain file or directory, of no owner, read-only (`tar` of a dump in object
+    storage and on disk give the same archive)."""
+    info = tarfile.TarInfo(name)
+    info.type, info.size, info.mode = kind, size, 0o755 if kind == tarfile.DIRTYPE else 0o644
+    return info

@@ -9,7 +9,6 @@ import stat
 import threading
 from collections.abc import Sequence
 from functools import cached_property
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from forensics.core.errors import DumpCorruptError, DumpNotFoundError, NotADumpError, UnsupportedVersionError, cut_text
@@ -18,6 +17,7 @@ from forensics.format.archive import unpack_archive
 from forensics.format.digest import chunk_digests
 from forensics.format.header import read_entries
 from forensics.format.limits import HASH_CHUNK, MAX_JSON_FILE, ArchiveLimits
+from forensics.format.location import Location, RangeReader, as_location, lstat, lstat_mode, open_read
 from forensics.format.members import check_member, check_member_header, read_json_member, read_tensor_member
 from forensics.format.manifest import check_manifest
 from forensics.format.records import checked_history, checked_precursors
@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # torch is imported only when tensors are read: inspect and v
     from forensics.core.rng import RngState
 
 
-def read_manifest(directory: Path) -> dict:
+def read_manifest(directory: Location) -> dict:
     """Parses manifest.json of a rank dump directory and checks it against the schema (forensics.format.manifest)."""
     path = directory / spec.MANIFEST
     if not path.is_file() or path.is_symlink():
@@ -78,7 +78,7 @@ class ChunkVerifier:
     """
 
     def __init__(
-        self, path: Path, name: str, size: int, chunk_size: int, digests: list[str], workers: int | None = None
+        self, path: Location, name: str, size: int, chunk_size: int, digests: list[str], workers: int | None = None
     ):
         from concurrent.futures import ThreadPoolExecutor
 
@@ -95,10 +95,10 @@ class ChunkVerifier:
     def _check(self, index: int) -> bool:
         digest = hashlib.sha256()
         start, end = index * self.chunk_size, min(self.size, (index + 1) * self.chunk_size)
-        with open(self.path, "rb", buffering=0) as handle:
+        with RangeReader(self.path) as handle:
             offset = start
             while offset < end:
-                data = os.pread(handle.fileno(), min(HASH_CHUNK, end - offset), offset)
+                data = handle.read(min(HASH_CHUNK, end - offset), offset)
                 if not data:
                     return False
                 digest.update(data)
@@ -133,14 +133,7 @@ class ChunkVerifier:
             chunk.cancel()
 
 
-def _lstat_mode(path: Path) -> int:
-    try:
-        return os.lstat(path).st_mode
-    except OSError:
-        return 0
-
-
-def _check_rank_name(directory: Path, manifest: dict) -> None:
+def _check_rank_name(directory: Location, manifest: dict) -> None:
     """A directory named for a rank (rank-<R>) holds that rank's dump: a copy of another rank's dump under its name
     would be replayed, verified and counted twice while rank R's is lost."""
     named = spec.rank_of_dir_name(directory.name)
@@ -153,15 +146,15 @@ def _check_rank_name(directory: Path, manifest: dict) -> None:
         )
 
 
-def is_rank_dump(path: Path) -> bool:
+def is_rank_dump(path: Location) -> bool:
     return (path / spec.MANIFEST).is_file()
 
 
-def rank_dirs(step_dir: Path) -> list[Path]:
-    return sorted(p for p in step_dir.glob("rank-*") if p.is_dir() and not p.is_symlink())
+def rank_dirs(step_dir: Location) -> list[Location]:
+    return sorted((p for p in step_dir.glob("rank-*") if p.is_dir() and not p.is_symlink()), key=str)
 
 
-def step_rank_dirs(root: Path, run_id: str, step: int) -> list[Path]:
+def step_rank_dirs(root: Location, run_id: str, step: int) -> list[Location]:
     """The complete rank dumps of `run_id`'s step under `root`: a rank directory, a step directory, a run
     directory or a dump_dir (where another node wrote its ranks' parts of a sharded dump)."""
     name = spec.step_dir_name(step)
@@ -178,8 +171,8 @@ def step_rank_dirs(root: Path, run_id: str, step: int) -> list[Path]:
 class Dump:
     """One rank dump. Cheap to open: only the manifest is read until a loader is called."""
 
-    def __init__(self, directory: Path, archive_tmp: Any = None):
-        self.path = Path(directory)
+    def __init__(self, directory: str | os.PathLike[str] | Location, archive_tmp: Any = None):
+        self.path: Location = as_location(directory)
         self.manifest = read_manifest(self.path)
         _check_rank_name(self.path, self.manifest)
         self._archive_tmp = archive_tmp  # keeps an unpacked archive's temp dir alive
@@ -191,7 +184,7 @@ class Dump:
         self.set_aside: dict[str, str] = {}
         """Listed files found damaged and left out (forensics.format.verify.set_aside_damaged): the dump reads as one
         without them. File name -> why."""
-        self.shard_dirs: list[Path] = []
+        self.shard_dirs: list[Location] = []
         """Sharded layout: more directories (step, run or dump_dir of other nodes) holding this dump's ranks."""
 
     # -- plain fields ------------------------------------------------------------------------
@@ -211,7 +204,7 @@ class Dump:
         return list(self.micro_batches_meta[index].get("sample_ids") or [])
 
     # -- checked file access -----------------------------------------------------------------
-    def _listed(self, name: str) -> tuple[Path, int, str]:
+    def _listed(self, name: str) -> tuple[Location, int, str]:
         """The path, size and sha256 of a file the manifest lists, after `lstat` shows a regular file of
         that size inside the dump (no link, no device): nothing is read yet."""
         entry = self.manifest["files"].get(name)
@@ -221,7 +214,7 @@ class Dump:
             raise DumpCorruptError(f"{self.path / name} was set aside: {self.set_aside[name]}", name)
         path = self.path / name
         try:
-            info = os.lstat(path)
+            info = lstat(path)
         except FileNotFoundError:
             raise DumpCorruptError(f"{path} is missing (listed in the manifest)", name) from None
         if not stat.S_ISREG(info.st_mode):
@@ -248,7 +241,7 @@ class Dump:
         """
         self._listed(name)
 
-    def verify_file(self, name: str) -> Path:
+    def verify_file(self, name: str) -> Location:
         """Checks a listed file's size and sha256 without holding it in memory; returns its path. A large file
         with per-chunk digests (manifest `chunks`) is verified on many threads at once (hashlib releases
         the GIL), at multi-core hash speed instead of one core's."""
@@ -261,7 +254,7 @@ class Dump:
             ok = True
         else:
             digest, seen = hashlib.sha256(), 0
-            with open(path, "rb") as handle:
+            with open_read(path) as handle:
                 while chunk := handle.read(HASH_CHUNK):
                     digest.update(chunk)
                     seen += len(chunk)
@@ -366,7 +359,7 @@ class Dump:
         problems = []
         for name in self.manifest["files"]:
             path = self.path / name
-            if not stat.S_ISREG(_lstat_mode(path)) or not (
+            if not stat.S_ISREG(lstat_mode(path)) or not (
                 name.endswith(".safetensors") or name.endswith(spec.ZSTD_SUFFIX)
             ):
                 continue
@@ -385,7 +378,7 @@ class Dump:
         problems = []
         for name, entry in self.manifest["files"].items():
             try:
-                info = os.lstat(self.path / name)
+                info = lstat(self.path / name)
             except OSError:
                 problems.append(f"{name} is missing")
                 continue
@@ -405,7 +398,7 @@ class Dump:
         """The other rank dumps of this dump's step: beside it, and in `shard_dirs` (one per rank)."""
         found: dict[int, Dump] = {self.rank: self}
         for root in [self.path.parent, *self.shard_dirs]:
-            for directory in step_rank_dirs(Path(root), self.manifest["run_id"], self.step):
+            for directory in step_rank_dirs(as_location(root), self.manifest["run_id"], self.step):
                 if directory.resolve() != self.path.resolve():
                     dump = Dump(directory, self._archive_tmp)
                     found.setdefault(dump.rank, dump)
@@ -667,10 +660,11 @@ class Dump:
         return sum(int(entry.get("size", 0)) for entry in self.manifest["files"].values())
 
 
-def resolve(path: str | Path, limits: ArchiveLimits | None = None) -> tuple[Path, Any]:
-    """Returns a directory for `path` (unpacking a .tar.zst into a temp dir) and the temp dir holder."""
+def resolve(path: str | os.PathLike[str] | Location, limits: ArchiveLimits | None = None) -> tuple[Location, Any]:
+    """Returns a directory for `path` (a local path or an fsspec URL; a .tar.zst is unpacked into a local temp dir)
+    and the temp dir holder."""
 
-    path = Path(path)
+    path = as_location(path)
     if path.name == spec.MANIFEST and path.is_file():
         path = path.parent  # the user pointed at the manifest itself
     if not path.exists():
@@ -681,15 +675,16 @@ def resolve(path: str | Path, limits: ArchiveLimits | None = None) -> tuple[Path
 
 
 def open_dump(
-    path: str | Path,
+    path: str | os.PathLike[str] | Location,
     rank: int | None = None,
     limits: ArchiveLimits | None = None,
-    shard_dirs: Sequence[str | Path] = (),
+    shard_dirs: Sequence[str | os.PathLike[str] | Location] = (),
 ) -> Dump:
     """Opens a rank dump, a step directory (choose `rank`), or a packed `.tar.zst` of either.
 
     Args:
-        path: the dump. Nothing is imported, unpickled or executed.
+        path: the dump: a directory, a `.tar.zst`, or an fsspec URL of either (s3://bucket/run/step-000000042).
+            Nothing is imported, unpickled or executed.
         rank: for a step directory holding several ranks: which one. Default: the rank that saw the
             fault first-hand (manifest trigger.local), else the lowest rank present.
         limits: what unpacking an archive may produce (default ArchiveLimits()).
@@ -702,7 +697,7 @@ def open_dump(
         >>> dump.trigger.kind  # doctest: +SKIP
         <TriggerKind.NONFINITE_LOSS: 'nonfinite_loss'>
     """
-    dirs = [Path(d) for d in shard_dirs]
+    dirs = [as_location(d) for d in shard_dirs]
     try:
         dump = _choose_dump(path, rank, limits)
     except NotADumpError:
@@ -716,21 +711,21 @@ def open_dump(
 
 
 def _rank_elsewhere(
-    path: str | Path, rank: int | None, limits: ArchiveLimits | None, shard_dirs: list[Path]
-) -> tuple[Dump, Path] | None:
+    path: str | os.PathLike[str] | Location, rank: int | None, limits: ArchiveLimits | None, shard_dirs: list[Location]
+) -> tuple[Dump, Location] | None:
     """`rank`'s dump in another node's directory (`shard_dirs`), for a step directory that lacks it, and the
     step directory the user named."""
     if rank is None or not shard_dirs:
         return None
     here = _choose_dump(path, None, limits)
     for root in shard_dirs:
-        for directory in step_rank_dirs(Path(root), here.manifest["run_id"], here.step):
+        for directory in step_rank_dirs(root, here.manifest["run_id"], here.step):
             if int(read_manifest(directory)["rank"]) == rank:
                 return Dump(directory), here.path.parent
     return None
 
 
-def _choose_dump(path: str | Path, rank: int | None, limits: ArchiveLimits | None) -> Dump:
+def _choose_dump(path: str | os.PathLike[str] | Location, rank: int | None, limits: ArchiveLimits | None) -> Dump:
     directory, holder = resolve(path, limits)
     if is_rank_dump(directory):
         if rank is not None and int(read_manifest(directory)["rank"]) != rank:
@@ -739,6 +734,8 @@ def _choose_dump(path: str | Path, rank: int | None, limits: ArchiveLimits | Non
     ranks = rank_dirs(directory)
     complete = [r for r in ranks if is_rank_dump(r)]
     if not complete:
+        if spec.rank_of_dir_name(directory.name) is not None and not ranks:
+            read_manifest(directory)  # a rank's directory without its manifest: says the writer died mid-write
         steps = sorted(p.name for p in directory.glob("step-*"))
         if steps:
             raise NotADumpError(
@@ -760,7 +757,9 @@ def _choose_dump(path: str | Path, rank: int | None, limits: ArchiveLimits | Non
     return (local or dumps)[0]
 
 
-def open_step(path: str | Path, limits: ArchiveLimits | None = None) -> tuple[list[Dump], list[int]]:
+def open_step(
+    path: str | os.PathLike[str] | Location, limits: ArchiveLimits | None = None
+) -> tuple[list[Dump], list[int]]:
     """All rank dumps of a step directory (or the one of a rank directory) and the ranks missing."""
     directory, holder = resolve(path, limits)
     if is_rank_dump(directory):

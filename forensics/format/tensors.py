@@ -16,6 +16,7 @@ import torch
 from forensics.core.device_sync import DeviceFence, on_device_of
 from forensics.core.errors import DumpCorruptError
 from forensics.format.header import Entry, parse_header
+from forensics.format.location import RangeReader, as_location, file_size, open_read
 from forensics.format.spec import MAX_SAFETENSORS_HEADER
 from forensics.core.unfilled import unfilled
 
@@ -235,20 +236,20 @@ class SafetensorsFile:
 
     def __init__(self, path, name: str, verified: "Callable[[int, int], None] | None" = None):
         self.path, self.name, self._range_verified = str(path), name, verified
-        self._fd = -1  # no descriptor (yet, or closed)
+        self._file: RangeReader | None = None  # none (yet, or closed)
         check_file_header(path, name)
-        self._fd = os.open(self.path, os.O_RDONLY)
+        self._file = RangeReader(path)
         try:
-            self._entries = self._parse_header(os.fstat(self._fd).st_size)
+            self._entries = self._parse_header(self._file)
         except BaseException:
             self.close()
             raise
 
-    def _parse_header(self, size: int) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
-        (length,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
+    def _parse_header(self, file: RangeReader) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
+        (length,) = struct.unpack("<Q", file.read(8, 0))
         if self._range_verified is not None:
             self._range_verified(0, 8 + length)
-        return torch_entries(parse_header(os.pread(self._fd, length, 8), 8 + length, size, self.name), self.name)
+        return torch_entries(parse_header(file.read(length, 8), 8 + length, file.size, self.name), self.name)
 
     def keys(self) -> list[str]:
         return sorted(self._entries)  # safetensors' own order: sorted by name
@@ -290,16 +291,18 @@ class SafetensorsFile:
 
     def _pread_into(self, view: memoryview, offset: int, begin: int, end: int, key: str) -> None:
         """Bytes [begin, end) of the tensor at file `offset` into view[begin:end]."""
+        if self._file is None:
+            raise ValueError(f"{self.name} is closed")
         while begin < end:
-            got = os.preadv(self._fd, [view[begin:end]], offset + begin)
+            got = self._file.read_into(view[begin:end], offset + begin)
             if got <= 0:
                 raise DumpCorruptError(f"{self.name} ended while reading {key[:120]!r}", self.name)
             begin += got
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     def __enter__(self) -> "SafetensorsFile":
         return self
@@ -312,10 +315,10 @@ class SafetensorsFile:
 
 
 def check_file_header(path, name: str) -> None:
-    with open(path, "rb") as handle:
+    with open_read(path) as handle:
         head = handle.read(8)
     if len(head) < 8:
         raise DumpCorruptError(f"{name} is truncated (shorter than a safetensors header)", name)
     (size,) = struct.unpack("<Q", head)
-    if size > MAX_SAFETENSORS_HEADER or size + 8 > os.path.getsize(path):
+    if size > MAX_SAFETENSORS_HEADER or size + 8 > file_size(as_location(path)):
         raise DumpCorruptError(f"{name} has a safetensors header of {size} bytes that does not fit the file", name)

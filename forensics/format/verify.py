@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -10,6 +10,7 @@ from typing import Any
 from forensics.core.errors import DumpError
 from forensics.format import spec
 from forensics.format.limits import ArchiveLimits
+from forensics.format.location import Location, as_location
 from forensics.format.reader import Dump, open_step
 
 
@@ -49,7 +50,8 @@ def _check_rank(dump: Dump) -> list[Problem]:
             dump.check_structure(name)
         except DumpError as exc:
             problems.append(Problem(str(dump.path / name), str(exc)))
-    for path in sorted(dump.path.iterdir()):
+    children: Iterable[Location] = dump.path.iterdir()
+    for path in sorted(children, key=str):
         if path.is_symlink():
             problems.append(Problem(str(path), "is a symbolic link; a dump holds only plain files"))
         elif path.name != spec.MANIFEST and path.name not in listed:
@@ -184,9 +186,9 @@ def _check_shards(dumps: list[Dump]) -> list[Problem]:
 
 
 def verify_dump(
-    path: str | Path,
+    path: str | Path | Location,
     limits: ArchiveLimits | None = None,
-    shard_dirs: Sequence[str | Path] = (),
+    shard_dirs: Sequence[str | Path | Location] = (),
     whole_state: bool = True,
 ) -> VerifyResult:
     """Checks a rank dump, a step directory or an archive (and, for a sharded dump, that the rank dumps found
@@ -195,7 +197,7 @@ def verify_dump(
     dumps, missing = open_step(path, limits)
     whole_state = whole_state and dumps[0].sharded
     if whole_state:
-        dumps[0].shard_dirs = [Path(d) for d in shard_dirs]
+        dumps[0].shard_dirs = [as_location(d) for d in shard_dirs]
         dumps = sorted({d.rank: d for d in [*dumps, *dumps[0].peers()]}.values(), key=lambda d: d.rank)
         missing = sorted(set(range(dumps[0].world_size)) - {d.rank for d in dumps})
     problems: list[Problem] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import functools
@@ -19,6 +20,7 @@ from forensics.core.errors import CaptureError
 from forensics.core.fsio import fsync_dir
 from forensics.format import jsonio, spec, threads
 from forensics.format.shards import LocalShard, ShardCopies, shard_entry
+from forensics.format.location import Location, RemotePath, as_location, open_write, remove_tree
 from forensics.format.stale import remove_stale_temporaries, temporary_name
 from forensics.format.digest import HashingWriter
 from forensics.format.members import tensor_member_problem
@@ -63,23 +65,26 @@ class DumpContent:
 
 
 class _DumpDir:
-    """The temporary directory being filled, with its table of files."""
+    """The directory being filled (a temporary one on disk; in object storage the rank dump's own prefix), with its
+    table of files."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Location):
         self.path = path
+        self.remote = isinstance(path, RemotePath)
         self.files: dict[str, dict] = {}
         self.shards: dict[str, dict] = {}  # file -> {name: where this rank's part sits} (sharded layout)
 
     def _record(self, name: str, out: HashingWriter, handle) -> None:
         handle.flush()
-        os.fsync(handle.fileno())
+        if not self.remote:  # an object is whole once its upload completes, when the handle closes
+            os.fsync(handle.fileno())
         self.files[name] = {"size": out.size, "sha256": out.hexdigest()}
         chunks = out.chunk_digests()
         if chunks:
             self.files[name].update(chunk_size=out.chunk_bytes, chunks=chunks)
 
     def write_bytes(self, name: str, data: bytes) -> None:
-        with open(self.path / name, "wb") as handle:
+        with open_write(self.path / name) as handle:
             out = HashingWriter(handle)
             out.write(data)
             self._record(name, out, handle)
@@ -92,11 +97,17 @@ class _DumpDir:
         tensors, shards = {}, {}
         for key, value in values.items():
             tensors[key], shards[key] = shard_entry(value)
-        with open(self.path / name, "wb", buffering=WRITE_BUFFER) as handle:
-            with EarlyWriteback(handle) as early:
-                out = HashingWriter(early)
+        if isinstance(self.path, RemotePath):  # streamed to the store in parts as it is hashed; no local copy
+            with open_write(self.path / name) as handle:
+                out = HashingWriter(handle)
                 write_safetensors(out, tensors)
-            self._record(name, out, handle)
+                self._record(name, out, handle)
+        else:
+            with open(self.path / name, "wb", buffering=WRITE_BUFFER) as handle:
+                with EarlyWriteback(handle) as early:
+                    out = HashingWriter(early)
+                    write_safetensors(out, tensors)
+                self._record(name, out, handle)
         self.shards[name] = shards
 
 
@@ -201,56 +212,41 @@ def _write_copies(target: _DumpDir, copies: list[ShardCopies]) -> dict:
     }
 
 
-def dump_path(root: Path, run_id: str, step: int, rank: int) -> Path:
-    return Path(root) / run_id / spec.step_dir_name(step) / spec.rank_dir_name(rank)
+def dump_path(root: str | os.PathLike | Location, run_id: str, step: int, rank: int) -> Location:
+    """Where rank `rank`'s dump of `run_id`'s step goes under `root` (a directory or an fsspec URL)."""
+    return as_location(root) / run_id / spec.step_dir_name(step) / spec.rank_dir_name(rank)
 
 
-def write_dump(content: DumpContent, root: str | os.PathLike) -> Path:
-    """Writes `content` under `root` and returns the rank dump's directory.
+def write_dump(content: DumpContent, root: str | os.PathLike | Location) -> Location:
+    """Writes `content` under `root` (a directory, or an fsspec URL such as s3://bucket/dumps) and returns the rank
+    dump's location.
 
     Raises:
-        CaptureError: the directory is not writable, the disk is full, or a value cannot be stored.
-            Nothing half-written is left under a dump's final name.
+        CaptureError: the location is not writable, the disk is full, or a value cannot be stored.
+            Nothing is ever taken for a whole dump that is not: on disk nothing half-written is left under a
+            dump's final name; in object storage the manifest is written last and what was written is deleted.
     """
     try:
-        return _write_dump(content, Path(root))
+        return _write_dump(content, root)
     finally:
         if content.done is not None:
             content.done()
 
 
-def _write_dump(content: DumpContent, root: Path) -> Path:
+def _write_dump(content: DumpContent, root: str | os.PathLike | Location) -> Location:
     if content.ready is not None:
         content.ready()
     manifest = dict(content.manifest)
-    final = dump_path(Path(root), manifest["run_id"], manifest["step"], manifest["rank"])
-    _clean_once(Path(root))
+    final = dump_path(root, manifest["run_id"], manifest["step"], manifest["rank"])
+    if isinstance(final, RemotePath):
+        return _write_remote(content, manifest, final)
+    base = final.parents[2]  # root: <root>/<run>/step-<N>/rank-<R>
+    _clean_once(base)
     tmp = final.parent / temporary_name(final.name)
     try:
         _make_directory(tmp)
         target = _DumpDir(tmp)
-        unreplayable = _write_contents(target, content)
-        for meta, leaves in zip(manifest.get("micro_batches", []), unreplayable):
-            meta["unreplayable"] = leaves
-        if content.layout is not None:
-            manifest["layout"] = {
-                "kind": spec.SHARDED,
-                "tensors": content.layout,
-                "shards": {file: target.shards[file] for file in content.layout if file in target.shards},
-            }
-            if content.copies:
-                manifest["layout"]["copies"] = _write_copies(target, content.copies)
-        manifest.update(
-            {
-                "format": spec.FORMAT_NAME,
-                "format_version": spec.version_needed(
-                    sharded=content.layout is not None, chunked=any("chunks" in e for e in target.files.values())
-                ),
-                "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "files": target.files,
-            }
-        )
-        manifest = {"format": manifest.pop("format"), "format_version": manifest.pop("format_version"), **manifest}
+        manifest = _fill(target, content, manifest)
         with open(tmp / spec.MANIFEST, "wb") as handle:
             handle.write(jsonio.dumps(manifest))
             handle.flush()
@@ -262,8 +258,52 @@ def _write_dump(content: DumpContent, root: Path) -> Path:
         return final
     except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        _remove_if_empty(final.parent, Path(root))
+        _remove_if_empty(final.parent, base)
         raise CaptureError(_explain(exc, final)) from exc
+
+
+def _write_remote(content: DumpContent, manifest: dict, final: RemotePath) -> RemotePath:
+    """Object storage has no rename: every file goes straight under the final prefix, the manifest last, so a
+    reader takes the dump for whole only once everything is there. A write that fails deletes what it wrote; a
+    writer killed mid-write leaves files without a manifest, which every reader calls incomplete."""
+    try:
+        if (final / spec.MANIFEST).exists():
+            raise FileExistsError(errno.EEXIST, "a dump for this run, step and rank already exists", str(final))
+        target = _DumpDir(final)
+        manifest = _fill(target, content, manifest)
+        target.write_bytes(spec.MANIFEST, jsonio.dumps(manifest))
+        return final
+    except Exception as exc:
+        if not isinstance(exc, FileExistsError):
+            with contextlib.suppress(Exception):
+                remove_tree(final)
+        raise CaptureError(_explain(exc, final)) from exc
+
+
+def _fill(target: _DumpDir, content: DumpContent, manifest: dict) -> dict:
+    """Writes every file of the dump but the manifest into `target`; returns the manifest to write last."""
+    unreplayable = _write_contents(target, content)
+    for meta, leaves in zip(manifest.get("micro_batches", []), unreplayable):
+        meta["unreplayable"] = leaves
+    if content.layout is not None:
+        manifest["layout"] = {
+            "kind": spec.SHARDED,
+            "tensors": content.layout,
+            "shards": {file: target.shards[file] for file in content.layout if file in target.shards},
+        }
+        if content.copies:
+            manifest["layout"]["copies"] = _write_copies(target, content.copies)
+    manifest.update(
+        {
+            "format": spec.FORMAT_NAME,
+            "format_version": spec.version_needed(
+                sharded=content.layout is not None, chunked=any("chunks" in e for e in target.files.values())
+            ),
+            "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "files": target.files,
+        }
+    )
+    return {"format": manifest.pop("format"), "format_version": manifest.pop("format_version"), **manifest}
 
 
 def _make_directory(path: Path) -> None:
@@ -289,14 +329,17 @@ def _remove_if_empty(directory: Path, root: Path) -> None:
         directory = directory.parent
 
 
-def remove_rank_dump(path: Path) -> None:
+def remove_rank_dump(path: Location) -> None:
     """Deletes the rank dump at `path` (and its packed archive next to it), then its step directory once no rank's
     dump is left in it (another rank still writing there keeps it).
 
     Raises:
         OSError: the dump could not be deleted.
     """
-    path = Path(path)
+    path = as_location(path)
+    if isinstance(path, RemotePath):
+        remove_tree(path)  # an object store has no empty step directory to leave behind
+        return
     if path.is_dir():
         shutil.rmtree(path)
     archive = path.with_name(path.name + spec.ARCHIVE_SUFFIX)
@@ -318,8 +361,8 @@ def _clean_once(root: Path) -> None:
         log.warning("forensics: removed %s, an unfinished dump whose writer is gone", path)
 
 
-def _explain(exc: Exception, final: Path) -> str:
-    if isinstance(exc, FileExistsError) and final.is_dir():
+def _explain(exc: Exception, final: Location) -> str:
+    if isinstance(exc, FileExistsError):
         return (
             f"no dump written: {final} already exists: a dump of this run, step and rank (a rerun with the "
             "same run_id?). Give the run a new GuardConfig.run_id or move the old dump away."

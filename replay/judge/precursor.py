@@ -17,7 +17,6 @@ import math
 import re
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -370,9 +369,10 @@ def earlier_dumps(dump: Any) -> list[dict]:
     """The run's dumps before this one: sibling `step-*` directories (by the listing's names only) whose rank
     dump's manifest has the same run id; newest first, at most MAX_EARLIER. [] when the dump is not in a run
     directory (an archive, a copy elsewhere)."""
+    from forensics.format.location import Location, as_location
     from forensics.format.reader import read_manifest
 
-    here = Path(str(getattr(dump, "path", "") or ""))
+    here: Location = as_location(getattr(dump, "path", "") or "")  # on disk or in object storage
     run_id, step = dump.manifest.get("run_id"), dump.step
     if not here.name.startswith("rank-") or not here.parent.is_dir():
         return []
@@ -392,7 +392,7 @@ def earlier_dumps(dump: Any) -> list[dict]:
                 if rank.is_dir() and not rank.is_symlink()
                 else next(
                     p
-                    for p in sorted(entry.iterdir())
+                    for p in sorted(list[Location](entry.iterdir()), key=str)
                     if p.name.startswith("rank-") and p.is_dir() and not p.is_symlink()
                 )
             )

@@ -1,0 +1,382 @@
+"""Where a dump lives: a directory on this machine (pathlib.Path) or under an fsspec URL in object storage.
+
+`as_location("s3://bucket/dumps")` gives a RemotePath, which offers the part of pathlib.Path the dump reader
+and writer use (`/`, `name`, `parent`, `is_file`, `is_dir`, `stat`, `open`, `iterdir`, `glob`), so that one reader
+and one writer serve both. A RemotePath has no `__fspath__`: an `os.*` call handed one fails instead of touching
+a local file of the same name. The helpers below (`lstat`, `open_read`, `open_write`, `RangeReader`, `remove_tree`)
+take either kind.
+
+What object storage changes, and how the format copes:
+- There is no rename: a writer writes its files straight under the rank dump's final name, the manifest last
+  (forensics.format.writer). A rank dump without a manifest is incomplete: every reader says so and never reads it.
+- A file is read in byte ranges (`RangeReader.read_into`: one ranged GET per piece), never downloaded whole first,
+  so a replay from S3 holds what a replay from disk holds.
+- Credentials come from where the storage library looks (the environment, a config file, an instance or pod
+  role); a URL carrying a password is refused, and a RemotePath prints as `protocol://bucket/key` only.
+
+fsspec (and the protocol's package, e.g. s3fs for s3://) is imported only when a URL is used:
+`pip install 'forensics[s3]'` (or `[gcs]`, `[azure]`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import os
+import re
+import stat
+import urllib.parse
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import IO, Any, Union, cast
+
+from forensics.core.errors import StorageError, cut_text
+
+READ_BLOCK = 8 << 20
+"""Bytes a sequential remote read fetches at a time (hashing, zstd members, headers): one tensor read is a ranged
+GET of its own size instead."""
+WRITE_BLOCK = 32 << 20
+"""Bytes a remote writer buffers before it sends a part (S3 multipart: at least 5 MiB a part, at most 10,000
+parts, so one file may reach 320 GB). Two files are written at once: 64 MiB of buffers."""
+
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+PACKAGES = {
+    "s3": "s3fs",
+    "s3a": "s3fs",
+    "gs": "gcsfs",
+    "gcs": "gcsfs",
+    "az": "adlfs",
+    "abfs": "adlfs",
+    "abfss": "adlfs",
+}
+EXTRAS = {"s3fs": "s3", "gcsfs": "gcs", "adlfs": "azure"}
+
+
+def is_url(value: object) -> bool:
+    """A location in object storage: `scheme://...` other than `file://` (a RemotePath counts too)."""
+    if isinstance(value, RemotePath):
+        return True
+    if not isinstance(value, str):
+        return False
+    match = _URL.match(value)
+    return match is not None and match.group(1).lower() != "file"
+
+
+def as_location(value: str | os.PathLike[str] | RemotePath) -> Location:
+    """A Path for a local path or `file://` URL, a RemotePath for any other fsspec URL.
+
+    Raises:
+        StorageError: the URL carries a password, or its filesystem package is not installed (says which).
+    """
+    if isinstance(value, (RemotePath, Path)):
+        return value
+    text = os.fspath(value)
+    match = _URL.match(text)
+    if match is None:
+        return Path(text)
+    scheme = match.group(1).lower()
+    if scheme == "file":
+        return Path(urllib.parse.unquote(urllib.parse.urlsplit(text).path))
+    _refuse_secrets(text)
+    try:
+        import fsspec
+    except ImportError:
+        raise StorageError(f"{text} is a URL: reading or writing it needs fsspec. {_install_hint(scheme)}") from None
+    try:
+        fs, path = fsspec.core.url_to_fs(text)
+    except ImportError as exc:
+        raise StorageError(
+            f"{scheme}:// needs a package that is not installed ({exc}). {_install_hint(scheme)}"
+        ) from None
+    except ValueError as exc:
+        raise StorageError(f"{cut_text(text, 120)} is not a URL fsspec can open: {cut_text(exc)}") from None
+    return RemotePath(fs, str(path), scheme)
+
+
+def _install_hint(scheme: str) -> str:
+    package = PACKAGES.get(scheme)
+    if package is None:
+        return "Install fsspec and the filesystem package for that protocol."
+    return f"pip install 'forensics[{EXTRAS[package]}]' (or pip install {package})."
+
+
+def _refuse_secrets(url: str) -> None:
+    """A password in a URL would be written into logs, the replay command printed and the dump's own record."""
+    netloc = urllib.parse.urlsplit(url).netloc
+    if "@" in netloc and ":" in netloc.rsplit("@", 1)[0]:
+        raise StorageError(
+            "the dump location's URL carries a password (user:secret@...): give credentials the way the storage "
+            "library reads them (environment variables, its config file, an instance or pod role), never in the URL"
+        )
+    query = urllib.parse.urlsplit(url).query.lower()
+    if any(word in query for word in ("secret", "token", "signature", "key=", "password", "sig=")):
+        raise StorageError(
+            "the dump location's URL carries a credential in its query: give credentials through the environment "
+            "or the storage library's config instead"
+        )
+
+
+@dataclass(frozen=True)
+class RemoteStat:
+    """What `os.stat` would say of an object: its size, a regular file or a directory, its modification time."""
+
+    st_size: int
+    st_mode: int
+    st_mtime: float
+
+
+class RemotePath:
+    """A file or directory (a key prefix) in an fsspec filesystem, with the part of pathlib.Path's interface the
+    dump reader and writer use. Object storage has no links, devices or FIFOs: every object is a regular file."""
+
+    __slots__ = ("fs", "path", "protocol")
+
+    def __init__(self, fs: Any, path: str, protocol: str):
+        self.fs, self.protocol = fs, protocol
+        root = "/" if getattr(fs, "root_marker", "") == "/" else ""  # memory:// and other local-like filesystems
+        self.path = root + "/".join(part for part in path.split("/") if part)
+
+    # -- naming ---------------------------------------------------------------------------------
+    def __str__(self) -> str:
+        return f"{self.protocol}://{self.path.lstrip('/')}"
+
+    def __repr__(self) -> str:
+        return f"RemotePath({str(self)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RemotePath) and (self.protocol, self.path) == (other.protocol, other.path)
+
+    def __hash__(self) -> int:
+        return hash((self.protocol, self.path))
+
+    def __lt__(self, other: RemotePath) -> bool:
+        return str(self) < str(other)
+
+    def __truediv__(self, name: str | os.PathLike[str]) -> RemotePath:
+        parts = [part for part in PurePosixPath(os.fspath(name)).parts if part not in ("", "/")]
+        if any(part in (".", "..") for part in parts) or PurePosixPath(os.fspath(name)).is_absolute():
+            raise ValueError(f"{name!r} is not a name below {self}")
+        return RemotePath(self.fs, "/".join([self.path, *parts]), self.protocol)
+
+    @property
+    def name(self) -> str:
+        return self.path.rsplit("/", 1)[-1]
+
+    @property
+    def parent(self) -> RemotePath:
+        parts = self.path.strip("/").split("/")
+        return self if len(parts) <= 1 else RemotePath(self.fs, "/".join(parts[:-1]), self.protocol)
+
+    @property
+    def parents(self) -> list[RemotePath]:
+        out, here = [], self
+        while here.parent != here:
+            here = here.parent
+            out.append(here)
+        return out
+
+    def with_name(self, name: str) -> RemotePath:
+        return self.parent / name
+
+    def relative_to(self, other: RemotePath) -> PurePosixPath:
+        return PurePosixPath(self.path).relative_to(other.path)
+
+    def resolve(self) -> RemotePath:
+        return self
+
+    def as_posix(self) -> str:
+        return str(self)
+
+    # -- what is there --------------------------------------------------------------------------
+    def _info(self) -> dict[str, Any] | None:
+        with _calling(self, "looking up"):
+            try:
+                return cast("dict[str, Any]", self.fs.info(self.path))
+            except FileNotFoundError:
+                return None
+
+    def exists(self) -> bool:
+        return self._info() is not None
+
+    def is_file(self) -> bool:
+        info = self._info()
+        return info is not None and info.get("type") == "file"
+
+    def is_dir(self) -> bool:
+        info = self._info()
+        return info is not None and info.get("type") == "directory"
+
+    def is_symlink(self) -> bool:
+        return False
+
+    def stat(self) -> RemoteStat:
+        info = self._info()
+        if info is None:
+            raise FileNotFoundError(2, "no such object", str(self))
+        mode = stat.S_IFREG | 0o644 if info.get("type") == "file" else stat.S_IFDIR | 0o755
+        modified = info.get("LastModified") or info.get("mtime") or info.get("created") or 0
+        mtime = modified.timestamp() if hasattr(modified, "timestamp") else float(modified or 0)
+        return RemoteStat(int(info.get("size") or 0), mode, mtime)
+
+    def iterdir(self) -> Iterator[RemotePath]:
+        with _calling(self, "listing"):
+            try:
+                names = self.fs.ls(self.path, detail=False, refresh=True)
+            except FileNotFoundError:
+                names = []
+        for name in sorted(names):
+            child = RemotePath(self.fs, name, self.protocol)
+            if child.path != self.path:
+                yield child
+
+    def glob(self, pattern: str) -> Iterator[RemotePath]:
+        """The direct children whose name matches `pattern` (one path component, as the reader asks)."""
+        if "/" in pattern:
+            raise ValueError("RemotePath.glob matches names of direct children only")
+        return (child for child in self.iterdir() if fnmatch.fnmatchcase(child.name, pattern))
+
+    def rglob(self, name: str) -> Iterator[RemotePath]:
+        """Every object below this prefix named `name` (one recursive listing, paged by the store)."""
+        with _calling(self, "listing"):
+            try:
+                found = self.fs.find(self.path)
+            except FileNotFoundError:
+                found = []
+        for key in sorted(found):
+            if key.rsplit("/", 1)[-1] == name:
+                yield RemotePath(self.fs, key, self.protocol)
+
+    # -- reading and writing --------------------------------------------------------------------
+    def open(self, mode: str = "rb") -> IO[bytes]:
+        if mode not in ("rb", "wb"):
+            raise ValueError(f"RemotePath opens in 'rb' or 'wb', not {mode!r}")
+        with _calling(self, "opening"):
+            block = READ_BLOCK if mode == "rb" else WRITE_BLOCK
+            return cast("IO[bytes]", self.fs.open(self.path, mode, block_size=block))
+
+    def read_bytes(self) -> bytes:
+        with self.open("rb") as handle:
+            return handle.read()
+
+    def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
+        """Object storage has no directories: a prefix exists once an object is under it."""
+
+    def rmdir(self) -> None:
+        """An empty prefix is no object: nothing to remove (one holding objects stays, as an rmdir would refuse)."""
+
+
+Location = Union[Path, RemotePath]
+"""Where a dump (or a directory of dumps) lives."""
+
+
+@contextlib.contextmanager
+def _calling(path: RemotePath, what: str) -> Iterator[None]:
+    """Storage errors as OSError (a missing object, no permission: the storage library's own) or StorageError (no
+    credentials, an unreachable endpoint), naming the location but never a credential."""
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception as exc:
+        raise StorageError(
+            f"{what} {path} failed: {type(exc).__name__}: {cut_text(exc, 240)} (credentials and the endpoint come "
+            "from the storage library's usual places: environment variables, its config file, an instance role)"
+        ) from exc
+
+
+def lstat(path: Location) -> os.stat_result | RemoteStat:
+    """`os.lstat` of a local path (a link is not followed), the object's size and kind in object storage.
+
+    Raises:
+        FileNotFoundError: nothing is there.
+    """
+    return path.stat() if isinstance(path, RemotePath) else os.lstat(path)
+
+
+def lstat_mode(path: Location) -> int:
+    """The file type bits of `path` (0: nothing there, or unreadable)."""
+    try:
+        return lstat(path).st_mode
+    except OSError:
+        return 0
+
+
+def file_size(path: Location) -> int:
+    return lstat(path).st_size
+
+
+def open_read(path: Location | str) -> IO[bytes]:
+    """A binary file to read sequentially (remote: fetched READ_BLOCK bytes at a time)."""
+    return path.open("rb") if isinstance(path, RemotePath) else open(path, "rb")
+
+
+def open_write(path: Location) -> IO[bytes]:
+    """A binary file to write (remote: sent in WRITE_BLOCK parts; the object appears whole when it is closed)."""
+    return path.open("wb") if isinstance(path, RemotePath) else open(path, "wb")
+
+
+def remove_tree(path: Location) -> None:
+    """Deletes a directory (every object under a prefix) and everything in it."""
+    if isinstance(path, RemotePath):
+        with _calling(path, "deleting"):
+            with contextlib.suppress(FileNotFoundError):
+                path.fs.rm(path.path, recursive=True)
+    else:
+        import shutil
+
+        shutil.rmtree(path)
+
+
+def remove_file(path: Location) -> None:
+    if isinstance(path, RemotePath):
+        with _calling(path, "deleting"):
+            path.fs.rm_file(path.path)
+    else:
+        path.unlink()
+
+
+class RangeReader:
+    """Reads byte ranges of one file: `pread` on a local descriptor (no shared offset: many threads read at
+    once), a ranged GET per call in object storage. Close it when done."""
+
+    def __init__(self, path: Location | str):
+        self.path = path if isinstance(path, RemotePath) else Path(path)
+        self._fd = -1
+        if isinstance(self.path, RemotePath):
+            self.size = self.path.stat().st_size
+        else:
+            self._fd = os.open(self.path, os.O_RDONLY)
+            self.size = os.fstat(self._fd).st_size
+
+    def read(self, size: int, offset: int) -> bytes:
+        """Up to `size` bytes at `offset` (fewer only at the end of the file)."""
+        if isinstance(self.path, RemotePath):
+            end = min(self.size, offset + size)
+            if end <= offset:
+                return b""
+            with _calling(self.path, "reading"):
+                return bytes(self.path.fs.cat_file(self.path.path, start=offset, end=end))
+        return os.pread(self._fd, size, offset)
+
+    def read_into(self, view: memoryview, offset: int) -> int:
+        """Fills `view` from `offset` on (fewer bytes only at the end of the file); returns how many were read."""
+        if not isinstance(self.path, RemotePath):
+            return os.preadv(self._fd, [view], offset)
+        data = self.read(len(view), offset)
+        view[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> RangeReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
