@@ -49,15 +49,16 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def s3_server():
+def s3_server(tmp_path_factory):
     """moto's S3 server on 127.0.0.1:<free port> for this test session (one per xdist worker)."""
     pytest.importorskip("s3fs", reason="pip install 'forensics[s3]' (s3fs) for the object-storage tests")
     pytest.importorskip("moto.server", reason="pip install 'moto[server]' for the object-storage tests")
     port = _free_port()
+    log = tmp_path_factory.mktemp("s3-server") / "moto.log"  # a file, never a pipe: a full pipe stalls the server
     server = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stderr=log.open("wb"),
     )
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
@@ -67,7 +68,7 @@ def s3_server():
         except OSError:
             if server.poll() is not None or time.monotonic() > deadline:
                 server.kill()
-                pytest.fail(f"moto's S3 server did not start: {server.stderr.read().decode()[-2000:]}")
+                pytest.fail(f"moto's S3 server did not start: {log.read_text(errors='replace')[-2000:]}")
             time.sleep(0.1)
     env = {
         "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",

@@ -68,11 +68,11 @@ def test_a_two_rank_fsdp2_job_dumps_to_s3_and_the_dump_replays_from_there(s3_ser
 
     out = tmp_path / "report"
     replayed = runner.invoke(main, ["replay", step_url, "--rank", "1", "--device", "cpu", "-o", str(out)])
+    assert replayed.exit_code == 0, (replayed.output, replayed.exception)  # a culprit named
     report = json.loads((out / "report.json").read_text())
-    assert replayed.exit_code == 3, replayed.output  # a bad sample
     assert [(s["sample_id"], s["rank"]) for s in report["culprit"]["samples"]] == [(harness.POISON, 1)]
     assert report["culprit"]["module"] == "transformer.h.0.ln_1"
-    assert report["dump"]["path"] == step_url
+    assert report["verdict"]["kind"] == "bad_sample" and report["dump"]["path"] == step_url
 
 
 def test_a_dump_round_trips_through_s3_bit_for_bit_and_packs_to_a_local_archive(s3_server, bucket, tmp_path):
@@ -210,7 +210,7 @@ def test_a_run_with_many_steps_lists_every_step_from_the_bucket(s3_server, bucke
     assert [r["step"] for r in rows] == steps
     assert all(r["run_id"] == "long-run" and r["ranks"] == [0] and r["error"] is None for r in rows)
     text = CliRunner().invoke(main, ["list", root]).output
-    assert text.count("long-run") == len(steps)
+    assert sum(line.startswith("long-run ") for line in text.splitlines()) == len(steps)
 
 
 def test_a_url_that_cannot_be_read_is_a_clear_error_exit_2(s3_server):
