@@ -31,6 +31,7 @@ from forensics.replay.culprits.margin import others_margin
 from forensics.replay.culprits.sample_facts import describe_samples, nonfinite_in_field, too_long
 from forensics.replay.culprits.sizes import longer_than, outlier_refs, size_summary
 from forensics.replay.judge.assemble import assemble_report
+from forensics.replay.judge.verdict import blamed_samples
 from forensics.replay.judge.between_steps import between_steps_report, raised_between_steps
 from forensics.replay.run.units import unscaled_history
 from forensics.replay.judge.precision import fp32_check, uses_low_precision
@@ -481,14 +482,7 @@ def _stages(
         findings.precision = fp32_check(runner, kind=TriggerKind.NONFINITE_PARAM)  # dtype facts only, no run
     if findings.culprits and findings.precision is not None and findings.precision.get("fp32_reproduces") is False:
         stage(progress, "measuring how close the other samples come to fp16's limit")
-        findings.margin = others_margin(runner, findings.culprits)
-        if findings.margin is not None and findings.margin["at_the_edge"]:
-            logger.info(
-                "without the culprits the step still reaches %.0f %% of fp16's max: the state is at the "
-                "edge, no sample is to blame",
-                100 * findings.margin["share"],
-            )
-            findings.bisection.culprits = []  # the bisection block keeps what it found; no sample is blamed
+        findings.margin = others_margin(runner, findings.culprits)  # the verdict decides whether they are blamed
     if findings.weights_nonfinite and session.stream is not None:
         session.warnings.append(
             "streamed replay: the non-finite pre-step weights are named, but their bad slices and "
@@ -500,7 +494,7 @@ def _stages(
         findings.touching = samples_touching_embeddings(runner, findings.corrupted)
     if not raised:
         stage(progress, "per-sample loss and gradient norm")
-        findings.per_sample = per_sample_rows(runner, refs, findings.culprits, options.max_per_sample)
+        findings.per_sample = per_sample_rows(runner, refs, blamed_samples(findings), options.max_per_sample)
     elif findings.culprits and findings.exception is not None:
         stage(progress, "naming the values that make the culprit samples raise")
         findings.exception = localize_exception(runner, findings.culprits) or findings.exception
@@ -511,24 +505,19 @@ def _stages(
         stage(progress, "trying remedies on the step")
         findings.remedies = try_remedies(
             runner,
-            findings.culprits,
+            blamed_samples(findings),
             findings.history.reading.healthy_grad_norm,
             findings.forward.module if findings.forward is not None else None,
         )
         if findings.remedies and session.followup is not None:
             stage(progress, "carrying the fixes over the recorded steps after this one")
             follow_remedies(findings.remedies, runner, session.followup)
-    if findings.kind.spike and findings.history.diverged and findings.culprits:
-        logger.info("the run diverged long before: the samples whose removal ends the spike are not culprits")
-        findings.bisection.culprits = []  # the bisection block keeps what it found; no sample is blamed
-    if findings.culprits and not raised:
-        findings.evidence = weigh_evidence(findings, session, runner)
+    if (blamed := blamed_samples(findings)) and not raised:
+        findings.evidence = weigh_evidence(findings, blamed, session, runner)
         if earlier is not None and session.stream is None:
             state = earlier()
             stage(progress, f"feeding the culprit micro-batch's samples to {state.source} (trigger or cause?)")
-            feed_earlier_state(
-                runner, state, findings.culprits, findings.kind, findings.evidence, (dump_info or {}).get("step")
-            )
+            feed_earlier_state(runner, state, blamed, findings.kind, findings.evidence, (dump_info or {}).get("step"))
     return assemble_report(findings, runner, dump_info, started)
 
 
