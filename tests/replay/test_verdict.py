@@ -553,3 +553,35 @@ def test_a_nan_at_the_end_of_exponential_growth_is_the_divergence_whoever_crosse
     text = " ".join([v.headline, v.explanation, *v.suggestions])
     assert "no sample is to blame" in v.headline and "Filter" not in text
     assert "normalisation eps" not in text  # not the normalisation's fault: the weights are far gone
+
+
+def test_samples_found_on_a_state_at_the_edge_of_fp16_are_not_blamed():
+    """Issue 44: the verdict, not the engine, decides that the samples bisection found on a state at the edge of fp16
+    are not to blame; the explanation says why, with the margin measured without them."""
+    from forensics.replay.judge.verdict import withheld
+
+    found = dict(culprit_samples=["rec-9"], fp32_reproduces=False, autocast_dtype="float16", phase="forward")
+    blamed = check_shape(decide_verdict(facts(**found)))
+    assert "'rec-9'" in blamed.headline
+    v = check_shape(decide_verdict(facts(**found, edge_share=0.62, edge_excluded=1)))
+    assert v.kind == "numerical_precision"
+    assert "rec-9" not in v.headline and not any("rec-9" in s for s in v.suggestions)
+    assert v.explanation.endswith(
+        "Without the 1 sample(s) bisection isolated, the rest of the step still reaches 62 % of fp16's max (65,504): "
+        "the model's state is at the edge of fp16, and whichever sample crosses first is not to blame."
+    )
+    assert withheld(False, 0.62, None) and withheld(False, None, None) is None
+
+
+def test_samples_found_for_a_spike_in_a_run_diverged_long_before_are_not_blamed():
+    from forensics.replay.judge.verdict import withheld
+
+    diverged = "the loss has been 40x its start since step 120"
+    v = check_shape(
+        decide_verdict(
+            facts(trigger_kind="loss_spike", trigger_value=91.0, culprit_samples=["rec-3"], run_diverged=diverged)
+        )
+    )
+    assert v.kind == "spike_no_single_cause"
+    assert "rec-3" not in v.headline and not any("rec-3" in s for s in v.suggestions)
+    assert withheld(True, None, diverged) and withheld(False, None, diverged) is None  # a NaN is not a spike
