@@ -44,8 +44,10 @@ def stage(progress: Progress | None, message: str) -> None:
             logger.debug("progress callback failed", exc_info=True)
 
 
-def weigh_evidence(findings: Findings, session: ReplaySession, runner: StepRunner) -> RecordEvidence:
-    """Stage 8: is there evidence that the culprits' records are bad data, or are they triggers?"""
+def weigh_evidence(
+    findings: Findings, blamed: list[SampleRef], session: ReplaySession, runner: StepRunner
+) -> RecordEvidence:
+    """Stage 8: is there evidence that the `blamed` culprits' records are bad data, or are they triggers?"""
     precision = cast("dict[str, Any]", findings.precision or {})
     low_job = (
         session.autocast_dtype is not None
@@ -54,13 +56,13 @@ def weigh_evidence(findings: Findings, session: ReplaySession, runner: StepRunne
     )
     full_precision = precision.get("fp32_reproduces") is True or (not low_job and not session.scaler_enabled)
     evidence = weigh(
-        findings.culprits,
+        blamed,
         cast("list[dict]", findings.per_sample),
         findings.sample_facts,
         nonfinite_trigger=not findings.kind.spike,
         full_precision=full_precision,
         isolated=(findings.bisection.block or {}).get("test") == "isolation",
-        others_far=lambda: (others_share(runner, findings.culprits) or 1.0) < FAR_FROM_LIMIT,
+        others_far=lambda: (others_share(runner, blamed) or 1.0) < FAR_FROM_LIMIT,
     )
     if not evidence.bad_data:
         logger.info("no evidence that the culprits' records are bad: they are triggers (%s)", evidence.ordinary)

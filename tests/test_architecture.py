@@ -343,3 +343,75 @@ def test_the_architecture_kinds_table_lists_every_kind_and_member():
             assert str(member.value) in members or member.name in members, (
                 f"docs/ARCHITECTURE.md's kinds table lacks {kind.__name__}.{member.name}"
             )
+
+
+# -- the verdict seam: one place decides the verdict and whom it blames -----------------------------------------------
+OWN_VERDICTS = {"replay/judge/precursor.py", "replay/judge/between_steps.py"}
+"""Reports of dumps with no model step to replay (a precursor dump, an exception between steps): each has the one
+verdict kind its dump's kind fixes (instability_ahead, exception), built with the report itself."""
+
+
+def _replay_trees() -> dict[str, ast.AST]:
+    return {p.relative_to(ROOT).as_posix(): ast.parse(p.read_text()) for p in sorted((ROOT / "replay").rglob("*.py"))}
+
+
+def test_only_the_verdict_modules_decide_a_verdict_kind_or_withhold_blame():
+    """Outside replay/judge/verdict*.py nothing clears the culprits the stages found (the verdict decides whom it
+    blames: replay/judge/verdict.blamed_samples) nor names a verdict kind except to compare with it."""
+    wrong = []
+    for rel, tree in _replay_trees().items():
+        if rel.startswith("replay/judge/verdict"):
+            continue
+        compared = {id(n) for c in ast.walk(tree) if isinstance(c, ast.Compare) for n in ast.walk(c)}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if any(isinstance(t, ast.Attribute) and t.attr == "culprits" for t in targets) and (
+                    isinstance(node.value, ast.List) and not node.value.elts
+                ):
+                    wrong.append(f"{rel}:{node.lineno}: clears the culprits")
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                if (
+                    node.func.attr in ("clear", "pop", "remove")
+                    and getattr(node.func.value, "attr", None) == "culprits"
+                ):
+                    wrong.append(f"{rel}:{node.lineno}: takes samples out of the culprits")
+            if isinstance(node, ast.Delete) and any(
+                isinstance(t, ast.Subscript) and getattr(t.value, "attr", None) == "culprits" for t in node.targets
+            ):
+                wrong.append(f"{rel}:{node.lineno}: takes samples out of the culprits")
+            if rel in OWN_VERDICTS:
+                continue
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("Verdict", "verdict_node"):
+                wrong.append(f"{rel}:{node.lineno}: builds a verdict")
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "VerdictKind"
+                and id(node) not in compared
+            ):
+                wrong.append(f"{rel}:{node.lineno}: names VerdictKind.{node.attr} other than to compare with it")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_decide_verdict_returns_the_typed_verdict_and_the_replay_builds_the_tree_directly():
+    """The replay's report is built as the tree (forensics/report/tree.py), not as a dict parsed back: parse_report is
+    for reading report.json (and the two reports of OWN_VERDICTS, still built as dicts)."""
+    import typing
+
+    from forensics.report.tree import Verdict
+    from forensics.replay.judge.verdict import decide_verdict
+
+    assert typing.get_type_hints(decide_verdict)["return"] is Verdict
+    readers = {"replay/repro.py"}  # `forensics repro --report DIR` reads a report.json back
+    parsing = sorted(
+        rel
+        for rel, tree in _replay_trees().items()
+        if rel not in OWN_VERDICTS | readers
+        and any(
+            isinstance(n, (ast.Name, ast.Attribute))
+            and "parse_report" in (getattr(n, "id", None), getattr(n, "attr", None))
+            for n in ast.walk(tree)
+        )
+    )
+    assert not parsing, f"parse_report on the replay path: {parsing}"

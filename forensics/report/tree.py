@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, ClassVar, Mapping, TypeVar
 
 from forensics.core.trigger import Trigger
+from forensics.report.model import to_json_safe
 
 N = TypeVar("N", bound="Node")
 
@@ -91,6 +93,14 @@ class Node:
         node._raw = raw
         return node
 
+    @classmethod
+    def built(cls: type[N], **values: Any) -> N:
+        """A block built in code holding the keys given, in the order given, and no other (the constructor's block
+        holds every field, in field order): a key left out stays absent from its JSON until its field is set."""
+        node = cls(**values)
+        node._keys = tuple(values)
+        return node
+
     def as_dict(self) -> dict:
         """The block as JSON: its keys in the order they were read (or field order), absent keys left out."""
         fields = {f.name: f for f in self._fields()}
@@ -121,6 +131,8 @@ class Node:
 def _json(value: Any) -> Any:
     if isinstance(value, Node):
         return value.as_dict()
+    if isinstance(value, Enum):  # a kind set in code (forensics.core.kinds): its value, as report.json holds it
+        return value.value
     if isinstance(value, list):
         return [_json(v) for v in value]
     return value
@@ -162,8 +174,9 @@ class TriggerBlock(Node):
 
     @classmethod
     def of(cls, trigger: Trigger) -> "TriggerBlock":
-        """The one builder of the report's trigger block."""
-        return cls(trigger.kind.value, trigger.value, trigger.threshold, trigger.micro_batch, trigger.detail)
+        """The one builder of the report's trigger block; a non-finite value as report.json holds it ("nan")."""
+        value, threshold = to_json_safe([trigger.value, trigger.threshold])
+        return cls(trigger.kind.value, value, threshold, trigger.micro_batch, trigger.detail)
 
 
 @dataclass
@@ -227,7 +240,11 @@ class RngCheck(Node):
 
 @dataclass
 class Verdict(Node):
+    """`verdict`: what the replay concludes (built by forensics.replay.judge.verdict.decide_verdict)."""
+
     kind: str | None = None
+    """A forensics.core.kinds.VerdictKind when the replay built it (a str Enum); the string as read from a report.json
+    (which may hold a kind this forensics does not know)."""
     headline: str | None = None
     explanation: str | None = None
     suggestions: list | None = None
@@ -457,7 +474,8 @@ class Repro(Node):
 
 @dataclass
 class Report(Node):
-    """The whole report. Built by `parse_report`; `as_dict()` is report.json's content."""
+    """The whole report. Built by the replay (forensics.replay.judge.assemble) or read by `parse_report`; `as_dict()` is
+    report.json's content."""
 
     schema: str | None = None
     created_at: str | None = None

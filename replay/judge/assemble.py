@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from datetime import datetime, timezone
-from typing import Any, cast
+from typing import Any, Mapping, cast
 
 import torch
 
@@ -15,111 +15,119 @@ from forensics.format.jsonio import lenient_float
 from forensics.format.batch_tree import tensor_leaves
 from forensics.core.kinds import HistoryPattern, Phase, TriggerKind, VerdictKind
 from forensics.report.model import schema_for, to_json_safe
-from forensics.report.tree import Culprit, Report, TriggerBlock, parse_report
+from forensics.report.tree import (
+    N,
+    Bisection,
+    CaptureEnv,
+    Culprit,
+    CulpritSample,
+    DumpInfo,
+    Environment,
+    ExceptionBlock,
+    Fidelity,
+    History,
+    LayerRow,
+    Precision,
+    Remedies,
+    ReplayEnv,
+    Report,
+    RngCheck,
+    SampleRow,
+    Stats,
+    Timings,
+    TriggerBlock,
+)
 from forensics.replay.culprits.per_sample import rank_by_loss
 from forensics.replay.culprits.sample_facts import describe
 from forensics.replay.judge.findings import Findings
 from forensics.replay.judge.remedies import tested_suggestions
-from forensics.replay.judge.verdict import VerdictFacts, decide_verdict
+from forensics.replay.judge.verdict import VerdictFacts, blamed_samples, decide_verdict
 from forensics.replay.load.environment import replay_environment
 from forensics.replay.load.session import ReplaySession
 from forensics.replay.localize.forward_backward import INPUT_MODULE, ROOT_MODULE
-from forensics.replay.run.execute import StepRunner
+from forensics.replay.run.execute import SampleRef, StepRunner
 from forensics.replay.run.units import explaining_factor, recorded_factors
 
 
 def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | None, started: float) -> Report:
-    """The report of one replay, JSON-safe (non-finite floats as "nan"/"inf")."""
+    """The report of one replay, built as the tree its renderers read; JSON-safe (non-finite floats as "nan"/"inf")."""
     session = runner.session
     rank = int((dump_info or {}).get("rank") or 0)
-    culprit = culprit_block(findings, rank, session.positional_ids)
+    blamed = blamed_samples(findings)  # the bisection block keeps what was found; the culprit, whom the verdict blames
+    culprit = culprit_block(findings, rank, session.positional_ids, blamed)
     fidelity = findings.reproduction.fidelity
     if findings.kind is TriggerKind.NONFINITE_PARAM and findings.optimizer is not None:
         fidelity["optimizer_reproduced"] = True
-    verdict = decide_verdict(verdict_facts(findings, session, dump_info, culprit))
-    if (
-        verdict["kind"] != VerdictKind.EXCEPTION.value
-        and findings.evidence is not None
-        and not findings.evidence.bad_data
-    ):
+    verdict = decide_verdict(verdict_facts(findings, session, dump_info, culprit, blamed))
+    if verdict.kind != VerdictKind.EXCEPTION and findings.evidence is not None and not findings.evidence.bad_data:
         for sample in culprit.samples:  # named as the first to cross, not as bad data: no blocklist lists them
             sample.trigger = True
     if findings.remedies:  # a tested fix comes before what is only suggested
         diverged = bool(findings.history.diverged) or findings.history.pattern is HistoryPattern.DIVERGED
-        blames = verdict["kind"] in (VerdictKind.BAD_SAMPLE.value, VerdictKind.EXCEPTION.value) or (
-            verdict["kind"] == VerdictKind.NUMERICAL_PRECISION.value
+        blames = verdict.kind in (VerdictKind.BAD_SAMPLE, VerdictKind.EXCEPTION) or (
+            verdict.kind == VerdictKind.NUMERICAL_PRECISION
             and findings.evidence is not None
             and findings.evidence.bad_data
         )
         first, last = tested_suggestions(
-            findings.remedies,
-            diverged=diverged,
-            blames_data=blames,
-            trigger=verdict["kind"] == VerdictKind.TRIGGER_SAMPLE.value,
+            findings.remedies, diverged=diverged, blames_data=blames, trigger=verdict.kind == VerdictKind.TRIGGER_SAMPLE
         )
-        verdict["suggestions"] = list(dict.fromkeys(first + verdict["suggestions"] + last))
-    if findings.margin is not None and findings.margin["at_the_edge"]:
-        verdict["explanation"] = (
-            (verdict.get("explanation") or "")
-            + (
-                f" Without the {findings.margin['samples_excluded']} sample(s) bisection isolated, the rest of the step "
-                f"still reaches {100 * findings.margin['share']:.0f} % of fp16's max (65,504): the model's state is at "
-                "the edge of fp16, and whichever sample crosses first is not to blame."
-            )
-        ).strip()
-    trigger = findings.trigger
-    history = findings.history
-    report: dict[str, Any] = {
-        "schema": schema_for(verdict["kind"]),
-        "created_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "dump": {
-            "num_micro_batches": max(len(session.micro_batches), session.step_micro_batches),
-            **(
-                dump_info
-                or {
-                    "path": None,
-                    "run_id": None,
-                    "step": 0,
-                    "rank": rank,
-                    "world_size": session.world_size,
-                    "missing_ranks": [],
-                }
-            ),
-        },
-        "trigger": TriggerBlock.of(trigger).as_dict(),
-        "environment": {
-            "capture": session.capture_environment,
-            "replay": replay_environment(session.device),
-            "warnings": list(session.warnings),
-        },
-        "reproduced": findings.reproduced,
-        "fidelity": fidelity,
-        "rng": findings.rng,
-        "verdict": verdict,
-        "culprit": culprit.as_dict(),
-        "precision": findings.precision,
-        "margin": findings.margin,
-        "evidence": findings.evidence.as_dict() if findings.evidence is not None else None,
-        "bisection": findings.bisection.block,
-        "per_sample": findings.per_sample,
-        "per_layer": findings.per_layer,
-        "history": history.block,
-        "history_pattern": history.pattern.value,
-        "timings": {"total_s": round(time.monotonic() - started, 3), "passes": runner.passes},
+        verdict.suggestions = list(dict.fromkeys(first + (verdict.suggestions or []) + last))
+    unknown: dict[str, Any] = {
+        "path": None,
+        "run_id": None,
+        "step": 0,
+        "rank": rank,
+        "world_size": session.world_size,
+        "missing_ranks": [],
     }
-    if history.signals:
-        report["history"]["signals"] = history.signals
-    if history.diverged and report["history"] is not None:
-        report["history"]["diverged"] = history.diverged
-    if history.reading.onset is not None and report["history"] is not None:
-        report["history"]["shows"] = history.reading.sentences
+    dump = {"num_micro_batches": max(len(session.micro_batches), session.step_micro_batches), **(dump_info or unknown)}
+    history = findings.history
+    report = Report.built(
+        schema=schema_for(str(verdict.kind)),
+        created_at=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        dump=DumpInfo.parse(to_json_safe(dump)),
+        trigger=TriggerBlock.of(findings.trigger),
+        environment=Environment.built(
+            capture=CaptureEnv.parse(to_json_safe(session.capture_environment)),
+            replay=ReplayEnv.parse(to_json_safe(replay_environment(session.device))),
+            warnings=to_json_safe(list(session.warnings)),
+        ),
+        reproduced=findings.reproduced,
+        fidelity=Fidelity.parse(to_json_safe(fidelity)),
+        rng=_block(RngCheck, findings.rng),
+        verdict=verdict,
+        culprit=culprit,
+        precision=_block(Precision, findings.precision),
+        margin=to_json_safe(findings.margin),
+        evidence=to_json_safe(findings.evidence.as_dict()) if findings.evidence is not None else None,
+        bisection=_block(Bisection, findings.bisection.block),
+        per_sample=[SampleRow.parse(row) for row in to_json_safe(findings.per_sample)],
+        per_layer=[LayerRow.parse(row) for row in to_json_safe(findings.per_layer)],
+        history=_block(History, history.block),
+        history_pattern=history.pattern.value,
+        timings=Timings(total_s=round(time.monotonic() - started, 3), passes=runner.passes),
+    )
+    if report.history is not None:
+        if history.signals:
+            report.history.signals = to_json_safe(history.signals)
+        if history.diverged:
+            report.history.diverged = history.diverged
+        if history.reading.onset is not None:
+            report.history.shows = to_json_safe(history.reading.sentences)
     if findings.kind is TriggerKind.EXCEPTION:
-        report["exception"] = _exception_block(findings, session)
+        report.exception = ExceptionBlock.parse(to_json_safe(_exception_block(findings, session)))
     if findings.corrupted:
-        report["weights"] = _weights_block(findings)
+        report.weights = to_json_safe(_weights_block(findings))
     if findings.remedies:
-        report["remedies"] = findings.remedies
-    return parse_report(to_json_safe(report))
+        report.remedies = _block(Remedies, findings.remedies)
+    return report
+
+
+def _block(cls: type[N], found: Mapping | None) -> N | None:
+    """A stage's finding whose keys are its report block's (a TypedDict, replay/judge/findings.py) as that block,
+    JSON-safe; None: the stage did not run."""
+    return cls.parse(to_json_safe(found)) if found is not None else None
 
 
 def _weights_block(findings: Findings) -> dict:
@@ -158,64 +166,46 @@ def _exception_block(findings: Findings, session: ReplaySession) -> dict:
     }
 
 
-def culprit_block(findings: Findings, rank: int, positional: frozenset[int] = frozenset()) -> Culprit:
-    """The report's `culprit` block: the samples, and where the first non-finite value appeared; a sample whose
-    ID is only its position in the batch (`positional`: micro-batches recorded without IDs) says so."""
+def culprit_block(
+    findings: Findings, rank: int, positional: frozenset[int] = frozenset(), blamed: list[SampleRef] | None = None
+) -> Culprit:
+    """The report's `culprit` block: the samples the verdict blames (`blamed`; default: every one found), and where
+    the first non-finite value appeared; a sample whose ID is only its position in the batch (`positional`:
+    micro-batches recorded without IDs) says so."""
     forward, backward, optimizer = findings.forward, findings.backward, findings.optimizer
     samples = []
-    for ref in findings.culprits:
-        sample = {"sample_id": ref.sample_id, "micro_batch": ref.micro_batch, "index": ref.index, "rank": rank}
+    for ref in findings.culprits if blamed is None else blamed:
+        sample = CulpritSample.built(
+            sample_id=to_json_safe(ref.sample_id), micro_batch=ref.micro_batch, index=ref.index, rank=rank
+        )
         if ref.micro_batch in positional:
-            sample["positional"] = True
+            sample.positional = True
         if ref in findings.sample_facts:
-            sample["description"] = describe(findings.sample_facts[ref])
+            sample.description = describe(findings.sample_facts[ref])
         samples.append(sample)
-    block: dict[str, Any] = {
-        "samples": samples,
-        "module": None,
-        "op": None,
-        "phase": None,
-        "parameter": None,
-        "optimizer_state": None,
-        "stats": {"inputs_absmax": None, "outputs_absmax": None, "params_absmax": None},
-        "traceback": None,
-    }
+    block = Culprit(samples=samples, stats=Stats(), phase=None)
     if forward is not None:
-        from_data = (forward.module or "").startswith(
-            INPUT_MODULE + "."
-        )  # a batch field, named in `module`, not a parameter
-        block.update(
-            module=forward.module,
-            op=forward.op,
-            phase=Phase.FORWARD,
-            stats=dict(forward.stats),
-            parameter=forward.nonfinite_inputs[0] if forward.nonfinite_inputs and not from_data else None,
-        )
+        from_data = (forward.module or "").startswith(INPUT_MODULE + ".")  # a batch field, named in `module`
+        block.module, block.op, block.phase = forward.module, forward.op, Phase.FORWARD
+        block.stats = Stats.parse(to_json_safe(forward.stats))
+        block.parameter = forward.nonfinite_inputs[0] if forward.nonfinite_inputs and not from_data else None
     elif backward is not None:
-        block.update(
-            module=backward.module,
-            op=backward.op,
-            phase=Phase.BACKWARD,
-            parameter=backward.parameter,
-            traceback=backward.traceback,
-        )
+        block.module, block.op, block.phase = backward.module, backward.op, Phase.BACKWARD
+        block.parameter, block.traceback = backward.parameter, backward.traceback
     elif optimizer is not None:
-        block.update(
-            phase=Phase.OPTIMIZER,
-            parameter=optimizer.parameter,
-            optimizer_state=optimizer.optimizer_state,
-            module=optimizer.parameter.rpartition(".")[0] or ROOT_MODULE if optimizer.parameter else None,
-        )
+        block.phase, block.parameter = Phase.OPTIMIZER, optimizer.parameter
+        block.optimizer_state = optimizer.optimizer_state
+        block.module = optimizer.parameter.rpartition(".")[0] or ROOT_MODULE if optimizer.parameter else None
     if findings.exception is not None:
-        block.update(module=findings.exception.module, op=findings.exception.op, phase=findings.exception.phase)
+        block.module, block.op, block.phase = findings.exception.module, findings.exception.op, findings.exception.phase
     if findings.weights_nonfinite:  # the weights themselves: name the first broken one
         name = findings.weights_nonfinite[0]
-        block["parameter"] = name
-        if block["module"] is None:
-            block["module"] = name.rpartition(".")[0] or ROOT_MODULE
-    if block["phase"] is None:
-        block["phase"] = findings.phase
-    return Culprit.parse(block)
+        block.parameter = name
+        if block.module is None:
+            block.module = name.rpartition(".")[0] or ROOT_MODULE
+    if block.phase is None:
+        block.phase = findings.phase
+    return block
 
 
 def _unit_words(findings: Findings, session: ReplaySession) -> str | None:
@@ -231,8 +221,11 @@ def _unit_words(findings: Findings, session: ReplaySession) -> str | None:
     return unit.words(what) if unit is not None else None
 
 
-def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | None, culprit: Culprit) -> VerdictFacts:
-    """What the verdict rules (replay/judge/verdict.py) decide on, read from the typed findings."""
+def verdict_facts(
+    findings: Findings, session: ReplaySession, dump_info: dict | None, culprit: Culprit, blamed: list[SampleRef]
+) -> VerdictFacts:
+    """What the verdict rules (replay/judge/verdict.py) decide on, read from the typed findings; `blamed`: the samples
+    the verdict blames (replay/judge/verdict.blamed_samples), of those found."""
     kind, trigger, result = findings.kind, findings.trigger, findings.reproduction.result
     micro_batch = trigger.micro_batch
     if micro_batch is None and findings.forward is not None:
@@ -242,6 +235,9 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
     sizes = findings.sizes
     tested = cast("dict[str, Any]", findings.remedies or {}).get("tested", [])
     remedies = {row["kind"]: row.get("healthy") for row in tested}
+    stats = findings.forward.stats if findings.forward is not None else {}  # as measured (the culprit's are JSON-safe)
+    margin = findings.margin
+    edge = margin if margin is not None and margin["at_the_edge"] else None
     return VerdictFacts(
         remedies=remedies,
         culprits_each_fail_alone=findings.bisection.independent_groups > 1,
@@ -265,11 +261,11 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
         parameter=culprit.parameter,
         optimizer_state=culprit.optimizer_state,
         optimizer_class=findings.optimizer.optimizer_class if findings.optimizer is not None else None,
-        inputs_absmax=culprit.stats.inputs_absmax,
-        outputs_absmax=culprit.stats.outputs_absmax,
-        culprit_samples=[r.sample_id for r in findings.culprits],
-        culprit_facts=[fact for r in findings.culprits for fact in findings.sample_facts.get(r, [])],
-        culprit_subset_size=len(findings.culprits),
+        inputs_absmax=stats.get("inputs_absmax"),
+        outputs_absmax=stats.get("outputs_absmax"),
+        culprit_samples=[r.sample_id for r in blamed],
+        culprit_facts=[fact for r in blamed for fact in findings.sample_facts.get(r, [])],
+        culprit_subset_size=len(blamed),
         candidates=len(session.sample_refs),
         bisect_runs=findings.bisection.runs,
         all_subsets_fail=findings.bisection.all_failed,
@@ -282,8 +278,10 @@ def verdict_facts(findings: Findings, session: ReplaySession, dump_info: dict | 
         per_sample_top=cast("list[dict]", rank_by_loss(findings.per_sample)[:3]) if findings.per_sample else [],
         rng_dependent=rng.get("rng_dependent"),
         rng_seeds_tried=len(rng.get("seeds") or []),
-        data_kind=_data_kind(session, findings),
+        data_kind=_data_kind(session, blamed),
         run_diverged=findings.history.diverged,
+        edge_share=edge["share"] if edge is not None else None,
+        edge_excluded=edge["samples_excluded"] if edge is not None else 0,
         corrupted_weights=[c.as_dict() for c in findings.corrupted],
         touching_samples=sorted({r.sample_id for refs in (findings.touching or {}).values() for r in refs}, key=str)
         if findings.touching is not None
@@ -326,9 +324,9 @@ def _lr(session: ReplaySession) -> float | None:
     return lenient_float(groups[0].get("lr")) if groups and isinstance(groups[0], dict) else None
 
 
-def _data_kind(session: ReplaySession, findings: Findings) -> str | None:
+def _data_kind(session: ReplaySession, blamed: list[SampleRef]) -> str | None:
     """'tokens' or 'float': what the culprit's micro-batch holds (see VerdictFacts.data_kind)."""
-    index = findings.culprits[0].micro_batch if findings.culprits else 0
+    index = blamed[0].micro_batch if blamed else 0
     return batch_data_kind(session.micro_batches[index]) if session.micro_batches else None
 
 

@@ -13,6 +13,15 @@
 | a spike (finite trigger) with no culprit subset                   | `spike_no_single_cause` |
 | anything else (non-finite, but only the whole batch fails)        | `model_state`           |
 
+The samples bisection found are blamed unless (`withheld`, the one rule for it; `blamed_samples` applies it to the
+replay's findings, and the report's `culprit.samples` lists only the samples blamed, its `bisection` block what was
+found):
+
+| found samples, but                                                                 | blamed |
+|------------------------------------------------------------------------------------|--------|
+| the step fails only in fp16, and without them the rest still reaches HEADROOM of fp16's max (`margin`) | none: the state is at the edge |
+| the trigger is a spike, and the run diverged long before (`history.diverged`)      | none: the spike is that run's symptom |
+
 Before the weight / precision / sample rules, a spike whose own update wrecks the weights (window replay) or in a
 run whose loss had long left where it started is `spike_no_single_cause` with no sample named; a step whose
 gradients are all finite but whose norm overflows (a divergence) is `model_state`.
@@ -28,7 +37,12 @@ triage order (where, reproduction, culprit, precision, history); suggestions are
 
 from __future__ import annotations
 
+import dataclasses
+
 from forensics.core.kinds import HistoryPattern, Phase, TriggerKind
+from forensics.report.tree import Verdict
+from forensics.replay.judge.findings import Findings
+from forensics.replay.run.execute import SampleRef
 from forensics.replay.judge.verdict_data import bad_sample, exception_verdict, numerical_precision, trigger_sample
 from forensics.replay.judge.verdict_facts import VerdictFacts, has_culprit, low_precision, whole_batch
 from forensics.replay.judge.verdict_state import (
@@ -44,22 +58,51 @@ from forensics.replay.judge.verdict_state import (
 )
 
 
-def decide_verdict(facts: VerdictFacts) -> dict:
+def withheld(spike: bool | None, edge_share: float | None, run_diverged: str | None) -> str | None:
+    """Why the samples bisection found are not blamed (the second table of the module docstring); None: they are.
+
+    Args:
+        spike: the trigger is a finite spike.
+        edge_share: the fp16 margin, when the state is at the edge (VerdictFacts.edge_share); None otherwise.
+        run_diverged: the sentence saying the run diverged long before (VerdictFacts.run_diverged), or None.
+    """
+    if edge_share is not None:
+        return "the state is at the edge of fp16: whichever sample crosses first is not to blame"
+    if spike and run_diverged:
+        return "the run diverged long before: the samples whose removal ends the spike are not culprits"
+    return None
+
+
+def blamed_samples(findings: Findings) -> list[SampleRef]:
+    """The samples the verdict blames, of those bisection (or the sizes, or the batch's own non-finite field) found:
+    all of them, or none where `withheld` says so. The stages that act on blamed samples only (the per-sample rows
+    they are sure to get, the remedy that drops them, the evidence against their records, the earlier state they
+    are fed to) ask it with what is known when they run; the report asks it once everything is."""
+    margin = findings.margin
+    edge = margin["share"] if margin is not None and margin["at_the_edge"] else None
+    if withheld(findings.kind.spike, edge, findings.history.diverged):
+        return []
+    return list(findings.culprits)
+
+
+def decide_verdict(facts: VerdictFacts) -> Verdict:
     """The report's `verdict` section from the replay's findings (rules in the module docstring).
 
     Args:
         facts: what the replay established.
     Returns:
-        `{"kind", "headline", "explanation", "suggestions"}` with kind a forensics.core.kinds.VerdictKind value.
+        The verdict: its kind (a forensics.core.kinds.VerdictKind), headline, explanation and suggestions.
     Example:
         >>> v = decide_verdict(VerdictFacts("nonfinite_loss", True, step=41217, rank=3,
         ...                                 culprit_samples=["shard-0192/rec-55411"], candidates=32,
         ...                                 bisect_runs=6, phase="forward",
         ...                                 module="model.layers.17.mlp.down_proj", op="aten::mm"))
-        >>> v["kind"], v["headline"]
+        >>> v.kind.value, v.headline
         ('bad_sample', "Sample 'shard-0192/rec-55411' alone makes the loss non-finite at step 41217 (rank 3) in the forward pass at `model.layers.17.mlp.down_proj` (aten::mm).")
     """
     f = facts
+    if f.culprit_samples and withheld(f.spike, f.edge_share, f.run_diverged):
+        f = _unblamed(f)
     if not f.reproduced and not f.trigger_local:
         return inherited(f)
     if not f.reproduced:
@@ -94,4 +137,18 @@ def decide_verdict(facts: VerdictFacts) -> dict:
     return model_state(f)
 
 
-__all__ = ["VerdictFacts", "decide_verdict"]
+def _unblamed(f: VerdictFacts) -> VerdictFacts:
+    """`f` with the samples found but not blamed left out: what the verdict decides on is then the step without a
+    culprit (the report's `bisection` block still says what was found)."""
+    return dataclasses.replace(
+        f,
+        culprit_samples=[],
+        culprit_facts=[],
+        culprit_subset_size=0,
+        record_evidence=[],
+        ordinary_record=None,
+        earlier_state=None,
+    )
+
+
+__all__ = ["VerdictFacts", "blamed_samples", "decide_verdict", "withheld"]

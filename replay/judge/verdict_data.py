@@ -3,6 +3,7 @@ with or without data, a step that raises, a sample too large for memory."""
 
 from __future__ import annotations
 
+from forensics.report.tree import Verdict
 from forensics.core.kinds import VerdictKind
 from forensics.replay.judge.verdict_facts import (
     INPUT_PREFIX,
@@ -23,13 +24,13 @@ from forensics.replay.judge.verdict_words import (
     samples_phrase,
     size_words,
     state_hints,
-    verdict_dict,
+    verdict_node,
     where_step,
     where_value,
 )
 
 
-def numerical_precision(f: VerdictFacts) -> dict:
+def numerical_precision(f: VerdictFacts) -> Verdict:
     dtype = low_precision(f) or "float16 / bfloat16"
     with_data = blames_data(f)
     who = f" and only with {samples_phrase(f, lower=True).rstrip(',')}," if with_data else ""
@@ -67,10 +68,10 @@ def numerical_precision(f: VerdictFacts) -> dict:
             f"Keep bfloat16 but run {target} in fp32: wrap it in torch.autocast(..., "
             "enabled=False) and cast its input to float32."
         )
-    return verdict_dict(VerdictKind.NUMERICAL_PRECISION, headline, f, suggestions + op_hints(f) + pattern_hints(f))
+    return verdict_node(VerdictKind.NUMERICAL_PRECISION, headline, f, suggestions + op_hints(f) + pattern_hints(f))
 
 
-def exception_verdict(f: VerdictFacts) -> dict:
+def exception_verdict(f: VerdictFacts) -> Verdict:
     """The step raises on replay too: where, which samples, and the data that made it raise."""
     what = f.exception_type or "an exception"
     where = f" at `{f.module}`" if f.module else ""
@@ -123,10 +124,10 @@ def exception_verdict(f: VerdictFacts) -> dict:
             "Every subset of samples raises: the model code or its configuration is at fault, not "
             "one record; the traceback in report.json shows where."
         )
-    return verdict_dict(VerdictKind.EXCEPTION, headline, f, suggestions, reading)
+    return verdict_node(VerdictKind.EXCEPTION, headline, f, suggestions, reading)
 
 
-def oversized(f: VerdictFacts, phase: str, where: str) -> dict:
+def oversized(f: VerdictFacts, phase: str, where: str) -> Verdict:
     """Out of memory with a sample far larger than the others: that sample, by its size."""
     top = f.size_outliers[0]
     headline = f"{size_words(f)} makes {where_step(f)} run out of memory{phase}{where}."
@@ -140,10 +141,10 @@ def oversized(f: VerdictFacts, phase: str, where: str) -> dict:
         "Cap the sequence length (truncate in the collate function or the tokenizer's max_length), or "
         "batch by length so one long sample cannot set the size of a whole micro-batch.",
     ]
-    return verdict_dict(VerdictKind.EXCEPTION, headline, f, suggestions, reading)
+    return verdict_node(VerdictKind.EXCEPTION, headline, f, suggestions, reading)
 
 
-def bad_sample(f: VerdictFacts) -> dict:
+def bad_sample(f: VerdictFacts) -> Verdict:
     headline = f"{samples_phrase(f)} makes {what(f)} at {where_step(f)}{where_value(f)}."
     if (f.culprit_subset_size or 0) > 1:
         headline = headline.replace(" makes ", " make ", 1)
@@ -177,10 +178,10 @@ def bad_sample(f: VerdictFacts) -> dict:
     hints = op_hints(f)
     if low_precision(f) == "float16" and not any("bfloat16" in h for h in hints):
         hints.append("The job runs in float16: bfloat16 has fp32's range and tolerates outliers better.")
-    return verdict_dict(VerdictKind.BAD_SAMPLE, headline, f, suggestions + hints + pattern_hints(f), reading)
+    return verdict_node(VerdictKind.BAD_SAMPLE, headline, f, suggestions + hints + pattern_hints(f), reading)
 
 
-def trigger_sample(f: VerdictFacts) -> dict:
+def trigger_sample(f: VerdictFacts) -> Verdict:
     """Bisection isolated samples, but nothing shows their records are bad: they crossed first on a state that could
     not take them (replay/culprits/evidence.py)."""
     phrase = samples_phrase(f)
@@ -205,4 +206,4 @@ def trigger_sample(f: VerdictFacts) -> dict:
             "snapshot_every=K)) keeps one in every dump, or pass --from CHECKPOINT --trust; the replay "
             "then feeds this micro-batch to it (a bad record fails there too, a trigger does not)."
         )
-    return verdict_dict(VerdictKind.TRIGGER_SAMPLE, headline, f, suggestions + op_hints(f), reading)
+    return verdict_node(VerdictKind.TRIGGER_SAMPLE, headline, f, suggestions + op_hints(f), reading)

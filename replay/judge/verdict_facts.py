@@ -110,6 +110,11 @@ class VerdictFacts:
     run_diverged: str | None = None
     """A sentence when the run was far off long before this step (forensics.replay.judge.history_pattern.diverged_long_ago):
     then a spike is that run's symptom, and no sample is blamed for it."""
+    edge_share: float | None = None
+    """The fp16 margin (replay/culprits/margin.py), set only when the state is at the edge: without the samples
+    bisection isolated, the rest of the step still reaches this share of fp16's max. Then no sample is blamed."""
+    edge_excluded: int = 0
+    """The samples left out of the step to measure `edge_share`."""
     data_kind: str | None = None
     """'tokens' when the culprit's micro-batch holds integer tensors (token ids, labels), 'float' when it holds
     only floating-point data (features, embeddings, images): chooses the record-inspection hint."""

@@ -3,6 +3,7 @@ diverged run, a spike without a single cause, a replay that did not reproduce.""
 
 from __future__ import annotations
 
+from forensics.report.tree import Verdict
 from forensics.core.kinds import HistoryPattern, RemedyKind, TriggerKind, VerdictKind
 from forensics.replay.judge.verdict_facts import MAX_NAMED_SAMPLES, VerdictFacts, has_culprit, what, whole_batch
 from forensics.replay.judge.verdict_words import (
@@ -16,13 +17,13 @@ from forensics.replay.judge.verdict_words import (
     quoted_id,
     samples_phrase,
     size_words,
-    verdict_dict,
+    verdict_node,
     where_step,
     where_value,
 )
 
 
-def inherited(f: VerdictFacts) -> dict:
+def inherited(f: VerdictFacts) -> Verdict:
     """A rank whose own step is healthy: the fault reached it from another rank (e.g. via the all-reduce)."""
     rank = f"rank {f.rank}" if f.rank is not None else "this rank"
     step = f"step {f.step}" if f.step is not None else "the step"
@@ -34,7 +35,7 @@ def inherited(f: VerdictFacts) -> dict:
         f"The Guard on {rank} triggered because another rank saw a non-finite loss or gradient (trigger "
         "'local: false'); replaying this rank's own micro-batches gives a finite step, as expected."
     )
-    return verdict_dict(
+    return verdict_node(
         VerdictKind.NOT_REPRODUCED,
         headline,
         f,
@@ -47,7 +48,7 @@ def inherited(f: VerdictFacts) -> dict:
     )
 
 
-def not_reproduced(f: VerdictFacts) -> dict:
+def not_reproduced(f: VerdictFacts) -> Verdict:
     numbers = ""
     if f.trigger_kind is TriggerKind.EXCEPTION:
         numbers = (
@@ -72,7 +73,7 @@ def not_reproduced(f: VerdictFacts) -> dict:
         return memory_not_reproduced(f, headline)
     if f.unit_factor:
         return other_units(f, headline)
-    return verdict_dict(
+    return verdict_node(
         VerdictKind.NOT_REPRODUCED,
         headline,
         f,
@@ -90,7 +91,7 @@ def not_reproduced(f: VerdictFacts) -> dict:
     )
 
 
-def other_units(f: VerdictFacts, headline: str) -> dict:
+def other_units(f: VerdictFacts, headline: str) -> Verdict:
     """Not reproduced, but the ratio of recorded to replayed is a factor the job recorded: a unit, not the hardware."""
     factor = f.unit_factor or ""  # set: the caller checked
     reading = (
@@ -116,10 +117,10 @@ def other_units(f: VerdictFacts, headline: str) -> dict:
             "assumes otherwise: set GuardConfig.detection.loss_divisor to what the loop divides each "
             "micro-batch loss by."
         )
-    return verdict_dict(VerdictKind.NOT_REPRODUCED, headline, f, suggestions, reading)
+    return verdict_node(VerdictKind.NOT_REPRODUCED, headline, f, suggestions, reading)
 
 
-def memory_not_reproduced(f: VerdictFacts, headline: str) -> dict:
+def memory_not_reproduced(f: VerdictFacts, headline: str) -> Verdict:
     """The job ran out of memory and this replay did not (a device with more memory): the sizes still speak."""
     suggestions = [
         "Replay on a device with no more memory than the job's (report.json exception.memory holds the "
@@ -138,7 +139,7 @@ def memory_not_reproduced(f: VerdictFacts, headline: str) -> dict:
         suggestions.insert(
             0, "Lower the micro-batch size (with more gradient accumulation), or use activation checkpointing."
         )
-    return verdict_dict(VerdictKind.NOT_REPRODUCED, headline, f, suggestions, reading)
+    return verdict_node(VerdictKind.NOT_REPRODUCED, headline, f, suggestions, reading)
 
 
 def corruption_words(f: VerdictFacts) -> str:
@@ -157,7 +158,7 @@ def corruption_words(f: VerdictFacts) -> str:
     return "; ".join(parts)
 
 
-def model_state(f: VerdictFacts) -> dict:
+def model_state(f: VerdictFacts) -> Verdict:
     at = where_step(f)
     if f.weights_nonfinite_at_start:
         where = corruption_words(f)
@@ -246,10 +247,10 @@ def model_state(f: VerdictFacts) -> dict:
             "Look at the pre-step weights and optimizer state for huge values (per-layer table).",
             "If bisection was skipped, run the replay with it to see whether some samples alone make the step fail.",
         ]
-    return verdict_dict(VerdictKind.MODEL_STATE, headline, f, suggestions + pattern_hints(f) + op_hints(f), reading)
+    return verdict_node(VerdictKind.MODEL_STATE, headline, f, suggestions + pattern_hints(f) + op_hints(f), reading)
 
 
-def rng_dependent(f: VerdictFacts) -> dict:
+def rng_dependent(f: VerdictFacts) -> Verdict:
     """model_state's wording when the failure needs the recorded random state (kind stays model_state)."""
     at = where_step(f)
     words = f.trigger_kind.words
@@ -285,10 +286,10 @@ def rng_dependent(f: VerdictFacts) -> dict:
         "with another RNG state will likely pass this step, but the failure will come back at random.",
     ]
     hints = [] if op in LOG_OPS | DIV_OPS else op_hints(f)
-    return verdict_dict(VerdictKind.MODEL_STATE, headline, f, suggestions + hints + pattern_hints(f), reading)
+    return verdict_node(VerdictKind.MODEL_STATE, headline, f, suggestions + hints + pattern_hints(f), reading)
 
 
-def optimizer_update(f: VerdictFacts) -> dict:
+def optimizer_update(f: VerdictFacts) -> Verdict:
     name = f.optimizer_class.rsplit(".", 1)[-1] if f.optimizer_class else "optimizer"
     param = f" `{f.parameter}`" if f.parameter else " a parameter"
     why = f" ({f.optimizer_state})" if f.optimizer_state else ""
@@ -317,10 +318,10 @@ def optimizer_update(f: VerdictFacts) -> dict:
         suggestions.append("Lower the learning rate or lengthen warm-up; check weight decay is not too large.")
     if f.remedies.get(RemedyKind.CLIP_GRAD.value) is not False:
         suggestions.append("Clip gradients (clip_grad_norm_ after backward, before optimizer.step()).")
-    return verdict_dict(VerdictKind.OPTIMIZER_UPDATE, headline, f, suggestions + pattern_hints(f))
+    return verdict_node(VerdictKind.OPTIMIZER_UPDATE, headline, f, suggestions + pattern_hints(f))
 
 
-def diverging(f: VerdictFacts) -> dict:
+def diverging(f: VerdictFacts) -> Verdict:
     """A NaN/Inf at the end of a loss that grew for steps (or sat far above its start): the run diverged; whichever
     sample crossed first is not the cause, and no record shows otherwise."""
     lr = f" at a learning rate of {num(f.lr)}" if f.lr is not None else ""
@@ -342,10 +343,10 @@ def diverging(f: VerdictFacts) -> dict:
         "longer warm-up; change one setting at a time.",
         "Do not filter the samples of this step: on weights this far gone, any batch fails.",
     ]
-    return verdict_dict(VerdictKind.MODEL_STATE, headline, f, suggestions, reading)
+    return verdict_node(VerdictKind.MODEL_STATE, headline, f, suggestions, reading)
 
 
-def norm_overflow(f: VerdictFacts) -> dict:
+def norm_overflow(f: VerdictFacts) -> Verdict:
     """Every gradient value finite, their norm not: the weights and gradients grew until the norm overflowed."""
     largest = f" (the largest |gradient| is {num(f.grad_norm_overflow)})" if f.grad_norm_overflow else ""
     headline = (
@@ -365,10 +366,10 @@ def norm_overflow(f: VerdictFacts) -> dict:
         "large, clipping only hides the divergence: the learning rate is what to change.",
         "Do not filter the samples of this step: any batch gives such gradients on these weights.",
     ]
-    return verdict_dict(VerdictKind.MODEL_STATE, headline, f, suggestions, reading)
+    return verdict_node(VerdictKind.MODEL_STATE, headline, f, suggestions, reading)
 
 
-def update_too_large(f: VerdictFacts) -> dict:
+def update_too_large(f: VerdictFacts) -> Verdict:
     """Window replay: a step with finite gradients whose own update wrecks the weights — the learning rate."""
     at = f"At a learning rate of {num(f.lr)}, the" if f.lr is not None else "The"
     headline = (
@@ -391,10 +392,10 @@ def update_too_large(f: VerdictFacts) -> dict:
         else "Lower the learning rate and add a warm-up, and restart from the last checkpoint before this step.",
         "Do not filter the samples of this step: any batch gives an update that size at this learning rate.",
     ]
-    return verdict_dict(VerdictKind.SPIKE_NO_SINGLE_CAUSE, headline, f, suggestions + pattern_hints(f), reading)
+    return verdict_node(VerdictKind.SPIKE_NO_SINGLE_CAUSE, headline, f, suggestions + pattern_hints(f), reading)
 
 
-def diverged(f: VerdictFacts) -> dict:
+def diverged(f: VerdictFacts) -> Verdict:
     """A spike in a run that was already far off: the run is the problem, not a sample of this step."""
     headline = (
         f"The {f.trigger_kind.words} at {where_step(f)} is a symptom: the run had diverged long before, "
@@ -415,10 +416,10 @@ def diverged(f: VerdictFacts) -> dict:
         else None
     )
     hints = [] if f.history_pattern is HistoryPattern.DIVERGED else pattern_hints(f)  # said above already
-    return verdict_dict(VerdictKind.SPIKE_NO_SINGLE_CAUSE, headline, f, suggestions + hints, reading)
+    return verdict_node(VerdictKind.SPIKE_NO_SINGLE_CAUSE, headline, f, suggestions + hints, reading)
 
 
-def spike(f: VerdictFacts) -> dict:
+def spike(f: VerdictFacts) -> Verdict:
     value = f" to {num(f.trigger_value)}" if f.trigger_value is not None else ""
     over = f" (threshold {num(f.threshold)})" if f.threshold is not None else ""
     headline = (
@@ -441,4 +442,4 @@ def spike(f: VerdictFacts) -> dict:
         "If the run recovers on its own, a lower learning rate or tighter clipping may be enough; "
         "change one setting at a time so you learn what fixed it.",
     ]
-    return verdict_dict(VerdictKind.SPIKE_NO_SINGLE_CAUSE, headline, f, suggestions, reading)
+    return verdict_node(VerdictKind.SPIKE_NO_SINGLE_CAUSE, headline, f, suggestions, reading)

@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 from forensics.core.kinds import HistoryPattern, Phase, SampleFactKind, VerdictKind
+from forensics.report.tree import Verdict
 from forensics.report.wording import fmt_id, fmt_num, mb_number
 from forensics.replay.judge.verdict_facts import (
     INPUT_PREFIX,
@@ -273,13 +274,28 @@ def pattern_hints(f: VerdictFacts) -> list[str]:
     return []
 
 
-def verdict_dict(
+def verdict_node(
     kind: VerdictKind, headline: str, f: VerdictFacts, suggestions: list[str], reading: str | None = None
-) -> dict:
+) -> Verdict:
+    """The report's verdict every builder returns: the evidence in triage order, then the builder's reading, the
+    history, and (a state at the edge of fp16) why no sample is blamed; suggestions without repeats."""
     evidence = evidence_sentences(f) + ([reading] if reading else []) + history_sentences(f)
+    explanation = " ".join(evidence)
+    if f.edge_share is not None:
+        explanation = f"{explanation} {edge_words(f.edge_share, f.edge_excluded)}".strip()
     unique = list(dict.fromkeys(s for s in suggestions + no_blocklist(f) if s))
     log.info("verdict %s: %s", kind, headline)
-    return {"kind": kind.value, "headline": headline, "explanation": " ".join(evidence), "suggestions": unique}
+    return Verdict(kind=kind, headline=headline, explanation=explanation, suggestions=unique)
+
+
+def edge_words(share: float, excluded: int) -> str:
+    """Why the samples bisection isolated are not blamed: the rest of the step is at fp16's limit too
+    (replay/culprits/margin.py)."""
+    return (
+        f"Without the {excluded} sample(s) bisection isolated, the rest of the step still reaches {100 * share:.0f} % "
+        "of fp16's max (65,504): the model's state is at the edge of fp16, and whichever sample crosses first is not "
+        "to blame."
+    )
 
 
 RECORD_HINTS = {
@@ -386,7 +402,8 @@ __all__ = [
     "quoted_id",
     "samples_phrase",
     "state_hints",
-    "verdict_dict",
+    "edge_words",
+    "verdict_node",
     "where_step",
     "where_value",
 ]

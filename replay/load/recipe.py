@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 
 from forensics.core.errors import RecipeError
-from forensics.format.location import Location, is_url
+from forensics.format.location import Location, RemotePath, is_url
 from forensics.recipes import is_builtin
 from forensics.report.wording import clean
 from forensics.replay.load.main_script import TRUST_NOTE, define_from_script, move_instruction
@@ -234,7 +234,11 @@ def job_paths(environment: dict | None, dump_dir: str | os.PathLike | Location |
     absolute, existing, resolved through symbolic links, not under /proc, /sys or /dev, and not inside the dump
     (`dump_dir`) itself. Put on sys.path only with trust (see the module docstring)."""
     environment = environment or {}
-    own = os.path.realpath(dump_dir) if dump_dir is not None and not is_url(dump_dir) else None  # a URL: not here
+    own = (
+        None
+        if dump_dir is None or isinstance(dump_dir, RemotePath) or is_url(str(dump_dir))
+        else os.path.realpath(dump_dir)
+    )
     found: list[str] = []
     for key in ("script_dir", "cwd"):
         path = environment.get(key)

@@ -134,8 +134,8 @@ def test_a_feature_100x_the_others_is_named_first_and_a_zero_target_claims_no_di
             op="aten::mse_loss",
         )
     )
-    assert verdict["suggestions"][1].startswith("13: its x reaches 1e+03")
-    assert not any("divide" in s for s in verdict["suggestions"])
+    assert verdict.suggestions[1].startswith("13: its x reaches 1e+03")
+    assert not any("divide" in s for s in verdict.suggestions)
     # where the op that failed does divide, the all-zero field is tied to it
     divided = decide_verdict(
         VerdictFacts(
@@ -150,7 +150,7 @@ def test_a_feature_100x_the_others_is_named_first_and_a_zero_target_claims_no_di
             op="aten::div",
         )
     )
-    assert "aten::div divides by its sum or norm" in divided["suggestions"][1]
+    assert "aten::div divides by its sum or norm" in divided.suggestions[1]
 
 
 @pytest.mark.parametrize(

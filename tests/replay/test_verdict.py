@@ -5,6 +5,7 @@ import math
 import pytest
 
 from forensics.report import VERDICT_KINDS
+from forensics.report.tree import Verdict
 from forensics.replay.judge.verdict import VerdictFacts, decide_verdict
 
 NAN = float("nan")
@@ -36,11 +37,12 @@ def facts(**kw):
 
 
 def check_shape(v):
-    assert set(v) == {"kind", "headline", "explanation", "suggestions"}
-    assert v["kind"] in VERDICT_KINDS
-    assert v["headline"].endswith(".") and "\n" not in v["headline"]
-    assert v["explanation"] and all(isinstance(s, str) and s for s in v["suggestions"])
-    assert len(set(v["suggestions"])) == len(v["suggestions"])
+    assert isinstance(v, Verdict)
+    assert set(v.as_dict()) == {"kind", "headline", "explanation", "suggestions"}
+    assert v.kind in VERDICT_KINDS
+    assert v.headline.endswith(".") and "\n" not in v.headline
+    assert v.explanation and all(isinstance(s, str) and s for s in v.suggestions)
+    assert len(set(v.suggestions)) == len(v.suggestions)
     return v
 
 
@@ -57,27 +59,27 @@ def test_bad_sample_names_the_sample_the_layer_and_the_search():
             )
         )
     )
-    assert v["kind"] == "bad_sample"
-    assert v["headline"].startswith("Sample 'shard-0192/rec-55411' alone makes the loss non-finite at step 41217")
-    assert "(rank 3, micro-batch 2 of 4)" in v["headline"]
-    assert "forward pass at `model.layers.17.mlp.down_proj` (aten::mm)" in v["headline"]
-    assert "found in 6 replays of 32 samples" in v["explanation"]
-    assert "input abs-max 3.1e+38" in v["explanation"] and "Reproduced bit for bit on cuda:0" in v["explanation"]
-    assert "sudden jump" in v["explanation"]
-    assert "blocklist" in v["suggestions"][0] and "'shard-0192/rec-55411'" in v["suggestions"][0]
+    assert v.kind == "bad_sample"
+    assert v.headline.startswith("Sample 'shard-0192/rec-55411' alone makes the loss non-finite at step 41217")
+    assert "(rank 3, micro-batch 2 of 4)" in v.headline
+    assert "forward pass at `model.layers.17.mlp.down_proj` (aten::mm)" in v.headline
+    assert "found in 6 replays of 32 samples" in v.explanation
+    assert "input abs-max 3.1e+38" in v.explanation and "Reproduced bit for bit on cuda:0" in v.explanation
+    assert "sudden jump" in v.explanation
+    assert "blocklist" in v.suggestions[0] and "'shard-0192/rec-55411'" in v.suggestions[0]
 
 
 def test_a_pair_that_fails_only_together_is_still_bad_sample_with_its_own_advice():
     v = check_shape(decide_verdict(facts(culprit_samples=[17, 230])))
-    assert v["kind"] == "bad_sample"
-    assert v["headline"].startswith("Samples 17 and 230 together, neither alone, make")
-    assert any("only together" in s for s in v["suggestions"])
+    assert v.kind == "bad_sample"
+    assert v.headline.startswith("Samples 17 and 230 together, neither alone, make")
+    assert any("only together" in s for s in v.suggestions)
 
 
 def test_the_only_sample_of_a_batch_is_blamed_with_a_caveat():
     v = check_shape(decide_verdict(facts(culprit_samples=["only"], candidates=1, bisect_runs=0)))
-    assert v["kind"] == "bad_sample"
-    assert "could not tell it apart from the model state" in v["explanation"]
+    assert v.kind == "bad_sample"
+    assert "could not tell it apart from the model state" in v.explanation
 
 
 def test_numerical_precision_alone_and_with_data():
@@ -94,10 +96,10 @@ def test_numerical_precision_alone_and_with_data():
             )
         )
     )
-    assert v["kind"] == "numerical_precision"
-    assert "only in float16" in v["headline"] and "in fp32 it is finite" in v["headline"]
-    assert "precision + data" not in v["headline"]
-    assert any("bfloat16" in s and "float16" in s for s in v["suggestions"])
+    assert v.kind == "numerical_precision"
+    assert "only in float16" in v.headline and "in fp32 it is finite" in v.headline
+    assert "precision + data" not in v.headline
+    assert any("bfloat16" in s and "float16" in s for s in v.suggestions)
 
     v = check_shape(
         decide_verdict(
@@ -110,19 +112,19 @@ def test_numerical_precision_alone_and_with_data():
             )
         )
     )
-    assert v["kind"] == "numerical_precision"
-    assert "only with sample 'rec-9'" in v["headline"] and "precision + data" in v["headline"]
-    assert "precision + data" in v["explanation"]
-    assert "Filter 'rec-9'" in v["suggestions"][0]
-    assert any(s.startswith("Keep bfloat16") for s in v["suggestions"])
+    assert v.kind == "numerical_precision"
+    assert "only with sample 'rec-9'" in v.headline and "precision + data" in v.headline
+    assert "precision + data" in v.explanation
+    assert "Filter 'rec-9'" in v.suggestions[0]
+    assert any(s.startswith("Keep bfloat16") for s in v.suggestions)
 
 
 def test_precision_needs_low_precision_and_an_fp32_rerun():
     for fp32, dtype in [(False, None), (True, "bfloat16"), (None, "bfloat16")]:
         v = decide_verdict(facts(fp32_reproduces=fp32, autocast_dtype=dtype, culprit_samples=["a"]))
-        assert v["kind"] == "bad_sample"
+        assert v.kind == "bad_sample"
     v = decide_verdict(facts(fp32_reproduces=False, param_dtype="torch.bfloat16", culprit_samples=["a"]))
-    assert v["kind"] == "numerical_precision"  # pure-bf16 training, no autocast
+    assert v.kind == "numerical_precision"  # pure-bf16 training, no autocast
 
 
 def test_optimizer_update_names_the_parameter_and_the_state_and_suggests_eps():
@@ -139,10 +141,10 @@ def test_optimizer_update_names_the_parameter_and_the_state_and_suggests_eps():
             )
         )
     )
-    assert v["kind"] == "optimizer_update"
-    assert "AdamW update made `transformer.h.0.attn.c_attn.weight` non-finite" in v["headline"]
-    assert "(exp_avg_sq == 0 with eps == 0)" in v["headline"]
-    assert v["suggestions"][0].startswith("Raise the optimizer's eps")
+    assert v.kind == "optimizer_update"
+    assert "AdamW update made `transformer.h.0.attn.c_attn.weight` non-finite" in v.headline
+    assert "(exp_avg_sq == 0 with eps == 0)" in v.headline
+    assert v.suggestions[0].startswith("Raise the optimizer's eps")
 
 
 def test_model_state_when_weights_are_broken_or_every_sample_fails():
@@ -151,20 +153,20 @@ def test_model_state_when_weights_are_broken_or_every_sample_fails():
             facts(weights_nonfinite_at_start=True, parameter="lm_head.weight", phase="optimizer", culprit_samples=["a"])
         )
     )
-    assert v["kind"] == "model_state"
-    assert "already non-finite before step 41217 (rank 3), first in `lm_head.weight`" in v["headline"]
-    assert any("last checkpoint with finite weights" in s for s in v["suggestions"])
+    assert v.kind == "model_state"
+    assert "already non-finite before step 41217 (rank 3), first in `lm_head.weight`" in v.headline
+    assert any("last checkpoint with finite weights" in s for s in v.suggestions)
 
     v = check_shape(decide_verdict(facts(all_subsets_fail=True, culprit_samples=["a"])))
-    assert v["kind"] == "model_state" and "not the data" in v["headline"]
+    assert v.kind == "model_state" and "not the data" in v.headline
 
 
 def test_no_subset_smaller_than_the_batch_is_model_state_for_nan_and_no_cause_for_spikes():
     everyone = [f"s{i}" for i in range(8)]
     v = check_shape(decide_verdict(facts(culprit_samples=everyone, candidates=8, history_pattern="exponential_growth")))
-    assert v["kind"] == "model_state" and "whole micro-batch" in v["headline"]
-    assert "Culprit:" not in v["explanation"]
-    assert any("lower the learning rate" in s for s in v["suggestions"])
+    assert v.kind == "model_state" and "whole micro-batch" in v.headline
+    assert "Culprit:" not in v.explanation
+    assert any("lower the learning rate" in s for s in v.suggestions)
 
     v = check_shape(
         decide_verdict(
@@ -177,13 +179,13 @@ def test_no_subset_smaller_than_the_batch_is_model_state_for_nan_and_no_cause_fo
             )
         )
     )
-    assert v["kind"] == "spike_no_single_cause"
+    assert v.kind == "spike_no_single_cause"
 
 
 def test_no_bisection_and_no_other_finding_is_model_state_without_claiming_a_whole_batch():
     v = check_shape(decide_verdict(facts(candidates=0, bisect_runs=None)))
-    assert v["kind"] == "model_state"
-    assert "whole micro-batch" not in v["headline"] and "no sample, precision or optimizer finding" in v["headline"]
+    assert v.kind == "model_state"
+    assert "whole micro-batch" not in v.headline and "no sample, precision or optimizer finding" in v.headline
 
 
 def test_spike_without_culprit_reports_value_threshold_and_top_samples():
@@ -204,20 +206,20 @@ def test_spike_without_culprit_reports_value_threshold_and_top_samples():
             )
         )
     )
-    assert v["kind"] == "spike_no_single_cause"
-    assert v["headline"] == (
+    assert v.kind == "spike_no_single_cause"
+    assert v.headline == (
         "The loss spike to 87234.5 (threshold 100) at step 41217 (rank 3) is reproduced, "
         "but no single sample, layer or update explains it."
     )
-    assert "'a' (loss 9.1), 7 (loss 8)" in v["explanation"]
-    assert v["suggestions"][0].startswith("The loss grew exponentially")
+    assert "'a' (loss 9.1), 7 (loss 8)" in v.explanation
+    assert v.suggestions[0].startswith("The loss grew exponentially")
 
 
 def test_spike_with_a_dominant_sample_is_bad_sample():
     v = decide_verdict(
         facts(trigger_kind="loss_spike", trigger_value=87234.5, threshold=100.0, culprit_samples=["rec-1"])
     )
-    assert v["kind"] == "bad_sample" and "makes the loss spike" in v["headline"]
+    assert v.kind == "bad_sample" and "makes the loss spike" in v.headline
 
 
 def test_not_reproduced_wins_over_everything_and_gives_the_numbers():
@@ -235,14 +237,14 @@ def test_not_reproduced_wins_over_everything_and_gives_the_numbers():
             )
         )
     )
-    assert v["kind"] == "not_reproduced"
-    assert v["headline"] == (
+    assert v.kind == "not_reproduced"
+    assert v.headline == (
         "The replay on cpu did not reproduce the non-finite gradient of step 41217 "
         "(rank 3, micro-batch 2 of 4): recorded inf, replayed 1.23."
     )
-    assert "captured on NVIDIA H100, replayed on CPU" in v["explanation"]
-    assert any("silent data corruption" in s and "rank 3" in s for s in v["suggestions"])
-    assert any("use_deterministic_algorithms" in s for s in v["suggestions"])
+    assert "captured on NVIDIA H100, replayed on CPU" in v.explanation
+    assert any("silent data corruption" in s and "rank 3" in s for s in v.suggestions)
+    assert any("use_deterministic_algorithms" in s for s in v.suggestions)
 
 
 def test_history_signals_and_oscillation_reach_the_user():
@@ -253,22 +255,22 @@ def test_history_signals_and_oscillation_reach_the_user():
             history_signals=["Gradient clipping fired on 12 of 200 recorded steps (6%)."],
         )
     )
-    assert "oscillating divergence" in v["explanation"]
-    assert v["explanation"].endswith("Gradient clipping fired on 12 of 200 recorded steps (6%).")
-    assert any("optimizer state" in s for s in v["suggestions"])
+    assert "oscillating divergence" in v.explanation
+    assert v.explanation.endswith("Gradient clipping fired on 12 of 200 recorded steps (6%).")
+    assert any("optimizer state" in s for s in v.suggestions)
 
 
 def test_op_hints_follow_the_failing_op():
     v = decide_verdict(facts(culprit_samples=["a"], phase="forward", module="loss", op="aten::log"))
-    assert any("Guard the log" in s for s in v["suggestions"])
+    assert any("Guard the log" in s for s in v.suggestions)
     v = decide_verdict(facts(culprit_samples=["a"], phase="forward", module="model.norm", op="aten::rsqrt"))
-    assert any("eps" in s for s in v["suggestions"])
+    assert any("eps" in s for s in v.suggestions)
     v = decide_verdict(
         facts(culprit_samples=["a"], phase="backward", module="transformer.h.0.ln_1", op="aten::native_layer_norm")
     )
-    assert any("eps" in s for s in v["suggestions"])
+    assert any("eps" in s for s in v.suggestions)
     v = decide_verdict(facts(culprit_samples=["a"], phase="forward", module="loss", op="aten::div.Tensor"))
-    assert any("Guard the division" in s for s in v["suggestions"])
+    assert any("Guard the division" in s for s in v.suggestions)
     v = decide_verdict(
         facts(
             culprit_samples=["a"],
@@ -279,31 +281,31 @@ def test_op_hints_follow_the_failing_op():
             fp32_reproduces=True,
         )
     )
-    assert [s for s in v["suggestions"] if "bfloat16" in s] == [
+    assert [s for s in v.suggestions if "bfloat16" in s] == [
         "A matmul output above 65504 overflows float16: bfloat16 keeps fp32's range, or scale the activations "
         "down (e.g. a norm before this layer)."
     ]
-    assert not any("Guard" in s or "Raise the normalisation eps" in s for s in v["suggestions"])
+    assert not any("Guard" in s or "Raise the normalisation eps" in s for s in v.suggestions)
     v = decide_verdict(facts(culprit_samples=["a"], step=None, autocast_dtype="float16", fp32_reproduces=True))
-    assert "before the failing step with the same RNG" in v["suggestions"][0]
-    assert any(s.startswith("The job runs in float16") for s in v["suggestions"])
+    assert "before the failing step with the same RNG" in v.suggestions[0]
+    assert any(s.startswith("The job runs in float16") for s in v.suggestions)
 
 
 def test_precision_with_a_whole_batch_culprit_is_not_precision_plus_data():
     v = decide_verdict(
         facts(fp32_reproduces=False, autocast_dtype="float16", candidates=4, culprit_samples=["a", "b", "c", "d"])
     )
-    assert v["kind"] == "numerical_precision"
-    assert "precision + data" not in v["headline"] + v["explanation"]
+    assert v.kind == "numerical_precision"
+    assert "precision + data" not in v.headline + v.explanation
 
 
 def test_untrusted_sample_ids_are_quoted_cut_and_escaped():
     v = decide_verdict(facts(culprit_samples=["x" * 500]))
-    assert "x" * 78 + "…" in v["headline"] and len(v["headline"]) < 300
+    assert "x" * 78 + "…" in v.headline and len(v.headline) < 300
     v = decide_verdict(facts(culprit_samples=["rec\x1b[31m-1\n"]))
-    assert "\x1b" not in v["headline"] and "'rec\\x1b[31m-1\\n'" in v["headline"]
+    assert "\x1b" not in v.headline and "'rec\\x1b[31m-1\\n'" in v.headline
     v = decide_verdict(facts(culprit_samples=[{"shard": 3, "row": 9}]))
-    assert 'Sample {"shard": 3, "row": 9} alone' in v["headline"]
+    assert 'Sample {"shard": 3, "row": 9} alone' in v.headline
 
 
 def test_facts_are_validated():
@@ -319,10 +321,10 @@ def test_a_rank_that_only_inherited_the_fault_points_to_the_other_rank():
     verdict = decide_verdict(
         VerdictFacts(trigger_kind="nonfinite_grad", reproduced=False, trigger_local=False, step=3, rank=0)
     )
-    assert verdict["kind"] == "not_reproduced"
-    assert "another rank" in verdict["headline"] and "Rank 0" in verdict["headline"]
-    assert "hardware" not in verdict["headline"]
-    assert any("--all-ranks" in s for s in verdict["suggestions"])
+    assert verdict.kind == "not_reproduced"
+    assert "another rank" in verdict.headline and "Rank 0" in verdict.headline
+    assert "hardware" not in verdict.headline
+    assert any("--all-ranks" in s for s in verdict.suggestions)
 
 
 def test_the_record_hint_fits_the_kind_of_data():
@@ -338,9 +340,9 @@ def test_the_record_hint_fits_the_kind_of_data():
     )
     floats = decide_verdict(VerdictFacts("nonfinite_loss", data_kind="float", **common))
     tokens = decide_verdict(VerdictFacts("nonfinite_loss", data_kind="tokens", **common))
-    assert floats["kind"] == tokens["kind"] == "bad_sample"
-    assert not any("text" in s or "base64" in s for s in floats["suggestions"])
-    assert any("units" in s for s in floats["suggestions"]) and any("base64" in s for s in tokens["suggestions"])
+    assert floats.kind == tokens.kind == "bad_sample"
+    assert not any("text" in s or "base64" in s for s in floats.suggestions)
+    assert any("units" in s for s in floats.suggestions) and any("base64" in s for s in tokens.suggestions)
 
 
 def test_out_of_memory_that_a_larger_replay_device_does_not_reproduce_still_names_the_long_sample():
@@ -357,12 +359,12 @@ def test_out_of_memory_that_a_larger_replay_device_does_not_reproduce_still_name
             )
         )
     )
-    assert v["kind"] == "not_reproduced"
-    assert "Sample 'doc-9' (65,536 tokens, 128x the step's median of 512): the likely cause" in v["explanation"]
-    assert v["suggestions"][0].startswith("Filter or truncate 'doc-9' (blocklist.jsonl lists it), and cap")
-    assert not any("DCGM" in s or "deterministic" in s for s in v["suggestions"])  # not a hardware question
+    assert v.kind == "not_reproduced"
+    assert "Sample 'doc-9' (65,536 tokens, 128x the step's median of 512): the likely cause" in v.explanation
+    assert v.suggestions[0].startswith("Filter or truncate 'doc-9' (blocklist.jsonl lists it), and cap")
+    assert not any("DCGM" in s or "deterministic" in s for s in v.suggestions)  # not a hardware question
     alone = check_shape(decide_verdict(facts(trigger_kind="exception", reproduced=False, out_of_memory=True)))
-    assert alone["suggestions"][0].startswith("Lower the micro-batch size")  # no outlier: the step as a whole
+    assert alone.suggestions[0].startswith("Lower the micro-batch size")  # no outlier: the step as a whole
 
 
 @pytest.mark.parametrize(
@@ -383,31 +385,31 @@ def test_out_of_memory_that_a_larger_replay_device_does_not_reproduce_still_name
 def test_positional_ids_are_never_promised_a_blocklist_and_the_verdict_says_how_to_record_ids(extra):
     named = check_shape(decide_verdict(facts(**extra)))
     positional = check_shape(decide_verdict(facts(ids_are_positional=True, **extra)))
-    assert any("blocklist.jsonl lists" in s for s in named["suggestions"])
-    assert not any("blocklist.jsonl lists" in s for s in positional["suggestions"])
+    assert any("blocklist.jsonl lists" in s for s in named.suggestions)
+    assert not any("blocklist.jsonl lists" in s for s in positional.suggestions)
     assert (
-        positional["suggestions"][-1].startswith(
+        positional.suggestions[-1].startswith(
             "No blocklist entry for 'step5/rank0/mb1/2': the job recorded no sample IDs"
         )
-        and "sample_ids=ids" in positional["suggestions"][-1]
+        and "sample_ids=ids" in positional.suggestions[-1]
     )
-    assert not any(s.startswith("No blocklist entry") for s in named["suggestions"])
-    assert positional["kind"] == named["kind"]
+    assert not any(s.startswith("No blocklist entry") for s in named.suggestions)
+    assert positional.kind == named.kind
 
 
 def test_spike_advice_for_numeric_features_speaks_of_their_scale_not_of_text():
     from forensics.replay.judge.verdict import VerdictFacts, decide_verdict
 
     common = dict(trigger_kind="loss_spike", reproduced=True, trigger_value=50.0, threshold=3.0)
-    numeric = " ".join(decide_verdict(VerdictFacts(**common, data_kind="float"))["suggestions"])
-    tokens = " ".join(decide_verdict(VerdictFacts(**common, data_kind="tokens"))["suggestions"])
+    numeric = " ".join(decide_verdict(VerdictFacts(**common, data_kind="float")).suggestions)
+    tokens = " ".join(decide_verdict(VerdictFacts(**common, data_kind="tokens")).suggestions)
     assert "scale and range of its features" in numeric and "sequence lengths" not in numeric
     assert "sequence lengths" in tokens
 
 
 def test_every_sample_failing_alone_but_finite_in_fp32_is_precision_not_model_state():
     v = check_shape(decide_verdict(facts(all_subsets_fail=True, fp32_reproduces=False, autocast_dtype="float16")))
-    assert v["kind"] == "numerical_precision" and "with every sample on its own" in v["headline"]
+    assert v.kind == "numerical_precision" and "with every sample on its own" in v.headline
     v = check_shape(
         decide_verdict(
             facts(
@@ -419,8 +421,8 @@ def test_every_sample_failing_alone_but_finite_in_fp32_is_precision_not_model_st
             )
         )
     )
-    assert v["kind"] == "numerical_precision" and "spikes only in float16" in v["headline"]
-    assert "In fp32 the step does not spike" in v["explanation"]
+    assert v.kind == "numerical_precision" and "spikes only in float16" in v.headline
+    assert "In fp32 the step does not spike" in v.explanation
 
 
 def test_not_reproduced_by_a_recorded_factor_names_it_and_never_suspects_the_hardware():
@@ -436,8 +438,8 @@ def test_not_reproduced_by_a_recorded_factor_names_it_and_never_suspects_the_har
             )
         )
     )
-    assert v["kind"] == "not_reproduced"
-    text = " ".join([v["headline"], v["explanation"], *v["suggestions"]])
+    assert v.kind == "not_reproduced"
+    text = " ".join([v.headline, v.explanation, *v.suggestions])
     assert "loss scale (65536)" in text and "scaler.unscale_" in text
     assert "DCGM" not in text and "hardware (silent" not in text
 
@@ -463,10 +465,10 @@ def test_trigger_a_culprit_without_evidence_is_named_as_the_first_to_cross_and_n
             )
         )
     )
-    assert v["kind"] == "trigger_sample"
-    assert "'s138-i4'" in v["headline"] and "no sample is to blame" in v["headline"]
-    text = " ".join([v["headline"], v["explanation"], *v["suggestions"]])
-    assert "First to cross" in v["explanation"] and ORDINARY in v["explanation"]
+    assert v.kind == "trigger_sample"
+    assert "'s138-i4'" in v.headline and "no sample is to blame" in v.headline
+    text = " ".join([v.headline, v.explanation, *v.suggestions])
+    assert "First to cross" in v.explanation and ORDINARY in v.explanation
     assert "Filter" not in text and "blocklist.jsonl" not in text and "Do not filter 's138-i4'" in text
     assert "learning rate" in text and "next sample like it" in text
     assert "earlier state" in text  # how to confirm it: an earlier state, the Guard's snapshot or a checkpoint
@@ -474,9 +476,9 @@ def test_trigger_a_culprit_without_evidence_is_named_as_the_first_to_cross_and_n
 
 def test_trigger_with_evidence_is_bad_sample_and_shows_the_evidence():
     v = check_shape(decide_verdict(facts(culprit_samples=["doc-9"], record_evidence=EVIDENCE)))
-    assert v["kind"] == "bad_sample"
-    assert "Evidence against the record: " + EVIDENCE[0] in v["explanation"]
-    assert v["suggestions"][0].startswith("Filter 'doc-9'")
+    assert v.kind == "bad_sample"
+    assert "Evidence against the record: " + EVIDENCE[0] in v.explanation
+    assert v.suggestions[0].startswith("Filter 'doc-9'")
 
 
 def test_precision_with_a_trigger_sample_names_no_data_and_says_not_to_filter():
@@ -491,11 +493,11 @@ def test_precision_with_a_trigger_sample_names_no_data_and_says_not_to_filter():
             )
         )
     )
-    assert v["kind"] == "numerical_precision"
-    assert "precision + data" not in v["headline"] + v["explanation"]
-    assert "checked: 214 ops in float32" in v["explanation"]
-    assert not any(s.startswith("Filter") for s in v["suggestions"])
-    assert any(s.startswith("Do not filter 's1017-i3'") for s in v["suggestions"])
+    assert v.kind == "numerical_precision"
+    assert "precision + data" not in v.headline + v.explanation
+    assert "checked: 214 ops in float32" in v.explanation
+    assert not any(s.startswith("Filter") for s in v.suggestions)
+    assert any(s.startswith("Do not filter 's1017-i3'") for s in v.suggestions)
 
 
 def test_an_fp32_rerun_that_did_not_run_in_fp32_draws_no_conclusion():
@@ -510,8 +512,8 @@ def test_an_fp32_rerun_that_did_not_run_in_fp32_draws_no_conclusion():
             )
         )
     )
-    assert "could not be held to float32" in v["explanation"] and "no conclusion" in v["explanation"]
-    assert "fails in fp32 too" not in v["explanation"] and "In fp32" not in v["explanation"]
+    assert "could not be held to float32" in v.explanation and "no conclusion" in v.explanation
+    assert "fails in fp32 too" not in v.explanation and "In fp32" not in v.explanation
 
 
 def test_a_norm_that_overflows_with_finite_gradients_is_the_diverged_state_not_the_hardware():
@@ -525,9 +527,9 @@ def test_a_norm_that_overflows_with_finite_gradients_is_the_diverged_state_not_t
             )
         )
     )
-    assert v["kind"] == "model_state"
-    text = " ".join([v["headline"], v["explanation"], *v["suggestions"]])
-    assert "overflows float32" in v["headline"] and "3.2e+20" in v["headline"]
+    assert v.kind == "model_state"
+    text = " ".join([v.headline, v.explanation, *v.suggestions])
+    assert "overflows float32" in v.headline and "3.2e+20" in v.headline
     assert "learning rate" in text and "DCGM" not in text and "hardware" not in text
 
 
@@ -546,8 +548,40 @@ def test_a_nan_at_the_end_of_exponential_growth_is_the_divergence_whoever_crosse
             )
         )
     )
-    assert v["kind"] == "model_state"
-    assert v["headline"].startswith("The run diverged at a learning rate of 300")
-    text = " ".join([v["headline"], v["explanation"], *v["suggestions"]])
-    assert "no sample is to blame" in v["headline"] and "Filter" not in text
+    assert v.kind == "model_state"
+    assert v.headline.startswith("The run diverged at a learning rate of 300")
+    text = " ".join([v.headline, v.explanation, *v.suggestions])
+    assert "no sample is to blame" in v.headline and "Filter" not in text
     assert "normalisation eps" not in text  # not the normalisation's fault: the weights are far gone
+
+
+def test_samples_found_on_a_state_at_the_edge_of_fp16_are_not_blamed():
+    """Issue 44: the verdict, not the engine, decides that the samples bisection found on a state at the edge of fp16
+    are not to blame; the explanation says why, with the margin measured without them."""
+    from forensics.replay.judge.verdict import withheld
+
+    found = dict(culprit_samples=["rec-9"], fp32_reproduces=False, autocast_dtype="float16", phase="forward")
+    blamed = check_shape(decide_verdict(facts(**found)))
+    assert "'rec-9'" in blamed.headline
+    v = check_shape(decide_verdict(facts(**found, edge_share=0.62, edge_excluded=1)))
+    assert v.kind == "numerical_precision"
+    assert "rec-9" not in v.headline and not any("rec-9" in s for s in v.suggestions)
+    assert v.explanation.endswith(
+        "Without the 1 sample(s) bisection isolated, the rest of the step still reaches 62 % of fp16's max (65,504): "
+        "the model's state is at the edge of fp16, and whichever sample crosses first is not to blame."
+    )
+    assert withheld(False, 0.62, None) and withheld(False, None, None) is None
+
+
+def test_samples_found_for_a_spike_in_a_run_diverged_long_before_are_not_blamed():
+    from forensics.replay.judge.verdict import withheld
+
+    diverged = "the loss has been 40x its start since step 120"
+    v = check_shape(
+        decide_verdict(
+            facts(trigger_kind="loss_spike", trigger_value=91.0, culprit_samples=["rec-3"], run_diverged=diverged)
+        )
+    )
+    assert v.kind == "spike_no_single_cause"
+    assert "rec-3" not in v.headline and not any("rec-3" in s for s in v.suggestions)
+    assert withheld(True, None, diverged) and withheld(False, None, diverged) is None  # a NaN is not a spike
