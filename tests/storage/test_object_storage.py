@@ -160,24 +160,19 @@ def test_a_rank_killed_mid_write_leaves_a_dump_every_reader_calls_incomplete(s3_
     assert [(r["step"], r["ranks"], r["world_size"]) for r in listed] == [(5, [0], 2)]
 
 
-def test_a_bucket_that_refuses_writes_costs_the_job_one_logged_line(s3_server, caplog):
-    """dump_dir names a bucket that does not exist: the NaN step is still handled by the policy (skipped), training
-    goes on, and the failed dump is one error line naming the location, with no credential in it."""
+def _train_tiny(root: str, run_id: str, steps: int = 4, nan_step: int = 2):
+    """A tiny MLP under a Guard whose dump_dir is `root`, a NaN planted at `nan_step` (policy skip); returns the
+    Guard (closed) and the losses of every step."""
     from forensics.capture import DetectionConfig, Guard, GuardConfig
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    root = "s3://forensics-no-such-bucket/dumps"
-    guard = Guard(
-        model,
-        optimizer,
-        config=GuardConfig(dump_dir=root, run_id="refused", detection=DetectionConfig(on_nonfinite="skip")),
-    )
-    losses = []
-    for step in range(4):
+    config = GuardConfig(dump_dir=root, run_id=run_id, detection=DetectionConfig(on_nonfinite="skip"))
+    guard, losses = Guard(model, optimizer, config=config), []
+    for step in range(steps):
         x = torch.randn(8, 4)
-        if step == 2:
+        if step == nan_step:
             x[0, 0] = float("nan")
         guard.record_batch({"x": x, "sample_ids": list(range(step * 8, step * 8 + 8))})
         loss = model(x).pow(2).mean()
@@ -188,11 +183,46 @@ def test_a_bucket_that_refuses_writes_costs_the_job_one_logged_line(s3_server, c
         optimizer.zero_grad()
         losses.append(loss.item())
     guard.close()
+    return guard, losses
+
+
+def test_a_bucket_that_refuses_writes_costs_the_job_one_logged_line(s3_server, caplog):
+    """dump_dir names a bucket that does not exist: the NaN step is still handled by the policy (skipped), training
+    goes on, and the failed dump is one error line naming the location, with no credential in it."""
+    root = "s3://forensics-no-such-bucket/dumps"
+    guard, losses = _train_tiny(root, "refused")
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses[3:])))  # the job went on past the NaN
     assert guard.dumps == [] and len(guard.dump_errors) == 1
     [error] = guard.dump_errors
     assert "\n" not in error and root in error, error
     assert os.environ["AWS_SECRET_ACCESS_KEY"] not in caplog.text + error
+
+
+def test_no_credential_reaches_the_dump_or_the_log(s3_server, bucket, caplog, monkeypatch):
+    """The job's secret key (environment), a token on its command line and a URL password there: none is in any
+    object of the dump, nor in what the job logged."""
+    from forensics.capture.dumping import environment
+
+    token, password = "hf_job_token_value_123", "url-password-456"
+    monkeypatch.setattr(
+        sys, "argv", ["train.py", "--hf-token", token, f"--mirror=https://me:{password}@example.com/x", "--lr", "3"]
+    )
+    environment._static_environment.cache_clear()
+    try:
+        guard, _ = _train_tiny(f"s3://{bucket}/dumps", "secrets")
+    finally:
+        environment._static_environment.cache_clear()
+    [path] = guard.dumps
+    assert open_dump(str(path)).manifest["environment"]["argv"][1:3] == ["--hf-token", "<redacted>"]
+    import s3fs
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    for key in s3_server.keys(bucket):
+        data = fs.cat_file(key)
+        for secret in (os.environ["AWS_SECRET_ACCESS_KEY"], token, password):
+            assert secret.encode() not in data, (key, secret)
+    for secret in (os.environ["AWS_SECRET_ACCESS_KEY"], token, password):
+        assert secret not in caplog.text
 
 
 def test_a_run_with_many_steps_lists_every_step_from_the_bucket(s3_server, bucket):
