@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from forensics.core.errors import ReplayError
+from forensics.format.location import Location, RemotePath, as_location
 from forensics.format import open_dump
 from forensics.format.tensors import safetensors_bytes
 from forensics.core.kinds import Phase, TriggerKind
@@ -91,7 +92,7 @@ class Repro:
 
 
 def write_repro(
-    dump_path: str | Path,
+    dump_path: str | Path | Location,
     out_dir: str | Path,
     *,
     device: str | None = "cpu",
@@ -106,7 +107,7 @@ def write_repro(
     """Writes `op_repro.py` (+ its inputs) and `model_repro.py` for the dump at `dump_path` into `out_dir`.
 
     Args:
-        dump_path: the dump (rank dir, step dir or .tar.zst).
+        dump_path: the dump (rank dir, step dir or .tar.zst; on disk or at a URL, which the scripts then read).
         out_dir: where the scripts go (created before the model is loaded: an unwritable one fails first).
         device, trust, factory, loss, sys_path, rank, factory_kwargs, loss_kwargs: as for `forensics replay`.
     Returns:
@@ -179,7 +180,7 @@ def write_repro(
         "raises": kind is TriggerKind.EXCEPTION,
         "why_no_sample": why_no_sample,
     }
-    _write_model(repro, Path(dump_path), dump, session, refs, blamed, device, trust, sys_path or [], spec)
+    _write_model(repro, as_location(dump_path), dump, session, refs, blamed, device, trust, sys_path or [], spec)
     atomic_write_text(out / "repro.json", json.dumps(repro.as_dict(), indent=2, default=repr))
     return repro
 
@@ -418,7 +419,7 @@ def _relative(path: str | Path, directory: Path) -> str:
 
 def _write_model(
     repro: Repro,
-    dump_path: Path,
+    dump_path: Location,
     dump: Any,
     session: Any,
     refs: list[SampleRef],
@@ -432,8 +433,8 @@ def _write_model(
     out = repro.directory
     whole = not blamed and len(refs) == len([r for r in session.sample_refs if r.micro_batch == refs[0].micro_batch])
     spec = {
-        "dump": _relative(dump_path, out),
-        "dump_absolute": str(Path(dump_path).resolve()),
+        "dump": str(dump_path) if isinstance(dump_path, RemotePath) else _relative(dump_path, out),
+        "dump_absolute": str(dump_path) if isinstance(dump_path, RemotePath) else str(dump_path.resolve()),
         "rank": dump.rank,
         "step": dump.step,
         "device": device or "cpu",
@@ -591,8 +592,9 @@ def main():
     parser.add_argument("--dump", type=Path, default=None, help="the dump (default: where model.json says)")
     args = parser.parse_args()
     spec = json.loads((HERE / "model.json").read_text())
-    path = args.dump if args.dump is not None else find(spec["dump"], spec.get("dump_absolute"))
-    if path is None or not path.exists():
+    remote = args.dump is None and "://" in spec["dump"]  # a dump in object storage: read where it is
+    path = spec["dump"] if remote else args.dump if args.dump is not None else find(spec["dump"], spec.get("dump_absolute"))
+    if not remote and (path is None or not path.exists()):
         tried = str(args.dump) if args.dump is not None else \
             f"{HERE / spec['dump']} nor {spec.get('dump_absolute') or 'its recorded place'}"
         fail(f"the dump is not at {tried}; pass --dump PATH", NO_DUMP)

@@ -74,6 +74,16 @@ def test_a_two_rank_fsdp2_job_dumps_to_s3_and_the_dump_replays_from_there(s3_ser
     assert report["culprit"]["module"] == "transformer.h.0.ln_1"
     assert report["verdict"]["kind"] == "bad_sample" and report["dump"]["path"] == step_url
 
+    repro = tmp_path / "repro"  # the scripts read the dump where it is: no copy on the machine that runs them
+    written = runner.invoke(main, ["repro", step_url, "--rank", "1", "-o", str(repro), "--report", str(out)])
+    assert written.exit_code == 0, (written.output, written.exception)
+    assert json.loads((repro / "model.json").read_text())["dump"] == step_url
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    ran = subprocess.run(
+        [sys.executable, str(repro / "model_repro.py")], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert ran.returncode == 1 and "AssertionError" in ran.stderr, ran.stderr[-3000:]
+
 
 def test_a_dump_round_trips_through_s3_bit_for_bit_and_packs_to_a_local_archive(s3_server, bucket, tmp_path):
     """Every loader reads from the URL (tensors by range reads) what was written; `pack` makes a local archive of
