@@ -25,6 +25,7 @@ import fnmatch
 import os
 import re
 import stat
+import threading
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ from forensics.core.errors import StorageError, cut_text
 READ_BLOCK = 8 << 20
 """Bytes a sequential remote read fetches at a time (hashing, zstd members, headers): one tensor read is a ranged
 GET of its own size instead."""
+CACHE_BYTES = 256 << 20
+"""Verified chunks of a remote file held for its reader (ChunkCache): 64 of 4 MiB."""
 WRITE_BLOCK = 32 << 20
 """Bytes a remote writer buffers before it sends a part (S3 multipart: at least 5 MiB a part, at most 10,000
 parts, so one file may reach 320 GB). Two files are written at once: 64 MiB of buffers."""
@@ -336,12 +339,57 @@ def remove_file(path: Location) -> None:
         path.unlink()
 
 
+class ChunkCache:
+    """The verified chunks of one file in object storage, kept for the reader that follows the verification, so each
+    byte crosses the network once (on disk the page cache does this). Bounded: when full, a new chunk is not kept
+    (those nearest the reader are); a chunk the reader has passed is dropped; a range not held is fetched again."""
+
+    def __init__(self, chunk_size: int, limit_bytes: int = CACHE_BYTES):
+        self.chunk_size = chunk_size
+        self._most = max(2, limit_bytes // max(1, chunk_size))
+        self._held: dict[int, bytes] = {}
+        self._lock = threading.Lock()
+
+    def put(self, index: int, data: bytes) -> None:
+        with self._lock:
+            if len(self._held) < self._most:
+                self._held[index] = data
+
+    def clear(self) -> None:
+        """Nothing more will be read through it (the file was verified whole, for `verify`)."""
+        with self._lock:
+            self._held.clear()
+
+    def read_into(self, view: memoryview, offset: int) -> bool:
+        """Fills `view` with the bytes at `offset` when every chunk they lie in is held (False: none copied)."""
+        size = len(view)
+        if size == 0:
+            return True
+        first, last = offset // self.chunk_size, (offset + size - 1) // self.chunk_size
+        with self._lock:
+            pieces = [self._held.get(index) for index in range(first, last + 1)]
+            for index in [i for i in self._held if i < first]:  # the reader goes front to back: passed for good
+                del self._held[index]
+        if any(piece is None for piece in pieces):
+            return False
+        done = 0
+        for index, piece in zip(range(first, last + 1), pieces):
+            assert piece is not None
+            start = max(offset, index * self.chunk_size) - index * self.chunk_size
+            take = min(len(piece) - start, size - done)
+            view[done : done + take] = piece[start : start + take]
+            done += take
+        return done == size
+
+
 class RangeReader:
     """Reads byte ranges of one file: `pread` on a local descriptor (no shared offset: many threads read at
-    once), a ranged GET per call in object storage. Close it when done."""
+    once), a ranged GET per call in object storage (served from `cache` when the verification fetched it already).
+    Close it when done."""
 
-    def __init__(self, path: Location | str):
+    def __init__(self, path: Location | str, cache: ChunkCache | None = None):
         self.path = path if isinstance(path, RemotePath) else Path(path)
+        self.cache = cache
         self._fd = -1
         if isinstance(self.path, RemotePath):
             self.size = self.path.stat().st_size
@@ -363,6 +411,8 @@ class RangeReader:
         """Fills `view` from `offset` on (fewer bytes only at the end of the file); returns how many were read."""
         if not isinstance(self.path, RemotePath):
             return os.preadv(self._fd, [view], offset)
+        if self.cache is not None and self.cache.read_into(view, offset):
+            return len(view)
         data = self.read(len(view), offset)
         view[: len(data)] = data
         return len(data)

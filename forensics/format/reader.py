@@ -17,7 +17,16 @@ from forensics.format.archive import unpack_archive
 from forensics.format.digest import chunk_digests
 from forensics.format.header import read_entries
 from forensics.format.limits import HASH_CHUNK, MAX_JSON_FILE, ArchiveLimits
-from forensics.format.location import Location, RangeReader, as_location, lstat, lstat_mode, open_read
+from forensics.format.location import (
+    ChunkCache,
+    Location,
+    RangeReader,
+    RemotePath,
+    as_location,
+    lstat,
+    lstat_mode,
+    open_read,
+)
 from forensics.format.members import check_member, check_member_header, read_json_member, read_tensor_member
 from forensics.format.manifest import check_manifest
 from forensics.format.records import checked_history, checked_precursors
@@ -85,6 +94,8 @@ class ChunkVerifier:
         if chunk_size <= 0 or len(digests) != max(1, -(-size // chunk_size)):
             raise DumpCorruptError(f"{path}: the manifest's chunk digests do not cover the file", name)
         self.path, self.name, self.size, self.chunk_size, self.digests = path, name, size, chunk_size, digests
+        self.cache = ChunkCache(chunk_size) if isinstance(path, RemotePath) else None
+        """Object storage: the chunks verified, kept for the reader (each byte fetched once)."""
         self._pool = ThreadPoolExecutor(
             max_workers=workers or min(32, os.cpu_count() or 1), thread_name_prefix="forensics-verify"
         )
@@ -96,14 +107,21 @@ class ChunkVerifier:
         digest = hashlib.sha256()
         start, end = index * self.chunk_size, min(self.size, (index + 1) * self.chunk_size)
         with RangeReader(self.path) as handle:
-            offset = start
-            while offset < end:
-                data = handle.read(min(HASH_CHUNK, end - offset), offset)
-                if not data:
-                    return False
+            if self.cache is not None:  # one request for the chunk, kept for the reader once it matched
+                data = handle.read(end - start, start)
                 digest.update(data)
-                offset += len(data)
-        matched = digest.hexdigest() == self.digests[index]
+                matched = len(data) == end - start and digest.hexdigest() == self.digests[index]
+                if matched:
+                    self.cache.put(index, data)
+            else:
+                offset = start
+                while offset < end:
+                    data = handle.read(min(HASH_CHUNK, end - offset), offset)
+                    if not data:
+                        return False
+                    digest.update(data)
+                    offset += len(data)
+                matched = digest.hexdigest() == self.digests[index]
         if matched:
             with self._count_lock:
                 self._matched += 1
@@ -250,7 +268,10 @@ class Dump:
             return path
         entry = self.manifest["files"][name]
         if entry.get("chunks"):
-            self._chunk_verifier(name).wait_all()
+            verifier = self._chunk_verifier(name)
+            verifier.wait_all()
+            if verifier.cache is not None and name not in self._handles:  # no reader follows: hold nothing
+                verifier.cache.clear()
             ok = True
         else:
             digest, seen = hashlib.sha256(), 0
@@ -543,7 +564,9 @@ class Dump:
         with self._open_lock:  # the replay reads optimizer state ahead on another thread
             if name not in self._handles:
                 check = self._range_check(name)
-                self._handles[name] = SafetensorsFile(self._listed(name)[0], name, check)
+                verifier = self._verifiers.get(name)
+                cache = verifier.cache if verifier is not None else None
+                self._handles[name] = SafetensorsFile(self._listed(name)[0], name, check, cache)
             return self._handles[name]
 
     def optimizer_state(self, files: spec.StateFiles = spec.PRE_STEP_STATE) -> dict | None:

@@ -16,7 +16,7 @@ import torch
 from forensics.core.device_sync import DeviceFence, on_device_of
 from forensics.core.errors import DumpCorruptError
 from forensics.format.header import Entry, parse_header
-from forensics.format.location import RangeReader, as_location, file_size, open_read
+from forensics.format.location import ChunkCache, RangeReader, as_location, file_size, open_read
 from forensics.format.spec import MAX_SAFETENSORS_HEADER
 from forensics.core.unfilled import unfilled
 
@@ -234,11 +234,17 @@ class SafetensorsFile:
     called before the header is parsed and before each tensor read is handed on.
     """
 
-    def __init__(self, path, name: str, verified: "Callable[[int, int], None] | None" = None):
+    def __init__(
+        self,
+        path,
+        name: str,
+        verified: "Callable[[int, int], None] | None" = None,
+        cache: "ChunkCache | None" = None,
+    ):
         self.path, self.name, self._range_verified = str(path), name, verified
         self._file: RangeReader | None = None  # none (yet, or closed)
         check_file_header(path, name)
-        self._file = RangeReader(path)
+        self._file = RangeReader(path, cache)
         try:
             self._entries = self._parse_header(self._file)
         except BaseException:
@@ -275,6 +281,8 @@ class SafetensorsFile:
         with torch.cuda.device(device) if pinned else contextlib.nullcontext(), unfilled():
             raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
         view = raw.numpy().data if nbytes else memoryview(b"")
+        if self._range_verified is not None and self._file is not None and self._file.cache is not None:
+            self._range_verified(offset, offset + nbytes)  # object storage: the verification fetched it; read it there
         pieces = read_pieces(nbytes)
         if len(pieces) > 1:  # a large tensor: its pieces read by several threads (pread releases the GIL)
             list(_reader_pool().map(lambda piece: self._pread_into(view, offset, piece[0], piece[1], key), pieces))
