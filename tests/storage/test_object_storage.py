@@ -85,6 +85,34 @@ def test_a_two_rank_fsdp2_job_dumps_to_s3_and_the_dump_replays_from_there(s3_ser
     assert ran.returncode == 1 and "AssertionError" in ran.stderr, ran.stderr[-3000:]
 
 
+@pytest.mark.xdist_group("torchtitan")  # one worker imports torchtitan (tests/integrations/test_torchtitan.py)
+def test_a_torchtitan_job_configured_to_dump_to_s3_replays_from_there(s3_server, bucket, tmp_path):
+    """torchtitan's own trainer, the Guard and its dump_dir set by configuration alone (`--forensics.dump_dir`), two
+    CPU ranks under its FSDP: the sharded dump lands in the bucket, and `forensics replay s3://... --rank 1` names
+    the record whose labels are all masked."""
+    harness = _harness()
+    harness.requires("torchtitan")
+    integrations = REPO / "tests" / "integrations"
+    root = f"s3://{bucket}/titan"
+    result = harness.launch_script(
+        str(integrations / "torchtitan_train.py"),
+        ["--job.config_file", str(integrations / "titan_job.toml"), "--job.dump_folder", str(tmp_path / "pod")]
+        + ["--forensics.dump_dir", root],
+    )
+    assert "TrainingFaultError: step 3: loss of micro-batch 2 is nan" in result.output, result.explain()
+    assert not any((tmp_path / "pod").rglob("manifest.json"))  # no dump on the pods' disks
+    step_url = f"{root}/titan/step-000000003"
+    checked = verify_dump(step_url)
+    assert checked.ok and sorted(d.rank for d in checked.dumps) == [0, 1] and all(d.sharded for d in checked.dumps)
+    out = tmp_path / "replay"
+    replayed = CliRunner().invoke(
+        main, ["replay", step_url, "--rank", "1", "--device", "cpu", "-o", str(out), "--no-remedies", "--no-rng-check"]
+    )
+    assert replayed.exit_code == 0, (replayed.output, replayed.exception)
+    report = json.loads((out / "report.json").read_text())
+    assert [(s["sample_id"], s["rank"]) for s in report["culprit"]["samples"]] == [("dp1:5", 1)]
+
+
 def test_a_dump_round_trips_through_s3_bit_for_bit_and_packs_to_a_local_archive(s3_server, bucket, tmp_path):
     """Every loader reads from the URL (tensors by range reads) what was written; `pack` makes a local archive of
     it that verifies; the keys are the layout's, the manifest among them."""
