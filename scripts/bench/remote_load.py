@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -70,6 +71,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--layers", type=int, default=8)
     args = parser.parse_args()
+    shutil.rmtree(args.dir, ignore_errors=True)  # a fresh dump each run
     dump = write(Path(args.dir), args.hidden, args.layers)
     gb = sum(p.stat().st_size for p in dump.iterdir()) / 2**30
     server, env = _server()
