@@ -79,6 +79,17 @@ def read_manifest(directory: Location) -> dict:
     return manifest
 
 
+REMOTE_FETCHES_MIN = 4
+"""Chunks of a file in object storage fetched (and hashed) at once, at least: a request waits on the network, so a
+2-core host still keeps several in flight (more would only run ahead of the reader: ChunkCache drops what it
+cannot hold, and the reader fetches it again)."""
+
+
+def _workers(remote: bool) -> int:
+    cores = min(32, os.cpu_count() or 1)
+    return max(REMOTE_FETCHES_MIN, cores) if remote else cores
+
+
 class ChunkVerifier:
     """Checks a file's chunks against their sha256s (manifest `chunks`) on a pool of threads, in the background
     and in file order, so a reader can overlap verification with reading: `wait(begin, end)` returns once every
@@ -97,7 +108,8 @@ class ChunkVerifier:
         self.cache = ChunkCache(chunk_size) if isinstance(path, RemotePath) else None
         """Object storage: the chunks verified, kept for the reader (each byte fetched once)."""
         self._pool = ThreadPoolExecutor(
-            max_workers=workers or min(32, os.cpu_count() or 1), thread_name_prefix="forensics-verify"
+            max_workers=workers or _workers(isinstance(path, RemotePath)),
+            thread_name_prefix="forensics-verify",
         )
         self._matched, self._count_lock = 0, threading.Lock()
         self._chunks = [self._pool.submit(self._check, index) for index in range(len(digests))]
