@@ -346,11 +346,6 @@ def test_the_architecture_kinds_table_lists_every_kind_and_member():
 
 
 # -- the verdict seam: one place decides the verdict and whom it blames -----------------------------------------------
-OWN_VERDICTS = {"replay/judge/precursor.py", "replay/judge/between_steps.py"}
-"""Reports of dumps with no model step to replay (a precursor dump, an exception between steps): each has the one
-verdict kind its dump's kind fixes (instability_ahead, exception), built with the report itself."""
-
-
 def _replay_trees() -> dict[str, ast.AST]:
     return {p.relative_to(ROOT).as_posix(): ast.parse(p.read_text()) for p in sorted((ROOT / "replay").rglob("*.py"))}
 
@@ -380,8 +375,6 @@ def test_only_the_verdict_modules_decide_a_verdict_kind_or_withhold_blame():
                 isinstance(t, ast.Subscript) and getattr(t.value, "attr", None) == "culprits" for t in node.targets
             ):
                 wrong.append(f"{rel}:{node.lineno}: takes samples out of the culprits")
-            if rel in OWN_VERDICTS:
-                continue
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("Verdict", "verdict_node"):
                 wrong.append(f"{rel}:{node.lineno}: builds a verdict")
             if (
@@ -396,7 +389,8 @@ def test_only_the_verdict_modules_decide_a_verdict_kind_or_withhold_blame():
 
 def test_decide_verdict_returns_the_typed_verdict_and_the_replay_builds_the_tree_directly():
     """The replay's report is built as the tree (forensics/report/tree.py), not as a dict parsed back: parse_report is
-    for reading report.json (and the two reports of OWN_VERDICTS, still built as dicts)."""
+    for reading report.json. That holds for the reports of dumps with no step to replay too (replay/judge/precursor.py,
+    replay/judge/between_steps.py): their verdicts come from replay/judge/verdict_unreplayed.py."""
     import typing
 
     from forensics.report.tree import Verdict
@@ -407,7 +401,7 @@ def test_decide_verdict_returns_the_typed_verdict_and_the_replay_builds_the_tree
     parsing = sorted(
         rel
         for rel, tree in _replay_trees().items()
-        if rel not in OWN_VERDICTS | readers
+        if rel not in readers
         and any(
             isinstance(n, (ast.Name, ast.Attribute))
             and "parse_report" in (getattr(n, "id", None), getattr(n, "attr", None))
@@ -415,3 +409,13 @@ def test_decide_verdict_returns_the_typed_verdict_and_the_replay_builds_the_tree
         )
     )
     assert not parsing, f"parse_report on the replay path: {parsing}"
+
+
+def test_assemble_places_what_the_verdict_decided():
+    """Which found samples are named triggers and where the tested remedies go are the verdict's decisions
+    (replay/judge/verdict.marks_triggers, suggestions_with_remedies): assemble.py reads no verdict kind to decide
+    them, nor orders the remedies itself."""
+    tree = _replay_trees()["replay/judge/assemble.py"]
+    names = {getattr(n, "id", None) for n in ast.walk(tree)} | {getattr(n, "attr", None) for n in ast.walk(tree)}
+    assert "VerdictKind" not in names and "tested_suggestions" not in names
+    assert {"marks_triggers", "suggestions_with_remedies"} <= names

@@ -13,7 +13,7 @@ import torch
 from forensics.report.wording import fp32_ran_words
 from forensics.format.jsonio import lenient_float
 from forensics.format.batch_tree import tensor_leaves
-from forensics.core.kinds import HistoryPattern, Phase, TriggerKind, VerdictKind
+from forensics.core.kinds import Phase, TriggerKind
 from forensics.report.model import schema_for, to_json_safe
 from forensics.report.tree import (
     N,
@@ -40,8 +40,13 @@ from forensics.report.tree import (
 from forensics.replay.culprits.per_sample import rank_by_loss
 from forensics.replay.culprits.sample_facts import describe
 from forensics.replay.judge.findings import Findings
-from forensics.replay.judge.remedies import tested_suggestions
-from forensics.replay.judge.verdict import VerdictFacts, blamed_samples, decide_verdict
+from forensics.replay.judge.verdict import (
+    VerdictFacts,
+    blamed_samples,
+    decide_verdict,
+    marks_triggers,
+    suggestions_with_remedies,
+)
 from forensics.replay.load.environment import replay_environment
 from forensics.replay.load.session import ReplaySession
 from forensics.replay.localize.forward_backward import INPUT_MODULE, ROOT_MODULE
@@ -59,20 +64,10 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
     if findings.kind is TriggerKind.NONFINITE_PARAM and findings.optimizer is not None:
         fidelity["optimizer_reproduced"] = True
     verdict = decide_verdict(verdict_facts(findings, session, dump_info, culprit, blamed))
-    if verdict.kind != VerdictKind.EXCEPTION and findings.evidence is not None and not findings.evidence.bad_data:
-        for sample in culprit.samples:  # named as the first to cross, not as bad data: no blocklist lists them
+    verdict.suggestions = suggestions_with_remedies(verdict, findings)
+    if marks_triggers(verdict, findings):
+        for sample in culprit.samples:
             sample.trigger = True
-    if findings.remedies:  # a tested fix comes before what is only suggested
-        diverged = bool(findings.history.diverged) or findings.history.pattern is HistoryPattern.DIVERGED
-        blames = verdict.kind in (VerdictKind.BAD_SAMPLE, VerdictKind.EXCEPTION) or (
-            verdict.kind == VerdictKind.NUMERICAL_PRECISION
-            and findings.evidence is not None
-            and findings.evidence.bad_data
-        )
-        first, last = tested_suggestions(
-            findings.remedies, diverged=diverged, blames_data=blames, trigger=verdict.kind == VerdictKind.TRIGGER_SAMPLE
-        )
-        verdict.suggestions = list(dict.fromkeys(first + (verdict.suggestions or []) + last))
     unknown: dict[str, Any] = {
         "path": None,
         "run_id": None,

@@ -21,23 +21,33 @@ from typing import Any
 
 import torch
 
-from forensics.core.headroom import HORIZON, limit_of, percent_of
-from forensics.core.kinds import FidelityMode, PrecursorRule, PrecursorStatistic, TriggerKind, VerdictKind
+from forensics.core.headroom import Limit, limit_of, percent_of
+from forensics.core.kinds import FidelityMode, PrecursorStatistic, TriggerKind
 from forensics.report.model import schema_for, to_json_safe
-from forensics.report.tree import Report, TriggerBlock, parse_report
+from forensics.report.tree import (
+    CaptureEnv,
+    Culprit,
+    DumpInfo,
+    Environment,
+    Fidelity,
+    History,
+    Precursor,
+    ReplayEnv,
+    Report,
+    Stats,
+    Timings,
+    TriggerBlock,
+)
 from forensics.core.trigger import Trigger
 from forensics.report.wording import fmt_num
 from forensics.core.trend import RobustTrend
 from forensics.replay.judge.findings import HistoryFinding
+from forensics.replay.judge.verdict_unreplayed import instability_ahead
 from forensics.replay.load.environment import replay_environment
 
 REPORT_Z = 3.0  # robust z that counts as 'left the baseline' when looking for where a growth started
 MAX_RANKED = 12  # rows of the ranking in the report
 PLOTTED = 6  # series kept in the report for the plot
-GENERAL_FIXES = (
-    "lower the peak learning rate or lengthen the warm-up: several layers' statistics grow together "
-    "when the step size outruns the curvature",
-)
 
 
 def rank_growth(table: dict) -> list[dict]:
@@ -95,84 +105,60 @@ def precursor_report(dump: Any, dump_info: dict, history: HistoryFinding, starte
         None,
     )
     trigger = dataclasses.replace(dump.trigger, kind=TriggerKind.PRECURSOR, micro_batch=None)
-    verdict = _precursor_verdict(dump.step, ranking, fired, len(table["columns"]), local=trigger.local)
-    near = _limit_headline(dump.step, fired, table)
-    if near is not None:  # the dtype's limit fired: that is the headline, the ranking explains how it got there
-        verdict["headline"] = near
+    verdict = instability_ahead(
+        dump.step, ranking, fired, len(table["columns"]), local=trigger.local, limit=_fired_limit(fired, table)
+    )
     lead = ranking[0] if ranking else fired or {}
-    report = {
-        "schema": schema_for(VerdictKind.INSTABILITY_AHEAD),
-        "created_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "dump": {**dump_info},
-        "trigger": TriggerBlock.of(trigger).as_dict(),
-        "environment": {
-            "capture": dump.manifest.get("environment") or {},
-            "replay": replay_environment(torch.device("cpu")),
-            "warnings": [],
-        },
-        "reproduced": False,
-        "fidelity": {
-            "mode": FidelityMode.NOT_REPLAYED.value,
-            "reason": "a precursor dump holds a healthy step: the report is built from the statistics the job recorded",
-        },
-        "verdict": verdict,
-        "culprit": {
-            "samples": [],
-            "module": lead.get("layer"),
-            "op": None,
-            "phase": None,
-            "parameter": None,
-            "optimizer_state": None,
-            "stats": {"inputs_absmax": None, "outputs_absmax": None, "params_absmax": None},
-            "traceback": None,
-        },
-        "history": history.block,
-        "history_pattern": history.pattern.value,
-        "precursor": {
-            "fired": fired,
-            "ranking": ranking[:MAX_RANKED],
-            "ranked": len(ranking),
-            "columns": len(table["columns"]),
-            "steps": table["steps"],
-            "series": _series(table, ranking[:PLOTTED]),
-            "config": table["config"],
-        },
-        "timings": {"total_s": round(time.monotonic() - started, 3), "passes": 0},
-    }
-    return parse_report(to_json_safe(report))
+    return Report.built(
+        schema=schema_for(str(verdict.kind)),
+        created_at=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        dump=DumpInfo.parse(to_json_safe(dump_info)),
+        trigger=TriggerBlock.of(trigger),
+        environment=Environment.built(
+            capture=CaptureEnv.parse(to_json_safe(dump.manifest.get("environment") or {})),
+            replay=ReplayEnv.parse(to_json_safe(replay_environment(torch.device("cpu")))),
+            warnings=[],
+        ),
+        reproduced=False,
+        fidelity=Fidelity.built(
+            mode=FidelityMode.NOT_REPLAYED.value,
+            reason="a precursor dump holds a healthy step: the report is built from the statistics the job recorded",
+        ),
+        verdict=verdict,
+        culprit=Culprit(samples=[], module=lead.get("layer"), stats=Stats()),
+        history=History.parse(to_json_safe(history.block)) if history.block is not None else None,
+        history_pattern=history.pattern.value,
+        precursor=Precursor.parse(
+            to_json_safe(
+                {
+                    "fired": fired,
+                    "ranking": ranking[:MAX_RANKED],
+                    "ranked": len(ranking),
+                    "columns": len(table["columns"]),
+                    "steps": table["steps"],
+                    "series": _series(table, ranking[:PLOTTED]),
+                    "config": table["config"],
+                }
+            )
+        ),
+        timings=Timings(total_s=round(time.monotonic() - started, 3), passes=0),
+    )
 
 
-def _limit_headline(step: int, fired: dict | None, table: dict) -> str | None:
-    """The headline of a precursor fired by its dtype's limit (headroom, trend, overflow), rebuilt from the numbers
-    and the column's dtype (never from text in the dump)."""
-    rule = PrecursorRule.parse((fired or {}).get("rule"), PrecursorRule.GROWTH)
+def _fired_limit(fired: dict | None, table: dict) -> Limit | None:
+    """The limit of the fired statistic's dtype (forensics/core/headroom.py), from the column's dtype and the
+    recorded head_dim; None when the firing names no statistic this forensics knows, or its dtype has none."""
     stat = _statistic((fired or {}).get("statistic"))
-    if fired is None or rule is PrecursorRule.GROWTH or stat is None:
+    if fired is None or stat is None:
         return None
     column: dict = next(
         (c for c in table["columns"] if c.get("layer") == fired.get("layer") and c.get("statistic") == stat.value), {}
     )
     head = (table.get("config") or {}).get("head_dim")
-    limit = limit_of(
+    return limit_of(
         stat,
         column.get("dtype") if isinstance(column.get("dtype"), str) else None,
         head if isinstance(head, int) and not isinstance(head, bool) else None,
-    )
-    if limit is None:
-        return None
-    what = f"the {stat.words} of `{fired['layer']}`"
-    value = fired.get("value")
-    if rule is PrecursorRule.NONFINITE or not isinstance(value, (int, float)):
-        return f"Instability ahead at step {step}: {what} overflowed ({limit.words}) while the loss was still finite."
-    if rule is PrecursorRule.HEADROOM:
-        return (
-            f"Instability ahead at step {step}: {what} reached {fmt_num(value)}, {percent_of(value, limit.value)} "
-            f"of {limit.words}."
-        )
-    return (
-        f"Instability ahead at step {step}: {what} is climbing steadily toward {limit.words}: "
-        f"{fmt_num(value)} ({percent_of(value, limit.value)}), on course to reach it within "
-        f"{HORIZON} steps."
     )
 
 
@@ -191,60 +177,6 @@ def _series(table: dict, rows: list[dict]) -> list[dict]:
             }
         )
     return out
-
-
-def _precursor_verdict(step: int, ranking: list[dict], fired: dict | None, columns: int, local: bool = True) -> dict:
-    kind = VerdictKind.INSTABILITY_AHEAD
-    if not ranking and not local:  # dumped because another rank's statistics grew (a sharded state: all ranks dump)
-        headline = (
-            f"Instability ahead at step {step}, seen by another rank: this rank's statistics did not leave "
-            "their baseline. Replay the rank that saw it (`forensics replay` of the step directory picks the "
-            "rank whose trigger is local)."
-        )
-        explanation = (
-            "Every rank dumped this step together because one rank's per-layer statistics kept growing; "
-            "each rank measures its own micro-batches and parameter shards."
-        )
-        return {
-            "kind": kind.value,
-            "headline": headline,
-            "explanation": explanation,
-            "suggestions": list(GENERAL_FIXES),
-        }
-    if ranking:
-        first = ranking[0]
-        stat = PrecursorStatistic(first["statistic"])
-        direction = "grow" if stat.rising else "fall"
-        headline = (
-            f"Instability ahead at step {step}: the {stat.words} of `{first['layer']}` started to {direction} "
-            f"first, at step {first['started']} ({fmt_num(first['baseline'])} -> {fmt_num(first['last'])}, "
-            f"{fmt_num(first['growth'], 3)}x)."
-        )
-        others = [f"{r['words']} of `{r['layer']}` (from step {r['started']})" for r in ranking[1:4]]
-        explanation = (
-            f"{len(ranking)} of {columns} per-layer statistics left their baseline and stayed out"
-            + (f"; next: {'; '.join(others)}" if others else "")
-            + ". The job was still healthy when this "
-            "was dumped: nothing was replayed. The dump holds the step's pre-step state, so `forensics "
-            "replay` of a later crash dump and this one can be compared."
-        )
-    else:
-        what = f"the {fired['statistic']} of `{fired['layer']}`" if fired else "a per-layer statistic"
-        headline = (
-            f"Instability ahead at step {step}: {what} grew in the job, but the recorded window is too short "
-            "to tell which started first."
-        )
-        explanation = "The statistics in the dump do not show a sustained growth from a baseline."
-    fixes = [PrecursorStatistic(r["statistic"]).usual_fix for r in ranking[:4]]
-    fired_stat = _statistic(fired.get("statistic")) if fired else None
-    if fired and not ranking and fired_stat is not None:
-        fixes.append(fired_stat.usual_fix)
-    return {
-        "kind": kind.value,
-        "headline": headline,
-        "explanation": explanation,
-        "suggestions": list(dict.fromkeys(fixes + list(GENERAL_FIXES))),
-    }
 
 
 def _statistic(value: Any) -> PrecursorStatistic | None:

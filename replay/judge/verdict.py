@@ -25,6 +25,11 @@ found):
 Before the weight / precision / sample rules, a spike whose own update wrecks the weights (window replay) or in a
 run whose loss had long left where it started is `spike_no_single_cause` with no sample named; a step whose
 gradients are all finite but whose norm overflows (a divergence) is `model_state`.
+The blamed samples are named as triggers, the first to cross and not bad data (`marks_triggers`: report
+`culprit.samples[].trigger`, never in a blocklist), when their records were examined and nothing was found against
+them; and the remedies the replay tested go around the verdict's own suggestions (`suggestions_with_remedies`: a fix
+that worked first). replay/judge/assemble.py places both in the report; it decides neither.
+
 Evidence that a record is bad (replay/culprits/evidence.py): its data is odd on its own, its loss alone is an outlier,
 it alone makes the loss non-finite in float32, or it still fails on an earlier state. Without any, the sample only
 crossed first (`trigger_sample`): no blocklist, no "filter", and the advice is about the state. The fp32 re-run counts
@@ -39,9 +44,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from forensics.core.kinds import HistoryPattern, Phase, TriggerKind
+from forensics.core.kinds import HistoryPattern, Phase, TriggerKind, VerdictKind
 from forensics.report.tree import Verdict
 from forensics.replay.judge.findings import Findings
+from forensics.replay.judge.remedies import tested_suggestions
 from forensics.replay.run.execute import SampleRef
 from forensics.replay.judge.verdict_data import bad_sample, exception_verdict, numerical_precision, trigger_sample
 from forensics.replay.judge.verdict_facts import VerdictFacts, has_culprit, low_precision, whole_batch
@@ -83,6 +89,32 @@ def blamed_samples(findings: Findings) -> list[SampleRef]:
     if withheld(findings.kind.spike, edge, findings.history.diverged):
         return []
     return list(findings.culprits)
+
+
+def marks_triggers(verdict: Verdict, findings: Findings) -> bool:
+    """Whether the samples the verdict blames are named as the first to cross, not as bad data (the report's
+    `culprit.samples[].trigger`; no blocklist lists them): their records were examined and nothing is against them.
+    Never for a step that raised (`exception`): its samples are named by what the exception says of them."""
+    evidence = findings.evidence
+    return verdict.kind != VerdictKind.EXCEPTION and evidence is not None and not evidence.bad_data
+
+
+def suggestions_with_remedies(verdict: Verdict, findings: Findings) -> list | None:
+    """The verdict's suggestions with what the replay's remedies showed (replay/judge/remedies.tested_suggestions):
+    a fix that made the step healthy leads, skipping the step (or a harmless update) is said after; without tested
+    remedies, the verdict's own. Which of those lines apply follows the verdict: the run diverged (no "no action
+    needed"), it blames the data (bad_sample, exception, or a precision verdict with evidence against the record), it
+    names a trigger."""
+    if not findings.remedies:
+        return verdict.suggestions
+    diverged = bool(findings.history.diverged) or findings.history.pattern is HistoryPattern.DIVERGED
+    blames = verdict.kind in (VerdictKind.BAD_SAMPLE, VerdictKind.EXCEPTION) or (
+        verdict.kind == VerdictKind.NUMERICAL_PRECISION and findings.evidence is not None and findings.evidence.bad_data
+    )
+    first, last = tested_suggestions(
+        findings.remedies, diverged=diverged, blames_data=blames, trigger=verdict.kind == VerdictKind.TRIGGER_SAMPLE
+    )
+    return list(dict.fromkeys(first + (verdict.suggestions or []) + last))
 
 
 def decide_verdict(facts: VerdictFacts) -> Verdict:
@@ -151,4 +183,11 @@ def _unblamed(f: VerdictFacts) -> VerdictFacts:
     )
 
 
-__all__ = ["VerdictFacts", "blamed_samples", "decide_verdict", "withheld"]
+__all__ = [
+    "VerdictFacts",
+    "blamed_samples",
+    "decide_verdict",
+    "marks_triggers",
+    "suggestions_with_remedies",
+    "withheld",
+]

@@ -1,5 +1,6 @@
 """The verdict's words: the evidence sentences in the field notes' triage order, the hints an op or a loss curve
-calls for, and the dict every verdict builder returns (replay/judge/verdict.py decides which builder speaks)."""
+calls for, and the typed Verdict every verdict builder returns (`verdict_of`; replay/judge/verdict.py decides which
+builder speaks)."""
 
 from __future__ import annotations
 
@@ -283,7 +284,13 @@ def verdict_node(
     explanation = " ".join(evidence)
     if f.edge_share is not None:
         explanation = f"{explanation} {edge_words(f.edge_share, f.edge_excluded)}".strip()
-    unique = list(dict.fromkeys(s for s in suggestions + no_blocklist(f) if s))
+    return verdict_of(kind, headline, explanation, suggestions + no_blocklist(f))
+
+
+def verdict_of(kind: VerdictKind, headline: str, explanation: str, suggestions: list[str]) -> Verdict:
+    """The report's typed verdict, as every verdict builder returns it (`verdict_node`'s, and those of the dumps with
+    no step to replay: verdict_unreplayed.py): the suggestions in their order, without repeats or empty ones."""
+    unique = list(dict.fromkeys(s for s in suggestions if s))
     log.info("verdict %s: %s", kind, headline)
     return Verdict(kind=kind, headline=headline, explanation=explanation, suggestions=unique)
 
@@ -404,6 +411,7 @@ __all__ = [
     "state_hints",
     "edge_words",
     "verdict_node",
+    "verdict_of",
     "where_step",
     "where_value",
 ]
