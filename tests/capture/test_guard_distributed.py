@@ -81,8 +81,10 @@ WORKER = textwrap.dedent("""
 
 
     os.makedirs(sys.argv[1], exist_ok=True)
-    print("two-ranks", json.dumps({scenario: run(scenario, os.path.join(sys.argv[1], scenario))
-                                   for scenario in ("nan", "overflow", "spike", "cap", "replace")}), flush=True)
+    results = {scenario: run(scenario, os.path.join(sys.argv[1], scenario))
+               for scenario in ("nan", "overflow", "spike", "cap", "replace")}
+    sys.stdout.write("two-ranks " + json.dumps(results) + "\n")  # one write: print's pieces of two ranks interleave
+    sys.stdout.flush()
     dist.barrier()
     os._exit(0)  # no gloo teardown: under load it can abort (SIGABRT) a rank whose peer closed first
 """)
@@ -122,7 +124,7 @@ def two_ranks(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
     # judged by each rank's report (printed after all its work), not by the exit code of gloo's teardown
     outputs, decoder = [], json.JSONDecoder()
     for chunk in done.stdout.split("two-ranks ")[1:]:  # the ranks share stdout: their lines may abut
-        outputs.append(decoder.raw_decode(chunk)[0])
+        outputs.append(decoder.raw_decode(chunk.lstrip())[0])
     assert len(outputs) == 2, f"exit code {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
     by_scenario = {name: sorted((o[name] for o in outputs), key=lambda r: r["rank"]) for name in outputs[0]}
     return tmp_path / "dumps", by_scenario

@@ -78,7 +78,8 @@ def test_a_two_rank_fsdp2_job_dumps_to_s3_and_the_dump_replays_from_there(s3_ser
     written = runner.invoke(main, ["repro", step_url, "--rank", "1", "-o", str(repro), "--report", str(out)])
     assert written.exit_code == 0, (written.output, written.exception)
     assert json.loads((repro / "model.json").read_text())["dump"] == step_url
-    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "CUDA_VISIBLE_DEVICES": ""}
     ran = subprocess.run(
         [sys.executable, str(repro / "model_repro.py")], cwd=tmp_path, env=env, capture_output=True, text=True
     )
