@@ -83,7 +83,7 @@ WORKER = textwrap.dedent("""
     os.makedirs(sys.argv[1], exist_ok=True)
     results = {scenario: run(scenario, os.path.join(sys.argv[1], scenario))
                for scenario in ("nan", "overflow", "spike", "cap", "replace")}
-    sys.stdout.write("two-ranks " + json.dumps(results) + "\n")  # one write: print's pieces of two ranks interleave
+    sys.stdout.write("two-ranks " + json.dumps(results) + "\\n")  # one write: print's pieces of two ranks interleave
     sys.stdout.flush()
     dist.barrier()
     os._exit(0)  # no gloo teardown: under load it can abort (SIGABRT) a rank whose peer closed first
