@@ -7,6 +7,7 @@ import hashlib
 import os
 import stat
 import threading
+from concurrent.futures import Future
 from collections.abc import Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -85,6 +86,10 @@ REMOTE_FETCHES_MIN = 4
 cannot hold, and the reader fetches it again)."""
 
 
+REMOTE_AHEAD = 32
+"""Chunks of a file in object storage fetched ahead of the reader (128 MiB of 4 MiB chunks; ChunkCache holds 64)."""
+
+
 def _workers(remote: bool) -> int:
     cores = min(32, os.cpu_count() or 1)
     return max(REMOTE_FETCHES_MIN, cores) if remote else cores
@@ -111,9 +116,24 @@ class ChunkVerifier:
             max_workers=workers or _workers(isinstance(path, RemotePath)),
             thread_name_prefix="forensics-verify",
         )
-        self._matched, self._count_lock = 0, threading.Lock()
-        self._chunks = [self._pool.submit(self._check, index) for index in range(len(digests))]
-        self._pool.shutdown(wait=False)
+        self._matched, self._count_lock, self._submit_lock = 0, threading.Lock(), threading.Lock()
+        self._chunks: list[Future[bool] | None] = [None] * len(digests)
+        self._started = 0
+        self._submit(0, REMOTE_AHEAD if self.cache is not None else len(digests))
+
+    def _submit(self, first: int, stop: int) -> None:
+        """Starts the checks of chunks [first, stop) not started yet. On disk every chunk starts at once; in object
+        storage only REMOTE_AHEAD beyond what the reader asked for, so the chunks fetched wait in the cache (bounded)
+        for the reader instead of being dropped and fetched again."""
+        with self._submit_lock:
+            if self._started == len(self._chunks):
+                return
+            for index in range(first, min(stop, len(self._chunks))):
+                if self._chunks[index] is None:
+                    self._chunks[index] = self._pool.submit(self._check, index)
+                    self._started += 1
+            if self._started == len(self._chunks):
+                self._pool.shutdown(wait=False)  # every chunk started: the threads end when they are done
 
     def _check(self, index: int) -> bool:
         digest = hashlib.sha256()
@@ -141,8 +161,10 @@ class ChunkVerifier:
 
     def wait(self, begin: int, end: int) -> None:
         first, last = begin // self.chunk_size, max(begin, end - 1) // self.chunk_size
+        self._submit(first, last + 1 + (REMOTE_AHEAD if self.cache is not None else 0))
         for index in range(first, min(last, len(self._chunks) - 1) + 1):
-            if not self._chunks[index].result():
+            chunk = self._chunks[index]
+            if chunk is None or not chunk.result():
                 self.close()
                 raise DumpCorruptError(
                     f"{self.path} does not match its sha256 in the manifest (chunk {index}): the "
@@ -160,7 +182,8 @@ class ChunkVerifier:
 
     def close(self) -> None:
         for chunk in self._chunks:
-            chunk.cancel()
+            if chunk is not None:
+                chunk.cancel()
 
 
 def _check_rank_name(directory: Location, manifest: dict) -> None:
