@@ -24,6 +24,15 @@ def fork_server():
     return load("forensics_fork_server", Path(__file__).with_name("fork_server.py"))
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free right now (a test's server or rendezvous binds it next)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def make_gpt2(seed: int = 0, dropout: float = 0.1):
     """A random-init GPT-2 (2 layers, 32 wide, vocab 64) in train mode, dropout on."""
     import transformers

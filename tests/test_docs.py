@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 from pathlib import Path
 
 import pytest
@@ -66,12 +65,6 @@ def _needs(code: str) -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 SNIPPET_TIMEOUT = 600  # seconds: a snippet takes 5-15 s alone, a few times that on a busy 2-core machine
 
 
@@ -110,7 +103,9 @@ def test_snippet_runs_as_written_and_dumps_the_corrupt_step(document, index, tmp
         )
     prelude = PRELUDE.format(examples=str(ROOT / "scripts" / "examples"))
     if "DistributedDataParallel" in code or "deepspeed" in code or "fully_shard" in code:
-        prelude += DISTRIBUTED.format(port=_free_port())
+        from forensics_test_helpers import free_port  # tests/helpers.py
+
+        prelude += DISTRIBUTED.format(port=free_port())
     if "deepspeed" in code:  # without DeepSpeed's CPU shared-memory op: tests/integrations/deepspeed_rank.py says why
         prelude += "import deepspeed.ops\ndeepspeed.ops.__compatible_ops__['deepspeed_shm_comm'] = False\n"
     if needs == "pytorch_lightning":  # the snippet's `module` and the recipe it names: the user's code

@@ -331,14 +331,6 @@ def remove_tree(path: Location) -> None:
         shutil.rmtree(path)
 
 
-def remove_file(path: Location) -> None:
-    if isinstance(path, RemotePath):
-        with _calling(path, "deleting"):
-            path.fs.rm_file(path.path)
-    else:
-        path.unlink()
-
-
 class ChunkCache:
     """The verified chunks of one file in object storage, kept for the reader that follows the verification, so each
     byte crosses the network once (on disk the page cache does this). Bounded: when full, a new chunk is not kept

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -118,17 +117,13 @@ def test_hsdp_on_four_ranks_writes_one_replica_group(harness, tmp_path):
     assert [s["sample_id"] for s in report["culprit"]["samples"]] == [harness.POISON]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _two_nodes(harness, tmp_path, per_node: int, *extra: str) -> list[str]:
     """`torchrun --nnodes=2` launched twice on one host (c10d rendezvous), `per_node` processes each, every node
     with its own dump_dir (tmp_path/node0, node1); returns the two launches' output."""
     for _ in range(3):  # the port is free when chosen; another job may bind it before node 0 does
-        outputs = _launch_two_nodes(harness, tmp_path, per_node, _free_port(), extra)
+        from forensics_test_helpers import free_port  # tests/helpers.py
+
+        outputs = _launch_two_nodes(harness, tmp_path, per_node, free_port(), extra)
         if not any("EADDRINUSE" in out or "address already in use" in out.lower() for out in outputs):
             return outputs
     return outputs

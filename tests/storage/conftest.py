@@ -42,18 +42,14 @@ class S3Server:
         return sorted(fs.find(prefix))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """moto's S3 server on 127.0.0.1:<free port> for this test session (one per xdist worker)."""
     pytest.importorskip("s3fs", reason="pip install 'forensics[s3]' (s3fs) for the object-storage tests")
     pytest.importorskip("moto.server", reason="pip install 'moto[server]' for the object-storage tests")
-    port = _free_port()
+    from forensics_test_helpers import free_port  # tests/helpers.py
+
+    port = free_port()
     log = tmp_path_factory.mktemp("s3-server") / "moto.log"  # a file, never a pipe: a full pipe stalls the server
     server = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
