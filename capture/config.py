@@ -9,7 +9,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from forensics.format.location import Location
+from forensics.format.location import Location, StorageTimeouts
 from forensics.core.kinds import Policy, StateLayout, Tracker, TriggerKind
 
 
@@ -213,9 +213,35 @@ class DumpConfig:
     (forensics/core/uploads.py; the job's open run; optional extras). A failed upload is logged only."""
     tensorboard_dir: str | None = None
     """TensorBoard log directory for upload=("tensorboard",)."""
+    storage_timeout: float = 20.0
+    """dump_dir a URL: seconds one request to the store may wait to connect, and again for its reply, before it is
+    retried; also how long the Guard, when it is built, waits for the store to answer at all (else fallback_dir).
+    20 s: far above a healthy store's latency, so only a hung or unreachable endpoint reaches it."""
+    storage_retries: int = 2
+    """dump_dir a URL: attempts after the first for a request that timed out or was dropped (a request then fails
+    within about 2 x storage_timeout x (storage_retries + 1) seconds: 2 minutes with the defaults)."""
+    write_stall_timeout: float = 60.0
+    """dump_dir a URL: a dump whose write sends nothing for this many seconds is abandoned — logged, what it wrote
+    removed, no dump — and the step is handled by its policy: a hung store never holds training (or a SIGTERM
+    waiting for the dump) longer than this. Progress, not the whole write, is timed: a large state that keeps
+    uploading is never cut."""
+    fallback_dir: str | None = "forensics_dumps"
+    """dump_dir a URL whose store gives no answer when the Guard is built (storage_timeout): the local directory the
+    dumps go to instead, with an error logged. None: the Guard is not built (ValueError). A URL that can never
+    work (a credential in it, its filesystem package not installed) is a ValueError either way."""
+
+    def storage_timeouts(self) -> StorageTimeouts:
+        """The bounds of each request to the store (forensics.format.location.StorageTimeouts)."""
+        return StorageTimeouts(self.storage_timeout, self.storage_retries)
 
     def __post_init__(self):
         self.upload = tuple(self.upload)
+        if not (self.write_stall_timeout > 0 and math.isfinite(self.write_stall_timeout)):
+            raise ValueError(f"DumpConfig.write_stall_timeout must be > 0 seconds, got {self.write_stall_timeout}")
+        try:
+            self.storage_timeouts()
+        except ValueError as exc:
+            raise ValueError(f"DumpConfig.storage_timeout / storage_retries: {exc}") from None
         unknown = [t for t in self.upload if t not in Tracker.values()]
         if unknown:
             raise ValueError(

@@ -193,11 +193,13 @@ class Guard:
         if self.loop_order.looks:  # the first checks only
             self.loop_order.no_gradients(self.step)
         decision = sync_free = True
+        handled = False  # an incident's policy was applied: a later failure inside forensics does not undo it
         try:
             sync_free = self.checks.sync_free is not None and self.checks.sync_free.active()  # skipped on the device
             for incident in self.checks.incidents(record, grad_norm, self.step, sync_free):
                 # an earlier step's incident (judged late) does not decide this step
                 decision = self.handle_incident(incident) or (sync_free and incident.step != self.step)
+                handled = True
         except TrainingFaultError as fault:
             self.last_step = record
             self.stopped = fault  # later exceptions outside a recorded step are not this step's (record_exception)
@@ -208,8 +210,11 @@ class Guard:
                 self.recorder.current = record  # dumped as the step that raised; the job fails with its own error
                 self.record_exception(exc)  # which ends the step
                 raise
-            log.exception("forensics: the check of step %d failed inside forensics; training continues", self.step)
-            decision = True
+            decided = decision if handled else self.last_decision  # a fault found keeps its policy; else the last
+            log.exception(
+                "forensics: the check of step %d failed inside forensics; check() returns %s", self.step, decided
+            )
+            decision = decided
         if self.precursors is not None:  # never in the sync-free mode (monitor.attach)
             healthy, dumped = decision and self.last_incident_step != self.step, self.last_dumped_step == self.step
             monitor.judge(
@@ -232,14 +237,18 @@ class Guard:
         """Dumps the incident (within the caps) and applies its policy: False when the step must be skipped ('skip'),
         else True. Raises TrainingFaultError under 'raise', after the dump was written (or failed to be)."""
         trigger, policy, self.last_incident_step = incident.trigger, incident.policy, incident.step
-        admission = self.dumper.admit(incident)  # one not dumped is counted and logged once per window there
-        if incident.undumpable is None and (admission.why_not is None or policy is not Policy.CONTINUE):
-            log.warning(
-                "forensics: step %d rank %d: %s (policy: %s)", incident.step, self.rank, trigger.message, policy
-            )
-        dump_path, dump_error = self.dumper.dump(incident, admission)
-        if admission.why_not is None:
-            self.last_dumped_step = incident.step
+        try:  # whatever fails in here, the policy below applies (raise raises, skip skips)
+            admission = self.dumper.admit(incident)  # one not dumped is counted and logged once per window there
+            if incident.undumpable is None and (admission.why_not is None or policy is not Policy.CONTINUE):
+                log.warning(
+                    "forensics: step %d rank %d: %s (policy: %s)", incident.step, self.rank, trigger.message, policy
+                )
+            dump_path, dump_error = self.dumper.dump(incident, admission)
+            if admission.why_not is None:
+                self.last_dumped_step = incident.step
+        except Exception as exc:  # the Dumper never raises; this is the last line of defence
+            log.exception("forensics: dumping step %d failed inside forensics", incident.step)
+            dump_path, dump_error = None, f"forensics failed ({type(exc).__name__})"
         if policy is Policy.RAISE:
             where = (
                 f"dump written to {dump_path}. Replay it with: {self.dumper.needs.command(dump_path)}"

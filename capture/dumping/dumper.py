@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from forensics.capture.config import GuardConfig
-from forensics.capture.dumping import environment
+from forensics.capture.dumping import deadline, destination, environment
 from forensics.capture.dumping.budget import Admission, DumpBudget, spike_size
 from forensics.capture.dumping.main_script import MainScript
 from forensics.capture.dumping.signals import deferred_termination
@@ -34,7 +34,7 @@ from forensics.capture.state.source import StateSource
 from forensics.core.errors import CaptureError
 from forensics.format.batch_tree import map_tensors
 from forensics.format.location import Location
-from forensics.format.writer import DumpContent, dump_path, remove_rank_dump, write_dump
+from forensics.format.writer import DumpContent, dump_path, remove_rank_dump
 from forensics.core.kinds import Policy, TriggerKind
 from forensics.recipes import default_loss
 from forensics.core.rng import capture_rng, restore_rng
@@ -67,6 +67,7 @@ class Dumper:
         on_device_lost: Callable[[], None] = lambda: None,
     ):
         self.config, self.run_id, self.state = config, run_id, state
+        self._root = (config.dump_dir, destination.dump_root(config.dump_dir, config.dumping))  # ValueError: unusable
         self.history, self.window, self.snapshots = history, window, snapshots
         self.on_device_lost = on_device_lost
         recipe = state.recipe()
@@ -85,7 +86,17 @@ class Dumper:
         self.budget = budget
         """The run's dump budgets (capture/dumping/budget.py): a place is taken when a dump starts (background writes land
         later), identically on every rank; one process gives it back when its write fails."""
-        self._writer = BackgroundWriter()
+        self._writer = BackgroundWriter(self._store)
+
+    @property
+    def root(self) -> Location:
+        """Where the dumps go: dump_dir, checked when the Guard is built (capture/dumping/destination.py: ValueError
+        for one that can never work) and again when the job changes it, or DumpConfig.fallback_dir when its store
+        does not answer."""
+        dump_dir = self.config.dump_dir
+        if self._root[0] != dump_dir:
+            self._root = (dump_dir, destination.dump_root(dump_dir, self.config.dumping))
+        return self._root[1]
 
     def admit(self, incident: Incident) -> Admission:
         """Whether the budget lets the incident be dumped; one that is not is counted (and logged once per
@@ -96,7 +107,11 @@ class Dumper:
             if incident.policy is not Policy.RAISE:
                 self.not_dumped(trigger, incident.step, undumpable.why, undumpable.reason)
             return Admission(undumpable.error, undumpable.reason)
-        admission = self.budget.admit(trigger.kind, incident.step, trigger.value, trigger.threshold)
+        try:
+            admission = self.budget.admit(trigger.kind, incident.step, trigger.value, trigger.threshold)
+        except Exception as exc:  # never decides the policy: the Guard applies it whatever this says
+            log.exception("forensics: the dump budget failed for step %d", incident.step)
+            return Admission(f"no dump written: the dump budget failed ({type(exc).__name__})", "error")
         if admission.why_not is not None:
             self.not_dumped(trigger, incident.step, admission.why_not, admission.reason)
         return admission
@@ -109,18 +124,31 @@ class Dumper:
 
     def dump(self, incident: Incident, admission: Admission | None = None) -> tuple[Location | None, str | None]:
         """Dumps the incident unless its budget says no (`admission`: admit()'s answer, asked now when None).
-        Returns (path, None) or (None, why there is no dump)."""
-        admission = self.admit(incident) if admission is None else admission
-        if admission.why_not is not None:
-            return None, admission.why_not
-        background = (
-            incident.trigger.kind.spike and incident.policy is Policy.CONTINUE and self.config.dumping.background_write
-        )
-        with deferred_termination():
-            outcome = self._write(incident, admission, background=background)
-        if background:
-            self._writer.hook_sigterm()
-        return outcome
+        Returns (path, None) or (None, why there is no dump). Never raises: what the Guard then does to the step
+        (its policy) must not depend on whether the dump could be written."""
+        try:
+            admission = self.admit(incident) if admission is None else admission
+            if admission.why_not is not None:
+                return None, admission.why_not
+            background = (
+                incident.trigger.kind.spike
+                and incident.policy is Policy.CONTINUE
+                and self.config.dumping.background_write
+            )
+            with deferred_termination():
+                outcome = self._write(incident, admission, background=background)
+            if background:
+                self._writer.hook_sigterm()
+            return outcome
+        except Exception as exc:  # a fault inside forensics: logged, and the policy still applies
+            log.exception("forensics: dumping step %d failed inside forensics", incident.step)
+            why = f"no dump written: forensics failed ({type(exc).__name__}: {str(exc)[:300]})"
+            self.errors.append(why)
+            return None, why
+
+    def _store(self, content: DumpContent, root: Location) -> Location:
+        """Writes one dump; to object storage under the stall deadline (capture/dumping/deadline.py)."""
+        return deadline.store(content, root, self.config.dumping.write_stall_timeout)
 
     def join(self, timeout: float | None = None) -> None:
         """Waits for the background writes (Guard.close()) and logs what was not dumped since the last line."""
@@ -147,10 +175,10 @@ class Dumper:
             failed(f"no dump written: {unusable}")
             return None, f"no dump written: {unusable}"
         if background:
-            path = self._writer.submit(content, self.config.dump_dir, written, failed)
+            path = self._writer.submit(content, self.root, written, failed)
             return path, None
         try:
-            path = write_dump(content, self.config.dump_dir)
+            path = self._store(content, self.root)
         except CaptureError as exc:
             failed(str(exc))
             return None, str(exc)
@@ -181,7 +209,7 @@ class Dumper:
         """Deletes this rank's spike dump of `step`, replaced by the larger one at `larger`, with its packed archive,
         and the step directory once no rank's dump is left in it. After the writes queued before it (the
         old dump may still be in the background writer's queue). Never raises."""
-        old = dump_path(self.config.dump_dir, self.run_id, step, self.state.ranks.rank)
+        old = dump_path(self.root, self.run_id, step, self.state.ranks.rank)
 
         def remove() -> None:
             try:

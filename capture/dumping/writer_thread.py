@@ -33,7 +33,8 @@ class BackgroundWriter:
     """Writes queued dumps in order on one daemon thread; `after_queued` runs a function after the writes queued
     before it (deleting a replaced dump)."""
 
-    def __init__(self):
+    def __init__(self, write: Callable[[DumpContent, Location], Location] = write_dump):
+        self._write = write  # the Dumper's: object storage under its stall deadline
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._hooked = False
@@ -49,7 +50,7 @@ class BackgroundWriter:
             return self._pending
 
     def submit(
-        self, content: DumpContent, root: str, on_done: Callable[[Location], None], on_error: Callable[[str], None]
+        self, content: DumpContent, root: Location, on_done: Callable[[Location], None], on_error: Callable[[str], None]
     ) -> Location:
         """Queues `content`; returns where the dump will appear once written."""
         self._start()
@@ -94,7 +95,7 @@ class BackgroundWriter:
                     continue
                 content, root, on_done, on_error = payload
                 try:
-                    path = write_dump(content, root)
+                    path = self._write(content, root)
                 except CaptureError as exc:
                     self._count_failure()
                     on_error(str(exc))

@@ -14,6 +14,10 @@ What object storage changes, and how the format copes:
 - Credentials come from where the storage library looks (the environment, a config file, an instance or pod
   role); a URL carrying a password is refused, and a RemotePath prints as `protocol://bucket/key` only.
 
+- Every request is bounded: `StorageTimeouts` (connect / read timeout, retries) go to the storage library (s3fs:
+  botocore's `connect_timeout`, `read_timeout`, `retries`), from the Guard's DumpConfig or, for the commands,
+  `--storage-timeout` / $FORENSICS_STORAGE_TIMEOUT and $FORENSICS_STORAGE_RETRIES.
+
 fsspec (and the protocol's package, e.g. s3fs for s3://) is imported only when a URL is used:
 `pip install 'forensics[s3]'` (or `[gcs]`, `[azure]`).
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import math
 import os
 import re
 import stat
@@ -66,8 +71,88 @@ def is_url(value: object) -> bool:
     return match is not None and match.group(1).lower() != "file"
 
 
-def as_location(value: str | os.PathLike[str] | RemotePath) -> Location:
-    """A Path for a local path or `file://` URL, a RemotePath for any other fsspec URL.
+@dataclass(frozen=True)
+class StorageTimeouts:
+    """How long one request to object storage may wait, and how often it is tried, before the operation fails.
+
+    The worst case of one request is about (connect + read) x (retries + 1) seconds: with the defaults, 2 minutes
+    against an endpoint that accepts connections and never answers; one that refuses them fails in seconds."""
+
+    seconds: float = 20.0
+    """Connect timeout, and read timeout (the wait for a reply's next bytes), each, in seconds."""
+    retries: int = 2
+    """Attempts after the first (a timeout, a dropped connection, a throttled request)."""
+
+    def __post_init__(self) -> None:
+        if not (self.seconds > 0 and math.isfinite(self.seconds)) or self.retries < 0:
+            raise ValueError(
+                f"storage timeouts need seconds > 0 and retries >= 0, got seconds={self.seconds}, "
+                f"retries={self.retries}"
+            )
+
+    @property
+    def worst_case_s(self) -> float:
+        """The longest one request may take before it fails (every attempt timing out on connect and read)."""
+        return 2 * self.seconds * (self.retries + 1)
+
+    @classmethod
+    def from_environment(cls) -> StorageTimeouts:
+        """$FORENSICS_STORAGE_TIMEOUT (seconds) and $FORENSICS_STORAGE_RETRIES, else the defaults.
+
+        Raises:
+            ValueError: a variable is set to something that is not a positive number (says which).
+        """
+        values: dict[str, Any] = {}
+        for name, key, kind in (
+            ("FORENSICS_STORAGE_TIMEOUT", "seconds", float),
+            ("FORENSICS_STORAGE_RETRIES", "retries", int),
+        ):
+            text = os.environ.get(name, "").strip()
+            if text:
+                try:
+                    values[key] = kind(text)
+                except ValueError:
+                    raise ValueError(f"${name}={cut_text(text, 40)!r} is not a number") from None
+        return cls(**values)
+
+
+_timeouts: StorageTimeouts | None = None
+"""The process's timeouts for URLs opened without their own (set_storage_timeouts; None: from the environment)."""
+
+
+def set_storage_timeouts(timeouts: StorageTimeouts | None) -> None:
+    """Sets the timeouts `as_location` gives a URL opened without its own (a command's --storage-timeout)."""
+    global _timeouts
+    _timeouts = timeouts
+
+
+def storage_timeouts() -> StorageTimeouts:
+    """The timeouts a URL opened without its own gets."""
+    return _timeouts if _timeouts is not None else StorageTimeouts.from_environment()
+
+
+def timeout_options(scheme: str, timeouts: StorageTimeouts) -> dict[str, Any]:
+    """The storage library's options that bound each request (fsspec storage options), for `scheme`.
+
+    s3fs: botocore's connect / read timeouts and its retry count (mode "standard": backoff with jitter, throttling
+    retried too), and s3fs's own retry loop cut to one pass, which would otherwise repeat botocore's whole cycle
+    five times (14 minutes against a hung endpoint). Other protocols keep their library's settings: the Guard's
+    stall deadline (DumpConfig.write_stall_timeout) bounds what a job waits for them."""
+    if scheme in ("s3", "s3a"):
+        return {
+            "retries": 1,
+            "config_kwargs": {
+                "connect_timeout": timeouts.seconds,
+                "read_timeout": timeouts.seconds,
+                "retries": {"max_attempts": timeouts.retries + 1, "mode": "standard"},
+            },
+        }
+    return {}
+
+
+def as_location(value: str | os.PathLike[str] | RemotePath, timeouts: StorageTimeouts | None = None) -> Location:
+    """A Path for a local path or `file://` URL, a RemotePath for any other fsspec URL, whose requests are bounded by
+    `timeouts` (default: `storage_timeouts()`).
 
     Raises:
         StorageError: the URL carries a password, or its filesystem package is not installed (says which).
@@ -87,7 +172,7 @@ def as_location(value: str | os.PathLike[str] | RemotePath) -> Location:
     except ImportError:
         raise StorageError(f"{text} is a URL: reading or writing it needs fsspec. {_install_hint(scheme)}") from None
     try:
-        fs, path = fsspec.core.url_to_fs(text)
+        fs, path = fsspec.core.url_to_fs(text, **timeout_options(scheme, timeouts or storage_timeouts()))
     except ImportError as exc:
         raise StorageError(
             f"{scheme}:// needs a package that is not installed ({exc}). {_install_hint(scheme)}"

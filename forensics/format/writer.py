@@ -11,12 +11,12 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import zstandard
 
-from forensics.core.errors import CaptureError
+from forensics.core.errors import CaptureError, StorageError
 from forensics.core.fsio import fsync_dir
 from forensics.format import jsonio, spec, threads
 from forensics.format.shards import LocalShard, ShardCopies, shard_entry
@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 ZSTD_LEVEL = 3
 CONCURRENT_WRITE_MIN = 64 << 20  # below 64 MB of weights, a second writer thread is not worth starting
+WATCH_PIECE = 8 << 20  # a watched remote write says it progressed at least every 8 MiB it hands to the store
 WRITE_BUFFER = 1 << 20  # small tensors are gathered into one write; a larger one goes straight to the kernel (a
 # 16 MiB buffer copied every tensor of up to 16 MiB once more on its way: a whole extra pass over a GPT-2 or Llama
 # state, 0.6 s per GiB on the 2-core dev machine when busy)
@@ -64,13 +65,37 @@ class DumpContent:
     capture/state/buddy.py), as spec.copy_file_name files listed in the manifest's `layout.copies`."""
 
 
+class Watch(Protocol):
+    """Told of each piece a remote write sends (the Guard's stall deadline: capture/dumping/deadline.py); raises to
+    stop the write, which then removes what it wrote."""
+
+    def progress(self) -> None: ...
+
+
+class _Watched:
+    """A remote file handle that tells `watch` of every piece sent, a large write cut into WATCH_PIECE pieces so that
+    a slow but moving upload keeps saying so."""
+
+    def __init__(self, handle: Any, watch: Watch):
+        self.handle, self.watch = handle, watch
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), WATCH_PIECE):
+            self.watch.progress()
+            self.handle.write(view[start : start + WATCH_PIECE])
+        self.watch.progress()
+        return len(view)
+
+
 class _DumpDir:
     """The directory being filled (a temporary one on disk; in object storage the rank dump's own prefix), with its
     table of files."""
 
-    def __init__(self, path: Location):
+    def __init__(self, path: Location, watch: Watch | None = None):
         self.path = path
         self.remote = isinstance(path, RemotePath)
+        self.watch = watch
         self.files: dict[str, dict] = {}
         self.shards: dict[str, dict] = {}  # file -> {name: where this rank's part sits} (sharded layout)
 
@@ -83,9 +108,16 @@ class _DumpDir:
         if chunks:
             self.files[name].update(chunk_size=out.chunk_bytes, chunks=chunks)
 
+    def _sink(self, handle: Any) -> Any:
+        """Where the bytes of a file go: the handle, watched when a watch is set (remote writes)."""
+        if self.watch is None:
+            return handle
+        self.watch.progress()
+        return _Watched(handle, self.watch)
+
     def write_bytes(self, name: str, data: bytes) -> None:
         with open_write(self.path / name) as handle:
-            out = HashingWriter(handle)
+            out = HashingWriter(self._sink(handle))
             out.write(data)
             self._record(name, out, handle)
 
@@ -99,7 +131,7 @@ class _DumpDir:
             tensors[key], shards[key] = shard_entry(value)
         if isinstance(self.path, RemotePath):  # streamed to the store in parts as it is hashed; no local copy
             with open_write(self.path / name) as handle:
-                out = HashingWriter(handle)
+                out = HashingWriter(self._sink(handle))
                 write_safetensors(out, tensors)
                 self._record(name, out, handle)
         else:
@@ -217,29 +249,35 @@ def dump_path(root: str | os.PathLike | Location, run_id: str, step: int, rank: 
     return as_location(root) / run_id / spec.step_dir_name(step) / spec.rank_dir_name(rank)
 
 
-def write_dump(content: DumpContent, root: str | os.PathLike | Location) -> Location:
+def write_dump(content: DumpContent, root: str | os.PathLike | Location, watch: Watch | None = None) -> Location:
     """Writes `content` under `root` (a directory, or an fsspec URL such as s3://bucket/dumps) and returns the rank
     dump's location.
 
+    Args:
+        watch: told of each piece a remote write sends; when it raises, the write stops and removes what it wrote
+            (the Guard's stall deadline, capture/dumping/deadline.py).
     Raises:
-        CaptureError: the location is not writable, the disk is full, or a value cannot be stored.
+        CaptureError: the location cannot be used or is not writable, the disk is full, or a value cannot be stored.
             Nothing is ever taken for a whole dump that is not: on disk nothing half-written is left under a
             dump's final name; in object storage the manifest is written last and what was written is deleted.
     """
     try:
-        return _write_dump(content, root)
+        return _write_dump(content, root, watch)
     finally:
         if content.done is not None:
             content.done()
 
 
-def _write_dump(content: DumpContent, root: str | os.PathLike | Location) -> Location:
+def _write_dump(content: DumpContent, root: str | os.PathLike | Location, watch: Watch | None) -> Location:
     if content.ready is not None:
         content.ready()
     manifest = dict(content.manifest)
-    final = dump_path(root, manifest["run_id"], manifest["step"], manifest["rank"])
+    try:
+        final = dump_path(root, manifest["run_id"], manifest["step"], manifest["rank"])
+    except StorageError as exc:  # a URL that cannot be used (the Guard checks its dump_dir when it is built)
+        raise CaptureError(f"no dump written: {exc}") from exc
     if isinstance(final, RemotePath):
-        return _write_remote(content, manifest, final)
+        return _write_remote(content, manifest, final, watch)
     base = final.parents[2]  # root: <root>/<run>/step-<N>/rank-<R>
     _clean_once(base)
     tmp = final.parent / temporary_name(final.name)
@@ -262,15 +300,20 @@ def _write_dump(content: DumpContent, root: str | os.PathLike | Location) -> Loc
         raise CaptureError(_explain(exc, final)) from exc
 
 
-def _write_remote(content: DumpContent, manifest: dict, final: RemotePath) -> RemotePath:
+def _write_remote(content: DumpContent, manifest: dict, final: RemotePath, watch: Watch | None) -> RemotePath:
     """Object storage has no rename: every file goes straight under the final prefix, the manifest last, so a
     reader takes the dump for whole only once everything is there. A write that fails deletes what it wrote; a
-    writer killed mid-write leaves files without a manifest, which every reader calls incomplete."""
+    writer killed mid-write leaves files without a manifest, which every reader calls incomplete, and which the
+    next write under the same prefix deletes before it writes (else an old file the new dump does not list would
+    stay beside it: `verify` and `pack` refuse an unlisted file)."""
     try:
         if (final / spec.MANIFEST).exists():
             raise FileExistsError(errno.EEXIST, "a dump for this run, step and rank already exists", str(final))
-        target = _DumpDir(final)
+        _remove_leftovers(final)
+        target = _DumpDir(final, watch)
         manifest = _fill(target, content, manifest)
+        if watch is not None:
+            watch.progress()  # an abandoned write never writes its manifest
         target.write_bytes(spec.MANIFEST, jsonio.dumps(manifest))
         return final
     except Exception as exc:
@@ -278,6 +321,14 @@ def _write_remote(content: DumpContent, manifest: dict, final: RemotePath) -> Re
             with contextlib.suppress(Exception):
                 remove_tree(final)
         raise CaptureError(_explain(exc, final)) from exc
+
+
+def _remove_leftovers(final: RemotePath) -> None:
+    """Deletes what a killed writer left under `final` (files, no manifest): the writer of a rank dump is its rank's
+    one process, so anything there before it starts is a dead write's."""
+    if any(True for _ in final.iterdir()):
+        log.warning("forensics: removing the files an unfinished write left at %s (its writer was killed)", final)
+        remove_tree(final)
 
 
 def _fill(target: _DumpDir, content: DumpContent, manifest: dict) -> dict:
