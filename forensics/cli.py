@@ -289,8 +289,50 @@ class Interruptible(click.Group):
 
 @click.group(cls=Interruptible, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="forensics", prog_name="forensics")
-def main() -> None:
+@click.option(
+    "--storage-timeout",
+    type=click.FloatRange(min=0.1, max=3600),
+    default=None,
+    help="A dump at a URL: seconds each request to the store may wait to connect, and again for its reply "
+    "[default: $FORENSICS_STORAGE_TIMEOUT or 20].",
+)
+@click.option(
+    "--storage-retries",
+    type=click.IntRange(0, 20),
+    default=None,
+    help="A dump at a URL: attempts after the first for a request that timed out [default: "
+    "$FORENSICS_STORAGE_RETRIES or 2]. A hung store fails the command (exit 2) after about "
+    "2 x timeout x (retries + 1) seconds.",
+)
+def main(storage_timeout: float | None, storage_retries: int | None) -> None:
     """Crash forensics for PyTorch training: inspect, verify and replay dumps of failing steps."""
+    _bound_storage_requests(storage_timeout, storage_retries)
+
+
+def _bound_storage_requests(seconds: float | None, retries: int | None) -> None:
+    """The commands' timeouts for dumps at URLs, and a line on stderr for each request still waiting after a few
+    seconds (a hung store is said, not silent)."""
+    from forensics.format.location import StorageTimeouts, set_storage_timeouts, slow_requests
+
+    try:
+        default = StorageTimeouts.from_environment()
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+    timeouts = StorageTimeouts(
+        default.seconds if seconds is None else seconds, default.retries if retries is None else retries
+    )
+    set_storage_timeouts(timeouts)
+
+    def still_waiting(what: str, where: str, waited: float) -> None:
+        click.echo(
+            clean(
+                f"forensics: {what} {where}: no answer for {waited:.0f} s (each request gives up after "
+                f"{timeouts.worst_case_s:.0f} s at most: --storage-timeout, --storage-retries)"
+            ),
+            err=True,
+        )
+
+    slow_requests.watch(still_waiting)
 
 
 @main.command()

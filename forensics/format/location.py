@@ -31,6 +31,7 @@ import os
 import re
 import stat
 import threading
+import time
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -140,7 +141,6 @@ def timeout_options(scheme: str, timeouts: StorageTimeouts) -> dict[str, Any]:
     stall deadline (DumpConfig.write_stall_timeout) bounds what a job waits for them."""
     if scheme in ("s3", "s3a"):
         return {
-            "retries": 1,
             "config_kwargs": {
                 "connect_timeout": timeouts.seconds,
                 "read_timeout": timeouts.seconds,
@@ -148,6 +148,13 @@ def timeout_options(scheme: str, timeouts: StorageTimeouts) -> dict[str, Any]:
             },
         }
     return {}
+
+
+def _one_retry_loop(fs: Any, scheme: str) -> None:
+    """s3fs retries botocore's whole cycle of attempts `retries` times (a class attribute, 5; no constructor argument):
+    one pass, so that StorageTimeouts.retries is the count (this filesystem instance is ours: its options are)."""
+    if scheme in ("s3", "s3a") and hasattr(fs, "retries"):
+        fs.retries = 1
 
 
 def as_location(value: str | os.PathLike[str] | RemotePath, timeouts: StorageTimeouts | None = None) -> Location:
@@ -173,6 +180,7 @@ def as_location(value: str | os.PathLike[str] | RemotePath, timeouts: StorageTim
         raise StorageError(f"{text} is a URL: reading or writing it needs fsspec. {_install_hint(scheme)}") from None
     try:
         fs, path = fsspec.core.url_to_fs(text, **timeout_options(scheme, timeouts or storage_timeouts()))
+        _one_retry_loop(fs, scheme)
     except ImportError as exc:
         raise StorageError(
             f"{scheme}:// needs a package that is not installed ({exc}). {_install_hint(scheme)}"
@@ -358,19 +366,93 @@ Location = Union[Path, RemotePath]
 """Where a dump (or a directory of dumps) lives."""
 
 
+class SlowRequests:
+    """The requests to object storage in flight, and a daemon thread that tells `report(what, where, waited_s)` of
+    each one still waiting after NOTICE_AFTER_S, then every NOTICE_AFTER_S more (the commands' progress against a
+    slow or hung store: `forensics list s3://...` says what it waits for instead of printing nothing). Off (no
+    thread) until a reporter is set."""
+
+    NOTICE_AFTER_S = 5.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._in_flight: dict[int, tuple[str, str, float]] = {}
+        self._next = 0
+        self.report: Any = None
+        self._thread: threading.Thread | None = None
+
+    def watch(self, report: Any) -> None:
+        """Reports slow requests to `report(what, where, waited_s)` from now on (None: stops reporting)."""
+        self.report = report
+        if report is not None and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="forensics-slow-requests", daemon=True)
+            self._thread.start()
+
+    def start(self, what: str, where: RemotePath) -> int | None:
+        if self.report is None:
+            return None
+        with self._lock:
+            self._next += 1
+            self._in_flight[self._next] = (what, str(where), time.monotonic())
+            return self._next
+
+    def end(self, token: int | None) -> None:
+        if token is not None:
+            with self._lock:
+                self._in_flight.pop(token, None)
+
+    def _run(self) -> None:
+        told: dict[int, int] = {}
+        while True:
+            time.sleep(1.0)
+            now, report = time.monotonic(), self.report
+            with self._lock:
+                slow = [
+                    (t, w, p, now - at) for t, (w, p, at) in self._in_flight.items() if now - at >= self.NOTICE_AFTER_S
+                ]
+                told = {t: n for t, n in told.items() if t in self._in_flight}
+            for token, what, where, waited in slow:
+                times = int(waited // self.NOTICE_AFTER_S)
+                if report is not None and told.get(token) != times:
+                    told[token] = times
+                    try:
+                        report(what, where, waited)
+                    except Exception:  # noqa: BLE001 - a progress line never fails the command
+                        pass
+
+
+slow_requests = SlowRequests()
+"""The process's requests in flight (forensics.cli sets the reporter)."""
+
+
 @contextlib.contextmanager
 def _calling(path: RemotePath, what: str) -> Iterator[None]:
     """Storage errors as OSError (a missing object, no permission: the storage library's own) or StorageError (no
     credentials, an unreachable endpoint), naming the location but never a credential."""
+    token = slow_requests.start(what, path)
     try:
         yield
-    except OSError:
+    except OSError as exc:
+        if _timed_out(exc):
+            raise StorageError(
+                f"{what} {path} failed: the store did not answer in time ({type(exc).__name__}: {cut_text(exc, 160)}). "
+                "Check the endpoint; how long a request may wait: --storage-timeout / $FORENSICS_STORAGE_TIMEOUT "
+                "(DumpConfig.storage_timeout in a job)"
+            ) from exc
         raise
     except Exception as exc:
         raise StorageError(
             f"{what} {path} failed: {type(exc).__name__}: {cut_text(exc, 240)} (credentials and the endpoint come "
             "from the storage library's usual places: environment variables, its config file, an instance role)"
         ) from exc
+    finally:
+        slow_requests.end(token)
+
+
+def _timed_out(exc: OSError) -> bool:
+    """A request that timed out (botocore's ReadTimeoutError / ConnectTimeoutError are OSErrors without an errno,
+    like TimeoutError): a store that did not answer, not a file system's refusal."""
+    return isinstance(exc, TimeoutError) or (exc.errno is None and "Timeout" in type(exc).__name__)
 
 
 def lstat(path: Location) -> os.stat_result | RemoteStat:

@@ -1,0 +1,174 @@
+"""A store that stops answering (issue 49, item 3): the Guard's check of a NaN step returns within its stall deadline
+and applies the policy; `forensics list` / `inspect` of a URL at a hung endpoint exit 2 within the request bounds,
+saying what they wait for. The hung endpoint is a TCP proxy on 127.0.0.1 in front of the moto server
+(conftest.py): it forwards until told to hang, then accepts and reads but never answers; it closes itself after
+PROXY_LIFETIME_S whatever happens."""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import threading
+import time
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from forensics.capture import DetectionConfig, Guard, GuardConfig
+from forensics.capture.config import DumpConfig
+from forensics.cli import main
+from forensics.core.errors import TrainingFaultError
+
+PROXY_LIFETIME_S = 90.0
+BOUND_S = 30.0
+"""What a test allows where the old code waited minutes (14 for the NaN step): a bound, far above the configured
+deadlines (3 s of stall, 1-2 s per request), never a timing."""
+POISON = 5  # step 1, micro-batch 0
+
+
+class HangingProxy:
+    """Forwards 127.0.0.1:<port> to `target` until `hang()`; then every connection, old or new, is read and never
+    answered."""
+
+    def __init__(self, target: tuple[str, int]):
+        self.target = target
+        self.hung = threading.Event()
+        self.closed = threading.Event()
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.server.settimeout(0.5)
+        self.port = self.server.getsockname()[1]
+        self._sockets: list[socket.socket] = []
+        self._deadline = time.monotonic() + PROXY_LIFETIME_S
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def hang(self) -> None:
+        self.hung.set()
+
+    def close(self) -> None:
+        self.closed.set()
+        for sock in [self.server, *self._sockets]:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def _accept(self) -> None:
+        while not self.closed.is_set() and time.monotonic() < self._deadline:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                continue
+            client.setblocking(True)
+            self._sockets.append(client)
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+        self.close()
+
+    def _serve(self, client: socket.socket) -> None:
+        """One connection: bytes both ways while not hung; once hung, what the client sends is read and dropped."""
+        upstream = None
+        try:
+            if not self.hung.is_set():
+                upstream = socket.create_connection(self.target)
+                self._sockets.append(upstream)
+            pair = [client] + ([upstream] if upstream is not None else [])
+            while not self.closed.is_set():
+                ready, _, _ = select.select(pair, [], [], 0.5)
+                for sock in ready:
+                    data = sock.recv(1 << 16)
+                    if not data:
+                        return
+                    if upstream is not None and not self.hung.is_set():
+                        (upstream if sock is client else client).sendall(data)
+        except OSError:
+            return
+        finally:
+            for sock in (client, upstream):
+                if sock is not None:
+                    try:
+                        sock.close()
+                    except OSError:
+                        pass
+
+
+@pytest.fixture
+def proxy(s3_server, monkeypatch):
+    import s3fs
+
+    host, port = s3_server.endpoint.removeprefix("http://").split(":")
+    hanging = HangingProxy((host, int(port)))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", hanging.url)
+    s3fs.S3FileSystem.clear_instance_cache()  # fsspec keeps one per set of options, with the endpoint it first read
+    yield hanging
+    hanging.close()
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+def _steps(helpers, n_steps=2):
+    data = helpers.EmbedsDataset(n_steps * 4, poison=[POISON])
+    return [[helpers.collate(data, [s * 4 + j * 2, s * 4 + j * 2 + 1]) for j in range(2)] for s in range(n_steps)]
+
+
+def _guard(gpt2, root, policy):
+    model = gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    dumping = DumpConfig(storage_timeout=2.0, storage_retries=1, write_stall_timeout=3.0)
+    config = GuardConfig(dump_dir=root, run_id="hung", detection=DetectionConfig(on_nonfinite=policy), dumping=dumping)
+    return model, optimizer, Guard(model, optimizer, config=config)
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_a_store_that_hangs_at_the_nan_step_costs_the_job_seconds_and_the_policy_holds(
+    helpers, gpt2, bucket, proxy, policy
+):
+    """The store answers when the Guard is built (no fallback), then hangs: the NaN step's check() gives the dump up
+    after its stall deadline and skips (or raises) — before: 14 minutes, then True."""
+    model, optimizer, guard = _guard(gpt2, f"s3://{bucket}/dumps", policy)
+    assert str(guard.dumper.root).startswith("s3://")  # the store answered: no fallback
+    loop = helpers.TrainLoop(model, optimizer, guard, snapshot=False)
+    steps = _steps(helpers)
+    loop.run(steps[:1])
+    proxy.hang()
+    started = time.monotonic()
+    if policy == "raise":
+        with pytest.raises(TrainingFaultError, match="NO dump was written") as info:
+            loop.run(steps[1:])
+        assert "took no data" in info.value.dump_error
+    else:
+        loop.run(steps[1:])
+        assert loop.logs[-1].decision is False
+        assert guard.dumps == [] and any("took no data" in e for e in guard.dump_errors)
+    assert time.monotonic() - started < BOUND_S
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("command", ["list", "inspect"])
+def test_a_command_against_a_hung_store_exits_2_in_bounded_time_and_says_what_it_waits_for(
+    bucket, proxy, command, monkeypatch
+):
+    proxy.hang()
+    monkeypatch.setattr("forensics.format.location.SlowRequests.NOTICE_AFTER_S", 1.0)
+    url = f"s3://{bucket}/dumps" if command == "list" else f"s3://{bucket}/dumps/run/step-000000001"
+    started = time.monotonic()
+    result = CliRunner().invoke(main, ["--storage-timeout", "3", "--storage-retries", "0", command, url])
+    assert time.monotonic() - started < BOUND_S
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert "no answer for" in result.stderr and bucket in result.stderr  # the progress line
+    assert "timeout" in result.output.lower()
+
+
+def test_the_timeouts_come_from_the_environment_and_a_bad_value_is_exit_2(monkeypatch, tmp_path):
+    monkeypatch.setenv("FORENSICS_STORAGE_TIMEOUT", "soon")
+    result = CliRunner().invoke(main, ["list", str(tmp_path)])
+    assert result.exit_code == 2 and "FORENSICS_STORAGE_TIMEOUT" in result.output
+    monkeypatch.setenv("FORENSICS_STORAGE_TIMEOUT", "7")
+    result = CliRunner().invoke(main, ["list", str(tmp_path), "--json"])
+    assert result.exit_code == 0 and json.loads(result.stdout)["dumps"] == []
+    from forensics.format.location import storage_timeouts
+
+    assert storage_timeouts().seconds == 7.0
