@@ -122,12 +122,18 @@ _patch_lock = threading.Lock()
 
 @contextlib.contextmanager
 def _autocast_entered_disabled(count: Fp32Count) -> Iterator[None]:
+    """Within: every autocast entered is entered disabled. On leaving (an exception in the user's code included), the
+    class's `__enter__` and every instance it disabled are as they were: an instance outlives the pass when the user
+    reuses it (a `@torch.autocast(...)` decorator holds one for every call, a module may keep one as an attribute),
+    and one left disabled would run every later pass of the replay in fp32."""
     autocast = torch.amp.autocast_mode.autocast
     original = autocast.__enter__
+    touched: dict[int, tuple[Any, Any]] = {}  # id -> (instance, its `_enabled` before the pass)
 
     def enter_disabled(self: Any) -> Any:
         if getattr(self, "_enabled", False):
             count.held_autocasts += 1
+        touched.setdefault(id(self), (self, getattr(self, "_enabled", False)))
         self._enabled = False
         return original(self)
 
@@ -137,6 +143,8 @@ def _autocast_entered_disabled(count: Fp32Count) -> Iterator[None]:
             yield
         finally:
             autocast.__enter__ = original  # type: ignore[method-assign]
+            for instance, enabled in touched.values():
+                instance._enabled = enabled
 
 
 @contextlib.contextmanager
