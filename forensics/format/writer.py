@@ -280,7 +280,9 @@ def _write_dump(content: DumpContent, root: str | os.PathLike | Location, watch:
         return _write_remote(content, manifest, final, watch)
     base = final.parents[2]  # root: <root>/<run>/step-<N>/rank-<R>
     _clean_once(base)
+    _remove_own_leftovers(final)
     tmp = final.parent / temporary_name(final.name)
+    _WRITING.add(tmp.name)
     try:
         _make_directory(tmp)
         target = _DumpDir(tmp)
@@ -298,6 +300,27 @@ def _write_dump(content: DumpContent, root: str | os.PathLike | Location, watch:
         shutil.rmtree(tmp, ignore_errors=True)
         _remove_if_empty(final.parent, base)
         raise CaptureError(_explain(exc, final)) from exc
+    finally:
+        _WRITING.discard(tmp.name)
+
+
+_WRITING: set[str] = set()
+"""The temporary directories this process is filling now."""
+
+
+def _remove_own_leftovers(final: Path) -> None:
+    """Deletes a temporary of the same rank dump that carries this host's and this process's pid but that this
+    process is not filling: a killed predecessor with the same pid (a restarted container's training process often
+    has it), which the stale check takes for alive (forensics.format.stale). Others are left to that check."""
+    prefix = temporary_name(final.name).rsplit("-", 1)[0] + "-"
+    try:
+        leftovers = [p for p in final.parent.iterdir() if p.name.startswith(prefix) and p.name not in _WRITING]
+    except OSError:
+        return
+    for path in leftovers:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+            log.warning("forensics: removed %s, an unfinished dump of this rank whose writer is gone", path)
 
 
 def _write_remote(content: DumpContent, manifest: dict, final: RemotePath, watch: Watch | None) -> RemotePath:
