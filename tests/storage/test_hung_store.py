@@ -7,10 +7,16 @@ PROXY_LIFETIME_S whatever happens."""
 from __future__ import annotations
 
 import json
+import os
 import select
+import signal
 import socket
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +27,7 @@ from forensics.capture.config import DumpConfig
 from forensics.cli import main
 from forensics.core.errors import TrainingFaultError
 
+REPO = Path(__file__).resolve().parents[2]
 PROXY_LIFETIME_S = 90.0
 BOUND_S = 30.0
 """What a test allows where the old code waited minutes (14 for the NaN step): a bound, far above the configured
@@ -172,3 +179,68 @@ def test_the_timeouts_come_from_the_environment_and_a_bad_value_is_exit_2(monkey
     from forensics.format.location import storage_timeouts
 
     assert storage_timeouts().seconds == 7.0
+
+
+TERMINATED_JOB = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from forensics.capture import DetectionConfig, DumpConfig, Guard, GuardConfig
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    dumping = DumpConfig(storage_timeout=2.0, storage_retries=1, write_stall_timeout=3.0)
+    config = GuardConfig(dump_dir=sys.argv[1], run_id="term", detection=DetectionConfig(on_nonfinite="skip"),
+                         dumping=dumping)
+    guard = Guard(model, optimizer, config=config)
+    print("built", guard.dumper.root, flush=True)
+    sys.stdin.readline()  # the store hangs from here on
+    for step in range(3):
+        x = torch.randn(8, 4)
+        if step == 1:
+            x[0, 0] = float("nan")
+            print("nan step", flush=True)
+        guard.record_batch({"x": x, "sample_ids": list(range(step * 8, step * 8 + 8))})
+        loss = model(x).pow(2).mean()
+        guard.record_loss(loss)
+        loss.backward()
+        if guard.check():
+            optimizer.step()
+        optimizer.zero_grad()
+    """
+)
+
+
+def test_a_sigterm_while_the_dump_waits_on_a_hung_store_ends_the_job_in_bounded_time(bucket, proxy, tmp_path):
+    """Before: a SIGTERM at the NaN step's dump waited minutes "finishing the dump". Now the dump is given up at its
+    stall deadline and the held SIGTERM then ends the job, as it would have."""
+    script = tmp_path / "job.py"
+    script.write_text(TERMINATED_JOB)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    job = subprocess.Popen(
+        [sys.executable, str(script), f"s3://{bucket}/dumps"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        built = job.stdout.readline()
+        assert built.startswith("built s3://"), (built, job.stderr.read()[-3000:] if job.poll() is not None else "")
+        proxy.hang()
+        job.stdin.write("\n")
+        job.stdin.flush()
+        assert job.stdout.readline().strip() == "nan step"
+        time.sleep(1.0)  # check() is writing the dump to the hung store
+        started = time.monotonic()
+        job.send_signal(signal.SIGTERM)
+        returncode = job.wait(BOUND_S)
+        assert time.monotonic() - started < BOUND_S
+    finally:
+        job.kill()
+        job.wait(30)
+    stderr = job.stderr.read()
+    assert returncode == -signal.SIGTERM, stderr[-3000:]
+    assert "took no data" in stderr and "SIGTERM received while writing the dump" in stderr, stderr[-3000:]
