@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import cast
 
 from forensics.core.errors import CaptureError
 from forensics.format.location import Location, RemotePath
@@ -74,8 +75,6 @@ def store(content: DumpContent, root: Location, stall_s: float) -> Location:
             watch.abandon(why)
             raise CaptureError(why)
     error = outcome.get("error")
-    if error is not None:
-        raise error  # type: ignore[misc]  # CaptureError, as write_dump raises it
-    path = outcome["path"]
-    assert isinstance(path, RemotePath)
-    return path
+    if isinstance(error, BaseException):
+        raise error  # CaptureError, as write_dump raises it
+    return cast(Location, outcome["path"])

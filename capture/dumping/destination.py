@@ -39,7 +39,8 @@ def dump_root(dump_dir: str, dumping: DumpConfig) -> Location:
         root = as_location(dump_dir, dumping.storage_timeouts())
     except StorageError as exc:
         raise ValueError(f"GuardConfig.dump_dir cannot be used: {exc}") from None
-    assert isinstance(root, RemotePath)
+    if not isinstance(root, RemotePath):  # a file:// URL: a local directory
+        return root
     problem = unreachable(root, dumping.storage_timeout)
     if problem is None:
         return root

@@ -372,7 +372,7 @@ class SlowRequests:
     slow or hung store: `forensics list s3://...` says what it waits for instead of printing nothing). Off (no
     thread) until a reporter is set."""
 
-    NOTICE_AFTER_S = 5.0
+    NOTICE_AFTER_S = 10.0
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
