@@ -201,7 +201,7 @@ class Guard:
                 decision = self.handle_incident(incident) or (sync_free and incident.step != self.step)
                 handled = True
         except TrainingFaultError as fault:
-            self.last_step = record
+            self.last_step, self.last_decision = record, False  # a repeat of this check() must not apply the step
             self.stopped = fault  # later exceptions outside a recorded step are not this step's (record_exception)
             self.step += 1  # a job that catches the error and goes on must not reuse this step's number
             raise

@@ -151,3 +151,16 @@ def test_a_repeated_check_returns_the_skip_of_the_nan_step(helpers, gpt2, tmp_pa
     assert again is False
     assert any("check() was called again" in r.getMessage() for r in caplog.records)
     guard.close()
+
+
+def test_a_repeated_check_after_a_caught_training_fault_does_not_apply_the_step(helpers, gpt2, tmp_path):
+    """'raise': a loop that catches the TrainingFaultError and calls check() again for the same step gets False (it
+    got True, the answer of the step before, and applied the NaN step)."""
+    model, optimizer, guard = _guard(gpt2, tmp_path / "dumps", "raise")
+    loop = helpers.TrainLoop(model, optimizer, guard, snapshot=False)
+    steps = _steps(helpers)
+    loop.run(steps[:1])
+    with pytest.raises(TrainingFaultError):
+        loop.run(steps[1:2])
+    assert guard.check() is False
+    guard.close()

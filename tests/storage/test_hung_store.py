@@ -154,7 +154,7 @@ def test_a_store_that_hangs_at_the_nan_step_costs_the_job_seconds_and_the_policy
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-@pytest.mark.parametrize("command", ["list", "inspect"])
+@pytest.mark.parametrize("command", ["list", "inspect", "verify", "replay"])
 def test_a_command_against_a_hung_store_exits_2_in_bounded_time_and_says_what_it_waits_for(
     bucket, proxy, command, monkeypatch
 ):
@@ -162,7 +162,8 @@ def test_a_command_against_a_hung_store_exits_2_in_bounded_time_and_says_what_it
     monkeypatch.setattr("forensics.format.location.SlowRequests.NOTICE_AFTER_S", 1.0)
     url = f"s3://{bucket}/dumps" if command == "list" else f"s3://{bucket}/dumps/run/step-000000001"
     started = time.monotonic()
-    result = CliRunner().invoke(main, ["--storage-timeout", "3", "--storage-retries", "0", command, url])
+    extra = ["--device", "cpu"] if command == "replay" else []
+    result = CliRunner().invoke(main, ["--storage-timeout", "3", "--storage-retries", "0", command, url, *extra])
     assert time.monotonic() - started < BOUND_S
     assert result.exit_code == 2, (result.output, result.exception)
     assert "no answer for" in result.stderr and bucket in result.stderr  # the progress line
