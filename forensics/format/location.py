@@ -142,12 +142,22 @@ def timeout_options(scheme: str, timeouts: StorageTimeouts) -> dict[str, Any]:
     if scheme in ("s3", "s3a"):
         return {
             "config_kwargs": {
+                **_configured(scheme, "config_kwargs"),  # the user's fsspec config (addressing style, signature ...)
                 "connect_timeout": timeouts.seconds,
                 "read_timeout": timeouts.seconds,
                 "retries": {"max_attempts": timeouts.retries + 1, "mode": "standard"},
             },
         }
     return {}
+
+
+def _configured(scheme: str, option: str) -> dict[str, Any]:
+    """`option` of the user's fsspec configuration for `scheme` ($FSSPEC_S3_CONFIG_KWARGS, fsspec's config files): an
+    option passed explicitly replaces it whole, so what the user set there is carried over."""
+    import fsspec.config
+
+    value = fsspec.config.conf.get(scheme, {}).get(option)
+    return dict(value) if isinstance(value, dict) else {}
 
 
 def _one_retry_loop(fs: Any, scheme: str) -> None:

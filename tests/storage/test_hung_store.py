@@ -245,3 +245,16 @@ def test_a_sigterm_while_the_dump_waits_on_a_hung_store_ends_the_job_in_bounded_
     stderr = job.stderr.read()
     assert returncode == -signal.SIGTERM, stderr[-3000:]
     assert "took no data" in stderr and "SIGTERM received while writing the dump" in stderr, stderr[-3000:]
+
+
+def test_the_users_fsspec_config_kwargs_are_kept_beside_the_timeouts(monkeypatch):
+    """A MinIO user's `config_kwargs` from fsspec's configuration (path-style addressing) survive the timeouts
+    forensics passes (an explicit option replaces fsspec's configured one whole)."""
+    import fsspec.config
+
+    from forensics.format.location import StorageTimeouts, timeout_options
+
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"config_kwargs": {"s3": {"addressing_style": "path"}}})
+    options = timeout_options("s3", StorageTimeouts(7.0, 1))["config_kwargs"]
+    assert options["s3"] == {"addressing_style": "path"}
+    assert (options["connect_timeout"], options["read_timeout"], options["retries"]["max_attempts"]) == (7.0, 7.0, 2)
