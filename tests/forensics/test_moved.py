@@ -5,6 +5,7 @@ DeprecationWarning that names the new path (forensics/core/moved.py); old top-le
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import subprocess
