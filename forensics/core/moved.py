@@ -1,6 +1,6 @@
 """Module paths that moved, kept importable for one release with a DeprecationWarning that names the new path.
 
-The one list of them is `MOVED` (CHANGELOG.md says when each moved). `install()` (called by `forensics/__init__.py`)
+The one list of them is `MOVED` (CHANGELOG.md lists them for users). `install()` (called by `forensics/__init__.py`)
 puts a finder in front of `sys.meta_path` that answers an old name with the module now at the new path (the same
 module object, so classes and isinstance checks are shared); it claims nothing that exists:
 - `forensics.<old>`: the names below that are not modules any more (`forensics.errors` -> `forensics.core.errors`);
@@ -122,7 +122,7 @@ class _MovedFinder(importlib.abc.MetaPathFinder):
             if fullname == top:
                 if importlib.machinery.PathFinder.find_spec(top) is not None:
                     return None  # the user's own capture / replay
-            elif sys.modules.get(top) is not sys.modules.get(f"forensics.{top}"):
+            elif sys.modules.get(top) is None or sys.modules.get(top) is not sys.modules.get(f"forensics.{top}"):
                 return None  # below the user's own package
         elif fullname not in MOVED or not fullname.startswith("forensics."):
             return None
