@@ -89,7 +89,7 @@ class Guard:
         self.buffers = self.state.buffers
         self._hooks: list[Any] = []
         self.history = History(config.recording.history_size)
-        self.window = FlightRecorder(config.recording.window_steps)  # the flight recorder (record/window.py)
+        self.window = FlightRecorder(config.recording.window_steps)  # the flight recorder (recording/window.py)
         self.snapshots = HostSnapshots(config.recording.snapshot_every, config.recording.snapshot_count)
         self.precursors = monitor.attach(
             model,

@@ -26,6 +26,7 @@ from forensics.core.errors import (
     UnsupportedVersionError,
 )
 from forensics.core.lazy import lazy_exports
+from forensics.core.moved import install as _keep_moved_names
 
 __all__ = [
     "CaptureError",
@@ -51,6 +52,8 @@ __all__ = [
     "replay_dump",
     "verify_dump",
 ]
+
+_keep_moved_names()  # module paths that moved import for one more release, with a DeprecationWarning (core/moved.py)
 
 # Lazy so that `import forensics` in a job does not import forensics.replay, and the CLI starts fast.
 __getattr__ = lazy_exports(

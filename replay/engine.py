@@ -5,9 +5,9 @@ a typed finding (replay/judge/findings.py), and replay/judge/assemble.py builds 
 opens and verifies the dump and picks the report's path (between steps, precursor, window, the step itself);
 replay/options.py holds ReplayOptions, replay/pipeline.py runs the stages on a loaded session, replay/culprit_stage.py
 is the culprit stage, replay/window_report.py a window replay.
-`run_replay(dump_or_path, options)` returns the report dict of schema "forensics-report/1"
-(docs/REPORT_FORMAT.md); writing it to disk is forensics.report's job. `run_session(session, options)`
-does the same for a ReplaySession built in memory.
+`run_replay(dump_or_path, options)` returns the report dict of schema "forensics-report/<major>", the major of its
+verdict kind (forensics.core.kinds.VerdictKind.schema_major; docs/REPORT_FORMAT.md); writing it to disk is
+forensics.report's job. `run_session(session, options)` does the same for a ReplaySession built in memory.
 """
 
 from __future__ import annotations

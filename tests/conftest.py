@@ -10,6 +10,18 @@ from pathlib import Path
 import pytest
 import torch
 
+# Compiled bytecode kept outside the checkout and the venv where the environment forbids writing it beside the sources
+# (PYTHONDONTWRITEBYTECODE=1 with a venv installed --no-compile): otherwise every process of the suite (each test
+# worker, torchrun rank, script and forked server) compiles torch and transformers from source again, about 5 s of CPU
+# per process that imports transformers' models (measured 2026-11-28: the scenario fixture spent 14 of its 24 s in
+# `compile`). Set here, before the tests import them, and through the environment for the processes they start.
+if os.environ.get("PYTHONDONTWRITEBYTECODE") and not os.environ.get("PYTHONPYCACHEPREFIX"):
+    import tempfile
+
+    os.environ.pop("PYTHONDONTWRITEBYTECODE")
+    os.environ["PYTHONPYCACHEPREFIX"] = os.path.join(tempfile.gettempdir(), f"forensics-pycache-{os.getuid()}")
+    sys.pycache_prefix, sys.dont_write_bytecode = os.environ["PYTHONPYCACHEPREFIX"], False
+
 # Tiny models on a shared 2-core box: one intra-op thread is several times faster than two threads
 # fighting other test processes for the cores, and it keeps every float reduction order fixed.
 torch.set_num_threads(1)

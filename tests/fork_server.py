@@ -242,7 +242,7 @@ class ForkServer:
         out_dir: Path,
         nproc: int = 1,
         distributed: bool = False,
-        timeout: float = 600,
+        timeout: float = 120,
         preload: list[str] = (),
     ) -> Completed:
         """Runs `script ARGS` in `cwd` with `env` (nproc ranks with torchrun's environment when nproc > 1 or

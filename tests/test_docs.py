@@ -65,7 +65,7 @@ def _needs(code: str) -> str | None:
     return None
 
 
-SNIPPET_TIMEOUT = 600  # seconds: a snippet takes 5-15 s alone, a few times that on a busy 2-core machine
+SNIPPET_TIMEOUT = 120  # seconds: a snippet takes 5-15 s alone, a few times that on a busy 2-core machine
 
 
 def _fork_server():

@@ -65,10 +65,6 @@ class SpikeDetector:
             return None
         return self._threshold()
 
-    @property
-    def warming_up(self) -> bool:
-        return len(self._window) < self.config.warmup
-
     def observe(self, value: float | None) -> float | None:
         """Returns the threshold `value` exceeded (a spike), else None; then adds `value` to the window."""
         self.suppressed = None

@@ -1,7 +1,7 @@
 """CUDA discipline for code that copies device tensors to the host, on any thread: which device and stream a
 copy runs on, when it has landed, and what must never be freed once a CUDA error has poisoned the context.
 
-Three rules (STYLE.md, "Code that touches CUDA"), each a function here so that no caller re-derives them:
+Three rules, each a function here so that no caller re-derives them:
 - A Python thread starts on device 0 whatever the main thread chose. A copy of a tensor on cuda:1 runs on
   cuda:1's current stream of *that thread*, so its completion event must be recorded there: `DeviceFence`
   records one event on the current stream of each device it is given, never on "the current device".

@@ -432,7 +432,7 @@ class _PatternProps:
 
 
 class HistoryPattern(_Kind):
-    """The shape of the loss curve before the trigger (../shared/FIELD-NOTES.md's loss-curve table)."""
+    """The shape of the loss curve before the trigger (the table of replay/judge/history_pattern.py)."""
 
     SUDDEN_JUMP = "sudden_jump"
     EXPONENTIAL_GROWTH = "exponential_growth"

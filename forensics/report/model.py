@@ -52,17 +52,6 @@ SCHEMA_KEYS = (
     "exception",
     "weights",
 )
-REQUIRED_KEYS = (
-    "schema",
-    "created_at",
-    "dump",
-    "trigger",
-    "environment",
-    "reproduced",
-    "fidelity",
-    "verdict",
-    "culprit",
-)
 # Optional sections: absent or null when that analysis was not run. Value: the JSON type if present.
 _OPTIONAL_TYPES = {
     "rng": dict,

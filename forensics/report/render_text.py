@@ -50,11 +50,6 @@ def top_rows(rows: Sequence[Row], value: Callable[[Row], Any], n: int = 20) -> l
     return sorted(rows, key=order)[:n]
 
 
-def culprit_ids(report: Mapping | Report) -> list:
-    """The culprit samples' ids, in report order, without duplicates."""
-    return parse_report(report).culprit.ids()
-
-
 # ---- sentences shared by the text, Markdown and HTML renderers (plain words, no markup) ----
 
 

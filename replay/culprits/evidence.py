@@ -3,7 +3,7 @@
 Bisection names the smallest set of samples whose presence makes the step fail. That is not yet evidence against the
 data: on a state at the edge (activations near fp16's max, attention logits grown for hundreds of steps, a learning
 rate too high) the first sample to cross is whichever comes, and filtering it moves the failure to the next one
-(PaLM, Chowdhery et al. 2022, §5.1; ../shared/FIELD-NOTES.md "Trigger or cause"). A sample is blamed as bad data only
+(PaLM, Chowdhery et al. 2022, §5.1: the suspect batches fed to an earlier checkpoint did not spike). A sample is blamed as bad data only
 with evidence about the record itself, and the report shows it:
 
 * its data is odd on its own (replay/culprits/sample_facts.py: NaN/Inf or extreme values, every label masked, no

@@ -1,7 +1,7 @@
 """Read the loss history before a crash: which curve shape it was, and other warning signals.
 
-`classify_history` names the shape of the loss curve leading to the trigger, after the table in
-the field notes (../shared/FIELD-NOTES.md):
+`classify_history` names the shape of the loss curve leading to the trigger, after the table
+practitioners use to read a loss curve before a blow-up:
 
 | pattern                  | example                                  | usual cause                      |
 |--------------------------|------------------------------------------|----------------------------------|

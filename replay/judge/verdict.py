@@ -35,8 +35,8 @@ it alone makes the loss non-finite in float32, or it still fails on an earlier s
 crossed first (`trigger_sample`): no blocklist, no "filter", and the advice is about the state. The fp32 re-run counts
 only when it was checked to have run in float32 (replay/run/fp32.py).
 
-The wording follows the field notes' "What a good forensic answer looks like" (../shared/FIELD-NOTES.md): the
-headline is one sentence naming what broke and where; the explanation gives the evidence in the
+The wording follows what a practitioner's forensic answer gives ("step, rank, micro-batch; reproduced; the first
+non-finite layer and op; the culprit and how it was found; fp32 or not"): the headline is one sentence naming what broke and where; the explanation gives the evidence in the
 triage order (where, reproduction, culprit, precision, history); suggestions are concrete.
 """
 

@@ -38,6 +38,7 @@ from typing import Any, Callable
 import torch
 
 from forensics.core.errors import RecipeError
+from forensics.core.moved import current_name
 from forensics.format.location import Location, RemotePath, is_url
 from forensics.recipes import is_builtin
 from forensics.report.wording import clean
@@ -52,14 +53,15 @@ TRUSTED_OPTIMIZER_PREFIX = "torch.optim."
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
 
-LEGACY_ROOTS = ("capture.", "replay.")
-"""Before one import root, forensics' two sides were the top-level packages `capture` and `replay`: a dump written then
-may name `capture.integrations.lightning:training_step_loss`, which is forensics.capture.integrations... now."""
-
-
 def current_path(path: str) -> str:
-    """`path` with a module name of forensics' own written before one import root moved under `forensics.`."""
-    return f"forensics.{path}" if isinstance(path, str) and path.startswith(LEGACY_ROOTS) else path
+    """`path` with a module of forensics' own that moved named at its path today (forensics/core/moved.py): a dump
+    written before may name `capture.integrations.lightning:training_step_loss`, now forensics.capture.integrations...
+    """
+    if not isinstance(path, str):
+        return path
+    module, colon, attr = path.partition(":")
+    moved = current_name(module)
+    return path if moved is None else f"{moved}{colon}{attr}"
 
 
 def _split_path(path: str, what: str) -> tuple[str, str]:

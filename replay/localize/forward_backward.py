@@ -457,7 +457,6 @@ class BackwardFinding:
     backward_node: str | None
     traceback: str | None
     """Forward traceback of that op, recorded by anomaly mode."""
-    anomaly_error: str | None = None
     micro_batch: int | None = None
     phase: Phase = Phase.BACKWARD
 
@@ -629,7 +628,6 @@ def localize_backward(
         op=node_to_op(node["name"]) if node.get("name") else None,
         backward_node=node.get("name"),
         traceback=traceback,
-        anomaly_error=result.error,
         micro_batch=node.get("micro_batch"),
     )
 

@@ -41,6 +41,20 @@ def test_threshold_is_median_plus_mad_sigmas_or_the_ratio_whichever_is_higher():
     assert flat.observe(3.0001) == pytest.approx(3.0)
 
 
+@pytest.mark.parametrize(
+    "window",
+    [
+        [1.0, 2.0, 3.0, 4.0, 5.0],  # spread: the robust threshold (median + 8 sigmas) decides
+        [2.0, 2.0, 2.0, 2.0, 2.0],  # no spread: median x min_ratio (3.0) decides
+    ],
+)
+def test_a_value_exactly_at_the_threshold_is_not_a_spike_and_the_next_float_up_is(window):
+    """'Above the threshold' is strict: the value the Guard's message calls the threshold never fires itself."""
+    limit = detector(window).threshold()
+    assert detector(window).observe(limit) is None
+    assert detector(window).observe(math.nextafter(limit, math.inf)) == limit
+
+
 def test_negative_or_zero_median_uses_the_robust_test_only():
     d = detector([-1.0, -2.0, -3.0, -4.0, -5.0])
     assert d.threshold() == pytest.approx(-3.0 + 8.0 * MAD_TO_SIGMA)

@@ -90,7 +90,7 @@ WORKER = textwrap.dedent("""
 """)
 
 
-LAUNCH_TIMEOUT = 420  # seconds: about 25 s alone; a 2-core machine shared with other jobs is many times slower
+LAUNCH_TIMEOUT = 120  # seconds: about 25 s alone; no test waits longer (tests/README.md)
 
 
 @pytest.fixture(scope="module")

@@ -149,7 +149,7 @@ def run_children(commands: list[list], cwd: Path | None = None, memory_limit: in
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=120,
     )
     stderr, _, peak = done.stderr.rpartition("PEAK_RSS_KIB ")
     assert done.returncode == 0 and peak, done.stderr[-3000:]
@@ -182,11 +182,11 @@ def assert_refused_within_a_gib(result: ChildRun, *words: str) -> None:
 @pytest.fixture
 def make_fifo():
     """`make_fifo(path)`: a FIFO the command under test meets in-process. Were the command to open it and wait for
-    the other end (a hang), a watcher opens that end after four minutes, so the test fails instead of blocking the suite."""
+    the other end (a hang), a watcher opens that end after 100 s, so the test fails instead of blocking the suite."""
     paths, done, rescued = [], threading.Event(), []
 
     def watch():
-        if done.wait(240):
+        if done.wait(100):
             return
         while not done.is_set():
             for path in paths:

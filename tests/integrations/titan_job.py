@@ -4,8 +4,8 @@ Importing it (torchtitan does, inside `Trainer.__init__`, before it picks its de
 - registers the train spec `titan_tokens`: torchtitan's Llama 3 (model, parallelisation, optimizer, schedule and
   loss unchanged) reading a small synthetic token dataset instead of a tokenizer and a dataset from a hub (nothing
   is downloaded). Record POISON of the stream has every label masked (-100, the ignore index): the mean
-  cross-entropy of a micro-batch holding only that record is 0/0 = NaN, a loss-masking bug of the kind
-  docs/FIELD-NOTES lists;
+  cross-entropy of a micro-batch holding only that record is 0/0 = NaN, a loss-masking bug practitioners
+  meet (every label -100: 0/0 in a mean over tokens);
 - on a machine without CUDA, points torchtitan 0.2.0 at the CPU: it takes `device_type` to be "cuda" whenever no
   accelerator is found (torchtitan/tools/utils.py, get_device_info) and reads memory statistics from that device.
   A test stand-in only: on a GPU nothing is changed.

@@ -28,7 +28,7 @@ def _env() -> dict:
 
 def test_device_side_assert_dumps_the_host_side_and_replays_to_the_sample_and_token(tmp_path):
     job = subprocess.run(
-        [sys.executable, str(JOB), str(tmp_path / "dumps")], capture_output=True, text=True, env=_env(), timeout=300
+        [sys.executable, str(JOB), str(tmp_path / "dumps")], capture_output=True, text=True, env=_env(), timeout=120
     )
     assert job.returncode == 1, (job.returncode, job.stderr[-3000:])  # the job's own error; not 134 (abort)
     assert "terminate called" not in job.stderr and "device-side assert" in job.stderr, job.stderr[-3000:]
@@ -57,7 +57,7 @@ def test_device_side_assert_dumps_the_host_side_and_replays_to_the_sample_and_to
         capture_output=True,
         text=True,
         env=_env(),
-        timeout=600,
+        timeout=120,
     )
     assert replay.returncode == 0, replay.stdout[-3000:] + replay.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
@@ -74,7 +74,7 @@ def test_a_real_cuda_out_of_memory_from_one_long_sample_names_it_by_its_size(tmp
         capture_output=True,
         text=True,
         env=_env(),
-        timeout=300,
+        timeout=120,
     )
     assert job.returncode == 1 and "OutOfMemoryError" in job.stderr, job.stderr[-3000:]
     path = tmp_path / "dumps" / "oom" / "step-000000002"
@@ -86,7 +86,7 @@ def test_a_real_cuda_out_of_memory_from_one_long_sample_names_it_by_its_size(tmp
         capture_output=True,
         text=True,
         env=_env(),
-        timeout=600,
+        timeout=120,
     )
     assert replay.returncode == 0, replay.stdout[-3000:] + replay.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())

@@ -185,7 +185,7 @@ def test_an_uncaught_exception_is_dumped_by_the_excepthook_and_replays_to_the_la
             cwd=str(tmp_path),
             env=env,
             out_dir=tmp_path / "output",
-            timeout=300,
+            timeout=120,
         )
     )
     assert done.returncode == 1 and "IndexError" in done.stderr and "Target 12 is out of bounds" in done.stderr
@@ -242,7 +242,7 @@ def test_an_exception_on_one_rank_of_two_does_not_hang_and_its_dump_replays(tmp_
         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
-        timeout=420,
+        timeout=120,
     )  # 420 s: slow under load, not hung
     assert done.returncode != 0
     rank1 = tmp_path / "dumps" / "raise" / "step-000000002" / "rank-00001"
@@ -279,7 +279,7 @@ def test_ranks_of_an_fsdp2_job_that_raise_mid_forward_write_a_complete_sharded_d
         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
-        timeout=420,
+        timeout=120,
     )  # 420 s: slow under load, not hung
     assert done.returncode != 0
     step = tmp_path / "dumps" / "raise" / "step-000000002"
@@ -315,7 +315,7 @@ def _capped(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
             cwd=str(cwd),
             env=env,
             out_dir=cwd / f"output-{Path(args[0]).stem.strip('-')}",
-            timeout=300,
+            timeout=120,
         )
     )
     return subprocess.CompletedProcess(args, done.returncode, done.stdout, done.stderr)

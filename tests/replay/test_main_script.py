@@ -65,7 +65,7 @@ def script_dump(tmp_path_factory) -> Path:
     job = tmp_path_factory.mktemp("job")
     (job / "train.py").write_text(SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    ran = subprocess.run([sys.executable, "train.py"], cwd=job, env=env, capture_output=True, text=True, timeout=300)
+    ran = subprocess.run([sys.executable, "train.py"], cwd=job, env=env, capture_output=True, text=True, timeout=120)
     assert ran.returncode == 0 and "TRAINING step 5" in ran.stdout, ran.stderr
     dumps = sorted((job / "dumps").glob("script/step-*/rank-*"))
     assert len(dumps) == 1
@@ -239,7 +239,7 @@ def test_a_job_without_a_factory_is_told_at_once_and_the_replay_line_and_main_fa
     job.mkdir()
     (job / "train.py").write_text(NO_RECIPE)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    ran = subprocess.run([sys.executable, "train.py"], cwd=job, env=env, capture_output=True, text=True, timeout=300)
+    ran = subprocess.run([sys.executable, "train.py"], cwd=job, env=env, capture_output=True, text=True, timeout=120)
     assert ran.returncode == 0 and "TRAINING step 5" in ran.stdout, ran.stderr
     needs = [line for line in ran.stderr.splitlines() if "a replay of this job's dumps will need" in line]
     assert len(needs) == 1 and "a model factory" in needs[0] and "--trust" in needs[0]

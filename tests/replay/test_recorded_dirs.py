@@ -173,7 +173,7 @@ def test_with_trust_a_planted_standard_module_still_loses_to_the_real_one(crash_
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=120,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert ran.returncode in (0, 3, 4), ran.stderr[-3000:]

@@ -43,7 +43,7 @@ def run_script(path: Path, cwd: Path, server=None) -> subprocess.CompletedProces
     if path.name == "model_repro.py":
         env["PYTHONPATH"] = str(REPO)
         server = fork_server().shared(REPO)
-    done = server.run(path, [], cwd=str(cwd), env=env, out_dir=cwd / "output", timeout=300)
+    done = server.run(path, [], cwd=str(cwd), env=env, out_dir=cwd / "output", timeout=120)
     return subprocess.CompletedProcess([path], done.returncode, done.stdout, done.stderr)
 
 
@@ -158,7 +158,7 @@ def test_a_copied_model_script_finds_its_dump_and_a_missing_dump_is_one_line_exi
         cwd=str(tmp_path),
         env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(REPO)},
         out_dir=tmp_path / "output2",
-        timeout=300,
+        timeout=120,
     )
     assert named.returncode == 1 and "AssertionError" in named.stderr, named.stderr
 

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from forensics.replay.culprits.earlier_state import EarlierState
-from forensics.replay.culprits.evidence import loss_outlier
+from forensics.replay.culprits.evidence import loss_outlier, weigh
 from forensics.replay.engine import ReplayOptions, run_session
 from forensics.replay.judge.precision import fp32_check
+from forensics.replay.load.samples import SampleRef
 from forensics.replay.load.session import session_from_objects
 from forensics.replay.run.execute import StepRunner
 
@@ -177,6 +178,22 @@ def test_a_sample_that_alone_goes_non_finite_far_from_the_limit_is_bad_data():
 )
 def test_the_loss_outlier_rule(loss, others, outlier):
     assert loss_outlier(loss, others) is outlier
+
+
+@pytest.mark.parametrize("culprit_loss, evidence", [(40.0, True), (4.4, False)])
+def test_a_loss_far_above_the_healthy_level_is_evidence_and_one_at_that_level_is_not(culprit_loss, evidence):
+    """The healthy samples' losses sit tightly at 4.0 (every record of the step replayed alone); a record at ten times
+    that is a mislabeled or garbage target; one at 4.4 is an ordinary record, however many of the others' tiny
+    deviations it is away from them (the ratio, not only the robust spread, decides)."""
+    healthy = [3.98, 3.99, 4.0, 4.0, 4.01, 4.02, 3.99]
+    rows = [
+        {"micro_batch": 0, "index": i, "sample_id": f"s{i}", "loss": v, "grad_norm": 1.0} for i, v in enumerate(healthy)
+    ]
+    rows.append({"micro_batch": 0, "index": 7, "sample_id": "s7", "loss": culprit_loss, "grad_norm": 9.0})
+    culprit = SampleRef(0, 7, "s7")
+    found = weigh([culprit], rows, {}, nonfinite_trigger=False, full_precision=False, isolated=True)
+    assert found.bad_data is evidence
+    assert [e.sample_id for e in found.against] == (["s7"] if evidence else [])
 
 
 class HalfInside(torch.nn.Module):

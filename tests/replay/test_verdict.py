@@ -533,14 +533,15 @@ def test_a_norm_that_overflows_with_finite_gradients_is_the_diverged_state_not_t
     assert "learning rate" in text and "DCGM" not in text and "hardware" not in text
 
 
-def test_a_nan_at_the_end_of_exponential_growth_is_the_divergence_whoever_crossed_first():
+@pytest.mark.parametrize("pattern", ["exponential_growth", "diverged"])  # a loss that grew, or sat far above its start
+def test_a_nan_at_the_end_of_exponential_growth_is_the_divergence_whoever_crossed_first(pattern):
     v = check_shape(
         decide_verdict(
             facts(
                 trigger_kind="nonfinite_grad",
                 culprit_samples=["s9-i1"],
                 record_evidence=[],
-                history_pattern="exponential_growth",
+                history_pattern=pattern,
                 lr=300.0,
                 phase="backward",
                 module="transformer.h.1.ln_1",
