@@ -516,7 +516,11 @@ class HistoryPattern(_Kind):
     def cause_for(self, trigger: Any) -> str:
         """usual_cause, true for a dump of `trigger` (a TriggerKind or its value): 'the failing step is an outlier'
         only where a value failed — not for a step that raised or a precursor of a healthy step."""
-        if self is HistoryPattern.STABLE and trigger in (TriggerKind.EXCEPTION, TriggerKind.PRECURSOR):
+        if self is HistoryPattern.STABLE and trigger in (
+            TriggerKind.EXCEPTION,
+            TriggerKind.PRECURSOR,
+            TriggerKind.SILENT_CORRUPTION,
+        ):
             return ""
         return self.usual_cause
 
