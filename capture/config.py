@@ -136,7 +136,8 @@ class SilentConfig:
     returns False: the step's gradients are not applied) or 'continue'."""
     inject: Any = None
     """A capture.silent.inject.FaultSpec (or its `key=value,...` text) to inject a fault and prove the checks; the
-    environment variable FORENSICS_SILENT_INJECT does the same without editing the job. None: no fault."""
+    environment variable FORENSICS_SILENT_INJECT does the same without editing the job; a text is parsed when the Guard
+    starts (a bad one raises ValueError there). None: no fault."""
 
     def __post_init__(self):
         if self.recompute_every < 0 or self.replica_every < 0:
@@ -147,10 +148,6 @@ class SilentConfig:
             raise ValueError(
                 f"SilentConfig.on_mismatch must be one of {', '.join(p.value for p in Policy)}, got {self.on_mismatch!r}"
             ) from None
-        if isinstance(self.inject, str):
-            from forensics.capture.silent.inject import FaultSpec
-
-            self.inject = FaultSpec.parse(self.inject)
 
 
 @dataclass

@@ -140,7 +140,7 @@ class Guard:
         self._judge_at_exit = functools.partial(_judge_at_exit, weakref.ref(self))
         if self.checks.sync_free is not None:  # a step judged one step late is still judged when the job just ends
             atexit.register(self._judge_at_exit)
-        self.silent = silent.attach(self, wrapped)  # None unless DetectionConfig.silent (capture/silent/)
+        self.silent = silent.attach(model, wrapped, optimizer, scaler, loss_fn, config, ranks, self.add_hook)  # or None
         if config.detection.verify_update:
             UpdateCheck(
                 config,
@@ -205,7 +205,10 @@ class Guard:
                 # an earlier step's incident (judged late) does not decide this step
                 decision = self.handle_incident(incident) or (sync_free and incident.step != self.step)
             if self.silent is not None:  # the sampled step's recompute and the replica check
-                decision = self.silent.judge(record, self.step, self.handle_incident, self.last_incident_step == self.step) and decision
+                decision = (
+                    self.silent.judge(record, self.step, self.handle_incident, self.last_incident_step == self.step)
+                    and decision
+                )
         except TrainingFaultError as fault:
             self.last_step = record
             self.stopped = fault  # later exceptions outside a recorded step are not this step's (record_exception)

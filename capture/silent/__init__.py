@@ -18,13 +18,14 @@ from typing import Any, Callable
 
 import torch
 
-from forensics.capture.config import SilentConfig
+from forensics.capture.config import GuardConfig
 from forensics.capture.recording.incident import Incident, StepRecord
 from forensics.capture.silent.inject import FaultSpec, Injector
 from forensics.capture.silent.recompute import Recompute, cross_rank
 from forensics.capture.silent.replicas import ReplicaCheck
 from forensics.capture.state.run_id import collective_device
-from forensics.core.kinds import SilentCheck, TriggerKind
+from forensics.capture.state.source import Ranks
+from forensics.core.kinds import Phase, SilentCheck, TriggerKind
 from forensics.core.silent import Computation, device_identity, first_difference
 from forensics.core.trigger import Trigger
 from forensics.format import spec
@@ -38,23 +39,35 @@ EVIDENCE_VERSION = 1
 class SilentWatch:
     """The silent-corruption checks of one Guard (module docstring)."""
 
-    def __init__(self, guard: Any, wrapped: torch.nn.Module, config: SilentConfig):
-        model, ranks = guard.model, guard.state.ranks
-        self.config, self.model, self.ranks, self.scaler = config, model, ranks, guard.scaler
-        self.loss_divisor = guard.config.detection.loss_divisor
-        key = guard.config.recording.sample_id_key
-        loss_fn = guard.loss_fn or (lambda m, batch: default_loss(m, batch, [key]))
-        self.recompute = Recompute(model, loss_fn)
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        wrapped: torch.nn.Module,
+        optimizer: Any,
+        scaler: Any,
+        loss_fn: Callable | None,
+        config: GuardConfig,
+        ranks: Ranks,
+        add_hook: Callable[[Any], None],
+    ):
+        silent = config.detection.silent
+        if silent is None:
+            raise ValueError("SilentWatch needs GuardConfig.detection.silent (attach() returns None without it)")
+        self.config, self.model, self.ranks, self.scaler = silent, model, ranks, scaler
+        self.loss_divisor = config.detection.loss_divisor
+        key = config.recording.sample_id_key
+        self.recompute = Recompute(model, loss_fn or (lambda m, batch: default_loss(m, batch, [key])))
         self.replicated = ranks.multi_rank and isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
         param = next(iter(model.parameters()), None)
         self.device = param.device if param is not None else torch.device("cpu")
         self.replicas = (
-            ReplicaCheck(model, guard.optimizer, config.replica_every, guard.add_hook, collective_device())
-            if self.replicated and config.replica_every
+            ReplicaCheck(model, optimizer, silent.replica_every, add_hook, collective_device())
+            if self.replicated and silent.replica_every
             else None
         )
-        spec_ = config.inject if config.inject is not None else FaultSpec.from_environment()
-        self.injector = Injector(model, spec_, ranks.rank, guard.add_hook) if spec_ is not None else None
+        fault = silent.inject if silent.inject is not None else FaultSpec.from_environment()
+        fault = FaultSpec.parse(fault) if isinstance(fault, str) else fault
+        self.injector = Injector(model, fault, ranks.rank, add_hook) if fault is not None else None
         self.first = True
 
     def sampled(self, step: int) -> bool:
@@ -100,8 +113,12 @@ class SilentWatch:
             return True
         incident = self._incident(record, step, evidence, any(checks), replicas)
         if dumped:
-            log.error("forensics: step %d rank %d: %s (not dumped: the step is dumped already)",
-                      step, self.ranks.rank, incident.trigger.message)
+            log.error(
+                "forensics: step %d rank %d: %s (not dumped: the step is dumped already)",
+                step,
+                self.ranks.rank,
+                incident.trigger.message,
+            )
             return True
         return report(incident)
 
@@ -116,15 +133,15 @@ class SilentWatch:
             local = self.device.index if self.device.type == "cuda" else None
             side = cross_rank(self.recompute, record, job, seeds, self.ranks.rank, local)
             if side is not None:
-                part = first_difference(Computation.from_dict(side["reference"]), Computation.from_dict(side["this_rank"]))
+                part = first_difference(
+                    Computation.from_dict(side["reference"]), Computation.from_dict(side["this_rank"])
+                )
                 side["first_difference"] = dataclasses.asdict(part) if part is not None else None
                 found["cross_rank"] = side
                 found["cross_rank_differs"] = part is not None
         return found
 
-    def _incident(
-        self, record: StepRecord, step: int, evidence: dict, local: bool, replicas: dict | None
-    ) -> Incident:
+    def _incident(self, record: StepRecord, step: int, evidence: dict, local: bool, replicas: dict | None) -> Incident:
         rank = self.ranks.rank
         if evidence.get("recompute_differs"):
             check, where = SilentCheck.RECOMPUTE, evidence["first_difference"]
@@ -172,27 +189,41 @@ def _where(where: dict | None) -> str:
     if not where:
         return "no entry named"
     kind = where.get("where")
-    if kind == "forward":
+    if kind == Phase.FORWARD:
         return f"first at module `{where['name']}`'s output, micro-batch {where['micro_batch']}"
-    if kind == "backward":
+    if kind == Phase.BACKWARD:
         return f"first at the gradient of `{where['name']}`, micro-batch {where['micro_batch']}"
     return f"first at the {kind} of micro-batch {where['micro_batch']}"
 
 
-def attach(guard: Any, wrapped: torch.nn.Module) -> SilentWatch | None:
-    """The Guard's silent-corruption checks, or None when GuardConfig.detection.silent is None (the default)."""
-    config = guard.config.detection.silent
-    if config is None:
+def attach(
+    model: torch.nn.Module,
+    wrapped: torch.nn.Module,
+    optimizer: Any,
+    scaler: Any,
+    loss_fn: Callable | None,
+    config: GuardConfig,
+    ranks: Ranks,
+    add_hook: Callable[[Any], None],
+) -> SilentWatch | None:
+    """The Guard's silent-corruption checks, or None when GuardConfig.detection.silent is None (the default).
+
+    Args:
+        model: the unwrapped model; wrapped: as the loop calls it (DDP: its parameters are replicated).
+        optimizer, scaler, loss_fn: the Guard's; config: its configuration; ranks: who this process is.
+        add_hook: keeps the hooks the checks and the injector install (the Guard removes them at close()).
+    """
+    if config.detection.silent is None:
         if FaultSpec.from_environment() is not None:
             log.warning("forensics: FORENSICS_SILENT_INJECT is set but DetectionConfig.silent is off: nothing injected")
         return None
-    if any(type(p).__name__ == "DTensor" for p in guard.model.parameters()):
+    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
         log.warning(
             "forensics: DetectionConfig.silent is off for a DTensor (FSDP2 / tensor-parallel) model: its recompute "
             "would enter the model's collectives from inside check() (docs/GUIDE.md, 'Silent corruption')"
         )
         return None
-    return SilentWatch(guard, wrapped, config)
+    return SilentWatch(model, wrapped, optimizer, scaler, loss_fn, config, ranks, add_hook)
 
 
 __all__ = ["FaultSpec", "SilentWatch", "attach"]

@@ -79,7 +79,9 @@ class ReplicaCheck:
                     }
                 )
         drifted = odd_by_vote or bool(tie and changed_names)
-        how = "majority" if odd_by_vote else "changed since its update" if drifted else "undecided" if tie else "majority"
+        how = (
+            "majority" if odd_by_vote else "changed since its update" if drifted else "undecided" if tie else "majority"
+        )
         return {
             "params": rows,
             "differing": len(differ),

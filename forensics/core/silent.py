@@ -18,6 +18,8 @@ from typing import Any, Iterable
 
 import torch
 
+from forensics.core.kinds import Phase
+
 CHUNK = 1 << 22
 """Elements digested at once: the int64 temporaries of a digest stay at 32 MiB per chunk, whatever the tensor."""
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -159,7 +161,7 @@ class Difference:
 
     micro_batch: int
     where: str
-    """'forward' (a module's output), 'backward' (a gradient), 'loss', or 'shape' (the runs made different calls)."""
+    """Phase.FORWARD (a module's output), Phase.BACKWARD (a gradient), 'loss', or 'shape' (the runs made different calls)."""
     name: str
     """The module or parameter name ('' for the loss)."""
     index: int
@@ -182,7 +184,7 @@ def first_difference(a: Computation, b: Computation, exact: bool = True, rtol: f
             if x[0] != y[0]:
                 return Difference(mb, "shape", x[0], index)
             if not same(x, y):
-                return Difference(mb, "forward", x[0], index)
+                return Difference(mb, Phase.FORWARD, x[0], index)
         if len(a.outputs[mb]) != len(b.outputs[mb]):
             return Difference(mb, "shape", "", min(len(a.outputs[mb]), len(b.outputs[mb])))
         if mb < len(a.losses) and mb < len(b.losses) and not same(["", *a.losses[mb]], ["", *b.losses[mb]]):
@@ -193,7 +195,7 @@ def first_difference(a: Computation, b: Computation, exact: bool = True, rtol: f
             if y is None:
                 return Difference(mb, "shape", x[0], index)
             if not same(x, y):
-                return Difference(mb, "backward", x[0], index)
+                return Difference(mb, Phase.BACKWARD, x[0], index)
     return None
 
 
@@ -311,4 +313,9 @@ __all__ = [
     "Computation",
     "Difference",
     "Recorder",
-    "run_computation", "device_identity", "first_difference", "tensor_digest", "tree_digest"]
+    "run_computation",
+    "device_identity",
+    "first_difference",
+    "tensor_digest",
+    "tree_digest",
+]

@@ -149,10 +149,10 @@ def validate_report(d: Any) -> dict:
     Raises:
         ReportError: with a message naming the offending field.
     Example:
-        >>> validate_report({"schema": "forensics-report/4"})
+        >>> validate_report({"schema": "forensics-report/6"})
         Traceback (most recent call last):
         ...
-        forensics.report.model.ReportError: report uses schema forensics-report/4, newer than ...
+        forensics.report.model.ReportError: report uses schema forensics-report/6, newer than ...
     """
     if not isinstance(d, dict):
         raise ReportError(f"a report must be a JSON object, got {_type_name(d)}")

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from forensics.core.kinds import Policy, SilentCheck, SilentClass, VerdictKind
+from forensics.core.kinds import Phase, Policy, SilentCheck, SilentClass, VerdictKind
 from forensics.core.silent import Difference
 from forensics.report.tree import Verdict
 from forensics.report.wording import clean
@@ -101,7 +101,7 @@ def judge(facts: SilentFacts) -> SilentJudgement:
 def _where(difference: Difference | None) -> str | None:
     if difference is None:
         return None
-    if difference.where == "backward":
+    if difference.where == Phase.BACKWARD:
         return f"gradient of {clean(difference.name, 200)}"
     if difference.where == "loss":
         return "loss"
@@ -147,7 +147,9 @@ def silent_verdict(facts: SilentFacts) -> tuple[Verdict, SilentJudgement]:
         )
         suggestions = [
             f"Drain rank {drifted}'s node ({device if drifted == rank else 'see its dump: silent.json device'}) "
-            "and run a memory test on it." if drifted is not None else "Replay each rank's dump of this step: "
+            "and run a memory test on it."
+            if drifted is not None
+            else "Replay each rank's dump of this step: "
             "the one whose weights changed outside its update is the one to drain.",
             f"{resume.capitalize()} (the replicas agreed at the previous replica check), or broadcast a healthy "
             "replica's weights before going on.",
@@ -197,8 +199,7 @@ def silent_verdict(facts: SilentFacts) -> tuple[Verdict, SilentJudgement]:
     elif kind is SilentClass.NOT_HARDWARE:
         if facts.replay_vs_replay is not None:
             headline = (
-                f"Not the hardware at step {step}: the replay is not deterministic itself, first at "
-                f"`{judged.module}`."
+                f"Not the hardware at step {step}: the replay is not deterministic itself, first at `{judged.module}`."
             )
             explanation = (
                 "Two replays of the step on the same device part there: an operation of that module is not "
@@ -219,7 +220,9 @@ def silent_verdict(facts: SilentFacts) -> tuple[Verdict, SilentJudgement]:
                 if facts.cross_rank is not None
                 else " Another rank's check fired: replay that rank's dump (the one whose trigger is local)."
             )
-            explanation = f"The job's run, its recompute and the replay on {_device_words(facts.replay_device)} agree.{other}"
+            explanation = (
+                f"The job's run, its recompute and the replay on {_device_words(facts.replay_device)} agree.{other}"
+            )
             suggestions = ["Nothing to drain on this rank.", "Replay the rank whose check fired."]
     else:
         if facts.same_device:
