@@ -1,9 +1,9 @@
 """Digests of a step's computation for the silent-corruption checks, shared by the job and the replay.
 
 A *digest* of a tensor is the sum, modulo 2**64, of its elements' bit patterns (read as integers) times odd weights
-that depend on their position (1, 3, 5, ...): computed on the tensor's device, exact in integer arithmetic (the same
-number on any device and in any reduction order), order-sensitive, and changed by any single flipped bit (an odd
-weight times a power of two is never 0 modulo 2**64). Beside it, the float64 sum of the values, which a replay on
+that depend on their position (1, 3, 5, ...; `tensor_digest`): computed on the tensor's device, exact in integer
+arithmetic (the same number on any device and in any reduction order), order-sensitive, and changed by any single
+flipped bit (an odd weight times a power of two is never 0 modulo a power of two). Beside it, the float64 sum of the values, which a replay on
 another kind of device (a CPU replay of a GPU job) compares within a tolerance where bits cannot agree.
 
 A *computation* (`Computation`) is one run of a step's forward and backward as the silent check saw it: per
@@ -21,35 +21,49 @@ import torch
 from forensics.core.kinds import Phase
 
 CHUNK = 1 << 22
-"""Elements digested at once: the int64 temporaries of a digest stay at 32 MiB per chunk, whatever the tensor."""
+"""Elements digested at once: the temporaries of a digest stay at 16 MiB per chunk, whatever the tensor."""
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_weights: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's elements as integers of the same width (bit patterns), flattened."""
+    """The tensor's elements as integers of the same width (bit patterns), flattened; 8- and 16-bit ones widened to
+    int32 (a product of them with an odd int32 weight still changes with any single bit)."""
     flat = tensor.detach().reshape(-1)
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
     if flat.dtype == torch.bool:
-        return flat.to(torch.uint8)
-    if flat.is_floating_point():
-        return flat.view(_INT_VIEW[flat.element_size()])
-    return flat
+        flat = flat.to(torch.uint8)
+    elif flat.is_floating_point():
+        flat = flat.view(_INT_VIEW[flat.element_size()])
+    return flat if flat.dtype in (torch.int32, torch.int64) else flat.to(torch.int32)
+
+
+def _odd_weights(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """1, 3, 5, ... (CHUNK of them) on `device`, made once per device and dtype."""
+    key = (device, dtype)
+    if key not in _weights:
+        _weights[key] = torch.arange(1, 2 * CHUNK, 2, dtype=dtype, device=device)
+    return _weights[key]
 
 
 def tensor_digest(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(digest, float64 sum) of `tensor`, as 0-dim tensors on its device (nothing read on the host)."""
+    """(digest, float64 sum) of `tensor`, as 0-dim tensors on its device (nothing read on the host).
+
+    Within a chunk each element's bit pattern is multiplied by its odd weight in the pattern's own width (int32 or
+    int64, wrapping), the products summed in int64; chunk c's sum is weighted by 2c + 1. A single flipped bit b of an
+    element changes its product by an odd multiple of 2**b, never 0 in that width: the digest changes."""
     bits = _bits(tensor)
     digest = torch.zeros((), dtype=torch.int64, device=bits.device)
     total = torch.zeros((), dtype=torch.float64, device=bits.device)
     flat = tensor.detach().reshape(-1)
-    for start in range(0, bits.numel(), CHUNK):
-        part = bits[start : start + CHUNK].to(torch.int64)
-        weights = torch.arange(2 * start + 1, 2 * (start + part.numel()), 2, dtype=torch.int64, device=part.device)
-        digest = digest + (part * weights).sum()
+    weights = _odd_weights(bits.device, bits.dtype)
+    for chunk, start in enumerate(range(0, bits.numel(), CHUNK)):
+        part = bits[start : start + CHUNK]
+        digest = digest + (part * weights[: part.numel()]).sum(dtype=torch.int64) * (2 * chunk + 1)
         values = flat[start : start + CHUNK]
         if not values.is_complex():
-            total = total + values.to(torch.float64).sum()
+            total = total + values.sum(dtype=torch.float64)
     return digest, total
 
 
