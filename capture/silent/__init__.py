@@ -223,6 +223,13 @@ def attach(
             "would enter the model's collectives from inside check() (docs/GUIDE.md, 'Silent corruption')"
         )
         return None
+    on_cuda = any(p.is_cuda for p in model.parameters())
+    if on_cuda and not torch.are_deterministic_algorithms_enabled():
+        log.warning(
+            "forensics: the silent-corruption recompute compares bits: without torch.use_deterministic_algorithms(True)"
+            " (and CUBLAS_WORKSPACE_CONFIG=:4096:8) a non-deterministic kernel can raise a false alarm, whose replay "
+            "then says 'not the hardware' and names the module"
+        )
     return SilentWatch(model, wrapped, optimizer, scaler, loss_fn, config, ranks, add_hook)
 
 
