@@ -310,8 +310,8 @@ def device_identity(device: torch.device | str | None) -> dict:
             uuid=str(getattr(props, "uuid", "")) or None,
             pci_bus_id=_pci_bus_id(props),
         )
-    else:
-        identity["name"] = "cpu"
+    else:  # a CPU's reductions split by thread: the same bits need the same thread count
+        identity.update(name="cpu", threads=torch.get_num_threads())
     return identity
 
 

@@ -131,7 +131,14 @@ def _replayed_facts(dump: Any, options: ReplayOptions, evidence: dict, base: dic
                 for buffer, kept in buffers:
                     buffer.copy_(kept)
 
-    first, second = replay_once(), replay_once()
+    threads = torch.get_num_threads()
+    job_threads = job_device.get("threads")
+    if device.type == "cpu" and isinstance(job_threads, int) and 0 < job_threads <= 4096:
+        torch.set_num_threads(job_threads)  # a CPU's reductions split by thread: the job's count gives its bits
+    try:
+        first, second = replay_once(), replay_once()
+    finally:
+        torch.set_num_threads(threads)
     job: Computation | None = evidence.get("job")
     again: Computation | None = evidence.get("recompute")
     notes = []

@@ -9,8 +9,8 @@ same kind of device: CPU and CPU, or the same GPU model):
 |---------------------------------------------------------------------|----------------|----------------------|
 | the check was the replicas'                                         | `replica_drift`| the rank that drifted|
 | the replay's two runs differ from each other                        | `not_hardware` | nothing (that module)|
-| A != B, R == A                                                      | `transient`    | the recompute B      |
-| A != B, R == B                                                      | `transient`    | the job's run A      |
+| A != B, R == A (where A and B part, and before: `sides_with`)       | `transient`    | the recompute B      |
+| A != B, R == B (likewise)                                           | `transient`    | the job's run A      |
 | A != B, R differs from both                                         | `persistent`   | the job's device     |
 | A == B (the cross-rank check, or another rank's trigger), R != A    | `persistent`   | the job's device     |
 | A == B == R, the replay on the job's own device                     | `undecided`    | cannot tell (say so) |
@@ -84,11 +84,12 @@ def judge(facts: SilentFacts) -> SilentJudgement:
         return SilentJudgement(SilentClass.UNDECIDED, _where(where), None, None)
     if facts.replay_vs_replay is not None:
         return SilentJudgement(SilentClass.NOT_HARDWARE, _where(facts.replay_vs_replay), None, None)
-    if facts.job_vs_recompute is not None:
-        where = _where(facts.job_vs_recompute)
-        if facts.replay_vs_job is None:
+    parting = facts.job_vs_recompute
+    if parting is not None:
+        where = _where(parting)
+        if sides_with(facts.replay_vs_job, parting):
             return SilentJudgement(SilentClass.TRANSIENT, where, facts.rank, "recompute")
-        if facts.replay_vs_recompute is None:
+        if sides_with(facts.replay_vs_recompute, parting):
             return SilentJudgement(SilentClass.TRANSIENT, where, facts.rank, "job")
         return SilentJudgement(SilentClass.PERSISTENT, _where(facts.replay_vs_job), facts.rank, "both")
     if facts.replay_vs_job is not None:
@@ -96,6 +97,26 @@ def judge(facts: SilentFacts) -> SilentJudgement:
     if facts.same_device:
         return SilentJudgement(SilentClass.UNDECIDED, _where(facts.cross_rank), None, None)
     return SilentJudgement(SilentClass.NOT_HARDWARE, _where(facts.cross_rank), None, None)
+
+
+_PHASE_ORDER = {Phase.FORWARD: 0, "loss": 1, Phase.BACKWARD: 2}
+
+
+def sides_with(replay_vs_x: Difference | None, parting: Difference) -> bool:
+    """The replay agrees with computation X where the job's two computations part, and before: it matches X bit for
+    bit, or first differs from X later in the step (a later micro-batch; the loss or the backward after a forward
+    parting; a later module call; another gradient) — a difference of the replay device's own numerics downstream,
+    not the fault."""
+    if replay_vs_x is None:
+        return True
+    if replay_vs_x.micro_batch != parting.micro_batch:
+        return replay_vs_x.micro_batch > parting.micro_batch
+    mine, theirs = _PHASE_ORDER.get(replay_vs_x.where, 3), _PHASE_ORDER.get(parting.where, 3)
+    if mine != theirs:
+        return mine > theirs and theirs < 3
+    if parting.where == Phase.FORWARD:
+        return replay_vs_x.index > parting.index
+    return parting.where == Phase.BACKWARD and replay_vs_x.name != parting.name
 
 
 def _where(difference: Difference | None) -> str | None:
@@ -167,6 +188,12 @@ def silent_verdict(facts: SilentFacts) -> tuple[Verdict, SilentJudgement]:
             f"{'recompute' if judged.wrong == 'recompute' else 'job'} was wrong and the fault did not repeat. "
             f"Policy applied in the job: {facts.policy.value}."
         )
+        later = facts.replay_vs_job if judged.wrong == "recompute" else facts.replay_vs_recompute
+        if later is not None:
+            explanation = explanation.replace("bit for bit", "bit for bit through the point where they part") + (
+                f" Later in the step the replay's bits differ from it too (first at `{_where(later)}`): the replay "
+                "device's own numerics, downstream of the fault."
+            )
         suggestions = [
             f"Re-run step {step}: the fault did not repeat."
             + (

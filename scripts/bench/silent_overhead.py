@@ -28,10 +28,10 @@ import time
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
-import torch  # noqa: E402 - after CUBLAS_WORKSPACE_CONFIG
+import torch
 
-from forensics.capture import DetectionConfig, DumpConfig, Guard, GuardConfig, SilentConfig  # noqa: E402
-from scripts.bench.common import gpt2, machine, median, sync  # noqa: E402
+from forensics.capture import DetectionConfig, DumpConfig, Guard, GuardConfig, SilentConfig
+from scripts.bench.common import gpt2, machine, median, sync
 
 EVERY = 4  # the bench's sampling period: a quarter of the steps sampled, so both kinds have many samples
 

@@ -195,6 +195,12 @@ AT = Difference(0, Phase.FORWARD, "h.3.mlp", 5)
         (_facts(job_vs_recompute=AT, replay_vs_recompute=AT), SilentClass.TRANSIENT, "recompute", 1),
         (_facts(job_vs_recompute=AT, replay_vs_job=AT), SilentClass.TRANSIENT, "job", 1),
         (_facts(job_vs_recompute=AT, replay_vs_job=AT, replay_vs_recompute=AT), SilentClass.PERSISTENT, "both", 1),
+        (
+            _facts(job_vs_recompute=AT, replay_vs_job=AT, replay_vs_recompute=Difference(0, Phase.BACKWARD, "w", 1)),
+            SilentClass.TRANSIENT,
+            "job",
+            1,
+        ),
         (_facts(check=SilentCheck.CROSS_RANK, cross_rank=AT, replay_vs_job=AT), SilentClass.PERSISTENT, "both", 1),
         (_facts(job_vs_recompute=AT, replay_vs_job=AT, replay_vs_replay=AT), SilentClass.NOT_HARDWARE, None, None),
         (_facts(check=SilentCheck.CROSS_RANK, cross_rank=AT), SilentClass.NOT_HARDWARE, None, None),
