@@ -211,6 +211,7 @@ AT = Difference(0, Phase.FORWARD, "h.3.mlp", 5)
         "recompute-hit",
         "job-hit",
         "both-differ",
+        "job-hit-replay-differs-downstream",
         "stuck",
         "replay-nondeterministic",
         "agrees",
