@@ -61,7 +61,9 @@ class ReplicaCheck:
         torch.distributed.all_reduce(at_high, op=torch.distributed.ReduceOp.SUM)
         mine_h, high_h, low_h, count_h = mine.tolist(), high.tolist(), low.tolist(), at_high.tolist()
         changed = (mine != after).tolist() if after is not None else None
-        rows, odd_by_vote, changed_names, tie = [], False, [], False
+        rows: list[dict] = []
+        changed_names: list[str] = []
+        odd_by_vote = tie = False
         for i in differ:
             majority = high_h[i] if count_h[i] * 2 > world_size else low_h[i] if count_h[i] * 2 < world_size else None
             tie = tie or majority is None

@@ -205,10 +205,10 @@ def first_difference(a: Computation, b: Computation, exact: bool = True, rtol: f
             return Difference(mb, "loss", "", 0)
         by_name = {row[0]: row for row in (b.grads[mb] if mb < len(b.grads) else [])}
         for index, x in enumerate(a.grads[mb] if mb < len(a.grads) else []):
-            y = by_name.get(x[0])
-            if y is None:
+            other = by_name.get(x[0])
+            if other is None:
                 return Difference(mb, "shape", x[0], index)
-            if not same(x, y):
+            if not same(x, other):
                 return Difference(mb, Phase.BACKWARD, x[0], index)
     return None
 

@@ -170,24 +170,25 @@ def _replicas(dump: Any, evidence: dict) -> dict:
     """The replica check's facts: the parameters the job found differing, the rank that drifted (by the job's vote, or
     the one whose weights changed since its update, from every rank's evidence beside this dump), and whether the
     dumped states differ on those parameters."""
-    mine = evidence.get("replicas") if isinstance(evidence.get("replicas"), dict) else {}
+    mine: dict = evidence["replicas"] if isinstance(evidence.get("replicas"), dict) else {}
     names = [str(p.get("name")) for p in mine.get("params") or [] if isinstance(p, dict)]
     drifted: int | None = dump.rank if mine.get("drifted") else None
     how = mine.get("how") if drifted is not None else None
-    peers = []
+    peers: list = []
     try:
         peers = dump.peers()
     except Exception:  # noqa: BLE001 - a rank dump alone: its own evidence is all there is
         peers = []
     confirmed = False
     if peers:
-        state = dump.model_state()
+        wanted = set(names)  # only the parameters that differ are read: a large state stays on disk
+        state = dict(dump.iter_model_tensors(names=wanted))
         for peer in peers:
             other = peer.silent() or {}
-            theirs = other.get("replicas") if isinstance(other.get("replicas"), dict) else {}
+            theirs: dict = other["replicas"] if isinstance(other.get("replicas"), dict) else {}
             if drifted is None and theirs.get("drifted"):
                 drifted, how = peer.rank, theirs.get("how")
-            peer_state = peer.model_state()
+            peer_state = dict(peer.iter_model_tensors(names=wanted))
             for name in names:
                 if name in state and name in peer_state and _digest(state[name]) != _digest(peer_state[name]):
                     confirmed = True

@@ -80,8 +80,7 @@ def judge(facts: SilentFacts) -> SilentJudgement:
         names = (facts.replicas or {}).get("params") or []
         return SilentJudgement(SilentClass.REPLICA_DRIFT, names[0] if names else None, drifted, None)
     if not facts.replayed or not facts.comparable:
-        where = facts.job_vs_recompute or facts.cross_rank
-        return SilentJudgement(SilentClass.UNDECIDED, _where(where), None, None)
+        return SilentJudgement(SilentClass.UNDECIDED, _where(facts.job_vs_recompute or facts.cross_rank), None, None)
     if facts.replay_vs_replay is not None:
         return SilentJudgement(SilentClass.NOT_HARDWARE, _where(facts.replay_vs_replay), None, None)
     parting = facts.job_vs_recompute
@@ -153,14 +152,15 @@ def silent_verdict(facts: SilentFacts) -> tuple[Verdict, SilentJudgement]:
         drifted = judged.drain_rank
         who = f"rank {drifted}'s copy drifted" if drifted is not None else "the ranks cannot tell which copy drifted"
         headline = f"Silent corruption at step {step}: the replicas' weights disagree ({names}); {who}."
-        how = (facts.replicas or {}).get("how") or ""
+        replicas = facts.replicas or {}
+        how = replicas.get("how") or ""
         explanation = (
-            f"The replica check compared one digest per parameter across the {facts.replicas.get('world_size')} "
-            f"replicas: {facts.replicas.get('differing')} parameter(s) differ. "
+            f"The replica check compared one digest per parameter across the {replicas.get('world_size')} "
+            f"replicas: {replicas.get('differing')} parameter(s) differ. "
             + (f"Rank {drifted} was named by {clean(how, 60)}. " if drifted is not None else "")
             + (
                 "The dumped pre-step states confirm it: they differ on those parameters. "
-                if facts.replicas.get("confirmed")
+                if replicas.get("confirmed")
                 else "The other ranks' dumps were not beside this one: the dumped states were not compared. "
             )
             + "Gradients are all-reduced, so a compute fault reaches every replica alike: a drift is the weights' "

@@ -25,12 +25,14 @@ import json
 import os
 import tempfile
 import time
+from typing import Any
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch
 
 from forensics.capture import DetectionConfig, DumpConfig, Guard, GuardConfig, SilentConfig
+from forensics.core.kinds import Policy
 from scripts.bench.common import gpt2, machine, median, sync
 
 EVERY = 4  # the bench's sampling period: a quarter of the steps sampled, so both kinds have many samples
@@ -56,7 +58,7 @@ def main() -> None:
         torch.use_deterministic_algorithms(True)
     size, seq = ("small", 1024) if device.startswith("cuda") else ("tiny", 128)
     torch.manual_seed(0)
-    model = gpt2(size, device, dropout=0.0)
+    model: Any = gpt2(size, device, dropout=0.0)
     wrapped = torch.nn.parallel.DistributedDataParallel(model) if args.ddp else model
     vocab = model.config.vocab_size
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.startswith("cuda"))
@@ -83,15 +85,18 @@ def main() -> None:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    modes = {"guarded": None, "recompute": SilentConfig(recompute_every=EVERY, replica_every=0, on_mismatch="continue")}
+    modes = {
+        "guarded": None,
+        "recompute": SilentConfig(recompute_every=EVERY, replica_every=0, on_mismatch=Policy.CONTINUE),
+    }
     if args.ddp:
-        modes["replicas"] = SilentConfig(recompute_every=0, replica_every=EVERY, on_mismatch="continue")
+        modes["replicas"] = SilentConfig(recompute_every=0, replica_every=EVERY, on_mismatch=Policy.CONTINUE)
     mismatches = dict.fromkeys(modes, 0)
 
     def fresh(mode: str) -> Guard:
         config = GuardConfig(
             dump_dir=tempfile.mkdtemp(),
-            detection=DetectionConfig(on_nonfinite="continue", silent=modes[mode]),
+            detection=DetectionConfig(on_nonfinite=Policy.CONTINUE, silent=modes[mode]),
             dumping=DumpConfig(max_dumps=0),
         )
         guard = Guard(wrapped, optimizer, config=config, loss_fn=loss_fn)
@@ -131,7 +136,7 @@ def main() -> None:
         return
     base = median(times["guarded", "unsampled"])
     default = SilentConfig()
-    figures = {
+    figures: dict[str, Any] = {
         "machine": machine(),
         "model": f"GPT-2 {size}, {args.micro} x {args.batch} x {seq} tokens per step, bf16 autocast",
         "world_size": torch.distributed.get_world_size() if args.ddp else 1,
