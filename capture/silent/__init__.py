@@ -148,7 +148,7 @@ class SilentWatch:
             detail = f"rank {rank}: the recompute of step {step} disagrees with the job's run ({_where(where)})"
         elif evidence.get("cross_rank_differs"):
             check, where = SilentCheck.CROSS_RANK, evidence["cross_rank"]["first_difference"]
-            detail = f"rank {rank}: its run of rank 0's micro-batch 0 disagrees with rank 0's ({_where(where)})"
+            detail = f"rank {rank}: its run of rank 0's micro-batch 1 disagrees with rank 0's ({_where(where)})"
         elif replicas is not None:
             check, local = SilentCheck.REPLICAS, bool(replicas["drifted"]) or replicas["how"] == "undecided"
             names = ", ".join(f"`{p['name']}`" for p in replicas["params"][:3])
@@ -190,10 +190,10 @@ def _where(where: dict | None) -> str:
         return "no entry named"
     kind = where.get("where")
     if kind == Phase.FORWARD:
-        return f"first at module `{where['name']}`'s output, micro-batch {where['micro_batch']}"
+        return f"first at module `{where['name']}`'s output, micro-batch {where['micro_batch'] + 1}"
     if kind == Phase.BACKWARD:
-        return f"first at the gradient of `{where['name']}`, micro-batch {where['micro_batch']}"
-    return f"first at the {kind} of micro-batch {where['micro_batch']}"
+        return f"first at the gradient of `{where['name']}`, micro-batch {where['micro_batch'] + 1}"
+    return f"first at the {kind} of micro-batch {where['micro_batch'] + 1}"
 
 
 def attach(
