@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import types
 from typing import Any, Callable
 
 import torch
@@ -57,6 +58,7 @@ class SilentWatch:
         self.loss_divisor = config.detection.loss_divisor
         key = config.recording.sample_id_key
         self.recompute = Recompute(model, loss_fn or (lambda m, batch: default_loss(m, batch, [key])))
+        add_hook(types.SimpleNamespace(remove=self.recompute.recorder.detach))  # a step left armed: close() removes
         self.replicated = ranks.multi_rank and isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
         param = next(iter(model.parameters()), None)
         self.device = param.device if param is not None else torch.device("cpu")

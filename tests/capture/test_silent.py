@@ -229,3 +229,16 @@ def test_the_silent_verdict_table(facts, kind, wrong, drain):
         assert "cannot be told from a genuine result" in verdict.headline
     if kind is SilentClass.NOT_HARDWARE and facts.replay_vs_replay is not None:
         assert "h.3.mlp" in verdict.headline and "deterministic" in verdict.headline
+
+
+def test_close_removes_every_hook_even_of_a_step_left_armed(tmp_path):
+    """The first step is always sampled: its hooks go on at record_batch; a job that ends before check() (an
+    exception) still gets a clean model back from close()."""
+    model = build()
+    config = GuardConfig(dump_dir=str(tmp_path), detection=DetectionConfig(silent=SilentConfig()))
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), config=config, loss_fn=loss)
+    guard.record_batch({"x": torch.randn(2, 8), "y": torch.randn(2, 1), "sample_ids": [0, 1]})
+    assert guard.silent.recompute.armed and model.inp._forward_hooks
+    guard.close()
+    assert not any(m._forward_hooks for m in model.modules())
+    assert not any(p._backward_hooks for p in model.parameters())
