@@ -57,7 +57,10 @@ class SilentWatch:
         self.config, self.model, self.ranks, self.scaler = silent, model, ranks, scaler
         self.loss_divisor = config.detection.loss_divisor
         key = config.recording.sample_id_key
-        self.recompute = Recompute(model, loss_fn or (lambda m, batch: default_loss(m, batch, [key])))
+        self.sharded = any(type(p).__name__ == "DTensor" for p in model.parameters())
+        self.recompute = Recompute(
+            model, loss_fn or (lambda m, batch: default_loss(m, batch, [key])), grads=not self.sharded
+        )
         add_hook(types.SimpleNamespace(remove=self.recompute.recorder.detach))  # a step left armed: close() removes
         self.replicated = ranks.multi_rank and isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
         param = next(iter(model.parameters()), None)
@@ -221,10 +224,10 @@ def attach(
         return None
     if any(type(p).__name__ == "DTensor" for p in model.parameters()):
         log.warning(
-            "forensics: DetectionConfig.silent is off for a DTensor (FSDP2 / tensor-parallel) model: its recompute "
-            "would enter the model's collectives from inside check() (docs/GUIDE.md, 'Silent corruption')"
+            "forensics: a DTensor (FSDP2 / tensor-parallel) model: the silent-corruption recompute compares the "
+            "loss and every module's output (its forward, run by every rank together), not the gradients; no "
+            "replica check (docs/GUIDE.md, 'Silent corruption')"
         )
-        return None
     on_cuda = any(p.is_cuda for p in model.parameters())
     if on_cuda and not torch.are_deterministic_algorithms_enabled():
         log.warning(

@@ -30,13 +30,13 @@ class Recompute:
 
     Args:
         model: the unwrapped model; loss_fn: `(model, batch) -> loss` (the Guard's).
-        fallback_seed: the seed gradient of micro-batch i when the job's could not be read (a loss recorded without
-            autograd): 1 / the step's divisor, times the loss scale.
+        grads: compare the gradients too (False: a sharded model — FSDP2 — whose recompute is its forward alone,
+            run by every rank together through the model's own all-gathers).
     """
 
-    def __init__(self, model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any], Any]):
-        self.model, self.loss_fn = model, loss_fn
-        self.recorder = Recorder(model, grads=True)
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any], Any], grads: bool = True):
+        self.model, self.loss_fn, self.grads = model, loss_fn, grads
+        self.recorder = Recorder(model, grads=grads)
         self.job: Computation | None = None
         self.seeds: list[Any] = []
 
@@ -83,7 +83,7 @@ class Recompute:
         saved = capture_rng()
         buffers = [(b, b.detach().clone()) for b in self.model.buffers()]  # BatchNorm statistics move in a forward
         try:
-            return run_computation(self.model, self.loss_fn, batches, seeds, autocast, rng)
+            return run_computation(self.model, self.loss_fn, batches, seeds, autocast, rng, backward=self.grads)
         finally:
             restore_rng(saved)
             with torch.no_grad():

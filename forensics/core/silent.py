@@ -264,11 +264,13 @@ def run_computation(
     seeds: list[Any],
     autocast: dict | None,
     restore_rng: Any,
+    backward: bool = True,
 ) -> Computation:
     """Runs each micro-batch's forward (`loss_fn(model, batch)`) and backward again, recording its digests, and
     returns the Computation. The backward is `torch.autograd.grad` seeded with `seeds[i]` (the gradient the job's
     own backward sent into micro-batch i's loss: its division and loss scale), so no parameter's `.grad` is
-    touched. `restore_rng(i)` puts micro-batch i's RNG in place before its forward."""
+    touched. `restore_rng(i)` puts micro-batch i's RNG in place before its forward. `backward` False: the forward only,
+    without autograd (a sharded model, whose gradients this check does not compare)."""
     recorder = Recorder(model, grads=False)
     computation = recorder.attach()
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -277,13 +279,18 @@ def run_computation(
         for index, batch in enumerate(batches):
             restore_rng(index)
             computation.start_micro_batch()
-            with torch.autocast(
-                settings.get("device_type") or "cpu",
-                dtype=getattr(torch, str(settings.get("dtype") or "bfloat16")),
-                enabled=bool(settings.get("enabled")),
+            with (
+                torch.autocast(
+                    settings.get("device_type") or "cpu",
+                    dtype=getattr(torch, str(settings.get("dtype") or "bfloat16")),
+                    enabled=bool(settings.get("enabled")),
+                ),
+                torch.set_grad_enabled(backward),
             ):
                 loss = loss_fn(model, batch)
             computation.losses.append(tensor_digest(loss))
+            if not backward:
+                continue
             seed = seeds[index] if index < len(seeds) else None
             seed = torch.as_tensor(1.0 if seed is None else seed, dtype=loss.dtype, device=loss.device)
             grads = torch.autograd.grad(loss, [p for _, p in params], grad_outputs=seed, allow_unused=True)

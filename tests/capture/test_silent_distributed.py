@@ -26,7 +26,7 @@ MODELS = textwrap.dedent("""
         return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
 
     def loss(model, batch):
-        return (model(batch["x"]) - batch["y"]).square().mean()
+        return (model(batch["x"]).float() - batch["y"]).square().mean()
 """)
 
 WORKER = textwrap.dedent("""
@@ -54,13 +54,30 @@ WORKER = textwrap.dedent("""
                                    inject=FaultSpec("weight:2.weight", rank=1, step=FAULT_STEP, bit=3))),
         "healthy": (int(os.environ.get("SDC_HEALTHY_STEPS", "40")),
                     SilentConfig(recompute_every=1, replica_every=1)),
+        # FSDP2 (bf16 parameters, its all-gathers and reduce-scatters): the forward is recomputed, by every rank
+        "fsdp_flip": (13, SilentConfig(recompute_every=5, on_mismatch="skip",
+                                       inject=FaultSpec("output:0", rank=1, step=FAULT_STEP, bit=2))),
+        "fsdp_healthy": (int(os.environ.get("SDC_HEALTHY_STEPS", "40")), SilentConfig(recompute_every=1)),
     }
+
+
+    def sharded(model):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        return fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
     def run(scenario, dump_dir):
         steps, silent = SCENARIOS[scenario]
         model = sdc_models.build()
-        wrapped = DistributedDataParallel(model)
+        fsdp = scenario.startswith("fsdp")
+        wrapped = model = sharded(model) if fsdp else DistributedDataParallel(model)
+        model = model if fsdp else wrapped.module
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         config = GuardConfig(dump_dir=dump_dir, run_id="sdc", detection=DetectionConfig(silent=silent),
                              dumping=DumpConfig(recipe={"factory": "sdc_models:build", "loss": "sdc_models:loss"}))
@@ -74,7 +91,7 @@ WORKER = textwrap.dedent("""
                          "sample_ids": [f"r{rank}s{step}m{micro}i{i}" for i in range(4)]}
                 guard.record_batch(batch)
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=scenario == "healthy"):
-                    loss = (wrapped(batch["x"]) - batch["y"]).square().mean()
+                    loss = (wrapped(batch["x"]).float() - batch["y"]).square().mean()
                 guard.record_loss(loss)
                 (loss / 2).backward()
                 step_loss += float(loss) / 2
@@ -139,7 +156,7 @@ def launch(tmp_path: Path, scenarios: str, healthy_steps: int = 40) -> tuple[Pat
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> tuple[Path, dict, Path]:
     tmp_path = tmp_path_factory.mktemp("sdc")
-    root, results = launch(tmp_path, "transient,stuck,drift,healthy")
+    root, results = launch(tmp_path, "transient,stuck,drift,healthy,fsdp_flip,fsdp_healthy")
     return root, results, tmp_path
 
 
@@ -229,9 +246,26 @@ def test_a_healthy_bf16_run_checked_at_every_step_raises_nothing(two_ranks):
     assert not (root / "healthy").exists()
 
 
+def test_under_fsdp2_a_flip_in_rank_1s_forward_is_caught_and_a_healthy_run_is_silent(two_ranks):
+    """FSDP2 with bf16 parameters: each rank's recompute of its forward (through FSDP2's all-gathers, every rank
+    together) agrees with its run at every step, and rank 1's flipped output is caught at its step, on rank 1."""
+    root, results, _ = two_ranks
+    for result in results["fsdp_healthy"]:
+        assert result["dumps"] == [] and all(result["decisions"]) and result["dump_errors"] == []
+    rank0, rank1 = results["fsdp_flip"]
+    no_nan_no_spike(rank1["losses"])
+    for result in (rank0, rank1):
+        assert steps_dumped(result) == [FAULT_STEP], result
+    dumps = {d.rank: d for d in open_step(root / "fsdp_flip" / "sdc" / f"step-{FAULT_STEP:09d}")[0]}
+    assert dumps[1].trigger.local is True and dumps[0].trigger.local is False
+    evidence = dumps[1].silent()
+    assert evidence["first_difference"]["name"] == "0" and evidence["job"].grads == [[]] * 2  # forward only
+
+
 @pytest.mark.slow
 def test_a_healthy_bf16_run_stays_silent_for_2000_steps(tmp_path):
-    root, results = launch(tmp_path, "healthy", healthy_steps=2000)
-    for result in results["healthy"]:
-        assert len(result["decisions"]) == 2000 and all(result["decisions"]) and result["dumps"] == []
-    assert not (root / "healthy").exists()
+    root, results = launch(tmp_path, "healthy,fsdp_healthy", healthy_steps=2000)
+    for name in ("healthy", "fsdp_healthy"):
+        for result in results[name]:
+            assert len(result["decisions"]) == 2000 and all(result["decisions"]) and result["dumps"] == []
+        assert not (root / name).exists()
