@@ -12,6 +12,7 @@ outside an update. The verdict is decided and worded in replay/judge/verdict_sil
 
 from __future__ import annotations
 
+import contextlib
 import time
 from datetime import datetime, timezone
 from typing import Any
@@ -39,6 +40,7 @@ from forensics.report.tree import (
 from forensics.replay.judge.findings import HistoryFinding
 from forensics.replay.judge.verdict_silent import SilentFacts, judgement_block, silent_verdict
 from forensics.replay.load.environment import replay_environment
+from forensics.replay.load.fsdp_precision import fsdp_compute
 from forensics.replay.options import ReplayOptions, load
 from forensics.replay.stages import Progress, stage
 
@@ -121,11 +123,16 @@ def _replayed_facts(dump: Any, options: ReplayOptions, evidence: dict, base: dic
     model.train()
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
 
+    backward = bool(evidence.get("job") and any(evidence["job"].grads))  # an FSDP2 job's check ran its forward only
+    precision = (lambda: fsdp_compute(model, session.fsdp_units)) if session.fsdp_units else contextlib.nullcontext
+
     def replay_once() -> Computation:
         try:
-            return run_computation(
-                model, session.loss_fn, session.micro_batches, seeds, session.autocast, rng
-            ).to_host()
+            with precision():  # the dtypes the job's FSDP2 units computed in
+                computed = run_computation(
+                    model, session.loss_fn, session.micro_batches, seeds, session.autocast, rng, backward=backward
+                )
+            return computed.to_host()
         finally:
             with torch.no_grad():
                 for buffer, kept in buffers:

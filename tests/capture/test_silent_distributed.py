@@ -249,7 +249,7 @@ def test_a_healthy_bf16_run_checked_at_every_step_raises_nothing(two_ranks):
 def test_under_fsdp2_a_flip_in_rank_1s_forward_is_caught_and_a_healthy_run_is_silent(two_ranks):
     """FSDP2 with bf16 parameters: each rank's recompute of its forward (through FSDP2's all-gathers, every rank
     together) agrees with its run at every step, and rank 1's flipped output is caught at its step, on rank 1."""
-    root, results, _ = two_ranks
+    root, results, models = two_ranks
     for result in results["fsdp_healthy"]:
         assert result["dumps"] == [] and all(result["decisions"]) and result["dump_errors"] == []
     rank0, rank1 = results["fsdp_flip"]
@@ -260,6 +260,10 @@ def test_under_fsdp2_a_flip_in_rank_1s_forward_is_caught_and_a_healthy_run_is_si
     assert dumps[1].trigger.local is True and dumps[0].trigger.local is False
     evidence = dumps[1].silent()
     assert evidence["first_difference"]["name"] == "0" and evidence["job"].grads == [[]] * 2  # forward only
+    report = replay(root / "fsdp_flip" / "sdc" / f"step-{FAULT_STEP:09d}", models)  # in FSDP2's bf16, unsharded
+    silent = report["silent"]
+    assert silent["class"] == "transient" and silent["wrong"] == "job" and silent["module"] == "0", report["verdict"]
+    assert silent["drain_rank"] == 1
 
 
 @pytest.mark.slow
