@@ -3,8 +3,8 @@
 # bf16 autocast, deterministic algorithms, DetectionConfig(silent=...): faults injected on cuda:1 (rank 1) — a transient
 # bit flip in a block's MLP output, a stuck fault there, a bit flipped in rank 1's copy of a weight — each must be caught
 # at its step (10) and dumped by both ranks; rank 1's dump is then replayed on cuda:0 and must be classed transient /
-# persistent / replica drift with the module and rank 1. A healthy run checked at every step (recompute, cross-rank,
-# replicas) must raise nothing. Then the cost bench: the recompute on GPT-2 small on one GPU, the replica check on DDP
+# persistent / replica drift with the module and rank 1; the same flip under FSDP2 (bf16 parameters) likewise. Healthy
+# runs checked at every step (DDP: recompute, cross-rank, replicas; FSDP2: the forward recompute) must raise nothing. Then the cost bench: the recompute on GPT-2 small on one GPU, the replica check on DDP
 # over the two GPUs (scripts/bench/silent_overhead.py). Logs and summary.txt under OUTDIR.
 # Usage (repo root, .whl carried): bash scripts/gpu_sdc.sh OUTDIR
 set -uo pipefail
@@ -47,12 +47,27 @@ SCENARIOS = {
     "drift": (11, SilentConfig(recompute_every=0, replica_every=5, on_mismatch="skip",
                                inject=FaultSpec("weight:transformer.h.2.attn.c_attn.weight", rank=1, step=10, bit=3))),
     "healthy": (200, SilentConfig(recompute_every=1, replica_every=1)),
+    "fsdp_flip": (13, SilentConfig(recompute_every=5, on_mismatch="skip",
+                                   inject=FaultSpec("output:" + MLP, rank=1, step=10, bit=2))),
+    "fsdp_healthy": (100, SilentConfig(recompute_every=1)),
 }
+
+
+def sharded(model):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    return fully_shard(model, mesh=mesh, mp_policy=policy)
 results = {}
 for name, (steps, silent) in SCENARIOS.items():
     model = sdc_gpu_models.build().to(device)
-    wrapped = DistributedDataParallel(model, device_ids=[device.index])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    fsdp = name.startswith("fsdp")
+    wrapped = model = sharded(model) if fsdp else DistributedDataParallel(model, device_ids=[device.index])
+    model = model if fsdp else wrapped.module
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=not fsdp)
     config = GuardConfig(dump_dir=sys.argv[1] + "/" + name, run_id="sdc", detection=DetectionConfig(silent=silent),
                          dumping=DumpConfig(recipe={"factory": "sdc_gpu_models:build", "loss": "sdc_gpu_models:loss"}))
     guard = Guard(wrapped, optimizer, config=config, loss_fn=sdc_gpu_models.loss)
@@ -106,9 +121,12 @@ EOF
 expect transient transient "mlp.c_fc"
 expect stuck persistent "mlp.c_fc"
 expect drift replica_drift "c_attn.weight"
-healthy=$(find "$out/dumps/healthy" -name 'rank-*' 2>/dev/null | wc -l)
-echo "healthy run (200 steps, every check at every step, bf16): $healthy rank dumps (expected 0)" | tee -a "$out/summary.txt"
-[ "$healthy" -eq 0 ] || failed=1
+expect fsdp_flip transient "mlp.c_fc"
+for name in healthy fsdp_healthy; do
+  n=$(find "$out/dumps/$name" -name 'rank-*' 2>/dev/null | wc -l)
+  echo "$name run (every check at every step, bf16): $n rank dumps (expected 0)" | tee -a "$out/summary.txt"
+  [ "$n" -eq 0 ] || failed=1
+done
 timeout 150 python3 -m scripts.bench.silent_overhead --rounds 3 --steps 24 --json "$out/bench_recompute.json" \
   > "$out/bench_recompute.log" 2>&1
 echo "bench recompute (1 GPU):" | tee -a "$out/summary.txt"; tail -3 "$out/bench_recompute.log" | tee -a "$out/summary.txt"

@@ -89,6 +89,21 @@ class Recompute:
             with torch.no_grad():
                 for buffer, kept in buffers:
                     buffer.copy_(kept)
+            if not self.grads:
+                reshard(self.model)
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """FSDP2 leaves the root's parameters unsharded after a forward without autograd (it expects a backward): the
+    job's next forward would then use these bf16 copies of the pre-update weights. Every FSDP2 module is resharded, as
+    after the job's own backward."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - a torch without FSDP2 has no DTensor model to reshard
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def cross_rank(

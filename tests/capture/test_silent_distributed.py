@@ -67,9 +67,8 @@ WORKER = textwrap.dedent("""
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for layer in (model[0], model[2]):
-            fully_shard(layer, mesh=mesh, mp_policy=policy)
-        return fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(model[0], mesh=mesh, mp_policy=policy)  # the last layer's parameters are the root's (as a
+        return fully_shard(model, mesh=mesh, mp_policy=policy)  # GPT's embeddings): FSDP2 keeps them after a forward
 
 
     def run(scenario, dump_dir):
@@ -248,7 +247,8 @@ def test_a_healthy_bf16_run_checked_at_every_step_raises_nothing(two_ranks):
 
 def test_under_fsdp2_a_flip_in_rank_1s_forward_is_caught_and_a_healthy_run_is_silent(two_ranks):
     """FSDP2 with bf16 parameters: each rank's recompute of its forward (through FSDP2's all-gathers, every rank
-    together) agrees with its run at every step, and rank 1's flipped output is caught at its step, on rank 1."""
+    together) agrees with its run at every step — and leaves no root parameter unsharded, which the job's next
+    forward would use stale — and rank 1's flipped output is caught at its step, on rank 1."""
     root, results, models = two_ranks
     for result in results["fsdp_healthy"]:
         assert result["dumps"] == [] and all(result["decisions"]) and result["dump_errors"] == []
