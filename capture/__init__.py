@@ -11,18 +11,22 @@ from forensics.capture.config import (
     GuardConfig,
     PrecursorConfig,
     RecordConfig,
+    SilentConfig,
     SpikeConfig,
 )
 from forensics.capture.guard import Guard
 from forensics.capture.recording.datasets import IndexedDataset
+from forensics.capture.silent.inject import FaultSpec
 
 __all__ = [
     "DetectionConfig",
     "DumpConfig",
+    "FaultSpec",
     "Guard",
     "GuardConfig",
     "IndexedDataset",
     "PrecursorConfig",
     "RecordConfig",
+    "SilentConfig",
     "SpikeConfig",
 ]

@@ -109,6 +109,48 @@ class SpikeConfig:
 
 
 @dataclass
+class SilentConfig:
+    """Opt-in checks for silent data corruption (a fault that makes no NaN and no spike):
+    DetectionConfig(silent=SilentConfig()). docs/GUIDE.md, "Silent corruption".
+
+    Off by default: a GuardConfig() without it adds nothing to a step. With it, a sampled step costs a second forward
+    and backward of its micro-batches (the recompute), and a replica-check step one digest pass over the parameters
+    and one all-reduce of two int64 per parameter; the other steps cost nothing (BENCHMARKS.md, silent_overhead).
+    """
+
+    recompute_every: int = 1000
+    """Every this many steps (and at the first step after the Guard starts, so a resumed job is checked at once),
+    run the step's forward and backward a second time from the same pre-step state and RNG, before the optimizer,
+    and compare digests of the loss, of every module's output and of every gradient (each rank its own). 1000: about
+    0.1-0.2 % of a step's time amortised (the recompute is one more forward and backward of the step); 0: off."""
+    replica_every: int = 1000
+    """Every this many steps, where every rank holds the same parameters (a DistributedDataParallel model), compare
+    a digest of each parameter across the ranks (one int64 per parameter, computed on the device), and name the
+    rank and parameters whose copy drifted. 0: off. One process, or parameters that are not replicated: not run."""
+    cross_check: bool = True
+    """With replicated parameters (DDP) on a recompute step: every other rank also runs rank 0's first micro-batch
+    and compares its digests with rank 0's, so a deterministic fault (one that gives the same wrong answer twice on
+    its device) is caught too. Costs one more forward and backward of one micro-batch on the recompute steps."""
+    on_mismatch: Policy = Policy.RAISE
+    """What the Guard does after dumping a mismatch: 'raise' (stop: the device needs draining), 'skip' (check()
+    returns False: the step's gradients are not applied) or 'continue'."""
+    inject: Any = None
+    """A capture.silent.inject.FaultSpec (or its `key=value,...` text) to inject a fault and prove the checks; the
+    environment variable FORENSICS_SILENT_INJECT does the same without editing the job; a text is parsed when the Guard
+    starts (a bad one raises ValueError there). None: no fault."""
+
+    def __post_init__(self):
+        if self.recompute_every < 0 or self.replica_every < 0:
+            raise ValueError("SilentConfig needs recompute_every >= 0 and replica_every >= 0 (0: off)")
+        try:
+            self.on_mismatch = Policy(self.on_mismatch)
+        except ValueError:
+            raise ValueError(
+                f"SilentConfig.on_mismatch must be one of {', '.join(p.value for p in Policy)}, got {self.on_mismatch!r}"
+            ) from None
+
+
+@dataclass
 class DetectionConfig:
     """What fires, and what the Guard then does: GuardConfig(detection=DetectionConfig(...))."""
 
@@ -138,6 +180,9 @@ class DetectionConfig:
     """Debug mode: copy the state before every optimizer step and check the parameters after it, so an
     update that makes weights non-finite (e.g. Adam eps=0) is dumped with its pre-step state. Costs a
     full state copy and one extra sync per step: use it to chase an 'optimizer_update' suspicion."""
+    silent: SilentConfig | None = None
+    """Opt-in silent-corruption checks (SilentConfig: the recompute of a sampled step, the replica check). None
+    (default): off, no cost."""
 
     def __post_init__(self):
         for name in ("on_nonfinite", "on_spike"):
@@ -151,7 +196,10 @@ class DetectionConfig:
 
     def policy_for(self, kind: TriggerKind) -> Policy:
         """The policy that applies to a trigger of this kind: on_spike for spikes, else on_nonfinite."""
-        return self.on_spike if TriggerKind(kind).spike else self.on_nonfinite
+        kind = TriggerKind(kind)
+        if kind is TriggerKind.SILENT_CORRUPTION:
+            return self.silent.on_mismatch if self.silent is not None else Policy.RAISE
+        return self.on_spike if kind.spike else self.on_nonfinite
 
 
 @dataclass
@@ -317,6 +365,7 @@ FLAT = {
     name: group
     for group, cls in (("detection", DetectionConfig), ("dumping", DumpConfig), ("recording", RecordConfig))
     for name in cls.__dataclass_fields__
+    if name != "silent"  # newer than the flat spelling
 }
 """The flat spelling of one release ago, GuardConfig(max_dumps=...): each field and the group it moved to."""
 _GROUP_CLASSES = {"detection": DetectionConfig, "dumping": DumpConfig, "recording": RecordConfig}

@@ -27,6 +27,7 @@ from forensics.capture.dumping.budget import DumpBudget
 from forensics.capture.dumping.dumper import Dumper
 from forensics.capture.precursors import monitor
 from forensics.capture.raised import exceptions
+from forensics.capture import silent
 from forensics.capture.raised.optimizer_steps import OptimizerSteps
 from forensics.capture.recording.history import History
 from forensics.capture.recording.incident import Incident, StepRecord
@@ -79,7 +80,7 @@ class Guard:
         loss_fn: Callable | None = None,
         state: Callable[..., StateSource] = state_source,
     ):
-        model = unwrap_model(model)
+        wrapped, model = model, unwrap_model(model)
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         ranks, self.loss_fn, self.step = Ranks.here(), loss_fn, 0
         self.rank, self.world_size, self.local_rank = ranks.rank, ranks.world_size, ranks.local_rank
@@ -139,6 +140,7 @@ class Guard:
         self._judge_at_exit = functools.partial(_judge_at_exit, weakref.ref(self))
         if self.checks.sync_free is not None:  # a step judged one step late is still judged when the job just ends
             atexit.register(self._judge_at_exit)
+        self.silent = silent.attach(model, wrapped, optimizer, scaler, loss_fn, config, ranks, self.add_hook)  # or None
         if config.detection.verify_update:
             UpdateCheck(
                 config,
@@ -152,6 +154,8 @@ class Guard:
     # -- recording (hot path: references and host-side RNG only) ---------------------------------
     def record_batch(self, batch: Any, sample_ids: Any = None) -> None:
         """Call once per micro-batch, after it is loaded and before its forward. Never raises."""
+        if self.silent is not None:
+            self.silent.before_batch(self.step, self.recorder.current is None)
         self.recorder.batch(batch, sample_ids)
 
     def record_loss(self, loss: Any) -> None:
@@ -162,6 +166,8 @@ class Guard:
         float range such as 10**400), is ignored with a warning. Without record_batch the loss is still
         watched (the step then has no micro-batch to dump: the first check() says so)."""
         value, recorder = loss_value(loss), self.recorder  # inline: the hot path, once per micro-batch
+        if self.silent is not None:
+            self.silent.note_loss(loss)
         recorder.current = recorder.current or StepRecord()
         if value is not None:
             recorder.current.losses.append(value)
@@ -200,6 +206,11 @@ class Guard:
                 # an earlier step's incident (judged late) does not decide this step
                 decision = self.handle_incident(incident) or (sync_free and incident.step != self.step)
                 handled = True
+            if self.silent is not None:  # the sampled step's recompute and the replica check
+                decision = (
+                    self.silent.judge(record, self.step, self.handle_incident, self.last_incident_step == self.step)
+                    and decision
+                )
         except TrainingFaultError as fault:
             self.last_step, self.last_decision = record, False  # a repeat of this check() must not apply the step
             self.stopped = fault  # later exceptions outside a recorded step are not this step's (record_exception)

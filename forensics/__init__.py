@@ -1,7 +1,8 @@
 """forensics: capture the failing step of a PyTorch training run, replay it on one GPU, name the cause.
 
 Public API (everything else is internal):
-    Guard, GuardConfig (DetectionConfig, DumpConfig, RecordConfig, PrecursorConfig, SpikeConfig),
+    Guard, GuardConfig (DetectionConfig, DumpConfig, RecordConfig, PrecursorConfig, SpikeConfig, SilentConfig),
+    FaultSpec                                         -- fault injection that proves the silent checks
     IndexedDataset                                    -- in-job capture (forensics.capture)
     open_dump, verify_dump, pack_dump                 -- reading dumps (never unpickles)
     replay_dump                                       -- offline replay -> report dict (forensics.replay)
@@ -35,6 +36,7 @@ __all__ = [
     "DumpCorruptError",
     "DumpError",
     "DumpNotFoundError",
+    "FaultSpec",
     "ForensicsError",
     "Guard",
     "GuardConfig",
@@ -44,6 +46,7 @@ __all__ = [
     "RecipeError",
     "RecordConfig",
     "ReplayError",
+    "SilentConfig",
     "SpikeConfig",
     "TrainingFaultError",
     "UnsupportedVersionError",
@@ -68,6 +71,8 @@ __getattr__ = lazy_exports(
                 "RecordConfig",
                 "SpikeConfig",
                 "PrecursorConfig",
+                "SilentConfig",
+                "FaultSpec",
                 "IndexedDataset",
             ),
             "forensics.capture",

@@ -29,6 +29,7 @@ from forensics.report.tree import Report
 from forensics.replay.culprits.earlier_state import EarlierState
 from forensics.replay.judge.between_steps import between_steps_report, raised_between_steps
 from forensics.replay.judge.precursor import add_crash_history, precursor_report
+from forensics.replay.judge.silent import silent_report
 from forensics.replay.judge.window_words import snapshot_suggestion
 from forensics.replay.load.environment import deterministic_mode
 from forensics.replay.load.session import step_micro_batches
@@ -104,6 +105,10 @@ def replay_report(dump_or_path: Any, options: ReplayOptions | None = None, progr
     if dump.trigger.kind is TriggerKind.PRECURSOR:
         stage(progress, "a precursor dump (a healthy step): ranking the statistics that grew")
         return _checked(dump, precursor_report(dump, dump_info, history_finding(dump.history()), started))
+    if dump.trigger.kind is TriggerKind.SILENT_CORRUPTION:  # digests of the step against the job's two runs
+        with deterministic_mode(dump.manifest.get("determinism")):
+            report = silent_report(dump, options, dump_info, history_finding(dump.history()), started, progress)
+        return _checked(dump, report)
     options = _off_the_gpu_after_a_cuda_error(dump, options, progress)
     with deterministic_mode(dump.manifest.get("determinism")):
         stage(

@@ -20,11 +20,20 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "capture" / "config.py"
 TARGET = ROOT / "docs" / "CONFIGURATION.md"
 
-ORDER = ("GuardConfig", "DetectionConfig", "SpikeConfig", "DumpConfig", "RecordConfig", "PrecursorConfig")
+ORDER = (
+    "GuardConfig",
+    "DetectionConfig",
+    "SpikeConfig",
+    "SilentConfig",
+    "DumpConfig",
+    "RecordConfig",
+    "PrecursorConfig",
+)
 WHERE = {
     "GuardConfig": "`Guard(..., config=GuardConfig(...))`",
     "DetectionConfig": "`GuardConfig(detection=DetectionConfig(...))`",
     "SpikeConfig": "`DetectionConfig(loss_spike=SpikeConfig(...), grad_norm_spike=SpikeConfig(...))`",
+    "SilentConfig": "`DetectionConfig(silent=SilentConfig(...))` (off unless given)",
     "DumpConfig": "`GuardConfig(dumping=DumpConfig(...))`",
     "RecordConfig": "`GuardConfig(recording=RecordConfig(...))`",
     "PrecursorConfig": "`GuardConfig(precursors=PrecursorConfig(...))` (off unless given)",

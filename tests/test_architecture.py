@@ -179,6 +179,7 @@ CAPTURE_STAGES = [
     "precursors",
     "detection",
     "dumping",
+    "silent",
     "raised",
     "guard",
     "integrations",

@@ -252,7 +252,7 @@ class Dumper:
             scaler=snapshot.scaler_state(source.scaler),
             layout=state.get("layout"),
             copies=self._buddy_copies(state, incident),
-            extra_files=self._extra_files(incident.step),
+            extra_files={**self._extra_files(incident.step), **incident.files},
         )
         content.ready = copy.wait  # the writer waits for the device copies before touching them
         return content
@@ -310,7 +310,7 @@ class Dumper:
                 scheduler=scheduler,
                 snapshot=held,
                 done=release,
-                extra_files=self._extra_files(incident.step),
+                extra_files={**self._extra_files(incident.step), **incident.files},
             )
         except Exception:  # the job is failing already
             log.exception("forensics: even the host-side dump of step %d failed", incident.step)

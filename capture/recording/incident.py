@@ -82,6 +82,8 @@ class Incident:
     """The step's micro-batch count when the record holds fewer (a step that raised part-way); None: the record's."""
     undumpable: Undumpable | None = None
     """Set when the incident cannot be dumped: the Guard still counts it and applies its policy."""
+    files: dict[str, bytes] = field(default_factory=dict)
+    """Files the trigger adds to its dump (a silent corruption's `silent.json`)."""
 
     @property
     def step_loss(self) -> float | None:

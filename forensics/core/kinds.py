@@ -150,6 +150,9 @@ class TriggerKind(_Kind):
     PRECURSOR = "precursor"
     """A healthy step whose per-layer statistics have been growing for several steps (capture/precursors/monitor.py):
     dumped once per (layer, statistic) under policy 'continue', before any loss is non-finite."""
+    SILENT_CORRUPTION = "silent_corruption"
+    """Two computations that must agree bit for bit did not (capture/silent/): the step's recompute, the cross-rank
+    check of one micro-batch, or the replicas' parameters; no NaN, no spike. Dump member `silent.json`."""
 
     @property
     def props(self) -> _TriggerProps:
@@ -200,6 +203,9 @@ _TRIGGER_PROPS = {
     TriggerKind.NONFINITE_PARAM: _TriggerProps(False, True, "non-finite weights", "the weights non-finite", None),
     TriggerKind.EXCEPTION: _TriggerProps(False, True, "exception", "the step raise", ReplayedQuantity.EXCEPTION),
     TriggerKind.PRECURSOR: _TriggerProps(False, True, "instability precursor", "a layer's statistics grow", None),
+    TriggerKind.SILENT_CORRUPTION: _TriggerProps(
+        False, True, "silent data corruption", "two computations of the step disagree", None
+    ),
 }
 
 
@@ -382,6 +388,9 @@ class VerdictKind(_Kind):
     TRIGGER_SAMPLE = "trigger_sample"
     """Bisection isolated samples, but nothing shows their records are bad: they are the first to cross on a state
     that could not take them (replay/culprits/evidence.py); no blocklist, the advice is about the state."""
+    SILENT_CORRUPTION = "silent_corruption"
+    """A silent-corruption dump judged on the replay device: its SilentClass (transient, persistent on the job's
+    device, replica drift, not the hardware), the first module where the computations part, the rank and device."""
 
     @property
     def label(self) -> str:
@@ -422,6 +431,59 @@ _VERDICT_PROPS = {
     VerdictKind.EXCEPTION: _VerdictProps("exception", ExitCode.OK, True, schema_major=2),
     VerdictKind.INSTABILITY_AHEAD: _VerdictProps("instability ahead", ExitCode.OK, True, schema_major=3),
     VerdictKind.TRIGGER_SAMPLE: _VerdictProps("trigger, not bad data", ExitCode.NO_CULPRIT, False, schema_major=4),
+    VerdictKind.SILENT_CORRUPTION: _VerdictProps("silent data corruption", ExitCode.OK, True, schema_major=5),
+}
+
+
+@dataclass(frozen=True)
+class _SilentProps:
+    words: str
+    hardware: bool
+
+
+class SilentCheck(_Kind):
+    """Which in-job check found a silent corruption (dump `silent.json` `check`)."""
+
+    RECOMPUTE = "recompute"
+    """The step's second forward and backward on the same device disagreed with the first."""
+    CROSS_RANK = "cross_rank"
+    """Another rank's run of rank 0's first micro-batch disagreed with rank 0's (replicated weights)."""
+    REPLICAS = "replicas"
+    """The replicas' copies of some parameters differ."""
+
+
+class SilentClass(_Kind):
+    """What the replay concluded about a silent-corruption dump (report `silent.class`)."""
+
+    TRANSIENT = "transient"
+    """The replay agrees with one of the job's two computations: the other was hit by a fault that did not repeat."""
+    PERSISTENT = "persistent"
+    """The job's two computations agree with each other and the replay on another device differs: the job's device
+    computes wrong, reproducibly."""
+    REPLICA_DRIFT = "replica_drift"
+    """One replica's weights differ from the others' (memory or update corruption on that rank)."""
+    NOT_HARDWARE = "not_hardware"
+    """Everything agrees with the replay, or the difference follows non-determinism the replay shows."""
+    UNDECIDED = "undecided"
+    """The evidence cannot tell (another kind of device that cannot match bits, or a replay on the job's own device
+    that agrees with the job's two runs)."""
+
+    @property
+    def words(self) -> str:
+        return _SILENT_PROPS[self].words
+
+    @property
+    def hardware(self) -> bool:
+        """A device is to blame (drain it)."""
+        return _SILENT_PROPS[self].hardware
+
+
+_SILENT_PROPS = {
+    SilentClass.TRANSIENT: _SilentProps("a transient fault", True),
+    SilentClass.PERSISTENT: _SilentProps("a persistent fault of the job's device", True),
+    SilentClass.REPLICA_DRIFT: _SilentProps("a replica whose weights drifted", True),
+    SilentClass.NOT_HARDWARE: _SilentProps("not the hardware", False),
+    SilentClass.UNDECIDED: _SilentProps("undecided", False),
 }
 
 
@@ -454,7 +516,11 @@ class HistoryPattern(_Kind):
     def cause_for(self, trigger: Any) -> str:
         """usual_cause, true for a dump of `trigger` (a TriggerKind or its value): 'the failing step is an outlier'
         only where a value failed — not for a step that raised or a precursor of a healthy step."""
-        if self is HistoryPattern.STABLE and trigger in (TriggerKind.EXCEPTION, TriggerKind.PRECURSOR):
+        if self is HistoryPattern.STABLE and trigger in (
+            TriggerKind.EXCEPTION,
+            TriggerKind.PRECURSOR,
+            TriggerKind.SILENT_CORRUPTION,
+        ):
             return ""
         return self.usual_cause
 
@@ -489,6 +555,8 @@ __all__ = [
     "Policy",
     "PrecursorStatistic",
     "ReplayedQuantity",
+    "SilentCheck",
+    "SilentClass",
     "Tracker",
     "TriggerKind",
     "VerdictKind",

@@ -707,6 +707,31 @@ class Dump:
                 spec.PRECURSORS,
             ) from exc
 
+    def silent(self) -> dict | None:
+        """A silent-corruption dump's evidence (docs/DUMP_FORMAT.md `silent.json`), its computations checked
+        (forensics/core/silent.py, `Computation.from_dict`); None when the dump has none. Names are untrusted text."""
+        if not self.has_file(spec.SILENT):
+            return None
+        from forensics.core.silent import Computation  # torch: only when a silent dump is read
+
+        value = self._json_object(spec.SILENT, ("check", "step", "rank"))
+        try:
+            for key in ("job", "recompute"):
+                if key in value:
+                    value[key] = Computation.from_dict(value[key])
+            cross = value.get("cross_rank")
+            if cross is not None:
+                cross["reference"] = Computation.from_dict(cross["reference"])
+                cross["this_rank"] = Computation.from_dict(cross["this_rank"])
+            seeds = value.get("seeds") or []
+            if not isinstance(seeds, list) or not all(isinstance(x, (int, float)) for x in seeds):
+                raise ValueError("seeds must be numbers")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DumpCorruptError(
+                f"{self.path / spec.SILENT} does not have the documented layout ({cut_text(exc, 160)})", spec.SILENT
+            ) from exc
+        return value
+
     def history(self) -> dict:
         """The loss history (docs/DUMP_FORMAT.md `history.json`), every value checked (forensics/format/records.py)."""
         try:

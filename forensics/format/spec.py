@@ -34,6 +34,9 @@ WINDOW_RNG = "window-rng.safetensors"
 """The flight recorder's RNG tensors, keyed s<step>/mb<i>/... (OPTIONAL)."""
 PRECURSORS = "precursors.json"
 """The precursor monitor's per-layer statistics of the recent steps, and what fired (OPTIONAL; GuardConfig.precursors)."""
+SILENT = "silent.json"
+"""A silent-corruption dump's evidence: the check that failed, both computations' digests per module and gradient, the
+device's identity and the policy applied (OPTIONAL; trigger `silent_corruption`, GuardConfig.detection.silent)."""
 MAIN_SCRIPT = "main_script.py"
 """The training script's source (UTF-8, at most MAX_MAIN_SCRIPT bytes) when the recipe's loss or factory is defined
 in it (`__main__:name`) or the recipe names no factory; OPTIONAL, named by the manifest's `recipe.script`."""

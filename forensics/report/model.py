@@ -17,9 +17,10 @@ from forensics.core.kinds import VerdictKind
 log = logging.getLogger(__name__)
 
 SCHEMA = "forensics-report/1"
-SCHEMA_MAJOR = 4  # the newest major this reader implements; 2 = 1 + verdict.kind "exception" and its block;
+SCHEMA_MAJOR = 5  # the newest major this reader implements; 2 = 1 + verdict.kind "exception" and its block;
 # 3 = 2 + verdict.kind "instability_ahead" and the `precursor` block (a precursor dump); 4 = 3 + verdict.kind
-# "trigger_sample" (samples that crossed first on a state that could not take them: not bad data)
+# "trigger_sample" (samples that crossed first on a state that could not take them: not bad data); 5 = 4 + verdict.kind
+# "silent_corruption" and the `silent` block (a silent-corruption dump judged on the replay device)
 _SCHEMA_RE = re.compile(r"^forensics-report/(\d+)$")
 
 VERDICT_KINDS = tuple(kind.value for kind in VerdictKind)  # the values verdict.kind may take (newest major)
@@ -137,10 +138,10 @@ def validate_report(d: Any) -> dict:
     Raises:
         ReportError: with a message naming the offending field.
     Example:
-        >>> validate_report({"schema": "forensics-report/4"})
+        >>> validate_report({"schema": "forensics-report/6"})
         Traceback (most recent call last):
         ...
-        forensics.report.model.ReportError: report uses schema forensics-report/4, newer than ...
+        forensics.report.model.ReportError: report uses schema forensics-report/6, newer than ...
     """
     if not isinstance(d, dict):
         raise ReportError(f"a report must be a JSON object, got {_type_name(d)}")

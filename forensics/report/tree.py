@@ -504,6 +504,9 @@ class Report(Node):
     margin: dict | None = None
     evidence: dict | None = None
     """Whether the culprits' records are bad data or triggers (replay/culprits/evidence.py)."""
+    silent: dict | None = None
+    """A silent-corruption dump's classification (major 5; replay/judge/silent.py): class, rank, device, where the
+    computations part."""
     repro: Repro | None = _node(Repro)
     # a key set in code after the report was read goes after the keys read, in this order (the engine's: the
     # stream of a streamed replay, then the crash's precursor history; repro last, by `forensics repro --report`)

@@ -350,6 +350,27 @@ def make_report(
             explanation="First to cross: sample 'x' alone. Its record looks like the others.",
             suggestions=["Do not filter it: no blocklist is written.", "Lower the learning rate."],
         )
+    elif kind == "silent_corruption":
+        r["schema"] = "forensics-report/5"
+        r["trigger"].update(kind="silent_corruption", value=None, threshold=None)
+        r["reproduced"] = False
+        r["culprit"].update(samples=[], module="transformer.h.1.mlp.c_fc", op=None, phase=None)
+        r["per_sample"] = r["per_layer"] = r["precision"] = None
+        r["silent"] = {
+            "class": "transient",
+            "check": "recompute",
+            "module": "transformer.h.1.mlp.c_fc",
+            "wrong": "job",
+            "drain_rank": 3,
+            "rank": 3,
+            "device": {"type": "cuda", "name": "NVIDIA H100 80GB HBM3", "host": "node-17"},
+        }
+        v.update(
+            headline="Silent corruption at step 41217, rank 3: a transient fault hit the job's own run (first at "
+            "`transformer.h.1.mlp.c_fc`); the replay agrees with the other computation.",
+            explanation="The job ran the step twice; the two runs part at transformer.h.1.mlp.c_fc.",
+            suggestions=["Re-run step 41217.", "Watch rank 3's device."],
+        )
     else:
         raise ValueError(f"unknown verdict kind {kind!r}")
     for key, value in overrides.items():

@@ -28,7 +28,9 @@ def test_every_trigger_kind_has_its_properties(kind):
     assert kind.words and kind.what_fails
     assert kind.spike == kind.value.endswith("_spike")
     assert kind.replayed in ("micro_batch_loss", "step_loss", "grad_norm", "exception", None)
-    assert kind.data_independent == (kind in (TriggerKind.NONFINITE_PARAM, TriggerKind.PRECURSOR))
+    assert kind.data_independent == (
+        kind in (TriggerKind.NONFINITE_PARAM, TriggerKind.PRECURSOR, TriggerKind.SILENT_CORRUPTION)
+    )
 
 
 def test_every_verdict_kind_is_documented_with_its_exit_code_in_the_report_format():

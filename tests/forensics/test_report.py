@@ -334,8 +334,8 @@ def test_a_schema_1_report_cannot_carry_a_verdict_kind_added_in_schema_2():
 
 def test_validate_rejects_newer_schema_naming_both_versions():
     report = to_json_safe(make_report("bad_sample"))
-    report["schema"] = "forensics-report/5"
-    with pytest.raises(ReportError, match=r"forensics-report/5.*forensics-report/4.*upgrade"):
+    report["schema"] = "forensics-report/6"
+    with pytest.raises(ReportError, match=r"forensics-report/6.*forensics-report/5.*upgrade"):
         validate_report(report)
     assert issubclass(ReportError, ForensicsError)
 
