@@ -52,14 +52,19 @@ TRUSTED_OPTIMIZER_PREFIX = "torch.optim."
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
 
-LEGACY_ROOTS = ("capture.", "replay.")
-"""Before one import root, forensics' two sides were the top-level packages `capture` and `replay`: a dump written then
-may name `capture.integrations.lightning:training_step_loss`, which is forensics.capture.integrations... now."""
+LEGACY_PATHS = {
+    "capture.integrations.lightning:training_step_loss": "forensics.capture.integrations.lightning:training_step_loss"
+}
+"""Import paths forensics itself wrote into dumps while its two sides were the top-level packages `capture` and
+`replay` (before commit e5f195a, "One import root"): the Lightning callback's default replay loss, recorded as the
+job's `loss_fn` (no other function of ours was ever recorded as a factory or loss: `git log -p -S` of
+capture/state/recipe.py and the integrations). Only these exact names are rewritten; any other `replay.*` or
+`capture.*` is a user's own package (a replay buffer is common in RL) and is imported as named."""
 
 
 def current_path(path: str) -> str:
-    """`path` with a module name of forensics' own written before one import root moved under `forensics.`."""
-    return f"forensics.{path}" if isinstance(path, str) and path.startswith(LEGACY_ROOTS) else path
+    """`path` as it is imported now: one of LEGACY_PATHS under its current name, anything else unchanged."""
+    return LEGACY_PATHS.get(path, path) if isinstance(path, str) else path
 
 
 def _split_path(path: str, what: str) -> tuple[str, str]:
