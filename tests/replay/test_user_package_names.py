@@ -37,19 +37,23 @@ def loss(model, batch):
 def user_package(tmp_path, monkeypatch):
     """A job directory holding the user's package `<name>/model.py`, importable as in the job (cwd), with this
     repository's root (where the folders replay/ and capture/ lie beside forensics/) off sys.path, as in an
-    installed forensics."""
+    installed forensics. The replay finds it only where the user says: --trust (the job's recorded directory) or
+    --path."""
     job = tmp_path / "job"
     for name in ("replay", "capture"):
         (job / name).mkdir(parents=True)
         (job / name / "__init__.py").write_text("")
         (job / name / "model.py").write_text(USER_CODE.format(name=name))
-    monkeypatch.setattr(
-        sys, "path", [p for p in sys.path if p not in ("", ".") and Path(p).resolve() != REPO] + [str(job)]
-    )
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".") and Path(p).resolve() != REPO])
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))  # --trust adds the finder of recorded directories
     for name in [n for n in sys.modules if n.split(".")[0] in ("replay", "capture")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.chdir(job)
-    return job
+    from forensics.capture.dumping import environment
+
+    environment._static_environment.cache_clear()  # the dump records this job's directory, not an earlier test's
+    yield job
+    environment._static_environment.cache_clear()
 
 
 def _crash_dump(job: Path, package: str) -> Path:
@@ -61,7 +65,11 @@ def _crash_dump(job: Path, package: str) -> Path:
     from forensics.capture import DumpConfig, Guard, GuardConfig
     from forensics.core.errors import TrainingFaultError
 
-    code = importlib.import_module(f"{package}.model")
+    sys.path.insert(0, str(job))  # the job imports its own code (python train.py beside it)
+    try:
+        code = importlib.import_module(f"{package}.model")
+    finally:
+        sys.path.remove(str(job))
     model = code.build()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     recipe = {"factory": f"{package}.model:build", "loss": f"{package}.model:loss"}
