@@ -90,31 +90,48 @@ class StepRecorder:
             sample_ids = sample_ids.tolist()
         if not isinstance(sample_ids, (list, tuple)):
             return
-        seen, micro_batch = record.seen_ids, len(record.batches) - 1
-        for index, sid in enumerate(sample_ids):
-            if sid is None or not isinstance(sid, (str, int, float, bytes)):
-                continue
-            key = (type(sid).__name__, sid)
-            if key not in seen:
-                seen.add(key)
-                continue
-            record.duplicate_id = True
-            self.duplicate_steps += 1
-            log.warning(
-                "forensics: sample ID %s names more than one sample of this step (again at micro-batch %d, "
-                "position %d): a replay blames samples by position and leaves an ID shared with a healthy sample "
-                "out of its blocklist. Give each record its own ID%s",
-                repr(sid)[:80],
-                micro_batch,
-                index,
-                " (not repeated for later steps)" if self.duplicate_steps == MAX_DUPLICATE_WARNINGS else "",
-            )
+        try:
+            ids = set(sample_ids)  # one pass in C: the healthy step's whole cost
+        except TypeError:  # an unhashable ID (a dict): not compared
             return
+        seen = record.seen_ids  # never holds None (a sample without an ID repeats no one's)
+        if len(ids) == len(sample_ids) and seen.isdisjoint(ids):
+            seen |= ids
+            seen.discard(None)
+            return
+        ids.discard(None)
+        repeat = _first_repeat(sample_ids, set(seen))
+        seen |= ids
+        if repeat is None:  # only several samples without an ID
+            return
+        index, sid = repeat
+        record.duplicate_id = True
+        self.duplicate_steps += 1
+        log.warning(
+            "forensics: sample ID %s names more than one sample of this step (again at micro-batch %d, position %d): "
+            "a replay blames samples by position and leaves an ID shared with a healthy sample out of its "
+            "blocklist. Give each record its own ID%s",
+            repr(sid)[:80],
+            len(record.batches) - 1,
+            index,
+            " (not repeated for later steps)" if self.duplicate_steps == MAX_DUPLICATE_WARNINGS else "",
+        )
 
     def note_autocast(self, module: torch.nn.Module, args: Any) -> None:
         """Forward pre-hook on the model: the autocast state the step actually runs under (read once per step)."""
         if self.current is not None and self.current.autocast is None:
             self.current.autocast = autocast_settings()
+
+
+def _first_repeat(sample_ids: list | tuple, earlier: set) -> tuple[int, Any] | None:
+    """The position and ID of the first sample whose ID `earlier` (or an earlier sample of the list) holds."""
+    for index, sid in enumerate(sample_ids):
+        if sid is None:
+            continue
+        if sid in earlier:
+            return index, sid
+        earlier.add(sid)
+    return None
 
 
 def autocast_settings() -> dict:

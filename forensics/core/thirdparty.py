@@ -519,7 +519,7 @@ def hub_kernels_refused(refuse: Callable[[str], Any]) -> Iterator[None]:
     transformers >= 4.56: `integrations.hub_kernels._kernels_enabled`, read at call time; checked on transformers 5.24
     (without the `kernels` package, which this host lacks: its loaders are then absent)."""
     saved: list[tuple[Any, str, Any]] = []
-    hub = sys.modules.get("transformers.integrations.hub_kernels")
+    hub: Any = sys.modules.get("transformers.integrations.hub_kernels")
     try:
         if hub is not None and hasattr(hub, "_kernels_enabled"):
             saved.append((hub, "_kernels_enabled", hub._kernels_enabled))

@@ -12,7 +12,7 @@ from forensics.core.fsio import atomic_write_text
 from forensics.report.model import SCHEMA_KEYS, ReportError, to_json_safe, validate_report
 from forensics.report.render_html import render_html
 from forensics.report.render_markdown import render_markdown
-from forensics.report.tree import Report, parse_report
+from forensics.report.tree import CulpritSample, Report, parse_report
 from forensics.report.wording import fmt_id
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ def blocklist_ids(report: Mapping | Report) -> list:
             "recorded no sample IDs for their micro-batch)",
             len(positional),
         )
-    shared = {}
+    shared: dict[str, CulpritSample] = {}
     for s in culprit.samples:
         if s.shared_with and not s.positional:
             shared.setdefault(json.dumps(s.sample_id, default=repr), s)

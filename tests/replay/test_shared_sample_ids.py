@@ -89,3 +89,16 @@ def test_the_report_shows_the_shared_id_and_the_blocklist_leaves_it_out(shared_i
     assert "not every record with its ID" in words  # "Filter 'x'" says the record, not the ID
     markdown = (out / "report.md").read_text()
     assert "name more than one sample" in markdown  # shown to the reader, not only in the JSON
+
+
+def test_record_batch_is_quiet_for_distinct_ids_and_ids_it_cannot_compare(caplog):
+    import torch
+
+    from forensics.capture.recording.recorder import StepRecorder
+
+    recorder = StepRecorder("sample_ids", lambda: None)
+    for ids in (["a", None, None], ["b", "c", None], torch.tensor([1, 2, 3]), [{"k": 1}, {"k": 1}]):
+        recorder.batch({"x": torch.zeros(3, 2), "sample_ids": ids})
+    assert "names more than one sample" not in caplog.text  # Nones name no sample; dicts are not compared
+    recorder.batch({"x": torch.zeros(2, 2), "sample_ids": torch.tensor([7, 3])})  # tensor of IDs: 3 repeats
+    assert caplog.text.count("names more than one sample") == 1 and "sample ID 3 " in caplog.text
