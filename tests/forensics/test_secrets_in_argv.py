@@ -67,6 +67,7 @@ def every_file(root: Path) -> dict[str, bytes]:
 def test_the_redaction_keeps_what_is_no_secret():
     redacted = redacted_argv(PLANTED_ARGV)
     assert leaks(json.dumps(redacted)) == []
+    assert redacted_argv(redacted) == redacted  # a reader or pack applying it again changes nothing
     assert redacted[0] == "train.py" and redacted[-4:] == ["--lr", "3e-4", "--tokenizer", "gpt2"]
     assert "X-Amz-Algorithm=AWS4-HMAC-SHA256" in redacted[9] and redacted[9].startswith("https://bucket.s3")
     assert json.loads(redacted[17]) == {"hf_token": "<redacted>", "lr": 3}  # JSON stays JSON
