@@ -38,7 +38,8 @@ def plant(directory: Path, names=PLANTED) -> Path:
 @pytest.fixture
 def restore_sys_path(monkeypatch):
     monkeypatch.setattr(sys, "path", list(sys.path))
-    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))  # the finder of recorded directories goes with it
+    # the finder of recorded directories goes with it (one an earlier test's --trust replay left is set aside)
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if not isinstance(f, RecordedDirsFinder)])
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from forensics.cli import main
-from forensics.replay.load.recipe import current_path
+from forensics.replay.load.recipe import RecordedDirsFinder, current_path
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,7 +45,8 @@ def user_package(tmp_path, monkeypatch):
         (job / name / "__init__.py").write_text("")
         (job / name / "model.py").write_text(USER_CODE.format(name=name))
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".") and Path(p).resolve() != REPO])
-    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))  # --trust adds the finder of recorded directories
+    # --trust adds the finder of recorded directories (one an earlier test's --trust replay left is set aside)
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if not isinstance(f, RecordedDirsFinder)])
     for name in [n for n in sys.modules if n.split(".")[0] in ("replay", "capture")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.chdir(job)
