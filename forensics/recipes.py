@@ -6,7 +6,7 @@ never change what they do. Anything else a dump names is imported only with the 
 
 from __future__ import annotations
 
-import re
+import importlib.util
 from typing import Any, TypeVar
 
 import torch
@@ -42,19 +42,32 @@ def is_builtin(import_path: str | None) -> bool:
     return isinstance(import_path, str) and import_path in BUILTIN_RECIPES
 
 
-# Attention implementations are plain names (eager, sdpa, flash_attention_2, flex_attention ...). transformers reads
-# a name of the form "org/repo[:kernel]" as a kernel to download and run from the Hugging Face Hub: code from
-# elsewhere, which a dump's settings must never make a replay load.
-ATTN_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")
+# What a recorded Hugging Face config may select, by rule: only implementations built into torch and transformers
+# themselves. transformers reads anything else as code from elsewhere — "org/repo[:kernel]" a kernel downloaded from
+# the Hugging Face Hub and run, "sonicmoe" / "deepgemm" experts loading kernels-community kernels — which a dump's
+# settings must never make a replay fetch or load. A name this list lacks is refused with the reason, not tried.
+BUILTIN_ATTENTION = frozenset({"eager", "sdpa", "flex_attention", "paged|eager"})
+"""transformers' AttentionInterface: eager attention in Python, torch's scaled_dot_product_attention and flex_attention."""
+FLASH_ATTENTION_PACKAGES = {
+    "flash_attention_2": "flash_attn",
+    "flash_attention_3": "flash_attn_interface",
+    "flash_attention_4": "flash_attn",
+}
+"""flash_attention_N runs the installed flash-attn package; without it transformers falls back to a Hub kernel
+(kernels-community/flash-attn2 ...) when the `kernels` package is installed: allowed only with the package here."""
+BUILTIN_EXPERTS = frozenset({"eager", "batched_mm", "grouped_mm"})
+"""transformers' ExpertsInterface implementations written in torch; the others load Hub kernels."""
 ATTN_KEYS = ("attn_implementation", "_attn_implementation", "_attn_implementation_internal")
+EXPERTS_KEYS = ("experts_implementation", "_experts_implementation", "_experts_implementation_internal")
 # Config keys through which a config can ask transformers to load code that is not part of transformers.
 REMOTE_CODE_KEYS = ("auto_map", "trust_remote_code")
 MAX_CONFIG_DEPTH = 8  # configs nest a few levels (text_config.rope_scaling ...); deeper is not a transformers config
 
 
 def check_no_remote_code(config: Any, where: str = "config", depth: int = 0) -> None:
-    """Raises RecipeError when a recorded Hugging Face config asks for code from outside transformers: a Hub kernel as
-    its attention implementation, remote code (`auto_map`, `trust_remote_code`), at any level of nesting."""
+    """Raises RecipeError when a recorded Hugging Face config asks for code from outside transformers and torch: an
+    attention or experts implementation that is not built in (a Hub kernel), remote code (`auto_map`,
+    `trust_remote_code`), at any level of nesting."""
     if depth > MAX_CONFIG_DEPTH:
         raise RecipeError(
             f"the dump's model {where} nests deeper than {MAX_CONFIG_DEPTH} levels; it is not a transformers config"
@@ -70,21 +83,68 @@ def check_no_remote_code(config: Any, where: str = "config", depth: int = 0) -> 
                 )
             if key in ATTN_KEYS and value is not None:
                 check_attn_implementation(value, field)
+            if key in EXPERTS_KEYS and value is not None:
+                check_experts_implementation(value, field)
             check_no_remote_code(value, field, depth + 1)
     elif isinstance(config, list):
         for item in config:
             check_no_remote_code(item, where, depth + 1)
 
 
+def _per_sub_config(value: Any, where: str, check: Any) -> bool:
+    """transformers 5 takes an implementation per sub-config (`{"": "sdpa", "text_config": "eager"}`): each checked."""
+    if not isinstance(value, dict) or len(value) > 64:
+        return False
+    for sub, implementation in value.items():
+        check(implementation, f"{where}.{clean(str(sub), 60)}" if sub else where)
+    return True
+
+
 def check_attn_implementation(value: Any, where: str = "attn_implementation") -> None:
-    """A plain attention implementation name, never a Hub kernel ("org/repo:kernel") nor anything else."""
-    if not (isinstance(value, str) and ATTN_NAME.fullmatch(value)):
-        raise RecipeError(
-            f"the dump's {where} {clean(repr(value), 80)} is not a plain attention implementation "
-            "name (eager, sdpa, flash_attention_2 ...); a name like 'org/repo' would make transformers "
-            "download and run a kernel from the Hub, which a replay never does. Pass "
-            '--factory-kwargs \'{..."attn_implementation": "eager"}\' or your own --factory'
+    """An attention implementation built into torch / transformers (BUILTIN_ATTENTION), or flash_attention_N with its
+    package installed here; never a Hub kernel ("org/repo:kernel"), nor a fallback to one, nor anything else."""
+    if value is None or _per_sub_config(value, where, check_attn_implementation):
+        return
+    if isinstance(value, str) and value in BUILTIN_ATTENTION:
+        return
+    package = FLASH_ATTENTION_PACKAGES.get(value) if isinstance(value, str) else None
+    if package is not None:
+        if importlib.util.find_spec(package) is not None:
+            return
+        why = (
+            f"the {package} package is not installed here, so transformers would fall back to a flash-attention "
+            "kernel downloaded from the Hugging Face Hub (kernels-community/...)"
         )
+    elif isinstance(value, str) and ("/" in value or ":" in value):
+        why = "a name like 'org/repo' makes transformers download and run a kernel from the Hugging Face Hub"
+    else:
+        why = "it is not an implementation built into torch or transformers (eager, sdpa, flex_attention)"
+    raise RecipeError(
+        f"the dump's {where} {clean(repr(value), 80)} is refused: {why}, which a replay never does. Pass "
+        '--factory-kwargs \'{..."attn_implementation": "sdpa"}\' (or "eager"), or your own --factory'
+    )
+
+
+def check_experts_implementation(value: Any, where: str = "experts_implementation") -> None:
+    """A mixture-of-experts implementation written in torch (BUILTIN_EXPERTS); "sonicmoe", "deepgemm" and any other
+    load kernels from the Hugging Face Hub."""
+    if value is None or _per_sub_config(value, where, check_experts_implementation):
+        return
+    if isinstance(value, str) and value in BUILTIN_EXPERTS:
+        return
+    raise RecipeError(
+        f"the dump's {where} {clean(repr(value), 80)} is refused: only the experts implementations written in torch "
+        f"({', '.join(sorted(BUILTIN_EXPERTS))}) are built without code from elsewhere; others load a kernel from the "
+        "Hugging Face Hub, which a replay never does. Pass --factory-kwargs with the config's experts_implementation "
+        'set to "grouped_mm" (or "eager"), or your own --factory'
+    )
+
+
+def _refuse_hub_kernel(what: str) -> Any:
+    raise RecipeError(
+        f"building the dump's model asked transformers to load a kernel from the Hugging Face Hub ({clean(what, 120)});"
+        " a replay never loads code from elsewhere. Replay with your own --factory if you need that kernel"
+    )
 
 
 def huggingface_model(
@@ -111,10 +171,11 @@ def huggingface_model(
         raise RecipeError(f"{clean(repr(architecture), 80)} is not a transformers model class")
     config = {k: v for k, v in config.items() if not (k == "loss_type" and v is None)}  # avoids a warning
     model_type = config.pop("model_type")
-    hf_config = transformers.AutoConfig.for_model(model_type, **config)
-    if attn_implementation:
-        thirdparty.set_attn_implementation(hf_config, attn_implementation)
-    model = name_default_loss(model_class(hf_config))
+    with thirdparty.hub_kernels_refused(_refuse_hub_kernel):  # whatever else would fetch a kernel while it is built
+        hf_config = transformers.AutoConfig.for_model(model_type, **config)
+        if attn_implementation:
+            thirdparty.set_attn_implementation(hf_config, attn_implementation)
+        model = name_default_loss(model_class(hf_config))
     if torch_dtype is not None:
         model = model.to(torch_dtype)
     return model

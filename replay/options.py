@@ -23,7 +23,7 @@ class ReplayOptions:
     """"module:fn" with (model, batch) -> loss, instead of the dump's (CLI --loss)."""
     sys_path: list[str] = field(default_factory=list)
     """Directories put in front of sys.path for the imports above (CLI --path); with `trust`, the job's script and
-    working directories recorded in the dump go at the end of sys.path (forensics.replay.load.recipe.job_paths)."""
+    working directories recorded in the dump serve only imports nothing installed resolves (forensics.replay.load.recipe.job_paths)."""
     factory_kwargs: dict | None = None
     """Keyword arguments for the factory instead of the recorded ones (CLI --factory-kwargs); None: recorded."""
     loss_kwargs: dict | None = None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import platform
-import re
 import socket
 import subprocess
 import sys
@@ -12,6 +11,8 @@ from functools import lru_cache
 from importlib import metadata
 
 import torch
+
+from forensics.core.redact import redacted_argv
 
 KEY_PACKAGES = (
     "forensics",
@@ -68,32 +69,6 @@ def script_dir() -> str | None:
     sys.path, so replay puts it there too (replay/load/session.py). None for `python -c` and interactive sessions."""
     path = getattr(sys.modules.get("__main__"), "__file__", None)
     return os.path.dirname(os.path.abspath(path)) if isinstance(path, str) and path else None
-
-
-_SECRET_FLAG = re.compile(
-    r"^--?(?:[\w-]*[-_])?(?:token|secret|password|passwd|api[-_]?key|access[-_]?key|credentials?)(?:[-_][\w-]*)?(?:=|$)",
-    re.IGNORECASE,
-)
-_URL_PASSWORD = re.compile(r"(://[^/:@\s]+:)[^@/\s]+@")
-REDACTED = "<redacted>"
-
-
-def redacted_argv(argv: list[str]) -> list[str]:
-    """The job's command line as the dump records it, without credentials: the value of a flag named for one
-    (`--hf-token X`, `--api_key=X`, `--aws-secret-access-key X`) and the password of a URL (`s3://user:pw@...`)."""
-    out: list[str] = []
-    hide_next = False
-    for arg in argv:
-        if hide_next:
-            out.append(REDACTED)
-            hide_next = False
-        elif _SECRET_FLAG.match(arg):
-            name, equals, _ = arg.partition("=")
-            out.append(f"{name}={REDACTED}" if equals else arg)
-            hide_next = not equals
-        else:
-            out.append(_URL_PASSWORD.sub(rf"\1{REDACTED}@", arg))
-    return out
 
 
 @lru_cache(maxsize=1)

@@ -33,6 +33,10 @@ class StepRecord:
     rng: list[RngState] = field(default_factory=list)
     losses: list[Any] = field(default_factory=list)
     autocast: dict | None = None
+    seen_ids: set = field(default_factory=set)
+    """The step's sample IDs so far (hashable host values only), to warn of one that names two samples."""
+    duplicate_id: bool = False
+    """A sample ID of this step was seen twice (warned once per step)."""
 
     def divisor(self, loss_divisor: float | None) -> float:
         """What the step loss divides the summed micro-batch losses by (GuardConfig.detection.loss_divisor, else the

@@ -17,6 +17,9 @@ from forensics.core.rng import RngCapture
 
 log = logging.getLogger(__name__)
 
+MAX_DUPLICATE_WARNINGS = 10
+"""Steps with a duplicate sample ID warned of: a loader that always repeats IDs says so ten times, not every step."""
+
 
 def loss_value(loss: Any) -> torch.Tensor | float | None:
     """What record_loss keeps of `loss` (None: nothing, with a warning). Never raises."""
@@ -49,6 +52,8 @@ class StepRecorder:
         self.sample_id_key, self.on_step_start = sample_id_key, on_step_start
         self.current: StepRecord | None = None
         self._capture_rng = RngCapture()
+        self.duplicate_steps = 0
+        """Steps whose sample IDs named two samples (warned for the first MAX_DUPLICATE_WARNINGS)."""
 
     def batch(self, batch: Any, sample_ids: Any = None) -> None:
         """One micro-batch, its sample IDs and the RNG before its forward. Never raises (a step above
@@ -67,11 +72,66 @@ class StepRecorder:
             record.rng.append(self._capture_rng())
         except Exception:  # capture must never break the job
             log.exception("forensics: record_batch failed; this step will not be capturable")
+            return
+        try:
+            self._note_duplicates(record, sample_ids)
+        except Exception:  # capture never breaks the job: an ID that compares oddly costs the warning only
+            log.debug("forensics: the sample IDs could not be compared", exc_info=True)
+
+    def _note_duplicates(self, record: StepRecord, sample_ids: Any) -> None:
+        """Warns (once per step, for the first MAX_DUPLICATE_WARNINGS such steps) when a sample ID names two samples
+        of the step: a replay blames positions, and a blocklist entry for that ID would drop the innocent one too.
+        Host values only: IDs in a device tensor are compared by the replay (reading them here would synchronise)."""
+        if record.duplicate_id or sample_ids is None or self.duplicate_steps >= MAX_DUPLICATE_WARNINGS:
+            return
+        if isinstance(sample_ids, torch.Tensor):
+            if sample_ids.device.type != "cpu" or sample_ids.dim() != 1:
+                return
+            sample_ids = sample_ids.tolist()
+        if not isinstance(sample_ids, (list, tuple)):
+            return
+        try:
+            ids = set(sample_ids)  # one pass in C: the healthy step's whole cost
+        except TypeError:  # an unhashable ID (a dict): not compared
+            return
+        seen = record.seen_ids  # never holds None (a sample without an ID repeats no one's)
+        if len(ids) == len(sample_ids) and seen.isdisjoint(ids):
+            seen |= ids
+            seen.discard(None)
+            return
+        ids.discard(None)
+        repeat = _first_repeat(sample_ids, set(seen))
+        seen |= ids
+        if repeat is None:  # only several samples without an ID
+            return
+        index, sid = repeat
+        record.duplicate_id = True
+        self.duplicate_steps += 1
+        log.warning(
+            "forensics: sample ID %s names more than one sample of this step (again at micro-batch %d, position %d): "
+            "a replay blames samples by position and leaves an ID shared with a healthy sample out of its "
+            "blocklist. Give each record its own ID%s",
+            repr(sid)[:80],
+            len(record.batches) - 1,
+            index,
+            " (not repeated for later steps)" if self.duplicate_steps == MAX_DUPLICATE_WARNINGS else "",
+        )
 
     def note_autocast(self, module: torch.nn.Module, args: Any) -> None:
         """Forward pre-hook on the model: the autocast state the step actually runs under (read once per step)."""
         if self.current is not None and self.current.autocast is None:
             self.current.autocast = autocast_settings()
+
+
+def _first_repeat(sample_ids: list | tuple, earlier: set) -> tuple[int, Any] | None:
+    """The position and ID of the first sample whose ID `earlier` (or an earlier sample of the list) holds."""
+    for index, sid in enumerate(sample_ids):
+        if sid is None:
+            continue
+        if sid in earlier:
+            return index, sid
+        earlier.add(sid)
+    return None
 
 
 def autocast_settings() -> dict:

@@ -9,7 +9,8 @@ module object, so classes and isinstance checks are shared); it claims nothing t
   imported (there is no top-level `capture` package to install: it would shadow a user's own) and only while no
   `capture` / `replay` of the user's own is on sys.path. A torchtitan job launched with
   `-m forensics.capture.integrations.torchtitan` reads a TOML naming `capture.integrations.torchtitan` this way.
-Dumps name modules too (recipes, loss functions): `current_name` maps those without a warning (`replay/load/recipe.py`).
+Dumps name modules too: of those only the one path forensics itself wrote into old dumps is rewritten
+(`replay/load/recipe.py`, LEGACY_PATHS); any other `replay.*` / `capture.*` a dump names is the user's own package.
 """
 
 from __future__ import annotations

@@ -8,11 +8,12 @@ Nothing here imports DeepSpeed or transformers: the objects come from the caller
 from __future__ import annotations
 
 import array
+import contextlib
 import ctypes
 import functools
 import random
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils import _python_dispatch, _pytree  # torch imports both itself: nothing more is loaded here
@@ -500,8 +501,48 @@ def set_attn_implementation(config: Any, value: str) -> None:
     config._attn_implementation = value
 
 
+# Where transformers (4.5x - 5.x) fetches a kernel from the Hugging Face Hub: `lazy_load_kernel` (a model's init or
+# forward asking for e.g. "causal-conv1d") runs only while `_kernels_enabled`; `get_kernel` and
+# `load_and_register_attn_kernel` (an attention kernel "org/repo", the flash-attention fallback) are looked up as
+# attributes of the module when called; the `kernels` package's own loaders as attributes of `kernels`.
+HUB_KERNEL_LOADERS = {
+    "transformers.integrations.hub_kernels": ("get_kernel", "load_and_register_attn_kernel", "lazy_load_kernel"),
+    "kernels": ("get_kernel", "get_locked_kernel", "load_kernel", "get_local_kernel", "install_kernel"),
+}
+
+
+@contextlib.contextmanager
+def hub_kernels_refused(refuse: Callable[[str], Any]) -> Iterator[None]:
+    """While a transformers model is built: transformers' Hub kernels switched off, and every loader of Hub kernel
+    code (HUB_KERNEL_LOADERS, where imported) replaced by `refuse(what)` (which raises); all restored after.
+
+    transformers >= 4.56: `integrations.hub_kernels._kernels_enabled`, read at call time; checked on transformers 5.24
+    (without the `kernels` package, which this host lacks: its loaders are then absent)."""
+    saved: list[tuple[Any, str, Any]] = []
+    hub: Any = sys.modules.get("transformers.integrations.hub_kernels")
+    try:
+        if hub is not None and hasattr(hub, "_kernels_enabled"):
+            saved.append((hub, "_kernels_enabled", hub._kernels_enabled))
+            hub._kernels_enabled = False
+        for module_name, names in HUB_KERNEL_LOADERS.items():
+            module = sys.modules.get(module_name)
+            for name in names if module is not None else ():
+                if callable(getattr(module, name, None)):
+                    saved.append((module, name, getattr(module, name)))
+
+                    def refused(*args: Any, _what: str = f"{module_name}.{name}", **kwargs: Any) -> Any:
+                        return refuse(f"{_what}({', '.join(map(repr, args[:1]))})")
+
+                    setattr(module, name, refused)
+        yield
+    finally:
+        for module, name, value in reversed(saved):
+            setattr(module, name, value)
+
+
 __all__ = [
     "attn_implementation",
+    "hub_kernels_refused",
     "call_before",
     "compiled_original",
     "deterministic_setter",

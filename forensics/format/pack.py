@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import io
 import tarfile
 from pathlib import Path, PurePosixPath
 
 import zstandard
 
 from forensics.core.errors import DumpCorruptError, NotADumpError
-from forensics.format import spec
+from forensics.core.redact import redacted_environment
+from forensics.format import jsonio, spec
+from forensics.format.limits import MAX_JSON_FILE
 from forensics.format.reader import Dump, is_rank_dump
 from forensics.format.verify import verify_dump
 from forensics.core.fsio import atomic_file
@@ -55,10 +58,27 @@ def pack_dump(path: str | Path | Location, output: str | Path | None = None, *, 
                     base = top / inside if inside != "." else top
                     if inside != ".":
                         tar.addfile(_entry(str(base), tarfile.DIRTYPE))
-                    for name in [spec.MANIFEST, *sorted(dump.manifest["files"])]:
+                    manifest = _manifest_bytes(dump.path / spec.MANIFEST)
+                    tar.addfile(_entry(str(base / spec.MANIFEST), tarfile.REGTYPE, len(manifest)), io.BytesIO(manifest))
+                    for name in sorted(dump.manifest["files"]):
                         with open_read(dump.path / name) as handle:
                             tar.addfile(_entry(str(base / name), tarfile.REGTYPE, file_size(dump.path / name)), handle)
     return target
+
+
+def _manifest_bytes(path: Location) -> bytes:
+    """The manifest as the archive holds it: its bytes, or, for a dump written before a credential's form was known,
+    the same JSON with the command line redacted (forensics.core.redact; the manifest is listed in no checksum)."""
+    with open_read(path) as handle:
+        raw = handle.read(MAX_JSON_FILE + 1)
+    if len(raw) > MAX_JSON_FILE:
+        raise DumpCorruptError(f"{path} is over {MAX_JSON_FILE} bytes; a manifest is at most that", spec.MANIFEST)
+    manifest = jsonio.parse_json(raw)  # verify_dump read it already: valid JSON within the limits
+    environment = manifest.get("environment")
+    redacted = redacted_environment(environment)
+    if redacted == environment:
+        return bytes(raw)
+    return jsonio.dumps({**manifest, "environment": redacted})
 
 
 def _inside(path: Location, source: Location) -> str:

@@ -13,6 +13,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from forensics.core.errors import DumpCorruptError, DumpNotFoundError, NotADumpError, UnsupportedVersionError, cut_text
+from forensics.core.redact import redacted_environment
 from forensics.format import jsonio, spec
 from forensics.format.archive import unpack_archive
 from forensics.format.digest import chunk_digests
@@ -77,6 +78,8 @@ def read_manifest(directory: Location) -> dict:
     except ValueError as exc:
         raise DumpCorruptError(f"{path} {jsonio.refusal(exc)}", spec.MANIFEST) from exc
     check_manifest(manifest, str(path))
+    if "environment" in manifest:  # a dump written before a credential's form was known still shows none
+        manifest["environment"] = redacted_environment(manifest["environment"])
     return manifest
 
 

@@ -260,6 +260,9 @@ class CulpritSample(Node):
     description: str | None = None
     trigger: bool | None = None
     """Named as the sample that crossed first, not as bad data (verdict trigger_sample): never in a blocklist."""
+    shared_with: list | None = None
+    """Other positions of the step whose sample carries this one's ID and is not blamed ([{"micro_batch", "index"}]):
+    filtering the ID would drop them too, so no blocklist lists it."""
 
 
 @dataclass

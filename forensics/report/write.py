@@ -12,7 +12,8 @@ from forensics.core.fsio import atomic_write_text
 from forensics.report.model import SCHEMA_KEYS, ReportError, to_json_safe, validate_report
 from forensics.report.render_html import render_html
 from forensics.report.render_markdown import render_markdown
-from forensics.report.tree import Report, parse_report
+from forensics.report.tree import CulpritSample, Report, parse_report
+from forensics.report.wording import fmt_id
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,8 @@ def write_report_files(
 
 def blocklist_ids(report: Mapping | Report) -> list:
     """The culprit ids a blocklist may hold: never an ID the replay made up from a sample's position in its batch
-    (culprit sample `positional`: the job recorded no IDs), which names no record of the dataset."""
+    (culprit sample `positional`: the job recorded no IDs), which names no record of the dataset, nor an ID that
+    other samples of the step carry too and the replay does not blame (`shared_with`): filtering it would drop them."""
     culprit = parse_report(report).culprit
     if any(s.trigger for s in culprit.samples):  # the first to cross on a broken state, not bad data
         return []
@@ -82,7 +84,28 @@ def blocklist_ids(report: Mapping | Report) -> list:
             "recorded no sample IDs for their micro-batch)",
             len(positional),
         )
-    return [sid for sid in culprit.ids() if json.dumps(sid, default=repr) not in positional]
+    shared: dict[str, CulpritSample] = {}
+    for s in culprit.samples:
+        if s.shared_with and not s.positional:
+            shared.setdefault(json.dumps(s.sample_id, default=repr), s)
+    for sample in shared.values():
+        log.warning(
+            "culprit sample %s (micro-batch %s, sample %s) is left out of the blocklist: %d other sample(s) of the "
+            "step carry the same ID and are not blamed (first at micro-batch %s, sample %s); filtering the ID "
+            "would drop them too",
+            fmt_id(sample.sample_id, 80),
+            sample.micro_batch,
+            sample.index,
+            len(sample.shared_with or []),
+            *_first_position(sample.shared_with),
+        )
+    left_out = positional | set(shared)
+    return [sid for sid in culprit.ids() if json.dumps(sid, default=repr) not in left_out]
+
+
+def _first_position(positions: Any) -> tuple[Any, Any]:
+    first = positions[0] if isinstance(positions, list) and positions and isinstance(positions[0], dict) else {}
+    return first.get("micro_batch"), first.get("index")
 
 
 def write_blocklist(report: Mapping | Report, path: str | os.PathLike, *, append: bool = False) -> Path:

@@ -10,7 +10,7 @@ from typing import Any, Mapping, cast
 
 import torch
 
-from forensics.report.wording import fp32_ran_words
+from forensics.report.wording import fmt_id, fp32_ran_words
 from forensics.format.jsonio import lenient_float
 from forensics.format.batch_tree import tensor_leaves
 from forensics.core.kinds import Phase, TriggerKind
@@ -49,6 +49,7 @@ from forensics.replay.judge.verdict import (
 )
 from forensics.replay.load.environment import replay_environment
 from forensics.replay.load.session import ReplaySession
+from forensics.replay.load.shared_ids import SharedId, id_key, positions_words, shared_ids, shared_ids_warning
 from forensics.replay.localize.forward_backward import INPUT_MODULE, ROOT_MODULE
 from forensics.replay.run.execute import SampleRef, StepRunner
 from forensics.replay.run.units import explaining_factor, recorded_factors
@@ -59,7 +60,8 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
     session = runner.session
     rank = int((dump_info or {}).get("rank") or 0)
     blamed = blamed_samples(findings)  # the bisection block keeps what was found; the culprit, whom the verdict blames
-    culprit = culprit_block(findings, rank, session.positional_ids, blamed)
+    shared = shared_ids(session.sample_ids, session.positional_ids)
+    culprit = culprit_block(findings, rank, session.positional_ids, blamed, shared)
     fidelity = findings.reproduction.fidelity
     if findings.kind is TriggerKind.NONFINITE_PARAM and findings.optimizer is not None:
         fidelity["optimizer_reproduced"] = True
@@ -86,7 +88,7 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
         environment=Environment.built(
             capture=CaptureEnv.parse(to_json_safe(session.capture_environment)),
             replay=ReplayEnv.parse(to_json_safe(replay_environment(session.device))),
-            warnings=to_json_safe(list(session.warnings)),
+            warnings=to_json_safe([*session.warnings, *filter(None, [shared_ids_warning(shared)])]),
         ),
         reproduced=findings.reproduced,
         fidelity=Fidelity.parse(to_json_safe(fidelity)),
@@ -162,19 +164,29 @@ def _exception_block(findings: Findings, session: ReplaySession) -> dict:
 
 
 def culprit_block(
-    findings: Findings, rank: int, positional: frozenset[int] = frozenset(), blamed: list[SampleRef] | None = None
+    findings: Findings,
+    rank: int,
+    positional: frozenset[int] = frozenset(),
+    blamed: list[SampleRef] | None = None,
+    shared: list[SharedId] | None = None,
 ) -> Culprit:
     """The report's `culprit` block: the samples the verdict blames (`blamed`; default: every one found), and where
     the first non-finite value appeared; a sample whose ID is only its position in the batch (`positional`:
-    micro-batches recorded without IDs) says so."""
+    micro-batches recorded without IDs) says so, and one whose ID other samples of the step carry too (`shared`:
+    replay/load/shared_ids.py) names their positions (`shared_with`), which keeps that ID out of any blocklist."""
     forward, backward, optimizer = findings.forward, findings.backward, findings.optimizer
+    chosen = findings.culprits if blamed is None else blamed
+    at = {(r.micro_batch, r.index) for r in chosen}
+    carried = {id_key(s.sample_id): [p for p in s.positions if p not in at] for s in shared or []}
     samples = []
-    for ref in findings.culprits if blamed is None else blamed:
+    for ref in chosen:
         sample = CulpritSample.built(
             sample_id=to_json_safe(ref.sample_id), micro_batch=ref.micro_batch, index=ref.index, rank=rank
         )
         if ref.micro_batch in positional:
             sample.positional = True
+        elif carried.get(id_key(ref.sample_id)):
+            sample.shared_with = [{"micro_batch": mb, "index": i} for mb, i in carried[id_key(ref.sample_id)]]
         if ref in findings.sample_facts:
             sample.description = describe(findings.sample_facts[ref])
         samples.append(sample)
@@ -301,8 +313,19 @@ def verdict_facts(
         fp32_ran=fp32_ran_words(precision["fp32_ran"]) if precision.get("fp32_ran") else None,
         fp32_unverified=bool(precision.get("fp32_ran")) and not precision["fp32_ran"].get("verified"),
         grad_norm_overflow=findings.norm_overflow,
+        shared_ids=[shared_id_words(s) for s in culprit.samples if s.shared_with],
         ids_are_positional=any(s.positional for s in culprit.samples)
         or any(o.ref.micro_batch in session.positional_ids for o in (sizes.outliers if sizes is not None else ())),
+    )
+
+
+def shared_id_words(sample: CulpritSample) -> str:
+    """ "'x' (micro-batch 0, sample 3): its ID also names micro-batch 0 samples 1 and 5, which the replay does not
+    blame" — why the blocklist leaves that ID out."""
+    others = [(int(p["micro_batch"]), int(p["index"])) for p in sample.shared_with or []]
+    return (
+        f"{fmt_id(sample.sample_id, 80)} (micro-batch {sample.micro_batch}, sample {sample.index}): its ID also names "
+        f"{positions_words(others)}, which the replay does not blame"
     )
 
 

@@ -148,6 +148,9 @@ class VerdictFacts:
     """The fp32 re-run could not be held to float32 (a compute op still ran below it): no conclusion from it."""
     grad_norm_overflow: float | None = None
     """Every gradient value is finite but their norm overflows: the largest |gradient| (a diverged state)."""
+    shared_ids: list[str] = field(default_factory=list)
+    """Culprits whose ID other samples of the step carry and the replay does not blame, in words (replay/judge/
+    assemble.py shared_id_words): no blocklist lists their ID, and the verdict says why."""
     ids_are_positional: bool = False
     """The samples the verdict names carry IDs made up from their position in the batch (the job recorded no
     sample IDs: manifest `ids_are_positional`): no blocklist lists them, and the verdict says how to record real

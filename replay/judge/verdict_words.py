@@ -34,16 +34,24 @@ def quoted_id(sample_id: Any) -> str:
 
 
 def listed(f: VerdictFacts, whom: str) -> str:
-    """' (blocklist.jsonl lists the culprits)'; nothing for made-up positional IDs, which no blocklist lists."""
+    """' (blocklist.jsonl lists the culprits)'; nothing for made-up positional IDs or IDs shared with samples the
+    replay does not blame, which no blocklist lists (no_blocklist says why)."""
+    if f.shared_ids:  # filtering by that ID would drop healthy samples: the record is named by its position below
+        return " (the record at its position, not every record with its ID: see below)"
     return "" if f.ids_are_positional else f" (blocklist.jsonl lists {whom})"
 
 
 def no_blocklist(f: VerdictFacts) -> list[str]:
-    """Samples named by made-up positions ('step5/rank0/mb0/2'): why no blocklist names them, and the fix."""
+    """Samples named by made-up positions ('step5/rank0/mb0/2'), or by an ID other samples the replay does not blame
+    carry too: why no blocklist names them, and the fix."""
     named = f.culprit_samples or [o.get("sample_id") for o in f.size_outliers]
+    shared = [
+        f"No blocklist entry for {words}: filtering that ID would drop those samples too. Give each record its own ID."
+        for words in f.shared_ids[:MAX_NAMED_SAMPLES]
+    ]
     if not (f.ids_are_positional and named):
-        return []
-    return [
+        return shared
+    return shared + [
         f"No blocklist entry for {quoted_id(named[0])}: the job recorded no sample IDs for its micro-batch, so the "
         "replay names samples by their position in the batch, which does not identify a record of the dataset. "
         "Record real IDs (guard.record_batch(batch, sample_ids=ids), or a 'sample_ids' key in dict batches) to "

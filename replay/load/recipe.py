@@ -17,9 +17,10 @@ class. Nothing a dump names is imported unless the user agreed to it:
 
 Where imports come from. The user's --path entries (`sys_path`) go in front of sys.path, as PYTHONPATH would put
 them. The directories a dump names — the job's script directory and working directory (manifest
-`environment.script_dir`, `environment.cwd`) — are added only with `trust=True`, and then at the END of sys.path,
-after the standard library and the installed packages, so a file planted there can never stand in for a module that
-exists here (`shlex`, `yaml`, `transformers`): `python train.py` had them importable, so `from model import GPT` in
+`environment.script_dir`, `environment.cwd`) — are used only with `trust=True`, and then after every other way
+to import (RecordedDirsFinder, last on sys.meta_path, serving only names nothing installed resolves), so a file planted
+there can never stand in for a module or namespace package that exists here (`shlex`, `yaml`, `transformers`, the
+`google` namespace): `python train.py` had them importable, so `from model import GPT` in
 the script or a recipe `tinylm:build` beside it imports without --path (job_paths). Directories that are not real
 directories of this host (under /proc, /sys, /dev) or that lie inside the dump itself are never added. A --factory
 or --loss the user names consents to that code alone, not to the dump's directories: when it is not found, the
@@ -29,6 +30,8 @@ error names the recorded directory that holds it (pass it with --path).
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
 import logging
 import os
 import sys
@@ -38,7 +41,6 @@ from typing import Any, Callable
 import torch
 
 from forensics.core.errors import RecipeError
-from forensics.core.moved import current_name
 from forensics.format.location import Location, RemotePath, is_url
 from forensics.recipes import is_builtin
 from forensics.report.wording import clean
@@ -53,15 +55,19 @@ TRUSTED_OPTIMIZER_PREFIX = "torch.optim."
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
 
+LEGACY_PATHS = {
+    "capture.integrations.lightning:training_step_loss": "forensics.capture.integrations.lightning:training_step_loss"
+}
+"""Import paths forensics itself wrote into dumps while its two sides were the top-level packages `capture` and
+`replay` (before commit e5f195a, "One import root"): the Lightning callback's default replay loss, recorded as the
+job's `loss_fn` (no other function of ours was ever recorded as a factory or loss: `git log -p -S` of
+capture/state/recipe.py and the integrations). Only these exact names are rewritten; any other `replay.*` or
+`capture.*` is a user's own package (a replay buffer is common in RL) and is imported as named."""
+
+
 def current_path(path: str) -> str:
-    """`path` with a module of forensics' own that moved named at its path today (forensics/core/moved.py): a dump
-    written before may name `capture.integrations.lightning:training_step_loss`, now forensics.capture.integrations...
-    """
-    if not isinstance(path, str):
-        return path
-    module, colon, attr = path.partition(":")
-    moved = current_name(module)
-    return path if moved is None else f"{moved}{colon}{attr}"
+    """`path` as it is imported now: one of LEGACY_PATHS under its current name, anything else unchanged."""
+    return LEGACY_PATHS.get(path, path) if isinstance(path, str) else path
 
 
 def _split_path(path: str, what: str) -> tuple[str, str]:
@@ -80,12 +86,44 @@ def _put_on_sys_path(sys_path: tuple[str, ...] | list[str]) -> None:
             sys.path.insert(0, entry)
 
 
+class RecordedDirsFinder(importlib.abc.MetaPathFinder):
+    """Serves top-level modules from the job's recorded directories (consented with trust), and only names nothing
+    else on this host resolves: placed after every other finder of sys.meta_path, it is asked only when the standard
+    library, the installed packages and sys.path lack the name — a namespace package included (a regular `google/`
+    package there never replaces the installed `google` namespace, as it would from anywhere on sys.path) — and it
+    asks the finders placed after it first. The directories never go on sys.path itself."""
+
+    def __init__(self) -> None:
+        self.dirs: list[str] = []
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if path is not None or "." in fullname or not self.dirs:  # submodules: found through their package's path
+            return None
+        later = sys.meta_path[sys.meta_path.index(self) + 1 :] if self in sys.meta_path else []
+        for finder in later:
+            find = getattr(finder, "find_spec", None)
+            if callable(find) and find(fullname, None, target) is not None:
+                return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, list(self.dirs))
+        if spec is not None and spec.loader is None and spec.submodule_search_locations is not None:
+            # a namespace package only the recorded directories hold: its portions fixed (recomputed from sys.path,
+            # which lacks these directories, they would vanish)
+            spec.submodule_search_locations = list(spec.submodule_search_locations)
+        return spec
+
+
 def _append_to_sys_path(job_dirs: tuple[str, ...] | list[str]) -> None:
-    """Directories the dump names (consented with trust): after everything else, never ahead of the standard
-    library or an installed package."""
+    """Directories the dump names (consented with trust): served by the RecordedDirsFinder after every other way to
+    import, never ahead of (nor inside a namespace of) the standard library or an installed package."""
+    if not job_dirs:
+        return
+    finder = next((f for f in sys.meta_path if isinstance(f, RecordedDirsFinder)), None)
+    if finder is None:
+        finder = RecordedDirsFinder()
+        sys.meta_path.append(finder)
     for entry in job_dirs:
-        if entry not in sys.path:
-            sys.path.append(entry)
+        if entry not in finder.dirs:
+            finder.dirs.append(entry)
 
 
 def import_object(
@@ -95,7 +133,7 @@ def import_object(
     job_dirs: tuple[str, ...] | list[str] = (),
 ) -> Any:
     """Imports `module:attr.sub` (no consent check: call only for paths the user agreed to). `sys_path` goes in
-    front of sys.path; `job_dirs` (directories the dump names: pass them only with trust) at its end."""
+    front of sys.path; `job_dirs` (directories the dump names: pass them only with trust) after every other way to import (RecordedDirsFinder)."""
     module_name, attr = _split_path(path, what)
     _put_on_sys_path(sys_path)
     _append_to_sys_path(job_dirs)
@@ -182,7 +220,7 @@ def _from_main(path: str, what: str, trust: bool, script: TrainingScript, flag: 
 
 def _consented(path: str, what: str, trust: bool, sys_path, script: TrainingScript, job_dirs: list[str]) -> Any:
     """The recorded `path`, imported where consent allows it: built-ins always; anything else with trust, which also
-    lets the job's recorded directories serve imports (at the end of sys.path)."""
+    lets the job's recorded directories serve imports (after every other way to import)."""
     flag = "--factory" if what == "model factory" else "--loss"
     if isinstance(path, str) and path.startswith(MAIN_PREFIX):
         if trust:
@@ -264,7 +302,7 @@ def recorded_dirs_note(job_dirs: list[str] | tuple[str, ...]) -> str:
         "with --trust, modules not found in the standard library or the installed packages are imported from the "
         "job's directories recorded in the dump: "
         + ", ".join(clean(d, 200) for d in job_dirs)
-        + " (after everything else on sys.path)"
+        + " (never in place of an installed package or namespace package)"
     )
 
 
@@ -290,7 +328,7 @@ def resolve_recipe(
         script: the training script the dump holds, for a recipe naming `__main__:fn`.
         factory_kwargs / loss_kwargs: used instead of the recorded ones (CLI --factory-kwargs / --loss-kwargs);
             None keeps the recorded ones, also with --factory / --loss.
-        job_dirs: the job's script and working directories (job_paths): at the end of sys.path, with trust only.
+        job_dirs: the job's script and working directories (job_paths): served after every other way to import, with trust only.
     Returns:
         ResolvedRecipe with callables; the loss takes (model, batch).
     Raises:

@@ -178,7 +178,7 @@ def data_recipe(
     recipe: dict | None, trust: bool, sys_path: list[str], job_dirs: tuple[str, ...] | list[str] = ()
 ) -> DataRecipe:
     """The dump's data recipe (trust only); `sys_path` (--path) in front of sys.path, `job_dirs` (the job's recorded
-    directories) at its end (forensics.replay.load.recipe)."""
+    directories) served after every other way to import (forensics.replay.load.recipe)."""
     if not recipe:
         raise RecipeError(
             "the dump has no data recipe, so the recorded steps' micro-batches cannot be rebuilt: "

@@ -347,3 +347,20 @@ def test_raw_rng_states_match_the_public_ones_and_change_with_every_draw():
     np.random.rand()
     assert thirdparty.numpy_mt19937_raw(bit_generator) != raw
     assert thirdparty.numpy_mt19937_raw(np.random.PCG64()) is None  # another bit generator: no raw read
+
+
+def test_hub_kernel_loaders_are_where_hub_kernels_refused_looks():
+    """transformers' switch and loaders of Hub kernels exist under the names the adapter replaces (a renamed one would
+    slip past it)."""
+    pytest.importorskip("transformers")
+    import transformers.integrations.hub_kernels as hub
+
+    assert isinstance(hub._kernels_enabled, bool)
+    for name in thirdparty.HUB_KERNEL_LOADERS["transformers.integrations.hub_kernels"]:
+        assert callable(getattr(hub, name)), name
+    refused: list[str] = []
+    with thirdparty.hub_kernels_refused(refused.append):
+        assert hub._kernels_enabled is False
+        hub.get_kernel("org/repo")
+    assert refused == ["transformers.integrations.hub_kernels.get_kernel('org/repo')"]
+    assert hub.get_kernel.__module__ == "transformers.integrations.hub_kernels"

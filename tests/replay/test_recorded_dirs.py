@@ -1,7 +1,6 @@
 """The directories a dump names (`environment.cwd`, `environment.script_dir`) and the model settings it records never
 make a replay run code the user did not consent to: without --trust they never reach sys.path (not even when the user
-names a factory or loss, forensics' own built-ins included); with --trust they go after the standard library and the
-installed packages, so a planted `shlex.py` never stands in for the real one; a dump naming /proc/self/cwd or its own
+names a factory or loss, forensics' own built-ins included); with --trust they serve only imports nothing installed resolves, so a planted `shlex.py` never stands in for the real one; a dump naming /proc/self/cwd or its own
 directory is ignored; a Hugging Face setting that would load code from elsewhere (a Hub kernel, remote code) is
 refused with the reason."""
 
@@ -20,7 +19,7 @@ from forensics_test_helpers import edit_manifest
 from forensics.cli import main
 from forensics.core.errors import RecipeError
 from forensics.recipes import huggingface_model
-from forensics.replay.load.recipe import job_paths, resolve_recipe
+from forensics.replay.load.recipe import RecordedDirsFinder, job_paths, resolve_recipe
 
 # Standard-library modules a replay imports lazily after the recipe is resolved (seen in the attack round); each
 # planted copy leaves a marker file named after itself when it runs.
@@ -39,6 +38,8 @@ def plant(directory: Path, names=PLANTED) -> Path:
 @pytest.fixture
 def restore_sys_path(monkeypatch):
     monkeypatch.setattr(sys, "path", list(sys.path))
+    # the finder of recorded directories goes with it (one an earlier test's --trust replay left is set aside)
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if not isinstance(f, RecordedDirsFinder)])
 
 
 @pytest.fixture(scope="module")
@@ -101,10 +102,48 @@ def test_with_trust_they_come_after_the_standard_library_and_installed_packages(
     finally:
         sys.modules.pop("tinylm_recorded", None)
     assert resolved.factory().in_features == 2  # importable as in the job
-    placed = sys.path.index(str(job))
+    assert str(job) not in sys.path  # served by the finder placed after every other one
+    [finder] = [f for f in sys.meta_path if isinstance(f, RecordedDirsFinder)]
+    assert sys.meta_path[-1] is finder and finder.dirs == [str(job)]
     for system in (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"]):
-        assert sys.path.index(system) < placed
+        assert system in sys.path
     assert any(str(job) in note and "--trust" in note for note in resolved.notes)  # the report says so
+
+
+NAMESPACE_CHECK = """
+import importlib, pathlib, sys
+from forensics.replay.load.recipe import resolve_recipe
+job = sys.argv[1]
+resolved = resolve_recipe({"factory": "tinyjob:build"}, trust=True, job_dirs=[job])
+assert resolved.factory() == "built from the job"
+import google.protobuf  # the installed namespace package, as accelerate's probe imports it
+import jobns.part  # a namespace package only the job's directory holds
+assert jobns.part.VALUE == 7, jobns.part.VALUE
+print("google from", list(google.__path__), getattr(google, "__file__", None))
+assert not any(p.startswith(job) for p in google.__path__), list(google.__path__)
+"""
+
+
+def test_with_trust_a_recorded_package_never_replaces_an_installed_namespace(tmp_path):
+    """The attack: the job's directory holds a regular `google/` package; from the end of sys.path it would replace the
+    installed `google` namespace (a regular package anywhere on the path wins over namespace portions)."""
+    pytest.importorskip("google.protobuf")
+    job = tmp_path / "job"
+    (job / "google").mkdir(parents=True)
+    marker = tmp_path / "google-ran"
+    (job / "google" / "__init__.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n")
+    (job / "jobns").mkdir()
+    (job / "jobns" / "part.py").write_text("VALUE = 7\n")
+    (job / "tinyjob.py").write_text("def build():\n    return 'built from the job'\n")
+    ran = subprocess.run(
+        [sys.executable, "-P", "-c", NAMESPACE_CHECK, str(job)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert not marker.exists()
 
 
 def test_directories_of_the_kernel_or_inside_the_dump_are_never_used(tmp_path):
