@@ -114,6 +114,20 @@ class _Alias(importlib.abc.Loader):
         sys.modules[old] = importlib.import_module(self.new)
 
 
+def _found_elsewhere(this: importlib.abc.MetaPathFinder, name: str) -> bool:
+    """Whether a finder other than `this` (sys.path's, or one a replay adds for the job's recorded directories) has
+    a module `name`: then it is the user's, never an old name of ours."""
+    for finder in list(sys.meta_path):
+        if finder is this or not hasattr(finder, "find_spec"):
+            continue
+        try:
+            if finder.find_spec(name, None) is not None:
+                return True
+        except (ImportError, ValueError, AttributeError):
+            continue
+    return False
+
+
 class _MovedFinder(importlib.abc.MetaPathFinder):
     def find_spec(
         self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
@@ -121,8 +135,8 @@ class _MovedFinder(importlib.abc.MetaPathFinder):
         top = fullname.partition(".")[0]
         if top in SIDES:
             if fullname == top:
-                if importlib.machinery.PathFinder.find_spec(top) is not None:
-                    return None  # the user's own capture / replay
+                if _found_elsewhere(self, top):
+                    return None  # the user's own capture / replay (on sys.path, or served by another finder)
             elif sys.modules.get(top) is None or sys.modules.get(top) is not sys.modules.get(f"forensics.{top}"):
                 return None  # below the user's own package
         elif fullname not in MOVED or not fullname.startswith("forensics."):
