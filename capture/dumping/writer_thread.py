@@ -66,6 +66,11 @@ class BackgroundWriter:
         else:
             self._queue.put(("call", fn))
 
+    def call(self, fn: Callable[[], None]) -> None:
+        """Runs `fn` on the writer thread, after the writes queued before it (the run log's segments)."""
+        self._start()
+        self._queue.put(("call", fn))
+
     def _start(self) -> None:
         if self._thread is not None:
             return
