@@ -116,7 +116,7 @@ def _faults(logs: list[fmt.RankLog], dumps: list[DumpEntry]) -> list[Fault]:
         for event in log.events:
             if event.kind is fmt.EventKind.TRIGGER and event.trigger:
                 by_key.setdefault((event.step, event.trigger), []).append(event)
-    dump_at = {d.step: d for d in dumps}
+    dump_at = {(d.step, d.trigger): d for d in dumps}
     faults = []
     for (step, trigger), events in sorted(by_key.items()):
         ranks = tuple(sorted({e.rank for e in events}))
@@ -125,7 +125,7 @@ def _faults(logs: list[fmt.RankLog], dumps: list[DumpEntry]) -> list[Fault]:
         dumped = any(e.dumped for e in events)
         why_not = None if dumped else next((e.why_not for e in events if e.why_not), None)
         faults.append(
-            Fault(step, trigger, lead.message, first, ranks, dumped, why_not, lead.policy, dump_at.get(step))
+            Fault(step, trigger, lead.message, first, ranks, dumped, why_not, lead.policy, dump_at.get((step, trigger)))
         )
     return faults
 
@@ -213,17 +213,17 @@ def summary_text(t: Timeline) -> str:
         lines.append("no trigger fired")
     else:
         lines.append(f"{len(t.faults)} trigger(s):")
-        lines.append(f"  {'step':>8}  {'trigger':<16} {'first':<10} {'dumped':<32} verdict")
+        lines.append(f"  {'step':>8}  {'trigger':<16} {'first seen by':<14} {'dumped':<7} verdict, or why not dumped")
         for f in t.faults:
             first = ",".join(str(r) for r in f.first_ranks[:6]) + ("..." if len(f.first_ranks) > 6 else "")
-            dumped = "yes" if f.dumped else f"no: {f.why_not or '?'}"
-            verdict = "-"
+            dumped = "yes" if f.dumped else "no"
+            verdict = f.why_not or "?"
             if f.dump is not None and f.dump.verdict:
                 verdict = f"{f.dump.verdict}: {f.dump.headline or ''}"
             elif f.dump is not None:
-                verdict = "not replayed"
+                verdict = f"not replayed: forensics replay {f.dump.path}"
             elif f.dumped:
-                verdict = "dump deleted (replaced by a larger spike)"
-            lines.append(clean(f"  {f.step:>8}  {f.trigger:<16} rank {first:<5} {dumped[:32]:<32} {verdict[:120]}"))
+                verdict = "no dump on disk now (replaced by a larger spike, or its write failed)"
+            lines.append(clean(f"  {f.step:>8}  {f.trigger:<16} rank {first:<9} {dumped:<7} {verdict[:140]}"))
     lines += [clean(f"note: {p}") for p in t.problems[:20]]
     return "\n".join(lines)

@@ -139,7 +139,7 @@ def markers(t: Timeline, page: Path | None) -> list[dict]:
             }
         )
     for n, d in enumerate(t.dumps):
-        fault = next((f for f in t.faults if f.step == d.step), None)
+        fault = next((f for f in t.faults if f.step == d.step and f.trigger == d.trigger), None)
         out.append(
             {
                 "id": f"d{n}",
@@ -196,7 +196,7 @@ header{padding:14px 24px 6px}h1{font-size:20px;margin:0 0 4px}.sub{color:#566573
 margin:0 4px -1px 4px}.controls input[type=number]{width:90px}#range{color:#566573}
 .legend span{margin-right:12px;white-space:nowrap}.legend i{display:inline-block;width:10px;height:10px;margin-right:4px;
 border-radius:2px}
-#chart{padding:4px 8px 0 8px}svg text{font-size:11px;fill:#566573}.lane-label{font-weight:600;fill:#1c2833}
+#chart{padding:4px 8px 0 8px}svg text{font-size:11px;fill:#566573}.lane-label{font-weight:600;fill:#1c2833}.rail-label{font-size:10px}
 .lane-bg{fill:#fff;stroke:#e5e8e8}.grid{stroke:#f0f3f4}.axis{stroke:#d5d8dc}.brush{fill:#3498db;fill-opacity:.15}
 .empty{text-anchor:middle}.marker{cursor:pointer}.drag{cursor:crosshair}
 #detail{margin:4px 24px;padding:8px 12px;border-left:4px solid #1f77b4;background:#f4f6f7;min-height:22px;
@@ -213,7 +213,7 @@ _LEGEND = (
     ("#d62728", "non-finite"),
     ("#ff7f0e", "spike, dumped"),
     ("#ffbb78", "spike, not dumped"),
-    ("#9467bd", "precursor"),
+    ("#9467bd", "precursor (hollow: not dumped)"),
     ("#8c564b", "exception"),
     ("#1f77b4", "dump (filled: replayed)"),
 )
@@ -236,7 +236,7 @@ def _row(f: Fault, page: Path | None, n: int) -> str:
     first = ", ".join(str(r) for r in f.first_ranks)
     return (
         f'<tr data-step="{f.step}" data-kind="{escape(_kind(f))}" data-marker="f{n}">'
-        f"<td>{f.step}</td><td>{escape(f.trigger)}</td><td>{escape(first)} of {len(f.ranks)}</td>"
+        f"<td>{f.step}</td><td>{escape(f.trigger)}</td><td>{escape(first)} (of {len(f.ranks)})</td>"
         f'<td class="msg">{escape(f.message)}</td><td>{dumped}</td><td class="msg">{verdict}</td></tr>'
     )
 

@@ -19,7 +19,8 @@
     exception: ["#8c564b", "exception"],
     dump: ["#1f77b4", "dump"],
   };
-  const LEFT = 78, RIGHT = 16, LANE_H = 120, RAIL_H = 46;
+  const LEFT = 78, RIGHT = 16, LANE_H = 120, RAIL_H = 70;
+  const ROW = { nonfinite: 10, exception: 10, spike_dumped: 25, spike_not_dumped: 25, precursor: 40, dump: 55 };
   const state = { from: data.first, to: data.last, hidden: new Set(), log: true };
   const lanes = LANES.filter(([key]) => data.ranks.some((r) => r.lanes[key] && r.lanes[key].some((v) => v !== null)));
   const root = document.getElementById("chart");
@@ -71,7 +72,10 @@
     svg.setAttribute("aria-label", "run timeline");
     const plot = el("g", { transform: `translate(${LEFT},0)` }, svg);
     // the marker rail
-    text(svg, 6, 26, "events", { class: "lane-label" });
+    text(svg, 6, 14, "faults", { class: "rail-label" });
+    text(svg, 6, 29, "spikes", { class: "rail-label" });
+    text(svg, 6, 44, "precursors", { class: "rail-label" });
+    text(svg, 6, 59, "dumps", { class: "rail-label" });
     el("line", { x1: 0, x2: plotW, y1: RAIL_H - 6, y2: RAIL_H - 6, class: "axis" }, plot);
     for (const m of markers) {
       const [color, words] = MARK[m.kind];
@@ -80,18 +84,18 @@
         "stroke-dasharray": m.kind === "dump" ? "" : "3,3", "stroke-opacity": 0.55, class: "marker-line" }, plot);
       const g = el("g", { class: "marker", tabindex: 0, "data-kind": m.kind, "data-step": m.step,
         "data-ranks": m.ranks.join(","), "data-id": m.id }, plot);
-      const y = m.kind === "dump" ? 30 : 14;
+      const y = ROW[m.kind];
       if (m.kind === "dump") {
         el("rect", { x: cx - 6, y: y - 6, width: 12, height: 12, rx: 2, fill: m.verdict ? color : "#fff",
           stroke: color, "stroke-width": 2 }, g);
       } else if (m.kind === "precursor") {
-        el("path", { d: `M${cx},${y - 7}L${cx + 7},${y}L${cx},${y + 7}L${cx - 7},${y}Z`, fill: color }, g);
+        el("path", { d: `M${cx},${y - 6}L${cx + 6},${y}L${cx},${y + 6}L${cx - 6},${y}Z`, fill: m.dumped ? color : "#fff", stroke: color, "stroke-width": 1.5 }, g);
       } else if (m.kind === "nonfinite") {
-        el("circle", { cx: cx, cy: y, r: 6.5, fill: color }, g);
+        el("circle", { cx: cx, cy: y, r: 6, fill: color }, g);
       } else if (m.kind === "exception") {
         el("rect", { x: cx - 6, y: y - 6, width: 12, height: 12, fill: color }, g);
       } else {
-        el("path", { d: `M${cx},${y - 7}L${cx + 7},${y + 6}L${cx - 7},${y + 6}Z`, fill: m.dumped ? color : "#fff",
+        el("path", { d: `M${cx},${y - 6}L${cx + 6},${y + 5}L${cx - 6},${y + 5}Z`, fill: m.dumped ? color : "#fff",
           stroke: MARK.spike_dumped[0], "stroke-width": 1.5 }, g);
       }
       const title = el("title", {}, g);
