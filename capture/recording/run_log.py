@@ -57,7 +57,7 @@ class RunLog:
         self.directory = log_dir(root, run_id, rank) / f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
         self.header = {"run_id": run_id, "rank": int(rank), "world_size": int(world_size)}
         self.background = background
-        self.rows: list[list] = []  # the current segment's rows (training thread appends; flush copies)
+        self.rows: list[tuple] = []  # the current segment's raw rows (the training thread appends)
         self.events: list[dict] = []
         self.segment = 0
         self.last_step = 0
@@ -65,22 +65,24 @@ class RunLog:
         self.flushed_at = time.monotonic()
         self.closed = False
         self.failed = False
+        self._stored: list[list] = []  # the current segment's rows as stored (the writer thread converts each once)
+        self._lines: list[str] = []  # ... and as JSON lines
         self._thinning: deque[tuple[int, list, list]] = deque()  # full segments still kept whole on disk
         self._lock = threading.Lock()  # one write at a time (the writer thread, or close() at exit)
         self._mutex = threading.Lock()  # events come from the writer thread too (a dump written)
         atexit.register(_close_at_exit, weakref.ref(self))
 
-    # -- the training thread ----------------------------------------------------------------------
+    # -- the training thread (the hot path: a tuple appended) ---------------------------------------
     def step(self, *scalars: Any) -> None:
         """History.append's arguments (step, loss, grad_norm, lr, loss_scale, clipped, skipped, suppressed)."""
         if self.closed:
             return
         try:
-            self.rows.append(fmt.row(*scalars))
-            self.last_step = self.rows[-1][0]
+            self.rows.append(scalars)
+            self.last_step = scalars[0]
             self.since_flush += 1
             if len(self.rows) >= fmt.SEGMENT_ROWS:
-                self._roll()
+                self._submit(final=True)
             elif self.since_flush >= FLUSH_STEPS or time.monotonic() - self.flushed_at > FLUSH_S:
                 self.flush()
         except Exception:  # noqa: BLE001 - the log must never stop the job
@@ -95,7 +97,7 @@ class RunLog:
             stored.update({k: fmt.number(v) if isinstance(v, float) else v for k, v in fields.items() if v is not None})
             with self._mutex:
                 self.events.append(stored)
-                self.flush()
+            self.flush()
         except Exception:  # noqa: BLE001
             self._give_up("an event could not be logged")
 
@@ -117,8 +119,7 @@ class RunLog:
 
     def flush(self) -> None:
         """Hands the current segment to the writer thread."""
-        self.since_flush, self.flushed_at = 0, time.monotonic()
-        self._write(self.segment, list(self.rows), list(self.events), level=0)
+        self._submit(final=False)
 
     def close(self, budget: dict | None = None) -> None:
         """The Guard closes: the `end` event (the run's dump budget) and the last flush, written here."""
@@ -128,43 +129,53 @@ class RunLog:
         if budget is not None:
             self.event(fmt.EventKind.END, self.last_step, budget=budget)
         else:
-            with self._mutex:
-                self.flush()
+            self.flush()
         self.closed = True
 
     # -- segments ----------------------------------------------------------------------------------
-    def _roll(self) -> None:
-        """The current segment is full: written whole once more, then kept (as its thinned form) until
-        FULL_SEGMENTS newer ones exist, when it is rewritten thinned."""
+    def _submit(self, final: bool) -> None:
+        """Queues a write of the current segment as it is now; `final`: it is full, the next one starts."""
         with self._mutex:
-            rows, events = self.rows, self.events
-            self._write(self.segment, rows, events, level=0)
-            self.segment += 1
-            self.rows, self.events, self.since_flush = [], [], 0
-        self._thinning.append((self.segment - 1, fmt.thin(rows, events), events))
-        if len(self._thinning) > fmt.FULL_SEGMENTS:
-            old, thinned, old_events = self._thinning.popleft()
-            self._write(old, thinned, old_events, level=1)
-
-    def _write(self, segment: int, rows: list, events: list, level: int) -> None:
+            self.since_flush, self.flushed_at = 0, time.monotonic()
+            segment, rows, count, events = self.segment, self.rows, len(self.rows), list(self.events)
+            if final:
+                self.segment += 1
+                self.rows, self.events = [], []
         if self.failed:
             return
-        header = {**self.header, "segment": segment, "level": level}
-        if level:
-            header["bucket"] = fmt.BUCKET_ROWS
-        path = self.directory / f"seg-{segment:06d}.jsonl"
 
         def write() -> None:
             try:
                 with self._lock:
-                    _replace(path, fmt.encode_segment(header, rows, events))
+                    self._write_segment(segment, rows, count, events, final)
             except Exception as exc:  # noqa: BLE001
-                self._give_up(f"writing {path} failed ({type(exc).__name__}: {exc})")
+                self._give_up(f"writing the run log failed ({type(exc).__name__}: {exc})")
 
         if self.background is None:
             write()
         else:
             self.background(write)
+
+    def _write_segment(self, segment: int, rows: list[tuple], count: int, events: list[dict], final: bool) -> None:
+        """The writer thread: converts the rows it has not seen yet, rewrites the segment whole; a full one is
+        kept (thinned, in memory) until FULL_SEGMENTS newer ones exist, then rewritten thinned."""
+        stored, lines = self._stored, self._lines
+        for raw in rows[len(stored) : count]:
+            stored.append(fmt.row(*raw))
+            lines.append(fmt.row_line(stored[-1]))
+        header = {**self.header, "segment": segment, "level": 0}
+        _replace(self._path(segment), fmt.encode_lines(header, lines, events))
+        if not final:
+            return
+        self._thinning.append((segment, fmt.thin(stored, events), events))
+        self._stored, self._lines = [], []
+        if len(self._thinning) > fmt.FULL_SEGMENTS:
+            old, thinned, old_events = self._thinning.popleft()
+            header = {**self.header, "segment": old, "level": 1, "bucket": fmt.BUCKET_ROWS}
+            _replace(self._path(old), fmt.encode_segment(header, thinned, old_events))
+
+    def _path(self, segment: int) -> Location:
+        return self.directory / f"seg-{segment:06d}.jsonl"
 
     def _give_up(self, why: str) -> None:
         if not self.failed:

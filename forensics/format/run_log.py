@@ -143,12 +143,29 @@ def thin(rows: list[list], events: list[dict], bucket: int = BUCKET_ROWS) -> lis
     return out
 
 
+def _json(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return repr(value)
+
+
+def row_line(stored: list) -> str:
+    """A stored row as its JSON line (written by hand: the writer thread encodes one per step)."""
+    return "[" + ",".join(_json(v) for v in stored) + "]"
+
+
+def encode_lines(header: dict, lines: list[str], events: Iterable[dict]) -> bytes:
+    """A segment's bytes from its rows' lines: header line, rows, then events."""
+    head = json.dumps({"format": FORMAT_NAME, "version": FORMAT_VERSION, **header}, separators=(",", ":"))
+    tail = [json.dumps(e, separators=(",", ":"), default=str) for e in events]
+    return "\n".join([head, *lines, *tail, ""]).encode()
+
+
 def encode_segment(header: dict, rows: Iterable[list], events: Iterable[dict]) -> bytes:
     """A segment's bytes: header line, rows (or buckets), then events."""
-    lines = [json.dumps({"format": FORMAT_NAME, "version": FORMAT_VERSION, **header}, separators=(",", ":"))]
-    lines += [json.dumps(r, separators=(",", ":")) for r in rows]
-    lines += [json.dumps(e, separators=(",", ":"), default=str) for e in events]
-    return ("\n".join(lines) + "\n").encode()
+    return encode_lines(header, [json.dumps(r, separators=(",", ":")) for r in rows], events)
 
 
 # -- reading ----------------------------------------------------------------------------------------
