@@ -7,7 +7,9 @@ encodes and writes them: every FLUSH_STEPS steps, FLUSH_S seconds, at each event
 segment file is replaced whole (a temporary file renamed locally; one object in object storage, which has no
 append), so a killed job leaves the log as of its last flush. Bounded: the newest FULL_SEGMENTS segments keep each
 step; older ones are rewritten thinned to buckets of healthy steps, never losing an event or an anomalous step
-(docs/DUMP_FORMAT.md, "Run log"; forensics/format/run_log.py). Never raises into the job.
+(docs/DUMP_FORMAT.md, "Run log"; forensics/format/run_log.py). Nothing is written before the first event (a trigger,
+dumped or not): a healthy run writes nothing, and the segments kept until then (a few MB at most) are written
+then. Never raises into the job.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ FLUSH_S = 30.0
 
 def log_dir(dump_dir: str | os.PathLike | Location, run_id: str, rank: int) -> Location:
     """Where rank `rank`'s run log of `run_id` goes under the dump directory."""
-    return as_location(dump_dir) / run_id / fmt.DIR_NAME / f"rank-{int(rank)}"
+    return as_location(dump_dir) / fmt.DIR_NAME / run_id / f"rank-{int(rank)}"
 
 
 class RunLog:
@@ -65,6 +67,8 @@ class RunLog:
         self.flushed_at = time.monotonic()
         self.closed = False
         self.failed = False
+        self.wanted = False  # set at the first event: from then on the log is on disk (a healthy run writes nothing)
+        self._held: dict[str, tuple[Location, bytes]] = {}  # the segments' bytes until then (bounded: thinned)
         self._stored: list[list] = []  # the current segment's rows as stored (the writer thread converts each once)
         self._lines: list[str] = []  # ... and as JSON lines
         self._thinning: deque[tuple[int, list, list]] = deque()  # full segments still kept whole on disk
@@ -97,6 +101,7 @@ class RunLog:
             stored.update({k: fmt.number(v) if isinstance(v, float) else v for k, v in fields.items() if v is not None})
             with self._mutex:
                 self.events.append(stored)
+                self.wanted = self.wanted or kind is not fmt.EventKind.END
             self.flush()
         except Exception:  # noqa: BLE001
             self._give_up("an event could not be logged")
@@ -164,7 +169,11 @@ class RunLog:
             stored.append(fmt.row(*raw))
             lines.append(fmt.row_line(stored[-1]))
         header = {**self.header, "segment": segment, "level": 0}
-        _replace(self._path(segment), fmt.encode_lines(header, lines, events))
+        if self.wanted and self._held:
+            for path, data in self._held.values():
+                _replace(path, data)
+            self._held.clear()
+        self._put(self._path(segment), fmt.encode_lines(header, lines, events))
         if not final:
             return
         self._thinning.append((segment, fmt.thin(stored, events), events))
@@ -172,7 +181,13 @@ class RunLog:
         if len(self._thinning) > fmt.FULL_SEGMENTS:
             old, thinned, old_events = self._thinning.popleft()
             header = {**self.header, "segment": old, "level": 1, "bucket": fmt.BUCKET_ROWS}
-            _replace(self._path(old), fmt.encode_segment(header, thinned, old_events))
+            self._put(self._path(old), fmt.encode_segment(header, thinned, old_events))
+
+    def _put(self, path: Location, data: bytes) -> None:
+        if self.wanted:
+            _replace(path, data)
+        else:
+            self._held[str(path)] = (path, data)
 
     def _path(self, segment: int) -> Location:
         return self.directory / f"seg-{segment:06d}.jsonl"

@@ -36,15 +36,18 @@ class TimelineError(ForensicsError):
     """RUN holds no run log (or several runs and no --run)."""
 
 
-def find_runs(root: Location) -> list[Location]:
-    """The run directories (holding `runlog/`) at or under `root` (itself, or one level down: a dump directory)."""
+def find_runs(root: Location) -> list[tuple[Location, Location]]:
+    """(run log directory, run dump directory) of each run at `root`: a dump directory (every run in its
+    `runlogs/`), one run's dump directory `<dump_dir>/<run_id>`, or its log directory `<dump_dir>/runlogs/<run_id>`."""
+    if root.parent.name == fmt.DIR_NAME and root.is_dir():
+        return [(root, root.parent.parent / root.name)]
+    logs = root.parent / fmt.DIR_NAME / root.name
+    if logs.is_dir():
+        return [(logs, root)]
     if (root / fmt.DIR_NAME).is_dir():
-        return [root]
-    if root.name == fmt.DIR_NAME and root.is_dir():
-        return [root.parent]
-    if not root.is_dir():
-        return []
-    return sorted((child for child in root.iterdir() if (child / fmt.DIR_NAME).is_dir()), key=str)
+        children = sorted((c for c in (root / fmt.DIR_NAME).iterdir() if safe_name(c.name) and c.is_dir()), key=str)
+        return [(c, root / c.name) for c in children]
+    return []
 
 
 def _segments(rank_dir: Location, problems: list[str]) -> Iterator[tuple[str, bytes]]:
@@ -67,11 +70,11 @@ def _segments(rank_dir: Location, problems: list[str]) -> Iterator[tuple[str, by
                 yield f"{session.name}/{segment.name}", f.read(fmt.MAX_SEGMENT_BYTES + 1)
 
 
-def read_rank_logs(run_dir: Location) -> tuple[list[fmt.RankLog], list[str]]:
+def read_rank_logs(log_dir: Location) -> tuple[list[fmt.RankLog], list[str]]:
     """Every rank's log of the run (at most MAX_RANKS), and what was skipped."""
     problems: list[str] = []
     ranks = []
-    for child in (run_dir / fmt.DIR_NAME).iterdir():
+    for child in log_dir.iterdir():
         match = _RANK_DIR.fullmatch(child.name)
         if match and stat.S_ISDIR(lstat_mode(child)):
             ranks.append((int(match.group(1)), child))
@@ -90,6 +93,8 @@ def read_rank_logs(run_dir: Location) -> tuple[list[fmt.RankLog], list[str]]:
 def _dump_entries(run_dir: Location, reports: Path) -> tuple[list[DumpEntry], list[str]]:
     problems = []
     entries = []
+    if not run_dir.is_dir():  # no dump yet
+        return [], []
     rows, _ = list_dumps(run_dir, reports=reports)
     for row in rows:
         if row.error or row.step is None:
@@ -147,7 +152,7 @@ def build_timeline(
     if run_id is not None:
         if not safe_name(run_id):
             raise TimelineError(f"{run_id!r} is not a run id (letters, digits, '.', '-', '_')")
-        runs = [r for r in runs if r.name == run_id]
+        runs = [r for r in runs if r[0].name == run_id]
     if not runs:
         raise TimelineError(
             clean(
@@ -156,13 +161,13 @@ def build_timeline(
             )
         )
     if len(runs) > 1:
-        names = ", ".join(clean(r.name) for r in runs[:20])
+        names = ", ".join(clean(r[0].name) for r in runs[:20])
         raise TimelineError(f"{root} holds {len(runs)} runs ({names}): pick one with --run RUN_ID")
-    run_dir = runs[0]
-    logs, problems = read_rank_logs(run_dir)
+    log_dir, run_dir = runs[0]
+    logs, problems = read_rank_logs(log_dir)
     dumps, dump_problems = _dump_entries(run_dir, Path(reports))
     worlds = [log.world_size for log in logs if log.world_size]
-    run_name = next((log.run_id for log in logs if log.run_id), None) or run_dir.name
+    run_name = log_dir.name
     timeline = Timeline(
         run_id=run_name,
         directory=str(run_dir),

@@ -20,8 +20,9 @@ from forensics.format.limits import MAX_WORLD_SIZE, MiB
 
 FORMAT_NAME = "forensics-run-log"
 FORMAT_VERSION = 1
-DIR_NAME = "runlog"
-"""`<dump_dir>/<run_id>/runlog/rank-<R>/<session>/seg-<NNNNNN>.jsonl`."""
+DIR_NAME = "runlogs"
+"""`<dump_dir>/runlogs/<run_id>/rank-<R>/<session>/seg-<NNNNNN>.jsonl`: beside the runs' dump directories, not in
+them (a run directory holds step directories only)."""
 
 SEGMENT_ROWS = 2048
 """Steps per segment: the current one is rewritten whole at each flush (no append in object storage), so it is

@@ -78,6 +78,19 @@ def test_the_guard_logs_every_step_and_each_spike_with_its_dump(tmp_path):
     assert rank.events[-1].budget["spike_dumps_kept"] == [60]
 
 
+def test_a_healthy_run_writes_no_log_and_the_first_trigger_writes_it_from_step_0(tmp_path):
+    train(tmp_path / "healthy", 40)
+    assert not (tmp_path / "healthy").exists()
+    log = RunLog(tmp_path / "late", "late", 0, 1)
+    for step in range(3 * fmt.SEGMENT_ROWS):
+        log.step(step, 1.0, 1.0, 0.1, None, False, False, None)
+    assert not (tmp_path / "late").exists()
+    log.event(fmt.EventKind.TRIGGER, 3 * fmt.SEGMENT_ROWS - 1, trigger="loss_spike", message="m", dumped=False)
+    log.close()
+    (rank,) = build_timeline(tmp_path / "late").ranks
+    assert [s.step for s in rank.steps] == list(range(3 * fmt.SEGMENT_ROWS))
+
+
 def test_a_killed_job_leaves_its_log_up_to_the_last_flush(tmp_path):
     pid = os.fork()
     if pid == 0:  # the job: trains, spikes at 300, is killed at 600 without closing anything
