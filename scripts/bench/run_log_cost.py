@@ -80,7 +80,9 @@ def main() -> None:
     for name in loops:
         print(f"  {name:<11} {med[name] * 1e3:7.3f} ms/step")
     print(f"  ratio run_log / no_run_log: {med['run_log'] / med['no_run_log']:.4f}")
-    print(f"RunLog.step on the training thread: {hot_us:.2f} us/step; with the writer thread's work: {all_us:.2f} us/step")
+    print(
+        f"RunLog.step on the training thread: {hot_us:.2f} us/step; with the writer thread's work: {all_us:.2f} us/step"
+    )
 
 
 if __name__ == "__main__":

@@ -21,9 +21,20 @@ def render(page: Path, timeout: float = 60.0) -> tuple[str, list[str], float]:
     assert exe is not None, INSTALL
     start = time.perf_counter()
     done = subprocess.run(
-        [exe, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",
-         "--virtual-time-budget=10000", "--dump-dom", page.resolve().as_uri()],
-        capture_output=True, text=True, timeout=timeout,
+        [
+            exe,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--enable-logging=stderr",
+            "--v=0",
+            "--virtual-time-budget=10000",
+            "--dump-dom",
+            page.resolve().as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     took = time.perf_counter() - start
     console = [line for line in done.stderr.splitlines() if ":CONSOLE" in line]

@@ -27,7 +27,7 @@ from forensics.format import run_log as fmt
 from forensics.report.timeline_html import decimate, page_data, render_timeline_html
 
 browser = load_test_module("forensics_test_browser", Path(__file__).with_name("browser.py"))
-HOSTILE = ['<script>alert(1)</script>', '"><img src=x onerror=alert(2)>', "</script><script>alert(3)</script>"]
+HOSTILE = ["<script>alert(1)</script>", '"><img src=x onerror=alert(2)>', "</script><script>alert(3)</script>"]
 
 
 def write_log(root: Path, run: str, rank: int, rows: list[list], events: list[dict], level: int = 0, seg: int = 0):
@@ -194,13 +194,29 @@ def test_every_event_has_a_marker_and_decimation_keeps_them(tmp_path):
         i = out["x0"].index(e)
         assert out["x1"][i] == e and out["loss"][i] == pytest.approx(2.0 + math.sin(e / 50), rel=1e-5)
     assert max(out["loss"]) == pytest.approx(3.0, rel=1e-4) and min(out["loss_lo"]) == pytest.approx(1.0, rel=1e-4)
-    write_log(tmp_path, "m", 0, rows[:300], [{"event": "trigger", "step": s, "trigger": k, "message": k,
-                                              "dumped": s % 2 == 0} for s, k in
-                                             ((20, "loss_spike"), (21, "grad_norm_spike"), (90, "precursor"),
-                                              (150, "exception"), (299, "nonfinite_loss"))])
+    write_log(
+        tmp_path,
+        "m",
+        0,
+        rows[:300],
+        [
+            {"event": "trigger", "step": s, "trigger": k, "message": k, "dumped": s % 2 == 0}
+            for s, k in (
+                (20, "loss_spike"),
+                (21, "grad_norm_spike"),
+                (90, "precursor"),
+                (150, "exception"),
+                (299, "nonfinite_loss"),
+            )
+        ],
+    )
     data = page_data(build_timeline(tmp_path / "m"))
     assert sorted((m["step"], m["kind"]) for m in data["markers"]) == [
-        (20, "spike_dumped"), (21, "spike_not_dumped"), (90, "precursor"), (150, "exception"), (299, "nonfinite")
+        (20, "spike_dumped"),
+        (21, "spike_not_dumped"),
+        (90, "precursor"),
+        (150, "exception"),
+        (299, "nonfinite"),
     ]
 
 
@@ -225,7 +241,8 @@ def elements(dom: str) -> list[tuple[str, list[str]]]:
 
 def markers_drawn(dom: str) -> list[tuple[str, int]]:
     return sorted(
-        (kind, int(step)) for kind, step in re.findall(r'<g class="marker"[^>]*data-kind="(\w+)" data-step="(\d+)"', dom)
+        (kind, int(step))
+        for kind, step in re.findall(r'<g class="marker"[^>]*data-kind="(\w+)" data-step="(\d+)"', dom)
     )
 
 
@@ -262,8 +279,18 @@ def million_step_log(root: Path) -> Path:
     for seg, first in enumerate(range(0, 1_000_000, fmt.SEGMENT_ROWS)):
         steps = range(first, min(first + fmt.SEGMENT_ROWS, 1_000_000))
         rows = [[s, round(3 + math.sin(s / 5000), 4), 1.0, 1e-4, 65536.0, 0] for s in steps]
-        seg_events = [{"event": "trigger", "step": s, "trigger": "loss_spike", "message": "spike", "dumped": False,
-                       "why_not": "gap"} for s in events if s in steps]
+        seg_events = [
+            {
+                "event": "trigger",
+                "step": s,
+                "trigger": "loss_spike",
+                "message": "spike",
+                "dumped": False,
+                "why_not": "gap",
+            }
+            for s in events
+            if s in steps
+        ]
         level = 0 if first >= full_from else 1
         write_log(root, "big", 0, rows if level == 0 else fmt.thin(rows, seg_events), seg_events, level, seg)
     return root / "big"
