@@ -430,7 +430,13 @@ def list_command(directory: Location, check: bool, reports: Path, clean_stale: b
 
 @main.command()
 @click.argument("run", type=LOCATION, default="forensics_dumps")
-@click.option("-o", "--output", type=click.Path(path_type=Path), default=None, help="Write the run page (HTML) here.")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Write the run page (HTML) here (default: <dump_dir>/runlogs/<run>/run.html for a local run).",
+)
 @click.option("--run", "run_id", default=None, help="Which run, when RUN is a dump directory holding several.")
 @click.option(
     "--reports",
@@ -441,16 +447,19 @@ def list_command(directory: Location, check: bool, reports: Path, clean_stale: b
 )
 def timeline(run: Location, output: Path | None, run_id: str | None, reports: Path) -> None:
     """A run at a glance: the loss, gradient norm, learning rate and loss scale of every rank over the steps, each
-    trigger (dumped or not, the rank that saw it first), each dump and its replay's verdict. Prints a summary; with
-    -o, writes one self-contained HTML page (opens offline). RUN: the Guard's dump_dir or one run directory in it
-    (a path or a URL)."""
-    from forensics.commands.timeline import build_timeline, summary_text
+    trigger (dumped or not, the rank that saw it first), each dump and its replay's verdict. Prints a summary and
+    writes one self-contained HTML page (opens offline): to -o, else beside the run log
+    (<dump_dir>/runlogs/<run>/run.html, where each replay report links to it; a URL's: -o only). RUN: the Guard's
+    dump_dir or one run directory in it (a path or a URL)."""
+    from forensics.commands.timeline import build_timeline, default_page, summary_text
     from forensics.core.fsio import atomic_write_text
     from forensics.report.timeline_html import render_timeline_html
 
     try:
         built = build_timeline(run, run_id, reports)
         click.echo(summary_text(built))
+        if output is None:
+            output = default_page(built)
         if output is not None:
             atomic_write_text(output, render_timeline_html(built, output))
             click.echo(clean(f"run page written to {output}"))

@@ -97,7 +97,7 @@ class RunLog:
         if self.closed:
             return
         try:
-            stored = {"event": kind.value, "step": int(step)}
+            stored: dict[str, Any] = {"event": kind.value, "step": int(step)}
             stored.update({k: fmt.number(v) if isinstance(v, float) else v for k, v in fields.items() if v is not None})
             with self._mutex:
                 self.events.append(stored)

@@ -22,6 +22,7 @@ from forensics.format import run_log as fmt
 from forensics.format.location import Location, RemotePath, as_location, lstat_mode, open_read
 from forensics.format.manifest import safe_name
 from forensics.report.model import ReportError, load_report
+from forensics.report.run_curve import RUN_PAGE
 from forensics.report.timeline_model import DumpEntry, Fault, Timeline
 from forensics.report.wording import clean
 
@@ -171,6 +172,7 @@ def build_timeline(
     timeline = Timeline(
         run_id=run_name,
         directory=str(run_dir),
+        log_directory=str(log_dir),
         world_size=max(worlds) if worlds else None,
         ranks=logs,
         dumps=dumps,
@@ -180,8 +182,12 @@ def build_timeline(
     return timeline
 
 
-def is_remote(run: Location) -> bool:
-    return isinstance(run, RemotePath)
+def default_page(t: Timeline) -> Path | None:
+    """Where the run page goes without -o: beside a local run's log (each replay report links there), else None."""
+    log_dir = as_location(t.log_directory)
+    if isinstance(log_dir, RemotePath) or not os.access(log_dir, os.W_OK):
+        return None
+    return Path(log_dir) / RUN_PAGE
 
 
 # -- the terminal summary -----------------------------------------------------------------------------

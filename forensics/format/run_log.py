@@ -103,7 +103,7 @@ def row(
     return out
 
 
-def _keep_whole(stored: list, event_steps: set[int]) -> bool:
+def _keep_whole(stored: list, event_steps: set) -> bool:
     """A row a thinned segment keeps as it is: skipped, suppressed, non-finite, or the step of an event."""
     return (
         stored[0] in event_steps
@@ -261,9 +261,13 @@ def _step(stored: Any) -> Step:
     if len(stored) not in (6, 7):
         raise SegmentError("a row does not have 6 or 7 fields")
     flags = _int(stored[5], "a row's flags", 0, 3)
+    loss, grad_norm, lr, scale = (parse_number(x) for x in stored[1:5])
     return Step(
         _int(stored[0], "a step"),
-        *(parse_number(x) for x in stored[1:5]),
+        loss,
+        grad_norm,
+        lr,
+        scale,
         clipped=bool(flags & CLIPPED),
         skipped=bool(flags & SKIPPED),
         suppressed=_text(stored[6]) if len(stored) == 7 else None,

@@ -45,6 +45,7 @@ class Fault:
 class Timeline:
     run_id: str
     directory: str
+    log_directory: str
     world_size: int | None
     ranks: list[fmt.RankLog]
     faults: list[Fault] = field(default_factory=list)
