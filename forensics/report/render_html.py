@@ -177,7 +177,6 @@ def render_html(report: Mapping | Report, *, plots: bool = True, run_page: str |
     ]
     if note and not images:
         body.append(f'<p class="note">{escape(note)}</p>')
-    body.append(_run_section(r, run_page))
     for sec in sections:
         html_sec = _section(sec, images, note if images else None)
         if sec.anchor == "verdict":
@@ -185,6 +184,8 @@ def render_html(report: Mapping | Report, *, plots: bool = True, run_page: str |
                 '<section id="verdict">', f'<section id="verdict" class="verdict {verdict_css_class(kind)}">', 1
             )
         body.append(html_sec)
+        if sec.anchor == "verdict":
+            body.append(_run_section(r, run_page))
     body.append(
         f'<p class="note">Schema {escape(clean(r.schema or SCHEMA))}. '
         "This page is self-contained: it loads nothing from the network.</p>"

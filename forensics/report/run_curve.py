@@ -72,6 +72,8 @@ def curve_svg(steps: list | None, losses: list | None, grad_norms: list | None, 
         mx = pad + (mark - x0) / span * (width - 2 * pad)
         parts.append(f'<line x1="{mx:.1f}" x2="{mx:.1f}" y1="4" y2="{height - pad + 4}" stroke="#d62728"/>')
     parts.append(f'<text x="{pad}" y="{height - 6}" font-size="11" fill="#566573">step {x0}</text>')
-    parts.append(f'<text x="{width - pad}" y="{height - 6}" font-size="11" fill="#566573" text-anchor="end">{x1}</text>')
+    parts.append(
+        f'<text x="{width - pad}" y="{height - 6}" font-size="11" fill="#566573" text-anchor="end">{x1}</text>'
+    )
     parts.append("</svg>")
     return "".join(parts)

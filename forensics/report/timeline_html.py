@@ -21,6 +21,7 @@ from html import escape
 from importlib import resources
 from pathlib import Path
 
+from forensics.core.kinds import TriggerKind
 from forensics.format.run_log import Step
 from forensics.report.timeline_model import Fault, Timeline
 from forensics.report.wording import clean
@@ -114,10 +115,15 @@ def _href(target: str | None, page: Path | None) -> str | None:
 
 
 def _kind(fault: Fault) -> str:
-    if fault.trigger in ("loss_spike", "grad_norm_spike"):
+    """The marker's kind: spike_dumped / spike_not_dumped, precursor, exception, nonfinite."""
+    try:
+        trigger = TriggerKind(fault.trigger)
+    except ValueError:  # a kind this forensics does not know (a newer writer): drawn as a fault
+        return "nonfinite"
+    if trigger.spike:
         return "spike_dumped" if fault.dumped else "spike_not_dumped"
-    if fault.trigger in ("precursor", "exception"):
-        return fault.trigger
+    if trigger in (TriggerKind.PRECURSOR, TriggerKind.EXCEPTION):
+        return trigger.value
     return "nonfinite"
 
 

@@ -59,6 +59,13 @@ def test_a_natural_two_rank_run_gives_one_page_with_its_faults_dumps_and_verdict
 
     html = page.read_text()
     assert html.count('data-step="') >= len(after.faults)  # every fault has its row
+    # without -o the page goes beside the run log, where each replay's report links back to it with the run's curve
+    assert runner.invoke(main, ["timeline", str(dumps)]).exit_code == 0
+    default = dumps / "runlogs" / "spiky-two-ranks" / "run.html"
+    report = Path(crash.path) / "report-rank0" / "report.html"
+    link = re.search(r'<section id="run">.*?<a href="([^"]+)"', report.read_text(), re.S)
+    assert link and (report.parent / link.group(1)).resolve() == default.resolve() and default.is_file()
+    assert '<svg class="run-curve"' in report.read_text()
     if browser.browser() is None:
         pytest.skip(f"no Chromium: the page was not opened ({browser.INSTALL})")
     dom, console, took = browser.render(page)
