@@ -53,11 +53,12 @@ def find_runs(root: Location) -> list[tuple[Location, Location]]:
 
 def _segments(rank_dir: Location, problems: list[str]) -> Iterator[tuple[str, bytes]]:
     """A rank's segments, sessions in name order (they start with their start time), each size-checked first."""
-    sessions = sorted(
+    sessions: list[Location] = sorted(
         (s for s in rank_dir.iterdir() if _SESSION.fullmatch(s.name) and stat.S_ISDIR(lstat_mode(s))), key=str
     )
     for session in sessions:
-        for segment in sorted(session.iterdir(), key=str):
+        segments: list[Location] = sorted(session.iterdir(), key=str)
+        for segment in segments:
             if not _SEGMENT.fullmatch(segment.name):
                 continue
             if not stat.S_ISREG(lstat_mode(segment)):
