@@ -310,3 +310,20 @@ def test_a_million_step_log_makes_a_small_page_that_renders(tmp_path):
     assert console == [] and len(markers_drawn(dom)) == 40
     assert took < 30  # a hang guard, not a timing: the reading is printed (BENCHMARKS.md)
     assert "1000000 steps" in summary_text(t)
+
+
+def test_the_run_log_goes_to_object_storage_as_whole_segment_objects():
+    """fsspec's in-memory store: no append, no rename; each flush writes the segment as one object."""
+    root = "memory://forensics-timeline-test/dumps"
+    log = RunLog(root, "remote", 1, 2)
+    for step in range(300):
+        log.step(step, 1.0 + step, 0.5, 0.1, None, False, False, None)
+    log.event(fmt.EventKind.TRIGGER, 299, trigger="loss_spike", message="m", dumped=False, why_not="gap")
+    for step in range(300, 310):
+        log.step(step, 1.0, 0.5, 0.1, None, False, False, None)
+    log.close({"max_dumps": 3})
+    t = build_timeline(root)
+    (rank,) = t.ranks
+    assert rank.rank == 1 and [s.step for s in rank.steps] == list(range(310))
+    assert [e.kind for e in rank.events] == [fmt.EventKind.TRIGGER, fmt.EventKind.END]
+    assert "loss_spike" in summary_text(t)
