@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from forensics.format.jsonio import parse_json, refusal
 from forensics.format.limits import MAX_WORLD_SIZE, MiB
 
 FORMAT_NAME = "forensics-run-log"
@@ -304,9 +305,9 @@ def parse_segment(data: bytes, rank: int) -> tuple[dict, list[Step], list[Event]
     if not lines:
         raise SegmentError("empty")
     try:
-        header = json.loads(lines[0])
-    except ValueError:
-        raise SegmentError("its first line is not JSON") from None
+        header = parse_json(lines[0].encode())
+    except ValueError as exc:  # JSONRefused too: nesting, huge numbers, a key twice
+        raise SegmentError(f"its first line is refused: {refusal(exc)}") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT_NAME:
         raise SegmentError(f"not a {FORMAT_NAME} segment")
     if header.get("version") != FORMAT_VERSION:
@@ -316,9 +317,9 @@ def parse_segment(data: bytes, rank: int) -> tuple[dict, list[Step], list[Event]
     steps, events = [], []
     for line in lines[1:]:
         try:
-            stored = json.loads(line)
-        except ValueError:
-            raise SegmentError("a line is not JSON") from None
+            stored = parse_json(line.encode())
+        except ValueError as exc:
+            raise SegmentError(f"a line is refused: {refusal(exc)}") from None
         if isinstance(stored, dict):
             events.append(_event(stored, rank))
         else:

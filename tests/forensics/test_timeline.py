@@ -142,10 +142,13 @@ def test_the_reader_skips_what_breaks_the_format_and_says_so(tmp_path):
     with open(big, "ab") as f:
         f.truncate(fmt.MAX_SEGMENT_BYTES + 1)
     write_log(tmp_path, "r", 0, [], [{"event": "no-such", "step": 1}], seg=5)
+    deep = write_log(tmp_path, "r", 0, [], [], seg=6)
+    with open(deep, "a") as f:
+        f.write("[" * 100_000 + "]" * 100_000 + "\n")
     t = build_timeline(run)
     assert [s.step for s in t.ranks[0].steps] == [0, 1]
     text = " ".join(t.problems)
-    for what in ("version 99", "names rank 5", "a row", "above", "unknown event"):
+    for what in ("version 99", "names rank 5", "a row", "above", "unknown event", "a line is refused"):
         assert what in text, text
 
 
