@@ -13,6 +13,8 @@ import math
 import os
 import re
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -39,7 +41,7 @@ def write_log(root: Path, run: str, rank: int, rows: list[list], events: list[di
     return path
 
 
-def train(dump_dir: Path, steps: int, spike_at: tuple = (), kill_at: int | None = None) -> Guard:
+def train(dump_dir: Path, steps: int, spike_at: tuple = ()) -> Guard:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -54,8 +56,6 @@ def train(dump_dir: Path, steps: int, spike_at: tuple = (), kill_at: int | None 
         if guard.check(grad_norm=torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)):
             optimizer.step()
         optimizer.zero_grad()
-        if step == kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
     guard.close()
     return guard
 
@@ -91,15 +91,35 @@ def test_a_healthy_run_writes_no_log_and_the_first_trigger_writes_it_from_step_0
     assert [s.step for s in rank.steps] == list(range(3 * fmt.SEGMENT_ROWS))
 
 
+KILLED_JOB = """
+import os, signal, sys, torch
+from forensics.capture import Guard, GuardConfig
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+guard = Guard(model, optimizer, config=GuardConfig(dump_dir=sys.argv[1], run_id="lin"))
+data = torch.Generator().manual_seed(1)
+for step in range(700):
+    x = torch.randn(8, 4, generator=data) * (30 if step == 300 else 1)
+    guard.record_batch({"x": x, "sample_ids": [f"s{step}-{i}" for i in range(8)]})
+    loss = model(x).pow(2).mean()
+    guard.record_loss(loss)
+    loss.backward()
+    if guard.check(grad_norm=torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)):
+        optimizer.step()
+    optimizer.zero_grad()
+    if step == 600:
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
 def test_a_killed_job_leaves_its_log_up_to_the_last_flush(tmp_path):
-    pid = os.fork()
-    if pid == 0:  # the job: trains, spikes at 300, is killed at 600 without closing anything
-        try:
-            train(tmp_path, 700, spike_at=(300,), kill_at=600)
-        finally:
-            os._exit(3)
-    _, status = os.waitpid(pid, 0)
-    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    """The job spikes at step 300 and is killed at step 600 without closing anything (a process of its own)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", KILLED_JOB, str(tmp_path)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
     (rank,) = build_timeline(tmp_path).ranks
     assert 301 <= len(rank.steps) <= 601  # the spike's event flushed the log through step 300 (then every 256 steps)
     assert [s.step for s in rank.steps] == list(range(len(rank.steps)))
