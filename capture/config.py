@@ -346,6 +346,10 @@ class RecordConfig:
     """A step that raises (IndexError on bad token ids, a shape error, out of memory ...) is dumped when the
     exception reaches the top of the program (the Guard chains sys.excepthook until close()); wrap the step in
     `with guard.capture_errors():` to dump it where it raises even when your code catches the exception."""
+    run_log: bool = True
+    """Write the run log: every step's scalars and every trigger, dump and budget decision of this rank, under
+    <dump_dir>/<run_id>/runlog/ (a few MB per rank for a million steps; written by the dump writer's thread), for
+    `forensics timeline`. False: none."""
 
     def __post_init__(self):
         if self.window_steps < 0 or self.history_size < 1:

@@ -124,6 +124,7 @@ class Guard:
         )
         self.dumps: list[Location] = self.dumper.dumps  # written so far (a background write once it is complete)
         self.dump_errors: list[str] = self.dumper.errors  # why a dump was not written, one per failed attempt
+        self.run_log = self.dumper.run_log  # every step's scalars and event, for `forensics timeline` (or None)
         self.recorder = StepRecorder(config.recording.sample_id_key, self.buffers.take_before_forward)
         self.add_hook(model.register_forward_pre_hook(self.recorder.note_autocast))
         self.optimizer_steps = OptimizerSteps(optimizer, self.add_hook)  # stepped since the last check()?

@@ -1,4 +1,4 @@
-"""The `forensics` command line: inspect, verify, pack, replay, demo. Each command parses, calls one
+"""The `forensics` command line: inspect, verify, pack, list, timeline, replay, demo. Each command parses, calls one
 library function and maps the outcome to an exit code (forensics.core.kinds.ExitCode, the one table: a
 replay exits with its verdict kind's code; bad input, code or environment is 2; 1 only for bugs; Ctrl-C is 130, with one
 line, whatever the command was doing: the files it writes are each written whole or not at all)."""
@@ -468,6 +468,45 @@ def list_command(directory: Location, check: bool, reports: Path, clean_stale: b
             click.echo(clean(f"    report: {r.report}"))
     for path in stale:
         click.echo(clean(f"unfinished (writer gone): {path}  — `forensics list --clean-stale` removes it"))
+
+
+@main.command()
+@click.argument("run", type=LOCATION, default="forensics_dumps")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Write the run page (HTML) here (default: <dump_dir>/runlogs/<run>/run.html for a local run).",
+)
+@click.option("--run", "run_id", default=None, help="Which run, when RUN is a dump directory holding several.")
+@click.option(
+    "--reports",
+    type=click.Path(path_type=Path),
+    default=Path(REPORTS_DIR),
+    show_default=True,
+    help="Where `forensics replay` wrote reports it could not put beside the dump.",
+)
+def timeline(run: Location, output: Path | None, run_id: str | None, reports: Path) -> None:
+    """A run at a glance: the loss, gradient norm, learning rate and loss scale of every rank over the steps, each
+    trigger (dumped or not, the rank that saw it first), each dump and its replay's verdict. Prints a summary and
+    writes one self-contained HTML page (opens offline): to -o, else beside the run log
+    (<dump_dir>/runlogs/<run>/run.html, where each replay report links to it; a URL's: -o only). RUN: the Guard's
+    dump_dir or one run directory in it (a path or a URL)."""
+    from forensics.commands.timeline import build_timeline, default_page, summary_text
+    from forensics.core.fsio import atomic_write_text
+    from forensics.report.timeline_html import render_timeline_html
+
+    try:
+        built = build_timeline(run, run_id, reports)
+        click.echo(summary_text(built))
+        if output is None:
+            output = default_page(built)
+        if output is not None:
+            atomic_write_text(output, render_timeline_html(built, output))
+            click.echo(clean(f"run page written to {output}"))
+    except (ForensicsError, OSError) as exc:
+        raise _fail(exc) from exc
 
 
 def _upload_report(tracker: str, report: Report, files: dict, tensorboard_dir: Path | None) -> str:

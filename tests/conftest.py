@@ -106,6 +106,7 @@ SLOWEST_FIRST = [
     "tests/replay/test_nanogpt_style.py",
     "tests/replay/test_main_script.py",
     "tests/integrations/test_callbacks.py",
+    "tests/integrations/test_timeline_run.py",
 ]
 
 

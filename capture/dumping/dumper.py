@@ -26,6 +26,7 @@ from forensics.capture.dumping.uploads import send_dump
 from forensics.capture.dumping.writer_thread import BackgroundWriter
 from forensics.capture.recording.history import History
 from forensics.capture.recording.incident import Incident, json_ids, leading_dim
+from forensics.capture.recording.run_log import RunLog
 from forensics.capture.recording.window import FlightRecorder
 from forensics.capture.state import buddy, snapshot
 from forensics.capture.state.host_snapshots import HostSnapshots
@@ -34,6 +35,7 @@ from forensics.capture.state.source import StateSource
 from forensics.core.errors import CaptureError
 from forensics.format.batch_tree import map_tensors
 from forensics.format.location import Location
+from forensics.format.run_log import EventKind
 from forensics.format.writer import DumpContent, dump_path, remove_rank_dump
 from forensics.core.kinds import Policy, TriggerKind
 from forensics.recipes import default_loss
@@ -87,6 +89,15 @@ class Dumper:
         """The run's dump budgets (capture/dumping/budget.py): a place is taken when a dump starts (background writes land
         later), identically on every rank; one process gives it back when its write fails."""
         self._writer = BackgroundWriter(self._store)
+        self.run_log = (
+            RunLog(self.root, run_id, state.ranks.rank, state.ranks.world_size, self._writer.call)
+            if config.recording.run_log
+            else None
+        )
+        """Every step's scalars (from the history) and every trigger and dump outcome (capture/recording/run_log.py),
+        beside the dumps (the fallback directory when the store does not answer)."""
+        if self.run_log is not None:
+            history.listener = self.run_log.step
 
     @property
     def root(self) -> Location:
@@ -129,6 +140,7 @@ class Dumper:
         try:
             admission = self.admit(incident) if admission is None else admission
             if admission.why_not is not None:
+                self._log_trigger(incident, None, admission.why_not)
                 return None, admission.why_not
             background = (
                 incident.trigger.kind.spike
@@ -137,6 +149,7 @@ class Dumper:
             )
             with deferred_termination():
                 outcome = self._write(incident, admission, background=background)
+            self._log_trigger(incident, outcome[0], outcome[1])
             if background:
                 self._writer.hook_sigterm()
             return outcome
@@ -146,6 +159,15 @@ class Dumper:
             self.errors.append(why)
             return None, why
 
+    def _log_trigger(self, incident: Incident, path: Location | None, why_not: str | None) -> None:
+        """The trigger's outcome in the run log; a failure there is logged and never reaches the step."""
+        if self.run_log is None:
+            return
+        try:
+            self.run_log.trigger(incident, path is not None, why_not)
+        except Exception:
+            log.exception("forensics: the run log could not note step %d's trigger", incident.step)
+
     def _store(self, content: DumpContent, root: Location) -> Location:
         """Writes one dump; to object storage under the stall deadline (capture/dumping/deadline.py)."""
         return deadline.store(content, root, self.config.dumping.write_stall_timeout)
@@ -154,11 +176,13 @@ class Dumper:
         """Waits for the background writes (Guard.close()) and logs what was not dumped since the last line."""
         self._writer.join(timeout)
         self.budget.not_dumped.flush()
+        if self.run_log is not None:
+            self.run_log.close(self.budget.manifest())
 
     def _write(self, incident: Incident, admission: Admission, background: bool) -> tuple[Location | None, str | None]:
         kind = incident.trigger.kind
-        written = functools.partial(self._written, admission=admission)
-        failed = functools.partial(self._failed, kind=kind, admission=admission)
+        written = functools.partial(self._written, admission=admission, step=incident.step)
+        failed = functools.partial(self._failed, kind=kind, admission=admission, step=incident.step)
         unusable = (
             "the CUDA context is unusable after a CUDA error" if (incident.exception or {}).get("cuda_error") else None
         )
@@ -185,9 +209,11 @@ class Dumper:
         written(path)
         return path, None
 
-    def _written(self, path: Location, admission: Admission | None = None) -> None:
+    def _written(self, path: Location, admission: Admission | None = None, step: int | None = None) -> None:
         config = self.config
         self.dumps.append(path)
+        if self.run_log is not None and step is not None:
+            self.run_log.event(EventKind.DUMP_WRITTEN, step)
         log.warning("forensics: dump written to %s — replay it with: %s", path, self.needs.command(path))
         if admission is not None and admission.replaces is not None:
             self._remove_spike_dump(admission.replaces.step, path)
@@ -199,7 +225,15 @@ class Dumper:
             except Exception:  # the user's hook must not stop the job either
                 log.exception("forensics: GuardConfig.dumping.on_dump raised for %s", path)
 
-    def _failed(self, message: str, kind: TriggerKind | None = None, admission: Admission | None = None) -> None:
+    def _failed(
+        self,
+        message: str,
+        kind: TriggerKind | None = None,
+        admission: Admission | None = None,
+        step: int | None = None,
+    ) -> None:
+        if self.run_log is not None and step is not None:
+            self.run_log.event(EventKind.DUMP_FAILED, step, error=message[:500])
         if kind is not None and admission is not None:  # several ranks: the attempt counts (dump_budget)
             self.budget.failed(kind, admission, self.state.ranks.multi_rank)
         self.errors.append(message)

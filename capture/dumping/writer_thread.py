@@ -29,6 +29,10 @@ EXIT_WAIT_S = 120.0
 takes seconds to write; a scheduler's kill (torchrun: SIGKILL 30 s after SIGTERM) may come first."""
 
 
+_on_writer = threading.local()
+"""`yes` on a writer thread."""
+
+
 class BackgroundWriter:
     """Writes queued dumps in order on one daemon thread; `after_queued` runs a function after the writes queued
     before it (deleting a replaced dump)."""
@@ -67,6 +71,15 @@ class BackgroundWriter:
         else:
             self._queue.put(("call", fn))
 
+    def call(self, fn: Callable[[], None]) -> None:
+        """Runs `fn` on the writer thread, after the writes queued before it (the run log's segments); called on
+        the writer thread itself (a callback of a write), runs it there and then."""
+        if getattr(_on_writer, "yes", False):
+            fn()
+            return
+        self._start()
+        self._queue.put(("call", fn))
+
     def _start(self) -> None:
         if self._thread is not None:
             return
@@ -84,6 +97,7 @@ class BackgroundWriter:
             _chain_sigterm(self)
 
     def _run(self) -> None:
+        _on_writer.yes = True
         while True:
             item = self._queue.get()
             try:

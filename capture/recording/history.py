@@ -5,7 +5,7 @@ so replay can tell a run that diverged long ago from a step that broke a healthy
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 from collections import deque
 
 FIRST_STEPS = 16  # the run's first finite losses / grad norms kept whole: its baseline
@@ -17,6 +17,8 @@ class History:
     def __init__(self, capacity: int):
         self.capacity = capacity
         self._rows: deque[tuple] = deque(maxlen=capacity)
+        self.listener: Callable[..., None] | None = None
+        """Also given each row (the run log: capture/recording/run_log.py)."""
         self._summary: dict[str, Any] = {
             "steps": 0,
             "first_step": None,
@@ -41,6 +43,8 @@ class History:
     ) -> None:
         """`suppressed`: the trigger kind warm-up kept from firing at this step (None: none)."""
         self._rows.append((step, loss, grad_norm, lr, loss_scale, clipped, skipped, suppressed))
+        if self.listener is not None:
+            self.listener(step, loss, grad_norm, lr, loss_scale, clipped, skipped, suppressed)
         summary = self._summary
         summary["steps"] += 1
         if summary["first_step"] is None:

@@ -28,6 +28,7 @@ from forensics.report.document import (
     Table,
     build_sections,
 )
+from forensics.report.run_curve import curve_svg
 from forensics.report.tree import Report, parse_report
 from forensics.report.wording import clean, fmt_num, verdict_label
 
@@ -134,7 +135,7 @@ def _verdict_box(sec: Section) -> str:
     return "\n".join(out)
 
 
-def render_html(report: Mapping | Report, *, plots: bool = True) -> str:
+def render_html(report: Mapping | Report, *, plots: bool = True, run_page: str | None = None) -> str:
     """The full report as one self-contained HTML page (report.html).
 
     Same sections as report.md, plus plots (matplotlib, Agg): loss / grad-norm history with the
@@ -145,6 +146,8 @@ def render_html(report: Mapping | Report, *, plots: bool = True) -> str:
     Args:
         report: a report dict (schema forensics-report/1).
         plots: draw plots (default True).
+        run_page: the link (relative to this page) to the run page of `forensics timeline`, shown with the run's
+            curve around this step (forensics/report/run_curve.py); None: the curve alone.
     Returns:
         The HTML text. It references nothing outside itself.
     Example:
@@ -181,6 +184,8 @@ def render_html(report: Mapping | Report, *, plots: bool = True) -> str:
                 '<section id="verdict">', f'<section id="verdict" class="verdict {verdict_css_class(kind)}">', 1
             )
         body.append(html_sec)
+        if sec.anchor == "verdict":
+            body.append(_run_section(r, run_page))
     body.append(
         f'<p class="note">Schema {escape(clean(r.schema or SCHEMA))}. '
         "This page is self-contained: it loads nothing from the network.</p>"
@@ -193,6 +198,17 @@ def render_html(report: Mapping | Report, *, plots: bool = True) -> str:
         + "\n".join(body)
         + "\n</body>\n</html>\n"
     )
+
+
+def _run_section(r: Report, run_page: str | None) -> str:
+    """The run around this step: the history ring's curve and the link back to the run page."""
+    history = r.history
+    svg = curve_svg(history.step, history.loss, history.grad_norm, r.dump.step) if history else ""
+    if run_page:
+        link = f'<a href="{escape(run_page)}">the whole run: every rank, every spike, dump and verdict</a>'
+    else:
+        link = "<code>forensics timeline DUMP_DIR</code> shows the whole run (every rank, spike, dump and verdict)"
+    return f'<section id="run"><h2>The run around this step</h2><p>{link}</p>{svg}</section>'
 
 
 def _has_plot_data(r: Report) -> bool:

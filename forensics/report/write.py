@@ -12,6 +12,7 @@ from forensics.core.fsio import atomic_write_text
 from forensics.report.model import SCHEMA_KEYS, ReportError, to_json_safe, validate_report
 from forensics.report.render_html import render_html
 from forensics.report.render_markdown import render_markdown
+from forensics.report.run_curve import relative_href, run_page_path
 from forensics.report.tree import CulpritSample, Report, parse_report
 from forensics.report.wording import fmt_id
 
@@ -65,7 +66,9 @@ def write_report_files(
         "md": atomic_write_text(out / REPORT_FILES["md"], render_markdown(safe)),
     }
     if html:
-        files["html"] = atomic_write_text(out / REPORT_FILES["html"], render_html(safe, plots=plots))
+        page = run_page_path(safe.dump.path, safe.dump.run_id)
+        link = relative_href(page, out) if page is not None else None
+        files["html"] = atomic_write_text(out / REPORT_FILES["html"], render_html(safe, plots=plots, run_page=link))
     log.info("wrote %s", ", ".join(str(p) for p in files.values()))
     return files
 
