@@ -17,12 +17,13 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from typing import Any, ContextManager, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
 from forensics.core.errors import ReplayError
 from forensics.core.grad_norm import total_grad_norm
+from forensics.core.sizes import words
 from forensics.core.thirdparty import foreach_norm
 from forensics.replay.load.fsdp_precision import fsdp_compute, parameter_units
 from forensics.replay.load.samples import SampleRef
@@ -252,12 +253,66 @@ class StreamedStepRunner(StepRunner):
         self.reset()
         return rows
 
+    def traffic(self) -> dict[str, int]:
+        """What the replay moved so far: passes, block reads (from the dump or the host cache), bytes read from the
+        dump (the load's read of every block included) and copied host to device, and the floor (each block once)."""
+        reader, load = self.streamer.reader, self.plan.streamed_bytes
+        cuda = self.session.device.type == "cuda"
+        return {
+            "passes": self.passes,
+            "block_reads": reader.reads,
+            "block_reads_from_storage": reader.storage_reads,
+            "bytes_from_storage": load + reader.storage_bytes,
+            "bytes_host_to_device": (load if cuda else 0) + reader.host_to_device_bytes,
+            "bytes_floor": load,
+        }
+
+    def metered(self, progress: Callable[[str], None] | None) -> Callable[[str], None] | None:
+        """`progress` with a line before each stage's saying what the stage before it moved (stream_plan's lines
+        and other indented ones pass through)."""
+        if progress is None:
+            return None
+        last = self.traffic()
+
+        def report(message: str) -> None:
+            nonlocal last
+            if not message.startswith(("  ", "streamed replay:")):
+                now = self.traffic()
+                if now != last:
+                    progress(f"  {traffic_words(now, last)}")
+                last = now
+            progress(message)
+
+        return report
+
+    def traffic_summary(self) -> str:
+        """The replay's traffic against the floor, one line for the stage log."""
+        now = self.traffic()
+        moved = (
+            f", {words(now['bytes_host_to_device'])} host→device"
+            if self.session.device.type == "cuda"
+            else " (the CPU: nothing crosses a bus)"
+        )
+        cache = self.plan.cache
+        kept = f"; host cache {words(cache.held_bytes)} of {words(self.plan.streamed_bytes)}" if cache else ""
+        return (
+            f"streamed replay, in all: {now['passes']} passes, {now['block_reads']} block reads "
+            f"({now['block_reads_from_storage']} from the dump); {words(now['bytes_from_storage'])} read from the "
+            f"dump{moved}; the floor, each block once: {words(now['bytes_floor'])}{kept}"
+        )
+
     def stream_report(self) -> dict:
         """The report's `stream` block: the plan and what the replay did with it."""
+        traffic = self.traffic()
         return {
             **self.plan.as_dict(),
             "peak_blocks_materialised": self.streamer.peak,
             "block_reads": self.streamer.reader.reads,
+            "block_reads_from_storage": traffic["block_reads_from_storage"],
+            "bytes_from_storage": traffic["bytes_from_storage"],
+            "bytes_host_to_device": traffic["bytes_host_to_device"],
+            "bytes_floor": traffic["bytes_floor"],
+            "host_cache_bytes": self.plan.cache.held_bytes if self.plan.cache is not None else 0,
             "read_ahead_used": self.streamer.reader.hits,
             "blocks_cast_not_read": self.streamer.casts,
             "evicted_for_memory": self.streamer.memory_evictions,
@@ -265,6 +320,16 @@ class StreamedStepRunner(StepRunner):
             "gradient_pinned_bytes": self.streamer.grads.pinned_bytes,
             "gradient_host_alloc_seconds": round(self.streamer.grads.alloc_seconds, 3),
         }
+
+
+def traffic_words(now: dict[str, int], before: dict[str, int]) -> str:
+    """What moved between two `traffic()` readings, in words."""
+    delta = {k: now[k] - before.get(k, 0) for k in now}
+    return (
+        f"(that stage: {delta['passes']} pass{'' if delta['passes'] == 1 else 'es'}, {delta['block_reads']} block reads, "
+        f"{delta['block_reads_from_storage']} of them from the dump, {words(delta['bytes_from_storage'])} read, "
+        f"{words(delta['bytes_host_to_device'])} host→device)"
+    )
 
 
 def runner_for(session: ReplaySession) -> StepRunner:
