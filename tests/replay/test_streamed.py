@@ -227,3 +227,62 @@ def test_gradients_off_the_device_round_trip_through_mapped_files(tmp_path):
     assert store.kept == {"a"} and list(tmp_path.iterdir())  # the directory holds the (unlinked) mapping's home
     store.close()
     assert not list(tmp_path.iterdir())
+
+
+def test_host_cache_reads_each_block_from_the_dump_once(tmp_path, helpers, kit):
+    """With host memory for every block, the load's read is the replay's only read of the dump (the floor): later
+    passes copy from the cache, and the report is the normal replay's; a cache of one block reads the others again."""
+    dump = _gpt2_dump(tmp_path, helpers, kit, layers=4)
+    options = dict(device="cpu", remedies=False, rng_check=False, max_per_sample=3)
+    normal = run_replay(dump, ReplayOptions(**options))
+    stages: list[str] = []
+    cached = run_replay(
+        dump, ReplayOptions(**options, memory_budget=TINY, host_cache_bytes=1 << 30), progress=stages.append
+    )
+    _same_report(normal, cached, helpers)
+    stream = cached["stream"]
+    assert stream["blocks_resident"] == 1 and stream["block_reads"] > 2 * stream["blocks"]  # many passes, K = 1
+    assert stream["block_reads_from_storage"] == 0
+    assert stream["bytes_from_storage"] == stream["bytes_floor"] == stream["host_cache_bytes"] > 0
+    assert any(s.startswith("  (that stage:") for s in stages)
+    assert any(s.startswith("streamed replay, in all:") for s in stages)
+
+    uncached = run_replay(dump, ReplayOptions(**options, memory_budget=TINY))  # the CPU's default: no cache
+    _same_report(normal, uncached, helpers)
+    assert uncached["stream"]["host_cache_bytes"] == 0
+    assert uncached["stream"]["block_reads_from_storage"] == uncached["stream"]["block_reads"]
+    assert uncached["stream"]["bytes_from_storage"] > 4 * uncached["stream"]["bytes_floor"]
+
+    one_block = run_replay(
+        dump, ReplayOptions(**options, memory_budget=TINY, host_cache_bytes=stream["block_bytes"])
+    )
+    _same_report(normal, one_block, helpers)
+    partial = one_block["stream"]
+    assert 0 < partial["host_cache_bytes"] <= partial["block_bytes"]
+    assert stream["bytes_floor"] < partial["bytes_from_storage"] < uncached["stream"]["bytes_from_storage"]
+
+
+def test_host_cache_holds_the_dump_values_and_hands_out_copies():
+    from forensics.replay.load.host_cache import HostBlockCache, host_cache_capacity
+    from forensics.replay.run.read_ahead import BlockReader
+
+    weights = {"a": torch.randn(64), "b": torch.randn(64).to(torch.bfloat16)}
+    cache = HostBlockCache(capacity=64 * 4 + 64 * 2, device=torch.device("cpu"))
+    assert cache.offer("a", weights["a"]) and cache.offer("b", weights["b"])
+    assert not cache.offer("c", torch.zeros(1))  # full: refused, nothing evicted
+    reads = []
+
+    def read(names=None):
+        reads.append(set(names))
+        yield from ((n, t) for n, t in weights.items() if n in names)
+
+    reader = BlockReader(read, torch.device("cpu"), ahead=False, cache=cache)
+    out = reader.read(0, {"a": torch.float32, "b": torch.float32})
+    assert reads == [] and reader.storage_bytes == 0  # nothing read from the dump
+    assert torch.equal(out["a"], weights["a"]) and torch.equal(out["b"], weights["b"].float())
+    out["a"].add_(1.0)  # a pass writing its weights leaves the cache alone
+    assert torch.equal(cache.get("a"), weights["a"])
+    assert host_cache_capacity(torch.device("cpu"), 1000, None) == 0  # the CPU's budget is the host's memory
+    assert host_cache_capacity(torch.device("cpu"), 1000, 1 << 30) == 1000  # never more than the blocks
+    cache.close()
+    assert len(cache) == 0 and not cache.offer("a", weights["a"])
