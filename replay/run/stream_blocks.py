@@ -32,6 +32,7 @@ from forensics.core.thirdparty import foreach_norm, tree_flatten, tree_unflatten
 from forensics.replay.load.host_cache import pinned_slab, unregister
 from forensics.replay.load.stream_plan import ACTIVATION_SHARE, StreamPlan, at_rest
 from forensics.replay.run.execute import any_nonfinite
+from forensics.replay.run.lockstep import Lockstep
 from forensics.replay.run.read_ahead import BlockReader
 
 _FORWARD = torch.nn.Linear.forward.__name__  # the method nn.Module.__call__ runs, overridden per block instance
@@ -87,6 +88,9 @@ class BlockStreamer:
         self.after_recompute: Callable[[list[torch.Tensor]], None] | None = None
         """Called with a block's recomputed outputs before their backward runs."""
         self._forwards: list[tuple[torch.nn.Module, Any]] = []
+        self.lockstep: Lockstep | None = None
+        """Set while several forward-only passes run block-major (replay/run/lockstep.py): asked before a block is
+        materialised."""
 
     # -- hooks -----------------------------------------------------------------------------------
     def install(self) -> None:
@@ -132,9 +136,16 @@ class BlockStreamer:
         self.capacity = max(1, capacity)
         self._incoming = size
 
+    def holds(self, index: int) -> bool:
+        """Block `index` is materialised in the dtypes the pass computes in."""
+        hit = self.cache.get(index)
+        return hit is not None and hit[0] == self._dtypes(index)
+
     def acquire(self, index: int) -> None:
         """Block `index`'s weights materialised in its parameters (read from the dump unless still cached, in the
         dtypes the pass computes in: blocks stay materialised from one pass to the next, up to K)."""
+        if self.lockstep is not None:  # a pass of several run block-major waits until all of them need the block
+            self.lockstep.need(index)
         key = self._dtypes(index)
         self._fit(index, key)
         hit = self.cache.get(index)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any, Callable, ContextManager, Iterator, TypeVar
 
 import torch
 
@@ -29,7 +29,10 @@ from forensics.replay.load.fsdp_precision import fsdp_compute, parameter_units
 from forensics.replay.load.samples import SampleRef
 from forensics.replay.load.session import ReplaySession
 from forensics.replay.run.execute import StepRunner, any_nonfinite
+from forensics.replay.run.lockstep import Lockstep
 from forensics.replay.run.stream_blocks import BlockStreamer
+
+T = TypeVar("T")
 
 STREAMED_PER_SAMPLE = 8
 """Streamed, each per-sample row is a pass over the whole model: culprits and at most this many rows."""
@@ -59,6 +62,8 @@ class StreamedStepRunner(StepRunner):
         bad = set(self.plan.nonfinite) | {n for n, f in flags.items() if f}
         self.nonfinite_params = [n for n in self.param_names if n in bad]
         self.passes = 0
+        self.lockstep_waits = 0
+        """Times a pass run block-major waited for a block (run_forwards)."""
         self._untouched = session.loaded_weights
         self._warned_autocast = False
         self._warned_unrunnable = False
@@ -71,6 +76,21 @@ class StreamedStepRunner(StepRunner):
     def close(self) -> None:
         """Puts the blocks' own forwards back and frees what the streamer holds."""
         self.streamer.remove()
+
+    block_major = True
+
+    def run_forwards(self, jobs: list[Callable[[], T]]) -> list[T]:
+        """The jobs' forward-only passes together, each block materialised once for all of them
+        (replay/run/lockstep.py)."""
+        if len(jobs) < 2:
+            return [job() for job in jobs]
+        lockstep = Lockstep(self.streamer.holds, self.session.device)
+        self.streamer.lockstep = lockstep
+        try:
+            return lockstep.run(jobs)
+        finally:
+            self.streamer.lockstep = None
+            self.lockstep_waits += lockstep.waits
 
     # -- the base runner's state, without the streamed parameters --------------------------------
     def _live_tensors(self) -> list[tuple[str, torch.Tensor]]:

@@ -32,6 +32,9 @@ def _same_report(normal: dict, streamed: dict, helpers) -> None:
     assert [s["sample_id"] for s in key(streamed, "culprit", "samples")] == [
         s["sample_id"] for s in key(normal, "culprit", "samples")
     ]
+    # the search itself: a streamed bisection runs its forward passes block-major, looking ahead (replay/run/lockstep.py)
+    assert key(streamed, "bisection") == key(normal, "bisection")
+    assert key(streamed, "rng") == key(normal, "rng")
 
 
 def _gpt2_dump(tmp_path, helpers, kit, layers: int = 2):
@@ -286,3 +289,39 @@ def test_host_cache_holds_the_dump_values_and_hands_out_copies():
     assert host_cache_capacity(torch.device("cpu"), 1000, 1 << 30) == 1000  # never more than the blocks
     cache.close()
     assert len(cache) == 0 and not cache.offer("a", weights["a"])
+
+
+def test_forward_passes_run_block_major_compute_what_each_computes_alone(tmp_path, helpers, kit):
+    """run_forwards: several forward-only passes through each block while it is materialised, each pass with its
+    own RNG (the GPT-2's dropout draws its masks in train mode), the same losses as each pass run alone, in fewer
+    block reads."""
+    from forensics.format import open_dump
+    from forensics.replay.options import load
+    from forensics.replay.run.streamed_runner import runner_for
+
+    dump = _gpt2_dump(tmp_path, helpers, kit, layers=4)
+    session = load(open_dump(dump), ReplayOptions(device="cpu", memory_budget=TINY, host_cache_bytes=1 << 30))
+    runner = runner_for(session)
+    try:
+        assert runner.block_major and runner.plan.resident_blocks == 1
+        refs = session.sample_refs
+        subsets = [refs[:3], refs[3:], refs[1:6]]
+
+        def seeded(seed: int) -> list:
+            torch.manual_seed(seed)
+            return runner.run(restore_rng=False, backward=False).losses
+
+        reads = runner.streamer.reader.reads
+        alone = [runner.run(s, backward=False).losses for s in subsets] + [seeded(seed) for seed in (1, 2)]
+        walked_alone = runner.streamer.reader.reads - reads
+        reads = runner.streamer.reader.reads
+        together = runner.run_forwards(
+            [lambda s=s: runner.run(s, backward=False).losses for s in subsets]
+            + [lambda seed=seed: seeded(seed) for seed in (1, 2)]
+        )
+        walked_together = runner.streamer.reader.reads - reads
+    finally:
+        runner.close()
+    assert repr(together) == repr(alone)  # bitwise, nan included
+    assert alone[3] != alone[4]  # the seeds drew other dropout masks: the RNG was each pass's own
+    assert runner.lockstep_waits > 0 and 3 * walked_together <= walked_alone
