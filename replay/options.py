@@ -68,6 +68,10 @@ class ReplayOptions:
     """A streamed replay: host memory that keeps the blocks' dump values, so each byte is read from storage once and
     later passes only copy host to device (replay/load/host_cache.py). None: half the host's available memory on a
     GPU; none on the CPU, whose memory --memory-budget holds; 0: every pass reads the dump."""
+    block_major: bool = True
+    """A streamed replay runs a stage's forward-only passes together, each block brought to the device once for all
+    of them (replay/run/lockstep.py: the bisection's look-ahead, the other seeds); False: one walk over the blocks per
+    pass, the schedule before (scripts/bench/replay_stream.py measures both). The report is the same either way."""
 
     def __post_init__(self):
         if self.memory_budget is not None and self.memory_budget <= 0:

@@ -82,6 +82,7 @@ def session_report(
     options = options or ReplayOptions()
     started = time.monotonic() if started is None else started
     runner = runner_for(session)
+    runner.block_major = runner.block_major and options.block_major
     try:
         if session.stream is not None:
             passes = expected_passes(

@@ -256,9 +256,7 @@ def test_host_cache_reads_each_block_from_the_dump_once(tmp_path, helpers, kit):
     assert uncached["stream"]["block_reads_from_storage"] == uncached["stream"]["block_reads"]
     assert uncached["stream"]["bytes_from_storage"] > 4 * uncached["stream"]["bytes_floor"]
 
-    one_block = run_replay(
-        dump, ReplayOptions(**options, memory_budget=TINY, host_cache_bytes=stream["block_bytes"])
-    )
+    one_block = run_replay(dump, ReplayOptions(**options, memory_budget=TINY, host_cache_bytes=stream["block_bytes"]))
     _same_report(normal, one_block, helpers)
     partial = one_block["stream"]
     assert 0 < partial["host_cache_bytes"] <= partial["block_bytes"]
