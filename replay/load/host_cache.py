@@ -19,6 +19,7 @@ memory (/proc/meminfo's MemAvailable), at most the streamed blocks' bytes; on a 
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
@@ -91,6 +92,7 @@ class HostBlockCache:
         self._slabs: list[list] = []
         """[page-locked uint8 tensor, bytes used] of each slab."""
         self._registered: list[torch.Tensor] = []
+        weakref.finalize(self, unregister, self._registered)  # a load that failed after filling it never closes it
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
