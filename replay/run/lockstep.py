@@ -6,7 +6,9 @@ own, one thread at a time (a baton). A pass that needs a block the streamer does
 asks `need`) hands the baton to the next pass; once every pass waits, the lowest block they wait for is
 materialised, once, and each pass waiting for it runs through it in turn, in the jobs' order. Every pass computes
 what it would alone: the global RNG states (torch, CUDA, Python, numpy) are each pass's own, saved when it hands the
-baton on and put back when it gets it again; grad mode and autocast are per thread already. The passes run without
+baton on and put back when it gets it again; grad mode and autocast are per thread already; what each pass sets
+up for the process and tears down at its end (the warnings filters, FSDP2's compute dtypes: StreamedStepRunner
+counts its users) is put back once, when the last pass is over. The passes run without
 autograd (their values are the same; each keeps only its current hidden state, not every block's inputs).
 
 Backward passes are not run this way: the autograd engine runs a CUDA graph's backward on one device thread, which a
@@ -16,6 +18,7 @@ waiting pass would block.
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Callable, Sequence, TypeVar
 
 import torch
@@ -51,6 +54,7 @@ class Lockstep:
         errors: list[BaseException | None] = [None] * len(jobs)
         start = capture_rng()
         last = [start]
+        filters, show = warnings.filters[:], warnings.showwarning
 
         def task(number: int) -> None:
             with self._cond:
@@ -83,6 +87,10 @@ class Lockstep:
         for thread in threads:
             thread.join()
         self._ids.clear()
+        # each pass entered and left warnings.catch_warnings (StepRunner.run) at its own time: not nested, they
+        # leave the process-wide filters of whichever entered first; put back what was there, as catch_warnings does
+        warnings.filters[:], warnings.showwarning = filters, show
+        getattr(warnings, "_filters_mutated", lambda: None)()  # the filters' cache invalidated (CPython's own hook)
         restore_rng(last[0])  # as after the last pass run alone
         for error in errors:
             if error is not None:

@@ -63,6 +63,9 @@ class StreamedStepRunner(StepRunner):
         self.nonfinite_params = [n for n in self.param_names if n in bad]
         self.passes = 0
         self.lockstep_waits = 0
+        self._fsdp_users = 0
+        self._together = False
+        self._fsdp_exit = contextlib.ExitStack()
         """Times a pass run block-major waited for a block (run_forwards)."""
         self._untouched = session.loaded_weights
         self._warned_autocast = False
@@ -80,16 +83,19 @@ class StreamedStepRunner(StepRunner):
     block_major = True
 
     def run_forwards(self, jobs: list[Callable[[], T]]) -> list[T]:
-        """The jobs' forward-only passes together, each block materialised once for all of them
-        (replay/run/lockstep.py)."""
+        """The jobs' forward-only passes (in the job's precision, not fp32) together, each block materialised once for
+        all of them (replay/run/lockstep.py). The weights are put back once, before the first: a buffer a forward
+        writes (BatchNorm's running statistics, which a forward in train mode does not read) is shared."""
         if len(jobs) < 2:
             return [job() for job in jobs]
         lockstep = Lockstep(self.streamer.holds, self.session.device)
-        self.streamer.lockstep = lockstep
+        self.reset()  # once for all: a pass's own reset would undo the compute dtypes of the passes under way
+        self.streamer.lockstep, self._together = lockstep, True
         try:
-            return lockstep.run(jobs)
+            with self.job_precision():  # entered once for all (each pass's own enter and exit only count)
+                return lockstep.run(jobs)
         finally:
-            self.streamer.lockstep = None
+            self.streamer.lockstep, self._together = None, False
             self.lockstep_waits += lockstep.waits
 
     # -- the base runner's state, without the streamed parameters --------------------------------
@@ -100,6 +106,8 @@ class StreamedStepRunner(StepRunner):
         return super()._stale({k: v for k, v in live.items() if k not in self._streamed})
 
     def reset(self) -> None:
+        if self._together:  # passes run together start from the state run_forwards put back once
+            return
         self.streamer.fp32 = False
         super().reset()
         self.streamer.new_pass(keep=self._keep_next)
@@ -111,7 +119,21 @@ class StreamedStepRunner(StepRunner):
     def job_precision(self, fp32: bool = False) -> ContextManager:
         if fp32 or not self.session.fsdp_units:
             return contextlib.nullcontext()
-        return self._streamed_fsdp()
+        return self._shared_fsdp()
+
+    @contextlib.contextmanager
+    def _shared_fsdp(self) -> Iterator[None]:
+        """`_streamed_fsdp`, set up by the first of the passes run together (run_forwards) to enter and torn down by
+        the last to leave: each enters and leaves at its own time, while the others are still computing."""
+        if self._fsdp_users == 0:
+            self._fsdp_exit.enter_context(self._streamed_fsdp())
+        self._fsdp_users += 1
+        try:
+            yield
+        finally:
+            self._fsdp_users -= 1
+            if self._fsdp_users == 0:
+                self._fsdp_exit.close()
 
     @contextlib.contextmanager
     def _streamed_fsdp(self) -> Iterator[None]:

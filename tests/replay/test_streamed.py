@@ -295,7 +295,10 @@ def test_forward_passes_run_block_major_compute_what_each_computes_alone(tmp_pat
     """run_forwards: several forward-only passes through each block while it is materialised, each pass with its
     own RNG (the GPT-2's dropout draws its masks in train mode), the same losses as each pass run alone, in fewer
     block reads."""
+    import warnings
+
     from forensics.format import open_dump
+    from forensics.replay.load.fsdp_precision import parse_units
     from forensics.replay.options import load
     from forensics.replay.run.streamed_runner import runner_for
 
@@ -320,8 +323,18 @@ def test_forward_passes_run_block_major_compute_what_each_computes_alone(tmp_pat
             + [lambda seed=seed: seeded(seed) for seed in (1, 2)]
         )
         walked_together = runner.streamer.reader.reads - reads
+        filters = warnings.filters[:]
+        # FSDP2 bf16 compute: set up by the first pass to start, torn down by the last to end (each pass's own
+        # enter and exit would leave the later passes computing in fp32)
+        session.fsdp_units = parse_units(
+            [{"module": "", "param_dtype": "bfloat16", "reduce_dtype": "float32", "cast_forward_inputs": True}]
+        )
+        bf16_alone = [runner.run(s, backward=False).losses for s in subsets]
+        bf16_together = runner.run_forwards([lambda s=s: runner.run(s, backward=False).losses for s in subsets])
     finally:
         runner.close()
     assert repr(together) == repr(alone)  # bitwise, nan included
     assert alone[3] != alone[4]  # the seeds drew other dropout masks: the RNG was each pass's own
     assert runner.lockstep_waits > 0 and 3 * walked_together <= walked_alone
+    assert warnings.filters == filters  # the passes' catch_warnings, entered and left interleaved, put back
+    assert repr(bf16_together) == repr(bf16_alone) and bf16_alone[0] != alone[0]
