@@ -4,6 +4,7 @@ the loss history, and the evidence about the culprits' records."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Any, Callable, cast
@@ -193,7 +194,7 @@ def bisect_samples(
         runs = [fed(s) for s in subsets]
         runs = [r for r in runs if r and tuple(r) not in answered]
         with runner.speculating():
-            results = runner.run_forwards([lambda r=r: runner.run(r, backward=False) for r in runs])
+            results = runner.run_forwards([functools.partial(runner.run, r, backward=False) for r in runs])
         answered.update({tuple(r): result for r, result in zip(runs, results)})
 
     if len(refs) == 1:

@@ -131,6 +131,11 @@ class StreamPlan:
             f"({'the next one read ahead' if self.read_ahead else 'no read-ahead'}; fp32 re-run: "
             f"{self.fp32_blocks})",
         ]
+        if self.cache is not None:
+            lines.append(
+                f"  host cache: {words(self.cache.held_bytes)} of the blocks' {words(self.streamed_bytes)} kept in "
+                "host memory, copied to the device instead of read from the dump again"
+            )
         if expected_passes is not None:
             reads = self.expected_reads(expected_passes, micro_batches)
             per = ""

@@ -89,7 +89,7 @@ class Lockstep:
         self._ids.clear()
         # each pass entered and left warnings.catch_warnings (StepRunner.run) at its own time: not nested, they
         # leave the process-wide filters of whichever entered first; put back what was there, as catch_warnings does
-        warnings.filters[:], warnings.showwarning = filters, show
+        warnings.filters, warnings.showwarning = filters, show
         getattr(warnings, "_filters_mutated", lambda: None)()  # the filters' cache invalidated (CPython's own hook)
         restore_rng(last[0])  # as after the last pass run alone
         for error in errors:

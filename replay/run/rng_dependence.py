@@ -8,9 +8,10 @@ itself reproducible; the caller's global RNG state is put back afterwards.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
-from typing import TypedDict
+from typing import Iterable, TypedDict
 
 import torch
 
@@ -75,9 +76,10 @@ def check_rng_dependence(
     saved = capture_rng()
     tried, failed = [], []
     try:
+        results: Iterable[StepResult]
         if runner.block_major and not needs_backward:  # every seed's forward in one walk over the blocks
             with runner.speculating():
-                results = runner.run_forwards([lambda seed=seed: _run_from(runner, seed) for seed in seeds])
+                results = runner.run_forwards([functools.partial(_run_from, runner, seed) for seed in seeds])
         else:
             results = (_run_from(runner, seed, needs_backward) for seed in seeds)
         for seed, result in zip(seeds, results):

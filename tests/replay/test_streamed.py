@@ -249,6 +249,7 @@ def test_host_cache_reads_each_block_from_the_dump_once(tmp_path, helpers, kit):
     assert stream["blocks_resident"] == 1 and stream["block_reads"] > 2 * stream["blocks"]  # many passes, K = 1
     assert stream["block_reads_from_storage"] == 0
     assert stream["bytes_from_storage"] == stream["bytes_floor"] == stream["host_cache_bytes"] > 0
+    assert any(s.startswith("  host cache: ") for s in stages)  # the plan says it before the first pass
     assert any(s.startswith("  (that stage:") for s in stages)
     assert any(s.startswith("streamed replay, in all:") for s in stages)
 
