@@ -43,17 +43,22 @@ if cuda:  # the CPU runs the same probe (a check of this script), without an enf
     total = torch.cuda.get_device_properties(torch.device(device)).total_memory
     if limit is not None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), torch.device(device))
-marks = []
+marks, cpu_marks = [], []
+cpu0 = time.process_time()  # CPU seconds of every thread of this process: steadier than wall time on a shared CPU
+def mark(message):
+    marks.append((round(time.perf_counter() - start, 2), message[:160]))
+    cpu_marks.append(round(time.process_time() - cpu0, 2))
 start = time.perf_counter()
 try:
     report = run_replay(dump, ReplayOptions(device=device, rank=int(rank) if rank != "-" else None,
                                             memory_budget=limit, remedies=remedies == "1", rng_check=rng == "1",
                                             **(schedule if limit is not None else {})),
-                        progress=lambda m: marks.append((round(time.perf_counter() - start, 2), m[:160])))
+                        progress=mark)
 except Exception as exc:  # the plan's refusal names the least budget: the caller retries with it
     print("RESULT " + json.dumps({"budget": budget, "error": str(exc)}))
     raise SystemExit(0)
 out = {"budget": budget, "replay_s": round(time.perf_counter() - start, 2),
+       "cpu_s": round(time.process_time() - cpu0, 2), "stage_cpu": cpu_marks,
        "gpu_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
        "total_gib": round(total / 2**30, 1),
        "verdict": report["verdict"]["kind"],
@@ -100,12 +105,19 @@ def least_budget(error: str) -> str | None:
     return error.split("--memory-budget ")[1].split()[0]
 
 
-def stage_times(row: dict) -> dict[str, float]:
+def stage_times(row: dict, clock: str = "wall") -> dict[str, float]:
     """{stage: seconds} of one row: from each stage's progress line to the next one's (the plan's lines, printed
-    before the first pass, fold into the stage before them; the last stage runs to the end of the replay)."""
-    marks = [(at, message) for at, message in row["stages"] if not message.startswith(("  ", "streamed replay"))]
+    before the first pass, fold into the stage before them; the last stage runs to the end of the replay); `clock`
+    "cpu": the process's CPU seconds instead of wall time."""
+    ats = row["stage_cpu"] if clock == "cpu" else [at for at, _ in row["stages"]]
+    end_at = row["cpu_s"] if clock == "cpu" else row["replay_s"]
+    marks = [
+        (at, message)
+        for at, (_, message) in zip(ats, row["stages"])
+        if not message.startswith(("  ", "streamed replay"))
+    ]
     out: dict[str, float] = {}
-    for (at, message), (end, _) in zip(marks, marks[1:] + [(row["replay_s"], "")]):
+    for (at, message), (end, _) in zip(marks, marks[1:] + [(end_at, "")]):
         name = message.split(" (")[0].split(" on ")[0].split(" /")[0]
         name = "loading model and step" if name.startswith("loading model") else name
         name = "bisecting samples" if name.startswith("bisecting") else name
@@ -113,13 +125,13 @@ def stage_times(row: dict) -> dict[str, float]:
     return out
 
 
-def print_stage_times(rows: list[dict]) -> None:
+def print_stage_times(rows: list[dict], clock: str = "wall") -> None:
     """Seconds per stage, one column per budget."""
     if not rows:
         return
-    times = [stage_times(r) for r in rows]
+    times = [stage_times(r, clock) for r in rows]
     stages = list(dict.fromkeys(name for t in times for name in t))
-    print("\n| stage (s) | " + " | ".join(r["budget"] for r in rows) + " |")
+    print(f"\n| stage ({'CPU ' if clock == 'cpu' else ''}s) | " + " | ".join(r["budget"] for r in rows) + " |")
     print("|---|" + "---|" * len(rows))
     for stage in stages:
         print(f"| {stage} | " + " | ".join(f"{t[stage]:.2f}" if stage in t else "-" for t in times) + " |")
@@ -178,7 +190,7 @@ def main() -> int:
         for at, message in row["stages"]:
             print(f"  [{row['budget']} +{at:7.2f}s] {message}", flush=True)
     print(
-        "\n| budget | GPU peak (GiB) | replay to verdict (s) | passes | blocks at once (K) / of | block reads (from the "
+        "\n| budget | GPU peak (GiB) | replay to verdict (s; CPU s of the process) | passes | blocks at once (K) / of | block reads (from the "
         "dump) | GiB read from the dump / host→device / floor | read ahead used | cast, not read | evicted for memory | "
         "gradients off the device: host GiB (pinned), s making buffers | verdict | culprits |"
     )
@@ -191,7 +203,8 @@ def main() -> int:
         k = f"{stream.get('blocks_resident')} / {stream.get('blocks')}" if stream else "all"
         reads = f"{stream['block_reads']} ({stream.get('block_reads_from_storage', '-')})" if stream else "-"
         print(
-            f"| {row['budget']} | {row['gpu_peak_gib']} | {row['replay_s']} | {row['passes']} | {k} | {reads} | "
+            f"| {row['budget']} | {row['gpu_peak_gib']} | {row['replay_s']} ({row['cpu_s']} CPU) | {row['passes']} | "
+            f"{k} | {reads} | "
             f"{_traffic(stream)} | {stream.get('read_ahead_used', '-')} | "
             f"{stream.get('blocks_cast_not_read', '-')} | {stream.get('evicted_for_memory', '-')} | {_host(stream)} | "
             f"{row['verdict']} | "
@@ -218,6 +231,8 @@ def main() -> int:
             )
     print(f"same verdict and culprits in every row: {same}")
     print_stage_times(good)
+    if args.device == "cpu":  # a shared CPU's wall time moves with the other jobs' load
+        print_stage_times(good, "cpu")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(rows, handle, indent=1)
