@@ -63,7 +63,7 @@ class Lockstep:
             try:
                 if self.device.type == "cuda":  # a thread starts on cuda:0, whatever the replay's device
                     torch.cuda.set_device(self.device)
-                restore_rng(start)  # each pass starts where a pass run alone would
+                restore_rng(start)  # each pass starts from the same state (the jobs restore or seed their own)
                 with torch.no_grad():
                     results[number] = jobs[number]()
             except BaseException as exc:  # noqa: BLE001 - handed to the caller below
