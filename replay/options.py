@@ -64,12 +64,22 @@ class ReplayOptions:
     memory_budget: int | None = None
     """Bytes the replay may use on its device (CLI --memory-budget 16GiB; the CPU too). A state that does not fit them,
     or without a budget a GPU's free memory, is streamed block by block (replay/run/streamed_runner.py; report `stream`)."""
+    host_cache_bytes: int | None = None
+    """A streamed replay: host memory that keeps the blocks' dump values, so each byte is read from storage once and
+    later passes only copy host to device (replay/load/host_cache.py). None: half the host's available memory on a
+    GPU; none on the CPU, whose memory --memory-budget holds; 0: every pass reads the dump."""
+    block_major: bool = True
+    """A streamed replay runs a stage's forward-only passes together, each block brought to the device once for all
+    of them (replay/run/lockstep.py: the bisection's look-ahead, the other seeds); False: one walk over the blocks per
+    pass, the schedule before (scripts/bench/replay_stream.py measures both). The report is the same either way."""
 
     def __post_init__(self):
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError(
                 f"ReplayOptions.memory_budget must be a positive number of bytes, got {self.memory_budget}"
             )
+        if self.host_cache_bytes is not None and self.host_cache_bytes < 0:
+            raise ValueError(f"ReplayOptions.host_cache_bytes must be >= 0 bytes, got {self.host_cache_bytes}")
         if self.max_attempts < 1:
             raise ValueError(f"ReplayOptions.max_attempts must be >= 1, got {self.max_attempts}")
         if self.max_per_sample < 0:
@@ -91,6 +101,7 @@ def load(dump: Any, options: ReplayOptions, weights: bool = True) -> ReplaySessi
         memory_budget=options.memory_budget,
         factory_kwargs=options.factory_kwargs,
         loss_kwargs=options.loss_kwargs,
+        host_cache_bytes=options.host_cache_bytes,
     )
 
 

@@ -82,6 +82,7 @@ def session_report(
     options = options or ReplayOptions()
     started = time.monotonic() if started is None else started
     runner = runner_for(session)
+    runner.block_major = runner.block_major and options.block_major
     try:
         if session.stream is not None:
             passes = expected_passes(
@@ -93,9 +94,12 @@ def session_report(
             )
             for line in session.stream.describe(passes, len(session.micro_batches)):
                 stage(progress, line)
-        report = _stages(session, runner, options, progress, dump_info, history, started, earlier)
-        if isinstance(runner, StreamedStepRunner):  # the session has a stream plan
-            report.stream = runner.stream_report()
+        streamed = runner if isinstance(runner, StreamedStepRunner) else None  # the session has a stream plan
+        metered = streamed.metered(progress) if streamed is not None else progress
+        report = _stages(session, runner, options, metered, dump_info, history, started, earlier)
+        if streamed is not None:
+            stage(metered, streamed.traffic_summary())
+            report.stream = streamed.stream_report()
         return report
     finally:
         runner.close()

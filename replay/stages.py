@@ -4,6 +4,7 @@ the loss history, and the evidence about the culprits' records."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Any, Callable, cast
@@ -22,7 +23,7 @@ from forensics.replay.load.session import ReplaySession
 from forensics.replay.localize.exception import localize_exception
 from forensics.replay.localize.forward_backward import INPUT_MODULE, localize_backward, localize_forward
 from forensics.replay.localize.update import localize_optimizer
-from forensics.replay.run.execute import SampleRef, StepRunner, reproduce
+from forensics.replay.run.execute import SampleRef, StepResult, StepRunner, reproduce
 from forensics.replay.run.rng_dependence import check_rng_dependence
 from forensics.replay.run.streamed_runner import STREAMED_PER_SAMPLE, StreamedStepRunner
 
@@ -166,15 +167,35 @@ def bisect_samples(
     # gradients is larger), so a spike culprit is the smallest set whose REMOVAL ends the spike.
     needs_backward, by_removal = kind.needs_backward, kind.spike
 
+    answered: dict[tuple[SampleRef, ...], StepResult] = {}
+
     def run_fails(subset: list[SampleRef]) -> bool:
-        return runner.run(subset, backward=needs_backward).trigger_reproduced(kind, threshold)
+        result = answered.pop(tuple(subset), None)
+        if result is None:
+            result = runner.run(subset, backward=needs_backward)
+        elif result.unrunnable and result.raised is not None:
+            runner.note_unrunnable(result.raised)  # told now, as the run would have told it
+        return result.trigger_reproduced(kind, threshold)
+
+    def fed(subset: list[SampleRef]) -> list[SampleRef]:
+        """The samples a test of `subset` runs: the subset, or for a removal test the others."""
+        chosen = set(subset)
+        return [r for r in refs if r not in chosen] if by_removal else list(subset)
 
     def fails(subset: list[SampleRef]) -> bool:
         if by_removal:
-            chosen = set(subset)
-            rest = [r for r in refs if r not in chosen]
+            rest = fed(subset)
             return not rest or not run_fails(rest)
         return run_fails(subset)
+
+    def prefetch(subsets: list[list[SampleRef]]) -> None:
+        """The forward passes ddmin may ask for next, run together (a streamed runner: block by block, each block
+        brought to the device once); what they would tell the report is told when ddmin asks (run_fails)."""
+        runs = [fed(s) for s in subsets]
+        runs = [r for r in runs if r and tuple(r) not in answered]
+        with runner.speculating():
+            results = runner.run_forwards([functools.partial(runner.run, r, backward=False) for r in runs])
+        answered.update({tuple(r): result for r, result in zip(runs, results)})
 
     if len(refs) == 1:
         return Bisection(
@@ -188,7 +209,8 @@ def bisect_samples(
                 "test": "isolation",
             },
         )
-    outcome = ddmin(refs, fails, max_runs=options.max_bisect_runs)
+    ahead = prefetch if runner.block_major and not needs_backward else None
+    outcome = ddmin(refs, fails, max_runs=options.max_bisect_runs, prefetch=ahead)
     runs, culprits, confirmed = outcome.runs, [] if outcome.all_failed else list(outcome.culprits), None
     groups = 1
     if culprits and not by_removal:
@@ -201,7 +223,7 @@ def bisect_samples(
             if not rest or not run_fails(rest):
                 confirmed = True
                 break
-            more = ddmin(rest, fails, max_runs=options.max_bisect_runs)
+            more = ddmin(rest, fails, max_runs=options.max_bisect_runs, prefetch=ahead)
             runs += more.runs
             if more.all_failed:
                 break

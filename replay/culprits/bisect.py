@@ -13,6 +13,11 @@ usually backward) of a sub-batch, so the number of evaluations is what matters:
   does not depend on which samples are fed: model state, not data.
 * When neither half fails on its own the samples fail only together (e.g. two samples whose
   combination overflows a batch statistic); ddmin then tries complements and finer splits.
+* `prefetch`, when given, is told the subsets ddmin may test next before it tests the first of them
+  (the parts of a split, then the complements): a caller that answers several subsets for about
+  the cost of one (a streamed replay runs forward passes together, block by block) answers them
+  there and `fails` reads the answers. Only the subsets `fails` is asked about count as runs,
+  so the search, its runs and its result are those of a search without it.
 """
 
 from __future__ import annotations
@@ -67,7 +72,13 @@ class _BudgetSpent(Exception):
     pass
 
 
-def ddmin(candidates: Sequence[T], fails: Callable[[list[T]], bool], *, max_runs: int | None = None) -> BisectResult[T]:
+def ddmin(
+    candidates: Sequence[T],
+    fails: Callable[[list[T]], bool],
+    *,
+    max_runs: int | None = None,
+    prefetch: Callable[[list[list[T]]], None] | None = None,
+) -> BisectResult[T]:
     """A 1-minimal subset of `candidates` for which `fails` is true.
 
     Args:
@@ -77,6 +88,8 @@ def ddmin(candidates: Sequence[T], fails: Callable[[list[T]], bool], *, max_runs
             order); true when that subset reproduces the failure. Exceptions propagate.
         max_runs: stop after this many runs and return the smallest failing subset found so far
             (`minimal=False`); None: no limit (ddmin's worst case is quadratic in n).
+        prefetch: called with the subsets not yet answered that ddmin may test next (lists of
+            candidates, as `fails` gets them), before it tests the first; None: nothing to tell.
     Returns:
         A `BisectResult`.
     Example:
@@ -106,6 +119,15 @@ def ddmin(candidates: Sequence[T], fails: Callable[[list[T]], bool], *, max_runs
         )
         return outcome
 
+    def ahead(subsets: list[list[int]]) -> None:
+        if prefetch is None:
+            return
+        unknown = [p for p in subsets if frozenset(p) not in memo]
+        if max_runs is not None:
+            unknown = unknown[: max(0, max_runs - runs)]
+        if len(unknown) > 1:
+            prefetch([[items[p] for p in part] for part in unknown])
+
     current = list(range(len(items)))
     n = 2
     first_split = True
@@ -113,6 +135,7 @@ def ddmin(candidates: Sequence[T], fails: Callable[[list[T]], bool], *, max_runs
     try:
         while len(current) >= 2:
             parts = _split(current, n)
+            ahead(parts)
             if first_split:
                 outcomes = [test(p) for p in parts]  # both halves, so all_failed means something
                 first_split = False
@@ -123,7 +146,8 @@ def ddmin(candidates: Sequence[T], fails: Callable[[list[T]], bool], *, max_runs
                 current, n = failing, 2
                 continue
             if n > 2:  # with two parts the complements are the parts themselves
-                complements = ([q for q in current if q not in excluded] for excluded in (set(p) for p in parts))
+                complements = [[q for q in current if q not in excluded] for excluded in (set(p) for p in parts)]
+                ahead(complements)
                 complement = next((c for c in complements if test(c)), None)
                 if complement is not None:
                     current, n = complement, max(n - 1, 2)

@@ -27,6 +27,7 @@ from forensics.replay.load.fsdp_precision import FsdpUnit, compute_dtype, parse_
 from forensics.replay.load.optimizer_state import DumpOptimizerState, OptimizerSnapshot
 from forensics.replay.load.recipe import LossFn, TrainingScript, job_paths, optimizer_class, resolve_recipe
 from forensics.replay.load.samples import SampleRef
+from forensics.replay.load.host_cache import HostBlockCache, host_cache_capacity
 from forensics.replay.load.stream_plan import StreamPlan, keep_blocks_at_rest, plan_streaming, settle
 
 logger = logging.getLogger(__name__)
@@ -194,6 +195,7 @@ def load_session(
     memory_budget: int | None = None,
     factory_kwargs: dict | None = None,
     loss_kwargs: dict | None = None,
+    host_cache_bytes: int | None = None,
 ) -> ReplaySession:
     """Rebuilds model, optimizer, loss and micro-batches of a dump's failing step.
 
@@ -207,6 +209,8 @@ def load_session(
             with its own init and no state or batch is read (the checkpoint and the data recipe supply them).
         memory_budget: bytes the replay may use on `device` (CLI --memory-budget); a state that does not fit them (or,
             without a budget, a CUDA device's free memory) is streamed (`ReplaySession.stream`).
+        host_cache_bytes: host memory for a streamed model's blocks (replay/load/host_cache.py); None: half the
+            available memory on a GPU, none on the CPU.
     Returns:
         ReplaySession holding the pre-step state on `device`; `warnings` lists environment
         differences and anything left out.
@@ -247,6 +251,8 @@ def load_session(
     else:
         built = build_model(recipe, held=held)
         plan = plan_streaming(built, device, memory_budget)
+        if plan is not None and (room := host_cache_capacity(device, plan.streamed_bytes, host_cache_bytes)) > 0:
+            plan.cache = HostBlockCache(room, device)
         try:
             model = stream_weights(built, _weights(dump, device, plan, built), device, warnings)
         except MetaBuffersError:  # a buffer computed from a parameter at init, and not in the dump

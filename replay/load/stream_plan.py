@@ -24,6 +24,7 @@ from forensics.core.errors import ReplayError
 from forensics.format.tensors import tensor_bytes
 from forensics.core.sizes import words
 from forensics.replay.load.fsdp_precision import FsdpUnit, parameter_units
+from forensics.replay.load.host_cache import HostBlockCache
 
 STATE_FACTOR = 2
 """A normal replay holds every weight and its gradient on the device at once (the 7B FSDP2 replay: 27 GB of
@@ -76,6 +77,9 @@ class StreamPlan:
     """Block parameters already holding NaN/Inf in the dump (seen while they were read)."""
     at_rest: dict[str, torch.dtype] = field(default_factory=dict)
     """Each streamed parameter's dtype in the dump."""
+    cache: HostBlockCache | None = field(default=None, repr=False, compare=False)
+    """The blocks' dump values kept in host memory (replay/load/host_cache.py): filled while the load reads them,
+    so the passes copy them to the device instead of reading the dump again; None: every pass reads the dump."""
 
     @property
     def block_bytes(self) -> int:
@@ -127,6 +131,11 @@ class StreamPlan:
             f"({'the next one read ahead' if self.read_ahead else 'no read-ahead'}; fp32 re-run: "
             f"{self.fp32_blocks})",
         ]
+        if self.cache is not None:
+            lines.append(
+                f"  host cache: {words(self.cache.held_bytes)} of the blocks' {words(self.streamed_bytes)} kept in "
+                "host memory, copied to the device instead of read from the dump again"
+            )
         if expected_passes is not None:
             reads = self.expected_reads(expected_passes, micro_batches)
             per = ""
@@ -267,7 +276,8 @@ def keep_blocks_at_rest(
     tensors: Iterator[tuple[str, torch.Tensor]], plan: StreamPlan, model: torch.nn.Module
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The dump's tensor stream with every block parameter replaced by its placeholder once read (its dtype, bytes
-    and finiteness noted in `plan`); the time the blocks' reads took goes to `plan.read_seconds`."""
+    and finiteness noted in `plan`, its value kept in `plan.cache` while it has room); the time the blocks' reads
+    took goes to `plan.read_seconds`."""
     first_name: dict[int, str] = {}
     aliases = {name: first_name.setdefault(id(p), name) for name, p in model.named_parameters(remove_duplicate=False)}
     streamed = {n for b in plan.blocks for n in b.params}
@@ -282,6 +292,8 @@ def keep_blocks_at_rest(
             sizes[first] = tensor_bytes(tensor)
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 plan.nonfinite.append(first)
+            if plan.cache is not None:
+                plan.cache.offer(first, tensor)
             tensor = at_rest(tensor)
         yield key, tensor
         mark = time.perf_counter()

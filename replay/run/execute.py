@@ -15,7 +15,7 @@ import os
 import traceback
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterable, Iterator, TypeGuard
+from typing import Any, Callable, ContextManager, Iterable, Iterator, TypeGuard, TypeVar
 
 import torch
 
@@ -30,6 +30,7 @@ from forensics.replay.run.fp32 import Fp32Count, held_to_fp32
 from forensics.replay.run.units import explaining_factor, recorded_factors, to_replay_units
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Relative tolerance when a bitwise match cannot be expected (other GPU / torch / CPU vs GPU):
 # reductions in another order move fp32 results by ~1e-6 relative, bf16 autocast by ~1e-2 at worst.
@@ -343,6 +344,15 @@ class StepRunner:
     def close(self) -> None:
         """Frees what the runner holds beyond the model (nothing here)."""
 
+    block_major = False
+    """Several forward-only passes cost about one when run together (`run_forwards`): a streamed runner's, which
+    brings each block to the device once for all of them. A stage may then run passes it might not need."""
+
+    def run_forwards(self, jobs: list[Callable[[], T]]) -> list[T]:
+        """Each job's result, in order; each job runs one forward-only pass (`run(..., backward=False)`) and nothing
+        else that depends on the passes before it (a streamed runner runs them together, block by block)."""
+        return [job() for job in jobs]
+
     def autocast_context(self, fp32: bool = False) -> ContextManager:
         """The job's autocast on the replay device (none when the job used none); with fp32=True, float32 whatever
         the user's code enters or casts to (replay/run/fp32.py), counted in `fp32_count`."""
@@ -393,7 +403,18 @@ class StepRunner:
 
         return select_samples(batch, indices)
 
-    def _note_unrunnable(self, raised: dict) -> None:
+    @contextlib.contextmanager
+    def speculating(self) -> Iterator[None]:
+        """Within: runs whose results a stage may never use (block-major look-ahead, `run_forwards`) leave no warning
+        in the report; the stage tells what a result it uses would have told (`note_unrunnable`)."""
+        warnings, warned = list(self.session.warnings), (self._warned_unrunnable, self._warned_autocast)
+        try:
+            yield
+        finally:
+            self.session.warnings[:] = warnings
+            self._warned_unrunnable, self._warned_autocast = warned
+
+    def note_unrunnable(self, raised: dict) -> None:
         """Tells the report, once, that some subsets of the samples could not run on their own."""
         if self._warned_unrunnable:
             return
@@ -576,7 +597,7 @@ class StepRunner:
             done.raised = raised_info(exc, i, phase)
             if session.exception is None:  # a subset the model cannot run alone
                 done.unrunnable = True
-                self._note_unrunnable(done.raised)
+                self.note_unrunnable(done.raised)
             return False
 
     def _measured_grads(self, scale: torch.Tensor | None, backward: bool) -> tuple[float | None, list[str]]:

@@ -29,8 +29,10 @@ import torch
 
 from forensics.core.errors import DumpCorruptError
 from forensics.core.thirdparty import foreach_norm, tree_flatten, tree_unflatten
+from forensics.replay.load.host_cache import pinned_slab, unregister
 from forensics.replay.load.stream_plan import ACTIVATION_SHARE, StreamPlan, at_rest
 from forensics.replay.run.execute import any_nonfinite
+from forensics.replay.run.lockstep import Lockstep
 from forensics.replay.run.read_ahead import BlockReader
 
 _FORWARD = torch.nn.Linear.forward.__name__  # the method nn.Module.__call__ runs, overridden per block instance
@@ -61,7 +63,7 @@ class BlockStreamer:
         self.memory_evictions = 0
         """Blocks evicted because the device's allocated bytes came near the budget (CUDA; the plan's estimate
         was short)."""
-        self.reader = BlockReader(read, device, plan.read_ahead)
+        self.reader = BlockReader(read, device, plan.read_ahead, plan.cache)
         self.peak = 0
         """Most blocks materialised at once (cached + being read ahead): never above `capacity`."""
         self.fp32 = False
@@ -86,6 +88,9 @@ class BlockStreamer:
         self.after_recompute: Callable[[list[torch.Tensor]], None] | None = None
         """Called with a block's recomputed outputs before their backward runs."""
         self._forwards: list[tuple[torch.nn.Module, Any]] = []
+        self.lockstep: Lockstep | None = None
+        """Set while several forward-only passes run block-major (replay/run/lockstep.py): asked before a block is
+        materialised."""
 
     # -- hooks -----------------------------------------------------------------------------------
     def install(self) -> None:
@@ -104,6 +109,8 @@ class BlockStreamer:
         self.release_all()
         self.reader.close()
         self.grads.close()
+        if self.plan.cache is not None:
+            self.plan.cache.close()
 
     # -- materialising ---------------------------------------------------------------------------
     def _dtypes(self, index: int) -> tuple:
@@ -129,9 +136,16 @@ class BlockStreamer:
         self.capacity = max(1, capacity)
         self._incoming = size
 
+    def holds(self, index: int) -> bool:
+        """Block `index` is materialised in the dtypes the pass computes in."""
+        hit = self.cache.get(index)
+        return hit is not None and hit[0] == self._dtypes(index)
+
     def acquire(self, index: int) -> None:
         """Block `index`'s weights materialised in its parameters (read from the dump unless still cached, in the
         dtypes the pass computes in: blocks stay materialised from one pass to the next, up to K)."""
+        if self.lockstep is not None:  # a pass of several run block-major waits until all of them need the block
+            self.lockstep.need(index)
         key = self._dtypes(index)
         self._fit(index, key)
         hit = self.cache.get(index)
@@ -381,26 +395,12 @@ class GradStore:
         return slab[0][start : start + nbytes].view(like.dtype).view(like.shape)
 
     def _pinned_slab(self, size: int) -> torch.Tensor:
-        """`size` bytes of page-locked memory: ordinary memory faulted in by torch's threads, then registered with
-        the driver (8.5 GiB/s on a 32-core host, against 2.2 GiB/s for cudaHostAlloc, which zeroes and locks page by
-        page on one thread: BENCHMARKS.md, scripts/bench/pinned_alloc.py); cudaHostAlloc where registering fails."""
-        slab = torch.empty(size, dtype=torch.uint8)
-        slab.zero_()
-        cudart = torch.cuda.cudart()
-        if int(cudart.cudaHostRegister(slab.data_ptr(), size, 0)) == 0:
-            self._registered.append(slab)
-            return slab
-        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        """`size` bytes of page-locked memory (replay/load/host_cache.pinned_slab)."""
+        return pinned_slab(size, self._registered)
 
     def _unregister(self) -> None:
         """The registered slabs unlocked, once every copy that may still touch them is done."""
-        if not self._registered:
-            return
-        torch.cuda.synchronize()
-        cudart = torch.cuda.cudart()
-        for slab in self._registered:
-            cudart.cudaHostUnregister(slab.data_ptr())
-        self._registered.clear()
+        unregister(self._registered)
 
     def put(self, name: str, grad: torch.Tensor, kept: bool = False) -> None:
         host = self._host(grad)

@@ -17,18 +17,22 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from typing import Any, ContextManager, Iterator
+from typing import Any, Callable, ContextManager, Iterator, TypeVar
 
 import torch
 
 from forensics.core.errors import ReplayError
 from forensics.core.grad_norm import total_grad_norm
+from forensics.core.sizes import words
 from forensics.core.thirdparty import foreach_norm
 from forensics.replay.load.fsdp_precision import fsdp_compute, parameter_units
 from forensics.replay.load.samples import SampleRef
 from forensics.replay.load.session import ReplaySession
 from forensics.replay.run.execute import StepRunner, any_nonfinite
+from forensics.replay.run.lockstep import Lockstep
 from forensics.replay.run.stream_blocks import BlockStreamer
+
+T = TypeVar("T")
 
 STREAMED_PER_SAMPLE = 8
 """Streamed, each per-sample row is a pass over the whole model: culprits and at most this many rows."""
@@ -58,6 +62,11 @@ class StreamedStepRunner(StepRunner):
         bad = set(self.plan.nonfinite) | {n for n, f in flags.items() if f}
         self.nonfinite_params = [n for n in self.param_names if n in bad]
         self.passes = 0
+        self.lockstep_waits = 0
+        self._fsdp_users = 0
+        self._together = False
+        self._fsdp_exit = contextlib.ExitStack()
+        """Times a pass run block-major waited for a block (run_forwards)."""
         self._untouched = session.loaded_weights
         self._warned_autocast = False
         self._warned_unrunnable = False
@@ -71,6 +80,24 @@ class StreamedStepRunner(StepRunner):
         """Puts the blocks' own forwards back and frees what the streamer holds."""
         self.streamer.remove()
 
+    block_major = True
+
+    def run_forwards(self, jobs: list[Callable[[], T]]) -> list[T]:
+        """The jobs' forward-only passes (in the job's precision, not fp32) together, each block materialised once for
+        all of them (replay/run/lockstep.py). The weights are put back once, before the first: a buffer a forward
+        writes (BatchNorm's running statistics, which a forward in train mode does not read) is shared."""
+        if len(jobs) < 2:
+            return [job() for job in jobs]
+        lockstep = Lockstep(self.streamer.holds, self.session.device)
+        self.reset()  # once for all: a pass's own reset would undo the compute dtypes of the passes under way
+        self.streamer.lockstep, self._together = lockstep, True
+        try:
+            with self.job_precision():  # entered once for all (each pass's own enter and exit only count)
+                return lockstep.run(jobs)
+        finally:
+            self.streamer.lockstep, self._together = None, False
+            self.lockstep_waits += lockstep.waits
+
     # -- the base runner's state, without the streamed parameters --------------------------------
     def _live_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return [(n, t) for n, t in super()._live_tensors() if n not in self._streamed]
@@ -79,6 +106,8 @@ class StreamedStepRunner(StepRunner):
         return super()._stale({k: v for k, v in live.items() if k not in self._streamed})
 
     def reset(self) -> None:
+        if self._together:  # passes run together start from the state run_forwards put back once
+            return
         self.streamer.fp32 = False
         super().reset()
         self.streamer.new_pass(keep=self._keep_next)
@@ -90,7 +119,21 @@ class StreamedStepRunner(StepRunner):
     def job_precision(self, fp32: bool = False) -> ContextManager:
         if fp32 or not self.session.fsdp_units:
             return contextlib.nullcontext()
-        return self._streamed_fsdp()
+        return self._shared_fsdp()
+
+    @contextlib.contextmanager
+    def _shared_fsdp(self) -> Iterator[None]:
+        """`_streamed_fsdp`, set up by the first of the passes run together (run_forwards) to enter and torn down by
+        the last to leave: each enters and leaves at its own time, while the others are still computing."""
+        if self._fsdp_users == 0:
+            self._fsdp_exit.enter_context(self._streamed_fsdp())
+        self._fsdp_users += 1
+        try:
+            yield
+        finally:
+            self._fsdp_users -= 1
+            if self._fsdp_users == 0:
+                self._fsdp_exit.close()
 
     @contextlib.contextmanager
     def _streamed_fsdp(self) -> Iterator[None]:
@@ -252,12 +295,66 @@ class StreamedStepRunner(StepRunner):
         self.reset()
         return rows
 
+    def traffic(self) -> dict[str, int]:
+        """What the replay moved so far: passes, block reads (from the dump or the host cache), bytes read from the
+        dump (the load's read of every block included) and copied host to device, and the floor (each block once)."""
+        reader, load = self.streamer.reader, self.plan.streamed_bytes
+        cuda = self.session.device.type == "cuda"
+        return {
+            "passes": self.passes,
+            "block_reads": reader.reads,
+            "block_reads_from_storage": reader.storage_reads,
+            "bytes_from_storage": load + reader.storage_bytes,
+            "bytes_host_to_device": (load if cuda else 0) + reader.host_to_device_bytes,
+            "bytes_floor": load,
+        }
+
+    def metered(self, progress: Callable[[str], None] | None) -> Callable[[str], None] | None:
+        """`progress` with a line before each stage's saying what the stage before it moved (stream_plan's lines
+        and other indented ones pass through)."""
+        if progress is None:
+            return None
+        last = self.traffic()
+
+        def report(message: str) -> None:
+            nonlocal last
+            if not message.startswith(("  ", "streamed replay:")):
+                now = self.traffic()
+                if now != last:
+                    progress(f"  {traffic_words(now, last)}")
+                last = now
+            progress(message)
+
+        return report
+
+    def traffic_summary(self) -> str:
+        """The replay's traffic against the floor, one line for the stage log."""
+        now = self.traffic()
+        moved = (
+            f", {words(now['bytes_host_to_device'])} host→device"
+            if self.session.device.type == "cuda"
+            else " (the CPU: nothing crosses a bus)"
+        )
+        cache = self.plan.cache
+        kept = f"; host cache {words(cache.held_bytes)} of {words(self.plan.streamed_bytes)}" if cache else ""
+        return (
+            f"streamed replay, in all: {now['passes']} passes, {now['block_reads']} block reads "
+            f"({now['block_reads_from_storage']} from the dump); {words(now['bytes_from_storage'])} read from the "
+            f"dump{moved}; the floor, each block once: {words(now['bytes_floor'])}{kept}"
+        )
+
     def stream_report(self) -> dict:
         """The report's `stream` block: the plan and what the replay did with it."""
+        traffic = self.traffic()
         return {
             **self.plan.as_dict(),
             "peak_blocks_materialised": self.streamer.peak,
             "block_reads": self.streamer.reader.reads,
+            "block_reads_from_storage": traffic["block_reads_from_storage"],
+            "bytes_from_storage": traffic["bytes_from_storage"],
+            "bytes_host_to_device": traffic["bytes_host_to_device"],
+            "bytes_floor": traffic["bytes_floor"],
+            "host_cache_bytes": self.plan.cache.held_bytes if self.plan.cache is not None else 0,
             "read_ahead_used": self.streamer.reader.hits,
             "blocks_cast_not_read": self.streamer.casts,
             "evicted_for_memory": self.streamer.memory_evictions,
@@ -265,6 +362,16 @@ class StreamedStepRunner(StepRunner):
             "gradient_pinned_bytes": self.streamer.grads.pinned_bytes,
             "gradient_host_alloc_seconds": round(self.streamer.grads.alloc_seconds, 3),
         }
+
+
+def traffic_words(now: dict[str, int], before: dict[str, int]) -> str:
+    """What moved between two `traffic()` readings, in words."""
+    delta = {k: now[k] - before.get(k, 0) for k in now}
+    return (
+        f"(that stage: {delta['passes']} pass{'' if delta['passes'] == 1 else 'es'}, {delta['block_reads']} block reads, "
+        f"{delta['block_reads_from_storage']} of them from the dump, {words(delta['bytes_from_storage'])} read, "
+        f"{words(delta['bytes_host_to_device'])} host→device)"
+    )
 
 
 def runner_for(session: ReplaySession) -> StepRunner:

@@ -3,6 +3,12 @@ process, to the same verdict and sample (the table of BENCHMARKS.md "Streamed re
 
     python -m scripts.bench.replay_stream --dump STEP_DIR --rank 1 --device cuda:0 --budgets none,32GiB,16GiB \
         --json out.json
+    python -m scripts.bench.replay_stream --dump RANK_DIR --device cuda:0 --budgets none,quarter:old,quarter
+
+A budget is a size, "quarter" (a quarter of the model's fp32 weights; the least budget the plan takes when that is
+too small for the part outside the blocks), or "none"; ":old" runs it with the schedule before issue 53 (no host
+cache: every pass reads the dump; one walk over the blocks per pass), else the current one (on a CPU with a host
+cache for every block, the stand-in for a GPU host's memory: a CPU replay has none by default).
 
 Each budget runs `run_replay(..., ReplayOptions(memory_budget=B))` in its own process with the CUDA caching allocator
 capped at B (`torch.cuda.set_per_process_memory_fraction(B / total)`: an allocation beyond it raises out of memory,
@@ -26,8 +32,10 @@ import torch
 import transformers.models.llama.modeling_llama  # a fixed import cost, outside the timers
 from forensics.replay.engine import ReplayOptions, run_replay
 from forensics.core.sizes import parse_bytes
-dump, device, rank, budget, remedies, rng = sys.argv[1:7]
+dump, device, rank, budget, remedies, rng, old = sys.argv[1:8]
 cuda = device.startswith("cuda")
+schedule = dict(host_cache_bytes=0, block_major=False) if old == "1" else dict(
+    host_cache_bytes=None if cuda else 1 << 40)
 limit = None if budget == "none" else parse_bytes(budget)
 total = 0
 if cuda:  # the CPU runs the same probe (a check of this script), without an enforced cap
@@ -35,12 +43,22 @@ if cuda:  # the CPU runs the same probe (a check of this script), without an enf
     total = torch.cuda.get_device_properties(torch.device(device)).total_memory
     if limit is not None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), torch.device(device))
-marks = []
+marks, cpu_marks = [], []
+cpu0 = time.process_time()  # CPU seconds of every thread of this process: steadier than wall time on a shared CPU
+def mark(message):
+    marks.append((round(time.perf_counter() - start, 2), message[:160]))
+    cpu_marks.append(round(time.process_time() - cpu0, 2))
 start = time.perf_counter()
-report = run_replay(dump, ReplayOptions(device=device, rank=int(rank) if rank != "-" else None, memory_budget=limit,
-                                        remedies=remedies == "1", rng_check=rng == "1"),
-                    progress=lambda m: marks.append((round(time.perf_counter() - start, 2), m[:120])))
+try:
+    report = run_replay(dump, ReplayOptions(device=device, rank=int(rank) if rank != "-" else None,
+                                            memory_budget=limit, remedies=remedies == "1", rng_check=rng == "1",
+                                            **(schedule if limit is not None else {})),
+                        progress=mark)
+except Exception as exc:  # the plan's refusal names the least budget: the caller retries with it
+    print("RESULT " + json.dumps({"budget": budget, "error": str(exc)}))
+    raise SystemExit(0)
 out = {"budget": budget, "replay_s": round(time.perf_counter() - start, 2),
+       "cpu_s": round(time.process_time() - cpu0, 2), "stage_cpu": cpu_marks,
        "gpu_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
        "total_gib": round(total / 2**30, 1),
        "verdict": report["verdict"]["kind"],
@@ -52,8 +70,11 @@ print("RESULT " + json.dumps(out))
 
 
 def run_one(dump: str, device: str, rank: str, budget: str, remedies: bool, rng: bool) -> dict:
+    """One row in a fresh process; `budget`: a size or "none", with ":old" for the schedule before issue 53."""
+    size, _, old = budget.partition(":")
     proc = subprocess.run(
-        [sys.executable, "-c", PROBE, dump, device, rank, budget, "1" if remedies else "0", "1" if rng else "0"],
+        [sys.executable, "-c", PROBE, dump, device, rank, size]
+        + ["1" if remedies else "0", "1" if rng else "0", "1" if old == "old" else "0"],
         capture_output=True,
         text=True,
         env=dict(os.environ),
@@ -61,15 +82,42 @@ def run_one(dump: str, device: str, rank: str, budget: str, remedies: bool, rng:
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
         return {"budget": budget, "error": (proc.stderr or proc.stdout)[-3000:]}
-    return json.loads(line[len("RESULT ") :])
+    row = json.loads(line[len("RESULT ") :])
+    row["budget"] = budget
+    return row
 
 
-def stage_times(row: dict) -> dict[str, float]:
+def quarter_of_weights(dump: str, rank: str) -> int:
+    """A quarter of the model's weights in fp32 (their elements x 4 bytes, from the dump's tensor headers)."""
+    from forensics.format import open_dump
+    from forensics.replay.load.build_budget import weights_held
+
+    held = weights_held(open_dump(dump, rank=int(rank) if rank != "-" else None))
+    if held is None:
+        raise SystemExit(f"{dump} holds no weights to size a budget from")
+    return held.elements * 4 // 4
+
+
+def least_budget(error: str) -> str | None:
+    """The least budget a refused plan names ("give --memory-budget 1GiB or more"), None for another error."""
+    if "--memory-budget " not in error:
+        return None
+    return error.split("--memory-budget ")[1].split()[0]
+
+
+def stage_times(row: dict, clock: str = "wall") -> dict[str, float]:
     """{stage: seconds} of one row: from each stage's progress line to the next one's (the plan's lines, printed
-    before the first pass, fold into the stage before them; the last stage runs to the end of the replay)."""
-    marks = [(at, message) for at, message in row["stages"] if not message.startswith(("  ", "streamed replay"))]
+    before the first pass, fold into the stage before them; the last stage runs to the end of the replay); `clock`
+    "cpu": the process's CPU seconds instead of wall time."""
+    ats = row["stage_cpu"] if clock == "cpu" else [at for at, _ in row["stages"]]
+    end_at = row["cpu_s"] if clock == "cpu" else row["replay_s"]
+    marks = [
+        (at, message)
+        for at, (_, message) in zip(ats, row["stages"])
+        if not message.startswith(("  ", "streamed replay"))
+    ]
     out: dict[str, float] = {}
-    for (at, message), (end, _) in zip(marks, marks[1:] + [(row["replay_s"], "")]):
+    for (at, message), (end, _) in zip(marks, marks[1:] + [(end_at, "")]):
         name = message.split(" (")[0].split(" on ")[0].split(" /")[0]
         name = "loading model and step" if name.startswith("loading model") else name
         name = "bisecting samples" if name.startswith("bisecting") else name
@@ -77,13 +125,13 @@ def stage_times(row: dict) -> dict[str, float]:
     return out
 
 
-def print_stage_times(rows: list[dict]) -> None:
+def print_stage_times(rows: list[dict], clock: str = "wall") -> None:
     """Seconds per stage, one column per budget."""
     if not rows:
         return
-    times = [stage_times(r) for r in rows]
+    times = [stage_times(r, clock) for r in rows]
     stages = list(dict.fromkeys(name for t in times for name in t))
-    print("\n| stage (s) | " + " | ".join(r["budget"] for r in rows) + " |")
+    print(f"\n| stage ({'CPU ' if clock == 'cpu' else ''}s) | " + " | ".join(r["budget"] for r in rows) + " |")
     print("|---|" + "---|" * len(rows))
     for stage in stages:
         print(f"| {stage} | " + " | ".join(f"{t[stage]:.2f}" if stage in t else "-" for t in times) + " |")
@@ -99,6 +147,17 @@ def _host(stream: dict) -> str:
     )
 
 
+def _spec(size: str, schedule: str) -> str:
+    return f"{size}:{schedule}" if schedule else size
+
+
+def _traffic(stream: dict) -> str:
+    """GiB read from the dump, copied host to device, and the floor (each block once)."""
+    if "bytes_floor" not in stream:
+        return "-"
+    return " / ".join(f"{stream[k] / 2**30:.2f}" for k in ("bytes_from_storage", "bytes_host_to_device", "bytes_floor"))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dump", required=True, help="the step (or rank) directory to replay")
@@ -109,30 +168,44 @@ def main() -> int:
     parser.add_argument("--no-rng-check", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    flags = (not args.no_remedies, not args.no_rng_check)
     rows = []
-    for budget in args.budgets.split(","):
-        row = run_one(args.dump, args.device, args.rank, budget.strip(), not args.no_remedies, not args.no_rng_check)
+    quarter: str | None = None
+    for spec in args.budgets.split(","):
+        size, _, schedule = spec.strip().partition(":")
+        if size == "quarter":
+            quarter = quarter or str(quarter_of_weights(args.dump, args.rank))
+            size = quarter
+        row = run_one(args.dump, args.device, args.rank, _spec(size, schedule), *flags)
+        least = least_budget(row.get("error", ""))
+        if least is not None:  # a quarter leaves no room beside the embeddings: the least budget the plan takes
+            print(f"{size}: refused ({row['error'][:200]}); the least it takes instead: {least}", flush=True)
+            quarter = least if size == quarter else quarter
+            size = least
+            row = run_one(args.dump, args.device, args.rank, _spec(size, schedule), *flags)
         rows.append(row)
         if "error" in row:
-            print(f"{budget}: FAILED\n{row['error']}", flush=True)
+            print(f"{row['budget']}: FAILED\n{row['error']}", flush=True)
             continue
         for at, message in row["stages"]:
-            print(f"  [{budget} +{at:7.2f}s] {message}", flush=True)
+            print(f"  [{row['budget']} +{at:7.2f}s] {message}", flush=True)
     print(
-        "\n| budget | GPU peak (GiB) | replay to verdict (s) | passes | blocks at once (K) / of | block reads | "
-        "read ahead used | cast, not read | evicted for memory | gradients off the device: host GiB (pinned), s making "
-        "buffers | verdict | culprits |"
+        "\n| budget | GPU peak (GiB) | replay to verdict (s; CPU s of the process) | passes | blocks at once (K) / of | block reads (from the "
+        "dump) | GiB read from the dump / host→device / floor | read ahead used | cast, not read | evicted for memory | "
+        "gradients off the device: host GiB (pinned), s making buffers | verdict | culprits |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         if "error" in row:
-            print(f"| {row['budget']} | failed | | | | | | | | | | |")
+            print(f"| {row['budget']} | failed | | | | | | | | | | | |")
             continue
         stream = row.get("stream") or {}
         k = f"{stream.get('blocks_resident')} / {stream.get('blocks')}" if stream else "all"
+        reads = f"{stream['block_reads']} ({stream.get('block_reads_from_storage', '-')})" if stream else "-"
         print(
-            f"| {row['budget']} | {row['gpu_peak_gib']} | {row['replay_s']} | {row['passes']} | {k} | "
-            f"{stream.get('block_reads', '-')} | {stream.get('read_ahead_used', '-')} | "
+            f"| {row['budget']} | {row['gpu_peak_gib']} | {row['replay_s']} ({row['cpu_s']} CPU) | {row['passes']} | "
+            f"{k} | {reads} | "
+            f"{_traffic(stream)} | {stream.get('read_ahead_used', '-')} | "
             f"{stream.get('blocks_cast_not_read', '-')} | {stream.get('evicted_for_memory', '-')} | {_host(stream)} | "
             f"{row['verdict']} | "
             f"{row['culprits']} |"
@@ -144,14 +217,22 @@ def main() -> int:
         and all((r["verdict"], r["culprits"]) == (good[0]["verdict"], good[0]["culprits"]) for r in good)
     )
     base = good[0]["replay_s"] if good and good[0]["budget"] == "none" else None
+    by_budget = {r["budget"]: r for r in good}
     for row in good[1:]:
         if base:
             print(
                 f"{row['budget']}: {row['replay_s'] / base:.2f} x the unconstrained replay's time "
-                f"(goal <= 3), peak {row['gpu_peak_gib']} GiB"
+                f"(goal <= 2), peak {row['gpu_peak_gib']} GiB"
+            )
+        old = by_budget.get(row["budget"] + ":old")
+        if old is not None:
+            print(
+                f"{row['budget']}: the current schedule takes {row['replay_s'] / old['replay_s']:.2f} x the old one's time"
             )
     print(f"same verdict and culprits in every row: {same}")
     print_stage_times(good)
+    if args.device == "cpu":  # a shared CPU's wall time moves with the other jobs' load
+        print_stage_times(good, "cpu")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(rows, handle, indent=1)

@@ -32,6 +32,11 @@ def _same_report(normal: dict, streamed: dict, helpers) -> None:
     assert [s["sample_id"] for s in key(streamed, "culprit", "samples")] == [
         s["sample_id"] for s in key(normal, "culprit", "samples")
     ]
+    # the search itself: a streamed bisection runs its forward passes block-major, looking ahead (replay/run/lockstep.py)
+    assert key(streamed, "bisection") == key(normal, "bisection")
+    assert key(streamed, "rng") == key(normal, "rng")
+    said = [w for w in key(streamed, "environment", "warnings") if not w.startswith("streamed replay")]
+    assert said == key(normal, "environment", "warnings")  # look-ahead runs it never used tell nothing
 
 
 def _gpt2_dump(tmp_path, helpers, kit, layers: int = 2):
@@ -227,3 +232,110 @@ def test_gradients_off_the_device_round_trip_through_mapped_files(tmp_path):
     assert store.kept == {"a"} and list(tmp_path.iterdir())  # the directory holds the (unlinked) mapping's home
     store.close()
     assert not list(tmp_path.iterdir())
+
+
+def test_host_cache_reads_each_block_from_the_dump_once(tmp_path, helpers, kit):
+    """With host memory for every block, the load's read is the replay's only read of the dump (the floor): later
+    passes copy from the cache, and the report is the normal replay's; a cache of one block reads the others again."""
+    dump = _gpt2_dump(tmp_path, helpers, kit, layers=4)
+    options = dict(device="cpu", remedies=False, rng_check=False, max_per_sample=3)
+    normal = run_replay(dump, ReplayOptions(**options))
+    stages: list[str] = []
+    cached = run_replay(
+        dump, ReplayOptions(**options, memory_budget=TINY, host_cache_bytes=1 << 30), progress=stages.append
+    )
+    _same_report(normal, cached, helpers)
+    stream = cached["stream"]
+    assert stream["blocks_resident"] == 1 and stream["block_reads"] > 2 * stream["blocks"]  # many passes, K = 1
+    assert stream["block_reads_from_storage"] == 0
+    assert stream["bytes_from_storage"] == stream["bytes_floor"] == stream["host_cache_bytes"] > 0
+    assert any(s.startswith("  host cache: ") for s in stages)  # the plan says it before the first pass
+    assert any(s.startswith("  (that stage:") for s in stages)
+    assert any(s.startswith("streamed replay, in all:") for s in stages)
+
+    uncached = run_replay(dump, ReplayOptions(**options, memory_budget=TINY))  # the CPU's default: no cache
+    _same_report(normal, uncached, helpers)
+    assert uncached["stream"]["host_cache_bytes"] == 0
+    assert uncached["stream"]["block_reads_from_storage"] == uncached["stream"]["block_reads"]
+    assert uncached["stream"]["bytes_from_storage"] > 4 * uncached["stream"]["bytes_floor"]
+
+    one_block = run_replay(dump, ReplayOptions(**options, memory_budget=TINY, host_cache_bytes=stream["block_bytes"]))
+    _same_report(normal, one_block, helpers)
+    partial = one_block["stream"]
+    assert 0 < partial["host_cache_bytes"] <= partial["block_bytes"]
+    assert stream["bytes_floor"] < partial["bytes_from_storage"] < uncached["stream"]["bytes_from_storage"]
+
+
+def test_host_cache_holds_the_dump_values_and_hands_out_copies():
+    from forensics.replay.load.host_cache import HostBlockCache, host_cache_capacity
+    from forensics.replay.run.read_ahead import BlockReader
+
+    weights = {"a": torch.randn(64), "b": torch.randn(64).to(torch.bfloat16)}
+    cache = HostBlockCache(capacity=64 * 4 + 64 * 2, device=torch.device("cpu"))
+    assert cache.offer("a", weights["a"]) and cache.offer("b", weights["b"])
+    assert not cache.offer("c", torch.zeros(1))  # full: refused, nothing evicted
+    reads = []
+
+    def read(names=None):
+        reads.append(set(names))
+        yield from ((n, t) for n, t in weights.items() if n in names)
+
+    reader = BlockReader(read, torch.device("cpu"), ahead=False, cache=cache)
+    out = reader.read(0, {"a": torch.float32, "b": torch.float32})
+    assert reads == [] and reader.storage_bytes == 0  # nothing read from the dump
+    assert torch.equal(out["a"], weights["a"]) and torch.equal(out["b"], weights["b"].float())
+    out["a"].add_(1.0)  # a pass writing its weights leaves the cache alone
+    assert torch.equal(cache.get("a"), weights["a"])
+    assert host_cache_capacity(torch.device("cpu"), 1000, None) == 0  # the CPU's budget is the host's memory
+    assert host_cache_capacity(torch.device("cpu"), 1000, 1 << 30) == 1000  # never more than the blocks
+    cache.close()
+    assert len(cache) == 0 and not cache.offer("a", weights["a"])
+
+
+def test_forward_passes_run_block_major_compute_what_each_computes_alone(tmp_path, helpers, kit):
+    """run_forwards: several forward-only passes through each block while it is materialised, each pass with its
+    own RNG (the GPT-2's dropout draws its masks in train mode), the same losses as each pass run alone, in fewer
+    block reads."""
+    import warnings
+
+    from forensics.format import open_dump
+    from forensics.replay.load.fsdp_precision import parse_units
+    from forensics.replay.options import load
+    from forensics.replay.run.streamed_runner import runner_for
+
+    dump = _gpt2_dump(tmp_path, helpers, kit, layers=4)
+    session = load(open_dump(dump), ReplayOptions(device="cpu", memory_budget=TINY, host_cache_bytes=1 << 30))
+    runner = runner_for(session)
+    try:
+        assert runner.block_major and runner.plan.resident_blocks == 1
+        refs = session.sample_refs
+        subsets = [refs[:3], refs[3:], refs[1:6]]
+
+        def seeded(seed: int) -> list:
+            torch.manual_seed(seed)
+            return runner.run(restore_rng=False, backward=False).losses
+
+        reads = runner.streamer.reader.reads
+        alone = [runner.run(s, backward=False).losses for s in subsets] + [seeded(seed) for seed in (1, 2)]
+        walked_alone = runner.streamer.reader.reads - reads
+        reads = runner.streamer.reader.reads
+        together = runner.run_forwards(
+            [lambda s=s: runner.run(s, backward=False).losses for s in subsets]
+            + [lambda seed=seed: seeded(seed) for seed in (1, 2)]
+        )
+        walked_together = runner.streamer.reader.reads - reads
+        filters = warnings.filters[:]
+        # FSDP2 bf16 compute: set up by the first pass to start, torn down by the last to end (each pass's own
+        # enter and exit would leave the later passes computing in fp32)
+        session.fsdp_units = parse_units(
+            [{"module": "", "param_dtype": "bfloat16", "reduce_dtype": "float32", "cast_forward_inputs": True}]
+        )
+        bf16_alone = [runner.run(s, backward=False).losses for s in subsets]
+        bf16_together = runner.run_forwards([lambda s=s: runner.run(s, backward=False).losses for s in subsets])
+    finally:
+        runner.close()
+    assert repr(together) == repr(alone)  # bitwise, nan included
+    assert alone[3] != alone[4]  # the seeds drew other dropout masks: the RNG was each pass's own
+    assert runner.lockstep_waits > 0 and 3 * walked_together <= walked_alone
+    assert warnings.filters == filters  # the passes' catch_warnings, entered and left interleaved, put back
+    assert repr(bf16_together) == repr(bf16_alone) and bf16_alone[0] != alone[0]
