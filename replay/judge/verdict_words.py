@@ -50,7 +50,7 @@ def named_ids(ids: list) -> str:
 
 
 def no_blocklist(f: VerdictFacts) -> list[str]:
-    """Samples named by made-up positions ('step5/rank0/mb0/2'): why no blocklist names them, and the fix."""
+    """Samples named by made-up positions ('step5/rank0/mb1/2'): why no blocklist names them, and the fix."""
     named = f.culprit_samples or [o.get("sample_id") for o in f.size_outliers]
     if not (f.ids_are_positional and named):
         return []
