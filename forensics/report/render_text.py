@@ -37,6 +37,16 @@ def is_nonfinite(value: Any) -> bool:
 Row = TypeVar("Row")
 
 
+def row_nonfinite(row: Any) -> bool:
+    """A per-sample row that is non-finite: its own `finite` flag, its loss or its gradient norm (the one rule the
+    summary's count, the table and the plot's hatching share)."""
+    return not getattr(row, "error", None) and (
+        getattr(row, "finite", None) is False
+        or is_nonfinite(getattr(row, "loss", None))
+        or is_nonfinite(getattr(row, "grad_norm", None))
+    )
+
+
 def top_rows(rows: Sequence[Row], value: Callable[[Row], Any], n: int = 20) -> list[Row]:
     """The `n` rows with the largest `value(row)`: non-finite first, then largest finite, then null."""
 
@@ -287,7 +297,7 @@ def _alone_count(r: Report) -> str | None:
     if TriggerKind.parse(r.trigger.kind, TriggerKind.NONFINITE_LOSS).spike:
         return None  # a spike's subsets are judged by removal, not by a non-finite value alone
     rows = [row for row in r.per_sample if not row.error]
-    bad = [row for row in rows if row.finite is False or is_nonfinite(row.loss) or is_nonfinite(row.grad_norm)]
+    bad = [row for row in rows if row_nonfinite(row)]
     if not rows or len(bad) == len(rows):
         return None
     return f", though alone only {len(bad)} of {len(rows)} sample{'s' if len(rows) != 1 else ''} {'is' if len(bad) == 1 else 'are'} non-finite (per-sample table)"
@@ -394,7 +404,7 @@ def per_sample_sentence(report: Mapping | Report) -> str | None:
     if not rows:
         return None
     raised = [r for r in rows if r.error]
-    bad = [r for r in rows if not r.error and (r.finite is False or is_nonfinite(r.loss) or is_nonfinite(r.grad_norm))]
+    bad = [r for r in rows if row_nonfinite(r)]
     text = f"Per-sample replay: {len(bad)} of {len(rows)} samples non-finite"
     culprits = parse_report(report).culprit.samples
     if bad and (not culprits or all(s.trigger for s in culprits)):

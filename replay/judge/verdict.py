@@ -42,7 +42,10 @@ rule; issue 50): then it counts for nothing, the samples are named as triggers, 
 | fed to an earlier state, the culprits are healthy (PaLM's test)                | the state fails, not the data     |
 | remedy "drop the culprit samples": not enough (the step fails without them)    | filtering them does not help      |
 | other samples, outside the culprits, are non-finite on their own too           | any sample fails on this state    |
-| the failure needs the dump's RNG (healthy from other seeds)                    | a random draw, not the record     | The fp32 re-run counts
+| the failure needs the dump's RNG (healthy from other seeds)                    | a random draw, not the record     |
+
+Likewise a precision verdict does not stand beside the remedy "run the step in fp32: not enough" in a run whose
+loss grew for steps (`fp32_fix_fails`): the divergence is the cause, the format only where it crossed. The fp32 re-run counts
 only when it was checked to have run in float32 (replay/run/fp32.py).
 
 The wording follows the field notes' "What a good forensic answer looks like" (../shared/FIELD-NOTES.md): the
@@ -127,6 +130,14 @@ def refutations(f: VerdictFacts) -> list[str]:
     return out
 
 
+def fp32_fix_fails(f: VerdictFacts) -> bool:
+    """The step is finite in fp32, but running it in fp32 was tried as a fix and was not enough (the update still
+    wrecks the weights) in a run whose loss grew for steps: the precision is where it crossed, not why — a precision
+    verdict would stand beside the remedy row that refutes it (issue 50). The divergence rules speak instead."""
+    growing = f.history_pattern in (HistoryPattern.EXPONENTIAL_GROWTH, HistoryPattern.DIVERGED) or f.run_diverged
+    return f.remedies.get(RemedyKind.FP32.value) is False and bool(growing)
+
+
 def blamed_samples(findings: Findings) -> list[SampleRef]:
     """The samples the verdict blames, of those bisection (or the sizes, or the batch's own non-finite field) found:
     all of them, or none where `withheld` says so. The stages that act on blamed samples only (the per-sample rows
@@ -196,7 +207,11 @@ def decide_verdict(facts: VerdictFacts) -> Verdict:
         return update_too_large(f)
     if f.spike and (f.run_diverged or f.history_pattern is HistoryPattern.DIVERGED):
         return diverged(f)
-    precision = f.fp32_reproduces is False and (low_precision(f) is not None or f.fp32_ran is not None)
+    precision = (
+        f.fp32_reproduces is False
+        and (low_precision(f) is not None or f.fp32_ran is not None)
+        and not fp32_fix_fails(f)
+    )
     if f.grad_norm_overflow is not None and not f.weights_nonfinite_at_start:
         return norm_overflow(f)
     if f.weights_nonfinite_at_start or (f.all_subsets_fail and not precision):
@@ -252,6 +267,7 @@ __all__ = [
     "VerdictFacts",
     "blamed_samples",
     "decide_verdict",
+    "fp32_fix_fails",
     "marks_triggers",
     "refutations",
     "suggestions_with_remedies",

@@ -130,3 +130,23 @@ def test_in_a_run_that_grew_exponentially_the_refuted_culprits_leave_a_state_ver
     verdict = decide_verdict(facts)
     assert verdict.kind == VerdictKind.MODEL_STATE, verdict.headline
     assert "no sample is to blame" in verdict.headline and "learning rate of 18" in verdict.headline
+
+
+def test_a_precision_verdict_does_not_stand_beside_a_failed_fp32_fix_in_a_diverging_run():
+    """Finite in fp32, but 'run the step in fp32' was tried and was not enough, and the loss grew for steps: the
+    divergence is the cause (the precision only where it crossed)."""
+    facts = VerdictFacts(
+        "nonfinite_grad",
+        True,
+        step=6,
+        rank=0,
+        candidates=8,
+        fp32_reproduces=False,
+        autocast_dtype="bfloat16",
+        history_pattern=HistoryPattern.EXPONENTIAL_GROWTH,
+        lr=18.0,
+        remedies={RemedyKind.FP32.value: False, RemedyKind.SKIP_STEP.value: True},
+    )
+    assert decide_verdict(dataclasses.replace(facts, remedies={})).kind == VerdictKind.NUMERICAL_PRECISION  # control
+    verdict = decide_verdict(facts)
+    assert verdict.kind == VerdictKind.MODEL_STATE and "learning rate of 18" in verdict.headline, verdict.headline
