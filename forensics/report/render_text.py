@@ -360,8 +360,14 @@ def evidence_sentence(report: Mapping | Report) -> str | None:
     if not evidence or not r.culprit.samples:
         return None
     against = [clean(str(e.get("words")), 200) for e in evidence.get("against") or [] if isinstance(e, dict)]
-    if against:
+    refuted = [clean(str(w), 200) for w in evidence.get("refuted_by") or []]
+    aside = [clean(str(w), 300) for w in evidence.get("set_aside") or []]
+    if against and refuted:
+        text = f"What stood against the record ({'; '.join(against[:2])}) does not hold: {'; '.join(refuted)}."
+    elif against:
         text = "Evidence against the record: " + "; ".join(against[:3]) + "."
+    elif aside:
+        text = "No evidence against the record: " + "; ".join(aside[:2]) + "."
     elif evidence.get("ordinary"):
         text = f"Its record looks like the others: {clean(str(evidence['ordinary']), 300)}."
     else:

@@ -23,7 +23,7 @@ from forensics.replay.judge.verdict import VerdictFacts, decide_verdict
 from forensics.replay.judge.verdict_words import op_hints
 
 sys.path.insert(0, str(Path(__file__).parent))
-from report_factory import make_report  # noqa: E402
+from report_factory import make_report
 
 NAN = math.nan
 
