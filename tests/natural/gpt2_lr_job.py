@@ -21,7 +21,9 @@ from pathlib import Path
 
 import torch
 
-SEED = 62  # a seed whose bf16 run at lr 18 replayed as bad data before issue 50 on the dev box (2-core CPU)
+SEED = (
+    104  # a seed whose bf16 run at lr 18 replayed as bad_sample before issue 50 (dev box, one thread as in the tests)
+)
 SAMPLES, SEQ, VOCAB, BATCH = 64, 16, 64, 8
 
 
