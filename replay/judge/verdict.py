@@ -45,7 +45,7 @@ rule; issue 50): then it counts for nothing, the samples are named as triggers, 
 | the failure needs the dump's RNG (healthy from other seeds)                    | a random draw, not the record     |
 
 Likewise a precision verdict does not stand beside the remedy "run the step in fp32: not enough" in a run whose
-loss grew for steps (`fp32_fix_fails`): the divergence is the cause, the format only where it crossed. The fp32 re-run counts
+loss grew geometrically (`fp32_fix_fails`): the divergence is the cause, the format only where it crossed. The fp32 re-run counts
 only when it was checked to have run in float32 (replay/run/fp32.py).
 
 The wording follows the field notes' "What a good forensic answer looks like" (../shared/FIELD-NOTES.md): the
@@ -132,10 +132,12 @@ def refutations(f: VerdictFacts) -> list[str]:
 
 def fp32_fix_fails(f: VerdictFacts) -> bool:
     """The step is finite in fp32, but running it in fp32 was tried as a fix and was not enough (the update still
-    wrecks the weights) in a run whose loss grew for steps: the precision is where it crossed, not why — a precision
+    wrecks the weights) in a run whose loss grew geometrically: the precision is where it crossed, not why — a precision
     verdict would stand beside the remedy row that refutes it (issue 50). The divergence rules speak instead."""
-    growing = f.history_pattern in (HistoryPattern.EXPONENTIAL_GROWTH, HistoryPattern.DIVERGED) or f.run_diverged
-    return f.remedies.get(RemedyKind.FP32.value) is False and bool(growing)
+    # exponential growth only (the field notes' "learning rate too high"): a loss that sits far above its start while
+    # the activations climb toward fp16's limit (tests/natural "output_logits") is the format's to name
+    growing = f.history_pattern is HistoryPattern.EXPONENTIAL_GROWTH
+    return f.remedies.get(RemedyKind.FP32.value) is False and growing
 
 
 def blamed_samples(findings: Findings) -> list[SampleRef]:
