@@ -514,23 +514,20 @@ def _all_nodes(root: Any) -> list[Any]:
 
 
 def _internal_roots() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Where frames that are not the user's code live: forensics' own packages (capture, replay, forensics), click
+    """Where frames that are not the user's code live: forensics' own package (the one this file belongs to:
+    forensics/replay/localize/ -> forensics/, capture and replay included, their symlinked sources resolved), click
     and torch; and the Python standard library (runpy, threading), whose site-packages are not part of it."""
     import sysconfig
 
     import click
 
-    import forensics
-    import forensics.capture
-    import forensics.replay
-
-    packages = {
-        str(Path(str(m.__file__)).resolve().parent) + os.sep
-        for m in (forensics, forensics.capture, forensics.replay, click, torch)
-    }
+    package = Path(__file__).parent.parent.parent  # forensics/ (replay/localize/forward_backward.py inside it)
+    own = [package, *(child for child in package.iterdir() if child.is_dir())]  # the symlinks, resolved
+    packages = [str(p.resolve()) + os.sep for p in own]
+    packages += [str(Path(str(m.__file__)).resolve().parent) + os.sep for m in (click, torch)]
     paths = sysconfig.get_paths()
     stdlib = {str(Path(paths[k]).resolve()) + os.sep for k in ("stdlib", "platstdlib") if k in paths}
-    return tuple(packages), tuple(sorted(stdlib))
+    return tuple(dict.fromkeys(packages)), tuple(sorted(stdlib))
 
 
 def _internal(path: str, roots: tuple[tuple[str, ...], tuple[str, ...]]) -> bool:
@@ -559,9 +556,9 @@ def _clean_traceback(frames: Any) -> str | None:
     roots = _internal_roots()
     paths = [str(Path(m.group("path")).resolve()) if (m := _FRAME.match(f)) else None for f in frames]
     # what called forensics (the CLI, a test runner, the user's script calling run_replay) is not where the op ran:
-    # the user's frames are those forensics called into, after its innermost own frame
-    own = [i for i, path in enumerate(paths) if path is not None and path.startswith(roots[0][:3])]
-    start = own[-1] + 1 if own else 0
+    # the user's frames are those after forensics' outermost own frame (forensics called into them)
+    own = [i for i, path in enumerate(paths) if path is not None and path.startswith(roots[0][:-2])]
+    start = own[0] if own else 0
     kept, folded = [], start - sum(1 for p in paths[:start] if p is None)
     kept += [f for f, path in zip(frames[:start], paths[:start]) if path is None]  # headings
     for frame, path in zip(frames[start:], paths[start:]):
