@@ -204,14 +204,14 @@ def model_state(f: VerdictFacts) -> Verdict:
         return rng_dependent(f)
     elif f.all_subsets_fail:
         headline = f"Every subset of samples tried fails on its own at {at}: the model state, not the data, is broken."
-        failing, checked = len(f.samples_failing or []), f.samples_checked
+        alone, checked = len(f.samples_failing or []), f.samples_checked
         reading = (
             (
                 "Bisection could not find a sample to blame: every subset it replayed failed, though alone only "
-                f"{failing} of {checked} samples {'is' if failing == 1 else 'are'} non-finite (the per-sample "
+                f"{alone} of {checked} samples {'is' if alone == 1 else 'are'} non-finite (the per-sample "
                 "table): the step fails with most groups of its samples, not because of one record."
             )
-            if f.samples_failing is not None and checked and failing < checked
+            if f.samples_failing is not None and checked and alone < checked
             else "Bisection could not find a sample to blame: every subset it replayed failed, down to "
             "single samples, so the weights or buffers make any input fail."
         )

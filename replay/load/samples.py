@@ -176,7 +176,7 @@ def select_samples(batch: Any, indices: Iterable[int]) -> Any:
 NUM_ITEMS_KEY = "num_items_in_batch"  # forensics.capture.integrations.hf_trainer.NUM_ITEMS_KEY
 
 
-def _label_items(batch: Mapping) -> int | None:
+def _label_items(batch: Mapping[str, Any]) -> int | None:
     """The label positions a causal loss counts in `batch` (labels[..., 1:] != -100), or None without labels."""
     labels = batch.get("shift_labels", batch.get("labels"))
     if not isinstance(labels, torch.Tensor) or labels.dim() < 1:
