@@ -142,7 +142,8 @@ def _weights_block(findings: Findings) -> dict:
 
 def _per_sample_failures(findings: Findings) -> tuple[list, int]:
     rows = [r for r in findings.per_sample if isinstance(r, dict)]
-    return [r.get("sample_id") for r in rows if r.get("finite") is False], len(rows)
+    # a sample that raised alone (a BatchNorm cannot take one sample) did not fail: it could not run
+    return [r.get("sample_id") for r in rows if r.get("finite") is False and not r.get("error")], len(rows)
 
 
 def _exception_block(findings: Findings, session: ReplaySession) -> dict:
