@@ -251,7 +251,9 @@ class Guard:
         trigger, policy, self.last_incident_step = incident.trigger, incident.policy, incident.step
         try:  # whatever fails in here, the policy below applies (raise raises, skip skips)
             admission = self.dumper.admit(incident)  # one not dumped is counted and logged once per window there
-            if incident.undumpable is None and (admission.why_not is None or policy is not Policy.CONTINUE):
+            # a step the budget does not dump is counted and logged once per window by the budget (docs/GUIDE.md
+            # "Dump budgets"): never a line per step, whatever the policy; 'raise' says it in its error
+            if incident.undumpable is None and admission.why_not is None:
                 log.warning(
                     "forensics: step %d rank %d: %s (policy: %s)", incident.step, self.rank, trigger.message, policy
                 )

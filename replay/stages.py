@@ -64,6 +64,7 @@ def weigh_evidence(
         full_precision=full_precision,
         isolated=(findings.bisection.block or {}).get("test") == "isolation",
         others_far=lambda: (others_share(runner, blamed) or 1.0) < FAR_FROM_LIMIT,
+        healthy_ceiling=findings.history.reading.healthy_loss_ceiling,
     )
     if not evidence.bad_data:
         logger.info("no evidence that the culprits' records are bad: they are triggers (%s)", evidence.ordinary)

@@ -20,6 +20,7 @@ MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard
 
 EARLY_EVIDENCE = 4  # finite values before the robust threshold can judge a value during warm-up
 EARLY_RATIO = 10.0  # with fewer values, a value this many times the largest one so far is noted
+MIN_WARMUP = 4  # the smallest SpikeConfig.warmup (capture/config.py checks it)
 
 
 class SpikeDetector:
@@ -141,6 +142,8 @@ class StepDetectors:
         self.suppressed: list[Trigger] = []
         """After detect(): spikes that warm-up kept from firing (note_suppressed logs them)."""
         self._suppressed_logged: set[TriggerKind] = set()
+        self._later: dict[TriggerKind, list[tuple[int, float | None]]] = {}
+        """Spikes warm-up kept from firing after the first one logged, per kind: (step, value), said at its end."""
 
     def detect(
         self,
@@ -233,23 +236,74 @@ class StepDetectors:
                 )
         return None
 
-    def note_suppressed(self, step: int) -> str | None:
-        """Logs (once per kind and run) a spike that warm-up kept from firing at `step`; returns its kind
-        for the history, or None."""
+    def note_suppressed(self, step: int, fault: bool = False) -> str | None:
+        """Logs (once per kind and run) a spike that warm-up kept from firing at `step`, with the warm-up that would
+        have caught it; the later ones of the same warm-up are counted and said in one line when it ends, or when a
+        fault (`fault`: this step triggered) comes first (`_end_of_warmup`). Returns the kind for the history, or
+        None."""
+        self._end_of_warmup(step, fault)
         if not self.suppressed:
             return None
         first = self.suppressed[0]
+        detector = self.loss if first.kind is TriggerKind.LOSS_SPIKE else self.grad_norm
         if first.kind not in self._suppressed_logged:
             self._suppressed_logged.add(first.kind)
             log.warning(
-                "forensics: step %d: %s. Early spikes are not dumped; to catch them, lower the warm-up, "
-                "e.g. GuardConfig(detection=DetectionConfig(%s=SpikeConfig(warmup=8))). Logged once; every "
-                "such step is marked in the history (column 'suppressed').",
+                "forensics: step %d: %s. %s Logged once; every such step is marked in the history (column "
+                "'suppressed').",
                 step,
                 first.detail,
-                first.kind.value,
-            )  # GuardConfig's SpikeConfig fields are named after their kinds
+                warmup_advice(first.kind, len(detector._window) - 1, detector.config.warmup),
+            )
+        else:
+            seen = self._later.setdefault(first.kind, [])
+            seen.append((step, first.value))
         return first.kind.value
+
+    def _end_of_warmup(self, step: int, fault: bool = False) -> None:
+        """One line for the spikes warm-up kept from firing after the first one logged, once that warm-up is over or
+        a fault ends it first (never a line per step)."""
+        for kind, seen in list(self._later.items()):
+            detector = self.loss if kind is TriggerKind.LOSS_SPIKE else self.grad_norm
+            if (detector.warming_up and not fault) or not seen:
+                continue
+            del self._later[kind]
+            largest = max((v for _, v in seen if v is not None), default=None)
+            log.warning(
+                "forensics: spike detection (%s) %s at step %d; %d more step(s) during warm-up "
+                "(steps %d-%d, largest %s) were spikes by the steps seen so far, not dumped (marked 'suppressed' in "
+                "the history).",
+                kind.value,
+                "was still warming up when a fault came" if detector.warming_up else "has warmed up",
+                step,
+                len(seen),
+                seen[0][0],
+                seen[-1][0],
+                f"{largest:.4g}" if largest is not None else "n/a",
+            )
+
+
+def warmup_advice(kind: TriggerKind, position: int, warmup: int) -> str:
+    """How to catch a spike that came `position` finite values into a detector warming up over `warmup`: the warm-up
+    that judges it (the value at `position` is judged once `position` values are in the window), or, before the
+    smallest warm-up SpikeConfig allows, what that minimum catches. GuardConfig's SpikeConfig fields are named after
+    their kinds."""
+    where = f"GuardConfig(detection=DetectionConfig({kind.value}=SpikeConfig(warmup=%d)))"
+    if MIN_WARMUP <= position < warmup:
+        return (
+            f"Early spikes are not dumped; {where % position} (now {warmup}) would have caught this one with the "
+            "same threshold."
+        )
+    if position < MIN_WARMUP and MIN_WARMUP < warmup:
+        return (
+            f"No warm-up can judge a value this early (SpikeConfig.warmup >= {MIN_WARMUP}, now {warmup}); "
+            f"{where % MIN_WARMUP} judges spikes from the {MIN_WARMUP + 1}th finite value on. A NaN/Inf is caught "
+            "whatever the warm-up."
+        )
+    return (
+        f"No warm-up can judge a value this early (SpikeConfig.warmup >= {MIN_WARMUP}, the current one); a NaN/Inf "
+        "is caught whatever the warm-up."
+    )
 
 
 def clipped(norm: float | None, max_grad_norm: float | None) -> bool | None:

@@ -83,7 +83,7 @@ class SyncCheck:
             loss_scale,
             was_clipped,
             policy is Policy.SKIP or scaler_overflow,
-            self.detectors.note_suppressed(step),
+            self.detectors.note_suppressed(step, fault=trigger is not None),
         )
         self.window.append(
             WindowStep(

@@ -361,7 +361,7 @@ class SyncFree:
             None,
             was_clipped,
             skipped,
-            self.detectors.note_suppressed(pending.step),
+            self.detectors.note_suppressed(pending.step, fault=trigger is not None),
         )
         self.window.append(
             WindowStep(

@@ -358,7 +358,9 @@ class Dumper:
             ids = json_ids(record.sample_ids[index])
             size = leading_dim(batch) or (len(ids) if ids else None)
             if ids is None and size is not None:
-                ids = [f"step{step}/rank{ranks.rank}/mb{index}/{j}" for j in range(size)]
+                ids = [
+                    f"step{step}/rank{ranks.rank}/mb{index + 1}/{j}" for j in range(size)
+                ]  # mb counted from 1, as the text
             micro_batches.append(
                 {
                     "index": index,

@@ -61,7 +61,7 @@ class FirstStepCheck:
             why = unreadable_ids(record.batches[missing[0]], self.sample_id_key)
             log.warning(
                 "forensics: the Guard cannot read sample IDs from %d of the step's %d micro-batch(es) (%s): a "
-                "dump would name samples by their position in the batch ('step5/rank0/mb0/2'), which no "
+                "dump would name samples by their position in the batch ('step5/rank0/mb1/2'), which no "
                 "blocklist can use. Fix: guard.record_batch(batch, sample_ids=ids) with your dataset's IDs, "
                 "or put them under the batch's %r key (GuardConfig.recording.sample_id_key)",
                 len(missing),

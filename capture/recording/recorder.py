@@ -112,7 +112,7 @@ class StepRecorder:
             "a replay blames samples by position and leaves an ID shared with a healthy sample out of its "
             "blocklist. Give each record its own ID%s",
             repr(sid)[:80],
-            len(record.batches) - 1,
+            len(record.batches),  # counted from 1, as the report counts micro-batches
             index,
             " (not repeated for later steps)" if self.duplicate_steps == MAX_DUPLICATE_WARNINGS else "",
         )

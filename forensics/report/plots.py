@@ -13,7 +13,7 @@ import math
 from typing import Any, Callable, Mapping
 
 from forensics.report.model import as_float
-from forensics.report.render_text import top_rows
+from forensics.report.render_text import row_nonfinite, top_rows
 from forensics.report.tree import LayerRow, Report, parse_report
 
 log = logging.getLogger(__name__)
@@ -200,10 +200,17 @@ def plot_per_layer(report: Mapping | Report) -> bytes | None:
 
 
 def plot_per_sample(report: Mapping | Report) -> bytes | None:
-    """Bars: replayed loss of each sample; culprit samples red, non-finite losses hatched and labelled.
+    """Bars: replayed loss of each sample; culprit samples red, non-finite samples (loss or gradients, as the
+    per-sample table counts them) hatched and labelled.
 
     Returns PNG bytes, or None when the report has no per-sample data.
     """
+    fig = per_sample_figure(report)
+    return _png(fig) if fig is not None else None
+
+
+def per_sample_figure(report: Mapping | Report) -> Any:
+    """plot_per_sample's matplotlib figure (None without per-sample data)."""
     r = parse_report(report)
     rows = r.per_sample
     if not rows:
@@ -220,10 +227,22 @@ def plot_per_sample(report: Mapping | Report) -> bytes | None:
     for i, (row, x) in enumerate(zip(rows, xs)):
         is_culprit = row.sample_id in culprits
         color = RED if is_culprit else BLUE
-        if x is None:
+        bad = row_nonfinite(row)
+        if x is None and not bad:
             continue
-        if math.isfinite(x):
+        if x is not None and math.isfinite(x) and not bad:
             ax.bar(i, x, color=color)
+        elif x is not None and math.isfinite(x):  # a finite loss with non-finite gradients: non-finite all the same
+            ax.bar(i, x, color=color, alpha=0.45, hatch="//", edgecolor=RED)
+            ax.text(
+                i,
+                x,
+                "grad " + _nonfinite_word(as_float(row.grad_norm)),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+                color=RED,
+            )
         else:
             ax.bar(i, cap, color=color, alpha=0.45, hatch="//", edgecolor=RED)
             ax.text(i, cap, _nonfinite_word(x), ha="center", va="bottom", fontsize=8, color=RED)
@@ -238,7 +257,7 @@ def plot_per_sample(report: Mapping | Report) -> bytes | None:
     ax.set_ylabel("loss" + (" (log)" if use_log else ""))
     ax.set_title("Per-sample loss (red: culprit; hatched: non-finite)")
     ax.grid(True, axis="y", alpha=0.3)
-    return _png(fig)
+    return fig
 
 
 def plot_precursors(report: Mapping | Report) -> bytes | None:

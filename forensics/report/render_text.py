@@ -10,7 +10,7 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 from forensics.report.wording import fp32_ran_words
 from forensics.report.model import as_float
-from forensics.core.kinds import FidelityMode, Phase, TriggerKind
+from forensics.core.kinds import FidelityMode, Phase, TriggerKind, VerdictKind
 from forensics.report.tree import Bisection, Report, Timings, parse_report
 from forensics.report.wording import (
     MAX_LISTED_SAMPLES,
@@ -20,6 +20,7 @@ from forensics.report.wording import (
     fmt_num,
     mb_number,
     mb_phrase,
+    module_words,
     pattern_words,
     verdict_label,
 )
@@ -34,6 +35,16 @@ def is_nonfinite(value: Any) -> bool:
 
 
 Row = TypeVar("Row")
+
+
+def row_nonfinite(row: Any) -> bool:
+    """A per-sample row that is non-finite: its own `finite` flag, its loss or its gradient norm (the one rule the
+    summary's count, the table and the plot's hatching share)."""
+    return not getattr(row, "error", None) and (
+        getattr(row, "finite", None) is False
+        or is_nonfinite(getattr(row, "loss", None))
+        or is_nonfinite(getattr(row, "grad_norm", None))
+    )
 
 
 def top_rows(rows: Sequence[Row], value: Callable[[Row], Any], n: int = 20) -> list[Row]:
@@ -181,7 +192,7 @@ def location_sentence(report: Mapping | Report) -> str | None:
     head = "First non-finite value" if nonfinite else "Located"
     text = head + (f" in the {clean(phase)} pass" if phase else "")
     if module:
-        text += f" at {clean(module)}"
+        text += module_words(module, quote=False)
     if op:
         text += f" ({clean(op)})"
     stats = c.stats
@@ -233,9 +244,12 @@ def culprit_sentence(report: Mapping | Report) -> str | None:
                 f"{fmt_num(bis.culprit_size)}, but the verdict finds the state at fault, not their data."
             )
         if bis.candidates and bis.all_subsets_fail:
+            alone = _alone_count(r)
             return (
                 f"No culprit sample: every subset of the {bis.candidates} samples bisection tried ({runs} replays) "
-                "fails on its own, down to single samples: the state, not the data."
+                "fails on its own"
+                + (f"{alone}" if alone else ", down to single samples")
+                + ": the state, not the data."
             )
         if bis.candidates:
             return (
@@ -272,6 +286,18 @@ def culprit_sentence(report: Mapping | Report) -> str | None:
     return text
 
 
+def _alone_count(r: Report) -> str | None:
+    """', though alone only 1 of 8 samples is non-finite (per-sample table)' when the per-sample table says fewer
+    than all fail on their own (bisection's subsets share the micro-batch's random draws; a sample alone does not)."""
+    if TriggerKind.parse(r.trigger.kind, TriggerKind.NONFINITE_LOSS).spike:
+        return None  # a spike's subsets are judged by removal, not by a non-finite value alone
+    rows = [row for row in r.per_sample if not row.error]
+    bad = [row for row in rows if row_nonfinite(row)]
+    if not rows or len(bad) == len(rows):
+        return None
+    return f", though alone only {len(bad)} of {len(rows)} sample{'s' if len(rows) != 1 else ''} {'is' if len(bad) == 1 else 'are'} non-finite (per-sample table)"
+
+
 def bisection_phrase(bis: Bisection) -> str | None:
     runs, cand = bis.runs, bis.candidates
     if runs is None or cand is None:
@@ -290,7 +316,9 @@ def precision_sentence(report: Mapping | Report) -> str | None:
         return None
     dtype, fp32, fsdp = prec.autocast_dtype, prec.fp32_reproduces, prec.fsdp_param_dtype
     evidence = r.evidence if isinstance(r.evidence, dict) else {}
-    has_samples = bool(r.culprit.ids()) and bool(evidence.get("bad_data", True))  # bad data, not a trigger
+    # bad data: a trigger is not (a report without an evidence block: what its verdict says)
+    bad_data = evidence["bad_data"] is True if "bad_data" in evidence else r.verdict.kind == VerdictKind.BAD_SAMPLE
+    has_samples = bool(r.culprit.ids()) and bad_data
     code = prec.code_dtypes if isinstance(prec.code_dtypes, dict) else {}
     low_code = next((k for k in ("float16", "bfloat16") if code.get(k)), None)
     under = (
@@ -327,8 +355,14 @@ def evidence_sentence(report: Mapping | Report) -> str | None:
     if not evidence or not r.culprit.samples:
         return None
     against = [clean(str(e.get("words")), 200) for e in evidence.get("against") or [] if isinstance(e, dict)]
-    if against:
+    refuted = [clean(str(w), 200) for w in evidence.get("refuted_by") or []]
+    aside = [clean(str(w), 300) for w in evidence.get("set_aside") or []]
+    if against and refuted:
+        text = f"What stood against the record ({'; '.join(against[:2])}) does not hold: {'; '.join(refuted)}."
+    elif against:
         text = "Evidence against the record: " + "; ".join(against[:3]) + "."
+    elif aside:
+        text = "No evidence against the record: " + "; ".join(aside[:2]) + "."
     elif evidence.get("ordinary"):
         text = f"Its record looks like the others: {clean(str(evidence['ordinary']), 300)}."
     else:
@@ -371,7 +405,7 @@ def per_sample_sentence(report: Mapping | Report) -> str | None:
     if not rows:
         return None
     raised = [r for r in rows if r.error]
-    bad = [r for r in rows if not r.error and (r.finite is False or is_nonfinite(r.loss) or is_nonfinite(r.grad_norm))]
+    bad = [r for r in rows if row_nonfinite(r)]
     text = f"Per-sample replay: {len(bad)} of {len(rows)} samples non-finite"
     culprits = parse_report(report).culprit.samples
     if bad and (not culprits or all(s.trigger for s in culprits)):
@@ -379,13 +413,15 @@ def per_sample_sentence(report: Mapping | Report) -> str | None:
     if raised:
         kind = clean(str(raised[0].error).split(":", 1)[0], 60)
         text += f", {len(raised)} raised when run alone ({kind})"
-    top = top_rows(rows, lambda row: row.loss, 2)
-    if not top or as_float(top[0].loss) is None:
+    finite = [row for row in rows if (x := as_float(row.loss)) is not None and math.isfinite(x)]
+    top = top_rows(finite, lambda row: row.loss, 2)  # a NaN is no "highest loss": the count above says it
+    if not top:
         return text + "."
     worst = f"{fmt_id(top[0].sample_id)} loss {fmt_num(top[0].loss)}"
-    if len(top) > 1 and as_float(top[1].loss) is not None:
+    if len(top) > 1:
         worst += f" (next highest {fmt_num(top[1].loss)})"
-    return f"{text}; highest loss: {worst}."
+    label = "highest finite loss" if len(finite) < len(rows) else "highest loss"
+    return f"{text}; {label}: {worst}."
 
 
 def timing_sentence(report: Mapping | Report) -> str | None:

@@ -45,6 +45,23 @@ def fmt_id(sample_id: Any, max_chars: int = MAX_ID_CHARS) -> str:
     return clean(text, max_chars)
 
 
+ROOT_MODULE = "<root>"  # replay/localize/forward_backward.ROOT_MODULE: the model's own forward, outside its submodules
+LOSS_MODULE = "<loss>"  # ... LOSS_MODULE: ops outside every module (the loss function's own code)
+_MARKERS = {
+    ROOT_MODULE: "the model's own forward (outside its submodules, e.g. where it computes the loss)",
+    LOSS_MODULE: "the loss function's own code (outside every module)",
+}
+
+
+def module_words(name: Any, quote: bool = True) -> str:
+    """' at `transformer.h.0.ln_2`' as people read it; the report's markers `<root>` (an op of the model's own
+    forward, outside every submodule: a Hugging Face model's loss) and `<loss>` in words (' in the model's own
+    forward ...')."""
+    if name in _MARKERS:
+        return f" in {_MARKERS[name]}"
+    return f" at `{clean(name)}`" if quote else f" at {clean(name)}"
+
+
 def fmt_num(value: Any, digits: int = 4) -> str:
     """A report number in short form: 1.234, 3.1e+38, nan, inf; null -> 'n/a'."""
     if isinstance(value, bool):

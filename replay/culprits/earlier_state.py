@@ -114,6 +114,7 @@ def feed_earlier_state(
         sample = fmt_id(culprits[0].sample_id, 80) if culprits else "the culprit"
         values = [_number(r, kind) for r in culprit_rows]
         own = f" (its {measure} {fmt_num(values[0], 3)}{spread})" if values and _finite(values[0]) else ""
+        evidence.clear_by_earlier_state()
         evidence.earlier = f"Fed to {where}, sample {sample} is healthy{own} → the state, not the data (PaLM's test)."
 
 

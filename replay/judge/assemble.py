@@ -45,6 +45,7 @@ from forensics.replay.judge.verdict import (
     blamed_samples,
     decide_verdict,
     marks_triggers,
+    refutations,
     suggestions_with_remedies,
 )
 from forensics.replay.load.environment import replay_environment
@@ -65,7 +66,10 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
     fidelity = findings.reproduction.fidelity
     if findings.kind is TriggerKind.NONFINITE_PARAM and findings.optimizer is not None:
         fidelity["optimizer_reproduced"] = True
-    verdict = decide_verdict(verdict_facts(findings, session, dump_info, culprit, blamed))
+    facts = verdict_facts(findings, session, dump_info, culprit, blamed)
+    if findings.evidence is not None:  # evidence the replay's own findings contradict counts for nothing
+        findings.evidence.refuted = refutations(facts)
+    verdict = decide_verdict(facts)
     verdict.suggestions = suggestions_with_remedies(verdict, findings)
     if marks_triggers(verdict, findings):
         for sample in culprit.samples:
@@ -140,7 +144,8 @@ def _weights_block(findings: Findings) -> dict:
 
 def _per_sample_failures(findings: Findings) -> tuple[list, int]:
     rows = [r for r in findings.per_sample if isinstance(r, dict)]
-    return [r.get("sample_id") for r in rows if r.get("finite") is False], len(rows)
+    # a sample that raised alone (a BatchNorm cannot take one sample) did not fail: it could not run
+    return [r.get("sample_id") for r in rows if r.get("finite") is False and not r.get("error")], len(rows)
 
 
 def _exception_block(findings: Findings, session: ReplaySession) -> dict:
@@ -268,6 +273,7 @@ def verdict_facts(
         parameter=culprit.parameter,
         optimizer_state=culprit.optimizer_state,
         optimizer_class=findings.optimizer.optimizer_class if findings.optimizer is not None else None,
+        norm_eps=_norm_eps(session.model, culprit.module),
         inputs_absmax=stats.get("inputs_absmax"),
         outputs_absmax=stats.get("outputs_absmax"),
         culprit_samples=[r.sample_id for r in blamed],
@@ -310,6 +316,8 @@ def verdict_facts(
         record_evidence=[e.words for e in findings.evidence.against] if findings.evidence is not None else [],
         ordinary_record=findings.evidence.ordinary if findings.evidence is not None else None,
         earlier_state=findings.evidence.earlier if findings.evidence is not None else None,
+        earlier_state_healthy=findings.evidence.earlier_healthy if findings.evidence is not None else None,
+        evidence_set_aside=list(findings.evidence.set_aside) if findings.evidence is not None else [],
         fp32_ran=fp32_ran_words(precision["fp32_ran"]) if precision.get("fp32_ran") else None,
         fp32_unverified=bool(precision.get("fp32_ran")) and not precision["fp32_ran"].get("verified"),
         grad_norm_overflow=findings.norm_overflow,
@@ -320,13 +328,29 @@ def verdict_facts(
 
 
 def shared_id_words(sample: CulpritSample) -> str:
-    """ "'x' (micro-batch 0, sample 3): its ID also names micro-batch 0 samples 1 and 5, which the replay does not
+    """ "'x' (micro-batch 1, sample 3): its ID also names micro-batch 1 samples 1 and 5, which the replay does not
     blame" — why the blocklist leaves that ID out."""
     others = [(int(p["micro_batch"]), int(p["index"])) for p in sample.shared_with or []]
     return (
-        f"{fmt_id(sample.sample_id, 80)} (micro-batch {sample.micro_batch}, sample {sample.index}): its ID also names "
+        f"{fmt_id(sample.sample_id, 80)} (micro-batch {sample.micro_batch + 1}, sample {sample.index}): its ID also names "
         f"{positions_words(others)}, which the replay does not blame"
     )
+
+
+def _norm_eps(model: torch.nn.Module | None, name: str | None) -> float | None:
+    """The eps of the module `name` of `model` when it has one (LayerNorm / RMSNorm `eps`, Hugging Face's
+    `variance_epsilon`); None otherwise."""
+    if model is None or not name:
+        return None
+    try:
+        module = model.get_submodule(name)
+    except (AttributeError, TypeError):
+        return None
+    for attr in ("eps", "variance_epsilon", "epsilon"):
+        value = lenient_float(getattr(module, attr, None))
+        if value is not None:
+            return value
+    return None
 
 
 def _code_low_dtype(precision: dict) -> str | None:

@@ -320,6 +320,10 @@ class HistoryReading:
     threshold from healthy steps, never from diverged ones."""
     healthy_steps: int
     sentences: list[str]
+    healthy_loss_ceiling: float | None = None
+    """The top of the run's recorded healthy loss range: the largest finite loss of the recorded steps before `onset`
+    (or before the analysed step), and at least where the run counts as having left its start (`divergence_limit`);
+    None without recorded losses. A loss far above it is no baseline to judge one record's loss against."""
     """'The loss started at 1.03 (step 0) and left it at step 1 (4.47e+04) ...', the learning rate, clipping."""
 
 
@@ -382,7 +386,10 @@ def read_history(history: dict | None, step: int | None, uniform_loss: float | N
             else "the one healthy recorded step"
         )
         sentences.append(f"Before that, the gradient norm was {fmt_num(typical, 3)} ({steps_words}); {clip}.")
-    return HistoryReading(onset, typical, len(good_norms), sentences)
+    good_losses = [v for v in (losses[i] for i in healthy) if v is not None and math.isfinite(v)]
+    bounds = good_losses + ([limit] if math.isfinite(limit) else [])
+    ceiling = max(bounds) if bounds and any(v is not None for v in losses) else None
+    return HistoryReading(onset, typical, len(good_norms), sentences, ceiling)
 
 
 def _stayed_out_since(steps: list[int], losses: list[float | None], limit: float) -> int | None:

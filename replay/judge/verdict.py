@@ -32,7 +32,20 @@ that worked first). replay/judge/assemble.py places both in the report; it decid
 
 Evidence that a record is bad (replay/culprits/evidence.py): its data is odd on its own, its loss alone is an outlier,
 it alone makes the loss non-finite in float32, or it still fails on an earlier state. Without any, the sample only
-crossed first (`trigger_sample`): no blocklist, no "filter", and the advice is about the state. The fp32 re-run counts
+crossed first (`trigger_sample`): no blocklist, no "filter", and the advice is about the state.
+
+Evidence never stands beside a finding of the same replay that contradicts it (`refutations`, applied before any
+rule; issue 50): then it counts for nothing, the samples are named as triggers, and the verdict says why —
+
+| the replay also found                                                          | so the records are not the cause  |
+|--------------------------------------------------------------------------------|-----------------------------------|
+| fed to an earlier state, the culprits are healthy (PaLM's test)                | the state fails, not the data     |
+| remedy "drop the culprit samples": not enough (the step fails without them)    | filtering them does not help      |
+| other samples, outside the culprits, are non-finite on their own too           | any sample fails on this state    |
+| the failure needs the dump's RNG (healthy from other seeds)                    | a random draw, not the record     |
+
+Likewise a precision verdict does not stand beside the remedy "run the step in fp32: not enough" in a run whose
+loss grew geometrically (`fp32_fix_fails`): the divergence is the cause, the format only where it crossed. The fp32 re-run counts
 only when it was checked to have run in float32 (replay/run/fp32.py).
 
 The wording follows what a practitioner's forensic answer gives ("step, rank, micro-batch; reproduced; the first
@@ -44,13 +57,20 @@ from __future__ import annotations
 
 import dataclasses
 
-from forensics.core.kinds import HistoryPattern, Phase, TriggerKind, VerdictKind
+from forensics.core.kinds import HistoryPattern, Phase, RemedyKind, TriggerKind, VerdictKind
 from forensics.report.tree import Verdict
 from forensics.replay.judge.findings import Findings
 from forensics.replay.judge.remedies import tested_suggestions
 from forensics.replay.run.execute import SampleRef
 from forensics.replay.judge.verdict_data import bad_sample, exception_verdict, numerical_precision, trigger_sample
-from forensics.replay.judge.verdict_facts import VerdictFacts, has_culprit, low_precision, whole_batch
+from forensics.replay.judge.verdict_facts import (
+    MAX_NAMED_SAMPLES,
+    VerdictFacts,
+    has_culprit,
+    low_precision,
+    whole_batch,
+)
+from forensics.replay.judge.verdict_words import quoted_id
 from forensics.replay.judge.verdict_state import (
     diverged,
     diverging,
@@ -79,6 +99,47 @@ def withheld(spike: bool | None, edge_share: float | None, run_diverged: str | N
     return None
 
 
+def refutations(f: VerdictFacts) -> list[str]:
+    """The replay's own findings that contradict calling the culprits bad data (the module docstring's last table),
+    in words; empty when nothing contradicts the evidence (or there is no evidence to contradict).
+
+    Example:
+        >>> refutations(VerdictFacts("nonfinite_loss", True, culprit_samples=[48], candidates=8,
+        ...                          record_evidence=["its loss alone is 3.7e+14"], rng_dependent=True))
+        ["the failure needs the dump's RNG: from other seeds the same step is healthy"]
+    """
+    if not has_culprit(f) or not f.record_evidence:
+        return []
+    out = []
+    if f.earlier_state_healthy:
+        out.append("fed to an earlier state, the culprit is healthy: the state fails, not the record")
+    if f.remedies.get(RemedyKind.DROP_SAMPLES.value) is False:
+        out.append(
+            "without the culprits the step is not healthy either (remedy 'drop the culprit samples': not enough)"
+        )
+    others = [s for s in (f.samples_failing or []) if s not in f.culprit_samples]
+    if others:
+        named = ", ".join(quoted_id(s) for s in others[:MAX_NAMED_SAMPLES])
+        more = f" and {len(others) - MAX_NAMED_SAMPLES} more" if len(others) > MAX_NAMED_SAMPLES else ""
+        were = "is" if len(others) == 1 else "are"
+        out.append(
+            f"{len(others)} other sample{'s' if len(others) != 1 else ''} ({named}{more}) {were} non-finite on its own too"
+        )
+    if f.rng_dependent:
+        out.append("the failure needs the dump's RNG: from other seeds the same step is healthy")
+    return out
+
+
+def fp32_fix_fails(f: VerdictFacts) -> bool:
+    """The step is finite in fp32, but running it in fp32 was tried as a fix and was not enough (the update still
+    wrecks the weights) in a run whose loss grew geometrically: the precision is where it crossed, not why — a precision
+    verdict would stand beside the remedy row that refutes it (issue 50). The divergence rules speak instead."""
+    # exponential growth only (the field notes' "learning rate too high"): a loss that sits far above its start while
+    # the activations climb toward fp16's limit (tests/natural "output_logits") is the format's to name
+    growing = f.history_pattern is HistoryPattern.EXPONENTIAL_GROWTH
+    return f.remedies.get(RemedyKind.FP32.value) is False and growing
+
+
 def blamed_samples(findings: Findings) -> list[SampleRef]:
     """The samples the verdict blames, of those bisection (or the sizes, or the batch's own non-finite field) found:
     all of them, or none where `withheld` says so. The stages that act on blamed samples only (the per-sample rows
@@ -93,7 +154,8 @@ def blamed_samples(findings: Findings) -> list[SampleRef]:
 
 def marks_triggers(verdict: Verdict, findings: Findings) -> bool:
     """Whether the samples the verdict blames are named as the first to cross, not as bad data (the report's
-    `culprit.samples[].trigger`; no blocklist lists them): their records were examined and nothing is against them.
+    `culprit.samples[].trigger`; no blocklist lists them): their records were examined and nothing is against them,
+    or what was is refuted (`refutations`: replay/judge/assemble.py writes them into the evidence first).
     Never for a step that raised (`exception`): its samples are named by what the exception says of them."""
     evidence = findings.evidence
     return verdict.kind != VerdictKind.EXCEPTION and evidence is not None and not evidence.bad_data
@@ -135,6 +197,8 @@ def decide_verdict(facts: VerdictFacts) -> Verdict:
     f = facts
     if f.culprit_samples and withheld(f.spike, f.edge_share, f.run_diverged):
         f = _unblamed(f)
+    if refuted := refutations(f):
+        f = _refuted(f, refuted)
     if not f.reproduced and not f.trigger_local:
         return inherited(f)
     if not f.reproduced:
@@ -145,7 +209,11 @@ def decide_verdict(facts: VerdictFacts) -> Verdict:
         return update_too_large(f)
     if f.spike and (f.run_diverged or f.history_pattern is HistoryPattern.DIVERGED):
         return diverged(f)
-    precision = f.fp32_reproduces is False and (low_precision(f) is not None or f.fp32_ran is not None)
+    precision = (
+        f.fp32_reproduces is False
+        and (low_precision(f) is not None or f.fp32_ran is not None)
+        and not fp32_fix_fails(f)
+    )
     if f.grad_norm_overflow is not None and not f.weights_nonfinite_at_start:
         return norm_overflow(f)
     if f.weights_nonfinite_at_start or (f.all_subsets_fail and not precision):
@@ -169,6 +237,18 @@ def decide_verdict(facts: VerdictFacts) -> Verdict:
     return model_state(f)
 
 
+def _refuted(f: VerdictFacts, refuted: list[str]) -> VerdictFacts:
+    """`f` with the evidence against the culprits' records set aside, and why (`refuted`): the rules then decide as for
+    samples against which nothing was found (a trigger, a diverged run, the state)."""
+    return dataclasses.replace(
+        f,
+        record_evidence=[],
+        culprit_facts=[],
+        evidence_set_aside=[*f.evidence_set_aside, *f.record_evidence],
+        refuted_by=refuted,
+    )
+
+
 def _unblamed(f: VerdictFacts) -> VerdictFacts:
     """`f` with the samples found but not blamed left out: what the verdict decides on is then the step without a
     culprit (the report's `bisection` block still says what was found)."""
@@ -180,6 +260,8 @@ def _unblamed(f: VerdictFacts) -> VerdictFacts:
         record_evidence=[],
         ordinary_record=None,
         earlier_state=None,
+        earlier_state_healthy=None,
+        evidence_set_aside=[],
     )
 
 
@@ -187,7 +269,9 @@ __all__ = [
     "VerdictFacts",
     "blamed_samples",
     "decide_verdict",
+    "fp32_fix_fails",
     "marks_triggers",
+    "refutations",
     "suggestions_with_remedies",
     "withheld",
 ]

@@ -7,7 +7,6 @@ from forensics.report.tree import Verdict
 from forensics.core.kinds import VerdictKind
 from forensics.replay.judge.verdict_facts import (
     INPUT_PREFIX,
-    MAX_NAMED_SAMPLES,
     VerdictFacts,
     blames_data,
     has_culprit,
@@ -18,6 +17,7 @@ from forensics.replay.judge.verdict_words import (
     data_hint,
     filter_oversized,
     listed,
+    named_ids,
     op_hints,
     pattern_hints,
     quoted_id,
@@ -43,7 +43,7 @@ def numerical_precision(f: VerdictFacts) -> Verdict:
     )
     suggestions = []
     if with_data:
-        ids = ", ".join(quoted_id(s) for s in f.culprit_samples[:MAX_NAMED_SAMPLES])
+        ids = named_ids(f.culprit_samples)
         suggestions.append(
             f"Filter {ids} from the data{listed(f, 'the culprits')}: "
             f"{'it pushes' if len(f.culprit_samples) == 1 else 'they push'} the activations "
@@ -96,7 +96,7 @@ def exception_verdict(f: VerdictFacts) -> Verdict:
     )
     suggestions = []
     if has_culprit(f):
-        ids = ", ".join(quoted_id(s) for s in f.culprit_samples[:MAX_NAMED_SAMPLES])
+        ids = named_ids(f.culprit_samples)
         suggestions.append(
             f"Filter {ids} from the training data{listed(f, 'the culprits')} and fix the "
             "record: the rest of the step runs."
@@ -160,7 +160,7 @@ def bad_sample(f: VerdictFacts) -> Verdict:
             "The micro-batch held only this sample, so bisection could not tell it apart from the "
             "model state; replay another sample with these weights to be sure."
         )
-    ids = ", ".join(quoted_id(s) for s in f.culprit_samples[:MAX_NAMED_SAMPLES])
+    ids = named_ids(f.culprit_samples)
     suggestions = [
         f"Filter {ids} from the training data{listed(f, 'the culprits')} and resume "
         "from the last checkpoint before "
@@ -188,16 +188,22 @@ def trigger_sample(f: VerdictFacts) -> Verdict:
     verb = "are" if (f.culprit_subset_size or 0) > 1 else "is"
     headline = (
         f"{phrase.rstrip(',')} {verb} the first to make {what(f)} at {where_step(f)}{where_value(f)}, but "
-        "nothing marks the record as bad: the model's state is what fails, and no sample is to blame."
+        + ("no evidence against the record holds" if f.refuted_by else "nothing marks the record as bad")
+        + ": the model's state is what fails, and no sample is to blame."
     )
     reading = (
         "On a state at the edge, the first sample to cross is whichever comes: filtering it only moves the "
         "failure to the next sample like it."
     )
-    ids = ", ".join(quoted_id(s) for s in f.culprit_samples[:MAX_NAMED_SAMPLES])
+    ids = named_ids(f.culprit_samples)
     suggestions = [
-        f"Do not filter {ids}: no blocklist is written. Its loss and data are like the other samples'; "
-        "a large gradient on an ordinary record is what a sharpened state gives."
+        f"Do not filter {ids}: no blocklist is written. "
+        + (
+            "What set it apart is contradicted by the replay itself (see the explanation)."
+            if f.refuted_by
+            else "Its loss and data are like the other samples'; a large gradient on an ordinary record is what a "
+            "sharpened state gives."
+        )
     ]
     suggestions += state_hints(f)
     if not f.earlier_state:

@@ -62,6 +62,9 @@ class VerdictFacts:
     optimizer_state: str | None = None
     """The optimizer-state fact that explains an optimizer_update, e.g. 'exp_avg_sq == 0 with eps == 0'."""
     optimizer_class: str | None = None
+    norm_eps: float | None = None
+    """The eps of the failing module when it normalises (read from the model: `eps`, `variance_epsilon`); None: not a
+    normalisation, or it says no eps. The eps advice is computed from it, never assumed."""
     inputs_absmax: float | None = None
     outputs_absmax: float | None = None
     culprit_samples: list[Any] = field(default_factory=list)
@@ -142,6 +145,15 @@ class VerdictFacts:
     """For triggers: the culprit against the other samples ('its loss 4.2 against 4.1-4.24 for the other 15 ...')."""
     earlier_state: str | None = None
     """The earlier-state ablation in one sentence (replay/culprits/earlier_state.py); None: no earlier state."""
+    earlier_state_healthy: bool | None = None
+    """The culprits, fed to the earlier state, were healthy there (PaLM's test: the state, not the data); None: no
+    earlier state was fed."""
+    evidence_set_aside: list[str] = field(default_factory=list)
+    """What was measured against a culprit but is no evidence (replay/culprits/evidence.py `set_aside`), or evidence
+    the verdict rules found contradicted (`refuted_by`), in words."""
+    refuted_by: list[str] = field(default_factory=list)
+    """Set by the verdict rules (replay/judge/verdict.refutations), never by a caller: the replay's own findings that
+    contradict calling the culprits bad data. Their evidence then counts for nothing."""
     fp32_ran: str | None = None
     """What the fp32 re-run ran, in words (forensics.report.wording.fp32_ran_words); None: no fp32 re-run."""
     fp32_unverified: bool = False

@@ -204,8 +204,15 @@ def model_state(f: VerdictFacts) -> Verdict:
         return rng_dependent(f)
     elif f.all_subsets_fail:
         headline = f"Every subset of samples tried fails on its own at {at}: the model state, not the data, is broken."
+        alone, checked = len(f.samples_failing or []), f.samples_checked
         reading = (
-            "Bisection could not find a sample to blame: every subset it replayed failed, down to "
+            (
+                "Bisection could not find a sample to blame: every subset it replayed failed, though alone only "
+                f"{alone} of {checked} samples {'is' if alone == 1 else 'are'} non-finite (the per-sample "
+                "table): the step fails with most groups of its samples, not because of one record."
+            )
+            if f.samples_failing is not None and checked and alone < checked
+            else "Bisection could not find a sample to blame: every subset it replayed failed, down to "
             "single samples, so the weights or buffers make any input fail."
         )
         suggestions = [
@@ -326,7 +333,8 @@ def diverging(f: VerdictFacts) -> Verdict:
     sample crossed first is not the cause, and no record shows otherwise."""
     lr = f" at a learning rate of {num(f.lr)}" if f.lr is not None else ""
     crossed = (
-        f"; {samples_phrase(f, lower=True).rstrip(',')} crossed first, but nothing marks its record as bad"
+        f"; {samples_phrase(f, lower=True).rstrip(',')} crossed first, but "
+        + ("no evidence against the record holds" if f.refuted_by else "nothing marks its record as bad")
         if has_culprit(f)
         else ""
     )

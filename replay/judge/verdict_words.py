@@ -10,7 +10,7 @@ from typing import Any
 
 from forensics.core.kinds import HistoryPattern, Phase, SampleFactKind, VerdictKind
 from forensics.report.tree import Verdict
-from forensics.report.wording import fmt_id, fmt_num, mb_number
+from forensics.report.wording import fmt_id, fmt_num, mb_number, module_words
 from forensics.replay.judge.verdict_facts import (
     INPUT_PREFIX,
     MAX_ID_CHARS,
@@ -34,15 +34,26 @@ def quoted_id(sample_id: Any) -> str:
 
 
 def listed(f: VerdictFacts, whom: str) -> str:
-    """' (blocklist.jsonl lists the culprits)'; nothing for made-up positional IDs or IDs shared with samples the
-    replay does not blame, which no blocklist lists (no_blocklist says why)."""
+    """' (blocklist.jsonl lists the culprits)', ' (blocklist.jsonl lists all 4)' when not every culprit is named;
+    nothing for made-up positional IDs or IDs shared with samples the replay does not blame, which no blocklist lists
+    (no_blocklist says why)."""
     if f.shared_ids:  # filtering by that ID would drop healthy samples: the record is named by its position below
         return " (the record at its position, not every record with its ID: see below)"
-    return "" if f.ids_are_positional else f" (blocklist.jsonl lists {whom})"
+    if f.ids_are_positional:
+        return ""
+    if len(f.culprit_samples) > MAX_NAMED_SAMPLES:
+        whom = f"all {len(f.culprit_samples)}"
+    return f" (blocklist.jsonl lists {whom})"
+
+
+def named_ids(ids: list) -> str:
+    """'46, 48, 3 and 1 more': the first MAX_NAMED_SAMPLES ids and how many are left out (never silently)."""
+    text = ", ".join(quoted_id(s) for s in ids[:MAX_NAMED_SAMPLES])
+    return text + (f" and {len(ids) - MAX_NAMED_SAMPLES} more" if len(ids) > MAX_NAMED_SAMPLES else "")
 
 
 def no_blocklist(f: VerdictFacts) -> list[str]:
-    """Samples named by made-up positions ('step5/rank0/mb0/2'), or by an ID other samples the replay does not blame
+    """Samples named by made-up positions ('step5/rank0/mb1/2'), or by an ID other samples the replay does not blame
     carry too: why no blocklist names them, and the fix."""
     named = f.culprit_samples or [o.get("sample_id") for o in f.size_outliers]
     shared = [
@@ -93,7 +104,7 @@ def where_value(f: VerdictFacts, details: list[str] | None = None) -> str:
         return ""
     text = f" in the {f.phase} pass" if f.phase is not None and f.phase.is_pass else ""
     if f.module:
-        text += f" at `{f.module}`"
+        text += module_words(f.module)
     notes = ([f.op] if f.op else []) + list(details or [])
     if notes:
         text += f" ({'; '.join(notes)})"
@@ -156,6 +167,13 @@ def evidence_sentences(f: VerdictFacts) -> list[str]:
         out.append(f"{label}: {phrase[0].lower() + phrase[1:]}{runs}.")
         if f.record_evidence:
             out.append(f"Evidence against the record: {'; '.join(f.record_evidence[:3])}.")
+        elif f.refuted_by:
+            out.append(
+                f"What stood against the record ({'; '.join(f.evidence_set_aside[:2])}) does not hold: "
+                f"{'; '.join(f.refuted_by)}."
+            )
+        elif f.evidence_set_aside:
+            out.append(f"No evidence against the record: {'; '.join(f.evidence_set_aside[:2])}.")
         elif f.ordinary_record:
             out.append(f"Its record looks like the others: {f.ordinary_record}.")
         if f.earlier_state:
@@ -212,6 +230,7 @@ NORM_OPS = {
     "group_norm",
     "native_group_norm",
 }
+SAFE_NORM_EPS = 1e-6  # an eps at least this large keeps a near-zero hidden vector from dividing by ~0
 MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear"}
 
 
@@ -251,10 +270,20 @@ def op_hints(f: VerdictFacts) -> list[str]:
                 "where such values enter (the sample's features, an unscaled input, a residual "
                 "stream that grows every layer) rather than changing eps."
             )
+        elif f.norm_eps is not None and f.norm_eps >= SAFE_NORM_EPS:
+            hints.append(
+                f"The normalisation's eps is already {fmt_num(f.norm_eps, 3)}: raising it will not help; look at "
+                "what feeds it (the per-layer table: a residual stream or weights that grew step after step)."
+            )
+        elif f.norm_eps is not None:
+            hints.append(
+                f"Raise the normalisation eps from {fmt_num(f.norm_eps, 3)} to 1e-5 or 1e-6: a near-zero hidden vector "
+                "divides by ~0."
+            )
         else:
             hints.append(
-                "Raise the normalisation eps (1e-5 or 1e-6 rather than 1e-8 or 0): a near-zero "
-                "hidden vector divides by ~0."
+                "If the normalisation's eps is tiny (1e-8 or 0), raise it to 1e-5 or 1e-6: a near-zero hidden vector "
+                "divides by ~0."
             )
     if op in MATMUL_OPS and low_precision(f) == "float16":
         hints.append(
@@ -409,6 +438,7 @@ __all__ = [
     "evidence_sentences",
     "history_sentences",
     "listed",
+    "named_ids",
     "no_blocklist",
     "num",
     "op_base",

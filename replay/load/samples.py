@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -170,4 +170,33 @@ def select_samples(batch: Any, indices: Iterable[int]) -> Any:
     bad = [i for i in indices if i < 0 or i >= size]
     if bad:
         raise SampleSelectionError(f"sample indices {bad} are out of range for a batch of {size}; use 0..{size - 1}")
-    return _select(batch, size, indices)
+    return _items_kept(batch, _select(batch, size, indices))
+
+
+NUM_ITEMS_KEY = "num_items_in_batch"  # forensics.capture.integrations.hf_trainer.NUM_ITEMS_KEY
+
+
+def _label_items(batch: Mapping[str, Any]) -> int | None:
+    """The label positions a causal loss counts in `batch` (labels[..., 1:] != -100), or None without labels."""
+    labels = batch.get("shift_labels", batch.get("labels"))
+    if not isinstance(labels, torch.Tensor) or labels.dim() < 1:
+        return None
+    counted = labels if "shift_labels" in batch or labels.dim() < 2 else labels[..., 1:]
+    return int(counted.ne(-100).sum())
+
+
+def _items_kept(batch: Any, selected: Any) -> Any:
+    """A batch that carries the Hugging Face Trainer's `num_items_in_batch` (the loss is a sum over the step's label
+    tokens divided by it): the selection's count, scaled by the share of label tokens it keeps, so a sample alone
+    or a step without some samples gives a loss in the units of the step's own loss — a mean per token — not a
+    fraction of it (issue 50: 0.67 against a step loss of 5.38). Exact for a step of one micro-batch."""
+    if not isinstance(batch, Mapping) or NUM_ITEMS_KEY not in batch or not isinstance(selected, MutableMapping):
+        return selected
+    total, kept, items = _label_items(batch), _label_items(selected), batch[NUM_ITEMS_KEY]
+    if not total or kept is None or kept == total:
+        return selected
+    if isinstance(items, torch.Tensor) and items.numel() == 1:
+        selected[NUM_ITEMS_KEY] = items * kept / total
+    elif isinstance(items, (int, float)) and not isinstance(items, bool):
+        selected[NUM_ITEMS_KEY] = items * kept / total
+    return selected

@@ -361,7 +361,7 @@ def _positional_ids(batch: Any, step: int, index: int) -> list[str]:
         size = batch_size(batch)
     except BatchSizeError:
         return []
-    return [f"step{step}/mb{index}/{j}" for j in range(size)]
+    return [f"step{step}/mb{index + 1}/{j}" for j in range(size)]  # micro-batches from 1, as the text counts
 
 
 def _param_dtype(recorded: Any, model: torch.nn.Module) -> torch.dtype:
@@ -536,7 +536,7 @@ def session_from_objects(
     """A ReplaySession from live objects (no dump): for tests and in-process replays.
 
     The model's current weights and the optimizer's current state are the "pre-step" state.
-    `sample_ids` default: batch[sample_id_key] when present, else "mb<i>/<j>".
+    `sample_ids` default: batch[sample_id_key] when present, else "mb<i+1>/<j>" (micro-batches counted from 1, as the report's text counts them).
     `rng_states` default: captured now for every micro-batch (same state for all).
     `trigger`: a forensics.core.trigger.Trigger or its dict form (default: a non-finite loss).
     """
@@ -580,7 +580,7 @@ def _ids_of(batch: Any, index: int, key: str | None) -> list:
     from forensics.replay.load.samples import BatchSizeError, batch_size
 
     try:
-        return [f"mb{index}/{j}" for j in range(batch_size(batch))]
+        return [f"mb{index + 1}/{j}" for j in range(batch_size(batch))]
     except BatchSizeError:
         return []
 

@@ -49,14 +49,14 @@ def shared_ids(sample_ids: Sequence[Any], skip: frozenset[int] | set[int] = froz
 
 
 def positions_words(positions: Sequence[tuple[int, int]]) -> str:
-    """'micro-batch 0 samples 1 and 5, micro-batch 2 sample 0' (at most MAX_SHOWN positions)."""
+    """'micro-batch 1 samples 1 and 5, micro-batch 3 sample 0' (micro-batches counted from 1 as the report counts them; at most MAX_SHOWN positions)."""
     by_batch: dict[int, list[int]] = {}
     for micro_batch, index in positions[:MAX_SHOWN]:
         by_batch.setdefault(micro_batch, []).append(index)
     parts = []
     for micro_batch, indices in by_batch.items():
         listed = ", ".join(map(str, indices[:-1])) + f" and {indices[-1]}" if len(indices) > 1 else str(indices[0])
-        parts.append(f"micro-batch {micro_batch} sample{'s' if len(indices) > 1 else ''} {listed}")
+        parts.append(f"micro-batch {micro_batch + 1} sample{'s' if len(indices) > 1 else ''} {listed}")
     more = f" and {len(positions) - MAX_SHOWN} more" if len(positions) > MAX_SHOWN else ""
     return ", ".join(parts) + more
 

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -510,14 +512,65 @@ def _all_nodes(root: Any) -> list[Any]:
     return order
 
 
+def _internal_roots() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Where frames that are not the user's code live: forensics' own package (the one this file belongs to:
+    forensics/replay/localize/ -> forensics/, capture and replay included, their symlinked sources resolved), click
+    and torch; and the Python standard library (runpy, threading), whose site-packages are not part of it."""
+    import sysconfig
+
+    import click
+
+    package = Path(__file__).parent.parent.parent  # forensics/ (replay/localize/forward_backward.py inside it)
+    own = [package, *(child for child in package.iterdir() if child.is_dir())]  # the symlinks, resolved
+    packages = [str(p.resolve()) + os.sep for p in own]
+    packages += [str(Path(str(m.__file__)).resolve().parent) + os.sep for m in (click, torch)]
+    paths = sysconfig.get_paths()
+    stdlib = {str(Path(paths[k]).resolve()) + os.sep for k in ("stdlib", "platstdlib") if k in paths}
+    return tuple(dict.fromkeys(packages)), tuple(sorted(stdlib))
+
+
+def _internal(path: str, roots: tuple[tuple[str, ...], tuple[str, ...]]) -> bool:
+    """A frame of forensics, click, torch or the standard library; not one of the user's (their script, their
+    model, an installed package such as transformers)."""
+    packages, stdlib = roots
+    if path.startswith(packages):
+        return True
+    parts = Path(path).parts
+    return path.startswith(stdlib) and "site-packages" not in parts and "dist-packages" not in parts
+
+
+_FRAME = re.compile(r'^  File "(?P<path>[^"]+)", line \d+')
+
+
 def _clean_traceback(frames: Any) -> str | None:
-    """Anomaly mode's forward stack without module-call plumbing (one string, innermost last)."""
+    """Anomaly mode's forward stack as the user needs it (one string, innermost last): the frames of the user's own
+    code (the training script, the model, its loss) only; module-call plumbing is cut and the frames of forensics'
+    own code, click, torch and the standard library are folded into one line (issue 50: ~20 lines of internals)."""
     if not frames:
         return None
-    if isinstance(frames, str):
-        return frames
-    kept = [f for f in frames if not any(p in f for p in _PLUMBING)]
-    return "".join(kept or frames)
+    if isinstance(frames, str):  # a warning's text: split into frames
+        head, _, rest = frames.partition('  File "')
+        frames = [head] + ['  File "' + part for part in rest.split('\n  File "')] if rest else [frames]
+        frames = [f if f.endswith("\n") else f + "\n" for f in frames if f.strip()]
+    roots = _internal_roots()
+    paths = [str(Path(m.group("path")).resolve()) if (m := _FRAME.match(f)) else None for f in frames]
+    # what called forensics (the CLI, a test runner, the user's script calling run_replay) is not where the op ran:
+    # the user's frames are those after forensics' outermost own frame (forensics called into them)
+    own = [i for i, path in enumerate(paths) if path is not None and path.startswith(roots[0][:-2])]
+    start = own[0] if own else 0
+    kept, folded = [], start - sum(1 for p in paths[:start] if p is None)
+    kept += [f for f, path in zip(frames[:start], paths[:start]) if path is None]  # headings
+    for frame, path in zip(frames[start:], paths[start:]):
+        if path is None:  # a heading ("Traceback of forward call that caused the error:")
+            kept.append(frame)
+        elif any(p in frame for p in _PLUMBING) or _internal(path, roots):
+            folded += 1
+        else:
+            kept.append(frame)
+    if not any(_FRAME.match(f) for f in kept):
+        return "".join(frames)  # nothing of the user's: the whole stack rather than none
+    note = f"  ({folded} frames of the caller, forensics, torch and Python internals folded)\n" if folded else ""
+    return note + "".join(kept)
 
 
 @contextlib.contextmanager

@@ -140,6 +140,6 @@ def test_explicit_step_numbers_name_the_dump(gpt2, tmp_path):
     assert guard.check(grad_norm=torch.tensor(1.0), step=41217) is False
     [path] = guard.dumps
     assert path.parent.name == "step-000041217"
-    assert open_dump(path).sample_ids(0) == ["step41217/rank0/mb0/0"]  # positional IDs when none given
+    assert open_dump(path).sample_ids(0) == ["step41217/rank0/mb1/0"]  # positional IDs when none given
     assert open_dump(path).micro_batches_meta[0]["ids_are_positional"] is True
     assert guard.step == 41218

@@ -168,10 +168,10 @@ def test_positional_ids_never_reach_the_blocklist_and_the_report_says_why(user_m
     assert result.exit_code == 0, (result.stdout, result.stderr, result.exception)
     report = json.loads((out / "report.json").read_text())
     samples = report["culprit"]["samples"]
-    assert [s["sample_id"] for s in samples] == ["step3/rank0/mb0/2"] and samples[0]["positional"] is True
+    assert [s["sample_id"] for s in samples] == ["step3/rank0/mb1/2"] and samples[0]["positional"] is True
     assert not (out / "blocklist.jsonl").exists()
     suggestions = " ".join(report["verdict"]["suggestions"])
-    assert "No blocklist entry for 'step3/rank0/mb0/2'" in suggestions and "blocklist.jsonl lists" not in suggestions
+    assert "No blocklist entry for 'step3/rank0/mb1/2'" in suggestions and "blocklist.jsonl lists" not in suggestions
     explicit = tmp_path / "mine.jsonl"  # asked for by name: written, without the made-up ID
     result = CliRunner().invoke(
         main,

@@ -601,6 +601,7 @@ def test_a_bisection_where_every_subset_fails_is_not_called_one_that_found_none(
 
     report = to_json_safe(make_report("model_state"))
     report["culprit"]["samples"] = []
+    report["per_sample"] = []  # no per-sample table: nothing says otherwise
     report["bisection"] = {
         "runs": 5,
         "candidates": 16,

@@ -76,7 +76,7 @@ def test_hf_trainer_that_drops_the_sample_ids_says_so_loudly(harness, tmp_path, 
     warnings = [r.message for r in caplog.records if "carry no 'sample_ids'" in r.message]
     assert len(warnings) == 1 and "remove_unused_columns=False" in warnings[0]
     dump = open_dump(fault.value.dump_path)
-    assert dump.sample_ids(0)[0].startswith(f"step{BAD_STEP}/rank0/mb0/")
+    assert dump.sample_ids(0)[0].startswith(f"step{BAD_STEP}/rank0/mb1/")
     assert dump.micro_batches_meta[0]["ids_are_positional"] is True
 
 

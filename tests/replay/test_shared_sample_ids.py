@@ -66,7 +66,7 @@ def test_record_batch_warns_once_per_step(shared_id_dump):
     _, messages = shared_id_dump
     repeats = [m for m in messages if "names more than one sample of this step" in m]
     assert len(repeats) == 3, messages  # one per step, though "x" repeats three times in each
-    assert "'x'" in repeats[0] and "micro-batch 1, position 0" in repeats[0]
+    assert "'x'" in repeats[0] and "micro-batch 2, position 0" in repeats[0]  # micro-batches counted from 1
 
 
 def test_the_report_shows_the_shared_id_and_the_blocklist_leaves_it_out(shared_id_dump, tmp_path, caplog):
@@ -76,7 +76,7 @@ def test_the_report_shows_the_shared_id_and_the_blocklist_leaves_it_out(shared_i
     assert result.exit_code in (0, 3, 4), (result.output, result.exception)
     report = json.loads((out / "report.json").read_text())
     [warning] = [w for w in report["environment"]["warnings"] if "name more than one sample" in w]
-    assert "'x' at micro-batch 0 sample 2, micro-batch 1 samples 0 and 2" in warning
+    assert "'x' at micro-batch 1 sample 2, micro-batch 2 samples 0 and 2" in warning
     blamed = report["culprit"]["samples"]
     assert [(s["micro_batch"], s["index"]) for s in blamed] == [(1, 0)]  # the bad record's position alone
     assert blamed[0]["sample_id"] == "x"
@@ -84,7 +84,7 @@ def test_the_report_shows_the_shared_id_and_the_blocklist_leaves_it_out(shared_i
     blocklist = out / "blocklist.jsonl"
     assert not blocklist.exists() or "x" not in [json.loads(line) for line in blocklist.read_text().splitlines()]
     words = " ".join(report["verdict"]["suggestions"])
-    assert "No blocklist entry for 'x' (micro-batch 1, sample 0)" in words
+    assert "No blocklist entry for 'x' (micro-batch 2, sample 0)" in words
     assert "blocklist.jsonl lists" not in words + report["verdict"]["explanation"]
     assert "not every record with its ID" in words  # "Filter 'x'" says the record, not the ID
     markdown = (out / "report.md").read_text()
