@@ -66,6 +66,11 @@ class SpikeDetector:
             return None
         return self._threshold()
 
+    @property
+    def warming_up(self) -> bool:
+        """Fewer finite values seen than SpikeConfig.warmup: nothing fires yet (the warm-up advice reads it)."""
+        return len(self._window) < self.config.warmup
+
     def observe(self, value: float | None) -> float | None:
         """Returns the threshold `value` exceeded (a spike), else None; then adds `value` to the window."""
         self.suppressed = None
