@@ -108,7 +108,13 @@ for step in range(700):
     if guard.check(grad_norm=torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)):
         optimizer.step()
     optimizer.zero_grad()
-    if step == 600:
+    if step == 600:  # killed once the writer thread has flushed something (a busy machine delays it; bounded)
+        import glob, time
+        deadline = time.monotonic() + 60
+        while not glob.glob(os.path.join(sys.argv[1], "runlogs", "**", "seg-*"), recursive=True):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGKILL)
 """
 
