@@ -480,7 +480,7 @@ def _progress(stage: str) -> None:
     type=click.Path(path_type=Path),
     default=None,
     help="Report directory (default: report-rank<R> in the dump's step directory, beside the rank "
-    "directories; ./forensics_reports/<run>-step<N>-rank<R> for an archive).",
+    "directories; ./forensics_reports/<run>-step<N>-rank<R>-<where> for an archive or a URL).",
 )
 @click.option(
     "--blocklist",

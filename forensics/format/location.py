@@ -9,8 +9,9 @@ take either kind.
 What object storage changes, and how the format copes:
 - There is no rename: a writer writes its files straight under the rank dump's final name, the manifest last
   (forensics.format.writer). A rank dump without a manifest is incomplete: every reader says so and never reads it.
-- A file is read in byte ranges (`RangeReader.read_into`: one ranged GET per piece), never downloaded whole first,
-  so a replay from S3 holds what a replay from disk holds.
+- A dump's files are fetched once into verified local copies that every loader reads (forensics.format.spool);
+  without room for one, a large tensor file is read in byte ranges (`RangeReader.read_into`: one ranged GET per
+  piece), each chunk verified against the manifest whenever it is fetched (`ChunkCache.read_through`).
 - Credentials come from where the storage library looks (the environment, a config file, an instance or pod
   role); a URL carrying a password is refused, and a RemotePath prints as `protocol://bucket/key` only.
 
@@ -39,7 +40,7 @@ READ_BLOCK = 8 << 20
 """Bytes a sequential remote read fetches at a time (hashing, zstd members, headers): one tensor read is a ranged
 GET of its own size instead."""
 CACHE_BYTES = 256 << 20
-"""Verified chunks of a remote file held for its reader (ChunkCache): 64 of 4 MiB."""
+"""Verified chunks of a remote file read by ranges held for its reader (ChunkCache): 64 of 4 MiB."""
 WRITE_BLOCK = 32 << 20
 """Bytes a remote writer buffers before it sends a part (S3 multipart: at least 5 MiB a part, at most 10,000
 parts, so one file may reach 320 GB). Two files are written at once: 64 MiB of buffers."""
@@ -333,11 +334,14 @@ def remove_tree(path: Location) -> None:
 
 
 class ChunkCache:
-    """The verified chunks of one file in object storage, kept for the reader that follows the verification, so each
-    byte crosses the network once (on disk the page cache does this). Bounded: when full, a new chunk is not kept
-    (those nearest the reader are); a chunk the reader has passed is dropped; a range not held is fetched again."""
+    """The verified chunks of one file in object storage read by ranges (no room for a local copy), kept for the
+    reader that follows the verification, so each byte crosses the network once where it can (on disk the page cache
+    does this). Bounded: when full, a new chunk is not kept (those nearest the reader are); a chunk the reader has
+    passed is dropped; a range not held is fetched again, as whole chunks verified again (`read_through`)."""
 
-    def __init__(self, chunk_size: int, limit_bytes: int | None = None, digests: list[str] | None = None, name: str = ""):
+    def __init__(
+        self, chunk_size: int, limit_bytes: int | None = None, digests: list[str] | None = None, name: str = ""
+    ):
         self.chunk_size = chunk_size
         self.digests, self.name = digests, name
         """The manifest's sha256 of each chunk: a chunk fetched again (not held) is checked again before it is used."""

@@ -343,6 +343,10 @@ class Dump:
         """The background verification of a listed file (started on first use). In object storage, the file's fetch
         into a verified local copy; a large tensor file with no room for one, ranged reads verified chunk by chunk
         (a file without chunk digests is one chunk)."""
+        with self._open_lock:  # one copy of a file, whichever thread asks first
+            return self._start_verifier(name)
+
+    def _start_verifier(self, name: str) -> ChunkVerifier | SpooledFile:
         if name not in self._verifiers:
             path, size, sha256 = self._listed(name)
             entry = self.manifest["files"][name]
@@ -350,7 +354,7 @@ class Dump:
             local = None
             if self._spool is not None and isinstance(path, RemotePath):
                 ranged = bool(entry.get("chunks")) and name.endswith(".safetensors")
-                local = self._spool.admit(size, required=not ranged)
+                local = self._spool.admit(name, size, required=not ranged)
             if local is not None:
                 assert self._spool is not None and isinstance(path, RemotePath)
                 self._verifiers[name] = SpooledFile(path, name, size, chunk_size, digests, local, self._spool)
@@ -366,16 +370,17 @@ class Dump:
     def close(self) -> None:
         """Ends the background checks and deletes the local copies of a dump in object storage (a later read fetches
         again). Reading a dump on disk holds nothing to release."""
+        if self._spool is None:
+            return
         with self._open_lock:
             for handle in self._handles.values():
                 handle.close()
             for verifier in self._verifiers.values():
                 verifier.close()
             self._handles.clear()
-            if self._spool is not None:
-                self._verifiers.clear()
-                self._verified.clear()
-                self._spool.close()
+            self._verifiers.clear()
+            self._verified.clear()
+            self._spool.close()
 
     def _range_check(self, name: str) -> Callable[[int, int], None] | None:
         """For reading a listed file while it is verified: a function that returns once a byte range is verified
