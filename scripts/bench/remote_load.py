@@ -76,6 +76,7 @@ def main() -> None:
     parser.add_argument("--dir", default="/tmp/forensics_bench_remote")
     parser.add_argument("--hidden", type=int, default=384)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--what", default="load,replay", help="load, replay or both (comma-separated)")
     args = parser.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)  # a fresh dump each run
     dump = write(Path(args.dir), args.hidden, args.layers)
@@ -93,6 +94,8 @@ def main() -> None:
         url = "s3://bench/dump"
         rows = {}
         for what, script in (("load", LOAD), ("replay", REPLAY)):
+            if what not in args.what.split(","):
+                continue
             local = _child(script, str(dump), "cpu", env={})
             remote = _child(script, url, "cpu", env=env)
             download = _child(DOWNLOAD, url, script, env=env)
