@@ -150,12 +150,12 @@ class SpooledFile:
             else:  # one chunk larger than a GET (a file of an old format): in pieces, hashed as they come
                 digest, offset = hashlib.sha256(), begin
                 while offset < end:
-                    piece = reader.read(min(FETCH_BYTES, end - offset), offset)
-                    if not piece:
+                    fetched = reader.read(min(FETCH_BYTES, end - offset), offset)
+                    if not fetched:
                         return first
-                    digest.update(piece)
-                    _write(self.local, memoryview(piece), offset)
-                    offset += len(piece)
+                    digest.update(fetched)
+                    _write(self.local, memoryview(fetched), offset)
+                    offset += len(fetched)
                 if digest.hexdigest() != self.digests[first]:
                     return first
         with self._lock:
