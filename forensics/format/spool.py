@@ -25,22 +25,16 @@ from pathlib import Path
 
 from forensics.core.errors import DumpCorruptError, StorageError
 from forensics.format import threads
-from forensics.format.limits import HASH_CHUNK
-from forensics.format.location import RangeReader, RemotePath, _calling
+from forensics.format.location import RangeReader, RemotePath
 from forensics.format.manifest import safe_name
 
-FETCH_BYTES = 64 << 20
-"""Bytes one ranged GET asks for (whole chunks of the manifest: sixteen of 4 MiB; a file up to this size in one GET).
-Object stores serve 8-16 MiB ranges at full speed already; a larger GET costs fewer requests, and a store's cost per
-request can grow with the object (moto's server copies the whole object for each ranged GET: 4 MiB GETs made a URL
-load 3x slower than downloading the dump, 32 MiB ones 1.3x, 64 MiB ones 1.06x; scripts/bench/remote_load.py)."""
-FETCH_THREADS = 4
+FETCH_BYTES = 32 << 20
+"""Bytes one ranged GET asks for (whole chunks of the manifest: eight of 4 MiB). Object stores serve 8-16 MiB ranges at
+full speed already; a larger GET costs fewer requests, and a store's cost per request can grow with the object (moto's
+server copies the whole object for each ranged GET). `s3fs get` itself fetches a file in 50 MiB ranges, 10 at once."""
+FETCH_THREADS = 8
 """GETs in flight at once, for every file of every dump of the process (a request waits on the network, not a core;
 sha256 releases the GIL): at most 256 MiB in memory on their way to the disk (the stated cache of a URL replay)."""
-WHOLE_MAX = 1 << 30
-"""A file up to this size is fetched in one streamed GET (as `s3fs get` does; a store's cost per request can grow
-with the object: moto's server copies the whole object for each ranged GET), then its chunks are checked from the
-copy before anything reads it; a larger one in FETCH_BYTES ranges, several at once, each checked as it arrives."""
 KEEP_FREE = 2 << 30
 """Bytes the temp directory keeps free beside the copies: a file that would leave less is read by ranges instead."""
 
@@ -124,7 +118,7 @@ class SpooledFile:
         with open(os.open(local, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as created:
             created.truncate(size)
         self._matched, self._lock, self._settled = 0, threading.Lock(), False
-        per = len(digests) if size <= WHOLE_MAX else max(1, FETCH_BYTES // chunk_size)  # whole chunks per GET
+        per = max(1, FETCH_BYTES // chunk_size)  # whole chunks per GET
         self._groups: list[Future[int | None]] = []
         self._group_of: list[int] = []
         for first in range(0, len(digests), per):
@@ -135,8 +129,6 @@ class SpooledFile:
     def _fetch(self, first: int, stop: int) -> int | None:
         """Fetches chunks [first, stop) into the copy; returns the first that did not match (None: all did)."""
         begin, end = first * self.chunk_size, min(self.size, stop * self.chunk_size)
-        if begin == 0 and end == self.size and self.size <= WHOLE_MAX:
-            return self._fetch_whole()
         with RangeReader(self.path) as reader:
             if stop - first > 1 or end - begin <= FETCH_BYTES:  # chunks of at most FETCH_BYTES: one GET for them
                 data = memoryview(reader.read(end - begin, begin))
@@ -168,28 +160,6 @@ class SpooledFile:
         if not self._settled:
             self._settled = True
             self._spool.settle(self.size)
-
-    def _fetch_whole(self) -> int | None:
-        """The file in one streamed GET into the copy, then each chunk checked from there (the page cache)."""
-        with _calling(self.path, "reading"):
-            self.path.fs.get_file(self.path.path, str(self.local))
-        with open(self.local, "rb") as copy:
-            if os.fstat(copy.fileno()).st_size != self.size:
-                return 0
-            for index, expected in enumerate(self.digests):
-                digest, left = hashlib.sha256(), min(self.chunk_size, self.size - index * self.chunk_size)
-                while left > 0:  # in pieces: a file of an old format may be one chunk of a GiB
-                    piece = copy.read(min(left, HASH_CHUNK))
-                    if not piece:
-                        return index
-                    digest.update(piece)
-                    left -= len(piece)
-                if digest.hexdigest() != expected:
-                    return index
-        with self._lock:
-            self._matched = len(self.digests)
-            self._settle()
-        return None
 
     def wait(self, begin: int, end: int) -> None:
         first, last = begin // self.chunk_size, max(begin, end - 1) // self.chunk_size
