@@ -17,7 +17,7 @@ from typing import Mapping
 import click
 
 from forensics.demo import SCENARIO_NAMES
-from forensics.commands.catalog import REPORTS_DIR
+from forensics.commands.catalog import REPORTS_DIR, report_dir_name
 from forensics.core.errors import ForensicsError, StorageError
 from forensics.format.location import Location, RemotePath
 from forensics.format.limits import ArchiveLimits
@@ -241,10 +241,9 @@ def _refuse_unwritable(outputs: dict[str, Path]) -> None:
 
 
 def _report_dir(report: Report) -> Path:
-    """forensics_reports/<run>-step<N>-rank<R>: the run id only when it is a plain name (it comes from the dump)."""
+    """forensics_reports/<run>-step<N>-rank<R>-<where>: one folder per dump (catalog.report_dir_name)."""
     d = report.dump
-    run = d.run_id if safe_name(d.run_id) else "run"
-    return Path(REPORTS_DIR) / f"{run}-step{int(d.step or 0)}-rank{int(d.rank or 0)}"
+    return Path(REPORTS_DIR) / report_dir_name(d.run_id, d.step, int(d.rank or 0), d.path or "")
 
 
 class Interruptible(click.Group):
@@ -401,14 +400,15 @@ def verify(dump: Location, shard_dirs: tuple[Location, ...], **limits) -> None:
     "--output",
     type=click.Path(path_type=Path),
     default=None,
-    help="Archive path (default: DUMP.tar.zst next to it).",
+    help="Archive path (default: DUMP.tar.zst next to it; for a URL, ./<run>-step<N>[-rank<R>].tar.zst).",
 )
-def pack(dump: Location, output: Path | None) -> None:
+@click.option("--force", is_flag=True, help="Replace the archive's path if a file is there already.")
+def pack(dump: Location, output: Path | None, force: bool) -> None:
     """Pack a dump directory into one .tar.zst to attach to job artifacts (every command reads it)."""
     from forensics.format import pack_dump
 
     try:
-        archive = pack_dump(dump, output)
+        archive = pack_dump(dump, output, force=force)
     except (ForensicsError, OSError) as exc:
         raise _fail(exc) from exc
     click.echo(str(archive))
@@ -561,7 +561,7 @@ def _progress(stage: str) -> None:
     type=click.Path(path_type=Path),
     default=None,
     help="Report directory (default: report-rank<R> in the dump's step directory, beside the rank "
-    "directories; ./forensics_reports/<run>-step<N>-rank<R> for an archive).",
+    "directories; ./forensics_reports/<run>-step<N>-rank<R>-<where> for an archive or a URL).",
 )
 @click.option(
     "--blocklist",

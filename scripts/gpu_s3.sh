@@ -38,6 +38,6 @@ CUDA_VISIBLE_DEVICES= timeout 400 python3 -m pytest -q -p no:cacheprovider tests
 echo "tests/storage exit $?: $(tail -1 "$out/tests.log")" | tee -a "$out/summary.txt"
 kill %1 2>/dev/null
 # the remote load against a whole download and a local load, on this machine's cores (its own moto server)
-timeout 400 python3 -m scripts.bench.remote_load --hidden 768 --layers 8 > "$out/remote_load.log" 2>&1
+timeout 420 python3 -m scripts.bench.remote_load --hidden 384 --layers 4 > "$out/remote_load.log" 2>&1
 echo "remote_load: $(tail -1 "$out/remote_load.log")" | tee -a "$out/summary.txt"
 exit $failed

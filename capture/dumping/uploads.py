@@ -29,7 +29,7 @@ def send_dump(path: Location, trackers: tuple[str, ...], tensorboard_dir: str | 
     sent: list[str] = []
     try:
         dump = open_dump(path)
-        archive = pack_dump(path, _archive_path(path), rank_part=True)
+        archive = pack_dump(path, _archive_path(path), rank_part=True, force=True)  # its own archive, made again
         name = f"{dump.manifest['run_id']}-step{dump.step}-rank{dump.rank}"
         summary = {
             "run_id": dump.manifest["run_id"],

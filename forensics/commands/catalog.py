@@ -15,6 +15,7 @@ dump's checksummed files are untouched and `forensics verify` does not see them.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -39,7 +40,33 @@ REPLAYS_NOTE_TAIL = 64 << 10
 
 REPORTS_DIR = "forensics_reports"
 """Where `forensics replay` writes a report when the dump's own step directory is not writable (an archive, a
-read-only artifact store): one folder per run, step and rank under the current directory."""
+read-only artifact store, object storage): one folder per dump and rank under the current directory
+(report_dir_name)."""
+
+
+def report_dir_name(run_id: object, step: int | None, rank: int, dump_path: str | os.PathLike | Location) -> str:
+    """`<run>-step<N>-rank<R>-<where>`: the folder under REPORTS_DIR of a dump's report, `<where>` the first 10 hex
+    digits of the sha256 of the dump's step directory (its URL, bucket and key, or its absolute path), so dumps of
+    the same run, step and rank in two buckets or two directories never share one (the run id only when it is a
+    plain name: it comes from the dump)."""
+    run = run_id if safe_name(run_id) else "run"
+    where = hashlib.sha256(_step_location(dump_path).encode("utf-8", "surrogateescape")).hexdigest()[:10]
+    return f"{run}-step{int(step or 0)}-rank{int(rank)}-{where}"
+
+
+def _step_location(dump_path: str | os.PathLike | Location) -> str:
+    """The step directory a dump path names (a rank directory's parent), as one string whichever way it was
+    spelled: a URL as `protocol://bucket/key`, a local path absolute."""
+    if isinstance(dump_path, RemotePath) or is_url(str(dump_path)):
+        try:
+            location = as_location(dump_path if isinstance(dump_path, RemotePath) else str(dump_path))
+        except DumpError:
+            return str(dump_path).rstrip("/")
+        if spec.rank_of_dir_name(location.name) is not None and location.parent.name.startswith("step-"):
+            location = location.parent
+        return str(location)
+    path = Path(dump_path)
+    return str((step_dir_of(path) or path).resolve())
 
 
 @dataclass
@@ -110,7 +137,7 @@ def list_dumps(
                 row.verified = verify_dump(step_dir).ok
             except DumpError:
                 row.verified = False
-        row.report = _report_for(Path(reports), row.run_id, row.step, row.ranks, step_dir_of(step_dir))
+        row.report = _report_for(Path(reports), row.run_id, row.step, row.ranks, step_dir)
         rows.append(row)
     rows.sort(key=lambda r: (r.run_id or "", r.step if r.step is not None else -1, r.path))
     return rows, [] if isinstance(root, RemotePath) else stale_temporaries(root)  # a store has no temporaries
@@ -186,16 +213,19 @@ def _noted(step_dir: Path) -> str | None:
 
 
 def _report_for(
-    reports: Path, run_id: str | None, step: int | None, ranks: list[int], step_dir: Path | None = None
+    reports: Path, run_id: str | None, step: int | None, ranks: list[int], step_location: Location
 ) -> str | None:
+    """The report of the dump at `step_location`: noted in (or beside the ranks of) its step directory on disk, else
+    its own folder under `reports` (report_dir_name: never another dump's of the same run, step and rank)."""
+    step_dir = step_dir_of(step_location)
     if step_dir is not None:
         noted = _noted(step_dir) or next((str(p) for p in sorted(step_dir.glob("report-rank*/report.json"))), None)
         if noted:
             return noted
-    if not safe_name(run_id) or step is None:
+    if step is None:
         return None
     for rank in ranks:
-        candidate = reports / f"{run_id}-step{step}-rank{rank}" / "report.json"
+        candidate = reports / report_dir_name(run_id, step, rank, step_location) / "report.json"
         if candidate.is_file():
             return str(candidate)
     return None

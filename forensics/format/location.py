@@ -9,8 +9,9 @@ take either kind.
 What object storage changes, and how the format copes:
 - There is no rename: a writer writes its files straight under the rank dump's final name, the manifest last
   (forensics.format.writer). A rank dump without a manifest is incomplete: every reader says so and never reads it.
-- A file is read in byte ranges (`RangeReader.read_into`: one ranged GET per piece), never downloaded whole first,
-  so a replay from S3 holds what a replay from disk holds.
+- A dump's files are fetched once into verified local copies that every loader reads (forensics.format.spool);
+  without room for one, a large tensor file is read in byte ranges (`RangeReader.read_into`: one ranged GET per
+  piece), each chunk verified against the manifest whenever it is fetched (`ChunkCache.read_through`).
 - Credentials come from where the storage library looks (the environment, a config file, an instance or pod
   role); a URL carrying a password is refused, and a RemotePath prints as `protocol://bucket/key` only.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import hashlib
 import math
 import os
 import re
@@ -44,7 +46,7 @@ READ_BLOCK = 8 << 20
 """Bytes a sequential remote read fetches at a time (hashing, zstd members, headers): one tensor read is a ranged
 GET of its own size instead."""
 CACHE_BYTES = 256 << 20
-"""Verified chunks of a remote file held for its reader (ChunkCache): 64 of 4 MiB."""
+"""Verified chunks of a remote file read by ranges held for its reader (ChunkCache): 64 of 4 MiB."""
 WRITE_BLOCK = 32 << 20
 """Bytes a remote writer buffers before it sends a part (S3 multipart: at least 5 MiB a part, at most 10,000
 parts, so one file may reach 320 GB). Two files are written at once: 64 MiB of buffers."""
@@ -509,13 +511,18 @@ def remove_tree(path: Location) -> None:
 
 
 class ChunkCache:
-    """The verified chunks of one file in object storage, kept for the reader that follows the verification, so each
-    byte crosses the network once (on disk the page cache does this). Bounded: when full, a new chunk is not kept
-    (those nearest the reader are); a chunk the reader has passed is dropped; a range not held is fetched again."""
+    """The verified chunks of one file in object storage read by ranges (no room for a local copy), kept for the
+    reader that follows the verification, so each byte crosses the network once where it can (on disk the page cache
+    does this). Bounded: when full, a new chunk is not kept (those nearest the reader are); a chunk the reader has
+    passed is dropped; a range not held is fetched again, as whole chunks verified again (`read_through`)."""
 
-    def __init__(self, chunk_size: int, limit_bytes: int = CACHE_BYTES):
+    def __init__(
+        self, chunk_size: int, limit_bytes: int | None = None, digests: list[str] | None = None, name: str = ""
+    ):
         self.chunk_size = chunk_size
-        self._most = max(2, limit_bytes // max(1, chunk_size))
+        self.digests, self.name = digests, name
+        """The manifest's sha256 of each chunk: a chunk fetched again (not held) is checked again before it is used."""
+        self._most = max(2, (CACHE_BYTES if limit_bytes is None else limit_bytes) // max(1, chunk_size))
         self._held: dict[int, bytes] = {}
         self._lock = threading.Lock()
 
@@ -550,6 +557,45 @@ class ChunkCache:
             done += take
         return done == size
 
+    def read_through(self, reader: RangeReader, view: memoryview, offset: int) -> int:
+        """Fills `view` from `offset` (fewer bytes only at the end of the file) with verified bytes: held chunks, and
+        the others fetched whole and checked against their digests again, so a file replaced in the store after it
+        was verified is refused instead of read.
+
+        Raises:
+            DumpCorruptError: a chunk fetched again no longer matches its sha256 (naming the file).
+        """
+        size = max(0, min(len(view), reader.size - offset))
+        if size == 0 or self.read_into(view[:size], offset):
+            return size
+        done = 0
+        for index in range(offset // self.chunk_size, (offset + size - 1) // self.chunk_size + 1):
+            with self._lock:
+                piece = self._held.get(index)
+            if piece is None:
+                piece = self._fetch_verified(reader, index)
+            start = max(offset, index * self.chunk_size) - index * self.chunk_size
+            take = min(len(piece) - start, size - done)
+            view[done : done + take] = piece[start : start + take]
+            done += take
+        return done
+
+    def _fetch_verified(self, reader: RangeReader, index: int) -> bytes:
+        from forensics.core.errors import DumpCorruptError
+
+        assert self.digests is not None
+        begin = index * self.chunk_size
+        data = reader.fetch(min(self.chunk_size, reader.size - begin), begin)
+        if hashlib.sha256(data).hexdigest() != self.digests[index]:
+            raise DumpCorruptError(
+                f"{reader.path} was changed in the store after it was verified (chunk {index} no longer matches "
+                "its sha256 in the manifest): the object was replaced or rewritten during the replay, and nothing "
+                "read from it is used. Replay again once the dump is no longer being changed",
+                self.name,
+            )
+        self.put(index, data)
+        return data
+
 
 class RangeReader:
     """Reads byte ranges of one file: `pread` on a local descriptor (no shared offset: many threads read at
@@ -567,22 +613,33 @@ class RangeReader:
             self.size = os.fstat(self._fd).st_size
 
     def read(self, size: int, offset: int) -> bytes:
-        """Up to `size` bytes at `offset` (fewer only at the end of the file)."""
+        """Up to `size` bytes at `offset` (fewer only at the end of the file); verified ones where the cache knows
+        the chunks' digests."""
         if isinstance(self.path, RemotePath):
-            end = min(self.size, offset + size)
-            if end <= offset:
-                return b""
-            with _calling(self.path, "reading"):
-                return bytes(self.path.fs.cat_file(self.path.path, start=offset, end=end))
+            if self.cache is not None and self.cache.digests is not None:
+                buffer = bytearray(max(0, min(size, self.size - offset)))
+                return bytes(buffer[: self.read_into(memoryview(buffer), offset)])
+            return self.fetch(size, offset)
         return os.pread(self._fd, size, offset)
+
+    def fetch(self, size: int, offset: int) -> bytes:
+        """Up to `size` bytes at `offset` from the store, as they are there now (one ranged GET)."""
+        assert isinstance(self.path, RemotePath)
+        end = min(self.size, offset + size)
+        if end <= offset:
+            return b""
+        with _calling(self.path, "reading"):
+            return bytes(self.path.fs.cat_file(self.path.path, start=offset, end=end))
 
     def read_into(self, view: memoryview, offset: int) -> int:
         """Fills `view` from `offset` on (fewer bytes only at the end of the file); returns how many were read."""
         if not isinstance(self.path, RemotePath):
             return os.preadv(self._fd, [view], offset)
+        if self.cache is not None and self.cache.digests is not None:
+            return self.cache.read_through(self, view, offset)
         if self.cache is not None and self.cache.read_into(view, offset):
             return len(view)
-        data = self.read(len(view), offset)
+        data = self.fetch(len(view), offset)
         view[: len(data)] = data
         return len(data)
 

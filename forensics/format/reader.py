@@ -32,6 +32,7 @@ from forensics.format.location import (
 from forensics.format.members import check_member, check_member_header, read_json_member, read_tensor_member
 from forensics.format.manifest import check_manifest
 from forensics.format.records import checked_history, checked_precursors
+from forensics.format.spool import Spool, SpooledFile
 from forensics.core.trigger import Trigger
 
 if TYPE_CHECKING:  # torch is imported only when tensors are read: inspect and verify start fast
@@ -113,8 +114,9 @@ class ChunkVerifier:
         if chunk_size <= 0 or len(digests) != max(1, -(-size // chunk_size)):
             raise DumpCorruptError(f"{path}: the manifest's chunk digests do not cover the file", name)
         self.path, self.name, self.size, self.chunk_size, self.digests = path, name, size, chunk_size, digests
-        self.cache = ChunkCache(chunk_size) if isinstance(path, RemotePath) else None
-        """Object storage: the chunks verified, kept for the reader (each byte fetched once)."""
+        self.cache = ChunkCache(chunk_size, digests=digests, name=name) if isinstance(path, RemotePath) else None
+        """Object storage with no room for a local copy (forensics.format.spool): the chunks verified, kept for the
+        reader; one fetched again is verified again."""
         self._pool = ThreadPoolExecutor(
             max_workers=workers or _workers(isinstance(path, RemotePath)),
             thread_name_prefix="forensics-verify",
@@ -143,7 +145,7 @@ class ChunkVerifier:
         start, end = index * self.chunk_size, min(self.size, (index + 1) * self.chunk_size)
         with RangeReader(self.path) as handle:
             if self.cache is not None:  # one request for the chunk, kept for the reader once it matched
-                data = handle.read(end - start, start)
+                data = handle.fetch(end - start, start)
                 digest.update(data)
                 matched = len(data) == end - start and digest.hexdigest() == self.digests[index]
                 if matched:
@@ -235,7 +237,9 @@ class Dump:
         self._verified: set[str] = set()
         self._handles: dict[str, Any] = {}
         self._optimizer_indexes: dict[spec.StateFiles, dict] = {}
-        self._verifiers: dict[str, ChunkVerifier] = {}
+        self._verifiers: dict[str, ChunkVerifier | SpooledFile] = {}
+        self._spool = Spool() if isinstance(self.path, RemotePath) else None
+        """Object storage: the verified local copies every loader reads (forensics.format.spool)."""
         self._open_lock = threading.RLock()
         self.set_aside: dict[str, str] = {}
         """Listed files found damaged and left out (forensics.format.verify.set_aside_damaged): the dump reads as one
@@ -303,14 +307,13 @@ class Dump:
         the GIL), at multi-core hash speed instead of one core's."""
         path, size, sha256 = self._listed(name)
         if name in self._verified:
-            return path
-        entry = self.manifest["files"][name]
-        if entry.get("chunks"):
+            return self._read_path(name, path)
+        if self._in_chunks(name):
             verifier = self._chunk_verifier(name)
             verifier.wait_all()
             if verifier.cache is not None and name not in self._handles:  # no reader follows: hold nothing
                 verifier.cache.clear()
-            ok = True
+            ok, path = True, self._read_path(name, path)
         else:
             digest, seen = hashlib.sha256(), 0
             with open_read(path) as handle:
@@ -326,26 +329,66 @@ class Dump:
         return path
 
     def start_verifying(self, names) -> None:
-        """Starts the background chunk checks of the listed files among `names` that have chunk digests, so they
-        run concurrently on every core (verify_file then waits for its own); one that cannot be opened waits for
-        verify_file to say why."""
+        """Starts the background chunk checks of the listed files among `names` that have chunk digests (in object
+        storage: their fetch into verified local copies, every file), so they run concurrently on every core
+        (verify_file then waits for its own); one that cannot be opened waits for verify_file to say why."""
         for name in names:
-            if name not in self._verified and self.manifest["files"].get(name, {}).get("chunks"):
+            if name not in self._verified and name in self.manifest["files"] and self._in_chunks(name):
                 with contextlib.suppress(DumpCorruptError):
                     self._chunk_verifier(name)
 
-    def _chunk_verifier(self, name: str) -> ChunkVerifier:
-        """The background verification of a listed file with chunk digests (started on first use)."""
+    def _in_chunks(self, name: str) -> bool:
+        """Verified chunk by chunk while it is read: a file with chunk digests, and every file in object storage
+        (fetched into its local copy: forensics.format.spool)."""
+        return self._spool is not None or bool(self.manifest["files"].get(name, {}).get("chunks"))
+
+    def _chunk_verifier(self, name: str) -> ChunkVerifier | SpooledFile:
+        """The background verification of a listed file (started on first use). In object storage, the file's fetch
+        into a verified local copy; a large tensor file with no room for one, ranged reads verified chunk by chunk
+        (a file without chunk digests is one chunk)."""
+        with self._open_lock:  # one copy of a file, whichever thread asks first
+            return self._start_verifier(name)
+
+    def _start_verifier(self, name: str) -> ChunkVerifier | SpooledFile:
         if name not in self._verifiers:
-            path, size, _ = self._listed(name)
+            path, size, sha256 = self._listed(name)
             entry = self.manifest["files"][name]
-            self._verifiers[name] = ChunkVerifier(path, name, size, int(entry["chunk_size"]), entry["chunks"])
+            chunk_size, digests = int(entry.get("chunk_size") or max(size, 1)), entry.get("chunks") or [sha256]
+            local = None
+            if self._spool is not None and isinstance(path, RemotePath):
+                ranged = bool(entry.get("chunks")) and name.endswith(".safetensors")
+                local = self._spool.admit(name, size, required=not ranged)
+            if local is not None:
+                assert self._spool is not None and isinstance(path, RemotePath)
+                self._verifiers[name] = SpooledFile(path, name, size, chunk_size, digests, local, self._spool)
+            else:
+                self._verifiers[name] = ChunkVerifier(path, name, size, chunk_size, digests)
         return self._verifiers[name]
+
+    def _read_path(self, name: str, path: Location) -> Location:
+        """Where a verified file is read: its local copy when it has one (object storage), else where it lies."""
+        verifier = self._verifiers.get(name)
+        return verifier.local if isinstance(verifier, SpooledFile) else path
+
+    def close(self) -> None:
+        """Ends the background checks and deletes the local copies of a dump in object storage (a later read fetches
+        again). Reading a dump on disk holds nothing to release."""
+        if self._spool is None:
+            return
+        with self._open_lock:
+            for handle in self._handles.values():
+                handle.close()
+            for verifier in self._verifiers.values():
+                verifier.close()
+            self._handles.clear()
+            self._verifiers.clear()
+            self._verified.clear()
+            self._spool.close()
 
     def _range_check(self, name: str) -> Callable[[int, int], None] | None:
         """For reading a listed file while it is verified: a function that returns once a byte range is verified
         (None: the file is verified already, now, in full, as a file without chunk digests is)."""
-        if name in self._verified or not self.manifest["files"].get(name, {}).get("chunks"):
+        if name in self._verified or not self._in_chunks(name):
             self.verify_file(name)
             return None
         verifier = self._chunk_verifier(name)
@@ -362,6 +405,8 @@ class Dump:
         path, size, sha256 = self._listed(name)
         if size > limit:
             raise DumpCorruptError(f"{path} is {size} bytes, more than the {limit} such a file may have", name)
+        if self._spool is not None:  # object storage: the verified local copy
+            return self.verify_file(name).read_bytes()
         data, chunks = path.read_bytes(), self.manifest["files"][name].get("chunks")
         if chunks:  # every chunk checked: the manifest's check tied `sha256` to them (format version 3)
             matches = chunk_digests(data, int(self.manifest["files"][name]["chunk_size"])) == chunks
@@ -393,6 +438,9 @@ class Dump:
     def _tensors(self, name: str) -> dict[str, "torch.Tensor"]:
         from forensics.format.tensors import load_safetensors_file  # torch: only when tensors are read
 
+        if self._spool is not None:  # object storage: the local copy, or verified ranged reads without room for one
+            handle = self.tensor_file(name)
+            return {key: handle.read(key) for key in handle.keys()}
         return load_safetensors_file(self.verify_file(name), name)
 
     def check_structure(self, name: str) -> None:
@@ -603,8 +651,13 @@ class Dump:
             if name not in self._handles:
                 check = self._range_check(name)
                 verifier = self._verifiers.get(name)
-                cache = verifier.cache if verifier is not None else None
-                self._handles[name] = SafetensorsFile(self._listed(name)[0], name, check, cache)
+                if isinstance(verifier, SpooledFile):  # the local copy, each range read once it arrived and matched
+                    if check is not None:
+                        check(0, min(verifier.size, 8))  # the header's size, read before the header is parsed
+                    self._handles[name] = SafetensorsFile(verifier.local, name, check, verify_first=True)
+                else:
+                    cache = verifier.cache if verifier is not None else None
+                    self._handles[name] = SafetensorsFile(self._listed(name)[0], name, check, cache)
             return self._handles[name]
 
     def optimizer_state(self, files: spec.StateFiles = spec.PRE_STEP_STATE) -> dict | None:

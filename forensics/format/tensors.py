@@ -231,7 +231,8 @@ class SafetensorsFile:
     The header is checked before anything is allocated: its size, every entry's dtype, shape and byte range
     (inside the file, matching numel x item size, no two overlapping). The file is checksummed already, or
     `verified(begin, end)` returns once that byte range is (forensics.format.reader.ChunkVerifier): it is
-    called before the header is parsed and before each tensor read is handed on.
+    called before the header is parsed and before each tensor read is handed on (`verify_first`: before it is read,
+    for a local copy still being fetched, forensics.format.spool).
     """
 
     def __init__(
@@ -240,8 +241,12 @@ class SafetensorsFile:
         name: str,
         verified: "Callable[[int, int], None] | None" = None,
         cache: "ChunkCache | None" = None,
+        verify_first: bool = False,
     ):
         self.path, self.name, self._range_verified = str(path), name, verified
+        self._verify_first = verify_first or cache is not None
+        """A range is read only once it is verified (a local copy being fetched, a remote file's cached chunks);
+        otherwise the read and the verification run at once, and the tensor is handed on after both."""
         self._file: RangeReader | None = None  # none (yet, or closed)
         check_file_header(path, name)
         self._file = RangeReader(path, cache)
@@ -281,7 +286,7 @@ class SafetensorsFile:
         with torch.cuda.device(device) if pinned else contextlib.nullcontext(), unfilled():
             raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
         view = raw.numpy().data if nbytes else memoryview(b"")
-        if self._range_verified is not None and self._file is not None and self._file.cache is not None:
+        if self._range_verified is not None and self._verify_first:
             self._range_verified(offset, offset + nbytes)  # object storage: the verification fetched it; read it there
         pieces = read_pieces(nbytes)
         if len(pieces) > 1:  # a large tensor: its pieces read by several threads (pread releases the GIL)

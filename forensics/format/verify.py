@@ -190,10 +190,15 @@ def verify_dump(
     limits: ArchiveLimits | None = None,
     shard_dirs: Sequence[str | Path | Location] = (),
     whole_state: bool = True,
+    keep_copies: bool = False,
 ) -> VerifyResult:
     """Checks a rank dump, a step directory or an archive (and, for a sharded dump, that the rank dumps found
     hold the complete state; `shard_dirs`: other nodes' directories of the same step; `whole_state=False`:
-    only the files of the dumps under `path`). Raises DumpError when it cannot even be opened."""
+    only the files of the dumps under `path`). Raises DumpError when it cannot even be opened.
+
+    In object storage each rank dump's verified local copies (forensics.format.spool) are deleted once it is
+    checked, so a step of many ranks never lies on this disk whole; `keep_copies` keeps them for a caller that
+    reads the files next (`pack`)."""
     dumps, missing = open_step(path, limits)
     whole_state = whole_state and dumps[0].sharded
     if whole_state:
@@ -203,6 +208,8 @@ def verify_dump(
     problems: list[Problem] = []
     for dump in dumps:
         problems.extend(_check_rank(dump))
+        if not keep_copies:
+            dump.close()
     gaps = _check_shards(dumps) if whole_state else []
     covered = (
         "; the state is complete without it (other ranks also wrote its part): replay another rank"
