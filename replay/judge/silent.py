@@ -39,7 +39,7 @@ from forensics.report.tree import (
 )
 from forensics.replay.judge.findings import HistoryFinding
 from forensics.replay.judge.verdict_silent import SilentFacts, judgement_block, silent_verdict
-from forensics.replay.load.environment import replay_environment
+from forensics.replay.load.environment import replay_environment, to_device
 from forensics.replay.load.fsdp_precision import fsdp_compute
 from forensics.replay.options import ReplayOptions, load
 from forensics.replay.stages import Progress, stage
@@ -151,6 +151,11 @@ def _replayed_facts(dump: Any, options: ReplayOptions, evidence: dict, base: dic
     notes = []
     if session.warnings:
         notes.append(f"Replay warnings: {len(session.warnings)} (see the environment block).")
+    agree = job is not None and again is not None and first_difference(job, again) is None
+    reference = None
+    if agree and comparable and evidence.get("cross_rank") and first_difference(job, first) is not None:
+        reference = _replay_reference(dump, session, evidence, backward, precision)  # is the replay comparable?
+    determinism = dump.manifest.get("determinism") if isinstance(dump.manifest.get("determinism"), dict) else {}
     facts = SilentFacts(
         **base,
         replay_device=replay_device,
@@ -161,9 +166,48 @@ def _replayed_facts(dump: Any, options: ReplayOptions, evidence: dict, base: dic
         replay_vs_recompute=first_difference(again, first) if again else None,
         replay_vs_replay=first_difference(first, second),
         cross_rank=_cross(evidence),
+        job_deterministic=job_device.get("type") == "cpu" or determinism.get("deterministic_algorithms") is True,
+        reference_replayed=reference is not None,
+        replay_vs_reference=reference[0] if reference is not None else None,
         notes=notes,
     )
-    return facts, 2
+    return facts, 2 + (reference is not None)
+
+
+def _replay_reference(dump: Any, session: Any, evidence: dict, backward: bool, precision: Any) -> Any:
+    """The cross-rank check's micro-batch (rank 0's first) run on the replay device with this rank's weights (the
+    same as rank 0's: replicated), from rank 0's dump of the step beside this one, against rank 0's own digests of it
+    (`evidence['cross_rank']['reference']`, computed on a healthy device): (where they part or None,) — None when
+    rank 0's dump is not there or cannot be read."""
+    try:
+        peer = next((p for p in dump.peers() if p.rank == 0), None)
+        if peer is None or peer.num_micro_batches < 1:
+            return None
+        batch = to_device(peer.micro_batch(0), session.device)
+        state = peer.rng_state(0)
+        seeds = (peer.silent() or {}).get("seeds") or [None]
+        seed = float(seeds[0]) if isinstance(seeds[0], (int, float)) else None
+        source = peer.manifest.get("local_rank")
+    except Exception:  # noqa: BLE001 - a peer that cannot be read leaves the replay unchecked, said in the verdict
+        return None
+
+    def rng(_: int) -> None:
+        if session.device.type == "cuda" and isinstance(source, int):
+            restore_rng(state, source, session.device.index or 0)
+        else:
+            restore_rng(state)
+
+    model = session.model
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        with precision():
+            mine = run_computation(model, session.loss_fn, [batch], [seed], session.autocast, rng, backward=backward)
+        mine = mine.to_host()
+    finally:
+        with torch.no_grad():
+            for buffer, kept in buffers:
+                buffer.copy_(kept)
+    return (first_difference(evidence["cross_rank"]["reference"], mine),)
 
 
 def _cross(evidence: dict) -> Any:

@@ -18,7 +18,7 @@ from forensics.core.kinds import Phase, Policy, SilentCheck, SilentClass
 from forensics.core.silent import Difference, tensor_digest
 from forensics.format import open_dump
 from forensics.replay.engine import ReplayOptions, run_replay
-from forensics.replay.judge.verdict_silent import SilentFacts, judge, silent_verdict
+from forensics.replay.judge.verdict_silent import SilentFacts, judge, judgement_block, silent_verdict
 
 RECIPE = {"factory": "test_silent:build", "loss": "test_silent:loss"}
 
@@ -187,6 +187,7 @@ def _facts(**changes):
 
 
 AT = Difference(0, Phase.FORWARD, "h.3.mlp", 5)
+EARLY = Difference(0, Phase.FORWARD, "h.0.attn.c_proj", 2)  # before AT: where the job's two runs still agree
 
 
 @pytest.mark.parametrize(
@@ -201,11 +202,18 @@ AT = Difference(0, Phase.FORWARD, "h.3.mlp", 5)
             "job",
             1,
         ),
-        (_facts(check=SilentCheck.CROSS_RANK, cross_rank=AT, replay_vs_job=AT), SilentClass.PERSISTENT, "both", 1),
+        (
+            _facts(check=SilentCheck.CROSS_RANK, cross_rank=AT, replay_vs_job=AT, reference_replayed=True),
+            SilentClass.PERSISTENT,
+            "both",
+            1,
+        ),
         (_facts(job_vs_recompute=AT, replay_vs_job=AT, replay_vs_replay=AT), SilentClass.NOT_HARDWARE, None, None),
         (_facts(check=SilentCheck.CROSS_RANK, cross_rank=AT), SilentClass.NOT_HARDWARE, None, None),
         (_facts(cross_rank=AT, same_device=True), SilentClass.UNDECIDED, None, None),
         (_facts(job_vs_recompute=AT, comparable=False), SilentClass.UNDECIDED, None, None),
+        (_facts(job_vs_recompute=AT, comparable=False, job_deterministic=True), SilentClass.TRANSIENT, None, 1),
+        (_facts(replay_vs_job=EARLY), SilentClass.UNDECIDED, None, None),
     ],
     ids=[
         "recompute-hit",
@@ -217,6 +225,8 @@ AT = Difference(0, Phase.FORWARD, "h.3.mlp", 5)
         "agrees",
         "same-device",
         "other-kind",
+        "other-kind-deterministic-job",
+        "replay-differs-nothing-to-check-it",
     ],
 )
 def test_the_silent_verdict_table(facts, kind, wrong, drain):
@@ -242,3 +252,50 @@ def test_close_removes_every_hook_even_of_a_step_left_armed(tmp_path):
     guard.close()
     assert not any(m._forward_hooks for m in model.modules())
     assert not any(p._backward_hooks for p in model.parameters())
+
+
+def test_a_replay_that_parts_from_both_job_runs_before_they_part_is_not_evidence_the_jobs_runs_decide():
+    """The GPU case of issue 51: the job's two runs on cuda:1 (deterministic algorithms) part at h.3.mlp; the replay
+    on cuda:0 differs from both at h.0.attn.c_proj, where they still agree: the replay device's numerics differ, it is
+    not evidence of a persistent fault. Two answers of one device to one computation: transient on the job's device,
+    the verdict saying where the replay parted (the old rule called it persistent)."""
+    facts = _facts(job_vs_recompute=AT, replay_vs_job=EARLY, replay_vs_recompute=EARLY, job_deterministic=True)
+    judged = judge(facts)
+    assert (judged.kind, judged.wrong, judged.drain_rank, judged.evidence) == (SilentClass.TRANSIENT, None, 1, "job")
+    assert judged.module == "h.3.mlp" and judged.replay_parted == "h.0.attn.c_proj"
+    verdict, _ = silent_verdict(facts)
+    assert "transient" in verdict.headline and "drain" not in verdict.headline.lower()
+    assert "could not reproduce the job bit for bit" in verdict.explanation and "h.0.attn.c_proj" in verdict.explanation
+    block = judgement_block(facts, judged)
+    assert block["evidence"] == "job" and block["replay_parted"] == "h.0.attn.c_proj"
+    # the job without deterministic algorithms: a non-deterministic kernel explains its two runs parting
+    undecided = judge(_facts(job_vs_recompute=AT, replay_vs_job=EARLY, replay_vs_recompute=EARLY))
+    assert (undecided.kind, undecided.drain_rank) == (SilentClass.UNDECIDED, None)
+    # the replay agreeing with both up to the parting and differing from both there: the fault repeated
+    assert judge(_facts(job_vs_recompute=AT, replay_vs_job=AT, replay_vs_recompute=AT)).kind is SilentClass.PERSISTENT
+
+
+@pytest.mark.parametrize(
+    "reference, kind, evidence",
+    [
+        ({"reference_replayed": True}, SilentClass.PERSISTENT, "replay"),
+        ({"reference_replayed": True, "replay_vs_reference": EARLY}, SilentClass.UNDECIDED, "job"),
+        ({}, SilentClass.UNDECIDED, "job"),
+    ],
+    ids=["replay-reproduces-rank-0", "replay-does-not-reproduce-rank-0", "rank-0-dump-absent"],
+)
+def test_a_stuck_fault_is_persistent_only_where_the_replay_reproduces_a_healthy_devices_reference(
+    reference, kind, evidence
+):
+    """Rank 1's two runs agree, its run of rank 0's micro-batch disagrees with rank 0's (the cross-rank check), the
+    replay differs from rank 1's runs early (h.0.attn.c_proj, before the injected module): persistent on rank 1 only
+    where the replay, run on rank 0's micro-batch, reproduces rank 0's digests; otherwise undecided, with the job's
+    evidence (persistent likely on rank 1: drain it to be safe)."""
+    facts = _facts(check=SilentCheck.CROSS_RANK, cross_rank=AT, replay_vs_job=EARLY, **reference)
+    judged = judge(facts)
+    assert (judged.kind, judged.drain_rank, judged.evidence) == (kind, 1, evidence)
+    verdict, _ = silent_verdict(facts)
+    if kind is SilentClass.UNDECIDED:
+        assert "persistent fault of rank 1's device is likely" in verdict.headline
+        assert "drain" not in verdict.headline.lower() and verdict.suggestions[0].startswith("Drain rank 1's node")
+        assert "h.0.attn.c_proj" in verdict.explanation
