@@ -252,6 +252,31 @@ def test_close_removes_every_hook_even_of_a_step_left_armed(tmp_path):
     guard.close()
     assert not any(m._forward_hooks for m in model.modules())
     assert not any(p._backward_hooks for p in model.parameters())
+    assert all(p._backward_hooks is None for p in model.parameters())  # not even an empty dict, which autograd calls
+
+
+def test_an_unsampled_step_calls_nothing_of_the_recompute_from_autograd(tmp_path):
+    """A sampled step's gradient hooks are removed at its check(), and with them the hook dict PyTorch wires into
+    autograd at the first register_hook of a parameter: left empty it is still called (a Python call per parameter
+    at every backward: the recompute's +1.25 % on unsampled steps of GPT-2 small). Shown by a callable slipped into
+    the dict afterwards, which an unwired dict never calls."""
+    model = build()
+    config = GuardConfig(dump_dir=str(tmp_path), detection=DetectionConfig(silent=SilentConfig(recompute_every=100)))
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), config=config, loss_fn=loss)
+    batch = {"x": torch.randn(2, 8), "y": torch.randn(2, 1), "sample_ids": [0, 1]}
+    for _ in range(2):  # the first step is sampled, the second not
+        guard.record_batch(batch)
+        value = loss(model, batch)
+        guard.record_loss(value)
+        value.backward()
+        assert guard.check()
+    called: list = []
+    for param in model.parameters():
+        if param._backward_hooks is not None:
+            param._backward_hooks[12345] = lambda grad: called.append(1)
+    loss(model, batch).backward()
+    guard.close()
+    assert called == []
 
 
 def test_a_replay_that_parts_from_both_job_runs_before_they_part_is_not_evidence_the_jobs_runs_decide():
@@ -299,3 +324,37 @@ def test_a_stuck_fault_is_persistent_only_where_the_replay_reproduces_a_healthy_
         assert "persistent fault of rank 1's device is likely" in verdict.headline
         assert "drain" not in verdict.headline.lower() and verdict.suggestions[0].startswith("Drain rank 1's node")
         assert "h.0.attn.c_proj" in verdict.explanation
+
+
+def test_the_replica_check_installs_nothing_on_a_step_that_neither_is_checked_nor_precedes_a_check():
+    """Its after-update digest (which replica's weights changed outside an update) needs the update of the step
+    before a checked one only: the optimizer hook is installed at that step's check() and removes itself once it has
+    run; the other steps run nothing of the check (the old hook, on every step, was a cost on every step)."""
+    from forensics.capture.silent.replicas import ReplicaCheck
+
+    model = build()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    kept: list = []
+    hooks = optimizer._optimizer_step_post_hooks
+    before = len(hooks)
+    check = ReplicaCheck(model, optimizer, 4, kept.append, torch.device("cpu"))
+
+    def step() -> None:
+        loss(model, {"x": torch.randn(2, 8), "y": torch.randn(2, 1)}).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for number in (1, 2):  # checked at 0, 4, 8: steps 1 and 2 neither are checked nor precede a check
+        assert check.check(number, 2) is None and len(hooks) == before
+        step()
+        assert check.after_update is None
+    assert check.check(3, 2) is None and len(hooks) == before + 1  # step 3 precedes the check of step 4
+    step()
+    assert len(hooks) == before and check.after_update is not None and check.after_update.shape == (len(check.params),)
+    assert torch.equal(check.after_update, check.digests())
+    check.check(5, 2)
+    assert check.after_update is None
+    check.check(7, 2)
+    for hook in kept:  # close() removes a hook left armed (a job that ends before the update)
+        hook.remove()
+    assert len(hooks) == before
