@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from forensics.core.errors import DumpError
-from forensics.core.kinds import FidelityMode, Policy, SilentCheck
+from forensics.core.kinds import FidelityMode, Phase, Policy, SilentCheck
 from forensics.core.rng import restore_rng
 from forensics.core.silent import Computation, device_identity, first_difference, run_computation, tensor_digest
 from forensics.report.model import schema_for, to_json_safe
@@ -168,10 +168,40 @@ def _replayed_facts(dump: Any, options: ReplayOptions, evidence: dict, base: dic
         cross_rank=_cross(evidence),
         job_deterministic=job_device.get("type") == "cpu" or determinism.get("deterministic_algorithms") is True,
         reference_replayed=reference is not None,
+        comparison=comparison(job, again, first),
         replay_vs_reference=reference[0] if reference is not None else None,
         notes=notes,
     )
     return facts, 2 + (reference is not None)
+
+
+COMPARED_ROWS = 20
+
+
+def comparison(job: Computation | None, again: Computation | None, replay: Computation) -> dict | None:
+    """Module by module (forward order), the first COMPARED_ROWS outputs of the micro-batch where the replay first
+    parts from the job's run (micro-batch 0 when it does not): each row `[module, job digest, recompute digest,
+    replay digest]` (the first rows; where the replay parts later than that, from 5 rows before it; None where a computation has no such row). Names are the dump's, untrusted: cut short."""
+    if job is None:
+        return None
+    parted = first_difference(job, replay)
+    micro_batch = parted.micro_batch if parted is not None else 0
+
+    def rows(computation: Computation | None) -> list:
+        if computation is None or micro_batch >= len(computation.outputs):
+            return []
+        return computation.outputs[micro_batch]
+
+    mine, theirs, replayed = rows(job), rows(again), rows(replay)
+    at = parted.index if parted is not None and parted.where == Phase.FORWARD else 0
+    start = 0 if at < COMPARED_ROWS else at - 5  # the first rows, or those just before the parting and after
+    table = []
+    for index in range(start, min(start + COMPARED_ROWS, len(mine))):
+        name, digest = str(mine[index][0])[:120], mine[index][1]
+        other = theirs[index][1] if index < len(theirs) else None
+        again_digest = replayed[index][1] if index < len(replayed) else None
+        table.append([index, name, digest, other, again_digest])
+    return {"micro_batch": micro_batch, "columns": ["call", "module", "job", "recompute", "replay"], "rows": table}
 
 
 def _replay_reference(dump: Any, session: Any, evidence: dict, backward: bool, precision: Any) -> Any:

@@ -75,6 +75,9 @@ class SilentFacts:
     None where they agree (the replay reproduces a healthy device's bits) or where it was not run
     (`reference_replayed`)."""
     reference_replayed: bool = False
+    comparison: list | None = None
+    """Module by module, the first rows of the micro-batch where the replay first parts from the job (`comparison`
+    in replay/judge/silent.py): what a reader checks a verdict against."""
     notes: list[str] = field(default_factory=list)
 
 
@@ -422,6 +425,7 @@ def judgement_block(facts: SilentFacts, judged: SilentJudgement) -> dict[str, An
         "job_deterministic": facts.job_deterministic,
         "reference_replayed": facts.reference_replayed,
         "replay_vs_reference": _where(facts.replay_vs_reference),
+        "comparison": facts.comparison,
     }
 
 
