@@ -153,7 +153,7 @@ def _replayed_facts(dump: Any, options: ReplayOptions, evidence: dict, base: dic
         notes.append(f"Replay warnings: {len(session.warnings)} (see the environment block).")
     agree = job is not None and again is not None and first_difference(job, again) is None
     reference = None
-    if agree and comparable and evidence.get("cross_rank") and first_difference(job, first) is not None:
+    if job is not None and agree and comparable and evidence.get("cross_rank") and first_difference(job, first):
         reference = _replay_reference(dump, session, evidence, backward, precision)  # is the replay comparable?
     determinism = dump.manifest.get("determinism") if isinstance(dump.manifest.get("determinism"), dict) else {}
     facts = SilentFacts(

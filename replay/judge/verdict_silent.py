@@ -75,7 +75,7 @@ class SilentFacts:
     None where they agree (the replay reproduces a healthy device's bits) or where it was not run
     (`reference_replayed`)."""
     reference_replayed: bool = False
-    comparison: list | None = None
+    comparison: dict | None = None
     """Module by module, the first rows of the micro-batch where the replay first parts from the job (`comparison`
     in replay/judge/silent.py): what a reader checks a verdict against."""
     notes: list[str] = field(default_factory=list)
@@ -106,7 +106,9 @@ def judge(facts: SilentFacts) -> SilentJudgement:
         names = (facts.replicas or {}).get("params") or []
         return SilentJudgement(SilentClass.REPLICA_DRIFT, names[0] if names else None, drifted, None, "job")
     if not facts.replayed:
-        return SilentJudgement(SilentClass.UNDECIDED, _where(facts.job_vs_recompute or facts.cross_rank), None, None, "none")
+        return SilentJudgement(
+            SilentClass.UNDECIDED, _where(facts.job_vs_recompute or facts.cross_rank), None, None, "none"
+        )
     if facts.comparable and facts.replay_vs_replay is not None:
         return SilentJudgement(SilentClass.NOT_HARDWARE, _where(facts.replay_vs_replay), None, None)
     parting = facts.job_vs_recompute

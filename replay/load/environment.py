@@ -99,7 +99,9 @@ def job_settings(determinism: dict) -> dict[str, Any]:
     the reduced-precision reductions, `float32_matmul_precision`, `cudnn_enabled`. A job in the strict deterministic
     mode (warn_only False) never ran cuDNN's attention (PyTorch leaves it out of SDPA's choice there), while the
     replay's warn-only mode would pick it: cudnn_sdp is off for such a job's replay."""
-    settings: dict[str, Any] = {k: determinism[k] for k in (*_MATMUL_FLAGS, *_SDP_FLAGS) if isinstance(determinism.get(k), bool)}
+    settings: dict[str, Any] = {
+        k: determinism[k] for k in (*_MATMUL_FLAGS, *_SDP_FLAGS) if isinstance(determinism.get(k), bool)
+    }
     if determinism.get("float32_matmul_precision") in ("highest", "high", "medium"):
         settings["float32_matmul_precision"] = determinism["float32_matmul_precision"]
     if isinstance(determinism.get("cudnn_enabled"), bool):

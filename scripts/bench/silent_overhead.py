@@ -122,9 +122,7 @@ def main() -> None:
             return "before" if replicas is not None and replicas.due(guard.step + 1) else "unsampled"
         return "sampled" if silent.sampled(guard.step) else "unsampled"
 
-    times: dict[tuple[str, str], list[float]] = {
-        (m, k): [] for m in modes for k in ("unsampled", "sampled", "before")
-    }
+    times: dict[tuple[str, str], list[float]] = {(m, k): [] for m in modes for k in ("unsampled", "sampled", "before")}
     names = list(modes)
     for round_ in range(args.rounds):
         for mode in names[round_ % len(names) :] + names[: round_ % len(names)]:  # each mode in each place: drift
