@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from forensics.core.errors import DumpError
-from forensics.core.kinds import FidelityMode, Phase, Policy, SilentCheck
+from forensics.core.kinds import FidelityMode, Phase, Policy, SilentCheck, SilentClass
 from forensics.core.rng import restore_rng
 from forensics.core.silent import Computation, device_identity, first_difference, run_computation, tensor_digest
 from forensics.report.model import schema_for, to_json_safe
@@ -83,7 +83,7 @@ def silent_report(
             replay=ReplayEnv.parse(to_json_safe(replay_environment(torch.device(options.device or "cpu")))),
             warnings=[],
         ),
-        reproduced=judged.kind.hardware and judged.wrong in ("both", None),
+        reproduced=judged.kind is SilentClass.REPLICA_DRIFT or (judged.kind.hardware and judged.wrong == "both"),
         fidelity=Fidelity.built(
             mode=(FidelityMode.BITWISE if facts.comparable else FidelityMode.TOLERANCE).value
             if passes

@@ -283,6 +283,7 @@ def test_under_fsdp2_a_flip_in_rank_1s_forward_is_caught_and_a_healthy_run_is_si
 @pytest.mark.slow
 def test_a_healthy_bf16_run_stays_silent_for_2000_steps(tmp_path):
     for name in ("healthy", "fsdp_healthy"):  # one launch each: each stays within the launch limit
+        (tmp_path / name).mkdir()
         root, results = launch(tmp_path / name, name, healthy_steps=2000)
         for result in results[name]:
             assert len(result["decisions"]) == 2000 and all(result["decisions"]) and result["dumps"] == []
