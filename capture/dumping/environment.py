@@ -94,11 +94,41 @@ def environment() -> dict:
 
 
 def determinism_flags() -> dict:
-    return {
+    """Every process-wide setting that picks a kernel or its precision, so the replay computes with the job's: the
+    deterministic mode (its warn-only flag too: a strict mode excludes cuDNN's attention from SDPA's choice), the
+    SDPA backends allowed, the reduced-precision reductions and TF32 choices of matmuls, cuDNN's switches."""
+    matmul = torch.backends.cuda.matmul
+    flags: dict = {
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "cudnn_enabled": torch.backends.cudnn.enabled,
         "cudnn_deterministic": torch.backends.cudnn.deterministic,
         "cudnn_benchmark": torch.backends.cudnn.benchmark,
         "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
-        "allow_tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+        "allow_tf32_matmul": matmul.allow_tf32,
         "allow_tf32_cudnn": torch.backends.cudnn.allow_tf32,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
     }
+    for key in SETTABLE_FLAGS:
+        value = getattr(matmul, key, None) if key.startswith("allow_") else _sdp_enabled(key)
+        if isinstance(value, bool):
+            flags[key] = value
+    return flags
+
+
+SETTABLE_FLAGS = (
+    "allow_bf16_reduced_precision_reduction",
+    "allow_fp16_reduced_precision_reduction",
+    "flash_sdp",
+    "mem_efficient_sdp",
+    "math_sdp",
+    "cudnn_sdp",
+)
+"""The determinism block's keys beyond the deterministic mode and TF32 that replay/load/environment.py sets back."""
+
+
+def _sdp_enabled(key: str) -> bool | None:
+    """torch.backends.cuda.<key>_enabled() (flash_sdp, mem_efficient_sdp, math_sdp, cudnn_sdp), None where this
+    torch has no such switch."""
+    read = getattr(torch.backends.cuda, f"{key}_enabled", None)
+    return bool(read()) if callable(read) else None

@@ -6,12 +6,14 @@ the host) and one all-reduce (MAX of the digests and of their negation) gives ev
 digest of each parameter: they differ where some replica differs. Only then, a second all-reduce counts the ranks at
 the largest digest, so a majority names the replica that drifted; with two replicas there is no majority, and the
 rank whose own parameters changed since its last optimizer update (a digest taken right after the update that
-precedes a check) is the one that drifted. Each rank sends and receives O(#parameters) numbers, whatever the world
+precedes a check, by an optimizer hook installed for that update only) is the one that drifted. A step that is not
+checked and does not precede a check runs nothing of this check. Each rank sends and receives O(#parameters) numbers, whatever the world
 size.
 """
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
@@ -22,16 +24,17 @@ MAX_NAMED = 64  # parameters listed in silent.json (the count says how many more
 
 
 class ReplicaCheck:
-    """Digests the parameters across replicas every `every` steps (module docstring)."""
+    """Digests the parameters across replicas every `every` steps (module docstring). Nothing of it runs on a step
+    that neither is checked nor precedes a check: the optimizer hook that takes the after-update digest is installed
+    at the check() of the step before a checked one and removes itself once it has run."""
 
     def __init__(self, model: torch.nn.Module, optimizer: Any, every: int, add_hook: Any, device: torch.device):
         self.params = [(name, p) for name, p in model.named_parameters()]
         self.every, self.device = every, device
         self.after_update: torch.Tensor | None = None
-        self._watch = False
-        target = getattr(optimizer, "optimizer", optimizer)  # a wrapper (accelerate) holds the torch optimizer
-        if hasattr(target, "register_step_post_hook"):
-            add_hook(target.register_step_post_hook(self._updated))
+        self.target = getattr(optimizer, "optimizer", optimizer)  # a wrapper (accelerate) holds the torch optimizer
+        self._hook: Any = None
+        add_hook(types.SimpleNamespace(remove=self._disarm))  # close() removes a hook left armed
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
@@ -39,14 +42,25 @@ class ReplicaCheck:
     def digests(self) -> torch.Tensor:
         return torch.stack([tensor_digest(p)[0].to(self.device) for _, p in self.params])
 
+    def _arm(self) -> None:
+        if self._hook is None and hasattr(self.target, "register_step_post_hook"):
+            self._hook = self.target.register_step_post_hook(self._updated)
+
+    def _disarm(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
     def _updated(self, *args: Any) -> None:
-        if self._watch:
-            self.after_update = self.digests()
+        self._disarm()
+        self.after_update = self.digests()
 
     def check(self, step: int, world_size: int) -> dict | None:
         """This rank's side of the check of `step`: None when every replica agrees, else the evidence (the same
         parameters on every rank; `drifted`: this rank's copy is the odd one)."""
-        self._watch = self.due(step + 1)
+        self._disarm()  # a step whose update did not run (the skip policy) leaves no after-update digest
+        if self.due(step + 1):
+            self._arm()
         after, self.after_update = self.after_update, None
         if not self.due(step) or not self.params:
             return None

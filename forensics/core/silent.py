@@ -222,6 +222,7 @@ class Recorder:
         self.model, self.grads = model, grads
         self.computation = Computation()
         self._handles: list[Any] = []
+        self._hooked: list[torch.Tensor] = []
 
     def attach(self) -> Computation:
         self.detach()
@@ -232,12 +233,17 @@ class Recorder:
             for name, param in self.model.named_parameters():
                 if param.requires_grad:
                     self._handles.append(param.register_hook(_grad_hook(computation, name)))
+                    self._hooked.append(param)
         return computation
 
     def detach(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for param in self._hooked:  # an emptied hook dict stays wired into autograd and is called at every
+            if not param._backward_hooks:  # backward (a Python call per parameter): unwire it, as before the step
+                param._backward_hooks = None
+        self._hooked.clear()
 
 
 def _output_hook(computation: Computation, name: str) -> Any:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from forensics.core.errors import DumpError
-from forensics.core.kinds import FidelityMode, Policy, SilentCheck
+from forensics.core.kinds import FidelityMode, Phase, Policy, SilentCheck, SilentClass
 from forensics.core.rng import restore_rng
 from forensics.core.silent import Computation, device_identity, first_difference, run_computation, tensor_digest
 from forensics.report.model import schema_for, to_json_safe
@@ -39,7 +39,7 @@ from forensics.report.tree import (
 )
 from forensics.replay.judge.findings import HistoryFinding
 from forensics.replay.judge.verdict_silent import SilentFacts, judgement_block, silent_verdict
-from forensics.replay.load.environment import replay_environment
+from forensics.replay.load.environment import replay_environment, to_device
 from forensics.replay.load.fsdp_precision import fsdp_compute
 from forensics.replay.options import ReplayOptions, load
 from forensics.replay.stages import Progress, stage
@@ -83,7 +83,7 @@ def silent_report(
             replay=ReplayEnv.parse(to_json_safe(replay_environment(torch.device(options.device or "cpu")))),
             warnings=[],
         ),
-        reproduced=judged.kind.hardware and judged.wrong in ("both", None),
+        reproduced=judged.kind is SilentClass.REPLICA_DRIFT or (judged.kind.hardware and judged.wrong == "both"),
         fidelity=Fidelity.built(
             mode=(FidelityMode.BITWISE if facts.comparable else FidelityMode.TOLERANCE).value
             if passes
@@ -151,6 +151,11 @@ def _replayed_facts(dump: Any, options: ReplayOptions, evidence: dict, base: dic
     notes = []
     if session.warnings:
         notes.append(f"Replay warnings: {len(session.warnings)} (see the environment block).")
+    agree = job is not None and again is not None and first_difference(job, again) is None
+    reference = None
+    if job is not None and agree and comparable and evidence.get("cross_rank") and first_difference(job, first):
+        reference = _replay_reference(dump, session, evidence, backward, precision)  # is the replay comparable?
+    determinism = dump.manifest.get("determinism") if isinstance(dump.manifest.get("determinism"), dict) else {}
     facts = SilentFacts(
         **base,
         replay_device=replay_device,
@@ -161,9 +166,78 @@ def _replayed_facts(dump: Any, options: ReplayOptions, evidence: dict, base: dic
         replay_vs_recompute=first_difference(again, first) if again else None,
         replay_vs_replay=first_difference(first, second),
         cross_rank=_cross(evidence),
+        job_deterministic=job_device.get("type") == "cpu" or determinism.get("deterministic_algorithms") is True,
+        reference_replayed=reference is not None,
+        comparison=comparison(job, again, first),
+        replay_vs_reference=reference[0] if reference is not None else None,
         notes=notes,
     )
-    return facts, 2
+    return facts, 2 + (reference is not None)
+
+
+COMPARED_ROWS = 20
+
+
+def comparison(job: Computation | None, again: Computation | None, replay: Computation) -> dict | None:
+    """Module by module (forward order), the first COMPARED_ROWS outputs of the micro-batch where the replay first
+    parts from the job's run (micro-batch 0 when it does not): each row `[module, job digest, recompute digest,
+    replay digest]` (the first rows; where the replay parts later than that, from 5 rows before it; None where a computation has no such row). Names are the dump's, untrusted: cut short."""
+    if job is None:
+        return None
+    parted = first_difference(job, replay)
+    micro_batch = parted.micro_batch if parted is not None else 0
+
+    def rows(computation: Computation | None) -> list:
+        if computation is None or micro_batch >= len(computation.outputs):
+            return []
+        return computation.outputs[micro_batch]
+
+    mine, theirs, replayed = rows(job), rows(again), rows(replay)
+    at = parted.index if parted is not None and parted.where == Phase.FORWARD else 0
+    start = 0 if at < COMPARED_ROWS else at - 5  # the first rows, or those just before the parting and after
+    table = []
+    for index in range(start, min(start + COMPARED_ROWS, len(mine))):
+        name, digest = str(mine[index][0])[:120], mine[index][1]
+        other = theirs[index][1] if index < len(theirs) else None
+        again_digest = replayed[index][1] if index < len(replayed) else None
+        table.append([index, name, digest, other, again_digest])
+    return {"micro_batch": micro_batch, "columns": ["call", "module", "job", "recompute", "replay"], "rows": table}
+
+
+def _replay_reference(dump: Any, session: Any, evidence: dict, backward: bool, precision: Any) -> Any:
+    """The cross-rank check's micro-batch (rank 0's first) run on the replay device with this rank's weights (the
+    same as rank 0's: replicated), from rank 0's dump of the step beside this one, against rank 0's own digests of it
+    (`evidence['cross_rank']['reference']`, computed on a healthy device): (where they part or None,) — None when
+    rank 0's dump is not there or cannot be read."""
+    try:
+        peer = next((p for p in dump.peers() if p.rank == 0), None)
+        if peer is None or peer.num_micro_batches < 1:
+            return None
+        batch = to_device(peer.micro_batch(0), session.device)
+        state = peer.rng_state(0)
+        seeds = (peer.silent() or {}).get("seeds") or [None]
+        seed = float(seeds[0]) if isinstance(seeds[0], (int, float)) else None
+        source = peer.manifest.get("local_rank")
+    except Exception:  # noqa: BLE001 - a peer that cannot be read leaves the replay unchecked, said in the verdict
+        return None
+
+    def rng(_: int) -> None:
+        if session.device.type == "cuda" and isinstance(source, int):
+            restore_rng(state, source, session.device.index or 0)
+        else:
+            restore_rng(state)
+
+    model = session.model
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        with precision():
+            mine = run_computation(model, session.loss_fn, [batch], [seed], session.autocast, rng, backward=backward)
+        mine = mine.to_host()
+    finally:
+        with torch.no_grad():
+            for buffer, kept in buffers:
+                buffer.copy_(kept)
+    return (first_difference(evidence["cross_rank"]["reference"], mine),)
 
 
 def _cross(evidence: dict) -> Any:

@@ -78,13 +78,75 @@ def _deterministic_algorithms(mode: bool, warn_only: bool) -> None:
         setter(mode, warn_only=warn_only)
 
 
+# The determinism block's switches set back as the job had them: torch.backends.cuda.matmul attributes, and SDPA's
+# backends through torch.backends.cuda.enable_<key>(bool) / <key>_enabled().
+_MATMUL_FLAGS = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
+_SDP_FLAGS = ("flash_sdp", "mem_efficient_sdp", "math_sdp", "cudnn_sdp")
+
+
+def _sdp(key: str, value: bool | None = None) -> bool | None:
+    """SDPA backend switch `key`: read (value None) or set; None where this torch has no such switch."""
+    read = getattr(torch.backends.cuda, f"{key}_enabled", None)
+    if value is not None:
+        enable = getattr(torch.backends.cuda, f"enable_{key}", None)
+        if callable(enable):
+            enable(value)
+    return bool(read()) if callable(read) else None
+
+
+def job_settings(determinism: dict) -> dict[str, Any]:
+    """The switches the replay sets to the job's (those recorded, of a known type): `flash_sdp` ... `cudnn_sdp`,
+    the reduced-precision reductions, `float32_matmul_precision`, `cudnn_enabled`. A job in the strict deterministic
+    mode (warn_only False) never ran cuDNN's attention (PyTorch leaves it out of SDPA's choice there), while the
+    replay's warn-only mode would pick it: cudnn_sdp is off for such a job's replay."""
+    settings: dict[str, Any] = {
+        k: determinism[k] for k in (*_MATMUL_FLAGS, *_SDP_FLAGS) if isinstance(determinism.get(k), bool)
+    }
+    if determinism.get("float32_matmul_precision") in ("highest", "high", "medium"):
+        settings["float32_matmul_precision"] = determinism["float32_matmul_precision"]
+    if isinstance(determinism.get("cudnn_enabled"), bool):
+        settings["cudnn_enabled"] = determinism["cudnn_enabled"]
+    if determinism.get("deterministic_algorithms") is True and determinism.get("deterministic_warn_only") is False:
+        settings["cudnn_sdp"] = False
+    return settings
+
+
+def _current(key: str) -> Any:
+    if key in _SDP_FLAGS:
+        return _sdp(key)
+    if key == "float32_matmul_precision":
+        return torch.get_float32_matmul_precision()
+    if key == "cudnn_enabled":
+        return torch.backends.cudnn.enabled
+    return getattr(torch.backends.cuda.matmul, key, None)
+
+
+def _apply(key: str, value: Any) -> None:
+    try:
+        _set(key, value)
+    except (RuntimeError, TypeError, ValueError) as exc:  # a torch that refuses a mix of its TF32 APIs
+        logger.warning("forensics: could not set %s=%r for the replay (%s): its bits may differ", key, value, exc)
+
+
+def _set(key: str, value: Any) -> None:
+    if key in _SDP_FLAGS:
+        _sdp(key, value)
+    elif key == "float32_matmul_precision":
+        torch.set_float32_matmul_precision(value)
+    elif key == "cudnn_enabled":
+        torch.backends.cudnn.enabled = value
+    elif hasattr(torch.backends.cuda.matmul, key):
+        setattr(torch.backends.cuda.matmul, key, value)
+
+
 @contextlib.contextmanager
 def deterministic_mode(determinism: dict | None = None) -> Iterator[None]:
-    """Deterministic kernels for the replay, and the job's TF32 choices; restores everything after.
+    """Deterministic kernels for the replay, and the job's kernel and precision choices; restores everything after.
 
     Sets torch.use_deterministic_algorithms(True, warn_only=True), cudnn.deterministic, no cudnn
     benchmark, CUBLAS_WORKSPACE_CONFIG (if unset; it only takes effect before cuBLAS starts), and the
-    recorded allow_tf32 flags (they change results, so the replay must match the job).
+    recorded allow_tf32 flags, SDPA backends, reduced-precision reductions, float32 matmul precision and cuDNN switch
+    (`job_settings`: they change which kernel runs or its results, so the replay must match the job).
     """
     determinism = determinism or {}
     saved = (
@@ -95,6 +157,8 @@ def deterministic_mode(determinism: dict | None = None) -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32,
         torch.backends.cudnn.allow_tf32,
     )
+    settings = job_settings(determinism)
+    kept = {key: _current(key) for key in settings}
     env_was = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     try:
         if env_was is None:
@@ -106,6 +170,8 @@ def deterministic_mode(determinism: dict | None = None) -> Iterator[None]:
             torch.backends.cuda.matmul.allow_tf32 = determinism["allow_tf32_matmul"]
         if isinstance(determinism.get("allow_tf32_cudnn"), bool):
             torch.backends.cudnn.allow_tf32 = determinism["allow_tf32_cudnn"]
+        for key, value in settings.items():
+            _apply(key, value)
         yield
     finally:
         _deterministic_algorithms(saved[0], warn_only=saved[1])
@@ -115,6 +181,9 @@ def deterministic_mode(determinism: dict | None = None) -> Iterator[None]:
             torch.backends.cuda.matmul.allow_tf32,
             torch.backends.cudnn.allow_tf32,
         ) = saved[2:]
+        for key, value in kept.items():
+            if value is not None:
+                _apply(key, value)
         if env_was is None:
             os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
 
@@ -159,6 +228,7 @@ __all__ = [
     "to_device",
     "resolve_device",
     "deterministic_mode",
+    "job_settings",
     "replay_environment",
     "environment_warnings",
     "CUBLAS_WORKSPACE",

@@ -7,11 +7,12 @@ EVERY, replica_every=0)): each round builds each mode's Guard afresh, warms it u
 one (each ends with a device sync), marking which were sampled. Cost of a sampled step = its median - the unsampled
 median of the same run (paired: the machine's drift cancels); amortised at the default period = that cost /
 SilentConfig().recompute_every / the guarded step, plus (unsampled - guarded) / guarded (no hook is installed on an
-unsampled step: this column shows drift). Mismatches seen (false alarms: none expected with deterministic algorithms)
+unsampled step: this column shows drift; the modes run in a rotating order, one round each first). Mismatches seen (false alarms: none expected with deterministic algorithms)
 are counted, never dumped.
 Under torchrun with 2+ ranks (`--ddp`): the model is DDP-wrapped and the modes are guarded, replicas
 (replica_every=EVERY, the recompute off) and recompute (with the cross-rank check): the replica check's cost per
-checked step and amortised at its default period.
+checked step (with the after-update digest its previous step takes, timed apart as "before") and amortised at its
+default period; an "unsampled" step neither is checked nor precedes a check.
 The recompute compares bits: CUDA runs use torch.use_deterministic_algorithms(True) (CUBLAS_WORKSPACE_CONFIG set),
 as a job using the check should (docs/GUIDE.md, "Silent corruption").
 Usage: python -m scripts.bench.silent_overhead [--rounds 3] [--steps 24] [--micro 2 --batch 4] [--json OUT]
@@ -114,12 +115,17 @@ def main() -> None:
         if silent is None:
             return "unsampled"
         if mode == "replicas":
-            return "sampled" if silent.replicas is not None and silent.replicas.due(guard.step) else "unsampled"
+            replicas = silent.replicas
+            if replicas is not None and replicas.due(guard.step):
+                return "sampled"
+            # the update before a checked step takes its after-update digest: part of the check's cost
+            return "before" if replicas is not None and replicas.due(guard.step + 1) else "unsampled"
         return "sampled" if silent.sampled(guard.step) else "unsampled"
 
-    times: dict[tuple[str, str], list[float]] = {(m, k): [] for m in modes for k in ("unsampled", "sampled")}
-    for _ in range(args.rounds):
-        for mode in modes:
+    times: dict[tuple[str, str], list[float]] = {(m, k): [] for m in modes for k in ("unsampled", "sampled", "before")}
+    names = list(modes)
+    for round_ in range(args.rounds):
+        for mode in names[round_ % len(names) :] + names[: round_ % len(names)]:  # each mode in each place: drift
             guard = fresh(mode)
             for _ in range(2):
                 step(guard)
@@ -148,7 +154,8 @@ def main() -> None:
     for mode in list(modes)[1:]:
         plain, sampled = median(times[mode, "unsampled"]), median(times[mode, "sampled"])
         period = default.replica_every if mode == "replicas" else default.recompute_every
-        cost = max(sampled - plain, 0.0)
+        before = times[mode, "before"]
+        cost = max(sampled - plain, 0.0) + (max(median(before) - plain, 0.0) if before else 0.0)
         amortised = cost / period / base + max(plain - base, 0.0) / base
         figures["modes"][mode] = {
             "unsampled_ms": plain * 1e3,

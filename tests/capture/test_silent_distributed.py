@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import textwrap
 from pathlib import Path
 
@@ -196,6 +197,10 @@ def test_a_transient_bit_flip_on_rank_1_is_caught_at_its_step_and_replayed_as_tr
     assert silent["class"] == "transient" and silent["wrong"] == "job", report["verdict"]
     assert silent["module"] == "0" and report["culprit"]["module"] == "0"
     assert silent["drain_rank"] == 1 and "rank 1" in report["verdict"]["headline"]
+    assert silent["evidence"] == "replay" and silent["job_deterministic"] is True  # a CPU job: deterministic kernels
+    table = silent["comparison"]  # module by module, job / recompute / replay, where the replay parts from the job
+    assert table["columns"] == ["call", "module", "job", "recompute", "replay"] and table["rows"]
+    assert any(row[1] == "0" and row[2] != row[3] and row[3] == row[4] for row in table["rows"])
 
 
 def test_a_stuck_fault_on_rank_1_is_caught_by_the_cross_rank_check_and_replayed_as_persistent(two_ranks):
@@ -217,7 +222,16 @@ def test_a_stuck_fault_on_rank_1_is_caught_by_the_cross_rank_check_and_replayed_
     silent = report["silent"]
     assert silent["class"] == "persistent" and silent["drain_rank"] == 1, report["verdict"]
     assert silent["module"] == "0"
+    # the replay is evidence because it reproduces rank 0's healthy run of rank 0's micro-batch (from rank 0's dump)
+    assert silent["reference_replayed"] is True and silent["replay_vs_reference"] is None
+    assert silent["evidence"] == "replay" and report["timings"]["passes"] == 3
     assert "drain" in report["verdict"]["headline"].lower()
+    alone = root.parent / "alone" / "sdc" / step_dir.name  # rank 1's dump without rank 0's: no healthy reference
+    shutil.copytree(step_dir / "rank-00001", alone / "rank-00001")
+    undecided = replay(alone, models)
+    assert undecided["silent"]["class"] == "undecided" and undecided["silent"]["reference_replayed"] is False
+    assert undecided["silent"]["drain_rank"] == 1 and undecided["silent"]["evidence"] == "job"
+    assert "persistent fault of rank 1's device is likely" in undecided["verdict"]["headline"]
     healthy_side = replay(step_dir, models, rank=0)["silent"]
     assert healthy_side["class"] in ("not_hardware", "undecided") and healthy_side["drain_rank"] is None
 
@@ -269,6 +283,7 @@ def test_under_fsdp2_a_flip_in_rank_1s_forward_is_caught_and_a_healthy_run_is_si
 @pytest.mark.slow
 def test_a_healthy_bf16_run_stays_silent_for_2000_steps(tmp_path):
     for name in ("healthy", "fsdp_healthy"):  # one launch each: each stays within the launch limit
+        (tmp_path / name).mkdir()
         root, results = launch(tmp_path / name, name, healthy_steps=2000)
         for result in results[name]:
             assert len(result["decisions"]) == 2000 and all(result["decisions"]) and result["dumps"] == []

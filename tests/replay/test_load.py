@@ -141,6 +141,34 @@ def test_deterministic_mode_is_restored():
     assert (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark) == before
 
 
+def test_the_replay_computes_with_the_jobs_sdpa_backends_and_reduced_precision_flags():
+    """The job's process-wide kernel choices travel in the manifest's determinism block and are set for the replay:
+    a job in the strict deterministic mode never ran cuDNN's attention (PyTorch leaves it out of SDPA's choice), so
+    its replay, in the warn-only mode that would pick it, turns it off; everything is put back afterwards."""
+    from forensics.capture.dumping.environment import determinism_flags
+
+    cuda = torch.backends.cuda
+    before = (cuda.cudnn_sdp_enabled(), cuda.math_sdp_enabled(), cuda.matmul.allow_bf16_reduced_precision_reduction)
+    try:
+        torch.use_deterministic_algorithms(True)
+        recorded = determinism_flags()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert recorded["deterministic_algorithms"] is True and recorded["deterministic_warn_only"] is False
+    assert recorded["cudnn_sdp"] is True and recorded["flash_sdp"] is True
+    assert isinstance(recorded["allow_bf16_reduced_precision_reduction"], bool)
+    job = {**recorded, "math_sdp": False, "allow_bf16_reduced_precision_reduction": False}
+    with deterministic_mode(job):
+        assert torch.is_deterministic_algorithms_warn_only_enabled()  # the replay's own mode: warn only
+        assert not cuda.cudnn_sdp_enabled() and not cuda.math_sdp_enabled() and cuda.flash_sdp_enabled()
+        assert not cuda.matmul.allow_bf16_reduced_precision_reduction
+    assert (cuda.cudnn_sdp_enabled(), cuda.math_sdp_enabled(), cuda.matmul.allow_bf16_reduced_precision_reduction) == (
+        before
+    )
+    with deterministic_mode({**recorded, "deterministic_warn_only": True}):  # a warn-only job could run cuDNN's
+        assert cuda.cudnn_sdp_enabled()
+
+
 def test_environment_warnings_name_what_differs():
     warnings = environment_warnings(
         {"torch": "2.0.0", "gpus": [{"name": "NVIDIA H100", "sm_count": 132}]}, torch.device("cpu")
