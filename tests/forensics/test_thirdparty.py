@@ -3,6 +3,8 @@ member of theirs, and each test here fails loudly when that member moves or chan
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections import namedtuple
 
 import pytest
@@ -347,3 +349,25 @@ def test_raw_rng_states_match_the_public_ones_and_change_with_every_draw():
     np.random.rand()
     assert thirdparty.numpy_mt19937_raw(bit_generator) != raw
     assert thirdparty.numpy_mt19937_raw(np.random.PCG64()) is None  # another bit generator: no raw read
+
+
+def test_defer_dynamo_import_keeps_torch_dynamo_out_until_someone_else_loads_it():
+    # a fresh interpreter: this test process may have imported torch._dynamo already
+    code = """
+import sys, torch
+from forensics.core.thirdparty import defer_dynamo_import, _disable_dynamo_parts
+defer_dynamo_import(torch.optim.AdamW)
+wrapped = [m for m in vars(torch.optim.Optimizer).values() if _disable_dynamo_parts(m)]
+assert {m.__name__ for m in wrapped} >= {"add_param_group", "zero_grad", "load_state_dict"}, wrapped
+p = torch.nn.Parameter(torch.ones(3))
+opt = torch.optim.AdamW([p], lr=0.1)
+opt.zero_grad(); opt.load_state_dict(opt.state_dict())
+assert "torch._dynamo" not in sys.modules  # (step() itself imports it: torch's _use_grad_for_differentiable)
+import torch._dynamo
+opt.zero_grad()  # now torch's own torch._dynamo.disable(fn) is built and cached, as torch would have
+fn = _disable_dynamo_parts(torch.optim.Optimizer.zero_grad)[0]
+assert getattr(fn, "__dynamo_disable").__module__.startswith("torch._dynamo")
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110)
+    assert done.stdout.strip() == "ok", done.stderr
