@@ -32,7 +32,10 @@ BUILTIN_RECIPES: frozenset[str] = frozenset(
         HUGGINGFACE_FACTORY,
         TORCHTITAN_FACTORY,
         TORCHTITAN_LOSS,
-        *(f"{DEMO_MODELS}:{name}" for name in ("adapter_lm", "sensor_classifier", "gated_lm", "tiny_gpt2", "quality_weighted_loss")),
+        *(
+            f"{DEMO_MODELS}:{name}"
+            for name in ("adapter_lm", "sensor_classifier", "gated_lm", "tiny_gpt2", "quality_weighted_loss")
+        ),
     }
 )
 

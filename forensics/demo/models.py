@@ -91,7 +91,7 @@ def tiny_gpt2(config: dict | None = None) -> nn.Module:
     unsupported = sorted(k for k, v in variant.items() if values[k] != v)
     if unsupported:
         raise ValueError(
-            f"tiny_gpt2 implements GPT-2 with {variant}, not {({k: values[k] for k in unsupported})}: build this "
+            f"tiny_gpt2 implements GPT-2 with {variant}, not { ({k: values[k] for k in unsupported}) }: build this "
             "model with forensics.recipes:huggingface_model"
         )
     return GPT2LMHeadModel(values)

@@ -286,7 +286,9 @@ def _bad_sample_scenario(out_dir: Path, device: torch.device, echo: Echo) -> Cap
         steps,
         hf_loss,
         # replay rebuilds it as plain torch (the same numbers, bit for bit), without importing transformers
-        _config(out_dir, "bad_sample", dumping=DumpConfig(recipe=_recipe_of("tiny_gpt2", {"config": {"n_embd": n_embd}}))),
+        _config(
+            out_dir, "bad_sample", dumping=DumpConfig(recipe=_recipe_of("tiny_gpt2", {"config": {"n_embd": n_embd}}))
+        ),
     )
     return _finish(
         run,

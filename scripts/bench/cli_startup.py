@@ -56,6 +56,8 @@ def main() -> None:
     commands = {
         "python -c pass": [sys.executable, "-c", "pass"],
         "python -c 'import torch'": [sys.executable, "-c", "import torch"],
+        # the replay pauses the garbage collector while it imports (forensics/core/gc_pause.py): the same for torch
+        "import torch, GC paused": [sys.executable, "-c", "import gc; gc.disable(); import torch"],
         "forensics inspect": [*cli, "inspect", args.dump],
         "forensics verify": [*cli, "verify", args.dump],
         "forensics list": [*cli, "list", args.dump],
@@ -91,6 +93,9 @@ def main() -> None:
         "runs": args.runs,
         "seconds": {k: round(v, 3) for k, v in medians.items()},
         "first_step_after_import_torch_s": round(medians["forensics replay: first replayed step"] - torch_s, 3),
+        "first_step_after_import_torch_gc_paused_s": round(
+            medians["forensics replay: first replayed step"] - medians["import torch, GC paused"], 3
+        ),
     }
     print(json.dumps(summary))
     if args.json:

@@ -172,7 +172,13 @@ def run(args: argparse.Namespace) -> None:
         check_guard.check(grad_norm=torch.tensor(1.0, device=device), step=next(guarded_steps))
         removals.append(os.path.join(work, "check"))
 
-    writers = {"raw": raw_write, "raw+sha256": raw_hashed, "torch.save": torch_save, "forensics": forensics_dump, "guard.check": guard_check}
+    writers = {
+        "raw": raw_write,
+        "raw+sha256": raw_hashed,
+        "torch.save": torch_save,
+        "forensics": forensics_dump,
+        "guard.check": guard_check,
+    }
     if shutil.which("dd"):
         writers["dd"] = dd_write
     results: dict[str, list[float]] = {name: [] for name in writers}

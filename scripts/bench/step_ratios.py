@@ -171,7 +171,9 @@ def run_config(
     device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    make, data, loss_of, words = fsdp2_llama(tiny, device) if distributed else nanogpt(tiny, device, compile_model, batch, fused)
+    make, data, loss_of, words = (
+        fsdp2_llama(tiny, device) if distributed else nanogpt(tiny, device, compile_model, batch, fused)
+    )
     dump_dir = tempfile.mkdtemp(prefix="fx-overhead-")
     runs = {}
     modes = tuple(m for m in MODES if not only or m in only or m == "plain")
