@@ -26,13 +26,19 @@ TORCHTITAN_LOSS = BUILTIN_PREFIX + "torchtitan_loss"
 # A static list: what is allowed never depends on which modules happen to be imported.
 # tests/forensics/test_demo.py checks that the demo entries name real functions of forensics.demo.models.
 DEMO_MODELS = "forensics.demo.models"
+DEMO_MODEL_CODE = ("forensics.demo.gpt2",)
+"""Modules the demo's factories build their models from: model code, like the recipes' own modules (an exception
+raised there is the model's, not a bug of forensics: replay/load/user_code.py)."""
 BUILTIN_RECIPES: frozenset[str] = frozenset(
     {
         DEFAULT_LOSS,
         HUGGINGFACE_FACTORY,
         TORCHTITAN_FACTORY,
         TORCHTITAN_LOSS,
-        *(f"{DEMO_MODELS}:{name}" for name in ("adapter_lm", "sensor_classifier", "gated_lm", "quality_weighted_loss")),
+        *(
+            f"{DEMO_MODELS}:{name}"
+            for name in ("adapter_lm", "sensor_classifier", "gated_lm", "tiny_gpt2", "quality_weighted_loss")
+        ),
     }
 )
 

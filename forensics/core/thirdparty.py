@@ -587,3 +587,53 @@ __all__ = [
     "zero_master_partition",
     "zero_param_groups",
 ]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# torch._compile
+
+
+def _disable_dynamo_parts(function: Any) -> tuple[Any, bool] | None:
+    """(the wrapped function, recursive) when `function` is a `torch._compile._disable_dynamo` wrapper, else None."""
+    code = getattr(function, "__code__", None)
+    if code is None or code.co_name != "inner" or not code.co_filename.endswith("_compile.py"):
+        return None
+    cells = dict(zip(code.co_freevars, function.__closure__ or ()))
+    if "fn" not in cells or "recursive" not in cells:
+        return None
+    return cells["fn"].cell_contents, bool(cells["recursive"].cell_contents)
+
+
+def defer_dynamo_import(cls: type) -> None:
+    """Makes `cls`'s methods wrapped by torch._compile._disable_dynamo (torch.optim.Optimizer's add_param_group,
+    zero_grad, state_dict, load_state_dict ...) stop importing torch._dynamo while no one else has imported it.
+
+    Each wrapper imports torch._dynamo on its first call (about as long as `import torch` itself, through sympy and
+    torch.distributed.tensor) to build `torch._dynamo.disable(fn)`, which only matters while torch.compile traces
+    the call; it caches that in `fn.__dynamo_disable`. This fills the cache with a stand-in that calls `fn` directly
+    while torch._dynamo is not in sys.modules (then nothing is being compiled), and otherwise builds and caches the
+    very function torch would have. torch 2.1 - 2.13: `_disable_dynamo`'s `inner` closes over `fn` and `recursive`
+    and reads `fn.__dynamo_disable`; checked on torch 2.13 (CPU). A wrapper of another shape is left alone.
+    """
+    for klass in cls.__mro__:
+        for member in list(vars(klass).values()):
+            parts = _disable_dynamo_parts(member)
+            if parts is None or getattr(parts[0], "__dynamo_disable", None) is not None:
+                continue
+            fn, recursive = parts
+            fn.__dynamo_disable = _dynamo_disable_when_loaded(fn, recursive)
+
+
+def _dynamo_disable_when_loaded(fn: Any, recursive: bool) -> Callable[..., Any]:
+    """`fn` itself while torch._dynamo is not imported; once it is, torch._dynamo.disable(fn), built once and cached
+    where torch's wrapper looks for it."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        dynamo = sys.modules.get("torch._dynamo")
+        if dynamo is None or not hasattr(dynamo, "disable"):
+            return fn(*args, **kwargs)
+        real = dynamo.disable(fn, recursive, wrapping=False)
+        fn.__dynamo_disable = real
+        return real(*args, **kwargs)
+
+    return call

@@ -23,7 +23,7 @@ from forensics.recipes import name_default_loss
 log = logging.getLogger(__name__)
 
 MODULE = "forensics.demo.models"
-FACTORIES = ("adapter_lm", "sensor_classifier", "gated_lm")
+FACTORIES = ("adapter_lm", "sensor_classifier", "gated_lm", "tiny_gpt2")
 LOSSES = ("quality_weighted_loss",)
 RECIPES = frozenset(f"{MODULE}:{name}" for name in FACTORIES + LOSSES)
 
@@ -44,6 +44,57 @@ def gpt2_config(**overrides: Any):
     )
     values.update(overrides)
     return GPT2Config(**values)
+
+
+# GPT2Config's defaults for the fields forensics.demo.gpt2 reads, then gpt2_config()'s demo sizes
+TINY_GPT2_DEFAULTS = dict(
+    n_layer=2,
+    n_embd=32,
+    n_head=2,
+    vocab_size=64,
+    n_positions=32,
+    n_inner=None,
+    activation_function="gelu_new",
+    resid_pdrop=0.1,
+    embd_pdrop=0.1,
+    attn_pdrop=0.1,
+    layer_norm_epsilon=1e-5,
+    scale_attn_weights=True,
+    scale_attn_by_inverse_layer_idx=False,
+    reorder_and_upcast_attn=False,
+    add_cross_attention=False,
+    tie_word_embeddings=True,
+)
+
+
+def tiny_gpt2(config: dict | None = None) -> nn.Module:
+    """The demo's GPT-2 language model in plain torch (forensics.demo.gpt2): transformers' GPT2LMHeadModel of
+    `gpt2_config(**config)`, the same parameters and numbers, built without importing transformers.
+
+    Raises:
+        ValueError: `config` asks for a GPT-2 variant the plain model does not implement, or names an unknown field.
+    """
+    from forensics.demo.gpt2 import GPT2LMHeadModel
+
+    values = dict(TINY_GPT2_DEFAULTS)
+    overrides = dict(config or {})
+    unknown = sorted(set(overrides) - set(values))
+    if unknown:
+        raise ValueError(f"tiny_gpt2 takes GPT2Config fields {sorted(values)}; not {unknown}")
+    values.update(overrides)
+    variant = {
+        "activation_function": "gelu_new",
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "add_cross_attention": False,
+    }
+    unsupported = sorted(k for k, v in variant.items() if values[k] != v)
+    if unsupported:
+        raise ValueError(
+            f"tiny_gpt2 implements GPT-2 with {variant}, not { ({k: values[k] for k in unsupported}) }: build this "
+            "model with forensics.recipes:huggingface_model"
+        )
+    return GPT2LMHeadModel(values)
 
 
 def llama_config(**overrides: Any):

@@ -285,7 +285,10 @@ def _bad_sample_scenario(out_dir: Path, device: torch.device, echo: Echo) -> Cap
         name_default_loss(GPT2LMHeadModel(models.gpt2_config(n_embd=n_embd))),
         steps,
         hf_loss,
-        _config(out_dir, "bad_sample"),
+        # replay rebuilds it as plain torch (the same numbers, bit for bit), without importing transformers
+        _config(
+            out_dir, "bad_sample", dumping=DumpConfig(recipe=_recipe_of("tiny_gpt2", {"config": {"n_embd": n_embd}}))
+        ),
     )
     return _finish(
         run,

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from forensics.core.errors import ReplayError
+from forensics.core.thirdparty import defer_dynamo_import
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +169,7 @@ class OptimizerSnapshot:
         return optimizer
 
     def _construct(self, groups: list[dict], saved_groups: list[dict]) -> torch.optim.Optimizer:
+        defer_dynamo_import(self.cls)  # an optimizer's first add_param_group would import torch._dynamo (~1 s)
         try:
             return self.cls(groups)
         except TypeError:  # optimizers whose constructor insists on an explicit lr

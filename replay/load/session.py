@@ -370,6 +370,43 @@ def _param_dtype(recorded: Any, model: torch.nn.Module) -> torch.dtype:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
+_META_FILLS = frozenset(
+    {
+        torch.Tensor.normal_,
+        torch.Tensor.uniform_,
+        torch.Tensor.erfinv_,
+        torch.Tensor.exponential_,
+        torch.Tensor.log_normal_,
+        torch.Tensor.cauchy_,
+        torch.Tensor.geometric_,
+        torch.nn.init.normal_,
+        torch.nn.init.uniform_,
+        torch.nn.init.trunc_normal_,
+        torch.nn.init.kaiming_normal_,
+        torch.nn.init.kaiming_uniform_,
+        torch.nn.init.xavier_normal_,
+        torch.nn.init.xavier_uniform_,
+        torch.nn.init.orthogonal_,
+        torch.nn.init.sparse_,
+    }
+)
+"""In-place fills of a model's init (nn.init's random ones, and the Tensor methods they call: a mode sees the
+outermost call only). On a meta tensor they change nothing, and
+some of them (normal_, erfinv_ ...) run as torch._refs decompositions that import torch._dynamo (1 s and more on a
+small machine, through sympy and torch.distributed.tensor) for values nobody will ever read."""
+
+
+class _SkipMetaFills(torch.overrides.TorchFunctionMode):
+    """Returns a meta tensor's in-place init fill (_META_FILLS) without running it."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor")  # nn.init passes it by keyword
+        if func in _META_FILLS and isinstance(target, torch.Tensor) and target.is_meta:
+            return target
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def parameters_on_meta() -> Iterator[None]:
     """Modules built inside get their parameters on the meta device (no memory, no random init work);
@@ -383,7 +420,7 @@ def parameters_on_meta() -> Iterator[None]:
 
     torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign, assignment]  # for this block only
     try:
-        with unfilled():  # each parameter's memory goes to meta at once (a buffer left unset is the model's bug)
+        with unfilled(), _SkipMetaFills():  # parameters go to meta at once (a buffer left unset is the model's bug)
             yield
     finally:
         torch.nn.Module.register_parameter = register  # type: ignore[method-assign]

@@ -25,7 +25,7 @@ import torch
 
 from forensics.core.errors import ForensicsError, UserCodeError
 from forensics.core.fsio import our_code_directories
-from forensics.recipes import BUILTIN_RECIPES, DEFAULT_LOSS, is_builtin
+from forensics.recipes import BUILTIN_RECIPES, DEFAULT_LOSS, DEMO_MODEL_CODE, is_builtin
 
 OURS = our_code_directories()
 """Where forensics' own code lies: a frame there is not the user's."""
@@ -58,8 +58,11 @@ def _module_file(module: str) -> str | None:
     return os.path.abspath(spec.origin) if spec is not None and spec.origin else None
 
 
-RECIPE_FILES = frozenset(filter(None, (_module_file(path.partition(":")[0]) for path in BUILTIN_RECIPES)))
-"""The files of the built-in recipes' modules: model code, though it ships with forensics."""
+RECIPE_FILES = frozenset(
+    filter(None, (_module_file(m) for m in {p.partition(":")[0] for p in BUILTIN_RECIPES} | set(DEMO_MODEL_CODE)))
+)
+"""The files of the built-in recipes' modules and the model code they build from: model code, though it ships with
+forensics."""
 
 
 def _frames(tb: TracebackType | None) -> list[str]:

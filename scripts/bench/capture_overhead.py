@@ -49,6 +49,10 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=1, help="host: micro-batches per step")
     parser.add_argument("--tiny", action="store_true", help="a CPU-sized model (checks that the script runs)")
     parser.add_argument("--no-compile", action="store_true", help="nanogpt without torch.compile")
+    parser.add_argument("--batch", type=int, default=12, help="nanogpt: sequences per micro-batch (6: a ~70 ms step)")
+    parser.add_argument(
+        "--foreach", action="store_true", help="nanogpt: foreach AdamW instead of fused (the synchronous check)"
+    )
     parser.add_argument(
         "--profile",
         type=int,
@@ -82,6 +86,8 @@ def main() -> None:
             only=tuple(m for m in args.modes.split(",") if m),
             profile=args.profile,
             pin=args.pin,
+            batch=args.batch,
+            fused=not args.foreach,
         )
         return
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -2,12 +2,13 @@
 takes to reach its first replayed step, against a bare interpreter and `import torch` measured in the same run
 (medians of N runs of each, interleaved).
 
-    python -m scripts.bench.cli_startup --dump DUMP_DIR [--runs 7] [--json OUT]
+    python -m scripts.bench.cli_startup --dump DUMP_DIR [--hf-dump HF_DUMP_DIR] [--runs 7] [--json OUT]
 
 DUMP_DIR: the demo's dump (`forensics demo -o /tmp/fxdemo --device cpu`, then
 /tmp/fxdemo/dumps/demo-bad_sample/step-*/rank-00000). "first replayed step": from the process start to the
 replay's progress line "reproducing the step" (printed right before the step is first re-executed); the
-process is stopped there.
+process is stopped there. HF_DUMP_DIR: a demo dump of a release before the plain-torch GPT-2 (its recipe names
+forensics.recipes:huggingface_model, so its replay imports transformers), timed the same way in the same rounds.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import os
 import subprocess
 import sys
+import tempfile
 import time
 
 FIRST_STEP_MARK = b"reproducing the step"
@@ -45,6 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dump", required=True)
     parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--hf-dump", help="a demo dump whose recipe builds transformers' GPT2LMHeadModel")
     parser.add_argument("--device", default="cpu", help="the replay's device (cuda:N on a GPU machine)")
     parser.add_argument("--json", help="also write the medians here")
     args = parser.parse_args()
@@ -52,6 +56,8 @@ def main() -> None:
     commands = {
         "python -c pass": [sys.executable, "-c", "pass"],
         "python -c 'import torch'": [sys.executable, "-c", "import torch"],
+        # the replay pauses the garbage collector while it imports (forensics/core/gc_pause.py): the same for torch
+        "import torch, GC paused": [sys.executable, "-c", "import gc; gc.disable(); import torch"],
         "forensics inspect": [*cli, "inspect", args.dump],
         "forensics verify": [*cli, "verify", args.dump],
         "forensics list": [*cli, "list", args.dump],
@@ -62,9 +68,16 @@ def main() -> None:
             "--device",
             args.device,
             "-o",
-            "/dev/null/none",
+            os.path.join(tempfile.mkdtemp(prefix="cli-startup-"), "report"),  # stopped before it writes one
         ],
     }
+    if args.hf_dump:
+        replay = commands["forensics replay: first replayed step"]
+        commands["forensics replay: first replayed step (transformers GPT-2 dump)"] = [
+            *replay[:4],
+            args.hf_dump,
+            *replay[5:],
+        ]
     times: dict[str, list[float]] = {name: [] for name in commands}
     for _ in range(args.runs):
         for name, cmd in commands.items():
@@ -80,6 +93,9 @@ def main() -> None:
         "runs": args.runs,
         "seconds": {k: round(v, 3) for k, v in medians.items()},
         "first_step_after_import_torch_s": round(medians["forensics replay: first replayed step"] - torch_s, 3),
+        "first_step_after_import_torch_gc_paused_s": round(
+            medians["forensics replay: first replayed step"] - medians["import torch, GC paused"], 3
+        ),
     }
     print(json.dumps(summary))
     if args.json:

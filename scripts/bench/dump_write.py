@@ -3,7 +3,8 @@
 Every writer writes the same bytes-worth of state to the same directory in one process, interleaved rounds whose
 order rotates (a writer that follows another's 1.5 GB meets a busier disk: on a VM the host's write cache):
 `raw` (os.write of the state's own bytes from host memory into one file + fsync: the disk's limit for these
-bytes; each writer's file is removed after its timing), `dd` (`dd if=/dev/zero bs=64M conv=fsync` of the same size, where dd exists), `torch.save` (+ fsync)
+bytes; each writer's file is removed after its timing), `raw+sha256` (the same through the dump writer's
+HashingWriter: the chunk sha256s on its thread pool beside the write, so the hash's own cost is raw+sha256 / raw), `dd` (`dd if=/dev/zero bs=64M conv=fsync` of the same size, where dd exists), `torch.save` (+ fsync)
 the forensics dump (`write_dump` of the collected state) and `guard.check`: the path a job takes, a Guard's check()
 that dumps the same state (a non-finite loss, policy 'continue', so the write is synchronous: the stall a job sees,
 manifest, flight recorder, re-check and all). Also measures sha256 on one core and on every core, and the training
@@ -104,6 +105,18 @@ def run(args: argparse.Namespace) -> None:
         finally:
             os.close(fd)
 
+    def raw_hashed():  # raw_write through the dump writer's HashingWriter: the hash's own cost beside the write
+        from forensics.format.digest import HashingWriter
+
+        path = os.path.join(work, "raw-hashed.bin")
+        removals.append(path)
+        with open(path, "wb", buffering=0) as handle:
+            out = HashingWriter(handle)
+            for array in host_state:
+                out.write(memoryview(array))
+            out.hexdigest()
+            os.fsync(handle.fileno())
+
     blocks = -(-state_bytes // (64 << 20))
 
     def dd_write():  # dd of the same size rounded up to whole 64 MiB blocks (its time is scaled back below)
@@ -159,7 +172,13 @@ def run(args: argparse.Namespace) -> None:
         check_guard.check(grad_norm=torch.tensor(1.0, device=device), step=next(guarded_steps))
         removals.append(os.path.join(work, "check"))
 
-    writers = {"raw": raw_write, "torch.save": torch_save, "forensics": forensics_dump, "guard.check": guard_check}
+    writers = {
+        "raw": raw_write,
+        "raw+sha256": raw_hashed,
+        "torch.save": torch_save,
+        "forensics": forensics_dump,
+        "guard.check": guard_check,
+    }
     if shutil.which("dd"):
         writers["dd"] = dd_write
     results: dict[str, list[float]] = {name: [] for name in writers}
@@ -222,7 +241,10 @@ def run(args: argparse.Namespace) -> None:
         "load_average": [round(load, 2) for load in os.getloadavg()],
         "stall_vs_dd": round(times["forensics"] / times["dd"], 3) if "dd" in times else None,
         "forensics_vs_torch_save": round(times["torch.save"] / times["forensics"], 3),
-        "sha256_gb_s": sha256_speeds(),
+        "sha256_gb_s": (speeds := sha256_speeds()),
+        "hashed_vs_raw": round(times["raw+sha256"] / times["raw"], 3),
+        "hash_cpu_s_one_core": round(gb / speeds["one_core"], 3),
+        "check_vs_hashed": round(times["guard.check"] / times["raw+sha256"], 3),
         "spike_stall_s": round(stall, 4),
         "spike_background_write_s": round(background, 3),
         "spike_dumps_written": len(stall_guard.dumps),
@@ -239,6 +261,11 @@ def run(args: argparse.Namespace) -> None:
     print(
         f"Guard check() that dumps / raw: {summary['check_vs_raw']:.2f} (dd: {summary['check_vs_dd']}); per round "
         f"{summary['check_vs_raw_per_round']}; {args.busy} busy processes beside the writer"
+    )
+    print(
+        f"the hash: raw write + sha256 on the writer's threads / raw write {summary['hashed_vs_raw']:.2f}; its CPU "
+        f"time on one core {summary['hash_cpu_s_one_core']:.2f} s; Guard check() / (raw + sha256) "
+        f"{summary['check_vs_hashed']:.2f} (what forensics adds beyond the hash)"
     )
     print(
         f"spike dump training stall: {stall:.3f} s; background write finished {background:.2f} s later; "

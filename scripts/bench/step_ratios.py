@@ -78,8 +78,10 @@ class Timed:
             self.on_cpu[method] = self.on_cpu.get(method, 0.0) + time.thread_time() - cpu
 
 
-def nanogpt(tiny: bool, device: torch.device, compile_model: bool):
-    """GPT-2 small as nanoGPT pre-trains it (dropout 0), 4 micro-batches x 12 x 1024 tokens; or a tiny stand-in."""
+def nanogpt(tiny: bool, device: torch.device, compile_model: bool, batch: int = 12, fused: bool = True):
+    """GPT-2 small as nanoGPT pre-trains it (dropout 0), 4 micro-batches x `batch` x 1024 tokens (12: a 127 ms step on
+    an H200; 6: about 70 ms, issue 55's short step); AdamW fused on CUDA unless `fused` is False (foreach: the
+    default GuardConfig then checks synchronously); or a tiny stand-in."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     size = (
@@ -89,12 +91,13 @@ def nanogpt(tiny: bool, device: torch.device, compile_model: bool):
     )  # nanoGPT's padded vocabulary
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(**size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).to(device)
-    micro, batch, seq = (4, 2, 64) if tiny else (4, 12, 1024)
+    micro, batch, seq = (4, 2, 64) if tiny else (4, batch, 1024)
+    fused = fused and device.type == "cuda"
     data = [torch.randint(0, size["vocab_size"], (batch, seq), device=device) for _ in range(micro)]
 
     def make():
         m = copy.deepcopy(model)
-        optimizer = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=device.type == "cuda")
+        optimizer = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=fused, foreach=None if fused else True)
         return (torch.compile(m) if compile_model else m), optimizer
 
     def loss_of(m, ids):
@@ -103,7 +106,7 @@ def nanogpt(tiny: bool, device: torch.device, compile_model: bool):
 
     words = (
         f"GPT-2 {'tiny' if tiny else 'small (124M)'}, {'torch.compile, ' if compile_model else ''}bf16 autocast, "
-        f"{micro} micro-batches x {batch} x {seq} tokens, AdamW{' (fused)' if device.type == 'cuda' else ''}, "
+        f"{micro} micro-batches x {batch} x {seq} tokens, AdamW{' (fused)' if fused else ' (foreach)'}, "
         "clip_grad_norm_, check(grad_norm=...)"
     )
     return make, data, loss_of, words
@@ -151,6 +154,8 @@ def run_config(
     only: tuple[str, ...] = (),
     profile: int = 0,
     pin: bool = False,
+    batch: int = 12,
+    fused: bool = True,
 ) -> None:
     """Times the configuration's modes (MODES; `only`: those of them, plain always included); `profile`: then traces
     that many more steps of each mode with torch.profiler and prints (rank 0) where the host and the device spent them;
@@ -166,7 +171,9 @@ def run_config(
     device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    make, data, loss_of, words = fsdp2_llama(tiny, device) if distributed else nanogpt(tiny, device, compile_model)
+    make, data, loss_of, words = (
+        fsdp2_llama(tiny, device) if distributed else nanogpt(tiny, device, compile_model, batch, fused)
+    )
     dump_dir = tempfile.mkdtemp(prefix="fx-overhead-")
     runs = {}
     modes = tuple(m for m in MODES if not only or m in only or m == "plain")

@@ -257,9 +257,27 @@ def test_a_size_option_beyond_any_machine_or_not_a_number_exits_2(dump, tmp_path
 
 
 # -- item 7: the smaller ones -------------------------------------------------------------------------------------------
-def test_a_built_in_hugging_face_model_raising_on_edited_data_is_not_called_the_users_code(dump, tmp_path):
-    """The dump's recipe is the built-in Hugging Face one (GPT-2) and the default loss: nothing of the user's runs, so
-    a label out of range raising inside transformers is the data not fitting that model, in one sentence."""
+def as_written_by_transformers_recipe(manifest: dict) -> None:
+    """The demo dump's recipe as dumps before the plain-torch GPT-2 named it: transformers' GPT2LMHeadModel through the
+    built-in Hugging Face recipe (the same parameter names, so the same weights load)."""
+    from forensics.demo.models import gpt2_config
+
+    config = gpt2_config(**manifest["recipe"]["factory_kwargs"]["config"]).to_dict()
+    manifest["recipe"]["factory"] = "forensics.recipes:huggingface_model"
+    manifest["recipe"]["factory_kwargs"] = {
+        "architecture": "GPT2LMHeadModel",
+        "config": config,
+        "attn_implementation": "eager",
+    }
+
+
+@pytest.mark.parametrize("recipe", ["tiny_gpt2", "huggingface_model"])
+def test_a_built_in_hugging_face_model_raising_on_edited_data_is_not_called_the_users_code(dump, tmp_path, recipe):
+    """The dump's recipe is a built-in one (the demo's plain-torch GPT-2, or transformers' through the built-in Hugging
+    Face recipe, as older demo dumps name it) and the default loss: nothing of the user's runs, so a label out of range
+    raising inside the model (or inside transformers) is the data not fitting that model, in one sentence."""
+    if recipe == "huggingface_model":
+        edit_manifest(dump, as_written_by_transformers_recipe)
     from forensics_test_helpers import read_member, resign_member
     from safetensors.torch import load, save
 

@@ -3,6 +3,8 @@ member of theirs, and each test here fails loudly when that member moves or chan
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections import namedtuple
 
 import pytest
@@ -364,3 +366,25 @@ def test_hub_kernel_loaders_are_where_hub_kernels_refused_looks():
         hub.get_kernel("org/repo")
     assert refused == ["transformers.integrations.hub_kernels.get_kernel('org/repo')"]
     assert hub.get_kernel.__module__ == "transformers.integrations.hub_kernels"
+
+
+def test_defer_dynamo_import_keeps_torch_dynamo_out_until_someone_else_loads_it():
+    # a fresh interpreter: this test process may have imported torch._dynamo already
+    code = """
+import sys, torch
+from forensics.core.thirdparty import defer_dynamo_import, _disable_dynamo_parts
+defer_dynamo_import(torch.optim.AdamW)
+wrapped = [m for m in vars(torch.optim.Optimizer).values() if _disable_dynamo_parts(m)]
+assert {m.__name__ for m in wrapped} >= {"add_param_group", "zero_grad", "load_state_dict"}, wrapped
+p = torch.nn.Parameter(torch.ones(3))
+opt = torch.optim.AdamW([p], lr=0.1)
+opt.zero_grad(); opt.load_state_dict(opt.state_dict())
+assert "torch._dynamo" not in sys.modules  # (step() itself imports it: torch's _use_grad_for_differentiable)
+import torch._dynamo
+opt.zero_grad()  # now torch's own torch._dynamo.disable(fn) is built and cached, as torch would have
+fn = _disable_dynamo_parts(torch.optim.Optimizer.zero_grad)[0]
+assert getattr(fn, "__dynamo_disable").__module__.startswith("torch._dynamo")
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110)
+    assert done.stdout.strip() == "ok", done.stderr
