@@ -85,6 +85,8 @@ class Dumper:
         environment.environment()  # versions, git commit: read now, not while a fault is being dumped
         self.dumps: list[Location] = []
         self.errors: list[str] = []
+        self.last_incident_step: int | None = None  # the last step reported (report), dumped or not
+        self.last_dumped_step: int | None = None  # the last step report() was let dump
         self.budget = budget
         """The run's dump budgets (capture/dumping/budget.py): a place is taken when a dump starts (background writes land
         later), identically on every rank; one process gives it back when its write fails."""
@@ -126,6 +128,32 @@ class Dumper:
         if admission.why_not is not None:
             self.not_dumped(trigger, incident.step, admission.why_not, admission.reason)
         return admission
+
+    def report(self, incident: Incident) -> tuple[Location | None, str | None]:
+        """An incident the Guard reports (its policy is the Guard's to apply), dumped within the budgets and logged
+        when it is. Notes its step as `last_incident_step`, and as `last_dumped_step` when the budget admits it (a
+        precursor dumps neither step: it waits for the next)."""
+        self.last_incident_step = incident.step
+        admission = self.admit(incident)  # one not dumped is counted and logged once per window there
+        # a step the budget does not dump is counted and logged once per window by the budget (docs/GUIDE.md
+        # "Dump budgets"): never a line per step, whatever the policy; 'raise' says it in its error
+        if incident.undumpable is None and admission.why_not is None:
+            rank, trigger = self.state.ranks.rank, incident.trigger
+            log.warning(
+                "forensics: step %d rank %d: %s (policy: %s)", incident.step, rank, trigger.message, incident.policy
+            )
+        dumped = self.dump(incident, admission)
+        if admission.why_not is None:
+            self.last_dumped_step = incident.step
+        return dumped
+
+    def reported(self, step: int) -> bool:
+        """The last incident reported (report) was of `step`."""
+        return self.last_incident_step == step
+
+    def dumped(self, step: int) -> bool:
+        """The last incident report() was let dump was of `step`."""
+        return self.last_dumped_step == step
 
     def not_dumped(self, trigger: Trigger, step: int, why: str, reason: str) -> None:
         """Counts a trigger at `step` that is not dumped because `why` (`reason`: its key in the manifest's
