@@ -78,9 +78,22 @@ def build(
         sync_free=config.detection.sync_free is True,
         add_hook=add_hook,
     )  # or None
-    budget = DumpBudget(config)  # shared: the sync-free check asks it before a step is applied
+    budget = DumpBudget(config.dumping)  # shared: the sync-free check asks it before a step is applied
     checks = StepCheck(config, state, history, window, snapshots, precursors, budget.spike_floor, add_hook)
-    dumper = Dumper(config, run_id, state, history, window, snapshots, budget, on_device_lost=checks.device_lost)
+    dumper = Dumper(
+        config.dumping,
+        lambda: config.dump_dir,  # the job may change it (read at each dump)
+        run_id,
+        state,
+        history,
+        window,
+        snapshots,
+        budget,
+        sample_id_key=config.recording.sample_id_key,
+        max_grad_norm=config.detection.max_grad_norm,
+        run_log=config.recording.run_log,
+        on_device_lost=checks.device_lost,
+    )
     recorder = StepRecorder(config.recording.sample_id_key, state.buffers.take_before_forward)
     add_hook(model.register_forward_pre_hook(recorder.note_autocast))
     optimizer_steps = OptimizerSteps(optimizer, add_hook)
