@@ -100,5 +100,5 @@ def build(
     calls = CheckCalls(model, config.recording.sample_id_key, type(state).grad_norm is StateSource.grad_norm)
     watch = silent.attach(model, wrapped, optimizer, scaler, loss_fn, config, ranks, add_hook)  # or None
     if config.detection.verify_update:
-        UpdateCheck(config, state, history, lambda: (step() - 1, calls.last_step), report, add_hook)
+        UpdateCheck(config.detection, state, history, lambda: (step() - 1, calls.last_step), report, add_hook)
     return Stages(history, window, snapshots, precursors, checks, dumper, recorder, optimizer_steps, calls, watch)
