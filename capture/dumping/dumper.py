@@ -36,6 +36,7 @@ from forensics.core.errors import CaptureError
 from forensics.format.batch_tree import map_tensors
 from forensics.format.location import Location
 from forensics.format.run_log import EventKind
+from forensics.format.sample_ids import written_ids
 from forensics.format.writer import DumpContent, dump_path, remove_rank_dump
 from forensics.core.kinds import Policy, TriggerKind
 from forensics.recipes import default_loss
@@ -389,19 +390,16 @@ class Dumper:
         record, losses, step = incident.record, incident.losses, incident.step
         micro_batches = []
         for index, batch in enumerate(record.batches):
-            ids = json_ids(record.sample_ids[index])
-            size = leading_dim(batch) or (len(ids) if ids else None)
-            if ids is None and size is not None:
-                ids = [
-                    f"step{step}/rank{ranks.rank}/mb{index + 1}/{j}" for j in range(size)
-                ]  # mb counted from 1, as the text
+            recorded = json_ids(record.sample_ids[index])
+            size = leading_dim(batch) or (len(recorded) if recorded else None)
+            ids, positional = written_ids(recorded, step, index, size, ranks.rank)
             micro_batches.append(
                 {
                     "index": index,
                     "sample_ids": ids,
                     "batch_size": size,
                     "loss": losses[index] if index < len(losses) else None,
-                    "ids_are_positional": record.sample_ids[index] is None,
+                    "ids_are_positional": positional,
                 }
             )
         param = next(iter(source.model.parameters()), None)
