@@ -20,21 +20,12 @@ import torch
 from forensics.format.location import Location
 from forensics.capture.state.run_id import default_run_id
 from forensics.capture.state.unwrap import unwrap_model
-from forensics.capture.detection.step import StepCheck
-from forensics.capture.detection.update import UpdateCheck
 from forensics.capture.config import GuardConfig
-from forensics.capture.dumping.budget import DumpBudget
-from forensics.capture.dumping.dumper import Dumper
 from forensics.capture.precursors import monitor
 from forensics.capture.raised import exceptions
-from forensics.capture import silent
-from forensics.capture.raised.optimizer_steps import OptimizerSteps
-from forensics.capture.recording.history import History
 from forensics.capture.recording.incident import Incident, StepRecord
-from forensics.capture.recording.misuse import FirstStepCheck, LoopOrder
-from forensics.capture.recording.recorder import StepRecorder, loss_value
-from forensics.capture.recording.window import FlightRecorder
-from forensics.capture.state.host_snapshots import HostSnapshots
+from forensics.capture.recording.recorder import loss_value
+from forensics.capture.stages import build as build_stages
 from forensics.capture.state.source import Ranks, StateSource, state_source
 from forensics.core.errors import TrainingFaultError
 from forensics.core.kinds import Policy
@@ -89,68 +80,19 @@ class Guard:
         self.run_id = config.run_id or default_run_id()
         self.buffers = self.state.buffers
         self._hooks: list[Any] = []
-        self.history = History(config.recording.history_size)
-        self.window = FlightRecorder(config.recording.window_steps)  # the flight recorder (recording/window.py)
-        self.snapshots = HostSnapshots(config.recording.snapshot_every, config.recording.snapshot_count)
-        self.precursors = monitor.attach(
-            model,
-            optimizer,
-            scaler,
-            config.precursors,
-            window=self.window,
-            sync_free=config.detection.sync_free is True,
-            add_hook=self.add_hook,
-        )  # or None
-        budget = DumpBudget(config)  # shared: the sync-free check asks it before a step is applied
-        self.checks = StepCheck(
-            config,
-            self.state,
-            self.history,
-            self.window,
-            self.snapshots,
-            self.precursors,
-            budget.spike_floor,
-            self.add_hook,
-        )
-        self.dumper = Dumper(
-            config,
-            self.run_id,
-            self.state,
-            self.history,
-            self.window,
-            self.snapshots,
-            budget,
-            on_device_lost=self.checks.device_lost,
-        )
+        stages = build_stages(self.state, wrapped, self.run_id, self.handle_incident, self.add_hook, lambda: self.step)
+        self.history, self.window, self.snapshots = stages.history, stages.window, stages.snapshots
+        self.precursors, self.checks, self.dumper = stages.precursors, stages.checks, stages.dumper
+        self.recorder, self.optimizer_steps, self.calls = stages.recorder, stages.optimizer_steps, stages.calls
+        self.silent = stages.silent
         self.dumps: list[Location] = self.dumper.dumps  # written so far (a background write once it is complete)
         self.dump_errors: list[str] = self.dumper.errors  # why a dump was not written, one per failed attempt
         self.run_log = self.dumper.run_log  # every step's scalars and event, for `forensics timeline` (or None)
-        self.recorder = StepRecorder(config.recording.sample_id_key, self.buffers.take_before_forward)
-        self.add_hook(model.register_forward_pre_hook(self.recorder.note_autocast))
-        self.optimizer_steps = OptimizerSteps(optimizer, self.add_hook)  # stepped since the last check()?
-        self.first_step = FirstStepCheck(config.recording.sample_id_key)  # the first check()'s warnings
-        self.loop_order = LoopOrder(model, type(self.state).grad_norm is StateSource.grad_norm)  # check() misplaced
-        self.last_decision = True  # what the last check() returned (a repeated check() returns it again)
-        self.last_step: StepRecord | None = None  # the last checked step (raised after check(); verify_update)
-        self.stopped: TrainingFaultError | None = None  # what check() raised, until the next check(): raised after
-        # it outside a recorded step (code after the training loop), an exception is not dumped as that step's
-        self.last_incident_step: int | None = None  # a precursor does not dump a step that had an incident, nor
-        self.last_dumped_step: int | None = None  # one dumped already: it waits for the next
         if config.recording.capture_exceptions:
             exceptions.watch(self)
         self._judge_at_exit = functools.partial(_judge_at_exit, weakref.ref(self))
         if self.checks.sync_free is not None:  # a step judged one step late is still judged when the job just ends
             atexit.register(self._judge_at_exit)
-        self.silent = silent.attach(model, wrapped, optimizer, scaler, loss_fn, config, ranks, self.add_hook)  # or None
-        if config.detection.verify_update:
-            UpdateCheck(
-                config,
-                self.state,
-                self.history,
-                lambda: (self.step - 1, self.last_step),
-                self.handle_incident,
-                self.add_hook,
-            )
 
     # -- recording (hot path: references and host-side RNG only) ---------------------------------
     def record_batch(self, batch: Any, sample_ids: Any = None) -> None:
@@ -187,18 +129,13 @@ class Guard:
         """
         if not self.at_step_boundary():
             return True
-        if self.recorder.current is None and self.last_step is not None:  # nothing recorded since the last check
-            steps = self.optimizer_steps
-            if self.loop_order.repeated(self.step - 1, self.last_step, steps.started if steps.known else None):
-                return self.last_decision
+        if self.recorder.current is None and self.calls.repeats(self.step, self.optimizer_steps.stepped()):
+            return self.calls.last_decision  # nothing recorded since the last check, which this one repeats
         step = self.step_number() if step is None else step
         self.step = self.step if step is None else step
         record, self.recorder.current = self.recorder.current or StepRecord(), None  # the next batch starts a step
-        self.stopped = None  # a job that caught the last TrainingFaultError trains on
         self.optimizer_steps.checked()
-        self.first_step.look(record)
-        if self.loop_order.looks:  # the first checks only
-            self.loop_order.no_gradients(self.step)
+        self.calls.look(record, self.step)  # the first checks' warnings
         decision = sync_free = True
         handled = False  # an incident's policy was applied: a later failure inside forensics does not undo it
         try:
@@ -209,12 +146,12 @@ class Guard:
                 handled = True
             if self.silent is not None:  # the sampled step's recompute and the replica check
                 decision = (
-                    self.silent.judge(record, self.step, self.handle_incident, self.last_incident_step == self.step)
+                    self.silent.judge(record, self.step, self.handle_incident, self.dumper.reported(self.step))
                     and decision
                 )
         except TrainingFaultError as fault:
-            self.last_step, self.last_decision = record, False  # a repeat of this check() must not apply the step
-            self.stopped = fault  # later exceptions outside a recorded step are not this step's (record_exception)
+            self.calls.answered(record, False, fault)  # a repeat of this check() must not apply the step; later
+            # exceptions outside a recorded step are not this step's (record_exception)
             self.step += 1  # a job that catches the error and goes on must not reuse this step's number
             raise
         except Exception as exc:
@@ -222,13 +159,13 @@ class Guard:
                 self.recorder.current = record  # dumped as the step that raised; the job fails with its own error
                 self.record_exception(exc)  # which ends the step
                 raise
-            decided = decision if handled else self.last_decision  # a fault found keeps its policy; else the last
+            decided = decision if handled else self.calls.last_decision  # a fault found keeps its policy; else the last
             log.exception(
                 "forensics: the check of step %d failed inside forensics; check() returns %s", self.step, decided
             )
             decision = decided
         if self.precursors is not None:  # never in the sync-free mode (monitor.attach)
-            healthy, dumped = decision and self.last_incident_step != self.step, self.last_dumped_step == self.step
+            healthy, dumped = decision and not self.dumper.reported(self.step), self.dumper.dumped(self.step)
             monitor.judge(
                 self.precursors,
                 self.step,
@@ -241,25 +178,16 @@ class Guard:
             )
         if not decision:
             self.buffers.undo_skipped_step(self.step)
-        self.last_step, self.last_decision = record, decision
+        self.calls.answered(record, decision)
         self.step += 1
         return decision
 
     def handle_incident(self, incident: Incident) -> bool:
         """Dumps the incident (within the caps) and applies its policy: False when the step must be skipped ('skip'),
         else True. Raises TrainingFaultError under 'raise', after the dump was written (or failed to be)."""
-        trigger, policy, self.last_incident_step = incident.trigger, incident.policy, incident.step
+        trigger, policy = incident.trigger, incident.policy
         try:  # whatever fails in here, the policy below applies (raise raises, skip skips)
-            admission = self.dumper.admit(incident)  # one not dumped is counted and logged once per window there
-            # a step the budget does not dump is counted and logged once per window by the budget (docs/GUIDE.md
-            # "Dump budgets"): never a line per step, whatever the policy; 'raise' says it in its error
-            if incident.undumpable is None and admission.why_not is None:
-                log.warning(
-                    "forensics: step %d rank %d: %s (policy: %s)", incident.step, self.rank, trigger.message, policy
-                )
-            dump_path, dump_error = self.dumper.dump(incident, admission)
-            if admission.why_not is None:
-                self.last_dumped_step = incident.step
+            dump_path, dump_error = self.dumper.report(incident)  # within the budgets
         except Exception as exc:  # the Dumper never raises; this is the last line of defence
             log.exception("forensics: dumping step %d failed inside forensics", incident.step)
             dump_path, dump_error = None, f"forensics failed ({type(exc).__name__})"
@@ -304,15 +232,8 @@ class Guard:
         elif not (self.state.ranks.multi_rank and self.config.dumping.shard_replicas > 1):  # (buddy copies: a
             self.judge_pending()  # collective the other ranks would not enter) the step before failed first
         try:
-            incident = exceptions.raised_incident(
-                exc,
-                self.recorder.current,
-                step=self.step,
-                last_step=self.last_step,
-                stopped=self.stopped,
-                optimizer_steps=self.optimizer_steps,
-                state=self.state,
-            )
+            current, calls = self.recorder.current, self.calls
+            incident = exceptions.raised_incident(exc, current, self.step, calls, self.optimizer_steps, self.state)
             path, error = self.dumper.dump(incident) if incident is not None else (None, None)
             if error:
                 log.error("forensics: no dump of the step that raised: %s", error)

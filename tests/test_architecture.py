@@ -181,13 +181,14 @@ CAPTURE_STAGES = [
     "dumping",
     "silent",
     "raised",
+    "stages",
     "guard",
     "integrations",
 ]
 """capture/ in the order of a step's way through the Guard: the configuration every stage reads, what is recorded of the
-step, the state a dump holds, the precursor statistics, the check, the dump, a step that raised, the Guard that runs
-them, and the framework adapters built on it. A sub-package (or the top-level module config / guard) may import its
-own and earlier stages only."""
+step, the state a dump holds, the precursor statistics, the check, the dump, a step that raised, the stages built and
+wired for a Guard, the Guard that runs them, and the framework adapters built on it. A sub-package (or the top-level
+module config / stages / guard) may import its own and earlier stages only."""
 
 
 def _capture_stage(module: str) -> str | None:

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-from forensics.capture.config import GuardConfig
+from forensics.capture.config import DetectionConfig
 from forensics.capture.recording.history import History
 from forensics.capture.recording.incident import Incident, StepRecord
 from forensics.capture.state import snapshot
@@ -24,7 +24,7 @@ class UpdateCheck:
     """Optimizer step pre/post hooks (kept through `add_hook`: the Guard removes them at close()).
 
     Args:
-        config: the Guard's configuration; state: the state source (model, optimizer, the pre-step state).
+        detection: GuardConfig.detection (loss_divisor, the policy); state: the state source (model, optimizer, the pre-step state).
         history: the grad norm of the step checked last.
         last_checked: the step number and record of the step check() saw last.
         report: the Guard's handle_incident: dumps the Incident this check builds and applies its policy.
@@ -33,14 +33,14 @@ class UpdateCheck:
 
     def __init__(
         self,
-        config: GuardConfig,
+        detection: DetectionConfig,
         state: StateSource,
         history: History,
         last_checked: Callable[[], tuple[int, StepRecord | None]],
         report: Callable[[Incident], Any],
         add_hook: Callable[[Any], None],
     ):
-        self.config, self.state, self.history = config, state, history
+        self.detection, self.state, self.history = detection, state, history
         self.last_checked, self.report = last_checked, report
         self._pre_step_copy: dict | None = None
         self._warned_already_bad = False
@@ -100,8 +100,8 @@ class UpdateCheck:
                 record,
                 [float(v) for v in record.losses],
                 norm,
-                record.divisor(self.config.detection.loss_divisor),
-                self.config.policy_for(trigger.kind),
+                record.divisor(self.detection.loss_divisor),
+                self.detection.policy_for(trigger.kind),
                 state=state,
             )
         )

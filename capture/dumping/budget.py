@@ -29,7 +29,7 @@ import math
 import threading
 from dataclasses import dataclass, field
 
-from forensics.capture.config import GuardConfig
+from forensics.capture.config import DumpConfig
 from forensics.core.kinds import TriggerKind
 
 log = logging.getLogger(__name__)
@@ -122,9 +122,9 @@ class DumpBudget:
     """The run's three dump budgets (module docstring). Thread-safe: a background write reports back from its
     thread."""
 
-    def __init__(self, config: GuardConfig):
-        self.config = config
-        self._faults = threading.Semaphore(config.dumping.max_dumps)
+    def __init__(self, dumping: DumpConfig):
+        self.dumping = dumping  # GuardConfig.dumping
+        self._faults = threading.Semaphore(dumping.max_dumps)
         self._lock = threading.Lock()
         self._first_spike: _Kept | None = None
         self._largest: list[_Kept] = []
@@ -133,14 +133,14 @@ class DumpBudget:
 
     def admit(self, kind: TriggerKind, step: int, value: float | None, threshold: float | None) -> Admission:
         """Whether a trigger of `kind` at `step` is dumped (a fault takes a slot; a spike gets its place)."""
-        config = self.config
+        dumping = self.dumping
         if kind is TriggerKind.PRECURSOR:
             return Admission()
         if not kind.spike:
             if self._faults.acquire(blocking=False):
                 return Admission()
             return Admission(
-                f"the {config.dumping.max_dumps} fault dumps of this run are written (GuardConfig.dumping.max_dumps)",
+                f"the {dumping.max_dumps} fault dumps of this run are written (GuardConfig.dumping.max_dumps)",
                 "max_dumps",
             )
         with self._lock:
@@ -152,7 +152,7 @@ class DumpBudget:
             self._last_spike_step = step
             if self._first_spike is None:
                 self._first_spike = kept
-            elif len(self._largest) + 1 < config.dumping.max_spike_dumps:
+            elif len(self._largest) + 1 < dumping.max_spike_dumps:
                 self._largest.append(kept)
             else:
                 smallest = min(self._largest, key=lambda k: k.size)  # _spike_refusal: there is one, and smaller
@@ -175,7 +175,7 @@ class DumpBudget:
 
     def _spike_refusal(self, step: int, size: float) -> Admission | None:
         """Why a spike of `size` at `step` is not dumped (None: it is). Call with the lock held; changes nothing."""
-        dumping = self.config.dumping
+        dumping = self.dumping
         last = self._last_spike_step
         if last is not None and step - last < dumping.min_spike_gap:
             return Admission(
@@ -217,9 +217,9 @@ class DumpBudget:
         with self._lock:
             kept = [k.step for k in ([self._first_spike] if self._first_spike else []) + self._largest]
         return {
-            "max_dumps": self.config.dumping.max_dumps,
-            "max_spike_dumps": self.config.dumping.max_spike_dumps,
-            "min_spike_gap": self.config.dumping.min_spike_gap,
+            "max_dumps": self.dumping.max_dumps,
+            "max_spike_dumps": self.dumping.max_spike_dumps,
+            "min_spike_gap": self.dumping.min_spike_gap,
             "spike_dumps_kept": sorted(kept),
             "not_dumped": {kind: dict(reasons) for kind, reasons in self.not_dumped.counts.items()},
         }

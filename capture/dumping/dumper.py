@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from forensics.capture.config import GuardConfig
+from forensics.capture.config import DumpConfig
 from forensics.capture.dumping import deadline, destination, environment
 from forensics.capture.dumping.budget import Admission, DumpBudget, spike_size
 from forensics.capture.dumping.main_script import MainScript
@@ -36,6 +36,7 @@ from forensics.core.errors import CaptureError
 from forensics.format.batch_tree import map_tensors
 from forensics.format.location import Location
 from forensics.format.run_log import EventKind
+from forensics.format.sample_ids import written_ids
 from forensics.format.writer import DumpContent, dump_path, remove_rank_dump
 from forensics.core.kinds import Policy, TriggerKind
 from forensics.recipes import default_loss
@@ -49,34 +50,44 @@ class Dumper:
     """Writes the dumps of one Guard and keeps their outcome (`dumps`, `errors`).
 
     Args:
-        config: the Guard's configuration; run_id: the run's dump folder.
+        dumping: GuardConfig.dumping; dump_dir: reads GuardConfig.dump_dir (at each dump: the job may change it).
+        run_id: the run's dump folder.
         state: the state source: the objects whose state is dumped, the state, recipe and distribution.
         history, window, snapshots: the recorders whose contents go into every dump.
         budget: the run's dump budgets (shared with the sync-free check, which asks it before a step is applied).
+        sample_id_key: GuardConfig.recording.sample_id_key (the in-job re-check reads the batch's IDs with it).
+        max_grad_norm: GuardConfig.detection.max_grad_norm (the flight recorder's clip, in the manifest's window).
+        run_log: GuardConfig.recording.run_log (write the run log beside the dumps).
         on_device_lost: called when a dump finds the CUDA context unusable (sync_free's buffers are then never
             reused).
     """
 
     def __init__(
         self,
-        config: GuardConfig,
+        dumping: DumpConfig,
+        dump_dir: Callable[[], str],
         run_id: str,
         state: StateSource,
         history: History,
         window: FlightRecorder,
         snapshots: HostSnapshots,
         budget: DumpBudget,
+        *,
+        sample_id_key: str,
+        max_grad_norm: float | None,
+        run_log: bool,
         on_device_lost: Callable[[], None] = lambda: None,
     ):
-        self.config, self.run_id, self.state = config, run_id, state
-        self._root = (config.dump_dir, destination.dump_root(config.dump_dir, config.dumping))  # ValueError: unusable
+        self.dumping, self.dump_dir, self.run_id, self.state = dumping, dump_dir, run_id, state
+        self.sample_id_key, self.max_grad_norm = sample_id_key, max_grad_norm
+        self._root = (dump_dir(), destination.dump_root(dump_dir(), dumping))  # ValueError: unusable
         self.history, self.window, self.snapshots = history, window, snapshots
         self.on_device_lost = on_device_lost
         recipe = state.recipe()
         self.script = MainScript(recipe)
         """The training script's source, for a recipe naming a function of it (capture/dumping/main_script.py)."""
         self.needs = replay_needs(
-            state.model, recipe, config.dumping.recipe, self.script.name if self.script.source is not None else None
+            state.model, recipe, dumping.recipe, self.script.name if self.script.source is not None else None
         )
         """What a replay of this job's dumps needs beyond the dump (--trust, --factory, --loss)."""
         needs = self.needs.words()
@@ -85,14 +96,14 @@ class Dumper:
         environment.environment()  # versions, git commit: read now, not while a fault is being dumped
         self.dumps: list[Location] = []
         self.errors: list[str] = []
+        self.last_incident_step: int | None = None  # the last step reported (report), dumped or not
+        self.last_dumped_step: int | None = None  # the last step report() was let dump
         self.budget = budget
         """The run's dump budgets (capture/dumping/budget.py): a place is taken when a dump starts (background writes land
         later), identically on every rank; one process gives it back when its write fails."""
         self._writer = BackgroundWriter(self._store)
         self.run_log = (
-            RunLog(self.root, run_id, state.ranks.rank, state.ranks.world_size, self._writer.call)
-            if config.recording.run_log
-            else None
+            RunLog(self.root, run_id, state.ranks.rank, state.ranks.world_size, self._writer.call) if run_log else None
         )
         """Every step's scalars (from the history) and every trigger and dump outcome (capture/recording/run_log.py),
         beside the dumps (the fallback directory when the store does not answer)."""
@@ -104,9 +115,9 @@ class Dumper:
         """Where the dumps go: dump_dir, checked when the Guard is built (capture/dumping/destination.py: ValueError
         for one that can never work) and again when the job changes it, or DumpConfig.fallback_dir when its store
         does not answer."""
-        dump_dir = self.config.dump_dir
+        dump_dir = self.dump_dir()
         if self._root[0] != dump_dir:
-            self._root = (dump_dir, destination.dump_root(dump_dir, self.config.dumping))
+            self._root = (dump_dir, destination.dump_root(dump_dir, self.dumping))
         return self._root[1]
 
     def admit(self, incident: Incident) -> Admission:
@@ -127,6 +138,32 @@ class Dumper:
             self.not_dumped(trigger, incident.step, admission.why_not, admission.reason)
         return admission
 
+    def report(self, incident: Incident) -> tuple[Location | None, str | None]:
+        """An incident the Guard reports (its policy is the Guard's to apply), dumped within the budgets and logged
+        when it is. Notes its step as `last_incident_step`, and as `last_dumped_step` when the budget admits it (a
+        precursor dumps neither step: it waits for the next)."""
+        self.last_incident_step = incident.step
+        admission = self.admit(incident)  # one not dumped is counted and logged once per window there
+        # a step the budget does not dump is counted and logged once per window by the budget (docs/GUIDE.md
+        # "Dump budgets"): never a line per step, whatever the policy; 'raise' says it in its error
+        if incident.undumpable is None and admission.why_not is None:
+            rank, trigger = self.state.ranks.rank, incident.trigger
+            log.warning(
+                "forensics: step %d rank %d: %s (policy: %s)", incident.step, rank, trigger.message, incident.policy
+            )
+        dumped = self.dump(incident, admission)
+        if admission.why_not is None:
+            self.last_dumped_step = incident.step
+        return dumped
+
+    def reported(self, step: int) -> bool:
+        """The last incident reported (report) was of `step`."""
+        return self.last_incident_step == step
+
+    def dumped(self, step: int) -> bool:
+        """The last incident report() was let dump was of `step`."""
+        return self.last_dumped_step == step
+
     def not_dumped(self, trigger: Trigger, step: int, why: str, reason: str) -> None:
         """Counts a trigger at `step` that is not dumped because `why` (`reason`: its key in the manifest's
         `dump_budget.not_dumped`); logged once, then once per window with a count (dump_budget.NotDumped)."""
@@ -143,9 +180,7 @@ class Dumper:
                 self._log_trigger(incident, None, admission.why_not)
                 return None, admission.why_not
             background = (
-                incident.trigger.kind.spike
-                and incident.policy is Policy.CONTINUE
-                and self.config.dumping.background_write
+                incident.trigger.kind.spike and incident.policy is Policy.CONTINUE and self.dumping.background_write
             )
             with deferred_termination():
                 outcome = self._write(incident, admission, background=background)
@@ -170,7 +205,7 @@ class Dumper:
 
     def _store(self, content: DumpContent, root: Location) -> Location:
         """Writes one dump; to object storage under the stall deadline (capture/dumping/deadline.py)."""
-        return deadline.store(content, root, self.config.dumping.write_stall_timeout)
+        return deadline.store(content, root, self.dumping.write_stall_timeout)
 
     def join(self, timeout: float | None = None) -> None:
         """Waits for the background writes (Guard.close()) and logs what was not dumped since the last line."""
@@ -210,18 +245,18 @@ class Dumper:
         return path, None
 
     def _written(self, path: Location, admission: Admission | None = None, step: int | None = None) -> None:
-        config = self.config
+        dumping = self.dumping
         self.dumps.append(path)
         if self.run_log is not None and step is not None:
             self.run_log.event(EventKind.DUMP_WRITTEN, step)
         log.warning("forensics: dump written to %s — replay it with: %s", path, self.needs.command(path))
         if admission is not None and admission.replaces is not None:
             self._remove_spike_dump(admission.replaces.step, path)
-        if config.dumping.upload:
-            send_dump(path, config.dumping.upload, config.dumping.tensorboard_dir)
-        if config.dumping.on_dump is not None:
+        if dumping.upload:
+            send_dump(path, dumping.upload, dumping.tensorboard_dir)
+        if dumping.on_dump is not None:
             try:
-                config.dumping.on_dump(path)
+                dumping.on_dump(path)
             except Exception:  # the user's hook must not stop the job either
                 log.exception("forensics: GuardConfig.dumping.on_dump raised for %s", path)
 
@@ -298,7 +333,7 @@ class Dumper:
     def _buddy_copies(self, state: dict, incident: Incident) -> list:
         """Sharded layout with GuardConfig.dumping.shard_replicas >= 2: the shards only other ranks hold, received from
         them (capture/state/buddy.py) — only in a dump every rank makes, before any rank writes."""
-        ranks, replicas = self.state.ranks, self.config.dumping.shard_replicas
+        ranks, replicas = self.state.ranks, self.dumping.shard_replicas
         if "layout" not in state or replicas < 2 or not incident.agreed:
             return []
         return buddy.exchange(buddy.sole_shards(state), ranks.rank, ranks.world_size, replicas)
@@ -351,23 +386,20 @@ class Dumper:
             return None
 
     def _manifest(self, incident: Incident) -> dict:
-        source, config, ranks = self.state, self.config, self.state.ranks
+        source, dumping, ranks = self.state, self.dumping, self.state.ranks
         record, losses, step = incident.record, incident.losses, incident.step
         micro_batches = []
         for index, batch in enumerate(record.batches):
-            ids = json_ids(record.sample_ids[index])
-            size = leading_dim(batch) or (len(ids) if ids else None)
-            if ids is None and size is not None:
-                ids = [
-                    f"step{step}/rank{ranks.rank}/mb{index + 1}/{j}" for j in range(size)
-                ]  # mb counted from 1, as the text
+            recorded = json_ids(record.sample_ids[index])
+            size = leading_dim(batch) or (len(recorded) if recorded else None)
+            ids, positional = written_ids(recorded, step, index, size, ranks.rank)
             micro_batches.append(
                 {
                     "index": index,
                     "sample_ids": ids,
                     "batch_size": size,
                     "loss": losses[index] if index < len(losses) else None,
-                    "ids_are_positional": record.sample_ids[index] is None,
+                    "ids_are_positional": positional,
                 }
             )
         param = next(iter(source.model.parameters()), None)
@@ -396,8 +428,8 @@ class Dumper:
             "determinism": environment.determinism_flags(),
             "environment": environment.environment(),
             "recipe": self.script.describe(source.recipe()),
-            "recheck": recheck(source.model, source.loss_fn, config.recording.sample_id_key, incident)
-            if config.dumping.recheck
+            "recheck": recheck(source.model, source.loss_fn, self.sample_id_key, incident)
+            if dumping.recheck
             else {"performed": False},
             "missing_ranks": [],
             "dump_budget": self.budget.manifest(),
@@ -408,10 +440,10 @@ class Dumper:
                 "first_step": window[0],
                 "last_step": window[-1],
                 "steps": len(window),
-                "max_grad_norm": config.detection.max_grad_norm,
+                "max_grad_norm": self.max_grad_norm,
             }
-        if config.dumping.data_recipe:
-            manifest["data_recipe"] = dict(config.dumping.data_recipe)
+        if dumping.data_recipe:
+            manifest["data_recipe"] = dict(dumping.data_recipe)
         distribution = source.distribution()
         if distribution is not None:
             manifest["distributed"] = distribution

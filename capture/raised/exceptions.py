@@ -23,6 +23,7 @@ from forensics.capture.detection.sync import host_numbers
 from forensics.core.fsio import our_code_directories
 from forensics.capture.raised.optimizer_steps import AfterCheck, OptimizerSteps
 from forensics.capture.recording.incident import Incident, StepRecord
+from forensics.capture.recording.misuse import CheckCalls
 from forensics.capture.state.host_snapshots import available_host_memory, proc_bytes
 from forensics.capture.state.source import StateSource
 from forensics.core.errors import TrainingFaultError, is_out_of_memory
@@ -133,19 +134,18 @@ def first_sight(exc: BaseException) -> bool:
 def raised_incident(
     exc: BaseException,
     current: StepRecord | None,
-    *,
     step: int,
-    last_step: StepRecord | None,
-    stopped: TrainingFaultError | None,
+    calls: CheckCalls,
     optimizer_steps: OptimizerSteps,
     state: StateSource,
 ) -> Incident | None:
     """The Incident of the step that raised `exc` (Guard.record_exception dumps it), or None when there is nothing
     to dump. The step is `current`, the step in progress (number `step`), or — raised after check(), `current`
-    None — the step last checked (`last_step`), or the next one's pre-step state when the update had finished (the
-    loop's own code raised between steps: `optimizer_steps` tells). `stopped`: the TrainingFaultError check()
-    raised last, if the job goes on after it. `state`: whether reading the state is a collective; its buffers and
-    configuration."""
+    None — the step last checked (`calls.last_step`), or the next one's pre-step state when the update had finished
+    (the loop's own code raised between steps: `optimizer_steps` tells). `calls.stopped`: the TrainingFaultError
+    check() raised last, if the job goes on after it. `state`: whether reading the state is a collective; its
+    buffers and configuration."""
+    last_step, stopped = calls.last_step, calls.stopped
     if not first_sight(exc):
         return None  # already dumped by check(), or by an outer capture_errors() / the excepthook
     if current is None and stopped is not None:

@@ -72,6 +72,10 @@ class OptimizerSteps:
         """The hooks are in place: the Guard knows whether the optimizer stepped."""
         return self.why_unknown is None
 
+    def stepped(self) -> bool | None:
+        """Whether the optimizer stepped since the last check(); None when the hooks are not in place."""
+        return self.started if self.known else None
+
     def checked(self) -> None:
         """check() ran: the update that follows belongs to the step just checked."""
         self.started = self.finished = False

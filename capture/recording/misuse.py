@@ -10,6 +10,9 @@ LoopOrder catches check() in the wrong place of the loop, from host state only (
 (no parameter has a gradient yet: looked at in the first GRADIENT_LOOKS checks only), and twice for one step (no
 batch, loss or optimizer step since the last check: the repeat is ignored, so the step counter does not run double).
 A grad norm taken before `scaler.unscale_` is capture/detection/sync.py's (SyncCheck.loop_norm_unscaled).
+
+CheckCalls holds the three for the Guard, and what a repeated check() answers: the last check()'s decision again
+(a repeat of a skipped step's check() must not apply it).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from forensics.core.errors import TrainingFaultError
 from forensics.capture.recording.incident import StepRecord
 
 log = logging.getLogger(__name__)
@@ -130,3 +134,37 @@ class LoopOrder:
                 step,
             )
         return True
+
+
+class CheckCalls:
+    """How the loop calls check(), for the Guard: the first check()'s warnings (FirstStepCheck), a check() misplaced
+    or repeated (LoopOrder), and the last check's outcome, which a repeat answers again.
+
+    Args:
+        model: the guarded module; sample_id_key: GuardConfig.recording.sample_id_key.
+        grads_on_parameters: the state keeps gradients on `param.grad` (not DeepSpeed's partitions).
+    """
+
+    def __init__(self, model: Any, sample_id_key: str, grads_on_parameters: bool):
+        self.first_step = FirstStepCheck(sample_id_key)  # the first check()'s warnings
+        self.loop_order = LoopOrder(model, grads_on_parameters)  # check() misplaced
+        self.last_decision = True  # what the last check() returned (a repeated check() returns it again)
+        self.last_step: StepRecord | None = None  # the last checked step (raised after check(); verify_update)
+        self.stopped: TrainingFaultError | None = None  # what check() raised, until the next check(): raised after
+        # it outside a recorded step (code after the training loop), an exception is not dumped as that step's
+
+    def repeats(self, step: int, stepped: bool | None) -> bool:
+        """A check() of `step` with nothing recorded since the last one: True when it repeats the last check (the
+        optimizer did not step since: `stepped` False; None: unknown); the Guard then returns `last_decision`."""
+        return self.last_step is not None and self.loop_order.repeated(step - 1, self.last_step, stepped)
+
+    def look(self, record: StepRecord, step: int) -> None:
+        """A check() of `step` begins, with the step's record: the first checks' warnings."""
+        self.stopped = None  # a job that caught the last TrainingFaultError trains on
+        self.first_step.look(record)
+        if self.loop_order.looks:  # the first checks only
+            self.loop_order.no_gradients(step)
+
+    def answered(self, record: StepRecord, decision: bool, stopped: TrainingFaultError | None = None) -> None:
+        """The check() of `record` returned `decision` (False with `stopped`: it raised that TrainingFaultError)."""
+        self.last_step, self.last_decision, self.stopped = record, decision, stopped

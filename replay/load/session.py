@@ -16,6 +16,7 @@ import torch
 
 from forensics.core.errors import DumpCorruptError, DumpError, RecipeError
 from forensics.format import spec
+from forensics.format.sample_ids import ids_are_positional, positional_ids
 from forensics.core.gc_pause import gc_paused
 from forensics.core.kinds import TriggerKind
 from forensics.core.thirdparty import is_persistent_buffer, own_buffers, put_buffer, put_parameter, tensor_version
@@ -320,11 +321,7 @@ def load_session(
         world_size=int(getattr(dump, "world_size", None) or manifest.get("world_size") or 1),
         fsdp_units=parse_units(precision.get("fsdp")),
         stream=plan,
-        positional_ids=frozenset(
-            i
-            for i, meta in enumerate(dump.micro_batches_meta)
-            if meta.get("ids_are_positional") or not meta.get("sample_ids")
-        ),
+        positional_ids=frozenset(i for i, meta in enumerate(dump.micro_batches_meta) if ids_are_positional(meta)),
     )
 
 
@@ -361,7 +358,7 @@ def _positional_ids(batch: Any, step: int, index: int) -> list[str]:
         size = batch_size(batch)
     except BatchSizeError:
         return []
-    return [f"step{step}/mb{index + 1}/{j}" for j in range(size)]  # micro-batches from 1, as the text counts
+    return positional_ids(index, size, step)  # forensics/format/sample_ids.py
 
 
 def _param_dtype(recorded: Any, model: torch.nn.Module) -> torch.dtype:
@@ -617,7 +614,7 @@ def _ids_of(batch: Any, index: int, key: str | None) -> list:
     from forensics.replay.load.samples import BatchSizeError, batch_size
 
     try:
-        return [f"mb{index + 1}/{j}" for j in range(batch_size(batch))]
+        return positional_ids(index, batch_size(batch))
     except BatchSizeError:
         return []
 

@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from forensics.capture.config import DumpConfig, GuardConfig
+from forensics.capture.config import DumpConfig
 from forensics.capture.dumping.budget import DumpBudget
 from forensics.core.errors import CaptureError
 from forensics.core.kinds import TriggerKind
@@ -89,7 +89,7 @@ def test_an_object_store_write_that_fails_deletes_the_files_it_wrote(helpers, me
 
 
 def test_a_failed_spike_write_gives_back_the_place_of_the_dump_it_was_to_replace():
-    budget = DumpBudget(GuardConfig(dumping=DumpConfig(max_spike_dumps=2, min_spike_gap=0)))
+    budget = DumpBudget(DumpConfig(max_spike_dumps=2, min_spike_gap=0))
     spike = TriggerKind.LOSS_SPIKE
     assert budget.admit(spike, 1, 2.0, 1.0).why_not is None  # the first spike: kept for good
     assert budget.admit(spike, 2, 3.0, 1.0).why_not is None  # the largest other
