@@ -21,6 +21,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIOS = ("bad_sample", "log_zero", "fp16_overflow", "adam_eps_zero", "pair", "sdc", "dropout_mask", "spike")
@@ -42,7 +43,7 @@ def make(work: Path) -> None:
     job = [sys.executable, str(ROOT / "tests/natural/natural_job.py"), str(work / "natural"), "--scenario"]
     subprocess.run([*job, "lr_too_high", "--precursors"], check=False)
     sys.path[:0] = [str(ROOT / "tests/replay"), str(ROOT / "tests/capture"), str(ROOT)]
-    import window_job
+    import window_job  # type: ignore[import-not-found]  # tests/replay, put on sys.path above
 
     from tests.capture.test_between_steps import train_until_the_index_error
     from tests.replay.test_window import train
@@ -98,7 +99,7 @@ def replay(work: Path, label: str) -> None:
         print(f"{name}: exit {result.exit_code}", flush=True)
 
 
-def _untimed(value: object) -> object:
+def _untimed(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _untimed(v) for k, v in value.items() if k not in TIMING}
     if isinstance(value, list):
@@ -113,11 +114,11 @@ def diff(work: Path, old: str, new: str) -> int:
     for report in reports:
         twin = work / new / report.parent.name / "report.json"
         a = _untimed(json.loads(report.read_text()))
-        b = _untimed(json.loads(twin.read_text())) if twin.exists() else None
+        b = _untimed(json.loads(twin.read_text())) if twin.exists() else {}
         if a != b:
             differ += 1
-            print(f"DIFFERENT {report.parent.name}")
-            for key in sorted(set(a) | set(b or {})) if isinstance(a, dict) and isinstance(b, dict) else []:
+            print(f"DIFFERENT {report.parent.name}" + ("" if twin.exists() else f": no report in {new}"))
+            for key in sorted(set(a) | set(b)):
                 if a.get(key) != b.get(key):
                     print(f"  {key}:\n    {old}: {str(a.get(key))[:400]}\n    {new}: {str(b.get(key))[:400]}")
     print(f"{len(reports) - differ} of {len(reports)} reports equal but for timing")
