@@ -519,3 +519,38 @@ def _in_order(function: ast.FunctionDef) -> list[str]:
     """The builders `function` returns, in source order."""
     returns = sorted((n for n in ast.walk(function) if isinstance(n, ast.Return)), key=lambda n: n.lineno)
     return [n.value.func.id for n in returns if isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Name)]
+
+
+def test_each_verdict_builder_words_one_kind_and_hands_no_decision_to_another():
+    """The kind is decided once: by decide_verdict's rules for a replayed step (replay/judge/verdict.py), by the dump's
+    trigger for a dump with no step to replay. A builder (verdict_state.py, verdict_data.py, verdict_unreplayed.py,
+    verdict_silent.py) words the one kind it names and never returns another builder's verdict — a branch there
+    would be a rule missing from verdict.py's table (issue 54: `exception_verdict` and `not_reproduced` did)."""
+    modules = ("verdict_state", "verdict_data", "verdict_unreplayed", "verdict_silent")
+    trees = {m: ast.parse((ROOT / f"replay/judge/{m}.py").read_text()) for m in modules}
+    builders = {
+        f.name
+        for tree in trees.values()
+        for f in ast.walk(tree)
+        if isinstance(f, ast.FunctionDef) and f.returns is not None and "Verdict" in ast.unparse(f.returns)
+    }
+    wrong = []
+    for module, tree in trees.items():
+        for function in (f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name in builders):
+            kinds = {
+                ast.unparse(call.args[0])
+                for call in ast.walk(function)
+                if isinstance(call, ast.Call)
+                and getattr(call.func, "id", None) in ("verdict_node", "verdict_of")
+                and call.args
+            }
+            if len(kinds) > 1:
+                wrong.append(f"{module}.{function.name} words {sorted(kinds)}")
+            for node in ast.walk(function):
+                if (
+                    isinstance(node, ast.Return)
+                    and isinstance(node.value, ast.Call)
+                    and getattr(node.value.func, "id", None) in builders
+                ):
+                    wrong.append(f"{module}.{function.name} returns {node.value.func.id}'s verdict")  # type: ignore[union-attr]
+    assert builders and not wrong, "\n".join(wrong)
