@@ -28,9 +28,9 @@ from forensics.format.location import as_location
 from forensics.report.tree import Report
 from forensics.replay.culprits.earlier_state import EarlierState
 from forensics.replay.judge.between_steps import between_steps_report, raised_between_steps
-from forensics.replay.judge.precursor import add_crash_history, precursor_report
+from forensics.replay.judge.precursor import crash_history_block, precursor_report
 from forensics.replay.judge.silent import silent_report
-from forensics.replay.judge.window_words import snapshot_suggestion
+from forensics.replay.judge.verdict_context import VerdictContext
 from forensics.replay.load.environment import deterministic_mode
 from forensics.replay.load.session import step_micro_batches
 from forensics.replay.load.user_code import as_user_error, recipe_is_built_in
@@ -131,6 +131,7 @@ def replay_report(dump_or_path: Any, options: ReplayOptions | None = None, progr
             verify_the_rest(dump)
             if checkpoint is not None:
                 return _checked(dump, window_report(dump, session, checkpoint, options, progress, dump_info, started))
+            before = crash_history_block(dump)  # the statistics before the crash, the run's earlier dumps
             report = session_report(
                 session,
                 options,
@@ -139,10 +140,9 @@ def replay_report(dump_or_path: Any, options: ReplayOptions | None = None, progr
                 history=dump.history(),
                 started=started,
                 earlier=_snapshot_state(dump),
+                context=VerdictContext(snapshot_unused=unused, crash_history=before),
             )
-            add_crash_history(report, dump)  # the statistics before the crash, the run's earlier dumps
-            if unused is not None:
-                report.verdict.suggestions = [snapshot_suggestion(unused), *(report.verdict.suggestions or [])]
+            report.precursor_history = before
             return _checked(dump, report)
         except Exception as exc:  # the user's model / loss raising on the dump's data is theirs
             converted = as_user_error(

@@ -20,6 +20,7 @@ from forensics.replay.judge.findings import Findings
 from forensics.replay.judge.remedies import try_remedies
 from forensics.replay.judge.remedy_followup import follow_remedies
 from forensics.replay.judge.verdict import blamed_samples
+from forensics.replay.judge.verdict_context import NO_CONTEXT, VerdictContext
 from forensics.replay.load.session import ReplaySession
 from forensics.replay.localize.exception import localize_exception
 from forensics.replay.localize.update import per_layer_stats
@@ -77,8 +78,10 @@ def session_report(
     history: dict | None = None,
     started: float | None = None,
     earlier: Callable[[], EarlierState] | None = None,
+    context: VerdictContext = NO_CONTEXT,
 ) -> Report:
-    """run_session's report, as the tree (forensics/report/tree.py)."""
+    """run_session's report, as the tree (forensics/report/tree.py). `context`: what its verdict says around the
+    replayed step (the window replay, the host snapshot, the history before the crash: replay/judge/verdict_context.py)."""
     options = options or ReplayOptions()
     started = time.monotonic() if started is None else started
     runner = runner_for(session)
@@ -96,7 +99,7 @@ def session_report(
                 stage(progress, line)
         streamed = runner if isinstance(runner, StreamedStepRunner) else None  # the session has a stream plan
         metered = streamed.metered(progress) if streamed is not None else progress
-        report = _stages(session, runner, options, metered, dump_info, history, started, earlier)
+        report = _stages(session, runner, options, metered, dump_info, history, started, earlier, context)
         if streamed is not None:
             stage(metered, streamed.traffic_summary())
             report.stream = streamed.stream_report()
@@ -114,6 +117,7 @@ def _stages(
     history: dict | None,
     started: float,
     earlier: Callable[[], EarlierState] | None = None,
+    context: VerdictContext = NO_CONTEXT,
 ) -> Report:
     """run_session's stages, in order, on one runner."""
     findings = reproduce_step(runner, options, progress)
@@ -160,7 +164,7 @@ def _stages(
             state = earlier()
             stage(progress, f"feeding the culprit micro-batch's samples to {state.source} (trigger or cause?)")
             feed_earlier_state(runner, state, blamed, findings.kind, findings.evidence, (dump_info or {}).get("step"))
-    return assemble_report(findings, runner, dump_info, started)
+    return assemble_report(findings, runner, dump_info, started, context)
 
 
 def _locate_weights(findings: Findings, runner: StepRunner, progress: Progress | None) -> None:

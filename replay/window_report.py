@@ -1,6 +1,6 @@
 """A window replay's report (--from CHECKPOINT, or the Guard's host snapshot in the dump): the recorded steps
 re-executed from the checkpoint (replay/run/window.py), then the step that broke the run analysed as any step
-(replay/pipeline.py), its verdict told where the window started and which step broke (replay/judge/window_words.py);
+(replay/pipeline.py), its verdict told where the window started and which step broke (replay/judge/verdict_context.py);
 the report gets a `window` block."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from forensics.core.errors import DumpError
 from forensics.report.model import to_json_safe
 from forensics.report.tree import Report, Window
 from forensics.replay.culprits.earlier_state import EarlierState
-from forensics.replay.judge.window_words import say_broke_before, say_window_start
+from forensics.replay.judge.verdict_context import VerdictContext, WindowFacts
 from forensics.replay.load.recipe import job_paths
 from forensics.replay.load.session import ReplaySession
 from forensics.replay.options import ReplayOptions, load
@@ -65,16 +65,23 @@ def window_report(
             if outcomes[-1].broke
             else f"re-executed up to the dumped step {step}: analysing it",
         )
-        report = session_report(
-            broken, options, progress, dump_info={**dump_info, "step": step}, history=dump.history(), started=started
+        window = WindowFacts(
+            step=step,
+            dumped_step=dump.step,
+            broke=None if broken.trigger.update_change is not None else outcomes[-1].broke,  # the verdict says it
+            at_window_start=step == start and bool(outcomes[-1].broke),
+            source=checkpoint.source,
+            first_step=(dump.history().get("summary") or {}).get("first_step"),
         )
-        if step < dump.step:
-            why = None if broken.trigger.update_change is not None else outcomes[-1].broke  # the verdict says it
-            say_broke_before(report.verdict, step, dump.step, why)
-        if step == start and outcomes[-1].broke:
-            say_window_start(
-                report.verdict, step, checkpoint.source, (dump.history().get("summary") or {}).get("first_step")
-            )
+        report = session_report(
+            broken,
+            options,
+            progress,
+            dump_info={**dump_info, "step": step},
+            history=dump.history(),
+            started=started,
+            context=VerdictContext(window=window),
+        )
     report.window = Window.parse(block)
     return report
 

@@ -415,9 +415,143 @@ def test_decide_verdict_returns_the_typed_verdict_and_the_replay_builds_the_tree
 
 def test_assemble_places_what_the_verdict_decided():
     """Which found samples are named triggers and where the tested remedies go are the verdict's decisions
-    (replay/judge/verdict.marks_triggers, suggestions_with_remedies): assemble.py reads no verdict kind to decide
-    them, nor orders the remedies itself."""
+    (replay/judge/verdict.marks_triggers, and decide_verdict from the remedies block in its facts): assemble.py reads
+    no verdict kind to decide them, nor orders the remedies itself."""
     tree = _replay_trees()["replay/judge/assemble.py"]
     names = {getattr(n, "id", None) for n in ast.walk(tree)} | {getattr(n, "attr", None) for n in ast.walk(tree)}
     assert "VerdictKind" not in names and "tested_suggestions" not in names
-    assert {"marks_triggers", "suggestions_with_remedies"} <= names
+    assert {"marks_triggers", "decide_verdict"} <= names
+
+
+VERDICT_FIELDS = {"kind", "headline", "explanation", "suggestions"}
+
+
+def _verdict_edits(tree: ast.AST) -> list[tuple[int, str]]:
+    """Where `tree` edits a verdict after it was built: assigns (or adds) to a field of something named `verdict`
+    (`verdict.headline = ...`, `report.verdict.suggestions += ...`), replaces the report's verdict, rebuilds one
+    with dataclasses.replace, or appends / inserts into its suggestions."""
+
+    def names_a_verdict(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Name) and "verdict" in node.id.lower()) or (
+            isinstance(node, ast.Attribute) and node.attr == "verdict"
+        )
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(target, ast.Attribute) and (
+                    (target.attr in VERDICT_FIELDS and names_a_verdict(target.value))
+                    or (target.attr == "verdict" and not isinstance(node, ast.AnnAssign))
+                ):
+                    found.append((node.lineno, f"assigns {ast.unparse(target)}"))
+        if isinstance(node, ast.Call):
+            func = node.func
+            if (
+                getattr(func, "attr", getattr(func, "id", None)) == "replace"
+                and node.args
+                and names_a_verdict(node.args[0])
+                and any(k.arg in VERDICT_FIELDS for k in node.keywords)
+            ):
+                found.append((node.lineno, f"rebuilds {ast.unparse(node.args[0])} with replace"))
+            if (
+                isinstance(func, ast.Attribute)
+                and func.attr in ("append", "insert", "extend", "remove", "clear")
+                and isinstance(func.value, ast.Attribute)
+                and func.value.attr == "suggestions"
+            ):
+                found.append((node.lineno, f"changes {ast.unparse(func.value)}"))
+    return found
+
+
+def test_nothing_outside_the_verdict_modules_edits_a_verdict():
+    """A verdict is decided and worded once, in replay/judge/verdict*.py, from facts handed to it (issue 54): the
+    window replay, the host snapshot and the history before the crash are facts of decide_verdict's context
+    (replay/judge/verdict_context.py), not sentences added to its verdict afterwards. No module outside the verdict
+    modules assigns to a verdict's fields, rebuilds one with dataclasses.replace, or edits its suggestions."""
+    wrong = []
+    trees = _replay_trees()
+    for package in ("forensics", "capture"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if not path.is_symlink() and not any(p.is_symlink() for p in path.parents if ROOT in p.parents):
+                trees.setdefault(path.relative_to(ROOT).as_posix(), ast.parse(path.read_text()))
+    for rel, tree in trees.items():
+        if rel.startswith("replay/judge/verdict"):
+            continue
+        wrong += [f"{rel}:{line}: {what}" for line, what in _verdict_edits(tree)]
+    assert not wrong, "a verdict edited after it was decided:\n" + "\n".join(wrong)
+
+
+def test_the_verdict_edit_check_sees_each_kind_of_edit():
+    """The check above finds each way of editing a verdict (it would pass vacuously otherwise)."""
+    source = """
+report.verdict.suggestions = [hint, *(report.verdict.suggestions or [])]
+verdict.explanation += " Replay them."
+verdict.headline = prefix + verdict.headline
+report.verdict = dataclasses.replace(report.verdict, headline="x")
+v2 = replace(verdict, explanation="y")
+report.verdict.suggestions.append("z")
+"""
+    assert sorted(line for line, _ in _verdict_edits(ast.parse(source))) == [2, 3, 4, 5, 5, 6, 7]
+
+
+def test_the_verdict_docstring_lists_every_rule():
+    """Every return of decide_verdict's rules (replay/judge/verdict._by_rule) is a row of the module docstring's
+    first table, in order, naming the builder that words it: a rule added without its row fails here."""
+    import forensics.replay.judge.verdict as verdict
+
+    tree = ast.parse((ROOT / "replay/judge/verdict.py").read_text())
+    rules = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_by_rule")
+    builders = [
+        node.value.func.id
+        for node in ast.walk(rules)
+        if isinstance(node, ast.Return) and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name)
+    ]
+    returns = [n for n in ast.walk(rules) if isinstance(n, ast.Return)]
+    assert len(builders) == len(returns), "each rule returns its builder's verdict"
+    doc = verdict.__doc__ or ""
+    table = doc[: doc.index("The samples bisection found")]
+    rows = [line for line in table.splitlines() if line.startswith("|") and "`" in line and "---" not in line]
+    named = [line.split("|")[2].strip().strip("`").split("`")[0] for line in rows]
+    assert named == _in_order(rules), f"the docstring's rules {named} are not decide_verdict's returns"
+
+
+def _in_order(function: ast.FunctionDef) -> list[str]:
+    """The builders `function` returns, in source order."""
+    returns = sorted((n for n in ast.walk(function) if isinstance(n, ast.Return)), key=lambda n: n.lineno)
+    return [n.value.func.id for n in returns if isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Name)]
+
+
+def test_each_verdict_builder_words_one_kind_and_hands_no_decision_to_another():
+    """The kind is decided once: by decide_verdict's rules for a replayed step (replay/judge/verdict.py), by the dump's
+    trigger for a dump with no step to replay. A builder (verdict_state.py, verdict_data.py, verdict_unreplayed.py,
+    verdict_silent.py) words the one kind it names and never returns another builder's verdict — a branch there
+    would be a rule missing from verdict.py's table (issue 54: `exception_verdict` and `not_reproduced` did)."""
+    modules = ("verdict_state", "verdict_data", "verdict_unreplayed", "verdict_silent")
+    trees = {m: ast.parse((ROOT / f"replay/judge/{m}.py").read_text()) for m in modules}
+    builders = {
+        f.name
+        for tree in trees.values()
+        for f in ast.walk(tree)
+        if isinstance(f, ast.FunctionDef) and f.returns is not None and "Verdict" in ast.unparse(f.returns)
+    }
+    wrong = []
+    for module, tree in trees.items():
+        for function in (f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name in builders):
+            kinds = {
+                ast.unparse(call.args[0])
+                for call in ast.walk(function)
+                if isinstance(call, ast.Call)
+                and getattr(call.func, "id", None) in ("verdict_node", "verdict_of")
+                and call.args
+            }
+            if len(kinds) > 1:
+                wrong.append(f"{module}.{function.name} words {sorted(kinds)}")
+            for node in ast.walk(function):
+                if (
+                    isinstance(node, ast.Return)
+                    and isinstance(node.value, ast.Call)
+                    and getattr(node.value.func, "id", None) in builders
+                ):
+                    wrong.append(f"{module}.{function.name} returns {node.value.func.id}'s verdict")
+    assert builders and not wrong, "\n".join(wrong)

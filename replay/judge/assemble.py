@@ -4,6 +4,7 @@ Writing the report to disk is forensics.report's job."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from datetime import datetime, timezone
 from typing import Any, Mapping, cast
@@ -46,8 +47,8 @@ from forensics.replay.judge.verdict import (
     decide_verdict,
     marks_triggers,
     refutations,
-    suggestions_with_remedies,
 )
+from forensics.replay.judge.verdict_context import NO_CONTEXT, VerdictContext
 from forensics.replay.load.environment import replay_environment
 from forensics.replay.load.session import ReplaySession
 from forensics.replay.load.shared_ids import SharedId, id_key, positions_words, shared_ids, shared_ids_warning
@@ -56,8 +57,15 @@ from forensics.replay.run.execute import SampleRef, StepRunner
 from forensics.replay.run.units import explaining_factor, recorded_factors
 
 
-def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | None, started: float) -> Report:
-    """The report of one replay, built as the tree its renderers read; JSON-safe (non-finite floats as "nan"/"inf")."""
+def assemble_report(
+    findings: Findings,
+    runner: StepRunner,
+    dump_info: dict | None,
+    started: float,
+    context: VerdictContext = NO_CONTEXT,
+) -> Report:
+    """The report of one replay, built as the tree its renderers read; JSON-safe (non-finite floats as "nan"/"inf").
+    `context`: what the verdict says around the replayed step (replay/judge/verdict_context.py)."""
     session = runner.session
     rank = int((dump_info or {}).get("rank") or 0)
     blamed = blamed_samples(findings)  # the bisection block keeps what was found; the culprit, whom the verdict blames
@@ -69,8 +77,8 @@ def assemble_report(findings: Findings, runner: StepRunner, dump_info: dict | No
     facts = verdict_facts(findings, session, dump_info, culprit, blamed)
     if findings.evidence is not None:  # evidence the replay's own findings contradict counts for nothing
         findings.evidence.refuted = refutations(facts)
-    verdict = decide_verdict(facts)
-    verdict.suggestions = suggestions_with_remedies(verdict, findings)
+        facts = dataclasses.replace(facts, evidence_bad_data=findings.evidence.bad_data)
+    verdict = decide_verdict(facts, context)
     if marks_triggers(verdict, findings):
         for sample in culprit.samples:
             sample.trigger = True
@@ -252,6 +260,7 @@ def verdict_facts(
     edge = margin if margin is not None and margin["at_the_edge"] else None
     return VerdictFacts(
         remedies=remedies,
+        tested_remedies=findings.remedies,
         culprits_each_fail_alone=findings.bisection.independent_groups > 1,
         trigger_kind=kind,
         reproduced=findings.reproduced,

@@ -342,23 +342,18 @@ def earlier_dumps(dump: Any) -> list[dict]:
     return found
 
 
-def add_crash_history(report: Report, dump: Any) -> None:
-    """Adds `precursor_history` to a crash dump's report and one sentence to its verdict's explanation (the growth
-    before, the earlier dumps to compare with)."""
+def crash_history_block(dump: Any) -> dict | None:
+    """A crash dump's `precursor_history` block (the growth before, the earlier dumps to compare with), or None;
+    its `sentence`, when set, closes the verdict's explanation (replay/judge/verdict_context.crash_history_words)."""
     block = crash_history(dump)
-    if block is None:
-        earlier = earlier_dumps(dump)
-        if not earlier:
-            return
-        block = {"sentence": None, "lead": None, "fired": [], "earlier_dumps": earlier}
-        block["sentence"] = "Earlier dumps of this run: " + ", ".join(
-            f"step {d['step']} ({d['trigger']})" for d in earlier
-        )
-    report.precursor_history = block
-    if not block["sentence"]:  # nothing grew and no earlier dump: the table is in the report, nothing to say
-        return
-    verdict = report.verdict
-    before = f"Before it, {block['sentence']}" if block.get("lead") else block["sentence"]
-    verdict.explanation = ((verdict.explanation or "") + " " + before + ".").strip()
-    if block["earlier_dumps"]:
-        verdict.explanation += " Replay them (`forensics replay STEP_DIR`) to see how it built up."
+    if block is not None:
+        return block
+    earlier = earlier_dumps(dump)
+    if not earlier:
+        return None
+    return {
+        "sentence": "Earlier dumps of this run: " + ", ".join(f"step {d['step']} ({d['trigger']})" for d in earlier),
+        "lead": None,
+        "fired": [],
+        "earlier_dumps": earlier,
+    }

@@ -1,17 +1,39 @@
 """Turn what the replay found into the report's verdict: kind, headline, explanation, suggestions.
 
-`decide_verdict(VerdictFacts(...))` applies the rules below in order; the first that holds wins.
+`decide_verdict(VerdictFacts(...), VerdictContext(...))` is the one function that returns a replayed step's verdict:
+it applies the rules below in order (`_by_rule`; the first that holds wins, and its builder, in verdict_state.py or
+verdict_data.py, words it and only words it), puts the tested remedies around its suggestions
+(`suggestions_with_remedies`), and words what the context hands it (verdict_context.in_context: the window replay's
+step that broke and its start, a host snapshot it could not use, the history and earlier dumps before the crash).
+Nothing edits a verdict after it returns (tests/test_architecture.py). Every return is a row:
 
-| rule                                                              | kind                    |
-|-------------------------------------------------------------------|-------------------------|
-| the replay did not fail                                           | `not_reproduced`        |
-| weights non-finite before the step, or every sample fails alone   | `model_state`           |
-| forward and backward finite, the optimizer update broke a weight  | `optimizer_update`      |
-| finite in fp32, non-finite in float16 / bfloat16                  | `numerical_precision`   |
-| a culprit subset, and evidence that its record is bad             | `bad_sample`            |
-| a culprit subset, and nothing shows its record is bad             | `trigger_sample`        |
-| a spike (finite trigger) with no culprit subset                   | `spike_no_single_cause` |
-| anything else (non-finite, but only the whole batch fails)        | `model_state`           |
+| rule (in order; the first that holds)                                          | builder               | kind                    |
+|--------------------------------------------------------------------------------|-----------------------|-------------------------|
+| not reproduced, and the trigger came from another rank (`local: false`)        | `inherited`           | `not_reproduced`        |
+| not reproduced, and the job ran out of memory (a device with less memory)      | `memory_not_reproduced` | `not_reproduced`      |
+| not reproduced, and recorded / replayed is a factor the job recorded (units)   | `other_units`         | `not_reproduced`        |
+| the replay did not fail                                                        | `not_reproduced`      | `not_reproduced`        |
+| the step raised out of memory, and a sample is far larger than the others     | `oversized`           | `exception`             |
+| the step raised                                                                | `exception_verdict`   | `exception`             |
+| a spike whose own update wrecks the weights (window replay), no culprit subset | `update_too_large`    | `spike_no_single_cause` |
+| a spike in a run that diverged long before (or whose loss pattern diverged)    | `diverged`            | `spike_no_single_cause` |
+| every gradient finite, their norm overflows                                    | `norm_overflow`       | `model_state`           |
+| weights non-finite before the step                                             | `model_state`         | `model_state`           |
+| every subset fails, not a precision failure, and the failure needs the dump's RNG | `rng_dependent`    | `model_state`           |
+| every subset fails, and not a precision failure                                | `model_state`         | `model_state`           |
+| forward and backward finite, the optimizer update broke a weight              | `optimizer_update`    | `optimizer_update`      |
+| finite in fp32, non-finite in float16 / bfloat16 (and fp32 not refuted as a fix) | `numerical_precision` | `numerical_precision` |
+| a culprit subset, and evidence that its record is bad                          | `bad_sample`          | `bad_sample`            |
+| not a spike nor the whole batch, in a run that diverged or whose loss grew geometrically | `diverging`  | `model_state`           |
+| a culprit subset, and nothing shows its record is bad                          | `trigger_sample`      | `trigger_sample`        |
+| a spike (finite trigger) with no culprit subset                                | `spike`               | `spike_no_single_cause` |
+| anything else, and the failure needs the dump's RNG                            | `rng_dependent`       | `model_state`           |
+| anything else (non-finite, but only the whole batch fails)                     | `model_state`         | `model_state`           |
+
+The dumps with no step to replay get the one kind their trigger fixes, decided and worded by one function each and
+never edited after: `instability_ahead` for a precursor dump and `exception_between_steps` for a step that raised
+between steps (verdict_unreplayed.py), `silent_verdict` for a silent-corruption dump (verdict_silent.py, its own
+table of rules for the class).
 
 The samples bisection found are blamed unless (`withheld`, the one rule for it; `blamed_samples` applies it to the
 replay's findings, and the report's `culprit.samples` lists only the samples blamed, its `bisection` block what was
@@ -22,9 +44,6 @@ found):
 | the step fails only in fp16, and without them the rest still reaches HEADROOM of fp16's max (`margin`) | none: the state is at the edge |
 | the trigger is a spike, and the run diverged long before (`history.diverged`)      | none: the spike is that run's symptom |
 
-Before the weight / precision / sample rules, a spike whose own update wrecks the weights (window replay) or in a
-run whose loss had long left where it started is `spike_no_single_cause` with no sample named; a step whose
-gradients are all finite but whose norm overflows (a divergence) is `model_state`.
 The blamed samples are named as triggers, the first to cross and not bad data (`marks_triggers`: report
 `culprit.samples[].trigger`, never in a blocklist), when their records were examined and nothing was found against
 them; and the remedies the replay tested go around the verdict's own suggestions (`suggestions_with_remedies`: a fix
@@ -60,9 +79,16 @@ import dataclasses
 from forensics.core.kinds import HistoryPattern, Phase, RemedyKind, TriggerKind, VerdictKind
 from forensics.report.tree import Verdict
 from forensics.replay.judge.findings import Findings
+from forensics.replay.judge.verdict_context import NO_CONTEXT, VerdictContext, in_context
 from forensics.replay.judge.remedies import tested_suggestions
 from forensics.replay.run.execute import SampleRef
-from forensics.replay.judge.verdict_data import bad_sample, exception_verdict, numerical_precision, trigger_sample
+from forensics.replay.judge.verdict_data import (
+    bad_sample,
+    exception_verdict,
+    numerical_precision,
+    oversized,
+    trigger_sample,
+)
 from forensics.replay.judge.verdict_facts import (
     MAX_NAMED_SAMPLES,
     VerdictFacts,
@@ -75,10 +101,13 @@ from forensics.replay.judge.verdict_state import (
     diverged,
     diverging,
     inherited,
+    memory_not_reproduced,
     model_state,
     norm_overflow,
     not_reproduced,
     optimizer_update,
+    other_units,
+    rng_dependent,
     spike,
     update_too_large,
 )
@@ -161,29 +190,32 @@ def marks_triggers(verdict: Verdict, findings: Findings) -> bool:
     return verdict.kind != VerdictKind.EXCEPTION and evidence is not None and not evidence.bad_data
 
 
-def suggestions_with_remedies(verdict: Verdict, findings: Findings) -> list | None:
-    """The verdict's suggestions with what the replay's remedies showed (replay/judge/remedies.tested_suggestions):
-    a fix that made the step healthy leads, skipping the step (or a harmless update) is said after; without tested
-    remedies, the verdict's own. Which of those lines apply follows the verdict: the run diverged (no "no action
-    needed"), it blames the data (bad_sample, exception, or a precision verdict with evidence against the record), it
-    names a trigger."""
-    if not findings.remedies:
-        return verdict.suggestions
-    diverged = bool(findings.history.diverged) or findings.history.pattern is HistoryPattern.DIVERGED
-    blames = verdict.kind in (VerdictKind.BAD_SAMPLE, VerdictKind.EXCEPTION) or (
-        verdict.kind == VerdictKind.NUMERICAL_PRECISION and findings.evidence is not None and findings.evidence.bad_data
+def suggestions_with_remedies(kind: VerdictKind, suggestions: list | None, facts: VerdictFacts) -> list | None:
+    """A verdict's suggestions with what the replay's remedies showed (`facts.tested_remedies`; replay/judge/
+    remedies.tested_suggestions): a fix that made the step healthy leads, skipping the step (or a harmless update) is
+    said after; without tested remedies, the verdict's own. Which of those lines apply follows the verdict's `kind`:
+    the run diverged (no "no action needed"), it blames the data (bad_sample, exception, or a precision verdict with
+    evidence against the record), it names a trigger."""
+    if not facts.tested_remedies:
+        return suggestions
+    diverged = bool(facts.run_diverged) or facts.history_pattern is HistoryPattern.DIVERGED
+    blames = kind in (VerdictKind.BAD_SAMPLE, VerdictKind.EXCEPTION) or (
+        kind == VerdictKind.NUMERICAL_PRECISION and facts.evidence_bad_data
     )
     first, last = tested_suggestions(
-        findings.remedies, diverged=diverged, blames_data=blames, trigger=verdict.kind == VerdictKind.TRIGGER_SAMPLE
+        facts.tested_remedies, diverged=diverged, blames_data=blames, trigger=kind == VerdictKind.TRIGGER_SAMPLE
     )
-    return list(dict.fromkeys(first + (verdict.suggestions or []) + last))
+    return list(dict.fromkeys(first + (suggestions or []) + last))
 
 
-def decide_verdict(facts: VerdictFacts) -> Verdict:
-    """The report's `verdict` section from the replay's findings (rules in the module docstring).
+def decide_verdict(facts: VerdictFacts, context: VerdictContext = NO_CONTEXT) -> Verdict:
+    """The report's `verdict` section, decided and worded once (rules in the module docstring): the rule's verdict,
+    its suggestions around what the remedies showed (`suggestions_with_remedies`), and what `context` adds
+    (replay/judge/verdict_context.in_context: the window replay, the host snapshot, the history before the crash).
 
     Args:
         facts: what the replay established.
+        context: what is known around the replayed step (default: nothing).
     Returns:
         The verdict: its kind (a forensics.core.kinds.VerdictKind), headline, explanation and suggestions.
     Example:
@@ -194,6 +226,15 @@ def decide_verdict(facts: VerdictFacts) -> Verdict:
         >>> v.kind.value, v.headline
         ('bad_sample', "Sample 'shard-0192/rec-55411' alone makes the loss non-finite at step 41217 (rank 3) in the forward pass at `model.layers.17.mlp.down_proj` (aten::mm).")
     """
+    ruled = _by_rule(facts)
+    suggestions = suggestions_with_remedies(ruled.kind, ruled.suggestions, facts)  # type: ignore[arg-type]
+    if suggestions is not ruled.suggestions:
+        ruled = dataclasses.replace(ruled, suggestions=suggestions)
+    return in_context(ruled, context)
+
+
+def _by_rule(facts: VerdictFacts) -> Verdict:
+    """The first rule of the module docstring's table that holds, worded by its builder."""
     f = facts
     if f.culprit_samples and withheld(f.spike, f.edge_share, f.run_diverged):
         f = _unblamed(f)
@@ -201,8 +242,14 @@ def decide_verdict(facts: VerdictFacts) -> Verdict:
         f = _refuted(f, refuted)
     if not f.reproduced and not f.trigger_local:
         return inherited(f)
+    if not f.reproduced and f.out_of_memory:
+        return memory_not_reproduced(f)
+    if not f.reproduced and f.unit_factor:
+        return other_units(f)
     if not f.reproduced:
         return not_reproduced(f)
+    if f.trigger_kind is TriggerKind.EXCEPTION and f.out_of_memory and f.size_outliers:
+        return oversized(f)
     if f.trigger_kind is TriggerKind.EXCEPTION:
         return exception_verdict(f)
     if f.spike and f.update_change is not None and not has_culprit(f):
@@ -216,7 +263,11 @@ def decide_verdict(facts: VerdictFacts) -> Verdict:
     )
     if f.grad_norm_overflow is not None and not f.weights_nonfinite_at_start:
         return norm_overflow(f)
-    if f.weights_nonfinite_at_start or (f.all_subsets_fail and not precision):
+    if f.weights_nonfinite_at_start:
+        return model_state(f)
+    if f.all_subsets_fail and not precision and f.rng_dependent:
+        return rng_dependent(f)
+    if f.all_subsets_fail and not precision:
         return model_state(f)
     if f.phase is Phase.OPTIMIZER:
         return optimizer_update(f)
@@ -234,6 +285,8 @@ def decide_verdict(facts: VerdictFacts) -> Verdict:
         return trigger_sample(f)
     if f.spike:
         return spike(f)
+    if f.rng_dependent:
+        return rng_dependent(f)
     return model_state(f)
 
 
@@ -266,6 +319,7 @@ def _unblamed(f: VerdictFacts) -> VerdictFacts:
 
 
 __all__ = [
+    "VerdictContext",
     "VerdictFacts",
     "blamed_samples",
     "decide_verdict",

@@ -74,13 +74,8 @@ def numerical_precision(f: VerdictFacts) -> Verdict:
 def exception_verdict(f: VerdictFacts) -> Verdict:
     """The step raises on replay too: where, which samples, and the data that made it raise."""
     what = f.exception_type or "an exception"
-    where = f" at `{f.module}`" if f.module else ""
-    if f.op:
-        where += f" ({f.op})"
-    phase = f" in the {f.phase} pass" if f.phase is not None and f.phase.is_pass else ""
+    phase, where = exception_place(f)
     detail = f": {f.exception_detail}" if f.exception_detail else ""
-    if f.out_of_memory and f.size_outliers:
-        return oversized(f, phase, where)
     if has_culprit(f):
         subject = samples_phrase(f)
         verb = "make" if (f.culprit_subset_size or 0) > 1 else "makes"
@@ -127,8 +122,18 @@ def exception_verdict(f: VerdictFacts) -> Verdict:
     return verdict_node(VerdictKind.EXCEPTION, headline, f, suggestions, reading)
 
 
-def oversized(f: VerdictFacts, phase: str, where: str) -> Verdict:
+def exception_place(f: VerdictFacts) -> tuple[str, str]:
+    """Where the step raised, in words: ' in the forward pass' and ' at `module` (op)' (either may be empty)."""
+    where = f" at `{f.module}`" if f.module else ""
+    if f.op:
+        where += f" ({f.op})"
+    phase = f" in the {f.phase} pass" if f.phase is not None and f.phase.is_pass else ""
+    return phase, where
+
+
+def oversized(f: VerdictFacts) -> Verdict:
     """Out of memory with a sample far larger than the others: that sample, by its size."""
+    phase, where = exception_place(f)
     top = f.size_outliers[0]
     headline = f"{size_words(f)} makes {where_step(f)} run out of memory{phase}{where}."
     reading = (

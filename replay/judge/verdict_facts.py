@@ -74,6 +74,12 @@ class VerdictFacts:
     remedies: dict[str, bool | None] = field(default_factory=dict)
     """RemedyKind value -> whether that change made the step healthy (replay/judge/remedies.py; absent: not tried).
     A suggestion the remedies showed to be useless is not made."""
+    tested_remedies: Any = None
+    """The report's `remedies` block (replay/judge/remedies.try_remedies), when remedies were tried: the fixes that
+    made the step healthy lead the verdict's suggestions (verdict.suggestions_with_remedies)."""
+    evidence_bad_data: bool = False
+    """The evidence against the culprits' records stands (replay/culprits/evidence.Evidence.bad_data, once what
+    refutes it is applied): with tested remedies, a precision verdict then advises about the data too."""
     culprit_rank: int | None = None
     culprit_subset_size: int | None = None
     """Defaults to len(culprit_samples)."""

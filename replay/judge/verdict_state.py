@@ -48,7 +48,8 @@ def inherited(f: VerdictFacts) -> Verdict:
     )
 
 
-def not_reproduced(f: VerdictFacts) -> Verdict:
+def not_reproduced_headline(f: VerdictFacts) -> str:
+    """'The replay on DEVICE did not reproduce the ... of step S: recorded X, replayed Y.' (every not_reproduced)."""
     numbers = ""
     if f.trigger_kind is TriggerKind.EXCEPTION:
         numbers = (
@@ -60,7 +61,12 @@ def not_reproduced(f: VerdictFacts) -> Verdict:
         numbers = f": recorded {num(f.trigger_value)}, replayed {num(f.replayed_value)}"
     on = f" on {f.replay_device}" if f.replay_device else ""
     words = f.trigger_kind.words
-    headline = f"The replay{on} did not reproduce the {words} of {where_step(f)}{numbers}."
+    return f"The replay{on} did not reproduce the {words} of {where_step(f)}{numbers}."
+
+
+def not_reproduced(f: VerdictFacts) -> Verdict:
+    """The same weights, batch and RNG give a healthy step here: what the dump does not carry."""
+    headline = not_reproduced_headline(f)
     reading = (
         "The same weights, batch and RNG gave a healthy step here, so the failure depends on "
         "something the dump does not carry: the GPU, the kernels chosen, non-deterministic "
@@ -69,10 +75,6 @@ def not_reproduced(f: VerdictFacts) -> Verdict:
     if f.environment_warnings:
         reading += " Differences between the job and this replay: " + "; ".join(f.environment_warnings) + "."
     rank = f" on the node of rank {f.rank}" if f.rank is not None else ""
-    if f.out_of_memory:
-        return memory_not_reproduced(f, headline)
-    if f.unit_factor:
-        return other_units(f, headline)
     return verdict_node(
         VerdictKind.NOT_REPRODUCED,
         headline,
@@ -91,8 +93,9 @@ def not_reproduced(f: VerdictFacts) -> Verdict:
     )
 
 
-def other_units(f: VerdictFacts, headline: str) -> Verdict:
+def other_units(f: VerdictFacts) -> Verdict:
     """Not reproduced, but the ratio of recorded to replayed is a factor the job recorded: a unit, not the hardware."""
+    headline = not_reproduced_headline(f)
     factor = f.unit_factor or ""  # set: the caller checked
     reading = (
         f"{factor[0].upper() + factor[1:]}: the job and the replay measured the same step in "
@@ -120,8 +123,9 @@ def other_units(f: VerdictFacts, headline: str) -> Verdict:
     return verdict_node(VerdictKind.NOT_REPRODUCED, headline, f, suggestions, reading)
 
 
-def memory_not_reproduced(f: VerdictFacts, headline: str) -> Verdict:
+def memory_not_reproduced(f: VerdictFacts) -> Verdict:
     """The job ran out of memory and this replay did not (a device with more memory): the sizes still speak."""
+    headline = not_reproduced_headline(f)
     suggestions = [
         "Replay on a device with no more memory than the job's (report.json exception.memory holds the "
         "job's allocated / reserved / total), or cap this process's memory, to reproduce it."
@@ -200,8 +204,6 @@ def model_state(f: VerdictFacts) -> Verdict:
             "Check that gradient clipping runs after backward and before optimizer.step(), and "
             "that skipped steps (loss-scale overflow) really skip the update.",
         ]
-    elif f.rng_dependent:
-        return rng_dependent(f)
     elif f.all_subsets_fail:
         headline = f"Every subset of samples tried fails on its own at {at}: the model state, not the data, is broken."
         alone, checked = len(f.samples_failing or []), f.samples_checked

@@ -75,7 +75,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
 @dataclass(frozen=True)
 class SnapshotUnused:
     """The dump holds the Guard's host snapshot of `step`, but the window replay cannot start from it
-    (replay/judge/window_words.py says what to do)."""
+    (replay/judge/verdict_context.py says what to do)."""
 
     step: int
     no_data_recipe: bool

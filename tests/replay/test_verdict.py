@@ -586,3 +586,42 @@ def test_samples_found_for_a_spike_in_a_run_diverged_long_before_are_not_blamed(
     assert v.kind == "spike_no_single_cause"
     assert "rec-3" not in v.headline and not any("rec-3" in s for s in v.suggestions)
     assert withheld(True, None, diverged) and withheld(False, None, diverged) is None  # a NaN is not a spike
+
+
+def test_the_context_of_the_step_is_worded_by_the_verdict_itself():
+    """The window replay, a host snapshot the replay could not use and the history before the crash are facts handed
+    to decide_verdict (issue 54), not sentences added to its verdict afterwards: the step that broke leads the
+    headline, the window's start and the history close the explanation, the snapshot's advice leads the suggestions
+    and how to look before the window closes them; the rule's kind and own words stay."""
+    from forensics.replay.judge.verdict_context import VerdictContext, WindowFacts
+    from forensics.replay.run.window import SnapshotUnused
+
+    plain = decide_verdict(facts(culprit_samples=[17]))
+    history = {"sentence": "the q-k logit of `layers.1` grew first", "lead": 9, "fired": [], "earlier_dumps": [{}]}
+    context = VerdictContext(
+        window=WindowFacts(
+            step=41210,
+            dumped_step=41217,
+            broke="the update moved the weights 1e3x",
+            at_window_start=True,
+            source="step.pt",
+            first_step=0,
+        ),
+        snapshot_unused=SnapshotUnused(step=41200, no_data_recipe=False),
+        crash_history=history,
+    )
+    v = check_shape(decide_verdict(facts(culprit_samples=[17]), context))
+    assert v.kind == plain.kind
+    assert v.headline == (
+        "The weights broke at step 41210 (7 steps before the crash at step 41217): the update moved the weights "
+        "1e3x. " + plain.headline
+    )
+    assert v.explanation.startswith(plain.explanation)
+    assert "Step 41210 is the first step the window replay re-executed (it starts at step.pt)" in v.explanation
+    assert v.explanation.endswith(
+        "Before it, the q-k logit of `layers.1` grew first. Replay them (`forensics replay STEP_DIR`) to see how it "
+        "built up."
+    )
+    assert v.suggestions[0].startswith("Re-run with --trust: the dump holds the Guard's host snapshot of step 41200")
+    assert v.suggestions[1:-1] == plain.suggestions and v.suggestions[-1].startswith("To look before step 41210")
+    assert decide_verdict(facts(culprit_samples=[17]), VerdictContext()) == plain
