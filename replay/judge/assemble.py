@@ -340,8 +340,9 @@ def shared_id_words(sample: CulpritSample) -> str:
     """ "'x' (micro-batch 1, sample 3): its ID also names micro-batch 1 samples 1 and 5, which the replay does not
     blame" — why the blocklist leaves that ID out."""
     others = [(int(p["micro_batch"]), int(p["index"])) for p in sample.shared_with or []]
+    micro_batch = "?" if sample.micro_batch is None else sample.micro_batch + 1  # counted from 1, as the report does
     return (
-        f"{fmt_id(sample.sample_id, 80)} (micro-batch {sample.micro_batch + 1}, sample {sample.index}): its ID also names "
+        f"{fmt_id(sample.sample_id, 80)} (micro-batch {micro_batch}, sample {sample.index}): its ID also names "
         f"{positions_words(others)}, which the replay does not blame"
     )
 
