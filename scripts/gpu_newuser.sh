@@ -5,6 +5,7 @@
 # per run and device the verdict, the samples named (as triggers), whether a blocklist was written; a run fails when a
 # replay blames a record (bad_sample, a blocklist, a sample not marked as a trigger, a "Filter" line) or the cuda and
 # cpu replays of the same dump give different verdicts. Logs in OUTDIR/<run>.log, one line per run in summary.txt.
+# Each run's dump packed into OUTDIR/packed/newuser_<run>-<step>.tar.zst (test data for CPU replays).
 # Usage (repo root; a carried .whl is used when there is one): bash scripts/gpu_newuser.sh OUTDIR
 set -uo pipefail
 out=${1:-/tmp/gpu_newuser}; mkdir -p "$out"
@@ -35,6 +36,12 @@ for r in rows:
     else:
         print(f"{sys.argv[2]:<10} {r}")
 PY
+  mkdir -p "$out/packed"  # each dump packed for tests/data/natural_gpu (a 2 x 32 GPT-2: a few hundred KB)
+  for m in $(find "$d/$name" -name manifest.json -path "*step-*" 2>/dev/null | head -4); do
+    step_dir=$(dirname "$(dirname "$m")"); [ -d "$step_dir" ] || continue
+    python3 -m forensics.cli pack "$step_dir" -o "$out/packed/newuser_$name-$(basename "$step_dir").tar.zst" --force \
+      >> "$out/$name.log" 2>&1 || true
+  done
   if [ "$code" -ne 0 ]; then
     echo "FAIL $name exit=$code $((SECONDS - start))s" | tee -a "$out/summary.txt"; tail -20 "$out/$name.log"; failed=1
   else
