@@ -48,6 +48,7 @@ SIZES = {  # Llama shapes for --size: hidden, intermediate, layers, heads, vocab
     "small": (512, 1408, 4, 8, 32000),  # 45 M parameters: a sharded dump of a few hundred MB on a CPU
     "1b": (2048, 5632, 18, 16, 32000),  # 1.06 B parameters
     "7b": (4096, 11008, 32, 32, 32000),  # 6.74 B parameters (Llama-2-7B's shape)
+    "13b": (5120, 13824, 40, 40, 32000),  # 13.0 B parameters (Llama-2-13B's shape)
 }
 
 
@@ -154,6 +155,12 @@ def parser(description: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--replicas", type=int, default=1, help="DumpConfig.shard_replicas (sharded layout)")
     p.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=("adamw", "sgd"),
+        help="adamw (two moments per weight) or plain sgd (no state: a 13 B dump of 2 ranks fits a 128 GB disk)",
+    )
+    p.add_argument(
         "--fused",
         action="store_true",
         help="AdamW(fused=True): the default GuardConfig then checks without a sync (judged one step late)",
@@ -257,3 +264,10 @@ def lit_gpt2(fused: bool = False):
             return None
 
     return LitGPT2()
+
+
+def optimizer_for(args: argparse.Namespace, params) -> torch.optim.Optimizer:
+    """The example's optimizer from --optimizer / --fused."""
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=LR, fused=True if args.fused else None)
+    return torch.optim.AdamW(params, lr=LR, fused=args.fused)

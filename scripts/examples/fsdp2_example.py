@@ -48,7 +48,7 @@ def main() -> None:
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=_common.LR, fused=args.fused)
+    optimizer = _common.optimizer_for(args, model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _common.warmup)
     # --- forensics: one line to create the guard ---
     guard = Guard(
