@@ -147,9 +147,9 @@ def reproduction_sentence(report: Mapping | Report) -> str:
         return text
     rec, rep = fid.recorded_losses or [], fid.replayed_losses or []
     diverged = fid.diverged if isinstance(fid.diverged, Mapping) else None
-    text = (
-        f"Reproduced as the run's divergence {on}, not bit for bit" if diverged else f"NOT reproduced {on}"
-    ) + (f" after {att}" if att else "")
+    text = (f"Reproduced as the run's divergence {on}, not bit for bit" if diverged else f"NOT reproduced {on}") + (
+        f" after {att}" if att else ""
+    )
     if rec or rep:
         text += f": recorded losses [{fmt_list(rec)}], replayed [{fmt_list(rep)}]"
     gn_rec, gn_rep = fid.recorded_grad_norm, fid.replayed_grad_norm

@@ -83,8 +83,8 @@ def _kernels(runner: StepRunner) -> list[str]:
     return sorted(n for n in names if any(k in n.lower() for k in ("attention", "fmha", "flash", "sdpa", "softmax")))
 
 
-def _logits(runner: StepRunner) -> list[dict[str, float]]:
-    model, session = runner.model, runner.session
+def _logits(runner: StepRunner) -> list[dict[str, Any]]:
+    model = runner.model
     qkv: dict[int, torch.Tensor] = {}
     blocks = getattr(getattr(model, "transformer", None), "h", [])
     handles = [
