@@ -122,8 +122,8 @@ def diverged_elsewhere(f: VerdictFacts, d: DivergedHere) -> Verdict:
         f"Not reproduced bit for bit: the job's gradient norm was {num(f.trigger_value)}, the replay's{on} is "
         f"{num(d.replayed_grad_norm)}, finite but {fmt_num(d.times_healthy, 3)} x the run's gradient norm before its "
         f"loss left its start ({fmt_num(d.healthy_grad_norm, 3)}), with the step loss at {fmt_num(d.replayed_loss, 4)} "
-        f"where the job recorded {fmt_num(d.recorded_loss, 4)}. So the step did reproduce, as the run's divergence: gradients this far out "
-        "of range are where the kernels of two devices part ways (the job's made a non-finite value of them, this "
+        f"where the job recorded {fmt_num(d.recorded_loss, 4)}. This device reproduced the step as the run's divergence: gradients this "
+        "far out of range are where the kernels of two devices part ways (the job's made a non-finite value of them, this "
         "device's a finite one: another attention or matmul kernel, another summation order, other dropout masks), "
         "and which of the two a step gives is not in the dump."
     )
