@@ -96,7 +96,7 @@ def _logits(runner: StepRunner) -> list[dict[str, Any]]:
     finally:
         for h in handles:
             h.remove()
-    heads = model.config.n_head
+    heads = int(getattr(getattr(model, "config", None), "n_head", 1))
     rows = []
     for k, t in sorted(qkv.items()):
         batch, seq, width = t.shape
