@@ -355,13 +355,14 @@ def _recorded_step_loss(session: ReplaySession) -> float | None:
 
 
 def _sample_grad_norms(findings: Findings) -> list[float] | None:
-    """Each sample's own gradient norm from the per-sample table (NaN where its step is non-finite; a sample that
-    could not run alone is left out); None when the table was not made."""
+    """Each sample's own gradient norm from the per-sample table (NaN where its step is non-finite; 0 where the row
+    has no norm, which then shows no divergence; a sample that could not run alone is left out); None when the table
+    was not made."""
     rows = [r for r in findings.per_sample if isinstance(r, dict) and not r.get("error")]
     if not rows:
         return None
     norms = [lenient_float(r.get("grad_norm")) if r.get("finite") is not False else float("nan") for r in rows]
-    return [float("nan") if v is None else v for v in norms]
+    return [0.0 if v is None else v for v in norms]
 
 
 def shared_id_words(sample: CulpritSample) -> str:
