@@ -5,7 +5,8 @@
 # per run and device the verdict, the samples named (as triggers), whether a blocklist was written; a run fails when a
 # replay blames a record (bad_sample, a blocklist, a sample not marked as a trigger, a "Filter" line) or the cuda and
 # cpu replays of the same dump give different verdicts. Logs in OUTDIR/<run>.log, one line per run in summary.txt.
-# Each run's dump packed into OUTDIR/packed/newuser_<run>-<step>.tar.zst (test data for CPU replays).
+# Each run's dump packed into OUTDIR/packed/gpt2_newuser_<precision>_<lr>-<step>.tar.zst, the names of the test data in
+# tests/data/natural_gpu (tests/natural/test_gpu_dumps.py replays them on the CPU; verdicts.json records the GPU's).
 # Usage (repo root; a carried .whl is used when there is one): bash scripts/gpu_newuser.sh OUTDIR
 set -uo pipefail
 out=${1:-/tmp/gpu_newuser}; mkdir -p "$out"
@@ -39,7 +40,7 @@ PY
   mkdir -p "$out/packed"  # each dump packed for tests/data/natural_gpu (a 2 x 32 GPT-2: a few hundred KB)
   for m in $(find "$d/$name" -name manifest.json -path "*step-*" 2>/dev/null | head -4); do
     step_dir=$(dirname "$(dirname "$m")"); [ -d "$step_dir" ] || continue
-    python3 -m forensics.cli pack "$step_dir" -o "$out/packed/newuser_$name-$(basename "$step_dir").tar.zst" --force \
+    python3 -m forensics.cli pack "$step_dir" -o "$out/packed/gpt2_newuser_${name/-/_}-$(basename "$step_dir").tar.zst" --force \
       >> "$out/$name.log" 2>&1 || true
   done
   if [ "$code" -ne 0 ]; then

@@ -291,7 +291,12 @@ def _reproduction(r: Report) -> Section:
     blocks.append(
         _kv_table(
             [
-                ("Reproduced", _yes_no(r.reproduced)),
+                (
+                    "Reproduced",
+                    "as the run's divergence, not bit for bit (the job's non-finite value: no)"
+                    if not r.reproduced and isinstance(fid.diverged, Mapping)
+                    else _yes_no(r.reproduced),
+                ),
                 ("Comparison", fid.mode or "n/a"),
                 ("Tolerance", fmt_num(fid.tolerance)),
                 ("Attempts", fmt_num(fid.attempts)),

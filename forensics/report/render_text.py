@@ -146,12 +146,20 @@ def reproduction_sentence(report: Mapping | Report) -> str:
             text += f" Grad norm not compared: {clean(fid.grad_norm_reason, 300)}."
         return text
     rec, rep = fid.recorded_losses or [], fid.replayed_losses or []
-    text = f"NOT reproduced {on}" + (f" after {att}" if att else "")
+    diverged = fid.diverged if isinstance(fid.diverged, Mapping) else None
+    text = (f"Reproduced as the run's divergence {on}, not bit for bit" if diverged else f"NOT reproduced {on}") + (
+        f" after {att}" if att else ""
+    )
     if rec or rep:
         text += f": recorded losses [{fmt_list(rec)}], replayed [{fmt_list(rep)}]"
     gn_rec, gn_rep = fid.recorded_grad_norm, fid.replayed_grad_norm
     if gn_rec is not None or gn_rep is not None:
         text += f"; grad norm recorded {fmt_num(gn_rec)}, replayed {fmt_num(gn_rep)}"
+    if diverged:
+        text += (
+            f" ({fmt_num(diverged.get('times_healthy'), 3)} x the run's healthy "
+            f"{fmt_num(diverged.get('healthy_grad_norm'), 3)})"
+        )
     return text + "."
 
 
@@ -407,6 +415,14 @@ def per_sample_sentence(report: Mapping | Report) -> str | None:
     raised = [r for r in rows if r.error]
     bad = [r for r in rows if row_nonfinite(r)]
     text = f"Per-sample replay: {len(bad)} of {len(rows)} samples non-finite"
+    diverged = parse_report(report).fidelity.diverged
+    if isinstance(diverged, Mapping) and isinstance(diverged.get("sample_grad_norms"), list):
+        low, high = (diverged["sample_grad_norms"] + [None, None])[:2]
+        text += (
+            f", {'all ' if diverged.get('samples_over') == len(rows) else ''}{diverged.get('samples_over')} diverging "
+            f"alone (gradient norm {fmt_num(low, 3)} to {fmt_num(high, 3)}, each over "
+            f"{fmt_num(diverged.get('bar_times_healthy'))} x the run's healthy {fmt_num(diverged.get('healthy_grad_norm'), 3)})"
+        )
     culprits = parse_report(report).culprit.samples
     if bad and (not culprits or all(s.trigger for s in culprits)):
         text += " (alone, on this state; the verdict finds the state at fault, not their records)"

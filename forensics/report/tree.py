@@ -228,6 +228,11 @@ class Fidelity(Node):
     grad_norm_reason: str | None = None
     reason: str | None = None
     """`not_replayed`: why nothing was re-run."""
+    diverged: dict | None = None
+    """A non-finite gradient norm replayed finite but reproduced as the run's divergence (the verdict's rule,
+    replay/judge/verdict_facts.diverged_here): replayed_grad_norm, healthy_grad_norm, times_healthy, recorded_loss,
+    replayed_loss, bar_times_healthy (the bar each sample crossed alone), samples_over, sample_grad_norms ([smallest,
+    largest]). Absent otherwise."""
 
 
 @dataclass

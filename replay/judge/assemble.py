@@ -49,6 +49,7 @@ from forensics.replay.judge.verdict import (
     refutations,
 )
 from forensics.replay.judge.verdict_context import NO_CONTEXT, VerdictContext
+from forensics.replay.judge.verdict_facts import diverged_here
 from forensics.replay.load.environment import replay_environment
 from forensics.replay.load.session import ReplaySession
 from forensics.replay.load.shared_ids import SharedId, id_key, positions_words, shared_ids, shared_ids_warning
@@ -79,6 +80,8 @@ def assemble_report(
         findings.evidence.refuted = refutations(facts)
         facts = dataclasses.replace(facts, evidence_bad_data=findings.evidence.bad_data)
     verdict = decide_verdict(facts, context)
+    if (diverged := diverged_here(facts)) is not None:  # what the rule that decided model_state read (verdict.py)
+        fidelity = {**fidelity, "diverged": diverged.as_dict()}
     if marks_triggers(verdict, findings):
         for sample in culprit.samples:
             sample.trigger = True
@@ -333,7 +336,33 @@ def verdict_facts(
         shared_ids=[shared_id_words(s) for s in culprit.samples if s.shared_with],
         ids_are_positional=any(s.positional for s in culprit.samples)
         or any(o.ref.micro_batch in session.positional_ids for o in (sizes.outliers if sizes is not None else ())),
+        replayed_grad_norm=result.grad_norm,
+        recorded_step_loss=_recorded_step_loss(session),
+        replayed_step_loss=result.step_loss,
+        healthy_grad_norm=findings.history.reading.healthy_grad_norm,
+        healthy_loss_ceiling=findings.history.reading.healthy_loss_ceiling,
+        sample_grad_norms=_sample_grad_norms(findings),
     )
+
+
+def _recorded_step_loss(session: ReplaySession) -> float | None:
+    """The step loss the job recorded, as the replay computes its own (sum of the micro-batch losses / divisor); None
+    when a micro-batch's loss was not recorded."""
+    losses = [lenient_float(v) for v in session.recorded_losses]
+    if not losses or any(v is None for v in losses):
+        return None
+    return sum(v for v in losses if v is not None) / session.loss_divisor
+
+
+def _sample_grad_norms(findings: Findings) -> list[float] | None:
+    """Each sample's own gradient norm from the per-sample table (NaN where its step is non-finite; 0 where the row
+    has no norm, which then shows no divergence; a sample that could not run alone is left out); None when the table
+    was not made."""
+    rows = [r for r in findings.per_sample if isinstance(r, dict) and not r.get("error")]
+    if not rows:
+        return None
+    norms = [lenient_float(r.get("grad_norm")) if r.get("finite") is not False else float("nan") for r in rows]
+    return [0.0 if v is None else v for v in norms]
 
 
 def shared_id_words(sample: CulpritSample) -> str:

@@ -12,6 +12,7 @@ Nothing edits a verdict after it returns (tests/test_architecture.py). Every ret
 | not reproduced, and the trigger came from another rank (`local: false`)        | `inherited`           | `not_reproduced`        |
 | not reproduced, and the job ran out of memory (a device with less memory)      | `memory_not_reproduced` | `not_reproduced`      |
 | not reproduced, and recorded / replayed is a factor the job recorded (units)   | `other_units`         | `not_reproduced`        |
+| a non-finite grad norm replayed finite, but the step diverges here as in the run, every sample alone too (`diverged_here`) | `diverged_elsewhere` | `model_state` |
 | the replay did not fail                                                        | `not_reproduced`      | `not_reproduced`        |
 | the step raised out of memory, and a sample is far larger than the others     | `oversized`           | `exception`             |
 | the step raised                                                                | `exception_verdict`   | `exception`             |
@@ -92,6 +93,7 @@ from forensics.replay.judge.verdict_data import (
 from forensics.replay.judge.verdict_facts import (
     MAX_NAMED_SAMPLES,
     VerdictFacts,
+    diverged_here,
     has_culprit,
     low_precision,
     whole_batch,
@@ -99,6 +101,7 @@ from forensics.replay.judge.verdict_facts import (
 from forensics.replay.judge.verdict_words import quoted_id
 from forensics.replay.judge.verdict_state import (
     diverged,
+    diverged_elsewhere,
     diverging,
     inherited,
     memory_not_reproduced,
@@ -246,6 +249,8 @@ def _by_rule(facts: VerdictFacts) -> Verdict:
         return memory_not_reproduced(f)
     if not f.reproduced and f.unit_factor:
         return other_units(f)
+    if (divergence := diverged_here(f)) is not None:
+        return diverged_elsewhere(f, divergence)
     if not f.reproduced:
         return not_reproduced(f)
     if f.trigger_kind is TriggerKind.EXCEPTION and f.out_of_memory and f.size_outliers:

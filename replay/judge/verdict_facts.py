@@ -3,6 +3,7 @@ the wording share (has a culprit, blames data, a whole-batch failure, the low pr
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,15 @@ MAX_ID_CHARS = 80  # longer sample ids are cut in the headline (report.json keep
 PROSE_DIGITS = 6  # significant digits of numbers in verdict prose
 # forensics.replay.localize.forward_backward.INPUT_MODULE + ".": a batch field that was non-finite itself
 INPUT_PREFIX = "<input>."
+# A non-finite gradient norm not reproduced on another device still reproduced as the run's divergence when the
+# replayed norm is this many times the run's healthy one (three orders of magnitude: far out of any normal range; a
+# transient fault's or a GPU-only kernel bug's replay sits in it)...
+DIVERGED_TIMES_HEALTHY = 1000.0
+# ... the replayed step loss is this many times the top of the run's healthy loss range (the loss exploded) ...
+EXPLODED_TIMES_CEILING = 10.0
+# ... and within this factor of the loss the job recorded for the step (the same forward: other kernels and other
+# dropout masks on another device move it by a few percent, never by a factor)
+SAME_LOSS_FACTOR = 2.0
 
 
 @dataclass
@@ -170,6 +180,17 @@ class VerdictFacts:
     """Culprits whose ID other samples of the step carry and the replay does not blame, in words (replay/judge/
     assemble.py shared_id_words): no blocklist lists their ID, and the verdict says why."""
     ids_are_positional: bool = False
+    replayed_grad_norm: float | None = None
+    """The replayed step's total gradient norm (StepResult.grad_norm); None without backward."""
+    recorded_step_loss: float | None = None
+    """The step loss the job recorded (sum of its micro-batch losses / divisor); None when it recorded none."""
+    replayed_step_loss: float | None = None
+    healthy_grad_norm: float | None = None
+    """The run's gradient norm before the loss left its start (history_pattern.HistoryReading.healthy_grad_norm)."""
+    healthy_loss_ceiling: float | None = None
+    """The top of the run's recorded healthy loss range (HistoryReading.healthy_loss_ceiling)."""
+    sample_grad_norms: list[float] | None = None
+    """Each sample's own gradient norm (the per-sample table; NaN where it is non-finite); None: not measured."""
     """The samples the verdict names carry IDs made up from their position in the batch (the job recorded no
     sample IDs: manifest `ids_are_positional`): no blocklist lists them, and the verdict says how to record real
     IDs instead of promising a blocklist entry."""
@@ -190,6 +211,75 @@ class VerdictFacts:
             self.culprit_rank = self.rank
         if self.culprit_facts and not self.record_evidence:  # what is odd in the record's own data is evidence
             self.record_evidence = [fact.words for fact in self.culprit_facts]
+
+
+@dataclass(frozen=True)
+class DivergedHere:
+    """The numbers that show a step reproduced as the run's divergence on this device, though not to the job's exact
+    non-finite value (`diverged_here`)."""
+
+    replayed_grad_norm: float
+    healthy_grad_norm: float
+    recorded_loss: float
+    replayed_loss: float
+    samples_over: int
+    """Samples of the per-sample table whose own gradient norm is past the bar (all of those checked)."""
+    smallest_sample_norm: float
+    largest_sample_norm: float
+
+    @property
+    def times_healthy(self) -> float:
+        return self.replayed_grad_norm / self.healthy_grad_norm
+
+    def as_dict(self) -> dict:
+        """The report's `fidelity.diverged` block (docs/REPORT_FORMAT.md)."""
+        return {
+            "replayed_grad_norm": self.replayed_grad_norm,
+            "healthy_grad_norm": self.healthy_grad_norm,
+            "times_healthy": self.times_healthy,
+            "recorded_loss": self.recorded_loss,
+            "replayed_loss": self.replayed_loss,
+            "bar_times_healthy": DIVERGED_TIMES_HEALTHY,
+            "samples_over": self.samples_over,
+            "sample_grad_norms": [self.smallest_sample_norm, self.largest_sample_norm],
+        }
+
+
+def diverged_here(f: VerdictFacts) -> DivergedHere | None:
+    """A non-finite gradient norm (with a finite loss) that this device did not reproduce to the job's NaN/Inf, while
+    the step still diverges here as the run did: the replayed norm is DIVERGED_TIMES_HEALTHY x the run's healthy one
+    or more, the replayed loss is the job's for the step (within SAME_LOSS_FACTOR) and EXPLODED_TIMES_CEILING x the top
+    of its healthy loss range, and every sample of the per-sample table is past that bar alone. Then the step did
+    reproduce, as a divergence (the same weights give gradients no finite-precision kernel can be trusted with: the
+    job's NaN was where its kernels crossed), and the per-sample test decides state or data. None otherwise: a replay
+    in the run's normal range (a transient fault, a GPU-only kernel bug), a run with no healthy history to compare
+    with, or a sample that is healthy alone stays not reproduced (never blamed from this).
+
+    Example:
+        >>> d = diverged_here(VerdictFacts("nonfinite_grad", False, replayed_grad_norm=9.7e6, recorded_step_loss=1.8e9,
+        ...                                replayed_step_loss=1.77e9, healthy_grad_norm=2.93, healthy_loss_ceiling=6.2,
+        ...                                sample_grad_norms=[6.2e6, 1.3e7]))
+        >>> f"{d.times_healthy:.3g}", d.samples_over
+        ('3.31e+06', 2)
+    """
+    if f.reproduced or not f.trigger_local or f.trigger_kind is not TriggerKind.NONFINITE_GRAD:
+        return None
+    norm, healthy = f.replayed_grad_norm, f.healthy_grad_norm
+    recorded, replayed, ceiling = f.recorded_step_loss, f.replayed_step_loss, f.healthy_loss_ceiling
+    if norm is None or healthy is None or recorded is None or replayed is None or ceiling is None:
+        return None
+    if not all(math.isfinite(v) and v > 0 for v in (norm, healthy, recorded, replayed, ceiling)):
+        return None
+    bar = DIVERGED_TIMES_HEALTHY * healthy
+    if norm < bar or max(recorded / replayed, replayed / recorded) > SAME_LOSS_FACTOR:
+        return None
+    if replayed < EXPLODED_TIMES_CEILING * ceiling:
+        return None
+    samples = f.sample_grad_norms or []
+    if not samples or any(math.isfinite(v) and v < bar for v in samples):
+        return None
+    finite = [v for v in samples if math.isfinite(v)] or [math.inf]
+    return DivergedHere(norm, healthy, recorded, replayed, len(samples), min(finite), max(finite))
 
 
 def low_precision(f: VerdictFacts) -> str | None:
@@ -218,13 +308,18 @@ def what(f: VerdictFacts) -> str:
 
 
 __all__ = [
+    "DIVERGED_TIMES_HEALTHY",
+    "DivergedHere",
+    "EXPLODED_TIMES_CEILING",
     "INPUT_PREFIX",
+    "SAME_LOSS_FACTOR",
     "LOW_PRECISION",
     "MAX_ID_CHARS",
     "MAX_NAMED_SAMPLES",
     "PROSE_DIGITS",
     "VerdictFacts",
     "blames_data",
+    "diverged_here",
     "has_culprit",
     "low_precision",
     "what",

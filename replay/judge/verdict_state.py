@@ -4,8 +4,17 @@ diverged run, a spike without a single cause, a replay that did not reproduce.""
 from __future__ import annotations
 
 from forensics.report.tree import Verdict
+from forensics.report.wording import fmt_num
 from forensics.core.kinds import HistoryPattern, RemedyKind, TriggerKind, VerdictKind
-from forensics.replay.judge.verdict_facts import MAX_NAMED_SAMPLES, VerdictFacts, has_culprit, what, whole_batch
+from forensics.replay.judge.verdict_facts import (
+    DIVERGED_TIMES_HEALTHY,
+    MAX_NAMED_SAMPLES,
+    DivergedHere,
+    VerdictFacts,
+    has_culprit,
+    what,
+    whole_batch,
+)
 from forensics.replay.judge.verdict_words import (
     DIV_OPS,
     LOG_OPS,
@@ -91,6 +100,48 @@ def not_reproduced(f: VerdictFacts) -> Verdict:
         ],
         reading,
     )
+
+
+def diverged_elsewhere(f: VerdictFacts, d: DivergedHere) -> Verdict:
+    """A non-finite gradient norm this device replays finite, but as far out of the run's range as the job's step, and
+    every sample alone as well (verdict_facts.diverged_here): the step reproduced as the divergence; the state is
+    broken, not the data. Says that the job's exact non-finite value was not reproduced bit for bit, and why."""
+    on = f" on {f.replay_device}" if f.replay_device else " here"
+    headline = (
+        f"Every sample tried diverges on its own at {where_step(f)}: the model state, not the data, is broken "
+        f"(the job's gradient norm was {num(f.trigger_value)};{on} it is {num(d.replayed_grad_norm)}, "
+        f"{fmt_num(d.times_healthy, 3)} x the run's healthy {fmt_num(d.healthy_grad_norm, 3)})."
+    )
+    samples = f"{d.samples_over} sample{'s' if d.samples_over != 1 else ''}"
+    spread = (
+        f"{fmt_num(d.smallest_sample_norm, 3)} to {fmt_num(d.largest_sample_norm, 3)}"
+        if d.smallest_sample_norm != d.largest_sample_norm
+        else fmt_num(d.smallest_sample_norm, 3)
+    )
+    reading = (
+        f"Not reproduced bit for bit: the job's gradient norm was {num(f.trigger_value)}, the replay's{on} is "
+        f"{num(d.replayed_grad_norm)}, finite but {fmt_num(d.times_healthy, 3)} x the run's gradient norm before its "
+        f"loss left its start ({fmt_num(d.healthy_grad_norm, 3)}), with the step loss at {fmt_num(d.replayed_loss, 4)} "
+        f"where the job recorded {fmt_num(d.recorded_loss, 4)}. This device reproduced the step as the run's divergence: gradients this "
+        "far out of range are where the kernels of two devices part ways (the job's made a non-finite value of them, this "
+        "device's a finite one: another attention or matmul kernel, another summation order, other dropout masks), "
+        "and which of the two a step gives is not in the dump."
+    )
+    if f.environment_warnings:
+        reading += " Differences between the job and this replay: " + "; ".join(f.environment_warnings) + "."
+    reading += (
+        f" The per-sample test decides state or data: each of the {samples} run alone has a gradient norm of "
+        f"{spread}, every one over {num(DIVERGED_TIMES_HEALTHY)} x the healthy one, so any input fails on these "
+        "weights and no record is to blame."
+    )
+    suggestions = [
+        "Resume from an earlier checkpoint with a lower learning rate or longer warm-up.",
+        "Look at the pre-step weights: parameters with a huge abs-max or a collapsed norm layer (the per-layer "
+        "table) show where the state went bad.",
+        "To see the job's exact non-finite value (which op made it), replay on the same GPU model and torch "
+        "version as the job; the verdict there is the same.",
+    ]
+    return verdict_node(VerdictKind.MODEL_STATE, headline, f, suggestions + pattern_hints(f), reading)
 
 
 def other_units(f: VerdictFacts) -> Verdict:

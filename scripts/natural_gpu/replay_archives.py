@@ -3,6 +3,9 @@ the one recorded in verdicts.json (the same check tests/natural/test_gpu_dumps.p
 
     python -m scripts.natural_gpu.replay_archives OUT --device cuda:0 [--write]
 
+The gpt2_newuser_* dumps come from scripts/gpu_newuser.sh (the new user's GPT-2 at learning rates far too high; each
+entry's `made` says so), the others from scripts/natural_gpu/make_dumps.py.
+
 Prints one line per dump and a JSON summary to OUT/replayed.json; exits 1 when a dump blames data, writes a blocklist
 or gets another verdict than the recorded one. `--write` records this device's verdicts as `gpu_verdict` instead
 (run it on the GPU machine after a change of the rules, then check the CPU agrees with the test).

@@ -42,8 +42,16 @@ class RandomTokens:
         return {"input_ids": ids, "labels": ids}
 
 
-def train(out: str | Path, lr: float = 18.0, bf16: bool = True, device: str = "cpu", seed: int = SEED) -> list:
-    """The run; returns the Guard's dumps (the last is the crash's)."""
+def train(
+    out: str | Path,
+    lr: float = 18.0,
+    bf16: bool = True,
+    device: str = "cpu",
+    seed: int = SEED,
+    transient_nan_at: int | None = None,
+) -> list:
+    """The run; returns the Guard's dumps (the last is the crash's). `transient_nan_at`: at that step, one gradient
+    value is NaN once, after backward (what a bit flip on the device would leave; the weights and data are fine)."""
     import transformers
 
     from forensics.capture import Guard, GuardConfig, IndexedDataset, RecordConfig
@@ -65,6 +73,7 @@ def train(out: str | Path, lr: float = 18.0, bf16: bool = True, device: str = "c
         IndexedDataset(RandomTokens()), batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(seed)
     )
     kind = torch.device(device).type
+    step = 0
     try:
         for _ in range(5):
             for batch in loader:
@@ -74,9 +83,13 @@ def train(out: str | Path, lr: float = 18.0, bf16: bool = True, device: str = "c
                     loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
                     guard.record_loss(loss)
                 loss.backward()
+                if step == transient_nan_at:
+                    with torch.no_grad():
+                        model.lm_head.weight.grad[0, 0] = float("nan")
                 if guard.check():
                     optimizer.step()
                 optimizer.zero_grad()
+                step += 1
     except TrainingFaultError:
         pass
     finally:

@@ -58,3 +58,19 @@ def test_the_report_does_not_contradict_itself(replayed):
         assert not blames, evidence
     if remedies.get("fp32") is False:  # running the step in fp32 was tried and was not enough
         assert out["verdict"] != "numerical_precision", out["headline"]
+
+
+def test_a_transient_nan_in_a_healthy_run_of_the_same_model_stays_not_reproduced(tmp_path):
+    """The other side of reading a replay against the run's history (the GPU dumps of this model replay on the CPU as
+    the run's divergence: tests/natural/test_gpu_dumps.py): at a sane learning rate, one gradient value turned NaN once
+    (as a bit flip on the device would leave it) replays in the run's normal range — not reproduced, hardware advice,
+    nobody named."""
+    dumps = _job.train(tmp_path, lr=1.0, transient_nan_at=6)
+    assert dumps and open_dump(dumps[-1]).trigger.kind == "nonfinite_grad"
+    out = _job.replay(dumps[-1], tmp_path / "report")
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert out["verdict"] == "not_reproduced" and out["exit_code"] == 3, out["headline"]
+    assert _job.problems(out) == [] and not out["samples"]
+    assert "diverged" not in report["fidelity"] and report["fidelity"]["replayed_grad_norm"] < 10
+    assert "NOT reproduced" in (tmp_path / "report" / "report.md").read_text()
+    assert any("DCGM" in s for s in out["suggestions"])

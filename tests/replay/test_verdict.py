@@ -625,3 +625,56 @@ def test_the_context_of_the_step_is_worded_by_the_verdict_itself():
     assert v.suggestions[0].startswith("Re-run with --trust: the dump holds the Guard's host snapshot of step 41200")
     assert v.suggestions[1:-1] == plain.suggestions and v.suggestions[-1].startswith("To look before step 41210")
     assert decide_verdict(facts(culprit_samples=[17]), VerdictContext()) == plain
+
+
+# -- a NaN gradient norm replayed finite on another device (issue 50: the new user's GPT-2, GPU dumps on the CPU) -----
+DIVERGED_ON_CPU = dict(  # numbers of tests/data/natural_gpu/gpt2_newuser_bf16_lr18 replayed on the CPU
+    trigger_kind="nonfinite_grad",
+    reproduced=False,
+    step=4,
+    rank=0,
+    micro_batch=None,
+    num_micro_batches=1,
+    trigger_value=NAN,
+    replayed_value=9.70846e6,
+    replay_device="cpu",
+    candidates=8,
+    environment_warnings=["captured on GPU NVIDIA H100 80GB HBM3, replaying on the CPU"],
+    replayed_grad_norm=9.70846e6,
+    recorded_step_loss=1.8027e9,
+    replayed_step_loss=1.7703e9,
+    healthy_grad_norm=2.934,
+    healthy_loss_ceiling=6.25,
+    sample_grad_norms=[6.23e6, 7.47e6, 1.01e7, 1.28e7],
+    history_pattern="exponential_growth",
+)
+
+
+def test_a_nan_grad_norm_replayed_finite_but_diverging_as_the_run_did_is_the_model_state():
+    v = decide_verdict(VerdictFacts(**DIVERGED_ON_CPU))
+    check_shape(v)
+    assert v.kind == "model_state"
+    assert "not the data" in v.headline and "9.70846e+06" in v.headline and "3.31e+06 x" in v.headline
+    assert "Not reproduced bit for bit" in v.explanation and "H100" in v.explanation  # why: another device
+    assert "each of the 4 samples run alone" in v.explanation and "no record is to blame" in v.explanation
+    assert not any(s.startswith("Filter") for s in v.suggestions)
+    assert not any("DCGM" in s for s in v.suggestions)  # no hardware advice for a diverged state
+
+
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        (dict(replayed_grad_norm=3.1, replayed_value=3.1, sample_grad_norms=[2.0, 3.5]), "in the run's normal range"),
+        (dict(replayed_grad_norm=290.0, replayed_value=290.0), "under 1000 x the healthy norm"),
+        (dict(healthy_grad_norm=None), "no healthy history to compare with"),
+        (dict(sample_grad_norms=[6.23e6, 2.9, 1.28e7]), "a sample is healthy alone"),
+        (dict(sample_grad_norms=None), "no per-sample test ran"),
+        (dict(replayed_step_loss=2.0e10), "another loss than the job's for the step"),
+        (dict(recorded_step_loss=5.0, replayed_step_loss=5.1), "the loss did not explode"),
+        (dict(trigger_kind="nonfinite_loss", micro_batch=0), "a non-finite loss (no finite loss to compare)"),
+        (dict(trigger_local=False), "another rank's fault"),
+    ],
+)
+def test_a_genuinely_unreproduced_nan_grad_norm_stays_not_reproduced(change, why):
+    v = decide_verdict(VerdictFacts(**{**DIVERGED_ON_CPU, **change}))
+    assert v.kind == "not_reproduced", why
