@@ -9,7 +9,13 @@
 # Logs and a summary in OUTDIR. Usage (repo root): bash scripts/gpu_newuser_attention.sh OUTDIR
 set -uo pipefail
 out=${1:-/tmp/gpu_newuser_attention}; mkdir -p "$out"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then  # forensics' dependencies (zstandard, click) where the machine lacks them
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
 nvidia-smi -L; python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 date -u +"%Y-%m-%d %H:%M UTC" | tee "$out/date.txt"
 failed=0

@@ -27,7 +27,7 @@ import subprocess
 import sys
 
 PROBE = r"""
-import json, sys, time
+import json, os, sys, time
 import torch
 import transformers.models.llama.modeling_llama  # a fixed import cost, outside the timers
 from forensics.replay.engine import ReplayOptions, run_replay
@@ -48,6 +48,11 @@ cpu0 = time.process_time()  # CPU seconds of every thread of this process: stead
 def mark(message):
     marks.append((round(time.perf_counter() - start, 2), message[:160]))
     cpu_marks.append(round(time.process_time() - cpu0, 2))
+profile = None
+if os.environ.get("BENCH_PROFILE"):  # a cProfile of the replay's main thread, top functions by own time
+    import cProfile
+    profile = cProfile.Profile()
+    profile.enable()
 start = time.perf_counter()
 try:
     report = run_replay(dump, ReplayOptions(device=device, rank=int(rank) if rank != "-" else None,
@@ -65,6 +70,12 @@ out = {"budget": budget, "replay_s": round(time.perf_counter() - start, 2),
        "culprits": [s["sample_id"] for s in (report.get("culprit") or {}).get("samples") or []],
        "module": (report.get("culprit") or {}).get("module"), "passes": report["timings"]["passes"],
        "stream": report.get("stream"), "stages": marks}
+if profile is not None:
+    import pstats
+    profile.disable()
+    with open(f"{os.environ['BENCH_PROFILE']}-{budget}.txt", "w") as sink:
+        pstats.Stats(profile, stream=sink).sort_stats("tottime").print_stats(45)
+        pstats.Stats(profile, stream=sink).sort_stats("cumulative").print_stats(45)
 print("RESULT " + json.dumps(out))
 """
 
