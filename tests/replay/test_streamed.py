@@ -35,6 +35,18 @@ def _same_report(normal: dict, streamed: dict, helpers) -> None:
     # the search itself: a streamed bisection runs its forward passes block-major, looking ahead (replay/run/lockstep.py)
     assert key(streamed, "bisection") == key(normal, "bisection")
     assert key(streamed, "rng") == key(normal, "rng")
+    # the per-layer table (read from the reproduce pass) and the per-sample rows (their passes run together, one
+    # engine call for their backwards: replay/run/lockstep.py), number for number
+    assert key(streamed, "per_layer") == key(normal, "per_layer")
+    rows = key(streamed, "per_sample")
+    ids = [r["sample_id"] for r in rows]
+    normal_rows = [r for r in key(normal, "per_sample") if r["sample_id"] in ids]
+    assert ids == [r["sample_id"] for r in normal_rows]
+    for row, alone in zip(rows, normal_rows):  # the normal replay's rows come from vmap: the norms to rounding
+        assert (row["loss"], row["finite"]) == (alone["loss"], alone["finite"])
+        assert (row["grad_norm"] is None) == (alone["grad_norm"] is None)
+        if isinstance(alone["grad_norm"], float):
+            assert row["grad_norm"] == pytest.approx(alone["grad_norm"], rel=1e-5)
     said = [w for w in key(streamed, "environment", "warnings") if not w.startswith("streamed replay")]
     assert said == key(normal, "environment", "warnings")  # look-ahead runs it never used tell nothing
 
@@ -339,3 +351,45 @@ def test_forward_passes_run_block_major_compute_what_each_computes_alone(tmp_pat
     assert runner.lockstep_waits > 0 and 3 * walked_together <= walked_alone
     assert warnings.filters == filters  # the passes' catch_warnings, entered and left interleaved, put back
     assert repr(bf16_together) == repr(bf16_alone) and bf16_alone[0] != alone[0]
+
+
+def _stage_traffic(stages: list[str]) -> dict[str, tuple[int, int, int]]:
+    """{stage: (passes, walks over the blocks, block reads)} from a streamed replay's stage log, each stage's line
+    "  (that stage: ...)" coming before the next stage's."""
+    import re
+
+    out: dict[str, tuple[int, int, int]] = {}
+    current = None
+    for line in stages:
+        if line.startswith("  (that stage:"):
+            said = re.search(r"(\d+) pass(?:es)?, (\d+) walks? over the blocks, (\d+) block reads", line)
+            assert said is not None, line
+            assert current is not None
+            out[current] = tuple(int(v) for v in said.groups())  # type: ignore[assignment]
+        elif not line.startswith(("  ", "streamed replay")):
+            current = line.split(" (")[0]
+    return out
+
+
+def test_stages_walk_the_blocks_once_per_pass_set(tmp_path, helpers, kit):
+    """The stage log says each stage's passes, walks and block reads: the per-layer table takes no walk (read from
+    the reproduce pass), the per-sample rows' passes share one forward and one backward walk (their backwards in one
+    engine call: replay/run/lockstep.py), and the report is the one of the passes run alone, to the bit."""
+    dump = _gpt2_dump(tmp_path, helpers, kit, layers=4)
+    options = dict(device="cpu", remedies=False, rng_check=False, max_per_sample=3)
+    stages: list[str] = []
+    report = run_replay(
+        dump, ReplayOptions(**options, memory_budget=TINY, host_cache_bytes=1 << 30), progress=stages.append
+    )
+    walked = _stage_traffic(stages)
+    blocks = report["stream"]["blocks"]
+    assert walked["reproducing the step"][:2] == (1, 4)  # two micro-batches, each a forward and a backward walk
+    assert walked["per-layer gradient norms and output abs-max"] == (0, 0, 0)
+    passes, walks, reads = walked["per-sample loss and gradient norm"]
+    assert passes == 3 and walks == 2 and reads <= 2 * blocks  # was 3 x 2 walks, one pass after another
+    assert report["stream"]["joint_backwards"] == 1 and report["stream"]["walks"] == sum(w for _, w, _ in walked.values())
+
+    alone = run_replay(dump, ReplayOptions(**options, memory_budget=TINY, host_cache_bytes=1 << 30, block_major=False))
+    for section in ("timings", "stream"):
+        report.pop(section), alone.pop(section)
+    assert report == alone
