@@ -11,7 +11,10 @@ Each block's forward runs through `_StreamedBlock`, an autograd Function that ke
 the block for its backward: torch.utils.checkpoint's reentrant form, with the weights materialised for the
 recomputation, the forward's RNG and autocast state restored, and a point after the block's backward where its
 gradients are taken off the device (`GradStore`: summed across micro-batches in mapped temporary files, measured once
-the step's last micro-batch is through, kept only for a caller that steps the optimizer).
+the step's last micro-batch is through, kept only for a caller that steps the optimizer). Passes with a backward run
+together (replay/run/lockstep.py) each record their pass in the blocks' forwards (`pass_number`), and each block's
+backward runs as that pass (`as_pass`: its own gradients here, its own leaves outside the blocks). `walks` counts the
+runs of materialisations in one direction, the stage log's walks over the blocks.
 """
 
 from __future__ import annotations

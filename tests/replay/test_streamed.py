@@ -389,7 +389,13 @@ def test_stages_walk_the_blocks_once_per_pass_set(tmp_path, helpers, kit):
     assert passes == 3 and walks == 2 and reads <= 2 * blocks  # was 3 x 2 walks, one pass after another
     assert report["stream"]["joint_backwards"] == 1 and report["stream"]["walks"] == sum(w for _, w, _ in walked.values())
 
-    alone = run_replay(dump, ReplayOptions(**options, memory_budget=TINY, host_cache_bytes=1 << 30, block_major=False))
+    stages.clear()
+    alone = run_replay(
+        dump,
+        ReplayOptions(**options, memory_budget=TINY, host_cache_bytes=1 << 30, block_major=False),
+        progress=stages.append,
+    )
+    assert _stage_traffic(stages)["per-sample loss and gradient norm"][:2] == (3, 6)  # one pass after another
     for section in ("timings", "stream"):
         report.pop(section), alone.pop(section)
     assert report == alone
