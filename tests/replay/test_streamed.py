@@ -42,11 +42,12 @@ def _same_report(normal: dict, streamed: dict, helpers) -> None:
     ids = [r["sample_id"] for r in rows]
     normal_rows = [r for r in key(normal, "per_sample") if r["sample_id"] in ids]
     assert ids == [r["sample_id"] for r in normal_rows]
-    for row, alone in zip(rows, normal_rows):  # the normal replay's rows come from vmap: the norms to rounding
-        assert (row["loss"], row["finite"]) == (alone["loss"], alone["finite"])
-        assert (row["grad_norm"] is None) == (alone["grad_norm"] is None)
-        if isinstance(alone["grad_norm"], float):
-            assert row["grad_norm"] == pytest.approx(alone["grad_norm"], rel=1e-5)
+    for row, alone in zip(rows, normal_rows):  # the normal replay's rows come from vmap: equal to rounding
+        assert row["finite"] == alone["finite"]
+        for number in ("loss", "grad_norm"):
+            assert (row[number] is None) == (alone[number] is None)
+            if isinstance(alone[number], float) and row["finite"]:
+                assert row[number] == pytest.approx(alone[number], rel=1e-4)
     said = [w for w in key(streamed, "environment", "warnings") if not w.startswith("streamed replay")]
     assert said == key(normal, "environment", "warnings")  # look-ahead runs it never used tell nothing
 
@@ -396,6 +397,6 @@ def test_stages_walk_the_blocks_once_per_pass_set(tmp_path, helpers, kit):
         progress=stages.append,
     )
     assert _stage_traffic(stages)["per-sample loss and gradient norm"][:2] == (3, 6)  # one pass after another
-    for section in ("timings", "stream"):
+    for section in ("timings", "stream", "created_at"):
         report.pop(section), alone.pop(section)
     assert report == alone
