@@ -435,9 +435,7 @@ class _PassStates:
             if param is not None and id(param) in resident
         ]
         self.base = self.streamer.grad_state()
-        self.states = [
-            (PassGradStore(), {}, set(), False, True, self.base[5], 1.0) for _ in range(count)
-        ]
+        self.states = [(PassGradStore(), {}, set(), False, True, self.base[5], 1.0) for _ in range(count)]
         self.lasts = [runner._last] * count
         self.leaves: list[dict[int, torch.nn.Parameter]] = [{} for _ in range(count)]
 

@@ -388,7 +388,9 @@ def test_stages_walk_the_blocks_once_per_pass_set(tmp_path, helpers, kit):
     assert walked["per-layer gradient norms and output abs-max"] == (0, 0, 0)
     passes, walks, reads = walked["per-sample loss and gradient norm"]
     assert passes == 3 and walks == 2 and reads <= 2 * blocks  # was 3 x 2 walks, one pass after another
-    assert report["stream"]["joint_backwards"] == 1 and report["stream"]["walks"] == sum(w for _, w, _ in walked.values())
+    assert report["stream"]["joint_backwards"] == 1 and report["stream"]["walks"] == sum(
+        w for _, w, _ in walked.values()
+    )
 
     stages.clear()
     alone = run_replay(
@@ -400,3 +402,39 @@ def test_stages_walk_the_blocks_once_per_pass_set(tmp_path, helpers, kit):
     for section in ("timings", "stream", "created_at"):
         report.pop(section), alone.pop(section)
     assert report == alone
+
+
+def test_passes_with_a_backward_run_together_compute_what_each_computes_alone(tmp_path, helpers, kit):
+    """run_with_backwards: the passes' forwards block-major, their backwards in one engine call, each pass's gradients
+    its own (the blocks' taken off as each block's backward ends; the embeddings, final norm and head on leaves of
+    their own): losses, gradient norms and non-finite parameters as each pass alone gives them, to the bit, in fewer
+    block reads; a pass the schedule cannot run (two micro-batches, gradients held between them) runs alone."""
+    from forensics.format import open_dump
+    from forensics.replay.options import load
+    from forensics.replay.run.streamed_runner import runner_for
+
+    dump = _gpt2_dump(tmp_path, helpers, kit, layers=4)
+    session = load(open_dump(dump), ReplayOptions(device="cpu", memory_budget=TINY, host_cache_bytes=1 << 30))
+    runner = runner_for(session)
+
+    def seen(result) -> tuple:
+        return repr(result.losses), repr(result.grad_norm), result.nonfinite_grad_params, result.loss_finite
+
+    try:
+        refs = session.sample_refs
+        one_each = [[refs[0]], [refs[1]], [refs[6]], [refs[3]]]  # the last micro-batch's 3rd sample holds 1e38
+        reads = runner.streamer.reader.reads
+        alone = [seen(runner.run(s)) for s in one_each]
+        walked_alone = runner.streamer.reader.reads - reads
+        reads = runner.streamer.reader.reads
+        together = runner.run_with_backwards([lambda s=s: seen(runner.run(s)) for s in one_each])
+        walked_together = runner.streamer.reader.reads - reads
+        resident = [p for n, p in runner.model.named_parameters() if n not in runner._streamed]
+        two_micro_batches = runner.run_with_backwards([lambda: runner.run(refs[3:5]), lambda: runner.run(refs[:1])])
+        assert runner.run_with_backwards([lambda: runner.run(refs[:1])]) is None  # one pass: nothing to share
+    finally:
+        runner.close()
+    assert together == alone and len({a[1] for a in alone}) == len(alone)  # each sample's own gradient norm
+    assert runner.joint_backwards >= 1 and 2 * walked_together < walked_alone
+    assert all(p.grad is None for p in resident)  # the passes' leaves went with them
+    assert two_micro_batches is None
