@@ -76,7 +76,9 @@ class BlockStreamer:
         self.direction = 1
         self.scan_only = False
         """The pass runs no backward (runner): blocks are evicted most recently used first."""
-        self.grads: GradStore | PassGradStore = GradStore()
+        self.store = GradStore()
+        self.grads: GradStore | PassGradStore = self.store
+        """The gradients of the pass that runs: `store`, or a pass's own while passes run together."""
         self.keep = False
         self.final = True
         self.inv_scale: torch.Tensor | None = None
@@ -120,7 +122,7 @@ class BlockStreamer:
         self._forwards.clear()
         self.release_all()
         self.reader.close()
-        self.grads.close()
+        self.store.close()
         if self.plan.cache is not None:
             self.plan.cache.close()
 

@@ -18,7 +18,7 @@ import contextlib
 import functools
 import math
 import weakref
-from typing import Any, Callable, ContextManager, Iterator, TypeVar
+from typing import Any, Callable, ContextManager, Iterator, Sequence, TypeVar
 
 import torch
 
@@ -102,7 +102,7 @@ class StreamedStepRunner(StepRunner):
             self.streamer.lockstep, self._together = None, False
             self.lockstep_waits += lockstep.waits
 
-    def run_with_backwards(self, jobs: list[Callable[[], T]]) -> list[T] | None:
+    def run_with_backwards(self, jobs: Sequence[Callable[[], T]]) -> list[T] | None:
         """The jobs' passes, each ONE micro-batch with its backward and no kept gradients (the per-sample rows),
         together: their forwards block-major, then one engine call for all their backwards, each block materialised
         once for all of them (replay/run/lockstep.py); each pass keeps its own gradients (`_PassStates`). None when
@@ -413,9 +413,9 @@ class StreamedStepRunner(StepRunner):
             "read_ahead_used": self.streamer.reader.hits,
             "blocks_cast_not_read": self.streamer.casts,
             "evicted_for_memory": self.streamer.memory_evictions,
-            "gradient_host_bytes": self.streamer.grads.host_bytes,
-            "gradient_pinned_bytes": self.streamer.grads.pinned_bytes,
-            "gradient_host_alloc_seconds": round(self.streamer.grads.alloc_seconds, 3),
+            "gradient_host_bytes": self.streamer.store.host_bytes,
+            "gradient_pinned_bytes": self.streamer.store.pinned_bytes,
+            "gradient_host_alloc_seconds": round(self.streamer.store.alloc_seconds, 3),
         }
 
 
@@ -435,7 +435,7 @@ class _PassStates:
             if param is not None and id(param) in resident
         ]
         self.base = self.streamer.grad_state()
-        self.states = [(PassGradStore(), {}, set(), False, True, self.base[5], 1.0) for _ in range(count)]
+        self.states: list[tuple] = [(PassGradStore(), {}, set(), False, True, self.base[5], 1.0) for _ in range(count)]
         self.lasts = [runner._last] * count
         self.leaves: list[dict[int, torch.nn.Parameter]] = [{} for _ in range(count)]
 
