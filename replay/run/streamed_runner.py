@@ -66,6 +66,9 @@ class StreamedStepRunner(StepRunner):
         self.passes = 0
         self.lockstep_waits = 0
         self.joint_backwards = 0
+        self._resident_units: dict[str, Any] = {}
+        """While passes with a backward run together under FSDP2 mixed precision: each parameter outside the blocks
+        that its unit casts -> the unit (`_cast_resident_grads`)."""
         """Engine calls that ran the backwards of several passes together (run_with_backwards)."""
         self._fsdp_users = 0
         self._together = False
@@ -106,11 +109,18 @@ class StreamedStepRunner(StepRunner):
         """The jobs' passes, each ONE micro-batch with its backward and no kept gradients (the per-sample rows),
         together: their forwards block-major, then one engine call for all their backwards, each block materialised
         once for all of them (replay/run/lockstep.py); each pass keeps its own gradients (`_PassStates`). None when
-        they must run alone: fewer than two, FSDP2 mixed precision (each pass's gradients are cast when its own
-        precision context ends, which run together ends once), or the engine call raised (its error is no one
-        pass's: the caller runs them alone, and tells what those runs tell)."""
-        if len(jobs) < 2 or self.session.fsdp_units:
+        they must run alone: fewer than two, or the engine call raised (its error is no one pass's: the caller runs
+        them alone, and tells what those runs tell). FSDP2 mixed precision: set up once for all (run_forwards), so
+        each pass's gradients outside the blocks are cast as its own precision context's end would cast them
+        (`_resident_units`, in `_measured_grads`)."""
+        if len(jobs) < 2:
             return None
+        units = parameter_units(self.model, self.session.fsdp_units) if self.session.fsdp_units else {}
+        self._resident_units = {
+            n: units[id(p)]
+            for n, p in self.model.named_parameters()
+            if n not in self._streamed and id(p) in units and p.is_floating_point()
+        }
         warnings = list(self.session.warnings)
         switch = _PassStates(self, len(jobs))
         lockstep = Lockstep(self.streamer.holds, self.session.device, switch)
@@ -121,6 +131,7 @@ class StreamedStepRunner(StepRunner):
                 results = lockstep.run(jobs, grad=True)
         finally:
             self.streamer.lockstep, self.streamer.as_pass, self._together = None, None, False
+            self._resident_units = {}
             switch.close()
             self.lockstep_waits += lockstep.waits
             self.joint_backwards += lockstep.backwards
@@ -221,6 +232,8 @@ class StreamedStepRunner(StepRunner):
     def _measured_grads(self, scale, backward):
         streamer = self.streamer
         streamer.finish_pass()
+        if self._together:  # FSDP2's end of a pass run alone: gradients reduced in reduce_dtype onto the master dtype
+            self._cast_resident_grads()
         grads = {n: p.grad for n, p in self.model.named_parameters() if p.grad is not None and n not in self._streamed}
         if scale is not None:
             inv = scale.double().reciprocal().float()
@@ -243,6 +256,21 @@ class StreamedStepRunner(StepRunner):
                     bad.append(name)
         norm = total_grad_norm(norms)
         return (float(norm) if norm is not None else None), bad
+
+    def _cast_resident_grads(self) -> None:
+        """What fsdp_compute's exit does to each gradient outside the blocks (replay/load/fsdp_precision.py), for a
+        pass run together with others, whose shared precision context ends only after the last of them."""
+        for name, param in self.model.named_parameters():
+            unit = self._resident_units.get(name)
+            master = self._dtypes.get(name)
+            if unit is None or param.grad is None or master is None or unit.param_dtype in (None, master):
+                continue
+            grad = param.grad.to(unit.reduce_dtype or master).to(master)
+            # the pass's own leaf back in the master dtype, as the exit puts the master weights back (its values are
+            # not read again: the pass is over and its leaf goes with it), so that it takes a gradient of that dtype
+            param.grad = None
+            param.data = param.data.to(master)
+            param.grad = grad
 
     # -- what the stages read themselves ---------------------------------------------------------
     def own_grad_norms(self, module: torch.nn.Module) -> list[torch.Tensor]:

@@ -410,6 +410,7 @@ def test_passes_with_a_backward_run_together_compute_what_each_computes_alone(tm
     their own): losses, gradient norms and non-finite parameters as each pass alone gives them, to the bit, in fewer
     block reads; a pass the schedule cannot run (two micro-batches, gradients held between them) runs alone."""
     from forensics.format import open_dump
+    from forensics.replay.load.fsdp_precision import parse_units
     from forensics.replay.options import load
     from forensics.replay.run.streamed_runner import runner_for
 
@@ -432,9 +433,17 @@ def test_passes_with_a_backward_run_together_compute_what_each_computes_alone(tm
         resident = [p for n, p in runner.model.named_parameters() if n not in runner._streamed]
         two_micro_batches = runner.run_with_backwards([lambda: runner.run(refs[3:5]), lambda: runner.run(refs[:1])])
         assert runner.run_with_backwards([lambda: runner.run(refs[:1])]) is None  # one pass: nothing to share
+        # FSDP2 bf16 compute, fp32 reduce: set up once for all; each pass's gradients outside the blocks cast as its
+        # own context's end would (the blocks' as each block's backward ends)
+        session.fsdp_units = parse_units(
+            [{"module": "", "param_dtype": "bfloat16", "reduce_dtype": "float32", "cast_forward_inputs": True}]
+        )
+        bf16_alone = [seen(runner.run(s)) for s in one_each]
+        bf16_together = runner.run_with_backwards([lambda s=s: seen(runner.run(s)) for s in one_each])
     finally:
         runner.close()
     assert together == alone and len({a[1] for a in alone}) == len(alone)  # each sample's own gradient norm
+    assert bf16_together == bf16_alone and bf16_alone[0] != alone[0]
     assert runner.joint_backwards >= 1 and 2 * walked_together < walked_alone
     assert all(p.grad is None for p in resident)  # the passes' leaves went with them
     assert two_micro_batches is None
