@@ -124,8 +124,9 @@ def _stages(
     raised = findings.kind is TriggerKind.EXCEPTION  # the step stops where it raises: no numbers to measure
     localise(findings, runner, options, progress)
     if not raised:
-        stage(progress, "per-layer gradient norms and output abs-max")
-        findings.per_layer = per_layer_stats(runner)
+        stage(progress, "per-layer gradient norms and output abs-max (read from the reproduce pass)")
+        per_layer = findings.reproduction.per_layer
+        findings.per_layer = per_layer if per_layer is not None else per_layer_stats(runner)
     result = findings.reproduction.result
     if findings.reproduced and result.norm_overflow and findings.kind is TriggerKind.NONFINITE_GRAD:
         stage(progress, "every gradient is finite but their norm overflows: measuring the largest")

@@ -22,7 +22,7 @@ from forensics.replay.load.samples import select_samples
 from forensics.replay.load.session import ReplaySession
 from forensics.replay.localize.exception import localize_exception
 from forensics.replay.localize.forward_backward import INPUT_MODULE, localize_backward, localize_forward
-from forensics.replay.localize.update import localize_optimizer
+from forensics.replay.localize.update import LayerWatch, localize_optimizer
 from forensics.replay.run.execute import SampleRef, StepResult, StepRunner, reproduce
 from forensics.replay.run.rng_dependence import check_rng_dependence
 from forensics.replay.run.streamed_runner import STREAMED_PER_SAMPLE, StreamedStepRunner
@@ -96,7 +96,9 @@ def reproduce_step(runner: StepRunner, options: Any, progress: Progress | None) 
     trigger = session.trigger
     kind = trigger.kind
     stage(progress, f"reproducing the step ({len(session.micro_batches)} micro-batch(es), trigger {kind})")
-    reproduction = reproduce(runner, options.max_attempts)
+    # the per-layer table is read from the reproduce pass itself (a step that raised has none): no pass of its own
+    watch = LayerWatch(runner) if kind is not TriggerKind.EXCEPTION else None
+    reproduction = reproduce(runner, options.max_attempts, watch=watch)
     trigger = session.trigger  # in the replay's units (a grad norm recorded on scaled gradients: unscaled)
     findings = Findings(
         kind=kind,

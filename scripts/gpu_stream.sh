@@ -7,7 +7,9 @@
 # the schedule before issue 53 (":old": every pass reads the dump, one walk per pass), and the same budget with the
 # current one (host cache of the blocks, forward passes block-major). Each budget is enforced: the caching
 # allocator is capped at it. Prints per row the stages, the table (time, passes, block reads, GiB read from the
-# dump / host->device / floor), the ratios to the unconstrained replay and new vs old, whether verdicts agree.
+# dump / host->device / floor, walks), the ratios to the unconstrained replay and new vs old, whether verdicts agree,
+# then the 70B projection from each row (projection.log). ":old" is the schedule before issue 53 (no host cache, one
+# walk per pass, passes with a backward alone) but for the per-layer table, which every replay reads from reproduce.
 # Row fsdp7b: the 2-GPU FSDP2 bf16 7B dump of issue 35 (needs nvidia-h100-x2), rank 1 replayed the same way.
 # Usage (repo root, .whl carried): bash scripts/gpu_stream.sh OUTDIR   (ROWS="1b" for a quicker check; REMEDIES=1 also
 # runs the remedies in every row; RNG=0 leaves out the other-seeds check)
@@ -51,5 +53,13 @@ EOF
   echo "-- $row done: $((SECONDS - start)) s"
 done
 rm -rf /tmp/stream
+for row in ${ROWS:-1b 3b}; do  # the 70B projection from each measured row (scripts/bench/stream_projection.py)
+  [ -f "$out/$row.json" ] || continue
+  for budget in quarter 40GiB; do
+    echo "== projection from $row, budget $budget"
+    python3 -m scripts.bench.stream_projection --json "$out/$row.json" --budget $budget --host-memory 1TB \
+      --disk-gbps 3 --pcie-gbps 50 2>&1 | tee -a "$out/projection.log"
+  done
+done
 echo "-- total: $((SECONDS - start)) s"
 exit $failed

@@ -3,7 +3,7 @@
 * Optimizer (`localize_optimizer`): steps a fresh copy of the pre-step optimizer on the replayed
   gradients, one parameter at a time (so one parameter's optimizer state is in memory at a time), and
   explains each parameter the update makes non-finite (`explain_update`).
-* Spikes (`per_layer_stats`): gradient norm and output abs-max per module.
+* Spikes (`per_layer_stats`, `LayerWatch`): gradient norm and output abs-max per module.
 
 Forward and backward localisation are in replay/localize/forward_backward.py.
 """
@@ -212,42 +212,48 @@ class LayerRow(TypedDict):
     output_absmax: float | None
 
 
-def per_layer_stats(
-    runner: StepRunner, samples: list[SampleRef] | None = None, *, fp32: bool = False
-) -> list[LayerRow]:
-    """Gradient norm and output abs-max per module (leaf modules and modules owning parameters).
+class LayerWatch:
+    """Output abs-max per module while a pass runs (a ModuleTracker), and each module's own gradient norms read after
+    it: the per-layer table of the pass it watched. The reproduce pass carries one (replay/stages.py), so the table
+    costs no pass of its own (a streamed replay: no walk over the blocks)."""
 
-    Returns:
-        [{"module": name, "grad_norm": float|None, "output_absmax": float|None}], in named_modules()
-        order; grad_norm covers the module's own parameters (not its children's).
-    """
-    model = runner.model
-    modules = {
-        name: m
-        for name, m in model.named_modules()
-        if not any(True for _ in m.children()) or any(True for _ in m.parameters(recurse=False))
-    }
-    absmax: dict[str, torch.Tensor] = {}
+    def __init__(self, runner: StepRunner):
+        self.runner = runner
+        model = runner.model
+        self.modules = {
+            name: m
+            for name, m in model.named_modules()
+            if not any(True for _ in m.children()) or any(True for _ in m.parameters(recurse=False))
+        }
+        self.absmax: dict[str, torch.Tensor] = {}
+        self._tracker = ModuleTracker(model, self._on_exit)
 
-    def on_exit(name, module, args, kwargs, output):
-        if name not in modules:
+    def __enter__(self) -> "LayerWatch":
+        self.absmax.clear()
+        self._tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._tracker.__exit__(*exc)
+
+    def _on_exit(self, name, module, args, kwargs, output) -> None:
+        if name not in self.modules:
             return
         outputs = float_tensors(output)
         if not outputs:
             return
         value = torch.stack([t.detach().abs().max().float().to(outputs[0].device) for t in outputs])
         value = value.max() if not bool(torch.isnan(value).any()) else torch.tensor(float("nan"))
-        previous = absmax.get(name)
-        absmax[name] = value if previous is None else torch.maximum(previous.to(value.device), value)
+        previous = self.absmax.get(name)
+        self.absmax[name] = value if previous is None else torch.maximum(previous.to(value.device), value)
 
-    with ModuleTracker(model, on_exit):
-        runner.run(samples, fp32=fp32, keep_grads=True)
-    rows: list[LayerRow] = []
-    try:
-        for name, module in modules.items():
-            norms = runner.own_grad_norms(module)
+    def rows(self) -> list[LayerRow]:
+        """The table of the pass watched last, its gradients still on the runner (run(keep_grads=True))."""
+        rows: list[LayerRow] = []
+        for name, module in self.modules.items():
+            norms = self.runner.own_grad_norms(module)
             norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else None
-            value = absmax.get(name)
+            value = self.absmax.get(name)
             rows.append(
                 {
                     "module": module_label(name),
@@ -255,9 +261,26 @@ def per_layer_stats(
                     "output_absmax": float(value) if value is not None else None,
                 }
             )
+        return rows
+
+
+def per_layer_stats(
+    runner: StepRunner, samples: list[SampleRef] | None = None, *, fp32: bool = False
+) -> list[LayerRow]:
+    """Gradient norm and output abs-max per module (leaf modules and modules owning parameters), from a pass of
+    their own (`LayerWatch` reads them from a pass that runs anyway).
+
+    Returns:
+        [{"module": name, "grad_norm": float|None, "output_absmax": float|None}], in named_modules()
+        order; grad_norm covers the module's own parameters (not its children's).
+    """
+    watch = LayerWatch(runner)
+    with watch:
+        runner.run(samples, fp32=fp32, keep_grads=True)
+    try:
+        return watch.rows()
     finally:
         runner.reset()
-    return rows
 
 
-__all__ = ["LayerRow", "OptimizerFinding", "localize_optimizer", "explain_update", "per_layer_stats"]
+__all__ = ["LayerRow", "LayerWatch", "OptimizerFinding", "localize_optimizer", "explain_update", "per_layer_stats"]

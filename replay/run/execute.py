@@ -584,7 +584,7 @@ class StepRunner:
                 if scale is not None:
                     scaled = scaled * scale
                 try:
-                    scaled.backward()
+                    self._backward(scaled)
                 except RuntimeError as exc:
                     if not options.anomaly:
                         raise
@@ -599,6 +599,10 @@ class StepRunner:
                 done.unrunnable = True
                 self.note_unrunnable(done.raised)
             return False
+
+    def _backward(self, scaled: torch.Tensor) -> None:
+        """A micro-batch's backward (a streamed runner may run it together with other passes')."""
+        scaled.backward()
 
     def _measured_grads(self, scale: torch.Tensor | None, backward: bool) -> tuple[float | None, list[str]]:
         """The gradients unscaled (GradScaler's 1/scale), their total norm and the parameters whose are non-finite."""
@@ -678,10 +682,17 @@ class Reproduction:
     result: StepResult
     fidelity: dict
     attempts: int
+    per_layer: list | None = None
+    """The per-layer table read from the last attempt's pass (`reproduce(watch=...)`), None without a watch."""
 
 
-def reproduce(runner: StepRunner, max_attempts: int = 3, tolerance: float = DEFAULT_TOLERANCE) -> Reproduction:
+def reproduce(
+    runner: StepRunner, max_attempts: int = 3, tolerance: float = DEFAULT_TOLERANCE, watch: Any = None
+) -> Reproduction:
     """Runs the whole step until the trigger reproduces (at most `max_attempts` times).
+
+    `watch`: a context (replay/localize/update.LayerWatch) entered around each attempt's pass, whose `rows()` are read
+    right after it, its gradients still in place: the per-layer table without a pass of its own.
 
     Compares replayed per-micro-batch losses and grad norm with the recorded ones: bitwise when the
     replay machine matches the capture (session.expect_bitwise), else within `tolerance` (relative).
@@ -690,9 +701,11 @@ def reproduce(runner: StepRunner, max_attempts: int = 3, tolerance: float = DEFA
     """
     session = runner.session
     kind, threshold = session.trigger.kind, session.trigger.threshold
-    attempts, result, reproduced = 0, None, False
+    attempts, result, reproduced, rows = 0, None, False, None
     for attempts in range(1, max(1, max_attempts) + 1):
-        result = runner.run(keep_grads=True)
+        with watch if watch is not None else contextlib.nullcontext():
+            result = runner.run(keep_grads=True)
+        rows = watch.rows() if watch is not None else None
         if attempts == 1 and to_replay_units(session, result.grad_norm):
             threshold = session.trigger.threshold
         reproduced = result.trigger_reproduced(kind, threshold)
@@ -753,7 +766,7 @@ def reproduce(runner: StepRunner, max_attempts: int = 3, tolerance: float = DEFA
         )
     elif mode is FidelityMode.BITWISE and not bitwise and any(a is not None for a in recorded):
         logger.warning("reproduced, but not bitwise: recorded %s, replayed %s", recorded, replayed)
-    return Reproduction(reproduced=reproduced, result=result, fidelity=fidelity, attempts=attempts)
+    return Reproduction(reproduced=reproduced, result=result, fidelity=fidelity, attempts=attempts, per_layer=rows)
 
 
 __all__ = ["SampleRef", "StepResult", "StepRunner", "Reproduction", "reproduce", "any_nonfinite", "DEFAULT_TOLERANCE"]

@@ -11,7 +11,10 @@ Each block's forward runs through `_StreamedBlock`, an autograd Function that ke
 the block for its backward: torch.utils.checkpoint's reentrant form, with the weights materialised for the
 recomputation, the forward's RNG and autocast state restored, and a point after the block's backward where its
 gradients are taken off the device (`GradStore`: summed across micro-batches in mapped temporary files, measured once
-the step's last micro-batch is through, kept only for a caller that steps the optimizer).
+the step's last micro-batch is through, kept only for a caller that steps the optimizer). Passes with a backward run
+together (replay/run/lockstep.py) each record their pass in the blocks' forwards (`pass_number`), and each block's
+backward runs as that pass (`as_pass`: its own gradients here, its own leaves outside the blocks). `walks` counts the
+runs of materialisations in one direction, the stage log's walks over the blocks.
 """
 
 from __future__ import annotations
@@ -73,7 +76,9 @@ class BlockStreamer:
         self.direction = 1
         self.scan_only = False
         """The pass runs no backward (runner): blocks are evicted most recently used first."""
-        self.grads = GradStore()
+        self.store = GradStore()
+        self.grads: GradStore | PassGradStore = self.store
+        """The gradients of the pass that runs: `store`, or a pass's own while passes run together."""
         self.keep = False
         self.final = True
         self.inv_scale: torch.Tensor | None = None
@@ -89,8 +94,17 @@ class BlockStreamer:
         """Called with a block's recomputed outputs before their backward runs."""
         self._forwards: list[tuple[torch.nn.Module, Any]] = []
         self.lockstep: Lockstep | None = None
-        """Set while several forward-only passes run block-major (replay/run/lockstep.py): asked before a block is
-        materialised."""
+        """Set while several passes run block-major (replay/run/lockstep.py): asked before a block is materialised."""
+        self.pass_number: int | None = None
+        """While passes with a backward run together: the pass whose state is in place (its gradients here, its
+        parameters outside the blocks in the model); a block's forward records it for its backward."""
+        self.as_pass: Callable[[int], ContextManager] | None = None
+        """Set with `pass_number`: a block's backward runs within as_pass(the pass that ran its forward)."""
+        self.walks = 0
+        """Walks over the blocks: runs of materialisations in one direction (a forward's, a backward's, the optimizer
+        check's); passes run block-major share one."""
+        self._walk_at: int | None = None
+        self._walk_way = 0
 
     # -- hooks -----------------------------------------------------------------------------------
     def install(self) -> None:
@@ -108,7 +122,7 @@ class BlockStreamer:
         self._forwards.clear()
         self.release_all()
         self.reader.close()
-        self.grads.close()
+        self.store.close()
         if self.plan.cache is not None:
             self.plan.cache.close()
 
@@ -146,6 +160,7 @@ class BlockStreamer:
         dtypes the pass computes in: blocks stay materialised from one pass to the next, up to K)."""
         if self.lockstep is not None:  # a pass of several run block-major waits until all of them need the block
             self.lockstep.need(index)
+        self._count_walk(index)
         key = self._dtypes(index)
         self._fit(index, key)
         hit = self.cache.get(index)
@@ -169,6 +184,14 @@ class BlockStreamer:
             for name, tensor in tensors.items():
                 self.params[name].data = tensor
         self._read_ahead(index)
+
+    def _count_walk(self, index: int) -> None:
+        """A new walk starts where the blocks stop coming in the walk's direction."""
+        at, way = self._walk_at, self._walk_way
+        if at is None or way != self.direction or (index - at) * way < 0:
+            self.walks += 1
+            self._walk_way = self.direction
+        self._walk_at = index
 
     def _derive(self, index: int, held: dict[str, torch.Tensor], key: tuple) -> dict[str, torch.Tensor] | None:
         """Block `index` in the dtypes `key`, cast on the device from its materialised tensors when they hold the
@@ -248,6 +271,14 @@ class BlockStreamer:
         self.reader.cancel()
 
     # -- gradients -------------------------------------------------------------------------------
+    def grad_state(self) -> tuple:
+        """What one pass's backward leaves here (its gradients, norms, flags): handed to `set_grad_state` to give
+        the streamer another pass's (passes with a backward run together: StreamedStepRunner.run_with_backwards)."""
+        return (self.grads, self.norms, self.nonfinite, self.keep, self.final, self.inv_scale, self.grad_factor)
+
+    def set_grad_state(self, state: tuple) -> None:
+        self.grads, self.norms, self.nonfinite, self.keep, self.final, self.inv_scale, self.grad_factor = state
+
     def new_pass(self, keep: bool) -> None:
         self.grads.clear()
         self.norms.clear()
@@ -441,6 +472,34 @@ class GradStore:
             self._dir = None
 
 
+class PassGradStore:
+    """The GradStore of a pass run together with others (StreamedStepRunner.run_with_backwards): such passes run one
+    micro-batch each and keep no gradients, so nothing is held here; a pass that would hold one fails its engine
+    call, and the caller runs the passes again alone."""
+
+    def __init__(self) -> None:
+        self.kept: set[str] = set()
+        self.host_bytes = self.pinned_bytes = 0
+
+    def put(self, name: str, grad: torch.Tensor, kept: bool = False) -> None:
+        raise RuntimeError("a pass run together with others holds no gradient across micro-batches")
+
+    def pop(self, name: str) -> torch.Tensor | None:
+        return None
+
+    def get(self, name: str) -> torch.Tensor | None:
+        return None
+
+    def names(self) -> list[str]:
+        return []
+
+    def recycle(self, host: torch.Tensor) -> None:
+        return None
+
+    def clear(self) -> None:
+        return None
+
+
 class _BlockCall:
     """A streamed block's forward: through `_StreamedBlock` when autograd records, straight otherwise."""
 
@@ -490,6 +549,7 @@ class _StreamedBlock(torch.autograd.Function):
     def forward(ctx, call: _BlockCall, box: dict, layout: tuple, anchor: torch.Tensor, *tensors: torch.Tensor):
         streamer = call.streamer
         ctx.call, ctx.layout = call, layout
+        ctx.pass_number = streamer.pass_number
         ctx.save_for_backward(*tensors)  # the block's inputs, kept where they are
         ctx.device_type = streamer.device.type
         ctx.autocast = _autocast_state(ctx.device_type)
@@ -506,6 +566,14 @@ class _StreamedBlock(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
+        streamer = ctx.call.streamer
+        if ctx.pass_number is None or streamer.as_pass is None:
+            return _StreamedBlock._backward(ctx, *grads)
+        with streamer.as_pass(ctx.pass_number):  # passes run together: as the pass that ran this forward
+            return _StreamedBlock._backward(ctx, *grads)
+
+    @staticmethod
+    def _backward(ctx, *grads: torch.Tensor):
         call, streamer = ctx.call, ctx.call.streamer
         needs = ctx.needs_input_grad[4:]
         inputs = [t.detach().requires_grad_(need) if need else t.detach() for t, need in zip(ctx.saved_tensors, needs)]
@@ -538,4 +606,4 @@ class _StreamedBlock(torch.autograd.Function):
         return (None, None, None, None, *[t.grad if need else None for t, need in zip(inputs, needs)])
 
 
-__all__ = ["BlockStreamer", "GradStore"]
+__all__ = ["BlockStreamer", "GradStore", "PassGradStore"]

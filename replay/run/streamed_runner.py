@@ -15,9 +15,10 @@ materialise weights inside its recomputation nor say when a block's backward is 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import weakref
-from typing import Any, Callable, ContextManager, Iterator, TypeVar
+from typing import Any, Callable, ContextManager, Iterator, Sequence, TypeVar
 
 import torch
 
@@ -30,12 +31,13 @@ from forensics.replay.load.samples import SampleRef
 from forensics.replay.load.session import ReplaySession
 from forensics.replay.run.execute import StepRunner, any_nonfinite
 from forensics.replay.run.lockstep import Lockstep
-from forensics.replay.run.stream_blocks import BlockStreamer
+from forensics.replay.run.stream_blocks import BlockStreamer, PassGradStore
 
 T = TypeVar("T")
 
 STREAMED_PER_SAMPLE = 8
-"""Streamed, each per-sample row is a pass over the whole model: culprits and at most this many rows."""
+"""Streamed, each per-sample row is a pass of its own (run together with the others, a micro-batch's worth at a
+time): culprits and at most this many rows."""
 
 
 class StreamedStepRunner(StepRunner):
@@ -63,6 +65,11 @@ class StreamedStepRunner(StepRunner):
         self.nonfinite_params = [n for n in self.param_names if n in bad]
         self.passes = 0
         self.lockstep_waits = 0
+        self.joint_backwards = 0
+        self._resident_units: dict[str, Any] = {}
+        """While passes with a backward run together under FSDP2 mixed precision: each parameter outside the blocks
+        that its unit casts -> the unit (`_cast_resident_grads`)."""
+        """Engine calls that ran the backwards of several passes together (run_with_backwards)."""
         self._fsdp_users = 0
         self._together = False
         self._fsdp_exit = contextlib.ExitStack()
@@ -97,6 +104,47 @@ class StreamedStepRunner(StepRunner):
         finally:
             self.streamer.lockstep, self._together = None, False
             self.lockstep_waits += lockstep.waits
+
+    def run_with_backwards(self, jobs: Sequence[Callable[[], T]]) -> list[T] | None:
+        """The jobs' passes, each ONE micro-batch with its backward and no kept gradients (the per-sample rows),
+        together: their forwards block-major, then one engine call for all their backwards, each block materialised
+        once for all of them (replay/run/lockstep.py); each pass keeps its own gradients (`_PassStates`). None when
+        they must run alone: fewer than two, or the engine call raised (its error is no one pass's: the caller runs
+        them alone, and tells what those runs tell). FSDP2 mixed precision: set up once for all (run_forwards), so
+        each pass's gradients outside the blocks are cast as its own precision context's end would cast them
+        (`_resident_units`, in `_measured_grads`)."""
+        if len(jobs) < 2:
+            return None
+        units = parameter_units(self.model, self.session.fsdp_units) if self.session.fsdp_units else {}
+        self._resident_units = {
+            n: units[id(p)]
+            for n, p in self.model.named_parameters()
+            if n not in self._streamed and id(p) in units and p.is_floating_point()
+        }
+        warnings = list(self.session.warnings)
+        switch = _PassStates(self, len(jobs))
+        lockstep = Lockstep(self.streamer.holds, self.session.device, switch)
+        self.reset()  # once for all, as run_forwards
+        self.streamer.lockstep, self.streamer.as_pass, self._together = lockstep, switch.during, True
+        try:
+            with self.job_precision():
+                results = lockstep.run(jobs, grad=True)
+        finally:
+            self.streamer.lockstep, self.streamer.as_pass, self._together = None, None, False
+            self._resident_units = {}
+            switch.close()
+            self.lockstep_waits += lockstep.waits
+            self.joint_backwards += lockstep.backwards
+        if lockstep.backward_error is not None:
+            self.session.warnings[:] = warnings
+            return None
+        return results
+
+    def _backward(self, scaled: torch.Tensor) -> None:
+        if self.streamer.lockstep is not None:  # run together: one engine call for every pass (lockstep.backward)
+            self.streamer.lockstep.backward(scaled)
+        else:
+            scaled.backward()
 
     # -- the base runner's state, without the streamed parameters --------------------------------
     def _live_tensors(self) -> list[tuple[str, torch.Tensor]]:
@@ -184,6 +232,8 @@ class StreamedStepRunner(StepRunner):
     def _measured_grads(self, scale, backward):
         streamer = self.streamer
         streamer.finish_pass()
+        if self._together:  # FSDP2's end of a pass run alone: gradients reduced in reduce_dtype onto the master dtype
+            self._cast_resident_grads()
         grads = {n: p.grad for n, p in self.model.named_parameters() if p.grad is not None and n not in self._streamed}
         if scale is not None:
             inv = scale.double().reciprocal().float()
@@ -206,6 +256,21 @@ class StreamedStepRunner(StepRunner):
                     bad.append(name)
         norm = total_grad_norm(norms)
         return (float(norm) if norm is not None else None), bad
+
+    def _cast_resident_grads(self) -> None:
+        """What fsdp_compute's exit does to each gradient outside the blocks (replay/load/fsdp_precision.py), for a
+        pass run together with others, whose shared precision context ends only after the last of them."""
+        for name, param in self.model.named_parameters():
+            unit = self._resident_units.get(name)
+            master = self._dtypes.get(name)
+            if unit is None or param.grad is None or master is None or unit.param_dtype in (None, master):
+                continue
+            grad = param.grad.to(unit.reduce_dtype or master).to(master)
+            # the pass's own leaf back in the master dtype, as the exit puts the master weights back (its values are
+            # not read again: the pass is over and its leaf goes with it), so that it takes a gradient of that dtype
+            param.grad = None
+            param.data = param.data.to(master)
+            param.grad = grad
 
     # -- what the stages read themselves ---------------------------------------------------------
     def own_grad_norms(self, module: torch.nn.Module) -> list[torch.Tensor]:
@@ -262,38 +327,51 @@ class StreamedStepRunner(StepRunner):
         self.streamer.grad_factor = coef
 
     def per_sample_rows(self, refs: list[SampleRef]) -> list[dict]:
-        """Each sample's loss and gradient norm alone, one streamed pass each (the sample's own loss, not divided)."""
-        rows = []
-        for ref in refs:
-            result = self.run([ref])
-            loss = result.losses[ref.micro_batch] if ref.micro_batch < len(result.losses) else None
-            norm = None if result.grad_norm is None else result.grad_norm * self.session.loss_divisor
-            if result.raised is not None:
-                rows.append(
-                    {
-                        "sample_id": ref.sample_id,
-                        "micro_batch": ref.micro_batch,
-                        "index": ref.index,
-                        "loss": None,
-                        "grad_norm": None,
-                        "finite": False,
-                        "error": f"{result.raised['type']}: {result.raised['message']}",
-                    }
-                )
-                continue
-            finite = loss is not None and math.isfinite(loss) and (norm is None or math.isfinite(norm))
-            rows.append(
-                {
-                    "sample_id": ref.sample_id,
-                    "micro_batch": ref.micro_batch,
-                    "index": ref.index,
-                    "loss": loss,
-                    "grad_norm": norm,
-                    "finite": finite,
-                }
-            )
+        """Each sample's loss and gradient norm alone (the sample's own loss, not divided): one pass per sample,
+        run together (run_with_backwards) in groups of at most a micro-batch's samples (the activations of one
+        micro-batch's pass, which the plan leaves room for: a pass of one sample keeps a sample's share of them)."""
+        rows: list[dict] = []
+        size = max(2, self._samples_per_micro_batch())
+        for start in range(0, len(refs), size):
+            group = refs[start : start + size]
+            jobs = [functools.partial(self.run, [ref]) for ref in group]
+            results = self.run_with_backwards(jobs) if self.block_major else None
+            if results is None:
+                results = [job() for job in jobs]
+            else:
+                self.last_grad_norm = results[-1].grad_norm  # as after the last pass run alone
+            rows += [self._sample_row(ref, result) for ref, result in zip(group, results)]
         self.reset()
         return rows
+
+    def _samples_per_micro_batch(self) -> int:
+        counts: dict[int, int] = {}
+        for ref in self.session.sample_refs:
+            counts[ref.micro_batch] = counts.get(ref.micro_batch, 0) + 1
+        return max(counts.values(), default=1)
+
+    def _sample_row(self, ref: SampleRef, result: Any) -> dict:
+        loss = result.losses[ref.micro_batch] if ref.micro_batch < len(result.losses) else None
+        norm = None if result.grad_norm is None else result.grad_norm * self.session.loss_divisor
+        if result.raised is not None:
+            return {
+                "sample_id": ref.sample_id,
+                "micro_batch": ref.micro_batch,
+                "index": ref.index,
+                "loss": None,
+                "grad_norm": None,
+                "finite": False,
+                "error": f"{result.raised['type']}: {result.raised['message']}",
+            }
+        finite = loss is not None and math.isfinite(loss) and (norm is None or math.isfinite(norm))
+        return {
+            "sample_id": ref.sample_id,
+            "micro_batch": ref.micro_batch,
+            "index": ref.index,
+            "loss": loss,
+            "grad_norm": norm,
+            "finite": finite,
+        }
 
     def traffic(self) -> dict[str, int]:
         """What the replay moved so far: passes, block reads (from the dump or the host cache), bytes read from the
@@ -302,6 +380,7 @@ class StreamedStepRunner(StepRunner):
         cuda = self.session.device.type == "cuda"
         return {
             "passes": self.passes,
+            "walks": self.streamer.walks,
             "block_reads": reader.reads,
             "block_reads_from_storage": reader.storage_reads,
             "bytes_from_storage": load + reader.storage_bytes,
@@ -310,17 +389,18 @@ class StreamedStepRunner(StepRunner):
         }
 
     def metered(self, progress: Callable[[str], None] | None) -> Callable[[str], None] | None:
-        """`progress` with a line before each stage's saying what the stage before it moved (stream_plan's lines
-        and other indented ones pass through)."""
+        """`progress` with a line before each stage's saying what the stage before it did: passes, walks over the
+        blocks, block reads, bytes moved; nothing moved is said too (a stage that reads what another pass measured).
+        stream_plan's lines and other indented ones pass through."""
         if progress is None:
             return None
-        last = self.traffic()
+        last: dict[str, int] | None = None
 
         def report(message: str) -> None:
             nonlocal last
             if not message.startswith(("  ", "streamed replay:")):
                 now = self.traffic()
-                if now != last:
+                if last is not None:
                     progress(f"  {traffic_words(now, last)}")
                 last = now
             progress(message)
@@ -338,7 +418,8 @@ class StreamedStepRunner(StepRunner):
         cache = self.plan.cache
         kept = f"; host cache {words(cache.held_bytes)} of {words(self.plan.streamed_bytes)}" if cache else ""
         return (
-            f"streamed replay, in all: {now['passes']} passes, {now['block_reads']} block reads "
+            f"streamed replay, in all: {now['passes']} passes, {now['walks']} walks over the blocks, "
+            f"{now['block_reads']} block reads "
             f"({now['block_reads_from_storage']} from the dump); {words(now['bytes_from_storage'])} read from the "
             f"dump{moved}; the floor, each block once: {words(now['bytes_floor'])}{kept}"
         )
@@ -349,6 +430,8 @@ class StreamedStepRunner(StepRunner):
         return {
             **self.plan.as_dict(),
             "peak_blocks_materialised": self.streamer.peak,
+            "walks": self.streamer.walks,
+            "joint_backwards": self.joint_backwards,
             "block_reads": self.streamer.reader.reads,
             "block_reads_from_storage": traffic["block_reads_from_storage"],
             "bytes_from_storage": traffic["bytes_from_storage"],
@@ -358,17 +441,79 @@ class StreamedStepRunner(StepRunner):
             "read_ahead_used": self.streamer.reader.hits,
             "blocks_cast_not_read": self.streamer.casts,
             "evicted_for_memory": self.streamer.memory_evictions,
-            "gradient_host_bytes": self.streamer.grads.host_bytes,
-            "gradient_pinned_bytes": self.streamer.grads.pinned_bytes,
-            "gradient_host_alloc_seconds": round(self.streamer.grads.alloc_seconds, 3),
+            "gradient_host_bytes": self.streamer.store.host_bytes,
+            "gradient_pinned_bytes": self.streamer.store.pinned_bytes,
+            "gradient_host_alloc_seconds": round(self.streamer.store.alloc_seconds, 3),
         }
+
+
+class _PassStates:
+    """What each pass run together with others keeps as its own (run_with_backwards; replay/run/lockstep.PassSwitch):
+    the streamer's gradients and norms, and its own leaves for the parameters outside the blocks (Parameters sharing
+    the model's storage, put in the model's modules while the pass runs), so that the one engine call of all the
+    passes' backwards accumulates each pass's gradients apart, as each pass alone would."""
+
+    def __init__(self, runner: StreamedStepRunner, count: int):
+        self.runner, self.streamer = runner, runner.streamer
+        resident = {id(p) for n, p in runner.model.named_parameters() if n not in runner._streamed}
+        self.slots = [
+            (module, key, param)
+            for module in runner.model.modules()
+            for key, param in module._parameters.items()
+            if param is not None and id(param) in resident
+        ]
+        self.base = self.streamer.grad_state()
+        self.states: list[tuple] = [(PassGradStore(), {}, set(), False, True, self.base[5], 1.0) for _ in range(count)]
+        self.lasts = [runner._last] * count
+        self.leaves: list[dict[int, torch.nn.Parameter]] = [{} for _ in range(count)]
+
+    def enter(self, number: int) -> None:
+        leaves = self.leaves[number]
+        for module, key, param in self.slots:
+            leaf = leaves.get(id(param))
+            if leaf is None:
+                leaf = leaves[id(param)] = torch.nn.Parameter(param.data, requires_grad=param.requires_grad)
+            module._parameters[key] = leaf
+        self.streamer.set_grad_state(self.states[number])
+        self.runner._last = self.lasts[number]
+        self.streamer.pass_number = number
+
+    def leave(self, number: int) -> None:
+        self.states[number] = self.streamer.grad_state()
+        self.lasts[number] = self.runner._last
+        for module, key, param in self.slots:
+            module._parameters[key] = param
+        self.streamer.set_grad_state(self.base)
+        self.streamer.pass_number = None
+
+    @contextlib.contextmanager
+    def during(self, number: int) -> Iterator[None]:
+        """Within: pass `number`'s state in place (a block's backward in the engine call of all the passes)."""
+        before = self.streamer.pass_number
+        if before is not None:
+            self.leave(before)
+        self.enter(number)
+        try:
+            yield
+        finally:
+            self.leave(number)
+            if before is not None:
+                self.enter(before)
+
+    def close(self) -> None:
+        """The model's own parameters and the streamer's state back (each pass has left already)."""
+        for module, key, param in self.slots:
+            module._parameters[key] = param
+        self.streamer.set_grad_state(self.base)
+        self.streamer.pass_number = None
 
 
 def traffic_words(now: dict[str, int], before: dict[str, int]) -> str:
     """What moved between two `traffic()` readings, in words."""
     delta = {k: now[k] - before.get(k, 0) for k in now}
     return (
-        f"(that stage: {delta['passes']} pass{'' if delta['passes'] == 1 else 'es'}, {delta['block_reads']} block reads, "
+        f"(that stage: {delta['passes']} pass{'' if delta['passes'] == 1 else 'es'}, "
+        f"{delta['walks']} walk{'' if delta['walks'] == 1 else 's'} over the blocks, {delta['block_reads']} block reads, "
         f"{delta['block_reads_from_storage']} of them from the dump, {words(delta['bytes_from_storage'])} read, "
         f"{words(delta['bytes_host_to_device'])} host→device)"
     )
@@ -387,13 +532,13 @@ def expected_passes(
     fp32_check: bool = True,
     remedies: bool = True,
 ) -> int:
-    """About how many passes a replay of this session takes: reproduce, localise and per-layer statistics (3), other
-    seeds (3), bisection (about 2 log2(samples) + 2), the fp32 re-run, the per-sample rows, the remedies (about 7).
-    The plan's estimate: a step that does not reproduce stops earlier, one whose samples fail only together bisects
-    longer."""
+    """About how many passes a replay of this session takes: reproduce (the per-layer table read from it) and
+    localise (2), other seeds (3), bisection (about 2 log2(samples) + 2), the fp32 re-run, the per-sample rows, the
+    remedies (about 7). The plan's estimate: a step that does not reproduce stops earlier, one whose samples fail
+    only together bisects longer."""
     samples = max(1, len(session.sample_refs))
     return (
-        3
+        2
         + 3 * rng_check
         + (2 * samples.bit_length() + 2) * bisect
         + fp32_check

@@ -7,8 +7,10 @@ process, to the same verdict and sample (the table of BENCHMARKS.md "Streamed re
 
 A budget is a size, "quarter" (a quarter of the model's fp32 weights; the least budget the plan takes when that is
 too small for the part outside the blocks), or "none"; ":old" runs it with the schedule before issue 53 (no host
-cache: every pass reads the dump; one walk over the blocks per pass), else the current one (on a CPU with a host
-cache for every block, the stand-in for a GPU host's memory: a CPU replay has none by default).
+cache: every pass reads the dump; one walk over the blocks per pass, passes with a backward alone; the per-layer
+table is read from the reproduce pass in both), else the current one (on a CPU with a host cache for every block,
+the stand-in for a GPU host's memory: a CPU replay has none by default). The JSON's rows feed
+scripts/bench/stream_projection.py (a 70B projection from a measured row).
 
 Each budget runs `run_replay(..., ReplayOptions(memory_budget=B))` in its own process with the CUDA caching allocator
 capped at B (`torch.cuda.set_per_process_memory_fraction(B / total)`: an allocation beyond it raises out of memory,
@@ -201,21 +203,21 @@ def main() -> int:
         for at, message in row["stages"]:
             print(f"  [{row['budget']} +{at:7.2f}s] {message}", flush=True)
     print(
-        "\n| budget | GPU peak (GiB) | replay to verdict (s; CPU s of the process) | passes | blocks at once (K) / of | block reads (from the "
+        "\n| budget | GPU peak (GiB) | replay to verdict (s; CPU s of the process) | passes | walks | blocks at once (K) / of | block reads (from the "
         "dump) | GiB read from the dump / host→device / floor | read ahead used | cast, not read | evicted for memory | "
         "gradients off the device: host GiB (pinned), s making buffers | verdict | culprits |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         if "error" in row:
-            print(f"| {row['budget']} | failed | | | | | | | | | | | |")
+            print(f"| {row['budget']} | failed | | | | | | | | | | | | |")
             continue
         stream = row.get("stream") or {}
         k = f"{stream.get('blocks_resident')} / {stream.get('blocks')}" if stream else "all"
         reads = f"{stream['block_reads']} ({stream.get('block_reads_from_storage', '-')})" if stream else "-"
         print(
             f"| {row['budget']} | {row['gpu_peak_gib']} | {row['replay_s']} ({row['cpu_s']} CPU) | {row['passes']} | "
-            f"{k} | {reads} | "
+            f"{stream.get('walks', '-')} | {k} | {reads} | "
             f"{_traffic(stream)} | {stream.get('read_ahead_used', '-')} | "
             f"{stream.get('blocks_cast_not_read', '-')} | {stream.get('evicted_for_memory', '-')} | {_host(stream)} | "
             f"{row['verdict']} | "

@@ -35,6 +35,19 @@ def _same_report(normal: dict, streamed: dict, helpers) -> None:
     # the search itself: a streamed bisection runs its forward passes block-major, looking ahead (replay/run/lockstep.py)
     assert key(streamed, "bisection") == key(normal, "bisection")
     assert key(streamed, "rng") == key(normal, "rng")
+    # the per-layer table (read from the reproduce pass) and the per-sample rows (their passes run together, one
+    # engine call for their backwards: replay/run/lockstep.py), number for number
+    assert key(streamed, "per_layer") == key(normal, "per_layer")
+    rows = key(streamed, "per_sample")
+    ids = [r["sample_id"] for r in rows]
+    normal_rows = [r for r in key(normal, "per_sample") if r["sample_id"] in ids]
+    assert ids == [r["sample_id"] for r in normal_rows]
+    for row, alone in zip(rows, normal_rows):  # the normal replay's rows come from vmap: equal to rounding
+        assert row["finite"] == alone["finite"]
+        for number in ("loss", "grad_norm"):
+            assert (row[number] is None) == (alone[number] is None)
+            if isinstance(alone[number], float) and row["finite"]:
+                assert row[number] == pytest.approx(alone[number], rel=1e-4)
     said = [w for w in key(streamed, "environment", "warnings") if not w.startswith("streamed replay")]
     assert said == key(normal, "environment", "warnings")  # look-ahead runs it never used tell nothing
 
@@ -339,3 +352,98 @@ def test_forward_passes_run_block_major_compute_what_each_computes_alone(tmp_pat
     assert runner.lockstep_waits > 0 and 3 * walked_together <= walked_alone
     assert warnings.filters == filters  # the passes' catch_warnings, entered and left interleaved, put back
     assert repr(bf16_together) == repr(bf16_alone) and bf16_alone[0] != alone[0]
+
+
+def _stage_traffic(stages: list[str]) -> dict[str, tuple[int, int, int]]:
+    """{stage: (passes, walks over the blocks, block reads)} from a streamed replay's stage log, each stage's line
+    "  (that stage: ...)" coming before the next stage's."""
+    import re
+
+    out: dict[str, tuple[int, int, int]] = {}
+    current = None
+    for line in stages:
+        if line.startswith("  (that stage:"):
+            said = re.search(r"(\d+) pass(?:es)?, (\d+) walks? over the blocks, (\d+) block reads", line)
+            assert said is not None, line
+            assert current is not None
+            out[current] = tuple(int(v) for v in said.groups())  # type: ignore[assignment]
+        elif not line.startswith(("  ", "streamed replay")):
+            current = line.split(" (")[0]
+    return out
+
+
+def test_stages_walk_the_blocks_once_per_pass_set(tmp_path, helpers, kit):
+    """The stage log says each stage's passes, walks and block reads: the per-layer table takes no walk (read from
+    the reproduce pass), the per-sample rows' passes share one forward and one backward walk (their backwards in one
+    engine call: replay/run/lockstep.py), and the report is the one of the passes run alone, to the bit."""
+    dump = _gpt2_dump(tmp_path, helpers, kit, layers=4)
+    options = dict(device="cpu", remedies=False, rng_check=False, max_per_sample=3)
+    stages: list[str] = []
+    report = run_replay(
+        dump, ReplayOptions(**options, memory_budget=TINY, host_cache_bytes=1 << 30), progress=stages.append
+    )
+    walked = _stage_traffic(stages)
+    blocks = report["stream"]["blocks"]
+    assert walked["reproducing the step"][:2] == (1, 4)  # two micro-batches, each a forward and a backward walk
+    assert walked["per-layer gradient norms and output abs-max"] == (0, 0, 0)
+    passes, walks, reads = walked["per-sample loss and gradient norm"]
+    assert passes == 3 and walks == 2 and reads <= 2 * blocks  # was 3 x 2 walks, one pass after another
+    assert report["stream"]["joint_backwards"] == 1 and report["stream"]["walks"] == sum(
+        w for _, w, _ in walked.values()
+    )
+
+    stages.clear()
+    alone = run_replay(
+        dump,
+        ReplayOptions(**options, memory_budget=TINY, host_cache_bytes=1 << 30, block_major=False),
+        progress=stages.append,
+    )
+    assert _stage_traffic(stages)["per-sample loss and gradient norm"][:2] == (3, 6)  # one pass after another
+    for section in ("timings", "stream", "created_at"):
+        report.pop(section), alone.pop(section)
+    assert report == alone
+
+
+def test_passes_with_a_backward_run_together_compute_what_each_computes_alone(tmp_path, helpers, kit):
+    """run_with_backwards: the passes' forwards block-major, their backwards in one engine call, each pass's gradients
+    its own (the blocks' taken off as each block's backward ends; the embeddings, final norm and head on leaves of
+    their own): losses, gradient norms and non-finite parameters as each pass alone gives them, to the bit, in fewer
+    block reads; a pass the schedule cannot run (two micro-batches, gradients held between them) runs alone."""
+    from forensics.format import open_dump
+    from forensics.replay.load.fsdp_precision import parse_units
+    from forensics.replay.options import load
+    from forensics.replay.run.streamed_runner import runner_for
+
+    dump = _gpt2_dump(tmp_path, helpers, kit, layers=4)
+    session = load(open_dump(dump), ReplayOptions(device="cpu", memory_budget=TINY, host_cache_bytes=1 << 30))
+    runner = runner_for(session)
+
+    def seen(result) -> tuple:
+        return repr(result.losses), repr(result.grad_norm), result.nonfinite_grad_params, result.loss_finite
+
+    try:
+        refs = session.sample_refs
+        one_each = [[refs[0]], [refs[1]], [refs[6]], [refs[3]]]  # the last micro-batch's 3rd sample holds 1e38
+        reads = runner.streamer.reader.reads
+        alone = [seen(runner.run(s)) for s in one_each]
+        walked_alone = runner.streamer.reader.reads - reads
+        reads = runner.streamer.reader.reads
+        together = runner.run_with_backwards([lambda s=s: seen(runner.run(s)) for s in one_each])
+        walked_together = runner.streamer.reader.reads - reads
+        resident = [p for n, p in runner.model.named_parameters() if n not in runner._streamed]
+        two_micro_batches = runner.run_with_backwards([lambda: runner.run(refs[3:5]), lambda: runner.run(refs[:1])])
+        assert runner.run_with_backwards([lambda: runner.run(refs[:1])]) is None  # one pass: nothing to share
+        # FSDP2 bf16 compute, fp32 reduce: set up once for all; each pass's gradients outside the blocks cast as its
+        # own context's end would (the blocks' as each block's backward ends)
+        session.fsdp_units = parse_units(
+            [{"module": "", "param_dtype": "bfloat16", "reduce_dtype": "float32", "cast_forward_inputs": True}]
+        )
+        bf16_alone = [seen(runner.run(s)) for s in one_each]
+        bf16_together = runner.run_with_backwards([lambda s=s: seen(runner.run(s)) for s in one_each])
+    finally:
+        runner.close()
+    assert together == alone and len({a[1] for a in alone}) == len(alone)  # each sample's own gradient norm
+    assert bf16_together == bf16_alone and bf16_alone[0] != alone[0]
+    assert runner.joint_backwards >= 1 and 2 * walked_together < walked_alone
+    assert all(p.grad is None for p in resident)  # the passes' leaves went with them
+    assert two_micro_batches is None
