@@ -80,7 +80,7 @@ class Pieces:
         self._function(device_sync.DeviceFence, "wait", "wait for the previous step's copy")
         if model_hooks:
             self._hooks(guard.model._forward_pre_hooks, "model forward pre-hooks (autocast state)", recorder)
-        self._collecting = 0.0
+        self._collecting = self._collecting_cpu = 0.0
         gc.callbacks.append(self._collector)
         self._undo.append(lambda: gc.callbacks.remove(self._collector))
         optimizer = guard.optimizer
@@ -89,12 +89,12 @@ class Pieces:
 
     def _collector(self, phase: str, info: dict) -> None:
         """gc.callbacks: a collection's wall time (it lands in whichever call allocated last, the Guard's or not)."""
+        label = "Python's garbage collector (any caller: the whole step)"
         if phase == "start":
-            self._collecting = time.perf_counter()
+            self._collecting, self._collecting_cpu = time.perf_counter(), time.thread_time()
         elif self._collecting:
-            self.seconds["Python's garbage collector (any caller: the whole step)"] += (
-                time.perf_counter() - self._collecting
-            )
+            self.seconds[label] += time.perf_counter() - self._collecting
+            self.cpu[label] += time.thread_time() - self._collecting_cpu
 
     def _timed(self, call: Callable, label: str) -> Callable:
         seconds, cpu = self.seconds, self.cpu

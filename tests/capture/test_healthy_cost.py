@@ -1,6 +1,6 @@
-"""What a healthy guarded step costs, counted, not timed: the operators the Guard's calls dispatch, the host reads of
-device data they make, the Python functions they run and the heap they hold, per step of a fixed small model. The
-budget is written below; a change that adds work to the hot path (a device sync in check(), a window walked every
+"""What a healthy guarded step costs, counted, not timed: the operators the Guard's calls (and its hooks on the model
+and the optimizer) dispatch, the host reads of device data they make, the Python functions they run and the heap they
+hold, per step of a fixed small model, and the same at ten times its parameter tensors. The budget is written below; a change that adds work to the hot path (a device sync in check(), a window walked every
 step, an RNG state copied again) fails here and the message says which call grew, by what, and its most frequent
 Python functions.
 
@@ -50,6 +50,9 @@ class Budget:
 BUDGET = {
     "record_batch": Budget(ops=0, host_reads=0, scalar_reads=0, python_calls=25, peak_kb=8),  # RNG shared if unchanged
     "record_loss": Budget(ops=2 * 1, host_reads=0, scalar_reads=0, python_calls=2 * 2, peak_kb=1),
+    # the Guard's hooks on the model (the autocast state, read at a step's first forward) and on the optimizer (stepped
+    # since the last check? the sync-free flag's removal): host bookkeeping only
+    "hooks": Budget(ops=0, host_reads=0, scalar_reads=0, python_calls=6, peak_kb=1),
 }
 CHECK_BUDGET = {
     "synchronous": Budget(ops=1, host_reads=1, scalar_reads=0, python_calls=45, peak_kb=2.5),
@@ -121,6 +124,18 @@ def healthy_steps(dump_dir, steps: int, check: str, warm: int = 40, layers: int 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=check == "sync_free")
     guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(dump_dir)), loss_fn=squared_output)
     costs = {name: Cost() for name in (*BUDGET, "check")}
+    passing: list[str | None] = [None]  # the pass the hooks' calls are counted in (None: not counted)
+
+    def counted_hook(hook):
+        def hook_call(*args, **kwargs):
+            return (
+                hook(*args, **kwargs)
+                if passing[0] is None
+                else counted(costs["hooks"], passing[0], hook, *args, **kwargs)
+            )
+
+        return hook_call
+
     data = torch.randn(warm + len(PASSES) * steps, MICRO_BATCHES, 4, 16)
 
     def call(name: str, step: int, method, *args, **kwargs):
@@ -134,6 +149,10 @@ def healthy_steps(dump_dir, steps: int, check: str, warm: int = 40, layers: int 
 
     try:
         for step in range(warm + len(PASSES) * steps):
+            if step == warm:  # every hook is in place (the sync-free check adds its own at the first check)
+                for hooks in (model._forward_pre_hooks, *optimizer_hooks(optimizer)):
+                    hooks.update({key: counted_hook(hook) for key, hook in hooks.items()})
+            passing[0] = PASSES[(step - warm) // steps] if step >= warm else None
             if step == warm + PASSES.index("heap") * steps:
                 tracemalloc.start()
             for index in range(MICRO_BATCHES):
@@ -155,6 +174,11 @@ def healthy_steps(dump_dir, steps: int, check: str, warm: int = 40, layers: int 
 
 def squared_output(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     return model(batch["x"]).pow(2).mean()
+
+
+def optimizer_hooks(optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The optimizer's step pre- and post-hook dictionaries (torch.optim.Optimizer's; every hook there is the Guard's)."""
+    return optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks
 
 
 def over_budget(costs: dict[str, Cost], steps: int, check: str) -> list[str]:
