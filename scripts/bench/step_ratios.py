@@ -284,11 +284,11 @@ def run_config(
             runs[mode][2].guard.close()
     if not distributed or torch.distributed.get_rank() == 0:
         report(config, words, device, len(times["plain"]), steps, times, host)
-        for mode, text in pieced.items():
+        for mode, listing in pieced.items():
             print(
-                f"{mode}: the Guard's pieces, host wall time per step over {pieces} steps (a piece includes those under it)"
+                f"{mode}: the Guard's pieces, host time per step over {pieces} steps (a piece includes those under it)"
             )
-            print(text)
+            print(listing)
         for mode, (wall, cpu, total) in spent.items():
             print(
                 f"{mode}: inside the Guard per step (wall / on the thread's CPU, warm-up and timed rounds), "
