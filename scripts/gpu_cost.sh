@@ -11,7 +11,9 @@
 # Logs under OUT/<run>.log, the tables in OUT/summary.txt.
 # Usage (repo root, .whl carried: forensics' dependencies): bash scripts/gpu_cost.sh "$OUT"
 #   BATCH=6 (sequences per micro-batch: ~70 ms on an H200, ~100 ms on an H100) STEPS=20 (per round and mode)
-#   DEADLINE=185 (seconds per run before its last round starts) WARM=2 PIECES=40
+#   DEADLINE=180 (seconds per run before its last round starts) WARM=2 PIECES=40 PROFILE=0 (3: steps of each mode under
+#   torch.profiler after the rounds, run 1 only: the operators and kernel launches the Guard adds, with their host time;
+#   the ratios are printed before it, so a profiler that makes dynamo recompile past the time limit loses only itself)
 #   EXTRA="--tiny --no-compile" (a dry run of the script on a CPU)
 set -uo pipefail
 out=${1:-/tmp/gpu_cost}; mkdir -p "$out"
@@ -19,8 +21,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCH_LOGS=recompiles
-batch=${BATCH:-6} steps=${STEPS:-20} deadline=${DEADLINE:-185} warm=${WARM:-2} pieces=${PIECES:-40}
-limit=$((deadline + 40))  # the last round (<= 3 modes x STEPS steps), the pieces pass and the report
+batch=${BATCH:-6} steps=${STEPS:-20} deadline=${DEADLINE:-180} warm=${WARM:-2} pieces=${PIECES:-40}
+profile=${PROFILE:-0}
+limit=$((deadline + 45))  # the last round (<= 3 modes x STEPS steps), the profiled steps, the pieces pass, the report
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$out/card.txt" 2>&1
 failed=0
 run() {  # run NAME CMD...: CMD's output in OUT/NAME.log, its tables in the summary
@@ -28,8 +31,8 @@ run() {  # run NAME CMD...: CMD's output in OUT/NAME.log, its tables in the summ
   local start=$SECONDS code=0
   timeout "$limit" "$@" > "$out/$name.log" 2>&1 || code=$?
   { echo "== $name (exit $code, $((SECONDS - start)) s, limit $limit s): $*"
-    grep -E "^(machine|config|[0-9]+ interleaved|mode|plain|synced|guarded|synchronous|ratio|  )|inside the Guard|pieces" \
-      "$out/$name.log" | cut -c1-400
+    grep -E "^(machine|config|[0-9]+ interleaved|mode|plain|synced|guarded|synchronous|ratio|---|  )|inside the Guard|pieces" \
+      "$out/$name.log" | grep -v "^--- cProfile" | cut -c1-400
     echo "recompilations logged: $(grep -c "Recompiling" "$out/$name.log") in all," \
       "$(sed -n '/^the rounds begin/,$p' "$out/$name.log" | grep -c "Recompiling") during the rounds (want 0)"
   } >> "$out/summary.txt"
@@ -38,7 +41,7 @@ run() {  # run NAME CMD...: CMD's output in OUT/NAME.log, its tables in the summ
 common=(--config nanogpt --batch "$batch" --rounds 500 --steps "$steps" --deadline "$deadline" --warm-rounds "$warm"
   --pieces "$pieces" ${EXTRA:-})
 # 1. the default GuardConfig on a short step: fused AdamW, the sync-free check (goal <= 1.005)
-run short_step python3 -m scripts.bench.capture_overhead "${common[@]}" --modes guarded
+run short_step python3 -m scripts.bench.capture_overhead "${common[@]}" --modes guarded --profile "$profile"
 # 2. the synchronous path: foreach AdamW, so the default GuardConfig ("guarded") checks synchronously (goal <= 1.01),
 #    beside "synced"
 run synchronous python3 -m scripts.bench.capture_overhead "${common[@]}" --foreach --modes synced,guarded

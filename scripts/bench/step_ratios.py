@@ -231,7 +231,8 @@ def run_config(
     host: dict[str, list[float]] = {mode: [] for mode in modes}
     if not distributed:
         print("the rounds begin", flush=True)  # (a log marker: a recompilation after it lands in a round)
-    for index in range(-warm_rounds, rounds):
+    late = stop_at and not distributed and time.perf_counter() > stop_at  # compiling took it all: no warm rounds
+    for index in range(0 if late else -warm_rounds, rounds):
         if index == 0:  # the warm rounds are discarded
             times, host = {m: [] for m in modes}, {m: [] for m in modes}
         elif index >= 3 and stop_at and time.perf_counter() > stop_at and not distributed:
@@ -255,6 +256,9 @@ def run_config(
         table = torch.tensor([times[m] for m in modes], dtype=torch.float64, device=device)
         torch.distributed.all_reduce(table, op=torch.distributed.ReduceOp.MAX)
         times = {m: table[i].tolist() for i, m in enumerate(modes)}
+    printing = not distributed or torch.distributed.get_rank() == 0
+    if printing:  # first: a run stopped by its time limit in the passes below still has its ratios
+        report(config, words, device, len(times["plain"]), steps, times, host)
     traces = {mode: trace(lambda mode=mode: step(mode), profile, device) for mode in modes} if profile else {}
     inside = {}
     for mode in modes if profile else ():  # then the Guard's own calls under cProfile (Python-level, host only)
@@ -282,8 +286,7 @@ def run_config(
     for mode in modes:
         if runs[mode][2] is not None:
             runs[mode][2].guard.close()
-    if not distributed or torch.distributed.get_rank() == 0:
-        report(config, words, device, len(times["plain"]), steps, times, host)
+    if printing:
         for mode, listing in pieced.items():
             print(
                 f"{mode}: the Guard's pieces, host time per step over {pieces} steps (a piece includes those under it)"
