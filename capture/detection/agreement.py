@@ -45,7 +45,7 @@ def device_scalar(value: Any, device: torch.device) -> torch.Tensor:
     a CPU tensor or a Python number is read on the host and filled in as float64 (a pageable host->device copy would
     wait for the stream). The result may be shared (a constant): stack or copy it, never write into it."""
     if isinstance(value, torch.Tensor):
-        value = value.detach()
+        value = value.detach() if value.requires_grad else value  # record_loss keeps losses detached: no second view
         if value.device == device:
             return value if value.dim() == 0 and value.is_floating_point() else value.float().mean()
         if value.device.type != "cpu":

@@ -81,6 +81,7 @@ class Pending:
     divisor: float
     sharded_norm: bool | None = None  # several ranks: `buffer` is agreement.launch()'s vector, then skipped; the
     # grad norm is a shard's (assembled by the all-reduce) when True
+    pinned: bool = False  # `buffer` is pinned memory (a CUDA device's copy)
     overridden: bool = False  # another found_inf (a GradScaler the Guard was not given) replaced this step's flag
 
 
@@ -175,6 +176,9 @@ class SyncFree:
         self.pending: Pending | None = None
         self._active: bool | None = None  # decided at the first check
         self._flag: torch.Tensor | None = None  # the found_inf this check handed the optimizer for its next step
+        self._buffer: tuple[torch.Tensor, bool] | None = None
+        """(pinned or not) The host buffer of the step judged last, free again (resolve() read it): the next step's copy reuses it
+        instead of allocating pinned memory every step."""
 
     def active(self) -> bool:
         """Whether this Guard runs sync-free (decided once, at the first check; one warning if it was asked for and
@@ -214,10 +218,14 @@ class SyncFree:
         found_inf = skip.float()
         optimizer.found_inf = self._flag = found_inf  # the fused step skips the update (and undoes its count) when 1
         optimizer.grad_scale = None
-        numbers = torch.cat([*parts, found_inf.double().reshape(1)])
+        numbers = torch.cat([*parts, found_inf.reshape(1)])  # cat promotes the flag to float64 (no cast operator)
         device = numbers.device
         pinned = device.type == "cuda"
-        buffer = torch.empty(numbers.shape, dtype=torch.float64, pin_memory=pinned)
+        free, self._buffer = self._buffer, None
+        if free is not None and free[1] == pinned and free[0].shape == numbers.shape:
+            buffer = free[0]
+        else:
+            buffer = torch.empty(numbers.shape, dtype=torch.float64, pin_memory=pinned)
         buffer.copy_(numbers, non_blocking=pinned)
         hyper = [
             {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in group.items() if k != "params"}
@@ -235,6 +243,7 @@ class SyncFree:
             hyper,
             divisor,
             sharded if state.ranks.multi_rank else None,
+            pinned,
         )
 
     def _own_numbers(
@@ -290,8 +299,8 @@ class SyncFree:
             held = _held(loss_fires, step_loss, loss_limit, floor)
         if norm is not None and norm_limit is not None:
             norm_held = _held(norm > norm_limit, norm, norm_limit, floor)
-            if loss_fires is not None:
-                norm_held = norm_held & ~loss_fires
+            if loss_fires is not None and floor != -math.inf:  # (any spike held: a loss spike is held itself, so
+                norm_held = norm_held & ~loss_fires  # `held | norm_held & ~loss_fires` is `held | norm_held`)
             held = norm_held if held is None else held | norm_held
         return held
 
@@ -312,6 +321,7 @@ class SyncFree:
     def quarantine(self) -> None:
         """A CUDA error poisoned the context: the pending step's pinned buffer is never freed (see
         forensics.core.device_sync.quarantine) and the step is not judged (its values can no longer be read)."""
+        self._buffer = None  # (a buffer already read: no copy into it is pending)
         if self.pending is not None:
             quarantine([self.pending.buffer])
             self.pending = None
@@ -324,6 +334,7 @@ class SyncFree:
             return None
         pending.landed.wait()
         numbers = pending.buffer.tolist()
+        self._buffer = pending.buffer, pending.pinned  # read: the next step's copy may reuse it
         n, skipped = pending.n_losses, numbers[-1] > 0 and not pending.overridden
         if pending.overridden:
             self._active = False

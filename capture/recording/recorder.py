@@ -65,7 +65,7 @@ class StepRecorder:
             record = self.current
             if len(record.batches) >= MAX_MICRO_BATCHES:
                 return
-            if sample_ids is None and isinstance(batch, Mapping):
+            if sample_ids is None and (isinstance(batch, dict) or isinstance(batch, Mapping)):  # dict: no ABC check
                 sample_ids = batch.get(self.sample_id_key)
             record.batches.append(batch)
             record.sample_ids.append(sample_ids)

@@ -103,12 +103,15 @@ class RngCapture:
     compare of its raw bytes (forensics/core/thirdparty.py: ~2 us); otherwise the last capture's are shared (they are
     never changed in place). Exact: a generator whose raw bytes cannot be read, or that holds a cached Gaussian
     (numpy's legacy `has_gauss`, which a draw can consume without touching the raw bytes), is copied every time;
-    Python's `gauss_next` is compared as well. The torch states (a few bytes, ~2 us) are taken every time."""
+    Python's `gauss_next` is compared as well. The torch states (a few bytes, ~2 us) are taken every time, straight
+    from the generators: the CUDA ones (`torch.cuda.default_generators`, one per visible device, what
+    `torch.cuda.get_rng_state_all` reads) are looked up once CUDA is initialised, not per device and call."""
 
     def __init__(self):
         self._last: RngState | None = None
         self._python_raw: tuple[bytes, Any] | None = None
         self._numpy_raw: bytes | None = None
+        self._cuda_generators: tuple[torch.Generator, ...] | None = None  # set once CUDA is initialised
 
     def __call__(self) -> RngState:
         last = self._last
@@ -131,8 +134,13 @@ class RngCapture:
             numpy_state = last.numpy
         else:
             numpy_state = _numpy_state()
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-        self._last = RngState(python=python, torch_cpu=torch.get_rng_state(), cuda=cuda, numpy=numpy_state)
+        generators = self._cuda_generators
+        if generators is None and torch.cuda.is_initialized():  # (initialised implies available)
+            generators = self._cuda_generators = tuple(torch.cuda.default_generators)  # CUDA never un-initialises
+        cuda = [generator.get_state() for generator in generators] if generators else []
+        self._last = RngState(
+            python=python, torch_cpu=torch.default_generator.get_state(), cuda=cuda, numpy=numpy_state
+        )
         self._python_raw, self._numpy_raw = python_key, numpy_raw
         return self._last
 

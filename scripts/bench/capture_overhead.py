@@ -27,12 +27,15 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+import time
 import warnings
 
 import torch
 
 from forensics.capture import DetectionConfig, Guard, GuardConfig, RecordConfig
 from scripts.bench.common import gpt2, machine, median, sync, timed
+
+STARTED = time.perf_counter()  # --deadline counts from here (building and compiling the models included)
 
 
 def main() -> None:
@@ -66,6 +69,22 @@ def main() -> None:
         "runs): plain, synced, guarded, synchronous, precursors",
     )
     parser.add_argument(
+        "--deadline",
+        type=float,
+        default=0.0,
+        help="nanogpt: start no round after this many seconds since the start (compiling included; "
+        "--rounds: the most), so that a run under a time limit reports",
+    )
+    parser.add_argument(
+        "--warm-rounds", type=int, default=0, help="nanogpt / fsdp2: interleaved rounds run first and discarded"
+    )
+    parser.add_argument(
+        "--pieces",
+        type=int,
+        default=0,
+        help="nanogpt / fsdp2: then time each piece of the Guard's calls over this many steps (host wall time)",
+    )
+    parser.add_argument(
         "--pin", action="store_true", help="nanogpt / fsdp2: each local rank on its own share of the host's cores"
     )
     args = parser.parse_args()
@@ -88,6 +107,9 @@ def main() -> None:
             pin=args.pin,
             batch=args.batch,
             fused=not args.foreach,
+            stop_at=STARTED + args.deadline if args.deadline else 0.0,
+            pieces=args.pieces,
+            warm_rounds=args.warm_rounds,
         )
         return
     device = "cuda" if torch.cuda.is_available() else "cpu"

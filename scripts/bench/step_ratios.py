@@ -30,6 +30,7 @@ import torch
 
 from forensics.capture import DetectionConfig, Guard, GuardConfig, PrecursorConfig
 from scripts.bench.common import machine, median, sync
+from scripts.bench.guard_pieces import Pieces
 
 MODES = ("plain", "synced", "guarded", "synchronous", "precursors")
 """plain: no read of its own; synced: the loop reads the grad norm before optimizer.step() (a NaN check by hand, one
@@ -62,9 +63,11 @@ class Timed:
         self.by_method: dict[str, float] = {}
         self.on_cpu: dict[str, float] = {}  # the calling thread's CPU time in them (the rest: waiting)
         self.profiler: cProfile.Profile | None = None  # set: the Guard's calls (only they) run under cProfile
+        self.calls = 0  # check() calls: the steps
 
     def __call__(self, method: str, *args, **kwargs):
         start, cpu = time.perf_counter(), time.thread_time()
+        self.calls += method == "check"
         if self.profiler is not None:
             self.profiler.enable()
         try:
@@ -156,10 +159,16 @@ def run_config(
     pin: bool = False,
     batch: int = 12,
     fused: bool = True,
+    stop_at: float = 0.0,
+    pieces: int = 0,
+    warm_rounds: int = 0,
 ) -> None:
     """Times the configuration's modes (MODES; `only`: those of them, plain always included); `profile`: then traces
     that many more steps of each mode with torch.profiler and prints (rank 0) where the host and the device spent them;
-    `pin`: each local rank runs on its own share of the host's cores (as numactl / a launcher's CPU binding does)."""
+    `pin`: each local rank runs on its own share of the host's cores (as numactl / a launcher's CPU binding does);
+    `stop_at` (> 0): a time.perf_counter() after which no round starts (at most `rounds`, at least 3), so a run ends
+    in time whatever its compile and step took; `warm_rounds`: interleaved rounds run first and discarded;
+    `pieces`: then times each piece of the Guard's calls (scripts/bench/guard_pieces.py) over that many steps."""
     distributed = config == "fsdp2"
     if distributed:
         torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -220,7 +229,14 @@ def run_config(
     # lands in one mode's round would count against that mode
     times: dict[str, list[float]] = {mode: [] for mode in modes}
     host: dict[str, list[float]] = {mode: [] for mode in modes}
-    for index in range(rounds):
+    if not distributed:
+        print("the rounds begin", flush=True)  # (a log marker: a recompilation after it lands in a round)
+    late = stop_at and not distributed and time.perf_counter() > stop_at  # compiling took it all: no warm rounds
+    for index in range(0 if late else -warm_rounds, rounds):
+        if index == 0:  # the warm rounds are discarded
+            times, host = {m: [] for m in modes}, {m: [] for m in modes}
+        elif index >= 3 and stop_at and time.perf_counter() > stop_at and not distributed:
+            break  # (under torchrun every rank must run the same rounds: no time limit there)
         for mode in modes[index % len(modes) :] + modes[: index % len(modes)]:
             timed = runs[mode][2]
             before = timed.seconds if timed else 0.0
@@ -231,10 +247,18 @@ def run_config(
             sync(str(device))
             times[mode].append((time.perf_counter() - start) / steps)
             host[mode].append(((timed.seconds - before) / steps) if timed else 0.0)
+    spent = {  # the Guard's calls in the warm-up and the rounds (before any timer of the passes below)
+        mode: (dict(run[2].by_method), dict(run[2].on_cpu), run[2].calls)
+        for mode, run in runs.items()
+        if run[2] is not None and run[2].calls
+    }
     if distributed:  # a step is as long as its slowest rank
         table = torch.tensor([times[m] for m in modes], dtype=torch.float64, device=device)
         torch.distributed.all_reduce(table, op=torch.distributed.ReduceOp.MAX)
         times = {m: table[i].tolist() for i, m in enumerate(modes)}
+    printing = not distributed or torch.distributed.get_rank() == 0
+    if printing:  # first: a run stopped by its time limit in the passes below still has its ratios
+        report(config, words, device, len(times["plain"]), steps, times, host)
     traces = {mode: trace(lambda mode=mode: step(mode), profile, device) for mode in modes} if profile else {}
     inside = {}
     for mode in modes if profile else ():  # then the Guard's own calls under cProfile (Python-level, host only)
@@ -248,22 +272,33 @@ def run_config(
             pstats.Stats(timed.profiler, stream=text).sort_stats("tottime").print_stats(25)
             inside[mode] = text.getvalue()
             timed.profiler = None
+    pieced = {}
+    for mode in modes if pieces else ():  # each piece of the Guard's calls timed (after the rounds: the timers cost)
+        timed = runs[mode][2]
+        if timed is not None:
+            watch = Pieces(timed.guard, model_hooks=not compile_model)
+            sync(str(device))
+            for _ in range(pieces):
+                step(mode)
+            sync(str(device))
+            pieced[mode] = watch.table(pieces)
+            watch.remove()
     for mode in modes:
         if runs[mode][2] is not None:
             runs[mode][2].guard.close()
-    if not distributed or torch.distributed.get_rank() == 0:
-        report(config, words, device, rounds, steps, times, host)
-        for mode in modes:
-            timed = runs[mode][2]
-            if timed is not None:
-                total = rounds * steps + 40 if not tiny else rounds * steps + 34  # the warm-up's steps too
-                print(
-                    f"{mode}: inside the Guard per step (wall / on the thread's CPU), "
-                    + ", ".join(
-                        f"{name} {seconds / total * 1e6:.0f} / {timed.on_cpu[name] / total * 1e6:.0f} us"
-                        for name, seconds in timed.by_method.items()
-                    )
+    if printing:
+        for mode, listing in pieced.items():
+            print(
+                f"{mode}: the Guard's pieces, host time per step over {pieces} steps (a piece includes those under it)"
+            )
+            print(listing)
+        for mode, (wall, cpu, total) in spent.items():
+            print(
+                f"{mode}: inside the Guard per step (wall / on the thread's CPU, warm-up and timed rounds), "
+                + ", ".join(
+                    f"{name} {s / total * 1e6:.0f} / {cpu[name] / total * 1e6:.0f} us" for name, s in wall.items()
                 )
+            )
         if traces:
             print(profile_report(traces, profile))
         for mode, text in inside.items():

@@ -1,6 +1,6 @@
-"""What a healthy guarded step costs, counted, not timed: the operators the Guard's calls dispatch, the host reads of
-device data they make, the Python functions they run and the heap they hold, per step of a fixed small model. The
-budget is written below; a change that adds work to the hot path (a device sync in check(), a window walked every
+"""What a healthy guarded step costs, counted, not timed: the operators the Guard's calls (and its hooks on the model
+and the optimizer) dispatch, the host reads of device data they make, the Python functions they run and the heap they
+hold, per step of a fixed small model, and the same at ten times its parameter tensors. The budget is written below; a change that adds work to the hot path (a device sync in check(), a window walked every
 step, an RNG state copied again) fails here and the message says which call grew, by what, and its most frequent
 Python functions.
 
@@ -41,17 +41,22 @@ class Budget:
 # Per healthy step of 2 micro-batches, as measured on the code of this commit (torch 2.13, CPU), for each check the
 # default configuration picks (capture/detection/step.py). record_loss keeps a detached reference. The synchronous check
 # (AdamW's for-each step) stacks the step's numbers (one operator) and reads them in one transfer (tolist). The
-# sync-free check (AdamW(fused=True)) reads nothing: its operators (on a GPU, small kernels queued behind backward)
-# take the numbers to float64, flag a non-finite value or a spike to hold (two thresholds) into found_inf, and start
-# one non-blocking copy to the host; the previous step's numbers are read from host memory. check() also hands the
-# history's row to the run log (capture/recording/run_log.py): a tuple of the step's scalars appended, about 0.2 KB.
+# sync-free check (AdamW(fused=True)) reads nothing: its 18 operators (on a GPU, 12 small kernels queued behind
+# backward, the rest views) take the numbers to float64 (the losses kept detached: no second detach), flag a non-finite
+# value or a spike to hold (two thresholds, one `or` when any spike is held) into found_inf, and start one non-blocking
+# copy into the host buffer the previous step's numbers were read from (no allocation per step). check() also hands
+# the history's row to the run log (capture/recording/run_log.py): a tuple of the step's scalars appended, about 0.2 KB.
+# record_batch: no CUDA-availability calls once CUDA is initialised, no ABC check of a dict batch (issue 55).
 BUDGET = {
-    "record_batch": Budget(ops=0, host_reads=0, scalar_reads=0, python_calls=27, peak_kb=8),  # RNG shared if unchanged
+    "record_batch": Budget(ops=0, host_reads=0, scalar_reads=0, python_calls=25, peak_kb=8),  # RNG shared if unchanged
     "record_loss": Budget(ops=2 * 1, host_reads=0, scalar_reads=0, python_calls=2 * 2, peak_kb=1),
+    # the Guard's hooks on the model (the autocast state, read at a step's first forward) and on the optimizer (stepped
+    # since the last check? the sync-free flag's removal): host bookkeeping only
+    "hooks": Budget(ops=0, host_reads=0, scalar_reads=0, python_calls=6, peak_kb=1),
 }
 CHECK_BUDGET = {
-    "synchronous": Budget(ops=1, host_reads=1, scalar_reads=0, python_calls=39, peak_kb=2.5),
-    "sync_free": Budget(ops=25, host_reads=0, scalar_reads=0, python_calls=55, peak_kb=3.5),
+    "synchronous": Budget(ops=1, host_reads=1, scalar_reads=0, python_calls=45, peak_kb=2.5),
+    "sync_free": Budget(ops=18, host_reads=0, scalar_reads=0, python_calls=66, peak_kb=3.5),
 }
 
 
@@ -108,17 +113,29 @@ def counted(cost: Cost, what: str, call, *args, **kwargs):
         cost.host_reads.extend(Watched.reads)
 
 
-def healthy_steps(dump_dir, steps: int, check: str, warm: int = 40) -> dict[str, Cost]:
+def healthy_steps(dump_dir, steps: int, check: str, warm: int = 40, layers: int = 3) -> dict[str, Cost]:
     """What the Guard's calls cost over healthy steps after `warm` (past the first check()'s usage look and the spike
-    detectors' warm-up) of 3 x Linear(16) trained by AdamW with clip_grad_norm_: `steps` steps per pass. `check`: a
-    key of CHECK_BUDGET (the optimizer that makes the default configuration pick it)."""
+    detectors' warm-up) of `layers` x Linear(16) trained by AdamW with clip_grad_norm_: `steps` steps per pass.
+    `check`: a key of CHECK_BUDGET (the optimizer that makes the default configuration pick it)."""
     torch.manual_seed(0)
     random.seed(0)  # whatever an earlier test left (numpy's cached Gaussian forces a full state copy per micro-batch)
     numpy.random.seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(layers)])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=check == "sync_free")
     guard = Guard(model, optimizer, config=GuardConfig(dump_dir=str(dump_dir)), loss_fn=squared_output)
     costs = {name: Cost() for name in (*BUDGET, "check")}
+    passing: list[str | None] = [None]  # the pass the hooks' calls are counted in (None: not counted)
+
+    def counted_hook(hook):
+        def hook_call(*args, **kwargs):
+            return (
+                hook(*args, **kwargs)
+                if passing[0] is None
+                else counted(costs["hooks"], passing[0], hook, *args, **kwargs)
+            )
+
+        return hook_call
+
     data = torch.randn(warm + len(PASSES) * steps, MICRO_BATCHES, 4, 16)
 
     def call(name: str, step: int, method, *args, **kwargs):
@@ -132,6 +149,10 @@ def healthy_steps(dump_dir, steps: int, check: str, warm: int = 40) -> dict[str,
 
     try:
         for step in range(warm + len(PASSES) * steps):
+            if step == warm:  # every hook is in place (the sync-free check adds its own at the first check)
+                for hooks in (model._forward_pre_hooks, *optimizer_hooks(optimizer)):
+                    hooks.update({key: counted_hook(hook) for key, hook in hooks.items()})
+            passing[0] = PASSES[(step - warm) // steps] if step >= warm else None
             if step == warm + PASSES.index("heap") * steps:
                 tracemalloc.start()
             for index in range(MICRO_BATCHES):
@@ -153,6 +174,11 @@ def healthy_steps(dump_dir, steps: int, check: str, warm: int = 40) -> dict[str,
 
 def squared_output(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     return model(batch["x"]).pow(2).mean()
+
+
+def optimizer_hooks(optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The optimizer's step pre- and post-hook dictionaries (torch.optim.Optimizer's; every hook there is the Guard's)."""
+    return optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks
 
 
 def over_budget(costs: dict[str, Cost], steps: int, check: str) -> list[str]:
@@ -197,3 +223,19 @@ def test_a_healthy_step_stays_within_its_counted_budget(tmp_path, check):
     calls = sum(costs["check"].python.values()) / steps
     budget = CHECK_BUDGET[check].python_calls
     assert calls >= budget / 2, f"check() now runs {calls:g} Python calls: lower its budget"
+
+
+@pytest.mark.parametrize("check", list(CHECK_BUDGET))
+def test_a_healthy_step_costs_the_same_whatever_the_parameter_count(tmp_path, check):
+    """Nothing on the healthy path walks the parameters in Python or launches an operator per parameter: 10 times
+    the parameter tensors, the same operators and Python calls per step (a 70 B model has thousands of tensors)."""
+    steps = 3
+    small, large = (healthy_steps(tmp_path / str(layers), steps, check, layers=layers) for layers in (3, 30))
+    for name in small:
+        assert small[name].ops == large[name].ops, f"{name}: operators grew with the parameter count"
+        grown = {
+            where: (small[name].python[where], count)
+            for where, count in large[name].python.items()
+            if count > small[name].python[where]
+        }
+        assert not grown, f"{name}: Python calls grew with the parameter count (3 -> 30 layers, {steps} steps): {grown}"
