@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 import weakref
 from typing import Any, Callable, ContextManager, Iterator, Sequence, TypeVar
@@ -32,6 +33,8 @@ from forensics.replay.load.session import ReplaySession
 from forensics.replay.run.execute import StepRunner, any_nonfinite
 from forensics.replay.run.lockstep import Lockstep
 from forensics.replay.run.stream_blocks import BlockStreamer, PassGradStore
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -66,6 +69,9 @@ class StreamedStepRunner(StepRunner):
         self.passes = 0
         self.lockstep_waits = 0
         self.joint_backwards = 0
+        self.joint_backward_errors: list[str] = []
+        """Why an engine call of several passes' backwards raised (the passes then ran alone): the first three, each
+        its exception's type and repr-quoted message, cut (a GPU run's stage log says why the schedule fell back)."""
         self._resident_units: dict[str, Any] = {}
         """While passes with a backward run together under FSDP2 mixed precision: each parameter outside the blocks
         that its unit casts -> the unit (`_cast_resident_grads`)."""
@@ -137,6 +143,10 @@ class StreamedStepRunner(StepRunner):
             self.joint_backwards += lockstep.backwards
         if lockstep.backward_error is not None:
             self.session.warnings[:] = warnings
+            if len(self.joint_backward_errors) < 3:
+                error = lockstep.backward_error
+                self.joint_backward_errors.append(f"{type(error).__name__}: {str(error)[:300]!r}")
+                logger.info("passes run together fell back to one at a time: %s", self.joint_backward_errors[-1])
             return None
         return results
 
@@ -432,6 +442,7 @@ class StreamedStepRunner(StepRunner):
             "peak_blocks_materialised": self.streamer.peak,
             "walks": self.streamer.walks,
             "joint_backwards": self.joint_backwards,
+            "joint_backward_errors": list(self.joint_backward_errors),
             "block_reads": self.streamer.reader.reads,
             "block_reads_from_storage": traffic["block_reads_from_storage"],
             "bytes_from_storage": traffic["bytes_from_storage"],

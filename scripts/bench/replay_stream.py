@@ -243,6 +243,9 @@ def main() -> int:
                 f"{row['budget']}: the current schedule takes {row['replay_s'] / old['replay_s']:.2f} x the old one's time"
             )
     print(f"same verdict and culprits in every row: {same}")
+    for row in good:
+        for error in (row.get("stream") or {}).get("joint_backward_errors") or []:
+            print(f"{row['budget']}: passes run together fell back to one at a time: {error}")
     print_stage_times(good)
     if args.device == "cpu":  # a shared CPU's wall time moves with the other jobs' load
         print_stage_times(good, "cpu")

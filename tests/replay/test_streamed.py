@@ -447,3 +447,5 @@ def test_passes_with_a_backward_run_together_compute_what_each_computes_alone(tm
     assert runner.joint_backwards >= 1 and 2 * walked_together < walked_alone
     assert all(p.grad is None for p in resident)  # the passes' leaves went with them
     assert two_micro_batches is None
+    # why that one fell back is kept for the report's `stream` block (a GPU run's log says why)
+    assert len(runner.joint_backward_errors) == 1 and runner.joint_backward_errors[0].split(":")[0].endswith("Error")
