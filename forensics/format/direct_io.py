@@ -115,8 +115,7 @@ class DirectFile:
         self._raise()
         self._tail = True
         if buffer is not None and fill > aligned:
-            flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
-            fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+            self._direct_off()
             _write_all(self.fd, memoryview(buffer)[aligned:fill])
 
     def close(self) -> None:
@@ -133,6 +132,25 @@ class DirectFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _write(self, view: memoryview) -> None:
+        """One buffer to the disk; a file system that took O_DIRECT at open but refuses the write itself (EINVAL:
+        an alignment it does not support) gets this and every later write through the page cache."""
+        done = 0
+        while done < len(view):
+            try:
+                done += os.write(self.fd, view[done:])
+            except OSError as exc:  # a refused write writes nothing: the rest goes again, buffered
+                if exc.errno != errno.EINVAL or not self._direct_off():
+                    raise
+
+    def _direct_off(self) -> bool:
+        """Clears O_DIRECT on the file; False when it was off already."""
+        flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+        if not flags & os.O_DIRECT:
+            return False
+        fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+        return True
 
     def _drain(self) -> None:
         """Waits until the I/O thread has written every buffer handed to it."""
@@ -151,7 +169,7 @@ class DirectFile:
                 buffer, size = item
                 if self._error is None:
                     try:
-                        _write_all(self.fd, memoryview(buffer)[:size])
+                        self._write(memoryview(buffer)[:size])
                     except OSError as exc:
                         self._error = exc
                 self._free.put(buffer)

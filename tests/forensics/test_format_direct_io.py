@@ -138,3 +138,15 @@ def test_a_write_that_fails_midway_leaves_no_dump_and_says_why(direct_dir):
     assert "CaptureError: no dump written" in done.stdout and "too large" in done.stdout.lower(), done.stdout
     assert not list(direct_dir.rglob(spec.MANIFEST))
     assert not (direct_dir / "r").exists() or not any((direct_dir / "r").rglob("*.safetensors"))
+
+
+def test_a_write_the_file_system_refuses_with_einval_goes_through_the_page_cache_instead(direct_dir):
+    # an unaligned buffer is what a file system with a larger O_DIRECT alignment refuses: the kernel's real EINVAL
+    data = random_bytes(3 * direct_io.ALIGN, 5)
+    unaligned = mmap.mmap(-1, len(data) + 1)
+    unaligned[1:] = data
+    with open_direct(direct_dir / "file") as out:
+        out._write(memoryview(unaligned)[1:])  # the I/O thread's write of one buffer
+        out.write(data)
+        out.flush()
+    assert (direct_dir / "file").read_bytes() == data + data
