@@ -16,7 +16,6 @@ A file system that refuses O_DIRECT (some FUSE and network mounts; tmpfs before 
 from __future__ import annotations
 
 import errno
-import fcntl
 import mmap
 import os
 import queue
@@ -146,6 +145,8 @@ class DirectFile:
 
     def _direct_off(self) -> bool:
         """Clears O_DIRECT on the file; False when it was off already."""
+        import fcntl  # POSIX only: a DirectFile exists only where os.O_DIRECT does
+
         flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
         if not flags & os.O_DIRECT:
             return False

@@ -3,11 +3,12 @@
 Every writer writes the same bytes-worth of state to the same directory in one process, interleaved rounds whose
 order rotates (a writer that follows another's 1.5 GB meets a busier disk: on a VM the host's write cache):
 `raw` (os.write of the state's own bytes from host memory into one file + fsync: the disk's limit for these
-bytes through the page cache; each writer's file is removed after its timing), `raw+sha256` (the same through the
-dump writer's HashingWriter: the chunk sha256s on its thread pool beside the write, so the hash's own cost is
-raw+sha256 / raw), `raw direct` (the same bytes with O_DIRECT through the dump writer's aligned buffers,
-forensics/format/direct_io.py: the disk's limit without the page cache), `dd` (`dd if=/dev/zero bs=64M conv=fsync`
-of the same size, where dd exists), `torch.save` (+ fsync)
+bytes through the page cache; each writer's file is removed after its timing), `raw+sha256` (the same bytes through
+the dump writer's HashingWriter into the file the dump writer opens, O_DIRECT where the file system takes it: the chunk
+sha256s on its thread pool beside the write, so the hash's own cost is raw+sha256 / raw direct), `raw direct` (the
+same bytes with O_DIRECT through the dump writer's aligned buffers, forensics/format/direct_io.py: the disk's limit
+without the page cache), `dd` (`dd if=/dev/zero bs=64M conv=fsync` of the same size, where dd exists), `torch.save`
+(+ fsync),
 the forensics dump (`write_dump` of the collected state) and `guard.check`: the path a job takes, a Guard's check()
 that dumps the same state (a non-finite loss, policy 'continue', so the write is synchronous: the stall a job sees,
 manifest, flight recorder, re-check and all). Also measures sha256 on one core and on every core, and the training
@@ -130,15 +131,19 @@ def run(args: argparse.Namespace) -> None:
             out.flush()
             os.fsync(out.fileno())
 
-    def raw_hashed():  # raw_write through the dump writer's HashingWriter: the hash's own cost beside the write
+    def raw_hashed():  # the state's bytes through the dump writer's HashingWriter into the file the dump's writer
+        # opens (O_DIRECT where the file system takes it): the hash's own cost on the dump's write path
         from forensics.format.digest import HashingWriter
+        from forensics.format.direct_io import open_direct
 
         path = os.path.join(work, "raw-hashed.bin")
         removals.append(path)
-        with open(path, "wb", buffering=0) as handle:
+        direct = open_direct(path)
+        with direct or open(path, "wb", buffering=0) as handle:
             out = HashingWriter(handle)
             for array in host_state:
                 out.write(memoryview(array))
+            handle.flush()
             out.hexdigest()
             os.fsync(handle.fileno())
 
@@ -273,6 +278,8 @@ def run(args: argparse.Namespace) -> None:
         "raw_direct_vs_raw": vs("raw direct", "raw"),
         "hashed_vs_raw": vs("raw+sha256", "raw"),
         "hashed_vs_raw_per_round": per_round("raw+sha256"),
+        "hashed_vs_raw_direct": vs("raw+sha256", "raw direct"),
+        "hashed_vs_raw_direct_per_round": per_round("raw+sha256", "raw direct") if "raw direct" in results else None,
         "check_vs_hashed": vs("guard.check", "raw+sha256"),
         "sha256_gb_s": speeds,
         "hash_cpu_s_one_core": round(gb / speeds["one_core"], 3),
@@ -302,7 +309,8 @@ def run(args: argparse.Namespace) -> None:
     if "raw+sha256" in times:
         print(
             f"the hash: raw write + sha256 on the writer's threads / raw write {summary['hashed_vs_raw']}, per round "
-            f"{summary['hashed_vs_raw_per_round']}; Guard check() / (raw + sha256) {summary['check_vs_hashed']}"
+            f"{summary['hashed_vs_raw_per_round']}; / raw direct {summary['hashed_vs_raw_direct']}, per round "
+            f"{summary['hashed_vs_raw_direct_per_round']}; Guard check() / (raw + sha256) {summary['check_vs_hashed']}"
         )
     print(
         f"sha256 beside the busy processes {speeds} GB/s: {summary['hash_cpu_s_one_core']:.2f} s on one thread, "
