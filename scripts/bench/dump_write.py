@@ -11,7 +11,8 @@ without the page cache), `dd` (`dd if=/dev/zero bs=64M conv=fsync` of the same s
 (+ fsync),
 the forensics dump (`write_dump` of the collected state) and `guard.check`: the path a job takes, a Guard's check()
 that dumps the same state (a non-finite loss, policy 'continue', so the write is synchronous: the stall a job sees,
-manifest, flight recorder, re-check and all). Also measures sha256 on one core and on every core, and the training
+manifest, flight recorder, re-check and all), and `guard.check buffered`: the same with every file through the page cache
+(the writer before O_DIRECT). Also measures sha256 on one core and on every core, and the training
 stall of a non-fatal (spike) dump: the time `Guard.check` takes to return when the dump is copied and written by the
 background thread.
 `--busy N` starts N processes that keep a core busy each (a data loader's workers, another job) for the whole
@@ -202,6 +203,15 @@ def run(args: argparse.Namespace) -> None:
         check_guard.check(grad_norm=torch.tensor(1.0, device=device), step=next(guarded_steps))
         removals.append(os.path.join(work, "check"))
 
+    def guard_check_buffered():  # the same check() with every file through the page cache (the writer before O_DIRECT)
+        from forensics.format import direct_io
+
+        kept, direct_io.MIN_BYTES = direct_io.MIN_BYTES, 1 << 62
+        try:
+            guard_check()
+        finally:
+            direct_io.MIN_BYTES = kept
+
     writers = {
         "raw": raw_write,
         "raw+sha256": raw_hashed,
@@ -209,6 +219,7 @@ def run(args: argparse.Namespace) -> None:
         "torch.save": torch_save,
         "forensics": forensics_dump,
         "guard.check": guard_check,
+        "guard.check buffered": guard_check_buffered,
     }
     if shutil.which("dd"):
         writers["dd"] = dd_write
@@ -270,6 +281,11 @@ def run(args: argparse.Namespace) -> None:
         if "guard.check" in results
         else None,
         "check_vs_raw_direct": vs("guard.check", "raw direct"),
+        "check_buffered_vs_raw": vs("guard.check buffered", "raw"),
+        "check_buffered_vs_raw_per_round": per_round("guard.check buffered"),
+        "check_vs_check_buffered_per_round": per_round("guard.check", "guard.check buffered")
+        if "guard.check buffered" in results
+        else None,
         "check_vs_dd": vs("guard.check", "dd"),
         "stall_vs_raw": vs("forensics", "raw"),
         "stall_vs_raw_per_round": per_round("forensics"),
@@ -305,6 +321,12 @@ def run(args: argparse.Namespace) -> None:
             f"Guard check() that dumps / raw: {summary['check_vs_raw']} (per-round median "
             f"{summary['check_vs_raw_per_round_median']}; raw direct: {summary['check_vs_raw_direct']}; dd: "
             f"{summary['check_vs_dd']}); per round {summary['check_vs_raw_per_round']}"
+        )
+    if "guard.check buffered" in times:
+        print(
+            f"Guard check() through the page cache (the writer before O_DIRECT) / raw: {summary['check_buffered_vs_raw']}"
+            f", per round {summary['check_buffered_vs_raw_per_round']}; check() / that, per round "
+            f"{summary['check_vs_check_buffered_per_round']}"
         )
     if "raw+sha256" in times:
         print(
