@@ -11,8 +11,8 @@ without the page cache), `dd` (`dd if=/dev/zero bs=64M conv=fsync` of the same s
 (+ fsync),
 the forensics dump (`write_dump` of the collected state) and `guard.check`: the path a job takes, a Guard's check()
 that dumps the same state (a non-finite loss, policy 'continue', so the write is synchronous: the stall a job sees,
-manifest, flight recorder, re-check and all), and `guard.check buffered`: the same with every file through the page cache
-(the writer before O_DIRECT). Also measures sha256 on one core and on every core, and the training
+manifest, flight recorder, re-check and all), and `guard.check buffered`: the same with every file through the page
+cache (the writer before O_DIRECT). Also measures sha256 on one core and on every core, and the training
 stall of a non-fatal (spike) dump: the time `Guard.check` takes to return when the dump is copied and written by the
 background thread.
 `--busy N` starts N processes that keep a core busy each (a data loader's workers, another job) for the whole
@@ -324,8 +324,8 @@ def run(args: argparse.Namespace) -> None:
         )
     if "guard.check buffered" in times:
         print(
-            f"Guard check() through the page cache (the writer before O_DIRECT) / raw: {summary['check_buffered_vs_raw']}"
-            f", per round {summary['check_buffered_vs_raw_per_round']}; check() / that, per round "
+            f"Guard check() through the page cache (the writer before O_DIRECT) / raw: "
+            f"{summary['check_buffered_vs_raw']}, per round {summary['check_buffered_vs_raw_per_round']}; check() / that, per round "
             f"{summary['check_vs_check_buffered_per_round']}"
         )
     if "raw+sha256" in times:
