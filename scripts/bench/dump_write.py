@@ -325,8 +325,8 @@ def run(args: argparse.Namespace) -> None:
     if "guard.check buffered" in times:
         print(
             f"Guard check() through the page cache (the writer before O_DIRECT) / raw: "
-            f"{summary['check_buffered_vs_raw']}, per round {summary['check_buffered_vs_raw_per_round']}; check() / that, per round "
-            f"{summary['check_vs_check_buffered_per_round']}"
+            f"{summary['check_buffered_vs_raw']}, per round {summary['check_buffered_vs_raw_per_round']}; "
+            f"check() / that, per round {summary['check_vs_check_buffered_per_round']}"
         )
     if "raw+sha256" in times:
         print(
