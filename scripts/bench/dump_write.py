@@ -263,6 +263,7 @@ def run(args: argparse.Namespace) -> None:
     def per_round(name: str, base: str = "raw") -> list[float] | None:
         return [round(a / b, 3) for a, b in zip(results[name], results[base])] if name in results else None
 
+    check_rounds = per_round("guard.check")
     summary = {
         "machine": machine(),
         "device": device,
@@ -277,9 +278,7 @@ def run(args: argparse.Namespace) -> None:
         "cpu_seconds": {name: round(median(values), 3) for name, values in cpu.items()},
         "check_vs_raw": vs("guard.check", "raw"),
         "check_vs_raw_per_round": per_round("guard.check"),
-        "check_vs_raw_per_round_median": round(median(per_round("guard.check")), 3)
-        if "guard.check" in results
-        else None,
+        "check_vs_raw_per_round_median": round(median(check_rounds), 3) if check_rounds else None,
         "check_vs_raw_direct": vs("guard.check", "raw direct"),
         "check_buffered_vs_raw": vs("guard.check buffered", "raw"),
         "check_buffered_vs_raw_per_round": per_round("guard.check buffered"),
