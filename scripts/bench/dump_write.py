@@ -248,6 +248,8 @@ def run(args: argparse.Namespace) -> None:
         loads.append(round(os.getloadavg()[0], 2))
 
     spike = spike_stall(model, optimizer, work, width, device) if not args.writers else None
+    guard.close()
+    check_guard.close()  # its run log is written now, under `work`, not at exit after `work` is gone
     shutil.rmtree(work, ignore_errors=True)
 
     gb = state_bytes / 1e9
