@@ -24,9 +24,10 @@ from forensics.format.location import Location, RemotePath, as_location, open_wr
 from forensics.format.stale import remove_stale_temporaries, temporary_name
 from forensics.format.digest import HashingWriter
 from forensics.format.members import tensor_member_problem
-from forensics.format.tensors import safetensors_bytes, write_safetensors
+from forensics.format.tensors import safetensors_bytes, tensor_bytes, write_safetensors
 from forensics.format.batch_tree import encode_tree
 from forensics.format.writeback import EarlyWriteback
+from forensics.format import direct_io
 from forensics.core.rng import RngState
 
 log = logging.getLogger(__name__)
@@ -135,11 +136,19 @@ class _DumpDir:
                 write_safetensors(out, tensors)
                 self._record(name, out, handle)
         else:
-            with open(self.path / name, "wb", buffering=WRITE_BUFFER) as handle:
-                with EarlyWriteback(handle) as early:
-                    out = HashingWriter(early)
+            big = sum(map(tensor_bytes, tensors.values())) >= direct_io.MIN_BYTES
+            direct = direct_io.open_direct(self.path / name) if big else None
+            if direct is not None:  # no page cache between the state and the disk (forensics/format/direct_io.py)
+                with direct:
+                    out = HashingWriter(direct)
                     write_safetensors(out, tensors)
-                self._record(name, out, handle)
+                    self._record(name, out, direct)
+            else:
+                with open(self.path / name, "wb", buffering=WRITE_BUFFER) as handle:
+                    with EarlyWriteback(handle) as early:
+                        out = HashingWriter(early)
+                        write_safetensors(out, tensors)
+                    self._record(name, out, handle)
         self.shards[name] = shards
 
 
