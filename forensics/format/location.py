@@ -610,22 +610,23 @@ def streams(path: Location) -> bool:
     return hasattr(fs, "_call_s3") and hasattr(fs, "split_path") and getattr(fs, "loop", None) is not None
 
 
-async def _read_exactly(body: Any, size: int) -> bytes:
-    parts, got = [], 0
+async def _read_exactly(body: Any, size: int) -> memoryview:
+    """`size` bytes of a reply (fewer where it ends) in one buffer, filled as they arrive: no second copy."""
+    buffer, got = bytearray(size), 0
     while got < size:
         data = await body.read(size - got)
         if not data:
             break
-        parts.append(data)
+        buffer[got : got + len(data)] = data
         got += len(data)
-    return b"".join(parts)
+    return memoryview(buffer)[:got]
 
 
 async def _close(body: Any) -> None:
     body.close()
 
 
-def _s3_stream(path: RemotePath, begin: int, end: int, piece: int) -> Iterator[bytes]:
+def _s3_stream(path: RemotePath, begin: int, end: int, piece: int) -> Iterator[memoryview]:
     """RangeReader.stream for s3fs: one ranged GET of [begin, end), its reply read `piece` bytes at a time."""
     from fsspec.asyn import sync
 
@@ -656,10 +657,11 @@ def _s3_stream(path: RemotePath, begin: int, end: int, piece: int) -> Iterator[b
                 sync(fs.loop, _close, body)
                 body = None
                 continue
-            if not data:
+            if not len(data):
                 return
-            yield data
             offset += len(data)
+            yield data
+            data = None  # the consumer's, not held while the next piece arrives
     finally:
         if body is not None:
             with contextlib.suppress(Exception):
@@ -700,7 +702,7 @@ class RangeReader:
         with _calling(self.path, "reading"):
             return bytes(self.path.fs.cat_file(self.path.path, start=offset, end=end))
 
-    def stream(self, begin: int, end: int, piece: int, block: int) -> Iterator[bytes]:
+    def stream(self, begin: int, end: int, piece: int, block: int) -> Iterator[bytes | memoryview]:
         """The bytes [begin, end) as they are in the store now, in pieces of `piece` bytes (the last one shorter;
         the pieces stop early only where the file does). From ONE GET read as it arrives where the storage library can
         stream a reply (s3fs), so the host holds one piece at a time, never the range; elsewhere from ranged GETs of

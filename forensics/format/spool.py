@@ -8,8 +8,8 @@ the manifest's sha256 as it arrives and written into a temporary directory (the 
   a streamed replay's blocks read again and again: all from the local copy);
 - a file of up to STREAM_BYTES comes in one GET, a larger one in ranges of STREAM_BYTES fetched in parallel, each reply
   read chunk by chunk as it arrives (s3fs; other stores: ranged GETs of FETCH_BYTES), FETCH_THREADS GETs at once;
-- host memory holds what it holds for a local dump, plus one chunk per GET in flight (FETCH_THREADS x 4 MiB; 256 MiB
-  for a store that cannot stream a reply, FETCH_THREADS x FETCH_BYTES).
+- host memory holds what it holds for a local dump, plus STREAM_HELD per GET in flight (FETCH_THREADS x 24 MiB at
+  most, 96 MiB; 256 MiB for a store that cannot stream a reply, FETCH_THREADS x FETCH_BYTES).
 
 A replay starts the fetch of every file the moment it opens the dump (Dump.prefetch), the command even before it
 imports torch (forensics.format.prefetch), so the transfer overlaps what the replay does before it needs the bytes.
@@ -43,13 +43,17 @@ GETs, 4.8 s in 32 MiB ones, 3.4 s in 64 MiB ones, `s3fs get` 4.1 s, which itself
 STREAM_BYTES = 256 << 20
 """Bytes one GET asks for where the storage library streams a reply (s3fs): a file up to this size comes in one GET,
 a larger one in ranges of it fetched in parallel. The reply is read and verified chunk by chunk as it arrives, so a GET
-holds one chunk (4 MiB) in memory, whatever its size; fewer, longer GETs cost fewer requests (a store's cost per
+holds STREAM_HELD in memory at most, whatever its size; fewer, longer GETs cost fewer requests (a store's cost per
 request can grow with the object: moto's server copies the whole object for each ranged GET) while FETCH_THREADS
 of them at once keep a large file's transfer parallel."""
+STREAM_HELD = 24 << 20
+"""Host memory one streamed GET holds at most: the chunk being filled (4 MiB) and the HTTP client's read-ahead
+(aiohttp parses ahead of the reader until its buffer fills: 16-17 MiB in all measured on a 48 MiB reply;
+tests/storage/test_url_fetch.py holds a fetch to this)."""
 FETCH_THREADS = 4
 """GETs in flight at once, for every file of every dump of the process (a request waits on the network, not a core;
-sha256 releases the GIL): at most FETCH_THREADS chunks (16 MiB) in memory on their way to the disk, the stated cache of
-a URL replay (FETCH_THREADS x FETCH_BYTES, 256 MiB, where replies are not streamed)."""
+sha256 releases the GIL): FETCH_THREADS x STREAM_HELD (96 MiB) in memory on their way to the disk at most, the stated
+cache of a URL replay (FETCH_THREADS x FETCH_BYTES, 256 MiB, where replies are not streamed)."""
 KEEP_FREE = 2 << 30
 """Bytes the temp directory keeps free beside the copies: a file that would leave less is read by ranges instead."""
 
@@ -167,6 +171,7 @@ class SpooledFile:
                     if len(data) != expected or hashlib.sha256(data).hexdigest() != self.digests[index]:
                         return index
                     _write(self.local, memoryview(data), index * self.chunk_size)
+                    del data  # one chunk in memory per GET: this one goes before the next arrives
                     with self._arrived:
                         self._ready[index] = True
                         self._arrived.notify_all()
@@ -181,6 +186,7 @@ class SpooledFile:
                     digest.update(data)
                     _write(self.local, memoryview(data), offset)
                     offset += len(data)
+                    del data
                 if offset != end or digest.hexdigest() != self.digests[first]:
                     return first
                 with self._arrived:
@@ -241,4 +247,4 @@ def _write(path: Path, data: memoryview, offset: int) -> None:
         os.close(fd)
 
 
-__all__ = ["FETCH_BYTES", "FETCH_THREADS", "KEEP_FREE", "Spool", "SpooledFile"]
+__all__ = ["FETCH_BYTES", "FETCH_THREADS", "KEEP_FREE", "STREAM_BYTES", "STREAM_HELD", "Spool", "SpooledFile"]
