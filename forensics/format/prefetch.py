@@ -5,8 +5,8 @@ takes that Dump (`claim`) instead of opening it again. A download followed by a 
 transfer with those seconds; a replay from the URL does.
 
 The handover is one-shot and exact: the same location, rank, archive limits and shard directories, or nothing is
-taken. A failure while opening or fetching is kept for no one: the replay's own open_dump (or its read of the file)
-raises it again, worded as always.
+taken. What the open raised, `claim` raises (the same call: a store that did not answer is not asked twice); a file
+that could not be fetched is said by the replay's own read of it, worded as always.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from forensics.format.limits import ArchiveLimits
@@ -47,10 +47,14 @@ def start_fetching(
     def run() -> None:
         try:
             dump = open_unclaimed(path, rank, limits, shard_dirs)
-            dump.prefetch()
-        except (ForensicsError, OSError, ValueError):  # said again by the replay's own open_dump, or its read
+        except (ForensicsError, OSError, ValueError) as exc:  # the replay's own open_dump raises it (claim)
+            opened.append(exc)
             return
         opened.append(dump)
+        try:
+            dump.prefetch()
+        except (ForensicsError, OSError):  # a file the replay then reads says it again, worded as always
+            pass
 
     thread = threading.Thread(target=run, name="forensics-prefetch", daemon=True)
     with _lock:
@@ -67,14 +71,22 @@ def claim(
     shard_dirs: Sequence[str | os.PathLike[str] | Location],
 ) -> Dump | None:
     """The Dump `start_fetching` opened for exactly these arguments (waiting for its open to finish), once; None when
-    none was started, or its open failed."""
+    none was started.
+
+    Raises:
+        what that open raised (the same call: a store that did not answer is not asked again).
+    """
     with _lock:
         started = _started.pop(_key(path, rank, limits, shard_dirs), None)
     if started is None:
         return None
     thread, opened = started
     thread.join()
-    return opened[0] if opened else None
+    if not opened:  # the thread died some other way: open here
+        return None
+    if isinstance(opened[0], BaseException):
+        raise opened[0]
+    return cast("Dump", opened[0])
 
 
 __all__ = ["claim", "start_fetching"]
