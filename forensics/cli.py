@@ -664,7 +664,7 @@ def replay(
     _refuse_writing_into(dump, outputs)
     _refuse_unwritable({**({"-o": out} if out else {}), **({"--blocklist": blocklist} if blocklist else {})})
     if isinstance(dump, RemotePath) and not all_ranks:  # its files fetched while torch and the model's code import
-        from forensics.format.prefetch import start_fetching
+        from forensics.format.reader import start_fetching
 
         with contextlib.suppress(ValueError):  # bad limits: said below
             start_fetching(dump, rank, _limits(**limits), [str(d) for d in shard_dirs])

@@ -12,7 +12,14 @@ from collections.abc import Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from forensics.core.errors import DumpCorruptError, DumpNotFoundError, NotADumpError, UnsupportedVersionError, cut_text
+from forensics.core.errors import (
+    DumpCorruptError,
+    DumpNotFoundError,
+    ForensicsError,
+    NotADumpError,
+    UnsupportedVersionError,
+    cut_text,
+)
 from forensics.core.redact import redacted_environment
 from forensics.format import jsonio, spec
 from forensics.format.archive import unpack_archive
@@ -32,7 +39,7 @@ from forensics.format.location import (
 from forensics.format.members import check_member, check_member_header, read_json_member, read_tensor_member
 from forensics.format.manifest import check_manifest
 from forensics.format.records import checked_history, checked_precursors
-from forensics.format.prefetch import claim
+import forensics.format.prefetch as prefetch
 from forensics.format.spool import Spool, SpooledFile
 from forensics.core.trigger import Trigger
 
@@ -852,7 +859,26 @@ def open_dump(
         >>> dump.trigger.kind  # doctest: +SKIP
         <TriggerKind.NONFINITE_LOSS: 'nonfinite_loss'>
     """
-    return claim(path, rank, limits, shard_dirs) or open_unclaimed(path, rank, limits, shard_dirs)
+    return prefetch.claim(path, rank, limits, shard_dirs) or open_unclaimed(path, rank, limits, shard_dirs)
+
+
+def start_fetching(
+    path: str | os.PathLike[str] | Location,
+    rank: int | None = None,
+    limits: ArchiveLimits | None = None,
+    shard_dirs: Sequence[str | os.PathLike[str] | Location] = (),
+) -> None:
+    """Opens the dump at `path` as `open_dump(path, rank, limits, shard_dirs)` would and starts fetching every file it
+    lists (Dump.prefetch), on a thread; returns at once. The next open_dump with the same arguments takes that Dump
+    (forensics.format.prefetch). For a dump in object storage, before a replay's slow imports."""
+
+    def open_and_fetch() -> Dump:
+        dump = open_unclaimed(path, rank, limits, shard_dirs)
+        with contextlib.suppress(ForensicsError, OSError):  # a file the replay then reads says it again
+            dump.prefetch()
+        return dump
+
+    prefetch.start(path, rank, limits, shard_dirs, open_and_fetch)
 
 
 def open_unclaimed(
