@@ -7,7 +7,7 @@ command on the download, and the command on a dump already on disk; interleaved 
 Writes the Llama-shaped dump of scripts/bench/replay_load.py on disk, starts moto's S3 server on this machine (an
 in-memory store: it bounds the throughput, so the ratios say more than the GB/s; it copies the whole object for each
 ranged GET, so many GETs of a large file cost more there than on a real store), uploads the dump, then per round, in
-fresh processes and in alternating order: the URL replay; the download (`s3fs get`, recursive, as a user would) then
+fresh processes and in alternating order, each against a fresh server: the URL replay; the download (`s3fs get`, recursive, as a user would) then
 the local replay of it; the replay from disk. Each process reports its own peak RSS (VmHWM) and the GETs it sent
 (count, and the bytes the store answered with: s3fs's get_object calls); wall times are the parent's clock around
 each process, so they hold every second a user waits. The machine's load average is printed with each round (other
@@ -17,6 +17,7 @@ processes on the cores slow every arm alike: that is why the rounds interleave).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -98,14 +99,19 @@ def _replay(dump: str, out: Path, env: dict, count: bool) -> dict:
     return row
 
 
-def _round(url: str, dump: Path, work: Path, env: dict, url_first: bool) -> dict:
+def _round(serve, dump: Path, work: Path, url_first: bool) -> dict:
+    """One round: each arm against a server of its own, started and loaded before its clock starts (moto's server
+    grows with what it served: an arm after another ran measurably slower, whichever it was)."""
+
     def from_url() -> dict:
-        return _replay(url, work / "report-url", env, count=True)
+        with serve() as (url, env):
+            return _replay(url, work / "report-url", env, count=True)
 
     def download_then() -> dict:
         target = work / "download"
         shutil.rmtree(target, ignore_errors=True)
-        got = _timed(DOWNLOAD, url, str(target), env=env, count=True)
+        with serve() as (url, env):
+            got = _timed(DOWNLOAD, url, str(target), env=env, count=True)
         then = _replay(str(target), work / "report-download", {}, count=False)
         return {"download": got, "then": then, "seconds": got["seconds"] + then["seconds"]}
 
@@ -127,24 +133,39 @@ def main() -> None:
     dump = write(Path(args.dir) / "dump", args.hidden, args.layers)
     sizes = {p.name: p.stat().st_size for p in dump.iterdir()}
     gb = sum(sizes.values()) / 2**30
-    server, env = _server()
-    try:
-        os.environ.update(env)
-        import s3fs
+    uploads: list[float] = []
 
-        fs = s3fs.S3FileSystem()
-        fs.mkdir("bench")
-        start = time.perf_counter()
-        fs.put(str(dump), "bench/dump", recursive=True)
-        upload_s = time.perf_counter() - start
-        url, work = "s3://bench/dump", Path(args.dir) / "work"
-        work.mkdir(parents=True, exist_ok=True)
-        rounds = []
-        for index in range(args.rounds):
-            rounds.append(_round(url, dump, work, env, url_first=index % 2 == 0))
-            print(json.dumps({"round": index, **rounds[-1]}), file=sys.stderr)
-    finally:
-        server.terminate()
+    @contextlib.contextmanager
+    def serve():
+        """A fresh moto server holding the dump; its URL and environment."""
+        server, env = _server()
+        try:
+            saved = {key: os.environ.get(key) for key in env}
+            os.environ.update(env)
+            import s3fs
+
+            fs = s3fs.S3FileSystem(skip_instance_cache=True)
+            fs.mkdir("bench")
+            start = time.perf_counter()
+            fs.put(str(dump), "bench/dump", recursive=True)
+            uploads.append(time.perf_counter() - start)
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key)
+                else:
+                    os.environ[key] = value
+            yield "s3://bench/dump", env
+        finally:
+            server.terminate()
+            server.wait(30)
+
+    work = Path(args.dir) / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    rounds = []
+    for index in range(args.rounds):
+        rounds.append(_round(serve, dump, work, url_first=index % 2 == 0))
+        print(json.dumps({"round": index, **rounds[-1]}), file=sys.stderr)
+    upload_s = statistics.median(uploads)
 
     def median(pick) -> float:
         return round(statistics.median(pick(r) for r in rounds), 2)
