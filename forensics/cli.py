@@ -5,6 +5,7 @@ line, whatever the command was doing: the files it writes are each written whole
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import signal
@@ -659,6 +660,15 @@ def replay(
     """Replay the failing step of DUMP offline, localise it, bisect the samples, print the verdict."""
     from forensics.core.gc_pause import gc_paused
 
+    outputs = {"-o": out or Path("forensics_reports"), **({"--blocklist": blocklist} if blocklist else {})}
+    _refuse_writing_into(dump, outputs)
+    _refuse_unwritable({**({"-o": out} if out else {}), **({"--blocklist": blocklist} if blocklist else {})})
+    if isinstance(dump, RemotePath) and not all_ranks:  # its files fetched while torch and the model's code import
+        from forensics.format.reader import start_fetching
+
+        with contextlib.suppress(ValueError):  # bad limits: said below
+            start_fetching(dump, rank, _limits(**limits), [str(d) for d in shard_dirs])
+
     with gc_paused():  # torch imports here: forensics.core.gc_pause
         from forensics.format import open_step
         from forensics.commands.catalog import default_report_dir, note_report
@@ -666,9 +676,6 @@ def replay(
         from forensics.report.write import BLOCKLIST_NAME, blocklist_ids
         from forensics.replay.engine import ReplayOptions, replay_report
 
-    outputs = {"-o": out or Path("forensics_reports"), **({"--blocklist": blocklist} if blocklist else {})}
-    _refuse_writing_into(dump, outputs)
-    _refuse_unwritable({**({"-o": out} if out else {}), **({"--blocklist": blocklist} if blocklist else {})})
     try:
         archive_limits = _limits(**limits)
         ranks = [d.rank for d in open_step(dump, archive_limits)[0]] if all_ranks else [rank]

@@ -3,10 +3,20 @@
 # on the GPU (NCCL) whose dump_dir is s3://..., nothing on the local disk, then list / verify / replay from the URL
 # on cuda:0; last, the object-storage tests under the machine's Python and torch.
 # Usage (repo root, .whl carried with s3fs and moto[server]): bash scripts/gpu_s3.sh OUTDIR
+#   ONLY=bench bash scripts/gpu_s3.sh OUTDIR: only the URL replay against download-then-replay (remote_load, whole
+#   commands, interleaved rounds) on the machine's 16 cores: the 0.35 GB dump (3 rounds), then a 2.4 GB one (2 rounds).
 set -uo pipefail
 out=${1:-/tmp/gpu_s3}; mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD:$PWD/scripts/examples PYTHONUNBUFFERED=1
+if [ "${ONLY:-}" = bench ]; then
+  nproc; uptime | tee "$out/load.txt"
+  timeout 200 python3 -m scripts.bench.remote_load --hidden 384 --layers 4 --rounds 3 --dir /tmp/rl_small \
+    > "$out/remote_load_small.log" 2>&1; echo "small exit $?: $(tail -1 "$out/remote_load_small.log")" | tee -a "$out/summary.txt"
+  timeout 260 python3 -m scripts.bench.remote_load --hidden 1024 --layers 12 --rounds 2 --dir /tmp/rl_large \
+    > "$out/remote_load_large.log" 2>&1; echo "large exit $?: $(tail -1 "$out/remote_load_large.log")" | tee -a "$out/summary.txt"
+  exit 0
+fi
 export AWS_ENDPOINT_URL=http://127.0.0.1:5055 AWS_ACCESS_KEY_ID=gpu AWS_SECRET_ACCESS_KEY=gpu-secret-key AWS_DEFAULT_REGION=us-east-1
 nvidia-smi -L; python3 -c "import torch, s3fs; print('torch', torch.__version__, 's3fs', s3fs.__version__)"
 date -u +"%Y-%m-%d %H:%M UTC" | tee "$out/date.txt"
@@ -38,6 +48,6 @@ CUDA_VISIBLE_DEVICES= timeout 400 python3 -m pytest -q -p no:cacheprovider tests
 echo "tests/storage exit $?: $(tail -1 "$out/tests.log")" | tee -a "$out/summary.txt"
 kill %1 2>/dev/null
 # the remote load against a whole download and a local load, on this machine's cores (its own moto server)
-timeout 420 python3 -m scripts.bench.remote_load --hidden 384 --layers 4 > "$out/remote_load.log" 2>&1
+timeout 300 python3 -m scripts.bench.remote_load --hidden 384 --layers 4 --rounds 2 > "$out/remote_load.log" 2>&1
 echo "remote_load: $(tail -1 "$out/remote_load.log")" | tee -a "$out/summary.txt"
 exit $failed

@@ -597,6 +597,77 @@ class ChunkCache:
         return data
 
 
+STREAM_RESUMES = 2
+"""Times a streamed reply cut off midway (a dropped connection, a read timeout) is asked for again from where it stopped:
+each attempt is itself bounded by the StorageTimeouts the filesystem was opened with."""
+
+
+def streams(path: Location) -> bool:
+    """A file of s3fs's, whose replies can be read as they arrive (its `_call_s3` hands the stream over)."""
+    if not isinstance(path, RemotePath):
+        return False
+    fs = path.fs
+    return hasattr(fs, "_call_s3") and hasattr(fs, "split_path") and getattr(fs, "loop", None) is not None
+
+
+async def _read_exactly(body: Any, size: int) -> memoryview:
+    """`size` bytes of a reply (fewer where it ends) in one buffer, filled as they arrive: no second copy."""
+    buffer, got = bytearray(size), 0
+    while got < size:
+        data = await body.read(size - got)
+        if not data:
+            break
+        buffer[got : got + len(data)] = data
+        got += len(data)
+    return memoryview(buffer)[:got]
+
+
+async def _close(body: Any) -> None:
+    body.close()
+
+
+def _s3_stream(path: RemotePath, begin: int, end: int, piece: int) -> Iterator[memoryview]:
+    """RangeReader.stream for s3fs: one ranged GET of [begin, end), its reply read `piece` bytes at a time."""
+    from fsspec.asyn import sync
+
+    fs = path.fs
+    bucket, key, version = fs.split_path(path.path)
+    options = {**getattr(fs, "req_kw", {}), **({"VersionId": version} if version else {})}
+    offset, body, resumes = begin, None, 0
+    try:
+        while offset < end:
+            try:
+                with _calling(path, "reading"):
+                    if body is None:
+                        reply = sync(
+                            fs.loop,
+                            fs._call_s3,
+                            "get_object",
+                            Bucket=bucket,
+                            Key=key,
+                            Range=f"bytes={offset}-{end - 1}",
+                            **options,
+                        )
+                        body = reply["Body"]
+                    data = sync(fs.loop, _read_exactly, body, min(piece, end - offset))
+            except (StorageError, ConnectionError):
+                if body is None or resumes >= STREAM_RESUMES:
+                    raise
+                resumes += 1
+                sync(fs.loop, _close, body)
+                body = None
+                continue
+            if not len(data):
+                return
+            offset += len(data)
+            yield data
+            data = None  # the consumer's, not held while the next piece arrives
+    finally:
+        if body is not None:
+            with contextlib.suppress(Exception):
+                sync(fs.loop, _close, body)
+
+
 class RangeReader:
     """Reads byte ranges of one file: `pread` on a local descriptor (no shared offset: many threads read at
     once), a ranged GET per call in object storage (served from `cache` when the verification fetched it already).
@@ -630,6 +701,24 @@ class RangeReader:
             return b""
         with _calling(self.path, "reading"):
             return bytes(self.path.fs.cat_file(self.path.path, start=offset, end=end))
+
+    def stream(self, begin: int, end: int, piece: int, block: int) -> Iterator[bytes | memoryview]:
+        """The bytes [begin, end) as they are in the store now, in pieces of `piece` bytes (the last one shorter;
+        the pieces stop early only where the file does). From ONE GET read as it arrives where the storage library can
+        stream a reply (s3fs), so the host holds one piece at a time, never the range; elsewhere from ranged GETs of
+        `block` bytes. A reply cut off midway is asked for again from where it stopped (STREAM_RESUMES times)."""
+        end = min(end, self.size)
+        if isinstance(self.path, RemotePath) and streams(self.path):
+            yield from _s3_stream(self.path, begin, end, piece)
+            return
+        offset = begin
+        while offset < end:
+            data = self.fetch(min(block, end - offset), offset) if self._fd < 0 else self.read(block, offset)
+            if not data:
+                return
+            for start in range(0, len(data), piece):
+                yield data[start : start + piece]
+            offset += len(data)
 
     def read_into(self, view: memoryview, offset: int) -> int:
         """Fills `view` from `offset` on (fewer bytes only at the end of the file); returns how many were read."""

@@ -12,7 +12,14 @@ from collections.abc import Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from forensics.core.errors import DumpCorruptError, DumpNotFoundError, NotADumpError, UnsupportedVersionError, cut_text
+from forensics.core.errors import (
+    DumpCorruptError,
+    DumpNotFoundError,
+    ForensicsError,
+    NotADumpError,
+    UnsupportedVersionError,
+    cut_text,
+)
 from forensics.core.redact import redacted_environment
 from forensics.format import jsonio, spec
 from forensics.format.archive import unpack_archive
@@ -32,6 +39,7 @@ from forensics.format.location import (
 from forensics.format.members import check_member, check_member_header, read_json_member, read_tensor_member
 from forensics.format.manifest import check_manifest
 from forensics.format.records import checked_history, checked_precursors
+import forensics.format.prefetch as prefetch
 from forensics.format.spool import Spool, SpooledFile
 from forensics.core.trigger import Trigger
 
@@ -336,6 +344,21 @@ class Dump:
             if name not in self._verified and name in self.manifest["files"] and self._in_chunks(name):
                 with contextlib.suppress(DumpCorruptError):
                     self._chunk_verifier(name)
+
+    def prefetch(self) -> None:
+        """Object storage: starts fetching every listed file into its verified local copy now (a replay reads them
+        all, and its report waits for every one to match), in the order the replay needs them: the files it reads
+        whole before the load (JSON, micro-batches, RNG; smallest first), then the state's tensor files, the
+        optimizer state last. FETCH_THREADS GETs at once (forensics.format.spool). On disk: nothing to do."""
+        if self._spool is None:
+            return
+        files = self.manifest["files"]
+
+        def order(name: str) -> tuple[bool, bool, int]:
+            optimizer = name.endswith(spec.OPTIMIZER_TENSORS)
+            return bool(files[name].get("chunks")), optimizer, int(files[name]["size"])
+
+        self.start_verifying(sorted((name for name in files if name not in self.set_aside), key=order))
 
     def _in_chunks(self, name: str) -> bool:
         """Verified chunk by chunk while it is read: a file with chunk digests, and every file in object storage
@@ -836,6 +859,35 @@ def open_dump(
         >>> dump.trigger.kind  # doctest: +SKIP
         <TriggerKind.NONFINITE_LOSS: 'nonfinite_loss'>
     """
+    return prefetch.claim(path, rank, limits, shard_dirs) or open_unclaimed(path, rank, limits, shard_dirs)
+
+
+def start_fetching(
+    path: str | os.PathLike[str] | Location,
+    rank: int | None = None,
+    limits: ArchiveLimits | None = None,
+    shard_dirs: Sequence[str | os.PathLike[str] | Location] = (),
+) -> None:
+    """Opens the dump at `path` as `open_dump(path, rank, limits, shard_dirs)` would and starts fetching every file it
+    lists (Dump.prefetch), on a thread; returns at once. The next open_dump with the same arguments takes that Dump
+    (forensics.format.prefetch). For a dump in object storage, before a replay's slow imports."""
+
+    def open_and_fetch() -> Dump:
+        dump = open_unclaimed(path, rank, limits, shard_dirs)
+        with contextlib.suppress(ForensicsError, OSError):  # a file the replay then reads says it again
+            dump.prefetch()
+        return dump
+
+    prefetch.start(path, rank, limits, shard_dirs, open_and_fetch)
+
+
+def open_unclaimed(
+    path: str | os.PathLike[str] | Location,
+    rank: int | None = None,
+    limits: ArchiveLimits | None = None,
+    shard_dirs: Sequence[str | os.PathLike[str] | Location] = (),
+) -> Dump:
+    """open_dump, never taking a Dump that forensics.format.prefetch opened already (which calls it)."""
     dirs = [as_location(d) for d in shard_dirs]
     try:
         dump = _choose_dump(path, rank, limits)

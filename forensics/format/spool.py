@@ -1,12 +1,18 @@
-"""Verified local copies of a dump's files in object storage: each file is fetched once, in parallel ranged GETs of
-FETCH_BYTES, every chunk checked against the manifest's sha256 as it arrives and written into a temporary directory
-(the spool) that is deleted with the Dump (or at exit). Every loader then reads that copy, so:
+"""Verified local copies of a dump's files in object storage: each file is fetched once, every chunk checked against
+the manifest's sha256 as it arrives and written into a temporary directory (the spool) that is deleted with the Dump
+(or at exit). Every loader then reads that copy, so:
 
 - what is read is exactly what was verified: a file replaced in the bucket afterwards changes nothing (as on a
   local disk), and one replaced before its chunk arrived is refused (DumpCorruptError naming the file);
 - no byte crosses the network twice in a replay (the optimizer state read by the load and again by the remedies,
   a streamed replay's blocks read again and again: all from the local copy);
-- host memory holds what it holds for a local dump, plus the GETs in flight (FETCH_THREADS x FETCH_BYTES, 256 MiB).
+- a file of up to STREAM_BYTES comes in one GET, a larger one in ranges of STREAM_BYTES fetched in parallel, each reply
+  read chunk by chunk as it arrives (s3fs; other stores: ranged GETs of FETCH_BYTES), FETCH_THREADS GETs at once;
+- host memory holds what it holds for a local dump, plus STREAM_HELD per GET in flight (FETCH_THREADS x 24 MiB at
+  most, 96 MiB; 256 MiB for a store that cannot stream a reply, FETCH_THREADS x FETCH_BYTES).
+
+A replay starts the fetch of every file the moment it opens the dump (Dump.prefetch), the command even before it
+imports torch (forensics.format.prefetch), so the transfer overlaps what the replay does before it needs the bytes.
 
 Room: a copy is made only where the temp directory (TMPDIR) keeps KEEP_FREE bytes free beside it. A large tensor
 file with no room is read by ranged GETs instead (forensics.format.location.ChunkCache), each chunk verified again
@@ -25,17 +31,29 @@ from pathlib import Path
 
 from forensics.core.errors import DumpCorruptError, StorageError
 from forensics.format import threads
-from forensics.format.location import RangeReader, RemotePath
+from forensics.format.location import RangeReader, RemotePath, streams
 from forensics.format.manifest import safe_name
 
 FETCH_BYTES = 64 << 20
-"""Bytes one ranged GET asks for (whole chunks of the manifest: sixteen of 4 MiB). Object stores serve 8-16 MiB ranges
-at full speed already; a larger GET costs fewer requests, and a store's cost per request can grow with the object
-(moto's server copies the whole object for each ranged GET: fetching a 0.35 GB dump took 5.9 s in 16 MiB GETs, 4.8 s
-in 32 MiB ones, 3.4 s in 64 MiB ones, `s3fs get` 4.1 s, which itself fetches 50 MiB ranges, 10 at once per file)."""
+"""Bytes one ranged GET asks for where the storage library cannot stream a reply (gcsfs, adlfs, memory://: whole chunks
+of the manifest, sixteen of 4 MiB, held in memory until verified and written), and the pieces an old format's chunk
+larger than this is streamed in. Object stores serve 8-16 MiB ranges at full speed already; a larger GET costs fewer
+requests (moto's server copies the whole object for each ranged GET: fetching a 0.35 GB dump took 5.9 s in 16 MiB
+GETs, 4.8 s in 32 MiB ones, 3.4 s in 64 MiB ones, `s3fs get` 4.1 s, which itself fetches 50 MiB ranges)."""
+STREAM_BYTES = 256 << 20
+"""Bytes one GET asks for where the storage library streams a reply (s3fs): a file up to this size comes in one GET,
+a larger one in ranges of it fetched in parallel. The reply is read and verified chunk by chunk as it arrives, so a GET
+holds STREAM_HELD in memory at most, whatever its size; fewer, longer GETs cost fewer requests (a store's cost per
+request can grow with the object: moto's server copies the whole object for each ranged GET) while FETCH_THREADS
+of them at once keep a large file's transfer parallel."""
+STREAM_HELD = 24 << 20
+"""Host memory one streamed GET holds at most: the chunk being filled (4 MiB) and the HTTP client's read-ahead
+(aiohttp parses ahead of the reader until its buffer fills: 16-17 MiB in all measured on a 48 MiB reply;
+tests/storage/test_url_fetch.py holds a fetch to this)."""
 FETCH_THREADS = 4
 """GETs in flight at once, for every file of every dump of the process (a request waits on the network, not a core;
-sha256 releases the GIL): at most 256 MiB in memory on their way to the disk (the stated cache of a URL replay)."""
+sha256 releases the GIL): FETCH_THREADS x STREAM_HELD (96 MiB) in memory on their way to the disk at most, the stated
+cache of a URL replay (FETCH_THREADS x FETCH_BYTES, 256 MiB, where replies are not streamed)."""
 KEEP_FREE = 2 << 30
 """Bytes the temp directory keeps free beside the copies: a file that would leave less is read by ranges instead."""
 
@@ -102,10 +120,10 @@ class Spool:
 
 
 class SpooledFile:
-    """One remote file being copied into the spool: its chunks fetched in file order on the shared pool, each
-    checked against its sha256 before anything waits on it. `wait(begin, end)` returns once every chunk holding a
-    byte of that range is in `local` and matched (raises DumpCorruptError for one that did not); `local` is then
-    read like any local file. The interface of forensics.format.reader.ChunkVerifier."""
+    """One remote file being copied into the spool: its ranges (a GET each) fetched on the shared pool, each chunk
+    checked against its sha256 as it arrives, before anything waits on it. `wait(begin, end)` returns once every
+    chunk holding a byte of that range is in `local` and matched (raises DumpCorruptError for one that did not);
+    `local` is then read like any local file. The interface of forensics.format.reader.ChunkVerifier."""
 
     cache = None  # nothing held in memory: the copy is on disk
 
@@ -118,39 +136,61 @@ class SpooledFile:
         self.local, self._spool = local, spool
         with open(os.open(local, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as created:
             created.truncate(size)
-        self._matched, self._lock, self._settled = 0, threading.Lock(), False
-        per = max(1, FETCH_BYTES // chunk_size)  # whole chunks per GET
+        self._matched, self._lock, self._settled, self._closed = 0, threading.Lock(), False, False
+        self._arrived = threading.Condition(self._lock)
+        self._ready = [False] * len(digests)
+        per = max(1, (STREAM_BYTES if streams(path) else FETCH_BYTES) // chunk_size)  # whole chunks per GET
         self._groups: list[Future[int | None]] = []
         self._group_of: list[int] = []
+        self._finished: list[bool] = []
         for first in range(0, len(digests), per):
             stop = min(len(digests), first + per)
             self._group_of.extend([len(self._groups)] * (stop - first))
-            self._groups.append(threads.submit(_fetch_pool(), self._fetch, first, stop))
+            self._finished.append(False)
+            self._groups.append(threads.submit(_fetch_pool(), self._fetch, len(self._groups), first, stop))
 
-    def _fetch(self, first: int, stop: int) -> int | None:
-        """Fetches chunks [first, stop) into the copy; returns the first that did not match (None: all did)."""
+    def _fetch(self, group: int, first: int, stop: int) -> int | None:
+        """Fetches chunks [first, stop) into the copy (one GET); returns the first that did not match (None: all
+        did, or the copy was closed)."""
+        try:
+            return self._fetch_chunks(first, stop)
+        finally:
+            with self._arrived:
+                self._finished[group] = True
+                self._arrived.notify_all()
+
+    def _fetch_chunks(self, first: int, stop: int) -> int | None:
         begin, end = first * self.chunk_size, min(self.size, stop * self.chunk_size)
         with RangeReader(self.path) as reader:
-            if stop - first > 1 or end - begin <= FETCH_BYTES:  # chunks of at most FETCH_BYTES: one GET for them
-                data = memoryview(reader.read(end - begin, begin))
-                if len(data) != end - begin:
-                    return first
-                for index in range(first, stop):
-                    piece = data[(index - first) * self.chunk_size : (index + 1 - first) * self.chunk_size]
-                    if hashlib.sha256(piece).hexdigest() != self.digests[index]:
+            if self.chunk_size <= FETCH_BYTES:  # chunk by chunk as the reply arrives: one chunk in memory
+                index = first
+                for data in reader.stream(begin, end, self.chunk_size, FETCH_BYTES):
+                    if self._closed:
+                        return None
+                    expected = min(self.chunk_size, self.size - index * self.chunk_size)
+                    if len(data) != expected or hashlib.sha256(data).hexdigest() != self.digests[index]:
                         return index
-                _write(self.local, data, begin)
+                    _write(self.local, memoryview(data), index * self.chunk_size)
+                    del data  # one chunk in memory per GET: this one goes before the next arrives
+                    with self._arrived:
+                        self._ready[index] = True
+                        self._arrived.notify_all()
+                    index += 1
+                if index != stop:  # the store's object ended early
+                    return index
             else:  # one chunk larger than a GET (a file of an old format): in pieces, hashed as they come
                 digest, offset = hashlib.sha256(), begin
-                while offset < end:
-                    fetched = reader.read(min(FETCH_BYTES, end - offset), offset)
-                    if not fetched:
-                        return first
-                    digest.update(fetched)
-                    _write(self.local, memoryview(fetched), offset)
-                    offset += len(fetched)
-                if digest.hexdigest() != self.digests[first]:
+                for data in reader.stream(begin, end, FETCH_BYTES, FETCH_BYTES):
+                    if self._closed:
+                        return None
+                    digest.update(data)
+                    _write(self.local, memoryview(data), offset)
+                    offset += len(data)
+                    del data
+                if offset != end or digest.hexdigest() != self.digests[first]:
                     return first
+                with self._arrived:
+                    self._ready[first] = True
         with self._lock:
             self._matched += stop - first
             if self._matched == len(self.digests):
@@ -164,16 +204,20 @@ class SpooledFile:
 
     def wait(self, begin: int, end: int) -> None:
         first, last = begin // self.chunk_size, max(begin, end - 1) // self.chunk_size
-        last = min(last, len(self.digests) - 1)
-        for group in sorted({self._group_of[index] for index in range(first, last + 1)}):
+        for index in range(first, min(last, len(self.digests) - 1) + 1):
+            group = self._group_of[index]
+            with self._arrived:
+                while not self._ready[index] and not self._finished[group]:
+                    self._arrived.wait()
+                if self._ready[index]:
+                    continue
             bad = self._groups[group].result()  # a storage error (no connection, no permission) is raised as is
-            if bad is not None:
-                self.close()
-                raise DumpCorruptError(
-                    f"{self.path} does not match its sha256 in the manifest (chunk {bad}): the file was changed "
-                    "or corrupted in the store",
-                    self.name,
-                )
+            self.close()
+            raise DumpCorruptError(
+                f"{self.path} does not match its sha256 in the manifest (chunk {index if bad is None else bad}): "
+                "the file was changed or corrupted in the store",
+                self.name,
+            )
 
     def wait_all(self) -> None:
         self.wait(0, self.size)
@@ -183,9 +227,12 @@ class SpooledFile:
         return self._matched == len(self.digests)
 
     def close(self) -> None:
+        self._closed = True
         for group in self._groups:
             group.cancel()
-        with self._lock:
+        with self._arrived:
+            self._finished = [True] * len(self._finished)  # a waiter on a cancelled GET hears of it
+            self._arrived.notify_all()
             self._settle()
 
 
@@ -200,4 +247,4 @@ def _write(path: Path, data: memoryview, offset: int) -> None:
         os.close(fd)
 
 
-__all__ = ["FETCH_BYTES", "FETCH_THREADS", "KEEP_FREE", "Spool", "SpooledFile"]
+__all__ = ["FETCH_BYTES", "FETCH_THREADS", "KEEP_FREE", "STREAM_BYTES", "STREAM_HELD", "Spool", "SpooledFile"]

@@ -258,3 +258,36 @@ def test_the_users_fsspec_config_kwargs_are_kept_beside_the_timeouts(monkeypatch
     options = timeout_options("s3", StorageTimeouts(7.0, 1))["config_kwargs"]
     assert options["s3"] == {"addressing_style": "path"}
     assert (options["connect_timeout"], options["read_timeout"], options["retries"]["max_attempts"]) == (7.0, 7.0, 2)
+
+
+def test_a_store_that_hangs_midway_through_a_streamed_get_fails_the_read_in_bounded_time(bucket, proxy, monkeypatch):
+    """Issue 50: a file's GET is one streamed reply. The store stops sending after the reply began: the read of the
+    file ends with a StorageError naming it and the timeout within the bound (each resume from where the reply
+    stopped is bounded too), never a wait on the stream without end."""
+    import s3fs.core
+
+    from forensics.core.errors import StorageError
+    from forensics.format import open_dump, spec, write_dump
+    from forensics_test_helpers import synthetic_content
+
+    content, _ = synthetic_content(step=3)
+    content.model["large"] = torch.zeros(10 << 20, dtype=torch.float32)  # 40 MiB: more than the sockets buffer
+    monkeypatch.setenv("FORENSICS_STORAGE_TIMEOUT", "2")
+    monkeypatch.setenv("FORENSICS_STORAGE_RETRIES", "0")
+    monkeypatch.setattr("forensics.format.location._timeouts", None)  # a command run before set its own
+    dump = open_dump(str(write_dump(content, f"s3://{bucket}/dumps")))
+    original = s3fs.core.S3FileSystem._call_s3
+
+    async def hang_once_it_answers(self, method, *args, **kwargs):
+        response = await original(self, method, *args, **kwargs)
+        if method == "get_object" and kwargs["Key"].endswith(spec.MODEL):
+            proxy.hang()
+        return response
+
+    monkeypatch.setattr(s3fs.core.S3FileSystem, "_call_s3", hang_once_it_answers)
+    started = time.monotonic()
+    with pytest.raises(StorageError, match="did not answer in time") as raised:
+        dump.verify_file(spec.MODEL)
+    assert time.monotonic() - started < BOUND_S
+    assert spec.MODEL in str(raised.value)
+    dump.close()

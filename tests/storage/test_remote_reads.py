@@ -99,7 +99,7 @@ def test_a_file_replaced_after_verification_reads_its_verified_copy(s3_server, b
 
     import forensics.format.spool as spool
 
-    monkeypatch.setattr(spool, "FETCH_BYTES", chunks_per_get * spec.CHUNK_BYTES)
+    monkeypatch.setattr(spool, "STREAM_BYTES", chunks_per_get * spec.CHUNK_BYTES)
     url = _big_synthetic(bucket)
     dump = open_dump(url)
     dump.verify_file(MODEL)
