@@ -9,8 +9,9 @@ fills the next: the CPU the page cache took is left to the hash (forensics/forma
 longer evicts the job's own page cache (its data set). The last, unaligned bytes are written without O_DIRECT. The
 file's bytes are the same; the caller's fsync makes it durable (O_DIRECT writes may sit in the disk's own cache).
 
-A file system that refuses O_DIRECT (some FUSE and network mounts; tmpfs before Linux 6.6) gets `None` from
-`open_direct`, and the caller writes through the page cache instead (forensics/format/writeback.py).
+Only a local disk's file system (ext4, xfs, btrfs, f2fs) is written this way: elsewhere (network and parallel file
+systems, FUSE, tmpfs), where O_DIRECT is refused, or with FORENSICS_DIRECT_IO=0, `open_direct` gives `None` and the
+caller writes through the page cache instead (forensics/format/writeback.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import errno
 import mmap
 import os
 import queue
+import sys
 import threading
 from typing import Any
 
@@ -32,15 +34,45 @@ BUFFERS = 3  # one being filled, one being written, one spare: the copy and the 
 MIN_BYTES = 16 << 20  # below this a file goes through the page cache: three 8 MiB buffers are not worth it
 
 
+LOCAL_DISK_FILE_SYSTEMS = {
+    0xEF53: "ext2/3/4",
+    0x58465342: "xfs",
+    0x9123683E: "btrfs",
+    0xF2F52010: "f2fs",
+}
+"""statfs f_type of the file systems O_DIRECT is used on: a local disk's, where it skips the page cache and nothing
+else. On network and parallel file systems (NFS, Lustre, GPFS, FUSE) O_DIRECT changes how writes travel (each 8 MiB
+write a synchronous round trip), so their dumps keep the page cache's path; so does any file system not listed."""
+
+
+def file_system_type(directory: os.PathLike | str) -> int | None:
+    """statfs(2)'s f_type of the file system holding `directory` (Linux), None where it cannot be read."""
+    import ctypes
+    import ctypes.util
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    buffer = ctypes.create_string_buffer(256)  # struct statfs: f_type is its first field, a long
+    if libc.statfs(os.fsencode(directory), buffer) != 0:
+        return None
+    return ctypes.c_long.from_buffer(buffer).value & 0xFFFFFFFF
+
+
 def open_direct(path: os.PathLike | str) -> "DirectFile | None":
-    """A new file at `path` (truncated if it exists) written with O_DIRECT, or None where the file system (or the
-    platform) refuses O_DIRECT.
+    """A new file at `path` (truncated if it exists) written with O_DIRECT, or None where the file system is not a
+    local disk's (LOCAL_DISK_FILE_SYSTEMS), refuses O_DIRECT, or the platform has none, or FORENSICS_DIRECT_IO=0.
 
     Raises:
         OSError: the file cannot be created (permission, a missing directory, a full disk).
     """
     flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
+    if not flag or os.environ.get("FORENSICS_DIRECT_IO", "1") == "0":
+        return None
+    if file_system_type(os.path.dirname(os.path.abspath(path))) not in LOCAL_DISK_FILE_SYSTEMS:
         return None
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | flag, 0o644)

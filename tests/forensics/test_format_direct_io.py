@@ -150,3 +150,31 @@ def test_a_write_the_file_system_refuses_with_einval_goes_through_the_page_cache
         out.write(data)
         out.flush()
     assert (direct_dir / "file").read_bytes() == data + data
+
+
+def test_only_a_local_disks_file_system_is_written_with_o_direct(tmp_path, helpers, monkeypatch):
+    """O_DIRECT only where it skips the page cache and nothing else (ext4, xfs, btrfs, f2fs): a tmpfs dump, like one on
+    a network or parallel file system, keeps the page cache's path and still verifies; FORENSICS_DIRECT_IO=0 turns it
+    off everywhere."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not memory_backed(shm) or not os.access(shm, os.W_OK):
+        pytest.skip("no writable tmpfs at /dev/shm")
+    assert direct_io.file_system_type(shm) not in direct_io.LOCAL_DISK_FILE_SYSTEMS
+    target = Path(shm) / f"fx-direct-{os.getpid()}"
+    target.mkdir()
+    try:
+        assert open_direct(target / "big.bin") is None
+        content, _ = helpers.synthetic_content()
+        content.model["big"] = torch.randn(5 << 20)  # 20 MiB: a direct write on a local disk
+        dump = write_dump(content, target)
+        assert verify_dump(dump).ok
+    finally:
+        import shutil
+
+        shutil.rmtree(target, ignore_errors=True)
+    if direct_io.file_system_type(tmp_path) in direct_io.LOCAL_DISK_FILE_SYSTEMS:
+        probe = open_direct(tmp_path / "probe")
+        assert probe is not None
+        probe.close()
+        monkeypatch.setenv("FORENSICS_DIRECT_IO", "0")
+        assert open_direct(tmp_path / "probe") is None
