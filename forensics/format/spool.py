@@ -160,6 +160,8 @@ class SpooledFile:
                 self._arrived.notify_all()
 
     def _fetch_chunks(self, first: int, stop: int) -> int | None:
+        if self._closed:  # closed before its turn came: no GET
+            return None
         begin, end = first * self.chunk_size, min(self.size, stop * self.chunk_size)
         with RangeReader(self.path) as reader:
             if self.chunk_size <= FETCH_BYTES:  # chunk by chunk as the reply arrives: one chunk in memory

@@ -188,3 +188,31 @@ def test_a_fetch_holds_one_chunk_per_get_in_memory(s3_server, bucket):
     assert copy.stat().st_size == dump.manifest["files"][spec.MODEL]["size"]
     dump.close()
     assert peak < spool.STREAM_HELD, f"{peak / 2**20:.1f} MiB held while fetching"
+
+
+def test_a_replay_that_fails_leaves_no_fetch_going(s3_server, bucket, llama_dump, monkeypatch, tmp_path):
+    """A URL replay that ends in an error after the dump was opened (here: a model factory refused without --trust)
+    stops fetching the dump's files: nothing is asked of the store once the command returned (before, the fetch
+    pool went on through every file, the AdamW moments included, and the process waited for it at exit: a 70B dump's
+    terabyte fetched for a command that had already failed)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import forensics.format.spool as spool
+
+    url = _upload(llama_dump, bucket)
+    one = ThreadPoolExecutor(max_workers=1)
+    monkeypatch.setattr(spool, "_pool", one)
+    monkeypatch.setattr(spool, "STREAM_BYTES", spec.CHUNK_BYTES)  # a GET per chunk: many left when it fails
+    events: list = []
+    _record_gets(monkeypatch, events)
+    try:
+        result = CliRunner().invoke(
+            main,
+            ["replay", url, "--device", "cpu", "--factory", "no_such_module:build", "-o", str(tmp_path / "r")],
+        )
+        returned = len(events)
+    finally:
+        one.shutdown(wait=True)
+    assert result.exit_code == ExitCode.BAD_INPUT, result.output
+    optimizer_gets = [event for event in events if event[1] == spec.OPTIMIZER_TENSORS]
+    assert len(events) - returned <= 1, f"{len(events) - returned} GETs after the command failed ({optimizer_gets})"
