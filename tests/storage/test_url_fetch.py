@@ -216,3 +216,50 @@ def test_a_replay_that_fails_leaves_no_fetch_going(s3_server, bucket, llama_dump
     assert result.exit_code == ExitCode.BAD_INPUT, result.output
     optimizer_gets = [event for event in events if event[1] == spec.OPTIMIZER_TENSORS]
     assert len(events) - returned <= 1, f"{len(events) - returned} GETs after the command failed ({optimizer_gets})"
+
+
+def test_a_replay_stopped_before_it_opens_the_dump_leaves_no_fetch_going(
+    s3_server, bucket, llama_dump, monkeypatch, tmp_path
+):
+    """Ctrl-C while the command imports torch and the model's code (the fetch already started, nothing claimed it
+    yet): the fetch stops with the command; nothing is asked of the store afterwards (before, the fetch pool went on
+    through every file, and the interpreter's exit waited for it)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import forensics.core.gc_pause as gc_pause
+    import forensics.format.spool as spool
+
+    url = _upload(llama_dump, bucket)
+    one = ThreadPoolExecutor(max_workers=1)
+    monkeypatch.setattr(spool, "_pool", one)
+    monkeypatch.setattr(spool, "STREAM_BYTES", spec.CHUNK_BYTES)  # a GET per chunk: many left when it stops
+    events: list = []
+    _record_gets(monkeypatch, events)
+    opened = threading.Event()
+    original_open = open_dump.__globals__["open_unclaimed"]
+
+    def opening(*args, **kwargs):
+        try:
+            return original_open(*args, **kwargs)
+        finally:
+            opened.set()
+
+    monkeypatch.setitem(open_dump.__globals__, "open_unclaimed", opening)
+
+    def interrupted():  # Ctrl-C during the imports, once the prefetch opened the dump
+        assert opened.wait(60)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gc_pause, "gc_paused", interrupted)
+    try:
+        result = CliRunner().invoke(main, ["replay", url, "--device", "cpu", "-o", str(tmp_path / "r")])
+        returned = len(events)
+        for thread in threading.enumerate():
+            if thread.name == "forensics-prefetch":
+                thread.join(60)
+    finally:
+        one.shutdown(wait=True)
+    assert result.exit_code != 0
+    large = [event for event in events[returned:] if event[1] in (spec.MODEL, spec.OPTIMIZER_TENSORS)]
+    assert len(large) <= 1, f"{len(large)} GETs of the state's files after the command stopped"
