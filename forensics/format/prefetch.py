@@ -82,8 +82,16 @@ def claim(path: Any, rank: int | None, limits: Any, shard_dirs: Sequence[Any]) -
         started = _started.pop(_key(path, rank, limits, shard_dirs), None)
     if started is None:
         return None
-    thread, opened, _ = started
-    thread.join()
+    thread, opened, released = started
+    try:
+        thread.join()
+    except BaseException:  # Ctrl-C while waiting: nobody will take what the open gives
+        with _lock:
+            released[0] = True
+            dump = opened[0] if opened and not isinstance(opened[0], BaseException) else None
+        if dump is not None:
+            dump.close()
+        raise
     if not opened:
         return None
     if isinstance(opened[0], BaseException):

@@ -262,4 +262,56 @@ def test_a_replay_stopped_before_it_opens_the_dump_leaves_no_fetch_going(
         one.shutdown(wait=True)
     assert result.exit_code != 0
     large = [event for event in events[returned:] if event[1] in (spec.MODEL, spec.OPTIMIZER_TENSORS)]
+    print("DBG", returned, [e[1] for e in events])
     assert len(large) <= 1, f"{len(large)} GETs of the state's files after the command stopped"
+
+
+def test_ctrl_c_while_waiting_for_the_prefetched_open_leaves_no_fetch_going(s3_server, bucket, llama_dump, monkeypatch):
+    """Ctrl-C (a real SIGINT) while open_dump waits for the open the prefetch started: once that open ends, its Dump
+    is closed, so its fetch stops (before, claim had taken the Dump's place and nobody closed it: the fetch pool went
+    through every file and the interpreter's exit waited for it)."""
+    import os
+    import signal
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import forensics.format.spool as spool
+    from forensics.format.reader import Dump, start_fetching
+
+    url = _upload(llama_dump, bucket)
+    one = ThreadPoolExecutor(max_workers=1)
+    monkeypatch.setattr(spool, "_pool", one)
+    monkeypatch.setattr(spool, "STREAM_BYTES", spec.CHUNK_BYTES)
+    events: list = []
+    _record_gets(monkeypatch, events)
+    go = threading.Event()
+    original_open = open_dump.__globals__["open_unclaimed"]
+
+    def slow_open(*args, **kwargs):
+        assert go.wait(60)
+        return original_open(*args, **kwargs)
+
+    monkeypatch.setitem(open_dump.__globals__, "open_unclaimed", slow_open)
+    fetching = threading.Event()
+    original_prefetch = Dump.prefetch
+
+    def prefetch(self):
+        original_prefetch(self)
+        fetching.set()
+
+    monkeypatch.setattr(Dump, "prefetch", prefetch)
+    start_fetching(url)
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            open_dump(url)
+        returned = len(events)
+        go.set()
+        assert fetching.wait(60)  # (the interrupted join left the thread marked as stopped: it cannot be joined)
+    finally:
+        go.set()
+        timer.cancel()
+        one.shutdown(wait=True)
+    large = [event for event in events[returned:] if event[1] in (spec.MODEL, spec.OPTIMIZER_TENSORS)]
+    assert len(large) <= 1, f"{len(large)} GETs of the state's files after the Ctrl-C"
