@@ -315,3 +315,41 @@ def test_ctrl_c_while_waiting_for_the_prefetched_open_leaves_no_fetch_going(s3_s
         one.shutdown(wait=True)
     large = [event for event in events[returned:] if event[1] in (spec.MODEL, spec.OPTIMIZER_TENSORS)]
     assert len(large) <= 1, f"{len(large)} GETs of the state's files after the Ctrl-C"
+
+
+def test_a_read_of_a_file_closed_for_a_bad_chunk_says_the_file_is_corrupt(s3_server, bucket, monkeypatch):
+    """A remote file whose first chunk no longer matches (the object replaced in the bucket): the read that finds it
+    closes the file's copy (the GETs still queued are cancelled), and a read of a later part of the same file, by
+    another loader thread or after the first error, is refused the same way, DumpCorruptError naming the file, never
+    concurrent.futures' CancelledError (an error no command handles: a traceback instead of exit 2)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import s3fs
+    import torch
+    from forensics_test_helpers import synthetic_content
+
+    import forensics.format.spool as spool
+    from forensics.core.errors import DumpCorruptError
+
+    content, _ = synthetic_content(step=3)
+    content.model["large"] = torch.zeros(12 << 20, dtype=torch.float32)  # 48 MiB: 12 chunks
+    url = str(write_dump(content, f"s3://{bucket}/dumps"))
+    one = ThreadPoolExecutor(max_workers=1)
+    monkeypatch.setattr(spool, "_pool", one)
+    monkeypatch.setattr(spool, "STREAM_BYTES", spec.CHUNK_BYTES)  # a GET per chunk: the later ones still queued
+    dump = open_dump(url)
+    key = url.removeprefix("s3://") + "/" + spec.MODEL
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    data = bytearray(fs.cat_file(key))
+    data[100] ^= 0xFF  # the first chunk changed, the size the same
+    fs.pipe_file(key, bytes(data))
+    size = dump.manifest["files"][spec.MODEL]["size"]
+    try:
+        copy = dump._chunk_verifier(spec.MODEL)
+        with pytest.raises(DumpCorruptError):
+            copy.wait(0, 1)
+        with pytest.raises(DumpCorruptError, match="sha256"):
+            copy.wait(size - 1, size)
+    finally:
+        dump.close()
+        one.shutdown(wait=True)
