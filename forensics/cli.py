@@ -668,6 +668,9 @@ def replay(
 
         with contextlib.suppress(ValueError):  # bad limits: said below
             start_fetching(dump, rank, _limits(**limits), [str(d) for d in shard_dirs])
+        from forensics.format.prefetch import release
+
+        click.get_current_context().call_on_close(release)  # an error or Ctrl-C before the replay claimed it
 
     with gc_paused():  # torch imports here: forensics.core.gc_pause
         from forensics.format import open_step

@@ -75,6 +75,17 @@ def replay_report(dump_or_path: Any, options: ReplayOptions | None = None, progr
         path = str(dump_or_path)
         stage(progress, f"opening {path}")
         dump = open_dump(dump_or_path, rank=options.rank, limits=options.archive_limits, shard_dirs=options.shard_dirs)
+        try:
+            return _report_of(dump, dump_or_path, path, options, progress, started)
+        except BaseException:  # its fetch stops with the replay (object storage: no GET after the error)
+            dump.close()
+            raise
+    return _report_of(dump, dump_or_path, path, options, progress, started)
+
+
+def _report_of(
+    dump: Any, dump_or_path: Any, path: str, options: ReplayOptions, progress: Progress | None, started: float
+) -> Report:
     dump.prefetch()  # object storage: every file on its way while the model is built (forensics.format.prefetch)
     stage(progress, "verifying every file the dump lists")
     damaged = set_aside_damaged(dump)  # a damaged essential file ends the replay here (DumpCorruptError)

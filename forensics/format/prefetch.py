@@ -17,8 +17,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 _lock = threading.Lock()
-_started: dict[tuple, tuple[threading.Thread, list[Any]]] = {}
-"""Key of an open_dump call -> the thread opening it and what the open gave (a Dump, or the exception it raised)."""
+_started: dict[tuple, tuple[threading.Thread, list[Any], list[bool]]] = {}
+"""Key of an open_dump call -> the thread opening it, what the open gave (a Dump, or the exception it raised) and
+whether it was released (`release`: the Dump is closed once opened)."""
 
 
 def _key(path: Any, rank: int | None, limits: Any, shard_dirs: Sequence[Any]) -> tuple:
@@ -34,19 +35,40 @@ def start(
 
     key = _key(path, rank, limits, shard_dirs)
     opened: list[Any] = []
+    released = [False]
 
     def run() -> None:
         try:
-            opened.append(open_and_fetch())
+            dump = open_and_fetch()
         except (ForensicsError, OSError, ValueError) as exc:  # the replay's own open_dump raises it (claim)
             opened.append(exc)
+            return
+        with _lock:
+            opened.append(dump)
+            close = released[0]
+        if close:  # nobody will claim it: its fetch stops
+            dump.close()
 
     thread = threading.Thread(target=run, name="forensics-prefetch", daemon=True)
     with _lock:
         if key in _started:
             return
-        _started[key] = (thread, opened)
+        _started[key] = (thread, opened, released)
     thread.start()
+
+
+def release() -> None:
+    """What `start` opened and nobody claimed (the command ended first: an error, Ctrl-C during the imports) is
+    closed, now or as soon as its open ends, so that no fetch goes on after the command (the interpreter's exit would
+    wait for the fetch pool to finish every file)."""
+    with _lock:
+        left = list(_started.values())
+        _started.clear()
+        for _, _, released in left:
+            released[0] = True
+        dumps = [opened[0] for _, opened, _ in left if opened and not isinstance(opened[0], BaseException)]
+    for dump in dumps:
+        dump.close()
 
 
 def claim(path: Any, rank: int | None, limits: Any, shard_dirs: Sequence[Any]) -> Any:
@@ -60,8 +82,16 @@ def claim(path: Any, rank: int | None, limits: Any, shard_dirs: Sequence[Any]) -
         started = _started.pop(_key(path, rank, limits, shard_dirs), None)
     if started is None:
         return None
-    thread, opened = started
-    thread.join()
+    thread, opened, released = started
+    try:
+        thread.join()
+    except BaseException:  # Ctrl-C while waiting: nobody will take what the open gives
+        with _lock:
+            released[0] = True
+            dump = opened[0] if opened and not isinstance(opened[0], BaseException) else None
+        if dump is not None:
+            dump.close()
+        raise
     if not opened:
         return None
     if isinstance(opened[0], BaseException):
@@ -69,4 +99,4 @@ def claim(path: Any, rank: int | None, limits: Any, shard_dirs: Sequence[Any]) -
     return opened[0]
 
 
-__all__ = ["claim", "start"]
+__all__ = ["claim", "release", "start"]

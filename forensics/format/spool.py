@@ -26,7 +26,7 @@ import os
 import shutil
 import tempfile
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from pathlib import Path
 
 from forensics.core.errors import DumpCorruptError, StorageError
@@ -137,6 +137,7 @@ class SpooledFile:
         with open(os.open(local, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as created:
             created.truncate(size)
         self._matched, self._lock, self._settled, self._closed = 0, threading.Lock(), False, False
+        self._bad: int | None = None  # the chunk that did not match, once one did
         self._arrived = threading.Condition(self._lock)
         self._ready = [False] * len(digests)
         per = max(1, (STREAM_BYTES if streams(path) else FETCH_BYTES) // chunk_size)  # whole chunks per GET
@@ -160,6 +161,8 @@ class SpooledFile:
                 self._arrived.notify_all()
 
     def _fetch_chunks(self, first: int, stop: int) -> int | None:
+        if self._closed:  # closed before its turn came: no GET
+            return None
         begin, end = first * self.chunk_size, min(self.size, stop * self.chunk_size)
         with RangeReader(self.path) as reader:
             if self.chunk_size <= FETCH_BYTES:  # chunk by chunk as the reply arrives: one chunk in memory
@@ -211,10 +214,15 @@ class SpooledFile:
                     self._arrived.wait()
                 if self._ready[index]:
                     continue
-            bad = self._groups[group].result()  # a storage error (no connection, no permission) is raised as is
+            try:
+                bad = self._groups[group].result()  # a storage error (no connection, no permission) is raised as is
+            except CancelledError:  # its GET never ran: the copy was closed (another chunk did not match)
+                bad = self._bad
+            if self._bad is None:
+                self._bad = index if bad is None else bad
             self.close()
             raise DumpCorruptError(
-                f"{self.path} does not match its sha256 in the manifest (chunk {index if bad is None else bad}): "
+                f"{self.path} does not match its sha256 in the manifest (chunk {self._bad}): "
                 "the file was changed or corrupted in the store",
                 self.name,
             )

@@ -188,3 +188,168 @@ def test_a_fetch_holds_one_chunk_per_get_in_memory(s3_server, bucket):
     assert copy.stat().st_size == dump.manifest["files"][spec.MODEL]["size"]
     dump.close()
     assert peak < spool.STREAM_HELD, f"{peak / 2**20:.1f} MiB held while fetching"
+
+
+def test_a_replay_that_fails_leaves_no_fetch_going(s3_server, bucket, llama_dump, monkeypatch, tmp_path):
+    """A URL replay that ends in an error after the dump was opened (here: a model factory refused without --trust)
+    stops fetching the dump's files: nothing is asked of the store once the command returned (before, the fetch
+    pool went on through every file, the AdamW moments included, and the process waited for it at exit: a 70B dump's
+    terabyte fetched for a command that had already failed)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import forensics.format.spool as spool
+
+    url = _upload(llama_dump, bucket)
+    one = ThreadPoolExecutor(max_workers=1)
+    monkeypatch.setattr(spool, "_pool", one)
+    monkeypatch.setattr(spool, "STREAM_BYTES", spec.CHUNK_BYTES)  # a GET per chunk: many left when it fails
+    events: list = []
+    _record_gets(monkeypatch, events)
+    try:
+        result = CliRunner().invoke(
+            main,
+            ["replay", url, "--device", "cpu", "--factory", "no_such_module:build", "-o", str(tmp_path / "r")],
+        )
+        returned = len(events)
+    finally:
+        one.shutdown(wait=True)
+    assert result.exit_code == ExitCode.BAD_INPUT, result.output
+    optimizer_gets = [event for event in events if event[1] == spec.OPTIMIZER_TENSORS]
+    assert len(events) - returned <= 1, f"{len(events) - returned} GETs after the command failed ({optimizer_gets})"
+
+
+def test_a_replay_stopped_before_it_opens_the_dump_leaves_no_fetch_going(
+    s3_server, bucket, llama_dump, monkeypatch, tmp_path
+):
+    """Ctrl-C while the command imports torch and the model's code (the fetch already started, nothing claimed it
+    yet): the fetch stops with the command; nothing is asked of the store afterwards (before, the fetch pool went on
+    through every file, and the interpreter's exit waited for it)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import forensics.core.gc_pause as gc_pause
+    import forensics.format.spool as spool
+
+    url = _upload(llama_dump, bucket)
+    one = ThreadPoolExecutor(max_workers=1)
+    monkeypatch.setattr(spool, "_pool", one)
+    monkeypatch.setattr(spool, "STREAM_BYTES", spec.CHUNK_BYTES)  # a GET per chunk: many left when it stops
+    events: list = []
+    _record_gets(monkeypatch, events)
+    opened = threading.Event()
+    original_open = open_dump.__globals__["open_unclaimed"]
+
+    def opening(*args, **kwargs):
+        try:
+            return original_open(*args, **kwargs)
+        finally:
+            opened.set()
+
+    monkeypatch.setitem(open_dump.__globals__, "open_unclaimed", opening)
+
+    def interrupted():  # Ctrl-C during the imports, once the prefetch opened the dump
+        assert opened.wait(60)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gc_pause, "gc_paused", interrupted)
+    try:
+        result = CliRunner().invoke(main, ["replay", url, "--device", "cpu", "-o", str(tmp_path / "r")])
+        returned = len(events)
+        for thread in threading.enumerate():
+            if thread.name == "forensics-prefetch":
+                thread.join(60)
+    finally:
+        one.shutdown(wait=True)
+    assert result.exit_code != 0
+    large = [event for event in events[returned:] if event[1] in (spec.MODEL, spec.OPTIMIZER_TENSORS)]
+    print("DBG", returned, [e[1] for e in events])
+    assert len(large) <= 1, f"{len(large)} GETs of the state's files after the command stopped"
+
+
+def test_ctrl_c_while_waiting_for_the_prefetched_open_leaves_no_fetch_going(s3_server, bucket, llama_dump, monkeypatch):
+    """Ctrl-C (a real SIGINT) while open_dump waits for the open the prefetch started: once that open ends, its Dump
+    is closed, so its fetch stops (before, claim had taken the Dump's place and nobody closed it: the fetch pool went
+    through every file and the interpreter's exit waited for it)."""
+    import os
+    import signal
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import forensics.format.spool as spool
+    from forensics.format.reader import Dump, start_fetching
+
+    url = _upload(llama_dump, bucket)
+    one = ThreadPoolExecutor(max_workers=1)
+    monkeypatch.setattr(spool, "_pool", one)
+    monkeypatch.setattr(spool, "STREAM_BYTES", spec.CHUNK_BYTES)
+    events: list = []
+    _record_gets(monkeypatch, events)
+    go = threading.Event()
+    original_open = open_dump.__globals__["open_unclaimed"]
+
+    def slow_open(*args, **kwargs):
+        assert go.wait(60)
+        return original_open(*args, **kwargs)
+
+    monkeypatch.setitem(open_dump.__globals__, "open_unclaimed", slow_open)
+    fetching = threading.Event()
+    original_prefetch = Dump.prefetch
+
+    def prefetch(self):
+        original_prefetch(self)
+        fetching.set()
+
+    monkeypatch.setattr(Dump, "prefetch", prefetch)
+    start_fetching(url)
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            open_dump(url)
+        returned = len(events)
+        go.set()
+        assert fetching.wait(60)  # (the interrupted join left the thread marked as stopped: it cannot be joined)
+    finally:
+        go.set()
+        timer.cancel()
+        one.shutdown(wait=True)
+    large = [event for event in events[returned:] if event[1] in (spec.MODEL, spec.OPTIMIZER_TENSORS)]
+    assert len(large) <= 1, f"{len(large)} GETs of the state's files after the Ctrl-C"
+
+
+def test_a_read_of_a_file_closed_for_a_bad_chunk_says_the_file_is_corrupt(s3_server, bucket, monkeypatch):
+    """A remote file whose first chunk no longer matches (the object replaced in the bucket): the read that finds it
+    closes the file's copy (the GETs still queued are cancelled), and a read of a later part of the same file, by
+    another loader thread or after the first error, is refused the same way, DumpCorruptError naming the file, never
+    concurrent.futures' CancelledError (an error no command handles: a traceback instead of exit 2)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import s3fs
+    import torch
+    from forensics_test_helpers import synthetic_content
+
+    import forensics.format.spool as spool
+    from forensics.core.errors import DumpCorruptError
+
+    content, _ = synthetic_content(step=3)
+    content.model["large"] = torch.zeros(12 << 20, dtype=torch.float32)  # 48 MiB: 12 chunks
+    url = str(write_dump(content, f"s3://{bucket}/dumps"))
+    one = ThreadPoolExecutor(max_workers=1)
+    monkeypatch.setattr(spool, "_pool", one)
+    monkeypatch.setattr(spool, "STREAM_BYTES", spec.CHUNK_BYTES)  # a GET per chunk: the later ones still queued
+    dump = open_dump(url)
+    key = url.removeprefix("s3://") + "/" + spec.MODEL
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    data = bytearray(fs.cat_file(key))
+    data[100] ^= 0xFF  # the first chunk changed, the size the same
+    fs.pipe_file(key, bytes(data))
+    size = dump.manifest["files"][spec.MODEL]["size"]
+    try:
+        copy = dump._chunk_verifier(spec.MODEL)
+        with pytest.raises(DumpCorruptError):
+            copy.wait(0, 1)
+        with pytest.raises(DumpCorruptError, match="sha256"):
+            copy.wait(size - 1, size)
+    finally:
+        dump.close()
+        one.shutdown(wait=True)
