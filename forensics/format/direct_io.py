@@ -17,6 +17,7 @@ caller writes through the page cache instead (forensics/format/writeback.py).
 from __future__ import annotations
 
 import errno
+import functools
 import mmap
 import os
 import queue
@@ -45,19 +46,28 @@ else. On network and parallel file systems (NFS, Lustre, GPFS, FUSE) O_DIRECT ch
 write a synchronous round trip), so their dumps keep the page cache's path; so does any file system not listed."""
 
 
+@functools.lru_cache(maxsize=1)
+def _statfs() -> Any:
+    """libc's statfs (Linux; the process's own symbols: no library search, no subprocess), None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).statfs
+    except (OSError, AttributeError):
+        return None
+
+
 def file_system_type(directory: os.PathLike | str) -> int | None:
     """statfs(2)'s f_type of the file system holding `directory` (Linux), None where it cannot be read."""
     import ctypes
-    import ctypes.util
 
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
+    statfs = _statfs()
+    if statfs is None:
         return None
     buffer = ctypes.create_string_buffer(256)  # struct statfs: f_type is its first field, a long
-    if libc.statfs(os.fsencode(directory), buffer) != 0:
+    if statfs(os.fsencode(directory), buffer) != 0:
         return None
     return ctypes.c_long.from_buffer(buffer).value & 0xFFFFFFFF
 
@@ -80,7 +90,11 @@ def open_direct(path: os.PathLike | str) -> "DirectFile | None":
         if exc.errno == errno.EINVAL:  # the file system has no O_DIRECT
             return None
         raise
-    return DirectFile(fd)
+    try:
+        return DirectFile(fd)
+    except BaseException:  # its buffers or thread could not be made: the descriptor goes with it
+        os.close(fd)
+        raise
 
 
 class DirectFile:
