@@ -162,9 +162,11 @@ def _stages(
             follow_remedies(findings.remedies, runner, session.followup)
     if _diverged_elsewhere(findings) and earlier is not None and session.stream is None:
         state = earlier()
-        stage(progress, f"feeding the step's samples to {state.source} (a broken state or bad records?)")
-        refs = [SampleRef(r["micro_batch"], r["index"], r["sample_id"]) for r in findings.per_sample]
-        findings.earlier_rows = rows_on_earlier_state(runner, state, refs, (dump_info or {}).get("step"))
+        onset = findings.history.reading.onset  # a state from after the loss left its start is no counterfactual
+        if state.step is None or onset is None or state.step < onset:
+            stage(progress, f"feeding the step's samples to {state.source} (a broken state or bad records?)")
+            refs = [SampleRef(r["micro_batch"], r["index"], r["sample_id"]) for r in findings.per_sample]
+            findings.earlier_rows = rows_on_earlier_state(runner, state, refs, (dump_info or {}).get("step"))
     # with the history known, a spike in a run that diverged long before blames no sample: no evidence is weighed
     if (blamed := blamed_samples(findings)) and not raised:
         findings.evidence = weigh_evidence(findings, blamed, session, runner)

@@ -349,7 +349,8 @@ def diverged_here(f: VerdictFacts) -> DivergedHere | None:
       non-finite loss does: the rule does not fire.
     * State or data: every sample failing alone says only that no single record is to blame; a batch whose records
       are all bad (unnormalised inputs) fails alone on any weights too. When the samples were fed to an earlier state
-      (the Guard's host snapshot, the window's checkpoint), healthy there → the state (the rule fires, and says so);
+      (the Guard's host snapshot, the window's checkpoint, from before the loss left its start: replay/pipeline.py),
+      healthy there → the state (the rule fires, and says so);
       any of them past the bar or failing there too → the rule does not fire (the data is suspect, but no record
       evidence names it: the verdict rules decide as without this rule). With no earlier state the rule fires and
       its words name the test that would tell (a host snapshot).

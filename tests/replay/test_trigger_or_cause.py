@@ -227,7 +227,9 @@ HEALTHY_HISTORY = {
 }
 
 
-def _diverged_report(gain: float, scale: float, earlier_gain: float | None) -> dict:
+def _diverged_report(
+    gain: float, scale: float, earlier_gain: float | None, history: dict = HEALTHY_HISTORY, earlier_step: int = 0
+) -> dict:
     """The job's step 4: a NaN gradient norm with a finite loss (its kernels overflowed), replayed here finite but huge;
     `earlier_gain`: the Guard's host snapshot of step 0 fed to the replay (None: no snapshot)."""
     model, data = Scaled(gain=gain), batches(scale=scale)
@@ -243,12 +245,14 @@ def _diverged_report(gain: float, scale: float, earlier_gain: float | None) -> d
     )
     earlier = (
         EarlierState(
-            {"w": torch.full((8,), earlier_gain), "mix.weight": torch.eye(8)}, 0, "the host snapshot of step 0"
+            {"w": torch.full((8,), earlier_gain), "mix.weight": torch.eye(8)},
+            earlier_step,
+            f"the host snapshot of step {earlier_step}",
         )
         if earlier_gain is not None
         else None
     )
-    return run_session(run, OPTIONS, dump_info={"step": 4}, history=HEALTHY_HISTORY, earlier=earlier)
+    return run_session(run, OPTIONS, dump_info={"step": 4}, history=history, earlier=earlier)
 
 
 def test_a_diverged_step_whose_samples_are_healthy_on_the_snapshot_is_the_broken_state():
@@ -274,4 +278,14 @@ def test_a_diverged_step_with_no_snapshot_stays_the_state_and_names_the_test_tha
     verdict = report["verdict"]
     assert verdict["kind"] == "model_state" and report["fidelity"]["diverged"]["earlier_state"] is None
     assert "not the data" not in verdict["headline"]
+    assert any("snapshot_every" in s for s in verdict["suggestions"]), verdict["suggestions"]
+
+
+def test_a_snapshot_from_after_the_loss_left_its_start_is_no_counterfactual():
+    """The loss left its start at step 3 and the snapshot is of step 3: the samples failing there says nothing about
+    the records (that state was diverging too), so it is not fed, and the verdict says no earlier state ran."""
+    history = {**HEALTHY_HISTORY, "loss": [1.0, 0.98, 1.02, 5e3, None], "grad_norm": [1.1, 0.9, 1.0, 4e3, None]}
+    report = _diverged_report(gain=1e4, scale=1.0, earlier_gain=1e4, history=history, earlier_step=3)
+    verdict = report["verdict"]
+    assert verdict["kind"] == "model_state" and report["fidelity"]["diverged"]["earlier_state"] is None
     assert any("snapshot_every" in s for s in verdict["suggestions"]), verdict["suggestions"]
