@@ -8,25 +8,27 @@ it means (replay/judge/verdict.py), including which of the samples found it blam
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable
 
 from forensics.core.kinds import TriggerKind
 from forensics.report.tree import Report
 from forensics.replay.culprit_stage import find_culprits, weigh_precision
-from forensics.replay.culprits.earlier_state import EarlierState, feed_earlier_state
+from forensics.replay.culprits.earlier_state import EarlierState, feed_earlier_state, rows_on_earlier_state
 from forensics.replay.judge.assemble import assemble_report
 from forensics.replay.judge.findings import Findings
 from forensics.replay.judge.remedies import try_remedies
 from forensics.replay.judge.remedy_followup import follow_remedies
 from forensics.replay.judge.verdict import blamed_samples
+from forensics.replay.judge.verdict_facts import DIVERGED_TIMES_HEALTHY
 from forensics.replay.judge.verdict_context import NO_CONTEXT, VerdictContext
 from forensics.replay.load.session import ReplaySession
 from forensics.replay.localize.exception import localize_exception
 from forensics.replay.localize.update import per_layer_stats
 from forensics.replay.localize.weights import corrupted_weights, samples_touching_embeddings
 from forensics.replay.options import ReplayOptions
-from forensics.replay.run.execute import StepRunner
+from forensics.replay.run.execute import SampleRef, StepRunner
 from forensics.replay.run.streamed_runner import StreamedStepRunner, expected_passes, runner_for
 from forensics.replay.run.units import unscaled_history
 from forensics.replay.stages import (
@@ -158,6 +160,13 @@ def _stages(
         if findings.remedies and session.followup is not None:
             stage(progress, "carrying the fixes over the recorded steps after this one")
             follow_remedies(findings.remedies, runner, session.followup)
+    if _diverged_elsewhere(findings) and earlier is not None and session.stream is None:
+        state = earlier()
+        onset = findings.history.reading.onset  # a state from after the loss left its start is no counterfactual
+        if state.step is None or onset is None or state.step < onset:
+            stage(progress, f"feeding the step's samples to {state.source} (a broken state or bad records?)")
+            refs = [SampleRef(r["micro_batch"], r["index"], r["sample_id"]) for r in findings.per_sample]
+            findings.earlier_rows = rows_on_earlier_state(runner, state, refs, (dump_info or {}).get("step"))
     # with the history known, a spike in a run that diverged long before blames no sample: no evidence is weighed
     if (blamed := blamed_samples(findings)) and not raised:
         findings.evidence = weigh_evidence(findings, blamed, session, runner)
@@ -166,6 +175,23 @@ def _stages(
             stage(progress, f"feeding the culprit micro-batch's samples to {state.source} (trigger or cause?)")
             feed_earlier_state(runner, state, blamed, findings.kind, findings.evidence, (dump_info or {}).get("step"))
     return assemble_report(findings, runner, dump_info, started, context)
+
+
+def _diverged_elsewhere(findings: Findings) -> bool:
+    """A non-finite gradient norm replayed finite but far out of the run's range, with every sample's row run
+    (verdict_facts.diverged_here decides on the rows): the samples are fed to an earlier state to tell state from
+    data."""
+    norm = findings.reproduction.result.grad_norm
+    healthy = findings.history.reading.healthy_grad_norm
+    return (
+        not findings.reproduced
+        and findings.kind is TriggerKind.NONFINITE_GRAD
+        and bool(findings.per_sample)
+        and norm is not None
+        and healthy is not None
+        and math.isfinite(norm)
+        and norm >= DIVERGED_TIMES_HEALTHY * healthy
+    )
 
 
 def _locate_weights(findings: Findings, runner: StepRunner, progress: Progress | None) -> None:

@@ -118,6 +118,33 @@ def feed_earlier_state(
         evidence.earlier = f"Fed to {where}, sample {sample} is healthy{own} → the state, not the data (PaLM's test)."
 
 
+@dataclass(frozen=True)
+class EarlierRows:
+    """The step's samples, each alone on an earlier state (the per-sample table's rows there): what the diverged
+    step's samples do on weights from before (replay/judge/verdict_facts.diverged_here tells state from data by it)."""
+
+    source: str
+    """Where the earlier weights come from, with how many steps earlier ('the Guard's host snapshot of step 0 (in the
+    dump), 4 steps earlier')."""
+    rows: list[dict]
+
+
+def rows_on_earlier_state(
+    runner: StepRunner, earlier: EarlierState, refs: list[SampleRef], dumped_step: int | None
+) -> EarlierRows | None:
+    """Each of `refs` (up to MAX_OTHERS + 1) alone on `earlier`; None when that could not run (logged: the verdict
+    then says the test did not run)."""
+    try:
+        rows = _rows_on(runner, earlier, sorted(refs, key=lambda r: (r.micro_batch, r.index))[: MAX_OTHERS + 1])
+    except Exception as exc:  # noqa: BLE001 - an extra: the verdict stands without it
+        logger.warning("the step's samples could not be fed to the earlier state (%s: %s)", type(exc).__name__, exc)
+        return None
+    ago = (
+        f", {dumped_step - earlier.step} steps earlier" if earlier.step is not None and dumped_step is not None else ""
+    )
+    return EarlierRows(f"{earlier.source}{ago}", rows)
+
+
 def _rows_on(runner: StepRunner, earlier: EarlierState, refs: list[SampleRef]) -> list[dict]:
     """Each sample of `refs` alone on the earlier weights: loss, gradient norm, finite (the per-sample table's rows)."""
     session, model = runner.session, runner.model

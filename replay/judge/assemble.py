@@ -5,9 +5,10 @@ Writing the report to disk is forensics.report's job."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from datetime import datetime, timezone
-from typing import Any, Mapping, cast
+from typing import Any, Mapping, Sequence, cast
 
 import torch
 
@@ -341,7 +342,12 @@ def verdict_facts(
         replayed_step_loss=result.step_loss,
         healthy_grad_norm=findings.history.reading.healthy_grad_norm,
         healthy_loss_ceiling=findings.history.reading.healthy_loss_ceiling,
-        sample_grad_norms=_sample_grad_norms(findings),
+        healthy_steps=findings.history.reading.healthy_steps,
+        sample_grad_norms=_sample_grad_norms(findings.per_sample),
+        sample_losses=_sample_losses(findings.per_sample),
+        earlier_state_source=findings.earlier_rows.source if findings.earlier_rows is not None else None,
+        earlier_sample_grad_norms=_sample_grad_norms(findings.earlier_rows.rows) if findings.earlier_rows else None,
+        earlier_sample_losses=_sample_losses(findings.earlier_rows.rows) if findings.earlier_rows else None,
     )
 
 
@@ -354,15 +360,30 @@ def _recorded_step_loss(session: ReplaySession) -> float | None:
     return sum(v for v in losses if v is not None) / session.loss_divisor
 
 
-def _sample_grad_norms(findings: Findings) -> list[float] | None:
-    """Each sample's own gradient norm from the per-sample table (NaN where its step is non-finite; 0 where the row
-    has no norm, which then shows no divergence; a sample that could not run alone is left out); None when the table
-    was not made."""
-    rows = [r for r in findings.per_sample if isinstance(r, dict) and not r.get("error")]
-    if not rows:
+def _sample_rows(rows: Sequence[Any]) -> list[dict]:
+    return [r for r in rows if isinstance(r, dict)]
+
+
+def _sample_grad_norms(rows: Sequence[Any]) -> list[float] | None:
+    """Each sample's own gradient norm from a per-sample table (NaN where its step is non-finite, where the row raised
+    or has no norm: verdict_facts.diverged_here reads those with `_sample_losses`); None when the table was not made.
+    A row's norm is the gradient of that sample's own loss, not divided by the step's loss_divisor
+    (verdict_facts.step_units puts it in the step's units)."""
+    kept = _sample_rows(rows)
+    if not kept:
         return None
-    norms = [lenient_float(r.get("grad_norm")) if r.get("finite") is not False else float("nan") for r in rows]
-    return [0.0 if v is None else v for v in norms]
+    norms = [
+        lenient_float(r.get("grad_norm")) if r.get("finite") is not False and not r.get("error") else None for r in kept
+    ]
+    return [math.nan if v is None else v for v in norms]
+
+
+def _sample_losses(rows: Sequence[Any]) -> list[float | None] | None:
+    """Each sample's own loss, in the order of `_sample_grad_norms` (None where the row raised or has none)."""
+    kept = _sample_rows(rows)
+    if not kept:
+        return None
+    return [None if r.get("error") else lenient_float(r.get("loss")) for r in kept]
 
 
 def shared_id_words(sample: CulpritSample) -> str:

@@ -11,6 +11,7 @@ remedies) return it as a TypedDict whose keys are those of docs/REPORT_FORMAT.md
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from forensics.core.kinds import HistoryPattern, Phase, TriggerKind
 from forensics.core.trigger import Trigger
@@ -28,6 +29,9 @@ from forensics.replay.localize.update import LayerRow, OptimizerFinding
 from forensics.replay.localize.weights import CorruptedWeight
 from forensics.replay.run.execute import Reproduction, SampleRef
 from forensics.replay.run.rng_dependence import RngBlock
+
+if TYPE_CHECKING:  # the stage's module imports the runner
+    from forensics.replay.culprits.earlier_state import EarlierRows
 
 
 @dataclass
@@ -107,6 +111,9 @@ class Findings:
     """Every gradient finite but their norm not: the largest |gradient| (forensics.replay.run.execute.StepResult.norm_overflow)."""
     sample_facts: dict[SampleRef, list[SampleFact]] = field(default_factory=dict)
     """What is odd in each culprit's own data (replay/culprits/sample_facts.py): the report's sample `description`."""
+    earlier_rows: EarlierRows | None = None
+    """A NaN gradient norm replayed finite: the step's samples alone on an earlier state (the Guard's host snapshot,
+    the window's checkpoint), which tells a broken state from a batch of bad records (verdict_facts.diverged_here)."""
 
     @property
     def culprits(self) -> list[SampleRef]:

@@ -12,7 +12,7 @@ Nothing edits a verdict after it returns (tests/test_architecture.py). Every ret
 | not reproduced, and the trigger came from another rank (`local: false`)        | `inherited`           | `not_reproduced`        |
 | not reproduced, and the job ran out of memory (a device with less memory)      | `memory_not_reproduced` | `not_reproduced`      |
 | not reproduced, and recorded / replayed is a factor the job recorded (units)   | `other_units`         | `not_reproduced`        |
-| a non-finite grad norm replayed finite, but the step diverges here as in the run, every sample alone too (`diverged_here`) | `diverged_elsewhere` | `model_state` |
+| a non-finite grad norm replayed finite, but the step diverges here as in the run, every sample alone too (finite loss, norm past the bar in the step's units), a healthy norm of 3+ steps or an earlier state, and no sample failing on the earlier state when one ran (`diverged_here`) | `diverged_elsewhere` | `model_state` |
 | the replay did not fail                                                        | `not_reproduced`      | `not_reproduced`        |
 | the step raised out of memory, and a sample is far larger than the others     | `oversized`           | `exception`             |
 | the step raised                                                                | `exception_verdict`   | `exception`             |

@@ -33,6 +33,10 @@ EXPLODED_TIMES_CEILING = 10.0
 # ... and within this factor of the loss the job recorded for the step (the same forward: other kernels and other
 # dropout masks on another device move it by a few percent, never by a factor)
 SAME_LOSS_FACTOR = 2.0
+# ... against a healthy gradient norm of at least this many recorded steps: one or two steps after the start are no
+# range (the first steps of a run move fast, and a median of two is either of them), three give a median that one odd
+# step cannot set. With fewer, only an earlier state the samples were fed to (a measured reference) lets the rule fire.
+MIN_HEALTHY_STEPS = 3
 
 
 @dataclass
@@ -189,8 +193,20 @@ class VerdictFacts:
     """The run's gradient norm before the loss left its start (history_pattern.HistoryReading.healthy_grad_norm)."""
     healthy_loss_ceiling: float | None = None
     """The top of the run's recorded healthy loss range (HistoryReading.healthy_loss_ceiling)."""
+    healthy_steps: int = 0
+    """The recorded steps `healthy_grad_norm` is the median of (HistoryReading.healthy_steps)."""
     sample_grad_norms: list[float] | None = None
-    """Each sample's own gradient norm (the per-sample table; NaN where it is non-finite); None: not measured."""
+    """Each sample's own gradient norm (the per-sample table; NaN where it is non-finite or the row raised); None: not
+    measured."""
+    sample_losses: list[float | None] | None = None
+    """Each sample's own loss, in the order of `sample_grad_norms` (None where the row raised or has no loss); None:
+    not given (then no row counts as diverging alone)."""
+    earlier_state_source: str | None = None
+    """A NaN gradient norm replayed finite: the earlier state the step's samples were fed to, in words; None: none."""
+    earlier_sample_grad_norms: list[float] | None = None
+    """Those samples' own gradient norms on the earlier state (NaN where non-finite or raised)."""
+    earlier_sample_losses: list[float | None] | None = None
+    """Their own losses there (None where the row raised or has no loss)."""
     """The samples the verdict names carry IDs made up from their position in the batch (the job recorded no
     sample IDs: manifest `ids_are_positional`): no blocklist lists them, and the verdict says how to record real
     IDs instead of promising a blocklist entry."""
@@ -223,9 +239,17 @@ class DivergedHere:
     recorded_loss: float
     replayed_loss: float
     samples_over: int
-    """Samples of the per-sample table whose own gradient norm is past the bar (all of those checked)."""
+    """Samples of the per-sample table whose own gradient norm (finite, with a finite loss) is past the bar."""
     smallest_sample_norm: float
     largest_sample_norm: float
+    samples_nonfinite: int = 0
+    """Samples whose own gradient norm is non-finite with a finite loss, as the job's step was (past any bar)."""
+    sample_scale: float = 1.0
+    """What a sample's own gradient norm is multiplied by to be in the step's units (`step_units`)."""
+    earlier_source: str | None = None
+    """The earlier state the samples were fed to and were healthy on; None: no earlier state was at hand."""
+    earlier_largest_norm: float | None = None
+    """The largest of their gradient norms there (in the step's units)."""
 
     @property
     def times_healthy(self) -> float:
@@ -233,7 +257,7 @@ class DivergedHere:
 
     def as_dict(self) -> dict:
         """The report's `fidelity.diverged` block (docs/REPORT_FORMAT.md)."""
-        return {
+        out = {
             "replayed_grad_norm": self.replayed_grad_norm,
             "healthy_grad_norm": self.healthy_grad_norm,
             "times_healthy": self.times_healthy,
@@ -241,8 +265,73 @@ class DivergedHere:
             "replayed_loss": self.replayed_loss,
             "bar_times_healthy": DIVERGED_TIMES_HEALTHY,
             "samples_over": self.samples_over,
+            "samples_nonfinite": self.samples_nonfinite,
             "sample_grad_norms": [self.smallest_sample_norm, self.largest_sample_norm],
+            "sample_scale": self.sample_scale,
+            "earlier_state": self.earlier_source,
         }
+        if self.earlier_largest_norm is not None:
+            out["earlier_largest_grad_norm"] = self.earlier_largest_norm
+        return out
+
+
+def step_units(losses: list[float | None], step_loss: float) -> float | None:
+    """The factor that puts a sample's own gradient norm in the step's units. A per-sample row is the gradient of ONE
+    sample's loss as the loss function returns it, not divided by the job's loss_divisor; the step's norm is that of
+    sum(micro-batch losses) / loss_divisor (replay/judge/assemble.py, replay/stages.per_sample_rows). Whatever the
+    reduction (a mean over samples with the default divisor, a sum with a divisor of tokens), step loss = a x the sum
+    of every sample's own loss, so a step of N samples each like this one has a gradient norm of a x N x its own:
+    a x N = the step loss / the mean of the samples' own losses, measured here (1 for a mean-reduced loss with the
+    default divisor). None without a finite positive loss to measure it by."""
+    finite = [v for v in losses if v is not None and math.isfinite(v) and v > 0]
+    if not finite or not (math.isfinite(step_loss) and step_loss > 0):
+        return None
+    return step_loss / (sum(finite) / len(finite))
+
+
+def _alone(norms: list[float], losses: list[float | None], bar: float, scale: float) -> tuple[list[float], int] | None:
+    """The rows past `bar` alone (in the step's units) and the rows non-finite as the job's step was (a finite loss, a
+    non-finite gradient norm); None when a row is healthy alone, raised, has no loss, or has a non-finite loss (not
+    the job's way: its loss was finite) — each of those blocks the rule."""
+    over, nonfinite = [], 0
+    for norm, loss in zip(norms, losses, strict=True):
+        if loss is None or not math.isfinite(loss):
+            return None
+        if not math.isfinite(norm):
+            nonfinite += 1
+        elif norm * scale >= bar:
+            over.append(norm * scale)
+        else:
+            return None
+    return over, nonfinite
+
+
+def _healthy_earlier(f: VerdictFacts, bar: float, scale: float) -> tuple[bool, float] | None:
+    """The earlier-state test, when it ran: (every sample healthy there, the largest finite norm there in the step's
+    units). Healthy: a finite loss and a finite gradient norm under the bar. None: no earlier state was fed."""
+    norms, losses = f.earlier_sample_grad_norms, f.earlier_sample_losses
+    if not f.earlier_state_source or not norms or losses is None or len(losses) != len(norms):
+        return None
+    healthy = all(
+        loss is not None and math.isfinite(loss) and math.isfinite(norm) and norm * scale < bar
+        for norm, loss in zip(norms, losses)
+    )
+    finite = [v * scale for v in norms if math.isfinite(v)]
+    return healthy, max(finite, default=math.nan)
+
+
+def failing_on_earlier_state(f: VerdictFacts) -> int:
+    """How many of the step's samples fed to the earlier state were not healthy there (a non-finite or missing loss, a
+    non-finite norm, or one past the bar in the step's units); 0 when no earlier state was fed or no bar is known."""
+    norms, losses, healthy = f.earlier_sample_grad_norms, f.earlier_sample_losses, f.healthy_grad_norm
+    if not f.earlier_state_source or not norms or losses is None or len(losses) != len(norms) or not healthy:
+        return 0
+    scale = step_units(f.sample_losses or [], f.replayed_step_loss or math.nan) or 1.0
+    bar = DIVERGED_TIMES_HEALTHY * healthy
+    return sum(
+        not (loss is not None and math.isfinite(loss) and math.isfinite(norm) and norm * scale < bar)
+        for norm, loss in zip(norms, losses)
+    )
 
 
 def diverged_here(f: VerdictFacts) -> DivergedHere | None:
@@ -251,14 +340,31 @@ def diverged_here(f: VerdictFacts) -> DivergedHere | None:
     or more, the replayed loss is the job's for the step (within SAME_LOSS_FACTOR) and EXPLODED_TIMES_CEILING x the top
     of its healthy loss range, and every sample of the per-sample table is past that bar alone. Then the step did
     reproduce, as a divergence (the same weights give gradients no finite-precision kernel can be trusted with: the
-    job's NaN was where its kernels crossed), and the per-sample test decides state or data. None otherwise: a replay
-    in the run's normal range (a transient fault, a GPU-only kernel bug), a run with no healthy history to compare
-    with, or a sample that is healthy alone stays not reproduced (never blamed from this).
+    job's NaN was where its kernels crossed).
+
+    * Units: a sample's own gradient norm is put in the step's units before it meets the bar (`step_units`: the norm
+      the step would have if every sample were this one), so a per-sample norm and the batch's healthy norm compare.
+    * Past the bar alone: a row with a finite loss and a finite norm at or over the bar; a row with a finite loss and a
+      non-finite norm (as the job's step) does not block; a row healthy alone, one that raised, one with no loss or a
+      non-finite loss does: the rule does not fire.
+    * State or data: every sample failing alone says only that no single record is to blame; a batch whose records
+      are all bad (unnormalised inputs) fails alone on any weights too. When the samples were fed to an earlier state
+      (the Guard's host snapshot, the window's checkpoint, from before the loss left its start: replay/pipeline.py),
+      healthy there → the state (the rule fires, and says so);
+      any of them past the bar or failing there too → the rule does not fire (the data is suspect, but no record
+      evidence names it: the verdict rules decide as without this rule). With no earlier state the rule fires and
+      its words name the test that would tell (a host snapshot).
+    * Reference: the healthy norm must be the median of at least MIN_HEALTHY_STEPS recorded steps, or the samples
+      must have been healthy on an earlier state (a measured reference).
+
+    None otherwise: a replay in the run's normal range (a transient fault, a GPU-only kernel bug), a run with no
+    healthy history to compare with, or a sample that is healthy alone stays not reproduced (never blamed from this).
 
     Example:
         >>> d = diverged_here(VerdictFacts("nonfinite_grad", False, replayed_grad_norm=9.7e6, recorded_step_loss=1.8e9,
         ...                                replayed_step_loss=1.77e9, healthy_grad_norm=2.93, healthy_loss_ceiling=6.2,
-        ...                                sample_grad_norms=[6.2e6, 1.3e7]))
+        ...                                healthy_steps=3, sample_grad_norms=[6.2e6, 1.3e7],
+        ...                                sample_losses=[1.7e9, 1.84e9]))
         >>> f"{d.times_healthy:.3g}", d.samples_over
         ('3.31e+06', 2)
     """
@@ -275,11 +381,32 @@ def diverged_here(f: VerdictFacts) -> DivergedHere | None:
         return None
     if replayed < EXPLODED_TIMES_CEILING * ceiling:
         return None
-    samples = f.sample_grad_norms or []
-    if not samples or any(math.isfinite(v) and v < bar for v in samples):
+    norms, losses = f.sample_grad_norms or [], f.sample_losses
+    if not norms or losses is None or len(losses) != len(norms):
         return None
-    finite = [v for v in samples if math.isfinite(v)] or [math.inf]
-    return DivergedHere(norm, healthy, recorded, replayed, len(samples), min(finite), max(finite))
+    scale = step_units(losses, replayed)
+    alone = _alone(norms, losses, bar, scale) if scale is not None else None
+    if scale is None or alone is None or not alone[0]:
+        return None
+    over, nonfinite = alone
+    earlier = _healthy_earlier(f, bar, scale)
+    if earlier is not None and not earlier[0]:
+        return None  # the samples fail on the earlier state too: the records are suspect, not the state
+    if earlier is None and f.healthy_steps < MIN_HEALTHY_STEPS:
+        return None
+    return DivergedHere(
+        norm,
+        healthy,
+        recorded,
+        replayed,
+        len(over),
+        min(over),
+        max(over),
+        nonfinite,
+        scale,
+        f.earlier_state_source if earlier is not None else None,
+        earlier[1] if earlier is not None else None,
+    )
 
 
 def low_precision(f: VerdictFacts) -> str | None:
@@ -314,14 +441,17 @@ __all__ = [
     "INPUT_PREFIX",
     "SAME_LOSS_FACTOR",
     "LOW_PRECISION",
+    "MIN_HEALTHY_STEPS",
     "MAX_ID_CHARS",
     "MAX_NAMED_SAMPLES",
     "PROSE_DIGITS",
     "VerdictFacts",
     "blames_data",
     "diverged_here",
+    "failing_on_earlier_state",
     "has_culprit",
     "low_precision",
+    "step_units",
     "what",
     "whole_batch",
 ]

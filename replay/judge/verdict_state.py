@@ -11,6 +11,7 @@ from forensics.replay.judge.verdict_facts import (
     MAX_NAMED_SAMPLES,
     DivergedHere,
     VerdictFacts,
+    failing_on_earlier_state,
     has_culprit,
     what,
     whole_batch,
@@ -83,6 +84,14 @@ def not_reproduced(f: VerdictFacts) -> Verdict:
     )
     if f.environment_warnings:
         reading += " Differences between the job and this replay: " + "; ".join(f.environment_warnings) + "."
+    if failing := failing_on_earlier_state(f):
+        fed = len(f.earlier_sample_grad_norms or [])
+        reading += (
+            f" The step's samples diverge here, but fed to {f.earlier_state_source}, {failing} of {fed} fail or "
+            "diverge alone there too: a broken state would not do that, records that are all bad (unnormalised "
+            "inputs, another scale) would. Nothing about the records themselves was found, so no sample is named: "
+            "look at this step's records."
+        )
     rank = f" on the node of rank {f.rank}" if f.rank is not None else ""
     return verdict_node(
         VerdictKind.NOT_REPRODUCED,
@@ -105,10 +114,16 @@ def not_reproduced(f: VerdictFacts) -> Verdict:
 def diverged_elsewhere(f: VerdictFacts, d: DivergedHere) -> Verdict:
     """A non-finite gradient norm this device replays finite, but as far out of the run's range as the job's step, and
     every sample alone as well (verdict_facts.diverged_here): the step reproduced as the divergence; the state is
-    broken, not the data. Says that the job's exact non-finite value was not reproduced bit for bit, and why."""
+    broken, not the data — cleared by an earlier state when one ran, else the words name the test that would tell (a
+    host snapshot). Says that the job's exact non-finite value was not reproduced bit for bit, and why."""
     on = f" on {f.replay_device}" if f.replay_device else " here"
+    blame = (
+        "the model state, not the data, is broken"
+        if d.earlier_source
+        else "no single record is to blame, the model state most likely is (no earlier state ran to clear the data)"
+    )
     headline = (
-        f"Every sample tried diverges on its own at {where_step(f)}: the model state, not the data, is broken "
+        f"Every sample tried diverges on its own at {where_step(f)}: {blame} "
         f"(the job's gradient norm was {num(f.trigger_value)};{on} it is {num(d.replayed_grad_norm)}, "
         f"{fmt_num(d.times_healthy, 3)} x the run's healthy {fmt_num(d.healthy_grad_norm, 3)})."
     )
@@ -129,11 +144,24 @@ def diverged_elsewhere(f: VerdictFacts, d: DivergedHere) -> Verdict:
     )
     if f.environment_warnings:
         reading += " Differences between the job and this replay: " + "; ".join(f.environment_warnings) + "."
-    reading += (
-        f" The per-sample test decides state or data: each of the {samples} run alone has a gradient norm of "
-        f"{spread}, every one over {num(DIVERGED_TIMES_HEALTHY)} x the healthy one, so any input fails on these "
-        "weights and no record is to blame."
+    units = (
+        "" if abs(d.sample_scale - 1.0) < 0.05 else f" (in the step's units: each times {fmt_num(d.sample_scale, 3)})"
     )
+    job_like = f", and {d.samples_nonfinite} more non-finite alone as the job's step was" if d.samples_nonfinite else ""
+    reading += (
+        f" The per-sample test: each of the {samples} run alone has a gradient norm of {spread}{units}, every one "
+        f"over {num(DIVERGED_TIMES_HEALTHY)} x the healthy one{job_like}, so no single record is to blame."
+    )
+    if d.earlier_source:
+        reading += (
+            f" Fed to {d.earlier_source}, the same samples are healthy (gradient norms up to "
+            f"{fmt_num(d.earlier_largest_norm, 3)}): the model state, not the data, is broken (PaLM's test)."
+        )
+    else:
+        reading += (
+            " That alone does not tell a broken state from a batch whose records are all bad (unnormalised inputs "
+            "fail alone on any weights): no earlier state was at hand to feed the samples to."
+        )
     suggestions = [
         "Resume from an earlier checkpoint with a lower learning rate or longer warm-up.",
         "Look at the pre-step weights: parameters with a huge abs-max or a collapsed norm layer (the per-layer "
@@ -141,6 +169,12 @@ def diverged_elsewhere(f: VerdictFacts, d: DivergedHere) -> Verdict:
         "To see the job's exact non-finite value (which op made it), replay on the same GPU model and torch "
         "version as the job; the verdict there is the same.",
     ]
+    if not d.earlier_source:
+        suggestions.append(
+            "To tell the state from the data, keep a host snapshot (GuardConfig(recording=RecordConfig(snapshot_every=N))) "
+            "or replay with --from an earlier checkpoint: the replay feeds the step's samples to that earlier state, "
+            "and samples healthy there clear the data."
+        )
     return verdict_node(VerdictKind.MODEL_STATE, headline, f, suggestions + pattern_hints(f), reading)
 
 

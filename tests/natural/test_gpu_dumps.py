@@ -91,8 +91,14 @@ def _words_agree_with_numbers(report: dict, markdown: str) -> None:
     assert verdict["kind"] == "model_state" and "NOT reproduced" not in markdown
     assert "Reproduced as the run's divergence" in markdown
     bar = diverged["bar_times_healthy"] * diverged["healthy_grad_norm"]
+    scale = diverged["sample_scale"]  # a sample's own norm in the step's units (verdict_facts.step_units)
     norms = [row["grad_norm"] for row in report["per_sample"]]
-    assert norms and all(isinstance(n, float) and n >= bar for n in norms), (bar, norms)
+    assert norms and all(isinstance(n, float) and n * scale >= bar for n in norms), (bar, scale, norms)
+    # two healthy steps before the loss left its start: only the Guard's host snapshot (fed the same samples, healthy
+    # there) tells the state from a batch of bad records, and the verdict says it ran
+    assert diverged["earlier_state"] and "snapshot" in diverged["earlier_state"], diverged
+    assert diverged["earlier_largest_grad_norm"] < bar
+    assert "healthy" in verdict["explanation"] and "not the data" in verdict["headline"]
     assert diverged["samples_over"] == len(norms) and f"all {len(norms)} diverging alone" in markdown
     assert diverged["replayed_grad_norm"] == fidelity["replayed_grad_norm"] >= bar
     assert f"{fidelity['replayed_grad_norm']:.6g}" in verdict["headline"], verdict["headline"]

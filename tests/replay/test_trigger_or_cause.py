@@ -217,3 +217,75 @@ def test_casts_to_float16_inside_the_forward_are_held_to_fp32_and_counted():
     ran = block["fp32_ran"]
     assert ran["verified"] and ran["held_casts"] >= 2 and ran["ops"].get("float16", 0) == 0
     assert block["fp32_reproduces"] is False
+
+
+# -- a NaN gradient norm replayed finite and far out of range (verdict_facts.diverged_here): state or data? -------------
+HEALTHY_HISTORY = {
+    "step": [0, 1, 2, 3, 4],
+    "loss": [1.0, 0.98, 1.02, 0.97, None],
+    "grad_norm": [1.1, 0.9, 1.0, 1.05, None],
+}
+
+
+def _diverged_report(
+    gain: float, scale: float, earlier_gain: float | None, history: dict = HEALTHY_HISTORY, earlier_step: int = 0
+) -> dict:
+    """The job's step 4: a NaN gradient norm with a finite loss (its kernels overflowed), replayed here finite but huge;
+    `earlier_gain`: the Guard's host snapshot of step 0 fed to the replay (None: no snapshot)."""
+    model, data = Scaled(gain=gain), batches(scale=scale)
+    with torch.no_grad():
+        losses = [float(loss_fn(model, b)) for b in data]
+    run = session_from_objects(
+        model,
+        data,
+        loss_fn=loss_fn,
+        device="cpu",
+        trigger={"kind": "nonfinite_grad", "value": math.nan},
+        recorded_losses=losses,
+    )
+    earlier = (
+        EarlierState(
+            {"w": torch.full((8,), earlier_gain), "mix.weight": torch.eye(8)},
+            earlier_step,
+            f"the host snapshot of step {earlier_step}",
+        )
+        if earlier_gain is not None
+        else None
+    )
+    return run_session(run, OPTIONS, dump_info={"step": 4}, history=history, earlier=earlier)
+
+
+def test_a_diverged_step_whose_samples_are_healthy_on_the_snapshot_is_the_broken_state():
+    report = _diverged_report(gain=1e4, scale=1.0, earlier_gain=1.0)  # weights blown up, ordinary records
+    assert not report["reproduced"] and report["verdict"]["kind"] == "model_state", report["verdict"]["headline"]
+    diverged = report["fidelity"]["diverged"]
+    assert "host snapshot of step 0" in diverged["earlier_state"] and diverged["earlier_largest_grad_norm"] < 1000
+    assert "not the data" in report["verdict"]["headline"] and not report["culprit"]["samples"]
+
+
+def test_a_diverged_step_whose_samples_diverge_on_the_snapshot_too_blames_neither_state_nor_a_record():
+    """Every record of the batch unnormalised (x 1e4) on ordinary weights: each sample alone diverges on the snapshot
+    of step 0 too, so the state is not to blame; no record evidence either, so no sample is named."""
+    report = _diverged_report(gain=1.0, scale=1e4, earlier_gain=1.0)
+    verdict = report["verdict"]
+    assert verdict["kind"] == "not_reproduced" and "diverged" not in report["fidelity"], verdict["headline"]
+    assert "host snapshot of step 0" in verdict["explanation"] and "no sample is named" in verdict["explanation"]
+    assert not report["culprit"]["samples"] and (report.get("evidence") or {}).get("bad_data") in (None, False)
+
+
+def test_a_diverged_step_with_no_snapshot_stays_the_state_and_names_the_test_that_would_tell():
+    report = _diverged_report(gain=1.0, scale=1e4, earlier_gain=None)  # the same bad batch, nothing to tell it by
+    verdict = report["verdict"]
+    assert verdict["kind"] == "model_state" and report["fidelity"]["diverged"]["earlier_state"] is None
+    assert "not the data" not in verdict["headline"]
+    assert any("snapshot_every" in s for s in verdict["suggestions"]), verdict["suggestions"]
+
+
+def test_a_snapshot_from_after_the_loss_left_its_start_is_no_counterfactual():
+    """The loss left its start at step 3 and the snapshot is of step 3: the samples failing there says nothing about
+    the records (that state was diverging too), so it is not fed, and the verdict says no earlier state ran."""
+    history = {**HEALTHY_HISTORY, "loss": [1.0, 0.98, 1.02, 5e3, None], "grad_norm": [1.1, 0.9, 1.0, 4e3, None]}
+    report = _diverged_report(gain=1e4, scale=1.0, earlier_gain=1e4, history=history, earlier_step=3)
+    verdict = report["verdict"]
+    assert verdict["kind"] == "model_state" and report["fidelity"]["diverged"]["earlier_state"] is None
+    assert any("snapshot_every" in s for s in verdict["suggestions"]), verdict["suggestions"]

@@ -7,6 +7,7 @@ import pytest
 from forensics.report import VERDICT_KINDS
 from forensics.report.tree import Verdict
 from forensics.replay.judge.verdict import VerdictFacts, decide_verdict
+from forensics.replay.judge.verdict_facts import diverged_here
 
 NAN = float("nan")
 
@@ -645,9 +646,15 @@ DIVERGED_ON_CPU = dict(  # numbers of tests/data/natural_gpu/gpt2_newuser_bf16_l
     replayed_step_loss=1.7703e9,
     healthy_grad_norm=2.934,
     healthy_loss_ceiling=6.25,
+    healthy_steps=2,  # the run left its start at step 2: two healthy steps, and the Guard's snapshot of step 0
     sample_grad_norms=[6.23e6, 7.47e6, 1.01e7, 1.28e7],
+    sample_losses=[1.62e9, 1.71e9, 1.83e9, 1.92e9],
+    earlier_state_source="the Guard's host snapshot of step 0 (in the dump), 4 steps earlier",
+    earlier_sample_grad_norms=[1.02, 1.31, 0.87, 1.44],
+    earlier_sample_losses=[4.11, 4.23, 4.05, 4.19],
     history_pattern="exponential_growth",
 )
+NO_EARLIER = dict(earlier_state_source=None, earlier_sample_grad_norms=None, earlier_sample_losses=None)
 
 
 def test_a_nan_grad_norm_replayed_finite_but_diverging_as_the_run_did_is_the_model_state():
@@ -656,18 +663,85 @@ def test_a_nan_grad_norm_replayed_finite_but_diverging_as_the_run_did_is_the_mod
     assert v.kind == "model_state"
     assert "not the data" in v.headline and "9.70846e+06" in v.headline and "3.31e+06 x" in v.headline
     assert "Not reproduced bit for bit" in v.explanation and "H100" in v.explanation  # why: another device
-    assert "each of the 4 samples run alone" in v.explanation and "no record is to blame" in v.explanation
+    assert "each of the 4 samples run alone" in v.explanation and "no single record is to blame" in v.explanation
+    assert "Fed to the Guard's host snapshot of step 0" in v.explanation and "healthy" in v.explanation
     assert not any(s.startswith("Filter") for s in v.suggestions)
     assert not any("DCGM" in s for s in v.suggestions)  # no hardware advice for a diverged state
+    assert not any("snapshot_every" in s for s in v.suggestions)  # the test that tells state from data ran
+
+
+def test_a_diverged_step_whose_samples_diverge_on_the_earlier_state_too_is_not_the_model_state():
+    """A batch whose records are all bad (unnormalised inputs) fails alone on any weights: fed to the Guard's snapshot
+    of step 0, the samples diverge there too, so the state is not to blame; no record evidence names a sample either,
+    so the rule does not fire and the verdict stays not reproduced (no data is blamed without record evidence)."""
+    for earlier in ([5.1e6, 6.2e6, 4.4e6, 7.0e6], [1.02, 1.31, 4.4e6, 1.44], [1.02, NAN, 0.87, 1.44]):
+        v = decide_verdict(VerdictFacts(**{**DIVERGED_ON_CPU, "earlier_sample_grad_norms": earlier}))
+        assert v.kind == "not_reproduced", (earlier, v.headline)
+        assert "Guard's host snapshot of step 0" in v.explanation and "no sample is named" in v.explanation
+    raised = decide_verdict(VerdictFacts(**{**DIVERGED_ON_CPU, "earlier_sample_losses": [4.11, None, 4.05, 4.19]}))
+    assert raised.kind == "not_reproduced"  # a sample that raised on the earlier state is not healthy there
+
+
+def test_a_diverged_step_with_no_earlier_state_says_which_test_would_tell_state_from_data():
+    v = decide_verdict(VerdictFacts(**{**DIVERGED_ON_CPU, **NO_EARLIER, "healthy_steps": 3}))
+    assert v.kind == "model_state"
+    assert "not the data" not in v.headline and "no single record is to blame" in v.headline
+    assert "no earlier state was at hand" in v.explanation and "unnormalised inputs" in v.explanation
+    assert any("RecordConfig(snapshot_every=" in s and "--from" in s for s in v.suggestions), v.suggestions
+
+
+def test_a_diverged_step_needs_three_healthy_steps_without_an_earlier_state():
+    """MIN_HEALTHY_STEPS: a median of two healthy steps is no range; with no earlier state to measure one, the rule
+    does not fire."""
+    for steps in (0, 1, 2):
+        v = decide_verdict(VerdictFacts(**{**DIVERGED_ON_CPU, **NO_EARLIER, "healthy_steps": steps}))
+        assert v.kind == "not_reproduced", steps
+
+
+@pytest.mark.parametrize(
+    "norms, losses, why",
+    [
+        ([6.23e6, NAN, 1.01e7, 1.28e7], [1.62e9, None, 1.83e9, 1.92e9], "a row that raised (no loss)"),
+        ([6.23e6, NAN, 1.01e7, 1.28e7], [1.62e9, NAN, 1.83e9, 1.92e9], "a row with a non-finite loss"),
+        ([NAN, NAN, NAN, NAN], [1.62e9, 1.71e9, 1.83e9, 1.92e9], "no row finite: nothing measured past the bar"),
+        ([6.23e6, 7.47e6, 1.01e7, 1.28e7], None, "no losses: the rows cannot be read"),
+    ],
+)
+def test_a_per_sample_row_that_raised_or_lost_its_loss_blocks_the_diverged_rule(norms, losses, why):
+    v = decide_verdict(VerdictFacts(**{**DIVERGED_ON_CPU, "sample_grad_norms": norms, "sample_losses": losses}))
+    assert v.kind == "not_reproduced", why
+
+
+def test_a_per_sample_row_non_finite_as_the_job_was_does_not_block_the_diverged_rule():
+    facts = VerdictFacts(**{**DIVERGED_ON_CPU, "sample_grad_norms": [6.23e6, NAN, 1.01e7, 1.28e7]})
+    d = diverged_here(facts)
+    assert d is not None and d.samples_over == 3 and d.samples_nonfinite == 1
+    v = decide_verdict(facts)
+    assert v.kind == "model_state" and "1 more non-finite alone as the job's step was" in v.explanation
+
+
+def test_per_sample_norms_meet_the_bar_in_the_steps_units():
+    """A per-sample row is the gradient of one sample's own loss, not divided by the job's loss_divisor: with a step
+    loss 8 x below the samples' own (a divisor of 8), a norm of 4000 alone is 500 in the step's units, under the
+    1000 x 2.934 bar; with a summed loss (the step loss 4 x the samples' own), 1000 alone is 4000 there, over it."""
+    divided = {"sample_grad_norms": [3.0e3, 3.5e3, 4.0e3, 5.0e3], "sample_losses": [1.4e10] * 4}
+    assert decide_verdict(VerdictFacts(**{**DIVERGED_ON_CPU, **divided})).kind == "not_reproduced"
+    summed = {"sample_grad_norms": [1.0e3, 1.1e3, 1.2e3, 1.3e3], "sample_losses": [4.4e8] * 4}
+    d = diverged_here(VerdictFacts(**{**DIVERGED_ON_CPU, **summed}))
+    assert d is not None and d.sample_scale == pytest.approx(1.7703e9 / 4.4e8)
+    assert d.smallest_sample_norm == pytest.approx(1.0e3 * 1.7703e9 / 4.4e8)
 
 
 @pytest.mark.parametrize(
     "change, why",
     [
-        (dict(replayed_grad_norm=3.1, replayed_value=3.1, sample_grad_norms=[2.0, 3.5]), "in the run's normal range"),
+        (
+            dict(replayed_grad_norm=3.1, replayed_value=3.1, sample_grad_norms=[2.0, 3.5, 2.2, 2.9]),
+            "in the run's normal range",
+        ),
         (dict(replayed_grad_norm=290.0, replayed_value=290.0), "under 1000 x the healthy norm"),
         (dict(healthy_grad_norm=None), "no healthy history to compare with"),
-        (dict(sample_grad_norms=[6.23e6, 2.9, 1.28e7]), "a sample is healthy alone"),
+        (dict(sample_grad_norms=[6.23e6, 2.9, 1.01e7, 1.28e7]), "a sample is healthy alone"),
         (dict(sample_grad_norms=None), "no per-sample test ran"),
         (dict(replayed_step_loss=2.0e10), "another loss than the job's for the step"),
         (dict(recorded_step_loss=5.0, replayed_step_loss=5.1), "the loss did not explode"),
@@ -678,3 +752,27 @@ def test_a_nan_grad_norm_replayed_finite_but_diverging_as_the_run_did_is_the_mod
 def test_a_genuinely_unreproduced_nan_grad_norm_stays_not_reproduced(change, why):
     v = decide_verdict(VerdictFacts(**{**DIVERGED_ON_CPU, **change}))
     assert v.kind == "not_reproduced", why
+
+
+def test_the_per_sample_rows_the_diverged_rule_reads_keep_raised_and_lossless_rows():
+    """A row that raised, or is marked non-finite with no loss, reaches the rule with no loss (it blocks it); before,
+    a raised row was dropped and a lossless non-finite one read as past the bar."""
+    from forensics.replay.judge.assemble import _sample_grad_norms, _sample_losses
+
+    rows = [
+        {"sample_id": 0, "micro_batch": 0, "index": 0, "loss": 1.7e9, "grad_norm": 6.2e6, "finite": True},
+        {"sample_id": 1, "micro_batch": 0, "index": 1, "loss": None, "grad_norm": None, "finite": False},
+        {"sample_id": 2, "micro_batch": 0, "index": 2, "loss": None, "grad_norm": None, "finite": False, "error": "E"},
+        {"sample_id": 3, "micro_batch": 0, "index": 3, "loss": 1.8e9, "grad_norm": NAN, "finite": False},
+    ]
+    norms, losses = _sample_grad_norms(rows), _sample_losses(rows)
+    assert norms is not None and len(norms) == 4 and norms[0] == 6.2e6
+    assert all(math.isnan(v) for v in norms[1:])
+    assert losses == [1.7e9, None, None, 1.8e9]
+    facts = VerdictFacts(**{**DIVERGED_ON_CPU, "sample_grad_norms": norms, "sample_losses": losses})
+    assert decide_verdict(facts).kind == "not_reproduced"
+    kept = [rows[0], rows[3]]  # the job-like row (finite loss, non-finite norm) does not block
+    facts = VerdictFacts(
+        **{**DIVERGED_ON_CPU, "sample_grad_norms": _sample_grad_norms(kept), "sample_losses": _sample_losses(kept)}
+    )
+    assert decide_verdict(facts).kind == "model_state"
