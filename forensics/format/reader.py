@@ -7,7 +7,7 @@ import hashlib
 import os
 import stat
 import threading
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from collections.abc import Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -131,6 +131,8 @@ class ChunkVerifier:
         )
         self._matched, self._count_lock, self._submit_lock = 0, threading.Lock(), threading.Lock()
         self._chunks: list[Future[bool] | None] = [None] * len(digests)
+        self._failed: int | None = None
+        """The first chunk found not to match (the one a later wait names: the checks after it were cancelled)."""
         self._started = 0
         self._submit(0, REMOTE_AHEAD if self.cache is not None else len(digests))
 
@@ -177,10 +179,16 @@ class ChunkVerifier:
         self._submit(first, last + 1 + (REMOTE_AHEAD if self.cache is not None else 0))
         for index in range(first, min(last, len(self._chunks) - 1) + 1):
             chunk = self._chunks[index]
-            if chunk is None or not chunk.result():
+            try:
+                matched = chunk is not None and chunk.result()
+            except CancelledError:  # closed after another chunk did not match (another reader's wait)
+                matched = False
+            if not matched:
                 self.close()
+                if self._failed is None:
+                    self._failed = index
                 raise DumpCorruptError(
-                    f"{self.path} does not match its sha256 in the manifest (chunk {index}): the "
+                    f"{self.path} does not match its sha256 in the manifest (chunk {self._failed}): the "
                     "file was changed or corrupted",
                     self.name,
                 )

@@ -422,3 +422,25 @@ def test_a_large_file_is_verified_chunk_by_chunk_and_a_flipped_byte_is_found(tmp
     assert not result.ok and "model.safetensors" in str(result.problems[0])
     with pytest.raises(DumpCorruptError, match=r"model.safetensors does not match its sha256 .*chunk 1"):
         dict(open_dump(path).iter_model_tensors())  # the tensor read across the bad chunk is never handed on
+
+
+def test_a_read_after_a_bad_chunk_closed_the_file_says_the_file_is_corrupt(tmp_path):
+    """Two readers of one file: the first finds a chunk that does not match and closes the file's checks (the later
+    ones are cancelled); the second, waiting on a chunk whose check was cancelled, gets the same DumpCorruptError
+    naming the chunk that did not match — not concurrent.futures.CancelledError (a traceback, not exit 2)."""
+    from forensics.format.reader import ChunkVerifier
+
+    chunk = 32 << 20  # ~15 ms of sha256 each on one core: the checks after the second are still queued at the close
+    data = os.urandom(6 * chunk)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(data)
+    digests = [hashlib.sha256(data[i : i + chunk]).hexdigest() for i in range(0, len(data), chunk)]
+    digests[0] = "0" * 64  # the first chunk does not match
+    verifier = ChunkVerifier(path, "model.safetensors", len(data), chunk, digests, workers=1)
+    with pytest.raises(DumpCorruptError, match=r"chunk 0\)"):
+        verifier.wait(0, 10)
+    cancelled = [i for i, check in enumerate(verifier._chunks) if check is not None and check.cancelled()]
+    if not cancelled:  # a machine so loaded that every check ran before the close: nothing left to show
+        pytest.skip("every chunk's check ran before the first reader closed the file")
+    with pytest.raises(DumpCorruptError, match=r"chunk 0\)"):
+        verifier.wait(cancelled[-1] * chunk, cancelled[-1] * chunk + 10)
