@@ -82,7 +82,7 @@ class Lockstep:
         results: list = [None] * len(jobs)
         errors: list[BaseException | None] = [None] * len(jobs)
         start = capture_rng()
-        last = [start]
+        ends: list = [start] * len(jobs)  # each pass's RNG state at its end
         filters, show = warnings.filters[:], warnings.showwarning
 
         def task(number: int) -> None:
@@ -99,7 +99,7 @@ class Lockstep:
             except BaseException as exc:  # noqa: BLE001 - handed to the caller below
                 errors[number] = exc
             finally:
-                last[0] = capture_rng()
+                ends[number] = capture_rng()
                 self._leave(number)
                 with self._cond:
                     self._done.add(number)
@@ -123,7 +123,8 @@ class Lockstep:
         # leave the process-wide filters of whichever entered first; put back what was there, as catch_warnings does
         warnings.filters, warnings.showwarning = filters, show
         getattr(warnings, "_filters_mutated", lambda: None)()  # the filters' cache invalidated (CPython's own hook)
-        restore_rng(last[0])  # as after the last pass run alone
+        if jobs:
+            restore_rng(ends[-1])  # as after the passes run alone, one after another: the last job's end
         for error in errors:
             if error is not None:
                 raise error
