@@ -43,6 +43,8 @@ def start(
         except (ForensicsError, OSError, ValueError) as exc:  # the replay's own open_dump raises it (claim)
             opened.append(exc)
             return
+        except Exception:  # noqa: BLE001 - anything else: no traceback from this thread; claim gives None and the
+            return  # replay's own open_dump meets it again and says it as always
         with _lock:
             opened.append(dump)
             close = released[0]

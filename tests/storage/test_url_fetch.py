@@ -353,3 +353,22 @@ def test_a_read_of_a_file_closed_for_a_bad_chunk_says_the_file_is_corrupt(s3_ser
     finally:
         dump.close()
         one.shutdown(wait=True)
+
+
+def test_an_unexpected_error_in_the_early_open_prints_no_traceback_and_the_replay_opens_again(monkeypatch):
+    """An error of another kind in the early open (a storage library's own exception) does not escape the prefetch
+    thread (Python would print its traceback on stderr); claim gives None, so the replay's own open_dump meets the
+    error and says it as always."""
+    import threading
+
+    from forensics.format import prefetch
+
+    escaped: list = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: escaped.append(args.exc_type))
+
+    def broken() -> None:
+        raise RuntimeError("a storage library's own error")
+
+    prefetch.start("s3://bucket/run/step-000000001", 0, None, [], broken)
+    assert prefetch.claim("s3://bucket/run/step-000000001", 0, None, []) is None
+    assert escaped == []
