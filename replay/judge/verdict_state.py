@@ -426,7 +426,7 @@ def diverging(f: VerdictFacts) -> Verdict:
         else ""
     )
     headline = (
-        f"The run diverged{lr}: its loss grew for steps before {what(f)} at {where_step(f)}"
+        f"The run diverged{lr}: its loss grew for steps before the step made {what(f)} at {where_step(f)}"
         f"{where_value(f)}{crossed}; no sample is to blame."
     )
     reading = (
