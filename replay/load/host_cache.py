@@ -1,27 +1,48 @@
-"""Load, streamed: the streamed blocks' dump values kept in host memory, so that storage is read once per replay.
+"""Load, streamed: the streamed blocks' values kept in host memory, so that storage is read once per replay.
 
 A streamed replay walks the model block by block in every pass (replay/run/stream_blocks.py): reproduce, localise,
 per-layer norms, bisection, fp32, per-sample rows, remedies. Without a cache each walk reads the blocks from the dump
-again (13 passes, 708 block reads of 0.6 GB at 13 B). `HostBlockCache` keeps each streamed tensor as the dump holds
-it (its dtype, its values) in host memory, up to `capacity` bytes: filled while the load reads the weights
-(replay/load/stream_plan.keep_blocks_at_rest) and by any later read of a tensor it could not hold then. A block it
-holds is copied to the device (replay/run/read_ahead.BlockReader) instead of read; on a CUDA replay the cache is
-page-locked (registered with the driver in slabs, as the gradients' store is), so that copy runs at the bus's speed.
+again (13 passes, 708 block reads of 0.6 GB at 13 B). `HostBlockCache` keeps each streamed tensor in host memory, up
+to `capacity` bytes: filled while the load reads the weights (replay/load/stream_plan.keep_blocks_at_rest) and by any
+later read of a tensor it could not hold then. A block it holds is copied to the device
+(replay/run/read_ahead.BlockReader) instead of read; on a CUDA replay the cache is page-locked (registered with the
+driver in slabs, as the gradients' store is), so that copy runs at the bus's speed.
+
+What it holds: each tensor in the dtype the passes compute it in (`keep`: FSDP2's param_dtype, bf16 blocks of fp32
+master weights), cast where the tensor lies when offered (on the device at load: the cast the streamer does, bitwise),
+so the cache takes half the bytes to fill and each walk moves half the bytes; a tensor without a `keep` dtype is held
+as the dump holds it. `get(name, dtype)` hands out a held value only where it gives the pass's values exactly: held
+in `dtype`, or held as the dump holds it (cast on the device). A pass in another dtype (the fp32 re-run, the
+optimizer's update check over fp32 master weights) reads the dump, as without a cache.
+
+Filling it costs nothing on the load's path (CUDA): the slabs are faulted in and registered ahead of need by
+FILL_THREADS background threads (at most `capacity` bytes; when the host refuses to lock more, what is held stays and
+the rest is not kept), and each offered tensor is copied into its slab on a stream of the cache's own, ordered after
+the offering stream's work, the source kept alive until the copy is done (`record_stream`); `get` makes the
+consumer's stream wait for that copy. The load waits only where the slabs come slower than its reads
+(`fill_wait_seconds`).
 
 First come, first kept, never evicted: every pass walks the blocks in the same order, so the blocks kept are hits in
 every pass (an LRU cache smaller than the model evicts each block just before the next pass asks for it).
 
 `host_cache_capacity` sizes it: the bytes the options give, else on a GPU replay HOST_SHARE of the host's available
-memory (/proc/meminfo's MemAvailable), at most the streamed blocks' bytes; on a CPU replay none unless asked for, as
---memory-budget holds the CPU's memory there and a cache would pass it.
+memory (/proc/meminfo's MemAvailable), at most the bytes the streamed blocks take as held; on a CPU replay none unless
+asked for, as --memory-budget holds the CPU's memory there and a cache would pass it.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
+import threading
+import time
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
+
+from forensics.core.sizes import words
 
 HOST_SHARE = 0.5
 """Share of the host's available memory a GPU replay's cache may take by default: the rest stays for the page cache,
@@ -29,6 +50,9 @@ the gradients kept off the device (replay/run/stream_blocks.GradStore) and the u
 SLAB = 1 << 30
 """Bytes of one page-locked allocation (a power of two: the caching host allocator rounds nothing away)."""
 ALIGN = 512
+FILL_THREADS = 2
+"""Threads faulting in and registering the cache's slabs beside the load (zero_ runs on torch's own threads as well;
+two keep the driver's registration, one thread's work, busy while the next slab is faulted in)."""
 
 
 def available_host_memory() -> int:
@@ -82,67 +106,264 @@ def unregister(registered: list[torch.Tensor]) -> None:
 
 
 class HostBlockCache:
-    """Streamed parameters' dump values in host memory, by name, up to `capacity` bytes (page-locked for CUDA)."""
+    """Streamed parameters' values in host memory, by name, up to `capacity` bytes (page-locked for CUDA).
 
-    def __init__(self, capacity: int, device: torch.device):
+    `keep`: the dtype to hold each name in (the dtype the passes compute it in), others as offered. `reserve`: the
+    bytes those copies of every block take; where `capacity` has room beyond them, a tensor held in another dtype than
+    the dump's is also held as the dump holds it (for the passes in the dump's dtype: the fp32 re-run, the update
+    check), first come, first kept."""
+
+    def __init__(
+        self, capacity: int, device: torch.device, keep: dict[str, torch.dtype] | None = None, reserve: int = 0
+    ):
         self.capacity, self.device = capacity, device
+        self.keep = dict(keep or {})
+        self.reserve = reserve
         self.held_bytes = 0
-        self._tensors: dict[str, torch.Tensor] = {}
+        self._held: dict[str, torch.Tensor] = {}
+        """Each name's copy in its `keep` dtype (the dump's where it has none)."""
+        self._exact: set[str] = set()
+        """Names whose copy in `_held` is the dump's value as it holds it: good for a pass in any dtype."""
+        self._dump_values: dict[str, torch.Tensor] = {}
+        """The dump's values of names held in another dtype as well, where the capacity had room beyond `reserve`."""
+        self.dump_value_bytes = 0
         self._pinned = device.type == "cuda"
         self._slabs: list[list] = []
-        """[page-locked uint8 tensor, bytes used] of each slab."""
+        """[page-locked uint8 tensor, bytes used] of each slab made so far."""
         self._registered: list[torch.Tensor] = []
         weakref.finalize(self, unregister, self._registered)  # a load that failed after filling it never closes it
+        self._copies: dict[tuple[str, torch.dtype], Any] = {}
+        """(name, dtype) -> the CUDA event recorded after that copy into the cache (dropped once it completed)."""
+        self._copy_stream: Any = None
+        self._coming: list[Future] = []
+        """Slabs being made by the fill threads, in the order they were asked for."""
+        self._fill: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self.fill_wait_seconds = 0.0
+        """Time offers waited for a slab still being made (the load's reads were faster than the pinning)."""
+        self.fill_seconds = 0.0
+        """Time the fill threads spent faulting in and registering slabs (in all; they run beside the load)."""
+        self.fill_span = 0.0
+        """Seconds from the first slab asked for to the last one made (wall time of the fill)."""
+        self.slab_bytes = 0
+        """Bytes of the slabs made (page-locked)."""
+        self.refused = False
+        """The host refused to lock more memory: what is held stays, nothing more is kept."""
+        if self._pinned and capacity > 0:
+            self._start_fill()
 
     def __contains__(self, name: str) -> bool:
-        return name in self._tensors
+        return name in self._held
 
     def __len__(self) -> int:
-        return len(self._tensors)
+        return len(self._held)
 
-    def get(self, name: str) -> torch.Tensor | None:
-        return self._tensors.get(name)
+    def dtypes(self) -> dict[torch.dtype, int]:
+        """Bytes held per dtype."""
+        out: dict[torch.dtype, int] = {}
+        for tensor in [*self._held.values(), *self._dump_values.values()]:
+            out[tensor.dtype] = out.get(tensor.dtype, 0) + _nbytes(tensor)
+        return out
+
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        """A held value of `name` that gives a pass computing it in `dtype` its values exactly: held in `dtype`, else
+        as the dump holds it (the caller casts it on the device); ready for the current stream. None otherwise
+        (`dtype` None: the copy in its `keep` dtype)."""
+        held, dump_value = self._held.get(name), self._dump_values.get(name)
+        if held is not None and (dtype is None or held.dtype == dtype):
+            return self._ready(name, held)
+        if dump_value is not None:
+            return self._ready(name, dump_value)
+        if held is not None and name in self._exact:
+            return self._ready(name, held)
+        return None
+
+    def _ready(self, name: str, host: torch.Tensor) -> torch.Tensor:
+        """`host`, its copy in awaited by the current stream (on the device) while it runs."""
+        event = self._copies.get((name, host.dtype))
+        if event is not None:
+            if event.query():
+                del self._copies[(name, host.dtype)]
+            else:
+                torch.cuda.current_stream(self.device).wait_event(event)
+        return host
 
     def offer(self, name: str, tensor: torch.Tensor) -> bool:
-        """Keeps a copy of `tensor` (the dump's value of `name`, on any device) while it fits; True when held."""
-        if name in self._tensors:
-            return True
-        nbytes = tensor.numel() * tensor.element_size()
+        """Keeps a copy of `tensor` (the dump's value of `name`, on any device) cast to its `keep` dtype where it
+        lies, while it fits, and one as it is where the capacity has room beyond `reserve`; True when the first is
+        held. Does not wait for the copies (CUDA)."""
+        keep = self.keep.get(name, tensor.dtype) if tensor.is_floating_point() else tensor.dtype
+        if name not in self._held and self._keep(name, tensor, keep, self._held) and keep == tensor.dtype:
+            self._exact.add(name)
+        if keep != tensor.dtype and name not in self._dump_values:
+            if self.reserve + self.dump_value_bytes + _nbytes(tensor) <= self.capacity:
+                if self._keep(name, tensor, tensor.dtype, self._dump_values):
+                    self.dump_value_bytes += _nbytes(tensor)
+        return name in self._held
+
+    def _keep(self, name: str, tensor: torch.Tensor, dtype: torch.dtype, into: dict[str, torch.Tensor]) -> bool:
+        """A copy of `tensor` in `dtype` put `into` the dict while it fits."""
+        nbytes = tensor.numel() * torch.empty((), dtype=dtype).element_size()
         if self.held_bytes + nbytes > self.capacity:
             return False
-        host = self._buffer(tensor, nbytes)
+        host = self._buffer(tensor.shape, dtype, nbytes)
         if host is None:
             return False
-        host.copy_(tensor)
-        self._tensors[name] = host
+        source = tensor if dtype == tensor.dtype else tensor.to(dtype)  # where it lies: the streamer's cast, bitwise
+        if self._pinned and source.is_cuda:
+            self._copy_in(name, host, source)
+        else:
+            host.copy_(source)
+        into[name] = host
         self.held_bytes += nbytes
         return True
 
-    def _buffer(self, like: torch.Tensor, nbytes: int) -> torch.Tensor | None:
-        """Host memory for a copy of `like`: carved from a page-locked slab (CUDA), else its own."""
-        if not self._pinned:
-            return torch.empty(like.shape, dtype=like.dtype)
-        span = -(-nbytes // ALIGN) * ALIGN
-        slab = next((s for s in self._slabs if s[0].numel() - s[1] >= span), None)
-        if slab is None:
-            size = min(max(SLAB, span), max(span, self.capacity - sum(s[0].numel() for s in self._slabs)))
+    def _copy_in(self, name: str, host: torch.Tensor, source: torch.Tensor) -> None:
+        """`source` copied into `host` on the cache's stream, after the offering stream's work on it; `source`'s
+        memory is not handed out again before the copy is done."""
+        with torch.cuda.device(source.device):
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(source.device)
+            stream = self._copy_stream
+            stream.wait_stream(torch.cuda.current_stream(source.device))
+            with torch.cuda.stream(stream):
+                host.copy_(source, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            source.record_stream(stream)
+        self._copies[(name, host.dtype)] = event
+
+    def describe(self, streamed_bytes: int) -> str:
+        """The stage log's line: what it holds (bytes, dtypes) and how its fill went."""
+        tiers: dict[torch.dtype, int] = {}
+        for tensor in self._held.values():
+            tiers[tensor.dtype] = tiers.get(tensor.dtype, 0) + _nbytes(tensor)
+        held = ", ".join(f"{words(n)} {_dtype_name(d)}" for d, n in tiers.items()) or "nothing"
+        if self.dump_value_bytes:
+            dtypes = sorted({_dtype_name(t.dtype) for t in self._dump_values.values()})
+            held += (
+                f" (as the passes compute) + {words(self.dump_value_bytes)} {'/'.join(dtypes)} (as the dump holds it)"
+            )
+        line = (
+            f"  host cache: {held} of the blocks' {words(streamed_bytes)} in the dump kept in host memory, copied to "
+            "the device instead of read from the dump again"
+        )
+        if self.slab_bytes:
+            line += (
+                f"; {words(self.slab_bytes)} page-locked in {self.fill_span:.1f} s beside the load, which waited "
+                f"{self.fill_wait_seconds:.1f} s for it"
+            )
+        if self.refused:
+            line += " (the host refused to lock more)"
+        return line
+
+    # -- slabs -----------------------------------------------------------------------------------
+    def _start_fill(self) -> None:
+        """The slabs for `capacity` bytes asked of the fill threads, SLAB bytes each (the last one what is left)."""
+        self._fill = ThreadPoolExecutor(max_workers=FILL_THREADS, thread_name_prefix="forensics-pin")
+        self._fill_started = time.perf_counter()
+        left = -(-self.capacity // ALIGN) * ALIGN
+        while left > 0:
+            size = min(SLAB, left)
+            self._coming.append(self._fill.submit(self._make_slab, size))
+            left -= size
+
+    def _make_slab(self, size: int) -> torch.Tensor:
+        started = time.perf_counter()
+        try:
+            with torch.cuda.device(self.device):  # pinned for the replay's device, not a context on cuda:0
+                return pinned_slab(size, self._registered)
+        finally:
+            with self._lock:
+                self.fill_seconds += time.perf_counter() - started
+                self.fill_span = time.perf_counter() - self._fill_started
+
+    def _next_slab(self) -> bool:
+        """The next slab the fill threads make, waited for; False when none is coming (all made, or refused)."""
+        while self._coming and not self.refused:
+            future = self._coming.pop(0)
+            started = time.perf_counter()
             try:
-                with torch.cuda.device(self.device):  # pinned for the replay's device, not a context on cuda:0
-                    slab = [pinned_slab(size, self._registered), 0]
-            except RuntimeError:  # the host refused to lock more: the tensors kept so far stay
+                slab = future.result()
+            except (RuntimeError, concurrent.futures.CancelledError):  # the host refused to lock more
+                self._refuse()
+                return False
+            finally:
+                self.fill_wait_seconds += time.perf_counter() - started
+            self._slabs.append([slab, 0])
+            self.slab_bytes += slab.numel()
+            return True
+        return False
+
+    def _refuse(self) -> None:
+        self.refused = True
+        for future in self._coming:
+            future.cancel()
+        self._coming.clear()  # a slab being made meanwhile stays unused: `settle` frees it
+
+    def _buffer(self, shape: torch.Size, dtype: torch.dtype, nbytes: int) -> torch.Tensor | None:
+        """Host memory for a tensor of `shape` and `dtype`: carved from a page-locked slab (CUDA), else its own."""
+        if not self._pinned:
+            return torch.empty(shape, dtype=dtype)
+        span = -(-nbytes // ALIGN) * ALIGN
+        while True:
+            slab = next((s for s in self._slabs if s[0].numel() - s[1] >= span), None)
+            if slab is not None:
+                break
+            if span > SLAB:  # larger than any slab the threads make: its own, now
+                try:
+                    with torch.cuda.device(self.device):
+                        slab = [pinned_slab(span, self._registered), 0]
+                except RuntimeError:
+                    return None
+                self._slabs.append(slab)
+                self.slab_bytes += span
+                break
+            if not self._next_slab():
                 return None
-            self._slabs.append(slab)
         start = slab[1]
         slab[1] += span
-        return slab[0][start : start + nbytes].view(like.dtype).view(like.shape)
+        return slab[0][start : start + nbytes].view(dtype).view(shape)
+
+    def settle(self) -> None:
+        """Once the load offered everything: no more slabs made, and those nothing was carved from (the dump's blocks
+        took fewer bytes than the capacity, or a slab came after the host refused one) unlocked and freed."""
+        self._stop_fill()
+        carved = {id(s[0]) for s in self._slabs if s[1] > 0}
+        for slab in [r for r in self._registered if id(r) not in carved]:  # no copy ever touched them
+            torch.cuda.cudart().cudaHostUnregister(slab.data_ptr())
+            self._registered[:] = [r for r in self._registered if r is not slab]
+        self._slabs = [s for s in self._slabs if id(s[0]) in carved]
+        self.slab_bytes = sum(s[0].numel() for s in self._slabs)
+
+    def _stop_fill(self) -> None:
+        """The slabs not yet begun cancelled; those being made finished (their memory registered: see `settle`)."""
+        for future in self._coming:
+            future.cancel()
+        self._coming.clear()
+        if self._fill is not None:
+            self._fill.shutdown(wait=True)
+            self._fill = None
 
     def close(self) -> None:
-        """Frees what it holds (its slabs unlocked first); it keeps nothing more."""
+        """Frees what it holds (its slabs unlocked first, once the fill threads are done); it keeps nothing more."""
         self.capacity = 0
-        self._tensors.clear()
+        self._stop_fill()
+        self._held.clear()
+        self._dump_values.clear()
+        self._exact.clear()
+        self._copies.clear()
         unregister(self._registered)
         self._slabs.clear()
         self.held_bytes = 0
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 __all__ = ["HostBlockCache", "HOST_SHARE", "available_host_memory", "host_cache_capacity", "pinned_slab", "unregister"]

@@ -29,7 +29,14 @@ from forensics.replay.load.optimizer_state import DumpOptimizerState, OptimizerS
 from forensics.replay.load.recipe import LossFn, TrainingScript, job_paths, optimizer_class, resolve_recipe
 from forensics.replay.load.samples import SampleRef
 from forensics.replay.load.host_cache import HostBlockCache, host_cache_capacity
-from forensics.replay.load.stream_plan import StreamPlan, keep_blocks_at_rest, plan_streaming, settle
+from forensics.replay.load.stream_plan import (
+    StreamPlan,
+    compute_dtypes,
+    held_bytes,
+    keep_blocks_at_rest,
+    plan_streaming,
+    settle,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -252,8 +259,12 @@ def load_session(
     else:
         built = build_model(recipe, held=held)
         plan = plan_streaming(built, device, memory_budget)
-        if plan is not None and (room := host_cache_capacity(device, plan.streamed_bytes, host_cache_bytes)) > 0:
-            plan.cache = HostBlockCache(room, device)
+        if plan is not None:  # the cache holds each block as the passes compute it (FSDP2: param_dtype), then
+            # with room to spare also as the dump holds it (the fp32 re-run's, the update check's blocks)
+            keep = compute_dtypes(built, plan, parse_units(precision.get("fsdp")))
+            computed = held_bytes(built, plan, keep)
+            room = host_cache_capacity(device, computed + held_bytes(built, plan, {}, set(keep)), host_cache_bytes)
+            plan.cache = HostBlockCache(room, device, keep, reserve=computed) if room > 0 else None
         try:
             model = stream_weights(built, _weights(dump, device, plan, built), device, warnings)
         except MetaBuffersError:  # a buffer computed from a parameter at init, and not in the dump

@@ -132,10 +132,7 @@ class StreamPlan:
             f"{self.fp32_blocks})",
         ]
         if self.cache is not None:
-            lines.append(
-                f"  host cache: {words(self.cache.held_bytes)} of the blocks' {words(self.streamed_bytes)} kept in "
-                "host memory, copied to the device instead of read from the dump again"
-            )
+            lines.append(self.cache.describe(self.streamed_bytes))
         if expected_passes is not None:
             reads = self.expected_reads(expected_passes, micro_batches)
             per = ""
@@ -277,11 +274,16 @@ def keep_blocks_at_rest(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The dump's tensor stream with every block parameter replaced by its placeholder once read (its dtype, bytes
     and finiteness noted in `plan`, its value kept in `plan.cache` while it has room); the time the blocks' reads
-    took goes to `plan.read_seconds`."""
+    took goes to `plan.read_seconds`.
+
+    Nothing here waits for the device: each tensor's finiteness is a flag computed where it lies, all of them read
+    once the stream is through, and the cache's copy runs on its own stream (replay/load/host_cache.py); the reads of
+    the next tensors go on meanwhile."""
     first_name: dict[int, str] = {}
     aliases = {name: first_name.setdefault(id(p), name) for name, p in model.named_parameters(remove_duplicate=False)}
     streamed = {n for b in plan.blocks for n in b.params}
     sizes: dict[str, int] = {}
+    flags: list[tuple[str, torch.Tensor]] = []
     spent, mark = 0.0, time.perf_counter()
     for key, tensor in tensors:
         first = aliases.get(key, key)
@@ -290,13 +292,18 @@ def keep_blocks_at_rest(
             spent += now - mark
             plan.at_rest[first] = tensor.dtype
             sizes[first] = tensor_bytes(tensor)
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                plan.nonfinite.append(first)
+            if tensor.is_floating_point():
+                flags.append((first, torch.isfinite(tensor).all()))
             if plan.cache is not None:
                 plan.cache.offer(first, tensor)
             tensor = at_rest(tensor)
         yield key, tensor
         mark = time.perf_counter()
+    if flags:  # one wait for all of them, in the order they were read
+        finite = torch.stack([flag for _, flag in flags]).cpu().tolist()
+        plan.nonfinite.extend(name for (name, _), ok in zip(flags, finite) if not ok)
+    if plan.cache is not None:
+        plan.cache.settle()
     if sizes:  # the dump's own dtypes: bf16 weights of a model the factory builds in fp32 take half
         plan.blocks = [Block(b.name, b.params, sum(sizes.get(n, 0) for n in b.params)) for b in plan.blocks]
         plan.read_seconds = spent
@@ -307,6 +314,31 @@ def _block_bytes(model: torch.nn.Module, block: Block, dtype_of) -> int:
     for name in block.params:
         param = model.get_parameter(name)
         total += param.numel() * torch.empty((), dtype=dtype_of(param)).element_size()
+    return total
+
+
+def compute_dtypes(model: torch.nn.Module, plan: StreamPlan, units: list[FsdpUnit] | None) -> dict[str, torch.dtype]:
+    """{streamed parameter: the dtype the job's passes compute it in} where that is not its own: FSDP2's param_dtype
+    of the innermost unit holding it (`units`), for floating-point parameters (as StreamedStepRunner casts them)."""
+    owner = parameter_units(model, units or [])
+    out = {}
+    for name in (n for b in plan.blocks for n in b.params):
+        param = model.get_parameter(name)
+        unit = owner.get(id(param))
+        if unit is not None and unit.param_dtype is not None and param.is_floating_point():
+            out[name] = unit.param_dtype
+    return out
+
+
+def held_bytes(
+    model: torch.nn.Module, plan: StreamPlan, keep: dict[str, torch.dtype], only: set[str] | None = None
+) -> int:
+    """The streamed parameters' bytes (those in `only`, when given) in `keep`'s dtypes (their own elsewhere): what a
+    host cache of them takes."""
+    total = 0
+    for name in (n for b in plan.blocks for n in b.params if only is None or n in only):
+        param = model.get_parameter(name)
+        total += param.numel() * torch.empty((), dtype=keep.get(name, param.dtype)).element_size()
     return total
 
 
@@ -325,13 +357,11 @@ def settle(plan: StreamPlan, model: torch.nn.Module, units: list[FsdpUnit] | Non
             seen.add(id(tensor))
             resident += tensor_bytes(tensor)
     plan.resident_bytes, plan.state_bytes = resident, resident + plan.streamed_bytes
-    owner = parameter_units(model, units or [])
+    dtypes = compute_dtypes(model, plan, units)
+    names = {id(p): n for n, p in model.named_parameters()}
 
     def computes_in(param: torch.Tensor) -> torch.dtype:
-        unit = owner.get(id(param))
-        if unit is not None and unit.param_dtype is not None and param.is_floating_point():
-            return unit.param_dtype
-        return param.dtype
+        return dtypes.get(names.get(id(param), ""), param.dtype)
 
     if plan.blocks:
         plan.fp32_bytes = max(
@@ -351,6 +381,8 @@ __all__ = [
     "fit_blocks",
     "at_rest",
     "settle",
+    "compute_dtypes",
+    "held_bytes",
     "STATE_FACTOR",
     "ACTIVATION_SHARE",
 ]

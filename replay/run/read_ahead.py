@@ -7,8 +7,9 @@ after the last copy; `take` makes the consumer's stream wait for that event and 
 (so the caching allocator does not hand their memory to the worker's stream while the block computes). The dump's
 reader (forensics.format.tensors.SafetensorsFile) stages each tensor in its own pinned buffer and copies it
 non-blocking, so the bytes of the next tensor are read while the previous crosses the bus. A tensor the host cache
-holds (replay/load/host_cache.py) is copied from it instead, non-blocking from page-locked memory on a GPU; one it
-does not hold is read from the dump and offered to it. `storage_bytes` and `host_to_device_bytes` count the traffic.
+holds in a form that gives the pass's dtype exactly (replay/load/host_cache.py: held in that dtype, or as the dump
+holds it) is copied from it instead, non-blocking from page-locked memory on a GPU (after the cache's own copy into
+it, which the stream waits for); one it does not hold is read from the dump and offered to it. `storage_bytes` and `host_to_device_bytes` count the traffic.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class BlockReader:
         out = {}
         cuda = self.device.type == "cuda"
         for name, dtype in names.items():
-            held = self.cache.get(name) if self.cache is not None else None
+            held = self.cache.get(name, dtype) if self.cache is not None else None
             if held is not None:
                 out[name] = self._from_host(held, dtype)
                 self.host_to_device_bytes += _nbytes(held) if cuda else 0
@@ -76,7 +77,8 @@ class BlockReader:
         return out
 
     def _from_host(self, held: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """A copy of the cache's tensor on the device, in `dtype` (cast on the device: fewer bytes cross the bus)."""
+        """A copy of the cache's tensor on the device, in `dtype` (held in it, or the dump's value cast on the device:
+        fewer bytes cross the bus)."""
         if self.device.type == "cuda":
             return _cast(held.to(self.device, non_blocking=True), dtype)
         cast = _cast(held, dtype)

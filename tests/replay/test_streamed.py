@@ -449,3 +449,118 @@ def test_passes_with_a_backward_run_together_compute_what_each_computes_alone(tm
     assert two_micro_batches is None
     # why that one fell back is kept for the report's `stream` block (a GPU run's log says why)
     assert len(runner.joint_backward_errors) == 1 and runner.joint_backward_errors[0].split(":")[0].endswith("Error")
+
+
+def _as_fsdp2_bf16(dump, helpers) -> None:
+    """The dump as an FSDP2 job with MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) writes it: fp32
+    master weights, every unit computing in bf16 (the manifest's precision.fsdp, which no checksum covers)."""
+    unit = {"module": "", "param_dtype": "bfloat16", "reduce_dtype": "float32", "cast_forward_inputs": True}
+    helpers.edit_manifest(dump, lambda m: m["precision"].__setitem__("fsdp", [unit]))
+
+
+def test_host_cache_holds_the_blocks_as_fsdp2_computes_them_and_the_fp32_rerun_its_own(tmp_path, helpers, kit):
+    """FSDP2 mixed precision: the cache holds each block in bf16 (half the bytes to fill and to move per walk), cast
+    where the load read it; with room to spare also the fp32 master weights, which the fp32 re-run copies; without, the
+    fp32 re-run reads the dump. Every report is the unconstrained replay's, number for number."""
+    from pathlib import Path
+
+    dump = Path(_gpt2_dump(tmp_path, helpers, kit, layers=4))
+    _as_fsdp2_bf16(dump, helpers)
+    options = dict(device="cpu", remedies=False, rng_check=False, max_per_sample=3)
+    normal = run_replay(dump, ReplayOptions(**options))
+    assert normal["precision"]["fsdp_param_dtype"] == "bfloat16" and normal["precision"]["fp32_reproduces"] is not None
+    stages: list[str] = []
+    both = run_replay(
+        dump, ReplayOptions(**options, memory_budget=TINY, host_cache_bytes=1 << 30), progress=stages.append
+    )
+    _same_report(normal, both, helpers)
+    assert both["precision"] == normal["precision"]
+    stream = both["stream"]
+    floor = stream["bytes_floor"]
+    assert stream["host_cache_bytes"] * 2 == floor * 3  # every block in bf16 and in fp32
+    assert stream["bytes_from_storage"] == floor  # the load's read only: the fp32 re-run copied the fp32 values
+    said = [s for s in stages if s.startswith("  host cache: ")]
+    assert said and "bfloat16 (as the passes compute)" in said[0] and "float32 (as the dump holds it)" in said[0]
+
+    stages.clear()
+    bf16 = run_replay(
+        dump, ReplayOptions(**options, memory_budget=TINY, host_cache_bytes=floor // 2), progress=stages.append
+    )
+    _same_report(normal, bf16, helpers)
+    assert bf16["precision"] == normal["precision"]
+    assert bf16["stream"]["host_cache_bytes"] * 2 == floor  # room for the bf16 copies only: they come first
+    said = [s for s in stages if s.startswith("  host cache: ")]
+    assert said and "bfloat16" in said[0] and "float32" not in said[0]
+    # the bf16 passes copy from the cache; the fp32 re-run (its forward and backward) reads every block's fp32 values
+    assert floor < bf16["stream"]["bytes_from_storage"] <= 3 * floor
+
+    alone = run_replay(dump, ReplayOptions(**options, memory_budget=TINY))  # no cache: every walk reads the dump
+    for report in (both, bf16):
+        assert alone["per_sample"] == report["per_sample"] and alone["per_layer"] == report["per_layer"]
+        assert alone["precision"] == report["precision"] and alone["bisection"] == report["bisection"]
+
+
+def test_host_cache_in_the_compute_dtype_serves_that_dtype_and_the_dump_values_the_others():
+    """A block held in bf16 (cast from the dump's fp32) is handed out to a bf16 pass only, bitwise the streamer's own
+    cast of the dump's value; an fp32 pass gets the fp32 copy where the cache had room for it beyond the bf16 copies,
+    else reads the dump. A tensor held as the dump holds it serves any dtype."""
+    from forensics.replay.load.host_cache import HostBlockCache
+    from forensics.replay.run.read_ahead import BlockReader
+
+    weights = {"w": torch.randn(64) * 3, "n": torch.randn(8)}
+    bf16_bytes = 64 * 2 + 8 * 4
+    for capacity, fp32_kept in ((bf16_bytes, False), (bf16_bytes + 64 * 4, True)):
+        cache = HostBlockCache(capacity, torch.device("cpu"), keep={"w": torch.bfloat16}, reserve=bf16_bytes)
+        assert cache.offer("w", weights["w"]) and cache.offer("n", weights["n"])
+        assert cache.dtypes() == {torch.bfloat16: 128, torch.float32: 32 + 256 * fp32_kept}
+        assert (cache.get("w", torch.float32) is not None) == fp32_kept and cache.get("n", torch.bfloat16) is not None
+        reads = []
+
+        def read(names=None, reads=reads):
+            reads.append(set(names))
+            yield from ((n, t) for n, t in weights.items() if n in names)
+
+        reader = BlockReader(read, torch.device("cpu"), ahead=False, cache=cache)
+        bf16 = reader.read(0, {"w": torch.bfloat16, "n": torch.bfloat16})
+        assert reads == [] and reader.storage_bytes == 0
+        assert helpers_bitwise(bf16["w"], weights["w"].to(torch.bfloat16))
+        assert helpers_bitwise(bf16["n"], weights["n"].to(torch.bfloat16))
+        fp32 = reader.read(0, {"w": torch.float32, "n": torch.float32})
+        assert reads == ([] if fp32_kept else [{"w"}])  # the master weights: copied, or from the dump, never the bf16
+        assert helpers_bitwise(fp32["w"], weights["w"]) and helpers_bitwise(fp32["n"], weights["n"])
+        assert cache.get("w", torch.bfloat16).dtype == torch.bfloat16  # first come, first kept
+        cache.close()
+
+
+def helpers_bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_an_fsdp2_bf16_dump_streamed_with_its_blocks_cached_in_bf16_gives_the_same_report(tmp_path):
+    """A real FSDP2 job (two gloo ranks, MixedPrecisionPolicy(param_dtype=bfloat16) over fp32 shards, each layer its
+    own unit): rank 1's dump streamed with the blocks cached as the units compute them (bf16), with and without room
+    for the fp32 shards' values beside them, gives the unconstrained replay's report; the fp32 re-run agrees."""
+    from pathlib import Path
+
+    from forensics_test_helpers import load_test_module  # set by tests/conftest.py
+
+    harness = load_test_module(
+        "forensics_integration_harness", Path(__file__).parents[1] / "integrations" / "harness.py"
+    )
+    harness.requires("transformers")
+    step_dir, _ = harness.run_example(tmp_path, "fsdp2_example.py", "bf16", "--bf16")
+    options = dict(device="cpu", rank=1, rng_check=False, remedies=False)
+    normal = run_replay(str(step_dir), ReplayOptions(**options))
+    assert normal["precision"]["fsdp_param_dtype"] == "bfloat16" and normal["precision"]["fp32_reproduces"] is True
+    both = run_replay(str(step_dir), ReplayOptions(**options, memory_budget=170_000, host_cache_bytes=1 << 30))
+    floor = both["stream"]["bytes_floor"]
+    bf16 = run_replay(str(step_dir), ReplayOptions(**options, memory_budget=170_000, host_cache_bytes=floor // 2))
+    for streamed in (both, bf16):
+        assert streamed["stream"]["blocks_resident_fp32"] < streamed["stream"]["blocks"] == 2  # the fp32 re-run walks
+        assert streamed["reproduced"] is True and streamed["fidelity"] == normal["fidelity"]
+        assert streamed["precision"] == normal["precision"]
+        assert streamed["culprit"]["samples"] == normal["culprit"]["samples"]
+        assert streamed["verdict"]["kind"] == normal["verdict"]["kind"]
+    assert both["stream"]["host_cache_bytes"] * 2 == floor * 3 and both["stream"]["bytes_from_storage"] == floor
+    assert bf16["stream"]["host_cache_bytes"] * 2 == floor < bf16["stream"]["bytes_from_storage"]
+    assert bf16["per_sample"] == both["per_sample"] and bf16["per_layer"] == both["per_layer"]
