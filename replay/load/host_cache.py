@@ -11,9 +11,11 @@ driver in slabs, as the gradients' store is), so that copy runs at the bus's spe
 What it holds: each tensor in the dtype the passes compute it in (`keep`: FSDP2's param_dtype, bf16 blocks of fp32
 master weights), cast where the tensor lies when offered (on the device at load: the cast the streamer does, bitwise),
 so the cache takes half the bytes to fill and each walk moves half the bytes; a tensor without a `keep` dtype is held
-as the dump holds it. `get(name, dtype)` hands out a held value only where it gives the pass's values exactly: held
-in `dtype`, or held as the dump holds it (cast on the device). A pass in another dtype (the fp32 re-run, the
-optimizer's update check over fp32 master weights) reads the dump, as without a cache.
+as the dump holds it. Where the capacity has room beyond those copies of every block (`reserve`), a tensor held in
+another dtype is also held as the dump holds it, first come, first kept: the passes in the dump's dtype (the fp32
+re-run, the optimizer's update check over fp32 master weights) copy those; a tensor without one is read from the
+dump for them, as without a cache. `get(name, dtype)` hands out a held value only where it gives the pass's values
+exactly: held in `dtype`, or held as the dump holds it (cast on the device).
 
 Filling it costs nothing on the load's path (CUDA): the slabs are faulted in and registered ahead of need by
 FILL_THREADS background threads (at most `capacity` bytes; when the host refuses to lock more, what is held stays and
