@@ -266,13 +266,18 @@ def load_session(
             room = host_cache_capacity(device, computed + held_bytes(built, plan, {}, set(keep)), host_cache_bytes)
             plan.cache = HostBlockCache(room, device, keep, reserve=computed) if room > 0 else None
         try:
-            model = stream_weights(built, _weights(dump, device, plan, built), device, warnings)
-        except MetaBuffersError:  # a buffer computed from a parameter at init, and not in the dump
-            logger.info("a buffer of the model was derived from meta parameters; building the model normally")
-            built = build_model(recipe, on_meta=False, held=held)
-            model = stream_weights(built, _weights(dump, device, plan, built), device, warnings)
-        if plan is not None:
-            settle(plan, model, parse_units(precision.get("fsdp")))
+            try:
+                model = stream_weights(built, _weights(dump, device, plan, built), device, warnings)
+            except MetaBuffersError:  # a buffer computed from a parameter at init, and not in the dump
+                logger.info("a buffer of the model was derived from meta parameters; building the model normally")
+                built = build_model(recipe, on_meta=False, held=held)
+                model = stream_weights(built, _weights(dump, device, plan, built), device, warnings)
+            if plan is not None:
+                settle(plan, model, parse_units(precision.get("fsdp")))
+        except BaseException:
+            if plan is not None and plan.cache is not None:  # its fill threads stopped, its locked memory freed now
+                plan.cache.close()
+            raise
     param_dtype = _param_dtype(precision.get("param_dtype"), model)
 
     snapshot = None

@@ -564,3 +564,25 @@ def test_an_fsdp2_bf16_dump_streamed_with_its_blocks_cached_in_bf16_gives_the_sa
     assert both["stream"]["host_cache_bytes"] * 2 == floor * 3 and both["stream"]["bytes_from_storage"] == floor
     assert bf16["stream"]["host_cache_bytes"] * 2 == floor < bf16["stream"]["bytes_from_storage"]
     assert bf16["per_sample"] == both["per_sample"] and bf16["per_layer"] == both["per_layer"]
+
+
+def test_a_load_that_fails_after_the_cache_began_filling_frees_the_cache(tmp_path, helpers, kit, monkeypatch):
+    """A dump refused mid-load (a resident weight re-typed, checksums re-signed) after the cache began to fill: the
+    cache is closed then (on a GPU its fill threads stop and its page-locked memory is freed), not left to the
+    process's end; the error is the one without a cache."""
+    from pathlib import Path
+
+    from forensics.core.errors import RecipeError
+    from forensics.format import open_dump
+    from forensics.replay.load.host_cache import HostBlockCache
+    from forensics.replay.options import load
+
+    dump = Path(_gpt2_dump(tmp_path, helpers, kit))
+    blob = (dump / "model.safetensors").read_bytes()
+    helpers.resign(dump, "model.safetensors", helpers.retype_tensor(blob, "transformer.ln_f.weight", torch.int32))
+    closed = []
+    close = HostBlockCache.close
+    monkeypatch.setattr(HostBlockCache, "close", lambda self: (closed.append(len(self)), close(self)))
+    with pytest.raises(RecipeError, match="transformer.ln_f.weight"):
+        load(open_dump(str(dump)), ReplayOptions(device="cpu", memory_budget=TINY, host_cache_bytes=1 << 30))
+    assert closed and closed[0] > 0  # it held blocks when the load failed, and was closed
