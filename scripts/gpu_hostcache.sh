@@ -2,12 +2,14 @@
 # The streamed replay's host cache on one GPU (issue 53; replay/load/host_cache.py): filled beside the load (slabs
 # page-locked by background threads, each tensor copied in on the cache's own stream), and held in the dtype the
 # passes compute in. One device call of <= 8 minutes, 1 GPU:
+#   0. scripts/bench/host_cache_fill.py: the fill's rate by fill threads (1, 2, 4), alone and beside page-cache readers.
 #   1. tests/replay/test_host_cache_cuda.py: the async copy-in against a stream that overwrites its sources, element
 #      by element; the fill threads' slabs, the unused ones freed.
 #   2. the 1b row of scripts/gpu_stream.sh (fp32 Llama, 18 blocks): unconstrained vs a quarter of the fp32 weights,
 #      fresh processes, the stage log printed (the plan's "host cache:" line: bytes, dtype, fill time, load's wait).
 #   3. the same dump as an FSDP2 bf16 job (its manifest's precision.fsdp: param_dtype bfloat16 over the fp32 weights,
-#      which no checksum covers): the cache holds bf16 (half the bytes), the fp32 re-run reads the dump; same verdict.
+#      which no checksum covers): the cache holds bf16 copies (half the bytes per walk) and, with the host's room,
+#      the fp32 values beside them for the fp32 re-run; the same verdict unconstrained and in a quarter.
 # Usage (repo root, .whl carried): bash scripts/gpu_hostcache.sh [OUTDIR]   (default $OUT); summary in OUTDIR/summary.txt
 set -uo pipefail
 out=${1:-${OUT:-/tmp/gpu_hostcache}}; mkdir -p "$out"
@@ -15,6 +17,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /
 export PYTHONPATH=/tmp/site:$PWD:$PWD/scripts/examples PYTHONUNBUFFERED=1
 nvidia-smi -L; date -u +"%Y-%m-%d %H:%M UTC"; free -g | head -2
 start=$SECONDS; failed=0
+echo "== fill rate"
+timeout 120 python3 -m scripts.bench.host_cache_fill --gib 8 --threads 1,2,4 2>&1 | tee "$out/fill.log"
+[ "${PIPESTATUS[0]}" = 0 ] || failed=1
 echo "== cuda tests"
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/replay/test_host_cache_cuda.py 2>&1 | tee "$out/tests.log" | tail -15
 [ "${PIPESTATUS[0]}" = 0 ] || failed=1
@@ -51,6 +56,7 @@ done
 rm -rf "$d"
 {
   date -u +"%Y-%m-%d %H:%M UTC"; nvidia-smi -L
+  cat "$out/fill.log"
   tail -3 "$out/tests.log"
   for row in 1b 1b-fsdp-bf16; do
     echo "== $row"
