@@ -20,8 +20,9 @@ exactly: held in `dtype`, or held as the dump holds it (cast on the device).
 Filling it costs nothing on the load's path (CUDA): the slabs are faulted in and registered ahead of need by
 FILL_THREADS background threads (at most `capacity` bytes; when the host refuses to lock more, what is held stays and
 the rest is not kept), and each offered tensor is copied into its slab on a stream of the cache's own, ordered after
-the offering stream's work, the source kept alive until the copy is done (`record_stream`); `get` makes the
-consumer's stream wait for that copy. The load waits only where the slabs come slower than its reads
+the offering stream's work, which goes on after it only on the device (the host never waits; a pass writing its
+weights in place cannot race the copy), the source kept alive until the copy is done (`record_stream`); `get` makes
+the consumer's stream wait for that copy. The load waits only where the slabs come slower than its reads
 (`fill_wait_seconds`).
 
 First come, first kept, never evicted: every pass walks the blocks in the same order, so the blocks kept are hits in
@@ -185,7 +186,7 @@ class HostBlockCache:
         event = self._copies.get((name, host.dtype))
         if event is not None:
             if event.query():
-                del self._copies[(name, host.dtype)]
+                self._copies.pop((name, host.dtype), None)
             else:
                 torch.cuda.current_stream(self.device).wait_event(event)
         return host
@@ -221,18 +222,20 @@ class HostBlockCache:
         return True
 
     def _copy_in(self, name: str, host: torch.Tensor, source: torch.Tensor) -> None:
-        """`source` copied into `host` on the cache's stream, after the offering stream's work on it; `source`'s
-        memory is not handed out again before the copy is done."""
+        """`source` copied into `host` on the cache's stream, after the offering stream's work on it; the offering
+        stream's later work (a pass writing its weights in place, the memory handed to the next tensor) waits for the
+        copy on the device, the host never does; `source`'s memory is not handed to another stream before then."""
         with torch.cuda.device(source.device):
             if self._copy_stream is None:
                 self._copy_stream = torch.cuda.Stream(source.device)
-            stream = self._copy_stream
-            stream.wait_stream(torch.cuda.current_stream(source.device))
+            stream, offering = self._copy_stream, torch.cuda.current_stream(source.device)
+            stream.wait_stream(offering)
             with torch.cuda.stream(stream):
                 host.copy_(source, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(stream)
             source.record_stream(stream)
+            offering.wait_event(event)
         self._copies[(name, host.dtype)] = event
 
     def describe(self, streamed_bytes: int) -> str:

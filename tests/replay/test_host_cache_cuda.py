@@ -12,8 +12,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def test_offers_are_copied_in_without_waiting_and_hold_the_values_offered(monkeypatch):
-    """The load's stream goes on writing the offered tensors' memory right after each offer (as it does when the next
-    tensor reuses it): the cache still holds the values offered, in bf16 where asked, bitwise the device's cast."""
+    """The offering stream goes on writing the offered tensors right after each offer (a pass writing its weights in
+    place; the next tensor reusing the memory): the cache still holds the values offered, in bf16 where asked,
+    bitwise the device's cast, and the dump's fp32 values beside them where the capacity had room."""
     monkeypatch.setattr(host_cache, "SLAB", 1 << 20)  # 1 MiB slabs: the fill threads make several
     device = torch.device("cuda", torch.cuda.device_count() - 1)  # the last device: not a context made on cuda:0
     names = [f"w{i}" for i in range(12)]
@@ -31,6 +32,7 @@ def test_offers_are_copied_in_without_waiting_and_hold_the_values_offered(monkey
                 torch.cuda._sleep(1 << 22)  # the values land late: a copy not ordered after them would read garbage
                 tensor.copy_(values)
                 assert cache.offer(name, tensor)
+                tensor.fill_(float("nan"))  # a pass writing its weights in place: after the copy, on the device
                 del tensor  # its memory handed out again right away (the next empty_like) only once the copy is done
                 torch.empty_like(values).fill_(float("nan"))
         cache.settle()
