@@ -586,3 +586,24 @@ def test_a_load_that_fails_after_the_cache_began_filling_frees_the_cache(tmp_pat
     with pytest.raises(RecipeError, match="transformer.ln_f.weight"):
         load(open_dump(str(dump)), ReplayOptions(device="cpu", memory_budget=TINY, host_cache_bytes=1 << 30))
     assert closed and closed[0] > 0  # it held blocks when the load failed, and was closed
+
+
+def test_a_nonfinite_weight_in_a_streamed_block_is_named_as_without_streaming(tmp_path, helpers, kit):
+    """A block's weight holding NaN in the dump (re-signed): the load notes it while the block streams past (its
+    finiteness read once the load is through), and the report names it as the unconstrained replay does."""
+    from pathlib import Path
+
+    from safetensors.torch import load as load_blob
+    from safetensors.torch import save
+
+    dump = Path(_gpt2_dump(tmp_path, helpers, kit, layers=4))
+    tensors = load_blob((dump / "model.safetensors").read_bytes())
+    key = "transformer.h.2.mlp.c_fc.weight"
+    tensors[key][3, 5] = float("nan")
+    helpers.resign(dump, "model.safetensors", save(tensors))
+    options = dict(device="cpu", remedies=False, rng_check=False, max_per_sample=2)
+    normal = run_replay(dump, ReplayOptions(**options))
+    assert normal["culprit"]["parameter"] == key
+    for cache in (1 << 30, 0):
+        streamed = run_replay(dump, ReplayOptions(**options, memory_budget=TINY, host_cache_bytes=cache))
+        assert streamed["culprit"]["parameter"] == key and streamed["verdict"]["kind"] == normal["verdict"]["kind"]
