@@ -31,8 +31,8 @@ from forensics.replay.load.samples import SampleRef
 from forensics.replay.load.host_cache import HostBlockCache, host_cache_capacity
 from forensics.replay.load.stream_plan import (
     StreamPlan,
+    cache_bytes,
     compute_dtypes,
-    held_bytes,
     keep_blocks_at_rest,
     plan_streaming,
     settle,
@@ -262,8 +262,8 @@ def load_session(
         if plan is not None:  # the cache holds each block as the passes compute it (FSDP2: param_dtype), then
             # with room to spare also as the dump holds it (the fp32 re-run's, the update check's blocks)
             keep = compute_dtypes(built, plan, parse_units(precision.get("fsdp")))
-            computed = held_bytes(built, plan, keep)
-            room = host_cache_capacity(device, computed + held_bytes(built, plan, {}, set(keep)), host_cache_bytes)
+            computed = cache_bytes(built, plan, keep)
+            room = host_cache_capacity(device, computed + cache_bytes(built, plan, {}, set(keep)), host_cache_bytes)
             plan.cache = HostBlockCache(room, device, keep, reserve=computed) if room > 0 else None
         try:
             try:

@@ -330,7 +330,7 @@ def compute_dtypes(model: torch.nn.Module, plan: StreamPlan, units: list[FsdpUni
     return out
 
 
-def held_bytes(
+def cache_bytes(
     model: torch.nn.Module, plan: StreamPlan, keep: dict[str, torch.dtype], only: set[str] | None = None
 ) -> int:
     """The streamed parameters' bytes (those in `only`, when given) in `keep`'s dtypes (their own elsewhere): what a
@@ -382,7 +382,7 @@ __all__ = [
     "at_rest",
     "settle",
     "compute_dtypes",
-    "held_bytes",
+    "cache_bytes",
     "STATE_FACTOR",
     "ACTIVATION_SHARE",
 ]

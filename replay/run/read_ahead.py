@@ -9,7 +9,8 @@ reader (forensics.format.tensors.SafetensorsFile) stages each tensor in its own 
 non-blocking, so the bytes of the next tensor are read while the previous crosses the bus. A tensor the host cache
 holds in a form that gives the pass's dtype exactly (replay/load/host_cache.py: held in that dtype, or as the dump
 holds it) is copied from it instead, non-blocking from page-locked memory on a GPU (after the cache's own copy into
-it, which the stream waits for); one it does not hold is read from the dump and offered to it. `storage_bytes` and `host_to_device_bytes` count the traffic.
+it, which the stream waits for); one it does not hold is read from the dump and offered to it. `storage_bytes` and
+`host_to_device_bytes` count the traffic.
 """
 
 from __future__ import annotations
