@@ -3,6 +3,9 @@
 For each thread count, a HostBlockCache of `--gib` GiB on cuda:0 makes all its slabs (fault-in by zero_, then
 cudaHostRegister) with nothing else running, and a second time while `--readers` threads copy a file's worth of
 bytes out of the page cache (the load's reads beside the fill); prints GiB/s of each. The cache uses FILL_THREADS.
+First the parts of one slab's making, 1 GiB slabs on one thread: zero_ of fresh memory (torch's threads), the
+kernel's fault-in alone (madvise MADV_POPULATE_WRITE, Linux 5.14+), cudaHostRegister of faulted memory, and of
+fresh memory (the driver faults it in).
 Usage: python -m scripts.bench.host_cache_fill [--gib 8] [--threads 1,2,4] [--readers 8]
 """
 
@@ -34,6 +37,59 @@ def fill(gib: int, threads: int) -> float:
     return seconds
 
 
+def parts(gib: int) -> None:
+    """GiB/s of each part of making `gib` slabs of 1 GiB, one after another."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = os.sysconf("SC_PAGE_SIZE")
+    cudart = torch.cuda.cudart()
+
+    def fresh() -> list[torch.Tensor]:
+        return [torch.empty(1 << 30, dtype=torch.uint8) for _ in range(gib)]
+
+    def populate(slab: torch.Tensor) -> None:
+        start = -(-slab.data_ptr() // page) * page
+        length = (slab.data_ptr() + slab.numel() - start) // page * page
+        if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), 23) != 0:  # MADV_POPULATE_WRITE
+            raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_WRITE)")
+
+    def register(slabs: list[torch.Tensor]) -> None:
+        for slab in slabs:
+            assert int(cudart.cudaHostRegister(slab.data_ptr(), slab.numel(), 0)) == 0
+
+    def unregister(slabs: list[torch.Tensor]) -> None:
+        for slab in slabs:
+            cudart.cudaHostUnregister(slab.data_ptr())
+
+    def timed(fn, slabs) -> float:
+        started = time.perf_counter()
+        fn(slabs)
+        return gib / (time.perf_counter() - started)
+
+    def populate_all(slabs: list[torch.Tensor]) -> None:
+        for slab in slabs:
+            populate(slab)
+
+    slabs = fresh()
+    zero = timed(lambda s: [t.zero_() for t in s], slabs)
+    on_faulted = timed(register, slabs)
+    unregister(slabs)
+    slabs = fresh()
+    try:
+        madvise = f"{timed(populate_all, slabs):.1f} GiB/s"
+    except OSError as exc:
+        madvise = f"not here ({exc})"
+    slabs = fresh()
+    on_fresh = timed(register, slabs)
+    unregister(slabs)
+    print(
+        f"{gib} x 1 GiB: zero_ {zero:.1f} GiB/s; MADV_POPULATE_WRITE {madvise}; cudaHostRegister of faulted memory "
+        f"{on_faulted:.1f} GiB/s, of fresh memory {on_fresh:.1f} GiB/s",
+        flush=True,
+    )
+
+
 def read_beside(path: str, readers: int, stop: threading.Event) -> None:
     """`readers` threads reading `path` from the page cache over and over until `stop` is set."""
     size = os.path.getsize(path)
@@ -63,6 +119,7 @@ def main() -> None:
     args = parser.parse_args()
     print(machine(), f"torch threads {torch.get_num_threads()}")
     torch.zeros(1, device="cuda:0")
+    parts(min(args.gib, 4))
     with tempfile.NamedTemporaryFile(dir="/tmp") as scratch:  # 2 GiB in the page cache, read by the readers
         block = os.urandom(64 << 20)
         for _ in range(32):
