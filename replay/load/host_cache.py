@@ -36,6 +36,7 @@ asked for, as --memory-budget holds the CPU's memory there and a cache would pas
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
 import threading
 import time
@@ -46,6 +47,8 @@ from typing import Any
 import torch
 
 from forensics.core.sizes import words
+
+logger = logging.getLogger(__name__)
 
 HOST_SHARE = 0.5
 """Share of the host's available memory a GPU replay's cache may take by default: the rest stays for the page cache,
@@ -290,7 +293,8 @@ class HostBlockCache:
             started = time.perf_counter()
             try:
                 slab = future.result()
-            except (RuntimeError, concurrent.futures.CancelledError):  # the host refused to lock more
+            except (RuntimeError, MemoryError, OSError, concurrent.futures.CancelledError) as exc:  # no more locked
+                logger.info("host cache: no more page-locked memory (%s): it keeps what it holds", exc)
                 self._refuse()
                 return False
             finally:

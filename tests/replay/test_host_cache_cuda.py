@@ -52,3 +52,30 @@ def test_offers_are_copied_in_without_waiting_and_hold_the_values_offered(monkey
     assert "page-locked" in said
     cache.close()
     assert len(cache) == 0 and not cache.offer("w0", torch.zeros(1, device=device))
+
+
+def test_when_the_host_refuses_to_lock_more_the_cache_keeps_what_it_holds(monkeypatch):
+    """The third slab is refused (as cudaHostRegister and cudaHostAlloc both failing raise): the tensors held so far
+    stay and are handed out; later offers are refused, nothing is evicted; the stage log says so."""
+    monkeypatch.setattr(host_cache, "SLAB", 1 << 20)
+    made = []
+    real = host_cache.pinned_slab
+
+    def two_then_refused(size, registered):
+        if len(made) >= 2:
+            raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+        made.append(size)
+        return real(size, registered)
+
+    monkeypatch.setattr(host_cache, "pinned_slab", two_then_refused)
+    monkeypatch.setattr(host_cache, "FILL_THREADS", 1)  # the slabs in order: the first two made, the third refused
+    device = torch.device("cuda", 0)
+    cache = HostBlockCache(8 << 20, device)
+    values = [torch.randn(1 << 18, device=device) for _ in range(4)]  # 1 MiB each
+    kept = [cache.offer(f"w{i}", v) for i, v in enumerate(values)]
+    cache.settle()
+    assert kept == [True, True, False, False] and cache.refused and len(cache) == 2
+    for i in range(2):
+        assert torch.equal(cache.get(f"w{i}", torch.float32).to(device), values[i])
+    assert "refused" in cache.describe(4 << 20) and cache.slab_bytes == 2 << 20
+    cache.close()
