@@ -568,7 +568,7 @@ class StepRunner:
             if options.restore_rng:
                 self.restore_rng(i)
             extra = options.forward_context(i) if options.forward_context is not None else contextlib.nullcontext()
-            with extra, self.autocast_context(options.fp32):
+            with extra, self.autocast_context(options.fp32), self._forward_scope(i, indices):
                 loss = session.loss_fn(model, batch)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise ReplayError(
@@ -592,13 +592,22 @@ class StepRunner:
                     return False
             return True
         except Exception as exc:  # replaying a step that raised in the job
-            if isinstance(exc, ForensicsError) or (session.exception is None and indices is None):
+            if isinstance(exc, ForensicsError) or self._raises(exc) or (session.exception is None and indices is None):
                 raise
             done.raised = raised_info(exc, i, phase)
             if session.exception is None:  # a subset the model cannot run alone
                 done.unrunnable = True
                 self.note_unrunnable(done.raised)
             return False
+
+    def _forward_scope(self, micro_batch: int, indices: list[int] | None) -> ContextManager:
+        """Entered around each micro-batch's forward (a streamed runner measures the activations it keeps)."""
+        return contextlib.nullcontext()
+
+    def _raises(self, exc: Exception) -> bool:
+        """An exception of a micro-batch that stops the run instead of being recorded as the step's (a streamed
+        runner's passes run together: running out of memory there is the schedule's, not the step's)."""
+        return False
 
     def _backward(self, scaled: torch.Tensor) -> None:
         """A micro-batch's backward (a streamed runner may run it together with other passes')."""

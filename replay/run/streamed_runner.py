@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import math
 import weakref
@@ -23,13 +24,14 @@ from typing import Any, Callable, ContextManager, Iterator, Sequence, TypeVar
 
 import torch
 
-from forensics.core.errors import ReplayError
+from forensics.core.errors import ReplayError, is_out_of_memory
 from forensics.core.grad_norm import total_grad_norm
 from forensics.core.sizes import words
 from forensics.core.thirdparty import foreach_norm
 from forensics.replay.load.fsdp_precision import fsdp_compute, parameter_units
 from forensics.replay.load.samples import SampleRef
 from forensics.replay.load.session import ReplaySession
+from forensics.replay.load.stream_plan import ACTIVATION_SHARE
 from forensics.replay.run.execute import StepRunner, any_nonfinite
 from forensics.replay.run.lockstep import Lockstep
 from forensics.replay.run.stream_blocks import BlockStreamer, PassGradStore
@@ -69,6 +71,19 @@ class StreamedStepRunner(StepRunner):
         self.passes = 0
         self.lockstep_waits = 0
         self.joint_backwards = 0
+        self.joint_groups: list[str] = []
+        """How the passes run together were grouped, and why (the plan's room for activations against a pass's,
+        a group split after it ran out of memory), for the stage log and the report's `stream` block."""
+        self._notes_said = 0
+        self.sample_activation_bytes = 0
+        """The most bytes a micro-batch's forward kept for its backward per sample (measured: `_forward_scope`),
+        the weights outside the blocks not counted: what sizes the groups of passes run together."""
+        self._measured: dict[int, dict[str, tuple[torch.Tensor, bool]]] = {}
+        """While passes with a backward run together: each pass's gradients outside the blocks, measured (norm,
+        non-finite) and freed as soon as its backward made them (`_measure_resident`)."""
+        self._scales: dict[int, torch.Tensor | None] = {}
+        self._joint_cap: int | None = None
+        self.last_joint_error: BaseException | None = None
         self.joint_backward_errors: list[str] = []
         """Why an engine call of several passes' backwards raised (the passes then ran alone): the first three, each
         its exception's type and repr-quoted message, cut (a GPU run's stage log says why the schedule fell back)."""
@@ -114,11 +129,15 @@ class StreamedStepRunner(StepRunner):
     def run_with_backwards(self, jobs: Sequence[Callable[[], T]]) -> list[T] | None:
         """The jobs' passes, each ONE micro-batch with its backward and no kept gradients (the per-sample rows),
         together: their forwards block-major, then one engine call for all their backwards, each block materialised
-        once for all of them (replay/run/lockstep.py); each pass keeps its own gradients (`_PassStates`). None when
-        they must run alone: fewer than two, or the engine call raised (its error is no one pass's: the caller runs
-        them alone, and tells what those runs tell). FSDP2 mixed precision: set up once for all (run_forwards), so
+        once for all of them (replay/run/lockstep.py); each pass keeps its own gradients (`_PassStates`): the blocks'
+        measured as each block's backward ends, those outside the blocks as soon as the pass's backward made them
+        (`_measure_resident`: one pass's worth on the device at a time, not one per pass). None when they must run
+        alone or in smaller groups: fewer than two, or the engine call (or a pass, out of memory) raised; its error
+        is no one pass's (`last_joint_error`: the caller splits the group on running out of memory, else runs the
+        passes alone, and tells what those runs tell). FSDP2 mixed precision: set up once for all (run_forwards), so
         each pass's gradients outside the blocks are cast as its own precision context's end would cast them
-        (`_resident_units`, in `_measured_grads`)."""
+        (`_resident_units`)."""
+        self.last_joint_error = None
         if len(jobs) < 2:
             return None
         units = parameter_units(self.model, self.session.fsdp_units) if self.session.fsdp_units else {}
@@ -132,23 +151,53 @@ class StreamedStepRunner(StepRunner):
         lockstep = Lockstep(self.streamer.holds, self.session.device, switch)
         self.reset()  # once for all, as run_forwards
         self.streamer.lockstep, self.streamer.as_pass, self._together = lockstep, switch.during, True
+        raised: BaseException | None = None
         try:
             with self.job_precision():
                 results = lockstep.run(jobs, grad=True)
+        except Exception as exc:  # out of memory in a pass's forward: the group's, not the pass's
+            if not out_of_memory(exc):
+                raise
+            raised = exc
         finally:
             self.streamer.lockstep, self.streamer.as_pass, self._together = None, None, False
             self._resident_units = {}
+            self._measured.clear()
+            self._scales.clear()
             switch.close()
             self.lockstep_waits += lockstep.waits
             self.joint_backwards += lockstep.backwards
-        if lockstep.backward_error is not None:
+        error = lockstep.backward_error or raised
+        if error is not None:
             self.session.warnings[:] = warnings
+            # without its traceback, whose frames hold the passes' graphs (and their activations) alive
+            self.last_joint_error = error.with_traceback(None)
+            error.__context__ = error.__cause__ = None
             if len(self.joint_backward_errors) < 3:
-                error = lockstep.backward_error
                 self.joint_backward_errors.append(f"{type(error).__name__}: {str(error)[:300]!r}")
-                logger.info("passes run together fell back to one at a time: %s", self.joint_backward_errors[-1])
+                logger.info("passes run together fell back: %s", self.joint_backward_errors[-1])
             return None
         return results
+
+    def _measure_resident(self, number: int, name: str, leaf: torch.Tensor) -> None:
+        """Pass `number`'s gradient of `name` (a parameter outside the blocks, on the pass's own leaf), as its
+        backward accumulated it: measured as `_measured_grads` measures it (cast as FSDP2's end of the pass casts
+        it, unscaled, its norm and non-finite flag) and freed. A second gradient of one leaf in one backward (a
+        loss that runs a backward of its own) cannot be measured so: the engine call fails, the passes run alone."""
+        measured = self._measured.setdefault(number, {})
+        if name in measured:
+            raise RuntimeError(f"a second gradient of {name!r} in one backward: the passes run alone")
+        grad = leaf.grad
+        if grad is None:
+            return
+        unit, master = self._resident_units.get(name), self._dtypes.get(name)
+        if unit is not None and master is not None and unit.param_dtype not in (None, master):
+            grad = grad.to(unit.reduce_dtype or master).to(master)
+        scale = self._scales.get(number)
+        if scale is not None:
+            grad = grad * scale.double().reciprocal().float().to(grad.device)  # GradScaler.unscale_, as alone
+        measured[name] = (foreach_norm([grad], 2.0)[0], any_nonfinite([grad])[0])
+        leaf.grad = None
 
     def _backward(self, scaled: torch.Tensor) -> None:
         if self.streamer.lockstep is not None:  # run together: one engine call for every pass (lockstep.backward)
@@ -233,7 +282,38 @@ class StreamedStepRunner(StepRunner):
         self._last = max(selected) if selected else len(self.session.micro_batches) - 1
         self.streamer.inv_scale = None if scale is None else scale.double().reciprocal().float()
         self.streamer.scan_only = not options.backward
+        if self._together and self.streamer.pass_number is not None:
+            self._scales[self.streamer.pass_number] = scale  # what `_measure_resident` unscales by
         return super()._run_micro_batches(selected, scale, options)
+
+    @contextlib.contextmanager
+    def _forward_scope(self, micro_batch: int, indices: list[int] | None) -> Iterator[None]:
+        """Counts the bytes the forward keeps for its backward (each storage once; the model's weights and buffers
+        not counted), per sample of the micro-batch: `sample_activation_bytes`, which sizes the groups of passes
+        run together. The hook hands autograd a detached view of what it saves (the same storage: nothing copied;
+        an output saved as itself would hold its own graph in a cycle)."""
+        weights = {_storage_key(t)[0] for t in itertools.chain(self.model.parameters(), self.model.buffers())}
+        seen: set[int] = set()
+        total = 0
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            nonlocal total
+            key, size = _storage_key(tensor)
+            if key not in weights and key not in seen:
+                seen.add(key)
+                total += size
+            return tensor.detach()
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unpacked):
+            yield
+        samples = len(indices) if indices is not None else self._samples_in(micro_batch)
+        self.sample_activation_bytes = max(self.sample_activation_bytes, -(-total // max(1, samples)))
+
+    def _samples_in(self, micro_batch: int) -> int:
+        return sum(1 for ref in self.session.sample_refs if ref.micro_batch == micro_batch)
+
+    def _raises(self, exc: Exception) -> bool:
+        return self._together and out_of_memory(exc)
 
     def _run_micro_batch(self, i, indices, scale, options, done) -> bool:
         self.streamer.final = i == self._last
@@ -245,20 +325,26 @@ class StreamedStepRunner(StepRunner):
         if self._together:  # FSDP2's end of a pass run alone: gradients reduced in reduce_dtype onto the master dtype
             self._cast_resident_grads()
         grads = {n: p.grad for n, p in self.model.named_parameters() if p.grad is not None and n not in self._streamed}
+        measured = self._measured.get(streamer.pass_number, {}) if self._together else {}
         if scale is not None:
             inv = scale.double().reciprocal().float()
             with torch.no_grad():
                 for g in grads.values():
                     g.mul_(inv.to(g.device))
-        if not (backward and (grads or streamer.norms)):
+        if not (backward and (grads or streamer.norms or measured)):
             return None, []
-        resident = dict(zip(grads, foreach_norm(list(grads.values()), 2.0))) if grads else {}
+        # each tensor's norm on its own, as `_measure_resident` takes it while passes run together
+        resident = {n: foreach_norm([g], 2.0)[0] for n, g in grads.items()}
         flags = dict(zip(grads, any_nonfinite(grads.values())))
         norms, bad = [], []
         for name in self.param_names:
             if name in streamer.norms:
                 norms.append(streamer.norms[name][0])
                 if name in streamer.nonfinite:
+                    bad.append(name)
+            elif name in measured:
+                norms.append(measured[name][0])
+                if measured[name][1]:
                     bad.append(name)
             elif name in resident:
                 norms.append(resident[name])
@@ -338,21 +424,63 @@ class StreamedStepRunner(StepRunner):
 
     def per_sample_rows(self, refs: list[SampleRef]) -> list[dict]:
         """Each sample's loss and gradient norm alone (the sample's own loss, not divided): one pass per sample,
-        run together (run_with_backwards) in groups of at most a micro-batch's samples (the activations of one
-        micro-batch's pass, which the plan leaves room for: a pass of one sample keeps a sample's share of them)."""
-        rows: list[dict] = []
-        size = max(2, self._samples_per_micro_batch())
-        for start in range(0, len(refs), size):
-            group = refs[start : start + size]
-            jobs = [functools.partial(self.run, [ref]) for ref in group]
-            results = self.run_with_backwards(jobs) if self.block_major else None
+        run together (run_with_backwards) in groups whose kept activations fit the plan's room for them
+        (`joint_group_size`); a group that runs out of memory runs again as two halves (then alone), and the groups
+        after it are no larger than the halves."""
+        if not self.block_major:  # the schedule before issue 53: one pass after another
+            alone = [self._sample_row(ref, self.run([ref])) for ref in refs]
+            self.reset()
+            return alone
+        rows: list[dict | None] = [None] * len(refs)
+        queue: list[tuple[list[int], str]] = []
+        start = 0
+        while start < len(refs) or queue:
+            if not queue:
+                size, why = self.joint_group_size(len(refs) - start)
+                queue.append((list(range(start, start + size)), why))
+                start += size
+            group, why = queue.pop(0)
+            jobs = [functools.partial(self.run, [refs[i]]) for i in group]
+            results = self.run_with_backwards(jobs) if len(group) > 1 else None
+            error = self.last_joint_error
+            if results is None and error is not None and out_of_memory(error):
+                half = (len(group) + 1) // 2
+                self._joint_cap = half
+                self.joint_groups.append(
+                    f"{len(group)} ({why}) ran out of memory ({type(error).__name__}): again as {half} + "
+                    f"{len(group) - half}"
+                )
+                split = "halves of a group that ran out of memory"
+                queue[:0] = [(group[:half], split), (group[half:], split)]
+                continue
             if results is None:
+                if error is not None:
+                    why = f"alone: the group of {len(group)} raised {type(error).__name__}"
                 results = [job() for job in jobs]
             else:
                 self.last_grad_norm = results[-1].grad_norm  # as after the last pass run alone
-            rows += [self._sample_row(ref, result) for ref, result in zip(group, results)]
+            self.joint_groups.append(f"{len(group)} ({why})")
+            for i, result in zip(group, results):
+                rows[i] = self._sample_row(refs[i], result)
         self.reset()
-        return rows
+        return [row for row in rows if row is not None]
+
+    def joint_group_size(self, remaining: int) -> tuple[int, str]:
+        """How many of `remaining` one-sample passes run together, and why: as many as their kept activations
+        (`sample_activation_bytes`, measured in the forwards so far) fit in half the plan's share of the budget
+        for activations (the other half for the block that computes and the gradients it makes), never more than a
+        group that ran out of memory was split into; a micro-batch's samples while nothing was measured."""
+        room = int(self.plan.budget * ACTIVATION_SHARE / 2)
+        per = self.sample_activation_bytes
+        if per > 0:
+            size = int(room // per)
+            why = f"room for activations {words(room)}, {words(per)} a pass"
+        else:
+            size = max(2, self._samples_per_micro_batch())
+            why = "a micro-batch's samples: no forward measured yet"
+        if self._joint_cap is not None and size > self._joint_cap:
+            size, why = self._joint_cap, f"{why}; at most {self._joint_cap}, a group that ran out of memory split"
+        return max(1, min(size, remaining)), why
 
     def _samples_per_micro_batch(self) -> int:
         counts: dict[int, int] = {}
@@ -412,6 +540,9 @@ class StreamedStepRunner(StepRunner):
                 now = self.traffic()
                 if last is not None:
                     progress(f"  {traffic_words(now, last)}")
+                for note in self.joint_groups[self._notes_said :]:
+                    progress(f"  (passes run together: a group of {note})")
+                self._notes_said = len(self.joint_groups)
                 last = now
             progress(message)
 
@@ -443,6 +574,7 @@ class StreamedStepRunner(StepRunner):
             "walks": self.streamer.walks,
             "joint_backwards": self.joint_backwards,
             "joint_backward_errors": list(self.joint_backward_errors),
+            "joint_groups": list(self.joint_groups),
             "block_reads": self.streamer.reader.reads,
             "block_reads_from_storage": traffic["block_reads_from_storage"],
             "bytes_from_storage": traffic["bytes_from_storage"],
@@ -473,6 +605,15 @@ class _PassStates:
             for key, param in module._parameters.items()
             if param is not None and id(param) in resident
         ]
+        names = {id(p): n for n, p in runner.model.named_parameters()}
+        inside = {id(p) for module in self.streamer.modules for p in module.parameters()}
+        self.measured = {
+            id(param): names[id(param)]
+            for _, _, param in self.slots
+            if id(param) in names and id(param) not in inside and param.requires_grad
+        }
+        """Leaves whose gradient `_measure_resident` takes as soon as it is made: those used outside the blocks only
+        (one used inside a block takes a gradient in each block's recomputed backward)."""
         self.base = self.streamer.grad_state()
         self.states: list[tuple] = [(PassGradStore(), {}, set(), False, True, self.base[5], 1.0) for _ in range(count)]
         self.lasts = [runner._last] * count
@@ -484,6 +625,11 @@ class _PassStates:
             leaf = leaves.get(id(param))
             if leaf is None:
                 leaf = leaves[id(param)] = torch.nn.Parameter(param.data, requires_grad=param.requires_grad)
+                name = self.measured.get(id(param))
+                if name is not None:
+                    leaf.register_post_accumulate_grad_hook(
+                        functools.partial(self.runner._measure_resident, number, name)
+                    )
             module._parameters[key] = leaf
         self.streamer.set_grad_state(self.states[number])
         self.runner._last = self.lasts[number]
@@ -517,6 +663,24 @@ class _PassStates:
             module._parameters[key] = param
         self.streamer.set_grad_state(self.base)
         self.streamer.pass_number = None
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """The exception is running out of memory (CUDA's caching allocator, or the host's)."""
+    return isinstance(exc, torch.OutOfMemoryError) or is_out_of_memory(type(exc).__name__, str(exc))
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
+    """A tensor's storage (its address) and bytes; a tensor without one (sparse, nested) counts by itself."""
+    try:
+        storage = tensor.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError):
+        return id(tensor), tensor.numel() * tensor.element_size()
+
+
+def _unpacked(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def traffic_words(now: dict[str, int], before: dict[str, int]) -> str:

@@ -387,7 +387,12 @@ def test_stages_walk_the_blocks_once_per_pass_set(tmp_path, helpers, kit):
     assert walked["reproducing the step"][:2] == (1, 4)  # two micro-batches, each a forward and a backward walk
     assert walked["per-layer gradient norms and output abs-max"] == (0, 0, 0)
     passes, walks, reads = walked["per-sample loss and gradient norm"]
-    assert passes == 3 and walks == 2 and reads <= 2 * blocks  # was 3 x 2 walks, one pass after another
+    # in groups whose kept activations fit the plan's room for them (said in the log), one forward and one backward
+    # walk a group: TINY's room holds two of these passes
+    groups = report["stream"]["joint_groups"]
+    assert [g.split(" ")[0] for g in groups] == ["2", "1"] and all("room for activations" in g for g in groups)
+    assert sum(1 for s in stages if s.startswith("  (passes run together: a group of ")) == len(groups)
+    assert passes == 3 and walks == 2 * len(groups) and reads <= 2 * len(groups) * blocks  # was 3 x 2 walks
     assert report["stream"]["joint_backwards"] == 1 and report["stream"]["walks"] == sum(
         w for _, w, _ in walked.values()
     )
@@ -428,8 +433,20 @@ def test_passes_with_a_backward_run_together_compute_what_each_computes_alone(tm
         alone = [seen(runner.run(s)) for s in one_each]
         walked_alone = runner.streamer.reader.reads - reads
         reads = runner.streamer.reader.reads
+        measure, measured = runner._measure_resident, []
+
+        def measuring(number: int, name: str, leaf: torch.Tensor) -> None:
+            measured.append((number, name))
+            measure(number, name, leaf)
+
+        runner._measure_resident = measuring
         together = runner.run_with_backwards([lambda s=s: seen(runner.run(s)) for s in one_each])
+        del runner._measure_resident
         walked_together = runner.streamer.reader.reads - reads
+        # each pass's gradients outside the blocks measured (and freed) as its backward made them, once each
+        assert runner.last_joint_error is None
+        outside = [n for n, _ in runner.model.named_parameters() if n not in runner._streamed]
+        assert sorted(measured) == sorted((number, name) for number in range(4) for name in outside)
         resident = [p for n, p in runner.model.named_parameters() if n not in runner._streamed]
         two_micro_batches = runner.run_with_backwards([lambda: runner.run(refs[3:5]), lambda: runner.run(refs[:1])])
         assert runner.run_with_backwards([lambda: runner.run(refs[:1])]) is None  # one pass: nothing to share
@@ -607,3 +624,86 @@ def test_a_nonfinite_weight_in_a_streamed_block_is_named_as_without_streaming(tm
     for cache in (1 << 30, 0):
         streamed = run_replay(dump, ReplayOptions(**options, memory_budget=TINY, host_cache_bytes=cache))
         assert streamed["culprit"]["parameter"] == key and streamed["verdict"]["kind"] == normal["verdict"]["kind"]
+
+
+HELD_GRAPHS = '''
+import weakref, torch, transformers
+
+HELD = weakref.WeakSet()
+LIMIT = 2
+
+class _Held(torch.autograd.Function):
+    """The identity; its backward allocates more than any host has while more than LIMIT of its graphs are held
+    (a device that holds the activations of LIMIT passes, not more)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.token = torch.empty(0)
+        HELD.add(ctx.token)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if len(HELD) > LIMIT:
+            torch.empty(1 << 62, dtype=torch.uint8)
+        return grad
+
+class HeldNorm(torch.nn.LayerNorm):
+    def forward(self, x):
+        return super().forward(_Held.apply(x))
+
+def build():
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=4, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0))
+    model.transformer.ln_f = HeldNorm(32, eps=model.config.layer_norm_epsilon)
+    return model
+'''
+
+
+def test_passes_run_together_in_groups_the_room_holds_split_when_out_of_memory(tmp_path, helpers, kit):
+    """The per-sample rows' passes run together in groups sized by the plan's room for activations (a smaller budget,
+    smaller groups); a group that runs out of memory (here a real allocation that fails while more than two passes'
+    graphs are held) runs again as two halves, not every pass alone, and the groups after it are no larger; each
+    row is the one of its pass run alone, to the bit."""
+    from forensics.format import open_dump
+    from forensics.replay.options import load
+    from forensics.replay.run.streamed_runner import runner_for
+
+    (tmp_path / "held_graphs_model.py").write_text(HELD_GRAPHS)
+    dump = _gpt2_dump(tmp_path, helpers, kit, layers=4)
+    options = ReplayOptions(
+        device="cpu",
+        memory_budget=500_000,
+        host_cache_bytes=1 << 30,
+        factory="held_graphs_model:build",
+        sys_path=[str(tmp_path)],
+    )
+    session = load(open_dump(dump), options)
+    runner = runner_for(session)
+    try:
+        refs = session.sample_refs[:5]
+        runner.run()  # the reproduce pass: its forwards measure the activations a sample keeps
+        per = runner.sample_activation_bytes
+        assert per > 0
+        size, why = runner.joint_group_size(len(refs))
+        assert size == 5 and "room for activations" in why
+        budget = runner.plan.budget
+        runner.plan.budget = budget // 2
+        assert runner.joint_group_size(len(refs))[0] < size  # less room, smaller groups
+        runner.plan.budget = budget
+
+        runner.block_major = False
+        alone = runner.per_sample_rows(refs)
+        runner.block_major = True
+        joint_before = runner.joint_backwards
+        together = runner.per_sample_rows(refs)
+    finally:
+        runner.close()
+    assert repr(together) == repr(alone) and len({r["grad_norm"] for r in alone}) == len(alone)
+    # 5 together ran out of memory: again as 3 + 2; the 3 ran out of memory too: 2 + 1; nothing ran all alone
+    sizes = [g.split(" ")[0] for g in runner.joint_groups]
+    assert sizes == ["5", "3", "2", "1", "2"], runner.joint_groups
+    assert "ran out of memory" in runner.joint_groups[0] and "again as 3 + 2" in runner.joint_groups[0]
+    assert runner.joint_backwards - joint_before == 4  # 2 that raised, 2 that ran
+    assert any("can't allocate memory" in e for e in runner.joint_backward_errors)
