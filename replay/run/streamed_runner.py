@@ -441,9 +441,9 @@ class StreamedStepRunner(StepRunner):
                 start += size
             group, why = queue.pop(0)
             jobs = [functools.partial(self.run, [refs[i]]) for i in group]
-            results = self.run_with_backwards(jobs) if len(group) > 1 else None
+            results = self.run_with_backwards(jobs)  # None for a group of one (its last_joint_error reset)
             error = self.last_joint_error
-            if results is None and error is not None and out_of_memory(error):
+            if results is None and error is not None and out_of_memory(error) and len(group) > 1:
                 half = (len(group) + 1) // 2
                 self._joint_cap = half
                 self.joint_groups.append(

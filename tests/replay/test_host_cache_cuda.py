@@ -48,7 +48,7 @@ def test_offers_are_copied_in_without_waiting_and_hold_the_values_offered(monkey
     assert cache.held_bytes <= cache.slab_bytes < cache.held_bytes + (1 << 20)  # the slabs nothing used were freed
     assert cache.fill_span > 0 and cache.fill_seconds > 0 and not cache.refused
     said = cache.describe(12 << 20)
-    assert "bfloat16 (as the passes compute)" in said and "float32 (as the dump holds it)" in said
+    assert "MiB bfloat16" in said and "(as the passes compute)" in said and "float32 (as the dump holds it)" in said
     assert "page-locked" in said
     cache.close()
     assert len(cache) == 0 and not cache.offer("w0", torch.zeros(1, device=device))

@@ -707,3 +707,36 @@ def test_passes_run_together_in_groups_the_room_holds_split_when_out_of_memory(t
     assert "ran out of memory" in runner.joint_groups[0] and "again as 3 + 2" in runner.joint_groups[0]
     assert runner.joint_backwards - joint_before == 4  # 2 that raised, 2 that ran
     assert any("can't allocate memory" in e for e in runner.joint_backward_errors)
+
+
+def test_a_pass_alone_after_a_group_that_ran_out_of_memory_runs_once(tmp_path, helpers, kit):
+    """Every group of two runs out of memory (a device that holds one pass's activations): each is split into passes
+    alone, and each pass alone runs once (the group's error is not read again for it: that split a pass of one into
+    one and none, for good — the GPU hang of the 1b FSDP2 bf16 row); each row is the pass's alone, to the bit."""
+    from forensics.format import open_dump
+    from forensics.replay.options import load
+    from forensics.replay.run.streamed_runner import runner_for
+
+    (tmp_path / "held_one_model.py").write_text(HELD_GRAPHS.replace("LIMIT = 2", "LIMIT = 1"))
+    dump = _gpt2_dump(tmp_path, helpers, kit, layers=4)
+    options = ReplayOptions(
+        device="cpu",
+        memory_budget=500_000,
+        host_cache_bytes=1 << 30,
+        factory="held_one_model:build",
+        sys_path=[str(tmp_path)],
+    )
+    session = load(open_dump(dump), options)
+    runner = runner_for(session)
+    try:
+        refs = session.sample_refs[:3]
+        runner.run()
+        runner.block_major = False
+        alone = runner.per_sample_rows(refs)
+        runner.block_major = True
+        together = runner.per_sample_rows(refs)
+    finally:
+        runner.close()
+    assert repr(together) == repr(alone)
+    sizes = [g.split(" ")[0] for g in runner.joint_groups]
+    assert sizes == ["3", "2", "1", "1", "1"], runner.joint_groups
