@@ -30,6 +30,9 @@ import sys
 
 PROBE = r"""
 import json, os, sys, time
+import faulthandler
+if os.environ.get("BENCH_HANG_S"):  # a row that hangs prints every thread's stack to stderr and ends (the row's error)
+    faulthandler.dump_traceback_later(float(os.environ["BENCH_HANG_S"]), exit=True)
 import torch
 import transformers.models.llama.modeling_llama  # a fixed import cost, outside the timers
 from forensics.replay.engine import ReplayOptions, run_replay
