@@ -34,7 +34,7 @@ from forensics.replay.load.session import ReplaySession
 from forensics.replay.load.stream_plan import ACTIVATION_SHARE
 from forensics.replay.run.execute import StepRunner, any_nonfinite
 from forensics.replay.run.lockstep import Lockstep
-from forensics.replay.run.stream_blocks import BlockStreamer, PassGradStore
+from forensics.replay.run.stream_blocks import BlockStreamer, MicroBatchFold, PassGradStore
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,15 @@ class StreamedStepRunner(StepRunner):
         non-finite) and freed as soon as its backward made them (`_measure_resident`)."""
         self._scales: dict[int, torch.Tensor | None] = {}
         self._joint_cap: int | None = None
+        self._micro_cap: int | None = None
+        """At most this many micro-batches of a pass run together (a group of twice as many ran out of memory)."""
+        self._micro_together = False
+        self._one_after_another = False
+        self._writes_buffers = False
+        inside = {id(p) for module in self.streamer.modules for p in module.parameters()}
+        self._tied_into_blocks = any(
+            id(p) in inside and p.requires_grad for n, p in self.model.named_parameters() if n not in self._streamed
+        )
         self.last_joint_error: BaseException | None = None
         self.joint_backward_errors: list[str] = []
         """Why an engine call of several passes' backwards raised (the passes then ran alone): the first three, each
@@ -271,10 +280,25 @@ class StreamedStepRunner(StepRunner):
     def run(self, samples: list[SampleRef] | None = None, **kwargs: Any):
         # kept gradients (a pass's worth of bytes written to the host) only for a caller that steps the optimizer
         self._keep_next = bool(kwargs.get("keep_grads")) and self._wanted  # the base run() resets first
+        session = self.session
         try:
-            result = super().run(samples, **kwargs)
+            while True:
+                said, warned = list(session.warnings), (self._warned_unrunnable, self._warned_autocast)
+                try:
+                    result = super().run(samples, **kwargs)
+                    break
+                except _OneAfterAnother as redo:  # the pass again from the start (run() resets), as told
+                    session.warnings[:] = said
+                    self._warned_unrunnable, self._warned_autocast = warned
+                    self.joint_groups.append(f"{redo.size} micro-batches: {redo.why}")
+                    if redo.out_of_memory and redo.size > 2:
+                        self._micro_cap = redo.size // 2
+                    else:
+                        self._micro_cap = 1 if redo.out_of_memory else self._micro_cap
+                        self._one_after_another = not redo.out_of_memory
         finally:
             self._keep_next = False
+            self._one_after_another = False
         self.last_grad_norm = result.grad_norm
         return result
 
@@ -313,11 +337,143 @@ class StreamedStepRunner(StepRunner):
         return sum(1 for ref in self.session.sample_refs if ref.micro_batch == micro_batch)
 
     def _raises(self, exc: Exception) -> bool:
-        return self._together and out_of_memory(exc)
+        return (self._together or self._micro_together) and out_of_memory(exc)
 
     def _run_micro_batch(self, i, indices, scale, options, done) -> bool:
         self.streamer.final = i == self._last
         return super()._run_micro_batch(i, indices, scale, options, done)
+
+    # -- micro-batches of one pass, block-major ----------------------------------------------------
+    def _micro_batch_loop(self, selected, scale, options, done) -> None:
+        """The pass's micro-batches in groups run together (`_run_group`: their forwards block by block, then their
+        backwards in one engine call, each block's gradients summed on the device in the micro-batch order): two
+        walks over the blocks a group instead of two a micro-batch, and no gradient off the device and back between
+        them. One after another where the schedule cannot be shown to give the same numbers (`_micro_batch_group`)."""
+        count = len(self.session.micro_batches)
+        chosen = [i for i in range(count) if selected is None or i in selected]
+        size, why = self._micro_batch_group(chosen, selected, options)
+        if size < 2:
+            super()._micro_batch_loop(selected, scale, options, done)
+            return
+        self.joint_groups.append(f"{size} micro-batches of {len(chosen)} ({why})")
+        at = 0
+        for start in range(0, len(chosen), size):
+            group = chosen[start : start + size]
+            done.losses.extend([None] * (group[0] - at))  # the micro-batches not selected
+            at = group[-1] + 1
+            if len(group) == 1:
+                if not self._run_micro_batch(
+                    group[0], None if selected is None else selected[group[0]], scale, options, done
+                ):
+                    return
+                continue
+            outcomes = self._run_group(group, selected, scale, options, final=group[-1] == self._last)
+            done.losses.extend(o.losses[0] for o in outcomes)
+        done.losses.extend([None] * (count - at))
+
+    def _micro_batch_group(self, chosen: list[int], selected, options) -> tuple[int, str]:
+        """How many of the pass's micro-batches run together, and why: as many as their kept activations
+        (`sample_activation_bytes` a sample) fit in half the plan's share of the budget for activations; all of them
+        while nothing was measured (the first pass: a group that runs out of memory runs the pass again in
+        halves); never more than such a split left. One (one after another) where the schedule could compute
+        something else: a pass without a backward (those run block-major as passes: run_forwards), the fp32
+        re-run (its hold on autocast is the process's: replay/run/fp32.py), in anomaly mode, with per-micro-batch hooks, without each micro-batch's recorded RNG (the next one's RNG is the
+        last one's end), a step that raised, a parameter outside the blocks used inside them (its gradient is
+        summed across blocks within a micro-batch), or a model that wrote its buffers in an earlier such pass."""
+        session, streamer = self.session, self.streamer
+        states = session.rng_states
+        if (
+            len(chosen) < 2
+            or not self.block_major
+            or self._together
+            or self._one_after_another
+            or self._micro_cap == 1
+            or self._writes_buffers
+            or self._tied_into_blocks
+            or not options.backward
+            or options.fp32
+            or options.anomaly
+            or not options.restore_rng
+            or options.forward_context is not None
+            or options.on_loss is not None
+            or session.exception is not None
+            or streamer.recompute_context is not None
+            or streamer.after_recompute is not None
+            or any(i >= len(states) or states[i] is None for i in chosen)
+        ):
+            return 1, "one after another"
+        room = int(self.plan.budget * ACTIVATION_SHARE / 2)
+        samples = max(len(selected[i]) if selected is not None else self._samples_in(i) for i in chosen)
+        per = self.sample_activation_bytes * max(1, samples)
+        if per > 0:
+            size, why = int(room // per), f"room for activations {words(room)}, {words(per)} a micro-batch"
+        else:
+            size, why = len(chosen), "nothing measured yet: all of them"
+        if self._micro_cap is not None and size > self._micro_cap:
+            size, why = self._micro_cap, f"{why}; at most {self._micro_cap} since a group ran out of memory"
+        return min(size, len(chosen)), why
+
+    def _run_group(self, group: list[int], selected, scale, options, final: bool) -> list:
+        """Micro-batches `group` of the pass, together (replay/run/lockstep.py): each on leaves of its own for the
+        parameters outside the blocks, their gradients and each block's summed in the micro-batch order
+        (stream_blocks.MicroBatchFold), the blocks' measured (`final`: the pass's last micro-batch is in the group) or
+        held off the device once. Each micro-batch's outcome; raises _OneAfterAnother where the group could have
+        computed something else than the micro-batches one after another (or ran out of memory)."""
+        from forensics.replay.run.execute import _PassOutcome
+
+        streamer = self.streamer
+        fold = MicroBatchFold(len(group), final)
+        switch = _MicroBatchLeaves(self, fold)
+        lockstep = Lockstep(streamer.holds, self.session.device, switch)
+        outcomes = [_PassOutcome() for _ in group]
+        versions = [b._version for b in self.model.buffers()]
+        jobs = [
+            functools.partial(
+                self._run_micro_batch, i, None if selected is None else selected[i], scale, options, outcomes[k]
+            )
+            for k, i in enumerate(group)
+        ]
+        streamer.lockstep, streamer.as_pass, streamer.fold, self._micro_together = lockstep, switch.during, fold, True
+        raised: BaseException | None = None
+        try:
+            ran = lockstep.run(jobs, grad=torch.is_grad_enabled())
+        except Exception as exc:  # out of memory in a micro-batch's forward: the group's
+            if not out_of_memory(exc):
+                raise
+            raised, ran = exc, []
+        finally:
+            streamer.lockstep, streamer.as_pass, streamer.fold, self._micro_together = None, None, None, False
+            switch.close()
+            self.lockstep_waits += lockstep.waits
+            self.joint_backwards += lockstep.backwards
+        error = raised or lockstep.backward_error
+        if error is not None:
+            if len(self.joint_backward_errors) < 3:
+                self.joint_backward_errors.append(f"{type(error).__name__}: {str(error)[:300]!r}")
+            redo = _OneAfterAnother(len(group), f"ran out of memory ({type(error).__name__})", out_of_memory(error))
+            if not redo.out_of_memory:
+                redo.why = f"the engine call raised {type(error).__name__}: one after another"
+            raise redo
+        if fold.unsure:
+            raise _OneAfterAnother(len(group), "a block ran twice in one micro-batch's forward: one after another")
+        if versions != [b._version for b in self.model.buffers()]:
+            self._writes_buffers = True
+            raise _OneAfterAnother(len(group), "the forwards wrote the model's buffers: one after another")
+        if not all(ran) or any(o.raised is not None or o.error is not None for o in outcomes):
+            raise _OneAfterAnother(len(group), "a micro-batch stopped the pass: one after another")
+        params = dict(self.model.named_parameters())
+
+        def held(name: str) -> torch.Tensor | None:
+            return streamer._held_on_device(name) if name in self._streamed else params[name].grad
+
+        for name, grad in fold.rest(held).items():  # the parameters outside the blocks, summed in order
+            if name not in self._streamed:
+                params[name].grad = grad
+            elif final:
+                streamer._finish(name, grad)
+            else:
+                streamer.grads.put(name, grad)
+        return outcomes
 
     def _measured_grads(self, scale, backward):
         streamer = self.streamer
@@ -663,6 +819,82 @@ class _PassStates:
             module._parameters[key] = param
         self.streamer.set_grad_state(self.base)
         self.streamer.pass_number = None
+
+
+class _OneAfterAnother(Exception):
+    """A pass whose micro-batches ran together must run again from the start: with fewer of them together
+    (`out_of_memory`), else one after another."""
+
+    def __init__(self, size: int, why: str, out_of_memory: bool = False):
+        super().__init__(why)
+        self.size, self.why, self.out_of_memory = size, why, out_of_memory
+
+
+class _MicroBatchLeaves:
+    """What each micro-batch of a pass run together keeps as its own (replay/run/lockstep.PassSwitch): leaves of its
+    own for the parameters outside the blocks (sharing the model's storage), whose gradients go to the fold as soon
+    as the engine made them (one a parameter and micro-batch: a second fails the engine call); and the micro-batch
+    number that the blocks' forwards record for their backwards (its gradients of the block, to the fold)."""
+
+    def __init__(self, runner: StreamedStepRunner, fold: MicroBatchFold):
+        self.streamer, self.fold = runner.streamer, fold
+        self.names = {id(p): n for n, p in runner.model.named_parameters() if n not in runner._streamed}
+        self.params = dict(runner.model.named_parameters())
+        self.slots = [
+            (module, key, param)
+            for module in runner.model.modules()
+            for key, param in module._parameters.items()
+            if param is not None and id(param) in self.names
+        ]
+        self.leaves: list[dict[int, torch.nn.Parameter]] = [{} for _ in range(fold.count)]
+        self._seen: set[tuple[int, str]] = set()
+
+    def enter(self, number: int) -> None:
+        leaves = self.leaves[number]
+        for module, key, param in self.slots:
+            leaf = leaves.get(id(param))
+            if leaf is None:
+                leaf = leaves[id(param)] = torch.nn.Parameter(param.data, requires_grad=param.requires_grad)
+                if param.requires_grad:
+                    leaf.register_post_accumulate_grad_hook(
+                        functools.partial(self._accumulated, number, self.names[id(param)])
+                    )
+            module._parameters[key] = leaf
+        self.streamer.pass_number = number
+
+    def leave(self, number: int) -> None:
+        for module, key, param in self.slots:
+            module._parameters[key] = param
+        self.streamer.pass_number = None
+
+    @contextlib.contextmanager
+    def during(self, number: int) -> Iterator[None]:
+        before = self.streamer.pass_number
+        if before is not None:
+            self.leave(before)
+        self.enter(number)
+        try:
+            yield
+        finally:
+            self.leave(number)
+            if before is not None:
+                self.enter(before)
+
+    def close(self) -> None:
+        for module, key, param in self.slots:
+            module._parameters[key] = param
+        self.streamer.pass_number = None
+
+    def _accumulated(self, number: int, name: str, leaf: torch.Tensor) -> None:
+        if (number, name) in self._seen:
+            raise RuntimeError(f"a second gradient of {name!r} in one micro-batch's backward: one after another")
+        self._seen.add((number, name))
+        grad, leaf.grad = leaf.grad, None
+        if grad is not None:
+            self.fold.add(number, name, grad, self._held)
+
+    def _held(self, name: str) -> torch.Tensor | None:
+        return self.params[name].grad
 
 
 def out_of_memory(exc: BaseException) -> bool:
