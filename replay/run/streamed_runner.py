@@ -179,9 +179,8 @@ class StreamedStepRunner(StepRunner):
         error = lockstep.backward_error or raised
         if error is not None:
             self.session.warnings[:] = warnings
-            # without its traceback, whose frames hold the passes' graphs (and their activations) alive
-            self.last_joint_error = error.with_traceback(None)
-            error.__context__ = error.__cause__ = None
+            _forget(raised, lockstep.backward_error)
+            self.last_joint_error = error
             if len(self.joint_backward_errors) < 3:
                 self.joint_backward_errors.append(f"{type(error).__name__}: {str(error)[:300]!r}")
                 logger.info("passes run together fell back: %s", self.joint_backward_errors[-1])
@@ -448,12 +447,14 @@ class StreamedStepRunner(StepRunner):
             self.joint_backwards += lockstep.backwards
         error = raised or lockstep.backward_error
         if error is not None:
+            kind, oom = type(error).__name__, out_of_memory(error)
             if len(self.joint_backward_errors) < 3:
-                self.joint_backward_errors.append(f"{type(error).__name__}: {str(error)[:300]!r}")
-            redo = _OneAfterAnother(len(group), f"ran out of memory ({type(error).__name__})", out_of_memory(error))
-            if not redo.out_of_memory:
-                redo.why = f"the engine call raised {type(error).__name__}: one after another"
-            raise redo
+                self.joint_backward_errors.append(f"{kind}: {str(error)[:300]!r}")
+            _forget(raised, lockstep.backward_error)
+            error = raised = lockstep.backward_error = None
+            if oom:
+                raise _OneAfterAnother(len(group), f"ran out of memory ({kind})", True)
+            raise _OneAfterAnother(len(group), f"the engine call raised {kind}: one after another")
         if fold.unsure:
             raise _OneAfterAnother(len(group), "a block ran twice in one micro-batch's forward: one after another")
         if versions != [b._version for b in self.model.buffers()]:
@@ -895,6 +896,15 @@ class _MicroBatchLeaves:
 
     def _held(self, name: str) -> torch.Tensor | None:
         return self.params[name].grad
+
+
+def _forget(*errors: BaseException | None) -> None:
+    """The errors' tracebacks dropped: their frames hold the passes' graphs (and activations) alive, in a cycle
+    (the frame of Lockstep.run holds the error that holds the frame) that only the cyclic collector would free."""
+    for error in errors:
+        if error is not None:
+            error.__traceback__ = None
+            error.__context__ = error.__cause__ = None
 
 
 def out_of_memory(exc: BaseException) -> bool:

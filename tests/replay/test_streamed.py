@@ -496,11 +496,13 @@ class HeldNorm(torch.nn.LayerNorm):
     def forward(self, x):
         return super().forward(_Held.apply(x))
 
+WIDTH = 32
+
 def build():
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=4, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0))
-    model.transformer.ln_f = HeldNorm(32, eps=model.config.layer_norm_epsilon)
+        n_layer=4, n_embd=WIDTH, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0))
+    model.transformer.ln_f = HeldNorm(WIDTH, eps=model.config.layer_norm_epsilon)
     return model
 '''
 
@@ -607,3 +609,46 @@ def test_micro_batches_of_a_pass_run_block_major_give_the_sequential_numbers(tmp
     finally:
         runner.close()
     assert all("micro-batches" in g and "out of memory" not in g for g in runner.joint_groups)
+
+
+def test_micro_batches_run_together_in_halves_after_running_out_of_memory(tmp_path, helpers, kit):
+    """A pass's micro-batches run together run out of memory (a real allocation that fails while more than two of
+    their graphs are held): the pass runs again from the start with half of them together, and later passes keep to
+    that; the numbers are those of the micro-batches one after another, to the bit."""
+    from forensics.format import open_dump
+    from forensics.replay.options import load
+    from forensics.replay.run.streamed_runner import runner_for
+
+    (tmp_path / "held_graphs_wide.py").write_text(HELD_GRAPHS.replace("WIDTH = 32", "WIDTH = 128"))
+    dump = _gpt2_dump(tmp_path, helpers, kit, layers=4, micro=4, width=128)
+    options = ReplayOptions(
+        device="cpu",
+        memory_budget=4_000_000,
+        host_cache_bytes=1 << 30,
+        factory="held_graphs_wide:build",
+        sys_path=[str(tmp_path)],
+    )
+    session = load(open_dump(dump), options)
+    runner = runner_for(session)
+    healthy = [r for r in session.sample_refs if r.index != 2]
+
+    def seen(samples) -> tuple:
+        result = runner.run(samples, keep_grads=True)
+        norms = {n: _bits(norm) for n, (_, norm) in runner.streamer.norms.items()}
+        return repr(result.losses), repr(result.grad_norm), result.nonfinite_grad_params, norms
+
+    try:
+        runner.block_major = False
+        alone = [seen(None), seen(healthy)]
+        runner.block_major = True
+        passes = runner.passes
+        together = [seen(None), seen(healthy)]
+    finally:
+        runner.close()
+    assert together == alone
+    assert runner.passes - passes == 3  # the first pass ran again; the second kept to the halves at once
+    said = runner.joint_groups
+    assert said[0].startswith("4 micro-batches of 4 (room for activations")  # the passes alone measured them
+    assert said[1].startswith("4 micro-batches: ran out of memory")
+    assert said[2].startswith("2 micro-batches of 4 (") and "at most 2 since a group ran out of memory" in said[2]
+    assert said[3].startswith("2 micro-batches of 4 (") and len(said) == 4
