@@ -605,8 +605,9 @@ class MicroBatchFold:
     @staticmethod
     def _fold(sums: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], held: Callable) -> None:
         for name, grad in grads.items():
-            if name in sums:
-                sums[name] = sums[name] + grad  # the accumulation autograd (or block_backward_done) does, in order
+            if name in sums:  # the accumulation autograd (or block_backward_done) does, in order: in place (the sum
+                total = sums[name]  # is ours alone) where that is the same op, the same dtype
+                sums[name] = total.add_(grad) if total.dtype == grad.dtype else total + grad
             else:
                 before = held(name)
                 sums[name] = grad if before is None else before + grad

@@ -76,6 +76,10 @@ class StreamedStepRunner(StepRunner):
         a group split after it ran out of memory), for the stage log and the report's `stream` block."""
         self._notes_said = 0
         self.sample_activation_bytes = 0
+        self.held_activation_bytes = 0
+        """The most activation bytes a pass (or the passes and micro-batches of a group) kept at once and ran
+        through within the budget (measured): a group keeping no more fits as that one did."""
+        self._group_forwards: list[int] | None = None
         """The most bytes a micro-batch's forward kept for its backward per sample (measured: `_forward_scope`),
         the weights outside the blocks not counted: what sizes the groups of passes run together."""
         self._measured: dict[int, dict[str, tuple[torch.Tensor, bool]]] = {}
@@ -161,6 +165,7 @@ class StreamedStepRunner(StepRunner):
         self.reset()  # once for all, as run_forwards
         self.streamer.lockstep, self.streamer.as_pass, self._together = lockstep, switch.during, True
         raised: BaseException | None = None
+        self._group_forwards = kept = []
         try:
             with self.job_precision():
                 results = lockstep.run(jobs, grad=True)
@@ -170,6 +175,7 @@ class StreamedStepRunner(StepRunner):
             raised = exc
         finally:
             self.streamer.lockstep, self.streamer.as_pass, self._together = None, None, False
+            self._group_forwards = None
             self._resident_units = {}
             self._measured.clear()
             self._scales.clear()
@@ -185,6 +191,7 @@ class StreamedStepRunner(StepRunner):
                 self.joint_backward_errors.append(f"{type(error).__name__}: {str(error)[:300]!r}")
                 logger.info("passes run together fell back: %s", self.joint_backward_errors[-1])
             return None
+        self.held_activation_bytes = max(self.held_activation_bytes, sum(kept))
         return results
 
     def _measure_resident(self, number: int, name: str, leaf: torch.Tensor) -> None:
@@ -327,10 +334,20 @@ class StreamedStepRunner(StepRunner):
                 total += size
             return tensor.detach()
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, _unpacked):
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _unpacked))
+            except RuntimeError:  # saved-tensor hooks disabled here (torch.autograd.graph.disable_saved_tensors_hooks)
+                total = -1
             yield
+        if total < 0:
+            return
         samples = len(indices) if indices is not None else self._samples_in(micro_batch)
         self.sample_activation_bytes = max(self.sample_activation_bytes, -(-total // max(1, samples)))
+        if self._group_forwards is not None:  # kept together with the group's other forwards until their backwards
+            self._group_forwards.append(total)
+        else:  # one micro-batch's, freed by its backward before the next forward
+            self.held_activation_bytes = max(self.held_activation_bytes, total)
 
     def _samples_in(self, micro_batch: int) -> int:
         return sum(1 for ref in self.session.sample_refs if ref.micro_batch == micro_batch)
@@ -370,6 +387,15 @@ class StreamedStepRunner(StepRunner):
             done.losses.extend(o.losses[0] for o in outcomes)
         done.losses.extend([None] * (count - at))
 
+    def activation_room(self) -> tuple[int, str]:
+        """Bytes a group's kept activations may take, and whence: half the plan's share of the budget for
+        activations (the other half for the block that computes and the gradients it makes), or what a pass or group
+        kept at once and ran through already, if more (every pass keeps a whole micro-batch's)."""
+        planned = int(self.plan.budget * ACTIVATION_SHARE / 2)
+        if self.held_activation_bytes > planned:
+            return self.held_activation_bytes, f"{words(self.held_activation_bytes)} kept at once by a pass that ran"
+        return planned, f"room for activations {words(planned)}"
+
     def _micro_batch_group(self, chosen: list[int], selected, options) -> tuple[int, str]:
         """How many of the pass's micro-batches run together, and why: as many as their kept activations
         (`sample_activation_bytes` a sample) fit in half the plan's share of the budget for activations; all of them
@@ -401,11 +427,11 @@ class StreamedStepRunner(StepRunner):
             or any(i >= len(states) or states[i] is None for i in chosen)
         ):
             return 1, "one after another"
-        room = int(self.plan.budget * ACTIVATION_SHARE / 2)
+        room, whence = self.activation_room()
         samples = max(len(selected[i]) if selected is not None else self._samples_in(i) for i in chosen)
         per = self.sample_activation_bytes * max(1, samples)
         if per > 0:
-            size, why = int(room // per), f"room for activations {words(room)}, {words(per)} a micro-batch"
+            size, why = int(room // per), f"{whence}, {words(per)} a micro-batch"
         else:
             size, why = len(chosen), "nothing measured yet: all of them"
         if self._micro_cap is not None and size > self._micro_cap:
@@ -434,6 +460,7 @@ class StreamedStepRunner(StepRunner):
         ]
         streamer.lockstep, streamer.as_pass, streamer.fold, self._micro_together = lockstep, switch.during, fold, True
         raised: BaseException | None = None
+        self._group_forwards = kept = []
         try:
             ran = lockstep.run(jobs, grad=torch.is_grad_enabled())
         except Exception as exc:  # out of memory in a micro-batch's forward: the group's
@@ -442,6 +469,7 @@ class StreamedStepRunner(StepRunner):
             raised, ran = exc, []
         finally:
             streamer.lockstep, streamer.as_pass, streamer.fold, self._micro_together = None, None, None, False
+            self._group_forwards = None
             switch.close()
             self.lockstep_waits += lockstep.waits
             self.joint_backwards += lockstep.backwards
@@ -462,6 +490,7 @@ class StreamedStepRunner(StepRunner):
             raise _OneAfterAnother(len(group), "the forwards wrote the model's buffers: one after another")
         if not all(ran) or any(o.raised is not None or o.error is not None for o in outcomes):
             raise _OneAfterAnother(len(group), "a micro-batch stopped the pass: one after another")
+        self.held_activation_bytes = max(self.held_activation_bytes, sum(kept))
         params = dict(self.model.named_parameters())
 
         def held(name: str) -> torch.Tensor | None:
@@ -627,11 +656,11 @@ class StreamedStepRunner(StepRunner):
         (`sample_activation_bytes`, measured in the forwards so far) fit in half the plan's share of the budget
         for activations (the other half for the block that computes and the gradients it makes), never more than a
         group that ran out of memory was split into; a micro-batch's samples while nothing was measured."""
-        room = int(self.plan.budget * ACTIVATION_SHARE / 2)
+        room, whence = self.activation_room()
         per = self.sample_activation_bytes
         if per > 0:
             size = int(room // per)
-            why = f"room for activations {words(room)}, {words(per)} a pass"
+            why = f"{whence}, {words(per)} a pass"
         else:
             size = max(2, self._samples_per_micro_batch())
             why = "a micro-batch's samples: no forward measured yet"
