@@ -7,6 +7,19 @@ except where a stage reads gradients or weights itself (`gradients`, `gradient_n
 `clip_gradients`, `keeping_gradients`; the engine's per-sample rows: `per_sample_rows`), which it answers block by
 block. `runner_for(session)` picks the runner a session needs.
 
+Fewer walks over the blocks (replay/run/lockstep.py): the per-sample rows' one-sample passes run together, their
+forwards block by block and their backwards in one engine call (`run_with_backwards`), in groups whose kept
+activations fit (`joint_group_size`: measured per sample in the forwards, `_forward_scope`; the room is half the
+plan's share for activations, or what a pass already kept at once and ran through), each pass's gradients outside
+the blocks measured and freed as its backward makes them (`_measure_resident`: one pass's on the device, not one per
+pass); and a pass of several micro-batches with a backward runs them together (`_micro_batch_loop`, `_run_group`):
+2 walks instead of 2 a micro-batch, their gradients summed on the device in the order the micro-batches run one after
+another (stream_blocks.MicroBatchFold), taken off once. Both stay bitwise what running them one after another gives;
+a group that runs out of memory runs again in halves (then alone); where equality cannot be shown (the fp32 re-run,
+anomaly mode, per-micro-batch hooks, no recorded RNG, a step that raised, a parameter outside the blocks used inside
+them, a forward writing the model's buffers, a block run twice in one micro-batch) one after another. The stage log
+and the report's `stream.joint_groups` say the groups and why, `stream.joint_backward_errors` what raised.
+
 Why not FSDP2 on a world of one with CPUOffloadPolicy: it keeps the whole sharded model (and its gradients) in
 pinned host memory, a second host copy of the model, which the dump already is; torch.utils.checkpoint alone cannot
 materialise weights inside its recomputation nor say when a block's backward is over.
@@ -165,7 +178,8 @@ class StreamedStepRunner(StepRunner):
         self.reset()  # once for all, as run_forwards
         self.streamer.lockstep, self.streamer.as_pass, self._together = lockstep, switch.during, True
         raised: BaseException | None = None
-        self._group_forwards = kept = []
+        kept: list[int] = []
+        self._group_forwards = kept
         try:
             with self.job_precision():
                 results = lockstep.run(jobs, grad=True)
@@ -460,7 +474,8 @@ class StreamedStepRunner(StepRunner):
         ]
         streamer.lockstep, streamer.as_pass, streamer.fold, self._micro_together = lockstep, switch.during, fold, True
         raised: BaseException | None = None
-        self._group_forwards = kept = []
+        kept: list[int] = []
+        self._group_forwards = kept
         try:
             ran = lockstep.run(jobs, grad=torch.is_grad_enabled())
         except Exception as exc:  # out of memory in a micro-batch's forward: the group's
