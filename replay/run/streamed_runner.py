@@ -741,8 +741,9 @@ class StreamedStepRunner(StepRunner):
                 now = self.traffic()
                 if last is not None:
                     progress(f"  {traffic_words(now, last)}")
-                for note in self.joint_groups[self._notes_said :]:
-                    progress(f"  (passes run together: a group of {note})")
+                notes = self.joint_groups[self._notes_said :]
+                for note, times in _runs(notes):
+                    progress(f"  (passes run together: a group of {note}{f', {times} times' if times > 1 else ''})")
                 self._notes_said = len(self.joint_groups)
                 last = now
             progress(message)
@@ -967,6 +968,17 @@ def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
 
 def _unpacked(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+def _runs(notes: list[str]) -> list[tuple[str, int]]:
+    """Each note with how many times it came in a row."""
+    runs: list[tuple[str, int]] = []
+    for note in notes:
+        if runs and runs[-1][0] == note:
+            runs[-1] = (note, runs[-1][1] + 1)
+        else:
+            runs.append((note, 1))
+    return runs
 
 
 def traffic_words(now: dict[str, int], before: dict[str, int]) -> str:
