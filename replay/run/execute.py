@@ -530,7 +530,6 @@ class StepRunner:
     ) -> _PassOutcome:
         """Forward (and backward) of each micro-batch in order, under anomaly mode / the FSDP2 compute dtypes when
         asked; stops at the first exception of a step that raised (or of a subset the model cannot run alone)."""
-        session = self.session
         done = _PassOutcome()
         caught: list[warnings.WarningMessage] = []
         try:
@@ -539,12 +538,7 @@ class StepRunner:
                 if options.anomaly:  # its "Anomaly Detection has been enabled" warning is expected here
                     stack.enter_context(torch.autograd.detect_anomaly(check_nan=options.anomaly_check_nan))
                 stack.enter_context(self.job_precision(options.fp32))
-                for i in range(len(session.micro_batches)):
-                    if selected is not None and i not in selected:
-                        done.losses.append(None)
-                        continue
-                    if not self._run_micro_batch(i, None if selected is None else selected[i], scale, options, done):
-                        break
+                self._micro_batch_loop(selected, scale, options, done)
         finally:
             done.anomaly_text = [
                 str(w.message)
@@ -555,6 +549,22 @@ class StepRunner:
                 if str(w.message) not in done.anomaly_text:
                     logger.debug("warning during replay: %s", w.message)
         return done
+
+    def _micro_batch_loop(
+        self,
+        selected: dict[int, list[int]] | None,
+        scale: torch.Tensor | None,
+        options: _PassOptions,
+        done: _PassOutcome,
+    ) -> None:
+        """Each selected micro-batch in order (None in `done.losses` for the others), until one stops the pass (a
+        streamed runner may run several of them together, block by block)."""
+        for i in range(len(self.session.micro_batches)):
+            if selected is not None and i not in selected:
+                done.losses.append(None)
+                continue
+            if not self._run_micro_batch(i, None if selected is None else selected[i], scale, options, done):
+                break
 
     def _run_micro_batch(
         self, i: int, indices: list[int] | None, scale: torch.Tensor | None, options: _PassOptions, done: _PassOutcome

@@ -22,7 +22,13 @@ per-thread counter that each pass's thread starts from 0, so the passes' nodes o
 numbers and the blocks' backwards run block by block, each block's for every pass while it is materialised. Each
 pass's graph is its own (its own leaves for the parameters outside the blocks: `switch`), so each accumulates what it
 would alone, in the same order (the engine orders one graph's nodes the same whatever else it runs). An exception in
-that engine call is kept in `backward_error` and the passes finish without it: the caller runs them again alone.
+that engine call is kept in `backward_error` and the passes finish without it: the caller runs them again in smaller
+groups (out of memory) or alone.
+
+The jobs may also be the micro-batches of ONE pass (StreamedStepRunner._run_group): the switch gives each its own
+leaves outside the blocks, and what their backwards make is summed in the micro-batch order by
+replay/run/stream_blocks.MicroBatchFold, not by the engine, which runs the nodes of different graphs carrying the
+same sequence number in no fixed order (a sum of three or more depends on the order).
 """
 
 from __future__ import annotations

@@ -13,8 +13,10 @@ recomputation, the forward's RNG and autocast state restored, and a point after 
 gradients are taken off the device (`GradStore`: summed across micro-batches in mapped temporary files, measured once
 the step's last micro-batch is through, kept only for a caller that steps the optimizer). Passes with a backward run
 together (replay/run/lockstep.py) each record their pass in the blocks' forwards (`pass_number`), and each block's
-backward runs as that pass (`as_pass`: its own gradients here, its own leaves outside the blocks). `walks` counts the
-runs of materialisations in one direction, the stage log's walks over the blocks.
+backward runs as that pass (`as_pass`: its own gradients here, its own leaves outside the blocks). The micro-batches of one
+pass run together the same way (`fold`: MicroBatchFold sums each block's gradients on the device in the micro-batch
+order once all of them are in, and hands them to the GradStore or the measurement once, not once a micro-batch).
+`walks` counts the runs of materialisations in one direction, the stage log's walks over the blocks.
 """
 
 from __future__ import annotations
@@ -100,6 +102,8 @@ class BlockStreamer:
         parameters outside the blocks in the model); a block's forward records it for its backward."""
         self.as_pass: Callable[[int], ContextManager] | None = None
         """Set with `pass_number`: a block's backward runs within as_pass(the pass that ran its forward)."""
+        self.fold: MicroBatchFold | None = None
+        """Set while micro-batches of one pass run together (StreamedStepRunner): their gradients summed in order."""
         self.walks = 0
         """Walks over the blocks: runs of materialisations in one direction (a forward's, a backward's, the optimizer
         check's); passes run block-major share one."""
@@ -287,7 +291,24 @@ class BlockStreamer:
 
     def block_backward_done(self, index: int) -> None:
         """Block `index`'s backward of one micro-batch is over: its gradients off the device (accumulated across
-        micro-batches), measured once the pass's last micro-batch is through."""
+        micro-batches), measured once the pass's last micro-batch is through. Micro-batches of one pass run together
+        (`fold`): summed on the device in the micro-batch order, taken off (or measured) once the block's backward is
+        over for all of them."""
+        fold = self.fold
+        if fold is not None and self.pass_number is not None:
+            grads = {}
+            for name in self.plan.blocks[index].params:
+                param = self.params[name]
+                grad, param.grad = param.grad, None
+                if grad is not None:
+                    grads[name] = grad
+            summed = fold.block_done(index, self.pass_number, grads, self._held_on_device)
+            for name, grad in (summed or {}).items():
+                if fold.final:
+                    self._finish(name, grad)
+                else:
+                    self.grads.put(name, grad)
+            return
         for name in self.plan.blocks[index].params:
             param = self.params[name]
             grad, param.grad = param.grad, None
@@ -301,6 +322,15 @@ class BlockStreamer:
                 self._finish(name, grad)
             else:
                 self.grads.put(name, grad)
+
+    def _held_on_device(self, name: str) -> torch.Tensor | None:
+        """The gradient held off the device for `name` (earlier micro-batches of the pass), back on it."""
+        held = self.grads.pop(name)
+        if held is None:
+            return None
+        grad = held.to(self.device)
+        self.grads.recycle(held)  # the copy above is synchronous (non_blocking=False)
+        return grad
 
     def finish_pass(self) -> None:
         """Gradients still accumulating when the pass stopped early (an exception, anomaly mode's error)."""
@@ -500,6 +530,91 @@ class PassGradStore:
         return None
 
 
+class MicroBatchFold:
+    """The gradients of several micro-batches of one pass run together (StreamedStepRunner's block-major
+    micro-batches), summed on the device in the order the micro-batches run one after another: (((held + g0) + g1) +
+    g2), `held` what earlier micro-batches of the pass left, whatever order the autograd engine hands them in (it
+    runs the nodes of different graphs that carry the same sequence number in no fixed order). A block's sum is
+    complete once each micro-batch that ran the block's forward has run its backward; the gradients of the
+    parameters outside the blocks (`add`) are summed as they come while the ones before them are in, the rest at
+    the end (`rest`). A block run more than once in one micro-batch's forward makes the sum another one than the
+    sequential schedule's: `unsure`, and the pass runs again one micro-batch after another."""
+
+    def __init__(self, count: int, final: bool):
+        self.count, self.final = count, final
+        """Micro-batches run together; whether the pass's last is among them (the sums are then measured)."""
+        self.calls: dict[int, list[int]] = {}
+        """Block -> how many times each micro-batch ran its forward."""
+        self.unsure = False
+        self._pending: dict[Any, dict[int, dict[str, torch.Tensor]]] = {}
+        self._next: dict[Any, int] = {}
+        self._sums: dict[Any, dict[str, torch.Tensor]] = {}
+
+    def ran(self, index: int, number: int) -> None:
+        calls = self.calls.setdefault(index, [0] * self.count)
+        calls[number] += 1
+        if calls[number] > 1:
+            self.unsure = True
+
+    def block_done(
+        self,
+        index: int,
+        number: int,
+        grads: dict[str, torch.Tensor],
+        held: Callable[[str], torch.Tensor | None],
+    ) -> dict[str, torch.Tensor] | None:
+        """Micro-batch `number`'s gradients of block `index`: the block's sums once every micro-batch that ran it
+        is in, else None."""
+        calls = self.calls.get(index, [1] * self.count)
+        key = ("block", index)
+        self._add(key, number, grads, held, lambda at: calls[at] == 0)
+        if self._next.get(key, 0) < self.count:
+            return None
+        self._next.pop(key)
+        return self._sums.pop(key, {})
+
+    def add(self, number: int, name: str, grad: torch.Tensor, held: Callable[[str], torch.Tensor | None]) -> None:
+        """Micro-batch `number`'s gradient of `name`, a parameter outside the blocks."""
+        self._add(("param", name), number, {name: grad}, held, lambda at: False)
+
+    def rest(self, held: Callable[[str], torch.Tensor | None]) -> dict[str, torch.Tensor]:
+        """Every sum still open (the parameters outside the blocks; a block some micro-batch did not run back
+        through), what came summed in the micro-batch order."""
+        out: dict[str, torch.Tensor] = {}
+        for key in list(self._pending):
+            pending = self._pending.pop(key)
+            sums = self._sums.setdefault(key, {})
+            for number in sorted(pending):
+                self._fold(sums, pending[number], held)
+            out.update(self._sums.pop(key))
+        for key in list(self._sums):
+            out.update(self._sums.pop(key))
+        self._next.clear()
+        return out
+
+    def _add(self, key: Any, number: int, grads: dict[str, torch.Tensor], held: Callable, skip: Callable) -> None:
+        pending = self._pending.setdefault(key, {})
+        pending[number] = grads
+        sums = self._sums.setdefault(key, {})
+        at = self._next.get(key, 0)
+        while at < self.count and (at in pending or skip(at)):
+            self._fold(sums, pending.pop(at, {}), held)
+            at += 1
+        self._next[key] = at
+        if not pending:
+            self._pending.pop(key, None)
+
+    @staticmethod
+    def _fold(sums: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], held: Callable) -> None:
+        for name, grad in grads.items():
+            if name in sums:  # the accumulation autograd (or block_backward_done) does, in order: in place (the sum
+                total = sums[name]  # is ours alone) where that is the same op, the same dtype
+                sums[name] = total.add_(grad) if total.dtype == grad.dtype else total + grad
+            else:
+                before = held(name)
+                sums[name] = grad if before is None else before + grad
+
+
 class _BlockCall:
     """A streamed block's forward: through `_StreamedBlock` when autograd records, straight otherwise."""
 
@@ -550,6 +665,8 @@ class _StreamedBlock(torch.autograd.Function):
         streamer = call.streamer
         ctx.call, ctx.layout = call, layout
         ctx.pass_number = streamer.pass_number
+        if streamer.fold is not None and ctx.pass_number is not None:
+            streamer.fold.ran(call.index, ctx.pass_number)
         ctx.save_for_backward(*tensors)  # the block's inputs, kept where they are
         ctx.device_type = streamer.device.type
         ctx.autocast = _autocast_state(ctx.device_type)
@@ -606,4 +723,4 @@ class _StreamedBlock(torch.autograd.Function):
         return (None, None, None, None, *[t.grad if need else None for t, need in zip(inputs, needs)])
 
 
-__all__ = ["BlockStreamer", "GradStore", "PassGradStore"]
+__all__ = ["BlockStreamer", "GradStore", "MicroBatchFold", "PassGradStore"]

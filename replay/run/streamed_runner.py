@@ -7,6 +7,19 @@ except where a stage reads gradients or weights itself (`gradients`, `gradient_n
 `clip_gradients`, `keeping_gradients`; the engine's per-sample rows: `per_sample_rows`), which it answers block by
 block. `runner_for(session)` picks the runner a session needs.
 
+Fewer walks over the blocks (replay/run/lockstep.py): the per-sample rows' one-sample passes run together, their
+forwards block by block and their backwards in one engine call (`run_with_backwards`), in groups whose kept
+activations fit (`joint_group_size`: measured per sample in the forwards, `_forward_scope`; the room is half the
+plan's share for activations, or what a pass already kept at once and ran through), each pass's gradients outside
+the blocks measured and freed as its backward makes them (`_measure_resident`: one pass's on the device, not one per
+pass); and a pass of several micro-batches with a backward runs them together (`_micro_batch_loop`, `_run_group`):
+2 walks instead of 2 a micro-batch, their gradients summed on the device in the order the micro-batches run one after
+another (stream_blocks.MicroBatchFold), taken off once. Both stay bitwise what running them one after another gives;
+a group that runs out of memory runs again in halves (then alone); where equality cannot be shown (the fp32 re-run,
+anomaly mode, per-micro-batch hooks, no recorded RNG, a step that raised, a parameter outside the blocks used inside
+them, a forward writing the model's buffers, a block run twice in one micro-batch) one after another. The stage log
+and the report's `stream.joint_groups` say the groups and why, `stream.joint_backward_errors` what raised.
+
 Why not FSDP2 on a world of one with CPUOffloadPolicy: it keeps the whole sharded model (and its gradients) in
 pinned host memory, a second host copy of the model, which the dump already is; torch.utils.checkpoint alone cannot
 materialise weights inside its recomputation nor say when a block's backward is over.
@@ -34,7 +47,7 @@ from forensics.replay.load.session import ReplaySession
 from forensics.replay.load.stream_plan import ACTIVATION_SHARE
 from forensics.replay.run.execute import StepRunner, any_nonfinite
 from forensics.replay.run.lockstep import Lockstep
-from forensics.replay.run.stream_blocks import BlockStreamer, PassGradStore
+from forensics.replay.run.stream_blocks import BlockStreamer, MicroBatchFold, PassGradStore
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +89,10 @@ class StreamedStepRunner(StepRunner):
         a group split after it ran out of memory), for the stage log and the report's `stream` block."""
         self._notes_said = 0
         self.sample_activation_bytes = 0
+        self.held_activation_bytes = 0
+        """The most activation bytes a pass (or the passes and micro-batches of a group) kept at once and ran
+        through within the budget (measured): a group keeping no more fits as that one did."""
+        self._group_forwards: list[int] | None = None
         """The most bytes a micro-batch's forward kept for its backward per sample (measured: `_forward_scope`),
         the weights outside the blocks not counted: what sizes the groups of passes run together."""
         self._measured: dict[int, dict[str, tuple[torch.Tensor, bool]]] = {}
@@ -83,6 +100,15 @@ class StreamedStepRunner(StepRunner):
         non-finite) and freed as soon as its backward made them (`_measure_resident`)."""
         self._scales: dict[int, torch.Tensor | None] = {}
         self._joint_cap: int | None = None
+        self._micro_cap: int | None = None
+        """At most this many micro-batches of a pass run together (a group of twice as many ran out of memory)."""
+        self._micro_together = False
+        self._one_after_another = False
+        self._writes_buffers = False
+        inside = {id(p) for module in self.streamer.modules for p in module.parameters()}
+        self._tied_into_blocks = any(
+            id(p) in inside and p.requires_grad for n, p in self.model.named_parameters() if n not in self._streamed
+        )
         self.last_joint_error: BaseException | None = None
         self.joint_backward_errors: list[str] = []
         """Why an engine call of several passes' backwards raised (the passes then ran alone): the first three, each
@@ -152,6 +178,8 @@ class StreamedStepRunner(StepRunner):
         self.reset()  # once for all, as run_forwards
         self.streamer.lockstep, self.streamer.as_pass, self._together = lockstep, switch.during, True
         raised: BaseException | None = None
+        kept: list[int] = []
+        self._group_forwards = kept
         try:
             with self.job_precision():
                 results = lockstep.run(jobs, grad=True)
@@ -161,6 +189,7 @@ class StreamedStepRunner(StepRunner):
             raised = exc
         finally:
             self.streamer.lockstep, self.streamer.as_pass, self._together = None, None, False
+            self._group_forwards = None
             self._resident_units = {}
             self._measured.clear()
             self._scales.clear()
@@ -170,13 +199,13 @@ class StreamedStepRunner(StepRunner):
         error = lockstep.backward_error or raised
         if error is not None:
             self.session.warnings[:] = warnings
-            # without its traceback, whose frames hold the passes' graphs (and their activations) alive
-            self.last_joint_error = error.with_traceback(None)
-            error.__context__ = error.__cause__ = None
+            _forget(raised, lockstep.backward_error)
+            self.last_joint_error = error
             if len(self.joint_backward_errors) < 3:
                 self.joint_backward_errors.append(f"{type(error).__name__}: {str(error)[:300]!r}")
                 logger.info("passes run together fell back: %s", self.joint_backward_errors[-1])
             return None
+        self.held_activation_bytes = max(self.held_activation_bytes, sum(kept))
         return results
 
     def _measure_resident(self, number: int, name: str, leaf: torch.Tensor) -> None:
@@ -271,10 +300,25 @@ class StreamedStepRunner(StepRunner):
     def run(self, samples: list[SampleRef] | None = None, **kwargs: Any):
         # kept gradients (a pass's worth of bytes written to the host) only for a caller that steps the optimizer
         self._keep_next = bool(kwargs.get("keep_grads")) and self._wanted  # the base run() resets first
+        session = self.session
         try:
-            result = super().run(samples, **kwargs)
+            while True:
+                said, warned = list(session.warnings), (self._warned_unrunnable, self._warned_autocast)
+                try:
+                    result = super().run(samples, **kwargs)
+                    break
+                except _OneAfterAnother as redo:  # the pass again from the start (run() resets), as told
+                    session.warnings[:] = said
+                    self._warned_unrunnable, self._warned_autocast = warned
+                    self.joint_groups.append(f"{redo.size} micro-batches: {redo.why}")
+                    if redo.out_of_memory and redo.size > 2:
+                        self._micro_cap = redo.size // 2
+                    else:
+                        self._micro_cap = 1 if redo.out_of_memory else self._micro_cap
+                        self._one_after_another = not redo.out_of_memory
         finally:
             self._keep_next = False
+            self._one_after_another = False
         self.last_grad_norm = result.grad_norm
         return result
 
@@ -304,20 +348,177 @@ class StreamedStepRunner(StepRunner):
                 total += size
             return tensor.detach()
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, _unpacked):
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _unpacked))
+            except RuntimeError:  # saved-tensor hooks disabled here (torch.autograd.graph.disable_saved_tensors_hooks)
+                total = -1
             yield
+        if total < 0:
+            return
         samples = len(indices) if indices is not None else self._samples_in(micro_batch)
         self.sample_activation_bytes = max(self.sample_activation_bytes, -(-total // max(1, samples)))
+        if self._group_forwards is not None:  # kept together with the group's other forwards until their backwards
+            self._group_forwards.append(total)
+        else:  # one micro-batch's, freed by its backward before the next forward
+            self.held_activation_bytes = max(self.held_activation_bytes, total)
 
     def _samples_in(self, micro_batch: int) -> int:
         return sum(1 for ref in self.session.sample_refs if ref.micro_batch == micro_batch)
 
     def _raises(self, exc: Exception) -> bool:
-        return self._together and out_of_memory(exc)
+        return (self._together or self._micro_together) and out_of_memory(exc)
 
     def _run_micro_batch(self, i, indices, scale, options, done) -> bool:
         self.streamer.final = i == self._last
         return super()._run_micro_batch(i, indices, scale, options, done)
+
+    # -- micro-batches of one pass, block-major ----------------------------------------------------
+    def _micro_batch_loop(self, selected, scale, options, done) -> None:
+        """The pass's micro-batches in groups run together (`_run_group`: their forwards block by block, then their
+        backwards in one engine call, each block's gradients summed on the device in the micro-batch order): two
+        walks over the blocks a group instead of two a micro-batch, and no gradient off the device and back between
+        them. One after another where the schedule cannot be shown to give the same numbers (`_micro_batch_group`)."""
+        count = len(self.session.micro_batches)
+        chosen = [i for i in range(count) if selected is None or i in selected]
+        size, why = self._micro_batch_group(chosen, selected, options)
+        if size < 2:
+            super()._micro_batch_loop(selected, scale, options, done)
+            return
+        self.joint_groups.append(f"{size} micro-batches of {len(chosen)} ({why})")
+        at = 0
+        for start in range(0, len(chosen), size):
+            group = chosen[start : start + size]
+            done.losses.extend([None] * (group[0] - at))  # the micro-batches not selected
+            at = group[-1] + 1
+            if len(group) == 1:
+                if not self._run_micro_batch(
+                    group[0], None if selected is None else selected[group[0]], scale, options, done
+                ):
+                    return
+                continue
+            outcomes = self._run_group(group, selected, scale, options, final=group[-1] == self._last)
+            done.losses.extend(o.losses[0] for o in outcomes)
+        done.losses.extend([None] * (count - at))
+
+    def activation_room(self) -> tuple[int, str]:
+        """Bytes a group's kept activations may take, and whence: half the plan's share of the budget for
+        activations (the other half for the block that computes and the gradients it makes), or what a pass or group
+        kept at once and ran through already, if more (every pass keeps a whole micro-batch's)."""
+        planned = int(self.plan.budget * ACTIVATION_SHARE / 2)
+        if self.held_activation_bytes > planned:
+            return self.held_activation_bytes, f"{words(self.held_activation_bytes)} kept at once by a pass that ran"
+        return planned, f"room for activations {words(planned)}"
+
+    def _micro_batch_group(self, chosen: list[int], selected, options) -> tuple[int, str]:
+        """How many of the pass's micro-batches run together, and why: as many as their kept activations
+        (`sample_activation_bytes` a sample) fit in half the plan's share of the budget for activations; all of them
+        while nothing was measured (the first pass: a group that runs out of memory runs the pass again in
+        halves); never more than such a split left. One (one after another) where the schedule could compute
+        something else: a pass without a backward (those run block-major as passes: run_forwards), the fp32
+        re-run (its hold on autocast is the process's: replay/run/fp32.py), in anomaly mode, with per-micro-batch hooks, without each micro-batch's recorded RNG (the next one's RNG is the
+        last one's end), a step that raised, a parameter outside the blocks used inside them (its gradient is
+        summed across blocks within a micro-batch), or a model that wrote its buffers in an earlier such pass."""
+        session, streamer = self.session, self.streamer
+        states = session.rng_states
+        if (
+            len(chosen) < 2
+            or not self.block_major
+            or self._together
+            or self._one_after_another
+            or self._micro_cap == 1
+            or self._writes_buffers
+            or self._tied_into_blocks
+            or not options.backward
+            or options.fp32
+            or options.anomaly
+            or not options.restore_rng
+            or options.forward_context is not None
+            or options.on_loss is not None
+            or session.exception is not None
+            or streamer.recompute_context is not None
+            or streamer.after_recompute is not None
+            or any(i >= len(states) or states[i] is None for i in chosen)
+        ):
+            return 1, "one after another"
+        room, whence = self.activation_room()
+        samples = max(len(selected[i]) if selected is not None else self._samples_in(i) for i in chosen)
+        per = self.sample_activation_bytes * max(1, samples)
+        if per > 0:
+            size, why = int(room // per), f"{whence}, {words(per)} a micro-batch"
+        else:
+            size, why = len(chosen), "nothing measured yet: all of them"
+        if self._micro_cap is not None and size > self._micro_cap:
+            size, why = self._micro_cap, f"{why}; at most {self._micro_cap} since a group ran out of memory"
+        return min(size, len(chosen)), why
+
+    def _run_group(self, group: list[int], selected, scale, options, final: bool) -> list:
+        """Micro-batches `group` of the pass, together (replay/run/lockstep.py): each on leaves of its own for the
+        parameters outside the blocks, their gradients and each block's summed in the micro-batch order
+        (stream_blocks.MicroBatchFold), the blocks' measured (`final`: the pass's last micro-batch is in the group) or
+        held off the device once. Each micro-batch's outcome; raises _OneAfterAnother where the group could have
+        computed something else than the micro-batches one after another (or ran out of memory)."""
+        from forensics.replay.run.execute import _PassOutcome
+
+        streamer = self.streamer
+        fold = MicroBatchFold(len(group), final)
+        switch = _MicroBatchLeaves(self, fold)
+        lockstep = Lockstep(streamer.holds, self.session.device, switch)
+        outcomes = [_PassOutcome() for _ in group]
+        versions = [b._version for b in self.model.buffers()]
+        jobs = [
+            functools.partial(
+                self._run_micro_batch, i, None if selected is None else selected[i], scale, options, outcomes[k]
+            )
+            for k, i in enumerate(group)
+        ]
+        streamer.lockstep, streamer.as_pass, streamer.fold, self._micro_together = lockstep, switch.during, fold, True
+        raised: BaseException | None = None
+        kept: list[int] = []
+        self._group_forwards = kept
+        try:
+            ran = lockstep.run(jobs, grad=torch.is_grad_enabled())
+        except Exception as exc:  # out of memory in a micro-batch's forward: the group's
+            if not out_of_memory(exc):
+                raise
+            raised, ran = exc, []
+        finally:
+            streamer.lockstep, streamer.as_pass, streamer.fold, self._micro_together = None, None, None, False
+            self._group_forwards = None
+            switch.close()
+            self.lockstep_waits += lockstep.waits
+            self.joint_backwards += lockstep.backwards
+        error = raised or lockstep.backward_error
+        if error is not None:
+            kind, oom = type(error).__name__, out_of_memory(error)
+            if len(self.joint_backward_errors) < 3:
+                self.joint_backward_errors.append(f"{kind}: {str(error)[:300]!r}")
+            _forget(raised, lockstep.backward_error)
+            error = raised = lockstep.backward_error = None
+            if oom:
+                raise _OneAfterAnother(len(group), f"ran out of memory ({kind})", True)
+            raise _OneAfterAnother(len(group), f"the engine call raised {kind}: one after another")
+        if fold.unsure:
+            raise _OneAfterAnother(len(group), "a block ran twice in one micro-batch's forward: one after another")
+        if versions != [b._version for b in self.model.buffers()]:
+            self._writes_buffers = True
+            raise _OneAfterAnother(len(group), "the forwards wrote the model's buffers: one after another")
+        if not all(ran) or any(o.raised is not None or o.error is not None for o in outcomes):
+            raise _OneAfterAnother(len(group), "a micro-batch stopped the pass: one after another")
+        self.held_activation_bytes = max(self.held_activation_bytes, sum(kept))
+        params = dict(self.model.named_parameters())
+
+        def held(name: str) -> torch.Tensor | None:
+            return streamer._held_on_device(name) if name in self._streamed else params[name].grad
+
+        for name, grad in fold.rest(held).items():  # the parameters outside the blocks, summed in order
+            if name not in self._streamed:
+                params[name].grad = grad
+            elif final:
+                streamer._finish(name, grad)
+            else:
+                streamer.grads.put(name, grad)
+        return outcomes
 
     def _measured_grads(self, scale, backward):
         streamer = self.streamer
@@ -470,11 +671,11 @@ class StreamedStepRunner(StepRunner):
         (`sample_activation_bytes`, measured in the forwards so far) fit in half the plan's share of the budget
         for activations (the other half for the block that computes and the gradients it makes), never more than a
         group that ran out of memory was split into; a micro-batch's samples while nothing was measured."""
-        room = int(self.plan.budget * ACTIVATION_SHARE / 2)
+        room, whence = self.activation_room()
         per = self.sample_activation_bytes
         if per > 0:
             size = int(room // per)
-            why = f"room for activations {words(room)}, {words(per)} a pass"
+            why = f"{whence}, {words(per)} a pass"
         else:
             size = max(2, self._samples_per_micro_batch())
             why = "a micro-batch's samples: no forward measured yet"
@@ -540,8 +741,9 @@ class StreamedStepRunner(StepRunner):
                 now = self.traffic()
                 if last is not None:
                     progress(f"  {traffic_words(now, last)}")
-                for note in self.joint_groups[self._notes_said :]:
-                    progress(f"  (passes run together: a group of {note})")
+                notes = self.joint_groups[self._notes_said :]
+                for note, times in _runs(notes):
+                    progress(f"  (passes run together: a group of {note}{f', {times} times' if times > 1 else ''})")
                 self._notes_said = len(self.joint_groups)
                 last = now
             progress(message)
@@ -665,6 +867,91 @@ class _PassStates:
         self.streamer.pass_number = None
 
 
+class _OneAfterAnother(Exception):
+    """A pass whose micro-batches ran together must run again from the start: with fewer of them together
+    (`out_of_memory`), else one after another."""
+
+    def __init__(self, size: int, why: str, out_of_memory: bool = False):
+        super().__init__(why)
+        self.size, self.why, self.out_of_memory = size, why, out_of_memory
+
+
+class _MicroBatchLeaves:
+    """What each micro-batch of a pass run together keeps as its own (replay/run/lockstep.PassSwitch): leaves of its
+    own for the parameters outside the blocks (sharing the model's storage), whose gradients go to the fold as soon
+    as the engine made them (one a parameter and micro-batch: a second fails the engine call); and the micro-batch
+    number that the blocks' forwards record for their backwards (its gradients of the block, to the fold)."""
+
+    def __init__(self, runner: StreamedStepRunner, fold: MicroBatchFold):
+        self.streamer, self.fold = runner.streamer, fold
+        self.names = {id(p): n for n, p in runner.model.named_parameters() if n not in runner._streamed}
+        self.params = dict(runner.model.named_parameters())
+        self.slots = [
+            (module, key, param)
+            for module in runner.model.modules()
+            for key, param in module._parameters.items()
+            if param is not None and id(param) in self.names
+        ]
+        self.leaves: list[dict[int, torch.nn.Parameter]] = [{} for _ in range(fold.count)]
+        self._seen: set[tuple[int, str]] = set()
+
+    def enter(self, number: int) -> None:
+        leaves = self.leaves[number]
+        for module, key, param in self.slots:
+            leaf = leaves.get(id(param))
+            if leaf is None:
+                leaf = leaves[id(param)] = torch.nn.Parameter(param.data, requires_grad=param.requires_grad)
+                if param.requires_grad:
+                    leaf.register_post_accumulate_grad_hook(
+                        functools.partial(self._accumulated, number, self.names[id(param)])
+                    )
+            module._parameters[key] = leaf
+        self.streamer.pass_number = number
+
+    def leave(self, number: int) -> None:
+        for module, key, param in self.slots:
+            module._parameters[key] = param
+        self.streamer.pass_number = None
+
+    @contextlib.contextmanager
+    def during(self, number: int) -> Iterator[None]:
+        before = self.streamer.pass_number
+        if before is not None:
+            self.leave(before)
+        self.enter(number)
+        try:
+            yield
+        finally:
+            self.leave(number)
+            if before is not None:
+                self.enter(before)
+
+    def close(self) -> None:
+        for module, key, param in self.slots:
+            module._parameters[key] = param
+        self.streamer.pass_number = None
+
+    def _accumulated(self, number: int, name: str, leaf: torch.Tensor) -> None:
+        if (number, name) in self._seen:
+            raise RuntimeError(f"a second gradient of {name!r} in one micro-batch's backward: one after another")
+        self._seen.add((number, name))
+        grad, leaf.grad = leaf.grad, None
+        if grad is not None:
+            self.fold.add(number, name, grad, self._held)
+
+    def _held(self, name: str) -> torch.Tensor | None:
+        return self.params[name].grad
+
+
+def _forget(*errors: BaseException | None) -> None:
+    """The errors' tracebacks dropped: their frames hold the passes' graphs (and activations) alive, in a cycle
+    (the frame of Lockstep.run holds the error that holds the frame) that only the cyclic collector would free."""
+    for error in errors:
+        if error is not None:
+            error.__traceback__ = None
+            error.__context__ = error.__cause__ = None
+
+
 def out_of_memory(exc: BaseException) -> bool:
     """The exception is running out of memory (CUDA's caching allocator, or the host's)."""
     return isinstance(exc, torch.OutOfMemoryError) or is_out_of_memory(type(exc).__name__, str(exc))
@@ -681,6 +968,17 @@ def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
 
 def _unpacked(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+def _runs(notes: list[str]) -> list[tuple[str, int]]:
+    """Each note with how many times it came in a row."""
+    runs: list[tuple[str, int]] = []
+    for note in notes:
+        if runs and runs[-1][0] == note:
+            runs[-1] = (note, runs[-1][1] + 1)
+        else:
+            runs.append((note, 1))
+    return runs
 
 
 def traffic_words(now: dict[str, int], before: dict[str, int]) -> str:

@@ -248,7 +248,9 @@ def main() -> int:
     print(f"same verdict and culprits in every row: {same}")
     for row in good:
         for error in (row.get("stream") or {}).get("joint_backward_errors") or []:
-            print(f"{row['budget']}: passes run together fell back to one at a time: {error}")
+            print(f"{row['budget']}: passes run together raised (split or run alone): {error}")
+        for group in (row.get("stream") or {}).get("joint_groups") or []:
+            print(f"{row['budget']}: run together: a group of {group}")
     print_stage_times(good)
     if args.device == "cpu":  # a shared CPU's wall time moves with the other jobs' load
         print_stage_times(good, "cpu")

@@ -52,13 +52,13 @@ def _same_report(normal: dict, streamed: dict, helpers) -> None:
     assert said == key(normal, "environment", "warnings")  # look-ahead runs it never used tell nothing
 
 
-def _gpt2_dump(tmp_path, helpers, kit, layers: int = 2):
+def _gpt2_dump(tmp_path, helpers, kit, layers: int = 2, micro: int = 2, width: int = 32):
     import transformers
 
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(
         transformers.GPT2Config(
-            n_layer=layers, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0
+            n_layer=layers, n_embd=width, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0
         )
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -68,11 +68,11 @@ def _gpt2_dump(tmp_path, helpers, kit, layers: int = 2):
     steps = [
         [
             {
-                "inputs_embeds": torch.randn(4, 8, 32, generator=g),
+                "inputs_embeds": torch.randn(4, 8, width, generator=g),
                 "labels": torch.randint(0, 64, (4, 8), generator=g),
                 "sample_ids": [f"s{s}-m{m}-{i}" for i in range(4)],
             }
-            for m in range(2)
+            for m in range(micro)
         ]
         for s in range(3)
     ]
@@ -384,16 +384,18 @@ def test_stages_walk_the_blocks_once_per_pass_set(tmp_path, helpers, kit):
     )
     walked = _stage_traffic(stages)
     blocks = report["stream"]["blocks"]
-    assert walked["reproducing the step"][:2] == (1, 4)  # two micro-batches, each a forward and a backward walk
+    assert walked["reproducing the step"][:2] == (1, 2)  # two micro-batches together: one forward, one backward walk
     assert walked["per-layer gradient norms and output abs-max"] == (0, 0, 0)
     passes, walks, reads = walked["per-sample loss and gradient norm"]
-    # in groups whose kept activations fit the plan's room for them (said in the log), one forward and one backward
-    # walk a group: TINY's room holds two of these passes
-    groups = report["stream"]["joint_groups"]
-    assert [g.split(" ")[0] for g in groups] == ["2", "1"] and all("room for activations" in g for g in groups)
-    assert sum(1 for s in stages if s.startswith("  (passes run together: a group of ")) == len(groups)
-    assert passes == 3 and walks == 2 * len(groups) and reads <= 2 * len(groups) * blocks  # was 3 x 2 walks
-    assert report["stream"]["joint_backwards"] == 1 and report["stream"]["walks"] == sum(
+    # in groups whose kept activations fit (said in the log), one forward and one backward walk a group
+    said = report["stream"]["joint_groups"]
+    assert said[0] == "2 micro-batches of 2 (nothing measured yet: all of them)"  # the reproduce pass's
+    groups = [g for g in said if "micro-batches" not in g]
+    # TINY's room for activations holds two of these passes; the reproduce pass kept more at once and ran: all three
+    assert [g.split(" ")[0] for g in groups] == ["3"] and "kept at once by a pass that ran" in groups[0]
+    assert sum(1 for s in stages if s.startswith("  (passes run together: a group of ")) == len(said)
+    assert passes == 3 and walks == 2 and reads <= 2 * blocks  # was 3 x 2 walks, one pass after another
+    assert report["stream"]["joint_backwards"] == 2 and report["stream"]["walks"] == sum(
         w for _, w, _ in walked.values()
     )
 
@@ -652,11 +654,13 @@ class HeldNorm(torch.nn.LayerNorm):
     def forward(self, x):
         return super().forward(_Held.apply(x))
 
+WIDTH = 32
+
 def build():
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=4, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0))
-    model.transformer.ln_f = HeldNorm(32, eps=model.config.layer_norm_epsilon)
+        n_layer=4, n_embd=WIDTH, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0))
+    model.transformer.ln_f = HeldNorm(WIDTH, eps=model.config.layer_norm_epsilon)
     return model
 '''
 
@@ -683,15 +687,17 @@ def test_passes_run_together_in_groups_the_room_holds_split_when_out_of_memory(t
     runner = runner_for(session)
     try:
         refs = session.sample_refs[:5]
-        runner.run()  # the reproduce pass: its forwards measure the activations a sample keeps
-        per = runner.sample_activation_bytes
-        assert per > 0
-        size, why = runner.joint_group_size(len(refs))
-        assert size == 5 and "room for activations" in why
+        room, whence = runner.activation_room()  # nothing ran yet: half the plan's share for activations
         budget = runner.plan.budget
         runner.plan.budget = budget // 2
-        assert runner.joint_group_size(len(refs))[0] < size  # less room, smaller groups
+        assert runner.activation_room()[0] < room and "room for activations" in whence  # less budget, less room
         runner.plan.budget = budget
+        runner.run()  # the reproduce pass: its forwards measure what a sample keeps, and it ran keeping more
+        per = runner.sample_activation_bytes
+        room, whence = runner.activation_room()
+        assert 0 < per and "kept at once by a pass that ran" in whence
+        size, why = runner.joint_group_size(len(refs))
+        assert size == min(5, room // per) == 5 and whence in why
 
         runner.block_major = False
         alone = runner.per_sample_rows(refs)
@@ -702,9 +708,9 @@ def test_passes_run_together_in_groups_the_room_holds_split_when_out_of_memory(t
         runner.close()
     assert repr(together) == repr(alone) and len({r["grad_norm"] for r in alone}) == len(alone)
     # 5 together ran out of memory: again as 3 + 2; the 3 ran out of memory too: 2 + 1; nothing ran all alone
-    sizes = [g.split(" ")[0] for g in runner.joint_groups]
-    assert sizes == ["5", "3", "2", "1", "2"], runner.joint_groups
-    assert "ran out of memory" in runner.joint_groups[0] and "again as 3 + 2" in runner.joint_groups[0]
+    groups = [g for g in runner.joint_groups if "micro-batches" not in g]  # the passes' groups, not the reproduce's
+    assert [g.split(" ")[0] for g in groups] == ["5", "3", "2", "1", "2"], groups
+    assert "ran out of memory" in groups[0] and "again as 3 + 2" in groups[0]
     assert runner.joint_backwards - joint_before == 4  # 2 that raised, 2 that ran
     assert any("can't allocate memory" in e for e in runner.joint_backward_errors)
 
@@ -738,5 +744,104 @@ def test_a_pass_alone_after_a_group_that_ran_out_of_memory_runs_once(tmp_path, h
     finally:
         runner.close()
     assert repr(together) == repr(alone)
-    sizes = [g.split(" ")[0] for g in runner.joint_groups]
+    sizes = [g.split(" ")[0] for g in runner.joint_groups if "micro-batches" not in g]
     assert sizes == ["3", "2", "1", "1", "1"], runner.joint_groups
+
+
+def _bits(tensor: torch.Tensor) -> bytes:
+    return tensor.detach().contiguous().cpu().flatten().view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("micro", [2, 3])
+def test_micro_batches_of_a_pass_run_block_major_give_the_sequential_numbers(tmp_path, helpers, kit, micro):
+    """A pass of several micro-batches with a backward runs them together: their forwards block by block, their
+    backwards in one engine call, each block's gradients summed on the device in the micro-batch order (3: the
+    order of the sums matters) and taken off once: two walks over the blocks instead of two a micro-batch, and the
+    losses, gradient norm, non-finite parameters, per-parameter norms and kept gradients of the micro-batches run
+    one after another, to the bit: the whole step (non-finite), a subset of samples in every micro-batch (a
+    bisection candidate) and FSDP2 bf16 compute with fp32 reduction; the fp32 re-run (whose hold on autocast is the
+    process's) runs them one after another."""
+    from forensics.format import open_dump
+    from forensics.replay.load.fsdp_precision import parse_units
+    from forensics.replay.options import load
+    from forensics.replay.run.streamed_runner import runner_for
+
+    dump = _gpt2_dump(tmp_path, helpers, kit, layers=4, micro=micro, width=128)
+    session = load(open_dump(dump), ReplayOptions(device="cpu", memory_budget=4_000_000, host_cache_bytes=1 << 30))
+    runner = runner_for(session)
+    refs = session.sample_refs
+    healthy = [r for r in refs if r.index != 2]  # the last micro-batch's 3rd sample holds 1e38
+
+    def seen(samples, fp32: bool = False) -> tuple:
+        walks = runner.streamer.walks
+        with runner.keeping_gradients():
+            result = runner.run(samples, fp32=fp32, keep_grads=True)
+            walked = runner.streamer.walks - walks
+            grads = {n: _bits(p.grad) for n, p in runner.gradients()}
+        norms = {n: _bits(norm) for n, (_, norm) in runner.streamer.norms.items()}
+        runner.reset()
+        return (repr(result.losses), repr(result.grad_norm), result.nonfinite_grad_params, norms, grads), walked
+
+    def both(samples, fp32: bool = False) -> tuple:
+        runner.block_major = False
+        one_after_another, walked_alone = seen(samples, fp32)
+        runner.block_major = True
+        together, walked = seen(samples, fp32)
+        assert together == one_after_another
+        return walked, walked_alone
+
+    try:
+        assert runner.plan.resident_blocks < len(runner.plan.blocks)  # streamed, not every block held
+        assert both(None) == (2, 2 * micro)  # the reproduce pass: non-finite, every block's gradients kept
+        assert both(healthy) == (2, 2 * micro)
+        assert both(healthy, fp32=True) == (2 * micro, 2 * micro)  # the fp32 re-run: one after another
+        session.fsdp_units = parse_units(
+            [{"module": "", "param_dtype": "bfloat16", "reduce_dtype": "float32", "cast_forward_inputs": True}]
+        )
+        assert both(healthy) == (2, 2 * micro)
+    finally:
+        runner.close()
+    assert all("micro-batches" in g and "out of memory" not in g for g in runner.joint_groups)
+
+
+def test_micro_batches_run_together_in_halves_after_running_out_of_memory(tmp_path, helpers, kit):
+    """A pass's micro-batches run together run out of memory (a real allocation that fails while more than two of
+    their graphs are held): the pass runs again from the start with half of them together, and later passes keep to
+    that; the numbers are those of the micro-batches one after another, to the bit."""
+    from forensics.format import open_dump
+    from forensics.replay.options import load
+    from forensics.replay.run.streamed_runner import runner_for
+
+    (tmp_path / "held_graphs_wide.py").write_text(HELD_GRAPHS.replace("WIDTH = 32", "WIDTH = 128"))
+    dump = _gpt2_dump(tmp_path, helpers, kit, layers=4, micro=4, width=128)
+    options = ReplayOptions(
+        device="cpu",
+        memory_budget=4_000_000,
+        host_cache_bytes=1 << 30,
+        factory="held_graphs_wide:build",
+        sys_path=[str(tmp_path)],
+    )
+    session = load(open_dump(dump), options)
+    runner = runner_for(session)
+    healthy = [r for r in session.sample_refs if r.index != 2]
+
+    def seen(samples) -> tuple:
+        result = runner.run(samples, keep_grads=True)
+        norms = {n: _bits(norm) for n, (_, norm) in runner.streamer.norms.items()}
+        return repr(result.losses), repr(result.grad_norm), result.nonfinite_grad_params, norms
+
+    try:
+        runner.block_major = False
+        alone = [seen(None), seen(healthy)]
+        runner.block_major = True
+        passes = runner.passes
+        together = [seen(None), seen(healthy)]
+    finally:
+        runner.close()
+    assert together == alone
+    assert runner.passes - passes == 3  # the first pass ran again; the second kept to the halves at once
+    said = runner.joint_groups
+    assert said[0].startswith("4 micro-batches of 4 (room for activations")  # the passes alone measured them
+    assert said[1].startswith("4 micro-batches: ran out of memory")
+    assert said[2].startswith("2 micro-batches of 4 (") and "at most 2 since a group ran out of memory" in said[2]
+    assert said[3].startswith("2 micro-batches of 4 (") and len(said) == 4
