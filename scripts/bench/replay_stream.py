@@ -51,7 +51,7 @@ if cuda:  # the CPU runs the same probe (a check of this script), without an enf
 marks, cpu_marks = [], []
 cpu0 = time.process_time()  # CPU seconds of every thread of this process: steadier than wall time on a shared CPU
 def mark(message):
-    marks.append((round(time.perf_counter() - start, 2), message[:160]))
+    marks.append((round(time.perf_counter() - start, 2), message[:400]))
     cpu_marks.append(round(time.process_time() - cpu0, 2))
 profile = None
 if os.environ.get("BENCH_PROFILE"):  # a cProfile of the replay's main thread, top functions by own time
