@@ -56,9 +56,12 @@ the gradients kept off the device (replay/run/stream_blocks.GradStore) and the u
 SLAB = 1 << 30
 """Bytes of one page-locked allocation (a power of two: the caching host allocator rounds nothing away)."""
 ALIGN = 512
-FILL_THREADS = 2
-"""Threads faulting in and registering the cache's slabs beside the load (zero_ runs on torch's own threads as well;
-two keep the driver's registration, one thread's work, busy while the next slab is faulted in)."""
+FILL_THREADS = max(2, min(8, (os.cpu_count() or 8) // 4))
+"""Threads faulting in and registering the cache's slabs beside the load: a quarter of the cores, 2 to 8 (zero_ runs
+on torch's own threads as well; the driver's registration is one thread's work). On the 2 x H200 host (32 cores) two
+threads page-locked 70.9 GiB in 19.6 s beside the 13 B load, which then waited for them (2026-11-28, 07:49); one
+H200 host (16 cores) measured 4 threads at 10.2 GiB/s beside 8 page-cache readers, 2 at 7.6
+(scripts/bench/host_cache_fill.py)."""
 
 
 def available_host_memory() -> int:
