@@ -19,7 +19,7 @@ except ImportError:  # pragma: no cover - numpy ships with torch wheels in pract
 MAX_CUDA_DEVICES = 1024  # CUDA RNG states a dump may claim per micro-batch
 
 
-@dataclass
+@dataclass(slots=True)  # (no per-instance dict: one is made per micro-batch on the hot path)
 class RngState:
     python: Any
     torch_cpu: torch.Tensor
@@ -126,45 +126,41 @@ class RngCapture:
         self._cuda_keys: list[tuple[int, int] | None] = []  # each device's (seed, offset) at the last capture
 
     def __call__(self) -> RngState:
+        # one flat function: right after a backward every further Python call is a few microseconds of cold code
         last = self._last
-        python, numpy_state = self._python_state(last), self._numpy_state(last)
+        generator = random.getstate.__self__  # type: ignore[attr-defined]  # the module's shared random.Random
+        if self._python[0] is not generator:
+            self._python, self._python_raw = (generator, thirdparty.raw_view(generator)), None
+        gauss, held = generator.gauss_next, self._python_raw  # held: bytes of this view (the same length)
+        if last is not None and held is not None and gauss == self._python_gauss and held.startswith(self._python[1]):
+            python = last.python  # (thirdparty.same_raw, inline)
+        else:
+            view = self._python[1]
+            self._python_raw, self._python_gauss = (bytes(view) if view is not None else None), gauss
+            python = random.getstate()
+        numpy_state = None
+        if self._numpy_global is not None:
+            bit_generator = self._numpy_global._bit_generator
+            if self._numpy[0] is not bit_generator:
+                self._numpy, self._numpy_raw = (bit_generator, thirdparty.raw_view(bit_generator)), None
+            view, held = self._numpy[1], self._numpy_raw
+            if (
+                last is not None
+                and held is not None
+                and last.numpy is not None
+                and held.startswith(view)
+                and not last.numpy[3]  # has_gauss: a cached Gaussian may be gone with the same raw bytes
+            ):
+                numpy_state = last.numpy
+            else:  # (no view: not an MT19937, whose get_state() is not the legacy tuple: copied every time)
+                self._numpy_raw = bytes(view) if view is not None else None
+                numpy_state = _numpy_state()
         generators = self._cuda_generators
         if generators is None and torch.cuda.is_initialized():  # (initialised implies available)
             generators = self._cuda_generators = tuple(torch.cuda.default_generators)  # CUDA never un-initialises
         cuda = self._cuda_states(generators, last) if generators else []
-        self._last = RngState(
-            python=python, torch_cpu=torch.default_generator.get_state(), cuda=cuda, numpy=numpy_state
-        )
+        self._last = RngState(python, torch.default_generator.get_state(), cuda, numpy_state)
         return self._last
-
-    def _python_state(self, last: RngState | None) -> Any:
-        generator = random.getstate.__self__  # type: ignore[attr-defined]  # the module's shared random.Random
-        if self._python[0] is not generator:
-            self._python, self._python_raw = (generator, thirdparty.raw_view(generator)), None
-        view, gauss = self._python[1], generator.gauss_next
-        if last is not None and gauss == self._python_gauss and thirdparty.same_raw(self._python_raw, view):
-            return last.python
-        self._python_raw, self._python_gauss = (bytes(view) if view is not None else None), gauss
-        return random.getstate()
-
-    def _numpy_state(self, last: RngState | None) -> tuple | None:
-        if np is None:
-            return None
-        bit_generator = self._numpy_global._bit_generator
-        if self._numpy[0] is not bit_generator:
-            self._numpy, self._numpy_raw = (bit_generator, thirdparty.raw_view(bit_generator)), None
-        view = self._numpy[1]
-        if view is None:  # not an MT19937 (get_state() is then not the legacy tuple): copied every time
-            return _numpy_state()
-        if (
-            last is not None
-            and last.numpy is not None
-            and thirdparty.same_raw(self._numpy_raw, view)
-            and not last.numpy[3]  # has_gauss: a cached Gaussian may be gone with the same raw bytes
-        ):
-            return last.numpy
-        self._numpy_raw = bytes(view)
-        return _numpy_state()
 
     def _cuda_states(self, generators: tuple[torch.Generator, ...], last: RngState | None) -> list[torch.Tensor]:
         keys = [thirdparty.cuda_rng_key(generator) for generator in generators]
