@@ -230,6 +230,32 @@ def idle_per_step(arm: Arm, step: Callable, steps: int, cuda: bool) -> tuple[flo
     return stream, busy / 1e6 / steps
 
 
+def rng_capture_exact(device: torch.device) -> str:
+    """The Guard's hot-path RNG capture (forensics/core/rng.py RngCapture: a CUDA state shared while its seed and
+    offset are unchanged) against a full capture, after draws of each kind on this device: a line for the log."""
+    from forensics.core.rng import RngCapture, capture_rng
+
+    capture, checks = RngCapture(), 0
+    draws = (
+        lambda: None,
+        lambda: torch.rand(3, device=device),
+        lambda: torch.nn.functional.dropout(torch.ones(64, device=device), 0.5),
+        lambda: torch.manual_seed(5),
+        lambda: random.random(),
+    )
+    for draw in draws * 2:
+        draw()
+        mine, full = capture(), capture_rng()
+        same = mine.python == full.python and torch.equal(mine.torch_cpu, full.torch_cpu)
+        same = same and len(mine.cuda) == len(full.cuda) and all(map(torch.equal, mine.cuda, full.cuda))
+        if not same:
+            return f"RNG capture: DIFFERS from a full capture after draw {checks} on {device}"
+        checks += 1
+    first, second = capture(), capture()
+    shared = bool(first.cuda) and first.cuda[0] is second.cuda[0]
+    return f"RNG capture: equal to a full capture after {checks} draws on {device}; an unchanged CUDA state shared: {shared}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arms", default="guarded,guarded_foreach,synced", help=f"comma-separated, of {list(ARMS)}")
@@ -252,6 +278,7 @@ def main() -> None:
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    print(rng_capture_exact(device), flush=True)
     built, step, words = build(args, device, arms)
     for arm in built.values():
         for _ in range(args.warm):
