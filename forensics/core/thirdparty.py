@@ -472,7 +472,8 @@ def cuda_rng_key(generator: torch.Generator) -> tuple[int, int] | None:
         return None
     if ok is None:
         state = generator.get_state()
-        packed = key[0].to_bytes(8, sys.byteorder) + key[1].to_bytes(8, sys.byteorder, signed=True)
+        packed = b"".join((value & 0xFFFF_FFFF_FFFF_FFFF).to_bytes(8, sys.byteorder) for value in key)  # (two's
+        # complement, as get_state's int64 offset holds it)
         _raw_layout_ok[torch.Generator] = ok = state.dtype == torch.uint8 and bytes(state.numpy()) == packed
     return key if ok else None
 
