@@ -114,7 +114,7 @@ class RngCapture:
       unchanged, so no tensor is made for a device nothing drew from.
     The torch CPU state (a 5,056-byte tensor, no cheaper exact test) is taken every time."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._last: RngState | None = None
         self._python: tuple[random.Random | None, Any] = (None, None)  # (generator, raw view) of the last look
         self._python_raw: bytes | None = None  # the raw bytes at the last copy (None: copy next time)

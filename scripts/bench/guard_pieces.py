@@ -155,15 +155,58 @@ class Pieces:
         )
 
 
-def main() -> None:
-    import argparse
-    import os
+def cpu_pieces(check: str, steps: int) -> str:
+    """The pieces table of `steps` healthy steps on the CPU (module docstring), after 40 of warm-up. `check`: sync_free
+    (AdamW fused) or synchronous (foreach)."""
     import tempfile
 
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from forensics.capture import GuardConfig
+
+    config = GPT2Config(n_layer=12, n_embd=128, n_head=4, n_positions=128, vocab_size=4096)
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config)
+    fused = check == "sync_free"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused, foreach=None if fused else True)
+    guard = Guard(model, optimizer, config=GuardConfig(dump_dir=tempfile.mkdtemp(prefix="fx-pieces-")))
+    data = [torch.randint(0, config.vocab_size, (2, 128)) for _ in range(4)]
+
+    def step() -> None:
+        for index, ids in enumerate(data):
+            guard.record_batch({"input_ids": ids, "sample_ids": [2 * index, 2 * index + 1]})
+            loss = model(input_ids=ids, labels=ids).loss
+            guard.record_loss(loss)
+            (loss / len(data)).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if guard.check(grad_norm=norm):
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(40):
+        step()
+    pieces = Pieces(guard)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    seconds = time.perf_counter() - start
+    table = pieces.table(steps)
+    pieces.remove()
+    guard.close()
+    return (
+        f"{check} check (AdamW {'fused' if fused else 'foreach'}): {steps} steps of {seconds / steps * 1e3:.1f} ms "
+        f"(the timers included), per step:\n{table}"
+    )
+
+
+def main() -> None:
+    import argparse
+    import os
+
+    import torch
+
     from scripts.bench.common import machine
 
     parser = argparse.ArgumentParser(description="the host time of each piece of the Guard's healthy step, on a CPU")
@@ -171,43 +214,9 @@ def main() -> None:
     parser.add_argument("--check", default="sync_free,synchronous", help="which checks: sync_free, synchronous")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    config = GPT2Config(n_layer=12, n_embd=128, n_head=4, n_positions=128, vocab_size=4096)
-    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
     print(f"machine: {machine()}; load average {os.getloadavg()[0]:.1f}")
     for check in args.check.split(","):
-        torch.manual_seed(0)
-        model = GPT2LMHeadModel(config)
-        fused = check == "sync_free"
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused, foreach=None if fused else True)
-        guard = Guard(model, optimizer, config=GuardConfig(dump_dir=tempfile.mkdtemp(prefix="fx-pieces-")))
-        data = [torch.randint(0, config.vocab_size, (2, 128)) for _ in range(4)]
-
-        def step() -> None:
-            for index, ids in enumerate(data):
-                guard.record_batch({"input_ids": ids, "sample_ids": [2 * index, 2 * index + 1]})
-                loss = model(input_ids=ids, labels=ids).loss
-                guard.record_loss(loss)
-                (loss / len(data)).backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            if guard.check(grad_norm=norm):
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        for _ in range(40):
-            step()
-        pieces = Pieces(guard)
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            step()
-        seconds = time.perf_counter() - start
-        table = pieces.table(args.steps)
-        pieces.remove()
-        guard.close()
-        print(
-            f"{check} check (AdamW {'fused' if fused else 'foreach'}): {args.steps} steps of {seconds / args.steps * 1e3:.1f} ms "
-            "(the timers included), per step:"
-        )
-        print(table)
+        print(cpu_pieces(check, args.steps))
 
 
 if __name__ == "__main__":

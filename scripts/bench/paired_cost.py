@@ -319,10 +319,14 @@ def main() -> None:
                 print(f"  {name}: the profiler failed ({type(exc).__name__}: {exc})")
                 continue
             idle[name] = stream - busy
-            print(f"  {name:<16} stream {stream * 1e3:8.2f} ms  kernels {busy * 1e3:8.2f} ms  idle {idle[name] * 1e3:7.3f} ms")
+            print(
+                f"  {name:<16} stream {stream * 1e3:8.2f} ms  kernels {busy * 1e3:8.2f} ms  idle {idle[name] * 1e3:7.3f} ms"
+            )
         for arm in arms:
             if arm in idle and ARMS[arm][1] in idle:
-                print(f"  {arm}: idle beyond {ARMS[arm][1]}'s {1e3 * (idle[arm] - idle[ARMS[arm][1]]):+.3f} ms per step")
+                print(
+                    f"  {arm}: idle beyond {ARMS[arm][1]}'s {1e3 * (idle[arm] - idle[ARMS[arm][1]]):+.3f} ms per step"
+                )
     for name in arms if args.pieces else ():
         timed = built[name].timed
         if timed is None:
@@ -332,7 +336,9 @@ def main() -> None:
         for _ in range(args.pieces):
             step(built[name])
         sync(str(device))
-        print(f"{name}: the Guard's pieces, host time per step over {args.pieces} steps (a piece includes those under it)")
+        print(
+            f"{name}: the Guard's pieces, host time per step over {args.pieces} steps (a piece includes those under it)"
+        )
         print(watch.table(args.pieces))
         watch.remove()
     for arm in built.values():

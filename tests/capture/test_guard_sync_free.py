@@ -265,9 +265,7 @@ def test_the_device_row_reused_from_step_to_step_reports_each_step_as_the_synchr
         guard = Guard(
             model,
             optimizer,
-            config=GuardConfig(
-                dump_dir=str(tmp_path / mode), detection=DetectionConfig(sync_free=mode == "sync_free")
-            ),
+            config=GuardConfig(dump_dir=str(tmp_path / mode), detection=DetectionConfig(sync_free=mode == "sync_free")),
             loss_fn=lambda m, b: m(b["x"]).pow(2).mean(),
         )
         data = torch.randn(40, 4, 8)
