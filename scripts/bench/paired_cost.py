@@ -309,6 +309,9 @@ def main() -> None:
         f"the arms' units interleaved, order rotating"
     )
     report(units, clock, arms, args.block)
+    for name, arm in built.items():
+        if arm.timed is not None and arm.timed.guard.dumps:  # a spike held back and dumped: an outlier unit (or two)
+            print(f"  {name}: {len(arm.timed.guard.dumps)} dump(s) written during the run (spikes the Guard caught)")
     if args.profile:
         print(f"--- GPU idle per step, {args.profile} steps of each arm under torch.profiler (CUDA activity only)")
         idle = {}
