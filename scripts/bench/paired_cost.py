@@ -48,7 +48,7 @@ import torch
 from forensics.capture import DetectionConfig, Guard, GuardConfig
 from scripts.bench.common import machine, median, sync
 from scripts.bench.guard_pieces import Pieces
-from scripts.bench.step_ratios import Timed, median_interval, nanogpt
+from scripts.bench.step_ratios import median_interval, nanogpt
 
 STARTED = time.perf_counter()  # --deadline counts from here (building and compiling the models included)
 
@@ -67,7 +67,7 @@ class Arm:
     name: str
     model: Any
     optimizer: torch.optim.Optimizer
-    timed: Timed | None  # the Guard's calls, timed (None: no Guard)
+    guard: Guard | None  # called as a loop calls it, untimed (None: no Guard)
     hand_check: bool = False  # synced: the loop reads isfinite(norm) itself
 
 
@@ -127,21 +127,21 @@ def build(args: argparse.Namespace, device: torch.device, arms: list[str]) -> tu
         if name in ("guarded", "synchronous", "guarded_foreach"):
             detection = DetectionConfig(sync_free=False if name == "synchronous" else None)
             guard = Guard(model, optimizer, config=GuardConfig(dump_dir=dump_dir, run_id=name, detection=detection))
-        built[name] = Arm(name, model, optimizer, Timed(guard) if guard else None, hand_check=name == "synced")
+        built[name] = Arm(name, model, optimizer, guard, hand_check=name == "synced")
 
     def step(arm: Arm) -> None:
-        timed = arm.timed
+        guard = arm.guard
         for ids in data:
-            if timed:
-                timed("record_batch", {"input_ids": ids})
+            if guard:
+                guard.record_batch({"input_ids": ids})
             loss = loss_of(arm.model, ids)
-            if timed:
-                timed("record_loss", loss)
+            if guard:
+                guard.record_loss(loss)
             (loss / len(data)).backward()
         norm = torch.nn.utils.clip_grad_norm_(arm.model.parameters(), 1.0)
         if arm.hand_check and not torch.isfinite(norm).item():
             return
-        if timed is None or timed("check", grad_norm=norm):
+        if guard is None or guard.check(grad_norm=norm):
             arm.optimizer.step()
         arm.optimizer.zero_grad(set_to_none=True)
 
@@ -310,9 +310,11 @@ def main() -> None:
     )
     report(units, clock, arms, args.block)
     for name, arm in built.items():
-        if arm.timed is not None and arm.timed.guard.dumps:  # a spike held back and dumped: an outlier unit (or two)
-            print(f"  {name}: {len(arm.timed.guard.dumps)} dump(s) written during the run (spikes the Guard caught)")
-    if args.profile:
+        if arm.guard is not None and arm.guard.dumps:  # a spike held back and dumped: an outlier unit (or two)
+            print(f"  {name}: {len(arm.guard.dumps)} dump(s) written during the run (spikes the Guard caught)")
+    if args.profile and not cuda:
+        print("--- GPU idle per step: no GPU here")
+    if args.profile and cuda:
         print(f"--- GPU idle per step, {args.profile} steps of each arm under torch.profiler (CUDA activity only)")
         idle = {}
         for name, arm in built.items():
@@ -331,10 +333,10 @@ def main() -> None:
                     f"  {arm}: idle beyond {ARMS[arm][1]}'s {1e3 * (idle[arm] - idle[ARMS[arm][1]]):+.3f} ms per step"
                 )
     for name in arms if args.pieces else ():
-        timed = built[name].timed
-        if timed is None:
+        guard = built[name].guard
+        if guard is None:
             continue
-        watch = Pieces(timed.guard, model_hooks=args.no_compile)
+        watch = Pieces(guard, model_hooks=args.no_compile)
         sync(str(device))
         for _ in range(args.pieces):
             step(built[name])
@@ -345,8 +347,8 @@ def main() -> None:
         print(watch.table(args.pieces))
         watch.remove()
     for arm in built.values():
-        if arm.timed is not None:
-            arm.timed.guard.close()
+        if arm.guard is not None:
+            arm.guard.close()
 
 
 if __name__ == "__main__":
