@@ -36,7 +36,7 @@ run() {  # run NAME LIMIT CMD...: CMD's output in OUT/NAME.log, its tables in th
   local start=$SECONDS code=0
   timeout "$limit" "$@" > "$out/$name.log" 2>&1 || code=$?
   { echo "== $name (exit $code, $((SECONDS - start)) s, limit $limit s): $*"
-    grep -E "^(machine|model|config|RNG capture|[0-9]+ (units|interleaved)|arm |mode|plain|synced|guarded|synchronous|ratio|---|  )|inside the Guard|pieces" \
+    grep -E "^(machine|model|config|RNG capture|forensics log|[0-9]+ (units|interleaved)|arm |mode|plain|synced|guarded|synchronous|ratio|---|  )|inside the Guard|pieces" \
       "$out/$name.log" | grep -v "^--- cProfile" | cut -c1-400
     echo "recompilations logged: $(grep -c "Recompiling" "$out/$name.log") in all," \
       "$(sed -n '/^the rounds begin/,$p' "$out/$name.log" | grep -c "Recompiling") during the measurement (want 0)"

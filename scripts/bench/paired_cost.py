@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import math
 import random
 import statistics
@@ -256,6 +257,23 @@ def rng_capture_exact(device: torch.device) -> str:
     return f"RNG capture: equal to a full capture after {checks} draws on {device}; an unchanged CUDA state shared: {shared}"
 
 
+class LogCount(logging.Handler):
+    """forensics' own warnings and errors during the run (an error in the Guard's hot path is logged, never raised:
+    a bench that counts none has timed the Guard doing its work)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def line(self) -> str:
+        errors = [r for r in self.records if r.levelno >= logging.ERROR]
+        first = f"; the first: {errors[0].getMessage()[:200]}" if errors else ""
+        return f"forensics log: {len(errors)} error(s) (want 0), {len(self.records) - len(errors)} warning(s){first}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arms", default="guarded,guarded_foreach,synced", help=f"comma-separated, of {list(ARMS)}")
@@ -279,6 +297,8 @@ def main() -> None:
     if cuda:
         torch.cuda.set_device(device)
     print(rng_capture_exact(device), flush=True)
+    logged = LogCount()
+    logging.getLogger("forensics").addHandler(logged)
     built, step, words = build(args, device, arms)
     for arm in built.values():
         for _ in range(args.warm):
@@ -309,7 +329,10 @@ def main() -> None:
         f"the arms' units interleaved, order rotating"
     )
     report(units, clock, arms, args.block)
+    print(logged.line())
     for name, arm in built.items():
+        if arm.guard is not None and arm.guard.checks.sync_free is not None:
+            print(f"  {name}: sync-free check {'on' if arm.guard.checks.sync_free.active() else 'off'}")
         if arm.guard is not None and arm.guard.dumps:  # a spike held back and dumped: an outlier unit (or two)
             print(f"  {name}: {len(arm.guard.dumps)} dump(s) written during the run (spikes the Guard caught)")
     if args.profile and not cuda:
