@@ -11,6 +11,11 @@ of the interleaved-rounds bench (scripts/bench/step_ratios.py: 26 % on a lent H1
     guarded_foreach  foreach AdamW, the default GuardConfig (it then checks synchronously) vs plain_foreach
     synced           foreach AdamW, `torch.isfinite(norm).item()` by hand (the floor of any exact check before the
                      step: one read)                                                       vs plain_foreach
+    toggled          fused AdamW, the default GuardConfig on a copy of its own whose B blocks step the same model and
+                     optimizer without calling the Guard (its hooks stay): no difference between two copies can
+                     enter, the Guard's hooks are in both                                  vs toggled_off
+    plain_copy       a second plain copy (an A/A control: how far two copies differ)      vs plain
+  Two estimates of the default's cost that share nothing but the Guard: guarded (two copies) and toggled (one).
 - Design: blocks of `--block` steps, arranged in units B X X B (B: the arm's baseline, X: the arm), the units of the
   measured arms interleaved with their order rotating. A unit's ratio is X's two blocks over B's two blocks: a drift
   that is linear over the unit's ~1 s cancels, a slower one never reaches the ratio.
@@ -59,8 +64,10 @@ ARMS = {
     "synchronous": (True, "plain", "DetectionConfig(sync_free=False): one read before optimizer.step()"),
     "guarded_foreach": (False, "plain_foreach", "the default GuardConfig (foreach AdamW: the synchronous check)"),
     "synced": (False, "plain_foreach", "a hand-written isfinite(norm).item() before optimizer.step()"),
+    "toggled": (True, "toggled_off", "the default GuardConfig on one copy, called in X blocks, not in B blocks"),
+    "plain_copy": (True, "plain", "another plain copy (an A/A control: what two copies differ by)"),
 }
-BASELINES = {"plain": True, "plain_foreach": False}  # arm -> fused
+BASELINES = {"plain": True, "plain_foreach": False, "toggled_off": True}  # arm -> fused
 
 
 @dataclass
@@ -121,14 +128,17 @@ def build(args: argparse.Namespace, device: torch.device, arms: list[str]) -> tu
     make, data, loss_of, words = nanogpt(args.tiny, device, not args.no_compile, args.batch, True)
     dump_dir = tempfile.mkdtemp(prefix="fx-paired-")
     built: dict[str, Arm] = {}
-    for name in [*dict.fromkeys(ARMS[a][1] for a in arms), *arms]:
+    for name in [*dict.fromkeys(ARMS[a][1] for a in arms if ARMS[a][1] != "toggled_off"), *arms]:
         fused = BASELINES[name] if name in BASELINES else ARMS[name][0]
         model, optimizer = make(fused)
         guard = None
-        if name in ("guarded", "synchronous", "guarded_foreach"):
+        if name in ("guarded", "synchronous", "guarded_foreach", "toggled"):
             detection = DetectionConfig(sync_free=False if name == "synchronous" else None)
             guard = Guard(model, optimizer, config=GuardConfig(dump_dir=dump_dir, run_id=name, detection=detection))
         built[name] = Arm(name, model, optimizer, guard, hand_check=name == "synced")
+        if name == "toggled":  # its baseline: the same model and optimizer stepped without the Guard's calls (its
+            # hooks stay: the autocast pre-hook returns at once without a step record, the optimizer's are bookkeeping)
+            built["toggled_off"] = Arm("toggled_off", model, optimizer, None)
 
     def step(arm: Arm) -> None:
         guard = arm.guard
@@ -271,12 +281,18 @@ class LogCount(logging.Handler):
     def line(self) -> str:
         errors = [r for r in self.records if r.levelno >= logging.ERROR]
         first = f"; the first: {errors[0].getMessage()[:200]}" if errors else ""
-        return f"forensics log: {len(errors)} error(s) (want 0), {len(self.records) - len(errors)} warning(s){first}"
+        said = dict.fromkeys(r.getMessage()[:90] for r in self.records if r.levelno < logging.ERROR)
+        return (
+            f"forensics log: {len(errors)} error(s) (want 0), {len(self.records) - len(errors)} warning(s){first}"
+            + "".join(f"\n  warned: {message}" for message in list(said)[:6])
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arms", default="guarded,guarded_foreach,synced", help=f"comma-separated, of {list(ARMS)}")
+    parser.add_argument(
+        "--arms", default="guarded,toggled,guarded_foreach,synced", help=f"comma-separated, of {list(ARMS)}"
+    )
     parser.add_argument("--batch", type=int, default=6, help="sequences per micro-batch (6: ~70-90 ms on an H100)")
     parser.add_argument("--block", type=int, default=3, help="steps per block (a unit is 4 blocks)")
     parser.add_argument("--units", type=int, default=10_000, help="the most units (--deadline usually ends it)")
@@ -301,7 +317,7 @@ def main() -> None:
     logging.getLogger("forensics").addHandler(logged)
     built, step, words = build(args, device, arms)
     for arm in built.values():
-        for _ in range(args.warm):
+        for _ in range(args.warm if arm.name != "toggled_off" else 0):
             step(arm)
     sync(str(device))
     print(f"machine: {machine()}")
