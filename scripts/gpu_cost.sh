@@ -15,7 +15,7 @@
 # Recompilations are logged (TORCH_LOGS=recompiles) and counted: one inside the measurement would swamp the ratio.
 # Logs under OUT/<run>.log, the tables in OUT/summary.txt.
 # Usage (repo root, .whl carried: forensics' dependencies): bash scripts/gpu_cost.sh "$OUT"
-#   DEADLINE=210 (seconds from the start, compiling included, after which no unit starts) BATCH=6 (sequences per
+#   DEADLINE=240 (seconds from the start, compiling included, after which no unit starts) BATCH=6 (sequences per
 #   micro-batch: ~70 ms on an H200, ~85 ms on an H100) BLOCK=3 (steps per block) ARMS=guarded,toggled,guarded_foreach,synced
 #   PROFILE=8 (steps of each arm under the profiler; 0: none) PIECES=40 OLD=0 OLD_DEADLINE=120 STEPS=20
 #   EXTRA="--tiny --no-compile" (a dry run of the script on a CPU)
@@ -26,7 +26,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCH_LOGS=recompiles
 python=$(command -v python3 || command -v python)
-deadline=${DEADLINE:-210} batch=${BATCH:-6} block=${BLOCK:-3} arms=${ARMS:-guarded,toggled,guarded_foreach,synced}
+deadline=${DEADLINE:-240} batch=${BATCH:-6} block=${BLOCK:-3} arms=${ARMS:-guarded,toggled,guarded_foreach,synced}
 profile=${PROFILE:-8} pieces=${PIECES:-40}
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,temperature.gpu \
   --format=csv,noheader > "$out/card.txt" 2>&1
