@@ -66,6 +66,27 @@ SPIKE_APPLIED = Undumpable(
 
 
 @dataclass
+class DeviceRow:
+    """One process: a step's numbers on the device as the host buffer reads them, `[*losses (n), grad norm (NaN:
+    none), step loss, skipped (0 / 1)]` in float64, with the views the check writes through made once. Reused step
+    after step: start() writes it only after resolve() waited for the copy out of it (the last step's fence), so no
+    step's copy reads the next step's numbers, whatever stream either ran on."""
+
+    n: int
+    row: torch.Tensor
+    values: torch.Tensor  # [*losses, grad norm]
+    losses: torch.Tensor
+    norm: torch.Tensor  # 0-dim
+    step_loss: torch.Tensor  # 0-dim
+    skipped: torch.Tensor  # 0-dim
+
+    @classmethod
+    def make(cls, n: int, device: torch.device) -> "DeviceRow":
+        row = torch.empty(n + 3, dtype=torch.float64, device=device)
+        return cls(n, row, row[: n + 1], row[:n], row[n], row[n + 1], row[n + 2])
+
+
+@dataclass
 class Pending:
     """A step whose numbers are on their way to the host."""
 
@@ -176,6 +197,7 @@ class SyncFree:
         self.pending: Pending | None = None
         self._active: bool | None = None  # decided at the first check
         self._flag: torch.Tensor | None = None  # the found_inf this check handed the optimizer for its next step
+        self._row: DeviceRow | None = None  # one process: the device row start() writes the step's numbers into
         self._buffer: tuple[torch.Tensor, bool] | None = None
         """(pinned or not) The host buffer of the step judged last, free again (resolve() read it): the next step's copy reuses it
         instead of allocating pinned memory every step."""
@@ -213,12 +235,13 @@ class SyncFree:
         divisor = record.divisor(self.config.detection.loss_divisor)
         if state.ranks.multi_rank:
             parts, skip = self._agreed_numbers(record, grad_norm, divisor, sharded, step)
+            found_inf = skip.float()
+            numbers = torch.cat([*parts, found_inf.reshape(1)])  # cat promotes the flag to float64 (no cast operator)
         else:
-            parts, skip = self._own_numbers(record, grad_norm, divisor, device, step)
-        found_inf = skip.float()
+            numbers, skipped = self._own_numbers(record, grad_norm, divisor, device, step)
+            found_inf = skipped.float()
         optimizer.found_inf = self._flag = found_inf  # the fused step skips the update (and undoes its count) when 1
         optimizer.grad_scale = None
-        numbers = torch.cat([*parts, found_inf.reshape(1)])  # cat promotes the flag to float64 (no cast operator)
         device = numbers.device
         pinned = device.type == "cuda"
         free, self._buffer = self._buffer, None
@@ -248,19 +271,28 @@ class SyncFree:
 
     def _own_numbers(
         self, record: StepRecord, grad_norm: Any, divisor: float, device: torch.device, step: int
-    ) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """One process: the pieces of `[*losses, grad norm, step loss]` (float64, on the parameters' device) and the
-        skip flag."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One process: `[*losses, grad norm, step loss, skipped]` (float64, on the parameters' device), written into
+        the row this check keeps (DeviceRow: no allocation, no view and no cat per step), and its skip flag (a view)."""
         n, has_norm = len(record.losses), grad_norm is not None
+        row = self._row
+        if row is None or row.n != n or row.row.device != device:
+            row = self._row = DeviceRow.make(n, device)
         values = torch.stack([device_scalar(v, device) for v in [*record.losses, grad_norm if has_norm else None]])
-        values = values if values.dtype == torch.float64 else values.double()
-        step_loss = values[:n].sum() / divisor if n else None
-        watched = values if has_norm else values[:n]
-        skip = torch.isnan((watched * 0).sum())  # a value not finite makes its product with 0 NaN (3 operators,
-        # where ~isfinite(x).any() is 6: torch.isfinite is four)
-        spike = self._spike_to_hold(step_loss, values[n] if has_norm else None, step)
-        skip = skip | spike if spike is not None else skip
-        return [values, (step_loss if step_loss is not None else values.new_zeros(())).reshape(1)], skip
+        row.values.copy_(values)  # to float64, in place
+        if n:
+            torch.sum(row.losses, 0, out=row.step_loss)
+            row.step_loss.div_(divisor)
+        else:
+            row.step_loss.zero_()
+        skip = torch.isnan(((row.values if has_norm else row.losses) * 0).sum())  # a value not finite makes its
+        # product with 0 NaN (3 operators, where ~isfinite(x).any() is 6: torch.isfinite is four)
+        spike = self._spike_to_hold(row.step_loss if n else None, row.norm if has_norm else None, step)
+        if spike is None:
+            row.skipped.copy_(skip)
+        else:
+            torch.logical_or(skip, spike, out=row.skipped)
+        return row.row, row.skipped
 
     def _agreed_numbers(
         self, record: StepRecord, grad_norm: Any, divisor: float, sharded: bool, step: int

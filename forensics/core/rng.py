@@ -19,7 +19,7 @@ except ImportError:  # pragma: no cover - numpy ships with torch wheels in pract
 MAX_CUDA_DEVICES = 1024  # CUDA RNG states a dump may claim per micro-batch
 
 
-@dataclass
+@dataclass(slots=True)  # (no per-instance dict: one is made per micro-batch on the hot path)
 class RngState:
     python: Any
     torch_cpu: torch.Tensor
@@ -98,51 +98,81 @@ def capture_rng() -> RngState:
 
 
 class RngCapture:
-    """`capture_rng` for a hot path (the Guard's record_batch, once per micro-batch): the Python and numpy states,
-    ~30 and ~150 us to copy on a CPU, are copied only when their generator drew since the last capture, told by a
-    compare of its raw bytes (forensics/core/thirdparty.py: ~2 us); otherwise the last capture's are shared (they are
-    never changed in place). Exact: a generator whose raw bytes cannot be read, or that holds a cached Gaussian
-    (numpy's legacy `has_gauss`, which a draw can consume without touching the raw bytes), is copied every time;
-    Python's `gauss_next` is compared as well. The torch states (a few bytes, ~2 us) are taken every time, straight
-    from the generators: the CUDA ones (`torch.cuda.default_generators`, one per visible device, what
-    `torch.cuda.get_rng_state_all` reads) are looked up once CUDA is initialised, not per device and call."""
+    """`capture_rng` for a hot path (the Guard's record_batch, once per micro-batch, right after a backward: cold
+    caches). Each part of the last capture is shared when its generator did not change since, told without copying
+    its state:
+    - Python and numpy (~30 and ~150 us to copy on a CPU): their raw state (2,500 bytes each) compared in place with
+      the bytes kept at the last copy (forensics/core/thirdparty.py `raw_view` / `same_raw`: one memcmp over the
+      generator's memory, no 2,500-byte copy per call; Python's index comes first, so a draw since is told at the
+      first word). Exact: a generator whose raw bytes cannot be read, or that holds a cached Gaussian (numpy's
+      legacy `has_gauss`, which a draw can consume without touching the raw bytes), is copied every time; Python's
+      `gauss_next` is compared as well. numpy's generator is read from its global RandomState (one attribute, where
+      `np.random.get_bit_generator()` is a call).
+    - CUDA, one state per visible device (`torch.cuda.default_generators`, what `torch.cuda.get_rng_state_all`
+      reads; looked up once CUDA is initialised): its (seed, offset) read as two integers (`thirdparty.cuda_rng_key`,
+      checked once per process to be all that get_state() holds); the last state tensor is shared while they are
+      unchanged, so no tensor is made for a device nothing drew from.
+    The torch CPU state (a 5,056-byte tensor, no cheaper exact test) is taken every time."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._last: RngState | None = None
-        self._python_raw: tuple[bytes, Any] | None = None
+        self._python: tuple[random.Random | None, Any] = (None, None)  # (generator, raw view) of the last look
+        self._python_raw: bytes | None = None  # the raw bytes at the last copy (None: copy next time)
+        self._python_gauss: Any = None
+        self._numpy_global: Any = thirdparty.numpy_global_random_state() if np is not None else None
+        self._numpy: tuple[Any, Any] = (None, None)  # (bit generator, raw view) of the last look
         self._numpy_raw: bytes | None = None
         self._cuda_generators: tuple[torch.Generator, ...] | None = None  # set once CUDA is initialised
+        self._cuda_keys: list[tuple[int, int] | None] = []  # each device's (seed, offset) at the last capture
 
     def __call__(self) -> RngState:
+        # one flat function: right after a backward every further Python call is a few microseconds of cold code
         last = self._last
         generator = random.getstate.__self__  # type: ignore[attr-defined]  # the module's shared random.Random
-        python_raw = thirdparty.python_random_raw(generator)
-        python_key = None if python_raw is None else (python_raw, generator.gauss_next)
-        if last is not None and python_key is not None and python_key == self._python_raw:
-            python = last.python
+        if self._python[0] is not generator:
+            self._python, self._python_raw = (generator, thirdparty.raw_view(generator)), None
+        gauss, held = generator.gauss_next, self._python_raw  # held: bytes of this view (the same length)
+        if last is not None and held is not None and gauss == self._python_gauss and held.startswith(self._python[1]):
+            python = last.python  # (thirdparty.same_raw, inline)
         else:
+            view = self._python[1]
+            self._python_raw, self._python_gauss = (bytes(view) if view is not None else None), gauss
             python = random.getstate()
         numpy_state = None
-        numpy_raw = thirdparty.numpy_mt19937_raw(thirdparty.numpy_global_bit_generator()) if np is not None else None
-        if (
-            last is not None
-            and last.numpy is not None
-            and numpy_raw is not None
-            and numpy_raw == self._numpy_raw
-            and not last.numpy[3]
-        ):  # has_gauss: a cached Gaussian may be gone with the same raw bytes
-            numpy_state = last.numpy
-        else:
-            numpy_state = _numpy_state()
+        if self._numpy_global is not None:
+            bit_generator = self._numpy_global._bit_generator
+            if self._numpy[0] is not bit_generator:
+                self._numpy, self._numpy_raw = (bit_generator, thirdparty.raw_view(bit_generator)), None
+            view, held = self._numpy[1], self._numpy_raw
+            if (
+                last is not None
+                and held is not None
+                and last.numpy is not None
+                and held.startswith(view)
+                and not last.numpy[3]  # has_gauss: a cached Gaussian may be gone with the same raw bytes
+            ):
+                numpy_state = last.numpy
+            else:  # (no view: not an MT19937, whose get_state() is not the legacy tuple: copied every time)
+                self._numpy_raw = bytes(view) if view is not None else None
+                numpy_state = _numpy_state()
         generators = self._cuda_generators
         if generators is None and torch.cuda.is_initialized():  # (initialised implies available)
             generators = self._cuda_generators = tuple(torch.cuda.default_generators)  # CUDA never un-initialises
-        cuda = [generator.get_state() for generator in generators] if generators else []
-        self._last = RngState(
-            python=python, torch_cpu=torch.default_generator.get_state(), cuda=cuda, numpy=numpy_state
-        )
-        self._python_raw, self._numpy_raw = python_key, numpy_raw
+        cuda = self._cuda_states(generators, last) if generators else []
+        self._last = RngState(python, torch.default_generator.get_state(), cuda, numpy_state)
         return self._last
+
+    def _cuda_states(self, generators: tuple[torch.Generator, ...], last: RngState | None) -> list[torch.Tensor]:
+        keys = [thirdparty.cuda_rng_key(generator) for generator in generators]
+        previous = last.cuda if last is not None and len(last.cuda) == len(generators) else None
+        known = self._cuda_keys
+        self._cuda_keys = keys
+        if previous is None or len(known) != len(keys):
+            return [generator.get_state() for generator in generators]
+        return [
+            previous[index] if key is not None and key == known[index] else generator.get_state()
+            for index, (generator, key) in enumerate(zip(generators, keys))
+        ]
 
 
 def restore_rng(state: RngState, source_device: int | None = None, target_device: int | None = None) -> None:

@@ -424,6 +424,60 @@ def _raw_view(slot: str, generator: Any, address: Callable[[Any], int]) -> bytes
     return held[1].raw
 
 
+def raw_view(generator: Any) -> Any:
+    """The raw state of `generator` (a `random.Random`, or a numpy MT19937 bit generator) as a ctypes array over the
+    generator's own memory, made once per generator and cached (the array keeps no reference to it: hold the
+    generator while you use the view); None when the raw bytes cannot be read (`python_random_raw` /
+    `numpy_mt19937_raw` say when). Compare it in place with `same_raw` (no copy); `bytes(view)` copies it."""
+    if isinstance(generator, random.Random):
+        return _raw_views["python"][1] if python_random_raw(generator) is not None else None
+    if numpy_mt19937_raw(generator) is None:
+        return None
+    return _raw_views["numpy"][1]
+
+
+def same_raw(held: bytes | None, view: Any) -> bool:
+    """Whether the generator's raw state under `view` (`raw_view`) still equals `held` (`bytes(view)` taken earlier),
+    compared in place: one memcmp over the generator's memory, which stops at the first differing byte (Python's
+    index comes first: a draw since is told in its first four bytes), and no copy of 2,500 bytes per call.
+
+    `bytes.startswith` takes any buffer and compares with memcmp (CPython 3.x); equal lengths make it equality."""
+    return held is not None and len(held) == len(view) and held.startswith(view)
+
+
+def numpy_global_random_state() -> Any:
+    """numpy's global legacy RandomState (np.random.rand, np.random.get_state are its bound methods); its current bit
+    generator is `._bit_generator` (np.random.set_bit_generator replaces that, never the RandomState), read per
+    call for a fraction of `np.random.get_bit_generator()`'s cost.
+
+    numpy >= 1.17: `np.random.mtrand._rand` and `RandomState._bit_generator`; checked on numpy 2.4."""
+    import numpy as np
+
+    return np.random.mtrand._rand
+
+
+def cuda_rng_key(generator: torch.Generator) -> tuple[int, int] | None:
+    """(seed, Philox offset) of a CUDA generator, read as two integers, when they are all its `get_state()` holds
+    (its 16 bytes: the seed, then the offset, in native order): two calls instead of a new tensor. Checked once per
+    process against get_state(); None when they differ, or for a generator without an offset (a CPU one).
+
+    torch >= 2.0: `CUDAGeneratorImpl::get_state` packs `current_seed()` and `philox_offset_per_thread()`, which
+    `initial_seed()` and `get_offset()` return; checked on torch 2.11 (CUDA) by scripts/bench/paired_cost.py."""
+    ok = _raw_layout_ok.get(torch.Generator)
+    if ok is False:
+        return None
+    try:
+        key = (generator.initial_seed(), generator.get_offset())
+    except RuntimeError:  # a generator without an offset
+        return None
+    if ok is None:
+        state = generator.get_state()
+        packed = b"".join((value & 0xFFFF_FFFF_FFFF_FFFF).to_bytes(8, sys.byteorder) for value in key)  # (two's
+        # complement, as get_state's int64 offset holds it)
+        _raw_layout_ok[torch.Generator] = ok = state.dtype == torch.uint8 and bytes(state.numpy()) == packed
+    return key if ok else None
+
+
 def numpy_global_bit_generator() -> Any:
     """The bit generator behind numpy's legacy global functions (np.random.rand, np.random.get_state).
 
@@ -545,6 +599,7 @@ __all__ = [
     "hub_kernels_refused",
     "call_before",
     "compiled_original",
+    "cuda_rng_key",
     "deterministic_setter",
     "dtensor_local_box",
     "foreach_copy",
@@ -563,6 +618,7 @@ __all__ = [
     "loss_scale",
     "loss_scaler",
     "numpy_global_bit_generator",
+    "numpy_global_random_state",
     "numpy_mt19937_raw",
     "op_schema",
     "optimizer_honours_found_inf",
@@ -570,6 +626,8 @@ __all__ = [
     "put_buffer",
     "put_parameter",
     "python_random_raw",
+    "raw_view",
+    "same_raw",
     "set_attn_implementation",
     "tensor_version",
     "TorchDispatchMode",

@@ -98,9 +98,11 @@ def nanogpt(tiny: bool, device: torch.device, compile_model: bool, batch: int = 
     fused = fused and device.type == "cuda"
     data = [torch.randint(0, size["vocab_size"], (batch, seq), device=device) for _ in range(micro)]
 
-    def make():
+    def make(fused_here: bool | None = None):
+        """A copy of the model and its AdamW (`fused_here`: fused or foreach, on any device; None: `fused`)."""
         m = copy.deepcopy(model)
-        optimizer = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=fused, foreach=None if fused else True)
+        on = fused if fused_here is None else fused_here
+        optimizer = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=on, foreach=None if on else True)
         return (torch.compile(m) if compile_model else m), optimizer
 
     def loss_of(m, ids):

@@ -251,3 +251,37 @@ def test_a_grad_scaler_the_guard_was_not_given_turns_the_check_synchronous_and_t
     assert reads == [0, 1, 1, 1]  # the first step is judged at the second check, which then reads its own step
     said = [r.getMessage() for r in caplog.records if "GradScaler the Guard was not given" in r.getMessage()]
     assert len(said) == 1 and guard.dumps == [] and len(guard.history) == 4
+
+
+def test_the_device_row_reused_from_step_to_step_reports_each_step_as_the_synchronous_check_does(tmp_path):
+    """The sync-free check writes each step's numbers into one row it keeps on the device (and a new one when the
+    micro-batch count changes): steps of 1, 3, 3, 2, 2 micro-batches, with and without a loop norm, give the history the
+    synchronous check gives the same steps, bit for bit (losses, step loss = their sum / count, grad norm, skipped)."""
+    rows = {}
+    for mode in ("sync_free", "synchronous"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        guard = Guard(
+            model,
+            optimizer,
+            config=GuardConfig(dump_dir=str(tmp_path / mode), detection=DetectionConfig(sync_free=mode == "sync_free")),
+            loss_fn=lambda m, b: m(b["x"]).pow(2).mean(),
+        )
+        data = torch.randn(40, 4, 8)
+        for step, micro in enumerate((1, 3, 3, 2, 2, 1, 3)):
+            for index in range(micro):
+                batch = {"x": data[step * 4 + index], "sample_ids": [step * 4 + index]}
+                guard.record_batch(batch)
+                loss = model(batch["x"]).pow(2).mean()
+                guard.record_loss(loss)
+                (loss / micro).backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) if step % 2 else None
+            if guard.check(grad_norm=norm):
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        guard.close()
+        assert guard.checks.sync_free is None or guard.checks.sync_free.active() == (mode == "sync_free")
+        rows[mode] = [row[:3] + row[6:7] for row in guard.history._rows]  # step, loss, grad norm, skipped
+    assert len(rows["sync_free"]) == 7
+    assert rows["sync_free"] == rows["synchronous"]

@@ -41,10 +41,12 @@ class Budget:
 # Per healthy step of 2 micro-batches, as measured on the code of this commit (torch 2.13, CPU), for each check the
 # default configuration picks (capture/detection/step.py). record_loss keeps a detached reference. The synchronous check
 # (AdamW's for-each step) stacks the step's numbers (one operator) and reads them in one transfer (tolist). The
-# sync-free check (AdamW(fused=True)) reads nothing: its 18 operators (on a GPU, 12 small kernels queued behind
-# backward, the rest views) take the numbers to float64 (the losses kept detached: no second detach), flag a non-finite
-# value or a spike to hold (two thresholds, one `or` when any spike is held) into found_inf, and start one non-blocking
-# copy into the host buffer the previous step's numbers were read from (no allocation per step). check() also hands
+# sync-free check (AdamW(fused=True)) reads nothing: its 13 operators (on a GPU, 12 small kernels queued behind
+# backward and the copy; no view, no cat: 18 operators before 2026-11-28) stack the numbers and cast them in place into
+# the float64 row the check keeps on the device (the losses kept detached: no second detach), sum the step loss into
+# it, flag a non-finite value or a spike to hold (two thresholds, one `or` when any spike is held) into its last slot,
+# take found_inf from that slot, and start one non-blocking copy of the row into the host buffer the previous step's
+# numbers were read from (no allocation per step). check() also hands
 # the history's row to the run log (capture/recording/run_log.py): a tuple of the step's scalars appended, about 0.2 KB.
 # record_batch: no CUDA-availability calls once CUDA is initialised, no ABC check of a dict batch (issue 55).
 BUDGET = {
@@ -56,7 +58,7 @@ BUDGET = {
 }
 CHECK_BUDGET = {
     "synchronous": Budget(ops=1, host_reads=1, scalar_reads=0, python_calls=45, peak_kb=2.5),
-    "sync_free": Budget(ops=18, host_reads=0, scalar_reads=0, python_calls=66, peak_kb=3.5),
+    "sync_free": Budget(ops=13, host_reads=0, scalar_reads=0, python_calls=66, peak_kb=3.5),
 }
 
 

@@ -122,3 +122,81 @@ def test_the_hot_path_capture_shares_unchanged_states_and_equals_a_full_capture_
     expected = _draw()
     restore_rng(state)
     assert _same(_draw(), expected)
+
+
+def test_the_hot_path_capture_sees_a_draw_that_leaves_the_index_where_it_was():
+    """A draw of exactly one Mersenne Twister block (624 words: the whole state regenerated, Python's index and
+    numpy's position back where they were) and a reseed to the same index are seen: the in-place compare reads the
+    whole state when the cheap part of it (the index) says nothing."""
+    capture = RngCapture()
+    random.seed(3)
+    np.random.seed(3)
+    capture()
+    random.getrandbits(32)  # index 624 -> 1: away from a block boundary
+    np.random.bytes(4)
+    capture()
+    for block in (lambda: random.getrandbits(32 * 624), lambda: np.random.bytes(4 * 624)):
+        block()
+        assert _equal_states(capture(), capture_rng())
+    random.seed(4)  # index 624 again, other words
+    random.seed(5)
+    capture()
+    random.seed(6)
+    assert _equal_states(capture(), capture_rng())
+
+
+def test_the_hot_path_capture_copies_no_raw_state_while_nothing_draws():
+    """While no generator draws, a capture compares the Python and numpy states in place: it allocates no copy of
+    their 2,500 raw bytes (the copy, then the compare, each read cold memory right after a backward)."""
+    import tracemalloc
+
+    capture = RngCapture()
+    capture()
+    tracemalloc.start()
+    try:
+        for _ in range(3):
+            tracemalloc.reset_peak()
+            before = tracemalloc.get_traced_memory()[0]
+            state = capture()
+            peak = tracemalloc.get_traced_memory()[1] - before
+            assert peak < 2500, f"a capture of unchanged generators allocated {peak} bytes at its peak"
+    finally:
+        tracemalloc.stop()
+    assert _equal_states(state, capture_rng())
+
+
+def test_the_hot_path_capture_follows_numpy_s_replaced_bit_generator():
+    """np.random.set_bit_generator swaps the global generator under np.random.get_state: the capture reads the new
+    one (and copies it every time when it has no raw bytes to compare, e.g. PCG64)."""
+    capture = RngCapture()
+    original = np.random.get_bit_generator()
+    try:
+        capture()
+        np.random.set_bit_generator(np.random.MT19937(7))
+        assert _equal_states(capture(), capture_rng())
+        np.random.rand()
+        assert _equal_states(capture(), capture_rng())
+        np.random.set_bit_generator(np.random.PCG64(7))
+        first = capture()
+        np.random.rand()
+        second = capture()
+        assert first.numpy is not second.numpy
+        assert second.numpy == capture_rng().numpy != first.numpy  # (not MT19937: numpy says it in a dict)
+    finally:
+        np.random.set_bit_generator(original)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="reads CUDA generators: needs a GPU")
+def test_the_hot_path_capture_shares_a_cuda_state_nothing_drew_from_and_sees_every_draw():
+    torch.cuda.init()
+    capture = RngCapture()
+    first, second = capture(), capture()
+    assert second.cuda[0] is first.cuda[0]  # (seed, offset) unchanged: no new tensor
+    for draw in (
+        lambda: torch.rand(3, device="cuda"),
+        lambda: torch.cuda.manual_seed(11),
+        lambda: torch.nn.functional.dropout(torch.ones(64, device="cuda"), 0.5),
+    ):
+        draw()
+        state = capture()
+        assert all(torch.equal(a, b) for a, b in zip(state.cuda, torch.cuda.get_rng_state_all(), strict=True))

@@ -388,3 +388,29 @@ print("ok")
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110)
     assert done.stdout.strip() == "ok", done.stderr
+
+
+def test_raw_views_compare_in_place_and_numpy_s_global_state_is_the_one_get_state_reads():
+    """raw_view is the generator's own memory (a draw shows in it without a new read), same_raw compares it with the
+    bytes kept, numpy_global_random_state's bit generator is np.random.get_bit_generator()'s, and a CPU generator has
+    no (seed, offset) key (its state is not a seed and an offset)."""
+    import random
+
+    import numpy as np
+
+    generator = random.Random(5)
+    view = thirdparty.raw_view(generator)
+    held = bytes(view)
+    assert held == thirdparty.python_random_raw(generator) and thirdparty.same_raw(held, view)
+    generator.random()
+    assert not thirdparty.same_raw(held, view) and bytes(view) == thirdparty.python_random_raw(generator)
+    assert not thirdparty.same_raw(None, view) and not thirdparty.same_raw(held[:-1], view)
+    assert thirdparty.numpy_global_random_state()._bit_generator is np.random.get_bit_generator()
+    bit_generator = np.random.MT19937(5)
+    view = thirdparty.raw_view(bit_generator)
+    held = bytes(view)
+    assert held == thirdparty.numpy_mt19937_raw(bit_generator)
+    bit_generator.random_raw()
+    assert not thirdparty.same_raw(held, view)
+    assert thirdparty.raw_view(np.random.PCG64()) is None
+    assert thirdparty.cuda_rng_key(torch.Generator()) is None
