@@ -412,13 +412,15 @@ class StreamedStepRunner(StepRunner):
 
     def _micro_batch_group(self, chosen: list[int], selected, options) -> tuple[int, str]:
         """How many of the pass's micro-batches run together, and why: as many as their kept activations
-        (`sample_activation_bytes` a sample) fit in half the plan's share of the budget for activations; all of them
+        (`sample_activation_bytes` a sample) fit in the room for them; all of them
         while nothing was measured (the first pass: a group that runs out of memory runs the pass again in
         halves); never more than such a split left. One (one after another) where the schedule could compute
         something else: a pass without a backward (those run block-major as passes: run_forwards), the fp32
-        re-run (its hold on autocast is the process's: replay/run/fp32.py), in anomaly mode, with per-micro-batch hooks, without each micro-batch's recorded RNG (the next one's RNG is the
-        last one's end), a step that raised, a parameter outside the blocks used inside them (its gradient is
-        summed across blocks within a micro-batch), or a model that wrote its buffers in an earlier such pass."""
+        re-run (its hold on autocast is the process's: replay/run/fp32.py), in anomaly mode, with per-micro-batch
+        hooks, without each micro-batch's recorded RNG (the next one's RNG is the last one's end), a step that
+        raised, a parameter outside the blocks used inside them (its gradient is summed across blocks within a
+        micro-batch), or a model that wrote its buffers in an earlier such pass. The activation room:
+        `activation_room`."""
         session, streamer = self.session, self.streamer
         states = session.rng_states
         if (
