@@ -568,8 +568,7 @@ def test_micro_batches_of_a_pass_run_block_major_give_the_sequential_numbers(tmp
     order of the sums matters) and taken off once: two walks over the blocks instead of two a micro-batch, and the
     losses, gradient norm, non-finite parameters, per-parameter norms and kept gradients of the micro-batches run
     one after another, to the bit: the whole step (non-finite), a subset of samples in every micro-batch (a
-    bisection candidate) and FSDP2 bf16 compute with fp32 reduction; the fp32 re-run (whose hold on autocast is the
-    process's) runs them one after another."""
+    bisection candidate), its fp32 re-run, and FSDP2 bf16 compute with fp32 reduction."""
     from forensics.format import open_dump
     from forensics.replay.load.fsdp_precision import parse_units
     from forensics.replay.options import load
@@ -603,7 +602,7 @@ def test_micro_batches_of_a_pass_run_block_major_give_the_sequential_numbers(tmp
         assert runner.plan.resident_blocks < len(runner.plan.blocks)  # streamed, not every block held
         assert both(None) == (2, 2 * micro)  # the reproduce pass: non-finite, every block's gradients kept
         assert both(healthy) == (2, 2 * micro)
-        assert both(healthy, fp32=True) == (2 * micro, 2 * micro)  # the fp32 re-run: one after another
+        assert both(healthy, fp32=True) == (2, 2 * micro)
         session.fsdp_units = parse_units(
             [{"module": "", "param_dtype": "bfloat16", "reduce_dtype": "float32", "cast_forward_inputs": True}]
         )
