@@ -150,7 +150,22 @@ def _autocast_entered_disabled(count: Fp32Count) -> Iterator[None]:
 @contextlib.contextmanager
 def held_to_fp32(count: Fp32Count) -> Iterator[Fp32Count]:
     """Within: the code runs in float32 (see the module docstring); `count` collects what ran."""
-    with _autocast_entered_disabled(count), torch.autocast("cpu", enabled=False), _HoldToFp32(count):
+    with autocasts_entered_disabled(count), held_to_fp32_in_thread(count):
+        yield count
+
+
+def autocasts_entered_disabled(count: Fp32Count) -> contextlib.AbstractContextManager[None]:
+    """The process-wide part of `held_to_fp32`: every autocast entered, on any thread, is entered disabled (one
+    holder at a time: several passes of one thread run together, replay/run/lockstep.py, enter it once for all and
+    each the thread's own part, `held_to_fp32_in_thread`)."""
+    return _autocast_entered_disabled(count)
+
+
+@contextlib.contextmanager
+def held_to_fp32_in_thread(count: Fp32Count) -> Iterator[Fp32Count]:
+    """The calling thread's part of `held_to_fp32`: its autocast off, its low-precision requests held to float32
+    and its compute ops counted."""
+    with torch.autocast("cpu", enabled=False), _HoldToFp32(count):
         if torch.cuda.is_available():
             with torch.autocast("cuda", enabled=False):
                 yield count
@@ -158,4 +173,4 @@ def held_to_fp32(count: Fp32Count) -> Iterator[Fp32Count]:
             yield count
 
 
-__all__ = ["CountDtypes", "Fp32Count", "held_to_fp32"]
+__all__ = ["CountDtypes", "Fp32Count", "autocasts_entered_disabled", "held_to_fp32", "held_to_fp32_in_thread"]

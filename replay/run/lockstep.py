@@ -1,15 +1,16 @@
 """Run, streamed: several passes of one stage run block-major, each block brought to the device once for all of them
 (FlexGen's block schedule, for a model whose forward is the user's code and cannot be cut into blocks).
 
-`Lockstep.run(jobs)` runs each job (one pass: StepRunner.run) on a thread of its own, one thread at a time (a
-baton). A pass that needs a block the streamer does not hold (BlockStreamer.acquire asks `need`) hands the baton to
-the next pass; once every pass waits, the lowest block they wait for is materialised, once, and each pass waiting
-for it runs through it in turn, in the jobs' order. Every pass computes what it would alone: the global RNG states
-(torch, CUDA, Python, numpy) are each pass's own, saved when it hands the baton on and put back when it gets it
-again; grad mode and autocast are per thread already; what else is a pass's own (a streamed runner's gradients and
-the parameters outside the blocks: `switch`) is put in place when it gets the baton and taken away when it hands it
-on; what each pass sets up for the process and tears down at its end (the warnings filters, FSDP2's compute dtypes:
-StreamedStepRunner counts its users) is put back once, when the last pass is over.
+`Lockstep.run(jobs)` runs each job (one pass: StepRunner.run) on a thread of its own, one thread at a time (a baton). A
+pass that needs a block (BlockStreamer.acquire asks `need`) hands the baton to the next pass; once every pass waits, the
+lowest block they wait for is materialised, once, and each pass waiting for it runs through it in turn, in the jobs'
+order. A block still materialised from before is waited for too: the passes stay in step (one that ran ahead through
+such blocks would make the others walk them again, and could find them evicted). Every pass computes what it would
+alone: the global RNG states (torch, CUDA, Python, numpy) are each pass's own, saved when it hands the baton on and put
+back when it gets it again; grad mode and autocast are per thread already; what else is a pass's own (a streamed
+runner's gradients and the parameters outside the blocks: `switch`) is put in place when it gets the baton and taken
+away when it hands it on; what each pass sets up for the process and tears down at its end (the warnings filters,
+FSDP2's compute dtypes: StreamedStepRunner counts its users) is put back once, when the last pass is over.
 
 Forward-only passes (`run(jobs)`) run without autograd: each keeps only its current hidden state. Passes with a
 backward (`run(jobs, grad=True)`: the per-sample rows) record their graphs (a streamed block keeps only its inputs,
@@ -56,8 +57,8 @@ class PassSwitch(Protocol):
 class Lockstep:
     """Passes run together, block by block (see the module's docstring)."""
 
-    def __init__(self, holds: Callable[[int], bool], device: torch.device, switch: PassSwitch | None = None):
-        self._holds, self.device, self._switch = holds, device, switch
+    def __init__(self, device: torch.device, switch: PassSwitch | None = None):
+        self.device, self._switch = device, switch
         self._cond = threading.Condition()
         self._count = 0
         self._turn: int | None = None
@@ -137,11 +138,11 @@ class Lockstep:
         return results
 
     def need(self, index: int) -> None:
-        """Called before a block is materialised: a pass (of this lockstep) needing a block the streamer does not
-        hold waits until every pass does, then runs through it when its turn comes; anything else goes on (the
-        engine call of `backward` too, which runs every pass's blocks in turn)."""
+        """Called before a block is materialised: a pass (of this lockstep) waits until every pass needs a block,
+        then runs through it when its turn comes (the lowest block first); anything else goes on (the engine call of
+        `backward` too, which runs every pass's blocks in turn)."""
         number = self._ids.get(threading.get_ident())
-        if number is None or self._in_backward or self._holds(index):
+        if number is None or self._in_backward:
             return
         saved = capture_rng()
         self._leave(number)

@@ -13,10 +13,10 @@ recomputation, the forward's RNG and autocast state restored, and a point after 
 gradients are taken off the device (`GradStore`: summed across micro-batches in mapped temporary files, measured once
 the step's last micro-batch is through, kept only for a caller that steps the optimizer). Passes with a backward run
 together (replay/run/lockstep.py) each record their pass in the blocks' forwards (`pass_number`), and each block's
-backward runs as that pass (`as_pass`: its own gradients here, its own leaves outside the blocks). The micro-batches of one
-pass run together the same way (`fold`: MicroBatchFold sums each block's gradients on the device in the micro-batch
-order once all of them are in, and hands them to the GradStore or the measurement once, not once a micro-batch).
-`walks` counts the runs of materialisations in one direction, the stage log's walks over the blocks.
+backward runs as that pass (`as_pass`: its own gradients here, its own leaves outside the blocks). The micro-batches of
+one pass run together the same way (`fold`: MicroBatchFold sums each block's gradients on the device in the micro-batch
+order once all of them are in, and hands them to the GradStore or the measurement once, not once a micro-batch). `walks`
+counts the runs of materialisations in one direction, the stage log's walks over the blocks.
 """
 
 from __future__ import annotations

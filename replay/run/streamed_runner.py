@@ -15,9 +15,10 @@ the blocks measured and freed as its backward makes them (`_measure_resident`: o
 pass); and a pass of several micro-batches with a backward runs them together (`_micro_batch_loop`, `_run_group`):
 2 walks instead of 2 a micro-batch, their gradients summed on the device in the order the micro-batches run one after
 another (stream_blocks.MicroBatchFold), taken off once. Both stay bitwise what running them one after another gives;
-a group that runs out of memory runs again in halves (then alone); where equality cannot be shown (the fp32 re-run,
-anomaly mode, per-micro-batch hooks, no recorded RNG, a step that raised, a parameter outside the blocks used inside
-them, a forward writing the model's buffers, a block run twice in one micro-batch) one after another. The stage log
+a group that runs out of memory runs again in halves (then alone); where equality cannot be shown (anomaly mode,
+per-micro-batch hooks, no recorded RNG, a step that raised, a parameter outside the blocks used inside them, a forward
+writing the model's buffers, a block run twice in one micro-batch, an autocast the code enters in the fp32 re-run)
+one after another. The stage log
 and the report's `stream.joint_groups` say the groups and why, `stream.joint_backward_errors` what raised.
 
 Why not FSDP2 on a world of one with CPUOffloadPolicy: it keeps the whole sharded model (and its gradients) in
@@ -46,6 +47,7 @@ from forensics.replay.load.samples import SampleRef
 from forensics.replay.load.session import ReplaySession
 from forensics.replay.load.stream_plan import ACTIVATION_SHARE
 from forensics.replay.run.execute import StepRunner, any_nonfinite
+from forensics.replay.run.fp32 import autocasts_entered_disabled, held_to_fp32_in_thread
 from forensics.replay.run.lockstep import Lockstep
 from forensics.replay.run.stream_blocks import BlockStreamer, MicroBatchFold, PassGradStore
 
@@ -89,6 +91,8 @@ class StreamedStepRunner(StepRunner):
         a group split after it ran out of memory), for the stage log and the report's `stream` block."""
         self._notes_said = 0
         self.sample_activation_bytes = 0
+        self._fp32_sample_bytes = 0
+        """The same in the fp32 re-run's forwards."""
         self.held_activation_bytes = 0
         """The most activation bytes a pass (or the passes and micro-batches of a group) kept at once and ran
         through within the budget (measured): a group keeping no more fits as that one did."""
@@ -142,7 +146,7 @@ class StreamedStepRunner(StepRunner):
         writes (BatchNorm's running statistics, which a forward in train mode does not read) is shared."""
         if len(jobs) < 2:
             return [job() for job in jobs]
-        lockstep = Lockstep(self.streamer.holds, self.session.device)
+        lockstep = Lockstep(self.session.device)
         self.reset()  # once for all: a pass's own reset would undo the compute dtypes of the passes under way
         self.streamer.lockstep, self._together = lockstep, True
         try:
@@ -174,7 +178,7 @@ class StreamedStepRunner(StepRunner):
         }
         warnings = list(self.session.warnings)
         switch = _PassStates(self, len(jobs))
-        lockstep = Lockstep(self.streamer.holds, self.session.device, switch)
+        lockstep = Lockstep(self.session.device, switch)
         self.reset()  # once for all, as run_forwards
         self.streamer.lockstep, self.streamer.as_pass, self._together = lockstep, switch.during, True
         raised: BaseException | None = None
@@ -357,7 +361,11 @@ class StreamedStepRunner(StepRunner):
         if total < 0:
             return
         samples = len(indices) if indices is not None else self._samples_in(micro_batch)
-        self.sample_activation_bytes = max(self.sample_activation_bytes, -(-total // max(1, samples)))
+        per = -(-total // max(1, samples))
+        if self.streamer.fp32:
+            self._fp32_sample_bytes = max(self._fp32_sample_bytes, per)
+        else:
+            self.sample_activation_bytes = max(self.sample_activation_bytes, per)
         if self._group_forwards is not None:  # kept together with the group's other forwards until their backwards
             self._group_forwards.append(total)
         else:  # one micro-batch's, freed by its backward before the next forward
@@ -365,6 +373,11 @@ class StreamedStepRunner(StepRunner):
 
     def _samples_in(self, micro_batch: int) -> int:
         return sum(1 for ref in self.session.sample_refs if ref.micro_batch == micro_batch)
+
+    def autocast_context(self, fp32: bool = False) -> ContextManager:
+        if fp32 and self._micro_together:  # the process-wide part is the group's (_run_group)
+            return held_to_fp32_in_thread(self.fp32_count)
+        return super().autocast_context(fp32)
 
     def _raises(self, exc: Exception) -> bool:
         return (self._together or self._micro_together) and out_of_memory(exc)
@@ -412,13 +425,13 @@ class StreamedStepRunner(StepRunner):
 
     def _micro_batch_group(self, chosen: list[int], selected, options) -> tuple[int, str]:
         """How many of the pass's micro-batches run together, and why: as many as their kept activations
-        (`sample_activation_bytes` a sample) fit in half the plan's share of the budget for activations; all of them
-        while nothing was measured (the first pass: a group that runs out of memory runs the pass again in
-        halves); never more than such a split left. One (one after another) where the schedule could compute
-        something else: a pass without a backward (those run block-major as passes: run_forwards), the fp32
-        re-run (its hold on autocast is the process's: replay/run/fp32.py), in anomaly mode, with per-micro-batch hooks, without each micro-batch's recorded RNG (the next one's RNG is the
-        last one's end), a step that raised, a parameter outside the blocks used inside them (its gradient is
-        summed across blocks within a micro-batch), or a model that wrote its buffers in an earlier such pass."""
+        (`sample_activation_bytes` a sample) fit in the room for them; all of them while nothing was measured (the first
+        pass: a group that runs out of memory runs the pass again in halves); never more than such a split left. One
+        (one after another) where the schedule could compute something else: a pass without a backward (those run
+        block-major as passes: run_forwards), in anomaly mode, with per-micro-batch hooks, without each micro-batch's
+        recorded RNG (the next one's RNG is the last one's end), a step that raised, a parameter outside the blocks used
+        inside them (its gradient is summed across blocks within a micro-batch), or a model that wrote its buffers in an
+        earlier such pass. The activation room: `activation_room`."""
         session, streamer = self.session, self.streamer
         states = session.rng_states
         if (
@@ -430,7 +443,6 @@ class StreamedStepRunner(StepRunner):
             or self._writes_buffers
             or self._tied_into_blocks
             or not options.backward
-            or options.fp32
             or options.anomaly
             or not options.restore_rng
             or options.forward_context is not None
@@ -443,7 +455,10 @@ class StreamedStepRunner(StepRunner):
             return 1, "one after another"
         room, whence = self.activation_room()
         samples = max(len(selected[i]) if selected is not None else self._samples_in(i) for i in chosen)
-        per = self.sample_activation_bytes * max(1, samples)
+        sample = self.sample_activation_bytes
+        if options.fp32:  # what an fp32 pass kept, else twice a pass in the job's precision (bf16: half the bytes)
+            sample = self._fp32_sample_bytes or 2 * sample
+        per = sample * max(1, samples)
         if per > 0:
             size, why = int(room // per), f"{whence}, {words(per)} a micro-batch"
         else:
@@ -463,7 +478,7 @@ class StreamedStepRunner(StepRunner):
         streamer = self.streamer
         fold = MicroBatchFold(len(group), final)
         switch = _MicroBatchLeaves(self, fold)
-        lockstep = Lockstep(streamer.holds, self.session.device, switch)
+        lockstep = Lockstep(self.session.device, switch)
         outcomes = [_PassOutcome() for _ in group]
         versions = [b._version for b in self.model.buffers()]
         jobs = [
@@ -476,8 +491,14 @@ class StreamedStepRunner(StepRunner):
         raised: BaseException | None = None
         kept: list[int] = []
         self._group_forwards = kept
+        # the fp32 re-run: the process-wide part of its hold entered once for the group, each micro-batch entering its
+        # thread's own (autocast_context); an autocast the code enters while it is held (in a forward, or in a
+        # recomputation, which one micro-batch alone runs after its hold) makes the group's numbers unsure
+        hold = autocasts_entered_disabled(self.fp32_count) if options.fp32 else contextlib.nullcontext()
+        autocasts = self.fp32_count.held_autocasts if options.fp32 else 0  # (a pass in fp32 made its count)
         try:
-            ran = lockstep.run(jobs, grad=torch.is_grad_enabled())
+            with hold:
+                ran = lockstep.run(jobs, grad=torch.is_grad_enabled())
         except Exception as exc:  # out of memory in a micro-batch's forward: the group's
             if not out_of_memory(exc):
                 raise
@@ -500,6 +521,8 @@ class StreamedStepRunner(StepRunner):
             raise _OneAfterAnother(len(group), f"the engine call raised {kind}: one after another")
         if fold.unsure:
             raise _OneAfterAnother(len(group), "a block ran twice in one micro-batch's forward: one after another")
+        if options.fp32 and self.fp32_count.held_autocasts != autocasts:
+            raise _OneAfterAnother(len(group), "the fp32 re-run held an autocast the code entered: one after another")
         if versions != [b._version for b in self.model.buffers()]:
             self._writes_buffers = True
             raise _OneAfterAnother(len(group), "the forwards wrote the model's buffers: one after another")

@@ -10,7 +10,7 @@ from forensics.replay.run.lockstep import Lockstep
 def test_the_rng_after_passes_run_together_is_the_last_passs_as_run_alone():
     """Pass 0 waits for a block while pass 1 runs to its end, so pass 0 ends last in time; run alone in order, pass 1
     ends last: the RNG after the lockstep is pass 1's end (each pass starts from the same state), not pass 0's."""
-    lockstep = Lockstep(holds=lambda index: False, device=torch.device("cpu"))
+    lockstep = Lockstep(device=torch.device("cpu"))
 
     def first() -> torch.Tensor:
         lockstep.need(0)  # hands the baton on: pass 1 runs to its end before this one goes on

@@ -759,8 +759,7 @@ def test_micro_batches_of_a_pass_run_block_major_give_the_sequential_numbers(tmp
     order of the sums matters) and taken off once: two walks over the blocks instead of two a micro-batch, and the
     losses, gradient norm, non-finite parameters, per-parameter norms and kept gradients of the micro-batches run
     one after another, to the bit: the whole step (non-finite), a subset of samples in every micro-batch (a
-    bisection candidate) and FSDP2 bf16 compute with fp32 reduction; the fp32 re-run (whose hold on autocast is the
-    process's) runs them one after another."""
+    bisection candidate), its fp32 re-run, and FSDP2 bf16 compute with fp32 reduction."""
     from forensics.format import open_dump
     from forensics.replay.load.fsdp_precision import parse_units
     from forensics.replay.options import load
@@ -794,7 +793,7 @@ def test_micro_batches_of_a_pass_run_block_major_give_the_sequential_numbers(tmp
         assert runner.plan.resident_blocks < len(runner.plan.blocks)  # streamed, not every block held
         assert both(None) == (2, 2 * micro)  # the reproduce pass: non-finite, every block's gradients kept
         assert both(healthy) == (2, 2 * micro)
-        assert both(healthy, fp32=True) == (2 * micro, 2 * micro)  # the fp32 re-run: one after another
+        assert both(healthy, fp32=True) == (2, 2 * micro)
         session.fsdp_units = parse_units(
             [{"module": "", "param_dtype": "bfloat16", "reduce_dtype": "float32", "cast_forward_inputs": True}]
         )
@@ -845,3 +844,56 @@ def test_micro_batches_run_together_in_halves_after_running_out_of_memory(tmp_pa
     assert said[1].startswith("4 micro-batches: ran out of memory")
     assert said[2].startswith("2 micro-batches of 4 (") and "at most 2 since a group ran out of memory" in said[2]
     assert said[3].startswith("2 micro-batches of 4 (") and len(said) == 4
+
+
+AUTOCAST_IN_BLOCK = '''
+import torch, transformers
+
+class AutocastAct(torch.nn.Module):
+    """The block's activation under the model's own bf16 autocast (the fp32 re-run holds it disabled)."""
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return torch.nn.functional.gelu(x @ torch.eye(x.shape[-1], dtype=x.dtype))
+
+def build():
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=4, n_embd=128, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0))
+    for block in model.transformer.h:
+        block.mlp.act = AutocastAct()
+    return model
+'''
+
+
+def test_fp32_micro_batches_entering_an_autocast_run_one_after_another(tmp_path, helpers, kit):
+    """The fp32 re-run holds every autocast the code enters disabled in its forward; one micro-batch alone recomputes
+    its blocks outside that hold, micro-batches run together inside it: where the code enters one, the pass runs its
+    micro-batches one after another again, and the numbers are theirs (here the recomputation alone runs in bf16 and
+    its backward raises: the pass stops after the first micro-batch, as it does one after another)."""
+    from forensics.format import open_dump
+    from forensics.replay.options import load
+    from forensics.replay.run.streamed_runner import runner_for
+
+    (tmp_path / "autocast_in_block.py").write_text(AUTOCAST_IN_BLOCK)
+    dump = _gpt2_dump(tmp_path, helpers, kit, layers=4, micro=2, width=128)
+    options = ReplayOptions(
+        device="cpu",
+        memory_budget=4_000_000,
+        host_cache_bytes=1 << 30,
+        factory="autocast_in_block:build",
+        sys_path=[str(tmp_path)],
+    )
+    session = load(open_dump(dump), options)
+    runner = runner_for(session)
+    healthy = [r for r in session.sample_refs if r.index != 2]
+    try:
+        runner.block_major = False
+        alone = runner.run(healthy, fp32=True)
+        runner.block_major = True
+        together = runner.run(healthy, fp32=True)
+    finally:
+        runner.close()
+    assert (repr(together.losses), repr(together.grad_norm)) == (repr(alone.losses), repr(alone.grad_norm))
+    assert alone.losses[1] is None and alone.raised is not None
+    assert together.fp32 and runner.fp32_count.held_autocasts > 0
+    assert any("held an autocast the code entered: one after another" in g for g in runner.joint_groups)
