@@ -629,25 +629,33 @@ def test_a_nonfinite_weight_in_a_streamed_block_is_named_as_without_streaming(tm
 
 
 HELD_GRAPHS = '''
-import weakref, torch, transformers
+import gc, weakref, torch, transformers
 
 HELD = weakref.WeakSet()
 LIMIT = 2
 
+class _Token:
+    """Stands for one graph (compared by identity: a tensor's == is elementwise)."""
+
 class _Held(torch.autograd.Function):
     """The identity; its backward allocates more than any host has while more than LIMIT of its graphs are held
-    (a device that holds the activations of LIMIT passes, not more)."""
+    (a device that holds the activations of LIMIT passes, not more). A graph is held from its forward until its
+    backward ran or it is gone: one that only a reference cycle keeps (a pass over, a group that ran out of memory)
+    is collected before the count, so the count never depends on when the garbage collector last ran."""
 
     @staticmethod
     def forward(ctx, x):
-        ctx.token = torch.empty(0)
+        ctx.token = _Token()
         HELD.add(ctx.token)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
         if len(HELD) > LIMIT:
+            gc.collect()
+        if len(HELD) > LIMIT:
             torch.empty(1 << 62, dtype=torch.uint8)
+        HELD.discard(ctx.token)
         return grad
 
 class HeldNorm(torch.nn.LayerNorm):
