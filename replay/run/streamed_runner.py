@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import itertools
 import logging
 import math
@@ -320,6 +321,7 @@ class StreamedStepRunner(StepRunner):
                     else:
                         self._micro_cap = 1 if redo.out_of_memory else self._micro_cap
                         self._one_after_another = not redo.out_of_memory
+                _free_failed_group()  # (outside the handler: `redo`'s traceback held the group's frames)
         finally:
             self._keep_next = False
             self._one_after_another = False
@@ -667,6 +669,8 @@ class StreamedStepRunner(StepRunner):
             jobs = [functools.partial(self.run, [refs[i]]) for i in group]
             results = self.run_with_backwards(jobs)  # None for a group of one (its last_joint_error reset)
             error = self.last_joint_error
+            if error is not None:
+                _free_failed_group()
             if results is None and error is not None and out_of_memory(error) and len(group) > 1:
                 half = (len(group) + 1) // 2
                 self._joint_cap = half
@@ -973,6 +977,14 @@ def _forget(*errors: BaseException | None) -> None:
         if error is not None:
             error.__traceback__ = None
             error.__context__ = error.__cause__ = None
+
+
+def _free_failed_group() -> None:
+    """What a group that raised left in reference cycles (its passes' graphs and activations, the gradients summed
+    so far) freed now, before its passes run again in halves or alone: left to the cyclic collector, which runs when
+    Python objects pile up (not device memory), they stayed on the device beside the passes run again, which then
+    ran out of memory in their turn (a row of an error instead of its numbers; seen on the CPU as a flaky test)."""
+    gc.collect()
 
 
 def out_of_memory(exc: BaseException) -> bool:
