@@ -28,6 +28,7 @@ materialise weights inside its recomputation nor say when a block's backward is 
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import functools
 import gc
@@ -819,7 +820,34 @@ class StreamedStepRunner(StepRunner):
         }
 
 
-class _PassStates:
+class _Switch(abc.ABC):
+    """A PassSwitch (replay/run/lockstep.py) whose `during` puts one pass's (or micro-batch's) state in place for a
+    block's backward in the engine call of all of them, and the one that was in place back after."""
+
+    streamer: Any
+
+    @abc.abstractmethod
+    def enter(self, number: int) -> None: ...
+
+    @abc.abstractmethod
+    def leave(self, number: int) -> None: ...
+
+    @contextlib.contextmanager
+    def during(self, number: int) -> Iterator[None]:
+        """Within: `number`'s state in place."""
+        before = self.streamer.pass_number
+        if before is not None:
+            self.leave(before)
+        self.enter(number)
+        try:
+            yield
+        finally:
+            self.leave(number)
+            if before is not None:
+                self.enter(before)
+
+
+class _PassStates(_Switch):
     """What each pass run together with others keeps as its own (run_with_backwards; replay/run/lockstep.PassSwitch):
     the streamer's gradients and norms, and its own leaves for the parameters outside the blocks (Parameters sharing
     the model's storage, put in the model's modules while the pass runs), so that the one engine call of all the
@@ -872,20 +900,6 @@ class _PassStates:
         self.streamer.set_grad_state(self.base)
         self.streamer.pass_number = None
 
-    @contextlib.contextmanager
-    def during(self, number: int) -> Iterator[None]:
-        """Within: pass `number`'s state in place (a block's backward in the engine call of all the passes)."""
-        before = self.streamer.pass_number
-        if before is not None:
-            self.leave(before)
-        self.enter(number)
-        try:
-            yield
-        finally:
-            self.leave(number)
-            if before is not None:
-                self.enter(before)
-
     def close(self) -> None:
         """The model's own parameters and the streamer's state back (each pass has left already)."""
         for module, key, param in self.slots:
@@ -903,7 +917,7 @@ class _OneAfterAnother(Exception):
         self.size, self.why, self.out_of_memory = size, why, out_of_memory
 
 
-class _MicroBatchLeaves:
+class _MicroBatchLeaves(_Switch):
     """What each micro-batch of a pass run together keeps as its own (replay/run/lockstep.PassSwitch): leaves of its
     own for the parameters outside the blocks (sharing the model's storage), whose gradients go to the fold as soon
     as the engine made them (one a parameter and micro-batch: a second fails the engine call); and the micro-batch
@@ -939,19 +953,6 @@ class _MicroBatchLeaves:
         for module, key, param in self.slots:
             module._parameters[key] = param
         self.streamer.pass_number = None
-
-    @contextlib.contextmanager
-    def during(self, number: int) -> Iterator[None]:
-        before = self.streamer.pass_number
-        if before is not None:
-            self.leave(before)
-        self.enter(number)
-        try:
-            yield
-        finally:
-            self.leave(number)
-            if before is not None:
-                self.enter(before)
 
     def close(self) -> None:
         for module, key, param in self.slots:
