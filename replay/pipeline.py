@@ -97,7 +97,7 @@ def session_report(
                 fp32_check=options.fp32_check,
                 remedies=options.remedies,
             )
-            for line in session.stream.describe(passes, len(session.micro_batches)):
+            for line in session.stream.describe(passes, len(session.micro_batches), together=runner.block_major):
                 stage(progress, line)
         streamed = runner if isinstance(runner, StreamedStepRunner) else None  # the session has a stream plan
         metered = streamed.metered(progress) if streamed is not None else progress

@@ -115,8 +115,9 @@ class StreamPlan:
             "read_seconds": self.read_seconds,
         }
 
-    def describe(self, expected_passes: int | None = None, micro_batches: int = 1) -> list[str]:
-        """The plan in words, one line each."""
+    def describe(self, expected_passes: int | None = None, micro_batches: int = 1, together: bool = False) -> list[str]:
+        """The plan in words, one line each. `together`: a pass's micro-batches run together (the block-major
+        schedule: two walks a pass, not two a micro-batch)."""
         materialised = (
             f" ({words(self.materialised_bytes)} each as the step computes)"
             if self.materialised_bytes != self.block_bytes
@@ -134,9 +135,12 @@ class StreamPlan:
         if self.cache is not None:
             lines.append(self.cache.describe(self.streamed_bytes))
         if expected_passes is not None:
-            reads = self.expected_reads(expected_passes, micro_batches)
+            reads = self.expected_reads(expected_passes, 1 if together else micro_batches)
             per = ""
-            if self.read_seconds is not None and self.blocks:
+            cached = self.cache is not None and all(n in self.cache for b in self.blocks for n in b.params)
+            if cached:
+                per = ", each copied from the host cache, none read from the dump again"
+            elif self.read_seconds is not None and self.blocks:
                 per = (
                     f", up to {reads * self.read_seconds / len(self.blocks):.0f} s of reads (the load read the "
                     f"blocks in {self.read_seconds:.1f} s)"

@@ -905,3 +905,30 @@ def test_fp32_micro_batches_entering_an_autocast_run_one_after_another(tmp_path,
     assert alone.losses[1] is None and alone.raised is not None
     assert together.fp32 and runner.fp32_count.held_autocasts > 0
     assert any("held an autocast the code entered: one after another" in g for g in runner.joint_groups)
+
+
+def test_the_plans_expected_reads_follow_the_schedule_and_a_full_host_cache_is_no_dump_read(tmp_path, helpers, kit):
+    """The plan's line of expected block reads counts two walks a pass when a pass's micro-batches run together (not
+    two a micro-batch: it overstated 13 B's reads 4.6 x), and with every block in the host cache it says the reads
+    are copies from host memory, not seconds of reads from the dump (at 13 B it promised 'up to 389 s of reads')."""
+    import re
+
+    from forensics.format import open_dump
+    from forensics.replay.options import load
+
+    dump = _gpt2_dump(tmp_path, helpers, kit, layers=4)
+    session = load(open_dump(dump), ReplayOptions(device="cpu", memory_budget=TINY, host_cache_bytes=1 << 30))
+    plan = session.stream
+    assert plan is not None and plan.resident_blocks < len(plan.blocks)
+
+    def reads(line_set: list[str]) -> int:
+        line = next(s for s in line_set if "expected about" in s)
+        return int(re.search(r"up to about (\d+) block reads", line).group(1))
+
+    together, apart = plan.describe(18, 2, together=True), plan.describe(18, 2)
+    assert reads(together) < reads(apart)
+    assert reads(together) == plan.expected_reads(18, 1)
+    cached = next(s for s in together if "expected about" in s)
+    assert "copied from the host cache" in cached and " s of reads" not in cached
+    plan.cache = None  # no cache: the dump is read again, and the line says how long that took at load
+    assert " s of reads" in next(s for s in plan.describe(18, 2, together=True) if "expected about" in s)
