@@ -116,7 +116,8 @@ class BlockReader:
         return tensors
 
     def cancel(self) -> None:
-        """Drops the block being read ahead (once its read is over: a failed read raises here)."""
+        """Drops the block being read ahead, once its read is over (a failed read's error is dropped with it: the
+        block is read again where a pass needs it, and that read raises)."""
         if self.pending is None:
             return
         future = self.pending[2]
