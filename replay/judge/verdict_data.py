@@ -15,6 +15,7 @@ from forensics.replay.judge.verdict_facts import (
 )
 from forensics.replay.judge.verdict_words import (
     data_hint,
+    earlier_state_hint,
     filter_oversized,
     listed,
     named_ids,
@@ -213,8 +214,9 @@ def trigger_sample(f: VerdictFacts) -> Verdict:
     suggestions += state_hints(f)
     if not f.earlier_state:
         suggestions.append(
-            "To be sure, replay it with an earlier state: GuardConfig(recording=RecordConfig("
-            "snapshot_every=K)) keeps one in every dump, or pass --from CHECKPOINT --trust; the replay "
-            "then feeds this micro-batch to it (a bad record fails there too, a trigger does not)."
+            earlier_state_hint(
+                "To be sure, replay it with an earlier state",
+                "feeds this micro-batch to it (a bad record fails there too, a trigger does not)",
+            )
         )
     return verdict_node(VerdictKind.TRIGGER_SAMPLE, headline, f, suggestions + op_hints(f), reading)

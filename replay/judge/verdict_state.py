@@ -19,6 +19,7 @@ from forensics.replay.judge.verdict_facts import (
 from forensics.replay.judge.verdict_words import (
     DIV_OPS,
     LOG_OPS,
+    earlier_state_hint,
     filter_oversized,
     num,
     op_base,
@@ -171,9 +172,10 @@ def diverged_elsewhere(f: VerdictFacts, d: DivergedHere) -> Verdict:
     ]
     if not d.earlier_source:
         suggestions.append(
-            "To tell the state from the data, keep a host snapshot (GuardConfig(recording=RecordConfig(snapshot_every=N))) "
-            "or replay with --from an earlier checkpoint: the replay feeds the step's samples to that earlier state, "
-            "and samples healthy there clear the data."
+            earlier_state_hint(
+                "To tell the state from the data, give the replay an earlier state",
+                "feeds the step's samples to it, and samples healthy there clear the data",
+            )
         )
     return verdict_node(VerdictKind.MODEL_STATE, headline, f, suggestions + pattern_hints(f), reading)
 

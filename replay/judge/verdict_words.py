@@ -385,6 +385,20 @@ def data_hint(f: VerdictFacts) -> str:
     return f"{who}: {fact.words}. Fix: {FACT_FIXES[fact.kind]}"
 
 
+EARLIER_STATE_HOW = (
+    "GuardConfig(recording=RecordConfig(snapshot_every=K)) keeps one in every dump, or replay with --from CHECKPOINT "
+    "--trust"
+)
+"""How a user gives the replay an earlier state (the Guard's host snapshot, or a checkpoint): one wording for every
+verdict that such a state would settle."""
+
+
+def earlier_state_hint(lead: str, then: str) -> str:
+    """The suggestion of a verdict that an earlier state would settle: `lead`, how to give one, what the replay `then`
+    does with it."""
+    return f"{lead}: {EARLIER_STATE_HOW}; the replay then {then}."
+
+
 def state_hints(f: VerdictFacts) -> list[str]:
     """Fixes that act on the state a trigger met: learning rate, warm-up, logit growth, the format, skipping."""
     hints = pattern_hints(f)
