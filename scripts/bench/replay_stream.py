@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -41,6 +42,11 @@ dump, device, rank, budget, remedies, rng, old = sys.argv[1:8]
 cuda = device.startswith("cuda")
 schedule = dict(host_cache_bytes=0, block_major=False) if old == "1" else dict(
     host_cache_bytes=None if cuda else 1 << 40)
+if os.environ.get("BENCH_HOST_CACHE_BYTES"):  # a row's own host cache size (bytes)
+    schedule["host_cache_bytes"] = int(os.environ["BENCH_HOST_CACHE_BYTES"])
+if os.environ.get("BENCH_FILL_THREADS"):  # a row's own number of threads page-locking the host cache
+    from forensics.replay.load import host_cache
+    host_cache.FILL_THREADS = int(os.environ["BENCH_FILL_THREADS"])
 limit = None if budget == "none" else parse_bytes(budget)
 total = 0
 if cuda:  # the CPU runs the same probe (a check of this script), without an enforced cap
@@ -85,16 +91,21 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def run_one(dump: str, device: str, rank: str, budget: str, remedies: bool, rng: bool) -> dict:
-    """One row in a fresh process; `budget`: a size or "none", with ":old" for the schedule before issue 53."""
+def run_one(
+    dump: str, device: str, rank: str, budget: str, remedies: bool, rng: bool, env: dict[str, str] | None = None
+) -> dict:
+    """One row in a fresh process; `budget`: a size or "none", with ":old" for the schedule before issue 53; `env`:
+    variables set for that process alone (BENCH_PYSPY=FILE: the row run under `py-spy record`, its samples of every
+    thread's native and Python stack written to FILE, collapsed)."""
     size, _, old = budget.partition(":")
-    proc = subprocess.run(
-        [sys.executable, "-c", PROBE, dump, device, rank, size]
-        + ["1" if remedies else "0", "1" if rng else "0", "1" if old == "old" else "0"],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ),
-    )
+    env = {**os.environ, **(env or {})}
+    command = [sys.executable, "-c", PROBE, dump, device, rank, size]
+    command += ["1" if remedies else "0", "1" if rng else "0", "1" if old == "old" else "0"]
+    spy = shutil.which("py-spy", path=os.pathsep.join([os.environ.get("PATH", ""), "/tmp/site/bin"]))
+    if env.get("BENCH_PYSPY") and spy:
+        command = [spy, "record", "-r", "20", "--threads", "--native", "--format", "raw", "-o", env["BENCH_PYSPY"],
+                   "--"] + command  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, env=env)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
         return {"budget": budget, "error": (proc.stderr or proc.stdout)[-3000:]}
@@ -188,17 +199,20 @@ def main() -> int:
     rows = []
     quarter: str | None = None
     for spec in args.budgets.split(","):
-        size, _, schedule = spec.strip().partition(":")
+        spec, *sets = spec.strip().split("+")  # quarter+NAME=VALUE: that row's process with NAME set
+        env = dict(item.split("=", 1) for item in sets)
+        size, _, schedule = spec.partition(":")
         if size == "quarter":
             quarter = quarter or str(quarter_of_weights(args.dump, args.rank))
             size = quarter
-        row = run_one(args.dump, args.device, args.rank, _spec(size, schedule), *flags)
+        row = run_one(args.dump, args.device, args.rank, _spec(size, schedule), *flags, env=env)
         least = least_budget(row.get("error", ""))
         if least is not None:  # a quarter leaves no room beside the embeddings: the least budget the plan takes
             print(f"{size}: refused ({row['error'][:200]}); the least it takes instead: {least}", flush=True)
             quarter = least if size == quarter else quarter
             size = least
-            row = run_one(args.dump, args.device, args.rank, _spec(size, schedule), *flags)
+            row = run_one(args.dump, args.device, args.rank, _spec(size, schedule), *flags, env=env)
+        row["budget"] += "".join(f"+{name}" for name in env)  # rows of one size told apart by what they set
         rows.append(row)
         if "error" in row:
             print(f"{row['budget']}: FAILED\n{row['error']}", flush=True)
