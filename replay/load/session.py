@@ -28,6 +28,7 @@ from forensics.replay.load.fsdp_precision import FsdpUnit, compute_dtype, parse_
 from forensics.replay.load.optimizer_state import DumpOptimizerState, OptimizerSnapshot
 from forensics.replay.load.recipe import LossFn, TrainingScript, job_paths, optimizer_class, resolve_recipe
 from forensics.replay.load.samples import SampleRef
+from forensics.replay.load.allocator import prefer_expandable_segments
 from forensics.replay.load.host_cache import HostBlockCache, host_cache_capacity
 from forensics.replay.load.stream_plan import (
     StreamPlan,
@@ -261,6 +262,7 @@ def load_session(
         plan = plan_streaming(built, device, memory_budget)
         if plan is not None:  # the cache holds each block as the passes compute it (FSDP2: param_dtype), then
             # with room to spare also as the dump holds it (the fp32 re-run's, the update check's blocks)
+            plan.allocator = prefer_expandable_segments(device)  # before the load's first block comes
             keep = compute_dtypes(built, plan, parse_units(precision.get("fsdp")))
             computed = cache_bytes(built, plan, keep)
             room = host_cache_capacity(device, computed + cache_bytes(built, plan, {}, set(keep)), host_cache_bytes)

@@ -77,6 +77,8 @@ class StreamPlan:
     """Block parameters already holding NaN/Inf in the dump (seen while they were read)."""
     at_rest: dict[str, torch.dtype] = field(default_factory=dict)
     """Each streamed parameter's dtype in the dump."""
+    allocator: str = ""
+    """What the CUDA caching allocator was set to for the replay (replay/load/allocator.py), in words."""
     cache: HostBlockCache | None = field(default=None, repr=False, compare=False)
     """The blocks' dump values kept in host memory (replay/load/host_cache.py): filled while the load reads them,
     so the passes copy them to the device instead of reading the dump again; None: every pass reads the dump."""
@@ -134,6 +136,8 @@ class StreamPlan:
         ]
         if self.cache is not None:
             lines.append(self.cache.describe(self.streamed_bytes))
+        if self.allocator:
+            lines.append(f"  {self.allocator}")
         if expected_passes is not None:
             reads = self.expected_reads(expected_passes, 1 if together else micro_batches)
             per = ""

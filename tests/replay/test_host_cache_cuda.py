@@ -50,8 +50,10 @@ def test_offers_are_copied_in_without_waiting_and_hold_the_values_offered(monkey
     said = cache.describe(12 << 20)
     assert "MiB bfloat16" in said and "(as the passes compute)" in said and "float32 (as the dump holds it)" in said
     assert "page-locked" in said
-    cache.close()
+    cache.close()  # its slabs unlocked and freed on a thread of their own
     assert len(cache) == 0 and not cache.offer("w0", torch.zeros(1, device=device))
+    cache._release.join(timeout=60)
+    assert not cache._release.is_alive() and not cache._registered
 
 
 def test_when_the_host_refuses_to_lock_more_the_cache_keeps_what_it_holds(monkeypatch):
