@@ -11,8 +11,9 @@ driver in slabs, as the gradients' store is), so that copy runs at the bus's spe
 What it holds: each tensor in the dtype the passes compute it in (`keep`: FSDP2's param_dtype, bf16 blocks of fp32
 master weights), cast where the tensor lies when offered (on the device at load: the cast the streamer does, bitwise),
 so the cache takes half the bytes to fill and each walk moves half the bytes; a tensor without a `keep` dtype is held
-as the dump holds it. Where the capacity has room beyond those copies of every block (`reserve`), a tensor held in
-another dtype is also held as the dump holds it, first come, first kept: the passes in the dump's dtype (the fp32
+as the dump holds it. Where the capacity has room beyond those copies of every block (`reserve`: asked for with
+ReplayOptions.host_cache_bytes, `host_cache_capacity`), a tensor held in another dtype is also held as the dump holds
+it, first come, first kept: the passes in the dump's dtype (the fp32
 re-run, the optimizer's update check over fp32 master weights) copy those; a tensor without one is read from the
 dump for them, as without a cache. `get(name, dtype)` hands out a held value only where it gives the pass's values
 exactly: held in `dtype`, or held as the dump holds it (cast on the device).
@@ -29,7 +30,7 @@ First come, first kept, never evicted: every pass walks the blocks in the same o
 every pass (an LRU cache smaller than the model evicts each block just before the next pass asks for it).
 
 `host_cache_capacity` sizes it: the bytes the options give, else on a GPU replay HOST_SHARE of the host's available
-memory (/proc/meminfo's MemAvailable), at most the bytes the streamed blocks take as held; on a CPU replay none unless
+memory (/proc/meminfo's MemAvailable), at most the bytes the streamed blocks take as the passes compute them; on a CPU replay none unless
 asked for, as --memory-budget holds the CPU's memory there and a cache would pass it.
 """
 
@@ -79,11 +80,16 @@ def available_host_memory() -> int:
         return 0
 
 
-def host_cache_capacity(device: torch.device, streamed_bytes: int, requested: int | None) -> int:
-    """Bytes the cache may hold: `requested` (ReplayOptions.host_cache_bytes) when given, else on a CUDA device
-    HOST_SHARE of the available host memory, at most `streamed_bytes`; 0 on the CPU (its budget is the host's)."""
+def host_cache_capacity(device: torch.device, streamed_bytes: int, requested: int | None, dump_values: int = 0) -> int:
+    """Bytes the cache may hold. `streamed_bytes`: the blocks as the passes compute them; `dump_values`: the dump's
+    values of those held in another dtype (FSDP2's fp32 master weights of bf16 blocks). `requested`
+    (ReplayOptions.host_cache_bytes) when given, up to both; else on a CUDA device HOST_SHARE of the available host
+    memory, up to the first alone: page-locking the dump's values beside the load slowed it more than reading them
+    from the dump again in the passes that need them costs (13 B FSDP2 bf16 on 2 x H200, 2026-11-28: 70.9 GiB
+    locked, load 23.1 s and replay 2.87 x the unconstrained one; 23.3 GiB, 7.1 s and 1.95 x, its fp32 re-run 2.0 ->
+    4.6 s); 0 on the CPU (its budget is the host's)."""
     if requested is not None:
-        return max(0, min(int(requested), streamed_bytes))
+        return max(0, min(int(requested), streamed_bytes + dump_values))
     if device.type != "cuda":
         return 0
     return max(0, min(int(available_host_memory() * HOST_SHARE), streamed_bytes))

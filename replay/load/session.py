@@ -260,12 +260,13 @@ def load_session(
     else:
         built = build_model(recipe, held=held)
         plan = plan_streaming(built, device, memory_budget)
-        if plan is not None:  # the cache holds each block as the passes compute it (FSDP2: param_dtype), then
-            # with room to spare also as the dump holds it (the fp32 re-run's, the update check's blocks)
+        if plan is not None:  # the cache holds each block as the passes compute it (FSDP2: param_dtype), and where
+            # asked for with room to spare also as the dump holds it (the fp32 re-run's, the update check's blocks)
             plan.allocator = prefer_expandable_segments(device)  # before the load's first block comes
             keep = compute_dtypes(built, plan, parse_units(precision.get("fsdp")))
             computed = cache_bytes(built, plan, keep)
-            room = host_cache_capacity(device, computed + cache_bytes(built, plan, {}, set(keep)), host_cache_bytes)
+            dump_values = cache_bytes(built, plan, {}, set(keep))
+            room = host_cache_capacity(device, computed, host_cache_bytes, dump_values)
             plan.cache = HostBlockCache(room, device, keep, reserve=computed) if room > 0 else None
         try:
             try:
