@@ -71,7 +71,9 @@ try:
                                             **(schedule if limit is not None else {})),
                         progress=mark)
 except Exception as exc:  # the plan's refusal names the least budget: the caller retries with it
-    print("RESULT " + json.dumps({"budget": budget, "error": str(exc)}))
+    import traceback
+    where = "".join(traceback.format_exception(exc)[-8:])[-2500:]  # the last frames, for a row that failed
+    print("RESULT " + json.dumps({"budget": budget, "error": str(exc), "where": where}))
     raise SystemExit(0)
 out = {"budget": budget, "replay_s": round(time.perf_counter() - start, 2),
        "cpu_s": round(time.process_time() - cpu0, 2), "stage_cpu": cpu_marks,
@@ -215,7 +217,7 @@ def main() -> int:
         row["budget"] += "".join(f"+{name}" for name in env)  # rows of one size told apart by what they set
         rows.append(row)
         if "error" in row:
-            print(f"{row['budget']}: FAILED\n{row['error']}", flush=True)
+            print(f"{row['budget']}: FAILED\n{row['error']}\n{row.get('where', '')}", flush=True)
             continue
         for at, message in row["stages"]:
             print(f"  [{row['budget']} +{at:7.2f}s] {message}", flush=True)
