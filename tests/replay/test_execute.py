@@ -3,6 +3,7 @@ original loss normalisation, loss scaling, trigger semantics, fidelity when noth
 
 import math
 
+import pytest
 import torch
 
 from forensics.core.rng import restore_rng
@@ -188,3 +189,17 @@ def test_any_nonfinite_is_exact_where_a_sum_overflows_or_cancels():
     }
     flags = any_nonfinite(t for t, _ in cases.values())
     assert dict(zip(cases, flags)) == {name: expected for name, (_, expected) in cases.items()}
+
+
+@pytest.mark.parametrize("where", [0, 9_999, 5_000])
+def test_any_nonfinite_reads_a_large_suspect_tensor_in_slices(monkeypatch, where):
+    """A tensor larger than one mask (MASK_ELEMENTS) whose sum is not finite is checked slice by slice: a NaN in the
+    first, the last or a middle slice is found; finite values whose sum overflows are not taken for one."""
+    from forensics.replay.run import execute
+
+    monkeypatch.setattr(execute, "MASK_ELEMENTS", 1_000)
+    overflowing = torch.full((10_000,), 3e38)
+    poisoned = overflowing.clone()
+    poisoned[where] = float("nan")
+    strided = poisoned[::2]  # not contiguous: one mask for the whole
+    assert execute.any_nonfinite([overflowing, poisoned, strided]) == [False, True, where % 2 == 0]
