@@ -29,6 +29,8 @@ for row in ${ROWS:-fsdp1b fsdp7b fsdp13b}; do
   step_dir="$d/$row/step-000000003"
   du -sb "$step_dir"/rank-* | tee "$out/$row-sizes.txt"
   echo "-- job and dump: $((SECONDS - rowstart)) s"
+  syncstart=$SECONDS; sync  # the dump's dirty pages written back before the replays, as after a job that ended
+  echo "-- sync (the dump written back to the disk): $((SECONDS - syncstart)) s"
   timeout $((580 - (SECONDS - start))) python3 -m scripts.bench.replay_stream --dump "$step_dir" --rank "$replayed" \
     --device cuda:0 --budgets "${BUDGETS:-none,quarter}" $flags --json "$out/$row.json" 2>&1 | tee "$out/$row.log"
   [ "${PIPESTATUS[0]}" = 0 ] || failed=1

@@ -47,6 +47,8 @@ EOF
     dump=$(grep -o 'DUMP [^ ]*' "$out/$row-dump.log" | cut -d' ' -f2); rank=-; budgets=${BUDGETS:-none,quarter:old,quarter}
   fi
   du -sh "$dump"; echo "-- dump: $((SECONDS - start)) s"
+  syncstart=$SECONDS; sync  # the dump's dirty pages written back before the replays, as after a job that ended
+  echo "-- sync (the dump written back to the disk): $((SECONDS - syncstart)) s"
   timeout $((560 - (SECONDS - start))) python3 -m scripts.bench.replay_stream --dump "$dump" --rank "$rank" \
     --device cuda:0 --budgets "$budgets" $flags --json "$out/$row.json" 2>&1 | tee "$out/$row.log"
   [ "${PIPESTATUS[0]}" = 0 ] || failed=1
