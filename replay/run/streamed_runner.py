@@ -110,6 +110,9 @@ class StreamedStepRunner(StepRunner):
         """At most this many micro-batches of a pass run together (a group of twice as many ran out of memory)."""
         self._micro_together = False
         self._one_after_another = False
+        self._apart: set[str] = set()
+        """Passes whose micro-batches run one after another for good, a group having told why ("every pass": a
+        block ran twice in a micro-batch's forward; "fp32": the fp32 re-run's code entered an autocast)."""
         self._writes_buffers = False
         inside = {id(p) for module in self.streamer.modules for p in module.parameters()}
         self._tied_into_blocks = any(
@@ -322,6 +325,8 @@ class StreamedStepRunner(StepRunner):
                     else:
                         self._micro_cap = 1 if redo.out_of_memory else self._micro_cap
                         self._one_after_another = not redo.out_of_memory
+                    if redo.lasting is not None:  # the later passes it holds for: not tried together again
+                        self._apart.add(redo.lasting)
                 _free_failed_group()  # (outside the handler: `redo`'s traceback held the group's frames)
         finally:
             self._keep_next = False
@@ -442,6 +447,8 @@ class StreamedStepRunner(StepRunner):
             or not self.block_major
             or self._together
             or self._one_after_another
+            or "every pass" in self._apart
+            or (options.fp32 and "fp32" in self._apart)
             or self._micro_cap == 1
             or self._writes_buffers
             or self._tied_into_blocks
@@ -523,9 +530,11 @@ class StreamedStepRunner(StepRunner):
                 raise _OneAfterAnother(len(group), f"ran out of memory ({kind})", True)
             raise _OneAfterAnother(len(group), f"the engine call raised {kind}: one after another")
         if fold.unsure:
-            raise _OneAfterAnother(len(group), "a block ran twice in one micro-batch's forward: one after another")
+            why = "a block ran twice in one micro-batch's forward: one after another"
+            raise _OneAfterAnother(len(group), why, lasting="every pass")
         if options.fp32 and self.fp32_count.held_autocasts != autocasts:
-            raise _OneAfterAnother(len(group), "the fp32 re-run held an autocast the code entered: one after another")
+            why = "the fp32 re-run held an autocast the code entered: one after another"
+            raise _OneAfterAnother(len(group), why, lasting="fp32")
         if versions != [b._version for b in self.model.buffers()]:
             self._writes_buffers = True
             raise _OneAfterAnother(len(group), "the forwards wrote the model's buffers: one after another")
@@ -910,11 +919,12 @@ class _PassStates(_Switch):
 
 class _OneAfterAnother(Exception):
     """A pass whose micro-batches ran together must run again from the start: with fewer of them together
-    (`out_of_memory`), else one after another."""
+    (`out_of_memory`), else one after another; `lasting`: the reason holds for every later pass ("every pass": the
+    model's structure) or every later fp32 re-run ("fp32"), which then run one after another without trying."""
 
-    def __init__(self, size: int, why: str, out_of_memory: bool = False):
+    def __init__(self, size: int, why: str, out_of_memory: bool = False, lasting: str | None = None):
         super().__init__(why)
-        self.size, self.why, self.out_of_memory = size, why, out_of_memory
+        self.size, self.why, self.out_of_memory, self.lasting = size, why, out_of_memory, lasting
 
 
 class _MicroBatchLeaves(_Switch):

@@ -906,17 +906,22 @@ def test_fp32_micro_batches_entering_an_autocast_run_one_after_another(tmp_path,
     session = load(open_dump(dump), options)
     runner = runner_for(session)
     healthy = [r for r in session.sample_refs if r.index != 2]
+    told = "held an autocast the code entered: one after another"
     try:
         runner.block_major = False
         alone = runner.run(healthy, fp32=True)
         runner.block_major = True
         together = runner.run(healthy, fp32=True)
+        passes = runner.passes
+        again = runner.run(healthy, fp32=True)  # a lasting reason: not tried together again (the code run twice)
+        assert runner.passes - passes == 1 and sum(told in g for g in runner.joint_groups) == 1
     finally:
         runner.close()
     assert (repr(together.losses), repr(together.grad_norm)) == (repr(alone.losses), repr(alone.grad_norm))
+    assert (repr(again.losses), repr(again.grad_norm)) == (repr(alone.losses), repr(alone.grad_norm))
     assert alone.losses[1] is None and alone.raised is not None
     assert together.fp32 and runner.fp32_count.held_autocasts > 0
-    assert any("held an autocast the code entered: one after another" in g for g in runner.joint_groups)
+    assert any(told in g for g in runner.joint_groups)
 
 
 def test_the_plans_expected_reads_follow_the_schedule_and_a_full_host_cache_is_no_dump_read(tmp_path, helpers, kit):
