@@ -65,9 +65,11 @@ class ReplayOptions:
     """Bytes the replay may use on its device (CLI --memory-budget 16GiB; the CPU too). A state that does not fit them,
     or without a budget a GPU's free memory, is streamed block by block (replay/run/streamed_runner.py; report `stream`)."""
     host_cache_bytes: int | None = None
-    """A streamed replay: host memory that keeps the blocks' dump values, so each byte is read from storage once and
-    later passes only copy host to device (replay/load/host_cache.py). None: half the host's available memory on a
-    GPU; none on the CPU, whose memory --memory-budget holds; 0: every pass reads the dump."""
+    """A streamed replay: host memory that keeps the blocks (in the dtype the passes compute in), so each byte is read
+    from storage once and later passes only copy host to device (replay/load/host_cache.py). None: up to half the
+    host's available memory on a GPU, for those copies alone; none on the CPU, whose memory --memory-budget holds;
+    0: every pass reads the dump. Given, it may also hold the dump's fp32 values of blocks computed in bf16 (for the
+    fp32 re-run) where it has room beyond the copies."""
     block_major: bool = True
     """A streamed replay runs a stage's forward-only passes together, each block brought to the device once for all
     of them (replay/run/lockstep.py: the bisection's look-ahead, the other seeds); False: one walk over the blocks per

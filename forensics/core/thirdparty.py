@@ -226,6 +226,16 @@ def deterministic_setter() -> Callable[..., None] | None:
     return getattr(torch._C, "_set_deterministic_algorithms", None)
 
 
+def allocator_settings_setter() -> Callable[[str], None] | None:
+    """The CUDA caching allocator's run-time settings parser (the PYTORCH_CUDA_ALLOC_CONF syntax, "name:value,..."),
+    applied to segments made from then on; None where torch has none.
+
+    torch >= 2.9: `torch._C._accelerator_setAllocatorSettings`; torch 2.1-2.8: `torch.cuda.memory._set_allocator_settings`
+    (deprecated on 2.13); checked on torch 2.11 (CUDA: the segments made after it expandable) and 2.13 (CPU)."""
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    return setter or getattr(torch.cuda.memory, "_set_allocator_settings", None)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # torch.distributed (FSDP2, DTensor)
 

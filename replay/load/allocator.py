@@ -10,8 +10,10 @@ BENCHMARKS.md "Streamed replay"): the load 12.2 s -> 7.1 s, the replay 25.4 s ->
 unconstrained replay), the process's CPU time 150 -> 86 s; same verdict.
 
 Only where the user left the allocator alone (neither PYTORCH_CUDA_ALLOC_CONF nor PYTORCH_ALLOC_CONF set): their
-own settings are theirs. torch >= 2.1 sets it at run time (`torch._C._accelerator_setAllocatorSettings`, before 2.9
-`torch.cuda.memory._set_allocator_settings`; new segments only); an older torch, or a platform without it, replays with the default allocator and says so.
+own settings are theirs. torch >= 2.1 sets it at run time (forensics/core/thirdparty.allocator_settings_setter; new
+segments only); an older torch, or a platform without it, replays with the default allocator and says so. When the
+streamed replay ends the default is set back (a replay run from the user's own process leaves the allocator as it
+found it).
 """
 
 from __future__ import annotations
@@ -20,27 +22,41 @@ import os
 
 import torch
 
-USER_SETTINGS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+from forensics.core import thirdparty
+
+USER_SETTINGS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 SETTING = "expandable_segments:True"
+DEFAULT = "expandable_segments:False"
 
 
-def prefer_expandable_segments(device: torch.device) -> str:
+def prefer_expandable_segments(device: torch.device) -> tuple[str, bool]:
     """Asks the caching allocator for expandable segments for a streamed replay on `device` (CUDA) unless the user
-    configured the allocator; the stage log's words for what was done ("" on a CPU)."""
+    configured the allocator: (the stage log's words for what was done, "" on a CPU; whether it was set, so that
+    `restore_default_segments` puts the default back when the replay ends)."""
     if device.type != "cuda":
-        return ""
+        return "", False
     for name in USER_SETTINGS:
         if os.environ.get(name):
-            return f"CUDA allocator: as {name} sets it"
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.9; before it, the CUDA one
-    setter = setter or getattr(torch.cuda.memory, "_set_allocator_settings", None)
+            return f"CUDA allocator: as {name} sets it", False
+    setter = thirdparty.allocator_settings_setter()
     if setter is None:
-        return f"CUDA allocator: the default (this torch {torch.__version__} cannot set {SETTING} at run time)"
+        return f"CUDA allocator: the default (this torch {torch.__version__} cannot set {SETTING} at run time)", False
     try:
         setter(SETTING)
     except (RuntimeError, ValueError) as exc:  # a platform without expandable segments
-        return f"CUDA allocator: the default ({SETTING} refused: {str(exc).splitlines()[0][:120]})"
-    return f"CUDA allocator: {SETTING} (fewer synchronising cudaMalloc/cudaFree under the budget)"
+        return f"CUDA allocator: the default ({SETTING} refused: {str(exc).splitlines()[0][:120]})", False
+    return f"CUDA allocator: {SETTING} (fewer synchronising cudaMalloc/cudaFree under the budget)", True
 
 
-__all__ = ["prefer_expandable_segments", "SETTING", "USER_SETTINGS"]
+def restore_default_segments() -> None:
+    """The allocator's default (fixed-size segments) for segments made from now on: a replay called from the user's
+    own process leaves the allocator as it found it. Segments made during the replay stay as they are."""
+    setter = thirdparty.allocator_settings_setter()
+    if setter is not None:
+        try:
+            setter(DEFAULT)
+        except (RuntimeError, ValueError):  # it took the setting, so it takes this one; nothing to undo otherwise
+            pass
+
+
+__all__ = ["prefer_expandable_segments", "restore_default_segments", "SETTING", "USER_SETTINGS"]

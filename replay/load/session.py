@@ -28,7 +28,7 @@ from forensics.replay.load.fsdp_precision import FsdpUnit, compute_dtype, parse_
 from forensics.replay.load.optimizer_state import DumpOptimizerState, OptimizerSnapshot
 from forensics.replay.load.recipe import LossFn, TrainingScript, job_paths, optimizer_class, resolve_recipe
 from forensics.replay.load.samples import SampleRef
-from forensics.replay.load.allocator import prefer_expandable_segments
+from forensics.replay.load.allocator import prefer_expandable_segments, restore_default_segments
 from forensics.replay.load.host_cache import HostBlockCache, host_cache_capacity
 from forensics.replay.load.stream_plan import (
     StreamPlan,
@@ -262,7 +262,7 @@ def load_session(
         plan = plan_streaming(built, device, memory_budget)
         if plan is not None:  # the cache holds each block as the passes compute it (FSDP2: param_dtype), and where
             # asked for with room to spare also as the dump holds it (the fp32 re-run's, the update check's blocks)
-            plan.allocator = prefer_expandable_segments(device)  # before the load's first block comes
+            plan.allocator, plan.allocator_set = prefer_expandable_segments(device)  # before the load's first block
             keep = compute_dtypes(built, plan, parse_units(precision.get("fsdp")))
             computed = cache_bytes(built, plan, keep)
             dump_values = cache_bytes(built, plan, {}, set(keep))
@@ -278,8 +278,10 @@ def load_session(
             if plan is not None:
                 settle(plan, model, parse_units(precision.get("fsdp")))
         except BaseException:
-            if plan is not None and plan.cache is not None:  # its fill threads stopped, its locked memory freed now
+            if plan is not None and plan.cache is not None:  # its fill threads stopped, its locked memory let go
                 plan.cache.close()
+            if plan is not None and plan.allocator_set:
+                restore_default_segments()
             raise
     param_dtype = _param_dtype(precision.get("param_dtype"), model)
 

@@ -79,6 +79,8 @@ class StreamPlan:
     """Each streamed parameter's dtype in the dump."""
     allocator: str = ""
     """What the CUDA caching allocator was set to for the replay (replay/load/allocator.py), in words."""
+    allocator_set: bool = False
+    """The replay set the allocator's segments (its default is set back when the replay ends)."""
     cache: HostBlockCache | None = field(default=None, repr=False, compare=False)
     """The blocks' dump values kept in host memory (replay/load/host_cache.py): filled while the load reads them,
     so the passes copy them to the device instead of reading the dump again; None: every pass reads the dump."""

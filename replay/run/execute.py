@@ -212,9 +212,13 @@ def all_finite(tensor: torch.Tensor) -> bool:
     """Every element of `tensor` finite, read in slices of MASK_ELEMENTS: isfinite() writes a mask of a byte per
     element, 64 MiB for a 1 B model's embedding gradient, past what a streamed replay at its least memory budget has
     left (an FSDP2 1 B replay in 2 GiB ran out of memory there on an H200); stops at the first slice with a NaN/Inf."""
-    if tensor.numel() <= MASK_ELEMENTS or not tensor.is_contiguous():
+    if tensor.numel() <= MASK_ELEMENTS:
         return bool(torch.isfinite(tensor).all())
-    return all(bool(torch.isfinite(part).all()) for part in tensor.view(-1).split(MASK_ELEMENTS))
+    if tensor.is_contiguous():
+        parts = tensor.view(-1).split(MASK_ELEMENTS)
+    else:  # a strided view (a transposed output): slices along its first dimension, as many rows as fit a mask
+        parts = tensor.split(max(1, MASK_ELEMENTS * tensor.shape[0] // tensor.numel()))
+    return all(bool(torch.isfinite(part).all()) for part in parts)
 
 
 def _finite_sum(tensor: torch.Tensor) -> torch.Tensor:

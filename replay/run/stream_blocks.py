@@ -34,6 +34,7 @@ import torch
 
 from forensics.core.errors import DumpCorruptError
 from forensics.core.thirdparty import foreach_norm, tree_flatten, tree_unflatten
+from forensics.replay.load.allocator import restore_default_segments
 from forensics.replay.load.host_cache import pinned_slab, unregister
 from forensics.replay.load.stream_plan import ACTIVATION_SHARE, StreamPlan, at_rest
 from forensics.replay.run.execute import any_nonfinite
@@ -129,6 +130,9 @@ class BlockStreamer:
         self.store.close()
         if self.plan.cache is not None:
             self.plan.cache.close()
+        if self.plan.allocator_set:
+            self.plan.allocator_set = False
+            restore_default_segments()
 
     # -- materialising ---------------------------------------------------------------------------
     def _dtypes(self, index: int) -> tuple:

@@ -3,7 +3,7 @@
 Each way makes `--gib` GiB of page-locked memory in 1 GiB slabs on 1, 4 and 8 threads and prints GiB/s and the
 process's CPU seconds per GiB (fault-in that spins torch's OpenMP teams shows there):
 - `zero_+register`: ordinary memory (torch.empty) faulted in by `zero_` (torch's threads), then cudaHostRegister
-  (what the cache did until 2026-11-28);
+  (what the cache does);
 - `memset+register`: the same faulted in by one libc memset on the calling thread (no OpenMP team);
 - `populate+register`: the kernel faults it in (madvise MADV_POPULATE_WRITE, Linux 5.14+), then registered;
 - `thp populate+register`: an anonymous mapping advised MADV_HUGEPAGE (transparent 2 MiB pages), populated, registered;

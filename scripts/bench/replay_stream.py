@@ -214,7 +214,7 @@ def main() -> int:
             quarter = least if size == quarter else quarter
             size = least
             row = run_one(args.dump, args.device, args.rank, _spec(size, schedule), *flags, env=env)
-        row["budget"] += "".join(f"+{name}" for name in env)  # rows of one size told apart by what they set
+        row["budget"] += "".join(f"+{name}={value}" for name, value in env.items())  # rows told apart by what they set
         rows.append(row)
         if "error" in row:
             print(f"{row['budget']}: FAILED\n{row['error']}\n{row.get('where', '')}", flush=True)

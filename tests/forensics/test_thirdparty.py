@@ -414,3 +414,12 @@ def test_raw_views_compare_in_place_and_numpy_s_global_state_is_the_one_get_stat
     assert not thirdparty.same_raw(held, view)
     assert thirdparty.raw_view(np.random.PCG64()) is None
     assert thirdparty.cuda_rng_key(torch.Generator()) is None
+
+
+def test_allocator_settings_setter_takes_the_allocators_syntax():
+    """torch >= 2.1 has a run-time setter of the CUDA allocator's settings (what a streamed GPU replay uses for
+    expandable segments); a CPU build takes the setting too (nothing to apply it to)."""
+    setter = thirdparty.allocator_settings_setter()
+    assert setter is not None
+    if not torch.cuda.is_available():
+        setter("expandable_segments:False")

@@ -201,5 +201,6 @@ def test_any_nonfinite_reads_a_large_suspect_tensor_in_slices(monkeypatch, where
     overflowing = torch.full((10_000,), 3e38)
     poisoned = overflowing.clone()
     poisoned[where] = float("nan")
-    strided = poisoned[::2]  # not contiguous: one mask for the whole
-    assert execute.any_nonfinite([overflowing, poisoned, strided]) == [False, True, where % 2 == 0]
+    strided = poisoned[::2]  # not contiguous: slices along its first dimension
+    transposed = poisoned.view(100, 100).t()
+    assert execute.any_nonfinite([overflowing, poisoned, strided, transposed]) == [False, True, where % 2 == 0, True]

@@ -50,10 +50,15 @@ def test_offers_are_copied_in_without_waiting_and_hold_the_values_offered(monkey
     said = cache.describe(12 << 20)
     assert "MiB bfloat16" in said and "(as the passes compute)" in said and "float32 (as the dump holds it)" in said
     assert "page-locked" in said
+    slabs = [s[0] for s in cache._slabs]  # kept alive here: their registration is what the thread undoes
     cache.close()  # its slabs unlocked and freed on a thread of their own
     assert len(cache) == 0 and not cache.offer("w0", torch.zeros(1, device=device))
     cache._release.join(timeout=60)
-    assert not cache._release.is_alive() and not cache._registered
+    assert not cache._release.is_alive() and slabs
+    cudart = torch.cuda.cudart()
+    for slab in slabs:  # no longer registered: registering it again succeeds (an error here is one left set: none)
+        assert int(cudart.cudaHostRegister(slab.data_ptr(), slab.numel(), 0)) == 0
+        assert int(cudart.cudaHostUnregister(slab.data_ptr())) == 0
 
 
 def test_when_the_host_refuses_to_lock_more_the_cache_keeps_what_it_holds(monkeypatch):
