@@ -924,6 +924,72 @@ def test_fp32_micro_batches_entering_an_autocast_run_one_after_another(tmp_path,
     assert any(told in g for g in runner.joint_groups)
 
 
+BLOCK_TWICE = '''
+import torch, transformers
+
+class TwiceList(torch.nn.ModuleList):
+    """Inside the model's forward, its second block runs twice (a block reused in one forward)."""
+    twice = False
+    def __iter__(self):
+        blocks = list(super().__iter__())
+        return iter(blocks[:2] + blocks[1:] if self.twice else blocks)
+
+def build():
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=4, n_embd=128, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0))
+    blocks = model.transformer.h = TwiceList(model.transformer.h)
+    own = model.transformer.forward
+    def forward(*args, **kwargs):
+        blocks.twice = True
+        try:
+            return own(*args, **kwargs)
+        finally:
+            blocks.twice = False
+    model.transformer.forward = forward
+    return model
+'''
+
+
+def test_a_block_run_twice_in_a_forward_makes_every_later_pass_run_its_micro_batches_one_after_another(
+    tmp_path, helpers, kit
+):
+    """A block that runs twice in one micro-batch's forward leaves its gradients' sum unsure when micro-batches run
+    together: the pass runs again one after another, and so does every later pass at once (the model's structure does
+    not change: trying again would run the user's code twice in each), with the numbers of the micro-batches one after
+    another."""
+    from forensics.format import open_dump
+    from forensics.replay.options import load
+    from forensics.replay.run.streamed_runner import runner_for
+
+    (tmp_path / "block_twice.py").write_text(BLOCK_TWICE)
+    dump = _gpt2_dump(tmp_path, helpers, kit, layers=4, micro=2, width=128)
+    options = ReplayOptions(
+        device="cpu",
+        memory_budget=4_000_000,
+        host_cache_bytes=1 << 30,
+        factory="block_twice:build",
+        sys_path=[str(tmp_path)],
+    )
+    session = load(open_dump(dump), options)
+    runner = runner_for(session)
+    healthy = [r for r in session.sample_refs if r.index != 2]
+    told = "a block ran twice in one micro-batch's forward"
+    try:
+        runner.block_major = False
+        alone = [runner.run(healthy), runner.run(healthy, fp32=True)]
+        runner.block_major = True
+        first = runner.run(healthy)
+        passes = runner.passes
+        later = runner.run(healthy, fp32=True)
+        assert runner.passes - passes == 1  # not tried together again
+    finally:
+        runner.close()
+    for result, expected in zip([first, later], alone):
+        assert (repr(result.losses), repr(result.grad_norm)) == (repr(expected.losses), repr(expected.grad_norm))
+    assert sum(told in g for g in runner.joint_groups) == 1
+
+
 def test_the_plans_expected_reads_follow_the_schedule_and_a_full_host_cache_is_no_dump_read(tmp_path, helpers, kit):
     """The plan's line of expected block reads counts two walks a pass when a pass's micro-batches run together (not
     two a micro-batch: it overstated 13 B's reads 4.6 x), and with every block in the host cache it says the reads
