@@ -34,7 +34,8 @@ def test_on_a_gpu_the_segments_made_afterwards_are_expandable_until_the_default_
         "x = torch.empty(64 << 20, dtype=torch.uint8, device='cuda:0')\n"
         "during = [s.get('is_expandable') for s in torch.cuda.memory_snapshot()]\n"
         "restore_default_segments()\n"
-        "y = torch.empty(256 << 20, dtype=torch.uint8, device='cuda:0')\n"
+        "with torch.cuda.stream(torch.cuda.Stream()):  # a stream with no cached blocks: a new segment\n"
+        "    y = torch.empty(256 << 20, dtype=torch.uint8, device='cuda:0')\n"
         "after = [s.get('is_expandable') for s in torch.cuda.memory_snapshot()]\n"
         "print(was_set, all(during), after.count(False))\n"
     )
