@@ -866,6 +866,26 @@ def test_micro_batches_run_together_in_halves_after_running_out_of_memory(tmp_pa
     assert said[3].startswith("2 micro-batches of 4 (") and len(said) == 4
 
 
+def _streamed_runner_of(tmp_path, helpers, kit, module: str, source: str):
+    """A streamed CPU runner (two micro-batches, every block in the host cache) of a GPT-2 dump replayed with the
+    factory `module:build` written from `source`, and the step's samples but the poisoned one."""
+    from forensics.format import open_dump
+    from forensics.replay.options import load
+    from forensics.replay.run.streamed_runner import runner_for
+
+    (tmp_path / f"{module}.py").write_text(source)
+    dump = _gpt2_dump(tmp_path, helpers, kit, layers=4, micro=2, width=128)
+    options = ReplayOptions(
+        device="cpu",
+        memory_budget=4_000_000,
+        host_cache_bytes=1 << 30,
+        factory=f"{module}:build",
+        sys_path=[str(tmp_path)],
+    )
+    session = load(open_dump(dump), options)
+    return runner_for(session), [r for r in session.sample_refs if r.index != 2]
+
+
 AUTOCAST_IN_BLOCK = '''
 import torch, transformers
 
@@ -890,22 +910,7 @@ def test_fp32_micro_batches_entering_an_autocast_run_one_after_another(tmp_path,
     its blocks outside that hold, micro-batches run together inside it: where the code enters one, the pass runs its
     micro-batches one after another again, and the numbers are theirs (here the recomputation alone runs in bf16 and
     its backward raises: the pass stops after the first micro-batch, as it does one after another)."""
-    from forensics.format import open_dump
-    from forensics.replay.options import load
-    from forensics.replay.run.streamed_runner import runner_for
-
-    (tmp_path / "autocast_in_block.py").write_text(AUTOCAST_IN_BLOCK)
-    dump = _gpt2_dump(tmp_path, helpers, kit, layers=4, micro=2, width=128)
-    options = ReplayOptions(
-        device="cpu",
-        memory_budget=4_000_000,
-        host_cache_bytes=1 << 30,
-        factory="autocast_in_block:build",
-        sys_path=[str(tmp_path)],
-    )
-    session = load(open_dump(dump), options)
-    runner = runner_for(session)
-    healthy = [r for r in session.sample_refs if r.index != 2]
+    runner, healthy = _streamed_runner_of(tmp_path, helpers, kit, "autocast_in_block", AUTOCAST_IN_BLOCK)
     told = "held an autocast the code entered: one after another"
     try:
         runner.block_major = False
@@ -958,22 +963,7 @@ def test_a_block_run_twice_in_a_forward_makes_every_later_pass_run_its_micro_bat
     together: the pass runs again one after another, and so does every later pass at once (the model's structure does
     not change: trying again would run the user's code twice in each), with the numbers of the micro-batches one after
     another."""
-    from forensics.format import open_dump
-    from forensics.replay.options import load
-    from forensics.replay.run.streamed_runner import runner_for
-
-    (tmp_path / "block_twice.py").write_text(BLOCK_TWICE)
-    dump = _gpt2_dump(tmp_path, helpers, kit, layers=4, micro=2, width=128)
-    options = ReplayOptions(
-        device="cpu",
-        memory_budget=4_000_000,
-        host_cache_bytes=1 << 30,
-        factory="block_twice:build",
-        sys_path=[str(tmp_path)],
-    )
-    session = load(open_dump(dump), options)
-    runner = runner_for(session)
-    healthy = [r for r in session.sample_refs if r.index != 2]
+    runner, healthy = _streamed_runner_of(tmp_path, helpers, kit, "block_twice", BLOCK_TWICE)
     told = "a block ran twice in one micro-batch's forward"
     try:
         runner.block_major = False
