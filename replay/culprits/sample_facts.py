@@ -25,7 +25,7 @@ import torch
 
 from forensics.core.kinds import SampleFactKind
 from forensics.report.wording import clean
-from forensics.replay.run.execute import SampleRef
+from forensics.replay.run.execute import SampleRef, all_finite
 from forensics.format.batch_tree import tensor_leaves
 from forensics.replay.load.samples import batch_size, select_samples
 
@@ -110,7 +110,7 @@ def nonfinite_in_field(micro_batch: Any, refs: list[SampleRef], field: str) -> l
     out = []
     for ref in refs:
         tensor = dict(tensor_leaves(select_samples(micro_batch, [ref.index]))).get(field)
-        if tensor is not None and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        if tensor is not None and tensor.is_floating_point() and not all_finite(tensor):
             out.append(ref)
     return out
 

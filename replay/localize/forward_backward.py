@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 
 from forensics.core.kinds import Phase
 from forensics.core.thirdparty import TorchDispatchMode, op_schema, tree_flatten, tree_map
-from forensics.replay.run.execute import SampleRef, StepRunner, any_nonfinite
+from forensics.replay.run.execute import SampleRef, StepRunner, all_finite, any_nonfinite
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def _kinds(tensors: list[torch.Tensor]) -> set[str]:
     """Which of "nan", "+inf", "-inf" any of `tensors` holds."""
     kinds: set[str] = set()
     for t in tensors:
-        if bool(torch.isfinite(t).all()):
+        if all_finite(t):
             continue
         if bool(torch.isnan(t).any()):
             kinds.add("nan")
@@ -253,7 +253,7 @@ class _NonFiniteOpChecker(TorchDispatchMode):
         # uninitialised or legitimately infinite (nll_loss's total_weight with reduction='none' on CUDA,
         # the logsumexp of a fully masked attention row, a norm's saved statistics).
         outputs = float_tensors(out[0] if isinstance(out, (tuple, list)) and out else out)
-        if not outputs or all(bool(torch.isfinite(t).all()) for t in outputs):
+        if not outputs or all(all_finite(t) for t in outputs):
             return out
         out_kinds = _kinds(outputs)
         in_kinds = pre_kinds if pre_kinds is not None else _kinds(inputs)
@@ -263,7 +263,7 @@ class _NonFiniteOpChecker(TorchDispatchMode):
         if out_kinds <= {"-inf"} and self.allow_masks and (name in MASK_OPS or "-inf" in in_kinds):
             return out  # an attention mask being built, or a mask's -inf passed along
         passes_along = name in COPY_OPS or any(r.alias_info is not None for r in op_schema(func).returns)
-        origins = [self._origin(t) for t in inputs if not bool(torch.isfinite(t).all())]
+        origins = [self._origin(t) for t in inputs if not all_finite(t)]
         if passes_along and out_kinds <= in_kinds:
             origin = next((o for o in origins if o is not None), None)
             if origin is not None:  # remember that these outputs are (views / copies of) that weight
@@ -413,7 +413,7 @@ def _nonfinite_batch_input(runner: StepRunner, samples: list[SampleRef] | None) 
                 continue
             batch = select_samples(batch, rows)
         for path, tensor in tensor_leaves(batch):
-            if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()):
+            if tensor.is_floating_point() and tensor.numel() and not all_finite(tensor):
                 field = path or "batch"
                 value = tensor.detach().float()
                 return ForwardFinding(
@@ -602,7 +602,7 @@ def localize_backward(
 
     def param_hook(name: str):
         def hook(grad):
-            if state["param"] is None and grad is not None and not bool(torch.isfinite(grad).all()):
+            if state["param"] is None and grad is not None and not all_finite(grad):
                 state["param"] = name
 
         return hook
@@ -612,10 +612,10 @@ def localize_backward(
             if state["node"] is not None:
                 return
             outs = [g for g in grad_inputs if isinstance(g, torch.Tensor) and g.is_floating_point()]
-            if not outs or all(bool(torch.isfinite(g).all()) for g in outs):
+            if not outs or all(all_finite(g) for g in outs):
                 return
             incoming = [g for g in grad_outputs if isinstance(g, torch.Tensor) and g.is_floating_point()]
-            if incoming and not all(bool(torch.isfinite(g).all()) for g in incoming):
+            if incoming and not all(all_finite(g) for g in incoming):
                 return  # propagated, not made here
             meta = node.metadata
             trace = meta.get("traceback_")

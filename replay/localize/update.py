@@ -19,7 +19,7 @@ import torch
 
 from forensics.core.kinds import Phase
 from forensics.replay.localize.forward_backward import ModuleTracker, float_tensors, module_label
-from forensics.replay.run.execute import SampleRef, StepRunner, any_nonfinite
+from forensics.replay.run.execute import SampleRef, StepRunner, all_finite, any_nonfinite
 from forensics.replay.run.update_size import relative_change
 
 logger = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ def _step_copy(name: str, param: torch.nn.Parameter, snapshot: Any, hyper: dict 
 
 def _has_bad(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
-        return value.is_floating_point() and not bool(torch.isfinite(value).all())
+        return value.is_floating_point() and not all_finite(value)
     return isinstance(value, float) and not math.isfinite(value)
 
 

@@ -802,4 +802,13 @@ def reproduce(
     return Reproduction(reproduced=reproduced, result=result, fidelity=fidelity, attempts=attempts, per_layer=rows)
 
 
-__all__ = ["SampleRef", "StepResult", "StepRunner", "Reproduction", "reproduce", "any_nonfinite", "DEFAULT_TOLERANCE"]
+__all__ = [
+    "SampleRef",
+    "StepResult",
+    "StepRunner",
+    "Reproduction",
+    "reproduce",
+    "any_nonfinite",
+    "all_finite",
+    "DEFAULT_TOLERANCE",
+]
