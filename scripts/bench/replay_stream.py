@@ -105,7 +105,7 @@ def run_one(
     command += ["1" if remedies else "0", "1" if rng else "0", "1" if old == "old" else "0"]
     spy = shutil.which("py-spy", path=os.pathsep.join([os.environ.get("PATH", ""), "/tmp/site/bin"]))
     if env.get("BENCH_PYSPY") and spy:
-        command = [spy, "record", "-r", "20", "--threads", "--native", "--format", "raw", "-o", env["BENCH_PYSPY"],
+        command = [spy, "record", "-r", "20", "--threads", "--idle", "--native", "--format", "raw", "-o", env["BENCH_PYSPY"],
                    "--"] + command  # fmt: skip
     proc = subprocess.run(command, capture_output=True, text=True, env=env)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
