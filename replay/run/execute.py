@@ -221,6 +221,58 @@ def all_finite(tensor: torch.Tensor) -> bool:
     return all(bool(torch.isfinite(part).all()) for part in parts)
 
 
+def nonfinite_flag(tensor: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool tensor on `tensor`'s device, True where it holds a NaN/Inf, computed without a device sync and
+    without a mask of its size: the NaN-propagating minimum and maximum (torch.aminmax, one read) are both finite
+    exactly when every element is (complex: isfinite's mask)."""
+    if tensor.numel() == 0 or not (tensor.is_floating_point() or tensor.is_complex()):
+        return torch.zeros((), dtype=torch.bool, device=tensor.device)
+    if tensor.is_complex():
+        return ~torch.isfinite(tensor).all()
+    low, high = torch.aminmax(tensor)
+    return ~(torch.isfinite(low) & torch.isfinite(high))
+
+
+class NonfiniteNames:
+    """Names of tensors holding a NaN/Inf, their flags read from the device once, when first asked (`in`, iteration):
+    a flag added per gradient (`add_flag`, `nonfinite_flag`) costs no sync where a bool per gradient would stall the
+    device once each (a streamed backward measures every block's gradients as the block's backward ends)."""
+
+    def __init__(self) -> None:
+        self._names: set[str] = set()
+        self._pending: list[tuple[str, torch.Tensor]] = []
+
+    def add(self, name: str) -> None:
+        self._names.add(name)
+
+    def add_flag(self, name: str, flag: torch.Tensor) -> None:
+        self._pending.append((name, flag))
+
+    def clear(self) -> None:
+        self._names.clear()
+        self._pending.clear()
+
+    def _resolve(self) -> set[str]:
+        if self._pending:
+            by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+            for name, flag in self._pending:
+                by_device.setdefault(flag.device, []).append((name, flag))
+            for pending in by_device.values():
+                values = torch.stack([flag for _, flag in pending]).tolist()
+                self._names.update(name for (name, _), bad in zip(pending, values) if bad)
+            self._pending.clear()
+        return self._names
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._resolve()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._resolve()))
+
+    def __len__(self) -> int:
+        return len(self._resolve())
+
+
 def _finite_sum(tensor: torch.Tensor) -> torch.Tensor:
     """A float32 number that is finite when every element of `tensor` is (and usually only then)."""
     if tensor.is_floating_point():
@@ -810,5 +862,7 @@ __all__ = [
     "reproduce",
     "any_nonfinite",
     "all_finite",
+    "nonfinite_flag",
+    "NonfiniteNames",
     "DEFAULT_TOLERANCE",
 ]

@@ -37,7 +37,7 @@ from forensics.core.thirdparty import foreach_norm, tree_flatten, tree_unflatten
 from forensics.replay.load.allocator import restore_default_segments
 from forensics.replay.load.host_cache import pinned_slab, unregister
 from forensics.replay.load.stream_plan import ACTIVATION_SHARE, StreamPlan, at_rest
-from forensics.replay.run.execute import any_nonfinite
+from forensics.replay.run.execute import NonfiniteNames, nonfinite_flag
 from forensics.replay.run.lockstep import Lockstep
 from forensics.replay.run.read_ahead import BlockReader
 
@@ -87,7 +87,8 @@ class BlockStreamer:
         self.inv_scale: torch.Tensor | None = None
         self.norms: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         """This pass: each streamed parameter's gradient norm (in its dtype, as clip_grad_norm_ takes it; in fp32)."""
-        self.nonfinite: set[str] = set()
+        self.nonfinite = NonfiniteNames()
+        """This pass: the streamed parameters whose gradient holds a NaN/Inf (their flags read once, when asked)."""
         self.grad_factor = 1.0
         self.anchor = torch.empty(0, device=device, requires_grad=True)
         self.recompute_context: Callable[[int], ContextManager] | None = None
@@ -361,8 +362,7 @@ class BlockStreamer:
             exact = False
         norm = foreach_norm([grad], 2.0)[0]
         self.norms[name] = (norm, torch.linalg.vector_norm(grad.float()))
-        if any_nonfinite([grad])[0]:
-            self.nonfinite.add(name)
+        self.nonfinite.add_flag(name, nonfinite_flag(grad))  # no sync per gradient: one per pass, when asked
         if self.keep:  # in the accumulated dtype when widening it gives the same values: half the bytes off the device
             self.grads.put(name, accumulated if exact else grad, kept=True)
 

@@ -48,7 +48,7 @@ from forensics.replay.load.fsdp_precision import fsdp_compute, parameter_units
 from forensics.replay.load.samples import SampleRef
 from forensics.replay.load.session import ReplaySession
 from forensics.replay.load.stream_plan import ACTIVATION_SHARE
-from forensics.replay.run.execute import StepRunner, any_nonfinite
+from forensics.replay.run.execute import NonfiniteNames, StepRunner, any_nonfinite, nonfinite_flag
 from forensics.replay.run.fp32 import autocasts_entered_disabled, held_to_fp32_in_thread
 from forensics.replay.run.lockstep import Lockstep
 from forensics.replay.run.stream_blocks import BlockStreamer, MicroBatchFold, PassGradStore
@@ -101,9 +101,9 @@ class StreamedStepRunner(StepRunner):
         self._group_forwards: list[int] | None = None
         """The most bytes a micro-batch's forward kept for its backward per sample (measured: `_forward_scope`),
         the weights outside the blocks not counted: what sizes the groups of passes run together."""
-        self._measured: dict[int, dict[str, tuple[torch.Tensor, bool]]] = {}
-        """While passes with a backward run together: each pass's gradients outside the blocks, measured (norm,
-        non-finite) and freed as soon as its backward made them (`_measure_resident`)."""
+        self._measured: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+        """While passes with a backward run together: each pass's gradients outside the blocks, measured (norm, a
+        non-finite flag on the device) and freed as soon as its backward made them (`_measure_resident`)."""
         self._scales: dict[int, torch.Tensor | None] = {}
         self._joint_cap: int | None = None
         self._micro_cap: int | None = None
@@ -234,7 +234,7 @@ class StreamedStepRunner(StepRunner):
         scale = self._scales.get(number)
         if scale is not None:
             grad = grad * scale.double().reciprocal().float().to(grad.device)  # GradScaler.unscale_, as alone
-        measured[name] = (foreach_norm([grad], 2.0)[0], any_nonfinite([grad])[0])
+        measured[name] = (foreach_norm([grad], 2.0)[0], nonfinite_flag(grad))  # no sync inside the engine's call
         leaf.grad = None
 
     def _backward(self, scaled: torch.Tensor) -> None:
@@ -572,6 +572,9 @@ class StreamedStepRunner(StepRunner):
         # each tensor's norm on its own, as `_measure_resident` takes it while passes run together
         resident = {n: foreach_norm([g], 2.0)[0] for n, g in grads.items()}
         flags = dict(zip(grads, any_nonfinite(grads.values())))
+        measured_bad = NonfiniteNames()  # read with the streamed ones' flags, once
+        for name, (_, flag) in measured.items():
+            measured_bad.add_flag(name, flag)
         norms, bad = [], []
         for name in self.param_names:
             if name in streamer.norms:
@@ -580,7 +583,7 @@ class StreamedStepRunner(StepRunner):
                     bad.append(name)
             elif name in measured:
                 norms.append(measured[name][0])
-                if measured[name][1]:
+                if name in measured_bad:
                     bad.append(name)
             elif name in resident:
                 norms.append(resident[name])
@@ -881,7 +884,9 @@ class _PassStates(_Switch):
         """Leaves whose gradient `_measure_resident` takes as soon as it is made: those used outside the blocks only
         (one used inside a block takes a gradient in each block's recomputed backward)."""
         self.base = self.streamer.grad_state()
-        self.states: list[tuple] = [(PassGradStore(), {}, set(), False, True, self.base[5], 1.0) for _ in range(count)]
+        self.states: list[tuple] = [
+            (PassGradStore(), {}, NonfiniteNames(), False, True, self.base[5], 1.0) for _ in range(count)
+        ]
         self.lasts = [runner._last] * count
         self.leaves: list[dict[int, torch.nn.Parameter]] = [{} for _ in range(count)]
 

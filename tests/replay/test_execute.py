@@ -204,3 +204,30 @@ def test_any_nonfinite_reads_a_large_suspect_tensor_in_slices(monkeypatch, where
     strided = poisoned[::2]  # not contiguous: slices along its first dimension
     transposed = poisoned.view(100, 100).t()
     assert execute.any_nonfinite([overflowing, poisoned, strided, transposed]) == [False, True, where % 2 == 0, True]
+
+
+def test_nonfinite_flags_read_once_name_what_any_nonfinite_names():
+    """A streamed backward flags each block gradient on the device (nonfinite_flag: no sync, no mask of its size) and
+    reads the flags once, when asked: the same names any_nonfinite gives, for the cases where a sum misleads."""
+    from forensics.replay.run.execute import NonfiniteNames, any_nonfinite, nonfinite_flag
+
+    cases = {
+        "sum overflows, finite": torch.full((10,), 3e38),
+        "fp16 at its maximum": torch.tensor([65504.0, 65504.0]).half(),
+        "+inf and -inf": torch.tensor([float("inf"), -float("inf")]),
+        "one NaN in bf16": torch.tensor([1.0, float("nan")]).bfloat16(),
+        "-inf alone": torch.tensor([0.0, -float("inf")]),
+        "NaN in a strided view": torch.randn(8, 8).index_fill_(1, torch.tensor([3]), float("nan"))[:, 1::2],
+        "empty": torch.zeros(0, 3),
+        "integers": torch.tensor([1, 2]),
+        "complex with a NaN": torch.tensor([1 + 1j, complex("nan")]),
+    }
+    names = NonfiniteNames()
+    names.add("known before")
+    for name, tensor in cases.items():
+        names.add_flag(name, nonfinite_flag(tensor))
+    expected = {n for n, bad in zip(cases, any_nonfinite(cases.values())) if bad} | {"known before"}
+    assert set(names) == expected and len(expected) == 6
+    assert "one NaN in bf16" in names and "sum overflows, finite" not in names
+    names.clear()
+    assert len(names) == 0
