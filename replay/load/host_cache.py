@@ -13,9 +13,8 @@ master weights), cast where the tensor lies when offered (on the device at load:
 so the cache takes half the bytes to fill and each walk moves half the bytes; a tensor without a `keep` dtype is held
 as the dump holds it. Where the capacity has room beyond those copies of every block (`reserve`: asked for with
 ReplayOptions.host_cache_bytes, `host_cache_capacity`), a tensor held in another dtype is also held as the dump holds
-it, first come, first kept: the passes in the dump's dtype (the fp32
-re-run, the optimizer's update check over fp32 master weights) copy those; a tensor without one is read from the
-dump for them, as without a cache. `get(name, dtype)` hands out a held value only where it gives the pass's values
+it, first come, first kept: the passes in the dump's dtype (the fp32 re-run, the optimizer's update check over fp32
+master weights) copy those; a tensor without one is read from the dump for them, as without a cache. `get(name, dtype)` hands out a held value only where it gives the pass's values
 exactly: held in `dtype`, or held as the dump holds it (cast on the device).
 
 Filling it costs nothing on the load's path (CUDA): the slabs are faulted in and registered ahead of need by
@@ -30,8 +29,8 @@ First come, first kept, never evicted: every pass walks the blocks in the same o
 every pass (an LRU cache smaller than the model evicts each block just before the next pass asks for it).
 
 `host_cache_capacity` sizes it: the bytes the options give, else on a GPU replay HOST_SHARE of the host's available
-memory (/proc/meminfo's MemAvailable), at most the bytes the streamed blocks take as the passes compute them; on a CPU replay none unless
-asked for, as --memory-budget holds the CPU's memory there and a cache would pass it.
+memory (/proc/meminfo's MemAvailable), at most the bytes the streamed blocks take as the passes compute them; on a
+CPU replay none unless asked for, as --memory-budget holds the CPU's memory there and a cache would pass it.
 """
 
 from __future__ import annotations
