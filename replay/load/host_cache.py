@@ -14,8 +14,9 @@ so the cache takes half the bytes to fill and each walk moves half the bytes; a 
 as the dump holds it. Where the capacity has room beyond those copies of every block (`reserve`: asked for with
 ReplayOptions.host_cache_bytes, `host_cache_capacity`), a tensor held in another dtype is also held as the dump holds
 it, first come, first kept: the passes in the dump's dtype (the fp32 re-run, the optimizer's update check over fp32
-master weights) copy those; a tensor without one is read from the dump for them, as without a cache. `get(name, dtype)` hands out a held value only where it gives the pass's values
-exactly: held in `dtype`, or held as the dump holds it (cast on the device).
+master weights) copy those; a tensor without one is read from the dump for them, as without a cache.
+`get(name, dtype)` hands out a held value only where it gives the pass's values exactly: held in `dtype`, or held as
+the dump holds it (cast on the device).
 
 Filling it costs nothing on the load's path (CUDA): the slabs are faulted in and registered ahead of need by
 FILL_THREADS background threads (at most `capacity` bytes; when the host refuses to lock more, what is held stays and
