@@ -685,26 +685,34 @@ def build():
 '''
 
 
+def _factory_runner(tmp_path, helpers, kit, module: str, source: str, micro=2, width=128, budget=4_000_000):
+    """(session, streamed CPU runner) of a GPT-2 dump (4 layers, every block in the host cache) replayed with the
+    factory `module:build`, written from `source`."""
+    from forensics.format import open_dump
+    from forensics.replay.options import load
+    from forensics.replay.run.streamed_runner import runner_for
+
+    (tmp_path / f"{module}.py").write_text(source)
+    dump = _gpt2_dump(tmp_path, helpers, kit, layers=4, micro=micro, width=width)
+    options = ReplayOptions(
+        device="cpu",
+        memory_budget=budget,
+        host_cache_bytes=1 << 30,
+        factory=f"{module}:build",
+        sys_path=[str(tmp_path)],
+    )
+    session = load(open_dump(dump), options)
+    return session, runner_for(session)
+
+
 def test_passes_run_together_in_groups_the_room_holds_split_when_out_of_memory(tmp_path, helpers, kit):
     """The per-sample rows' passes run together in groups sized by the plan's room for activations (a smaller budget,
     smaller groups); a group that runs out of memory (here a real allocation that fails while more than two passes'
     graphs are held) runs again as two halves, not every pass alone, and the groups after it are no larger; each
     row is the one of its pass run alone, to the bit."""
-    from forensics.format import open_dump
-    from forensics.replay.options import load
-    from forensics.replay.run.streamed_runner import runner_for
-
-    (tmp_path / "held_graphs_model.py").write_text(HELD_GRAPHS)
-    dump = _gpt2_dump(tmp_path, helpers, kit, layers=4)
-    options = ReplayOptions(
-        device="cpu",
-        memory_budget=500_000,
-        host_cache_bytes=1 << 30,
-        factory="held_graphs_model:build",
-        sys_path=[str(tmp_path)],
+    session, runner = _factory_runner(
+        tmp_path, helpers, kit, "held_graphs_model", HELD_GRAPHS, width=32, budget=500_000
     )
-    session = load(open_dump(dump), options)
-    runner = runner_for(session)
     try:
         refs = session.sample_refs[:5]
         room, whence = runner.activation_room()  # nothing ran yet: half the plan's share for activations
@@ -739,21 +747,8 @@ def test_a_pass_alone_after_a_group_that_ran_out_of_memory_runs_once(tmp_path, h
     """Every group of two runs out of memory (a device that holds one pass's activations): each is split into passes
     alone, and each pass alone runs once (the group's error is not read again for it: that split a pass of one into
     one and none, for good — the GPU hang of the 1b FSDP2 bf16 row); each row is the pass's alone, to the bit."""
-    from forensics.format import open_dump
-    from forensics.replay.options import load
-    from forensics.replay.run.streamed_runner import runner_for
-
-    (tmp_path / "held_one_model.py").write_text(HELD_GRAPHS.replace("LIMIT = 2", "LIMIT = 1"))
-    dump = _gpt2_dump(tmp_path, helpers, kit, layers=4)
-    options = ReplayOptions(
-        device="cpu",
-        memory_budget=500_000,
-        host_cache_bytes=1 << 30,
-        factory="held_one_model:build",
-        sys_path=[str(tmp_path)],
-    )
-    session = load(open_dump(dump), options)
-    runner = runner_for(session)
+    one = HELD_GRAPHS.replace("LIMIT = 2", "LIMIT = 1")
+    session, runner = _factory_runner(tmp_path, helpers, kit, "held_one_model", one, width=32, budget=500_000)
     try:
         refs = session.sample_refs[:3]
         runner.run()
@@ -827,21 +822,8 @@ def test_micro_batches_run_together_in_halves_after_running_out_of_memory(tmp_pa
     """A pass's micro-batches run together run out of memory (a real allocation that fails while more than two of
     their graphs are held): the pass runs again from the start with half of them together, and later passes keep to
     that; the numbers are those of the micro-batches one after another, to the bit."""
-    from forensics.format import open_dump
-    from forensics.replay.options import load
-    from forensics.replay.run.streamed_runner import runner_for
-
-    (tmp_path / "held_graphs_wide.py").write_text(HELD_GRAPHS.replace("WIDTH = 32", "WIDTH = 128"))
-    dump = _gpt2_dump(tmp_path, helpers, kit, layers=4, micro=4, width=128)
-    options = ReplayOptions(
-        device="cpu",
-        memory_budget=4_000_000,
-        host_cache_bytes=1 << 30,
-        factory="held_graphs_wide:build",
-        sys_path=[str(tmp_path)],
-    )
-    session = load(open_dump(dump), options)
-    runner = runner_for(session)
+    wide = HELD_GRAPHS.replace("WIDTH = 32", "WIDTH = 128")
+    session, runner = _factory_runner(tmp_path, helpers, kit, "held_graphs_wide", wide, micro=4)
     healthy = [r for r in session.sample_refs if r.index != 2]
 
     def seen(samples) -> tuple:
@@ -864,26 +846,6 @@ def test_micro_batches_run_together_in_halves_after_running_out_of_memory(tmp_pa
     assert said[1].startswith("4 micro-batches: ran out of memory")
     assert said[2].startswith("2 micro-batches of 4 (") and "at most 2 since a group ran out of memory" in said[2]
     assert said[3].startswith("2 micro-batches of 4 (") and len(said) == 4
-
-
-def _streamed_runner_of(tmp_path, helpers, kit, module: str, source: str):
-    """A streamed CPU runner (two micro-batches, every block in the host cache) of a GPT-2 dump replayed with the
-    factory `module:build` written from `source`, and the step's samples but the poisoned one."""
-    from forensics.format import open_dump
-    from forensics.replay.options import load
-    from forensics.replay.run.streamed_runner import runner_for
-
-    (tmp_path / f"{module}.py").write_text(source)
-    dump = _gpt2_dump(tmp_path, helpers, kit, layers=4, micro=2, width=128)
-    options = ReplayOptions(
-        device="cpu",
-        memory_budget=4_000_000,
-        host_cache_bytes=1 << 30,
-        factory=f"{module}:build",
-        sys_path=[str(tmp_path)],
-    )
-    session = load(open_dump(dump), options)
-    return runner_for(session), [r for r in session.sample_refs if r.index != 2]
 
 
 AUTOCAST_IN_BLOCK = '''
@@ -910,7 +872,8 @@ def test_fp32_micro_batches_entering_an_autocast_run_one_after_another(tmp_path,
     its blocks outside that hold, micro-batches run together inside it: where the code enters one, the pass runs its
     micro-batches one after another again, and the numbers are theirs (here the recomputation alone runs in bf16 and
     its backward raises: the pass stops after the first micro-batch, as it does one after another)."""
-    runner, healthy = _streamed_runner_of(tmp_path, helpers, kit, "autocast_in_block", AUTOCAST_IN_BLOCK)
+    session, runner = _factory_runner(tmp_path, helpers, kit, "autocast_in_block", AUTOCAST_IN_BLOCK)
+    healthy = [r for r in session.sample_refs if r.index != 2]
     told = "held an autocast the code entered: one after another"
     try:
         runner.block_major = False
@@ -963,7 +926,8 @@ def test_a_block_run_twice_in_a_forward_makes_every_later_pass_run_its_micro_bat
     together: the pass runs again one after another, and so does every later pass at once (the model's structure does
     not change: trying again would run the user's code twice in each), with the numbers of the micro-batches one after
     another."""
-    runner, healthy = _streamed_runner_of(tmp_path, helpers, kit, "block_twice", BLOCK_TWICE)
+    session, runner = _factory_runner(tmp_path, helpers, kit, "block_twice", BLOCK_TWICE)
+    healthy = [r for r in session.sample_refs if r.index != 2]
     told = "a block ran twice in one micro-batch's forward"
     try:
         runner.block_major = False
