@@ -837,6 +837,42 @@ class _Switch(abc.ABC):
     block's backward in the engine call of all of them, and the one that was in place back after."""
 
     streamer: Any
+    slots: list[tuple[torch.nn.Module, str, torch.nn.Parameter]]
+    """Where each parameter outside the blocks sits in the model's modules (`resident_slots`)."""
+    leaves: list[dict[int, torch.nn.Parameter]]
+    """Each pass's (micro-batch's) own leaves for them, by the model parameter's id."""
+
+    @staticmethod
+    def resident_slots(runner: StreamedStepRunner) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
+        resident = {id(p) for n, p in runner.model.named_parameters() if n not in runner._streamed}
+        return [
+            (module, key, param)
+            for module in runner.model.modules()
+            for key, param in module._parameters.items()
+            if param is not None and id(param) in resident
+        ]
+
+    def put_leaves(self, number: int) -> None:
+        """`number`'s own leaves in the model's modules: Parameters sharing the model's storage, made on first use,
+        with the post-accumulate hook `_hook` gives (so that one engine call accumulates each one's gradients apart)."""
+        leaves = self.leaves[number]
+        for module, key, param in self.slots:
+            leaf = leaves.get(id(param))
+            if leaf is None:
+                leaf = leaves[id(param)] = torch.nn.Parameter(param.data, requires_grad=param.requires_grad)
+                hook = self._hook(number, param)
+                if hook is not None:
+                    leaf.register_post_accumulate_grad_hook(hook)
+            module._parameters[key] = leaf
+
+    def put_back(self) -> None:
+        """The model's own parameters back in its modules; no pass's state in place."""
+        for module, key, param in self.slots:
+            module._parameters[key] = param
+        self.streamer.pass_number = None
+
+    def _hook(self, number: int, param: torch.nn.Parameter) -> Callable[[torch.Tensor], None] | None:
+        return None
 
     @abc.abstractmethod
     def enter(self, number: int) -> None: ...
@@ -867,13 +903,7 @@ class _PassStates(_Switch):
 
     def __init__(self, runner: StreamedStepRunner, count: int):
         self.runner, self.streamer = runner, runner.streamer
-        resident = {id(p) for n, p in runner.model.named_parameters() if n not in runner._streamed}
-        self.slots = [
-            (module, key, param)
-            for module in runner.model.modules()
-            for key, param in module._parameters.items()
-            if param is not None and id(param) in resident
-        ]
+        self.slots = self.resident_slots(runner)
         names = {id(p): n for n, p in runner.model.named_parameters()}
         inside = {id(p) for module in self.streamer.modules for p in module.parameters()}
         self.measured = {
@@ -890,18 +920,12 @@ class _PassStates(_Switch):
         self.lasts = [runner._last] * count
         self.leaves: list[dict[int, torch.nn.Parameter]] = [{} for _ in range(count)]
 
+    def _hook(self, number: int, param: torch.nn.Parameter) -> Callable[[torch.Tensor], None] | None:
+        name = self.measured.get(id(param))
+        return None if name is None else functools.partial(self.runner._measure_resident, number, name)
+
     def enter(self, number: int) -> None:
-        leaves = self.leaves[number]
-        for module, key, param in self.slots:
-            leaf = leaves.get(id(param))
-            if leaf is None:
-                leaf = leaves[id(param)] = torch.nn.Parameter(param.data, requires_grad=param.requires_grad)
-                name = self.measured.get(id(param))
-                if name is not None:
-                    leaf.register_post_accumulate_grad_hook(
-                        functools.partial(self.runner._measure_resident, number, name)
-                    )
-            module._parameters[key] = leaf
+        self.put_leaves(number)
         self.streamer.set_grad_state(self.states[number])
         self.runner._last = self.lasts[number]
         self.streamer.pass_number = number
@@ -909,17 +933,12 @@ class _PassStates(_Switch):
     def leave(self, number: int) -> None:
         self.states[number] = self.streamer.grad_state()
         self.lasts[number] = self.runner._last
-        for module, key, param in self.slots:
-            module._parameters[key] = param
-        self.streamer.set_grad_state(self.base)
-        self.streamer.pass_number = None
+        self.close()
 
     def close(self) -> None:
         """The model's own parameters and the streamer's state back (each pass has left already)."""
-        for module, key, param in self.slots:
-            module._parameters[key] = param
+        self.put_back()
         self.streamer.set_grad_state(self.base)
-        self.streamer.pass_number = None
 
 
 class _OneAfterAnother(Exception):
@@ -942,37 +961,22 @@ class _MicroBatchLeaves(_Switch):
         self.streamer, self.fold = runner.streamer, fold
         self.names = {id(p): n for n, p in runner.model.named_parameters() if n not in runner._streamed}
         self.params = dict(runner.model.named_parameters())
-        self.slots = [
-            (module, key, param)
-            for module in runner.model.modules()
-            for key, param in module._parameters.items()
-            if param is not None and id(param) in self.names
-        ]
+        self.slots = self.resident_slots(runner)
         self.leaves: list[dict[int, torch.nn.Parameter]] = [{} for _ in range(fold.count)]
         self._seen: set[tuple[int, str]] = set()
 
+    def _hook(self, number: int, param: torch.nn.Parameter) -> Callable[[torch.Tensor], None] | None:
+        return functools.partial(self._accumulated, number, self.names[id(param)]) if param.requires_grad else None
+
     def enter(self, number: int) -> None:
-        leaves = self.leaves[number]
-        for module, key, param in self.slots:
-            leaf = leaves.get(id(param))
-            if leaf is None:
-                leaf = leaves[id(param)] = torch.nn.Parameter(param.data, requires_grad=param.requires_grad)
-                if param.requires_grad:
-                    leaf.register_post_accumulate_grad_hook(
-                        functools.partial(self._accumulated, number, self.names[id(param)])
-                    )
-            module._parameters[key] = leaf
+        self.put_leaves(number)
         self.streamer.pass_number = number
 
     def leave(self, number: int) -> None:
-        for module, key, param in self.slots:
-            module._parameters[key] = param
-        self.streamer.pass_number = None
+        self.put_back()
 
     def close(self) -> None:
-        for module, key, param in self.slots:
-            module._parameters[key] = param
-        self.streamer.pass_number = None
+        self.put_back()
 
     def _accumulated(self, number: int, name: str, leaf: torch.Tensor) -> None:
         if (number, name) in self._seen:
