@@ -191,34 +191,19 @@ def _no_later_than(replayed: object, recorded: object) -> bool:
 
 
 def any_nonfinite(tensors: Iterable[torch.Tensor]) -> list[bool]:
-    """Per tensor: holds a NaN/Inf (one device sync for the lot, and one more per tensor that may).
-
-    A finite sum proves every element finite (NaN and Inf propagate through a sum), and a sum only reads the
-    tensor where isfinite() writes a mask of its size (several times slower, and on a GPU a temporary of a byte
-    per element); a tensor whose sum is not finite, which a sum of large finite values can also be, is then
-    checked element by element."""
+    """Per tensor: holds a NaN/Inf, exactly (a sum of large finite values can overflow; a NaN-propagating minimum and
+    maximum cannot), each tensor read once and no mask of its size made (`nonfinite_flag`), one device sync for the
+    lot."""
     tensors = list(tensors)
     if not tensors:
         return []
-    sums = torch.stack([_finite_sum(t) for t in tensors])
-    return [bool(suspect) and not all_finite(t) for t, suspect in zip(tensors, (~torch.isfinite(sums)).tolist())]
-
-
-MASK_ELEMENTS = 1 << 22
-"""Elements whose finiteness one mask holds at a time in `all_finite` (a 4 MiB mask)."""
+    return [bool(bad) for bad in torch.stack([nonfinite_flag(t) for t in tensors]).tolist()]
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
-    """Every element of `tensor` finite, read in slices of MASK_ELEMENTS: isfinite() writes a mask of a byte per
-    element, 64 MiB for a 1 B model's embedding gradient, past what a streamed replay at its least memory budget has
-    left (an FSDP2 1 B replay in 2 GiB ran out of memory there on an H200); stops at the first slice with a NaN/Inf."""
-    if tensor.numel() <= MASK_ELEMENTS:
-        return bool(torch.isfinite(tensor).all())
-    if tensor.is_contiguous():
-        parts = tensor.view(-1).split(MASK_ELEMENTS)
-    else:  # a strided view (a transposed output): slices along its first dimension, as many rows as fit a mask
-        parts = tensor.split(max(1, MASK_ELEMENTS * tensor.shape[0] // tensor.numel()))
-    return all(bool(torch.isfinite(part).all()) for part in parts)
+    """Every element of `tensor` finite (`nonfinite_flag`: where isfinite() wrote a mask of a byte per element, 64 MiB
+    for a 1 B model's embedding gradient, an FSDP2 1 B replay at its least budget ran out of memory on an H200)."""
+    return not bool(nonfinite_flag(tensor))
 
 
 def nonfinite_flag(tensor: torch.Tensor) -> torch.Tensor:
@@ -271,15 +256,6 @@ class NonfiniteNames:
 
     def __len__(self) -> int:
         return len(self._resolve())
-
-
-def _finite_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """A float32 number that is finite when every element of `tensor` is (and usually only then)."""
-    if tensor.is_floating_point():
-        return tensor.sum(dtype=torch.float64 if tensor.dtype == torch.float64 else torch.float32).float()
-    if tensor.is_complex():
-        return torch.where(torch.isfinite(tensor).all(), 0.0, float("nan")).float()
-    return torch.zeros((), device=tensor.device)
 
 
 RELOAD_MIN_BYTES = 256 << 20
